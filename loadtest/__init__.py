@@ -1,0 +1,1 @@
+"""Emulated vLLM worker, workloads, trace replay, simulator and benchmark runners."""

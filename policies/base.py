@@ -1,0 +1,129 @@
+"""The policy seam: the records the gateway and the simulator exchange with a routing policy.
+
+Time always comes in as `now_s` (monotonic seconds, or virtual seconds in the simulator); a policy
+never reads a clock and never does I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar, NewType, Protocol
+
+from prompt_normalizer.types import BlockKey
+
+WorkerId = NewType("WorkerId", str)
+# vLLM publishes block hashes as ints (older builds) or bytes (sha256-based hashing).
+EngineBlockHash = int | bytes
+
+
+class Isolation(enum.StrEnum):
+    """How far a tenant's prefixes may be shared.
+
+    strict: own namespace, and the worker gets a per-tenant `cache_salt`, so KV is never shared.
+    shared_public: own namespace, but immutable-zone chains may be promoted to the public namespace.
+    public: everything is looked up in the public namespace.
+    """
+
+    STRICT = "strict"
+    SHARED_PUBLIC = "shared_public"
+    PUBLIC = "public"
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """One request as a policy sees it: identity, keys and size, never content."""
+
+    request_id: str
+    pool: str
+    tenant: str
+    namespace: str
+    block_keys: tuple[BlockKey, ...]
+    n_prompt_tokens: int
+    block_size_tokens: int
+    isolation: Isolation = Isolation.STRICT
+    public_block_keys: tuple[BlockKey, ...] = ()
+    immutable_blocks: int = 0
+    max_output_tokens: int | None = None
+    session_key: str | None = None
+    adapter: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """A candidate worker: the gateway's own accounting plus what the worker last reported.
+
+    Scraped fields are None when the worker exposes no metrics (or they are stale).
+    """
+
+    worker_id: WorkerId
+    healthy: bool = True
+    in_flight_requests: int = 0
+    in_flight_prefill_tokens: int = 0
+    in_flight_decode_tokens: int = 0
+    max_in_flight: int | None = None
+    num_requests_waiting: int | None = None
+    num_requests_running: int | None = None
+    kv_usage: float | None = None
+    num_gpu_blocks: int | None = None
+    engine_block_size: int | None = None
+    loaded_adapters: frozenset[str] | None = None
+    warming: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    """The chosen worker, its score in seconds (higher is better) and a short metrics-safe reason."""
+
+    worker: WorkerId
+    score_s: float
+    reason: str
+    matched_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """What the gateway (or simulator) saw when a dispatched request finished or failed."""
+
+    request: RouteRequest
+    worker: WorkerId
+    ttft_s: float | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    completion_tokens: int | None = None
+    failed: bool = False
+
+
+class KvEventKind(enum.StrEnum):
+    BLOCK_STORED = "block_stored"
+    BLOCK_REMOVED = "block_removed"
+    ALL_BLOCKS_CLEARED = "all_blocks_cleared"
+
+
+@dataclass(frozen=True, slots=True)
+class KvEvent:
+    """One decoded KV-cache event from a worker: vLLM's BlockStored, BlockRemoved or AllBlocksCleared."""
+
+    kind: KvEventKind
+    block_hashes: tuple[EngineBlockHash, ...] = ()
+    parent_block_hash: EngineBlockHash | None = None
+    token_ids: tuple[int, ...] = ()
+    block_size: int = 0
+    lora_name: str | None = None
+
+
+class RoutingPolicy(Protocol):
+    """What the gateway and the simulator drive. Implementations are registered by name."""
+
+    name: ClassVar[str]
+
+    def select(self, req: RouteRequest, workers: Sequence[WorkerView], now_s: float) -> RouteDecision | None:
+        """Pick a worker among `workers` (all candidates, healthy or not); None if none can serve."""
+        ...
+
+    def on_dispatch(self, req: RouteRequest, decision: RouteDecision, now_s: float) -> None: ...
+
+    def on_complete(self, obs: Observation, now_s: float) -> None: ...
+
+    def on_kv_event(self, worker: WorkerId, event: KvEvent, now_s: float) -> None: ...

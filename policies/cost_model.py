@@ -151,7 +151,17 @@ class CostModel:
             * self.scale
             * (p.decode_s_per_request * running + p.decode_s_per_context_token * view.in_flight_decode_tokens)
         )
-        return self.prefill_s(int(backlog)) + interference
+        return self.backlog_s(backlog) + interference
+
+    def backlog_s(self, tokens: float) -> float:
+        """Prefill time of `tokens` queued across separate prompts of about the mean prompt size
+        (attention is quadratic per prompt, not over the sum)."""
+        if tokens <= 0:
+            return 0.0
+        p = self.params
+        steps = math.ceil(tokens / p.max_batched_tokens)
+        per_token = p.prefill_s_per_token + p.attention_s_per_pair * self._mean_prompt_tokens / 2
+        return self.scale * (per_token * tokens + p.step_s * steps)
 
     def transfer_s(self, tokens: int) -> float:
         """Moving `tokens` of KV from another holder; `inf` when the pool cannot move KV."""

@@ -76,3 +76,16 @@ def ceiling_pooled_lru(chains: Iterable[BlockChain], capacity_tokens: int) -> Ce
         while len(lru) > capacity_blocks:
             lru.popitem(last=False)
     return _result(hit, total, n)
+
+
+def working_set_tokens(chains: Iterable[BlockChain]) -> int:
+    """Tokens of all distinct keyed blocks (a block's size is the most tokens any request gave it)."""
+    sizes: dict[int, int] = {}
+    for chain in chains:
+        size = chain.block_size_tokens
+        last = len(chain.keys) - 1
+        for i, key in enumerate(chain.keys):
+            tokens = size if i < last else chain.keyed_tokens - size * last
+            if sizes.get(key, 0) < tokens:
+                sizes[key] = tokens
+    return sum(sizes.values())

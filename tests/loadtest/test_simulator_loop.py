@@ -174,9 +174,9 @@ def test_round_robin_spreads_and_reports_cached_tokens_and_ttft() -> None:
 
 
 def test_views_carry_in_flight_accounting_and_kv_events_flow_when_enabled() -> None:
-    spy = Spy(make_policy("least_load"))
+    spy = Spy(make_policy("round_robin"))
     engines = [ScriptedEngine(), ScriptedEngine()]
-    reqs = _trace(4, 0.0)  # all at t=0: least_load must spread them by in-flight count
+    reqs = _trace(4, 0.0)  # all at t=0: nothing has finished when the last one is routed
     res = run_loop(reqs, engines, spy, _hooks(), LoopConfig(kv_events=True))
     assert sorted(r.worker or "" for r in res.requests) == ["w0", "w0", "w1", "w1"]
     last_view = {v.worker_id: v for v in spy.views[-1]}

@@ -130,3 +130,13 @@ def test_lru_evicts_leaves_before_roots() -> None:
     # evicting the leaf 3, not the root 1.
     r = ceiling_pooled_lru(chains, capacity_tokens=12)
     assert r.hit_tokens == 4 + 8
+
+
+def test_working_set_counts_each_distinct_block_once_at_its_largest() -> None:
+    from loadtest.workloads.ceilings import working_set_tokens
+
+    chains = [
+        request_chain(_block_req("a", (1, 2), 6), "ns"),  # block 2 partial: 2 tokens
+        request_chain(_block_req("b", (1, 2, 3), 12), "ns"),  # block 2 full now, block 3 new
+    ]
+    assert working_set_tokens(chains) == 4 + 4 + 4

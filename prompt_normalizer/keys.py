@@ -69,11 +69,13 @@ def as_tokens(ids: Sequence[int] | npt.NDArray[np.integer], *, param: str = "pro
     if isinstance(ids, np.ndarray) and ids.dtype == TOKEN_DTYPE:
         return np.ascontiguousarray(ids)
     try:
-        arr = np.asarray(ids, dtype=np.int64)
+        arr = np.asarray(ids)
     except (TypeError, ValueError, OverflowError):
         raise NormalizerError("token ids must be integers", param=param) from None
     if arr.ndim != 1:
         raise NormalizerError("token ids must be a flat list of integers", param=param)
+    if arr.size and arr.dtype.kind not in "iu":  # floats, bools, strings, or ints beyond 64 bits
+        raise NormalizerError("token ids must be integers", param=param)
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN_ID):
         raise NormalizerError("token ids must be in [0, 2**32)", param=param)
     return arr.astype(TOKEN_DTYPE)

@@ -194,7 +194,7 @@ class ChatTemplateTokenizer:
         tokens = np.array(enc.ids, dtype=TOKEN_DTYPE)
         ends = None
         if with_offsets:
-            ends = np.array([end for _, end in enc.offsets], dtype=np.int64)
+            ends = np.array(enc.offsets, dtype=np.int64).reshape(-1, 2)[:, 1]
             # Special tokens added by a post-processor report (0, 0); keep ends non-decreasing.
             ends = np.maximum.accumulate(ends) if ends.size else ends
         return Encoded(tokens, ends)

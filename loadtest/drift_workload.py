@@ -172,7 +172,7 @@ def _turn(
             )
             sess.history.append({"role": "tool", "tool_call_id": call["id"], "content": result})
         body = _body(config, variant, sess, systems[sess.app], app_tools, drift)
-        requests.append(AgentRequest(sess.app, sess.name, turn, step, body))  # type: ignore[arg-type]
+        requests.append(AgentRequest(sess.app, sess.name, turn, step, body))
         sess.requests_sent += 1
     sess.history.append({"role": "assistant", "content": answer, "reasoning_content": answer_reasoning})
     return requests

@@ -74,7 +74,7 @@ class _CompletionsPrompt:
         self.tokens: TokenArray | None = None
         if isinstance(prompt, str):
             self.text = prompt
-        elif isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        elif isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
             self.tokens = as_tokens(prompt, param="prompt")  # validates every id, vectorized
         else:
             raise NormalizerError("'prompt' must be a string, a list of strings or token ids", param="prompt")

@@ -77,7 +77,14 @@ def _render(url: str, path: str, body: Any) -> Any:
         )
     reply = httpx.post(url.rstrip("/") + path, json=body, timeout=10.0)
     if reply.status_code != 200:
-        raise NormalizerError(f"render endpoint answered HTTP {reply.status_code}", code="render_failed")
+        try:
+            code = reply.json()["error"].get("code") or reply.json()["error"].get("type")
+        except (ValueError, KeyError, TypeError, AttributeError):
+            code = None
+        detail = f" ({code})" if isinstance(code, str) else ""
+        raise NormalizerError(
+            f"render endpoint answered HTTP {reply.status_code}{detail}", code="render_failed"
+        )
     return reply.json()
 
 

@@ -19,12 +19,14 @@ index fed by events and one fed by requests agree.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
 import orjson
+import xxhash
 
 from prompt_normalizer.approx import APPROX_UNIT, approx_chat, approx_text
 from prompt_normalizer.canonical import CanonicalChat, FieldItem, canonicalize_chat, json_copy
@@ -36,6 +38,7 @@ from prompt_normalizer.keys import (
     TOKEN_UNIT,
     TokenArray,
     as_tokens,
+    byte_view,
     keyed_digest,
     root_key,
     secret_key,
@@ -58,6 +61,7 @@ __all__ = ["Endpoint", "Normalizer", "NormalizerConfig", "NormalizerError", "Vol
 
 Endpoint = Literal["chat", "completions"]
 _ROOT_CACHE_MAX = 4096
+_U64 = (1 << 64) - 1
 
 
 class _CompletionsPrompt:
@@ -126,6 +130,11 @@ class Normalizer:
         """Chained keys of raw token ids, from the identity root or from a parent block's key."""
         seed = self.root(identity) if parent is None else int(parent)
         return token_block_keys(as_tokens(token_ids), identity.block_size_tokens, seed)
+
+    def token_hasher(self, identity: KeyIdentity) -> IdentityTokenHasher:
+        """A hasher for KV-event token ids whose keys equal this normalizer's request keys
+        (matches the `TokenBlockHasher` protocol of `policies.kv_feed` structurally)."""
+        return IdentityTokenHasher(self, identity)
 
     def session_digest(
         self, body: Mapping[str, Any], identity: KeyIdentity, session_key: str | None = None
@@ -371,14 +380,31 @@ class Normalizer:
         return _replace(prompt, drift=report, diagnostics=drift_diags)
 
 
+class IdentityTokenHasher:
+    """Event-side twin of the request keys: `root(namespace, lora)` is the normalizer's root of
+    `identity` with that namespace (and adapter), `chain(parent, ids)` the next key."""
+
+    def __init__(self, normalizer: Normalizer, identity: KeyIdentity) -> None:
+        self._normalizer = normalizer
+        self._identity = identity
+
+    def root(self, namespace: str, lora_name: str | None) -> int:
+        identity = dataclasses.replace(
+            self._identity, namespace=namespace, adapter=lora_name or self._identity.adapter
+        )
+        return self._normalizer.root(identity)
+
+    def chain(self, parent: int, token_ids: Sequence[int]) -> BlockKey:
+        tokens = as_tokens(token_ids, param="token_ids")
+        return BlockKey(xxhash.xxh3_64_intdigest(byte_view(tokens), int(parent) & _U64))
+
+
 def _prompt_items(body: Mapping[str, Any], key: bytes) -> tuple[FieldItem, ...]:
     digest = keyed_digest(key, orjson.dumps(body.get("prompt"), option=orjson.OPT_SORT_KEYS))
     return (FieldItem("prompt", Zone.APPEND_ONLY, digest),)
 
 
 def _replace(prompt: CanonicalPrompt, **changes: Any) -> CanonicalPrompt:
-    import dataclasses
-
     return dataclasses.replace(prompt, **changes)
 
 

@@ -323,3 +323,17 @@ def test_tokenizer_mode_completions_text(tiny_model_dir: Path) -> None:
     )
     assert prompt.n_tokens > 4 and len(prompt.block_keys) == prompt.n_tokens // 4
     assert norm.render_fingerprint is not None and len(norm.render_fingerprint) == 16
+
+
+def test_token_hasher_gives_request_keys_for_event_blocks() -> None:
+    norm = Normalizer(NormalizerConfig(), b"s")
+    ids = list(range(100, 124))
+    keys = norm.keys_for_tokens(ids, IDENT)
+    hasher = norm.token_hasher(KeyIdentity(model_id="m", block_size_tokens=4))
+    parent = hasher.root("t1", None)
+    chained = []
+    for start in range(0, 24, 4):
+        parent = hasher.chain(parent, ids[start : start + 4])
+        chained.append(parent)
+    assert tuple(chained) == keys
+    assert hasher.root("t1", "lora-a") != hasher.root("t1", None) != hasher.root("t2", None)

@@ -67,7 +67,7 @@ _U64 = (1 << 64) - 1
 class _CompletionsPrompt:
     """A completions `prompt`: text or token ids (a batch is keyed by its first prompt)."""
 
-    def __init__(self, body: Mapping[str, Any]) -> None:
+    def __init__(self, body: Mapping[str, Any], max_chars: int) -> None:
         prompt = body.get("prompt")
         self.diagnostics: list[str] = []
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -76,6 +76,10 @@ class _CompletionsPrompt:
             prompt = prompt[0]
         self.text: str | None = None
         self.tokens: TokenArray | None = None
+        if isinstance(prompt, (str, list)) and len(prompt) > max_chars:
+            raise NormalizerError(
+                "prompt is larger than this pool accepts", param="prompt", code="input_too_large"
+            )
         if isinstance(prompt, str):
             self.text = prompt
         elif isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
@@ -167,7 +171,7 @@ class Normalizer:
             raise NormalizerError("request body must be a JSON object")
         mode = self._config.mode
         if endpoint == "completions":
-            prompt = _CompletionsPrompt(body)
+            prompt = _CompletionsPrompt(body, self._config.max_input_chars)
             if prompt.tokens is not None:
                 return self._finish_tokens(
                     prompt.tokens,
@@ -202,7 +206,9 @@ class Normalizer:
             assert self._tokenizer is not None
             enc = self._tokenizer.encode(
                 prompt.text,
-                add_special_tokens=self._config.completions_add_special_tokens,
+                add_special_tokens=bool(
+                    body.get("add_special_tokens", self._config.completions_add_special_tokens)
+                ),
                 with_offsets=False,
             )
             return self._finish_tokens(
@@ -241,7 +247,9 @@ class Normalizer:
         text = self._tokenizer.render(chat)
         specs = boundary_specs(chat)
         needs_offsets = any(s.n_messages or s.with_tools for s in specs)
-        enc = self._tokenizer.encode(text, add_special_tokens=False, with_offsets=needs_offsets)
+        # Chat prompts: the template writes the special tokens (vLLM's default add_special_tokens=False).
+        add_special = bool(body.get("add_special_tokens", False))
+        enc = self._tokenizer.encode(text, add_special_tokens=add_special, with_offsets=needs_offsets)
         n = len(enc.tokens)
         positions: list[int | None] = [0] * len(specs)
         if enc.ends is not None:
@@ -256,7 +264,7 @@ class Normalizer:
     def prepare_render(self, endpoint: Endpoint, body: Mapping[str, Any]) -> RenderPlan:
         """Render mode, step 1: the canonical body to render and forward, and the boundary renders."""
         if endpoint == "completions":
-            _CompletionsPrompt(body)  # validates
+            _CompletionsPrompt(body, self._config.max_input_chars)  # validates
             return RenderPlan(
                 "completions", COMPLETIONS_RENDER_PATH, json_copy(dict(body), "prompt"), (), (), None
             )

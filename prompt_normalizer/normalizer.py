@@ -24,21 +24,20 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-import numpy as np
 import orjson
-import xxhash
 
 from prompt_normalizer.approx import APPROX_UNIT, approx_chat, approx_text
-from prompt_normalizer.canonical import CanonicalChat, FieldItem, canonicalize_chat, json_copy
+from prompt_normalizer.canonical import CanonicalChat, FieldItem, canonicalize_chat
+from prompt_normalizer.completions import CompletionsPrompt
 from prompt_normalizer.config import NormalizerConfig, VolatileRule, ZoneConfig
 from prompt_normalizer.drift import DriftTracker
 from prompt_normalizer.errors import NormalizerError
 from prompt_normalizer.keys import (
     TOKEN_DTYPE,
     TOKEN_UNIT,
+    IdentityTokenHasher,
     TokenArray,
     as_tokens,
-    byte_view,
     keyed_digest,
     root_key,
     secret_key,
@@ -54,6 +53,7 @@ from prompt_normalizer.layout import (
     boundary_specs,
 )
 from prompt_normalizer.render import CHAT_RENDER_PATH, COMPLETIONS_RENDER_PATH, RenderPlan, render_boundaries
+from prompt_normalizer.switches import json_copy
 from prompt_normalizer.template import ChatTemplateTokenizer
 from prompt_normalizer.types import BlockKey, CanonicalPrompt, KeyIdentity, Zone
 
@@ -61,31 +61,6 @@ __all__ = ["Endpoint", "Normalizer", "NormalizerConfig", "NormalizerError", "Vol
 
 Endpoint = Literal["chat", "completions"]
 _ROOT_CACHE_MAX = 4096
-_U64 = (1 << 64) - 1
-
-
-class _CompletionsPrompt:
-    """A completions `prompt`: text or token ids (a batch is keyed by its first prompt)."""
-
-    def __init__(self, body: Mapping[str, Any], max_chars: int) -> None:
-        prompt = body.get("prompt")
-        self.diagnostics: list[str] = []
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) > 1:
-                self.diagnostics.append(f"prompt: batch of {len(prompt)} prompts, keyed by prompt[0]")
-            prompt = prompt[0]
-        self.text: str | None = None
-        self.tokens: TokenArray | None = None
-        if isinstance(prompt, (str, list)) and len(prompt) > max_chars:
-            raise NormalizerError(
-                "prompt is larger than this pool accepts", param="prompt", code="input_too_large"
-            )
-        if isinstance(prompt, str):
-            self.text = prompt
-        elif isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
-            self.tokens = as_tokens(prompt, param="prompt")  # validates every id, vectorized
-        else:
-            raise NormalizerError("'prompt' must be a string, a list of strings or token ids", param="prompt")
 
 
 class Normalizer:
@@ -138,7 +113,7 @@ class Normalizer:
     def token_hasher(self, identity: KeyIdentity) -> IdentityTokenHasher:
         """A hasher for KV-event token ids whose keys equal this normalizer's request keys
         (matches the `TokenBlockHasher` protocol of `policies.kv_feed` structurally)."""
-        return IdentityTokenHasher(self, identity)
+        return IdentityTokenHasher(self.root, identity)
 
     def session_digest(
         self, body: Mapping[str, Any], identity: KeyIdentity, session_key: str | None = None
@@ -171,7 +146,7 @@ class Normalizer:
             raise NormalizerError("request body must be a JSON object")
         mode = self._config.mode
         if endpoint == "completions":
-            prompt = _CompletionsPrompt(body, self._config.max_input_chars)
+            prompt = CompletionsPrompt(body, self._config.max_input_chars)
             if prompt.tokens is not None:
                 return self._finish_tokens(
                     prompt.tokens,
@@ -264,7 +239,7 @@ class Normalizer:
     def prepare_render(self, endpoint: Endpoint, body: Mapping[str, Any]) -> RenderPlan:
         """Render mode, step 1: the canonical body to render and forward, and the boundary renders."""
         if endpoint == "completions":
-            _CompletionsPrompt(body, self._config.max_input_chars)  # validates
+            CompletionsPrompt(body, self._config.max_input_chars)  # validates
             return RenderPlan(
                 "completions", COMPLETIONS_RENDER_PATH, json_copy(dict(body), "prompt"), (), (), None
             )
@@ -388,25 +363,6 @@ class Normalizer:
         return _replace(prompt, drift=report, diagnostics=drift_diags)
 
 
-class IdentityTokenHasher:
-    """Event-side twin of the request keys: `root(namespace, lora)` is the normalizer's root of
-    `identity` with that namespace (and adapter), `chain(parent, ids)` the next key."""
-
-    def __init__(self, normalizer: Normalizer, identity: KeyIdentity) -> None:
-        self._normalizer = normalizer
-        self._identity = identity
-
-    def root(self, namespace: str, lora_name: str | None) -> int:
-        identity = dataclasses.replace(
-            self._identity, namespace=namespace, adapter=lora_name or self._identity.adapter
-        )
-        return self._normalizer.root(identity)
-
-    def chain(self, parent: int, token_ids: Sequence[int]) -> BlockKey:
-        tokens = as_tokens(token_ids, param="token_ids")
-        return BlockKey(xxhash.xxh3_64_intdigest(byte_view(tokens), int(parent) & _U64))
-
-
 def _prompt_items(body: Mapping[str, Any], key: bytes) -> tuple[FieldItem, ...]:
     digest = keyed_digest(key, orjson.dumps(body.get("prompt"), option=orjson.OPT_SORT_KEYS))
     return (FieldItem("prompt", Zone.APPEND_ONLY, digest),)
@@ -414,8 +370,3 @@ def _prompt_items(body: Mapping[str, Any], key: bytes) -> tuple[FieldItem, ...]:
 
 def _replace(prompt: CanonicalPrompt, **changes: Any) -> CanonicalPrompt:
     return dataclasses.replace(prompt, **changes)
-
-
-def token_array(ids: Sequence[int]) -> TokenArray:
-    """Token ids as the uint32 array the key functions hash (helper for callers and tests)."""
-    return np.asarray(ids, dtype=TOKEN_DTYPE)

@@ -113,3 +113,31 @@ def test_render_mode_spans_and_volatile_tail(emulator: str, tmp_path: Path) -> N
     ]
     assert len(out["block_keys"]) == total // 8
     assert "careful" not in proc.stdout and "hello" not in proc.stdout
+
+
+def test_render_mode_completions_text(emulator: str, tmp_path: Path) -> None:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("normalizer:\n  mode: render\n")
+    prompt = "The quick brown fox jumps over the lazy dog"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "normalize",
+            "--policy",
+            str(policy),
+            "--render-url",
+            emulator,
+            "--block-size",
+            "4",
+        ],
+        input=json.dumps({"model": "m", "prompt": prompt}),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["endpoint"] == "completions" and out["n_tokens"] == len(prompt.encode())
+    assert [z["zone"] for z in out["zones"]] == ["append_only"] and len(out["block_keys"]) == len(prompt) // 4

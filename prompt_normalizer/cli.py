@@ -80,7 +80,12 @@ def _render(url: str, path: str, body: Any) -> Any:
         raise NormalizerError(
             "--render-url must be a loopback address", param="render_url", code="bad_config"
         )
-    reply = httpx.post(url.rstrip("/") + path, json=body, timeout=10.0)
+    try:
+        reply = httpx.post(url.rstrip("/") + path, json=body, timeout=10.0)
+    except httpx.HTTPError as exc:
+        raise NormalizerError(
+            f"render endpoint unreachable: {type(exc).__name__}", code="render_failed"
+        ) from None
     if reply.status_code != 200:
         try:
             code = reply.json()["error"].get("code") or reply.json()["error"].get("type")

@@ -157,10 +157,9 @@ def assemble(
             zones.append(ZoneSpan(Zone.IMMUTABLE, imm_src, 0, imm_end))
         last = chat.volatile_index if chat.volatile_index is not None else len(chat.messages)
         end_append = stable if volatile else n
+        first = chat.n_immutable if imm_end > 0 else 0  # an unmeasured immutable zone joins the log
         if end_append > imm_end:
-            zones.append(
-                ZoneSpan(Zone.APPEND_ONLY, f"messages[{chat.n_immutable}:{last}]", imm_end, end_append)
-            )
+            zones.append(ZoneSpan(Zone.APPEND_ONLY, f"messages[{first}:{last}]", imm_end, end_append))
         if volatile and n > stable:
             zones.append(ZoneSpan(Zone.VOLATILE, f"messages[{chat.volatile_index}]", stable, n))
     block_bytes = block_size * hashed.bytes_per_token

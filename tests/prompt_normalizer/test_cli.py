@@ -153,3 +153,21 @@ def test_pool_section_overrides_the_top_level_one(tmp_path: Path) -> None:
     other = json.loads(normalize(["--policy", str(policy), "--pool", "small"], BODY).stdout)
     assert abs(pool["n_tokens"] - 2 * top["n_tokens"]) <= 1  # half the characters per token
     assert other["n_tokens"] == top["n_tokens"]
+
+
+def test_render_url_must_be_loopback_and_reachable(tmp_path: Path) -> None:
+    policy = tmp_path / "render.yaml"
+    policy.write_text("normalizer: {mode: render}\n")
+    remote = normalize(["--policy", str(policy), "--render-url", "http://10.0.0.1:1"], BODY)
+    assert remote.returncode == 1 and "loopback" in remote.stderr
+    port = socket_free_port()
+    down = normalize(["--policy", str(policy), "--render-url", f"http://127.0.0.1:{port}"], BODY)
+    assert down.returncode == 1 and "render_failed" in down.stderr and "Traceback" not in down.stderr
+
+
+def socket_free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -369,6 +369,7 @@ def test_template_that_refuses_a_boundary_leaves_zone_empty(tmp_path: Path) -> N
     prompt = norm.canonicalize("chat", body, IDENT)
     assert [z.zone for z in prompt.zones] == [Zone.APPEND_ONLY]
     assert "zones: immutable boundary not measured; immutable zone left empty" in prompt.diagnostics
+    assert prompt.zones[0].source == "messages[0:2]" and prompt.zones[0].start_token == 0
     assert prompt.public_block_keys == () and prompt.block_keys
 
 

@@ -400,3 +400,15 @@ def test_tool_use_template_and_continue_final_message(tmp_path: Path) -> None:
         b"k" * 32,
     )
     assert tokenizer.render(prefill) == "user: hi\nassistant: The answer is"
+
+
+def test_generation_blocks_render_transparently(tmp_path: Path) -> None:
+    template = (
+        "{% for m in messages %}{{ m.role }}: {% if m.role == 'assistant' %}{% generation %}"
+        "{{ m.content }}{% endgeneration %}{% else %}{{ m.content }}{% endif %}\n{% endfor %}"
+    )
+    tokenizer = ChatTemplateTokenizer(_model_dir(tmp_path, template))
+    from prompt_normalizer.canonical import canonicalize_chat
+
+    chat_ = canonicalize_chat(chat(user("hi"), assistant("yo")), NormalizerConfig(), b"k" * 32)
+    assert tokenizer.render(chat_) == "user: hiassistant: yo"  # trim_blocks eats the newline after a tag

@@ -137,7 +137,9 @@ def assemble(
     stable = boundaries.stable_end
     volatile = chat is not None and chat.volatile_index is not None
     if stable is None:
-        diagnostics.append("zones: stable boundary not measured; no volatile span")
+        # Without it the generation prompt counts as stable content (drift may then flag the tail).
+        if volatile:
+            diagnostics.append("zones: stable boundary not measured; no volatile span")
         stable, volatile = n, False
     stable = max(imm_end, min(stable, n))
     extras: dict[int, bytes] = {}

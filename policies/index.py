@@ -208,20 +208,32 @@ class PrefixIndex:
         depth_of: dict[WorkerId, int],
     ) -> None:
         # Every member holds probe[0] and has its depth in [lo, hi]; split the group at mid.
+        # (`_live` inlined: this loop is the lookup's hot path.)
+        table_get = self._table.get
         stack = [(group, 1, len(probe))]
         while stack:
             members, lo, hi = stack.pop()
             while lo < hi:
-                mid = (lo + hi + 1) // 2
-                deeper = self._live(probe[mid - 1], namespace, now_s, members)
-                shallower = members - deeper
-                if deeper and shallower:
-                    stack.append((shallower, lo, mid - 1))
-                    members, lo = deeper, mid
-                elif deeper:
+                mid = (lo + hi + 1) >> 1
+                entry = table_get(probe[mid - 1])
+                if entry is None or entry.namespace != namespace:
+                    hi = mid - 1
+                    continue
+                holders = entry.holders
+                if entry.spec == 0:
+                    if holders.keys() >= members:
+                        lo = mid
+                        continue
+                    deeper = members & holders.keys()
+                else:
+                    deeper = {w for w in members if holders.get(w, 0.0) > now_s}
+                if not deeper:
+                    hi = mid - 1
+                elif len(deeper) == len(members):
                     lo = mid
                 else:
-                    hi = mid - 1
+                    stack.append((members - deeper, lo, mid - 1))
+                    members, lo = deeper, mid
             for w in members:
                 depth_of[w] = lo
 

@@ -113,8 +113,11 @@ class CostPolicy(PrefixPolicyBase):
                 moved = cost.saved_s(n, longest_tokens) - cost.transfer_s(longest_tokens - matched)
                 if moved > saved:
                     saved, matched = moved, longest_tokens
-            # T_queue, inlined from CostModel.queue_s (kept equal by a test).
+            # T_queue, inlined from CostModel.queue_s (kept equal by a test). The backlog alone
+            # bounds the score from above: skip the rest when even that cannot reach a tie.
             backlog = float(view.in_flight_prefill_tokens)
+            if saved - q.scale * q.backlog_per_token_s * backlog < best_score - tie:
+                continue
             running = known = view.in_flight_requests
             waiting = view.num_requests_waiting
             if waiting is not None:

@@ -172,6 +172,11 @@ class CostModel:
         per_token = p.prefill_s_per_token + p.attention_s_per_pair * self._mean_prompt_tokens / 2
         return self.scale * (per_token * backlog + p.step_s * backlog_steps + steps * per_step)
 
+    @property
+    def mean_prompt_tokens(self) -> float:
+        """Running mean of completed prompts' sizes (seeded at 1024)."""
+        return self._mean_prompt_tokens
+
     def queue_terms(self) -> QueueTerms:
         p = self.params
         return QueueTerms(

@@ -2,8 +2,9 @@
 
 For every available worker j, in seconds:
 
-    score_j = T_prefill_saved(j) − T_queue(j) − T_transfer(j) − T_cold(j)
+    score_j = T_prefill_saved(j)·(1 + work_weight·L) − T_queue(j) − T_transfer(j) − T_cold(j)
 
+(L = prompts waiting for prefill per worker: a recomputation delays everyone queued behind it),
 then:
 1. bounded-load guard: only workers whose in-flight load stays within
    max((1+ε)·mean, mean + slack) after this request are eligible, unless none is;
@@ -34,17 +35,21 @@ class CostPolicy(PrefixPolicyBase):
         self,
         *,
         seed: int = 0,
-        epsilon: float = 0.25,
-        slack_requests: float = 2.0,
+        epsilon: float = 0.5,
+        slack_requests: float = 8.0,
+        work_weight: float = 2.0,
+        max_queue_factor: float = 8.0,
         tie_s: float = 1e-4,
         shared: SharedSettings | None = None,
     ) -> None:
-        if epsilon < 0 or slack_requests < 0 or tie_s < 0:
-            raise ValueError("epsilon, slack_requests and tie_s must be >= 0")
+        if min(epsilon, slack_requests, tie_s, work_weight, max_queue_factor) < 0:
+            raise ValueError("epsilon, slack_requests, tie_s, work_weight and max_queue_factor must be >= 0")
         super().__init__(seed=seed, shared=shared)
         self.epsilon = epsilon
         self.slack_requests = slack_requests
         self.tie_s = tie_s
+        self.work_weight = work_weight
+        self.max_queue_factor = max_queue_factor
         self._calls = 0
         self._last_n = -1
 
@@ -53,6 +58,7 @@ class CostPolicy(PrefixPolicyBase):
         # per-worker hot path: locals only, no method calls).
         cands: list[WorkerView] = []
         loads: list[int] = []
+        backlog_tokens = 0
         for w in workers:
             inflight = w.in_flight_requests
             if not w.healthy or (w.max_in_flight is not None and inflight >= w.max_in_flight):
@@ -64,6 +70,7 @@ class CostPolicy(PrefixPolicyBase):
                 if reported > inflight:
                     inflight = reported
             loads.append(inflight)
+            backlog_tokens += w.in_flight_prefill_tokens
         if not cands:
             return None
         self._note_tenant(req)
@@ -79,6 +86,10 @@ class CostPolicy(PrefixPolicyBase):
         cost = pool.cost
 
         mean_after = (sum(loads) + 1) / len(cands)
+        # Recomputing a prefix also delays whoever queues behind it: weigh saved compute by
+        # 1 + work_weight·L, L = prompts waiting per worker (Little's law), capped.
+        waiting_per_worker = backlog_tokens / len(cands) / max(1.0, cost.mean_prompt_tokens)
+        weight = 1.0 + self.work_weight * min(waiting_per_worker, self.max_queue_factor)
         bound = max((1.0 + self.epsilon) * mean_after, mean_after + self.slack_requests) - 1
         overloaded = min(loads) > bound
         if overloaded:
@@ -108,9 +119,9 @@ class CostPolicy(PrefixPolicyBase):
                 matched = limit
             saved = saved_for.get(matched)
             if saved is None:
-                saved = saved_for[matched] = cost.saved_s(n, matched)
+                saved = saved_for[matched] = cost.saved_s(n, matched) * weight
             if transfer_on and longest_tokens > matched:
-                moved = cost.saved_s(n, longest_tokens) - cost.transfer_s(longest_tokens - matched)
+                moved = cost.saved_s(n, longest_tokens) * weight - cost.transfer_s(longest_tokens - matched)
                 if moved > saved:
                     saved, matched = moved, longest_tokens
             # T_queue, inlined from CostModel.queue_s (kept equal by a test). The backlog alone

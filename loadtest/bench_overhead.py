@@ -2,7 +2,7 @@
 
 Every target forwards non-streaming chat to the same static backend (nginx when installed, else
 `loadtest.static_backend`): the backend directly, kvgate (`python -m gateway.cli serve --config`)
-with round_robin and with its default policy, sglang-router (from its own venv, see
+with round_robin and with the `cost` policy, sglang-router (from its own venv, see
 `loadtest/peers/install.sh`) with round_robin and cache_aware, and, with `--upstream-clients`,
 a minimal FastAPI pass-through proxy with an aiohttp and with an httpx upstream client. For each
 target: req/s and p50/p99 latency at concurrency 32 and 1 (wrk when installed, else a built-in
@@ -141,8 +141,8 @@ def kvgate_config(backend: str, policy_path: Path, port: int) -> str:
     )
 
 
-def kvgate_target(policy: str | None, baseline: str) -> Target:
-    label = policy or "default policy"
+def kvgate_target(policy: str, baseline: str) -> Target:
+    label = policy
 
     def start(backend: str, workdir: Path) -> tuple[subprocess.Popen[bytes] | None, str]:
         import importlib.util
@@ -151,7 +151,7 @@ def kvgate_target(policy: str | None, baseline: str) -> Target:
             raise TargetMissing("kvgate gateway (gateway.serve) is not in this tree yet")
         port = free_port()
         policy_path = workdir / f"policy-{label.replace(' ', '_')}.yaml"
-        policy_path.write_text(f"policy: {policy}\n" if policy else "{}\n")
+        policy_path.write_text(f"policy: {policy}\nseed: 0\n")
         config_path = workdir / f"kvgate-{label.replace(' ', '_')}.yaml"
         config_path.write_text(kvgate_config(backend, policy_path, port))
         log_path = workdir / f"kvgate-{label.replace(' ', '_')}.log"
@@ -195,14 +195,14 @@ def git_sha() -> str:
         return "unknown"
 
 
-TARGET_CHOICES = ("direct", "kvgate-rr", "kvgate-default", "sglang-rr", "sglang-cache_aware")
+TARGET_CHOICES = ("direct", "kvgate-rr", "kvgate-cost", "sglang-rr", "sglang-cache_aware")
 
 
 def build_targets(names: Sequence[str], upstream_clients: bool) -> list[Target]:
     table: dict[str, Callable[[], Target]] = {
         "direct": direct_target,
         "kvgate-rr": lambda: kvgate_target("round_robin", "sglang-router round_robin"),
-        "kvgate-default": lambda: kvgate_target(None, "sglang-router cache_aware"),
+        "kvgate-cost": lambda: kvgate_target("cost", "sglang-router cache_aware"),
         "sglang-rr": lambda: sglang_target("round_robin"),
         "sglang-cache_aware": lambda: sglang_target("cache_aware"),
     }

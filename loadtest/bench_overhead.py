@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
+import importlib.util
 import json
 import os
 import shutil
@@ -129,14 +131,21 @@ def proxy_target(client: str) -> Target:
     return Target(f"pass-through FastAPI + {client}", "sglang-router round_robin", start)
 
 
+BENCH_SECRET = "kvgate-bench-secret"
+
+
 def kvgate_config(backend: str, policy_path: Path, port: int) -> str:
-    """The gateway config for one static worker and the bench API key (format of `gateway.config`)."""
+    """The gateway config (schema of `gateway.config`) for one static worker and the bench key."""
+    auth = importlib.import_module("gateway.auth")
+    key_hash: str = auth.hash_api_key(BENCH_SECRET.encode(), API_KEY)
     return json.dumps(
         {
             "listen": {"host": "127.0.0.1", "port": port},
             "policy_file": str(policy_path),
-            "pools": [{"name": "bench", "models": [static_backend.MODEL], "workers": {"urls": [backend]}}],
-            "tenants": [{"name": "bench", "api_keys": [API_KEY]}],
+            "log_level": "warning",
+            "secrets": {"key_hash_secret_env": "KVGATE_KEY_SECRET"},
+            "pools": [{"name": "bench", "models": [static_backend.MODEL], "workers": [backend]}],
+            "tenants": [{"name": "bench", "api_key_hashes": [key_hash]}],
         }
     )
 
@@ -145,8 +154,6 @@ def kvgate_target(policy: str, baseline: str) -> Target:
     label = policy
 
     def start(backend: str, workdir: Path) -> tuple[subprocess.Popen[bytes] | None, str]:
-        import importlib.util
-
         if importlib.util.find_spec("gateway.serve") is None:
             raise TargetMissing("kvgate gateway (gateway.serve) is not in this tree yet")
         port = free_port()
@@ -156,7 +163,7 @@ def kvgate_target(policy: str, baseline: str) -> Target:
         config_path.write_text(kvgate_config(backend, policy_path, port))
         log_path = workdir / f"kvgate-{label.replace(' ', '_')}.log"
         argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path)]
-        proc = spawn(argv, log_path, env={"KVGATE_LOG_LEVEL": "warning"})
+        proc = spawn(argv, log_path, env={"KVGATE_KEY_SECRET": BENCH_SECRET})
         url = f"http://127.0.0.1:{port}"
         wait_ready(url + "/readyz", proc, log_path)
         return proc, url

@@ -17,10 +17,16 @@ KUBE_VERSIONS = ("1.30.0", "1.33.0")
 CRD_KINDS = frozenset({"ServiceMonitor"})
 
 
+KEY_HASH = "hmac-sha256:" + "ab" * 32
+# values.yaml ships no tenant (a key hash is deployment-specific): every render adds one.
+TENANT: dict[str, Any] = {"name": "team-a", "apiKeyHashes": [KEY_HASH]}
+
+
 def render(values: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
-    """Render with `values` on top of values.yaml; return the documents keyed by kind/name."""
+    """Render with `values` (plus a tenant) on top of values.yaml; return the documents by kind/name."""
     chart = helm_python.Chart.load(str(CHART))
-    out = chart.render(values or {}, name="rel", namespace="llm", is_install=True)
+    merged = {"tenants": [TENANT], **(values or {})}
+    out = chart.render(merged, name="rel", namespace="llm", is_install=True)
     docs: dict[str, dict[str, Any]] = {}
     for path, text in out.items():
         if not path.endswith(".yaml"):
@@ -42,16 +48,22 @@ def pod_spec(docs: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def test_lint_is_clean() -> None:
-    result = helm_python.lint(str(CHART), strict=True, kube_version="v1.30.0")
+    result = helm_python.lint(str(CHART), {"tenants": [TENANT]}, strict=True, kube_version="v1.30.0")
     assert result["errors"] == []
     assert [m for m in result["messages"] if m["severity"] > 1] == []
+
+
+def test_install_without_a_tenant_fails_clearly() -> None:
+    chart = helm_python.Chart.load(str(CHART))
+    with pytest.raises(helm_python.HelmError, match="at least one tenant"):
+        chart.render({}, name="rel", namespace="llm", is_install=True)
 
 
 FULL_VALUES: dict[str, Any] = {
     "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
     "podDisruptionBudget": {"enabled": True},
     "extraEnv": [{"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": "http://otel:4317"}],
-    "tenants": [{"name": "team-a", "isolation": "strict", "apiKeyHashes": ["ab" * 32], "rpm": 60}],
+    "tenants": [{"name": "team-a", "isolation": "public", "apiKeyHashes": [KEY_HASH], "rpm": 60}],
     "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
 }
 
@@ -83,7 +95,7 @@ def test_probes_shutdown_and_mounts() -> None:
     assert c["lifecycle"]["preStop"]["sleep"]["seconds"] == 10
     # The grace period covers preStop + the gateway's drain deadline.
     assert spec["terminationGracePeriodSeconds"] == 75
-    assert gateway_config(docs)["drain_s"] == 60
+    assert gateway_config(docs)["drain"] == {"deadline_s": 60, "shutdown_delay_s": 0}
     assert c["args"] == ["serve", "--config", "/etc/kvgate/config/gateway.yaml"]
     assert all("subPath" not in m for m in c["volumeMounts"])  # ConfigMap updates must reach the pod
     assert gateway_config(docs)["policy_file"] == "/etc/kvgate/policy/policy.yaml"
@@ -112,7 +124,7 @@ def test_static_urls_and_dns_workers() -> None:
         {"pools": [{"name": "p", "models": ["m"], "workers": {"urls": ["http://10.0.0.1:8000"]}}]}
     )
     assert gateway_config(static)["pools"] == [
-        {"name": "p", "models": ["m"], "workers": {"urls": ["http://10.0.0.1:8000"]}}
+        {"name": "p", "models": ["m"], "workers": ["http://10.0.0.1:8000"]}
     ]
     dns_pool = {
         "name": "p",
@@ -121,9 +133,8 @@ def test_static_urls_and_dns_workers() -> None:
         "kvEventsEndpoint": "tcp://{host}:5557",
     }
     (pool,) = gateway_config(render({"pools": [dns_pool]}))["pools"]
-    assert pool["workers"] == {
-        "dns": {"name": "vllm.llm.svc", "port": 8000, "scheme": "http", "refresh_s": 3}
-    }
+    assert pool["dns"] == {"name": "vllm.llm.svc", "port": 8000, "scheme": "http", "refresh_s": 3}
+    assert "workers" not in pool
     assert pool["kv_events_endpoint"] == "tcp://{host}:5557"
 
 
@@ -147,7 +158,12 @@ def test_optional_resources() -> None:
     ]
     assert docs["PodDisruptionBudget/rel-kvgate"]["spec"]["maxUnavailable"] == 1
     tenant = gateway_config(docs)["tenants"][0]
-    assert tenant == {"name": "team-a", "isolation": "strict", "api_key_hashes": ["ab" * 32], "rpm": 60}
+    assert tenant == {
+        "name": "team-a",
+        "isolation": "public",
+        "api_key_hashes": [KEY_HASH],
+        "quotas": {"rpm": 60},
+    }
 
 
 @pytest.mark.parametrize(
@@ -156,6 +172,7 @@ def test_optional_resources() -> None:
         ({"pools": [{"name": "p", "models": ["m"], "workers": {"urls": []}}]}, "workers.urls or workers.dns"),
         ({"pools": [{"name": "p", "workers": {"urls": ["http://x:1"]}}]}, "models is required"),
         ({"policy": {"content": ""}}, "policy.content is required"),
+        ({"tenants": [{"name": "t"}]}, "apiKeyHashes is required"),
     ],
 )
 def test_bad_values_fail_with_a_clear_message(values: dict[str, Any], needle: str) -> None:

@@ -52,42 +52,42 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- define "kvgate.configDir" -}}/etc/kvgate/config{{- end }}
 {{- define "kvgate.policyDir" -}}/etc/kvgate/policy{{- end }}
 
-{{/* The gateway config file, generated from the values; `.Values.config` keys win. */}}
+{{/* The gateway config file (schema: gateway/config.py), generated from the values; `.Values.config` keys win. */}}
 {{- define "kvgate.gatewayConfig" -}}
 {{- $pools := list }}
 {{- range $i, $p := .Values.pools }}
 {{- if not $p.name }}{{ fail (printf "pools[%d]: name is required" $i) }}{{ end }}
 {{- if not $p.models }}{{ fail (printf "pools[%d] (%s): models is required" $i $p.name) }}{{ end }}
-{{- $workers := dict }}
-{{- if $p.workers.urls }}
-{{- $_ := set $workers "urls" $p.workers.urls }}
-{{- else if and $p.workers.dns $p.workers.dns.name }}
-{{- $dns := $p.workers.dns }}
-{{- $_ := set $workers "dns" (dict "name" $dns.name "port" (int $dns.port) "scheme" (default "http" $dns.scheme) "refresh_s" (default 5 $dns.refreshSeconds)) }}
+{{- $pool := dict "name" $p.name "models" $p.models }}
+{{- $w := default dict $p.workers }}
+{{- if $w.urls }}
+{{- $_ := set $pool "workers" $w.urls }}
+{{- else if and $w.dns $w.dns.name }}
+{{- $_ := set $pool "dns" (dict "name" $w.dns.name "port" (int (default 8000 $w.dns.port)) "scheme" (default "http" $w.dns.scheme) "refresh_s" (default 5 $w.dns.refreshSeconds)) }}
 {{- else }}
 {{- fail (printf "pools[%d] (%s): set workers.urls or workers.dns.name" $i $p.name) }}
 {{- end }}
-{{- $pool := dict "name" $p.name "models" $p.models "workers" $workers }}
-{{- if $p.kvEventsEndpoint }}
-{{- $_ := set $pool "kv_events_endpoint" $p.kvEventsEndpoint }}
-{{- end }}
+{{- with $p.kvEventsEndpoint }}{{ $_ := set $pool "kv_events_endpoint" . }}{{ end }}
+{{- with $p.extra }}{{ $pool = mergeOverwrite $pool (deepCopy .) }}{{ end }}
 {{- $pools = append $pools $pool }}
 {{- end }}
 {{- $tenants := list }}
-{{- range .Values.tenants }}
-{{- $t := dict "name" .name "api_key_hashes" (default list .apiKeyHashes) }}
-{{- with .isolation }}{{ $_ := set $t "isolation" . }}{{ end }}
-{{- with .maxConcurrent }}{{ $_ := set $t "max_concurrent" . }}{{ end }}
-{{- with .rpm }}{{ $_ := set $t "rpm" . }}{{ end }}
-{{- with .tpm }}{{ $_ := set $t "tpm" . }}{{ end }}
-{{- $tenants = append $tenants $t }}
+{{- range $i, $t := .Values.tenants }}
+{{- if not $t.name }}{{ fail (printf "tenants[%d]: name is required" $i) }}{{ end }}
+{{- if not $t.apiKeyHashes }}{{ fail (printf "tenants[%d] (%s): apiKeyHashes is required (make one with `kvgate serve --hash-key`)" $i $t.name) }}{{ end }}
+{{- $quotas := dict }}
+{{- with $t.maxConcurrent }}{{ $_ := set $quotas "max_concurrent" . }}{{ end }}
+{{- with $t.rpm }}{{ $_ := set $quotas "rpm" . }}{{ end }}
+{{- with $t.tpm }}{{ $_ := set $quotas "tpm" . }}{{ end }}
+{{- $tenant := dict "name" $t.name "api_key_hashes" $t.apiKeyHashes "isolation" (default "strict" $t.isolation) "quotas" $quotas }}
+{{- $tenants = append $tenants $tenant }}
 {{- end }}
+{{- if not $tenants }}{{ fail "tenants: at least one tenant is required (API keys are configured as hashes: `kvgate serve --hash-key`)" }}{{ end }}
 {{- $cfg := dict
   "listen" (dict "host" "0.0.0.0" "port" (int .Values.service.port))
+  "drain" (dict "deadline_s" .Values.shutdown.drainSeconds "shutdown_delay_s" .Values.shutdown.shutdownDelaySeconds)
+  "secrets" (dict "key_hash_secret_env" .Values.keyHashSecret.env)
   "policy_file" (printf "%s/policy.yaml" (include "kvgate.policyDir" .))
-  "policy_reload_s" .Values.policy.reloadIntervalSeconds
-  "key_hash_secret_env" .Values.keyHashSecret.env
-  "drain_s" .Values.shutdown.drainSeconds
   "log_level" .Values.logLevel
   "pools" $pools
   "tenants" $tenants

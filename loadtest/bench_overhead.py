@@ -19,6 +19,7 @@ import importlib.util
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,7 +56,21 @@ class TargetResult:
     missing: str | None = None
 
     def at(self, concurrency: int) -> LoadResult | None:
-        return next((r for r in self.runs if r.concurrency == concurrency), None)
+        """The run at `concurrency`; with repeats, each field is the median over the repeats."""
+        runs = [r for r in self.runs if r.concurrency == concurrency]
+        if len(runs) <= 1:
+            return runs[0] if runs else None
+        cpu = [r.cpu_us_per_request for r in runs if r.cpu_us_per_request is not None]
+        return LoadResult(
+            concurrency,
+            sum(r.requests for r in runs),
+            sum(r.errors for r in runs),
+            sum(r.duration_s for r in runs),
+            statistics.median(r.rps for r in runs),
+            statistics.median(r.p50_ms for r in runs),
+            statistics.median(r.p99_ms for r in runs),
+            statistics.median(cpu) if cpu else None,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +205,7 @@ class BenchConfig:
     load_tool: str
     upstream_clients: bool
     targets: tuple[str, ...]
+    repeats: int = 1
 
 
 def git_sha() -> str:
@@ -225,8 +241,9 @@ def measure(
     cfg: BenchConfig,
     workdir: Path,
     load: Callable[[str, int, float], LoadResult],
-) -> TargetResult:
-    result = TargetResult(target.name, target.baseline)
+    result: TargetResult,
+) -> None:
+    """Start the target, warm it up, run every concurrency, stop it; runs are appended to `result`."""
     proc: subprocess.Popen[bytes] | None = None
     try:
         proc, url = target.start(backend_url, workdir)
@@ -245,7 +262,6 @@ def measure(
         result.missing = f"failed: {exc}"
     finally:
         stop(proc)
-    return result
 
 
 def _fmt(v: float | None, spec: str) -> str:
@@ -285,7 +301,8 @@ def report(results: Sequence[TargetResult], cfg: BenchConfig, backend_name: str)
     lines = [
         f"kvgate bench overhead  git {git_sha()}  seed {cfg.seed}  load: {cfg.load_tool}",
         f"backend: {backend_name}",
-        f"{cfg.duration_s:g}s per concurrency after {cfg.warmup_s:g}s warm-up; CPU = router process tree",
+        f"{cfg.duration_s:g}s per concurrency after {cfg.warmup_s:g}s warm-up, {cfg.repeats} round(s), "
+        "medians; CPU = router process tree",
         "",
         f"| target | c={hi} req/s | p50 ms | p99 ms | CPU µs/req | CPU ratio | c={lo} p50 ms | p99 ms "
         "| added p50 ms vs direct | errors |",
@@ -300,6 +317,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=1, help="warm-up seconds per target (default 1)")
     parser.add_argument("--concurrency", default="32,1", help="comma-separated concurrencies (default 32,1)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=1, help="rounds over all targets; medians (default 1)")
     parser.add_argument("--backend", choices=("auto", "nginx", "builtin"), default="auto")
     parser.add_argument("--load-tool", choices=("auto", "wrk", "builtin"), default="auto")
     parser.add_argument(
@@ -329,8 +347,8 @@ def run(args: argparse.Namespace) -> int:
     if not concurrencies or min(concurrencies) < 1 or max(concurrencies) > 1024:
         print("--concurrency values must be in 1..1024", file=sys.stderr)
         return 2
-    if not 0 < args.duration <= 120 or not 0 <= args.warmup <= 60:
-        print("--duration must be in (0, 120] and --warmup in [0, 60]", file=sys.stderr)
+    if not 0 < args.duration <= 120 or not 0 <= args.warmup <= 60 or not 1 <= args.repeats <= 10:
+        print("--duration must be in 1..120, --warmup in 0..60 and --repeats in 1..10", file=sys.stderr)
         return 2
     backend = args.backend
     if backend == "auto":
@@ -345,7 +363,15 @@ def run(args: argparse.Namespace) -> int:
             )
             return 2
     cfg = BenchConfig(
-        args.duration, args.warmup, concurrencies, args.seed, backend, load_tool, args.upstream_clients, names
+        args.duration,
+        args.warmup,
+        concurrencies,
+        args.seed,
+        backend,
+        load_tool,
+        args.upstream_clients,
+        names,
+        args.repeats,
     )
     bodies = chat_bodies(args.seed)
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-overhead-") as tmp:
@@ -359,11 +385,15 @@ def run(args: argparse.Namespace) -> int:
             return asyncio.run(builtin_load(url, bodies, c, dur))
 
         backend_proc, backend_url, backend_name = _backend(backend, workdir)
-        results: list[TargetResult] = []
+        targets = build_targets(names, args.upstream_clients)
+        results = [TargetResult(t.name, t.baseline) for t in targets]
         try:
-            for target in build_targets(names, args.upstream_clients):
-                print(f"measuring {target.name} ...", file=sys.stderr, flush=True)
-                results.append(measure(target, backend_url, cfg, workdir, load))
+            # Rounds interleave the targets, so slow drifts of a shared machine hit all of them.
+            for round_index in range(cfg.repeats):
+                for target, result in zip(targets, results, strict=True):
+                    if result.missing is None:
+                        print(f"round {round_index + 1}: {target.name} ...", file=sys.stderr, flush=True)
+                        measure(target, backend_url, cfg, workdir, load, result)
         finally:
             stop(backend_proc)
     print(report(results, cfg, backend_name))

@@ -435,3 +435,31 @@ async def test_events_from_the_emulated_worker(tmp_path: Path, encoding: str) ->
     assert len(ev.token_ids) == 16 * len(ev.block_hashes)
     assert all(isinstance(h, int) and 0 <= h < 2**64 for h in ev.block_hashes)
     assert not [i for i in rec.items if isinstance(i, SequenceGap)]
+
+
+async def test_data_parallel_ranks_are_separate_streams_of_one_worker(
+    ctx: zmq.asyncio.Context, pub: Publisher
+) -> None:
+    sock = ctx.socket(zmq.XPUB)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    rank1 = Publisher(sock, f"tcp://127.0.0.1:{port}")
+    rec = Recorder()
+    sub = KvEventSubscriber(rec.on_event, on_gap=rec.on_gap)
+    await sub.start([KvEventEndpoint(W, pub.endpoint), KvEventEndpoint(W, rank1.endpoint)])
+    try:
+        await pub.joined()
+        await rank1.joined()
+        # Each rank numbers its own batches from 0: no gap, no restart.
+        await pub.send(0, one(10))
+        await rec.wait_for(1)
+        await rank1.send(0, one(20))
+        await rec.wait_for(2)
+        await pub.send(1, one(11))
+        await rec.wait_for(3)
+        assert sub.workers() == {W}
+        assert set(sub.stream_stats(W)) == {pub.endpoint, rank1.endpoint}
+        sub.remove(W)
+        assert sub.stats(W) is None and sub.stream_stats(W) == {}
+    finally:
+        await sub.stop()
+    assert rec.hashes() == [10, 20, 11]

@@ -193,6 +193,18 @@ async def test_loop_scrapes_ages_and_survives_failures(worker: tuple[Worker, str
         await scraper.stop()
 
 
+async def test_large_page_is_read_whole(worker: tuple[Worker, str]) -> None:
+    w, url = worker
+    filler = "".join(f'histogram_bucket{{le="{i}",pad="{"x" * 40}"}} {i}\n' for i in range(20_000))
+    w.page = filler + VLLM_PAGE  # the interesting lines come after ~1.4 MB
+    scraper = MetricsScraper()
+    await scraper.start()
+    try:
+        assert await scraper.scrape_once(url) == parse_metrics(VLLM_PAGE)
+    finally:
+        await scraper.stop()
+
+
 async def test_slow_and_oversized_pages_fail_cleanly(worker: tuple[Worker, str]) -> None:
     w, url = worker
     scraper = MetricsScraper(ScrapeConfig(timeout_s=0.1, max_body_bytes=64))

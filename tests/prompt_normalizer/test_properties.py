@@ -168,3 +168,37 @@ def test_different_secret_shares_no_key() -> None:
         .block_keys
     )
     assert not set(a) & set(b)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    shared=st.text(alphabet="abc xyz,.{}", max_size=60),
+    tail_a=st.text(alphabet="abc xyz,.{}", max_size=40),
+    tail_b=st.text(alphabet="abc xyz,.{}", max_size=40),
+    block=st.sampled_from([2, 4, 8]),
+)
+def test_chat_keys_follow_the_real_token_prefix(
+    tiny_model_dir: Path, shared: str, tail_a: str, tail_b: str, block: int
+) -> None:
+    from prompt_normalizer.canonical import canonicalize_chat
+    from prompt_normalizer.template import ChatTemplateTokenizer
+
+    config = NormalizerConfig(mode="tokenizer", tokenizer_dir=str(tiny_model_dir))
+    norm = Normalizer(config, b"s")
+    tok = ChatTemplateTokenizer(str(tiny_model_dir))
+    ident = dataclasses.replace(IDENT, block_size_tokens=block)
+    bodies = [_chat("You are a careful assistant.", shared + tail) for tail in (tail_a, tail_b)]
+    ids = [
+        tok.encode(
+            tok.render(canonicalize_chat(b, config, b"k" * 32)), add_special_tokens=False, with_offsets=False
+        ).tokens.tolist()
+        for b in bodies
+    ]
+    m = 0
+    while m < min(map(len, ids)) and ids[0][m] == ids[1][m]:
+        m += 1
+    a, b = (norm.canonicalize("chat", body, ident).block_keys for body in bodies)
+    assert a[: m // block] == b[: m // block]
+    if m < min(map(len, ids)):
+        assert not set(a[m // block :]) & set(b)
+    assert len(a) == len(ids[0]) // block

@@ -94,3 +94,12 @@ def test_bench_reports_missing_peers_and_writes_results(
 
 def test_bench_rejects_unknown_routers(tmp_path: Path) -> None:
     assert main(["bench", "routing", "--routers", "nginx", "--out", str(tmp_path), "--quiet"]) == 2
+
+
+def test_waiting_for_a_client_slot_counts_in_ttft(pool: EmulatorPool) -> None:
+    reqs = [WorkloadRequest(f"q{i}", 0.0, "t", "s", TextPrompt(f"{i}" * 300), 20) for i in range(2)]
+    cfg = ReplayConfig(base_url=pool.urls[0], model="emu", max_in_flight=1, time_limit_s=5, grace_s=20)
+    first, second = sorted(asyncio.run(replay(reqs, cfg, lambda r: {})), key=lambda r: r.queued_s)
+    assert first.sent_s == second.sent_s == 0.0
+    assert first.e2e_s is not None and second.ttft_s is not None
+    assert second.queued_s >= first.e2e_s * 0.9 and second.ttft_s > second.queued_s

@@ -145,16 +145,19 @@ class EmulatedWorker:
         n_prompt = len(gen.prompt_ids)
         if gen.tool_call is not None:
             answer = self.answers.fixed_answer(gen.tool_call.arguments)
+            n_output = len(answer.pieces)
         else:
-            answer = self.answers.text_answer(gen.prompt_ids, gen.max_tokens)
-        total = n_prompt + len(answer.pieces)
-        if total > self.max_model_len:
+            n_output = gen.max_tokens
+        total = n_prompt + n_output
+        if total > self.max_model_len:  # checked before building the answer: max_tokens is untrusted
             raise ApiError.bad_request(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{total} tokens ({n_prompt} in the messages, {len(answer.pieces)} in the completion). "
+                f"{total} tokens ({n_prompt} in the messages, {n_output} in the completion). "
                 "Please reduce the length of the messages or completion.",
                 "messages" if gen.endpoint == "chat" else "prompt",
             )
+        if gen.tool_call is None:
+            answer = self.answers.text_answer(gen.prompt_ids, gen.max_tokens)
         live = LiveRequest(gen, answer, "chatcmpl" if gen.endpoint == "chat" else "cmpl")
         hashes = block_hashes(live.seq_token_ids, self.block_size, gen.cache_salt, self.cfg.seed)
         req = EngineRequest(live.request_id, n_prompt, len(answer.pieces), hashes)

@@ -14,7 +14,9 @@ import msgpack
 import pytest
 import zmq
 
+from gateway.kv_events import decode_batch
 from loadtest.engine import block_hashes
+from policies.base import KvEventKind
 from tests.loadtest.test_emulator import MODEL, free_port, running_emulator
 
 TOPIC = "kv@emu@" + MODEL
@@ -164,5 +166,16 @@ def test_stored_removed_cleared_and_replay(emulator: tuple[str, str, str]) -> No
             got.append((seq, payload))
         dealer.close(linger=0)
         assert got == sub.raw[1:]
+
+        # The gateway's decoder reads every batch the emulator sent, with the same content.
+        gateway_events = [ev for _, payload in sub.raw for ev in decode_batch(payload).events]
+        assert [ev.kind for ev in gateway_events] == [
+            {"BlockStored": KvEventKind.BLOCK_STORED, "BlockRemoved": KvEventKind.BLOCK_REMOVED}.get(
+                e.kind, KvEventKind.ALL_BLOCKS_CLEARED
+            )
+            for e in sub.events
+        ]
+        first = gateway_events[0]
+        assert list(first.block_hashes) == stored[0].hashes and list(first.token_ids) == stored[0].token_ids
     finally:
         sub.close()

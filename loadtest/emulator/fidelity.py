@@ -66,6 +66,27 @@ def measure_ttft(client: httpx.Client, base_url: str, prompt: str, model: str) -
     return TtftSample(first_s, cached)
 
 
+def measure_tpot(client: httpx.Client, base_url: str, prompt: str, model: str, max_tokens: int) -> float:
+    """Mean time between the first and the last token event of one streamed completion."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
+    stamps: list[float] = []
+    with client.stream("POST", f"{base_url}/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                stamps.append(time.perf_counter())
+    if len(stamps) != max_tokens:
+        raise RuntimeError(f"expected {max_tokens} token events, got {len(stamps)}")
+    return (stamps[-1] - stamps[0]) / (max_tokens - 1)
+
+
+def modelled_tpot_s(profile_name: str, prompt_tokens: int, max_tokens: int) -> float:
+    """Mean modelled decode step of one request alone: context grows by one token per step."""
+    profile = load_profile(profile_name)
+    steps = [profile.step_time_s(1, 1, prompt_tokens + 1 + j, 0.0) for j in range(max_tokens - 1)]
+    return sum(steps) / len(steps)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -145,6 +166,15 @@ def main(argv: list[str] | None = None) -> int:
                     f"| {n} | {cached} ({label}) | {modelled_ms:.1f} | {measured_ms:.1f} ({best_ms:.1f}) | "
                     f"{measured_ms - modelled_ms:+.1f} |"
                 )
+        print()
+        print("| prompt tokens | output tokens | modelled TPOT ms | measured TPOT ms, median |")
+        print("|---:|---:|---:|---:|")
+        for n in (1024, 8192):
+            out = 100
+            tpots = [measure_tpot(client, base, random_prompt(n, rng), "fid", out) for _ in range(3)]
+            modelled = modelled_tpot_s(args.profile, n, out) * 1000
+            measured = statistics.median(tpots) * 1000 * args.time_scale
+            print(f"| {n} | {out} | {modelled:.2f} | {measured:.2f} |")
     return 0
 
 

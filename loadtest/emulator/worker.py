@@ -196,16 +196,22 @@ class EmulatedWorker:
     async def run(self) -> None:
         """The step loop; runs until cancelled (owned by the app lifespan)."""
         scale = self.cfg.time_scale
+        busy_until_s: float | None = None  # model time the previous step ended, while busy
         while True:
             if not self.engine.has_work():
+                busy_until_s = None
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            began = time.monotonic()
-            res = self.engine.step(self.model_now_s())
+            # Back-to-back steps start where the previous one ended in model time, so a late
+            # wake-up of this process (CPU contention, timer resolution) is caught up instead of
+            # accumulating into every later token; after idling, a step starts now.
+            start_s = busy_until_s if busy_until_s is not None else self.model_now_s()
+            res = self.engine.step(start_s)
             if res is None:
                 continue
-            delay = began + res.duration_s / scale - time.monotonic()
+            busy_until_s = res.end_s
+            delay = self._start + res.end_s / scale - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
             self._deliver(res)

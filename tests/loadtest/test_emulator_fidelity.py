@@ -12,7 +12,14 @@ import random
 import httpx
 import pytest
 
-from loadtest.emulator.fidelity import TtftSample, emulator_process, measure_ttft, random_prompt
+from loadtest.emulator.fidelity import (
+    TtftSample,
+    emulator_process,
+    measure_tpot,
+    measure_ttft,
+    modelled_tpot_s,
+    random_prompt,
+)
 from loadtest.engine import load_profile
 
 PROFILE = load_profile("llama3-8b-h100")
@@ -49,3 +56,7 @@ def test_isolated_ttft_matches_model_and_cache_skips_prefill(time_scale: float) 
             for measured, modelled in ((_best(cold), cold_model_s), (_best(warm), warm_model_s)):
                 assert modelled - 0.001 <= measured <= modelled + TOLERANCE_S, (n, measured, modelled)
             assert _best(warm) < _best(cold)
+        if time_scale == 1.0:
+            # Decode: one token per modelled step; late wake-ups are caught up, not accumulated.
+            tpot = measure_tpot(client, base, random_prompt(1024, rng), "fid", 60)
+            assert tpot == pytest.approx(modelled_tpot_s("llama3-8b-h100", 1024, 60), rel=0.1)

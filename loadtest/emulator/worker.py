@@ -67,6 +67,7 @@ class LiveRequest:
         "cached_tokens",
         "created",
         "event",
+        "failed",
         "finished",
         "first_token_s",
         "gen",
@@ -86,6 +87,7 @@ class LiveRequest:
         self.produced = 0
         self.cached_tokens = 0
         self.finished = False
+        self.failed = False  # the engine raised: the handler answers 500 instead of waiting forever
         self.arrival_s = time.monotonic()
         self.first_token_s: float | None = None
         self.event = asyncio.Event()
@@ -207,7 +209,13 @@ class EmulatedWorker:
             # wake-up of this process (CPU contention, timer resolution) is caught up instead of
             # accumulating into every later token; after idling, a step starts now.
             start_s = busy_until_s if busy_until_s is not None else self.model_now_s()
-            res = self.engine.step(start_s)
+            try:
+                res = self.engine.step(start_s)
+            except Exception:
+                log.exception("engine step failed; failing the requests in flight")
+                self._fail_all()
+                busy_until_s = None
+                continue
             if res is None:
                 continue
             busy_until_s = res.end_s
@@ -216,6 +224,14 @@ class EmulatedWorker:
                 await asyncio.sleep(delay)
             self._deliver(res)
             next(self._steps)
+
+    def _fail_all(self) -> None:
+        for live in list(self._live.values()):
+            self.engine.abort(live.request_id)
+            live.failed = True
+            live.finished = True
+            live.event.set()
+        self._live.clear()
 
     def _lookup(self, request_id: object) -> LiveRequest | None:
         key = str(request_id)

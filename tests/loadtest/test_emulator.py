@@ -364,3 +364,14 @@ def test_client_disconnect_aborts_and_frees_blocks(base_url: str) -> None:
         assert time.monotonic() < deadline, "aborted request still running"
         time.sleep(0.05)
     assert metric(base_url, "vllm:kv_cache_usage_perc") == 0.0
+
+
+def test_non_streaming_disconnect_aborts(base_url: str) -> None:
+    body = {"model": MODEL, "prompt": "z" * 200, "max_tokens": 30000}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{base_url}/v1/completions", json=body, timeout=httpx.Timeout(5.0, read=0.3))
+    deadline = time.monotonic() + 5
+    while metric(base_url, "vllm:num_requests_running") != 0:
+        assert time.monotonic() < deadline, "abandoned request still running"
+        time.sleep(0.05)
+    assert metric(base_url, "vllm:kv_cache_usage_perc") == 0.0

@@ -87,7 +87,7 @@ def modelled_tpot_s(profile_name: str, prompt_tokens: int, max_tokens: int) -> f
     return sum(steps) / len(steps)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
@@ -97,7 +97,7 @@ def _free_port() -> int:
 @contextlib.contextmanager
 def emulator_process(*args: str) -> Iterator[str]:
     """Run `python -m loadtest.emulator` on a free port until the block exits (killed by PID)."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "loadtest.emulator", "--port", str(port), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     base = f"http://127.0.0.1:{port}"

@@ -1,8 +1,10 @@
 """Fidelity: an isolated request's TTFT over HTTP equals the profile's modelled prefill time
 within 5 ms, cached tokens skip their prefill, and --time-scale divides wall time.
 
-The best of five isolated requests is compared, which filters out CPU contention from other
-processes on a shared machine; the median is reported by `python -m loadtest.emulator.fidelity`.
+Every sample must take at least the modelled time (the engine really waits). For the 5 ms upper
+bound the best sample counts, with up to ten attempts: on a shared 2-core machine other processes
+can delay any single request, while a systematic overhead would fail every attempt. Medians are
+reported by `python -m loadtest.emulator.fidelity` (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import httpx
 import pytest
 
 from loadtest.emulator.fidelity import (
-    TtftSample,
     emulator_process,
     measure_tpot,
     measure_ttft,
@@ -24,11 +25,7 @@ from loadtest.engine import load_profile
 
 PROFILE = load_profile("llama3-8b-h100")
 TOLERANCE_S = 0.005
-REPEATS = 5
-
-
-def _best(samples: list[TtftSample]) -> float:
-    return min(s.ttft_s for s in samples)
+MAX_ATTEMPTS = 10
 
 
 @pytest.mark.parametrize("time_scale", [1.0, 10.0])
@@ -41,21 +38,22 @@ def test_isolated_ttft_matches_model_and_cache_skips_prefill(time_scale: float) 
         measure_ttft(client, base, random_prompt(64, rng), "fid")  # warm-up
         sizes = (1024, 4096) if time_scale == 1.0 else (4096,)
         for n in sizes:
-            cold: list[TtftSample] = []
-            warm: list[TtftSample] = []
-            for _ in range(REPEATS):
-                prompt = random_prompt(n, rng)
-                cold.append(measure_ttft(client, base, prompt, "fid"))
-                warm.append(measure_ttft(client, base, prompt, "fid"))
-            assert {s.cached_tokens for s in cold} == {0}
             cached = (n - 1) // 16 * 16
-            assert {s.cached_tokens for s in warm} == {cached}
             cold_model_s = PROFILE.isolated_prefill_s(n) / time_scale
             warm_model_s = PROFILE.isolated_prefill_s(n - cached, cached) / time_scale
-            # Never faster than the model (the step really waits), at most 5 ms of HTTP on top.
-            for measured, modelled in ((_best(cold), cold_model_s), (_best(warm), warm_model_s)):
-                assert modelled - 0.001 <= measured <= modelled + TOLERANCE_S, (n, measured, modelled)
-            assert _best(warm) < _best(cold)
+            best_cold = best_warm = float("inf")
+            for _ in range(MAX_ATTEMPTS):
+                prompt = random_prompt(n, rng)
+                cold = measure_ttft(client, base, prompt, "fid")
+                warm = measure_ttft(client, base, prompt, "fid")
+                assert cold.cached_tokens == 0 and warm.cached_tokens == cached
+                assert cold.ttft_s >= cold_model_s - 0.001 and warm.ttft_s >= warm_model_s - 0.001
+                best_cold, best_warm = min(best_cold, cold.ttft_s), min(best_warm, warm.ttft_s)
+                if best_cold <= cold_model_s + TOLERANCE_S and best_warm <= warm_model_s + TOLERANCE_S:
+                    break
+            assert best_cold <= cold_model_s + TOLERANCE_S, (n, best_cold, cold_model_s)
+            assert best_warm <= warm_model_s + TOLERANCE_S, (n, best_warm, warm_model_s)
+            assert best_warm < best_cold
         if time_scale == 1.0:
             # Decode: one token per modelled step; late wake-ups are caught up, not accumulated.
             tpot = measure_tpot(client, base, random_prompt(1024, rng), "fid", 60)

@@ -2,7 +2,7 @@
 within 5 ms, cached tokens skip their prefill, and --time-scale divides wall time.
 
 Every sample must take at least the modelled time (the engine really waits). For the 5 ms upper
-bound the best sample counts, with up to ten attempts: on a shared 2-core machine other processes
+bound the best sample counts, with up to ten attempts 0.2 s apart: on a shared 2-core machine other processes
 can delay any single request, while a systematic overhead would fail every attempt. Medians are
 reported by `python -m loadtest.emulator.fidelity` (docs/benchmarks.md).
 """
@@ -10,6 +10,7 @@ reported by `python -m loadtest.emulator.fidelity` (docs/benchmarks.md).
 from __future__ import annotations
 
 import random
+import time
 
 import httpx
 import pytest
@@ -51,6 +52,7 @@ def test_isolated_ttft_matches_model_and_cache_skips_prefill(time_scale: float) 
                 best_cold, best_warm = min(best_cold, cold.ttft_s), min(best_warm, warm.ttft_s)
                 if best_cold <= cold_model_s + TOLERANCE_S and best_warm <= warm_model_s + TOLERANCE_S:
                     break
+                time.sleep(0.2)  # let a burst of load from other processes pass
             assert best_cold <= cold_model_s + TOLERANCE_S, (n, best_cold, cold_model_s)
             assert best_warm <= warm_model_s + TOLERANCE_S, (n, best_warm, warm_model_s)
             assert best_warm < best_cold

@@ -17,8 +17,8 @@ import argparse
 import asyncio
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import orjson
@@ -124,7 +124,7 @@ def _router_command(
     )
 
 
-def _headers(cmd: PeerCommand) -> Any:
+def _headers(cmd: PeerCommand) -> Callable[[WorkloadRequest], dict[str, str]]:
     def headers_for(req: WorkloadRequest) -> dict[str, str]:
         if cmd.name.startswith("kvgate"):
             return {"Authorization": f"Bearer {bench_api_key(req.tenant)}"}
@@ -189,7 +189,10 @@ def run_router(spec: str, reqs: list[WorkloadRequest], args: argparse.Namespace,
         time_scale=args.time_scale,
         seed=args.seed,
     )
-    pool = EmulatorPool(args.workers, settings, workdir)
+    try:
+        pool = EmulatorPool(args.workers, settings, workdir)
+    except (RuntimeError, TimeoutError) as exc:
+        return RouterRun(spec, "failed", f"emulated workers did not start: {str(exc)[-300:]}")
     router = None
     started = time.monotonic()
     try:

@@ -5,7 +5,8 @@ One process serves several ports, each with its own behaviour:
     python -m tests.e2e.fake_worker --listen 9001:ok --listen 9002:error500 ...
 
 modes: ok (answers), error500 (500 before the first byte), die (streams two chunks, then drops the
-connection), slow (streams one chunk every 50 ms for 10 s and records a client cancel).
+connection), slow (streams one chunk every 50 ms for 10 s and records a client cancel), hang
+(answers nothing for 30 s).
 GET /_log on any port returns what that port received (request id, body) and saw (cancels).
 """
 
@@ -19,7 +20,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-MODES = ("ok", "error500", "die", "slow")
+MODES = ("ok", "error500", "die", "slow", "hang")
 
 
 class Port:
@@ -82,6 +83,8 @@ def make_app(port: Port) -> web.Application:
         body = await request.json(loads=orjson.loads)
         rid = request.headers.get("x-request-id", "")
         port.requests.append({"request_id": rid, "body": body, "path": request.path})
+        if port.mode == "hang":
+            await asyncio.sleep(30)
         if port.mode == "error500":
             return web.json_response({"error": {"message": "boom", "type": "server_error"}}, status=500)
         chat = request.path.endswith("chat/completions")

@@ -6,8 +6,8 @@ Only the fields routing needs are validated here (`model`, `messages` / `prompt`
 
 from __future__ import annotations
 
+import os
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -49,7 +49,7 @@ def request_id_of(request: Request) -> str:
     rid = request.headers.get("x-request-id")
     if rid and len(rid) <= 128 and rid.isascii() and rid.isprintable():
         return rid
-    return uuid.uuid4().hex
+    return os.urandom(16).hex()
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:

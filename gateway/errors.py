@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import orjson
+from starlette.types import Receive, Scope, Send
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,3 +37,25 @@ def upstream_error(status: int, message: str) -> ApiError:
     )
     headers = {"retry-after": "1"} if status == 503 else {}
     return ApiError(status, message, "server_error", code, None, headers)
+
+
+class RawResponse:
+    """A complete response sent as two raw ASGI messages (no header-object layers on the hot path)."""
+
+    __slots__ = ("body", "headers", "status")
+
+    def __init__(self, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+        self.status = status
+        self.body = body
+        self.headers = headers
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = [*self.headers, (b"content-length", str(len(self.body)).encode())]
+        await send({"type": "http.response.start", "status": self.status, "headers": headers})
+        await send({"type": "http.response.body", "body": self.body})
+
+
+def error_response(err: ApiError, request_id: str) -> RawResponse:
+    headers = [(b"content-type", b"application/json"), (b"x-request-id", request_id.encode())]
+    headers += [(k.encode(), v.encode()) for k, v in err.headers.items()]
+    return RawResponse(err.status, err.body(), headers)

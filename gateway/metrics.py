@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -59,5 +62,71 @@ class GatewayMetrics:
             "kvgate_worker_healthy", "1 if the worker is routable", ["pool", "worker"], registry=r
         )
 
+        # Label children cached per label tuple: prometheus_client's labels() takes a lock and
+        # builds a key on every call. Label values come from the config, so the caches are bounded.
+        self._per_model: dict[tuple[str, str], _ModelChildren] = {}
+        self._status: dict[tuple[str, str, str, str], Any] = {}
+
+    def rejected(self, endpoint: str, status: int) -> None:
+        """A request refused before it was tied to a known model and tenant."""
+        self._status_child("", "", status, endpoint).inc()
+
+    def observe(
+        self,
+        *,
+        model: str,
+        tenant: str,
+        endpoint: str,
+        status: int,
+        duration_s: float,
+        ttft_s: float | None,
+        prompt_tokens: int | None,
+        cached_tokens: int | None,
+        completion_tokens: int | None,
+    ) -> None:
+        self._status_child(model, tenant, status, endpoint).inc()
+        children = self._per_model.get((model, tenant))
+        if children is None:
+            children = _ModelChildren(
+                self.duration.labels(model),
+                self.ttft.labels(model),
+                self.prompt_tokens.labels(model, tenant),
+                self.cached_tokens.labels(model, tenant),
+                self.completion_tokens.labels(model, tenant),
+            )
+            self._per_model[(model, tenant)] = children
+        children.duration.observe(duration_s)
+        if ttft_s is not None:
+            children.ttft.observe(ttft_s)
+        if prompt_tokens:
+            children.prompt.inc(prompt_tokens)
+        if cached_tokens:
+            children.cached.inc(cached_tokens)
+        if completion_tokens:
+            children.completion.inc(completion_tokens)
+
+    def decision(self, policy: str, reason: str) -> None:
+        key = ("decision", policy, reason, "")
+        child = self._status.get(key)
+        if child is None:
+            child = self._status[key] = self.decisions.labels(policy, reason)
+        child.inc()
+
+    def _status_child(self, model: str, tenant: str, status: int, endpoint: str) -> Any:
+        key = (model, tenant, str(status), endpoint)
+        child = self._status.get(key)
+        if child is None:
+            child = self._status[key] = self.requests.labels(model, tenant, str(status), endpoint)
+        return child
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+@dataclass(frozen=True, slots=True)
+class _ModelChildren:
+    duration: Any
+    ttft: Any
+    prompt: Any
+    cached: Any
+    completion: Any

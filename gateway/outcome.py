@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -12,8 +11,6 @@ from gateway.admission import Admitted
 from gateway.registry import Worker
 from gateway.state import GatewayState
 from policies.base import Observation
-
-log = logging.getLogger("kvgate.access")
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,20 +113,19 @@ def record_request(
     now_s = time.monotonic()
     a.limiter.release(usage.completion_tokens or 0, now_s)
     duration_s = now_s - a.started_s
-    m = state.metrics
-    m.requests.labels(a.model, a.tenant.name, str(status), a.endpoint).inc()
-    m.duration.labels(a.model).observe(duration_s)
-    if ttft_s is not None:
-        m.ttft.labels(a.model).observe(ttft_s)
-    if usage.prompt_tokens:
-        m.prompt_tokens.labels(a.model, a.tenant.name).inc(usage.prompt_tokens)
-    if usage.cached_tokens:
-        m.cached_tokens.labels(a.model, a.tenant.name).inc(usage.cached_tokens)
-    if usage.completion_tokens:
-        m.completion_tokens.labels(a.model, a.tenant.name).inc(usage.completion_tokens)
-    log.info(
-        "request",
-        extra={
+    state.metrics.observe(
+        model=a.model,
+        tenant=a.tenant.name,
+        endpoint=a.endpoint,
+        status=status,
+        duration_s=duration_s,
+        ttft_s=ttft_s,
+        prompt_tokens=usage.prompt_tokens,
+        cached_tokens=usage.cached_tokens,
+        completion_tokens=usage.completion_tokens,
+    )
+    state.access_log.write(
+        {
             "request_id": a.request_id,
             "tenant": a.tenant.name,
             "model": a.model,
@@ -145,5 +141,5 @@ def record_request(
             "ttft_ms": round(ttft_s * 1000, 2) if ttft_s is not None else None,
             "duration_ms": round(duration_s * 1000, 2),
             "error": error,
-        },
+        }
     )

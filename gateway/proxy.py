@@ -12,24 +12,16 @@ import time
 
 import aiohttp
 import orjson
-from starlette.responses import Response
 
 from gateway.admission import UPSTREAM_PATHS, Admitted
-from gateway.errors import ApiError, upstream_error
+from gateway.errors import ApiError, RawResponse, error_response, upstream_error
 from gateway.outcome import Attempt, Usage, record_request, usage_of
 from gateway.state import GatewayState
 from gateway.streaming import ProxyStream
 from policies.base import WorkerId
 
-_PASS_HEADERS = ("content-type",)
 
-
-def error_response(err: ApiError, request_id: str) -> Response:
-    headers = {"x-request-id": request_id, **err.headers}
-    return Response(err.body(), err.status, headers=headers, media_type="application/json")
-
-
-async def dispatch(a: Admitted, state: GatewayState) -> Response | ProxyStream:
+async def dispatch(a: Admitted, state: GatewayState) -> RawResponse | ProxyStream:
     """Route and send one admitted request; always ends by recording it exactly once."""
     session = state.upstream()
     pool = a.pool
@@ -52,7 +44,7 @@ async def dispatch(a: Admitted, state: GatewayState) -> Response | ProxyStream:
             state.metrics.retries.labels(pool.name).inc()
         tried.add(decision.worker)
         state.policy.on_dispatch(a.route, decision, now_s)
-        state.metrics.decisions.labels(state.policy_name, decision.reason).inc()
+        state.metrics.decision(state.policy_name, decision.reason)
         worker.acquire(a.route.n_prompt_tokens, a.max_output_tokens, now_s)
         attempt = Attempt(a, worker, decision.reason, now_s)
         try:
@@ -87,7 +79,7 @@ async def dispatch(a: Admitted, state: GatewayState) -> Response | ProxyStream:
 
 async def _whole(
     state: GatewayState, a: Admitted, attempt: Attempt, resp: aiohttp.ClientResponse, retries: int
-) -> Response:
+) -> RawResponse:
     """A non-streamed answer (or a worker's 4xx): pass the bytes through unchanged."""
     try:
         body = await resp.read()
@@ -130,12 +122,9 @@ async def _whole(
         ttft_s=None,
         retries=retries,
     )
-    headers = {"x-request-id": a.request_id}
-    for name in _PASS_HEADERS:
-        value = resp.headers.get(name)
-        if value is not None:
-            headers[name] = value
-    return Response(body, resp.status, headers=headers)
+    content_type = resp.headers.get("content-type", "application/json")
+    headers = [(b"content-type", content_type.encode()), (b"x-request-id", a.request_id.encode())]
+    return RawResponse(resp.status, body, headers)
 
 
 def _finish_error(

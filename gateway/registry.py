@@ -99,6 +99,10 @@ class Pool:
         self.config = config
         self.name = config.name
         self.workers: dict[WorkerId, Worker] = {}
+        t = config.timeouts
+        self.client_timeout = aiohttp.ClientTimeout(
+            total=t.total_s, sock_connect=t.connect_s, sock_read=t.read_s
+        )
         self.set_urls(config.workers)
 
     def set_urls(self, urls: Iterable[str]) -> None:

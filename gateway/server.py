@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from types import FrameType
 
 import uvicorn
@@ -30,9 +31,9 @@ class DrainingServer(uvicorn.Server):
         self._drain_task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def serve(self, sockets: list[object] | None = None) -> None:  # type: ignore[override]
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
-        await super().serve()
+        await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._state.draining or self._loop is None:
@@ -65,7 +66,9 @@ def serve(config: GatewayConfig, secret: bytes, policy: RoutingPolicy) -> int:
         lifespan="on",
         timeout_graceful_shutdown=int(config.drain.deadline_s) + 5,
         timeout_keep_alive=30,
+        proxy_headers=False,  # client addresses are not used; no per-request header rewriting
+        server_header=False,
     )
     server = DrainingServer(uv_config, state)
-    asyncio.run(server.serve())
+    server.run()  # uvicorn's loop factory: uvloop when installed
     return 0 if server.started else 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -11,6 +12,7 @@ import aiohttp
 
 from gateway.auth import KeyRing, Tenant, derive_secret
 from gateway.config import GatewayConfig
+from gateway.logs import AccessLog
 from gateway.metrics import GatewayMetrics
 from gateway.quotas import TenantLimiter
 from gateway.registry import Registry
@@ -32,6 +34,7 @@ class GatewayState:
     normalizers: dict[str, Normalizer]
     metrics: GatewayMetrics
     limiters: dict[str, TenantLimiter]
+    access_log: AccessLog = field(default_factory=lambda: AccessLog(enabled=False))
     created_s: int = 0
     session: aiohttp.ClientSession | None = None
     draining: bool = False
@@ -72,6 +75,7 @@ def build_state(config: GatewayConfig, secret: bytes, policy: RoutingPolicy) -> 
         normalizers={p.name: Normalizer(p.normalizer, normalizer_secret) for p in config.pools},
         metrics=GatewayMetrics(),
         limiters={t.name: TenantLimiter(t.quotas, now_s) for t in config.tenants},
+        access_log=AccessLog(enabled=logging.getLogger("kvgate.access").isEnabledFor(logging.INFO)),
         created_s=int(time.time()),
     )
 

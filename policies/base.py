@@ -74,12 +74,18 @@ class WorkerView:
 
 @dataclass(frozen=True, slots=True)
 class RouteDecision:
-    """The chosen worker, its score in seconds (higher is better) and a short metrics-safe reason."""
+    """The chosen worker, its score in seconds (higher is better) and a short metrics-safe reason.
+
+    `shared_prefix_blocks` > 0 means the request's leading immutable blocks were routed as a
+    promoted public prefix (the gateway may then let the worker share that KV across tenants
+    whose isolation allows it).
+    """
 
     worker: WorkerId
     score_s: float
     reason: str
     matched_tokens: int = 0
+    shared_prefix_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)

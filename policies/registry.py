@@ -49,4 +49,7 @@ def make_policy(name: str, *, seed: int = 0, **options: Any) -> RoutingPolicy:
 
 def _load_builtin() -> None:
     # Importing the modules runs their decorators.
-    import policies.baselines  # noqa: F401
+    import policies.baselines
+    import policies.cost_policy
+    import policies.preble
+    import policies.sglang_cache_aware  # noqa: F401

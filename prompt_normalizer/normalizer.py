@@ -1,30 +1,83 @@
 """The normalizer facade the gateway and the simulator call.
 
-This first cut implements only the `approximate` mode with no zones beyond one append-only span:
-canonical text (sorted-key JSON of the request's messages) cut into fixed character chunks.
+    norm = Normalizer(config, secret)
+    prompt = norm.canonicalize("chat", body, identity, public_identity)        # approximate, tokenizer
+    plan = norm.prepare_render("chat", body)                                   # render mode: the gateway
+    prompt = norm.from_render(plan, token_ids, identity, public_identity,      # POSTs plan.body (and the
+                              boundary_token_ids=[...])                        # boundary bodies) first
+
+`canonicalize` is pure CPU work except for the bounded drift memory. In `render` mode it accepts only
+completions prompts given as token ids; any other request raises `NormalizerError(code=
+"render_required")`, because its token ids come from the worker: the gateway calls the worker's
+render endpoint with `plan.body` and hands the ids to `from_render`, a pure function of the plan
+and the ids. In every mode, when `CanonicalPrompt.canonical_body` is set the gateway forwards that
+body instead of the original, so the worker caches exactly what the keys describe.
+
+`keys_for_tokens` gives the same chained keys for raw token ids (KV events carry token ids), so an
+index fed by events and one fed by requests agree.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+import numpy as np
 import orjson
-import xxhash
-from pydantic import BaseModel, ConfigDict
 
-from prompt_normalizer.types import BlockKey, CanonicalPrompt, KeyIdentity, Zone, ZoneSpan
+from prompt_normalizer.approx import APPROX_UNIT, approx_chat, approx_text
+from prompt_normalizer.canonical import CanonicalChat, FieldItem, canonicalize_chat, json_copy
+from prompt_normalizer.config import NormalizerConfig, VolatileRule, ZoneConfig
+from prompt_normalizer.drift import DriftTracker
+from prompt_normalizer.errors import NormalizerError
+from prompt_normalizer.keys import (
+    TOKEN_DTYPE,
+    TOKEN_UNIT,
+    TokenArray,
+    as_tokens,
+    keyed_digest,
+    root_key,
+    secret_key,
+    token_block_keys,
+)
+from prompt_normalizer.layout import (
+    Assembled,
+    Boundaries,
+    Hashed,
+    assemble,
+    boundaries_from_positions,
+    boundary_body,
+    boundary_specs,
+)
+from prompt_normalizer.render import CHAT_RENDER_PATH, COMPLETIONS_RENDER_PATH, RenderPlan, render_boundaries
+from prompt_normalizer.template import ChatTemplateTokenizer
+from prompt_normalizer.types import BlockKey, CanonicalPrompt, KeyIdentity, Zone
+
+__all__ = ["Endpoint", "Normalizer", "NormalizerConfig", "NormalizerError", "VolatileRule", "ZoneConfig"]
 
 Endpoint = Literal["chat", "completions"]
+_ROOT_CACHE_MAX = 4096
 
 
-class NormalizerConfig(BaseModel):
-    """Per-pool normalizer settings (part of the policy YAML)."""
+class _CompletionsPrompt:
+    """A completions `prompt`: text or token ids (a batch is keyed by its first prompt)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    mode: Literal["approximate", "tokenizer", "render"] = "approximate"
-    chars_per_token: int = 4
+    def __init__(self, body: Mapping[str, Any]) -> None:
+        prompt = body.get("prompt")
+        self.diagnostics: list[str] = []
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) > 1:
+                self.diagnostics.append(f"prompt: batch of {len(prompt)} prompts, keyed by prompt[0]")
+            prompt = prompt[0]
+        self.text: str | None = None
+        self.tokens: TokenArray | None = None
+        if isinstance(prompt, str):
+            self.text = prompt
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            self.tokens = as_tokens(prompt, param="prompt")
+        else:
+            raise NormalizerError("'prompt' must be a string, a list of strings or token ids", param="prompt")
 
 
 class Normalizer:
@@ -32,7 +85,64 @@ class Normalizer:
 
     def __init__(self, config: NormalizerConfig, secret: bytes) -> None:
         self._config = config
-        self._seed = xxhash.xxh3_64_intdigest(secret)
+        self._key = secret_key(secret)
+        self._roots: OrderedDict[tuple[KeyIdentity, str], int] = OrderedDict()
+        self._tokenizer: ChatTemplateTokenizer | None = None
+        if config.mode == "tokenizer":
+            assert config.tokenizer_dir is not None  # checked by the config
+            self._tokenizer = ChatTemplateTokenizer(
+                config.tokenizer_dir, config.chat_template_file, config.content_format
+            )
+        self._drift = DriftTracker(config.drift_sessions_max, config.drift_store_max_blocks)
+
+    @property
+    def config(self) -> NormalizerConfig:
+        return self._config
+
+    @property
+    def render_fingerprint(self) -> str | None:
+        """A digest of the local tokenizer and template (tokenizer mode): put it in the identity's
+        `tokenizer_version` / `template_version` when the pool config does not name versions."""
+        return self._tokenizer.fingerprint if self._tokenizer is not None else None
+
+    @property
+    def drift_sessions(self) -> int:
+        return len(self._drift)
+
+    def root(self, identity: KeyIdentity, unit: str = TOKEN_UNIT) -> int:
+        """The chain root for `identity` (cached, bounded)."""
+        cache_key = (identity, unit)
+        root = self._roots.get(cache_key)
+        if root is None:
+            root = root_key(self._key, identity, unit)
+            self._roots[cache_key] = root
+            if len(self._roots) > _ROOT_CACHE_MAX:
+                self._roots.popitem(last=False)
+        return root
+
+    def keys_for_tokens(
+        self, token_ids: Sequence[int] | TokenArray, identity: KeyIdentity, parent: BlockKey | None = None
+    ) -> tuple[BlockKey, ...]:
+        """Chained keys of raw token ids, from the identity root or from a parent block's key."""
+        seed = self.root(identity) if parent is None else int(parent)
+        return token_block_keys(as_tokens(token_ids), identity.block_size_tokens, seed)
+
+    def session_digest(
+        self, body: Mapping[str, Any], identity: KeyIdentity, session_key: str | None = None
+    ) -> bytes | None:
+        """Keyed session id: a header value if given, else the first configured body field."""
+        value = session_key
+        if value is None:
+            for name in self._config.session_fields:
+                candidate = body.get(name)
+                if isinstance(candidate, str) and candidate:
+                    value = candidate
+                    break
+        if value is None:
+            return None
+        return keyed_digest(self._key, orjson.dumps([identity.namespace, value]), b"kvgate-session")
+
+    # -- the facade -------------------------------------------------------------------------------
 
     def canonicalize(
         self,
@@ -40,20 +150,238 @@ class Normalizer:
         body: Mapping[str, Any],
         identity: KeyIdentity,
         public_identity: KeyIdentity | None = None,
+        *,
+        session_key: str | None = None,
     ) -> CanonicalPrompt:
-        source = "messages" if endpoint == "chat" else "prompt"
-        text = orjson.dumps(body.get(source), option=orjson.OPT_SORT_KEYS)
-        n_tokens = max(1, len(text) // self._config.chars_per_token)
-        chunk = identity.block_size_tokens * self._config.chars_per_token
-        root = xxhash.xxh3_64_intdigest(repr(identity).encode(), seed=self._seed)
-        keys: list[BlockKey] = []
-        prev = root
-        for start in range(0, len(text) - chunk + 1, chunk):
-            prev = xxhash.xxh3_64_intdigest(text[start : start + chunk], seed=prev)
-            keys.append(BlockKey(prev))
-        return CanonicalPrompt(
-            n_tokens=n_tokens,
-            block_size_tokens=identity.block_size_tokens,
-            block_keys=tuple(keys),
-            zones=(ZoneSpan(Zone.APPEND_ONLY, source, 0, n_tokens),),
+        """Canonical model input, zones and keys of one request (approximate and tokenizer modes)."""
+        if not isinstance(body, Mapping):
+            raise NormalizerError("request body must be a JSON object")
+        mode = self._config.mode
+        if endpoint == "completions":
+            prompt = _CompletionsPrompt(body)
+            if prompt.tokens is not None:
+                return self._finish_tokens(
+                    prompt.tokens,
+                    None,
+                    None,
+                    identity,
+                    public_identity,
+                    body,
+                    session_key,
+                    prompt.diagnostics,
+                    "prompt",
+                )
+            assert prompt.text is not None
+            if mode == "approximate":
+                hashed = approx_text(prompt.text, self._config.chars_per_token)
+                return self._finish(
+                    hashed,
+                    APPROX_UNIT,
+                    None,
+                    None,
+                    identity,
+                    public_identity,
+                    body,
+                    session_key,
+                    prompt.diagnostics,
+                    "prompt",
+                )
+            if mode == "render":
+                raise NormalizerError(
+                    "render mode: call prepare_render() and from_render()", code="render_required"
+                )
+            assert self._tokenizer is not None
+            enc = self._tokenizer.encode(
+                prompt.text,
+                add_special_tokens=self._config.completions_add_special_tokens,
+                with_offsets=False,
+            )
+            return self._finish_tokens(
+                enc.tokens,
+                None,
+                None,
+                identity,
+                public_identity,
+                body,
+                session_key,
+                prompt.diagnostics,
+                "prompt",
+            )
+        if endpoint != "chat":
+            raise NormalizerError(f"unknown endpoint {endpoint!r}", code="bad_endpoint")
+        if mode == "render":
+            raise NormalizerError(
+                "render mode: call prepare_render() and from_render()", code="render_required"
+            )
+        chat = canonicalize_chat(body, self._config, self._key)
+        if mode == "approximate":
+            hashed, bounds = approx_chat(chat, self._config.chars_per_token)
+            return self._finish(
+                hashed,
+                APPROX_UNIT,
+                chat,
+                bounds,
+                identity,
+                public_identity,
+                body,
+                session_key,
+                [],
+                "messages",
+            )
+        assert self._tokenizer is not None
+        text = self._tokenizer.render(chat)
+        specs = boundary_specs(chat)
+        needs_offsets = any(s.n_messages or s.with_tools for s in specs)
+        enc = self._tokenizer.encode(text, add_special_tokens=False, with_offsets=needs_offsets)
+        n = len(enc.tokens)
+        positions: list[int | None] = [0] * len(specs)
+        if enc.ends is not None:
+            positions = self._tokenizer.boundary_tokens(chat, text, enc.ends, specs)
+        bounds = boundaries_from_positions(
+            specs, positions, n, chat.add_generation_prompt, chat.volatile_index is not None
         )
+        return self._finish_tokens(
+            enc.tokens, chat, bounds, identity, public_identity, body, session_key, [], "messages"
+        )
+
+    def prepare_render(self, endpoint: Endpoint, body: Mapping[str, Any]) -> RenderPlan:
+        """Render mode, step 1: the canonical body to render and forward, and the boundary renders."""
+        if endpoint == "completions":
+            _CompletionsPrompt(body)  # validates
+            return RenderPlan(
+                "completions", COMPLETIONS_RENDER_PATH, json_copy(dict(body), "prompt"), (), (), None
+            )
+        chat = canonicalize_chat(body, self._config, self._key)
+        canonical = chat.body if chat.body is not None else json_copy(dict(body), "messages")
+        specs = boundary_specs(chat)
+        bodies = tuple(boundary_body(canonical, spec) for spec in specs)
+        return RenderPlan("chat", CHAT_RENDER_PATH, canonical, specs, bodies, chat)
+
+    def from_render(
+        self,
+        plan: RenderPlan,
+        token_ids: Sequence[int] | TokenArray,
+        identity: KeyIdentity,
+        public_identity: KeyIdentity | None = None,
+        *,
+        boundary_token_ids: Sequence[Sequence[int] | TokenArray | None] = (),
+        session_key: str | None = None,
+    ) -> CanonicalPrompt:
+        """Render mode, step 2 (pure): keys and zones from the worker's token ids.
+
+        `boundary_token_ids[i]` are the ids rendered for `plan.boundary_bodies[i]` (or None if not
+        rendered). Missing boundaries leave the immutable zone empty and no volatile span.
+        """
+        tokens = as_tokens(token_ids, param="render.token_ids")
+        if plan.chat is None:
+            return self._finish_tokens(
+                tokens, None, None, identity, public_identity, plan.body, session_key, [], "prompt"
+            )
+        chat = plan.chat
+        positions = render_boundaries(tokens, boundary_token_ids, plan.boundary_specs)
+        bounds = boundaries_from_positions(
+            plan.boundary_specs,
+            positions,
+            len(tokens),
+            chat.add_generation_prompt,
+            chat.volatile_index is not None,
+        )
+        return self._finish_tokens(
+            tokens, chat, bounds, identity, public_identity, plan.body, session_key, [], "messages"
+        )
+
+    # -- shared tail --------------------------------------------------------------------------------
+
+    def _finish_tokens(
+        self,
+        tokens: TokenArray,
+        chat: CanonicalChat | None,
+        bounds: Boundaries | None,
+        identity: KeyIdentity,
+        public_identity: KeyIdentity | None,
+        body: Mapping[str, Any],
+        session_key: str | None,
+        diagnostics: list[str],
+        source: str,
+    ) -> CanonicalPrompt:
+        hashed = Hashed(tokens, TOKEN_DTYPE.itemsize, len(tokens))
+        return self._finish(
+            hashed,
+            TOKEN_UNIT,
+            chat,
+            bounds,
+            identity,
+            public_identity,
+            body,
+            session_key,
+            diagnostics,
+            source,
+        )
+
+    def _finish(
+        self,
+        hashed: Hashed,
+        unit: str,
+        chat: CanonicalChat | None,
+        bounds: Boundaries | None,
+        identity: KeyIdentity,
+        public_identity: KeyIdentity | None,
+        body: Mapping[str, Any],
+        session_key: str | None,
+        diagnostics: list[str],
+        source: str,
+    ) -> CanonicalPrompt:
+        if identity.block_size_tokens <= 0:
+            raise NormalizerError("block_size_tokens must be positive", code="bad_config")
+        if public_identity is not None and public_identity.block_size_tokens != identity.block_size_tokens:
+            raise NormalizerError("public identity must use the same block size", code="bad_config")
+        diags = list(chat.diagnostics) if chat is not None else []
+        diags.extend(diagnostics)
+        if bounds is None:
+            bounds = Boundaries(0, hashed.n_tokens, {})
+        assembled: Assembled = assemble(
+            hashed,
+            block_size=identity.block_size_tokens,
+            root=self.root(identity, unit),
+            public_root=self.root(public_identity, unit) if public_identity is not None else None,
+            boundaries=bounds,
+            chat=chat,
+            source=source,
+            diagnostics=diags,
+        )
+        prompt = assembled.prompt
+        session = self.session_digest(body, identity, session_key)
+        if session is None:
+            return prompt
+        items = chat.items if chat is not None else _prompt_items(body, self._key)
+        report = self._drift.observe(
+            session,
+            prompt.block_keys,
+            assembled.stable_end_token,
+            identity.block_size_tokens,
+            items,
+            prompt.zones,
+        )
+        drift_diags = prompt.diagnostics
+        if report.first_diff_block is not None:
+            drift_diags = (
+                *drift_diags,
+                f"drift: block {report.first_diff_block} ({report.zone}, {report.field})",
+            )
+        return _replace(prompt, drift=report, diagnostics=drift_diags)
+
+
+def _prompt_items(body: Mapping[str, Any], key: bytes) -> tuple[FieldItem, ...]:
+    digest = keyed_digest(key, orjson.dumps(body.get("prompt"), option=orjson.OPT_SORT_KEYS))
+    return (FieldItem("prompt", Zone.APPEND_ONLY, digest),)
+
+
+def _replace(prompt: CanonicalPrompt, **changes: Any) -> CanonicalPrompt:
+    import dataclasses
+
+    return dataclasses.replace(prompt, **changes)
+
+
+def token_array(ids: Sequence[int]) -> TokenArray:
+    """Token ids as the uint32 array the key functions hash (helper for callers and tests)."""
+    return np.asarray(ids, dtype=TOKEN_DTYPE)

@@ -1,6 +1,15 @@
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
 import pytest
 
+from policies.base import Isolation
 from policies.config import PolicyConfigError, build_policy, parse_policy_yaml
+from policies.cost_policy import CostPolicy
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "policy.md"
 
 
 def test_valid_file_builds_policy() -> None:
@@ -8,9 +17,28 @@ def test_valid_file_builds_policy() -> None:
     assert build_policy(cfg).name == "least_load"
 
 
+def test_empty_file_is_the_cost_policy() -> None:
+    assert build_policy(parse_policy_yaml("")).name == "cost"
+
+
 @pytest.mark.parametrize(
     ("text", "needle"),
-    [("polcy: x\n", "polcy"), ("seed: abc\n", "seed"), ("policy: [\n", "YAML")],
+    [
+        ("polcy: x\n", "polcy"),
+        ("seed: abc\n", "seed"),
+        ("policy: [\n", "YAML"),
+        ("- a\n- b\n", "mapping"),
+        ("pools:\n  chat:\n    cost_model:\n      step_s: -1\n", r"pools\.chat\.cost_model\.step_s"),
+        (
+            "pools:\n  chat:\n    cost_model:\n      profile: gpt9\n",
+            r"pools\.chat\.cost_model\.profile.*llama3",
+        ),
+        ("tenants:\n  acme:\n    isolation: open\n", r"tenants\.acme\.isolation"),
+        ("default_pool:\n  index:\n    granularity: 2\n", r"default_pool\.index\.granularity"),
+        ("public_prefixes:\n  allow_list: [zz]\n", r"public_prefixes\.allow_list"),
+        ("normalizer:\n  mode: psychic\n", r"normalizer\.mode"),
+        ("cost:\n  epsilon: -0.1\n", r"cost\.epsilon"),
+    ],
 )
 def test_bad_file_names_the_problem(text: str, needle: str) -> None:
     with pytest.raises(PolicyConfigError, match=needle):
@@ -20,3 +48,23 @@ def test_bad_file_names_the_problem(text: str, needle: str) -> None:
 def test_unknown_policy_name_lists_known() -> None:
     with pytest.raises(PolicyConfigError, match="round_robin"):
         build_policy(parse_policy_yaml("policy: nope\n"))
+
+
+def test_build_failure_is_a_config_error() -> None:
+    with pytest.raises(PolicyConfigError, match="random"):
+        build_policy(parse_policy_yaml("policy: random\noptions:\n  bogus: 1\n"))
+
+
+def test_documented_example_parses_and_builds_every_policy() -> None:
+    blocks = re.findall(r"```yaml\n(.*?)```", DOC.read_text(), flags=re.S)
+    assert blocks, "docs/policy.md lost its example"
+    cfg = parse_policy_yaml(blocks[0])
+    assert cfg.tenants["acme"].isolation is Isolation.SHARED_PUBLIC
+    assert cfg.normalizer.chars_per_token == 4
+    policy = build_policy(cfg)
+    assert isinstance(policy, CostPolicy) and policy.epsilon == 0.25
+    shared = cfg.shared_settings()
+    assert shared.pools["chat"].cost.transfer_enabled
+    assert shared.pools["chat"].cost.step_s == 0.017  # from the profile, not overridden
+    for name in ("round_robin", "random", "least_load", "consistent_hash", "sglang_cache_aware", "preble_e2"):
+        assert build_policy(cfg.model_copy(update={"policy": name})).name == name

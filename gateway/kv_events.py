@@ -1,0 +1,463 @@
+"""Subscriber for vLLM's KV-cache events (ZMQ PUB, msgpack), one SUB socket per worker.
+
+Wire format (vLLM `vllm/distributed/kv_events.py`, SGLang uses the same framing):
+a multipart message `[topic, seq (8-byte big-endian), payload]`, where payload is a msgpack
+`EventBatch`: `[ts, events, data_parallel_rank?]` or the map form `{"ts", "events", ...}`. An event
+is either array-like (`["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
+lora_id, medium, lora_name, ...]`, `["BlockRemoved", block_hashes, medium, ...]`,
+`["AllBlocksCleared"]`; trailing fields may be missing) or a map tagged by `"type"`.
+
+The publisher numbers batches 0, 1, 2, ... and drops messages above its high-water mark, so the
+subscriber watches `seq`. On a gap it asks the worker's ROUTER replay socket (when configured) for
+the missing batches; whatever cannot be recovered is reported through `on_gap`. Without an
+`on_gap` handler the subscriber delivers a synthetic `AllBlocksCleared`: forgetting a worker's blocks
+costs some cache hits, while keeping a view with holes in it would route to blocks that are gone.
+A sequence that goes backwards means the publisher restarted (its cache is empty): the same signal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from policies.base import EngineBlockHash, KvEvent, KvEventKind, WorkerId
+
+log = logging.getLogger("kvgate.kv_events")
+
+# vLLM ends a replay with seq = -1 as a signed 8-byte big-endian integer and an empty payload.
+REPLAY_END_SEQ = (-1).to_bytes(8, "big", signed=True)
+# Media whose blocks live on the worker's GPU (None: builds before the `medium` field existed).
+GPU_MEDIA: frozenset[str | None] = frozenset({None, "GPU", "gpu"})
+# Hybrid models publish one event stream per KV-cache group; only full attention maps to prefixes.
+PREFIX_SPEC_KINDS: frozenset[str | None] = frozenset({None, "full_attention"})
+
+KvEventCallback = Callable[[WorkerId, KvEvent], None]
+
+
+class KvEventDecodeError(ValueError):
+    """A payload that is not a vLLM `EventBatch`; the message says which part is wrong."""
+
+
+@dataclass(frozen=True, slots=True)
+class KvEventEndpoint:
+    """Where one worker publishes: its PUB endpoint, optional ROUTER replay endpoint and topic prefix."""
+
+    worker: WorkerId
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceGap:
+    """Batches `first_missing_seq .. next_seq - 1` were lost for good (or the publisher restarted)."""
+
+    worker: WorkerId
+    first_missing_seq: int
+    next_seq: int
+    publisher_restarted: bool = False
+
+    @property
+    def missing_batches(self) -> int:
+        return max(0, self.next_seq - self.first_missing_seq)
+
+
+GapCallback = Callable[[SequenceGap], None]
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedBatch:
+    """One decoded `EventBatch`: the events the gateway cares about, plus how many were filtered out."""
+
+    ts_s: float
+    events: tuple[KvEvent, ...]
+    skipped_events: int = 0
+    data_parallel_rank: int | None = None
+
+
+@dataclass(slots=True)
+class SubscriptionStats:
+    """Counters of one worker's subscription, for /metrics and the admin API."""
+
+    batches: int = 0
+    events: int = 0
+    skipped_events: int = 0
+    decode_errors: int = 0
+    callback_errors: int = 0
+    gaps: int = 0
+    lost_batches: int = 0
+    replayed_batches: int = 0
+    replay_failures: int = 0
+    restarts: int = 0
+    last_seq: int | None = None
+    last_batch_monotonic_s: float | None = None
+    last_error: str | None = None
+
+
+# ---------------------------------------------------------------- decoding
+
+
+def _as_str(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return str(value)
+
+
+def _hashes(value: Any, what: str) -> tuple[EngineBlockHash, ...]:
+    if not isinstance(value, list | tuple):
+        raise KvEventDecodeError(f"{what}: expected a list of block hashes, got {type(value).__name__}")
+    out: list[EngineBlockHash] = []
+    for h in value:
+        if isinstance(h, bool) or not isinstance(h, int | bytes):
+            raise KvEventDecodeError(f"{what}: a block hash must be int or bytes, got {type(h).__name__}")
+        out.append(h)
+    return tuple(out)
+
+
+def _optional_hash(value: Any, what: str) -> EngineBlockHash | None:
+    if value is None:
+        return None
+    return _hashes([value], what)[0]
+
+
+def _int_list(value: Any, what: str) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list | tuple) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    ):
+        raise KvEventDecodeError(f"{what}: expected a list of ints")
+    return tuple(value)
+
+
+# Positional field names of the array-like encoding, in vLLM's declaration order (after the tag).
+_STORED_FIELDS = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+)
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+
+
+def _fields(raw: Any) -> tuple[str, Mapping[Any, Any]]:
+    """Normalize one event (array-like or map) to its tag and a field mapping."""
+    if isinstance(raw, Mapping):
+        tag = _as_str(raw.get("type"))
+        if tag is None:
+            raise KvEventDecodeError("event map has no 'type'")
+        return tag, raw
+    if isinstance(raw, list | tuple) and raw:
+        tag = _as_str(raw[0]) or ""
+        names: tuple[str, ...] = ()
+        if tag == "BlockStored":
+            names = _STORED_FIELDS
+        elif tag == "BlockRemoved":
+            names = _REMOVED_FIELDS
+        return tag, dict(zip(names, raw[1:], strict=False))
+    raise KvEventDecodeError(f"an event must be a non-empty array or a map, got {type(raw).__name__}")
+
+
+def decode_event(raw: Any) -> KvEvent | None:
+    """Decode one event; None for events the prefix index must not see (other media, unknown types)."""
+    tag, f = _fields(raw)
+    if tag == "AllBlocksCleared":
+        return KvEvent(kind=KvEventKind.ALL_BLOCKS_CLEARED)
+    if tag not in ("BlockStored", "BlockRemoved"):
+        return None
+    if _as_str(f.get("medium")) not in GPU_MEDIA:
+        return None
+    if _as_str(f.get("kv_cache_spec_kind")) not in PREFIX_SPEC_KINDS:
+        return None
+    hashes = _hashes(f.get("block_hashes"), f"{tag}.block_hashes")
+    if tag == "BlockRemoved":
+        return KvEvent(kind=KvEventKind.BLOCK_REMOVED, block_hashes=hashes)
+    block_size = f.get("block_size", 0)
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 0:
+        raise KvEventDecodeError("BlockStored.block_size: expected a non-negative int")
+    return KvEvent(
+        kind=KvEventKind.BLOCK_STORED,
+        block_hashes=hashes,
+        parent_block_hash=_optional_hash(f.get("parent_block_hash"), "BlockStored.parent_block_hash"),
+        token_ids=_int_list(f.get("token_ids"), "BlockStored.token_ids"),
+        block_size=block_size,
+        lora_name=_as_str(f.get("lora_name")),
+    )
+
+
+def decode_batch(payload: bytes) -> DecodedBatch:
+    """Decode a msgpack `EventBatch` (array or map form); raises `KvEventDecodeError`."""
+    try:
+        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise KvEventDecodeError(f"payload is not msgpack: {type(exc).__name__}") from None
+    if isinstance(raw, Mapping):
+        ts, events, rank = raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")
+    elif isinstance(raw, list | tuple) and len(raw) >= 2:
+        ts, events = raw[0], raw[1]
+        rank = raw[2] if len(raw) > 2 else None
+    else:
+        raise KvEventDecodeError("batch must be [ts, events, dp_rank?] or a map with 'events'")
+    if not isinstance(events, list | tuple):
+        raise KvEventDecodeError("batch.events: expected a list")
+    if not isinstance(ts, int | float) or isinstance(ts, bool):
+        raise KvEventDecodeError("batch.ts: expected a number")
+    decoded: list[KvEvent] = []
+    skipped = 0
+    for item in events:
+        ev = decode_event(item)
+        if ev is None:
+            skipped += 1
+        else:
+            decoded.append(ev)
+    return DecodedBatch(
+        ts_s=float(ts),
+        events=tuple(decoded),
+        skipped_events=skipped,
+        data_parallel_rank=rank if isinstance(rank, int) and not isinstance(rank, bool) else None,
+    )
+
+
+# ---------------------------------------------------------------- subscriber
+
+
+@dataclass(frozen=True, slots=True)
+class KvEventLimits:
+    """Bounds on what one subscription may hold or wait for."""
+
+    max_message_bytes: int = 64 * 1024 * 1024
+    receive_hwm: int = 10_000
+    replay_timeout_s: float = 2.0
+    max_replay_batches: int = 10_000
+    reconnect_ivl_s: float = 0.1
+
+
+@dataclass(slots=True)
+class _Subscription:
+    endpoint: KvEventEndpoint
+    task: asyncio.Task[None]
+    stats: SubscriptionStats = field(default_factory=SubscriptionStats)
+
+
+class KvEventSubscriber:
+    """Owns one SUB socket and task per worker; feed it from discovery, drive it from the lifespan.
+
+    `on_event` is called on the event loop, in sequence order, for every decoded event; it must be
+    quick (it is the policy's `on_kv_event` behind a lock-free wrapper). Errors it raises are logged
+    and counted, never fatal. `stop()` cancels every task and closes every socket.
+    """
+
+    def __init__(
+        self,
+        on_event: KvEventCallback,
+        on_gap: GapCallback | None = None,
+        limits: KvEventLimits | None = None,
+    ) -> None:
+        self._on_event = on_event
+        self._on_gap = on_gap
+        self._limits = limits or KvEventLimits()
+        self._ctx: zmq.asyncio.Context | None = None
+        self._subs: dict[WorkerId, _Subscription] = {}
+        # Every task ever started and not yet finished, so stop() can wait for sockets to close.
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # lifespan -------------------------------------------------------------
+    async def start(self, endpoints: Sequence[KvEventEndpoint] = ()) -> None:
+        if self._ctx is None:
+            self._ctx = zmq.asyncio.Context()
+        for ep in endpoints:
+            self.add(ep)
+
+    async def stop(self) -> None:
+        self._subs.clear()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+            self._ctx = None
+
+    # membership -----------------------------------------------------------
+    def add(self, endpoint: KvEventEndpoint) -> None:
+        """Subscribe to a worker (replacing an earlier subscription of the same worker)."""
+        if self._ctx is None:
+            raise RuntimeError("KvEventSubscriber.add() before start()")
+        self.remove(endpoint.worker)
+        stats = SubscriptionStats()
+        task = asyncio.create_task(self._run(endpoint, stats), name=f"kv-events:{endpoint.worker}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        self._subs[endpoint.worker] = _Subscription(endpoint, task, stats)
+
+    def remove(self, worker: WorkerId) -> None:
+        sub = self._subs.pop(worker, None)
+        if sub is not None:
+            sub.task.cancel()
+
+    def workers(self) -> frozenset[WorkerId]:
+        return frozenset(self._subs)
+
+    def stats(self, worker: WorkerId) -> SubscriptionStats | None:
+        sub = self._subs.get(worker)
+        return sub.stats if sub is not None else None
+
+    # per-worker loop --------------------------------------------------------
+    async def _run(self, ep: KvEventEndpoint, stats: SubscriptionStats) -> None:
+        assert self._ctx is not None
+        sock = self._ctx.socket(zmq.SUB)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, self._limits.receive_hwm)
+            sock.setsockopt(zmq.MAXMSGSIZE, self._limits.max_message_bytes)
+            sock.setsockopt(zmq.RECONNECT_IVL, int(self._limits.reconnect_ivl_s * 1000))
+            sock.setsockopt(zmq.SUBSCRIBE, ep.topic.encode())
+            sock.connect(ep.endpoint)
+        except zmq.ZMQError as exc:
+            stats.last_error = f"cannot connect to {ep.endpoint}: {exc}"
+            log.error("kv events from %s: %s", ep.worker, stats.last_error)
+            sock.close(linger=0)
+            return
+        try:
+            expected: int | None = None
+            while True:
+                frames = await sock.recv_multipart()
+                seq = _parse_frames(frames)
+                if seq is None:
+                    stats.decode_errors += 1
+                    log.warning("kv events from %s: malformed message (%d frames)", ep.worker, len(frames))
+                    continue
+                if expected is not None and seq != expected:
+                    await self._recover(ep, stats, expected, seq)
+                self._deliver(ep.worker, stats, seq, frames[-1])
+                expected = seq + 1
+        finally:
+            sock.close(linger=0)
+
+    async def _recover(self, ep: KvEventEndpoint, stats: SubscriptionStats, expected: int, seq: int) -> None:
+        if seq < expected:
+            stats.restarts += 1
+            log.warning("kv events from %s: sequence went back %d -> %d", ep.worker, expected - 1, seq)
+            self._gap(SequenceGap(ep.worker, expected, seq, publisher_restarted=True), stats)
+            return
+        next_needed = expected
+        if ep.replay_endpoint is not None:
+            next_needed = await self._replay(ep, stats, expected, seq)
+        if next_needed < seq:
+            self._gap(SequenceGap(ep.worker, next_needed, seq), stats)
+
+    async def _replay(self, ep: KvEventEndpoint, stats: SubscriptionStats, start: int, stop: int) -> int:
+        """Fetch batches `start .. stop-1` from the replay socket; return the first seq still missing."""
+        assert self._ctx is not None and ep.replay_endpoint is not None
+        next_needed = start
+        sock = self._ctx.socket(zmq.DEALER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, self._limits.max_message_bytes)
+            sock.connect(ep.replay_endpoint)
+            # An empty delimiter frame makes the DEALER look like REQ to vLLM's ROUTER loop.
+            await sock.send_multipart([b"", start.to_bytes(8, "big")])
+            deadline = time.monotonic() + self._limits.replay_timeout_s
+            for _ in range(self._limits.max_replay_batches + 1):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not await sock.poll(timeout=int(remaining * 1000)):
+                    raise TimeoutError
+                frames = await sock.recv_multipart()
+                if frames and frames[0] == b"":
+                    frames = frames[1:]
+                if len(frames) != 2 or len(frames[0]) != 8:
+                    raise KvEventDecodeError("replay reply is not [seq, payload]")
+                if frames[0] == REPLAY_END_SEQ:
+                    break
+                rseq = int.from_bytes(frames[0], "big")
+                if rseq >= stop:
+                    break  # the live stream already holds this one
+                if rseq < next_needed:
+                    continue
+                if rseq > next_needed:
+                    # The replay buffer no longer reaches back far enough.
+                    self._gap(SequenceGap(ep.worker, next_needed, rseq), stats)
+                self._deliver(ep.worker, stats, rseq, frames[1])
+                stats.replayed_batches += 1
+                next_needed = rseq + 1
+        except (TimeoutError, KvEventDecodeError, zmq.ZMQError) as exc:
+            stats.replay_failures += 1
+            log.warning("kv events from %s: replay failed: %s", ep.worker, type(exc).__name__)
+        finally:
+            sock.close(linger=0)
+        return next_needed
+
+    def _gap(self, gap: SequenceGap, stats: SubscriptionStats) -> None:
+        stats.gaps += 1
+        stats.lost_batches += gap.missing_batches
+        log.warning(
+            "kv events from %s: lost batches %d..%d%s",
+            gap.worker,
+            gap.first_missing_seq,
+            gap.next_seq - 1,
+            " (publisher restarted)" if gap.publisher_restarted else "",
+        )
+        try:
+            if self._on_gap is not None:
+                self._on_gap(gap)
+            else:
+                self._on_event(gap.worker, KvEvent(kind=KvEventKind.ALL_BLOCKS_CLEARED))
+        except Exception:
+            stats.callback_errors += 1
+            log.exception("kv events: gap handler failed for %s", gap.worker)
+
+    def _deliver(self, worker: WorkerId, stats: SubscriptionStats, seq: int, payload: bytes) -> None:
+        stats.last_seq = seq
+        stats.last_batch_monotonic_s = time.monotonic()
+        try:
+            batch = decode_batch(payload)
+        except KvEventDecodeError as exc:
+            stats.decode_errors += 1
+            log.warning("kv events from %s: batch %d undecodable: %s", worker, seq, exc)
+            return
+        stats.batches += 1
+        stats.skipped_events += batch.skipped_events
+        for ev in batch.events:
+            stats.events += 1
+            try:
+                self._on_event(worker, ev)
+            except Exception:
+                stats.callback_errors += 1
+                log.exception("kv events: callback failed for %s", worker)
+
+
+def _parse_frames(frames: Sequence[bytes]) -> int | None:
+    """The sequence number of a `[topic, seq, payload]` message, or None when it is malformed."""
+    if len(frames) != 3 or len(frames[1]) != 8:
+        return None
+    return int.from_bytes(frames[1], "big")
+
+
+def endpoint_for_worker(template: str, worker_url: str) -> str:
+    """Fill `{host}` in an endpoint template from a worker URL: `tcp://{host}:5557`, `http://10.0.0.7:8000`."""
+    from urllib.parse import urlsplit
+
+    host = urlsplit(worker_url).hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    return template.format(host=host)

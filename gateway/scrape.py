@@ -1,0 +1,341 @@
+"""Scrape a worker's Prometheus `/metrics` page into a typed record of the numbers routing uses.
+
+vLLM (`vllm/v1/metrics/loggers.py`): `vllm:num_requests_waiting`, `vllm:num_requests_running`,
+`vllm:kv_cache_usage_perc` (0-1; `vllm:gpu_cache_usage_perc` before 0.9), the counters
+`vllm:prefix_cache_queries_total` / `vllm:prefix_cache_hits_total` (tokens; `gpu_` prefixed in old
+builds) and the info gauge `vllm:cache_config_info{block_size=..., num_gpu_blocks=...}`.
+SGLang: `sglang:num_queue_reqs`, `sglang:num_running_reqs`, `sglang:token_usage`,
+`sglang:max_total_num_tokens`, `sglang:prompt_tokens_total`, `sglang:cached_tokens_total`.
+
+A worker behind data parallelism reports one series per engine (label `engine`): counts and
+capacities are summed, usage is the maximum (the fullest engine is the one that will preempt).
+The parser reads only the families it knows and ignores every other line, valid or not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import aiohttp
+
+from policies.base import WorkerId
+
+log = logging.getLogger("kvgate.scrape")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerMetrics:
+    """What one scrape of a worker said; a field is None when the page did not carry it."""
+
+    engine: str | None = None
+    num_requests_waiting: int | None = None
+    num_requests_running: int | None = None
+    kv_cache_usage: float | None = None
+    num_gpu_blocks: int | None = None
+    block_size_tokens: int | None = None
+    kv_capacity_tokens: int | None = None
+    prefix_cache_queries_tokens: float | None = None
+    prefix_cache_hits_tokens: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One parsed exposition line."""
+
+    name: str
+    labels: Mapping[str, str]
+    value: float
+
+
+# family name -> field; the first listed name that is present wins (newer names first).
+_VLLM_FIELDS: dict[str, tuple[str, ...]] = {
+    "num_requests_waiting": ("vllm:num_requests_waiting",),
+    "num_requests_running": ("vllm:num_requests_running",),
+    "kv_cache_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "prefix_cache_queries_tokens": ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
+    "prefix_cache_hits_tokens": ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
+}
+_SGLANG_FIELDS: dict[str, tuple[str, ...]] = {
+    "num_requests_waiting": ("sglang:num_queue_reqs",),
+    "num_requests_running": ("sglang:num_running_reqs",),
+    "kv_cache_usage": ("sglang:token_usage",),
+    "kv_capacity_tokens": ("sglang:max_total_num_tokens",),
+    "prefix_cache_queries_tokens": ("sglang:prompt_tokens_total",),
+    "prefix_cache_hits_tokens": ("sglang:cached_tokens_total",),
+}
+_MAX_FIELDS = frozenset({"kv_cache_usage"})
+_INT_FIELDS = frozenset({"num_requests_waiting", "num_requests_running", "kv_capacity_tokens"})
+_WANTED = frozenset(
+    {n for names in (*_VLLM_FIELDS.values(), *_SGLANG_FIELDS.values()) for n in names}
+    | {"vllm:cache_config_info"}
+)
+
+
+def _parse_labels(text: str) -> dict[str, str] | None:
+    """Parse `a="x",b="y\\"z"`; None when the label set is malformed."""
+    labels: dict[str, str] = {}
+    i, n = 0, len(text)
+    while i < n:
+        while i < n and text[i] in " ,":
+            i += 1
+        if i >= n:
+            break
+        eq = text.find("=", i)
+        if eq < 0 or eq + 1 >= n or text[eq + 1] != '"':
+            return None
+        key = text[i:eq].strip()
+        j = eq + 2
+        buf: list[str] = []
+        while j < n and text[j] != '"':
+            if text[j] == "\\" and j + 1 < n:
+                j += 1
+                buf.append({"n": "\n", "\\": "\\", '"': '"'}.get(text[j], text[j]))
+            else:
+                buf.append(text[j])
+            j += 1
+        if j >= n:
+            return None
+        labels[key] = "".join(buf)
+        i = j + 1
+    return labels
+
+
+def parse_samples(text: str, wanted: frozenset[str] = _WANTED) -> Iterable[Sample]:
+    """Yield the samples of the `wanted` families; skip comments, other families and broken lines."""
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        brace = line.find("{")
+        space = line.find(" ")
+        if space < 0:
+            continue
+        if 0 <= brace < space:
+            name = line[:brace]
+            close = line.rfind("}")
+            if close < brace:
+                continue
+            rest = line[close + 1 :].split()
+            labels = _parse_labels(line[brace + 1 : close])
+        else:
+            name = line[:space]
+            rest = line[space + 1 :].split()
+            labels = {}
+        if name not in wanted or labels is None or not rest:
+            continue
+        try:
+            value = float(rest[0])
+        except ValueError:
+            continue
+        if math.isnan(value):
+            continue
+        yield Sample(name, labels, value)
+
+
+def _label_int(labels: Mapping[str, str], key: str) -> int | None:
+    try:
+        return int(labels[key])
+    except (KeyError, ValueError):
+        return None  # vLLM writes "None" before the KV cache is profiled
+
+
+def parse_metrics(text: str) -> WorkerMetrics:
+    """Reduce a Prometheus text page to a `WorkerMetrics` (empty when nothing is recognised)."""
+    by_name: dict[str, list[Sample]] = {}
+    for s in parse_samples(text):
+        by_name.setdefault(s.name, []).append(s)
+    engine = "vllm" if any(n.startswith("vllm:") for n in by_name) else None
+    if engine is None and any(n.startswith("sglang:") for n in by_name):
+        engine = "sglang"
+    if engine is None:
+        return WorkerMetrics()
+    values: dict[str, float | int | None] = {}
+    for fld, names in (_VLLM_FIELDS if engine == "vllm" else _SGLANG_FIELDS).items():
+        samples = next((by_name[n] for n in names if n in by_name), None)
+        if not samples:
+            continue
+        total = max(s.value for s in samples) if fld in _MAX_FIELDS else sum(s.value for s in samples)
+        values[fld] = int(total) if fld in _INT_FIELDS else total
+    blocks: int | None = None
+    block_size: int | None = None
+    infos = by_name.get("vllm:cache_config_info", [])
+    per_engine = [(_label_int(s.labels, "num_gpu_blocks"), _label_int(s.labels, "block_size")) for s in infos]
+    if per_engine and all(b is not None for b, _ in per_engine):
+        blocks = sum(b for b, _ in per_engine if b is not None)
+    sizes = {bs for _, bs in per_engine if bs is not None}
+    if len(sizes) == 1:
+        block_size = sizes.pop()
+    capacity = values.get("kv_capacity_tokens")
+    if capacity is None and blocks is not None and block_size is not None:
+        capacity = blocks * block_size
+    return WorkerMetrics(
+        engine=engine,
+        num_requests_waiting=_opt_int(values.get("num_requests_waiting")),
+        num_requests_running=_opt_int(values.get("num_requests_running")),
+        kv_cache_usage=_opt_float(values.get("kv_cache_usage")),
+        num_gpu_blocks=blocks,
+        block_size_tokens=block_size,
+        kv_capacity_tokens=_opt_int(capacity),
+        prefix_cache_queries_tokens=_opt_float(values.get("prefix_cache_queries_tokens")),
+        prefix_cache_hits_tokens=_opt_float(values.get("prefix_cache_hits_tokens")),
+    )
+
+
+def _opt_int(v: float | int | None) -> int | None:
+    return None if v is None else int(v)
+
+
+def _opt_float(v: float | int | None) -> float | None:
+    return None if v is None else float(v)
+
+
+# ---------------------------------------------------------------- scraper loop
+
+
+@dataclass(frozen=True, slots=True)
+class ScrapeConfig:
+    """How often and how patiently workers are scraped, and when a result is too old to use."""
+
+    interval_s: float = 1.0
+    timeout_s: float = 0.5
+    max_age_s: float = 5.0
+    max_body_bytes: int = 4 * 1024 * 1024
+    path: str = "/metrics"
+
+
+@dataclass(frozen=True, slots=True)
+class ScrapeResult:
+    """The last good scrape of a worker and when it was taken (monotonic seconds)."""
+
+    metrics: WorkerMetrics
+    scraped_at_s: float
+
+    def age_s(self, now_s: float) -> float:
+        return now_s - self.scraped_at_s
+
+
+@dataclass(slots=True)
+class ScrapeState:
+    """Per-worker scraper state, for the admin API."""
+
+    base_url: str
+    last: ScrapeResult | None = None
+    failures: int = 0
+    consecutive_failures: int = 0
+    last_error: str | None = None
+
+
+@dataclass(slots=True)
+class _Target:
+    state: ScrapeState
+    task: asyncio.Task[None]
+
+
+class MetricsScraper:
+    """One polling task per worker; `fresh(worker)` returns the last result unless it is stale.
+
+    The aiohttp session is the gateway's shared upstream client when given (its limits apply);
+    otherwise the scraper owns one. A failed scrape keeps the previous result, which then ages out.
+    """
+
+    def __init__(
+        self,
+        config: ScrapeConfig | None = None,
+        session: aiohttp.ClientSession | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        on_update: Callable[[WorkerId, ScrapeResult], None] | None = None,
+    ) -> None:
+        self._config = config or ScrapeConfig()
+        self._session = session
+        self._owns_session = session is None
+        self._clock = clock
+        self._on_update = on_update
+        self._targets: dict[WorkerId, _Target] = {}
+
+    async def start(self) -> None:
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+
+    async def stop(self) -> None:
+        targets = list(self._targets.values())
+        self._targets.clear()
+        for t in targets:
+            t.task.cancel()
+        for t in targets:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t.task
+        if self._owns_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def add(self, worker: WorkerId, base_url: str) -> None:
+        if self._session is None:
+            raise RuntimeError("MetricsScraper.add() before start()")
+        self.remove(worker)
+        state = ScrapeState(base_url=base_url.rstrip("/"))
+        task = asyncio.create_task(self._loop(worker, state), name=f"scrape:{worker}")
+        self._targets[worker] = _Target(state, task)
+
+    def remove(self, worker: WorkerId) -> None:
+        t = self._targets.pop(worker, None)
+        if t is not None:
+            t.task.cancel()
+
+    def state(self, worker: WorkerId) -> ScrapeState | None:
+        t = self._targets.get(worker)
+        return t.state if t is not None else None
+
+    def fresh(self, worker: WorkerId, now_s: float | None = None) -> WorkerMetrics | None:
+        """The worker's last metrics if younger than `max_age_s`, else None."""
+        t = self._targets.get(worker)
+        if t is None or t.state.last is None:
+            return None
+        now = self._clock() if now_s is None else now_s
+        if t.state.last.age_s(now) > self._config.max_age_s:
+            return None
+        return t.state.last.metrics
+
+    async def scrape_once(self, base_url: str) -> WorkerMetrics:
+        """Fetch and parse one page; raises on HTTP errors, timeouts and oversized bodies."""
+        assert self._session is not None
+        cfg = self._config
+        timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
+        async with self._session.get(base_url.rstrip("/") + cfg.path, timeout=timeout) as resp:
+            if resp.status != 200:
+                raise ScrapeError(f"HTTP {resp.status}")
+            body = await resp.content.read(cfg.max_body_bytes + 1)
+            if len(body) > cfg.max_body_bytes:
+                raise ScrapeError(f"metrics page larger than {cfg.max_body_bytes} bytes")
+        return parse_metrics(body.decode("utf-8", "replace"))
+
+    async def _loop(self, worker: WorkerId, state: ScrapeState) -> None:
+        while True:
+            started = self._clock()
+            try:
+                metrics = await self.scrape_once(state.base_url)
+            except (aiohttp.ClientError, TimeoutError, ScrapeError) as exc:
+                state.failures += 1
+                state.consecutive_failures += 1
+                state.last_error = str(exc) or type(exc).__name__
+                if state.consecutive_failures == 1:
+                    log.warning("scrape of %s failed: %s", worker, state.last_error)
+            else:
+                state.last = ScrapeResult(metrics, self._clock())
+                state.consecutive_failures = 0
+                state.last_error = None
+                if self._on_update is not None:
+                    try:
+                        self._on_update(worker, state.last)
+                    except Exception:
+                        log.exception("scrape update handler failed for %s", worker)
+            elapsed = self._clock() - started
+            await asyncio.sleep(max(0.0, self._config.interval_s - elapsed))
+
+
+class ScrapeError(RuntimeError):
+    """A scrape that returned something other than a usable metrics page."""

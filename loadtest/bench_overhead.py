@@ -1,0 +1,371 @@
+"""`kvgate bench overhead`: what a router in front of an instant backend costs, per request.
+
+Every target forwards non-streaming chat to the same static backend (nginx when installed, else
+`loadtest.static_backend`): the backend directly, kvgate (`python -m gateway.cli serve --config`)
+with round_robin and with its default policy, sglang-router (from its own venv, see
+`loadtest/peers/install.sh`) with round_robin and cache_aware, and, with `--upstream-clients`,
+a minimal FastAPI pass-through proxy with an aiohttp and with an httpx upstream client. For each
+target: req/s and p50/p99 latency at concurrency 32 and 1 (wrk when installed, else a built-in
+aiohttp load generator), and the router process tree's CPU time (utime+stime from /proc) per
+request. Ratios are against sglang-router and the direct run of the same invocation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from loadtest import static_backend
+from loadtest.overhead_load import (
+    API_KEY,
+    REPO,
+    LoadResult,
+    builtin_load,
+    chat_bodies,
+    free_port,
+    run_wrk,
+    spawn,
+    stop,
+    tree_cpu_s,
+    wait_ready,
+    wrk_script,
+)
+
+# ---------------------------------------------------------------- records
+
+
+@dataclass(slots=True)
+class TargetResult:
+    """A target's runs, or why it could not run."""
+
+    name: str
+    baseline: str | None
+    runs: list[LoadResult] = field(default_factory=list)
+    missing: str | None = None
+
+    def at(self, concurrency: int) -> LoadResult | None:
+        return next((r for r in self.runs if r.concurrency == concurrency), None)
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """How to start a router in front of the backend; `start` returns (process, base URL) or raises."""
+
+    name: str
+    baseline: str | None
+    start: Callable[[str, Path], tuple[subprocess.Popen[bytes] | None, str]]
+
+
+class TargetMissing(RuntimeError):
+    """The target cannot run here (not installed, not in this tree); the message says why."""
+
+
+# ---------------------------------------------------------------- targets
+
+
+def _backend(kind: str, workdir: Path) -> tuple[subprocess.Popen[bytes], str, str]:
+    port = free_port()
+    if kind == "nginx":
+        prefix = workdir / "nginx"
+        prefix.mkdir(exist_ok=True)
+        conf = prefix / "nginx.conf"
+        conf.write_text(static_backend.nginx_config(str(prefix), port))
+        proc = spawn(["nginx", "-c", str(conf), "-p", str(prefix)], workdir / "backend.log")
+        name = "nginx (1 worker process)"
+    else:
+        argv = [sys.executable, "-m", "loadtest.static_backend", "--port", str(port)]
+        proc = spawn(argv, workdir / "backend.log")
+        name = "built-in static backend (loadtest.static_backend, 1 process)"
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url + "/health", proc, workdir / "backend.log")
+    return proc, url, name
+
+
+def _sglang_python() -> Path:
+    base = Path(os.environ.get("KVGATE_PEERS_DIR", str(Path.home() / ".cache/kvgate/peers")))
+    return base / "sglang-router" / "bin" / "python"
+
+
+def sglang_target(policy: str) -> Target:
+    def start(backend: str, workdir: Path) -> tuple[subprocess.Popen[bytes] | None, str]:
+        python = _sglang_python()
+        if not python.exists():
+            raise TargetMissing(
+                f"sglang-router not installed ({python}): run loadtest/peers/install.sh sglang-router"
+            )
+        port, metrics_port = free_port(), free_port()
+        argv = [str(python), "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port)]
+        argv += ["--worker-urls", backend, "--policy", policy, "--log-level", "warn"]
+        argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
+        log_path = workdir / f"sglang-{policy}.log"
+        proc = spawn(argv, log_path)
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url + "/health", proc, log_path)
+        return proc, url
+
+    return Target(f"sglang-router {policy}", None, start)
+
+
+def proxy_target(client: str) -> Target:
+    def start(backend: str, workdir: Path) -> tuple[subprocess.Popen[bytes] | None, str]:
+        port = free_port()
+        argv = [sys.executable, "-m", "loadtest.overhead_load", "--child-proxy", client]
+        argv += ["--port", str(port), "--upstream", backend]
+        log_path = workdir / f"proxy-{client}.log"
+        proc = spawn(argv, log_path)
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url + "/health", proc, log_path)
+        return proc, url
+
+    return Target(f"pass-through FastAPI + {client}", "sglang-router round_robin", start)
+
+
+def kvgate_config(backend: str, policy_path: Path, port: int) -> str:
+    """The gateway config for one static worker and the bench API key (format of `gateway.config`)."""
+    return json.dumps(
+        {
+            "listen": {"host": "127.0.0.1", "port": port},
+            "policy_file": str(policy_path),
+            "pools": [{"name": "bench", "models": [static_backend.MODEL], "workers": {"urls": [backend]}}],
+            "tenants": [{"name": "bench", "api_keys": [API_KEY]}],
+        }
+    )
+
+
+def kvgate_target(policy: str | None, baseline: str) -> Target:
+    label = policy or "default policy"
+
+    def start(backend: str, workdir: Path) -> tuple[subprocess.Popen[bytes] | None, str]:
+        import importlib.util
+
+        if importlib.util.find_spec("gateway.serve") is None:
+            raise TargetMissing("kvgate gateway (gateway.serve) is not in this tree yet")
+        port = free_port()
+        policy_path = workdir / f"policy-{label.replace(' ', '_')}.yaml"
+        policy_path.write_text(f"policy: {policy}\n" if policy else "{}\n")
+        config_path = workdir / f"kvgate-{label.replace(' ', '_')}.yaml"
+        config_path.write_text(kvgate_config(backend, policy_path, port))
+        log_path = workdir / f"kvgate-{label.replace(' ', '_')}.log"
+        argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path)]
+        proc = spawn(argv, log_path, env={"KVGATE_LOG_LEVEL": "warning"})
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url + "/readyz", proc, log_path)
+        return proc, url
+
+    return Target(f"kvgate {label}", baseline, start)
+
+
+def direct_target() -> Target:
+    return Target("direct", None, lambda backend, workdir: (None, backend))
+
+
+# ---------------------------------------------------------------- the benchmark
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    """Everything that shapes one run; printed and stored with the results."""
+
+    duration_s: float
+    warmup_s: float
+    concurrencies: tuple[int, ...]
+    seed: int
+    backend: str
+    load_tool: str
+    upstream_clients: bool
+    targets: tuple[str, ...]
+
+
+def git_sha() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
+        )
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+TARGET_CHOICES = ("direct", "kvgate-rr", "kvgate-default", "sglang-rr", "sglang-cache_aware")
+
+
+def build_targets(names: Sequence[str], upstream_clients: bool) -> list[Target]:
+    table: dict[str, Callable[[], Target]] = {
+        "direct": direct_target,
+        "kvgate-rr": lambda: kvgate_target("round_robin", "sglang-router round_robin"),
+        "kvgate-default": lambda: kvgate_target(None, "sglang-router cache_aware"),
+        "sglang-rr": lambda: sglang_target("round_robin"),
+        "sglang-cache_aware": lambda: sglang_target("cache_aware"),
+    }
+    targets = [table[n]() for n in names]
+    if upstream_clients:
+        targets += [proxy_target("aiohttp"), proxy_target("httpx")]
+    return targets
+
+
+def measure(
+    target: Target,
+    backend_url: str,
+    cfg: BenchConfig,
+    workdir: Path,
+    load: Callable[[str, int, float], LoadResult],
+) -> TargetResult:
+    result = TargetResult(target.name, target.baseline)
+    proc: subprocess.Popen[bytes] | None = None
+    try:
+        proc, url = target.start(backend_url, workdir)
+        if cfg.warmup_s > 0:
+            load(url, max(cfg.concurrencies), cfg.warmup_s)
+        for c in cfg.concurrencies:
+            cpu0 = tree_cpu_s(proc.pid) if proc is not None else None
+            run = load(url, c, cfg.duration_s)
+            if proc is not None and cpu0 is not None and run.requests:
+                cpu_us = (tree_cpu_s(proc.pid) - cpu0) * 1e6 / run.requests
+                run = LoadResult(**{**asdict(run), "cpu_us_per_request": cpu_us})
+            result.runs.append(run)
+    except TargetMissing as exc:
+        result.missing = str(exc)
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        result.missing = f"failed: {exc}"
+    finally:
+        stop(proc)
+    return result
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def _row(r: TargetResult, by_name: dict[str, TargetResult], hi: int, lo: int) -> str:
+    if r.missing is not None:
+        return f"| {r.name} | missing: {r.missing} |"
+    a, b = r.at(hi), r.at(lo)
+    base = by_name.get(r.baseline) if r.baseline else None
+    base_run = base.at(hi) if base is not None and base.missing is None else None
+    ratio = "-"
+    if a and a.cpu_us_per_request and base_run and base_run.cpu_us_per_request:
+        ratio = f"{a.cpu_us_per_request / base_run.cpu_us_per_request:.2f}x {r.baseline}"
+    direct = by_name.get("direct")
+    d = direct.at(lo) if direct is not None and direct.missing is None else None
+    added = b.p50_ms - d.p50_ms if b and d and r is not direct else None
+    cells = [
+        r.name,
+        _fmt(a.rps if a else None, ",.0f"),
+        _fmt(a.p50_ms if a else None, ".2f"),
+        _fmt(a.p99_ms if a else None, ".2f"),
+        _fmt(a.cpu_us_per_request if a else None, ".0f"),
+        ratio,
+        _fmt(b.p50_ms if b else None, ".3f"),
+        _fmt(b.p99_ms if b else None, ".3f"),
+        _fmt(added, "+.3f"),
+        str(sum(x.errors for x in r.runs)),
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def report(results: Sequence[TargetResult], cfg: BenchConfig, backend_name: str) -> str:
+    by_name = {r.name: r for r in results}
+    hi, lo = max(cfg.concurrencies), min(cfg.concurrencies)
+    lines = [
+        f"kvgate bench overhead  git {git_sha()}  seed {cfg.seed}  load: {cfg.load_tool}",
+        f"backend: {backend_name}",
+        f"{cfg.duration_s:g}s per concurrency after {cfg.warmup_s:g}s warm-up; CPU = router process tree",
+        "",
+        f"| target | c={hi} req/s | p50 ms | p99 ms | CPU µs/req | CPU ratio | c={lo} p50 ms | p99 ms "
+        "| added p50 ms vs direct | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [_row(r, by_name, hi, lo) for r in results]
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--duration", type=int, default=5, help="seconds per measured run (default 5)")
+    parser.add_argument("--warmup", type=int, default=1, help="warm-up seconds per target (default 1)")
+    parser.add_argument("--concurrency", default="32,1", help="comma-separated concurrencies (default 32,1)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--backend", choices=("auto", "nginx", "builtin"), default="auto")
+    parser.add_argument("--load-tool", choices=("auto", "wrk", "builtin"), default="auto")
+    parser.add_argument(
+        "--targets",
+        default=",".join(TARGET_CHOICES),
+        help=f"comma-separated among {', '.join(TARGET_CHOICES)}",
+    )
+    parser.add_argument(
+        "--upstream-clients",
+        action="store_true",
+        help="also measure pass-through proxies with aiohttp and httpx",
+    )
+    parser.add_argument("--json", type=Path, help="also write the results as JSON here")
+
+
+def run(args: argparse.Namespace) -> int:
+    names = tuple(n.strip() for n in args.targets.split(",") if n.strip())
+    unknown = [n for n in names if n not in TARGET_CHOICES]
+    if unknown:
+        print(f"unknown target(s) {', '.join(unknown)}; known: {', '.join(TARGET_CHOICES)}", file=sys.stderr)
+        return 2
+    try:
+        concurrencies = tuple(int(c) for c in args.concurrency.split(","))
+    except ValueError:
+        print(f"--concurrency must be integers, got {args.concurrency!r}", file=sys.stderr)
+        return 2
+    if not concurrencies or min(concurrencies) < 1 or max(concurrencies) > 1024:
+        print("--concurrency values must be in 1..1024", file=sys.stderr)
+        return 2
+    if not 0 < args.duration <= 120 or not 0 <= args.warmup <= 60:
+        print("--duration must be in (0, 120] and --warmup in [0, 60]", file=sys.stderr)
+        return 2
+    backend = args.backend
+    if backend == "auto":
+        backend = "nginx" if shutil.which("nginx") else "builtin"
+    load_tool = args.load_tool
+    if load_tool == "auto":
+        load_tool = "wrk" if shutil.which("wrk") else "builtin"
+    for tool, kind in ((backend, "nginx"), (load_tool, "wrk")):
+        if tool == kind and not shutil.which(kind):
+            print(
+                f"{kind} is not installed (apt-get install -y {'nginx-light' if kind == 'nginx' else 'wrk'})"
+            )
+            return 2
+    cfg = BenchConfig(
+        args.duration, args.warmup, concurrencies, args.seed, backend, load_tool, args.upstream_clients, names
+    )
+    bodies = chat_bodies(args.seed)
+    with tempfile.TemporaryDirectory(prefix="kvgate-bench-overhead-") as tmp:
+        workdir = Path(tmp)
+        script = workdir / "post_chat.lua"
+        script.write_text(wrk_script(bodies))
+
+        def load(url: str, c: int, dur: float) -> LoadResult:
+            if load_tool == "wrk":
+                return run_wrk(url, script, c, dur)
+            return asyncio.run(builtin_load(url, bodies, c, dur))
+
+        backend_proc, backend_url, backend_name = _backend(backend, workdir)
+        results: list[TargetResult] = []
+        try:
+            for target in build_targets(names, args.upstream_clients):
+                print(f"measuring {target.name} ...", file=sys.stderr, flush=True)
+                results.append(measure(target, backend_url, cfg, workdir, load))
+        finally:
+            stop(backend_proc)
+    print(report(results, cfg, backend_name))
+    if args.json is not None:
+        payload = {
+            "git_sha": git_sha(),
+            "config": asdict(cfg),
+            "backend": backend_name,
+            "results": [asdict(r) for r in results],
+        }
+        args.json.write_text(json.dumps(payload, indent=2))
+    return 0

@@ -1,0 +1,3 @@
+from loadtest.emulator.cli import main
+
+raise SystemExit(main())

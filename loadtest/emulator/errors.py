@@ -1,0 +1,38 @@
+"""OpenAI-shaped API errors: `{"error": {"message", "type", "param", "code"}}`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ApiError(Exception):
+    """An error the emulator returns to the client with an HTTP status."""
+
+    def __init__(self, status: int, message: str, err_type: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.err_type = err_type
+        self.param = param
+
+    @classmethod
+    def bad_request(cls, message: str, param: str | None = None) -> ApiError:
+        return cls(400, message, "BadRequestError", param)
+
+    @classmethod
+    def not_found(cls, message: str, param: str | None = None) -> ApiError:
+        return cls(404, message, "NotFoundError", param)
+
+    @classmethod
+    def unavailable(cls, message: str) -> ApiError:
+        return cls(503, message, "ServiceUnavailableError")
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.err_type,
+                "param": self.param,
+                "code": self.status,
+            }
+        }

@@ -1,0 +1,126 @@
+"""Prometheus text for /metrics with vLLM's metric names (V1 names plus the older aliases that
+production-stack and other routers still scrape)."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from loadtest.engine import EngineStats
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0)
+
+
+@dataclass
+class _Histogram:
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    n: int = 0
+
+    def observe(self, value: float) -> None:
+        if not self.counts:
+            self.counts = [0] * len(self.buckets)
+        i = bisect.bisect_left(self.buckets, value)
+        if i < len(self.counts):
+            self.counts[i] += 1
+        self.total += value
+        self.n += 1
+
+    def lines(self, name: str, labels: str) -> list[str]:
+        out = [f"# TYPE {name} histogram"]
+        running = 0
+        counts = self.counts or [0] * len(self.buckets)
+        for le, c in zip(self.buckets, counts, strict=True):
+            running += c
+            out.append(f'{name}_bucket{{{labels},le="{le}"}} {running}')
+        out.append(f'{name}_bucket{{{labels},le="+Inf"}} {self.n}')
+        out.append(f"{name}_sum{{{labels}}} {self.total}")
+        out.append(f"{name}_count{{{labels}}} {self.n}")
+        return out
+
+
+class LatencyStats:
+    """TTFT and end-to-end latency histograms, in model seconds."""
+
+    def __init__(self) -> None:
+        self.ttft = _Histogram(_TTFT_BUCKETS)
+        self.e2e = _Histogram(_E2E_BUCKETS)
+
+    def observe_ttft(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def observe_e2e(self, seconds: float) -> None:
+        self.e2e.observe(seconds)
+
+
+def render_metrics(
+    model: str, stats: EngineStats, block_size: int, latency: LatencyStats, num_aborted: int
+) -> str:
+    """The /metrics body."""
+    lab = f'engine="0",model_name="{model}"'
+    hit_rate = (
+        stats.prefix_cache_hits_tokens / stats.prefix_cache_queries_tokens
+        if stats.prefix_cache_queries_tokens
+        else 0.0
+    )
+
+    def gauge(name: str, value: float, help_text: str) -> list[str]:
+        return [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name}{{{lab}}} {value}"]
+
+    def counter(name: str, value: float, help_text: str) -> list[str]:
+        return [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name}{{{lab}}} {value}"]
+
+    lines: list[str] = []
+    lines += gauge(
+        "vllm:num_requests_running", stats.num_running, "Number of requests in model execution batches."
+    )
+    lines += gauge(
+        "vllm:num_requests_waiting", stats.num_waiting, "Number of requests waiting to be processed."
+    )
+    lines += gauge("vllm:kv_cache_usage_perc", stats.kv_usage, "KV-cache usage. 1 means 100 percent usage.")
+    lines += gauge("vllm:gpu_cache_usage_perc", stats.kv_usage, "GPU KV-cache usage (older name).")
+    lines += counter(
+        "vllm:prefix_cache_queries_total",
+        stats.prefix_cache_queries_tokens,
+        "Prefix cache queries, in tokens.",
+    )
+    lines += counter(
+        "vllm:prefix_cache_hits_total", stats.prefix_cache_hits_tokens, "Prefix cache hits, in tokens."
+    )
+    lines += counter(
+        "vllm:gpu_prefix_cache_queries_total",
+        stats.prefix_cache_queries_tokens,
+        "Prefix cache queries (older name).",
+    )
+    lines += counter(
+        "vllm:gpu_prefix_cache_hits_total", stats.prefix_cache_hits_tokens, "Prefix cache hits (older name)."
+    )
+    lines += gauge(
+        "vllm:gpu_prefix_cache_hit_rate", hit_rate, "Cumulative prefix cache hit rate (older name)."
+    )
+    lines += counter(
+        "vllm:prompt_tokens_total", stats.prompt_tokens_total, "Number of prefill tokens processed."
+    )
+    lines += counter(
+        "vllm:generation_tokens_total",
+        stats.generation_tokens_total,
+        "Number of generation tokens processed.",
+    )
+    lines += counter(
+        "vllm:num_preemptions_total", stats.num_preemptions_total, "Cumulative number of preemptions."
+    )
+    lines += [
+        "# HELP vllm:request_success_total Count of successfully processed requests.",
+        "# TYPE vllm:request_success_total counter",
+        f'vllm:request_success_total{{{lab},finished_reason="length"}} {stats.num_finished_total}',
+        f'vllm:request_success_total{{{lab},finished_reason="abort"}} {num_aborted}',
+        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
+        "# TYPE vllm:cache_config_info gauge",
+        f'vllm:cache_config_info{{block_size="{block_size}",cache_dtype="auto",enable_prefix_caching="True",'
+        f'engine="0",gpu_memory_utilization="0.9",num_gpu_blocks="{stats.num_kv_blocks}"}} 1.0',
+    ]
+    lines += latency.ttft.lines("vllm:time_to_first_token_seconds", lab)
+    lines += latency.e2e.lines("vllm:e2e_request_latency_seconds", lab)
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,74 @@
+"""Deterministic answers: the same prompt and seed always produce the same output tokens."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+
+import numpy as np
+
+from loadtest.engine.tokenizer import Tokenizer
+
+_TEXT = (
+    "the cache keeps every prefix it has seen until memory runs short and then drops the oldest "
+    "blocks first while the scheduler batches decode steps with chunks of new prompts so that "
+    "routing requests with shared history to the same worker saves prefill time and lowers the "
+    "time to first token for agents tools documents and long conversations across many users"
+)
+_WORDS = tuple(_TEXT.split())
+_BASE_WORDS = 4096
+
+
+def _base_text(seed: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(_WORDS) for _ in range(_BASE_WORDS)) + " "
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """Output token ids and, for streaming, the text piece of each token."""
+
+    token_ids: np.ndarray
+    pieces: tuple[str, ...]
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+
+class AnswerWriter:
+    """Cuts answers out of a fixed seeded text at an offset chosen by the prompt's digest."""
+
+    def __init__(self, tokenizer: Tokenizer, seed: int) -> None:
+        self._tok = tokenizer
+        self._text = _base_text(seed)
+        self._seed = seed
+
+    def _slice(self, prompt_ids: np.ndarray, n_chars: int) -> str:
+        digest = hashlib.blake2b(np.ascontiguousarray(prompt_ids, dtype="<i8").tobytes(), digest_size=8)
+        digest.update(self._seed.to_bytes(8, "big", signed=True))
+        base = self._text
+        start = int.from_bytes(digest.digest(), "big") % len(base)
+        start = base.find(" ", start) + 1  # begin at a word
+        out = base[start : start + n_chars]
+        while len(out) < n_chars:
+            out += base[: n_chars - len(out)]
+        return out
+
+    def text_answer(self, prompt_ids: np.ndarray, max_tokens: int) -> Answer:
+        """Exactly `max_tokens` tokens of text (the emulator always runs to max_tokens)."""
+        n_chars = max_tokens
+        for _ in range(6):
+            text = self._slice(prompt_ids, n_chars)
+            pieces = self._tok.pieces(text)
+            if len(pieces) >= max_tokens:
+                pieces = pieces[:max_tokens]
+                return self.fixed_answer("".join(pieces))
+            n_chars *= 2
+        raise RuntimeError("tokenizer produced too few tokens for an answer")
+
+    def fixed_answer(self, text: str) -> Answer:
+        """Tokens of a given text (e.g. tool-call arguments)."""
+        pieces = tuple(self._tok.pieces(text)) or (" ",)
+        return Answer(self._tok.encode("".join(pieces)), pieces)

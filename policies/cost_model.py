@@ -1,0 +1,208 @@
+"""Per-pool engine-time model: how long a prefill, a queue, a KV transfer or a cold start takes.
+
+The step model follows shared/reference/engine-timing.md §6: one engine step costs
+`a + b·tokens + c·requests + d·context_tokens`, and a prefill chunk adds causal attention
+`e·m·(p + m/2)` (m new tokens over p already in KV). Prefill of `new` tokens over `ctx` cached ones:
+
+    T_prefill(new, ctx) = s · (b·new + e·new·(ctx + new/2) + a·ceil(new / budget))
+
+The scale `s` starts at 1 and is calibrated online from observed TTFT minus the queueing we
+predicted at dispatch, against the prefill we predicted for the reported `cached_tokens`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+
+from policies.base import WorkerView
+
+
+@dataclass(frozen=True, slots=True)
+class CostModelParams:
+    """Constants of one pool's cost model, in seconds (see the module docstring for the formula)."""
+
+    step_s: float = 0.0065
+    prefill_s_per_token: float = 22e-6
+    attention_s_per_pair: float = 1.3e-9
+    decode_s_per_request: float = 5e-6
+    decode_s_per_context_token: float = 5.2e-8
+    max_batched_tokens: int = 8192
+    ingestion_s: float = 0.01
+    calibrate: bool = True
+    calibration_weight: float = 0.05
+    min_scale: float = 0.2
+    max_scale: float = 5.0
+    transfer_enabled: bool = False
+    transfer_bytes_per_token: int = 131_072
+    transfer_bandwidth_bytes_per_s: float = 25e9
+    transfer_setup_s: float = 0.005
+    cold_adapter_s: float = 1.0
+    warming_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.max_batched_tokens < 1:
+            raise ValueError("max_batched_tokens must be >= 1")
+        if not 0.0 <= self.calibration_weight <= 1.0:
+            raise ValueError("calibration_weight must be in [0, 1]")
+        if not 0.0 < self.min_scale <= 1.0 <= self.max_scale:
+            raise ValueError("need 0 < min_scale <= 1 <= max_scale")
+        if self.transfer_bandwidth_bytes_per_s <= 0:
+            raise ValueError("transfer_bandwidth_bytes_per_s must be > 0")
+
+
+# Profiles from engine-timing.md §6 (a, b, c, d, e converted from ms to s).
+PROFILES: dict[str, CostModelParams] = {
+    "llama3-8b-h100": CostModelParams(),
+    "llama3-70b-h100-tp4": CostModelParams(
+        step_s=0.017,
+        prefill_s_per_token=65e-6,
+        attention_s_per_pair=1.6e-9,
+        decode_s_per_request=10e-6,
+        decode_s_per_context_token=3.3e-8,
+        transfer_bytes_per_token=81_920,
+    ),
+    "llama3-8b-a100": CostModelParams(
+        step_s=0.011,
+        prefill_s_per_token=65e-6,
+        attention_s_per_pair=2.8e-9,
+        decode_s_per_request=8e-6,
+        decode_s_per_context_token=8.6e-8,
+        max_batched_tokens=2048,
+    ),
+}
+
+
+def profile(name: str, **overrides: object) -> CostModelParams:
+    """A named profile with some constants overridden; an unknown name lists the known ones."""
+    try:
+        base = PROFILES[name]
+    except KeyError:
+        raise ValueError(f"unknown cost profile {name!r}; known: {', '.join(sorted(PROFILES))}") from None
+    return replace(base, **overrides)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    queue_s: float
+    matched_tokens: int
+
+
+class CostModel:
+    """One pool's cost model with its online calibration state."""
+
+    MAX_PENDING = 65_536
+
+    def __init__(self, params: CostModelParams) -> None:
+        self.params = params
+        self._log_scale = 0.0
+        self.scale = 1.0
+        self._pending: OrderedDict[str, _Pending] = OrderedDict()
+        self._mean_prompt_tokens = 1024.0
+        self.calibration_samples = 0
+
+    # -- time estimates -----------------------------------------------------------------------
+
+    def prefill_s(self, new_tokens: int, context_tokens: int = 0) -> float:
+        if new_tokens <= 0:
+            return 0.0
+        p = self.params
+        steps = -(-new_tokens // p.max_batched_tokens)
+        raw = (
+            p.prefill_s_per_token * new_tokens
+            + p.attention_s_per_pair * new_tokens * (context_tokens + new_tokens / 2)
+            + p.step_s * steps
+        )
+        return self.scale * raw
+
+    def saved_s(self, prompt_tokens: int, matched_tokens: int) -> float:
+        """Prefill time a match of `matched_tokens` saves on a `prompt_tokens` prompt."""
+        m = min(matched_tokens, prompt_tokens)
+        if m <= 0:
+            return 0.0
+        return self.prefill_s(prompt_tokens, 0) - self.prefill_s(prompt_tokens - m, m)
+
+    def decode_step_s(self, running_requests: int, context_tokens: int) -> float:
+        p = self.params
+        per_step = p.step_s + p.decode_s_per_request * running_requests
+        return self.scale * (per_step + p.decode_s_per_context_token * context_tokens)
+
+    def queue_s(self, view: WorkerView, new_tokens: int = 0) -> float:
+        """Work ahead of a new request on `view`, plus the decode interference its own prefill suffers.
+
+        Prefill backlog is the gateway's in-flight prefill tokens, scaled up when the worker reports
+        more requests than this gateway sent (other gateway replicas, other clients).
+        """
+        p = self.params
+        backlog = float(view.in_flight_prefill_tokens)
+        known = view.in_flight_requests
+        if view.num_requests_waiting is not None:
+            reported = view.num_requests_waiting + (view.num_requests_running or 0)
+            if reported > known:
+                if known > 0 and backlog > 0:
+                    backlog *= reported / known
+                else:
+                    backlog += view.num_requests_waiting * self._mean_prompt_tokens
+        running = max(known, view.num_requests_running or 0)
+        steps = -(-int(backlog + new_tokens) // p.max_batched_tokens)
+        interference = (
+            steps
+            * self.scale
+            * (p.decode_s_per_request * running + p.decode_s_per_context_token * view.in_flight_decode_tokens)
+        )
+        return self.backlog_s(backlog) + interference
+
+    def backlog_s(self, tokens: float) -> float:
+        """Prefill time of `tokens` queued across separate prompts of about the mean prompt size
+        (attention is quadratic per prompt, not over the sum)."""
+        if tokens <= 0:
+            return 0.0
+        p = self.params
+        steps = math.ceil(tokens / p.max_batched_tokens)
+        per_token = p.prefill_s_per_token + p.attention_s_per_pair * self._mean_prompt_tokens / 2
+        return self.scale * (per_token * tokens + p.step_s * steps)
+
+    def transfer_s(self, tokens: int) -> float:
+        """Moving `tokens` of KV from another holder; `inf` when the pool cannot move KV."""
+        p = self.params
+        if not p.transfer_enabled or tokens <= 0:
+            return math.inf if not p.transfer_enabled else 0.0
+        return p.transfer_setup_s + tokens * p.transfer_bytes_per_token / p.transfer_bandwidth_bytes_per_s
+
+    def cold_s(self, view: WorkerView, adapter: str | None) -> float:
+        cold = self.params.warming_s if view.warming else 0.0
+        if adapter and view.loaded_adapters is not None and adapter not in view.loaded_adapters:
+            cold += self.params.cold_adapter_s
+        return cold
+
+    # -- calibration --------------------------------------------------------------------------
+
+    def note_dispatch(self, request_id: str, queue_s: float, matched_tokens: int) -> None:
+        pending = self._pending
+        pending[request_id] = _Pending(queue_s, matched_tokens)
+        if len(pending) > self.MAX_PENDING:
+            pending.popitem(last=False)
+
+    def note_complete(
+        self, request_id: str, ttft_s: float | None, prompt_tokens: int | None, cached_tokens: int | None
+    ) -> None:
+        """Fold one observed TTFT into the scale (log-domain EWMA, clipped to the configured range)."""
+        pending = self._pending.pop(request_id, None)
+        if prompt_tokens is not None and prompt_tokens > 0:
+            self._mean_prompt_tokens += 0.01 * (prompt_tokens - self._mean_prompt_tokens)
+        p = self.params
+        if not p.calibrate or pending is None or ttft_s is None or not prompt_tokens:
+            return
+        cached = pending.matched_tokens if cached_tokens is None else min(cached_tokens, prompt_tokens)
+        new = prompt_tokens - cached
+        if new < 64:
+            return  # too little compute to say anything about the per-token rate
+        predicted = self.prefill_s(new, cached) / self.scale
+        observed = ttft_s - p.ingestion_s - pending.queue_s
+        if predicted <= 0 or observed <= 0:
+            return
+        ratio = min(max(observed / predicted, p.min_scale), p.max_scale)
+        self._log_scale += p.calibration_weight * (math.log(ratio) - self._log_scale)
+        self.scale = min(max(math.exp(self._log_scale), p.min_scale), p.max_scale)
+        self.calibration_samples += 1

@@ -1,0 +1,419 @@
+"""Canonical chat request: validation, canonicalization switches, zones and volatile rules.
+
+Works on a private JSON copy of the request, so the caller's body is never mutated. The result is
+mode independent: the approximate serializer, the local chat template and the worker's render
+endpoint all start from the same `CanonicalChat`.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from prompt_normalizer.config import NormalizerConfig, VolatileRule
+from prompt_normalizer.errors import NormalizerError
+from prompt_normalizer.keys import keyed_digest
+from prompt_normalizer.types import Zone
+
+MAX_DIAGNOSTICS = 32
+# Request fields that reach the chat template (besides messages and tools); the others (sampling,
+# response_format, tool_choice, ...) are enforced at decoding and never enter the prompt.
+TEMPLATE_FIELDS = ("chat_template", "chat_template_kwargs", "documents")
+MEDIA_PART_TYPES = ("image_url", "input_audio", "file", "video_url", "audio_url", "image", "input_image")
+
+
+@dataclass(frozen=True, slots=True)
+class FieldItem:
+    """One request field in model-input order, as a keyed digest (for drift diagnostics)."""
+
+    path: str
+    zone: Zone
+    digest: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class MediaItem:
+    """A multimodal part: its message and a keyed digest of its content (folded into the keys)."""
+
+    message_index: int
+    digest: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class CanonicalChat:
+    """A chat request after canonicalization, ready for any rendering mode.
+
+    `messages[:n_immutable]` form the immutable zone (with the tools when `tools_immutable`);
+    `messages[volatile_index]`, when set, is the trailing message that holds the text moved out by
+    volatile rules; everything between is append-only.
+    """
+
+    messages: tuple[dict[str, Any], ...]
+    tools: tuple[dict[str, Any], ...] | None
+    template: dict[str, Any]
+    add_generation_prompt: bool
+    continue_final_message: bool
+    n_immutable: int
+    tools_immutable: bool
+    volatile_index: int | None
+    media: tuple[MediaItem, ...]
+    items: tuple[FieldItem, ...]
+    diagnostics: tuple[str, ...]
+    body: dict[str, Any] | None
+
+
+class _Report:
+    """Bounded diagnostics: paths and switch names only, never content."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.dropped = 0
+        self.changed = False
+
+    def add(self, line: str, *, changed: bool = True) -> None:
+        self.changed = self.changed or changed
+        if len(self.lines) < MAX_DIAGNOSTICS:
+            self.lines.append(line)
+        else:
+            self.dropped += 1
+
+    def done(self) -> tuple[str, ...]:
+        if self.dropped:
+            return (*self.lines, f"... {self.dropped} more diagnostics")
+        return tuple(self.lines)
+
+
+def json_copy(value: Any, param: str) -> Any:
+    """A private deep copy through JSON (also proves the value is JSON)."""
+    try:
+        return orjson.loads(orjson.dumps(value))
+    except (TypeError, orjson.JSONEncodeError):
+        raise NormalizerError("must be JSON (string keys, finite numbers)", param=param) from None
+
+
+def nfc(value: Any) -> tuple[Any, bool]:
+    """Unicode NFC of every string (keys too); reports whether anything changed."""
+    if isinstance(value, str):
+        if unicodedata.is_normalized("NFC", value):
+            return value, False
+        return unicodedata.normalize("NFC", value), True
+    if isinstance(value, list):
+        changed = False
+        out = []
+        for item in value:
+            new, c = nfc(item)
+            out.append(new)
+            changed |= c
+        return out, changed
+    if isinstance(value, dict):
+        changed = False
+        result: dict[str, Any] = {}
+        for k, v in value.items():
+            nk, ck = nfc(k)
+            nv, cv = nfc(v)
+            result[nk] = nv
+            changed |= ck or cv
+        return result, changed
+    return value, False
+
+
+def sort_keys(value: Any) -> tuple[Any, bool]:
+    """Recursively sorted object keys; reports whether any object was out of order."""
+    if isinstance(value, dict):
+        keys = list(value)
+        ordered = sorted(keys)
+        changed = keys != ordered
+        result: dict[str, Any] = {}
+        for k in ordered:
+            result[k], c = sort_keys(value[k])
+            changed |= c
+        return result, changed
+    if isinstance(value, list):
+        changed = False
+        out = []
+        for item in value:
+            new, c = sort_keys(item)
+            out.append(new)
+            changed |= c
+        return out, changed
+    return value, False
+
+
+def canonical_json_text(text: str) -> str | None:
+    """Compact sorted-key JSON of a string holding a JSON object or array, else None."""
+    head = text.lstrip()[:1]
+    if head not in ("{", "["):
+        return None
+    try:
+        parsed = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return None
+    return orjson.dumps(parsed, option=orjson.OPT_SORT_KEYS).decode()
+
+
+_LINE_END_WS = re.compile(r"[ \t]+(?=\n)")
+
+
+def normalize_whitespace(text: str) -> str:
+    """CRLF/CR to LF, no trailing blanks on a line, no leading/trailing blank space overall."""
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    return _LINE_END_WS.sub("", text).strip()
+
+
+def _validate_messages(raw: Any) -> list[dict[str, Any]]:
+    if not isinstance(raw, list) or not raw:
+        raise NormalizerError("'messages' must be a non-empty array", param="messages")
+    messages: list[dict[str, Any]] = json_copy(raw, "messages")
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise NormalizerError("each message must be an object", param=where)
+        role = msg.get("role")
+        if not isinstance(role, str) or not role:
+            raise NormalizerError("message 'role' must be a non-empty string", param=f"{where}.role")
+        content = msg.get("content")
+        if content is None or isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            raise NormalizerError("content must be a string or an array of parts", param=f"{where}.content")
+        for j, part in enumerate(content):
+            ptype = part.get("type") if isinstance(part, dict) else None
+            if not isinstance(ptype, str):
+                raise NormalizerError("each content part needs a 'type'", param=f"{where}.content[{j}]")
+            if ptype == "text" and not isinstance(part.get("text"), str):
+                raise NormalizerError("text part needs a string 'text'", param=f"{where}.content[{j}].text")
+    return messages
+
+
+def _validate_tools(raw: Any) -> list[dict[str, Any]] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise NormalizerError("'tools' must be an array", param="tools")
+    tools: list[dict[str, Any]] = json_copy(raw, "tools")
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise NormalizerError("each tool must be an object", param=f"tools[{i}]")
+        fn = tool.get("function")
+        if tool.get("type", "function") == "function" and not (
+            isinstance(fn, dict) and isinstance(fn.get("name"), str)
+        ):
+            raise NormalizerError("function tool needs 'function.name'", param=f"tools[{i}].function")
+    return tools or None
+
+
+def _tool_name(tool: dict[str, Any]) -> str:
+    fn = tool.get("function")
+    return str(fn.get("name", "")) if isinstance(fn, dict) else str(tool.get("name", ""))
+
+
+def _text_slots(msg: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(path suffix, container, key) of every text string in a message's content."""
+    content = msg.get("content")
+    if isinstance(content, str):
+        return [("content", msg, "content")]
+    if isinstance(content, list):
+        return [
+            (f"content[{j}].text", part, "text")
+            for j, part in enumerate(content)
+            if part.get("type") == "text" and isinstance(part.get("text"), str)
+        ]
+    return []
+
+
+def _apply_rule(
+    rule: VolatileRule, messages: list[dict[str, Any]], moved: list[str], report: _Report
+) -> None:
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=len(messages))
+    for i, msg in enumerate(messages):
+        if msg["role"] not in rule.roles or (rule.scope == "before_last_user" and i >= last_user):
+            continue
+        if rule.field is not None:
+            if rule.field not in msg or msg[rule.field] in (None, ""):
+                continue
+            path = f"messages[{i}].{rule.field}"
+            if rule.action == "keep_and_warn":
+                report.add(f"volatile {rule.name!r} kept in place (prefix may break): {path}", changed=False)
+                continue
+            value = msg.pop(rule.field)
+            if rule.action == "move_to_end":
+                moved.append(value if isinstance(value, str) else orjson.dumps(value).decode())
+            report.add(f"volatile {rule.name!r} {rule.action}: {path}")
+            continue
+        assert rule.pattern is not None
+        regex = re.compile(rule.pattern)
+        for suffix, container, key in _text_slots(msg):
+            text = container[key]
+            found = [m.group(0) for m in regex.finditer(text)]
+            if not found:
+                continue
+            path = f"messages[{i}].{suffix}"
+            if rule.action == "keep_and_warn":
+                report.add(
+                    f"volatile {rule.name!r} kept in place (prefix may break): "
+                    f"{path}, {len(found)} match(es)",
+                    changed=False,
+                )
+                continue
+            container[key] = regex.sub("", text)
+            if rule.action == "move_to_end":
+                moved.extend(found)
+            report.add(f"volatile {rule.name!r} {rule.action}: {path}, {len(found)} match(es)")
+
+
+def _n_immutable(messages: list[dict[str, Any]], config: NormalizerConfig) -> int:
+    zones = config.zones
+    few_shot_left = zones.few_shot_messages
+    n = 0
+    for msg in messages:
+        if msg["role"] in zones.immutable_roles or msg.get("name") in zones.few_shot_names:
+            n += 1
+        elif few_shot_left > 0:
+            few_shot_left -= 1
+            n += 1
+        else:
+            break
+    return n
+
+
+def _media(messages: list[dict[str, Any]], key: bytes) -> list[MediaItem]:
+    items = []
+    for i, msg in enumerate(messages):
+        content = msg.get("content")
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            if part.get("type") != "text":
+                digest = keyed_digest(key, orjson.dumps(part, option=orjson.OPT_SORT_KEYS), b"kvgate-media")
+                items.append(MediaItem(i, digest))
+    return items
+
+
+def _items(
+    chat_msgs: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    template: dict[str, Any],
+    n_imm: int,
+    volatile_index: int | None,
+    tools_zone: Zone,
+    key: bytes,
+) -> list[FieldItem]:
+    def digest(value: Any) -> bytes:
+        # Key order counts: with canonical_json off it reaches the model input.
+        return keyed_digest(key, orjson.dumps(value))
+
+    items = [FieldItem("template", Zone.IMMUTABLE, digest(template))]
+
+    def add_message(i: int) -> None:
+        zone = Zone.IMMUTABLE if i < n_imm else Zone.VOLATILE if i == volatile_index else Zone.APPEND_ONLY
+        for name in ("role", *sorted(k for k in chat_msgs[i] if k != "role")):
+            items.append(FieldItem(f"messages[{i}].{name}", zone, digest(chat_msgs[i][name])))
+
+    for i in range(n_imm):
+        add_message(i)
+    for j, tool in enumerate(tools or ()):
+        items.append(FieldItem(f"tools[{j}]", tools_zone, digest(tool)))
+    for i in range(n_imm, len(chat_msgs)):
+        add_message(i)
+    return items
+
+
+def canonicalize_chat(body: Mapping[str, Any], config: NormalizerConfig, key: bytes) -> CanonicalChat:
+    """Validate and canonicalize a chat request; raises NormalizerError on bad input."""
+    messages = _validate_messages(body.get("messages"))
+    tools = _validate_tools(body.get("tools"))
+    size = len(orjson.dumps(messages)) + (len(orjson.dumps(tools)) if tools else 0)
+    if size > config.max_input_chars:
+        raise NormalizerError(
+            "prompt is larger than this pool accepts", param="messages", code="input_too_large"
+        )
+    template: dict[str, Any] = {}
+    for name in TEMPLATE_FIELDS:
+        if body.get(name) is not None:
+            template[name] = json_copy(body[name], name)
+    if "chat_template_kwargs" in template and not isinstance(template["chat_template_kwargs"], dict):
+        raise NormalizerError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    add_generation_prompt = bool(body.get("add_generation_prompt", True))
+    continue_final_message = bool(body.get("continue_final_message", False))
+    report = _Report()
+
+    if config.unicode_nfc:
+        for i, msg in enumerate(messages):
+            messages[i], changed = nfc(msg)
+            if changed:
+                report.add(f"unicode_nfc: changed messages[{i}]")
+        for j, tool in enumerate(tools or ()):
+            tools[j], changed = nfc(tool)  # type: ignore[index]
+            if changed:
+                report.add(f"unicode_nfc: changed tools[{j}]")
+    if config.whitespace:
+        for i, msg in enumerate(messages):
+            for suffix, container, k in _text_slots(msg):
+                new = normalize_whitespace(container[k])
+                if new != container[k]:
+                    container[k] = new
+                    report.add(f"whitespace: changed messages[{i}].{suffix}")
+    if config.canonical_json:
+        for j, tool in enumerate(tools or ()):
+            tools[j], changed = sort_keys(tool)  # type: ignore[index]
+            if changed:
+                report.add(f"canonical_json: reordered keys of tools[{j}]")
+        for i, msg in enumerate(messages):
+            _canonical_structured(msg, i, report)
+    if tools and config.tool_order == "sort":
+        ordered = sorted(tools, key=lambda t: (_tool_name(t), orjson.dumps(t, option=orjson.OPT_SORT_KEYS)))
+        if ordered != tools:
+            tools = ordered
+            report.add(f"tool_order: sorted {len(tools)} tools by name")
+
+    moved: list[str] = []
+    for rule in config.volatile_rules:
+        _apply_rule(rule, messages, moved, report)
+    n_imm = _n_immutable(messages, config)
+    volatile_index = None
+    if moved:
+        volatile_index = len(messages)
+        messages.append({"role": config.volatile_role, "content": "\n".join(moved)})
+    tools_zone = Zone.IMMUTABLE if config.zones.tools_immutable else Zone.APPEND_ONLY
+    canonical_body = None
+    if report.changed:
+        canonical_body = dict(body)
+        canonical_body["messages"] = messages
+        if tools is not None:
+            canonical_body["tools"] = tools
+    return CanonicalChat(
+        messages=tuple(messages),
+        tools=tuple(tools) if tools else None,
+        template=template,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        n_immutable=n_imm,
+        tools_immutable=config.zones.tools_immutable,
+        volatile_index=volatile_index,
+        media=tuple(_media(messages, key)),
+        items=tuple(_items(messages, tools, template, n_imm, volatile_index, tools_zone, key)),
+        diagnostics=report.done(),
+        body=canonical_body,
+    )
+
+
+def _canonical_structured(msg: dict[str, Any], i: int, report: _Report) -> None:
+    """Canonical JSON of structured content: tool-call arguments and JSON tool results."""
+    for j, call in enumerate(msg.get("tool_calls") or ()):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            new = canonical_json_text(fn["arguments"])
+            if new is not None and new != fn["arguments"]:
+                fn["arguments"] = new
+                report.add(f"canonical_json: rewrote messages[{i}].tool_calls[{j}].function.arguments")
+    if msg["role"] == "tool":
+        for suffix, container, k in _text_slots(msg):
+            new = canonical_json_text(container[k])
+            if new is not None and new != container[k]:
+                container[k] = new
+                report.add(f"canonical_json: rewrote messages[{i}].{suffix}")

@@ -1,0 +1,122 @@
+"""Chained, identity-bound block keys.
+
+    root = BLAKE2b-64(key = deployment secret, person = unit, canonical bytes of every KeyIdentity field)
+    k0   = xxh3_64(block 0 bytes [+ extras], seed = root)
+    ki   = xxh3_64(block i bytes [+ extras], seed = k(i-1))
+
+Token blocks are hashed as little-endian uint32 token ids (a zero-copy numpy view, one xxh3 call per
+block, no per-token Python work). Approximate-mode blocks are UTF-32-LE canonical text, under a
+different `unit`, so text keys and token keys can never collide. `extras` fold the identity of
+multimodal items into the block where their message starts. Only full blocks get a key: the
+partial tail block is never keyed (engines cache full blocks only), so a prompt shorter than one
+block has no keys at all.
+
+The root is a keyed BLAKE2b so an outsider who knows a prompt cannot precompute its keys; the chain
+stays keyed because every xxh3 seed descends from the root.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import orjson
+import xxhash
+from typing_extensions import Buffer
+
+from prompt_normalizer.errors import NormalizerError
+from prompt_normalizer.types import BlockKey, KeyIdentity
+
+TOKEN_UNIT = "tok-u32le-v1"
+TOKEN_DTYPE = np.dtype("<u4")
+_MAX_TOKEN_ID = 2**32 - 1
+
+TokenArray = npt.NDArray[np.uint32]
+
+
+def secret_key(secret: bytes) -> bytes:
+    """The 32-byte BLAKE2b key derived from a deployment secret of any length."""
+    if not secret:
+        raise NormalizerError("the deployment key secret must not be empty", code="bad_config")
+    return hashlib.blake2b(secret, digest_size=32, person=b"kvgate-secret").digest()
+
+
+def identity_bytes(identity: KeyIdentity) -> bytes:
+    """Canonical bytes of every identity field (new fields are bound automatically)."""
+    fields = {f.name: getattr(identity, f.name) for f in dataclasses.fields(identity)}
+    return orjson.dumps(fields, option=orjson.OPT_SORT_KEYS)
+
+
+def root_key(key: bytes, identity: KeyIdentity, unit: str = TOKEN_UNIT) -> int:
+    """The chain root of `identity`: any differing field (or unit) gives an unrelated root."""
+    digest = hashlib.blake2b(
+        identity_bytes(identity), key=key, digest_size=8, person=unit.encode()[:16]
+    ).digest()
+    return int.from_bytes(digest, "little")
+
+
+def keyed_digest(key: bytes, data: bytes, person: bytes = b"kvgate-field") -> bytes:
+    """A 16-byte keyed digest of content, safe to keep in memory or print (no unkeyed hashes)."""
+    return hashlib.blake2b(data, key=key, digest_size=16, person=person).digest()
+
+
+def as_tokens(ids: Sequence[int] | npt.NDArray[np.integer], *, param: str = "prompt") -> TokenArray:
+    """Token ids as a contiguous little-endian uint32 array; out-of-range ids are a NormalizerError."""
+    if isinstance(ids, np.ndarray) and ids.dtype == TOKEN_DTYPE:
+        return np.ascontiguousarray(ids)
+    try:
+        arr = np.asarray(ids, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
+        raise NormalizerError("token ids must be integers", param=param) from None
+    if arr.ndim != 1:
+        raise NormalizerError("token ids must be a flat list of integers", param=param)
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN_ID):
+        raise NormalizerError("token ids must be in [0, 2**32)", param=param)
+    return arr.astype(TOKEN_DTYPE)
+
+
+Bytes = Buffer | npt.NDArray[Any]
+
+
+def byte_view(data: Bytes) -> memoryview:
+    """A flat byte view of bytes, a memoryview or a contiguous numpy array (no copy)."""
+    view = data.data if isinstance(data, np.ndarray) else memoryview(data)
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def chain_keys(
+    data: Bytes,
+    block_bytes: int,
+    seed: int,
+    extras: Mapping[int, bytes] | None = None,
+) -> tuple[BlockKey, ...]:
+    """Keys of the full `block_bytes` blocks of `data`, chained from `seed` (a root or a parent key)."""
+    view = byte_view(data)
+    n_blocks = len(view) // block_bytes
+    digest = xxhash.xxh3_64_intdigest
+    keys: list[BlockKey] = []
+    prev = seed
+    if extras:
+        for i in range(n_blocks):
+            chunk = view[i * block_bytes : (i + 1) * block_bytes]
+            extra = extras.get(i)
+            prev = digest(bytes(chunk) + extra if extra else chunk, prev)
+            keys.append(BlockKey(prev))
+    else:
+        for i in range(n_blocks):
+            prev = digest(view[i * block_bytes : (i + 1) * block_bytes], prev)
+            keys.append(BlockKey(prev))
+    return tuple(keys)
+
+
+def token_block_keys(
+    tokens: TokenArray, block_size_tokens: int, seed: int, extras: Mapping[int, bytes] | None = None
+) -> tuple[BlockKey, ...]:
+    """Chained keys of the full token blocks; the entry point for KV-event token ids too."""
+    if block_size_tokens <= 0:
+        raise NormalizerError("block_size_tokens must be positive", code="bad_config")
+    return chain_keys(tokens, block_size_tokens * TOKEN_DTYPE.itemsize, seed, extras)

@@ -1,0 +1,183 @@
+"""From a rendered model input and its zone boundaries to a `CanonicalPrompt`.
+
+Every mode ends here: it supplies the bytes to hash (token ids or canonical text), how many bytes
+one token takes, the token count, and the token positions of the zone boundaries. Boundaries are
+measured by rendering a prefix of the conversation (`BoundarySpec`) and taking the longest common
+prefix with the full rendering, so a template that is not prefix-stable only makes a zone shorter,
+never wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from prompt_normalizer.canonical import CanonicalChat
+from prompt_normalizer.keys import Bytes, byte_view, chain_keys
+from prompt_normalizer.types import BlockKey, CanonicalPrompt, Zone, ZoneSpan
+
+
+@dataclass(frozen=True, slots=True)
+class BoundarySpec:
+    """A prefix rendering that ends a zone: `messages[:n_messages]`, with or without the tools,
+    no generation prompt. `purpose` is `immutable_end`, `stable_end` or `media:<message index>`."""
+
+    purpose: str
+    n_messages: int
+    with_tools: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Boundaries:
+    """Token positions of the zone boundaries (`None` when a boundary could not be measured)."""
+
+    immutable_end: int | None
+    stable_end: int | None
+    media_starts: Mapping[int, int | None]
+
+
+def boundary_specs(chat: CanonicalChat) -> tuple[BoundarySpec, ...]:
+    """The prefix renderings a chat request needs for its zone spans and media positions."""
+    specs = [BoundarySpec("immutable_end", chat.n_immutable, chat.tools_immutable and chat.tools is not None)]
+    stable = chat.volatile_index if chat.volatile_index is not None else len(chat.messages)
+    if chat.volatile_index is not None or chat.add_generation_prompt:
+        specs.append(BoundarySpec("stable_end", stable, chat.tools is not None))
+    for index in sorted({m.message_index for m in chat.media}):
+        specs.append(BoundarySpec(f"media:{index}", index, chat.tools is not None))
+    return tuple(specs)
+
+
+def boundary_body(body: Mapping[str, Any], spec: BoundarySpec) -> dict[str, Any] | None:
+    """The render request for one boundary (None when it is trivially token 0)."""
+    if spec.n_messages == 0 and not spec.with_tools:
+        return None
+    out = dict(body)
+    out["messages"] = list(body["messages"])[: spec.n_messages]
+    if not spec.with_tools:
+        out.pop("tools", None)
+        out.pop("tool_choice", None)
+    out["add_generation_prompt"] = False
+    out["continue_final_message"] = False
+    out.pop("stream", None)
+    out.pop("stream_options", None)
+    return out
+
+
+def common_prefix_tokens(a: npt.NDArray[np.uint32], b: npt.NDArray[np.uint32]) -> int:
+    """Length of the longest common prefix of two token arrays (vectorized)."""
+    m = min(len(a), len(b))
+    diff = np.flatnonzero(a[:m] != b[:m])
+    return int(diff[0]) if diff.size else m
+
+
+def common_prefix_chars(a: str, b: str) -> int:
+    """Length of the longest common prefix of two strings (C-speed slice compares)."""
+    if a.startswith(b):
+        return len(b)
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def boundaries_from_positions(
+    specs: tuple[BoundarySpec, ...],
+    positions: list[int | None],
+    n_tokens: int,
+    add_generation_prompt: bool,
+    volatile: bool,
+) -> Boundaries:
+    found = dict(zip((s.purpose for s in specs), positions, strict=True))
+    stable = found.get("stable_end", n_tokens) if (volatile or add_generation_prompt) else n_tokens
+    media = {int(p.split(":", 1)[1]): pos for p, pos in found.items() if p.startswith("media:")}
+    return Boundaries(found.get("immutable_end"), stable, media)
+
+
+@dataclass(frozen=True, slots=True)
+class Hashed:
+    """What one mode hands to `assemble`: the bytes and how they map to tokens."""
+
+    data: Bytes
+    bytes_per_token: int
+    n_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Assembled:
+    """The prompt and where its stable content ends (before the generation prompt and volatile tail)."""
+
+    prompt: CanonicalPrompt
+    stable_end_token: int
+
+
+def assemble(
+    hashed: Hashed,
+    *,
+    block_size: int,
+    root: int,
+    public_root: int | None,
+    boundaries: Boundaries,
+    chat: CanonicalChat | None,
+    source: str,
+    diagnostics: list[str],
+) -> Assembled:
+    """Zone spans, chained keys (media folded in), public keys of the leading immutable blocks."""
+    n = hashed.n_tokens
+    imm_end = min(boundaries.immutable_end or 0, n)
+    if boundaries.immutable_end is None and chat is not None and chat.n_immutable:
+        diagnostics.append("zones: immutable boundary not measured; immutable zone left empty")
+    stable = boundaries.stable_end
+    volatile = chat is not None and chat.volatile_index is not None
+    if stable is None:
+        diagnostics.append("zones: stable boundary not measured; no volatile span")
+        stable, volatile = n, False
+    stable = max(imm_end, min(stable, n))
+    extras: dict[int, bytes] = {}
+    if chat is not None:
+        for item in chat.media:
+            start = boundaries.media_starts.get(item.message_index)
+            block = 0 if start is None else min(start, n) // block_size
+            extras[block] = extras.get(block, b"") + item.digest
+    zones: list[ZoneSpan] = []
+    if chat is None:
+        zones.append(ZoneSpan(Zone.APPEND_ONLY, source, 0, n))
+    else:
+        if imm_end > 0:
+            imm_src = f"messages[0:{chat.n_immutable}]" + (
+                "+tools" if chat.tools and chat.tools_immutable else ""
+            )
+            zones.append(ZoneSpan(Zone.IMMUTABLE, imm_src, 0, imm_end))
+        last = chat.volatile_index if chat.volatile_index is not None else len(chat.messages)
+        end_append = stable if volatile else n
+        if end_append > imm_end:
+            zones.append(
+                ZoneSpan(Zone.APPEND_ONLY, f"messages[{chat.n_immutable}:{last}]", imm_end, end_append)
+            )
+        if volatile and n > stable:
+            zones.append(ZoneSpan(Zone.VOLATILE, f"messages[{chat.volatile_index}]", stable, n))
+    block_bytes = block_size * hashed.bytes_per_token
+    full = n // block_size
+    view = byte_view(hashed.data)[: full * block_bytes]
+    keys = chain_keys(view, block_bytes, root, extras)
+    public: tuple[BlockKey, ...] = ()
+    n_public = imm_end // block_size
+    if public_root is not None and n_public:
+        public = chain_keys(view[: n_public * block_bytes], block_bytes, public_root, extras)
+    prompt = CanonicalPrompt(
+        n_tokens=n,
+        block_size_tokens=block_size,
+        block_keys=keys,
+        zones=tuple(zones),
+        public_block_keys=public,
+        diagnostics=tuple(diagnostics),
+        canonical_body=chat.body if chat is not None else None,
+    )
+    return Assembled(prompt, stable)

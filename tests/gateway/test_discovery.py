@@ -1,0 +1,124 @@
+"""Worker discovery: static lists, DNS re-resolution with an injected resolver, and the real getaddrinfo."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+from gateway.discovery import (
+    Discovery,
+    DnsWorkers,
+    StaticWorkers,
+    WorkerSetChange,
+    diff_workers,
+    resolve_with_loop,
+    worker_url,
+)
+
+
+class ScriptedResolver:
+    """Answers from a script, one entry per call; an exception entry is raised."""
+
+    def __init__(self, *answers: list[str] | Exception) -> None:
+        self.answers = list(answers)
+        self.calls: list[tuple[str, int]] = []
+
+    async def __call__(self, host: str, port: int) -> list[str]:
+        self.calls.append((host, port))
+        answer = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+def test_urls_and_diff() -> None:
+    assert worker_url("http", "10.0.0.7", 8000) == "http://10.0.0.7:8000"
+    assert worker_url("https", "fd00::7", 8000) == "https://[fd00::7]:8000"
+    change = diff_workers(frozenset({"a", "b"}), frozenset({"b", "c"}))
+    assert change.added == {"c"} and change.removed == {"a"} and change.current == {"b", "c"}
+    assert not diff_workers(frozenset({"a"}), frozenset({"a"}))
+
+
+async def test_static_list_is_reported_once() -> None:
+    d = Discovery(StaticWorkers(["http://127.0.0.1:1/", "http://127.0.0.1:2"]))
+    changes = [c async for c in d.watch()]
+    assert len(changes) == 1 and changes[0].added == {"http://127.0.0.1:1", "http://127.0.0.1:2"}
+    with pytest.raises(ValueError, match="http://"):
+        StaticWorkers(["127.0.0.1:1"])
+
+
+async def test_dns_changes_failures_and_empty_answers() -> None:
+    r = ScriptedResolver(
+        ["10.0.0.1", "10.0.0.2"],
+        ["10.0.0.2", "10.0.0.3", "10.0.0.3"],
+        socket.gaierror(socket.EAI_NONAME, "Name or service not known"),
+        ["fd00::1"],
+        [],
+    )
+    d = Discovery(DnsWorkers("vllm.llm.svc.cluster.local", 8000, resolver=r))
+    c1 = await d.refresh()
+    assert c1.added == {"http://10.0.0.1:8000", "http://10.0.0.2:8000"}
+    c2 = await d.refresh()
+    assert c2.added == {"http://10.0.0.3:8000"} and c2.removed == {"http://10.0.0.1:8000"}
+    c3 = await d.refresh()  # DNS failure: nothing removed
+    assert not c3 and d.current == {"http://10.0.0.2:8000", "http://10.0.0.3:8000"}
+    status = d.status()
+    assert status.failures == 1 and status.last_error is not None and "gaierror" in status.last_error
+    c4 = await d.refresh()
+    assert c4.current == {"http://[fd00::1]:8000"} and d.status().last_error is None
+    c5 = await d.refresh()  # a real answer with no pods empties the pool
+    assert c5.removed == {"http://[fd00::1]:8000"} and d.current == frozenset()
+    assert r.calls[0] == ("vllm.llm.svc.cluster.local", 8000)
+
+
+async def test_slow_resolver_times_out_and_big_answers_are_capped() -> None:
+    async def slow(host: str, port: int) -> list[str]:
+        await asyncio.sleep(10)
+        return []
+
+    d = Discovery(DnsWorkers("x", 80, resolver=slow, timeout_s=0.05))
+    assert not await d.refresh() and d.status().failures == 1
+
+    many = ScriptedResolver([f"10.0.{i // 256}.{i % 256}" for i in range(50)])
+    capped = Discovery(DnsWorkers("x", 80, resolver=many, max_workers=8))
+    assert len((await capped.refresh()).current) == 8
+
+
+def test_bad_dns_settings() -> None:
+    with pytest.raises(ValueError, match="port"):
+        DnsWorkers("x", 0)
+    with pytest.raises(ValueError, match="scheme"):
+        DnsWorkers("x", 80, scheme="tcp")
+    with pytest.raises(ValueError, match="interval"):
+        Discovery(StaticWorkers([]), interval_s=0)
+
+
+async def test_real_getaddrinfo_on_loopback() -> None:
+    assert await resolve_with_loop("127.0.0.1", 8000) == ["127.0.0.1"]
+    assert "127.0.0.1" in await resolve_with_loop("localhost", 8000)
+    d = Discovery(DnsWorkers("127.0.0.1", 8123))
+    assert (await d.refresh()).added == {"http://127.0.0.1:8123"}
+
+
+async def test_background_loop_reports_changes_until_stopped() -> None:
+    r = ScriptedResolver(["10.0.0.1"], ["10.0.0.1"], ["10.0.0.2"], ["10.0.0.2"])
+    d = Discovery(DnsWorkers("svc", 9000, resolver=r), interval_s=0.01)
+    seen: list[WorkerSetChange] = []
+    got_two = asyncio.Event()
+
+    def on_change(change: WorkerSetChange) -> None:
+        seen.append(change)
+        if len(seen) == 2:
+            got_two.set()
+
+    first = await d.start(on_change)
+    assert first.added == {"http://10.0.0.1:9000"}
+    async with asyncio.timeout(5):
+        await got_two.wait()
+    await d.stop()
+    calls = len(r.calls)
+    await asyncio.sleep(0.05)
+    assert len(r.calls) == calls
+    assert seen[1].added == {"http://10.0.0.2:9000"} and seen[1].removed == {"http://10.0.0.1:9000"}

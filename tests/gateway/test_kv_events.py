@@ -1,0 +1,382 @@
+"""KV-event subscriber: real ZMQ sockets on 127.0.0.1, vLLM's framing and both payload encodings."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+
+from gateway.kv_events import (
+    REPLAY_END_SEQ,
+    KvEventDecodeError,
+    KvEventEndpoint,
+    KvEventLimits,
+    KvEventSubscriber,
+    SequenceGap,
+    decode_batch,
+    endpoint_for_worker,
+)
+from policies.base import KvEvent, KvEventKind, WorkerId
+
+W = WorkerId("w1")
+BIG_HASH = 2**64 - 5  # above 2**63: vLLM's low-64-bit hashes arrive as msgpack uint64
+
+
+def stored_array(
+    hashes: Sequence[int | bytes], parent: int | bytes | None, bs: int = 2, **kw: Any
+) -> list[Any]:
+    tokens = list(range(len(hashes) * bs))
+    return [
+        "BlockStored",
+        list(hashes),
+        parent,
+        tokens,
+        bs,
+        None,
+        kw.get("medium", "GPU"),
+        kw.get("lora_name"),
+        [None] * len(hashes),
+        0,
+        kw.get("spec_kind", "full_attention"),
+    ]
+
+
+def stored_map(hashes: Sequence[int | bytes], parent: int | bytes | None, bs: int = 2) -> dict[str, Any]:
+    return {
+        "type": "BlockStored",
+        "block_hashes": list(hashes),
+        "parent_block_hash": parent,
+        "token_ids": list(range(len(hashes) * bs)),
+        "block_size": bs,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        "extra_keys": [None] * len(hashes),
+        "group_idx": 0,
+        "kv_cache_spec_kind": "full_attention",
+        "a_field_from_the_future": 1,
+    }
+
+
+def batch(events: list[Any], encoding: str = "array") -> bytes:
+    if encoding == "map":
+        return msgpack.packb({"ts": 1.5, "events": events, "data_parallel_rank": 0})
+    return msgpack.packb([1.5, events, None])
+
+
+# ---------------------------------------------------------------- decoding
+
+
+def test_array_and_map_encodings_decode_to_the_same_events() -> None:
+    a = decode_batch(batch([stored_array([1, BIG_HASH], None), ["BlockRemoved", [1], "GPU", 0]]))
+    m = decode_batch(
+        batch([stored_map([1, BIG_HASH], None), {"type": "BlockRemoved", "block_hashes": [1]}], "map")
+    )
+    assert a.events == m.events
+    stored, removed = a.events
+    assert stored == KvEvent(
+        kind=KvEventKind.BLOCK_STORED,
+        block_hashes=(1, BIG_HASH),
+        parent_block_hash=None,
+        token_ids=(0, 1, 2, 3),
+        block_size=2,
+    )
+    assert removed == KvEvent(kind=KvEventKind.BLOCK_REMOVED, block_hashes=(1,))
+    assert m.data_parallel_rank == 0 and a.ts_s == 1.5
+
+
+def test_old_short_events_and_byte_hashes() -> None:
+    # Builds before `medium`/`lora_name`: trailing fields missing; sha256 digests as bytes.
+    h = bytes(range(32))
+    out = decode_batch(msgpack.packb([2.0, [["BlockStored", [h], 7, [5, 6], 2, None], ["AllBlocksCleared"]]]))
+    assert out.events[0].block_hashes == (h,)
+    assert out.events[0].parent_block_hash == 7
+    assert out.events[1].kind is KvEventKind.ALL_BLOCKS_CLEARED
+
+
+def test_other_media_groups_and_unknown_types_are_skipped() -> None:
+    out = decode_batch(
+        batch(
+            [
+                stored_array([1], None, medium="CPU"),
+                stored_array([2], None, spec_kind="sliding_window"),
+                ["SomethingNew", 1, 2],
+                stored_array([3], None, lora_name="adapter-a"),
+            ]
+        )
+    )
+    assert out.skipped_events == 3
+    assert [e.block_hashes for e in out.events] == [(3,)]
+    assert out.events[0].lora_name == "adapter-a"
+
+
+@pytest.mark.parametrize(
+    ("payload", "needle"),
+    [
+        (b"\xc1\xc1", "not msgpack"),
+        (msgpack.packb({"ts": 1.0}), "events"),
+        (msgpack.packb([1.0]), "batch must be"),
+        (msgpack.packb([1.0, [["BlockStored", "nope", None, [], 2]]]), "block_hashes"),
+        (msgpack.packb([1.0, [["BlockStored", [1], None, ["x"], 2]]]), "token_ids"),
+        (msgpack.packb([1.0, [{"block_hashes": [1]}]]), "type"),
+        (msgpack.packb(["x", []]), "ts"),
+    ],
+)
+def test_bad_payloads_say_what_is_wrong(payload: bytes, needle: str) -> None:
+    with pytest.raises(KvEventDecodeError, match=needle):
+        decode_batch(payload)
+
+
+def test_endpoint_template() -> None:
+    assert endpoint_for_worker("tcp://{host}:5557", "http://10.0.0.7:8000") == "tcp://10.0.0.7:5557"
+    assert endpoint_for_worker("tcp://{host}:5557", "http://[::1]:8000") == "tcp://[::1]:5557"
+
+
+# ---------------------------------------------------------------- real sockets
+
+
+@dataclass
+class Recorder:
+    items: list[tuple[WorkerId, KvEvent] | SequenceGap] = field(default_factory=list)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def on_event(self, worker: WorkerId, event: KvEvent) -> None:
+        self.items.append((worker, event))
+        self.changed.set()
+
+    def on_gap(self, gap: SequenceGap) -> None:
+        self.items.append(gap)
+        self.changed.set()
+
+    async def wait_for(self, n: int, timeout_s: float = 5.0) -> None:
+        async with asyncio.timeout(timeout_s):
+            while len(self.items) < n:
+                self.changed.clear()
+                await self.changed.wait()
+
+    def hashes(self) -> list[Any]:
+        return [i[1].block_hashes[0] if isinstance(i, tuple) and i[1].block_hashes else i for i in self.items]
+
+
+@dataclass
+class Publisher:
+    """An XPUB socket that behaves like vLLM's PUB and tells us when the subscriber has joined."""
+
+    sock: zmq.asyncio.Socket
+    endpoint: str
+    topic: bytes = b"kv@127.0.0.1@m"
+
+    async def joined(self) -> None:
+        async with asyncio.timeout(5):
+            msg = await self.sock.recv()
+        assert msg[:1] == b"\x01"
+
+    async def send(self, seq: int, payload: bytes) -> None:
+        await self.sock.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
+
+
+@pytest.fixture
+async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
+    c = zmq.asyncio.Context()
+    try:
+        yield c
+    finally:
+        c.destroy(linger=0)
+
+
+@pytest.fixture
+async def pub(ctx: zmq.asyncio.Context) -> Publisher:
+    sock = ctx.socket(zmq.XPUB)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    return Publisher(sock, f"tcp://127.0.0.1:{port}")
+
+
+@contextlib.asynccontextmanager
+async def replay_server(
+    ctx: zmq.asyncio.Context, buffered: dict[int, bytes], answer: bool = True
+) -> AsyncIterator[str]:
+    """A ROUTER socket answering like vLLM's publisher: every buffered batch with seq >= start, then END."""
+    sock = ctx.socket(zmq.ROUTER)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+
+    async def serve() -> None:
+        while True:
+            ident, _, start_b = await sock.recv_multipart()
+            if not answer:
+                continue
+            start = int.from_bytes(start_b, "big")
+            for seq in sorted(buffered):
+                if seq >= start:
+                    await sock.send_multipart([ident, b"", seq.to_bytes(8, "big"), buffered[seq]])
+            await sock.send_multipart([ident, b"", REPLAY_END_SEQ, b""])
+
+    task = asyncio.create_task(serve())
+    try:
+        yield f"tcp://127.0.0.1:{port}"
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        sock.close(linger=0)
+
+
+def one(h: int, encoding: str = "array") -> bytes:
+    ev: Any = stored_array([h], None) if encoding == "array" else stored_map([h], None)
+    return batch([ev], encoding)
+
+
+@contextlib.asynccontextmanager
+async def subscribed(
+    pub: Publisher,
+    rec: Recorder,
+    *,
+    replay: str | None = None,
+    gap_handler: Callable[[SequenceGap], None] | None = None,
+    limits: KvEventLimits | None = None,
+) -> AsyncIterator[KvEventSubscriber]:
+    sub = KvEventSubscriber(rec.on_event, on_gap=gap_handler, limits=limits)
+    await sub.start([KvEventEndpoint(W, pub.endpoint, replay_endpoint=replay, topic="kv@")])
+    try:
+        await pub.joined()
+        yield sub
+    finally:
+        await sub.stop()
+
+
+async def test_live_batches_in_both_encodings_reach_the_callback(pub: Publisher) -> None:
+    rec = Recorder()
+    async with subscribed(pub, rec) as sub:
+        await pub.send(0, one(10))
+        await pub.send(1, one(11, "map"))
+        await pub.send(2, batch([["AllBlocksCleared"]], "map"))
+        await rec.wait_for(3)
+        stats = sub.stats(W)
+        assert stats is not None and stats.batches == 3 and stats.last_seq == 2 and stats.gaps == 0
+    assert rec.items[0] == (W, KvEvent(KvEventKind.BLOCK_STORED, (10,), None, (0, 1), 2))
+    assert rec.items[1][1].block_hashes == (11,)  # type: ignore[index]
+    assert rec.items[2] == (W, KvEvent(KvEventKind.ALL_BLOCKS_CLEARED))
+
+
+async def test_gap_without_replay_is_signalled(pub: Publisher) -> None:
+    rec = Recorder()
+    async with subscribed(pub, rec, gap_handler=rec.on_gap) as sub:
+        await pub.send(0, one(10))
+        await pub.send(3, one(13))
+        await rec.wait_for(3)
+        assert sub.stats(W).lost_batches == 2  # type: ignore[union-attr]
+    assert rec.hashes() == [10, SequenceGap(W, 1, 3), 13]
+
+
+async def test_gap_default_clears_the_worker_before_newer_events(pub: Publisher) -> None:
+    rec = Recorder()
+    async with subscribed(pub, rec):
+        await pub.send(5, one(15))
+        await pub.send(7, one(17))
+        await rec.wait_for(3)
+    assert rec.items[1] == (W, KvEvent(KvEventKind.ALL_BLOCKS_CLEARED))
+    assert rec.hashes()[2] == 17
+
+
+async def test_gap_is_filled_from_the_replay_socket(ctx: zmq.asyncio.Context, pub: Publisher) -> None:
+    rec = Recorder()
+    buffered = {s: one(10 + s, "map" if s % 2 else "array") for s in range(0, 6)}
+    async with replay_server(ctx, buffered) as replay, subscribed(pub, rec, replay=replay) as sub:
+        await pub.send(0, buffered[0])
+        await pub.send(4, buffered[4])
+        await pub.send(5, buffered[5])
+        await rec.wait_for(6)
+        stats = sub.stats(W)
+        assert stats is not None and stats.replayed_batches == 3 and stats.gaps == 0
+    assert rec.hashes() == [10, 11, 12, 13, 14, 15]
+
+
+async def test_replay_buffer_too_short_reports_only_the_lost_part(
+    ctx: zmq.asyncio.Context, pub: Publisher
+) -> None:
+    rec = Recorder()
+    buffered = {s: one(10 + s) for s in (3, 4)}
+    async with (
+        replay_server(ctx, buffered) as replay,
+        subscribed(pub, rec, replay=replay, gap_handler=rec.on_gap),
+    ):
+        await pub.send(0, one(10))
+        await pub.send(4, buffered[4])
+        await rec.wait_for(4)
+    assert rec.hashes() == [10, SequenceGap(W, 1, 3), 13, 14]
+
+
+async def test_silent_replay_socket_times_out_into_a_gap(ctx: zmq.asyncio.Context, pub: Publisher) -> None:
+    rec = Recorder()
+    limits = KvEventLimits(replay_timeout_s=0.2)
+    async with (
+        replay_server(ctx, {}, answer=False) as replay,
+        subscribed(pub, rec, replay=replay, gap_handler=rec.on_gap, limits=limits) as sub,
+    ):
+        await pub.send(0, one(10))
+        await pub.send(2, one(12))
+        await rec.wait_for(3)
+        assert sub.stats(W).replay_failures == 1  # type: ignore[union-attr]
+    assert rec.hashes() == [10, SequenceGap(W, 1, 2), 12]
+
+
+async def test_publisher_restart_and_malformed_messages(pub: Publisher) -> None:
+    rec = Recorder()
+    async with subscribed(pub, rec, gap_handler=rec.on_gap) as sub:
+        await pub.send(0, one(10))
+        await pub.send(1, one(11))
+        await pub.sock.send_multipart([pub.topic, b"short"])  # wrong framing: counted, skipped
+        await pub.send(2, b"\xc1")  # undecodable payload: counted, sequence still advances
+        await pub.send(0, one(20))  # sequence restarts: the worker came back empty
+        await rec.wait_for(4)
+        stats = sub.stats(W)
+        assert stats is not None and stats.decode_errors == 2 and stats.restarts == 1
+    assert rec.hashes() == [10, 11, SequenceGap(W, 3, 0, publisher_restarted=True), 20]
+
+
+async def test_callback_errors_do_not_stop_the_subscription(pub: Publisher) -> None:
+    seen: list[KvEvent] = []
+    done = asyncio.Event()
+
+    def flaky(worker: WorkerId, event: KvEvent) -> None:
+        seen.append(event)
+        if len(seen) == 1:
+            raise RuntimeError("policy bug")
+        done.set()
+
+    sub = KvEventSubscriber(flaky)
+    await sub.start([KvEventEndpoint(W, pub.endpoint)])
+    try:
+        await pub.joined()
+        await pub.send(0, one(1))
+        await pub.send(1, one(2))
+        async with asyncio.timeout(5):
+            await done.wait()
+        assert sub.stats(W).callback_errors == 1  # type: ignore[union-attr]
+    finally:
+        await sub.stop()
+
+
+async def test_membership_and_clean_stop(pub: Publisher) -> None:
+    rec = Recorder()
+    sub = KvEventSubscriber(rec.on_event)
+    with pytest.raises(RuntimeError):
+        sub.add(KvEventEndpoint(W, pub.endpoint))
+    await sub.start()
+    sub.add(KvEventEndpoint(W, pub.endpoint))
+    sub.add(KvEventEndpoint(WorkerId("bad"), "not-an-endpoint"))
+    assert sub.workers() == {W, WorkerId("bad")}
+    await pub.joined()
+    await asyncio.sleep(0.05)
+    bad = sub.stats(WorkerId("bad"))
+    assert bad is not None and bad.last_error is not None and "not-an-endpoint" in bad.last_error
+    sub.remove(W)
+    assert sub.workers() == {WorkerId("bad")}
+    await sub.stop()
+    assert sub.workers() == frozenset()

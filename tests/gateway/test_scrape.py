@@ -1,0 +1,221 @@
+"""Prometheus page parsing, and the scraper loop against a real HTTP server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import pytest
+from aiohttp import web
+
+from gateway.scrape import (
+    MetricsScraper,
+    ScrapeConfig,
+    ScrapeError,
+    WorkerMetrics,
+    parse_metrics,
+    parse_samples,
+)
+from policies.base import WorkerId
+
+VLLM_PAGE = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="org/m \\"q\\""} 3.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 7.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.42
+# TYPE vllm:prefix_cache_queries counter
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1000.0
+vllm:prefix_cache_queries_created{engine="0",model_name="m"} 1.7e9
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 250.0
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",num_gpu_blocks="2048"} 1.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="m"} 0.0
+python_gc_objects_collected_total{generation="0"} 123.0
+"""
+
+DP_PAGE = """\
+vllm:num_requests_running{engine="0"} 1
+vllm:num_requests_running{engine="1"} 2
+vllm:num_requests_waiting{engine="0"} 0
+vllm:num_requests_waiting{engine="1"} 4
+vllm:gpu_cache_usage_perc{engine="0"} 0.1
+vllm:gpu_cache_usage_perc{engine="1"} 0.9
+vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="100"} 1
+vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="100"} 1
+"""
+
+SGLANG_PAGE = """\
+# HELP sglang:num_running_reqs The number of running requests.
+sglang:num_running_reqs{model_name="m",tp_rank="0"} 5.0
+sglang:num_queue_reqs{model_name="m",tp_rank="0"} 2.0
+sglang:token_usage{model_name="m",tp_rank="0"} 0.25
+sglang:max_total_num_tokens{model_name="m",tp_rank="0"} 500000.0
+sglang:prompt_tokens_total{model_name="m",tp_rank="0"} 900.0
+sglang:cached_tokens_total{cache_source="device",model_name="m"} 300.0
+sglang:cached_tokens_total{cache_source="host",model_name="m"} 100.0
+"""
+
+
+def test_vllm_page() -> None:
+    m = parse_metrics(VLLM_PAGE)
+    assert m == WorkerMetrics(
+        engine="vllm",
+        num_requests_waiting=7,
+        num_requests_running=3,
+        kv_cache_usage=0.42,
+        num_gpu_blocks=2048,
+        block_size_tokens=16,
+        kv_capacity_tokens=2048 * 16,
+        prefix_cache_queries_tokens=1000.0,
+        prefix_cache_hits_tokens=250.0,
+    )
+
+
+def test_data_parallel_engines_sum_counts_and_take_the_fullest_cache() -> None:
+    m = parse_metrics(DP_PAGE)
+    assert (m.num_requests_running, m.num_requests_waiting) == (3, 4)
+    assert m.kv_cache_usage == 0.9  # deprecated name still read
+    assert (m.num_gpu_blocks, m.block_size_tokens, m.kv_capacity_tokens) == (200, 16, 3200)
+    assert m.prefix_cache_hits_tokens is None
+
+
+def test_sglang_page() -> None:
+    m = parse_metrics(SGLANG_PAGE)
+    assert m.engine == "sglang"
+    assert (m.num_requests_running, m.num_requests_waiting, m.kv_cache_usage) == (5, 2, 0.25)
+    assert m.kv_capacity_tokens == 500_000 and m.num_gpu_blocks is None
+    assert (m.prefix_cache_queries_tokens, m.prefix_cache_hits_tokens) == (900.0, 400.0)
+
+
+def test_unprofiled_cache_and_garbage_lines_are_tolerated() -> None:
+    page = (
+        "garbage without value\n"
+        "vllm:num_requests_waiting{broken 3\n"
+        'vllm:num_requests_running{engine="0"} notanumber\n'
+        'vllm:num_requests_running{engine="0"} NaN\n'
+        'vllm:num_requests_waiting{engine="0"} 2 1700000000000\n'
+        'vllm:cache_config_info{block_size="16",num_gpu_blocks="None"} 1\n'
+        "\n"
+    )
+    m = parse_metrics(page)
+    assert m.num_requests_waiting == 2 and m.num_requests_running is None
+    assert m.num_gpu_blocks is None and m.block_size_tokens == 16 and m.kv_capacity_tokens is None
+
+
+def test_unknown_page_gives_an_empty_record() -> None:
+    assert parse_metrics("up 1\nprocess_cpu_seconds_total 3\n") == WorkerMetrics()
+    assert parse_metrics("") == WorkerMetrics()
+
+
+def test_label_escapes() -> None:
+    (s,) = parse_samples('x{a="q\\"uo,te",b="back\\\\slash"} 1', frozenset({"x"}))
+    assert s.labels == {"a": 'q"uo,te', "b": "back\\slash"}
+
+
+# ---------------------------------------------------------------- the loop, over HTTP
+
+
+@dataclass
+class Worker:
+    page: str = VLLM_PAGE
+    status: int = 200
+    delay_s: float = 0.0
+    hits: int = 0
+
+
+@pytest.fixture
+async def worker() -> AsyncIterator[tuple[Worker, str]]:
+    w = Worker()
+
+    async def metrics(_: web.Request) -> web.Response:
+        w.hits += 1
+        if w.delay_s:
+            await asyncio.sleep(w.delay_s)
+        return web.Response(text=w.page, status=w.status)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield w, f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def wait_until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not cond():  # noqa: ASYNC110 - polling another task's state, bounded by the timeout
+            await asyncio.sleep(0.01)
+
+
+W = WorkerId("w1")
+
+
+async def test_loop_scrapes_ages_and_survives_failures(worker: tuple[Worker, str]) -> None:
+    w, url = worker
+    clock = [100.0]
+    updates: list[WorkerId] = []
+    scraper = MetricsScraper(
+        ScrapeConfig(interval_s=0.02, timeout_s=0.2, max_age_s=5.0),
+        clock=lambda: clock[0],
+        on_update=lambda wid, _: updates.append(wid),
+    )
+    await scraper.start()
+    try:
+        scraper.add(W, url + "/")
+        await wait_until(lambda: scraper.fresh(W) is not None)
+        assert scraper.fresh(W) == parse_metrics(VLLM_PAGE)
+        assert updates and updates[0] == W
+        w.status = 500
+        state = scraper.state(W)
+        assert state is not None
+        await wait_until(lambda: state.consecutive_failures >= 2)
+        assert state.last_error == "HTTP 500"
+        assert scraper.fresh(W) is not None  # the last good one is still young
+        clock[0] += 6.0
+        assert scraper.fresh(W) is None  # ... until it ages out
+        w.status = 200
+        w.page = DP_PAGE
+        await wait_until(lambda: scraper.fresh(W) is not None)
+        assert scraper.fresh(W) == parse_metrics(DP_PAGE)
+        assert scraper.fresh(WorkerId("unknown")) is None
+    finally:
+        await scraper.stop()
+
+
+async def test_slow_and_oversized_pages_fail_cleanly(worker: tuple[Worker, str]) -> None:
+    w, url = worker
+    scraper = MetricsScraper(ScrapeConfig(timeout_s=0.1, max_body_bytes=64))
+    await scraper.start()
+    try:
+        with pytest.raises(ScrapeError, match="larger than 64"):
+            await scraper.scrape_once(url)
+        w.delay_s = 1.0
+        with pytest.raises(TimeoutError):
+            await scraper.scrape_once(url)
+    finally:
+        await scraper.stop()
+
+
+async def test_remove_and_stop_cancel_the_tasks(worker: tuple[Worker, str]) -> None:
+    w, url = worker
+    scraper = MetricsScraper(ScrapeConfig(interval_s=0.01))
+    with pytest.raises(RuntimeError):
+        scraper.add(W, url)
+    await scraper.start()
+    scraper.add(W, url)
+    await wait_until(lambda: w.hits >= 2)
+    scraper.remove(W)
+    await asyncio.sleep(0.05)
+    hits = w.hits
+    await asyncio.sleep(0.05)
+    assert w.hits == hits and scraper.state(W) is None
+    await scraper.stop()

@@ -1,0 +1,87 @@
+"""The overhead benchmark's parts on real processes: static backend, pass-through proxy, CPU, workload."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from loadtest import bench_overhead
+from loadtest.overhead_load import chat_bodies, free_port, spawn, stop, tree_cpu_s, wait_ready
+
+
+@pytest.fixture
+def backend(tmp_path: Path) -> Iterator[str]:
+    port = free_port()
+    proc = spawn([sys.executable, "-m", "loadtest.static_backend", "--port", str(port)], tmp_path / "b.log")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url + "/health", proc, tmp_path / "b.log", timeout_s=15)
+        yield url
+    finally:
+        stop(proc)
+    assert proc.poll() is not None
+
+
+def post(url: str, body: bytes) -> tuple[int, dict[str, object]]:
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        return resp.status, json.loads(resp.read())
+
+
+def test_static_backend_answers_chat_and_unknown_paths(backend: str) -> None:
+    status, body = post(backend + "/v1/chat/completions", b'{"model":"bench-model","messages":[]}')
+    assert status == 200 and body["object"] == "chat.completion"
+    with pytest.raises(urllib.error.HTTPError) as err:
+        post(backend + "/v1/nope", b"{}")
+    assert err.value.code == 404
+
+
+def test_pass_through_proxy_and_process_cpu(backend: str, tmp_path: Path) -> None:
+    port = free_port()
+    argv = [sys.executable, "-m", "loadtest.overhead_load", "--child-proxy", "aiohttp"]
+    proc = spawn([*argv, "--port", str(port), "--upstream", backend], tmp_path / "p.log")
+    try:
+        wait_ready(f"http://127.0.0.1:{port}/health", proc, tmp_path / "p.log", timeout_s=30)
+        status, body = post(f"http://127.0.0.1:{port}/v1/chat/completions", chat_bodies(0)[0].encode())
+        assert status == 200 and body["model"] == "bench-model"
+        assert tree_cpu_s(proc.pid) > 0  # the interpreter start alone costs CPU
+    finally:
+        stop(proc)
+
+
+def test_workload_is_seeded() -> None:
+    a, b, c = chat_bodies(1), chat_bodies(1), chat_bodies(2)
+    assert a == b and a != c and len(a) == 64
+    assert len({json.loads(x)["messages"][0]["content"] for x in a}) == 8
+
+
+def test_bench_command_end_to_end_with_builtin_tools(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = argparse.ArgumentParser()
+    bench_overhead.add_arguments(parser)
+    out_json = tmp_path / "r.json"
+    argv = ["--duration", "1", "--warmup", "0", "--concurrency", "4,1", "--targets", "direct"]
+    argv += ["--backend", "builtin", "--load-tool", "builtin", "--json", str(out_json)]
+    args = parser.parse_args(argv)
+    assert bench_overhead.run(args) == 0
+    printed = capsys.readouterr().out
+    assert "| direct |" in printed and "built-in static backend" in printed
+    result = json.loads(out_json.read_text())["results"][0]
+    assert result["missing"] is None and [r["concurrency"] for r in result["runs"]] == [4, 1]
+    assert all(r["requests"] > 0 and r["errors"] == 0 for r in result["runs"])
+
+
+def test_bad_arguments_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    bench_overhead.add_arguments(parser)
+    assert bench_overhead.run(parser.parse_args(["--targets", "direct,bogus"])) == 2
+    assert bench_overhead.run(parser.parse_args(["--concurrency", "0"])) == 2
+    assert "bogus" in capsys.readouterr().err

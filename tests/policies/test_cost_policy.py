@@ -1,0 +1,145 @@
+from __future__ import annotations
+
+import pytest
+
+from policies.base import Observation, WorkerId, WorkerView
+from policies.cost_model import CostModel, CostModelParams, profile
+from policies.cost_policy import CostPolicy
+from policies.index import IndexConfig
+from policies.pools import PoolSettings
+from policies.prefix_policy import SharedSettings
+from tests.policies.factories import BS, req, workers
+
+
+def _policy(**kw: object) -> CostPolicy:
+    return CostPolicy(seed=1, **kw)  # type: ignore[arg-type]
+
+
+def _warm(policy: CostPolicy, blocks: range, worker: str, *, tenant: str = "t") -> None:
+    """Dispatch and complete one request so `worker` holds `blocks` (confirmed)."""
+    r = req(f"warm-{worker}-{tenant}", blocks, tenant=tenant)
+    d = policy.select(r, [WorkerView(WorkerId(worker))], 0.0)
+    assert d is not None
+    policy.on_dispatch(r, d, 0.0)
+    policy.on_complete(Observation(r, d.worker, ttft_s=None, prompt_tokens=r.n_prompt_tokens), 0.0)
+
+
+def test_routes_to_the_holder_of_a_long_prefix() -> None:
+    p = _policy()
+    _warm(p, range(128), "w2")
+    d = p.select(req("r", range(130)), workers(0, 0, 0, 0), 1.0)
+    assert d is not None and d.worker == "w2" and d.reason == "hit"
+    assert d.matched_tokens == 128 * BS and d.score_s > 0
+    p.check_invariants()
+
+
+def test_misses_on_an_idle_pool_spread_instead_of_piling_on_worker_0() -> None:
+    p = _policy()
+    chosen = {
+        p.select(req(f"r{i}", range(i * 100, i * 100 + 8)), workers(0, 0, 0, 0), 0.0) for i in range(40)
+    }
+    assert len({d.worker for d in chosen if d is not None}) == 4
+    assert p.stats().decisions_by_reason == {"miss": 40}
+
+
+def test_hot_prefix_is_replicated_when_its_holder_is_queued() -> None:
+    p = _policy()
+    _warm(p, range(64), "w0")
+    # w0 holds 1k tokens of prefix but has 200k prefill tokens queued: a fresh prefill elsewhere wins.
+    views = workers(2, 0, 0, 0, prefill=(200_000, 0, 0, 0))
+    d = p.select(req("r", range(66)), views, 1.0)
+    assert d is not None and d.worker != "w0" and d.reason == "spread"
+    assert p.stats().counters["hot_prefix_replications"] == 1
+    # A short queue is worth waiting behind: it stays on the holder.
+    d2 = p.select(req("r2", range(66)), workers(1, 0, 0, 0, prefill=(500, 0, 0, 0)), 1.0)
+    assert d2 is not None and d2.worker == "w0"
+
+
+def test_bounded_load_guard_moves_off_an_overloaded_holder() -> None:
+    p = _policy()
+    _warm(p, range(256), "w0")
+    d = p.select(req("r", range(258)), workers(10, 0, 0, 0), 1.0)
+    assert d is not None and d.worker != "w0"
+    strict = _policy(epsilon=0.0, slack_requests=0.0)
+    d2 = strict.select(req("r", range(3)), workers(2, 2, 2, 2), 1.0)
+    assert d2 is not None and d2.reason == "overloaded"
+
+
+def test_cold_adapter_outweighs_a_short_prefix() -> None:
+    p = _policy()
+    _warm(p, range(16), "w0")
+    r = req("r", range(18))
+    r = type(r)(**{**{f: getattr(r, f) for f in r.__slots__}, "adapter": "sql"})
+    views = [
+        WorkerView(WorkerId("w0"), loaded_adapters=frozenset()),
+        WorkerView(WorkerId("w1"), loaded_adapters=frozenset({"sql"})),
+    ]
+    d = p.select(r, views, 1.0)
+    assert d is not None and d.worker == "w1"
+
+
+def test_transfer_lets_a_quiet_worker_borrow_a_long_prefix() -> None:
+    params = profile("llama3-8b-h100", transfer_enabled=True, transfer_bandwidth_bytes_per_s=1e12)
+    p = _policy(shared=SharedSettings(default_pool=PoolSettings(cost=params)))
+    _warm(p, range(1024), "w0")
+    views = workers(3, 0, prefill=(100_000, 0))
+    d = p.select(req("r", range(1030)), views, 1.0)
+    assert d is not None and d.worker == "w1" and d.matched_tokens == 1024 * BS
+
+
+def test_speculative_routing_memory_expires_without_feedback() -> None:
+    p = _policy(shared=SharedSettings(default_pool=PoolSettings(index=IndexConfig(speculative_ttl_s=5.0))))
+    r = req("r", range(64))
+    d = p.select(r, workers(0, 0), 0.0)
+    assert d is not None
+    p.on_dispatch(r, d, 0.0)
+    again = p.select(req("r2", range(64)), workers(0, 0), 1.0)
+    assert again is not None and again.worker == d.worker and again.reason == "hit"
+    later = p.select(req("r3", range(64)), workers(0, 0), 100.0)
+    assert later is not None and later.reason == "miss"
+    assert p.stats().index["p"].speculative_entries == 0
+
+
+def test_no_available_worker_gives_none() -> None:
+    views = [
+        WorkerView(WorkerId("w0"), healthy=False),
+        WorkerView(WorkerId("w1"), max_in_flight=1, in_flight_requests=1),
+    ]
+    assert _policy().select(req("r", range(2)), views, 0.0) is None
+
+
+def test_cost_model_shape_and_calibration() -> None:
+    model = CostModel(CostModelParams())
+    # Attention makes a 32k prefill more than 16x a 2k one; the back half of a prompt costs more
+    # than the front half, so a match saves the front half's compute but not a step.
+    assert model.prefill_s(32_768) > 16 * model.prefill_s(2048)
+    assert model.saved_s(4096, 2048) == pytest.approx(model.prefill_s(2048) - model.params.step_s)
+    assert model.prefill_s(2048, 2048) > model.prefill_s(2048, 0)
+    assert model.saved_s(4096, 0) == 0.0
+    before = model.prefill_s(4000)
+    for i in range(200):
+        model.note_dispatch(f"r{i}", 0.0, 0)
+        model.note_complete(f"r{i}", 0.01 + 2.0 * before, 4000, 0)
+    assert model.prefill_s(4000) == pytest.approx(2.0 * before, rel=0.05)
+    assert model.calibration_samples == 200
+
+
+def test_queue_cost_grows_with_backlog_and_scraped_waiting() -> None:
+    model = CostModel(CostModelParams())
+    idle = WorkerView(WorkerId("a"))
+    busy = WorkerView(WorkerId("a"), in_flight_requests=2, in_flight_prefill_tokens=8000)
+    crowded = WorkerView(
+        WorkerId("a"),
+        in_flight_requests=2,
+        in_flight_prefill_tokens=8000,
+        num_requests_waiting=8,
+        num_requests_running=0,
+    )
+    assert model.queue_s(idle) == 0.0
+    assert model.queue_s(busy) > 0.1
+    assert model.queue_s(crowded) == pytest.approx(4 * model.queue_s(busy), rel=0.05)
+
+
+def test_unknown_profile_lists_known() -> None:
+    with pytest.raises(ValueError, match="llama3-8b-h100"):
+        profile("nope")

@@ -1,0 +1,205 @@
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from policies.base import WorkerId
+from policies.index import IndexConfig, PrefixIndex
+from tests.policies.factories import BS, chain
+
+W0, W1, W2 = WorkerId("w0"), WorkerId("w1"), WorkerId("w2")
+
+
+def _index(**kw: object) -> PrefixIndex:
+    return PrefixIndex(IndexConfig(**kw), BS)  # type: ignore[arg-type]
+
+
+def test_one_pass_lookup_gives_every_workers_matched_length() -> None:
+    idx = _index()
+    keys = chain("t", range(10))
+    idx.record(keys, W0, "t", 0.0, speculative=False)
+    idx.record(keys[:4], W1, "t", 0.0, speculative=False)
+    idx.record(chain("t", [99, 1, 2]), W2, "t", 0.0, speculative=False)
+    m = idx.lookup(keys, "t", 1.0)
+    assert dict(m.blocks_by_worker) == {W0: 10, W1: 4}
+    assert m.longest_blocks == 10 and m.deepest_holder == W0
+    idx.check_invariants()
+
+
+def test_lookup_never_skips_a_missing_middle_block() -> None:
+    idx = _index()
+    keys = chain("t", range(6))
+    idx.record(keys, W0, "t", 0.0, speculative=False)
+    assert idx.remove(keys[2], W0)
+    assert idx.lookup(keys, "t", 0.0).blocks(W0) == 2
+    idx.check_invariants()
+
+
+def test_capacity_evicts_tail_first_and_forgets_old_prefixes() -> None:
+    idx = _index(default_capacity_tokens=6 * BS)
+    a, b = chain("t", range(4)), chain("t", range(100, 104))
+    idx.record(a, W0, "t", 0.0, speculative=False)
+    idx.record(b, W0, "t", 1.0, speculative=False)
+    # 8 blocks into 6 slots: the two least recent go, and those are a's tail blocks.
+    assert idx.lookup(b, "t", 2.0).blocks(W0) == 4
+    assert idx.lookup(a, "t", 2.0).blocks(W0) == 2
+    assert idx.stats().evictions == 2
+    long = chain("t", range(200, 220))
+    idx.record(long, W0, "t", 3.0, speculative=False)
+    assert idx.lookup(long, "t", 3.0).blocks(W0) == 6  # the head of a too-long prompt survives
+    idx.check_invariants()
+
+
+def test_reported_capacity_shrinks_the_worker() -> None:
+    idx = _index()
+    keys = chain("t", range(10))
+    idx.record(keys, W0, "t", 0.0, speculative=False)
+    idx.set_capacity(W0, 3 * BS)
+    assert idx.lookup(keys, "t", 0.0).blocks(W0) == 3
+    idx.check_invariants()
+
+
+def test_speculative_entries_expire_unless_confirmed() -> None:
+    idx = _index(speculative_ttl_s=10.0)
+    a, b = chain("t", range(3)), chain("t", range(50, 53))
+    idx.record(a, W0, "t", 0.0, speculative=True)
+    idx.record(b, W0, "t", 0.0, speculative=True)
+    idx.record(b, W0, "t", 5.0, speculative=False)  # confirmed by feedback
+    assert idx.lookup(a, "t", 9.0).blocks(W0) == 3
+    assert idx.lookup(a, "t", 10.5).blocks(W0) == 0  # ignored once past its TTL, even before expire()
+    idx.expire(10.5)
+    assert idx.stats().expirations == 3 and idx.stats().speculative_entries == 0
+    assert idx.lookup(b, "t", 1000.0).blocks(W0) == 3
+    idx.record(b, W0, "t", 1000.0, speculative=True)  # never downgrades a confirmed holding
+    idx.expire(5000.0)
+    assert idx.lookup(b, "t", 5000.0).blocks(W0) == 3
+    idx.check_invariants()
+
+
+def test_refreshed_speculative_entry_lives_on() -> None:
+    idx = _index(speculative_ttl_s=10.0)
+    a = chain("t", range(2))
+    idx.record(a, W0, "t", 0.0, speculative=True)
+    idx.record(a, W0, "t", 8.0, speculative=True)
+    idx.expire(12.0)
+    assert idx.lookup(a, "t", 12.0).blocks(W0) == 2
+    idx.expire(18.0)
+    assert idx.lookup(a, "t", 18.0).blocks(W0) == 0
+    idx.check_invariants()
+
+
+def test_a_key_filed_under_another_namespace_is_a_miss() -> None:
+    idx = _index()
+    keys = chain("alice", range(4))
+    idx.record(keys, W0, "alice", 0.0, speculative=False)
+    # Same 64-bit keys presented under another namespace (a collision): never shared.
+    assert idx.lookup(keys, "bob", 0.0).longest_blocks == 0
+    idx.record(keys, W1, "bob", 0.0, speculative=False)
+    assert idx.lookup(keys, "alice", 0.0).blocks(W1) == 0
+    idx.check_invariants()
+
+
+def test_namespace_quota_bounds_one_tenant() -> None:
+    idx = PrefixIndex(IndexConfig(max_entries=1000), BS, lambda ns: 0.01 if ns == "greedy" else 0.5)
+    for i in range(50):
+        idx.record(chain("greedy", range(i * 10, i * 10 + 5)), W0, "greedy", float(i), speculative=False)
+    idx.record(chain("calm", range(5)), W0, "calm", 60.0, speculative=False)
+    per_ns = idx.stats().keys_by_namespace
+    assert per_ns["greedy"] == 10 and per_ns["calm"] == 5
+    idx.check_invariants()
+
+
+def test_coarser_granularity_indexes_every_gth_key() -> None:
+    idx = _index(granularity_blocks=4)
+    keys = chain("t", range(10))
+    idx.record(keys, W0, "t", 0.0, speculative=False)
+    assert idx.stats().keys == 2
+    assert idx.lookup(keys, "t", 0.0).blocks(W0) == 8
+    assert idx.lookup(keys[:7], "t", 0.0).blocks(W0) == 4
+
+
+def test_clear_worker_keeps_capacity_and_other_workers() -> None:
+    idx = _index(default_capacity_tokens=100 * BS)
+    keys = chain("t", range(5))
+    idx.set_capacity(W0, 4 * BS)
+    idx.record(keys, W0, "t", 0.0, speculative=False)
+    idx.record(keys, W1, "t", 0.0, speculative=False)
+    idx.clear_worker(W0)
+    assert idx.lookup(keys, "t", 0.0).blocks_by_worker == {W1: 5}
+    assert idx.capacity_blocks(W0) == 4
+    idx.check_invariants()
+
+
+def test_flood_of_unique_prefixes_stays_bounded() -> None:
+    idx = _index(max_entries=2000, speculative_ttl_s=1e9, namespace_share=1.0)
+    workers = [WorkerId(f"w{i}") for i in range(4)]
+    for i in range(3000):
+        idx.record(chain("t", range(i * 8, i * 8 + 8)), workers[i % 4], "t", float(i), speculative=True)
+    s = idx.stats()
+    assert s.entries <= 2000 and s.keys <= 2000
+    assert len(idx._spec_queue) <= 2 * 2000
+    # The most recent prefixes are still there.
+    assert idx.lookup(chain("t", range(2999 * 8, 2999 * 8 + 8)), "t", 3000.0).blocks(workers[3]) == 8
+    idx.check_invariants()
+
+
+def test_bad_config_is_rejected() -> None:
+    with pytest.raises(ValueError, match="granularity"):
+        IndexConfig(granularity_blocks=0)
+    with pytest.raises(ValueError, match="namespace_share"):
+        IndexConfig(namespace_share=0.0)
+
+
+# -- property test: random operations against a naive model ---------------------------------------
+
+_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["spec", "conf", "remove", "expire", "clear", "cap"]),
+        st.integers(0, 2),  # worker
+        st.integers(0, 5),  # which prefix family
+        st.integers(1, 6),  # length in blocks
+        st.integers(0, 3),  # time step
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=120, deadline=None)
+@given(_ops)
+def test_random_operations_keep_invariants_and_match_a_naive_walk(
+    ops: list[tuple[str, int, int, int, int]],
+) -> None:
+    idx = PrefixIndex(
+        IndexConfig(
+            default_capacity_tokens=8 * BS, max_entries=20, speculative_ttl_s=3.0, namespace_share=0.8
+        ),
+        BS,
+    )
+    workers = [WorkerId(f"w{i}") for i in range(3)]
+    families = [chain("t", [f * 1000 + j if j >= f else j for j in range(6)]) for f in range(6)]
+    now = 0.0
+    for op, w, fam, length, dt in ops:
+        now += dt
+        keys = families[fam][:length]
+        worker = workers[w]
+        if op == "spec":
+            idx.record(keys, worker, "t", now, speculative=True)
+        elif op == "conf":
+            idx.record(keys, worker, "t", now, speculative=False)
+        elif op == "remove":
+            idx.remove(keys[-1], worker)
+        elif op == "expire":
+            idx.expire(now)
+        elif op == "clear":
+            idx.clear_worker(worker)
+        else:
+            idx.set_capacity(worker, length * BS)
+        idx.check_invariants()
+        probe = families[(fam + 1) % 6]
+        got = idx.lookup(probe, "t", now)
+        for wk in workers:
+            naive = 0
+            while naive < len(probe) and idx.holds(probe[naive], wk, now):
+                naive += 1
+            assert got.blocks(wk) == naive

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import orjson
@@ -18,9 +18,10 @@ from gateway.auth import Tenant
 from gateway.errors import ApiError, bad_request
 from gateway.quotas import TenantLimiter
 from gateway.registry import Pool
+from gateway.render import render_canonical
 from gateway.state import GatewayState
-from policies.base import Isolation, RouteRequest
-from prompt_normalizer.types import PUBLIC_NAMESPACE, KeyIdentity
+from policies.base import Isolation, RouteDecision, RouteRequest
+from prompt_normalizer.errors import NormalizerError
 
 Endpoint = Literal["chat", "completions"]
 UPSTREAM_PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
@@ -28,7 +29,11 @@ UPSTREAM_PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completi
 
 @dataclass(frozen=True, slots=True)
 class Admitted:
-    """A request that passed every check and holds a quota slot (released by whoever finishes it)."""
+    """A request that passed every check and holds a quota slot (released by whoever finishes it).
+
+    `forward` is the body to send upstream (the canonical body when the normalizer changed it) and
+    `raw` the client's bytes, reused as-is when nothing needs changing.
+    """
 
     request_id: str
     endpoint: Endpoint
@@ -36,12 +41,36 @@ class Admitted:
     limiter: TenantLimiter
     pool: Pool
     model: str
-    body: bytes
+    raw: bytes
+    forward: dict[str, Any]
+    changed: bool
     stream: bool
     strip_usage: bool
     route: RouteRequest
     max_output_tokens: int
     started_s: float
+    drift_field: str | None = None
+    _encoded: dict[str | None, bytes] = field(default_factory=dict)
+
+    def body_for(self, decision: RouteDecision) -> bytes:
+        """The bytes for one dispatch. The `cache_salt` depends on the decision: strict tenants
+        always get theirs; shared_public tenants share worker KV only when the policy routed a
+        promoted public prefix; public tenants never get one."""
+        isolation = self.tenant.isolation
+        salt: str | None = None
+        if isolation is Isolation.STRICT or (
+            isolation is Isolation.SHARED_PUBLIC and decision.shared_prefix_blocks == 0
+        ):
+            salt = self.tenant.cache_salt
+        cached = self._encoded.get(salt)
+        if cached is not None:
+            return cached
+        if salt is None or self.forward.get("cache_salt") == salt:
+            out = orjson.dumps(self.forward) if self.changed else self.raw
+        else:
+            out = orjson.dumps({**self.forward, "cache_salt": salt})
+        self._encoded[salt] = out
+        return out
 
 
 def request_id_of(request: Request) -> str:
@@ -129,17 +158,18 @@ async def admit(request: Request, endpoint: Endpoint, state: GatewayState, reque
         raise ApiError(
             404, f"The model '{model}' does not exist", "invalid_request_error", "model_not_found", "model"
         )
-
-    namespace = PUBLIC_NAMESPACE if tenant.isolation is Isolation.PUBLIC else tenant.namespace
-    identity = KeyIdentity(
-        model_id=model, block_size_tokens=pool.config.block_size_tokens, namespace=namespace
-    )
-    public = (
-        KeyIdentity(model_id=model, block_size_tokens=pool.config.block_size_tokens)
-        if tenant.isolation is Isolation.SHARED_PUBLIC
-        else None
-    )
-    canonical = state.normalizers[pool.name].canonicalize(endpoint, body, identity, public)
+    identity, public = state.identities(pool, model, tenant)
+    normalizer = state.normalizer(pool)
+    try:
+        if normalizer.config.mode == "render":
+            plan = normalizer.prepare_render(endpoint, body)
+            canonical = await render_canonical(
+                normalizer, plan, pool, state.upstream(), identity, public, request_id
+            )
+        else:
+            canonical = normalizer.canonicalize(endpoint, body, identity, public)
+    except NormalizerError as exc:
+        raise ApiError(400, exc.message, "invalid_request_error", exc.code, exc.param) from None
 
     limiter = state.limiter(tenant)
     rejection = limiter.admit(canonical.n_tokens, started_s)
@@ -160,23 +190,21 @@ async def admit(request: Request, endpoint: Endpoint, state: GatewayState, reque
             headers,
         )
 
+    changed = canonical.canonical_body is not None
+    forward = dict(canonical.canonical_body) if canonical.canonical_body is not None else body
     stream = body.get("stream") is True
     options = body.get("stream_options")
     wants_usage = isinstance(options, dict) and options.get("include_usage") is True
-    changed = False
     if stream and not wants_usage:
         # Ask for usage anyway (the policy learns from cached_tokens) and strip it before the client.
-        body["stream_options"] = {**(options or {}), "include_usage": True}
-        changed = True
-    if tenant.isolation is Isolation.STRICT and body.get("cache_salt") != tenant.cache_salt:
-        body["cache_salt"] = tenant.cache_salt
+        forward["stream_options"] = {**(options or {}), "include_usage": True}
         changed = True
     max_out = _max_output_tokens(body)
     route = RouteRequest(
         request_id=request_id,
         pool=pool.name,
         tenant=tenant.name,
-        namespace=namespace,
+        namespace=identity.namespace,
         block_keys=canonical.block_keys,
         n_prompt_tokens=canonical.n_tokens,
         block_size_tokens=canonical.block_size_tokens,
@@ -186,6 +214,7 @@ async def admit(request: Request, endpoint: Endpoint, state: GatewayState, reque
         max_output_tokens=max_out or None,
         session_key=_session_key(body, tenant),
     )
+    drift = canonical.drift
     return Admitted(
         request_id=request_id,
         endpoint=endpoint,
@@ -193,12 +222,15 @@ async def admit(request: Request, endpoint: Endpoint, state: GatewayState, reque
         limiter=limiter,
         pool=pool,
         model=model,
-        body=orjson.dumps(body) if changed else raw,
+        raw=raw,
+        forward=forward,
+        changed=changed,
         stream=stream,
         strip_usage=stream and not wants_usage,
         route=route,
         max_output_tokens=max_out,
         started_s=started_s,
+        drift_field=drift.field if drift is not None and drift.first_diff_block is not None else None,
     )
 
 

@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.admission import Endpoint, admit, request_id_of
 from gateway.errors import ApiError, error_response
+from gateway.policy_watch import PolicyWatcher
 from gateway.proxy import dispatch
 from gateway.state import GatewayState, make_session
 
@@ -68,7 +69,7 @@ class GatewayApp:
         await response(scope, receive, send)
 
 
-def build_app(state: GatewayState) -> GatewayApp:
+def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> GatewayApp:
     """The ASGI app over a prepared state; the lifespan owns the upstream session and health loops."""
 
     async def models(request: Request) -> Response:
@@ -108,12 +109,16 @@ def build_app(state: GatewayState) -> GatewayApp:
             await state.registry.check_all(state.session)
             state.registry.start(state.session)
             flusher = asyncio.create_task(_flush_access_log(state), name="access-log")
+            if watcher is not None:
+                await watcher.start()
             state.ready = True
             yield
         finally:
             state.ready = False
             if flusher is not None:
                 flusher.cancel()
+            if watcher is not None:
+                await watcher.stop()
             state.access_log.flush()
             await state.registry.stop()
             await state.session.close()

@@ -83,6 +83,18 @@ class BreakerConfig(_Frozen):
     cooldown_s: PositiveFloat = 5.0
 
 
+class IdentityConfig(_Frozen):
+    """What the pool's prefix keys are bound to besides model, tenant and block size: change any
+    of these when the workers' model state changes (new weights, template, KV dtype), or bump
+    `epoch` to forget every learned prefix of the pool at once."""
+
+    weights_version: str = ""
+    tokenizer_version: str = ""
+    template_version: str = ""
+    kv_dtype: str = "auto"
+    epoch: int = Field(default=0, ge=0)
+
+
 class PoolConfig(_Frozen):
     """A set of interchangeable workers serving the same model(s)."""
 
@@ -95,7 +107,9 @@ class PoolConfig(_Frozen):
     timeouts: TimeoutsConfig = TimeoutsConfig()
     health: HealthConfig = HealthConfig()
     breaker: BreakerConfig = BreakerConfig()
-    normalizer: NormalizerConfig = NormalizerConfig()
+    # None: use the policy file's `normalizer` section (hot-reloaded with it).
+    normalizer: NormalizerConfig | None = None
+    identity: IdentityConfig = IdentityConfig()
 
     @field_validator("workers")
     @classmethod
@@ -150,6 +164,7 @@ class GatewayConfig(_Frozen):
     upstream: UpstreamConfig = UpstreamConfig()
     secrets: SecretsConfig = SecretsConfig()
     policy_file: str | None = None
+    policy_reload_interval_s: PositiveFloat = 2.0
     pools: list[PoolConfig] = Field(min_length=1)
     tenants: list[TenantConfig] = Field(min_length=1)
     log_level: str = "info"

@@ -35,7 +35,8 @@ from gateway.config import (
     SecretsConfig,
     TenantConfig,
 )
-from policies.base import Isolation, RoutingPolicy
+from gateway.policy_watch import LoadedPolicy
+from policies.base import Isolation
 from policies.config import PolicyConfig, build_policy
 
 EMULATOR_MODULE = "loadtest.emulator"
@@ -132,13 +133,14 @@ def demo_config(urls: list[str], key_hash: str, host: str, port: int) -> Gateway
     )
 
 
-def demo_policy() -> RoutingPolicy:
+def demo_policy() -> LoadedPolicy:
     from gateway.serve import demo_policy_name
 
-    return build_policy(PolicyConfig(policy=demo_policy_name()))
+    config = PolicyConfig(policy=demo_policy_name())
+    return LoadedPolicy(build_policy(config), config, "")
 
 
-def run_demo(args: argparse.Namespace, serve: Callable[[GatewayConfig, bytes, RoutingPolicy], int]) -> int:
+def run_demo(args: argparse.Namespace, serve: Callable[[GatewayConfig, bytes, LoadedPolicy], int]) -> int:
     if importlib.util.find_spec(EMULATOR_MODULE) is None:
         raise ConfigError(f"the demo needs the emulated worker ({EMULATOR_MODULE}), which is not installed")
     if args.workers < 1:
@@ -170,7 +172,7 @@ def run_demo(args: argparse.Namespace, serve: Callable[[GatewayConfig, bytes, Ro
             config = demo_config([c.url for c in children], hash_api_key(secret, args.demo_key), host, port)
             policy = demo_policy()
             print(
-                f"kvgate demo: {len(children)} emulated workers, policy {getattr(policy, 'name', '?')}\n"
+                f"kvgate demo: {len(children)} emulated workers, policy {policy.config.policy}\n"
                 f"  base URL: http://{host}:{port}/v1\n"
                 f"  API key:  {args.demo_key}\n"
                 f"  model:    kvgate-demo\n"

@@ -141,5 +141,6 @@ def record_request(
             "ttft_ms": round(ttft_s * 1000, 2) if ttft_s is not None else None,
             "duration_ms": round(duration_s * 1000, 2),
             "error": error,
+            "drift_field": a.drift_field,
         }
     )

@@ -48,7 +48,9 @@ async def dispatch(a: Admitted, state: GatewayState) -> RawResponse | ProxyStrea
         worker.acquire(a.route.n_prompt_tokens, a.max_output_tokens, now_s)
         attempt = Attempt(a, worker, decision.reason, now_s)
         try:
-            resp = await session.post(worker.url + path, data=a.body, headers=headers, timeout=timeout)
+            resp = await session.post(
+                worker.url + path, data=a.body_for(decision), headers=headers, timeout=timeout
+            )
         except aiohttp.ConnectionTimeoutError:
             attempt.fail(state, worker_fault=True)
             last = upstream_error(502, f"could not connect to a worker within {timeouts.connect_s:g} s")

@@ -10,13 +10,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 from gateway.auth import hash_api_key
 from gateway.config import ConfigError, GatewayConfig, ListenConfig, load_config, read_secret
 from gateway.logs import setup_logging
-from policies.base import RoutingPolicy
-from policies.config import PolicyConfig, PolicyConfigError, build_policy, parse_policy_yaml
+from gateway.policy_watch import LoadedPolicy, PolicyWatcher
+from gateway.state import PolicySwap
+from policies.config import PolicyConfig, PolicyConfigError, build_policy
 from policies.registry import known_policies
 
 DEMO_MODEL = "kvgate-demo"
@@ -43,15 +43,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default=None, help="debug, info, warning (default info)")
 
 
-def load_policy(path: str | None) -> RoutingPolicy:
-    """The routing policy from the policy file, or least_load when none is configured."""
-    if path is None:
-        return build_policy(PolicyConfig(policy="least_load"))
+def load_policy(config: GatewayConfig) -> tuple[LoadedPolicy, PolicyWatcher | None, PolicySwap]:
+    """The routing policy: from the policy file (watched for hot reload), or the built-in
+    defaults of `policies.config.PolicyConfig` when no file is configured."""
+    swap = PolicySwap()
+    if config.policy_file is None:
+        policy_config = PolicyConfig()
+        return LoadedPolicy(build_policy(policy_config), policy_config, ""), None, swap
+    watcher = PolicyWatcher(config.policy_file, on_swap=swap, interval_s=config.policy_reload_interval_s)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        return watcher.load_initial(), watcher, swap
     except OSError as exc:
-        raise ConfigError(f"policy_file: cannot read {path!r}: {exc.strerror}") from None
-    return build_policy(parse_policy_yaml(text))
+        raise ConfigError(f"policy_file: cannot read {config.policy_file!r}: {exc.strerror}") from None
 
 
 def demo_policy_name() -> str:
@@ -81,11 +84,11 @@ def run(args: argparse.Namespace) -> int:
         if args.log_level is None:
             setup_logging(config.log_level)
         secret = read_secret(config.secrets, dict(os.environ))
-        policy = load_policy(config.policy_file)
+        loaded, watcher, swap = load_policy(config)
     except (ConfigError, PolicyConfigError) as exc:
         print(f"kvgate serve: {exc}", file=sys.stderr)
         return 2
-    return serve(config, secret, policy)
+    return serve(config, secret, loaded, watcher, swap)
 
 
 def _hash_key(args: argparse.Namespace) -> int:

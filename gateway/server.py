@@ -16,8 +16,8 @@ import uvicorn
 
 from gateway.app import build_app, drain
 from gateway.config import GatewayConfig
-from gateway.state import GatewayState, build_state
-from policies.base import RoutingPolicy
+from gateway.policy_watch import LoadedPolicy, PolicyWatcher
+from gateway.state import GatewayState, PolicySwap, build_state
 
 log = logging.getLogger("kvgate.server")
 
@@ -54,9 +54,17 @@ class DrainingServer(uvicorn.Server):
         await drain(self._state, drain_cfg.deadline_s - delay_s)
 
 
-def serve(config: GatewayConfig, secret: bytes, policy: RoutingPolicy) -> int:
-    state = build_state(config, secret, policy)
-    app = build_app(state)
+def serve(
+    config: GatewayConfig,
+    secret: bytes,
+    loaded: LoadedPolicy,
+    watcher: PolicyWatcher | None = None,
+    swap: PolicySwap | None = None,
+) -> int:
+    state = build_state(config, secret, loaded.policy, loaded.config.normalizer)
+    if swap is not None:
+        swap.state = state
+    app = build_app(state, watcher)
     uv_config = uvicorn.Config(
         app,
         host=config.listen.host,

@@ -11,7 +11,7 @@ import pytest
 
 from tests.e2e.harness import Proc, free_port, start_fake_workers, start_gateway, tenant, write_gateway_config
 
-MODES = ("ok", "ok", "error500", "ok", "ok", "die", "slow", "error500", "hang")
+MODES = ("ok", "ok", "once500", "once500", "ok", "die", "slow", "error500", "hang")
 
 
 @dataclass
@@ -30,7 +30,7 @@ def _url(port: int) -> str:
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    names = ["ok1", "ok2", "err500", "ok3", "ok4", "die", "slow", "err500b", "hang"]
+    names = ["ok1", "ok2", "once500a", "once500b", "ok4", "die", "slow", "err500", "hang"]
     ports = {name: free_port() for name in names}
     down = _url(free_port())  # nothing listens here
     fake = start_fake_workers({ports[n]: mode for n, mode in zip(names, MODES, strict=True)})
@@ -41,11 +41,17 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         fast = {"health": {"interval_s": 0.5, "timeout_s": 0.5}}
         pools = [
             {"name": "ok", "models": ["m-ok"], "workers": [w["ok1"], w["ok2"]], **fast},
-            {"name": "retry", "models": ["m-retry"], "workers": [w["err500"], w["ok3"]], **fast},
+            {
+                "name": "retry",
+                "models": ["m-retry"],
+                "workers": [w["once500a"], w["once500b"]],
+                "breaker": {"failure_threshold": 100},
+                **fast,
+            },
             {"name": "down", "models": ["m-down"], "workers": [down, w["ok4"]], **fast},
             {"name": "die", "models": ["m-die"], "workers": [w["die"]], **fast},
             {"name": "slow", "models": ["m-slow"], "workers": [w["slow"]], **fast},
-            {"name": "all500", "models": ["m-500"], "workers": [w["err500b"]], "retry_attempts": 1, **fast},
+            {"name": "all500", "models": ["m-500"], "workers": [w["err500"]], "retry_attempts": 1, **fast},
             {"name": "nothing", "models": ["m-none"], "workers": [down], **fast},
             {
                 "name": "hang",

@@ -4,7 +4,8 @@ One process serves several ports, each with its own behaviour:
 
     python -m tests.e2e.fake_worker --listen 9001:ok --listen 9002:error500 ...
 
-modes: ok (answers), error500 (500 before the first byte), die (streams two chunks, then drops the
+modes: ok (answers), error500 (500 before the first byte), once500 (500 the first time any once500
+port of the process sees a request id, an answer after that), die (streams two chunks, then drops the
 connection), slow (streams one chunk every 50 ms for 10 s and records a client cancel), hang
 (answers nothing for 30 s).
 GET /_log on any port returns what that port received (request id, body) and saw (cancels).
@@ -20,7 +21,9 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-MODES = ("ok", "error500", "die", "slow", "hang")
+MODES = ("ok", "error500", "once500", "die", "slow", "hang")
+# Request ids some once500 port has failed already (shared by all ports of the process).
+FAILED_ONCE: set[str] = set()
 
 
 class Port:
@@ -85,6 +88,9 @@ def make_app(port: Port) -> web.Application:
         port.requests.append({"request_id": rid, "body": body, "path": request.path})
         if port.mode == "hang":
             await asyncio.sleep(30)
+        if port.mode == "once500" and rid not in FAILED_ONCE:
+            FAILED_ONCE.add(rid)
+            return web.json_response({"error": {"message": "boom", "type": "server_error"}}, status=500)
         if port.mode == "error500":
             return web.json_response({"error": {"message": "boom", "type": "server_error"}}, status=500)
         chat = request.path.endswith("chat/completions")

@@ -72,6 +72,12 @@ def test_rejections(
     assert err["param"] == param
 
 
+def test_normalizer_rejection_is_400_naming_the_field(stack: Stack) -> None:
+    body = {"model": "m-ok", "messages": [{"role": "user", "content": 5}]}
+    err = _assert_error(_post(stack, json=body), 400, "invalid_prompt")
+    assert err["param"] == "messages[0].content"
+
+
 def test_completions_without_prompt_is_400(stack: Stack) -> None:
     _assert_error(_post(stack, json={"model": "m-ok"}, path="/v1/completions"), 400, "invalid_request")
 

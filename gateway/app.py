@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.admission import Endpoint, admit, request_id_of
 from gateway.errors import ApiError, error_response
+from gateway.fleet import Fleet
 from gateway.policy_watch import PolicyWatcher
 from gateway.proxy import dispatch
 from gateway.state import GatewayState, make_session
@@ -105,7 +106,9 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         state.session = make_session(state.config)
         flusher: asyncio.Task[None] | None = None
+        fleet = Fleet(state, state.session)
         try:
+            await fleet.start()
             await state.registry.check_all(state.session)
             state.registry.start(state.session)
             flusher = asyncio.create_task(_flush_access_log(state), name="access-log")
@@ -119,6 +122,7 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
                 flusher.cancel()
             if watcher is not None:
                 await watcher.stop()
+            await fleet.stop()
             state.access_log.flush()
             await state.registry.stop()
             await state.session.close()
@@ -202,3 +206,8 @@ def _refresh_gauges(state: GatewayState) -> None:
             state.metrics.worker_healthy.labels(pool.name, worker.url).set(
                 1 if worker.healthy and worker.breaker.allows(now_s) else 0
             )
+            view = worker.view(now_s, pool.metrics_max_age_s)
+            if view.num_requests_waiting is not None:
+                state.metrics.worker_waiting.labels(pool.name, worker.url).set(view.num_requests_waiting)
+            if view.kv_usage is not None:
+                state.metrics.worker_kv_usage.labels(pool.name, worker.url).set(view.kv_usage)

@@ -7,7 +7,7 @@ read from an environment variable or a file named here. Validation errors name t
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -95,12 +95,34 @@ class IdentityConfig(_Frozen):
     epoch: int = Field(default=0, ge=0)
 
 
+class DnsDiscoveryConfig(_Frozen):
+    """Workers as every address of a DNS name (a Kubernetes headless Service), re-resolved every
+    `interval_s`; a failed lookup keeps the last known set."""
+
+    host: str = Field(min_length=1)
+    port: int = Field(ge=1, le=65535)
+    scheme: Literal["http", "https"] = "http"
+    interval_s: PositiveFloat = 5.0
+
+
+class KvEventsConfig(_Frozen):
+    """Subscribe to each worker's KV-cache events (vLLM `--kv-events-config`): `{host}` in the
+    endpoints is replaced by the worker's address. Precise routing needs token-exact keys, so the
+    pool's normalizer must be in `tokenizer` or `render` mode."""
+
+    endpoint: str = Field(min_length=1, examples=["tcp://{host}:5557"])
+    replay_endpoint: str | None = None
+    topic: str = ""
+
+
 class PoolConfig(_Frozen):
     """A set of interchangeable workers serving the same model(s)."""
 
     name: str = Field(min_length=1)
     models: list[str] = Field(min_length=1)
     workers: list[str] = Field(default_factory=list)
+    discovery: DnsDiscoveryConfig | None = None
+    kv_events: KvEventsConfig | None = None
     max_in_flight_per_worker: PositiveInt | None = 256
     retry_attempts: int = Field(default=2, ge=0, le=5)
     block_size_tokens: PositiveInt = 16
@@ -118,6 +140,12 @@ class PoolConfig(_Frozen):
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"worker URL {url!r} must start with http:// or https://")
         return [u.rstrip("/") for u in urls]
+
+    @model_validator(mode="after")
+    def _one_source(self) -> PoolConfig:
+        if bool(self.workers) == (self.discovery is not None):
+            raise ValueError("a pool needs exactly one of 'workers' (static URLs) or 'discovery' (DNS)")
+        return self
 
 
 class QuotaConfig(_Frozen):
@@ -148,6 +176,16 @@ class TenantConfig(_Frozen):
         return hashes
 
 
+class ScrapeSettings(_Frozen):
+    """Polling each worker's Prometheus /metrics (queue depth, KV usage, cache size) for routing.
+    A result older than `max_age_s` is ignored."""
+
+    enabled: bool = True
+    interval_s: PositiveFloat = 1.0
+    timeout_s: PositiveFloat = 0.5
+    max_age_s: PositiveFloat = 5.0
+
+
 class SecretsConfig(_Frozen):
     """Where the key-hash secret comes from: an environment variable or a file (never this YAML)."""
 
@@ -162,6 +200,7 @@ class GatewayConfig(_Frozen):
     limits: LimitsConfig = LimitsConfig()
     drain: DrainConfig = DrainConfig()
     upstream: UpstreamConfig = UpstreamConfig()
+    scrape: ScrapeSettings = ScrapeSettings()
     secrets: SecretsConfig = SecretsConfig()
     policy_file: str | None = None
     policy_reload_interval_s: PositiveFloat = 2.0

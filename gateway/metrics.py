@@ -58,6 +58,18 @@ class GatewayMetrics:
         self.in_flight = Gauge(
             "kvgate_worker_in_flight", "Gateway in-flight requests per worker", ["pool", "worker"], registry=r
         )
+        self.worker_waiting = Gauge(
+            "kvgate_worker_requests_waiting",
+            "The worker's own waiting-queue length, from its last fresh /metrics scrape",
+            ["pool", "worker"],
+            registry=r,
+        )
+        self.worker_kv_usage = Gauge(
+            "kvgate_worker_kv_cache_usage",
+            "The worker's KV-cache usage (0-1), from its last fresh /metrics scrape",
+            ["pool", "worker"],
+            registry=r,
+        )
         self.worker_healthy = Gauge(
             "kvgate_worker_healthy", "1 if the worker is routable", ["pool", "worker"], registry=r
         )

@@ -16,6 +16,7 @@ import aiohttp
 
 from gateway.breaker import CircuitBreaker
 from gateway.config import PoolConfig
+from gateway.scrape import WorkerMetrics
 from policies.base import WorkerId, WorkerView
 
 log = logging.getLogger("kvgate.registry")
@@ -33,6 +34,8 @@ class Worker:
         "healthy",
         "in_flight",
         "max_in_flight",
+        "metrics",
+        "metrics_at_s",
         "prefill_tokens",
         "url",
         "worker_id",
@@ -49,8 +52,20 @@ class Worker:
         self.decode_tokens = 0
         self._fails = 0
         self._oks = 0
+        self.metrics: WorkerMetrics | None = None  # last scrape, set by the scraper's callback
+        self.metrics_at_s = 0.0
 
-    def view(self, now_s: float) -> WorkerView:
+    def view(self, now_s: float, metrics_max_age_s: float = 5.0) -> WorkerView:
+        m = self.metrics
+        if m is None or now_s - self.metrics_at_s > metrics_max_age_s:
+            return WorkerView(
+                worker_id=self.worker_id,
+                healthy=self.healthy and self.breaker.allows(now_s),
+                in_flight_requests=self.in_flight,
+                in_flight_prefill_tokens=self.prefill_tokens,
+                in_flight_decode_tokens=self.decode_tokens,
+                max_in_flight=self.max_in_flight,
+            )
         return WorkerView(
             worker_id=self.worker_id,
             healthy=self.healthy and self.breaker.allows(now_s),
@@ -58,6 +73,11 @@ class Worker:
             in_flight_prefill_tokens=self.prefill_tokens,
             in_flight_decode_tokens=self.decode_tokens,
             max_in_flight=self.max_in_flight,
+            num_requests_waiting=m.num_requests_waiting,
+            num_requests_running=m.num_requests_running,
+            kv_usage=m.kv_cache_usage,
+            num_gpu_blocks=m.num_gpu_blocks,
+            engine_block_size=m.block_size_tokens,
         )
 
     def acquire(self, prompt_tokens: int, max_output_tokens: int, now_s: float) -> None:
@@ -99,6 +119,7 @@ class Pool:
         self.config = config
         self.name = config.name
         self.workers: dict[WorkerId, Worker] = {}
+        self.metrics_max_age_s = 5.0
         t = config.timeouts
         self.client_timeout = aiohttp.ClientTimeout(
             total=t.total_s, sock_connect=t.connect_s, sock_read=t.read_s
@@ -111,8 +132,17 @@ class Pool:
         kept = {WorkerId(u): self.workers.get(WorkerId(u)) or Worker(u, self.config) for u in wanted}
         self.workers = kept
 
+    async def check(self, session: aiohttp.ClientSession) -> None:
+        """One round of health checks of this pool's workers, concurrently."""
+        workers = list(self.workers.values())
+        results = await asyncio.gather(
+            *(_probe(w.url, self.config.health.timeout_s, session) for w in workers)
+        )
+        for worker, ok in zip(workers, results, strict=True):
+            worker.record_health(ok, self.config)
+
     def views(self, now_s: float, exclude: frozenset[WorkerId] = frozenset()) -> list[WorkerView]:
-        views = [w.view(now_s) for w in self.workers.values()]
+        views = [w.view(now_s, self.metrics_max_age_s) for w in self.workers.values()]
         if exclude:
             views = [
                 WorkerView(
@@ -145,15 +175,11 @@ class Registry:
 
     async def check_all(self, session: aiohttp.ClientSession) -> None:
         """One round of health checks over every pool, concurrently."""
-        await asyncio.gather(*(self._check_pool(pool, session) for pool in self.pools.values()))
+        await asyncio.gather(*(pool.check(session) for pool in self.pools.values()))
 
-    async def _check_pool(self, pool: Pool, session: aiohttp.ClientSession) -> None:
-        workers = list(pool.workers.values())
-        results = await asyncio.gather(
-            *(_probe(w.url, pool.config.health.timeout_s, session) for w in workers)
-        )
-        for worker, ok in zip(workers, results, strict=True):
-            worker.record_health(ok, pool.config)
+    def workers_at(self, worker: WorkerId) -> list[Worker]:
+        """Every pool's entry for one worker URL (a worker may serve several pools)."""
+        return [p.workers[worker] for p in self.pools.values() if worker in p.workers]
 
     def start(self, session: aiohttp.ClientSession) -> None:
         for pool in self.pools.values():
@@ -171,7 +197,7 @@ class Registry:
         while True:
             await asyncio.sleep(pool.config.health.interval_s)
             try:
-                await self._check_pool(pool, session)
+                await pool.check(session)
             except Exception:  # a bug in one round must not end health checking
                 log.exception("health round failed", extra={"pool": pool.name})
 

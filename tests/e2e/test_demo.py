@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -128,6 +130,19 @@ async def test_async_stream_and_tool_round_trip_on_the_emulator(demo: tuple[str,
         model="kvgate-demo", messages=messages, tools=tools, max_tokens=8
     )
     assert final.choices[0].message.content and not final.choices[0].message.tool_calls
+
+
+def test_worker_metrics_are_scraped_into_routing(demo: tuple[str, Proc]) -> None:
+    base, _ = demo
+    deadline = time.monotonic() + 5
+    text = ""
+    while time.monotonic() < deadline:
+        text = httpx.get(base + "/metrics", timeout=5).text
+        if text.count("kvgate_worker_requests_waiting{") == 2:
+            break
+        time.sleep(0.2)
+    assert text.count("kvgate_worker_requests_waiting{") == 2
+    assert text.count("kvgate_worker_kv_cache_usage{") == 2
 
 
 def test_sigterm_stops_every_worker() -> None:

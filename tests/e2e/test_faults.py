@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import openai
@@ -95,7 +96,7 @@ def test_client_disconnect_cancels_the_upstream_request(stack: Stack) -> None:
         pytest.fail("the worker never saw the client's disconnect")
 
 
-def test_worker_killed_after_being_healthy_is_retried_then_avoided(tmp_path: pytest.TempPathFactory) -> None:
+def test_worker_killed_after_being_healthy_is_retried_then_avoided(tmp_path: Path) -> None:
     victim_port, ok_port, gw_port = free_port(), free_port(), free_port()
     victim = start_fake_workers({victim_port: "ok"})
     ok = start_fake_workers({ok_port: "ok"})
@@ -110,7 +111,7 @@ def test_worker_killed_after_being_healthy_is_retried_then_avoided(tmp_path: pyt
             "health": {"interval_s": 60},
             "breaker": {"failure_threshold": 1, "cooldown_s": 60},
         }
-        config = write_gateway_config(tmp_path / "gw.yaml", [pool], [tenant("t", "sk-t")])  # type: ignore[operator]
+        config = write_gateway_config(tmp_path / "gw.yaml", [pool], [tenant("t", "sk-t")])
         gateway = start_gateway(config, gw_port)
         victim.stop(signal.SIGKILL)
         client = openai.OpenAI(
@@ -127,3 +128,30 @@ def test_worker_killed_after_being_healthy_is_retried_then_avoided(tmp_path: pyt
             gateway.stop()
         ok.stop()
         victim.stop()
+
+
+def test_dns_discovery_finds_workers_and_routes_around_dead_addresses(tmp_path: Path) -> None:
+    port, gw_port = free_port(), free_port()
+    workers = start_fake_workers({port: "ok"})  # listens on 127.0.0.1 only
+    gateway = None
+    try:
+        # "localhost" may also resolve to ::1, where nothing listens: that address must stay unhealthy.
+        pool = {
+            "name": "p",
+            "models": ["m"],
+            "discovery": {"host": "localhost", "port": port, "interval_s": 1},
+        }
+        config = write_gateway_config(tmp_path / "gw.yaml", [pool], [tenant("t", "sk-t")])
+        gateway = start_gateway(config, gw_port)
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{gw_port}/v1", api_key="sk-t", max_retries=0, timeout=10
+        )
+        for _ in range(3):
+            reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+            assert f"ok-{port}" in (reply.choices[0].message.content or "")
+        metrics = httpx.get(f"http://127.0.0.1:{gw_port}/metrics", timeout=5).text
+        assert f'kvgate_worker_healthy{{pool="p",worker="http://127.0.0.1:{port}"}} 1.0' in metrics
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        workers.stop()

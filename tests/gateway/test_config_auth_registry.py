@@ -51,8 +51,23 @@ def test_errors_name_the_field(patch: dict[str, Any], field: str) -> None:
         parse_config(_minimal(**patch))
 
 
+def test_a_pool_needs_static_workers_or_dns_discovery() -> None:
+    with pytest.raises(ConfigError, match="exactly one of 'workers'"):
+        parse_config(_minimal(pools=[{"name": "p", "models": ["m"]}]))
+    both = {"name": "p", "models": ["m"], "workers": ["http://a:1"], "discovery": {"host": "h", "port": 80}}
+    with pytest.raises(ConfigError, match="exactly one of 'workers'"):
+        parse_config(_minimal(pools=[both]))
+    dns = parse_config(
+        _minimal(pools=[{"name": "p", "models": ["m"], "discovery": {"host": "vllm", "port": 8000}}])
+    )
+    assert dns.pools[0].discovery is not None and dns.pools[0].discovery.interval_s == 5.0
+
+
 def test_a_model_in_two_pools_is_refused() -> None:
-    pools = [{"name": "a", "models": ["m"]}, {"name": "b", "models": ["m"]}]
+    pools = [
+        {"name": "a", "models": ["m"], "workers": ["http://127.0.0.1:1"]},
+        {"name": "b", "models": ["m"], "workers": ["http://127.0.0.1:2"]},
+    ]
     with pytest.raises(ConfigError, match="served by pools"):
         parse_config(_minimal(pools=pools))
 

@@ -26,6 +26,7 @@ from gateway.fleet import Fleet
 from gateway.policy_watch import PolicyWatcher
 from gateway.proxy import dispatch
 from gateway.state import GatewayState, make_session
+from policies.stats import SupportsStats
 
 log = logging.getLogger("kvgate.app")
 
@@ -200,6 +201,11 @@ async def _internal(request: Request, exc: Exception) -> Response:
 
 def _refresh_gauges(state: GatewayState) -> None:
     now_s = time.monotonic()
+    policy = state.policy
+    if isinstance(policy, SupportsStats):
+        stats = policy.stats()
+        for name, value in stats.counters.items():
+            state.metrics.policy_counters.labels(stats.policy, name).set(value)
     for pool in state.registry.pools.values():
         for worker in pool.workers.values():
             state.metrics.in_flight.labels(pool.name, worker.url).set(worker.in_flight)

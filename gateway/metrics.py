@@ -70,6 +70,12 @@ class GatewayMetrics:
             ["pool", "worker"],
             registry=r,
         )
+        self.policy_counters = Gauge(
+            "kvgate_policy_counter",
+            "The routing policy's own counters (KV events applied, promotions, ...)",
+            ["policy", "counter"],
+            registry=r,
+        )
         self.worker_healthy = Gauge(
             "kvgate_worker_healthy", "1 if the worker is routable", ["pool", "worker"], registry=r
         )

@@ -17,6 +17,7 @@ import uvicorn
 from gateway.app import build_app, drain
 from gateway.config import GatewayConfig
 from gateway.policy_watch import LoadedPolicy, PolicyWatcher
+from gateway.precise import install_token_hasher
 from gateway.state import GatewayState, PolicySwap, build_state
 
 log = logging.getLogger("kvgate.server")
@@ -62,8 +63,10 @@ def serve(
     swap: PolicySwap | None = None,
 ) -> int:
     state = build_state(config, secret, loaded.policy, loaded.config.normalizer)
+    install_token_hasher(state, loaded.policy)
     if swap is not None:
         swap.state = state
+        swap.after_swap.append(install_token_hasher)
     app = build_app(state, watcher)
     uv_config = uvicorn.Config(
         app,

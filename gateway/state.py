@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -69,6 +70,15 @@ class GatewayState:
         cached = self._identities.get((model, tenant.name))
         if cached is not None:
             return cached
+        base = self.base_identity(pool, model)
+        namespace = PUBLIC_NAMESPACE if tenant.isolation is Isolation.PUBLIC else tenant.namespace
+        own = dataclasses.replace(base, namespace=namespace)
+        public = base if tenant.isolation is Isolation.SHARED_PUBLIC else None
+        self._identities[(model, tenant.name)] = (own, public)
+        return own, public
+
+    def base_identity(self, pool: Pool, model: str) -> KeyIdentity:
+        """The pool's identity for `model` in the public namespace."""
         ident = pool.config.identity
         normalizer = self.normalizers[pool.name]
         base = KeyIdentity(
@@ -80,11 +90,7 @@ class GatewayState:
             kv_dtype=ident.kv_dtype,
             epoch=ident.epoch,
         )
-        namespace = PUBLIC_NAMESPACE if tenant.isolation is Isolation.PUBLIC else tenant.namespace
-        own = dataclasses.replace(base, namespace=namespace)
-        public = base if tenant.isolation is Isolation.SHARED_PUBLIC else None
-        self._identities[(model, tenant.name)] = (own, public)
-        return own, public
+        return base
 
     def set_policy(self, policy: RoutingPolicy, normalizer: NormalizerConfig) -> None:
         """Swap in a reloaded policy and rebuild the normalizers that follow the policy file."""
@@ -158,8 +164,12 @@ class PolicySwap:
 
     def __init__(self) -> None:
         self.state: GatewayState | None = None
+        # Run after each swap, e.g. to give the new policy the precise-mode token hasher.
+        self.after_swap: list[Callable[[GatewayState, RoutingPolicy], object]] = []
 
     def __call__(self, loaded: LoadedPolicy) -> None:
         if self.state is None:
             raise RuntimeError("policy reloaded before the gateway state exists")
         self.state.set_policy(loaded.policy, loaded.config.normalizer)
+        for hook in self.after_swap:
+            hook(self.state, loaded.policy)

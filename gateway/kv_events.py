@@ -13,6 +13,9 @@ the missing batches; whatever cannot be recovered is reported through `on_gap`. 
 `on_gap` handler the subscriber delivers a synthetic `AllBlocksCleared`: forgetting a worker's blocks
 costs some cache hits, while keeping a view with holes in it would route to blocks that are gone.
 A sequence that goes backwards means the publisher restarted (its cache is empty): the same signal.
+
+A worker with data-parallel engines publishes one stream per rank (vLLM: endpoint port + rank);
+each is added as its own `KvEventEndpoint` of the same worker and keeps its own sequence.
 """
 
 from __future__ import annotations
@@ -275,7 +278,9 @@ class KvEventSubscriber:
         self._on_gap = on_gap
         self._limits = limits or KvEventLimits()
         self._ctx: zmq.asyncio.Context | None = None
-        self._subs: dict[WorkerId, _Subscription] = {}
+        # worker -> endpoint URL -> subscription. A worker running data-parallel engines publishes
+        # one stream per rank (vLLM: port + rank), each with its own sequence numbers.
+        self._subs: dict[WorkerId, dict[str, _Subscription]] = {}
         # Every task ever started and not yet finished, so stop() can wait for sockets to close.
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -300,27 +305,35 @@ class KvEventSubscriber:
 
     # membership -----------------------------------------------------------
     def add(self, endpoint: KvEventEndpoint) -> None:
-        """Subscribe to a worker (replacing an earlier subscription of the same worker)."""
+        """Subscribe to one of a worker's streams (replacing an earlier one at the same endpoint)."""
         if self._ctx is None:
             raise RuntimeError("KvEventSubscriber.add() before start()")
-        self.remove(endpoint.worker)
+        streams = self._subs.setdefault(endpoint.worker, {})
+        old = streams.pop(endpoint.endpoint, None)
+        if old is not None:
+            old.task.cancel()
         stats = SubscriptionStats()
         task = asyncio.create_task(self._run(endpoint, stats), name=f"kv-events:{endpoint.worker}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        self._subs[endpoint.worker] = _Subscription(endpoint, task, stats)
+        streams[endpoint.endpoint] = _Subscription(endpoint, task, stats)
 
     def remove(self, worker: WorkerId) -> None:
-        sub = self._subs.pop(worker, None)
-        if sub is not None:
+        """Drop every stream of a worker."""
+        for sub in self._subs.pop(worker, {}).values():
             sub.task.cancel()
 
     def workers(self) -> frozenset[WorkerId]:
         return frozenset(self._subs)
 
     def stats(self, worker: WorkerId) -> SubscriptionStats | None:
-        sub = self._subs.get(worker)
-        return sub.stats if sub is not None else None
+        """The counters of the worker's first stream (the only one without data parallelism)."""
+        streams = self._subs.get(worker)
+        return next(iter(streams.values())).stats if streams else None
+
+    def stream_stats(self, worker: WorkerId) -> dict[str, SubscriptionStats]:
+        """Counters of each of the worker's streams, by endpoint."""
+        return {ep: sub.stats for ep, sub in self._subs.get(worker, {}).items()}
 
     # per-worker loop --------------------------------------------------------
     async def _run(self, ep: KvEventEndpoint, stats: SubscriptionStats) -> None:

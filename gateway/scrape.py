@@ -308,9 +308,14 @@ class MetricsScraper:
         async with self._session.get(base_url.rstrip("/") + cfg.path, timeout=timeout) as resp:
             if resp.status != 200:
                 raise ScrapeError(f"HTTP {resp.status}")
-            body = await resp.content.read(cfg.max_body_bytes + 1)
-            if len(body) > cfg.max_body_bytes:
-                raise ScrapeError(f"metrics page larger than {cfg.max_body_bytes} bytes")
+            too_big = ScrapeError(f"metrics page larger than {cfg.max_body_bytes} bytes")
+            if (resp.content_length or 0) > cfg.max_body_bytes:
+                raise too_big
+            body = bytearray()
+            async for chunk in resp.content.iter_chunked(64 * 1024):
+                body += chunk
+                if len(body) > cfg.max_body_bytes:
+                    raise too_big
         return parse_metrics(body.decode("utf-8", "replace"))
 
     async def _loop(self, worker: WorkerId, state: ScrapeState) -> None:

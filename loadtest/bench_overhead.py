@@ -2,7 +2,7 @@
 
 Every target forwards non-streaming chat to the same static backend (nginx when installed, else
 `loadtest.static_backend`): the backend directly, kvgate (`python -m gateway.cli serve --config`)
-with round_robin and with its default policy, sglang-router (from its own venv, see
+with round_robin and with the `cost` policy, sglang-router (from its own venv, see
 `loadtest/peers/install.sh`) with round_robin and cache_aware, and, with `--upstream-clients`,
 a minimal FastAPI pass-through proxy with an aiohttp and with an httpx upstream client. For each
 target: req/s and p50/p99 latency at concurrency 32 and 1 (wrk when installed, else a built-in
@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
+import importlib.util
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -53,7 +56,21 @@ class TargetResult:
     missing: str | None = None
 
     def at(self, concurrency: int) -> LoadResult | None:
-        return next((r for r in self.runs if r.concurrency == concurrency), None)
+        """The run at `concurrency`; with repeats, each field is the median over the repeats."""
+        runs = [r for r in self.runs if r.concurrency == concurrency]
+        if len(runs) <= 1:
+            return runs[0] if runs else None
+        cpu = [r.cpu_us_per_request for r in runs if r.cpu_us_per_request is not None]
+        return LoadResult(
+            concurrency,
+            sum(r.requests for r in runs),
+            sum(r.errors for r in runs),
+            sum(r.duration_s for r in runs),
+            statistics.median(r.rps for r in runs),
+            statistics.median(r.p50_ms for r in runs),
+            statistics.median(r.p99_ms for r in runs),
+            statistics.median(cpu) if cpu else None,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,34 +146,39 @@ def proxy_target(client: str) -> Target:
     return Target(f"pass-through FastAPI + {client}", "sglang-router round_robin", start)
 
 
+BENCH_SECRET = "kvgate-bench-secret"
+
+
 def kvgate_config(backend: str, policy_path: Path, port: int) -> str:
-    """The gateway config for one static worker and the bench API key (format of `gateway.config`)."""
+    """The gateway config (schema of `gateway.config`) for one static worker and the bench key."""
+    auth = importlib.import_module("gateway.auth")
+    key_hash: str = auth.hash_api_key(BENCH_SECRET.encode(), API_KEY)
     return json.dumps(
         {
             "listen": {"host": "127.0.0.1", "port": port},
             "policy_file": str(policy_path),
-            "pools": [{"name": "bench", "models": [static_backend.MODEL], "workers": {"urls": [backend]}}],
-            "tenants": [{"name": "bench", "api_keys": [API_KEY]}],
+            "log_level": "warning",
+            "secrets": {"key_hash_secret_env": "KVGATE_KEY_SECRET"},
+            "pools": [{"name": "bench", "models": [static_backend.MODEL], "workers": [backend]}],
+            "tenants": [{"name": "bench", "api_key_hashes": [key_hash]}],
         }
     )
 
 
-def kvgate_target(policy: str | None, baseline: str) -> Target:
-    label = policy or "default policy"
+def kvgate_target(policy: str, baseline: str) -> Target:
+    label = policy
 
     def start(backend: str, workdir: Path) -> tuple[subprocess.Popen[bytes] | None, str]:
-        import importlib.util
-
         if importlib.util.find_spec("gateway.serve") is None:
             raise TargetMissing("kvgate gateway (gateway.serve) is not in this tree yet")
         port = free_port()
         policy_path = workdir / f"policy-{label.replace(' ', '_')}.yaml"
-        policy_path.write_text(f"policy: {policy}\n" if policy else "{}\n")
+        policy_path.write_text(f"policy: {policy}\nseed: 0\n")
         config_path = workdir / f"kvgate-{label.replace(' ', '_')}.yaml"
         config_path.write_text(kvgate_config(backend, policy_path, port))
         log_path = workdir / f"kvgate-{label.replace(' ', '_')}.log"
         argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path)]
-        proc = spawn(argv, log_path, env={"KVGATE_LOG_LEVEL": "warning"})
+        proc = spawn(argv, log_path, env={"KVGATE_KEY_SECRET": BENCH_SECRET})
         url = f"http://127.0.0.1:{port}"
         wait_ready(url + "/readyz", proc, log_path)
         return proc, url
@@ -183,6 +205,7 @@ class BenchConfig:
     load_tool: str
     upstream_clients: bool
     targets: tuple[str, ...]
+    repeats: int = 1
 
 
 def git_sha() -> str:
@@ -195,14 +218,14 @@ def git_sha() -> str:
         return "unknown"
 
 
-TARGET_CHOICES = ("direct", "kvgate-rr", "kvgate-default", "sglang-rr", "sglang-cache_aware")
+TARGET_CHOICES = ("direct", "kvgate-rr", "kvgate-cost", "sglang-rr", "sglang-cache_aware")
 
 
 def build_targets(names: Sequence[str], upstream_clients: bool) -> list[Target]:
     table: dict[str, Callable[[], Target]] = {
         "direct": direct_target,
         "kvgate-rr": lambda: kvgate_target("round_robin", "sglang-router round_robin"),
-        "kvgate-default": lambda: kvgate_target(None, "sglang-router cache_aware"),
+        "kvgate-cost": lambda: kvgate_target("cost", "sglang-router cache_aware"),
         "sglang-rr": lambda: sglang_target("round_robin"),
         "sglang-cache_aware": lambda: sglang_target("cache_aware"),
     }
@@ -218,8 +241,9 @@ def measure(
     cfg: BenchConfig,
     workdir: Path,
     load: Callable[[str, int, float], LoadResult],
-) -> TargetResult:
-    result = TargetResult(target.name, target.baseline)
+    result: TargetResult,
+) -> None:
+    """Start the target, warm it up, run every concurrency, stop it; runs are appended to `result`."""
     proc: subprocess.Popen[bytes] | None = None
     try:
         proc, url = target.start(backend_url, workdir)
@@ -238,7 +262,6 @@ def measure(
         result.missing = f"failed: {exc}"
     finally:
         stop(proc)
-    return result
 
 
 def _fmt(v: float | None, spec: str) -> str:
@@ -278,7 +301,8 @@ def report(results: Sequence[TargetResult], cfg: BenchConfig, backend_name: str)
     lines = [
         f"kvgate bench overhead  git {git_sha()}  seed {cfg.seed}  load: {cfg.load_tool}",
         f"backend: {backend_name}",
-        f"{cfg.duration_s:g}s per concurrency after {cfg.warmup_s:g}s warm-up; CPU = router process tree",
+        f"{cfg.duration_s:g}s per concurrency after {cfg.warmup_s:g}s warm-up, {cfg.repeats} round(s), "
+        "medians; CPU = router process tree",
         "",
         f"| target | c={hi} req/s | p50 ms | p99 ms | CPU µs/req | CPU ratio | c={lo} p50 ms | p99 ms "
         "| added p50 ms vs direct | errors |",
@@ -293,6 +317,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=1, help="warm-up seconds per target (default 1)")
     parser.add_argument("--concurrency", default="32,1", help="comma-separated concurrencies (default 32,1)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=1, help="rounds over all targets; medians (default 1)")
     parser.add_argument("--backend", choices=("auto", "nginx", "builtin"), default="auto")
     parser.add_argument("--load-tool", choices=("auto", "wrk", "builtin"), default="auto")
     parser.add_argument(
@@ -322,8 +347,8 @@ def run(args: argparse.Namespace) -> int:
     if not concurrencies or min(concurrencies) < 1 or max(concurrencies) > 1024:
         print("--concurrency values must be in 1..1024", file=sys.stderr)
         return 2
-    if not 0 < args.duration <= 120 or not 0 <= args.warmup <= 60:
-        print("--duration must be in (0, 120] and --warmup in [0, 60]", file=sys.stderr)
+    if not 0 < args.duration <= 120 or not 0 <= args.warmup <= 60 or not 1 <= args.repeats <= 10:
+        print("--duration must be in 1..120, --warmup in 0..60 and --repeats in 1..10", file=sys.stderr)
         return 2
     backend = args.backend
     if backend == "auto":
@@ -338,7 +363,15 @@ def run(args: argparse.Namespace) -> int:
             )
             return 2
     cfg = BenchConfig(
-        args.duration, args.warmup, concurrencies, args.seed, backend, load_tool, args.upstream_clients, names
+        args.duration,
+        args.warmup,
+        concurrencies,
+        args.seed,
+        backend,
+        load_tool,
+        args.upstream_clients,
+        names,
+        args.repeats,
     )
     bodies = chat_bodies(args.seed)
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-overhead-") as tmp:
@@ -352,11 +385,15 @@ def run(args: argparse.Namespace) -> int:
             return asyncio.run(builtin_load(url, bodies, c, dur))
 
         backend_proc, backend_url, backend_name = _backend(backend, workdir)
-        results: list[TargetResult] = []
+        targets = build_targets(names, args.upstream_clients)
+        results = [TargetResult(t.name, t.baseline) for t in targets]
         try:
-            for target in build_targets(names, args.upstream_clients):
-                print(f"measuring {target.name} ...", file=sys.stderr, flush=True)
-                results.append(measure(target, backend_url, cfg, workdir, load))
+            # Rounds interleave the targets, so slow drifts of a shared machine hit all of them.
+            for round_index in range(cfg.repeats):
+                for target, result in zip(targets, results, strict=True):
+                    if result.missing is None:
+                        print(f"round {round_index + 1}: {target.name} ...", file=sys.stderr, flush=True)
+                        measure(target, backend_url, cfg, workdir, load, result)
         finally:
             stop(backend_proc)
     print(report(results, cfg, backend_name))

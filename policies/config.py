@@ -133,8 +133,10 @@ class PublicPrefixesYaml(_Strict):
 
 
 class CostParamsYaml(_Strict):
-    epsilon: float = Field(0.25, ge=0)
-    slack_requests: float = Field(2.0, ge=0)
+    epsilon: float = Field(0.5, ge=0)
+    slack_requests: float = Field(8.0, ge=0)
+    work_weight: float = Field(2.0, ge=0)
+    max_queue_factor: float = Field(8.0, ge=0)
     tie_s: float = Field(1e-4, ge=0)
 
 

@@ -84,6 +84,19 @@ def profile(name: str, **overrides: object) -> CostModelParams:
 
 
 @dataclass(frozen=True, slots=True)
+class QueueTerms:
+    """The constants of `CostModel.queue_s` at this moment, for callers that inline it."""
+
+    scale: float
+    max_batched_tokens: int
+    step_s: float
+    backlog_per_token_s: float
+    per_request_s: float
+    per_context_token_s: float
+    mean_prompt_tokens: float
+
+
+@dataclass(frozen=True, slots=True)
 class _Pending:
     queue_s: float
     matched_tokens: int
@@ -137,21 +150,44 @@ class CostModel:
         p = self.params
         backlog = float(view.in_flight_prefill_tokens)
         known = view.in_flight_requests
-        if view.num_requests_waiting is not None:
-            reported = view.num_requests_waiting + (view.num_requests_running or 0)
+        running = known
+        waiting = view.num_requests_waiting
+        if waiting is not None:
+            scraped_running = view.num_requests_running or 0
+            reported = waiting + scraped_running
             if reported > known:
                 if known > 0 and backlog > 0:
                     backlog *= reported / known
                 else:
-                    backlog += view.num_requests_waiting * self._mean_prompt_tokens
-        running = max(known, view.num_requests_running or 0)
+                    backlog += waiting * self._mean_prompt_tokens
+            if scraped_running > running:
+                running = scraped_running
         steps = -(-int(backlog + new_tokens) // p.max_batched_tokens)
-        interference = (
-            steps
-            * self.scale
-            * (p.decode_s_per_request * running + p.decode_s_per_context_token * view.in_flight_decode_tokens)
+        per_step = (
+            p.decode_s_per_request * running + p.decode_s_per_context_token * view.in_flight_decode_tokens
         )
-        return self.backlog_s(backlog) + interference
+        if backlog <= 0:
+            return self.scale * steps * per_step
+        backlog_steps = -(-int(backlog) // p.max_batched_tokens)
+        per_token = p.prefill_s_per_token + p.attention_s_per_pair * self._mean_prompt_tokens / 2
+        return self.scale * (per_token * backlog + p.step_s * backlog_steps + steps * per_step)
+
+    @property
+    def mean_prompt_tokens(self) -> float:
+        """Running mean of completed prompts' sizes (seeded at 1024)."""
+        return self._mean_prompt_tokens
+
+    def queue_terms(self) -> QueueTerms:
+        p = self.params
+        return QueueTerms(
+            scale=self.scale,
+            max_batched_tokens=p.max_batched_tokens,
+            step_s=p.step_s,
+            backlog_per_token_s=p.prefill_s_per_token + p.attention_s_per_pair * self._mean_prompt_tokens / 2,
+            per_request_s=p.decode_s_per_request,
+            per_context_token_s=p.decode_s_per_context_token,
+            mean_prompt_tokens=self._mean_prompt_tokens,
+        )
 
     def backlog_s(self, tokens: float) -> float:
         """Prefill time of `tokens` queued across separate prompts of about the mean prompt size

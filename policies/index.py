@@ -21,6 +21,7 @@ Invariants (asserted by `check_invariants`):
 from __future__ import annotations
 
 import math
+import operator
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -75,11 +76,15 @@ NO_MATCH = PrefixMatch()
 class _Entry:
     """One block key: its namespace and holders (worker → expiry; insertion order = recency)."""
 
-    __slots__ = ("holders", "namespace")
+    __slots__ = ("holders", "namespace", "spec")
 
     def __init__(self, namespace: str) -> None:
         self.namespace = namespace
         self.holders: dict[WorkerId, float] = {}
+        self.spec = 0  # speculative holders, so lookups know when expiry must be checked
+
+
+_namespace_of = operator.attrgetter("namespace")
 
 
 class PrefixIndex:
@@ -102,6 +107,9 @@ class PrefixIndex:
         self._cap_blocks: dict[WorkerId, int] = {}
         self._ns_keys: dict[str, OrderedDict[BlockKey, None]] = {}
         self._spec_queue: deque[tuple[float, WorkerId, BlockKey]] = deque()
+        # Workers whose holdings may not be prefix-closed (a KV-event insert or removal, or a
+        # collision, happened since their last clear); lookups walk them block by block.
+        self._open: dict[WorkerId, None] = {}
         self._speculative = 0
         self._evictions = 0
         self._expirations = 0
@@ -144,57 +152,110 @@ class PrefixIndex:
     # -- queries ------------------------------------------------------------------------------
 
     def lookup(self, keys: Sequence[BlockKey], namespace: str, now_s: float) -> PrefixMatch:
-        """Walk `keys` from block 0 and return each worker's matched length in one pass.
+        """Each worker's matched length for `keys`, walking from block 0: a worker's match ends at
+        its first missing (or expired) block, never skipping a gap. A key filed under another
+        namespace is a miss, so a collision can never leak across tenants.
 
-        A worker drops out at its first missing (or expired) block; a key filed under another
-        namespace counts as a miss, so a collision can never leak across tenants.
+        Workers whose holdings are prefix-closed (see `_open`) are resolved by bisection: holding
+        block i implies holding blocks 0..i−1, so "holds block i" is monotone along the chain and a
+        binary search finds the first gap exactly, grouping workers that share a depth. The others
+        (fed by KV events or explicit removals) are walked block by block.
         """
-        table = self._table
         g = self._g
-        alive: list[WorkerId] | None = None
-        result: dict[WorkerId, int] = {}
-        depth = 0
-        last_entry: _Entry | None = None
-        for idx in range(g - 1, len(keys), g):
-            entry = table.get(keys[idx])
-            if entry is None or entry.namespace != namespace:
-                break
-            holders = entry.holders
-            if alive is None:
-                alive = [w for w, exp in holders.items() if exp > now_s]
-            elif len(alive) == 1:
-                only = alive[0]
-                exp = holders.get(only)
-                if exp is None or exp <= now_s:
-                    result[only] = depth
-                    alive = []
-            else:
-                still: list[WorkerId] = []
-                for w in alive:
-                    exp = holders.get(w)
-                    if exp is not None and exp > now_s:
-                        still.append(w)
-                    else:
-                        result[w] = depth
-                alive = still
-            if not alive:
-                break
-            depth = idx + 1
-            last_entry = entry
-        if depth == 0:
+        probe = keys if g == 1 else keys[g - 1 :: g]
+        if not probe:
             return NO_MATCH
-        for w in alive or ():
-            result[w] = depth
-        matched = {w: n for w, n in result.items() if n > 0}
-        # The deepest block is `last_entry`; its most recent holder that is still matched wins.
+        table = self._table
+        head = table.get(probe[0])
+        if head is None or head.namespace != namespace:
+            return NO_MATCH
+        alive = {w for w, exp in head.holders.items() if exp > now_s}
+        if not alive:
+            return NO_MATCH
+        depth_of: dict[WorkerId, int] = {}
+        walk = alive & self._open.keys() if self._open else set()
+        closed = alive - walk if walk else alive
+        if closed:
+            self._bisect(probe, namespace, now_s, closed, depth_of)
+        if walk:
+            self._walk(probe, namespace, now_s, walk, depth_of)
+        longest = max(depth_of.values())
+        matched = {w: d * g for w, d in depth_of.items()}
         deepest: WorkerId | None = None
-        if last_entry is not None:
-            for w in reversed(last_entry.holders):
-                if matched.get(w) == depth:
-                    deepest = w
-                    break
-        longest = depth
-        return PrefixMatch(matched, longest, deepest)
+        entry = table[probe[longest - 1]]
+        for w in reversed(entry.holders):
+            if depth_of.get(w) == longest:
+                deepest = w
+                break
+        return PrefixMatch(matched, longest * g, deepest)
+
+    def _live(self, key: BlockKey, namespace: str, now_s: float, group: set[WorkerId]) -> set[WorkerId]:
+        """The members of `group` holding `key` (in `namespace`, not expired)."""
+        entry = self._table.get(key)
+        if entry is None or entry.namespace != namespace:
+            return set()
+        holders = entry.holders
+        if entry.spec == 0:
+            return group & holders.keys()
+        return {w for w in group if holders.get(w, 0.0) > now_s}
+
+    def _bisect(
+        self,
+        probe: Sequence[BlockKey],
+        namespace: str,
+        now_s: float,
+        group: set[WorkerId],
+        depth_of: dict[WorkerId, int],
+    ) -> None:
+        # Every member holds probe[0] and has its depth in [lo, hi]; split the group at mid.
+        # (`_live` inlined: this loop is the lookup's hot path.)
+        table_get = self._table.get
+        stack = [(group, 1, len(probe))]
+        while stack:
+            members, lo, hi = stack.pop()
+            while lo < hi:
+                mid = (lo + hi + 1) >> 1
+                entry = table_get(probe[mid - 1])
+                if entry is None or entry.namespace != namespace:
+                    hi = mid - 1
+                    continue
+                holders = entry.holders
+                if entry.spec == 0:
+                    if holders.keys() >= members:
+                        lo = mid
+                        continue
+                    deeper = members & holders.keys()
+                else:
+                    deeper = {w for w in members if holders.get(w, 0.0) > now_s}
+                if not deeper:
+                    hi = mid - 1
+                elif len(deeper) == len(members):
+                    lo = mid
+                else:
+                    stack.append((members - deeper, lo, mid - 1))
+                    members, lo = deeper, mid
+            for w in members:
+                depth_of[w] = lo
+
+    def _walk(
+        self,
+        probe: Sequence[BlockKey],
+        namespace: str,
+        now_s: float,
+        alive: set[WorkerId],
+        depth_of: dict[WorkerId, int],
+    ) -> None:
+        depth = 1
+        for key in probe[1:]:
+            still = self._live(key, namespace, now_s, alive)
+            for w in alive - still:
+                depth_of[w] = depth
+            alive = still
+            if not alive:
+                return
+            depth += 1
+        for w in alive:
+            depth_of[w] = depth
 
     def holds(self, key: BlockKey, worker: WorkerId, now_s: float) -> bool:
         entry = self._table.get(key)
@@ -240,6 +301,7 @@ class PrefixIndex:
     def record_key(self, key: BlockKey, worker: WorkerId, namespace: str, now_s: float) -> None:
         """Confirm one holding, ignoring granularity (the caller placed it: KV events know depths)."""
         self._ensure_worker(worker)
+        self._open[worker] = None
         ns_keys = self._ns_keys.get(namespace)
         if ns_keys is None:
             ns_keys = self._ns_keys[namespace] = OrderedDict()
@@ -260,6 +322,7 @@ class PrefixIndex:
         if entry is None:
             entry = self._table[key] = _Entry(namespace)
         elif entry.namespace != namespace:
+            self._open[worker] = None
             return  # a 64-bit collision across namespaces: keep the first owner, never share
         holders = entry.holders
         old = holders.pop(worker, None)
@@ -268,6 +331,7 @@ class PrefixIndex:
             new = expiry
             if speculative:
                 self._speculative += 1
+                entry.spec += 1
         elif old == CONFIRMED:
             new = CONFIRMED
         elif speculative:
@@ -275,6 +339,7 @@ class PrefixIndex:
         else:
             new = CONFIRMED
             self._speculative -= 1
+            entry.spec -= 1
         holders[worker] = new
         if speculative and new != CONFIRMED and new != old:
             self._spec_queue.append((new, worker, key))
@@ -292,6 +357,7 @@ class PrefixIndex:
         entry = self._table.get(key)
         if entry is None or worker not in entry.holders:
             return False
+        self._open[worker] = None
         self._lru[worker].pop(key, None)
         self._drop_holding(key, entry, worker)
         return True
@@ -300,6 +366,7 @@ class PrefixIndex:
         """Forget everything about `worker` (cache cleared, or the worker left the pool)."""
         lru = self._lru.pop(worker, None)
         self._cap_blocks.pop(worker, None)
+        self._open.pop(worker, None)
         if lru is None:
             return
         for key in lru:
@@ -339,6 +406,7 @@ class PrefixIndex:
         exp = entry.holders.pop(worker)
         if exp != CONFIRMED:
             self._speculative -= 1
+            entry.spec -= 1
         if not entry.holders:
             del self._table[key]
             ns_keys = self._ns_keys.get(entry.namespace)
@@ -403,6 +471,7 @@ class PrefixIndex:
         ns_seen: dict[str, int] = {}
         for key, entry in self._table.items():
             assert entry.holders, "entry without holders"
+            assert entry.spec == sum(1 for e in entry.holders.values() if e != CONFIRMED), "spec drifted"
             ns_seen[entry.namespace] = ns_seen.get(entry.namespace, 0) + 1
             assert key in self._ns_keys.get(entry.namespace, {}), "key missing from its namespace"
             for w, exp in entry.holders.items():

@@ -13,6 +13,7 @@ share one namespace (the public one by default).
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
@@ -22,7 +23,8 @@ import xxhash
 
 from policies.base import EngineBlockHash, KvEvent, KvEventKind, WorkerId
 from policies.index import PrefixIndex
-from prompt_normalizer.types import BlockKey
+from prompt_normalizer.keys import TOKEN_DTYPE, TOKEN_UNIT, root_key, secret_key
+from prompt_normalizer.types import BlockKey, KeyIdentity
 
 _U64 = (1 << 64) - 1
 
@@ -33,6 +35,36 @@ class TokenBlockHasher(Protocol):
     def root(self, namespace: str, lora_name: str | None) -> int: ...
 
     def chain(self, parent: int, token_ids: Sequence[int]) -> BlockKey: ...
+
+
+class NormalizerTokenHasher:
+    """Keys KV-event blocks exactly as the normalizer keys token prompts (tokenizer/render modes):
+    root = keyed BLAKE2b of the identity under `TOKEN_UNIT`, then xxh3-64 of each block's
+    little-endian u32 token ids seeded with the parent key (`prompt_normalizer.keys`).
+
+    `identity` is the pool's key identity; the namespace (and adapter, from the event's LoRA name)
+    is filled in per root block.
+    """
+
+    def __init__(self, secret: bytes, identity: KeyIdentity) -> None:
+        self._key = secret_key(secret)
+        self._identity = identity
+        self._roots: dict[tuple[str, str | None], int] = {}
+
+    def root(self, namespace: str, lora_name: str | None) -> int:
+        found = self._roots.get((namespace, lora_name))
+        if found is None:
+            adapter = lora_name if lora_name is not None else self._identity.adapter
+            ident = dataclasses.replace(self._identity, namespace=namespace, adapter=adapter)
+            found = root_key(self._key, ident, TOKEN_UNIT)
+            if len(self._roots) > 4096:
+                self._roots.clear()
+            self._roots[(namespace, lora_name)] = found
+        return found
+
+    def chain(self, parent: int, token_ids: Sequence[int]) -> BlockKey:
+        data = np.asarray(token_ids, dtype=TOKEN_DTYPE).tobytes()
+        return BlockKey(xxhash.xxh3_64_intdigest(data, seed=parent & _U64))
 
 
 class XxhTokenHasher:

@@ -55,7 +55,7 @@ class PoolState:
         self.block_size_tokens = block_size_tokens
         self.index = PrefixIndex(settings.index, block_size_tokens, namespace_share)
         self.cost = CostModel(settings.cost)
-        self._capacity_seen: dict[WorkerId, int] = {}
+        self._capacity_seen: dict[WorkerId, tuple[int | None, int | None]] = {}
 
     def capacity_tokens(self, view: WorkerView) -> int:
         """The worker's prefix-cache size in tokens: reported blocks, else configured, else default."""
@@ -70,10 +70,10 @@ class PoolState:
     def observe_workers(self, workers: Sequence[WorkerView]) -> None:
         seen = self._capacity_seen
         for view in workers:
-            tokens = self.capacity_tokens(view)
-            if seen.get(view.worker_id) != tokens:
-                seen[view.worker_id] = tokens
-                self.index.set_capacity(view.worker_id, tokens)
+            reported = (view.num_gpu_blocks, view.engine_block_size)
+            if seen.get(view.worker_id) != reported:
+                seen[view.worker_id] = reported
+                self.index.set_capacity(view.worker_id, self.capacity_tokens(view))
         if len(seen) > 4 * self.settings.index.max_workers:
             seen.clear()
 

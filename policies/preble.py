@@ -83,6 +83,11 @@ class PrebleE2(PrefixPolicyBase):
         matched = self._cap_tokens(req, match.blocks(chosen.worker_id))
         self._decisions.add(reason)
         # Charge the prefill this request brings to the chosen worker's window.
+        if chosen.worker_id not in self._window and len(self._window) >= 4096:
+            # Bounded across worker churn: drop the longest-idle worker's window.
+            idle = min(self._window, key=lambda w: self._window[w][-1][0] if self._window[w] else -1.0)
+            del self._window[idle]
+            self._window_sum.pop(idle, None)
         window = self._window.setdefault(chosen.worker_id, deque())
         work = cost.prefill_s(req.n_prompt_tokens - matched, matched)
         window.append((now_s, work))

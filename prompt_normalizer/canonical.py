@@ -7,24 +7,29 @@ endpoint all start from the same `CanonicalChat`.
 
 from __future__ import annotations
 
-import re
-import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from prompt_normalizer.config import NormalizerConfig, VolatileRule
+from prompt_normalizer.config import NormalizerConfig
 from prompt_normalizer.errors import NormalizerError
 from prompt_normalizer.keys import keyed_digest
+from prompt_normalizer.switches import (
+    Report,
+    canonical_json_text,
+    json_copy,
+    nfc,
+    normalize_whitespace,
+    sort_keys,
+)
 from prompt_normalizer.types import Zone
+from prompt_normalizer.volatile import apply_rule, text_slots
 
-MAX_DIAGNOSTICS = 32
 # Request fields that reach the chat template (besides messages and tools); the others (sampling,
 # response_format, tool_choice, ...) are enforced at decoding and never enter the prompt.
 TEMPLATE_FIELDS = ("chat_template", "chat_template_kwargs", "documents")
-MEDIA_PART_TYPES = ("image_url", "input_audio", "file", "video_url", "audio_url", "image", "input_image")
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,104 +70,6 @@ class CanonicalChat:
     items: tuple[FieldItem, ...]
     diagnostics: tuple[str, ...]
     body: dict[str, Any] | None
-
-
-class _Report:
-    """Bounded diagnostics: paths and switch names only, never content."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-        self.dropped = 0
-        self.changed = False
-
-    def add(self, line: str, *, changed: bool = True) -> None:
-        self.changed = self.changed or changed
-        if len(self.lines) < MAX_DIAGNOSTICS:
-            self.lines.append(line)
-        else:
-            self.dropped += 1
-
-    def done(self) -> tuple[str, ...]:
-        if self.dropped:
-            return (*self.lines, f"... {self.dropped} more diagnostics")
-        return tuple(self.lines)
-
-
-def json_copy(value: Any, param: str) -> Any:
-    """A private deep copy through JSON (also proves the value is JSON)."""
-    try:
-        return orjson.loads(orjson.dumps(value))
-    except (TypeError, orjson.JSONEncodeError):
-        raise NormalizerError("must be JSON (string keys, finite numbers)", param=param) from None
-
-
-def nfc(value: Any) -> tuple[Any, bool]:
-    """Unicode NFC of every string (keys too); reports whether anything changed."""
-    if isinstance(value, str):
-        if unicodedata.is_normalized("NFC", value):
-            return value, False
-        return unicodedata.normalize("NFC", value), True
-    if isinstance(value, list):
-        changed = False
-        out = []
-        for item in value:
-            new, c = nfc(item)
-            out.append(new)
-            changed |= c
-        return out, changed
-    if isinstance(value, dict):
-        changed = False
-        result: dict[str, Any] = {}
-        for k, v in value.items():
-            nk, ck = nfc(k)
-            nv, cv = nfc(v)
-            result[nk] = nv
-            changed |= ck or cv
-        return result, changed
-    return value, False
-
-
-def sort_keys(value: Any) -> tuple[Any, bool]:
-    """Recursively sorted object keys; reports whether any object was out of order."""
-    if isinstance(value, dict):
-        keys = list(value)
-        ordered = sorted(keys)
-        changed = keys != ordered
-        result: dict[str, Any] = {}
-        for k in ordered:
-            result[k], c = sort_keys(value[k])
-            changed |= c
-        return result, changed
-    if isinstance(value, list):
-        changed = False
-        out = []
-        for item in value:
-            new, c = sort_keys(item)
-            out.append(new)
-            changed |= c
-        return out, changed
-    return value, False
-
-
-def canonical_json_text(text: str) -> str | None:
-    """Compact sorted-key JSON of a string holding a JSON object or array, else None."""
-    head = text.lstrip()[:1]
-    if head not in ("{", "["):
-        return None
-    try:
-        parsed = orjson.loads(text)
-    except orjson.JSONDecodeError:
-        return None
-    return orjson.dumps(parsed, option=orjson.OPT_SORT_KEYS).decode()
-
-
-_LINE_END_WS = re.compile(r"[ \t]+(?=\n)")
-
-
-def normalize_whitespace(text: str) -> str:
-    """CRLF/CR to LF, no trailing blanks on a line, no leading/trailing blank space overall."""
-    text = text.replace("\r\n", "\n").replace("\r", "\n")
-    return _LINE_END_WS.sub("", text).strip()
 
 
 def _validate_messages(raw: Any) -> list[dict[str, Any]]:
@@ -210,60 +117,6 @@ def _validate_tools(raw: Any) -> list[dict[str, Any]] | None:
 def _tool_name(tool: dict[str, Any]) -> str:
     fn = tool.get("function")
     return str(fn.get("name", "")) if isinstance(fn, dict) else str(tool.get("name", ""))
-
-
-def _text_slots(msg: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    """(path suffix, container, key) of every text string in a message's content."""
-    content = msg.get("content")
-    if isinstance(content, str):
-        return [("content", msg, "content")]
-    if isinstance(content, list):
-        return [
-            (f"content[{j}].text", part, "text")
-            for j, part in enumerate(content)
-            if part.get("type") == "text" and isinstance(part.get("text"), str)
-        ]
-    return []
-
-
-def _apply_rule(
-    rule: VolatileRule, messages: list[dict[str, Any]], moved: list[str], report: _Report
-) -> None:
-    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=len(messages))
-    for i, msg in enumerate(messages):
-        if msg["role"] not in rule.roles or (rule.scope == "before_last_user" and i >= last_user):
-            continue
-        if rule.field is not None:
-            if rule.field not in msg or msg[rule.field] in (None, ""):
-                continue
-            path = f"messages[{i}].{rule.field}"
-            if rule.action == "keep_and_warn":
-                report.add(f"volatile {rule.name!r} kept in place (prefix may break): {path}", changed=False)
-                continue
-            value = msg.pop(rule.field)
-            if rule.action == "move_to_end":
-                moved.append(value if isinstance(value, str) else orjson.dumps(value).decode())
-            report.add(f"volatile {rule.name!r} {rule.action}: {path}")
-            continue
-        assert rule.pattern is not None
-        regex = re.compile(rule.pattern)
-        for suffix, container, key in _text_slots(msg):
-            text = container[key]
-            found = [m.group(0) for m in regex.finditer(text)]
-            if not found:
-                continue
-            path = f"messages[{i}].{suffix}"
-            if rule.action == "keep_and_warn":
-                report.add(
-                    f"volatile {rule.name!r} kept in place (prefix may break): "
-                    f"{path}, {len(found)} match(es)",
-                    changed=False,
-                )
-                continue
-            container[key] = regex.sub("", text)
-            if rule.action == "move_to_end":
-                moved.extend(found)
-            report.add(f"volatile {rule.name!r} {rule.action}: {path}, {len(found)} match(es)")
 
 
 def _n_immutable(messages: list[dict[str, Any]], config: NormalizerConfig) -> int:
@@ -340,7 +193,7 @@ def canonicalize_chat(body: Mapping[str, Any], config: NormalizerConfig, key: by
         raise NormalizerError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
     add_generation_prompt = bool(body.get("add_generation_prompt", True))
     continue_final_message = bool(body.get("continue_final_message", False))
-    report = _Report()
+    report = Report()
 
     if config.unicode_nfc:
         for i, msg in enumerate(messages):
@@ -353,7 +206,7 @@ def canonicalize_chat(body: Mapping[str, Any], config: NormalizerConfig, key: by
                 report.add(f"unicode_nfc: changed tools[{j}]")
     if config.whitespace:
         for i, msg in enumerate(messages):
-            for suffix, container, k in _text_slots(msg):
+            for suffix, container, k in text_slots(msg):
                 new = normalize_whitespace(container[k])
                 if new != container[k]:
                     container[k] = new
@@ -373,7 +226,7 @@ def canonicalize_chat(body: Mapping[str, Any], config: NormalizerConfig, key: by
 
     moved: list[str] = []
     for rule in config.volatile_rules:
-        _apply_rule(rule, messages, moved, report)
+        apply_rule(rule, messages, moved, report)
     n_imm = _n_immutable(messages, config)
     volatile_index = None
     if moved:
@@ -402,7 +255,7 @@ def canonicalize_chat(body: Mapping[str, Any], config: NormalizerConfig, key: by
     )
 
 
-def _canonical_structured(msg: dict[str, Any], i: int, report: _Report) -> None:
+def _canonical_structured(msg: dict[str, Any], i: int, report: Report) -> None:
     """Canonical JSON of structured content: tool-call arguments and JSON tool results."""
     for j, call in enumerate(msg.get("tool_calls") or ()):
         fn = call.get("function") if isinstance(call, dict) else None
@@ -412,7 +265,7 @@ def _canonical_structured(msg: dict[str, Any], i: int, report: _Report) -> None:
                 fn["arguments"] = new
                 report.add(f"canonical_json: rewrote messages[{i}].tool_calls[{j}].function.arguments")
     if msg["role"] == "tool":
-        for suffix, container, k in _text_slots(msg):
+        for suffix, container, k in text_slots(msg):
             new = canonical_json_text(container[k])
             if new is not None and new != container[k]:
                 container[k] = new

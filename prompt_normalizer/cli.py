@@ -34,6 +34,7 @@ MAX_STDIN_BYTES = 64 * 1024 * 1024
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", type=Path, help="policy YAML; its 'normalizer' section is used")
+    parser.add_argument("--pool", help="use pools.<POOL>.normalizer when the policy file has one")
     parser.add_argument("--tenant", default=PUBLIC_NAMESPACE, help="tenant namespace (default: public)")
     parser.add_argument("--model", help="model id (default: the request's 'model')")
     parser.add_argument("--endpoint", choices=("chat", "completions"), help="default: from the body")
@@ -49,14 +50,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--render-url", help="render mode: worker base URL on 127.0.0.1")
 
 
-def load_config(path: Path | None) -> NormalizerConfig:
-    """The `normalizer` section of a policy file (defaults when absent)."""
+def load_config(path: Path | None, pool: str | None = None) -> NormalizerConfig:
+    """The `normalizer` section of a policy file: the pool's own when it has one, else the
+    top-level one, else the defaults."""
     if path is None:
         return NormalizerConfig()
     raw = yaml.safe_load(path.read_text()) or {}
     if not isinstance(raw, dict):
         raise ValueError("policy file must be a mapping")
     section = raw.get("normalizer", {}) or {}
+    pools = raw.get("pools")
+    if pool is not None and isinstance(pools, dict) and isinstance(pools.get(pool), dict):
+        section = pools[pool].get("normalizer", section) or section
     return NormalizerConfig.model_validate(section)
 
 
@@ -75,9 +80,21 @@ def _render(url: str, path: str, body: Any) -> Any:
         raise NormalizerError(
             "--render-url must be a loopback address", param="render_url", code="bad_config"
         )
-    reply = httpx.post(url.rstrip("/") + path, json=body, timeout=10.0)
+    try:
+        reply = httpx.post(url.rstrip("/") + path, json=body, timeout=10.0)
+    except httpx.HTTPError as exc:
+        raise NormalizerError(
+            f"render endpoint unreachable: {type(exc).__name__}", code="render_failed"
+        ) from None
     if reply.status_code != 200:
-        raise NormalizerError(f"render endpoint answered HTTP {reply.status_code}", code="render_failed")
+        try:
+            code = reply.json()["error"].get("code") or reply.json()["error"].get("type")
+        except (ValueError, KeyError, TypeError, AttributeError):
+            code = None
+        detail = f" ({code})" if isinstance(code, str) else ""
+        raise NormalizerError(
+            f"render endpoint answered HTTP {reply.status_code}{detail}", code="render_failed"
+        )
     return reply.json()
 
 
@@ -115,7 +132,7 @@ def _canonicalize(
 
 def run(args: argparse.Namespace) -> int:
     try:
-        config = load_config(args.policy)
+        config = load_config(args.policy, args.pool)
     except (OSError, ValueError, yaml.YAMLError) as exc:
         detail = exc.errors()[0] if isinstance(exc, ValidationError) else None
         where = ".".join(str(p) for p in detail["loc"]) if detail else ""

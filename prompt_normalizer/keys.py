@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -34,6 +34,7 @@ from prompt_normalizer.types import BlockKey, KeyIdentity
 TOKEN_UNIT = "tok-u32le-v1"
 TOKEN_DTYPE = np.dtype("<u4")
 _MAX_TOKEN_ID = 2**32 - 1
+_U64 = (1 << 64) - 1
 
 TokenArray = npt.NDArray[np.uint32]
 
@@ -69,11 +70,13 @@ def as_tokens(ids: Sequence[int] | npt.NDArray[np.integer], *, param: str = "pro
     if isinstance(ids, np.ndarray) and ids.dtype == TOKEN_DTYPE:
         return np.ascontiguousarray(ids)
     try:
-        arr = np.asarray(ids, dtype=np.int64)
+        arr = np.asarray(ids)
     except (TypeError, ValueError, OverflowError):
         raise NormalizerError("token ids must be integers", param=param) from None
     if arr.ndim != 1:
         raise NormalizerError("token ids must be a flat list of integers", param=param)
+    if arr.size and arr.dtype.kind not in "iu":  # floats, bools, strings, or ints beyond 64 bits
+        raise NormalizerError("token ids must be integers", param=param)
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN_ID):
         raise NormalizerError("token ids must be in [0, 2**32)", param=param)
     return arr.astype(TOKEN_DTYPE)
@@ -120,3 +123,23 @@ def token_block_keys(
     if block_size_tokens <= 0:
         raise NormalizerError("block_size_tokens must be positive", code="bad_config")
     return chain_keys(tokens, block_size_tokens * TOKEN_DTYPE.itemsize, seed, extras)
+
+
+class IdentityTokenHasher:
+    """Event-side twin of the request keys: `root(namespace, lora)` is the root of `identity` with
+    that namespace (and adapter), `chain(parent, ids)` the next key. It matches the
+    `TokenBlockHasher` protocol of `policies.kv_feed` structurally."""
+
+    def __init__(self, root_of: Callable[[KeyIdentity], int], identity: KeyIdentity) -> None:
+        self._root_of = root_of
+        self._identity = identity
+
+    def root(self, namespace: str, lora_name: str | None) -> int:
+        identity = dataclasses.replace(
+            self._identity, namespace=namespace, adapter=lora_name or self._identity.adapter
+        )
+        return self._root_of(identity)
+
+    def chain(self, parent: int, token_ids: Sequence[int]) -> BlockKey:
+        tokens = as_tokens(token_ids, param="token_ids")
+        return BlockKey(xxhash.xxh3_64_intdigest(byte_view(tokens), int(parent) & _U64))

@@ -137,7 +137,9 @@ def assemble(
     stable = boundaries.stable_end
     volatile = chat is not None and chat.volatile_index is not None
     if stable is None:
-        diagnostics.append("zones: stable boundary not measured; no volatile span")
+        # Without it the generation prompt counts as stable content (drift may then flag the tail).
+        if volatile:
+            diagnostics.append("zones: stable boundary not measured; no volatile span")
         stable, volatile = n, False
     stable = max(imm_end, min(stable, n))
     extras: dict[int, bytes] = {}
@@ -157,10 +159,9 @@ def assemble(
             zones.append(ZoneSpan(Zone.IMMUTABLE, imm_src, 0, imm_end))
         last = chat.volatile_index if chat.volatile_index is not None else len(chat.messages)
         end_append = stable if volatile else n
+        first = chat.n_immutable if imm_end > 0 else 0  # an unmeasured immutable zone joins the log
         if end_append > imm_end:
-            zones.append(
-                ZoneSpan(Zone.APPEND_ONLY, f"messages[{chat.n_immutable}:{last}]", imm_end, end_append)
-            )
+            zones.append(ZoneSpan(Zone.APPEND_ONLY, f"messages[{first}:{last}]", imm_end, end_append))
         if volatile and n > stable:
             zones.append(ZoneSpan(Zone.VOLATILE, f"messages[{chat.volatile_index}]", stable, n))
     block_bytes = block_size * hashed.bytes_per_token

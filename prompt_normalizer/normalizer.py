@@ -19,21 +19,23 @@ index fed by events and one fed by requests agree.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-import numpy as np
 import orjson
 
 from prompt_normalizer.approx import APPROX_UNIT, approx_chat, approx_text
-from prompt_normalizer.canonical import CanonicalChat, FieldItem, canonicalize_chat, json_copy
+from prompt_normalizer.canonical import CanonicalChat, FieldItem, canonicalize_chat
+from prompt_normalizer.completions import CompletionsPrompt
 from prompt_normalizer.config import NormalizerConfig, VolatileRule, ZoneConfig
 from prompt_normalizer.drift import DriftTracker
 from prompt_normalizer.errors import NormalizerError
 from prompt_normalizer.keys import (
     TOKEN_DTYPE,
     TOKEN_UNIT,
+    IdentityTokenHasher,
     TokenArray,
     as_tokens,
     keyed_digest,
@@ -51,6 +53,7 @@ from prompt_normalizer.layout import (
     boundary_specs,
 )
 from prompt_normalizer.render import CHAT_RENDER_PATH, COMPLETIONS_RENDER_PATH, RenderPlan, render_boundaries
+from prompt_normalizer.switches import json_copy
 from prompt_normalizer.template import ChatTemplateTokenizer
 from prompt_normalizer.types import BlockKey, CanonicalPrompt, KeyIdentity, Zone
 
@@ -58,26 +61,6 @@ __all__ = ["Endpoint", "Normalizer", "NormalizerConfig", "NormalizerError", "Vol
 
 Endpoint = Literal["chat", "completions"]
 _ROOT_CACHE_MAX = 4096
-
-
-class _CompletionsPrompt:
-    """A completions `prompt`: text or token ids (a batch is keyed by its first prompt)."""
-
-    def __init__(self, body: Mapping[str, Any]) -> None:
-        prompt = body.get("prompt")
-        self.diagnostics: list[str] = []
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) > 1:
-                self.diagnostics.append(f"prompt: batch of {len(prompt)} prompts, keyed by prompt[0]")
-            prompt = prompt[0]
-        self.text: str | None = None
-        self.tokens: TokenArray | None = None
-        if isinstance(prompt, str):
-            self.text = prompt
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            self.tokens = as_tokens(prompt, param="prompt")
-        else:
-            raise NormalizerError("'prompt' must be a string, a list of strings or token ids", param="prompt")
 
 
 class Normalizer:
@@ -98,6 +81,11 @@ class Normalizer:
     @property
     def config(self) -> NormalizerConfig:
         return self._config
+
+    @property
+    def chat_tokenizer(self) -> ChatTemplateTokenizer | None:
+        """The local template + tokenizer (tokenizer mode), e.g. to time its stages."""
+        return self._tokenizer
 
     @property
     def render_fingerprint(self) -> str | None:
@@ -126,6 +114,11 @@ class Normalizer:
         """Chained keys of raw token ids, from the identity root or from a parent block's key."""
         seed = self.root(identity) if parent is None else int(parent)
         return token_block_keys(as_tokens(token_ids), identity.block_size_tokens, seed)
+
+    def token_hasher(self, identity: KeyIdentity) -> IdentityTokenHasher:
+        """A hasher for KV-event token ids whose keys equal this normalizer's request keys
+        (matches the `TokenBlockHasher` protocol of `policies.kv_feed` structurally)."""
+        return IdentityTokenHasher(self.root, identity)
 
     def session_digest(
         self, body: Mapping[str, Any], identity: KeyIdentity, session_key: str | None = None
@@ -158,7 +151,7 @@ class Normalizer:
             raise NormalizerError("request body must be a JSON object")
         mode = self._config.mode
         if endpoint == "completions":
-            prompt = _CompletionsPrompt(body)
+            prompt = CompletionsPrompt(body, self._config.max_input_chars)
             if prompt.tokens is not None:
                 return self._finish_tokens(
                     prompt.tokens,
@@ -193,7 +186,9 @@ class Normalizer:
             assert self._tokenizer is not None
             enc = self._tokenizer.encode(
                 prompt.text,
-                add_special_tokens=self._config.completions_add_special_tokens,
+                add_special_tokens=bool(
+                    body.get("add_special_tokens", self._config.completions_add_special_tokens)
+                ),
                 with_offsets=False,
             )
             return self._finish_tokens(
@@ -232,7 +227,9 @@ class Normalizer:
         text = self._tokenizer.render(chat)
         specs = boundary_specs(chat)
         needs_offsets = any(s.n_messages or s.with_tools for s in specs)
-        enc = self._tokenizer.encode(text, add_special_tokens=False, with_offsets=needs_offsets)
+        # Chat prompts: the template writes the special tokens (vLLM's default add_special_tokens=False).
+        add_special = bool(body.get("add_special_tokens", False))
+        enc = self._tokenizer.encode(text, add_special_tokens=add_special, with_offsets=needs_offsets)
         n = len(enc.tokens)
         positions: list[int | None] = [0] * len(specs)
         if enc.ends is not None:
@@ -247,7 +244,7 @@ class Normalizer:
     def prepare_render(self, endpoint: Endpoint, body: Mapping[str, Any]) -> RenderPlan:
         """Render mode, step 1: the canonical body to render and forward, and the boundary renders."""
         if endpoint == "completions":
-            _CompletionsPrompt(body)  # validates
+            CompletionsPrompt(body, self._config.max_input_chars)  # validates
             return RenderPlan(
                 "completions", COMPLETIONS_RENDER_PATH, json_copy(dict(body), "prompt"), (), (), None
             )
@@ -377,11 +374,4 @@ def _prompt_items(body: Mapping[str, Any], key: bytes) -> tuple[FieldItem, ...]:
 
 
 def _replace(prompt: CanonicalPrompt, **changes: Any) -> CanonicalPrompt:
-    import dataclasses
-
     return dataclasses.replace(prompt, **changes)
-
-
-def token_array(ids: Sequence[int]) -> TokenArray:
-    """Token ids as the uint32 array the key functions hash (helper for callers and tests)."""
-    return np.asarray(ids, dtype=TOKEN_DTYPE)

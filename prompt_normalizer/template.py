@@ -21,6 +21,8 @@ from typing import Any, NoReturn
 
 import jinja2
 import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
 import jinja2.sandbox
 import numpy as np
 import numpy.typing as npt
@@ -57,9 +59,26 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; for
+    rendering a prompt it is transparent (its body renders as is)."""
+
+    tags = {"generation"}  # noqa: RUF012 (jinja2's class attribute)
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        call = self.call_method("_render_body")
+        return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+    @staticmethod
+    def _render_body(caller: Any) -> str:
+        return str(caller())
+
+
 def _environment() -> jinja2.Environment:
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationBlock]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
@@ -194,7 +213,7 @@ class ChatTemplateTokenizer:
         tokens = np.array(enc.ids, dtype=TOKEN_DTYPE)
         ends = None
         if with_offsets:
-            ends = np.array([end for _, end in enc.offsets], dtype=np.int64)
+            ends = np.array(enc.offsets, dtype=np.int64).reshape(-1, 2)[:, 1]
             # Special tokens added by a post-processor report (0, 0); keep ends non-decreasing.
             ends = np.maximum.accumulate(ends) if ends.size else ends
         return Encoded(tokens, ends)

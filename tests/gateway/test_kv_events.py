@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import aiohttp
 import msgpack
 import pytest
 import zmq
@@ -23,6 +26,7 @@ from gateway.kv_events import (
     decode_batch,
     endpoint_for_worker,
 )
+from loadtest.overhead_load import free_port, spawn, stop, wait_ready
 from policies.base import KvEvent, KvEventKind, WorkerId
 
 W = WorkerId("w1")
@@ -380,3 +384,82 @@ async def test_membership_and_clean_stop(pub: Publisher) -> None:
     assert sub.workers() == {WorkerId("bad")}
     await sub.stop()
     assert sub.workers() == frozenset()
+
+
+# ---------------------------------------------------------------- against the emulated vLLM worker
+
+
+@contextlib.asynccontextmanager
+async def emulator(tmp_path: Path, *extra: str) -> AsyncIterator[str]:
+    """A real `python -m loadtest.emulator` process; stopped by its process group."""
+    port = free_port()
+    log_path = tmp_path / "emulator.log"
+    cmd = [sys.executable, "-m", "loadtest.emulator", "--port", str(port), "--time-scale", "50", *extra]
+    proc = spawn(cmd, log_path)
+    try:
+        await asyncio.to_thread(wait_ready, f"http://127.0.0.1:{port}/health", proc, log_path, 30.0)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop(proc)
+
+
+@pytest.mark.parametrize("encoding", ["array", "map"])
+async def test_events_from_the_emulated_worker(tmp_path: Path, encoding: str) -> None:
+    pub_port = free_port()
+    endpoint = f"tcp://127.0.0.1:{pub_port}"
+    rec = Recorder()
+    extra = ("--kv-events-endpoint", endpoint, "--kv-events-encoding", encoding, "--block-size", "16")
+    async with emulator(tmp_path, *extra) as base, aiohttp.ClientSession() as http:
+        sub = KvEventSubscriber(rec.on_event, on_gap=rec.on_gap)
+        await sub.start([KvEventEndpoint(W, endpoint)])
+        try:
+            # PUB/SUB drops what is sent before the subscription lands: retry with fresh prompts.
+            for attempt in range(20):
+                body = {
+                    "model": "emulated-llama",
+                    "messages": [{"role": "user", "content": f"attempt {attempt} " + "x" * 600}],
+                    "max_tokens": 1,
+                }
+                async with http.post(base + "/v1/chat/completions", json=body) as resp:
+                    assert resp.status == 200
+                with contextlib.suppress(TimeoutError):
+                    await rec.wait_for(1, timeout_s=0.5)
+                    break
+            await rec.wait_for(1)
+        finally:
+            await sub.stop()
+    stored = [i[1] for i in rec.items if isinstance(i, tuple) and i[1].kind is KvEventKind.BLOCK_STORED]
+    assert stored, rec.items
+    ev = stored[0]
+    assert ev.block_size == 16 and len(ev.block_hashes) >= 600 // 16 - 1
+    assert len(ev.token_ids) == 16 * len(ev.block_hashes)
+    assert all(isinstance(h, int) and 0 <= h < 2**64 for h in ev.block_hashes)
+    assert not [i for i in rec.items if isinstance(i, SequenceGap)]
+
+
+async def test_data_parallel_ranks_are_separate_streams_of_one_worker(
+    ctx: zmq.asyncio.Context, pub: Publisher
+) -> None:
+    sock = ctx.socket(zmq.XPUB)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    rank1 = Publisher(sock, f"tcp://127.0.0.1:{port}")
+    rec = Recorder()
+    sub = KvEventSubscriber(rec.on_event, on_gap=rec.on_gap)
+    await sub.start([KvEventEndpoint(W, pub.endpoint), KvEventEndpoint(W, rank1.endpoint)])
+    try:
+        await pub.joined()
+        await rank1.joined()
+        # Each rank numbers its own batches from 0: no gap, no restart.
+        await pub.send(0, one(10))
+        await rec.wait_for(1)
+        await rank1.send(0, one(20))
+        await rec.wait_for(2)
+        await pub.send(1, one(11))
+        await rec.wait_for(3)
+        assert sub.workers() == {W}
+        assert set(sub.stream_stats(W)) == {pub.endpoint, rank1.endpoint}
+        sub.remove(W)
+        assert sub.stats(W) is None and sub.stream_stats(W) == {}
+    finally:
+        await sub.stop()
+    assert rec.hashes() == [10, 20, 11]

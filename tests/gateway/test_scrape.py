@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -18,6 +19,7 @@ from gateway.scrape import (
     parse_samples,
 )
 from policies.base import WorkerId
+from tests.gateway.test_kv_events import emulator
 
 VLLM_PAGE = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -191,6 +193,18 @@ async def test_loop_scrapes_ages_and_survives_failures(worker: tuple[Worker, str
         await scraper.stop()
 
 
+async def test_large_page_is_read_whole(worker: tuple[Worker, str]) -> None:
+    w, url = worker
+    filler = "".join(f'histogram_bucket{{le="{i}",pad="{"x" * 40}"}} {i}\n' for i in range(20_000))
+    w.page = filler + VLLM_PAGE  # the interesting lines come after ~1.4 MB
+    scraper = MetricsScraper()
+    await scraper.start()
+    try:
+        assert await scraper.scrape_once(url) == parse_metrics(VLLM_PAGE)
+    finally:
+        await scraper.stop()
+
+
 async def test_slow_and_oversized_pages_fail_cleanly(worker: tuple[Worker, str]) -> None:
     w, url = worker
     scraper = MetricsScraper(ScrapeConfig(timeout_s=0.1, max_body_bytes=64))
@@ -219,3 +233,17 @@ async def test_remove_and_stop_cancel_the_tasks(worker: tuple[Worker, str]) -> N
     await asyncio.sleep(0.05)
     assert w.hits == hits and scraper.state(W) is None
     await scraper.stop()
+
+
+async def test_scrapes_the_emulated_vllm_worker(tmp_path: Path) -> None:
+    async with emulator(tmp_path, "--kv-blocks", "1234", "--block-size", "32") as base:
+        scraper = MetricsScraper(ScrapeConfig(timeout_s=2.0))
+        await scraper.start()
+        try:
+            m = await scraper.scrape_once(base)
+        finally:
+            await scraper.stop()
+    assert m.engine == "vllm"
+    assert (m.num_gpu_blocks, m.block_size_tokens, m.kv_capacity_tokens) == (1234, 32, 1234 * 32)
+    assert m.num_requests_running == 0 and m.num_requests_waiting == 0
+    assert m.kv_cache_usage is not None and 0.0 <= m.kv_cache_usage <= 1.0

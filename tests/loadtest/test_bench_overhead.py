@@ -68,14 +68,25 @@ def test_bench_command_end_to_end_with_builtin_tools(
     parser = argparse.ArgumentParser()
     bench_overhead.add_arguments(parser)
     out_json = tmp_path / "r.json"
-    argv = ["--duration", "1", "--warmup", "0", "--concurrency", "4,1", "--targets", "direct"]
+    argv = [
+        "--duration",
+        "1",
+        "--warmup",
+        "0",
+        "--concurrency",
+        "4,1",
+        "--targets",
+        "direct",
+        "--repeats",
+        "2",
+    ]
     argv += ["--backend", "builtin", "--load-tool", "builtin", "--json", str(out_json)]
     args = parser.parse_args(argv)
     assert bench_overhead.run(args) == 0
     printed = capsys.readouterr().out
     assert "| direct |" in printed and "built-in static backend" in printed
     result = json.loads(out_json.read_text())["results"][0]
-    assert result["missing"] is None and [r["concurrency"] for r in result["runs"]] == [4, 1]
+    assert result["missing"] is None and [r["concurrency"] for r in result["runs"]] == [4, 1, 4, 1]
     assert all(r["requests"] > 0 and r["errors"] == 0 for r in result["runs"])
 
 
@@ -84,4 +95,18 @@ def test_bad_arguments_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     bench_overhead.add_arguments(parser)
     assert bench_overhead.run(parser.parse_args(["--targets", "direct,bogus"])) == 2
     assert bench_overhead.run(parser.parse_args(["--concurrency", "0"])) == 2
+    assert bench_overhead.run(parser.parse_args(["--repeats", "0"])) == 2
     assert "bogus" in capsys.readouterr().err
+
+
+def test_repeats_are_combined_by_median() -> None:
+    from loadtest.overhead_load import LoadResult
+
+    r = bench_overhead.TargetResult("t", None)
+    for rps, cpu in ((100.0, 50.0), (300.0, 10.0), (200.0, 30.0)):
+        r.runs.append(LoadResult(1, 10, 1, 1.0, rps, rps / 100, rps / 10, cpu))
+    combined = r.at(1)
+    assert combined is not None
+    assert (combined.rps, combined.p50_ms, combined.cpu_us_per_request) == (200.0, 2.0, 30.0)
+    assert (combined.requests, combined.errors) == (30, 3)
+    assert r.at(32) is None

@@ -62,7 +62,7 @@ def test_documented_example_parses_and_builds_every_policy() -> None:
     assert cfg.tenants["acme"].isolation is Isolation.SHARED_PUBLIC
     assert cfg.normalizer.chars_per_token == 4
     policy = build_policy(cfg)
-    assert isinstance(policy, CostPolicy) and policy.epsilon == 0.25
+    assert isinstance(policy, CostPolicy) and policy.epsilon == 0.5 and policy.work_weight == 2.0
     shared = cfg.shared_settings()
     assert shared.pools["chat"].cost.transfer_enabled
     assert shared.pools["chat"].cost.step_s == 0.017  # from the profile, not overridden

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from policies.base import Observation, WorkerId, WorkerView
 from policies.cost_model import CostModel, CostModelParams, profile
@@ -143,3 +145,33 @@ def test_queue_cost_grows_with_backlog_and_scraped_waiting() -> None:
 def test_unknown_profile_lists_known() -> None:
     with pytest.raises(ValueError, match="llama3-8b-h100"):
         profile("nope")
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.integers(0, 20),
+    st.integers(0, 50_000),
+    st.integers(0, 300_000),
+    st.one_of(st.none(), st.integers(0, 30)),
+    st.one_of(st.none(), st.integers(0, 30)),
+    st.integers(1, 40),
+)
+def test_inlined_queue_cost_equals_the_cost_model(
+    inflight: int, prefill: int, decode: int, waiting: int | None, running: int | None, blocks: int
+) -> None:
+    p = _policy()
+    view = WorkerView(
+        WorkerId("w0"),
+        in_flight_requests=inflight,
+        in_flight_prefill_tokens=prefill,
+        in_flight_decode_tokens=decode,
+        num_requests_waiting=waiting,
+        num_requests_running=running,
+    )
+    r = req("r", range(blocks))
+    d = p.select(r, [view], 0.0)
+    assert d is not None
+    model = p._pool(r).cost
+    assert model._pending["r"].queue_s == pytest.approx(
+        model.queue_s(view, r.n_prompt_tokens - d.matched_tokens)
+    )

@@ -203,3 +203,57 @@ def test_random_operations_keep_invariants_and_match_a_naive_walk(
             while naive < len(probe) and idx.holds(probe[naive], wk, now):
                 naive += 1
             assert got.blocks(wk) == naive
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["spec", "conf", "expire", "clear", "cap"]),
+            st.integers(0, 3),
+            st.integers(0, 7),
+            st.integers(1, 12),
+            st.integers(0, 2),
+        ),
+        max_size=80,
+    ),
+    st.integers(1, 3),
+)
+def test_bisection_lookup_equals_the_block_by_block_walk(
+    ops: list[tuple[str, int, int, int, int]], granularity: int
+) -> None:
+    # No explicit removals: every worker stays prefix-closed, so lookups take the bisection path.
+    idx = PrefixIndex(
+        IndexConfig(
+            default_capacity_tokens=30 * BS,
+            max_entries=90,
+            speculative_ttl_s=2.5,
+            granularity_blocks=granularity,
+        ),
+        BS,
+    )
+    workers = [WorkerId(f"w{i}") for i in range(4)]
+    # Eight chains that share prefixes of different lengths (a small tree).
+    families = [chain("t", [j if j < f + 2 else f * 100 + j for j in range(12)]) for f in range(8)]
+    now = 0.0
+    for op, w, fam, length, dt in ops:
+        now += dt
+        worker = workers[w]
+        if op in ("spec", "conf"):
+            idx.record(families[fam][:length], worker, "t", now, speculative=op == "spec")
+        elif op == "expire":
+            idx.expire(now)
+        elif op == "clear":
+            idx.clear_worker(worker)
+        else:
+            idx.set_capacity(worker, length * BS * granularity)
+        idx.check_invariants()
+        assert not idx._open
+        for probe in families:
+            got = idx.lookup(probe, "t", now)
+            coarse = probe[granularity - 1 :: granularity]
+            for wk in workers:
+                naive = 0
+                while naive < len(coarse) and idx.holds(coarse[naive], wk, now):
+                    naive += 1
+                assert got.blocks(wk) == naive * granularity

@@ -175,3 +175,22 @@ def test_engine_hash_normalization_matches_the_int_form() -> None:
     digest = bytes(range(32))
     assert normalize_engine_hash(digest) == int.from_bytes(digest, "big") & (2**64 - 1)
     assert normalize_engine_hash(-1) == 2**64 - 1
+
+
+def test_kv_event_keys_equal_the_normalizers_token_keys() -> None:
+    import numpy as np
+
+    from policies.kv_feed import NormalizerTokenHasher
+    from prompt_normalizer.keys import TOKEN_UNIT, root_key, secret_key, token_block_keys
+    from prompt_normalizer.types import KeyIdentity
+
+    identity = KeyIdentity(model_id="m", block_size_tokens=BS, namespace=PUBLIC_NAMESPACE)
+    tokens = np.arange(5000, 5000 + 5 * BS, dtype="<u4")
+    expected = token_block_keys(tokens, BS, root_key(secret_key(b"s3cret"), identity, TOKEN_UNIT))
+    hasher = NormalizerTokenHasher(b"s3cret", identity)
+    prev = hasher.root(PUBLIC_NAMESPACE, None)
+    got = []
+    for i in range(5):
+        prev = hasher.chain(prev, tokens[i * BS : (i + 1) * BS].tolist())
+        got.append(prev)
+    assert tuple(got) == expected

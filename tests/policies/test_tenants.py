@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from policies.base import Isolation, Observation, RouteRequest, WorkerId, WorkerView
 from policies.cost_policy import CostPolicy
 from policies.prefix_policy import SharedSettings
@@ -121,4 +124,55 @@ def test_per_tenant_index_share() -> None:
         _run(p, req(f"b{i}", range(i * 10, i * 10 + 10), tenant="big"), w0, float(i))
     by_ns = p.stats().index["p"].keys_by_namespace
     assert by_ns["small"] == 20 and by_ns["big"] == 100
+    p.check_invariants()
+
+
+# -- property: no cross-tenant matches, promotion only under the rules -----------------------------
+
+
+_TENANTS = {
+    "a": Isolation.STRICT,
+    "b": Isolation.SHARED_PUBLIC,
+    "c": Isolation.SHARED_PUBLIC,
+    "d": Isolation.STRICT,
+}
+
+
+def _common(x: list[int], y: list[int]) -> int:
+    n = 0
+    while n < min(len(x), len(y)) and x[n] == y[n]:
+        n += 1
+    return n
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from(sorted(_TENANTS)), st.integers(0, 3), st.integers(1, 6)), max_size=40)
+)
+def test_matches_come_only_from_own_history_or_promoted_public_chains(
+    steps: list[tuple[str, int, int]],
+) -> None:
+    p = _policy(min_tenants=2, window_s=1e9)
+    views = workers(0, 0, 0)
+    history: dict[str, list[list[int]]] = {t: [] for t in _TENANTS}
+    public_history: list[list[int]] = []
+    presenters: dict[tuple[int, ...], set[str]] = {}
+    for i, (tenant, family, extra) in enumerate(steps):
+        blocks = [family * 100 + j for j in range(4)] + [1000 * i + j for j in range(extra)]
+        iso = _TENANTS[tenant]
+        r = req(f"r{i}", blocks, tenant=tenant, isolation=iso, immutable=4)
+        chain_id = tuple(blocks[:4])
+        if iso is not Isolation.STRICT:
+            presenters.setdefault(chain_id, set()).add(tenant)
+        promoted = len(presenters.get(chain_id, ())) >= 2 and iso is not Isolation.STRICT
+        d = p.select(r, views, float(i))
+        assert d is not None
+        own = max((_common(blocks, h) for h in history[tenant]), default=0)
+        shared = max((_common(blocks[:4], h) for h in public_history), default=0) if promoted else 0
+        assert d.matched_tokens <= max(own, shared) * 16
+        assert d.shared_prefix_blocks == (4 if promoted else 0)
+        p.on_dispatch(r, d, float(i))
+        history[tenant].append(blocks)
+        if promoted:
+            public_history.append(blocks[:4])
     p.check_invariants()

@@ -141,3 +141,34 @@ def test_render_mode_against_a_loopback_worker(
     assert a["block_keys"] == b["block_keys"] and a["zones"] == b["zones"]
     missing = normalize(["--policy", str(render_policy)], BODY)
     assert missing.returncode == 1 and "render_required" in missing.stderr
+
+
+def test_pool_section_overrides_the_top_level_one(tmp_path: Path) -> None:
+    from prompt_normalizer.cli import load_config
+
+    policy = tmp_path / "p.yaml"
+    policy.write_text(
+        "normalizer: {chars_per_token: 3}\npools:\n  big:\n    normalizer: {chars_per_token: 2}\n"
+    )
+    assert load_config(policy).chars_per_token == 3
+    assert load_config(policy, "big").chars_per_token == 2
+    assert load_config(policy, "small").chars_per_token == 3
+    assert load_config(None) == NormalizerConfig()
+
+
+def test_render_url_must_be_loopback_and_reachable(tmp_path: Path) -> None:
+    policy = tmp_path / "render.yaml"
+    policy.write_text("normalizer: {mode: render}\n")
+    remote = normalize(["--policy", str(policy), "--render-url", "http://10.0.0.1:1"], BODY)
+    assert remote.returncode == 1 and "loopback" in remote.stderr
+    port = socket_free_port()
+    down = normalize(["--policy", str(policy), "--render-url", f"http://127.0.0.1:{port}"], BODY)
+    assert down.returncode == 1 and "render_failed" in down.stderr and "Traceback" not in down.stderr
+
+
+def socket_free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

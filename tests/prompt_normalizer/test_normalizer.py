@@ -323,3 +323,92 @@ def test_tokenizer_mode_completions_text(tiny_model_dir: Path) -> None:
     )
     assert prompt.n_tokens > 4 and len(prompt.block_keys) == prompt.n_tokens // 4
     assert norm.render_fingerprint is not None and len(norm.render_fingerprint) == 16
+
+
+def test_token_hasher_gives_request_keys_for_event_blocks() -> None:
+    norm = Normalizer(NormalizerConfig(), b"s")
+    ids = list(range(100, 124))
+    keys = norm.keys_for_tokens(ids, IDENT)
+    hasher = norm.token_hasher(KeyIdentity(model_id="m", block_size_tokens=4))
+    parent = hasher.root("t1", None)
+    chained = []
+    for start in range(0, 24, 4):
+        parent = hasher.chain(parent, ids[start : start + 4])
+        chained.append(parent)
+    assert tuple(chained) == keys
+    assert hasher.root("t1", "lora-a") != hasher.root("t1", None) != hasher.root("t2", None)
+
+
+def _model_dir(tmp: Path, template: str | list[dict[str, str]]) -> str:
+    import json
+    import shutil
+
+    from tests.prompt_normalizer.tiny_model import build_tiny_model
+
+    base = tmp / "base"
+    if not base.exists():
+        build_tiny_model(base)
+    target = tmp / f"m{len(list(tmp.iterdir()))}"
+    target.mkdir()
+    shutil.copy(base / "tokenizer.json", target / "tokenizer.json")
+    (target / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    return str(target)
+
+
+def test_template_that_refuses_a_boundary_leaves_zone_empty(tmp_path: Path) -> None:
+    # Tools go into the first user message, so "system + tools" alone cannot be rendered.
+    template = (
+        "{% for m in messages %}{% if m.role == 'user' and tools and loop.index0 == 1 %}"
+        "<|im_start|>user\n{{ tools | tojson }} {{ m.content }}<|im_end|>\n"
+        "{% elif m.role == 'system' and tools and messages | length == 1 %}"
+        "{{ raise_exception('tools need a user message') }}"
+        "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    )
+    norm = Normalizer(NormalizerConfig(mode="tokenizer", tokenizer_dir=_model_dir(tmp_path, template)), b"s")
+    body = chat(sys_msg("Be brief."), user("hello"), tools=[{"type": "function", "function": {"name": "f"}}])
+    prompt = norm.canonicalize("chat", body, IDENT)
+    assert [z.zone for z in prompt.zones] == [Zone.APPEND_ONLY]
+    assert "zones: immutable boundary not measured; immutable zone left empty" in prompt.diagnostics
+    assert prompt.zones[0].source == "messages[0:2]" and prompt.zones[0].start_token == 0
+    assert prompt.public_block_keys == () and prompt.block_keys
+
+
+def test_tool_use_template_and_continue_final_message(tmp_path: Path) -> None:
+    templates = [
+        {"name": "default", "template": "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"},
+        {
+            "name": "tool_use",
+            "template": "TOOLS {{ tools | length }}\n{% for m in messages %}{{ m.content }}\n"
+            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+        },
+    ]
+    norm = Normalizer(NormalizerConfig(mode="tokenizer", tokenizer_dir=_model_dir(tmp_path, templates)), b"s")
+    tokenizer = ChatTemplateTokenizer(_model_dir(tmp_path, templates))
+    from prompt_normalizer.canonical import canonicalize_chat
+
+    with_tools = canonicalize_chat(
+        chat(user("hi"), tools=[{"type": "function", "function": {"name": "f"}}]), norm.config, b"k" * 32
+    )
+    assert tokenizer.render(with_tools) == "TOOLS 1\nhi\n<|im_start|>assistant\n"
+    plain = canonicalize_chat(chat(user("hi"), assistant("The answer is")), norm.config, b"k" * 32)
+    assert tokenizer.render(plain) == "user: hi\nassistant: The answer is\n"
+    prefill = canonicalize_chat(
+        chat(
+            user("hi"), assistant("The answer is"), continue_final_message=True, add_generation_prompt=False
+        ),
+        norm.config,
+        b"k" * 32,
+    )
+    assert tokenizer.render(prefill) == "user: hi\nassistant: The answer is"
+
+
+def test_generation_blocks_render_transparently(tmp_path: Path) -> None:
+    template = (
+        "{% for m in messages %}{{ m.role }}: {% if m.role == 'assistant' %}{% generation %}"
+        "{{ m.content }}{% endgeneration %}{% else %}{{ m.content }}{% endif %}\n{% endfor %}"
+    )
+    tokenizer = ChatTemplateTokenizer(_model_dir(tmp_path, template))
+    from prompt_normalizer.canonical import canonicalize_chat
+
+    chat_ = canonicalize_chat(chat(user("hi"), assistant("yo")), NormalizerConfig(), b"k" * 32)
+    assert tokenizer.render(chat_) == "user: hiassistant: yo"  # trim_blocks eats the newline after a tag

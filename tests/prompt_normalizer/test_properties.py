@@ -168,3 +168,59 @@ def test_different_secret_shares_no_key() -> None:
         .block_keys
     )
     assert not set(a) & set(b)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    shared=st.text(alphabet="abc xyz,.{}", max_size=60),
+    tail_a=st.text(alphabet="abc xyz,.{}", max_size=40),
+    tail_b=st.text(alphabet="abc xyz,.{}", max_size=40),
+    block=st.sampled_from([2, 4, 8]),
+)
+def test_chat_keys_follow_the_real_token_prefix(
+    tiny_model_dir: Path, shared: str, tail_a: str, tail_b: str, block: int
+) -> None:
+    from prompt_normalizer.canonical import canonicalize_chat
+    from prompt_normalizer.template import ChatTemplateTokenizer
+
+    config = NormalizerConfig(mode="tokenizer", tokenizer_dir=str(tiny_model_dir))
+    norm = Normalizer(config, b"s")
+    tok = ChatTemplateTokenizer(str(tiny_model_dir))
+    ident = dataclasses.replace(IDENT, block_size_tokens=block)
+    bodies = [_chat("You are a careful assistant.", shared + tail) for tail in (tail_a, tail_b)]
+    ids = [
+        tok.encode(
+            tok.render(canonicalize_chat(b, config, b"k" * 32)), add_special_tokens=False, with_offsets=False
+        ).tokens.tolist()
+        for b in bodies
+    ]
+    m = 0
+    while m < min(map(len, ids)) and ids[0][m] == ids[1][m]:
+        m += 1
+    a, b = (norm.canonicalize("chat", body, ident).block_keys for body in bodies)
+    assert a[: m // block] == b[: m // block]
+    if m < min(map(len, ids)):
+        assert not set(a[m // block :]) & set(b)
+    assert len(a) == len(ids[0]) // block
+
+
+@FAST
+@given(schema=schemas, seed=st.integers(0, 10_000), text=texts)
+def test_canonicalization_is_idempotent(schema: dict[str, Any], seed: int, text: str) -> None:
+    norm = Normalizer(NormalizerConfig(whitespace=True, tool_order="sort"), b"s")
+    tools = _tools(_shuffled(schema, random.Random(seed))) + _tools(schema)[:1]
+    call = {
+        "id": "1",
+        "type": "function",
+        "function": {"name": "f", "arguments": '{"b": 1, "a": [2, {"d": 1, "c": 0}]}'},
+    }
+    body = _chat(" " + text + " \r\n", text + "e\u0301", tools)
+    body["messages"] += [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "1", "content": '{"z": 1, "y": 2}'},
+    ]
+    first = norm.canonicalize("chat", body, IDENT)
+    again_body = first.canonical_body if first.canonical_body is not None else body
+    again = norm.canonicalize("chat", again_body, IDENT)
+    assert again.block_keys == first.block_keys and again.zones == first.zones
+    assert again.canonical_body is None and again.diagnostics == ()

@@ -1,0 +1,201 @@
+"""`kvgate bench decision`: routing decision latency (index lookup + scoring) over many workers.
+
+The index is filled first: a background of unrelated prompts on every worker, plus the measured
+prompt's prefix on a few workers at different depths (so the lookup walks the whole prompt and
+several workers drop out along the way). Each policy's `select` is then timed on the same request
+and worker views; round_robin, timed in the same run, is the baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+from policies.base import Observation, RouteRequest, RoutingPolicy, WorkerId, WorkerView
+from policies.index import IndexConfig
+from policies.pools import PoolSettings
+from policies.prefix_policy import SharedSettings
+from policies.registry import make_policy
+from prompt_normalizer.types import BlockKey
+
+BLOCK = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """Per-decision latency of one policy on one prompt size, in microseconds."""
+
+    policy: str
+    prompt_tokens: int
+    median_us: float
+    p99_us: float
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[2048, 32768])
+    parser.add_argument("--repeats", type=int, default=400, help="timed decisions per policy and size")
+    parser.add_argument("--background-prompts", type=int, default=2000, help="unrelated prompts in the index")
+    parser.add_argument("--granularity-blocks", type=int, default=1)
+    parser.add_argument(
+        "--policies",
+        nargs="+",
+        default=["round_robin", "cost", "sglang_cache_aware", "preble_e2", "consistent_hash", "least_load"],
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def _keys(rng: random.Random, n_blocks: int) -> tuple[BlockKey, ...]:
+    prev = rng.getrandbits(64)
+    out = []
+    for i in range(n_blocks):
+        prev = xxhash.xxh3_64_intdigest(i.to_bytes(4, "little"), seed=prev)
+        out.append(BlockKey(prev))
+    return tuple(out)
+
+
+def _request(rid: str, keys: tuple[BlockKey, ...]) -> RouteRequest:
+    return RouteRequest(
+        request_id=rid,
+        pool="bench",
+        tenant="t",
+        namespace="t",
+        block_keys=keys,
+        n_prompt_tokens=len(keys) * BLOCK + 7,
+        block_size_tokens=BLOCK,
+    )
+
+
+def _views(rng: random.Random, n: int) -> list[WorkerView]:
+    return [
+        WorkerView(
+            WorkerId(f"http://10.0.{i // 256}.{i % 256}:8000"),
+            in_flight_requests=rng.randint(0, 12),
+            in_flight_prefill_tokens=rng.randint(0, 40_000),
+            in_flight_decode_tokens=rng.randint(0, 200_000),
+            num_requests_waiting=rng.randint(0, 4),
+            num_requests_running=rng.randint(0, 12),
+            num_gpu_blocks=27_000,
+            engine_block_size=BLOCK,
+        )
+        for i in range(n)
+    ]
+
+
+def _fill(
+    policy: RoutingPolicy, views: Sequence[WorkerView], prompt: RouteRequest, args: argparse.Namespace
+) -> None:
+    rng = random.Random(args.seed + 1)
+    for i in range(args.background_prompts):
+        r = _request(f"bg{i}", _keys(rng, rng.randint(8, 256)))
+        d = policy.select(r, views, 0.0)
+        if d is not None:
+            policy.on_dispatch(r, d, 0.0)
+            policy.on_complete(Observation(r, d.worker, prompt_tokens=r.n_prompt_tokens), 0.0)
+    # The measured prompt's prefix on six workers, from a quarter of it to all of it.
+    n = len(prompt.block_keys)
+    for j, frac in enumerate((0.25, 0.5, 0.6, 0.75, 0.9, 1.0)):
+        part = _request(f"warm{j}", prompt.block_keys[: max(1, int(n * frac))])
+        target = views[(j * 7) % len(views)]
+        d = policy.select(part, [target], 0.0)
+        if d is not None:
+            policy.on_dispatch(part, d, 0.0)
+            policy.on_complete(Observation(part, d.worker, prompt_tokens=part.n_prompt_tokens), 0.0)
+
+
+def _time(
+    policy: RoutingPolicy, prompt: RouteRequest, views: Sequence[WorkerView], repeats: int
+) -> list[float]:
+    for _ in range(min(50, repeats)):
+        policy.select(prompt, views, 1.0)
+    samples = []
+    clock = time.perf_counter_ns
+    # Like timeit: collect first and keep the collector out of the timed loop.
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(repeats):
+            t0 = clock()
+            policy.select(prompt, views, 1.0)
+            samples.append((clock() - t0) / 1000.0)
+    finally:
+        gc.enable()
+    return samples
+
+
+def _git_sha() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
+        )
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def measure(args: argparse.Namespace) -> list[Timing]:
+    results = []
+    for tokens in args.prompt_tokens:
+        rng = random.Random(args.seed)
+        views = _views(rng, args.workers)
+        prompt = _request("measured", _keys(rng, tokens // BLOCK))
+        for name in args.policies:
+            options: dict[str, object] = {}
+            if name in ("cost", "preble_e2"):
+                index = IndexConfig(granularity_blocks=args.granularity_blocks)
+                options["shared"] = SharedSettings(default_pool=PoolSettings(index=index))
+            policy = make_policy(name, seed=args.seed, **options)
+            _fill(policy, views, prompt, args)
+            samples = sorted(_time(policy, prompt, views, args.repeats))
+            p99 = samples[min(len(samples) - 1, int(0.99 * len(samples)))]
+            results.append(Timing(name, prompt.n_prompt_tokens, statistics.median(samples), p99))
+    return results
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.workers < 1 or args.repeats < 1 or any(t < BLOCK for t in args.prompt_tokens):
+        print("need --workers >= 1, --repeats >= 1 and prompts of at least one block", file=sys.stderr)
+        return 2
+    results = measure(args)
+    config = {
+        "workers": args.workers,
+        "repeats": args.repeats,
+        "background_prompts": args.background_prompts,
+        "granularity_blocks": args.granularity_blocks,
+        "seed": args.seed,
+        "git_sha": _git_sha(),
+        "python": sys.version.split()[0],
+    }
+    base = {r.prompt_tokens: r.median_us for r in results if r.policy == "round_robin"}
+    if args.json:
+        rows = [
+            {
+                "policy": r.policy,
+                "prompt_tokens": r.prompt_tokens,
+                "median_us": round(r.median_us, 2),
+                "p99_us": round(r.p99_us, 2),
+                "x_round_robin": round(r.median_us / base[r.prompt_tokens], 2)
+                if r.prompt_tokens in base
+                else None,
+            }
+            for r in results
+        ]
+        print(json.dumps({"config": config, "results": rows}, indent=2))
+        return 0
+    print("decision latency: " + ", ".join(f"{k}={v}" for k, v in config.items()))
+    print(f"{'policy':<20} {'prompt':>7} {'median µs':>10} {'p99 µs':>9} {'× round_robin':>14}")
+    for r in results:
+        ratio = f"{r.median_us / base[r.prompt_tokens]:.1f}" if r.prompt_tokens in base else "-"
+        print(f"{r.policy:<20} {r.prompt_tokens:>7} {r.median_us:>10.1f} {r.p99_us:>9.1f} {ratio:>14}")
+    return 0

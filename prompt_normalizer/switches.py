@@ -1,0 +1,115 @@
+"""The canonicalization switches as pure transforms, and the bounded diagnostics report.
+
+Each transform returns the new value and whether it changed anything, so the caller reports a
+switch only when it did something.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from typing import Any
+
+import orjson
+
+from prompt_normalizer.errors import NormalizerError
+
+MAX_DIAGNOSTICS = 32
+
+
+class Report:
+    """Bounded diagnostics: paths and switch names only, never content."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.dropped = 0
+        self.changed = False
+
+    def add(self, line: str, *, changed: bool = True) -> None:
+        self.changed = self.changed or changed
+        if len(self.lines) < MAX_DIAGNOSTICS:
+            self.lines.append(line)
+        else:
+            self.dropped += 1
+
+    def done(self) -> tuple[str, ...]:
+        if self.dropped:
+            return (*self.lines, f"... {self.dropped} more diagnostics")
+        return tuple(self.lines)
+
+
+def json_copy(value: Any, param: str) -> Any:
+    """A private deep copy through JSON (also proves the value is JSON)."""
+    try:
+        return orjson.loads(orjson.dumps(value))
+    except (TypeError, orjson.JSONEncodeError):
+        raise NormalizerError("must be JSON (string keys, finite numbers)", param=param) from None
+
+
+def nfc(value: Any) -> tuple[Any, bool]:
+    """Unicode NFC of every string (keys too); reports whether anything changed."""
+    if isinstance(value, str):
+        if unicodedata.is_normalized("NFC", value):
+            return value, False
+        return unicodedata.normalize("NFC", value), True
+    if isinstance(value, list):
+        changed = False
+        out = []
+        for item in value:
+            new, c = nfc(item)
+            out.append(new)
+            changed |= c
+        return out, changed
+    if isinstance(value, dict):
+        changed = False
+        result: dict[str, Any] = {}
+        for k, v in value.items():
+            nk, ck = nfc(k)
+            nv, cv = nfc(v)
+            result[nk] = nv
+            changed |= ck or cv
+        return result, changed
+    return value, False
+
+
+def sort_keys(value: Any) -> tuple[Any, bool]:
+    """Recursively sorted object keys; reports whether any object was out of order."""
+    if isinstance(value, dict):
+        keys = list(value)
+        ordered = sorted(keys)
+        changed = keys != ordered
+        result: dict[str, Any] = {}
+        for k in ordered:
+            result[k], c = sort_keys(value[k])
+            changed |= c
+        return result, changed
+    if isinstance(value, list):
+        changed = False
+        out = []
+        for item in value:
+            new, c = sort_keys(item)
+            out.append(new)
+            changed |= c
+        return out, changed
+    return value, False
+
+
+def canonical_json_text(text: str) -> str | None:
+    """Compact sorted-key JSON of a string holding a JSON object or array, else None."""
+    head = text.lstrip()[:1]
+    if head not in ("{", "["):
+        return None
+    try:
+        parsed = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return None
+    return orjson.dumps(parsed, option=orjson.OPT_SORT_KEYS).decode()
+
+
+_LINE_END_WS = re.compile(r"[ \t]+(?=\n)")
+
+
+def normalize_whitespace(text: str) -> str:
+    """CRLF/CR to LF, no trailing blanks on a line, no leading/trailing blank space overall."""
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    return _LINE_END_WS.sub("", text).strip()

@@ -1,0 +1,180 @@
+"""The Helm chart: rendered and linted with the Helm SDK (no helm binary, no cluster), then every
+built-in resource validated against the Kubernetes schemas with unknown fields rejected."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import helm_python  # dev extra: helm-python-sdk (Helm v4 SDK in-process, no helm binary)
+import kubernetes_validate  # dev extra: kubernetes-validate (bundled Kubernetes JSON schemas)
+import pytest
+import yaml
+
+CHART = Path(__file__).resolve().parents[2] / "helm" / "kvgate"
+KUBE_VERSIONS = ("1.30.0", "1.33.0")
+# Custom resources have no bundled schema; they are checked by shape below instead.
+CRD_KINDS = frozenset({"ServiceMonitor"})
+
+
+KEY_HASH = "hmac-sha256:" + "ab" * 32
+# values.yaml ships no tenant (a key hash is deployment-specific): every render adds one.
+TENANT: dict[str, Any] = {"name": "team-a", "apiKeyHashes": [KEY_HASH]}
+
+
+def render(values: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    """Render with `values` (plus a tenant) on top of values.yaml; return the documents by kind/name."""
+    chart = helm_python.Chart.load(str(CHART))
+    merged = {"tenants": [TENANT], **(values or {})}
+    out = chart.render(merged, name="rel", namespace="llm", is_install=True)
+    docs: dict[str, dict[str, Any]] = {}
+    for path, text in out.items():
+        if not path.endswith(".yaml"):
+            continue
+        for doc in yaml.safe_load_all(text):
+            if doc:
+                docs[f"{doc['kind']}/{doc['metadata']['name']}"] = doc
+    return docs
+
+
+def gateway_config(docs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    cfg: dict[str, Any] = yaml.safe_load(docs["ConfigMap/rel-kvgate-config"]["data"]["gateway.yaml"])
+    return cfg
+
+
+def pod_spec(docs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    spec: dict[str, Any] = docs["Deployment/rel-kvgate"]["spec"]["template"]["spec"]
+    return spec
+
+
+def test_lint_is_clean() -> None:
+    result = helm_python.lint(str(CHART), {"tenants": [TENANT]}, strict=True, kube_version="v1.30.0")
+    assert result["errors"] == []
+    assert [m for m in result["messages"] if m["severity"] > 1] == []
+
+
+def test_install_without_a_tenant_fails_clearly() -> None:
+    chart = helm_python.Chart.load(str(CHART))
+    with pytest.raises(helm_python.HelmError, match="at least one tenant"):
+        chart.render({}, name="rel", namespace="llm", is_install=True)
+
+
+FULL_VALUES: dict[str, Any] = {
+    "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
+    "podDisruptionBudget": {"enabled": True},
+    "extraEnv": [{"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": "http://otel:4317"}],
+    "tenants": [{"name": "team-a", "isolation": "public", "apiKeyHashes": [KEY_HASH], "rpm": 60}],
+    "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+}
+
+
+@pytest.mark.parametrize("values", [{}, FULL_VALUES], ids=["defaults", "everything-on"])
+def test_every_resource_validates_strictly(values: dict[str, Any]) -> None:
+    docs = render(values)
+    kinds = {d["kind"] for d in docs.values()}
+    assert {"Deployment", "Service", "ConfigMap", "ServiceAccount"} <= kinds
+    for version in KUBE_VERSIONS:
+        for doc in docs.values():
+            if doc["kind"] not in CRD_KINDS:
+                kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_validation_would_catch_a_broken_manifest() -> None:
+    deployment = render()["Deployment/rel-kvgate"]
+    deployment["spec"]["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "Always"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, "1.30.0", strict=True)
+
+
+def test_probes_shutdown_and_mounts() -> None:
+    docs = render({"shutdown": {"preStopSleepSeconds": 10, "drainSeconds": 60}})
+    spec = pod_spec(docs)
+    (c,) = spec["containers"]
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert c["lifecycle"]["preStop"]["sleep"]["seconds"] == 10
+    # The grace period covers preStop + the gateway's drain deadline.
+    assert spec["terminationGracePeriodSeconds"] == 75
+    assert gateway_config(docs)["drain"] == {"deadline_s": 60, "shutdown_delay_s": 0}
+    assert c["args"] == ["serve", "--config", "/etc/kvgate/config/gateway.yaml"]
+    assert all("subPath" not in m for m in c["volumeMounts"])  # ConfigMap updates must reach the pod
+    assert gateway_config(docs)["policy_file"] == "/etc/kvgate/policy/policy.yaml"
+    secret_env = c["env"][0]
+    assert secret_env["valueFrom"]["secretKeyRef"] == {"name": "rel-kvgate-key-hash", "key": "secret"}
+    explicit = pod_spec(render({"shutdown": {"terminationGracePeriodSeconds": 300}}))
+    assert explicit["terminationGracePeriodSeconds"] == 300
+
+
+def test_config_change_rolls_pods_but_policy_change_does_not() -> None:
+    def annotations(values: dict[str, Any]) -> dict[str, str]:
+        ann: dict[str, str] = render(values)["Deployment/rel-kvgate"]["spec"]["template"]["metadata"][
+            "annotations"
+        ]
+        return ann
+
+    base = annotations({})
+    assert annotations({"logLevel": "debug"})["checksum/config"] != base["checksum/config"]
+    assert annotations({"policy": {"content": "policy: least_load\n"}}) == base
+    rolled = annotations({"policy": {"rollOnChange": True, "content": "policy: least_load\n"}})
+    assert "checksum/policy" in rolled
+
+
+def test_static_urls_and_dns_workers() -> None:
+    static = render(
+        {"pools": [{"name": "p", "models": ["m"], "workers": {"urls": ["http://10.0.0.1:8000"]}}]}
+    )
+    assert gateway_config(static)["pools"] == [
+        {"name": "p", "models": ["m"], "workers": ["http://10.0.0.1:8000"]}
+    ]
+    dns_pool = {
+        "name": "p",
+        "models": ["m"],
+        "workers": {"dns": {"name": "vllm.llm.svc", "port": 8000, "refreshSeconds": 3}},
+        "kvEventsEndpoint": "tcp://{host}:5557",
+    }
+    (pool,) = gateway_config(render({"pools": [dns_pool]}))["pools"]
+    assert pool["dns"] == {"name": "vllm.llm.svc", "port": 8000, "scheme": "http", "refresh_s": 3}
+    assert "workers" not in pool
+    assert pool["kv_events_endpoint"] == "tcp://{host}:5557"
+
+
+def test_policy_configmap_and_overrides() -> None:
+    docs = render(
+        {"policy": {"content": "policy: least_load\nseed: 4\n"}, "config": {"log_level": "warning"}}
+    )
+    policy = yaml.safe_load(docs["ConfigMap/rel-kvgate-policy"]["data"]["policy.yaml"])
+    assert policy == {"policy": "least_load", "seed": 4}
+    assert gateway_config(docs)["log_level"] == "warning"
+
+
+def test_optional_resources() -> None:
+    assert not any(k.startswith(("ServiceMonitor/", "PodDisruptionBudget/")) for k in render())
+    docs = render(FULL_VALUES)
+    sm = docs["ServiceMonitor/rel-kvgate"]
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+    assert sm["metadata"]["labels"]["release"] == "prom"
+    assert sm["spec"]["endpoints"] == [
+        {"port": "http", "path": "/metrics", "interval": "15s", "scrapeTimeout": "10s"}
+    ]
+    assert docs["PodDisruptionBudget/rel-kvgate"]["spec"]["maxUnavailable"] == 1
+    tenant = gateway_config(docs)["tenants"][0]
+    assert tenant == {
+        "name": "team-a",
+        "isolation": "public",
+        "api_key_hashes": [KEY_HASH],
+        "quotas": {"rpm": 60},
+    }
+
+
+@pytest.mark.parametrize(
+    ("values", "needle"),
+    [
+        ({"pools": [{"name": "p", "models": ["m"], "workers": {"urls": []}}]}, "workers.urls or workers.dns"),
+        ({"pools": [{"name": "p", "workers": {"urls": ["http://x:1"]}}]}, "models is required"),
+        ({"policy": {"content": ""}}, "policy.content is required"),
+        ({"tenants": [{"name": "t"}]}, "apiKeyHashes is required"),
+    ],
+)
+def test_bad_values_fail_with_a_clear_message(values: dict[str, Any], needle: str) -> None:
+    with pytest.raises(helm_python.HelmError, match=needle):
+        render(values)

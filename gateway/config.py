@@ -97,22 +97,12 @@ class IdentityConfig(_Frozen):
 
 class DnsDiscoveryConfig(_Frozen):
     """Workers as every address of a DNS name (a Kubernetes headless Service), re-resolved every
-    `interval_s`; a failed lookup keeps the last known set."""
+    `refresh_s`; a failed lookup keeps the last known set."""
 
-    host: str = Field(min_length=1)
+    name: str = Field(min_length=1)
     port: int = Field(ge=1, le=65535)
     scheme: Literal["http", "https"] = "http"
-    interval_s: PositiveFloat = 5.0
-
-
-class KvEventsConfig(_Frozen):
-    """Subscribe to each worker's KV-cache events (vLLM `--kv-events-config`): `{host}` in the
-    endpoints is replaced by the worker's address. Precise routing needs token-exact keys, so the
-    pool's normalizer must be in `tokenizer` or `render` mode."""
-
-    endpoint: str = Field(min_length=1, examples=["tcp://{host}:5557"])
-    replay_endpoint: str | None = None
-    topic: str = ""
+    refresh_s: PositiveFloat = 5.0
 
 
 class PoolConfig(_Frozen):
@@ -121,8 +111,12 @@ class PoolConfig(_Frozen):
     name: str = Field(min_length=1)
     models: list[str] = Field(min_length=1)
     workers: list[str] = Field(default_factory=list)
-    discovery: DnsDiscoveryConfig | None = None
-    kv_events: KvEventsConfig | None = None
+    dns: DnsDiscoveryConfig | None = None
+    # KV-cache events (vLLM `--kv-events-config`): `{host}` is replaced by each worker's address.
+    # Precise routing needs token-exact keys: the pool's normalizer in `tokenizer` or `render` mode.
+    kv_events_endpoint: str | None = Field(default=None, min_length=1)
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
     max_in_flight_per_worker: PositiveInt | None = 256
     retry_attempts: int = Field(default=2, ge=0, le=5)
     block_size_tokens: PositiveInt = 16
@@ -143,8 +137,8 @@ class PoolConfig(_Frozen):
 
     @model_validator(mode="after")
     def _one_source(self) -> PoolConfig:
-        if bool(self.workers) == (self.discovery is not None):
-            raise ValueError("a pool needs exactly one of 'workers' (static URLs) or 'discovery' (DNS)")
+        if bool(self.workers) == (self.dns is not None):
+            raise ValueError("a pool needs exactly one of 'workers' (static URLs) or 'dns' (a DNS name)")
         return self
 
 

@@ -27,9 +27,9 @@ log = logging.getLogger("kvgate.fleet")
 
 
 def worker_source(config: PoolConfig) -> WorkerSource:
-    if config.discovery is not None:
-        d = config.discovery
-        return DnsWorkers(d.host, d.port, scheme=d.scheme)
+    if config.dns is not None:
+        d = config.dns
+        return DnsWorkers(d.name, d.port, scheme=d.scheme)
     return StaticWorkers(config.workers)
 
 
@@ -51,7 +51,7 @@ class Fleet:
             for pool in state.registry.pools.values():
                 pool.metrics_max_age_s = s.max_age_s
         self._kv: KvEventSubscriber | None = None
-        if any(p.kv_events is not None for p in config.pools):
+        if any(p.kv_events_endpoint is not None for p in config.pools):
             self._kv = KvEventSubscriber(on_event=self._on_kv_event)
         self._discoveries: dict[str, Discovery] = {}
         self._pending: set[asyncio.Task[None]] = set()
@@ -62,7 +62,7 @@ class Fleet:
         if self._kv is not None:
             await self._kv.start()
         for pool in self._state.registry.pools.values():
-            interval_s = pool.config.discovery.interval_s if pool.config.discovery is not None else 5.0
+            interval_s = pool.config.dns.refresh_s if pool.config.dns is not None else 5.0
             discovery = Discovery(worker_source(pool.config), interval_s=interval_s)
             self._discoveries[pool.name] = discovery
             await discovery.start(functools.partial(self._apply, pool))
@@ -92,16 +92,15 @@ class Fleet:
             worker = WorkerId(url)
             if self._scraper is not None and self._scraper.state(worker) is None:
                 self._scraper.add(worker, url)
-            kv = pool.config.kv_events
-            if self._kv is not None and kv is not None:
+            cfg = pool.config
+            if self._kv is not None and cfg.kv_events_endpoint is not None:
+                replay = cfg.kv_events_replay_endpoint
                 self._kv.add(
                     KvEventEndpoint(
                         worker=worker,
-                        endpoint=endpoint_for_worker(kv.endpoint, url),
-                        replay_endpoint=endpoint_for_worker(kv.replay_endpoint, url)
-                        if kv.replay_endpoint
-                        else None,
-                        topic=kv.topic,
+                        endpoint=endpoint_for_worker(cfg.kv_events_endpoint, url),
+                        replay_endpoint=endpoint_for_worker(replay, url) if replay else None,
+                        topic=cfg.kv_events_topic,
                     )
                 )
         if change.added:

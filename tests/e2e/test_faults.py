@@ -139,7 +139,7 @@ def test_dns_discovery_finds_workers_and_routes_around_dead_addresses(tmp_path: 
         pool = {
             "name": "p",
             "models": ["m"],
-            "discovery": {"host": "localhost", "port": port, "interval_s": 1},
+            "dns": {"name": "localhost", "port": port, "refresh_s": 1},
         }
         config = write_gateway_config(tmp_path / "gw.yaml", [pool], [tenant("t", "sk-t")])
         gateway = start_gateway(config, gw_port)

@@ -42,7 +42,7 @@ def test_render_mode_and_kv_events_feed_the_policy(tmp_path: Path) -> None:
             "models": ["m"],
             "workers": [f"http://127.0.0.1:{worker_port}"],
             "normalizer": {"mode": "render"},
-            "kv_events": {"endpoint": f"tcp://{{host}}:{zmq_port}"},
+            "kv_events_endpoint": f"tcp://{{host}}:{zmq_port}",
         }
         config = write_gateway_config(
             tmp_path / "gw.yaml", [pool], [tenant("t", "sk-t", isolation="public")], policy_file="policy.yaml"

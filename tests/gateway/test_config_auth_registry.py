@@ -52,15 +52,15 @@ def test_errors_name_the_field(patch: dict[str, Any], field: str) -> None:
 
 
 def test_a_pool_needs_static_workers_or_dns_discovery() -> None:
-    with pytest.raises(ConfigError, match="exactly one of 'workers'"):
+    with pytest.raises(ConfigError, match="exactly one of 'workers' \\(static URLs\\) or 'dns'"):
         parse_config(_minimal(pools=[{"name": "p", "models": ["m"]}]))
     both = {"name": "p", "models": ["m"], "workers": ["http://a:1"], "dns": {"name": "h", "port": 80}}
-    with pytest.raises(ConfigError, match="exactly one of 'workers'"):
+    with pytest.raises(ConfigError, match="exactly one of 'workers' \\(static URLs\\) or 'dns'"):
         parse_config(_minimal(pools=[both]))
     dns = parse_config(
-        _minimal(pools=[{"name": "p", "models": ["m"], "discovery": {"host": "vllm", "port": 8000}}])
+        _minimal(pools=[{"name": "p", "models": ["m"], "dns": {"name": "vllm", "port": 8000}}])
     )
-    assert dns.pools[0].discovery is not None and dns.pools[0].discovery.interval_s == 5.0
+    assert dns.pools[0].dns is not None and dns.pools[0].dns.refresh_s == 5.0
 
 
 def test_a_model_in_two_pools_is_refused() -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -130,6 +132,18 @@ async def test_async_stream_and_tool_round_trip_on_the_emulator(demo: tuple[str,
         model="kvgate-demo", messages=messages, tools=tools, max_tokens=8
     )
     assert final.choices[0].message.content and not final.choices[0].message.tool_calls
+
+
+def test_the_readme_snippet_runs_against_the_demo(demo: tuple[str, Proc]) -> None:
+    base, _ = demo
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    snippet = re.search(r"```python\n(.*?)```", readme, re.S)
+    assert snippet is not None and "http://127.0.0.1:8080/v1" in snippet.group(1)
+    code = snippet.group(1).replace("http://127.0.0.1:8080/v1", base + "/v1").replace("sk-kvgate-demo", KEY)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    cached = [int(n) for n in re.findall(r" (\d+)$", out.stdout, re.M)]
+    assert len(cached) >= 2 and cached[1] > 0  # the second request's prefix was cached
 
 
 def test_worker_metrics_are_scraped_into_routing(demo: tuple[str, Proc]) -> None:

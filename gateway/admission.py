@@ -27,9 +27,10 @@ Endpoint = Literal["chat", "completions"]
 UPSTREAM_PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Admitted:
-    """A request that passed every check and holds a quota slot (released by whoever finishes it).
+    """A request that passed every check and holds a quota slot, released exactly once by
+    `outcome.record_request` (which sets `recorded`).
 
     `forward` is the body to send upstream (the canonical body when the normalizer changed it) and
     `raw` the client's bytes, reused as-is when nothing needs changing.
@@ -50,6 +51,7 @@ class Admitted:
     max_output_tokens: int
     started_s: float
     drift_field: str | None = None
+    recorded: bool = False
     _encoded: dict[str | None, bytes] = field(default_factory=dict)
 
     def body_for(self, decision: RouteDecision) -> bytes:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -11,6 +12,8 @@ from gateway.admission import Admitted
 from gateway.registry import Worker
 from gateway.state import GatewayState
 from policies.base import Observation
+
+log = logging.getLogger("kvgate.outcome")
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +68,8 @@ class Attempt:
             self.worker.breaker.on_failure(now_s)
         else:
             self.worker.breaker.on_abandon()
-        state.policy.on_complete(
+        _feedback(
+            state,
             Observation(
                 request=a.route, worker=self.worker.worker_id, ttft_s=self.ttft_s, failed=worker_fault
             ),
@@ -83,7 +87,8 @@ class Attempt:
         )
         now_s = time.monotonic()
         self.worker.breaker.on_success()
-        state.policy.on_complete(
+        _feedback(
+            state,
             Observation(
                 request=a.route,
                 worker=self.worker.worker_id,
@@ -94,6 +99,14 @@ class Attempt:
             ),
             now_s,
         )
+
+
+def _feedback(state: GatewayState, obs: Observation, now_s: float) -> None:
+    # A policy bug must not leak the request's quota slot or worker load: log and carry on.
+    try:
+        state.policy.on_complete(obs, now_s)
+    except Exception:
+        log.exception("policy on_complete failed", extra={"request_id": obs.request.request_id})
 
 
 def record_request(
@@ -110,6 +123,9 @@ def record_request(
 ) -> None:
     """Quota release, metrics and the access log line of an admitted request (once)."""
     a = admitted
+    if a.recorded:
+        return
+    a.recorded = True
     now_s = time.monotonic()
     a.limiter.release(usage.completion_tokens or 0, now_s)
     duration_s = now_s - a.started_s

@@ -8,6 +8,7 @@ Retries happen only while nothing has reached the client: on a connect error, or
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import aiohttp
@@ -20,15 +21,30 @@ from gateway.state import GatewayState
 from gateway.streaming import ProxyStream
 from policies.base import WorkerId
 
+log = logging.getLogger("kvgate.proxy")
+
 
 async def dispatch(a: Admitted, state: GatewayState) -> RawResponse | ProxyStream:
-    """Route and send one admitted request; always ends by recording it exactly once."""
+    """Route and send one admitted request; always ends by recording it exactly once, even when
+    the policy or the gateway itself fails (the tenant's quota slot and the worker's load come back)."""
+    attempts: list[Attempt] = []
+    try:
+        return await _dispatch(a, state, attempts)
+    except Exception as exc:
+        log.error("dispatch failed", exc_info=exc, extra={"request_id": a.request_id})
+        attempt = attempts[-1] if attempts else None
+        if attempt is not None:
+            attempt.fail(state, worker_fault=False)
+        err = ApiError(500, "internal gateway error", "server_error", "internal_error")
+        _finish_error(state, a, 500, attempt, len(attempts), err.message)
+        return error_response(err, a.request_id)
+
+
+async def _dispatch(a: Admitted, state: GatewayState, attempts: list[Attempt]) -> RawResponse | ProxyStream:
     session = state.upstream()
     pool = a.pool
     timeouts = pool.config.timeouts
-    timeout = aiohttp.ClientTimeout(
-        total=timeouts.total_s, sock_connect=timeouts.connect_s, sock_read=timeouts.read_s
-    )
+    timeout = pool.client_timeout
     headers = {"content-type": "application/json", "x-request-id": a.request_id}
     path = UPSTREAM_PATHS[a.endpoint]
     tried: set[WorkerId] = set()
@@ -47,6 +63,7 @@ async def dispatch(a: Admitted, state: GatewayState) -> RawResponse | ProxyStrea
         state.metrics.decision(state.policy_name, decision.reason)
         worker.acquire(a.route.n_prompt_tokens, a.max_output_tokens, now_s)
         attempt = Attempt(a, worker, decision.reason, now_s)
+        attempts.append(attempt)
         try:
             resp = await session.post(
                 worker.url + path, data=a.body_for(decision), headers=headers, timeout=timeout

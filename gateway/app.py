@@ -201,6 +201,9 @@ async def _internal(request: Request, exc: Exception) -> Response:
 
 def _refresh_gauges(state: GatewayState) -> None:
     now_s = time.monotonic()
+    m = state.metrics
+    for gauge in (m.in_flight, m.worker_healthy, m.worker_waiting, m.worker_kv_usage):
+        gauge.clear()  # workers that discovery removed must not linger
     policy = state.policy
     if isinstance(policy, SupportsStats):
         stats = policy.stats()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterable
 
@@ -144,19 +145,7 @@ class Pool:
     def views(self, now_s: float, exclude: frozenset[WorkerId] = frozenset()) -> list[WorkerView]:
         views = [w.view(now_s, self.metrics_max_age_s) for w in self.workers.values()]
         if exclude:
-            views = [
-                WorkerView(
-                    v.worker_id,
-                    False,
-                    v.in_flight_requests,
-                    v.in_flight_prefill_tokens,
-                    v.in_flight_decode_tokens,
-                    v.max_in_flight,
-                )
-                if v.worker_id in exclude
-                else v
-                for v in views
-            ]
+            views = [dataclasses.replace(v, healthy=False) if v.worker_id in exclude else v for v in views]
         return views
 
 

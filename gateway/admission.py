@@ -16,7 +16,7 @@ from starlette.requests import Request
 
 from gateway.auth import Tenant
 from gateway.errors import ApiError, bad_request
-from gateway.quotas import TenantLimiter
+from gateway.quotas import Rejection, TenantLimiter
 from gateway.registry import Pool
 from gateway.render import render_canonical
 from gateway.state import GatewayState
@@ -160,6 +160,10 @@ async def admit(request: Request, endpoint: Endpoint, state: GatewayState, reque
         raise ApiError(
             404, f"The model '{model}' does not exist", "invalid_request_error", "model_not_found", "model"
         )
+    limiter = state.limiter(tenant)
+    early = limiter.precheck(started_s)
+    if early is not None:
+        raise _quota_error(early)
     identity, public = state.identities(pool, model, tenant)
     normalizer = state.normalizer(pool)
     try:
@@ -233,6 +237,21 @@ async def admit(request: Request, endpoint: Endpoint, state: GatewayState, reque
         max_output_tokens=max_out,
         started_s=started_s,
         drift_field=drift.field if drift is not None and drift.first_diff_block is not None else None,
+    )
+
+
+def _quota_error(rejection: Rejection) -> ApiError:
+    retry_after = max(1, int(rejection.retry_after_s + 0.999))
+    headers = {"retry-after": str(retry_after), "retry-after-ms": str(int(rejection.retry_after_s * 1000))}
+    if not rejection.retryable:
+        headers["x-should-retry"] = "false"
+    return ApiError(
+        429,
+        rejection.message,
+        "rate_limit_error" if rejection.retryable else "insufficient_quota",
+        rejection.code,
+        None,
+        headers,
     )
 
 

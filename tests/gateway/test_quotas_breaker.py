@@ -23,6 +23,14 @@ def test_rpm_limit_then_recovery() -> None:
     assert lim.admit(10, 30.0) is None
 
 
+def test_precheck_refuses_early_without_reserving() -> None:
+    lim = TenantLimiter(QuotaConfig(rpm=1, max_concurrent=5), now_s=0.0)
+    assert lim.precheck(0.0) is None and lim.precheck(0.0) is None  # nothing reserved
+    assert lim.admit(1, 0.0) is None
+    rej = lim.precheck(0.0)
+    assert rej is not None and rej.code == "rate_limit_exceeded"
+
+
 def test_tpm_counts_prompt_then_completion_tokens() -> None:
     lim = TenantLimiter(QuotaConfig(tpm=100), now_s=0.0)
     assert lim.admit(40, 0.0) is None

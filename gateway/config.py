@@ -180,6 +180,12 @@ class ScrapeSettings(_Frozen):
     max_age_s: PositiveFloat = 5.0
 
 
+class TracingConfig(_Frozen):
+    """OpenTelemetry spans, one per request, through the process's configured tracer provider."""
+
+    enabled: bool = False
+
+
 class SecretsConfig(_Frozen):
     """Where the key-hash secret comes from: an environment variable or a file (never this YAML)."""
 
@@ -195,6 +201,7 @@ class GatewayConfig(_Frozen):
     drain: DrainConfig = DrainConfig()
     upstream: UpstreamConfig = UpstreamConfig()
     scrape: ScrapeSettings = ScrapeSettings()
+    tracing: TracingConfig = TracingConfig()
     secrets: SecretsConfig = SecretsConfig()
     policy_file: str | None = None
     policy_reload_interval_s: PositiveFloat = 2.0

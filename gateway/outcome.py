@@ -140,23 +140,24 @@ def record_request(
         cached_tokens=usage.cached_tokens,
         completion_tokens=usage.completion_tokens,
     )
-    state.access_log.write(
-        {
-            "request_id": a.request_id,
-            "tenant": a.tenant.name,
-            "model": a.model,
-            "endpoint": a.endpoint,
-            "stream": a.stream,
-            "status": status,
-            "worker": worker.url if worker else None,
-            "reason": reason,
-            "retries": retries,
-            "prompt_tokens": usage.prompt_tokens,
-            "cached_tokens": usage.cached_tokens,
-            "completion_tokens": usage.completion_tokens,
-            "ttft_ms": round(ttft_s * 1000, 2) if ttft_s is not None else None,
-            "duration_ms": round(duration_s * 1000, 2),
-            "error": error,
-            "drift_field": a.drift_field,
-        }
-    )
+    fields = {
+        "request_id": a.request_id,
+        "tenant": a.tenant.name,
+        "model": a.model,
+        "endpoint": a.endpoint,
+        "stream": a.stream,
+        "status": status,
+        "worker": worker.url if worker else None,
+        "reason": reason,
+        "retries": retries,
+        "prompt_tokens": usage.prompt_tokens,
+        "cached_tokens": usage.cached_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "ttft_ms": round(ttft_s * 1000, 2) if ttft_s is not None else None,
+        "duration_ms": round(duration_s * 1000, 2),
+        "error": error,
+        "drift_field": a.drift_field,
+    }
+    state.access_log.write(fields)
+    if state.tracer is not None:
+        state.tracer.record(duration_s=duration_s, status=status, attributes=fields)

@@ -18,6 +18,7 @@ from gateway.logs import AccessLog
 from gateway.metrics import GatewayMetrics
 from gateway.quotas import TenantLimiter
 from gateway.registry import Pool, Registry
+from gateway.tracing import RequestTracer
 from policies.base import Isolation, RoutingPolicy
 from prompt_normalizer.normalizer import Normalizer, NormalizerConfig
 from prompt_normalizer.types import PUBLIC_NAMESPACE, KeyIdentity
@@ -40,6 +41,7 @@ class GatewayState:
     metrics: GatewayMetrics
     limiters: dict[str, TenantLimiter]
     access_log: AccessLog = field(default_factory=lambda: AccessLog(enabled=False))
+    tracer: RequestTracer | None = None
     created_s: int = 0
     session: aiohttp.ClientSession | None = None
     draining: bool = False
@@ -139,6 +141,7 @@ def build_state(
         metrics=GatewayMetrics(),
         limiters={t.name: TenantLimiter(t.quotas, now_s) for t in config.tenants},
         access_log=AccessLog(enabled=logging.getLogger("kvgate.access").isEnabledFor(logging.INFO)),
+        tracer=RequestTracer() if config.tracing.enabled else None,
         created_s=int(time.time()),
     )
 

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 
 import orjson
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -63,6 +63,8 @@ class GatewayApp:
                 response = error_response(err, request_id)
             else:
                 response = await dispatch(admitted, state)
+        except ClientDisconnect:
+            return  # the client left while sending its body: nobody to answer
         except Exception as exc:
             log.error("unhandled error", exc_info=exc, extra={"request_id": request_id})
             response = error_response(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 import aiohttp
 from starlette.types import Message, Receive, Scope, Send
@@ -16,6 +17,8 @@ from starlette.types import Message, Receive, Scope, Send
 from gateway.outcome import Attempt, record_request, usage_of
 from gateway.sse import DONE_EVENT, SseRelay, error_event
 from gateway.state import GatewayState
+
+log = logging.getLogger("kvgate.streaming")
 
 
 class ProxyStream:
@@ -113,6 +116,10 @@ class ProxyStream:
             # The client's socket went away while we were sending.
             self._client_gone = True
             status = 499
+        except Exception as exc:
+            # A gateway bug: still close the books (quota slot, worker load) and log it.
+            log.error("stream relay failed", exc_info=exc, extra={"request_id": a.request_id})
+            status = 500
         finally:
             if failure is None and relay.done and status == 200:
                 self._upstream.release()  # read to EOF: the connection goes back to the pool
@@ -123,6 +130,9 @@ class ProxyStream:
                 attempt.fail(self._state, worker_fault=False)
                 status = 499
                 error = "client disconnected"
+            elif status == 500:
+                attempt.fail(self._state, worker_fault=False)
+                error = "internal_error"
             elif failure is not None:
                 attempt.fail(self._state, worker_fault=self._abort_reason is None)
                 status = 502 if self._abort_reason is None else 503

@@ -62,7 +62,15 @@ class GatewayApp:
                 log.info("rejected", extra={"request_id": request_id, "status": err.status, "code": err.code})
                 response = error_response(err, request_id)
             else:
-                response = await dispatch(admitted, state)
+                guard = DisconnectGuard(receive)
+                try:
+                    response = await dispatch(admitted, state)
+                except asyncio.CancelledError:
+                    if guard.fired:
+                        return  # dispatch recorded the 499 and closed the upstream request
+                    raise
+                finally:
+                    guard.close()
         except ClientDisconnect:
             return  # the client left while sending its body: nobody to answer
         except Exception as exc:
@@ -71,6 +79,40 @@ class GatewayApp:
                 ApiError(500, "internal gateway error", "server_error", "internal_error"), request_id
             )
         await response(scope, receive, send)
+
+
+class DisconnectGuard:
+    """Cancels the request's task when the client disconnects while the gateway waits for a
+    worker's answer head or a whole non-streamed answer, so the worker's request is cancelled too.
+
+    The watcher starts only after `delay_s`: quick requests pay one timer, not a task.
+    """
+
+    def __init__(self, receive: Receive, delay_s: float = 0.25) -> None:
+        self._receive = receive
+        self._task = asyncio.current_task()
+        self._watcher: asyncio.Future[None] | None = None
+        self._timer = asyncio.get_running_loop().call_later(delay_s, self._start)
+        self.fired = False
+
+    def _start(self) -> None:
+        self._watcher = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                self.fired = True
+                if self._task is not None:
+                    self._task.cancel()
+                return
+
+    def close(self) -> None:
+        self._timer.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()
+        if self.fired and self._task is not None:
+            self._task.uncancel()
 
 
 def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> GatewayApp:

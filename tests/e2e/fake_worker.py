@@ -106,6 +106,13 @@ def make_app(port: Port) -> web.Application:
         }
         base = {"id": f"cmpl-{rid}", "created": int(time.time()), "model": body.get("model")}
         if not body.get("stream"):
+            if port.mode == "slow":
+                # A long non-streamed generation: notice the gateway closing the connection.
+                for _ in range(200):
+                    if request.transport is None or request.transport.is_closing():
+                        port.cancelled.append(rid)
+                        return web.Response(status=499)
+                    await asyncio.sleep(0.05)
             if chat:
                 choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
                 out = {**base, "object": "chat.completion", "choices": [choice], "usage": usage}

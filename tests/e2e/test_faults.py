@@ -96,6 +96,25 @@ def test_client_disconnect_cancels_the_upstream_request(stack: Stack) -> None:
         pytest.fail("the worker never saw the client's disconnect")
 
 
+def test_client_disconnect_cancels_a_non_streamed_request(stack: Stack) -> None:
+    rid = uuid.uuid4().hex
+    body = {"model": "m-slow", "messages": [{"role": "user", "content": "x"}]}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            stack.base_url + "/v1/chat/completions",
+            json=body,
+            timeout=httpx.Timeout(10, read=0.6),
+            headers={"authorization": "Bearer sk-acme", "x-request-id": rid},
+        )
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        if rid in worker_log(stack.workers["slow"])["cancelled"]:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the worker kept generating for a client that left")
+
+
 def test_worker_killed_after_being_healthy_is_retried_then_avoided(tmp_path: Path) -> None:
     victim_port, ok_port, gw_port = free_port(), free_port(), free_port()
     victim = start_fake_workers({victim_port: "ok"})

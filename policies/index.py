@@ -3,9 +3,8 @@
 A block key identifies a whole prefix (keys are chained), so the index is a radix tree flattened
 into a dict. Each worker has a capacity in index blocks and its own LRU list (block → last use);
 when the list is full the oldest block is dropped, so the index forgets what the worker must have
-evicted. A request's
-blocks are touched last-to-first, which leaves block 0 the most recent: like vLLM's free queue,
-the tail of a chain goes before its head.
+evicted. A request's blocks are touched last-to-first, which leaves block 0 the most recent: like
+vLLM's free queue, the tail of a chain goes before its head.
 
 Holdings learned from our own routing are speculative (they expire after a short TTL) until a
 completed request or a KV event confirms them. Memory is bounded three ways: each worker's list,

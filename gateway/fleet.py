@@ -1,0 +1,118 @@
+"""Keeping the registry's view of the workers current: discovery (static or DNS), metric scraping
+and KV-event subscriptions, all started and stopped by the app lifespan.
+
+Discovery reports worker-set changes; each change updates the pool, starts or stops the worker's
+scrape loop and KV-event subscription, and triggers an immediate health check so a new worker
+becomes routable without waiting a whole health interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+
+import aiohttp
+
+from gateway.config import GatewayConfig, PoolConfig
+from gateway.discovery import Discovery, DnsWorkers, StaticWorkers, WorkerSetChange, WorkerSource
+from gateway.kv_events import KvEventEndpoint, KvEventSubscriber, endpoint_for_worker
+from gateway.registry import Pool
+from gateway.scrape import MetricsScraper, ScrapeConfig, ScrapeResult
+from gateway.state import GatewayState
+from policies.base import KvEvent, WorkerId
+
+log = logging.getLogger("kvgate.fleet")
+
+
+def worker_source(config: PoolConfig) -> WorkerSource:
+    if config.dns is not None:
+        d = config.dns
+        return DnsWorkers(d.name, d.port, scheme=d.scheme)
+    return StaticWorkers(config.workers)
+
+
+class Fleet:
+    """Owns the per-pool discovery loops, the metrics scraper and the KV-event subscriber."""
+
+    def __init__(self, state: GatewayState, session: aiohttp.ClientSession) -> None:
+        self._state = state
+        self._session = session
+        config: GatewayConfig = state.config
+        self._scraper: MetricsScraper | None = None
+        if config.scrape.enabled:
+            s = config.scrape
+            self._scraper = MetricsScraper(
+                ScrapeConfig(interval_s=s.interval_s, timeout_s=s.timeout_s, max_age_s=s.max_age_s),
+                session=session,
+                on_update=self._on_scrape,
+            )
+            for pool in state.registry.pools.values():
+                pool.metrics_max_age_s = s.max_age_s
+        self._kv: KvEventSubscriber | None = None
+        if any(p.kv_events_endpoint is not None for p in config.pools):
+            self._kv = KvEventSubscriber(on_event=self._on_kv_event)
+        self._discoveries: dict[str, Discovery] = {}
+        self._pending: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        if self._scraper is not None:
+            await self._scraper.start()
+        if self._kv is not None:
+            await self._kv.start()
+        for pool in self._state.registry.pools.values():
+            interval_s = pool.config.dns.refresh_s if pool.config.dns is not None else 5.0
+            discovery = Discovery(worker_source(pool.config), interval_s=interval_s)
+            self._discoveries[pool.name] = discovery
+            await discovery.start(functools.partial(self._apply, pool))
+
+    async def stop(self) -> None:
+        for discovery in self._discoveries.values():
+            await discovery.stop()
+        for task in list(self._pending):
+            task.cancel()
+        if self._pending:
+            await asyncio.gather(*self._pending, return_exceptions=True)
+        if self._kv is not None:
+            await self._kv.stop()
+        if self._scraper is not None:
+            await self._scraper.stop()
+
+    def _apply(self, pool: Pool, change: WorkerSetChange) -> None:
+        pool.set_urls(sorted(change.current))
+        for url in change.removed:
+            worker = WorkerId(url)
+            if not self._state.registry.workers_at(worker):
+                if self._scraper is not None:
+                    self._scraper.remove(worker)
+                if self._kv is not None:
+                    self._kv.remove(worker)
+        for url in change.added:
+            worker = WorkerId(url)
+            if self._scraper is not None and self._scraper.state(worker) is None:
+                self._scraper.add(worker, url)
+            cfg = pool.config
+            if self._kv is not None and cfg.kv_events_endpoint is not None:
+                replay = cfg.kv_events_replay_endpoint
+                self._kv.add(
+                    KvEventEndpoint(
+                        worker=worker,
+                        endpoint=endpoint_for_worker(cfg.kv_events_endpoint, url),
+                        replay_endpoint=endpoint_for_worker(replay, url) if replay else None,
+                        topic=cfg.kv_events_topic,
+                    )
+                )
+        if change.added:
+            # New workers are unknown (not routable) until checked: check them now.
+            task = asyncio.ensure_future(pool.check(self._session))
+            self._pending.add(task)
+            task.add_done_callback(self._pending.discard)
+
+    def _on_scrape(self, worker: WorkerId, result: ScrapeResult) -> None:
+        for entry in self._state.registry.workers_at(worker):
+            entry.metrics = result.metrics
+            entry.metrics_at_s = result.scraped_at_s
+
+    def _on_kv_event(self, worker: WorkerId, event: KvEvent) -> None:
+        self._state.policy.on_kv_event(worker, event, time.monotonic())

@@ -1,0 +1,178 @@
+"""Everything one gateway process shares between requests, built once from the config."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import aiohttp
+
+from gateway.auth import KeyRing, Tenant, derive_secret
+from gateway.config import GatewayConfig
+from gateway.logs import AccessLog
+from gateway.metrics import GatewayMetrics
+from gateway.quotas import TenantLimiter
+from gateway.registry import Pool, Registry
+from gateway.tracing import RequestTracer
+from policies.base import Isolation, RoutingPolicy
+from prompt_normalizer.normalizer import Normalizer, NormalizerConfig
+from prompt_normalizer.types import PUBLIC_NAMESPACE, KeyIdentity
+
+if TYPE_CHECKING:
+    from gateway.policy_watch import LoadedPolicy
+    from gateway.streaming import ProxyStream
+
+
+@dataclass(slots=True)
+class GatewayState:
+    """Process-wide state. The upstream session exists between lifespan startup and shutdown."""
+
+    config: GatewayConfig
+    keyring: KeyRing
+    registry: Registry
+    policy: RoutingPolicy
+    normalizers: dict[str, Normalizer]
+    secret: bytes
+    metrics: GatewayMetrics
+    limiters: dict[str, TenantLimiter]
+    access_log: AccessLog = field(default_factory=lambda: AccessLog(enabled=False))
+    tracer: RequestTracer | None = None
+    created_s: int = 0
+    session: aiohttp.ClientSession | None = None
+    draining: bool = False
+    ready: bool = False
+    active_streams: set[ProxyStream] = field(default_factory=set)
+    streams_idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def stream_started(self, stream: ProxyStream) -> None:
+        self.active_streams.add(stream)
+        self.streams_idle.clear()
+
+    def stream_ended(self, stream: ProxyStream) -> None:
+        self.active_streams.discard(stream)
+        if not self.active_streams:
+            self.streams_idle.set()
+
+    @property
+    def policy_name(self) -> str:
+        return getattr(self.policy, "name", type(self.policy).__name__)
+
+    _identities: dict[tuple[str, str], tuple[KeyIdentity, KeyIdentity | None]] = field(default_factory=dict)
+
+    def normalizer(self, pool: Pool) -> Normalizer:
+        return self.normalizers[pool.name]
+
+    def identities(self, pool: Pool, model: str, tenant: Tenant) -> tuple[KeyIdentity, KeyIdentity | None]:
+        """The key identity of a (model, tenant) and, for shared_public tenants, the public one."""
+        cached = self._identities.get((model, tenant.name))
+        if cached is not None:
+            return cached
+        base = self.base_identity(pool, model)
+        namespace = PUBLIC_NAMESPACE if tenant.isolation is Isolation.PUBLIC else tenant.namespace
+        own = dataclasses.replace(base, namespace=namespace)
+        public = base if tenant.isolation is Isolation.SHARED_PUBLIC else None
+        self._identities[(model, tenant.name)] = (own, public)
+        return own, public
+
+    def base_identity(self, pool: Pool, model: str) -> KeyIdentity:
+        """The pool's identity for `model` in the public namespace."""
+        ident = pool.config.identity
+        normalizer = self.normalizers[pool.name]
+        base = KeyIdentity(
+            model_id=model,
+            weights_version=ident.weights_version,
+            tokenizer_version=ident.tokenizer_version or (normalizer.render_fingerprint or ""),
+            template_version=ident.template_version,
+            block_size_tokens=pool.config.block_size_tokens,
+            kv_dtype=ident.kv_dtype,
+            epoch=ident.epoch,
+        )
+        return base
+
+    def set_policy(self, policy: RoutingPolicy, normalizer: NormalizerConfig) -> None:
+        """Swap in a reloaded policy and rebuild the normalizers that follow the policy file."""
+        self.policy = policy
+        self.normalizers = build_normalizers(self.config, normalizer, self.secret, self.normalizers)
+        self._identities.clear()
+
+    def limiter(self, tenant: Tenant) -> TenantLimiter:
+        return self.limiters[tenant.name]
+
+    def upstream(self) -> aiohttp.ClientSession:
+        if self.session is None:
+            raise RuntimeError("upstream session used outside the app lifespan")
+        return self.session
+
+
+def build_normalizers(
+    config: GatewayConfig, policy_normalizer: NormalizerConfig, secret: bytes, current: dict[str, Normalizer]
+) -> dict[str, Normalizer]:
+    """One normalizer per pool: the pool's own settings, else the policy file's. An unchanged
+    config keeps its normalizer (and its drift memory)."""
+    normalizer_secret = derive_secret(secret, "prefix_keys")
+    out: dict[str, Normalizer] = {}
+    for pool in config.pools:
+        wanted = pool.normalizer if pool.normalizer is not None else policy_normalizer
+        existing = current.get(pool.name)
+        out[pool.name] = (
+            existing
+            if existing is not None and existing.config == wanted
+            else Normalizer(wanted, normalizer_secret)
+        )
+    return out
+
+
+def build_state(
+    config: GatewayConfig, secret: bytes, policy: RoutingPolicy, policy_normalizer: NormalizerConfig
+) -> GatewayState:
+    now_s = time.monotonic()
+    return GatewayState(
+        config=config,
+        keyring=KeyRing(config.tenants, secret),
+        registry=Registry(config.pools),
+        policy=policy,
+        normalizers=build_normalizers(config, policy_normalizer, secret, {}),
+        secret=secret,
+        metrics=GatewayMetrics(),
+        limiters={t.name: TenantLimiter(t.quotas, now_s) for t in config.tenants},
+        access_log=AccessLog(enabled=logging.getLogger("kvgate.access").isEnabledFor(logging.INFO)),
+        tracer=RequestTracer() if config.tracing.enabled else None,
+        created_s=int(time.time()),
+    )
+
+
+def make_session(config: GatewayConfig) -> aiohttp.ClientSession:
+    """The one upstream client of the process: bounded connection pool, keep-alive, no cookies."""
+    connector = aiohttp.TCPConnector(
+        limit=config.upstream.max_connections,
+        limit_per_host=config.upstream.max_connections_per_worker,
+        keepalive_timeout=config.upstream.keepalive_timeout_s,
+        enable_cleanup_closed=True,
+    )
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=10.0, sock_read=120.0),
+        cookie_jar=aiohttp.DummyCookieJar(),
+        skip_auto_headers=("User-Agent", "Accept-Encoding"),
+    )
+
+
+class PolicySwap:
+    """The policy watcher's swap callback, bound to the gateway state once it exists."""
+
+    def __init__(self) -> None:
+        self.state: GatewayState | None = None
+        # Run after each swap, e.g. to give the new policy the precise-mode token hasher.
+        self.after_swap: list[Callable[[GatewayState, RoutingPolicy], object]] = []
+
+    def __call__(self, loaded: LoadedPolicy) -> None:
+        if self.state is None:
+            raise RuntimeError("policy reloaded before the gateway state exists")
+        self.state.set_policy(loaded.policy, loaded.config.normalizer)
+        for hook in self.after_swap:
+            hook(self.state, loaded.policy)

@@ -1,0 +1,68 @@
+"""In-process checks of failure paths that need a misbehaving policy (no real worker involved)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import httpx
+
+from gateway.app import build_app
+from gateway.auth import hash_api_key
+from gateway.config import parse_config
+from gateway.state import build_state
+from policies.base import KvEvent, Observation, RouteDecision, RouteRequest, WorkerId, WorkerView
+from prompt_normalizer.normalizer import NormalizerConfig
+
+SECRET = b"k"
+
+
+class BrokenPolicy:
+    """Raises from select: the gateway must answer 500 and give the tenant's slot back."""
+
+    name = "broken"
+
+    def select(self, req: RouteRequest, workers: Sequence[WorkerView], now_s: float) -> RouteDecision | None:
+        raise RuntimeError("policy bug")
+
+    def on_dispatch(self, req: RouteRequest, decision: RouteDecision, now_s: float) -> None:
+        return None
+
+    def on_complete(self, obs: Observation, now_s: float) -> None:
+        return None
+
+    def on_kv_event(self, worker: WorkerId, event: KvEvent, now_s: float) -> None:
+        return None
+
+
+async def test_a_policy_exception_is_a_500_and_releases_the_quota_slot() -> None:
+    config = parse_config(
+        {
+            "pools": [
+                {
+                    "name": "p",
+                    "models": ["m"],
+                    "workers": ["http://127.0.0.1:9"],
+                    "health": {"timeout_s": 0.2},
+                }
+            ],
+            "tenants": [
+                {"name": "t", "api_key_hashes": [hash_api_key(SECRET, "sk")], "quotas": {"max_concurrent": 1}}
+            ],
+            "scrape": {"enabled": False},
+        }
+    )
+    state = build_state(config, SECRET, BrokenPolicy(), NormalizerConfig())
+    app = build_app(state)
+    transport = httpx.ASGITransport(app=app)
+    async with (
+        app.fallback.router.lifespan_context(app.fallback),
+        httpx.AsyncClient(transport=transport, base_url="http://gw") as client,
+    ):
+        body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+        for _ in range(2):  # the second would be 429 if the first leaked its slot
+            resp = await client.post(
+                "/v1/chat/completions", json=body, headers={"authorization": "Bearer sk"}
+            )
+            assert resp.status_code == 500
+            assert resp.json()["error"]["code"] == "internal_error"
+    assert state.limiters["t"].in_flight == 0

@@ -1,10 +1,10 @@
 """Per-pool prefix index: which workers (probably) hold which chained block keys.
 
 A block key identifies a whole prefix (keys are chained), so the index is a radix tree flattened
-into a dict. Each worker has a capacity in index blocks and its own LRU list; when the list is full
-the oldest block is dropped, so the index forgets what the worker must have evicted. A request's
-blocks are touched last-to-first, which leaves block 0 the most recent: like vLLM's free queue,
-the tail of a chain goes before its head.
+into a dict. Each worker has a capacity in index blocks and its own LRU list (block → last use);
+when the list is full the oldest block is dropped, so the index forgets what the worker must have
+evicted. A request's blocks are touched last-to-first, which leaves block 0 the most recent: like
+vLLM's free queue, the tail of a chain goes before its head.
 
 Holdings learned from our own routing are speculative (they expire after a short TTL) until a
 completed request or a KV event confirms them. Memory is bounded three ways: each worker's list,
@@ -103,7 +103,8 @@ class PrefixIndex:
         self._g = config.granularity_blocks
         self._share = namespace_share or (lambda _ns: config.namespace_share)
         self._table: dict[BlockKey, _Entry] = {}
-        self._lru: dict[WorkerId, OrderedDict[BlockKey, None]] = {}
+        # Per worker: block key → last use (seconds), in recency order.
+        self._lru: dict[WorkerId, OrderedDict[BlockKey, float]] = {}
         self._cap_blocks: dict[WorkerId, int] = {}
         self._ns_keys: dict[str, OrderedDict[BlockKey, None]] = {}
         self._spec_queue: deque[tuple[float, WorkerId, BlockKey]] = deque()
@@ -257,6 +258,11 @@ class PrefixIndex:
         for w in alive:
             depth_of[w] = depth
 
+    def last_use_s(self, key: BlockKey, worker: WorkerId) -> float | None:
+        """When `worker`'s holding of `key` was last recorded (None if it holds nothing there)."""
+        lru = self._lru.get(worker)
+        return None if lru is None else lru.get(key)
+
     def holds(self, key: BlockKey, worker: WorkerId, now_s: float) -> bool:
         entry = self._table.get(key)
         if entry is None:
@@ -293,7 +299,7 @@ class PrefixIndex:
         expiry = now_s + self.config.speculative_ttl_s if speculative else CONFIRMED
         # Last block first, so block 0 ends up the most recently used.
         for idx in range(last, -1, -g):
-            self._touch(keys[idx], worker, namespace, expiry, lru, ns_keys)
+            self._touch(keys[idx], worker, namespace, expiry, now_s, lru, ns_keys)
         self._trim(worker)
         self._trim_namespace(namespace)
         self._bound_queue()
@@ -305,7 +311,7 @@ class PrefixIndex:
         ns_keys = self._ns_keys.get(namespace)
         if ns_keys is None:
             ns_keys = self._ns_keys[namespace] = OrderedDict()
-        self._touch(key, worker, namespace, CONFIRMED, self._lru[worker], ns_keys)
+        self._touch(key, worker, namespace, CONFIRMED, now_s, self._lru[worker], ns_keys)
         self._trim(worker)
         self._trim_namespace(namespace)
 
@@ -315,7 +321,8 @@ class PrefixIndex:
         worker: WorkerId,
         namespace: str,
         expiry: float,
-        lru: OrderedDict[BlockKey, None],
+        now_s: float,
+        lru: OrderedDict[BlockKey, float],
         ns_keys: OrderedDict[BlockKey, None],
     ) -> None:
         entry = self._table.get(key)
@@ -344,9 +351,10 @@ class PrefixIndex:
         if speculative and new != CONFIRMED and new != old:
             self._spec_queue.append((new, worker, key))
         if old is None:
-            lru[key] = None
+            lru[key] = now_s
         else:
             lru.move_to_end(key)
+            lru[key] = now_s
         if key in ns_keys:
             ns_keys.move_to_end(key)
         else:

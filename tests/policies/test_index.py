@@ -24,6 +24,9 @@ def test_one_pass_lookup_gives_every_workers_matched_length() -> None:
     m = idx.lookup(keys, "t", 1.0)
     assert dict(m.blocks_by_worker) == {W0: 10, W1: 4}
     assert m.longest_blocks == 10 and m.deepest_holder == W0
+    idx.record(keys[:2], W0, "t", 7.5, speculative=False)
+    assert idx.last_use_s(keys[0], W0) == 7.5 and idx.last_use_s(keys[5], W0) == 0.0
+    assert idx.last_use_s(keys[5], W1) is None
     idx.check_invariants()
 
 

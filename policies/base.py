@@ -88,6 +88,19 @@ class RouteDecision:
     shared_prefix_blocks: int = 0
 
 
+class Outcome(enum.StrEnum):
+    """How a dispatched request ended, as far as the worker's KV cache is concerned.
+
+    Only SERVED means the worker prefilled the whole prompt; a policy must not learn cache
+    contents from any other outcome.
+    """
+
+    SERVED = "served"
+    REJECTED = "rejected"  # the worker refused the request (4xx): it computed nothing
+    ABORTED = "aborted"  # the client left or the gateway gave up before the request finished
+    WORKER_FAILED = "worker_failed"  # connect error, 5xx, or the worker died mid-request
+
+
 @dataclass(frozen=True, slots=True)
 class Observation:
     """What the gateway (or simulator) saw when a dispatched request finished or failed."""
@@ -98,7 +111,11 @@ class Observation:
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     completion_tokens: int | None = None
-    failed: bool = False
+    outcome: Outcome = Outcome.SERVED
+
+    @property
+    def failed(self) -> bool:
+        return self.outcome is not Outcome.SERVED
 
 
 class KvEventKind(enum.StrEnum):

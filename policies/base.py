@@ -126,7 +126,12 @@ class KvEventKind(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class KvEvent:
-    """One decoded KV-cache event from a worker: vLLM's BlockStored, BlockRemoved or AllBlocksCleared."""
+    """One decoded KV-cache event from a worker: vLLM's BlockStored, BlockRemoved or AllBlocksCleared.
+
+    `namespace` is the key namespace of a stored chain, resolved by the gateway from the block's
+    `cache_salt` (vLLM's `extra_keys`): the tenant whose salt it is, or None for an unsalted chain.
+    The policy never sees the salt itself.
+    """
 
     kind: KvEventKind
     block_hashes: tuple[EngineBlockHash, ...] = ()
@@ -134,6 +139,7 @@ class KvEvent:
     token_ids: tuple[int, ...] = ()
     block_size: int = 0
     lora_name: str | None = None
+    namespace: str | None = None
 
 
 class RoutingPolicy(Protocol):

@@ -1,0 +1,199 @@
+"""The HTTP surface.
+
+The two OpenAI POST routes are dispatched straight from the ASGI entry point (no routing or
+middleware layers on the hot path: raw bytes in, one orjson parse, raw bytes out); probes,
+metrics, /v1/models, the lifespan and 404/405 go through a small Starlette app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from gateway.admission import Endpoint, admit, request_id_of
+from gateway.errors import ApiError, error_response
+from gateway.proxy import dispatch
+from gateway.state import GatewayState, make_session
+
+log = logging.getLogger("kvgate.app")
+
+
+_HOT_PATHS: dict[str, Endpoint] = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+
+
+class GatewayApp:
+    """ASGI entry point: OpenAI POSTs go to the proxy, everything else to the Starlette fallback."""
+
+    def __init__(self, state: GatewayState, fallback: Starlette) -> None:
+        self.state = state
+        self.fallback = fallback
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            endpoint = _HOT_PATHS.get(scope["path"])
+            if endpoint is not None:
+                await self._proxy(scope, receive, send, endpoint)
+                return
+        await self.fallback(scope, receive, send)
+
+    async def _proxy(self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
+        state = self.state
+        request = Request(scope, receive)
+        request_id = request_id_of(request)
+        response: ASGIApp
+        try:
+            try:
+                admitted = await admit(request, endpoint, state, request_id)
+            except ApiError as err:
+                state.metrics.rejected(endpoint, err.status)
+                log.info("rejected", extra={"request_id": request_id, "status": err.status, "code": err.code})
+                response = error_response(err, request_id)
+            else:
+                response = await dispatch(admitted, state)
+        except Exception as exc:
+            log.error("unhandled error", exc_info=exc, extra={"request_id": request_id})
+            response = error_response(
+                ApiError(500, "internal gateway error", "server_error", "internal_error"), request_id
+            )
+        await response(scope, receive, send)
+
+
+def build_app(state: GatewayState) -> GatewayApp:
+    """The ASGI app over a prepared state; the lifespan owns the upstream session and health loops."""
+
+    async def models(request: Request) -> Response:
+        request_id = request_id_of(request)
+        if state.keyring.lookup(request.headers.get("authorization")) is None:
+            err = ApiError(401, "incorrect or missing API key", "invalid_request_error", "invalid_api_key")
+            return _error(err, request_id)
+        data = [
+            {"id": model, "object": "model", "created": state.created_s, "owned_by": "kvgate"}
+            for pool in state.registry.pools.values()
+            for model in pool.config.models
+        ]
+        return _json({"object": "list", "data": data}, 200, request_id)
+
+    async def not_allowed(request: Request) -> Response:
+        return await _method_not_allowed(request, RuntimeError())
+
+    async def healthz(request: Request) -> Response:
+        return _json({"status": "ok"}, 200, request_id_of(request))
+
+    async def readyz(request: Request) -> Response:
+        if state.draining:
+            return _json({"status": "draining"}, 503, request_id_of(request))
+        if not state.ready:
+            return _json({"status": "starting"}, 503, request_id_of(request))
+        return _json({"status": "ready"}, 200, request_id_of(request))
+
+    async def metrics(request: Request) -> Response:
+        _refresh_gauges(state)
+        return Response(state.metrics.render(), 200, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        state.session = make_session(state.config)
+        flusher: asyncio.Task[None] | None = None
+        try:
+            await state.registry.check_all(state.session)
+            state.registry.start(state.session)
+            flusher = asyncio.create_task(_flush_access_log(state), name="access-log")
+            state.ready = True
+            yield
+        finally:
+            state.ready = False
+            if flusher is not None:
+                flusher.cancel()
+            state.access_log.flush()
+            await state.registry.stop()
+            await state.session.close()
+            state.session = None
+
+    routes = [
+        Route("/v1/chat/completions", not_allowed, methods=["GET", "PUT", "DELETE", "PATCH"]),
+        Route("/v1/completions", not_allowed, methods=["GET", "PUT", "DELETE", "PATCH"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    fallback = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={404: _not_found, 405: _method_not_allowed, Exception: _internal},
+    )
+    return GatewayApp(state, fallback)
+
+
+async def drain(state: GatewayState, deadline_s: float) -> None:
+    """Wait for in-flight streams to end; at the deadline, end the rest with an error event."""
+    state.draining = True
+    if state.active_streams:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(state.streams_idle.wait(), deadline_s)
+    for stream in list(state.active_streams):
+        stream.abort("gateway shutting down")
+
+
+async def _flush_access_log(state: GatewayState) -> None:
+    while True:
+        await asyncio.sleep(state.access_log.flush_interval_s)
+        state.access_log.flush()
+
+
+def _error(err: ApiError, request_id: str) -> Response:
+    return Response(
+        err.body(),
+        err.status,
+        headers={"x-request-id": request_id, **err.headers},
+        media_type="application/json",
+    )
+
+
+def _json(obj: object, status: int, request_id: str) -> Response:
+    return Response(
+        orjson.dumps(obj), status, headers={"x-request-id": request_id}, media_type="application/json"
+    )
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    err = ApiError(
+        404, f"unknown route {request.method} {request.url.path}", "invalid_request_error", "not_found"
+    )
+    return _error(err, request_id_of(request))
+
+
+async def _method_not_allowed(request: Request, exc: Exception) -> Response:
+    err = ApiError(
+        405,
+        f"method {request.method} not allowed on {request.url.path}",
+        "invalid_request_error",
+        "method_not_allowed",
+    )
+    return _error(err, request_id_of(request))
+
+
+async def _internal(request: Request, exc: Exception) -> Response:
+    log.error("unhandled error", exc_info=exc, extra={"path": request.url.path})
+    err = ApiError(500, "internal gateway error", "server_error", "internal_error")
+    return _error(err, request_id_of(request))
+
+
+def _refresh_gauges(state: GatewayState) -> None:
+    now_s = time.monotonic()
+    for pool in state.registry.pools.values():
+        for worker in pool.workers.values():
+            state.metrics.in_flight.labels(pool.name, worker.url).set(worker.in_flight)
+            state.metrics.worker_healthy.labels(pool.name, worker.url).set(
+                1 if worker.healthy and worker.breaker.allows(now_s) else 0
+            )

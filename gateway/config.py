@@ -1,0 +1,239 @@
+"""The gateway's YAML configuration, parsed at the edge into frozen pydantic models.
+
+Secrets never live in this file: API keys appear only as keyed hashes, and the key-hash secret is
+read from an environment variable or a file named here. Validation errors name the offending field.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from policies.base import Isolation
+from prompt_normalizer.normalizer import NormalizerConfig
+
+PositiveFloat = Annotated[float, Field(gt=0)]
+PositiveInt = Annotated[int, Field(gt=0)]
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names the field and the problem."""
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ListenConfig(_Frozen):
+    """Where the gateway accepts clients."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+
+
+class LimitsConfig(_Frozen):
+    """Request-size limits applied before any parsing."""
+
+    max_body_bytes: PositiveInt = 8 * 1024 * 1024
+
+
+class DrainConfig(_Frozen):
+    """Graceful shutdown: readiness flips to 503 at once, listening stops after `shutdown_delay_s`,
+    in-flight streams get until `deadline_s` (counted from the signal) before a terminal error event."""
+
+    shutdown_delay_s: float = Field(default=0.0, ge=0)
+    deadline_s: PositiveFloat = 30.0
+
+
+class UpstreamConfig(_Frozen):
+    """The one shared upstream HTTP client of the process."""
+
+    max_connections: PositiveInt = 1024
+    max_connections_per_worker: PositiveInt = 256
+    keepalive_timeout_s: PositiveFloat = 30.0
+
+
+class TimeoutsConfig(_Frozen):
+    """Per-request upstream timeouts of a pool. `read_s` is the longest silence allowed while
+    waiting for the response head or between two body chunks (a non-streamed answer arrives only
+    when generation ends, so it must cover a whole generation)."""
+
+    connect_s: PositiveFloat = 2.0
+    read_s: PositiveFloat = 120.0
+    total_s: PositiveFloat = 600.0
+
+
+class HealthConfig(_Frozen):
+    """Active health checks: GET /health every `interval_s`."""
+
+    interval_s: PositiveFloat = 2.0
+    timeout_s: PositiveFloat = 1.0
+    failures_to_down: PositiveInt = 2
+    successes_to_up: PositiveInt = 1
+
+
+class BreakerConfig(_Frozen):
+    """Passive circuit breaker per worker: opens after `failure_threshold` consecutive request
+    failures, lets one trial request through after `cooldown_s`."""
+
+    failure_threshold: PositiveInt = 3
+    cooldown_s: PositiveFloat = 5.0
+
+
+class PoolConfig(_Frozen):
+    """A set of interchangeable workers serving the same model(s)."""
+
+    name: str = Field(min_length=1)
+    models: list[str] = Field(min_length=1)
+    workers: list[str] = Field(default_factory=list)
+    max_in_flight_per_worker: PositiveInt | None = 256
+    retry_attempts: int = Field(default=2, ge=0, le=5)
+    block_size_tokens: PositiveInt = 16
+    timeouts: TimeoutsConfig = TimeoutsConfig()
+    health: HealthConfig = HealthConfig()
+    breaker: BreakerConfig = BreakerConfig()
+    normalizer: NormalizerConfig = NormalizerConfig()
+
+    @field_validator("workers")
+    @classmethod
+    def _urls(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"worker URL {url!r} must start with http:// or https://")
+        return [u.rstrip("/") for u in urls]
+
+
+class QuotaConfig(_Frozen):
+    """Per-tenant limits. None means unlimited. rpm and tpm are token buckets with a one-minute
+    capacity (a burst of a full minute's budget is allowed)."""
+
+    max_concurrent: PositiveInt | None = None
+    rpm: PositiveInt | None = None
+    tpm: PositiveInt | None = None
+
+
+class TenantConfig(_Frozen):
+    """A customer namespace: its API keys (as hashes), isolation level and quotas."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
+    api_key_hashes: list[str] = Field(min_length=1)
+    isolation: Isolation = Isolation.STRICT
+    quotas: QuotaConfig = QuotaConfig()
+
+    @field_validator("api_key_hashes")
+    @classmethod
+    def _hashes(cls, hashes: list[str]) -> list[str]:
+        for h in hashes:
+            if not h.startswith("hmac-sha256:") or len(h) != len("hmac-sha256:") + 64:
+                raise ValueError(
+                    "each entry must be 'hmac-sha256:<64 hex>' (make one with `kvgate serve --hash-key`)"
+                )
+        return hashes
+
+
+class SecretsConfig(_Frozen):
+    """Where the key-hash secret comes from: an environment variable or a file (never this YAML)."""
+
+    key_hash_secret_env: str | None = "KVGATE_KEY_SECRET"
+    key_hash_secret_file: str | None = None
+
+
+class GatewayConfig(_Frozen):
+    """Top level of the gateway config file."""
+
+    listen: ListenConfig = ListenConfig()
+    limits: LimitsConfig = LimitsConfig()
+    drain: DrainConfig = DrainConfig()
+    upstream: UpstreamConfig = UpstreamConfig()
+    secrets: SecretsConfig = SecretsConfig()
+    policy_file: str | None = None
+    pools: list[PoolConfig] = Field(min_length=1)
+    tenants: list[TenantConfig] = Field(min_length=1)
+    log_level: str = "info"
+
+    @model_validator(mode="after")
+    def _unique(self) -> GatewayConfig:
+        seen_models: dict[str, str] = {}
+        for pool in self.pools:
+            for model in pool.models:
+                if model in seen_models:
+                    raise ValueError(
+                        f"model {model!r} is served by pools {seen_models[model]!r} and {pool.name!r}"
+                    )
+                seen_models[model] = pool.name
+        names = [p.name for p in self.pools]
+        if len(set(names)) != len(names):
+            raise ValueError("pool names must be unique")
+        tenants = [t.name for t in self.tenants]
+        if len(set(tenants)) != len(tenants):
+            raise ValueError("tenant names must be unique")
+        hashes = [h for t in self.tenants for h in t.api_key_hashes]
+        if len(set(hashes)) != len(hashes):
+            raise ValueError("an API key hash is listed twice")
+        return self
+
+
+def _describe(exc: ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in exc.errors()
+    )
+
+
+def parse_config(raw: Any) -> GatewayConfig:
+    """Validate an already-loaded mapping; raises `ConfigError` naming each bad field."""
+    try:
+        return GatewayConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(f"invalid gateway config: {_describe(exc)}") from None
+
+
+def load_config(path: str | Path) -> GatewayConfig:
+    """Read and validate a config file. A relative `policy_file` is resolved against the file's folder."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {str(p)!r}: {exc.strerror}") from None
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {str(p)!r}: the top level must be a mapping")
+    config = parse_config(raw)
+    if config.policy_file is not None and not Path(config.policy_file).is_absolute():
+        config = config.model_copy(update={"policy_file": str(p.parent / config.policy_file)})
+    if (
+        config.secrets.key_hash_secret_file is not None
+        and not Path(config.secrets.key_hash_secret_file).is_absolute()
+    ):
+        secrets = config.secrets.model_copy(
+            update={"key_hash_secret_file": str(p.parent / config.secrets.key_hash_secret_file)}
+        )
+        config = config.model_copy(update={"secrets": secrets})
+    return config
+
+
+def read_secret(secrets: SecretsConfig, environ: dict[str, str]) -> bytes:
+    """The key-hash secret: the file wins over the environment variable; empty is an error."""
+    if secrets.key_hash_secret_file is not None:
+        try:
+            value = Path(secrets.key_hash_secret_file).read_bytes().strip()
+        except OSError as exc:
+            raise ConfigError(
+                f"secrets.key_hash_secret_file: cannot read {secrets.key_hash_secret_file!r}: {exc.strerror}"
+            ) from None
+        if not value:
+            raise ConfigError("secrets.key_hash_secret_file: the file is empty")
+        return value
+    if secrets.key_hash_secret_env is not None:
+        env_value = environ.get(secrets.key_hash_secret_env, "")
+        if not env_value:
+            raise ConfigError(
+                f"secrets.key_hash_secret_env: environment variable {secrets.key_hash_secret_env} is not set"
+            )
+        return env_value.encode()
+    raise ConfigError("secrets: set key_hash_secret_env or key_hash_secret_file")

@@ -1,0 +1,145 @@
+"""Closing the books on one request: load accounting, quota, policy feedback, metrics, one log line."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.admission import Admitted
+from gateway.registry import Worker
+from gateway.state import GatewayState
+from policies.base import Observation
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token counts a worker reported; None where it reported nothing."""
+
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+
+
+def usage_of(raw: Any) -> Usage:
+    if not isinstance(raw, Mapping):
+        return Usage()
+    details = raw.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
+    return Usage(_int(raw.get("prompt_tokens")), _int(raw.get("completion_tokens")), _int(cached))
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+@dataclass(slots=True)
+class Attempt:
+    """One dispatch of an admitted request to one worker; `finish` must run exactly once."""
+
+    admitted: Admitted
+    worker: Worker
+    reason: str
+    dispatched_s: float
+    ttft_s: float | None = None
+    finished: bool = False
+
+    def first_token(self) -> None:
+        if self.ttft_s is None:
+            self.ttft_s = time.monotonic() - self.dispatched_s
+            self.worker.first_token(self.admitted.route.n_prompt_tokens)
+
+    def fail(self, state: GatewayState, *, worker_fault: bool) -> None:
+        """The attempt ended without a usable answer. `worker_fault` feeds the breaker and tells the
+        policy the worker failed; a client that went away is nobody's fault and teaches nothing."""
+        if self.finished:
+            return
+        self.finished = True
+        a = self.admitted
+        self.worker.release(
+            a.route.n_prompt_tokens, a.max_output_tokens, prefill_done=self.ttft_s is not None
+        )
+        now_s = time.monotonic()
+        if worker_fault:
+            self.worker.breaker.on_failure(now_s)
+        else:
+            self.worker.breaker.on_abandon()
+        state.policy.on_complete(
+            Observation(
+                request=a.route, worker=self.worker.worker_id, ttft_s=self.ttft_s, failed=worker_fault
+            ),
+            now_s,
+        )
+
+    def complete(self, state: GatewayState, usage: Usage) -> None:
+        """Successful end: breaker success, policy feedback with TTFT and tokens."""
+        if self.finished:
+            return
+        self.finished = True
+        a = self.admitted
+        self.worker.release(
+            a.route.n_prompt_tokens, a.max_output_tokens, prefill_done=self.ttft_s is not None
+        )
+        now_s = time.monotonic()
+        self.worker.breaker.on_success()
+        state.policy.on_complete(
+            Observation(
+                request=a.route,
+                worker=self.worker.worker_id,
+                ttft_s=self.ttft_s,
+                prompt_tokens=usage.prompt_tokens,
+                cached_tokens=usage.cached_tokens,
+                completion_tokens=usage.completion_tokens,
+            ),
+            now_s,
+        )
+
+
+def record_request(
+    state: GatewayState,
+    admitted: Admitted,
+    *,
+    status: int,
+    worker: Worker | None,
+    reason: str | None,
+    usage: Usage,
+    ttft_s: float | None,
+    retries: int,
+    error: str | None = None,
+) -> None:
+    """Quota release, metrics and the access log line of an admitted request (once)."""
+    a = admitted
+    now_s = time.monotonic()
+    a.limiter.release(usage.completion_tokens or 0, now_s)
+    duration_s = now_s - a.started_s
+    state.metrics.observe(
+        model=a.model,
+        tenant=a.tenant.name,
+        endpoint=a.endpoint,
+        status=status,
+        duration_s=duration_s,
+        ttft_s=ttft_s,
+        prompt_tokens=usage.prompt_tokens,
+        cached_tokens=usage.cached_tokens,
+        completion_tokens=usage.completion_tokens,
+    )
+    state.access_log.write(
+        {
+            "request_id": a.request_id,
+            "tenant": a.tenant.name,
+            "model": a.model,
+            "endpoint": a.endpoint,
+            "stream": a.stream,
+            "status": status,
+            "worker": worker.url if worker else None,
+            "reason": reason,
+            "retries": retries,
+            "prompt_tokens": usage.prompt_tokens,
+            "cached_tokens": usage.cached_tokens,
+            "completion_tokens": usage.completion_tokens,
+            "ttft_ms": round(ttft_s * 1000, 2) if ttft_s is not None else None,
+            "duration_ms": round(duration_s * 1000, 2),
+            "error": error,
+        }
+    )

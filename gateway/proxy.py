@@ -1,0 +1,143 @@
+"""Dispatch: ask the policy for a worker, send, retry on the next-best worker before the first byte.
+
+Retries happen only while nothing has reached the client: on a connect error, or a 5xx answer
+(whose body is discarded). Timeouts are not retried (the worker may still be computing), and a
+4xx from the worker is the client's problem and is passed through unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import orjson
+
+from gateway.admission import UPSTREAM_PATHS, Admitted
+from gateway.errors import ApiError, RawResponse, error_response, upstream_error
+from gateway.outcome import Attempt, Usage, record_request, usage_of
+from gateway.state import GatewayState
+from gateway.streaming import ProxyStream
+from policies.base import WorkerId
+
+
+async def dispatch(a: Admitted, state: GatewayState) -> RawResponse | ProxyStream:
+    """Route and send one admitted request; always ends by recording it exactly once."""
+    session = state.upstream()
+    pool = a.pool
+    timeouts = pool.config.timeouts
+    timeout = aiohttp.ClientTimeout(
+        total=timeouts.total_s, sock_connect=timeouts.connect_s, sock_read=timeouts.read_s
+    )
+    headers = {"content-type": "application/json", "x-request-id": a.request_id}
+    path = UPSTREAM_PATHS[a.endpoint]
+    tried: set[WorkerId] = set()
+    last: ApiError = upstream_error(503, f"no healthy worker available for model '{a.model}'")
+    attempt: Attempt | None = None
+    for n in range(pool.config.retry_attempts + 1):
+        now_s = time.monotonic()
+        decision = state.policy.select(a.route, pool.views(now_s, frozenset(tried)), now_s)
+        worker = pool.workers.get(decision.worker) if decision is not None else None
+        if decision is None or worker is None or decision.worker in tried:
+            break
+        if n:
+            state.metrics.retries.labels(pool.name).inc()
+        tried.add(decision.worker)
+        state.policy.on_dispatch(a.route, decision, now_s)
+        state.metrics.decision(state.policy_name, decision.reason)
+        worker.acquire(a.route.n_prompt_tokens, a.max_output_tokens, now_s)
+        attempt = Attempt(a, worker, decision.reason, now_s)
+        try:
+            resp = await session.post(worker.url + path, data=a.body, headers=headers, timeout=timeout)
+        except aiohttp.ConnectionTimeoutError:
+            attempt.fail(state, worker_fault=True)
+            last = upstream_error(502, f"could not connect to a worker within {timeouts.connect_s:g} s")
+            continue
+        except TimeoutError:
+            attempt.fail(state, worker_fault=True)
+            last = upstream_error(504, f"worker did not answer within {timeouts.read_s:g} s")
+            break
+        except (aiohttp.ClientError, OSError) as exc:
+            attempt.fail(state, worker_fault=True)
+            last = upstream_error(502, f"could not reach a worker ({type(exc).__name__})")
+            continue
+        except asyncio.CancelledError:
+            attempt.fail(state, worker_fault=False)
+            _finish_error(state, a, 499, attempt, n, "client disconnected")
+            raise
+        if resp.status >= 500:
+            resp.close()
+            attempt.fail(state, worker_fault=True)
+            last = upstream_error(502, f"worker answered {resp.status}")
+            continue
+        if a.stream and resp.status == 200 and resp.content_type == "text/event-stream":
+            return ProxyStream(state, attempt, resp, retries=n)
+        return await _whole(state, a, attempt, resp, n)
+    _finish_error(state, a, last.status, attempt, len(tried), last.message)
+    return error_response(last, a.request_id)
+
+
+async def _whole(
+    state: GatewayState, a: Admitted, attempt: Attempt, resp: aiohttp.ClientResponse, retries: int
+) -> RawResponse:
+    """A non-streamed answer (or a worker's 4xx): pass the bytes through unchanged."""
+    try:
+        body = await resp.read()
+    except TimeoutError:
+        resp.close()
+        attempt.fail(state, worker_fault=True)
+        err = upstream_error(504, "worker timed out while sending its answer")
+        _finish_error(state, a, 504, attempt, retries, err.message)
+        return error_response(err, a.request_id)
+    except (aiohttp.ClientError, OSError) as exc:
+        resp.close()
+        attempt.fail(state, worker_fault=True)
+        err = upstream_error(502, f"worker connection failed mid-answer ({type(exc).__name__})")
+        _finish_error(state, a, 502, attempt, retries, err.message)
+        return error_response(err, a.request_id)
+    except asyncio.CancelledError:
+        resp.close()
+        attempt.fail(state, worker_fault=False)
+        _finish_error(state, a, 499, attempt, retries, "client disconnected")
+        raise
+    resp.release()
+    usage = Usage()
+    if resp.status == 200:
+        try:
+            parsed = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            parsed = None
+        usage = usage_of(parsed.get("usage") if isinstance(parsed, dict) else None)
+        attempt.complete(state, usage)
+    else:
+        # A 4xx is about the request, not the worker's health.
+        attempt.fail(state, worker_fault=False)
+    record_request(
+        state,
+        a,
+        status=resp.status,
+        worker=attempt.worker,
+        reason=attempt.reason,
+        usage=usage,
+        ttft_s=None,
+        retries=retries,
+    )
+    content_type = resp.headers.get("content-type", "application/json")
+    headers = [(b"content-type", content_type.encode()), (b"x-request-id", a.request_id.encode())]
+    return RawResponse(resp.status, body, headers)
+
+
+def _finish_error(
+    state: GatewayState, a: Admitted, status: int, attempt: Attempt | None, retries: int, error: str
+) -> None:
+    record_request(
+        state,
+        a,
+        status=status,
+        worker=attempt.worker if attempt else None,
+        reason=attempt.reason if attempt else None,
+        usage=Usage(),
+        ttft_s=None,
+        retries=retries,
+        error=error,
+    )

@@ -1,0 +1,107 @@
+"""Per-tenant admission control: concurrency caps and rpm / tpm token buckets.
+
+Buckets hold one minute of budget and refill continuously. Tokens are charged in two steps: the
+prompt estimate at admission, the completion tokens when the request finishes (the bucket may go
+negative then, which delays the tenant's next requests instead of failing this one).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from gateway.config import QuotaConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """Why a request was not admitted. `retryable` is False when waiting cannot help."""
+
+    message: str
+    retry_after_s: float
+    retryable: bool
+    code: str
+
+
+class TokenBucket:
+    """`capacity` units, refilled at `capacity / 60` per second."""
+
+    __slots__ = ("_level", "_rate_per_s", "_stamp_s", "capacity")
+
+    def __init__(self, capacity: int, now_s: float) -> None:
+        self.capacity = float(capacity)
+        self._rate_per_s = capacity / 60.0
+        self._level = float(capacity)
+        self._stamp_s = now_s
+
+    def _refill(self, now_s: float) -> None:
+        elapsed = max(0.0, now_s - self._stamp_s)
+        self._level = min(self.capacity, self._level + elapsed * self._rate_per_s)
+        self._stamp_s = now_s
+
+    def wait_s(self, amount: float, now_s: float) -> float:
+        """Seconds until `amount` is available (0 if it is now; inf if it never fits)."""
+        self._refill(now_s)
+        if amount > self.capacity:
+            return math.inf
+        missing = amount - self._level
+        return 0.0 if missing <= 0 else missing / self._rate_per_s
+
+    def take(self, amount: float, now_s: float) -> None:
+        self._refill(now_s)
+        self._level -= amount
+
+
+class TenantLimiter:
+    """The quota state of one tenant."""
+
+    def __init__(self, quotas: QuotaConfig, now_s: float) -> None:
+        self._max_concurrent = quotas.max_concurrent
+        self._rpm = TokenBucket(quotas.rpm, now_s) if quotas.rpm else None
+        self._tpm = TokenBucket(quotas.tpm, now_s) if quotas.tpm else None
+        self.in_flight = 0
+
+    def admit(self, prompt_tokens: int, now_s: float) -> Rejection | None:
+        """Reserve one concurrency slot, one request and `prompt_tokens` tokens, or say why not."""
+        if self._max_concurrent is not None and self.in_flight >= self._max_concurrent:
+            return Rejection(
+                f"too many concurrent requests (limit {self._max_concurrent})",
+                1.0,
+                True,
+                "rate_limit_exceeded",
+            )
+        if self._tpm is not None:
+            wait = self._tpm.wait_s(prompt_tokens, now_s)
+            if math.isinf(wait):
+                return Rejection(
+                    f"request needs about {prompt_tokens} tokens, more than the tenant's tpm quota "
+                    f"({int(self._tpm.capacity)})",
+                    60.0,
+                    False,
+                    "insufficient_quota",
+                )
+            if wait > 0:
+                return _spent("tokens per minute", wait)
+        if self._rpm is not None:
+            wait = self._rpm.wait_s(1, now_s)
+            if wait > 0:
+                return _spent("requests per minute", wait)
+        if self._tpm is not None:
+            self._tpm.take(prompt_tokens, now_s)
+        if self._rpm is not None:
+            self._rpm.take(1, now_s)
+        self.in_flight += 1
+        return None
+
+    def release(self, completion_tokens: int, now_s: float) -> None:
+        self.in_flight -= 1
+        if self._tpm is not None and completion_tokens > 0:
+            self._tpm.take(completion_tokens, now_s)
+
+
+def _spent(what: str, wait_s: float) -> Rejection:
+    # A quota that refills within the SDK's retry window (60 s) is worth retrying; beyond it the
+    # SDK would ignore Retry-After anyway, so we tell it not to retry at all.
+    retryable = wait_s <= 60.0
+    code = "rate_limit_exceeded" if retryable else "insufficient_quota"
+    return Rejection(f"{what} quota spent; retry in {math.ceil(wait_s)} s", wait_s, retryable, code)

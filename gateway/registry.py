@@ -1,0 +1,185 @@
+"""Worker registry: per-pool workers with active health, a circuit breaker and load accounting.
+
+The registry takes plain URL lists (`Pool.set_urls`), so static config and periodic discovery feed
+it the same way. Load counters are kept incrementally by the data path (`Worker.acquire` /
+`release`), never recomputed by scanning requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterable
+
+import aiohttp
+
+from gateway.breaker import CircuitBreaker
+from gateway.config import PoolConfig
+from policies.base import WorkerId, WorkerView
+
+log = logging.getLogger("kvgate.registry")
+
+
+class Worker:
+    """One upstream worker. Invariants: counters never go below zero; `healthy` is the active
+    check's verdict, `breaker` the passive one; a worker is routable only when both agree."""
+
+    __slots__ = (
+        "_fails",
+        "_oks",
+        "breaker",
+        "decode_tokens",
+        "healthy",
+        "in_flight",
+        "max_in_flight",
+        "prefill_tokens",
+        "url",
+        "worker_id",
+    )
+
+    def __init__(self, url: str, config: PoolConfig) -> None:
+        self.url = url
+        self.worker_id = WorkerId(url)
+        self.healthy = False  # unknown until the first check answers
+        self.breaker = CircuitBreaker(config.breaker)
+        self.max_in_flight = config.max_in_flight_per_worker
+        self.in_flight = 0
+        self.prefill_tokens = 0
+        self.decode_tokens = 0
+        self._fails = 0
+        self._oks = 0
+
+    def view(self, now_s: float) -> WorkerView:
+        return WorkerView(
+            worker_id=self.worker_id,
+            healthy=self.healthy and self.breaker.allows(now_s),
+            in_flight_requests=self.in_flight,
+            in_flight_prefill_tokens=self.prefill_tokens,
+            in_flight_decode_tokens=self.decode_tokens,
+            max_in_flight=self.max_in_flight,
+        )
+
+    def acquire(self, prompt_tokens: int, max_output_tokens: int, now_s: float) -> None:
+        self.in_flight += 1
+        self.prefill_tokens += prompt_tokens
+        self.decode_tokens += max_output_tokens
+        self.breaker.on_dispatch(now_s)
+
+    def first_token(self, prompt_tokens: int) -> None:
+        """Prefill is done: the prompt no longer weighs on the worker's prefill queue."""
+        self.prefill_tokens = max(0, self.prefill_tokens - prompt_tokens)
+
+    def release(self, prompt_tokens: int, max_output_tokens: int, prefill_done: bool) -> None:
+        self.in_flight = max(0, self.in_flight - 1)
+        if not prefill_done:
+            self.prefill_tokens = max(0, self.prefill_tokens - prompt_tokens)
+        self.decode_tokens = max(0, self.decode_tokens - max_output_tokens)
+
+    def record_health(self, ok: bool, config: PoolConfig) -> None:
+        if ok:
+            self._oks += 1
+            self._fails = 0
+            if not self.healthy and self._oks >= config.health.successes_to_up:
+                self.healthy = True
+                log.info("worker up", extra={"worker": self.url})
+        else:
+            self._fails += 1
+            self._oks = 0
+            # An unknown worker goes down on its first failed check; a known-good one needs a streak.
+            if self.healthy and self._fails >= config.health.failures_to_down:
+                self.healthy = False
+                log.warning("worker down", extra={"worker": self.url})
+
+
+class Pool:
+    """The workers of one pool and the config they share."""
+
+    def __init__(self, config: PoolConfig) -> None:
+        self.config = config
+        self.name = config.name
+        self.workers: dict[WorkerId, Worker] = {}
+        t = config.timeouts
+        self.client_timeout = aiohttp.ClientTimeout(
+            total=t.total_s, sock_connect=t.connect_s, sock_read=t.read_s
+        )
+        self.set_urls(config.workers)
+
+    def set_urls(self, urls: Iterable[str]) -> None:
+        """Replace the worker set; workers that stay keep their health, breaker and counters."""
+        wanted = [u.rstrip("/") for u in urls]
+        kept = {WorkerId(u): self.workers.get(WorkerId(u)) or Worker(u, self.config) for u in wanted}
+        self.workers = kept
+
+    def views(self, now_s: float, exclude: frozenset[WorkerId] = frozenset()) -> list[WorkerView]:
+        views = [w.view(now_s) for w in self.workers.values()]
+        if exclude:
+            views = [
+                WorkerView(
+                    v.worker_id,
+                    False,
+                    v.in_flight_requests,
+                    v.in_flight_prefill_tokens,
+                    v.in_flight_decode_tokens,
+                    v.max_in_flight,
+                )
+                if v.worker_id in exclude
+                else v
+                for v in views
+            ]
+        return views
+
+
+class Registry:
+    """All pools, the model → pool map, and the health-check loops (owned by the app lifespan)."""
+
+    def __init__(self, pools: Iterable[PoolConfig]) -> None:
+        self.pools: dict[str, Pool] = {}
+        self.by_model: dict[str, Pool] = {}
+        for cfg in pools:
+            pool = Pool(cfg)
+            self.pools[cfg.name] = pool
+            for model in cfg.models:
+                self.by_model[model] = pool
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def check_all(self, session: aiohttp.ClientSession) -> None:
+        """One round of health checks over every pool, concurrently."""
+        await asyncio.gather(*(self._check_pool(pool, session) for pool in self.pools.values()))
+
+    async def _check_pool(self, pool: Pool, session: aiohttp.ClientSession) -> None:
+        workers = list(pool.workers.values())
+        results = await asyncio.gather(
+            *(_probe(w.url, pool.config.health.timeout_s, session) for w in workers)
+        )
+        for worker, ok in zip(workers, results, strict=True):
+            worker.record_health(ok, pool.config)
+
+    def start(self, session: aiohttp.ClientSession) -> None:
+        for pool in self.pools.values():
+            self._tasks.append(asyncio.create_task(self._loop(pool, session), name=f"health:{pool.name}"))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+
+    async def _loop(self, pool: Pool, session: aiohttp.ClientSession) -> None:
+        while True:
+            await asyncio.sleep(pool.config.health.interval_s)
+            try:
+                await self._check_pool(pool, session)
+            except Exception:  # a bug in one round must not end health checking
+                log.exception("health round failed", extra={"pool": pool.name})
+
+
+async def _probe(url: str, timeout_s: float, session: aiohttp.ClientSession) -> bool:
+    try:
+        async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            await resp.read()
+            return resp.status == 200
+    except (aiohttp.ClientError, TimeoutError, OSError):
+        return False

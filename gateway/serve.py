@@ -1,0 +1,101 @@
+"""`kvgate serve`: run the gateway from a config file, or a self-contained demo.
+
+`--demo` starts N emulated vLLM workers as child processes on 127.0.0.1, waits until they answer
+GET /health, and serves them under a built-in config (model `kvgate-demo`, one strict tenant with
+the demo key). Every child runs in its own process group and is stopped by PID on exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from gateway.auth import hash_api_key
+from gateway.config import ConfigError, GatewayConfig, ListenConfig, load_config, read_secret
+from gateway.logs import setup_logging
+from policies.base import RoutingPolicy
+from policies.config import PolicyConfig, PolicyConfigError, build_policy, parse_policy_yaml
+from policies.registry import known_policies
+
+DEMO_MODEL = "kvgate-demo"
+DEMO_KEY = "sk-kvgate-demo"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--config", metavar="FILE", help="gateway config YAML (see docs/config.md)")
+    mode.add_argument("--demo", action="store_true", help="start emulated workers and serve them")
+    mode.add_argument(
+        "--hash-key",
+        action="store_true",
+        help="read an API key on stdin and print its config hash (secret from KVGATE_KEY_SECRET "
+        "or --secret-file)",
+    )
+    parser.add_argument("--secret-file", metavar="FILE", help="key-hash secret file for --hash-key")
+    parser.add_argument("--workers", type=int, default=2, help="demo: number of emulated workers (default 2)")
+    parser.add_argument("--host", default=None, help="listen address (default 127.0.0.1 or the config's)")
+    parser.add_argument("--port", type=int, default=None, help="listen port (default 8080 or the config's)")
+    parser.add_argument(
+        "--demo-key", default=DEMO_KEY, help=f"demo: the API key clients use (default {DEMO_KEY})"
+    )
+    parser.add_argument("--log-level", default=None, help="debug, info, warning (default info)")
+
+
+def load_policy(path: str | None) -> RoutingPolicy:
+    """The routing policy from the policy file, or least_load when none is configured."""
+    if path is None:
+        return build_policy(PolicyConfig(policy="least_load"))
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"policy_file: cannot read {path!r}: {exc.strerror}") from None
+    return build_policy(parse_policy_yaml(text))
+
+
+def demo_policy_name() -> str:
+    return "cost" if "cost" in known_policies() else "least_load"
+
+
+def _with_listen(config: GatewayConfig, host: str | None, port: int | None) -> GatewayConfig:
+    listen = ListenConfig(
+        host=host if host is not None else config.listen.host,
+        port=port if port is not None else config.listen.port,
+    )
+    return config.model_copy(update={"listen": listen})
+
+
+def run(args: argparse.Namespace) -> int:
+    from gateway.server import serve  # uvicorn is imported only when serving
+
+    setup_logging(args.log_level or "info")
+    try:
+        if args.hash_key:
+            return _hash_key(args)
+        if args.demo:
+            from gateway.demo import run_demo
+
+            return run_demo(args, serve)
+        config = _with_listen(load_config(args.config), args.host, args.port)
+        if args.log_level is None:
+            setup_logging(config.log_level)
+        secret = read_secret(config.secrets, dict(os.environ))
+        policy = load_policy(config.policy_file)
+    except (ConfigError, PolicyConfigError) as exc:
+        print(f"kvgate serve: {exc}", file=sys.stderr)
+        return 2
+    return serve(config, secret, policy)
+
+
+def _hash_key(args: argparse.Namespace) -> int:
+    from gateway.config import SecretsConfig
+
+    secrets = SecretsConfig(key_hash_secret_file=args.secret_file) if args.secret_file else SecretsConfig()
+    secret = read_secret(secrets, dict(os.environ))
+    key = sys.stdin.readline().strip()
+    if not key:
+        print("kvgate serve --hash-key: no key on stdin", file=sys.stderr)
+        return 2
+    print(hash_api_key(secret, key))
+    return 0

@@ -1,0 +1,74 @@
+"""Running the app under uvicorn with kvgate's shutdown order.
+
+First signal: readiness turns 503 at once; after `shutdown_delay_s` uvicorn stops listening; open
+streams get until `deadline_s` to finish, then end with a terminal error event. A second Ctrl-C
+forces the exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from types import FrameType
+
+import uvicorn
+
+from gateway.app import build_app, drain
+from gateway.config import GatewayConfig
+from gateway.state import GatewayState, build_state
+from policies.base import RoutingPolicy
+
+log = logging.getLogger("kvgate.server")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose first exit signal starts a drain instead of an immediate stop."""
+
+    def __init__(self, config: uvicorn.Config, state: GatewayState) -> None:
+        super().__init__(config)
+        self._state = state
+        self._drain_task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._state.draining or self._loop is None:
+            super().handle_exit(sig, frame)
+            return
+        self._state.draining = True
+        log.info("draining", extra={"signal": sig})
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        drain_cfg = self._state.config.drain
+        delay_s = min(drain_cfg.shutdown_delay_s, drain_cfg.deadline_s)
+        await asyncio.sleep(delay_s)
+        self.should_exit = True
+        await drain(self._state, drain_cfg.deadline_s - delay_s)
+
+
+def serve(config: GatewayConfig, secret: bytes, policy: RoutingPolicy) -> int:
+    state = build_state(config, secret, policy)
+    app = build_app(state)
+    uv_config = uvicorn.Config(
+        app,
+        host=config.listen.host,
+        port=config.listen.port,
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=int(config.drain.deadline_s) + 5,
+        timeout_keep_alive=30,
+        proxy_headers=False,  # client addresses are not used; no per-request header rewriting
+        server_header=False,
+    )
+    server = DrainingServer(uv_config, state)
+    server.run()  # uvicorn's loop factory: uvloop when installed
+    return 0 if server.started else 1

@@ -1,0 +1,143 @@
+"""The streamed response: relay upstream SSE to the client, end cleanly on every failure.
+
+Runs as a raw ASGI response so it can watch for the client's disconnect while waiting on the
+worker: a client that leaves cancels the upstream request at once (the worker sees the
+connection close), not at the next chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import aiohttp
+from starlette.types import Message, Receive, Scope, Send
+
+from gateway.outcome import Attempt, record_request, usage_of
+from gateway.sse import DONE_EVENT, SseRelay, error_event
+from gateway.state import GatewayState
+
+
+class ProxyStream:
+    """An ASGI response that owns one upstream streamed response until it ends."""
+
+    def __init__(
+        self, state: GatewayState, attempt: Attempt, upstream: aiohttp.ClientResponse, retries: int
+    ) -> None:
+        self._state = state
+        self._attempt = attempt
+        self._upstream = upstream
+        self._retries = retries
+        self._abort_reason: str | None = None
+        self._client_gone = False
+
+    def abort(self, reason: str) -> None:
+        """Stop relaying (drain deadline): the client gets a terminal error event."""
+        self._abort_reason = reason
+        self._upstream.close()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._state.stream_started(self)
+        relay_task = asyncio.ensure_future(self._relay(send))
+        watch_task = asyncio.ensure_future(self._watch_disconnect(receive))
+        try:
+            await asyncio.wait({relay_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+            if not relay_task.done():
+                # The client left first: cancel the relay, which closes the upstream connection.
+                self._client_gone = True
+                relay_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await relay_task
+        finally:
+            watch_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch_task
+            if not relay_task.done():
+                relay_task.cancel()
+            self._state.stream_ended(self)
+
+    async def _watch_disconnect(self, receive: Receive) -> None:
+        while True:
+            message: Message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    async def _relay(self, send: Send) -> None:
+        attempt = self._attempt
+        a = attempt.admitted
+        relay = SseRelay(a.strip_usage)
+        failure: tuple[str, str] | None = None
+        error: str | None = None
+        status = 200
+        try:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"content-type", b"text/event-stream; charset=utf-8"),
+                        (b"cache-control", b"no-cache"),
+                        (b"x-accel-buffering", b"no"),
+                        (b"x-request-id", a.request_id.encode()),
+                    ],
+                }
+            )
+            try:
+                async for chunk in self._upstream.content.iter_any():
+                    if attempt.ttft_s is None:
+                        attempt.first_token()
+                    out = relay.feed(chunk)
+                    if out:
+                        await send({"type": "http.response.body", "body": out, "more_body": True})
+            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                failure = (f"worker stream failed: {type(exc).__name__}", "upstream_stream_error")
+            if self._abort_reason is not None:
+                failure = (self._abort_reason, "gateway_shutting_down")
+            elif failure is None and relay.error is not None:
+                failure = ("worker reported an error mid-stream", "upstream_stream_error")
+            elif failure is None and not relay.done:
+                failure = ("worker stream ended before [DONE]", "upstream_stream_error")
+            tail = b""
+            if failure is not None:
+                # One terminal error event (unless the worker sent its own), then [DONE]: the
+                # OpenAI SDKs raise on the error and stop cleanly.
+                if relay.error is None:
+                    tail += error_event(failure[0], failure[1])
+                if not relay.done:
+                    tail += DONE_EVENT
+            await send({"type": "http.response.body", "body": tail, "more_body": False})
+        except asyncio.CancelledError:
+            status = 499
+            raise
+        except OSError:
+            # The client's socket went away while we were sending.
+            self._client_gone = True
+            status = 499
+        finally:
+            if failure is None and relay.done and status == 200:
+                self._upstream.release()  # read to EOF: the connection goes back to the pool
+            else:
+                self._upstream.close()
+            usage = usage_of(relay.usage)
+            if self._client_gone or status == 499:
+                attempt.fail(self._state, worker_fault=False)
+                status = 499
+                error = "client disconnected"
+            elif failure is not None:
+                attempt.fail(self._state, worker_fault=self._abort_reason is None)
+                status = 502 if self._abort_reason is None else 503
+                error = failure[1]
+            else:
+                attempt.complete(self._state, usage)
+                error = None
+            record_request(
+                self._state,
+                a,
+                status=status,
+                worker=attempt.worker,
+                reason=attempt.reason,
+                usage=usage,
+                ttft_s=attempt.ttft_s,
+                retries=self._retries,
+                error=error,
+            )

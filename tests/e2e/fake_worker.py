@@ -1,0 +1,190 @@
+"""A small fault-injecting OpenAI-style worker for the gateway's end-to-end tests.
+
+One process serves several ports, each with its own behaviour:
+
+    python -m tests.e2e.fake_worker --listen 9001:ok --listen 9002:error500 ...
+
+modes: ok (answers), error500 (500 before the first byte), die (streams two chunks, then drops the
+connection), slow (streams one chunk every 50 ms for 10 s and records a client cancel), hang
+(answers nothing for 30 s).
+GET /_log on any port returns what that port received (request id, body) and saw (cancels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+MODES = ("ok", "error500", "die", "slow", "hang")
+
+
+class Port:
+    def __init__(self, name: str, mode: str) -> None:
+        self.name = name
+        self.mode = mode
+        self.requests: list[dict[str, Any]] = []
+        self.cancelled: list[str] = []
+        self.seen_prompts: list[str] = []
+
+
+def _prompt_text(body: dict[str, Any]) -> str:
+    if "messages" in body:
+        return orjson.dumps(body["messages"]).decode()
+    return str(body.get("prompt"))
+
+
+def _cached(port: Port, text: str, salt: Any) -> int:
+    # Longest common prefix with an earlier prompt of the same salt, in whole 16-byte blocks.
+    keyed = f"{salt}\x00{text}"
+    best = 0
+    for earlier in port.seen_prompts:
+        n = 0
+        for a, b in zip(earlier, keyed, strict=False):
+            if a != b:
+                break
+            n += 1
+        best = max(best, n)
+    port.seen_prompts.append(keyed)
+    del port.seen_prompts[:-64]
+    return max(0, best - len(str(salt)) - 1) // 16 * 16
+
+
+def _answer(body: dict[str, Any], port: Port) -> tuple[dict[str, Any], str | None]:
+    """The assistant message (content or a tool call) and its finish reason."""
+    tools = body.get("tools")
+    messages = body.get("messages") or []
+    if tools and body.get("tool_choice") != "none" and messages and messages[-1].get("role") == "user":
+        name = tools[0]["function"]["name"]
+        call = {
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": name, "arguments": '{"city": "Paris"}'},
+        }
+        return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
+    return {"role": "assistant", "content": f"[{port.name}] hello from the fake worker"}, "stop"
+
+
+def make_app(port: Port) -> web.Application:
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def log(request: web.Request) -> web.Response:
+        return web.Response(
+            body=orjson.dumps({"requests": port.requests, "cancelled": port.cancelled}),
+            content_type="application/json",
+        )
+
+    async def infer(request: web.Request) -> web.StreamResponse:
+        body = await request.json(loads=orjson.loads)
+        rid = request.headers.get("x-request-id", "")
+        port.requests.append({"request_id": rid, "body": body, "path": request.path})
+        if port.mode == "hang":
+            await asyncio.sleep(30)
+        if port.mode == "error500":
+            return web.json_response({"error": {"message": "boom", "type": "server_error"}}, status=500)
+        chat = request.path.endswith("chat/completions")
+        text = _prompt_text(body)
+        prompt_tokens = len(text.encode())
+        cached = _cached(port, text, body.get("cache_salt"))
+        message, finish = _answer(body, port)
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": 7,
+            "total_tokens": prompt_tokens + 7,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+        base = {"id": f"cmpl-{rid}", "created": int(time.time()), "model": body.get("model")}
+        if not body.get("stream"):
+            if chat:
+                choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
+                out = {**base, "object": "chat.completion", "choices": [choice], "usage": usage}
+            else:
+                choice = {"index": 0, "text": message["content"], "finish_reason": finish, "logprobs": None}
+                out = {**base, "object": "text_completion", "choices": [choice], "usage": usage}
+            return web.Response(body=orjson.dumps(out), content_type="application/json")
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def event(payload: dict[str, Any]) -> bytes:
+            return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+        def delta_chunk(delta: dict[str, Any], fin: str | None) -> bytes:
+            if chat:
+                choice = {"index": 0, "delta": delta, "finish_reason": fin, "logprobs": None}
+            else:
+                choice = {
+                    "index": 0,
+                    "text": delta.get("content") or "",
+                    "finish_reason": fin,
+                    "logprobs": None,
+                }
+            return event({**base, "object": obj, "choices": [choice], "usage": None})
+
+        try:
+            if port.mode == "slow":
+                for i in range(200):
+                    await resp.write(delta_chunk({"content": f"t{i} "}, None))
+                    await asyncio.sleep(0.05)
+                port.cancelled.append(f"finished:{rid}")
+                return resp
+            if "tool_calls" in message:
+                call = message["tool_calls"][0]
+                await resp.write(
+                    delta_chunk({"role": "assistant", "tool_calls": [{"index": 0, **call}]}, None)
+                )
+            else:
+                await resp.write(delta_chunk({"role": "assistant", "content": ""}, None))
+                for word in message["content"].split(" "):
+                    await resp.write(delta_chunk({"content": word + " "}, None))
+                    if port.mode == "die":
+                        await asyncio.sleep(0.01)
+                        assert request.transport is not None
+                        request.transport.abort()
+                        return resp
+            await resp.write(delta_chunk({}, finish))
+            options = body.get("stream_options") or {}
+            if options.get("include_usage"):
+                # vLLM quirk the gateway must fix: a usage-only chunk with "choices": null.
+                await resp.write(event({**base, "object": obj, "choices": None, "usage": usage}))
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except (ConnectionResetError, asyncio.CancelledError):
+            port.cancelled.append(rid)
+            raise
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/_log", log)
+    app.router.add_post("/v1/chat/completions", infer)
+    app.router.add_post("/v1/completions", infer)
+    return app
+
+
+async def main(listens: list[str]) -> None:
+    runners = []
+    for spec in listens:
+        port_s, _, mode = spec.partition(":")
+        if mode not in MODES:
+            raise SystemExit(f"unknown mode {mode!r}; known: {MODES}")
+        runner = web.AppRunner(make_app(Port(f"{mode}-{port_s}", mode)), handle_signals=False)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", int(port_s)).start()
+        runners.append(runner)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--listen", action="append", required=True, help="PORT:MODE")
+    asyncio.run(main(parser.parse_args().listen))

@@ -1,0 +1,129 @@
+"""Fault injection on real processes: down workers, 500s, deaths mid-stream, client disconnects."""
+
+from __future__ import annotations
+
+import signal
+import time
+import uuid
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.conftest import Stack
+from tests.e2e.harness import free_port, start_fake_workers, start_gateway, tenant, write_gateway_config
+from tests.e2e.test_openai_sdk import received, worker_log
+
+
+def _client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="sk-acme", max_retries=0, timeout=10)
+
+
+def test_down_worker_is_routed_around(stack: Stack) -> None:
+    for _ in range(4):
+        reply = _client(stack).chat.completions.create(
+            model="m-down", messages=[{"role": "user", "content": "x"}]
+        )
+        assert "hello from the fake worker" in (reply.choices[0].message.content or "")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_500_before_first_byte_is_retried_on_another_worker(stack: Stack, stream: bool) -> None:
+    rid = uuid.uuid4().hex
+    result = _client(stack).chat.completions.create(
+        model="m-retry",
+        messages=[{"role": "user", "content": "x"}],
+        stream=stream,
+        extra_headers={"x-request-id": rid},
+    )
+    if stream:
+        text = "".join(c.choices[0].delta.content or "" for c in result if c.choices)  # type: ignore[union-attr]
+    else:
+        text = result.choices[0].message.content or ""  # type: ignore[union-attr]
+    assert "hello from the fake worker" in text
+    # The same request reached the failing worker first, then the healthy one.
+    paths = {r["request_id"] for r in worker_log(stack.workers["err500"])["requests"]}
+    assert rid in paths
+    assert len(received(stack, rid)) == 2
+
+
+def test_all_attempts_failing_is_a_502(stack: Stack) -> None:
+    with pytest.raises(openai.InternalServerError) as info:
+        _client(stack).chat.completions.create(model="m-500", messages=[{"role": "user", "content": "x"}])
+    assert info.value.status_code == 502
+
+
+def test_worker_dying_mid_stream_gives_one_error_event_and_the_sdk_raises(stack: Stack) -> None:
+    started = time.monotonic()
+    with pytest.raises(openai.APIError):
+        for _ in _client(stack).chat.completions.create(
+            model="m-die", messages=[{"role": "user", "content": "x"}], stream=True
+        ):
+            pass
+    body = {"model": "m-die", "messages": [{"role": "user", "content": "x"}], "stream": True}
+    raw = httpx.post(
+        stack.base_url + "/v1/chat/completions",
+        json=body,
+        headers={"authorization": "Bearer sk-acme"},
+        timeout=10,
+    ).content
+    events = [e for e in raw.split(b"\n\n") if e]
+    errors = [e for e in events if e.startswith(b'data: {"error"')]
+    assert len(errors) == 1 and events[-1] == b"data: [DONE]" and events[-2] == errors[0]
+    assert time.monotonic() - started < 5
+
+
+def test_client_disconnect_cancels_the_upstream_request(stack: Stack) -> None:
+    rid = uuid.uuid4().hex
+    body = {"model": "m-slow", "messages": [{"role": "user", "content": "x"}], "stream": True}
+    with httpx.stream(
+        "POST",
+        stack.base_url + "/v1/chat/completions",
+        json=body,
+        timeout=10,
+        headers={"authorization": "Bearer sk-acme", "x-request-id": rid},
+    ) as resp:
+        first = next(resp.iter_raw())
+        assert first.startswith(b"data: ")
+    # The slow worker would stream for 10 s; it must see the cancel within a moment.
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        if rid in worker_log(stack.workers["slow"])["cancelled"]:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the worker never saw the client's disconnect")
+
+
+def test_worker_killed_after_being_healthy_is_retried_then_avoided(tmp_path: pytest.TempPathFactory) -> None:
+    victim_port, ok_port, gw_port = free_port(), free_port(), free_port()
+    victim = start_fake_workers({victim_port: "ok"})
+    ok = start_fake_workers({ok_port: "ok"})
+    gateway = None
+    try:
+        urls = [f"http://127.0.0.1:{victim_port}", f"http://127.0.0.1:{ok_port}"]
+        # Slow health checks: only the data path can notice the death.
+        pool = {
+            "name": "p",
+            "models": ["m"],
+            "workers": urls,
+            "health": {"interval_s": 60},
+            "breaker": {"failure_threshold": 1, "cooldown_s": 60},
+        }
+        config = write_gateway_config(tmp_path / "gw.yaml", [pool], [tenant("t", "sk-t")])  # type: ignore[operator]
+        gateway = start_gateway(config, gw_port)
+        victim.stop(signal.SIGKILL)
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{gw_port}/v1", api_key="sk-t", max_retries=0, timeout=10
+        )
+        for _ in range(3):
+            reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+            assert f"ok-{ok_port}" in (reply.choices[0].message.content or "")
+        metrics = httpx.get(f"http://127.0.0.1:{gw_port}/metrics", timeout=5).text
+        # One connect failure, one retry; the open breaker keeps later requests away from the corpse.
+        assert 'kvgate_upstream_retries_total{pool="p"} 1.0' in metrics
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        ok.stop()
+        victim.stop()

@@ -1,0 +1,107 @@
+"""`kvgate serve` as a process: graceful drain, config errors, key hashing."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from gateway.auth import hash_api_key
+from tests.e2e.harness import (
+    SECRET,
+    free_port,
+    start_fake_workers,
+    start_gateway,
+    tenant,
+    write_gateway_config,
+)
+
+
+def test_sigterm_drains_streams_to_the_deadline_then_exits(tmp_path: Path) -> None:
+    slow_port, ok_port, gw_port = free_port(), free_port(), free_port()
+    workers = start_fake_workers({slow_port: "slow", ok_port: "ok"})
+    gateway = None
+    try:
+        pools = [
+            {"name": "slow", "models": ["m-slow"], "workers": [f"http://127.0.0.1:{slow_port}"]},
+            {"name": "ok", "models": ["m-ok"], "workers": [f"http://127.0.0.1:{ok_port}"]},
+        ]
+        config = write_gateway_config(
+            tmp_path / "gw.yaml",
+            pools,
+            [tenant("t", "sk-t")],
+            drain={"shutdown_delay_s": 0.6, "deadline_s": 1.5},
+        )
+        gateway = start_gateway(config, gw_port)
+        base = f"http://127.0.0.1:{gw_port}"
+        auth = {"authorization": "Bearer sk-t"}
+        body = {"model": "m-slow", "messages": [{"role": "user", "content": "x"}], "stream": True}
+        received: list[bytes] = []
+        streaming = threading.Event()
+
+        def consume() -> None:
+            with httpx.stream(
+                "POST", base + "/v1/chat/completions", json=body, headers=auth, timeout=10
+            ) as r:
+                for chunk in r.iter_raw():
+                    received.append(chunk)
+                    streaming.set()
+
+        reader = threading.Thread(target=consume)
+        reader.start()
+        assert streaming.wait(5)
+        signalled = time.monotonic()
+        gateway.popen.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        # Draining: not ready any more, but still serving during the shutdown delay.
+        assert httpx.get(base + "/readyz", timeout=2).status_code == 503
+        ok = {"model": "m-ok", "messages": [{"role": "user", "content": "x"}]}
+        assert httpx.post(base + "/v1/chat/completions", json=ok, headers=auth, timeout=5).status_code == 200
+        reader.join(10)
+        assert not reader.is_alive()
+        ended = time.monotonic() - signalled
+        events = [e for e in b"".join(received).split(b"\n\n") if e]
+        assert events[-1] == b"data: [DONE]"
+        assert b"gateway_shutting_down" in events[-2]
+        assert 1.0 < ended < 4.0
+        assert gateway.popen.wait(10) == 0
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        workers.stop()
+
+
+def test_bad_config_fails_naming_the_field(tmp_path: Path) -> None:
+    path = tmp_path / "gw.yaml"
+    path.write_text(
+        "pools:\n  - name: p\n    models: [m]\n    max_in_flight_per_worker: -1\n    colour: red\n"
+        "tenants: []\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 2
+    assert "pools.0.max_in_flight_per_worker" in proc.stderr
+    assert "pools.0.colour" in proc.stderr and "tenants" in proc.stderr
+
+
+def test_hash_key_prints_the_config_form(tmp_path: Path) -> None:
+    secret_file = tmp_path / "secret"
+    secret_file.write_bytes(SECRET + b"\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "serve", "--hash-key", "--secret-file", str(secret_file)],
+        input="sk-abc\n",
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == hash_api_key(SECRET, "sk-abc")

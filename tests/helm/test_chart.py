@@ -11,6 +11,8 @@ import kubernetes_validate  # dev extra: kubernetes-validate (bundled Kubernetes
 import pytest
 import yaml
 
+from gateway.config import parse_config
+
 CHART = Path(__file__).resolve().parents[2] / "helm" / "kvgate"
 KUBE_VERSIONS = ("1.30.0", "1.33.0")
 # Custom resources have no bundled schema; they are checked by shape below instead.
@@ -18,14 +20,20 @@ CRD_KINDS = frozenset({"ServiceMonitor"})
 
 
 KEY_HASH = "hmac-sha256:" + "ab" * 32
-# values.yaml ships no tenant (a key hash is deployment-specific): every render adds one.
+# values.yaml ships no tenant and no workers (both are deployment-specific): every render adds them.
 TENANT: dict[str, Any] = {"name": "team-a", "apiKeyHashes": [KEY_HASH]}
+POOL: dict[str, Any] = {
+    "name": "default",
+    "models": ["my-model"],
+    "workers": {"urls": ["http://10.0.0.7:8000"]},
+}
+REQUIRED: dict[str, Any] = {"tenants": [TENANT], "pools": [POOL]}
 
 
 def render(values: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
     """Render with `values` (plus a tenant) on top of values.yaml; return the documents by kind/name."""
     chart = helm_python.Chart.load(str(CHART))
-    merged = {"tenants": [TENANT], **(values or {})}
+    merged = {**REQUIRED, **(values or {})}
     out = chart.render(merged, name="rel", namespace="llm", is_install=True)
     docs: dict[str, dict[str, Any]] = {}
     for path, text in out.items():
@@ -48,15 +56,30 @@ def pod_spec(docs: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def test_lint_is_clean() -> None:
-    result = helm_python.lint(str(CHART), {"tenants": [TENANT]}, strict=True, kube_version="v1.30.0")
+    result = helm_python.lint(str(CHART), REQUIRED, strict=True, kube_version="v1.30.0")
     assert result["errors"] == []
     assert [m for m in result["messages"] if m["severity"] > 1] == []
 
 
-def test_install_without_a_tenant_fails_clearly() -> None:
+@pytest.mark.parametrize(
+    ("values", "needle"),
+    [({"pools": [POOL]}, "at least one tenant"), ({"tenants": [TENANT]}, "set workers.urls or workers.dns")],
+)
+def test_install_without_tenant_or_workers_fails_clearly(values: dict[str, Any], needle: str) -> None:
     chart = helm_python.Chart.load(str(CHART))
-    with pytest.raises(helm_python.HelmError, match="at least one tenant"):
-        chart.render({}, name="rel", namespace="llm", is_install=True)
+    with pytest.raises(helm_python.HelmError, match=needle):
+        chart.render(values, name="rel", namespace="llm", is_install=True)
+
+
+def test_rendered_gateway_config_is_accepted_by_the_gateway() -> None:
+    docs = render(FULL_VALUES | {"config": {"upstream": {"max_connections": 512}}})
+    config = parse_config(gateway_config(docs))
+    assert config.listen.port == 8080 and config.listen.host == "0.0.0.0"
+    assert config.pools[0].workers == ["http://10.0.0.7:8000"]
+    assert config.tenants[0].quotas.rpm == 60 and config.tenants[0].isolation == "public"
+    assert config.secrets.key_hash_secret_env == "KVGATE_KEY_SECRET"
+    assert config.drain.deadline_s == 30 and config.upstream.max_connections == 512
+    assert config.policy_file == "/etc/kvgate/policy/policy.yaml"
 
 
 FULL_VALUES: dict[str, Any] = {

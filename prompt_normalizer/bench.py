@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
         from prompt_normalizer.canonical import canonicalize_chat
 
         chat = canonicalize_chat(body, tnorm.config, b"k" * 32)
-        tok = tnorm._tokenizer  # the benchmark times the stages one by one
+        tok = tnorm.chat_tokenizer  # the benchmark times the stages one by one
         assert tok is not None
         text = tok.render(chat)
         n_chat = len(tok.encode(text, add_special_tokens=False, with_offsets=False).tokens)

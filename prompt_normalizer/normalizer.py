@@ -83,6 +83,11 @@ class Normalizer:
         return self._config
 
     @property
+    def chat_tokenizer(self) -> ChatTemplateTokenizer | None:
+        """The local template + tokenizer (tokenizer mode), e.g. to time its stages."""
+        return self._tokenizer
+
+    @property
     def render_fingerprint(self) -> str | None:
         """A digest of the local tokenizer and template (tokenizer mode): put it in the identity's
         `tokenizer_version` / `template_version` when the pool config does not name versions."""

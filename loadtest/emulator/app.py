@@ -236,15 +236,22 @@ def create_app(cfg: EmulatorConfig, sink_factory: Callable[[], KvEventSink | Non
         if live.gen.stream:
             return StreamingResponse(_stream(w, live), media_type="text/event-stream")
         try:
+            # Tokens wake this loop every step; look for a client disconnect every poll period.
+            next_check_s = time.monotonic() + DISCONNECT_POLL_S
             while not live.finished:
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(live.wait(), timeout=DISCONNECT_POLL_S)
-                except TimeoutError:
+                if time.monotonic() >= next_check_s:
+                    next_check_s = time.monotonic() + DISCONNECT_POLL_S
                     if await request.is_disconnected():
                         w.abort(live)
                         return Response(status_code=499)
         finally:
             w.abort(live)  # no-op once finished; frees blocks if the handler is cancelled
+        if live.failed:
+            raise ApiError(
+                500, "the emulated engine failed while running this request", "InternalServerError"
+            )
         return _json(build(live))
 
     @app.post("/v1/chat/completions")
@@ -270,13 +277,16 @@ async def _stream(w: EmulatedWorker, live: LiveRequest) -> AsyncIterator[bytes]:
     try:
         while True:
             ready = min(live.produced, live.num_output_tokens)
-            if ready > sent:
-                for chunk in responses.token_chunks(live, sent, ready):
-                    yield chunk
+            if ready > sent:  # tokens of several steps (a slow reader) go out in one write
+                yield b"".join(responses.token_chunks(live, sent, ready))
                 sent = ready
             if live.finished:
                 break
             await live.wait()
+        if live.failed:
+            yield responses.sse(ApiError(500, "the emulated engine failed", "InternalServerError").body())
+            yield responses.SSE_DONE
+            return
         for chunk in responses.final_chunks(live):
             yield chunk
     finally:

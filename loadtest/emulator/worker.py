@@ -67,6 +67,7 @@ class LiveRequest:
         "cached_tokens",
         "created",
         "event",
+        "failed",
         "finished",
         "first_token_s",
         "gen",
@@ -86,6 +87,7 @@ class LiveRequest:
         self.produced = 0
         self.cached_tokens = 0
         self.finished = False
+        self.failed = False  # the engine raised: the handler answers 500 instead of waiting forever
         self.arrival_s = time.monotonic()
         self.first_token_s: float | None = None
         self.event = asyncio.Event()
@@ -145,16 +147,19 @@ class EmulatedWorker:
         n_prompt = len(gen.prompt_ids)
         if gen.tool_call is not None:
             answer = self.answers.fixed_answer(gen.tool_call.arguments)
+            n_output = len(answer.pieces)
         else:
-            answer = self.answers.text_answer(gen.prompt_ids, gen.max_tokens)
-        total = n_prompt + len(answer.pieces)
-        if total > self.max_model_len:
+            n_output = gen.max_tokens
+        total = n_prompt + n_output
+        if total > self.max_model_len:  # checked before building the answer: max_tokens is untrusted
             raise ApiError.bad_request(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{total} tokens ({n_prompt} in the messages, {len(answer.pieces)} in the completion). "
+                f"{total} tokens ({n_prompt} in the messages, {n_output} in the completion). "
                 "Please reduce the length of the messages or completion.",
                 "messages" if gen.endpoint == "chat" else "prompt",
             )
+        if gen.tool_call is None:
+            answer = self.answers.text_answer(gen.prompt_ids, gen.max_tokens)
         live = LiveRequest(gen, answer, "chatcmpl" if gen.endpoint == "chat" else "cmpl")
         hashes = block_hashes(live.seq_token_ids, self.block_size, gen.cache_salt, self.cfg.seed)
         req = EngineRequest(live.request_id, n_prompt, len(answer.pieces), hashes)
@@ -193,20 +198,40 @@ class EmulatedWorker:
     async def run(self) -> None:
         """The step loop; runs until cancelled (owned by the app lifespan)."""
         scale = self.cfg.time_scale
+        busy_until_s: float | None = None  # model time the previous step ended, while busy
         while True:
             if not self.engine.has_work():
+                busy_until_s = None
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            began = time.monotonic()
-            res = self.engine.step(self.model_now_s())
+            # Back-to-back steps start where the previous one ended in model time, so a late
+            # wake-up of this process (CPU contention, timer resolution) is caught up instead of
+            # accumulating into every later token; after idling, a step starts now.
+            start_s = busy_until_s if busy_until_s is not None else self.model_now_s()
+            try:
+                res = self.engine.step(start_s)
+            except Exception:
+                log.exception("engine step failed; failing the requests in flight")
+                self._fail_all()
+                busy_until_s = None
+                continue
             if res is None:
                 continue
-            delay = began + res.duration_s / scale - time.monotonic()
+            busy_until_s = res.end_s
+            delay = self._start + res.end_s / scale - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
             self._deliver(res)
             next(self._steps)
+
+    def _fail_all(self) -> None:
+        for live in list(self._live.values()):
+            self.engine.abort(live.request_id)
+            live.failed = True
+            live.finished = True
+            live.event.set()
+        self._live.clear()
 
     def _lookup(self, request_id: object) -> LiveRequest | None:
         key = str(request_id)

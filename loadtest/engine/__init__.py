@@ -54,9 +54,10 @@ Cost: work per step is proportional to the scheduled batch plus the blocks it to
 stores, evictions); nothing scans the whole cache and there are no per-token Python loops.
 """
 
-from loadtest.engine.engine import Engine, EngineConfig
+from loadtest.engine.engine import Engine
 from loadtest.engine.hashing import block_hashes, request_from_tokens
 from loadtest.engine.profile import DEFAULT_PROFILE, ProfileError, StepProfile, known_profiles, load_profile
+from loadtest.engine.sequence import EngineConfig
 from loadtest.engine.types import (
     BlocksStored,
     EngineRejected,

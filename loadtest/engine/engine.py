@@ -9,12 +9,12 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
-from dataclasses import dataclass
 
 import numpy as np
 
 from loadtest.engine.block_pool import BlockPool
 from loadtest.engine.profile import StepProfile
+from loadtest.engine.sequence import EngineConfig, Seq
 from loadtest.engine.types import (
     BlocksStored,
     EngineRejected,
@@ -26,54 +26,7 @@ from loadtest.engine.types import (
     StepResult,
 )
 
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """Engine limits; None means "take the profile's value"."""
-
-    kv_blocks: int | None = None
-    block_size_tokens: int | None = None
-    max_num_batched_tokens: int | None = None
-    max_num_seqs: int | None = None
-    max_waiting_requests: int = 65536
-    jitter_frac: float = 0.0  # sigma of a per-step lognormal factor (mean 1); 0 = deterministic
-    seed: int = 0
-
-
-class _Seq:
-    """Mutable per-request state. `num_tokens` = prompt + tokens generated so far (vLLM's
-    num_tokens); the engine schedules `num_tokens - computed` tokens, and when `computed` reaches
-    `num_tokens` the step samples a new token. Blocks held = `n_cached_blocks` (a prefix of
-    `hashes`, referenced in the pool) + `n_private` (allocated, not in the cache)."""
-
-    __slots__ = (
-        "computed",
-        "generated",
-        "hashes",
-        "max_output",
-        "n_cached_blocks",
-        "n_private",
-        "num_cached_tokens",
-        "num_prompt",
-        "num_tokens",
-        "preemptions",
-        "request_id",
-        "running",
-    )
-
-    def __init__(self, req: EngineRequest) -> None:
-        self.request_id = req.request_id
-        self.hashes = req.block_hashes
-        self.num_prompt = req.num_prompt_tokens
-        self.max_output = req.max_output_tokens
-        self.num_tokens = req.num_prompt_tokens
-        self.computed = 0
-        self.generated = 0
-        self.n_cached_blocks = 0
-        self.n_private = 0
-        self.num_cached_tokens = -1  # set once, at first scheduling (vLLM's num_cached_tokens)
-        self.preemptions = 0
-        self.running = False
+__all__ = ["Engine", "EngineConfig"]
 
 
 class Engine:
@@ -92,9 +45,9 @@ class Engine:
         self._jitter = cfg.jitter_frac
         self._rng = random.Random(cfg.seed)
         self._pool = BlockPool(self.num_blocks)
-        self._seqs: dict[RequestId, _Seq] = {}
-        self._running: list[_Seq] = []
-        self._waiting: deque[_Seq] = deque()
+        self._seqs: dict[RequestId, Seq] = {}
+        self._running: list[Seq] = []
+        self._waiting: deque[Seq] = deque()
         self._waiting_tokens = 0
         self._queries = 0
         self._hits = 0
@@ -124,7 +77,7 @@ class Engine:
             )
         if len(self._waiting) >= self.max_waiting_requests:
             raise EngineRejected(f"waiting queue is full ({self.max_waiting_requests} requests)")
-        seq = _Seq(req)
+        seq = Seq(req)
         self._seqs[req.request_id] = seq
         self._waiting.append(seq)
         self._waiting_tokens += seq.num_tokens
@@ -181,7 +134,7 @@ class Engine:
         bs = self.block_size
         pool = self._pool
         budget = self.max_num_batched_tokens
-        sched: list[_Seq] = []
+        sched: list[Seq] = []
         counts: list[int] = []
         preempted: list[RequestId] = []
 
@@ -327,7 +280,7 @@ class Engine:
         )
 
     def _decode_run_length(
-        self, sched: list[_Seq], ctx0: int, first_s: float, now_s: float, until_s: float
+        self, sched: list[Seq], ctx0: int, first_s: float, now_s: float, until_s: float
     ) -> tuple[int, float]:
         """How many pure-decode steps to coalesce (≥1) and their total duration."""
         k_max = min(s.max_output - s.generated for s in sched)
@@ -359,7 +312,7 @@ class Engine:
             k += 1
         return k, total_s
 
-    def _apply_decode_run(self, now_s: float, sched: list[_Seq], k: int, duration_s: float) -> StepResult:
+    def _apply_decode_run(self, now_s: float, sched: list[Seq], k: int, duration_s: float) -> StepResult:
         bs = self.block_size
         pool = self._pool
         stored: list[BlocksStored] = []
@@ -382,7 +335,7 @@ class Engine:
         emitted = [s.request_id for s in sched]
         return self._result(now_s, duration_s, k, k * ctx_r, 0, ctx_r, emitted, [], finished, [], stored)
 
-    def _promote(self, seq: _Seq, stored: list[BlocksStored]) -> None:
+    def _promote(self, seq: Seq, stored: list[BlocksStored]) -> None:
         """Cache the request's blocks that became full; record runs of new hashes."""
         full = min(seq.computed // self.block_size, len(seq.hashes))
         start = seq.n_cached_blocks
@@ -404,17 +357,17 @@ class Engine:
         seq.n_cached_blocks = full
 
     @staticmethod
-    def _stored(seq: _Seq, start: int, stop: int) -> BlocksStored:
+    def _stored(seq: Seq, start: int, stop: int) -> BlocksStored:
         parent = seq.hashes[start - 1] if start > 0 else None
         return BlocksStored(seq.request_id, start, tuple(seq.hashes[start:stop]), parent)
 
-    def _free(self, seq: _Seq) -> None:
+    def _free(self, seq: Seq) -> None:
         self._pool.release(seq.hashes, seq.n_cached_blocks, seq.n_private)
         seq.n_cached_blocks = 0
         seq.n_private = 0
         seq.running = False
 
-    def _preempt(self, seq: _Seq) -> None:
+    def _preempt(self, seq: Seq) -> None:
         """Recompute preemption: free everything, restart from the front of the waiting queue."""
         self._free(seq)
         seq.computed = 0
@@ -423,7 +376,7 @@ class Engine:
         self._waiting.appendleft(seq)
         self._waiting_tokens += seq.num_tokens
 
-    def _finish(self, seq: _Seq) -> FinishedRequest:
+    def _finish(self, seq: Seq) -> FinishedRequest:
         self._free(seq)
         del self._seqs[seq.request_id]
         self._finished_total += 1

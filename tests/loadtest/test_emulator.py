@@ -297,6 +297,8 @@ def test_errors_are_openai_shaped(client: Any, base_url: str) -> None:
         assert resp.status_code == status, raw[:60]
         err = resp.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["param"] == param and err["message"]
+    huge = httpx.post(f"{base_url}/v1/completions", json={"prompt": "x", "max_tokens": 10**12}, timeout=5)
+    assert huge.status_code == 400 and "maximum context length" in huge.json()["error"]["message"]
     resp = httpx.post(f"{base_url}/v1/completions", json={"prompt": [1, 999]}, timeout=5)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt"
     assert httpx.get(f"{base_url}/no/such/path", timeout=5).json()["error"]["type"] == "NotFoundError"
@@ -360,5 +362,16 @@ def test_client_disconnect_aborts_and_frees_blocks(base_url: str) -> None:
     deadline = time.monotonic() + 5
     while metric(base_url, "vllm:num_requests_running") != 0:
         assert time.monotonic() < deadline, "aborted request still running"
+        time.sleep(0.05)
+    assert metric(base_url, "vllm:kv_cache_usage_perc") == 0.0
+
+
+def test_non_streaming_disconnect_aborts(base_url: str) -> None:
+    body = {"model": MODEL, "prompt": "z" * 200, "max_tokens": 30000}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{base_url}/v1/completions", json=body, timeout=httpx.Timeout(5.0, read=0.3))
+    deadline = time.monotonic() + 5
+    while metric(base_url, "vllm:num_requests_running") != 0:
+        assert time.monotonic() < deadline, "abandoned request still running"
         time.sleep(0.05)
     assert metric(base_url, "vllm:kv_cache_usage_perc") == 0.0

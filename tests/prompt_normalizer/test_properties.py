@@ -202,3 +202,25 @@ def test_chat_keys_follow_the_real_token_prefix(
     if m < min(map(len, ids)):
         assert not set(a[m // block :]) & set(b)
     assert len(a) == len(ids[0]) // block
+
+
+@FAST
+@given(schema=schemas, seed=st.integers(0, 10_000), text=texts)
+def test_canonicalization_is_idempotent(schema: dict[str, Any], seed: int, text: str) -> None:
+    norm = Normalizer(NormalizerConfig(whitespace=True, tool_order="sort"), b"s")
+    tools = _tools(_shuffled(schema, random.Random(seed))) + _tools(schema)[:1]
+    call = {
+        "id": "1",
+        "type": "function",
+        "function": {"name": "f", "arguments": '{"b": 1, "a": [2, {"d": 1, "c": 0}]}'},
+    }
+    body = _chat(" " + text + " \r\n", text + "e\u0301", tools)
+    body["messages"] += [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "1", "content": '{"z": 1, "y": 2}'},
+    ]
+    first = norm.canonicalize("chat", body, IDENT)
+    again_body = first.canonical_body if first.canonical_body is not None else body
+    again = norm.canonicalize("chat", again_body, IDENT)
+    assert again.block_keys == first.block_keys and again.zones == first.zones
+    assert again.canonical_body is None and again.diagnostics == ()

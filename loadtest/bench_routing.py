@@ -1,0 +1,265 @@
+"""`kvgate bench routing`: kvgate and the peer routers over HTTP, in front of the same emulated workers.
+
+For each router named in `--routers` (in turn): start N fresh emulated workers (empty caches),
+start the router in front of them, replay the same requests at the same arrival times over HTTP
+(bounded concurrency and total time), sample per-worker load from the workers' /metrics, stop
+everything by PID. Then write `report.md`, `results.json` and PNG plots into `--out`.
+
+Router names: `kvgate:<policy>` (any registered policy), `sglang-router[:policy]`,
+`vllm-router[:policy]`, `litellm[:routing_strategy]`. A peer that is not installed is reported as
+missing (see `loadtest/peers/install.sh`); kvgate is reported unavailable when this checkout has
+no gateway server. Ratios in the report are against the first router that ran (the baseline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+from loadtest.peers.emulators import EmulatorPool, EmulatorSettings, free_port
+from loadtest.peers.kvgate import bench_api_key, build_kvgate_command, kvgate_available
+from loadtest.peers.launch import (
+    LITELLM_MASTER_KEY,
+    PEERS,
+    PeerCommand,
+    PeerMissing,
+    build_command,
+    start_peer,
+)
+from loadtest.report.meta import run_metadata
+from loadtest.report.progress import ProgressBar
+from loadtest.report.routing import RouterRun, markdown_report, router_summary
+from loadtest.report.sampler import LoadSample, sample_load, scrape
+from loadtest.traces.http_replay import HttpResult, ReplayConfig, replay
+from loadtest.traces.load import load_trace
+from loadtest.traces.mooncake import TraceFormatError
+from loadtest.workloads.ceilings import ceiling_infinite, ceiling_pooled_lru
+from loadtest.workloads.chains import request_chain
+from loadtest.workloads.records import ChatPrompt, WorkloadRequest, scale_arrivals
+from loadtest.workloads.registry import WORKLOADS, make_workload
+
+DEFAULT_KV_BLOCKS = 27000  # the default profile's pool; used for the pooled-LRU ceiling when not given
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument("--workload", default=None, help=f"synthetic workload ({', '.join(sorted(WORKLOADS))})")
+    src.add_argument("--trace", metavar="FILE", help="Mooncake .jsonl or kv-cache-tester .json trace")
+    parser.add_argument("--workload-arg", action="append", default=[], metavar="K=V")
+    parser.add_argument("--users", type=int, default=1, help="replay a trace as this many salted users")
+    parser.add_argument("--max-requests", type=int, default=200, help="only the first N requests")
+    parser.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rate by X")
+    parser.add_argument(
+        "--routers", default="kvgate:round_robin,sglang-router", help="comma-separated routers to compare"
+    )
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--profile", default=None, help="emulator step-time profile (default: its own)")
+    parser.add_argument("--kv-blocks", type=int, default=None, help="KV blocks per worker (default: profile)")
+    parser.add_argument(
+        "--time-scale", type=float, default=1.0, help="emulator model seconds per real second"
+    )
+    parser.add_argument("--model", default="emulated-llama")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-in-flight", type=int, default=128, help="client concurrency bound")
+    parser.add_argument("--time-limit-s", type=float, default=120.0, help="stop sending after this long")
+    parser.add_argument(
+        "--sample-interval-s", type=float, default=0.5, help="per-worker load sampling period"
+    )
+    parser.add_argument("--out", required=True, help="directory for report.md, results.json and plots")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _requests(args: argparse.Namespace) -> list[WorkloadRequest]:
+    if args.trace:
+        reqs = list(load_trace(args.trace, users=args.users, seed=args.seed).requests)
+    else:
+        reqs = make_workload(args.workload or "gsp", args.seed, args.workload_arg)
+    reqs = sorted(reqs, key=lambda r: r.arrival_s)[: args.max_requests]
+    if args.rate_scale != 1.0:
+        reqs = scale_arrivals(reqs, args.rate_scale)
+    if not reqs:
+        raise ValueError("no requests to replay")
+    return reqs
+
+
+def _router_command(
+    spec: str, args: argparse.Namespace, urls: list[str], tenants: list[str], workdir: Path
+) -> PeerCommand:
+    name, _, policy = spec.partition(":")
+    port = free_port()
+    if name == "kvgate":
+        if not kvgate_available():
+            raise LookupError("this checkout has no gateway server (gateway.serve)")
+        return build_kvgate_command(
+            policy=policy or "round_robin",
+            port=port,
+            worker_urls=urls,
+            model=args.model,
+            tenants=tenants,
+            seed=args.seed,
+            workdir=workdir,
+        )
+    return build_command(
+        name,
+        port=port,
+        metrics_port=free_port(),
+        worker_urls=urls,
+        model=args.model,
+        policy=policy or None,
+        workdir=workdir,
+    )
+
+
+def _headers(cmd: PeerCommand) -> Any:
+    def headers_for(req: WorkloadRequest) -> dict[str, str]:
+        if cmd.name.startswith("kvgate"):
+            return {"Authorization": f"Bearer {bench_api_key(req.tenant)}"}
+        if cmd.api_key:
+            return {"Authorization": f"Bearer {LITELLM_MASTER_KEY}"}
+        return {}
+
+    return headers_for
+
+
+async def _measure(
+    cmd: PeerCommand, urls: list[str], reqs: list[WorkloadRequest], args: argparse.Namespace, run: RouterRun
+) -> None:
+    cfg = ReplayConfig(
+        base_url=f"http://127.0.0.1:{cmd.port}",
+        model=args.model,
+        time_scale=args.time_scale,
+        max_in_flight=args.max_in_flight,
+        time_limit_s=args.time_limit_s,
+    )
+    stop = asyncio.Event()
+    samples: list[LoadSample] = []
+    sampler = asyncio.create_task(sample_load(urls, args.sample_interval_s, stop, samples))
+    bar = None if args.quiet else ProgressBar(len(reqs), f"{run.name:24s}")
+    try:
+        results: list[HttpResult] = await replay(reqs, cfg, _headers(cmd), bar.update if bar else None)
+    finally:
+        stop.set()
+        await sampler
+        if bar:
+            bar.close()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        final = await asyncio.gather(*(scrape(session, u) for u in urls))
+    run.results = results
+    run.load = samples
+    run.worker_prompt_tokens = [m.get("vllm:prefix_cache_queries_total", 0.0) if m else 0.0 for m in final]
+    run.worker_hit_tokens = [m.get("vllm:prefix_cache_hits_total", 0.0) if m else 0.0 for m in final]
+
+
+def run_router(spec: str, reqs: list[WorkloadRequest], args: argparse.Namespace, out: Path) -> RouterRun:
+    """One router's turn on a fresh pool of workers; never raises for a router that cannot run."""
+    run = RouterRun(spec, "ok")
+    workdir = out / "logs" / spec.replace(":", "_")
+    workdir.mkdir(parents=True, exist_ok=True)
+    settings = EmulatorSettings(
+        model=args.model,
+        profile=args.profile,
+        kv_blocks=args.kv_blocks,
+        time_scale=args.time_scale,
+        seed=args.seed,
+    )
+    pool = EmulatorPool(args.workers, settings, workdir)
+    router = None
+    started = time.monotonic()
+    try:
+        try:
+            cmd = _router_command(spec, args, pool.urls, sorted({r.tenant for r in reqs}), workdir)
+        except PeerMissing as exc:
+            return RouterRun(spec, "missing", str(exc))
+        except LookupError as exc:
+            return RouterRun(spec, "unavailable", str(exc))
+        except ValueError as exc:
+            return RouterRun(spec, "failed", str(exc))
+        try:
+            router = start_peer(cmd, workdir=workdir, ready_timeout_s=60.0)
+        except (RuntimeError, TimeoutError) as exc:
+            return RouterRun(spec, "failed", f"did not start: {str(exc)[-300:]}")
+        asyncio.run(_measure(cmd, pool.urls, reqs, args, run))
+    finally:
+        if router is not None:
+            router.stop()
+        pool.stop()
+        run.wall_s = time.monotonic() - started
+    return run
+
+
+def run(args: argparse.Namespace) -> int:
+    from loadtest.report.plots import hit_ratio_bars, load_over_time, ttft_cdf
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        reqs = _requests(args)
+    except (ValueError, TraceFormatError) as exc:
+        print(f"kvgate bench routing: error: {exc}", file=sys.stderr)
+        return 2
+    specs = [s.strip() for s in args.routers.split(",") if s.strip()]
+    for spec in specs:
+        name = spec.partition(":")[0]
+        if name != "kvgate" and name not in PEERS:
+            print(
+                f"kvgate bench routing: unknown router {name!r}; known: kvgate, {', '.join(PEERS)}",
+                file=sys.stderr,
+            )
+            return 2
+    from loadtest.simulator.cli import emulator_chat_bytes
+
+    chains = [request_chain(r, r.tenant, 16, chat_renderer=emulator_chat_bytes) for r in reqs]
+    kv_blocks = args.kv_blocks or DEFAULT_KV_BLOCKS
+    ceilings = {
+        "infinite": ceiling_infinite(chains).hit_ratio,
+        "pooled_lru": ceiling_pooled_lru(chains, args.workers * kv_blocks * 16).hit_ratio,
+    }
+    runs = [run_router(spec, reqs, args, out) for spec in specs]
+    summaries = {r.name: router_summary(r) for r in runs}
+    ok = [r for r in runs if r.status == "ok"]
+    baseline = ok[0].name if ok else None
+    config = {
+        **run_metadata(),
+        "source": args.trace or f"workload:{args.workload or 'gsp'}",
+        "workload_args": args.workload_arg,
+        "n_requests": len(reqs),
+        "n_chat": sum(isinstance(r.prompt, ChatPrompt) for r in reqs),
+        "workers": args.workers,
+        "profile": args.profile,
+        "kv_blocks": args.kv_blocks,
+        "time_scale": args.time_scale,
+        "rate_scale": args.rate_scale,
+        "max_in_flight": args.max_in_flight,
+        "time_limit_s": args.time_limit_s,
+        "seed": args.seed,
+    }
+    doc = {
+        "config": config,
+        "ceilings": ceilings,
+        "baseline": baseline,
+        "routers": summaries,
+        "requests": {r.name: r.results for r in runs},
+        "load": {r.name: r.load for r in runs},
+    }
+    (out / "results.json").write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
+    ttft_cdf(
+        {r.name: [x.ttft_s for x in r.results if x.ttft_s is not None] for r in ok}, out / "ttft_cdf.png"
+    )
+    hit_ratio_bars(
+        {r.name: summaries[r.name]["hit_ratio"] or 0.0 for r in ok},
+        ceilings["infinite"],
+        ceilings["pooled_lru"],
+        out / "hit_ratio.png",
+    )
+    load_over_time({r.name: r.load for r in ok}, args.workers, out / "load_over_time.png")
+    report = markdown_report(config, summaries, ceilings, baseline)
+    (out / "report.md").write_text(report)
+    print(report)
+    return 0 if ok else 1

@@ -1,0 +1,1 @@
+"""Peer routers (sglang-router, vllm-router, LiteLLM): own venvs, launched for benchmarks."""

@@ -1,0 +1,61 @@
+"""A pool of emulated vLLM workers as real processes (`python -m loadtest.emulator`), fresh each time."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from loadtest.peers.launch import RunningProcess, wait_http_ready
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass(frozen=True, slots=True)
+class EmulatorSettings:
+    """Flags every worker of the pool gets (see `kvgate emulate --help`)."""
+
+    model: str = "emulated-llama"
+    profile: str | None = None
+    kv_blocks: int | None = None
+    time_scale: float = 1.0
+    seed: int = 0
+    max_model_len: int = 262144
+
+
+class EmulatorPool:
+    """N workers on free loopback ports; `stop()` ends every process by its PID (process group)."""
+
+    def __init__(
+        self, n: int, settings: EmulatorSettings, workdir: Path, ready_timeout_s: float = 30.0
+    ) -> None:
+        self.procs: list[RunningProcess] = []
+        self.urls: list[str] = []
+        workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            for i in range(n):
+                port = free_port()
+                argv = [sys.executable, "-m", "loadtest.emulator", "--port", str(port), "--host", "127.0.0.1"]
+                argv += ["--model", settings.model, "--time-scale", str(settings.time_scale)]
+                argv += ["--seed", str(settings.seed + i), "--max-model-len", str(settings.max_model_len)]
+                if settings.profile:
+                    argv += ["--profile", settings.profile]
+                if settings.kv_blocks:
+                    argv += ["--kv-blocks", str(settings.kv_blocks)]
+                self.procs.append(RunningProcess(argv, log_path=workdir / f"worker{i}.log"))
+                self.urls.append(f"http://127.0.0.1:{port}")
+            for url, proc in zip(self.urls, self.procs, strict=True):
+                wait_http_ready(url + "/health", proc, ready_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.stop()

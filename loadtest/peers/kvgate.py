@@ -1,0 +1,79 @@
+"""kvgate itself as one of the routers of a benchmark: its config file and command line.
+
+The gateway reads tenants' API keys as keyed hashes (`gateway.auth.hash_api_key`) and the secret
+from `KVGATE_KEY_SECRET`; every workload tenant gets its own key `sk-bench-<tenant>`, strict
+isolation, and the policy comes from a policy file. When this checkout has no gateway server yet
+(`gateway.serve`), kvgate routers are reported as unavailable.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import yaml
+
+from loadtest.peers.launch import PeerCommand
+
+BENCH_SECRET = "kvgate-bench-secret"
+
+
+def kvgate_available() -> bool:
+    try:
+        return all(importlib.util.find_spec(m) is not None for m in ("gateway.serve", "gateway.auth"))
+    except ModuleNotFoundError:
+        return False
+
+
+def bench_api_key(tenant: str) -> str:
+    return f"sk-bench-{tenant}"
+
+
+def build_kvgate_command(
+    *,
+    policy: str,
+    port: int,
+    worker_urls: Sequence[str],
+    model: str,
+    tenants: Sequence[str],
+    seed: int,
+    workdir: Path,
+) -> PeerCommand:
+    """Write `gateway.yaml` + `policy.yaml` into `workdir` and return the `serve` command."""
+    hash_api_key = importlib.import_module("gateway.auth").hash_api_key
+    secret = BENCH_SECRET.encode()
+    (workdir / "policy.yaml").write_text(yaml.safe_dump({"policy": policy, "seed": seed}))
+    config = {
+        "listen": {"host": "127.0.0.1", "port": port},
+        "policy_file": "policy.yaml",
+        "log_level": "warning",
+        "pools": [
+            {
+                "name": "bench",
+                "models": [model],
+                "workers": list(worker_urls),
+                "health": {"interval_s": 1.0, "timeout_s": 1.0},
+                "timeouts": {"read_s": 600.0, "total_s": 1200.0},
+            }
+        ],
+        "tenants": [
+            {"name": t, "api_key_hashes": [hash_api_key(secret, bench_api_key(t))], "isolation": "strict"}
+            for t in sorted(set(tenants))
+        ],
+    }
+    config_path = workdir / "gateway.yaml"
+    text = yaml.safe_dump(config, sort_keys=False)
+    argv = (sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path))
+    return PeerCommand(
+        f"kvgate:{policy}",
+        policy,
+        argv,
+        {"KVGATE_KEY_SECRET": BENCH_SECRET},
+        config_path,
+        text,
+        ready_path="/health",
+        port=port,
+    )

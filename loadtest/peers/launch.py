@@ -1,0 +1,205 @@
+"""Start and stop one peer router in front of given worker URLs.
+
+Peers live in their own venvs (see `install.sh`). A peer that is not installed raises `PeerMissing`
+with the install command; the benchmark reports it as missing rather than skipping it quietly.
+Commands follow what was verified on this machine: loopback only, distinct router and Prometheus
+ports, quiet log levels (sglang-router logs every request at info), no `model_path` advertised by
+the workers (else sglang-router tries a tokenizer download), and LiteLLM's cost map kept local.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import yaml
+
+PEERS = ("sglang-router", "vllm-router", "litellm")
+DEFAULT_POLICY = {"sglang-router": "cache_aware", "vllm-router": "cache_aware", "litellm": "simple-shuffle"}
+LITELLM_MASTER_KEY = "sk-kvgate-bench"
+
+
+class PeerMissing(RuntimeError):
+    """The peer's venv is not installed."""
+
+
+def peers_dir() -> Path:
+    return Path(os.environ.get("KVGATE_PEERS_DIR", str(Path.home() / ".cache/kvgate/peers")))
+
+
+def peer_bin(name: str, program: str) -> Path:
+    return peers_dir() / name / "bin" / program
+
+
+def _program(name: str) -> str:
+    return {"sglang-router": "python", "vllm-router": "vllm-router", "litellm": "litellm"}[name]
+
+
+def is_installed(name: str) -> bool:
+    return peer_bin(name, _program(name)).is_file() and os.access(peer_bin(name, _program(name)), os.X_OK)
+
+
+@dataclass(frozen=True, slots=True)
+class PeerCommand:
+    """Everything needed to start a peer: argv, extra environment, an optional config file, readiness."""
+
+    name: str
+    policy: str
+    argv: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)
+    config_path: Path | None = None
+    config_text: str | None = None
+    ready_path: str = "/health"
+    api_key: str | None = None
+    port: int = 0
+
+
+def build_command(
+    name: str,
+    *,
+    port: int,
+    metrics_port: int,
+    worker_urls: Sequence[str],
+    model: str,
+    policy: str | None = None,
+    workdir: Path,
+) -> PeerCommand:
+    """The command line for peer `name`; `PeerMissing` when it is not installed, `ValueError` if unknown."""
+    if name not in PEERS:
+        raise ValueError(f"unknown peer {name!r}; known: {', '.join(PEERS)}")
+    if not is_installed(name):
+        raise PeerMissing(
+            f"{name} is not installed under {peers_dir()}: run loadtest/peers/install.sh {name}"
+        )
+    policy = policy or DEFAULT_POLICY[name]
+    exe = str(peer_bin(name, _program(name)))
+    urls = list(worker_urls)
+    if name == "sglang-router":
+        argv = [exe, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port)]
+        argv += ["--worker-urls", *urls, "--policy", policy]
+        argv += [
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(metrics_port),
+            "--log-level",
+            "warn",
+        ]
+        return PeerCommand(name, policy, tuple(argv), port=port)
+    if name == "vllm-router":
+        argv = [exe, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls, "--policy", policy]
+        argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
+        argv += ["--log-level", "warning"]
+        return PeerCommand(name, policy, tuple(argv), port=port)
+    config = {
+        "model_list": [
+            {
+                "model_name": model,
+                "litellm_params": {
+                    "model": f"openai/{model}",
+                    "api_base": f"{u.rstrip('/')}/v1",
+                    "api_key": "none",
+                },
+            }
+            for u in urls
+        ],
+        "router_settings": {"routing_strategy": policy, "num_retries": 0},
+        "litellm_settings": {"drop_params": True, "telemetry": False, "request_timeout": 120},
+        "general_settings": {"master_key": LITELLM_MASTER_KEY},
+    }
+    config_path = workdir / "litellm_config.yaml"
+    argv = [
+        exe,
+        "--config",
+        str(config_path),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--num_workers",
+        "1",
+    ]
+    env = {
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+        "LITELLM_TELEMETRY": "False",
+        "LITELLM_LOG": "ERROR",
+        "DISABLE_ADMIN_UI": "True",
+    }
+    return PeerCommand(
+        name,
+        policy,
+        tuple(argv),
+        env,
+        config_path,
+        yaml.safe_dump(config, sort_keys=False),
+        ready_path="/health/liveliness",
+        api_key=LITELLM_MASTER_KEY,
+        port=port,
+    )
+
+
+class RunningProcess:
+    """A child process in its own process group, stopped by PID (the whole group)."""
+
+    def __init__(self, argv: Sequence[str], *, env: dict[str, str] | None = None, log_path: Path) -> None:
+        self._log: IO[bytes] = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        full_env = {**os.environ, **(env or {})}
+        self.proc = subprocess.Popen(
+            list(argv), stdout=self._log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+        )
+        self.log_path = log_path
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=timeout_s)
+            except ProcessLookupError:
+                pass
+        self._log.close()
+
+    def log_tail(self, n_bytes: int = 2000) -> str:
+        try:
+            return self.log_path.read_bytes()[-n_bytes:].decode(errors="replace")
+        except OSError:
+            return ""
+
+
+def wait_http_ready(url: str, proc: RunningProcess, timeout_s: float) -> None:
+    """Poll `url` until it answers 2xx; fail fast if the process exits, with its log tail."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.proc.returncode} before ready: {proc.log_tail()}")
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as resp:
+                if 200 <= resp.status < 300:
+                    return
+        except (urllib.error.URLError, OSError, TimeoutError):
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} not ready after {timeout_s:.0f}s: {proc.log_tail()}")
+
+
+def start_peer(cmd: PeerCommand, *, workdir: Path, ready_timeout_s: float = 60.0) -> RunningProcess:
+    """Start a peer and wait until it answers its readiness path; stops it again on failure."""
+    if cmd.config_path is not None and cmd.config_text is not None:
+        cmd.config_path.write_text(cmd.config_text)
+    proc = RunningProcess(cmd.argv, env=cmd.env, log_path=workdir / f"{cmd.name}.log")
+    try:
+        wait_http_ready(f"http://127.0.0.1:{cmd.port}{cmd.ready_path}", proc, ready_timeout_s)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc

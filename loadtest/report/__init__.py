@@ -1,0 +1,1 @@
+"""Progress bars, run metadata and plots for the simulator and the benchmarks."""

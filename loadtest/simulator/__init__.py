@@ -1,0 +1,1 @@
+"""Discrete-event simulator: real routing policies against the engine model, in virtual time."""

@@ -1,0 +1,207 @@
+"""`kvgate simulate`: replay a trace or a workload through a routing policy in virtual time.
+
+    kvgate simulate --trace FILE | --workload NAME [--policy NAME] [--policy-config FILE]
+        [--workers N] [--kv-blocks-per-worker N] [--profile NAME] [--rate-scale X] [--seed S]
+        [--json OUT]
+
+Prints the summary; `--json` writes `{config, summary, workers, requests}` (format in
+docs/benchmarks.md, "Simulator output format").
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from loadtest.emulator.chat_template import render_chat
+from loadtest.engine import DEFAULT_PROFILE, Engine, EngineConfig, EngineRequest, ProfileError, load_profile
+from loadtest.engine.hashing import block_hashes
+from loadtest.report.meta import run_metadata
+from loadtest.report.progress import ProgressBar
+from loadtest.simulator.loop import EngineHooks, LoopConfig, run_loop
+from loadtest.simulator.summary import summarize
+from loadtest.traces.load import load_trace
+from loadtest.traces.mooncake import TraceFormatError
+from loadtest.workloads.ceilings import ceiling_infinite, ceiling_pooled_lru, working_set_tokens
+from loadtest.workloads.chains import request_chain
+from loadtest.workloads.openai_body import chat_messages, chat_tools
+from loadtest.workloads.records import ChatPrompt, WorkloadRequest, scale_arrivals
+from loadtest.workloads.registry import WORKLOADS, make_workload
+from policies.base import RoutingPolicy
+from policies.config import PolicyConfigError, build_policy, parse_policy_yaml
+from policies.registry import known_policies, make_policy
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", metavar="FILE", help="Mooncake .jsonl or kv-cache-tester .json trace")
+    src.add_argument("--workload", metavar="NAME", help=f"synthetic workload: {', '.join(sorted(WORKLOADS))}")
+    parser.add_argument("--workload-arg", action="append", default=[], metavar="K=V", help="workload option")
+    parser.add_argument("--users", type=int, default=1, help="replay the trace as this many salted users")
+    parser.add_argument("--user-spread-s", type=float, default=0.0, help="users start within this window")
+    parser.add_argument("--policy", default=None, help="registered policy name (default round_robin)")
+    parser.add_argument("--policy-config", metavar="FILE", help="policy YAML (policy, seed, options)")
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--kv-blocks-per-worker", type=int, default=None, help="default: the profile's")
+    parser.add_argument("--profile", default=DEFAULT_PROFILE, help="engine step-time profile")
+    parser.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rate by X")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="OUT", help="write per-request records and the summary here")
+    parser.add_argument("--kv-events", action="store_true", help="feed the engines' KV events to the policy")
+    parser.add_argument("--scrape-interval-s", type=float, default=1.0, help="how stale scraped metrics are")
+    parser.add_argument("--max-requests", type=int, default=None, help="only the first N requests")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def emulator_chat_bytes(prompt: ChatPrompt) -> bytes:
+    """The prompt exactly as the emulated worker renders it (its chat template, byte tokens)."""
+    return render_chat(chat_messages(prompt), chat_tools(prompt) or None).encode()
+
+
+class UsageError(ValueError):
+    """A command-line value that cannot be used."""
+
+
+def _requests(args: argparse.Namespace) -> tuple[list[WorkloadRequest], str]:
+    if args.trace:
+        t = load_trace(args.trace, users=args.users, user_spread_s=args.user_spread_s, seed=args.seed)
+        reqs, source = list(t.requests), f"trace:{args.trace}"
+    else:
+        reqs, source = make_workload(args.workload, args.seed, args.workload_arg), f"workload:{args.workload}"
+    if args.max_requests is not None:
+        reqs = reqs[: args.max_requests]
+    if args.rate_scale != 1.0:
+        reqs = scale_arrivals(reqs, args.rate_scale)
+    if not reqs:
+        raise UsageError("no requests to simulate")
+    return reqs, source
+
+
+def _policy(args: argparse.Namespace) -> tuple[RoutingPolicy, str]:
+    if args.policy_config:
+        try:
+            text = Path(args.policy_config).read_text()
+        except OSError as exc:
+            raise UsageError(f"--policy-config: {exc}") from None
+        config = parse_policy_yaml(text)
+        if args.policy and args.policy != config.policy:
+            raise UsageError(
+                f"--policy {args.policy} contradicts {args.policy_config} (policy: {config.policy})"
+            )
+        return build_policy(config), config.policy
+    name = args.policy or "round_robin"
+    try:
+        return make_policy(name, seed=args.seed), name
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def simulate(args: argparse.Namespace) -> dict[str, Any]:
+    """Run one simulation; returns the JSON document."""
+    if args.workers < 1:
+        raise UsageError("--workers must be at least 1")
+    if args.rate_scale <= 0:
+        raise UsageError("--rate-scale must be positive")
+    profile = load_profile(args.profile)
+    policy, policy_name = _policy(args)
+    reqs, source = _requests(args)
+    engine_config = EngineConfig(kv_blocks=args.kv_blocks_per_worker, seed=args.seed)
+    engines = [Engine(profile, engine_config) for _ in range(args.workers)]
+    block_size, kv_blocks = engines[0].block_size, engines[0].num_blocks
+
+    chains = [request_chain(r, r.tenant, chat_renderer=emulator_chat_bytes) for r in reqs]
+    capacity_tokens = args.workers * kv_blocks * block_size
+    working_set = working_set_tokens(chains)
+    inf = ceiling_infinite(chains)
+    lru = ceiling_pooled_lru(chains, capacity_tokens)
+
+    def make_request(request_id: str, n_prompt: int, max_out: int, hashes: Any) -> EngineRequest:
+        return EngineRequest(request_id, n_prompt, max_out, hashes)
+
+    def hash_tokens(tokens: Any, size: int, salt: str | None) -> list[int]:
+        return block_hashes(tokens, size, salt, args.seed)
+
+    bar = None if args.quiet else ProgressBar(len(reqs), f"simulate {policy_name}")
+    started = time.monotonic()
+    result = run_loop(
+        reqs,
+        engines,
+        policy,
+        EngineHooks(make_request, hash_tokens, render_chat=emulator_chat_bytes),
+        LoopConfig(scrape_interval_s=args.scrape_interval_s, kv_events=args.kv_events),
+        progress=bar.update if bar else None,
+    )
+    wall_s = time.monotonic() - started
+    if bar:
+        bar.close()
+    summary = summarize(
+        result.requests, result.workers, ceiling_infinite=inf.hit_ratio, ceiling_pooled_lru=lru.hit_ratio
+    )
+    summary.update(
+        {
+            "wall_time_s": wall_s,
+            "n_engine_steps": result.n_steps,
+            "working_set_tokens": working_set,
+            "cluster_kv_tokens": capacity_tokens,
+            "cluster_kv_fraction_of_working_set": capacity_tokens / working_set if working_set else None,
+        }
+    )
+    config = {
+        **run_metadata(),
+        "source": source,
+        "n_requests": len(reqs),
+        "users": args.users,
+        "policy": policy_name,
+        "policy_config": args.policy_config,
+        "workers": args.workers,
+        "kv_blocks_per_worker": kv_blocks,
+        "block_size_tokens": block_size,
+        "profile": profile.name,
+        "rate_scale": args.rate_scale,
+        "seed": args.seed,
+        "kv_events": args.kv_events,
+        "scrape_interval_s": args.scrape_interval_s,
+    }
+    return {
+        "config": config,
+        "summary": summary,
+        "workers": list(result.workers),
+        "requests": list(result.requests),
+    }
+
+
+SUMMARY_KEYS = (
+    "n_requests", "ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "ttft_mean_s", "tpot_mean_s", "e2e_p99_s",
+    "throughput_tok_s", "hit_ratio", "ceiling_infinite", "ceiling_pooled_lru", "hit_ratio_of_ceiling",
+    "request_hit_ratio", "imbalance", "utilization", "n_rejected", "wall_time_s",
+)  # fmt: skip
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        doc = simulate(args)
+    except (UsageError, TraceFormatError, ProfileError, PolicyConfigError) as exc:
+        print(f"kvgate simulate: error: {exc}", file=sys.stderr)
+        if "unknown policy" in str(exc):
+            print(f"known policies: {', '.join(known_policies())}", file=sys.stderr)
+        return 2
+    s = doc["summary"]
+    for key in SUMMARY_KEYS:
+        print(f"{key:24s} {_fmt(s[key])}")
+    for part in ("cold_start", "steady_state"):
+        p = s[part]
+        print(f"{part:24s} hit_ratio {_fmt(p['hit_ratio'])}  ttft_p50_s {_fmt(p['ttft_p50_s'])}  "
+              f"ttft_p99_s {_fmt(p['ttft_p99_s'])}")  # fmt: skip
+    if args.json:
+        Path(args.json).write_bytes(orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY))
+        print(f"wrote {args.json}")
+    return 0

@@ -1,0 +1,319 @@
+"""The event loop: arrivals and engine steps in virtual time.
+
+One event kind per worker: `step(w)` at time t first applies the outputs of w's previous step
+(they become visible at t: first tokens, completions, KV events, all fed back to the policy as the
+gateway would), then, if w has work, runs its next step and schedules `step(w)` at the step's end.
+An arrival routes through the policy and submits to the chosen engine, waking it if idle, so a
+request that arrives during a step joins the next one, as with a real engine. Pure-decode steps are
+coalesced by the engine up to the next arrival (nothing can be routed in between), which is what
+keeps a 145 M-token trace fast.
+
+The policy sees a `WorkerView` built from the loop's own in-flight accounting (as the gateway keeps
+it) plus the last scrape of the engine's stats, refreshed every `scrape_interval_s` of virtual time.
+Invariant: virtual time never goes backwards; heap entries are (time, seq, worker index).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from loadtest.simulator.engine_hashes import TokenHasher, request_hashes
+from loadtest.simulator.keys import route_request
+from loadtest.simulator.port import RequestFactory, SimEngine, StatsLike, StepLike
+from loadtest.simulator.records import RequestRecord, WorkerRecord
+from loadtest.workloads.records import BlockPrompt, WorkloadRequest
+from loadtest.workloads.render import ChatRenderer, plain_chat_template, prompt_bytes
+from policies.base import (
+    KvEvent,
+    KvEventKind,
+    Observation,
+    RouteDecision,
+    RouteRequest,
+    RoutingPolicy,
+    WorkerId,
+    WorkerView,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class LoopConfig:
+    """Knobs of the loop itself (not of the engine or the policy)."""
+
+    scrape_interval_s: float = 1.0
+    kv_events: bool = False
+    max_in_flight_per_worker: int | None = None
+    text_block_tokens: int = 16
+
+
+@dataclass(frozen=True, slots=True)
+class LoopResult:
+    requests: tuple[RequestRecord, ...]
+    workers: tuple[WorkerRecord, ...]
+    n_steps: int
+    n_engine_calls: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineHooks:
+    """How the loop talks to a concrete engine: build its request record, hash token ids, render chat."""
+
+    make_request: RequestFactory
+    hash_tokens: TokenHasher
+    render_chat: ChatRenderer = plain_chat_template
+    cache_salt: Callable[[WorkloadRequest], str | None] = lambda r: r.tenant
+
+
+class _Flight:
+    """A dispatched request the loop is waiting on (mutable; internal)."""
+
+    __slots__ = ("decision", "first_token_s", "req", "route")
+
+    def __init__(self, req: WorkloadRequest, route: RouteRequest, decision: RouteDecision) -> None:
+        self.req = req
+        self.route = route
+        self.decision = decision
+        self.first_token_s: float | None = None
+
+
+class _Worker:
+    __slots__ = (
+        "busy",
+        "busy_s",
+        "cached_tokens",
+        "decode_tokens",
+        "engine",
+        "id",
+        "in_flight",
+        "n_requests",
+        "n_steps",
+        "output_tokens",
+        "pending",
+        "prefill_in_flight",
+        "prefill_tokens",
+        "prompt_tokens",
+        "scrape",
+        "scrape_s",
+    )
+
+    def __init__(self, worker_id: str, engine: SimEngine) -> None:
+        self.id = WorkerId(worker_id)
+        self.engine = engine
+        self.busy = False
+        self.pending: StepLike | None = None
+        self.in_flight = 0
+        self.prefill_in_flight = 0
+        self.decode_tokens = 0
+        self.scrape: StatsLike = engine.stats()
+        self.scrape_s = -math.inf
+        self.n_requests = self.prompt_tokens = self.cached_tokens = self.prefill_tokens = 0
+        self.output_tokens = self.n_steps = 0
+        self.busy_s = 0.0
+
+
+class _Loop:
+    def __init__(
+        self,
+        requests: Sequence[WorkloadRequest],
+        engines: Sequence[SimEngine],
+        policy: RoutingPolicy,
+        config: LoopConfig,
+        hooks: EngineHooks,
+        progress: Callable[[int], None] | None,
+    ) -> None:
+        self.requests = sorted(requests, key=lambda r: r.arrival_s)
+        self.workers = [_Worker(f"w{i}", e) for i, e in enumerate(engines)]
+        self.by_id = {w.id: i for i, w in enumerate(self.workers)}
+        self.policy = policy
+        self.config = config
+        self.hooks = hooks
+        self.progress = progress
+        self.flights: dict[str, _Flight] = {}
+        self.records: list[RequestRecord] = []
+        self.heap: list[tuple[float, int, int]] = []
+        self.seq = 0
+        self.n_steps = 0
+        self.n_calls = 0
+        self.next_arrival = 0
+
+    def views(self, now_s: float) -> list[WorkerView]:
+        out = []
+        cfg = self.config
+        for w in self.workers:
+            if now_s - w.scrape_s >= cfg.scrape_interval_s:
+                w.scrape = w.engine.stats()
+                w.scrape_s = now_s
+            s = w.scrape
+            out.append(
+                WorkerView(
+                    worker_id=w.id,
+                    in_flight_requests=w.in_flight,
+                    in_flight_prefill_tokens=w.prefill_in_flight,
+                    in_flight_decode_tokens=w.decode_tokens,
+                    max_in_flight=cfg.max_in_flight_per_worker,
+                    num_requests_waiting=s.num_waiting,
+                    num_requests_running=s.num_running,
+                    kv_usage=s.kv_usage,
+                    num_gpu_blocks=s.num_kv_blocks,
+                    engine_block_size=w.engine.block_size,
+                )
+            )
+        return out
+
+    def _record(
+        self,
+        f: _Flight,
+        worker: str | None,
+        first_s: float | None,
+        end_s: float | None,
+        prompt: int,
+        cached: int,
+        out: int,
+    ) -> None:
+        req = f.req
+        ttft = None if first_s is None else first_s - req.arrival_s
+        tpot = None if first_s is None or end_s is None or out < 2 else (end_s - first_s) / (out - 1)
+        e2e = None if end_s is None else end_s - req.arrival_s
+        self.records.append(
+            RequestRecord(
+                req.request_id, req.tenant, req.session, worker, req.arrival_s, first_s, end_s,
+                ttft, tpot, e2e, prompt, cached, out, f.decision.matched_tokens, f.decision.reason,
+            )
+        )  # fmt: skip
+        if self.progress is not None:
+            self.progress(len(self.records))
+
+    def apply(self, w: _Worker, out: StepLike) -> None:
+        now_s = out.end_s
+        w.busy_s += out.duration_s
+        w.prefill_tokens += out.num_prefill_tokens
+        w.n_steps += out.num_steps
+        self.n_steps += out.num_steps
+        for ft in out.first_tokens:
+            f = self.flights[str(ft.request_id)]
+            f.first_token_s = now_s
+            w.prefill_in_flight -= f.route.n_prompt_tokens
+            w.decode_tokens += f.req.max_output_tokens
+        for fin in out.finished:
+            f = self.flights.pop(str(fin.request_id))
+            first = f.first_token_s if f.first_token_s is not None else now_s
+            w.decode_tokens -= f.req.max_output_tokens
+            w.in_flight -= 1
+            w.cached_tokens += fin.num_cached_tokens
+            w.output_tokens += fin.num_output_tokens
+            self._record(
+                f,
+                str(w.id),
+                first,
+                now_s,
+                fin.num_prompt_tokens,
+                fin.num_cached_tokens,
+                fin.num_output_tokens,
+            )
+            obs = Observation(
+                f.route,
+                w.id,
+                ttft_s=first - f.req.arrival_s,
+                prompt_tokens=fin.num_prompt_tokens,
+                cached_tokens=fin.num_cached_tokens,
+                completion_tokens=fin.num_output_tokens,
+            )
+            self.policy.on_complete(obs, now_s)
+        if self.config.kv_events:
+            size = w.engine.block_size
+            for st in out.stored:
+                ev = KvEvent(
+                    KvEventKind.BLOCK_STORED, tuple(st.block_hashes), st.parent_block_hash, block_size=size
+                )
+                self.policy.on_kv_event(w.id, ev, now_s)
+            if out.removed:
+                self.policy.on_kv_event(w.id, KvEvent(KvEventKind.BLOCK_REMOVED, tuple(out.removed)), now_s)
+
+    def run_step(self, idx: int, now_s: float) -> None:
+        w = self.workers[idx]
+        if w.pending is not None:
+            out, w.pending = w.pending, None
+            self.apply(w, out)
+        until_s = (
+            self.requests[self.next_arrival].arrival_s if self.next_arrival < len(self.requests) else math.inf
+        )
+        res = w.engine.step(now_s, until_s) if w.engine.has_work() else None
+        if res is None:
+            w.busy = False
+            return
+        self.n_calls += 1
+        w.pending = res
+        self.seq += 1
+        # A zero-length step would spin at one instant forever; engines report positive durations.
+        heapq.heappush(self.heap, (max(res.end_s, now_s + 1e-9), self.seq, idx))
+        w.busy = True
+
+    def arrive(self, req: WorkloadRequest) -> None:
+        now_s = req.arrival_s
+        hooks = self.hooks
+        data = None if isinstance(req.prompt, BlockPrompt) else prompt_bytes(req, hooks.render_chat)
+        route = route_request(req, data, text_block_tokens=self.config.text_block_tokens)
+        decision = self.policy.select(route, self.views(now_s), now_s)
+        idx = self.by_id.get(decision.worker, -1) if decision is not None else -1
+        if decision is None or idx < 0:
+            rejected = RouteDecision(WorkerId(""), 0.0, decision.reason if decision else "no worker")
+            self._record(_Flight(req, route, rejected), None, None, None, route.n_prompt_tokens, 0, 0)
+            return
+        w = self.workers[idx]
+        salt = hooks.cache_salt(req)
+        hashes = request_hashes(req, data, w.engine.block_size, salt, hooks.hash_tokens)
+        try:
+            w.engine.submit(
+                hooks.make_request(req.request_id, route.n_prompt_tokens, req.max_output_tokens, hashes)
+            )
+        except ValueError:
+            failed = RouteDecision(decision.worker, decision.score_s, "engine rejected")
+            self._record(_Flight(req, route, failed), None, None, None, route.n_prompt_tokens, 0, 0)
+            self.policy.on_complete(Observation(route, decision.worker, failed=True), now_s)
+            return
+        self.policy.on_dispatch(route, decision, now_s)
+        self.flights[req.request_id] = _Flight(req, route, decision)
+        w.in_flight += 1
+        w.n_requests += 1
+        w.prompt_tokens += route.n_prompt_tokens
+        w.prefill_in_flight += route.n_prompt_tokens
+        if not w.busy:
+            w.busy = True
+            self.seq += 1
+            heapq.heappush(self.heap, (now_s, self.seq, idx))
+
+    def run(self) -> LoopResult:
+        reqs, heap = self.requests, self.heap
+        while self.next_arrival < len(reqs) or heap:
+            if self.next_arrival < len(reqs) and (
+                not heap or reqs[self.next_arrival].arrival_s <= heap[0][0]
+            ):
+                req = reqs[self.next_arrival]
+                self.next_arrival += 1
+                self.arrive(req)
+                continue
+            t, _, idx = heapq.heappop(heap)
+            self.run_step(idx, t)
+        workers = tuple(
+            WorkerRecord(
+                str(w.id), w.n_requests, w.prompt_tokens, w.cached_tokens, w.prefill_tokens, w.output_tokens,
+                w.busy_s, w.n_steps,
+            )
+            for w in self.workers
+        )  # fmt: skip
+        return LoopResult(tuple(self.records), workers, self.n_steps, self.n_calls)
+
+
+def run_loop(
+    requests: Sequence[WorkloadRequest],
+    engines: Sequence[SimEngine],
+    policy: RoutingPolicy,
+    hooks: EngineHooks,
+    config: LoopConfig = LoopConfig(),
+    *,
+    progress: Callable[[int], None] | None = None,
+) -> LoopResult:
+    """Replay `requests` through `policy` onto `engines` until every request has finished or failed."""
+    return _Loop(requests, engines, policy, config, hooks, progress).run()

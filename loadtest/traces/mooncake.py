@@ -1,0 +1,47 @@
+"""Mooncake FAST'25 trace format: one JSON object per line.
+
+`{"timestamp": ms, "input_length": tokens, "output_length": tokens, "hash_ids": [...]}` where
+`hash_ids` are 512-token blocks, prefix-chained, the last one partial. The trace has no tenants or
+sessions: every request belongs to tenant "trace" and is its own session.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+
+from loadtest.workloads.records import BlockPrompt, WorkloadRequest
+
+MOONCAKE_BLOCK_TOKENS = 512
+
+
+class TraceFormatError(ValueError):
+    """A trace file that cannot be read; the message names the file, line and field."""
+
+
+def read_mooncake(
+    path: str | Path, *, tenant: str = "trace", block_size_tokens: int = MOONCAKE_BLOCK_TOKENS
+) -> list[WorkloadRequest]:
+    """Every request of a Mooncake jsonl trace, in arrival order."""
+    out: list[WorkloadRequest] = []
+    with open(path, "rb") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = orjson.loads(line)
+                arrival_s = float(row["timestamp"]) / 1000.0
+                n_tokens = int(row["input_length"])
+                n_out = int(row["output_length"])
+                ids = tuple(int(h) for h in row["hash_ids"])
+            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+                raise TraceFormatError(f"{path}:{line_no}: not a Mooncake trace row ({exc})") from None
+            try:
+                prompt = BlockPrompt(ids, block_size_tokens, n_tokens)
+                rid = f"mc-{line_no}"
+                out.append(WorkloadRequest(rid, arrival_s, tenant, rid, prompt, max(1, n_out)))
+            except ValueError as exc:
+                raise TraceFormatError(f"{path}:{line_no}: {exc}") from None
+    out.sort(key=lambda r: r.arrival_s)
+    return out

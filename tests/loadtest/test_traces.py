@@ -1,0 +1,119 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from loadtest.traces.load import load_trace
+from loadtest.traces.mooncake import TraceFormatError, read_mooncake
+from loadtest.traces.users import replay_as_users
+from loadtest.workloads.ceilings import ceiling_infinite
+from loadtest.workloads.chains import request_chain
+from loadtest.workloads.records import BlockPrompt
+from loadtest.workloads.render import prompt_bytes
+
+SHARED = Path("/work/shared/data/traces")
+
+
+def _write_mooncake(path: Path) -> None:
+    rows = [
+        {"timestamp": 1500, "input_length": 1000, "output_length": 20, "hash_ids": [0, 1]},
+        {"timestamp": 0, "input_length": 1300, "output_length": 0, "hash_ids": [0, 1, 2]},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+
+def _write_kvct(path: Path) -> None:
+    doc = {
+        "id": "s1",
+        "block_size": 64,
+        "hash_id_scope": "local",
+        "tool_tokens": 100,
+        "system_tokens": 30,
+        "requests": [
+            {"t": 0.0, "type": "n", "in": 200, "out": 5, "hash_ids": [1, 2, 3]},
+            {
+                "t": 10.0,
+                "type": "subagent",
+                "agent_id": "a1",
+                "requests": [
+                    {"t": 2.5, "type": "n", "in": 128, "out": 7, "hash_ids": [1, 2]},
+                ],
+            },
+            {"t": 11.0, "type": "n", "in": 260, "out": 5, "hash_ids": [1, 2, 3, 4]},
+        ],
+    }
+    path.write_text(json.dumps(doc))
+
+
+def test_mooncake_reader_orders_and_converts(tmp_path: Path) -> None:
+    f = tmp_path / "t.jsonl"
+    _write_mooncake(f)
+    reqs = read_mooncake(f)
+    assert [r.arrival_s for r in reqs] == [0.0, 1.5]
+    first = reqs[0]
+    assert isinstance(first.prompt, BlockPrompt) and first.prompt.block_size_tokens == 512
+    assert first.max_output_tokens == 1  # output 0 becomes one token
+    assert len(prompt_bytes(first)) == 1300
+    # The second request's prompt is a prefix of the first's text: the shared hash ids.
+    assert prompt_bytes(reqs[1]) == prompt_bytes(first)[:1000]
+    assert load_trace(f).trace_format == "mooncake"
+
+
+def test_mooncake_reader_names_the_bad_line(tmp_path: Path) -> None:
+    f = tmp_path / "bad.jsonl"
+    f.write_text(
+        '{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [0]}\n{"timestamp": 1}\n'
+    )
+    with pytest.raises(TraceFormatError, match=r"bad.jsonl:2"):
+        read_mooncake(f)
+    f.write_text('{"timestamp": 0, "input_length": 5000, "output_length": 1, "hash_ids": [0]}\n')
+    with pytest.raises(TraceFormatError, match="cannot hold"):
+        read_mooncake(f)
+    with pytest.raises(TraceFormatError, match="no such trace"):
+        load_trace(tmp_path / "missing.jsonl")
+
+
+def test_kvcache_tester_reader_includes_subagents(tmp_path: Path) -> None:
+    f = tmp_path / "s.json"
+    _write_kvct(f)
+    t = load_trace(f)
+    assert t.trace_format == "kv-cache-tester" and t.block_size_tokens == 64
+    assert [r.arrival_s for r in t.requests] == [0.0, 11.0, 12.5]
+    sub = t.requests[2]
+    assert sub.session == "s1/a1" and sub.max_output_tokens == 7
+    # 200 tokens over 3 hashed blocks: an 8-token unhashed tail.
+    assert len(prompt_bytes(t.requests[0])) == 200
+    chains = [request_chain(r, "ns") for r in t.requests]
+    # Request 2 hits blocks 1,2,3 (192 tokens); the sub-agent (same id space) hits 1,2 (128).
+    assert ceiling_infinite(chains).hit_tokens == 192 + 128
+
+
+def test_replay_as_users_shares_only_the_prefix(tmp_path: Path) -> None:
+    f = tmp_path / "s.json"
+    _write_kvct(f)
+    t = load_trace(f, users=3, user_spread_s=100.0, seed=1)
+    assert len(t.requests) == 9
+    assert t.requests == load_trace(f, users=3, user_spread_s=100.0, seed=1).requests
+    by_user: dict[str, list[bytes]] = {}
+    for r in t.requests:
+        by_user.setdefault(r.request_id.split("/")[0], []).append(prompt_bytes(r))
+    firsts = [v[0] for v in by_user.values()]
+    # system 30 + tools 100 tokens = 2 whole 64-token blocks shared, the rest salted per user.
+    assert len({p[:128] for p in firsts}) == 1
+    assert len({p[128:192] for p in firsts}) == 3
+    with pytest.raises(ValueError):
+        replay_as_users(list(t.requests), 0)
+
+
+@pytest.mark.skipif(not SHARED.is_dir(), reason="shared traces are only on the development machine")
+@pytest.mark.parametrize(
+    ("name", "ceiling"),
+    [("conversation_trace.jsonl", 0.374), ("synthetic_trace.jsonl", 0.651), ("trace_0256.json", 0.959)],
+)
+def test_infinite_ceilings_match_the_published_table(name: str, ceiling: float) -> None:
+    t = load_trace(SHARED / name)
+    assert ceiling_infinite(request_chain(r, "trace") for r in t.requests).hit_ratio == pytest.approx(
+        ceiling, abs=0.0006
+    )

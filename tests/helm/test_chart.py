@@ -3,6 +3,9 @@ built-in resource validated against the Kubernetes schemas with unknown fields r
 
 from __future__ import annotations
 
+import json
+import sys
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +14,9 @@ import kubernetes_validate  # dev extra: kubernetes-validate (bundled Kubernetes
 import pytest
 import yaml
 
+from gateway.auth import hash_api_key
 from gateway.config import parse_config
+from loadtest.overhead_load import free_port, spawn, stop, wait_ready
 
 CHART = Path(__file__).resolve().parents[2] / "helm" / "kvgate"
 KUBE_VERSIONS = ("1.30.0", "1.33.0")
@@ -201,3 +206,44 @@ def test_optional_resources() -> None:
 def test_bad_values_fail_with_a_clear_message(values: dict[str, Any], needle: str) -> None:
     with pytest.raises(helm_python.HelmError, match=needle):
         render(values)
+
+
+def test_rendered_config_and_policy_boot_a_real_gateway(tmp_path: Path) -> None:
+    """The chart's ConfigMaps, written to disk, run `kvgate serve` and route a chat request."""
+    secret, api_key = "chart-test-secret", "sk-chart-test"
+    backend_port, gateway_port = free_port(), free_port()
+    backend_url = f"http://127.0.0.1:{backend_port}"
+    policy_path = tmp_path / "policy.yaml"
+    values = {
+        "tenants": [{"name": "team-a", "apiKeyHashes": [hash_api_key(secret.encode(), api_key)]}],
+        "pools": [{"name": "p", "models": ["bench-model"], "workers": {"urls": [backend_url]}}],
+        "policy": {"content": "policy: cost\nseed: 1\n"},
+        # Only what a pod's filesystem and network provide differently here.
+        "config": {"policy_file": str(policy_path), "listen": {"host": "127.0.0.1", "port": gateway_port}},
+    }
+    docs = render(values)
+    policy_path.write_text(docs["ConfigMap/rel-kvgate-policy"]["data"]["policy.yaml"])
+    config_path = tmp_path / "gateway.yaml"
+    config_path.write_text(docs["ConfigMap/rel-kvgate-config"]["data"]["gateway.yaml"])
+    backend = spawn(
+        [sys.executable, "-m", "loadtest.static_backend", "--port", str(backend_port)], tmp_path / "b.log"
+    )
+    gateway = None
+    try:
+        wait_ready(backend_url + "/health", backend, tmp_path / "b.log", timeout_s=15)
+        cmd = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path)]
+        gateway = spawn(cmd, tmp_path / "g.log", env={"KVGATE_KEY_SECRET": secret})
+        base = f"http://127.0.0.1:{gateway_port}"
+        wait_ready(base + "/readyz", gateway, tmp_path / "g.log", timeout_s=30)
+        body = json.dumps({"model": "bench-model", "messages": [{"role": "user", "content": "hi"}]}).encode()
+        req = urllib.request.Request(
+            base + "/v1/chat/completions",
+            data=body,
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {api_key}"},
+        )
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            assert resp.status == 200
+            assert json.loads(resp.read())["choices"][0]["message"]["content"] == "ok"
+    finally:
+        stop(gateway)
+        stop(backend)

@@ -17,8 +17,8 @@ import argparse
 import asyncio
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import orjson
@@ -42,8 +42,9 @@ from loadtest.traces.load import load_trace
 from loadtest.traces.mooncake import TraceFormatError
 from loadtest.workloads.ceilings import ceiling_infinite, ceiling_pooled_lru
 from loadtest.workloads.chains import request_chain
-from loadtest.workloads.records import ChatPrompt, WorkloadRequest, scale_arrivals
+from loadtest.workloads.records import ChatPrompt, TextPrompt, WorkloadRequest, scale_arrivals
 from loadtest.workloads.registry import WORKLOADS, make_workload
+from loadtest.workloads.text import synth_text
 
 DEFAULT_KV_BLOCKS = 27000  # the default profile's pool; used for the pooled-LRU ceiling when not given
 
@@ -71,6 +72,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time-limit-s", type=float, default=120.0, help="stop sending after this long")
     parser.add_argument(
         "--sample-interval-s", type=float, default=0.5, help="per-worker load sampling period"
+    )
+    parser.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=None,
+        help="unmeasured requests first (default: one per worker)",
     )
     parser.add_argument("--out", required=True, help="directory for report.md, results.json and plots")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -117,7 +124,7 @@ def _router_command(
     )
 
 
-def _headers(cmd: PeerCommand) -> Any:
+def _headers(cmd: PeerCommand) -> Callable[[WorkloadRequest], dict[str, str]]:
     def headers_for(req: WorkloadRequest) -> dict[str, str]:
         if cmd.name.startswith("kvgate"):
             return {"Authorization": f"Bearer {bench_api_key(req.tenant)}"}
@@ -138,6 +145,19 @@ async def _measure(
         max_in_flight=args.max_in_flight,
         time_limit_s=args.time_limit_s,
     )
+    # Unmeasured warm-up with prompts of their own: connection pools, lazy imports and first-request
+    # set-up of every router are paid before the clock starts, without touching the workload's prefixes.
+    n_warm = args.warmup_requests if args.warmup_requests is not None else args.workers
+    warm = [
+        WorkloadRequest(
+            f"warmup-{i}", 0.0, reqs[0].tenant, "warmup", TextPrompt(synth_text(f"warmup/{i}", 64)), 2
+        )
+        for i in range(n_warm)
+    ]
+    if warm:
+        await replay(
+            warm, ReplayConfig(cfg.base_url, cfg.model, time_limit_s=5.0, grace_s=60.0), _headers(cmd)
+        )
     stop = asyncio.Event()
     samples: list[LoadSample] = []
     sampler = asyncio.create_task(sample_load(urls, args.sample_interval_s, stop, samples))
@@ -169,7 +189,10 @@ def run_router(spec: str, reqs: list[WorkloadRequest], args: argparse.Namespace,
         time_scale=args.time_scale,
         seed=args.seed,
     )
-    pool = EmulatorPool(args.workers, settings, workdir)
+    try:
+        pool = EmulatorPool(args.workers, settings, workdir)
+    except (RuntimeError, TimeoutError) as exc:
+        return RouterRun(spec, "failed", f"emulated workers did not start: {str(exc)[-300:]}")
     router = None
     started = time.monotonic()
     try:

@@ -96,7 +96,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     app = create_app(cfg, publisher_factory(cfg))
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=args.log_level, access_log=False)
+    # In-flight streams get two seconds to finish on SIGTERM; then connections are closed.
+    uvicorn.run(
+        app,
+        host=cfg.host,
+        port=cfg.port,
+        log_level=args.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=2,
+    )
     return 0
 
 

@@ -9,7 +9,6 @@ clock is `(monotonic() - start) * time_scale`; a step's results become visible a
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 import uuid
@@ -27,6 +26,7 @@ from loadtest.emulator.protocol import GenerationRequest
 from loadtest.engine import (
     Engine,
     EngineConfig,
+    EngineQueueFull,
     EngineRejected,
     EngineRequest,
     EngineStats,
@@ -132,7 +132,6 @@ class EmulatedWorker:
         self._gone: dict[str, LiveRequest] = {}  # aborted during the step in flight
         self._wakeup = asyncio.Event()
         self._start = time.monotonic()
-        self._steps = itertools.count()
         self.num_aborted = 0
 
     # ------------------------------------------------------------------ clock
@@ -165,9 +164,9 @@ class EmulatedWorker:
         req = EngineRequest(live.request_id, n_prompt, len(answer.pieces), hashes)
         try:
             self.engine.submit(req)
+        except EngineQueueFull as exc:
+            raise ApiError.unavailable(str(exc)) from exc
         except EngineRejected as exc:
-            if "queue is full" in str(exc):
-                raise ApiError.unavailable(str(exc)) from exc
             raise ApiError.bad_request(str(exc)) from exc
         self._live[live.request_id] = live
         self._wakeup.set()
@@ -223,7 +222,6 @@ class EmulatedWorker:
             if delay > 0:
                 await asyncio.sleep(delay)
             self._deliver(res)
-            next(self._steps)
 
     def _fail_all(self) -> None:
         for live in list(self._live.values()):

@@ -60,6 +60,7 @@ from loadtest.engine.profile import DEFAULT_PROFILE, ProfileError, StepProfile, 
 from loadtest.engine.sequence import EngineConfig
 from loadtest.engine.types import (
     BlocksStored,
+    EngineQueueFull,
     EngineRejected,
     EngineRequest,
     EngineStats,
@@ -74,6 +75,7 @@ __all__ = [
     "BlocksStored",
     "Engine",
     "EngineConfig",
+    "EngineQueueFull",
     "EngineRejected",
     "EngineRequest",
     "EngineStats",

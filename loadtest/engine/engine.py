@@ -17,6 +17,7 @@ from loadtest.engine.profile import StepProfile
 from loadtest.engine.sequence import EngineConfig, Seq
 from loadtest.engine.types import (
     BlocksStored,
+    EngineQueueFull,
     EngineRejected,
     EngineRequest,
     EngineStats,
@@ -76,7 +77,7 @@ class Engine:
                 f"{self.num_blocks * self.block_size} tokens"
             )
         if len(self._waiting) >= self.max_waiting_requests:
-            raise EngineRejected(f"waiting queue is full ({self.max_waiting_requests} requests)")
+            raise EngineQueueFull(f"waiting queue is full ({self.max_waiting_requests} requests)")
         seq = Seq(req)
         self._seqs[req.request_id] = seq
         self._waiting.append(seq)

@@ -13,6 +13,10 @@ class EngineRejected(ValueError):
     """The engine can never serve this request (too long for the KV pool, queue full, bad fields)."""
 
 
+class EngineQueueFull(EngineRejected):
+    """The waiting queue is at its bound; the same request may be accepted later."""
+
+
 @dataclass(frozen=True, slots=True)
 class EngineRequest:
     """One generation request as the engine sees it: token counts plus chained block hashes.

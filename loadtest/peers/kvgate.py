@@ -74,6 +74,6 @@ def build_kvgate_command(
         {"KVGATE_KEY_SECRET": BENCH_SECRET},
         config_path,
         text,
-        ready_path="/health",
+        ready_path="/readyz",  # ready once the pool has a healthy worker
         port=port,
     )

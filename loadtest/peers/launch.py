@@ -196,7 +196,7 @@ def start_peer(cmd: PeerCommand, *, workdir: Path, ready_timeout_s: float = 60.0
     """Start a peer and wait until it answers its readiness path; stops it again on failure."""
     if cmd.config_path is not None and cmd.config_text is not None:
         cmd.config_path.write_text(cmd.config_text)
-    proc = RunningProcess(cmd.argv, env=cmd.env, log_path=workdir / f"{cmd.name}.log")
+    proc = RunningProcess(cmd.argv, env=cmd.env, log_path=workdir / f"{cmd.name.replace(':', '_')}.log")
     try:
         wait_http_ready(f"http://127.0.0.1:{cmd.port}{cmd.ready_path}", proc, ready_timeout_s)
     except BaseException:

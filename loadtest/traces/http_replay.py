@@ -1,7 +1,7 @@
 """Replay a request list over HTTP at its arrival times (aiohttp, streamed, bounded).
 
 Each request is sent at `arrival_s / time_scale` after the start, at most `max_in_flight` at once
-(a request due while the limit is reached waits, and the wait counts in its TTFT, as a client would
+(a request due while the limit is reached waits, and the wait counts in its TTFT, as a user would
 see it); nothing is sent after `time_limit_s`, and anything still open at `time_limit_s + grace`
 is cancelled and recorded as an error. TTFT is the time to the first streamed chunk that carries
 generated content; usage (prompt, cached and completion tokens) comes from the final chunk.
@@ -23,11 +23,17 @@ from loadtest.workloads.records import WorkloadRequest
 
 @dataclass(frozen=True, slots=True)
 class HttpResult:
-    """What the client saw for one request. Times are seconds from the replay's start."""
+    """What the client saw for one request. Times are seconds from the replay's start.
+
+    `sent_s` is when the request was due (its scaled arrival time); `queued_s` how long it then
+    waited for a client slot. TTFT and e2e count from `sent_s`, so a slow router is charged for
+    the backlog it causes (no coordinated omission).
+    """
 
     request_id: str
     tenant: str
     sent_s: float
+    queued_s: float
     ttft_s: float | None
     e2e_s: float | None
     status: int
@@ -71,16 +77,19 @@ async def _one(
     req: WorkloadRequest,
     headers: dict[str, str],
     t0: float,
+    sent: float,
 ) -> HttpResult:
     wire = openai_request(req, cfg.model)
-    sent = time.monotonic() - t0
+    queued = time.monotonic() - t0 - sent
     first: float | None = None
     usage: dict[str, object] = {}
     try:
         async with session.post(cfg.base_url + wire.path, json=wire.body, headers=headers) as resp:
             if resp.status != 200:
                 text = (await resp.text())[:200]
-                return HttpResult(req.request_id, req.tenant, sent, None, None, resp.status, text, 0, 0, 0)
+                return HttpResult(
+                    req.request_id, req.tenant, sent, queued, None, None, resp.status, text, 0, 0, 0
+                )
             async for raw in resp.content:
                 line = raw.strip()
                 if not line.startswith(b"data:"):
@@ -94,7 +103,9 @@ async def _one(
                 if isinstance(chunk.get("usage"), dict):
                     usage = chunk["usage"]
     except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
-        return HttpResult(req.request_id, req.tenant, sent, None, None, 0, type(exc).__name__, 0, 0, 0)
+        return HttpResult(
+            req.request_id, req.tenant, sent, queued, None, None, 0, type(exc).__name__, 0, 0, 0
+        )
     end = time.monotonic() - t0
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens", 0) if isinstance(details, dict) else 0
@@ -102,6 +113,7 @@ async def _one(
         req.request_id,
         req.tenant,
         sent,
+        queued,
         None if first is None else first - sent,
         end - sent,
         200,
@@ -128,9 +140,9 @@ async def replay(
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         t0 = time.monotonic()
 
-        async def send(req: WorkloadRequest) -> None:
+        async def send(req: WorkloadRequest, due_s: float) -> None:
             async with limit:
-                results.append(await _one(session, cfg, req, headers_for(req), t0))
+                results.append(await _one(session, cfg, req, headers_for(req), t0, due_s))
                 if progress is not None:
                     progress(len(results))
 
@@ -142,7 +154,7 @@ async def replay(
             delay = due - (time.monotonic() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(send(req)))
+            tasks.append(asyncio.create_task(send(req, due)))
         remaining = cfg.time_limit_s + cfg.grace_s - (time.monotonic() - t0)
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=max(remaining, 0.1))
@@ -152,9 +164,9 @@ async def replay(
             done_ids = {r.request_id for r in results}
             for req in ordered[: len(tasks)]:
                 if req.request_id not in done_ids:
+                    due = (req.arrival_s - t_first) / cfg.time_scale
+                    cancelled = "cancelled at time limit"
                     results.append(
-                        HttpResult(
-                            req.request_id, req.tenant, 0.0, None, None, 0, "cancelled at time limit", 0, 0, 0
-                        )
+                        HttpResult(req.request_id, req.tenant, due, 0.0, None, None, 0, cancelled, 0, 0, 0)
                     )
     return results

@@ -94,3 +94,28 @@ def test_bench_reports_missing_peers_and_writes_results(
 
 def test_bench_rejects_unknown_routers(tmp_path: Path) -> None:
     assert main(["bench", "routing", "--routers", "nginx", "--out", str(tmp_path), "--quiet"]) == 2
+
+
+def test_waiting_for_a_client_slot_counts_in_ttft(pool: EmulatorPool) -> None:
+    reqs = [WorkloadRequest(f"q{i}", 0.0, "t", "s", TextPrompt(f"{i}" * 300), 20) for i in range(2)]
+    cfg = ReplayConfig(base_url=pool.urls[0], model="emu", max_in_flight=1, time_limit_s=5, grace_s=20)
+    first, second = sorted(asyncio.run(replay(reqs, cfg, lambda r: {})), key=lambda r: r.queued_s)
+    assert first.sent_s == second.sent_s == 0.0
+    assert first.e2e_s is not None and second.ttft_s is not None
+    assert second.queued_s >= first.e2e_s * 0.9 and second.ttft_s > second.queued_s
+
+
+def test_bench_runs_kvgate_when_this_checkout_has_the_gateway(tmp_path: Path) -> None:
+    from loadtest.peers.kvgate import kvgate_available
+
+    out = tmp_path / "out"
+    args = ["bench", "routing", "--workload", "gsp", "--workload-arg", "num_groups=2", "--workers", "2"]
+    args += ["--workload-arg", "prompts_per_group=3", "--workload-arg", "output_len=4"]
+    args += ["--max-requests", "6", "--routers", "kvgate:round_robin", "--out", str(out), "--quiet"]
+    rc = main(args)
+    summary = json.loads((out / "results.json").read_text())["routers"]["kvgate:round_robin"]
+    if kvgate_available():
+        assert rc == 0 and summary["status"] == "ok", summary
+        assert summary["n_ok"] == 6 and summary["hit_ratio"] is not None and summary["hit_ratio"] > 0
+    else:
+        assert rc == 1 and summary["status"] == "unavailable"

@@ -9,6 +9,7 @@ import pytest
 from loadtest.engine import (
     Engine,
     EngineConfig,
+    EngineQueueFull,
     EngineRejected,
     EngineRequest,
     ProfileError,
@@ -265,6 +266,16 @@ def test_rejects_requests_that_can_never_run() -> None:
     engine.submit(EngineRequest("z", 10, 10))
     with pytest.raises(EngineRejected, match="duplicate"):
         engine.submit(EngineRequest("z", 10, 10))
+
+
+def test_waiting_queue_is_bounded() -> None:
+    engine = Engine(PROFILE, EngineConfig(max_waiting_requests=2))
+    engine.submit(EngineRequest("a", 10, 1))
+    engine.submit(EngineRequest("b", 10, 1))
+    with pytest.raises(EngineQueueFull):
+        engine.submit(EngineRequest("c", 10, 1))
+    engine.step(0.0)  # both admitted: the queue has room again
+    engine.submit(EngineRequest("c", 10, 1))
 
 
 def test_precomputed_hashes_without_tokens() -> None:

@@ -11,7 +11,7 @@ from typing import Any
 from gateway.admission import Admitted
 from gateway.registry import Worker
 from gateway.state import GatewayState
-from policies.base import Observation
+from policies.base import Observation, Outcome
 
 log = logging.getLogger("kvgate.outcome")
 
@@ -71,7 +71,10 @@ class Attempt:
         _feedback(
             state,
             Observation(
-                request=a.route, worker=self.worker.worker_id, ttft_s=self.ttft_s, failed=worker_fault
+                request=a.route,
+                worker=self.worker.worker_id,
+                ttft_s=self.ttft_s,
+                outcome=Outcome.WORKER_FAILED if worker_fault else Outcome.ABORTED,
             ),
             now_s,
         )

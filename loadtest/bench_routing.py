@@ -49,29 +49,51 @@ from loadtest.workloads.text import synth_text
 DEFAULT_KV_BLOCKS = 27000  # the default profile's pool; used for the pooled-LRU ceiling when not given
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--workload", default=None, help=f"synthetic workload ({', '.join(sorted(WORKLOADS))})")
     src.add_argument("--trace", metavar="FILE", help="Mooncake .jsonl or kv-cache-tester .json trace")
     parser.add_argument("--workload-arg", action="append", default=[], metavar="K=V")
-    parser.add_argument("--users", type=int, default=1, help="replay a trace as this many salted users")
-    parser.add_argument("--max-requests", type=int, default=200, help="only the first N requests")
-    parser.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rate by X")
+    parser.add_argument(
+        "--users", type=_positive_int, default=1, help="replay a trace as this many salted users"
+    )
+    parser.add_argument("--max-requests", type=_positive_int, default=200, help="only the first N requests")
+    parser.add_argument(
+        "--rate-scale", type=_positive_float, default=1.0, help="multiply the arrival rate by X"
+    )
     parser.add_argument(
         "--routers", default="kvgate:round_robin,sglang-router", help="comma-separated routers to compare"
     )
-    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--workers", type=_positive_int, default=4)
     parser.add_argument("--profile", default=None, help="emulator step-time profile (default: its own)")
-    parser.add_argument("--kv-blocks", type=int, default=None, help="KV blocks per worker (default: profile)")
     parser.add_argument(
-        "--time-scale", type=float, default=1.0, help="emulator model seconds per real second"
+        "--kv-blocks", type=_positive_int, default=None, help="KV blocks per worker (default: profile)"
+    )
+    parser.add_argument(
+        "--time-scale", type=_positive_float, default=1.0, help="emulator model seconds per real second"
     )
     parser.add_argument("--model", default="emulated-llama")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-in-flight", type=int, default=128, help="client concurrency bound")
-    parser.add_argument("--time-limit-s", type=float, default=120.0, help="stop sending after this long")
+    parser.add_argument("--max-in-flight", type=_positive_int, default=128, help="client concurrency bound")
     parser.add_argument(
-        "--sample-interval-s", type=float, default=0.5, help="per-worker load sampling period"
+        "--time-limit-s", type=_positive_float, default=120.0, help="stop sending after this long"
+    )
+    parser.add_argument(
+        "--sample-interval-s", type=_positive_float, default=0.5, help="per-worker load sampling period"
     )
     parser.add_argument(
         "--warmup-requests",

@@ -88,6 +88,19 @@ class RouteDecision:
     shared_prefix_blocks: int = 0
 
 
+class Outcome(enum.StrEnum):
+    """How a dispatched request ended, as far as the worker's KV cache is concerned.
+
+    Only SERVED means the worker prefilled the whole prompt; a policy must not learn cache
+    contents from any other outcome.
+    """
+
+    SERVED = "served"
+    REJECTED = "rejected"  # the worker refused the request (4xx): it computed nothing
+    ABORTED = "aborted"  # the client left or the gateway gave up before the request finished
+    WORKER_FAILED = "worker_failed"  # connect error, 5xx, or the worker died mid-request
+
+
 @dataclass(frozen=True, slots=True)
 class Observation:
     """What the gateway (or simulator) saw when a dispatched request finished or failed."""
@@ -98,7 +111,11 @@ class Observation:
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     completion_tokens: int | None = None
-    failed: bool = False
+    outcome: Outcome = Outcome.SERVED
+
+    @property
+    def failed(self) -> bool:
+        return self.outcome is not Outcome.SERVED
 
 
 class KvEventKind(enum.StrEnum):
@@ -109,7 +126,12 @@ class KvEventKind(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class KvEvent:
-    """One decoded KV-cache event from a worker: vLLM's BlockStored, BlockRemoved or AllBlocksCleared."""
+    """One decoded KV-cache event from a worker: vLLM's BlockStored, BlockRemoved or AllBlocksCleared.
+
+    `namespace` is the key namespace of a stored chain, resolved by the gateway from the block's
+    `cache_salt` (vLLM's `extra_keys`): the tenant whose salt it is, or None for an unsalted chain.
+    The policy never sees the salt itself.
+    """
 
     kind: KvEventKind
     block_hashes: tuple[EngineBlockHash, ...] = ()
@@ -117,6 +139,7 @@ class KvEvent:
     token_ids: tuple[int, ...] = ()
     block_size: int = 0
     lora_name: str | None = None
+    namespace: str | None = None
 
 
 class RoutingPolicy(Protocol):

@@ -37,24 +37,35 @@ from policies.config import PolicyConfigError, build_policy, parse_policy_yaml
 from policies.registry import known_policies, make_policy
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", metavar="FILE", help="Mooncake .jsonl or kv-cache-tester .json trace")
     src.add_argument("--workload", metavar="NAME", help=f"synthetic workload: {', '.join(sorted(WORKLOADS))}")
     parser.add_argument("--workload-arg", action="append", default=[], metavar="K=V", help="workload option")
-    parser.add_argument("--users", type=int, default=1, help="replay the trace as this many salted users")
+    parser.add_argument(
+        "--users", type=_positive_int, default=1, help="replay the trace as this many salted users"
+    )
     parser.add_argument("--user-spread-s", type=float, default=0.0, help="users start within this window")
     parser.add_argument("--policy", default=None, help="registered policy name (default round_robin)")
     parser.add_argument("--policy-config", metavar="FILE", help="policy YAML (policy, seed, options)")
     parser.add_argument("--workers", type=int, default=8)
-    parser.add_argument("--kv-blocks-per-worker", type=int, default=None, help="default: the profile's")
+    parser.add_argument(
+        "--kv-blocks-per-worker", type=_positive_int, default=None, help="default: the profile's"
+    )
     parser.add_argument("--profile", default=DEFAULT_PROFILE, help="engine step-time profile")
     parser.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rate by X")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="OUT", help="write per-request records and the summary here")
     parser.add_argument("--kv-events", action="store_true", help="feed the engines' KV events to the policy")
     parser.add_argument("--scrape-interval-s", type=float, default=1.0, help="how stale scraped metrics are")
-    parser.add_argument("--max-requests", type=int, default=None, help="only the first N requests")
+    parser.add_argument("--max-requests", type=_positive_int, default=None, help="only the first N requests")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -72,7 +83,11 @@ def _requests(args: argparse.Namespace) -> tuple[list[WorkloadRequest], str]:
         t = load_trace(args.trace, users=args.users, user_spread_s=args.user_spread_s, seed=args.seed)
         reqs, source = list(t.requests), f"trace:{args.trace}"
     else:
-        reqs, source = make_workload(args.workload, args.seed, args.workload_arg), f"workload:{args.workload}"
+        try:
+            reqs = make_workload(args.workload, args.seed, args.workload_arg)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        source = f"workload:{args.workload}"
     if args.max_requests is not None:
         reqs = reqs[: args.max_requests]
     if args.rate_scale != 1.0:

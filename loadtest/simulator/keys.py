@@ -42,5 +42,5 @@ def route_request(
         block_size_tokens=block_size,
         isolation=Isolation.STRICT,
         max_output_tokens=req.max_output_tokens,
-        session_key=req.session,
+        session_key=req.session or None,
     )

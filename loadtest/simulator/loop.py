@@ -30,6 +30,7 @@ from policies.base import (
     KvEvent,
     KvEventKind,
     Observation,
+    Outcome,
     RouteDecision,
     RouteRequest,
     RoutingPolicy,
@@ -271,7 +272,7 @@ class _Loop:
         except ValueError:
             failed = RouteDecision(decision.worker, decision.score_s, "engine rejected")
             self._record(_Flight(req, route, failed), None, None, None, route.n_prompt_tokens, 0, 0)
-            self.policy.on_complete(Observation(route, decision.worker, failed=True), now_s)
+            self.policy.on_complete(Observation(route, decision.worker, outcome=Outcome.REJECTED), now_s)
             return
         self.policy.on_dispatch(route, decision, now_s)
         self.flights[req.request_id] = _Flight(req, route, decision)

@@ -102,7 +102,7 @@ async def _one(
                     first = time.monotonic() - t0
                 if isinstance(chunk.get("usage"), dict):
                     usage = chunk["usage"]
-    except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:  # ValueError: bad JSON, oversized line
         return HttpResult(
             req.request_id, req.tenant, sent, queued, None, None, 0, type(exc).__name__, 0, 0, 0
         )

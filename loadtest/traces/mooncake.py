@@ -2,7 +2,7 @@
 
 `{"timestamp": ms, "input_length": tokens, "output_length": tokens, "hash_ids": [...]}` where
 `hash_ids` are 512-token blocks, prefix-chained, the last one partial. The trace has no tenants or
-sessions: every request belongs to tenant "trace" and is its own session.
+sessions: every request belongs to tenant "trace" and has no session (an empty `session`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def read_mooncake(
             try:
                 prompt = BlockPrompt(ids, block_size_tokens, n_tokens)
                 rid = f"mc-{line_no}"
-                out.append(WorkloadRequest(rid, arrival_s, tenant, rid, prompt, max(1, n_out)))
+                out.append(WorkloadRequest(rid, arrival_s, tenant, "", prompt, max(1, n_out)))
             except ValueError as exc:
                 raise TraceFormatError(f"{path}:{line_no}: {exc}") from None
     out.sort(key=lambda r: r.arrival_s)

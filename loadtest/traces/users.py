@@ -46,7 +46,7 @@ def replay_as_users(
                     f"u{user}/{r.request_id}",
                     r.arrival_s + float(offsets[user]),
                     tenant,
-                    f"u{user}/{r.session}",
+                    f"u{user}/{r.session}" if r.session else "",
                     p,
                     r.max_output_tokens,
                 )

@@ -77,7 +77,10 @@ Prompt = ChatPrompt | TextPrompt | BlockPrompt
 
 @dataclass(frozen=True, slots=True)
 class WorkloadRequest:
-    """One request of a workload: when it arrives, who sends it, what it asks, how long it may answer."""
+    """One request of a workload: when it arrives, who sends it, what it asks, how long it may answer.
+
+    `session` is "" when the source has no notion of sessions (a router then gets no session key).
+    """
 
     request_id: str
     arrival_s: float

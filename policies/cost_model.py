@@ -220,6 +220,14 @@ class CostModel:
         if len(pending) > self.MAX_PENDING:
             pending.popitem(last=False)
 
+    def forget(self, request_id: str) -> None:
+        """Drop a dispatched request's calibration record (it was not served: nothing to learn)."""
+        self._pending.pop(request_id, None)
+
+    @property
+    def pending_requests(self) -> int:
+        return len(self._pending)
+
     def note_complete(
         self, request_id: str, ttft_s: float | None, prompt_tokens: int | None, cached_tokens: int | None
     ) -> None:

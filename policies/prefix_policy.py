@@ -111,11 +111,17 @@ class PrefixPolicyBase:
         self._record(req, decision, now_s, speculative=True)
 
     def on_complete(self, obs: Observation, now_s: float) -> None:
-        if obs.failed:
-            self._count("failed_observations")
-            return
         pool = self._pool(obs.request)
         req = obs.request
+        if obs.failed:
+            # Only a served request says what the worker caches: take back this request's unconfirmed
+            # holdings on that worker, and its calibration record.
+            self._count("failed_observations")
+            pool.index.drop_speculative(req.block_keys, obs.worker, req.namespace)
+            if req.public_block_keys and req.namespace != PUBLIC_NAMESPACE:
+                pool.index.drop_speculative(req.public_block_keys, obs.worker, PUBLIC_NAMESPACE)
+            pool.cost.forget(req.request_id)
+            return
         n_pub = PublicPrefixes.public_blocks(req)
         isolation = effective_isolation(req, self.shared.tenants)
         if n_pub and (
@@ -154,6 +160,7 @@ class PrefixPolicyBase:
         for name, feed in self._feeds.items():
             counters[f"kv_event_orphans:{name}"] = feed.orphans
             counters[f"kv_event_mismatched:{name}"] = feed.mismatched
+            counters[f"kv_event_bad_tokens:{name}"] = feed.bad_tokens
         return PolicyStats(
             policy=getattr(self, "name", type(self).__name__),
             decisions_by_reason=self._decisions.snapshot(),

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.base import Observation, WorkerId, WorkerView
+from policies.base import Observation, Outcome, WorkerId, WorkerView
 from policies.cost_model import CostModel, CostModelParams, profile
 from policies.cost_policy import CostPolicy
 from policies.index import IndexConfig
@@ -175,3 +175,33 @@ def test_inlined_queue_cost_equals_the_cost_model(
     assert model._pending["r"].queue_s == pytest.approx(
         model.queue_s(view, r.n_prompt_tokens - d.matched_tokens)
     )
+
+
+@pytest.mark.parametrize("outcome", [Outcome.REJECTED, Outcome.ABORTED, Outcome.WORKER_FAILED])
+def test_a_request_that_was_not_served_teaches_nothing(outcome: Outcome) -> None:
+    p = _policy()
+    r = req("r", range(64))
+    d = p.select(r, workers(0, 0, 0, 0), 0.0)
+    assert d is not None
+    p.on_dispatch(r, d, 0.0)
+    pool = p._pool(r)
+    assert pool.cost.pending_requests == 1
+    assert pool.index.lookup(r.block_keys, "t", 1.0).blocks(d.worker) == 64  # speculative
+    p.on_complete(Observation(r, d.worker, ttft_s=0.5, prompt_tokens=r.n_prompt_tokens, outcome=outcome), 1.0)
+    assert pool.index.lookup(r.block_keys, "t", 1.0).longest_blocks == 0
+    assert pool.cost.pending_requests == 0 and pool.cost.calibration_samples == 0
+    assert p.stats().counters["failed_observations"] == 1
+    p.check_invariants()
+
+
+def test_a_failure_keeps_what_an_earlier_served_request_confirmed() -> None:
+    p = _policy()
+    _warm(p, range(32), "w1")
+    r = req("r", range(64))
+    d = p.select(r, workers(0, 0, 0, 0), 1.0)
+    assert d is not None and d.worker == "w1"
+    p.on_dispatch(r, d, 1.0)
+    p.on_complete(Observation(r, d.worker, outcome=Outcome.REJECTED), 2.0)
+    # The 32 confirmed blocks stay; the 32 guessed from the failed request are gone.
+    assert p._pool(r).index.lookup(r.block_keys, "t", 2.0).blocks_by_worker == {WorkerId("w1"): 32}
+    p.check_invariants()

@@ -33,7 +33,7 @@ def lookup_prefix(
     head = table.get(probe[0])
     if head is None or head.namespace != namespace:
         return NO_MATCH
-    alive = {w for w, exp in head.holders.items() if exp > now_s}
+    alive = set(head.holders) if head.spec == 0 else {w for w, exp in head.holders.items() if exp > now_s}
     if not alive:
         return NO_MATCH
     depth_of: dict[WorkerId, int] = {}
@@ -44,7 +44,7 @@ def lookup_prefix(
     if walk:
         _walk(table, probe, namespace, now_s, walk, depth_of)
     longest = max(depth_of.values())
-    matched = {w: d * granularity for w, d in depth_of.items()}
+    matched = depth_of if granularity == 1 else {w: d * granularity for w, d in depth_of.items()}
     deepest: WorkerId | None = None
     for w in reversed(table[probe[longest - 1]].holders):
         if depth_of.get(w) == longest:
@@ -80,6 +80,18 @@ def _bisect(
     stack = [(group, 1, len(probe))]
     while stack:
         members, lo, hi = stack.pop()
+        if len(members) == 1:
+            # One worker left: plain binary search on its own holdings (no set algebra).
+            (w,) = members
+            while lo < hi:
+                mid = (lo + hi + 1) >> 1
+                entry = table_get(probe[mid - 1])
+                if entry is not None and entry.namespace == namespace and entry.holders.get(w, 0.0) > now_s:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            depth_of[w] = lo
+            continue
         while lo < hi:
             mid = (lo + hi + 1) >> 1
             entry = table_get(probe[mid - 1])

@@ -80,12 +80,21 @@ class PrefixPolicyBase:
     def _pool(self, req: RouteRequest) -> PoolState:
         return self._pools.get(req.pool, req.block_size_tokens)
 
-    def _lookup(self, pool: PoolState, req: RouteRequest, now_s: float, *, observe: bool = True) -> Lookup:
-        """Own namespace always; the public namespace too when the immutable chain is public and the
-        tenant's isolation allows sharing."""
+    def _lookup(
+        self,
+        pool: PoolState,
+        req: RouteRequest,
+        now_s: float,
+        *,
+        observe: bool = True,
+        own: PrefixMatch | None = None,
+    ) -> Lookup:
+        """Own namespace always (`own`, when the caller already looked it up); the public namespace
+        too when the immutable chain is public and the tenant's isolation allows sharing."""
         isolation = effective_isolation(req, self.shared.tenants)
         n_pub = self._public.observe(req, isolation, now_s) if observe else 0
-        own = pool.index.lookup(req.block_keys, req.namespace, now_s)
+        if own is None:
+            own = pool.index.lookup(req.block_keys, req.namespace, now_s)
         public = NO_MATCH
         if n_pub and req.namespace != PUBLIC_NAMESPACE:
             public = pool.index.lookup(req.public_block_keys[:n_pub], PUBLIC_NAMESPACE, now_s)

@@ -41,7 +41,6 @@ from loadtest.traces.http_replay import HttpResult, ReplayConfig, replay
 from loadtest.traces.load import load_trace
 from loadtest.traces.mooncake import TraceFormatError
 from loadtest.workloads.ceilings import ceiling_infinite, ceiling_pooled_lru
-from loadtest.workloads.chains import request_chain
 from loadtest.workloads.records import ChatPrompt, TextPrompt, WorkloadRequest, scale_arrivals
 from loadtest.workloads.registry import WORKLOADS, make_workload
 from loadtest.workloads.text import synth_text
@@ -254,9 +253,10 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-    from loadtest.simulator.cli import emulator_chat_bytes
+    from loadtest.simulator.keys import KeyPath
 
-    chains = [request_chain(r, r.tenant, 16, chat_renderer=emulator_chat_bytes) for r in reqs]
+    keys = KeyPath(model=args.model)  # strict tenants, as kvgate runs them here
+    chains = [keys.keyed(r).chain() for r in reqs]
     kv_blocks = args.kv_blocks or DEFAULT_KV_BLOCKS
     ceilings = {
         "infinite": ceiling_infinite(chains).hit_ratio,

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from loadtest.simulator.keys import KeyPath
 from loadtest.traces.load import load_trace
 from loadtest.traces.mooncake import TraceFormatError, read_mooncake
 from loadtest.traces.users import replay_as_users
 from loadtest.workloads.ceilings import ceiling_infinite
-from loadtest.workloads.chains import request_chain
 from loadtest.workloads.records import BlockPrompt
 from loadtest.workloads.render import prompt_bytes
 
@@ -98,7 +98,7 @@ def test_kvcache_tester_reader_includes_subagents(tmp_path: Path) -> None:
     assert sub.session == "s1/a1" and sub.max_output_tokens == 7
     # 200 tokens over 3 hashed blocks: an 8-token unhashed tail.
     assert len(prompt_bytes(t.requests[0])) == 200
-    chains = [request_chain(r, "ns") for r in t.requests]
+    chains = [KeyPath().keyed(r).chain() for r in t.requests]
     # Request 2 hits blocks 1,2,3 (192 tokens); the sub-agent (same id space) hits 1,2 (128).
     assert ceiling_infinite(chains).hit_tokens == 192 + 128
 
@@ -126,6 +126,7 @@ def test_replay_as_users_shares_only_the_prefix(tmp_path: Path) -> None:
 )
 def test_infinite_ceilings_match_the_published_table(name: str, ceiling: float) -> None:
     t = load_trace(shared_traces_dir() / name)
-    assert ceiling_infinite(request_chain(r, "trace") for r in t.requests).hit_ratio == pytest.approx(
+    keys = KeyPath()
+    assert ceiling_infinite(keys.keyed(r).chain() for r in t.requests).hit_ratio == pytest.approx(
         ceiling, abs=0.0006
     )

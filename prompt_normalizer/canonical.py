@@ -70,6 +70,8 @@ class CanonicalChat:
     items: tuple[FieldItem, ...]
     diagnostics: tuple[str, ...]
     body: dict[str, Any] | None
+    # Chat prompts: the template writes the special tokens (vLLM's default add_special_tokens=False).
+    add_special_tokens: bool = False
 
 
 def _validate_messages(raw: Any) -> list[dict[str, Any]]:
@@ -83,6 +85,7 @@ def _validate_messages(raw: Any) -> list[dict[str, Any]]:
         role = msg.get("role")
         if not isinstance(role, str) or not role:
             raise NormalizerError("message 'role' must be a non-empty string", param=f"{where}.role")
+        _validate_tool_calls(msg, where)
         content = msg.get("content")
         if content is None or isinstance(content, str):
             continue
@@ -95,6 +98,53 @@ def _validate_messages(raw: Any) -> list[dict[str, Any]]:
             if ptype == "text" and not isinstance(part.get("text"), str):
                 raise NormalizerError("text part needs a string 'text'", param=f"{where}.content[{j}].text")
     return messages
+
+
+def _validate_tool_calls(msg: dict[str, Any], where: str) -> None:
+    calls = msg.get("tool_calls")
+    if calls is None:
+        return
+    if not isinstance(calls, list):
+        raise NormalizerError("'tool_calls' must be an array of tool calls", param=f"{where}.tool_calls")
+    for j, call in enumerate(calls):
+        path = f"{where}.tool_calls[{j}]"
+        if not isinstance(call, dict):
+            raise NormalizerError("each tool call must be an object", param=path)
+        fn = call.get("function")
+        if call.get("type", "function") == "function" or fn is not None:
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise NormalizerError("function tool call needs 'function.name'", param=f"{path}.function")
+            args = fn.get("arguments")
+            if args is not None and not isinstance(args, (str, dict)):
+                raise NormalizerError(
+                    "'arguments' must be a JSON string or an object", param=f"{path}.function.arguments"
+                )
+
+
+def _validate_template_fields(body: Mapping[str, Any]) -> None:
+    template = body.get("chat_template")
+    if template is not None and not isinstance(template, str):
+        raise NormalizerError("'chat_template' must be a string", param="chat_template")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise NormalizerError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    documents = body.get("documents")
+    if documents is not None:
+        if not isinstance(documents, list):
+            raise NormalizerError("'documents' must be an array of objects", param="documents")
+        for i, doc in enumerate(documents):
+            if not isinstance(doc, dict):
+                raise NormalizerError("each document must be an object", param=f"documents[{i}]")
+
+
+def request_flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
+    """A boolean request field (absent or null: the default); any other type is a NormalizerError."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise NormalizerError(f"'{name}' must be a boolean", param=name)
+    return value
 
 
 def _validate_tools(raw: Any) -> list[dict[str, Any]] | None:
@@ -185,14 +235,14 @@ def canonicalize_chat(body: Mapping[str, Any], config: NormalizerConfig, key: by
         raise NormalizerError(
             "prompt is larger than this pool accepts", param="messages", code="input_too_large"
         )
+    _validate_template_fields(body)
     template: dict[str, Any] = {}
     for name in TEMPLATE_FIELDS:
         if body.get(name) is not None:
             template[name] = json_copy(body[name], name)
-    if "chat_template_kwargs" in template and not isinstance(template["chat_template_kwargs"], dict):
-        raise NormalizerError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
-    add_generation_prompt = bool(body.get("add_generation_prompt", True))
-    continue_final_message = bool(body.get("continue_final_message", False))
+    add_generation_prompt = request_flag(body, "add_generation_prompt", True)
+    continue_final_message = request_flag(body, "continue_final_message", False)
+    add_special_tokens = request_flag(body, "add_special_tokens", False)
     report = Report()
 
     if config.unicode_nfc:
@@ -252,6 +302,7 @@ def canonicalize_chat(body: Mapping[str, Any], config: NormalizerConfig, key: by
         items=tuple(_items(messages, tools, template, n_imm, volatile_index, tools_zone, key)),
         diagnostics=report.done(),
         body=canonical_body,
+        add_special_tokens=add_special_tokens,
     )
 
 

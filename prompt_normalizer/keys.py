@@ -29,7 +29,7 @@ import xxhash
 from typing_extensions import Buffer
 
 from prompt_normalizer.errors import NormalizerError
-from prompt_normalizer.types import BlockKey, KeyIdentity
+from prompt_normalizer.types import PUBLIC_NAMESPACE, BlockKey, KeyIdentity
 
 TOKEN_UNIT = "tok-u32le-v1"
 TOKEN_DTYPE = np.dtype("<u4")
@@ -50,6 +50,15 @@ def identity_bytes(identity: KeyIdentity) -> bytes:
     """Canonical bytes of every identity field (new fields are bound automatically)."""
     fields = {f.name: getattr(identity, f.name) for f in dataclasses.fields(identity)}
     return orjson.dumps(fields, option=orjson.OPT_SORT_KEYS)
+
+
+def public_identity_of(identity: KeyIdentity) -> KeyIdentity:
+    """The identity of a promoted public prefix: `identity` in every field but the namespace.
+
+    The one place the public identity is derived, so public keys can never bind another model,
+    weights, template, adapter, KV dtype or epoch than the tenant's own keys.
+    """
+    return dataclasses.replace(identity, namespace=PUBLIC_NAMESPACE)
 
 
 def root_key(key: bytes, identity: KeyIdentity, unit: str = TOKEN_UNIT) -> int:

@@ -22,12 +22,13 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import orjson
 
 from prompt_normalizer.approx import APPROX_UNIT, approx_chat, approx_text
-from prompt_normalizer.canonical import CanonicalChat, FieldItem, canonicalize_chat
+from prompt_normalizer.canonical import CanonicalChat, FieldItem, canonicalize_chat, request_flag
 from prompt_normalizer.completions import CompletionsPrompt
 from prompt_normalizer.config import NormalizerConfig, VolatileRule, ZoneConfig
 from prompt_normalizer.drift import DriftTracker
@@ -39,6 +40,7 @@ from prompt_normalizer.keys import (
     TokenArray,
     as_tokens,
     keyed_digest,
+    public_identity_of,
     root_key,
     secret_key,
     token_block_keys,
@@ -57,10 +59,45 @@ from prompt_normalizer.switches import json_copy
 from prompt_normalizer.template import ChatTemplateTokenizer
 from prompt_normalizer.types import BlockKey, CanonicalPrompt, KeyIdentity, Zone
 
-__all__ = ["Endpoint", "Normalizer", "NormalizerConfig", "NormalizerError", "VolatileRule", "ZoneConfig"]
+__all__ = [
+    "Endpoint",
+    "Normalizer",
+    "NormalizerConfig",
+    "NormalizerError",
+    "VolatileRule",
+    "ZoneConfig",
+    "public_identity_of",
+]
 
 Endpoint = Literal["chat", "completions"]
 _ROOT_CACHE_MAX = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class _KeyJob:
+    """What the shared tail needs besides the hashed bytes (one record, built once per request)."""
+
+    identity: KeyIdentity
+    roots: _IdentityRoots
+    with_public: bool
+    body: Mapping[str, Any]
+    session_key: str | None
+    chat: CanonicalChat | None = None
+    bounds: Boundaries | None = None
+    diagnostics: tuple[str, ...] = ()
+    source: str = "messages"
+
+
+@dataclass(slots=True)
+class _IdentityRoots:
+    """Chain roots of one identity object and of its public twin, per hashing unit (cached)."""
+
+    identity: KeyIdentity
+    public: KeyIdentity
+    roots: dict[str, int]
+    public_roots: dict[str, int]
+    # The last `public_identity` object the caller passed that equals `public` (skips the compare).
+    accepted_public: KeyIdentity | None = None
 
 
 class Normalizer:
@@ -70,11 +107,15 @@ class Normalizer:
         self._config = config
         self._key = secret_key(secret)
         self._roots: OrderedDict[tuple[KeyIdentity, str], int] = OrderedDict()
+        # Per identity object (callers keep one identity per tenant and model): roots without
+        # hashing the nine-field dataclass on every request. Entries hold the object, so an id
+        # is never reused while its entry lives.
+        self._identity_roots: OrderedDict[int, _IdentityRoots] = OrderedDict()
         self._tokenizer: ChatTemplateTokenizer | None = None
         if config.mode == "tokenizer":
             assert config.tokenizer_dir is not None  # checked by the config
             self._tokenizer = ChatTemplateTokenizer(
-                config.tokenizer_dir, config.chat_template_file, config.content_format
+                config.tokenizer_dir, config.chat_template_file, config.content_format, config.template_time
             )
         self._drift = DriftTracker(config.drift_sessions_max, config.drift_store_max_blocks)
 
@@ -107,6 +148,37 @@ class Normalizer:
             if len(self._roots) > _ROOT_CACHE_MAX:
                 self._roots.popitem(last=False)
         return root
+
+    def _identity_entry(self, identity: KeyIdentity) -> _IdentityRoots:
+        entry = self._identity_roots.get(id(identity))
+        if entry is None or entry.identity is not identity:
+            entry = _IdentityRoots(identity, public_identity_of(identity), {}, {})
+            self._identity_roots[id(identity)] = entry
+            if len(self._identity_roots) > _ROOT_CACHE_MAX:
+                self._identity_roots.popitem(last=False)
+        return entry
+
+    def _job(
+        self,
+        identity: KeyIdentity,
+        public_identity: KeyIdentity | None,
+        body: Mapping[str, Any],
+        session_key: str | None,
+        **parts: Any,
+    ) -> _KeyJob:
+        if identity.block_size_tokens <= 0:
+            raise NormalizerError("block_size_tokens must be positive", code="bad_config")
+        entry = self._identity_entry(identity)
+        if public_identity is not None and public_identity is not entry.accepted_public:
+            # Public keys are always derived from the request identity; a caller's public identity
+            # that differs in any field but the namespace would bind another model or epoch.
+            if public_identity != entry.public:
+                raise NormalizerError(
+                    "public_identity must equal the request identity with the public namespace",
+                    code="bad_identity",
+                )
+            entry.accepted_public = public_identity
+        return _KeyJob(identity, entry, public_identity is not None, body, session_key, **parts)
 
     def keys_for_tokens(
         self, token_ids: Sequence[int] | TokenArray, identity: KeyIdentity, parent: BlockKey | None = None
@@ -146,62 +218,40 @@ class Normalizer:
         *,
         session_key: str | None = None,
     ) -> CanonicalPrompt:
-        """Canonical model input, zones and keys of one request (approximate and tokenizer modes)."""
+        """Canonical model input, zones and keys of one request (approximate and tokenizer modes).
+
+        `public_identity`, when given, asks for `public_block_keys`; they are always computed under
+        `public_identity_of(identity)`, and a `public_identity` that differs from it raises
+        `NormalizerError(code="bad_identity")`.
+        """
         if not isinstance(body, Mapping):
             raise NormalizerError("request body must be a JSON object")
         mode = self._config.mode
         if endpoint == "completions":
             prompt = CompletionsPrompt(body, self._config.max_input_chars)
+            job = self._job(
+                identity,
+                public_identity,
+                body,
+                session_key,
+                diagnostics=tuple(prompt.diagnostics),
+                source="prompt",
+            )
             if prompt.tokens is not None:
-                return self._finish_tokens(
-                    prompt.tokens,
-                    None,
-                    None,
-                    identity,
-                    public_identity,
-                    body,
-                    session_key,
-                    prompt.diagnostics,
-                    "prompt",
-                )
+                return self._finish_tokens(prompt.tokens, job)
             assert prompt.text is not None
             if mode == "approximate":
-                hashed = approx_text(prompt.text, self._config.chars_per_token)
-                return self._finish(
-                    hashed,
-                    APPROX_UNIT,
-                    None,
-                    None,
-                    identity,
-                    public_identity,
-                    body,
-                    session_key,
-                    prompt.diagnostics,
-                    "prompt",
-                )
+                return self._finish(approx_text(prompt.text, self._config.chars_per_token), APPROX_UNIT, job)
             if mode == "render":
                 raise NormalizerError(
                     "render mode: call prepare_render() and from_render()", code="render_required"
                 )
             assert self._tokenizer is not None
-            enc = self._tokenizer.encode(
-                prompt.text,
-                add_special_tokens=bool(
-                    body.get("add_special_tokens", self._config.completions_add_special_tokens)
-                ),
-                with_offsets=False,
+            add_special = request_flag(
+                body, "add_special_tokens", self._config.completions_add_special_tokens
             )
-            return self._finish_tokens(
-                enc.tokens,
-                None,
-                None,
-                identity,
-                public_identity,
-                body,
-                session_key,
-                prompt.diagnostics,
-                "prompt",
-            )
+            enc = self._tokenizer.encode(prompt.text, add_special_tokens=add_special, with_offsets=False)
+            return self._finish_tokens(enc.tokens, job)
         if endpoint != "chat":
             raise NormalizerError(f"unknown endpoint {endpoint!r}", code="bad_endpoint")
         if mode == "render":
@@ -211,25 +261,16 @@ class Normalizer:
         chat = canonicalize_chat(body, self._config, self._key)
         if mode == "approximate":
             hashed, bounds = approx_chat(chat, self._config.chars_per_token)
-            return self._finish(
-                hashed,
-                APPROX_UNIT,
-                chat,
-                bounds,
-                identity,
-                public_identity,
-                body,
-                session_key,
-                [],
-                "messages",
-            )
+            job = self._job(identity, public_identity, body, session_key, chat=chat, bounds=bounds)
+            return self._finish(hashed, APPROX_UNIT, job)
         assert self._tokenizer is not None
+        job = self._job(identity, public_identity, body, session_key, chat=chat)
         text = self._tokenizer.render(chat)
         specs = boundary_specs(chat)
         needs_offsets = any(s.n_messages or s.with_tools for s in specs)
-        # Chat prompts: the template writes the special tokens (vLLM's default add_special_tokens=False).
-        add_special = bool(body.get("add_special_tokens", False))
-        enc = self._tokenizer.encode(text, add_special_tokens=add_special, with_offsets=needs_offsets)
+        enc = self._tokenizer.encode(
+            text, add_special_tokens=chat.add_special_tokens, with_offsets=needs_offsets
+        )
         n = len(enc.tokens)
         positions: list[int | None] = [0] * len(specs)
         if enc.ends is not None:
@@ -237,17 +278,19 @@ class Normalizer:
         bounds = boundaries_from_positions(
             specs, positions, n, chat.add_generation_prompt, chat.volatile_index is not None
         )
-        return self._finish_tokens(
-            enc.tokens, chat, bounds, identity, public_identity, body, session_key, [], "messages"
-        )
+        return self._finish_tokens(enc.tokens, dataclasses.replace(job, bounds=bounds))
 
     def prepare_render(self, endpoint: Endpoint, body: Mapping[str, Any]) -> RenderPlan:
         """Render mode, step 1: the canonical body to render and forward, and the boundary renders."""
+        if not isinstance(body, Mapping):
+            raise NormalizerError("request body must be a JSON object")
         if endpoint == "completions":
             CompletionsPrompt(body, self._config.max_input_chars)  # validates
             return RenderPlan(
                 "completions", COMPLETIONS_RENDER_PATH, json_copy(dict(body), "prompt"), (), (), None
             )
+        if endpoint != "chat":
+            raise NormalizerError(f"unknown endpoint {endpoint!r}", code="bad_endpoint")
         chat = canonicalize_chat(body, self._config, self._key)
         canonical = chat.body if chat.body is not None else json_copy(dict(body), "messages")
         specs = boundary_specs(chat)
@@ -271,9 +314,8 @@ class Normalizer:
         """
         tokens = as_tokens(token_ids, param="render.token_ids")
         if plan.chat is None:
-            return self._finish_tokens(
-                tokens, None, None, identity, public_identity, plan.body, session_key, [], "prompt"
-            )
+            job = self._job(identity, public_identity, plan.body, session_key, source="prompt")
+            return self._finish_tokens(tokens, job)
         chat = plan.chat
         positions = render_boundaries(tokens, boundary_token_ids, plan.boundary_specs)
         bounds = boundaries_from_positions(
@@ -283,79 +325,52 @@ class Normalizer:
             chat.add_generation_prompt,
             chat.volatile_index is not None,
         )
-        return self._finish_tokens(
-            tokens, chat, bounds, identity, public_identity, plan.body, session_key, [], "messages"
-        )
+        job = self._job(identity, public_identity, plan.body, session_key, chat=chat, bounds=bounds)
+        return self._finish_tokens(tokens, job)
 
     # -- shared tail --------------------------------------------------------------------------------
 
-    def _finish_tokens(
-        self,
-        tokens: TokenArray,
-        chat: CanonicalChat | None,
-        bounds: Boundaries | None,
-        identity: KeyIdentity,
-        public_identity: KeyIdentity | None,
-        body: Mapping[str, Any],
-        session_key: str | None,
-        diagnostics: list[str],
-        source: str,
-    ) -> CanonicalPrompt:
-        hashed = Hashed(tokens, TOKEN_DTYPE.itemsize, len(tokens))
-        return self._finish(
-            hashed,
-            TOKEN_UNIT,
-            chat,
-            bounds,
-            identity,
-            public_identity,
-            body,
-            session_key,
-            diagnostics,
-            source,
-        )
+    def _finish_tokens(self, tokens: TokenArray, job: _KeyJob) -> CanonicalPrompt:
+        return self._finish(Hashed(tokens, TOKEN_DTYPE.itemsize, len(tokens)), TOKEN_UNIT, job)
 
-    def _finish(
-        self,
-        hashed: Hashed,
-        unit: str,
-        chat: CanonicalChat | None,
-        bounds: Boundaries | None,
-        identity: KeyIdentity,
-        public_identity: KeyIdentity | None,
-        body: Mapping[str, Any],
-        session_key: str | None,
-        diagnostics: list[str],
-        source: str,
-    ) -> CanonicalPrompt:
-        if identity.block_size_tokens <= 0:
-            raise NormalizerError("block_size_tokens must be positive", code="bad_config")
-        if public_identity is not None and public_identity.block_size_tokens != identity.block_size_tokens:
-            raise NormalizerError("public identity must use the same block size", code="bad_config")
+    def _unit_roots(self, job: _KeyJob, unit: str) -> tuple[int, int | None]:
+        entry = job.roots
+        root = entry.roots.get(unit)
+        if root is None:
+            root = entry.roots[unit] = self.root(entry.identity, unit)
+        if not job.with_public:
+            return root, None
+        public = entry.public_roots.get(unit)
+        if public is None:
+            public = entry.public_roots[unit] = self.root(entry.public, unit)
+        return root, public
+
+    def _finish(self, hashed: Hashed, unit: str, job: _KeyJob) -> CanonicalPrompt:
+        chat = job.chat
         diags = list(chat.diagnostics) if chat is not None else []
-        diags.extend(diagnostics)
-        if bounds is None:
-            bounds = Boundaries(0, hashed.n_tokens, {})
+        diags.extend(job.diagnostics)
+        bounds = job.bounds if job.bounds is not None else Boundaries(0, hashed.n_tokens, {})
+        root, public_root = self._unit_roots(job, unit)
         assembled: Assembled = assemble(
             hashed,
-            block_size=identity.block_size_tokens,
-            root=self.root(identity, unit),
-            public_root=self.root(public_identity, unit) if public_identity is not None else None,
+            block_size=job.identity.block_size_tokens,
+            root=root,
+            public_root=public_root,
             boundaries=bounds,
             chat=chat,
-            source=source,
+            source=job.source,
             diagnostics=diags,
         )
         prompt = assembled.prompt
-        session = self.session_digest(body, identity, session_key)
+        session = self.session_digest(job.body, job.identity, job.session_key)
         if session is None:
             return prompt
-        items = chat.items if chat is not None else _prompt_items(body, self._key)
+        items = chat.items if chat is not None else _prompt_items(job.body, self._key)
         report = self._drift.observe(
             session,
             prompt.block_keys,
             assembled.stable_end_token,
-            identity.block_size_tokens,
+            job.identity.block_size_tokens,
             items,
             prompt.zones,
         )
@@ -365,13 +380,9 @@ class Normalizer:
                 *drift_diags,
                 f"drift: block {report.first_diff_block} ({report.zone}, {report.field})",
             )
-        return _replace(prompt, drift=report, diagnostics=drift_diags)
+        return dataclasses.replace(prompt, drift=report, diagnostics=drift_diags)
 
 
 def _prompt_items(body: Mapping[str, Any], key: bytes) -> tuple[FieldItem, ...]:
     digest = keyed_digest(key, orjson.dumps(body.get("prompt"), option=orjson.OPT_SORT_KEYS))
     return (FieldItem("prompt", Zone.APPEND_ONLY, digest),)
-
-
-def _replace(prompt: CanonicalPrompt, **changes: Any) -> CanonicalPrompt:
-    return dataclasses.replace(prompt, **changes)

@@ -2,9 +2,10 @@
 
 The template environment matches what Hugging Face `apply_chat_template` (and so vLLM) gives a
 template: `trim_blocks`, `lstrip_blocks`, the loop-controls extension, a `tojson` filter that keeps
-key order and non-ASCII text, `raise_exception` and `strftime_now`, the special tokens of
-`tokenizer_config.json`, and `chat_template_kwargs` merged into the context. Chat prompts are
-encoded without adding special tokens (the template writes them), completions prompts with them.
+key order and non-ASCII text, `raise_exception`, `strftime_now` (at a fixed configured moment,
+never the wall clock), the special tokens of `tokenizer_config.json`, and `chat_template_kwargs`
+merged into the context. Chat prompts are encoded without adding special tokens (the template
+writes them), completions prompts with them.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import hashlib
 import json
 import re
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -29,6 +30,7 @@ import numpy.typing as npt
 from tokenizers import Tokenizer
 
 from prompt_normalizer.canonical import CanonicalChat
+from prompt_normalizer.config import TEMPLATE_TIME_DEFAULT
 from prompt_normalizer.errors import NormalizerError
 from prompt_normalizer.keys import TOKEN_DTYPE, TokenArray
 from prompt_normalizer.layout import BoundarySpec, common_prefix_chars
@@ -54,9 +56,13 @@ def _raise_exception(message: str) -> NoReturn:
     raise jinja2.TemplateError(message)
 
 
-def _strftime_now(fmt: str) -> str:
-    # Templates that print today's date put the clock into the model input; so does the engine.
-    return datetime.now().strftime(fmt)
+def _strftime_at(moment: datetime) -> Callable[[str], str]:
+    # Templates that print "today" would put the wall clock into the model input and so into the
+    # keys; they get one configured moment instead (a request may pass its own date as a kwarg).
+    def strftime_now(fmt: str) -> str:
+        return moment.strftime(str(fmt))
+
+    return strftime_now
 
 
 class _GenerationBlock(jinja2.ext.Extension):
@@ -76,13 +82,13 @@ class _GenerationBlock(jinja2.ext.Extension):
         return str(caller())
 
 
-def _environment() -> jinja2.Environment:
+def _environment(template_time: datetime) -> jinja2.Environment:
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationBlock]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
+    env.globals["strftime_now"] = _strftime_at(template_time)
     return env
 
 
@@ -106,7 +112,11 @@ class ChatTemplateTokenizer:
     """Renders chat requests with the model's template and tokenizes them exactly."""
 
     def __init__(
-        self, tokenizer_dir: str, chat_template_file: str | None = None, content_format: str = "auto"
+        self,
+        tokenizer_dir: str,
+        chat_template_file: str | None = None,
+        content_format: str = "auto",
+        template_time: datetime = TEMPLATE_TIME_DEFAULT,
     ) -> None:
         root = Path(tokenizer_dir)
         try:
@@ -134,7 +144,7 @@ class ChatTemplateTokenizer:
         self._templates = templates
         self._special = {k: t for k in _SPECIAL_KEYS if (t := _token_text(config.get(k))) is not None}
         self._content_format = content_format
-        self._env = _environment()
+        self._env = _environment(template_time)
         self._compiled: OrderedDict[str, jinja2.Template] = OrderedDict()
         digest = hashlib.sha256(tok_bytes)
         for name in sorted(templates):
@@ -203,6 +213,12 @@ class ChatTemplateTokenizer:
         except jinja2.TemplateError as exc:
             raise NormalizerError(
                 f"chat template failed: {exc}", param="messages", code="template_error"
+            ) from None
+        except Exception as exc:  # the template met request data of a type it cannot handle
+            raise NormalizerError(
+                f"chat template failed on the request: {type(exc).__name__}",
+                param="messages",
+                code="template_error",
             ) from None
         if spec is None and chat.continue_final_message:
             text = _cut_after_final(text, chat.messages[-1].get("content"))

@@ -20,7 +20,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.admission import Endpoint, admit, request_id_of
+from gateway.admission import Endpoint, admit, request_id_of, request_ids
 from gateway.errors import ApiError, error_response
 from gateway.fleet import Fleet
 from gateway.policy_watch import PolicyWatcher
@@ -52,15 +52,23 @@ class GatewayApp:
     async def _proxy(self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
         state = self.state
         request = Request(scope, receive)
-        request_id = request_id_of(request)
+        ids = request_ids(request)
         response: ASGIApp
         try:
             try:
-                admitted = await admit(request, endpoint, state, request_id)
+                admitted = await admit(request, endpoint, state, ids)
             except ApiError as err:
                 state.metrics.rejected(endpoint, err.status)
-                log.info("rejected", extra={"request_id": request_id, "status": err.status, "code": err.code})
-                response = error_response(err, request_id)
+                log.info(
+                    "rejected",
+                    extra={
+                        "request_id": ids.internal,
+                        "client_request_id": ids.client,
+                        "status": err.status,
+                        "code": err.code,
+                    },
+                )
+                response = error_response(err, ids.reply)
             else:
                 guard = DisconnectGuard(receive)
                 try:
@@ -74,9 +82,9 @@ class GatewayApp:
         except ClientDisconnect:
             return  # the client left while sending its body: nobody to answer
         except Exception as exc:
-            log.error("unhandled error", exc_info=exc, extra={"request_id": request_id})
+            log.error("unhandled error", exc_info=exc, extra={"request_id": ids.internal})
             response = error_response(
-                ApiError(500, "internal gateway error", "server_error", "internal_error"), request_id
+                ApiError(500, "internal gateway error", "server_error", "internal_error"), ids.reply
             )
         await response(scope, receive, send)
 
@@ -172,6 +180,7 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
             await state.registry.stop()
             await state.session.close()
             state.session = None
+            state.close_executor()
 
     routes = [
         Route("/v1/chat/completions", not_allowed, methods=["GET", "PUT", "DELETE", "PATCH"]),

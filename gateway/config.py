@@ -126,6 +126,9 @@ class PoolConfig(_Frozen):
     # None: use the policy file's `normalizer` section (hot-reloaded with it).
     normalizer: NormalizerConfig | None = None
     identity: IdentityConfig = IdentityConfig()
+    # Served model id -> LoRA adapter name (vLLM serves each adapter under its own model id); the
+    # adapter is bound into that model's prefix keys and matches KV events' `lora_name`.
+    adapters: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("workers")
     @classmethod
@@ -139,6 +142,11 @@ class PoolConfig(_Frozen):
     def _one_source(self) -> PoolConfig:
         if bool(self.workers) == (self.dns is not None):
             raise ValueError("a pool needs exactly one of 'workers' (static URLs) or 'dns' (a DNS name)")
+        unknown = sorted(set(self.adapters) - set(self.models))
+        if unknown:
+            raise ValueError(f"adapters: {unknown[0]!r} is not one of the pool's models")
+        if any(not name for name in self.adapters.values()):
+            raise ValueError("adapters: an adapter name must not be empty")
         return self
 
 

@@ -20,6 +20,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from gateway.admin import admin_routes
 from gateway.admission import Endpoint, admit, request_id_of, request_ids
 from gateway.errors import ApiError, error_response
 from gateway.fleet import Fleet
@@ -160,6 +161,7 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
         state.session = make_session(state.config)
         flusher: asyncio.Task[None] | None = None
         fleet = Fleet(state, state.session)
+        state.fleet = fleet
         try:
             await fleet.start()
             await state.registry.check_all(state.session)
@@ -176,6 +178,7 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
             if watcher is not None:
                 await watcher.stop()
             await fleet.stop()
+            state.fleet = None
             state.access_log.flush()
             await state.registry.stop()
             await state.session.close()
@@ -189,6 +192,7 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        *admin_routes(state, watcher),
     ]
     fallback = Starlette(
         routes=routes,

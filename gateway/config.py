@@ -201,6 +201,21 @@ class SecretsConfig(_Frozen):
     key_hash_secret_file: str | None = None
 
 
+class AdminConfig(_Frozen):
+    """The admin API (`/admin/status`, `/admin/policy/reload`): off unless a key hash is set."""
+
+    api_key_hash: str | None = None
+
+    @field_validator("api_key_hash")
+    @classmethod
+    def _hash(cls, value: str | None) -> str | None:
+        if value is not None and (
+            not value.startswith("hmac-sha256:") or len(value) != len("hmac-sha256:") + 64
+        ):
+            raise ValueError("must be 'hmac-sha256:<64 hex>' (make one with `kvgate serve --hash-key`)")
+        return value
+
+
 class GatewayConfig(_Frozen):
     """Top level of the gateway config file."""
 
@@ -211,6 +226,7 @@ class GatewayConfig(_Frozen):
     scrape: ScrapeSettings = ScrapeSettings()
     tracing: TracingConfig = TracingConfig()
     secrets: SecretsConfig = SecretsConfig()
+    admin: AdminConfig = AdminConfig()
     policy_file: str | None = None
     policy_reload_interval_s: PositiveFloat = 2.0
     pools: list[PoolConfig] = Field(min_length=1)
@@ -236,6 +252,8 @@ class GatewayConfig(_Frozen):
         hashes = [h for t in self.tenants for h in t.api_key_hashes]
         if len(set(hashes)) != len(hashes):
             raise ValueError("an API key hash is listed twice")
+        if self.admin.api_key_hash is not None and self.admin.api_key_hash in hashes:
+            raise ValueError("admin.api_key_hash must not also be a tenant's key")
         return self
 
 

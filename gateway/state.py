@@ -25,6 +25,7 @@ from prompt_normalizer.normalizer import Normalizer, NormalizerConfig
 from prompt_normalizer.types import PUBLIC_NAMESPACE, KeyIdentity
 
 if TYPE_CHECKING:
+    from gateway.fleet import Fleet
     from gateway.policy_watch import LoadedPolicy
     from gateway.streaming import ProxyStream
 
@@ -45,6 +46,7 @@ class GatewayState:
     tracer: RequestTracer | None = None
     created_s: int = 0
     session: aiohttp.ClientSession | None = None
+    fleet: Fleet | None = None  # discovery, scraping and KV events, while the lifespan runs
     draining: bool = False
     ready: bool = False
     active_streams: set[ProxyStream] = field(default_factory=set)

@@ -1,4 +1,11 @@
-"""Decoding vLLM's KV-event payloads (msgpack `EventBatch`, array or map form) into `KvEvent`s.
+"""Decoding of vLLM's KV-event payloads (msgpack `EventBatch`) into `policies.base.KvEvent`.
+
+A batch is `[ts, events, data_parallel_rank?]` or the map form `{"ts", "events", ...}`. An event
+is either array-like (`["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
+lora_id, medium, lora_name, extra_keys, ...]`, `["BlockRemoved", block_hashes, medium, ...]`,
+`["AllBlocksCleared"]`; trailing fields may be missing) or a map tagged by `"type"` (vLLM after the
+switch to map encoding; unknown keys are ignored). Only events about the GPU prefix cache of
+full-attention layers reach the index; other media and KV groups are counted and skipped.
 
 A stored chain's root block carries the request's `cache_salt` in its `extra_keys` (vLLM mixes
 `[lora_name, multimodal ids..., cache_salt]` into block 0's hash). The gateway sets every salt

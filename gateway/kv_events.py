@@ -2,10 +2,7 @@
 
 Wire format (vLLM `vllm/distributed/kv_events.py`, SGLang uses the same framing):
 a multipart message `[topic, seq (8-byte big-endian), payload]`, where payload is a msgpack
-`EventBatch`: `[ts, events, data_parallel_rank?]` or the map form `{"ts", "events", ...}`. An event
-is either array-like (`["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
-lora_id, medium, lora_name, ...]`, `["BlockRemoved", block_hashes, medium, ...]`,
-`["AllBlocksCleared"]`; trailing fields may be missing) or a map tagged by `"type"`.
+`EventBatch` (decoded by `gateway.kv_event_codec`, which this module re-exports).
 
 The publisher numbers batches 0, 1, 2, ... and drops messages above its high-water mark, so the
 subscriber watches `seq`. On a gap it asks the worker's ROUTER replay socket (when configured) for
@@ -13,6 +10,9 @@ the missing batches; whatever cannot be recovered is reported through `on_gap`. 
 `on_gap` handler the subscriber delivers a synthetic `AllBlocksCleared`: forgetting a worker's blocks
 costs some cache hits, while keeping a view with holes in it would route to blocks that are gone.
 A sequence that goes backwards means the publisher restarted (its cache is empty): the same signal.
+
+On joining a worker that is already running (first batch seen with seq > 0), the subscriber asks the
+replay socket for the history it still buffers, so a restarted gateway relearns recent blocks.
 
 A worker with data-parallel engines publishes one stream per rank (vLLM: endpoint port + rank);
 each is added as its own `KvEventEndpoint` of the same worker and keeps its own sequence.
@@ -31,6 +31,8 @@ import zmq
 import zmq.asyncio
 
 from gateway.kv_event_codec import (
+    GPU_MEDIA,
+    PREFIX_SPEC_KINDS,
     DecodedBatch,
     KvEventDecodeError,
     decode_batch,
@@ -39,6 +41,9 @@ from gateway.kv_event_codec import (
 from policies.base import KvEvent, KvEventKind, WorkerId
 
 __all__ = [
+    "GPU_MEDIA",
+    "PREFIX_SPEC_KINDS",
+    "REPLAY_END_SEQ",
     "DecodedBatch",
     "KvEventDecodeError",
     "KvEventEndpoint",
@@ -55,6 +60,7 @@ log = logging.getLogger("kvgate.kv_events")
 
 # vLLM ends a replay with seq = -1 as a signed 8-byte big-endian integer and an empty payload.
 REPLAY_END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
 KvEventCallback = Callable[[WorkerId, KvEvent], None]
 
 
@@ -116,6 +122,8 @@ class KvEventLimits:
     replay_timeout_s: float = 2.0
     max_replay_batches: int = 10_000
     reconnect_ivl_s: float = 0.1
+    # On the first live batch of a worker already running, replay its buffered history first.
+    replay_on_join: bool = True
 
 
 @dataclass(slots=True)
@@ -227,7 +235,10 @@ class KvEventSubscriber:
                     stats.decode_errors += 1
                     log.warning("kv events from %s: malformed message (%d frames)", ep.worker, len(frames))
                     continue
-                if expected is not None and seq != expected:
+                if expected is None and seq > 0 and ep.replay_endpoint and self._limits.replay_on_join:
+                    # Joining a running worker: fetch what its replay buffer still holds.
+                    await self._replay(ep, stats, 0, seq, joining=True)
+                elif expected is not None and seq != expected:
                     await self._recover(ep, stats, expected, seq)
                 self._deliver(ep.worker, stats, seq, frames[-1])
                 expected = seq + 1
@@ -246,8 +257,13 @@ class KvEventSubscriber:
         if next_needed < seq:
             self._gap(SequenceGap(ep.worker, next_needed, seq), stats)
 
-    async def _replay(self, ep: KvEventEndpoint, stats: SubscriptionStats, start: int, stop: int) -> int:
-        """Fetch batches `start .. stop-1` from the replay socket; return the first seq still missing."""
+    async def _replay(
+        self, ep: KvEventEndpoint, stats: SubscriptionStats, start: int, stop: int, joining: bool = False
+    ) -> int:
+        """Fetch batches `start .. stop-1` from the replay socket; return the first seq still missing.
+
+        When `joining`, history older than the buffer was never ours to lose: no gap is reported.
+        """
         assert self._ctx is not None and ep.replay_endpoint is not None
         next_needed = start
         sock = self._ctx.socket(zmq.DEALER)
@@ -274,7 +290,7 @@ class KvEventSubscriber:
                     break  # the live stream already holds this one
                 if rseq < next_needed:
                     continue
-                if rseq > next_needed:
+                if rseq > next_needed and not joining:
                     # The replay buffer no longer reaches back far enough.
                     self._gap(SequenceGap(ep.worker, next_needed, rseq), stats)
                 self._deliver(ep.worker, stats, rseq, frames[1])

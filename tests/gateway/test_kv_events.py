@@ -496,3 +496,32 @@ async def test_data_parallel_ranks_are_separate_streams_of_one_worker(
     finally:
         await sub.stop()
     assert rec.hashes() == [10, 20, 11]
+
+
+async def test_joining_a_running_worker_replays_its_buffered_history(
+    ctx: zmq.asyncio.Context, pub: Publisher
+) -> None:
+    rec = Recorder()
+    buffered = {s: one(10 + s) for s in range(2, 8)}  # the buffer no longer holds 0 and 1
+    async with (
+        replay_server(ctx, buffered) as replay,
+        subscribed(pub, rec, replay=replay, gap_handler=rec.on_gap) as sub,
+    ):
+        await pub.send(7, buffered[7])
+        await rec.wait_for(6)
+        stats = sub.stats(W)
+        assert stats is not None and stats.replayed_batches == 5 and stats.gaps == 0
+    assert rec.hashes() == [12, 13, 14, 15, 16, 17]  # no gap reported for history before the buffer
+
+
+async def test_join_without_catch_up(ctx: zmq.asyncio.Context, pub: Publisher) -> None:
+    rec = Recorder()
+    limits = KvEventLimits(replay_on_join=False)
+    async with (
+        replay_server(ctx, {s: one(10 + s) for s in range(0, 4)}) as replay,
+        subscribed(pub, rec, replay=replay, limits=limits),
+    ):
+        await pub.send(3, one(13))
+        await pub.send(4, one(14))
+        await rec.wait_for(2)
+    assert rec.hashes() == [13, 14]

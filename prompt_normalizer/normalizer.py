@@ -28,7 +28,7 @@ from typing import Any, Literal
 import orjson
 
 from prompt_normalizer.approx import APPROX_UNIT, approx_chat, approx_text
-from prompt_normalizer.canonical import CanonicalChat, FieldItem, canonicalize_chat, request_flag
+from prompt_normalizer.canonical import CanonicalChat, FieldItem, canonicalize_chat, field_items, request_flag
 from prompt_normalizer.completions import CompletionsPrompt
 from prompt_normalizer.config import NormalizerConfig, VolatileRule, ZoneConfig
 from prompt_normalizer.drift import DriftTracker
@@ -37,6 +37,7 @@ from prompt_normalizer.keys import (
     TOKEN_DTYPE,
     TOKEN_UNIT,
     IdentityTokenHasher,
+    PrefixKeyMemo,
     TokenArray,
     as_tokens,
     keyed_digest,
@@ -73,9 +74,10 @@ Endpoint = Literal["chat", "completions"]
 _ROOT_CACHE_MAX = 4096
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _KeyJob:
-    """What the shared tail needs besides the hashed bytes (one record, built once per request)."""
+    """What the shared tail needs besides the hashed bytes (one record, built once per request;
+    private and never shared, so not frozen: a frozen init costs a microsecond per request)."""
 
     identity: KeyIdentity
     roots: _IdentityRoots
@@ -111,6 +113,7 @@ class Normalizer:
         # hashing the nine-field dataclass on every request. Entries hold the object, so an id
         # is never reused while its entry lives.
         self._identity_roots: OrderedDict[int, _IdentityRoots] = OrderedDict()
+        self._memo = PrefixKeyMemo(self._key)
         self._tokenizer: ChatTemplateTokenizer | None = None
         if config.mode == "tokenizer":
             assert config.tokenizer_dir is not None  # checked by the config
@@ -278,7 +281,8 @@ class Normalizer:
         bounds = boundaries_from_positions(
             specs, positions, n, chat.add_generation_prompt, chat.volatile_index is not None
         )
-        return self._finish_tokens(enc.tokens, dataclasses.replace(job, bounds=bounds))
+        job.bounds = bounds
+        return self._finish_tokens(enc.tokens, job)
 
     def prepare_render(self, endpoint: Endpoint, body: Mapping[str, Any]) -> RenderPlan:
         """Render mode, step 1: the canonical body to render and forward, and the boundary renders."""
@@ -360,12 +364,13 @@ class Normalizer:
             chat=chat,
             source=job.source,
             diagnostics=diags,
+            memo=self._memo,
         )
         prompt = assembled.prompt
         session = self.session_digest(job.body, job.identity, job.session_key)
         if session is None:
             return prompt
-        items = chat.items if chat is not None else _prompt_items(job.body, self._key)
+        items = field_items(chat, self._key) if chat is not None else _prompt_items(job.body, self._key)
         report = self._drift.observe(
             session,
             prompt.block_keys,

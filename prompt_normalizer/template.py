@@ -10,6 +10,7 @@ writes them), completions prompts with them.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import json
 import re
@@ -36,6 +37,7 @@ from prompt_normalizer.keys import TOKEN_DTYPE, TokenArray
 from prompt_normalizer.layout import BoundarySpec, common_prefix_chars
 
 _TEMPLATE_CACHE_MAX = 16
+assert array.array("I").itemsize == 4, "token ids are converted through 32-bit array.array"
 _OPENAI_FORMAT = re.compile(r"for\s+\w+\s+in\s+\w+\s*(\[\s*['\"]content['\"]\s*\]|\.content)")
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
@@ -226,10 +228,11 @@ class ChatTemplateTokenizer:
 
     def encode(self, text: str, *, add_special_tokens: bool, with_offsets: bool) -> Encoded:
         enc = self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        tokens = np.array(enc.ids, dtype=TOKEN_DTYPE)
+        # Through array.array: several times faster than numpy's conversion of a Python list.
+        tokens = np.frombuffer(array.array("I", enc.ids), dtype=np.uintc).astype(TOKEN_DTYPE, copy=False)
         ends = None
         if with_offsets:
-            ends = np.array(enc.offsets, dtype=np.int64).reshape(-1, 2)[:, 1]
+            ends = np.frombuffer(array.array("q", [end for _, end in enc.offsets]), dtype=np.int64)
             # Special tokens added by a post-processor report (0, 0); keep ends non-decreasing.
             ends = np.maximum.accumulate(ends) if ends.size else ends
         return Encoded(tokens, ends)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
@@ -136,7 +137,7 @@ class PrefixKeyMemo:
     (a root), the span length and a 128-bit fingerprint keyed from the deployment secret: a
     wrong hit needs a 128-bit collision, rarer than the 64-bit key collision the prefix index
     already accepts as "same content". Only keys and fingerprints are kept, never content.
-    LRU-bounded by entries and by keys held in total.
+    LRU-bounded by entries and by keys held in total; safe to share between threads.
     """
 
     def __init__(self, key: bytes, max_entries: int = 1024, max_keys: int = 262_144) -> None:
@@ -145,6 +146,7 @@ class PrefixKeyMemo:
         self._max_keys = max_keys
         self._entries: OrderedDict[tuple[int, int, int], tuple[BlockKey, ...]] = OrderedDict()
         self._keys = 0
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -155,17 +157,20 @@ class PrefixKeyMemo:
     def chain(self, span: memoryview, fingerprint: int, block_bytes: int, seed: int) -> tuple[BlockKey, ...]:
         """The keys of `span` (whole blocks) chained from `seed`, from memory when seen before."""
         slot = (seed, len(span), fingerprint)
-        keys = self._entries.get(slot)
-        if keys is not None:
-            self._entries.move_to_end(slot)
-            return keys
-        keys = chain_keys(span, block_bytes, seed)
+        with self._lock:
+            keys = self._entries.get(slot)
+            if keys is not None:
+                self._entries.move_to_end(slot)
+                return keys
+        keys = chain_keys(span, block_bytes, seed)  # outside the lock: the only slow part
         if len(keys) <= self._max_keys:
-            self._entries[slot] = keys
-            self._keys += len(keys)
-            while len(self._entries) > self._max_entries or self._keys > self._max_keys:
-                _, old = self._entries.popitem(last=False)
-                self._keys -= len(old)
+            with self._lock:
+                if slot not in self._entries:
+                    self._entries[slot] = keys
+                    self._keys += len(keys)
+                while len(self._entries) > self._max_entries or self._keys > self._max_keys:
+                    _, old = self._entries.popitem(last=False)
+                    self._keys -= len(old)
         return keys
 
 

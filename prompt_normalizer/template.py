@@ -14,6 +14,7 @@ import array
 import hashlib
 import json
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -148,25 +149,28 @@ class ChatTemplateTokenizer:
         self._content_format = content_format
         self._env = _environment(template_time)
         self._compiled: OrderedDict[str, jinja2.Template] = OrderedDict()
+        self._lock = threading.Lock()
         digest = hashlib.sha256(tok_bytes)
         for name in sorted(templates):
             digest.update(name.encode() + b"\0" + templates[name].encode() + b"\0")
         self.fingerprint = digest.hexdigest()[:16]
 
     def _template(self, source: str) -> jinja2.Template:
-        compiled = self._compiled.get(source)
-        if compiled is None:
-            try:
-                compiled = self._env.from_string(source)
-            except jinja2.TemplateSyntaxError as exc:
-                raise NormalizerError(
-                    f"chat template does not compile: {exc.message}", param="chat_template"
-                ) from None
+        with self._lock:
+            compiled = self._compiled.get(source)
+            if compiled is not None:
+                self._compiled.move_to_end(source)
+                return compiled
+        try:
+            compiled = self._env.from_string(source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise NormalizerError(
+                f"chat template does not compile: {exc.message}", param="chat_template"
+            ) from None
+        with self._lock:
             self._compiled[source] = compiled
-            if len(self._compiled) > _TEMPLATE_CACHE_MAX:
+            while len(self._compiled) > _TEMPLATE_CACHE_MAX:
                 self._compiled.popitem(last=False)
-        else:
-            self._compiled.move_to_end(source)
         return compiled
 
     def _source(self, chat: CanonicalChat) -> str:

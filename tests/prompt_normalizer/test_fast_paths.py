@@ -87,3 +87,18 @@ def test_identity_roots_follow_each_identity_object() -> None:
     other = dataclasses.replace(IDENT, epoch=1)
     assert not set(norm.canonicalize("chat", body, other).block_keys) & set(first)
     assert norm.canonicalize("chat", body, dataclasses.replace(IDENT)).block_keys == first
+
+
+def test_shared_between_threads_gives_the_single_thread_answers() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    systems = [f"System prompt number {i}. " * 30 for i in range(6)]
+    bodies = [_body(systems[i % 6], f"question {i}") for i in range(120)]
+    pub = public_identity_of(IDENT)
+    expected = [Normalizer(NormalizerConfig(), b"s").canonicalize("chat", b, IDENT, pub) for b in bodies]
+    shared = Normalizer(NormalizerConfig(), b"s")
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        got = list(pool.map(lambda b: shared.canonicalize("chat", b, IDENT, pub), bodies))
+    assert [(p.block_keys, p.public_block_keys, p.zones) for p in got] == [
+        (p.block_keys, p.public_block_keys, p.zones) for p in expected
+    ]

@@ -20,7 +20,6 @@ index fed by events and one fed by requests agree.
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -28,7 +27,7 @@ from typing import Any, Literal
 import orjson
 
 from prompt_normalizer.approx import APPROX_UNIT, approx_chat, approx_text
-from prompt_normalizer.canonical import CanonicalChat, FieldItem, canonicalize_chat, request_flag
+from prompt_normalizer.canonical import CanonicalChat, FieldItem, canonicalize_chat, field_items, request_flag
 from prompt_normalizer.completions import CompletionsPrompt
 from prompt_normalizer.config import NormalizerConfig, VolatileRule, ZoneConfig
 from prompt_normalizer.drift import DriftTracker
@@ -37,11 +36,11 @@ from prompt_normalizer.keys import (
     TOKEN_DTYPE,
     TOKEN_UNIT,
     IdentityTokenHasher,
+    PrefixKeyMemo,
     TokenArray,
     as_tokens,
     keyed_digest,
     public_identity_of,
-    root_key,
     secret_key,
     token_block_keys,
 )
@@ -55,6 +54,7 @@ from prompt_normalizer.layout import (
     boundary_specs,
 )
 from prompt_normalizer.render import CHAT_RENDER_PATH, COMPLETIONS_RENDER_PATH, RenderPlan, render_boundaries
+from prompt_normalizer.roots import IdentityRoots, RootCache
 from prompt_normalizer.switches import json_copy
 from prompt_normalizer.template import ChatTemplateTokenizer
 from prompt_normalizer.types import BlockKey, CanonicalPrompt, KeyIdentity, Zone
@@ -70,15 +70,15 @@ __all__ = [
 ]
 
 Endpoint = Literal["chat", "completions"]
-_ROOT_CACHE_MAX = 4096
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _KeyJob:
-    """What the shared tail needs besides the hashed bytes (one record, built once per request)."""
+    """What the shared tail needs besides the hashed bytes (one record, built once per request;
+    private and never shared, so not frozen: a frozen init costs a microsecond per request)."""
 
     identity: KeyIdentity
-    roots: _IdentityRoots
+    roots: IdentityRoots
     with_public: bool
     body: Mapping[str, Any]
     session_key: str | None
@@ -88,29 +88,14 @@ class _KeyJob:
     source: str = "messages"
 
 
-@dataclass(slots=True)
-class _IdentityRoots:
-    """Chain roots of one identity object and of its public twin, per hashing unit (cached)."""
-
-    identity: KeyIdentity
-    public: KeyIdentity
-    roots: dict[str, int]
-    public_roots: dict[str, int]
-    # The last `public_identity` object the caller passed that equals `public` (skips the compare).
-    accepted_public: KeyIdentity | None = None
-
-
 class Normalizer:
     """Turns one OpenAI request body into a `CanonicalPrompt` under a `KeyIdentity`."""
 
     def __init__(self, config: NormalizerConfig, secret: bytes) -> None:
         self._config = config
         self._key = secret_key(secret)
-        self._roots: OrderedDict[tuple[KeyIdentity, str], int] = OrderedDict()
-        # Per identity object (callers keep one identity per tenant and model): roots without
-        # hashing the nine-field dataclass on every request. Entries hold the object, so an id
-        # is never reused while its entry lives.
-        self._identity_roots: OrderedDict[int, _IdentityRoots] = OrderedDict()
+        self._roots = RootCache(self._key)
+        self._memo = PrefixKeyMemo(self._key)
         self._tokenizer: ChatTemplateTokenizer | None = None
         if config.mode == "tokenizer":
             assert config.tokenizer_dir is not None  # checked by the config
@@ -140,23 +125,7 @@ class Normalizer:
 
     def root(self, identity: KeyIdentity, unit: str = TOKEN_UNIT) -> int:
         """The chain root for `identity` (cached, bounded)."""
-        cache_key = (identity, unit)
-        root = self._roots.get(cache_key)
-        if root is None:
-            root = root_key(self._key, identity, unit)
-            self._roots[cache_key] = root
-            if len(self._roots) > _ROOT_CACHE_MAX:
-                self._roots.popitem(last=False)
-        return root
-
-    def _identity_entry(self, identity: KeyIdentity) -> _IdentityRoots:
-        entry = self._identity_roots.get(id(identity))
-        if entry is None or entry.identity is not identity:
-            entry = _IdentityRoots(identity, public_identity_of(identity), {}, {})
-            self._identity_roots[id(identity)] = entry
-            if len(self._identity_roots) > _ROOT_CACHE_MAX:
-                self._identity_roots.popitem(last=False)
-        return entry
+        return self._roots.root(identity, unit)
 
     def _job(
         self,
@@ -168,16 +137,7 @@ class Normalizer:
     ) -> _KeyJob:
         if identity.block_size_tokens <= 0:
             raise NormalizerError("block_size_tokens must be positive", code="bad_config")
-        entry = self._identity_entry(identity)
-        if public_identity is not None and public_identity is not entry.accepted_public:
-            # Public keys are always derived from the request identity; a caller's public identity
-            # that differs in any field but the namespace would bind another model or epoch.
-            if public_identity != entry.public:
-                raise NormalizerError(
-                    "public_identity must equal the request identity with the public namespace",
-                    code="bad_identity",
-                )
-            entry.accepted_public = public_identity
+        entry = self._roots.entry(identity, public_identity)
         return _KeyJob(identity, entry, public_identity is not None, body, session_key, **parts)
 
     def keys_for_tokens(
@@ -278,7 +238,8 @@ class Normalizer:
         bounds = boundaries_from_positions(
             specs, positions, n, chat.add_generation_prompt, chat.volatile_index is not None
         )
-        return self._finish_tokens(enc.tokens, dataclasses.replace(job, bounds=bounds))
+        job.bounds = bounds
+        return self._finish_tokens(enc.tokens, job)
 
     def prepare_render(self, endpoint: Endpoint, body: Mapping[str, Any]) -> RenderPlan:
         """Render mode, step 1: the canonical body to render and forward, and the boundary renders."""
@@ -333,39 +294,28 @@ class Normalizer:
     def _finish_tokens(self, tokens: TokenArray, job: _KeyJob) -> CanonicalPrompt:
         return self._finish(Hashed(tokens, TOKEN_DTYPE.itemsize, len(tokens)), TOKEN_UNIT, job)
 
-    def _unit_roots(self, job: _KeyJob, unit: str) -> tuple[int, int | None]:
-        entry = job.roots
-        root = entry.roots.get(unit)
-        if root is None:
-            root = entry.roots[unit] = self.root(entry.identity, unit)
-        if not job.with_public:
-            return root, None
-        public = entry.public_roots.get(unit)
-        if public is None:
-            public = entry.public_roots[unit] = self.root(entry.public, unit)
-        return root, public
-
     def _finish(self, hashed: Hashed, unit: str, job: _KeyJob) -> CanonicalPrompt:
         chat = job.chat
         diags = list(chat.diagnostics) if chat is not None else []
         diags.extend(job.diagnostics)
         bounds = job.bounds if job.bounds is not None else Boundaries(0, hashed.n_tokens, {})
-        root, public_root = self._unit_roots(job, unit)
+        roots = self._roots.for_unit(job.roots, unit, job.with_public)
         assembled: Assembled = assemble(
             hashed,
             block_size=job.identity.block_size_tokens,
-            root=root,
-            public_root=public_root,
+            root=roots.root,
+            public_root=roots.public_root,
             boundaries=bounds,
             chat=chat,
             source=job.source,
             diagnostics=diags,
+            memo=self._memo,
         )
         prompt = assembled.prompt
         session = self.session_digest(job.body, job.identity, job.session_key)
         if session is None:
             return prompt
-        items = chat.items if chat is not None else _prompt_items(job.body, self._key)
+        items = field_items(chat, self._key) if chat is not None else _prompt_items(job.body, self._key)
         report = self._drift.observe(
             session,
             prompt.block_keys,

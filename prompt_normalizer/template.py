@@ -10,9 +10,11 @@ writes them), completions prompts with them.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import json
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,6 +38,9 @@ from prompt_normalizer.keys import TOKEN_DTYPE, TokenArray
 from prompt_normalizer.layout import BoundarySpec, common_prefix_chars
 
 _TEMPLATE_CACHE_MAX = 16
+# Token ids reach numpy through a 32-bit array.array (several times faster than numpy's conversion
+# of a Python list); on a platform whose C unsigned int is not 32 bits, numpy converts them.
+_U32_ARRAY = array.array("I").itemsize == 4
 _OPENAI_FORMAT = re.compile(r"for\s+\w+\s+in\s+\w+\s*(\[\s*['\"]content['\"]\s*\]|\.content)")
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
@@ -146,25 +151,29 @@ class ChatTemplateTokenizer:
         self._content_format = content_format
         self._env = _environment(template_time)
         self._compiled: OrderedDict[str, jinja2.Template] = OrderedDict()
+        self._lock = threading.Lock()
+        self._auto_formats: dict[str, str] = {}
         digest = hashlib.sha256(tok_bytes)
         for name in sorted(templates):
             digest.update(name.encode() + b"\0" + templates[name].encode() + b"\0")
         self.fingerprint = digest.hexdigest()[:16]
 
     def _template(self, source: str) -> jinja2.Template:
-        compiled = self._compiled.get(source)
-        if compiled is None:
-            try:
-                compiled = self._env.from_string(source)
-            except jinja2.TemplateSyntaxError as exc:
-                raise NormalizerError(
-                    f"chat template does not compile: {exc.message}", param="chat_template"
-                ) from None
+        with self._lock:
+            compiled = self._compiled.get(source)
+            if compiled is not None:
+                self._compiled.move_to_end(source)
+                return compiled
+        try:
+            compiled = self._env.from_string(source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise NormalizerError(
+                f"chat template does not compile: {exc.message}", param="chat_template"
+            ) from None
+        with self._lock:
             self._compiled[source] = compiled
-            if len(self._compiled) > _TEMPLATE_CACHE_MAX:
+            while len(self._compiled) > _TEMPLATE_CACHE_MAX:
                 self._compiled.popitem(last=False)
-        else:
-            self._compiled.move_to_end(source)
         return compiled
 
     def _source(self, chat: CanonicalChat) -> str:
@@ -178,7 +187,13 @@ class ChatTemplateTokenizer:
     def _messages(self, chat: CanonicalChat, source: str, n: int) -> list[dict[str, Any]]:
         fmt = self._content_format
         if fmt == "auto":
-            fmt = "openai" if _OPENAI_FORMAT.search(source) else "string"
+            fmt = self._auto_formats.get(source, "")
+            if not fmt:  # a regex over the whole template: once per template, not per render
+                fmt = "openai" if _OPENAI_FORMAT.search(source) else "string"
+                with self._lock:
+                    if len(self._auto_formats) >= _TEMPLATE_CACHE_MAX:
+                        self._auto_formats.clear()
+                    self._auto_formats[source] = fmt
         out = []
         for msg in chat.messages[:n]:
             content = msg.get("content")
@@ -226,10 +241,13 @@ class ChatTemplateTokenizer:
 
     def encode(self, text: str, *, add_special_tokens: bool, with_offsets: bool) -> Encoded:
         enc = self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        tokens = np.array(enc.ids, dtype=TOKEN_DTYPE)
+        if _U32_ARRAY:
+            tokens = np.frombuffer(array.array("I", enc.ids), dtype=np.uintc).astype(TOKEN_DTYPE, copy=False)
+        else:
+            tokens = np.array(enc.ids, dtype=TOKEN_DTYPE)
         ends = None
         if with_offsets:
-            ends = np.array(enc.offsets, dtype=np.int64).reshape(-1, 2)[:, 1]
+            ends = np.frombuffer(array.array("q", [end for _, end in enc.offsets]), dtype=np.int64)
             # Special tokens added by a post-processor report (0, 0); keep ends non-decreasing.
             ends = np.maximum.accumulate(ends) if ends.size else ends
         return Encoded(tokens, ends)

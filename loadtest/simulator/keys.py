@@ -4,8 +4,8 @@
   `PUBLIC_NAMESPACE`) and a per-tenant `cache_salt` keyed by the deployment secret. A tenant's
   isolation is `strict`, `shared_public` or `public` (`KeyPath(isolation=..., tenant_isolation=...)`).
 - **Identities** follow `gateway.state.GatewayState.identities`: the tenant's own identity (the
-  public one for `public` tenants) and, for `shared_public` tenants, the public identity, derived
-  from one base `KeyIdentity` with `dataclasses.replace`.
+  public one for `public` tenants) and, for `shared_public` tenants, the public identity derived
+  from it by `prompt_normalizer.keys.public_identity_of`.
 - **Chat and text prompts** go through the normalizer in `render` mode exactly as the gateway
   drives it against a worker: `prepare_render`, the emulated worker's own renderer for the body and
   each zone boundary (one token per byte), `from_render`. That yields token-exact block keys, the
@@ -19,9 +19,10 @@
   no immutable blocks. Only blocks wholly inside the prompt get a route key, as with the
   normalizer; the ceilings also count the trace's partial last block.
 
-`cache_salt` (what the engines get) is chosen as review item 1 asks of the gateway: always set by
-the gateway; the tenant's salt, except a `public` tenant and a `shared_public` request whose whole
-prompt lies inside the promoted public blocks the policy routed, which get the public salt.
+`cache_salt` (what the engines get) is always set on the gateway side, never taken from the client:
+the tenant's salt, except for a `public` tenant and for a `shared_public` request whose whole
+prompt lies inside the promoted public blocks the policy routed, which get one public salt. The
+engine's salt covers the whole chain, so anything else would share a tenant's private tail.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from loadtest.workloads.openai_body import openai_request
 from loadtest.workloads.records import BlockPrompt, WorkloadRequest
 from policies.base import Isolation, RouteDecision, RouteRequest
 from prompt_normalizer.config import NormalizerConfig
-from prompt_normalizer.keys import chain_keys
+from prompt_normalizer.keys import chain_keys, public_identity_of
 from prompt_normalizer.normalizer import Normalizer
 from prompt_normalizer.render import RenderPlan
 from prompt_normalizer.types import PUBLIC_NAMESPACE, BlockKey, KeyIdentity
@@ -131,10 +132,9 @@ class KeyPath:
         return found
 
     def identities(self, tenant: Tenant, block_size_tokens: int) -> tuple[KeyIdentity, KeyIdentity | None]:
-        base = dataclasses.replace(self.base, block_size_tokens=block_size_tokens, namespace=PUBLIC_NAMESPACE)
         own_ns = PUBLIC_NAMESPACE if tenant.isolation is Isolation.PUBLIC else tenant.namespace
-        own = dataclasses.replace(base, namespace=own_ns)
-        return own, base if tenant.isolation is Isolation.SHARED_PUBLIC else None
+        own = dataclasses.replace(self.base, block_size_tokens=block_size_tokens, namespace=own_ns)
+        return own, public_identity_of(own) if tenant.isolation is Isolation.SHARED_PUBLIC else None
 
     def namespace_of_salt(self, salt: str | None) -> str | None:
         """What the gateway resolves a KV event's `cache_salt` to (None: unknown or unsalted)."""

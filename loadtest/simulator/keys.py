@@ -15,9 +15,10 @@
   (`prompt_normalizer.keys.chain_keys`) over the ids as little-endian u64, rooted at the keyed root
   of the tenant identity under a unit of their own (`TRACE_UNIT`, so they never meet token keys),
   one key per trace block (512-token Mooncake, 64-token kv-cache-tester blocks): that is all the
-  prefix structure a trace carries, and it keeps the index small. A trace prompt has no zones, so
-  no immutable blocks. Only blocks wholly inside the prompt get a route key, as with the
-  normalizer; the ceilings also count the trace's partial last block.
+  prefix structure a trace carries, and it keeps the index small. Only blocks wholly inside the
+  prompt get a route key, as with the normalizer; the ceilings also count the trace's partial last
+  block. A kv-cache-tester session's system + tools blocks are its immutable zone
+  (`BlockPrompt.immutable_blocks`), keyed under the public identity too; Mooncake prompts have none.
 
 `cache_salt` (what the engines get) is always set on the gateway side, never taken from the client:
 the tenant's salt, except for a `public` tenant and for a `shared_public` request whose whole
@@ -146,12 +147,17 @@ class KeyPath:
         tenant = self.tenant(req.tenant)
         p = req.prompt
         if isinstance(p, BlockPrompt):
-            own, _ = self.identities(tenant, p.block_size_tokens)
+            own, public = self.identities(tenant, p.block_size_tokens)
             ids = np.asarray(p.block_ids, dtype=np.uint64).astype(_U64, copy=False)
             extras = {0: p.salt.encode()} if p.salt else None
             keys = chain_keys(ids, _U64.itemsize, self.normalizer.root(own, TRACE_UNIT), extras)
             n_full = min(len(keys), p.n_tokens // p.block_size_tokens)
-            return KeyedPrompt(tenant, keys, n_full, p.block_size_tokens, p.n_tokens)
+            n_imm = min(p.immutable_blocks, n_full)
+            public_keys: tuple[BlockKey, ...] = ()
+            if public is not None and n_imm:
+                root = self.normalizer.root(public, TRACE_UNIT)
+                public_keys = chain_keys(ids[:n_imm], _U64.itemsize, root, extras)
+            return KeyedPrompt(tenant, keys, n_full, p.block_size_tokens, p.n_tokens, public_keys, n_imm)
         own, public = self.identities(tenant, self.base.block_size_tokens)
         request = openai_request(req, self.model)
         is_chat = request.path.endswith("chat/completions")

@@ -127,7 +127,8 @@ class KeyPath:
                 name=name, api_key_hashes=[hash_api_key(self._secret, key)], isolation=isolation
             )
             found = KeyRing([cfg], self._secret).lookup(f"Bearer {key}")
-            assert found is not None
+            if found is None:  # the key ring must find the key it was just given
+                raise RuntimeError(f"tenant {name!r}: the gateway key ring did not resolve its key")
             self._tenants[name] = found
             self._salt_namespace[found.cache_salt] = found.namespace
         return found

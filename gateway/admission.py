@@ -6,6 +6,8 @@ Only the fields routing needs are validated here (`model`, `messages` / `prompt`
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import os
 import time
 from dataclasses import dataclass, field
@@ -24,6 +26,27 @@ from policies.base import Isolation, RouteDecision, RouteRequest
 from prompt_normalizer.errors import NormalizerError
 
 Endpoint = Literal["chat", "completions"]
+# Body fields that steer an engine's internals rather than the completion. A tenant must not set
+# them: `kv_transfer_params` (vLLM disaggregated prefill: where KV is pulled from or pushed to),
+# `request_id` / `rid` (the engine's request id; the gateway names requests itself),
+# `priority` (engine scheduling; fairness between tenants is the gateway's job),
+# `data_parallel_rank` (pins an engine rank), `bootstrap_host` / `bootstrap_port` /
+# `bootstrap_room` (SGLang prefill-decode transfer), `prompt_embeds` (bypasses tokenization, so
+# the prefix keys could not describe the prompt). They are refused with 400, naming the field.
+# `cache_salt` is not refused: the gateway always replaces it with its own.
+ENGINE_INTERNAL_FIELDS = frozenset(
+    {
+        "kv_transfer_params",
+        "request_id",
+        "rid",
+        "priority",
+        "data_parallel_rank",
+        "bootstrap_host",
+        "bootstrap_port",
+        "bootstrap_room",
+        "prompt_embeds",
+    }
+)
 UPSTREAM_PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 
@@ -37,6 +60,7 @@ class Admitted:
     """
 
     request_id: str
+    client_request_id: str | None
     endpoint: Endpoint
     tenant: Tenant
     limiter: TenantLimiter
@@ -50,24 +74,26 @@ class Admitted:
     route: RouteRequest
     max_output_tokens: int
     started_s: float
+    public_salt: str
     drift_field: str | None = None
     recorded: bool = False
     _encoded: dict[str | None, bytes] = field(default_factory=dict)
 
+    @property
+    def reply_id(self) -> str:
+        """The `x-request-id` sent back to the client."""
+        return self.client_request_id if self.client_request_id is not None else self.request_id
+
     def body_for(self, decision: RouteDecision) -> bytes:
-        """The bytes for one dispatch. The `cache_salt` depends on the decision: strict tenants
-        always get theirs; shared_public tenants share worker KV only when the policy routed a
-        promoted public prefix; public tenants never get one."""
-        isolation = self.tenant.isolation
-        salt: str | None = None
-        if isolation is Isolation.STRICT or (
-            isolation is Isolation.SHARED_PUBLIC and decision.shared_prefix_blocks == 0
-        ):
-            salt = self.tenant.cache_salt
+        """The bytes for one dispatch, always with the gateway's own `cache_salt` (a client's is
+        replaced): the tenant's salt, or the public salt when the whole prompt lies inside the
+        promoted public prefix the policy routed (vLLM's salt covers a request's entire chain, so
+        any private token after the public prefix must keep the tenant's salt)."""
+        salt = self.public_salt if _wholly_public(self.route, decision) else self.tenant.cache_salt
         cached = self._encoded.get(salt)
         if cached is not None:
             return cached
-        if salt is None or self.forward.get("cache_salt") == salt:
+        if self.forward.get("cache_salt") == salt:
             out = orjson.dumps(self.forward) if self.changed else self.raw
         else:
             out = orjson.dumps({**self.forward, "cache_salt": salt})
@@ -75,12 +101,46 @@ class Admitted:
         return out
 
 
-def request_id_of(request: Request) -> str:
-    """Honour a sane inbound `x-request-id`; otherwise make one."""
+def _wholly_public(route: RouteRequest, decision: RouteDecision) -> bool:
+    shared = decision.shared_prefix_blocks
+    return (
+        shared > 0
+        and route.isolation is not Isolation.STRICT
+        and shared <= len(route.public_block_keys)
+        and shared * route.block_size_tokens >= route.n_prompt_tokens
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class RequestIds:
+    """`internal` is always made here: it names the request to the worker, the policy and the
+    logs, so two clients that send the same `x-request-id` can never collide. `client` is the
+    client's own id (when sane), only echoed back and logged beside the internal one."""
+
+    internal: str
+    client: str | None
+
+    @property
+    def reply(self) -> str:
+        """The `x-request-id` of the response: the client's own id, else the internal one."""
+        return self.client if self.client is not None else self.internal
+
+
+def request_ids(request: Request) -> RequestIds:
+    return RequestIds(os.urandom(12).hex(), client_request_id(request))
+
+
+def client_request_id(request: Request) -> str | None:
+    """A sane inbound `x-request-id` (printable ASCII, at most 128 characters), else None."""
     rid = request.headers.get("x-request-id")
     if rid and len(rid) <= 128 and rid.isascii() and rid.isprintable():
         return rid
-    return os.urandom(16).hex()
+    return None
+
+
+def request_id_of(request: Request) -> str:
+    """The id to answer with on routes that send nothing upstream."""
+    return client_request_id(request) or os.urandom(12).hex()
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
@@ -137,6 +197,9 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise bad_request("'stream_options' must be an object", "stream_options")
+    if not ENGINE_INTERNAL_FIELDS.isdisjoint(body):
+        name = min(ENGINE_INTERNAL_FIELDS.intersection(body))
+        raise bad_request(f"'{name}' is an engine-internal field and cannot be set through the gateway", name)
     return body
 
 
@@ -148,9 +211,10 @@ def _max_output_tokens(body: dict[str, Any]) -> int:
     return 0
 
 
-async def admit(request: Request, endpoint: Endpoint, state: GatewayState, request_id: str) -> Admitted:
+async def admit(request: Request, endpoint: Endpoint, state: GatewayState, ids: RequestIds) -> Admitted:
     """Run every check in the order a client would expect: 401, 413, 400, 404, 429."""
     started_s = time.monotonic()
+    request_id = ids.internal
     tenant = authenticate(request, state)
     raw = await read_body(request, state.config.limits.max_body_bytes)
     body = parse_body(raw, endpoint)
@@ -171,6 +235,13 @@ async def admit(request: Request, endpoint: Endpoint, state: GatewayState, reque
             plan = normalizer.prepare_render(endpoint, body)
             canonical = await render_canonical(
                 normalizer, plan, pool, state.upstream(), identity, public, request_id
+            )
+        elif normalizer.config.mode == "tokenizer":
+            # Tokenizing and templating a long prompt takes milliseconds: off the event loop, on
+            # the normalizer's one thread (so a Normalizer is never entered concurrently).
+            canonical = await asyncio.get_running_loop().run_in_executor(
+                state.normalizer_executor(),
+                functools.partial(normalizer.canonicalize, endpoint, body, identity, public),
             )
         else:
             canonical = normalizer.canonicalize(endpoint, body, identity, public)
@@ -219,10 +290,12 @@ async def admit(request: Request, endpoint: Endpoint, state: GatewayState, reque
         immutable_blocks=canonical.immutable_blocks,
         max_output_tokens=max_out or None,
         session_key=_session_key(body, tenant),
+        adapter=identity.adapter or None,
     )
     drift = canonical.drift
     return Admitted(
         request_id=request_id,
+        client_request_id=ids.client,
         endpoint=endpoint,
         tenant=tenant,
         limiter=limiter,
@@ -236,6 +309,7 @@ async def admit(request: Request, endpoint: Endpoint, state: GatewayState, reque
         route=route,
         max_output_tokens=max_out,
         started_s=started_s,
+        public_salt=state.keyring.public_salt,
         drift_field=drift.field if drift is not None and drift.first_diff_block is not None else None,
     )
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from gateway.config import QuotaConfig, TenantConfig
 from policies.base import Isolation
+from prompt_normalizer.types import PUBLIC_NAMESPACE
 
 HASH_PREFIX = "hmac-sha256:"
 
@@ -26,8 +27,9 @@ def derive_secret(secret: bytes, purpose: str) -> bytes:
 class Tenant:
     """A customer namespace as the data path sees it.
 
-    `cache_salt` is forwarded to workers for strict tenants: a keyed hash of the namespace, so one
-    tenant can never hit (or time) KV that another tenant's prompts created.
+    `cache_salt` is a keyed hash of the namespace, sent with every request of the tenant (except a
+    prompt wholly inside a promoted public prefix), so one tenant can never hit (or time) KV that
+    another tenant's prompts created.
     """
 
     name: str
@@ -38,16 +40,30 @@ class Tenant:
 
 
 class KeyRing:
-    """Maps `Authorization: Bearer <key>` to a `Tenant`. Identity never comes from the request body."""
+    """Maps `Authorization: Bearer <key>` to a `Tenant`. Identity never comes from the request body.
+
+    Also owns the worker-side salts: one per tenant, and `public_salt` for requests that lie wholly
+    inside a promoted public prefix. `salt_namespaces` maps each salt back to its key namespace
+    (KV events carry the salt of the chain they stored).
+    """
 
     def __init__(self, tenants: list[TenantConfig], secret: bytes) -> None:
         self._secret = secret
         salt_secret = derive_secret(secret, "cache_salt")
+
+        def salt_of(namespace: str) -> str:
+            return hmac.new(salt_secret, namespace.encode(), hashlib.sha256).hexdigest()[:32]
+
         self._by_hash: dict[str, Tenant] = {}
+        self.tenants: dict[str, Tenant] = {}
+        # Tenant names match [A-Za-z0-9_.:-]+, so "tenant:<name>" never equals the public namespace.
+        self.public_salt = salt_of(PUBLIC_NAMESPACE)
+        self.salt_namespaces: dict[str, str] = {self.public_salt: PUBLIC_NAMESPACE}
         for cfg in tenants:
             namespace = f"tenant:{cfg.name}"
-            salt = hmac.new(salt_secret, namespace.encode(), hashlib.sha256).hexdigest()[:32]
-            tenant = Tenant(cfg.name, namespace, cfg.isolation, cfg.quotas, salt)
+            tenant = Tenant(cfg.name, namespace, cfg.isolation, cfg.quotas, salt_of(namespace))
+            self.tenants[cfg.name] = tenant
+            self.salt_namespaces[tenant.cache_salt] = namespace
             for h in cfg.api_key_hashes:
                 self._by_hash[h] = tenant
 

@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import zmq
@@ -146,8 +146,10 @@ class KvEventSubscriber:
         on_event: KvEventCallback,
         on_gap: GapCallback | None = None,
         limits: KvEventLimits | None = None,
+        salt_namespaces: Mapping[str, str] | None = None,
     ) -> None:
         self._on_event = on_event
+        self._salt_namespaces = salt_namespaces
         self._on_gap = on_gap
         self._limits = limits or KvEventLimits()
         self._ctx: zmq.asyncio.Context | None = None
@@ -324,7 +326,7 @@ class KvEventSubscriber:
         stats.last_seq = seq
         stats.last_batch_monotonic_s = time.monotonic()
         try:
-            batch = decode_batch(payload)
+            batch = decode_batch(payload, self._salt_namespaces)
         except KvEventDecodeError as exc:
             stats.decode_errors += 1
             log.warning("kv events from %s: batch %d undecodable: %s", worker, seq, exc)
@@ -335,9 +337,11 @@ class KvEventSubscriber:
             stats.events += 1
             try:
                 self._on_event(worker, ev)
-            except Exception:
+            except Exception as exc:
                 stats.callback_errors += 1
-                log.exception("kv events: callback failed for %s", worker)
+                # The type only: an exception's message may quote token ids, which never reach a log.
+                stats.last_error = f"callback raised {type(exc).__name__}"
+                log.error("kv events: callback failed for %s: %s", worker, type(exc).__name__)
 
 
 def _parse_frames(frames: Sequence[bytes]) -> int | None:

@@ -19,7 +19,7 @@ from gateway.errors import ApiError, RawResponse, error_response, upstream_error
 from gateway.outcome import Attempt, Usage, record_request, usage_of
 from gateway.state import GatewayState
 from gateway.streaming import ProxyStream
-from policies.base import WorkerId
+from policies.base import Outcome, WorkerId
 
 log = logging.getLogger("kvgate.proxy")
 
@@ -34,10 +34,10 @@ async def dispatch(a: Admitted, state: GatewayState) -> RawResponse | ProxyStrea
         log.error("dispatch failed", exc_info=exc, extra={"request_id": a.request_id})
         attempt = attempts[-1] if attempts else None
         if attempt is not None:
-            attempt.fail(state, worker_fault=False)
+            attempt.fail(state, Outcome.ABORTED)
         err = ApiError(500, "internal gateway error", "server_error", "internal_error")
         _finish_error(state, a, 500, attempt, len(attempts), err.message)
-        return error_response(err, a.request_id)
+        return error_response(err, a.reply_id)
 
 
 async def _dispatch(a: Admitted, state: GatewayState, attempts: list[Attempt]) -> RawResponse | ProxyStream:
@@ -69,31 +69,31 @@ async def _dispatch(a: Admitted, state: GatewayState, attempts: list[Attempt]) -
                 worker.url + path, data=a.body_for(decision), headers=headers, timeout=timeout
             )
         except aiohttp.ConnectionTimeoutError:
-            attempt.fail(state, worker_fault=True)
+            attempt.fail(state, Outcome.WORKER_FAILED)
             last = upstream_error(502, f"could not connect to a worker within {timeouts.connect_s:g} s")
             continue
         except TimeoutError:
-            attempt.fail(state, worker_fault=True)
+            attempt.fail(state, Outcome.WORKER_FAILED)
             last = upstream_error(504, f"worker did not answer within {timeouts.read_s:g} s")
             break
         except (aiohttp.ClientError, OSError) as exc:
-            attempt.fail(state, worker_fault=True)
+            attempt.fail(state, Outcome.WORKER_FAILED)
             last = upstream_error(502, f"could not reach a worker ({type(exc).__name__})")
             continue
         except asyncio.CancelledError:
-            attempt.fail(state, worker_fault=False)
+            attempt.fail(state, Outcome.ABORTED)
             _finish_error(state, a, 499, attempt, n, "client disconnected")
             raise
         if resp.status >= 500:
             resp.close()
-            attempt.fail(state, worker_fault=True)
+            attempt.fail(state, Outcome.WORKER_FAILED)
             last = upstream_error(502, f"worker answered {resp.status}")
             continue
         if a.stream and resp.status == 200 and resp.content_type == "text/event-stream":
             return ProxyStream(state, attempt, resp, retries=n)
         return await _whole(state, a, attempt, resp, n)
     _finish_error(state, a, last.status, attempt, len(tried), last.message)
-    return error_response(last, a.request_id)
+    return error_response(last, a.reply_id)
 
 
 async def _whole(
@@ -104,19 +104,19 @@ async def _whole(
         body = await resp.read()
     except TimeoutError:
         resp.close()
-        attempt.fail(state, worker_fault=True)
+        attempt.fail(state, Outcome.WORKER_FAILED)
         err = upstream_error(504, "worker timed out while sending its answer")
         _finish_error(state, a, 504, attempt, retries, err.message)
-        return error_response(err, a.request_id)
+        return error_response(err, a.reply_id)
     except (aiohttp.ClientError, OSError) as exc:
         resp.close()
-        attempt.fail(state, worker_fault=True)
+        attempt.fail(state, Outcome.WORKER_FAILED)
         err = upstream_error(502, f"worker connection failed mid-answer ({type(exc).__name__})")
         _finish_error(state, a, 502, attempt, retries, err.message)
-        return error_response(err, a.request_id)
+        return error_response(err, a.reply_id)
     except asyncio.CancelledError:
         resp.close()
-        attempt.fail(state, worker_fault=False)
+        attempt.fail(state, Outcome.ABORTED)
         _finish_error(state, a, 499, attempt, retries, "client disconnected")
         raise
     resp.release()
@@ -129,8 +129,8 @@ async def _whole(
         usage = usage_of(parsed.get("usage") if isinstance(parsed, dict) else None)
         attempt.complete(state, usage)
     else:
-        # A 4xx is about the request, not the worker's health.
-        attempt.fail(state, worker_fault=False)
+        # A 4xx is about the request, not the worker's health; the worker computed nothing.
+        attempt.fail(state, Outcome.REJECTED if resp.status < 500 else Outcome.WORKER_FAILED)
     record_request(
         state,
         a,
@@ -142,7 +142,7 @@ async def _whole(
         retries=retries,
     )
     content_type = resp.headers.get("content-type", "application/json")
-    headers = [(b"content-type", content_type.encode()), (b"x-request-id", a.request_id.encode())]
+    headers = [(b"content-type", content_type.encode()), (b"x-request-id", a.reply_id.encode())]
     return RawResponse(resp.status, body, headers)
 
 

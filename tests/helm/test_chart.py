@@ -160,10 +160,14 @@ def test_static_urls_and_dns_workers() -> None:
         "workers": {"dns": {"name": "vllm.llm.svc", "port": 8000, "refreshSeconds": 3}},
         "kvEventsEndpoint": "tcp://{host}:5557",
     }
-    (pool,) = gateway_config(render({"pools": [dns_pool]}))["pools"]
+    rendered = gateway_config(render({"pools": [dns_pool]}))
+    (pool,) = rendered["pools"]
     assert pool["dns"] == {"name": "vllm.llm.svc", "port": 8000, "scheme": "http", "refresh_s": 3}
     assert "workers" not in pool
     assert pool["kv_events_endpoint"] == "tcp://{host}:5557"
+    # `kvgate serve` accepts both keys.
+    parsed = parse_config(rendered).pools[0]
+    assert parsed.dns is not None and parsed.kv_events_endpoint == "tcp://{host}:5557"
 
 
 def test_policy_configmap_and_overrides() -> None:

@@ -173,8 +173,8 @@ class PolicyConfig(_Strict):
     default_tenant_index_share: float | None = Field(None, gt=0.0, le=1.0)
     public_prefixes: PublicPrefixesYaml = PublicPrefixesYaml()
     precise_namespace: str = PUBLIC_NAMESPACE
+    # Read by the gateway: the normalizer of pools whose gateway config names none.
     normalizer: NormalizerConfig = NormalizerConfig()
-    options: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("policy")
     @classmethod
@@ -232,7 +232,6 @@ def policy_kwargs(config: PolicyConfig) -> dict[str, Any]:
         kwargs.update(config.preble_e2.model_dump(), shared=config.shared_settings())
     elif name == "consistent_hash":
         kwargs.update(config.consistent_hash.model_dump())
-    kwargs.update(config.options)
     return kwargs
 
 

@@ -91,6 +91,8 @@ class QueueTerms:
     max_batched_tokens: int
     step_s: float
     backlog_per_token_s: float
+    prefill_per_token_s: float
+    attention_per_pair_s: float
     per_request_s: float
     per_context_token_s: float
     mean_prompt_tokens: float
@@ -114,6 +116,7 @@ class CostModel:
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
         self._mean_prompt_tokens = 1024.0
         self.calibration_samples = 0
+        self._terms: QueueTerms | None = None
 
     # -- time estimates -----------------------------------------------------------------------
 
@@ -134,7 +137,12 @@ class CostModel:
         m = min(matched_tokens, prompt_tokens)
         if m <= 0:
             return 0.0
-        return self.prefill_s(prompt_tokens, 0) - self.prefill_s(prompt_tokens - m, m)
+        # T_prefill(n, 0) − T_prefill(n − m, m): the attention terms differ by exactly e·m²/2.
+        p = self.params
+        budget = p.max_batched_tokens
+        steps = -(-prompt_tokens // budget) - -(-(prompt_tokens - m) // budget)
+        raw = p.prefill_s_per_token * m + p.attention_s_per_pair * m * m / 2 + p.step_s * steps
+        return self.scale * raw
 
     def decode_step_s(self, running_requests: int, context_tokens: int) -> float:
         p = self.params
@@ -178,12 +186,21 @@ class CostModel:
         return self._mean_prompt_tokens
 
     def queue_terms(self) -> QueueTerms:
+        """The current constants (cached; rebuilt after a completion moves the scale or the mean)."""
+        terms = self._terms
+        if terms is None or terms.scale != self.scale or terms.mean_prompt_tokens != self._mean_prompt_tokens:
+            terms = self._terms = self._build_terms()
+        return terms
+
+    def _build_terms(self) -> QueueTerms:
         p = self.params
         return QueueTerms(
             scale=self.scale,
             max_batched_tokens=p.max_batched_tokens,
             step_s=p.step_s,
             backlog_per_token_s=p.prefill_s_per_token + p.attention_s_per_pair * self._mean_prompt_tokens / 2,
+            prefill_per_token_s=p.prefill_s_per_token,
+            attention_per_pair_s=p.attention_s_per_pair,
             per_request_s=p.decode_s_per_request,
             per_context_token_s=p.decode_s_per_context_token,
             mean_prompt_tokens=self._mean_prompt_tokens,
@@ -219,6 +236,14 @@ class CostModel:
         pending[request_id] = _Pending(queue_s, matched_tokens)
         if len(pending) > self.MAX_PENDING:
             pending.popitem(last=False)
+
+    def forget(self, request_id: str) -> None:
+        """Drop a dispatched request's calibration record (it was not served: nothing to learn)."""
+        self._pending.pop(request_id, None)
+
+    @property
+    def pending_requests(self) -> int:
+        return len(self._pending)
 
     def note_complete(
         self, request_id: str, ttft_s: float | None, prompt_tokens: int | None, cached_tokens: int | None

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from policies.base import RouteDecision, RouteRequest, WorkerView
+from policies.cost_model import CostModel, QueueTerms
 from policies.prefix_policy import PrefixPolicyBase, SharedSettings
 from policies.registry import register_policy
 
@@ -54,15 +55,24 @@ class CostPolicy(PrefixPolicyBase):
         self._last_n = -1
 
     def select(self, req: RouteRequest, workers: Sequence[WorkerView], now_s: float) -> RouteDecision | None:
-        # One pass for availability and load (this loop and the scoring loop below are the
-        # per-worker hot path: locals only, no method calls).
+        pool = self._pool(req)
+        pool.index.expire(now_s)
+        own_match = pool.index.lookup(req.block_keys, req.namespace, now_s)
+        own_get = own_match.blocks_by_worker.get if own_match.longest_blocks else None
+        # Pass 1: availability, load, raw prefill backlog and own-namespace match of every worker
+        # (locals only: this and the scoring below are the per-worker hot path).
         cands: list[WorkerView] = []
         loads: list[int] = []
-        backlog_tokens = 0
+        backlogs: list[int] = []
+        held: list[tuple[int, int]] = []  # (candidate, matched blocks)
         for w in workers:
             inflight = w.in_flight_requests
             if not w.healthy or (w.max_in_flight is not None and inflight >= w.max_in_flight):
                 continue
+            if own_get is not None:
+                blocks = own_get(w.worker_id)
+                if blocks:
+                    held.append((len(cands), blocks))
             cands.append(w)
             waiting = w.num_requests_waiting
             if waiting is not None:
@@ -70,25 +80,24 @@ class CostPolicy(PrefixPolicyBase):
                 if reported > inflight:
                     inflight = reported
             loads.append(inflight)
-            backlog_tokens += w.in_flight_prefill_tokens
+            backlogs.append(w.in_flight_prefill_tokens)
         if not cands:
             return None
+        n_cands = len(cands)
         self._note_tenant(req)
-        pool = self._pool(req)
         self._calls += 1
-        if self._calls % self.OBSERVE_EVERY == 1 or len(cands) != self._last_n:
+        if self._calls % self.OBSERVE_EVERY == 1 or n_cands != self._last_n:
             # Capacities and pool membership change rarely; refresh them periodically.
-            self._last_n = len(cands)
+            self._last_n = n_cands
             self._pools.note_workers(req.pool, cands)
             pool.observe_workers(cands)
-        pool.index.expire(now_s)
-        found = self._lookup(pool, req, now_s)
+        found = self._lookup(pool, req, now_s, own=own_match)
         cost = pool.cost
 
-        mean_after = (sum(loads) + 1) / len(cands)
+        mean_after = (sum(loads) + 1) / n_cands
         # Recomputing a prefix also delays whoever queues behind it: weigh saved compute by
         # 1 + work_weight·L, L = prompts waiting per worker (Little's law), capped.
-        waiting_per_worker = backlog_tokens / len(cands) / max(1.0, cost.mean_prompt_tokens)
+        waiting_per_worker = sum(backlogs) / n_cands / max(1.0, cost.mean_prompt_tokens)
         weight = 1.0 + self.work_weight * min(waiting_per_worker, self.max_queue_factor)
         bound = max((1.0 + self.epsilon) * mean_after, mean_after + self.slack_requests) - 1
         overloaded = min(loads) > bound
@@ -99,66 +108,58 @@ class CostPolicy(PrefixPolicyBase):
         bs = req.block_size_tokens
         limit = self._cap_tokens(req, n)
         longest_tokens = min(found.longest_blocks * bs, limit)
-        own = found.own.blocks_by_worker
-        public = found.public.blocks_by_worker
-        transfer_on = cost.params.transfer_enabled
         q = cost.queue_terms()
-        budget = q.max_batched_tokens
-        saved_for: dict[int, float] = {0: 0.0}
-        best_score = -math.inf
-        best: list[tuple[int, int, float]] = []
+        scorer = _Scorer(self, req, cost, q, weight, longest_tokens)
+
+        # A worker's score is at most what it saves minus its raw backlog's prefill time (the
+        # queue's smallest term, before scaling for requests this gateway did not send). Workers are
+        # scored in order of that bound, and once it falls below the best score less the tie margin
+        # no later worker can win or tie: the loop stops there.
         tie = self.tie_s
-        for i, view in enumerate(cands):
-            if loads[i] > bound:
-                continue
-            blocks = own.get(view.worker_id, 0) if own else 0
-            if public:
-                blocks = max(blocks, public.get(view.worker_id, 0))
-            matched = blocks * bs
-            if matched > limit:
-                matched = limit
-            saved = saved_for.get(matched)
-            if saved is None:
-                saved = saved_for[matched] = cost.saved_s(n, matched) * weight
-            if transfer_on and longest_tokens > matched:
-                moved = cost.saved_s(n, longest_tokens) * weight - cost.transfer_s(longest_tokens - matched)
-                if moved > saved:
-                    saved, matched = moved, longest_tokens
-            # T_queue, inlined from CostModel.queue_s (kept equal by a test). The backlog alone
-            # bounds the score from above: skip the rest when even that cannot reach a tie.
-            backlog = float(view.in_flight_prefill_tokens)
-            if saved - q.scale * q.backlog_per_token_s * backlog < best_score - tie:
-                continue
-            running = known = view.in_flight_requests
-            waiting = view.num_requests_waiting
-            if waiting is not None:
-                scraped = view.num_requests_running or 0
-                if waiting + scraped > known:
-                    if known > 0 and backlog > 0:
-                        backlog *= (waiting + scraped) / known
-                    else:
-                        backlog += waiting * q.mean_prompt_tokens
-                if scraped > running:
-                    running = scraped
-            per_step = q.per_request_s * running + q.per_context_token_s * view.in_flight_decode_tokens
-            queue = -(-int(backlog + n - matched) // budget) * per_step
-            if backlog > 0:
-                queue += q.backlog_per_token_s * backlog + q.step_s * -(-int(backlog) // budget)
-            queue *= q.scale
-            score = saved - queue
-            if view.warming or (req.adapter and view.loaded_adapters is not None):
-                score -= cost.cold_s(view, req.adapter)
-            if score > best_score + tie:
-                best_score, best = score, [(i, matched, queue)]
-            elif score >= best_score - tie:
-                if score > best_score:
-                    best_score = score
-                best.append((i, matched, queue))
-        chosen, matched, queue = best[0] if len(best) == 1 else self._rng.choice(best)
+        per_backlog_token = q.scale * q.backlog_per_token_s
+        # Pass 2a: the workers holding part of the prefix (few).
+        public = found.public.blocks_by_worker
+        if public:
+            # A promoted public chain: merge its holders in (rare, so a second pass is fine).
+            merged = dict(held)
+            for i, view in enumerate(cands):
+                pub = public.get(view.worker_id, 0)
+                if pub > merged.get(i, 0):
+                    merged[i] = pub
+            held = list(merged.items())
+        holders: set[int] = set()
+        if held:
+            ranked: list[tuple[float, int, int]] = []
+            for i, blocks in held:
+                holders.add(i)
+                if loads[i] <= bound:
+                    matched = min(blocks * bs, limit)
+                    upper = max(scorer.saved(matched), scorer.nonholder_saved_s)
+                    ranked.append((upper - per_backlog_token * backlogs[i], i, matched))
+            ranked.sort(reverse=True)
+            for upper, i, matched in ranked:
+                if upper < scorer.best_score - tie:
+                    break
+                scorer.consider(i, cands[i], matched)
+        # Pass 2b: the others (they save nothing, or at most a transfer), by raw backlog.
+        cap_s = scorer.nonholder_saved_s
+        if cap_s >= scorer.best_score - tie:
+            order = [i for i in range(n_cands) if loads[i] <= bound and i not in holders]
+            order.sort(key=backlogs.__getitem__)
+            for i in order:
+                if cap_s - per_backlog_token * backlogs[i] < scorer.best_score - tie:
+                    break
+                scorer.consider(i, cands[i], 0)
+        best = scorer.best
+        if len(best) == 1:
+            chosen, matched, queue = best[0]
+        else:
+            best.sort()
+            chosen, matched, queue = self._rng.choice(best)
         reason = self._reason(overloaded, matched, longest_tokens)
         self._decisions.add(reason)
         cost.note_dispatch(req.request_id, queue, matched)
-        return RouteDecision(cands[chosen].worker_id, best_score, reason, matched, found.public_blocks)
+        return RouteDecision(cands[chosen].worker_id, scorer.best_score, reason, matched, found.public_blocks)
 
     def _reason(self, overloaded: bool, matched: int, longest: int) -> str:
         if overloaded:
@@ -170,3 +171,106 @@ class CostPolicy(PrefixPolicyBase):
         if matched == 0:
             self._count("hot_prefix_replications")
         return "spread"
+
+
+class _Scorer:
+    """Scores candidates one at a time and keeps the best (ties within `tie_s` kept together)."""
+
+    __slots__ = (
+        "adapter",
+        "best",
+        "best_score",
+        "cost",
+        "limit_tokens",
+        "longest_tokens",
+        "n",
+        "n_steps",
+        "nonholder_saved_s",
+        "q",
+        "saved_for",
+        "tie",
+        "transfer_on",
+        "weight",
+    )
+
+    def __init__(
+        self,
+        policy: CostPolicy,
+        req: RouteRequest,
+        cost: CostModel,
+        q: QueueTerms,
+        weight: float,
+        longest_tokens: int,
+    ) -> None:
+        self.n = req.n_prompt_tokens
+        self.n_steps = -(-self.n // q.max_batched_tokens)
+        self.adapter = req.adapter
+        self.cost = cost
+        self.q = q
+        self.weight = weight
+        self.tie = policy.tie_s
+        self.longest_tokens = longest_tokens
+        self.transfer_on = cost.params.transfer_enabled
+        self.saved_for: dict[int, float] = {0: 0.0}
+        self.best_score = -math.inf
+        self.best: list[tuple[int, int, float]] = []
+        self.nonholder_saved_s = 0.0
+        if self.transfer_on and longest_tokens > 0:
+            moved = cost.saved_s(self.n, longest_tokens) * weight - cost.transfer_s(longest_tokens)
+            self.nonholder_saved_s = max(0.0, moved)
+
+    def saved(self, matched: int) -> float:
+        """Weighted prefill time a match of `matched` tokens saves (`CostModel.saved_s` inlined and
+        memoized per request; a test keeps them equal)."""
+        saved = self.saved_for.get(matched)
+        if saved is None:
+            m = matched if matched < self.n else self.n
+            if m <= 0:
+                return 0.0
+            q = self.q
+            steps = self.n_steps - -(-(self.n - m) // q.max_batched_tokens)
+            raw = q.prefill_per_token_s * m + q.attention_per_pair_s * m * m / 2 + q.step_s * steps
+            saved = self.saved_for[matched] = q.scale * raw * self.weight
+        return saved
+
+    def consider(self, i: int, view: WorkerView, matched: int) -> None:
+        cost = self.cost
+        q = self.q
+        n = self.n
+        saved = self.saved(matched)
+        longest = self.longest_tokens
+        if self.transfer_on and longest > matched:
+            moved = cost.saved_s(n, longest) * self.weight - cost.transfer_s(longest - matched)
+            if moved > saved:
+                saved, matched = moved, longest
+        # T_queue, inlined from CostModel.queue_s (kept equal by a test). The backlog alone bounds
+        # the score from above: skip the rest when even that cannot reach a tie.
+        backlog = float(view.in_flight_prefill_tokens)
+        if saved - q.scale * q.backlog_per_token_s * backlog < self.best_score - self.tie:
+            return
+        running = known = view.in_flight_requests
+        waiting = view.num_requests_waiting
+        if waiting is not None:
+            scraped = view.num_requests_running or 0
+            if waiting + scraped > known:
+                if known > 0 and backlog > 0:
+                    backlog *= (waiting + scraped) / known
+                else:
+                    backlog += waiting * q.mean_prompt_tokens
+            if scraped > running:
+                running = scraped
+        budget = q.max_batched_tokens
+        per_step = q.per_request_s * running + q.per_context_token_s * view.in_flight_decode_tokens
+        queue = -(-int(backlog + n - matched) // budget) * per_step
+        if backlog > 0:
+            queue += q.backlog_per_token_s * backlog + q.step_s * -(-int(backlog) // budget)
+        queue *= q.scale
+        score = saved - queue
+        if view.warming or (self.adapter and view.loaded_adapters is not None):
+            score -= cost.cold_s(view, self.adapter)
+        if score > self.best_score + self.tie:
+            self.best_score, self.best = score, [(i, matched, queue)]
+        elif score >= self.best_score - self.tie:
+            if score > self.best_score:
+                self.best_score = score
+            self.best.append((i, matched, queue))

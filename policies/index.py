@@ -11,80 +11,29 @@ completed request or a KV event confirms them. Memory is bounded three ways: eac
 the whole pool (`max_entries` holdings, split evenly across workers), and each namespace (a share
 of `max_entries` in distinct keys).
 
+Lookups live in `index_lookup.py`, the records in `index_types.py`.
+
 Invariants (asserted by `check_invariants`):
 1. `w in _table[k].holders` iff `k in _lru[w]`.
 2. `len(_lru[w]) <= effective capacity of w`; the sum over workers is at most `max_entries`.
 3. every key sits in exactly the namespace list of its entry, within that namespace's quota.
-4. a speculative holding has a finite expiry, a confirmed one `inf`; `_speculative` counts the former.
+4. a speculative holding has a finite expiry, a confirmed one `inf`; `_spec_expiry` has exactly one
+   record per speculative holding (so it is bounded by `max_entries`).
 """
 
 from __future__ import annotations
 
 import math
-import operator
-from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 
 from policies.base import WorkerId
+from policies.index_lookup import lookup_prefix
+from policies.index_types import CONFIRMED, NO_MATCH, Entry, IndexConfig, PrefixMatch
 from policies.stats import IndexStats
 from prompt_normalizer.types import BlockKey
 
-CONFIRMED = math.inf
-
-
-@dataclass(frozen=True, slots=True)
-class IndexConfig:
-    """Sizing of one pool's index. Capacities are in tokens, converted to index blocks per pool."""
-
-    default_capacity_tokens: int = 430_000
-    max_entries: int = 4_000_000
-    namespace_share: float = 0.5
-    speculative_ttl_s: float = 60.0
-    granularity_blocks: int = 1
-    max_workers: int = 1024
-
-    def __post_init__(self) -> None:
-        if self.granularity_blocks < 1:
-            raise ValueError("granularity_blocks must be >= 1")
-        if self.max_entries < 1 or self.default_capacity_tokens < 0:
-            raise ValueError("max_entries must be >= 1 and default_capacity_tokens >= 0")
-        if not 0.0 < self.namespace_share <= 1.0:
-            raise ValueError("namespace_share must be in (0, 1]")
-        if self.speculative_ttl_s <= 0:
-            raise ValueError("speculative_ttl_s must be > 0")
-
-
-@dataclass(frozen=True, slots=True)
-class PrefixMatch:
-    """Every worker's matched prefix for one request, in request blocks (only workers with a match).
-
-    `deepest_holder` is the most recent holder of the deepest matched block (SGLang's `last_tenant`).
-    """
-
-    blocks_by_worker: Mapping[WorkerId, int] = field(default_factory=dict)
-    longest_blocks: int = 0
-    deepest_holder: WorkerId | None = None
-
-    def blocks(self, worker: WorkerId) -> int:
-        return self.blocks_by_worker.get(worker, 0)
-
-
-NO_MATCH = PrefixMatch()
-
-
-class _Entry:
-    """One block key: its namespace and holders (worker → expiry; insertion order = recency)."""
-
-    __slots__ = ("holders", "namespace", "spec")
-
-    def __init__(self, namespace: str) -> None:
-        self.namespace = namespace
-        self.holders: dict[WorkerId, float] = {}
-        self.spec = 0  # speculative holders, so lookups know when expiry must be checked
-
-
-_namespace_of = operator.attrgetter("namespace")
+__all__ = ["CONFIRMED", "NO_MATCH", "IndexConfig", "PrefixIndex", "PrefixMatch"]
 
 
 class PrefixIndex:
@@ -102,16 +51,20 @@ class PrefixIndex:
         self.block_size_tokens = block_size_tokens
         self._g = config.granularity_blocks
         self._share = namespace_share or (lambda _ns: config.namespace_share)
-        self._table: dict[BlockKey, _Entry] = {}
+        self._table: dict[BlockKey, Entry] = {}
         # Per worker: block key → last use (seconds), in recency order.
         self._lru: dict[WorkerId, OrderedDict[BlockKey, float]] = {}
         self._cap_blocks: dict[WorkerId, int] = {}
         self._ns_keys: dict[str, OrderedDict[BlockKey, None]] = {}
-        self._spec_queue: deque[tuple[float, WorkerId, BlockKey]] = deque()
+        # One record per speculative holding, (worker, key) → expiry, in expiry order (every
+        # refresh sets expiry = now + TTL and moves the record to the end).
+        self._spec_expiry: OrderedDict[tuple[WorkerId, BlockKey], float] = OrderedDict()
+        # An upper bound on the longest worker list, so a new worker only rescans the others when
+        # someone may exceed the smaller share of `max_entries`.
+        self._longest_bound = 0
         # Workers whose holdings may not be prefix-closed (a KV-event insert or removal, or a
         # collision, happened since their last clear); lookups walk them block by block.
         self._open: dict[WorkerId, None] = {}
-        self._speculative = 0
         self._evictions = 0
         self._expirations = 0
 
@@ -138,9 +91,11 @@ class PrefixIndex:
             self.forget_worker(victim)
         self._lru[worker] = OrderedDict()
         self._cap_blocks.setdefault(worker, self._blocks_for_tokens(self.config.default_capacity_tokens))
-        # A new worker lowers everyone's share of the pool bound.
-        for w in list(self._lru):
-            self._trim(w)
+        # A new worker lowers everyone's share of the pool bound; trim only when a list may exceed it.
+        if self._longest_bound > self.config.max_entries // len(self._lru):
+            for w in list(self._lru):
+                self._trim(w)
+            self._longest_bound = max((len(lru) for lru in self._lru.values()), default=0)
 
     def capacity_blocks(self, worker: WorkerId) -> int:
         """The effective capacity: the worker's own, capped by its even share of `max_entries`."""
@@ -153,110 +108,10 @@ class PrefixIndex:
     # -- queries ------------------------------------------------------------------------------
 
     def lookup(self, keys: Sequence[BlockKey], namespace: str, now_s: float) -> PrefixMatch:
-        """Each worker's matched length for `keys`, walking from block 0: a worker's match ends at
-        its first missing (or expired) block, never skipping a gap. A key filed under another
-        namespace is a miss, so a collision can never leak across tenants.
-
-        Workers whose holdings are prefix-closed (see `_open`) are resolved by bisection: holding
-        block i implies holding blocks 0..i−1, so "holds block i" is monotone along the chain and a
-        binary search finds the first gap exactly, grouping workers that share a depth. The others
-        (fed by KV events or explicit removals) are walked block by block.
-        """
+        """Each worker's matched length for `keys`, walking from block 0 (see `index_lookup`)."""
         g = self._g
         probe = keys if g == 1 else keys[g - 1 :: g]
-        if not probe:
-            return NO_MATCH
-        table = self._table
-        head = table.get(probe[0])
-        if head is None or head.namespace != namespace:
-            return NO_MATCH
-        alive = {w for w, exp in head.holders.items() if exp > now_s}
-        if not alive:
-            return NO_MATCH
-        depth_of: dict[WorkerId, int] = {}
-        walk = alive & self._open.keys() if self._open else set()
-        closed = alive - walk if walk else alive
-        if closed:
-            self._bisect(probe, namespace, now_s, closed, depth_of)
-        if walk:
-            self._walk(probe, namespace, now_s, walk, depth_of)
-        longest = max(depth_of.values())
-        matched = {w: d * g for w, d in depth_of.items()}
-        deepest: WorkerId | None = None
-        entry = table[probe[longest - 1]]
-        for w in reversed(entry.holders):
-            if depth_of.get(w) == longest:
-                deepest = w
-                break
-        return PrefixMatch(matched, longest * g, deepest)
-
-    def _live(self, key: BlockKey, namespace: str, now_s: float, group: set[WorkerId]) -> set[WorkerId]:
-        """The members of `group` holding `key` (in `namespace`, not expired)."""
-        entry = self._table.get(key)
-        if entry is None or entry.namespace != namespace:
-            return set()
-        holders = entry.holders
-        if entry.spec == 0:
-            return group & holders.keys()
-        return {w for w in group if holders.get(w, 0.0) > now_s}
-
-    def _bisect(
-        self,
-        probe: Sequence[BlockKey],
-        namespace: str,
-        now_s: float,
-        group: set[WorkerId],
-        depth_of: dict[WorkerId, int],
-    ) -> None:
-        # Every member holds probe[0] and has its depth in [lo, hi]; split the group at mid.
-        # (`_live` inlined: this loop is the lookup's hot path.)
-        table_get = self._table.get
-        stack = [(group, 1, len(probe))]
-        while stack:
-            members, lo, hi = stack.pop()
-            while lo < hi:
-                mid = (lo + hi + 1) >> 1
-                entry = table_get(probe[mid - 1])
-                if entry is None or entry.namespace != namespace:
-                    hi = mid - 1
-                    continue
-                holders = entry.holders
-                if entry.spec == 0:
-                    if holders.keys() >= members:
-                        lo = mid
-                        continue
-                    deeper = members & holders.keys()
-                else:
-                    deeper = {w for w in members if holders.get(w, 0.0) > now_s}
-                if not deeper:
-                    hi = mid - 1
-                elif len(deeper) == len(members):
-                    lo = mid
-                else:
-                    stack.append((members - deeper, lo, mid - 1))
-                    members, lo = deeper, mid
-            for w in members:
-                depth_of[w] = lo
-
-    def _walk(
-        self,
-        probe: Sequence[BlockKey],
-        namespace: str,
-        now_s: float,
-        alive: set[WorkerId],
-        depth_of: dict[WorkerId, int],
-    ) -> None:
-        depth = 1
-        for key in probe[1:]:
-            still = self._live(key, namespace, now_s, alive)
-            for w in alive - still:
-                depth_of[w] = depth
-            alive = still
-            if not alive:
-                return
-            depth += 1
-        for w in alive:
-            depth_of[w] = depth
+        return lookup_prefix(self._table, self._open, probe, namespace, now_s, g)
 
     def last_use_s(self, key: BlockKey, worker: WorkerId) -> float | None:
         """When `worker`'s holding of `key` was last recorded (None if it holds nothing there)."""
@@ -302,7 +157,8 @@ class PrefixIndex:
             self._touch(keys[idx], worker, namespace, expiry, now_s, lru, ns_keys)
         self._trim(worker)
         self._trim_namespace(namespace)
-        self._bound_queue()
+        if len(lru) > self._longest_bound:
+            self._longest_bound = len(lru)
 
     def record_key(self, key: BlockKey, worker: WorkerId, namespace: str, now_s: float) -> None:
         """Confirm one holding, ignoring granularity (the caller placed it: KV events know depths)."""
@@ -311,9 +167,12 @@ class PrefixIndex:
         ns_keys = self._ns_keys.get(namespace)
         if ns_keys is None:
             ns_keys = self._ns_keys[namespace] = OrderedDict()
-        self._touch(key, worker, namespace, CONFIRMED, now_s, self._lru[worker], ns_keys)
+        lru = self._lru[worker]
+        self._touch(key, worker, namespace, CONFIRMED, now_s, lru, ns_keys)
         self._trim(worker)
         self._trim_namespace(namespace)
+        if len(lru) > self._longest_bound:
+            self._longest_bound = len(lru)
 
     def _touch(
         self,
@@ -327,7 +186,7 @@ class PrefixIndex:
     ) -> None:
         entry = self._table.get(key)
         if entry is None:
-            entry = self._table[key] = _Entry(namespace)
+            entry = self._table[key] = Entry(namespace)
         elif entry.namespace != namespace:
             self._open[worker] = None
             return  # a 64-bit collision across namespaces: keep the first owner, never share
@@ -337,19 +196,21 @@ class PrefixIndex:
         if old is None:
             new = expiry
             if speculative:
-                self._speculative += 1
                 entry.spec += 1
+                self._spec_expiry[(worker, key)] = new
         elif old == CONFIRMED:
             new = CONFIRMED
         elif speculative:
             new = max(old, expiry)
+            if new != old:
+                spec = self._spec_expiry
+                spec[(worker, key)] = new
+                spec.move_to_end((worker, key))
         else:
             new = CONFIRMED
-            self._speculative -= 1
             entry.spec -= 1
+            del self._spec_expiry[(worker, key)]
         holders[worker] = new
-        if speculative and new != CONFIRMED and new != old:
-            self._spec_queue.append((new, worker, key))
         if old is None:
             lru[key] = now_s
         else:
@@ -391,30 +252,37 @@ class PrefixIndex:
             self._cap_blocks[worker] = cap
 
     def expire(self, now_s: float) -> None:
-        """Drop speculative holdings whose TTL has passed. Amortized O(1) per holding."""
-        queue = self._spec_queue
-        while queue and queue[0][0] <= now_s:
-            self._expire_one(*queue.popleft())
+        """Drop speculative holdings whose TTL has passed. O(1) per expired holding."""
+        spec = self._spec_expiry
+        while spec:
+            (worker, key), expiry = next(iter(spec.items()))
+            if expiry > now_s:
+                return
+            self._lru[worker].pop(key, None)
+            self._drop_holding(key, self._table[key], worker)
+            self._expirations += 1
 
-    def _expire_one(self, expiry: float, worker: WorkerId, key: BlockKey) -> None:
-        entry = self._table.get(key)
-        if entry is None or entry.holders.get(worker) != expiry:
-            return  # refreshed, confirmed or already gone
-        self._lru[worker].pop(key, None)
-        self._drop_holding(key, entry, worker)
-        self._expirations += 1
+    def drop_speculative(self, keys: Sequence[BlockKey], worker: WorkerId, namespace: str) -> int:
+        """Forget `worker`'s unconfirmed holdings of `keys` (its request failed: it may have
+        computed none of them). Confirmed holdings stay. Returns how many were dropped."""
+        spec = self._spec_expiry
+        dropped = 0
+        for key in keys:
+            if (worker, key) not in spec:
+                continue
+            entry = self._table[key]
+            if entry.namespace != namespace:
+                continue
+            self._lru[worker].pop(key, None)
+            self._drop_holding(key, entry, worker)
+            dropped += 1
+        return dropped
 
-    def _bound_queue(self) -> None:
-        # The expiry queue gets one record per refresh; cap it so a refresh storm stays bounded.
-        queue = self._spec_queue
-        while len(queue) > 2 * self.config.max_entries:
-            self._expire_one(*queue.popleft())
-
-    def _drop_holding(self, key: BlockKey, entry: _Entry, worker: WorkerId) -> None:
+    def _drop_holding(self, key: BlockKey, entry: Entry, worker: WorkerId) -> None:
         exp = entry.holders.pop(worker)
         if exp != CONFIRMED:
-            self._speculative -= 1
             entry.spec -= 1
+            del self._spec_expiry[(worker, key)]
         if not entry.holders:
             del self._table[key]
             ns_keys = self._ns_keys.get(entry.namespace)
@@ -454,7 +322,7 @@ class PrefixIndex:
         return IndexStats(
             keys=len(self._table),
             entries=sum(len(lru) for lru in self._lru.values()),
-            speculative_entries=self._speculative,
+            speculative_entries=len(self._spec_expiry),
             workers=len(self._lru),
             keys_by_namespace={ns: len(k) for ns, k in self._ns_keys.items()},
             evictions=self._evictions,
@@ -486,8 +354,9 @@ class PrefixIndex:
                 assert key in self._lru.get(w, {}), "holding missing from the worker's LRU"
                 if exp != CONFIRMED:
                     assert math.isfinite(exp), "speculative holding without expiry"
+                    assert self._spec_expiry.get((w, key)) == exp, "expiry record differs from holding"
                     speculative += 1
-        assert speculative == self._speculative, "speculative counter drifted"
+        assert speculative == len(self._spec_expiry), "expiry records drifted from speculative holdings"
         for ns, keys in self._ns_keys.items():
             assert len(keys) == ns_seen.get(ns, 0), f"namespace {ns} list drifted"
             assert len(keys) <= self._namespace_quota(ns), f"namespace {ns} over quota"

@@ -5,84 +5,38 @@ every stored block, computed from the block's token ids with the same chained ha
 uses for token-exact keys, and a per-worker map engine hash → (our key, depth) to resolve parents
 and removals (the dual-key pattern of shared/reference/routers-k8s-dynamo-kv-events.md §4, §8).
 
+The hasher is the normalizer's own (`prompt_normalizer.keys.IdentityTokenHasher`, from
+`Normalizer.token_hasher(identity)`), so event keys and request keys come from one implementation.
+
 A block whose parent we never saw cannot be placed (its prefix is unknown): it is counted as an
-orphan and dropped. Root blocks (no parent) are keyed under the feed's namespace: with per-tenant
-`cache_salt` the event does not say whose block it is, so precise mode serves pools whose tenants
-share one namespace (the public one by default).
+orphan and dropped. A root block (no parent) is keyed under `KvEvent.namespace`, the tenant the
+gateway resolved from the chain's `cache_salt`, or the feed's configured namespace (public by
+default) when the chain is unsalted; its descendants inherit the namespace of their chain.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Protocol
-
-import numpy as np
-import xxhash
+from typing import NamedTuple, Protocol
 
 from policies.base import EngineBlockHash, KvEvent, KvEventKind, WorkerId
 from policies.index import PrefixIndex
-from prompt_normalizer.keys import TOKEN_DTYPE, TOKEN_UNIT, root_key, secret_key
-from prompt_normalizer.types import BlockKey, KeyIdentity
+from prompt_normalizer.errors import NormalizerError
+from prompt_normalizer.types import BlockKey
 
 _U64 = (1 << 64) - 1
 
 
 class TokenBlockHasher(Protocol):
-    """Chained token-block hash: `root(namespace)` seeds block 0, `chain(parent, tokens)` the rest."""
+    """Chained token-block hash: `root(namespace)` seeds block 0, `chain(parent, tokens)` the rest.
+
+    `chain` raises `NormalizerError` for token ids outside [0, 2**32).
+    """
 
     def root(self, namespace: str, lora_name: str | None) -> int: ...
 
     def chain(self, parent: int, token_ids: Sequence[int]) -> BlockKey: ...
-
-
-class NormalizerTokenHasher:
-    """Keys KV-event blocks exactly as the normalizer keys token prompts (tokenizer/render modes):
-    root = keyed BLAKE2b of the identity under `TOKEN_UNIT`, then xxh3-64 of each block's
-    little-endian u32 token ids seeded with the parent key (`prompt_normalizer.keys`).
-
-    `identity` is the pool's key identity; the namespace (and adapter, from the event's LoRA name)
-    is filled in per root block.
-    """
-
-    def __init__(self, secret: bytes, identity: KeyIdentity) -> None:
-        self._key = secret_key(secret)
-        self._identity = identity
-        self._roots: dict[tuple[str, str | None], int] = {}
-
-    def root(self, namespace: str, lora_name: str | None) -> int:
-        found = self._roots.get((namespace, lora_name))
-        if found is None:
-            adapter = lora_name if lora_name is not None else self._identity.adapter
-            ident = dataclasses.replace(self._identity, namespace=namespace, adapter=adapter)
-            found = root_key(self._key, ident, TOKEN_UNIT)
-            if len(self._roots) > 4096:
-                self._roots.clear()
-            self._roots[(namespace, lora_name)] = found
-        return found
-
-    def chain(self, parent: int, token_ids: Sequence[int]) -> BlockKey:
-        data = np.asarray(token_ids, dtype=TOKEN_DTYPE).tobytes()
-        return BlockKey(xxhash.xxh3_64_intdigest(data, seed=parent & _U64))
-
-
-class XxhTokenHasher:
-    """xxh3-64 over the block's token ids as little-endian u32, seeded with the parent key.
-
-    `root_seed` should come from the deployment secret and the key identity, exactly as the
-    normalizer derives its root, so that event keys and request keys coincide.
-    """
-
-    def __init__(self, root_seed: int) -> None:
-        self._root_seed = root_seed & _U64
-
-    def root(self, namespace: str, lora_name: str | None) -> int:
-        return xxhash.xxh3_64_intdigest(f"{namespace}\x00{lora_name or ''}".encode(), seed=self._root_seed)
-
-    def chain(self, parent: int, token_ids: Sequence[int]) -> BlockKey:
-        data = np.asarray(token_ids, dtype="<u4").tobytes()
-        return BlockKey(xxhash.xxh3_64_intdigest(data, seed=parent & _U64))
 
 
 def normalize_engine_hash(h: EngineBlockHash) -> int:
@@ -92,6 +46,14 @@ def normalize_engine_hash(h: EngineBlockHash) -> int:
     return h & _U64
 
 
+class _Placed(NamedTuple):
+    """Where an engine block sits in our keys: its key, depth and the namespace of its chain."""
+
+    key: BlockKey
+    depth: int
+    namespace: str
+
+
 class KvEventFeed:
     """Applies one pool's KV events to its index (confirmed holdings) through the dual-key map."""
 
@@ -99,12 +61,13 @@ class KvEventFeed:
         self.index = index
         self.hasher = hasher
         self.namespace = namespace
-        self._maps: dict[WorkerId, OrderedDict[int, tuple[BlockKey, int]]] = {}
+        self._maps: dict[WorkerId, OrderedDict[int, _Placed]] = {}
         self.orphans = 0
         self.mismatched = 0
+        self.bad_tokens = 0
         self.applied = 0
 
-    def _map(self, worker: WorkerId) -> OrderedDict[int, tuple[BlockKey, int]]:
+    def _map(self, worker: WorkerId) -> OrderedDict[int, _Placed]:
         m = self._maps.get(worker)
         if m is None:
             m = self._maps[worker] = OrderedDict()
@@ -128,22 +91,28 @@ class KvEventFeed:
             return
         m = self._map(worker)
         if event.parent_block_hash is None:
-            prev = self.hasher.root(self.namespace, event.lora_name)
+            namespace = event.namespace if event.namespace is not None else self.namespace
+            prev = self.hasher.root(namespace, event.lora_name)
             depth = 0
         else:
             parent = m.get(normalize_engine_hash(event.parent_block_hash))
             if parent is None:
                 self.orphans += 1
                 return
-            prev, depth = parent[0], parent[1] + 1
+            # The salt (hence the namespace) is bound at the chain's root: a child inherits it.
+            prev, depth, namespace = parent.key, parent.depth + 1, parent.namespace
         g = self.index.config.granularity_blocks
         limit = max(1, 2 * self.index.capacity_blocks(worker) * g)
         tokens = event.token_ids
         for i, engine_hash in enumerate(event.block_hashes):
-            key = self.hasher.chain(prev, tokens[i * bs : (i + 1) * bs])
-            m[normalize_engine_hash(engine_hash)] = (key, depth)
+            try:
+                key = self.hasher.chain(prev, tokens[i * bs : (i + 1) * bs])
+            except NormalizerError:
+                self.bad_tokens += 1  # an id outside u32: the rest of the chain cannot be keyed
+                break
+            m[normalize_engine_hash(engine_hash)] = _Placed(key, depth, namespace)
             if (depth + 1) % g == 0:
-                self.index.record_key(key, worker, self.namespace, now_s)
+                self.index.record_key(key, worker, namespace, now_s)
             prev = key
             depth += 1
         while len(m) > limit:
@@ -156,4 +125,4 @@ class KvEventFeed:
         for engine_hash in event.block_hashes:
             found = m.pop(normalize_engine_hash(engine_hash), None)
             if found is not None:
-                self.index.remove(found[0], worker)
+                self.index.remove(found.key, worker)

@@ -80,12 +80,21 @@ class PrefixPolicyBase:
     def _pool(self, req: RouteRequest) -> PoolState:
         return self._pools.get(req.pool, req.block_size_tokens)
 
-    def _lookup(self, pool: PoolState, req: RouteRequest, now_s: float, *, observe: bool = True) -> Lookup:
-        """Own namespace always; the public namespace too when the immutable chain is public and the
-        tenant's isolation allows sharing."""
+    def _lookup(
+        self,
+        pool: PoolState,
+        req: RouteRequest,
+        now_s: float,
+        *,
+        observe: bool = True,
+        own: PrefixMatch | None = None,
+    ) -> Lookup:
+        """Own namespace always (`own`, when the caller already looked it up); the public namespace
+        too when the immutable chain is public and the tenant's isolation allows sharing."""
         isolation = effective_isolation(req, self.shared.tenants)
         n_pub = self._public.observe(req, isolation, now_s) if observe else 0
-        own = pool.index.lookup(req.block_keys, req.namespace, now_s)
+        if own is None:
+            own = pool.index.lookup(req.block_keys, req.namespace, now_s)
         public = NO_MATCH
         if n_pub and req.namespace != PUBLIC_NAMESPACE:
             public = pool.index.lookup(req.public_block_keys[:n_pub], PUBLIC_NAMESPACE, now_s)
@@ -111,11 +120,17 @@ class PrefixPolicyBase:
         self._record(req, decision, now_s, speculative=True)
 
     def on_complete(self, obs: Observation, now_s: float) -> None:
-        if obs.failed:
-            self._count("failed_observations")
-            return
         pool = self._pool(obs.request)
         req = obs.request
+        if obs.failed:
+            # Only a served request says what the worker caches: take back this request's unconfirmed
+            # holdings on that worker, and its calibration record.
+            self._count("failed_observations")
+            pool.index.drop_speculative(req.block_keys, obs.worker, req.namespace)
+            if req.public_block_keys and req.namespace != PUBLIC_NAMESPACE:
+                pool.index.drop_speculative(req.public_block_keys, obs.worker, PUBLIC_NAMESPACE)
+            pool.cost.forget(req.request_id)
+            return
         n_pub = PublicPrefixes.public_blocks(req)
         isolation = effective_isolation(req, self.shared.tenants)
         if n_pub and (
@@ -154,6 +169,7 @@ class PrefixPolicyBase:
         for name, feed in self._feeds.items():
             counters[f"kv_event_orphans:{name}"] = feed.orphans
             counters[f"kv_event_mismatched:{name}"] = feed.mismatched
+            counters[f"kv_event_bad_tokens:{name}"] = feed.bad_tokens
         return PolicyStats(
             policy=getattr(self, "name", type(self).__name__),
             decisions_by_reason=self._decisions.snapshot(),

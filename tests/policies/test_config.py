@@ -50,9 +50,18 @@ def test_unknown_policy_name_lists_known() -> None:
         build_policy(parse_policy_yaml("policy: nope\n"))
 
 
-def test_build_failure_is_a_config_error() -> None:
-    with pytest.raises(PolicyConfigError, match="random"):
-        build_policy(parse_policy_yaml("policy: random\noptions:\n  bogus: 1\n"))
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ("policy: random\noptions:\n  bogus: 1\n", "options"),
+        ("cost:\n  epsilon: 0.5\n  bogus: 1\n", "cost.bogus"),
+        ("sglang_cache_aware: {cache_threshold: 0.3, typo: 2}\n", "sglang_cache_aware.typo"),
+        ("preble_e2: {window_s: 0}\n", "preble_e2.window_s"),
+    ],
+)
+def test_policy_options_are_typed_per_policy(text: str, field: str) -> None:
+    with pytest.raises(PolicyConfigError, match=field.replace(".", r"\.")):
+        parse_policy_yaml(text)
 
 
 def test_documented_example_parses_and_builds_every_policy() -> None:

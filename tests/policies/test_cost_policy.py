@@ -1,14 +1,16 @@
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.base import Observation, WorkerId, WorkerView
+from policies.base import Observation, Outcome, RouteRequest, WorkerId, WorkerView
 from policies.cost_model import CostModel, CostModelParams, profile
 from policies.cost_policy import CostPolicy
 from policies.index import IndexConfig
-from policies.pools import PoolSettings
+from policies.pools import PoolSettings, load_of
 from policies.prefix_policy import SharedSettings
 from tests.policies.factories import BS, req, workers
 
@@ -175,3 +177,103 @@ def test_inlined_queue_cost_equals_the_cost_model(
     assert model._pending["r"].queue_s == pytest.approx(
         model.queue_s(view, r.n_prompt_tokens - d.matched_tokens)
     )
+
+
+@pytest.mark.parametrize("outcome", [Outcome.REJECTED, Outcome.ABORTED, Outcome.WORKER_FAILED])
+def test_a_request_that_was_not_served_teaches_nothing(outcome: Outcome) -> None:
+    p = _policy()
+    r = req("r", range(64))
+    d = p.select(r, workers(0, 0, 0, 0), 0.0)
+    assert d is not None
+    p.on_dispatch(r, d, 0.0)
+    pool = p._pool(r)
+    assert pool.cost.pending_requests == 1
+    assert pool.index.lookup(r.block_keys, "t", 1.0).blocks(d.worker) == 64  # speculative
+    p.on_complete(Observation(r, d.worker, ttft_s=0.5, prompt_tokens=r.n_prompt_tokens, outcome=outcome), 1.0)
+    assert pool.index.lookup(r.block_keys, "t", 1.0).longest_blocks == 0
+    assert pool.cost.pending_requests == 0 and pool.cost.calibration_samples == 0
+    assert p.stats().counters["failed_observations"] == 1
+    p.check_invariants()
+
+
+def test_a_failure_keeps_what_an_earlier_served_request_confirmed() -> None:
+    p = _policy()
+    _warm(p, range(32), "w1")
+    r = req("r", range(64))
+    d = p.select(r, workers(0, 0, 0, 0), 1.0)
+    assert d is not None and d.worker == "w1"
+    p.on_dispatch(r, d, 1.0)
+    p.on_complete(Observation(r, d.worker, outcome=Outcome.REJECTED), 2.0)
+    # The 32 confirmed blocks stay; the 32 guessed from the failed request are gone.
+    assert p._pool(r).index.lookup(r.block_keys, "t", 2.0).blocks_by_worker == {WorkerId("w1"): 32}
+    p.check_invariants()
+
+
+def _reference_best_s(p: CostPolicy, r: RouteRequest, views: list[WorkerView]) -> float:
+    """The best score by brute force: every eligible worker scored with the cost model's own
+    functions (no inlining, no pruning)."""
+    pool = p._pool(r)
+    model = pool.cost
+    loads = [load_of(v) for v in views]
+    mean_after = (sum(loads) + 1) / len(views)
+    bound = max((1 + p.epsilon) * mean_after, mean_after + p.slack_requests) - 1
+    if min(loads) > bound:
+        bound = float("inf")
+    backlog = sum(v.in_flight_prefill_tokens for v in views)
+    waiting = backlog / len(views) / max(1.0, model.mean_prompt_tokens)
+    weight = 1 + p.work_weight * min(waiting, p.max_queue_factor)
+    match = pool.index.lookup(r.block_keys, r.namespace, 5.0)
+    best = -float("inf")
+    for v, load in zip(views, loads, strict=True):
+        if load > bound:
+            continue
+        matched = p._cap_tokens(r, match.blocks(v.worker_id))
+        score = model.saved_s(r.n_prompt_tokens, matched) * weight - model.queue_s(
+            v, r.n_prompt_tokens - matched
+        )
+        best = max(best, score)
+    return best
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 12), st.integers(0, 60_000), st.integers(0, 200_000), st.integers(0, 5)),
+        min_size=1,
+        max_size=12,
+    ),
+    st.lists(st.integers(0, 64), min_size=1, max_size=12),
+)
+def test_pruned_scoring_finds_the_brute_force_best(
+    loads: list[tuple[int, int, int, int]], depths: list[int]
+) -> None:
+    p = _policy()
+    views = [
+        WorkerView(
+            WorkerId(f"w{i}"),
+            in_flight_requests=n,
+            in_flight_prefill_tokens=pf,
+            in_flight_decode_tokens=dc,
+            num_requests_waiting=wt,
+            num_requests_running=n,
+        )
+        for i, (n, pf, dc, wt) in enumerate(loads)
+    ]
+    for i, depth in enumerate(depths[: len(views)]):
+        if depth:
+            _warm(p, range(depth), f"w{i}")
+    r = req("r", range(64))
+    d = p.select(r, views, 5.0)
+    assert d is not None
+    assert d.score_s == pytest.approx(_reference_best_s(p, r, views), abs=2 * p.tie_s)
+
+
+@given(st.integers(1, 200_000), st.integers(0, 200_000))
+def test_inlined_saved_time_equals_the_cost_model(n: int, m: int) -> None:
+    from policies.cost_policy import _Scorer
+
+    p = _policy()
+    r = dataclasses.replace(req("r", range(1)), n_prompt_tokens=n)
+    model = CostModel(profile("llama3-8b-a100"))
+    scorer = _Scorer(p, r, model, model.queue_terms(), 3.0, 0)
+    assert scorer.saved(m) == pytest.approx(model.saved_s(n, m) * 3.0, rel=1e-9, abs=1e-15)

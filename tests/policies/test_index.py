@@ -141,7 +141,7 @@ def test_flood_of_unique_prefixes_stays_bounded() -> None:
         idx.record(chain("t", range(i * 8, i * 8 + 8)), workers[i % 4], "t", float(i), speculative=True)
     s = idx.stats()
     assert s.entries <= 2000 and s.keys <= 2000
-    assert len(idx._spec_queue) <= 2 * 2000
+    assert len(idx._spec_expiry) <= 2000
     # The most recent prefixes are still there.
     assert idx.lookup(chain("t", range(2999 * 8, 2999 * 8 + 8)), "t", 3000.0).blocks(workers[3]) == 8
     idx.check_invariants()
@@ -260,3 +260,39 @@ def test_bisection_lookup_equals_the_block_by_block_walk(
                 while naive < len(coarse) and idx.holds(coarse[naive], wk, now):
                     naive += 1
                 assert got.blocks(wk) == naive * granularity
+
+
+def test_refreshing_speculative_holdings_keeps_one_expiry_record_each() -> None:
+    idx = _index(max_entries=64, speculative_ttl_s=10.0)
+    keys = chain("t", range(8))
+    for t in range(1000):
+        idx.record(keys, W0, "t", float(t) * 0.01, speculative=True)
+    assert len(idx._spec_expiry) == 8
+    idx.expire(9.98 + 9.9)
+    assert idx.lookup(keys, "t", 19.88).blocks(W0) == 8  # the last refresh counts
+    idx.expire(9.99 + 10.0)
+    assert idx.lookup(keys, "t", 20.0).longest_blocks == 0 and not idx._spec_expiry
+    idx.check_invariants()
+
+
+def test_a_new_worker_shrinks_everyone_to_the_smaller_share_only_when_needed() -> None:
+    idx = _index(max_entries=100, default_capacity_tokens=1000 * BS, namespace_share=1.0)
+    idx.record(chain("t", range(40)), W0, "t", 0.0, speculative=False)
+    idx.record(chain("t", range(40)), W1, "t", 0.0, speculative=False)
+    assert idx.entries_of(W0) == 40  # share 50 each: nothing to trim
+    idx.record(chain("u", range(5)), WorkerId("w2"), "u", 1.0, speculative=False)
+    # Share is now 33: the two long lists lose their tails, heads stay.
+    assert idx.entries_of(W0) == 33 and idx.entries_of(W1) == 33
+    assert idx.lookup(chain("t", range(40)), "t", 1.0).blocks_by_worker == {W0: 33, W1: 33}
+    idx.check_invariants()
+
+
+def test_drop_speculative_keeps_confirmed_holdings() -> None:
+    idx = _index()
+    keys = chain("t", range(10))
+    idx.record(keys, W0, "t", 0.0, speculative=False, n_blocks=4)
+    idx.record(keys, W0, "t", 0.0, speculative=True)
+    assert idx.drop_speculative(keys, W0, "t") == 6
+    assert idx.drop_speculative(keys, W0, "other") == 0
+    assert idx.lookup(keys, "t", 0.0).blocks(W0) == 4
+    idx.check_invariants()

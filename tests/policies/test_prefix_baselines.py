@@ -1,14 +1,16 @@
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 from policies import make_policy
-from policies.base import KvEvent, KvEventKind, Observation, WorkerId, WorkerView
+from policies.base import KvEvent, KvEventKind, Observation, RouteRequest, WorkerId, WorkerView
 from policies.cost_policy import CostPolicy
-from policies.kv_feed import XxhTokenHasher, normalize_engine_hash
+from policies.kv_feed import normalize_engine_hash
 from policies.preble import PrebleE2
 from policies.sglang_cache_aware import SglangCacheAware
-from prompt_normalizer.types import PUBLIC_NAMESPACE, BlockKey
+from prompt_normalizer.keys import IdentityTokenHasher, root_key, secret_key
+from prompt_normalizer.types import PUBLIC_NAMESPACE, BlockKey, KeyIdentity
 from tests.policies.factories import BS, req, workers
 
 
@@ -132,8 +134,17 @@ def test_every_policy_reports_stats() -> None:
 # -- precise mode: KV events ---------------------------------------------------------------------------
 
 
-def _event_chain(hasher: XxhTokenHasher, tokens: list[int]) -> tuple[BlockKey, ...]:
-    prev = hasher.root(PUBLIC_NAMESPACE, None)
+def _hasher() -> IdentityTokenHasher:
+    """The normalizer's own token-chain hasher for a test identity (what precise mode installs)."""
+    identity = KeyIdentity(model_id="m", block_size_tokens=BS, namespace=PUBLIC_NAMESPACE)
+    key = secret_key(b"s3cret")
+    return IdentityTokenHasher(lambda ident: root_key(key, ident), identity)
+
+
+def _event_chain(
+    hasher: IdentityTokenHasher, tokens: list[int], namespace: str = PUBLIC_NAMESPACE
+) -> tuple[BlockKey, ...]:
+    prev = hasher.root(namespace, None)
     keys = []
     for i in range(0, len(tokens) - BS + 1, BS):
         prev = hasher.chain(prev, tokens[i : i + BS])
@@ -141,14 +152,17 @@ def _event_chain(hasher: XxhTokenHasher, tokens: list[int]) -> tuple[BlockKey, .
     return tuple(keys)
 
 
+def _with_keys(r: RouteRequest, keys: tuple[BlockKey, ...]) -> RouteRequest:
+    return dataclasses.replace(r, block_keys=keys)
+
+
 def test_kv_events_feed_the_index_through_the_dual_key_map() -> None:
-    hasher = XxhTokenHasher(root_seed=42)
+    hasher = _hasher()
     p = CostPolicy(seed=0)
     p.set_token_hasher(hasher)
     tokens = list(range(1000, 1000 + 6 * BS))
     keys = _event_chain(hasher, tokens)
-    r = req("r", range(6), tenant="pub", namespace=PUBLIC_NAMESPACE)
-    r = type(r)(**{**{f: getattr(r, f) for f in r.__slots__}, "block_keys": keys})
+    r = _with_keys(req("r", range(6), tenant="pub", namespace=PUBLIC_NAMESPACE), keys)
     views = workers(0, 0)
     p.select(r, views, 0.0)  # tells the policy which pool the workers belong to
     w1 = WorkerId("w1")
@@ -171,26 +185,47 @@ def test_kv_events_feed_the_index_through_the_dual_key_map() -> None:
     p.check_invariants()
 
 
+def test_a_salted_chain_is_keyed_under_its_tenants_namespace() -> None:
+    hasher = _hasher()
+    p = CostPolicy(seed=0)
+    p.set_token_hasher(hasher)
+    tokens = list(range(3000, 3000 + 4 * BS))
+    acme = _with_keys(req("a", range(4), tenant="acme"), _event_chain(hasher, tokens, "acme"))
+    public = _with_keys(
+        req("p", range(4), tenant="pub", namespace=PUBLIC_NAMESPACE), _event_chain(hasher, tokens)
+    )
+    views = workers(0, 0, 0, 0)
+    p.select(acme, views, 0.0)
+    w2 = WorkerId("w2")
+    p.on_kv_event(
+        w2,
+        KvEvent(KvEventKind.BLOCK_STORED, (1, 2), None, tuple(tokens[: 2 * BS]), BS, namespace="acme"),
+        1.0,
+    )
+    # The child event carries no salt (vLLM binds it at the root): it inherits the chain's tenant.
+    p.on_kv_event(w2, KvEvent(KvEventKind.BLOCK_STORED, (3, 4), 2, tuple(tokens[2 * BS :]), BS), 1.0)
+    d = p.select(acme, views, 2.0)
+    assert d is not None and d.worker == "w2" and d.matched_tokens == 4 * BS
+    pool = p._pool(acme)
+    assert pool.index.lookup(acme.block_keys, "acme", 2.0).blocks_by_worker == {w2: 4}
+    # Same tokens, unsalted request in the public namespace: no match on acme's chain.
+    assert pool.index.lookup(public.block_keys, PUBLIC_NAMESPACE, 2.0).longest_blocks == 0
+    assert p.stats().index["p"].keys_by_namespace == {"acme": 4}
+    p.check_invariants()
+
+
+def test_a_token_id_outside_u32_is_counted_not_raised() -> None:
+    p = CostPolicy(seed=0)
+    p.set_token_hasher(_hasher())
+    p.select(req("r", range(2)), workers(0, 0), 0.0)
+    bad = tuple([5] * BS + [-1] + [5] * (BS - 1))
+    p.on_kv_event(WorkerId("w0"), KvEvent(KvEventKind.BLOCK_STORED, (1, 2), None, bad, BS), 1.0)
+    assert p.stats().counters["kv_event_bad_tokens:p"] == 1
+    assert p.stats().index["p"].entries == 1  # block 0 was fine; the chain stops at the bad block
+    p.check_invariants()
+
+
 def test_engine_hash_normalization_matches_the_int_form() -> None:
     digest = bytes(range(32))
     assert normalize_engine_hash(digest) == int.from_bytes(digest, "big") & (2**64 - 1)
     assert normalize_engine_hash(-1) == 2**64 - 1
-
-
-def test_kv_event_keys_equal_the_normalizers_token_keys() -> None:
-    import numpy as np
-
-    from policies.kv_feed import NormalizerTokenHasher
-    from prompt_normalizer.keys import TOKEN_UNIT, root_key, secret_key, token_block_keys
-    from prompt_normalizer.types import KeyIdentity
-
-    identity = KeyIdentity(model_id="m", block_size_tokens=BS, namespace=PUBLIC_NAMESPACE)
-    tokens = np.arange(5000, 5000 + 5 * BS, dtype="<u4")
-    expected = token_block_keys(tokens, BS, root_key(secret_key(b"s3cret"), identity, TOKEN_UNIT))
-    hasher = NormalizerTokenHasher(b"s3cret", identity)
-    prev = hasher.root(PUBLIC_NAMESPACE, None)
-    got = []
-    for i in range(5):
-        prev = hasher.chain(prev, tokens[i * BS : (i + 1) * BS].tolist())
-        got.append(prev)
-    assert tuple(got) == expected

@@ -21,12 +21,13 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.admin import admin_routes
-from gateway.admission import Endpoint, admit, request_id_of, request_ids
+from gateway.admission import Endpoint, RequestHead, admit, request_id_of, request_ids
 from gateway.errors import ApiError, error_response
 from gateway.fleet import Fleet
 from gateway.policy_watch import PolicyWatcher
 from gateway.proxy import dispatch
 from gateway.state import GatewayState, make_session
+from gateway.upstream import UpstreamPool
 from policies.stats import SupportsStats
 
 log = logging.getLogger("kvgate.app")
@@ -52,12 +53,12 @@ class GatewayApp:
 
     async def _proxy(self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
         state = self.state
-        request = Request(scope, receive)
-        ids = request_ids(request)
+        head = RequestHead.of(scope)
+        ids = request_ids(head)
         response: ASGIApp
         try:
             try:
-                admitted = await admit(request, endpoint, state, ids)
+                admitted = await admit(head, receive, endpoint, state, ids)
             except ApiError as err:
                 state.metrics.rejected(endpoint, err.status)
                 log.info(
@@ -159,6 +160,8 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         state.session = make_session(state.config)
+        upstream = state.config.upstream
+        state.lean = UpstreamPool(upstream.max_connections_per_worker, upstream.keepalive_timeout_s)
         flusher: asyncio.Task[None] | None = None
         fleet = Fleet(state, state.session)
         state.fleet = fleet
@@ -183,6 +186,9 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
             await state.registry.stop()
             await state.session.close()
             state.session = None
+            if state.lean is not None:
+                state.lean.close()
+                state.lean = None
             state.close_executor()
 
     routes = [

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 from dataclasses import dataclass
+
+import xxhash
 
 from gateway.config import QuotaConfig, TenantConfig
 from policies.base import Isolation
 from prompt_normalizer.types import PUBLIC_NAMESPACE
 
 HASH_PREFIX = "hmac-sha256:"
+_AUTH_CACHE_MAX = 4096
 
 
 def hash_api_key(secret: bytes, api_key: str) -> str:
@@ -55,6 +59,8 @@ class KeyRing:
             return hmac.new(salt_secret, namespace.encode(), hashlib.sha256).hexdigest()[:32]
 
         self._by_hash: dict[str, Tenant] = {}
+        self._cache: dict[bytes, Tenant] = {}
+        self._cache_seed = int.from_bytes(os.urandom(8), "little")
         self.tenants: dict[str, Tenant] = {}
         # Tenant names match [A-Za-z0-9_.:-]+, so "tenant:<name>" never equals the public namespace.
         self.public_salt = salt_of(PUBLIC_NAMESPACE)
@@ -70,7 +76,18 @@ class KeyRing:
     def lookup(self, authorization: str | None) -> Tenant | None:
         if not authorization:
             return None
+        # Known keys are remembered under a seeded 128-bit digest of the header (never the key
+        # itself), so a returning client skips the HMAC. Unknown keys are never cached.
+        digest = xxhash.xxh3_128_digest(authorization.encode("latin-1", "replace"), seed=self._cache_seed)
+        tenant = self._cache.get(digest)
+        if tenant is not None:
+            return tenant
         scheme, _, key = authorization.partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
             return None
-        return self._by_hash.get(hash_api_key(self._secret, key.strip()))
+        tenant = self._by_hash.get(hash_api_key(self._secret, key.strip()))
+        if tenant is not None:
+            if len(self._cache) >= _AUTH_CACHE_MAX:
+                self._cache.clear()
+            self._cache[digest] = tenant
+        return tenant

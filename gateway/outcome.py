@@ -11,7 +11,7 @@ from typing import Any
 from gateway.admission import Admitted
 from gateway.registry import Worker
 from gateway.state import GatewayState
-from policies.base import Observation, Outcome
+from policies.base import Observation, Outcome, RouteDecision
 
 log = logging.getLogger("kvgate.outcome")
 
@@ -45,6 +45,7 @@ class Attempt:
     worker: Worker
     reason: str
     dispatched_s: float
+    decision: RouteDecision
     ttft_s: float | None = None
     finished: bool = False
 

@@ -20,6 +20,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.quotas import TenantLimiter
 from gateway.registry import Pool, Registry
 from gateway.tracing import RequestTracer
+from gateway.upstream import UpstreamPool
 from policies.base import Isolation, RoutingPolicy
 from prompt_normalizer.normalizer import Normalizer, NormalizerConfig
 from prompt_normalizer.types import PUBLIC_NAMESPACE, KeyIdentity
@@ -46,6 +47,8 @@ class GatewayState:
     tracer: RequestTracer | None = None
     created_s: int = 0
     session: aiohttp.ClientSession | None = None
+    # Non-streamed POSTs to plain-HTTP workers (gateway/upstream.py); None: aiohttp for everything.
+    lean: UpstreamPool | None = None
     fleet: Fleet | None = None  # discovery, scraping and KV events, while the lifespan runs
     draining: bool = False
     ready: bool = False

@@ -33,7 +33,7 @@ from loadtest.workloads.ceilings import ceiling_infinite, ceiling_pooled_lru, wo
 from loadtest.workloads.records import WorkloadRequest, scale_arrivals
 from loadtest.workloads.registry import WORKLOADS, make_workload
 from policies.base import Isolation, RoutingPolicy
-from policies.config import PolicyConfigError, build_policy, parse_policy_yaml
+from policies.config import PolicyConfig, PolicyConfigError, build_policy, parse_policy_yaml
 from policies.registry import known_policies, make_policy
 
 
@@ -56,7 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tenant-per-user", action="store_true", help="each replayed user is its own tenant trace-u<i>"
     )
-    parser.add_argument("--policy", default=None, help="registered policy name (default round_robin)")
+    parser.add_argument(
+        "--policy", default=None, help="registered policy name (default: the policy file default, cost)"
+    )
     parser.add_argument("--policy-config", metavar="FILE", help="policy YAML (policy, seed, options)")
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument(
@@ -118,7 +120,7 @@ def _policy(args: argparse.Namespace) -> tuple[RoutingPolicy, str]:
                 f"--policy {args.policy} contradicts {args.policy_config} (policy: {config.policy})"
             )
         return build_policy(config), config.policy
-    name = args.policy or "round_robin"
+    name = args.policy or PolicyConfig().policy
     try:
         return make_policy(name, seed=args.seed), name
     except ValueError as exc:

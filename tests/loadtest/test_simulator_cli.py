@@ -93,7 +93,23 @@ def test_a_trace_runs_end_to_end(tmp_path: Path) -> None:
     ]
     trace.write_text("\n".join(json.dumps(r) for r in rows))
     out = tmp_path / "t.json"
-    assert main(["simulate", "--trace", str(trace), "--workers", "2", "--quiet", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--trace",
+                str(trace),
+                "--policy",
+                "round_robin",
+                "--workers",
+                "2",
+                "--quiet",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     s = json.loads(out.read_text())["summary"]
     # 11 of 12 requests could reuse the two shared blocks (1024 of 1500 tokens).
     assert s["ceiling_infinite"] == pytest.approx(11 * 1024 / (12 * 1500))

@@ -193,6 +193,10 @@ def _validate_tools(raw: Any) -> _Copied | None:
             isinstance(fn, dict) and isinstance(fn.get("name"), str)
         ):
             raise NormalizerError("function tool needs 'function.name'", param=f"tools[{i}].function")
+        if isinstance(fn, dict) and not isinstance(fn.get("parameters", {}), dict):
+            raise NormalizerError(
+                "'parameters' must be a JSON Schema object", param=f"tools[{i}].function.parameters"
+            )
     return copied
 
 

@@ -51,6 +51,11 @@ CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "
             _chat(_assistant(tool_calls=[{"function": {"name": "f", "arguments": 5}}])),
             "messages[2].tool_calls[0].function.arguments",
         ),
+        (
+            "chat",
+            _chat(tools=[{"type": "function", "function": {"name": "f", "parameters": "zz"}}]),
+            "tools[0].function.parameters",
+        ),
         ("chat", _chat(documents=5), "documents"),
         ("chat", _chat(documents=[{"text": "a"}, "b"]), "documents[1]"),
         ("chat", _chat(chat_template=["x"]), "chat_template"),

@@ -138,6 +138,9 @@ class CostParamsYaml(_Strict):
     work_weight: float = Field(2.0, ge=0)
     max_queue_factor: float = Field(8.0, ge=0)
     tie_s: float = Field(1e-4, ge=0)
+    branch_load_weight: float = Field(1.0, ge=0)
+    load_window_s: float = Field(180.0, gt=0)
+    discount_cached_backlog: bool = False
 
 
 class SglangParamsYaml(_Strict):

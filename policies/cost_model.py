@@ -149,14 +149,15 @@ class CostModel:
         per_step = p.step_s + p.decode_s_per_request * running_requests
         return self.scale * (per_step + p.decode_s_per_context_token * context_tokens)
 
-    def queue_s(self, view: WorkerView, new_tokens: int = 0) -> float:
+    def queue_s(self, view: WorkerView, new_tokens: int = 0, uncached_share: float = 1.0) -> float:
         """Work ahead of a new request on `view`, plus the decode interference its own prefill suffers.
 
-        Prefill backlog is the gateway's in-flight prefill tokens, scaled up when the worker reports
-        more requests than this gateway sent (other gateway replicas, other clients).
+        Prefill backlog is the gateway's in-flight prefill tokens times `uncached_share` (the share
+        of them the worker must still compute), scaled up when the worker reports more requests than
+        this gateway sent (other gateway replicas, other clients).
         """
         p = self.params
-        backlog = float(view.in_flight_prefill_tokens)
+        backlog = view.in_flight_prefill_tokens * uncached_share
         known = view.in_flight_requests
         running = known
         waiting = view.num_requests_waiting
@@ -164,7 +165,7 @@ class CostModel:
             scraped_running = view.num_requests_running or 0
             reported = waiting + scraped_running
             if reported > known:
-                if known > 0 and backlog > 0:
+                if known > 0 and view.in_flight_prefill_tokens > 0:
                     backlog *= reported / known
                 else:
                     backlog += waiting * self._mean_prompt_tokens

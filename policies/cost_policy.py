@@ -16,10 +16,11 @@ then:
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import ClassVar
 
-from policies.base import RouteDecision, RouteRequest, WorkerView
+from policies.base import Observation, RouteDecision, RouteRequest, WorkerId, WorkerView
 from policies.cost_model import CostModel, QueueTerms
 from policies.prefix_policy import PrefixPolicyBase, SharedSettings
 from policies.registry import register_policy
@@ -31,6 +32,7 @@ class CostPolicy(PrefixPolicyBase):
 
     name: ClassVar[str]
     OBSERVE_EVERY = 32
+    MAX_INFLIGHT = 65_536
 
     def __init__(
         self,
@@ -41,18 +43,88 @@ class CostPolicy(PrefixPolicyBase):
         work_weight: float = 2.0,
         max_queue_factor: float = 8.0,
         tie_s: float = 1e-4,
+        branch_load_weight: float = 1.0,
+        load_window_s: float = 180.0,
+        discount_cached_backlog: bool = False,
         shared: SharedSettings | None = None,
     ) -> None:
-        if min(epsilon, slack_requests, tie_s, work_weight, max_queue_factor) < 0:
-            raise ValueError("epsilon, slack_requests, tie_s, work_weight and max_queue_factor must be >= 0")
+        if min(epsilon, slack_requests, tie_s, work_weight, max_queue_factor, branch_load_weight) < 0:
+            raise ValueError(
+                "epsilon, slack_requests, tie_s, work_weight, max_queue_factor and branch_load_weight"
+                " must be >= 0"
+            )
+        if load_window_s <= 0:
+            raise ValueError("load_window_s must be > 0")
         super().__init__(seed=seed, shared=shared)
         self.epsilon = epsilon
         self.slack_requests = slack_requests
         self.tie_s = tie_s
         self.work_weight = work_weight
         self.max_queue_factor = max_queue_factor
+        self.branch_load_weight = branch_load_weight
+        self.load_window_s = load_window_s
+        self.discount_cached_backlog = discount_cached_backlog
         self._calls = 0
         self._last_n = -1
+        # Per worker: prefill seconds routed there, decayed with time constant `load_window_s`, and
+        # when that was last brought up to date.
+        self._recent_work: dict[WorkerId, tuple[float, float]] = {}
+        # This policy's dispatched, unfinished requests: request id → (worker, prompt tokens,
+        # predicted uncached tokens), and per worker the sums and the uncached share. The gateway's
+        # prefill backlog counts whole prompts; the share turns it into the tokens left to compute.
+        self._inflight: OrderedDict[str, tuple[WorkerId, int, int]] = OrderedDict()
+        self._inflight_sums: dict[WorkerId, tuple[int, int]] = {}
+        self._uncached_share: dict[WorkerId, float] = {}
+
+    def recent_work_s(self, worker: WorkerId, now_s: float) -> float:
+        """Prefill seconds this policy routed to `worker`, exponentially decayed over `load_window_s`."""
+        found = self._recent_work.get(worker)
+        if found is None:
+            return 0.0
+        work, at_s = found
+        return work * math.exp(-max(0.0, now_s - at_s) / self.load_window_s)
+
+    def uncached_share(self, worker: WorkerId) -> float:
+        """Predicted uncached share of the prompts this policy has in flight on `worker` (1 if none)."""
+        return self._uncached_share.get(worker, 1.0)
+
+    def _ledger_add(self, request_id: str, worker: WorkerId, prompt: int, uncached: int) -> None:
+        self._ledger_remove(request_id)
+        self._inflight[request_id] = (worker, prompt, uncached)
+        total, new = self._inflight_sums.get(worker, (0, 0))
+        self._ledger_set(worker, total + prompt, new + uncached)
+        if len(self._inflight) > self.MAX_INFLIGHT:
+            self._ledger_remove(next(iter(self._inflight)))
+
+    def _ledger_remove(self, request_id: str) -> None:
+        found = self._inflight.pop(request_id, None)
+        if found is None:
+            return
+        worker, prompt, uncached = found
+        total, new = self._inflight_sums[worker]
+        self._ledger_set(worker, total - prompt, new - uncached)
+
+    def _ledger_set(self, worker: WorkerId, total: int, new: int) -> None:
+        if total <= 0:
+            self._inflight_sums.pop(worker, None)
+            self._uncached_share.pop(worker, None)
+        else:
+            self._inflight_sums[worker] = (total, new)
+            self._uncached_share[worker] = new / total
+
+    def on_complete(self, obs: Observation, now_s: float) -> None:
+        super().on_complete(obs, now_s)
+        self._ledger_remove(obs.request.request_id)
+
+    def on_dispatch(self, req: RouteRequest, decision: RouteDecision, now_s: float) -> None:
+        super().on_dispatch(req, decision, now_s)
+        matched = min(decision.matched_tokens, req.n_prompt_tokens)
+        self._ledger_add(req.request_id, decision.worker, req.n_prompt_tokens, req.n_prompt_tokens - matched)
+        work = self._pool(req).cost.prefill_s(req.n_prompt_tokens - matched, matched)
+        recent = self._recent_work
+        if decision.worker not in recent and len(recent) >= 4096:
+            recent.pop(next(iter(recent)))  # bounded across worker churn
+        recent[decision.worker] = (self.recent_work_s(decision.worker, now_s) + work, now_s)
 
     def select(self, req: RouteRequest, workers: Sequence[WorkerView], now_s: float) -> RouteDecision | None:
         pool = self._pool(req)
@@ -63,8 +135,11 @@ class CostPolicy(PrefixPolicyBase):
         # (locals only: this and the scoring below are the per-worker hot path).
         cands: list[WorkerView] = []
         loads: list[int] = []
-        backlogs: list[int] = []
+        backlogs: list[float] = []  # prefill tokens left to compute (whole prompts × uncached share)
         held: list[tuple[int, int]] = []  # (candidate, matched blocks)
+        raw_backlog = 0
+        shares: dict[WorkerId, float] = self._uncached_share if self.discount_cached_backlog else {}
+        share_get = shares.get
         for w in workers:
             inflight = w.in_flight_requests
             if not w.healthy or (w.max_in_flight is not None and inflight >= w.max_in_flight):
@@ -80,7 +155,9 @@ class CostPolicy(PrefixPolicyBase):
                 if reported > inflight:
                     inflight = reported
             loads.append(inflight)
-            backlogs.append(w.in_flight_prefill_tokens)
+            pending = w.in_flight_prefill_tokens
+            raw_backlog += pending
+            backlogs.append(pending * share_get(w.worker_id, 1.0))
         if not cands:
             return None
         n_cands = len(cands)
@@ -97,7 +174,7 @@ class CostPolicy(PrefixPolicyBase):
         mean_after = (sum(loads) + 1) / n_cands
         # Recomputing a prefix also delays whoever queues behind it: weigh saved compute by
         # 1 + work_weight·L, L = prompts waiting per worker (Little's law), capped.
-        waiting_per_worker = sum(backlogs) / n_cands / max(1.0, cost.mean_prompt_tokens)
+        waiting_per_worker = raw_backlog / n_cands / max(1.0, cost.mean_prompt_tokens)
         weight = 1.0 + self.work_weight * min(waiting_per_worker, self.max_queue_factor)
         bound = max((1.0 + self.epsilon) * mean_after, mean_after + self.slack_requests) - 1
         overloaded = min(loads) > bound
@@ -110,6 +187,11 @@ class CostPolicy(PrefixPolicyBase):
         longest_tokens = min(found.longest_blocks * bs, limit)
         q = cost.queue_terms()
         scorer = _Scorer(self, req, cost, q, weight, longest_tokens)
+        if self.branch_load_weight > 0 and 2 * longest_tokens <= n:
+            # Most of the prompt is new: it starts a branch (a new session or a fork) whose next
+            # requests will follow it to this worker. Charge each worker the work recently routed
+            # to it, so branches spread over the pool by long-run load, not only by the queue now.
+            scorer.branch = (self, now_s)
 
         # A worker's score is at most what it saves minus its raw backlog's prefill time (the
         # queue's smallest term, before scaling for requests this gateway did not send). Workers are
@@ -140,7 +222,7 @@ class CostPolicy(PrefixPolicyBase):
             for upper, i, matched in ranked:
                 if upper < scorer.best_score - tie:
                     break
-                scorer.consider(i, cands[i], matched)
+                scorer.consider(i, cands[i], matched, backlogs[i])
         # Pass 2b: the others (they save nothing, or at most a transfer), by raw backlog.
         cap_s = scorer.nonholder_saved_s
         if cap_s >= scorer.best_score - tie:
@@ -149,7 +231,7 @@ class CostPolicy(PrefixPolicyBase):
             for i in order:
                 if cap_s - per_backlog_token * backlogs[i] < scorer.best_score - tie:
                     break
-                scorer.consider(i, cands[i], 0)
+                scorer.consider(i, cands[i], 0, backlogs[i])
         best = scorer.best
         if len(best) == 1:
             chosen, matched, queue = best[0]
@@ -180,6 +262,7 @@ class _Scorer:
         "adapter",
         "best",
         "best_score",
+        "branch",
         "cost",
         "limit_tokens",
         "longest_tokens",
@@ -215,6 +298,7 @@ class _Scorer:
         self.best_score = -math.inf
         self.best: list[tuple[int, int, float]] = []
         self.nonholder_saved_s = 0.0
+        self.branch: tuple[CostPolicy, float] | None = None
         if self.transfer_on and longest_tokens > 0:
             moved = cost.saved_s(self.n, longest_tokens) * weight - cost.transfer_s(longest_tokens)
             self.nonholder_saved_s = max(0.0, moved)
@@ -233,7 +317,8 @@ class _Scorer:
             saved = self.saved_for[matched] = q.scale * raw * self.weight
         return saved
 
-    def consider(self, i: int, view: WorkerView, matched: int) -> None:
+    def consider(self, i: int, view: WorkerView, matched: int, backlog: float) -> None:
+        """Score candidate `i`; `backlog` is its prefill tokens left to compute (see `select`)."""
         cost = self.cost
         q = self.q
         n = self.n
@@ -245,7 +330,6 @@ class _Scorer:
                 saved, matched = moved, longest
         # T_queue, inlined from CostModel.queue_s (kept equal by a test). The backlog alone bounds
         # the score from above: skip the rest when even that cannot reach a tie.
-        backlog = float(view.in_flight_prefill_tokens)
         if saved - q.scale * q.backlog_per_token_s * backlog < self.best_score - self.tie:
             return
         running = known = view.in_flight_requests
@@ -253,7 +337,7 @@ class _Scorer:
         if waiting is not None:
             scraped = view.num_requests_running or 0
             if waiting + scraped > known:
-                if known > 0 and backlog > 0:
+                if known > 0 and view.in_flight_prefill_tokens > 0:
                     backlog *= (waiting + scraped) / known
                 else:
                     backlog += waiting * q.mean_prompt_tokens
@@ -268,6 +352,9 @@ class _Scorer:
         score = saved - queue
         if view.warming or (self.adapter and view.loaded_adapters is not None):
             score -= cost.cold_s(view, self.adapter)
+        if self.branch is not None:
+            policy, now_s = self.branch
+            score -= policy.branch_load_weight * policy.recent_work_s(view.worker_id, now_s)
         if score > self.best_score + self.tie:
             self.best_score, self.best = score, [(i, matched, queue)]
         elif score >= self.best_score - self.tie:

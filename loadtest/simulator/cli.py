@@ -53,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--users", type=_positive_int, default=1, help="replay the trace as this many salted users"
     )
     parser.add_argument("--user-spread-s", type=float, default=0.0, help="users start within this window")
+    parser.add_argument(
+        "--tenant-per-user", action="store_true", help="each replayed user is its own tenant trace-u<i>"
+    )
     parser.add_argument("--policy", default=None, help="registered policy name (default round_robin)")
     parser.add_argument("--policy-config", metavar="FILE", help="policy YAML (policy, seed, options)")
     parser.add_argument("--workers", type=int, default=8)
@@ -80,7 +83,13 @@ class UsageError(ValueError):
 
 def _requests(args: argparse.Namespace) -> tuple[list[WorkloadRequest], str]:
     if args.trace:
-        t = load_trace(args.trace, users=args.users, user_spread_s=args.user_spread_s, seed=args.seed)
+        t = load_trace(
+            args.trace,
+            users=args.users,
+            user_spread_s=args.user_spread_s,
+            seed=args.seed,
+            tenant_per_user=args.tenant_per_user,
+        )
         reqs, source = list(t.requests), f"trace:{args.trace}"
     else:
         try:
@@ -200,6 +209,7 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         "source": source,
         "n_requests": len(reqs),
         "users": args.users,
+        "tenant_per_user": args.tenant_per_user,
         "policy": policy_name,
         "policy_config": args.policy_config,
         "workers": args.workers,

@@ -4,8 +4,8 @@
   `PUBLIC_NAMESPACE`) and a per-tenant `cache_salt` keyed by the deployment secret. A tenant's
   isolation is `strict`, `shared_public` or `public` (`KeyPath(isolation=..., tenant_isolation=...)`).
 - **Identities** follow `gateway.state.GatewayState.identities`: the tenant's own identity (the
-  public one for `public` tenants) and, for `shared_public` tenants, the public identity, derived
-  from one base `KeyIdentity` with `dataclasses.replace`.
+  public one for `public` tenants) and, for `shared_public` tenants, the public identity derived
+  from it by `prompt_normalizer.keys.public_identity_of`.
 - **Chat and text prompts** go through the normalizer in `render` mode exactly as the gateway
   drives it against a worker: `prepare_render`, the emulated worker's own renderer for the body and
   each zone boundary (one token per byte), `from_render`. That yields token-exact block keys, the
@@ -15,13 +15,15 @@
   (`prompt_normalizer.keys.chain_keys`) over the ids as little-endian u64, rooted at the keyed root
   of the tenant identity under a unit of their own (`TRACE_UNIT`, so they never meet token keys),
   one key per trace block (512-token Mooncake, 64-token kv-cache-tester blocks): that is all the
-  prefix structure a trace carries, and it keeps the index small. A trace prompt has no zones, so
-  no immutable blocks. Only blocks wholly inside the prompt get a route key, as with the
-  normalizer; the ceilings also count the trace's partial last block.
+  prefix structure a trace carries, and it keeps the index small. Only blocks wholly inside the
+  prompt get a route key, as with the normalizer; the ceilings also count the trace's partial last
+  block. A kv-cache-tester session's system + tools blocks are its immutable zone
+  (`BlockPrompt.immutable_blocks`), keyed under the public identity too; Mooncake prompts have none.
 
-`cache_salt` (what the engines get) is chosen as review item 1 asks of the gateway: always set by
-the gateway; the tenant's salt, except a `public` tenant and a `shared_public` request whose whole
-prompt lies inside the promoted public blocks the policy routed, which get the public salt.
+`cache_salt` (what the engines get) is always set on the gateway side, never taken from the client:
+the tenant's salt, except for a `public` tenant and for a `shared_public` request whose whole
+prompt lies inside the promoted public blocks the policy routed, which get one public salt. The
+engine's salt covers the whole chain, so anything else would share a tenant's private tail.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from loadtest.workloads.openai_body import openai_request
 from loadtest.workloads.records import BlockPrompt, WorkloadRequest
 from policies.base import Isolation, RouteDecision, RouteRequest
 from prompt_normalizer.config import NormalizerConfig
-from prompt_normalizer.keys import chain_keys
+from prompt_normalizer.keys import chain_keys, public_identity_of
 from prompt_normalizer.normalizer import Normalizer
 from prompt_normalizer.render import RenderPlan
 from prompt_normalizer.types import PUBLIC_NAMESPACE, BlockKey, KeyIdentity
@@ -125,16 +127,16 @@ class KeyPath:
                 name=name, api_key_hashes=[hash_api_key(self._secret, key)], isolation=isolation
             )
             found = KeyRing([cfg], self._secret).lookup(f"Bearer {key}")
-            assert found is not None
+            if found is None:  # the key ring must find the key it was just given
+                raise RuntimeError(f"tenant {name!r}: the gateway key ring did not resolve its key")
             self._tenants[name] = found
             self._salt_namespace[found.cache_salt] = found.namespace
         return found
 
     def identities(self, tenant: Tenant, block_size_tokens: int) -> tuple[KeyIdentity, KeyIdentity | None]:
-        base = dataclasses.replace(self.base, block_size_tokens=block_size_tokens, namespace=PUBLIC_NAMESPACE)
         own_ns = PUBLIC_NAMESPACE if tenant.isolation is Isolation.PUBLIC else tenant.namespace
-        own = dataclasses.replace(base, namespace=own_ns)
-        return own, base if tenant.isolation is Isolation.SHARED_PUBLIC else None
+        own = dataclasses.replace(self.base, block_size_tokens=block_size_tokens, namespace=own_ns)
+        return own, public_identity_of(own) if tenant.isolation is Isolation.SHARED_PUBLIC else None
 
     def namespace_of_salt(self, salt: str | None) -> str | None:
         """What the gateway resolves a KV event's `cache_salt` to (None: unknown or unsalted)."""
@@ -146,12 +148,17 @@ class KeyPath:
         tenant = self.tenant(req.tenant)
         p = req.prompt
         if isinstance(p, BlockPrompt):
-            own, _ = self.identities(tenant, p.block_size_tokens)
+            own, public = self.identities(tenant, p.block_size_tokens)
             ids = np.asarray(p.block_ids, dtype=np.uint64).astype(_U64, copy=False)
             extras = {0: p.salt.encode()} if p.salt else None
             keys = chain_keys(ids, _U64.itemsize, self.normalizer.root(own, TRACE_UNIT), extras)
             n_full = min(len(keys), p.n_tokens // p.block_size_tokens)
-            return KeyedPrompt(tenant, keys, n_full, p.block_size_tokens, p.n_tokens)
+            n_imm = min(p.immutable_blocks, n_full)
+            public_keys: tuple[BlockKey, ...] = ()
+            if public is not None and n_imm:
+                root = self.normalizer.root(public, TRACE_UNIT)
+                public_keys = chain_keys(ids[:n_imm], _U64.itemsize, root, extras)
+            return KeyedPrompt(tenant, keys, n_full, p.block_size_tokens, p.n_tokens, public_keys, n_imm)
         own, public = self.identities(tenant, self.base.block_size_tokens)
         request = openai_request(req, self.model)
         is_chat = request.path.endswith("chat/completions")

@@ -77,6 +77,7 @@ def test_bad_input_fails_with_a_clear_message(tmp_path: Path, capsys: pytest.Cap
     assert main(["simulate", *SMALL_GSP, "--profile", "no-such-gpu"]) == 2
     assert main(["simulate", *SMALL_GSP, "--rate-scale", "0"]) == 2
     assert main(["simulate", "--workload", "nope", "--quiet"]) == 2
+    assert main(["simulate", *SMALL_GSP, "--tenant-isolation", "gsp=open"]) == 2
     assert "known: agent" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["simulate", *SMALL_GSP, "--kv-blocks-per-worker", "0"])

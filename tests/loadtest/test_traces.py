@@ -13,6 +13,8 @@ from loadtest.traces.users import replay_as_users
 from loadtest.workloads.ceilings import ceiling_infinite
 from loadtest.workloads.records import BlockPrompt
 from loadtest.workloads.render import prompt_bytes
+from policies.base import Isolation
+from prompt_normalizer.types import PUBLIC_NAMESPACE
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -130,3 +132,20 @@ def test_infinite_ceilings_match_the_published_table(name: str, ceiling: float) 
     assert ceiling_infinite(keys.keyed(r).chain() for r in t.requests).hit_ratio == pytest.approx(
         ceiling, abs=0.0006
     )
+
+
+def test_session_users_as_tenants_share_only_the_public_system_and_tools_chain(tmp_path: Path) -> None:
+    f = tmp_path / "s.json"
+    _write_kvct(f)
+    t = load_trace(f, users=3, tenant_per_user=True, seed=1)
+    assert {r.tenant for r in t.requests} == {"trace-u0", "trace-u1", "trace-u2"}
+    keys = KeyPath(isolation=Isolation.SHARED_PUBLIC)
+    firsts = {}
+    for r in t.requests:
+        firsts.setdefault(r.tenant, keys.keyed(r))
+    assert all(k.immutable_blocks == 2 for k in firsts.values())  # (30 + 100) // 64
+    assert len({k.public_block_keys for k in firsts.values()}) == 1
+    assert len({k.block_keys[0] for k in firsts.values()}) == 3  # own namespaces stay apart
+    assert keys.tenant("trace-u0").namespace != PUBLIC_NAMESPACE
+    strict = KeyPath().keyed(t.requests[0])
+    assert strict.public_block_keys == () and strict.immutable_blocks == 2

@@ -197,7 +197,7 @@ def test_a_request_that_was_not_served_teaches_nothing(outcome: Outcome) -> None
 
 
 def test_a_failure_keeps_what_an_earlier_served_request_confirmed() -> None:
-    p = _policy()
+    p = _policy(branch_load_weight=0.0)  # half the prompt matches: no branch charge steers it away
     _warm(p, range(32), "w1")
     r = req("r", range(64))
     d = p.select(r, workers(0, 0, 0, 0), 1.0)
@@ -223,6 +223,7 @@ def _reference_best_s(p: CostPolicy, r: RouteRequest, views: list[WorkerView]) -
     waiting = backlog / len(views) / max(1.0, model.mean_prompt_tokens)
     weight = 1 + p.work_weight * min(waiting, p.max_queue_factor)
     match = pool.index.lookup(r.block_keys, r.namespace, 5.0)
+    branch = 2 * p._cap_tokens(r, match.longest_blocks) <= r.n_prompt_tokens
     best = -float("inf")
     for v, load in zip(views, loads, strict=True):
         if load > bound:
@@ -231,6 +232,8 @@ def _reference_best_s(p: CostPolicy, r: RouteRequest, views: list[WorkerView]) -
         score = model.saved_s(r.n_prompt_tokens, matched) * weight - model.queue_s(
             v, r.n_prompt_tokens - matched
         )
+        if branch:  # most of the prompt is new: charge each worker its recent work
+            score -= p.branch_load_weight * p.recent_work_s(v.worker_id, 5.0)
         best = max(best, score)
     return best
 
@@ -277,3 +280,38 @@ def test_inlined_saved_time_equals_the_cost_model(n: int, m: int) -> None:
     model = CostModel(profile("llama3-8b-a100"))
     scorer = _Scorer(p, r, model, model.queue_terms(), 3.0, 0)
     assert scorer.saved(m) == pytest.approx(model.saved_s(n, m) * 3.0, rel=1e-9, abs=1e-15)
+
+
+@pytest.mark.parametrize("discount", [True, False])
+def test_a_holder_busy_with_cached_prompts_is_not_taken_for_a_long_queue(discount: bool) -> None:
+    p = _policy(discount_cached_backlog=discount)
+    _warm(p, range(64), "w0")
+    # Eight requests on the same prefix are in flight on w0: 8k prompt tokens, almost all cached.
+    for i in range(8):
+        r = req(f"f{i}", range(64))
+        d = p.select(r, [WorkerView(WorkerId("w0"))], 1.0)
+        assert d is not None and d.matched_tokens == 64 * BS
+        p.on_dispatch(r, d, 1.0)
+    assert p.uncached_share(WorkerId("w0")) == pytest.approx(1 / (64 * BS + 1))
+    views = workers(8, 0, 0, 0, prefill=(8 * (64 * BS + 1), 0, 0, 0))
+    d = p.select(req("r", range(64)), views, 1.0)
+    assert d is not None
+    # Counted as whole prompts the holder looks 0.2 s busy and the prefix is recomputed elsewhere;
+    # counted as what is left to compute, it stays on the holder.
+    assert (d.worker == "w0") is discount
+    # Finishing (in any way) takes a request out of the ledger.
+    for i in range(8):
+        p.on_complete(Observation(req(f"f{i}", range(64)), WorkerId("w0"), outcome=Outcome.ABORTED), 2.0)
+    assert p.uncached_share(WorkerId("w0")) == 1.0
+
+
+def test_new_branches_go_where_little_work_was_routed_recently() -> None:
+    p = _policy(branch_load_weight=1.0, load_window_s=60.0)
+    _warm(p, range(2000), "w0")  # about a second of prefill routed to w0 at t = 0
+    assert p.recent_work_s(WorkerId("w0"), 0.0) > 0.5
+    for i in range(6):
+        d = p.select(req(f"n{i}", range(10_000 + i * 100, 10_000 + i * 100 + 8)), workers(0, 0, 0, 0), 1.0)
+        assert d is not None and d.worker != "w0" and d.reason == "miss"
+        p.on_dispatch(req(f"n{i}", range(8)), d, 1.0)
+    # The charge fades with the window: ten windows later w0 is as good as any worker.
+    assert p.recent_work_s(WorkerId("w0"), 600.0) < 1e-4

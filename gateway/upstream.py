@@ -21,6 +21,10 @@ from typing import cast
 
 import httptools
 
+# A non-streamed answer is held whole before it is relayed: bound it (a chat completion with many
+# choices and logprobs stays far below this).
+MAX_ANSWER_BYTES = 64 * 1024 * 1024
+
 
 class UpstreamError(Exception):
     """The request did not produce a complete answer. `answered` is True when the worker had
@@ -65,6 +69,7 @@ class _Connection(asyncio.Protocol):
         "_loop",
         "_parser",
         "_read_s",
+        "_size",
         "_timer",
         "alive",
         "got_bytes",
@@ -80,6 +85,7 @@ class _Connection(asyncio.Protocol):
         self._done: asyncio.Future[UpstreamReply] | None = None
         self._parser: httptools.HttpResponseParser | None = None
         self._body: list[bytes] = []
+        self._size = 0
         self._content_type = ""
         self._header_name = b""
         self._timer: asyncio.TimerHandle | None = None
@@ -118,6 +124,12 @@ class _Connection(asyncio.Protocol):
             self._content_type = value.decode("latin-1")
 
     def on_body(self, body: bytes) -> None:
+        self._size += len(body)
+        if self._size > MAX_ANSWER_BYTES:
+            self.alive = False
+            self._fail(UpstreamError("worker answer too large", answered=True))
+            self._close()
+            return
         self._body.append(body)
 
     def on_message_complete(self) -> None:
@@ -140,6 +152,7 @@ class _Connection(asyncio.Protocol):
         self._done = self._loop.create_future()
         self._parser = httptools.HttpResponseParser(self)
         self._body = []
+        self._size = 0
         self._content_type = ""
         self.got_bytes = False
         now = self._loop.time()

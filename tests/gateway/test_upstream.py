@@ -175,6 +175,23 @@ async def test_connect_errors_and_a_worker_dying_mid_answer(
         await send(pool, bad)
 
 
+async def test_an_oversized_answer_is_refused(
+    serve: Callable[[Handler], Awaitable[Server]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("gateway.upstream.MAX_ANSWER_BYTES", 1000)
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5000\r\n\r\n" + b"x" * 5000)
+        await writer.drain()
+        await asyncio.sleep(1)
+
+    server = await serve(handler)
+    with pytest.raises(UpstreamError, match="too large") as info:
+        await send(UpstreamPool(), server)
+    assert info.value.answered is True
+
+
 async def test_cancelling_a_request_closes_its_connection(
     serve: Callable[[Handler], Awaitable[Server]],
 ) -> None:

@@ -6,13 +6,17 @@ Only the fields routing needs are validated here (`model`, `messages` / `prompt`
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import itertools
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import orjson
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
+from starlette.types import Receive, Scope
 
 from gateway.auth import Tenant
 from gateway.errors import ApiError, bad_request
@@ -24,6 +28,27 @@ from policies.base import Isolation, RouteDecision, RouteRequest
 from prompt_normalizer.errors import NormalizerError
 
 Endpoint = Literal["chat", "completions"]
+# Body fields that steer an engine's internals rather than the completion. A tenant must not set
+# them: `kv_transfer_params` (vLLM disaggregated prefill: where KV is pulled from or pushed to),
+# `request_id` / `rid` (the engine's request id; the gateway names requests itself),
+# `priority` (engine scheduling; fairness between tenants is the gateway's job),
+# `data_parallel_rank` (pins an engine rank), `bootstrap_host` / `bootstrap_port` /
+# `bootstrap_room` (SGLang prefill-decode transfer), `prompt_embeds` (bypasses tokenization, so
+# the prefix keys could not describe the prompt). They are refused with 400, naming the field.
+# `cache_salt` is not refused: the gateway always replaces it with its own.
+ENGINE_INTERNAL_FIELDS = frozenset(
+    {
+        "kv_transfer_params",
+        "request_id",
+        "rid",
+        "priority",
+        "data_parallel_rank",
+        "bootstrap_host",
+        "bootstrap_port",
+        "bootstrap_room",
+        "prompt_embeds",
+    }
+)
 UPSTREAM_PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 
@@ -37,6 +62,7 @@ class Admitted:
     """
 
     request_id: str
+    client_request_id: str | None
     endpoint: Endpoint
     tenant: Tenant
     limiter: TenantLimiter
@@ -50,24 +76,26 @@ class Admitted:
     route: RouteRequest
     max_output_tokens: int
     started_s: float
+    public_salt: str
     drift_field: str | None = None
     recorded: bool = False
     _encoded: dict[str | None, bytes] = field(default_factory=dict)
 
+    @property
+    def reply_id(self) -> str:
+        """The `x-request-id` sent back to the client."""
+        return self.client_request_id if self.client_request_id is not None else self.request_id
+
     def body_for(self, decision: RouteDecision) -> bytes:
-        """The bytes for one dispatch. The `cache_salt` depends on the decision: strict tenants
-        always get theirs; shared_public tenants share worker KV only when the policy routed a
-        promoted public prefix; public tenants never get one."""
-        isolation = self.tenant.isolation
-        salt: str | None = None
-        if isolation is Isolation.STRICT or (
-            isolation is Isolation.SHARED_PUBLIC and decision.shared_prefix_blocks == 0
-        ):
-            salt = self.tenant.cache_salt
+        """The bytes for one dispatch, always with the gateway's own `cache_salt` (a client's is
+        replaced): the tenant's salt, or the public salt when the whole prompt lies inside the
+        promoted public prefix the policy routed (vLLM's salt covers a request's entire chain, so
+        any private token after the public prefix must keep the tenant's salt)."""
+        salt = self.public_salt if _wholly_public(self.route, decision) else self.tenant.cache_salt
         cached = self._encoded.get(salt)
         if cached is not None:
             return cached
-        if salt is None or self.forward.get("cache_salt") == salt:
+        if self.forward.get("cache_salt") == salt:
             out = orjson.dumps(self.forward) if self.changed else self.raw
         else:
             out = orjson.dumps({**self.forward, "cache_salt": salt})
@@ -75,36 +103,120 @@ class Admitted:
         return out
 
 
-def request_id_of(request: Request) -> str:
-    """Honour a sane inbound `x-request-id`; otherwise make one."""
-    rid = request.headers.get("x-request-id")
+def _wholly_public(route: RouteRequest, decision: RouteDecision) -> bool:
+    shared = decision.shared_prefix_blocks
+    return (
+        shared > 0
+        and route.isolation is not Isolation.STRICT
+        and shared <= len(route.public_block_keys)
+        and shared * route.block_size_tokens >= route.n_prompt_tokens
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class RequestHead:
+    """The three request headers the hot path reads, found in one pass over the raw ASGI headers
+    (no header-object layers): `Authorization`, `x-request-id` and `Content-Length`."""
+
+    authorization: str | None
+    client_request_id: str | None
+    content_length: int | None
+
+    @classmethod
+    def of(cls, scope: Scope) -> RequestHead:
+        authorization = rid = length = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                authorization = value.decode("latin-1")
+            elif name == b"x-request-id":
+                rid = _sane_id(value.decode("latin-1"))
+            elif name == b"content-length" and value.isdigit():
+                length = int(value)
+        return cls(authorization, rid, length)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestIds:
+    """`internal` is always made here: it names the request to the worker, the policy and the
+    logs, so two clients that send the same `x-request-id` can never collide. `client` is the
+    client's own id (when sane), only echoed back and logged beside the internal one."""
+
+    internal: str
+    client: str | None
+
+    @property
+    def reply(self) -> str:
+        """The `x-request-id` of the response: the client's own id, else the internal one."""
+        return self.client if self.client is not None else self.internal
+
+
+# Internal ids: a random per-process prefix and a counter. Unique, which is all an engine and the
+# policy need, and far cheaper than reading the OS's random source per request.
+_ID_PREFIX = os.urandom(6).hex()
+_id_counter = itertools.count(1)
+
+
+def new_request_id() -> str:
+    return f"{_ID_PREFIX}{next(_id_counter):010x}"
+
+
+def request_ids(head: RequestHead) -> RequestIds:
+    return RequestIds(new_request_id(), head.client_request_id)
+
+
+def _sane_id(rid: str | None) -> str | None:
     if rid and len(rid) <= 128 and rid.isascii() and rid.isprintable():
         return rid
-    return os.urandom(16).hex()
+    return None
 
 
-async def read_body(request: Request, max_bytes: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise ApiError(
-            413, f"request body larger than {max_bytes} bytes", "invalid_request_error", "body_too_large"
-        )
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
+def client_request_id(request: Request) -> str | None:
+    """A sane inbound `x-request-id` (printable ASCII, at most 128 characters), else None."""
+    return _sane_id(request.headers.get("x-request-id"))
+
+
+def request_id_of(request: Request) -> str:
+    """The id to answer with on routes that send nothing upstream."""
+    return client_request_id(request) or new_request_id()
+
+
+def _too_large(max_bytes: int) -> ApiError:
+    return ApiError(
+        413, f"request body larger than {max_bytes} bytes", "invalid_request_error", "body_too_large"
+    )
+
+
+async def read_body(receive: Receive, head: RequestHead, max_bytes: int) -> bytes:
+    """The whole body, straight from the ASGI `receive` channel; 413 as soon as it is too large."""
+    if head.content_length is not None and head.content_length > max_bytes:
+        raise _too_large(max_bytes)
+    message = await receive()
+    body: bytes = message.get("body", b"")
+    if message["type"] == "http.disconnect":
+        raise ClientDisconnect
+    if not message.get("more_body", False):
+        if len(body) > max_bytes:
+            raise _too_large(max_bytes)
+        return body
+    chunks = [body]
+    size = len(body)
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > max_bytes:
-            raise ApiError(
-                413, f"request body larger than {max_bytes} bytes", "invalid_request_error", "body_too_large"
-            )
+            raise _too_large(max_bytes)
         chunks.append(chunk)
-    return b"".join(chunks)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
 
 
-def authenticate(request: Request, state: GatewayState) -> Tenant:
-    tenant = state.keyring.lookup(request.headers.get("authorization"))
+def authenticate(head: RequestHead, state: GatewayState) -> Tenant:
+    tenant = state.keyring.lookup(head.authorization)
     if tenant is None:
-        missing = not request.headers.get("authorization")
+        missing = not head.authorization
         message = (
             "missing API key: send 'Authorization: Bearer <key>'" if missing else "incorrect API key provided"
         )
@@ -137,6 +249,9 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise bad_request("'stream_options' must be an object", "stream_options")
+    if not ENGINE_INTERNAL_FIELDS.isdisjoint(body):
+        name = min(ENGINE_INTERNAL_FIELDS.intersection(body))
+        raise bad_request(f"'{name}' is an engine-internal field and cannot be set through the gateway", name)
     return body
 
 
@@ -148,11 +263,14 @@ def _max_output_tokens(body: dict[str, Any]) -> int:
     return 0
 
 
-async def admit(request: Request, endpoint: Endpoint, state: GatewayState, request_id: str) -> Admitted:
+async def admit(
+    head: RequestHead, receive: Receive, endpoint: Endpoint, state: GatewayState, ids: RequestIds
+) -> Admitted:
     """Run every check in the order a client would expect: 401, 413, 400, 404, 429."""
     started_s = time.monotonic()
-    tenant = authenticate(request, state)
-    raw = await read_body(request, state.config.limits.max_body_bytes)
+    request_id = ids.internal
+    tenant = authenticate(head, state)
+    raw = await read_body(receive, head, state.config.limits.max_body_bytes)
     body = parse_body(raw, endpoint)
     model: str = body["model"]
     pool = state.registry.by_model.get(model)
@@ -171,6 +289,13 @@ async def admit(request: Request, endpoint: Endpoint, state: GatewayState, reque
             plan = normalizer.prepare_render(endpoint, body)
             canonical = await render_canonical(
                 normalizer, plan, pool, state.upstream(), identity, public, request_id
+            )
+        elif normalizer.config.mode == "tokenizer":
+            # Tokenizing and templating a long prompt takes milliseconds: off the event loop, on
+            # the normalizer's one thread (so a Normalizer is never entered concurrently).
+            canonical = await asyncio.get_running_loop().run_in_executor(
+                state.normalizer_executor(),
+                functools.partial(normalizer.canonicalize, endpoint, body, identity, public),
             )
         else:
             canonical = normalizer.canonicalize(endpoint, body, identity, public)
@@ -219,10 +344,12 @@ async def admit(request: Request, endpoint: Endpoint, state: GatewayState, reque
         immutable_blocks=canonical.immutable_blocks,
         max_output_tokens=max_out or None,
         session_key=_session_key(body, tenant),
+        adapter=identity.adapter or None,
     )
     drift = canonical.drift
     return Admitted(
         request_id=request_id,
+        client_request_id=ids.client,
         endpoint=endpoint,
         tenant=tenant,
         limiter=limiter,
@@ -236,6 +363,7 @@ async def admit(request: Request, endpoint: Endpoint, state: GatewayState, reque
         route=route,
         max_output_tokens=max_out,
         started_s=started_s,
+        public_salt=state.keyring.public_salt,
         drift_field=drift.field if drift is not None and drift.first_diff_block is not None else None,
     )
 

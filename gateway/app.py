@@ -20,12 +20,14 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.admission import Endpoint, admit, request_id_of
+from gateway.admin import admin_routes
+from gateway.admission import Endpoint, RequestHead, admit, request_id_of, request_ids
 from gateway.errors import ApiError, error_response
 from gateway.fleet import Fleet
 from gateway.policy_watch import PolicyWatcher
 from gateway.proxy import dispatch
 from gateway.state import GatewayState, make_session
+from gateway.upstream import UpstreamPool
 from policies.stats import SupportsStats
 
 log = logging.getLogger("kvgate.app")
@@ -51,16 +53,24 @@ class GatewayApp:
 
     async def _proxy(self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
         state = self.state
-        request = Request(scope, receive)
-        request_id = request_id_of(request)
+        head = RequestHead.of(scope)
+        ids = request_ids(head)
         response: ASGIApp
         try:
             try:
-                admitted = await admit(request, endpoint, state, request_id)
+                admitted = await admit(head, receive, endpoint, state, ids)
             except ApiError as err:
                 state.metrics.rejected(endpoint, err.status)
-                log.info("rejected", extra={"request_id": request_id, "status": err.status, "code": err.code})
-                response = error_response(err, request_id)
+                log.info(
+                    "rejected",
+                    extra={
+                        "request_id": ids.internal,
+                        "client_request_id": ids.client,
+                        "status": err.status,
+                        "code": err.code,
+                    },
+                )
+                response = error_response(err, ids.reply)
             else:
                 guard = DisconnectGuard(receive)
                 try:
@@ -74,9 +84,9 @@ class GatewayApp:
         except ClientDisconnect:
             return  # the client left while sending its body: nobody to answer
         except Exception as exc:
-            log.error("unhandled error", exc_info=exc, extra={"request_id": request_id})
+            log.error("unhandled error", exc_info=exc, extra={"request_id": ids.internal})
             response = error_response(
-                ApiError(500, "internal gateway error", "server_error", "internal_error"), request_id
+                ApiError(500, "internal gateway error", "server_error", "internal_error"), ids.reply
             )
         await response(scope, receive, send)
 
@@ -150,8 +160,11 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         state.session = make_session(state.config)
+        upstream = state.config.upstream
+        state.lean = UpstreamPool(upstream.max_connections_per_worker, upstream.keepalive_timeout_s)
         flusher: asyncio.Task[None] | None = None
         fleet = Fleet(state, state.session)
+        state.fleet = fleet
         try:
             await fleet.start()
             await state.registry.check_all(state.session)
@@ -168,10 +181,15 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
             if watcher is not None:
                 await watcher.stop()
             await fleet.stop()
+            state.fleet = None
             state.access_log.flush()
             await state.registry.stop()
             await state.session.close()
             state.session = None
+            if state.lean is not None:
+                state.lean.close()
+                state.lean = None
+            state.close_executor()
 
     routes = [
         Route("/v1/chat/completions", not_allowed, methods=["GET", "PUT", "DELETE", "PATCH"]),
@@ -180,6 +198,7 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        *admin_routes(state, watcher),
     ]
     fallback = Starlette(
         routes=routes,

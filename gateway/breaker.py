@@ -29,6 +29,11 @@ class CircuitBreaker:
         self._opened_at_s = 0.0
         self._trial_in_flight = False
 
+    @property
+    def failures(self) -> int:
+        """Consecutive request failures so far (reset by a success)."""
+        return self._failures
+
     def state(self, now_s: float) -> BreakerState:
         if self._state is BreakerState.OPEN and now_s - self._opened_at_s >= self._config.cooldown_s:
             self._state = BreakerState.HALF_OPEN

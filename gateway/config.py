@@ -126,6 +126,9 @@ class PoolConfig(_Frozen):
     # None: use the policy file's `normalizer` section (hot-reloaded with it).
     normalizer: NormalizerConfig | None = None
     identity: IdentityConfig = IdentityConfig()
+    # Served model id -> LoRA adapter name (vLLM serves each adapter under its own model id); the
+    # adapter is bound into that model's prefix keys and matches KV events' `lora_name`.
+    adapters: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("workers")
     @classmethod
@@ -139,6 +142,11 @@ class PoolConfig(_Frozen):
     def _one_source(self) -> PoolConfig:
         if bool(self.workers) == (self.dns is not None):
             raise ValueError("a pool needs exactly one of 'workers' (static URLs) or 'dns' (a DNS name)")
+        unknown = sorted(set(self.adapters) - set(self.models))
+        if unknown:
+            raise ValueError(f"adapters: {unknown[0]!r} is not one of the pool's models")
+        if any(not name for name in self.adapters.values()):
+            raise ValueError("adapters: an adapter name must not be empty")
         return self
 
 
@@ -193,6 +201,21 @@ class SecretsConfig(_Frozen):
     key_hash_secret_file: str | None = None
 
 
+class AdminConfig(_Frozen):
+    """The admin API (`/admin/status`, `/admin/policy/reload`): off unless a key hash is set."""
+
+    api_key_hash: str | None = None
+
+    @field_validator("api_key_hash")
+    @classmethod
+    def _hash(cls, value: str | None) -> str | None:
+        if value is not None and (
+            not value.startswith("hmac-sha256:") or len(value) != len("hmac-sha256:") + 64
+        ):
+            raise ValueError("must be 'hmac-sha256:<64 hex>' (make one with `kvgate serve --hash-key`)")
+        return value
+
+
 class GatewayConfig(_Frozen):
     """Top level of the gateway config file."""
 
@@ -203,6 +226,7 @@ class GatewayConfig(_Frozen):
     scrape: ScrapeSettings = ScrapeSettings()
     tracing: TracingConfig = TracingConfig()
     secrets: SecretsConfig = SecretsConfig()
+    admin: AdminConfig = AdminConfig()
     policy_file: str | None = None
     policy_reload_interval_s: PositiveFloat = 2.0
     pools: list[PoolConfig] = Field(min_length=1)
@@ -228,6 +252,8 @@ class GatewayConfig(_Frozen):
         hashes = [h for t in self.tenants for h in t.api_key_hashes]
         if len(set(hashes)) != len(hashes):
             raise ValueError("an API key hash is listed twice")
+        if self.admin.api_key_hash is not None and self.admin.api_key_hash in hashes:
+            raise ValueError("admin.api_key_hash must not also be a tenant's key")
         return self
 
 

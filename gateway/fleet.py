@@ -52,7 +52,10 @@ class Fleet:
                 pool.metrics_max_age_s = s.max_age_s
         self._kv: KvEventSubscriber | None = None
         if any(p.kv_events_endpoint is not None for p in config.pools):
-            self._kv = KvEventSubscriber(on_event=self._on_kv_event)
+            # Events carry the chain's cache_salt; resolve it to the namespace the gateway salted it for.
+            self._kv = KvEventSubscriber(
+                on_event=self._on_kv_event, salt_namespaces=state.keyring.salt_namespaces
+            )
         self._discoveries: dict[str, Discovery] = {}
         self._pending: set[asyncio.Task[None]] = set()
 
@@ -108,6 +111,14 @@ class Fleet:
             task = asyncio.ensure_future(pool.check(self._session))
             self._pending.add(task)
             task.add_done_callback(self._pending.discard)
+
+    @property
+    def scraper(self) -> MetricsScraper | None:
+        return self._scraper
+
+    @property
+    def kv_events(self) -> KvEventSubscriber | None:
+        return self._kv
 
     def _on_scrape(self, worker: WorkerId, result: ScrapeResult) -> None:
         for entry in self._state.registry.workers_at(worker):

@@ -2,10 +2,7 @@
 
 Wire format (vLLM `vllm/distributed/kv_events.py`, SGLang uses the same framing):
 a multipart message `[topic, seq (8-byte big-endian), payload]`, where payload is a msgpack
-`EventBatch`: `[ts, events, data_parallel_rank?]` or the map form `{"ts", "events", ...}`. An event
-is either array-like (`["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
-lora_id, medium, lora_name, ...]`, `["BlockRemoved", block_hashes, medium, ...]`,
-`["AllBlocksCleared"]`; trailing fields may be missing) or a map tagged by `"type"`.
+`EventBatch` (decoded by `gateway.kv_event_codec`, which this module re-exports).
 
 The publisher numbers batches 0, 1, 2, ... and drops messages above its high-water mark, so the
 subscriber watches `seq`. On a gap it asks the worker's ROUTER replay socket (when configured) for
@@ -13,6 +10,9 @@ the missing batches; whatever cannot be recovered is reported through `on_gap`. 
 `on_gap` handler the subscriber delivers a synthetic `AllBlocksCleared`: forgetting a worker's blocks
 costs some cache hits, while keeping a view with holes in it would route to blocks that are gone.
 A sequence that goes backwards means the publisher restarted (its cache is empty): the same signal.
+
+On joining a worker that is already running (first batch seen with seq > 0), the subscriber asks the
+replay socket for the history it still buffers, so a restarted gateway relearns recent blocks.
 
 A worker with data-parallel engines publishes one stream per rank (vLLM: endpoint port + rank);
 each is added as its own `KvEventEndpoint` of the same worker and keeps its own sequence.
@@ -26,28 +26,42 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-import msgpack
 import zmq
 import zmq.asyncio
 
-from policies.base import EngineBlockHash, KvEvent, KvEventKind, WorkerId
+from gateway.kv_event_codec import (
+    GPU_MEDIA,
+    PREFIX_SPEC_KINDS,
+    DecodedBatch,
+    KvEventDecodeError,
+    decode_batch,
+    decode_event,
+)
+from policies.base import KvEvent, KvEventKind, WorkerId
+
+__all__ = [
+    "GPU_MEDIA",
+    "PREFIX_SPEC_KINDS",
+    "REPLAY_END_SEQ",
+    "DecodedBatch",
+    "KvEventDecodeError",
+    "KvEventEndpoint",
+    "KvEventLimits",
+    "KvEventSubscriber",
+    "SequenceGap",
+    "SubscriptionStats",
+    "decode_batch",
+    "decode_event",
+    "endpoint_for_worker",
+]
 
 log = logging.getLogger("kvgate.kv_events")
 
 # vLLM ends a replay with seq = -1 as a signed 8-byte big-endian integer and an empty payload.
 REPLAY_END_SEQ = (-1).to_bytes(8, "big", signed=True)
-# Media whose blocks live on the worker's GPU (None: builds before the `medium` field existed).
-GPU_MEDIA: frozenset[str | None] = frozenset({None, "GPU", "gpu"})
-# Hybrid models publish one event stream per KV-cache group; only full attention maps to prefixes.
-PREFIX_SPEC_KINDS: frozenset[str | None] = frozenset({None, "full_attention"})
 
 KvEventCallback = Callable[[WorkerId, KvEvent], None]
-
-
-class KvEventDecodeError(ValueError):
-    """A payload that is not a vLLM `EventBatch`; the message says which part is wrong."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,16 +91,6 @@ class SequenceGap:
 GapCallback = Callable[[SequenceGap], None]
 
 
-@dataclass(frozen=True, slots=True)
-class DecodedBatch:
-    """One decoded `EventBatch`: the events the gateway cares about, plus how many were filtered out."""
-
-    ts_s: float
-    events: tuple[KvEvent, ...]
-    skipped_events: int = 0
-    data_parallel_rank: int | None = None
-
-
 @dataclass(slots=True)
 class SubscriptionStats:
     """Counters of one worker's subscription, for /metrics and the admin API."""
@@ -106,139 +110,6 @@ class SubscriptionStats:
     last_error: str | None = None
 
 
-# ---------------------------------------------------------------- decoding
-
-
-def _as_str(value: Any) -> str | None:
-    if value is None:
-        return None
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "replace")
-    return str(value)
-
-
-def _hashes(value: Any, what: str) -> tuple[EngineBlockHash, ...]:
-    if not isinstance(value, list | tuple):
-        raise KvEventDecodeError(f"{what}: expected a list of block hashes, got {type(value).__name__}")
-    out: list[EngineBlockHash] = []
-    for h in value:
-        if isinstance(h, bool) or not isinstance(h, int | bytes):
-            raise KvEventDecodeError(f"{what}: a block hash must be int or bytes, got {type(h).__name__}")
-        out.append(h)
-    return tuple(out)
-
-
-def _optional_hash(value: Any, what: str) -> EngineBlockHash | None:
-    if value is None:
-        return None
-    return _hashes([value], what)[0]
-
-
-def _int_list(value: Any, what: str) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if not isinstance(value, list | tuple) or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value
-    ):
-        raise KvEventDecodeError(f"{what}: expected a list of ints")
-    return tuple(value)
-
-
-# Positional field names of the array-like encoding, in vLLM's declaration order (after the tag).
-_STORED_FIELDS = (
-    "block_hashes",
-    "parent_block_hash",
-    "token_ids",
-    "block_size",
-    "lora_id",
-    "medium",
-    "lora_name",
-    "extra_keys",
-    "group_idx",
-    "kv_cache_spec_kind",
-    "kv_cache_spec_sliding_window",
-)
-_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
-
-
-def _fields(raw: Any) -> tuple[str, Mapping[Any, Any]]:
-    """Normalize one event (array-like or map) to its tag and a field mapping."""
-    if isinstance(raw, Mapping):
-        tag = _as_str(raw.get("type"))
-        if tag is None:
-            raise KvEventDecodeError("event map has no 'type'")
-        return tag, raw
-    if isinstance(raw, list | tuple) and raw:
-        tag = _as_str(raw[0]) or ""
-        names: tuple[str, ...] = ()
-        if tag == "BlockStored":
-            names = _STORED_FIELDS
-        elif tag == "BlockRemoved":
-            names = _REMOVED_FIELDS
-        return tag, dict(zip(names, raw[1:], strict=False))
-    raise KvEventDecodeError(f"an event must be a non-empty array or a map, got {type(raw).__name__}")
-
-
-def decode_event(raw: Any) -> KvEvent | None:
-    """Decode one event; None for events the prefix index must not see (other media, unknown types)."""
-    tag, f = _fields(raw)
-    if tag == "AllBlocksCleared":
-        return KvEvent(kind=KvEventKind.ALL_BLOCKS_CLEARED)
-    if tag not in ("BlockStored", "BlockRemoved"):
-        return None
-    if _as_str(f.get("medium")) not in GPU_MEDIA:
-        return None
-    if _as_str(f.get("kv_cache_spec_kind")) not in PREFIX_SPEC_KINDS:
-        return None
-    hashes = _hashes(f.get("block_hashes"), f"{tag}.block_hashes")
-    if tag == "BlockRemoved":
-        return KvEvent(kind=KvEventKind.BLOCK_REMOVED, block_hashes=hashes)
-    block_size = f.get("block_size", 0)
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 0:
-        raise KvEventDecodeError("BlockStored.block_size: expected a non-negative int")
-    return KvEvent(
-        kind=KvEventKind.BLOCK_STORED,
-        block_hashes=hashes,
-        parent_block_hash=_optional_hash(f.get("parent_block_hash"), "BlockStored.parent_block_hash"),
-        token_ids=_int_list(f.get("token_ids"), "BlockStored.token_ids"),
-        block_size=block_size,
-        lora_name=_as_str(f.get("lora_name")),
-    )
-
-
-def decode_batch(payload: bytes) -> DecodedBatch:
-    """Decode a msgpack `EventBatch` (array or map form); raises `KvEventDecodeError`."""
-    try:
-        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except Exception as exc:  # msgpack raises several unrelated types for bad input
-        raise KvEventDecodeError(f"payload is not msgpack: {type(exc).__name__}") from None
-    if isinstance(raw, Mapping):
-        ts, events, rank = raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")
-    elif isinstance(raw, list | tuple) and len(raw) >= 2:
-        ts, events = raw[0], raw[1]
-        rank = raw[2] if len(raw) > 2 else None
-    else:
-        raise KvEventDecodeError("batch must be [ts, events, dp_rank?] or a map with 'events'")
-    if not isinstance(events, list | tuple):
-        raise KvEventDecodeError("batch.events: expected a list")
-    if not isinstance(ts, int | float) or isinstance(ts, bool):
-        raise KvEventDecodeError("batch.ts: expected a number")
-    decoded: list[KvEvent] = []
-    skipped = 0
-    for item in events:
-        ev = decode_event(item)
-        if ev is None:
-            skipped += 1
-        else:
-            decoded.append(ev)
-    return DecodedBatch(
-        ts_s=float(ts),
-        events=tuple(decoded),
-        skipped_events=skipped,
-        data_parallel_rank=rank if isinstance(rank, int) and not isinstance(rank, bool) else None,
-    )
-
-
 # ---------------------------------------------------------------- subscriber
 
 
@@ -251,6 +122,8 @@ class KvEventLimits:
     replay_timeout_s: float = 2.0
     max_replay_batches: int = 10_000
     reconnect_ivl_s: float = 0.1
+    # On the first live batch of a worker already running, replay its buffered history first.
+    replay_on_join: bool = True
 
 
 @dataclass(slots=True)
@@ -273,8 +146,10 @@ class KvEventSubscriber:
         on_event: KvEventCallback,
         on_gap: GapCallback | None = None,
         limits: KvEventLimits | None = None,
+        salt_namespaces: Mapping[str, str] | None = None,
     ) -> None:
         self._on_event = on_event
+        self._salt_namespaces = salt_namespaces
         self._on_gap = on_gap
         self._limits = limits or KvEventLimits()
         self._ctx: zmq.asyncio.Context | None = None
@@ -360,7 +235,10 @@ class KvEventSubscriber:
                     stats.decode_errors += 1
                     log.warning("kv events from %s: malformed message (%d frames)", ep.worker, len(frames))
                     continue
-                if expected is not None and seq != expected:
+                if expected is None and seq > 0 and ep.replay_endpoint and self._limits.replay_on_join:
+                    # Joining a running worker: fetch what its replay buffer still holds.
+                    await self._replay(ep, stats, 0, seq, joining=True)
+                elif expected is not None and seq != expected:
                     await self._recover(ep, stats, expected, seq)
                 self._deliver(ep.worker, stats, seq, frames[-1])
                 expected = seq + 1
@@ -379,8 +257,13 @@ class KvEventSubscriber:
         if next_needed < seq:
             self._gap(SequenceGap(ep.worker, next_needed, seq), stats)
 
-    async def _replay(self, ep: KvEventEndpoint, stats: SubscriptionStats, start: int, stop: int) -> int:
-        """Fetch batches `start .. stop-1` from the replay socket; return the first seq still missing."""
+    async def _replay(
+        self, ep: KvEventEndpoint, stats: SubscriptionStats, start: int, stop: int, joining: bool = False
+    ) -> int:
+        """Fetch batches `start .. stop-1` from the replay socket; return the first seq still missing.
+
+        When `joining`, history older than the buffer was never ours to lose: no gap is reported.
+        """
         assert self._ctx is not None and ep.replay_endpoint is not None
         next_needed = start
         sock = self._ctx.socket(zmq.DEALER)
@@ -407,7 +290,7 @@ class KvEventSubscriber:
                     break  # the live stream already holds this one
                 if rseq < next_needed:
                     continue
-                if rseq > next_needed:
+                if rseq > next_needed and not joining:
                     # The replay buffer no longer reaches back far enough.
                     self._gap(SequenceGap(ep.worker, next_needed, rseq), stats)
                 self._deliver(ep.worker, stats, rseq, frames[1])
@@ -443,7 +326,7 @@ class KvEventSubscriber:
         stats.last_seq = seq
         stats.last_batch_monotonic_s = time.monotonic()
         try:
-            batch = decode_batch(payload)
+            batch = decode_batch(payload, self._salt_namespaces)
         except KvEventDecodeError as exc:
             stats.decode_errors += 1
             log.warning("kv events from %s: batch %d undecodable: %s", worker, seq, exc)
@@ -454,9 +337,11 @@ class KvEventSubscriber:
             stats.events += 1
             try:
                 self._on_event(worker, ev)
-            except Exception:
+            except Exception as exc:
                 stats.callback_errors += 1
-                log.exception("kv events: callback failed for %s", worker)
+                # The type only: an exception's message may quote token ids, which never reach a log.
+                stats.last_error = f"callback raised {type(exc).__name__}"
+                log.error("kv events: callback failed for %s: %s", worker, type(exc).__name__)
 
 
 def _parse_frames(frames: Sequence[bytes]) -> int | None:

@@ -11,7 +11,7 @@ from typing import Any
 from gateway.admission import Admitted
 from gateway.registry import Worker
 from gateway.state import GatewayState
-from policies.base import Observation, Outcome
+from policies.base import Observation, Outcome, RouteDecision
 
 log = logging.getLogger("kvgate.outcome")
 
@@ -45,6 +45,7 @@ class Attempt:
     worker: Worker
     reason: str
     dispatched_s: float
+    decision: RouteDecision
     ttft_s: float | None = None
     finished: bool = False
 
@@ -53,9 +54,11 @@ class Attempt:
             self.ttft_s = time.monotonic() - self.dispatched_s
             self.worker.first_token(self.admitted.route.n_prompt_tokens)
 
-    def fail(self, state: GatewayState, *, worker_fault: bool) -> None:
-        """The attempt ended without a usable answer. `worker_fault` feeds the breaker and tells the
-        policy the worker failed; a client that went away is nobody's fault and teaches nothing."""
+    def fail(self, state: GatewayState, outcome: Outcome) -> None:
+        """The attempt ended without a usable answer: REJECTED (the worker's 4xx), ABORTED (the
+        client left, or the gateway gave up) or WORKER_FAILED (connect error, 5xx, broken stream,
+        timeout). Only WORKER_FAILED feeds the breaker; no outcome but SERVED teaches the policy
+        what the worker caches."""
         if self.finished:
             return
         self.finished = True
@@ -64,7 +67,7 @@ class Attempt:
             a.route.n_prompt_tokens, a.max_output_tokens, prefill_done=self.ttft_s is not None
         )
         now_s = time.monotonic()
-        if worker_fault:
+        if outcome is Outcome.WORKER_FAILED:
             self.worker.breaker.on_failure(now_s)
         else:
             self.worker.breaker.on_abandon()
@@ -74,7 +77,7 @@ class Attempt:
                 request=a.route,
                 worker=self.worker.worker_id,
                 ttft_s=self.ttft_s,
-                outcome=Outcome.WORKER_FAILED if worker_fault else Outcome.ABORTED,
+                outcome=outcome,
             ),
             now_s,
         )
@@ -145,6 +148,7 @@ def record_request(
     )
     fields = {
         "request_id": a.request_id,
+        "client_request_id": a.client_request_id,
         "tenant": a.tenant.name,
         "model": a.model,
         "endpoint": a.endpoint,

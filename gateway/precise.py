@@ -11,7 +11,7 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 
-from gateway.state import GatewayState
+from gateway.state import GatewayState, base_model
 from policies.base import RoutingPolicy
 from prompt_normalizer.normalizer import Normalizer
 from prompt_normalizer.types import BlockKey, KeyIdentity
@@ -51,6 +51,6 @@ def install_token_hasher(state: GatewayState, policy: RoutingPolicy) -> bool:
         return False
     if len(pools) > 1:
         log.warning("KV events of several pools are keyed with pool %s's identity", pool.name)
-    identity = state.base_identity(pool, pool.config.models[0])
+    identity = state.base_identity(pool, base_model(pool))
     setter(NormalizerTokenHasher(normalizer, identity))
     return True

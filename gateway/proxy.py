@@ -17,11 +17,15 @@ import orjson
 from gateway.admission import UPSTREAM_PATHS, Admitted
 from gateway.errors import ApiError, RawResponse, error_response, upstream_error
 from gateway.outcome import Attempt, Usage, record_request, usage_of
+from gateway.registry import DirectAddress
 from gateway.state import GatewayState
 from gateway.streaming import ProxyStream
-from policies.base import WorkerId
+from gateway.upstream import UpstreamConnectError, UpstreamError, UpstreamTimeout, request_bytes
+from policies.base import Outcome, WorkerId
 
 log = logging.getLogger("kvgate.proxy")
+
+UPSTREAM_PATHS_B = {endpoint: path.encode() for endpoint, path in UPSTREAM_PATHS.items()}
 
 
 async def dispatch(a: Admitted, state: GatewayState) -> RawResponse | ProxyStream:
@@ -34,10 +38,10 @@ async def dispatch(a: Admitted, state: GatewayState) -> RawResponse | ProxyStrea
         log.error("dispatch failed", exc_info=exc, extra={"request_id": a.request_id})
         attempt = attempts[-1] if attempts else None
         if attempt is not None:
-            attempt.fail(state, worker_fault=False)
+            attempt.fail(state, Outcome.ABORTED)
         err = ApiError(500, "internal gateway error", "server_error", "internal_error")
         _finish_error(state, a, 500, attempt, len(attempts), err.message)
-        return error_response(err, a.request_id)
+        return error_response(err, a.reply_id)
 
 
 async def _dispatch(a: Admitted, state: GatewayState, attempts: list[Attempt]) -> RawResponse | ProxyStream:
@@ -62,38 +66,47 @@ async def _dispatch(a: Admitted, state: GatewayState, attempts: list[Attempt]) -
         state.policy.on_dispatch(a.route, decision, now_s)
         state.metrics.decision(state.policy_name, decision.reason)
         worker.acquire(a.route.n_prompt_tokens, a.max_output_tokens, now_s)
-        attempt = Attempt(a, worker, decision.reason, now_s)
+        attempt = Attempt(a, worker, decision.reason, now_s, decision)
         attempts.append(attempt)
+        if not a.stream and worker.direct is not None and state.lean is not None:
+            # Non-streamed answer from a plain-HTTP worker: the lean client (gateway/upstream.py).
+            outcome = await _lean(state, a, attempt, worker.direct, n)
+            if isinstance(outcome, ApiError):
+                last = outcome
+                if outcome.status == 504:
+                    break
+                continue
+            return outcome
         try:
             resp = await session.post(
                 worker.url + path, data=a.body_for(decision), headers=headers, timeout=timeout
             )
         except aiohttp.ConnectionTimeoutError:
-            attempt.fail(state, worker_fault=True)
+            attempt.fail(state, Outcome.WORKER_FAILED)
             last = upstream_error(502, f"could not connect to a worker within {timeouts.connect_s:g} s")
             continue
         except TimeoutError:
-            attempt.fail(state, worker_fault=True)
+            attempt.fail(state, Outcome.WORKER_FAILED)
             last = upstream_error(504, f"worker did not answer within {timeouts.read_s:g} s")
             break
         except (aiohttp.ClientError, OSError) as exc:
-            attempt.fail(state, worker_fault=True)
+            attempt.fail(state, Outcome.WORKER_FAILED)
             last = upstream_error(502, f"could not reach a worker ({type(exc).__name__})")
             continue
         except asyncio.CancelledError:
-            attempt.fail(state, worker_fault=False)
+            attempt.fail(state, Outcome.ABORTED)
             _finish_error(state, a, 499, attempt, n, "client disconnected")
             raise
         if resp.status >= 500:
             resp.close()
-            attempt.fail(state, worker_fault=True)
+            attempt.fail(state, Outcome.WORKER_FAILED)
             last = upstream_error(502, f"worker answered {resp.status}")
             continue
         if a.stream and resp.status == 200 and resp.content_type == "text/event-stream":
             return ProxyStream(state, attempt, resp, retries=n)
         return await _whole(state, a, attempt, resp, n)
     _finish_error(state, a, last.status, attempt, len(tried), last.message)
-    return error_response(last, a.request_id)
+    return error_response(last, a.reply_id)
 
 
 async def _whole(
@@ -104,24 +117,89 @@ async def _whole(
         body = await resp.read()
     except TimeoutError:
         resp.close()
-        attempt.fail(state, worker_fault=True)
+        attempt.fail(state, Outcome.WORKER_FAILED)
         err = upstream_error(504, "worker timed out while sending its answer")
         _finish_error(state, a, 504, attempt, retries, err.message)
-        return error_response(err, a.request_id)
+        return error_response(err, a.reply_id)
     except (aiohttp.ClientError, OSError) as exc:
         resp.close()
-        attempt.fail(state, worker_fault=True)
+        attempt.fail(state, Outcome.WORKER_FAILED)
         err = upstream_error(502, f"worker connection failed mid-answer ({type(exc).__name__})")
         _finish_error(state, a, 502, attempt, retries, err.message)
-        return error_response(err, a.request_id)
+        return error_response(err, a.reply_id)
     except asyncio.CancelledError:
         resp.close()
-        attempt.fail(state, worker_fault=False)
+        attempt.fail(state, Outcome.ABORTED)
         _finish_error(state, a, 499, attempt, retries, "client disconnected")
         raise
     resp.release()
+    content_type = resp.headers.get("content-type", "application/json")
+    return _answer(state, a, attempt, resp.status, body, content_type, retries)
+
+
+async def _lean(
+    state: GatewayState, a: Admitted, attempt: Attempt, address: DirectAddress, retries: int
+) -> RawResponse | ApiError:
+    """One non-streamed attempt through the lean client: the response, or the error that ends
+    this attempt (502 and 503 may be retried on another worker; 504 ends the request)."""
+    assert state.lean is not None
+    timeouts = a.pool.config.timeouts
+    head = b"Content-Type: application/json\r\nX-Request-Id: " + a.request_id.encode() + b"\r\n"
+    request = request_bytes(
+        address.host_header, UPSTREAM_PATHS_B[a.endpoint], head, a.body_for(attempt.decision)
+    )
+    try:
+        reply = await state.lean.post(
+            address.host,
+            address.port,
+            request,
+            connect_s=timeouts.connect_s,
+            read_s=timeouts.read_s,
+            total_s=timeouts.total_s,
+        )
+    except UpstreamConnectError as exc:
+        attempt.fail(state, Outcome.WORKER_FAILED)
+        if exc.timed_out:
+            return upstream_error(502, f"could not connect to a worker within {timeouts.connect_s:g} s")
+        return upstream_error(502, f"could not reach a worker ({exc})")
+    except UpstreamTimeout as exc:
+        attempt.fail(state, Outcome.WORKER_FAILED)
+        if not exc.answered:
+            return upstream_error(504, f"worker did not answer within {timeouts.read_s:g} s")
+        err = upstream_error(504, "worker timed out while sending its answer")
+        _finish_error(state, a, 504, attempt, retries, err.message)
+        return error_response(err, a.reply_id)
+    except UpstreamError as exc:
+        attempt.fail(state, Outcome.WORKER_FAILED)
+        if not exc.answered:
+            return upstream_error(502, f"could not reach a worker ({exc})")
+        err = upstream_error(502, f"worker connection failed mid-answer ({exc})")
+        _finish_error(state, a, 502, attempt, retries, err.message)
+        return error_response(err, a.reply_id)
+    except asyncio.CancelledError:
+        attempt.fail(state, Outcome.ABORTED)
+        _finish_error(state, a, 499, attempt, retries, "client disconnected")
+        raise
+    if reply.status >= 500:
+        attempt.fail(state, Outcome.WORKER_FAILED)
+        return upstream_error(502, f"worker answered {reply.status}")
+    return _answer(
+        state, a, attempt, reply.status, reply.body, reply.content_type or "application/json", retries
+    )
+
+
+def _answer(
+    state: GatewayState,
+    a: Admitted,
+    attempt: Attempt,
+    status: int,
+    body: bytes,
+    content_type: str,
+    retries: int,
+) -> RawResponse:
+    """Close the books on a complete answer and pass its bytes through unchanged."""
     usage = Usage()
-    if resp.status == 200:
+    if status == 200:
         try:
             parsed = orjson.loads(body)
         except orjson.JSONDecodeError:
@@ -129,21 +207,20 @@ async def _whole(
         usage = usage_of(parsed.get("usage") if isinstance(parsed, dict) else None)
         attempt.complete(state, usage)
     else:
-        # A 4xx is about the request, not the worker's health.
-        attempt.fail(state, worker_fault=False)
+        # A 4xx is about the request, not the worker's health; the worker computed nothing.
+        attempt.fail(state, Outcome.REJECTED if status < 500 else Outcome.WORKER_FAILED)
     record_request(
         state,
         a,
-        status=resp.status,
+        status=status,
         worker=attempt.worker,
         reason=attempt.reason,
         usage=usage,
         ttft_s=None,
         retries=retries,
     )
-    content_type = resp.headers.get("content-type", "application/json")
-    headers = [(b"content-type", content_type.encode()), (b"x-request-id", a.request_id.encode())]
-    return RawResponse(resp.status, body, headers)
+    headers = [(b"content-type", content_type.encode()), (b"x-request-id", a.reply_id.encode())]
+    return RawResponse(status, body, headers)
 
 
 def _finish_error(

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Iterable
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -23,6 +24,27 @@ from policies.base import WorkerId, WorkerView
 log = logging.getLogger("kvgate.registry")
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class DirectAddress:
+    """Where the lean upstream client connects for a plain-HTTP worker (`gateway.upstream`)."""
+
+    host: str
+    port: int
+    host_header: bytes
+
+
+def direct_address(url: str) -> DirectAddress | None:
+    """The address of an `http://` worker URL without a path; None for anything else (https)."""
+    parts = urlsplit(url)
+    if parts.scheme != "http" or parts.hostname is None or parts.path not in ("", "/"):
+        return None
+    try:
+        port = parts.port or 80
+    except ValueError:
+        return None
+    return DirectAddress(parts.hostname, port, parts.netloc.encode("idna"))
+
+
 class Worker:
     """One upstream worker. Invariants: counters never go below zero; `healthy` is the active
     check's verdict, `breaker` the passive one; a worker is routable only when both agree."""
@@ -32,6 +54,7 @@ class Worker:
         "_oks",
         "breaker",
         "decode_tokens",
+        "direct",
         "healthy",
         "in_flight",
         "max_in_flight",
@@ -45,6 +68,7 @@ class Worker:
     def __init__(self, url: str, config: PoolConfig) -> None:
         self.url = url
         self.worker_id = WorkerId(url)
+        self.direct = direct_address(url)
         self.healthy = False  # unknown until the first check answers
         self.breaker = CircuitBreaker(config.breaker)
         self.max_in_flight = config.max_in_flight_per_worker

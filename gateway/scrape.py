@@ -132,16 +132,19 @@ def parse_samples(text: str, wanted: frozenset[str] = _WANTED) -> Iterable[Sampl
             value = float(rest[0])
         except ValueError:
             continue
-        if math.isnan(value):
+        if not math.isfinite(value) or value < 0:
+            # Every family read here is a count, a capacity or a fraction: a negative or
+            # non-finite value (`+Inf`, `1e400`) is a broken exporter, not a number to route on.
             continue
         yield Sample(name, labels, value)
 
 
 def _label_int(labels: Mapping[str, str], key: str) -> int | None:
     try:
-        return int(labels[key])
+        value = int(labels[key])
     except (KeyError, ValueError):
         return None  # vLLM writes "None" before the KV cache is profiled
+    return value if value >= 0 else None
 
 
 def parse_metrics(text: str) -> WorkerMetrics:
@@ -160,6 +163,8 @@ def parse_metrics(text: str) -> WorkerMetrics:
         if not samples:
             continue
         total = max(s.value for s in samples) if fld in _MAX_FIELDS else sum(s.value for s in samples)
+        if not math.isfinite(total):
+            continue  # finite samples can still sum to infinity
         values[fld] = int(total) if fld in _INT_FIELDS else total
     blocks: int | None = None
     block_size: int | None = None
@@ -324,11 +329,10 @@ class MetricsScraper:
             try:
                 metrics = await self.scrape_once(state.base_url)
             except (aiohttp.ClientError, TimeoutError, ScrapeError) as exc:
-                state.failures += 1
-                state.consecutive_failures += 1
-                state.last_error = str(exc) or type(exc).__name__
-                if state.consecutive_failures == 1:
-                    log.warning("scrape of %s failed: %s", worker, state.last_error)
+                self._failed(worker, state, str(exc) or type(exc).__name__)
+            except Exception as exc:
+                # A parser bug or an unexpected page must not end this worker's scraping for good.
+                self._failed(worker, state, f"unexpected {type(exc).__name__}: {exc}")
             else:
                 state.last = ScrapeResult(metrics, self._clock())
                 state.consecutive_failures = 0
@@ -340,6 +344,14 @@ class MetricsScraper:
                         log.exception("scrape update handler failed for %s", worker)
             elapsed = self._clock() - started
             await asyncio.sleep(max(0.0, self._config.interval_s - elapsed))
+
+    @staticmethod
+    def _failed(worker: WorkerId, state: ScrapeState, error: str) -> None:
+        state.failures += 1
+        state.consecutive_failures += 1
+        state.last_error = error
+        if state.consecutive_failures == 1:
+            log.warning("scrape of %s failed: %s", worker, error)
 
 
 class ScrapeError(RuntimeError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import time
@@ -19,11 +20,13 @@ from gateway.metrics import GatewayMetrics
 from gateway.quotas import TenantLimiter
 from gateway.registry import Pool, Registry
 from gateway.tracing import RequestTracer
+from gateway.upstream import UpstreamPool
 from policies.base import Isolation, RoutingPolicy
 from prompt_normalizer.normalizer import Normalizer, NormalizerConfig
 from prompt_normalizer.types import PUBLIC_NAMESPACE, KeyIdentity
 
 if TYPE_CHECKING:
+    from gateway.fleet import Fleet
     from gateway.policy_watch import LoadedPolicy
     from gateway.streaming import ProxyStream
 
@@ -44,6 +47,9 @@ class GatewayState:
     tracer: RequestTracer | None = None
     created_s: int = 0
     session: aiohttp.ClientSession | None = None
+    # Non-streamed POSTs to plain-HTTP workers (gateway/upstream.py); None: aiohttp for everything.
+    lean: UpstreamPool | None = None
+    fleet: Fleet | None = None  # discovery, scraping and KV events, while the lifespan runs
     draining: bool = False
     ready: bool = False
     active_streams: set[ProxyStream] = field(default_factory=set)
@@ -63,42 +69,62 @@ class GatewayState:
         return getattr(self.policy, "name", type(self.policy).__name__)
 
     _identities: dict[tuple[str, str], tuple[KeyIdentity, KeyIdentity | None]] = field(default_factory=dict)
+    _executor: concurrent.futures.ThreadPoolExecutor | None = None
 
     def normalizer(self, pool: Pool) -> Normalizer:
         return self.normalizers[pool.name]
 
     def identities(self, pool: Pool, model: str, tenant: Tenant) -> tuple[KeyIdentity, KeyIdentity | None]:
-        """The key identity of a (model, tenant) and, for shared_public tenants, the public one."""
+        """The key identity of a (model, tenant) and, unless the tenant is strict, its public twin.
+
+        Every tenant's own keys live in its own namespace, because its worker KV is salted with
+        its own salt (see `Admitted.body_for`); only a promoted public prefix is looked up under
+        the public identity.
+        """
         cached = self._identities.get((model, tenant.name))
         if cached is not None:
             return cached
-        base = self.base_identity(pool, model)
-        namespace = PUBLIC_NAMESPACE if tenant.isolation is Isolation.PUBLIC else tenant.namespace
-        own = dataclasses.replace(base, namespace=namespace)
-        public = base if tenant.isolation is Isolation.SHARED_PUBLIC else None
+        own = dataclasses.replace(self.base_identity(pool, model), namespace=tenant.namespace)
+        public = public_identity(own) if tenant.isolation is not Isolation.STRICT else None
         self._identities[(model, tenant.name)] = (own, public)
         return own, public
 
     def base_identity(self, pool: Pool, model: str) -> KeyIdentity:
-        """The pool's identity for `model` in the public namespace."""
+        """The pool's identity for `model` (its LoRA adapter, if the model id names one), in the
+        public namespace. Every field of the pool's `identity` section is bound into the keys."""
         ident = pool.config.identity
         normalizer = self.normalizers[pool.name]
-        base = KeyIdentity(
-            model_id=model,
+        adapter = pool.config.adapters.get(model, "")
+        return KeyIdentity(
+            # An adapter's requests run on the base model's weights: key them as (base, adapter),
+            # which is also what a KV event's `lora_name` resolves to.
+            model_id=base_model(pool) if adapter else model,
             weights_version=ident.weights_version,
             tokenizer_version=ident.tokenizer_version or (normalizer.render_fingerprint or ""),
             template_version=ident.template_version,
+            adapter=adapter,
             block_size_tokens=pool.config.block_size_tokens,
             kv_dtype=ident.kv_dtype,
+            namespace=PUBLIC_NAMESPACE,
             epoch=ident.epoch,
         )
-        return base
 
     def set_policy(self, policy: RoutingPolicy, normalizer: NormalizerConfig) -> None:
         """Swap in a reloaded policy and rebuild the normalizers that follow the policy file."""
         self.policy = policy
         self.normalizers = build_normalizers(self.config, normalizer, self.secret, self.normalizers)
         self._identities.clear()
+
+    def normalizer_executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        """One thread for tokenizer-mode canonicalization (made on first use, shut at lifespan end)."""
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvgate-normalizer")
+        return self._executor
+
+    def close_executor(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
 
     def limiter(self, tenant: Tenant) -> TenantLimiter:
         return self.limiters[tenant.name]
@@ -107,6 +133,17 @@ class GatewayState:
         if self.session is None:
             raise RuntimeError("upstream session used outside the app lifespan")
         return self.session
+
+
+def base_model(pool: Pool) -> str:
+    """The pool's first model id that is not a LoRA adapter."""
+    adapters = pool.config.adapters
+    return next((m for m in pool.config.models if m not in adapters), pool.config.models[0])
+
+
+def public_identity(identity: KeyIdentity) -> KeyIdentity:
+    """The one place a public identity is made: the same identity, in the public namespace."""
+    return dataclasses.replace(identity, namespace=PUBLIC_NAMESPACE)
 
 
 def build_normalizers(

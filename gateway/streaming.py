@@ -17,6 +17,7 @@ from starlette.types import Message, Receive, Scope, Send
 from gateway.outcome import Attempt, record_request, usage_of
 from gateway.sse import DONE_EVENT, SseRelay, error_event
 from gateway.state import GatewayState
+from policies.base import Outcome
 
 log = logging.getLogger("kvgate.streaming")
 
@@ -81,7 +82,7 @@ class ProxyStream:
                         (b"content-type", b"text/event-stream; charset=utf-8"),
                         (b"cache-control", b"no-cache"),
                         (b"x-accel-buffering", b"no"),
-                        (b"x-request-id", a.request_id.encode()),
+                        (b"x-request-id", a.reply_id.encode()),
                     ],
                 }
             )
@@ -127,14 +128,16 @@ class ProxyStream:
                 self._upstream.close()
             usage = usage_of(relay.usage)
             if self._client_gone or status == 499:
-                attempt.fail(self._state, worker_fault=False)
+                attempt.fail(self._state, Outcome.ABORTED)
                 status = 499
                 error = "client disconnected"
             elif status == 500:
-                attempt.fail(self._state, worker_fault=False)
+                attempt.fail(self._state, Outcome.ABORTED)
                 error = "internal_error"
             elif failure is not None:
-                attempt.fail(self._state, worker_fault=self._abort_reason is None)
+                attempt.fail(
+                    self._state, Outcome.WORKER_FAILED if self._abort_reason is None else Outcome.ABORTED
+                )
                 status = 502 if self._abort_reason is None else 503
                 error = failure[1]
             else:

@@ -7,8 +7,8 @@ everything by PID. Then write `report.md`, `results.json` and PNG plots into `--
 
 Router names: `kvgate:<policy>` (any registered policy), `sglang-router[:policy]`,
 `vllm-router[:policy]`, `litellm[:routing_strategy]`. A peer that is not installed is reported as
-missing (see `loadtest/peers/install.sh`); kvgate is reported unavailable when this checkout has
-no gateway server. Ratios in the report are against the first router that ran (the baseline).
+missing (see `loadtest/peers/install.sh`). Ratios in the report are against the first router that
+ran (the baseline).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import aiohttp
 import orjson
 
 from loadtest.peers.emulators import EmulatorPool, EmulatorSettings, free_port
-from loadtest.peers.kvgate import bench_api_key, build_kvgate_command, kvgate_available
+from loadtest.peers.kvgate import bench_api_key, build_kvgate_command
 from loadtest.peers.launch import (
     LITELLM_MASTER_KEY,
     PEERS,
@@ -41,7 +41,6 @@ from loadtest.traces.http_replay import HttpResult, ReplayConfig, replay
 from loadtest.traces.load import load_trace
 from loadtest.traces.mooncake import TraceFormatError
 from loadtest.workloads.ceilings import ceiling_infinite, ceiling_pooled_lru
-from loadtest.workloads.chains import request_chain
 from loadtest.workloads.records import ChatPrompt, TextPrompt, WorkloadRequest, scale_arrivals
 from loadtest.workloads.registry import WORKLOADS, make_workload
 from loadtest.workloads.text import synth_text
@@ -124,8 +123,6 @@ def _router_command(
     name, _, policy = spec.partition(":")
     port = free_port()
     if name == "kvgate":
-        if not kvgate_available():
-            raise LookupError("this checkout has no gateway server (gateway.serve)")
         return build_kvgate_command(
             policy=policy or "round_robin",
             port=port,
@@ -222,8 +219,6 @@ def run_router(spec: str, reqs: list[WorkloadRequest], args: argparse.Namespace,
             cmd = _router_command(spec, args, pool.urls, sorted({r.tenant for r in reqs}), workdir)
         except PeerMissing as exc:
             return RouterRun(spec, "missing", str(exc))
-        except LookupError as exc:
-            return RouterRun(spec, "unavailable", str(exc))
         except ValueError as exc:
             return RouterRun(spec, "failed", str(exc))
         try:
@@ -258,9 +253,10 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-    from loadtest.simulator.cli import emulator_chat_bytes
+    from loadtest.simulator.keys import KeyPath
 
-    chains = [request_chain(r, r.tenant, 16, chat_renderer=emulator_chat_bytes) for r in reqs]
+    keys = KeyPath(model=args.model)  # strict tenants, as kvgate runs them here
+    chains = [keys.keyed(r).chain() for r in reqs]
     kv_blocks = args.kv_blocks or DEFAULT_KV_BLOCKS
     ceilings = {
         "infinite": ceiling_infinite(chains).hit_ratio,

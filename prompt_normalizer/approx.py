@@ -20,10 +20,12 @@ APPROX_UNIT = "approx-u32-v1"
 
 
 def _message_text(msg: dict[str, Any]) -> str:
+    content = msg.get("content")
+    if len(msg) == 2 and isinstance(content, str):  # the common case: role and text only
+        return f"<|{msg['role']}|>{content}<|end|>\n"
     parts = [f"<|{msg['role']}|>"]
     for name in sorted(k for k in msg if k not in ("role", "content")):
         parts.append(f"<|{name}|>{orjson.dumps(msg[name], option=orjson.OPT_SORT_KEYS).decode()}")
-    content = msg.get("content")
     if isinstance(content, str):
         parts.append(content)
     elif isinstance(content, list):
@@ -36,37 +38,40 @@ def _message_text(msg: dict[str, Any]) -> str:
 def approx_chat(chat: CanonicalChat, chars_per_token: int) -> tuple[Hashed, Boundaries]:
     """Canonical text of a chat request, and its zone boundaries in approximate tokens."""
     pieces: list[str] = []
+    append = pieces.append
     offset = 0
-    starts: dict[int, int] = {}
-
-    def put(text: str) -> None:
-        nonlocal offset
-        pieces.append(text)
-        offset += len(text)
-
+    # Message start offsets are needed only to place media digests.
+    starts: dict[int, int] | None = {} if chat.media else None
+    messages = chat.messages
     if chat.template:
-        put(f"<|template|>{orjson.dumps(chat.template, option=orjson.OPT_SORT_KEYS).decode()}\n")
+        append(f"<|template|>{orjson.dumps(chat.template, option=orjson.OPT_SORT_KEYS).decode()}\n")
+        offset += len(pieces[-1])
     for i in range(chat.n_immutable):
-        starts[i] = offset
-        put(_message_text(chat.messages[i]))
+        if starts is not None:
+            starts[i] = offset
+        append(_message_text(messages[i]))
+        offset += len(pieces[-1])
     before_tools = offset
     if chat.tools:
         # Tool key order is whatever canonicalization left (sorted when canonical_json is on).
-        put(f"<|tools|>{orjson.dumps(list(chat.tools)).decode()}\n")
+        append(f"<|tools|>{orjson.dumps(list(chat.tools)).decode()}\n")
+        offset += len(pieces[-1])
     immutable_end = offset if chat.tools_immutable else before_tools
     stable_end = None
-    for i in range(chat.n_immutable, len(chat.messages)):
+    for i in range(chat.n_immutable, len(messages)):
         if i == chat.volatile_index:
             stable_end = offset
-        starts[i] = offset
-        put(_message_text(chat.messages[i]))
+        if starts is not None:
+            starts[i] = offset
+        append(_message_text(messages[i]))
+        offset += len(pieces[-1])
     if stable_end is None:
         stable_end = offset
     if chat.add_generation_prompt and not chat.continue_final_message:
-        put("<|assistant|>")
+        append("<|assistant|>")
     text = "".join(pieces)
     c = chars_per_token
-    media = {m.message_index: starts[m.message_index] // c for m in chat.media}
+    media = {m.message_index: starts[m.message_index] // c for m in chat.media} if starts is not None else {}
     hashed = Hashed(text.encode("utf-32-le"), 4 * c, len(text) // c)
     return hashed, Boundaries(immutable_end // c, stable_end // c, media)
 

@@ -25,11 +25,12 @@ from prompt_normalizer.switches import (
     sort_keys,
 )
 from prompt_normalizer.types import Zone
-from prompt_normalizer.volatile import apply_rule, text_slots
+from prompt_normalizer.volatile import apply_rules, text_slots
 
 # Request fields that reach the chat template (besides messages and tools); the others (sampling,
 # response_format, tool_choice, ...) are enforced at decoding and never enter the prompt.
 TEMPLATE_FIELDS = ("chat_template", "chat_template_kwargs", "documents")
+_TEMPLATE_FIELD_SET = frozenset(TEMPLATE_FIELDS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,42 +68,123 @@ class CanonicalChat:
     tools_immutable: bool
     volatile_index: int | None
     media: tuple[MediaItem, ...]
-    items: tuple[FieldItem, ...]
     diagnostics: tuple[str, ...]
     body: dict[str, Any] | None
+    # Chat prompts: the template writes the special tokens (vLLM's default add_special_tokens=False).
+    add_special_tokens: bool = False
 
 
-def _validate_messages(raw: Any) -> list[dict[str, Any]]:
+@dataclass(slots=True)
+class _Copied:
+    """A private JSON copy, the size of its serialization, and whether every string in it is ASCII
+    (then NFC cannot change it: the serialization is ASCII exactly when all its strings are).
+    For messages also: whether any has content parts, and any has tool calls or is a tool result
+    (the only messages canonical JSON can touch)."""
+
+    value: Any
+    n_bytes: int
+    ascii: bool
+    has_parts: bool = False
+    structured: bool = False
+
+
+def _copy(value: Any, param: str) -> _Copied:
+    try:
+        raw = orjson.dumps(value)
+    except (TypeError, orjson.JSONEncodeError):
+        raise NormalizerError("must be JSON (string keys, finite numbers)", param=param) from None
+    return _Copied(orjson.loads(raw), len(raw), raw.isascii())
+
+
+def _validate_messages(raw: Any) -> _Copied:
     if not isinstance(raw, list) or not raw:
         raise NormalizerError("'messages' must be a non-empty array", param="messages")
-    messages: list[dict[str, Any]] = json_copy(raw, "messages")
+    copied = _copy(raw, "messages")
+    messages: list[dict[str, Any]] = copied.value
     for i, msg in enumerate(messages):
-        where = f"messages[{i}]"
+        # Paths are formatted only on the error paths: this loop runs for every request.
         if not isinstance(msg, dict):
-            raise NormalizerError("each message must be an object", param=where)
+            raise NormalizerError("each message must be an object", param=f"messages[{i}]")
         role = msg.get("role")
         if not isinstance(role, str) or not role:
-            raise NormalizerError("message 'role' must be a non-empty string", param=f"{where}.role")
+            raise NormalizerError("message 'role' must be a non-empty string", param=f"messages[{i}].role")
+        if role == "tool":
+            copied.structured = True
+        if "tool_calls" in msg:
+            _validate_tool_calls(msg, f"messages[{i}]")
+            copied.structured = True
         content = msg.get("content")
         if content is None or isinstance(content, str):
             continue
+        where = f"messages[{i}]"
         if not isinstance(content, list):
             raise NormalizerError("content must be a string or an array of parts", param=f"{where}.content")
+        copied.has_parts = True
         for j, part in enumerate(content):
             ptype = part.get("type") if isinstance(part, dict) else None
             if not isinstance(ptype, str):
                 raise NormalizerError("each content part needs a 'type'", param=f"{where}.content[{j}]")
             if ptype == "text" and not isinstance(part.get("text"), str):
                 raise NormalizerError("text part needs a string 'text'", param=f"{where}.content[{j}].text")
-    return messages
+    return copied
 
 
-def _validate_tools(raw: Any) -> list[dict[str, Any]] | None:
+def _validate_tool_calls(msg: dict[str, Any], where: str) -> None:
+    calls = msg.get("tool_calls")
+    if calls is None:
+        return
+    if not isinstance(calls, list):
+        raise NormalizerError("'tool_calls' must be an array of tool calls", param=f"{where}.tool_calls")
+    for j, call in enumerate(calls):
+        path = f"{where}.tool_calls[{j}]"
+        if not isinstance(call, dict):
+            raise NormalizerError("each tool call must be an object", param=path)
+        fn = call.get("function")
+        if call.get("type", "function") == "function" or fn is not None:
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise NormalizerError("function tool call needs 'function.name'", param=f"{path}.function")
+            args = fn.get("arguments")
+            if args is not None and not isinstance(args, (str, dict)):
+                raise NormalizerError(
+                    "'arguments' must be a JSON string or an object", param=f"{path}.function.arguments"
+                )
+
+
+def _validate_template_fields(body: Mapping[str, Any]) -> None:
+    template = body.get("chat_template")
+    if template is not None and not isinstance(template, str):
+        raise NormalizerError("'chat_template' must be a string", param="chat_template")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise NormalizerError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    documents = body.get("documents")
+    if documents is not None:
+        if not isinstance(documents, list):
+            raise NormalizerError("'documents' must be an array of objects", param="documents")
+        for i, doc in enumerate(documents):
+            if not isinstance(doc, dict):
+                raise NormalizerError("each document must be an object", param=f"documents[{i}]")
+
+
+def request_flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
+    """A boolean request field (absent or null: the default); any other type is a NormalizerError."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise NormalizerError(f"'{name}' must be a boolean", param=name)
+    return value
+
+
+def _validate_tools(raw: Any) -> _Copied | None:
     if raw is None:
         return None
     if not isinstance(raw, list):
         raise NormalizerError("'tools' must be an array", param="tools")
-    tools: list[dict[str, Any]] = json_copy(raw, "tools")
+    if not raw:
+        return None
+    copied = _copy(raw, "tools")
+    tools: list[dict[str, Any]] = copied.value
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict):
             raise NormalizerError("each tool must be an object", param=f"tools[{i}]")
@@ -111,7 +193,7 @@ def _validate_tools(raw: Any) -> list[dict[str, Any]] | None:
             isinstance(fn, dict) and isinstance(fn.get("name"), str)
         ):
             raise NormalizerError("function tool needs 'function.name'", param=f"tools[{i}].function")
-    return tools or None
+    return copied
 
 
 def _tool_name(tool: dict[str, Any]) -> str:
@@ -147,59 +229,60 @@ def _media(messages: list[dict[str, Any]], key: bytes) -> list[MediaItem]:
     return items
 
 
-def _items(
-    chat_msgs: list[dict[str, Any]],
-    tools: list[dict[str, Any]] | None,
-    template: dict[str, Any],
-    n_imm: int,
-    volatile_index: int | None,
-    tools_zone: Zone,
-    key: bytes,
-) -> list[FieldItem]:
+def field_items(chat: CanonicalChat, key: bytes) -> tuple[FieldItem, ...]:
+    """Every request field of `chat` in model-input order, as keyed digests (drift diagnostics only,
+    so computed only for requests that have a session)."""
+
     def digest(value: Any) -> bytes:
         # Key order counts: with canonical_json off it reaches the model input.
         return keyed_digest(key, orjson.dumps(value))
 
-    items = [FieldItem("template", Zone.IMMUTABLE, digest(template))]
+    msgs, n_imm, volatile_index = chat.messages, chat.n_immutable, chat.volatile_index
+    tools_zone = Zone.IMMUTABLE if chat.tools_immutable else Zone.APPEND_ONLY
+    items = [FieldItem("template", Zone.IMMUTABLE, digest(chat.template))]
 
     def add_message(i: int) -> None:
         zone = Zone.IMMUTABLE if i < n_imm else Zone.VOLATILE if i == volatile_index else Zone.APPEND_ONLY
-        for name in ("role", *sorted(k for k in chat_msgs[i] if k != "role")):
-            items.append(FieldItem(f"messages[{i}].{name}", zone, digest(chat_msgs[i][name])))
+        for name in ("role", *sorted(k for k in msgs[i] if k != "role")):
+            items.append(FieldItem(f"messages[{i}].{name}", zone, digest(msgs[i][name])))
 
     for i in range(n_imm):
         add_message(i)
-    for j, tool in enumerate(tools or ()):
+    for j, tool in enumerate(chat.tools or ()):
         items.append(FieldItem(f"tools[{j}]", tools_zone, digest(tool)))
-    for i in range(n_imm, len(chat_msgs)):
+    for i in range(n_imm, len(msgs)):
         add_message(i)
-    return items
+    return tuple(items)
 
 
 def canonicalize_chat(body: Mapping[str, Any], config: NormalizerConfig, key: bytes) -> CanonicalChat:
     """Validate and canonicalize a chat request; raises NormalizerError on bad input."""
-    messages = _validate_messages(body.get("messages"))
-    tools = _validate_tools(body.get("tools"))
-    size = len(orjson.dumps(messages)) + (len(orjson.dumps(tools)) if tools else 0)
+    copied_messages = _validate_messages(body.get("messages"))
+    copied_tools = _validate_tools(body.get("tools"))
+    messages: list[dict[str, Any]] = copied_messages.value
+    tools: list[dict[str, Any]] | None = copied_tools.value if copied_tools is not None else None
+    size = copied_messages.n_bytes + (copied_tools.n_bytes if copied_tools is not None else 0)
     if size > config.max_input_chars:
         raise NormalizerError(
             "prompt is larger than this pool accepts", param="messages", code="input_too_large"
         )
     template: dict[str, Any] = {}
-    for name in TEMPLATE_FIELDS:
-        if body.get(name) is not None:
-            template[name] = json_copy(body[name], name)
-    if "chat_template_kwargs" in template and not isinstance(template["chat_template_kwargs"], dict):
-        raise NormalizerError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
-    add_generation_prompt = bool(body.get("add_generation_prompt", True))
-    continue_final_message = bool(body.get("continue_final_message", False))
+    if not _TEMPLATE_FIELD_SET.isdisjoint(body):
+        _validate_template_fields(body)
+        for name in TEMPLATE_FIELDS:
+            if body.get(name) is not None:
+                template[name] = json_copy(body[name], name)
+    add_generation_prompt = request_flag(body, "add_generation_prompt", True)
+    continue_final_message = request_flag(body, "continue_final_message", False)
+    add_special_tokens = request_flag(body, "add_special_tokens", False)
     report = Report()
 
-    if config.unicode_nfc:
+    if config.unicode_nfc and not copied_messages.ascii:
         for i, msg in enumerate(messages):
             messages[i], changed = nfc(msg)
             if changed:
                 report.add(f"unicode_nfc: changed messages[{i}]")
+    if config.unicode_nfc and copied_tools is not None and not copied_tools.ascii:
         for j, tool in enumerate(tools or ()):
             tools[j], changed = nfc(tool)  # type: ignore[index]
             if changed:
@@ -216,8 +299,10 @@ def canonicalize_chat(body: Mapping[str, Any], config: NormalizerConfig, key: by
             tools[j], changed = sort_keys(tool)  # type: ignore[index]
             if changed:
                 report.add(f"canonical_json: reordered keys of tools[{j}]")
-        for i, msg in enumerate(messages):
-            _canonical_structured(msg, i, report)
+        if copied_messages.structured:
+            for i, msg in enumerate(messages):
+                if "tool_calls" in msg or msg["role"] == "tool":
+                    _canonical_structured(msg, i, report)
     if tools and config.tool_order == "sort":
         ordered = sorted(tools, key=lambda t: (_tool_name(t), orjson.dumps(t, option=orjson.OPT_SORT_KEYS)))
         if ordered != tools:
@@ -225,14 +310,13 @@ def canonicalize_chat(body: Mapping[str, Any], config: NormalizerConfig, key: by
             report.add(f"tool_order: sorted {len(tools)} tools by name")
 
     moved: list[str] = []
-    for rule in config.volatile_rules:
-        apply_rule(rule, messages, moved, report)
+    if config.volatile_rules:
+        apply_rules(config.volatile_rules, messages, moved, report)
     n_imm = _n_immutable(messages, config)
     volatile_index = None
     if moved:
         volatile_index = len(messages)
         messages.append({"role": config.volatile_role, "content": "\n".join(moved)})
-    tools_zone = Zone.IMMUTABLE if config.zones.tools_immutable else Zone.APPEND_ONLY
     canonical_body = None
     if report.changed:
         canonical_body = dict(body)
@@ -248,10 +332,10 @@ def canonicalize_chat(body: Mapping[str, Any], config: NormalizerConfig, key: by
         n_immutable=n_imm,
         tools_immutable=config.zones.tools_immutable,
         volatile_index=volatile_index,
-        media=tuple(_media(messages, key)),
-        items=tuple(_items(messages, tools, template, n_imm, volatile_index, tools_zone, key)),
+        media=tuple(_media(messages, key)) if copied_messages.has_parts else (),
         diagnostics=report.done(),
         body=canonical_body,
+        add_special_tokens=add_special_tokens,
     )
 
 

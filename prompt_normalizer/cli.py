@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from prompt_normalizer.config import NormalizerConfig
 from prompt_normalizer.errors import NormalizerError
-from prompt_normalizer.keys import keyed_digest, secret_key
+from prompt_normalizer.keys import keyed_digest, public_identity_of, secret_key
 from prompt_normalizer.normalizer import Normalizer
 from prompt_normalizer.render import parse_render_token_ids
 from prompt_normalizer.types import PUBLIC_NAMESPACE, CanonicalPrompt, KeyIdentity
@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         namespace=args.tenant,
         epoch=args.epoch,
     )
-    public = dataclasses.replace(identity, namespace=PUBLIC_NAMESPACE) if args.public else None
+    public = public_identity_of(identity) if args.public else None
     try:
         norm = Normalizer(config, secret)
         prompt = _canonicalize(norm, endpoint, body, identity, public, args.render_url)

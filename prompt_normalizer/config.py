@@ -19,12 +19,14 @@ docs/normalizer.md is the reference for every field.
 from __future__ import annotations
 
 import re
+from datetime import datetime
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 ALL_ROLES: tuple[Role, ...] = ("system", "developer", "user", "assistant", "tool", "function")
+TEMPLATE_TIME_DEFAULT = datetime(2025, 1, 1)
 
 
 class VolatileRule(BaseModel):
@@ -103,6 +105,9 @@ class NormalizerConfig(BaseModel):
     chat_template_file: str | None = None
     content_format: Literal["auto", "string", "openai"] = "auto"
     completions_add_special_tokens: bool = True
+    # What a template's `strftime_now(...)` prints. Fixed, so keys never depend on the wall clock;
+    # a request can still carry its own date through `chat_template_kwargs` (e.g. `date_string`).
+    template_time: datetime = TEMPLATE_TIME_DEFAULT
 
     canonical_json: bool = True
     tool_order: Literal["preserve", "sort"] = "preserve"

@@ -9,6 +9,7 @@ count and a total number of stored keys (least recently seen sessions go first).
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -40,13 +41,15 @@ def _zone_at(zones: tuple[ZoneSpan, ...], token: int) -> Zone | None:
 
 
 class DriftTracker:
-    """Bounded per-session memory of the last request, keyed by a keyed session digest."""
+    """Bounded per-session memory of the last request, keyed by a keyed session digest
+    (thread-safe: one request's compare-and-replace is atomic)."""
 
     def __init__(self, max_sessions: int, max_blocks: int) -> None:
         self._max_sessions = max_sessions
         self._max_blocks = max_blocks
         self._records: OrderedDict[bytes, _Record] = OrderedDict()
         self._blocks = 0
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._records)
@@ -66,10 +69,11 @@ class DriftTracker:
     ) -> DriftReport:
         """Compare with the session's previous request, then remember this one."""
         arr = np.fromiter(keys, dtype=np.uint64, count=len(keys))
-        prev = self._records.pop(session, None)
-        if prev is not None:
-            self._blocks -= len(prev.keys)
-        self._store(session, _Record(arr, stable_end_token // block_size, items))
+        with self._lock:
+            prev = self._records.pop(session, None)
+            if prev is not None:
+                self._blocks -= len(prev.keys)
+            self._store(session, _Record(arr, stable_end_token // block_size, items))
         if prev is None:
             return DriftReport(session_seen=False, first_diff_block=None, shared_blocks=0, previous_blocks=0)
         shared = _shared_prefix(prev.keys, arr)

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -29,7 +31,7 @@ import xxhash
 from typing_extensions import Buffer
 
 from prompt_normalizer.errors import NormalizerError
-from prompt_normalizer.types import BlockKey, KeyIdentity
+from prompt_normalizer.types import PUBLIC_NAMESPACE, BlockKey, KeyIdentity
 
 TOKEN_UNIT = "tok-u32le-v1"
 TOKEN_DTYPE = np.dtype("<u4")
@@ -50,6 +52,15 @@ def identity_bytes(identity: KeyIdentity) -> bytes:
     """Canonical bytes of every identity field (new fields are bound automatically)."""
     fields = {f.name: getattr(identity, f.name) for f in dataclasses.fields(identity)}
     return orjson.dumps(fields, option=orjson.OPT_SORT_KEYS)
+
+
+def public_identity_of(identity: KeyIdentity) -> KeyIdentity:
+    """The identity of a promoted public prefix: `identity` in every field but the namespace.
+
+    The one place the public identity is derived, so public keys can never bind another model,
+    weights, template, adapter, KV dtype or epoch than the tenant's own keys.
+    """
+    return dataclasses.replace(identity, namespace=PUBLIC_NAMESPACE)
 
 
 def root_key(key: bytes, identity: KeyIdentity, unit: str = TOKEN_UNIT) -> int:
@@ -99,21 +110,68 @@ def chain_keys(
 ) -> tuple[BlockKey, ...]:
     """Keys of the full `block_bytes` blocks of `data`, chained from `seed` (a root or a parent key)."""
     view = byte_view(data)
-    n_blocks = len(view) // block_bytes
+    end = len(view) - len(view) % block_bytes
     digest = xxhash.xxh3_64_intdigest
-    keys: list[BlockKey] = []
+    keys: list[int] = []
+    append = keys.append
     prev = seed
     if extras:
-        for i in range(n_blocks):
-            chunk = view[i * block_bytes : (i + 1) * block_bytes]
+        for i, start in enumerate(range(0, end, block_bytes)):
+            chunk = view[start : start + block_bytes]
             extra = extras.get(i)
             prev = digest(bytes(chunk) + extra if extra else chunk, prev)
-            keys.append(BlockKey(prev))
+            append(prev)
     else:
-        for i in range(n_blocks):
-            prev = digest(view[i * block_bytes : (i + 1) * block_bytes], prev)
-            keys.append(BlockKey(prev))
-    return tuple(keys)
+        # The hot loop of every request: one C call per block, nothing else.
+        for start in range(0, end, block_bytes):
+            prev = digest(view[start : start + block_bytes], prev)
+            append(prev)
+    return cast("tuple[BlockKey, ...]", tuple(keys))
+
+
+class PrefixKeyMemo:
+    """Bounded memory of the chained keys of recently seen leading spans (the immutable zone).
+
+    Most requests repeat a tenant's system prompt and tools, so their leading keys repeat too; one
+    xxh3-128 pass over the span replaces one xxh3 call per block. An entry is found by the seed
+    (a root), the span length and a 128-bit fingerprint keyed from the deployment secret: a
+    wrong hit needs a 128-bit collision, rarer than the 64-bit key collision the prefix index
+    already accepts as "same content". Only keys and fingerprints are kept, never content.
+    LRU-bounded by entries and by keys held in total; safe to share between threads.
+    """
+
+    def __init__(self, key: bytes, max_entries: int = 1024, max_keys: int = 262_144) -> None:
+        self._seed = int.from_bytes(hashlib.blake2b(key, digest_size=8, person=b"kvgate-memo").digest())
+        self._max_entries = max_entries
+        self._max_keys = max_keys
+        self._entries: OrderedDict[tuple[int, int, int], tuple[BlockKey, ...]] = OrderedDict()
+        self._keys = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def fingerprint(self, span: memoryview) -> int:
+        return xxhash.xxh3_128_intdigest(span, self._seed)
+
+    def chain(self, span: memoryview, fingerprint: int, block_bytes: int, seed: int) -> tuple[BlockKey, ...]:
+        """The keys of `span` (whole blocks) chained from `seed`, from memory when seen before."""
+        slot = (seed, len(span), fingerprint)
+        with self._lock:
+            keys = self._entries.get(slot)
+            if keys is not None:
+                self._entries.move_to_end(slot)
+                return keys
+        keys = chain_keys(span, block_bytes, seed)  # outside the lock: the only slow part
+        if len(keys) <= self._max_keys:
+            with self._lock:
+                if slot not in self._entries:
+                    self._entries[slot] = keys
+                    self._keys += len(keys)
+                while len(self._entries) > self._max_entries or self._keys > self._max_keys:
+                    _, old = self._entries.popitem(last=False)
+                    self._keys -= len(old)
+        return keys
 
 
 def token_block_keys(

@@ -9,6 +9,7 @@ never wrong.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -17,8 +18,11 @@ import numpy as np
 import numpy.typing as npt
 
 from prompt_normalizer.canonical import CanonicalChat
-from prompt_normalizer.keys import Bytes, byte_view, chain_keys
+from prompt_normalizer.keys import Bytes, PrefixKeyMemo, byte_view, chain_keys
 from prompt_normalizer.types import BlockKey, CanonicalPrompt, Zone, ZoneSpan
+
+# Below this many immutable blocks, hashing them is as cheap as looking them up.
+MEMO_MIN_BLOCKS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +122,35 @@ class Assembled:
     stable_end_token: int
 
 
+@functools.lru_cache(maxsize=4096)
+def _zone_spans(
+    n: int,
+    imm_end: int,
+    stable: int,
+    volatile: bool,
+    source: str,
+    n_immutable: int,
+    tools_in_immutable: bool,
+    n_messages: int,
+    volatile_index: int | None,
+) -> tuple[ZoneSpan, ...]:
+    """The zone spans (shared, immutable objects: the same few shapes recur request after request)."""
+    if not n_messages:  # a completions prompt: one append-only span
+        return (ZoneSpan(Zone.APPEND_ONLY, source, 0, n),)
+    zones: list[ZoneSpan] = []
+    if imm_end > 0:
+        imm_src = f"messages[0:{n_immutable}]" + ("+tools" if tools_in_immutable else "")
+        zones.append(ZoneSpan(Zone.IMMUTABLE, imm_src, 0, imm_end))
+    last = volatile_index if volatile_index is not None else n_messages
+    end_append = stable if volatile else n
+    first = n_immutable if imm_end > 0 else 0  # an unmeasured immutable zone joins the log
+    if end_append > imm_end:
+        zones.append(ZoneSpan(Zone.APPEND_ONLY, f"messages[{first}:{last}]", imm_end, end_append))
+    if volatile and n > stable:
+        zones.append(ZoneSpan(Zone.VOLATILE, f"messages[{volatile_index}]", stable, n))
+    return tuple(zones)
+
+
 def assemble(
     hashed: Hashed,
     *,
@@ -128,6 +161,7 @@ def assemble(
     chat: CanonicalChat | None,
     source: str,
     diagnostics: list[str],
+    memo: PrefixKeyMemo | None = None,
 ) -> Assembled:
     """Zone spans, chained keys (media folded in), public keys of the leading immutable blocks."""
     n = hashed.n_tokens
@@ -143,40 +177,48 @@ def assemble(
         stable, volatile = n, False
     stable = max(imm_end, min(stable, n))
     extras: dict[int, bytes] = {}
-    if chat is not None:
+    if chat is not None and chat.media:
         for item in chat.media:
             start = boundaries.media_starts.get(item.message_index)
             block = 0 if start is None else min(start, n) // block_size
             extras[block] = extras.get(block, b"") + item.digest
-    zones: list[ZoneSpan] = []
     if chat is None:
-        zones.append(ZoneSpan(Zone.APPEND_ONLY, source, 0, n))
+        zones = _zone_spans(n, 0, n, False, source, 0, False, 0, None)
     else:
-        if imm_end > 0:
-            imm_src = f"messages[0:{chat.n_immutable}]" + (
-                "+tools" if chat.tools and chat.tools_immutable else ""
-            )
-            zones.append(ZoneSpan(Zone.IMMUTABLE, imm_src, 0, imm_end))
-        last = chat.volatile_index if chat.volatile_index is not None else len(chat.messages)
-        end_append = stable if volatile else n
-        first = chat.n_immutable if imm_end > 0 else 0  # an unmeasured immutable zone joins the log
-        if end_append > imm_end:
-            zones.append(ZoneSpan(Zone.APPEND_ONLY, f"messages[{first}:{last}]", imm_end, end_append))
-        if volatile and n > stable:
-            zones.append(ZoneSpan(Zone.VOLATILE, f"messages[{chat.volatile_index}]", stable, n))
+        zones = _zone_spans(
+            n,
+            imm_end,
+            stable,
+            volatile,
+            source,
+            chat.n_immutable,
+            bool(chat.tools) and chat.tools_immutable,
+            len(chat.messages),
+            chat.volatile_index,
+        )
     block_bytes = block_size * hashed.bytes_per_token
     full = n // block_size
     view = byte_view(hashed.data)[: full * block_bytes]
-    keys = chain_keys(view, block_bytes, root, extras)
     public: tuple[BlockKey, ...] = ()
     n_public = imm_end // block_size
-    if public_root is not None and n_public:
-        public = chain_keys(view[: n_public * block_bytes], block_bytes, public_root, extras)
+    if memo is not None and not extras and n_public >= MEMO_MIN_BLOCKS:
+        # The immutable blocks repeat across requests: their keys (and public keys) from memory.
+        head_bytes = n_public * block_bytes
+        head_view = view[:head_bytes]
+        fingerprint = memo.fingerprint(head_view)
+        head = memo.chain(head_view, fingerprint, block_bytes, root)
+        keys = head + chain_keys(view[head_bytes:], block_bytes, head[-1])
+        if public_root is not None:
+            public = memo.chain(head_view, fingerprint, block_bytes, public_root)
+    else:
+        keys = chain_keys(view, block_bytes, root, extras)
+        if public_root is not None and n_public:
+            public = chain_keys(view[: n_public * block_bytes], block_bytes, public_root, extras)
     prompt = CanonicalPrompt(
         n_tokens=n,
         block_size_tokens=block_size,
         block_keys=keys,
-        zones=tuple(zones),
+        zones=zones,
         public_block_keys=public,
         diagnostics=tuple(diagnostics),
         canonical_body=chat.body if chat is not None else None,

@@ -20,14 +20,14 @@ index fed by events and one fed by requests agree.
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import orjson
 
 from prompt_normalizer.approx import APPROX_UNIT, approx_chat, approx_text
-from prompt_normalizer.canonical import CanonicalChat, FieldItem, canonicalize_chat
+from prompt_normalizer.canonical import CanonicalChat, FieldItem, canonicalize_chat, field_items, request_flag
 from prompt_normalizer.completions import CompletionsPrompt
 from prompt_normalizer.config import NormalizerConfig, VolatileRule, ZoneConfig
 from prompt_normalizer.drift import DriftTracker
@@ -36,10 +36,11 @@ from prompt_normalizer.keys import (
     TOKEN_DTYPE,
     TOKEN_UNIT,
     IdentityTokenHasher,
+    PrefixKeyMemo,
     TokenArray,
     as_tokens,
     keyed_digest,
-    root_key,
+    public_identity_of,
     secret_key,
     token_block_keys,
 )
@@ -53,14 +54,38 @@ from prompt_normalizer.layout import (
     boundary_specs,
 )
 from prompt_normalizer.render import CHAT_RENDER_PATH, COMPLETIONS_RENDER_PATH, RenderPlan, render_boundaries
+from prompt_normalizer.roots import IdentityRoots, RootCache
 from prompt_normalizer.switches import json_copy
 from prompt_normalizer.template import ChatTemplateTokenizer
 from prompt_normalizer.types import BlockKey, CanonicalPrompt, KeyIdentity, Zone
 
-__all__ = ["Endpoint", "Normalizer", "NormalizerConfig", "NormalizerError", "VolatileRule", "ZoneConfig"]
+__all__ = [
+    "Endpoint",
+    "Normalizer",
+    "NormalizerConfig",
+    "NormalizerError",
+    "VolatileRule",
+    "ZoneConfig",
+    "public_identity_of",
+]
 
 Endpoint = Literal["chat", "completions"]
-_ROOT_CACHE_MAX = 4096
+
+
+@dataclass(slots=True)
+class _KeyJob:
+    """What the shared tail needs besides the hashed bytes (one record, built once per request;
+    private and never shared, so not frozen: a frozen init costs a microsecond per request)."""
+
+    identity: KeyIdentity
+    roots: IdentityRoots
+    with_public: bool
+    body: Mapping[str, Any]
+    session_key: str | None
+    chat: CanonicalChat | None = None
+    bounds: Boundaries | None = None
+    diagnostics: tuple[str, ...] = ()
+    source: str = "messages"
 
 
 class Normalizer:
@@ -69,12 +94,13 @@ class Normalizer:
     def __init__(self, config: NormalizerConfig, secret: bytes) -> None:
         self._config = config
         self._key = secret_key(secret)
-        self._roots: OrderedDict[tuple[KeyIdentity, str], int] = OrderedDict()
+        self._roots = RootCache(self._key)
+        self._memo = PrefixKeyMemo(self._key)
         self._tokenizer: ChatTemplateTokenizer | None = None
         if config.mode == "tokenizer":
             assert config.tokenizer_dir is not None  # checked by the config
             self._tokenizer = ChatTemplateTokenizer(
-                config.tokenizer_dir, config.chat_template_file, config.content_format
+                config.tokenizer_dir, config.chat_template_file, config.content_format, config.template_time
             )
         self._drift = DriftTracker(config.drift_sessions_max, config.drift_store_max_blocks)
 
@@ -99,14 +125,20 @@ class Normalizer:
 
     def root(self, identity: KeyIdentity, unit: str = TOKEN_UNIT) -> int:
         """The chain root for `identity` (cached, bounded)."""
-        cache_key = (identity, unit)
-        root = self._roots.get(cache_key)
-        if root is None:
-            root = root_key(self._key, identity, unit)
-            self._roots[cache_key] = root
-            if len(self._roots) > _ROOT_CACHE_MAX:
-                self._roots.popitem(last=False)
-        return root
+        return self._roots.root(identity, unit)
+
+    def _job(
+        self,
+        identity: KeyIdentity,
+        public_identity: KeyIdentity | None,
+        body: Mapping[str, Any],
+        session_key: str | None,
+        **parts: Any,
+    ) -> _KeyJob:
+        if identity.block_size_tokens <= 0:
+            raise NormalizerError("block_size_tokens must be positive", code="bad_config")
+        entry = self._roots.entry(identity, public_identity)
+        return _KeyJob(identity, entry, public_identity is not None, body, session_key, **parts)
 
     def keys_for_tokens(
         self, token_ids: Sequence[int] | TokenArray, identity: KeyIdentity, parent: BlockKey | None = None
@@ -146,62 +178,40 @@ class Normalizer:
         *,
         session_key: str | None = None,
     ) -> CanonicalPrompt:
-        """Canonical model input, zones and keys of one request (approximate and tokenizer modes)."""
+        """Canonical model input, zones and keys of one request (approximate and tokenizer modes).
+
+        `public_identity`, when given, asks for `public_block_keys`; they are always computed under
+        `public_identity_of(identity)`, and a `public_identity` that differs from it raises
+        `NormalizerError(code="bad_identity")`.
+        """
         if not isinstance(body, Mapping):
             raise NormalizerError("request body must be a JSON object")
         mode = self._config.mode
         if endpoint == "completions":
             prompt = CompletionsPrompt(body, self._config.max_input_chars)
+            job = self._job(
+                identity,
+                public_identity,
+                body,
+                session_key,
+                diagnostics=tuple(prompt.diagnostics),
+                source="prompt",
+            )
             if prompt.tokens is not None:
-                return self._finish_tokens(
-                    prompt.tokens,
-                    None,
-                    None,
-                    identity,
-                    public_identity,
-                    body,
-                    session_key,
-                    prompt.diagnostics,
-                    "prompt",
-                )
+                return self._finish_tokens(prompt.tokens, job)
             assert prompt.text is not None
             if mode == "approximate":
-                hashed = approx_text(prompt.text, self._config.chars_per_token)
-                return self._finish(
-                    hashed,
-                    APPROX_UNIT,
-                    None,
-                    None,
-                    identity,
-                    public_identity,
-                    body,
-                    session_key,
-                    prompt.diagnostics,
-                    "prompt",
-                )
+                return self._finish(approx_text(prompt.text, self._config.chars_per_token), APPROX_UNIT, job)
             if mode == "render":
                 raise NormalizerError(
                     "render mode: call prepare_render() and from_render()", code="render_required"
                 )
             assert self._tokenizer is not None
-            enc = self._tokenizer.encode(
-                prompt.text,
-                add_special_tokens=bool(
-                    body.get("add_special_tokens", self._config.completions_add_special_tokens)
-                ),
-                with_offsets=False,
+            add_special = request_flag(
+                body, "add_special_tokens", self._config.completions_add_special_tokens
             )
-            return self._finish_tokens(
-                enc.tokens,
-                None,
-                None,
-                identity,
-                public_identity,
-                body,
-                session_key,
-                prompt.diagnostics,
-                "prompt",
-            )
+            enc = self._tokenizer.encode(prompt.text, add_special_tokens=add_special, with_offsets=False)
+            return self._finish_tokens(enc.tokens, job)
         if endpoint != "chat":
             raise NormalizerError(f"unknown endpoint {endpoint!r}", code="bad_endpoint")
         if mode == "render":
@@ -211,25 +221,16 @@ class Normalizer:
         chat = canonicalize_chat(body, self._config, self._key)
         if mode == "approximate":
             hashed, bounds = approx_chat(chat, self._config.chars_per_token)
-            return self._finish(
-                hashed,
-                APPROX_UNIT,
-                chat,
-                bounds,
-                identity,
-                public_identity,
-                body,
-                session_key,
-                [],
-                "messages",
-            )
+            job = self._job(identity, public_identity, body, session_key, chat=chat, bounds=bounds)
+            return self._finish(hashed, APPROX_UNIT, job)
         assert self._tokenizer is not None
+        job = self._job(identity, public_identity, body, session_key, chat=chat)
         text = self._tokenizer.render(chat)
         specs = boundary_specs(chat)
         needs_offsets = any(s.n_messages or s.with_tools for s in specs)
-        # Chat prompts: the template writes the special tokens (vLLM's default add_special_tokens=False).
-        add_special = bool(body.get("add_special_tokens", False))
-        enc = self._tokenizer.encode(text, add_special_tokens=add_special, with_offsets=needs_offsets)
+        enc = self._tokenizer.encode(
+            text, add_special_tokens=chat.add_special_tokens, with_offsets=needs_offsets
+        )
         n = len(enc.tokens)
         positions: list[int | None] = [0] * len(specs)
         if enc.ends is not None:
@@ -237,17 +238,20 @@ class Normalizer:
         bounds = boundaries_from_positions(
             specs, positions, n, chat.add_generation_prompt, chat.volatile_index is not None
         )
-        return self._finish_tokens(
-            enc.tokens, chat, bounds, identity, public_identity, body, session_key, [], "messages"
-        )
+        job.bounds = bounds
+        return self._finish_tokens(enc.tokens, job)
 
     def prepare_render(self, endpoint: Endpoint, body: Mapping[str, Any]) -> RenderPlan:
         """Render mode, step 1: the canonical body to render and forward, and the boundary renders."""
+        if not isinstance(body, Mapping):
+            raise NormalizerError("request body must be a JSON object")
         if endpoint == "completions":
             CompletionsPrompt(body, self._config.max_input_chars)  # validates
             return RenderPlan(
                 "completions", COMPLETIONS_RENDER_PATH, json_copy(dict(body), "prompt"), (), (), None
             )
+        if endpoint != "chat":
+            raise NormalizerError(f"unknown endpoint {endpoint!r}", code="bad_endpoint")
         chat = canonicalize_chat(body, self._config, self._key)
         canonical = chat.body if chat.body is not None else json_copy(dict(body), "messages")
         specs = boundary_specs(chat)
@@ -271,9 +275,8 @@ class Normalizer:
         """
         tokens = as_tokens(token_ids, param="render.token_ids")
         if plan.chat is None:
-            return self._finish_tokens(
-                tokens, None, None, identity, public_identity, plan.body, session_key, [], "prompt"
-            )
+            job = self._job(identity, public_identity, plan.body, session_key, source="prompt")
+            return self._finish_tokens(tokens, job)
         chat = plan.chat
         positions = render_boundaries(tokens, boundary_token_ids, plan.boundary_specs)
         bounds = boundaries_from_positions(
@@ -283,79 +286,41 @@ class Normalizer:
             chat.add_generation_prompt,
             chat.volatile_index is not None,
         )
-        return self._finish_tokens(
-            tokens, chat, bounds, identity, public_identity, plan.body, session_key, [], "messages"
-        )
+        job = self._job(identity, public_identity, plan.body, session_key, chat=chat, bounds=bounds)
+        return self._finish_tokens(tokens, job)
 
     # -- shared tail --------------------------------------------------------------------------------
 
-    def _finish_tokens(
-        self,
-        tokens: TokenArray,
-        chat: CanonicalChat | None,
-        bounds: Boundaries | None,
-        identity: KeyIdentity,
-        public_identity: KeyIdentity | None,
-        body: Mapping[str, Any],
-        session_key: str | None,
-        diagnostics: list[str],
-        source: str,
-    ) -> CanonicalPrompt:
-        hashed = Hashed(tokens, TOKEN_DTYPE.itemsize, len(tokens))
-        return self._finish(
-            hashed,
-            TOKEN_UNIT,
-            chat,
-            bounds,
-            identity,
-            public_identity,
-            body,
-            session_key,
-            diagnostics,
-            source,
-        )
+    def _finish_tokens(self, tokens: TokenArray, job: _KeyJob) -> CanonicalPrompt:
+        return self._finish(Hashed(tokens, TOKEN_DTYPE.itemsize, len(tokens)), TOKEN_UNIT, job)
 
-    def _finish(
-        self,
-        hashed: Hashed,
-        unit: str,
-        chat: CanonicalChat | None,
-        bounds: Boundaries | None,
-        identity: KeyIdentity,
-        public_identity: KeyIdentity | None,
-        body: Mapping[str, Any],
-        session_key: str | None,
-        diagnostics: list[str],
-        source: str,
-    ) -> CanonicalPrompt:
-        if identity.block_size_tokens <= 0:
-            raise NormalizerError("block_size_tokens must be positive", code="bad_config")
-        if public_identity is not None and public_identity.block_size_tokens != identity.block_size_tokens:
-            raise NormalizerError("public identity must use the same block size", code="bad_config")
+    def _finish(self, hashed: Hashed, unit: str, job: _KeyJob) -> CanonicalPrompt:
+        chat = job.chat
         diags = list(chat.diagnostics) if chat is not None else []
-        diags.extend(diagnostics)
-        if bounds is None:
-            bounds = Boundaries(0, hashed.n_tokens, {})
+        diags.extend(job.diagnostics)
+        bounds = job.bounds if job.bounds is not None else Boundaries(0, hashed.n_tokens, {})
+        roots = self._roots.for_unit(job.roots, unit, job.with_public)
         assembled: Assembled = assemble(
             hashed,
-            block_size=identity.block_size_tokens,
-            root=self.root(identity, unit),
-            public_root=self.root(public_identity, unit) if public_identity is not None else None,
+            block_size=job.identity.block_size_tokens,
+            root=roots.root,
+            public_root=roots.public_root,
             boundaries=bounds,
             chat=chat,
-            source=source,
+            source=job.source,
             diagnostics=diags,
+            memo=self._memo,
         )
         prompt = assembled.prompt
-        session = self.session_digest(body, identity, session_key)
+        session = self.session_digest(job.body, job.identity, job.session_key)
         if session is None:
             return prompt
-        items = chat.items if chat is not None else _prompt_items(body, self._key)
+        items = field_items(chat, self._key) if chat is not None else _prompt_items(job.body, self._key)
         report = self._drift.observe(
             session,
             prompt.block_keys,
             assembled.stable_end_token,
-            identity.block_size_tokens,
+            job.identity.block_size_tokens,
             items,
             prompt.zones,
         )
@@ -365,13 +330,9 @@ class Normalizer:
                 *drift_diags,
                 f"drift: block {report.first_diff_block} ({report.zone}, {report.field})",
             )
-        return _replace(prompt, drift=report, diagnostics=drift_diags)
+        return dataclasses.replace(prompt, drift=report, diagnostics=drift_diags)
 
 
 def _prompt_items(body: Mapping[str, Any], key: bytes) -> tuple[FieldItem, ...]:
     digest = keyed_digest(key, orjson.dumps(body.get("prompt"), option=orjson.OPT_SORT_KEYS))
     return (FieldItem("prompt", Zone.APPEND_ONLY, digest),)
-
-
-def _replace(prompt: CanonicalPrompt, **changes: Any) -> CanonicalPrompt:
-    return dataclasses.replace(prompt, **changes)

@@ -49,7 +49,7 @@ def json_copy(value: Any, param: str) -> Any:
 def nfc(value: Any) -> tuple[Any, bool]:
     """Unicode NFC of every string (keys too); reports whether anything changed."""
     if isinstance(value, str):
-        if unicodedata.is_normalized("NFC", value):
+        if value.isascii() or unicodedata.is_normalized("NFC", value):
             return value, False
         return unicodedata.normalize("NFC", value), True
     if isinstance(value, list):

@@ -2,18 +2,21 @@
 
 The template environment matches what Hugging Face `apply_chat_template` (and so vLLM) gives a
 template: `trim_blocks`, `lstrip_blocks`, the loop-controls extension, a `tojson` filter that keeps
-key order and non-ASCII text, `raise_exception` and `strftime_now`, the special tokens of
-`tokenizer_config.json`, and `chat_template_kwargs` merged into the context. Chat prompts are
-encoded without adding special tokens (the template writes them), completions prompts with them.
+key order and non-ASCII text, `raise_exception`, `strftime_now` (at a fixed configured moment,
+never the wall clock), the special tokens of `tokenizer_config.json`, and `chat_template_kwargs`
+merged into the context. Chat prompts are encoded without adding special tokens (the template
+writes them), completions prompts with them.
 """
 
 from __future__ import annotations
 
+import array
 import hashlib
 import json
 import re
+import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -29,11 +32,15 @@ import numpy.typing as npt
 from tokenizers import Tokenizer
 
 from prompt_normalizer.canonical import CanonicalChat
+from prompt_normalizer.config import TEMPLATE_TIME_DEFAULT
 from prompt_normalizer.errors import NormalizerError
 from prompt_normalizer.keys import TOKEN_DTYPE, TokenArray
 from prompt_normalizer.layout import BoundarySpec, common_prefix_chars
 
 _TEMPLATE_CACHE_MAX = 16
+# Token ids reach numpy through a 32-bit array.array (several times faster than numpy's conversion
+# of a Python list); on a platform whose C unsigned int is not 32 bits, numpy converts them.
+_U32_ARRAY = array.array("I").itemsize == 4
 _OPENAI_FORMAT = re.compile(r"for\s+\w+\s+in\s+\w+\s*(\[\s*['\"]content['\"]\s*\]|\.content)")
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
@@ -54,9 +61,13 @@ def _raise_exception(message: str) -> NoReturn:
     raise jinja2.TemplateError(message)
 
 
-def _strftime_now(fmt: str) -> str:
-    # Templates that print today's date put the clock into the model input; so does the engine.
-    return datetime.now().strftime(fmt)
+def _strftime_at(moment: datetime) -> Callable[[str], str]:
+    # Templates that print "today" would put the wall clock into the model input and so into the
+    # keys; they get one configured moment instead (a request may pass its own date as a kwarg).
+    def strftime_now(fmt: str) -> str:
+        return moment.strftime(str(fmt))
+
+    return strftime_now
 
 
 class _GenerationBlock(jinja2.ext.Extension):
@@ -76,13 +87,13 @@ class _GenerationBlock(jinja2.ext.Extension):
         return str(caller())
 
 
-def _environment() -> jinja2.Environment:
+def _environment(template_time: datetime) -> jinja2.Environment:
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationBlock]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
+    env.globals["strftime_now"] = _strftime_at(template_time)
     return env
 
 
@@ -106,7 +117,11 @@ class ChatTemplateTokenizer:
     """Renders chat requests with the model's template and tokenizes them exactly."""
 
     def __init__(
-        self, tokenizer_dir: str, chat_template_file: str | None = None, content_format: str = "auto"
+        self,
+        tokenizer_dir: str,
+        chat_template_file: str | None = None,
+        content_format: str = "auto",
+        template_time: datetime = TEMPLATE_TIME_DEFAULT,
     ) -> None:
         root = Path(tokenizer_dir)
         try:
@@ -134,27 +149,31 @@ class ChatTemplateTokenizer:
         self._templates = templates
         self._special = {k: t for k in _SPECIAL_KEYS if (t := _token_text(config.get(k))) is not None}
         self._content_format = content_format
-        self._env = _environment()
+        self._env = _environment(template_time)
         self._compiled: OrderedDict[str, jinja2.Template] = OrderedDict()
+        self._lock = threading.Lock()
+        self._auto_formats: dict[str, str] = {}
         digest = hashlib.sha256(tok_bytes)
         for name in sorted(templates):
             digest.update(name.encode() + b"\0" + templates[name].encode() + b"\0")
         self.fingerprint = digest.hexdigest()[:16]
 
     def _template(self, source: str) -> jinja2.Template:
-        compiled = self._compiled.get(source)
-        if compiled is None:
-            try:
-                compiled = self._env.from_string(source)
-            except jinja2.TemplateSyntaxError as exc:
-                raise NormalizerError(
-                    f"chat template does not compile: {exc.message}", param="chat_template"
-                ) from None
+        with self._lock:
+            compiled = self._compiled.get(source)
+            if compiled is not None:
+                self._compiled.move_to_end(source)
+                return compiled
+        try:
+            compiled = self._env.from_string(source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise NormalizerError(
+                f"chat template does not compile: {exc.message}", param="chat_template"
+            ) from None
+        with self._lock:
             self._compiled[source] = compiled
-            if len(self._compiled) > _TEMPLATE_CACHE_MAX:
+            while len(self._compiled) > _TEMPLATE_CACHE_MAX:
                 self._compiled.popitem(last=False)
-        else:
-            self._compiled.move_to_end(source)
         return compiled
 
     def _source(self, chat: CanonicalChat) -> str:
@@ -168,7 +187,13 @@ class ChatTemplateTokenizer:
     def _messages(self, chat: CanonicalChat, source: str, n: int) -> list[dict[str, Any]]:
         fmt = self._content_format
         if fmt == "auto":
-            fmt = "openai" if _OPENAI_FORMAT.search(source) else "string"
+            fmt = self._auto_formats.get(source, "")
+            if not fmt:  # a regex over the whole template: once per template, not per render
+                fmt = "openai" if _OPENAI_FORMAT.search(source) else "string"
+                with self._lock:
+                    if len(self._auto_formats) >= _TEMPLATE_CACHE_MAX:
+                        self._auto_formats.clear()
+                    self._auto_formats[source] = fmt
         out = []
         for msg in chat.messages[:n]:
             content = msg.get("content")
@@ -204,16 +229,25 @@ class ChatTemplateTokenizer:
             raise NormalizerError(
                 f"chat template failed: {exc}", param="messages", code="template_error"
             ) from None
+        except Exception as exc:  # the template met request data of a type it cannot handle
+            raise NormalizerError(
+                f"chat template failed on the request: {type(exc).__name__}",
+                param="messages",
+                code="template_error",
+            ) from None
         if spec is None and chat.continue_final_message:
             text = _cut_after_final(text, chat.messages[-1].get("content"))
         return text
 
     def encode(self, text: str, *, add_special_tokens: bool, with_offsets: bool) -> Encoded:
         enc = self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        tokens = np.array(enc.ids, dtype=TOKEN_DTYPE)
+        if _U32_ARRAY:
+            tokens = np.frombuffer(array.array("I", enc.ids), dtype=np.uintc).astype(TOKEN_DTYPE, copy=False)
+        else:
+            tokens = np.array(enc.ids, dtype=TOKEN_DTYPE)
         ends = None
         if with_offsets:
-            ends = np.array(enc.offsets, dtype=np.int64).reshape(-1, 2)[:, 1]
+            ends = np.frombuffer(array.array("q", [end for _, end in enc.offsets]), dtype=np.int64)
             # Special tokens added by a post-processor report (0, 0); keep ends non-decreasing.
             ends = np.maximum.accumulate(ends) if ends.size else ends
         return Encoded(tokens, ends)

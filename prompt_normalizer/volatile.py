@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -25,8 +27,23 @@ def text_slots(msg: dict[str, Any]) -> list[tuple[str, Any, Any]]:
     return []
 
 
+@functools.lru_cache(maxsize=256)
+def _compiled(pattern: str) -> re.Pattern[str]:
+    return re.compile(pattern)
+
+
+def apply_rules(
+    rules: Sequence[VolatileRule], messages: list[dict[str, Any]], moved: list[str], report: Report
+) -> None:
+    """Apply the rules in order (each sees what the earlier ones left)."""
+    for rule in rules:
+        apply_rule(rule, messages, moved, report)
+
+
 def apply_rule(rule: VolatileRule, messages: list[dict[str, Any]], moved: list[str], report: Report) -> None:
-    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=len(messages))
+    last_user = len(messages)
+    if rule.scope == "before_last_user":
+        last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=len(messages))
     for i, msg in enumerate(messages):
         if msg["role"] not in rule.roles or (rule.scope == "before_last_user" and i >= last_user):
             continue
@@ -43,7 +60,7 @@ def apply_rule(rule: VolatileRule, messages: list[dict[str, Any]], moved: list[s
             report.add(f"volatile {rule.name!r} {rule.action}: {path}")
             continue
         assert rule.pattern is not None
-        regex = re.compile(rule.pattern)
+        regex = _compiled(rule.pattern)
         for suffix, container, key in text_slots(msg):
             text = container[key]
             found = [m.group(0) for m in regex.finditer(text)]

@@ -2,30 +2,21 @@
 
 The gateway reads tenants' API keys as keyed hashes (`gateway.auth.hash_api_key`) and the secret
 from `KVGATE_KEY_SECRET`; every workload tenant gets its own key `sk-bench-<tenant>`, strict
-isolation, and the policy comes from a policy file. When this checkout has no gateway server yet
-(`gateway.serve`), kvgate routers are reported as unavailable.
+isolation, and the policy comes from a policy file.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
 
+from gateway.auth import hash_api_key
 from loadtest.peers.launch import PeerCommand
 
 BENCH_SECRET = "kvgate-bench-secret"
-
-
-def kvgate_available() -> bool:
-    try:
-        return all(importlib.util.find_spec(m) is not None for m in ("gateway.serve", "gateway.auth"))
-    except ModuleNotFoundError:
-        return False
 
 
 def bench_api_key(tenant: str) -> str:
@@ -43,7 +34,6 @@ def build_kvgate_command(
     workdir: Path,
 ) -> PeerCommand:
     """Write `gateway.yaml` + `policy.yaml` into `workdir` and return the `serve` command."""
-    hash_api_key = importlib.import_module("gateway.auth").hash_api_key
     secret = BENCH_SECRET.encode()
     (workdir / "policy.yaml").write_text(yaml.safe_dump({"policy": policy, "seed": seed}))
     config = {

@@ -14,7 +14,7 @@ from loadtest.traces.http_replay import HttpResult
 
 @dataclass
 class RouterRun:
-    """One router's turn: its status ("ok", "missing", "unavailable", "failed") and what was measured."""
+    """One router's turn: its status ("ok", "missing", "failed") and what was measured."""
 
     name: str
     status: str

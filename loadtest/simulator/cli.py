@@ -2,7 +2,7 @@
 
     kvgate simulate --trace FILE | --workload NAME [--policy NAME] [--policy-config FILE]
         [--workers N] [--kv-blocks-per-worker N] [--profile NAME] [--rate-scale X] [--seed S]
-        [--json OUT]
+        [--isolation LEVEL] [--tenant-isolation NAME=LEVEL] [--kv-events] [--json OUT]
 
 Prints the summary; `--json` writes `{config, summary, workers, requests}` (format in
 docs/benchmarks.md, "Simulator output format").
@@ -11,6 +11,7 @@ docs/benchmarks.md, "Simulator output format").
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -18,21 +19,20 @@ from typing import Any
 
 import orjson
 
-from loadtest.emulator.chat_template import render_chat
+from gateway.precise import NormalizerTokenHasher
 from loadtest.engine import DEFAULT_PROFILE, Engine, EngineConfig, EngineRequest, ProfileError, load_profile
 from loadtest.engine.hashing import block_hashes
 from loadtest.report.meta import run_metadata
 from loadtest.report.progress import ProgressBar
+from loadtest.simulator.keys import KeyPath
 from loadtest.simulator.loop import EngineHooks, LoopConfig, run_loop
 from loadtest.simulator.summary import summarize
 from loadtest.traces.load import load_trace
 from loadtest.traces.mooncake import TraceFormatError
 from loadtest.workloads.ceilings import ceiling_infinite, ceiling_pooled_lru, working_set_tokens
-from loadtest.workloads.chains import request_chain
-from loadtest.workloads.openai_body import chat_messages, chat_tools
-from loadtest.workloads.records import ChatPrompt, WorkloadRequest, scale_arrivals
+from loadtest.workloads.records import WorkloadRequest, scale_arrivals
 from loadtest.workloads.registry import WORKLOADS, make_workload
-from policies.base import RoutingPolicy
+from policies.base import Isolation, RoutingPolicy
 from policies.config import PolicyConfigError, build_policy, parse_policy_yaml
 from policies.registry import known_policies, make_policy
 
@@ -53,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--users", type=_positive_int, default=1, help="replay the trace as this many salted users"
     )
     parser.add_argument("--user-spread-s", type=float, default=0.0, help="users start within this window")
+    parser.add_argument(
+        "--tenant-per-user", action="store_true", help="each replayed user is its own tenant trace-u<i>"
+    )
     parser.add_argument("--policy", default=None, help="registered policy name (default round_robin)")
     parser.add_argument("--policy-config", metavar="FILE", help="policy YAML (policy, seed, options)")
     parser.add_argument("--workers", type=int, default=8)
@@ -64,14 +67,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="OUT", help="write per-request records and the summary here")
     parser.add_argument("--kv-events", action="store_true", help="feed the engines' KV events to the policy")
+    levels = [i.value for i in Isolation]
+    parser.add_argument("--isolation", choices=levels, default="strict", help="every tenant's isolation")
+    parser.add_argument(
+        "--tenant-isolation", action="append", default=[], metavar="NAME=LEVEL", help="one tenant's isolation"
+    )
     parser.add_argument("--scrape-interval-s", type=float, default=1.0, help="how stale scraped metrics are")
     parser.add_argument("--max-requests", type=_positive_int, default=None, help="only the first N requests")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
-
-
-def emulator_chat_bytes(prompt: ChatPrompt) -> bytes:
-    """The prompt exactly as the emulated worker renders it (its chat template, byte tokens)."""
-    return render_chat(chat_messages(prompt), chat_tools(prompt) or None).encode()
 
 
 class UsageError(ValueError):
@@ -80,7 +83,13 @@ class UsageError(ValueError):
 
 def _requests(args: argparse.Namespace) -> tuple[list[WorkloadRequest], str]:
     if args.trace:
-        t = load_trace(args.trace, users=args.users, user_spread_s=args.user_spread_s, seed=args.seed)
+        t = load_trace(
+            args.trace,
+            users=args.users,
+            user_spread_s=args.user_spread_s,
+            seed=args.seed,
+            tenant_per_user=args.tenant_per_user,
+        )
         reqs, source = list(t.requests), f"trace:{args.trace}"
     else:
         try:
@@ -116,6 +125,28 @@ def _policy(args: argparse.Namespace) -> tuple[RoutingPolicy, str]:
         raise UsageError(str(exc)) from None
 
 
+def key_path(args: argparse.Namespace) -> KeyPath:
+    """The gateway's key path with the isolation levels the command line asks for."""
+    per_tenant: dict[str, Isolation] = {}
+    for item in args.tenant_isolation:
+        name, sep, level = item.partition("=")
+        if not sep or not name or level not in {i.value for i in Isolation}:
+            raise UsageError(f"--tenant-isolation {item!r}: expected NAME=strict|shared_public|public")
+        per_tenant[name] = Isolation(level)
+    return KeyPath(isolation=Isolation(args.isolation), tenant_isolation=per_tenant)
+
+
+def _install_precise(policy: RoutingPolicy, keys: KeyPath, block_size: int) -> bool:
+    """Precise mode as the gateway installs it (`gateway.precise`): KV events keyed by the
+    normalizer's token-chain hash under the deployment's identity and the engine's block size."""
+    setter = getattr(policy, "set_token_hasher", None)
+    if setter is None:
+        return False
+    identity = dataclasses.replace(keys.base, block_size_tokens=block_size)
+    setter(NormalizerTokenHasher(keys.normalizer, identity))
+    return True
+
+
 def simulate(args: argparse.Namespace) -> dict[str, Any]:
     """Run one simulation; returns the JSON document."""
     if args.workers < 1:
@@ -129,7 +160,10 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
     engines = [Engine(profile, engine_config) for _ in range(args.workers)]
     block_size, kv_blocks = engines[0].block_size, engines[0].num_blocks
 
-    chains = [request_chain(r, r.tenant, chat_renderer=emulator_chat_bytes) for r in reqs]
+    keys = key_path(args)
+    keyed = [keys.keyed(r) for r in reqs]
+    chains = [k.chain() for k in keyed]
+    precise = args.kv_events and _install_precise(policy, keys, block_size)
     capacity_tokens = args.workers * kv_blocks * block_size
     working_set = working_set_tokens(chains)
     inf = ceiling_infinite(chains)
@@ -147,9 +181,10 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         reqs,
         engines,
         policy,
-        EngineHooks(make_request, hash_tokens, render_chat=emulator_chat_bytes),
+        EngineHooks(make_request, hash_tokens, keys),
         LoopConfig(scrape_interval_s=args.scrape_interval_s, kv_events=args.kv_events),
         progress=bar.update if bar else None,
+        keyed=keyed,
     )
     wall_s = time.monotonic() - started
     if bar:
@@ -157,8 +192,11 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
     summary = summarize(
         result.requests, result.workers, ceiling_infinite=inf.hit_ratio, ceiling_pooled_lru=lru.hit_ratio
     )
+    stats = getattr(policy, "stats", None)
+    counters = dict(stats().counters) if callable(stats) else {}
     summary.update(
         {
+            "policy_counters": counters,
             "wall_time_s": wall_s,
             "n_engine_steps": result.n_steps,
             "working_set_tokens": working_set,
@@ -171,6 +209,7 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         "source": source,
         "n_requests": len(reqs),
         "users": args.users,
+        "tenant_per_user": args.tenant_per_user,
         "policy": policy_name,
         "policy_config": args.policy_config,
         "workers": args.workers,
@@ -180,6 +219,9 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         "rate_scale": args.rate_scale,
         "seed": args.seed,
         "kv_events": args.kv_events,
+        "precise": precise,
+        "isolation": args.isolation,
+        "tenant_isolation": list(args.tenant_isolation),
         "scrape_interval_s": args.scrape_interval_s,
     }
     return {
@@ -216,6 +258,9 @@ def run(args: argparse.Namespace) -> int:
         p = s[part]
         print(f"{part:24s} hit_ratio {_fmt(p['hit_ratio'])}  ttft_p50_s {_fmt(p['ttft_p50_s'])}  "
               f"ttft_p99_s {_fmt(p['ttft_p99_s'])}")  # fmt: skip
+    counters = s["policy_counters"]
+    if counters:
+        print(f"{'policy_counters':24s} " + "  ".join(f"{k} {v}" for k, v in sorted(counters.items())))
     if args.json:
         Path(args.json).write_bytes(orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY))
         print(f"wrote {args.json}")

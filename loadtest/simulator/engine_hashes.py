@@ -1,11 +1,13 @@
 """Engine block hashes of a workload request, without per-token Python work.
 
 Trace prompts (`BlockPrompt`) carry no text worth hashing: engine block k of trace block j gets
-`mix(K_j, k)`, where `K_j` is the request's chained key of trace block j rooted at the cache salt
-(`loadtest.workloads.chains`). K_j already encodes the whole prefix up to block j, so equal engine
-hashes still mean equal prefixes, and a partial last trace block yields the same leading engine
-blocks as the full block in a later request. Full engine blocks of an unhashed tail get hashes
-unique to the request. All of it is a few numpy operations per request (splitmix64 finalizer).
+`mix(K_j, k)`, where `K_j` is the engine's chained key of trace block j: the normalizer's chain
+(`prompt_normalizer.keys.chain_keys`) over the ids as u64, seeded from the cache salt and the
+trace's id space, not from the deployment secret (an engine never knows it). K_j already encodes the
+whole prefix up to block j, so equal engine hashes still mean equal prefixes, and a partial last
+trace block yields the same leading engine blocks as the full block in a later request. Full engine
+blocks of an unhashed tail get hashes unique to the request. All of it is a few numpy operations per
+request (splitmix64 finalizer).
 
 Chat and text prompts are hashed from their token ids (the rendered bytes) by the engine's own
 `block_hashes`, exactly as the emulated worker hashes them.
@@ -18,8 +20,8 @@ from collections.abc import Callable
 import numpy as np
 import xxhash
 
-from loadtest.workloads.chains import chain_ids, chain_root
 from loadtest.workloads.records import BlockPrompt, WorkloadRequest
+from prompt_normalizer.keys import chain_keys
 
 TokenHasher = Callable[[np.ndarray, int, str | None], list[int]]
 
@@ -47,7 +49,9 @@ def block_prompt_hashes(
         )
     sub = size // engine_block_tokens
     n_engine = prompt.n_tokens // engine_block_tokens
-    keys = np.array(chain_ids(chain_root(cache_salt or "", prompt.salt), prompt.block_ids), dtype=np.uint64)
+    ids = np.asarray(prompt.block_ids, dtype=np.uint64)
+    root = xxhash.xxh3_64_intdigest(f"engine\x1f{cache_salt or ''}\x1f{prompt.salt}".encode())
+    keys = np.array(chain_keys(ids, 8, root), dtype=np.uint64)
     k = np.arange(1, sub + 1, dtype=np.uint64) * _GOLDEN
     with np.errstate(over="ignore"):
         hashes = _mix(_mix(keys)[:, None] + k[None, :]).reshape(-1)

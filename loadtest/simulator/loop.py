@@ -18,14 +18,13 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from loadtest.simulator.engine_hashes import TokenHasher, request_hashes
-from loadtest.simulator.keys import route_request
+from loadtest.simulator.keys import KeyedPrompt, KeyPath
 from loadtest.simulator.port import RequestFactory, SimEngine, StatsLike, StepLike
 from loadtest.simulator.records import RequestRecord, WorkerRecord
-from loadtest.workloads.records import BlockPrompt, WorkloadRequest
-from loadtest.workloads.render import ChatRenderer, plain_chat_template, prompt_bytes
+from loadtest.workloads.records import WorkloadRequest
 from policies.base import (
     KvEvent,
     KvEventKind,
@@ -46,7 +45,6 @@ class LoopConfig:
     scrape_interval_s: float = 1.0
     kv_events: bool = False
     max_in_flight_per_worker: int | None = None
-    text_block_tokens: int = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,23 +57,32 @@ class LoopResult:
 
 @dataclass(frozen=True, slots=True)
 class EngineHooks:
-    """How the loop talks to a concrete engine: build its request record, hash token ids, render chat."""
+    """How the loop talks to a concrete engine (build its request record, hash token ids) and the
+    gateway's key path that turns a workload request into keys, a `RouteRequest` and a salt."""
 
     make_request: RequestFactory
     hash_tokens: TokenHasher
-    render_chat: ChatRenderer = plain_chat_template
-    cache_salt: Callable[[WorkloadRequest], str | None] = lambda r: r.tenant
+    keys: KeyPath = field(default_factory=KeyPath)
 
 
 class _Flight:
     """A dispatched request the loop is waiting on (mutable; internal)."""
 
-    __slots__ = ("decision", "first_token_s", "req", "route")
+    __slots__ = ("decision", "first_token_s", "keyed", "req", "route", "salt")
 
-    def __init__(self, req: WorkloadRequest, route: RouteRequest, decision: RouteDecision) -> None:
+    def __init__(
+        self,
+        req: WorkloadRequest,
+        route: RouteRequest,
+        decision: RouteDecision,
+        keyed: KeyedPrompt | None = None,
+        salt: str | None = None,
+    ) -> None:
         self.req = req
         self.route = route
         self.decision = decision
+        self.keyed = keyed
+        self.salt = salt
         self.first_token_s: float | None = None
 
 
@@ -123,8 +130,11 @@ class _Loop:
         config: LoopConfig,
         hooks: EngineHooks,
         progress: Callable[[int], None] | None,
+        keyed: Sequence[KeyedPrompt] | None,
     ) -> None:
-        self.requests = sorted(requests, key=lambda r: r.arrival_s)
+        order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
+        self.requests = [requests[i] for i in order]
+        self.keyed = None if keyed is None else [keyed[i] for i in order]
         self.workers = [_Worker(f"w{i}", e) for i, e in enumerate(engines)]
         self.by_id = {w.id: i for i, w in enumerate(self.workers)}
         self.policy = policy
@@ -186,8 +196,36 @@ class _Loop:
         if self.progress is not None:
             self.progress(len(self.records))
 
+    def kv_events(self, w: _Worker, out: StepLike, now_s: float) -> None:
+        """The worker's KV events as the gateway decodes them: token ids of every stored block
+        (chat and text prompts; a trace prompt has none), and the namespace its salt resolves to."""
+        size = w.engine.block_size
+        for st in out.stored:
+            tokens: tuple[int, ...] = ()
+            namespace = None
+            f = self.flights.get(str(st.request_id))
+            if f is not None and f.keyed is not None:
+                namespace = self.hooks.keys.namespace_of_salt(f.salt)
+                if f.keyed.tokens is not None:
+                    start = st.first_block_index * size
+                    tokens = tuple(f.keyed.tokens[start : start + len(st.block_hashes) * size])
+            ev = KvEvent(
+                KvEventKind.BLOCK_STORED,
+                tuple(st.block_hashes),
+                st.parent_block_hash,
+                token_ids=tokens,
+                block_size=size,
+                namespace=namespace,
+            )
+            self.policy.on_kv_event(w.id, ev, now_s)
+        if out.removed:
+            self.policy.on_kv_event(w.id, KvEvent(KvEventKind.BLOCK_REMOVED, tuple(out.removed)), now_s)
+
     def apply(self, w: _Worker, out: StepLike) -> None:
         now_s = out.end_s
+        if self.config.kv_events:
+            # Before the completions: a request that finishes in this step still owns its tokens.
+            self.kv_events(w, out, now_s)
         w.busy_s += out.duration_s
         w.prefill_tokens += out.num_prefill_tokens
         w.n_steps += out.num_steps
@@ -222,15 +260,6 @@ class _Loop:
                 completion_tokens=fin.num_output_tokens,
             )
             self.policy.on_complete(obs, now_s)
-        if self.config.kv_events:
-            size = w.engine.block_size
-            for st in out.stored:
-                ev = KvEvent(
-                    KvEventKind.BLOCK_STORED, tuple(st.block_hashes), st.parent_block_hash, block_size=size
-                )
-                self.policy.on_kv_event(w.id, ev, now_s)
-            if out.removed:
-                self.policy.on_kv_event(w.id, KvEvent(KvEventKind.BLOCK_REMOVED, tuple(out.removed)), now_s)
 
     def run_step(self, idx: int, now_s: float) -> None:
         w = self.workers[idx]
@@ -251,11 +280,12 @@ class _Loop:
         heapq.heappush(self.heap, (max(res.end_s, now_s + 1e-9), self.seq, idx))
         w.busy = True
 
-    def arrive(self, req: WorkloadRequest) -> None:
+    def arrive(self, req: WorkloadRequest, kp: KeyedPrompt | None) -> None:
         now_s = req.arrival_s
         hooks = self.hooks
-        data = None if isinstance(req.prompt, BlockPrompt) else prompt_bytes(req, hooks.render_chat)
-        route = route_request(req, data, text_block_tokens=self.config.text_block_tokens)
+        if kp is None:
+            kp = hooks.keys.keyed(req)
+        route = hooks.keys.route_request(req, kp)
         decision = self.policy.select(route, self.views(now_s), now_s)
         idx = self.by_id.get(decision.worker, -1) if decision is not None else -1
         if decision is None or idx < 0:
@@ -263,8 +293,8 @@ class _Loop:
             self._record(_Flight(req, route, rejected), None, None, None, route.n_prompt_tokens, 0, 0)
             return
         w = self.workers[idx]
-        salt = hooks.cache_salt(req)
-        hashes = request_hashes(req, data, w.engine.block_size, salt, hooks.hash_tokens)
+        salt = hooks.keys.cache_salt(kp, decision)
+        hashes = request_hashes(req, kp.tokens, w.engine.block_size, salt, hooks.hash_tokens)
         try:
             w.engine.submit(
                 hooks.make_request(req.request_id, route.n_prompt_tokens, req.max_output_tokens, hashes)
@@ -275,7 +305,7 @@ class _Loop:
             self.policy.on_complete(Observation(route, decision.worker, outcome=Outcome.REJECTED), now_s)
             return
         self.policy.on_dispatch(route, decision, now_s)
-        self.flights[req.request_id] = _Flight(req, route, decision)
+        self.flights[req.request_id] = _Flight(req, route, decision, kp, salt)
         w.in_flight += 1
         w.n_requests += 1
         w.prompt_tokens += route.n_prompt_tokens
@@ -291,9 +321,9 @@ class _Loop:
             if self.next_arrival < len(reqs) and (
                 not heap or reqs[self.next_arrival].arrival_s <= heap[0][0]
             ):
-                req = reqs[self.next_arrival]
+                i = self.next_arrival
                 self.next_arrival += 1
-                self.arrive(req)
+                self.arrive(reqs[i], None if self.keyed is None else self.keyed[i])
                 continue
             t, _, idx = heapq.heappop(heap)
             self.run_step(idx, t)
@@ -315,6 +345,10 @@ def run_loop(
     config: LoopConfig = LoopConfig(),
     *,
     progress: Callable[[int], None] | None = None,
+    keyed: Sequence[KeyedPrompt] | None = None,
 ) -> LoopResult:
-    """Replay `requests` through `policy` onto `engines` until every request has finished or failed."""
-    return _Loop(requests, engines, policy, config, hooks, progress).run()
+    """Replay `requests` through `policy` onto `engines` until every request has finished or failed.
+
+    `keyed[i]` are `requests[i]`'s keys when the caller already computed them (for the ceilings);
+    otherwise the loop keys each request on arrival."""
+    return _Loop(requests, engines, policy, config, hooks, progress, keyed).run()

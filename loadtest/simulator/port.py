@@ -30,6 +30,12 @@ class FinishedLike(Protocol):
 
 
 class StoredLike(Protocol):
+    """Blocks `first_block_index ..` of request `request_id` entered the cache."""
+
+    @property
+    def request_id(self) -> Hashable: ...
+    @property
+    def first_block_index(self) -> int: ...
     @property
     def block_hashes(self) -> tuple[int, ...]: ...
     @property

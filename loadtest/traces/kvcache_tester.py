@@ -29,9 +29,17 @@ class KvCacheTesterTrace:
 
 
 def _request(
-    trace_id: str, session: str, t0_s: float, row: dict[str, Any], idx: int, size: int, tenant: str
+    trace_id: str,
+    session: str,
+    t0_s: float,
+    row: dict[str, Any],
+    idx: int,
+    size: int,
+    tenant: str,
+    shared_blocks: int,
 ) -> WorkloadRequest:
-    prompt = BlockPrompt(tuple(int(h) for h in row["hash_ids"]), size, int(row["in"]))
+    ids = tuple(int(h) for h in row["hash_ids"])
+    prompt = BlockPrompt(ids, size, int(row["in"]), immutable_blocks=min(shared_blocks, len(ids)))
     rid = f"{session}#{idx}"
     return WorkloadRequest(rid, t0_s + float(row["t"]), tenant, session, prompt, max(1, int(row["out"])))
 
@@ -47,9 +55,11 @@ def read_kvcache_tester(path: str | Path, *, tenant: str = "trace") -> KvCacheTe
             if row.get("type") == "subagent":
                 session = f"{trace_id}/{row.get('agent_id', i)}"
                 for j, sub in enumerate(row["requests"]):
-                    out.append(_request(trace_id, session, float(row["t"]), sub, j, size, tenant))
+                    out.append(
+                        _request(trace_id, session, float(row["t"]), sub, j, size, tenant, shared // size)
+                    )
             else:
-                out.append(_request(trace_id, trace_id, 0.0, row, i, size, tenant))
+                out.append(_request(trace_id, trace_id, 0.0, row, i, size, tenant, shared // size))
     except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
         raise TraceFormatError(f"{path}: not a kv-cache-tester trace ({exc})") from None
     out.sort(key=lambda r: r.arrival_s)

@@ -21,8 +21,16 @@ class LoadedTrace:
     requests: tuple[WorkloadRequest, ...]
 
 
-def load_trace(path: str | Path, *, users: int = 1, user_spread_s: float = 0.0, seed: int = 0) -> LoadedTrace:
-    """Read a Mooncake `.jsonl` or kv-cache-tester `.json` trace; `users > 1` replays it as many users."""
+def load_trace(
+    path: str | Path,
+    *,
+    users: int = 1,
+    user_spread_s: float = 0.0,
+    seed: int = 0,
+    tenant_per_user: bool = False,
+) -> LoadedTrace:
+    """Read a Mooncake `.jsonl` or kv-cache-tester `.json` trace; `users > 1` replays it as many users
+    (each its own tenant `trace-u<i>` with `tenant_per_user`)."""
     p = Path(path)
     if not p.is_file():
         raise TraceFormatError(f"{p}: no such trace file")
@@ -35,10 +43,17 @@ def load_trace(path: str | Path, *, users: int = 1, user_spread_s: float = 0.0, 
         reqs = list(t.requests)
         if users > 1:
             reqs = replay_as_users(
-                reqs, users, shared_prefix_blocks=shared_blocks, spread_s=user_spread_s, seed=seed
+                reqs,
+                users,
+                shared_prefix_blocks=shared_blocks,
+                spread_s=user_spread_s,
+                tenant_per_user=tenant_per_user,
+                seed=seed,
             )
         return LoadedTrace(str(p), "kv-cache-tester", t.block_size_tokens, tuple(reqs))
     reqs = read_mooncake(p)
     if users > 1:
-        reqs = replay_as_users(reqs, users, spread_s=user_spread_s, seed=seed)
+        reqs = replay_as_users(
+            reqs, users, spread_s=user_spread_s, tenant_per_user=tenant_per_user, seed=seed
+        )
     return LoadedTrace(str(p), "mooncake", 512, tuple(reqs))

@@ -39,7 +39,7 @@ def replay_as_users(
                     h if j < shared_prefix_blocks else (h & ((1 << _USER_SHIFT) - 1)) | shift
                     for j, h in enumerate(p.block_ids)
                 )
-                p = BlockPrompt(ids, p.block_size_tokens, p.n_tokens, p.salt)
+                p = BlockPrompt(ids, p.block_size_tokens, p.n_tokens, p.salt, p.immutable_blocks)
             tenant = f"{r.tenant}-u{user}" if tenant_per_user else r.tenant
             out.append(
                 WorkloadRequest(

@@ -15,7 +15,23 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from loadtest.workloads.chains import BlockChain
+
+@dataclass(frozen=True, slots=True)
+class BlockChain:
+    """Keys of a request's leading blocks and how many of its tokens they cover.
+
+    Block i covers `min(block_size_tokens, keyed_tokens - i*block_size_tokens)` tokens; tokens past
+    `keyed_tokens` have no key (a partial tail the source did not hash) and can never be a hit. The
+    simulator's `KeyedPrompt.chain()` builds these from the production keys.
+    """
+
+    keys: tuple[int, ...]
+    block_size_tokens: int
+    keyed_tokens: int
+    n_tokens: int
+
+    def hit_tokens(self, n_hit_blocks: int) -> int:
+        return min(n_hit_blocks * self.block_size_tokens, self.keyed_tokens)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,11 +1,14 @@
 """Seeded synthetic workloads with known prefix structure.
 
 - `agent_sessions`: multi-turn tool-using agents. Every session of a tenant starts with the same
-  system prompt and tool schemas; each turn appends to the session's history (user turn, the
-  assistant's tool call, the tool result, the assistant's answer), so a session is append-only.
+  system prompt and tool schemas (with `shared_prefix`, the same ones across all tenants: one
+  agent product serving many customers); each turn appends to the session's history (user turn,
+  the assistant's tool call, the tool result, the assistant's answer), so a session is append-only.
 - `rag`: questions over a shared corpus; each prompt is a system prompt, a few retrieved documents
   (Zipf popularity) and a question.
-- `zipf_tenants`: many tenants with Zipf-distributed traffic, each with a few long private prefixes.
+- `zipf_tenants`: many tenants with Zipf-distributed traffic, each with a few long private prefixes;
+  with `shared_system_chars` > 0 every prompt starts with one system prompt common to all tenants
+  and the tenant's private prefix opens the user message instead.
 - `generated_shared_prefix`: SGLang's `generated-shared-prefix` benchmark shape (groups of prompts
   sharing a long system prompt, shuffled); defaults are SGLang's (64 groups x 16 prompts, 2048 + 128
   tokens, 256 output tokens).
@@ -76,6 +79,7 @@ def agent_sessions(
     output_tokens: tuple[int, int] = (30, 200),
     think_time_s: tuple[float, float] = (1.0, 6.0),
     session_rate_per_s: float = 1.0,
+    shared_prefix: bool = False,
 ) -> list[WorkloadRequest]:
     """Each turn sends two requests: the user's turn (answered by a tool call), then the tool result."""
     rng = _rng(seed, "agent")
@@ -83,8 +87,9 @@ def agent_sessions(
     out: list[WorkloadRequest] = []
     for s in range(n_sessions):
         tenant = f"t{s % n_tenants}"
-        tools = tuple(_tool_schema(seed, tenant, i, tool_desc_chars) for i in range(n_tools))
-        history: list[ChatMessage] = [ChatMessage("system", synth_text(f"sys/{seed}/{tenant}", system_chars))]
+        owner = "shared" if shared_prefix else tenant
+        tools = tuple(_tool_schema(seed, owner, i, tool_desc_chars) for i in range(n_tools))
+        history: list[ChatMessage] = [ChatMessage("system", synth_text(f"sys/{seed}/{owner}", system_chars))]
         t = float(starts[s])
         session = f"agent-{s}"
         for turn in range(turns_per_session):
@@ -172,6 +177,7 @@ def zipf_tenants(
     suffix_chars: tuple[int, int] = (50, 400),
     output_tokens: tuple[int, int] = (20, 200),
     rate_per_s: float = 6.0,
+    shared_system_chars: int = 0,
 ) -> list[WorkloadRequest]:
     """Tenant by Zipf(alpha); within a tenant one of its prefixes uniformly; then a fresh suffix."""
     rng = _rng(seed, "zipf")
@@ -182,9 +188,13 @@ def zipf_tenants(
     for i in range(n_requests):
         t = int(rng.choice(n_tenants, p=weights))
         k = int(rng.integers(prefixes_per_tenant))
-        system = synth_text(f"zpre/{seed}/{t}/{k}", int(prefix_len[t, k]))
+        private = synth_text(f"zpre/{seed}/{t}/{k}", int(prefix_len[t, k]))
         user = synth_text(f"zsuf/{seed}/{i}", _between(rng, suffix_chars))
-        prompt = ChatPrompt((ChatMessage("system", system), ChatMessage("user", user)))
+        if shared_system_chars > 0:
+            shared = synth_text(f"zsys/{seed}", shared_system_chars)
+            prompt = ChatPrompt((ChatMessage("system", shared), ChatMessage("user", f"{private}\n\n{user}")))
+        else:
+            prompt = ChatPrompt((ChatMessage("system", private), ChatMessage("user", user)))
         out.append(
             WorkloadRequest(
                 f"zipf-{i}", float(times[i]), f"tenant{t}", f"zipf-{i}", prompt, _between(rng, output_tokens)

@@ -54,18 +54,23 @@ class BlockPrompt:
     Block j covers tokens `[j*B, min((j+1)*B, n_tokens))`; tokens past `len(block_ids)*B` (a trace
     that hashes only full blocks) are a tail unique to this request. `salt` names the id space: two
     prompts share a block's content only when both the salt and the chain of ids up to it agree.
+    The first `immutable_blocks` blocks are the immutable zone (a session's system prompt and tool
+    schemas), the part a gateway may promote to a public prefix.
     """
 
     block_ids: tuple[int, ...]
     block_size_tokens: int
     n_tokens: int
     salt: str = ""
+    immutable_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size_tokens <= 0:
             raise ValueError("block_size_tokens must be positive")
         if self.n_tokens < 0:
             raise ValueError("n_tokens must not be negative")
+        if not 0 <= self.immutable_blocks <= len(self.block_ids):
+            raise ValueError("immutable_blocks must be within the block ids")
         n_ids, size = len(self.block_ids), self.block_size_tokens
         # At most one block's worth of unhashed tail, and no id without a token of its own.
         if not (n_ids - 1) * size < self.n_tokens < (n_ids + 1) * size and not (n_ids == 0 == self.n_tokens):

@@ -3,10 +3,13 @@ shared by the e2e modules; both are stopped by PID when the session ends."""
 
 from __future__ import annotations
 
+import re
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.e2e.harness import Proc, free_port, start_fake_workers, start_gateway, tenant, write_gateway_config
@@ -23,6 +26,17 @@ class Stack:
     gateway: Proc
     fake: Proc
 
+    def wait_routable(self, pool: str, workers: int, timeout_s: float = 15.0) -> None:
+        """Wait until `workers` workers of `pool` are healthy with closed breakers (gateway metrics)."""
+        deadline = time.monotonic() + timeout_s
+        pattern = re.compile(rf'kvgate_worker_healthy{{pool="{re.escape(pool)}",worker="[^"]+"}} 1\.0')
+        while time.monotonic() < deadline:
+            text = httpx.get(self.base_url + "/metrics", timeout=5).text
+            if len(pattern.findall(text)) >= workers:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"pool {pool} never had {workers} routable workers")
+
 
 def _url(port: int) -> str:
     return f"http://127.0.0.1:{port}"
@@ -38,7 +52,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     try:
         w = {n: _url(p) for n, p in ports.items()}
         w["down"] = down
-        fast = {"health": {"interval_s": 0.5, "timeout_s": 0.5}}
+        # Quick checks, but patient ones: on a loaded machine a health answer may take a while, and
+        # a worker wrongly marked down would make routing-dependent tests flaky.
+        fast = {"health": {"interval_s": 0.5, "timeout_s": 3.0, "failures_to_down": 3}}
         pools = [
             {"name": "ok", "models": ["m-ok"], "workers": [w["ok1"], w["ok2"]], **fast},
             {
@@ -69,8 +85,16 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             tenant("tpm", "sk-tpm", quotas={"tpm": 100}),
             tenant("one", "sk-one", quotas={"max_concurrent": 1}),
         ]
+        folder = tmp_path_factory.mktemp("gw")
+        # A deterministic policy: the same prompt prefix always reaches the same worker, so tests
+        # that expect cached_tokens or a retry on "the other" worker do not depend on load.
+        (folder / "policy.yaml").write_text("policy: consistent_hash\n")
         config = write_gateway_config(
-            tmp_path_factory.mktemp("gw") / "gateway.yaml", pools, tenants, limits={"max_body_bytes": 65536}
+            folder / "gateway.yaml",
+            pools,
+            tenants,
+            limits={"max_body_bytes": 65536},
+            policy_file="policy.yaml",
         )
         port = free_port()
         gateway = start_gateway(config, port)

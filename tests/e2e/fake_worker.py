@@ -8,7 +8,8 @@ modes: ok (answers), error500 (500 before the first byte), once500 (500 the firs
 port of the process sees a request id, an answer after that), die (streams two chunks, then drops the
 connection), slow (streams one chunk every 50 ms for 10 s and records a client cancel), hang
 (answers nothing for 30 s).
-GET /_log on any port returns what that port received (request id, body) and saw (cancels).
+GET /_log on any port returns what that port received (request id, body) and saw (cancels, named
+by the body's `user` field when the test set one, else by the request id the gateway sent).
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ def make_app(port: Port) -> web.Application:
         body = await request.json(loads=orjson.loads)
         rid = request.headers.get("x-request-id", "")
         port.requests.append({"request_id": rid, "body": body, "path": request.path})
+        tag = body.get("user") or rid
         if port.mode == "hang":
             await asyncio.sleep(30)
         if port.mode == "once500" and rid not in FAILED_ONCE:
@@ -110,7 +112,7 @@ def make_app(port: Port) -> web.Application:
                 # A long non-streamed generation: notice the gateway closing the connection.
                 for _ in range(200):
                     if request.transport is None or request.transport.is_closing():
-                        port.cancelled.append(rid)
+                        port.cancelled.append(tag)
                         return web.Response(status=499)
                     await asyncio.sleep(0.05)
             if chat:
@@ -144,7 +146,7 @@ def make_app(port: Port) -> web.Application:
                 for i in range(200):
                     await resp.write(delta_chunk({"content": f"t{i} "}, None))
                     await asyncio.sleep(0.05)
-                port.cancelled.append(f"finished:{rid}")
+                port.cancelled.append(f"finished:{tag}")
                 return resp
             if "tool_calls" in message:
                 call = message["tool_calls"][0]
@@ -168,7 +170,7 @@ def make_app(port: Port) -> web.Application:
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except (ConnectionResetError, asyncio.CancelledError):
-            port.cancelled.append(rid)
+            port.cancelled.append(tag)
             raise
         return resp
 

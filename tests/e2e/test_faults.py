@@ -30,12 +30,13 @@ def test_down_worker_is_routed_around(stack: Stack) -> None:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_500_before_first_byte_is_retried_on_another_worker(stack: Stack, stream: bool) -> None:
+    stack.wait_routable("retry", 2)  # a retry needs a second routable worker
     rid = uuid.uuid4().hex
     result = _client(stack).chat.completions.create(
         model="m-retry",
         messages=[{"role": "user", "content": "x"}],
         stream=stream,
-        extra_headers={"x-request-id": rid},
+        user=rid,
     )
     if stream:
         text = "".join(c.choices[0].delta.content or "" for c in result if c.choices)  # type: ignore[union-attr]
@@ -43,9 +44,17 @@ def test_500_before_first_byte_is_retried_on_another_worker(stack: Stack, stream
         text = result.choices[0].message.content or ""  # type: ignore[union-attr]
     assert "hello from the fake worker" in text
     # The first worker answered 500; the same request then went to the other worker.
-    first = [r["request_id"] for r in worker_log(stack.workers["once500a"])["requests"]]
-    second = [r["request_id"] for r in worker_log(stack.workers["once500b"])["requests"]]
-    assert first.count(rid) == 1 and second.count(rid) == 1
+    first = [
+        r["request_id"]
+        for r in worker_log(stack.workers["once500a"])["requests"]
+        if r["body"].get("user") == rid
+    ]
+    second = [
+        r["request_id"]
+        for r in worker_log(stack.workers["once500b"])["requests"]
+        if r["body"].get("user") == rid
+    ]
+    assert len(first) == 1 and first == second  # one request (one internal id), two workers
 
 
 def test_all_attempts_failing_is_a_502(stack: Stack) -> None:
@@ -76,7 +85,7 @@ def test_worker_dying_mid_stream_gives_one_error_event_and_the_sdk_raises(stack:
 
 def test_client_disconnect_cancels_the_upstream_request(stack: Stack) -> None:
     rid = uuid.uuid4().hex
-    body = {"model": "m-slow", "messages": [{"role": "user", "content": "x"}], "stream": True}
+    body = {"model": "m-slow", "messages": [{"role": "user", "content": "x"}], "stream": True, "user": rid}
     with httpx.stream(
         "POST",
         stack.base_url + "/v1/chat/completions",
@@ -98,7 +107,7 @@ def test_client_disconnect_cancels_the_upstream_request(stack: Stack) -> None:
 
 def test_client_disconnect_cancels_a_non_streamed_request(stack: Stack) -> None:
     rid = uuid.uuid4().hex
-    body = {"model": "m-slow", "messages": [{"role": "user", "content": "x"}]}
+    body = {"model": "m-slow", "messages": [{"role": "user", "content": "x"}], "user": rid}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(
             stack.base_url + "/v1/chat/completions",

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 import uuid
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,19 +30,21 @@ def worker_log(url: str) -> dict[str, Any]:
         return data
 
 
-def received(stack: Stack, request_id: str) -> list[dict[str, Any]]:
-    """Every worker-side record of one request id, across all fake workers."""
+def received(stack: Stack, tag: str) -> list[dict[str, Any]]:
+    """Every worker-side record of the request whose body's `user` field is `tag`, across all fake
+    workers (the worker sees the gateway's own request id, never the client's)."""
     out = []
     for name, url in stack.workers.items():
         if name == "down":
             continue
-        out += [r for r in worker_log(url)["requests"] if r["request_id"] == request_id]
+        out += [r for r in worker_log(url)["requests"] if r["body"].get("user") == tag]
     return out
 
 
 def test_sync_chat_returns_worker_answer_usage_and_request_id(stack: Stack) -> None:
+    tag = uuid.uuid4().hex
     raw = _client(stack).chat.completions.with_raw_response.create(
-        model="m-ok", messages=[{"role": "user", "content": "hello"}]
+        model="m-ok", messages=[{"role": "user", "content": "hello"}], user=tag
     )
     reply = raw.parse()
     assert reply.choices[0].message.content is not None
@@ -49,19 +53,34 @@ def test_sync_chat_returns_worker_answer_usage_and_request_id(stack: Stack) -> N
     assert reply.usage.prompt_tokens_details is not None
     assert reply.usage.prompt_tokens_details.cached_tokens is not None
     rid = raw.headers["x-request-id"]
-    assert rid and len(received(stack, rid)) == 1
+    (record,) = received(stack, tag)
+    assert rid and record["request_id"] == rid  # no client id: the internal one is echoed
 
 
-def test_inbound_request_id_is_honoured_and_forwarded(stack: Stack) -> None:
+def test_inbound_request_id_is_echoed_but_never_forwarded(stack: Stack, gateway_log: Path) -> None:
     rid = f"client-{uuid.uuid4().hex}"
-    raw = _client(stack).chat.completions.with_raw_response.create(
-        model="m-ok", messages=[{"role": "user", "content": "x"}], extra_headers={"x-request-id": rid}
-    )
-    assert raw.headers["x-request-id"] == rid
-    assert [r["request_id"] for r in received(stack, rid)] == [rid]
+    records = []
+    for _ in range(2):  # two requests with the same client id must stay two requests upstream
+        tag = uuid.uuid4().hex
+        raw = _client(stack).chat.completions.with_raw_response.create(
+            model="m-ok",
+            messages=[{"role": "user", "content": "x"}],
+            extra_headers={"x-request-id": rid},
+            user=tag,
+        )
+        assert raw.headers["x-request-id"] == rid
+        records += received(stack, tag)
+    internal = [r["request_id"] for r in records]
+    assert len(internal) == 2 and len(set(internal)) == 2 and rid not in internal
+    # The access log links the client's id to the internal one.
+    deadline = time.monotonic() + 3
+    while internal[1] not in gateway_log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    lines = [json.loads(line) for line in gateway_log.read_text().splitlines() if internal[1] in line]
+    assert lines and lines[0]["client_request_id"] == rid
 
 
-def test_every_field_is_forwarded_and_strict_tenants_get_their_own_salt(stack: Stack) -> None:
+def test_every_field_is_forwarded_and_every_tenant_gets_its_own_salt(stack: Stack) -> None:
     fields: dict[str, Any] = {
         "response_format": {"type": "json_object"},
         "seed": 7,
@@ -75,25 +94,38 @@ def test_every_field_is_forwarded_and_strict_tenants_get_their_own_salt(stack: S
     extra = {"top_k": 5, "an_unknown_field": {"nested": [1, 2.5, None]}}
     bodies = {}
     for key in ("sk-acme", "sk-globex", "sk-pub"):
-        rid = uuid.uuid4().hex
+        tag = uuid.uuid4().hex
         _client(stack, key).chat.completions.create(
             model="m-ok",
             messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
-            extra_headers={"x-request-id": rid},
-            extra_body=extra,
+            user=tag,
+            extra_body={**extra, "cache_salt": "client-chosen-salt"},
             **fields,
         )
-        (record,) = received(stack, rid)
+        (record,) = received(stack, tag)
         bodies[key] = record["body"]
     for body in bodies.values():
         for name, value in {**fields, **extra}.items():
             assert body[name] == value, name
-    assert bodies["sk-acme"]["cache_salt"] != bodies["sk-globex"]["cache_salt"]
-    assert len(bodies["sk-acme"]["cache_salt"]) >= 16
-    assert "cache_salt" not in bodies["sk-pub"]  # public tenants share worker KV
+    salts = {key: body["cache_salt"] for key, body in bodies.items()}
+    # The client's salt is always replaced; a public tenant's private tail is salted too (only a
+    # prompt wholly inside a promoted public prefix may share worker KV).
+    assert len(set(salts.values())) == 3 and "client-chosen-salt" not in salts.values()
+    assert all(len(salt) >= 16 for salt in salts.values())
+
+
+@pytest.mark.parametrize("field", ["kv_transfer_params", "request_id", "priority", "prompt_embeds"])
+def test_engine_internal_fields_are_refused(stack: Stack, field: str) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        _client(stack).chat.completions.create(
+            model="m-ok", messages=[{"role": "user", "content": "x"}], extra_body={field: {"a": 1}}
+        )
+    error = info.value.body
+    assert isinstance(error, dict) and error["param"] == field and field in error["message"]
 
 
 async def test_async_stream_with_usage_has_choices_list_and_cached_tokens(stack: Stack) -> None:
+    stack.wait_routable("ok", 2)  # the same prefix must find the same worker both times
     client = _async_client(stack)
     messages = [{"role": "system", "content": "S" * 600}, {"role": "user", "content": "stream please"}]
     usages = []
@@ -115,18 +147,18 @@ async def test_async_stream_with_usage_has_choices_list_and_cached_tokens(stack:
 
 
 def test_stream_without_include_usage_gets_no_usage_chunk(stack: Stack) -> None:
-    rid = uuid.uuid4().hex
+    tag = uuid.uuid4().hex
     chunks = list(
         _client(stack).chat.completions.create(
             model="m-ok",
             messages=[{"role": "user", "content": "hi"}],
             stream=True,
-            extra_headers={"x-request-id": rid},
+            user=tag,
         )
     )
     assert chunks and all(c.usage is None for c in chunks) and all(c.choices for c in chunks)
     # The gateway asked the worker for usage on the client's behalf (for routing feedback).
-    (record,) = received(stack, rid)
+    (record,) = received(stack, tag)
     assert record["body"]["stream_options"] == {"include_usage": True}
 
 
@@ -230,6 +262,6 @@ def test_metrics_count_requests_routing_and_tokens(stack: Stack) -> None:
     _client(stack).chat.completions.create(model="m-ok", messages=[{"role": "user", "content": "count me"}])
     text = httpx.get(stack.base_url + "/metrics", timeout=5).text
     assert 'kvgate_requests_total{endpoint="chat",model="m-ok",status="200",tenant="acme"}' in text
-    assert 'kvgate_routing_decisions_total{policy="cost",reason=' in text
+    assert 'kvgate_routing_decisions_total{policy="consistent_hash",reason=' in text
     assert "kvgate_prompt_tokens_total" in text and "kvgate_request_duration_seconds_bucket" in text
     assert "kvgate_time_to_first_token_seconds_count" in text

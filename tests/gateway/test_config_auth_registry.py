@@ -100,6 +100,12 @@ def test_keyring_maps_keys_to_tenants_with_distinct_salts() -> None:
         ring.lookup("Bearer nope") is None and ring.lookup(None) is None and ring.lookup("Basic ka") is None
     )
     assert KeyRing(tenants, b"other").lookup("Bearer ka") is None  # the hash is keyed
+    # Repeated lookups come from the cache (same answer, no plain key stored); misses stay misses.
+    for _ in range(3):
+        assert ring.lookup("Bearer ka") is a and ring.lookup("Bearer nope") is None
+    assert len(ring._cache) == 2 and all(isinstance(k, bytes) and b"ka" not in k for k in ring._cache)
+    assert ring.public_salt not in (a.cache_salt, b.cache_salt)
+    assert ring.salt_namespaces[a.cache_salt] == "tenant:a"
 
 
 def test_pool_set_urls_keeps_state_of_surviving_workers() -> None:

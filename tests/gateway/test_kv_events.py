@@ -129,6 +129,8 @@ def test_other_media_groups_and_unknown_types_are_skipped() -> None:
         (msgpack.packb([1.0]), "batch must be"),
         (msgpack.packb([1.0, [["BlockStored", "nope", None, [], 2]]]), "block_hashes"),
         (msgpack.packb([1.0, [["BlockStored", [1], None, ["x"], 2]]]), "token_ids"),
+        (msgpack.packb([1.0, [["BlockStored", [1], None, [-1, 7], 2]]]), "token_ids"),
+        (msgpack.packb([1.0, [["BlockStored", [1], None, [2**32, 7], 2]]]), "token_ids"),
         (msgpack.packb([1.0, [{"block_hashes": [1]}]]), "type"),
         (msgpack.packb(["x", []]), "ts"),
     ],
@@ -136,6 +138,35 @@ def test_other_media_groups_and_unknown_types_are_skipped() -> None:
 def test_bad_payloads_say_what_is_wrong(payload: bytes, needle: str) -> None:
     with pytest.raises(KvEventDecodeError, match=needle):
         decode_batch(payload)
+
+
+def test_bad_token_ids_never_appear_in_the_error() -> None:
+    with pytest.raises(KvEventDecodeError) as info:
+        decode_batch(msgpack.packb([1.0, [["BlockStored", [1], None, [123456789, -987654321], 2]]]))
+    assert "123456789" not in str(info.value) and "987654321" not in str(info.value)
+
+
+def _salted(parent: int | None, extra_first: Any, lora: str | None = None) -> list[Any]:
+    ev = stored_array([11, 12], parent, lora_name=lora)
+    ev[8] = [extra_first, None]
+    return ev
+
+
+def test_root_block_salt_names_the_namespace() -> None:
+    salts = {"salt-a": "tenant:a", "salt-pub": "public"}
+    events = [
+        _salted(None, ["salt-a"]),  # the emulator's form
+        _salted(None, ["sql-lora", "mm-hash", "salt-pub"], lora="sql-lora"),  # vLLM: lora, mm ids, salt
+        _salted(None, None),  # unsalted chain
+        _salted(7, None),  # a continuation: its parent knows the namespace
+        _salted(None, ["salt-of-someone-else"]),  # foreign salt: nobody routed here can hit it
+        _salted(None, ["sql-lora"], lora="sql-lora"),  # an adapter name alone is no salt
+    ]
+    out = decode_batch(batch(events), salts)
+    assert [e.namespace for e in out.events] == ["tenant:a", "public", None, None, None]
+    assert out.skipped_events == 1
+    # Without a salt map (tools, tests) nothing is resolved or dropped.
+    assert [e.namespace for e in decode_batch(batch(events)).events] == [None] * 6
 
 
 def test_endpoint_template() -> None:
@@ -362,7 +393,9 @@ async def test_callback_errors_do_not_stop_the_subscription(pub: Publisher) -> N
         await pub.send(1, one(2))
         async with asyncio.timeout(5):
             await done.wait()
-        assert sub.stats(W).callback_errors == 1  # type: ignore[union-attr]
+        stats = sub.stats(W)
+        assert stats is not None and stats.callback_errors == 1
+        assert stats.last_error == "callback raised RuntimeError"  # the type, never the message
     finally:
         await sub.stop()
 
@@ -463,3 +496,32 @@ async def test_data_parallel_ranks_are_separate_streams_of_one_worker(
     finally:
         await sub.stop()
     assert rec.hashes() == [10, 20, 11]
+
+
+async def test_joining_a_running_worker_replays_its_buffered_history(
+    ctx: zmq.asyncio.Context, pub: Publisher
+) -> None:
+    rec = Recorder()
+    buffered = {s: one(10 + s) for s in range(2, 8)}  # the buffer no longer holds 0 and 1
+    async with (
+        replay_server(ctx, buffered) as replay,
+        subscribed(pub, rec, replay=replay, gap_handler=rec.on_gap) as sub,
+    ):
+        await pub.send(7, buffered[7])
+        await rec.wait_for(6)
+        stats = sub.stats(W)
+        assert stats is not None and stats.replayed_batches == 5 and stats.gaps == 0
+    assert rec.hashes() == [12, 13, 14, 15, 16, 17]  # no gap reported for history before the buffer
+
+
+async def test_join_without_catch_up(ctx: zmq.asyncio.Context, pub: Publisher) -> None:
+    rec = Recorder()
+    limits = KvEventLimits(replay_on_join=False)
+    async with (
+        replay_server(ctx, {s: one(10 + s) for s in range(0, 4)}) as replay,
+        subscribed(pub, rec, replay=replay, limits=limits),
+    ):
+        await pub.send(3, one(13))
+        await pub.send(4, one(14))
+        await rec.wait_for(2)
+    assert rec.hashes() == [13, 14]

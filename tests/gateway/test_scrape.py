@@ -108,6 +108,23 @@ def test_unprofiled_cache_and_garbage_lines_are_tolerated() -> None:
     assert m.num_gpu_blocks is None and m.block_size_tokens == 16 and m.kv_capacity_tokens is None
 
 
+def test_non_finite_and_negative_values_are_ignored() -> None:
+    page = (
+        "vllm:num_requests_waiting +Inf\n"
+        "vllm:num_requests_running 1e400\n"
+        "vllm:kv_cache_usage_perc -0.5\n"
+        'vllm:cache_config_info{block_size="16",num_gpu_blocks="-100"} 1\n'
+        'sglang:max_total_num_tokens{engine="0"} 1e308\n'
+    )
+    m = parse_metrics(page)  # must not raise OverflowError
+    assert m.engine == "vllm"
+    assert (m.num_requests_waiting, m.num_requests_running, m.kv_cache_usage) == (None, None, None)
+    assert m.num_gpu_blocks is None and m.kv_capacity_tokens is None
+    # Two finite samples whose sum overflows to infinity.
+    huge = 'sglang:max_total_num_tokens{engine="0"} 1e308\nsglang:max_total_num_tokens{engine="1"} 1e308\n'
+    assert parse_metrics(huge).kv_capacity_tokens is None
+
+
 def test_unknown_page_gives_an_empty_record() -> None:
     assert parse_metrics("up 1\nprocess_cpu_seconds_total 3\n") == WorkerMetrics()
     assert parse_metrics("") == WorkerMetrics()
@@ -189,6 +206,31 @@ async def test_loop_scrapes_ages_and_survives_failures(worker: tuple[Worker, str
         await wait_until(lambda: scraper.fresh(W) is not None)
         assert scraper.fresh(W) == parse_metrics(DP_PAGE)
         assert scraper.fresh(WorkerId("unknown")) is None
+    finally:
+        await scraper.stop()
+
+
+async def test_loop_survives_an_unexpected_exception(
+    worker: tuple[Worker, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, url = worker
+    scraper = MetricsScraper(ScrapeConfig(interval_s=0.01, timeout_s=0.5))
+    real = scraper.scrape_once
+    calls = [0]
+
+    async def flaky(base_url: str) -> WorkerMetrics:
+        calls[0] += 1
+        if calls[0] <= 2:
+            raise OverflowError("boom")
+        return await real(base_url)
+
+    monkeypatch.setattr(scraper, "scrape_once", flaky)
+    await scraper.start()
+    try:
+        scraper.add(W, url)
+        await wait_until(lambda: scraper.fresh(W) is not None)
+        state = scraper.state(W)
+        assert state is not None and state.failures == 2 and state.consecutive_failures == 0
     finally:
         await scraper.stop()
 

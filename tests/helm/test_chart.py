@@ -3,6 +3,9 @@ built-in resource validated against the Kubernetes schemas with unknown fields r
 
 from __future__ import annotations
 
+import json
+import sys
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +14,10 @@ import kubernetes_validate  # dev extra: kubernetes-validate (bundled Kubernetes
 import pytest
 import yaml
 
+from gateway.auth import hash_api_key
+from gateway.config import parse_config
+from loadtest.overhead_load import free_port, spawn, stop, wait_ready
+
 CHART = Path(__file__).resolve().parents[2] / "helm" / "kvgate"
 KUBE_VERSIONS = ("1.30.0", "1.33.0")
 # Custom resources have no bundled schema; they are checked by shape below instead.
@@ -18,14 +25,20 @@ CRD_KINDS = frozenset({"ServiceMonitor"})
 
 
 KEY_HASH = "hmac-sha256:" + "ab" * 32
-# values.yaml ships no tenant (a key hash is deployment-specific): every render adds one.
+# values.yaml ships no tenant and no workers (both are deployment-specific): every render adds them.
 TENANT: dict[str, Any] = {"name": "team-a", "apiKeyHashes": [KEY_HASH]}
+POOL: dict[str, Any] = {
+    "name": "default",
+    "models": ["my-model"],
+    "workers": {"urls": ["http://10.0.0.7:8000"]},
+}
+REQUIRED: dict[str, Any] = {"tenants": [TENANT], "pools": [POOL]}
 
 
 def render(values: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
     """Render with `values` (plus a tenant) on top of values.yaml; return the documents by kind/name."""
     chart = helm_python.Chart.load(str(CHART))
-    merged = {"tenants": [TENANT], **(values or {})}
+    merged = {**REQUIRED, **(values or {})}
     out = chart.render(merged, name="rel", namespace="llm", is_install=True)
     docs: dict[str, dict[str, Any]] = {}
     for path, text in out.items():
@@ -48,15 +61,30 @@ def pod_spec(docs: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def test_lint_is_clean() -> None:
-    result = helm_python.lint(str(CHART), {"tenants": [TENANT]}, strict=True, kube_version="v1.30.0")
+    result = helm_python.lint(str(CHART), REQUIRED, strict=True, kube_version="v1.30.0")
     assert result["errors"] == []
     assert [m for m in result["messages"] if m["severity"] > 1] == []
 
 
-def test_install_without_a_tenant_fails_clearly() -> None:
+@pytest.mark.parametrize(
+    ("values", "needle"),
+    [({"pools": [POOL]}, "at least one tenant"), ({"tenants": [TENANT]}, "set workers.urls or workers.dns")],
+)
+def test_install_without_tenant_or_workers_fails_clearly(values: dict[str, Any], needle: str) -> None:
     chart = helm_python.Chart.load(str(CHART))
-    with pytest.raises(helm_python.HelmError, match="at least one tenant"):
-        chart.render({}, name="rel", namespace="llm", is_install=True)
+    with pytest.raises(helm_python.HelmError, match=needle):
+        chart.render(values, name="rel", namespace="llm", is_install=True)
+
+
+def test_rendered_gateway_config_is_accepted_by_the_gateway() -> None:
+    docs = render(FULL_VALUES | {"config": {"upstream": {"max_connections": 512}}})
+    config = parse_config(gateway_config(docs))
+    assert config.listen.port == 8080 and config.listen.host == "0.0.0.0"
+    assert config.pools[0].workers == ["http://10.0.0.7:8000"]
+    assert config.tenants[0].quotas.rpm == 60 and config.tenants[0].isolation == "public"
+    assert config.secrets.key_hash_secret_env == "KVGATE_KEY_SECRET"
+    assert config.drain.deadline_s == 30 and config.upstream.max_connections == 512
+    assert config.policy_file == "/etc/kvgate/policy/policy.yaml"
 
 
 FULL_VALUES: dict[str, Any] = {
@@ -132,10 +160,14 @@ def test_static_urls_and_dns_workers() -> None:
         "workers": {"dns": {"name": "vllm.llm.svc", "port": 8000, "refreshSeconds": 3}},
         "kvEventsEndpoint": "tcp://{host}:5557",
     }
-    (pool,) = gateway_config(render({"pools": [dns_pool]}))["pools"]
+    rendered = gateway_config(render({"pools": [dns_pool]}))
+    (pool,) = rendered["pools"]
     assert pool["dns"] == {"name": "vllm.llm.svc", "port": 8000, "scheme": "http", "refresh_s": 3}
     assert "workers" not in pool
     assert pool["kv_events_endpoint"] == "tcp://{host}:5557"
+    # `kvgate serve` accepts both keys.
+    parsed = parse_config(rendered).pools[0]
+    assert parsed.dns is not None and parsed.kv_events_endpoint == "tcp://{host}:5557"
 
 
 def test_policy_configmap_and_overrides() -> None:
@@ -178,3 +210,44 @@ def test_optional_resources() -> None:
 def test_bad_values_fail_with_a_clear_message(values: dict[str, Any], needle: str) -> None:
     with pytest.raises(helm_python.HelmError, match=needle):
         render(values)
+
+
+def test_rendered_config_and_policy_boot_a_real_gateway(tmp_path: Path) -> None:
+    """The chart's ConfigMaps, written to disk, run `kvgate serve` and route a chat request."""
+    secret, api_key = "chart-test-secret", "sk-chart-test"
+    backend_port, gateway_port = free_port(), free_port()
+    backend_url = f"http://127.0.0.1:{backend_port}"
+    policy_path = tmp_path / "policy.yaml"
+    values = {
+        "tenants": [{"name": "team-a", "apiKeyHashes": [hash_api_key(secret.encode(), api_key)]}],
+        "pools": [{"name": "p", "models": ["bench-model"], "workers": {"urls": [backend_url]}}],
+        "policy": {"content": "policy: cost\nseed: 1\n"},
+        # Only what a pod's filesystem and network provide differently here.
+        "config": {"policy_file": str(policy_path), "listen": {"host": "127.0.0.1", "port": gateway_port}},
+    }
+    docs = render(values)
+    policy_path.write_text(docs["ConfigMap/rel-kvgate-policy"]["data"]["policy.yaml"])
+    config_path = tmp_path / "gateway.yaml"
+    config_path.write_text(docs["ConfigMap/rel-kvgate-config"]["data"]["gateway.yaml"])
+    backend = spawn(
+        [sys.executable, "-m", "loadtest.static_backend", "--port", str(backend_port)], tmp_path / "b.log"
+    )
+    gateway = None
+    try:
+        wait_ready(backend_url + "/health", backend, tmp_path / "b.log", timeout_s=15)
+        cmd = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path)]
+        gateway = spawn(cmd, tmp_path / "g.log", env={"KVGATE_KEY_SECRET": secret})
+        base = f"http://127.0.0.1:{gateway_port}"
+        wait_ready(base + "/readyz", gateway, tmp_path / "g.log", timeout_s=30)
+        body = json.dumps({"model": "bench-model", "messages": [{"role": "user", "content": "hi"}]}).encode()
+        req = urllib.request.Request(
+            base + "/v1/chat/completions",
+            data=body,
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {api_key}"},
+        )
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            assert resp.status == 200
+            assert json.loads(resp.read())["choices"][0]["message"]["content"] == "ok"
+    finally:
+        stop(gateway)
+        stop(backend)

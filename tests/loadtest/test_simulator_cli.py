@@ -77,6 +77,7 @@ def test_bad_input_fails_with_a_clear_message(tmp_path: Path, capsys: pytest.Cap
     assert main(["simulate", *SMALL_GSP, "--profile", "no-such-gpu"]) == 2
     assert main(["simulate", *SMALL_GSP, "--rate-scale", "0"]) == 2
     assert main(["simulate", "--workload", "nope", "--quiet"]) == 2
+    assert main(["simulate", *SMALL_GSP, "--tenant-isolation", "gsp=open"]) == 2
     assert "known: agent" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["simulate", *SMALL_GSP, "--kv-blocks-per-worker", "0"])
@@ -101,7 +102,8 @@ def test_a_trace_runs_end_to_end(tmp_path: Path) -> None:
 
 
 def test_chat_prompts_count_the_emulator_template_tokens(tmp_path: Path) -> None:
-    from loadtest.simulator.cli import emulator_chat_bytes
+    from loadtest.emulator.chat_template import render_chat
+    from loadtest.workloads.openai_body import chat_messages, chat_tools
     from loadtest.workloads.records import ChatPrompt
     from loadtest.workloads.registry import make_workload
 
@@ -111,4 +113,5 @@ def test_chat_prompts_count_the_emulator_template_tokens(tmp_path: Path) -> None
     records = {r["request_id"]: r for r in json.loads(out.read_text())["requests"]}
     for req in make_workload("agent", 0, ["n_sessions=3", "turns_per_session=2"]):
         assert isinstance(req.prompt, ChatPrompt)
-        assert records[req.request_id]["prompt_tokens"] == len(emulator_chat_bytes(req.prompt))
+        rendered = render_chat(chat_messages(req.prompt), chat_tools(req.prompt) or None)
+        assert records[req.request_id]["prompt_tokens"] == len(rendered.encode())

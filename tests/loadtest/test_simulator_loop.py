@@ -40,6 +40,8 @@ class _Fin:
 
 @dataclass(frozen=True)
 class _Stored:
+    request_id: str
+    first_block_index: int
     block_hashes: tuple[int, ...]
     parent_block_hash: int | None
 
@@ -103,7 +105,7 @@ class ScriptedEngine:
             cached = hit * self.block_size
             prefill += r.num_prompt_tokens - cached
             self.cache.update(r.block_hashes)
-            stored.append(_Stored(tuple(r.block_hashes[hit:]), None))
+            stored.append(_Stored(r.request_id, hit, tuple(r.block_hashes[hit:]), None))
             firsts.append(_First(r.request_id, cached))
             self.running[r.request_id] = [r, 1, cached]
         self.waiting = []

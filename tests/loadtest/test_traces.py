@@ -1,19 +1,34 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
+from loadtest.simulator.keys import KeyPath
 from loadtest.traces.load import load_trace
 from loadtest.traces.mooncake import TraceFormatError, read_mooncake
 from loadtest.traces.users import replay_as_users
 from loadtest.workloads.ceilings import ceiling_infinite
-from loadtest.workloads.chains import request_chain
 from loadtest.workloads.records import BlockPrompt
 from loadtest.workloads.render import prompt_bytes
+from policies.base import Isolation
+from prompt_normalizer.types import PUBLIC_NAMESPACE
 
-SHARED = Path("/work/shared/data/traces")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def shared_traces_dir() -> Path:
+    """$KVGATE_TRACES_DIR, else `shared/data/traces` beside the repository (a clone and `shared/`
+    sit side by side on the development machine and in CI). Missing traces fail, never skip."""
+    env = os.environ.get("KVGATE_TRACES_DIR")
+    path = Path(env) if env else REPO_ROOT.parent / "shared" / "data" / "traces"
+    if not path.is_dir():
+        pytest.fail(
+            f"shared traces not found at {path}: set KVGATE_TRACES_DIR or put shared/ beside the clone"
+        )
+    return path
 
 
 def _write_mooncake(path: Path) -> None:
@@ -85,7 +100,7 @@ def test_kvcache_tester_reader_includes_subagents(tmp_path: Path) -> None:
     assert sub.session == "s1/a1" and sub.max_output_tokens == 7
     # 200 tokens over 3 hashed blocks: an 8-token unhashed tail.
     assert len(prompt_bytes(t.requests[0])) == 200
-    chains = [request_chain(r, "ns") for r in t.requests]
+    chains = [KeyPath().keyed(r).chain() for r in t.requests]
     # Request 2 hits blocks 1,2,3 (192 tokens); the sub-agent (same id space) hits 1,2 (128).
     assert ceiling_infinite(chains).hit_tokens == 192 + 128
 
@@ -107,13 +122,30 @@ def test_replay_as_users_shares_only_the_prefix(tmp_path: Path) -> None:
         replay_as_users(list(t.requests), 0)
 
 
-@pytest.mark.skipif(not SHARED.is_dir(), reason="shared traces are only on the development machine")
 @pytest.mark.parametrize(
     ("name", "ceiling"),
     [("conversation_trace.jsonl", 0.374), ("synthetic_trace.jsonl", 0.651), ("trace_0256.json", 0.959)],
 )
 def test_infinite_ceilings_match_the_published_table(name: str, ceiling: float) -> None:
-    t = load_trace(SHARED / name)
-    assert ceiling_infinite(request_chain(r, "trace") for r in t.requests).hit_ratio == pytest.approx(
+    t = load_trace(shared_traces_dir() / name)
+    keys = KeyPath()
+    assert ceiling_infinite(keys.keyed(r).chain() for r in t.requests).hit_ratio == pytest.approx(
         ceiling, abs=0.0006
     )
+
+
+def test_session_users_as_tenants_share_only_the_public_system_and_tools_chain(tmp_path: Path) -> None:
+    f = tmp_path / "s.json"
+    _write_kvct(f)
+    t = load_trace(f, users=3, tenant_per_user=True, seed=1)
+    assert {r.tenant for r in t.requests} == {"trace-u0", "trace-u1", "trace-u2"}
+    keys = KeyPath(isolation=Isolation.SHARED_PUBLIC)
+    firsts = {}
+    for r in t.requests:
+        firsts.setdefault(r.tenant, keys.keyed(r))
+    assert all(k.immutable_blocks == 2 for k in firsts.values())  # (30 + 100) // 64
+    assert len({k.public_block_keys for k in firsts.values()}) == 1
+    assert len({k.block_keys[0] for k in firsts.values()}) == 3  # own namespaces stay apart
+    assert keys.tenant("trace-u0").namespace != PUBLIC_NAMESPACE
+    strict = KeyPath().keyed(t.requests[0])
+    assert strict.public_block_keys == () and strict.immutable_blocks == 2

@@ -1,15 +1,23 @@
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
 
-from loadtest.workloads.ceilings import ceiling_infinite, ceiling_pooled_lru
-from loadtest.workloads.chains import BlockChain, request_chain
+from loadtest.simulator.keys import KeyPath
+from loadtest.workloads.ceilings import BlockChain, ceiling_infinite, ceiling_pooled_lru
 from loadtest.workloads.records import BlockPrompt, ChatPrompt, WorkloadRequest, scale_arrivals
 from loadtest.workloads.registry import WORKLOADS, make_workload
 from loadtest.workloads.render import prompt_bytes
 from loadtest.workloads.text import block_bytes, synth_text
+
+KEYS = KeyPath()
+
+
+def _chain(req: WorkloadRequest, tenant: str) -> BlockChain:
+    """The ceiling chain of `req` sent by `tenant` (the production keys)."""
+    return KEYS.keyed(dataclasses.replace(req, tenant=tenant)).chain()
 
 
 def _block_req(
@@ -73,7 +81,7 @@ def test_agent_sessions_share_system_and_tools_and_only_append() -> None:
 
 def test_gsp_ceiling_matches_the_closed_form() -> None:
     reqs = make_workload("gsp", 0, ["num_groups=8", "prompts_per_group=4", "system_prompt_len=512"])
-    chains = [request_chain(r, r.tenant, 16) for r in reqs]
+    chains = [KEYS.keyed(r).chain() for r in reqs]
     # (P-1)/P of the groups' requests hit the whole 512-token system prompt (question: 128 tokens).
     expected = (3 / 4) * 512 / 640
     assert ceiling_infinite(chains).hit_ratio == pytest.approx(expected, abs=0.01)
@@ -97,27 +105,21 @@ def test_scale_arrivals_divides_times() -> None:
 
 def test_ceilings_on_a_hand_example() -> None:
     chains = [
-        request_chain(_block_req("a", (1, 2, 3), 12), "ns"),
-        request_chain(_block_req("b", (1, 2, 9), 10), "ns"),  # hits 1,2 = 8 tokens
-        request_chain(_block_req("c", (2, 3), 8), "ns"),  # block 2 at the root is another chain: miss
-        request_chain(_block_req("d", (1, 2, 3), 11), "other"),  # another namespace: miss
+        _chain(_block_req("a", (1, 2, 3), 12), "ns"),
+        _chain(_block_req("b", (1, 2, 9), 10), "ns"),  # hits 1,2 = 8 tokens
+        _chain(_block_req("c", (2, 3), 8), "ns"),  # block 2 at the root is another chain: miss
+        _chain(_block_req("d", (1, 2, 3), 11), "other"),  # another namespace: miss
     ]
     inf = ceiling_infinite(chains)
     assert (inf.hit_tokens, inf.total_tokens) == (8, 41)
     # A cache of 2 blocks keeps only the most recent chain's root side.
     lru = ceiling_pooled_lru(
-        [
-            request_chain(_block_req(x, ids, 8), "ns")
-            for x, ids in (("a", (1, 2)), ("b", (5, 6)), ("c", (1, 2)))
-        ],
+        [_chain(_block_req(x, ids, 8), "ns") for x, ids in (("a", (1, 2)), ("b", (5, 6)), ("c", (1, 2)))],
         capacity_tokens=8,
     )
     assert lru.hit_tokens == 0
     lru3 = ceiling_pooled_lru(
-        [
-            request_chain(_block_req(x, ids, 8), "ns")
-            for x, ids in (("a", (1, 2)), ("b", (1, 6)), ("c", (1, 2)))
-        ],
+        [_chain(_block_req(x, ids, 8), "ns") for x, ids in (("a", (1, 2)), ("b", (1, 6)), ("c", (1, 2)))],
         capacity_tokens=12,
     )
     # a: stores 1,2; b: hits 1, stores 6 → cache {2,6,1}; c hits 1 and 2.
@@ -136,7 +138,7 @@ def test_working_set_counts_each_distinct_block_once_at_its_largest() -> None:
     from loadtest.workloads.ceilings import working_set_tokens
 
     chains = [
-        request_chain(_block_req("a", (1, 2), 6), "ns"),  # block 2 partial: 2 tokens
-        request_chain(_block_req("b", (1, 2, 3), 12), "ns"),  # block 2 full now, block 3 new
+        _chain(_block_req("a", (1, 2), 6), "ns"),  # block 2 partial: 2 tokens
+        _chain(_block_req("b", (1, 2, 3), 12), "ns"),  # block 2 full now, block 3 new
     ]
     assert working_set_tokens(chains) == 4 + 4 + 4

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def test_bench_keys_reports() -> None:
     proc = subprocess.run(
@@ -21,6 +23,8 @@ def test_bench_keys_reports() -> None:
             "3",
             "--vocab-size",
             "300",
+            "--chat-requests",
+            "200",
             "--json",
         ],
         capture_output=True,
@@ -40,3 +44,35 @@ def test_bench_keys_reports() -> None:
     ):
         assert name in report
     assert report["config"]["tokens"] == 1024 and report["chat_tokens"] >= 1024
+    chat = report["chat_request"]
+    for name in ("floor_dumps_xxh3_us", "approximate_us", "approximate_public_keys_us", "tokenizer_us"):
+        assert chat[name] > 0
+
+
+def test_bench_keys_chat_only_reports_per_request_time_and_floor() -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "bench",
+            "keys",
+            "--chat-only",
+            "--vocab-size",
+            "300",
+            "--chat-requests",
+            "100",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    chat = report["chat_request"]
+    assert report["git_sha"] and report["config"]["seed"] == 0
+    assert 1000 < chat["chat_body_bytes"] < 2000
+    ratio = chat["approximate_us"] / chat["floor_dumps_xxh3_us"]
+    assert chat["approximate_ratio_vs_floor"] == pytest.approx(ratio)
+    assert chat["tokenizer_tokens"] > 0 and chat["tokenizer_us"] > 0 and chat["tokenizer_bpe_encode_us"] > 0

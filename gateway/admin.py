@@ -1,0 +1,174 @@
+"""The admin API: process status and an immediate policy reload, for operators only.
+
+Both routes need `Authorization: Bearer <admin key>`, checked against `admin.api_key_hash` in the
+config (the same keyed hash as tenant keys; a tenant key never works here). Without that setting
+the routes answer 404, as if they did not exist. Nothing here shows request content: workers,
+breakers, scrape ages, KV-event stream counters, policy counters and the policy file's state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gateway.auth import hash_api_key
+from gateway.errors import ApiError
+from gateway.policy_watch import PolicyStatus, PolicyWatcher, ReloadResult
+from gateway.registry import Worker
+from gateway.state import GatewayState
+from policies.stats import SupportsStats
+
+if TYPE_CHECKING:
+    from gateway.fleet import Fleet
+
+
+def admin_routes(state: GatewayState, watcher: PolicyWatcher | None) -> list[Route]:
+    """`GET /admin/status` and `POST /admin/policy/reload` over the gateway's state."""
+
+    async def status(request: Request) -> Response:
+        denied = _check(request, state)
+        if denied is not None:
+            return denied
+        return _json(status_snapshot(state, watcher), 200)
+
+    async def reload(request: Request) -> Response:
+        denied = _check(request, state)
+        if denied is not None:
+            return denied
+        if watcher is None:
+            err = ApiError(409, "no policy_file is configured: nothing to reload", "invalid_request_error")
+            return _error(dataclasses.replace(err, code="no_policy_file"))
+        result = await watcher.reload_now()
+        return _json(_reload_body(result), 200 if result.error is None else 422)
+
+    return [
+        Route("/admin/status", status, methods=["GET"]),
+        Route("/admin/policy/reload", reload, methods=["POST"]),
+    ]
+
+
+def _check(request: Request, state: GatewayState) -> Response | None:
+    expected = state.config.admin.api_key_hash
+    if expected is None:
+        return _error(ApiError(404, f"unknown route {request.method} {request.url.path}", code="not_found"))
+    scheme, _, key = (request.headers.get("authorization") or "").partition(" ")
+    key = key.strip()
+    if scheme.lower() == "bearer" and key and hmac.compare_digest(hash_api_key(state.secret, key), expected):
+        return None
+    return _error(ApiError(401, "admin key required", "invalid_request_error", "invalid_api_key"))
+
+
+def _reload_body(result: ReloadResult) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "swapped": result.swapped,
+        "unchanged": result.unchanged,
+        "policy_file": _policy_status(result.status),
+    }
+    if result.error is not None:
+        # The running policy stays; say why the file was refused.
+        body["error"] = {
+            "message": f"policy file refused, the running policy stays: {result.error}",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "policy_rejected",
+        }
+    return body
+
+
+def status_snapshot(state: GatewayState, watcher: PolicyWatcher | None) -> dict[str, Any]:
+    """Everything `GET /admin/status` reports, as plain JSON-able data."""
+    now_s = time.monotonic()
+    fleet = state.fleet
+    pools = []
+    for pool in state.registry.pools.values():
+        workers = [_worker(w, now_s, pool.metrics_max_age_s, fleet) for w in pool.workers.values()]
+        pools.append({"name": pool.name, "models": list(pool.config.models), "workers": workers})
+    return {
+        "ready": state.ready,
+        "draining": state.draining,
+        "uptime_s": round(time.time() - state.created_s, 1),
+        "active_streams": len(state.active_streams),
+        "pools": pools,
+        "policy": _policy(state, watcher),
+    }
+
+
+def _worker(worker: Worker, now_s: float, max_age_s: float, fleet: Fleet | None) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "url": worker.url,
+        "healthy": worker.healthy,
+        "routable": worker.healthy and worker.breaker.allows(now_s),
+        "breaker": {
+            "state": str(worker.breaker.state(now_s)),
+            "consecutive_failures": worker.breaker.failures,
+        },
+        "in_flight": worker.in_flight,
+        "prefill_tokens": worker.prefill_tokens,
+        "decode_tokens": worker.decode_tokens,
+        "scrape": None,
+        "kv_events": None,
+    }
+    scraper = fleet.scraper if fleet is not None else None
+    scrape = scraper.state(worker.worker_id) if scraper is not None else None
+    if scrape is not None:
+        age_s = scrape.last.age_s(now_s) if scrape.last is not None else None
+        out["scrape"] = {
+            "age_s": _round(age_s),
+            "fresh": age_s is not None and age_s <= max_age_s,
+            "failures": scrape.failures,
+            "consecutive_failures": scrape.consecutive_failures,
+            "last_error": scrape.last_error,
+        }
+    subscriber = fleet.kv_events if fleet is not None else None
+    if subscriber is not None and worker.worker_id in subscriber.workers():
+        streams = {}
+        for endpoint, stats in subscriber.stream_stats(worker.worker_id).items():
+            fields = dataclasses.asdict(stats)
+            last = fields.pop("last_batch_monotonic_s")
+            fields["last_batch_age_s"] = _round(now_s - last if last is not None else None)
+            streams[endpoint] = fields
+        out["kv_events"] = streams
+    return out
+
+
+def _policy(state: GatewayState, watcher: PolicyWatcher | None) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": state.policy_name, "policy_file": None, "stats": None}
+    if watcher is not None:
+        out["policy_file"] = _policy_status(watcher.status())
+    policy = state.policy
+    if isinstance(policy, SupportsStats):
+        stats = policy.stats()
+        out["stats"] = {
+            "decisions_by_reason": dict(stats.decisions_by_reason),
+            "counters": dict(stats.counters),
+            "index": {pool: _plain(dataclasses.asdict(ix)) for pool, ix in stats.index.items()},
+        }
+    return out
+
+
+def _policy_status(status: PolicyStatus) -> dict[str, Any]:
+    return dataclasses.asdict(status)
+
+
+def _plain(value: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: dict(v) if isinstance(v, Mapping) else v for k, v in value.items()}
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+def _json(obj: object, status: int) -> Response:
+    return Response(orjson.dumps(obj), status, media_type="application/json")
+
+
+def _error(err: ApiError) -> Response:
+    return Response(err.body(), err.status, headers=err.headers, media_type="application/json")

@@ -1,0 +1,145 @@
+"""The admin API in-process: authentication, status without content, policy reload with reasons."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.app import build_app
+from gateway.auth import hash_api_key
+from gateway.config import ConfigError, parse_config
+from gateway.serve import load_policy
+from gateway.state import GatewayState, build_state
+
+SECRET = b"admin-test-secret"
+ADMIN = {"authorization": "Bearer sk-admin"}
+
+
+@dataclass
+class Admin:
+    client: httpx.AsyncClient
+    state: GatewayState
+    policy_file: Path
+
+
+def _config(tmp_path: Path, admin: bool = True, policy_file: bool = True) -> dict[str, Any]:
+    raw: dict[str, Any] = {
+        "pools": [
+            {
+                "name": "p",
+                "models": ["m"],
+                "workers": ["http://127.0.0.1:9"],  # nothing listens: unhealthy, scrape fails
+                "health": {"timeout_s": 0.2},
+            }
+        ],
+        "tenants": [{"name": "t", "api_key_hashes": [hash_api_key(SECRET, "sk-tenant")]}],
+        "scrape": {"interval_s": 0.05, "timeout_s": 0.2},
+    }
+    if admin:
+        raw["admin"] = {"api_key_hash": hash_api_key(SECRET, "sk-admin")}
+    if policy_file:
+        (tmp_path / "policy.yaml").write_text("policy: cost\n")
+        raw["policy_file"] = str(tmp_path / "policy.yaml")
+    return raw
+
+
+async def _start(raw: dict[str, Any], tmp_path: Path) -> AsyncIterator[Admin]:
+    config = parse_config(raw)
+    loaded, watcher, swap = load_policy(config)
+    state = build_state(config, SECRET, loaded.policy, loaded.config.normalizer)
+    swap.state = state
+    app = build_app(state, watcher)
+    async with (
+        app.fallback.router.lifespan_context(app.fallback),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client,
+    ):
+        yield Admin(client, state, tmp_path / "policy.yaml")
+
+
+@pytest.fixture
+async def admin(tmp_path: Path) -> AsyncIterator[Admin]:
+    async for rig in _start(_config(tmp_path), tmp_path):
+        yield rig
+
+
+async def test_admin_routes_need_the_admin_key(admin: Admin) -> None:
+    for headers in ({}, {"authorization": "Bearer sk-tenant"}, {"authorization": "Bearer nope"}):
+        resp = await admin.client.get("/admin/status", headers=headers)
+        assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
+        resp = await admin.client.post("/admin/policy/reload", headers=headers)
+        assert resp.status_code == 401
+    assert (await admin.client.get("/admin/status", headers=ADMIN)).status_code == 200
+
+
+async def test_status_reports_workers_breakers_scrapes_and_policy(admin: Admin) -> None:
+    async def scraped() -> dict[str, Any]:
+        for _ in range(200):
+            body: dict[str, Any] = (await admin.client.get("/admin/status", headers=ADMIN)).json()
+            scrape = body["pools"][0]["workers"][0]["scrape"]
+            if scrape is not None and scrape["failures"] > 0:
+                return body
+            await asyncio.sleep(0.02)
+        raise AssertionError("the scraper never reported")
+
+    body = await scraped()
+    assert body["ready"] is True and body["draining"] is False
+    (pool,) = body["pools"]
+    (worker,) = pool["workers"]
+    assert worker["url"] == "http://127.0.0.1:9"
+    assert worker["healthy"] is False and worker["routable"] is False
+    assert worker["breaker"] == {"state": "closed", "consecutive_failures": 0}
+    assert worker["scrape"]["age_s"] is None and worker["scrape"]["fresh"] is False
+    assert worker["kv_events"] is None  # this pool subscribes to no KV events
+    policy = body["policy"]
+    assert policy["name"] == "cost" and policy["policy_file"]["policy"] == "cost"
+    assert isinstance(policy["stats"]["counters"], dict)
+
+
+async def test_reload_swaps_a_good_file_and_explains_a_bad_one(admin: Admin) -> None:
+    admin.policy_file.write_text("policy: cost\ncost: {no_such_field: 1}\n")
+    resp = await admin.client.post("/admin/policy/reload", headers=ADMIN)
+    assert resp.status_code == 422
+    body = resp.json()
+    assert body["swapped"] is False and body["error"]["code"] == "policy_rejected"
+    assert "no_such_field" in body["error"]["message"]
+    assert body["policy_file"]["failures"] == 1 and admin.state.policy_name == "cost"
+
+    admin.policy_file.write_text("policy: least_load\n")
+    resp = await admin.client.post("/admin/policy/reload", headers=ADMIN)
+    assert resp.status_code == 200
+    assert resp.json()["swapped"] is True and resp.json()["policy_file"]["policy"] == "least_load"
+    assert admin.state.policy_name == "least_load"
+
+    resp = await admin.client.post("/admin/policy/reload", headers=ADMIN)
+    assert resp.status_code == 200 and resp.json()["unchanged"] is True
+
+
+async def test_reload_without_a_policy_file_is_a_conflict(tmp_path: Path) -> None:
+    async for rig in _start(_config(tmp_path, policy_file=False), tmp_path):
+        resp = await rig.client.post("/admin/policy/reload", headers=ADMIN)
+        assert resp.status_code == 409 and resp.json()["error"]["code"] == "no_policy_file"
+        assert (await rig.client.get("/admin/status", headers=ADMIN)).json()["policy"]["policy_file"] is None
+
+
+async def test_without_an_admin_key_the_routes_do_not_exist(tmp_path: Path) -> None:
+    async for rig in _start(_config(tmp_path, admin=False), tmp_path):
+        for method in ("GET", "POST"):
+            path = "/admin/status" if method == "GET" else "/admin/policy/reload"
+            resp = await rig.client.request(method, path, headers=ADMIN)
+            assert resp.status_code == 404 and resp.json()["error"]["code"] == "not_found"
+
+
+def test_admin_key_must_be_a_hash_and_not_a_tenant_key(tmp_path: Path) -> None:
+    raw = _config(tmp_path)
+    raw["admin"] = {"api_key_hash": "sk-admin"}
+    with pytest.raises(ConfigError, match=r"admin\.api_key_hash"):
+        parse_config(raw)
+    raw["admin"] = {"api_key_hash": hash_api_key(SECRET, "sk-tenant")}
+    with pytest.raises(ConfigError, match="must not also be a tenant"):
+        parse_config(raw)

@@ -1,0 +1,277 @@
+"""In-process request path against a scripted upstream: salts, request ids, policy outcomes."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from aiohttp import web
+
+from gateway.app import GatewayApp, build_app
+from gateway.auth import hash_api_key
+from gateway.config import parse_config
+from gateway.state import GatewayState, build_state
+from policies.base import (
+    KvEvent,
+    Observation,
+    Outcome,
+    RouteDecision,
+    RouteRequest,
+    WorkerId,
+    WorkerView,
+)
+from prompt_normalizer.normalizer import NormalizerConfig
+from prompt_normalizer.types import PUBLIC_NAMESPACE
+from tests.prompt_normalizer.tiny_model import build_tiny_model
+
+SECRET = b"k"
+
+
+@dataclass
+class ScriptedPolicy:
+    """Picks the first healthy worker and claims `shared_blocks` public blocks; records feedback."""
+
+    name: str = "scripted"
+    shared_blocks: int = 0
+    requests: list[RouteRequest] = field(default_factory=list)
+    observations: list[Observation] = field(default_factory=list)
+
+    def select(self, req: RouteRequest, workers: Sequence[WorkerView], now_s: float) -> RouteDecision | None:
+        self.requests.append(req)
+        healthy = [w for w in workers if w.healthy]
+        if not healthy:
+            return None
+        return RouteDecision(healthy[0].worker_id, 0.0, "first", shared_prefix_blocks=self.shared_blocks)
+
+    def on_dispatch(self, req: RouteRequest, decision: RouteDecision, now_s: float) -> None:
+        return None
+
+    def on_complete(self, obs: Observation, now_s: float) -> None:
+        self.observations.append(obs)
+
+    def on_kv_event(self, worker: WorkerId, event: KvEvent, now_s: float) -> None:
+        return None
+
+
+@dataclass
+class Upstream:
+    status: int = 200
+    received: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class Rig:
+    client: httpx.AsyncClient
+    upstream: Upstream
+    policy: ScriptedPolicy
+    state: GatewayState
+    app: GatewayApp
+
+    async def chat(self, key: str = "sk-strict", **extra: Any) -> httpx.Response:
+        headers = {"authorization": f"Bearer {key}", **extra.pop("headers", {})}
+        body = {"model": "m", "messages": [{"role": "user", "content": "hello"}], **extra}
+        return await self.client.post("/v1/chat/completions", json=body, headers=headers)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture
+async def rig(tiny_model: Path) -> AsyncIterator[Rig]:
+    upstream = Upstream()
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def chat(request: web.Request) -> web.Response:
+        upstream.received.append(
+            {"request_id": request.headers.get("x-request-id"), "body": await request.json()}
+        )
+        if upstream.status != 200:
+            return web.json_response({"error": {"message": "no"}}, status=upstream.status)
+        usage = {"prompt_tokens": 5, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}}
+        return web.json_response({"choices": [], "usage": usage})
+
+    server = web.Application()
+    server.router.add_get("/health", health)
+    server.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(server)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    def tenant(name: str, isolation: str) -> dict[str, Any]:
+        return {"name": name, "api_key_hashes": [hash_api_key(SECRET, f"sk-{name}")], "isolation": isolation}
+
+    config = parse_config(
+        {
+            "pools": [
+                {
+                    "name": "p",
+                    "models": ["m", "m-lora"],
+                    "adapters": {"m-lora": "sql-lora"},
+                    "workers": [f"http://127.0.0.1:{port}"],
+                    "retry_attempts": 0,
+                    "identity": {"weights_version": "w1", "epoch": 3},
+                },
+                {
+                    "name": "tok",
+                    "models": ["m-tok"],
+                    "workers": [f"http://127.0.0.1:{port}"],
+                    "normalizer": {"mode": "tokenizer", "tokenizer_dir": str(tiny_model)},
+                },
+            ],
+            "tenants": [
+                tenant("strict", "strict"),
+                tenant("shared", "shared_public"),
+                tenant("pub", "public"),
+            ],
+            "scrape": {"enabled": False},
+        }
+    )
+    policy = ScriptedPolicy()
+    state = build_state(config, SECRET, policy, NormalizerConfig())
+    app = build_app(state)
+    try:
+        async with (
+            app.fallback.router.lifespan_context(app.fallback),
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client,
+        ):
+            yield Rig(client, upstream, policy, state, app)
+    finally:
+        await runner.cleanup()
+
+
+async def test_every_request_is_salted_and_a_client_salt_is_replaced(rig: Rig) -> None:
+    salts = {}
+    for name in ("strict", "shared", "pub"):
+        resp = await rig.chat(f"sk-{name}", cache_salt="mine")
+        assert resp.status_code == 200
+        salts[name] = rig.upstream.received[-1]["body"]["cache_salt"]
+    assert len(set(salts.values())) == 3 and "mine" not in salts.values()
+    assert salts["strict"] == rig.state.keyring.tenants["strict"].cache_salt
+    # Every tenant's own keys live in its own namespace (its KV is salted with its own salt).
+    assert [r.namespace for r in rig.policy.requests] == ["tenant:strict", "tenant:shared", "tenant:pub"]
+
+
+async def test_public_salt_only_when_the_whole_prompt_is_in_promoted_blocks(rig: Rig) -> None:
+    system = {"role": "system", "content": "S" * 400}  # 100 approximate tokens: 6 full blocks
+    rig.policy.shared_blocks = 6
+    public_salt = rig.state.keyring.public_salt
+    # A prompt with a private tail after the promoted prefix keeps the tenant's salt.
+    resp = await rig.chat("sk-shared", messages=[system, {"role": "user", "content": "a private question"}])
+    assert resp.status_code == 200
+    req = rig.policy.requests[-1]
+    assert req.public_block_keys and req.n_prompt_tokens > 6 * req.block_size_tokens
+    assert rig.upstream.received[-1]["body"]["cache_salt"] == rig.state.keyring.tenants["shared"].cache_salt
+    # A policy claiming more shared blocks than the request has is not trusted.
+    rig.policy.shared_blocks = 10_000
+    resp = await rig.chat("sk-shared", messages=[system])
+    assert rig.upstream.received[-1]["body"]["cache_salt"] != public_salt
+    # Never for a strict tenant (the rule itself: test_wholly_public_prompt_rule).
+    resp = await rig.chat("sk-strict", messages=[system])
+    assert rig.upstream.received[-1]["body"]["cache_salt"] == rig.state.keyring.tenants["strict"].cache_salt
+    assert rig.state.keyring.salt_namespaces[public_salt] == PUBLIC_NAMESPACE
+
+
+async def test_wholly_public_prompt_rule() -> None:
+    from gateway.admission import _wholly_public
+    from policies.base import Isolation
+    from prompt_normalizer.types import BlockKey
+
+    def req(isolation: Isolation, n_tokens: int, public: int) -> RouteRequest:
+        keys = tuple(BlockKey(i) for i in range(public))
+        return RouteRequest("r", "p", "t", "tenant:t", keys, n_tokens, 16, isolation, keys, public)
+
+    def decision(shared: int) -> RouteDecision:
+        return RouteDecision(WorkerId("w"), 0.0, "x", shared_prefix_blocks=shared)
+
+    shared = Isolation.SHARED_PUBLIC
+    assert _wholly_public(req(shared, 64, 4), decision(4))
+    assert not _wholly_public(req(shared, 65, 4), decision(4))  # one private token after the prefix
+    assert not _wholly_public(req(shared, 64, 4), decision(0))
+    assert not _wholly_public(req(shared, 64, 3), decision(4))  # more than the request's public keys
+    assert not _wholly_public(req(Isolation.STRICT, 64, 4), decision(4))
+    assert _wholly_public(req(Isolation.PUBLIC, 32, 2), decision(2))
+
+
+async def test_internal_request_id_is_sent_upstream_and_the_client_id_only_echoed(rig: Rig) -> None:
+    ids = []
+    for _ in range(2):
+        resp = await rig.chat(headers={"x-request-id": "same-client-id"})
+        assert resp.headers["x-request-id"] == "same-client-id"
+        ids.append(rig.upstream.received[-1]["request_id"])
+    assert len(set(ids)) == 2 and "same-client-id" not in ids
+    assert [r.request_id for r in rig.policy.requests] == ids
+
+
+@pytest.mark.parametrize(
+    ("status", "outcome", "client_status"),
+    [(200, Outcome.SERVED, 200), (400, Outcome.REJECTED, 400), (500, Outcome.WORKER_FAILED, 502)],
+)
+async def test_policy_learns_the_outcome(rig: Rig, status: int, outcome: Outcome, client_status: int) -> None:
+    rig.upstream.status = status
+    resp = await rig.chat()
+    assert resp.status_code == client_status
+    (obs,) = rig.policy.observations
+    assert obs.outcome is outcome and obs.failed == (outcome is not Outcome.SERVED)
+    worker = next(iter(rig.state.registry.pools["p"].workers.values()))
+    # A 4xx says nothing about the worker's health; a 5xx counts against its breaker.
+    assert worker.breaker.failures == (1 if outcome is Outcome.WORKER_FAILED else 0)
+
+
+async def test_engine_internal_fields_are_refused(rig: Rig) -> None:
+    for name in ("kv_transfer_params", "request_id", "priority", "data_parallel_rank"):
+        resp = await rig.chat(**{name: 1})
+        assert resp.status_code == 400
+        error = orjson.loads(resp.content)["error"]
+        assert error["param"] == name and name in error["message"]
+    assert rig.upstream.received == []
+
+
+async def test_identity_fields_and_adapter_are_bound_into_the_keys(rig: Rig) -> None:
+    pool = rig.state.registry.pools["p"]
+    tenant = rig.state.keyring.tenants["shared"]
+    own, public = rig.state.identities(pool, "m", tenant)
+    assert (own.weights_version, own.epoch, own.namespace, own.adapter) == ("w1", 3, "tenant:shared", "")
+    assert public is not None and public == own.__class__(**{**_fields(own), "namespace": PUBLIC_NAMESPACE})
+    lora, _ = rig.state.identities(pool, "m-lora", tenant)
+    assert (lora.model_id, lora.adapter) == ("m", "sql-lora")
+    strict_own, strict_public = rig.state.identities(pool, "m", rig.state.keyring.tenants["strict"])
+    assert strict_public is None and strict_own.namespace == "tenant:strict"
+    await rig.chat(model="m-lora")
+    assert rig.policy.requests[-1].adapter == "sql-lora"
+    a = await rig.chat(messages=[{"role": "system", "content": "S" * 200}])
+    b = await rig.chat(model="m-lora", messages=[{"role": "system", "content": "S" * 200}])
+    assert a.status_code == b.status_code == 200
+    assert not set(rig.policy.requests[-1].block_keys) & set(rig.policy.requests[-2].block_keys)
+
+
+def _fields(identity: Any) -> dict[str, Any]:
+    return {name: getattr(identity, name) for name in identity.__dataclass_fields__}
+
+
+async def test_tokenizer_mode_runs_off_the_event_loop(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    normalizer = rig.state.normalizers["tok"]
+    real = normalizer.canonicalize
+    threads: list[str] = []
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(normalizer, "canonicalize", recording)
+    for _ in range(2):
+        resp = await rig.chat(model="m-tok", messages=[{"role": "user", "content": "hello there " * 500}])
+        assert resp.status_code == 200
+    assert len(threads) == 2 and all(t.startswith("kvgate-normalizer") for t in threads)
+    assert rig.policy.requests[-1].n_prompt_tokens > 500

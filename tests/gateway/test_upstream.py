@@ -1,0 +1,206 @@
+"""The lean upstream client against scripted raw-socket servers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import pytest
+
+from gateway.registry import direct_address
+from gateway.upstream import (
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamReply,
+    UpstreamTimeout,
+    request_bytes,
+)
+from loadtest.overhead_load import free_port
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
+OK = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"ok": 1}\r\n'
+
+
+@dataclass
+class Server:
+    port: int
+    connections: int = 0
+    requests: list[bytes] = field(default_factory=list)
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+    )
+    return head + await reader.readexactly(length)
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[Callable[[Handler], Awaitable[Server]]]:
+    servers: list[asyncio.Server] = []
+
+    async def start(handler: Handler) -> Server:
+        state = Server(0)
+
+        async def on_client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            state.connections += 1
+            try:
+                await handler(reader, writer, state.connections)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                pass
+            finally:
+                writer.close()
+                state.closed.set()
+
+        server = await asyncio.start_server(on_client, "127.0.0.1", 0)
+        servers.append(server)
+        state.port = server.sockets[0].getsockname()[1]
+        return state
+
+    yield start
+    for server in servers:
+        server.close()
+        await server.wait_closed()
+
+
+def post(body: bytes = b"{}") -> bytes:
+    return request_bytes(b"127.0.0.1", b"/v1/chat/completions", b"X-Request-Id: r1\r\n", body)
+
+
+async def send(pool: UpstreamPool, server: Server, read_s: float = 2.0) -> UpstreamReply:
+    return await pool.post("127.0.0.1", server.port, post(), connect_s=1.0, read_s=read_s, total_s=10.0)
+
+
+async def test_keep_alive_reuses_one_connection_and_sends_the_request_as_given(
+    serve: Callable[[Handler], Awaitable[Server]],
+) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        while True:
+            server.requests.append(await read_request(reader))
+            writer.write(OK)
+            await writer.drain()
+
+    server = await serve(handler)
+    pool = UpstreamPool()
+    for _ in range(3):
+        reply = await send(pool, server)
+        assert reply == UpstreamReply(200, "application/json", b'{"ok": 1}\r\n')
+    assert server.connections == 1 and len(server.requests) == 3
+    assert server.requests[0].startswith(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+    assert b"Content-Length: 2\r\n\r\n{}" in server.requests[0]
+    pool.close()
+
+
+async def test_chunked_answers_and_connection_close(serve: Callable[[Handler], Awaitable[Server]]) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 400 Bad Request\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
+        writer.write(b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n")
+        await writer.drain()
+
+    server = await serve(handler)
+    pool = UpstreamPool()
+    for _ in range(2):
+        reply = await send(pool, server)
+        assert (reply.status, reply.body) == (400, b"hello world")
+    assert server.connections == 2  # the worker said close: never reused
+
+
+async def test_an_idle_connection_the_worker_closed_is_replaced(
+    serve: Callable[[Handler], Awaitable[Server]],
+) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await read_request(reader)
+        writer.write(OK)
+        await writer.drain()
+        # ... then close the keep-alive connection, as a worker's idle timeout would
+
+    server = await serve(handler)
+    pool = UpstreamPool()
+    assert (await send(pool, server)).status == 200
+    await server.closed.wait()
+    await asyncio.sleep(0.05)
+    assert (await send(pool, server)).status == 200
+    assert server.connections == 2
+
+
+async def test_timeouts_before_and_during_the_answer(serve: Callable[[Handler], Awaitable[Server]]) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await read_request(reader)
+        if n == 2:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial")
+            await writer.drain()
+        await asyncio.sleep(5)
+
+    server = await serve(handler)
+    pool = UpstreamPool()
+    with pytest.raises(UpstreamTimeout) as before:
+        await send(pool, server, read_s=0.2)
+    assert before.value.answered is False
+    with pytest.raises(UpstreamTimeout) as during:
+        await send(pool, server, read_s=0.2)
+    assert during.value.answered is True
+
+
+async def test_connect_errors_and_a_worker_dying_mid_answer(
+    serve: Callable[[Handler], Awaitable[Server]],
+) -> None:
+    pool = UpstreamPool()
+    with pytest.raises(UpstreamConnectError) as refused:
+        await pool.post("127.0.0.1", free_port(), post(), connect_s=1.0, read_s=1.0, total_s=1.0)
+    assert refused.value.timed_out is False and refused.value.answered is False
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npart")
+        await writer.drain()
+
+    server = await serve(handler)
+    with pytest.raises(UpstreamError) as died:
+        await send(pool, server)
+    assert died.value.answered is True and not isinstance(died.value, UpstreamTimeout)
+
+    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(b"NOT HTTP AT ALL\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(1)
+
+    bad = await serve(garbage)
+    with pytest.raises(UpstreamError, match="malformed"):
+        await send(pool, bad)
+
+
+async def test_cancelling_a_request_closes_its_connection(
+    serve: Callable[[Handler], Awaitable[Server]],
+) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        await reader.read()  # returns when the client closes the connection
+
+    server = await serve(handler)
+    pool = UpstreamPool()
+    task = asyncio.create_task(send(pool, server))
+    await asyncio.sleep(0.1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    async with asyncio.timeout(2):
+        await server.closed.wait()  # the worker saw the connection go: it stops generating
+
+
+def test_direct_addresses() -> None:
+    assert direct_address("http://10.0.0.7:8000") is not None
+    address = direct_address("http://10.0.0.7:8000")
+    assert address is not None and (address.host, address.port, address.host_header) == (
+        "10.0.0.7",
+        8000,
+        b"10.0.0.7:8000",
+    )
+    assert direct_address("http://[::1]:9") is not None
+    assert direct_address("https://10.0.0.7:8000") is None  # TLS stays with aiohttp
+    assert direct_address("http://10.0.0.7:8000/prefix") is None

@@ -1,0 +1,104 @@
+"""The per-request fast paths (ASCII bodies skip NFC, remembered immutable-prefix keys, cached
+identity roots and zone spans) give exactly what the full computation gives."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from prompt_normalizer.keys import PrefixKeyMemo, chain_keys, public_identity_of
+from prompt_normalizer.normalizer import Normalizer, NormalizerConfig
+from prompt_normalizer.types import KeyIdentity
+
+IDENT = KeyIdentity(model_id="m", namespace="t1", block_size_tokens=4)
+FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+texts = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=200)
+
+
+def _body(system: str, user: str, **extra: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "system", "content": system}, {"role": "user", "content": user}], **extra}
+
+
+@FAST
+@given(system=texts, users=st.lists(texts, min_size=2, max_size=4), public=st.booleans())
+def test_remembered_prefix_keys_equal_fresh_keys(system: str, users: list[str], public: bool) -> None:
+    warm = Normalizer(NormalizerConfig(), b"s")
+    pub = public_identity_of(IDENT) if public else None
+    for user in users:  # the same system prompt again and again: later requests hit the memory
+        body = _body(system * 3, user)
+        hot = warm.canonicalize("chat", body, IDENT, pub)
+        cold = Normalizer(NormalizerConfig(), b"s").canonicalize("chat", body, IDENT, pub)
+        assert hot == cold
+
+
+def test_memory_hit_after_first_request_and_keys_match_direct_chain() -> None:
+    norm = Normalizer(NormalizerConfig(), b"s")
+    system = "You are a careful assistant. " * 40
+    first = norm.canonicalize("chat", _body(system, "one"), IDENT, public_identity_of(IDENT))
+    second = norm.canonicalize("chat", _body(system, "two two"), IDENT, public_identity_of(IDENT))
+    n_public = len(first.public_block_keys)
+    assert n_public >= 4 and second.public_block_keys == first.public_block_keys
+    assert second.block_keys[:n_public] == first.block_keys[:n_public]
+    # The same keys from the public identity's own chain (no memory involved).
+    public_prompt = Normalizer(NormalizerConfig(), b"s").canonicalize(
+        "chat", _body(system, "one"), public_identity_of(IDENT)
+    )
+    assert public_prompt.block_keys[:n_public] == first.public_block_keys
+
+
+def test_prefix_memo_is_bounded_and_exact() -> None:
+    memo = PrefixKeyMemo(b"k" * 32, max_entries=3, max_keys=40)
+    block = 8
+    spans = [bytes([i]) * (block * (4 + i)) for i in range(6)]
+    for span in spans:
+        view = memoryview(span)
+        keys = memo.chain(view, memo.fingerprint(view), block, 7)
+        assert keys == chain_keys(view, block, 7)
+        again = memo.chain(view, memo.fingerprint(view), block, 7)
+        assert again == keys
+        assert len(memo) <= 3
+    # A different seed for the same span is its own entry (roots never share keys).
+    view = memoryview(spans[-1])
+    assert memo.chain(view, memo.fingerprint(view), block, 8) == chain_keys(view, block, 8)
+
+
+@FAST
+@given(text=texts)
+def test_ascii_fast_path_agrees_with_nfc(text: str) -> None:
+    import unicodedata
+
+    norm = Normalizer(NormalizerConfig(), b"s")
+    decomposed = unicodedata.normalize("NFD", text) + " café"
+    composed = unicodedata.normalize("NFC", decomposed)
+    a = norm.canonicalize("chat", _body(decomposed * 2, "q"), IDENT)
+    b = norm.canonicalize("chat", _body(composed * 2, "q"), IDENT)
+    assert a.block_keys == b.block_keys
+    assert ("unicode_nfc: changed messages[0]" in a.diagnostics) == (decomposed != composed)
+    assert b.diagnostics == ()
+
+
+def test_identity_roots_follow_each_identity_object() -> None:
+    norm = Normalizer(NormalizerConfig(), b"s")
+    body = _body("system prompt " * 20, "q")
+    first = norm.canonicalize("chat", body, IDENT).block_keys
+    other = dataclasses.replace(IDENT, epoch=1)
+    assert not set(norm.canonicalize("chat", body, other).block_keys) & set(first)
+    assert norm.canonicalize("chat", body, dataclasses.replace(IDENT)).block_keys == first
+
+
+def test_shared_between_threads_gives_the_single_thread_answers() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    systems = [f"System prompt number {i}. " * 30 for i in range(6)]
+    bodies = [_body(systems[i % 6], f"question {i}") for i in range(120)]
+    pub = public_identity_of(IDENT)
+    expected = [Normalizer(NormalizerConfig(), b"s").canonicalize("chat", b, IDENT, pub) for b in bodies]
+    shared = Normalizer(NormalizerConfig(), b"s")
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        got = list(pool.map(lambda b: shared.canonicalize("chat", b, IDENT, pub), bodies))
+    assert [(p.block_keys, p.public_block_keys, p.zones) for p in got] == [
+        (p.block_keys, p.public_block_keys, p.zones) for p in expected
+    ]

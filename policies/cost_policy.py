@@ -3,9 +3,12 @@
 For every available worker j, in seconds:
 
     score_j = T_prefill_saved(j)·(1 + work_weight·L) − T_queue(j) − T_transfer(j) − T_cold(j)
+              − T_branch(j)
 
-(L = prompts waiting for prefill per worker: a recomputation delays everyone queued behind it),
-then:
+(L = prompts waiting for prefill per worker: a recomputation delays everyone queued behind it;
+T_branch = branch_load_weight × prefill seconds recently routed to j, charged only when the best
+match covers at most half the prompt, i.e. the request starts a branch its successors will follow;
+token counts are in engine tokens, see `CostModel.engine_tokens_per_request_token`), then:
 1. bounded-load guard: only workers whose in-flight load stays within
    max((1+ε)·mean, mean + slack) after this request are eligible, unless none is;
 2. the best score wins, ties (within `tie_s`) broken at random (so idle workers share misses);

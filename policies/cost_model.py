@@ -117,6 +117,10 @@ class CostModel:
         self._mean_prompt_tokens = 1024.0
         self.calibration_samples = 0
         self._terms: QueueTerms | None = None
+        # Engine tokens per request token: 1 when keys are token-exact; about chars_per_token ×
+        # the engine's tokens per character in approximate mode. Learned from usage.prompt_tokens.
+        self.engine_tokens_per_request_token = 1.0
+        self._log_unit = 0.0
 
     # -- time estimates -----------------------------------------------------------------------
 
@@ -247,10 +251,23 @@ class CostModel:
         return len(self._pending)
 
     def note_complete(
-        self, request_id: str, ttft_s: float | None, prompt_tokens: int | None, cached_tokens: int | None
+        self,
+        request_id: str,
+        ttft_s: float | None,
+        prompt_tokens: int | None,
+        cached_tokens: int | None,
+        request_tokens: int | None = None,
     ) -> None:
-        """Fold one observed TTFT into the scale (log-domain EWMA, clipped to the configured range)."""
+        """Fold one observed TTFT into the scale (log-domain EWMA, clipped to the configured range),
+        and the engine's prompt size against the request's estimate (`request_tokens`) into
+        `engine_tokens_per_request_token`."""
         pending = self._pending.pop(request_id, None)
+        if request_tokens and prompt_tokens and request_tokens > 0 and prompt_tokens > 0:
+            ratio = min(max(prompt_tokens / request_tokens, 0.05), 20.0)
+            self._log_unit += 0.05 * (math.log(ratio) - self._log_unit)
+            # Snap to exactly 1 when keys are token-exact, so that path stays integer arithmetic.
+            unit = math.exp(self._log_unit)
+            self.engine_tokens_per_request_token = 1.0 if abs(unit - 1.0) < 1e-3 else unit
         if prompt_tokens is not None and prompt_tokens > 0:
             self._mean_prompt_tokens += 0.01 * (prompt_tokens - self._mean_prompt_tokens)
         p = self.params

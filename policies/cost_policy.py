@@ -3,9 +3,12 @@
 For every available worker j, in seconds:
 
     score_j = T_prefill_saved(j)·(1 + work_weight·L) − T_queue(j) − T_transfer(j) − T_cold(j)
+              − T_branch(j)
 
-(L = prompts waiting for prefill per worker: a recomputation delays everyone queued behind it),
-then:
+(L = prompts waiting for prefill per worker: a recomputation delays everyone queued behind it;
+T_branch = branch_load_weight × prefill seconds recently routed to j, charged only when the best
+match covers at most half the prompt, i.e. the request starts a branch its successors will follow;
+token counts are in engine tokens, see `CostModel.engine_tokens_per_request_token`), then:
 1. bounded-load guard: only workers whose in-flight load stays within
    max((1+ε)·mean, mean + slack) after this request are eligible, unless none is;
 2. the best score wins, ties (within `tie_s`) broken at random (so idle workers share misses);
@@ -139,7 +142,6 @@ class CostPolicy(PrefixPolicyBase):
         held: list[tuple[int, int]] = []  # (candidate, matched blocks)
         raw_backlog = 0
         shares: dict[WorkerId, float] = self._uncached_share if self.discount_cached_backlog else {}
-        share_get = shares.get
         for w in workers:
             inflight = w.in_flight_requests
             if not w.healthy or (w.max_in_flight is not None and inflight >= w.max_in_flight):
@@ -157,7 +159,7 @@ class CostPolicy(PrefixPolicyBase):
             loads.append(inflight)
             pending = w.in_flight_prefill_tokens
             raw_backlog += pending
-            backlogs.append(pending * share_get(w.worker_id, 1.0))
+            backlogs.append(pending * shares.get(w.worker_id, 1.0) if shares else pending)
         if not cands:
             return None
         n_cands = len(cands)
@@ -198,7 +200,7 @@ class CostPolicy(PrefixPolicyBase):
         # scored in order of that bound, and once it falls below the best score less the tie margin
         # no later worker can win or tie: the loop stops there.
         tie = self.tie_s
-        per_backlog_token = q.scale * q.backlog_per_token_s
+        per_backlog_token = q.scale * q.backlog_per_token_s * cost.engine_tokens_per_request_token
         # Pass 2a: the workers holding part of the prefix (few).
         public = found.public.blocks_by_worker
         if public:
@@ -240,7 +242,7 @@ class CostPolicy(PrefixPolicyBase):
             chosen, matched, queue = self._rng.choice(best)
         reason = self._reason(overloaded, matched, longest_tokens)
         self._decisions.add(reason)
-        cost.note_dispatch(req.request_id, queue, matched)
+        cost.note_dispatch(req.request_id, queue, scorer._engine(matched))
         return RouteDecision(cands[chosen].worker_id, scorer.best_score, reason, matched, found.public_blocks)
 
     def _reason(self, overloaded: bool, matched: int, longest: int) -> str:
@@ -273,6 +275,7 @@ class _Scorer:
         "saved_for",
         "tie",
         "transfer_on",
+        "unit",
         "weight",
     )
 
@@ -285,7 +288,10 @@ class _Scorer:
         weight: float,
         longest_tokens: int,
     ) -> None:
-        self.n = req.n_prompt_tokens
+        # The scorer works in engine tokens: a request's token count is the normalizer's estimate
+        # (approximate mode counts characters / chars_per_token), converted at the learned ratio.
+        self.unit = cost.engine_tokens_per_request_token
+        self.n = self._engine(req.n_prompt_tokens)
         self.n_steps = -(-self.n // q.max_batched_tokens)
         self.adapter = req.adapter
         self.cost = cost
@@ -300,15 +306,21 @@ class _Scorer:
         self.nonholder_saved_s = 0.0
         self.branch: tuple[CostPolicy, float] | None = None
         if self.transfer_on and longest_tokens > 0:
-            moved = cost.saved_s(self.n, longest_tokens) * weight - cost.transfer_s(longest_tokens)
+            longest = self._engine(longest_tokens)
+            moved = cost.saved_s(self.n, longest) * weight - cost.transfer_s(longest)
             self.nonholder_saved_s = max(0.0, moved)
+
+    def _engine(self, request_tokens: float) -> int:
+        return int(request_tokens) if self.unit == 1.0 else int(request_tokens * self.unit)
 
     def saved(self, matched: int) -> float:
         """Weighted prefill time a match of `matched` tokens saves (`CostModel.saved_s` inlined and
         memoized per request; a test keeps them equal)."""
         saved = self.saved_for.get(matched)
         if saved is None:
-            m = matched if matched < self.n else self.n
+            m = matched if self.unit == 1.0 else int(matched * self.unit)
+            if m > self.n:
+                m = self.n
             if m <= 0:
                 return 0.0
             q = self.q
@@ -318,16 +330,20 @@ class _Scorer:
         return saved
 
     def consider(self, i: int, view: WorkerView, matched: int, backlog: float) -> None:
-        """Score candidate `i`; `backlog` is its prefill tokens left to compute (see `select`)."""
+        """Score candidate `i`; `matched` and `backlog` (prefill tokens left to compute, see
+        `select`) are in request tokens."""
         cost = self.cost
         q = self.q
         n = self.n
         saved = self.saved(matched)
         longest = self.longest_tokens
         if self.transfer_on and longest > matched:
-            moved = cost.saved_s(n, longest) * self.weight - cost.transfer_s(longest - matched)
+            moved_tokens = self._engine(longest - matched)
+            moved = cost.saved_s(n, self._engine(longest)) * self.weight - cost.transfer_s(moved_tokens)
             if moved > saved:
                 saved, matched = moved, longest
+        if self.unit != 1.0:
+            backlog *= self.unit
         # T_queue, inlined from CostModel.queue_s (kept equal by a test). The backlog alone bounds
         # the score from above: skip the rest when even that cannot reach a tie.
         if saved - q.scale * q.backlog_per_token_s * backlog < self.best_score - self.tie:
@@ -345,7 +361,8 @@ class _Scorer:
                 running = scraped
         budget = q.max_batched_tokens
         per_step = q.per_request_s * running + q.per_context_token_s * view.in_flight_decode_tokens
-        queue = -(-int(backlog + n - matched) // budget) * per_step
+        new = n - (matched if self.unit == 1.0 else int(matched * self.unit))
+        queue = -(-int(backlog + new) // budget) * per_step
         if backlog > 0:
             queue += q.backlog_per_token_s * backlog + q.step_s * -(-int(backlog) // budget)
         queue *= q.scale

@@ -140,7 +140,9 @@ class PrefixPolicyBase:
         decision = RouteDecision(obs.worker, 0.0, "feedback", shared_prefix_blocks=n_pub)
         # The worker computed the whole prompt, so it now holds every full block of it.
         self._record(obs.request, decision, now_s, speculative=False)
-        pool.cost.note_complete(obs.request.request_id, obs.ttft_s, obs.prompt_tokens, obs.cached_tokens)
+        pool.cost.note_complete(
+            req.request_id, obs.ttft_s, obs.prompt_tokens, obs.cached_tokens, req.n_prompt_tokens
+        )
 
     def set_token_hasher(self, hasher: TokenBlockHasher) -> None:
         """Enable precise mode: KV events are keyed with `hasher` (the normalizer's token-chain hash)."""

@@ -315,3 +315,25 @@ def test_new_branches_go_where_little_work_was_routed_recently() -> None:
         p.on_dispatch(req(f"n{i}", range(8)), d, 1.0)
     # The charge fades with the window: ten windows later w0 is as good as any worker.
     assert p.recent_work_s(WorkerId("w0"), 600.0) < 1e-4
+
+
+def test_engine_tokens_per_request_token_is_learned_from_usage() -> None:
+    p = _policy()
+    for i in range(200):
+        r = req(f"u{i}", range(i * 10, i * 10 + 8))
+        d = p.select(r, workers(0, 0), float(i))
+        assert d is not None
+        p.on_dispatch(r, d, float(i))
+        # Approximate mode: the engine counted four tokens per estimated one.
+        p.on_complete(
+            Observation(r, d.worker, prompt_tokens=4 * r.n_prompt_tokens, cached_tokens=0), float(i)
+        )
+    model = p._pool(req("x", range(1))).cost
+    assert model.engine_tokens_per_request_token == pytest.approx(4.0, rel=0.01)
+    assert model.mean_prompt_tokens > 2 * (8 * BS + 1)  # in engine tokens, like the scaled backlog
+
+
+def test_token_exact_keys_keep_a_unit_ratio() -> None:
+    p = _policy()
+    _warm(p, range(8), "w0")
+    assert p._pool(req("x", range(1))).cost.engine_tokens_per_request_token == 1.0

@@ -20,23 +20,23 @@
   block. A kv-cache-tester session's system + tools blocks are its immutable zone
   (`BlockPrompt.immutable_blocks`), keyed under the public identity too; Mooncake prompts have none.
 
-`cache_salt` (what the engines get) is always set on the gateway side, never taken from the client:
-the tenant's salt, except for a `public` tenant and for a `shared_public` request whose whole
-prompt lies inside the promoted public blocks the policy routed, which get one public salt. The
-engine's salt covers the whole chain, so anything else would share a tenant's private tail.
+`cache_salt` (what the engines get) follows `gateway.admission`: always the gateway's own, the
+tenant's salt unless the whole prompt lies inside the promoted public blocks the policy routed,
+then the key ring's public salt. The engine's salt covers the whole chain, so anything else would
+share a tenant's private tail. So engines share KV across tenants only for wholly public prompts;
+the hit ceilings count only what that allows (a `public` tenant's ceiling chain is keyed under
+its own namespace, not the public one its route keys use).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import hmac
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
-from gateway.auth import KeyRing, Tenant, derive_secret, hash_api_key
+from gateway.auth import KeyRing, Tenant, hash_api_key
 from gateway.config import TenantConfig
 from loadtest.emulator.protocol import render_chat_body
 from loadtest.workloads.ceilings import BlockChain
@@ -72,6 +72,7 @@ class KeyedPrompt:
     public_block_keys: tuple[BlockKey, ...] = ()
     immutable_blocks: int = 0
     tokens: bytes | None = None
+    ceiling_keys: tuple[BlockKey, ...] | None = None
 
     @property
     def block_keys(self) -> tuple[BlockKey, ...]:
@@ -79,8 +80,9 @@ class KeyedPrompt:
 
     def chain(self) -> BlockChain:
         """The request's chain for the hit ceilings (keys of its own namespace)."""
-        keyed = min(len(self.chain_keys) * self.block_size_tokens, self.n_tokens)
-        return BlockChain(self.chain_keys, self.block_size_tokens, keyed, self.n_tokens)
+        keys = self.chain_keys if self.ceiling_keys is None else self.ceiling_keys
+        keyed = min(len(keys) * self.block_size_tokens, self.n_tokens)
+        return BlockChain(keys, self.block_size_tokens, keyed, self.n_tokens)
 
 
 def _bytes_of(data: bytes) -> np.ndarray:
@@ -109,9 +111,7 @@ class KeyPath:
         self._secret = secret
         self._isolation = isolation
         self._tenant_isolation = dict(tenant_isolation or {})
-        self.public_salt = hmac.new(
-            derive_secret(secret, "cache_salt"), PUBLIC_NAMESPACE.encode(), hashlib.sha256
-        ).hexdigest()[:32]
+        self.public_salt = KeyRing([], secret).public_salt
         self._tenants: dict[str, Tenant] = {}
         self._salt_namespace: dict[str, str] = {self.public_salt: PUBLIC_NAMESPACE}
 
@@ -158,7 +158,13 @@ class KeyPath:
             if public is not None and n_imm:
                 root = self.normalizer.root(public, TRACE_UNIT)
                 public_keys = chain_keys(ids[:n_imm], _U64.itemsize, root, extras)
-            return KeyedPrompt(tenant, keys, n_full, p.block_size_tokens, p.n_tokens, public_keys, n_imm)
+            ceiling = None
+            if tenant.isolation is Isolation.PUBLIC:
+                salted = dataclasses.replace(own, namespace=tenant.namespace)
+                ceiling = chain_keys(ids, _U64.itemsize, self.normalizer.root(salted, TRACE_UNIT), extras)
+            return KeyedPrompt(
+                tenant, keys, n_full, p.block_size_tokens, p.n_tokens, public_keys, n_imm, None, ceiling
+            )
         own, public = self.identities(tenant, self.base.block_size_tokens)
         request = openai_request(req, self.model)
         is_chat = request.path.endswith("chat/completions")
@@ -166,6 +172,10 @@ class KeyPath:
         tokens = _render(plan)
         bounds = [None if b is None else _bytes_of(_render_body(plan, b)) for b in plan.boundary_bodies]
         cp = self.normalizer.from_render(plan, _bytes_of(tokens), own, public, boundary_token_ids=bounds)
+        ceiling = None
+        if tenant.isolation is Isolation.PUBLIC:
+            salted = dataclasses.replace(own, namespace=tenant.namespace)
+            ceiling = self.normalizer.keys_for_tokens(_bytes_of(tokens), salted)
         return KeyedPrompt(
             tenant,
             cp.block_keys,
@@ -175,6 +185,7 @@ class KeyPath:
             cp.public_block_keys,
             cp.immutable_blocks,
             tokens,
+            ceiling,
         )
 
     def route_request(self, req: WorkloadRequest, kp: KeyedPrompt, pool: str = "default") -> RouteRequest:
@@ -197,14 +208,17 @@ class KeyPath:
         )
 
     def cache_salt(self, kp: KeyedPrompt, decision: RouteDecision) -> str:
-        """The salt the engine gets: the tenant's, unless the KV may be shared (module doc)."""
+        """The salt the engine gets: the tenant's, unless the whole prompt lies inside the promoted
+        public blocks the policy routed (the gateway's rule, module doc)."""
         t = kp.tenant
-        if t.isolation is Isolation.PUBLIC:
-            return self.public_salt
-        shared_tokens = decision.shared_prefix_blocks * kp.block_size_tokens
-        if t.isolation is Isolation.SHARED_PUBLIC and shared_tokens > 0 and kp.n_tokens <= shared_tokens:
-            return self.public_salt
-        return t.cache_salt
+        shared = decision.shared_prefix_blocks
+        wholly_public = (
+            shared > 0
+            and t.isolation is not Isolation.STRICT
+            and shared <= len(kp.public_block_keys)
+            and shared * kp.block_size_tokens >= kp.n_tokens
+        )
+        return self.public_salt if wholly_public else t.cache_salt
 
 
 def _render_body(plan: RenderPlan, body: Mapping[str, object]) -> bytes:

@@ -73,7 +73,8 @@ def test_isolation_levels_share_only_public_blocks_and_salts_follow_the_gateway(
     assert keys.cache_salt(whole, promoted) == keys.public_salt
     assert keys.cache_salt(c, promoted) == keys.tenant("c").cache_salt
     public = KeyPath(isolation=Isolation.PUBLIC)
-    assert public.cache_salt(public.keyed(_chat("p", "p", "x")), plain) == public.public_salt
+    p = public.keyed(_chat("p", "p", "x"))
+    assert public.cache_salt(p, plain) == public.tenant("p").cache_salt  # no public blocks to share
     assert len({keys.tenant(t).cache_salt for t in "abc"} | {keys.public_salt}) == 4
 
 
@@ -93,9 +94,9 @@ def test_promotion_of_a_shared_system_and_tools_prefix_is_exercised(tmp_path: Pa
     assert shared["config"]["isolation"] == "shared_public"
     assert shared["summary"]["policy_counters"]["public_promotions"] >= 1
     assert strict["summary"]["policy_counters"]["public_promotions"] == 0
-    # Public tenants share everything, so their hit ceiling is at least the strict one.
+    # Public tenants share keys but, salted per tenant, never KV across tenants: the same ceiling.
     public = _shared_agent_run(tmp_path, "public")
-    assert public["summary"]["ceiling_infinite"] > strict["summary"]["ceiling_infinite"]
+    assert public["summary"]["ceiling_infinite"] == pytest.approx(strict["summary"]["ceiling_infinite"])
 
 
 class _Recorder:
@@ -159,3 +160,19 @@ def test_shared_prefix_options_share_the_system_prompt_across_tenants(workload: 
     assert len(firsts) == 3
     systems = {p.messages[0].content for p in firsts.values() if isinstance(p, ChatPrompt)}
     assert len(systems) == 1
+
+
+@pytest.mark.parametrize("isolation", list(Isolation))
+def test_salt_rule_is_the_gateways(isolation: Isolation) -> None:
+    from gateway.admission import _wholly_public
+
+    keys = KeyPath(isolation=isolation)
+    kp = keys.keyed(_chat("a", "a", "q"))
+    n_pub = len(kp.public_block_keys)
+    for n_tokens in (kp.n_tokens, kp.immutable_blocks * 16, 16):
+        sized = dataclasses.replace(kp, n_tokens=n_tokens)
+        route = keys.route_request(_chat("a", "a", "q"), sized)
+        for shared in sorted({0, 1, n_pub, kp.immutable_blocks, n_pub + 1}):
+            decision = RouteDecision(WorkerId("w0"), 0.0, "r", shared_prefix_blocks=shared)
+            expected = keys.public_salt if _wholly_public(route, decision) else keys.tenant("a").cache_salt
+            assert keys.cache_salt(sized, decision) == expected

@@ -5,8 +5,8 @@ symlink, which changes all three) and, when it moved, reads the file and compare
 content, so touching the file or re-mounting identical content rebuilds nothing (a rebuild would
 throw away the policy's learned state). A changed file is parsed and built completely before the
 `on_swap` callback sees it, so the gateway swaps one reference and requests never meet a
-half-built policy. A file that does not parse or build keeps the running policy; the reason is
-logged and kept in `status()` for the admin API.
+half-built policy. A file that does not parse or build, or is empty, keeps the running policy; the
+reason is logged and kept in `status()` for the admin API.
 """
 
 from __future__ import annotations
@@ -74,7 +74,15 @@ SwapCallback = Callable[[LoadedPolicy], None]
 
 
 def load_policy_text(text: str) -> LoadedPolicy:
-    """Parse and build; raises `PolicyConfigError` naming the problem."""
+    """Parse and build; raises `PolicyConfigError` naming the problem.
+
+    An empty or whitespace-only file is refused rather than read as "all defaults": that is what a
+    truncated or half-saved file looks like, and it must not silently change routing.
+    """
+    if not text.strip():
+        raise PolicyConfigError(
+            "policy file is empty (a truncated or half-saved file?); write at least `policy: NAME`"
+        )
     config = parse_policy_yaml(text)
     policy = build_policy(config)
     return LoadedPolicy(policy, config, hashlib.sha256(text.encode()).hexdigest())

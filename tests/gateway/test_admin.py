@@ -110,6 +110,11 @@ async def test_reload_swaps_a_good_file_and_explains_a_bad_one(admin: Admin) -> 
     assert "no_such_field" in body["error"]["message"]
     assert body["policy_file"]["failures"] == 1 and admin.state.policy_name == "cost"
 
+    admin.policy_file.write_text("")  # truncated: refused, not read as the built-in defaults
+    resp = await admin.client.post("/admin/policy/reload", headers=ADMIN)
+    assert resp.status_code == 422 and resp.json()["error"]["code"] == "policy_rejected"
+    assert "empty" in resp.json()["error"]["message"] and admin.state.policy_name == "cost"
+
     admin.policy_file.write_text("policy: least_load\n")
     resp = await admin.client.post("/admin/policy/reload", headers=ADMIN)
     assert resp.status_code == 200

@@ -85,6 +85,22 @@ async def test_bad_file_keeps_running_policy_and_says_why(policy_file: Path, tex
     assert fixed is not None and fixed.swapped and w.status().last_error is None
 
 
+@pytest.mark.parametrize("text", ["", "   \n\t\n"])
+async def test_empty_file_is_refused_not_read_as_defaults(policy_file: Path, text: str) -> None:
+    swaps = Swaps()
+    w = PolicyWatcher(policy_file, swaps)
+    w.load_initial()
+    write(policy_file, text)
+    result = await w.check()
+    assert result is not None and not result.swapped and result.error is not None
+    assert "empty" in result.error
+    assert w.status().policy == "round_robin" and w.status().failures == 1 and swaps.loaded == []
+    forced = await w.reload_now(force=True)
+    assert forced.error is not None and "empty" in forced.error and swaps.loaded == []
+    with pytest.raises(PolicyConfigError, match="empty"):
+        PolicyWatcher(policy_file, Swaps()).load_initial()
+
+
 async def test_reverting_a_bad_edit_clears_the_error(policy_file: Path) -> None:
     w = PolicyWatcher(policy_file, Swaps())
     w.load_initial()

@@ -36,6 +36,16 @@ class DrainingServer(uvicorn.Server):
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and self.servers:
+            # uvicorn's own startup line is silenced (log_level warning): say where clients go,
+            # with the bound port (a configured port 0 binds a free one).
+            bound = [s.getsockname() for srv in self.servers for s in (srv.sockets or [])]
+            port = bound[0][1] if bound else self.config.port
+            print(f"kvgate serve: listening, base URL {base_url(self.config.host, port)}", flush=True)
+            log.info("listening", extra={"base_url": base_url(self.config.host, port)})
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._state.draining or self._loop is None:
             super().handle_exit(sig, frame)
@@ -53,6 +63,12 @@ class DrainingServer(uvicorn.Server):
         await asyncio.sleep(delay_s)
         self.should_exit = True
         await drain(self._state, drain_cfg.deadline_s - delay_s)
+
+
+def base_url(host: str, port: int) -> str:
+    """The OpenAI base URL clients use; IPv6 literals get brackets."""
+    shown = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return f"http://{shown}:{port}/v1"
 
 
 def serve(

@@ -70,6 +70,7 @@ def test_sigterm_drains_streams_to_the_deadline_then_exits(tmp_path: Path) -> No
         assert b"gateway_shutting_down" in events[-2]
         assert 1.0 < ended < 4.0
         assert gateway.popen.wait(10) == 0
+        assert f"base URL {base}/v1" in gateway.output()
     finally:
         if gateway is not None:
             gateway.stop()

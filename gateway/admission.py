@@ -249,6 +249,9 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise bad_request("'stream_options' must be an object", "stream_options")
+    if options is not None and not isinstance(options.get("include_usage", False), bool | None):
+        # A non-boolean would otherwise be read as "no usage" and silently dropped.
+        raise bad_request("'stream_options.include_usage' must be a boolean", "stream_options.include_usage")
     if not ENGINE_INTERNAL_FIELDS.isdisjoint(body):
         name = min(ENGINE_INTERNAL_FIELDS.intersection(body))
         raise bad_request(f"'{name}' is an engine-internal field and cannot be set through the gateway", name)

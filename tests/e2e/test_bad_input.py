@@ -57,6 +57,28 @@ def _assert_error(resp: httpx.Response, status: int, code: str | None = None) ->
             "stream",
         ),
         (
+            b'{"model": "m-ok", "messages": [{"role": "user"}], "stream": true, "stream_options": "yes"}',
+            "sk-acme",
+            400,
+            "invalid_request",
+            "stream_options",
+        ),
+        (
+            b'{"model": "m-ok", "messages": [{"role": "user"}], "stream": true,'
+            b' "stream_options": {"include_usage": "yes"}}',
+            "sk-acme",
+            400,
+            "invalid_request",
+            "stream_options.include_usage",
+        ),
+        (
+            b'{"model": "m-ok", "messages": [{"role": "user"}], "stream_options": {"include_usage": 1}}',
+            "sk-acme",
+            400,
+            "invalid_request",
+            "stream_options.include_usage",
+        ),
+        (
             b'{"model": "nope", "messages": [{"role": "user", "content": "x"}]}',
             "sk-acme",
             404,

@@ -132,7 +132,8 @@ class CostPolicy(PrefixPolicyBase):
     def select(self, req: RouteRequest, workers: Sequence[WorkerView], now_s: float) -> RouteDecision | None:
         pool = self._pool(req)
         pool.index.expire(now_s)
-        own_match = pool.index.lookup(req.block_keys, req.namespace, now_s)
+        mine = self._own_keys(req)
+        own_match = pool.index.lookup(mine.keys, mine.namespace, now_s)
         own_get = own_match.blocks_by_worker.get if own_match.longest_blocks else None
         # Pass 1: availability, load, raw prefill backlog and own-namespace match of every worker
         # (locals only: this and the scoring below are the per-worker hot path).
@@ -202,15 +203,11 @@ class CostPolicy(PrefixPolicyBase):
         tie = self.tie_s
         per_backlog_token = q.scale * q.backlog_per_token_s * cost.engine_tokens_per_request_token
         # Pass 2a: the workers holding part of the prefix (few).
-        public = found.public.blocks_by_worker
-        if public:
-            # A promoted public chain: merge its holders in (rare, so a second pass is fine).
-            merged = dict(held)
-            for i, view in enumerate(cands):
-                pub = public.get(view.worker_id, 0)
-                if pub > merged.get(i, 0):
-                    merged[i] = pub
-            held = list(merged.items())
+        if found.public_blocks:
+            # Wholly inside a promoted public prefix: the request carries the public salt, so only
+            # public holders save it anything (its tenant-salted blocks are not reused).
+            public = found.public.blocks_by_worker
+            held = [(i, public[v.worker_id]) for i, v in enumerate(cands) if public.get(v.worker_id, 0)]
         holders: set[int] = set()
         if held:
             ranked: list[tuple[float, int, int]] = []

@@ -64,7 +64,8 @@ class PrebleE2(PrefixPolicyBase):
         pool = self._pool(req)
         self._pools.note_workers(req.pool, cands)
         pool.observe_workers(cands)
-        match = pool.index.lookup(req.block_keys, req.namespace, now_s)
+        mine = self._own_keys(req)
+        match = pool.index.lookup(mine.keys, mine.namespace, now_s)
         cached = self._cap_tokens(req, match.longest_blocks)
         missed = req.n_prompt_tokens - cached
         cost = pool.cost
@@ -98,7 +99,8 @@ class PrebleE2(PrefixPolicyBase):
 
     def on_dispatch(self, req: RouteRequest, decision: RouteDecision, now_s: float) -> None:
         # Preble inserts every request into its global tree at assignment time.
-        self._pool(req).index.record(req.block_keys, decision.worker, req.namespace, now_s, speculative=False)
+        mine = self._own_keys(req)
+        self._pool(req).index.record(mine.keys, decision.worker, mine.namespace, now_s, speculative=False)
 
     def on_complete(self, obs: Observation, now_s: float) -> None:
         if obs.failed or obs.completion_tokens is None:

@@ -11,8 +11,16 @@ from policies.index import NO_MATCH, PrefixMatch
 from policies.kv_feed import KvEventFeed, TokenBlockHasher
 from policies.pools import PoolSet, PoolSettings, PoolState
 from policies.stats import DecisionCounter, PolicyStats
-from policies.tenants import PromotionConfig, PublicPrefixes, TenantSettings, effective_isolation
-from prompt_normalizer.types import PUBLIC_NAMESPACE
+from policies.tenants import (
+    PromotionConfig,
+    PublicPrefixes,
+    TenantSettings,
+    effective_isolation,
+    wholly_public_blocks,
+)
+from prompt_normalizer.types import PUBLIC_NAMESPACE, BlockKey
+
+_MASK64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,8 +36,21 @@ class SharedSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class OwnKeys:
+    """The keys and index namespace of the worker KV a request uses when it keeps its tenant's salt."""
+
+    keys: tuple[BlockKey, ...]
+    namespace: str
+
+
+@dataclass(frozen=True, slots=True)
 class Lookup:
-    """One request's view of the index: own-namespace match, public match, and their union."""
+    """One request's view of the index: the match that can save it prefill.
+
+    `public_blocks` > 0: the request lies wholly inside a promoted public prefix and will carry the
+    public salt, so only the public-namespace match counts (`own` is empty). Otherwise it keeps its
+    tenant's salt and only its own-namespace match counts (`public` is empty).
+    """
 
     own: PrefixMatch
     public: PrefixMatch
@@ -41,6 +62,21 @@ class Lookup:
     @property
     def longest_blocks(self) -> int:
         return max(self.own.longest_blocks, self.public.longest_blocks)
+
+
+def _tenant_scoped(keys: tuple[BlockKey, ...], tenant: str) -> tuple[BlockKey, ...]:
+    # A bijection per tenant (splitmix64 finalizer of key ^ tenant seed): distinct keys stay
+    # distinct, and a key still names its whole prefix, now for this tenant's salt only.
+    t = 0x9E3779B97F4A7C15
+    for ch in tenant.encode():
+        t = ((t ^ ch) * 0x100000001B3) & _MASK64
+    out = []
+    for k in keys:
+        z = (k ^ t) & _MASK64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        out.append(BlockKey(z ^ (z >> 31)))
+    return tuple(out)
 
 
 class PrefixPolicyBase:
@@ -56,6 +92,10 @@ class PrefixPolicyBase:
         self._counters: dict[str, int] = {}
         self._feeds: dict[str, KvEventFeed] = {}
         self._hasher: TokenBlockHasher | None = None
+        # request id -> public blocks it was dispatched with (what its worker KV is salted by).
+        self._dispatched_public: dict[str, int] = {}
+
+    MAX_DISPATCHED = 65_536
 
     # -- helpers for subclasses ---------------------------------------------------------------
 
@@ -72,10 +112,26 @@ class PrefixPolicyBase:
         if settings is not None and settings.index_share is not None:
             if len(self._ns_share) > 65_536:
                 self._ns_share.clear()
-            self._ns_share[req.namespace] = settings.index_share
+            self._ns_share[self._own_keys(req).namespace] = settings.index_share
 
     def _count(self, name: str, n: int = 1) -> None:
         self._counters[name] = self._counters.get(name, 0) + n
+
+    def _own_keys(self, req: RouteRequest) -> OwnKeys:
+        """Where the KV a request computes under its tenant's salt is indexed.
+
+        A `public` tenant's request keyed in the public namespace still carries its tenant's salt
+        unless it is wholly public, so its keys are re-scoped to the tenant: another tenant's
+        public-namespace chain must not look like a hit the worker cannot serve. Any other request
+        keyed in the public namespace is unsalted (one trust domain) and keeps its keys.
+        """
+        if req.namespace != PUBLIC_NAMESPACE or req.isolation is not Isolation.PUBLIC:
+            return OwnKeys(req.block_keys, req.namespace)
+        return OwnKeys(_tenant_scoped(req.block_keys, req.tenant), f"{PUBLIC_NAMESPACE}/{req.tenant}")
+
+    def _shared_blocks(self, req: RouteRequest, n_public: int) -> int:
+        """`n_public` if the gateway will give `req` the public salt for it, else 0."""
+        return wholly_public_blocks(req, effective_isolation(req, self.shared.tenants), n_public)
 
     def _pool(self, req: RouteRequest) -> PoolState:
         return self._pools.get(req.pool, req.block_size_tokens)
@@ -89,16 +145,18 @@ class PrefixPolicyBase:
         observe: bool = True,
         own: PrefixMatch | None = None,
     ) -> Lookup:
-        """Own namespace always (`own`, when the caller already looked it up); the public namespace
-        too when the immutable chain is public and the tenant's isolation allows sharing."""
+        """The public namespace when the request is wholly inside a promoted public prefix (it will
+        carry the public salt), else its own keys (`own`, when the caller already looked them up)."""
         isolation = effective_isolation(req, self.shared.tenants)
         n_pub = self._public.observe(req, isolation, now_s) if observe else 0
+        shared = wholly_public_blocks(req, isolation, n_pub)
+        if shared:
+            public = pool.index.lookup(req.public_block_keys[:shared], PUBLIC_NAMESPACE, now_s)
+            return Lookup(NO_MATCH, public, shared)
         if own is None:
-            own = pool.index.lookup(req.block_keys, req.namespace, now_s)
-        public = NO_MATCH
-        if n_pub and req.namespace != PUBLIC_NAMESPACE:
-            public = pool.index.lookup(req.public_block_keys[:n_pub], PUBLIC_NAMESPACE, now_s)
-        return Lookup(own, public, n_pub if isolation is not Isolation.STRICT else 0)
+            mine = self._own_keys(req)
+            own = pool.index.lookup(mine.keys, mine.namespace, now_s)
+        return Lookup(own, NO_MATCH, 0)
 
     def _cap_tokens(self, req: RouteRequest, blocks: int) -> int:
         # vLLM never serves the last prompt token from cache (max hit = prompt − 1, full blocks).
@@ -106,18 +164,29 @@ class PrefixPolicyBase:
         limit = ((req.n_prompt_tokens - 1) // bs) * bs if req.n_prompt_tokens > 0 else 0
         return max(0, min(blocks * bs, limit))
 
-    def _record(self, req: RouteRequest, decision: RouteDecision, now_s: float, *, speculative: bool) -> None:
+    def _record(
+        self, req: RouteRequest, worker: WorkerId, shared: int, now_s: float, *, speculative: bool
+    ) -> None:
+        """Record the worker's new holdings under the salt it computes them with: the public chain
+        when `shared` > 0 (wholly public), else the request's own keys."""
         pool = self._pool(req)
-        pool.index.record(req.block_keys, decision.worker, req.namespace, now_s, speculative=speculative)
-        n_pub = decision.shared_prefix_blocks
-        if n_pub and req.namespace != PUBLIC_NAMESPACE:
-            public_keys = req.public_block_keys[:n_pub]
-            pool.index.record(public_keys, decision.worker, PUBLIC_NAMESPACE, now_s, speculative=speculative)
+        if shared:
+            keys = req.public_block_keys[:shared]
+            pool.index.record(keys, worker, PUBLIC_NAMESPACE, now_s, speculative=speculative)
+        else:
+            mine = self._own_keys(req)
+            pool.index.record(mine.keys, worker, mine.namespace, now_s, speculative=speculative)
 
     # -- the Protocol's feedback hooks ----------------------------------------------------------
 
     def on_dispatch(self, req: RouteRequest, decision: RouteDecision, now_s: float) -> None:
-        self._record(req, decision, now_s, speculative=True)
+        # The gateway applies the same rule to `shared_prefix_blocks`, so this is the salt it sets.
+        shared = self._shared_blocks(req, decision.shared_prefix_blocks)
+        dispatched = self._dispatched_public
+        if len(dispatched) >= self.MAX_DISPATCHED and req.request_id not in dispatched:
+            dispatched.pop(next(iter(dispatched)))  # bounded: the oldest falls back to the rule below
+        dispatched[req.request_id] = shared
+        self._record(req, decision.worker, shared, now_s, speculative=True)
 
     def on_complete(self, obs: Observation, now_s: float) -> None:
         pool = self._pool(obs.request)
@@ -126,20 +195,23 @@ class PrefixPolicyBase:
             # Only a served request says what the worker caches: take back this request's unconfirmed
             # holdings on that worker, and its calibration record.
             self._count("failed_observations")
-            pool.index.drop_speculative(req.block_keys, obs.worker, req.namespace)
-            if req.public_block_keys and req.namespace != PUBLIC_NAMESPACE:
+            self._dispatched_public.pop(req.request_id, None)
+            mine = self._own_keys(req)
+            pool.index.drop_speculative(mine.keys, obs.worker, mine.namespace)
+            if req.public_block_keys:
                 pool.index.drop_speculative(req.public_block_keys, obs.worker, PUBLIC_NAMESPACE)
             pool.cost.forget(req.request_id)
             return
-        n_pub = PublicPrefixes.public_blocks(req)
-        isolation = effective_isolation(req, self.shared.tenants)
-        if n_pub and (
-            isolation is Isolation.STRICT or not self._public.is_public(req.public_block_keys[n_pub - 1])
-        ):
-            n_pub = 0
-        decision = RouteDecision(obs.worker, 0.0, "feedback", shared_prefix_blocks=n_pub)
-        # The worker computed the whole prompt, so it now holds every full block of it.
-        self._record(obs.request, decision, now_s, speculative=False)
+        shared = self._dispatched_public.pop(req.request_id, None)
+        if shared is None:
+            # Not dispatched through this policy (or forgotten): the salt follows the current state.
+            n_pub = PublicPrefixes.public_blocks(req)
+            if n_pub and not self._public.is_public(req.public_block_keys[n_pub - 1]):
+                n_pub = 0
+            shared = self._shared_blocks(req, n_pub)
+        # The worker computed the whole prompt under the salt it was dispatched with (a chain
+        # promoted while the request ran does not change its KV), so it holds every full block.
+        self._record(req, obs.worker, shared, now_s, speculative=False)
         pool.cost.note_complete(
             req.request_id, obs.ttft_s, obs.prompt_tokens, obs.cached_tokens, req.n_prompt_tokens
         )

@@ -74,7 +74,8 @@ class SglangCacheAware(PrefixPolicyBase):
         )
         if imbalanced:
             return self._decide(least, "imbalance", 0)
-        match = pool.index.lookup(req.block_keys, req.namespace, now_s)
+        mine = self._own_keys(req)
+        match = pool.index.lookup(mine.keys, mine.namespace, now_s)
         matched = min(match.longest_blocks * req.block_size_tokens, req.n_prompt_tokens)
         rate = matched / req.n_prompt_tokens if req.n_prompt_tokens > 0 else 0.0
         if rate > self.cache_threshold and match.deepest_holder is not None:
@@ -89,7 +90,8 @@ class SglangCacheAware(PrefixPolicyBase):
 
     def on_dispatch(self, req: RouteRequest, decision: RouteDecision, now_s: float) -> None:
         # The whole request is taken as cached on the chosen worker, at once and for good.
-        self._pool(req).index.record(req.block_keys, decision.worker, req.namespace, now_s, speculative=False)
+        mine = self._own_keys(req)
+        self._pool(req).index.record(mine.keys, decision.worker, mine.namespace, now_s, speculative=False)
 
     def on_complete(self, obs: Observation, now_s: float) -> None:
         return None  # no correction step in the shipped router

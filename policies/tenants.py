@@ -71,6 +71,24 @@ def effective_isolation(req: RouteRequest, settings: Mapping[str, TenantSettings
     return a if _STRICTNESS[a] >= _STRICTNESS[b] else b
 
 
+def wholly_public_blocks(req: RouteRequest, isolation: Isolation, n_public: int) -> int:
+    """`n_public` when `req` will carry the public `cache_salt`, else 0.
+
+    The gateway's rule (`gateway.admission`): vLLM's salt enters block 0's hash and so covers the
+    whole chain, so a request shares worker KV across tenants only when its tenant is not strict and
+    the promoted public blocks cover every prompt token. Any token past them means the tenant's own
+    salt, and then a public-namespace holding saves this request nothing.
+    """
+    if (
+        n_public > 0
+        and isolation is not Isolation.STRICT
+        and n_public <= len(req.public_block_keys)
+        and n_public * req.block_size_tokens >= req.n_prompt_tokens
+    ):
+        return n_public
+    return 0
+
+
 def chain_key_hex(key: BlockKey) -> str:
     return f"{key:016x}"
 

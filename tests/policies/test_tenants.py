@@ -45,18 +45,27 @@ def test_promotion_needs_k_distinct_opted_in_tenants_within_the_window() -> None
     assert p.stats().counters["public_promotions"] == 0
     _run(p, req("r4", range(40), tenant="b", isolation=SP, immutable=32), w0, 5.0)
     assert p.stats().counters["public_promotions"] == 0
-    # The third distinct opted-in tenant promotes the immutable chain; its request is the first
-    # routed under the public namespace (nobody holds the public chain yet).
-    r5 = req("r5", range(40), tenant="c", isolation=SP, immutable=32)
+    # The third distinct opted-in tenant promotes the immutable chain; its request lies wholly
+    # inside it, so it is the first routed under the public namespace (nobody holds it there yet).
+    r5 = req("r5", range(32), tenant="c", isolation=SP, immutable=32, extra_tokens=0)
     d5 = p.select(r5, workers(0, 0, 0), 6.0)
     assert d5 is not None and d5.shared_prefix_blocks == 32 and d5.reason == "miss"
     assert p.stats().counters["public_promotions"] == 1
     p.on_dispatch(r5, d5, 6.0)
-    # A newcomer sharing the public chain matches it there; a strict tenant still does not.
-    d = p.select(req("r6", range(40), tenant="d", isolation=SP, immutable=32), workers(0, 0, 0), 7.0)
-    assert d is not None and d.worker == d5.worker and d.matched_tokens == 32 * 16
+    # A newcomer wholly inside the public chain matches it there (less vLLM's last token)...
     d = p.select(
-        req("r7", range(40), tenant="e", isolation=Isolation.STRICT, immutable=32), workers(0, 0, 0), 7.0
+        req("r6", range(32), tenant="d", isolation=SP, immutable=32, extra_tokens=0), workers(0, 0, 0), 7.0
+    )
+    assert d is not None and d.worker == d5.worker and d.matched_tokens == 31 * 16
+    assert d.shared_prefix_blocks == 32
+    # ...one running past it keeps its own salt: nothing it could reuse, and no public routing...
+    d = p.select(req("r6b", range(40), tenant="d", isolation=SP, immutable=32), workers(0, 0, 0), 7.0)
+    assert d is not None and d.matched_tokens == 0 and d.shared_prefix_blocks == 0
+    # ...and a strict tenant never matches it.
+    d = p.select(
+        req("r7", range(32), tenant="e", isolation=Isolation.STRICT, immutable=32, extra_tokens=0),
+        workers(0, 0, 0),
+        7.0,
     )
     assert d is not None and d.matched_tokens == 0 and d.shared_prefix_blocks == 0
     lines = p.drain_promotion_events()
@@ -83,13 +92,13 @@ def test_cold_public_chain_is_demoted_and_allow_list_promotes_at_once() -> None:
     _run(p, req("r0", range(8), tenant="a", isolation=SP, immutable=8), w0, 0.0)
     _run(p, req("r1", range(8), tenant="b", isolation=SP, immutable=8), w0, 1.0)
     assert p.stats().counters["public_promotions"] == 1
-    d = p.select(req("x", range(500, 510), tenant="z", isolation=SP, immutable=8), w0, 2.0)
+    d = p.select(req("x", range(500, 508), tenant="z", isolation=SP, immutable=8, extra_tokens=0), w0, 2.0)
     assert d is not None and d.shared_prefix_blocks == 8
     p.select(req("late", range(900, 901), tenant="q", isolation=SP), w0, 200.0)
     stats = p.stats().counters
     assert stats["public_demotions"] == 1 and stats["public_promotions"] == 2
     # After demotion the chain is private again until K tenants present it anew.
-    d = p.select(req("r2", range(8), tenant="c", isolation=SP, immutable=8), w0, 201.0)
+    d = p.select(req("r2", range(8), tenant="c", isolation=SP, immutable=8, extra_tokens=0), w0, 201.0)
     assert d is not None and d.shared_prefix_blocks == 0
     lines = p.drain_promotion_events()
     assert any(line.startswith("demote chain=") for line in lines)
@@ -147,7 +156,7 @@ def _common(x: list[int], y: list[int]) -> int:
 
 @settings(max_examples=100, deadline=None)
 @given(
-    st.lists(st.tuples(st.sampled_from(sorted(_TENANTS)), st.integers(0, 3), st.integers(1, 6)), max_size=40)
+    st.lists(st.tuples(st.sampled_from(sorted(_TENANTS)), st.integers(0, 3), st.integers(0, 6)), max_size=40)
 )
 def test_matches_come_only_from_own_history_or_promoted_public_chains(
     steps: list[tuple[str, int, int]],
@@ -160,19 +169,24 @@ def test_matches_come_only_from_own_history_or_promoted_public_chains(
     for i, (tenant, family, extra) in enumerate(steps):
         blocks = [family * 100 + j for j in range(4)] + [1000 * i + j for j in range(extra)]
         iso = _TENANTS[tenant]
-        r = req(f"r{i}", blocks, tenant=tenant, isolation=iso, immutable=4)
+        # extra == 0: the prompt is exactly the 4 immutable blocks (wholly public once promoted).
+        r = req(f"r{i}", blocks, tenant=tenant, isolation=iso, immutable=4, extra_tokens=1 if extra else 0)
         chain_id = tuple(blocks[:4])
         if iso is not Isolation.STRICT:
             presenters.setdefault(chain_id, set()).add(tenant)
         promoted = len(presenters.get(chain_id, ())) >= 2 and iso is not Isolation.STRICT
         d = p.select(r, views, float(i))
         assert d is not None
-        own = max((_common(blocks, h) for h in history[tenant]), default=0)
-        shared = max((_common(blocks[:4], h) for h in public_history), default=0) if promoted else 0
-        assert d.matched_tokens <= max(own, shared) * 16
-        assert d.shared_prefix_blocks == (4 if promoted else 0)
+        wholly_public = promoted and extra == 0
+        if wholly_public:  # public salt: only public holdings can serve it
+            best = max((_common(blocks[:4], h) for h in public_history), default=0)
+        else:  # its tenant's salt: only its own history can
+            best = max((_common(blocks, h) for h in history[tenant]), default=0)
+        assert d.matched_tokens <= best * 16
+        assert d.shared_prefix_blocks == (4 if wholly_public else 0)
         p.on_dispatch(r, d, float(i))
-        history[tenant].append(blocks)
-        if promoted:
+        if wholly_public:
             public_history.append(blocks[:4])
+        else:
+            history[tenant].append(blocks)
     p.check_invariants()

@@ -161,7 +161,11 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         state.session = make_session(state.config)
         upstream = state.config.upstream
-        state.lean = UpstreamPool(upstream.max_connections_per_worker, upstream.keepalive_timeout_s)
+        state.lean = UpstreamPool(
+            upstream.max_connections_per_worker,
+            upstream.keepalive_timeout_s,
+            max_open_per_worker=upstream.max_connections_per_worker,
+        )
         flusher: asyncio.Task[None] | None = None
         fleet = Fleet(state, state.session)
         state.fleet = fleet

@@ -27,6 +27,45 @@ def error_body(message: str, type_: str, code: str | None = None, param: str | N
     return orjson.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}})
 
 
+# OpenAI's error types by status; any other 4xx reads as a bad request.
+_TYPE_BY_STATUS = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    429: "rate_limit_error",
+}
+MAX_WORKER_MESSAGE_CHARS = 2000
+
+
+def normalize_worker_error(status: int, body: bytes) -> bytes:
+    """A worker's error body in the gateway's own OpenAI shape.
+
+    vLLM answers `{"error": {..., "type": "BadRequestError", "code": 400}}` (older versions put the
+    fields at the top level with `"object": "error"`); clients should see one shape whoever
+    refused the request. The worker's message and `param` are kept; `type` follows the status;
+    `code` stays only when it is a string (an integer code repeats the status).
+    """
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        parsed = None
+    inner = parsed.get("error", parsed) if isinstance(parsed, dict) else None
+    if not isinstance(inner, dict):
+        inner = {}
+    message = inner.get("message")
+    if not isinstance(message, str) or not message:
+        message = f"the worker refused the request (HTTP {status})"
+    code = inner.get("code")
+    param = inner.get("param")
+    type_ = _TYPE_BY_STATUS.get(status, "invalid_request_error" if 400 <= status < 500 else "server_error")
+    return error_body(
+        message[:MAX_WORKER_MESSAGE_CHARS],
+        type_,
+        code if isinstance(code, str) and code else None,
+        param if isinstance(param, str) and param else None,
+    )
+
+
 def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, "invalid_request_error", "invalid_request", param)
 

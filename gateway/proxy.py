@@ -2,7 +2,8 @@
 
 Retries happen only while nothing has reached the client: on a connect error, or a 5xx answer
 (whose body is discarded). Timeouts are not retried (the worker may still be computing), and a
-4xx from the worker is the client's problem and is passed through unchanged.
+4xx from the worker is the client's problem and is passed through, its error body rewritten into
+the gateway's own OpenAI error shape (the worker's message and `param` are kept).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import aiohttp
 import orjson
 
 from gateway.admission import UPSTREAM_PATHS, Admitted
-from gateway.errors import ApiError, RawResponse, error_response, upstream_error
+from gateway.errors import ApiError, RawResponse, error_response, normalize_worker_error, upstream_error
 from gateway.outcome import Attempt, Usage, record_request, usage_of
 from gateway.registry import DirectAddress
 from gateway.state import GatewayState
@@ -112,7 +113,7 @@ async def _dispatch(a: Admitted, state: GatewayState, attempts: list[Attempt]) -
 async def _whole(
     state: GatewayState, a: Admitted, attempt: Attempt, resp: aiohttp.ClientResponse, retries: int
 ) -> RawResponse:
-    """A non-streamed answer (or a worker's 4xx): pass the bytes through unchanged."""
+    """A non-streamed answer (or a worker's 4xx): pass it through (see `_answer`)."""
     try:
         body = await resp.read()
     except TimeoutError:
@@ -197,7 +198,8 @@ def _answer(
     content_type: str,
     retries: int,
 ) -> RawResponse:
-    """Close the books on a complete answer and pass its bytes through unchanged."""
+    """Close the books on a complete answer and pass it through: a 200 byte for byte, an error
+    with its body in the gateway's error shape."""
     usage = Usage()
     if status == 200:
         try:
@@ -209,6 +211,9 @@ def _answer(
     else:
         # A 4xx is about the request, not the worker's health; the worker computed nothing.
         attempt.fail(state, Outcome.REJECTED if status < 500 else Outcome.WORKER_FAILED)
+        if status >= 400:
+            body = normalize_worker_error(status, body)
+            content_type = "application/json"
     record_request(
         state,
         a,

@@ -8,6 +8,11 @@ idle connection the worker has closed is noticed (`connection_lost`) and never r
 request that fails on a reused connection before any answer byte is sent once more on a fresh
 connection (the worker closed an idle keep-alive connection; it never saw the request).
 
+Open connections per worker are capped at `max_open_per_worker` whatever the pool's
+`max_in_flight_per_worker` says (it may be null): each request holds one slot for its whole
+exchange, and a new connection is opened only when no idle one is left, so open connections never
+exceed the number of slots. A request that finds every slot busy waits up to its `connect_s`.
+
 Streamed requests, https workers and everything off the hot path keep using aiohttp.
 """
 
@@ -201,12 +206,23 @@ class _Connection(asyncio.Protocol):
 
 
 class UpstreamPool:
-    """Keep-alive connections to plain-HTTP workers, at most `max_idle_per_worker` idle each."""
+    """Keep-alive connections to plain-HTTP workers: at most `max_open_per_worker` open (busy or
+    idle) and `max_idle_per_worker` idle each."""
 
-    def __init__(self, max_idle_per_worker: int = 256, keepalive_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        max_idle_per_worker: int = 256,
+        keepalive_timeout_s: float = 30.0,
+        max_open_per_worker: int = 256,
+    ) -> None:
         self._idle: dict[tuple[str, int], deque[_Connection]] = {}
         self._max_idle = max_idle_per_worker
         self._keepalive_s = keepalive_timeout_s
+        self._max_open = max_open_per_worker
+        # One semaphore per worker with a request in flight, dropped when its last user leaves
+        # (workers come and go with discovery: the dict must not grow with every address seen).
+        self._slots: dict[tuple[str, int], asyncio.Semaphore] = {}
+        self._users: dict[tuple[str, int], int] = {}
         self._closed = False
 
     async def post(
@@ -221,6 +237,39 @@ class UpstreamPool:
     ) -> UpstreamReply:
         """Send one prebuilt request (head and body) and return the whole answer."""
         key = (host, port)
+        slots = self._slots.get(key)
+        if slots is None:
+            slots = self._slots[key] = asyncio.Semaphore(self._max_open)
+        self._users[key] = self._users.get(key, 0) + 1
+        try:
+            try:
+                async with asyncio.timeout(connect_s):
+                    await slots.acquire()
+            except TimeoutError:
+                raise UpstreamConnectError(
+                    f"all {self._max_open} connections to the worker stayed busy", timed_out=True
+                ) from None
+            try:
+                return await self._exchange(key, host, port, request, connect_s, read_s, total_s)
+            finally:
+                slots.release()
+        finally:
+            users = self._users[key] - 1
+            if users:
+                self._users[key] = users
+            else:
+                del self._users[key], self._slots[key]
+
+    async def _exchange(
+        self,
+        key: tuple[str, int],
+        host: str,
+        port: int,
+        request: bytes,
+        connect_s: float,
+        read_s: float,
+        total_s: float,
+    ) -> UpstreamReply:
         conn = self._take(key)
         if conn is not None:
             try:

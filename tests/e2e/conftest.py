@@ -14,7 +14,7 @@ import pytest
 
 from tests.e2e.harness import Proc, free_port, start_fake_workers, start_gateway, tenant, write_gateway_config
 
-MODES = ("ok", "ok", "once500", "once500", "ok", "die", "slow", "error500", "hang")
+MODES = ("ok", "ok", "once500", "once500", "ok", "die", "slow", "error500", "hang", "reject400")
 
 
 @dataclass
@@ -44,7 +44,7 @@ def _url(port: int) -> str:
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    names = ["ok1", "ok2", "once500a", "once500b", "ok4", "die", "slow", "err500", "hang"]
+    names = ["ok1", "ok2", "once500a", "once500b", "ok4", "die", "slow", "err500", "hang", "reject"]
     ports = {name: free_port() for name in names}
     down = _url(free_port())  # nothing listens here
     fake = start_fake_workers({ports[n]: mode for n, mode in zip(names, MODES, strict=True)})
@@ -69,6 +69,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             {"name": "slow", "models": ["m-slow"], "workers": [w["slow"]], **fast},
             {"name": "all500", "models": ["m-500"], "workers": [w["err500"]], "retry_attempts": 1, **fast},
             {"name": "nothing", "models": ["m-none"], "workers": [down], **fast},
+            {"name": "reject", "models": ["m-reject"], "workers": [w["reject"]], **fast},
             {
                 "name": "hang",
                 "models": ["m-hang"],

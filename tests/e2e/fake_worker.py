@@ -7,7 +7,7 @@ One process serves several ports, each with its own behaviour:
 modes: ok (answers), error500 (500 before the first byte), once500 (500 the first time any once500
 port of the process sees a request id, an answer after that), die (streams two chunks, then drops the
 connection), slow (streams one chunk every 50 ms for 10 s and records a client cancel), hang
-(answers nothing for 30 s).
+(answers nothing for 30 s), reject400 (a 400 in vLLM's error shape, naming `max_tokens`).
 GET /_log on any port returns what that port received (request id, body) and saw (cancels, named
 by the body's `user` field when the test set one, else by the request id the gateway sent).
 """
@@ -22,7 +22,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-MODES = ("ok", "error500", "once500", "die", "slow", "hang")
+MODES = ("ok", "error500", "once500", "die", "slow", "hang", "reject400")
 # Request ids some once500 port has failed already (shared by all ports of the process).
 FAILED_ONCE: set[str] = set()
 
@@ -93,6 +93,15 @@ def make_app(port: Port) -> web.Application:
         if port.mode == "once500" and rid not in FAILED_ONCE:
             FAILED_ONCE.add(rid)
             return web.json_response({"error": {"message": "boom", "type": "server_error"}}, status=500)
+        if port.mode == "reject400":
+            # vLLM's shape: a class name for `type`, the status as an integer `code`.
+            error = {
+                "message": "max_tokens is too large",
+                "type": "BadRequestError",
+                "param": "max_tokens",
+                "code": 400,
+            }
+            return web.json_response({"error": error}, status=400)
         if port.mode == "error500":
             return web.json_response({"error": {"message": "boom", "type": "server_error"}}, status=500)
         chat = request.path.endswith("chat/completions")

@@ -94,6 +94,25 @@ def test_rejections(
     assert err["param"] == param
 
 
+def test_worker_rejection_has_the_gateway_error_shape(stack: Stack) -> None:
+    for stream in (False, True):
+        body = {"model": "m-reject", "messages": [{"role": "user", "content": "x"}], "stream": stream}
+        resp = _post(stack, json=body)
+        assert resp.status_code == 400
+        assert resp.json() == {
+            "error": {
+                "message": "max_tokens is too large",
+                "type": "invalid_request_error",
+                "param": "max_tokens",
+                "code": None,
+            }
+        }
+    client = openai.OpenAI(base_url=stack.base_url + "/v1", api_key="sk-acme", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="m-reject", messages=[{"role": "user", "content": "x"}])
+    assert info.value.param == "max_tokens" and info.value.code is None
+
+
 def test_normalizer_rejection_is_400_naming_the_field(stack: Stack) -> None:
     body = {"model": "m-ok", "messages": [{"role": "user", "content": 5}]}
     err = _assert_error(_post(stack, json=body), 400, "invalid_prompt")

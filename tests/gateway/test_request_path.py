@@ -62,6 +62,7 @@ class ScriptedPolicy:
 @dataclass
 class Upstream:
     status: int = 200
+    error_body: Any = None
     received: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -96,7 +97,10 @@ async def rig(tiny_model: Path) -> AsyncIterator[Rig]:
             {"request_id": request.headers.get("x-request-id"), "body": await request.json()}
         )
         if upstream.status != 200:
-            return web.json_response({"error": {"message": "no"}}, status=upstream.status)
+            if isinstance(upstream.error_body, bytes):
+                return web.Response(body=upstream.error_body, status=upstream.status)
+            error = upstream.error_body if upstream.error_body is not None else {"error": {"message": "no"}}
+            return web.json_response(error, status=upstream.status)
         usage = {"prompt_tokens": 5, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}}
         return web.json_response({"choices": [], "usage": usage})
 
@@ -227,6 +231,71 @@ async def test_policy_learns_the_outcome(rig: Rig, status: int, outcome: Outcome
     worker = next(iter(rig.state.registry.pools["p"].workers.values()))
     # A 4xx says nothing about the worker's health; a 5xx counts against its breaker.
     assert worker.breaker.failures == (1 if outcome is Outcome.WORKER_FAILED else 0)
+
+
+@pytest.mark.parametrize(
+    ("status", "worker_body", "expected"),
+    [
+        (  # vLLM today: nested, with a class name for type and the status as an integer code
+            400,
+            {
+                "error": {
+                    "message": "max_tokens is too large",
+                    "type": "BadRequestError",
+                    "param": "max_tokens",
+                    "code": 400,
+                }
+            },
+            {
+                "message": "max_tokens is too large",
+                "type": "invalid_request_error",
+                "param": "max_tokens",
+                "code": None,
+            },
+        ),
+        (  # older vLLM: the fields at the top level
+            404,
+            {
+                "object": "error",
+                "message": "The model `x` does not exist.",
+                "type": "NotFoundError",
+                "param": None,
+                "code": 404,
+            },
+            {
+                "message": "The model `x` does not exist.",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": None,
+            },
+        ),
+        (
+            429,
+            {"error": {"message": "slow down", "type": "RateLimitError", "code": "too_many"}},
+            {"message": "slow down", "type": "rate_limit_error", "param": None, "code": "too_many"},
+        ),
+        (
+            422,
+            b"<html>not json</html>",
+            {
+                "message": "the worker refused the request (HTTP 422)",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": None,
+            },
+        ),
+    ],
+)
+async def test_worker_errors_are_passed_through_in_the_gateway_shape(
+    rig: Rig, status: int, worker_body: Any, expected: dict[str, Any]
+) -> None:
+    rig.upstream.status = status
+    rig.upstream.error_body = worker_body
+    for stream in (False, True):
+        resp = await rig.chat(stream=stream)
+        assert resp.status_code == status
+        assert resp.headers["content-type"].startswith("application/json")
+        assert orjson.loads(resp.content) == {"error": expected}
 
 
 async def test_engine_internal_fields_are_refused(rig: Rig) -> None:

@@ -210,6 +210,47 @@ async def test_cancelling_a_request_closes_its_connection(
         await server.closed.wait()  # the worker saw the connection go: it stops generating
 
 
+async def test_open_connections_per_worker_are_capped(serve: Callable[[Handler], Awaitable[Server]]) -> None:
+    release = asyncio.Event()
+    open_now = 0
+    peak = 0
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        nonlocal open_now, peak
+        open_now += 1
+        peak = max(peak, open_now)
+        try:
+            while True:
+                server.requests.append(await read_request(reader))
+                await release.wait()
+                writer.write(OK)
+                await writer.drain()
+        finally:
+            open_now -= 1
+
+    server = await serve(handler)
+    pool = UpstreamPool(max_open_per_worker=2)
+    tasks = [asyncio.create_task(send(pool, server)) for _ in range(6)]
+    await asyncio.sleep(0.2)
+    assert server.connections == 2 and len(server.requests) == 2  # the other four wait for a slot
+    release.set()
+    replies = await asyncio.gather(*tasks)
+    assert all(r.status == 200 for r in replies) and len(server.requests) == 6
+    assert server.connections == 2 and peak == 2  # waiters reused the two connections
+
+    # A request that finds every slot busy for longer than its connect_s is a connect timeout.
+    release.clear()
+    held = [asyncio.create_task(send(pool, server)) for _ in range(2)]
+    await asyncio.sleep(0.1)
+    with pytest.raises(UpstreamConnectError, match="busy") as info:
+        await pool.post("127.0.0.1", server.port, post(), connect_s=0.1, read_s=2.0, total_s=5.0)
+    assert info.value.timed_out
+    release.set()
+    await asyncio.gather(*held)
+    assert pool._slots == {} and pool._users == {}  # nothing kept for a worker without requests
+    pool.close()
+
+
 def test_direct_addresses() -> None:
     assert direct_address("http://10.0.0.7:8000") is not None
     address = direct_address("http://10.0.0.7:8000")

@@ -22,6 +22,7 @@ from gateway.registry import Pool, Registry
 from gateway.tracing import RequestTracer
 from gateway.upstream import UpstreamPool
 from policies.base import Isolation, RoutingPolicy
+from prompt_normalizer.keys import public_identity_of
 from prompt_normalizer.normalizer import Normalizer, NormalizerConfig
 from prompt_normalizer.types import PUBLIC_NAMESPACE, KeyIdentity
 
@@ -85,7 +86,7 @@ class GatewayState:
         if cached is not None:
             return cached
         own = dataclasses.replace(self.base_identity(pool, model), namespace=tenant.namespace)
-        public = public_identity(own) if tenant.isolation is not Isolation.STRICT else None
+        public = public_identity_of(own) if tenant.isolation is not Isolation.STRICT else None
         self._identities[(model, tenant.name)] = (own, public)
         return own, public
 
@@ -139,11 +140,6 @@ def base_model(pool: Pool) -> str:
     """The pool's first model id that is not a LoRA adapter."""
     adapters = pool.config.adapters
     return next((m for m in pool.config.models if m not in adapters), pool.config.models[0])
-
-
-def public_identity(identity: KeyIdentity) -> KeyIdentity:
-    """The one place a public identity is made: the same identity, in the public namespace."""
-    return dataclasses.replace(identity, namespace=PUBLIC_NAMESPACE)
 
 
 def build_normalizers(

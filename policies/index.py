@@ -153,8 +153,7 @@ class PrefixIndex:
             ns_keys = self._ns_keys[namespace] = OrderedDict()
         expiry = now_s + self.config.speculative_ttl_s if speculative else CONFIRMED
         # Last block first, so block 0 ends up the most recently used.
-        for idx in range(last, -1, -g):
-            self._touch(keys[idx], worker, namespace, expiry, now_s, lru, ns_keys)
+        self._touch(keys[last::-g], worker, namespace, expiry, now_s, lru, ns_keys)
         self._trim(worker)
         self._trim_namespace(namespace)
         if len(lru) > self._longest_bound:
@@ -168,7 +167,7 @@ class PrefixIndex:
         if ns_keys is None:
             ns_keys = self._ns_keys[namespace] = OrderedDict()
         lru = self._lru[worker]
-        self._touch(key, worker, namespace, CONFIRMED, now_s, lru, ns_keys)
+        self._touch((key,), worker, namespace, CONFIRMED, now_s, lru, ns_keys)
         self._trim(worker)
         self._trim_namespace(namespace)
         if len(lru) > self._longest_bound:
@@ -176,7 +175,7 @@ class PrefixIndex:
 
     def _touch(
         self,
-        key: BlockKey,
+        keys: Sequence[BlockKey],
         worker: WorkerId,
         namespace: str,
         expiry: float,
@@ -184,42 +183,47 @@ class PrefixIndex:
         lru: OrderedDict[BlockKey, float],
         ns_keys: OrderedDict[BlockKey, None],
     ) -> None:
-        entry = self._table.get(key)
-        if entry is None:
-            entry = self._table[key] = Entry(namespace)
-        elif entry.namespace != namespace:
-            self._open[worker] = None
-            return  # a 64-bit collision across namespaces: keep the first owner, never share
-        holders = entry.holders
-        old = holders.pop(worker, None)
+        """Record `worker`'s holding of each of `keys`, in order (the last ends most recent).
+
+        One loop over the whole chain with the tables bound to locals: this runs on every dispatch
+        and every completion, and a call per block cost more than the work it did."""
+        table = self._table
+        spec = self._spec_expiry
         speculative = expiry != CONFIRMED
-        if old is None:
-            new = expiry
-            if speculative:
-                entry.spec += 1
-                self._spec_expiry[(worker, key)] = new
-        elif old == CONFIRMED:
-            new = CONFIRMED
-        elif speculative:
-            new = max(old, expiry)
-            if new != old:
-                spec = self._spec_expiry
-                spec[(worker, key)] = new
-                spec.move_to_end((worker, key))
-        else:
-            new = CONFIRMED
-            entry.spec -= 1
-            del self._spec_expiry[(worker, key)]
-        holders[worker] = new
-        if old is None:
-            lru[key] = now_s
-        else:
-            lru.move_to_end(key)
-            lru[key] = now_s
-        if key in ns_keys:
-            ns_keys.move_to_end(key)
-        else:
-            ns_keys[key] = None
+        for key in keys:
+            entry = table.get(key)
+            if entry is None:
+                entry = table[key] = Entry(namespace)
+            elif entry.namespace != namespace:
+                self._open[worker] = None
+                continue  # a 64-bit collision across namespaces: keep the first owner, never share
+            holders = entry.holders
+            old = holders.pop(worker, None)
+            if old is None:
+                holders[worker] = expiry
+                if speculative:
+                    entry.spec += 1
+                    spec[(worker, key)] = expiry
+                lru[key] = now_s
+            else:
+                if old == CONFIRMED:
+                    holders[worker] = CONFIRMED
+                elif speculative:
+                    new = old if old >= expiry else expiry
+                    holders[worker] = new
+                    if new != old:
+                        spec[(worker, key)] = new
+                        spec.move_to_end((worker, key))
+                else:
+                    holders[worker] = CONFIRMED
+                    entry.spec -= 1
+                    del spec[(worker, key)]
+                lru.move_to_end(key)
+                lru[key] = now_s
+            if key in ns_keys:
+                ns_keys.move_to_end(key)
+            else:
+                ns_keys[key] = None
 
     def remove(self, key: BlockKey, worker: WorkerId) -> bool:
         """Forget one holding (a KV `BlockRemoved`); returns whether it existed."""

@@ -54,18 +54,24 @@ class Attempt:
             self.ttft_s = time.monotonic() - self.dispatched_s
             self.worker.first_token(self.admitted.route.n_prompt_tokens)
 
-    def fail(self, state: GatewayState, outcome: Outcome) -> None:
-        """The attempt ended without a usable answer: REJECTED (the worker's 4xx), ABORTED (the
-        client left, or the gateway gave up) or WORKER_FAILED (connect error, 5xx, broken stream,
-        timeout). Only WORKER_FAILED feeds the breaker; no outcome but SERVED teaches the policy
-        what the worker caches."""
+    def _release(self) -> bool:
+        """Give back the worker's load exactly once; False if the attempt was already closed."""
         if self.finished:
-            return
+            return False
         self.finished = True
         a = self.admitted
         self.worker.release(
             a.route.n_prompt_tokens, a.max_output_tokens, prefill_done=self.ttft_s is not None
         )
+        return True
+
+    def fail(self, state: GatewayState, outcome: Outcome) -> None:
+        """The attempt ended without a usable answer: REJECTED (the worker's 4xx), ABORTED (the
+        client left, or the gateway gave up) or WORKER_FAILED (connect error, 5xx, broken stream,
+        timeout). Only WORKER_FAILED feeds the breaker; no outcome but SERVED teaches the policy
+        what the worker caches."""
+        if not self._release():
+            return
         now_s = time.monotonic()
         if outcome is Outcome.WORKER_FAILED:
             self.worker.breaker.on_failure(now_s)
@@ -74,7 +80,7 @@ class Attempt:
         _feedback(
             state,
             Observation(
-                request=a.route,
+                request=self.admitted.route,
                 worker=self.worker.worker_id,
                 ttft_s=self.ttft_s,
                 outcome=outcome,
@@ -84,19 +90,14 @@ class Attempt:
 
     def complete(self, state: GatewayState, usage: Usage) -> None:
         """Successful end: breaker success, policy feedback with TTFT and tokens."""
-        if self.finished:
+        if not self._release():
             return
-        self.finished = True
-        a = self.admitted
-        self.worker.release(
-            a.route.n_prompt_tokens, a.max_output_tokens, prefill_done=self.ttft_s is not None
-        )
         now_s = time.monotonic()
         self.worker.breaker.on_success()
         _feedback(
             state,
             Observation(
-                request=a.route,
+                request=self.admitted.route,
                 worker=self.worker.worker_id,
                 ttft_s=self.ttft_s,
                 prompt_tokens=usage.prompt_tokens,

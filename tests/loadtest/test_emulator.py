@@ -5,11 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -18,47 +13,14 @@ import httpx
 import openai
 import pytest
 
+from loadtest.emulator.fidelity import emulator_process
+
 MODEL = "emu-test"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-@contextlib.contextmanager
-def running_emulator(*extra: str, model: str = MODEL) -> Iterator[str]:
-    """Start an emulator process on a free port; yield its base URL; always kill its group."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "loadtest.emulator", "--port", str(port), "--model", model, *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"emulator exited: {proc.stderr.read().decode() if proc.stderr else ''}")
-            try:
-                if httpx.get(f"{base}/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("emulator did not become healthy")
-            time.sleep(0.1)
-        yield base
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=5)
-        if proc.stderr is not None:
-            proc.stderr.close()
+def running_emulator(*extra: str, model: str = MODEL) -> contextlib.AbstractContextManager[str]:
+    """An emulator process on a free port (yields its base URL; always killed by process group)."""
+    return emulator_process("--model", model, *extra)
 
 
 @pytest.fixture(scope="module")

@@ -64,6 +64,12 @@ class Lookup:
         return max(self.own.longest_blocks, self.public.longest_blocks)
 
 
+@dataclass(frozen=True, slots=True)
+class _Dispatched:
+    shared: int  # public blocks the request was dispatched with (0: its tenant's salt)
+    pending: bool  # its dispatch left speculative holdings that its completion confirms
+
+
 def _tenant_scoped(keys: tuple[BlockKey, ...], tenant: str) -> tuple[BlockKey, ...]:
     # A bijection per tenant (splitmix64 finalizer of key ^ tenant seed): distinct keys stay
     # distinct, and a key still names its whole prefix, now for this tenant's salt only.
@@ -92,8 +98,9 @@ class PrefixPolicyBase:
         self._counters: dict[str, int] = {}
         self._feeds: dict[str, KvEventFeed] = {}
         self._hasher: TokenBlockHasher | None = None
-        # request id -> public blocks it was dispatched with (what its worker KV is salted by).
-        self._dispatched_public: dict[str, int] = {}
+        # request id -> what it was dispatched with: its public blocks (what its worker KV is salted
+        # by) and whether that dispatch left speculative holdings for its completion to confirm.
+        self._dispatched: dict[str, _Dispatched] = {}
 
     MAX_DISPATCHED = 65_536
 
@@ -166,27 +173,27 @@ class PrefixPolicyBase:
 
     def _record(
         self, req: RouteRequest, worker: WorkerId, shared: int, now_s: float, *, speculative: bool
-    ) -> None:
+    ) -> int:
         """Record the worker's new holdings under the salt it computes them with: the public chain
-        when `shared` > 0 (wholly public), else the request's own keys."""
+        when `shared` > 0 (wholly public), else the request's own keys. Returns how many of them
+        are still speculative."""
         pool = self._pool(req)
         if shared:
             keys = req.public_block_keys[:shared]
-            pool.index.record(keys, worker, PUBLIC_NAMESPACE, now_s, speculative=speculative)
-        else:
-            mine = self._own_keys(req)
-            pool.index.record(mine.keys, worker, mine.namespace, now_s, speculative=speculative)
+            return pool.index.record(keys, worker, PUBLIC_NAMESPACE, now_s, speculative=speculative)
+        mine = self._own_keys(req)
+        return pool.index.record(mine.keys, worker, mine.namespace, now_s, speculative=speculative)
 
     # -- the Protocol's feedback hooks ----------------------------------------------------------
 
     def on_dispatch(self, req: RouteRequest, decision: RouteDecision, now_s: float) -> None:
         # The gateway applies the same rule to `shared_prefix_blocks`, so this is the salt it sets.
         shared = self._shared_blocks(req, decision.shared_prefix_blocks)
-        dispatched = self._dispatched_public
+        dispatched = self._dispatched
         if len(dispatched) >= self.MAX_DISPATCHED and req.request_id not in dispatched:
             dispatched.pop(next(iter(dispatched)))  # bounded: the oldest falls back to the rule below
-        dispatched[req.request_id] = shared
-        self._record(req, decision.worker, shared, now_s, speculative=True)
+        pending = self._record(req, decision.worker, shared, now_s, speculative=True)
+        dispatched[req.request_id] = _Dispatched(shared, pending > 0)
 
     def on_complete(self, obs: Observation, now_s: float) -> None:
         pool = self._pool(obs.request)
@@ -195,23 +202,27 @@ class PrefixPolicyBase:
             # Only a served request says what the worker caches: take back this request's unconfirmed
             # holdings on that worker, and its calibration record.
             self._count("failed_observations")
-            self._dispatched_public.pop(req.request_id, None)
+            self._dispatched.pop(req.request_id, None)
             mine = self._own_keys(req)
             pool.index.drop_speculative(mine.keys, obs.worker, mine.namespace)
             if req.public_block_keys:
                 pool.index.drop_speculative(req.public_block_keys, obs.worker, PUBLIC_NAMESPACE)
             pool.cost.forget(req.request_id)
             return
-        shared = self._dispatched_public.pop(req.request_id, None)
-        if shared is None:
+        dispatched = self._dispatched.pop(req.request_id, None)
+        if dispatched is None:
             # Not dispatched through this policy (or forgotten): the salt follows the current state.
             n_pub = PublicPrefixes.public_blocks(req)
             if n_pub and not self._public.is_public(req.public_block_keys[n_pub - 1]):
                 n_pub = 0
             shared = self._shared_blocks(req, n_pub)
-        # The worker computed the whole prompt under the salt it was dispatched with (a chain
-        # promoted while the request ran does not change its KV), so it holds every full block.
-        self._record(req, obs.worker, shared, now_s, speculative=False)
+            self._record(req, obs.worker, shared, now_s, speculative=False)
+        elif dispatched.pending:
+            # The worker computed the whole prompt under the salt it was dispatched with (a chain
+            # promoted while the request ran does not change its KV), so it holds every full block.
+            # A dispatch that found every block already confirmed has nothing to confirm: the walk
+            # is skipped, and the chain's recency stays where that dispatch put it.
+            self._record(req, obs.worker, dispatched.shared, now_s, speculative=False)
         pool.cost.note_complete(
             req.request_id, obs.ttft_s, obs.prompt_tokens, obs.cached_tokens, req.n_prompt_tokens
         )

@@ -48,6 +48,13 @@ class UpstreamConnectError(UpstreamError):
         self.timed_out = timed_out
 
 
+class UpstreamBusy(UpstreamConnectError):
+    """Every connection slot to the worker stayed busy for the whole connect timeout."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, timed_out=True)
+
+
 class UpstreamTimeout(UpstreamError):
     """The worker was silent for longer than the read timeout (or the total timeout passed)."""
 
@@ -219,10 +226,9 @@ class UpstreamPool:
         self._max_idle = max_idle_per_worker
         self._keepalive_s = keepalive_timeout_s
         self._max_open = max_open_per_worker
-        # One semaphore per worker with a request in flight, dropped when its last user leaves
+        # Slots of the workers with a request in flight, dropped when the last user leaves
         # (workers come and go with discovery: the dict must not grow with every address seen).
-        self._slots: dict[tuple[str, int], asyncio.Semaphore] = {}
-        self._users: dict[tuple[str, int], int] = {}
+        self._slots: dict[tuple[str, int], _Slots] = {}
         self._closed = False
 
     async def post(
@@ -239,26 +245,19 @@ class UpstreamPool:
         key = (host, port)
         slots = self._slots.get(key)
         if slots is None:
-            slots = self._slots[key] = asyncio.Semaphore(self._max_open)
-        self._users[key] = self._users.get(key, 0) + 1
+            slots = self._slots[key] = _Slots(self._max_open)
+        slots.users += 1
         try:
-            try:
-                async with asyncio.timeout(connect_s):
-                    await slots.acquire()
-            except TimeoutError:
-                raise UpstreamConnectError(
-                    f"all {self._max_open} connections to the worker stayed busy", timed_out=True
-                ) from None
+            if not slots.take():
+                await slots.wait(connect_s)
             try:
                 return await self._exchange(key, host, port, request, connect_s, read_s, total_s)
             finally:
-                slots.release()
+                slots.give()
         finally:
-            users = self._users[key] - 1
-            if users:
-                self._users[key] = users
-            else:
-                del self._users[key], self._slots[key]
+            slots.users -= 1
+            if not slots.users:
+                del self._slots[key]
 
     async def _exchange(
         self,
@@ -332,6 +331,48 @@ class UpstreamPool:
             for conn in idle:
                 conn.abort()
         self._idle.clear()
+
+
+class _Slots:
+    """One worker's connection slots: a counter on the fast path (a free slot is taken without
+    a wait, a timer or a lock), and a FIFO of waiters when every slot is busy."""
+
+    __slots__ = ("capacity", "free", "users", "waiters")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.free = capacity
+        self.users = 0  # requests holding or waiting for a slot
+        self.waiters: deque[asyncio.Future[None]] = deque()
+
+    def take(self) -> bool:
+        if self.free > 0 and not self.waiters:
+            self.free -= 1
+            return True
+        return False
+
+    async def wait(self, timeout_s: float) -> None:
+        """Wait for a slot handed over by `give`; `UpstreamBusy` after `timeout_s`."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.waiters.append(waiter)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await waiter
+        except BaseException as exc:
+            if waiter.done() and not waiter.cancelled():
+                self.give()  # a slot was handed over just as we gave up: pass it on
+            else:
+                waiter.cancel()
+                self.waiters.remove(waiter)
+            if isinstance(exc, TimeoutError):
+                raise UpstreamBusy(f"all {self.capacity} connections to the worker stayed busy") from None
+            raise
+
+    def give(self) -> None:
+        if self.waiters:
+            self.waiters.popleft().set_result(None)  # the slot passes straight to the oldest waiter
+        else:
+            self.free += 1
 
 
 def request_bytes(host_header: bytes, path: bytes, headers: bytes, body: bytes) -> bytes:

@@ -137,10 +137,13 @@ class PrefixIndex:
         speculative: bool,
         n_blocks: int | None = None,
     ) -> int:
-        """Note that `worker` holds the first `n_blocks` of `keys` (all by default); return how
-        many of these holdings are still speculative afterwards (0: all confirmed).
+        """Note that `worker` holds the first `n_blocks` of `keys` (all by default) and make them its
+        most recent; return how many of these holdings are still speculative afterwards.
 
         A speculative holding never downgrades a confirmed one; a confirmed one clears the TTL.
+        A chain whose last block the worker holds confirmed and touched within
+        `recency_resolution_s` is left as it is: its ancestors were touched by the same walk or
+        later, and are confirmed (a confirmation walks a chain to its start).
         """
         self._ensure_worker(worker)
         end = len(keys) if n_blocks is None else min(n_blocks, len(keys))
@@ -149,6 +152,8 @@ class PrefixIndex:
         if last < 0:
             return 0
         lru = self._lru[worker]
+        if self._fresh(keys[last], worker, namespace, lru, now_s):
+            return 0
         ns_keys = self._ns_keys.get(namespace)
         if ns_keys is None:
             ns_keys = self._ns_keys[namespace] = OrderedDict()
@@ -160,6 +165,60 @@ class PrefixIndex:
         if len(lru) > self._longest_bound:
             self._longest_bound = len(lru)
         return pending
+
+    def confirm(
+        self,
+        keys: Sequence[BlockKey],
+        worker: WorkerId,
+        namespace: str,
+        now_s: float,
+        *,
+        n_blocks: int | None = None,
+    ) -> None:
+        """Confirm `worker`'s holdings of the first `n_blocks` of `keys` (a served request) without
+        changing their recency, which the dispatch set.
+
+        From the chain's end, each speculative holding is confirmed in place, and the walk stops at
+        the first block already confirmed (its ancestors are). A block the worker no longer holds
+        (it expired or was evicted while the request ran) must go back at the recent end ahead of
+        its ancestors, so then, and for workers fed by KV events, the whole chain is re-recorded.
+        """
+        end = len(keys) if n_blocks is None else min(n_blocks, len(keys))
+        g = self._g
+        last = (end // g) * g - 1
+        if last < 0:
+            return
+        if worker not in self._open and worker in self._lru:
+            table_get = self._table.get
+            spec = self._spec_expiry
+            for key in keys[last::-g]:
+                entry = table_get(key)
+                if entry is None or entry.namespace != namespace:
+                    break
+                holders = entry.holders
+                old = holders.get(worker)
+                if old is None:
+                    break
+                if old == CONFIRMED:
+                    return
+                holders[worker] = CONFIRMED
+                entry.spec -= 1
+                del spec[(worker, key)]
+            else:
+                return
+        self.record(keys, worker, namespace, now_s, speculative=False, n_blocks=n_blocks)
+
+    def _fresh(
+        self, key: BlockKey, worker: WorkerId, namespace: str, lru: OrderedDict[BlockKey, float], now_s: float
+    ) -> bool:
+        """Whether `worker` holds `key` confirmed and touched it within `recency_resolution_s`."""
+        resolution = self.config.recency_resolution_s
+        if resolution <= 0:
+            return False
+        entry = self._table.get(key)
+        if entry is None or entry.namespace != namespace or entry.holders.get(worker) != CONFIRMED:
+            return False
+        return lru[key] >= now_s - resolution
 
     def record_key(self, key: BlockKey, worker: WorkerId, namespace: str, now_s: float) -> None:
         """Confirm one holding, ignoring granularity (the caller placed it: KV events know depths)."""

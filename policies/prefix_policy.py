@@ -98,6 +98,8 @@ class PrefixPolicyBase:
         self._counters: dict[str, int] = {}
         self._feeds: dict[str, KvEventFeed] = {}
         self._hasher: TokenBlockHasher | None = None
+        # The last request's `OwnKeys` (select and dispatch ask for the same request in turn).
+        self._own_memo: tuple[RouteRequest, OwnKeys] | None = None
         # request id -> what it was dispatched with: its public blocks (what its worker KV is salted
         # by) and whether that dispatch left speculative holdings for its completion to confirm.
         self._dispatched: dict[str, _Dispatched] = {}
@@ -132,9 +134,15 @@ class PrefixPolicyBase:
         public-namespace chain must not look like a hit the worker cannot serve. Any other request
         keyed in the public namespace is unsalted (one trust domain) and keeps its keys.
         """
+        memo = self._own_memo
+        if memo is not None and memo[0] is req:
+            return memo[1]
         if req.namespace != PUBLIC_NAMESPACE or req.isolation is not Isolation.PUBLIC:
-            return OwnKeys(req.block_keys, req.namespace)
-        return OwnKeys(_tenant_scoped(req.block_keys, req.tenant), f"{PUBLIC_NAMESPACE}/{req.tenant}")
+            own = OwnKeys(req.block_keys, req.namespace)
+        else:
+            own = OwnKeys(_tenant_scoped(req.block_keys, req.tenant), f"{PUBLIC_NAMESPACE}/{req.tenant}")
+        self._own_memo = (req, own)
+        return own
 
     def _shared_blocks(self, req: RouteRequest, n_public: int) -> int:
         """`n_public` if the gateway will give `req` the public salt for it, else 0."""
@@ -154,6 +162,10 @@ class PrefixPolicyBase:
     ) -> Lookup:
         """The public namespace when the request is wholly inside a promoted public prefix (it will
         carry the public salt), else its own keys (`own`, when the caller already looked them up)."""
+        if not req.public_block_keys and own is not None:
+            # A strict tenant's request: nothing public to count or use.
+            self._public.tick(now_s)
+            return Lookup(own, NO_MATCH, 0)
         isolation = effective_isolation(req, self.shared.tenants)
         n_pub = self._public.observe(req, isolation, now_s) if observe else 0
         shared = wholly_public_blocks(req, isolation, n_pub)
@@ -188,7 +200,9 @@ class PrefixPolicyBase:
 
     def on_dispatch(self, req: RouteRequest, decision: RouteDecision, now_s: float) -> None:
         # The gateway applies the same rule to `shared_prefix_blocks`, so this is the salt it sets.
-        shared = self._shared_blocks(req, decision.shared_prefix_blocks)
+        shared = (
+            self._shared_blocks(req, decision.shared_prefix_blocks) if decision.shared_prefix_blocks else 0
+        )
         dispatched = self._dispatched
         if len(dispatched) >= self.MAX_DISPATCHED and req.request_id not in dispatched:
             dispatched.pop(next(iter(dispatched)))  # bounded: the oldest falls back to the rule below
@@ -220,9 +234,13 @@ class PrefixPolicyBase:
         elif dispatched.pending:
             # The worker computed the whole prompt under the salt it was dispatched with (a chain
             # promoted while the request ran does not change its KV), so it holds every full block.
-            # A dispatch that found every block already confirmed has nothing to confirm: the walk
-            # is skipped, and the chain's recency stays where that dispatch put it.
-            self._record(req, obs.worker, dispatched.shared, now_s, speculative=False)
+            # A dispatch that found every block already confirmed left nothing to confirm.
+            if dispatched.shared:
+                keys = req.public_block_keys[: dispatched.shared]
+                pool.index.confirm(keys, obs.worker, PUBLIC_NAMESPACE, now_s)
+            else:
+                mine = self._own_keys(req)
+                pool.index.confirm(mine.keys, obs.worker, mine.namespace, now_s)
         pool.cost.note_complete(
             req.request_id, obs.ttft_s, obs.prompt_tokens, obs.cached_tokens, req.n_prompt_tokens
         )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Sequence
 
 import httpx
@@ -10,6 +12,7 @@ from gateway.app import build_app
 from gateway.auth import hash_api_key
 from gateway.config import parse_config
 from gateway.state import build_state
+from policies import make_policy
 from policies.base import KvEvent, Observation, RouteDecision, RouteRequest, WorkerId, WorkerView
 from prompt_normalizer.normalizer import NormalizerConfig
 
@@ -66,3 +69,57 @@ async def test_a_policy_exception_is_a_500_and_releases_the_quota_slot() -> None
             assert resp.status_code == 500
             assert resp.json()["error"]["code"] == "internal_error"
     assert state.limiters["t"].in_flight == 0
+
+
+async def test_a_worker_at_its_connection_cap_is_a_503_with_retry_after() -> None:
+    # A worker that answers health checks but never finishes a completion: with one connection
+    # allowed per worker, a second request waits connect_s for the slot, then gets 503.
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        if head.startswith(b"GET"):
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+            await writer.drain()
+            writer.close()
+            return
+        await reader.read()  # hold the request until the gateway hangs up
+
+    worker = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = worker.sockets[0].getsockname()[1]
+    config = parse_config(
+        {
+            "pools": [
+                {
+                    "name": "p",
+                    "models": ["m"],
+                    "workers": [f"http://127.0.0.1:{port}"],
+                    "timeouts": {"connect_s": 0.3, "read_s": 30},
+                }
+            ],
+            "upstream": {"max_connections_per_worker": 1},
+            "tenants": [{"name": "t", "api_key_hashes": [hash_api_key(SECRET, "sk")]}],
+            "scrape": {"enabled": False},
+        }
+    )
+    state = build_state(config, SECRET, make_policy("round_robin"), NormalizerConfig())
+    app = build_app(state)
+    transport = httpx.ASGITransport(app=app)
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    headers = {"authorization": "Bearer sk"}
+    try:
+        async with (
+            app.fallback.router.lifespan_context(app.fallback),
+            httpx.AsyncClient(transport=transport, base_url="http://gw", timeout=10) as client,
+        ):
+            held = asyncio.create_task(client.post("/v1/chat/completions", json=body, headers=headers))
+            await asyncio.sleep(0.2)
+            resp = await client.post("/v1/chat/completions", json=body, headers=headers)
+            assert resp.status_code == 503
+            assert resp.headers["retry-after"] == "1"
+            assert resp.json()["error"]["message"].startswith("worker at its connection limit")
+            assert state.registry.pools["p"].workers[WorkerId(f"http://127.0.0.1:{port}")].breaker.allows(0.0)
+            held.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await held
+    finally:
+        worker.close()
+        await worker.wait_closed()

@@ -314,3 +314,16 @@ def test_worker_error_inside_a_stream_is_one_event_then_done(error_stack: ErrorS
     assert len(errors) == 1 and events[-2:] == [errors[0], b"data: [DONE]"]
     assert json.loads(errors[0][6:])["error"]["code"] == "upstream_stream_error"
     assert b"engine_trace" not in raw and b"object" not in errors[0] and b"after0" not in raw
+
+
+async def test_async_sdk_raises_on_a_worker_error_inside_a_stream(error_stack: ErrorStack) -> None:
+    client = openai.AsyncOpenAI(
+        base_url=error_stack.base_url + "/v1", api_key="sk-acme", max_retries=0, timeout=10
+    )
+    stream = await client.chat.completions.create(
+        model="m-err500", messages=[{"role": "user", "content": "async-x"}], stream=True
+    )
+    with pytest.raises(openai.APIError, match=r"cannot continue after .*async-x"):
+        async for _ in stream:
+            pass
+    await client.close()

@@ -96,7 +96,7 @@ class Outcome(enum.StrEnum):
     """
 
     SERVED = "served"
-    REJECTED = "rejected"  # the worker refused the request (4xx): it computed nothing
+    REJECTED = "rejected"  # the worker refused the request (4xx), up front or mid-stream
     ABORTED = "aborted"  # the client left or the gateway gave up before the request finished
     WORKER_FAILED = "worker_failed"  # connect error, 5xx, or the worker died mid-request
 

@@ -82,15 +82,16 @@ class _Connection(asyncio.Protocol):
         "_parser",
         "_read_s",
         "_size",
-        "_timer",
+        "_sweep",
         "alive",
         "got_bytes",
         "idle_since_s",
         "transport",
     )
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, sweep: _TimeoutSweep) -> None:
         self._loop = loop
+        self._sweep = sweep
         self.transport: asyncio.Transport | None = None
         self.alive = False
         self.idle_since_s = 0.0
@@ -100,7 +101,6 @@ class _Connection(asyncio.Protocol):
         self._size = 0
         self._content_type = ""
         self._header_name = b""
-        self._timer: asyncio.TimerHandle | None = None
         self._read_s = 0.0
         self._deadline_s = 0.0
         self._last_activity_s = 0.0
@@ -171,17 +171,14 @@ class _Connection(asyncio.Protocol):
         self._read_s = read_s
         self._deadline_s = now + total_s
         self._last_activity_s = now
-        self._timer = self._loop.call_at(min(now + read_s, self._deadline_s), self._check_timeout)
+        self._sweep.add(self)
         self.transport.write(data)
         return self._done
 
-    def _check_timeout(self) -> None:
-        now = self._loop.time()
-        due = min(self._last_activity_s + self._read_s, self._deadline_s)
-        if now < due:
-            self._timer = self._loop.call_at(due, self._check_timeout)
+    def check_timeout(self, now: float) -> None:
+        """Fail the request if the worker has been silent for `read_s`, or `total_s` has passed."""
+        if now < min(self._last_activity_s + self._read_s, self._deadline_s):
             return
-        self._timer = None
         self.alive = False
         answered = self.got_bytes
         self._fail(UpstreamTimeout("worker timed out", answered=answered))
@@ -201,9 +198,7 @@ class _Connection(asyncio.Protocol):
             done.set_exception(exc)
 
     def _reset(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._sweep.discard(self)
         self._parser = None
         self._done = None
 
@@ -229,6 +224,7 @@ class UpstreamPool:
         # Slots of the workers with a request in flight, dropped when the last user leaves
         # (workers come and go with discovery: the dict must not grow with every address seen).
         self._slots: dict[tuple[str, int], _Slots] = {}
+        self._sweep = _TimeoutSweep()
         self._closed = False
 
     async def post(
@@ -295,7 +291,7 @@ class UpstreamPool:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(connect_s):
-                _, protocol = await loop.create_connection(lambda: _Connection(loop), host, port)
+                _, protocol = await loop.create_connection(lambda: _Connection(loop, self._sweep), host, port)
         except TimeoutError:
             raise UpstreamConnectError("connect timed out", timed_out=True) from None
         except OSError as exc:
@@ -331,6 +327,32 @@ class UpstreamPool:
             for conn in idle:
                 conn.abort()
         self._idle.clear()
+
+
+class _TimeoutSweep:
+    """Read and total timeouts of the requests in flight, checked by one timer every `tick_s`
+    while any is in flight (a timer per request cost more than the rest of the exchange). A
+    timeout fires up to `tick_s` late."""
+
+    def __init__(self, tick_s: float = 0.05) -> None:
+        self.tick_s = tick_s
+        self._busy: dict[_Connection, None] = {}
+        self._timer: asyncio.TimerHandle | None = None
+
+    def add(self, conn: _Connection) -> None:
+        self._busy[conn] = None
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.tick_s, self._tick)
+
+    def discard(self, conn: _Connection) -> None:
+        self._busy.pop(conn, None)
+
+    def _tick(self) -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        for conn in list(self._busy):
+            conn.check_timeout(now)  # a timed-out connection leaves the map through its reset
+        self._timer = loop.call_later(self.tick_s, self._tick) if self._busy else None
 
 
 class _Slots:

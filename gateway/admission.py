@@ -25,6 +25,7 @@ from gateway.registry import Pool
 from gateway.render import render_canonical
 from gateway.state import GatewayState
 from policies.base import Isolation, RouteDecision, RouteRequest
+from policies.records import record
 from prompt_normalizer.errors import NormalizerError
 
 Endpoint = Literal["chat", "completions"]
@@ -113,7 +114,7 @@ def _wholly_public(route: RouteRequest, decision: RouteDecision) -> bool:
     )
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class RequestHead:
     """The three request headers the hot path reads, found in one pass over the raw ASGI headers
     (no header-object layers): `Authorization`, `x-request-id` and `Content-Length`."""
@@ -135,7 +136,7 @@ class RequestHead:
         return cls(authorization, rid, length)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class RequestIds:
     """`internal` is always made here: it names the request to the worker, the policy and the
     logs, so two clients that send the same `x-request-id` can never collide. `client` is the

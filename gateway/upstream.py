@@ -21,10 +21,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import cast
 
 import httptools
+
+from policies.records import record
 
 # A non-streamed answer is held whole before it is relayed: bound it (a chat completion with many
 # choices and logprobs stays far below this).
@@ -59,7 +60,7 @@ class UpstreamTimeout(UpstreamError):
     """The worker was silent for longer than the read timeout (or the total timeout passed)."""
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class UpstreamReply:
     """A complete non-streamed answer."""
 

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from policies.base import WorkerId
+from policies.records import record
 
 CONFIRMED = math.inf
 
@@ -36,7 +37,7 @@ class IndexConfig:
             raise ValueError("recency_resolution_s must be >= 0")
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class PrefixMatch:
     """Every worker's matched prefix for one request, in request blocks (only workers with a match).
 

@@ -10,6 +10,7 @@ from policies.base import Isolation, KvEvent, Observation, RouteDecision, RouteR
 from policies.index import NO_MATCH, PrefixMatch
 from policies.kv_feed import KvEventFeed, TokenBlockHasher
 from policies.pools import PoolSet, PoolSettings, PoolState
+from policies.records import record
 from policies.stats import DecisionCounter, PolicyStats
 from policies.tenants import (
     PromotionConfig,
@@ -35,7 +36,7 @@ class SharedSettings:
     precise_namespace: str = PUBLIC_NAMESPACE
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class OwnKeys:
     """The keys and index namespace of the worker KV a request uses when it keeps its tenant's salt."""
 
@@ -43,7 +44,7 @@ class OwnKeys:
     namespace: str
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Lookup:
     """One request's view of the index: the match that can save it prefill.
 
@@ -64,7 +65,7 @@ class Lookup:
         return max(self.own.longest_blocks, self.public.longest_blocks)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class _Dispatched:
     shared: int  # public blocks the request was dispatched with (0: its tenant's salt)
     pending: bool  # its dispatch left speculative holdings that its completion confirms

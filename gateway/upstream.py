@@ -11,7 +11,9 @@ connection (the worker closed an idle keep-alive connection; it never saw the re
 Open connections per worker are capped at `max_open_per_worker` whatever the pool's
 `max_in_flight_per_worker` says (it may be null): each request holds one slot for its whole
 exchange, and a new connection is opened only when no idle one is left, so open connections never
-exceed the number of slots. A request that finds every slot busy waits up to its `connect_s`.
+exceed the number of slots. A request that finds every slot busy waits up to its `connect_s`,
+then fails with `UpstreamBusy` (the gateway answers 503 if no other worker takes it). Slots and
+the timeout sweep live in `upstream_slots.py`.
 
 Streamed requests, https workers and everything off the hot path keep using aiohttp.
 """
@@ -25,6 +27,7 @@ from typing import cast
 
 import httptools
 
+from gateway.upstream_slots import ConnectionSlots, TimeoutSweep
 from policies.records import record
 
 # A non-streamed answer is held whole before it is relayed: bound it (a chat completion with many
@@ -90,7 +93,7 @@ class _Connection(asyncio.Protocol):
         "transport",
     )
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, sweep: _TimeoutSweep) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, sweep: TimeoutSweep) -> None:
         self._loop = loop
         self._sweep = sweep
         self.transport: asyncio.Transport | None = None
@@ -224,8 +227,8 @@ class UpstreamPool:
         self._max_open = max_open_per_worker
         # Slots of the workers with a request in flight, dropped when the last user leaves
         # (workers come and go with discovery: the dict must not grow with every address seen).
-        self._slots: dict[tuple[str, int], _Slots] = {}
-        self._sweep = _TimeoutSweep()
+        self._slots: dict[tuple[str, int], ConnectionSlots] = {}
+        self._sweep = TimeoutSweep()
         self._closed = False
 
     async def post(
@@ -242,11 +245,16 @@ class UpstreamPool:
         key = (host, port)
         slots = self._slots.get(key)
         if slots is None:
-            slots = self._slots[key] = _Slots(self._max_open)
+            slots = self._slots[key] = ConnectionSlots(self._max_open)
         slots.users += 1
         try:
             if not slots.take():
-                await slots.wait(connect_s)
+                try:
+                    await slots.wait(connect_s)
+                except TimeoutError:
+                    raise UpstreamBusy(
+                        f"all {slots.capacity} connections to the worker stayed busy"
+                    ) from None
             try:
                 return await self._exchange(key, host, port, request, connect_s, read_s, total_s)
             finally:
@@ -328,74 +336,6 @@ class UpstreamPool:
             for conn in idle:
                 conn.abort()
         self._idle.clear()
-
-
-class _TimeoutSweep:
-    """Read and total timeouts of the requests in flight, checked by one timer every `tick_s`
-    while any is in flight (a timer per request cost more than the rest of the exchange). A
-    timeout fires up to `tick_s` late."""
-
-    def __init__(self, tick_s: float = 0.05) -> None:
-        self.tick_s = tick_s
-        self._busy: dict[_Connection, None] = {}
-        self._timer: asyncio.TimerHandle | None = None
-
-    def add(self, conn: _Connection) -> None:
-        self._busy[conn] = None
-        if self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(self.tick_s, self._tick)
-
-    def discard(self, conn: _Connection) -> None:
-        self._busy.pop(conn, None)
-
-    def _tick(self) -> None:
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        for conn in list(self._busy):
-            conn.check_timeout(now)  # a timed-out connection leaves the map through its reset
-        self._timer = loop.call_later(self.tick_s, self._tick) if self._busy else None
-
-
-class _Slots:
-    """One worker's connection slots: a counter on the fast path (a free slot is taken without
-    a wait, a timer or a lock), and a FIFO of waiters when every slot is busy."""
-
-    __slots__ = ("capacity", "free", "users", "waiters")
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.free = capacity
-        self.users = 0  # requests holding or waiting for a slot
-        self.waiters: deque[asyncio.Future[None]] = deque()
-
-    def take(self) -> bool:
-        if self.free > 0 and not self.waiters:
-            self.free -= 1
-            return True
-        return False
-
-    async def wait(self, timeout_s: float) -> None:
-        """Wait for a slot handed over by `give`; `UpstreamBusy` after `timeout_s`."""
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.waiters.append(waiter)
-        try:
-            async with asyncio.timeout(timeout_s):
-                await waiter
-        except BaseException as exc:
-            if waiter.done() and not waiter.cancelled():
-                self.give()  # a slot was handed over just as we gave up: pass it on
-            else:
-                waiter.cancel()
-                self.waiters.remove(waiter)
-            if isinstance(exc, TimeoutError):
-                raise UpstreamBusy(f"all {self.capacity} connections to the worker stayed busy") from None
-            raise
-
-    def give(self) -> None:
-        if self.waiters:
-            self.waiters.popleft().set_result(None)  # the slot passes straight to the oldest waiter
-        else:
-            self.free += 1
 
 
 def request_bytes(host_header: bytes, path: bytes, headers: bytes, body: bytes) -> bytes:

@@ -9,9 +9,10 @@ vLLM's free queue, the tail of a chain goes before its head.
 Holdings learned from our own routing are speculative (they expire after a short TTL) until a
 completed request or a KV event confirms them. A completion confirms in place, without touching
 recency (the dispatch set it), and a dispatch leaves alone a chain whose last block the worker
-holds confirmed and used within `recency_resolution_s`: a warm prefix costs one lookup. Memory is bounded three ways: each worker's list,
-the whole pool (`max_entries` holdings, split evenly across workers), and each namespace (a share
-of `max_entries` in distinct keys).
+holds confirmed and used within `recency_resolution_s`: a warm prefix costs one lookup.
+
+Memory is bounded three ways: each worker's list, the whole pool (`max_entries` holdings, split
+evenly across workers), and each namespace (a share of `max_entries` in distinct keys).
 
 Lookups live in `index_lookup.py`, the records in `index_types.py`.
 

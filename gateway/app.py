@@ -54,6 +54,27 @@ class GatewayApp:
 
     async def _proxy(self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
         state = self.state
+        if state.in_flight_requests >= state.config.limits.max_in_flight_requests:
+            state.metrics.rejected(endpoint, 503)
+            head = RequestHead.of(scope)
+            err = ApiError(
+                503,
+                "the gateway is at its limit of requests in flight; retry shortly",
+                "server_error",
+                "gateway_overloaded",
+                None,
+                {"retry-after": "1"},
+            )
+            await error_response(err, request_ids(head).reply)(scope, receive, send)
+            return
+        state.in_flight_requests += 1
+        try:
+            await self._handle(scope, receive, send, endpoint)
+        finally:
+            state.in_flight_requests -= 1
+
+    async def _handle(self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
+        state = self.state
         head = RequestHead.of(scope)
         ids = request_ids(head)
         response: ASGIApp

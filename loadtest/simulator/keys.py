@@ -3,9 +3,11 @@
 - **Tenants** come from `gateway.auth.KeyRing`: namespace `tenant:<name>` (it can never equal
   `PUBLIC_NAMESPACE`) and a per-tenant `cache_salt` keyed by the deployment secret. A tenant's
   isolation is `strict`, `shared_public` or `public` (`KeyPath(isolation=..., tenant_isolation=...)`).
-- **Identities** follow `gateway.state.GatewayState.identities`: the tenant's own identity (the
-  public one for `public` tenants) and, for `shared_public` tenants, the public identity derived
-  from it by `prompt_normalizer.keys.public_identity_of`.
+- **Identities** follow `gateway.state.GatewayState.identities`: every tenant's own identity, a
+  `public` tenant's included, is the deployment's identity in the tenant's namespace, because its
+  engine KV carries the tenant's salt and its KV events resolve to that namespace; a non-strict
+  tenant (`shared_public` or `public`) also gets the public twin that
+  `prompt_normalizer.keys.public_identity_of` derives from it, for its immutable blocks.
 - **Chat and text prompts** go through the normalizer in `render` mode exactly as the gateway
   drives it against a worker: `prepare_render`, the emulated worker's own renderer for the body and
   each zone boundary (one token per byte), `from_render`. That yields token-exact block keys, the
@@ -18,14 +20,14 @@
   prefix structure a trace carries, and it keeps the index small. Only blocks wholly inside the
   prompt get a route key, as with the normalizer; the ceilings also count the trace's partial last
   block. A kv-cache-tester session's system + tools blocks are its immutable zone
-  (`BlockPrompt.immutable_blocks`), keyed under the public identity too; Mooncake prompts have none.
+  (`BlockPrompt.immutable_blocks`), keyed under the public identity too (non-strict tenants);
+  Mooncake prompts have none.
 
 `cache_salt` (what the engines get) follows `gateway.admission`: always the gateway's own, the
 tenant's salt unless the whole prompt lies inside the promoted public blocks the policy routed,
 then the key ring's public salt. The engine's salt covers the whole chain, so anything else would
 share a tenant's private tail. So engines share KV across tenants only for wholly public prompts;
-the hit ceilings count only what that allows (a `public` tenant's ceiling chain is keyed under
-its own namespace, not the public one its route keys use).
+the hit ceilings count only what that allows: every chain is keyed in its tenant's namespace.
 """
 
 from __future__ import annotations
@@ -72,17 +74,15 @@ class KeyedPrompt:
     public_block_keys: tuple[BlockKey, ...] = ()
     immutable_blocks: int = 0
     tokens: bytes | None = None
-    ceiling_keys: tuple[BlockKey, ...] | None = None
 
     @property
     def block_keys(self) -> tuple[BlockKey, ...]:
         return self.chain_keys[: self.n_full_blocks]
 
     def chain(self) -> BlockChain:
-        """The request's chain for the hit ceilings (keys of its own namespace)."""
-        keys = self.chain_keys if self.ceiling_keys is None else self.ceiling_keys
-        keyed = min(len(keys) * self.block_size_tokens, self.n_tokens)
-        return BlockChain(keys, self.block_size_tokens, keyed, self.n_tokens)
+        """The request's chain for the hit ceilings (keys of its tenant's namespace)."""
+        keyed = min(len(self.chain_keys) * self.block_size_tokens, self.n_tokens)
+        return BlockChain(self.chain_keys, self.block_size_tokens, keyed, self.n_tokens)
 
 
 def _bytes_of(data: bytes) -> np.ndarray:
@@ -134,9 +134,14 @@ class KeyPath:
         return found
 
     def identities(self, tenant: Tenant, block_size_tokens: int) -> tuple[KeyIdentity, KeyIdentity | None]:
-        own_ns = PUBLIC_NAMESPACE if tenant.isolation is Isolation.PUBLIC else tenant.namespace
-        own = dataclasses.replace(self.base, block_size_tokens=block_size_tokens, namespace=own_ns)
-        return own, public_identity_of(own) if tenant.isolation is Isolation.SHARED_PUBLIC else None
+        """`GatewayState.identities` at `block_size_tokens`: the own identity in the tenant's
+        namespace whatever its isolation, and the public twin unless the tenant is strict.
+
+        The gateway's rule is mirrored, not called: it needs a whole `GatewayState` (pools,
+        tenants, metrics) built from a gateway config. tests/loadtest/test_simulator_keys.py
+        checks that both agree at every isolation level."""
+        own = dataclasses.replace(self.base, block_size_tokens=block_size_tokens, namespace=tenant.namespace)
+        return own, public_identity_of(own) if tenant.isolation is not Isolation.STRICT else None
 
     def namespace_of_salt(self, salt: str | None) -> str | None:
         """What the gateway resolves a KV event's `cache_salt` to (None: unknown or unsalted)."""
@@ -158,13 +163,7 @@ class KeyPath:
             if public is not None and n_imm:
                 root = self.normalizer.root(public, TRACE_UNIT)
                 public_keys = chain_keys(ids[:n_imm], _U64.itemsize, root, extras)
-            ceiling = None
-            if tenant.isolation is Isolation.PUBLIC:
-                salted = dataclasses.replace(own, namespace=tenant.namespace)
-                ceiling = chain_keys(ids, _U64.itemsize, self.normalizer.root(salted, TRACE_UNIT), extras)
-            return KeyedPrompt(
-                tenant, keys, n_full, p.block_size_tokens, p.n_tokens, public_keys, n_imm, None, ceiling
-            )
+            return KeyedPrompt(tenant, keys, n_full, p.block_size_tokens, p.n_tokens, public_keys, n_imm)
         own, public = self.identities(tenant, self.base.block_size_tokens)
         request = openai_request(req, self.model)
         is_chat = request.path.endswith("chat/completions")
@@ -172,10 +171,6 @@ class KeyPath:
         tokens = _render(plan)
         bounds = [None if b is None else _bytes_of(_render_body(plan, b)) for b in plan.boundary_bodies]
         cp = self.normalizer.from_render(plan, _bytes_of(tokens), own, public, boundary_token_ids=bounds)
-        ceiling = None
-        if tenant.isolation is Isolation.PUBLIC:
-            salted = dataclasses.replace(own, namespace=tenant.namespace)
-            ceiling = self.normalizer.keys_for_tokens(_bytes_of(tokens), salted)
         return KeyedPrompt(
             tenant,
             cp.block_keys,
@@ -185,7 +180,6 @@ class KeyPath:
             cp.public_block_keys,
             cp.immutable_blocks,
             tokens,
-            ceiling,
         )
 
     def route_request(self, req: WorkloadRequest, kp: KeyedPrompt, pool: str = "default") -> RouteRequest:
@@ -196,7 +190,7 @@ class KeyPath:
             request_id=req.request_id,
             pool=pool,
             tenant=t.name,
-            namespace=PUBLIC_NAMESPACE if t.isolation is Isolation.PUBLIC else t.namespace,
+            namespace=t.namespace,  # the own identity's, as the gateway's admission sets it
             block_keys=kp.block_keys,
             n_prompt_tokens=kp.n_tokens,
             block_size_tokens=kp.block_size_tokens,

@@ -10,16 +10,20 @@ from typing import Any
 import numpy as np
 import pytest
 
+from gateway.auth import hash_api_key
 from gateway.cli import main
+from gateway.config import parse_config
 from gateway.precise import NormalizerTokenHasher
+from gateway.state import GatewayState, build_state
 from loadtest.engine import Engine, EngineConfig, EngineRequest, load_profile
 from loadtest.engine.hashing import block_hashes
-from loadtest.simulator.keys import KeyPath
+from loadtest.simulator.keys import SIM_MODEL, SIM_SECRET, KeyPath
 from loadtest.simulator.loop import EngineHooks, LoopConfig, run_loop
 from loadtest.workloads.records import BlockPrompt, ChatMessage, ChatPrompt, TextPrompt, WorkloadRequest
 from loadtest.workloads.registry import make_workload
 from policies.base import Isolation, KvEvent, KvEventKind, RouteDecision, WorkerId
 from policies.registry import make_policy
+from prompt_normalizer.normalizer import NormalizerConfig
 from prompt_normalizer.types import PUBLIC_NAMESPACE, BlockKey
 
 SYSTEM = "You are the shared agent. " * 20
@@ -38,10 +42,53 @@ def test_tenant_namespaces_never_meet_the_public_one_and_roots_are_keyed() -> No
     a = keys.keyed(trace)
     assert len(a.chain_keys) == 3 and a.block_keys == a.chain_keys[:2]  # the partial block: no route key
     assert keys.route_request(trace, a).namespace == "tenant:public"
-    other = KeyPath(tenant_isolation={"public": Isolation.PUBLIC}).keyed(trace)
-    assert set(a.chain_keys).isdisjoint(other.chain_keys)  # the real public namespace: other keys
+    # Isolation is not part of the identity: a `public` tenant keys in its own namespace too.
+    public = KeyPath(tenant_isolation={"public": Isolation.PUBLIC})
+    assert public.keyed(trace).chain_keys == a.chain_keys
+    assert public.route_request(trace, public.keyed(trace)).namespace == "tenant:public"
+    assert set(a.chain_keys).isdisjoint(keys.keyed(dataclasses.replace(trace, tenant="other")).chain_keys)
     assert set(a.chain_keys).isdisjoint(KeyPath(secret=b"another deployment").keyed(trace).chain_keys)
     assert keys.keyed(trace).chain_keys == a.chain_keys
+
+
+def _gateway_like_the_simulator() -> GatewayState:
+    """A real gateway's state for the deployment the simulator models: its model, block size,
+    render-mode normalizer and secret, and one tenant per isolation level."""
+    tenants = [
+        {"name": i.value, "api_key_hashes": [hash_api_key(SIM_SECRET, f"sk-{i.value}")], "isolation": i.value}
+        for i in Isolation
+    ]
+    pool = {
+        "name": "default",
+        "models": [SIM_MODEL],
+        "workers": ["http://127.0.0.1:9"],  # never contacted: the state is built, not served
+        "block_size_tokens": 16,
+        "normalizer": {"mode": "render"},
+    }
+    config = parse_config({"pools": [pool], "tenants": tenants, "scrape": {"enabled": False}})
+    return build_state(config, SIM_SECRET, make_policy("round_robin"), NormalizerConfig(mode="render"))
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_identities_and_route_namespaces_are_the_gateways_at_every_isolation_level(block_size: int) -> None:
+    state = _gateway_like_the_simulator()
+    pool = state.registry.pools["default"]
+    keys = KeyPath(tenant_isolation={i.value: i for i in Isolation})
+    for isolation in Isolation:
+        gateway_tenant = state.keyring.tenants[isolation.value]
+        tenant = keys.tenant(isolation.value)
+        assert tenant == gateway_tenant  # namespace, isolation and salt
+        own, public = state.identities(pool, SIM_MODEL, gateway_tenant)
+        expected = (
+            dataclasses.replace(own, block_size_tokens=block_size),
+            None if public is None else dataclasses.replace(public, block_size_tokens=block_size),
+        )
+        assert keys.identities(tenant, block_size) == expected
+        assert own.namespace == tenant.namespace and (public is None) == (isolation is Isolation.STRICT)
+        req = _chat("r", isolation.value, "a question")
+        kp = keys.keyed(req)
+        assert keys.route_request(req, kp).namespace == own.namespace  # what admission sets
+        assert bool(kp.public_block_keys) == (public is not None)
 
 
 def test_chat_keys_are_the_normalizers_token_keys_of_what_the_engine_caches() -> None:
@@ -74,15 +121,18 @@ def test_isolation_levels_share_only_public_blocks_and_salts_follow_the_gateway(
     assert keys.cache_salt(c, promoted) == keys.tenant("c").cache_salt
     public = KeyPath(isolation=Isolation.PUBLIC)
     p = public.keyed(_chat("p", "p", "x"))
-    assert public.cache_salt(p, plain) == public.tenant("p").cache_salt  # no public blocks to share
+    assert p.public_block_keys[:n] == a.public_block_keys[:n]  # the same public twin as shared_public
+    assert public.cache_salt(p, plain) == public.tenant("p").cache_salt  # nothing routed as public
     assert len({keys.tenant(t).cache_salt for t in "abc"} | {keys.public_salt}) == 4
 
 
-def _shared_agent_run(tmp_path: Path, isolation: str, *extra: str) -> dict[str, Any]:
+def _shared_agent_run(
+    tmp_path: Path, isolation: str, *extra: str, sessions: int = 12, turns: int = 2
+) -> dict[str, Any]:
     out = tmp_path / f"{isolation}.json"
     args = ["simulate", "--workload", "agent", "--policy", "cost", "--isolation", isolation, "--workers", "2"]
     args += ["--workload-arg", "shared_prefix=true", "--workload-arg", "n_tenants=4"]
-    args += ["--workload-arg", "n_sessions=12", "--workload-arg", "turns_per_session=2"]
+    args += ["--workload-arg", f"n_sessions={sessions}", "--workload-arg", f"turns_per_session={turns}"]
     assert main([*args, *extra, "--quiet", "--json", str(out)]) == 0
     doc: dict[str, Any] = json.loads(out.read_text())
     return doc
@@ -123,8 +173,9 @@ class _Recorder:
         self.events.append(event)
 
 
-def test_kv_events_carry_token_ids_that_key_to_the_request_keys() -> None:
-    keys = KeyPath()
+@pytest.mark.parametrize("isolation", list(Isolation))
+def test_kv_events_carry_token_ids_that_key_to_the_request_keys(isolation: Isolation) -> None:
+    keys = KeyPath(isolation=isolation)
     reqs = [
         _chat("a", "acme", "first question " * 6),
         WorkloadRequest("t", 0.1, "zeta", "", TextPrompt("x" * 70), 2),
@@ -176,3 +227,19 @@ def test_salt_rule_is_the_gateways(isolation: Isolation) -> None:
             decision = RouteDecision(WorkerId("w0"), 0.0, "r", shared_prefix_blocks=shared)
             expected = keys.public_salt if _wholly_public(route, decision) else keys.tenant("a").cache_salt
             assert keys.cache_salt(sized, decision) == expected
+
+
+def test_precise_mode_files_a_public_tenants_events_under_its_request_keys(tmp_path: Path) -> None:
+    """`public` tenants' KV events must land where their request keys look (their own namespace):
+    precise mode then routes them as it routes strict tenants (no prompt here is wholly public).
+    The caches are small enough that evictions matter: with events filed elsewhere, the index
+    keeps stale holdings and the hit ratio moves by several points."""
+    extra = ("--kv-events", "--kv-blocks-per-worker", "1000")
+    runs = {i: _shared_agent_run(tmp_path, i, *extra, sessions=16, turns=4) for i in ("strict", "public")}
+    for doc in runs.values():
+        counters = doc["summary"]["policy_counters"]
+        assert doc["config"]["precise"] and counters["kv_events_applied"] > 0
+        assert counters["kv_event_orphans:default"] == counters["kv_event_mismatched:default"] == 0
+    strict, public = (runs[i]["summary"] for i in ("strict", "public"))
+    assert public["hit_ratio"] == pytest.approx(strict["hit_ratio"], abs=0.005)
+    assert public["policy_counters"]["kv_events_applied"] == strict["policy_counters"]["kv_events_applied"]

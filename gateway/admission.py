@@ -309,21 +309,7 @@ async def admit(
     limiter = state.limiter(tenant)
     rejection = limiter.admit(canonical.n_tokens, started_s)
     if rejection is not None:
-        retry_after = max(1, int(rejection.retry_after_s + 0.999))
-        headers = {
-            "retry-after": str(retry_after),
-            "retry-after-ms": str(int(rejection.retry_after_s * 1000)),
-        }
-        if not rejection.retryable:
-            headers["x-should-retry"] = "false"
-        raise ApiError(
-            429,
-            rejection.message,
-            "rate_limit_error" if rejection.retryable else "insufficient_quota",
-            rejection.code,
-            None,
-            headers,
-        )
+        raise _quota_error(rejection)
 
     changed = canonical.canonical_body is not None
     forward = dict(canonical.canonical_body) if canonical.canonical_body is not None else body

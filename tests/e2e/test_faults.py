@@ -82,14 +82,7 @@ def test_worker_dying_mid_stream_gives_one_error_event_and_the_sdk_raises(stack:
             model="m-die", messages=[{"role": "user", "content": "x"}], stream=True
         ):
             pass
-    body = {"model": "m-die", "messages": [{"role": "user", "content": "x"}], "stream": True}
-    raw = httpx.post(
-        stack.base_url + "/v1/chat/completions",
-        json=body,
-        headers={"authorization": "Bearer sk-acme"},
-        timeout=10,
-    ).content
-    events = [e for e in raw.split(b"\n\n") if e]
+    events = _stream_events(stack.base_url, "m-die")
     errors = [e for e in events if e.startswith(b'data: {"error"')]
     assert len(errors) == 1 and events[-1] == b"data: [DONE]" and events[-2] == errors[0]
     assert time.monotonic() - started < 5
@@ -302,17 +295,11 @@ def test_worker_error_inside_a_stream_reaches_the_sdk_in_the_gateway_shape(
 
 @pytest.mark.parametrize("model", sorted(STREAM_ERRORS))
 def test_worker_error_inside_a_stream_is_one_event_then_done(error_stack: ErrorStack, model: str) -> None:
-    body = {"model": model, "messages": [{"role": "user", "content": "x"}], "stream": True}
-    raw = httpx.post(
-        error_stack.base_url + "/v1/chat/completions",
-        json=body,
-        headers={"authorization": "Bearer sk-acme"},
-        timeout=10,
-    ).content
-    events = [e for e in raw.split(b"\n\n") if e]
+    events = _stream_events(error_stack.base_url, model)
     errors = [e for e in events if b'"error"' in e]
     assert len(errors) == 1 and events[-2:] == [errors[0], b"data: [DONE]"]
     assert json.loads(errors[0][6:])["error"]["code"] == "upstream_stream_error"
+    raw = b"\n\n".join(events)
     assert b"engine_trace" not in raw and b"object" not in errors[0] and b"after0" not in raw
 
 
@@ -327,3 +314,12 @@ async def test_async_sdk_raises_on_a_worker_error_inside_a_stream(error_stack: E
         async for _ in stream:
             pass
     await client.close()
+
+
+def _stream_events(base_url: str, model: str) -> list[bytes]:
+    """The raw SSE events of one streamed chat through the gateway."""
+    body = {"model": model, "messages": [{"role": "user", "content": "x"}], "stream": True}
+    raw = httpx.post(
+        base_url + "/v1/chat/completions", json=body, headers={"authorization": "Bearer sk-acme"}, timeout=10
+    ).content
+    return [e for e in raw.split(b"\n\n") if e]

@@ -19,7 +19,6 @@ index fed by events and one fed by requests agree.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -45,13 +44,13 @@ from prompt_normalizer.keys import (
     token_block_keys,
 )
 from prompt_normalizer.layout import (
-    Assembled,
     Boundaries,
     Hashed,
     assemble,
     boundaries_from_positions,
     boundary_body,
     boundary_specs,
+    new_prompt,
 )
 from prompt_normalizer.render import CHAT_RENDER_PATH, COMPLETIONS_RENDER_PATH, RenderPlan, render_boundaries
 from prompt_normalizer.roots import IdentityRoots, RootCache
@@ -133,12 +132,18 @@ class Normalizer:
         public_identity: KeyIdentity | None,
         body: Mapping[str, Any],
         session_key: str | None,
-        **parts: Any,
+        chat: CanonicalChat | None = None,
+        bounds: Boundaries | None = None,
+        diagnostics: tuple[str, ...] = (),
+        source: str = "messages",
     ) -> _KeyJob:
         if identity.block_size_tokens <= 0:
             raise NormalizerError("block_size_tokens must be positive", code="bad_config")
         entry = self._roots.entry(identity, public_identity)
-        return _KeyJob(identity, entry, public_identity is not None, body, session_key, **parts)
+        # Positional: a dataclass __init__ called with keywords costs twice as much.
+        return _KeyJob(
+            identity, entry, public_identity is not None, body, session_key, chat, bounds, diagnostics, source
+        )
 
     def keys_for_tokens(
         self, token_ids: Sequence[int] | TokenArray, identity: KeyIdentity, parent: BlockKey | None = None
@@ -184,7 +189,7 @@ class Normalizer:
         `public_identity_of(identity)`, and a `public_identity` that differs from it raises
         `NormalizerError(code="bad_identity")`.
         """
-        if not isinstance(body, Mapping):
+        if type(body) is not dict and not isinstance(body, Mapping):  # the ABC check is the slow one
             raise NormalizerError("request body must be a JSON object")
         mode = self._config.mode
         if endpoint == "completions":
@@ -221,7 +226,7 @@ class Normalizer:
         chat = canonicalize_chat(body, self._config, self._key)
         if mode == "approximate":
             hashed, bounds = approx_chat(chat, self._config.chars_per_token)
-            job = self._job(identity, public_identity, body, session_key, chat=chat, bounds=bounds)
+            job = self._job(identity, public_identity, body, session_key, chat, bounds)
             return self._finish(hashed, APPROX_UNIT, job)
         assert self._tokenizer is not None
         job = self._job(identity, public_identity, body, session_key, chat=chat)
@@ -299,38 +304,19 @@ class Normalizer:
         diags = list(chat.diagnostics) if chat is not None else []
         diags.extend(job.diagnostics)
         bounds = job.bounds if job.bounds is not None else Boundaries(0, hashed.n_tokens, {})
+        block_size = job.identity.block_size_tokens
         roots = self._roots.for_unit(job.roots, unit, job.with_public)
-        assembled: Assembled = assemble(
-            hashed,
-            block_size=job.identity.block_size_tokens,
-            root=roots.root,
-            public_root=roots.public_root,
-            boundaries=bounds,
-            chat=chat,
-            source=job.source,
-            diagnostics=diags,
-            memo=self._memo,
-        )
-        prompt = assembled.prompt
+        parts = assemble(hashed, block_size, roots, bounds, chat, job.source, diags, self._memo)
+        drift = None
         session = self.session_digest(job.body, job.identity, job.session_key)
-        if session is None:
-            return prompt
-        items = field_items(chat, self._key) if chat is not None else _prompt_items(job.body, self._key)
-        report = self._drift.observe(
-            session,
-            prompt.block_keys,
-            assembled.stable_end_token,
-            job.identity.block_size_tokens,
-            items,
-            prompt.zones,
-        )
-        drift_diags = prompt.diagnostics
-        if report.first_diff_block is not None:
-            drift_diags = (
-                *drift_diags,
-                f"drift: block {report.first_diff_block} ({report.zone}, {report.field})",
+        if session is not None:
+            items = field_items(chat, self._key) if chat is not None else _prompt_items(job.body, self._key)
+            drift = self._drift.observe(
+                session, parts.block_keys, parts.stable_end_token, block_size, items, parts.zones
             )
-        return dataclasses.replace(prompt, drift=report, diagnostics=drift_diags)
+            if drift.first_diff_block is not None:
+                diags.append(f"drift: block {drift.first_diff_block} ({drift.zone}, {drift.field})")
+        return new_prompt(parts, block_size, tuple(diags), chat.body if chat is not None else None, drift)
 
 
 def _prompt_items(body: Mapping[str, Any], key: bytes) -> tuple[FieldItem, ...]:

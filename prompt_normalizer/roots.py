@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prompt_normalizer.errors import NormalizerError
 from prompt_normalizer.keys import TOKEN_UNIT, public_identity_of, root_key
@@ -19,24 +19,25 @@ from prompt_normalizer.types import KeyIdentity
 ROOT_CACHE_MAX = 4096
 
 
-@dataclass(slots=True)
-class IdentityRoots:
-    """Chain roots of one identity object and of its public twin, per hashing unit."""
-
-    identity: KeyIdentity
-    public: KeyIdentity
-    roots: dict[str, int]
-    public_roots: dict[str, int]
-    # The last `public_identity` object a caller passed that equals `public` (skips the compare).
-    accepted_public: KeyIdentity | None = None
-
-
 @dataclass(frozen=True, slots=True)
 class UnitRoots:
     """The roots one request chains from: its own, and the public one when public keys are asked."""
 
     root: int
     public_root: int | None
+
+
+@dataclass(slots=True)
+class IdentityRoots:
+    """Chain roots of one identity object and of its public twin, per hashing unit."""
+
+    identity: KeyIdentity
+    public: KeyIdentity
+    # Per unit, without and with the public root: built once, handed to every request.
+    private_only: dict[str, UnitRoots] = field(default_factory=dict)
+    with_public: dict[str, UnitRoots] = field(default_factory=dict)
+    # The last `public_identity` object a caller passed that equals `public` (skips the compare).
+    accepted_public: KeyIdentity | None = None
 
 
 class RootCache:
@@ -66,7 +67,7 @@ class RootCache:
         """The cached roots of `identity`; checks that a given `public_identity` is its public twin."""
         entry = self._objects.get(id(identity))
         if entry is None or entry.identity is not identity:
-            entry = IdentityRoots(identity, public_identity_of(identity), {}, {})
+            entry = IdentityRoots(identity, public_identity_of(identity))
             with self._lock:
                 self._objects[id(identity)] = entry
                 while len(self._objects) > self._max:
@@ -83,12 +84,9 @@ class RootCache:
         return entry
 
     def for_unit(self, entry: IdentityRoots, unit: str, with_public: bool) -> UnitRoots:
-        root = entry.roots.get(unit)
-        if root is None:
-            root = entry.roots[unit] = self.root(entry.identity, unit)
-        if not with_public:
-            return UnitRoots(root, None)
-        public = entry.public_roots.get(unit)
-        if public is None:
-            public = entry.public_roots[unit] = self.root(entry.public, unit)
-        return UnitRoots(root, public)
+        cached = entry.with_public if with_public else entry.private_only
+        roots = cached.get(unit)
+        if roots is None:
+            public = self.root(entry.public, unit) if with_public else None
+            roots = cached[unit] = UnitRoots(self.root(entry.identity, unit), public)
+        return roots

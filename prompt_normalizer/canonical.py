@@ -401,7 +401,8 @@ def canonicalize_chat(body: Mapping[str, Any], config: NormalizerConfig, key: by
     """Validate and canonicalize a chat request; raises NormalizerError on bad input."""
     rules = chat_rules(config)
     copied_messages = _validate_messages(body.get("messages"), rules)
-    copied_tools = _validate_tools(body.get("tools"))
+    raw_tools = body.get("tools")
+    copied_tools = _validate_tools(raw_tools) if raw_tools is not None else None
     messages: list[dict[str, Any]] = copied_messages.value
     tools: list[dict[str, Any]] | None = copied_tools.value if copied_tools is not None else None
     size = copied_messages.n_bytes + (copied_tools.n_bytes if copied_tools is not None else 0)

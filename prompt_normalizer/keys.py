@@ -163,12 +163,12 @@ class PrefixKeyMemo:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def fingerprint(self, span: memoryview) -> int:
+    def fingerprint(self, span: Buffer) -> int:
         return xxhash.xxh3_128_intdigest(span, self._seed)
 
-    def chain(self, span: memoryview, fingerprint: int, block_bytes: int, seed: int) -> tuple[BlockKey, ...]:
-        """The keys of `span` (whole blocks) chained from `seed`, from memory when seen before."""
-        slot = (seed, len(span), fingerprint)
+    def get(self, seed: int, n_bytes: int, fingerprint: int) -> tuple[BlockKey, ...] | None:
+        """The remembered keys of a span of `n_bytes` with this fingerprint, chained from `seed`."""
+        slot = (seed, n_bytes, fingerprint)
         keys = self._entries.get(slot)
         if keys is not None:
             # A hit takes no lock: `get` and `move_to_end` are each one C call that runs under the
@@ -179,16 +179,26 @@ class PrefixKeyMemo:
                 self._entries.move_to_end(slot)
             except KeyError:
                 pass
-            return keys
-        keys = chain_view(span, block_bytes, seed)  # outside the lock: the only slow part
-        if len(keys) <= self._max_keys:
-            with self._lock:
-                if slot not in self._entries:
-                    self._entries[slot] = keys
-                    self._keys += len(keys)
-                while len(self._entries) > self._max_entries or self._keys > self._max_keys:
-                    _, old = self._entries.popitem(last=False)
-                    self._keys -= len(old)
+        return keys
+
+    def put(self, seed: int, n_bytes: int, fingerprint: int, keys: tuple[BlockKey, ...]) -> None:
+        if len(keys) > self._max_keys:
+            return
+        slot = (seed, n_bytes, fingerprint)
+        with self._lock:
+            if slot not in self._entries:
+                self._entries[slot] = keys
+                self._keys += len(keys)
+            while len(self._entries) > self._max_entries or self._keys > self._max_keys:
+                _, old = self._entries.popitem(last=False)
+                self._keys -= len(old)
+
+    def chain(self, span: memoryview, fingerprint: int, block_bytes: int, seed: int) -> tuple[BlockKey, ...]:
+        """The keys of `span` (whole blocks) chained from `seed`, from memory when seen before."""
+        keys = self.get(seed, len(span), fingerprint)
+        if keys is None:
+            keys = chain_view(span, block_bytes, seed)  # outside the lock: the only slow part
+            self.put(seed, len(span), fingerprint, keys)
         return keys
 
 

@@ -53,7 +53,7 @@ from prompt_normalizer.layout import (
     new_prompt,
 )
 from prompt_normalizer.render import CHAT_RENDER_PATH, COMPLETIONS_RENDER_PATH, RenderPlan, render_boundaries
-from prompt_normalizer.roots import IdentityRoots, RootCache
+from prompt_normalizer.roots import RootCache, UnitRoots
 from prompt_normalizer.switches import json_copy
 from prompt_normalizer.template import ChatTemplateTokenizer
 from prompt_normalizer.types import BlockKey, CanonicalPrompt, KeyIdentity, Zone
@@ -77,8 +77,7 @@ class _KeyJob:
     private and never shared, so not frozen: a frozen init costs a microsecond per request)."""
 
     identity: KeyIdentity
-    roots: IdentityRoots
-    with_public: bool
+    roots: UnitRoots
     body: Mapping[str, Any]
     session_key: str | None
     chat: CanonicalChat | None = None
@@ -92,6 +91,7 @@ class Normalizer:
 
     def __init__(self, config: NormalizerConfig, secret: bytes) -> None:
         self._config = config
+        self._chars_per_token = config.chars_per_token
         self._key = secret_key(secret)
         self._roots = RootCache(self._key)
         self._memo = PrefixKeyMemo(self._key)
@@ -130,6 +130,7 @@ class Normalizer:
         self,
         identity: KeyIdentity,
         public_identity: KeyIdentity | None,
+        unit: str,
         body: Mapping[str, Any],
         session_key: str | None,
         chat: CanonicalChat | None = None,
@@ -139,11 +140,9 @@ class Normalizer:
     ) -> _KeyJob:
         if identity.block_size_tokens <= 0:
             raise NormalizerError("block_size_tokens must be positive", code="bad_config")
-        entry = self._roots.entry(identity, public_identity)
+        roots = self._roots.unit_roots(identity, public_identity, unit)
         # Positional: a dataclass __init__ called with keywords costs twice as much.
-        return _KeyJob(
-            identity, entry, public_identity is not None, body, session_key, chat, bounds, diagnostics, source
-        )
+        return _KeyJob(identity, roots, body, session_key, chat, bounds, diagnostics, source)
 
     def keys_for_tokens(
         self, token_ids: Sequence[int] | TokenArray, identity: KeyIdentity, parent: BlockKey | None = None
@@ -194,9 +193,11 @@ class Normalizer:
         mode = self._config.mode
         if endpoint == "completions":
             prompt = CompletionsPrompt(body, self._config.max_input_chars)
+            text_unit = APPROX_UNIT if mode == "approximate" else TOKEN_UNIT
             job = self._job(
                 identity,
                 public_identity,
+                TOKEN_UNIT if prompt.tokens is not None else text_unit,
                 body,
                 session_key,
                 diagnostics=tuple(prompt.diagnostics),
@@ -206,7 +207,7 @@ class Normalizer:
                 return self._finish_tokens(prompt.tokens, job)
             assert prompt.text is not None
             if mode == "approximate":
-                return self._finish(approx_text(prompt.text, self._config.chars_per_token), APPROX_UNIT, job)
+                return self._finish(approx_text(prompt.text, self._config.chars_per_token), job)
             if mode == "render":
                 raise NormalizerError(
                     "render mode: call prepare_render() and from_render()", code="render_required"
@@ -225,11 +226,11 @@ class Normalizer:
             )
         chat = canonicalize_chat(body, self._config, self._key)
         if mode == "approximate":
-            hashed, bounds = approx_chat(chat, self._config.chars_per_token)
-            job = self._job(identity, public_identity, body, session_key, chat, bounds)
-            return self._finish(hashed, APPROX_UNIT, job)
+            hashed, bounds = approx_chat(chat, self._chars_per_token)
+            job = self._job(identity, public_identity, APPROX_UNIT, body, session_key, chat, bounds)
+            return self._finish(hashed, job)
         assert self._tokenizer is not None
-        job = self._job(identity, public_identity, body, session_key, chat=chat)
+        job = self._job(identity, public_identity, TOKEN_UNIT, body, session_key, chat)
         text = self._tokenizer.render(chat)
         specs = boundary_specs(chat)
         needs_offsets = any(s.n_messages or s.with_tools for s in specs)
@@ -280,7 +281,7 @@ class Normalizer:
         """
         tokens = as_tokens(token_ids, param="render.token_ids")
         if plan.chat is None:
-            job = self._job(identity, public_identity, plan.body, session_key, source="prompt")
+            job = self._job(identity, public_identity, TOKEN_UNIT, plan.body, session_key, source="prompt")
             return self._finish_tokens(tokens, job)
         chat = plan.chat
         positions = render_boundaries(tokens, boundary_token_ids, plan.boundary_specs)
@@ -291,22 +292,20 @@ class Normalizer:
             chat.add_generation_prompt,
             chat.volatile_index is not None,
         )
-        job = self._job(identity, public_identity, plan.body, session_key, chat=chat, bounds=bounds)
+        job = self._job(identity, public_identity, TOKEN_UNIT, plan.body, session_key, chat, bounds)
         return self._finish_tokens(tokens, job)
 
     # -- shared tail --------------------------------------------------------------------------------
 
     def _finish_tokens(self, tokens: TokenArray, job: _KeyJob) -> CanonicalPrompt:
-        return self._finish(Hashed(tokens, TOKEN_DTYPE.itemsize, len(tokens)), TOKEN_UNIT, job)
+        return self._finish(Hashed(tokens, TOKEN_DTYPE.itemsize, len(tokens)), job)
 
-    def _finish(self, hashed: Hashed, unit: str, job: _KeyJob) -> CanonicalPrompt:
+    def _finish(self, hashed: Hashed, job: _KeyJob) -> CanonicalPrompt:
         chat = job.chat
-        diags = list(chat.diagnostics) if chat is not None else []
-        diags.extend(job.diagnostics)
+        diags = [*chat.diagnostics, *job.diagnostics] if chat is not None else list(job.diagnostics)
         bounds = job.bounds if job.bounds is not None else Boundaries(0, hashed.n_tokens, {})
         block_size = job.identity.block_size_tokens
-        roots = self._roots.for_unit(job.roots, unit, job.with_public)
-        parts = assemble(hashed, block_size, roots, bounds, chat, job.source, diags, self._memo)
+        parts = assemble(hashed, block_size, job.roots, bounds, chat, job.source, diags, self._memo)
         drift = None
         session = self.session_digest(job.body, job.identity, job.session_key)
         if session is not None:

@@ -83,6 +83,18 @@ class RootCache:
             entry.accepted_public = public_identity
         return entry
 
+    def unit_roots(self, identity: KeyIdentity, public_identity: KeyIdentity | None, unit: str) -> UnitRoots:
+        """The roots a request under `identity` chains from (`entry` and `for_unit` in one step)."""
+        entry = self._objects.get(id(identity))
+        if (
+            entry is None
+            or entry.identity is not identity
+            or (public_identity is not None and public_identity is not entry.accepted_public)
+        ):
+            entry = self.entry(identity, public_identity)  # creates the entry, checks the public twin
+        roots = (entry.with_public if public_identity is not None else entry.private_only).get(unit)
+        return roots if roots is not None else self.for_unit(entry, unit, public_identity is not None)
+
     def for_unit(self, entry: IdentityRoots, unit: str, with_public: bool) -> UnitRoots:
         cached = entry.with_public if with_public else entry.private_only
         roots = cached.get(unit)

@@ -53,9 +53,10 @@ def approx_chat(chat: CanonicalChat, chars_per_token: int) -> tuple[Hashed, Boun
     # Tool key order is whatever canonicalization left (sorted when canonical_json is on).
     tools = f"<|tools|>{orjson.dumps(list(chat.tools)).decode()}\n" if chat.tools else ""
     generation = "<|assistant|>" if chat.add_generation_prompt and not chat.continue_final_message else ""
-    text = "".join((template, *texts[:n_imm], tools, *texts[n_imm:], generation))
-    # Offsets from lengths, not from a running sum per message.
-    before_tools = len(template) + sum(map(len, texts[:n_imm]))
+    # Offsets from the lengths of the parts, not from a running sum per message.
+    head = template + "".join(texts[:n_imm])
+    text = "".join((head, tools, *texts[n_imm:], generation))
+    before_tools = len(head)
     immutable_end = before_tools + len(tools) if chat.tools_immutable else before_tools
     stable_end = len(text) - len(generation)
     if chat.volatile_index is not None:  # always the last message

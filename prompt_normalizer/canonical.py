@@ -32,7 +32,11 @@ from prompt_normalizer.volatile import apply_rules, text_slots
 # response_format, tool_choice, ...) are enforced at decoding and never enter the prompt.
 TEMPLATE_FIELDS = ("chat_template", "chat_template_kwargs", "documents")
 _TEMPLATE_FIELD_SET = frozenset(TEMPLATE_FIELDS)
-_FLAG_SET = frozenset(("add_generation_prompt", "continue_final_message", "add_special_tokens"))
+_OPTIONAL_FIELD_SET = _TEMPLATE_FIELD_SET | {
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -411,13 +415,13 @@ def canonicalize_chat(body: Mapping[str, Any], config: NormalizerConfig, key: by
             "prompt is larger than this pool accepts", param="messages", code="input_too_large"
         )
     template: dict[str, Any] = {}
-    if not _TEMPLATE_FIELD_SET.isdisjoint(body):
-        _validate_template_fields(body)
-        for name in TEMPLATE_FIELDS:
-            if body.get(name) is not None:
-                template[name] = json_copy(body[name], name)
     add_generation_prompt, continue_final_message, add_special_tokens = True, False, False
-    if not _FLAG_SET.isdisjoint(body):  # most requests set none of them
+    if not _OPTIONAL_FIELD_SET.isdisjoint(body):  # most requests set none of these
+        if not _TEMPLATE_FIELD_SET.isdisjoint(body):
+            _validate_template_fields(body)
+            for name in TEMPLATE_FIELDS:
+                if body.get(name) is not None:
+                    template[name] = json_copy(body[name], name)
         add_generation_prompt = request_flag(body, "add_generation_prompt", True)
         continue_final_message = request_flag(body, "continue_final_message", False)
         add_special_tokens = request_flag(body, "add_special_tokens", False)

@@ -9,6 +9,7 @@ never wrong.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import functools
 from collections.abc import Mapping
@@ -23,6 +24,10 @@ from prompt_normalizer.canonical import CanonicalChat
 from prompt_normalizer.keys import Bytes, PrefixKeyMemo, byte_view, chain_keys, chain_view
 from prompt_normalizer.roots import UnitRoots
 from prompt_normalizer.types import BlockKey, CanonicalPrompt, DriftReport, Zone, ZoneSpan
+
+# The codec function itself: `str.encode("utf-32-le")` first looks the codec up by name, which
+# costs more than encoding a short tail.
+_utf32le = codecs.utf_32_le_encode
 
 # Below this many immutable blocks, hashing them is as cheap as looking them up.
 MEMO_MIN_BLOCKS = 4
@@ -129,7 +134,7 @@ class Hashed:
     def view(self, start_byte: int, end_byte: int) -> memoryview:
         """The bytes `[start_byte, end_byte)` as a flat view."""
         if self.text is not None:  # 4 bytes a character
-            return memoryview(self.text[start_byte // 4 : end_byte // 4].encode("utf-32-le"))
+            return memoryview(_utf32le(self.text[start_byte // 4 : end_byte // 4])[0])
         assert self.data is not None
         data = self.data
         return (memoryview(data) if type(data) is bytes else byte_view(data))[start_byte:end_byte]
@@ -230,10 +235,11 @@ def _remembered_head(
     """The keys of the leading `head_bytes`, then (when public keys are asked) their public keys,
     from memory when the span was seen before: one fingerprint pass instead of a call per block.
     Text is fingerprinted as UTF-8 (as exact as its UTF-32 and a quarter of the bytes for ASCII)
-    and encoded to UTF-32 only on a miss."""
+    and encoded to UTF-32 only on a miss. (Text that UTF-8 cannot encode, lone surrogates, fails
+    UTF-32 the same way; chat text never has them: orjson refused it earlier.)"""
     text = hashed.text
     if text is not None:
-        source: Buffer = text[: head_bytes // 4].encode("utf-8", "surrogatepass")
+        source: Buffer = text[: head_bytes // 4].encode()
         span: memoryview | None = None
     else:
         span = source = hashed.view(0, head_bytes)

@@ -20,7 +20,6 @@ index fed by events and one fed by requests agree.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import orjson
@@ -71,27 +70,13 @@ __all__ = [
 Endpoint = Literal["chat", "completions"]
 
 
-@dataclass(slots=True)
-class _KeyJob:
-    """What the shared tail needs besides the hashed bytes (one record, built once per request;
-    private and never shared, so not frozen: a frozen init costs a microsecond per request)."""
-
-    identity: KeyIdentity
-    roots: UnitRoots
-    body: Mapping[str, Any]
-    session_key: str | None
-    chat: CanonicalChat | None = None
-    bounds: Boundaries | None = None
-    diagnostics: tuple[str, ...] = ()
-    source: str = "messages"
-
-
 class Normalizer:
     """Turns one OpenAI request body into a `CanonicalPrompt` under a `KeyIdentity`."""
 
     def __init__(self, config: NormalizerConfig, secret: bytes) -> None:
         self._config = config
         self._chars_per_token = config.chars_per_token
+        self._session_fields = frozenset(config.session_fields)
         self._key = secret_key(secret)
         self._roots = RootCache(self._key)
         self._memo = PrefixKeyMemo(self._key)
@@ -126,23 +111,11 @@ class Normalizer:
         """The chain root for `identity` (cached, bounded)."""
         return self._roots.root(identity, unit)
 
-    def _job(
-        self,
-        identity: KeyIdentity,
-        public_identity: KeyIdentity | None,
-        unit: str,
-        body: Mapping[str, Any],
-        session_key: str | None,
-        chat: CanonicalChat | None = None,
-        bounds: Boundaries | None = None,
-        diagnostics: tuple[str, ...] = (),
-        source: str = "messages",
-    ) -> _KeyJob:
+    def _roots_for(self, identity: KeyIdentity, public_identity: KeyIdentity | None, unit: str) -> UnitRoots:
+        """The roots a request chains from; checks the identity before any costly work."""
         if identity.block_size_tokens <= 0:
             raise NormalizerError("block_size_tokens must be positive", code="bad_config")
-        roots = self._roots.unit_roots(identity, public_identity, unit)
-        # Positional: a dataclass __init__ called with keywords costs twice as much.
-        return _KeyJob(identity, roots, body, session_key, chat, bounds, diagnostics, source)
+        return self._roots.unit_roots(identity, public_identity, unit)
 
     def keys_for_tokens(
         self, token_ids: Sequence[int] | TokenArray, identity: KeyIdentity, parent: BlockKey | None = None
@@ -194,20 +167,21 @@ class Normalizer:
         if endpoint == "completions":
             prompt = CompletionsPrompt(body, self._config.max_input_chars)
             text_unit = APPROX_UNIT if mode == "approximate" else TOKEN_UNIT
-            job = self._job(
-                identity,
-                public_identity,
-                TOKEN_UNIT if prompt.tokens is not None else text_unit,
-                body,
-                session_key,
-                diagnostics=tuple(prompt.diagnostics),
-                source="prompt",
+            roots = self._roots_for(
+                identity, public_identity, TOKEN_UNIT if prompt.tokens is not None else text_unit
             )
+            diagnostics = tuple(prompt.diagnostics)
             if prompt.tokens is not None:
-                return self._finish_tokens(prompt.tokens, job)
+                hashed = _token_bytes(prompt.tokens)
+                return self._finish(
+                    hashed, roots, identity, body, session_key, None, None, diagnostics, "prompt"
+                )
             assert prompt.text is not None
             if mode == "approximate":
-                return self._finish(approx_text(prompt.text, self._config.chars_per_token), job)
+                hashed = approx_text(prompt.text, self._chars_per_token)
+                return self._finish(
+                    hashed, roots, identity, body, session_key, None, None, diagnostics, "prompt"
+                )
             if mode == "render":
                 raise NormalizerError(
                     "render mode: call prepare_render() and from_render()", code="render_required"
@@ -217,7 +191,8 @@ class Normalizer:
                 body, "add_special_tokens", self._config.completions_add_special_tokens
             )
             enc = self._tokenizer.encode(prompt.text, add_special_tokens=add_special, with_offsets=False)
-            return self._finish_tokens(enc.tokens, job)
+            hashed = _token_bytes(enc.tokens)
+            return self._finish(hashed, roots, identity, body, session_key, None, None, diagnostics, "prompt")
         if endpoint != "chat":
             raise NormalizerError(f"unknown endpoint {endpoint!r}", code="bad_endpoint")
         if mode == "render":
@@ -227,10 +202,10 @@ class Normalizer:
         chat = canonicalize_chat(body, self._config, self._key)
         if mode == "approximate":
             hashed, bounds = approx_chat(chat, self._chars_per_token)
-            job = self._job(identity, public_identity, APPROX_UNIT, body, session_key, chat, bounds)
-            return self._finish(hashed, job)
+            roots = self._roots_for(identity, public_identity, APPROX_UNIT)
+            return self._finish(hashed, roots, identity, body, session_key, chat, bounds)
         assert self._tokenizer is not None
-        job = self._job(identity, public_identity, TOKEN_UNIT, body, session_key, chat)
+        roots = self._roots_for(identity, public_identity, TOKEN_UNIT)
         text = self._tokenizer.render(chat)
         specs = boundary_specs(chat)
         needs_offsets = any(s.n_messages or s.with_tools for s in specs)
@@ -244,8 +219,7 @@ class Normalizer:
         bounds = boundaries_from_positions(
             specs, positions, n, chat.add_generation_prompt, chat.volatile_index is not None
         )
-        job.bounds = bounds
-        return self._finish_tokens(enc.tokens, job)
+        return self._finish(_token_bytes(enc.tokens), roots, identity, body, session_key, chat, bounds)
 
     def prepare_render(self, endpoint: Endpoint, body: Mapping[str, Any]) -> RenderPlan:
         """Render mode, step 1: the canonical body to render and forward, and the boundary renders."""
@@ -280,9 +254,10 @@ class Normalizer:
         rendered). Missing boundaries leave the immutable zone empty and no volatile span.
         """
         tokens = as_tokens(token_ids, param="render.token_ids")
+        roots = self._roots_for(identity, public_identity, TOKEN_UNIT)
+        hashed = _token_bytes(tokens)
         if plan.chat is None:
-            job = self._job(identity, public_identity, TOKEN_UNIT, plan.body, session_key, source="prompt")
-            return self._finish_tokens(tokens, job)
+            return self._finish(hashed, roots, identity, plan.body, session_key, None, None, (), "prompt")
         chat = plan.chat
         positions = render_boundaries(tokens, boundary_token_ids, plan.boundary_specs)
         bounds = boundaries_from_positions(
@@ -292,30 +267,46 @@ class Normalizer:
             chat.add_generation_prompt,
             chat.volatile_index is not None,
         )
-        job = self._job(identity, public_identity, TOKEN_UNIT, plan.body, session_key, chat, bounds)
-        return self._finish_tokens(tokens, job)
+        return self._finish(hashed, roots, identity, plan.body, session_key, chat, bounds)
 
     # -- shared tail --------------------------------------------------------------------------------
 
-    def _finish_tokens(self, tokens: TokenArray, job: _KeyJob) -> CanonicalPrompt:
-        return self._finish(Hashed(tokens, TOKEN_DTYPE.itemsize, len(tokens)), job)
-
-    def _finish(self, hashed: Hashed, job: _KeyJob) -> CanonicalPrompt:
-        chat = job.chat
-        diags = [*chat.diagnostics, *job.diagnostics] if chat is not None else list(job.diagnostics)
-        bounds = job.bounds if job.bounds is not None else Boundaries(0, hashed.n_tokens, {})
-        block_size = job.identity.block_size_tokens
-        parts = assemble(hashed, block_size, job.roots, bounds, chat, job.source, diags, self._memo)
+    def _finish(
+        self,
+        hashed: Hashed,
+        roots: UnitRoots,
+        identity: KeyIdentity,
+        body: Mapping[str, Any],
+        session_key: str | None,
+        chat: CanonicalChat | None,
+        bounds: Boundaries | None,
+        diagnostics: tuple[str, ...] = (),
+        source: str = "messages",
+    ) -> CanonicalPrompt:
+        """Keys, zones and drift of one request from what its mode rendered (the hashed bytes and
+        zone boundaries; no boundaries means one append-only span)."""
+        diags = [*chat.diagnostics, *diagnostics] if chat is not None else list(diagnostics)
+        if bounds is None:
+            bounds = Boundaries(0, hashed.n_tokens, {})
+        block_size = identity.block_size_tokens
+        parts = assemble(hashed, block_size, roots, bounds, chat, source, diags, self._memo)
         drift = None
-        session = self.session_digest(job.body, job.identity, job.session_key)
+        session = None
+        # Most requests name no session: skip the method call when no session field is present.
+        if session_key is not None or not self._session_fields.isdisjoint(body):
+            session = self.session_digest(body, identity, session_key)
         if session is not None:
-            items = field_items(chat, self._key) if chat is not None else _prompt_items(job.body, self._key)
+            items = field_items(chat, self._key) if chat is not None else _prompt_items(body, self._key)
             drift = self._drift.observe(
                 session, parts.block_keys, parts.stable_end_token, block_size, items, parts.zones
             )
             if drift.first_diff_block is not None:
                 diags.append(f"drift: block {drift.first_diff_block} ({drift.zone}, {drift.field})")
         return new_prompt(parts, block_size, tuple(diags), chat.body if chat is not None else None, drift)
+
+
+def _token_bytes(tokens: TokenArray) -> Hashed:
+    return Hashed(tokens, TOKEN_DTYPE.itemsize, len(tokens))
 
 
 def _prompt_items(body: Mapping[str, Any], key: bytes) -> tuple[FieldItem, ...]:

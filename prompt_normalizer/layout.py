@@ -12,13 +12,12 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from typing_extensions import Buffer
 
 from prompt_normalizer.canonical import CanonicalChat
 from prompt_normalizer.keys import Bytes, PrefixKeyMemo, byte_view, chain_keys, chain_view
@@ -47,8 +46,8 @@ class BoundarySpec:
 class Boundaries:
     """Token positions of the zone boundaries (`None` when a boundary could not be measured).
 
-    Read-only once built, like `Hashed` and `Assembled`: these three are built on every request
-    and never leave the normalizer, where a frozen dataclass would cost ~110 ns a field to build.
+    Read-only once built, like `Hashed`: both are built on every request and never leave the
+    normalizer, where a frozen dataclass would cost ~110 ns a field to build.
     """
 
     immutable_end: int | None
@@ -140,16 +139,9 @@ class Hashed:
         return (memoryview(data) if type(data) is bytes else byte_view(data))[start_byte:end_byte]
 
 
-@dataclass(slots=True)
-class Assembled:
-    """Keys and zones of one request, and where its stable content ends (before the generation
-    prompt and the volatile tail). `diagnostics` is the caller's list, with what `assemble` added."""
-
-    n_tokens: int
-    block_keys: tuple[BlockKey, ...]
-    zones: tuple[ZoneSpan, ...]
-    public_block_keys: tuple[BlockKey, ...]
-    stable_end_token: int
+# What `assemble` asks of drift tracking when the request has a session: the report for these
+# keys, the end of the stable content and the zones.
+DriftObserver = Callable[[tuple[BlockKey, ...], int, tuple[ZoneSpan, ...]], DriftReport]
 
 
 # One `CanonicalPrompt` per request. Its frozen dataclass __init__ stores each of its eight fields
@@ -181,19 +173,22 @@ if tuple(f.name for f in dataclasses.fields(CanonicalPrompt)) != _PROMPT_FIELDS:
 
 
 def new_prompt(
-    parts: Assembled,
+    n_tokens: int,
     block_size_tokens: int,
+    block_keys: tuple[BlockKey, ...],
+    zones: tuple[ZoneSpan, ...],
+    public_block_keys: tuple[BlockKey, ...],
     diagnostics: tuple[str, ...],
     canonical_body: Mapping[str, Any] | None,
     drift: DriftReport | None,
 ) -> CanonicalPrompt:
-    """The `CanonicalPrompt` of assembled parts, equal to one built by its constructor."""
+    """`CanonicalPrompt(...)` with the same arguments, built in half the time."""
     prompt: CanonicalPrompt = object.__new__(CanonicalPrompt)
-    _set_n_tokens(prompt, parts.n_tokens)
+    _set_n_tokens(prompt, n_tokens)
     _set_block_size(prompt, block_size_tokens)
-    _set_block_keys(prompt, parts.block_keys)
-    _set_zones(prompt, parts.zones)
-    _set_public_keys(prompt, parts.public_block_keys)
+    _set_block_keys(prompt, block_keys)
+    _set_zones(prompt, zones)
+    _set_public_keys(prompt, public_block_keys)
     _set_diagnostics(prompt, diagnostics)
     _set_body(prompt, canonical_body)
     _set_drift(prompt, drift)
@@ -229,34 +224,25 @@ def _zone_spans(
     return tuple(zones)
 
 
-def _remembered_head(
-    hashed: Hashed, head_bytes: int, block_bytes: int, roots: UnitRoots, memo: PrefixKeyMemo
+def _head_fingerprint(hashed: Hashed, head_bytes: int, memo: PrefixKeyMemo) -> int:
+    """The memory's fingerprint of the leading `head_bytes`. Text is fingerprinted as UTF-8: as
+    exact as its UTF-32 and a quarter of the bytes for ASCII, so approximate mode encodes a
+    remembered head to UTF-32 only on a miss. (Text that UTF-8 cannot encode, lone surrogates,
+    fails UTF-32 the same way; chat text never has them: orjson refused it earlier.)"""
+    if hashed.text is not None:
+        return memo.fingerprint(hashed.text[: head_bytes // 4].encode())
+    return memo.fingerprint(hashed.view(0, head_bytes))
+
+
+def _head_keys(
+    hashed: Hashed, head_bytes: int, block_bytes: int, seed: int, fingerprint: int, memo: PrefixKeyMemo
 ) -> tuple[BlockKey, ...]:
-    """The keys of the leading `head_bytes`, then (when public keys are asked) their public keys,
-    from memory when the span was seen before: one fingerprint pass instead of a call per block.
-    Text is fingerprinted as UTF-8 (as exact as its UTF-32 and a quarter of the bytes for ASCII)
-    and encoded to UTF-32 only on a miss. (Text that UTF-8 cannot encode, lone surrogates, fails
-    UTF-32 the same way; chat text never has them: orjson refused it earlier.)"""
-    text = hashed.text
-    if text is not None:
-        source: Buffer = text[: head_bytes // 4].encode()
-        span: memoryview | None = None
-    else:
-        span = source = hashed.view(0, head_bytes)
-    fingerprint = memo.fingerprint(source)
-    keys = memo.get(roots.root, head_bytes, fingerprint)
+    """The keys of the leading `head_bytes` chained from `seed`, from memory when seen before."""
+    keys = memo.get(seed, head_bytes, fingerprint)
     if keys is None:
-        span = span if span is not None else hashed.view(0, head_bytes)
-        keys = chain_view(span, block_bytes, roots.root)
-        memo.put(roots.root, head_bytes, fingerprint, keys)
-    if roots.public_root is None:
-        return keys
-    public = memo.get(roots.public_root, head_bytes, fingerprint)
-    if public is None:
-        span = span if span is not None else hashed.view(0, head_bytes)
-        public = chain_view(span, block_bytes, roots.public_root)
-        memo.put(roots.public_root, head_bytes, fingerprint, public)
-    return keys + public
+        keys = chain_view(hashed.view(0, head_bytes), block_bytes, seed)
+        memo.put(seed, head_bytes, fingerprint, keys)
+    return keys
 
 
 def assemble(
@@ -268,7 +254,8 @@ def assemble(
     source: str,
     diagnostics: list[str],
     memo: PrefixKeyMemo | None = None,
-) -> Assembled:
+    observe_drift: DriftObserver | None = None,
+) -> CanonicalPrompt:
     """Zone spans, chained keys (media folded in), public keys of the leading immutable blocks.
     Problems with the boundaries are appended to `diagnostics`."""
     n = hashed.n_tokens
@@ -313,12 +300,20 @@ def assemble(
     if memo is not None and not extras and n_public >= MEMO_MIN_BLOCKS:
         # The immutable blocks repeat across requests: their keys (and public keys) from memory.
         head_bytes = n_public * block_bytes
-        keys = _remembered_head(hashed, head_bytes, block_bytes, roots, memo)
-        public = keys[n_public:]  # see _remembered_head
-        keys = keys[:n_public] + chain_view(hashed.view(head_bytes, end), block_bytes, keys[n_public - 1])
+        fingerprint = _head_fingerprint(hashed, head_bytes, memo)
+        head = _head_keys(hashed, head_bytes, block_bytes, roots.root, fingerprint, memo)
+        keys = head + chain_view(hashed.view(head_bytes, end), block_bytes, head[-1])
+        if roots.public_root is not None:
+            public = _head_keys(hashed, head_bytes, block_bytes, roots.public_root, fingerprint, memo)
     else:
         view = hashed.view(0, end)
         keys = chain_keys(view, block_bytes, roots.root, extras)
         if roots.public_root is not None and n_public:
             public = chain_keys(view[: n_public * block_bytes], block_bytes, roots.public_root, extras)
-    return Assembled(n, keys, zones, public, stable)
+    drift = None
+    if observe_drift is not None:
+        drift = observe_drift(keys, stable, zones)
+        if drift.first_diff_block is not None:
+            diagnostics.append(f"drift: block {drift.first_diff_block} ({drift.zone}, {drift.field})")
+    body = chat.body if chat is not None else None
+    return new_prompt(n, block_size, keys, zones, public, tuple(diagnostics), body, drift)

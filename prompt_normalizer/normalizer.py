@@ -19,6 +19,7 @@ index fed by events and one fed by requests agree.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -49,13 +50,12 @@ from prompt_normalizer.layout import (
     boundaries_from_positions,
     boundary_body,
     boundary_specs,
-    new_prompt,
 )
 from prompt_normalizer.render import CHAT_RENDER_PATH, COMPLETIONS_RENDER_PATH, RenderPlan, render_boundaries
 from prompt_normalizer.roots import RootCache, UnitRoots
 from prompt_normalizer.switches import json_copy
 from prompt_normalizer.template import ChatTemplateTokenizer
-from prompt_normalizer.types import BlockKey, CanonicalPrompt, KeyIdentity, Zone
+from prompt_normalizer.types import BlockKey, CanonicalPrompt, DriftReport, KeyIdentity, Zone, ZoneSpan
 
 __all__ = [
     "Endpoint",
@@ -289,20 +289,25 @@ class Normalizer:
         if bounds is None:
             bounds = Boundaries(0, hashed.n_tokens, {})
         block_size = identity.block_size_tokens
-        parts = assemble(hashed, block_size, roots, bounds, chat, source, diags, self._memo)
-        drift = None
-        session = None
+        observe = None
         # Most requests name no session: skip the method call when no session field is present.
         if session_key is not None or not self._session_fields.isdisjoint(body):
             session = self.session_digest(body, identity, session_key)
-        if session is not None:
-            items = field_items(chat, self._key) if chat is not None else _prompt_items(body, self._key)
-            drift = self._drift.observe(
-                session, parts.block_keys, parts.stable_end_token, block_size, items, parts.zones
-            )
-            if drift.first_diff_block is not None:
-                diags.append(f"drift: block {drift.first_diff_block} ({drift.zone}, {drift.field})")
-        return new_prompt(parts, block_size, tuple(diags), chat.body if chat is not None else None, drift)
+            if session is not None:
+                items = field_items(chat, self._key) if chat is not None else _prompt_items(body, self._key)
+                observe = functools.partial(self._observe_drift, session, block_size, items)
+        return assemble(hashed, block_size, roots, bounds, chat, source, diags, self._memo, observe)
+
+    def _observe_drift(
+        self,
+        session: bytes,
+        block_size: int,
+        items: tuple[FieldItem, ...],
+        keys: tuple[BlockKey, ...],
+        stable_end_token: int,
+        zones: tuple[ZoneSpan, ...],
+    ) -> DriftReport:
+        return self._drift.observe(session, keys, stable_end_token, block_size, items, zones)
 
 
 def _token_bytes(tokens: TokenArray) -> Hashed:

@@ -126,8 +126,8 @@ def chain_keys(
     return cast("tuple[BlockKey, ...]", tuple(keys))
 
 
-def chain_view(view: memoryview, block_bytes: int, seed: int) -> tuple[BlockKey, ...]:
-    """`chain_keys` of a flat byte view (see `byte_view`), with nothing folded in.
+def chain_view(view: bytes | memoryview, block_bytes: int, seed: int) -> tuple[BlockKey, ...]:
+    """`chain_keys` of flat bytes or a flat byte view (see `byte_view`), with nothing folded in.
 
     The hot loop of every request: one C call per block, nothing else.
     """

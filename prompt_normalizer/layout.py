@@ -130,10 +130,12 @@ class Hashed:
     n_tokens: int
     text: str | None = None
 
-    def view(self, start_byte: int, end_byte: int) -> memoryview:
-        """The bytes `[start_byte, end_byte)` as a flat view."""
+    def view(self, start_byte: int, end_byte: int) -> bytes | memoryview:
+        """The bytes `[start_byte, end_byte)`, flat (text is encoded to plain bytes, which
+        `chain_view` slices a little faster than a view)."""
         if self.text is not None:  # 4 bytes a character
-            return memoryview(_utf32le(self.text[start_byte // 4 : end_byte // 4])[0])
+            encoded: bytes = _utf32le(self.text[start_byte // 4 : end_byte // 4])[0]
+            return encoded
         assert self.data is not None
         data = self.data
         return (memoryview(data) if type(data) is bytes else byte_view(data))[start_byte:end_byte]

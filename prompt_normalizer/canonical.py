@@ -7,7 +7,6 @@ endpoint all start from the same `CanonicalChat`.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -85,8 +84,8 @@ class CanonicalChat:
 
 @dataclass(frozen=True, slots=True)
 class ChatRules:
-    """What one `NormalizerConfig` asks of chat canonicalization, derived once per config object
-    (role and name sets for the zones, the switches) instead of on every request."""
+    """What one `NormalizerConfig` asks of chat canonicalization (role and name sets for the
+    zones, the switches), derived once per config instead of on every request."""
 
     unicode_nfc: bool
     whitespace: bool
@@ -120,25 +119,6 @@ class ChatRules:
             max_input_chars=config.max_input_chars,
             edits_flat_messages=config.whitespace or bool(config.volatile_rules),
         )
-
-
-_RULES_MAX = 64
-_rules_lock = threading.Lock()
-# By id(); an entry holds its config object, so the id is not reused while it lives.
-_rules_by_config: dict[int, tuple[NormalizerConfig, ChatRules]] = {}
-
-
-def chat_rules(config: NormalizerConfig) -> ChatRules:
-    """The `ChatRules` of a config object (cached per object; bounded)."""
-    entry = _rules_by_config.get(id(config))
-    if entry is not None and entry[0] is config:
-        return entry[1]
-    rules = ChatRules.of(config)
-    with _rules_lock:
-        if len(_rules_by_config) >= _RULES_MAX:
-            _rules_by_config.clear()  # configs are per pool and long-lived: a rare, cheap reset
-        _rules_by_config[id(config)] = (config, rules)
-    return rules
 
 
 @dataclass(slots=True)
@@ -401,9 +381,14 @@ def _apply_switches(
     return tools
 
 
-def canonicalize_chat(body: Mapping[str, Any], config: NormalizerConfig, key: bytes) -> CanonicalChat:
-    """Validate and canonicalize a chat request; raises NormalizerError on bad input."""
-    rules = chat_rules(config)
+def canonicalize_chat(
+    body: Mapping[str, Any], config: NormalizerConfig | ChatRules, key: bytes
+) -> CanonicalChat:
+    """Validate and canonicalize a chat request; raises NormalizerError on bad input.
+
+    Callers on the request path pass the config's `ChatRules` (derived once, kept by the
+    `Normalizer`) rather than the config itself."""
+    rules = config if isinstance(config, ChatRules) else ChatRules.of(config)
     copied_messages = _validate_messages(body.get("messages"), rules)
     raw_tools = body.get("tools")
     copied_tools = _validate_tools(raw_tools) if raw_tools is not None else None

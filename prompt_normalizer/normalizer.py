@@ -26,7 +26,14 @@ from typing import Any, Literal
 import orjson
 
 from prompt_normalizer.approx import APPROX_UNIT, approx_chat, approx_text
-from prompt_normalizer.canonical import CanonicalChat, FieldItem, canonicalize_chat, field_items, request_flag
+from prompt_normalizer.canonical import (
+    CanonicalChat,
+    ChatRules,
+    FieldItem,
+    canonicalize_chat,
+    field_items,
+    request_flag,
+)
 from prompt_normalizer.completions import CompletionsPrompt
 from prompt_normalizer.config import NormalizerConfig, VolatileRule, ZoneConfig
 from prompt_normalizer.drift import DriftTracker
@@ -75,6 +82,8 @@ class Normalizer:
 
     def __init__(self, config: NormalizerConfig, secret: bytes) -> None:
         self._config = config
+        # Per-config work done once, not per request.
+        self._chat_rules = ChatRules.of(config)
         self._chars_per_token = config.chars_per_token
         self._session_fields = frozenset(config.session_fields)
         self._key = secret_key(secret)
@@ -110,12 +119,6 @@ class Normalizer:
     def root(self, identity: KeyIdentity, unit: str = TOKEN_UNIT) -> int:
         """The chain root for `identity` (cached, bounded)."""
         return self._roots.root(identity, unit)
-
-    def _roots_for(self, identity: KeyIdentity, public_identity: KeyIdentity | None, unit: str) -> UnitRoots:
-        """The roots a request chains from; checks the identity before any costly work."""
-        if identity.block_size_tokens <= 0:
-            raise NormalizerError("block_size_tokens must be positive", code="bad_config")
-        return self._roots.unit_roots(identity, public_identity, unit)
 
     def keys_for_tokens(
         self, token_ids: Sequence[int] | TokenArray, identity: KeyIdentity, parent: BlockKey | None = None
@@ -167,7 +170,7 @@ class Normalizer:
         if endpoint == "completions":
             prompt = CompletionsPrompt(body, self._config.max_input_chars)
             text_unit = APPROX_UNIT if mode == "approximate" else TOKEN_UNIT
-            roots = self._roots_for(
+            roots = self._roots.unit_roots(
                 identity, public_identity, TOKEN_UNIT if prompt.tokens is not None else text_unit
             )
             diagnostics = tuple(prompt.diagnostics)
@@ -199,13 +202,13 @@ class Normalizer:
             raise NormalizerError(
                 "render mode: call prepare_render() and from_render()", code="render_required"
             )
-        chat = canonicalize_chat(body, self._config, self._key)
+        chat = canonicalize_chat(body, self._chat_rules, self._key)
         if mode == "approximate":
             hashed, bounds = approx_chat(chat, self._chars_per_token)
-            roots = self._roots_for(identity, public_identity, APPROX_UNIT)
+            roots = self._roots.unit_roots(identity, public_identity, APPROX_UNIT)
             return self._finish(hashed, roots, identity, body, session_key, chat, bounds)
         assert self._tokenizer is not None
-        roots = self._roots_for(identity, public_identity, TOKEN_UNIT)
+        roots = self._roots.unit_roots(identity, public_identity, TOKEN_UNIT)
         text = self._tokenizer.render(chat)
         specs = boundary_specs(chat)
         needs_offsets = any(s.n_messages or s.with_tools for s in specs)
@@ -232,7 +235,7 @@ class Normalizer:
             )
         if endpoint != "chat":
             raise NormalizerError(f"unknown endpoint {endpoint!r}", code="bad_endpoint")
-        chat = canonicalize_chat(body, self._config, self._key)
+        chat = canonicalize_chat(body, self._chat_rules, self._key)
         canonical = chat.body if chat.body is not None else json_copy(dict(body), "messages")
         specs = boundary_specs(chat)
         bodies = tuple(boundary_body(canonical, spec) for spec in specs)
@@ -254,7 +257,7 @@ class Normalizer:
         rendered). Missing boundaries leave the immutable zone empty and no volatile span.
         """
         tokens = as_tokens(token_ids, param="render.token_ids")
-        roots = self._roots_for(identity, public_identity, TOKEN_UNIT)
+        roots = self._roots.unit_roots(identity, public_identity, TOKEN_UNIT)
         hashed = _token_bytes(tokens)
         if plan.chat is None:
             return self._finish(hashed, roots, identity, plan.body, session_key, None, None, (), "prompt")

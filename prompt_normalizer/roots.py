@@ -64,9 +64,14 @@ class RootCache:
         return root
 
     def entry(self, identity: KeyIdentity, public_identity: KeyIdentity | None) -> IdentityRoots:
-        """The cached roots of `identity`; checks that a given `public_identity` is its public twin."""
+        """The cached roots of `identity`; checks that a given `public_identity` is its public twin.
+
+        An identity is checked before its entry is cached (a frozen identity stays valid), so a
+        request under a known identity pays for no check."""
         entry = self._objects.get(id(identity))
         if entry is None or entry.identity is not identity:
+            if identity.block_size_tokens <= 0:
+                raise NormalizerError("block_size_tokens must be positive", code="bad_config")
             entry = IdentityRoots(identity, public_identity_of(identity))
             with self._lock:
                 self._objects[id(identity)] = entry
@@ -84,7 +89,8 @@ class RootCache:
         return entry
 
     def unit_roots(self, identity: KeyIdentity, public_identity: KeyIdentity | None, unit: str) -> UnitRoots:
-        """The roots a request under `identity` chains from (`entry` and `for_unit` in one step)."""
+        """The roots a request under `identity` chains from (`entry` and `for_unit` in one step,
+        with the same checks)."""
         entry = self._objects.get(id(identity))
         if (
             entry is None

@@ -25,6 +25,7 @@ from gateway.registry import Pool
 from gateway.render import render_canonical
 from gateway.state import GatewayState
 from policies.base import Isolation, RouteDecision, RouteRequest
+from policies.records import record
 from prompt_normalizer.errors import NormalizerError
 
 Endpoint = Literal["chat", "completions"]
@@ -113,7 +114,7 @@ def _wholly_public(route: RouteRequest, decision: RouteDecision) -> bool:
     )
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class RequestHead:
     """The three request headers the hot path reads, found in one pass over the raw ASGI headers
     (no header-object layers): `Authorization`, `x-request-id` and `Content-Length`."""
@@ -135,7 +136,7 @@ class RequestHead:
         return cls(authorization, rid, length)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class RequestIds:
     """`internal` is always made here: it names the request to the worker, the policy and the
     logs, so two clients that send the same `x-request-id` can never collide. `client` is the
@@ -308,21 +309,7 @@ async def admit(
     limiter = state.limiter(tenant)
     rejection = limiter.admit(canonical.n_tokens, started_s)
     if rejection is not None:
-        retry_after = max(1, int(rejection.retry_after_s + 0.999))
-        headers = {
-            "retry-after": str(retry_after),
-            "retry-after-ms": str(int(rejection.retry_after_s * 1000)),
-        }
-        if not rejection.retryable:
-            headers["x-should-retry"] = "false"
-        raise ApiError(
-            429,
-            rejection.message,
-            "rate_limit_error" if rejection.retryable else "insufficient_quota",
-            rejection.code,
-            None,
-            headers,
-        )
+        raise _quota_error(rejection)
 
     changed = canonical.canonical_body is not None
     forward = dict(canonical.canonical_body) if canonical.canonical_body is not None else body

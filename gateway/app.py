@@ -42,6 +42,7 @@ class GatewayApp:
     def __init__(self, state: GatewayState, fallback: Starlette) -> None:
         self.state = state
         self.fallback = fallback
+        self.watch = DisconnectWatch()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
@@ -52,6 +53,27 @@ class GatewayApp:
         await self.fallback(scope, receive, send)
 
     async def _proxy(self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
+        state = self.state
+        if state.in_flight_requests >= state.config.limits.max_in_flight_requests:
+            state.metrics.rejected(endpoint, 503)
+            head = RequestHead.of(scope)
+            err = ApiError(
+                503,
+                "the gateway is at its limit of requests in flight; retry shortly",
+                "server_error",
+                "gateway_overloaded",
+                None,
+                {"retry-after": "1"},
+            )
+            await error_response(err, request_ids(head).reply)(scope, receive, send)
+            return
+        state.in_flight_requests += 1
+        try:
+            await self._handle(scope, receive, send, endpoint)
+        finally:
+            state.in_flight_requests -= 1
+
+    async def _handle(self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
         state = self.state
         head = RequestHead.of(scope)
         ids = request_ids(head)
@@ -72,7 +94,7 @@ class GatewayApp:
                 )
                 response = error_response(err, ids.reply)
             else:
-                guard = DisconnectGuard(receive)
+                guard = DisconnectGuard(receive, self.watch)
                 try:
                     response = await dispatch(admitted, state)
                 except asyncio.CancelledError:
@@ -95,20 +117,24 @@ class DisconnectGuard:
     """Cancels the request's task when the client disconnects while the gateway waits for a
     worker's answer head or a whole non-streamed answer, so the worker's request is cancelled too.
 
-    The watcher starts only after `delay_s`: quick requests pay one timer, not a task.
+    A watcher task is started only for requests still waiting after `DisconnectWatch.delay_s`
+    (quick requests pay a dict insert and removal, not a timer or a task each).
     """
 
-    def __init__(self, receive: Receive, delay_s: float = 0.25) -> None:
+    __slots__ = ("_receive", "_task", "_watch", "_watcher", "fired", "started_s")
+
+    def __init__(self, receive: Receive, watch: DisconnectWatch) -> None:
         self._receive = receive
         self._task = asyncio.current_task()
+        self._watch = watch
         self._watcher: asyncio.Future[None] | None = None
-        self._timer = asyncio.get_running_loop().call_later(delay_s, self._start)
         self.fired = False
+        self.started_s = watch.add(self)
 
-    def _start(self) -> None:
-        self._watcher = asyncio.ensure_future(self._watch())
+    def start(self) -> None:
+        self._watcher = asyncio.ensure_future(self._run())
 
-    async def _watch(self) -> None:
+    async def _run(self) -> None:
         while True:
             message = await self._receive()
             if message["type"] == "http.disconnect":
@@ -118,11 +144,45 @@ class DisconnectGuard:
                 return
 
     def close(self) -> None:
-        self._timer.cancel()
+        self._watch.discard(self)
         if self._watcher is not None:
             self._watcher.cancel()
         if self.fired and self._task is not None:
             self._task.uncancel()
+
+
+class DisconnectWatch:
+    """Starts the watchers of requests waiting longer than `delay_s`, from one timer per
+    `delay_s / 2` while any request waits (one timer per request cost more than the rest of
+    the guard)."""
+
+    def __init__(self, delay_s: float = 0.25) -> None:
+        self.delay_s = delay_s
+        self._waiting: dict[DisconnectGuard, float] = {}  # in arrival order
+        self._timer: asyncio.TimerHandle | None = None
+
+    def add(self, guard: DisconnectGuard) -> float:
+        loop = asyncio.get_running_loop()
+        now_s = loop.time()
+        self._waiting[guard] = now_s
+        if self._timer is None:
+            self._timer = loop.call_later(self.delay_s / 2, self._tick)
+        return now_s
+
+    def discard(self, guard: DisconnectGuard) -> None:
+        self._waiting.pop(guard, None)
+
+    def _tick(self) -> None:
+        waiting = self._waiting
+        loop = asyncio.get_running_loop()
+        due_s = loop.time() - self.delay_s
+        while waiting:
+            guard, since_s = next(iter(waiting.items()))
+            if since_s > due_s:
+                break
+            del waiting[guard]
+            guard.start()
+        self._timer = loop.call_later(self.delay_s / 2, self._tick) if waiting else None
 
 
 def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> GatewayApp:

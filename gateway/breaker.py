@@ -34,6 +34,11 @@ class CircuitBreaker:
         """Consecutive request failures so far (reset by a success)."""
         return self._failures
 
+    @property
+    def closed(self) -> bool:
+        """Closed: requests pass whatever the time (the other states depend on it)."""
+        return self._state is BreakerState.CLOSED
+
     def state(self, now_s: float) -> BreakerState:
         if self._state is BreakerState.OPEN and now_s - self._opened_at_s >= self._config.cooldown_s:
             self._state = BreakerState.HALF_OPEN

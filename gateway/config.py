@@ -35,9 +35,11 @@ class ListenConfig(_Frozen):
 
 
 class LimitsConfig(_Frozen):
-    """Request-size limits applied before any parsing."""
+    """Limits applied before any parsing: body size, and completions in flight across tenants
+    (beyond it: 503 with Retry-After, so every per-request structure stays bounded)."""
 
     max_body_bytes: PositiveInt = 8 * 1024 * 1024
+    max_in_flight_requests: PositiveInt = 4096
 
 
 class DrainConfig(_Frozen):

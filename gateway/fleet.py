@@ -122,8 +122,7 @@ class Fleet:
 
     def _on_scrape(self, worker: WorkerId, result: ScrapeResult) -> None:
         for entry in self._state.registry.workers_at(worker):
-            entry.metrics = result.metrics
-            entry.metrics_at_s = result.scraped_at_s
+            entry.note_metrics(result.metrics, result.scraped_at_s)
 
     def _on_kv_event(self, worker: WorkerId, event: KvEvent) -> None:
         self._state.policy.on_kv_event(worker, event, time.monotonic())

@@ -1,11 +1,21 @@
-"""Prometheus metrics of one gateway process (own registry, so tests can build several apps)."""
+"""Prometheus metrics of one gateway process (own registry, so tests can build several apps).
+
+The per-request series (requests, latencies, tokens, decisions, retries) are plain numbers per
+label tuple, written only from the event loop and turned into Prometheus families when scraped:
+prometheus_client's own counters take a lock and a label lookup on every increment, which was a
+measurable share of the gateway's CPU per request. Gauges, set only at scrape time, stay
+prometheus_client's.
+"""
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -17,44 +27,34 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter(
-            "kvgate_requests", "Finished requests", ["model", "tenant", "status", "endpoint"], registry=r
+        hot = _HotCollector()
+        self.requests = hot.counter(
+            "kvgate_requests", "Finished requests", ("model", "tenant", "status", "endpoint")
         )
-        self.ttft = Histogram(
+        self.ttft = hot.histogram(
             "kvgate_time_to_first_token_seconds",
             "Gateway-measured TTFT of streamed requests",
-            ["model"],
-            buckets=_LATENCY_BUCKETS_S,
-            registry=r,
+            ("model",),
+            _LATENCY_BUCKETS_S,
         )
-        self.duration = Histogram(
+        self.duration = hot.histogram(
             "kvgate_request_duration_seconds",
             "Time from request to last byte",
-            ["model"],
-            buckets=_LATENCY_BUCKETS_S,
-            registry=r,
+            ("model",),
+            _LATENCY_BUCKETS_S,
         )
-        self.decisions = Counter(
-            "kvgate_routing_decisions", "Routing decisions", ["policy", "reason"], registry=r
+        self.decisions = hot.counter("kvgate_routing_decisions", "Routing decisions", ("policy", "reason"))
+        self.retries = hot.counter("kvgate_upstream_retries", "Requests re-sent to another worker", ("pool",))
+        self.prompt_tokens = hot.counter(
+            "kvgate_prompt_tokens", "Prompt tokens reported by workers", ("model", "tenant")
         )
-        self.retries = Counter(
-            "kvgate_upstream_retries", "Requests re-sent to another worker", ["pool"], registry=r
+        self.cached_tokens = hot.counter(
+            "kvgate_cached_prompt_tokens", "Cached prompt tokens reported by workers", ("model", "tenant")
         )
-        self.prompt_tokens = Counter(
-            "kvgate_prompt_tokens", "Prompt tokens reported by workers", ["model", "tenant"], registry=r
+        self.completion_tokens = hot.counter(
+            "kvgate_completion_tokens", "Completion tokens reported by workers", ("model", "tenant")
         )
-        self.cached_tokens = Counter(
-            "kvgate_cached_prompt_tokens",
-            "Cached prompt tokens reported by workers",
-            ["model", "tenant"],
-            registry=r,
-        )
-        self.completion_tokens = Counter(
-            "kvgate_completion_tokens",
-            "Completion tokens reported by workers",
-            ["model", "tenant"],
-            registry=r,
-        )
+        r.register(hot)
         self.in_flight = Gauge(
             "kvgate_worker_in_flight", "Gateway in-flight requests per worker", ["pool", "worker"], registry=r
         )
@@ -80,14 +80,13 @@ class GatewayMetrics:
             "kvgate_worker_healthy", "1 if the worker is routable", ["pool", "worker"], registry=r
         )
 
-        # Label children cached per label tuple: prometheus_client's labels() takes a lock and
-        # builds a key on every call. Label values come from the config, so the caches are bounded.
+        # The children of one (model, tenant), fetched together. Label values come from the config
+        # (and a small set of statuses), so every map of children stays bounded.
         self._per_model: dict[tuple[str, str], _ModelChildren] = {}
-        self._status: dict[tuple[str, str, str, str], Any] = {}
 
     def rejected(self, endpoint: str, status: int) -> None:
         """A request refused before it was tied to a known model and tenant."""
-        self._status_child("", "", status, endpoint).inc()
+        self.requests.labels("", "", str(status), endpoint).inc()
 
     def observe(
         self,
@@ -102,7 +101,7 @@ class GatewayMetrics:
         cached_tokens: int | None,
         completion_tokens: int | None,
     ) -> None:
-        self._status_child(model, tenant, status, endpoint).inc()
+        self.requests.labels(model, tenant, str(status), endpoint).inc()
         children = self._per_model.get((model, tenant))
         if children is None:
             children = _ModelChildren(
@@ -124,18 +123,7 @@ class GatewayMetrics:
             children.completion.inc(completion_tokens)
 
     def decision(self, policy: str, reason: str) -> None:
-        key = ("decision", policy, reason, "")
-        child = self._status.get(key)
-        if child is None:
-            child = self._status[key] = self.decisions.labels(policy, reason)
-        child.inc()
-
-    def _status_child(self, model: str, tenant: str, status: int, endpoint: str) -> Any:
-        key = (model, tenant, str(status), endpoint)
-        child = self._status.get(key)
-        if child is None:
-            child = self._status[key] = self.requests.labels(model, tenant, str(status), endpoint)
-        return child
+        self.decisions.labels(policy, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -143,8 +131,110 @@ class GatewayMetrics:
 
 @dataclass(frozen=True, slots=True)
 class _ModelChildren:
-    duration: Any
-    ttft: Any
-    prompt: Any
-    cached: Any
-    completion: Any
+    duration: HistogramChild
+    ttft: HistogramChild
+    prompt: CounterChild
+    cached: CounterChild
+    completion: CounterChild
+
+
+class CounterChild:
+    """One label tuple's running total."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+
+class HistogramChild:
+    """One label tuple's bucket counts (not cumulative: made so at scrape time), sum and count."""
+
+    __slots__ = ("_bounds", "counts", "sum")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self._bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last is the +Inf bucket
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self._bounds, value)] += 1  # first bucket whose bound is >= value
+        self.sum += value
+
+
+class HotCounter:
+    """A counter family: `labels(...)` gives the child of one label tuple (created once)."""
+
+    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...]) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = labelnames
+        self.children: dict[tuple[str, ...], CounterChild] = {}
+
+    def labels(self, *values: str) -> CounterChild:
+        child = self.children.get(values)
+        if child is None:
+            child = self.children[values] = CounterChild()
+        return child
+
+    def metric(self) -> Metric:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, child in self.children.items():
+            family.add_metric(values, child.value)
+        return family
+
+
+class HotHistogram:
+    """A histogram family with fixed bucket bounds (seconds)."""
+
+    def __init__(
+        self, name: str, documentation: str, labelnames: tuple[str, ...], bounds: Sequence[float]
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = labelnames
+        self.bounds = tuple(bounds)
+        self.children: dict[tuple[str, ...], HistogramChild] = {}
+
+    def labels(self, *values: str) -> HistogramChild:
+        child = self.children.get(values)
+        if child is None:
+            child = self.children[values] = HistogramChild(self.bounds)
+        return child
+
+    def metric(self) -> Metric:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, child in self.children.items():
+            cumulative = 0
+            buckets: list[tuple[str, float]] = []
+            for bound, n in zip((*self.bounds, float("inf")), child.counts, strict=True):
+                cumulative += n
+                buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+            family.add_metric(values, buckets, child.sum)
+        return family
+
+
+class _HotCollector(Collector):
+    """Exports the hot families at scrape time."""
+
+    def __init__(self) -> None:
+        self._families: list[HotCounter | HotHistogram] = []
+
+    def counter(self, name: str, documentation: str, labelnames: tuple[str, ...]) -> HotCounter:
+        family = HotCounter(name, documentation, labelnames)
+        self._families.append(family)
+        return family
+
+    def histogram(
+        self, name: str, documentation: str, labelnames: tuple[str, ...], bounds: Sequence[float]
+    ) -> HotHistogram:
+        family = HotHistogram(name, documentation, labelnames, bounds)
+        self._families.append(family)
+        return family
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._families:
+            yield family.metric()

@@ -12,11 +12,12 @@ from gateway.admission import Admitted
 from gateway.registry import Worker
 from gateway.state import GatewayState
 from policies.base import Observation, Outcome, RouteDecision
+from policies.records import record
 
 log = logging.getLogger("kvgate.outcome")
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Usage:
     """Token counts a worker reported; None where it reported nothing."""
 

@@ -21,7 +21,7 @@ from gateway.outcome import Attempt, Usage, record_request, usage_of
 from gateway.registry import DirectAddress
 from gateway.state import GatewayState
 from gateway.streaming import ProxyStream
-from gateway.upstream import UpstreamConnectError, UpstreamError, UpstreamTimeout, request_bytes
+from gateway.upstream import UpstreamBusy, UpstreamConnectError, UpstreamError, UpstreamTimeout, request_bytes
 from policies.base import Outcome, WorkerId
 
 log = logging.getLogger("kvgate.proxy")
@@ -53,7 +53,7 @@ async def _dispatch(a: Admitted, state: GatewayState, attempts: list[Attempt]) -
     headers = {"content-type": "application/json", "x-request-id": a.request_id}
     path = UPSTREAM_PATHS[a.endpoint]
     tried: set[WorkerId] = set()
-    last: ApiError = upstream_error(503, f"no healthy worker available for model '{a.model}'")
+    last: ApiError | None = None  # why the latest attempt failed (None: no worker was tried)
     attempt: Attempt | None = None
     for n in range(pool.config.retry_attempts + 1):
         now_s = time.monotonic()
@@ -106,6 +106,8 @@ async def _dispatch(a: Admitted, state: GatewayState, attempts: list[Attempt]) -
         if a.stream and resp.status == 200 and resp.content_type == "text/event-stream":
             return ProxyStream(state, attempt, resp, retries=n)
         return await _whole(state, a, attempt, resp, n)
+    if last is None:
+        last = upstream_error(503, f"no healthy worker available for model '{a.model}'")
     _finish_error(state, a, last.status, attempt, len(tried), last.message)
     return error_response(last, a.reply_id)
 
@@ -158,6 +160,11 @@ async def _lean(
             read_s=timeouts.read_s,
             total_s=timeouts.total_s,
         )
+    except UpstreamBusy as exc:
+        # The gateway's own connection cap, not a worker fault: the breaker is not told, and the
+        # client gets 503 with Retry-After when no other worker takes the request.
+        attempt.fail(state, Outcome.ABORTED)
+        return upstream_error(503, f"worker at its connection limit ({exc})")
     except UpstreamConnectError as exc:
         attempt.fail(state, Outcome.WORKER_FAILED)
         if exc.timed_out:

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 from collections.abc import Iterable
 from urllib.parse import urlsplit
 
@@ -47,18 +48,27 @@ def direct_address(url: str) -> DirectAddress | None:
 
 class Worker:
     """One upstream worker. Invariants: counters never go below zero; `healthy` is the active
-    check's verdict, `breaker` the passive one; a worker is routable only when both agree."""
+    check's verdict, `breaker` the passive one; a worker is routable only when both agree.
+
+    Every request reads every worker's `WorkerView`, so the view is kept until something in it
+    changes: each mutation bumps `_version`, and a view with metrics also expires when they go
+    stale. A breaker that is not closed is asked afresh each time (its verdict depends on time).
+    """
 
     __slots__ = (
         "_fails",
+        "_healthy",
+        "_metrics",
         "_oks",
+        "_version",
+        "_view",
+        "_view_until_s",
+        "_view_version",
         "breaker",
         "decode_tokens",
         "direct",
-        "healthy",
         "in_flight",
         "max_in_flight",
-        "metrics",
         "metrics_at_s",
         "prefill_tokens",
         "url",
@@ -69,7 +79,11 @@ class Worker:
         self.url = url
         self.worker_id = WorkerId(url)
         self.direct = direct_address(url)
-        self.healthy = False  # unknown until the first check answers
+        self._version = 0
+        self._view: WorkerView | None = None
+        self._view_version = -1
+        self._view_until_s = 0.0
+        self._healthy = False  # unknown until the first check answers
         self.breaker = CircuitBreaker(config.breaker)
         self.max_in_flight = config.max_in_flight_per_worker
         self.in_flight = 0
@@ -77,11 +91,49 @@ class Worker:
         self.decode_tokens = 0
         self._fails = 0
         self._oks = 0
-        self.metrics: WorkerMetrics | None = None  # last scrape, set by the scraper's callback
+        self._metrics: WorkerMetrics | None = None  # last scrape, set by the scraper's callback
         self.metrics_at_s = 0.0
 
+    @property
+    def healthy(self) -> bool:
+        return self._healthy
+
+    @healthy.setter
+    def healthy(self, value: bool) -> None:
+        self._healthy = value
+        self._version += 1
+
+    @property
+    def metrics(self) -> WorkerMetrics | None:
+        return self._metrics
+
+    def note_metrics(self, metrics: WorkerMetrics | None, scraped_at_s: float) -> None:
+        """A scrape's result (None: the worker exposes no metrics)."""
+        self._metrics = metrics
+        self.metrics_at_s = scraped_at_s
+        self._version += 1
+
     def view(self, now_s: float, metrics_max_age_s: float = 5.0) -> WorkerView:
-        m = self.metrics
+        view = self._view
+        if (
+            view is not None
+            and self._view_version == self._version
+            and now_s < self._view_until_s
+            and self.breaker.closed
+        ):
+            return view
+        view = self._build_view(now_s, metrics_max_age_s)
+        if not self.breaker.closed:
+            self._view = None  # the breaker's verdict changes with time and outcomes: no reuse
+            return view
+        self._view = view
+        self._view_version = self._version
+        fresh = self._metrics is not None and now_s - self.metrics_at_s <= metrics_max_age_s
+        self._view_until_s = self.metrics_at_s + metrics_max_age_s if fresh else math.inf
+        return view
+
+    def _build_view(self, now_s: float, metrics_max_age_s: float) -> WorkerView:
+        m = self._metrics
         if m is None or now_s - self.metrics_at_s > metrics_max_age_s:
             return WorkerView(
                 worker_id=self.worker_id,
@@ -106,6 +158,7 @@ class Worker:
         )
 
     def acquire(self, prompt_tokens: int, max_output_tokens: int, now_s: float) -> None:
+        self._version += 1
         self.in_flight += 1
         self.prefill_tokens += prompt_tokens
         self.decode_tokens += max_output_tokens
@@ -113,9 +166,11 @@ class Worker:
 
     def first_token(self, prompt_tokens: int) -> None:
         """Prefill is done: the prompt no longer weighs on the worker's prefill queue."""
+        self._version += 1
         self.prefill_tokens = max(0, self.prefill_tokens - prompt_tokens)
 
     def release(self, prompt_tokens: int, max_output_tokens: int, prefill_done: bool) -> None:
+        self._version += 1
         self.in_flight = max(0, self.in_flight - 1)
         if not prefill_done:
             self.prefill_tokens = max(0, self.prefill_tokens - prompt_tokens)

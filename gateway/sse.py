@@ -1,12 +1,21 @@
-"""Server-sent-event passthrough with minimal per-chunk work.
+"""Server-sent-event relay with minimal per-chunk work.
 
 Upstream bytes arrive in arbitrary pieces; the relay forwards whole events only (so a terminal
 error event can always be appended cleanly) and looks inside an event only when a cheap byte test
 says it may be the usage chunk, `[DONE]` or an in-stream error.
+
+A worker reports a failure inside a stream that has already started as a data event: vLLM and
+SGLang send `{"error": {"object": "error", "message", "type", "param", "code": 400}}` (newer vLLM
+without `object`), older vLLM the same fields at the top level. The relay never forwards that
+payload as is: the client gets exactly one event in the gateway's own OpenAI shape
+`{"error": {"message", "type", "param", "code"}}` (the worker's message, bounded, and `param`; an
+OpenAI `type`; code `upstream_stream_error`), the OpenAI SDKs raise on it, and the relay forwards
+nothing after it (the streaming response then adds `[DONE]` and closes).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -16,9 +25,85 @@ from gateway.errors import error_body
 DONE_EVENT = b"data: [DONE]\n\n"
 _MAX_PENDING_BYTES = 4 * 1024 * 1024
 
+STREAM_ERROR_CODE = "upstream_stream_error"
+# Bounds on what a worker's error puts in front of the client (UTF-8 bytes / characters).
+MAX_STREAM_ERROR_MESSAGE_BYTES = 1024
+_MAX_PARAM_CHARS = 256
+_TRUNCATED = "…"
+_GENERIC_MESSAGE = "the worker reported an error mid-stream"
+_UNREADABLE_MESSAGE = "the worker reported an unreadable error mid-stream"
+# OpenAI's error types; a worker's own (vLLM says "BadRequestError") is not passed on.
+OPENAI_ERROR_TYPES = frozenset(
+    {
+        "invalid_request_error",
+        "authentication_error",
+        "permission_error",
+        "not_found_error",
+        "rate_limit_error",
+        "insufficient_quota",
+        "server_error",
+    }
+)
+
 
 def error_event(message: str, code: str, type_: str = "server_error") -> bytes:
     return b"data: " + error_body(message, type_, code) + b"\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStreamError:
+    """A worker's in-stream error as the client will see it: message bounded, internal fields gone.
+
+    `worker_status` is the worker's integer `code` when it is an HTTP status (vLLM puts 400 or 500
+    there); it is for accounting and logs, never sent to the client.
+    """
+
+    message: str
+    type: str
+    param: str | None
+    worker_status: int | None
+    code: str = STREAM_ERROR_CODE
+
+    @property
+    def request_rejected(self) -> bool:
+        """The worker blames the request (a 4xx status), not itself."""
+        return self.worker_status is not None and 400 <= self.worker_status < 500
+
+    def event(self) -> bytes:
+        return b"data: " + error_body(self.message, self.type, self.code, self.param) + b"\n\n"
+
+
+def _bounded(message: str) -> str:
+    raw = message.encode()
+    if len(raw) <= MAX_STREAM_ERROR_MESSAGE_BYTES:
+        return message
+    keep = MAX_STREAM_ERROR_MESSAGE_BYTES - len(_TRUNCATED.encode())
+    # errors="ignore" drops a multi-byte character cut in half at the boundary.
+    return raw[:keep].decode(errors="ignore") + _TRUNCATED
+
+
+def worker_error_of(inner: Any) -> WorkerStreamError:
+    """The error record for the value of a worker's `error` field (or its flat error object)."""
+    if isinstance(inner, str):
+        inner = {"message": inner}
+    elif not isinstance(inner, dict):
+        inner = {}
+    message = inner.get("message")
+    if not isinstance(message, str) or not message:
+        message = _GENERIC_MESSAGE
+    status = inner.get("code")
+    if not isinstance(status, int) or isinstance(status, bool) or not 100 <= status < 600:
+        status = None
+    type_ = inner.get("type")
+    if type_ not in OPENAI_ERROR_TYPES:
+        type_ = "invalid_request_error" if status is not None and 400 <= status < 500 else "server_error"
+    param = inner.get("param")
+    return WorkerStreamError(
+        message=_bounded(message),
+        type=type_,
+        param=param[:_MAX_PARAM_CHARS] if isinstance(param, str) and param else None,
+        worker_status=status,
+    )
 
 
 class SseRelay:
@@ -27,7 +112,9 @@ class SseRelay:
     - a usage chunk with `"choices": null` gets `"choices": []` (vLLM quirk; SDKs expect a list);
     - with `strip_usage`, the usage-only chunk the gateway asked for on the client's behalf is
       dropped after its usage is recorded;
-    - `done` and `error` record whether the worker finished the stream or reported a failure.
+    - a worker's error event becomes one error event in the gateway's shape, recorded in `error`;
+      from then on `feed` forwards nothing;
+    - `done` records whether the worker finished the stream with `[DONE]`.
     """
 
     __slots__ = ("_pending", "done", "error", "strip_usage", "usage")
@@ -36,11 +123,17 @@ class SseRelay:
         self.strip_usage = strip_usage
         self._pending = b""
         self.done = False
-        self.error: Any = None
+        self.error: WorkerStreamError | None = None
         self.usage: Any = None
 
     def feed(self, chunk: bytes) -> bytes:
         """Bytes to forward now (whole events only); the partial tail waits for the next chunk."""
+        if self.error is not None:
+            # The worker already failed this stream and the client has been told. Whatever it sends
+            # next (more deltas, a second error, its own [DONE]) is not part of an answer: a raw SSE
+            # reader would take deltas after the error as content, and a second error event would
+            # break the one-error contract. The streaming response stops reading here anyway.
+            return b""
         data = self._pending + chunk if self._pending else chunk
         cut = data.rfind(b"\n\n")
         if cut < 0:
@@ -50,12 +143,10 @@ class SseRelay:
             return b""
         head = data[: cut + 2]
         self._pending = data[cut + 2 :]
-        if (
-            b'"usage":{' in head
-            or b'"usage": {' in head
-            or b"data: [DONE]" in head
-            or b'data: {"error"' in head
-        ):
+        # `"error"` with its quotes covers both error shapes; inside a JSON string the quotes would
+        # be escaped, so only a structural key or a bare "error" value (a rare false alarm that
+        # costs one parse) matches.
+        if b'"usage":{' in head or b'"usage": {' in head or b"data: [DONE]" in head or b'"error"' in head:
             return self._inspect(head)
         return head
 
@@ -64,14 +155,20 @@ class SseRelay:
         for event in head.split(b"\n\n"):
             if not event:
                 continue
-            payload = event[6:] if event.startswith(b"data: ") else None
+            payload = _data_of(event)
             if payload == b"[DONE]":
                 self.done = True
-            elif payload is not None and (b'"usage"' in payload or payload.startswith(b'{"error"')):
+            elif payload is not None and (b'"usage"' in payload or b'"error"' in payload):
                 rewritten = self._rewrite(payload)
+                if self.error is not None:
+                    # Stop at the error: events after it in this chunk are dropped like later chunks.
+                    out.append(self.error.event())
+                    self._pending = b""
+                    break
                 if rewritten is None:
                     continue
-                event = b"data: " + rewritten
+                if rewritten is not payload:
+                    event = b"data: " + rewritten
             out.append(event + b"\n\n")
         return b"".join(out)
 
@@ -79,11 +176,21 @@ class SseRelay:
         try:
             obj = orjson.loads(payload)
         except orjson.JSONDecodeError:
+            if b'"error"' in payload:
+                # A broken payload that mentions an error: the client could not parse it either.
+                self.error = WorkerStreamError(_UNREADABLE_MESSAGE, "server_error", None, None)
             return payload
         if not isinstance(obj, dict):
+            if b'"error"' in payload:
+                # A chunk is always an object; a bare `"error"` string or list is a failing worker.
+                self.error = WorkerStreamError(_UNREADABLE_MESSAGE, "server_error", None, None)
             return payload
-        if "error" in obj:
-            self.error = obj["error"]
+        inner = obj.get("error")
+        if inner is not None and inner is not False:
+            self.error = worker_error_of(inner)
+            return payload
+        if obj.get("object") == "error":
+            self.error = worker_error_of(obj)
             return payload
         usage = obj.get("usage")
         if usage is None:
@@ -96,3 +203,18 @@ class SseRelay:
             obj["choices"] = []
             return orjson.dumps(obj)
         return payload
+
+
+def _data_of(event: bytes) -> bytes | None:
+    """The data of an event: its `data:` lines joined by newlines (SSE makes the space after the
+    colon optional and allows `event:`/`id:` lines); None for an event without data."""
+    if b"\n" not in event:
+        if event.startswith(b"data: "):
+            return event[6:]
+        return event[5:] if event.startswith(b"data:") else None
+    parts = []
+    for line in event.split(b"\n"):
+        if line.startswith(b"data:"):
+            value = line[5:].rstrip(b"\r")
+            parts.append(value[1:] if value.startswith(b" ") else value)
+    return b"\n".join(parts) if parts else None

@@ -53,6 +53,7 @@ class GatewayState:
     fleet: Fleet | None = None  # discovery, scraping and KV events, while the lifespan runs
     draining: bool = False
     ready: bool = False
+    in_flight_requests: int = 0  # completions between arrival and their last byte
     active_streams: set[ProxyStream] = field(default_factory=set)
     streams_idle: asyncio.Event = field(default_factory=asyncio.Event)
 

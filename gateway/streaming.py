@@ -3,6 +3,12 @@
 Runs as a raw ASGI response so it can watch for the client's disconnect while waiting on the
 worker: a client that leaves cancels the upstream request at once (the worker sees the
 connection close), not at the next chunk.
+
+Every failed stream ends with exactly one error event in the gateway's OpenAI shape, then
+`[DONE]`: the worker's own in-stream error rewritten by the relay (`sse.py`), or one the gateway
+writes when the worker dies, closes without `[DONE]`, or the gateway drains. After a worker's
+error event the upstream connection is closed at once, so the worker stops generating and the
+client is never kept waiting on a worker that keeps talking.
 """
 
 from __future__ import annotations
@@ -93,18 +99,31 @@ class ProxyStream:
                     out = relay.feed(chunk)
                     if out:
                         await send({"type": "http.response.body", "body": out, "more_body": True})
+                    if relay.error is not None:
+                        break
             except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
                 failure = (f"worker stream failed: {type(exc).__name__}", "upstream_stream_error")
             if self._abort_reason is not None:
                 failure = (self._abort_reason, "gateway_shutting_down")
             elif failure is None and relay.error is not None:
-                failure = ("worker reported an error mid-stream", "upstream_stream_error")
+                failure = ("worker reported an error mid-stream", relay.error.code)
+                # Type, code and status only: the worker's message may quote the prompt.
+                log.warning(
+                    "worker reported an error mid-stream",
+                    extra={
+                        "request_id": a.request_id,
+                        "worker": attempt.worker.url,
+                        "error_type": relay.error.type,
+                        "error_code": relay.error.code,
+                        "worker_status": relay.error.worker_status,
+                    },
+                )
             elif failure is None and not relay.done:
                 failure = ("worker stream ended before [DONE]", "upstream_stream_error")
             tail = b""
             if failure is not None:
-                # One terminal error event (unless the worker sent its own), then [DONE]: the
-                # OpenAI SDKs raise on the error and stop cleanly.
+                # One terminal error event (unless the relay already sent the worker's, rewritten),
+                # then [DONE]: the OpenAI SDKs raise on the error and stop cleanly.
                 if relay.error is None:
                     tail += error_event(failure[0], failure[1])
                 if not relay.done:
@@ -127,6 +146,7 @@ class ProxyStream:
             else:
                 self._upstream.close()
             usage = usage_of(relay.usage)
+            rejected = relay.error.worker_status if relay.error and relay.error.request_rejected else None
             if self._client_gone or status == 499:
                 attempt.fail(self._state, Outcome.ABORTED)
                 status = 499
@@ -134,6 +154,12 @@ class ProxyStream:
             elif status == 500:
                 attempt.fail(self._state, Outcome.ABORTED)
                 error = "internal_error"
+            elif failure is not None and self._abort_reason is None and rejected is not None:
+                # The worker blamed the request (a 4xx in its error event): like a 4xx answer, this
+                # must not count against the worker's health, or one tenant could trip its breaker.
+                attempt.fail(self._state, Outcome.REJECTED)
+                status = rejected
+                error = failure[1]
             elif failure is not None:
                 attempt.fail(
                     self._state, Outcome.WORKER_FAILED if self._abort_reason is None else Outcome.ABORTED

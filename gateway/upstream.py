@@ -11,7 +11,9 @@ connection (the worker closed an idle keep-alive connection; it never saw the re
 Open connections per worker are capped at `max_open_per_worker` whatever the pool's
 `max_in_flight_per_worker` says (it may be null): each request holds one slot for its whole
 exchange, and a new connection is opened only when no idle one is left, so open connections never
-exceed the number of slots. A request that finds every slot busy waits up to its `connect_s`.
+exceed the number of slots. A request that finds every slot busy waits up to its `connect_s`,
+then fails with `UpstreamBusy` (the gateway answers 503 if no other worker takes it). Slots and
+the timeout sweep live in `upstream_slots.py`.
 
 Streamed requests, https workers and everything off the hot path keep using aiohttp.
 """
@@ -21,10 +23,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import cast
 
 import httptools
+
+from gateway.upstream_slots import ConnectionSlots, TimeoutSweep
+from policies.records import record
 
 # A non-streamed answer is held whole before it is relayed: bound it (a chat completion with many
 # choices and logprobs stays far below this).
@@ -48,11 +52,18 @@ class UpstreamConnectError(UpstreamError):
         self.timed_out = timed_out
 
 
+class UpstreamBusy(UpstreamConnectError):
+    """Every connection slot to the worker stayed busy for the whole connect timeout."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, timed_out=True)
+
+
 class UpstreamTimeout(UpstreamError):
     """The worker was silent for longer than the read timeout (or the total timeout passed)."""
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class UpstreamReply:
     """A complete non-streamed answer."""
 
@@ -75,15 +86,16 @@ class _Connection(asyncio.Protocol):
         "_parser",
         "_read_s",
         "_size",
-        "_timer",
+        "_sweep",
         "alive",
         "got_bytes",
         "idle_since_s",
         "transport",
     )
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, sweep: TimeoutSweep) -> None:
         self._loop = loop
+        self._sweep = sweep
         self.transport: asyncio.Transport | None = None
         self.alive = False
         self.idle_since_s = 0.0
@@ -93,7 +105,6 @@ class _Connection(asyncio.Protocol):
         self._size = 0
         self._content_type = ""
         self._header_name = b""
-        self._timer: asyncio.TimerHandle | None = None
         self._read_s = 0.0
         self._deadline_s = 0.0
         self._last_activity_s = 0.0
@@ -164,17 +175,14 @@ class _Connection(asyncio.Protocol):
         self._read_s = read_s
         self._deadline_s = now + total_s
         self._last_activity_s = now
-        self._timer = self._loop.call_at(min(now + read_s, self._deadline_s), self._check_timeout)
+        self._sweep.add(self)
         self.transport.write(data)
         return self._done
 
-    def _check_timeout(self) -> None:
-        now = self._loop.time()
-        due = min(self._last_activity_s + self._read_s, self._deadline_s)
-        if now < due:
-            self._timer = self._loop.call_at(due, self._check_timeout)
+    def check_timeout(self, now: float) -> None:
+        """Fail the request if the worker has been silent for `read_s`, or `total_s` has passed."""
+        if now < min(self._last_activity_s + self._read_s, self._deadline_s):
             return
-        self._timer = None
         self.alive = False
         answered = self.got_bytes
         self._fail(UpstreamTimeout("worker timed out", answered=answered))
@@ -194,9 +202,7 @@ class _Connection(asyncio.Protocol):
             done.set_exception(exc)
 
     def _reset(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._sweep.discard(self)
         self._parser = None
         self._done = None
 
@@ -219,10 +225,10 @@ class UpstreamPool:
         self._max_idle = max_idle_per_worker
         self._keepalive_s = keepalive_timeout_s
         self._max_open = max_open_per_worker
-        # One semaphore per worker with a request in flight, dropped when its last user leaves
+        # Slots of the workers with a request in flight, dropped when the last user leaves
         # (workers come and go with discovery: the dict must not grow with every address seen).
-        self._slots: dict[tuple[str, int], asyncio.Semaphore] = {}
-        self._users: dict[tuple[str, int], int] = {}
+        self._slots: dict[tuple[str, int], ConnectionSlots] = {}
+        self._sweep = TimeoutSweep()
         self._closed = False
 
     async def post(
@@ -239,26 +245,24 @@ class UpstreamPool:
         key = (host, port)
         slots = self._slots.get(key)
         if slots is None:
-            slots = self._slots[key] = asyncio.Semaphore(self._max_open)
-        self._users[key] = self._users.get(key, 0) + 1
+            slots = self._slots[key] = ConnectionSlots(self._max_open)
+        slots.users += 1
         try:
-            try:
-                async with asyncio.timeout(connect_s):
-                    await slots.acquire()
-            except TimeoutError:
-                raise UpstreamConnectError(
-                    f"all {self._max_open} connections to the worker stayed busy", timed_out=True
-                ) from None
+            if not slots.take():
+                try:
+                    await slots.wait(connect_s)
+                except TimeoutError:
+                    raise UpstreamBusy(
+                        f"all {slots.capacity} connections to the worker stayed busy"
+                    ) from None
             try:
                 return await self._exchange(key, host, port, request, connect_s, read_s, total_s)
             finally:
-                slots.release()
+                slots.give()
         finally:
-            users = self._users[key] - 1
-            if users:
-                self._users[key] = users
-            else:
-                del self._users[key], self._slots[key]
+            slots.users -= 1
+            if not slots.users:
+                del self._slots[key]
 
     async def _exchange(
         self,
@@ -296,7 +300,7 @@ class UpstreamPool:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(connect_s):
-                _, protocol = await loop.create_connection(lambda: _Connection(loop), host, port)
+                _, protocol = await loop.create_connection(lambda: _Connection(loop, self._sweep), host, port)
         except TimeoutError:
             raise UpstreamConnectError("connect timed out", timed_out=True) from None
         except OSError as exc:

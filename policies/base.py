@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import ClassVar, NewType, Protocol
 
+from policies.records import record
 from prompt_normalizer.types import BlockKey
 
 WorkerId = NewType("WorkerId", str)
@@ -31,7 +31,7 @@ class Isolation(enum.StrEnum):
     PUBLIC = "public"
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class RouteRequest:
     """One request as a policy sees it: identity, keys and size, never content."""
 
@@ -50,7 +50,7 @@ class RouteRequest:
     adapter: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class WorkerView:
     """A candidate worker: the gateway's own accounting plus what the worker last reported.
 
@@ -72,7 +72,7 @@ class WorkerView:
     warming: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class RouteDecision:
     """The chosen worker, its score in seconds (higher is better) and a short metrics-safe reason.
 
@@ -96,12 +96,12 @@ class Outcome(enum.StrEnum):
     """
 
     SERVED = "served"
-    REJECTED = "rejected"  # the worker refused the request (4xx): it computed nothing
+    REJECTED = "rejected"  # the worker refused the request (4xx), up front or mid-stream
     ABORTED = "aborted"  # the client left or the gateway gave up before the request finished
     WORKER_FAILED = "worker_failed"  # connect error, 5xx, or the worker died mid-request
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Observation:
     """What the gateway (or simulator) saw when a dispatched request finished or failed."""
 
@@ -124,7 +124,7 @@ class KvEventKind(enum.StrEnum):
     ALL_BLOCKS_CLEARED = "all_blocks_cleared"
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class KvEvent:
     """One decoded KV-cache event from a worker: vLLM's BlockStored, BlockRemoved or AllBlocksCleared.
 

@@ -40,6 +40,7 @@ class IndexYaml(_Strict):
     speculative_ttl_s: float = Field(60.0, gt=0.0)
     granularity_blocks: int = Field(1, ge=1)
     max_workers: int = Field(1024, ge=1)
+    recency_resolution_s: float = Field(1.0, ge=0.0)
 
     def build(self) -> IndexConfig:
         return IndexConfig(**self.model_dump())

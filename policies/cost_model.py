@@ -17,6 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 from policies.base import WorkerView
+from policies.records import record
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +99,7 @@ class QueueTerms:
     mean_prompt_tokens: float
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class _Pending:
     queue_s: float
     matched_tokens: int

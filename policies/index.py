@@ -7,9 +7,12 @@ evicted. A request's blocks are touched last-to-first, which leaves block 0 the 
 vLLM's free queue, the tail of a chain goes before its head.
 
 Holdings learned from our own routing are speculative (they expire after a short TTL) until a
-completed request or a KV event confirms them. Memory is bounded three ways: each worker's list,
-the whole pool (`max_entries` holdings, split evenly across workers), and each namespace (a share
-of `max_entries` in distinct keys).
+completed request or a KV event confirms them. A completion confirms in place, without touching
+recency (the dispatch set it), and a dispatch leaves alone a chain whose last block the worker
+holds confirmed and used within `recency_resolution_s`: a warm prefix costs one lookup.
+
+Memory is bounded three ways: each worker's list, the whole pool (`max_entries` holdings, split
+evenly across workers), and each namespace (a share of `max_entries` in distinct keys).
 
 Lookups live in `index_lookup.py`, the records in `index_types.py`.
 
@@ -136,28 +139,89 @@ class PrefixIndex:
         *,
         speculative: bool,
         n_blocks: int | None = None,
-    ) -> None:
-        """Note that `worker` holds the first `n_blocks` of `keys` (all by default).
+    ) -> int:
+        """Note that `worker` holds the first `n_blocks` of `keys` (all by default) and make them its
+        most recent; return how many of these holdings are still speculative afterwards.
 
         A speculative holding never downgrades a confirmed one; a confirmed one clears the TTL.
+        A chain whose last block the worker holds confirmed and touched within
+        `recency_resolution_s` is left as it is: its ancestors were touched by the same walk or
+        later, and are confirmed (a confirmation walks a chain to its start).
         """
         self._ensure_worker(worker)
         end = len(keys) if n_blocks is None else min(n_blocks, len(keys))
         g = self._g
         last = (end // g) * g - 1
         if last < 0:
-            return
+            return 0
         lru = self._lru[worker]
+        if self._fresh(keys[last], worker, namespace, lru, now_s):
+            return 0
         ns_keys = self._ns_keys.get(namespace)
         if ns_keys is None:
             ns_keys = self._ns_keys[namespace] = OrderedDict()
         expiry = now_s + self.config.speculative_ttl_s if speculative else CONFIRMED
         # Last block first, so block 0 ends up the most recently used.
-        self._touch(keys[last::-g], worker, namespace, expiry, now_s, lru, ns_keys)
+        pending = self._touch(keys[last::-g], worker, namespace, expiry, now_s, lru, ns_keys)
         self._trim(worker)
         self._trim_namespace(namespace)
         if len(lru) > self._longest_bound:
             self._longest_bound = len(lru)
+        return pending
+
+    def confirm(
+        self,
+        keys: Sequence[BlockKey],
+        worker: WorkerId,
+        namespace: str,
+        now_s: float,
+        *,
+        n_blocks: int | None = None,
+    ) -> None:
+        """Confirm `worker`'s holdings of the first `n_blocks` of `keys` (a served request) without
+        changing their recency, which the dispatch set.
+
+        From the chain's end, each speculative holding is confirmed in place, and the walk stops at
+        the first block already confirmed (its ancestors are). A block the worker no longer holds
+        (it expired or was evicted while the request ran) must go back at the recent end ahead of
+        its ancestors, so then, and for workers fed by KV events, the whole chain is re-recorded.
+        """
+        end = len(keys) if n_blocks is None else min(n_blocks, len(keys))
+        g = self._g
+        last = (end // g) * g - 1
+        if last < 0:
+            return
+        if worker not in self._open and worker in self._lru:
+            table_get = self._table.get
+            spec = self._spec_expiry
+            for key in keys[last::-g]:
+                entry = table_get(key)
+                if entry is None or entry.namespace != namespace:
+                    break
+                holders = entry.holders
+                old = holders.get(worker)
+                if old is None:
+                    break
+                if old == CONFIRMED:
+                    return
+                holders[worker] = CONFIRMED
+                entry.spec -= 1
+                del spec[(worker, key)]
+            else:
+                return
+        self.record(keys, worker, namespace, now_s, speculative=False, n_blocks=n_blocks)
+
+    def _fresh(
+        self, key: BlockKey, worker: WorkerId, namespace: str, lru: OrderedDict[BlockKey, float], now_s: float
+    ) -> bool:
+        """Whether `worker` holds `key` confirmed and touched it within `recency_resolution_s`."""
+        resolution = self.config.recency_resolution_s
+        if resolution <= 0:
+            return False
+        entry = self._table.get(key)
+        if entry is None or entry.namespace != namespace or entry.holders.get(worker) != CONFIRMED:
+            return False
+        return lru[key] >= now_s - resolution
 
     def record_key(self, key: BlockKey, worker: WorkerId, namespace: str, now_s: float) -> None:
         """Confirm one holding, ignoring granularity (the caller placed it: KV events know depths)."""
@@ -182,48 +246,62 @@ class PrefixIndex:
         now_s: float,
         lru: OrderedDict[BlockKey, float],
         ns_keys: OrderedDict[BlockKey, None],
-    ) -> None:
-        """Record `worker`'s holding of each of `keys`, in order (the last ends most recent).
+    ) -> int:
+        """Record `worker`'s holding of each of `keys`, in order (the last ends most recent);
+        return how many of them stay speculative.
 
-        One loop over the whole chain with the tables bound to locals: this runs on every dispatch
-        and every completion, and a call per block cost more than the work it did."""
+        One loop over the whole chain with the tables bound to locals: this runs on every dispatch,
+        and a call per block cost more than the work it did. A block the worker already holds
+        confirmed (the common case: a warm prefix) costs three lookups and two moves."""
+        table_get = self._table.get
         table = self._table
         spec = self._spec_expiry
         speculative = expiry != CONFIRMED
+        move_lru = lru.move_to_end
+        move_ns = ns_keys.move_to_end
+        pending = 0
         for key in keys:
-            entry = table.get(key)
+            entry = table_get(key)
             if entry is None:
                 entry = table[key] = Entry(namespace)
-            elif entry.namespace != namespace:
+                entry.holders[worker] = expiry
+                if speculative:
+                    entry.spec = 1
+                    spec[(worker, key)] = expiry
+                    pending += 1
+                lru[key] = now_s
+                ns_keys[key] = None
+                continue
+            if entry.namespace != namespace:
                 self._open[worker] = None
                 continue  # a 64-bit collision across namespaces: keep the first owner, never share
             holders = entry.holders
-            old = holders.pop(worker, None)
+            old = holders.get(worker)
             if old is None:
                 holders[worker] = expiry
                 if speculative:
                     entry.spec += 1
                     spec[(worker, key)] = expiry
+                    pending += 1
                 lru[key] = now_s
             else:
-                if old == CONFIRMED:
-                    holders[worker] = CONFIRMED
-                elif speculative:
-                    new = old if old >= expiry else expiry
-                    holders[worker] = new
-                    if new != old:
-                        spec[(worker, key)] = new
-                        spec.move_to_end((worker, key))
-                else:
-                    holders[worker] = CONFIRMED
-                    entry.spec -= 1
-                    del spec[(worker, key)]
-                lru.move_to_end(key)
+                if old != CONFIRMED:
+                    if speculative:
+                        pending += 1
+                        if expiry > old:
+                            holders[worker] = expiry
+                            spec[(worker, key)] = expiry
+                            spec.move_to_end((worker, key))
+                    else:
+                        holders[worker] = CONFIRMED
+                        entry.spec -= 1
+                        del spec[(worker, key)]
+                if len(holders) > 1 and next(reversed(holders)) != worker:
+                    holders[worker] = holders.pop(worker)  # holders are kept in recency order
+                move_lru(key)
                 lru[key] = now_s
-            if key in ns_keys:
-                ns_keys.move_to_end(key)
-            else:
-                ns_keys[key] = None
+            move_ns(key)
+        return pending
 
     def remove(self, key: BlockKey, worker: WorkerId) -> bool:
         """Forget one holding (a KV `BlockRemoved`); returns whether it existed."""

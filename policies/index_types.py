@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from policies.base import WorkerId
+from policies.records import record
 
 CONFIRMED = math.inf
 
@@ -21,6 +22,7 @@ class IndexConfig:
     speculative_ttl_s: float = 60.0
     granularity_blocks: int = 1
     max_workers: int = 1024
+    recency_resolution_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.granularity_blocks < 1:
@@ -31,9 +33,11 @@ class IndexConfig:
             raise ValueError("namespace_share must be in (0, 1]")
         if self.speculative_ttl_s <= 0:
             raise ValueError("speculative_ttl_s must be > 0")
+        if self.recency_resolution_s < 0:
+            raise ValueError("recency_resolution_s must be >= 0")
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class PrefixMatch:
     """Every worker's matched prefix for one request, in request blocks (only workers with a match).
 

@@ -10,6 +10,7 @@ from policies.base import Isolation, KvEvent, Observation, RouteDecision, RouteR
 from policies.index import NO_MATCH, PrefixMatch
 from policies.kv_feed import KvEventFeed, TokenBlockHasher
 from policies.pools import PoolSet, PoolSettings, PoolState
+from policies.records import record
 from policies.stats import DecisionCounter, PolicyStats
 from policies.tenants import (
     PromotionConfig,
@@ -35,7 +36,7 @@ class SharedSettings:
     precise_namespace: str = PUBLIC_NAMESPACE
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class OwnKeys:
     """The keys and index namespace of the worker KV a request uses when it keeps its tenant's salt."""
 
@@ -43,7 +44,7 @@ class OwnKeys:
     namespace: str
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Lookup:
     """One request's view of the index: the match that can save it prefill.
 
@@ -62,6 +63,12 @@ class Lookup:
     @property
     def longest_blocks(self) -> int:
         return max(self.own.longest_blocks, self.public.longest_blocks)
+
+
+@record
+class _Dispatched:
+    shared: int  # public blocks the request was dispatched with (0: its tenant's salt)
+    pending: bool  # its dispatch left speculative holdings that its completion confirms
 
 
 def _tenant_scoped(keys: tuple[BlockKey, ...], tenant: str) -> tuple[BlockKey, ...]:
@@ -92,8 +99,11 @@ class PrefixPolicyBase:
         self._counters: dict[str, int] = {}
         self._feeds: dict[str, KvEventFeed] = {}
         self._hasher: TokenBlockHasher | None = None
-        # request id -> public blocks it was dispatched with (what its worker KV is salted by).
-        self._dispatched_public: dict[str, int] = {}
+        # The last request's `OwnKeys` (select and dispatch ask for the same request in turn).
+        self._own_memo: tuple[RouteRequest, OwnKeys] | None = None
+        # request id -> what it was dispatched with: its public blocks (what its worker KV is salted
+        # by) and whether that dispatch left speculative holdings for its completion to confirm.
+        self._dispatched: dict[str, _Dispatched] = {}
 
     MAX_DISPATCHED = 65_536
 
@@ -125,9 +135,15 @@ class PrefixPolicyBase:
         public-namespace chain must not look like a hit the worker cannot serve. Any other request
         keyed in the public namespace is unsalted (one trust domain) and keeps its keys.
         """
+        memo = self._own_memo
+        if memo is not None and memo[0] is req:
+            return memo[1]
         if req.namespace != PUBLIC_NAMESPACE or req.isolation is not Isolation.PUBLIC:
-            return OwnKeys(req.block_keys, req.namespace)
-        return OwnKeys(_tenant_scoped(req.block_keys, req.tenant), f"{PUBLIC_NAMESPACE}/{req.tenant}")
+            own = OwnKeys(req.block_keys, req.namespace)
+        else:
+            own = OwnKeys(_tenant_scoped(req.block_keys, req.tenant), f"{PUBLIC_NAMESPACE}/{req.tenant}")
+        self._own_memo = (req, own)
+        return own
 
     def _shared_blocks(self, req: RouteRequest, n_public: int) -> int:
         """`n_public` if the gateway will give `req` the public salt for it, else 0."""
@@ -147,6 +163,10 @@ class PrefixPolicyBase:
     ) -> Lookup:
         """The public namespace when the request is wholly inside a promoted public prefix (it will
         carry the public salt), else its own keys (`own`, when the caller already looked them up)."""
+        if not req.public_block_keys and own is not None:
+            # A strict tenant's request: nothing public to count or use.
+            self._public.tick(now_s)
+            return Lookup(own, NO_MATCH, 0)
         isolation = effective_isolation(req, self.shared.tenants)
         n_pub = self._public.observe(req, isolation, now_s) if observe else 0
         shared = wholly_public_blocks(req, isolation, n_pub)
@@ -166,27 +186,29 @@ class PrefixPolicyBase:
 
     def _record(
         self, req: RouteRequest, worker: WorkerId, shared: int, now_s: float, *, speculative: bool
-    ) -> None:
+    ) -> int:
         """Record the worker's new holdings under the salt it computes them with: the public chain
-        when `shared` > 0 (wholly public), else the request's own keys."""
+        when `shared` > 0 (wholly public), else the request's own keys. Returns how many of them
+        are still speculative."""
         pool = self._pool(req)
         if shared:
             keys = req.public_block_keys[:shared]
-            pool.index.record(keys, worker, PUBLIC_NAMESPACE, now_s, speculative=speculative)
-        else:
-            mine = self._own_keys(req)
-            pool.index.record(mine.keys, worker, mine.namespace, now_s, speculative=speculative)
+            return pool.index.record(keys, worker, PUBLIC_NAMESPACE, now_s, speculative=speculative)
+        mine = self._own_keys(req)
+        return pool.index.record(mine.keys, worker, mine.namespace, now_s, speculative=speculative)
 
     # -- the Protocol's feedback hooks ----------------------------------------------------------
 
     def on_dispatch(self, req: RouteRequest, decision: RouteDecision, now_s: float) -> None:
         # The gateway applies the same rule to `shared_prefix_blocks`, so this is the salt it sets.
-        shared = self._shared_blocks(req, decision.shared_prefix_blocks)
-        dispatched = self._dispatched_public
+        shared = (
+            self._shared_blocks(req, decision.shared_prefix_blocks) if decision.shared_prefix_blocks else 0
+        )
+        dispatched = self._dispatched
         if len(dispatched) >= self.MAX_DISPATCHED and req.request_id not in dispatched:
             dispatched.pop(next(iter(dispatched)))  # bounded: the oldest falls back to the rule below
-        dispatched[req.request_id] = shared
-        self._record(req, decision.worker, shared, now_s, speculative=True)
+        pending = self._record(req, decision.worker, shared, now_s, speculative=True)
+        dispatched[req.request_id] = _Dispatched(shared, pending > 0)
 
     def on_complete(self, obs: Observation, now_s: float) -> None:
         pool = self._pool(obs.request)
@@ -195,23 +217,31 @@ class PrefixPolicyBase:
             # Only a served request says what the worker caches: take back this request's unconfirmed
             # holdings on that worker, and its calibration record.
             self._count("failed_observations")
-            self._dispatched_public.pop(req.request_id, None)
+            self._dispatched.pop(req.request_id, None)
             mine = self._own_keys(req)
             pool.index.drop_speculative(mine.keys, obs.worker, mine.namespace)
             if req.public_block_keys:
                 pool.index.drop_speculative(req.public_block_keys, obs.worker, PUBLIC_NAMESPACE)
             pool.cost.forget(req.request_id)
             return
-        shared = self._dispatched_public.pop(req.request_id, None)
-        if shared is None:
+        dispatched = self._dispatched.pop(req.request_id, None)
+        if dispatched is None:
             # Not dispatched through this policy (or forgotten): the salt follows the current state.
             n_pub = PublicPrefixes.public_blocks(req)
             if n_pub and not self._public.is_public(req.public_block_keys[n_pub - 1]):
                 n_pub = 0
             shared = self._shared_blocks(req, n_pub)
-        # The worker computed the whole prompt under the salt it was dispatched with (a chain
-        # promoted while the request ran does not change its KV), so it holds every full block.
-        self._record(req, obs.worker, shared, now_s, speculative=False)
+            self._record(req, obs.worker, shared, now_s, speculative=False)
+        elif dispatched.pending:
+            # The worker computed the whole prompt under the salt it was dispatched with (a chain
+            # promoted while the request ran does not change its KV), so it holds every full block.
+            # A dispatch that found every block already confirmed left nothing to confirm.
+            if dispatched.shared:
+                keys = req.public_block_keys[: dispatched.shared]
+                pool.index.confirm(keys, obs.worker, PUBLIC_NAMESPACE, now_s)
+            else:
+                mine = self._own_keys(req)
+                pool.index.confirm(mine.keys, obs.worker, mine.namespace, now_s)
         pool.cost.note_complete(
             req.request_id, obs.ttft_s, obs.prompt_tokens, obs.cached_tokens, req.n_prompt_tokens
         )

@@ -7,7 +7,9 @@ One process serves several ports, each with its own behaviour:
 modes: ok (answers), error500 (500 before the first byte), once500 (500 the first time any once500
 port of the process sees a request id, an answer after that), die (streams two chunks, then drops the
 connection), slow (streams one chunk every 50 ms for 10 s and records a client cancel), hang
-(answers nothing for 30 s), reject400 (a 400 in vLLM's error shape, naming `max_tokens`).
+(answers nothing for 30 s), reject400 (a 400 in vLLM's error shape, naming `max_tokens`),
+streamerr400 / streamerr500 (stream two chunks, then an error event quoting the prompt, in vLLM's
+nested shape with `code` 400 / its older flat shape with `code` 500, then keep streaming for 10 s).
 GET /_log on any port returns what that port received (request id, body) and saw (cancels, named
 by the body's `user` field when the test set one, else by the request id the gateway sent).
 """
@@ -22,7 +24,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-MODES = ("ok", "error500", "once500", "die", "slow", "hang", "reject400")
+MODES = ("ok", "error500", "once500", "die", "slow", "hang", "reject400", "streamerr400", "streamerr500")
 # Request ids some once500 port has failed already (shared by all ports of the process).
 FAILED_ONCE: set[str] = set()
 
@@ -151,6 +153,38 @@ def make_app(port: Port) -> web.Application:
             return event({**base, "object": obj, "choices": [choice], "usage": None})
 
         try:
+            if port.mode.startswith("streamerr"):
+                await resp.write(delta_chunk({"role": "assistant", "content": ""}, None))
+                await resp.write(delta_chunk({"content": "partial "}, None))
+                message_text = f"cannot continue after {text[:200]}"
+                if port.mode == "streamerr400":
+                    error = {
+                        "object": "error",
+                        "message": message_text,
+                        "type": "BadRequestError",
+                        "param": "messages",
+                        "code": 400,
+                        "engine_trace": "EngineCore_0 step 17",
+                    }
+                    await resp.write(event({"error": error}))
+                else:
+                    await resp.write(
+                        event(
+                            {
+                                "object": "error",
+                                "message": message_text,
+                                "type": "InternalServerError",
+                                "code": 500,
+                            }
+                        )
+                    )
+                # A worker that keeps talking after its error: the gateway must not wait for it.
+                for i in range(200):
+                    await resp.write(delta_chunk({"content": f"after{i} "}, None))
+                    await asyncio.sleep(0.05)
+                port.cancelled.append(f"finished:{tag}")
+                await resp.write(b"data: [DONE]\n\n")
+                return resp
             if port.mode == "slow":
                 for i in range(200):
                     await resp.write(delta_chunk({"content": f"t{i} "}, None))

@@ -1,18 +1,30 @@
-"""Fault injection on real processes: down workers, 500s, deaths mid-stream, client disconnects."""
+"""Fault injection on real processes: down workers, 500s, deaths mid-stream, errors inside a
+stream, client disconnects."""
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import pytest
 
 from tests.e2e.conftest import Stack
-from tests.e2e.harness import free_port, start_fake_workers, start_gateway, tenant, write_gateway_config
+from tests.e2e.harness import (
+    Proc,
+    free_port,
+    start_fake_workers,
+    start_gateway,
+    tenant,
+    write_gateway_config,
+)
 from tests.e2e.test_openai_sdk import worker_log
 
 
@@ -183,3 +195,135 @@ def test_dns_discovery_finds_workers_and_routes_around_dead_addresses(tmp_path: 
         if gateway is not None:
             gateway.stop()
         workers.stop()
+
+
+@dataclass
+class ErrorStack:
+    """A gateway in front of workers that report an error inside a started stream."""
+
+    base_url: str
+    workers: dict[str, str]
+    gateway: Proc
+
+
+@pytest.fixture(scope="module")
+def error_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ErrorStack]:
+    ports = {"streamerr400": free_port(), "streamerr500": free_port()}
+    fake = start_fake_workers({port: mode for mode, port in ports.items()})
+    gateway = None
+    try:
+        urls = {mode: f"http://127.0.0.1:{port}" for mode, port in ports.items()}
+        pools = [
+            # A low breaker threshold: errors the worker blames on the request must not trip it.
+            {
+                "name": "e400",
+                "models": ["m-err400"],
+                "workers": [urls["streamerr400"]],
+                "breaker": {"failure_threshold": 2},
+            },
+            # Worker failures do count (default threshold 3): keep this lone worker routable.
+            {
+                "name": "e500",
+                "models": ["m-err500"],
+                "workers": [urls["streamerr500"]],
+                "breaker": {"failure_threshold": 100},
+            },
+        ]
+        folder = tmp_path_factory.mktemp("gw-stream-errors")
+        config = write_gateway_config(folder / "gw.yaml", pools, [tenant("acme", "sk-acme")])
+        port = free_port()
+        gateway = start_gateway(config, port)
+        yield ErrorStack(f"http://127.0.0.1:{port}", urls, gateway)
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        fake.stop()
+
+
+# model: worker mode, error type the client sees, param, worker's status, status in the access log
+# (the worker blamed the request: its 4xx, not counted against the worker; else 502).
+STREAM_ERRORS = {
+    "m-err400": ("streamerr400", "invalid_request_error", "messages", 400, 400),
+    "m-err500": ("streamerr500", "server_error", None, 500, 502),
+}
+
+
+def _log_lines(proc: Proc, needle: str, count: int) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + 3
+    while True:
+        lines = [json.loads(line) for line in proc.output().splitlines() if needle in line]
+        if len(lines) >= count or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("model", sorted(STREAM_ERRORS))
+def test_worker_error_inside_a_stream_reaches_the_sdk_in_the_gateway_shape(
+    error_stack: ErrorStack, model: str
+) -> None:
+    mode, type_, param, worker_status, status = STREAM_ERRORS[model]
+    client = openai.OpenAI(
+        base_url=error_stack.base_url + "/v1", api_key="sk-acme", max_retries=0, timeout=10
+    )
+    for _ in range(3):  # more than the e400 pool's breaker threshold
+        secret, rid = f"prompt-{uuid.uuid4().hex}", uuid.uuid4().hex
+        started = time.monotonic()
+        text = ""
+        with pytest.raises(openai.APIError) as info:
+            for chunk in client.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": secret}],
+                stream=True,
+                user=rid,
+                extra_headers={"x-request-id": rid},
+            ):
+                text += chunk.choices[0].delta.content or ""
+        # The worker keeps streaming for 10 s after its error; the client is not kept waiting.
+        assert time.monotonic() - started < 5
+        assert text == "partial " and "after" not in text
+        assert secret in info.value.message
+        assert info.value.body == {
+            "message": info.value.message,
+            "type": type_,
+            "param": param,
+            "code": "upstream_stream_error",
+        }
+        # The gateway closed the upstream connection, so the worker stopped generating.
+        deadline = time.monotonic() + 3
+        while rid not in worker_log(error_stack.workers[mode])["cancelled"]:
+            assert time.monotonic() < deadline, "the worker never saw the gateway hang up"
+            time.sleep(0.05)
+        (access,) = _log_lines(error_stack.gateway, f'"client_request_id":"{rid}"', 1)
+        assert access["status"] == status and access["error"] == "upstream_stream_error"
+        (warning,) = _log_lines(error_stack.gateway, access["request_id"], 2)[:1]
+        assert warning["error_type"] == type_ and warning["worker_status"] == worker_status
+        assert secret not in error_stack.gateway.output()  # neither the prompt nor the message
+
+
+@pytest.mark.parametrize("model", sorted(STREAM_ERRORS))
+def test_worker_error_inside_a_stream_is_one_event_then_done(error_stack: ErrorStack, model: str) -> None:
+    body = {"model": model, "messages": [{"role": "user", "content": "x"}], "stream": True}
+    raw = httpx.post(
+        error_stack.base_url + "/v1/chat/completions",
+        json=body,
+        headers={"authorization": "Bearer sk-acme"},
+        timeout=10,
+    ).content
+    events = [e for e in raw.split(b"\n\n") if e]
+    errors = [e for e in events if b'"error"' in e]
+    assert len(errors) == 1 and events[-2:] == [errors[0], b"data: [DONE]"]
+    assert json.loads(errors[0][6:])["error"]["code"] == "upstream_stream_error"
+    assert b"engine_trace" not in raw and b"object" not in errors[0] and b"after0" not in raw
+
+
+async def test_async_sdk_raises_on_a_worker_error_inside_a_stream(error_stack: ErrorStack) -> None:
+    client = openai.AsyncOpenAI(
+        base_url=error_stack.base_url + "/v1", api_key="sk-acme", max_retries=0, timeout=10
+    )
+    stream = await client.chat.completions.create(
+        model="m-err500", messages=[{"role": "user", "content": "async-x"}], stream=True
+    )
+    with pytest.raises(openai.APIError, match=r"cannot continue after .*async-x"):
+        async for _ in stream:
+            pass
+    await client.close()

@@ -10,6 +10,7 @@ import pytest
 
 from gateway.registry import direct_address
 from gateway.upstream import (
+    UpstreamBusy,
     UpstreamConnectError,
     UpstreamError,
     UpstreamPool,
@@ -238,16 +239,24 @@ async def test_open_connections_per_worker_are_capped(serve: Callable[[Handler],
     assert all(r.status == 200 for r in replies) and len(server.requests) == 6
     assert server.connections == 2 and peak == 2  # waiters reused the two connections
 
-    # A request that finds every slot busy for longer than its connect_s is a connect timeout.
+    # A request that finds every slot busy for longer than its connect_s gets UpstreamBusy.
     release.clear()
     held = [asyncio.create_task(send(pool, server)) for _ in range(2)]
     await asyncio.sleep(0.1)
-    with pytest.raises(UpstreamConnectError, match="busy") as info:
+    with pytest.raises(UpstreamBusy, match="all 2 connections") as info:
         await pool.post("127.0.0.1", server.port, post(), connect_s=0.1, read_s=2.0, total_s=5.0)
-    assert info.value.timed_out
+    assert info.value.timed_out and not info.value.answered
+    # A waiter cancelled by its client leaves no trace: it neither takes nor blocks a slot.
+    gone = asyncio.create_task(pool.post("127.0.0.1", server.port, post(), connect_s=5, read_s=2, total_s=5))
+    await asyncio.sleep(0.05)
+    gone.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await gone
     release.set()
     await asyncio.gather(*held)
-    assert pool._slots == {} and pool._users == {}  # nothing kept for a worker without requests
+    assert pool._slots == {}  # nothing kept for a worker without requests
+    assert (await send(pool, server)).status == 200  # the full set of slots is back
+    assert server.connections == 2
     pool.close()
 
 

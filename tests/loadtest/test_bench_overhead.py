@@ -110,3 +110,16 @@ def test_repeats_are_combined_by_median() -> None:
     assert (combined.rps, combined.p50_ms, combined.cpu_us_per_request) == (200.0, 2.0, 30.0)
     assert (combined.requests, combined.errors) == (30, 3)
     assert r.at(32) is None
+
+
+def test_cpu_ratio_pairs_rounds() -> None:
+    def runs(*cpu: float) -> list[bench_overhead.LoadResult]:
+        return [bench_overhead.LoadResult(32, 100, 0, 1.0, 100.0, 1.0, 2.0, c) for c in cpu]
+
+    mine = bench_overhead.TargetResult("kvgate cost", "peer", runs(200, 260, 180))
+    peer = bench_overhead.TargetResult("peer", None, runs(100, 130, 120))
+    # Same-round ratios 2.0, 2.0, 1.5: median 2.0 (the ratio of the medians would be 200/120).
+    assert bench_overhead.cpu_ratio(mine, peer, 32) == 2.0
+    assert mine.cpu_rounds(32) == [200, 260, 180]
+    row = bench_overhead._row(mine, {"peer": peer, "kvgate cost": mine}, 32, 1)
+    assert "| 200, 260, 180 | 2.00x peer |" in row

@@ -30,6 +30,46 @@ def test_one_pass_lookup_gives_every_workers_matched_length() -> None:
     idx.check_invariants()
 
 
+def test_a_fresh_confirmed_chain_is_not_walked_again() -> None:
+    idx = _index(recency_resolution_s=1.0)
+    keys = chain("t", range(6))
+    assert idx.record(keys, W0, "t", 0.0, speculative=False) == 0
+    other = chain("t", [50, 51])
+    idx.record(other, W0, "t", 0.2, speculative=False)
+    # Touched 0.5 s ago and confirmed: nothing changes, not even its recency.
+    assert idx.record(keys, W0, "t", 0.5, speculative=True) == 0
+    assert idx.last_use_s(keys[0], W0) == 0.0 and idx.holds(keys[5], W0, 100.0)
+    # Past the resolution the chain is walked and becomes the most recent again.
+    assert idx.record(keys, W0, "t", 1.5, speculative=True) == 0
+    assert idx.last_use_s(keys[0], W0) == 1.5 and idx.last_use_s(other[0], W0) == 0.2
+    # A chain that extends it is walked whole: new blocks are speculative, the rest refreshed.
+    longer = chain("t", range(8))
+    assert idx.record(longer, W0, "t", 1.6, speculative=True) == 2
+    assert idx.last_use_s(keys[0], W0) == 1.6
+    idx.check_invariants()
+
+
+def test_confirm_flips_speculative_blocks_in_place_and_restores_lost_ones() -> None:
+    idx = _index(recency_resolution_s=1.0, speculative_ttl_s=5.0)
+    base = chain("t", range(4))
+    idx.record(base, W0, "t", 0.0, speculative=False)
+    longer = chain("t", range(7))
+    assert idx.record(longer, W0, "t", 10.0, speculative=True) == 3
+    idx.confirm(longer, W0, "t", 11.0)
+    assert idx.stats().speculative_entries == 0
+    assert idx.last_use_s(longer[6], W0) == 10.0  # recency stays where the dispatch put it
+    # A speculative block that expired while the request ran is recorded again, and the whole
+    # chain with it, so the worker's list stays prefix-closed (block 0 most recent).
+    again = chain("t", range(9))
+    assert idx.record(again, W0, "t", 20.0, speculative=True) == 2
+    idx.expire(26.0)
+    assert not idx.holds(again[8], W0, 26.0)
+    idx.confirm(again, W0, "t", 26.0)
+    assert idx.holds(again[8], W0, 26.0) and idx.last_use_s(again[0], W0) == 26.0
+    assert idx.lookup(again, "t", 26.0).blocks(W0) == 9
+    idx.check_invariants()
+
+
 def test_lookup_never_skips_a_missing_middle_block() -> None:
     idx = _index()
     keys = chain("t", range(6))
@@ -158,7 +198,7 @@ def test_bad_config_is_rejected() -> None:
 
 _ops = st.lists(
     st.tuples(
-        st.sampled_from(["spec", "conf", "remove", "expire", "clear", "cap"]),
+        st.sampled_from(["spec", "conf", "confirm", "remove", "expire", "clear", "cap"]),
         st.integers(0, 2),  # worker
         st.integers(0, 5),  # which prefix family
         st.integers(1, 6),  # length in blocks
@@ -190,6 +230,8 @@ def test_random_operations_keep_invariants_and_match_a_naive_walk(
             idx.record(keys, worker, "t", now, speculative=True)
         elif op == "conf":
             idx.record(keys, worker, "t", now, speculative=False)
+        elif op == "confirm":
+            idx.confirm(keys, worker, "t", now)
         elif op == "remove":
             idx.remove(keys[-1], worker)
         elif op == "expire":
@@ -212,7 +254,7 @@ def test_random_operations_keep_invariants_and_match_a_naive_walk(
 @given(
     st.lists(
         st.tuples(
-            st.sampled_from(["spec", "conf", "expire", "clear", "cap"]),
+            st.sampled_from(["spec", "conf", "confirm", "expire", "clear", "cap"]),
             st.integers(0, 3),
             st.integers(0, 7),
             st.integers(1, 12),
@@ -244,6 +286,8 @@ def test_bisection_lookup_equals_the_block_by_block_walk(
         worker = workers[w]
         if op in ("spec", "conf"):
             idx.record(families[fam][:length], worker, "t", now, speculative=op == "spec")
+        elif op == "confirm":
+            idx.confirm(families[fam][:length], worker, "t", now)
         elif op == "expire":
             idx.expire(now)
         elif op == "clear":

@@ -1,0 +1,83 @@
+"""Per-worker connection slots and the shared timeout sweep of the lean upstream client.
+
+Both replace per-request asyncio machinery on the hot path: a free slot is taken with a counter
+(no semaphore, no timeout context), and in-flight requests' timeouts are checked by one periodic
+timer instead of a timer each (a uvloop timer armed and cancelled costs about 2.6 µs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import Protocol
+
+
+class Expiring(Protocol):
+    def check_timeout(self, now: float) -> None:
+        """Fail if a deadline has passed by `now` (loop time); leave the sweep through `discard`."""
+
+
+class TimeoutSweep:
+    """Timeouts of the requests in flight, checked by one timer every `tick_s` while any is in
+    flight. A timeout fires up to `tick_s` late."""
+
+    def __init__(self, tick_s: float = 0.05) -> None:
+        self.tick_s = tick_s
+        self._busy: dict[Expiring, None] = {}
+        self._timer: asyncio.TimerHandle | None = None
+
+    def add(self, item: Expiring) -> None:
+        self._busy[item] = None
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.tick_s, self._tick)
+
+    def discard(self, item: Expiring) -> None:
+        self._busy.pop(item, None)
+
+    def _tick(self) -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        for item in list(self._busy):
+            item.check_timeout(now)
+        self._timer = loop.call_later(self.tick_s, self._tick) if self._busy else None
+
+
+class ConnectionSlots:
+    """One worker's connection slots: a counter on the fast path, and a FIFO of waiters when
+    every slot is busy. Invariant: every future in `waiters` is pending."""
+
+    __slots__ = ("capacity", "free", "users", "waiters")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.free = capacity
+        self.users = 0  # requests holding or waiting for a slot
+        self.waiters: deque[asyncio.Future[None]] = deque()
+
+    def take(self) -> bool:
+        """Take a free slot at once if there is one and nobody waits for it."""
+        if self.free > 0 and not self.waiters:
+            self.free -= 1
+            return True
+        return False
+
+    async def wait(self, timeout_s: float) -> None:
+        """Wait for a slot handed over by `give`; TimeoutError after `timeout_s`."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.waiters.append(waiter)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await waiter
+        except BaseException:
+            if waiter.done() and not waiter.cancelled():
+                self.give()  # a slot was handed over just as we gave up: pass it on
+            else:
+                waiter.cancel()
+                self.waiters.remove(waiter)
+            raise
+
+    def give(self) -> None:
+        if self.waiters:
+            self.waiters.popleft().set_result(None)  # the slot passes straight to the oldest waiter
+        else:
+            self.free += 1

@@ -1,0 +1,56 @@
+"""A worker's view is reused between requests; every change to what it shows must be visible."""
+
+from __future__ import annotations
+
+from gateway.config import BreakerConfig, PoolConfig
+from gateway.registry import Worker
+from gateway.scrape import WorkerMetrics
+
+
+def _worker() -> Worker:
+    cfg = PoolConfig(
+        name="p",
+        models=["m"],
+        workers=["http://a:1"],
+        breaker=BreakerConfig(failure_threshold=1, cooldown_s=10),
+    )
+    w = Worker("http://a:1", cfg)
+    w.healthy = True
+    return w
+
+
+def test_the_view_is_reused_until_the_worker_changes() -> None:
+    w = _worker()
+    first = w.view(1.0)
+    assert w.view(2.0) is first and first.healthy and first.in_flight_requests == 0
+    w.acquire(100, 10, 2.0)
+    v = w.view(2.0)
+    assert v.in_flight_requests == 1 and v.in_flight_prefill_tokens == 100 and v.in_flight_decode_tokens == 10
+    w.first_token(100)
+    assert w.view(2.0).in_flight_prefill_tokens == 0
+    w.release(100, 10, prefill_done=True)
+    assert w.view(2.0).in_flight_requests == 0
+    w.healthy = False
+    assert not w.view(2.0).healthy
+
+
+def test_scraped_metrics_show_until_they_go_stale() -> None:
+    w = _worker()
+    assert w.view(1.0).num_requests_waiting is None
+    w.note_metrics(WorkerMetrics(num_requests_waiting=4, num_requests_running=2), scraped_at_s=1.0)
+    assert w.view(2.0).num_requests_waiting == 4
+    assert w.view(5.9).num_requests_waiting == 4
+    assert w.view(6.5).num_requests_waiting is None  # older than the 5 s default
+
+
+def test_an_open_breaker_is_asked_each_time() -> None:
+    w = _worker()
+    assert w.view(0.0).healthy
+    w.breaker.on_failure(1.0)  # threshold 1: open for 10 s
+    assert not w.view(2.0).healthy
+    assert w.view(11.5).healthy  # half-open: one trial may go
+    w.acquire(1, 1, 11.5)  # the trial is in flight
+    assert not w.view(11.6).healthy
+    w.breaker.on_success()
+    w.release(1, 1, prefill_done=False)
+    assert w.view(11.7).healthy and w.view(11.8).in_flight_requests == 0

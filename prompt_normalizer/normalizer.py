@@ -19,6 +19,7 @@ index fed by events and one fed by requests agree.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -236,7 +237,12 @@ class Normalizer:
         if endpoint != "chat":
             raise NormalizerError(f"unknown endpoint {endpoint!r}", code="bad_endpoint")
         chat = canonicalize_chat(body, self._chat_rules, self._key)
-        canonical = chat.body if chat.body is not None else json_copy(dict(body), "messages")
+        canonical = chat.body
+        if canonical is None:
+            canonical = json_copy(dict(body), "messages")
+            # The plan outlives this call, and canonicalize_chat may read flat messages in place:
+            # the plan's chat holds the private copies (equal to them), never the caller's objects.
+            chat = dataclasses.replace(chat, messages=tuple(canonical["messages"]))
         specs = boundary_specs(chat)
         bodies = tuple(boundary_body(canonical, spec) for spec in specs)
         return RenderPlan("chat", CHAT_RENDER_PATH, canonical, specs, bodies, chat)

@@ -157,3 +157,19 @@ def test_prompt_built_by_slot_setters_equals_the_constructed_one() -> None:
     built = new_prompt(*args)
     assert built == CanonicalPrompt(*args)
     assert type(built) is CanonicalPrompt and built.immutable_blocks == 0
+
+
+def test_a_render_plan_does_not_hold_the_callers_messages() -> None:
+    norm = Normalizer(NormalizerConfig(mode="render"), b"s")
+    body = _body("system prompt " * 20, "q", prompt_cache_key="session-1")
+    plan = norm.prepare_render("chat", body)
+    assert plan.chat is not None
+    assert all(a is not b for a, b in zip(plan.chat.messages, body["messages"], strict=True))
+    ids = list(range(400))
+    expected = Normalizer(NormalizerConfig(mode="render"), b"s").from_render(
+        norm.prepare_render("chat", _body("system prompt " * 20, "q", prompt_cache_key="session-1")),
+        ids,
+        IDENT,
+    )
+    body["messages"][0]["content"] = "edited after the plan was made"
+    assert norm.from_render(plan, ids, IDENT) == expected

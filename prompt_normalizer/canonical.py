@@ -1,4 +1,5 @@
-"""Canonical chat request: validation, canonicalization switches, zones and volatile rules.
+"""Canonical chat request: canonicalization switches, zones and volatile rules (after the checks
+of `chat_input`).
 
 Works on a private JSON copy of the request, so the caller's body is never mutated. The result is
 mode independent: the approximate serializer, the local chat template and the worker's render
@@ -13,6 +14,13 @@ from typing import Any
 
 import orjson
 
+from prompt_normalizer.chat_input import (
+    Copied,
+    request_flag,
+    validate_messages,
+    validate_template_fields,
+    validate_tools,
+)
 from prompt_normalizer.config import NormalizerConfig, VolatileRule
 from prompt_normalizer.errors import NormalizerError
 from prompt_normalizer.keys import keyed_digest
@@ -121,161 +129,6 @@ class ChatRules:
         )
 
 
-@dataclass(slots=True)
-class _Copied:
-    """The messages (or tools) to canonicalize, the size of their serialization, and whether every
-    string in them is ASCII (then NFC cannot change them: the serialization is ASCII exactly when
-    all its strings are). `private` says whether `value` is a deep copy (else a new list of the
-    caller's own message objects, which canonicalization must not edit). For messages also:
-    whether any has content parts, and any has tool calls or is a tool result (the only messages
-    canonical JSON can touch)."""
-
-    value: Any
-    n_bytes: int
-    ascii: bool
-    private: bool = True
-    has_parts: bool = False
-    structured: bool = False
-
-
-def _copy(value: Any, param: str) -> _Copied:
-    try:
-        raw = orjson.dumps(value)
-    except (TypeError, orjson.JSONEncodeError):
-        raise NormalizerError("must be JSON (string keys, finite numbers)", param=param) from None
-    return _Copied(orjson.loads(raw), len(raw), raw.isascii())
-
-
-def _flat(messages: list[Any]) -> bool:
-    """Whether every message is a plain dict of plain strings (or nulls) with a non-empty role, no
-    tool calls, and is not a tool result: then it is valid as it is, a JSON round trip would give
-    an equal message of the same types, and only NFC, the whitespace switch and volatile rules
-    could change it."""
-    for msg in messages:
-        if type(msg) is not dict or "tool_calls" in msg:
-            return False
-        for name, value in msg.items():
-            if type(name) is not str or (type(value) is not str and value is not None):
-                return False
-        role = msg.get("role")  # a string or None by now
-        if not role or role == "tool":
-            return False
-    return True
-
-
-def _validate_messages(raw: Any, rules: ChatRules) -> _Copied:
-    if not isinstance(raw, list) or not raw:
-        raise NormalizerError("'messages' must be a non-empty array", param="messages")
-    try:
-        data = orjson.dumps(raw)
-    except (TypeError, orjson.JSONEncodeError):
-        raise NormalizerError("must be JSON (string keys, finite numbers)", param="messages") from None
-    ascii_only = data.isascii()
-    if not rules.edits_flat_messages and (ascii_only or not rules.unicode_nfc) and _flat(raw):
-        # The common request: nothing will edit these messages, so skip parsing a private copy
-        # (the round trip's `loads` is most of its cost); a new list keeps the caller's intact.
-        return _Copied(list(raw), len(data), ascii_only, False)
-    copied = _Copied(orjson.loads(data), len(data), ascii_only)
-    messages: list[dict[str, Any]] = copied.value
-    for i, msg in enumerate(messages):
-        # Paths are formatted only on the error paths: this loop runs for every request.
-        if not isinstance(msg, dict):
-            raise NormalizerError("each message must be an object", param=f"messages[{i}]")
-        role = msg.get("role")
-        if not isinstance(role, str) or not role:
-            raise NormalizerError("message 'role' must be a non-empty string", param=f"messages[{i}].role")
-        if role == "tool":
-            copied.structured = True
-        if "tool_calls" in msg:
-            _validate_tool_calls(msg, f"messages[{i}]")
-            copied.structured = True
-        content = msg.get("content")
-        if content is None or isinstance(content, str):
-            continue
-        where = f"messages[{i}]"
-        if not isinstance(content, list):
-            raise NormalizerError("content must be a string or an array of parts", param=f"{where}.content")
-        copied.has_parts = True
-        for j, part in enumerate(content):
-            ptype = part.get("type") if isinstance(part, dict) else None
-            if not isinstance(ptype, str):
-                raise NormalizerError("each content part needs a 'type'", param=f"{where}.content[{j}]")
-            if ptype == "text" and not isinstance(part.get("text"), str):
-                raise NormalizerError("text part needs a string 'text'", param=f"{where}.content[{j}].text")
-    return copied
-
-
-def _validate_tool_calls(msg: dict[str, Any], where: str) -> None:
-    calls = msg.get("tool_calls")
-    if calls is None:
-        return
-    if not isinstance(calls, list):
-        raise NormalizerError("'tool_calls' must be an array of tool calls", param=f"{where}.tool_calls")
-    for j, call in enumerate(calls):
-        path = f"{where}.tool_calls[{j}]"
-        if not isinstance(call, dict):
-            raise NormalizerError("each tool call must be an object", param=path)
-        fn = call.get("function")
-        if call.get("type", "function") == "function" or fn is not None:
-            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                raise NormalizerError("function tool call needs 'function.name'", param=f"{path}.function")
-            args = fn.get("arguments")
-            if args is not None and not isinstance(args, (str, dict)):
-                raise NormalizerError(
-                    "'arguments' must be a JSON string or an object", param=f"{path}.function.arguments"
-                )
-
-
-def _validate_template_fields(body: Mapping[str, Any]) -> None:
-    template = body.get("chat_template")
-    if template is not None and not isinstance(template, str):
-        raise NormalizerError("'chat_template' must be a string", param="chat_template")
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise NormalizerError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
-    documents = body.get("documents")
-    if documents is not None:
-        if not isinstance(documents, list):
-            raise NormalizerError("'documents' must be an array of objects", param="documents")
-        for i, doc in enumerate(documents):
-            if not isinstance(doc, dict):
-                raise NormalizerError("each document must be an object", param=f"documents[{i}]")
-
-
-def request_flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
-    """A boolean request field (absent or null: the default); any other type is a NormalizerError."""
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise NormalizerError(f"'{name}' must be a boolean", param=name)
-    return value
-
-
-def _validate_tools(raw: Any) -> _Copied | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, list):
-        raise NormalizerError("'tools' must be an array", param="tools")
-    if not raw:
-        return None
-    copied = _copy(raw, "tools")
-    tools: list[dict[str, Any]] = copied.value
-    for i, tool in enumerate(tools):
-        if not isinstance(tool, dict):
-            raise NormalizerError("each tool must be an object", param=f"tools[{i}]")
-        fn = tool.get("function")
-        if tool.get("type", "function") == "function" and not (
-            isinstance(fn, dict) and isinstance(fn.get("name"), str)
-        ):
-            raise NormalizerError("function tool needs 'function.name'", param=f"tools[{i}].function")
-        if isinstance(fn, dict) and not isinstance(fn.get("parameters", {}), dict):
-            raise NormalizerError(
-                "'parameters' must be a JSON Schema object", param=f"tools[{i}].function.parameters"
-            )
-    return copied
-
-
 def _tool_name(tool: dict[str, Any]) -> str:
     fn = tool.get("function")
     return str(fn.get("name", "")) if isinstance(fn, dict) else str(tool.get("name", ""))
@@ -339,9 +192,9 @@ def field_items(chat: CanonicalChat, key: bytes) -> tuple[FieldItem, ...]:
 
 def _apply_switches(
     messages: list[dict[str, Any]],
-    copied_messages: _Copied,
+    copied_messages: Copied,
     tools: list[dict[str, Any]] | None,
-    copied_tools: _Copied | None,
+    copied_tools: Copied | None,
     rules: ChatRules,
     report: Report,
 ) -> list[dict[str, Any]] | None:
@@ -389,9 +242,9 @@ def canonicalize_chat(
     Callers on the request path pass the config's `ChatRules` (derived once, kept by the
     `Normalizer`) rather than the config itself."""
     rules = config if isinstance(config, ChatRules) else ChatRules.of(config)
-    copied_messages = _validate_messages(body.get("messages"), rules)
+    copied_messages = validate_messages(body.get("messages"), rules.edits_flat_messages, rules.unicode_nfc)
     raw_tools = body.get("tools")
-    copied_tools = _validate_tools(raw_tools) if raw_tools is not None else None
+    copied_tools = validate_tools(raw_tools) if raw_tools is not None else None
     messages: list[dict[str, Any]] = copied_messages.value
     tools: list[dict[str, Any]] | None = copied_tools.value if copied_tools is not None else None
     size = copied_messages.n_bytes + (copied_tools.n_bytes if copied_tools is not None else 0)
@@ -403,7 +256,7 @@ def canonicalize_chat(
     add_generation_prompt, continue_final_message, add_special_tokens = True, False, False
     if not _OPTIONAL_FIELD_SET.isdisjoint(body):  # most requests set none of these
         if not _TEMPLATE_FIELD_SET.isdisjoint(body):
-            _validate_template_fields(body)
+            validate_template_fields(body)
             for name in TEMPLATE_FIELDS:
                 if body.get(name) is not None:
                     template[name] = json_copy(body[name], name)

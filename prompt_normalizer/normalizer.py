@@ -27,14 +27,8 @@ from typing import Any, Literal
 import orjson
 
 from prompt_normalizer.approx import APPROX_UNIT, approx_chat, approx_text
-from prompt_normalizer.canonical import (
-    CanonicalChat,
-    ChatRules,
-    FieldItem,
-    canonicalize_chat,
-    field_items,
-    request_flag,
-)
+from prompt_normalizer.canonical import CanonicalChat, ChatRules, FieldItem, canonicalize_chat, field_items
+from prompt_normalizer.chat_input import request_flag
 from prompt_normalizer.completions import CompletionsPrompt
 from prompt_normalizer.config import NormalizerConfig, VolatileRule, ZoneConfig
 from prompt_normalizer.drift import DriftTracker

@@ -37,45 +37,51 @@ def _message_text(msg: dict[str, Any]) -> str:
 
 def approx_chat(chat: CanonicalChat, chars_per_token: int) -> tuple[Hashed, Boundaries]:
     """Canonical text of a chat request, and its zone boundaries in approximate tokens."""
-    pieces: list[str] = []
-    append = pieces.append
-    offset = 0
-    # Message start offsets are needed only to place media digests.
-    starts: dict[int, int] | None = {} if chat.media else None
     messages = chat.messages
+    n_imm = chat.n_immutable
+    # The common message (a role and its text) is written inline: a call per message would cost
+    # more than its f-string.
+    texts = [
+        f"<|{msg['role']}|>{msg['content']}<|end|>\n"
+        if len(msg) == 2 and type(msg.get("content")) is str
+        else _message_text(msg)
+        for msg in messages
+    ]
+    template = ""
     if chat.template:
-        append(f"<|template|>{orjson.dumps(chat.template, option=orjson.OPT_SORT_KEYS).decode()}\n")
-        offset += len(pieces[-1])
-    for i in range(chat.n_immutable):
-        if starts is not None:
-            starts[i] = offset
-        append(_message_text(messages[i]))
-        offset += len(pieces[-1])
-    before_tools = offset
-    if chat.tools:
-        # Tool key order is whatever canonicalization left (sorted when canonical_json is on).
-        append(f"<|tools|>{orjson.dumps(list(chat.tools)).decode()}\n")
-        offset += len(pieces[-1])
-    immutable_end = offset if chat.tools_immutable else before_tools
-    stable_end = None
-    for i in range(chat.n_immutable, len(messages)):
-        if i == chat.volatile_index:
-            stable_end = offset
-        if starts is not None:
-            starts[i] = offset
-        append(_message_text(messages[i]))
-        offset += len(pieces[-1])
-    if stable_end is None:
-        stable_end = offset
-    if chat.add_generation_prompt and not chat.continue_final_message:
-        append("<|assistant|>")
-    text = "".join(pieces)
+        template = f"<|template|>{orjson.dumps(chat.template, option=orjson.OPT_SORT_KEYS).decode()}\n"
+    # Tool key order is whatever canonicalization left (sorted when canonical_json is on).
+    tools = f"<|tools|>{orjson.dumps(list(chat.tools)).decode()}\n" if chat.tools else ""
+    generation = "<|assistant|>" if chat.add_generation_prompt and not chat.continue_final_message else ""
+    # Offsets from the lengths of the parts, not from a running sum per message.
+    head = template + "".join(texts[:n_imm])
+    text = "".join((head, tools, *texts[n_imm:], generation))
+    before_tools = len(head)
+    immutable_end = before_tools + len(tools) if chat.tools_immutable else before_tools
+    stable_end = len(text) - len(generation)
+    if chat.volatile_index is not None:  # always the last message
+        stable_end -= len(texts[chat.volatile_index])
     c = chars_per_token
-    media = {m.message_index: starts[m.message_index] // c for m in chat.media} if starts is not None else {}
-    hashed = Hashed(text.encode("utf-32-le"), 4 * c, len(text) // c)
+    media: dict[int, int] = {}
+    if chat.media:
+        starts = _message_starts(texts, n_imm, len(template), len(tools))
+        media = {m.message_index: starts[m.message_index] // c for m in chat.media}
+    hashed = Hashed(None, 4 * c, len(text) // c, text)
     return hashed, Boundaries(immutable_end // c, stable_end // c, media)
+
+
+def _message_starts(texts: list[str], n_imm: int, template_chars: int, tools_chars: int) -> list[int]:
+    """Character offset of each message in the canonical text (the tools sit before message n_imm)."""
+    starts = []
+    offset = template_chars
+    for i, piece in enumerate(texts):
+        if i == n_imm:
+            offset += tools_chars
+        starts.append(offset)
+        offset += len(piece)
+    return starts
 
 
 def approx_text(text: str, chars_per_token: int) -> Hashed:
     """A completions prompt string in approximate mode."""
-    return Hashed(text.encode("utf-32-le"), 4 * chars_per_token, len(text) // chars_per_token)
+    return Hashed(None, 4 * chars_per_token, len(text) // chars_per_token, text)

@@ -1,4 +1,5 @@
-"""Canonical chat request: validation, canonicalization switches, zones and volatile rules.
+"""Canonical chat request: canonicalization switches, zones and volatile rules (after the checks
+of `chat_input`).
 
 Works on a private JSON copy of the request, so the caller's body is never mutated. The result is
 mode independent: the approximate serializer, the local chat template and the worker's render
@@ -13,7 +14,14 @@ from typing import Any
 
 import orjson
 
-from prompt_normalizer.config import NormalizerConfig
+from prompt_normalizer.chat_input import (
+    Copied,
+    request_flag,
+    validate_messages,
+    validate_template_fields,
+    validate_tools,
+)
+from prompt_normalizer.config import NormalizerConfig, VolatileRule
 from prompt_normalizer.errors import NormalizerError
 from prompt_normalizer.keys import keyed_digest
 from prompt_normalizer.switches import (
@@ -31,6 +39,11 @@ from prompt_normalizer.volatile import apply_rules, text_slots
 # response_format, tool_choice, ...) are enforced at decoding and never enter the prompt.
 TEMPLATE_FIELDS = ("chat_template", "chat_template_kwargs", "documents")
 _TEMPLATE_FIELD_SET = frozenset(TEMPLATE_FIELDS)
+_OPTIONAL_FIELD_SET = _TEMPLATE_FIELD_SET | {
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,13 +63,16 @@ class MediaItem:
     digest: bytes
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class CanonicalChat:
     """A chat request after canonicalization, ready for any rendering mode.
 
     `messages[:n_immutable]` form the immutable zone (with the tools when `tools_immutable`);
     `messages[volatile_index]`, when set, is the trailing message that holds the text moved out by
     volatile rules; everything between is append-only.
+
+    Read-only once built. Not declared frozen because one is built per request and a frozen
+    dataclass sets each of its twelve fields through `object.__setattr__` (about 1.3 µs a request).
     """
 
     messages: tuple[dict[str, Any], ...]
@@ -74,130 +90,43 @@ class CanonicalChat:
     add_special_tokens: bool = False
 
 
-@dataclass(slots=True)
-class _Copied:
-    """A private JSON copy, the size of its serialization, and whether every string in it is ASCII
-    (then NFC cannot change it: the serialization is ASCII exactly when all its strings are).
-    For messages also: whether any has content parts, and any has tool calls or is a tool result
-    (the only messages canonical JSON can touch)."""
+@dataclass(frozen=True, slots=True)
+class ChatRules:
+    """What one `NormalizerConfig` asks of chat canonicalization (role and name sets for the
+    zones, the switches), derived once per config instead of on every request."""
 
-    value: Any
-    n_bytes: int
-    ascii: bool
-    has_parts: bool = False
-    structured: bool = False
+    unicode_nfc: bool
+    whitespace: bool
+    canonical_json: bool
+    sort_tools: bool
+    volatile_rules: tuple[VolatileRule, ...]
+    volatile_role: str
+    immutable_roles: frozenset[str]
+    few_shot_names: frozenset[str]
+    few_shot_messages: int
+    tools_immutable: bool
+    max_input_chars: int
+    # Only the whitespace switch and volatile rules edit a flat text message in place; without
+    # them such messages can be read where they are, with no private copy.
+    edits_flat_messages: bool
 
-
-def _copy(value: Any, param: str) -> _Copied:
-    try:
-        raw = orjson.dumps(value)
-    except (TypeError, orjson.JSONEncodeError):
-        raise NormalizerError("must be JSON (string keys, finite numbers)", param=param) from None
-    return _Copied(orjson.loads(raw), len(raw), raw.isascii())
-
-
-def _validate_messages(raw: Any) -> _Copied:
-    if not isinstance(raw, list) or not raw:
-        raise NormalizerError("'messages' must be a non-empty array", param="messages")
-    copied = _copy(raw, "messages")
-    messages: list[dict[str, Any]] = copied.value
-    for i, msg in enumerate(messages):
-        # Paths are formatted only on the error paths: this loop runs for every request.
-        if not isinstance(msg, dict):
-            raise NormalizerError("each message must be an object", param=f"messages[{i}]")
-        role = msg.get("role")
-        if not isinstance(role, str) or not role:
-            raise NormalizerError("message 'role' must be a non-empty string", param=f"messages[{i}].role")
-        if role == "tool":
-            copied.structured = True
-        if "tool_calls" in msg:
-            _validate_tool_calls(msg, f"messages[{i}]")
-            copied.structured = True
-        content = msg.get("content")
-        if content is None or isinstance(content, str):
-            continue
-        where = f"messages[{i}]"
-        if not isinstance(content, list):
-            raise NormalizerError("content must be a string or an array of parts", param=f"{where}.content")
-        copied.has_parts = True
-        for j, part in enumerate(content):
-            ptype = part.get("type") if isinstance(part, dict) else None
-            if not isinstance(ptype, str):
-                raise NormalizerError("each content part needs a 'type'", param=f"{where}.content[{j}]")
-            if ptype == "text" and not isinstance(part.get("text"), str):
-                raise NormalizerError("text part needs a string 'text'", param=f"{where}.content[{j}].text")
-    return copied
-
-
-def _validate_tool_calls(msg: dict[str, Any], where: str) -> None:
-    calls = msg.get("tool_calls")
-    if calls is None:
-        return
-    if not isinstance(calls, list):
-        raise NormalizerError("'tool_calls' must be an array of tool calls", param=f"{where}.tool_calls")
-    for j, call in enumerate(calls):
-        path = f"{where}.tool_calls[{j}]"
-        if not isinstance(call, dict):
-            raise NormalizerError("each tool call must be an object", param=path)
-        fn = call.get("function")
-        if call.get("type", "function") == "function" or fn is not None:
-            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                raise NormalizerError("function tool call needs 'function.name'", param=f"{path}.function")
-            args = fn.get("arguments")
-            if args is not None and not isinstance(args, (str, dict)):
-                raise NormalizerError(
-                    "'arguments' must be a JSON string or an object", param=f"{path}.function.arguments"
-                )
-
-
-def _validate_template_fields(body: Mapping[str, Any]) -> None:
-    template = body.get("chat_template")
-    if template is not None and not isinstance(template, str):
-        raise NormalizerError("'chat_template' must be a string", param="chat_template")
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise NormalizerError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
-    documents = body.get("documents")
-    if documents is not None:
-        if not isinstance(documents, list):
-            raise NormalizerError("'documents' must be an array of objects", param="documents")
-        for i, doc in enumerate(documents):
-            if not isinstance(doc, dict):
-                raise NormalizerError("each document must be an object", param=f"documents[{i}]")
-
-
-def request_flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
-    """A boolean request field (absent or null: the default); any other type is a NormalizerError."""
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise NormalizerError(f"'{name}' must be a boolean", param=name)
-    return value
-
-
-def _validate_tools(raw: Any) -> _Copied | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, list):
-        raise NormalizerError("'tools' must be an array", param="tools")
-    if not raw:
-        return None
-    copied = _copy(raw, "tools")
-    tools: list[dict[str, Any]] = copied.value
-    for i, tool in enumerate(tools):
-        if not isinstance(tool, dict):
-            raise NormalizerError("each tool must be an object", param=f"tools[{i}]")
-        fn = tool.get("function")
-        if tool.get("type", "function") == "function" and not (
-            isinstance(fn, dict) and isinstance(fn.get("name"), str)
-        ):
-            raise NormalizerError("function tool needs 'function.name'", param=f"tools[{i}].function")
-        if isinstance(fn, dict) and not isinstance(fn.get("parameters", {}), dict):
-            raise NormalizerError(
-                "'parameters' must be a JSON Schema object", param=f"tools[{i}].function.parameters"
-            )
-    return copied
+    @classmethod
+    def of(cls, config: NormalizerConfig) -> ChatRules:
+        zones = config.zones
+        return cls(
+            unicode_nfc=config.unicode_nfc,
+            whitespace=config.whitespace,
+            canonical_json=config.canonical_json,
+            sort_tools=config.tool_order == "sort",
+            volatile_rules=config.volatile_rules,
+            volatile_role=config.volatile_role,
+            immutable_roles=frozenset(zones.immutable_roles),
+            few_shot_names=frozenset(zones.few_shot_names),
+            few_shot_messages=zones.few_shot_messages,
+            tools_immutable=zones.tools_immutable,
+            max_input_chars=config.max_input_chars,
+            edits_flat_messages=config.whitespace or bool(config.volatile_rules),
+        )
 
 
 def _tool_name(tool: dict[str, Any]) -> str:
@@ -205,12 +134,14 @@ def _tool_name(tool: dict[str, Any]) -> str:
     return str(fn.get("name", "")) if isinstance(fn, dict) else str(tool.get("name", ""))
 
 
-def _n_immutable(messages: list[dict[str, Any]], config: NormalizerConfig) -> int:
-    zones = config.zones
-    few_shot_left = zones.few_shot_messages
+def _n_immutable(messages: list[dict[str, Any]], rules: ChatRules) -> int:
+    roles, names = rules.immutable_roles, rules.few_shot_names
+    few_shot_left = rules.few_shot_messages
     n = 0
     for msg in messages:
-        if msg["role"] in zones.immutable_roles or msg.get("name") in zones.few_shot_names:
+        # Roles are validated strings; a name may be any JSON value, and only a string can match.
+        name = msg.get("name")
+        if msg["role"] in roles or (type(name) is str and name in names):
             n += 1
         elif few_shot_left > 0:
             few_shot_left -= 1
@@ -259,46 +190,34 @@ def field_items(chat: CanonicalChat, key: bytes) -> tuple[FieldItem, ...]:
     return tuple(items)
 
 
-def canonicalize_chat(body: Mapping[str, Any], config: NormalizerConfig, key: bytes) -> CanonicalChat:
-    """Validate and canonicalize a chat request; raises NormalizerError on bad input."""
-    copied_messages = _validate_messages(body.get("messages"))
-    copied_tools = _validate_tools(body.get("tools"))
-    messages: list[dict[str, Any]] = copied_messages.value
-    tools: list[dict[str, Any]] | None = copied_tools.value if copied_tools is not None else None
-    size = copied_messages.n_bytes + (copied_tools.n_bytes if copied_tools is not None else 0)
-    if size > config.max_input_chars:
-        raise NormalizerError(
-            "prompt is larger than this pool accepts", param="messages", code="input_too_large"
-        )
-    template: dict[str, Any] = {}
-    if not _TEMPLATE_FIELD_SET.isdisjoint(body):
-        _validate_template_fields(body)
-        for name in TEMPLATE_FIELDS:
-            if body.get(name) is not None:
-                template[name] = json_copy(body[name], name)
-    add_generation_prompt = request_flag(body, "add_generation_prompt", True)
-    continue_final_message = request_flag(body, "continue_final_message", False)
-    add_special_tokens = request_flag(body, "add_special_tokens", False)
-    report = Report()
-
-    if config.unicode_nfc and not copied_messages.ascii:
+def _apply_switches(
+    messages: list[dict[str, Any]],
+    copied_messages: Copied,
+    tools: list[dict[str, Any]] | None,
+    copied_tools: Copied | None,
+    rules: ChatRules,
+    report: Report,
+) -> list[dict[str, Any]] | None:
+    """The canonicalization switches, in place on the private copies; returns the tools (reordered
+    when sorted)."""
+    if rules.unicode_nfc and not copied_messages.ascii:
         for i, msg in enumerate(messages):
             messages[i], changed = nfc(msg)
             if changed:
                 report.add(f"unicode_nfc: changed messages[{i}]")
-    if config.unicode_nfc and copied_tools is not None and not copied_tools.ascii:
+    if rules.unicode_nfc and copied_tools is not None and not copied_tools.ascii:
         for j, tool in enumerate(tools or ()):
             tools[j], changed = nfc(tool)  # type: ignore[index]
             if changed:
                 report.add(f"unicode_nfc: changed tools[{j}]")
-    if config.whitespace:
+    if rules.whitespace:
         for i, msg in enumerate(messages):
             for suffix, container, k in text_slots(msg):
                 new = normalize_whitespace(container[k])
                 if new != container[k]:
                     container[k] = new
                     report.add(f"whitespace: changed messages[{i}].{suffix}")
-    if config.canonical_json:
+    if rules.canonical_json:
         for j, tool in enumerate(tools or ()):
             tools[j], changed = sort_keys(tool)  # type: ignore[index]
             if changed:
@@ -307,39 +226,81 @@ def canonicalize_chat(body: Mapping[str, Any], config: NormalizerConfig, key: by
             for i, msg in enumerate(messages):
                 if "tool_calls" in msg or msg["role"] == "tool":
                     _canonical_structured(msg, i, report)
-    if tools and config.tool_order == "sort":
+    if tools and rules.sort_tools:
         ordered = sorted(tools, key=lambda t: (_tool_name(t), orjson.dumps(t, option=orjson.OPT_SORT_KEYS)))
         if ordered != tools:
             tools = ordered
             report.add(f"tool_order: sorted {len(tools)} tools by name")
+    return tools
+
+
+def canonicalize_chat(
+    body: Mapping[str, Any], config: NormalizerConfig | ChatRules, key: bytes
+) -> CanonicalChat:
+    """Validate and canonicalize a chat request; raises NormalizerError on bad input.
+
+    Callers on the request path pass the config's `ChatRules` (derived once, kept by the
+    `Normalizer`) rather than the config itself."""
+    rules = config if isinstance(config, ChatRules) else ChatRules.of(config)
+    copied_messages = validate_messages(body.get("messages"), rules.edits_flat_messages, rules.unicode_nfc)
+    raw_tools = body.get("tools")
+    copied_tools = validate_tools(raw_tools) if raw_tools is not None else None
+    messages: list[dict[str, Any]] = copied_messages.value
+    tools: list[dict[str, Any]] | None = copied_tools.value if copied_tools is not None else None
+    size = copied_messages.n_bytes + (copied_tools.n_bytes if copied_tools is not None else 0)
+    if size > rules.max_input_chars:
+        raise NormalizerError(
+            "prompt is larger than this pool accepts", param="messages", code="input_too_large"
+        )
+    template: dict[str, Any] = {}
+    add_generation_prompt, continue_final_message, add_special_tokens = True, False, False
+    if not _OPTIONAL_FIELD_SET.isdisjoint(body):  # most requests set none of these
+        if not _TEMPLATE_FIELD_SET.isdisjoint(body):
+            validate_template_fields(body)
+            for name in TEMPLATE_FIELDS:
+                if body.get(name) is not None:
+                    template[name] = json_copy(body[name], name)
+        add_generation_prompt = request_flag(body, "add_generation_prompt", True)
+        continue_final_message = request_flag(body, "continue_final_message", False)
+        add_special_tokens = request_flag(body, "add_special_tokens", False)
 
     moved: list[str] = []
-    if config.volatile_rules:
-        apply_rules(config.volatile_rules, messages, moved, report)
-    n_imm = _n_immutable(messages, config)
+    report = None
+    # Flat messages read in place and no tools: no switch and no rule can apply. (With tools, the
+    # switches still leave such messages alone: see `_flat` and `ChatRules.edits_flat_messages`.)
+    if copied_messages.private or tools is not None:
+        report = Report()
+        tools = _apply_switches(messages, copied_messages, tools, copied_tools, rules, report)
+        if rules.volatile_rules:
+            apply_rules(rules.volatile_rules, messages, moved, report)
+    n_imm = _n_immutable(messages, rules)
     volatile_index = None
     if moved:
         volatile_index = len(messages)
-        messages.append({"role": config.volatile_role, "content": "\n".join(moved)})
+        messages.append({"role": rules.volatile_role, "content": "\n".join(moved)})
     canonical_body = None
-    if report.changed:
+    if report is not None and report.changed:
+        if not copied_messages.private:
+            # The caller's flat messages (see _flat): a shallow copy of each is a deep one.
+            messages = [dict(msg) for msg in messages]
         canonical_body = dict(body)
         canonical_body["messages"] = messages
         if tools is not None:
             canonical_body["tools"] = tools
+    # Positional (field order of CanonicalChat): a dataclass __init__ with keywords costs ~2.5x.
     return CanonicalChat(
-        messages=tuple(messages),
-        tools=tuple(tools) if tools else None,
-        template=template,
-        add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final_message,
-        n_immutable=n_imm,
-        tools_immutable=config.zones.tools_immutable,
-        volatile_index=volatile_index,
-        media=tuple(_media(messages, key)) if copied_messages.has_parts else (),
-        diagnostics=report.done(),
-        body=canonical_body,
-        add_special_tokens=add_special_tokens,
+        tuple(messages),
+        tuple(tools) if tools else None,
+        template,
+        add_generation_prompt,
+        continue_final_message,
+        n_imm,
+        rules.tools_immutable,
+        volatile_index,
+        tuple(_media(messages, key)) if copied_messages.has_parts else (),
+        report.done() if report is not None else (),
+        canonical_body,
+        add_special_tokens,
     )
 
 

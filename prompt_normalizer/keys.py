@@ -98,6 +98,8 @@ Bytes = Buffer | npt.NDArray[Any]
 
 def byte_view(data: Bytes) -> memoryview:
     """A flat byte view of bytes, a memoryview or a contiguous numpy array (no copy)."""
+    if type(data) is bytes:  # approximate-mode text: already flat bytes
+        return memoryview(data)
     view = data.data if isinstance(data, np.ndarray) else memoryview(data)
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
@@ -110,22 +112,32 @@ def chain_keys(
 ) -> tuple[BlockKey, ...]:
     """Keys of the full `block_bytes` blocks of `data`, chained from `seed` (a root or a parent key)."""
     view = byte_view(data)
+    if not extras:
+        return chain_view(view, block_bytes, seed)
     end = len(view) - len(view) % block_bytes
+    digest = xxhash.xxh3_64_intdigest
+    keys: list[int] = []
+    prev = seed
+    for i, start in enumerate(range(0, end, block_bytes)):
+        chunk = view[start : start + block_bytes]
+        extra = extras.get(i)
+        prev = digest(bytes(chunk) + extra if extra else chunk, prev)
+        keys.append(prev)
+    return cast("tuple[BlockKey, ...]", tuple(keys))
+
+
+def chain_view(view: bytes | memoryview, block_bytes: int, seed: int) -> tuple[BlockKey, ...]:
+    """`chain_keys` of flat bytes or a flat byte view (see `byte_view`), with nothing folded in.
+
+    The hot loop of every request: one C call per block, nothing else.
+    """
     digest = xxhash.xxh3_64_intdigest
     keys: list[int] = []
     append = keys.append
     prev = seed
-    if extras:
-        for i, start in enumerate(range(0, end, block_bytes)):
-            chunk = view[start : start + block_bytes]
-            extra = extras.get(i)
-            prev = digest(bytes(chunk) + extra if extra else chunk, prev)
-            append(prev)
-    else:
-        # The hot loop of every request: one C call per block, nothing else.
-        for start in range(0, end, block_bytes):
-            prev = digest(view[start : start + block_bytes], prev)
-            append(prev)
+    for start in range(0, len(view) - len(view) % block_bytes, block_bytes):
+        prev = digest(view[start : start + block_bytes], prev)
+        append(prev)
     return cast("tuple[BlockKey, ...]", tuple(keys))
 
 
@@ -151,26 +163,42 @@ class PrefixKeyMemo:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def fingerprint(self, span: memoryview) -> int:
+    def fingerprint(self, span: Buffer) -> int:
         return xxhash.xxh3_128_intdigest(span, self._seed)
+
+    def get(self, seed: int, n_bytes: int, fingerprint: int) -> tuple[BlockKey, ...] | None:
+        """The remembered keys of a span of `n_bytes` with this fingerprint, chained from `seed`."""
+        slot = (seed, n_bytes, fingerprint)
+        keys = self._entries.get(slot)
+        if keys is not None:
+            # A hit takes no lock: `get` and `move_to_end` are each one C call that runs under the
+            # GIL (the key is a tuple of ints), and an entry evicted between the two only makes
+            # `move_to_end` raise; the keys found are still right. (`contextlib.suppress` would
+            # build a context manager on every hit.)
+            try:  # noqa: SIM105
+                self._entries.move_to_end(slot)
+            except KeyError:
+                pass
+        return keys
+
+    def put(self, seed: int, n_bytes: int, fingerprint: int, keys: tuple[BlockKey, ...]) -> None:
+        if len(keys) > self._max_keys:
+            return
+        slot = (seed, n_bytes, fingerprint)
+        with self._lock:
+            if slot not in self._entries:
+                self._entries[slot] = keys
+                self._keys += len(keys)
+            while len(self._entries) > self._max_entries or self._keys > self._max_keys:
+                _, old = self._entries.popitem(last=False)
+                self._keys -= len(old)
 
     def chain(self, span: memoryview, fingerprint: int, block_bytes: int, seed: int) -> tuple[BlockKey, ...]:
         """The keys of `span` (whole blocks) chained from `seed`, from memory when seen before."""
-        slot = (seed, len(span), fingerprint)
-        with self._lock:
-            keys = self._entries.get(slot)
-            if keys is not None:
-                self._entries.move_to_end(slot)
-                return keys
-        keys = chain_keys(span, block_bytes, seed)  # outside the lock: the only slow part
-        if len(keys) <= self._max_keys:
-            with self._lock:
-                if slot not in self._entries:
-                    self._entries[slot] = keys
-                    self._keys += len(keys)
-                while len(self._entries) > self._max_entries or self._keys > self._max_keys:
-                    _, old = self._entries.popitem(last=False)
-                    self._keys -= len(old)
+        keys = self.get(seed, len(span), fingerprint)
+        if keys is None:
+            keys = chain_view(span, block_bytes, seed)  # outside the lock: the only slow part
+            self.put(seed, len(span), fingerprint, keys)
         return keys
 
 

@@ -20,14 +20,15 @@ index fed by events and one fed by requests agree.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import orjson
 
 from prompt_normalizer.approx import APPROX_UNIT, approx_chat, approx_text
-from prompt_normalizer.canonical import CanonicalChat, FieldItem, canonicalize_chat, field_items, request_flag
+from prompt_normalizer.canonical import CanonicalChat, ChatRules, FieldItem, canonicalize_chat, field_items
+from prompt_normalizer.chat_input import request_flag
 from prompt_normalizer.completions import CompletionsPrompt
 from prompt_normalizer.config import NormalizerConfig, VolatileRule, ZoneConfig
 from prompt_normalizer.drift import DriftTracker
@@ -45,7 +46,6 @@ from prompt_normalizer.keys import (
     token_block_keys,
 )
 from prompt_normalizer.layout import (
-    Assembled,
     Boundaries,
     Hashed,
     assemble,
@@ -54,10 +54,10 @@ from prompt_normalizer.layout import (
     boundary_specs,
 )
 from prompt_normalizer.render import CHAT_RENDER_PATH, COMPLETIONS_RENDER_PATH, RenderPlan, render_boundaries
-from prompt_normalizer.roots import IdentityRoots, RootCache
+from prompt_normalizer.roots import RootCache, UnitRoots
 from prompt_normalizer.switches import json_copy
 from prompt_normalizer.template import ChatTemplateTokenizer
-from prompt_normalizer.types import BlockKey, CanonicalPrompt, KeyIdentity, Zone
+from prompt_normalizer.types import BlockKey, CanonicalPrompt, DriftReport, KeyIdentity, Zone, ZoneSpan
 
 __all__ = [
     "Endpoint",
@@ -72,27 +72,15 @@ __all__ = [
 Endpoint = Literal["chat", "completions"]
 
 
-@dataclass(slots=True)
-class _KeyJob:
-    """What the shared tail needs besides the hashed bytes (one record, built once per request;
-    private and never shared, so not frozen: a frozen init costs a microsecond per request)."""
-
-    identity: KeyIdentity
-    roots: IdentityRoots
-    with_public: bool
-    body: Mapping[str, Any]
-    session_key: str | None
-    chat: CanonicalChat | None = None
-    bounds: Boundaries | None = None
-    diagnostics: tuple[str, ...] = ()
-    source: str = "messages"
-
-
 class Normalizer:
     """Turns one OpenAI request body into a `CanonicalPrompt` under a `KeyIdentity`."""
 
     def __init__(self, config: NormalizerConfig, secret: bytes) -> None:
         self._config = config
+        # Per-config work done once, not per request.
+        self._chat_rules = ChatRules.of(config)
+        self._chars_per_token = config.chars_per_token
+        self._session_fields = frozenset(config.session_fields)
         self._key = secret_key(secret)
         self._roots = RootCache(self._key)
         self._memo = PrefixKeyMemo(self._key)
@@ -126,19 +114,6 @@ class Normalizer:
     def root(self, identity: KeyIdentity, unit: str = TOKEN_UNIT) -> int:
         """The chain root for `identity` (cached, bounded)."""
         return self._roots.root(identity, unit)
-
-    def _job(
-        self,
-        identity: KeyIdentity,
-        public_identity: KeyIdentity | None,
-        body: Mapping[str, Any],
-        session_key: str | None,
-        **parts: Any,
-    ) -> _KeyJob:
-        if identity.block_size_tokens <= 0:
-            raise NormalizerError("block_size_tokens must be positive", code="bad_config")
-        entry = self._roots.entry(identity, public_identity)
-        return _KeyJob(identity, entry, public_identity is not None, body, session_key, **parts)
 
     def keys_for_tokens(
         self, token_ids: Sequence[int] | TokenArray, identity: KeyIdentity, parent: BlockKey | None = None
@@ -184,24 +159,27 @@ class Normalizer:
         `public_identity_of(identity)`, and a `public_identity` that differs from it raises
         `NormalizerError(code="bad_identity")`.
         """
-        if not isinstance(body, Mapping):
+        if type(body) is not dict and not isinstance(body, Mapping):  # the ABC check is the slow one
             raise NormalizerError("request body must be a JSON object")
         mode = self._config.mode
         if endpoint == "completions":
             prompt = CompletionsPrompt(body, self._config.max_input_chars)
-            job = self._job(
-                identity,
-                public_identity,
-                body,
-                session_key,
-                diagnostics=tuple(prompt.diagnostics),
-                source="prompt",
+            text_unit = APPROX_UNIT if mode == "approximate" else TOKEN_UNIT
+            roots = self._roots.unit_roots(
+                identity, public_identity, TOKEN_UNIT if prompt.tokens is not None else text_unit
             )
+            diagnostics = tuple(prompt.diagnostics)
             if prompt.tokens is not None:
-                return self._finish_tokens(prompt.tokens, job)
+                hashed = _token_bytes(prompt.tokens)
+                return self._finish(
+                    hashed, roots, identity, body, session_key, None, None, diagnostics, "prompt"
+                )
             assert prompt.text is not None
             if mode == "approximate":
-                return self._finish(approx_text(prompt.text, self._config.chars_per_token), APPROX_UNIT, job)
+                hashed = approx_text(prompt.text, self._chars_per_token)
+                return self._finish(
+                    hashed, roots, identity, body, session_key, None, None, diagnostics, "prompt"
+                )
             if mode == "render":
                 raise NormalizerError(
                     "render mode: call prepare_render() and from_render()", code="render_required"
@@ -211,20 +189,21 @@ class Normalizer:
                 body, "add_special_tokens", self._config.completions_add_special_tokens
             )
             enc = self._tokenizer.encode(prompt.text, add_special_tokens=add_special, with_offsets=False)
-            return self._finish_tokens(enc.tokens, job)
+            hashed = _token_bytes(enc.tokens)
+            return self._finish(hashed, roots, identity, body, session_key, None, None, diagnostics, "prompt")
         if endpoint != "chat":
             raise NormalizerError(f"unknown endpoint {endpoint!r}", code="bad_endpoint")
         if mode == "render":
             raise NormalizerError(
                 "render mode: call prepare_render() and from_render()", code="render_required"
             )
-        chat = canonicalize_chat(body, self._config, self._key)
+        chat = canonicalize_chat(body, self._chat_rules, self._key)
         if mode == "approximate":
-            hashed, bounds = approx_chat(chat, self._config.chars_per_token)
-            job = self._job(identity, public_identity, body, session_key, chat=chat, bounds=bounds)
-            return self._finish(hashed, APPROX_UNIT, job)
+            hashed, bounds = approx_chat(chat, self._chars_per_token)
+            roots = self._roots.unit_roots(identity, public_identity, APPROX_UNIT)
+            return self._finish(hashed, roots, identity, body, session_key, chat, bounds)
         assert self._tokenizer is not None
-        job = self._job(identity, public_identity, body, session_key, chat=chat)
+        roots = self._roots.unit_roots(identity, public_identity, TOKEN_UNIT)
         text = self._tokenizer.render(chat)
         specs = boundary_specs(chat)
         needs_offsets = any(s.n_messages or s.with_tools for s in specs)
@@ -238,8 +217,7 @@ class Normalizer:
         bounds = boundaries_from_positions(
             specs, positions, n, chat.add_generation_prompt, chat.volatile_index is not None
         )
-        job.bounds = bounds
-        return self._finish_tokens(enc.tokens, job)
+        return self._finish(_token_bytes(enc.tokens), roots, identity, body, session_key, chat, bounds)
 
     def prepare_render(self, endpoint: Endpoint, body: Mapping[str, Any]) -> RenderPlan:
         """Render mode, step 1: the canonical body to render and forward, and the boundary renders."""
@@ -252,8 +230,13 @@ class Normalizer:
             )
         if endpoint != "chat":
             raise NormalizerError(f"unknown endpoint {endpoint!r}", code="bad_endpoint")
-        chat = canonicalize_chat(body, self._config, self._key)
-        canonical = chat.body if chat.body is not None else json_copy(dict(body), "messages")
+        chat = canonicalize_chat(body, self._chat_rules, self._key)
+        canonical = chat.body
+        if canonical is None:
+            canonical = json_copy(dict(body), "messages")
+            # The plan outlives this call, and canonicalize_chat may read flat messages in place:
+            # the plan's chat holds the private copies (equal to them), never the caller's objects.
+            chat = dataclasses.replace(chat, messages=tuple(canonical["messages"]))
         specs = boundary_specs(chat)
         bodies = tuple(boundary_body(canonical, spec) for spec in specs)
         return RenderPlan("chat", CHAT_RENDER_PATH, canonical, specs, bodies, chat)
@@ -274,9 +257,10 @@ class Normalizer:
         rendered). Missing boundaries leave the immutable zone empty and no volatile span.
         """
         tokens = as_tokens(token_ids, param="render.token_ids")
+        roots = self._roots.unit_roots(identity, public_identity, TOKEN_UNIT)
+        hashed = _token_bytes(tokens)
         if plan.chat is None:
-            job = self._job(identity, public_identity, plan.body, session_key, source="prompt")
-            return self._finish_tokens(tokens, job)
+            return self._finish(hashed, roots, identity, plan.body, session_key, None, None, (), "prompt")
         chat = plan.chat
         positions = render_boundaries(tokens, boundary_token_ids, plan.boundary_specs)
         bounds = boundaries_from_positions(
@@ -286,51 +270,51 @@ class Normalizer:
             chat.add_generation_prompt,
             chat.volatile_index is not None,
         )
-        job = self._job(identity, public_identity, plan.body, session_key, chat=chat, bounds=bounds)
-        return self._finish_tokens(tokens, job)
+        return self._finish(hashed, roots, identity, plan.body, session_key, chat, bounds)
 
     # -- shared tail --------------------------------------------------------------------------------
 
-    def _finish_tokens(self, tokens: TokenArray, job: _KeyJob) -> CanonicalPrompt:
-        return self._finish(Hashed(tokens, TOKEN_DTYPE.itemsize, len(tokens)), TOKEN_UNIT, job)
+    def _finish(
+        self,
+        hashed: Hashed,
+        roots: UnitRoots,
+        identity: KeyIdentity,
+        body: Mapping[str, Any],
+        session_key: str | None,
+        chat: CanonicalChat | None,
+        bounds: Boundaries | None,
+        diagnostics: tuple[str, ...] = (),
+        source: str = "messages",
+    ) -> CanonicalPrompt:
+        """Keys, zones and drift of one request from what its mode rendered (the hashed bytes and
+        zone boundaries; no boundaries means one append-only span)."""
+        diags = [*chat.diagnostics, *diagnostics] if chat is not None else list(diagnostics)
+        if bounds is None:
+            bounds = Boundaries(0, hashed.n_tokens, {})
+        block_size = identity.block_size_tokens
+        observe = None
+        # Most requests name no session: skip the method call when no session field is present.
+        if session_key is not None or not self._session_fields.isdisjoint(body):
+            session = self.session_digest(body, identity, session_key)
+            if session is not None:
+                items = field_items(chat, self._key) if chat is not None else _prompt_items(body, self._key)
+                observe = functools.partial(self._observe_drift, session, block_size, items)
+        return assemble(hashed, block_size, roots, bounds, chat, source, diags, self._memo, observe)
 
-    def _finish(self, hashed: Hashed, unit: str, job: _KeyJob) -> CanonicalPrompt:
-        chat = job.chat
-        diags = list(chat.diagnostics) if chat is not None else []
-        diags.extend(job.diagnostics)
-        bounds = job.bounds if job.bounds is not None else Boundaries(0, hashed.n_tokens, {})
-        roots = self._roots.for_unit(job.roots, unit, job.with_public)
-        assembled: Assembled = assemble(
-            hashed,
-            block_size=job.identity.block_size_tokens,
-            root=roots.root,
-            public_root=roots.public_root,
-            boundaries=bounds,
-            chat=chat,
-            source=job.source,
-            diagnostics=diags,
-            memo=self._memo,
-        )
-        prompt = assembled.prompt
-        session = self.session_digest(job.body, job.identity, job.session_key)
-        if session is None:
-            return prompt
-        items = field_items(chat, self._key) if chat is not None else _prompt_items(job.body, self._key)
-        report = self._drift.observe(
-            session,
-            prompt.block_keys,
-            assembled.stable_end_token,
-            job.identity.block_size_tokens,
-            items,
-            prompt.zones,
-        )
-        drift_diags = prompt.diagnostics
-        if report.first_diff_block is not None:
-            drift_diags = (
-                *drift_diags,
-                f"drift: block {report.first_diff_block} ({report.zone}, {report.field})",
-            )
-        return dataclasses.replace(prompt, drift=report, diagnostics=drift_diags)
+    def _observe_drift(
+        self,
+        session: bytes,
+        block_size: int,
+        items: tuple[FieldItem, ...],
+        keys: tuple[BlockKey, ...],
+        stable_end_token: int,
+        zones: tuple[ZoneSpan, ...],
+    ) -> DriftReport:
+        return self._drift.observe(session, keys, stable_end_token, block_size, items, zones)
+
+
+def _token_bytes(tokens: TokenArray) -> Hashed:
+    return Hashed(tokens, TOKEN_DTYPE.itemsize, len(tokens))
 
 
 def _prompt_items(body: Mapping[str, Any], key: bytes) -> tuple[FieldItem, ...]:

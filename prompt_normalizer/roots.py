@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prompt_normalizer.errors import NormalizerError
 from prompt_normalizer.keys import TOKEN_UNIT, public_identity_of, root_key
@@ -19,24 +19,25 @@ from prompt_normalizer.types import KeyIdentity
 ROOT_CACHE_MAX = 4096
 
 
-@dataclass(slots=True)
-class IdentityRoots:
-    """Chain roots of one identity object and of its public twin, per hashing unit."""
-
-    identity: KeyIdentity
-    public: KeyIdentity
-    roots: dict[str, int]
-    public_roots: dict[str, int]
-    # The last `public_identity` object a caller passed that equals `public` (skips the compare).
-    accepted_public: KeyIdentity | None = None
-
-
 @dataclass(frozen=True, slots=True)
 class UnitRoots:
     """The roots one request chains from: its own, and the public one when public keys are asked."""
 
     root: int
     public_root: int | None
+
+
+@dataclass(slots=True)
+class IdentityRoots:
+    """Chain roots of one identity object and of its public twin, per hashing unit."""
+
+    identity: KeyIdentity
+    public: KeyIdentity
+    # Per unit, without and with the public root: built once, handed to every request.
+    private_only: dict[str, UnitRoots] = field(default_factory=dict)
+    with_public: dict[str, UnitRoots] = field(default_factory=dict)
+    # The last `public_identity` object a caller passed that equals `public` (skips the compare).
+    accepted_public: KeyIdentity | None = None
 
 
 class RootCache:
@@ -63,10 +64,15 @@ class RootCache:
         return root
 
     def entry(self, identity: KeyIdentity, public_identity: KeyIdentity | None) -> IdentityRoots:
-        """The cached roots of `identity`; checks that a given `public_identity` is its public twin."""
+        """The cached roots of `identity`; checks that a given `public_identity` is its public twin.
+
+        An identity is checked before its entry is cached (a frozen identity stays valid), so a
+        request under a known identity pays for no check."""
         entry = self._objects.get(id(identity))
         if entry is None or entry.identity is not identity:
-            entry = IdentityRoots(identity, public_identity_of(identity), {}, {})
+            if identity.block_size_tokens <= 0:
+                raise NormalizerError("block_size_tokens must be positive", code="bad_config")
+            entry = IdentityRoots(identity, public_identity_of(identity))
             with self._lock:
                 self._objects[id(identity)] = entry
                 while len(self._objects) > self._max:
@@ -82,13 +88,23 @@ class RootCache:
             entry.accepted_public = public_identity
         return entry
 
+    def unit_roots(self, identity: KeyIdentity, public_identity: KeyIdentity | None, unit: str) -> UnitRoots:
+        """The roots a request under `identity` chains from (`entry` and `for_unit` in one step,
+        with the same checks)."""
+        entry = self._objects.get(id(identity))
+        if (
+            entry is None
+            or entry.identity is not identity
+            or (public_identity is not None and public_identity is not entry.accepted_public)
+        ):
+            entry = self.entry(identity, public_identity)  # creates the entry, checks the public twin
+        roots = (entry.with_public if public_identity is not None else entry.private_only).get(unit)
+        return roots if roots is not None else self.for_unit(entry, unit, public_identity is not None)
+
     def for_unit(self, entry: IdentityRoots, unit: str, with_public: bool) -> UnitRoots:
-        root = entry.roots.get(unit)
-        if root is None:
-            root = entry.roots[unit] = self.root(entry.identity, unit)
-        if not with_public:
-            return UnitRoots(root, None)
-        public = entry.public_roots.get(unit)
-        if public is None:
-            public = entry.public_roots[unit] = self.root(entry.public, unit)
-        return UnitRoots(root, public)
+        cached = entry.with_public if with_public else entry.private_only
+        roots = cached.get(unit)
+        if roots is None:
+            public = self.root(entry.public, unit) if with_public else None
+            roots = cached[unit] = UnitRoots(self.root(entry.identity, unit), public)
+        return roots

@@ -20,6 +20,8 @@ MAX_DIAGNOSTICS = 32
 class Report:
     """Bounded diagnostics: paths and switch names only, never content."""
 
+    __slots__ = ("changed", "dropped", "lines")
+
     def __init__(self) -> None:
         self.lines: list[str] = []
         self.dropped = 0

@@ -1,5 +1,6 @@
-"""The per-request fast paths (ASCII bodies skip NFC, remembered immutable-prefix keys, cached
-identity roots and zone spans) give exactly what the full computation gives."""
+"""The per-request fast paths (ASCII bodies skip NFC, flat messages read in place, remembered
+immutable-prefix keys, cached identity roots and zone spans, prompts built through slot setters)
+give exactly what the full computation gives."""
 
 from __future__ import annotations
 
@@ -102,3 +103,73 @@ def test_shared_between_threads_gives_the_single_thread_answers() -> None:
     assert [(p.block_keys, p.public_block_keys, p.zones) for p in got] == [
         (p.block_keys, p.public_block_keys, p.zones) for p in expected
     ]
+
+
+def test_flat_messages_read_in_place_are_never_shared_with_a_rewritten_body() -> None:
+    norm = Normalizer(NormalizerConfig(), b"s")
+    tool = {"type": "function", "function": {"parameters": {"type": "object"}, "name": "f"}}
+    body = _body("system prompt " * 20, "q", tools=[tool])
+    prompt = norm.canonicalize("chat", body, IDENT)
+    assert prompt.canonical_body is not None  # the tool's keys were sorted
+    rewritten = prompt.canonical_body["messages"]
+    assert rewritten == body["messages"]
+    assert all(a is not b for a, b in zip(rewritten, body["messages"], strict=True))
+    rewritten[0]["content"] = "changed"
+    assert body["messages"][0]["content"] == "system prompt " * 20
+
+
+def test_subclassed_and_non_string_values_take_the_copying_path_with_equal_results() -> None:
+    class Text(str):
+        pass
+
+    norm = Normalizer(NormalizerConfig(), b"s")
+    plain = _body("system prompt " * 20, "q")
+    odd = _body(Text("system prompt " * 20), Text("q"))
+    assert norm.canonicalize("chat", odd, IDENT) == norm.canonicalize("chat", plain, IDENT)
+    named = _body("system prompt " * 20, "q")
+    named["messages"][1]["name"] = 7  # not a string: copied, and serialized as JSON
+    assert (
+        norm.canonicalize("chat", named, IDENT).block_keys
+        != norm.canonicalize("chat", plain, IDENT).block_keys
+    )
+
+
+def test_a_bad_identity_is_refused_on_every_request() -> None:
+    import pytest
+
+    from prompt_normalizer.errors import NormalizerError
+
+    norm = Normalizer(NormalizerConfig(), b"s")
+    bad = KeyIdentity(model_id="m", block_size_tokens=0)
+    for _ in range(2):  # never cached, so never skipped
+        with pytest.raises(NormalizerError) as err:
+            norm.canonicalize("chat", _body("s", "q"), bad)
+        assert err.value.code == "bad_config"
+
+
+def test_prompt_built_by_slot_setters_equals_the_constructed_one() -> None:
+    from prompt_normalizer.layout import new_prompt
+    from prompt_normalizer.types import CanonicalPrompt, DriftReport, Zone, ZoneSpan
+
+    zones = (ZoneSpan(Zone.APPEND_ONLY, "prompt", 0, 9),)
+    drift = DriftReport(True, None, 1, 1)
+    args = (9, 4, (1, 2), zones, (1,), ("d",), {"messages": []}, drift)
+    built = new_prompt(*args)
+    assert built == CanonicalPrompt(*args)
+    assert type(built) is CanonicalPrompt and built.immutable_blocks == 0
+
+
+def test_a_render_plan_does_not_hold_the_callers_messages() -> None:
+    norm = Normalizer(NormalizerConfig(mode="render"), b"s")
+    body = _body("system prompt " * 20, "q", prompt_cache_key="session-1")
+    plan = norm.prepare_render("chat", body)
+    assert plan.chat is not None
+    assert all(a is not b for a, b in zip(plan.chat.messages, body["messages"], strict=True))
+    ids = list(range(400))
+    expected = Normalizer(NormalizerConfig(mode="render"), b"s").from_render(
+        norm.prepare_render("chat", _body("system prompt " * 20, "q", prompt_cache_key="session-1")),
+        ids,
+        IDENT,
+    )
+    body["messages"][0]["content"] = "edited after the plan was made"
+    assert norm.from_render(plan, ids, IDENT) == expected

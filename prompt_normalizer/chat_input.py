@@ -1,0 +1,172 @@
+"""Validation of a chat request's input, and the copy canonicalization works on.
+
+Every structure the normalizer walks is type-checked here first, so a wrong type is a
+`NormalizerError` naming the field (formatted only on the error path), never a `TypeError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from prompt_normalizer.errors import NormalizerError
+
+
+@dataclass(slots=True)
+class Copied:
+    """The messages (or tools) to canonicalize, the size of their serialization, and whether every
+    string in them is ASCII (then NFC cannot change them: the serialization is ASCII exactly when
+    all its strings are). `private` says whether `value` is a deep copy (else a new list of the
+    caller's own message objects, which canonicalization must not edit). For messages also:
+    whether any has content parts, and any has tool calls or is a tool result (the only messages
+    canonical JSON can touch)."""
+
+    value: Any
+    n_bytes: int
+    ascii: bool
+    private: bool = True
+    has_parts: bool = False
+    structured: bool = False
+
+
+def _copy(value: Any, param: str) -> Copied:
+    try:
+        raw = orjson.dumps(value)
+    except (TypeError, orjson.JSONEncodeError):
+        raise NormalizerError("must be JSON (string keys, finite numbers)", param=param) from None
+    return Copied(orjson.loads(raw), len(raw), raw.isascii())
+
+
+def _flat(messages: list[Any]) -> bool:
+    """Whether every message is a plain dict of plain strings (or nulls) with a non-empty role, no
+    tool calls, and is not a tool result: then it is valid as it is, a JSON round trip would give
+    an equal message of the same types, and only NFC, the whitespace switch and volatile rules
+    could change it."""
+    for msg in messages:
+        if type(msg) is not dict or "tool_calls" in msg:
+            return False
+        for name, value in msg.items():
+            if type(name) is not str or (type(value) is not str and value is not None):
+                return False
+        role = msg.get("role")  # a string or None by now
+        if not role or role == "tool":
+            return False
+    return True
+
+
+def validate_messages(raw: Any, edits_flat_messages: bool, unicode_nfc: bool) -> Copied:
+    """Checks `messages` and gives what canonicalization works on: a private copy, or (when
+    nothing will edit them: see `_flat`) a new list of the caller's own flat messages."""
+    if not isinstance(raw, list) or not raw:
+        raise NormalizerError("'messages' must be a non-empty array", param="messages")
+    try:
+        data = orjson.dumps(raw)
+    except (TypeError, orjson.JSONEncodeError):
+        raise NormalizerError("must be JSON (string keys, finite numbers)", param="messages") from None
+    ascii_only = data.isascii()
+    if not edits_flat_messages and (ascii_only or not unicode_nfc) and _flat(raw):
+        # The common request: nothing will edit these messages, so skip parsing a private copy
+        # (the round trip's `loads` is most of its cost); a new list keeps the caller's intact.
+        return Copied(list(raw), len(data), ascii_only, False)
+    copied = Copied(orjson.loads(data), len(data), ascii_only)
+    messages: list[dict[str, Any]] = copied.value
+    for i, msg in enumerate(messages):
+        # Paths are formatted only on the error paths: this loop runs for every request.
+        if not isinstance(msg, dict):
+            raise NormalizerError("each message must be an object", param=f"messages[{i}]")
+        role = msg.get("role")
+        if not isinstance(role, str) or not role:
+            raise NormalizerError("message 'role' must be a non-empty string", param=f"messages[{i}].role")
+        if role == "tool":
+            copied.structured = True
+        if "tool_calls" in msg:
+            _validate_tool_calls(msg, f"messages[{i}]")
+            copied.structured = True
+        content = msg.get("content")
+        if content is None or isinstance(content, str):
+            continue
+        where = f"messages[{i}]"
+        if not isinstance(content, list):
+            raise NormalizerError("content must be a string or an array of parts", param=f"{where}.content")
+        copied.has_parts = True
+        for j, part in enumerate(content):
+            ptype = part.get("type") if isinstance(part, dict) else None
+            if not isinstance(ptype, str):
+                raise NormalizerError("each content part needs a 'type'", param=f"{where}.content[{j}]")
+            if ptype == "text" and not isinstance(part.get("text"), str):
+                raise NormalizerError("text part needs a string 'text'", param=f"{where}.content[{j}].text")
+    return copied
+
+
+def _validate_tool_calls(msg: dict[str, Any], where: str) -> None:
+    calls = msg.get("tool_calls")
+    if calls is None:
+        return
+    if not isinstance(calls, list):
+        raise NormalizerError("'tool_calls' must be an array of tool calls", param=f"{where}.tool_calls")
+    for j, call in enumerate(calls):
+        path = f"{where}.tool_calls[{j}]"
+        if not isinstance(call, dict):
+            raise NormalizerError("each tool call must be an object", param=path)
+        fn = call.get("function")
+        if call.get("type", "function") == "function" or fn is not None:
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise NormalizerError("function tool call needs 'function.name'", param=f"{path}.function")
+            args = fn.get("arguments")
+            if args is not None and not isinstance(args, (str, dict)):
+                raise NormalizerError(
+                    "'arguments' must be a JSON string or an object", param=f"{path}.function.arguments"
+                )
+
+
+def validate_template_fields(body: Mapping[str, Any]) -> None:
+    template = body.get("chat_template")
+    if template is not None and not isinstance(template, str):
+        raise NormalizerError("'chat_template' must be a string", param="chat_template")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise NormalizerError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    documents = body.get("documents")
+    if documents is not None:
+        if not isinstance(documents, list):
+            raise NormalizerError("'documents' must be an array of objects", param="documents")
+        for i, doc in enumerate(documents):
+            if not isinstance(doc, dict):
+                raise NormalizerError("each document must be an object", param=f"documents[{i}]")
+
+
+def request_flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
+    """A boolean request field (absent or null: the default); any other type is a NormalizerError."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise NormalizerError(f"'{name}' must be a boolean", param=name)
+    return value
+
+
+def validate_tools(raw: Any) -> Copied | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise NormalizerError("'tools' must be an array", param="tools")
+    if not raw:
+        return None
+    copied = _copy(raw, "tools")
+    tools: list[dict[str, Any]] = copied.value
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise NormalizerError("each tool must be an object", param=f"tools[{i}]")
+        fn = tool.get("function")
+        if tool.get("type", "function") == "function" and not (
+            isinstance(fn, dict) and isinstance(fn.get("name"), str)
+        ):
+            raise NormalizerError("function tool needs 'function.name'", param=f"tools[{i}].function")
+        if isinstance(fn, dict) and not isinstance(fn.get("parameters", {}), dict):
+            raise NormalizerError(
+                "'parameters' must be a JSON Schema object", param=f"tools[{i}].function.parameters"
+            )
+    return copied

@@ -291,7 +291,8 @@ def _row(r: TargetResult, by_name: dict[str, TargetResult], hi: int, lo: int) ->
     paired = cpu_ratio(r, base, hi) if base is not None and base_run is not None else None
     if paired is not None:
         ratio = f"{paired:.2f}x {r.baseline}"
-    rounds = ", ".join(_fmt(c, ".0f") for c in r.cpu_rounds(hi)) if len(r.cpu_rounds(hi)) > 1 else "-"
+    measured = [c for c in r.cpu_rounds(hi) if c is not None]
+    rounds = ", ".join(format(c, ".0f") for c in measured) if len(measured) > 1 else "-"
     direct = by_name.get("direct")
     d = direct.at(lo) if direct is not None and direct.missing is None else None
     added = b.p50_ms - d.p50_ms if b and d and r is not direct else None

@@ -337,3 +337,34 @@ def test_token_exact_keys_keep_a_unit_ratio() -> None:
     p = _policy()
     _warm(p, range(8), "w0")
     assert p._pool(req("x", range(1))).cost.engine_tokens_per_request_token == 1.0
+
+
+def test_completion_confirms_what_its_dispatch_left_speculative_and_nothing_else() -> None:
+    p = CostPolicy(seed=0)
+    views = workers(0, 0)
+
+    def dispatch(r: RouteRequest, now: float) -> WorkerId:
+        d = p.select(r, views, now)
+        assert d is not None
+        p.on_dispatch(r, d, now)
+        return d.worker
+
+    index = p._pool(req("x", range(1))).index
+    first = req("a", range(10))
+    w = dispatch(first, 0.0)
+    assert index.stats().speculative_entries == 10  # routing-only until the worker serves it
+    p.on_complete(Observation(first, w, prompt_tokens=first.n_prompt_tokens), 0.5)
+    assert index.stats().speculative_entries == 0
+    # The same prefix again within the recency resolution: warm and confirmed, nothing to record.
+    again = req("b", range(10))
+    assert dispatch(again, 0.6) == w
+    assert index.stats().speculative_entries == 0
+    # A longer prompt on the same prefix: only its new blocks are speculative, then confirmed.
+    longer = req("c", range(14))
+    assert dispatch(longer, 0.7) == w
+    assert index.stats().speculative_entries == 4
+    p.on_complete(Observation(longer, w, prompt_tokens=longer.n_prompt_tokens), 0.8)
+    p.on_complete(Observation(again, w, prompt_tokens=again.n_prompt_tokens), 0.9)
+    assert index.stats().speculative_entries == 0
+    assert index.lookup(longer.block_keys, "t", 1.0).blocks(w) == 14
+    p.check_invariants()

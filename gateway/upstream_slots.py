@@ -8,6 +8,7 @@ timer instead of a timer each (a uvloop timer armed and cancelled costs about 2.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
 from typing import Protocol
 
@@ -44,7 +45,11 @@ class TimeoutSweep:
 
 class ConnectionSlots:
     """One worker's connection slots: a counter on the fast path, and a FIFO of waiters when
-    every slot is busy. Invariant: every future in `waiters` is pending."""
+    every slot is busy. Invariant after every call: no free slot while a pending waiter waits.
+
+    A waiter whose task was cancelled stays in the queue, already done, until its task runs again
+    and removes it; slots skip such waiters, so a cancellation never loses or double-hands a slot.
+    """
 
     __slots__ = ("capacity", "free", "users", "waiters")
 
@@ -62,9 +67,10 @@ class ConnectionSlots:
         return False
 
     async def wait(self, timeout_s: float) -> None:
-        """Wait for a slot handed over by `give`; TimeoutError after `timeout_s`."""
+        """Wait for a slot; TimeoutError after `timeout_s`."""
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.waiters.append(waiter)
+        self._hand_over()  # a cancelled waiter still queued may have hidden a free slot from `take`
         try:
             async with asyncio.timeout(timeout_s):
                 await waiter
@@ -73,11 +79,18 @@ class ConnectionSlots:
                 self.give()  # a slot was handed over just as we gave up: pass it on
             else:
                 waiter.cancel()
-                self.waiters.remove(waiter)
+                with contextlib.suppress(ValueError):
+                    self.waiters.remove(waiter)
             raise
 
     def give(self) -> None:
-        if self.waiters:
-            self.waiters.popleft().set_result(None)  # the slot passes straight to the oldest waiter
-        else:
-            self.free += 1
+        self.free += 1
+        self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Free slots go to the oldest waiters still waiting."""
+        while self.free > 0 and self.waiters:
+            waiter = self.waiters.popleft()
+            if not waiter.done():
+                self.free -= 1
+                waiter.set_result(None)

@@ -121,7 +121,7 @@ class DisconnectGuard:
     (quick requests pay a dict insert and removal, not a timer or a task each).
     """
 
-    __slots__ = ("_receive", "_task", "_watch", "_watcher", "fired", "started_s")
+    __slots__ = ("_receive", "_task", "_watch", "_watcher", "fired")
 
     def __init__(self, receive: Receive, watch: DisconnectWatch) -> None:
         self._receive = receive
@@ -129,7 +129,7 @@ class DisconnectGuard:
         self._watch = watch
         self._watcher: asyncio.Future[None] | None = None
         self.fired = False
-        self.started_s = watch.add(self)
+        watch.add(self)
 
     def start(self) -> None:
         self._watcher = asyncio.ensure_future(self._run())
@@ -161,13 +161,11 @@ class DisconnectWatch:
         self._waiting: dict[DisconnectGuard, float] = {}  # in arrival order
         self._timer: asyncio.TimerHandle | None = None
 
-    def add(self, guard: DisconnectGuard) -> float:
+    def add(self, guard: DisconnectGuard) -> None:
         loop = asyncio.get_running_loop()
-        now_s = loop.time()
-        self._waiting[guard] = now_s
+        self._waiting[guard] = loop.time()
         if self._timer is None:
             self._timer = loop.call_later(self.delay_s / 2, self._tick)
-        return now_s
 
     def discard(self, guard: DisconnectGuard) -> None:
         self._waiting.pop(guard, None)

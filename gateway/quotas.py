@@ -61,16 +61,16 @@ class TenantLimiter:
         self._tpm = TokenBucket(quotas.tpm, now_s) if quotas.tpm else None
         self.in_flight = 0
 
+    def _too_many(self) -> Rejection:
+        return Rejection(
+            f"too many concurrent requests (limit {self._max_concurrent})", 1.0, True, "rate_limit_exceeded"
+        )
+
     def precheck(self, now_s: float) -> Rejection | None:
         """The token-independent limits (concurrency, rpm), without reserving anything: lets the
         gateway refuse before it spends work (or a worker's render call) on the prompt."""
         if self._max_concurrent is not None and self.in_flight >= self._max_concurrent:
-            return Rejection(
-                f"too many concurrent requests (limit {self._max_concurrent})",
-                1.0,
-                True,
-                "rate_limit_exceeded",
-            )
+            return self._too_many()
         if self._rpm is not None:
             wait = self._rpm.wait_s(1, now_s)
             if wait > 0:
@@ -80,12 +80,7 @@ class TenantLimiter:
     def admit(self, prompt_tokens: int, now_s: float) -> Rejection | None:
         """Reserve one concurrency slot, one request and `prompt_tokens` tokens, or say why not."""
         if self._max_concurrent is not None and self.in_flight >= self._max_concurrent:
-            return Rejection(
-                f"too many concurrent requests (limit {self._max_concurrent})",
-                1.0,
-                True,
-                "rate_limit_exceeded",
-            )
+            return self._too_many()
         if self._tpm is not None:
             wait = self._tpm.wait_s(prompt_tokens, now_s)
             if math.isinf(wait):

@@ -134,15 +134,8 @@ class Worker:
 
     def _build_view(self, now_s: float, metrics_max_age_s: float) -> WorkerView:
         m = self._metrics
-        if m is None or now_s - self.metrics_at_s > metrics_max_age_s:
-            return WorkerView(
-                worker_id=self.worker_id,
-                healthy=self.healthy and self.breaker.allows(now_s),
-                in_flight_requests=self.in_flight,
-                in_flight_prefill_tokens=self.prefill_tokens,
-                in_flight_decode_tokens=self.decode_tokens,
-                max_in_flight=self.max_in_flight,
-            )
+        if m is not None and now_s - self.metrics_at_s > metrics_max_age_s:
+            m = None  # stale: the policy sees only the gateway's own accounting
         return WorkerView(
             worker_id=self.worker_id,
             healthy=self.healthy and self.breaker.allows(now_s),
@@ -150,11 +143,11 @@ class Worker:
             in_flight_prefill_tokens=self.prefill_tokens,
             in_flight_decode_tokens=self.decode_tokens,
             max_in_flight=self.max_in_flight,
-            num_requests_waiting=m.num_requests_waiting,
-            num_requests_running=m.num_requests_running,
-            kv_usage=m.kv_cache_usage,
-            num_gpu_blocks=m.num_gpu_blocks,
-            engine_block_size=m.block_size_tokens,
+            num_requests_waiting=m.num_requests_waiting if m else None,
+            num_requests_running=m.num_requests_running if m else None,
+            kv_usage=m.kv_cache_usage if m else None,
+            num_gpu_blocks=m.num_gpu_blocks if m else None,
+            engine_block_size=m.block_size_tokens if m else None,
         )
 
     def acquire(self, prompt_tokens: int, max_output_tokens: int, now_s: float) -> None:

@@ -102,19 +102,20 @@ class TargetMissing(RuntimeError):
 # ---------------------------------------------------------------- targets
 
 
-def _backend(kind: str, workdir: Path) -> tuple[subprocess.Popen[bytes], str, str]:
+def _backend(kind: str, workdir: Path, stream: bool = False) -> tuple[subprocess.Popen[bytes], str, str]:
     port = free_port()
+    answers = "streamed chat, 16 deltas + usage" if stream else "JSON chat"
     if kind == "nginx":
         prefix = workdir / "nginx"
         prefix.mkdir(exist_ok=True)
         conf = prefix / "nginx.conf"
-        conf.write_text(static_backend.nginx_config(str(prefix), port))
+        conf.write_text(static_backend.nginx_config(str(prefix), port, stream=stream))
         proc = spawn(["nginx", "-c", str(conf), "-p", str(prefix)], workdir / "backend.log")
-        name = "nginx (1 worker process)"
+        name = f"nginx (1 worker process), {answers}"
     else:
         argv = [sys.executable, "-m", "loadtest.static_backend", "--port", str(port)]
-        proc = spawn(argv, workdir / "backend.log")
-        name = "built-in static backend (loadtest.static_backend, 1 process)"
+        proc = spawn([*argv, "--stream"] if stream else argv, workdir / "backend.log")
+        name = f"built-in static backend (loadtest.static_backend, 1 process), {answers}"
     url = f"http://127.0.0.1:{port}"
     wait_ready(url + "/health", proc, workdir / "backend.log")
     return proc, url, name
@@ -219,6 +220,7 @@ class BenchConfig:
     upstream_clients: bool
     targets: tuple[str, ...]
     repeats: int = 1
+    stream: bool = False
 
 
 def git_sha() -> str:
@@ -347,6 +349,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also measure pass-through proxies with aiohttp and httpx",
     )
+    parser.add_argument(
+        "--stream",
+        action="store_true",
+        help="streamed chat (the backend answers an event stream; without the pass-through proxies)",
+    )
     parser.add_argument("--json", type=Path, help="also write the results as JSON here")
 
 
@@ -379,6 +386,9 @@ def run(args: argparse.Namespace) -> int:
                 f"{kind} is not installed (apt-get install -y {'nginx-light' if kind == 'nginx' else 'wrk'})"
             )
             return 2
+    if args.stream and args.upstream_clients:
+        print("--upstream-clients measures non-streamed pass-through proxies only", file=sys.stderr)
+        return 2
     cfg = BenchConfig(
         args.duration,
         args.warmup,
@@ -389,8 +399,9 @@ def run(args: argparse.Namespace) -> int:
         args.upstream_clients,
         names,
         args.repeats,
+        args.stream,
     )
-    bodies = chat_bodies(args.seed)
+    bodies = chat_bodies(args.seed, stream=args.stream)
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-overhead-") as tmp:
         workdir = Path(tmp)
         script = workdir / "post_chat.lua"
@@ -401,7 +412,7 @@ def run(args: argparse.Namespace) -> int:
                 return run_wrk(url, script, c, dur)
             return asyncio.run(builtin_load(url, bodies, c, dur))
 
-        backend_proc, backend_url, backend_name = _backend(backend, workdir)
+        backend_proc, backend_url, backend_name = _backend(backend, workdir, args.stream)
         targets = build_targets(names, args.upstream_clients)
         results = [TargetResult(t.name, t.baseline) for t in targets]
         try:

@@ -128,8 +128,9 @@ def tree_cpu_s(root_pid: int) -> float:
 # ---------------------------------------------------------------- workload
 
 
-def chat_bodies(seed: int, model: str = static_backend.MODEL) -> list[str]:
-    """8 shared ~1.2 KB system prompts x 8 user turns, deterministic for a seed."""
+def chat_bodies(seed: int, model: str = static_backend.MODEL, stream: bool = False) -> list[str]:
+    """8 shared ~1.2 KB system prompts x 8 user turns, deterministic for a seed; with `stream`,
+    streamed requests that ask for the usage chunk (as the OpenAI SDKs do for token counts)."""
     rng = random.Random(seed)
     words = [
         "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 9)))
@@ -141,7 +142,12 @@ def chat_bodies(seed: int, model: str = static_backend.MODEL) -> list[str]:
         for t in range(TURNS_PER_GROUP):
             user = f"Question {t}: " + " ".join(rng.choice(words) for _ in range(12))
             messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
-            bodies.append(json.dumps({"model": model, "messages": messages, "max_tokens": 1}))
+            body: dict[str, object] = {"model": model, "messages": messages, "max_tokens": 1}
+            if stream:
+                body["max_tokens"] = static_backend.STREAM_DELTAS
+                body["stream"] = True
+                body["stream_options"] = {"include_usage": True}
+            bodies.append(json.dumps(body))
     return bodies
 
 

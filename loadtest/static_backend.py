@@ -4,9 +4,11 @@ The overhead benchmark needs a backend that costs (almost) nothing, so that what
 router in front of it. nginx with `return 200 '<json>'` is the preferred one (`nginx_config()`); when
 nginx is not installed this raw asyncio HTTP/1.1 server stands in. It answers GET /health,
 GET /v1/models and POST /v1/chat/completions, /v1/completions with a fixed vLLM-shaped JSON body,
-keeps connections alive, and reads (then ignores) request bodies by Content-Length.
+keeps connections alive, and reads (then ignores) request bodies by Content-Length. With `stream`
+(`--stream`), chat answers are a fixed vLLM-shaped event stream instead: 16 one-token deltas, the
+finish chunk, the usage chunk and `[DONE]`, sent at once.
 
-    python -m loadtest.static_backend --port 31001 [--host 127.0.0.1]
+    python -m loadtest.static_backend --port 31001 [--host 127.0.0.1] [--stream]
 """
 
 from __future__ import annotations
@@ -59,6 +61,39 @@ MODELS_BODY = json.dumps(
     {"object": "list", "data": [{"id": MODEL, "object": "model", "created": 0, "owned_by": "static"}]},
     separators=(",", ":"),
 )
+STREAM_DELTAS = 16
+
+
+def _chat_stream_body() -> str:
+    def event(choices: list[dict[str, object]], usage: dict[str, object] | None = None) -> str:
+        chunk: dict[str, object] = {
+            "id": "chatcmpl-static",
+            "object": "chat.completion.chunk",
+            "created": 1700000000,
+            "model": MODEL,
+            "choices": choices,
+        }
+        if usage is not None:
+            chunk["usage"] = usage
+        return "data: " + json.dumps(chunk, separators=(",", ":")) + "\n\n"
+
+    events = [event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])]
+    events += [
+        event([{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}])
+        for i in range(STREAM_DELTAS)
+    ]
+    events.append(event([{"index": 0, "delta": {}, "finish_reason": "length"}]))
+    usage = {
+        "prompt_tokens": 300,
+        "completion_tokens": STREAM_DELTAS,
+        "total_tokens": 300 + STREAM_DELTAS,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+    events.append(event([], usage))
+    return "".join(events) + "data: [DONE]\n\n"
+
+
+CHAT_STREAM_BODY = _chat_stream_body()
 METRICS_BODY = (
     'vllm:num_requests_running{model_name="bench-model"} 0\n'
     'vllm:num_requests_waiting{model_name="bench-model"} 0\n'
@@ -72,6 +107,12 @@ ROUTES: dict[tuple[str, str], tuple[str, str]] = {
     ("GET", "/health"): ("text/plain", ""),
     ("GET", "/metrics"): ("text/plain; version=0.0.4", METRICS_BODY),
 }
+STREAM_ROUTES = {**ROUTES, ("POST", "/v1/chat/completions"): ("text/event-stream", CHAT_STREAM_BODY)}
+
+
+def routes(stream: bool) -> dict[tuple[str, str], tuple[str, str]]:
+    """What each route answers: chat as JSON, or as an event stream with `stream`."""
+    return STREAM_ROUTES if stream else ROUTES
 
 
 def _response(status: str, content_type: str, body: str, close: bool) -> bytes:
@@ -83,14 +124,18 @@ def _response(status: str, content_type: str, body: str, close: bool) -> bytes:
     return head.encode() + raw
 
 
-_PREBUILT = {key: _response("200 OK", ct, body, close=False) for key, (ct, body) in ROUTES.items()}
+def _prebuilt(stream: bool) -> dict[tuple[str, str], bytes]:
+    return {key: _response("200 OK", ct, body, close=False) for key, (ct, body) in routes(stream).items()}
+
+
 _NOT_FOUND = _response("404 Not Found", "application/json", '{"error":"not found"}', close=False)
 
 
 class _StaticHttp(asyncio.Protocol):
     """One connection: parse request heads, skip bodies, write the canned answer."""
 
-    def __init__(self) -> None:
+    def __init__(self, answers: dict[tuple[str, str], bytes]) -> None:
+        self._answers = answers
         self._buf = bytearray()
         self._transport: asyncio.Transport | None = None
 
@@ -135,7 +180,7 @@ class _StaticHttp(asyncio.Protocol):
                 return
             del self._buf[: end + 4 + length]
             path = parts[1].split("?", 1)[0]
-            answer = _PREBUILT.get((parts[0], path), _NOT_FOUND)
+            answer = self._answers.get((parts[0], path), _NOT_FOUND)
             self._transport.write(answer)
             if close:
                 self._transport.close()
@@ -151,22 +196,24 @@ class _StaticHttp(asyncio.Protocol):
         self._transport = None
 
 
-async def serve(host: str, port: int) -> None:
+async def serve(host: str, port: int, stream: bool = False) -> None:
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(_StaticHttp, host, port, backlog=1024)
+    answers = _prebuilt(stream)
+    server = await loop.create_server(lambda: _StaticHttp(answers), host, port, backlog=1024)
     async with server:
         await server.serve_forever()
 
 
-def nginx_config(prefix: str, port: int, host: str = "127.0.0.1") -> str:
+def nginx_config(prefix: str, port: int, host: str = "127.0.0.1", stream: bool = False) -> str:
     """An nginx.conf (one worker, no logs) serving the same routes as the built-in server."""
+    chat_type, chat_body = routes(stream)[("POST", "/v1/chat/completions")]
 
     def ret(body: str, ctype: str) -> str:
         escaped = body.replace("\\", "\\\\").replace("'", "\\'")
         return f"default_type {ctype}; return 200 '{escaped}';"
 
     locations = [
-        f"location = /v1/chat/completions {{ {ret(CHAT_BODY, 'application/json')} }}",
+        f"location = /v1/chat/completions {{ {ret(chat_body, chat_type)} }}",
         f"location = /v1/completions {{ {ret(COMPLETION_BODY, 'application/json')} }}",
         f"location = /v1/models {{ {ret(MODELS_BODY, 'application/json')} }}",
         f"location = /health {{ {ret('', 'text/plain')} }}",
@@ -200,6 +247,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="instant static backend for overhead benchmarks")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--stream", action="store_true", help="answer chat with an event stream")
     args = parser.parse_args()
     loop_factory = None
     with contextlib.suppress(ImportError):
@@ -207,7 +255,7 @@ def main() -> None:
 
         loop_factory = uvloop.new_event_loop
     with contextlib.suppress(KeyboardInterrupt), asyncio.Runner(loop_factory=loop_factory) as runner:
-        runner.run(serve(args.host, args.port))
+        runner.run(serve(args.host, args.port, args.stream))
 
 
 if __name__ == "__main__":

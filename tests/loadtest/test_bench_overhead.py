@@ -123,3 +123,26 @@ def test_cpu_ratio_pairs_rounds() -> None:
     assert mine.cpu_rounds(32) == [200, 260, 180]
     row = bench_overhead._row(mine, {"peer": peer, "kvgate cost": mine}, 32, 1)
     assert "| 200, 260, 180 | 2.00x peer |" in row
+
+
+def test_streamed_bodies_and_the_backends_event_stream(tmp_path: Path) -> None:
+    body = json.loads(chat_bodies(0, stream=True)[0])
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert "stream" not in json.loads(chat_bodies(0)[0])
+    port = free_port()
+    argv = [sys.executable, "-m", "loadtest.static_backend", "--port", str(port), "--stream"]
+    proc = spawn(argv, tmp_path / "b.log")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url + "/health", proc, tmp_path / "b.log", timeout_s=15)
+        req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode())
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            assert resp.headers["content-type"] == "text/event-stream"
+            events = [e for e in resp.read().decode().split("\n\n") if e]
+    finally:
+        stop(proc)
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text.split() == [f"t{i}" for i in range(bench_overhead.static_backend.STREAM_DELTAS)]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 16

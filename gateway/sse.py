@@ -23,6 +23,8 @@ import orjson
 from gateway.errors import error_body
 
 DONE_EVENT = b"data: [DONE]\n\n"
+# Byte patterns of the events the relay must look inside: a usage chunk, the end, an error.
+_MARKERS = (b'"usage":{', b'"usage": {', b"data: [DONE]", b'"error"')
 _MAX_PENDING_BYTES = 4 * 1024 * 1024
 
 STREAM_ERROR_CODE = "upstream_stream_error"
@@ -145,10 +147,18 @@ class SseRelay:
         self._pending = data[cut + 2 :]
         # `"error"` with its quotes covers both error shapes; inside a JSON string the quotes would
         # be escaped, so only a structural key or a bare "error" value (a rare false alarm that
-        # costs one parse) matches.
-        if b'"usage":{' in head or b'"usage": {' in head or b"data: [DONE]" in head or b'"error"' in head:
+        # costs one parse) matches. Events before the first match are forwarded as they are.
+        first = -1
+        for marker in _MARKERS:
+            at = head.find(marker)
+            if at >= 0 and (first < 0 or at < first):
+                first = at
+        if first < 0:
+            return head
+        start = head.rfind(b"\n\n", 0, first) + 2 if first > 0 else 0
+        if start < 2:
             return self._inspect(head)
-        return head
+        return head[:start] + self._inspect(head[start:])
 
     def _inspect(self, head: bytes) -> bytes:
         out: list[bytes] = []

@@ -79,6 +79,8 @@ class ProxyStream:
         failure: tuple[str, str] | None = None
         error: str | None = None
         status = 200
+        answered = False  # the client has its whole stream (the worker's [DONE] was sent)
+        upstream_broken = False  # the worker's connection failed after that: close, don't reuse
         try:
             await send(
                 {
@@ -97,13 +99,23 @@ class ProxyStream:
                     if attempt.ttft_s is None:
                         attempt.first_token()
                     out = relay.feed(chunk)
+                    if answered:
+                        continue  # nothing follows [DONE]; read on so the connection can be reused
+                    if relay.done and relay.error is None:
+                        # The worker's [DONE] ends the client's response in the same write.
+                        await send({"type": "http.response.body", "body": out, "more_body": False})
+                        answered = True
+                        continue
                     if out:
                         await send({"type": "http.response.body", "body": out, "more_body": True})
                     if relay.error is not None:
                         break
             except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-                failure = (f"worker stream failed: {type(exc).__name__}", "upstream_stream_error")
-            if self._abort_reason is not None:
+                if answered:
+                    upstream_broken = True
+                else:
+                    failure = (f"worker stream failed: {type(exc).__name__}", "upstream_stream_error")
+            if self._abort_reason is not None and not answered:
                 failure = (self._abort_reason, "gateway_shutting_down")
             elif failure is None and relay.error is not None:
                 failure = ("worker reported an error mid-stream", relay.error.code)
@@ -120,15 +132,16 @@ class ProxyStream:
                 )
             elif failure is None and not relay.done:
                 failure = ("worker stream ended before [DONE]", "upstream_stream_error")
-            tail = b""
-            if failure is not None:
-                # One terminal error event (unless the relay already sent the worker's, rewritten),
-                # then [DONE]: the OpenAI SDKs raise on the error and stop cleanly.
-                if relay.error is None:
-                    tail += error_event(failure[0], failure[1])
-                if not relay.done:
-                    tail += DONE_EVENT
-            await send({"type": "http.response.body", "body": tail, "more_body": False})
+            if not answered:
+                tail = b""
+                if failure is not None:
+                    # One terminal error event (unless the relay already sent the worker's,
+                    # rewritten), then [DONE]: the OpenAI SDKs raise on the error and stop cleanly.
+                    if relay.error is None:
+                        tail += error_event(failure[0], failure[1])
+                    if not relay.done:
+                        tail += DONE_EVENT
+                await send({"type": "http.response.body", "body": tail, "more_body": False})
         except asyncio.CancelledError:
             status = 499
             raise
@@ -141,7 +154,7 @@ class ProxyStream:
             log.error("stream relay failed", exc_info=exc, extra={"request_id": a.request_id})
             status = 500
         finally:
-            if failure is None and relay.done and status == 200:
+            if failure is None and relay.done and status == 200 and not upstream_broken:
                 self._upstream.release()  # read to EOF: the connection goes back to the pool
             else:
                 self._upstream.close()

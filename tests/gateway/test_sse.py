@@ -232,3 +232,14 @@ def test_named_events_that_are_not_rewritten_keep_their_lines() -> None:
     relay = SseRelay(strip_usage=True)
     event = b'event: response.completed\ndata: {"type":"response.completed","response":{"usage":{"x":1}}}\n\n'
     assert relay.feed(event) == event and relay.error is None
+
+
+def test_plain_events_before_the_first_interesting_one_pass_through_untouched() -> None:
+    deltas = b"".join(b'data: {"choices":[{"index":0,"delta":{"content":"t%d"}}]}\n\n' % i for i in range(20))
+    usage = b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":20}}\n\n'
+    relay = SseRelay(strip_usage=True)
+    out = relay.feed(deltas + usage + b"data: [DONE]\n\n")
+    assert out == deltas + b"data: [DONE]\n\n"  # the usage chunk the client did not ask for is gone
+    assert relay.done and relay.usage == {"prompt_tokens": 3, "completion_tokens": 20}
+    kept = SseRelay(strip_usage=False)
+    assert kept.feed(deltas + usage) == deltas + usage and kept.usage is not None

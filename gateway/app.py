@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.admin import admin_routes
 from gateway.admission import Endpoint, RequestHead, admit, request_id_of, request_ids
+from gateway.disconnect import DisconnectGuard
 from gateway.errors import ApiError, error_response
 from gateway.fleet import Fleet
 from gateway.policy_watch import PolicyWatcher
@@ -42,7 +43,6 @@ class GatewayApp:
     def __init__(self, state: GatewayState, fallback: Starlette) -> None:
         self.state = state
         self.fallback = fallback
-        self.watch = DisconnectWatch()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
@@ -94,7 +94,7 @@ class GatewayApp:
                 )
                 response = error_response(err, ids.reply)
             else:
-                guard = DisconnectGuard(receive, self.watch)
+                guard = DisconnectGuard(receive, state.disconnects)
                 try:
                     response = await dispatch(admitted, state)
                 except asyncio.CancelledError:
@@ -111,76 +111,6 @@ class GatewayApp:
                 ApiError(500, "internal gateway error", "server_error", "internal_error"), ids.reply
             )
         await response(scope, receive, send)
-
-
-class DisconnectGuard:
-    """Cancels the request's task when the client disconnects while the gateway waits for a
-    worker's answer head or a whole non-streamed answer, so the worker's request is cancelled too.
-
-    A watcher task is started only for requests still waiting after `DisconnectWatch.delay_s`
-    (quick requests pay a dict insert and removal, not a timer or a task each).
-    """
-
-    __slots__ = ("_receive", "_task", "_watch", "_watcher", "fired")
-
-    def __init__(self, receive: Receive, watch: DisconnectWatch) -> None:
-        self._receive = receive
-        self._task = asyncio.current_task()
-        self._watch = watch
-        self._watcher: asyncio.Future[None] | None = None
-        self.fired = False
-        watch.add(self)
-
-    def start(self) -> None:
-        self._watcher = asyncio.ensure_future(self._run())
-
-    async def _run(self) -> None:
-        while True:
-            message = await self._receive()
-            if message["type"] == "http.disconnect":
-                self.fired = True
-                if self._task is not None:
-                    self._task.cancel()
-                return
-
-    def close(self) -> None:
-        self._watch.discard(self)
-        if self._watcher is not None:
-            self._watcher.cancel()
-        if self.fired and self._task is not None:
-            self._task.uncancel()
-
-
-class DisconnectWatch:
-    """Starts the watchers of requests waiting longer than `delay_s`, from one timer per
-    `delay_s / 2` while any request waits (one timer per request cost more than the rest of
-    the guard)."""
-
-    def __init__(self, delay_s: float = 0.25) -> None:
-        self.delay_s = delay_s
-        self._waiting: dict[DisconnectGuard, float] = {}  # in arrival order
-        self._timer: asyncio.TimerHandle | None = None
-
-    def add(self, guard: DisconnectGuard) -> None:
-        loop = asyncio.get_running_loop()
-        self._waiting[guard] = loop.time()
-        if self._timer is None:
-            self._timer = loop.call_later(self.delay_s / 2, self._tick)
-
-    def discard(self, guard: DisconnectGuard) -> None:
-        self._waiting.pop(guard, None)
-
-    def _tick(self) -> None:
-        waiting = self._waiting
-        loop = asyncio.get_running_loop()
-        due_s = loop.time() - self.delay_s
-        while waiting:
-            guard, since_s = next(iter(waiting.items()))
-            if since_s > due_s:
-                break
-            del waiting[guard]
-            guard.start()
-        self._timer = loop.call_later(self.delay_s / 2, self._tick) if waiting else None
 
 
 def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> GatewayApp:

@@ -15,6 +15,7 @@ import aiohttp
 
 from gateway.auth import KeyRing, Tenant, derive_secret
 from gateway.config import GatewayConfig
+from gateway.disconnect import DisconnectWatch
 from gateway.logs import AccessLog
 from gateway.metrics import GatewayMetrics
 from gateway.quotas import TenantLimiter
@@ -54,6 +55,7 @@ class GatewayState:
     draining: bool = False
     ready: bool = False
     in_flight_requests: int = 0  # completions between arrival and their last byte
+    disconnects: DisconnectWatch = field(default_factory=DisconnectWatch)
     active_streams: set[ProxyStream] = field(default_factory=set)
     streams_idle: asyncio.Event = field(default_factory=asyncio.Event)
 

@@ -1,8 +1,8 @@
 """The streamed response: relay upstream SSE to the client, end cleanly on every failure.
 
-Runs as a raw ASGI response so it can watch for the client's disconnect while waiting on the
-worker: a client that leaves cancels the upstream request at once (the worker sees the
-connection close), not at the next chunk.
+Runs as a raw ASGI response in the request's own task. A client that leaves cancels that task
+(`disconnect.py`: a watcher is started once the stream has run for a quarter second), which
+closes the upstream connection, so the worker stops generating.
 
 Every failed stream ends with exactly one error event in the gateway's OpenAI shape, then
 `[DONE]`: the worker's own in-stream error rewritten by the relay (`sse.py`), or one the gateway
@@ -14,12 +14,12 @@ client is never kept waiting on a worker that keeps talking.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 import aiohttp
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
+from gateway.disconnect import DisconnectGuard
 from gateway.outcome import Attempt, record_request, usage_of
 from gateway.sse import DONE_EVENT, SseRelay, error_event
 from gateway.state import GatewayState
@@ -48,29 +48,16 @@ class ProxyStream:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._state.stream_started(self)
-        relay_task = asyncio.ensure_future(self._relay(send))
-        watch_task = asyncio.ensure_future(self._watch_disconnect(receive))
+        # A client that leaves cancels this task (and so the relay, which closes the upstream).
+        guard = DisconnectGuard(receive, self._state.disconnects)
         try:
-            await asyncio.wait({relay_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
-            if not relay_task.done():
-                # The client left first: cancel the relay, which closes the upstream connection.
-                self._client_gone = True
-                relay_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await relay_task
+            await self._relay(send)
+        except asyncio.CancelledError:
+            if not guard.fired:
+                raise
         finally:
-            watch_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watch_task
-            if not relay_task.done():
-                relay_task.cancel()
+            guard.close()
             self._state.stream_ended(self)
-
-    async def _watch_disconnect(self, receive: Receive) -> None:
-        while True:
-            message: Message = await receive()
-            if message["type"] == "http.disconnect":
-                return
 
     async def _relay(self, send: Send) -> None:
         attempt = self._attempt

@@ -20,8 +20,15 @@ from gateway.errors import ApiError, RawResponse, error_response, normalize_work
 from gateway.outcome import Attempt, Usage, record_request, usage_of
 from gateway.registry import DirectAddress
 from gateway.state import GatewayState
-from gateway.streaming import ProxyStream
-from gateway.upstream import UpstreamBusy, UpstreamConnectError, UpstreamError, UpstreamTimeout, request_bytes
+from gateway.streaming import AiohttpSource, ProxyStream
+from gateway.upstream import (
+    UpstreamBusy,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamStream,
+    UpstreamTimeout,
+    request_bytes,
+)
 from policies.base import Outcome, WorkerId
 
 log = logging.getLogger("kvgate.proxy")
@@ -69,8 +76,8 @@ async def _dispatch(a: Admitted, state: GatewayState, attempts: list[Attempt]) -
         worker.acquire(a.route.n_prompt_tokens, a.max_output_tokens, now_s)
         attempt = Attempt(a, worker, decision.reason, now_s, decision)
         attempts.append(attempt)
-        if not a.stream and worker.direct is not None and state.lean is not None:
-            # Non-streamed answer from a plain-HTTP worker: the lean client (gateway/upstream.py).
+        if worker.direct is not None and state.lean is not None:
+            # A plain-HTTP worker: the lean client (gateway/upstream.py).
             outcome = await _lean(state, a, attempt, worker.direct, n)
             if isinstance(outcome, ApiError):
                 last = outcome
@@ -104,7 +111,7 @@ async def _dispatch(a: Admitted, state: GatewayState, attempts: list[Attempt]) -
             last = upstream_error(502, f"worker answered {resp.status}")
             continue
         if a.stream and resp.status == 200 and resp.content_type == "text/event-stream":
-            return ProxyStream(state, attempt, resp, retries=n)
+            return ProxyStream(state, attempt, AiohttpSource(resp), retries=n)
         return await _whole(state, a, attempt, resp, n)
     if last is None:
         last = upstream_error(503, f"no healthy worker available for model '{a.model}'")
@@ -142,17 +149,28 @@ async def _whole(
 
 async def _lean(
     state: GatewayState, a: Admitted, attempt: Attempt, address: DirectAddress, retries: int
-) -> RawResponse | ApiError:
-    """One non-streamed attempt through the lean client: the response, or the error that ends
-    this attempt (502 and 503 may be retried on another worker; 504 ends the request)."""
-    assert state.lean is not None
+) -> RawResponse | ProxyStream | ApiError:
+    """One attempt through the lean client: the response, or the error that ends this attempt
+    (502 and 503 may be retried on another worker; 504 ends the request)."""
+    lean = state.lean
+    assert lean is not None
     timeouts = a.pool.config.timeouts
     head = b"Content-Type: application/json\r\nX-Request-Id: " + a.request_id.encode() + b"\r\n"
     request = request_bytes(
         address.host_header, UPSTREAM_PATHS_B[a.endpoint], head, a.body_for(attempt.decision)
     )
     try:
-        reply = await state.lean.post(
+        if a.stream:
+            stream = await lean.open_stream(
+                address.host,
+                address.port,
+                request,
+                connect_s=timeouts.connect_s,
+                read_s=timeouts.read_s,
+                total_s=timeouts.total_s,
+            )
+            return await _lean_stream(state, a, attempt, stream, retries)
+        reply = await lean.post(
             address.host,
             address.port,
             request,
@@ -194,6 +212,28 @@ async def _lean(
     return _answer(
         state, a, attempt, reply.status, reply.body, reply.content_type or "application/json", retries
     )
+
+
+async def _lean_stream(
+    state: GatewayState, a: Admitted, attempt: Attempt, stream: UpstreamStream, retries: int
+) -> RawResponse | ProxyStream | ApiError:
+    """A streamed request's answer head from the lean client: an event stream is relayed, a 5xx
+    may be retried elsewhere, anything else (a worker's 4xx) is read whole and passed through.
+    Errors while reading propagate to `_lean` after the connection is dropped."""
+    if stream.status >= 500:
+        stream.close()
+        attempt.fail(state, Outcome.WORKER_FAILED)
+        return upstream_error(502, f"worker answered {stream.status}")
+    content_type = stream.content_type.split(";", 1)[0].strip().lower()
+    if stream.status == 200 and content_type == "text/event-stream":
+        return ProxyStream(state, attempt, stream, retries=retries)
+    try:
+        body = await stream.read_all()
+    except BaseException:
+        stream.close()
+        raise
+    stream.release()
+    return _answer(state, a, attempt, stream.status, body, stream.content_type or "application/json", retries)
 
 
 def _answer(

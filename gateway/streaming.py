@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Protocol
 
 import aiohttp
 from starlette.types import Receive, Scope, Send
@@ -23,17 +24,45 @@ from gateway.disconnect import DisconnectGuard
 from gateway.outcome import Attempt, record_request, usage_of
 from gateway.sse import DONE_EVENT, SseRelay, error_event
 from gateway.state import GatewayState
+from gateway.upstream import UpstreamError
 from policies.base import Outcome
 
 log = logging.getLogger("kvgate.streaming")
 
 
+class StreamSource(Protocol):
+    """A worker's streamed answer: `read()` until it returns b"", then `release()` (the connection
+    may be reused); `close()` drops it at any time, so the worker stops."""
+
+    async def read(self) -> bytes: ...
+
+    def release(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class AiohttpSource:
+    """An aiohttp response (https workers) as a `StreamSource`."""
+
+    __slots__ = ("_resp",)
+
+    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+        self._resp = resp
+
+    async def read(self) -> bytes:
+        return await self._resp.content.readany()
+
+    def release(self) -> None:
+        self._resp.release()
+
+    def close(self) -> None:
+        self._resp.close()
+
+
 class ProxyStream:
     """An ASGI response that owns one upstream streamed response until it ends."""
 
-    def __init__(
-        self, state: GatewayState, attempt: Attempt, upstream: aiohttp.ClientResponse, retries: int
-    ) -> None:
+    def __init__(self, state: GatewayState, attempt: Attempt, upstream: StreamSource, retries: int) -> None:
         self._state = state
         self._attempt = attempt
         self._upstream = upstream
@@ -82,7 +111,7 @@ class ProxyStream:
                 }
             )
             try:
-                async for chunk in self._upstream.content.iter_any():
+                while chunk := await self._upstream.read():
                     if attempt.ttft_s is None:
                         attempt.first_token()
                     out = relay.feed(chunk)
@@ -97,7 +126,7 @@ class ProxyStream:
                         await send({"type": "http.response.body", "body": out, "more_body": True})
                     if relay.error is not None:
                         break
-            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            except (aiohttp.ClientError, UpstreamError, TimeoutError, ValueError) as exc:
                 if answered:
                     upstream_broken = True
                 else:

@@ -1,4 +1,4 @@
-"""A lean HTTP/1.1 client for the hot path's non-streamed POSTs to plain-HTTP workers.
+"""A lean HTTP/1.1 client for the hot path's POSTs to plain-HTTP workers.
 
 aiohttp's request machinery (header multidicts, payload objects, tracing hooks, timer contexts)
 was the largest single share of the gateway's CPU per request. A non-streamed completion needs
@@ -15,7 +15,10 @@ exceed the number of slots. A request that finds every slot busy waits up to its
 then fails with `UpstreamBusy` (the gateway answers 503 if no other worker takes it). Slots and
 the timeout sweep live in `upstream_slots.py`.
 
-Streamed requests, https workers and everything off the hot path keep using aiohttp.
+Streamed answers come through `open_stream`: the head first, then the body as it arrives, read
+from a bounded buffer (the connection stops reading from the worker while the reader lags).
+https workers and everything off the hot path keep using aiohttp. The connection itself is in
+`upstream_conn.py`.
 """
 
 from __future__ import annotations
@@ -23,192 +26,30 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from typing import cast
 
-import httptools
-
+from gateway.upstream_conn import (
+    MAX_ANSWER_BYTES,
+    UpstreamBusy,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamHead,
+    UpstreamReply,
+    UpstreamTimeout,
+    WorkerConnection,
+)
 from gateway.upstream_slots import ConnectionSlots, TimeoutSweep
-from policies.records import record
 
-# A non-streamed answer is held whole before it is relayed: bound it (a chat completion with many
-# choices and logprobs stays far below this).
-MAX_ANSWER_BYTES = 64 * 1024 * 1024
-
-
-class UpstreamError(Exception):
-    """The request did not produce a complete answer. `answered` is True when the worker had
-    started answering (response bytes arrived), so the request must not be retried elsewhere."""
-
-    def __init__(self, message: str, *, answered: bool) -> None:
-        super().__init__(message)
-        self.answered = answered
-
-
-class UpstreamConnectError(UpstreamError):
-    """No connection (refused, unreachable, or the connect timed out)."""
-
-    def __init__(self, message: str, *, timed_out: bool) -> None:
-        super().__init__(message, answered=False)
-        self.timed_out = timed_out
-
-
-class UpstreamBusy(UpstreamConnectError):
-    """Every connection slot to the worker stayed busy for the whole connect timeout."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, timed_out=True)
-
-
-class UpstreamTimeout(UpstreamError):
-    """The worker was silent for longer than the read timeout (or the total timeout passed)."""
-
-
-@record
-class UpstreamReply:
-    """A complete non-streamed answer."""
-
-    status: int
-    content_type: str
-    body: bytes
-
-
-class _Connection(asyncio.Protocol):
-    """One keep-alive connection; serves one request at a time."""
-
-    __slots__ = (
-        "_body",
-        "_content_type",
-        "_deadline_s",
-        "_done",
-        "_header_name",
-        "_last_activity_s",
-        "_loop",
-        "_parser",
-        "_read_s",
-        "_size",
-        "_sweep",
-        "alive",
-        "got_bytes",
-        "idle_since_s",
-        "transport",
-    )
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, sweep: TimeoutSweep) -> None:
-        self._loop = loop
-        self._sweep = sweep
-        self.transport: asyncio.Transport | None = None
-        self.alive = False
-        self.idle_since_s = 0.0
-        self._done: asyncio.Future[UpstreamReply] | None = None
-        self._parser: httptools.HttpResponseParser | None = None
-        self._body: list[bytes] = []
-        self._size = 0
-        self._content_type = ""
-        self._header_name = b""
-        self._read_s = 0.0
-        self._deadline_s = 0.0
-        self._last_activity_s = 0.0
-        self.got_bytes = False
-
-    # asyncio.Protocol -------------------------------------------------------------------------
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports are not asyncio.Transport subclasses but have the same interface.
-        self.transport = cast(asyncio.Transport, transport)
-        self.alive = True
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.alive = False
-        self._fail(UpstreamError("worker closed the connection", answered=self.got_bytes))
-
-    def data_received(self, data: bytes) -> None:
-        if self._parser is None:
-            self.alive = False  # bytes nobody asked for: the connection is unusable
-            self._close()
-            return
-        self.got_bytes = True
-        self._last_activity_s = self._loop.time()
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._fail(UpstreamError("worker tried to upgrade the connection", answered=True))
-        except httptools.HttpParserError:
-            self._fail(UpstreamError("worker sent a malformed answer", answered=True))
-
-    # httptools callbacks ---------------------------------------------------------------------
-    def on_header(self, name: bytes, value: bytes) -> None:
-        if name.lower() == b"content-type":
-            self._content_type = value.decode("latin-1")
-
-    def on_body(self, body: bytes) -> None:
-        self._size += len(body)
-        if self._size > MAX_ANSWER_BYTES:
-            self.alive = False
-            self._fail(UpstreamError("worker answer too large", answered=True))
-            self._close()
-            return
-        self._body.append(body)
-
-    def on_message_complete(self) -> None:
-        parser = self._parser
-        done = self._done
-        if parser is None or done is None:
-            return
-        keep = parser.should_keep_alive()
-        reply = UpstreamReply(parser.get_status_code(), self._content_type, b"".join(self._body))
-        self._reset()
-        if not keep:
-            self.alive = False
-            self._close()
-        if not done.done():
-            done.set_result(reply)
-
-    # requests --------------------------------------------------------------------------------
-    def request(self, data: bytes, read_s: float, total_s: float) -> asyncio.Future[UpstreamReply]:
-        assert self.transport is not None
-        self._done = self._loop.create_future()
-        self._parser = httptools.HttpResponseParser(self)
-        self._body = []
-        self._size = 0
-        self._content_type = ""
-        self.got_bytes = False
-        now = self._loop.time()
-        self._read_s = read_s
-        self._deadline_s = now + total_s
-        self._last_activity_s = now
-        self._sweep.add(self)
-        self.transport.write(data)
-        return self._done
-
-    def check_timeout(self, now: float) -> None:
-        """Fail the request if the worker has been silent for `read_s`, or `total_s` has passed."""
-        if now < min(self._last_activity_s + self._read_s, self._deadline_s):
-            return
-        self.alive = False
-        answered = self.got_bytes
-        self._fail(UpstreamTimeout("worker timed out", answered=answered))
-        self._close()
-
-    def abort(self) -> None:
-        """The caller gave up (client disconnect): drop the connection so the worker stops."""
-        self.alive = False
-        self._reset()
-        if self.transport is not None:
-            self.transport.abort()
-
-    def _fail(self, exc: UpstreamError) -> None:
-        done = self._done
-        self._reset()
-        if done is not None and not done.done():
-            done.set_exception(exc)
-
-    def _reset(self) -> None:
-        self._sweep.discard(self)
-        self._parser = None
-        self._done = None
-
-    def _close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
+__all__ = [
+    "MAX_ANSWER_BYTES",
+    "UpstreamBusy",
+    "UpstreamConnectError",
+    "UpstreamError",
+    "UpstreamPool",
+    "UpstreamReply",
+    "UpstreamStream",
+    "UpstreamTimeout",
+    "request_bytes",
+]
 
 
 class UpstreamPool:
@@ -221,7 +62,7 @@ class UpstreamPool:
         keepalive_timeout_s: float = 30.0,
         max_open_per_worker: int = 256,
     ) -> None:
-        self._idle: dict[tuple[str, int], deque[_Connection]] = {}
+        self._idle: dict[tuple[str, int], deque[WorkerConnection]] = {}
         self._max_idle = max_idle_per_worker
         self._keepalive_s = keepalive_timeout_s
         self._max_open = max_open_per_worker
@@ -243,26 +84,79 @@ class UpstreamPool:
     ) -> UpstreamReply:
         """Send one prebuilt request (head and body) and return the whole answer."""
         key = (host, port)
+        slots = await self._enter(key, connect_s)
+        try:
+            return await self._exchange(key, host, port, request, connect_s, read_s, total_s)
+        finally:
+            self._leave(key, slots)
+
+    async def open_stream(
+        self,
+        host: str,
+        port: int,
+        request: bytes,
+        *,
+        connect_s: float,
+        read_s: float,
+        total_s: float,
+    ) -> UpstreamStream:
+        """Send one prebuilt request and return its answer's head; the body is read from the
+        returned stream, which holds the connection (and its slot) until released or closed."""
+        key = (host, port)
+        slots = await self._enter(key, connect_s)
+        try:
+            conn = self._take(key)
+            head: UpstreamHead | None = None
+            if conn is not None:
+                try:
+                    head = await self._open(conn, request, read_s, total_s)
+                except UpstreamError as exc:
+                    if exc.answered or isinstance(exc, UpstreamTimeout):
+                        raise
+                    # A reused connection the worker had closed: it never saw this request.
+            if head is None:
+                conn = await self._connect(host, port, connect_s)
+                head = await self._open(conn, request, read_s, total_s)
+            assert conn is not None
+        except BaseException:
+            self._leave(key, slots)
+            raise
+        return UpstreamStream(self, key, slots, conn, head)
+
+    async def _open(
+        self, conn: WorkerConnection, request: bytes, read_s: float, total_s: float
+    ) -> UpstreamHead:
+        try:
+            return await conn.stream(request, read_s, total_s)
+        except (asyncio.CancelledError, UpstreamError):
+            conn.abort()
+            raise
+
+    async def _enter(self, key: tuple[str, int], connect_s: float) -> ConnectionSlots:
+        """Take one of the worker's connection slots (waiting up to `connect_s` for one)."""
         slots = self._slots.get(key)
         if slots is None:
             slots = self._slots[key] = ConnectionSlots(self._max_open)
         slots.users += 1
+        if slots.take():
+            return slots
         try:
-            if not slots.take():
-                try:
-                    await slots.wait(connect_s)
-                except TimeoutError:
-                    raise UpstreamBusy(
-                        f"all {slots.capacity} connections to the worker stayed busy"
-                    ) from None
-            try:
-                return await self._exchange(key, host, port, request, connect_s, read_s, total_s)
-            finally:
-                slots.give()
-        finally:
-            slots.users -= 1
-            if not slots.users:
-                del self._slots[key]
+            await slots.wait(connect_s)
+        except BaseException as exc:
+            self._forget(key, slots)
+            if isinstance(exc, TimeoutError):
+                raise UpstreamBusy(f"all {slots.capacity} connections to the worker stayed busy") from None
+            raise
+        return slots
+
+    def _leave(self, key: tuple[str, int], slots: ConnectionSlots) -> None:
+        slots.give()
+        self._forget(key, slots)
+
+    def _forget(self, key: tuple[str, int], slots: ConnectionSlots) -> None:
+        slots.users -= 1
+        if not slots.users and self._slots.get(key) is slots:
+            del self._slots[key]
 
     async def _exchange(
         self,
@@ -286,7 +180,7 @@ class UpstreamPool:
         return await self._run(key, conn, request, read_s, total_s)
 
     async def _run(
-        self, key: tuple[str, int], conn: _Connection, request: bytes, read_s: float, total_s: float
+        self, key: tuple[str, int], conn: WorkerConnection, request: bytes, read_s: float, total_s: float
     ) -> UpstreamReply:
         try:
             reply = await conn.request(request, read_s, total_s)
@@ -296,18 +190,20 @@ class UpstreamPool:
         self._give_back(key, conn)
         return reply
 
-    async def _connect(self, host: str, port: int, connect_s: float) -> _Connection:
+    async def _connect(self, host: str, port: int, connect_s: float) -> WorkerConnection:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(connect_s):
-                _, protocol = await loop.create_connection(lambda: _Connection(loop, self._sweep), host, port)
+                _, protocol = await loop.create_connection(
+                    lambda: WorkerConnection(loop, self._sweep), host, port
+                )
         except TimeoutError:
             raise UpstreamConnectError("connect timed out", timed_out=True) from None
         except OSError as exc:
             raise UpstreamConnectError(f"connect failed ({type(exc).__name__})", timed_out=False) from None
         return protocol
 
-    def _take(self, key: tuple[str, int]) -> _Connection | None:
+    def _take(self, key: tuple[str, int]) -> WorkerConnection | None:
         idle = self._idle.get(key)
         if not idle:
             return None
@@ -319,7 +215,7 @@ class UpstreamPool:
             conn.abort()
         return None
 
-    def _give_back(self, key: tuple[str, int], conn: _Connection) -> None:
+    def _give_back(self, key: tuple[str, int], conn: WorkerConnection) -> None:
         if not conn.alive or self._closed:
             conn.abort()
             return
@@ -336,6 +232,64 @@ class UpstreamPool:
             for conn in idle:
                 conn.abort()
         self._idle.clear()
+
+
+class UpstreamStream:
+    """A streamed answer from the lean client: `status` and `content_type`, then `read()` until
+    it returns b"". `release()` after the end gives the connection back to the pool; `close()`
+    (any time) drops it, so the worker stops. Either frees the connection slot, once."""
+
+    __slots__ = ("_conn", "_done", "_key", "_pool", "_slots", "content_type", "status")
+
+    def __init__(
+        self,
+        pool: UpstreamPool,
+        key: tuple[str, int],
+        slots: ConnectionSlots,
+        conn: WorkerConnection,
+        head: UpstreamHead,
+    ) -> None:
+        self._pool = pool
+        self._key = key
+        self._slots = slots
+        self._conn = conn
+        self._done = False
+        self.status = head.status
+        self.content_type = head.content_type
+
+    async def read(self) -> bytes:
+        """The bytes that arrived since the last read (waiting for some); b"" at the end."""
+        return await self._conn.body.read()
+
+    async def read_all(self, max_bytes: int = MAX_ANSWER_BYTES) -> bytes:
+        """The rest of the answer (for a worker that did not stream, e.g. a 4xx)."""
+        parts: list[bytes] = []
+        size = 0
+        while data := await self.read():
+            size += len(data)
+            if size > max_bytes:
+                raise UpstreamError("worker answer too large", answered=True)
+            parts.append(data)
+        return b"".join(parts)
+
+    def release(self) -> None:
+        """The answer was read to its end: the connection may serve another request."""
+        if self._done:
+            return
+        self._done = True
+        if self._conn.body.eof:
+            self._pool._give_back(self._key, self._conn)
+        else:
+            self._conn.abort()
+        self._pool._leave(self._key, self._slots)
+
+    def close(self) -> None:
+        """Drop the connection (the client left, the gateway drains, or the stream failed)."""
+        if self._done:
+            return
+        self._done = True
+        self._conn.abort()
+        self._pool._leave(self._key, self._slots)
 
 
 def request_bytes(host_header: bytes, path: bytes, headers: bytes, body: bytes) -> bytes:

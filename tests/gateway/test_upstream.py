@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -16,60 +15,9 @@ from gateway.upstream import (
     UpstreamPool,
     UpstreamReply,
     UpstreamTimeout,
-    request_bytes,
 )
 from loadtest.overhead_load import free_port
-
-Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
-OK = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"ok": 1}\r\n'
-
-
-@dataclass
-class Server:
-    port: int
-    connections: int = 0
-    requests: list[bytes] = field(default_factory=list)
-    closed: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-async def read_request(reader: asyncio.StreamReader) -> bytes:
-    head = await reader.readuntil(b"\r\n\r\n")
-    length = next(
-        int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
-    )
-    return head + await reader.readexactly(length)
-
-
-@pytest.fixture
-async def serve() -> AsyncIterator[Callable[[Handler], Awaitable[Server]]]:
-    servers: list[asyncio.Server] = []
-
-    async def start(handler: Handler) -> Server:
-        state = Server(0)
-
-        async def on_client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            state.connections += 1
-            try:
-                await handler(reader, writer, state.connections)
-            except (asyncio.IncompleteReadError, ConnectionError):
-                pass
-            finally:
-                writer.close()
-                state.closed.set()
-
-        server = await asyncio.start_server(on_client, "127.0.0.1", 0)
-        servers.append(server)
-        state.port = server.sockets[0].getsockname()[1]
-        return state
-
-    yield start
-    for server in servers:
-        server.close()
-        await server.wait_closed()
-
-
-def post(body: bytes = b"{}") -> bytes:
-    return request_bytes(b"127.0.0.1", b"/v1/chat/completions", b"X-Request-Id: r1\r\n", body)
+from tests.gateway.fake_upstream import OK, Handler, Server, post, read_request
 
 
 async def send(pool: UpstreamPool, server: Server, read_s: float = 2.0) -> UpstreamReply:
@@ -179,7 +127,7 @@ async def test_connect_errors_and_a_worker_dying_mid_answer(
 async def test_an_oversized_answer_is_refused(
     serve: Callable[[Handler], Awaitable[Server]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("gateway.upstream.MAX_ANSWER_BYTES", 1000)
+    monkeypatch.setattr("gateway.upstream_conn.MAX_ANSWER_BYTES", 1000)
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
         await read_request(reader)

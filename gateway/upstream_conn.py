@@ -1,0 +1,329 @@
+"""One keep-alive HTTP/1.1 connection to a worker, parsed by httptools (the C parser uvicorn uses).
+
+A connection serves one request at a time, in one of two modes: a whole answer (status, content
+type and body, resolved when the answer is complete), or a stream (status and content type as
+soon as the head arrives, then body chunks through a bounded buffer that pauses reading while the
+consumer lags). Read and total timeouts are checked by the pool's `TimeoutSweep`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import cast
+
+import httptools
+
+from gateway.upstream_slots import TimeoutSweep
+from policies.records import record
+
+# A non-streamed answer is held whole before it is relayed: bound it (a chat completion with many
+# choices and logprobs stays far below this).
+MAX_ANSWER_BYTES = 64 * 1024 * 1024
+
+
+class UpstreamError(Exception):
+    """The request did not produce a complete answer. `answered` is True when the worker had
+    started answering (response bytes arrived), so the request must not be retried elsewhere."""
+
+    def __init__(self, message: str, *, answered: bool) -> None:
+        super().__init__(message)
+        self.answered = answered
+
+
+class UpstreamConnectError(UpstreamError):
+    """No connection (refused, unreachable, or the connect timed out)."""
+
+    def __init__(self, message: str, *, timed_out: bool) -> None:
+        super().__init__(message, answered=False)
+        self.timed_out = timed_out
+
+
+class UpstreamBusy(UpstreamConnectError):
+    """Every connection slot to the worker stayed busy for the whole connect timeout."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, timed_out=True)
+
+
+class UpstreamTimeout(UpstreamError):
+    """The worker was silent for longer than the read timeout (or the total timeout passed)."""
+
+
+@record
+class UpstreamReply:
+    """A complete non-streamed answer."""
+
+    status: int
+    content_type: str
+    body: bytes
+
+
+@record
+class UpstreamHead:
+    """The status and content type of a streamed answer, known before its body."""
+
+    status: int
+    content_type: str
+
+
+# A streamed answer's unread bytes above which the connection stops reading from the worker
+# (TCP then slows the worker down), and below which it reads again.
+STREAM_PAUSE_BYTES = 1024 * 1024
+STREAM_RESUME_BYTES = 256 * 1024
+
+
+class StreamBody:
+    """The body of a streamed answer between the connection (writer) and one reader."""
+
+    __slots__ = ("_conn", "_waiter", "chunks", "eof", "error", "size")
+
+    def __init__(self, conn: WorkerConnection) -> None:
+        self._conn = conn
+        self.chunks: deque[bytes] = deque()
+        self.size = 0
+        self.eof = False
+        self.error: UpstreamError | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    def push(self, data: bytes) -> None:
+        self.chunks.append(data)
+        self.size += len(data)
+        if self.size > STREAM_PAUSE_BYTES:
+            self._conn.pause()
+        self._wake()
+
+    def end(self, error: UpstreamError | None = None) -> None:
+        if error is not None:
+            self.error = error
+        else:
+            self.eof = True
+        self._wake()
+
+    async def read(self) -> bytes:
+        """Everything received so far (waiting for something); b"" at the end of the answer."""
+        while not self.chunks:
+            if self.error is not None:
+                raise self.error
+            if self.eof:
+                return b""
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        data = self.chunks.popleft() if len(self.chunks) == 1 else b"".join(self.chunks)
+        self.chunks.clear()
+        self.size = 0
+        self._conn.resume()
+        return data
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+
+class WorkerConnection(asyncio.Protocol):
+    """One keep-alive connection; serves one request at a time."""
+
+    __slots__ = (
+        "_body",
+        "_content_type",
+        "_deadline_s",
+        "_done",
+        "_head",
+        "_header_name",
+        "_last_activity_s",
+        "_loop",
+        "_parser",
+        "_paused",
+        "_read_s",
+        "_size",
+        "_stream",
+        "_sweep",
+        "alive",
+        "got_bytes",
+        "idle_since_s",
+        "transport",
+    )
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, sweep: TimeoutSweep) -> None:
+        self._loop = loop
+        self._sweep = sweep
+        self.transport: asyncio.Transport | None = None
+        self.alive = False
+        self.idle_since_s = 0.0
+        self._done: asyncio.Future[UpstreamReply] | None = None
+        # Stream mode: the head future, then the body the reader drains.
+        self._head: asyncio.Future[UpstreamHead] | None = None
+        self._stream: StreamBody | None = None
+        self._paused = False
+        self._parser: httptools.HttpResponseParser | None = None
+        self._body: list[bytes] = []
+        self._size = 0
+        self._content_type = ""
+        self._header_name = b""
+        self._read_s = 0.0
+        self._deadline_s = 0.0
+        self._last_activity_s = 0.0
+        self.got_bytes = False
+
+    # asyncio.Protocol -------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses but have the same interface.
+        self.transport = cast(asyncio.Transport, transport)
+        self.alive = True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.alive = False
+        self._fail(UpstreamError("worker closed the connection", answered=self.got_bytes))
+
+    def data_received(self, data: bytes) -> None:
+        if self._parser is None:
+            self.alive = False  # bytes nobody asked for: the connection is unusable
+            self._close()
+            return
+        self.got_bytes = True
+        self._last_activity_s = self._loop.time()
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(UpstreamError("worker tried to upgrade the connection", answered=True))
+        except httptools.HttpParserError:
+            self._fail(UpstreamError("worker sent a malformed answer", answered=True))
+
+    # httptools callbacks ---------------------------------------------------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() == b"content-type":
+            self._content_type = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        head = self._head
+        if head is not None and self._parser is not None and not head.done():
+            head.set_result(UpstreamHead(self._parser.get_status_code(), self._content_type))
+
+    def on_body(self, body: bytes) -> None:
+        if self._stream is not None:
+            self._stream.push(body)
+            return
+        self._size += len(body)
+        if self._size > MAX_ANSWER_BYTES:
+            self.alive = False
+            self._fail(UpstreamError("worker answer too large", answered=True))
+            self._close()
+            return
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        parser = self._parser
+        stream = self._stream
+        if stream is not None and parser is not None:
+            keep = parser.should_keep_alive()
+            self._reset()
+            if not keep:
+                self.alive = False
+                self._close()
+            stream.end()
+            return
+        done = self._done
+        if parser is None or done is None:
+            return
+        keep = parser.should_keep_alive()
+        reply = UpstreamReply(parser.get_status_code(), self._content_type, b"".join(self._body))
+        self._reset()
+        if not keep:
+            self.alive = False
+            self._close()
+        if not done.done():
+            done.set_result(reply)
+
+    # requests --------------------------------------------------------------------------------
+    def request(self, data: bytes, read_s: float, total_s: float) -> asyncio.Future[UpstreamReply]:
+        """Send a request whose answer is read whole."""
+        self._done = self._loop.create_future()
+        self._head = None
+        self._stream = None
+        self._start(data, read_s, total_s)
+        return self._done
+
+    def _start(self, data: bytes, read_s: float, total_s: float) -> None:
+        assert self.transport is not None
+        if self._paused:
+            self._paused = False
+            self.transport.resume_reading()
+        self._parser = httptools.HttpResponseParser(self)
+        self._body = []
+        self._size = 0
+        self._content_type = ""
+        self.got_bytes = False
+        now = self._loop.time()
+        self._read_s = read_s
+        self._deadline_s = now + total_s
+        self._last_activity_s = now
+        self._sweep.add(self)
+        self.transport.write(data)
+
+    def stream(self, data: bytes, read_s: float, total_s: float) -> asyncio.Future[UpstreamHead]:
+        """Send a request whose answer is read as a stream: the head future resolves first, then
+        `body` holds the chunks until the answer ends (or fails)."""
+        self._head = self._loop.create_future()
+        self._stream = StreamBody(self)
+        self._start(data, read_s, total_s)
+        return self._head
+
+    @property
+    def body(self) -> StreamBody:
+        assert self._stream is not None
+        return self._stream
+
+    def pause(self) -> None:
+        if not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        stream = self._stream
+        if not self._paused or self.transport is None or stream is None or stream.size > STREAM_RESUME_BYTES:
+            return
+        self._paused = False
+        self._last_activity_s = self._loop.time()  # the silence was ours, not the worker's
+        self.transport.resume_reading()
+
+    def check_timeout(self, now: float) -> None:
+        """Fail the request if the worker has been silent for `read_s` (not counting time the
+        reader made it wait), or `total_s` has passed."""
+        silent_until = self._deadline_s if self._paused else self._last_activity_s + self._read_s
+        if now < min(silent_until, self._deadline_s):
+            return
+        self.alive = False
+        answered = self.got_bytes
+        self._fail(UpstreamTimeout("worker timed out", answered=answered))
+        self._close()
+
+    def abort(self) -> None:
+        """The caller gave up (client disconnect): drop the connection so the worker stops."""
+        self.alive = False
+        self._reset()
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _fail(self, exc: UpstreamError) -> None:
+        done, head, stream = self._done, self._head, self._stream
+        self._reset()
+        if done is not None and not done.done():
+            done.set_exception(exc)
+        if head is not None and not head.done():
+            head.set_exception(exc)
+        elif stream is not None and not stream.eof:
+            stream.end(exc)
+
+    def _reset(self) -> None:
+        """The exchange is over (the stream's body stays readable until drained)."""
+        self._sweep.discard(self)
+        self._parser = None
+        self._done = None
+        self._head = None
+
+    def _close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()

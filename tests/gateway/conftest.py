@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from tests.gateway.fake_upstream import Handler, Server
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[Callable[[Handler], Awaitable[Server]]]:
+    servers: list[asyncio.Server] = []
+
+    async def start(handler: Handler) -> Server:
+        state = Server(0)
+
+        async def on_client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            state.connections += 1
+            try:
+                await handler(reader, writer, state.connections)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                pass
+            finally:
+                writer.close()
+                state.closed.set()
+
+        server = await asyncio.start_server(on_client, "127.0.0.1", 0)
+        servers.append(server)
+        state.port = server.sockets[0].getsockname()[1]
+        return state
+
+    yield start
+    for server in servers:
+        server.close()
+        await server.wait_closed()

@@ -1,0 +1,133 @@
+"""The lean client's streamed answers, against small asyncio workers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from gateway.upstream import UpstreamError, UpstreamPool, UpstreamStream, UpstreamTimeout
+from tests.gateway.fake_upstream import Handler, Server, post, read_request
+
+SSE_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream; charset=utf-8\r\nTransfer-Encoding: chunked\r\n\r\n"
+)
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+async def open_stream(pool: UpstreamPool, server: Server, read_s: float = 2.0) -> UpstreamStream:
+    return await pool.open_stream(
+        "127.0.0.1", server.port, post(), connect_s=1.0, read_s=read_s, total_s=10.0
+    )
+
+
+async def test_chunks_arrive_as_sent_and_the_connection_is_reused(
+    serve: Callable[[Handler], Awaitable[Server]],
+) -> None:
+    step = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        while True:
+            await read_request(reader)
+            writer.write(SSE_HEAD + chunk(b"data: 1\n\n"))
+            await writer.drain()
+            await step.wait()
+            step.clear()
+            writer.write(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+            await writer.drain()
+
+    server = await serve(handler)
+    pool = UpstreamPool()
+    for _ in range(2):
+        stream = await open_stream(pool, server)
+        assert (stream.status, stream.content_type) == (200, "text/event-stream; charset=utf-8")
+        assert await stream.read() == b"data: 1\n\n"  # before the worker sends the rest
+        step.set()
+        assert await stream.read() == b"data: [DONE]\n\n"
+        assert await stream.read() == b""
+        stream.release()
+    assert server.connections == 1  # read to its end, the connection served the second stream
+    assert pool._slots == {}
+    pool.close()
+
+
+async def test_closing_a_stream_drops_the_connection_and_frees_the_slot(
+    serve: Callable[[Handler], Awaitable[Server]],
+) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(SSE_HEAD + chunk(b"data: 1\n\n"))
+        await writer.drain()
+        await reader.read()  # until the gateway hangs up
+
+    server = await serve(handler)
+    pool = UpstreamPool(max_open_per_worker=1)
+    stream = await open_stream(pool, server)
+    assert await stream.read() == b"data: 1\n\n"
+    stream.close()
+    stream.close()  # idempotent: the slot is given back once
+    async with asyncio.timeout(2):
+        await server.closed.wait()  # the worker saw the connection go
+    assert pool._slots == {}
+    again = await open_stream(pool, server)  # the only slot is free again
+    again.close()
+    pool.close()
+
+
+async def test_a_silent_worker_mid_stream_times_out_and_a_dying_one_fails(
+    serve: Callable[[Handler], Awaitable[Server]],
+) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await read_request(reader)
+        writer.write(SSE_HEAD + chunk(b"data: 1\n\n"))
+        await writer.drain()
+        if n == 1:
+            await asyncio.sleep(5)  # silent
+        # the second connection dies mid-answer (the fixture closes it)
+
+    server = await serve(handler)
+    pool = UpstreamPool()
+    stream = await open_stream(pool, server, read_s=0.2)
+    assert await stream.read() == b"data: 1\n\n"
+    with pytest.raises(UpstreamTimeout) as timed_out:
+        await stream.read()
+    assert timed_out.value.answered
+    stream.close()
+    stream = await open_stream(pool, server)
+    assert await stream.read() == b"data: 1\n\n"
+    with pytest.raises(UpstreamError, match="closed"):
+        await stream.read()
+    stream.close()
+    pool.close()
+
+
+async def test_a_lagging_reader_pauses_the_worker_and_loses_nothing(
+    serve: Callable[[Handler], Awaitable[Server]],
+) -> None:
+    piece = b"x" * 65536
+    pieces = 64  # 4 MiB, four times the pause threshold
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(SSE_HEAD)
+        for _ in range(pieces):
+            writer.write(chunk(piece))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    server = await serve(handler)
+    pool = UpstreamPool()
+    stream = await open_stream(pool, server, read_s=0.3)
+    await asyncio.sleep(0.6)  # longer than read_s: a paused worker is not a silent one
+    assert stream._conn._paused and stream._conn.body.size < 2 * 1024 * 1024
+    total = 0
+    while data := await stream.read():
+        total += len(data)
+    assert total == len(piece) * pieces
+    stream.release()
+    pool.close()

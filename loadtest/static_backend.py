@@ -6,7 +6,8 @@ nginx is not installed this raw asyncio HTTP/1.1 server stands in. It answers GE
 GET /v1/models and POST /v1/chat/completions, /v1/completions with a fixed vLLM-shaped JSON body,
 keeps connections alive, and reads (then ignores) request bodies by Content-Length. With `stream`
 (`--stream`), chat answers are a fixed vLLM-shaped event stream instead: 16 one-token deltas, the
-finish chunk, the usage chunk and `[DONE]`, sent at once.
+finish chunk, the usage chunk and `[DONE]`, written at once (this server: chunked transfer
+encoding, one chunk per event, as an engine sends them; nginx: one body with a Content-Length).
 
     python -m loadtest.static_backend --port 31001 [--host 127.0.0.1] [--stream]
 """
@@ -124,8 +125,19 @@ def _response(status: str, content_type: str, body: str, close: bool) -> bytes:
     return head.encode() + raw
 
 
+def _chunked_stream() -> bytes:
+    # As an engine sends it: chunked transfer encoding, one chunk per event.
+    head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
+    head += "connection: keep-alive\r\n\r\n"
+    events = [e + b"\n\n" for e in CHAT_STREAM_BODY.encode().split(b"\n\n") if e]
+    return head.encode() + b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n"
+
+
 def _prebuilt(stream: bool) -> dict[tuple[str, str], bytes]:
-    return {key: _response("200 OK", ct, body, close=False) for key, (ct, body) in routes(stream).items()}
+    answers = {key: _response("200 OK", ct, body, close=False) for key, (ct, body) in routes(stream).items()}
+    if stream:
+        answers[("POST", "/v1/chat/completions")] = _chunked_stream()
+    return answers
 
 
 _NOT_FOUND = _response("404 Not Found", "application/json", '{"error":"not found"}', close=False)

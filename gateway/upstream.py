@@ -26,6 +26,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from gateway.upstream_conn import (
     MAX_ANSWER_BYTES,
@@ -38,6 +40,8 @@ from gateway.upstream_conn import (
     WorkerConnection,
 )
 from gateway.upstream_slots import ConnectionSlots, TimeoutSweep
+
+T = TypeVar("T")
 
 __all__ = [
     "MAX_ANSWER_BYTES",
@@ -86,7 +90,10 @@ class UpstreamPool:
         key = (host, port)
         slots = await self._enter(key, connect_s)
         try:
-            return await self._exchange(key, host, port, request, connect_s, read_s, total_s)
+            _, reply = await self._on_a_connection(
+                key, host, port, connect_s, lambda c: self._run(key, c, request, read_s, total_s)
+            )
+            return reply
         finally:
             self._leave(key, slots)
 
@@ -105,23 +112,33 @@ class UpstreamPool:
         key = (host, port)
         slots = await self._enter(key, connect_s)
         try:
-            conn = self._take(key)
-            head: UpstreamHead | None = None
-            if conn is not None:
-                try:
-                    head = await self._open(conn, request, read_s, total_s)
-                except UpstreamError as exc:
-                    if exc.answered or isinstance(exc, UpstreamTimeout):
-                        raise
-                    # A reused connection the worker had closed: it never saw this request.
-            if head is None:
-                conn = await self._connect(host, port, connect_s)
-                head = await self._open(conn, request, read_s, total_s)
-            assert conn is not None
+            conn, head = await self._on_a_connection(
+                key, host, port, connect_s, lambda c: self._open(c, request, read_s, total_s)
+            )
         except BaseException:
             self._leave(key, slots)
             raise
         return UpstreamStream(self, key, slots, conn, head)
+
+    async def _on_a_connection(
+        self,
+        key: tuple[str, int],
+        host: str,
+        port: int,
+        connect_s: float,
+        send: Callable[[WorkerConnection], Awaitable[T]],
+    ) -> tuple[WorkerConnection, T]:
+        """`send` on an idle connection if there is one, else (or if the worker had closed it and
+        so never saw the request) on a new one."""
+        conn = self._take(key)
+        if conn is not None:
+            try:
+                return conn, await send(conn)
+            except UpstreamError as exc:
+                if exc.answered or isinstance(exc, UpstreamTimeout):
+                    raise
+        conn = await self._connect(host, port, connect_s)
+        return conn, await send(conn)
 
     async def _open(
         self, conn: WorkerConnection, request: bytes, read_s: float, total_s: float
@@ -157,27 +174,6 @@ class UpstreamPool:
         slots.users -= 1
         if not slots.users and self._slots.get(key) is slots:
             del self._slots[key]
-
-    async def _exchange(
-        self,
-        key: tuple[str, int],
-        host: str,
-        port: int,
-        request: bytes,
-        connect_s: float,
-        read_s: float,
-        total_s: float,
-    ) -> UpstreamReply:
-        conn = self._take(key)
-        if conn is not None:
-            try:
-                return await self._run(key, conn, request, read_s, total_s)
-            except UpstreamError as exc:
-                if exc.answered or isinstance(exc, UpstreamTimeout):
-                    raise
-                # A reused connection the worker had closed: it never saw this request.
-        conn = await self._connect(host, port, connect_s)
-        return await self._run(key, conn, request, read_s, total_s)
 
     async def _run(
         self, key: tuple[str, int], conn: WorkerConnection, request: bytes, read_s: float, total_s: float

@@ -78,16 +78,7 @@ class Attempt:
             self.worker.breaker.on_failure(now_s)
         else:
             self.worker.breaker.on_abandon()
-        _feedback(
-            state,
-            Observation(
-                request=self.admitted.route,
-                worker=self.worker.worker_id,
-                ttft_s=self.ttft_s,
-                outcome=outcome,
-            ),
-            now_s,
-        )
+        _feedback(state, self._observation(outcome, Usage()), now_s)
 
     def complete(self, state: GatewayState, usage: Usage) -> None:
         """Successful end: breaker success, policy feedback with TTFT and tokens."""
@@ -95,17 +86,17 @@ class Attempt:
             return
         now_s = time.monotonic()
         self.worker.breaker.on_success()
-        _feedback(
-            state,
-            Observation(
-                request=self.admitted.route,
-                worker=self.worker.worker_id,
-                ttft_s=self.ttft_s,
-                prompt_tokens=usage.prompt_tokens,
-                cached_tokens=usage.cached_tokens,
-                completion_tokens=usage.completion_tokens,
-            ),
-            now_s,
+        _feedback(state, self._observation(Outcome.SERVED, usage), now_s)
+
+    def _observation(self, outcome: Outcome, usage: Usage) -> Observation:
+        return Observation(
+            request=self.admitted.route,
+            worker=self.worker.worker_id,
+            ttft_s=self.ttft_s,
+            prompt_tokens=usage.prompt_tokens,
+            cached_tokens=usage.cached_tokens,
+            completion_tokens=usage.completion_tokens,
+            outcome=outcome,
         )
 
 

@@ -79,24 +79,7 @@ def test_render_mode_spans_and_volatile_tail(emulator: str, tmp_path: Path) -> N
         "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hello there"}],
         "tools": TOOLS,
     }
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gateway.cli",
-            "normalize",
-            "--policy",
-            str(policy),
-            "--render-url",
-            emulator,
-            "--block-size",
-            "8",
-        ],
-        input=json.dumps(body),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = _normalize(policy, emulator, 8, json.dumps(body))
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     # The emulator renders "<|system|>\n...<|end|>\n<|tools|>\n...<|end|>\n" first; one token per byte.
@@ -119,25 +102,15 @@ def test_render_mode_completions_text(emulator: str, tmp_path: Path) -> None:
     policy = tmp_path / "policy.yaml"
     policy.write_text("normalizer:\n  mode: render\n")
     prompt = "The quick brown fox jumps over the lazy dog"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gateway.cli",
-            "normalize",
-            "--policy",
-            str(policy),
-            "--render-url",
-            emulator,
-            "--block-size",
-            "4",
-        ],
-        input=json.dumps({"model": "m", "prompt": prompt}),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = _normalize(policy, emulator, 4, json.dumps({"model": "m", "prompt": prompt}))
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["endpoint"] == "completions" and out["n_tokens"] == len(prompt.encode())
     assert [z["zone"] for z in out["zones"]] == ["append_only"] and len(out["block_keys"]) == len(prompt) // 4
+
+
+def _normalize(policy: Path, emulator: str, block_size: int, body: str) -> subprocess.CompletedProcess[str]:
+    """`kvgate normalize` in render mode against the emulator, the request body on stdin."""
+    argv = [sys.executable, "-m", "gateway.cli", "normalize", "--policy", str(policy)]
+    argv += ["--render-url", emulator, "--block-size", str(block_size)]
+    return subprocess.run(argv, input=body, capture_output=True, text=True, timeout=60)

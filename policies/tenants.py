@@ -1,8 +1,8 @@
-"""Tenant namespaces and public-prefix promotion.
+"""Public-prefix promotion, and each tenant's sharing settings in the policy file.
 
-Every tenant's keys live in its own namespace (the normalizer binds the namespace into the key
-root), so a tenant can never match another tenant's private chain. An immutable-zone chain (system
-prompt, tools, few-shot) may be promoted to the public namespace:
+Every tenant's keys live in its own namespace (`policies.identity`; the normalizer binds the
+namespace into the key root), so a tenant can never match another tenant's private chain. An
+immutable-zone chain (system prompt, tools, few-shot) may be promoted to the public namespace:
 - by an operator allow-list of chain keys (keyed hashes, never content), or
 - when at least `min_tenants` distinct opted-in tenants (isolation `shared_public` or `public`)
   presented it within `window_s`.
@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from policies.base import Isolation, RouteRequest
+from policies.identity import wholly_public
 from prompt_normalizer.types import BlockKey
 
 _STRICTNESS = {Isolation.PUBLIC: 0, Isolation.SHARED_PUBLIC: 1, Isolation.STRICT: 2}
@@ -72,21 +73,9 @@ def effective_isolation(req: RouteRequest, settings: Mapping[str, TenantSettings
 
 
 def wholly_public_blocks(req: RouteRequest, isolation: Isolation, n_public: int) -> int:
-    """`n_public` when `req` will carry the public `cache_salt`, else 0.
-
-    The gateway's rule (`gateway.admission`): vLLM's salt enters block 0's hash and so covers the
-    whole chain, so a request shares worker KV across tenants only when its tenant is not strict and
-    the promoted public blocks cover every prompt token. Any token past them means the tenant's own
-    salt, and then a public-namespace holding saves this request nothing.
-    """
-    if (
-        n_public > 0
-        and isolation is not Isolation.STRICT
-        and n_public <= len(req.public_block_keys)
-        and n_public * req.block_size_tokens >= req.n_prompt_tokens
-    ):
-        return n_public
-    return 0
+    """`n_public` when `req`, routed on `n_public` public blocks, will carry the public `cache_salt`
+    (`policies.identity.wholly_public`), else 0: a public-namespace holding saves it nothing then."""
+    return n_public if wholly_public(req, n_public, isolation) else 0
 
 
 def chain_key_hex(key: BlockKey) -> str:

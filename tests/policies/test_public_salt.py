@@ -1,7 +1,7 @@
 """A public-namespace match saves prefill only when the request will carry the public salt.
 
 The gateway gives a request the public `cache_salt` only when its tenant is not strict and the
-promoted public blocks the policy routed cover every prompt token (`gateway.admission`); vLLM's salt
+promoted public blocks the policy routed cover every prompt token (`policies.identity`); vLLM's salt
 covers the whole chain, so any other request is served only from its own tenant's KV.
 """
 

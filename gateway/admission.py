@@ -24,7 +24,8 @@ from gateway.quotas import Rejection, TenantLimiter
 from gateway.registry import Pool
 from gateway.render import render_canonical
 from gateway.state import GatewayState
-from policies.base import Isolation, RouteDecision, RouteRequest
+from policies.base import RouteDecision, RouteRequest
+from policies.identity import cache_salt_for, session_key
 from policies.records import record
 from prompt_normalizer.errors import NormalizerError
 
@@ -92,7 +93,9 @@ class Admitted:
         replaced): the tenant's salt, or the public salt when the whole prompt lies inside the
         promoted public prefix the policy routed (vLLM's salt covers a request's entire chain, so
         any private token after the public prefix must keep the tenant's salt)."""
-        salt = self.public_salt if _wholly_public(self.route, decision) else self.tenant.cache_salt
+        salt = cache_salt_for(
+            self.route, decision.shared_prefix_blocks, self.tenant.cache_salt, self.public_salt
+        )
         cached = self._encoded.get(salt)
         if cached is not None:
             return cached
@@ -102,16 +105,6 @@ class Admitted:
             out = orjson.dumps({**self.forward, "cache_salt": salt})
         self._encoded[salt] = out
         return out
-
-
-def _wholly_public(route: RouteRequest, decision: RouteDecision) -> bool:
-    shared = decision.shared_prefix_blocks
-    return (
-        shared > 0
-        and route.isolation is not Isolation.STRICT
-        and shared <= len(route.public_block_keys)
-        and shared * route.block_size_tokens >= route.n_prompt_tokens
-    )
 
 
 @record
@@ -333,7 +326,7 @@ async def admit(
         public_block_keys=canonical.public_block_keys,
         immutable_blocks=canonical.immutable_blocks,
         max_output_tokens=max_out or None,
-        session_key=_session_key(body, tenant),
+        session_key=session_key(tenant, body.get("prompt_cache_key")),
         adapter=identity.adapter or None,
     )
     drift = canonical.drift
@@ -371,9 +364,3 @@ def _quota_error(rejection: Rejection) -> ApiError:
         None,
         headers,
     )
-
-
-def _session_key(body: dict[str, Any], tenant: Tenant) -> str | None:
-    # OpenAI's routing hint; scoped by tenant so two tenants' equal keys never meet.
-    key = body.get("prompt_cache_key")
-    return f"{tenant.namespace}/{key}" if isinstance(key, str) and key else None

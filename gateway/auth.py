@@ -1,77 +1,69 @@
-"""API key → tenant. Keys are compared as keyed hashes; the plain key is never stored or logged."""
+"""API key → tenant. Keys are compared as keyed hashes; the plain key is never stored or logged.
+
+What a tenant is (namespace, salt, isolation) and how keys are hashed is `policies.identity`'s;
+this module reads the `Authorization` header and adds what only the gateway needs: quotas.
+"""
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
 from dataclasses import dataclass
 
 import xxhash
 
 from gateway.config import QuotaConfig, TenantConfig
-from policies.base import Isolation
-from prompt_normalizer.types import PUBLIC_NAMESPACE
+from policies.identity import TenantDirectory, TenantIdentity, derive_secret, hash_api_key
 
-HASH_PREFIX = "hmac-sha256:"
+__all__ = ["KeyRing", "Tenant", "derive_secret", "hash_api_key"]
+
 _AUTH_CACHE_MAX = 4096
 
 
-def hash_api_key(secret: bytes, api_key: str) -> str:
-    """The form a key takes in the config file."""
-    return HASH_PREFIX + hmac.new(secret, api_key.encode(), hashlib.sha256).hexdigest()
-
-
-def derive_secret(secret: bytes, purpose: str) -> bytes:
-    """A sub-secret for one purpose, so the key-hash secret itself is never reused elsewhere."""
-    return hmac.new(secret, b"kvgate:" + purpose.encode(), hashlib.sha256).digest()
-
-
 @dataclass(frozen=True, slots=True)
-class Tenant:
-    """A customer namespace as the data path sees it.
+class Tenant(TenantIdentity):
+    """A customer as the data path sees it: its identity (`policies.identity.TenantIdentity`:
+    namespace, isolation and the `cache_salt` sent with its requests), its API-key hashes and its
+    quotas."""
 
-    `cache_salt` is a keyed hash of the namespace, sent with every request of the tenant (except a
-    prompt wholly inside a promoted public prefix), so one tenant can never hit (or time) KV that
-    another tenant's prompts created.
-    """
-
-    name: str
-    namespace: str
-    isolation: Isolation
     quotas: QuotaConfig
-    cache_salt: str
+    api_key_hashes: tuple[str, ...] = ()
 
 
 class KeyRing:
     """Maps `Authorization: Bearer <key>` to a `Tenant`. Identity never comes from the request body.
 
-    Also owns the worker-side salts: one per tenant, and `public_salt` for requests that lie wholly
-    inside a promoted public prefix. `salt_namespaces` maps each salt back to its key namespace
-    (KV events carry the salt of the chain they stored).
+    `directory` holds every tenant's identity and the salts: `public_salt` for requests that lie
+    wholly inside a promoted public prefix, `salt_namespaces` to resolve KV events' salts.
     """
 
     def __init__(self, tenants: list[TenantConfig], secret: bytes) -> None:
         self._secret = secret
-        salt_secret = derive_secret(secret, "cache_salt")
-
-        def salt_of(namespace: str) -> str:
-            return hmac.new(salt_secret, namespace.encode(), hashlib.sha256).hexdigest()[:32]
-
+        self.directory = TenantDirectory(secret)
         self._by_hash: dict[str, Tenant] = {}
         self._cache: dict[bytes, Tenant] = {}
         self._cache_seed = int.from_bytes(os.urandom(8), "little")
         self.tenants: dict[str, Tenant] = {}
-        # Tenant names match [A-Za-z0-9_.:-]+, so "tenant:<name>" never equals the public namespace.
-        self.public_salt = salt_of(PUBLIC_NAMESPACE)
-        self.salt_namespaces: dict[str, str] = {self.public_salt: PUBLIC_NAMESPACE}
         for cfg in tenants:
-            namespace = f"tenant:{cfg.name}"
-            tenant = Tenant(cfg.name, namespace, cfg.isolation, cfg.quotas, salt_of(namespace))
+            identity = self.directory.add(cfg.name, cfg.isolation)
+            tenant = Tenant(
+                identity.name,
+                identity.namespace,
+                identity.isolation,
+                identity.cache_salt,
+                quotas=cfg.quotas,
+                api_key_hashes=tuple(cfg.api_key_hashes),
+            )
             self.tenants[cfg.name] = tenant
-            self.salt_namespaces[tenant.cache_salt] = namespace
             for h in cfg.api_key_hashes:
                 self._by_hash[h] = tenant
+
+    @property
+    def public_salt(self) -> str:
+        return self.directory.public_salt
+
+    @property
+    def salt_namespaces(self) -> dict[str, str]:
+        return self.directory.salt_namespaces
 
     def lookup(self, authorization: str | None) -> Tenant | None:
         if not authorization:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -13,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
-from gateway.auth import KeyRing, Tenant, derive_secret
+from gateway.auth import KeyRing, Tenant
 from gateway.config import GatewayConfig
 from gateway.disconnect import DisconnectWatch
 from gateway.logs import AccessLog
@@ -22,8 +21,8 @@ from gateway.quotas import TenantLimiter
 from gateway.registry import Pool, Registry
 from gateway.tracing import RequestTracer
 from gateway.upstream import UpstreamPool
-from policies.base import Isolation, RoutingPolicy
-from prompt_normalizer.keys import public_identity_of
+from policies.base import RoutingPolicy
+from policies.identity import derive_secret, key_identities, served_identity
 from prompt_normalizer.normalizer import Normalizer, NormalizerConfig
 from prompt_normalizer.types import PUBLIC_NAMESPACE, KeyIdentity
 
@@ -79,34 +78,30 @@ class GatewayState:
         return self.normalizers[pool.name]
 
     def identities(self, pool: Pool, model: str, tenant: Tenant) -> tuple[KeyIdentity, KeyIdentity | None]:
-        """The key identity of a (model, tenant) and, unless the tenant is strict, its public twin.
-
-        Every tenant's own keys live in its own namespace, because its worker KV is salted with
-        its own salt (see `Admitted.body_for`); only a promoted public prefix is looked up under
-        the public identity.
-        """
+        """The key identity of a (model, tenant) and, unless the tenant is strict, its public twin
+        (`policies.identity.key_identities`)."""
         cached = self._identities.get((model, tenant.name))
         if cached is not None:
             return cached
-        own = dataclasses.replace(self.base_identity(pool, model), namespace=tenant.namespace)
-        public = public_identity_of(own) if tenant.isolation is not Isolation.STRICT else None
-        self._identities[(model, tenant.name)] = (own, public)
-        return own, public
+        found = key_identities(self.base_identity(pool, model), tenant)
+        self._identities[(model, tenant.name)] = found
+        return found
 
     def base_identity(self, pool: Pool, model: str) -> KeyIdentity:
-        """The pool's identity for `model` (its LoRA adapter, if the model id names one), in the
-        public namespace. Every field of the pool's `identity` section is bound into the keys."""
+        """The identity of served model id `model` (with its LoRA adapter, if it names one) in the
+        public namespace (`policies.identity.served_identity`)."""
+        return served_identity(self.deployment_identity(pool), model, pool.config.adapters.get(model, ""))
+
+    def deployment_identity(self, pool: Pool) -> KeyIdentity:
+        """The pool's base model with every field of the pool's `identity` section, which are all
+        bound into the keys; what a KV event without `lora_name` was computed under."""
         ident = pool.config.identity
         normalizer = self.normalizers[pool.name]
-        adapter = pool.config.adapters.get(model, "")
         return KeyIdentity(
-            # An adapter's requests run on the base model's weights: key them as (base, adapter),
-            # which is also what a KV event's `lora_name` resolves to.
-            model_id=base_model(pool) if adapter else model,
+            model_id=base_model(pool),
             weights_version=ident.weights_version,
             tokenizer_version=ident.tokenizer_version or (normalizer.render_fingerprint or ""),
             template_version=ident.template_version,
-            adapter=adapter,
             block_size_tokens=pool.config.block_size_tokens,
             kv_dtype=ident.kv_dtype,
             namespace=PUBLIC_NAMESPACE,

@@ -181,31 +181,10 @@ async def test_public_salt_only_when_the_whole_prompt_is_in_promoted_blocks(rig:
     rig.policy.shared_blocks = 10_000
     resp = await rig.chat("sk-shared", messages=[system])
     assert rig.upstream.received[-1]["body"]["cache_salt"] != public_salt
-    # Never for a strict tenant (the rule itself: test_wholly_public_prompt_rule).
+    # Never for a strict tenant (the rule itself: tests/policies/test_identity.py).
     resp = await rig.chat("sk-strict", messages=[system])
     assert rig.upstream.received[-1]["body"]["cache_salt"] == rig.state.keyring.tenants["strict"].cache_salt
     assert rig.state.keyring.salt_namespaces[public_salt] == PUBLIC_NAMESPACE
-
-
-async def test_wholly_public_prompt_rule() -> None:
-    from gateway.admission import _wholly_public
-    from policies.base import Isolation
-    from prompt_normalizer.types import BlockKey
-
-    def req(isolation: Isolation, n_tokens: int, public: int) -> RouteRequest:
-        keys = tuple(BlockKey(i) for i in range(public))
-        return RouteRequest("r", "p", "t", "tenant:t", keys, n_tokens, 16, isolation, keys, public)
-
-    def decision(shared: int) -> RouteDecision:
-        return RouteDecision(WorkerId("w"), 0.0, "x", shared_prefix_blocks=shared)
-
-    shared = Isolation.SHARED_PUBLIC
-    assert _wholly_public(req(shared, 64, 4), decision(4))
-    assert not _wholly_public(req(shared, 65, 4), decision(4))  # one private token after the prefix
-    assert not _wholly_public(req(shared, 64, 4), decision(0))
-    assert not _wholly_public(req(shared, 64, 3), decision(4))  # more than the request's public keys
-    assert not _wholly_public(req(Isolation.STRICT, 64, 4), decision(4))
-    assert _wholly_public(req(Isolation.PUBLIC, 32, 2), decision(2))
 
 
 async def test_internal_request_id_is_sent_upstream_and_the_client_id_only_echoed(rig: Rig) -> None:
@@ -323,6 +302,14 @@ async def test_identity_fields_and_adapter_are_bound_into_the_keys(rig: Rig) -> 
     b = await rig.chat(model="m-lora", messages=[{"role": "system", "content": "S" * 200}])
     assert a.status_code == b.status_code == 200
     assert not set(rig.policy.requests[-1].block_keys) & set(rig.policy.requests[-2].block_keys)
+
+
+async def test_a_session_key_reaches_the_policy_scoped_by_tenant(rig: Rig) -> None:
+    for name in ("strict", "shared"):
+        assert (await rig.chat(f"sk-{name}", prompt_cache_key="conv-1")).status_code == 200
+    assert [r.session_key for r in rig.policy.requests] == ["tenant:strict/conv-1", "tenant:shared/conv-1"]
+    await rig.chat(prompt_cache_key=7)  # not a string: no session
+    assert rig.policy.requests[-1].session_key is None
 
 
 def _fields(identity: Any) -> dict[str, Any]:

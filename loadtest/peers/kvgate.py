@@ -1,6 +1,6 @@
 """kvgate itself as one of the routers of a benchmark: its config file and command line.
 
-The gateway reads tenants' API keys as keyed hashes (`gateway.auth.hash_api_key`) and the secret
+The gateway reads tenants' API keys as keyed hashes (`policies.identity.hash_api_key`) and the secret
 from `KVGATE_KEY_SECRET`; every workload tenant gets its own key `sk-bench-<tenant>`, strict
 isolation, and the policy comes from a policy file.
 """
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import yaml
 
-from gateway.auth import hash_api_key
 from loadtest.peers.launch import PeerCommand
+from policies.identity import hash_api_key
 
 BENCH_SECRET = "kvgate-bench-secret"
 

@@ -19,7 +19,6 @@ from typing import Any
 
 import orjson
 
-from gateway.precise import NormalizerTokenHasher
 from loadtest.engine import DEFAULT_PROFILE, Engine, EngineConfig, EngineRequest, ProfileError, load_profile
 from loadtest.engine.hashing import block_hashes
 from loadtest.report.meta import run_metadata
@@ -139,13 +138,13 @@ def key_path(args: argparse.Namespace) -> KeyPath:
 
 
 def _install_precise(policy: RoutingPolicy, keys: KeyPath, block_size: int) -> bool:
-    """Precise mode as the gateway installs it (`gateway.precise`): KV events keyed by the
-    normalizer's token-chain hash under the deployment's identity and the engine's block size."""
+    """Precise mode as the gateway installs it: KV events keyed by the normalizer's token hasher
+    under the deployment's identity (its base model) and the engine's block size."""
     setter = getattr(policy, "set_token_hasher", None)
     if setter is None:
         return False
     identity = dataclasses.replace(keys.base, block_size_tokens=block_size)
-    setter(NormalizerTokenHasher(keys.normalizer, identity))
+    setter(keys.normalizer.token_hasher(identity))
     return True
 
 

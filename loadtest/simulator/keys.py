@@ -1,13 +1,11 @@
 """The `RouteRequest` a policy sees for a workload request, built on the gateway's own key path.
 
-- **Tenants** come from `gateway.auth.KeyRing`: namespace `tenant:<name>` (it can never equal
-  `PUBLIC_NAMESPACE`) and a per-tenant `cache_salt` keyed by the deployment secret. A tenant's
-  isolation is `strict`, `shared_public` or `public` (`KeyPath(isolation=..., tenant_isolation=...)`).
-- **Identities** follow `gateway.state.GatewayState.identities`: every tenant's own identity, a
-  `public` tenant's included, is the deployment's identity in the tenant's namespace, because its
-  engine KV carries the tenant's salt and its KV events resolve to that namespace; a non-strict
-  tenant (`shared_public` or `public`) also gets the public twin that
-  `prompt_normalizer.keys.public_identity_of` derives from it, for its immutable blocks.
+- **Tenants, identities, salts and session keys** are `policies.identity`'s, the functions the
+  gateway calls: namespace `tenant:<name>` and a per-tenant `cache_salt` keyed by the deployment
+  secret (`TenantDirectory`); every tenant's own identity, a `public` tenant's included, is the
+  deployment's identity in its namespace, and a non-strict tenant also gets the public twin for
+  its immutable blocks (`key_identities`). A tenant's isolation is `strict`, `shared_public` or
+  `public` (`KeyPath(isolation=..., tenant_isolation=...)`).
 - **Chat and text prompts** go through the normalizer in `render` mode exactly as the gateway
   drives it against a worker: `prepare_render`, the emulated worker's own renderer for the body and
   each zone boundary (one token per byte), `from_render`. That yields token-exact block keys, the
@@ -23,11 +21,11 @@
   (`BlockPrompt.immutable_blocks`), keyed under the public identity too (non-strict tenants);
   Mooncake prompts have none.
 
-`cache_salt` (what the engines get) follows `gateway.admission`: always the gateway's own, the
-tenant's salt unless the whole prompt lies inside the promoted public blocks the policy routed,
-then the key ring's public salt. The engine's salt covers the whole chain, so anything else would
-share a tenant's private tail. So engines share KV across tenants only for wholly public prompts;
-the hit ceilings count only what that allows: every chain is keyed in its tenant's namespace.
+`cache_salt` (what the engines get) is `policies.identity.cache_salt_for`: the tenant's salt
+unless the whole prompt lies inside the promoted public blocks the policy routed, then the public
+salt. The engine's salt covers the whole chain, so anything else would share a tenant's private
+tail. So engines share KV across tenants only for wholly public prompts; the hit ceilings count
+only what that allows: every chain is keyed in its tenant's namespace.
 """
 
 from __future__ import annotations
@@ -38,18 +36,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gateway.auth import KeyRing, Tenant, hash_api_key
-from gateway.config import TenantConfig
 from loadtest.emulator.protocol import render_chat_body
 from loadtest.workloads.ceilings import BlockChain
 from loadtest.workloads.openai_body import openai_request
 from loadtest.workloads.records import BlockPrompt, WorkloadRequest
 from policies.base import Isolation, RouteDecision, RouteRequest
+from policies.identity import TenantDirectory, TenantIdentity, cache_salt_for, key_identities, session_key
 from prompt_normalizer.config import NormalizerConfig
-from prompt_normalizer.keys import chain_keys, public_identity_of
+from prompt_normalizer.keys import chain_keys
 from prompt_normalizer.normalizer import Normalizer
 from prompt_normalizer.render import RenderPlan
-from prompt_normalizer.types import PUBLIC_NAMESPACE, BlockKey, KeyIdentity
+from prompt_normalizer.types import BlockKey, KeyIdentity
 
 TRACE_UNIT = "trace-id-u64-v1"
 SIM_SECRET = b"kvgate-simulator-secret"
@@ -66,7 +63,7 @@ class KeyedPrompt:
     byte) for chat and text prompts, None for a trace prompt.
     """
 
-    tenant: Tenant
+    tenant: TenantIdentity
     chain_keys: tuple[BlockKey, ...]
     n_full_blocks: int
     block_size_tokens: int
@@ -108,44 +105,30 @@ class KeyPath:
         self.model = model
         self.normalizer = Normalizer(config, secret)
         self.base = KeyIdentity(model_id=model, block_size_tokens=text_block_tokens)
-        self._secret = secret
         self._isolation = isolation
         self._tenant_isolation = dict(tenant_isolation or {})
-        self.public_salt = KeyRing([], secret).public_salt
-        self._tenants: dict[str, Tenant] = {}
-        self._salt_namespace: dict[str, str] = {self.public_salt: PUBLIC_NAMESPACE}
+        self.directory = TenantDirectory(secret)
+        self.public_salt = self.directory.public_salt
 
     # -- tenants and identities --------------------------------------------------------------
 
-    def tenant(self, name: str) -> Tenant:
-        """The tenant `name` as the gateway's key ring makes it (namespace, isolation, salt)."""
-        found = self._tenants.get(name)
+    def tenant(self, name: str) -> TenantIdentity:
+        """Tenant `name` at the isolation level the simulation gives it (namespace, salt)."""
+        found = self.directory.tenants.get(name)
         if found is None:
-            isolation = self._tenant_isolation.get(name, self._isolation)
-            key = f"sk-sim-{name}"
-            cfg = TenantConfig(
-                name=name, api_key_hashes=[hash_api_key(self._secret, key)], isolation=isolation
-            )
-            found = KeyRing([cfg], self._secret).lookup(f"Bearer {key}")
-            if found is None:  # the key ring must find the key it was just given
-                raise RuntimeError(f"tenant {name!r}: the gateway key ring did not resolve its key")
-            self._tenants[name] = found
-            self._salt_namespace[found.cache_salt] = found.namespace
+            found = self.directory.add(name, self._tenant_isolation.get(name, self._isolation))
         return found
 
-    def identities(self, tenant: Tenant, block_size_tokens: int) -> tuple[KeyIdentity, KeyIdentity | None]:
-        """`GatewayState.identities` at `block_size_tokens`: the own identity in the tenant's
-        namespace whatever its isolation, and the public twin unless the tenant is strict.
-
-        The gateway's rule is mirrored, not called: it needs a whole `GatewayState` (pools,
-        tenants, metrics) built from a gateway config. tests/loadtest/test_simulator_keys.py
-        checks that both agree at every isolation level."""
-        own = dataclasses.replace(self.base, block_size_tokens=block_size_tokens, namespace=tenant.namespace)
-        return own, public_identity_of(own) if tenant.isolation is not Isolation.STRICT else None
+    def identities(
+        self, tenant: TenantIdentity, block_size_tokens: int
+    ) -> tuple[KeyIdentity, KeyIdentity | None]:
+        """The tenant's own key identity at `block_size_tokens`, and its public twin unless the
+        tenant is strict (`policies.identity.key_identities`)."""
+        return key_identities(dataclasses.replace(self.base, block_size_tokens=block_size_tokens), tenant)
 
     def namespace_of_salt(self, salt: str | None) -> str | None:
         """What the gateway resolves a KV event's `cache_salt` to (None: unknown or unsalted)."""
-        return self._salt_namespace.get(salt) if salt is not None else None
+        return self.directory.namespace_of_salt(salt)
 
     # -- keys --------------------------------------------------------------------------------
 
@@ -185,7 +168,6 @@ class KeyPath:
     def route_request(self, req: WorkloadRequest, kp: KeyedPrompt, pool: str = "default") -> RouteRequest:
         """The `RouteRequest` the gateway's admission would build for `req`."""
         t = kp.tenant
-        session = f"{t.namespace}/{req.session}" if req.session else None
         return RouteRequest(
             request_id=req.request_id,
             pool=pool,
@@ -198,21 +180,13 @@ class KeyPath:
             public_block_keys=kp.public_block_keys,
             immutable_blocks=kp.immutable_blocks,
             max_output_tokens=req.max_output_tokens,
-            session_key=session,
+            session_key=session_key(t, req.session),
         )
 
-    def cache_salt(self, kp: KeyedPrompt, decision: RouteDecision) -> str:
-        """The salt the engine gets: the tenant's, unless the whole prompt lies inside the promoted
-        public blocks the policy routed (the gateway's rule, module doc)."""
-        t = kp.tenant
-        shared = decision.shared_prefix_blocks
-        wholly_public = (
-            shared > 0
-            and t.isolation is not Isolation.STRICT
-            and shared <= len(kp.public_block_keys)
-            and shared * kp.block_size_tokens >= kp.n_tokens
-        )
-        return self.public_salt if wholly_public else t.cache_salt
+    def cache_salt(self, route: RouteRequest, decision: RouteDecision) -> str:
+        """The salt the engine gets for `route` (`policies.identity.cache_salt_for`)."""
+        tenant = self.tenant(route.tenant)
+        return cache_salt_for(route, decision.shared_prefix_blocks, tenant.cache_salt, self.public_salt)
 
 
 def _render_body(plan: RenderPlan, body: Mapping[str, object]) -> bytes:

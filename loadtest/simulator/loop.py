@@ -293,7 +293,7 @@ class _Loop:
             self._record(_Flight(req, route, rejected), None, None, None, route.n_prompt_tokens, 0, 0)
             return
         w = self.workers[idx]
-        salt = hooks.keys.cache_salt(kp, decision)
+        salt = hooks.keys.cache_salt(route, decision)
         hashes = request_hashes(req, kp.tokens, w.engine.block_size, salt, hooks.hash_tokens)
         try:
             w.engine.submit(

@@ -1,4 +1,4 @@
-"""The simulator builds RouteRequests, salts and KV events on the gateway's own key path."""
+"""The simulator builds RouteRequests, salts and KV events with the identity rules of `policies`."""
 
 from __future__ import annotations
 
@@ -10,20 +10,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gateway.auth import hash_api_key
 from gateway.cli import main
-from gateway.config import parse_config
-from gateway.precise import NormalizerTokenHasher
-from gateway.state import GatewayState, build_state
 from loadtest.engine import Engine, EngineConfig, EngineRequest, load_profile
 from loadtest.engine.hashing import block_hashes
-from loadtest.simulator.keys import SIM_MODEL, SIM_SECRET, KeyPath
+from loadtest.simulator.keys import SIM_SECRET, KeyPath
 from loadtest.simulator.loop import EngineHooks, LoopConfig, run_loop
 from loadtest.workloads.records import BlockPrompt, ChatMessage, ChatPrompt, TextPrompt, WorkloadRequest
 from loadtest.workloads.registry import make_workload
 from policies.base import Isolation, KvEvent, KvEventKind, RouteDecision, WorkerId
+from policies.identity import TenantDirectory
 from policies.registry import make_policy
-from prompt_normalizer.normalizer import NormalizerConfig
 from prompt_normalizer.types import PUBLIC_NAMESPACE, BlockKey
 
 SYSTEM = "You are the shared agent. " * 20
@@ -51,44 +47,26 @@ def test_tenant_namespaces_never_meet_the_public_one_and_roots_are_keyed() -> No
     assert keys.keyed(trace).chain_keys == a.chain_keys
 
 
-def _gateway_like_the_simulator() -> GatewayState:
-    """A real gateway's state for the deployment the simulator models: its model, block size,
-    render-mode normalizer and secret, and one tenant per isolation level."""
-    tenants = [
-        {"name": i.value, "api_key_hashes": [hash_api_key(SIM_SECRET, f"sk-{i.value}")], "isolation": i.value}
-        for i in Isolation
-    ]
-    pool = {
-        "name": "default",
-        "models": [SIM_MODEL],
-        "workers": ["http://127.0.0.1:9"],  # never contacted: the state is built, not served
-        "block_size_tokens": 16,
-        "normalizer": {"mode": "render"},
-    }
-    config = parse_config({"pools": [pool], "tenants": tenants, "scrape": {"enabled": False}})
-    return build_state(config, SIM_SECRET, make_policy("round_robin"), NormalizerConfig(mode="render"))
-
-
 @pytest.mark.parametrize("block_size", [16, 64])
-def test_identities_and_route_namespaces_are_the_gateways_at_every_isolation_level(block_size: int) -> None:
-    state = _gateway_like_the_simulator()
-    pool = state.registry.pools["default"]
+def test_tenants_identities_and_route_namespaces_at_every_isolation_level(block_size: int) -> None:
     keys = KeyPath(tenant_isolation={i.value: i for i in Isolation})
     for isolation in Isolation:
-        gateway_tenant = state.keyring.tenants[isolation.value]
         tenant = keys.tenant(isolation.value)
-        assert tenant == gateway_tenant  # namespace, isolation and salt
-        own, public = state.identities(pool, SIM_MODEL, gateway_tenant)
-        expected = (
-            dataclasses.replace(own, block_size_tokens=block_size),
-            None if public is None else dataclasses.replace(public, block_size_tokens=block_size),
-        )
-        assert keys.identities(tenant, block_size) == expected
-        assert own.namespace == tenant.namespace and (public is None) == (isolation is Isolation.STRICT)
+        # The deployment's tenant: namespace, isolation and the salt under the simulator's secret.
+        assert tenant == TenantDirectory(SIM_SECRET).add(isolation.value, isolation)
+        own, public = keys.identities(tenant, block_size)
+        assert own == dataclasses.replace(keys.base, block_size_tokens=block_size, namespace=tenant.namespace)
+        assert (public is None) == (isolation is Isolation.STRICT)
+        assert public is None or public == dataclasses.replace(own, namespace=PUBLIC_NAMESPACE)
         req = _chat("r", isolation.value, "a question")
         kp = keys.keyed(req)
-        assert keys.route_request(req, kp).namespace == own.namespace  # what admission sets
+        route = keys.route_request(req, kp)
+        assert route.namespace == own.namespace and route.isolation is isolation  # what admission sets
         assert bool(kp.public_block_keys) == (public is not None)
+        assert keys.namespace_of_salt(tenant.cache_salt) == tenant.namespace
+    assert keys.namespace_of_salt(keys.public_salt) == PUBLIC_NAMESPACE
+    session = dataclasses.replace(_chat("s", "strict", "q"), session="conv")
+    assert keys.route_request(session, keys.keyed(session)).session_key == "tenant:strict/conv"
 
 
 def test_chat_keys_are_the_normalizers_token_keys_of_what_the_engine_caches() -> None:
@@ -102,27 +80,30 @@ def test_chat_keys_are_the_normalizers_token_keys_of_what_the_engine_caches() ->
     assert kp.immutable_blocks >= len(SYSTEM) // 16 - 1  # system prompt + tools are immutable
 
 
-def test_isolation_levels_share_only_public_blocks_and_salts_follow_the_gateway() -> None:
+def test_isolation_levels_share_only_public_blocks_and_salts_follow_the_wholly_public_rule() -> None:
     keys = KeyPath(isolation=Isolation.SHARED_PUBLIC, tenant_isolation={"c": Isolation.STRICT})
     a, b, c = (keys.keyed(_chat(t, t, f"question of {t} " * 8)) for t in ("a", "b", "c"))
     n = a.immutable_blocks
     assert n > 0 and a.public_block_keys[:n] == b.public_block_keys[:n]  # one promoted chain
     assert a.block_keys[0] != b.block_keys[0]  # own namespaces stay apart
     assert c.public_block_keys == ()  # strict tenants get no public identity
-    route = keys.route_request(_chat("a", "a", "x"), a)
+    routes = {t: keys.route_request(_chat(t, t, "x"), kp) for t, kp in zip("abc", (a, b, c), strict=True)}
+    route = routes["a"]
     assert route.isolation is Isolation.SHARED_PUBLIC and route.immutable_blocks == n
     plain = RouteDecision(WorkerId("w0"), 0.0, "r")
     promoted = dataclasses.replace(plain, shared_prefix_blocks=n)
-    assert keys.cache_salt(a, plain) == keys.tenant("a").cache_salt
+    assert keys.cache_salt(route, plain) == keys.tenant("a").cache_salt
     # The private tail is not public: the tenant's salt even when the prefix was routed as public.
-    assert keys.cache_salt(a, promoted) == keys.tenant("a").cache_salt
-    whole = dataclasses.replace(a, n_tokens=n * a.block_size_tokens)
+    assert keys.cache_salt(route, promoted) == keys.tenant("a").cache_salt
+    whole = dataclasses.replace(route, n_prompt_tokens=n * a.block_size_tokens)
     assert keys.cache_salt(whole, promoted) == keys.public_salt
-    assert keys.cache_salt(c, promoted) == keys.tenant("c").cache_salt
+    strict_whole = dataclasses.replace(routes["c"], n_prompt_tokens=n * c.block_size_tokens)
+    assert keys.cache_salt(strict_whole, promoted) == keys.tenant("c").cache_salt
     public = KeyPath(isolation=Isolation.PUBLIC)
     p = public.keyed(_chat("p", "p", "x"))
     assert p.public_block_keys[:n] == a.public_block_keys[:n]  # the same public twin as shared_public
-    assert public.cache_salt(p, plain) == public.tenant("p").cache_salt  # nothing routed as public
+    p_route = public.route_request(_chat("p", "p", "x"), p)
+    assert public.cache_salt(p_route, plain) == public.tenant("p").cache_salt  # nothing routed as public
     assert len({keys.tenant(t).cache_salt for t in "abc"} | {keys.public_salt}) == 4
 
 
@@ -189,7 +170,7 @@ def test_kv_events_carry_token_ids_that_key_to_the_request_keys(isolation: Isola
     hooks = EngineHooks(lambda *a: EngineRequest(a[0], a[1], a[2], a[3]), hash_tokens, keys)
     spy = _Recorder()
     run_loop(reqs, engines, spy, hooks, LoopConfig(kv_events=True))  # type: ignore[arg-type]
-    hasher = NormalizerTokenHasher(keys.normalizer, keys.base)
+    hasher = keys.normalizer.token_hasher(keys.base)
     roots = [e for e in spy.events if e.kind is KvEventKind.BLOCK_STORED and e.parent_block_hash is None]
     assert {e.namespace for e in roots} == {"tenant:acme", "tenant:zeta"}
     by_namespace = {spy.routes[r].namespace: spy.routes[r] for r in spy.routes}
@@ -211,22 +192,6 @@ def test_shared_prefix_options_share_the_system_prompt_across_tenants(workload: 
     assert len(firsts) == 3
     systems = {p.messages[0].content for p in firsts.values() if isinstance(p, ChatPrompt)}
     assert len(systems) == 1
-
-
-@pytest.mark.parametrize("isolation", list(Isolation))
-def test_salt_rule_is_the_gateways(isolation: Isolation) -> None:
-    from gateway.admission import _wholly_public
-
-    keys = KeyPath(isolation=isolation)
-    kp = keys.keyed(_chat("a", "a", "q"))
-    n_pub = len(kp.public_block_keys)
-    for n_tokens in (kp.n_tokens, kp.immutable_blocks * 16, 16):
-        sized = dataclasses.replace(kp, n_tokens=n_tokens)
-        route = keys.route_request(_chat("a", "a", "q"), sized)
-        for shared in sorted({0, 1, n_pub, kp.immutable_blocks, n_pub + 1}):
-            decision = RouteDecision(WorkerId("w0"), 0.0, "r", shared_prefix_blocks=shared)
-            expected = keys.public_salt if _wholly_public(route, decision) else keys.tenant("a").cache_salt
-            assert keys.cache_salt(sized, decision) == expected
 
 
 def test_precise_mode_files_a_public_tenants_events_under_its_request_keys(tmp_path: Path) -> None:

@@ -1,38 +1,20 @@
 """Precise mode: key the workers' KV events with the normalizer's own token-chain hash.
 
 A policy that accepts a token hasher (`set_token_hasher`) re-keys every stored block from its token
-ids; keys agree with request keys only when the pool's normalizer produces token-exact keys
-(`tokenizer` or `render` mode) under the same identity and block size as the engine.
+ids with `Normalizer.token_hasher`; keys agree with request keys only when the pool's normalizer
+produces token-exact keys (`tokenizer` or `render` mode) under the same identity and block size as
+the engine. The hasher is built on the pool's deployment identity (its base model): an event
+without `lora_name` comes from the base model, one with it from that adapter.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from collections.abc import Sequence
 
-from gateway.state import GatewayState, base_model
+from gateway.state import GatewayState
 from policies.base import RoutingPolicy
-from prompt_normalizer.normalizer import Normalizer
-from prompt_normalizer.types import BlockKey, KeyIdentity
 
 log = logging.getLogger("kvgate.precise")
-
-
-class NormalizerTokenHasher:
-    """The `policies.kv_feed.TokenBlockHasher` of one pool, backed by its normalizer."""
-
-    def __init__(self, normalizer: Normalizer, identity: KeyIdentity) -> None:
-        self._normalizer = normalizer
-        self._identity = identity
-
-    def root(self, namespace: str, lora_name: str | None) -> int:
-        identity = dataclasses.replace(self._identity, namespace=namespace, adapter=lora_name or "")
-        return self._normalizer.root(identity)
-
-    def chain(self, parent: int, token_ids: Sequence[int]) -> BlockKey:
-        identity = dataclasses.replace(self._identity, block_size_tokens=len(token_ids))
-        return self._normalizer.keys_for_tokens(token_ids, identity, parent=BlockKey(parent))[0]
 
 
 def install_token_hasher(state: GatewayState, policy: RoutingPolicy) -> bool:
@@ -51,6 +33,5 @@ def install_token_hasher(state: GatewayState, policy: RoutingPolicy) -> bool:
         return False
     if len(pools) > 1:
         log.warning("KV events of several pools are keyed with pool %s's identity", pool.name)
-    identity = state.base_identity(pool, base_model(pool))
-    setter(NormalizerTokenHasher(normalizer, identity))
+    setter(normalizer.token_hasher(state.deployment_identity(pool)))
     return True

@@ -212,18 +212,22 @@ def token_block_keys(
 
 
 class IdentityTokenHasher:
-    """Event-side twin of the request keys: `root(namespace, lora)` is the root of `identity` with
-    that namespace (and adapter), `chain(parent, ids)` the next key. It matches the
-    `TokenBlockHasher` protocol of `policies.kv_feed` structurally."""
+    """Event-side twin of the request keys: `root(namespace, lora_name)` is the root of `identity`
+    with that namespace and adapter, `chain(parent, ids)` the next key. It matches the
+    `TokenBlockHasher` protocol of `policies.kv_feed` structurally.
+
+    The adapter comes from the event alone: an engine names the LoRA adapter a block was computed
+    with in `lora_name`, so an event without one comes from the base model, whatever adapter
+    `identity` names. Build the hasher on the base model's identity: an adapter's requests are
+    keyed as (base model, adapter), which is what an event's `lora_name` then resolves to.
+    """
 
     def __init__(self, root_of: Callable[[KeyIdentity], int], identity: KeyIdentity) -> None:
         self._root_of = root_of
         self._identity = identity
 
     def root(self, namespace: str, lora_name: str | None) -> int:
-        identity = dataclasses.replace(
-            self._identity, namespace=namespace, adapter=lora_name or self._identity.adapter
-        )
+        identity = dataclasses.replace(self._identity, namespace=namespace, adapter=lora_name or "")
         return self._root_of(identity)
 
     def chain(self, parent: int, token_ids: Sequence[int]) -> BlockKey:

@@ -339,6 +339,19 @@ def test_token_hasher_gives_request_keys_for_event_blocks() -> None:
     assert hasher.root("t1", "lora-a") != hasher.root("t1", None) != hasher.root("t2", None)
 
 
+def test_an_event_without_lora_name_comes_from_the_base_model() -> None:
+    # The adapter of an event's root is the event's `lora_name` alone: a hasher built on an
+    # adapter's identity still keys an event without one as the base model's.
+    norm = Normalizer(NormalizerConfig(), b"s")
+    base = KeyIdentity(model_id="m", namespace="t1", block_size_tokens=4)
+    sql = KeyIdentity(model_id="m", namespace="t1", block_size_tokens=4, adapter="sql-lora")
+    for built_on in (base, sql):
+        hasher = norm.token_hasher(built_on)
+        assert hasher.root("t1", None) == norm.root(base)
+        assert hasher.root("t1", "sql-lora") == norm.root(sql)
+    assert norm.root(base) != norm.root(sql)
+
+
 def _model_dir(tmp: Path, template: str | list[dict[str, str]]) -> str:
     import json
     import shutil

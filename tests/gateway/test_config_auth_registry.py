@@ -9,6 +9,7 @@ from gateway.auth import KeyRing, hash_api_key
 from gateway.config import ConfigError, PoolConfig, TenantConfig, load_config, parse_config, read_secret
 from gateway.registry import Pool
 from policies.base import Isolation
+from policies.identity import TenantIdentity
 
 SECRET = b"s3cret"
 
@@ -106,6 +107,9 @@ def test_keyring_maps_keys_to_tenants_with_distinct_salts() -> None:
     assert len(ring._cache) == 2 and all(isinstance(k, bytes) and b"ka" not in k for k in ring._cache)
     assert ring.public_salt not in (a.cache_salt, b.cache_salt)
     assert ring.salt_namespaces[a.cache_salt] == "tenant:a"
+    # A tenant is its policies identity plus key hashes and quotas.
+    assert ring.directory.tenants["b"] == TenantIdentity("b", "tenant:b", Isolation.PUBLIC, b.cache_salt)
+    assert b.api_key_hashes == (hash_api_key(SECRET, "kb"),) and b.quotas == tenants[1].quotas
 
 
 def test_pool_set_urls_keeps_state_of_surviving_workers() -> None:

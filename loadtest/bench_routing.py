@@ -65,7 +65,12 @@ def _positive_float(text: str) -> float:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--workload", default=None, help=f"synthetic workload ({', '.join(sorted(WORKLOADS))})")
-    src.add_argument("--trace", metavar="FILE", help="Mooncake .jsonl or kv-cache-tester .json trace")
+    src.add_argument(
+        "--trace",
+        metavar="FILE|NAME",
+        help="Mooncake .jsonl or kv-cache-tester .json trace (plain, .gz or .xz), or a shipped trace: "
+        "mooncake-conversation, mooncake-synthetic, kvct-agent",
+    )
     parser.add_argument("--workload-arg", action="append", default=[], metavar="K=V")
     parser.add_argument(
         "--users", type=_positive_int, default=1, help="replay a trace as this many salted users"

@@ -1,6 +1,6 @@
 """`kvgate simulate`: replay a trace or a workload through a routing policy in virtual time.
 
-    kvgate simulate --trace FILE | --workload NAME [--policy NAME] [--policy-config FILE]
+    kvgate simulate --trace FILE|NAME | --workload NAME [--policy NAME] [--policy-config FILE]
         [--workers N] [--kv-blocks-per-worker N] [--profile NAME] [--rate-scale X] [--seed S]
         [--isolation LEVEL] [--tenant-isolation NAME=LEVEL] [--kv-events] [--json OUT]
 
@@ -45,7 +45,12 @@ def _positive_int(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--trace", metavar="FILE", help="Mooncake .jsonl or kv-cache-tester .json trace")
+    src.add_argument(
+        "--trace",
+        metavar="FILE|NAME",
+        help="Mooncake .jsonl or kv-cache-tester .json trace (plain, .gz or .xz), or a shipped trace: "
+        "mooncake-conversation, mooncake-synthetic, kvct-agent",
+    )
     src.add_argument("--workload", metavar="NAME", help=f"synthetic workload: {', '.join(sorted(WORKLOADS))}")
     parser.add_argument("--workload-arg", action="append", default=[], metavar="K=V", help="workload option")
     parser.add_argument(

@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-from loadtest.traces.mooncake import TraceFormatError
+from loadtest.traces.files import TraceFormatError, read_trace_bytes
 from loadtest.workloads.records import BlockPrompt, WorkloadRequest
 
 
@@ -44,10 +44,12 @@ def _request(
     return WorkloadRequest(rid, t0_s + float(row["t"]), tenant, session, prompt, max(1, int(row["out"])))
 
 
-def read_kvcache_tester(path: str | Path, *, tenant: str = "trace") -> KvCacheTesterTrace:
+def parse_kvcache_tester(data: bytes, source: str, *, tenant: str = "trace") -> KvCacheTesterTrace:
+    """The session in a kv-cache-tester trace's bytes; `source` names it in errors and is the
+    fallback trace id (its file stem)."""
     try:
-        doc = orjson.loads(Path(path).read_bytes())
-        trace_id = str(doc.get("id", Path(path).stem))
+        doc = orjson.loads(data)
+        trace_id = str(doc.get("id", _stem(source)))
         size = int(doc["block_size"])
         shared = int(doc.get("system_tokens", 0)) + int(doc.get("tool_tokens", 0))
         out: list[WorkloadRequest] = []
@@ -61,6 +63,19 @@ def read_kvcache_tester(path: str | Path, *, tenant: str = "trace") -> KvCacheTe
             else:
                 out.append(_request(trace_id, trace_id, 0.0, row, i, size, tenant, shared // size))
     except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise TraceFormatError(f"{path}: not a kv-cache-tester trace ({exc})") from None
+        raise TraceFormatError(f"{source}: not a kv-cache-tester trace ({exc})") from None
     out.sort(key=lambda r: r.arrival_s)
     return KvCacheTesterTrace(trace_id, size, shared, tuple(out))
+
+
+def _stem(source: str) -> str:
+    """`trace_0256` for `.../trace_0256.json` and `.../trace_0256.json.xz` alike."""
+    name = Path(source).name
+    for suffix in (".gz", ".xz"):
+        name = name.removesuffix(suffix)
+    return Path(name).stem
+
+
+def read_kvcache_tester(path: str | Path, *, tenant: str = "trace") -> KvCacheTesterTrace:
+    """The session in a kv-cache-tester trace file (plain, gzip or xz)."""
+    return parse_kvcache_tester(read_trace_bytes(path), str(path), tenant=tenant)

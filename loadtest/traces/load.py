@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from loadtest.traces.kvcache_tester import read_kvcache_tester
-from loadtest.traces.mooncake import TraceFormatError, read_mooncake
+from loadtest.traces.catalog import resolve_trace
+from loadtest.traces.files import read_trace_bytes
+from loadtest.traces.kvcache_tester import parse_kvcache_tester
+from loadtest.traces.mooncake import MOONCAKE_BLOCK_TOKENS, parse_mooncake
 from loadtest.traces.users import replay_as_users
 from loadtest.workloads.records import WorkloadRequest
 
@@ -29,16 +31,15 @@ def load_trace(
     seed: int = 0,
     tenant_per_user: bool = False,
 ) -> LoadedTrace:
-    """Read a Mooncake `.jsonl` or kv-cache-tester `.json` trace; `users > 1` replays it as many users
-    (each its own tenant `trace-u<i>` with `tenant_per_user`)."""
-    p = Path(path)
-    if not p.is_file():
-        raise TraceFormatError(f"{p}: no such trace file")
-    with open(p, "rb") as f:
-        first_line = f.readline(1 << 16)
+    """Read a Mooncake `.jsonl` or kv-cache-tester `.json` trace, plain, gzip or xz, or a shipped
+    trace by name (`loadtest.traces.catalog`); `users > 1` replays it as many users (each its own
+    tenant `trace-u<i>` with `tenant_per_user`)."""
+    p = resolve_trace(path)
+    data = read_trace_bytes(p)
     # A Mooncake file is one small object per line; a kv-cache-tester file is one big object.
+    first_line = data[: 1 << 16].split(b"\n", 1)[0]
     if b'"input_length"' not in first_line:
-        t = read_kvcache_tester(p)
+        t = parse_kvcache_tester(data, str(p))
         shared_blocks = t.shared_prefix_tokens // t.block_size_tokens
         reqs = list(t.requests)
         if users > 1:
@@ -51,9 +52,9 @@ def load_trace(
                 seed=seed,
             )
         return LoadedTrace(str(p), "kv-cache-tester", t.block_size_tokens, tuple(reqs))
-    reqs = read_mooncake(p)
+    reqs = parse_mooncake(data, str(p))
     if users > 1:
         reqs = replay_as_users(
             reqs, users, spread_s=user_spread_s, tenant_per_user=tenant_per_user, seed=seed
         )
-    return LoadedTrace(str(p), "mooncake", 512, tuple(reqs))
+    return LoadedTrace(str(p), "mooncake", MOONCAKE_BLOCK_TOKENS, tuple(reqs))

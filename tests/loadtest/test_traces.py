@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import gzip
 import json
-import os
+import lzma
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,20 +17,6 @@ from loadtest.workloads.records import BlockPrompt
 from loadtest.workloads.render import prompt_bytes
 from policies.base import Isolation
 from prompt_normalizer.types import PUBLIC_NAMESPACE
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def shared_traces_dir() -> Path:
-    """$KVGATE_TRACES_DIR, else `shared/data/traces` beside the repository (a clone and `shared/`
-    sit side by side on the development machine and in CI). Missing traces fail, never skip."""
-    env = os.environ.get("KVGATE_TRACES_DIR")
-    path = Path(env) if env else REPO_ROOT.parent / "shared" / "data" / "traces"
-    if not path.is_dir():
-        pytest.fail(
-            f"shared traces not found at {path}: set KVGATE_TRACES_DIR or put shared/ beside the clone"
-        )
-    return path
 
 
 def _write_mooncake(path: Path) -> None:
@@ -90,6 +78,42 @@ def test_mooncake_reader_names_the_bad_line(tmp_path: Path) -> None:
         load_trace(tmp_path / "missing.jsonl")
 
 
+@pytest.mark.parametrize("write", [_write_mooncake, _write_kvct])
+def test_gzip_and_xz_files_read_like_the_plain_file_whatever_their_suffix(
+    tmp_path: Path, write: Callable[[Path], None]
+) -> None:
+    plain = tmp_path / "plain"
+    write(plain)
+    expected = load_trace(plain)
+    raw = plain.read_bytes()
+    for name, packed in [
+        ("t.gz", gzip.compress(raw)),
+        ("t.xz", lzma.compress(raw)),
+        ("t.json", lzma.compress(raw)),  # recognised by its magic bytes, not its suffix
+    ]:
+        f = tmp_path / name
+        f.write_bytes(packed)
+        got = load_trace(f)
+        assert (got.trace_format, got.requests) == (expected.trace_format, expected.requests)
+
+
+def test_a_damaged_compressed_file_is_a_trace_error(tmp_path: Path) -> None:
+    f = tmp_path / "t.jsonl"
+    _write_mooncake(f)
+    raw = f.read_bytes()
+    cut_xz = tmp_path / "cut.jsonl.xz"
+    cut_xz.write_bytes(lzma.compress(raw)[:-20])
+    cut_gz = tmp_path / "cut.jsonl.gz"
+    cut_gz.write_bytes(gzip.compress(raw)[:-12])
+    bad_gz = tmp_path / "bad.jsonl.gz"
+    packed = bytearray(gzip.compress(raw))
+    packed[12:20] = b"\xff" * 8  # corrupt the deflate stream after the header
+    bad_gz.write_bytes(bytes(packed))
+    for bad in (cut_xz, cut_gz, bad_gz):
+        with pytest.raises(TraceFormatError, match=rf"{bad.name}: cannot read"):
+            load_trace(bad)
+
+
 def test_kvcache_tester_reader_includes_subagents(tmp_path: Path) -> None:
     f = tmp_path / "s.json"
     _write_kvct(f)
@@ -124,10 +148,11 @@ def test_replay_as_users_shares_only_the_prefix(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("name", "ceiling"),
-    [("conversation_trace.jsonl", 0.374), ("synthetic_trace.jsonl", 0.651), ("trace_0256.json", 0.959)],
+    [("mooncake-conversation", 0.374), ("mooncake-synthetic", 0.651), ("kvct-agent", 0.959)],
 )
 def test_infinite_ceilings_match_the_published_table(name: str, ceiling: float) -> None:
-    t = load_trace(shared_traces_dir() / name)
+    # The shipped traces, by name: the ceilings of their upstream README (token-weighted, infinite cache).
+    t = load_trace(name)
     keys = KeyPath()
     assert ceiling_infinite(keys.keyed(r).chain() for r in t.requests).hit_ratio == pytest.approx(
         ceiling, abs=0.0006

@@ -210,6 +210,7 @@ class Discovery:
         on_error: ErrorHook | None = None,
         on_resync: Callable[[], None] | None = None,
         first_wait_s: float = 5.0,
+        name: str = "",
     ) -> None:
         if interval_s <= 0:
             raise ValueError("interval_s must be positive")
@@ -218,6 +219,7 @@ class Discovery:
         self._on_error = on_error
         self._on_resync = on_resync
         self._first_wait_s = first_wait_s
+        self._log_extra = {"pool": name} if name else None
         self._current: frozenset[str] = frozenset()
         self._details: Mapping[str, WorkerDetails] = {}
         self._resolutions = 0
@@ -257,6 +259,7 @@ class Discovery:
                 len(change.removed),
                 len(change.changed),
                 len(new),
+                extra=self._log_extra,
             )
         self._settled.set()
         return change
@@ -265,7 +268,12 @@ class Discovery:
         """A failed resolution or watch: the last set stays."""
         self._failures += 1
         self._last_error = f"{reason}: {message}"
-        log.warning("worker discovery failed, keeping %d workers: %s", len(self._current), self._last_error)
+        log.warning(
+            "worker discovery failed, keeping %d workers: %s",
+            len(self._current),
+            self._last_error,
+            extra=self._log_extra,
+        )
         if self._on_error is not None:
             self._on_error(reason)
         self._settled.set()

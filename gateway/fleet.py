@@ -83,6 +83,7 @@ class Fleet:
                 interval_s=interval_s,
                 on_error=functools.partial(_count_error, metrics.discovery_errors, pool.name),
                 on_resync=metrics.discovery_resyncs.labels(pool.name).inc,
+                name=pool.name,
             )
             self._discoveries[pool.name] = discovery
             await discovery.start(functools.partial(self._apply, pool))

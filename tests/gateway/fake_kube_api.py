@@ -288,8 +288,8 @@ class FakeKubeApi:
                 elif what == "end":
                     break
                 elif what == "drop":
-                    assert request.transport is not None
-                    request.transport.abort()
+                    if request.transport is not None:
+                        request.transport.abort()
                     return resp
         finally:
             self.watchers.discard(queue)

@@ -323,6 +323,7 @@ async def test_the_gateway_routes_to_ready_pods_and_reports_discovery_metrics(
             assert 'kvgate_discovery_workers{pool="p"} 1.0' in text
             assert 'kvgate_discovery_resyncs_total{pool="p"} 1.0' in text
             assert 'kvgate_discovery_errors_total{pool="p",reason="expired"} 1.0' in text
+        await wait_until(lambda: not fake.watchers)  # the lifespan's end closed the watch
     finally:
         for runner, _ in workers:
             await runner.cleanup()

@@ -3,9 +3,12 @@ pods are routable and where."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from gateway.config import ConfigError, parse_config
 from gateway.k8s.pods import PodSettings, read_pod
@@ -132,3 +135,13 @@ def test_role_label_and_kv_event_endpoints_by_annotation_or_port() -> None:
     assert named.endpoint is not None and named.endpoint.details.kv_events_endpoint == "tcp://10.0.0.7:5557"
     missing = read_pod(make_pod("a"), by_name)
     assert missing.endpoint is not None and missing.problem is not None
+
+
+def test_the_documented_kubernetes_pool_is_valid() -> None:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "config.md").read_text()
+    block = next(b for b in re.findall(r"```yaml\n(.*?)```", doc, re.S) if "kubernetes:" in b)
+    pool = parse_config(
+        {**yaml.safe_load(block), "tenants": [{"name": "t", "api_key_hashes": [HASH]}]}
+    ).pools[0]
+    assert pool.kubernetes is not None and pool.kubernetes.port == "http" and pool.subscribes_kv_events
+    assert pool.kubernetes.selector == "app.kubernetes.io/name=vllm,model=llama-8b"

@@ -200,7 +200,7 @@ class PodApi:
             await self._check(resp)
             body = await _read_bounded(resp, self._max_page_bytes)
         doc = await asyncio.to_thread(_loads, body) if len(body) > _PARSE_IN_THREAD_BYTES else _loads(body)
-        items = doc.get("items")
+        items = doc.get("items") or []  # an empty list may come as null
         meta = doc.get("metadata")
         if not isinstance(items, list) or not isinstance(meta, dict):
             raise ProtocolError("a pod list without items or metadata")

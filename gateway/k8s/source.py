@@ -31,6 +31,7 @@ from gateway.k8s.api import (
     Access,
     ApiError,
     Expired,
+    KubernetesSetupError,
     PodApi,
     ProtocolError,
     Token,
@@ -130,7 +131,17 @@ class PodWatcher:
                     version = await self._watch(api, version, sink)
             except Expired as exc:
                 sink.record_error("expired", str(exc))
-            except (ApiError, ProtocolError, aiohttp.ClientError, TimeoutError, OSError) as exc:
+            except (
+                ApiError,
+                ProtocolError,
+                KubernetesSetupError,  # e.g. the token file briefly missing while it is rotated
+                aiohttp.ClientError,
+                TimeoutError,
+                OSError,
+            ) as exc:
+                sink.record_error(stage, f"{type(exc).__name__}: {exc}")
+            except Exception as exc:  # a bug in one round must not end discovery for good
+                log.exception("pod discovery round failed")
                 sink.record_error(stage, f"{type(exc).__name__}: {exc}")
             await asyncio.sleep(self._backoff.next())
 

@@ -117,7 +117,7 @@ class FakeKubeApi:
         self.token = token
         self.pods: dict[str, Pod] = {}
         self.version = 1000
-        self.history: list[tuple[int, str, Pod]] = []
+        self.history: list[tuple[int, str, Pod, Pod | None]] = []
         self.oldest = self.version  # watches from an older version get 410
         self.watchers: set[asyncio.Queue[tuple[str, Any]]] = set()
         self.lists = 0  # list requests (first pages)
@@ -137,21 +137,21 @@ class FakeKubeApi:
         pod["metadata"]["resourceVersion"] = str(self.version)
         return pod
 
-    def _emit(self, kind: str, pod: Pod) -> None:
-        self.history.append((self.version, kind, pod))
+    def _emit(self, kind: str, pod: Pod, old: Pod | None) -> None:
+        self.history.append((self.version, kind, pod, old))
         for queue in self.watchers:
-            queue.put_nowait(("event", (kind, pod)))
+            queue.put_nowait(("event", (kind, pod, old)))
 
     def put(self, pod: Pod) -> None:
         """Create or update a pod (ADDED or MODIFIED)."""
         name = pod["metadata"]["name"]
-        kind = "MODIFIED" if name in self.pods else "ADDED"
+        old = self.pods.get(name)
         self.pods[name] = self._bump(pod)
-        self._emit(kind, self.pods[name])
+        self._emit("ADDED" if old is None else "MODIFIED", self.pods[name], old)
 
     def delete(self, name: str) -> None:
         pod = self._bump(self.pods.pop(name))
-        self._emit("DELETED", pod)
+        self._emit("DELETED", pod, None)
 
     def ready(self, name: str, ready: bool) -> None:
         pod = copy.deepcopy(self.pods[name])
@@ -229,6 +229,16 @@ class FakeKubeApi:
     def _selected(self, selector: str, pods: list[Pod]) -> list[Pod]:
         return [p for p in pods if not selector or matches(selector, p["metadata"].get("labels", {}))]
 
+    def _seen_as(self, selector: str, kind: str, pod: Pod, old: Pod | None) -> str | None:
+        """What a filtered watch reports: a pod that starts matching is ADDED, one that stops
+        matching is DELETED, as the real server's watch cache does."""
+        now, before = bool(self._selected(selector, [pod])), bool(old and self._selected(selector, [old]))
+        if kind != "MODIFIED":
+            return kind if now else None
+        if now:
+            return "MODIFIED" if before else "ADDED"
+        return "DELETED" if before else None
+
     def _list(self, request: web.Request, selector: str) -> web.Response:
         limit = int(request.query.get("limit", "0") or 0)
         token = request.query.get("continue")
@@ -262,9 +272,9 @@ class FakeKubeApi:
             await send("ERROR", _status(410, "Expired", f"too old resource version: {since}"))
             return resp
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        for version, kind, pod in self.history:
+        for version, kind, pod, old in self.history:
             if version > since:
-                queue.put_nowait(("event", (kind, pod)))
+                queue.put_nowait(("event", (kind, pod, old)))
         self.watchers.add(queue)
         deadline = asyncio.get_running_loop().time() + timeout_s
         try:
@@ -277,9 +287,9 @@ class FakeKubeApi:
                         await send("BOOKMARK", {"kind": "Pod", "apiVersion": "v1", "metadata": meta})
                     continue
                 if what == "event":
-                    kind, pod = data
-                    if self._selected(selector, [pod]):
-                        await send(kind, pod)
+                    kind = self._seen_as(selector, *data)
+                    if kind is not None:
+                        await send(kind, data[1])
                 elif what == "error":
                     await send("ERROR", data)
                     break

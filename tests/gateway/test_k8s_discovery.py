@@ -131,6 +131,10 @@ async def test_pods_added_removed_or_turned_unready_change_the_routed_set(
         fake.put(make_pod("d", port=8005, phase="Pending", ready=False))
         fake.put(make_pod("d", port=8005))
         await f.routed(8005)
+        fake.put(make_pod("d", port=8005, labels={"app": "retired"}))  # relabelled out of the selector
+        await f.routed()
+        fake.put(make_pod("other", port=8003))  # relabelled into it
+        await f.routed(8003)
         assert f.errors == [] and fake.lists == 1  # everything came through one watch
         assert [sorted(c.added) for c in f.changes][:2] == [[url(8001)], [url(8004)]]
 
@@ -287,13 +291,15 @@ async def test_the_gateway_routes_to_ready_pods_and_reports_discovery_metrics(
     workers = [await _health_only_worker() for _ in range(2)]
     ports = [port for _, port in workers]
     (tmp_path / "token").write_text("tok-1")
-    fake.put(make_pod("a", port=ports[0], labels={"app": "vllm", "kvgate.io/role": "decode"}))
+    decode = {"app": "vllm", "kvgate.io/role": "decode"}
+    fake.put(make_pod("a", port=ports[0], labels=decode, annotations={"kvgate.io/kv": "5557"}))
     fake.put(make_pod("b", port=ports[1]))
     k8s = {
         "namespace": "llm",
         "selector": {"app": "vllm"},
         "port": "http",
         "role_label": "kvgate.io/role",
+        "kv_events_annotation": "kvgate.io/kv",
         "api_server": fake.url,
         "token_file": str(tmp_path / "token"),
     }
@@ -312,8 +318,15 @@ async def test_the_gateway_routes_to_ready_pods_and_reports_discovery_metrics(
     try:
         async with app.fallback.router.lifespan_context(app.fallback):
             await wait_until(lambda: routed() == {url(p) for p in ports}, ROUTED_WITHIN_S)
-            assert pool.workers[WorkerId(url(ports[0]))].role == "decode"
-            assert pool.workers[WorkerId(url(ports[1]))].role is None
+            a, b = WorkerId(url(ports[0])), WorkerId(url(ports[1]))
+            assert pool.workers[a].role == "decode" and pool.workers[b].role is None
+            assert state.fleet is not None and state.fleet.kv_events is not None
+            kv = state.fleet.kv_events
+            assert set(kv.stream_stats(a)) == {"tcp://127.0.0.1:5557"} and b not in kv.workers()
+            prefill = {**decode, "kvgate.io/role": "prefill"}
+            fake.put(make_pod("a", port=ports[0], labels=prefill, annotations={"kvgate.io/kv": "5558"}))
+            await wait_until(lambda: pool.workers[a].role == "prefill")
+            assert set(kv.stream_stats(a)) == {"tcp://127.0.0.1:5558"}  # followed where it moved
             fake.ready("b", False)
             await wait_until(lambda: routed() == {url(ports[0])}, ROUTED_WITHIN_S)
             await wait_until(lambda: bool(fake.watchers))

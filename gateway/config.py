@@ -10,16 +10,9 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from gateway.k8s.selector import label_key_ok, normalize_selector, port_name_ok
+from gateway.k8s.config import KubernetesDiscoveryConfig
 from policies.base import Isolation
 from prompt_normalizer.normalizer import NormalizerConfig
 
@@ -115,78 +108,6 @@ class DnsDiscoveryConfig(_Frozen):
     refresh_s: PositiveFloat = 5.0
 
 
-def _port(value: object) -> object:
-    """A port number, or a container port name (digits-only names are numbers)."""
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise ValueError("must be a port number or a container port name")
-    if isinstance(value, str) and value.isdigit():
-        value = int(value)
-    if isinstance(value, int):
-        if not 1 <= value <= 65535:
-            raise ValueError(f"port {value} is out of range 1-65535")
-        return value
-    if not port_name_ok(value):
-        raise ValueError(f"{value!r} is neither a port number nor a container port name")
-    return value
-
-
-class KubernetesDiscoveryConfig(_Frozen):
-    """Workers as the ready pods matching `selector` in `namespace`, followed through the API server
-    (list + watch of Pods). Each ready pod becomes `scheme://podIP:port`; `port` is a number or the
-    name of a container port. In a cluster the service account's token and CA are used; `api_server`
-    (with `token_file`, `ca_file`) points elsewhere."""
-
-    namespace: str | None = Field(default=None, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-    selector: str
-    port: int | str
-    scheme: Literal["http", "https"] = "http"
-    kv_events_port: int | str | None = None
-    kv_events_annotation: str | None = None
-    role_label: str | None = None
-    api_server: str | None = None
-    token_file: str | None = None
-    ca_file: str | None = None
-    max_pods: PositiveInt = 1024
-    watch_timeout_s: int = Field(default=300, ge=10, le=3600)
-
-    @field_validator("selector", mode="before")
-    @classmethod
-    def _selector(cls, value: object) -> str:
-        if isinstance(value, dict) and all(isinstance(v, str) for v in value.values()):
-            return normalize_selector(value)
-        if isinstance(value, str):
-            return normalize_selector(value)
-        raise ValueError(
-            "must be a label selector string or a mapping of label to string value (quote values "
-            "such as 'true' or '1' in YAML)"
-        )
-
-    @field_validator("port", "kv_events_port", mode="before")
-    @classmethod
-    def _ports(cls, value: object) -> object:
-        return None if value is None else _port(value)
-
-    @field_validator("kv_events_annotation", "role_label")
-    @classmethod
-    def _keys(cls, value: str | None) -> str | None:
-        if value is not None and not label_key_ok(value):
-            raise ValueError(f"{value!r} is not a valid label or annotation key")
-        return value
-
-    @field_validator("api_server")
-    @classmethod
-    def _api(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith(("http://", "https://")):
-            raise ValueError(f"api_server {value!r} must start with http:// or https://")
-        return value.rstrip("/") if value is not None else None
-
-    @model_validator(mode="after")
-    def _kv_source(self) -> KubernetesDiscoveryConfig:
-        if self.kv_events_port is not None and self.kv_events_annotation is not None:
-            raise ValueError("set at most one of kv_events_port and kv_events_annotation")
-        return self
-
-
 class PoolConfig(_Frozen):
     """A set of interchangeable workers serving the same model(s)."""
 
@@ -225,9 +146,7 @@ class PoolConfig(_Frozen):
     def subscribes_kv_events(self) -> bool:
         """Whether the pool's workers publish KV events (an endpoint template, or per pod)."""
         k8s = self.kubernetes
-        return self.kv_events_endpoint is not None or (
-            k8s is not None and (k8s.kv_events_port is not None or k8s.kv_events_annotation is not None)
-        )
+        return self.kv_events_endpoint is not None or (k8s is not None and k8s.finds_kv_events)
 
     @model_validator(mode="after")
     def _one_source(self) -> PoolConfig:
@@ -238,11 +157,7 @@ class PoolConfig(_Frozen):
                 "'kubernetes' (pods by label selector)"
             )
         k8s = self.kubernetes
-        if (
-            k8s is not None
-            and self.kv_events_endpoint is not None
-            and (k8s.kv_events_port is not None or k8s.kv_events_annotation is not None)
-        ):
+        if k8s is not None and k8s.finds_kv_events and self.kv_events_endpoint is not None:
             raise ValueError(
                 "kv_events_endpoint and kubernetes.kv_events_port / kv_events_annotation both say "
                 "where KV events come from: keep one"

@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from gateway.config import KubernetesDiscoveryConfig
+from gateway.k8s.config import KubernetesDiscoveryConfig
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 _MAX_ERROR_BODY_BYTES = 64 * 1024

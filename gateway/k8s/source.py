@@ -24,7 +24,6 @@ from typing import Any
 
 import aiohttp
 
-from gateway.config import KubernetesDiscoveryConfig
 from gateway.discovery import WorkerDetails, WorkerSink
 from gateway.k8s.api import (
     SERVICE_ACCOUNT_DIR,
@@ -37,6 +36,7 @@ from gateway.k8s.api import (
     Token,
     resolve_access,
 )
+from gateway.k8s.config import KubernetesDiscoveryConfig
 from gateway.k8s.pods import PodEndpoint, PodSettings, pod_name, read_pod, resource_version
 
 log = logging.getLogger("kvgate.k8s")

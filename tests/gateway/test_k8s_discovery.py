@@ -20,9 +20,10 @@ from aiohttp import web
 
 from gateway.app import build_app
 from gateway.auth import hash_api_key
-from gateway.config import KubernetesDiscoveryConfig, parse_config
+from gateway.config import parse_config
 from gateway.discovery import Discovery, WorkerSetChange
 from gateway.k8s.api import KubernetesSetupError
+from gateway.k8s.config import KubernetesDiscoveryConfig
 from gateway.k8s.source import PodWatcher
 from gateway.state import build_state
 from policies import make_policy

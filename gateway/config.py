@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from gateway.k8s.config import KubernetesDiscoveryConfig
 from policies.base import Isolation
 from prompt_normalizer.normalizer import NormalizerConfig
 
@@ -114,6 +115,7 @@ class PoolConfig(_Frozen):
     models: list[str] = Field(min_length=1)
     workers: list[str] = Field(default_factory=list)
     dns: DnsDiscoveryConfig | None = None
+    kubernetes: KubernetesDiscoveryConfig | None = None
     # KV-cache events (vLLM `--kv-events-config`): `{host}` is replaced by each worker's address.
     # Precise routing needs token-exact keys: the pool's normalizer in `tokenizer` or `render` mode.
     kv_events_endpoint: str | None = Field(default=None, min_length=1)
@@ -140,10 +142,26 @@ class PoolConfig(_Frozen):
                 raise ValueError(f"worker URL {url!r} must start with http:// or https://")
         return [u.rstrip("/") for u in urls]
 
+    @property
+    def subscribes_kv_events(self) -> bool:
+        """Whether the pool's workers publish KV events (an endpoint template, or per pod)."""
+        k8s = self.kubernetes
+        return self.kv_events_endpoint is not None or (k8s is not None and k8s.finds_kv_events)
+
     @model_validator(mode="after")
     def _one_source(self) -> PoolConfig:
-        if bool(self.workers) == (self.dns is not None):
-            raise ValueError("a pool needs exactly one of 'workers' (static URLs) or 'dns' (a DNS name)")
+        sources = [bool(self.workers), self.dns is not None, self.kubernetes is not None]
+        if sum(sources) != 1:
+            raise ValueError(
+                "a pool needs exactly one of 'workers' (static URLs) or 'dns' (a DNS name) or "
+                "'kubernetes' (pods by label selector)"
+            )
+        k8s = self.kubernetes
+        if k8s is not None and k8s.finds_kv_events and self.kv_events_endpoint is not None:
+            raise ValueError(
+                "kv_events_endpoint and kubernetes.kv_events_port / kv_events_annotation both say "
+                "where KV events come from: keep one"
+            )
         unknown = sorted(set(self.adapters) - set(self.models))
         if unknown:
             raise ValueError(f"adapters: {unknown[0]!r} is not one of the pool's models")

@@ -1,4 +1,5 @@
-"""Where a pool's workers are: a static URL list, or a DNS name re-resolved periodically.
+"""Where a pool's workers are: a static URL list, a DNS name re-resolved periodically, or a source
+that pushes its own updates (the Kubernetes pod watch in `gateway.k8s`).
 
 A Kubernetes headless Service resolves to one A/AAAA record per ready pod, so re-resolving its name
 every few seconds follows scale-ups, restarts and rollouts without talking to the API server. Each
@@ -7,6 +8,9 @@ thread, never blocking the loop) and can be replaced by any async resolver for t
 
 A failed resolution keeps the last known set: a DNS hiccup must not empty a pool. A successful
 answer with no addresses (every pod gone) does empty it.
+
+Every kind of source ends in the same seam: `Discovery.publish(snapshot)` diffs the new snapshot
+against the last one and hands a `WorkerSetChange` to the one change handler (the fleet's).
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ import contextlib
 import ipaddress
 import logging
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
 
 log = logging.getLogger("kvgate.discovery")
 
@@ -25,19 +30,49 @@ Resolver = Callable[[str, int], Awaitable[list[str]]]
 
 
 @dataclass(frozen=True, slots=True)
+class WorkerDetails:
+    """What a source knows about a worker besides its URL (static and DNS sources know nothing more).
+
+    `role` is the value of the pod's role label (e.g. prefill, decode, mixed); `kv_events_endpoint`
+    the worker's own KV-event publisher, when the source finds it per worker.
+    """
+
+    role: str | None = None
+    kv_events_endpoint: str | None = None
+
+
+NO_DETAILS = WorkerDetails()
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerSetChange:
-    """The difference between two successive views of a pool: URLs added and removed."""
+    """The difference between two successive views of a pool: URLs added and removed, and URLs
+    kept whose details changed. `details` holds the current workers' details (absent: none)."""
 
     added: frozenset[str]
     removed: frozenset[str]
     current: frozenset[str]
+    changed: frozenset[str] = frozenset()
+    details: Mapping[str, WorkerDetails] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
-        return bool(self.added or self.removed)
+        return bool(self.added or self.removed or self.changed)
+
+    def details_of(self, url: str) -> WorkerDetails:
+        return self.details.get(url, NO_DETAILS)
 
 
-def diff_workers(old: frozenset[str], new: frozenset[str]) -> WorkerSetChange:
-    return WorkerSetChange(added=new - old, removed=old - new, current=new)
+def diff_workers(
+    old: frozenset[str],
+    new: frozenset[str],
+    old_details: Mapping[str, WorkerDetails] | None = None,
+    new_details: Mapping[str, WorkerDetails] | None = None,
+) -> WorkerSetChange:
+    before, after = old_details or {}, new_details or {}
+    changed = frozenset(u for u in old & new if before.get(u, NO_DETAILS) != after.get(u, NO_DETAILS))
+    return WorkerSetChange(
+        added=new - old, removed=old - new, current=new, changed=changed, details=dict(after)
+    )
 
 
 def worker_url(scheme: str, address: str, port: int) -> str:
@@ -58,7 +93,7 @@ async def resolve_with_loop(host: str, port: int) -> list[str]:
 
 
 class WorkerSource:
-    """Something that can say which worker URLs a pool has right now."""
+    """Something that can say, when asked, which worker URLs a pool has right now."""
 
     async def resolve(self) -> frozenset[str]:
         raise NotImplementedError
@@ -121,6 +156,29 @@ class DnsWorkers(WorkerSource):
         return frozenset(urls)
 
 
+class WorkerSink(Protocol):
+    """Where a watching source reports: whole snapshots, errors and re-lists."""
+
+    def publish(self, workers: Mapping[str, WorkerDetails]) -> WorkerSetChange: ...
+
+    def record_error(self, reason: str, message: str) -> None: ...
+
+    def record_resync(self) -> None: ...
+
+
+class WatchingSource(Protocol):
+    """A source that follows its workers itself (a Kubernetes watch) and pushes every snapshot.
+
+    `prepare` checks what cannot heal by waiting (credentials, settings) and raises if it is wrong.
+    `run` then never returns by itself: it reports to `sink` until cancelled, and recovers from its
+    own errors (reporting each through `sink.record_error`).
+    """
+
+    async def prepare(self) -> None: ...
+
+    async def run(self, sink: WorkerSink) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class DiscoveryStatus:
     """What the admin API shows for one pool's discovery."""
@@ -129,54 +187,118 @@ class DiscoveryStatus:
     resolutions: int
     failures: int
     last_error: str | None
+    resyncs: int = 0
+
+
+ErrorHook = Callable[[str], None]
 
 
 class Discovery:
     """Keeps a pool's worker set current and reports each change.
 
-    Use `watch()` as an async iterator, or `start(on_change)` / `stop()` from the app lifespan. The
-    first change reported is the initial set (everything `added`).
+    A polled source (`WorkerSource`) is resolved every `interval_s`; a `WatchingSource` runs in a
+    task of its own and calls `publish`. Use `watch()` (polled sources) as an async iterator, or
+    `start(on_change)` / `stop()` from the app lifespan. The first change reported is the initial
+    set (everything `added`). `on_error(reason)` and `on_resync()` feed the metrics.
     """
 
-    def __init__(self, source: WorkerSource, interval_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        source: WorkerSource | WatchingSource,
+        interval_s: float = 5.0,
+        *,
+        on_error: ErrorHook | None = None,
+        on_resync: Callable[[], None] | None = None,
+        first_wait_s: float = 5.0,
+        name: str = "",
+    ) -> None:
         if interval_s <= 0:
             raise ValueError("interval_s must be positive")
         self._source = source
         self._interval_s = interval_s
+        self._on_error = on_error
+        self._on_resync = on_resync
+        self._first_wait_s = first_wait_s
+        self._log_extra = {"pool": name} if name else None
         self._current: frozenset[str] = frozenset()
+        self._details: Mapping[str, WorkerDetails] = {}
         self._resolutions = 0
         self._failures = 0
+        self._resyncs = 0
         self._last_error: str | None = None
         self._task: asyncio.Task[None] | None = None
+        self._on_change: Callable[[WorkerSetChange], None] | None = None
+        self._settled = asyncio.Event()  # a watching source has answered once, or failed once
 
     @property
     def current(self) -> frozenset[str]:
         return self._current
 
     def status(self) -> DiscoveryStatus:
-        return DiscoveryStatus(self._current, self._resolutions, self._failures, self._last_error)
+        return DiscoveryStatus(
+            self._current, self._resolutions, self._failures, self._last_error, self._resyncs
+        )
+
+    def publish(self, workers: Mapping[str, WorkerDetails]) -> WorkerSetChange:
+        """Take a whole new snapshot from a watching source and report the change to the handler."""
+        change = self._take(workers)
+        if self._on_change is not None and change:
+            self._deliver(change)
+        return change
+
+    def _take(self, workers: Mapping[str, WorkerDetails]) -> WorkerSetChange:
+        self._resolutions += 1
+        self._last_error = None
+        new = frozenset(workers)
+        change = diff_workers(self._current, new, self._details, workers)
+        self._current, self._details = new, change.details
+        if change:
+            log.info(
+                "workers changed: +%d -%d ~%d = %d",
+                len(change.added),
+                len(change.removed),
+                len(change.changed),
+                len(new),
+                extra=self._log_extra,
+            )
+        self._settled.set()
+        return change
+
+    def record_error(self, reason: str, message: str) -> None:
+        """A failed resolution or watch: the last set stays."""
+        self._failures += 1
+        self._last_error = f"{reason}: {message}"
+        log.warning(
+            "worker discovery failed, keeping %d workers: %s",
+            len(self._current),
+            self._last_error,
+            extra=self._log_extra,
+        )
+        if self._on_error is not None:
+            self._on_error(reason)
+        self._settled.set()
+
+    def record_resync(self) -> None:
+        """A watching source lists everything again (after a watch error or an expired version)."""
+        self._resyncs += 1
+        if self._on_resync is not None:
+            self._on_resync()
 
     async def refresh(self) -> WorkerSetChange:
-        """Resolve once; on failure keep the last set and return an empty change."""
+        """Resolve a polled source once; on failure keep the last set and return an empty change."""
+        if not isinstance(self._source, WorkerSource):
+            raise TypeError("refresh() needs a polled WorkerSource")
         try:
             new = await self._source.resolve()
         except (OSError, TimeoutError, ValueError) as exc:
-            self._failures += 1
-            self._last_error = f"{type(exc).__name__}: {exc}"
-            log.warning(
-                "worker discovery failed, keeping %d workers: %s", len(self._current), self._last_error
-            )
+            self.record_error("resolve", f"{type(exc).__name__}: {exc}")
             return diff_workers(self._current, self._current)
-        self._resolutions += 1
-        self._last_error = None
-        change = diff_workers(self._current, new)
-        self._current = new
-        if change:
-            log.info("workers changed: +%d -%d = %d", len(change.added), len(change.removed), len(new))
-        return change
+        return self._take(dict.fromkeys(new, NO_DETAILS))
 
     async def watch(self) -> AsyncIterator[WorkerSetChange]:
-        """Yield every non-empty change, forever for periodic sources, once for static ones."""
+        """Yield every non-empty change of a polled source, forever if periodic, once if static."""
+        if not isinstance(self._source, WorkerSource):
+            raise TypeError("watch() needs a polled WorkerSource")
         while True:
             change = await self.refresh()
             if change:
@@ -186,26 +308,52 @@ class Discovery:
             await asyncio.sleep(self._interval_s)
 
     async def start(self, on_change: Callable[[WorkerSetChange], None]) -> WorkerSetChange:
-        """Resolve now (so the pool starts populated), then keep watching in a background task."""
-        first = await self.refresh()
-        on_change(first)
-        if self._source.periodic:
-            self._task = asyncio.create_task(self._follow(on_change), name="discovery")
-        return first
+        """Resolve now (so the pool starts populated), then keep following in a background task.
 
-    async def _follow(self, on_change: Callable[[WorkerSetChange], None]) -> None:
+        A watching source is prepared (its setup errors are raised here), then gets up to
+        `first_wait_s` to publish its first snapshot or fail once; after that the pool starts with
+        what is known and fills up as the source reports.
+        """
+        if isinstance(self._source, WorkerSource):
+            first = await self.refresh()
+            on_change(first)
+            if self._source.periodic:
+                self._task = asyncio.create_task(self._poll(on_change), name="discovery")
+            return first
+        await self._source.prepare()
+        self._on_change = on_change
+        self._task = asyncio.create_task(self._source.run(self), name="discovery")
+        self._task.add_done_callback(_report_end)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self._first_wait_s):
+                await self._settled.wait()
+        return diff_workers(frozenset(), self._current, None, self._details)
+
+    async def _poll(self, on_change: Callable[[WorkerSetChange], None]) -> None:
+        self._on_change = on_change
         while True:
             await asyncio.sleep(self._interval_s)
             change = await self.refresh()
             if change:
-                try:
-                    on_change(change)
-                except Exception:
-                    log.exception("worker-set change handler failed")
+                self._deliver(change)
+
+    def _deliver(self, change: WorkerSetChange) -> None:
+        """Hand a change to the handler; a failing handler must not end discovery."""
+        assert self._on_change is not None
+        try:
+            self._on_change(change)
+        except Exception:
+            log.exception("worker-set change handler failed")
 
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            # A task that already died was reported by `_report_end`; stopping must still succeed.
+            await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+
+
+def _report_end(task: asyncio.Task[None]) -> None:
+    """A watching source ends only when cancelled; anything else is a bug worth a traceback."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("worker discovery stopped", exc_info=task.exception())

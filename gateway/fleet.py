@@ -1,5 +1,5 @@
-"""Keeping the registry's view of the workers current: discovery (static or DNS), metric scraping
-and KV-event subscriptions, all started and stopped by the app lifespan.
+"""Keeping the registry's view of the workers current: discovery (static, DNS or Kubernetes),
+metric scraping and KV-event subscriptions, all started and stopped by the app lifespan.
 
 Discovery reports worker-set changes; each change updates the pool, starts or stops the worker's
 scrape loop and KV-event subscription, and triggers an immediate health check so a new worker
@@ -16,8 +16,17 @@ import time
 import aiohttp
 
 from gateway.config import GatewayConfig, PoolConfig
-from gateway.discovery import Discovery, DnsWorkers, StaticWorkers, WorkerSetChange, WorkerSource
+from gateway.discovery import (
+    Discovery,
+    DnsWorkers,
+    StaticWorkers,
+    WatchingSource,
+    WorkerSetChange,
+    WorkerSource,
+)
+from gateway.k8s.source import PodWatcher
 from gateway.kv_events import KvEventEndpoint, KvEventSubscriber, endpoint_for_worker
+from gateway.metrics import HotCounter
 from gateway.registry import Pool
 from gateway.scrape import MetricsScraper, ScrapeConfig, ScrapeResult
 from gateway.state import GatewayState
@@ -26,10 +35,12 @@ from policies.base import KvEvent, WorkerId
 log = logging.getLogger("kvgate.fleet")
 
 
-def worker_source(config: PoolConfig) -> WorkerSource:
+def worker_source(config: PoolConfig) -> WorkerSource | WatchingSource:
     if config.dns is not None:
         d = config.dns
         return DnsWorkers(d.name, d.port, scheme=d.scheme)
+    if config.kubernetes is not None:
+        return PodWatcher(config.kubernetes)
     return StaticWorkers(config.workers)
 
 
@@ -51,7 +62,7 @@ class Fleet:
             for pool in state.registry.pools.values():
                 pool.metrics_max_age_s = s.max_age_s
         self._kv: KvEventSubscriber | None = None
-        if any(p.kv_events_endpoint is not None for p in config.pools):
+        if any(p.subscribes_kv_events for p in config.pools):
             # Events carry the chain's cache_salt; resolve it to the namespace the gateway salted it for.
             self._kv = KvEventSubscriber(
                 on_event=self._on_kv_event, salt_namespaces=state.keyring.salt_namespaces
@@ -66,7 +77,14 @@ class Fleet:
             await self._kv.start()
         for pool in self._state.registry.pools.values():
             interval_s = pool.config.dns.refresh_s if pool.config.dns is not None else 5.0
-            discovery = Discovery(worker_source(pool.config), interval_s=interval_s)
+            metrics = self._state.metrics
+            discovery = Discovery(
+                worker_source(pool.config),
+                interval_s=interval_s,
+                on_error=functools.partial(_count_error, metrics.discovery_errors, pool.name),
+                on_resync=metrics.discovery_resyncs.labels(pool.name).inc,
+                name=pool.name,
+            )
             self._discoveries[pool.name] = discovery
             await discovery.start(functools.partial(self._apply, pool))
 
@@ -83,7 +101,9 @@ class Fleet:
             await self._scraper.stop()
 
     def _apply(self, pool: Pool, change: WorkerSetChange) -> None:
-        pool.set_urls(sorted(change.current))
+        roles = {url: change.details_of(url).role for url in change.current}
+        pool.set_urls(sorted(change.current), roles)
+        self._state.metrics.discovered_workers.labels(pool.name).set(len(change.current))
         for url in change.removed:
             worker = WorkerId(url)
             if not self._state.registry.workers_at(worker):
@@ -95,22 +115,41 @@ class Fleet:
             worker = WorkerId(url)
             if self._scraper is not None and self._scraper.state(worker) is None:
                 self._scraper.add(worker, url)
-            cfg = pool.config
-            if self._kv is not None and cfg.kv_events_endpoint is not None:
-                replay = cfg.kv_events_replay_endpoint
-                self._kv.add(
-                    KvEventEndpoint(
-                        worker=worker,
-                        endpoint=endpoint_for_worker(cfg.kv_events_endpoint, url),
-                        replay_endpoint=endpoint_for_worker(replay, url) if replay else None,
-                        topic=cfg.kv_events_topic,
-                    )
-                )
+            self._subscribe(pool, change, url)
+        for url in change.changed:  # a pod's role or KV-event endpoint changed in place
+            self._subscribe(pool, change, url)
         if change.added:
             # New workers are unknown (not routable) until checked: check them now.
             task = asyncio.ensure_future(pool.check(self._session))
             self._pending.add(task)
             task.add_done_callback(self._pending.discard)
+
+    def _subscribe(self, pool: Pool, change: WorkerSetChange, url: str) -> None:
+        """Follow the worker's KV events: at the endpoint discovery found for it, else the pool's."""
+        cfg = pool.config
+        endpoint = change.details_of(url).kv_events_endpoint
+        if endpoint is None and cfg.kv_events_endpoint is not None:
+            endpoint = endpoint_for_worker(cfg.kv_events_endpoint, url)
+        if self._kv is None:
+            return
+        worker = WorkerId(url)
+        subscribed = self._kv.stream_stats(worker)
+        if endpoint is None or endpoint not in subscribed:
+            if subscribed:
+                self._kv.remove(worker)
+            if endpoint is None:
+                return
+        else:
+            return  # already following this endpoint
+        replay = cfg.kv_events_replay_endpoint
+        self._kv.add(
+            KvEventEndpoint(
+                worker=worker,
+                endpoint=endpoint,
+                replay_endpoint=endpoint_for_worker(replay, url) if replay else None,
+                topic=cfg.kv_events_topic,
+            )
+        )
 
     @property
     def scraper(self) -> MetricsScraper | None:
@@ -126,3 +165,7 @@ class Fleet:
 
     def _on_kv_event(self, worker: WorkerId, event: KvEvent) -> None:
         self._state.policy.on_kv_event(worker, event, time.monotonic())
+
+
+def _count_error(counter: HotCounter, pool: str, reason: str) -> None:
+    counter.labels(pool, reason).inc()

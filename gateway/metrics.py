@@ -54,7 +54,20 @@ class GatewayMetrics:
         self.completion_tokens = hot.counter(
             "kvgate_completion_tokens", "Completion tokens reported by workers", ("model", "tenant")
         )
+        self.discovery_errors = hot.counter(
+            "kvgate_discovery_errors",
+            "Failed worker-discovery lookups, lists and watches",
+            ("pool", "reason"),
+        )
+        self.discovery_resyncs = hot.counter(
+            "kvgate_discovery_resyncs",
+            "Full re-lists of a pool's workers after a watch ended in error",
+            ("pool",),
+        )
         r.register(hot)
+        self.discovered_workers = Gauge(
+            "kvgate_discovery_workers", "Workers a pool's discovery currently reports", ["pool"], registry=r
+        )
         self.in_flight = Gauge(
             "kvgate_worker_in_flight", "Gateway in-flight requests per worker", ["pool", "worker"], registry=r
         )

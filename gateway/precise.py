@@ -21,7 +21,7 @@ def install_token_hasher(state: GatewayState, policy: RoutingPolicy) -> bool:
     """Give the policy a hasher for the pool that subscribes to KV events (the first such pool:
     the hasher interface carries no pool, so one identity serves every event stream)."""
     setter = getattr(policy, "set_token_hasher", None)
-    pools = [p for p in state.registry.pools.values() if p.config.kv_events_endpoint is not None]
+    pools = [p for p in state.registry.pools.values() if p.config.subscribes_kv_events]
     if setter is None or not pools:
         return False
     pool = pools[0]

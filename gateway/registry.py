@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -71,6 +71,7 @@ class Worker:
         "max_in_flight",
         "metrics_at_s",
         "prefill_tokens",
+        "role",
         "url",
         "worker_id",
     )
@@ -93,6 +94,7 @@ class Worker:
         self._oks = 0
         self._metrics: WorkerMetrics | None = None  # last scrape, set by the scraper's callback
         self.metrics_at_s = 0.0
+        self.role: str | None = None  # from discovery (a pod's role label), e.g. prefill / decode / mixed
 
     @property
     def healthy(self) -> bool:
@@ -199,10 +201,13 @@ class Pool:
         )
         self.set_urls(config.workers)
 
-    def set_urls(self, urls: Iterable[str]) -> None:
-        """Replace the worker set; workers that stay keep their health, breaker and counters."""
+    def set_urls(self, urls: Iterable[str], roles: Mapping[str, str | None] | None = None) -> None:
+        """Replace the worker set; workers that stay keep their health, breaker and counters.
+        `roles` (by URL) comes from discovery; a worker it does not name has no role."""
         wanted = [u.rstrip("/") for u in urls]
         kept = {WorkerId(u): self.workers.get(WorkerId(u)) or Worker(u, self.config) for u in wanted}
+        for worker in kept.values():
+            worker.role = roles.get(worker.url) if roles else None
         self.workers = kept
 
     async def check(self, session: aiohttp.ClientSession) -> None:

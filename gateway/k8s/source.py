@@ -1,0 +1,207 @@
+"""The ready pods of one label selector, kept current by list + watch and published to discovery.
+
+    prepare:  find the API server, check token / CA / namespace (errors here stop the start)
+    loop:     list all pages -> snapshot -> publish
+              watch from the list's resourceVersion; each event updates the snapshot -> publish
+              stream ended by the server's timeout -> watch again from the last version seen
+              410 / ERROR event / HTTP or connection error / bad data -> record, back off, list again
+
+Only routable pods are kept (URL and details, never the Pod object), at most `max_pods`. The
+backoff doubles from `backoff_initial_s` up to `backoff_max_s` and resets only once a watch
+delivers an event, so a server that fails right after every list is not hammered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from gateway.discovery import WorkerDetails, WorkerSink
+from gateway.k8s.api import (
+    SERVICE_ACCOUNT_DIR,
+    Access,
+    ApiError,
+    Expired,
+    KubernetesSetupError,
+    PodApi,
+    ProtocolError,
+    Token,
+    resolve_access,
+)
+from gateway.k8s.config import KubernetesDiscoveryConfig
+from gateway.k8s.pods import PodEndpoint, PodSettings, pod_name, read_pod, resource_version
+
+log = logging.getLogger("kvgate.k8s")
+
+
+class Backoff:
+    """Exponential delays with jitter (each in [d/2, d]), capped."""
+
+    def __init__(self, initial_s: float, max_s: float) -> None:
+        self._initial_s, self._max_s = initial_s, max_s
+        self._next_s = initial_s
+
+    def reset(self) -> None:
+        self._next_s = self._initial_s
+
+    def next(self) -> float:
+        delay = self._next_s
+        self._next_s = min(self._max_s, self._next_s * 2)
+        return random.uniform(delay / 2, delay)
+
+
+class PodWatcher:
+    """A `WatchingSource` for `gateway.discovery.Discovery`: one namespace, one selector."""
+
+    def __init__(
+        self,
+        config: KubernetesDiscoveryConfig,
+        *,
+        environ: Mapping[str, str] | None = None,
+        sa_dir: Path = SERVICE_ACCOUNT_DIR,
+        backoff_initial_s: float = 0.5,
+        backoff_max_s: float = 30.0,
+        page_size: int = 500,
+        max_event_bytes: int = 4 * 1024 * 1024,
+        request_timeout_s: float = 30.0,
+    ) -> None:
+        self._config = config
+        self._environ = environ
+        self._sa_dir = sa_dir
+        self._backoff = Backoff(backoff_initial_s, backoff_max_s)
+        self._page_size = page_size
+        self._max_event_bytes = max_event_bytes
+        self._request_timeout_s = request_timeout_s
+        self._settings = PodSettings(
+            port=config.port,
+            scheme=config.scheme,
+            kv_events_port=config.kv_events_port,
+            kv_events_annotation=config.kv_events_annotation,
+            role_label=config.role_label,
+        )
+        self._access: Access | None = None
+        self._pods: dict[str, PodEndpoint] = {}  # routable pods by name
+        self._warned: dict[str, str] = {}  # pod name -> the problem last logged for it
+        self.lists = 0  # full lists done (the first one and every resync)
+
+    async def prepare(self) -> None:
+        self._access = await resolve_access(self._config, self._environ, self._sa_dir)
+        log.info(
+            "following pods %r in namespace %s through %s",
+            self._config.selector,
+            self._access.namespace,
+            self._access.base_url,
+        )
+
+    async def run(self, sink: WorkerSink) -> None:
+        if self._access is None:
+            await self.prepare()
+        assert self._access is not None
+        connector = aiohttp.TCPConnector(limit=2, ssl=self._access.ssl_context or True)
+        async with aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar()) as session:
+            api = PodApi(
+                session,
+                self._access,
+                Token(self._access.token_file),
+                self._config.selector,
+                page_size=self._page_size,
+                max_event_bytes=self._max_event_bytes,
+                request_timeout_s=self._request_timeout_s,
+                watch_timeout_s=self._config.watch_timeout_s,
+            )
+            await self._follow(api, sink)
+
+    async def _follow(self, api: PodApi, sink: WorkerSink) -> None:
+        while True:
+            stage = "list"
+            try:
+                if self.lists:
+                    sink.record_resync()
+                version = await self._list(api, sink)
+                stage = "watch"
+                while True:
+                    version = await self._watch(api, version, sink)
+            except Expired as exc:
+                sink.record_error("expired", str(exc))
+            except (
+                ApiError,
+                ProtocolError,
+                KubernetesSetupError,  # e.g. the token file briefly missing while it is rotated
+                aiohttp.ClientError,
+                TimeoutError,
+                OSError,
+            ) as exc:
+                sink.record_error(stage, f"{type(exc).__name__}: {exc}")
+            except Exception as exc:  # a bug in one round must not end discovery for good
+                log.exception("pod discovery round failed")
+                sink.record_error(stage, f"{type(exc).__name__}: {exc}")
+            await asyncio.sleep(self._backoff.next())
+
+    async def _list(self, api: PodApi, sink: WorkerSink) -> str:
+        """Every page of the list; the snapshot replaces the last one (this is the resync)."""
+        pods: dict[str, PodEndpoint] = {}
+        continue_token: str | None = None
+        self._warned.clear()
+        while True:
+            page = await api.list_page(continue_token)
+            for pod in page.items:
+                name = pod_name(pod)
+                if name is not None:
+                    self._keep(pods, name, pod)
+            if page.continue_token is None:
+                break
+            continue_token = page.continue_token
+        self.lists += 1
+        self._pods = pods
+        sink.publish(self._snapshot())
+        return page.resource_version
+
+    async def _watch(self, api: PodApi, version: str, sink: WorkerSink) -> str:
+        """One watch stream; returns the last version seen when the server ends it cleanly."""
+        opened_s, events = time.monotonic(), 0
+        async with contextlib.aclosing(api.watch(version)) as stream:
+            async for event in stream:
+                events += 1
+                self._backoff.reset()
+                version = resource_version(event.object) or version
+                if event.type == "BOOKMARK":
+                    continue
+                name = pod_name(event.object)
+                if name is None:
+                    continue
+                before = self._pods.get(name)
+                if event.type == "DELETED":
+                    self._pods.pop(name, None)
+                    self._warned.pop(name, None)
+                else:
+                    self._keep(self._pods, name, event.object)
+                if self._pods.get(name) != before:
+                    sink.publish(self._snapshot())
+        if not events and time.monotonic() - opened_s < 1.0:
+            await asyncio.sleep(self._backoff.next())  # a server that ends every watch at once
+        return version
+
+    def _keep(self, pods: dict[str, PodEndpoint], name: str, pod: Mapping[str, Any]) -> None:
+        verdict = read_pod(pod, self._settings)
+        if verdict.problem is not None and self._warned.get(name) != verdict.problem:
+            if len(self._warned) >= self._config.max_pods:
+                self._warned.clear()
+            self._warned[name] = verdict.problem
+            log.warning("pod %s: %s", name, verdict.problem)
+        if verdict.endpoint is None:
+            pods.pop(name, None)
+        elif name in pods or len(pods) < self._config.max_pods:
+            pods[name] = verdict.endpoint
+        else:
+            log.warning("more than %d ready pods match; ignoring %s", self._config.max_pods, name)
+
+    def _snapshot(self) -> dict[str, WorkerDetails]:
+        return {p.url: p.details for p in sorted(self._pods.values(), key=lambda p: p.url)}

@@ -1,0 +1,343 @@
+"""Kubernetes discovery against a fake API server on 127.0.0.1 that speaks the real list/watch
+protocol: pods added, removed or turned unready change the routed set within 2 s, and every kind
+of watch failure ends in a re-list that catches up with what was missed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import socket
+import ssl
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from gateway.app import build_app
+from gateway.auth import hash_api_key
+from gateway.config import parse_config
+from gateway.discovery import Discovery, WorkerSetChange
+from gateway.k8s.api import KubernetesSetupError
+from gateway.k8s.config import KubernetesDiscoveryConfig
+from gateway.k8s.source import PodWatcher
+from gateway.state import build_state
+from policies import make_policy
+from policies.base import WorkerId
+from prompt_normalizer.normalizer import NormalizerConfig
+from tests.gateway.fake_kube_api import FakeKubeApi, make_pod
+
+TLS = Path(__file__).parent / "data" / "k8s_tls"
+ROUTED_WITHIN_S = 2.0
+
+
+async def wait_until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.01)
+
+
+def url(port: int) -> str:
+    return f"http://127.0.0.1:{port}"
+
+
+@dataclass
+class Followed:
+    """A running discovery over a `PodWatcher`, with what it reported."""
+
+    discovery: Discovery
+    watcher: PodWatcher
+    changes: list[WorkerSetChange] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    resyncs: int = 0
+
+    @property
+    def current(self) -> frozenset[str]:
+        return self.discovery.current
+
+    async def routed(self, *ports: int) -> None:
+        """Wait (at most 2 s) until exactly these ports are routed."""
+        await wait_until(lambda: self.current == {url(p) for p in ports}, ROUTED_WITHIN_S)
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[FakeKubeApi]:
+    api = FakeKubeApi(token="tok-1")
+    await api.start()
+    yield api
+    await api.stop()
+
+
+@contextlib.asynccontextmanager
+async def follow(
+    fake: FakeKubeApi | None,
+    tmp_path: Path,
+    config: dict[str, Any] | None = None,
+    **watcher: Any,
+) -> AsyncIterator[Followed]:
+    token = tmp_path / "token"
+    if not token.exists():
+        token.write_text((fake.token if fake else None) or "unused")
+    settings: dict[str, Any] = {
+        "namespace": "llm",
+        "selector": "app=vllm",
+        "port": "http",
+        "token_file": str(token),
+        **({"api_server": fake.url} if fake is not None else {}),
+        **(config or {}),
+    }
+    source = PodWatcher(
+        KubernetesDiscoveryConfig(**settings), backoff_initial_s=0.02, backoff_max_s=0.1, **watcher
+    )
+    followed: Followed
+
+    def resynced() -> None:
+        followed.resyncs += 1
+
+    discovery = Discovery(source, on_error=lambda reason: followed.errors.append(reason), on_resync=resynced)
+    followed = Followed(discovery, source)
+    await discovery.start(followed.changes.append)
+    try:
+        yield followed
+    finally:
+        await discovery.stop()
+
+
+async def test_pods_added_removed_or_turned_unready_change_the_routed_set(
+    fake: FakeKubeApi, tmp_path: Path
+) -> None:
+    fake.put(make_pod("a", port=8001))
+    fake.put(make_pod("b", port=8002, ready=False))
+    fake.put(make_pod("other", port=8003, labels={"app": "other"}))  # not selected
+    async with follow(fake, tmp_path) as f:
+        assert f.current == {url(8001)}  # populated before start() returned
+        fake.put(make_pod("c", port=8004))
+        await f.routed(8001, 8004)
+        fake.ready("a", False)
+        await f.routed(8004)
+        fake.ready("b", True)
+        await f.routed(8002, 8004)
+        fake.delete("c")
+        await f.routed(8002)
+        draining = make_pod("b", port=8002)
+        draining["metadata"]["deletionTimestamp"] = "2025-01-01T00:00:00Z"
+        fake.put(draining)
+        await f.routed()
+        fake.put(make_pod("d", port=8005, phase="Pending", ready=False))
+        fake.put(make_pod("d", port=8005))
+        await f.routed(8005)
+        fake.put(make_pod("d", port=8005, labels={"app": "retired"}))  # relabelled out of the selector
+        await f.routed()
+        fake.put(make_pod("other", port=8003))  # relabelled into it
+        await f.routed(8003)
+        assert f.errors == [] and fake.lists == 1  # everything came through one watch
+        assert [sorted(c.added) for c in f.changes][:2] == [[url(8001)], [url(8004)]]
+
+
+async def test_an_expired_watch_relists_and_catches_up_with_missed_changes(
+    fake: FakeKubeApi, tmp_path: Path
+) -> None:
+    fake.put(make_pod("a", port=8001))
+    fake.put(make_pod("b", port=8002))
+    async with follow(fake, tmp_path) as f:
+        await f.routed(8001, 8002)
+        await wait_until(lambda: bool(fake.watchers))
+        # Changes the watch never reports, then a compaction: only a fresh list can see them.
+        fake.change_silently([make_pod("b", port=8002), make_pod("c", port=8003)])
+        fake.expire()
+        await f.routed(8002, 8003)
+        assert "expired" in f.errors and f.resyncs == 1 and fake.lists == 2
+        assert f.discovery.status().resyncs == 1
+        fake.put(make_pod("d", port=8004))  # and the new watch follows on
+        await f.routed(8002, 8003, 8004)
+
+
+@pytest.mark.parametrize("failure", ["error_event", "dropped", "not_json", "too_long", "unauthorized"])
+async def test_every_watch_failure_resyncs(fake: FakeKubeApi, tmp_path: Path, failure: str) -> None:
+    fake.put(make_pod("a", port=8001))
+    async with follow(fake, tmp_path, max_event_bytes=64 * 1024) as f:
+        await wait_until(lambda: bool(fake.watchers))
+        fake.change_silently([make_pod("b", port=8002)])
+        if failure == "error_event":
+            fake.send_error(500, "InternalError", "etcd is unhappy")
+        elif failure == "dropped":
+            fake.drop_watches()
+        elif failure == "not_json":
+            fake.send_raw(b"<html>proxy error</html>\n")
+        elif failure == "too_long":
+            fake.send_raw(b'{"type": "ADDED", "object": {"x": "' + b"x" * 100_000)
+        else:  # the token was rotated: the next request is refused until the file is read again
+            fake.token = "tok-2"
+            (tmp_path / "token").write_text("tok-2")
+            fake.end_watches()
+        await f.routed(8002)
+        assert f.errors and set(f.errors) <= {"watch", "list"} and fake.lists >= 2 and f.resyncs >= 1
+        assert failure != "unauthorized" or fake.unauthorized >= 1
+
+
+async def test_a_watch_the_server_ends_resumes_from_the_last_version_without_a_list(
+    fake: FakeKubeApi, tmp_path: Path
+) -> None:
+    fake.put(make_pod("a", port=8001))
+    async with follow(fake, tmp_path) as f:
+        await wait_until(lambda: bool(fake.watchers))
+        fake.put(make_pod("b", port=8002))
+        await f.routed(8001, 8002)
+        fake.end_watches()
+        await wait_until(lambda: fake.watches == 2 and bool(fake.watchers))
+        fake.delete("a")
+        await f.routed(8002)
+        assert fake.lists == 1 and f.errors == [] and f.resyncs == 0
+
+
+async def test_lists_are_paged_and_the_routed_set_is_capped(fake: FakeKubeApi, tmp_path: Path) -> None:
+    for i in range(5):
+        fake.put(make_pod(f"p{i}", port=8000 + i))
+    async with follow(fake, tmp_path, page_size=2) as f:
+        assert f.current == {url(8000 + i) for i in range(5)} and fake.lists == 1
+    async with follow(fake, tmp_path, {"max_pods": 3}) as f:
+        assert len(f.current) == 3
+        fake.delete(sorted(fake.pods)[0])
+        await wait_until(lambda: len(f.current) == 2)
+
+
+async def test_roles_and_kv_endpoints_travel_with_the_change(fake: FakeKubeApi, tmp_path: Path) -> None:
+    role = {"app": "vllm", "kvgate.io/role": "prefill"}
+    fake.put(make_pod("a", port=8001, labels=role, annotations={"kvgate.io/kv": "5557"}))
+    config = {"role_label": "kvgate.io/role", "kv_events_annotation": "kvgate.io/kv"}
+    async with follow(fake, tmp_path, config) as f:
+        first = f.changes[0].details_of(url(8001))
+        assert first.role == "prefill" and first.kv_events_endpoint == "tcp://127.0.0.1:5557"
+        fake.put(make_pod("a", port=8001, labels={**role, "kvgate.io/role": "decode"}))
+        await wait_until(lambda: len(f.changes) == 2)
+        assert f.changes[1].changed == {url(8001)} and not f.changes[1].added
+        assert f.changes[1].details_of(url(8001)).role == "decode"
+        assert f.changes[1].details_of(url(8001)).kv_events_endpoint is None
+
+
+async def test_in_cluster_over_tls_with_the_service_account(tmp_path: Path) -> None:
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain(TLS / "server.crt", TLS / "server.key")
+    api = FakeKubeApi(namespace="serving", token="sa-token")
+    port = await api.start(ssl_context=server_tls)
+    try:
+        api.put(make_pod("a", port=8001))
+        sa = tmp_path / "sa"
+        sa.mkdir()
+        (sa / "token").write_text("sa-token\n")
+        (sa / "namespace").write_text("serving")
+        shutil.copy(TLS / "ca.crt", sa / "ca.crt")
+        env = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(port)}
+        config = KubernetesDiscoveryConfig(selector="app=vllm", port="http")
+        discovery = Discovery(PodWatcher(config, environ=env, sa_dir=sa))
+        await discovery.start(lambda change: None)
+        try:
+            assert discovery.current == {url(8001)}
+        finally:
+            await discovery.stop()
+    finally:
+        await api.stop()
+
+
+async def test_what_waiting_cannot_fix_stops_the_start(tmp_path: Path) -> None:
+    config = KubernetesDiscoveryConfig(selector="app=vllm", port=8000)
+    with pytest.raises(KubernetesSetupError, match="KUBERNETES_SERVICE_HOST"):
+        await Discovery(PodWatcher(config, environ={}, sa_dir=tmp_path)).start(lambda c: None)
+    env = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": "1"}
+    with pytest.raises(KubernetesSetupError, match=r"kubernetes\.namespace"):
+        await Discovery(PodWatcher(config, environ=env, sa_dir=tmp_path)).start(lambda c: None)
+    (tmp_path / "namespace").write_text("llm")
+    with pytest.raises(KubernetesSetupError, match="token file"):
+        await Discovery(PodWatcher(config, environ=env, sa_dir=tmp_path)).start(lambda c: None)
+
+
+async def test_an_api_server_that_is_down_at_start_is_retried(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    api = FakeKubeApi(token="tok-1")
+    api.port = port  # not listening yet
+    api.put(make_pod("a", port=8001))
+    async with follow(api, tmp_path) as f:
+        assert f.current == frozenset() and "list" in f.errors  # start() did not hang
+        await api.start(port)
+        try:
+            await wait_until(lambda: f.current == {url(8001)})
+        finally:
+            await api.stop()
+
+
+async def _health_only_worker() -> tuple[web.AppRunner, int]:
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+
+async def test_the_gateway_routes_to_ready_pods_and_reports_discovery_metrics(
+    fake: FakeKubeApi, tmp_path: Path
+) -> None:
+    workers = [await _health_only_worker() for _ in range(2)]
+    ports = [port for _, port in workers]
+    (tmp_path / "token").write_text("tok-1")
+    decode = {"app": "vllm", "kvgate.io/role": "decode"}
+    fake.put(make_pod("a", port=ports[0], labels=decode, annotations={"kvgate.io/kv": "5557"}))
+    fake.put(make_pod("b", port=ports[1]))
+    k8s = {
+        "namespace": "llm",
+        "selector": {"app": "vllm"},
+        "port": "http",
+        "role_label": "kvgate.io/role",
+        "kv_events_annotation": "kvgate.io/kv",
+        "api_server": fake.url,
+        "token_file": str(tmp_path / "token"),
+    }
+    raw = {
+        "pools": [{"name": "p", "models": ["m"], "kubernetes": k8s, "health": {"interval_s": 0.2}}],
+        "tenants": [{"name": "t", "api_key_hashes": [hash_api_key(b"k", "sk")]}],
+        "scrape": {"enabled": False},
+    }
+    state = build_state(parse_config(raw), b"k", make_policy("round_robin"), NormalizerConfig())
+    app = build_app(state)
+    pool = state.registry.pools["p"]
+
+    def routed() -> set[str]:
+        return {w.url for w in pool.workers.values() if w.view(time.monotonic()).healthy}
+
+    try:
+        async with app.fallback.router.lifespan_context(app.fallback):
+            await wait_until(lambda: routed() == {url(p) for p in ports}, ROUTED_WITHIN_S)
+            a, b = WorkerId(url(ports[0])), WorkerId(url(ports[1]))
+            assert pool.workers[a].role == "decode" and pool.workers[b].role is None
+            assert state.fleet is not None and state.fleet.kv_events is not None
+            kv = state.fleet.kv_events
+            assert set(kv.stream_stats(a)) == {"tcp://127.0.0.1:5557"} and b not in kv.workers()
+            prefill = {**decode, "kvgate.io/role": "prefill"}
+            fake.put(make_pod("a", port=ports[0], labels=prefill, annotations={"kvgate.io/kv": "5558"}))
+            await wait_until(lambda: pool.workers[a].role == "prefill")
+            assert set(kv.stream_stats(a)) == {"tcp://127.0.0.1:5558"}  # followed where it moved
+            fake.ready("b", False)
+            await wait_until(lambda: routed() == {url(ports[0])}, ROUTED_WITHIN_S)
+            await wait_until(lambda: bool(fake.watchers))
+            fake.expire()
+            await wait_until(lambda: fake.lists == 2)
+            text = state.metrics.render().decode()
+            assert 'kvgate_discovery_workers{pool="p"} 1.0' in text
+            assert 'kvgate_discovery_resyncs_total{pool="p"} 1.0' in text
+            assert 'kvgate_discovery_errors_total{pool="p",reason="expired"} 1.0' in text
+        await wait_until(lambda: not fake.watchers)  # the lifespan's end closed the watch
+    finally:
+        for runner, _ in workers:
+            await runner.cleanup()

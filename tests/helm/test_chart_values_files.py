@@ -8,6 +8,7 @@ from typing import Any
 
 import helm_python
 import pytest
+import yaml
 
 from gateway.config import ConfigError, PoolConfig, parse_config
 from policies.config import parse_policy_yaml
@@ -169,3 +170,10 @@ def test_every_object_of_the_schema_rejects_unknown_keys() -> None:
     objects = _objects(schema)
     assert len(objects) > 30
     assert [path for path, node in objects if node.get("additionalProperties") is not False] == []
+
+
+def test_every_top_level_value_is_in_the_docs_values_table() -> None:
+    docs = (CHART.parents[1] / "docs" / "deploy.md").read_text()
+    table = docs[docs.index("## Values") : docs.index("## Checking the chart")]
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert [key for key in values if f"`{key}" not in table] == []

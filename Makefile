@@ -37,3 +37,11 @@ test: lint typecheck pytest
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
+
+# `make image`: the container image the Helm chart runs by default, kvgate:<pyproject version>.
+IMAGE ?= kvgate
+IMAGE_TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+
+.PHONY: image
+image:
+	docker build -t $(IMAGE):$(IMAGE_TAG) .

@@ -12,6 +12,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from typing import Protocol
 
 
@@ -45,8 +46,22 @@ BENCHMARKS: dict[str, Command] = {
 }
 
 
+def package_version() -> str:
+    """The installed distribution's version (what the image and the chart's appVersion carry)."""
+    try:
+        return version("kvgate")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
 def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, Command]]:
     parser = argparse.ArgumentParser(prog="kvgate", description="Cache-aware LLM gateway")
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"kvgate {package_version()}",
+        help="print the version and exit",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     chosen: dict[str, Command] = {}
     argv = sys.argv[1:]

@@ -79,12 +79,19 @@ def rules_off(base: dict[str, object]) -> NormalizerConfig:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = DriftWorkloadConfig()
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--sessions", type=int, default=defaults.sessions)
-    parser.add_argument("--turns", type=int, default=defaults.turns)
-    parser.add_argument("--apps", type=int, default=defaults.apps)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--mode", choices=("approximate", "tokenizer"), default="approximate")
+    parser.add_argument("--seed", type=int, default=defaults.seed, help="workload seed")
+    parser.add_argument("--sessions", type=int, default=defaults.sessions, help="agent sessions")
+    parser.add_argument("--turns", type=int, default=defaults.turns, help="turns per session")
+    parser.add_argument(
+        "--apps", type=int, default=defaults.apps, help="agent apps (own system prompt and tools)"
+    )
+    parser.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (default 16)")
+    parser.add_argument(
+        "--mode",
+        choices=("approximate", "tokenizer"),
+        default="approximate",
+        help="normalizer mode: text chunks or token ids (default approximate)",
+    )
     parser.add_argument("--tokenizer-dir", help="tokenizer mode: a model dir (default: a BPE trained here)")
     parser.add_argument("--cache-blocks", type=int, default=0, help="LRU capacity in blocks (0: infinite)")
     parser.add_argument("--json", action="store_true", help="print only the JSON report")

@@ -331,10 +331,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", type=int, default=5, help="seconds per measured run (default 5)")
     parser.add_argument("--warmup", type=int, default=1, help="warm-up seconds per target (default 1)")
     parser.add_argument("--concurrency", default="32,1", help="comma-separated concurrencies (default 32,1)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the request bodies (default 0)")
     parser.add_argument("--repeats", type=int, default=1, help="rounds over all targets; medians (default 1)")
-    parser.add_argument("--backend", choices=("auto", "nginx", "builtin"), default="auto")
-    parser.add_argument("--load-tool", choices=("auto", "wrk", "builtin"), default="auto")
+    parser.add_argument(
+        "--backend",
+        choices=("auto", "nginx", "builtin"),
+        default="auto",
+        help="static backend (default auto: nginx when installed)",
+    )
+    parser.add_argument(
+        "--load-tool",
+        choices=("auto", "wrk", "builtin"),
+        default="auto",
+        help="load generator (default auto: wrk when installed)",
+    )
     parser.add_argument(
         "--targets",
         default=",".join(TARGET_CHOICES),

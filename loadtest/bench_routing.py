@@ -71,7 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Mooncake .jsonl or kv-cache-tester .json trace (plain, .gz or .xz), or a shipped trace: "
         "mooncake-conversation, mooncake-synthetic, kvct-agent",
     )
-    parser.add_argument("--workload-arg", action="append", default=[], metavar="K=V")
+    parser.add_argument(
+        "--workload-arg", action="append", default=[], metavar="K=V", help="workload option (repeatable)"
+    )
     parser.add_argument(
         "--users", type=_positive_int, default=1, help="replay a trace as this many salted users"
     )
@@ -82,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--routers", default="kvgate:round_robin,sglang-router", help="comma-separated routers to compare"
     )
-    parser.add_argument("--workers", type=_positive_int, default=4)
+    parser.add_argument("--workers", type=_positive_int, default=4, help="emulated workers (default 4)")
     parser.add_argument("--profile", default=None, help="emulator step-time profile (default: its own)")
     parser.add_argument(
         "--kv-blocks", type=_positive_int, default=None, help="KV blocks per worker (default: profile)"
@@ -90,8 +92,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--time-scale", type=_positive_float, default=1.0, help="emulator model seconds per real second"
     )
-    parser.add_argument("--model", default="emulated-llama")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default="emulated-llama", help="served model name")
+    parser.add_argument("--seed", type=int, default=0, help="seed of workload and emulators (default 0)")
     parser.add_argument("--max-in-flight", type=_positive_int, default=128, help="client concurrency bound")
     parser.add_argument(
         "--time-limit-s", type=_positive_float, default=120.0, help="stop sending after this long"

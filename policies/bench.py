@@ -42,17 +42,22 @@ class Timing:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", type=int, default=64)
-    parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[2048, 32768])
+    parser.add_argument("--workers", type=int, default=64, help="workers per decision (default 64)")
+    parser.add_argument(
+        "--prompt-tokens", type=int, nargs="+", default=[2048, 32768], help="prompt sizes to time"
+    )
     parser.add_argument("--repeats", type=int, default=400, help="timed decisions per policy and size")
     parser.add_argument("--background-prompts", type=int, default=2000, help="unrelated prompts in the index")
-    parser.add_argument("--granularity-blocks", type=int, default=1)
+    parser.add_argument(
+        "--granularity-blocks", type=int, default=1, help="blocks per prefix-index entry (default 1)"
+    )
     parser.add_argument(
         "--policies",
         nargs="+",
         default=["round_robin", "cost", "sglang_cache_aware", "preble_e2", "consistent_hash", "least_load"],
+        help="registered policies to time",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generated keys (default 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 

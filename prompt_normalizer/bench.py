@@ -49,9 +49,9 @@ BENCH_TEMPLATE = """\
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=32_768, help="prompt length in tokens")
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (default 16)")
     parser.add_argument("--repeats", type=int, default=31, help="timed repeats (median reported)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generated prompts (default 0)")
     parser.add_argument("--tokenizer-dir", help="a model dir (tokenizer.json + tokenizer_config.json)")
     parser.add_argument("--vocab-size", type=int, default=8000, help="vocab of the BPE trained when no dir")
     parser.add_argument("--json", action="store_true", help="print only the JSON report")

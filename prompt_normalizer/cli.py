@@ -39,14 +39,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model id (default: the request's 'model')")
     parser.add_argument("--endpoint", choices=("chat", "completions"), help="default: from the body")
     parser.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
-    parser.add_argument("--weights-version", default="")
-    parser.add_argument("--tokenizer-version", default="")
-    parser.add_argument("--template-version", default="")
-    parser.add_argument("--adapter", default="")
-    parser.add_argument("--kv-dtype", default="auto")
-    parser.add_argument("--epoch", type=int, default=0)
+    parser.add_argument("--weights-version", default="", help="key identity: weights version")
+    parser.add_argument("--tokenizer-version", default="", help="key identity: tokenizer version")
+    parser.add_argument("--template-version", default="", help="key identity: chat-template version")
+    parser.add_argument("--adapter", default="", help="key identity: LoRA adapter name")
+    parser.add_argument("--kv-dtype", default="auto", help="key identity: KV-cache dtype (default auto)")
+    parser.add_argument("--epoch", type=int, default=0, help="key identity: operator epoch (default 0)")
     parser.add_argument("--public", action="store_true", help="also print public_block_keys")
-    parser.add_argument("--secret-env", default="KVGATE_KEY_SECRET")
+    parser.add_argument(
+        "--secret-env",
+        default="KVGATE_KEY_SECRET",
+        help="env var holding the key-hash secret (unset: a development secret)",
+    )
     parser.add_argument("--render-url", help="render mode: worker base URL on 127.0.0.1")
 
 

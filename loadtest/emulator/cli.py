@@ -52,9 +52,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-events-endpoint", default=None, help="ZMQ PUB endpoint, e.g. tcp://127.0.0.1:5557"
     )
     parser.add_argument("--kv-events-replay-endpoint", default=None, help="ZMQ ROUTER endpoint for replay")
-    parser.add_argument("--kv-events-encoding", choices=("array", "map"), default="array")
+    parser.add_argument(
+        "--kv-events-encoding",
+        choices=("array", "map"),
+        default="array",
+        help="msgpack shape of each KV event: array (default) or map",
+    )
     parser.add_argument("--kv-events-topic", default="", help="topic frame of every event message")
-    parser.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+    parser.add_argument(
+        "--log-level",
+        default="warning",
+        choices=("debug", "info", "warning", "error"),
+        help="log verbosity (default warning)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> EmulatorConfig:

@@ -64,13 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--policy", default=None, help="registered policy name (default: the policy file default, cost)"
     )
     parser.add_argument("--policy-config", metavar="FILE", help="policy YAML (policy, seed, options)")
-    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--workers", type=int, default=8, help="simulated workers (default 8)")
     parser.add_argument(
         "--kv-blocks-per-worker", type=_positive_int, default=None, help="default: the profile's"
     )
     parser.add_argument("--profile", default=DEFAULT_PROFILE, help="engine step-time profile")
     parser.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rate by X")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the workload and policy (default 0)")
     parser.add_argument("--json", metavar="OUT", help="write per-request records and the summary here")
     parser.add_argument("--kv-events", action="store_true", help="feed the engines' KV events to the policy")
     levels = [i.value for i in Isolation]

@@ -1,5 +1,7 @@
 """The Helm chart: rendered and linted with the Helm SDK (no helm binary, no cluster), then every
-built-in resource validated against the Kubernetes schemas with unknown fields rejected."""
+built-in resource validated against the Kubernetes schemas with unknown fields rejected.
+The optional resources are tested in test_chart_resources.py, the example values files and the
+values schema in test_chart_values_files.py."""
 
 from __future__ import annotations
 
@@ -9,55 +11,26 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import helm_python  # dev extra: helm-python-sdk (Helm v4 SDK in-process, no helm binary)
-import kubernetes_validate  # dev extra: kubernetes-validate (bundled Kubernetes JSON schemas)
+import helm_python
+import kubernetes_validate
 import pytest
 import yaml
 
 from gateway.auth import hash_api_key
 from gateway.config import parse_config
 from loadtest.overhead_load import free_port, spawn, stop, wait_ready
-
-CHART = Path(__file__).resolve().parents[2] / "helm" / "kvgate"
-KUBE_VERSIONS = ("1.30.0", "1.33.0")
-# Custom resources have no bundled schema; they are checked by shape below instead.
-CRD_KINDS = frozenset({"ServiceMonitor"})
-
-
-KEY_HASH = "hmac-sha256:" + "ab" * 32
-# values.yaml ships no tenant and no workers (both are deployment-specific): every render adds them.
-TENANT: dict[str, Any] = {"name": "team-a", "apiKeyHashes": [KEY_HASH]}
-POOL: dict[str, Any] = {
-    "name": "default",
-    "models": ["my-model"],
-    "workers": {"urls": ["http://10.0.0.7:8000"]},
-}
-REQUIRED: dict[str, Any] = {"tenants": [TENANT], "pools": [POOL]}
-
-
-def render(values: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
-    """Render with `values` (plus a tenant) on top of values.yaml; return the documents by kind/name."""
-    chart = helm_python.Chart.load(str(CHART))
-    merged = {**REQUIRED, **(values or {})}
-    out = chart.render(merged, name="rel", namespace="llm", is_install=True)
-    docs: dict[str, dict[str, Any]] = {}
-    for path, text in out.items():
-        if not path.endswith(".yaml"):
-            continue
-        for doc in yaml.safe_load_all(text):
-            if doc:
-                docs[f"{doc['kind']}/{doc['metadata']['name']}"] = doc
-    return docs
-
-
-def gateway_config(docs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    cfg: dict[str, Any] = yaml.safe_load(docs["ConfigMap/rel-kvgate-config"]["data"]["gateway.yaml"])
-    return cfg
-
-
-def pod_spec(docs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    spec: dict[str, Any] = docs["Deployment/rel-kvgate"]["spec"]["template"]["spec"]
-    return spec
+from tests.helm.chart import (
+    CHART,
+    KEY_HASH,
+    POOL,
+    REQUIRED,
+    TENANT,
+    gateway_config,
+    gateway_config_text,
+    pod_spec,
+    render,
+    validate_strictly,
+)
 
 
 def test_lint_is_clean() -> None:
@@ -68,7 +41,7 @@ def test_lint_is_clean() -> None:
 
 @pytest.mark.parametrize(
     ("values", "needle"),
-    [({"pools": [POOL]}, "at least one tenant"), ({"tenants": [TENANT]}, "set workers.urls or workers.dns")],
+    [({"pools": [POOL]}, "at least one tenant"), ({"tenants": [TENANT]}, "set exactly one of workers.urls")],
 )
 def test_install_without_tenant_or_workers_fails_clearly(values: dict[str, Any], needle: str) -> None:
     chart = helm_python.Chart.load(str(CHART))
@@ -100,11 +73,8 @@ FULL_VALUES: dict[str, Any] = {
 def test_every_resource_validates_strictly(values: dict[str, Any]) -> None:
     docs = render(values)
     kinds = {d["kind"] for d in docs.values()}
-    assert {"Deployment", "Service", "ConfigMap", "ServiceAccount"} <= kinds
-    for version in KUBE_VERSIONS:
-        for doc in docs.values():
-            if doc["kind"] not in CRD_KINDS:
-                kubernetes_validate.validate(doc, version, strict=True)
+    assert {"Deployment", "Service", "Secret", "ConfigMap", "ServiceAccount"} <= kinds
+    validate_strictly(docs)
 
 
 def test_validation_would_catch_a_broken_manifest() -> None:
@@ -142,6 +112,7 @@ def test_config_change_rolls_pods_but_policy_change_does_not() -> None:
 
     base = annotations({})
     assert annotations({"logLevel": "debug"})["checksum/config"] != base["checksum/config"]
+    assert annotations({"tenants": [TENANT | {"rpm": 5}]})["checksum/config"] != base["checksum/config"]
     assert annotations({"policy": {"content": "policy: least_load\n"}}) == base
     rolled = annotations({"policy": {"rollOnChange": True, "content": "policy: least_load\n"}})
     assert "checksum/policy" in rolled
@@ -201,7 +172,15 @@ def test_optional_resources() -> None:
 @pytest.mark.parametrize(
     ("values", "needle"),
     [
-        ({"pools": [{"name": "p", "models": ["m"], "workers": {"urls": []}}]}, "workers.urls or workers.dns"),
+        ({"pools": [{"name": "p", "models": ["m"], "workers": {"urls": []}}]}, "exactly one of workers.urls"),
+        (
+            {"pools": [POOL | {"workers": {"urls": ["http://x:1"], "dns": {"name": "w", "port": 1}}}]},
+            "exactly one of workers.urls",
+        ),
+        (
+            {"pools": [POOL | {"workers": {"dns": {"port": 80}}}]},
+            "/pools/0/workers/dns': missing property 'name'",
+        ),
         ({"pools": [{"name": "p", "workers": {"urls": ["http://x:1"]}}]}, "models is required"),
         ({"policy": {"content": ""}}, "policy.content is required"),
         ({"tenants": [{"name": "t"}]}, "apiKeyHashes is required"),
@@ -213,7 +192,8 @@ def test_bad_values_fail_with_a_clear_message(values: dict[str, Any], needle: st
 
 
 def test_rendered_config_and_policy_boot_a_real_gateway(tmp_path: Path) -> None:
-    """The chart's ConfigMaps, written to disk, run `kvgate serve` and route a chat request."""
+    """The chart's config Secret and policy ConfigMap, written to disk, run `kvgate serve` and route
+    a chat request."""
     secret, api_key = "chart-test-secret", "sk-chart-test"
     backend_port, gateway_port = free_port(), free_port()
     backend_url = f"http://127.0.0.1:{backend_port}"
@@ -228,7 +208,7 @@ def test_rendered_config_and_policy_boot_a_real_gateway(tmp_path: Path) -> None:
     docs = render(values)
     policy_path.write_text(docs["ConfigMap/rel-kvgate-policy"]["data"]["policy.yaml"])
     config_path = tmp_path / "gateway.yaml"
-    config_path.write_text(docs["ConfigMap/rel-kvgate-config"]["data"]["gateway.yaml"])
+    config_path.write_text(gateway_config_text(docs))
     backend = spawn(
         [sys.executable, "-m", "loadtest.static_backend", "--port", str(backend_port)], tmp_path / "b.log"
     )

@@ -52,6 +52,21 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- define "kvgate.configDir" -}}/etc/kvgate/config{{- end }}
 {{- define "kvgate.policyDir" -}}/etc/kvgate/policy{{- end }}
 
+{{- define "kvgate.configSecretName" -}}
+{{- default (printf "%s-config" (include "kvgate.fullname" .)) .Values.configSecret.existingSecret }}
+{{- end }}
+
+{{/* Namespaces whose worker pods the gateway watches: the release's, and each Kubernetes pool's. */}}
+{{- define "kvgate.discoveryNamespaces" -}}
+{{- $namespaces := list .Release.Namespace }}
+{{- range .Values.pools }}
+{{- with (default dict .workers).kubernetes }}
+{{- $namespaces = append $namespaces (default $.Release.Namespace .namespace) }}
+{{- end }}
+{{- end }}
+{{- $namespaces | uniq | toJson }}
+{{- end }}
+
 {{/* The gateway config file (schema: gateway/config.py), generated from the values; `.Values.config` keys win. */}}
 {{- define "kvgate.gatewayConfig" -}}
 {{- $pools := list }}
@@ -60,12 +75,27 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if not $p.models }}{{ fail (printf "pools[%d] (%s): models is required" $i $p.name) }}{{ end }}
 {{- $pool := dict "name" $p.name "models" $p.models }}
 {{- $w := default dict $p.workers }}
+{{- $sources := 0 }}
+{{- if $w.urls }}{{ $sources = add1 $sources }}{{ end }}
+{{- if $w.dns }}{{ $sources = add1 $sources }}{{ end }}
+{{- if $w.kubernetes }}{{ $sources = add1 $sources }}{{ end }}
+{{- if ne $sources 1 }}
+{{- fail (printf "pools[%d] (%s): set exactly one of workers.urls, workers.dns.name or workers.kubernetes" $i $p.name) }}
+{{- end }}
 {{- if $w.urls }}
 {{- $_ := set $pool "workers" $w.urls }}
-{{- else if and $w.dns $w.dns.name }}
+{{- else if $w.dns }}
+{{- if not $w.dns.name }}{{ fail (printf "pools[%d] (%s): workers.dns.name is required" $i $p.name) }}{{ end }}
 {{- $_ := set $pool "dns" (dict "name" $w.dns.name "port" (int (default 8000 $w.dns.port)) "scheme" (default "http" $w.dns.scheme) "refresh_s" (default 5 $w.dns.refreshSeconds)) }}
 {{- else }}
-{{- fail (printf "pools[%d] (%s): set workers.urls or workers.dns.name" $i $p.name) }}
+{{- if not $.Values.kubernetesDiscovery.enabled }}
+{{- fail (printf "pools[%d] (%s): workers.kubernetes needs kubernetesDiscovery.enabled=true (service-account token and RBAC)" $i $p.name) }}
+{{- end }}
+{{- $k := $w.kubernetes }}
+{{- if not $k.selector }}{{ fail (printf "pools[%d] (%s): workers.kubernetes.selector is required" $i $p.name) }}{{ end }}
+{{- /* The pool's `kubernetes` block of the gateway config; `extra` passes further keys through. */}}
+{{- $block := dict "namespace" (default $.Release.Namespace $k.namespace) "selector" $k.selector "port" (int $k.port) "scheme" (default "http" $k.scheme) }}
+{{- $_ := set $pool "kubernetes" (mergeOverwrite $block (deepCopy (default dict $k.extra))) }}
 {{- end }}
 {{- with $p.kvEventsEndpoint }}{{ $_ := set $pool "kv_events_endpoint" . }}{{ end }}
 {{- with $p.extra }}{{ $pool = mergeOverwrite $pool (deepCopy .) }}{{ end }}
@@ -92,5 +122,45 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
   "pools" $pools
   "tenants" $tenants
 }}
+{{- if .Values.tracing.enabled }}{{ $_ := set $cfg "tracing" (dict "enabled" true) }}{{ end }}
 {{- toYaml (mergeOverwrite $cfg (deepCopy .Values.config)) }}
+{{- end }}
+
+{{/* The standard OpenTelemetry SDK variables: exporter, sampler and the pod's resource attributes. */}}
+{{- define "kvgate.tracingEnv" -}}
+{{- with .Values.tracing }}
+- name: OTEL_SERVICE_NAME
+  value: {{ .serviceName | quote }}
+{{- with .otlp.endpoint }}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ . | quote }}
+{{- end }}
+- name: OTEL_EXPORTER_OTLP_PROTOCOL
+  value: {{ .otlp.protocol | quote }}
+{{- if .otlp.headersSecret.name }}
+- name: OTEL_EXPORTER_OTLP_HEADERS
+  valueFrom:
+    secretKeyRef:
+      name: {{ .otlp.headersSecret.name }}
+      key: {{ .otlp.headersSecret.key }}
+{{- end }}
+- name: OTEL_TRACES_SAMPLER
+  value: {{ .sampler | quote }}
+- name: OTEL_TRACES_SAMPLER_ARG
+  value: {{ .samplerArg | quote }}
+- name: KVGATE_POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: KVGATE_POD_NAMESPACE
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.namespace
+{{- $attributes := list "k8s.namespace.name=$(KVGATE_POD_NAMESPACE)" "k8s.pod.name=$(KVGATE_POD_NAME)" }}
+{{- range $key, $value := .resourceAttributes }}
+{{- $attributes = append $attributes (printf "%s=%s" $key $value) }}
+{{- end }}
+- name: OTEL_RESOURCE_ATTRIBUTES
+  value: {{ join "," $attributes | quote }}
+{{- end }}
 {{- end }}

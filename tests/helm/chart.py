@@ -1,0 +1,91 @@
+"""Rendering the chart for tests: the Helm v4 SDK in-process (no helm binary, no cluster), and strict
+validation of every built-in resource against the bundled Kubernetes schemas."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+from typing import Any
+
+import helm_python  # dev extra: helm-python-sdk (Helm v4 SDK in-process, no helm binary)
+import kubernetes_validate  # dev extra: kubernetes-validate (bundled Kubernetes JSON schemas)
+import yaml
+
+CHART = Path(__file__).resolve().parents[2] / "helm" / "kvgate"
+RELEASE, NAMESPACE = "rel", "llm"
+KUBE_VERSIONS = ("1.30.0", "1.33.0")
+# Custom resources have no bundled schema; their tests check them by shape instead.
+CRD_KINDS = frozenset({"ServiceMonitor", "HTTPRoute"})
+
+KEY_HASH = "hmac-sha256:" + "ab" * 32
+# values.yaml ships no tenant and no workers (both are deployment-specific): every render adds them.
+TENANT: dict[str, Any] = {"name": "team-a", "apiKeyHashes": [KEY_HASH]}
+POOL: dict[str, Any] = {
+    "name": "default",
+    "models": ["my-model"],
+    "workers": {"urls": ["http://10.0.0.7:8000"]},
+}
+REQUIRED: dict[str, Any] = {"tenants": [TENANT], "pools": [POOL]}
+
+Docs = dict[str, dict[str, Any]]
+
+
+def render_raw(values: dict[str, Any]) -> Docs:
+    """Render exactly `values` on top of values.yaml. Documents are keyed `Kind/name`, plus
+    `@namespace` when they go to a namespace other than the release's."""
+    chart = helm_python.Chart.load(str(CHART))
+    out = chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    docs: Docs = {}
+    for path, text in out.items():
+        if not path.endswith(".yaml"):
+            continue
+        for doc in yaml.safe_load_all(text):
+            if doc:
+                key = f"{doc['kind']}/{doc['metadata']['name']}"
+                namespace = doc["metadata"].get("namespace", NAMESPACE)
+                docs[key if namespace == NAMESPACE else f"{key}@{namespace}"] = doc
+    return docs
+
+
+def render(values: dict[str, Any] | None = None) -> Docs:
+    """Render with `values` (plus a tenant and a static pool unless given) on top of values.yaml."""
+    return render_raw({**REQUIRED, **(values or {})})
+
+
+def values_file(name: str) -> dict[str, Any]:
+    loaded: dict[str, Any] = yaml.safe_load((CHART / "ci" / name).read_text())
+    return loaded
+
+
+def gateway_config_text(docs: Docs) -> str:
+    """The rendered gateway.yaml (it sits in a Secret: it carries the tenants' key hashes)."""
+    return base64.b64decode(docs[f"Secret/{RELEASE}-kvgate-config"]["data"]["gateway.yaml"]).decode()
+
+
+def gateway_config(docs: Docs) -> dict[str, Any]:
+    cfg: dict[str, Any] = yaml.safe_load(gateway_config_text(docs))
+    return cfg
+
+
+def pod_spec(docs: Docs) -> dict[str, Any]:
+    spec: dict[str, Any] = docs[f"Deployment/{RELEASE}-kvgate"]["spec"]["template"]["spec"]
+    return spec
+
+
+def container(docs: Docs) -> dict[str, Any]:
+    (c,) = pod_spec(docs)["containers"]
+    kvgate: dict[str, Any] = c
+    return kvgate
+
+
+def env(docs: Docs) -> dict[str, dict[str, Any]]:
+    """The container's environment by variable name."""
+    return {e["name"]: e for e in container(docs)["env"]}
+
+
+def validate_strictly(docs: Docs) -> None:
+    """Every built-in resource against the Kubernetes schemas, unknown fields rejected."""
+    for version in KUBE_VERSIONS:
+        for doc in docs.values():
+            if doc["kind"] not in CRD_KINDS:
+                kubernetes_validate.validate(doc, version, strict=True)

@@ -1,0 +1,261 @@
+"""The chart's optional resources and settings: secrets, Kubernetes-discovery RBAC, autoscaling,
+Ingress and HTTPRoute, NetworkPolicy, tracing, extra volumes and env, the Grafana dashboard."""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+import helm_python
+import pytest
+import yaml
+
+from tests.helm.chart import (
+    CHART,
+    KEY_HASH,
+    POOL,
+    TENANT,
+    container,
+    env,
+    gateway_config,
+    pod_spec,
+    render,
+    validate_strictly,
+)
+
+KUBE_POOL: dict[str, Any] = POOL | {"workers": {"kubernetes": {"selector": {"app": "vllm"}, "port": 8000}}}
+
+
+def test_default_policy_is_cost() -> None:
+    policy = yaml.safe_load(render()["ConfigMap/rel-kvgate-policy"]["data"]["policy.yaml"])
+    assert policy["policy"] == "cost"
+
+
+def test_key_hashes_live_in_a_secret_never_in_a_configmap() -> None:
+    docs = render()
+    assert KEY_HASH in gateway_config(docs)["tenants"][0]["api_key_hashes"]
+    for doc in docs.values():
+        if doc["kind"] == "ConfigMap":
+            assert KEY_HASH not in json.dumps(doc)
+    volumes = {v["name"]: v for v in pod_spec(docs)["volumes"]}
+    assert volumes["config"] == {"name": "config", "secret": {"secretName": "rel-kvgate-config"}}
+
+
+def test_key_hash_secret_created_from_a_value_or_referenced() -> None:
+    docs = render({"keyHashSecret": {"value": "s3cret"}})
+    secret = docs["Secret/rel-kvgate-key-hash"]
+    assert base64.b64decode(secret["data"]["secret"]) == b"s3cret"
+    assert env(docs)["KVGATE_KEY_SECRET"]["valueFrom"]["secretKeyRef"] == {
+        "name": "rel-kvgate-key-hash",
+        "key": "secret",
+    }
+    annotations = docs["Deployment/rel-kvgate"]["spec"]["template"]["metadata"]["annotations"]
+    rotated = render({"keyHashSecret": {"value": "other"}})["Deployment/rel-kvgate"]
+    assert (
+        rotated["spec"]["template"]["metadata"]["annotations"]["checksum/key-hash"]
+        != (annotations["checksum/key-hash"])
+    )
+    referenced = render({"keyHashSecret": {"existingSecret": "mine"}})
+    assert "Secret/rel-kvgate-key-hash" not in referenced
+    assert env(referenced)["KVGATE_KEY_SECRET"]["valueFrom"]["secretKeyRef"]["name"] == "mine"
+    with pytest.raises(helm_python.HelmError, match="either value"):
+        render({"keyHashSecret": {"value": "s", "existingSecret": "mine"}})
+
+
+def test_an_existing_config_secret_replaces_the_generated_one() -> None:
+    # Pools and tenants then live in that Secret: the chart needs neither.
+    docs = render({"configSecret": {"existingSecret": "gateway-config"}, "tenants": []})
+    assert "Secret/rel-kvgate-config" not in docs
+    volumes = {v["name"]: v for v in pod_spec(docs)["volumes"]}
+    assert volumes["config"]["secret"]["secretName"] == "gateway-config"
+    validate_strictly(docs)
+
+
+def test_kubernetes_pools_need_the_discovery_flag() -> None:
+    with pytest.raises(helm_python.HelmError, match=r"needs kubernetesDiscovery\.enabled=true"):
+        render({"pools": [KUBE_POOL]})
+    with pytest.raises(helm_python.HelmError, match="exactly one of"):
+        render(
+            {
+                "kubernetesDiscovery": {"enabled": True},
+                "pools": [POOL | {"workers": KUBE_POOL["workers"] | {"urls": ["http://x:1"]}}],
+            }
+        )
+
+
+def test_kubernetes_pool_config_and_rbac() -> None:
+    extra = {"kubernetes": {"selector": {"app": "vllm"}, "port": 8000, "extra": {"resync_s": 30}}}
+    docs = render({"kubernetesDiscovery": {"enabled": True}, "pools": [POOL | {"workers": extra}]})
+    (pool,) = gateway_config(docs)["pools"]
+    # The release namespace by default; `extra` keys pass through to the gateway's block.
+    assert pool["kubernetes"] == {
+        "namespace": "llm",
+        "selector": {"app": "vllm"},
+        "port": 8000,
+        "scheme": "http",
+        "resync_s": 30,
+    }
+    assert [k for k in docs if k.startswith(("Role", "RoleBinding"))] == [
+        "Role/rel-kvgate-discovery",
+        "RoleBinding/rel-kvgate-discovery",
+    ]
+    assert pod_spec(docs)["automountServiceAccountToken"] is True
+    validate_strictly(docs)
+    no_rbac = render(
+        {"kubernetesDiscovery": {"enabled": True, "rbac": {"create": False}}, "pools": [KUBE_POOL]}
+    )
+    assert not any(k.startswith("Role") for k in no_rbac)
+
+
+def test_autoscaling() -> None:
+    docs = render(
+        {
+            "autoscaling": {
+                "enabled": True,
+                "minReplicas": 3,
+                "maxReplicas": 9,
+                "targetMemoryUtilizationPercentage": 80,
+                "behavior": {"scaleDown": {"stabilizationWindowSeconds": 600}},
+            }
+        }
+    )
+    hpa = docs["HorizontalPodAutoscaler/rel-kvgate"]
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": "rel-kvgate",
+    }
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (3, 9)
+    assert [m["resource"]["name"] for m in hpa["spec"]["metrics"]] == ["cpu", "memory"]
+    assert "replicas" not in docs["Deployment/rel-kvgate"]["spec"]
+    validate_strictly(docs)
+    assert render()["Deployment/rel-kvgate"]["spec"]["replicas"] == 2
+    with pytest.raises(helm_python.HelmError, match="minReplicas must not exceed"):
+        render({"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}})
+
+
+def test_ingress_and_httproute() -> None:
+    docs = render(
+        {
+            "ingress": {"enabled": True, "className": "nginx", "hosts": [{"paths": [{"path": "/v1"}]}]},
+            "httpRoute": {"enabled": True, "parentRefs": [{"name": "gw", "sectionName": "https"}]},
+        }
+    )
+    ingress = docs["Ingress/rel-kvgate"]["spec"]
+    assert ingress["ingressClassName"] == "nginx"
+    (rule,) = ingress["rules"]
+    assert "host" not in rule
+    assert rule["http"]["paths"] == [
+        {
+            "path": "/v1",
+            "pathType": "Prefix",
+            "backend": {"service": {"name": "rel-kvgate", "port": {"name": "http"}}},
+        }
+    ]
+    route = docs["HTTPRoute/rel-kvgate"]
+    assert route["apiVersion"] == "gateway.networking.k8s.io/v1"
+    assert route["spec"]["parentRefs"] == [{"name": "gw", "sectionName": "https"}]
+    (route_rule,) = route["spec"]["rules"]
+    assert route_rule["matches"] == [{"path": {"type": "PathPrefix", "value": "/"}}]
+    validate_strictly(docs)
+    with pytest.raises(helm_python.HelmError, match=r"httpRoute\.parentRefs"):
+        render({"httpRoute": {"enabled": True}})
+
+
+def test_network_policy() -> None:
+    peer = {"namespaceSelector": {"matchLabels": {"team": "apps"}}}
+    docs = render({"networkPolicy": {"enabled": True, "ingressFrom": [peer]}})
+    spec = docs["NetworkPolicy/rel-kvgate"]["spec"]
+    assert spec["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == "rel"
+    assert spec["policyTypes"] == ["Ingress"]  # egress stays open unless rules are given
+    assert spec["ingress"] == [{"ports": [{"port": "http", "protocol": "TCP"}], "from": [peer]}]
+    validate_strictly(docs)
+    egress_rule = {"to": [{"podSelector": {"matchLabels": {"app": "vllm"}}}], "ports": [{"port": 8000}]}
+    restricted = render({"networkPolicy": {"enabled": True, "egress": [egress_rule]}})
+    spec = restricted["NetworkPolicy/rel-kvgate"]["spec"]
+    assert spec["policyTypes"] == ["Ingress", "Egress"]
+    assert {p["port"] for p in spec["egress"][0]["ports"]} == {53}
+    assert spec["egress"][1:] == [egress_rule]
+    validate_strictly(restricted)
+
+
+def test_tracing_sets_the_config_flag_and_the_otel_environment() -> None:
+    assert "tracing" not in gateway_config(render())
+    assert not any(name.startswith("OTEL_") for name in env(render()))
+    docs = render(
+        {
+            "tracing": {
+                "enabled": True,
+                "otlp": {"endpoint": "http://otel:4318", "headersSecret": {"name": "otel-auth"}},
+                "resourceAttributes": {"deployment.environment": "prod"},
+            }
+        }
+    )
+    assert gateway_config(docs)["tracing"] == {"enabled": True}
+    variables = env(docs)
+    assert variables["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == "http://otel:4318"
+    assert variables["OTEL_EXPORTER_OTLP_PROTOCOL"]["value"] == "http/protobuf"
+    assert variables["OTEL_SERVICE_NAME"]["value"] == "kvgate"
+    assert variables["OTEL_EXPORTER_OTLP_HEADERS"]["valueFrom"]["secretKeyRef"] == {
+        "name": "otel-auth",
+        "key": "headers",
+    }
+    attributes = variables["OTEL_RESOURCE_ATTRIBUTES"]["value"].split(",")
+    assert "deployment.environment=prod" in attributes
+    assert "k8s.pod.name=$(KVGATE_POD_NAME)" in attributes
+    # $(VAR) expands only from variables defined earlier in the list.
+    names = [e["name"] for e in container(docs)["env"]]
+    assert names.index("KVGATE_POD_NAME") < names.index("OTEL_RESOURCE_ATTRIBUTES")
+    validate_strictly(docs)
+
+
+def test_extra_volumes_env_and_env_from() -> None:
+    docs = render(
+        {
+            "extraVolumes": [{"name": "tokenizer", "configMap": {"name": "tok"}}],
+            "extraVolumeMounts": [{"name": "tokenizer", "mountPath": "/models/m", "readOnly": True}],
+            "extraEnv": [{"name": "HF_HUB_OFFLINE", "value": "1"}],
+            "envFrom": [{"secretRef": {"name": "more"}}],
+        }
+    )
+    c = container(docs)
+    assert {"name": "tokenizer", "mountPath": "/models/m", "readOnly": True} in c["volumeMounts"]
+    assert {"name": "tokenizer", "configMap": {"name": "tok"}} in pod_spec(docs)["volumes"]
+    assert env(docs)["HF_HUB_OFFLINE"]["value"] == "1"
+    assert c["envFrom"] == [{"secretRef": {"name": "more"}}]
+    validate_strictly(docs)
+
+
+def test_grafana_dashboard_configmap() -> None:
+    assert "ConfigMap/rel-kvgate-dashboard" not in render()
+    docs = render({"grafanaDashboard": {"enabled": True}})
+    cm = docs["ConfigMap/rel-kvgate-dashboard"]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    shipped = json.loads((CHART / "dashboards" / "kvgate.json").read_text())
+    assert json.loads(cm["data"]["kvgate.json"]) == shipped
+    other = render({"grafanaDashboard": {"enabled": True, "namespace": "monitoring"}})
+    assert other["ConfigMap/rel-kvgate-dashboard@monitoring"]["metadata"]["namespace"] == "monitoring"
+    validate_strictly(docs)
+
+
+def test_everything_on_validates_strictly() -> None:
+    docs = render(
+        {
+            "tenants": [TENANT],
+            "kubernetesDiscovery": {"enabled": True},
+            "pools": [KUBE_POOL],
+            "autoscaling": {"enabled": True},
+            "ingress": {"enabled": True},
+            "httpRoute": {"enabled": True, "parentRefs": [{"name": "gw"}]},
+            "networkPolicy": {"enabled": True, "egress": [{"ports": [{"port": 443}]}]},
+            "tracing": {"enabled": True},
+            "grafanaDashboard": {"enabled": True},
+            "serviceMonitor": {"enabled": True},
+            "podDisruptionBudget": {"enabled": True},
+            "keyHashSecret": {"value": "s"},
+        }
+    )
+    assert len(docs) >= 14
+    validate_strictly(docs)

@@ -1,0 +1,179 @@
+"""The chart's example values files (helm/kvgate/ci/: static pool, DNS pool, Kubernetes discovery)
+render, lint and validate strictly; and values.schema.json rejects a misspelt key by name."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import helm_python
+import pytest
+import yaml
+
+from gateway.config import ConfigError, PoolConfig, parse_config
+from policies.config import parse_policy_yaml
+from tests.helm.chart import (
+    CHART,
+    NAMESPACE,
+    REQUIRED,
+    container,
+    env,
+    gateway_config,
+    pod_spec,
+    render,
+    render_raw,
+    validate_strictly,
+    values_file,
+)
+
+FILES = ("static-values.yaml", "dns-values.yaml", "kubernetes-values.yaml")
+
+
+def test_the_example_files_are_the_three_tested_here() -> None:
+    assert sorted(p.name for p in (CHART / "ci").iterdir()) == sorted(FILES)
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_example_renders_lints_and_validates_strictly(name: str) -> None:
+    values = values_file(name)
+    docs = render_raw(values)
+    assert {"Deployment", "Service", "Secret", "ConfigMap", "ServiceAccount"} <= {
+        d["kind"] for d in docs.values()
+    }
+    validate_strictly(docs)
+    report = helm_python.lint(str(CHART), values, strict=True, kube_version="v1.30.0")
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] > 1] == []
+    # The policy file the example ships is one the gateway accepts.
+    parse_policy_yaml(docs["ConfigMap/rel-kvgate-policy"]["data"]["policy.yaml"])
+
+
+_KUBERNETES_POOLS = "kubernetes" in PoolConfig.model_fields
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "static-values.yaml",
+        "dns-values.yaml",
+        pytest.param(
+            "kubernetes-values.yaml",
+            marks=pytest.mark.xfail(
+                not _KUBERNETES_POOLS,
+                reason="the gateway config has no pool `kubernetes` block yet",
+                raises=ConfigError,
+                strict=True,
+            ),
+        ),
+    ],
+)
+def test_example_gateway_config_is_accepted_by_the_gateway(name: str) -> None:
+    config = parse_config(gateway_config(render_raw(values_file(name))))
+    assert config.listen.host == "0.0.0.0" and config.policy_file == "/etc/kvgate/policy/policy.yaml"
+
+
+def test_static_example() -> None:
+    docs = render_raw(values_file("static-values.yaml"))
+    (pool,) = gateway_config(docs)["pools"]
+    assert pool["workers"] == ["http://10.0.0.7:8000", "http://10.0.0.8:8000"]
+    assert pool["max_in_flight_per_worker"] == 128
+    assert env(docs)["KVGATE_KEY_SECRET"]["valueFrom"]["secretKeyRef"]["name"] == "kvgate-key-hash"
+    assert "Secret/rel-kvgate-key-hash" not in docs  # referenced, not created
+    assert pod_spec(docs)["automountServiceAccountToken"] is False
+    assert not any(k.startswith(("Role/", "RoleBinding/", "HorizontalPodAutoscaler/")) for k in docs)
+
+
+def test_dns_example() -> None:
+    docs = render_raw(values_file("dns-values.yaml"))
+    config = gateway_config(docs)
+    (pool,) = config["pools"]
+    assert pool["dns"]["name"] == "vllm-headless.llm.svc.cluster.local"
+    assert pool["kv_events_endpoint"] == "tcp://{host}:5557"
+    assert config["tracing"] == {"enabled": True}
+    assert env(docs)["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == "http://otel-collector.observability.svc:4318"
+    assert "replicas" not in docs["Deployment/rel-kvgate"]["spec"]  # the HPA owns it
+    for kind in ("HorizontalPodAutoscaler", "Ingress", "NetworkPolicy", "ServiceMonitor"):
+        assert f"{kind}/rel-kvgate" in docs
+    assert "ConfigMap/rel-kvgate-dashboard" in docs
+    assert "Secret/rel-kvgate-key-hash" in docs
+
+
+def test_kubernetes_example() -> None:
+    docs = render_raw(values_file("kubernetes-values.yaml"))
+    (pool,) = gateway_config(docs)["pools"]
+    assert pool["kubernetes"] == {
+        "namespace": "inference",
+        "selector": {"app.kubernetes.io/name": "vllm", "model": "llama-3-1-8b"},
+        "port": 8000,
+        "scheme": "http",
+    }
+    assert pod_spec(docs)["automountServiceAccountToken"] is True
+    # The workers' namespace and the release's own.
+    for suffix in ("@inference", ""):
+        role = docs[f"Role/rel-kvgate-discovery{suffix}"]
+        assert {(tuple(r["apiGroups"]), tuple(r["resources"])) for r in role["rules"]} == {
+            (("",), ("pods",)),
+            (("discovery.k8s.io",), ("endpointslices",)),
+        }
+        assert all(r["verbs"] == ["get", "list", "watch"] for r in role["rules"])
+        binding = docs[f"RoleBinding/rel-kvgate-discovery{suffix}"]
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": "rel-kvgate", "namespace": NAMESPACE}
+        ]
+        assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    mounts = {m["name"]: m for m in container(docs)["volumeMounts"]}
+    assert mounts["tokenizer"]["mountPath"] == "/models/llama"
+    route = docs["HTTPRoute/rel-kvgate"]
+    assert route["spec"]["rules"][0]["backendRefs"] == [{"name": "rel-kvgate", "port": 8080}]
+
+
+@pytest.mark.parametrize(
+    ("values", "where", "key"),
+    [
+        ({"replicaCont": 5}, "at ''", "replicaCont"),
+        ({"autoscaling": {"enabled": True, "maxReplica": 4}}, "at '/autoscaling'", "maxReplica"),
+        (
+            {"pools": [REQUIRED["pools"][0] | {"kvEventEndpoint": "tcp://{host}:1"}]},
+            "at '/pools/0'",
+            "kvEventEndpoint",
+        ),
+        ({"tracing": {"otlp": {"endpont": "http://x:4318"}}}, "at '/tracing/otlp'", "endpont"),
+    ],
+)
+def test_a_misspelt_key_fails_with_a_schema_error_naming_it(
+    values: dict[str, Any], where: str, key: str
+) -> None:
+    with pytest.raises(helm_python.HelmValuesError) as raised:
+        render(values)
+    message = str(raised.value)
+    assert f"{where}: additional properties '{key}' not allowed" in message
+    # `helm lint` reports the same.
+    report = helm_python.lint(str(CHART), {**REQUIRED, **values}, strict=True)
+    assert any(key in error for error in report["errors"])
+
+
+def _objects(node: Any, path: str = "") -> list[tuple[str, dict[str, Any]]]:
+    found: list[tuple[str, dict[str, Any]]] = []
+    if isinstance(node, dict):
+        if "properties" in node:
+            found.append((path, node))
+        for key, child in node.items():
+            found.extend(_objects(child, f"{path}/{key}"))
+    elif isinstance(node, list):
+        for i, child in enumerate(node):
+            found.extend(_objects(child, f"{path}/{i}"))
+    return found
+
+
+def test_every_object_of_the_schema_rejects_unknown_keys() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    objects = _objects(schema)
+    assert len(objects) > 30
+    assert [path for path, node in objects if node.get("additionalProperties") is not False] == []
+
+
+def test_every_top_level_value_is_in_the_docs_values_table() -> None:
+    docs = (CHART.parents[1] / "docs" / "deploy.md").read_text()
+    table = docs[docs.index("## Values") : docs.index("## Checking the chart")]
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert [key for key in values if f"`{key}" not in table] == []

@@ -10,7 +10,7 @@ import helm_python
 import pytest
 import yaml
 
-from gateway.config import ConfigError, PoolConfig, parse_config
+from gateway.config import parse_config
 from policies.config import parse_policy_yaml
 from tests.helm.chart import (
     CHART,
@@ -48,28 +48,12 @@ def test_example_renders_lints_and_validates_strictly(name: str) -> None:
     parse_policy_yaml(docs["ConfigMap/rel-kvgate-policy"]["data"]["policy.yaml"])
 
 
-_KUBERNETES_POOLS = "kubernetes" in PoolConfig.model_fields
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        "static-values.yaml",
-        "dns-values.yaml",
-        pytest.param(
-            "kubernetes-values.yaml",
-            marks=pytest.mark.xfail(
-                not _KUBERNETES_POOLS,
-                reason="the gateway config has no pool `kubernetes` block yet",
-                raises=ConfigError,
-                strict=True,
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("name", FILES)
 def test_example_gateway_config_is_accepted_by_the_gateway(name: str) -> None:
     config = parse_config(gateway_config(render_raw(values_file(name))))
     assert config.listen.host == "0.0.0.0" and config.policy_file == "/etc/kvgate/policy/policy.yaml"
+    discovery = [pool.kubernetes is not None for pool in config.pools]
+    assert discovery == [name == "kubernetes-values.yaml"] * len(config.pools)
 
 
 def test_static_example() -> None:
@@ -113,7 +97,6 @@ def test_kubernetes_example() -> None:
         role = docs[f"Role/rel-kvgate-discovery{suffix}"]
         assert {(tuple(r["apiGroups"]), tuple(r["resources"])) for r in role["rules"]} == {
             (("",), ("pods",)),
-            (("discovery.k8s.io",), ("endpointslices",)),
         }
         assert all(r["verbs"] == ["get", "list", "watch"] for r in role["rules"])
         binding = docs[f"RoleBinding/rel-kvgate-discovery{suffix}"]

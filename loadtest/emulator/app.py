@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from loadtest.emulator import responses
+from loadtest.emulator import chat_bodies
 from loadtest.emulator.config import EmulatorConfig
 from loadtest.emulator.errors import ApiError
 from loadtest.emulator.metrics import render_metrics
@@ -259,14 +259,14 @@ def create_app(cfg: EmulatorConfig, sink_factory: Callable[[], KvEventSink | Non
         body = await _read_json(request)
         w = worker()
         live = w.submit(parse_chat(body, cfg, w.tokenizer))
-        return await _generate(request, live, responses.chat_response)
+        return await _generate(request, live, chat_bodies.chat_response)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await _read_json(request)
         w = worker()
         live = w.submit(parse_completions(body, cfg, w.tokenizer))
-        return await _generate(request, live, responses.completion_response)
+        return await _generate(request, live, chat_bodies.completion_response)
 
     return app
 
@@ -278,16 +278,16 @@ async def _stream(w: EmulatedWorker, live: LiveRequest) -> AsyncIterator[bytes]:
         while True:
             ready = min(live.produced, live.num_output_tokens)
             if ready > sent:  # tokens of several steps (a slow reader) go out in one write
-                yield b"".join(responses.token_chunks(live, sent, ready))
+                yield b"".join(chat_bodies.token_chunks(live, sent, ready))
                 sent = ready
             if live.finished:
                 break
             await live.wait()
         if live.failed:
-            yield responses.sse(ApiError(500, "the emulated engine failed", "InternalServerError").body())
-            yield responses.SSE_DONE
+            yield chat_bodies.sse(ApiError(500, "the emulated engine failed", "InternalServerError").body())
+            yield chat_bodies.SSE_DONE
             return
-        for chunk in responses.final_chunks(live):
+        for chunk in chat_bodies.final_chunks(live):
             yield chunk
     finally:
         w.abort(live)

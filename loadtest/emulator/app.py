@@ -17,15 +17,17 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from loadtest.emulator import routes_audio, routes_openai, routes_pooling
+from loadtest.emulator import routes_audio, routes_openai, routes_pooling, routes_responses
 from loadtest.emulator.config import EmulatorConfig
 from loadtest.emulator.errors import ApiError
 from loadtest.emulator.metrics import render_metrics
+from loadtest.emulator.responses_api import ResponseStore
 from loadtest.emulator.web import json_response as _json
 from loadtest.emulator.worker import EmulatedWorker, KvEventSink
 
 ROUTE_FAMILIES: tuple[APIRouter, ...] = (
     routes_openai.router,
+    routes_responses.router,
     routes_pooling.router,
     routes_audio.router,
 )
@@ -45,6 +47,7 @@ def create_app(cfg: EmulatorConfig, sink_factory: Callable[[], KvEventSink | Non
         worker = EmulatedWorker(cfg, sink)
         state["worker"] = worker
         _app.state.worker = worker
+        _app.state.response_store = ResponseStore()
         task = asyncio.create_task(worker.run(), name="engine-step-loop")
         try:
             yield

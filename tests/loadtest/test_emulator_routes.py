@@ -140,7 +140,9 @@ def test_embeddings_with_the_sdk(client: openai.OpenAI, base_url: str) -> None:
     floats = client.embeddings.create(model=MODEL, input=inputs[0], encoding_format="float", dimensions=64)
     assert len(floats.data[0].embedding) == 64
     head = vecs[0][:64]
-    assert np.allclose(floats.data[0].embedding, head / np.linalg.norm(head), atol=1e-5)  # renormalised prefix
+    assert np.allclose(
+        floats.data[0].embedding, head / np.linalg.norm(head), atol=1e-5
+    )  # renormalised prefix
     raw = post(base_url, "/v1/embeddings", {"input": [[1, 2, 3], [4, 5]], "encoding_format": "base64"}).json()
     decoded = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
     assert decoded.shape == (EMBEDDING_DIM,) and raw["usage"]["prompt_tokens"] == 5
@@ -152,7 +154,9 @@ def test_pooling_classify_score_rerank_shapes(base_url: str) -> None:
     assert [d["object"] for d in pooled["data"]] == ["pooling", "pooling"]
     assert len(pooled["data"][0]["data"]) == EMBEDDING_DIM
     classes = post(base_url, "/classify", {"input": "classify me"}).json()["data"][0]
-    assert classes["num_classes"] == len(classes["probs"]) and math.isclose(sum(classes["probs"]), 1.0, rel_tol=1e-6)
+    assert classes["num_classes"] == len(classes["probs"]) and math.isclose(
+        sum(classes["probs"]), 1.0, rel_tol=1e-6
+    )
     assert classes["label"] in ("LABEL_0", "LABEL_1")
     for path in ("/score", "/v1/score"):
         scores = post(base_url, path, {"text_1": "hello world", "text_2": ["hello world", "bye"]}).json()
@@ -232,9 +236,7 @@ def test_audio_transcription(client: openai.OpenAI, base_url: str) -> None:
     assert str(text).strip() == first.text
     with pytest.raises(openai.NotFoundError):
         client.audio.transcriptions.create(model="other", file=("clip.wav", audio))
-    no_file = httpx.post(
-        f"{base_url}/v1/audio/transcriptions", files={"model": (None, MODEL)}, timeout=5
-    )
+    no_file = httpx.post(f"{base_url}/v1/audio/transcriptions", files={"model": (None, MODEL)}, timeout=5)
     assert no_file.status_code == 400 and no_file.json()["error"]["param"] == "file"
     not_form = httpx.post(f"{base_url}/v1/audio/transcriptions", json={"model": MODEL}, timeout=5)
     assert not_form.status_code == 400

@@ -17,7 +17,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from loadtest.emulator import routes_audio, routes_openai, routes_pooling, routes_responses
+from loadtest.emulator import routes_audio, routes_messages, routes_openai, routes_pooling, routes_responses
 from loadtest.emulator.config import EmulatorConfig
 from loadtest.emulator.errors import ApiError
 from loadtest.emulator.metrics import render_metrics
@@ -28,6 +28,7 @@ from loadtest.emulator.worker import EmulatedWorker, KvEventSink
 ROUTE_FAMILIES: tuple[APIRouter, ...] = (
     routes_openai.router,
     routes_responses.router,
+    routes_messages.router,
     routes_pooling.router,
     routes_audio.router,
 )

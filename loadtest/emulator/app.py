@@ -40,13 +40,11 @@ def _error(exc: ApiError) -> Response:
 
 def create_app(cfg: EmulatorConfig, sink_factory: Callable[[], KvEventSink | None] | None = None) -> FastAPI:
     """Build the ASGI app. `sink_factory` creates the KV-event publisher inside the lifespan."""
-    state: dict[str, Any] = {}
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         sink = sink_factory() if sink_factory is not None else None
         worker = EmulatedWorker(cfg, sink)
-        state["worker"] = worker
         _app.state.worker = worker
         _app.state.response_store = ResponseStore()
         task = asyncio.create_task(worker.run(), name="engine-step-loop")
@@ -63,7 +61,7 @@ def create_app(cfg: EmulatorConfig, sink_factory: Callable[[], KvEventSink | Non
     app = FastAPI(title="kvgate emulated vLLM worker", lifespan=lifespan, docs_url=None, redoc_url=None)
 
     def worker() -> EmulatedWorker:
-        w: EmulatedWorker = state["worker"]
+        w: EmulatedWorker = app.state.worker
         return w
 
     @app.exception_handler(ApiError)

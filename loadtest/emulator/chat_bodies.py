@@ -48,7 +48,7 @@ def _logprobs(live: LiveRequest, start: int, stop: int) -> dict[str, Any] | None
     return completion_logprobs(entries, len("".join(live.answer.pieces[:start])))
 
 
-def _message(group: LiveGroup, live: LiveRequest) -> dict[str, Any]:
+def _message(live: LiveRequest) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": live.answer.text, "tool_calls": []}
     call = live.gen.tool_call
     if call is not None:
@@ -67,7 +67,7 @@ def chat_response(group: LiveGroup) -> dict[str, Any]:
     choices = [
         {
             "index": live.index,
-            "message": _message(group, live),
+            "message": _message(live),
             "logprobs": _logprobs(live, 0, live.num_output_tokens),
             "finish_reason": finish_reason(live),
         }

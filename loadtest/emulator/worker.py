@@ -156,10 +156,6 @@ class LiveGroup:
         """Choice 0 of every prompt: prompt tokens and cache hits are counted once per prompt."""
         return self.lives[:: self.gen.n]
 
-    @property
-    def first_token_ready(self) -> bool:
-        return all(live.first_token_s is not None or live.finished for live in self.lives)
-
     async def wait(self) -> None:
         await self.event.wait()
         self.event.clear()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -164,3 +165,27 @@ def test_errors_are_anthropic_shaped(client: anthropic.Anthropic, base_url: str)
         err = resp.json()
         assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
         assert needle in err["error"]["message"], err
+
+
+def test_disconnect_aborts_a_streamed_message(base_url: str) -> None:
+    def running() -> float:
+        for line in httpx.get(f"{base_url}/metrics", timeout=5).text.splitlines():
+            if line.startswith("vllm:num_requests_running{"):
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError("metric missing")
+
+    body = {
+        "model": MODEL,
+        "max_tokens": 30000,
+        "stream": True,
+        "messages": [{"role": "user", "content": "go"}],
+    }
+    with httpx.stream("POST", f"{base_url}/v1/messages", json=body, timeout=10) as resp:
+        lines = resp.iter_lines()
+        while "content_block_delta" not in next(lines):
+            pass
+        assert running() == 1
+    deadline = time.monotonic() + 5
+    while running() != 0:
+        assert time.monotonic() < deadline, "aborted stream still running"
+        time.sleep(0.05)

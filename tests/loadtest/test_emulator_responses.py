@@ -5,6 +5,7 @@ and vLLM's errors."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -161,3 +162,31 @@ def test_bad_requests(base_url: str, body: dict[str, Any], param: str) -> None:
     resp = httpx.post(f"{base_url}/v1/responses", json={"model": MODEL, **body}, timeout=5)
     assert resp.status_code == 400
     assert resp.json()["error"]["param"] == param
+
+
+def running(base_url: str) -> float:
+    for line in httpx.get(f"{base_url}/metrics", timeout=5).text.splitlines():
+        if line.startswith("vllm:num_requests_running{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("metric missing")
+
+
+def test_disconnects_abort_streamed_and_plain_responses(base_url: str) -> None:
+    body = {"model": MODEL, "input": "long " * 50, "max_output_tokens": 30000, "stream": True}
+    with httpx.stream("POST", f"{base_url}/v1/responses", json=body, timeout=10) as resp:
+        lines = resp.iter_lines()
+        while "output_text.delta" not in next(lines):
+            pass
+        assert running(base_url) == 1
+    deadline = time.monotonic() + 5
+    while running(base_url) != 0:
+        assert time.monotonic() < deadline, "aborted stream still running"
+        time.sleep(0.05)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{base_url}/v1/responses", json={**body, "stream": False}, timeout=httpx.Timeout(5, read=0.3)
+        )
+    deadline = time.monotonic() + 5
+    while running(base_url) != 0:
+        assert time.monotonic() < deadline, "abandoned response still running"
+        time.sleep(0.05)

@@ -45,7 +45,7 @@ def _logprobs(live: LiveRequest, start: int, stop: int) -> dict[str, Any] | None
     entries = live.logprobs[start:stop]
     if live.gen.endpoint == "chat":
         return chat_logprobs(entries, top_k)
-    return completion_logprobs(entries, len("".join(live.answer.pieces[:start])))
+    return completion_logprobs(entries)
 
 
 def _message(live: LiveRequest) -> dict[str, Any]:

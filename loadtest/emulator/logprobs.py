@@ -20,11 +20,13 @@ _ALT_STRIDE = 7919  # a prime, so alternatives of one token are distinct ids
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
-    """One output token: its text, logprob, and the top entries (the token itself first)."""
+    """One output token: its text, logprob, the top entries (the token itself first), and where
+    it starts in the answer text (characters)."""
 
     token: str
     logprob: float
     top: tuple[tuple[str, float], ...]
+    text_offset: int
 
 
 def _mix(seed: int, *values: int) -> int:
@@ -49,6 +51,7 @@ class LogprobWriter:
         ids = answer.token_ids
         vocab = self._tok.vocab_size
         out: list[TokenLogprob] = []
+        offset = 0
         for pos, piece in enumerate(answer.pieces):
             tid = int(ids[pos]) if pos < len(ids) else 0
             lp = -(_mix(self._seed, tid, pos) % 4096) / 4096 * 1.5  # in (-1.5, 0]
@@ -57,7 +60,8 @@ class LogprobWriter:
                 alt = (tid + j * _ALT_STRIDE) % vocab
                 gap = 0.75 * j + (_mix(self._seed, tid, pos, j) % 256) / 1024
                 top.append((self._text(alt), lp - gap))
-            out.append(TokenLogprob(piece, lp, tuple(top)))
+            out.append(TokenLogprob(piece, lp, tuple(top), offset))
+            offset += len(piece)
         return tuple(out)
 
 
@@ -75,14 +79,10 @@ def chat_logprobs(entries: Sequence[TokenLogprob], top_k: int) -> dict[str, Any]
     }
 
 
-def completion_logprobs(entries: Sequence[TokenLogprob], text_offset: int) -> dict[str, Any]:
+def completion_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
     """Completions' `choices[].logprobs`: parallel lists; offsets count characters of the text."""
-    offsets: list[int] = []
-    for e in entries:
-        offsets.append(text_offset)
-        text_offset += len(e.token)
     return {
-        "text_offset": offsets,
+        "text_offset": [e.text_offset for e in entries],
         "token_logprobs": [e.logprob for e in entries],
         "tokens": [e.token for e in entries],
         "top_logprobs": [dict(e.top) for e in entries],

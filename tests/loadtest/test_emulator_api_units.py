@@ -63,7 +63,7 @@ def test_logprobs_are_deterministic_and_shaped() -> None:
         and chat[0]["bytes"] == list(chat[0]["token"].encode())
     )
     assert chat_logprobs(entries, 0)["content"][0]["top_logprobs"] == []
-    comp = completion_logprobs(entries[2:], 2)
+    comp = completion_logprobs(entries[2:])
     assert comp["text_offset"] == [2, 3, 4, 5] and comp["tokens"] == [e.token for e in entries[2:]]
 
 

@@ -1,6 +1,8 @@
-"""The emulated worker's HTTP surface (vLLM's OpenAI server routes plus the SGLang-router probes).
+"""The emulated worker's HTTP app: probes, model and server info, metrics, and the route families.
 
-The background step loop and the optional KV-event publisher are owned by the app lifespan.
+Route families live in `routes_*.py` (OpenAI chat and completions, the Responses API, Anthropic
+Messages, pooling, audio). The background step loop and the optional KV-event publisher are
+owned by the app lifespan; handlers reach the worker through `web.worker_of(request)`.
 """
 
 from __future__ import annotations
@@ -11,61 +13,40 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import orjson
-from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from loadtest.emulator import responses
+from loadtest.emulator import routes_audio, routes_messages, routes_openai, routes_pooling, routes_responses
 from loadtest.emulator.config import EmulatorConfig
 from loadtest.emulator.errors import ApiError
 from loadtest.emulator.metrics import render_metrics
-from loadtest.emulator.protocol import (
-    completion_prompt_ids,
-    parse_chat,
-    parse_completions,
-    render_chat_body,
+from loadtest.emulator.responses_api import ResponseStore
+from loadtest.emulator.web import json_response as _json
+from loadtest.emulator.worker import EmulatedWorker, KvEventSink
+
+ROUTE_FAMILIES: tuple[APIRouter, ...] = (
+    routes_openai.router,
+    routes_responses.router,
+    routes_messages.router,
+    routes_pooling.router,
+    routes_audio.router,
 )
-from loadtest.emulator.worker import EmulatedWorker, KvEventSink, LiveRequest
-from loadtest.engine.tokenizer import TokenizerError
-
-MAX_BODY_BYTES = 64 * 1024 * 1024
-DISCONNECT_POLL_S = 0.5
-
-
-def _json(obj: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
 
 
 def _error(exc: ApiError) -> Response:
     return _json(exc.body(), exc.status)
 
 
-async def _read_json(request: Request) -> dict[str, Any]:
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-        raise ApiError(413, f"request body larger than {MAX_BODY_BYTES} bytes", "BadRequestError")
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise ApiError(413, f"request body larger than {MAX_BODY_BYTES} bytes", "BadRequestError")
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise ApiError.bad_request(f"request body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise ApiError.bad_request("request body must be a JSON object")
-    return body
-
-
 def create_app(cfg: EmulatorConfig, sink_factory: Callable[[], KvEventSink | None] | None = None) -> FastAPI:
     """Build the ASGI app. `sink_factory` creates the KV-event publisher inside the lifespan."""
-    state: dict[str, Any] = {}
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         sink = sink_factory() if sink_factory is not None else None
         worker = EmulatedWorker(cfg, sink)
-        state["worker"] = worker
+        _app.state.worker = worker
+        _app.state.response_store = ResponseStore()
         task = asyncio.create_task(worker.run(), name="engine-step-loop")
         try:
             yield
@@ -80,7 +61,7 @@ def create_app(cfg: EmulatorConfig, sink_factory: Callable[[], KvEventSink | Non
     app = FastAPI(title="kvgate emulated vLLM worker", lifespan=lifespan, docs_url=None, redoc_url=None)
 
     def worker() -> EmulatedWorker:
-        w: EmulatedWorker = state["worker"]
+        w: EmulatedWorker = app.state.worker
         return w
 
     @app.exception_handler(ApiError)
@@ -104,20 +85,27 @@ def create_app(cfg: EmulatorConfig, sink_factory: Callable[[], KvEventSink | Non
     async def version() -> Response:
         return _json({"version": "kvgate-emulator"})
 
-    @app.get("/v1/models")
-    async def models() -> Response:
-        w = worker()
-        card = {
+    def model_card() -> dict[str, Any]:
+        return {
             "id": cfg.model,
             "object": "model",
             "created": int(time.time()),
             "owned_by": "vllm",
             "root": cfg.model,
             "parent": None,
-            "max_model_len": w.max_model_len,
+            "max_model_len": worker().max_model_len,
             "permission": [],
         }
-        return _json({"object": "list", "data": [card]})
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return _json({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        if model_id != cfg.model:
+            raise ApiError.not_found(f"The model `{model_id}` does not exist.", "model")
+        return _json(model_card())
 
     def _server_info() -> dict[str, Any]:
         w = worker()
@@ -173,121 +161,6 @@ def create_app(cfg: EmulatorConfig, sink_factory: Callable[[], KvEventSink | Non
             raise ApiError(409, "prefix cache is in use by running requests", "ConflictError")
         return Response(status_code=200)
 
-    # ---------------------------------------------------------------- tokenizer and render
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        body = await _read_json(request)
-        w = worker()
-        if "messages" in body:
-            ids = w.tokenizer.encode(render_chat_body(body))
-        else:
-            ids = completion_prompt_ids(body, w.tokenizer)
-        return _json({"count": len(ids), "max_model_len": w.max_model_len, "tokens": ids.tolist()})
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        body = await _read_json(request)
-        tokens = body.get("tokens")
-        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-            raise ApiError.bad_request("tokens must be a list of integers", "tokens")
-        try:
-            return _json({"prompt": worker().tokenizer.decode(tokens)})
-        except TokenizerError as exc:
-            raise ApiError.bad_request(str(exc), "tokens") from exc
-
-    @app.post("/v1/chat/completions/render")
-    async def chat_render(request: Request) -> Response:
-        body = await _read_json(request)
-        w = worker()
-        gen = parse_chat(body, cfg, w.tokenizer)
-        return _json(
-            {
-                "request_id": f"chatcmpl-{time.monotonic_ns():x}",
-                "token_ids": gen.prompt_ids.tolist(),
-                "sampling_params": gen.echo_sampling,
-                "model": gen.model,
-                "features": None,
-            }
-        )
-
-    @app.post("/v1/completions/render")
-    async def completions_render(request: Request) -> Response:
-        body = await _read_json(request)
-        w = worker()
-        gen = parse_completions(body, cfg, w.tokenizer)
-        return _json(
-            [
-                {
-                    "request_id": f"cmpl-{time.monotonic_ns():x}",
-                    "token_ids": gen.prompt_ids.tolist(),
-                    "sampling_params": gen.echo_sampling,
-                    "model": gen.model,
-                }
-            ]
-        )
-
-    # ---------------------------------------------------------------- generation
-
-    async def _generate(
-        request: Request, live: LiveRequest, build: Callable[[LiveRequest], dict[str, Any]]
-    ) -> Response:
-        w = worker()
-        if live.gen.stream:
-            return StreamingResponse(_stream(w, live), media_type="text/event-stream")
-        try:
-            # Tokens wake this loop every step; look for a client disconnect every poll period.
-            next_check_s = time.monotonic() + DISCONNECT_POLL_S
-            while not live.finished:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(live.wait(), timeout=DISCONNECT_POLL_S)
-                if time.monotonic() >= next_check_s:
-                    next_check_s = time.monotonic() + DISCONNECT_POLL_S
-                    if await request.is_disconnected():
-                        w.abort(live)
-                        return Response(status_code=499)
-        finally:
-            w.abort(live)  # no-op once finished; frees blocks if the handler is cancelled
-        if live.failed:
-            raise ApiError(
-                500, "the emulated engine failed while running this request", "InternalServerError"
-            )
-        return _json(build(live))
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        body = await _read_json(request)
-        w = worker()
-        live = w.submit(parse_chat(body, cfg, w.tokenizer))
-        return await _generate(request, live, responses.chat_response)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        body = await _read_json(request)
-        w = worker()
-        live = w.submit(parse_completions(body, cfg, w.tokenizer))
-        return await _generate(request, live, responses.completion_response)
-
+    for family in ROUTE_FAMILIES:
+        app.include_router(family)
     return app
-
-
-async def _stream(w: EmulatedWorker, live: LiveRequest) -> AsyncIterator[bytes]:
-    """SSE body: one event per generated token as steps complete; abort on client disconnect."""
-    sent = 0
-    try:
-        while True:
-            ready = min(live.produced, live.num_output_tokens)
-            if ready > sent:  # tokens of several steps (a slow reader) go out in one write
-                yield b"".join(responses.token_chunks(live, sent, ready))
-                sent = ready
-            if live.finished:
-                break
-            await live.wait()
-        if live.failed:
-            yield responses.sse(ApiError(500, "the emulated engine failed", "InternalServerError").body())
-            yield responses.SSE_DONE
-            return
-        for chunk in responses.final_chunks(live):
-            yield chunk
-    finally:
-        w.abort(live)

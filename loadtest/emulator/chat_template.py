@@ -7,13 +7,18 @@
     <|tool|>\n{tool_call_id}\n{content}<|end|>\n
     <|assistant|>\n                                 (generation prompt, unless disabled)
 
-Text content parts are concatenated. The assistant turn renders exactly as the generation prompt
-followed by the generated text, so a next turn that repeats an answer shares its cached blocks.
+Text content parts are concatenated; an image part renders as a fixed-length placeholder named by
+a digest of its URL (`IMAGE_TOKENS` characters, so exactly that many tokens with the default byte
+tokenizer): the same image shares cache, another image does not. The assistant turn renders exactly
+as the generation prompt followed by the generated text, so a next turn that repeats an answer
+shares its cached blocks.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -21,10 +26,25 @@ import orjson
 from loadtest.emulator.errors import ApiError
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
+# An image costs a fixed number of tokens, as a vision encoder's patch grid does (576 = 24 x 24,
+# the LLaVA-1.5 grid).
+IMAGE_TOKENS = 576
+
+
+def image_placeholder(url: str) -> str:
+    """The text an image renders as: fixed length, named by a digest of its URL (or data URL)."""
+    head = "<|image|>" + hashlib.blake2b(url.encode(), digest_size=8).hexdigest()
+    return (head + "." * IMAGE_TOKENS)[:IMAGE_TOKENS]
+
+
+def _image_url(part: Mapping[str, Any]) -> str | None:
+    image = part.get("image_url")
+    url = image.get("url") if isinstance(image, Mapping) else image
+    return url if isinstance(url, str) and url else None
 
 
 def message_text(content: Any, where: str) -> str:
-    """The text of a message's `content`: a string, null, or a list of text parts."""
+    """The text of a message's `content`: a string, null, or a list of text and image parts."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -32,17 +52,17 @@ def message_text(content: Any, where: str) -> str:
     if isinstance(content, list):
         parts: list[str] = []
         for i, part in enumerate(content):
-            if (
-                not isinstance(part, Mapping)
-                or part.get("type") != "text"
-                or not isinstance(part.get("text"), str)
-            ):
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            elif kind == "image_url" and (url := _image_url(part)) is not None:
+                parts.append(image_placeholder(url))
+            else:
                 raise ApiError.bad_request(
-                    "only text content parts are supported by the emulated worker", f"{where}.content[{i}]"
+                    "content parts must be text or image_url parts with a url", f"{where}.content[{i}]"
                 )
-            parts.append(part["text"])
         return "".join(parts)
-    raise ApiError.bad_request("content must be a string or a list of text parts", f"{where}.content")
+    raise ApiError.bad_request("content must be a string or a list of content parts", f"{where}.content")
 
 
 def _tool_calls_text(calls: Any, where: str) -> str:
@@ -60,10 +80,25 @@ def _tool_calls_text(calls: Any, where: str) -> str:
     return "".join(out)
 
 
+@dataclass(frozen=True, slots=True)
+class RenderedChat:
+    """A rendered prompt and, per message, the character offset where its content starts."""
+
+    text: str
+    content_starts: tuple[int, ...]
+
+
 def render_chat(
     messages: Sequence[Any], tools: Sequence[Any] | None, add_generation_prompt: bool = True
 ) -> str:
     """Render a validated-as-we-go chat request; raises ApiError naming the bad message."""
+    return render_chat_offsets(messages, tools, add_generation_prompt).text
+
+
+def render_chat_offsets(
+    messages: Sequence[Any], tools: Sequence[Any] | None, add_generation_prompt: bool = True
+) -> RenderedChat:
+    """`render_chat` plus where each message's content starts (for cache breakpoints)."""
     if not isinstance(messages, list) or not messages:
         raise ApiError.bad_request("messages must be a non-empty list", "messages")
     tools_block = ""
@@ -72,6 +107,8 @@ def render_chat(
             "<|tools|>\n" + orjson.dumps(list(tools), option=orjson.OPT_SORT_KEYS).decode() + "<|end|>\n"
         )
     out: list[str] = []
+    starts: list[int] = []
+    length = 0
     tools_done = not tools_block
     for i, msg in enumerate(messages):
         where = f"messages[{i}]"
@@ -82,6 +119,7 @@ def render_chat(
             raise ApiError.bad_request(f"role must be one of {', '.join(_ROLES)}", f"{where}.role")
         if not tools_done and role not in ("system", "developer"):
             out.append(tools_block)
+            length += len(tools_block)
             tools_done = True
         text = message_text(msg.get("content"), where)
         if role == "assistant" and msg.get("tool_calls"):
@@ -89,12 +127,16 @@ def render_chat(
         if role == "tool":
             call_id = msg.get("tool_call_id", "")
             text = f"{call_id}\n{text}"
-        out.append(f"<|{role}|>\n{text}<|end|>\n")
+        head = f"<|{role}|>\n"
+        starts.append(length + len(head))
+        out.append(f"{head}{text}<|end|>\n")
+        length += len(out[-1])
         if not tools_done:
             out.append(tools_block)
+            length += len(tools_block)
             tools_done = True
     if not tools_done:
         out.append(tools_block)
     if add_generation_prompt:
         out.append("<|assistant|>\n")
-    return "".join(out)
+    return RenderedChat("".join(out), tuple(starts))

@@ -45,9 +45,11 @@ class AnswerWriter:
         self._text = _base_text(seed)
         self._seed = seed
 
-    def _slice(self, prompt_ids: np.ndarray, n_chars: int) -> str:
+    def _slice(self, prompt_ids: np.ndarray, n_chars: int, variant: int) -> str:
         digest = hashlib.blake2b(np.ascontiguousarray(prompt_ids, dtype="<i8").tobytes(), digest_size=8)
         digest.update(self._seed.to_bytes(8, "big", signed=True))
+        if variant:  # choice 0 keeps the answer a request with n=1 gets
+            digest.update(variant.to_bytes(8, "big"))
         base = self._text
         start = int.from_bytes(digest.digest(), "big") % len(base)
         start = base.find(" ", start) + 1  # begin at a word
@@ -56,11 +58,12 @@ class AnswerWriter:
             out += base[: n_chars - len(out)]
         return out
 
-    def text_answer(self, prompt_ids: np.ndarray, max_tokens: int) -> Answer:
-        """Exactly `max_tokens` tokens of text (the emulator always runs to max_tokens)."""
+    def text_answer(self, prompt_ids: np.ndarray, max_tokens: int, variant: int = 0) -> Answer:
+        """Exactly `max_tokens` tokens of text (the emulator always runs to max_tokens);
+        `variant` (the choice index when n > 1) picks another answer to the same prompt."""
         n_chars = max_tokens
         for _ in range(6):
-            text = self._slice(prompt_ids, n_chars)
+            text = self._slice(prompt_ids, n_chars, variant)
             pieces = self._tok.pieces(text)
             if len(pieces) >= max_tokens:
                 pieces = pieces[:max_tokens]

@@ -2,6 +2,7 @@
 
 Unknown fields are ignored (as vLLM does with a warning); sampling parameters are accepted and
 have no effect, since output text is deterministic. Bad values raise ApiError naming the field.
+The field helpers here are shared by every route family (Responses and Anthropic Messages too).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from loadtest.emulator.errors import ApiError
 from loadtest.emulator.tools import choose_tool, tool_call_arguments
 from loadtest.engine.tokenizer import Tokenizer, TokenizerError
 
-Endpoint = Literal["chat", "completions"]
+Endpoint = Literal["chat", "completions", "responses", "messages"]
 MAX_CACHE_SALT_CHARS = 1024
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,69 +32,135 @@ class ToolCall:
 
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
-    """A validated request: the prompt's token ids and how to answer."""
+    """A validated request: the prompts' token ids and how to answer.
+
+    Every prompt gets `n` sequences (choices); `logprobs` is the number of alternatives reported
+    per output token (0: the chosen token only), None when logprobs were not asked for.
+    """
 
     endpoint: Endpoint
     model: str
-    prompt_ids: np.ndarray
+    prompts: tuple[np.ndarray, ...]
     max_tokens: int
     stream: bool
     include_usage: bool
     cache_salt: str | None
     tool_call: ToolCall | None
     echo_sampling: dict[str, Any]
+    n: int = 1
+    logprobs: int | None = None
+    request_id: str | None = None
+    priority: int = 0
+
+    @property
+    def prompt_ids(self) -> np.ndarray:
+        """The first (usually only) prompt."""
+        return self.prompts[0]
 
 
-def _int_field(body: Mapping[str, Any], name: str, minimum: int) -> int | None:
+@dataclass(frozen=True, slots=True)
+class CommonFields:
+    """The fields every generation route reads the same way."""
+
+    model: str
+    stream: bool
+    cache_salt: str | None
+    request_id: str | None
+    priority: int
+
+
+def int_field(body: Mapping[str, Any], name: str, minimum: int, maximum: int | None = None) -> int | None:
+    """An optional integer field within bounds (booleans are not integers here)."""
     value = body.get(name)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ApiError.bad_request(f"{name} must be an integer >= {minimum}", name)
+    if maximum is not None and value > maximum:
+        raise ApiError.bad_request(f"{name} must be at most {maximum}", name)
     return value
 
 
-def _common(body: Mapping[str, Any], cfg: EmulatorConfig) -> tuple[str, int, bool, bool, str | None]:
+def bool_field(body: Mapping[str, Any], name: str, default: bool = False) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ApiError.bad_request(f"{name} must be a boolean", name)
+    return value
+
+
+def check_model(body: Mapping[str, Any], cfg: EmulatorConfig) -> str:
+    """The served model name; a missing model means the served one, another name is a 404."""
     model = body.get("model")
     if model is None:
-        model = cfg.model
+        return cfg.model
     if not isinstance(model, str):
         raise ApiError.bad_request("model must be a string", "model")
     if model != cfg.model:
         raise ApiError.not_found(f"The model `{model}` does not exist.", "model")
-    max_tokens = _int_field(body, "max_completion_tokens", 1)
-    if max_tokens is None:
-        max_tokens = _int_field(body, "max_tokens", 1)
-    if max_tokens is None:
-        max_tokens = cfg.default_max_tokens
-    n = _int_field(body, "n", 1)
-    if n is not None and n != 1:
-        raise ApiError.bad_request("the emulated worker supports n=1 only", "n")
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise ApiError.bad_request("stream must be a boolean", "stream")
-    include_usage = False
-    options = body.get("stream_options")
-    if options is not None:
-        if not stream:
-            raise ApiError.bad_request(
-                "Stream options can only be defined when `stream=True`.", "stream_options"
-            )
-        if not isinstance(options, Mapping):
-            raise ApiError.bad_request("stream_options must be an object", "stream_options")
-        flag = options.get("include_usage", False)
-        if not isinstance(flag, bool):
-            raise ApiError.bad_request("include_usage must be a boolean", "stream_options.include_usage")
-        include_usage = flag
+    return model
+
+
+def common_fields(body: Mapping[str, Any], cfg: EmulatorConfig) -> CommonFields:
+    """model, stream, vLLM's `cache_salt`, `request_id` and `priority`.
+
+    `priority` is accepted and has no effect: the engine model schedules first come, first served.
+    """
+    model = check_model(body, cfg)
+    stream = bool_field(body, "stream")
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not 1 <= len(salt) <= MAX_CACHE_SALT_CHARS):
         raise ApiError.bad_request(
             f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
             "cache_salt",
         )
-    return model, max_tokens, stream, include_usage, salt
+    request_id = body.get("request_id")
+    if request_id is not None and (not isinstance(request_id, str) or not request_id):
+        raise ApiError.bad_request("request_id must be a non-empty string", "request_id")
+    priority = body.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ApiError.bad_request("priority must be an integer", "priority")
+    return CommonFields(model, stream, salt, request_id, priority)
+
+
+def _include_usage(body: Mapping[str, Any], stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise ApiError.bad_request("Stream options can only be defined when `stream=True`.", "stream_options")
+    if not isinstance(options, Mapping):
+        raise ApiError.bad_request("stream_options must be an object", "stream_options")
+    flag = options.get("include_usage", False)
+    if not isinstance(flag, bool):
+        raise ApiError.bad_request("include_usage must be a boolean", "stream_options.include_usage")
+    return flag
+
+
+def _max_tokens(body: Mapping[str, Any], cfg: EmulatorConfig) -> int:
+    value = int_field(body, "max_completion_tokens", 1)
+    if value is None:
+        value = int_field(body, "max_tokens", 1)
+    return cfg.default_max_tokens if value is None else value
+
+
+def _logprobs_limit(value: int, name: str) -> int:
+    if value > MAX_LOGPROBS:
+        raise ApiError.bad_request(
+            f"Requested sample logprobs of {value}, which is greater than max allowed: {MAX_LOGPROBS}", name
+        )
+    return value
+
+
+def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
+    wanted = bool_field(body, "logprobs")
+    top = int_field(body, "top_logprobs", 0)
+    if top is not None and top > 0 and not wanted:
+        raise ApiError.bad_request(
+            "when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs"
+        )
+    return _logprobs_limit(top or 0, "top_logprobs") if wanted else None
 
 
 def _sampling(body: Mapping[str, Any], max_tokens: int) -> dict[str, Any]:
@@ -108,69 +176,100 @@ def render_chat_body(body: Mapping[str, Any]) -> str:
     tools = body.get("tools")  # rendered even with tool_choice "none", as vLLM does by default
     if tools is not None and not isinstance(tools, list):
         raise ApiError.bad_request("tools must be a list", "tools")
-    flag = body.get("add_generation_prompt", True)
-    if not isinstance(flag, bool):
-        raise ApiError.bad_request("add_generation_prompt must be a boolean", "add_generation_prompt")
+    flag = bool_field(body, "add_generation_prompt", True)
     return render_chat(messages if isinstance(messages, list) else [], tools, flag)
 
 
 def parse_chat(body: Mapping[str, Any], cfg: EmulatorConfig, tokenizer: Tokenizer) -> GenerationRequest:
-    model, max_tokens, stream, include_usage, salt = _common(body, cfg)
+    common = common_fields(body, cfg)
+    max_tokens = _max_tokens(body, cfg)
     text = render_chat_body(body)
     tool = choose_tool(body.get("tools"), body.get("tool_choice"), list(body.get("messages") or []))
-    call = ToolCall(*tool_call_arguments(tool)) if tool is not None else None
     return GenerationRequest(
         endpoint="chat",
-        model=model,
-        prompt_ids=tokenizer.encode(text),
+        model=common.model,
+        prompts=(tokenizer.encode(text),),
         max_tokens=max_tokens,
-        stream=stream,
-        include_usage=include_usage,
-        cache_salt=salt,
-        tool_call=call,
+        stream=common.stream,
+        include_usage=_include_usage(body, common.stream),
+        cache_salt=common.cache_salt,
+        tool_call=ToolCall(*tool_call_arguments(tool)) if tool is not None else None,
         echo_sampling=_sampling(body, max_tokens),
+        n=int_field(body, "n", 1) or 1,
+        logprobs=_chat_logprobs(body),
+        request_id=common.request_id,
+        priority=common.priority,
     )
 
 
+def _token_ids(prompt: list[Any], tokenizer: Tokenizer, where: str) -> np.ndarray:
+    ids = np.asarray(prompt, dtype=np.int64)
+    if ids.min() < 0 or ids.max() >= tokenizer.vocab_size:
+        raise ApiError.bad_request(f"token ids must be in 0..{tokenizer.vocab_size - 1}", where)
+    return ids
+
+
+def _is_ids(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )
+
+
+def prompt_batch(value: Any, tokenizer: Tokenizer, param: str) -> tuple[np.ndarray, ...]:
+    """Token ids of a prompt-like field (`prompt`, `input`): a string, token ids, or a batch
+    (list) of either."""
+    if _is_ids(value):
+        return (_token_ids(value, tokenizer, param),)
+    batch = value if isinstance(value, list) and value else [value]
+    out: list[np.ndarray] = []
+    for item in batch:
+        if isinstance(item, str) and item:
+            try:
+                out.append(tokenizer.encode(item))
+            except TokenizerError as exc:
+                raise ApiError.bad_request(str(exc), param) from exc
+        elif _is_ids(item):
+            out.append(_token_ids(item, tokenizer, param))
+        else:
+            raise ApiError.bad_request(
+                f"{param} must be a non-empty string, a list of token ids, or a list of either", param
+            )
+    return tuple(out)
+
+
+def completion_prompts(body: Mapping[str, Any], tokenizer: Tokenizer) -> tuple[np.ndarray, ...]:
+    """Token ids of a completions `prompt`: a string, token ids, or a batch (list) of either."""
+    return prompt_batch(body.get("prompt"), tokenizer, "prompt")
+
+
 def completion_prompt_ids(body: Mapping[str, Any], tokenizer: Tokenizer) -> np.ndarray:
-    """Token ids of a completions `prompt`: a string, or token ids, or a one-element list of either."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if not prompt:
-            raise ApiError.bad_request("prompt must not be empty", "prompt")
-        return tokenizer.encode(prompt)
-    if (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    ):
-        ids = np.asarray(prompt, dtype=np.int64)
-        if ids.min() < 0 or ids.max() >= tokenizer.vocab_size:
-            raise ApiError.bad_request(f"token ids must be in 0..{tokenizer.vocab_size - 1}", "prompt")
-        return ids
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise ApiError.bad_request("the emulated worker accepts one prompt per request", "prompt")
-    raise ApiError.bad_request("prompt must be a non-empty string or a list of token ids", "prompt")
+    """The one prompt of a body that takes a single prompt (tokenize)."""
+    prompts = completion_prompts(body, tokenizer)
+    if len(prompts) != 1:
+        raise ApiError.bad_request("exactly one prompt is expected here", "prompt")
+    return prompts[0]
 
 
 def parse_completions(
     body: Mapping[str, Any], cfg: EmulatorConfig, tokenizer: Tokenizer
 ) -> GenerationRequest:
-    model, max_tokens, stream, include_usage, salt = _common(body, cfg)
-    try:
-        ids = completion_prompt_ids(body, tokenizer)
-    except TokenizerError as exc:
-        raise ApiError.bad_request(str(exc), "prompt") from exc
+    common = common_fields(body, cfg)
+    max_tokens = _max_tokens(body, cfg)
+    logprobs = int_field(body, "logprobs", 0)
     return GenerationRequest(
         endpoint="completions",
-        model=model,
-        prompt_ids=ids,
+        model=common.model,
+        prompts=completion_prompts(body, tokenizer),
         max_tokens=max_tokens,
-        stream=stream,
-        include_usage=include_usage,
-        cache_salt=salt,
+        stream=common.stream,
+        include_usage=_include_usage(body, common.stream),
+        cache_salt=common.cache_salt,
         tool_call=None,
         echo_sampling=_sampling(body, max_tokens),
+        n=int_field(body, "n", 1) or 1,
+        logprobs=None if logprobs is None else _logprobs_limit(logprobs, "logprobs"),
+        request_id=common.request_id,
+        priority=common.priority,
     )

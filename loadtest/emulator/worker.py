@@ -20,8 +20,10 @@ import numpy as np
 
 from loadtest.emulator.config import EmulatorConfig
 from loadtest.emulator.errors import ApiError
+from loadtest.emulator.logprobs import LogprobWriter, TokenLogprob
 from loadtest.emulator.metrics import LatencyStats
 from loadtest.emulator.output import Answer, AnswerWriter
+from loadtest.emulator.pooling import Pooler
 from loadtest.emulator.protocol import GenerationRequest
 from loadtest.engine import (
     Engine,
@@ -37,6 +39,8 @@ from loadtest.engine import (
 from loadtest.engine.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger("loadtest.emulator")
+# The request field a too-long prompt is reported against, per endpoint.
+_PROMPT_PARAM = {"chat": "messages", "completions": "prompt", "responses": "input", "messages": "messages"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +63,11 @@ class KvEventSink(Protocol):
 
 
 class LiveRequest:
-    """A request in flight, as its HTTP handler sees it. Updated only by the step loop."""
+    """One sequence in flight (a prompt and one choice), as its handler sees it.
+
+    Updated only by the step loop. `index` is the choice index in the answer (`prompt * n +
+    choice`); `request_id` is the engine's id, unique even when clients reuse their ids.
+    """
 
     __slots__ = (
         "answer",
@@ -71,18 +79,31 @@ class LiveRequest:
         "finished",
         "first_token_s",
         "gen",
+        "index",
+        "logprobs",
         "produced",
+        "prompt_ids",
         "request_id",
         "salt",
         "seq_token_ids",
     )
 
-    def __init__(self, gen: GenerationRequest, answer: Answer, prefix: str) -> None:
-        self.request_id = f"{prefix}-{uuid.uuid4().hex}"
+    def __init__(
+        self,
+        gen: GenerationRequest,
+        prompt_ids: np.ndarray,
+        answer: Answer,
+        index: int = 0,
+        event: asyncio.Event | None = None,
+    ) -> None:
+        self.request_id = uuid.uuid4().hex
         self.gen = gen
+        self.prompt_ids = prompt_ids
+        self.index = index
         self.answer = answer
+        self.logprobs: tuple[TokenLogprob, ...] = ()
         self.salt = gen.cache_salt
-        self.seq_token_ids = np.concatenate([gen.prompt_ids, answer.token_ids[: len(answer.pieces)]])
+        self.seq_token_ids = np.concatenate([prompt_ids, answer.token_ids[: len(answer.pieces)]])
         self.created = int(time.time())
         self.produced = 0
         self.cached_tokens = 0
@@ -90,15 +111,50 @@ class LiveRequest:
         self.failed = False  # the engine raised: the handler answers 500 instead of waiting forever
         self.arrival_s = time.monotonic()
         self.first_token_s: float | None = None
-        self.event = asyncio.Event()
+        self.event = event if event is not None else asyncio.Event()
 
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.gen.prompt_ids)
+        return len(self.prompt_ids)
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.answer.pieces)
+
+    async def wait(self) -> None:
+        await self.event.wait()
+        self.event.clear()
+
+
+class LiveGroup:
+    """The sequences of one HTTP request (every prompt times `n` choices), woken by one event.
+
+    `lives[p * n + c]` is choice `c` of prompt `p`; `response_id` is the id the answer carries.
+    """
+
+    __slots__ = ("created", "event", "gen", "lives", "response_id")
+
+    def __init__(
+        self, gen: GenerationRequest, response_id: str, lives: list[LiveRequest], event: asyncio.Event
+    ) -> None:
+        self.gen = gen
+        self.response_id = response_id
+        self.lives = tuple(lives)
+        self.event = event
+        self.created = int(time.time())
+
+    @property
+    def finished(self) -> bool:
+        return all(live.finished for live in self.lives)
+
+    @property
+    def failed(self) -> bool:
+        return any(live.failed for live in self.lives)
+
+    @property
+    def first_of_each_prompt(self) -> tuple[LiveRequest, ...]:
+        """Choice 0 of every prompt: prompt tokens and cache hits are counted once per prompt."""
+        return self.lives[:: self.gen.n]
 
     async def wait(self) -> None:
         await self.event.wait()
@@ -126,6 +182,8 @@ class EmulatedWorker:
         self.max_model_len = min(cfg.max_model_len, self.num_blocks * self.block_size)
         self.tokenizer: Tokenizer = load_tokenizer(cfg.tokenizer)
         self.answers = AnswerWriter(self.tokenizer, cfg.seed)
+        self.logprob_writer = LogprobWriter(self.tokenizer, cfg.seed)
+        self.pooler = Pooler(cfg.seed)  # embeddings, classes and scores for the pooling routes
         self.sink = sink
         self.latency = LatencyStats()
         self._live: dict[str, LiveRequest] = {}
@@ -141,45 +199,58 @@ class EmulatedWorker:
 
     # ------------------------------------------------------------------ requests
 
-    def submit(self, gen: GenerationRequest) -> LiveRequest:
-        """Queue a validated request; ApiError if it can never run or the queue is full."""
-        n_prompt = len(gen.prompt_ids)
+    def submit(self, gen: GenerationRequest, response_id: str) -> LiveGroup:
+        """Queue every sequence of a validated request (all or none); ApiError if one can never
+        run or the queue is full."""
+        tool_answer = None
         if gen.tool_call is not None:
-            answer = self.answers.fixed_answer(gen.tool_call.arguments)
-            n_output = len(answer.pieces)
-        else:
-            n_output = gen.max_tokens
-        total = n_prompt + n_output
-        if total > self.max_model_len:  # checked before building the answer: max_tokens is untrusted
-            raise ApiError.bad_request(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{total} tokens ({n_prompt} in the messages, {n_output} in the completion). "
-                "Please reduce the length of the messages or completion.",
-                "messages" if gen.endpoint == "chat" else "prompt",
-            )
-        if gen.tool_call is None:
-            answer = self.answers.text_answer(gen.prompt_ids, gen.max_tokens)
-        live = LiveRequest(gen, answer, "chatcmpl" if gen.endpoint == "chat" else "cmpl")
-        hashes = block_hashes(live.seq_token_ids, self.block_size, gen.cache_salt, self.cfg.seed)
-        req = EngineRequest(live.request_id, n_prompt, len(answer.pieces), hashes)
+            tool_answer = self.answers.fixed_answer(gen.tool_call.arguments)
+        n_output = len(tool_answer.pieces) if tool_answer is not None else gen.max_tokens
+        for prompt in gen.prompts:
+            # Checked before building answers: max_tokens is untrusted.
+            total = len(prompt) + n_output
+            if total > self.max_model_len:
+                raise ApiError.bad_request(
+                    f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                    f"requested {total} tokens ({len(prompt)} in the messages, {n_output} in the "
+                    "completion). Please reduce the length of the messages or completion.",
+                    _PROMPT_PARAM[gen.endpoint],
+                )
+        event = asyncio.Event()
+        lives: list[LiveRequest] = []
         try:
-            self.engine.submit(req)
-        except EngineQueueFull as exc:
-            raise ApiError.unavailable(str(exc)) from exc
-        except EngineRejected as exc:
+            for p, prompt in enumerate(gen.prompts):
+                for c in range(gen.n):
+                    answer = tool_answer or self.answers.text_answer(prompt, gen.max_tokens, variant=c)
+                    live = LiveRequest(gen, prompt, answer, p * gen.n + c, event)
+                    if gen.logprobs is not None:
+                        live.logprobs = self.logprob_writer.for_answer(answer, gen.logprobs)
+                    hashes = block_hashes(live.seq_token_ids, self.block_size, gen.cache_salt, self.cfg.seed)
+                    self.engine.submit(
+                        EngineRequest(live.request_id, len(prompt), len(answer.pieces), hashes)
+                    )
+                    self._live[live.request_id] = live
+                    lives.append(live)
+        except (EngineQueueFull, EngineRejected) as exc:
+            for live in lives:  # all or none: withdraw the sequences already queued
+                self._drop(live)
+            if isinstance(exc, EngineQueueFull):
+                raise ApiError.unavailable(str(exc)) from exc
             raise ApiError.bad_request(str(exc)) from exc
-        self._live[live.request_id] = live
         self._wakeup.set()
-        return live
+        return LiveGroup(gen, response_id, lives, event)
 
-    def abort(self, live: LiveRequest) -> None:
-        """Client went away: drop the request and free its blocks."""
-        if live.finished or live.request_id not in self._live:
-            return
+    def abort(self, group: LiveGroup) -> None:
+        """Client went away: drop the sequences still running and free their blocks."""
+        for live in group.lives:
+            if not live.finished and live.request_id in self._live:
+                self._drop(live)
+                self.num_aborted += 1
+
+    def _drop(self, live: LiveRequest) -> None:
         del self._live[live.request_id]
         self._gone[live.request_id] = live
         self.engine.abort(live.request_id)
-        self.num_aborted += 1
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

@@ -230,7 +230,17 @@ def test_errors_are_openai_shaped(client: Any, base_url: str) -> None:
             400,
             "messages[0].content[0]",
         ),
-        (json.dumps({"messages": [{"role": "user", "content": "x"}], "n": 2}).encode(), 400, "n"),
+        (json.dumps({"messages": [{"role": "user", "content": "x"}], "n": 0}).encode(), 400, "n"),
+        (
+            json.dumps({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}).encode(),
+            400,
+            "top_logprobs",
+        ),
+        (
+            json.dumps({"messages": [{"role": "user", "content": "x"}], "priority": "high"}).encode(),
+            400,
+            "priority",
+        ),
         (
             json.dumps({"messages": [{"role": "user", "content": "x"}], "cache_salt": ""}).encode(),
             400,

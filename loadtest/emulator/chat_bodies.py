@@ -1,0 +1,169 @@
+"""Chat and completions response bodies and SSE chunks, in the shapes vLLM sends.
+
+One request is a `LiveGroup`: every prompt times `n` choices, choice `index = prompt * n + c`.
+Usage counts each prompt once (choice 0's cache hit) and every choice's output tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from loadtest.emulator.logprobs import chat_logprobs, completion_logprobs
+from loadtest.emulator.worker import LiveGroup, LiveRequest
+
+
+def produced(live: LiveRequest) -> int:
+    return min(live.produced, live.num_output_tokens)
+
+
+def usage(group: LiveGroup) -> dict[str, Any]:
+    firsts = group.first_of_each_prompt
+    prompt = sum(live.num_prompt_tokens for live in firsts)
+    completion = sum(produced(live) for live in group.lives)
+    return {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+        "prompt_tokens_details": {"cached_tokens": sum(live.cached_tokens for live in firsts)},
+    }
+
+
+def finish_reason(live: LiveRequest) -> str:
+    return "tool_calls" if live.gen.tool_call is not None else "length"
+
+
+def tool_call_id(live: LiveRequest) -> str:
+    return f"chatcmpl-tool-{live.request_id[:24]}"
+
+
+def _logprobs(live: LiveRequest, start: int, stop: int) -> dict[str, Any] | None:
+    top_k = live.gen.logprobs
+    if top_k is None:
+        return None
+    entries = live.logprobs[start:stop]
+    if live.gen.endpoint == "chat":
+        return chat_logprobs(entries, top_k)
+    return completion_logprobs(entries)
+
+
+def _message(live: LiveRequest) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": live.answer.text, "tool_calls": []}
+    call = live.gen.tool_call
+    if call is not None:
+        message["content"] = None
+        message["tool_calls"] = [
+            {
+                "id": tool_call_id(live),
+                "type": "function",
+                "function": {"name": call.name, "arguments": live.answer.text},
+            }
+        ]
+    return message
+
+
+def chat_response(group: LiveGroup) -> dict[str, Any]:
+    choices = [
+        {
+            "index": live.index,
+            "message": _message(live),
+            "logprobs": _logprobs(live, 0, live.num_output_tokens),
+            "finish_reason": finish_reason(live),
+        }
+        for live in group.lives
+    ]
+    return {
+        "id": group.response_id,
+        "object": "chat.completion",
+        "created": group.created,
+        "model": group.gen.model,
+        "choices": choices,
+        "usage": usage(group),
+    }
+
+
+def completion_response(group: LiveGroup) -> dict[str, Any]:
+    choices = [
+        {
+            "index": live.index,
+            "text": live.answer.text,
+            "logprobs": _logprobs(live, 0, live.num_output_tokens),
+            "finish_reason": finish_reason(live),
+        }
+        for live in group.lives
+    ]
+    return {
+        "id": group.response_id,
+        "object": "text_completion",
+        "created": group.created,
+        "model": group.gen.model,
+        "choices": choices,
+        "usage": usage(group),
+    }
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def _chunk(group: LiveGroup, choices: list[dict[str, Any]], with_usage_null: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "id": group.response_id,
+        "object": "chat.completion.chunk" if group.gen.endpoint == "chat" else "text_completion",
+        "created": group.created,
+        "model": group.gen.model,
+        "choices": choices,
+    }
+    if with_usage_null:
+        body["usage"] = None
+    return body
+
+
+def _chat_delta(group: LiveGroup, live: LiveRequest, i: int) -> dict[str, Any]:
+    piece = live.answer.pieces[i]
+    call = live.gen.tool_call
+    if call is None:
+        delta: dict[str, Any] = {"content": piece}
+        return {"role": "assistant", **delta} if i == 0 else delta
+    tc: dict[str, Any] = {"index": 0, "function": {"arguments": piece}}
+    if i == 0:
+        tc = {
+            "id": tool_call_id(live),
+            "type": "function",
+            "index": 0,
+            "function": {"name": call.name, "arguments": piece},
+        }
+        return {"role": "assistant", "content": None, "tool_calls": [tc]}
+    return {"tool_calls": [tc]}
+
+
+def token_chunks(group: LiveGroup, live: LiveRequest, start: int, stop: int) -> list[bytes]:
+    """SSE events for one sequence's output tokens `start..stop-1` (one event per token, as a
+    real engine streams one token per step); the first chat event also carries the role."""
+    out: list[bytes] = []
+    last = live.num_output_tokens - 1
+    include_usage = group.gen.include_usage
+    for i in range(start, stop):
+        choice: dict[str, Any] = {"index": live.index}
+        if group.gen.endpoint == "completions":
+            choice["text"] = live.answer.pieces[i]
+        else:
+            choice["delta"] = _chat_delta(group, live, i)
+        choice["logprobs"] = _logprobs(live, i, i + 1)
+        choice["finish_reason"] = finish_reason(live) if i == last else None
+        out.append(sse(_chunk(group, [choice], include_usage)))
+    return out
+
+
+def final_chunks(group: LiveGroup) -> list[bytes]:
+    out: list[bytes] = []
+    if group.gen.include_usage:
+        body = _chunk(group, [], False)
+        body["usage"] = usage(group)
+        out.append(sse(body))
+    out.append(SSE_DONE)
+    return out

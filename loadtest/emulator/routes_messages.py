@@ -1,0 +1,88 @@
+"""`POST /v1/messages` (plain and streamed) and `POST /v1/messages/count_tokens`, Anthropic-shaped.
+
+Errors on these routes are Anthropic's envelope `{"type": "error", "error": {"type", "message"}}`.
+A stream sends, once the first token is ready (so its usage knows the cache hit),
+`message_start`, `content_block_start`, then one `content_block_delta` per token (`text_delta`,
+or `input_json_delta` for a tool call), and finally `content_block_stop`, `message_delta` (stop
+reason and the full usage) and `message_stop`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from loadtest.emulator.errors import ApiError
+from loadtest.emulator.messages_api import (
+    MessagesCall,
+    content_block,
+    error_body,
+    message_body,
+    parse_messages,
+    sse,
+    stop_reason,
+    usage,
+)
+from loadtest.emulator.web import json_response, read_json, token_batches, wait_finished, worker_of
+from loadtest.emulator.worker import EmulatedWorker, LiveGroup
+
+router = APIRouter()
+
+
+@router.post("/v1/messages")
+async def create_message(request: Request) -> Response:
+    try:
+        body = await read_json(request)
+        w = worker_of(request)
+        call = parse_messages(body, w.cfg, w.tokenizer, w.block_size)
+        group = w.submit(call.gen, call.message_id)
+        if call.gen.stream:
+            return StreamingResponse(_stream(w, call, group), media_type="text/event-stream")
+        gone = await wait_finished(request, w, group)
+        return gone if gone is not None else json_response(message_body(call, group, done=True))
+    except ApiError as exc:
+        return json_response(error_body(exc), exc.status)
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(request: Request) -> Response:
+    try:
+        body = await read_json(request)
+        w = worker_of(request)
+        call = parse_messages({"max_tokens": 1, **body}, w.cfg, w.tokenizer, w.block_size)
+        return json_response({"input_tokens": len(call.gen.prompt_ids)})
+    except ApiError as exc:
+        return json_response(error_body(exc), exc.status)
+
+
+async def _stream(w: EmulatedWorker, call: MessagesCall, group: LiveGroup) -> AsyncIterator[bytes]:
+    is_call = group.gen.tool_call is not None
+    started = False
+    async with contextlib.aclosing(token_batches(w, group)) as batches:
+        async for batch in batches:
+            out: list[bytes] = []
+            if not started:
+                started = True
+                out.append(sse("message_start", {"message": message_body(call, group, done=False)}))
+                out.append(
+                    sse("content_block_start", {"index": 0, "content_block": content_block(group, "", False)})
+                )
+            for live, start, stop in batch:
+                for piece in live.answer.pieces[start:stop]:
+                    delta = (
+                        {"type": "input_json_delta", "partial_json": piece}
+                        if is_call
+                        else {"type": "text_delta", "text": piece}
+                    )
+                    out.append(sse("content_block_delta", {"index": 0, "delta": delta}))
+            yield b"".join(out)
+    if group.failed:
+        yield sse("error", {"error": {"type": "api_error", "message": "the emulated engine failed"}})
+        return
+    yield sse("content_block_stop", {"index": 0})
+    end = {"stop_reason": stop_reason(group), "stop_sequence": None}
+    yield sse("message_delta", {"delta": end, "usage": usage(call, group)})
+    yield sse("message_stop", {})

@@ -1,0 +1,201 @@
+"""Pooling routes, as vLLM serves them for embedding, classification and cross-encoder models:
+`/v1/embeddings`, `/pooling`, `/classify`, `/score` (+ `/v1/score`), `/rerank` (+ `/v1/rerank`,
+`/v2/rerank`). Cheap: vectors come from `pooling.Pooler`, not from the engine model; inputs are
+validated and counted like prompts (each within `max_model_len`)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from loadtest.emulator.errors import ApiError
+from loadtest.emulator.pooling import CLASS_LABELS, EMBED_DTYPES, EMBEDDING_DIM, encode_vector
+from loadtest.emulator.protocol import check_model, int_field, prompt_batch, render_chat_body
+from loadtest.emulator.web import json_response, read_json, worker_of
+from loadtest.emulator.worker import EmulatedWorker
+
+router = APIRouter()
+
+
+def _fit(ids: np.ndarray, body: Mapping[str, Any], w: EmulatedWorker, param: str) -> np.ndarray:
+    """Apply vLLM's `truncate_prompt_tokens` (keep the last k; -1 = max_model_len), then check
+    the length against `max_model_len`."""
+    keep = body.get("truncate_prompt_tokens")
+    if keep is not None:
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < -1 or keep == 0:
+            raise ApiError.bad_request("truncate_prompt_tokens must be -1 or a positive integer", param)
+        ids = ids[-(w.max_model_len if keep == -1 else keep) :]
+    if len(ids) > w.max_model_len:
+        raise ApiError.bad_request(
+            f"This model's maximum context length is {w.max_model_len} tokens. However, you requested "
+            f"{len(ids)} tokens in the input for embedding generation. "
+            "Please reduce the length of the input.",
+            param,
+        )
+    return ids
+
+
+def _inputs(body: Mapping[str, Any], w: EmulatedWorker) -> list[np.ndarray]:
+    """`input` (string, token ids, or a list of either) or chat `messages` (one input)."""
+    ids: tuple[np.ndarray, ...]
+    if "messages" in body:
+        ids = (w.tokenizer.encode(render_chat_body(body)),)
+    else:
+        ids = prompt_batch(body.get("input"), w.tokenizer, "input")
+    return [_fit(x, body, w, "input") for x in ids]
+
+
+def _texts(value: Any, param: str) -> list[str]:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not items or not all(isinstance(t, str) and t for t in items):
+        raise ApiError.bad_request(f"{param} must be a non-empty string or a list of them", param)
+    return items
+
+
+def _usage(prompt_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens,
+        "completion_tokens": 0,
+        "prompt_tokens_details": None,
+    }
+
+
+def _encoding(body: Mapping[str, Any]) -> tuple[str, str, int]:
+    fmt = body.get("encoding_format", "float")
+    if fmt not in ("float", "base64"):
+        raise ApiError.bad_request('encoding_format must be "float" or "base64"', "encoding_format")
+    dtype = body.get("embed_dtype", "float32")
+    if dtype not in EMBED_DTYPES:
+        raise ApiError.bad_request(f"embed_dtype must be one of {', '.join(EMBED_DTYPES)}", "embed_dtype")
+    dims = int_field(body, "dimensions", 1, EMBEDDING_DIM) or EMBEDDING_DIM
+    return str(fmt), str(dtype), dims
+
+
+def _list_body(prefix: str, model: str, data: list[dict[str, Any]], prompt_tokens: int) -> dict[str, Any]:
+    return {
+        "id": f"{prefix}-{uuid.uuid4().hex}",
+        "object": "list",
+        "created": int(time.time()),
+        "model": model,
+        "data": data,
+        "usage": _usage(prompt_tokens),
+    }
+
+
+@router.post("/v1/embeddings")
+async def embeddings(request: Request) -> Response:
+    body = await read_json(request)
+    w = worker_of(request)
+    model = check_model(body, w.cfg)
+    fmt, dtype, dims = _encoding(body)
+    inputs = _inputs(body, w)
+    pooler = w.pooler
+    data = [
+        {"index": i, "object": "embedding", "embedding": encode_vector(pooler.embed(ids, dims), fmt, dtype)}
+        for i, ids in enumerate(inputs)
+    ]
+    return json_response(_list_body("embd", model, data, sum(len(x) for x in inputs)))
+
+
+@router.post("/pooling")
+async def pooling(request: Request) -> Response:
+    body = await read_json(request)
+    w = worker_of(request)
+    model = check_model(body, w.cfg)
+    fmt, dtype, dims = _encoding(body)
+    inputs = _inputs(body, w)
+    pooler = w.pooler
+    data = [
+        {"index": i, "object": "pooling", "data": encode_vector(pooler.embed(ids, dims), fmt, dtype)}
+        for i, ids in enumerate(inputs)
+    ]
+    return json_response(_list_body("pool", model, data, sum(len(x) for x in inputs)))
+
+
+@router.post("/classify")
+async def classify(request: Request) -> Response:
+    body = await read_json(request)
+    w = worker_of(request)
+    model = check_model(body, w.cfg)
+    inputs = _inputs(body, w)
+    pooler = w.pooler
+    data = []
+    for i, ids in enumerate(inputs):
+        probs = pooler.classify(ids)
+        label = CLASS_LABELS[int(np.argmax(probs))]
+        data.append(
+            {
+                "index": i,
+                "label": label,
+                "probs": probs.astype(np.float64).tolist(),
+                "num_classes": len(probs),
+            }
+        )
+    return json_response(_list_body("classify", model, data, sum(len(x) for x in inputs)))
+
+
+def _encode_all(w: EmulatedWorker, body: Mapping[str, Any], texts: list[str], param: str) -> list[np.ndarray]:
+    return [_fit(w.tokenizer.encode(t), body, w, param) for t in texts]
+
+
+@router.post("/score")
+@router.post("/v1/score")
+async def score(request: Request) -> Response:
+    body = await read_json(request)
+    w = worker_of(request)
+    model = check_model(body, w.cfg)
+    first, second = ("queries", "documents") if "queries" in body else ("text_1", "text_2")
+    left = _encode_all(w, body, _texts(body.get(first), first), first)
+    right = _encode_all(w, body, _texts(body.get(second), second), second)
+    if len(left) == 1:
+        left = left * len(right)
+    if len(left) != len(right):
+        raise ApiError.bad_request(
+            f"{first} and {second} must pair 1:1, 1:N or N:N (got {len(left)} and {len(right)})", second
+        )
+    pooler = w.pooler
+    data = [
+        {"index": i, "object": "score", "score": pooler.score(a, b)}
+        for i, (a, b) in enumerate(zip(left, right, strict=True))
+    ]
+    tokens = sum(len(a) + len(b) for a, b in zip(left, right, strict=True))
+    return json_response(_list_body("score", model, data, tokens))
+
+
+@router.post("/rerank")
+@router.post("/v1/rerank")
+@router.post("/v2/rerank")
+async def rerank(request: Request) -> Response:
+    body = await read_json(request)
+    w = worker_of(request)
+    model = check_model(body, w.cfg)
+    query = body.get("query")
+    if not isinstance(query, str) or not query:
+        raise ApiError.bad_request("query must be a non-empty string", "query")
+    raw_docs = body.get("documents")
+    docs = (
+        [d.get("text") if isinstance(d, Mapping) else d for d in raw_docs]
+        if isinstance(raw_docs, list)
+        else raw_docs
+    )
+    texts = _texts(docs, "documents")
+    top_n = int_field(body, "top_n", 0) or len(texts)
+    q = _fit(w.tokenizer.encode(query), body, w, "query")
+    doc_ids = _encode_all(w, body, texts, "documents")
+    pooler = w.pooler
+    scored = sorted(
+        ((pooler.score(q, d), i) for i, d in enumerate(doc_ids)), key=lambda item: (-item[0], item[1])
+    )
+    results = [{"index": i, "document": {"text": texts[i]}, "relevance_score": s} for s, i in scored[:top_n]]
+    tokens = sum(len(q) + len(d) for d in doc_ids)
+    return json_response(
+        {"id": f"rerank-{uuid.uuid4().hex}", "model": model,
+         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}, "results": results}
+    )  # fmt: skip

@@ -1,0 +1,121 @@
+"""`POST /v1/responses` (plain and streamed), `GET /v1/responses/{id}`, `POST .../{id}/cancel`.
+
+Streamed responses send vLLM's event sequence: `response.created` and `response.in_progress` at
+once; with the first token `response.output_item.added` and `response.content_part.added`; one
+`response.output_text.delta` per token; then `response.output_text.done`,
+`response.content_part.done`, `response.output_item.done` and `response.completed` (tool calls:
+`response.function_call_arguments.delta` / `.done` instead of the text and part events).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from loadtest.emulator.errors import ApiError
+from loadtest.emulator.responses_api import (
+    EventWriter,
+    ResponsesCall,
+    ResponseStore,
+    StoredResponse,
+    finished_history,
+    item_id,
+    not_found,
+    output_item,
+    parse_responses,
+    response_object,
+)
+from loadtest.emulator.web import json_response, read_json, token_batches, wait_finished, worker_of
+from loadtest.emulator.worker import EmulatedWorker, LiveGroup
+
+router = APIRouter()
+
+
+def store_of(request: Request) -> ResponseStore:
+    """The app's response store (set by the lifespan)."""
+    store: ResponseStore = request.app.state.response_store
+    return store
+
+
+def _keep(store: ResponseStore, call: ResponsesCall, group: LiveGroup) -> dict[str, object]:
+    body = response_object(call, group, "completed")
+    if call.store:
+        store.put(call.response_id, StoredResponse(body, finished_history(call, group)))
+    return body
+
+
+@router.post("/v1/responses")
+async def create_response(request: Request) -> Response:
+    body = await read_json(request)
+    w = worker_of(request)
+    store = store_of(request)
+    call = parse_responses(body, w.cfg, w.tokenizer, store)
+    group = w.submit(call.gen, call.response_id)
+    if call.gen.stream:
+        return StreamingResponse(_stream(w, store, call, group), media_type="text/event-stream")
+    gone = await wait_finished(request, w, group)
+    return gone if gone is not None else json_response(_keep(store, call, group))
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(request: Request, response_id: str) -> Response:
+    stored = store_of(request).get(response_id)
+    if stored is None:
+        raise not_found(response_id)
+    return json_response(stored.body)
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(request: Request, response_id: str) -> Response:
+    if store_of(request).get(response_id) is None:
+        raise not_found(response_id)
+    # Only background responses can be cancelled, and the emulator runs none.
+    raise ApiError(400, "Cannot cancel a synchronous response.", "invalid_request_error", "response_id")
+
+
+async def _stream(
+    w: EmulatedWorker, store: ResponseStore, call: ResponsesCall, group: LiveGroup
+) -> AsyncIterator[bytes]:
+    event = EventWriter()
+    yield event("response.created", response=response_object(call, group, "in_progress"))
+    yield event("response.in_progress", response=response_object(call, group, "in_progress"))
+    is_call = group.gen.tool_call is not None
+    ids = {"item_id": item_id("fc" if is_call else "msg", group), "output_index": 0}
+    part = {"content_index": 0}
+    started = False
+    async with contextlib.aclosing(token_batches(w, group)) as batches:
+        async for batch in batches:
+            out: list[bytes] = []
+            if not started:
+                started = True
+                out.append(event("response.output_item.added", output_index=0,
+                                 item=output_item(group, "in_progress", "")))  # fmt: skip
+                if not is_call:
+                    out.append(event("response.content_part.added", **ids, **part, part=_text_part("")))
+            for live, start, stop in batch:
+                for piece in live.answer.pieces[start:stop]:
+                    if is_call:
+                        out.append(event("response.function_call_arguments.delta", **ids, delta=piece))
+                    else:
+                        out.append(
+                            event("response.output_text.delta", **ids, **part, delta=piece, logprobs=[])
+                        )
+            yield b"".join(out)
+    if group.failed:
+        yield event("error", code="server_error", message="the emulated engine failed", param=None)
+        return
+    text = group.lives[0].answer.text
+    if is_call:
+        yield event("response.function_call_arguments.done", **ids, arguments=text)
+    else:
+        yield event("response.output_text.done", **ids, **part, text=text, logprobs=[])
+        yield event("response.content_part.done", **ids, **part, part=_text_part(text))
+    yield event("response.output_item.done", output_index=0, item=output_item(group, "completed", text))
+    yield event("response.completed", response=_keep(store, call, group))
+
+
+def _text_part(text: str) -> dict[str, object]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}

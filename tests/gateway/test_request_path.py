@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from aiohttp import web
 from gateway.app import GatewayApp, build_app
 from gateway.auth import hash_api_key
 from gateway.config import parse_config
+from gateway.disconnect import DisconnectWatch
 from gateway.state import GatewayState, build_state
 from policies.base import (
     KvEvent,
@@ -64,6 +66,10 @@ class Upstream:
     status: int = 200
     error_body: Any = None
     received: list[dict[str, Any]] = field(default_factory=list)
+    peers: set[Any] = field(default_factory=set)  # the gateway's end of each connection used
+    # Streams: the pause between chunks, and after [DONE] before the body ends.
+    chunk_pause_s: float = 0.0
+    tail_pause_s: float = 0.0
 
 
 @dataclass
@@ -92,17 +98,29 @@ async def rig(tiny_model: Path) -> AsyncIterator[Rig]:
     async def health(_: web.Request) -> web.Response:
         return web.Response(text="ok")
 
-    async def chat(request: web.Request) -> web.Response:
-        upstream.received.append(
-            {"request_id": request.headers.get("x-request-id"), "body": await request.json()}
-        )
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        upstream.received.append({"request_id": request.headers.get("x-request-id"), "body": body})
+        if request.transport is not None:
+            upstream.peers.add(request.transport.get_extra_info("peername"))
         if upstream.status != 200:
             if isinstance(upstream.error_body, bytes):
                 return web.Response(body=upstream.error_body, status=upstream.status)
             error = upstream.error_body if upstream.error_body is not None else {"error": {"message": "no"}}
             return web.json_response(error, status=upstream.status)
         usage = {"prompt_tokens": 5, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}}
-        return web.json_response({"choices": [], "usage": usage})
+        if not body.get("stream"):
+            return web.json_response({"choices": [], "usage": usage})
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        for word in ("a", "b", "c"):
+            delta = {"choices": [{"index": 0, "delta": {"content": word}, "finish_reason": None}]}
+            await resp.write(b"data: " + orjson.dumps(delta) + b"\n\n")
+            await asyncio.sleep(upstream.chunk_pause_s)
+        await resp.write(b"data: [DONE]\n\n")
+        await asyncio.sleep(upstream.tail_pause_s)
+        await resp.write_eof()
+        return resp
 
     server = web.Application()
     server.router.add_get("/health", health)
@@ -344,3 +362,20 @@ async def test_tokenizer_mode_runs_off_the_event_loop(rig: Rig, monkeypatch: pyt
         assert resp.status_code == 200
     assert len(threads) == 2 and all(t.startswith("kvgate-normalizer") for t in threads)
     assert rig.policy.requests[-1].n_prompt_tokens > 500
+
+
+async def test_a_stream_that_reached_done_is_a_success_whatever_the_socket_does_next(rig: Rig) -> None:
+    # The disconnect watcher runs from 20 ms on, and the worker ends its body 50 ms after [DONE]:
+    # the client's response is complete by then, which its receive() reports as a disconnect.
+    rig.state.disconnects = DisconnectWatch(delay_s=0.02)
+    rig.upstream.chunk_pause_s = 0.03
+    rig.upstream.tail_pause_s = 0.05
+    for _ in range(3):
+        resp = await rig.chat(stream=True)
+        assert resp.status_code == 200 and resp.content.endswith(b"data: [DONE]\n\n")
+    assert [obs.outcome for obs in rig.policy.observations] == [Outcome.SERVED] * 3
+    statuses = {values[2] for values in rig.state.metrics.requests.children}
+    assert statuses == {"200"}
+    worker = next(iter(rig.state.registry.pools["p"].workers.values()))
+    assert worker.breaker.failures == 0 and worker.in_flight == 0
+    assert len(rig.upstream.peers) == 1  # read to its end, the connection served the next stream

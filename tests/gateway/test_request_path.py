@@ -70,6 +70,7 @@ class Upstream:
     # Streams: the pause between chunks, and after [DONE] before the body ends.
     chunk_pause_s: float = 0.0
     tail_pause_s: float = 0.0
+    garbage: bytes | None = None  # answer 200 with this instead of a completion (or its chunks)
 
 
 @dataclass
@@ -110,9 +111,15 @@ async def rig(tiny_model: Path) -> AsyncIterator[Rig]:
             return web.json_response(error, status=upstream.status)
         usage = {"prompt_tokens": 5, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}}
         if not body.get("stream"):
+            if upstream.garbage is not None:
+                return web.Response(body=upstream.garbage, content_type="application/json")
             return web.json_response({"choices": [], "usage": usage})
         resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await resp.prepare(request)
+        if upstream.garbage is not None:
+            await resp.write(b"data: " + upstream.garbage + b"\n\ndata: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
         for word in ("a", "b", "c"):
             delta = {"choices": [{"index": 0, "delta": {"content": word}, "finish_reason": None}]}
             await resp.write(b"data: " + orjson.dumps(delta) + b"\n\n")
@@ -236,11 +243,27 @@ async def test_internal_request_id_is_sent_upstream_and_the_client_id_only_echoe
     assert [r.request_id for r in rig.policy.requests] == ids
 
 
+def _through(rig: Rig, transport: str) -> None:
+    """Send the rig's requests through `transport`: the lean client (http:// workers, the
+    default) or aiohttp (what https workers use)."""
+    if transport == "aiohttp":
+        for pool in rig.state.registry.pools.values():
+            for worker in pool.workers.values():
+                worker.direct = None
+
+
+TRANSPORTS = ["lean", "aiohttp"]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize(
     ("status", "outcome", "client_status"),
     [(200, Outcome.SERVED, 200), (400, Outcome.REJECTED, 400), (500, Outcome.WORKER_FAILED, 502)],
 )
-async def test_policy_learns_the_outcome(rig: Rig, status: int, outcome: Outcome, client_status: int) -> None:
+async def test_policy_learns_the_outcome(
+    rig: Rig, status: int, outcome: Outcome, client_status: int, transport: str
+) -> None:
+    _through(rig, transport)
     rig.upstream.status = status
     resp = await rig.chat()
     assert resp.status_code == client_status
@@ -304,9 +327,11 @@ async def test_policy_learns_the_outcome(rig: Rig, status: int, outcome: Outcome
         ),
     ],
 )
+@pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_worker_errors_are_passed_through_in_the_gateway_shape(
-    rig: Rig, status: int, worker_body: Any, expected: dict[str, Any]
+    rig: Rig, status: int, worker_body: Any, expected: dict[str, Any], transport: str
 ) -> None:
+    _through(rig, transport)
     rig.upstream.status = status
     rig.upstream.error_body = worker_body
     for stream in (False, True):
@@ -364,18 +389,47 @@ async def test_tokenizer_mode_runs_off_the_event_loop(rig: Rig, monkeypatch: pyt
     assert rig.policy.requests[-1].n_prompt_tokens > 500
 
 
-async def test_a_stream_that_reached_done_is_a_success_whatever_the_socket_does_next(rig: Rig) -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_stream_that_reached_done_is_a_success_whatever_the_socket_does_next(
+    rig: Rig, transport: str
+) -> None:
+    _through(rig, transport)
     # The disconnect watcher runs from 20 ms on, and the worker ends its body 50 ms after [DONE]:
     # the client's response is complete by then, which its receive() reports as a disconnect.
     rig.state.disconnects = DisconnectWatch(delay_s=0.02)
     rig.upstream.chunk_pause_s = 0.03
     rig.upstream.tail_pause_s = 0.05
-    for _ in range(3):
+    streams = 5
+    for _ in range(streams):
         resp = await rig.chat(stream=True)
         assert resp.status_code == 200 and resp.content.endswith(b"data: [DONE]\n\n")
-    assert [obs.outcome for obs in rig.policy.observations] == [Outcome.SERVED] * 3
+    assert [obs.outcome for obs in rig.policy.observations] == [Outcome.SERVED] * streams
     statuses = {values[2] for values in rig.state.metrics.requests.children}
     assert statuses == {"200"}
     worker = next(iter(rig.state.registry.pools["p"].workers.values()))
     assert worker.breaker.failures == 0 and worker.in_flight == 0
-    assert len(rig.upstream.peers) == 1  # read to its end, the connection served the next stream
+    # Read to its end, each connection went back to the pool (closing it would take one per
+    # stream). The lean client reuses the one it has; aiohttp's pool hands out its oldest idle
+    # connection first, some of them opened by health checks.
+    if transport == "lean":
+        assert len(rig.upstream.peers) == 1
+    else:
+        assert len(rig.upstream.peers) < streams
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_malformed_answer_is_a_502_and_counts_against_the_worker(
+    rig: Rig, transport: str, stream: bool
+) -> None:
+    _through(rig, transport)
+    rig.upstream.garbage = b"<html>502 from a proxy in front of the worker</html>"
+    resp = await rig.chat(stream=stream)
+    assert resp.status_code == 502 and resp.headers["content-type"] == "application/json"
+    error = orjson.loads(resp.content)["error"]
+    assert (error["type"], error["code"]) == ("server_error", "bad_gateway")
+    assert error["message"].startswith("worker sent a malformed")
+    (obs,) = rig.policy.observations
+    assert obs.outcome is Outcome.WORKER_FAILED
+    worker = next(iter(rig.state.registry.pools["p"].workers.values()))
+    assert worker.breaker.failures == 1 and worker.in_flight == 0

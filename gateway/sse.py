@@ -227,7 +227,12 @@ def first_event_problem(out: bytes) -> str | None:
     otherwise look healthy and fast. Only the first event is parsed: one check per stream, none
     per chunk. Comment lines (`: ping`) before it are allowed.
     """
-    for event in out.split(b"\n\n"):
+    start = 0
+    while start < len(out):
+        end = out.find(b"\n\n", start)
+        if end < 0:
+            end = len(out)
+        event, start = out[start:end], end + 2
         if not event or all(line.startswith(b":") for line in event.split(b"\n")):
             continue
         payload = _data_of(event)

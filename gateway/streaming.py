@@ -172,6 +172,9 @@ class ProxyStream:
                     failure = failure_of(exc, Stage.STREAM, self._attempt.admitted.pool.config.timeouts)
                     break
             if answered:
+                # Recorded now: the request's duration ends with its last byte, and its quota slot
+                # is not held while the worker finishes its body.
+                self._close_books(True, None, None)
                 read_to_end = await self._read_to_end()
             else:
                 failure = self._failure(failure)
@@ -246,6 +249,7 @@ class ProxyStream:
         return malformed("worker stream ended before [DONE]", Stage.STREAM)
 
     def _close_books(self, answered: bool, gone: int | None, failure: Failure | None) -> None:
+        """Record how the stream ended (`outcome.finish`: only the first call counts)."""
         attempt = self._attempt
         usage = usage_of(self._sse.usage)
         if answered:

@@ -233,7 +233,9 @@ def first_event_problem(out: bytes) -> str | None:
         if end < 0:
             end = len(out)
         event, start = out[start:end], end + 2
-        if not event or all(line.startswith(b":") for line in event.split(b"\n")):
+        if not event or (
+            event.startswith(b":") and all(line.startswith(b":") for line in event.split(b"\n"))
+        ):
             continue
         payload = _data_of(event)
         if payload is None:

@@ -204,7 +204,8 @@ class ProxyStream:
                 self._upstream.release()  # the connection goes back to the pool
             else:
                 self._upstream.close()
-            self._close_books(answered, gone, failure)
+            if not answered:
+                self._close_books(False, gone, failure)
 
     async def _read_to_end(self) -> bool:
         """After [DONE]: read the rest of the worker's answer (the end of its chunked body), so
@@ -249,7 +250,7 @@ class ProxyStream:
         return malformed("worker stream ended before [DONE]", Stage.STREAM)
 
     def _close_books(self, answered: bool, gone: int | None, failure: Failure | None) -> None:
-        """Record how the stream ended (`outcome.finish`: only the first call counts)."""
+        """Record how the stream ended (once: when its [DONE] is sent, else when it stops)."""
         attempt = self._attempt
         usage = usage_of(self._sse.usage)
         if answered:

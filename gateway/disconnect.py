@@ -43,10 +43,17 @@ class DisconnectGuard:
                     self._task.cancel()
                 return
 
-    def close(self) -> None:
+    def stop_watching(self) -> None:
+        """Stop watching, without ending the guard (`close` still must run). For a response that
+        is about to complete: uvicorn answers `receive()` with `http.disconnect` as soon as the
+        response is complete, which must not cancel what the task still does after it."""
         self._watch.discard(self)
         if self._watcher is not None:
             self._watcher.cancel()
+            self._watcher = None
+
+    def close(self) -> None:
+        self.stop_watching()
         if self.fired and self._task is not None:
             self._task.uncancel()
 

@@ -44,7 +44,11 @@ class GatewayMetrics:
             _LATENCY_BUCKETS_S,
         )
         self.decisions = hot.counter("kvgate_routing_decisions", "Routing decisions", ("policy", "reason"))
-        self.retries = hot.counter("kvgate_upstream_retries", "Requests re-sent to another worker", ("pool",))
+        self.retries = hot.counter(
+            "kvgate_upstream_retries",
+            "Requests re-sent to another worker, by why the previous attempt failed",
+            ("pool", "reason"),
+        )
         self.prompt_tokens = hot.counter(
             "kvgate_prompt_tokens", "Prompt tokens reported by workers", ("model", "tenant")
         )

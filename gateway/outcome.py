@@ -26,6 +26,9 @@ class Usage:
     cached_tokens: int | None = None
 
 
+NO_USAGE = Usage()
+
+
 def usage_of(raw: Any) -> Usage:
     if not isinstance(raw, Mapping):
         return Usage()
@@ -40,7 +43,7 @@ def _int(value: Any) -> int | None:
 
 @dataclass(slots=True)
 class Attempt:
-    """One dispatch of an admitted request to one worker; `finish` must run exactly once."""
+    """One dispatch of an admitted request to one worker; `end` closes it (exactly once)."""
 
     admitted: Admitted
     worker: Worker
@@ -66,27 +69,25 @@ class Attempt:
         )
         return True
 
-    def fail(self, state: GatewayState, outcome: Outcome) -> None:
-        """The attempt ended without a usable answer: REJECTED (the worker's 4xx), ABORTED (the
-        client left, or the gateway gave up) or WORKER_FAILED (connect error, 5xx, broken stream,
-        timeout). Only WORKER_FAILED feeds the breaker; no outcome but SERVED teaches the policy
-        what the worker caches."""
+    def end(self, state: GatewayState, outcome: Outcome, usage: Usage = NO_USAGE) -> None:
+        """Close the attempt, once (later calls do nothing): give back the worker's load, tell its
+        breaker and the policy. SERVED is a success; WORKER_FAILED (connect error, 5xx, timeout,
+        broken or malformed answer) is the only outcome that counts against the worker; REJECTED
+        (the worker's 4xx) and ABORTED (the client left, or the gateway gave up) free a breaker
+        trial without a verdict. No outcome but SERVED teaches the policy what the worker caches."""
         if not self._release():
             return
         now_s = time.monotonic()
-        if outcome is Outcome.WORKER_FAILED:
-            self.worker.breaker.on_failure(now_s)
+        breaker = self.worker.breaker
+        if outcome is Outcome.SERVED:
+            breaker.on_success()
         else:
-            self.worker.breaker.on_abandon()
-        _feedback(state, self._observation(outcome, Usage()), now_s)
-
-    def complete(self, state: GatewayState, usage: Usage) -> None:
-        """Successful end: breaker success, policy feedback with TTFT and tokens."""
-        if not self._release():
-            return
-        now_s = time.monotonic()
-        self.worker.breaker.on_success()
-        _feedback(state, self._observation(Outcome.SERVED, usage), now_s)
+            usage = NO_USAGE  # a worker's token counts are told to the policy only with a success
+            if outcome is Outcome.WORKER_FAILED:
+                breaker.on_failure(now_s)
+            else:
+                breaker.on_abandon()
+        _feedback(state, self._observation(outcome, usage), now_s)
 
     def _observation(self, outcome: Outcome, usage: Usage) -> Observation:
         return Observation(
@@ -106,6 +107,34 @@ def _feedback(state: GatewayState, obs: Observation, now_s: float) -> None:
         state.policy.on_complete(obs, now_s)
     except Exception:
         log.exception("policy on_complete failed", extra={"request_id": obs.request.request_id})
+
+
+def finish(
+    state: GatewayState,
+    admitted: Admitted,
+    attempt: Attempt | None,
+    *,
+    status: int,
+    outcome: Outcome,
+    retries: int,
+    usage: Usage = NO_USAGE,
+    error: str | None = None,
+) -> None:
+    """Close the books on a request: its last attempt (unless already ended) and the request
+    itself, once. `attempt` is None when no worker was tried."""
+    if attempt is not None:
+        attempt.end(state, outcome, usage)
+    record_request(
+        state,
+        admitted,
+        status=status,
+        worker=attempt.worker if attempt is not None else None,
+        reason=attempt.reason if attempt is not None else None,
+        usage=usage,
+        ttft_s=attempt.ttft_s if attempt is not None else None,
+        retries=retries,
+        error=error,
+    )
 
 
 def record_request(

@@ -1,9 +1,15 @@
 """Dispatch: ask the policy for a worker, send, retry on the next-best worker before the first byte.
 
-Retries happen only while nothing has reached the client: on a connect error, or a 5xx answer
-(whose body is discarded). Timeouts are not retried (the worker may still be computing), and a
-4xx from the worker is the client's problem and is passed through, its error body rewritten into
-the gateway's own OpenAI error shape (the worker's message and `param` are kept).
+One attempt is one worker: `_attempt` sends the request through the worker's transport (the lean
+client for http:// workers, aiohttp for https) and returns the client's response, or the
+`Failure` that ended the attempt. Transport exceptions become failures in one place
+(`failure.failure_of`), which also says whether another worker may take the request: only while
+nothing has reached the client (see `failure.py`). A 4xx from the worker is the client's problem
+and is passed through, its error body rewritten into the gateway's own OpenAI error shape (the
+worker's message and `param` are kept).
+
+Every attempt is closed by `Attempt.end`, and every request's books by `outcome.finish`: here
+for whole answers and errors, in `streaming.ProxyStream` for a stream once it has started.
 """
 
 from __future__ import annotations
@@ -12,23 +18,24 @@ import asyncio
 import logging
 import time
 
-import aiohttp
 import orjson
 
 from gateway.admission import UPSTREAM_PATHS, Admitted
-from gateway.errors import ApiError, RawResponse, error_response, normalize_worker_error, upstream_error
-from gateway.outcome import Attempt, Usage, record_request, usage_of
-from gateway.registry import DirectAddress
-from gateway.state import GatewayState
-from gateway.streaming import AiohttpSource, ProxyStream
-from gateway.upstream import (
-    UpstreamBusy,
-    UpstreamConnectError,
-    UpstreamError,
-    UpstreamStream,
-    UpstreamTimeout,
-    request_bytes,
+from gateway.errors import ApiError, RawResponse, error_response, normalize_worker_error
+from gateway.failure import (
+    TRANSPORT_ERRORS,
+    Failure,
+    RetryReason,
+    Stage,
+    failure_of,
+    malformed,
+    worker_status,
 )
+from gateway.outcome import Attempt, finish, usage_of
+from gateway.sse import SseRelay, first_event_problem
+from gateway.state import GatewayState
+from gateway.streaming import AiohttpSource, ProxyStream, StreamSource, first_events
+from gateway.upstream import request_bytes
 from policies.base import Outcome, WorkerId
 
 log = logging.getLogger("kvgate.proxy")
@@ -38,202 +45,150 @@ UPSTREAM_PATHS_B = {endpoint: path.encode() for endpoint, path in UPSTREAM_PATHS
 
 async def dispatch(a: Admitted, state: GatewayState) -> RawResponse | ProxyStream:
     """Route and send one admitted request; always ends by recording it exactly once, even when
-    the policy or the gateway itself fails (the tenant's quota slot and the worker's load come back)."""
+    the client leaves, or the policy or the gateway itself fails (the tenant's quota slot and the
+    worker's load come back)."""
     attempts: list[Attempt] = []
     try:
         return await _dispatch(a, state, attempts)
+    except asyncio.CancelledError:
+        # The client left while the request waited on a worker (`disconnect.py` cancelled it);
+        # the transport closed the worker's connection on the way out, so the worker stops.
+        _finish(state, a, attempts, 499, Outcome.ABORTED, "client disconnected")
+        raise
     except Exception as exc:
         log.error("dispatch failed", exc_info=exc, extra={"request_id": a.request_id})
-        attempt = attempts[-1] if attempts else None
-        if attempt is not None:
-            attempt.fail(state, Outcome.ABORTED)
         err = ApiError(500, "internal gateway error", "server_error", "internal_error")
-        _finish_error(state, a, 500, attempt, len(attempts), err.message)
+        _finish(state, a, attempts, 500, Outcome.ABORTED, err.message)
         return error_response(err, a.reply_id)
 
 
 async def _dispatch(a: Admitted, state: GatewayState, attempts: list[Attempt]) -> RawResponse | ProxyStream:
-    session = state.upstream()
     pool = a.pool
-    timeouts = pool.config.timeouts
-    timeout = pool.client_timeout
-    headers = {"content-type": "application/json", "x-request-id": a.request_id}
-    path = UPSTREAM_PATHS[a.endpoint]
     tried: set[WorkerId] = set()
-    last: ApiError | None = None  # why the latest attempt failed (None: no worker was tried)
-    attempt: Attempt | None = None
+    failure: Failure | None = None  # why the latest attempt failed (None: no worker was tried)
+    retry: RetryReason | None = None
     for n in range(pool.config.retry_attempts + 1):
         now_s = time.monotonic()
         decision = state.policy.select(a.route, pool.views(now_s, frozenset(tried)), now_s)
         worker = pool.workers.get(decision.worker) if decision is not None else None
         if decision is None or worker is None or decision.worker in tried:
             break
-        if n:
-            state.metrics.retries.labels(pool.name).inc()
+        if retry is not None:
+            state.metrics.retries.labels(pool.name, retry).inc()
         tried.add(decision.worker)
         state.policy.on_dispatch(a.route, decision, now_s)
         state.metrics.decision(state.policy_name, decision.reason)
         worker.acquire(a.route.n_prompt_tokens, a.max_output_tokens, now_s)
         attempt = Attempt(a, worker, decision.reason, now_s, decision)
         attempts.append(attempt)
-        if worker.direct is not None and state.lean is not None:
-            # A plain-HTTP worker: the lean client (gateway/upstream.py).
-            outcome = await _lean(state, a, attempt, worker.direct, n)
-            if isinstance(outcome, ApiError):
-                last = outcome
-                if outcome.status == 504:
-                    break
-                continue
-            return outcome
-        try:
-            resp = await session.post(
-                worker.url + path, data=a.body_for(decision), headers=headers, timeout=timeout
-            )
-        except aiohttp.ConnectionTimeoutError:
-            attempt.fail(state, Outcome.WORKER_FAILED)
-            last = upstream_error(502, f"could not connect to a worker within {timeouts.connect_s:g} s")
-            continue
-        except TimeoutError:
-            attempt.fail(state, Outcome.WORKER_FAILED)
-            last = upstream_error(504, f"worker did not answer within {timeouts.read_s:g} s")
+        result = await _attempt(state, a, attempt, n)
+        if not isinstance(result, Failure):
+            return result
+        # The worker's breaker and load hear of it before the policy picks the next worker.
+        attempt.end(state, result.outcome)
+        failure, retry = result, result.retry
+        if retry is None:
             break
-        except (aiohttp.ClientError, OSError) as exc:
-            attempt.fail(state, Outcome.WORKER_FAILED)
-            last = upstream_error(502, f"could not reach a worker ({type(exc).__name__})")
-            continue
-        except asyncio.CancelledError:
-            attempt.fail(state, Outcome.ABORTED)
-            _finish_error(state, a, 499, attempt, n, "client disconnected")
-            raise
-        if resp.status >= 500:
-            resp.close()
-            attempt.fail(state, Outcome.WORKER_FAILED)
-            last = upstream_error(502, f"worker answered {resp.status}")
-            continue
-        if a.stream and resp.status == 200 and resp.content_type == "text/event-stream":
-            return ProxyStream(state, attempt, AiohttpSource(resp), retries=n)
-        return await _whole(state, a, attempt, resp, n)
-    if last is None:
-        last = upstream_error(503, f"no healthy worker available for model '{a.model}'")
-    _finish_error(state, a, last.status, attempt, len(tried), last.message)
-    return error_response(last, a.reply_id)
+    if failure is None:
+        failure = Failure(
+            503, f"no healthy worker available for model '{a.model}'", "no_worker_available", Outcome.ABORTED
+        )
+    _finish(state, a, attempts, failure.status, failure.outcome, failure.message)
+    return error_response(failure.error(), a.reply_id)
 
 
-async def _whole(
-    state: GatewayState, a: Admitted, attempt: Attempt, resp: aiohttp.ClientResponse, retries: int
-) -> RawResponse:
-    """A non-streamed answer (or a worker's 4xx): pass it through (see `_answer`)."""
-    try:
-        body = await resp.read()
-    except TimeoutError:
-        resp.close()
-        attempt.fail(state, Outcome.WORKER_FAILED)
-        err = upstream_error(504, "worker timed out while sending its answer")
-        _finish_error(state, a, 504, attempt, retries, err.message)
-        return error_response(err, a.reply_id)
-    except (aiohttp.ClientError, OSError) as exc:
-        resp.close()
-        attempt.fail(state, Outcome.WORKER_FAILED)
-        err = upstream_error(502, f"worker connection failed mid-answer ({type(exc).__name__})")
-        _finish_error(state, a, 502, attempt, retries, err.message)
-        return error_response(err, a.reply_id)
-    except asyncio.CancelledError:
-        resp.close()
-        attempt.fail(state, Outcome.ABORTED)
-        _finish_error(state, a, 499, attempt, retries, "client disconnected")
-        raise
-    resp.release()
-    content_type = resp.headers.get("content-type", "application/json")
-    return _answer(state, a, attempt, resp.status, body, content_type, retries)
+def _finish(
+    state: GatewayState, a: Admitted, attempts: list[Attempt], status: int, outcome: Outcome, error: str
+) -> None:
+    """Close the books on a request that ends without a worker's answer."""
+    attempt = attempts[-1] if attempts else None
+    finish(state, a, attempt, status=status, outcome=outcome, retries=max(len(attempts) - 1, 0), error=error)
 
 
-async def _lean(
-    state: GatewayState, a: Admitted, attempt: Attempt, address: DirectAddress, retries: int
-) -> RawResponse | ProxyStream | ApiError:
-    """One attempt through the lean client: the response, or the error that ends this attempt
-    (502 and 503 may be retried on another worker; 504 ends the request)."""
+async def _attempt(
+    state: GatewayState, a: Admitted, attempt: Attempt, retries: int
+) -> RawResponse | ProxyStream | Failure:
+    """Send the request to the attempt's worker: the client's response, or why this attempt failed
+    (the attempt is then still open: the caller ends it and may try another worker)."""
     lean = state.lean
-    assert lean is not None
+    direct = attempt.worker.direct
     timeouts = a.pool.config.timeouts
-    head = b"Content-Type: application/json\r\nX-Request-Id: " + a.request_id.encode() + b"\r\n"
-    request = request_bytes(
-        address.host_header, UPSTREAM_PATHS_B[a.endpoint], head, a.body_for(attempt.decision)
-    )
+    source: StreamSource | None = None
+    stage = Stage.HEAD
     try:
-        if a.stream:
-            stream = await lean.open_stream(
-                address.host,
-                address.port,
-                request,
+        if direct is not None and lean is not None and not a.stream:
+            # The hot path: a whole answer from an http:// worker, read by the lean client in one call.
+            reply = await lean.post(
+                direct.host,
+                direct.port,
+                _lean_request(a, attempt),
                 connect_s=timeouts.connect_s,
                 read_s=timeouts.read_s,
                 total_s=timeouts.total_s,
             )
-            return await _lean_stream(state, a, attempt, stream, retries)
-        reply = await lean.post(
-            address.host,
-            address.port,
-            request,
+            return _answer(state, a, attempt, reply.status, reply.body, reply.content_type, retries)
+        source = await _open(state, a, attempt)
+        if source.status >= 500:
+            source.close()
+            return worker_status(source.status)
+        if a.stream and source.status == 200 and _is_event_stream(source.content_type):
+            # Nothing is sent to the client before the worker's first event, so a worker that
+            # stalls or fails before it can still be replaced by another.
+            stage = Stage.FIRST_EVENT
+            relay = SseRelay(a.strip_usage)
+            first = await first_events(source, relay, attempt)
+            problem = first_event_problem(first) if first else "it ended before its first event"
+            if problem is not None:
+                source.close()
+                return malformed(f"worker sent a malformed stream ({problem})", stage)
+            return ProxyStream(state, attempt, source, relay, first, retries)
+        # A worker's 4xx, or a whole answer to a streamed request: read it and pass it through.
+        stage = Stage.ANSWER
+        body = await source.read_all()
+        source.release()
+        return _answer(state, a, attempt, source.status, body, source.content_type, retries)
+    except TRANSPORT_ERRORS as exc:
+        if source is not None:
+            source.close()
+        return failure_of(exc, stage, timeouts)
+    except BaseException:
+        if source is not None:
+            source.close()
+        raise
+
+
+async def _open(state: GatewayState, a: Admitted, attempt: Attempt) -> StreamSource:
+    """Send the request; the answer's head, its body still to be read."""
+    lean = state.lean
+    direct = attempt.worker.direct
+    if direct is not None and lean is not None:
+        timeouts = a.pool.config.timeouts
+        return await lean.open_stream(
+            direct.host,
+            direct.port,
+            _lean_request(a, attempt),
             connect_s=timeouts.connect_s,
             read_s=timeouts.read_s,
             total_s=timeouts.total_s,
         )
-    except UpstreamBusy as exc:
-        # The gateway's own connection cap, not a worker fault: the breaker is not told, and the
-        # client gets 503 with Retry-After when no other worker takes the request.
-        attempt.fail(state, Outcome.ABORTED)
-        return upstream_error(503, f"worker at its connection limit ({exc})")
-    except UpstreamConnectError as exc:
-        attempt.fail(state, Outcome.WORKER_FAILED)
-        if exc.timed_out:
-            return upstream_error(502, f"could not connect to a worker within {timeouts.connect_s:g} s")
-        return upstream_error(502, f"could not reach a worker ({exc})")
-    except UpstreamTimeout as exc:
-        attempt.fail(state, Outcome.WORKER_FAILED)
-        if not exc.answered:
-            return upstream_error(504, f"worker did not answer within {timeouts.read_s:g} s")
-        err = upstream_error(504, "worker timed out while sending its answer")
-        _finish_error(state, a, 504, attempt, retries, err.message)
-        return error_response(err, a.reply_id)
-    except UpstreamError as exc:
-        attempt.fail(state, Outcome.WORKER_FAILED)
-        if not exc.answered:
-            return upstream_error(502, f"could not reach a worker ({exc})")
-        err = upstream_error(502, f"worker connection failed mid-answer ({exc})")
-        _finish_error(state, a, 502, attempt, retries, err.message)
-        return error_response(err, a.reply_id)
-    except asyncio.CancelledError:
-        attempt.fail(state, Outcome.ABORTED)
-        _finish_error(state, a, 499, attempt, retries, "client disconnected")
-        raise
-    if reply.status >= 500:
-        attempt.fail(state, Outcome.WORKER_FAILED)
-        return upstream_error(502, f"worker answered {reply.status}")
-    return _answer(
-        state, a, attempt, reply.status, reply.body, reply.content_type or "application/json", retries
+    resp = await state.upstream().post(
+        attempt.worker.url + UPSTREAM_PATHS[a.endpoint],
+        data=a.body_for(attempt.decision),
+        headers={"content-type": "application/json", "x-request-id": a.request_id},
+        timeout=a.pool.client_timeout,
     )
+    return AiohttpSource(resp)
 
 
-async def _lean_stream(
-    state: GatewayState, a: Admitted, attempt: Attempt, stream: UpstreamStream, retries: int
-) -> RawResponse | ProxyStream | ApiError:
-    """A streamed request's answer head from the lean client: an event stream is relayed, a 5xx
-    may be retried elsewhere, anything else (a worker's 4xx) is read whole and passed through.
-    Errors while reading propagate to `_lean` after the connection is dropped."""
-    if stream.status >= 500:
-        stream.close()
-        attempt.fail(state, Outcome.WORKER_FAILED)
-        return upstream_error(502, f"worker answered {stream.status}")
-    content_type = stream.content_type.split(";", 1)[0].strip().lower()
-    if stream.status == 200 and content_type == "text/event-stream":
-        return ProxyStream(state, attempt, stream, retries=retries)
-    try:
-        body = await stream.read_all()
-    except BaseException:
-        stream.close()
-        raise
-    stream.release()
-    return _answer(state, a, attempt, stream.status, body, stream.content_type or "application/json", retries)
+def _lean_request(a: Admitted, attempt: Attempt) -> bytes:
+    direct = attempt.worker.direct
+    assert direct is not None
+    head = b"Content-Type: application/json\r\nX-Request-Id: " + a.request_id.encode() + b"\r\n"
+    return request_bytes(direct.host_header, UPSTREAM_PATHS_B[a.endpoint], head, a.body_for(attempt.decision))
+
+
+def _is_event_stream(content_type: str) -> bool:
+    return content_type.split(";", 1)[0].strip().lower() == "text/event-stream"
 
 
 def _answer(
@@ -244,48 +199,29 @@ def _answer(
     body: bytes,
     content_type: str,
     retries: int,
-) -> RawResponse:
-    """Close the books on a complete answer and pass it through: a 200 byte for byte, an error
+) -> RawResponse | Failure:
+    """A complete answer. A 5xx, or a 200 whose body is not a JSON object, is the attempt's
+    failure; anything else closes the books and is passed through: a 200 byte for byte, an error
     with its body in the gateway's error shape."""
-    usage = Usage()
+    if status >= 500:
+        return worker_status(status)
     if status == 200:
         try:
             parsed = orjson.loads(body)
         except orjson.JSONDecodeError:
             parsed = None
-        usage = usage_of(parsed.get("usage") if isinstance(parsed, dict) else None)
-        attempt.complete(state, usage)
+        if not isinstance(parsed, dict):
+            return malformed("worker sent a malformed answer (its body is not a JSON object)", Stage.ANSWER)
+        usage = usage_of(parsed.get("usage"))
+        finish(state, a, attempt, status=200, outcome=Outcome.SERVED, usage=usage, retries=retries)
     else:
         # A 4xx is about the request, not the worker's health; the worker computed nothing.
-        attempt.fail(state, Outcome.REJECTED if status < 500 else Outcome.WORKER_FAILED)
+        finish(state, a, attempt, status=status, outcome=Outcome.REJECTED, retries=retries)
         if status >= 400:
             body = normalize_worker_error(status, body)
             content_type = "application/json"
-    record_request(
-        state,
-        a,
-        status=status,
-        worker=attempt.worker,
-        reason=attempt.reason,
-        usage=usage,
-        ttft_s=None,
-        retries=retries,
-    )
-    headers = [(b"content-type", content_type.encode()), (b"x-request-id", a.reply_id.encode())]
+    headers = [
+        (b"content-type", (content_type or "application/json").encode()),
+        (b"x-request-id", a.reply_id.encode()),
+    ]
     return RawResponse(status, body, headers)
-
-
-def _finish_error(
-    state: GatewayState, a: Admitted, status: int, attempt: Attempt | None, retries: int, error: str
-) -> None:
-    record_request(
-        state,
-        a,
-        status=status,
-        worker=attempt.worker if attempt else None,
-        reason=attempt.reason if attempt else None,
-        usage=Usage(),
-        ttft_s=None,
-        retries=retries,
-        error=error,
-    )

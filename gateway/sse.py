@@ -48,6 +48,10 @@ OPENAI_ERROR_TYPES = frozenset(
 )
 
 
+class MalformedStream(ValueError):
+    """The worker's stream is not a stream of SSE events the relay can forward."""
+
+
 def error_event(message: str, code: str, type_: str = "server_error") -> bytes:
     return b"data: " + error_body(message, type_, code) + b"\n\n"
 
@@ -140,7 +144,7 @@ class SseRelay:
         cut = data.rfind(b"\n\n")
         if cut < 0:
             if len(data) > _MAX_PENDING_BYTES:
-                raise ValueError("upstream sent an oversized SSE event")
+                raise MalformedStream("an oversized SSE event")
             self._pending = data
             return b""
         head = data[: cut + 2]
@@ -213,6 +217,37 @@ class SseRelay:
             obj["choices"] = []
             return orjson.dumps(obj)
         return payload
+
+
+def first_event_problem(out: bytes) -> str | None:
+    """What is wrong with the first event of a stream (the relay's first output), or None.
+
+    Every answer chunk is a `data:` event whose data is a JSON object (or `[DONE]`). A worker (or
+    a proxy in front of it) that answers 200 with anything else, an HTML page say, would
+    otherwise look healthy and fast. Only the first event is parsed: one check per stream, none
+    per chunk. Comment lines (`: ping`) before it are allowed.
+    """
+    start = 0
+    while start < len(out):
+        end = out.find(b"\n\n", start)
+        if end < 0:
+            end = len(out)
+        event, start = out[start:end], end + 2
+        if not event or (
+            event.startswith(b":") and all(line.startswith(b":") for line in event.split(b"\n"))
+        ):
+            continue
+        payload = _data_of(event)
+        if payload is None:
+            return "its first event carries no data"
+        if payload == b"[DONE]":
+            return None
+        try:
+            parsed = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return "its first event is not JSON"
+        return None if isinstance(parsed, dict) else "its first event is not a JSON object"
+    return None
 
 
 def _data_of(event: bytes) -> bytes | None:

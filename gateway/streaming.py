@@ -1,14 +1,21 @@
 """The streamed response: relay upstream SSE to the client, end cleanly on every failure.
 
-Runs as a raw ASGI response in the request's own task. A client that leaves cancels that task
-(`disconnect.py`: a watcher is started once the stream has run for a quarter second), which
-closes the upstream connection, so the worker stops generating.
+The proxy reads up to the worker's first event before a stream starts (`first_events`), so a
+worker that fails before it can still be replaced. Then the response runs as a raw ASGI
+response in the request's own task. A client that leaves cancels that task (`disconnect.py`: a
+watcher is started once the stream has run for a quarter second), which closes the upstream
+connection, so the worker stops generating.
 
 Every failed stream ends with exactly one error event in the gateway's OpenAI shape, then
 `[DONE]`: the worker's own in-stream error rewritten by the relay (`sse.py`), or one the gateway
 writes when the worker dies, closes without `[DONE]`, or the gateway drains. After a worker's
 error event the upstream connection is closed at once, so the worker stops generating and the
 client is never kept waiting on a worker that keeps talking.
+
+A stream whose `[DONE]` was sent is a success whatever happens next: the client has every token.
+The disconnect watch stops before that last write (uvicorn reports a finished response to
+`receive()` as a disconnect), and the worker's answer is then read to its end so its connection
+is reused.
 """
 
 from __future__ import annotations
@@ -21,20 +28,29 @@ import aiohttp
 from starlette.types import Receive, Scope, Send
 
 from gateway.disconnect import DisconnectGuard
-from gateway.outcome import Attempt, record_request, usage_of
+from gateway.failure import TRANSPORT_ERRORS, Failure, Stage, failure_of, malformed
+from gateway.outcome import Attempt, finish, usage_of
 from gateway.sse import DONE_EVENT, SseRelay, error_event
 from gateway.state import GatewayState
-from gateway.upstream import UpstreamError
 from policies.base import Outcome
 
 log = logging.getLogger("kvgate.streaming")
 
 
 class StreamSource(Protocol):
-    """A worker's streamed answer: `read()` until it returns b"", then `release()` (the connection
-    may be reused); `close()` drops it at any time, so the worker stops."""
+    """A worker's answer after its head: `read()` until it returns b"" (or `read_all()`), then
+    `release()` (the connection may be reused); `close()` drops it at any time, so the worker
+    stops. Both transports' answers have this shape (`upstream.UpstreamStream`, `AiohttpSource`)."""
+
+    @property
+    def status(self) -> int: ...
+
+    @property
+    def content_type(self) -> str: ...
 
     async def read(self) -> bytes: ...
+
+    async def read_all(self) -> bytes: ...
 
     def release(self) -> None: ...
 
@@ -44,13 +60,18 @@ class StreamSource(Protocol):
 class AiohttpSource:
     """An aiohttp response (https workers) as a `StreamSource`."""
 
-    __slots__ = ("_resp",)
+    __slots__ = ("_resp", "content_type", "status")
 
     def __init__(self, resp: aiohttp.ClientResponse) -> None:
         self._resp = resp
+        self.status = resp.status
+        self.content_type = resp.headers.get("content-type", "")
 
     async def read(self) -> bytes:
         return await self._resp.content.readany()
+
+    async def read_all(self) -> bytes:
+        return await self._resp.read()
 
     def release(self) -> None:
         self._resp.release()
@@ -59,16 +80,38 @@ class AiohttpSource:
         self._resp.close()
 
 
-class ProxyStream:
-    """An ASGI response that owns one upstream streamed response until it ends."""
+async def first_events(source: StreamSource, relay: SseRelay, attempt: Attempt) -> bytes:
+    """Read until the relay has something for the client: the bytes the client's stream starts
+    with (b"" if the worker's stream ended first). Transport errors propagate: nothing has reached
+    the client yet."""
+    while chunk := await source.read():
+        attempt.first_token()
+        out = relay.feed(chunk)
+        if out:
+            return out
+    return b""
 
-    def __init__(self, state: GatewayState, attempt: Attempt, upstream: StreamSource, retries: int) -> None:
+
+class ProxyStream:
+    """An ASGI response that owns one upstream streamed response until it ends, and closes the
+    request's books when it does."""
+
+    def __init__(
+        self,
+        state: GatewayState,
+        attempt: Attempt,
+        upstream: StreamSource,
+        relay: SseRelay,
+        first: bytes,
+        retries: int,
+    ) -> None:
         self._state = state
         self._attempt = attempt
         self._upstream = upstream
+        self._sse = relay
+        self._first = first
         self._retries = retries
         self._abort_reason: str | None = None
-        self._client_gone = False
 
     def abort(self, reason: str) -> None:
         """Stop relaying (drain deadline): the client gets a terminal error event."""
@@ -80,7 +123,7 @@ class ProxyStream:
         # A client that leaves cancels this task (and so the relay, which closes the upstream).
         guard = DisconnectGuard(receive, self._state.disconnects)
         try:
-            await self._relay(send)
+            await self._relay(send, guard)
         except asyncio.CancelledError:
             if not guard.fired:
                 raise
@@ -88,15 +131,12 @@ class ProxyStream:
             guard.close()
             self._state.stream_ended(self)
 
-    async def _relay(self, send: Send) -> None:
-        attempt = self._attempt
-        a = attempt.admitted
-        relay = SseRelay(a.strip_usage)
-        failure: tuple[str, str] | None = None
-        error: str | None = None
-        status = 200
+    async def _relay(self, send: Send, guard: DisconnectGuard) -> None:
+        relay = self._sse
+        failure: Failure | None = None
+        gone: int | None = None  # 499 or 500 when the client or the gateway ended the stream
         answered = False  # the client has its whole stream (the worker's [DONE] was sent)
-        upstream_broken = False  # the worker's connection failed after that: close, don't reuse
+        read_to_end = False  # after [DONE], the worker's answer ended cleanly: reuse the connection
         try:
             await send(
                 {
@@ -106,106 +146,128 @@ class ProxyStream:
                         (b"content-type", b"text/event-stream; charset=utf-8"),
                         (b"cache-control", b"no-cache"),
                         (b"x-accel-buffering", b"no"),
-                        (b"x-request-id", a.reply_id.encode()),
+                        (b"x-request-id", self._attempt.admitted.reply_id.encode()),
                     ],
                 }
             )
-            try:
-                while chunk := await self._upstream.read():
-                    if attempt.ttft_s is None:
-                        attempt.first_token()
-                    out = relay.feed(chunk)
-                    if answered:
-                        continue  # nothing follows [DONE]; read on so the connection can be reused
-                    if relay.done and relay.error is None:
-                        # The worker's [DONE] ends the client's response in the same write.
-                        await send({"type": "http.response.body", "body": out, "more_body": False})
-                        answered = True
-                        continue
-                    if out:
-                        await send({"type": "http.response.body", "body": out, "more_body": True})
-                    if relay.error is not None:
+            out = self._first
+            while True:
+                if relay.done and relay.error is None:
+                    # The worker's [DONE] ends the client's response in the same write. Nothing
+                    # the client does after it can cost it a token: stop watching for its leaving.
+                    guard.stop_watching()
+                    await send({"type": "http.response.body", "body": out, "more_body": False})
+                    answered = True
+                    break
+                if out:
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
+                if relay.error is not None:
+                    break
+                try:
+                    chunk = await self._upstream.read()
+                    if not chunk:
                         break
-            except (aiohttp.ClientError, UpstreamError, TimeoutError, ValueError) as exc:
-                if answered:
-                    upstream_broken = True
-                else:
-                    failure = (f"worker stream failed: {type(exc).__name__}", "upstream_stream_error")
-            if self._abort_reason is not None and not answered:
-                failure = (self._abort_reason, "gateway_shutting_down")
-            elif failure is None and relay.error is not None:
-                failure = ("worker reported an error mid-stream", relay.error.code)
-                # Type, code and status only: the worker's message may quote the prompt.
-                log.warning(
-                    "worker reported an error mid-stream",
-                    extra={
-                        "request_id": a.request_id,
-                        "worker": attempt.worker.url,
-                        "error_type": relay.error.type,
-                        "error_code": relay.error.code,
-                        "worker_status": relay.error.worker_status,
-                    },
-                )
-            elif failure is None and not relay.done:
-                failure = ("worker stream ended before [DONE]", "upstream_stream_error")
-            if not answered:
+                    out = relay.feed(chunk)
+                except TRANSPORT_ERRORS as exc:
+                    failure = failure_of(exc, Stage.STREAM, self._attempt.admitted.pool.config.timeouts)
+                    break
+            if answered:
+                # Recorded now: the request's duration ends with its last byte, and its quota slot
+                # is not held while the worker finishes its body.
+                self._close_books(True, None, None)
+                read_to_end = await self._read_to_end()
+            else:
+                failure = self._failure(failure)
                 tail = b""
-                if failure is not None:
-                    # One terminal error event (unless the relay already sent the worker's,
-                    # rewritten), then [DONE]: the OpenAI SDKs raise on the error and stop cleanly.
-                    if relay.error is None:
-                        tail += error_event(failure[0], failure[1])
-                    if not relay.done:
-                        tail += DONE_EVENT
+                # One terminal error event (unless the relay already sent the worker's,
+                # rewritten), then [DONE]: the OpenAI SDKs raise on the error and stop cleanly.
+                if relay.error is None:
+                    tail += error_event(failure.message, failure.code)
+                if not relay.done:
+                    tail += DONE_EVENT
                 await send({"type": "http.response.body", "body": tail, "more_body": False})
         except asyncio.CancelledError:
-            status = 499
+            if not answered:
+                gone = 499
             raise
         except OSError:
             # The client's socket went away while we were sending.
-            self._client_gone = True
-            status = 499
+            gone = 499
         except Exception as exc:
             # A gateway bug: still close the books (quota slot, worker load) and log it.
-            log.error("stream relay failed", exc_info=exc, extra={"request_id": a.request_id})
-            status = 500
+            log.error(
+                "stream relay failed", exc_info=exc, extra={"request_id": self._attempt.admitted.request_id}
+            )
+            gone = 500
         finally:
-            if failure is None and relay.done and status == 200 and not upstream_broken:
-                self._upstream.release()  # read to EOF: the connection goes back to the pool
+            if answered and read_to_end:
+                self._upstream.release()  # the connection goes back to the pool
             else:
                 self._upstream.close()
-            usage = usage_of(relay.usage)
-            rejected = relay.error.worker_status if relay.error and relay.error.request_rejected else None
-            if self._client_gone or status == 499:
-                attempt.fail(self._state, Outcome.ABORTED)
-                status = 499
-                error = "client disconnected"
-            elif status == 500:
-                attempt.fail(self._state, Outcome.ABORTED)
-                error = "internal_error"
-            elif failure is not None and self._abort_reason is None and rejected is not None:
+            if not answered:
+                self._close_books(False, gone, failure)
+
+    async def _read_to_end(self) -> bool:
+        """After [DONE]: read the rest of the worker's answer (the end of its chunked body), so
+        its connection can serve another request. False if that failed."""
+        try:
+            while await self._upstream.read():
+                pass
+        except TRANSPORT_ERRORS:
+            return False
+        return True
+
+    def _failure(self, failure: Failure | None) -> Failure:
+        """Why a stream that did not reach [DONE] ended (the client is told in its last event)."""
+        relay = self._sse
+        if self._abort_reason is not None:
+            return Failure(503, self._abort_reason, "gateway_shutting_down", Outcome.ABORTED)
+        if failure is not None:
+            return failure
+        if relay.error is not None:
+            attempt = self._attempt
+            # Type, code and status only: the worker's message may quote the prompt.
+            log.warning(
+                "worker reported an error mid-stream",
+                extra={
+                    "request_id": attempt.admitted.request_id,
+                    "worker": attempt.worker.url,
+                    "error_type": relay.error.type,
+                    "error_code": relay.error.code,
+                    "worker_status": relay.error.worker_status,
+                },
+            )
+            message, code, status = (
+                "worker reported an error mid-stream",
+                relay.error.code,
+                relay.error.worker_status,
+            )
+            if relay.error.request_rejected and status is not None:
                 # The worker blamed the request (a 4xx in its error event): like a 4xx answer, this
                 # must not count against the worker's health, or one tenant could trip its breaker.
-                attempt.fail(self._state, Outcome.REJECTED)
-                status = rejected
-                error = failure[1]
-            elif failure is not None:
-                attempt.fail(
-                    self._state, Outcome.WORKER_FAILED if self._abort_reason is None else Outcome.ABORTED
-                )
-                status = 502 if self._abort_reason is None else 503
-                error = failure[1]
-            else:
-                attempt.complete(self._state, usage)
-                error = None
-            record_request(
-                self._state,
-                a,
-                status=status,
-                worker=attempt.worker,
-                reason=attempt.reason,
-                usage=usage,
-                ttft_s=attempt.ttft_s,
-                retries=self._retries,
-                error=error,
-            )
+                return Failure(status, message, code, Outcome.REJECTED)
+            return Failure(502, message, code, Outcome.WORKER_FAILED)
+        return malformed("worker stream ended before [DONE]", Stage.STREAM)
+
+    def _close_books(self, answered: bool, gone: int | None, failure: Failure | None) -> None:
+        """Record how the stream ended (once: when its [DONE] is sent, else when it stops)."""
+        attempt = self._attempt
+        usage = usage_of(self._sse.usage)
+        if answered:
+            status, outcome, error = 200, Outcome.SERVED, None
+        elif gone == 499:
+            status, outcome, error = 499, Outcome.ABORTED, "client disconnected"
+        elif gone is not None or failure is None:
+            status, outcome, error = 500, Outcome.ABORTED, "internal_error"
+        else:
+            status, outcome, error = failure.status, failure.outcome, failure.code
+        finish(
+            self._state,
+            attempt.admitted,
+            attempt,
+            status=status,
+            outcome=outcome,
+            usage=usage,
+            retries=self._retries,
+            error=error,
+        )

@@ -7,11 +7,15 @@ One process serves several ports, each with its own behaviour:
 modes: ok (answers), error500 (500 before the first byte), once500 (500 the first time any once500
 port of the process sees a request id, an answer after that), die (streams two chunks, then drops the
 connection), slow (streams one chunk every 50 ms for 10 s and records a client cancel), hang
-(answers nothing for 30 s), reject400 (a 400 in vLLM's error shape, naming `max_tokens`),
+(answers nothing for 30 s; a stream gets its head first, as from an engine that is stuck; the
+gateway hanging up is recorded as a cancel), tail (streams a chunk every 40 ms for ~0.4 s, then
+`[DONE]`, then ends the chunked body 30 ms later), garbage (answers 200 with a body that is not
+JSON, or a stream whose events are not JSON), reject400 (a 400 in vLLM's error shape, naming `max_tokens`),
 streamerr400 / streamerr500 (stream two chunks, then an error event quoting the prompt, in vLLM's
 nested shape with `code` 400 / its older flat shape with `code` 500, then keep streaming for 10 s).
-GET /_log on any port returns what that port received (request id, body) and saw (cancels, named
-by the body's `user` field when the test set one, else by the request id the gateway sent).
+GET /_log on any port returns what that port received (request id, body), saw (cancels, named
+by the body's `user` field when the test set one, else by the request id the gateway sent) and
+how many distinct connections its completions came on.
 """
 
 from __future__ import annotations
@@ -24,7 +28,19 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-MODES = ("ok", "error500", "once500", "die", "slow", "hang", "reject400", "streamerr400", "streamerr500")
+MODES = (
+    "ok",
+    "error500",
+    "once500",
+    "die",
+    "slow",
+    "hang",
+    "tail",
+    "garbage",
+    "reject400",
+    "streamerr400",
+    "streamerr500",
+)
 # Request ids some once500 port has failed already (shared by all ports of the process).
 FAILED_ONCE: set[str] = set()
 
@@ -36,6 +52,7 @@ class Port:
         self.requests: list[dict[str, Any]] = []
         self.cancelled: list[str] = []
         self.seen_prompts: list[str] = []
+        self.peers: set[Any] = set()  # the gateway's end of each connection a completion came on
 
 
 def _prompt_text(body: dict[str, Any]) -> str:
@@ -75,13 +92,24 @@ def _answer(body: dict[str, Any], port: Port) -> tuple[dict[str, Any], str | Non
     return {"role": "assistant", "content": f"[{port.name}] hello from the fake worker"}, "stop"
 
 
+async def _until_closed(request: web.Request, port: Port, tag: str, limit_s: float) -> None:
+    """Wait up to `limit_s`; record `tag` as cancelled if the gateway closes the connection."""
+    for _ in range(int(limit_s / 0.05)):
+        if request.transport is None or request.transport.is_closing():
+            port.cancelled.append(tag)
+            return
+        await asyncio.sleep(0.05)
+
+
 def make_app(port: Port) -> web.Application:
     async def health(request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
     async def log(request: web.Request) -> web.Response:
         return web.Response(
-            body=orjson.dumps({"requests": port.requests, "cancelled": port.cancelled}),
+            body=orjson.dumps(
+                {"requests": port.requests, "cancelled": port.cancelled, "connections": len(port.peers)}
+            ),
             content_type="application/json",
         )
 
@@ -90,8 +118,24 @@ def make_app(port: Port) -> web.Application:
         rid = request.headers.get("x-request-id", "")
         port.requests.append({"request_id": rid, "body": body, "path": request.path})
         tag = body.get("user") or rid
+        if request.transport is not None:
+            port.peers.add(request.transport.get_extra_info("peername"))
         if port.mode == "hang":
-            await asyncio.sleep(30)
+            if not body.get("stream"):
+                await _until_closed(request, port, tag, 30.0)
+                return web.Response(status=503)
+            resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+            await resp.prepare(request)
+            await _until_closed(request, port, tag, 30.0)
+            return resp
+        if port.mode == "garbage":
+            if body.get("stream"):
+                resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+                await resp.prepare(request)
+                await resp.write(b"data: <html>upstream proxy error</html>\n\ndata: [DONE]\n\n")
+                await resp.write_eof()
+                return resp
+            return web.Response(body=b"<html>upstream proxy error</html>", content_type="application/json")
         if port.mode == "once500" and rid not in FAILED_ONCE:
             FAILED_ONCE.add(rid)
             return web.json_response({"error": {"message": "boom", "type": "server_error"}}, status=500)
@@ -190,6 +234,15 @@ def make_app(port: Port) -> web.Application:
                     await resp.write(delta_chunk({"content": f"t{i} "}, None))
                     await asyncio.sleep(0.05)
                 port.cancelled.append(f"finished:{tag}")
+                return resp
+            if port.mode == "tail":
+                for i in range(10):
+                    await resp.write(delta_chunk({"content": f"t{i} "}, None))
+                    await asyncio.sleep(0.04)
+                await resp.write(delta_chunk({}, "stop") + b"data: [DONE]\n\n")
+                # The end of the chunked body comes a moment after [DONE], as it may from a worker.
+                await asyncio.sleep(0.03)
+                await resp.write_eof()
                 return resp
             if "tool_calls" in message:
                 call = message["tool_calls"][0]

@@ -153,7 +153,7 @@ def test_worker_killed_after_being_healthy_is_retried_then_avoided(tmp_path: Pat
             assert f"ok-{ok_port}" in (reply.choices[0].message.content or "")
         metrics = httpx.get(f"http://127.0.0.1:{gw_port}/metrics", timeout=5).text
         # One connect failure, one retry; the open breaker keeps later requests away from the corpse.
-        assert 'kvgate_upstream_retries_total{pool="p"} 1.0' in metrics
+        assert 'kvgate_upstream_retries_total{pool="p",reason="connect_error"} 1.0' in metrics
     finally:
         if gateway is not None:
             gateway.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from aiohttp import web
 from gateway.app import GatewayApp, build_app
 from gateway.auth import hash_api_key
 from gateway.config import parse_config
+from gateway.disconnect import DisconnectWatch
 from gateway.state import GatewayState, build_state
 from policies.base import (
     KvEvent,
@@ -64,6 +66,11 @@ class Upstream:
     status: int = 200
     error_body: Any = None
     received: list[dict[str, Any]] = field(default_factory=list)
+    peers: set[Any] = field(default_factory=set)  # the gateway's end of each connection used
+    # Streams: the pause between chunks, and after [DONE] before the body ends.
+    chunk_pause_s: float = 0.0
+    tail_pause_s: float = 0.0
+    garbage: bytes | None = None  # answer 200 with this instead of a completion (or its chunks)
 
 
 @dataclass
@@ -92,17 +99,35 @@ async def rig(tiny_model: Path) -> AsyncIterator[Rig]:
     async def health(_: web.Request) -> web.Response:
         return web.Response(text="ok")
 
-    async def chat(request: web.Request) -> web.Response:
-        upstream.received.append(
-            {"request_id": request.headers.get("x-request-id"), "body": await request.json()}
-        )
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        upstream.received.append({"request_id": request.headers.get("x-request-id"), "body": body})
+        if request.transport is not None:
+            upstream.peers.add(request.transport.get_extra_info("peername"))
         if upstream.status != 200:
             if isinstance(upstream.error_body, bytes):
                 return web.Response(body=upstream.error_body, status=upstream.status)
             error = upstream.error_body if upstream.error_body is not None else {"error": {"message": "no"}}
             return web.json_response(error, status=upstream.status)
         usage = {"prompt_tokens": 5, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}}
-        return web.json_response({"choices": [], "usage": usage})
+        if not body.get("stream"):
+            if upstream.garbage is not None:
+                return web.Response(body=upstream.garbage, content_type="application/json")
+            return web.json_response({"choices": [], "usage": usage})
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        if upstream.garbage is not None:
+            await resp.write(b"data: " + upstream.garbage + b"\n\ndata: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        for word in ("a", "b", "c"):
+            delta = {"choices": [{"index": 0, "delta": {"content": word}, "finish_reason": None}]}
+            await resp.write(b"data: " + orjson.dumps(delta) + b"\n\n")
+            await asyncio.sleep(upstream.chunk_pause_s)
+        await resp.write(b"data: [DONE]\n\n")
+        await asyncio.sleep(upstream.tail_pause_s)
+        await resp.write_eof()
+        return resp
 
     server = web.Application()
     server.router.add_get("/health", health)
@@ -197,11 +222,27 @@ async def test_internal_request_id_is_sent_upstream_and_the_client_id_only_echoe
     assert [r.request_id for r in rig.policy.requests] == ids
 
 
+def _through(rig: Rig, transport: str) -> None:
+    """Send the rig's requests through `transport`: the lean client (http:// workers, the
+    default) or aiohttp (what https workers use)."""
+    if transport == "aiohttp":
+        for pool in rig.state.registry.pools.values():
+            for worker in pool.workers.values():
+                worker.direct = None
+
+
+TRANSPORTS = ["lean", "aiohttp"]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize(
     ("status", "outcome", "client_status"),
     [(200, Outcome.SERVED, 200), (400, Outcome.REJECTED, 400), (500, Outcome.WORKER_FAILED, 502)],
 )
-async def test_policy_learns_the_outcome(rig: Rig, status: int, outcome: Outcome, client_status: int) -> None:
+async def test_policy_learns_the_outcome(
+    rig: Rig, status: int, outcome: Outcome, client_status: int, transport: str
+) -> None:
+    _through(rig, transport)
     rig.upstream.status = status
     resp = await rig.chat()
     assert resp.status_code == client_status
@@ -265,9 +306,11 @@ async def test_policy_learns_the_outcome(rig: Rig, status: int, outcome: Outcome
         ),
     ],
 )
+@pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_worker_errors_are_passed_through_in_the_gateway_shape(
-    rig: Rig, status: int, worker_body: Any, expected: dict[str, Any]
+    rig: Rig, status: int, worker_body: Any, expected: dict[str, Any], transport: str
 ) -> None:
+    _through(rig, transport)
     rig.upstream.status = status
     rig.upstream.error_body = worker_body
     for stream in (False, True):
@@ -331,3 +374,49 @@ async def test_tokenizer_mode_runs_off_the_event_loop(rig: Rig, monkeypatch: pyt
         assert resp.status_code == 200
     assert len(threads) == 2 and all(t.startswith("kvgate-normalizer") for t in threads)
     assert rig.policy.requests[-1].n_prompt_tokens > 500
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_stream_that_reached_done_is_a_success_whatever_the_socket_does_next(
+    rig: Rig, transport: str
+) -> None:
+    _through(rig, transport)
+    # The disconnect watcher runs from 20 ms on, and the worker ends its body 50 ms after [DONE]:
+    # the client's response is complete by then, which its receive() reports as a disconnect.
+    rig.state.disconnects = DisconnectWatch(delay_s=0.02)
+    rig.upstream.chunk_pause_s = 0.03
+    rig.upstream.tail_pause_s = 0.05
+    streams = 5
+    for _ in range(streams):
+        resp = await rig.chat(stream=True)
+        assert resp.status_code == 200 and resp.content.endswith(b"data: [DONE]\n\n")
+    assert [obs.outcome for obs in rig.policy.observations] == [Outcome.SERVED] * streams
+    statuses = {values[2] for values in rig.state.metrics.requests.children}
+    assert statuses == {"200"}
+    worker = next(iter(rig.state.registry.pools["p"].workers.values()))
+    assert worker.breaker.failures == 0 and worker.in_flight == 0
+    # Read to its end, each connection went back to the pool (closing it would take one per
+    # stream). The lean client reuses the one it has; aiohttp's pool hands out its oldest idle
+    # connection first, some of them opened by health checks.
+    if transport == "lean":
+        assert len(rig.upstream.peers) == 1
+    else:
+        assert len(rig.upstream.peers) < streams
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_malformed_answer_is_a_502_and_counts_against_the_worker(
+    rig: Rig, transport: str, stream: bool
+) -> None:
+    _through(rig, transport)
+    rig.upstream.garbage = b"<html>502 from a proxy in front of the worker</html>"
+    resp = await rig.chat(stream=stream)
+    assert resp.status_code == 502 and resp.headers["content-type"] == "application/json"
+    error = orjson.loads(resp.content)["error"]
+    assert (error["type"], error["code"]) == ("server_error", "bad_gateway")
+    assert error["message"].startswith("worker sent a malformed")
+    (obs,) = rig.policy.observations
+    assert obs.outcome is Outcome.WORKER_FAILED
+    worker = next(iter(rig.state.registry.pools["p"].workers.values()))
+    assert worker.breaker.failures == 1 and worker.in_flight == 0

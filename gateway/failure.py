@@ -1,0 +1,126 @@
+"""Why an attempt on a worker failed, and what follows from it.
+
+`failure_of` is the one place where the upstream transports' exceptions (the lean client's
+`Upstream*` errors for http:// workers, aiohttp's for https workers, the relay's `MalformedStream`)
+become the gateway's outcomes: the client's status, message and code, what the worker's breaker
+and the policy learn, and whether the request may go to another worker.
+
+What follows depends on how far the attempt got (`Stage`). A request is sent to another worker
+only while nothing has reached the client and the worker had not begun delivering an answer: on a
+connect error, a worker at its connection cap, a read timeout or a dropped connection before the
+answer's head (for a stream: before its first event), a 5xx answer, or an answer that is not one
+(a 200 whose body is not a JSON object, a stream whose first event is not an SSE data event with
+a JSON object). The attempt that timed out is closed first, so the worker stops. Every failure
+but the gateway's own connection cap counts against the worker.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import aiohttp
+
+from gateway.config import TimeoutsConfig
+from gateway.errors import ApiError
+from gateway.sse import STREAM_ERROR_CODE, MalformedStream
+from gateway.upstream import UpstreamBusy, UpstreamConnectError, UpstreamError, UpstreamTimeout
+from policies.base import Outcome
+from policies.records import record
+
+
+class Stage(enum.Enum):
+    """How far an attempt had got when it failed."""
+
+    HEAD = "head"  # connecting, sending, or waiting for the answer's head
+    FIRST_EVENT = "first_event"  # a stream's head came, its first event not: the client has nothing
+    ANSWER = "answer"  # a whole (non-streamed) answer was arriving
+    STREAM = "stream"  # the stream had reached the client
+
+
+class RetryReason(enum.StrEnum):
+    """Why a request was sent to another worker (the `reason` label of the retries counter)."""
+
+    CONNECT_ERROR = "connect_error"
+    WORKER_BUSY = "worker_busy"
+    READ_TIMEOUT = "read_timeout"
+    CONNECTION_LOST = "connection_lost"
+    WORKER_ERROR = "worker_error"
+    MALFORMED_ANSWER = "malformed_answer"
+
+
+@record
+class Failure:
+    """An attempt's end without an answer for the client. `retry` is set when the request may go
+    to another worker; otherwise the client gets `status` with `message` and `code` (a stream
+    that had reached the client gets them as its terminal error event)."""
+
+    status: int
+    message: str
+    code: str
+    outcome: Outcome
+    retry: RetryReason | None = None
+
+    def error(self) -> ApiError:
+        headers = {"retry-after": "1"} if self.status == 503 else {}
+        return ApiError(self.status, self.message, "server_error", self.code, None, headers)
+
+
+# Everything a transport (or the relay reading from it) raises for a worker's fault.
+TRANSPORT_ERRORS = (UpstreamError, aiohttp.ClientError, OSError, MalformedStream)
+
+_BAD_GATEWAY = "bad_gateway"
+_TIMEOUT = "upstream_timeout"
+
+
+def failure_of(exc: Exception, stage: Stage, timeouts: TimeoutsConfig) -> Failure:
+    """The outcome of an attempt that raised `exc` (one of `TRANSPORT_ERRORS`) at `stage`."""
+    if isinstance(exc, MalformedStream):
+        return malformed(f"worker sent a malformed stream ({exc})", stage)
+    if isinstance(exc, UpstreamBusy):
+        # The gateway's own connection cap, not a worker fault: the breaker is not told, and the
+        # client gets 503 with Retry-After when no other worker takes the request.
+        message = f"worker at its connection limit ({exc})"
+        return Failure(503, message, "no_worker_available", Outcome.ABORTED, RetryReason.WORKER_BUSY)
+    failed = Outcome.WORKER_FAILED
+    detail = str(exc) if isinstance(exc, UpstreamError) else type(exc).__name__
+    if isinstance(exc, aiohttp.ConnectionTimeoutError) or (
+        isinstance(exc, UpstreamConnectError) and exc.timed_out
+    ):
+        message = f"could not connect to a worker within {timeouts.connect_s:g} s"
+        return Failure(502, message, _BAD_GATEWAY, failed, RetryReason.CONNECT_ERROR)
+    if isinstance(exc, UpstreamConnectError | aiohttp.ClientConnectorError):
+        return Failure(
+            502, f"could not reach a worker ({detail})", _BAD_GATEWAY, failed, RetryReason.CONNECT_ERROR
+        )
+    if stage is Stage.HEAD and isinstance(exc, UpstreamError) and exc.answered:
+        # The lean client reads a whole answer in one call and says itself whether its head came.
+        stage = Stage.ANSWER
+    timed_out = isinstance(exc, TimeoutError | UpstreamTimeout)
+    if stage is Stage.STREAM:
+        return Failure(502, f"worker stream failed: {type(exc).__name__}", STREAM_ERROR_CODE, failed)
+    if stage is Stage.ANSWER:
+        if timed_out:
+            return Failure(504, "worker timed out while sending its answer", _TIMEOUT, failed)
+        return Failure(502, f"worker connection failed mid-answer ({detail})", _BAD_GATEWAY, failed)
+    if timed_out:
+        message = f"worker did not answer within {timeouts.read_s:g} s"
+        return Failure(504, message, _TIMEOUT, failed, RetryReason.READ_TIMEOUT)
+    if stage is Stage.FIRST_EVENT:
+        message = f"worker stream failed before its first event ({detail})"
+    else:
+        message = f"could not reach a worker ({detail})"
+    return Failure(502, message, _BAD_GATEWAY, failed, RetryReason.CONNECTION_LOST)
+
+
+def worker_status(status: int) -> Failure:
+    """A worker answered 5xx: its body is discarded and another worker may take the request."""
+    message = f"worker answered {status}"
+    return Failure(502, message, _BAD_GATEWAY, Outcome.WORKER_FAILED, RetryReason.WORKER_ERROR)
+
+
+def malformed(message: str, stage: Stage) -> Failure:
+    """A worker's answer that is not one: counted against the worker like a 5xx, and retried
+    like one unless the stream had reached the client."""
+    if stage is Stage.STREAM:
+        return Failure(502, message, STREAM_ERROR_CODE, Outcome.WORKER_FAILED)
+    return Failure(502, message, _BAD_GATEWAY, Outcome.WORKER_FAILED, RetryReason.MALFORMED_ANSWER)

@@ -1,9 +1,10 @@
 """An approximate-mode start-up (the demo's) loads none of the optional extras' packages.
 
 The base install has no tokenizers, jinja2 or matplotlib; if start-up imported them, `kvgate
-serve --demo` would fail on a plain `pip install kvgate`. The test builds, in a fresh interpreter,
-everything the demo builds before it listens (the gateway's config, policy, state and app, and
-the emulated worker's app) and lists the optional modules that got imported.
+serve --demo` would fail on a plain `pip install kvgate`. Each test runs a real start-up in a
+fresh interpreter whose uvicorn server, once it listens, prints the optional modules loaded so
+far and exits: the demo gateway (which starts and stops its emulated worker by PID) and the
+emulated worker itself.
 """
 
 from __future__ import annotations
@@ -20,59 +21,61 @@ from prompt_normalizer.extras import TOKENIZER_PACKAGES
 
 ROOT = Path(__file__).resolve().parents[2]
 OPTIONAL_MODULES = (*TOKENIZER_PACKAGES, "matplotlib")
+_MARK = "optional modules loaded:"
 
-_DEMO_STARTUP = """
-import argparse
+# Prepended to each start-up: report at the end of uvicorn's startup, then ask it to exit.
+_REPORT_WHEN_LISTENING = f"""
+import json, sys, uvicorn
 
-import gateway.cli, gateway.serve, gateway.server  # what `kvgate serve --demo` loads first
-from gateway.app import build_app
-from gateway.auth import hash_api_key
-from gateway.demo import demo_config, demo_policy
-from gateway.precise import install_token_hasher
-from gateway.state import build_state
+_startup = uvicorn.Server.startup
 
-secret = b"s" * 32
-config = demo_config(["http://127.0.0.1:9"], hash_api_key(secret, "sk-demo"), "127.0.0.1", 0)
-policy = demo_policy()
-state = build_state(config, secret, policy.policy, policy.config.normalizer)
-install_token_hasher(state, policy.policy)
-build_app(state, None)
-assert policy.config.normalizer.mode == "approximate"
+async def _report_and_exit(self, sockets=None):
+    await _startup(self, sockets)
+    loaded = sorted(m for m in {OPTIONAL_MODULES!r} if m in sys.modules)
+    print({_MARK!r}, json.dumps(loaded), flush=True)
+    self.should_exit = True
 
-from loadtest.emulator.app import create_app
-from loadtest.emulator.cli import add_arguments, config_from_args
-from loadtest.emulator.kv_events import publisher_factory
+uvicorn.Server.startup = _report_and_exit
+"""
 
-parser = argparse.ArgumentParser()
-add_arguments(parser)
-worker = config_from_args(parser.parse_args(["--port", "9", "--model", "kvgate-demo"]))
-create_app(worker, publisher_factory(worker))
+_DEMO = """
+from gateway.cli import main
+sys.exit(main(["serve", "--demo", "--workers", "1", "--host", "127.0.0.1", "--port", "0"]))
+"""
+
+_WORKER = """
+import runpy
+sys.argv = ["emulator", "--host", "127.0.0.1", "--port", "0", "--model", "kvgate-demo"]
+runpy.run_module("loadtest.emulator", run_name="__main__")
 """
 
 
-def _imported_after(script: str) -> list[str]:
-    """The optional modules a fresh interpreter holds after running `script`."""
-    probe = (
-        f"\nimport json, sys\nprint(json.dumps(sorted(m for m in {OPTIONAL_MODULES!r} if m in sys.modules)))"
-    )
+def _run(script: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-c", script + probe], capture_output=True, text=True, cwd=ROOT, env=env, timeout=60
+    return subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, env=env, timeout=90
     )
+
+
+def _loaded_at_startup(startup: str) -> list[str]:
+    proc = _run(_REPORT_WHEN_LISTENING + startup)
     assert proc.returncode == 0, proc.stderr
-    imported: list[str] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return imported
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(_MARK)]
+    assert len(lines) == 1, proc.stdout
+    loaded: list[str] = json.loads(lines[0].removeprefix(_MARK))
+    return loaded
 
 
-def test_demo_startup_imports_no_optional_package() -> None:
-    assert _imported_after(_DEMO_STARTUP) == []
+@pytest.mark.parametrize("startup", [_DEMO, _WORKER], ids=["demo-gateway", "emulated-worker"])
+def test_startup_loads_no_optional_package(startup: str) -> None:
+    assert _loaded_at_startup(startup) == []
 
 
 @pytest.mark.parametrize("module", OPTIONAL_MODULES)
-def test_the_check_sees_an_optional_import(module: str) -> None:
-    # The same probe does report a package once something imports it (so an empty list above
-    # means "not imported", not "not looked for").
-    assert _imported_after(f"import {module}") == [module]
+def test_the_report_sees_an_optional_import(module: str) -> None:
+    # The same report does list a package that start-up imported (so an empty list above means
+    # "not imported", not "not looked for").
+    assert _loaded_at_startup(f"import {module}\n" + _WORKER) == [module]
 
 
 def test_tokenizer_mode_without_its_packages_stops_at_config_load(tmp_path: Path) -> None:
@@ -96,10 +99,7 @@ def test_tokenizer_mode_without_its_packages_stops_at_config_load(tmp_path: Path
         "from gateway.cli import main\n"
         f"sys.exit(main(['serve', '--config', {str(path)!r}]))\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, env=env, timeout=60
-    )
+    proc = _run(script)
     assert proc.returncode == 2, proc.stderr
     assert "mode 'tokenizer' needs tokenizers: pip install 'kvgate[tokenizer]'" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -16,7 +16,7 @@ $(RUN_STAMP): pyproject.toml | $(BIN)/python
 	touch $(RUN_STAMP)
 
 $(DEV_STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,bench,tokenizer]'
 	touch $(DEV_STAMP) $(RUN_STAMP)
 
 demo: $(RUN_STAMP)
@@ -36,12 +36,13 @@ pytest: $(DEV_STAMP)
 test: lint typecheck pytest
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .import_linter_cache
 
 # `make image`: the container image the Helm chart runs by default, kvgate:<pyproject version>.
 IMAGE ?= kvgate
 IMAGE_TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+KVGATE_EXTRAS ?= tokenizer
 
 .PHONY: image
 image:
-	docker build -t $(IMAGE):$(IMAGE_TAG) .
+	docker build --build-arg KVGATE_EXTRAS=$(KVGATE_EXTRAS) -t $(IMAGE):$(IMAGE_TAG) .

@@ -24,6 +24,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from prompt_normalizer.extras import tokenizer_mode_missing
+
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 ALL_ROLES: tuple[Role, ...] = ("system", "developer", "user", "assistant", "tool", "function")
 TEMPLATE_TIME_DEFAULT = datetime(2025, 1, 1)
@@ -130,6 +132,8 @@ class NormalizerConfig(BaseModel):
     def _mode_needs(self) -> NormalizerConfig:
         if self.mode == "tokenizer" and not self.tokenizer_dir:
             raise ValueError("mode 'tokenizer' needs 'tokenizer_dir'")
+        if self.mode == "tokenizer" and (missing := tokenizer_mode_missing()):
+            raise ValueError(missing)
         names = [rule.name for rule in self.volatile_rules]
         if len(names) != len(set(names)):
             raise ValueError("volatile_rules names must be unique")

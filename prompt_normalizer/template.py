@@ -1,11 +1,14 @@
 """Tokenizer mode: the model's Jinja chat template plus a local HF `tokenizers` tokenizer.
 
-The template environment matches what Hugging Face `apply_chat_template` (and so vLLM) gives a
-template: `trim_blocks`, `lstrip_blocks`, the loop-controls extension, a `tojson` filter that keeps
-key order and non-ASCII text, `raise_exception`, `strftime_now` (at a fixed configured moment,
-never the wall clock), the special tokens of `tokenizer_config.json`, and `chat_template_kwargs`
-merged into the context. Chat prompts are encoded without adding special tokens (the template
-writes them), completions prompts with them.
+The template renders in `prompt_normalizer.template_env` (the environment Hugging Face
+`apply_chat_template`, and so vLLM, gives a template) with the special tokens of
+`tokenizer_config.json` and the request's `chat_template_kwargs` merged into the context. Chat
+prompts are encoded without adding special tokens (the template writes them), completions prompts
+with them.
+
+tokenizers and jinja2 come with the `kvgate[tokenizer]` extra and are imported when a
+`ChatTemplateTokenizer` is built, never at module import: an approximate-mode process loads
+neither.
 """
 
 from __future__ import annotations
@@ -15,29 +18,28 @@ import hashlib
 import json
 import re
 import threading
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.parser
-import jinja2.sandbox
 import numpy as np
 import numpy.typing as npt
-from tokenizers import Tokenizer
 
 from prompt_normalizer.canonical import CanonicalChat
 from prompt_normalizer.config import TEMPLATE_TIME_DEFAULT
 from prompt_normalizer.errors import NormalizerError
+from prompt_normalizer.extras import tokenizer_mode_missing
 from prompt_normalizer.keys import TOKEN_DTYPE, TokenArray
 from prompt_normalizer.layout import BoundarySpec, common_prefix_chars
 
-_TEMPLATE_CACHE_MAX = 16
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+    from prompt_normalizer.template_env import TemplateRenderer
+
+_FORMAT_CACHE_MAX = 16
 # Token ids reach numpy through a 32-bit array.array (several times faster than numpy's conversion
 # of a Python list); on a platform whose C unsigned int is not 32 bits, numpy converts them.
 _U32_ARRAY = array.array("I").itemsize == 4
@@ -45,56 +47,16 @@ _OPENAI_FORMAT = re.compile(r"for\s+\w+\s+in\s+\w+\s*(\[\s*['\"]content['\"]\s*\
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
+def _load_tokenizer_mode(template_time: datetime) -> tuple[type[Tokenizer], TemplateRenderer]:
+    """The tokenizer class and a template renderer, or a config error naming the extra."""
+    try:
+        from tokenizers import Tokenizer
 
-
-def _raise_exception(message: str) -> NoReturn:
-    raise jinja2.TemplateError(message)
-
-
-def _strftime_at(moment: datetime) -> Callable[[str], str]:
-    # Templates that print "today" would put the wall clock into the model input and so into the
-    # keys; they get one configured moment instead (a request may pass its own date as a kwarg).
-    def strftime_now(fmt: str) -> str:
-        return moment.strftime(str(fmt))
-
-    return strftime_now
-
-
-class _GenerationBlock(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; for
-    rendering a prompt it is transparent (its body renders as is)."""
-
-    tags = {"generation"}  # noqa: RUF012 (jinja2's class attribute)
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        call = self.call_method("_render_body")
-        return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
-
-    @staticmethod
-    def _render_body(caller: Any) -> str:
-        return str(caller())
-
-
-def _environment(template_time: datetime) -> jinja2.Environment:
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationBlock]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_at(template_time)
-    return env
+        from prompt_normalizer.template_env import TemplateRenderer
+    except ImportError as exc:
+        message = tokenizer_mode_missing() or f"mode 'tokenizer' cannot import {exc.name}"
+        raise NormalizerError(message, code="bad_config") from None
+    return Tokenizer, TemplateRenderer(template_time)
 
 
 def _token_text(value: Any) -> str | None:
@@ -123,10 +85,11 @@ class ChatTemplateTokenizer:
         content_format: str = "auto",
         template_time: datetime = TEMPLATE_TIME_DEFAULT,
     ) -> None:
+        tokenizer_class, self._renderer = _load_tokenizer_mode(template_time)
         root = Path(tokenizer_dir)
         try:
             tok_bytes = (root / "tokenizer.json").read_bytes()
-            self._tokenizer = Tokenizer.from_str(tok_bytes.decode())
+            self._tokenizer: Tokenizer = tokenizer_class.from_str(tok_bytes.decode())
             config_path = root / "tokenizer_config.json"
             config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.exists() else {}
         except Exception as exc:  # tokenizers raises a bare Exception on a bad file
@@ -149,32 +112,12 @@ class ChatTemplateTokenizer:
         self._templates = templates
         self._special = {k: t for k in _SPECIAL_KEYS if (t := _token_text(config.get(k))) is not None}
         self._content_format = content_format
-        self._env = _environment(template_time)
-        self._compiled: OrderedDict[str, jinja2.Template] = OrderedDict()
         self._lock = threading.Lock()
         self._auto_formats: dict[str, str] = {}
         digest = hashlib.sha256(tok_bytes)
         for name in sorted(templates):
             digest.update(name.encode() + b"\0" + templates[name].encode() + b"\0")
         self.fingerprint = digest.hexdigest()[:16]
-
-    def _template(self, source: str) -> jinja2.Template:
-        with self._lock:
-            compiled = self._compiled.get(source)
-            if compiled is not None:
-                self._compiled.move_to_end(source)
-                return compiled
-        try:
-            compiled = self._env.from_string(source)
-        except jinja2.TemplateSyntaxError as exc:
-            raise NormalizerError(
-                f"chat template does not compile: {exc.message}", param="chat_template"
-            ) from None
-        with self._lock:
-            self._compiled[source] = compiled
-            while len(self._compiled) > _TEMPLATE_CACHE_MAX:
-                self._compiled.popitem(last=False)
-        return compiled
 
     def _source(self, chat: CanonicalChat) -> str:
         override = chat.template.get("chat_template")
@@ -191,7 +134,7 @@ class ChatTemplateTokenizer:
             if not fmt:  # a regex over the whole template: once per template, not per render
                 fmt = "openai" if _OPENAI_FORMAT.search(source) else "string"
                 with self._lock:
-                    if len(self._auto_formats) >= _TEMPLATE_CACHE_MAX:
+                    if len(self._auto_formats) >= _FORMAT_CACHE_MAX:
                         self._auto_formats.clear()
                     self._auto_formats[source] = fmt
         out = []
@@ -223,18 +166,7 @@ class ChatTemplateTokenizer:
             documents=chat.template.get("documents"),
             add_generation_prompt=add_gen,
         )
-        try:
-            text = self._template(source).render(**context)
-        except jinja2.TemplateError as exc:
-            raise NormalizerError(
-                f"chat template failed: {exc}", param="messages", code="template_error"
-            ) from None
-        except Exception as exc:  # the template met request data of a type it cannot handle
-            raise NormalizerError(
-                f"chat template failed on the request: {type(exc).__name__}",
-                param="messages",
-                code="template_error",
-            ) from None
+        text = self._renderer.render(source, context)
         if spec is None and chat.continue_final_message:
             text = _cut_after_final(text, chat.messages[-1].get("content"))
         return text

@@ -78,7 +78,16 @@ def test_make_image_builds_the_chart_default_image() -> None:
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     assert values["image"]["tag"] == ""  # the chart falls back to its appVersion
     assert chart["appVersion"] == version
-    assert proc.stdout.split() == ["docker", "build", "-t", f"{values['image']['repository']}:{version}", "."]
+    tag = f"{values['image']['repository']}:{version}"
+    assert proc.stdout.split() == [
+        "docker",
+        "build",
+        "--build-arg",
+        "KVGATE_EXTRAS=tokenizer",
+        "-t",
+        tag,
+        ".",
+    ]
 
 
 def test_build_context_holds_every_package_the_wheel_needs() -> None:

@@ -11,6 +11,8 @@ from typing import Protocol
 
 import numpy as np
 
+from prompt_normalizer.extras import TOKENIZER_EXTRA
+
 
 class TokenizerError(ValueError):
     """Token ids outside the vocabulary, or a tokenizer file that cannot be loaded."""
@@ -64,8 +66,12 @@ class HFTokenizer:
     """A Hugging Face `tokenizers` tokenizer read from a local tokenizer.json (no download)."""
 
     def __init__(self, path: str | Path) -> None:
-        from tokenizers import Tokenizer as _HF
-
+        try:  # imported here: the byte tokenizer, the default, needs no package
+            from tokenizers import Tokenizer as _HF
+        except ImportError:
+            raise TokenizerError(
+                f"tokenizer {path} needs the tokenizers package: pip install '{TOKENIZER_EXTRA}'"
+            ) from None
         try:
             self._tok = _HF.from_file(str(path))
         except Exception as exc:  # the library raises a bare Exception on bad files

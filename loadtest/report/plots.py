@@ -1,20 +1,48 @@
-"""PNG plots of a routing benchmark (matplotlib, Agg backend: no display needed)."""
+"""PNG plots of a routing benchmark (matplotlib, Agg backend: no display needed).
+
+matplotlib comes with the `kvgate[bench]` extra and is imported on the first plot. Without it
+each plot is skipped and the run says so once on stderr; the report and results.json are written
+all the same.
+"""
 
 from __future__ import annotations
 
+import functools
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import ModuleType
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import numpy as np
 
 from loadtest.report.sampler import LoadSample
 
+BENCH_EXTRA = "kvgate[bench]"
 
-def ttft_cdf(ttfts: Mapping[str, Sequence[float]], path: Path) -> None:
+
+@functools.cache
+def _pyplot() -> ModuleType | None:
+    """matplotlib.pyplot on the Agg backend, or None (said once) when matplotlib is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(
+            f"plots skipped: matplotlib is not installed (pip install '{BENCH_EXTRA}')",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def ttft_cdf(ttfts: Mapping[str, Sequence[float]], path: Path) -> bool:
+    """Step CDF of TTFT per router; False when skipped (no matplotlib)."""
+    plt = _pyplot()
+    if plt is None:
+        return False
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, values in ttfts.items():
         if not values:
@@ -31,11 +59,16 @@ def ttft_cdf(ttfts: Mapping[str, Sequence[float]], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
 def hit_ratio_bars(
     hits: Mapping[str, float], ceiling_infinite: float, ceiling_pooled_lru: float, path: Path
-) -> None:
+) -> bool:
+    """Hit ratio per router against both ceilings; False when skipped (no matplotlib)."""
+    plt = _pyplot()
+    if plt is None:
+        return False
     fig, ax = plt.subplots(figsize=(7, 4.5))
     names = list(hits)
     ax.bar(names, [hits[n] for n in names], color="tab:blue")
@@ -60,9 +93,14 @@ def hit_ratio_bars(
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
-def load_over_time(loads: Mapping[str, Sequence[LoadSample]], n_workers: int, path: Path) -> None:
+def load_over_time(loads: Mapping[str, Sequence[LoadSample]], n_workers: int, path: Path) -> bool:
+    """Running + waiting per worker over time, one panel per router; False when skipped."""
+    plt = _pyplot()
+    if plt is None:
+        return False
     routers = [r for r in loads if loads[r]]
     fig, axes = plt.subplots(
         len(routers) or 1, 1, figsize=(8, 2.6 * max(len(routers), 1)), sharex=True, squeeze=False
@@ -84,3 +122,4 @@ def load_over_time(loads: Mapping[str, Sequence[LoadSample]], n_workers: int, pa
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True

@@ -20,10 +20,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from loadtest.emulator import routes_audio, routes_messages, routes_openai, routes_pooling, routes_responses
 from loadtest.emulator.config import EmulatorConfig
 from loadtest.emulator.errors import ApiError
+from loadtest.emulator.live import KvEventSink
 from loadtest.emulator.metrics import render_metrics
 from loadtest.emulator.responses_api import ResponseStore
 from loadtest.emulator.web import json_response as _json
-from loadtest.emulator.worker import EmulatedWorker, KvEventSink
+from loadtest.emulator.worker import EmulatedWorker
 
 ROUTE_FAMILIES: tuple[APIRouter, ...] = (
     routes_openai.router,

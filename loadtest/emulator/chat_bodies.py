@@ -10,8 +10,8 @@ from typing import Any
 
 import orjson
 
+from loadtest.emulator.live import LiveGroup, LiveRequest
 from loadtest.emulator.logprobs import chat_logprobs, completion_logprobs
-from loadtest.emulator.worker import LiveGroup, LiveRequest
 
 
 def produced(live: LiveRequest) -> int:

@@ -12,6 +12,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from loadtest.emulator import chat_bodies
 from loadtest.emulator.errors import ApiError
+from loadtest.emulator.live import LiveGroup
 from loadtest.emulator.protocol import (
     completion_prompt_ids,
     parse_chat,
@@ -19,7 +20,7 @@ from loadtest.emulator.protocol import (
     render_chat_body,
 )
 from loadtest.emulator.web import json_response, read_json, token_batches, wait_finished, worker_of
-from loadtest.emulator.worker import EmulatedWorker, LiveGroup
+from loadtest.emulator.worker import EmulatedWorker
 from loadtest.engine.tokenizer import TokenizerError
 
 router = APIRouter()

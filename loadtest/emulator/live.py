@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -58,6 +58,7 @@ class LiveRequest:
         "gen",
         "index",
         "logprobs",
+        "on_finish",
         "produced",
         "prompt_ids",
         "request_id",
@@ -89,6 +90,9 @@ class LiveRequest:
         self.arrival_s = time.monotonic()
         self.first_token_s: float | None = None
         self.event = event if event is not None else asyncio.Event()
+        # Called by the step loop once the sequence finished (or failed), before its handler
+        # wakes: a prefill worker holds the prompt's blocks there for a KV transfer.
+        self.on_finish: Callable[[LiveRequest], None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -109,7 +113,7 @@ class LiveGroup:
     `lives[p * n + c]` is choice `c` of prompt `p`; `response_id` is the id the answer carries.
     """
 
-    __slots__ = ("created", "event", "gen", "lives", "response_id")
+    __slots__ = ("created", "event", "gen", "kv_transfer_params", "lives", "response_id")
 
     def __init__(
         self, gen: GenerationRequest, response_id: str, lives: list[LiveRequest], event: asyncio.Event
@@ -119,6 +123,8 @@ class LiveGroup:
         self.lives = tuple(lives)
         self.event = event
         self.created = int(time.time())
+        # vLLM's `kv_transfer_params` of the answer: where a decode worker pulls this prompt's KV.
+        self.kv_transfer_params: dict[str, object] | None = None
 
     @property
     def finished(self) -> bool:

@@ -11,6 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
+
+import numpy as np
 
 from loadtest.emulator.config import EmulatorConfig
 from loadtest.emulator.errors import ApiError
@@ -27,6 +30,7 @@ from loadtest.engine import (
     EngineRejected,
     EngineRequest,
     EngineStats,
+    InstalledBlocks,
     StepResult,
     block_hashes,
     load_profile,
@@ -76,9 +80,16 @@ class EmulatedWorker:
 
     # ------------------------------------------------------------------ requests
 
-    def submit(self, gen: GenerationRequest, response_id: str) -> LiveGroup:
+    def submit(
+        self,
+        gen: GenerationRequest,
+        response_id: str,
+        external_tokens: int = 0,
+        on_finish: Callable[[LiveRequest], None] | None = None,
+    ) -> LiveGroup:
         """Queue every sequence of a validated request (all or none); ApiError if one can never
-        run or the queue is full."""
+        run or the queue is full. `external_tokens`: prompt tokens whose KV was received from a
+        prefill worker (installed first); `on_finish` runs when each sequence finishes."""
         tool_answer = None
         if gen.tool_call is not None:
             tool_answer = self.answers.fixed_answer(gen.tool_call.arguments)
@@ -100,11 +111,14 @@ class EmulatedWorker:
                 for c in range(gen.n):
                     answer = tool_answer or self.answers.text_answer(prompt, gen.max_tokens, variant=c)
                     live = LiveRequest(gen, prompt, answer, p * gen.n + c, event)
+                    live.on_finish = on_finish
                     if gen.logprobs is not None:
                         live.logprobs = self.logprob_writer.for_answer(answer, gen.logprobs)
                     hashes = block_hashes(live.seq_token_ids, self.block_size, gen.cache_salt, self.cfg.seed)
                     self.engine.submit(
-                        EngineRequest(live.request_id, len(prompt), len(answer.pieces), hashes)
+                        EngineRequest(
+                            live.request_id, len(prompt), len(answer.pieces), hashes, external_tokens
+                        )
                     )
                     self._live[live.request_id] = live
                     lives.append(live)
@@ -176,8 +190,16 @@ class EmulatedWorker:
             self.engine.abort(live.request_id)
             live.failed = True
             live.finished = True
-            live.event.set()
+            self._finished(live)
         self._live.clear()
+
+    def _finished(self, live: LiveRequest) -> None:
+        if live.on_finish is not None:
+            try:
+                live.on_finish(live)
+            except Exception:  # a broken hook must not stop the step loop
+                log.exception("finish hook failed")
+        live.event.set()
 
     def _lookup(self, request_id: object) -> LiveRequest | None:
         key = str(request_id)
@@ -203,8 +225,31 @@ class EmulatedWorker:
             live = self._live.pop(str(fin.request_id), None)
             if live is not None:
                 live.finished = True
-                live.event.set()
+                self._finished(live)
                 self.latency.observe_e2e((now - live.arrival_s) * self.cfg.time_scale)
+
+    def publish_installed(self, installed: InstalledBlocks, prompt_ids: np.ndarray, salt: str | None) -> None:
+        """KV events for blocks received from a prefill worker (BlockStored, and BlockRemoved
+        for what their installation evicted)."""
+        if self.sink is None or not (installed.stored or installed.removed):
+            return
+        bs = self.block_size
+        stored = [
+            StoredBlocks(
+                st.block_hashes,
+                st.parent_block_hash,
+                prompt_ids[
+                    st.first_block_index * bs : (st.first_block_index + len(st.block_hashes)) * bs
+                ].tolist(),
+                salt,
+                st.first_block_index,
+            )
+            for st in installed.stored
+        ]
+        try:
+            self.sink.publish(stored, installed.removed, bs)
+        except Exception:  # a broken event socket must not fail the request
+            log.exception("KV event publish failed")
 
     def _publish(self, res: StepResult) -> None:
         assert self.sink is not None

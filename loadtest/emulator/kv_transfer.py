@@ -180,7 +180,7 @@ class KvTransfers:
             return 404, _error(404, "no KV is held for this remote_request_id (unknown or expired)")
         if held.expiry is not None:
             held.expiry.cancel()
-        self._release_after_read(transfer_id, tokens)
+        self._release_after_read(transfer_id, min(tokens, held.num_tokens))
         return 200, self._offer(held)
 
     def _offer(self, held: _Held) -> dict[str, Any]:
@@ -238,10 +238,10 @@ class KvTransfers:
 
     def _room_producer(self, room_id: int, room: _Room) -> FinishHook:
         def finished(live: LiveRequest) -> None:
-            key = f"room-{room_id}"
+            key = uuid.uuid4().hex
             if not live.failed:
                 room.held = self._hold(key, live)
-                self._release_after_read(key, room.pull_tokens)
+                self._release_after_read(key, min(room.pull_tokens, room.held.num_tokens))
             room.ready.set()
             self._rooms.pop(room_id, None)  # the waiting decode side holds its own reference
 

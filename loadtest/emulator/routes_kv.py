@@ -18,6 +18,7 @@ from fastapi.responses import Response
 from loadtest.emulator.errors import ApiError
 from loadtest.emulator.kv_fetch import BOOTSTRAP_PATH, PULL_PATH
 from loadtest.emulator.kv_transfer import KvTransfers
+from loadtest.emulator.pd_protocol import MAX_ROOM
 from loadtest.emulator.web import json_response, read_json
 
 router = APIRouter()
@@ -53,7 +54,7 @@ async def bootstrap(request: Request, room: int) -> Response:
         timeout_s = float(request.query_params.get("timeout_s", "30"))
     except ValueError as exc:
         raise ApiError.bad_request("tokens and timeout_s must be numbers") from exc
-    if not math.isfinite(timeout_s) or timeout_s <= 0 or room < 0:
-        raise ApiError.bad_request("timeout_s must be positive and room non-negative")
+    if not math.isfinite(timeout_s) or timeout_s <= 0 or not 0 <= room < MAX_ROOM:
+        raise ApiError.bad_request("timeout_s must be positive and room in [0, 2^64)")
     status, answer = await transfers_of(request).serve_bootstrap(room, tokens, min(timeout_s, MAX_WAIT_S))
     return json_response(answer, status)

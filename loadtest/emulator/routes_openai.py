@@ -104,9 +104,8 @@ async def _generate(
 ) -> Response:
     """Act on the request's prefill/decode fields (docs/pd.md), then run and answer it."""
     w = worker_of(request)
-    prepared = await transfers_of(request).prepare(
-        body, gen, "messages" if prefix == "chatcmpl" else "prompt"
-    )
+    prompt_param = "messages" if gen.endpoint == "chat" else "prompt"
+    prepared = await transfers_of(request).prepare(body, gen, prompt_param)
     if prepared.failure is not None:
         if gen.stream:  # as vLLM: the stream opens, then carries the error
             return StreamingResponse(_error_stream(prepared.failure), media_type="text/event-stream")

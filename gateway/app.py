@@ -197,6 +197,9 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
         lifespan=lifespan,
         exception_handlers={404: _not_found, 405: _method_not_allowed, Exception: _internal},
     )
+    # Starlette would answer a trailing-slash path with a 307 whose Location is built from the
+    # client's Host header; an unknown route is a 404 like any other.
+    fallback.router.redirect_slashes = False
     return GatewayApp(state, fallback)
 
 

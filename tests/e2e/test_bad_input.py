@@ -133,6 +133,12 @@ def test_unknown_route_and_method(stack: Stack) -> None:
     _assert_error(httpx.get(stack.base_url + CHAT, timeout=5), 405)
 
 
+def test_a_trailing_slash_is_404_without_a_redirect(stack: Stack) -> None:
+    resp = _post(stack, json=OK_BODY, path=CHAT + "/")
+    _assert_error(resp, 404, "not_found")
+    assert "location" not in resp.headers
+
+
 def test_sdk_maps_statuses_to_its_exceptions(stack: Stack) -> None:
     base = stack.base_url + "/v1"
     with pytest.raises(openai.AuthenticationError):

@@ -59,7 +59,8 @@ class Admitted:
     `outcome.record_request` (which sets `recorded`).
 
     `forward` is the body to send upstream (the canonical body when the normalizer changed it) and
-    `raw` the client's bytes, reused as-is when nothing needs changing.
+    `encoded` the client's body as the gateway re-encoded it at parse time (without any client
+    `cache_salt`), reused when nothing else needs changing.
     """
 
     request_id: str
@@ -69,7 +70,7 @@ class Admitted:
     limiter: TenantLimiter
     pool: Pool
     model: str
-    raw: bytes
+    encoded: bytes
     forward: dict[str, Any]
     changed: bool
     stream: bool
@@ -96,10 +97,11 @@ class Admitted:
         cached = self._encoded.get(salt)
         if cached is not None:
             return cached
-        if self.forward.get("cache_salt") == salt:
-            out = orjson.dumps(self.forward) if self.changed else self.raw
-        else:
+        if self.changed:
             out = orjson.dumps({**self.forward, "cache_salt": salt})
+        else:
+            # `encoded` is a non-empty JSON object with no `cache_salt` key: the salt goes first.
+            out = b'{"cache_salt":' + orjson.dumps(salt) + b"," + self.encoded[1:]
         self._encoded[salt] = out
         return out
 
@@ -226,6 +228,7 @@ def authenticate(head: RequestHead, state: GatewayState) -> Tenant:
 
 
 def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
+    """The request body as a JSON object, with the fields routing needs checked; 400 otherwise."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -259,6 +262,27 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
     return body
 
 
+# orjson parses up to 1024 levels but encodes at most 254, and every body is encoded again on its
+# way to the worker (with the gateway's `cache_salt`), as are parts of it by the normalizer.
+MAX_JSON_DEPTH = 254
+
+
+def encode_body(body: dict[str, Any]) -> bytes:
+    """The body re-encoded without any client `cache_salt` (the gateway always sets its own).
+
+    This is also the nesting bound: encoding refuses JSON nested deeper than `MAX_JSON_DEPTH`, at
+    the cost of one `orjson.dumps`, which `Admitted.body_for` then reuses instead of encoding again
+    (faster than counting brackets in the raw bytes or walking the parsed objects in Python).
+    """
+    body.pop("cache_salt", None)
+    try:
+        return orjson.dumps(body)
+    except orjson.JSONEncodeError:
+        raise bad_request(
+            f"request body is nested too deeply: at most {MAX_JSON_DEPTH} levels of JSON objects and arrays"
+        ) from None
+
+
 def _max_output_tokens(body: dict[str, Any]) -> int:
     for name in ("max_completion_tokens", "max_tokens"):
         value = body.get(name)
@@ -276,6 +300,7 @@ async def admit(
     tenant = authenticate(head, state)
     raw = await read_body(receive, head, state.config.limits.max_body_bytes)
     body = parse_body(raw, endpoint)
+    encoded = encode_body(body)
     model: str = body["model"]
     pool = state.registry.by_model.get(model)
     if pool is None:
@@ -345,7 +370,7 @@ async def admit(
         limiter=limiter,
         pool=pool,
         model=model,
-        raw=raw,
+        encoded=encoded,
         forward=forward,
         changed=changed,
         stream=stream,

@@ -10,7 +10,6 @@ import asyncio
 import functools
 import itertools
 import os
-import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -291,14 +290,27 @@ def _max_output_tokens(body: dict[str, Any]) -> int:
     return 0
 
 
-async def admit(
-    head: RequestHead, receive: Receive, endpoint: Endpoint, state: GatewayState, ids: RequestIds
-) -> Admitted:
-    """Run every check in the order a client would expect: 401, 413, 400, 404, 429."""
-    started_s = time.monotonic()
-    request_id = ids.internal
+def enter(head: RequestHead, state: GatewayState, now_s: float) -> Tenant:
+    """What the headers alone decide, before the body is read: 401 without a valid key, 413 when
+    `Content-Length` is already too large, 429 when the tenant is at its concurrency limit or out
+    of requests. Otherwise the request takes one of its tenant's slots (`TenantLimiter.enter`),
+    which its caller gives back unless `admit` hands it to the admitted request."""
     tenant = authenticate(head, state)
-    raw = await read_body(receive, head, state.config.limits.max_body_bytes)
+    max_bytes = state.config.limits.max_body_bytes
+    if head.content_length is not None and head.content_length > max_bytes:
+        raise _too_large(max_bytes)
+    rejection = state.limiter(tenant).enter(now_s)
+    if rejection is not None:
+        raise _quota_error(rejection)
+    return tenant
+
+
+async def admit(
+    raw: bytes, endpoint: Endpoint, state: GatewayState, ids: RequestIds, tenant: Tenant, started_s: float
+) -> Admitted:
+    """Run every check that needs the body, in the order a client would expect: 400, 404, 429
+    (tokens); the request already holds its tenant's slot (`enter`)."""
+    request_id = ids.internal
     body = parse_body(raw, endpoint)
     encoded = encode_body(body)
     model: str = body["model"]
@@ -307,10 +319,6 @@ async def admit(
         raise ApiError(
             404, f"The model '{model}' does not exist", "invalid_request_error", "model_not_found", "model"
         )
-    limiter = state.limiter(tenant)
-    early = limiter.precheck(started_s)
-    if early is not None:
-        raise _quota_error(early)
     identity, public = state.identities(pool, model, tenant)
     normalizer = state.normalizer(pool)
     try:

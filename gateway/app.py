@@ -175,10 +175,6 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
     async def not_allowed(request: Request) -> Response:
         return await _method_not_allowed(request, RuntimeError())
 
-    async def metrics(request: Request) -> Response:
-        _refresh_gauges(state)
-        return Response(state.metrics.render(), 200, media_type="text/plain; version=0.0.4; charset=utf-8")
-
     async def healthz(request: Request) -> Response:
         return _json({"status": "ok"}, 200, request_id_of(request))
 
@@ -233,7 +229,6 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
         Route("/v1/models", models, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
         *admin_routes(state, watcher),
     ]
     fallback = Starlette(
@@ -245,6 +240,22 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
     # client's Host header; an unknown route is a 404 like any other.
     fallback.router.redirect_slashes = False
     return GatewayApp(state, fallback)
+
+
+def build_metrics_app(state: GatewayState) -> Starlette:
+    """`GET /metrics` alone, for the metrics listener (`metrics.listen`): the client port has no
+    metrics route, as the metrics name tenants and workers."""
+
+    async def metrics(request: Request) -> Response:
+        _refresh_gauges(state)
+        return Response(state.metrics.render(), 200, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    app = Starlette(
+        routes=[Route("/metrics", metrics, methods=["GET"])],
+        exception_handlers={404: _not_found, 405: _method_not_allowed, Exception: _internal},
+    )
+    app.router.redirect_slashes = False
+    return app
 
 
 async def drain(state: GatewayState, deadline_s: float) -> None:

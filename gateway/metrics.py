@@ -54,7 +54,16 @@ class GatewayMetrics:
         self.completion_tokens = hot.counter(
             "kvgate_completion_tokens", "Completion tokens reported by workers", ("model", "tenant")
         )
+        self.client_refusals = hot.counter(
+            "kvgate_client_refusals",
+            "Client connections closed by a limit before their request reached the gateway, by reason"
+            " (header_too_large, too_many_headers, header_timeout, body_timeout, connection_limit)",
+            ("reason",),
+        )
         r.register(hot)
+        self.client_connections = Gauge(
+            "kvgate_client_connections", "Open client connections of this process", registry=r
+        )
         self.in_flight = Gauge(
             "kvgate_worker_in_flight", "Gateway in-flight requests per worker", ["pool", "worker"], registry=r
         )

@@ -121,7 +121,8 @@ class _TooManyHeaders(Exception):
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the limits of `ClientLimits` (see the module docstring).
-    Needs a `GuardedServerState`."""
+    Needs a `GuardedServerState`. An uncapped connection (the metrics listener's) is counted but
+    never refused for the connection limit, so that a flood of clients cannot blind monitoring."""
 
     def __init__(
         self,
@@ -129,8 +130,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         server_state: ServerState,
         app_state: dict[str, Any],
         _loop: asyncio.AbstractEventLoop | None = None,
+        *,
+        capped: bool = True,
     ) -> None:
         super().__init__(config, server_state, app_state, _loop)
+        self._capped = capped
         assert isinstance(server_state, GuardedServerState)
         self._guard = server_state.guard
         self._limits = server_state.guard.limits
@@ -159,7 +163,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     # -- asyncio.Protocol
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        over = len(self.connections) >= self._limits.max_connections
+        over = self._capped and len(self.connections) >= self._limits.max_connections
         super().connection_made(transport)
         if over:
             # Cheapest for both sides: nothing read, nothing held; clients retry a closed connection.

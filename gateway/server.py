@@ -66,7 +66,7 @@ class DrainingServer(uvicorn.Server):
             server_state = self.server_state
 
             def metrics_protocol() -> asyncio.Protocol:
-                return GuardedHttpToolsProtocol(metrics_config, server_state, {})
+                return GuardedHttpToolsProtocol(metrics_config, server_state, {}, capped=False)
 
             # Stopped with the client listener: uvicorn's shutdown closes every server listed here.
             metrics = await asyncio.get_running_loop().create_server(

@@ -179,7 +179,12 @@ async def test_connections_beyond_the_process_limit_are_closed_at_once(rig: Rig)
     assert protocol not in rig.guard.waiting
     assert rig.refusals("connection_limit") == 1
     await settle()
+    metrics = GuardedHttpToolsProtocol(rig.config, rig.state, {}, capped=False)
+    metrics_transport = RecordingTransport(metrics)
+    metrics.connection_made(metrics_transport)
+    assert not metrics_transport.closed  # monitoring is never locked out
     held[0][1].close()
+    metrics_transport.close()
     await settle()
     assert not rig.connect()[1].closed  # a free place is taken again
 

@@ -1,5 +1,6 @@
-"""Volatile-rule patterns run in time linear in the text (RE2), whatever an operator writes; a
-pattern RE2 cannot run that way is refused when the policy is loaded."""
+"""Client text is handled in time linear in its length: volatile-rule patterns run by RE2
+whatever an operator writes (a pattern RE2 cannot run that way is refused when the policy is
+loaded), and whitespace normalization without a backtracking regex."""
 
 from __future__ import annotations
 

@@ -70,7 +70,7 @@ class GatewayApp:
         ids = request_ids(head)
         try:
             # The tenant's own slot first, from the headers alone; the body is read under the
-            # connection's deadline (gateway/server.py) and only then is gateway-wide capacity
+            # connection's deadline (gateway/http_limits.py) and only then is gateway-wide capacity
             # taken: a tenant's slow or partial bodies hold its own slots, never everyone's.
             tenant = enter(head, state, started_s)
         except ApiError as err:

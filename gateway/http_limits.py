@@ -20,14 +20,13 @@ A connection's phases, and the deadline each one carries:
     APP   (the app has the request)    none
 
 A new connection starts in HEAD: it must send a request head in time. Header bytes are counted
-as they arrive (before httptools buffers a huge header whole), the header fields as httptools
-reports them; either limit answers 431 and closes.
+as they arrive (before httptools buffers a huge header whole), the header fields when the head is
+complete; either limit answers 431 and closes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import http
 import time
 from dataclasses import dataclass
@@ -42,14 +41,9 @@ from gateway.config import LimitsConfig
 from gateway.errors import error_body
 from gateway.metrics import HotCounter
 
-
-class Phase(enum.Enum):
-    """Where a connection is in its request cycle (see the module docstring)."""
-
-    IDLE = "idle"
-    HEAD = "head"
-    BODY = "body"
-    APP = "app"
+# Where a connection is in its request cycle (see the module docstring). Plain ints, not an
+# enum: the phase is read and written several times per request.
+IDLE, HEAD, BODY, APP = 0, 1, 2, 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,27 +132,25 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         assert isinstance(server_state, GuardedServerState)
         self._guard = server_state.guard
         self._limits = server_state.guard.limits
-        self._phase = Phase.HEAD
+        self._phase = HEAD
         self.deadline_s = 0.0
         self._head_bytes = 0
-        self._n_headers = 0
         self._head_began_inside = False  # a head began inside the chunk being parsed
 
     # -- phases
 
-    def _wait(self, phase: Phase, timeout_s: float) -> None:
+    def _wait(self, phase: int, timeout_s: float) -> None:
         self._phase = phase
         self.deadline_s = time.monotonic() + timeout_s
         self._guard.waiting.add(self)
 
     def _to_app(self) -> None:
-        self._phase = Phase.APP
+        self._phase = APP
         self._guard.waiting.discard(self)
 
     def _begin_head(self) -> None:
         self._head_bytes = 0
-        self._n_headers = 0
-        self._wait(Phase.HEAD, self._limits.header_timeout_s)
+        self._wait(HEAD, self._limits.header_timeout_s)
 
     # -- asyncio.Protocol
 
@@ -168,7 +160,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if over:
             # Cheapest for both sides: nothing read, nothing held; clients retry a closed connection.
             self._guard.refused("connection_limit")
-            self._phase = Phase.APP
+            self._phase = APP
             transport.close()
             return
         self._begin_head()
@@ -178,8 +170,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._phase is Phase.IDLE:
-            self._begin_head()
+        if self._phase == IDLE:  # the first bytes after idling begin a head (inlined: every request)
+            self._phase = HEAD
+            self._head_bytes = 0
+            self.deadline_s = time.monotonic() + self._limits.header_timeout_s
         # A chunk counts toward the head when the head began before it; a head that begins inside
         # it (a pipelined request, after another request's body) is counted from the next chunk.
         self._head_began_inside = False
@@ -196,7 +190,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         except httptools.HttpParserError:
             self._bad_request()
             return
-        if self._phase is Phase.HEAD and not self._head_began_inside:
+        if self._phase == HEAD and not self._head_began_inside:
             self._head_bytes += len(data)
             if self._head_bytes > self._limits.max_header_bytes:
                 self._refuse(
@@ -215,26 +209,26 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        if self._phase is not Phase.HEAD:
+        if self._phase != HEAD:
             self._begin_head()
             self._head_began_inside = True
 
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._n_headers += 1
-        if self._n_headers > self._limits.max_headers:
-            raise _TooManyHeaders
-        super().on_header(name, value)
-
     def on_headers_complete(self) -> None:
+        # Counted here rather than per field (a call per header costs more than the check): the
+        # byte limit already bounds how many fields can pile up before the head is complete.
+        if len(self.headers) > self._limits.max_headers:
+            raise _TooManyHeaders
         super().on_headers_complete()
-        self._wait(Phase.BODY, self._limits.body_timeout_s)
+        self._phase = BODY
+        self.deadline_s = time.monotonic() + self._limits.body_timeout_s
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
         if self.cycle is not None and self.cycle.response_complete:
-            self._wait(Phase.IDLE, self._limits.keepalive_timeout_s)  # answered before the body ended
+            self._wait(IDLE, self._limits.keepalive_timeout_s)  # answered before the body ended
         else:
-            self._to_app()
+            self._phase = APP
+            self._guard.waiting.discard(self)
 
     def on_response_complete(self) -> None:
         # uvicorn's version, with the idle deadline in place of a keep-alive timer.
@@ -245,17 +239,19 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self.pipeline:
             cycle, app = self.pipeline.pop()
             self._start_asgi_task(cycle, app)
-        elif self._phase is Phase.APP:
-            self._wait(Phase.IDLE, self._limits.keepalive_timeout_s)
+        elif self._phase == APP:
+            self._phase = IDLE
+            self.deadline_s = time.monotonic() + self._limits.keepalive_timeout_s
+            self._guard.waiting.add(self)
 
     # -- limits
 
     def expire(self) -> None:
         """The deadline of the current phase passed (called by `ClientGuard.tick`)."""
-        if self._phase is Phase.IDLE or (self._phase is Phase.HEAD and self._head_bytes == 0):
+        if self._phase == IDLE or (self._phase == HEAD and self._head_bytes == 0):
             self._to_app()
             self.transport.close()
-        elif self._phase is Phase.HEAD:
+        elif self._phase == HEAD:
             self._refuse(408, "header_timeout", "request headers not received in time")
         else:
             self._refuse(408, "body_timeout", "request body not received in time")
@@ -266,7 +262,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         `http.disconnect`) and anything it sends is dropped."""
         self._guard.refused(reason)
         cycle = self.cycle
-        if self._phase is Phase.HEAD:
+        if self._phase == HEAD:
             # This request has no cycle yet; the previous one's response may still be under way.
             answer = cycle is None or cycle.response_complete
         else:

@@ -14,7 +14,15 @@ import uvicorn
 from starlette.types import Receive, Scope, Send
 
 from gateway.config import LimitsConfig
-from gateway.http_limits import ClientGuard, ClientLimits, GuardedHttpToolsProtocol, GuardedServerState, Phase
+from gateway.http_limits import (
+    BODY,
+    HEAD,
+    IDLE,
+    ClientGuard,
+    ClientLimits,
+    GuardedHttpToolsProtocol,
+    GuardedServerState,
+)
 from gateway.metrics import GatewayMetrics
 
 LIMITS = ClientLimits(
@@ -130,7 +138,7 @@ async def test_a_request_within_the_limits_is_served_and_the_connection_then_idl
     protocol.data_received(GET)
     await settle()
     assert transport.status() == 200 and not transport.closed
-    assert protocol._phase is Phase.IDLE and protocol in rig.guard.waiting
+    assert protocol._phase == IDLE and protocol in rig.guard.waiting
     assert protocol.timeout_keep_alive_task is None  # no timer per request: the guard's tick instead
 
 
@@ -196,7 +204,7 @@ async def test_deadlines_close_each_phase_its_own_way(rig: Rig) -> None:
     body, body_t = rig.connect()
     body.data_received(post_head(10) + b"12345")
     await settle()
-    assert body._phase is Phase.BODY
+    assert body._phase == BODY
     rig.guard.tick(silent.deadline_s + LIMITS.header_timeout_s)
     assert silent_t.closed and silent_t.written == b""
     assert slow_t.closed and slow_t.status() == 408
@@ -226,7 +234,7 @@ async def test_new_bytes_on_an_idle_connection_start_the_header_clock(rig: Rig) 
     await settle()
     idle_deadline = protocol.deadline_s
     protocol.data_received(b"\r\n")  # not even a request start: still bounded by the header deadline
-    assert protocol._phase is Phase.HEAD and protocol.deadline_s < idle_deadline
+    assert protocol._phase == HEAD and protocol.deadline_s < idle_deadline
 
 
 def test_the_check_interval_follows_the_shortest_timeout() -> None:

@@ -68,9 +68,18 @@ class GatewayMetrics:
             "Full re-lists of a pool's workers after a watch ended in error",
             ("pool",),
         )
+        self.client_refusals = hot.counter(
+            "kvgate_client_refusals",
+            "Client connections closed by a limit before their request reached the gateway, by reason"
+            " (header_too_large, too_many_headers, header_timeout, body_timeout, connection_limit)",
+            ("reason",),
+        )
         r.register(hot)
         self.discovered_workers = Gauge(
             "kvgate_discovery_workers", "Workers a pool's discovery currently reports", ["pool"], registry=r
+        )
+        self.client_connections = Gauge(
+            "kvgate_client_connections", "Open client connections of this process", registry=r
         )
         self.in_flight = Gauge(
             "kvgate_worker_in_flight", "Gateway in-flight requests per worker", ["pool", "worker"], registry=r

@@ -155,6 +155,7 @@ def record_request(
         return
     a.recorded = True
     now_s = time.monotonic()
+    a.limiter.reconcile(a.route.n_prompt_tokens, usage.prompt_tokens, now_s)
     a.limiter.release(usage.completion_tokens or 0, now_s)
     duration_s = now_s - a.started_s
     state.metrics.observe(

@@ -168,6 +168,7 @@ def kvgate_config(backend: str, policy_path: Path, port: int) -> str:
     return json.dumps(
         {
             "listen": {"host": "127.0.0.1", "port": port},
+            "metrics": {"listen": {"host": "127.0.0.1", "port": 0}},  # any free port: runs side by side
             "policy_file": str(policy_path),
             "log_level": "warning",
             "secrets": {"key_hash_secret_env": "KVGATE_KEY_SECRET"},

@@ -106,8 +106,11 @@ def tenant(name: str, key: str, **extra: Any) -> dict[str, Any]:
     return {"name": name, "api_key_hashes": [hash_api_key(SECRET, key)], **extra}
 
 
-def start_gateway(config_path: Path, port: int) -> Proc:
+def start_gateway(config_path: Path, port: int, metrics_port: int = 0) -> Proc:
+    """A gateway on `port`, its /metrics on `metrics_port` (0: any free port, for tests that do not
+    read metrics; never the fixed default, which gateways started side by side would share)."""
     argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path), "--port", str(port)]
+    argv += ["--metrics-port", str(metrics_port)]
     proc = start(argv, env={"KVGATE_KEY_SECRET": SECRET.decode()})
     wait_http(f"http://127.0.0.1:{port}/readyz", proc)
     return proc

@@ -19,7 +19,7 @@ def _counter(text: str, name: str) -> float:
 
 
 def test_render_mode_and_kv_events_feed_the_policy(tmp_path: Path) -> None:
-    worker_port, zmq_port, gw_port = free_port(), free_port(), free_port()
+    worker_port, zmq_port, gw_port, metrics_port = free_port(), free_port(), free_port(), free_port()
     worker = start(
         [
             sys.executable,
@@ -47,7 +47,7 @@ def test_render_mode_and_kv_events_feed_the_policy(tmp_path: Path) -> None:
         config = write_gateway_config(
             tmp_path / "gw.yaml", [pool], [tenant("t", "sk-t", isolation="public")], policy_file="policy.yaml"
         )
-        gateway = start_gateway(config, gw_port)
+        gateway = start_gateway(config, gw_port, metrics_port)
         base = f"http://127.0.0.1:{gw_port}"
         client = openai.OpenAI(base_url=base + "/v1", api_key="sk-t", max_retries=0, timeout=20)
         messages = [{"role": "system", "content": "abc " * 100}, {"role": "user", "content": "q"}]
@@ -58,7 +58,7 @@ def test_render_mode_and_kv_events_feed_the_policy(tmp_path: Path) -> None:
             cached.append(reply.usage.prompt_tokens_details.cached_tokens)
             time.sleep(0.3)  # let the worker's events arrive
         assert cached[1] is not None and cached[1] >= 400
-        text = httpx.get(base + "/metrics", timeout=5).text
+        text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
         assert _counter(text, "kv_events_applied") >= 1
         assert _counter(text, "kv_event_orphans:p") == 0
         assert 'kvgate_routing_decisions_total{policy="cost",reason="hit"}' in text

@@ -6,6 +6,10 @@
     prompt = norm.from_render(plan, token_ids, identity, public_identity,      # POSTs plan.body (and the
                               boundary_token_ids=[...])                        # boundary bodies) first
 
+Endpoints: `chat`, `completions`, and the APIs a worker converts to chat, `responses` (OpenAI
+Responses) and `messages` (Anthropic Messages), keyed through their input adapters as the chat
+request the worker renders (`converted.py`).
+
 `canonicalize` is pure CPU work except for the bounded drift memory. In `render` mode it accepts only
 completions prompts given as token ids; any other request raises `NormalizerError(code=
 "render_required")`, because its token ids come from the worker: the gateway calls the worker's
@@ -21,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import orjson
@@ -31,6 +35,7 @@ from prompt_normalizer.canonical import CanonicalChat, ChatRules, FieldItem, can
 from prompt_normalizer.chat_input import request_flag
 from prompt_normalizer.completions import CompletionsPrompt
 from prompt_normalizer.config import NormalizerConfig, VolatileRule, ZoneConfig
+from prompt_normalizer.converted import ConvertedChat, converted_canonical, no_edit_rules, relabel_drift
 from prompt_normalizer.drift import DriftTracker
 from prompt_normalizer.errors import NormalizerError
 from prompt_normalizer.keys import (
@@ -53,7 +58,9 @@ from prompt_normalizer.layout import (
     boundary_body,
     boundary_specs,
 )
+from prompt_normalizer.messages_input import messages_chat
 from prompt_normalizer.render import CHAT_RENDER_PATH, COMPLETIONS_RENDER_PATH, RenderPlan, render_boundaries
+from prompt_normalizer.responses_input import responses_chat
 from prompt_normalizer.roots import RootCache, UnitRoots
 from prompt_normalizer.switches import json_copy
 from prompt_normalizer.template import ChatTemplateTokenizer
@@ -69,7 +76,12 @@ __all__ = [
     "public_identity_of",
 ]
 
-Endpoint = Literal["chat", "completions"]
+Endpoint = Literal["chat", "completions", "responses", "messages"]
+# The input adapters of the APIs a worker serves by converting them to chat.
+_CONVERTERS: dict[str, Callable[[Mapping[str, Any]], ConvertedChat]] = {
+    "responses": responses_chat,
+    "messages": messages_chat,
+}
 
 
 class Normalizer:
@@ -79,6 +91,7 @@ class Normalizer:
         self._config = config
         # Per-config work done once, not per request.
         self._chat_rules = ChatRules.of(config)
+        self._converted_rules = no_edit_rules(self._chat_rules)
         self._chars_per_token = config.chars_per_token
         self._session_fields = frozenset(config.session_fields)
         self._key = secret_key(secret)
@@ -191,13 +204,52 @@ class Normalizer:
             enc = self._tokenizer.encode(prompt.text, add_special_tokens=add_special, with_offsets=False)
             hashed = _token_bytes(enc.tokens)
             return self._finish(hashed, roots, identity, body, session_key, None, None, diagnostics, "prompt")
-        if endpoint != "chat":
+        converter = None if endpoint == "chat" else _CONVERTERS.get(endpoint)
+        if converter is None and endpoint != "chat":
             raise NormalizerError(f"unknown endpoint {endpoint!r}", code="bad_endpoint")
+        if converter is not None:
+            return self._converted(converter(body), body, identity, public_identity, session_key)
         if mode == "render":
             raise NormalizerError(
                 "render mode: call prepare_render() and from_render()", code="render_required"
             )
         chat = canonicalize_chat(body, self._chat_rules, self._key)
+        return self._chat_prompt(chat, body, identity, public_identity, session_key)
+
+    def _converted(
+        self,
+        converted: ConvertedChat,
+        body: Mapping[str, Any],
+        identity: KeyIdentity,
+        public_identity: KeyIdentity | None,
+        session_key: str | None,
+    ) -> CanonicalPrompt:
+        """A Responses or Messages request, keyed as the chat request the worker renders. A
+        follow-up with nothing to key before its stored turns has an empty prompt in every mode
+        (render mode has nothing to ask the worker)."""
+        if not converted.body["messages"]:
+            unit = APPROX_UNIT if self._config.mode == "approximate" else TOKEN_UNIT
+            roots = self._roots.unit_roots(identity, public_identity, unit)
+            empty = approx_text("", self._chars_per_token)
+            return self._finish(empty, roots, identity, body, session_key, None, None, converted.diagnostics)
+        if self._config.mode == "render":
+            raise NormalizerError(
+                "render mode: call prepare_render() and from_render()", code="render_required"
+            )
+        chat = converted_canonical(converted, self._converted_rules, self._key)
+        prompt = self._chat_prompt(chat, body, identity, public_identity, session_key)
+        return relabel_drift(prompt, converted.sources)
+
+    def _chat_prompt(
+        self,
+        chat: CanonicalChat,
+        body: Mapping[str, Any],
+        identity: KeyIdentity,
+        public_identity: KeyIdentity | None,
+        session_key: str | None,
+    ) -> CanonicalPrompt:
+        """Keys and zones of a canonical chat request (approximate and tokenizer modes)."""
+        mode = self._config.mode
         if mode == "approximate":
             hashed, bounds = approx_chat(chat, self._chars_per_token)
             roots = self._roots.unit_roots(identity, public_identity, APPROX_UNIT)
@@ -228,12 +280,23 @@ class Normalizer:
             return RenderPlan(
                 "completions", COMPLETIONS_RENDER_PATH, json_copy(dict(body), "prompt"), (), (), None
             )
-        if endpoint != "chat":
+        converter = _CONVERTERS.get(endpoint)
+        canonical: dict[str, Any] | None
+        if converter is not None:
+            # The worker renders the converted chat request; the client's body is what it receives.
+            converted = converter(body)
+            if not converted.body["messages"]:
+                # Nothing to render: `canonicalize` gives its (empty) prompt in render mode too.
+                raise NormalizerError("nothing to render; call canonicalize()", code="render_empty")
+            chat = converted_canonical(converted, self._converted_rules, self._key)
+            canonical = {"model": body.get("model"), **converted.body}
+        elif endpoint != "chat":
             raise NormalizerError(f"unknown endpoint {endpoint!r}", code="bad_endpoint")
-        chat = canonicalize_chat(body, self._chat_rules, self._key)
-        canonical = chat.body
-        if canonical is None:
-            canonical = json_copy(dict(body), "messages")
+        else:
+            chat = canonicalize_chat(body, self._chat_rules, self._key)
+            canonical = chat.body
+        if canonical is None or converter is not None:
+            canonical = json_copy(dict(canonical if canonical is not None else body), "messages")
             # The plan outlives this call, and canonicalize_chat may read flat messages in place:
             # the plan's chat holds the private copies (equal to them), never the caller's objects.
             chat = dataclasses.replace(chat, messages=tuple(canonical["messages"]))

@@ -1,5 +1,6 @@
 """Fuzz: any JSON body gives a CanonicalPrompt or a NormalizerError, never another exception, and
-the caller's body is never mutated (hypothesis, chat and completions, every rendering mode)."""
+the caller's body is never mutated (hypothesis; chat, completions, Responses and Anthropic
+Messages; every rendering mode)."""
 
 from __future__ import annotations
 
@@ -112,6 +113,114 @@ completions_body = _maybe(
     )
 )
 
+cache_control = st.one_of(st.none(), st.just({"type": "ephemeral"}), json_value)
+response_part = _maybe(
+    st.fixed_dictionaries(
+        {"type": _maybe(st.sampled_from(["input_text", "output_text", "input_image", "input_file"]))},
+        optional={"text": _maybe(text), "image_url": _maybe(text)},
+    )
+)
+response_item = _maybe(
+    st.fixed_dictionaries(
+        {
+            "type": _maybe(
+                st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "x"])
+            )
+        },
+        optional={
+            "role": _maybe(st.sampled_from(["user", "system", "developer", "assistant", "tool"])),
+            "content": _maybe(st.one_of(text, st.lists(response_part, max_size=3))),
+            "name": _maybe(text),
+            "arguments": _maybe(text),
+            "call_id": json_value,
+            "output": json_value,
+        },
+    )
+)
+responses_body = _maybe(
+    st.fixed_dictionaries(
+        {"input": _maybe(st.one_of(text, st.lists(response_item, max_size=4)))},
+        optional={
+            "instructions": _maybe(text),
+            "previous_response_id": _maybe(text),
+            "tools": _maybe(
+                st.lists(
+                    _maybe(
+                        st.fixed_dictionaries({"type": _maybe(st.just("function")), "name": _maybe(text)})
+                    ),
+                    max_size=3,
+                )
+            ),
+            "prompt_cache_key": _maybe(text),
+        },
+    )
+)
+anthropic_block = _maybe(
+    st.fixed_dictionaries(
+        {
+            "type": _maybe(
+                st.sampled_from(["text", "image", "tool_use", "tool_result", "thinking", "document"])
+            )
+        },
+        optional={
+            "text": _maybe(text),
+            "source": json_value,
+            "name": _maybe(text),
+            "input": json_value,
+            "content": json_value,
+            "thinking": _maybe(text),
+            "cache_control": cache_control,
+        },
+    )
+)
+messages_body = _maybe(
+    st.fixed_dictionaries(
+        {
+            "messages": _maybe(
+                st.lists(
+                    _maybe(
+                        st.fixed_dictionaries(
+                            {
+                                "role": _maybe(st.sampled_from(["user", "assistant"])),
+                                "content": _maybe(st.one_of(text, st.lists(anthropic_block, max_size=3))),
+                            }
+                        )
+                    ),
+                    min_size=1,
+                    max_size=4,
+                )
+            )
+        },
+        optional={
+            "system": _maybe(
+                st.one_of(
+                    text,
+                    st.lists(
+                        _maybe(
+                            st.fixed_dictionaries(
+                                {"type": st.just("text"), "text": _maybe(text)},
+                                optional={"cache_control": cache_control},
+                            )
+                        ),
+                        max_size=3,
+                    ),
+                )
+            ),
+            "tools": _maybe(
+                st.lists(
+                    _maybe(
+                        st.fixed_dictionaries(
+                            {"name": _maybe(text)},
+                            optional={"input_schema": json_value, "cache_control": cache_control},
+                        )
+                    ),
+                    max_size=3,
+                )
+            ),
+        },
+    )
+)
+
 RULES = (
     VolatileRule(name="clock", pattern=r"[0-9]+", action="move_to_end"),
     VolatileRule(name="reasoning", field="reasoning_content", scope="before_last_user", action="drop"),
@@ -163,7 +272,23 @@ def test_completions_fuzz(normalizers: list[Normalizer], body: Any) -> None:
         _check(norm, "completions", body)
 
 
+@FUZZ
+@given(body=responses_body)
+def test_responses_fuzz(normalizers: list[Normalizer], body: Any) -> None:
+    for norm in normalizers:
+        _check(norm, "responses", body)
+
+
+@FUZZ
+@given(body=messages_body)
+def test_messages_fuzz(normalizers: list[Normalizer], body: Any) -> None:
+    for norm in normalizers:
+        _check(norm, "messages", body)
+
+
 @settings(max_examples=60, deadline=None)
-@given(body=json_value, endpoint=st.sampled_from(["chat", "completions", "embeddings"]))
+@given(
+    body=json_value, endpoint=st.sampled_from(["chat", "completions", "responses", "messages", "embeddings"])
+)
 def test_any_json_value_as_body(body: Any, endpoint: str) -> None:
     _check(Normalizer(NormalizerConfig(), b"fuzz"), endpoint, body)

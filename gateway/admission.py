@@ -1,56 +1,38 @@
 """From an HTTP request to an admitted, routable request: auth, size, parse, model, quota, keys.
 
-Only the fields routing needs are validated here (`model`, `messages` / `prompt`, `stream`,
-`stream_options`); everything else is the worker's to judge and is forwarded untouched.
+Every proxied route (`gateway.routes`) comes through here. Only the fields routing needs are
+validated (`gateway.bodies`); everything else is the worker's to judge and is forwarded
+untouched. A route with a prompt is keyed by the normalizer; a pass-through route is sized from
+its body and routed on load alone.
 """
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import itertools
 import os
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import orjson
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import Receive, Scope
 
+from gateway.anthropic import bearer_of_api_key
 from gateway.auth import Tenant
-from gateway.errors import ApiError, bad_request
+from gateway.bodies import encode_body, form_head, max_output_tokens, parse_body, parse_form
+from gateway.errors import ApiError
+from gateway.keying import canonical_prompt, only_model, prompt_error
 from gateway.quotas import Rejection, TenantLimiter
 from gateway.registry import Pool
-from gateway.render import render_canonical
+from gateway.routes import ApiRoute
 from gateway.state import GatewayState
-from policies.base import RouteDecision, RouteRequest
+from policies.base import RouteDecision, RouteRequest, WorkerId
 from policies.identity import cache_salt_for, session_key
 from policies.records import record
 from prompt_normalizer.errors import NormalizerError
 
-Endpoint = Literal["chat", "completions"]
-# Body fields that steer an engine's internals rather than the completion. A tenant must not set
-# them: `kv_transfer_params` (vLLM disaggregated prefill: where KV is pulled from or pushed to),
-# `request_id` / `rid` (the engine's request id; the gateway names requests itself),
-# `priority` (engine scheduling; fairness between tenants is the gateway's job),
-# `data_parallel_rank` (pins an engine rank), `bootstrap_host` / `bootstrap_port` /
-# `bootstrap_room` (SGLang prefill-decode transfer), `prompt_embeds` (bypasses tokenization, so
-# the prefix keys could not describe the prompt). They are refused with 400, naming the field.
-# `cache_salt` is not refused: the gateway always replaces it with its own.
-ENGINE_INTERNAL_FIELDS = frozenset(
-    {
-        "kv_transfer_params",
-        "request_id",
-        "rid",
-        "priority",
-        "data_parallel_rank",
-        "bootstrap_host",
-        "bootstrap_port",
-        "bootstrap_room",
-        "prompt_embeds",
-    }
-)
-UPSTREAM_PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+# The bytes that start the headers of every JSON request to a worker (the request id follows).
+JSON_HEAD = b"Content-Type: application/json\r\nX-Request-Id: "
 
 
 @dataclass(slots=True)
@@ -60,12 +42,14 @@ class Admitted:
 
     `forward` is the body to send upstream (the canonical body when the normalizer changed it) and
     `encoded` the client's body as the gateway re-encoded it at parse time (without any client
-    `cache_salt`), reused when nothing else needs changing.
+    `cache_salt`; a multipart body as the client sent it), reused when nothing else needs
+    changing. `head` starts the headers sent to the worker (its request id follows). `pinned` is
+    the worker a Responses follow-up must reach (the one holding `previous_response_id`).
     """
 
     request_id: str
     client_request_id: str | None
-    endpoint: Endpoint
+    api: ApiRoute
     tenant: Tenant
     limiter: TenantLimiter
     pool: Pool
@@ -79,9 +63,16 @@ class Admitted:
     max_output_tokens: int
     started_s: float
     public_salt: str
+    head: bytes = JSON_HEAD
+    pinned: WorkerId | None = None
     drift_field: str | None = None
     recorded: bool = False
     _encoded: dict[str | None, bytes] = field(default_factory=dict)
+
+    @property
+    def endpoint(self) -> str:
+        """The route's label in metrics, logs and spans."""
+        return self.api.endpoint
 
     @property
     def reply_id(self) -> str:
@@ -92,7 +83,10 @@ class Admitted:
         """The bytes for one dispatch, always with the gateway's own `cache_salt` (a client's is
         replaced): the tenant's salt, or the public salt when the whole prompt lies inside the
         promoted public prefix the policy routed (vLLM's salt covers a request's entire chain, so
-        any private token after the public prefix must keep the tenant's salt)."""
+        any private token after the public prefix must keep the tenant's salt). Routes whose
+        requests have no `cache_salt` field get the client's body as encoded."""
+        if not self.api.salted:
+            return self.encoded
         salt = cache_salt_for(
             self.route, decision.shared_prefix_blocks, self.tenant.cache_salt, self.public_salt
         )
@@ -111,11 +105,14 @@ class Admitted:
 @record
 class RequestHead:
     """The three request headers the hot path reads, found in one pass over the raw ASGI headers
-    (no header-object layers): `Authorization`, `x-request-id` and `Content-Length`."""
+    (no header-object layers): `Authorization`, `x-request-id` and `Content-Length`; for routes
+    that need them (`of_route`), also `x-api-key` (read as the key when there is no
+    `Authorization`) and `Content-Type` (a multipart body's boundary)."""
 
     authorization: str | None
     client_request_id: str | None
     content_length: int | None
+    content_type: str | None = None
 
     @classmethod
     def of(cls, scope: Scope) -> RequestHead:
@@ -128,6 +125,27 @@ class RequestHead:
             elif name == b"content-length" and value.isdigit():
                 length = int(value)
         return cls(authorization, rid, length)
+
+    @classmethod
+    def of_route(cls, scope: Scope, api: ApiRoute) -> RequestHead:
+        """The head for `api`: `of` itself unless the route reads more headers."""
+        if not (api.api_key_header or api.multipart):
+            return cls.of(scope)
+        authorization = rid = length = content_type = api_key = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                authorization = value.decode("latin-1")
+            elif name == b"x-request-id":
+                rid = _sane_id(value.decode("latin-1"))
+            elif name == b"content-length" and value.isdigit():
+                length = int(value)
+            elif name == b"content-type":
+                content_type = value.decode("latin-1")
+            elif name == b"x-api-key" and api.api_key_header:
+                api_key = value
+        if authorization is None and api_key:
+            authorization = bearer_of_api_key(api_key)
+        return cls(authorization, rid, length, content_type)
 
 
 @record
@@ -219,70 +237,6 @@ def authenticate(head: RequestHead, state: GatewayState) -> Tenant:
     return tenant
 
 
-def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
-    """The request body as a JSON object, with the fields routing needs checked; 400 otherwise."""
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise bad_request("request body must be a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad_request("'model' is required and must be a non-empty string", "model")
-    if endpoint == "chat":
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise bad_request("'messages' is required and must be a non-empty array", "messages")
-        if not all(isinstance(m, dict) for m in messages):
-            raise bad_request("every entry of 'messages' must be an object", "messages")
-    else:
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str | list) or not prompt:
-            raise bad_request("'prompt' is required and must be a string or a non-empty array", "prompt")
-    if not isinstance(body.get("stream", False), bool | None):
-        raise bad_request("'stream' must be a boolean", "stream")
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise bad_request("'stream_options' must be an object", "stream_options")
-    if options is not None and not isinstance(options.get("include_usage", False), bool | None):
-        # A non-boolean would otherwise be read as "no usage" and silently dropped.
-        raise bad_request("'stream_options.include_usage' must be a boolean", "stream_options.include_usage")
-    if not ENGINE_INTERNAL_FIELDS.isdisjoint(body):
-        name = min(ENGINE_INTERNAL_FIELDS.intersection(body))
-        raise bad_request(f"'{name}' is an engine-internal field and cannot be set through the gateway", name)
-    return body
-
-
-# orjson parses up to 1024 levels but encodes at most 254, and every body is encoded again on its
-# way to the worker (with the gateway's `cache_salt`), as are parts of it by the normalizer.
-MAX_JSON_DEPTH = 254
-
-
-def encode_body(body: dict[str, Any]) -> bytes:
-    """The body re-encoded without any client `cache_salt` (the gateway always sets its own).
-
-    This is also the nesting bound: encoding refuses JSON nested deeper than `MAX_JSON_DEPTH`, at
-    the cost of one `orjson.dumps`, which `Admitted.body_for` then reuses instead of encoding again
-    (faster than counting brackets in the raw bytes or walking the parsed objects in Python).
-    """
-    body.pop("cache_salt", None)
-    try:
-        return orjson.dumps(body)
-    except orjson.JSONEncodeError:
-        raise bad_request(
-            f"request body is nested too deeply: at most {MAX_JSON_DEPTH} levels of JSON objects and arrays"
-        ) from None
-
-
-def _max_output_tokens(body: dict[str, Any]) -> int:
-    for name in ("max_completion_tokens", "max_tokens"):
-        value = body.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return 0
-
-
 def enter(head: RequestHead, state: GatewayState, now_s: float) -> Tenant:
     """What the headers alone decide, before the body is read: 401 without a valid key, 413 when
     `Content-Length` is already too large, 429 when the tenant is at its concurrency limit or out
@@ -299,14 +253,25 @@ def enter(head: RequestHead, state: GatewayState, now_s: float) -> Tenant:
 
 
 async def admit(
-    raw: bytes, endpoint: Endpoint, state: GatewayState, ids: RequestIds, tenant: Tenant, started_s: float
+    raw: bytes,
+    api: ApiRoute,
+    state: GatewayState,
+    ids: RequestIds,
+    tenant: Tenant,
+    started_s: float,
+    head: RequestHead | None = None,
 ) -> Admitted:
     """Run every check that needs the body, in the order a client would expect: 400, 404, 429
-    (tokens); the request already holds its tenant's slot (`enter`)."""
+    (tokens); the request already holds its tenant's slot (`enter`). `head` is needed for a
+    multipart body (its boundary)."""
     request_id = ids.internal
-    body = parse_body(raw, endpoint)
-    encoded = encode_body(body)
-    model: str = body["model"]
+    if api.multipart:
+        body = parse_form(raw, head.content_type if head is not None else None, api)
+        encoded = raw
+    else:
+        body = parse_body(raw, api)
+        encoded = encode_body(body)
+    model = body.get("model") or only_model(state)
     pool = state.registry.by_model.get(model)
     if pool is None:
         raise ApiError(
@@ -314,39 +279,32 @@ async def admit(
         )
     identity, public = state.identities(pool, model, tenant)
     normalizer = state.normalizer(pool)
-    try:
-        if normalizer.config.mode == "render":
-            plan = normalizer.prepare_render(endpoint, body)
-            canonical = await render_canonical(
-                normalizer, plan, pool, state.upstream(), identity, public, request_id
-            )
-        elif normalizer.config.mode == "tokenizer":
-            # Tokenizing and templating a long prompt takes milliseconds: off the event loop, on
-            # the normalizer's one thread (so a Normalizer is never entered concurrently).
-            canonical = await asyncio.get_running_loop().run_in_executor(
-                state.normalizer_executor(),
-                functools.partial(normalizer.canonicalize, endpoint, body, identity, public),
-            )
-        else:
-            canonical = normalizer.canonicalize(endpoint, body, identity, public)
-    except NormalizerError as exc:
-        raise ApiError(400, exc.message, "invalid_request_error", exc.code, exc.param) from None
+    if api.prompt is not None and normalizer.config.mode == "approximate":
+        try:  # the common case, right here: no coroutine of its own
+            canonical = normalizer.canonicalize(api.prompt, body, identity, public)
+        except NormalizerError as exc:
+            raise prompt_error(exc) from None
+    else:
+        canonical = await canonical_prompt(api, raw, body, state, pool, identity, public, request_id)
 
     limiter = state.limiter(tenant)
     rejection = limiter.admit(canonical.n_tokens, started_s)
     if rejection is not None:
         raise _quota_error(rejection)
 
-    changed = canonical.canonical_body is not None
-    forward = dict(canonical.canonical_body) if canonical.canonical_body is not None else body
+    # Only chat and completions bodies are rewritten: a Responses or Messages body is keyed as
+    # the worker will convert it, and forwarded as sent.
+    changed = canonical.canonical_body is not None and api.rewrites
+    forward = dict(canonical.canonical_body) if changed and canonical.canonical_body is not None else body
     stream = body.get("stream") is True
     options = body.get("stream_options")
     wants_usage = isinstance(options, dict) and options.get("include_usage") is True
-    if stream and not wants_usage:
+    strip_usage = stream and not wants_usage and api.rewrites
+    if strip_usage:
         # Ask for usage anyway (the policy learns from cached_tokens) and strip it before the client.
         forward["stream_options"] = {**(options or {}), "include_usage": True}
         changed = True
-    max_out = _max_output_tokens(body)
+    max_out = max_output_tokens(body)
     route = RouteRequest(
         request_id=request_id,
         pool=pool.name,
@@ -366,7 +324,7 @@ async def admit(
     return Admitted(
         request_id=request_id,
         client_request_id=ids.client,
-        endpoint=endpoint,
+        api=api,
         tenant=tenant,
         limiter=limiter,
         pool=pool,
@@ -375,11 +333,12 @@ async def admit(
         forward=forward,
         changed=changed,
         stream=stream,
-        strip_usage=stream and not wants_usage,
+        strip_usage=strip_usage,
         route=route,
         max_output_tokens=max_out,
         started_s=started_s,
         public_salt=state.keyring.public_salt,
+        head=form_head(head.content_type if head is not None else None) if api.multipart else JSON_HEAD,
         drift_field=drift.field if drift is not None and drift.first_diff_block is not None else None,
     )
 

@@ -1,8 +1,10 @@
 """The HTTP surface.
 
-The two OpenAI POST routes are dispatched straight from the ASGI entry point (no routing or
-middleware layers on the hot path: raw bytes in, one orjson parse, raw bytes out); probes,
-metrics, /v1/models, the lifespan and 404/405 go through a small Starlette app.
+Every proxied POST route (`gateway.routes.ROUTES`: chat, completions, Responses, Anthropic
+Messages, embeddings, pooling, score, rerank, tokenizer and audio routes) is dispatched straight
+from the ASGI entry point with one dict lookup (no routing or middleware layers on the hot path:
+raw bytes in, one parse, raw bytes out); probes, /v1/models, /health, /version, the lifespan and
+404/405 go through a small Starlette app.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-import orjson
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
@@ -23,7 +24,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from gateway.admin import admin_routes
 from gateway.admission import (
     Admitted,
-    Endpoint,
     RequestHead,
     RequestIds,
     admit,
@@ -34,22 +34,22 @@ from gateway.admission import (
 )
 from gateway.auth import Tenant
 from gateway.disconnect import DisconnectGuard
-from gateway.errors import ApiError, error_response
+from gateway.errors import ApiError
 from gateway.fleet import Fleet
 from gateway.policy_watch import PolicyWatcher
 from gateway.proxy import dispatch
+from gateway.routes import ROUTES, ApiRoute
 from gateway.state import GatewayState, make_session
+from gateway.surface import error, json_response, surface_routes
 from gateway.upstream import UpstreamPool
 from policies.stats import SupportsStats
 
 log = logging.getLogger("kvgate.app")
 
 
-_HOT_PATHS: dict[str, Endpoint] = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
-
-
 class GatewayApp:
-    """ASGI entry point: OpenAI POSTs go to the proxy, everything else to the Starlette fallback."""
+    """ASGI entry point: POSTs to a proxied route go to the proxy, everything else to the
+    Starlette fallback."""
 
     def __init__(self, state: GatewayState, fallback: Starlette) -> None:
         self.state = state
@@ -57,16 +57,16 @@ class GatewayApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
-            endpoint = _HOT_PATHS.get(scope["path"])
-            if endpoint is not None:
-                await self._proxy(scope, receive, send, endpoint)
+            api = ROUTES.get(scope["path"])
+            if api is not None:
+                await self._proxy(scope, receive, send, api)
                 return
         await self.fallback(scope, receive, send)
 
-    async def _proxy(self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
+    async def _proxy(self, scope: Scope, receive: Receive, send: Send, api: ApiRoute) -> None:
         state = self.state
         started_s = time.monotonic()
-        head = RequestHead.of(scope)
+        head = RequestHead.of(scope) if api.plain_head else RequestHead.of_route(scope, api)
         ids = request_ids(head)
         try:
             # The tenant's own slot first, from the headers alone; the body is read under the
@@ -74,7 +74,7 @@ class GatewayApp:
             # taken: a tenant's slow or partial bodies hold its own slots, never everyone's.
             tenant = enter(head, state, started_s)
         except ApiError as err:
-            await self._rejected(err, endpoint, ids)(scope, receive, send)
+            await self._rejected(err, api, ids)(scope, receive, send)
             return
         limiter = state.limiter(tenant)
         try:
@@ -90,7 +90,7 @@ class GatewayApp:
                 )
         except ApiError as err:
             limiter.leave()
-            await self._rejected(err, endpoint, ids)(scope, receive, send)
+            await self._rejected(err, api, ids)(scope, receive, send)
             return
         except ClientDisconnect:
             limiter.leave()  # the client left while sending its body: nobody to answer
@@ -100,12 +100,12 @@ class GatewayApp:
             raise
         state.in_flight_requests += 1
         try:
-            await self._handle(scope, receive, send, endpoint, raw, ids, tenant, started_s)
+            await self._handle(scope, receive, send, api, raw, ids, tenant, started_s, head)
         finally:
             state.in_flight_requests -= 1
 
-    def _rejected(self, err: ApiError, endpoint: Endpoint, ids: RequestIds) -> ASGIApp:
-        self.state.metrics.rejected(endpoint, err.status)
+    def _rejected(self, err: ApiError, api: ApiRoute, ids: RequestIds) -> ASGIApp:
+        self.state.metrics.rejected(api.endpoint, err.status)
         log.info(
             "rejected",
             extra={
@@ -115,27 +115,28 @@ class GatewayApp:
                 "code": err.code,
             },
         )
-        return error_response(err, ids.reply)
+        return api.dialect.error_response(err, ids.reply)
 
     async def _handle(
         self,
         scope: Scope,
         receive: Receive,
         send: Send,
-        endpoint: Endpoint,
+        api: ApiRoute,
         raw: bytes,
         ids: RequestIds,
         tenant: Tenant,
         started_s: float,
+        head: RequestHead,
     ) -> None:
         state = self.state
         response: ASGIApp
         admitted: Admitted | None = None
         try:
             try:
-                admitted = await admit(raw, endpoint, state, ids, tenant, started_s)
+                admitted = await admit(raw, api, state, ids, tenant, started_s, head)
             except ApiError as err:
-                response = self._rejected(err, endpoint, ids)
+                response = self._rejected(err, api, ids)
             else:
                 guard = DisconnectGuard(receive, state.disconnects)
                 try:
@@ -148,7 +149,7 @@ class GatewayApp:
                     guard.close()
         except Exception as exc:
             log.error("unhandled error", exc_info=exc, extra={"request_id": ids.internal})
-            response = error_response(
+            response = api.dialect.error_response(
                 ApiError(500, "internal gateway error", "server_error", "internal_error"), ids.reply
             )
         finally:
@@ -160,30 +161,15 @@ class GatewayApp:
 def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> GatewayApp:
     """The ASGI app over a prepared state; the lifespan owns the upstream session and health loops."""
 
-    async def models(request: Request) -> Response:
-        request_id = request_id_of(request)
-        if state.keyring.lookup(request.headers.get("authorization")) is None:
-            err = ApiError(401, "incorrect or missing API key", "invalid_request_error", "invalid_api_key")
-            return _error(err, request_id)
-        data = [
-            {"id": model, "object": "model", "created": state.created_s, "owned_by": "kvgate"}
-            for pool in state.registry.pools.values()
-            for model in pool.config.models
-        ]
-        return _json({"object": "list", "data": data}, 200, request_id)
-
-    async def not_allowed(request: Request) -> Response:
-        return await _method_not_allowed(request, RuntimeError())
-
     async def healthz(request: Request) -> Response:
-        return _json({"status": "ok"}, 200, request_id_of(request))
+        return json_response({"status": "ok"}, 200, request_id_of(request))
 
     async def readyz(request: Request) -> Response:
         if state.draining:
-            return _json({"status": "draining"}, 503, request_id_of(request))
+            return json_response({"status": "draining"}, 503, request_id_of(request))
         if not state.ready:
-            return _json({"status": "starting"}, 503, request_id_of(request))
-        return _json({"status": "ready"}, 200, request_id_of(request))
+            return json_response({"status": "starting"}, 503, request_id_of(request))
+        return json_response({"status": "ready"}, 200, request_id_of(request))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
@@ -224,9 +210,7 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
             state.close_executor()
 
     routes = [
-        Route("/v1/chat/completions", not_allowed, methods=["GET", "PUT", "DELETE", "PATCH"]),
-        Route("/v1/completions", not_allowed, methods=["GET", "PUT", "DELETE", "PATCH"]),
-        Route("/v1/models", models, methods=["GET"]),
+        *surface_routes(state),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         *admin_routes(state, watcher),
@@ -274,26 +258,11 @@ async def _flush_access_log(state: GatewayState) -> None:
         state.access_log.flush()
 
 
-def _error(err: ApiError, request_id: str) -> Response:
-    return Response(
-        err.body(),
-        err.status,
-        headers={"x-request-id": request_id, **err.headers},
-        media_type="application/json",
-    )
-
-
-def _json(obj: object, status: int, request_id: str) -> Response:
-    return Response(
-        orjson.dumps(obj), status, headers={"x-request-id": request_id}, media_type="application/json"
-    )
-
-
 async def _not_found(request: Request, exc: Exception) -> Response:
     err = ApiError(
         404, f"unknown route {request.method} {request.url.path}", "invalid_request_error", "not_found"
     )
-    return _error(err, request_id_of(request))
+    return error(err, request_id_of(request))
 
 
 async def _method_not_allowed(request: Request, exc: Exception) -> Response:
@@ -303,13 +272,13 @@ async def _method_not_allowed(request: Request, exc: Exception) -> Response:
         "invalid_request_error",
         "method_not_allowed",
     )
-    return _error(err, request_id_of(request))
+    return error(err, request_id_of(request))
 
 
 async def _internal(request: Request, exc: Exception) -> Response:
     log.error("unhandled error", exc_info=exc, extra={"path": request.url.path})
     err = ApiError(500, "internal gateway error", "server_error", "internal_error")
-    return _error(err, request_id_of(request))
+    return error(err, request_id_of(request))
 
 
 def _refresh_gauges(state: GatewayState) -> None:

@@ -30,11 +30,30 @@ NO_USAGE = Usage()
 
 
 def usage_of(raw: Any) -> Usage:
+    """A worker's `usage` in any of the three shapes it comes in: chat and completions
+    (`prompt_tokens`, `prompt_tokens_details.cached_tokens`), Responses (`input_tokens`,
+    `input_tokens_details.cached_tokens`) and Anthropic Messages (`input_tokens` is the uncached
+    rest: the prompt is it plus `cache_read_input_tokens` and `cache_creation_input_tokens`, and
+    the read part is the cached one)."""
     if not isinstance(raw, Mapping):
         return Usage()
+    prompt = raw.get("prompt_tokens")
+    if prompt is None and "input_tokens" in raw:
+        return _input_usage(raw)
     details = raw.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
-    return Usage(_int(raw.get("prompt_tokens")), _int(raw.get("completion_tokens")), _int(cached))
+    return Usage(_int(prompt), _int(raw.get("completion_tokens")), _int(cached))
+
+
+def _input_usage(raw: Mapping[str, Any]) -> Usage:
+    prompt = _int(raw.get("input_tokens"))
+    read = _int(raw.get("cache_read_input_tokens"))
+    created = _int(raw.get("cache_creation_input_tokens"))
+    details = raw.get("input_tokens_details")
+    cached = _int(details.get("cached_tokens")) if isinstance(details, Mapping) else read
+    if prompt is not None and (read is not None or created is not None):
+        prompt += (read or 0) + (created or 0)
+    return Usage(prompt, _int(raw.get("output_tokens")), cached)
 
 
 def _int(value: Any) -> int | None:

@@ -20,8 +20,8 @@ import time
 
 import orjson
 
-from gateway.admission import UPSTREAM_PATHS, Admitted
-from gateway.errors import ApiError, RawResponse, error_response, normalize_worker_error
+from gateway.admission import JSON_HEAD, Admitted
+from gateway.errors import ApiError, RawResponse
 from gateway.failure import (
     TRANSPORT_ERRORS,
     Failure,
@@ -31,16 +31,14 @@ from gateway.failure import (
     malformed,
     worker_status,
 )
-from gateway.outcome import Attempt, finish, usage_of
-from gateway.sse import SseRelay, first_event_problem
+from gateway.outcome import NO_USAGE, Attempt, finish, usage_of
+from gateway.sse import first_event_problem
 from gateway.state import GatewayState
 from gateway.streaming import AiohttpSource, ProxyStream, StreamSource, first_events
 from gateway.upstream import request_bytes
 from policies.base import Outcome, WorkerId
 
 log = logging.getLogger("kvgate.proxy")
-
-UPSTREAM_PATHS_B = {endpoint: path.encode() for endpoint, path in UPSTREAM_PATHS.items()}
 
 
 async def dispatch(a: Admitted, state: GatewayState) -> RawResponse | ProxyStream:
@@ -59,7 +57,7 @@ async def dispatch(a: Admitted, state: GatewayState) -> RawResponse | ProxyStrea
         log.error("dispatch failed", exc_info=exc, extra={"request_id": a.request_id})
         err = ApiError(500, "internal gateway error", "server_error", "internal_error")
         _finish(state, a, attempts, 500, Outcome.ABORTED, err.message)
-        return error_response(err, a.reply_id)
+        return a.api.dialect.error_response(err, a.reply_id)
 
 
 async def _dispatch(a: Admitted, state: GatewayState, attempts: list[Attempt]) -> RawResponse | ProxyStream:
@@ -94,7 +92,7 @@ async def _dispatch(a: Admitted, state: GatewayState, attempts: list[Attempt]) -
             503, f"no healthy worker available for model '{a.model}'", "no_worker_available", Outcome.ABORTED
         )
     _finish(state, a, attempts, failure.status, failure.outcome, failure.message)
-    return error_response(failure.error(), a.reply_id)
+    return a.api.dialect.error_response(failure.error(), a.reply_id)
 
 
 def _finish(
@@ -135,7 +133,7 @@ async def _attempt(
             # Nothing is sent to the client before the worker's first event, so a worker that
             # stalls or fails before it can still be replaced by another.
             stage = Stage.FIRST_EVENT
-            relay = SseRelay(a.strip_usage)
+            relay = a.api.dialect.relay(a.strip_usage)
             first = await first_events(source, relay, attempt)
             problem = first_event_problem(first) if first else "it ended before its first event"
             if problem is not None:
@@ -171,10 +169,11 @@ async def _open(state: GatewayState, a: Admitted, attempt: Attempt) -> StreamSou
             read_s=timeouts.read_s,
             total_s=timeouts.total_s,
         )
+    content_type = "application/json" if a.head is JSON_HEAD else _content_type(a.head)
     resp = await state.upstream().post(
-        attempt.worker.url + UPSTREAM_PATHS[a.endpoint],
+        attempt.worker.url + a.api.path,
         data=a.body_for(attempt.decision),
-        headers={"content-type": "application/json", "x-request-id": a.request_id},
+        headers={"content-type": content_type, "x-request-id": a.request_id},
         timeout=a.pool.client_timeout,
     )
     return AiohttpSource(resp)
@@ -183,8 +182,13 @@ async def _open(state: GatewayState, a: Admitted, attempt: Attempt) -> StreamSou
 def _lean_request(a: Admitted, attempt: Attempt) -> bytes:
     direct = attempt.worker.direct
     assert direct is not None
-    head = b"Content-Type: application/json\r\nX-Request-Id: " + a.request_id.encode() + b"\r\n"
-    return request_bytes(direct.host_header, UPSTREAM_PATHS_B[a.endpoint], head, a.body_for(attempt.decision))
+    head = a.head + a.request_id.encode() + b"\r\n"
+    return request_bytes(direct.host_header, a.api.path_bytes, head, a.body_for(attempt.decision))
+
+
+def _content_type(head: bytes) -> str:
+    """The value of the `Content-Type` line that `Admitted.head` starts with."""
+    return head.split(b"\r\n", 1)[0].partition(b":")[2].strip().decode("latin-1")
 
 
 def _is_event_stream(content_type: str) -> bool:
@@ -200,9 +204,9 @@ def _answer(
     content_type: str,
     retries: int,
 ) -> RawResponse | Failure:
-    """A complete answer. A 5xx, or a 200 whose body is not a JSON object, is the attempt's
-    failure; anything else closes the books and is passed through: a 200 byte for byte, an error
-    with its body in the gateway's error shape."""
+    """A complete answer. A 5xx, or a 200 whose body is not a JSON object (on routes that answer
+    JSON), is the attempt's failure; anything else closes the books and is passed through: a 200
+    byte for byte, an error with its body in the route's error shape."""
     if status >= 500:
         return worker_status(status)
     if status == 200:
@@ -211,14 +215,18 @@ def _answer(
         except orjson.JSONDecodeError:
             parsed = None
         if not isinstance(parsed, dict):
-            return malformed("worker sent a malformed answer (its body is not a JSON object)", Stage.ANSWER)
-        usage = usage_of(parsed.get("usage"))
+            if a.api.json_answer:
+                problem = "worker sent a malformed answer (its body is not a JSON object)"
+                return malformed(problem, Stage.ANSWER)
+            usage = NO_USAGE  # a plain-text transcript, say
+        else:
+            usage = usage_of(parsed.get("usage"))
         finish(state, a, attempt, status=200, outcome=Outcome.SERVED, usage=usage, retries=retries)
     else:
         # A 4xx is about the request, not the worker's health; the worker computed nothing.
         finish(state, a, attempt, status=status, outcome=Outcome.REJECTED, retries=retries)
         if status >= 400:
-            body = normalize_worker_error(status, body)
+            body = a.api.dialect.worker_error(status, body)
             content_type = "application/json"
     headers = [
         (b"content-type", (content_type or "application/json").encode()),

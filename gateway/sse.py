@@ -16,7 +16,7 @@ nothing after it (the streaming response then adds `[DONE]` and closes).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -112,6 +112,24 @@ def worker_error_of(inner: Any) -> WorkerStreamError:
     )
 
 
+class Relay(Protocol):
+    """What a streamed response needs of its relay, whatever the API's event format: whole
+    events to forward, whether the worker ended the stream (`done`), its error and usage, and
+    how to end a stream that broke (`closing`). `response_id` is the Responses id, when the
+    stream carried one."""
+
+    done: bool
+    error: WorkerStreamError | None
+    usage: Any
+
+    @property
+    def response_id(self) -> str | None: ...
+
+    def feed(self, chunk: bytes) -> bytes: ...
+
+    def closing(self, message: str, code: str) -> bytes: ...
+
+
 class SseRelay:
     """Splits an SSE byte stream into events and rewrites the few that need it.
 
@@ -131,6 +149,17 @@ class SseRelay:
         self.done = False
         self.error: WorkerStreamError | None = None
         self.usage: Any = None
+
+    @property
+    def response_id(self) -> str | None:
+        """Chat and completions streams carry no Responses id."""
+        return None
+
+    def closing(self, message: str, code: str) -> bytes:
+        """What ends a stream that did not reach `[DONE]`: one error event (unless the worker's
+        own was already sent, rewritten), then `[DONE]`, on which the OpenAI SDKs stop cleanly."""
+        tail = error_event(message, code) if self.error is None else b""
+        return tail if self.done else tail + DONE_EVENT
 
     def feed(self, chunk: bytes) -> bytes:
         """Bytes to forward now (whole events only); the partial tail waits for the next chunk."""
@@ -169,7 +198,7 @@ class SseRelay:
         for event in head.split(b"\n\n"):
             if not event:
                 continue
-            payload = _data_of(event)
+            payload = data_of(event)
             if payload == b"[DONE]":
                 self.done = True
             elif payload is not None and (b'"usage"' in payload or b'"error"' in payload):
@@ -237,7 +266,7 @@ def first_event_problem(out: bytes) -> str | None:
             event.startswith(b":") and all(line.startswith(b":") for line in event.split(b"\n"))
         ):
             continue
-        payload = _data_of(event)
+        payload = data_of(event)
         if payload is None:
             return "its first event carries no data"
         if payload == b"[DONE]":
@@ -250,7 +279,7 @@ def first_event_problem(out: bytes) -> str | None:
     return None
 
 
-def _data_of(event: bytes) -> bytes | None:
+def data_of(event: bytes) -> bytes | None:
     """The data of an event: its `data:` lines joined by newlines (SSE makes the space after the
     colon optional and allows `event:`/`id:` lines); None for an event without data."""
     if b"\n" not in event:

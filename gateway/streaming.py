@@ -30,7 +30,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.disconnect import DisconnectGuard
 from gateway.failure import TRANSPORT_ERRORS, Failure, Stage, failure_of, malformed
 from gateway.outcome import Attempt, finish, usage_of
-from gateway.sse import DONE_EVENT, SseRelay, error_event
+from gateway.sse import Relay
 from gateway.state import GatewayState
 from policies.base import Outcome
 
@@ -80,7 +80,7 @@ class AiohttpSource:
         self._resp.close()
 
 
-async def first_events(source: StreamSource, relay: SseRelay, attempt: Attempt) -> bytes:
+async def first_events(source: StreamSource, relay: Relay, attempt: Attempt) -> bytes:
     """Read until the relay has something for the client: the bytes the client's stream starts
     with (b"" if the worker's stream ended first). Transport errors propagate: nothing has reached
     the client yet."""
@@ -101,7 +101,7 @@ class ProxyStream:
         state: GatewayState,
         attempt: Attempt,
         upstream: StreamSource,
-        relay: SseRelay,
+        relay: Relay,
         first: bytes,
         retries: int,
     ) -> None:
@@ -178,13 +178,10 @@ class ProxyStream:
                 read_to_end = await self._read_to_end()
             else:
                 failure = self._failure(failure)
-                tail = b""
-                # One terminal error event (unless the relay already sent the worker's,
-                # rewritten), then [DONE]: the OpenAI SDKs raise on the error and stop cleanly.
-                if relay.error is None:
-                    tail += error_event(failure.message, failure.code)
-                if not relay.done:
-                    tail += DONE_EVENT
+                # One terminal error event in the route's shape (unless the relay already sent
+                # the worker's, rewritten), then [DONE] where the API has one: the SDKs raise on
+                # the error and stop cleanly.
+                tail = relay.closing(failure.message, failure.code)
                 await send({"type": "http.response.body", "body": tail, "more_body": False})
         except asyncio.CancelledError:
             if not answered:
@@ -247,7 +244,7 @@ class ProxyStream:
                 # must not count against the worker's health, or one tenant could trip its breaker.
                 return Failure(status, message, code, Outcome.REJECTED)
             return Failure(502, message, code, Outcome.WORKER_FAILED)
-        return malformed("worker stream ended before [DONE]", Stage.STREAM)
+        return malformed("worker stream ended before its last event", Stage.STREAM)
 
     def _close_books(self, answered: bool, gone: int | None, failure: Failure | None) -> None:
         """Record how the stream ended (once: when its [DONE] is sent, else when it stops)."""

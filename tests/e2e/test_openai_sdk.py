@@ -114,7 +114,20 @@ def test_every_field_is_forwarded_and_every_tenant_gets_its_own_salt(stack: Stac
     assert all(len(salt) >= 16 for salt in salts.values())
 
 
-@pytest.mark.parametrize("field", ["kv_transfer_params", "request_id", "priority", "prompt_embeds"])
+def test_vllm_priority_and_request_id_are_passed_through(stack: Stack) -> None:
+    tag = uuid.uuid4().hex
+    _client(stack).chat.completions.create(
+        model="m-ok",
+        messages=[{"role": "user", "content": "x"}],
+        user=tag,
+        extra_body={"priority": -2, "request_id": "client-named"},
+    )
+    (record,) = received(stack, tag)
+    assert record["body"]["priority"] == -2 and record["body"]["request_id"] == "client-named"
+    assert record["request_id"] != "client-named"  # the engine's id is the gateway's X-Request-Id
+
+
+@pytest.mark.parametrize("field", ["kv_transfer_params", "rid", "data_parallel_rank", "prompt_embeds"])
 def test_engine_internal_fields_are_refused(stack: Stack, field: str) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         _client(stack).chat.completions.create(
@@ -253,9 +266,13 @@ def test_tool_call_round_trip(stack: Stack, stream: bool) -> None:
     assert second.choices[0].finish_reason == "stop" and second.choices[0].message.content
 
 
-def test_models_lists_every_pool_model(stack: Stack) -> None:
+def test_models_lists_the_models_with_a_routable_worker(stack: Stack) -> None:
     ids = {m.id for m in _client(stack).models.list()}
     assert {"m-ok", "m-retry", "m-down", "m-slow"} <= ids
+    assert "m-none" not in ids  # its only worker is down
+    assert _client(stack).models.retrieve("m-ok").id == "m-ok"
+    with pytest.raises(openai.NotFoundError):
+        _client(stack).models.retrieve("m-none")
 
 
 def test_metrics_count_requests_routing_and_tokens(stack: Stack) -> None:

@@ -321,12 +321,21 @@ async def test_worker_errors_are_passed_through_in_the_gateway_shape(
 
 
 async def test_engine_internal_fields_are_refused(rig: Rig) -> None:
-    for name in ("kv_transfer_params", "request_id", "priority", "data_parallel_rank"):
+    for name in ("kv_transfer_params", "rid", "data_parallel_rank", "prompt_embeds"):
         resp = await rig.chat(**{name: 1})
         assert resp.status_code == 400
         error = orjson.loads(resp.content)["error"]
         assert error["param"] == name and name in error["message"]
     assert rig.upstream.received == []
+
+
+async def test_vllm_priority_and_request_id_are_passed_through(rig: Rig) -> None:
+    resp = await rig.chat(priority=-3, request_id="client-chosen")
+    assert resp.status_code == 200
+    sent = rig.upstream.received[-1]
+    assert sent["body"]["priority"] == -3 and sent["body"]["request_id"] == "client-chosen"
+    # The engine's own id stays the gateway's: vLLM takes X-Request-Id over the body's field.
+    assert sent["request_id"] != "client-chosen"
 
 
 async def test_identity_fields_and_adapter_are_bound_into_the_keys(rig: Rig) -> None:

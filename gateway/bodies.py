@@ -1,0 +1,150 @@
+"""Request bodies at the edge: one parse, the few fields routing needs checked, one encode.
+
+Only what routing needs is validated here (`model`, the route's prompt field, `stream`,
+`stream_options`); everything else is the worker's to judge and is forwarded untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from gateway.errors import ApiError, bad_request
+from gateway.multipart import boundary_of, content_type_header, form_fields
+from gateway.routes import ApiRoute
+
+# Body fields that steer an engine's internals rather than the answer. A tenant must not set
+# them: `kv_transfer_params` (vLLM disaggregated prefill: where KV is pulled from or pushed to),
+# `rid` (SGLang's engine request id; the gateway names requests itself), `data_parallel_rank`
+# (pins an engine rank), `bootstrap_host` / `bootstrap_port` / `bootstrap_room` (SGLang
+# prefill-decode transfer), `prompt_embeds` (bypasses tokenization, so the prefix keys could not
+# describe the prompt). They are refused with 400, naming the field. vLLM's own `request_id` and
+# `priority` are passed through: the gateway's `X-Request-Id` header names the request inside
+# vLLM whatever the body says (on the Responses route `request_id` names the response), and
+# `priority` orders requests within the worker's scheduler. `cache_salt` is not refused: the
+# gateway always replaces it with its own.
+ENGINE_INTERNAL_FIELDS = frozenset(
+    {
+        "kv_transfer_params",
+        "rid",
+        "data_parallel_rank",
+        "bootstrap_host",
+        "bootstrap_port",
+        "bootstrap_room",
+        "prompt_embeds",
+    }
+)
+
+# orjson parses up to 1024 levels but encodes at most 254, and every body is encoded again on its
+# way to the worker (with the gateway's `cache_salt`), as are parts of it by the normalizer.
+MAX_JSON_DEPTH = 254
+
+# The form fields of a multipart body that the gateway reads (the file is never looked at).
+_FORM_FIELDS = frozenset({"model", "stream"})
+
+
+def parse_body(raw: bytes, api: ApiRoute) -> dict[str, Any]:
+    """The request body as a JSON object, with the fields routing needs checked; 400 otherwise."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    model = body.get("model")
+    if (not isinstance(model, str) or not model) and (model is not None or not api.model_optional):
+        raise bad_request("'model' is required and must be a non-empty string", "model")
+    prompt = api.prompt
+    if prompt == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise bad_request("'messages' is required and must be a non-empty array", "messages")
+        if not all(isinstance(m, dict) for m in messages):
+            raise bad_request("every entry of 'messages' must be an object", "messages")
+    elif prompt == "completions":
+        prompt_field = body.get("prompt")
+        if not isinstance(prompt_field, str | list) or not prompt_field:
+            raise bad_request("'prompt' is required and must be a string or a non-empty array", "prompt")
+    elif prompt is not None:
+        _check_api_prompt(body, prompt)
+    if not isinstance(body.get("stream", False), bool | None):
+        raise bad_request("'stream' must be a boolean", "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise bad_request("'stream_options' must be an object", "stream_options")
+    if options is not None and not isinstance(options.get("include_usage", False), bool | None):
+        # A non-boolean would otherwise be read as "no usage" and silently dropped.
+        raise bad_request("'stream_options.include_usage' must be a boolean", "stream_options.include_usage")
+    if not ENGINE_INTERNAL_FIELDS.isdisjoint(body):
+        name = min(ENGINE_INTERNAL_FIELDS.intersection(body))
+        raise bad_request(f"'{name}' is an engine-internal field and cannot be set through the gateway", name)
+    return body
+
+
+def _check_api_prompt(body: dict[str, Any], prompt: str) -> None:
+    """The top-level shape of a Responses or Messages prompt (the normalizer checks the rest)."""
+    if prompt == "responses":
+        value = body.get("input")
+        if not isinstance(value, str | list):
+            raise bad_request("'input' is required and must be a string or an array of items", "input")
+    else:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise bad_request("'messages' is required and must be a non-empty array", "messages")
+
+
+def parse_form(raw: bytes, content_type: str | None, api: ApiRoute) -> dict[str, Any]:
+    """The fields routing reads from a multipart body (`model`, `stream`); 400 when the body is
+    not a well-formed multipart form."""
+    fields = form_fields(raw, content_type, _FORM_FIELDS)
+    model = fields.get("model")
+    if not model and not api.model_optional:
+        raise bad_request("'model' is required and must be a non-empty string", "model")
+    body: dict[str, Any] = {"model": model} if model else {}
+    stream = fields.get("stream")
+    if stream is not None:
+        if stream.lower() not in ("true", "false"):
+            raise bad_request("'stream' must be a boolean", "stream")
+        body["stream"] = stream.lower() == "true"
+    return body
+
+
+def form_head(content_type: str | None) -> bytes:
+    """The start of the headers that carry a multipart body to a worker (the request id follows)."""
+    return content_type_header(boundary_of(content_type)) + b"X-Request-Id: "
+
+
+def encode_body(body: dict[str, Any]) -> bytes:
+    """The body re-encoded without any client `cache_salt` (the gateway always sets its own).
+
+    This is also the nesting bound: encoding refuses JSON nested deeper than `MAX_JSON_DEPTH`, at
+    the cost of one `orjson.dumps`, which `Admitted.body_for` then reuses instead of encoding again
+    (faster than counting brackets in the raw bytes or walking the parsed objects in Python).
+    """
+    body.pop("cache_salt", None)
+    try:
+        return orjson.dumps(body)
+    except orjson.JSONEncodeError:
+        raise bad_request(
+            f"request body is nested too deeply: at most {MAX_JSON_DEPTH} levels of JSON objects and arrays"
+        ) from None
+
+
+_OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
+
+
+def max_output_tokens(body: dict[str, Any]) -> int:
+    """The request's output budget (chat, completions, Messages `max_tokens`, Responses
+    `max_output_tokens`); 0 when it sets none."""
+    for name in _OUTPUT_FIELDS:
+        value = body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 0
+
+
+def missing_model(served: list[str]) -> ApiError:
+    """A request without `model` on a route where vLLM takes the served model: fine when the
+    gateway serves one model, else the client must say which."""
+    return bad_request(f"'model' is required: this gateway serves {len(served)} models", "model")

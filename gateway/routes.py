@@ -1,0 +1,108 @@
+"""The POST routes the gateway proxies: for each path, how its request is read, keyed and answered.
+
+`ROUTES` maps a path to an `ApiRoute`; the app dispatches a POST with one dict lookup, the same
+cost for every route. A route is either cache-aware (`prompt` names the normalizer's input
+adapter: the request has a prompt to key) or a load-aware pass-through (`prompt` is None: the
+policy sees no keys, only the request's size). Every route gets the same auth, quotas, limits,
+metrics and error handling; what differs is the API's dialect (its error shape and how its
+streams are relayed), whether the body is JSON or a multipart form, and whether the gateway's
+`cache_salt` goes with it (vLLM's generation requests have the field; its pooling, tokenizer and
+audio requests do not).
+
+Each route is sent to the same path on the worker (vLLM serves `/rerank` and `/v1/rerank`, ...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from gateway import anthropic
+from gateway.errors import ApiError, RawResponse, error_response, normalize_worker_error
+from gateway.sse import Relay, SseRelay
+from gateway.sse_named import MessagesRelay, ResponsesRelay
+
+Prompt = Literal["chat", "completions", "responses", "messages"]
+
+
+@dataclass(frozen=True, slots=True)
+class Dialect:
+    """How one API shapes what the gateway sends back: errors, worker errors, stream relays."""
+
+    name: Literal["openai", "responses", "anthropic"]
+    error_response: Callable[[ApiError, str], RawResponse]
+    worker_error: Callable[[int, bytes], bytes]
+    relay: Callable[[bool], Relay]
+
+
+OPENAI = Dialect("openai", error_response, normalize_worker_error, SseRelay)
+RESPONSES = Dialect("responses", error_response, normalize_worker_error, lambda _: ResponsesRelay())
+ANTHROPIC = Dialect(
+    "anthropic", anthropic.error_response, anthropic.normalize_worker_error, lambda _: MessagesRelay()
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ApiRoute:
+    """One proxied POST route.
+
+    `endpoint` labels metrics, access logs and spans. `prompt` names the normalizer's input
+    adapter (None: load-aware pass-through). `model_optional`: vLLM takes its served model when
+    the body names none, so the gateway does too when it serves one model. `multipart`: a form
+    body (audio), read only for `model` and `stream`. `json_answer`: a 200 must be a JSON object
+    (anything else is a malformed answer); audio answers may be plain text. `api_key_header`:
+    the key may come in `x-api-key` (Anthropic clients). `rewrites`: the gateway may rewrite the
+    body (the normalizer's canonical body, `stream_options.include_usage`): chat and completions
+    only; a Responses or Messages body is forwarded as sent.
+    """
+
+    endpoint: str
+    path: str
+    prompt: Prompt | None = None
+    dialect: Dialect = OPENAI
+    salted: bool = False
+    model_optional: bool = True
+    multipart: bool = False
+    json_answer: bool = True
+    api_key_header: bool = False
+    path_bytes: bytes = field(init=False)
+    rewrites: bool = field(init=False)
+    plain_head: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path_bytes", self.path.encode())
+        object.__setattr__(self, "rewrites", self.prompt in ("chat", "completions"))
+        # Only the three headers every route reads (`RequestHead.of`, the fastest reader).
+        object.__setattr__(self, "plain_head", not (self.api_key_header or self.multipart))
+
+
+# Anthropic clients always name the model and send their key in `x-api-key`.
+_ANTHROPIC_CLIENT = {"model_optional": False, "api_key_header": True}
+
+
+def _routes(*routes: ApiRoute) -> dict[str, ApiRoute]:
+    return {route.path: route for route in routes}
+
+
+ROUTES: dict[str, ApiRoute] = _routes(
+    ApiRoute("chat", "/v1/chat/completions", "chat", salted=True, model_optional=False),
+    ApiRoute("completions", "/v1/completions", "completions", salted=True, model_optional=False),
+    ApiRoute("responses", "/v1/responses", "responses", RESPONSES, salted=True),
+    # vLLM's Anthropic request model has no `cache_salt`; the gateway sends it anyway (see
+    # docs/gateway.md, "Anthropic Messages"): builds that honour it isolate tenants, vLLM drops it.
+    ApiRoute("messages", "/v1/messages", "messages", ANTHROPIC, salted=True, **_ANTHROPIC_CLIENT),
+    ApiRoute("count_tokens", "/v1/messages/count_tokens", None, ANTHROPIC, **_ANTHROPIC_CLIENT),
+    ApiRoute("embeddings", "/v1/embeddings"),
+    ApiRoute("pooling", "/pooling"),
+    ApiRoute("classify", "/classify"),
+    ApiRoute("score", "/score"),
+    ApiRoute("score", "/v1/score"),
+    ApiRoute("rerank", "/rerank"),
+    ApiRoute("rerank", "/v1/rerank"),
+    ApiRoute("rerank", "/v2/rerank"),
+    ApiRoute("tokenize", "/tokenize"),
+    ApiRoute("detokenize", "/detokenize"),
+    ApiRoute("transcriptions", "/v1/audio/transcriptions", multipart=True, json_answer=False),
+    ApiRoute("translations", "/v1/audio/translations", multipart=True, json_answer=False),
+)

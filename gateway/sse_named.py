@@ -1,0 +1,201 @@
+"""Relays for the streams of named events: OpenAI Responses and Anthropic Messages.
+
+Both APIs stream `event: <type>` + `data: {json}` events with no `[DONE]`: a stream ends with its
+terminal event (`response.completed` / `response.incomplete`; `message_stop`), and usage rides
+inside events (`response.completed.response.usage`; `message_start.message.usage` merged with
+`message_delta.usage`). Like `sse.SseRelay`, a relay forwards whole events only and looks inside
+an event only when a byte test says it may matter: the quoted type names below match only
+structural JSON, never text inside a string (where the quotes would be escaped).
+
+A worker's failure inside a stream (`error`, `response.failed`) is never passed on as is: the
+client gets one error event in the route's own shape (Responses: `{"type": "error", "code",
+"message", "param", "sequence_number"}`; Anthropic: `{"type": "error", "error": {"type",
+"message"}}`) with the worker's message bounded, and nothing after it. Events after the terminal
+event (vLLM ends its Messages stream with a stray `data: [DONE]`) are dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+from gateway.sse import MalformedStream, WorkerStreamError, data_of, worker_error_of
+
+_MAX_PENDING_BYTES = 4 * 1024 * 1024
+_UNREADABLE = WorkerStreamError(
+    "the worker reported an unreadable error mid-stream", "server_error", None, None
+)
+# Anthropic's error types; a worker's own type outside this set is reported as `api_error`.
+ANTHROPIC_ERROR_TYPES = frozenset(
+    {
+        "invalid_request_error",
+        "authentication_error",
+        "billing_error",
+        "permission_error",
+        "not_found_error",
+        "request_too_large",
+        "rate_limit_error",
+        "api_error",
+        "timeout_error",
+        "overloaded_error",
+    }
+)
+
+
+class NamedEventRelay:
+    """Splits a named-event stream into whole events; subclasses say which events to look inside
+    (`MARKERS`) and what they mean (`_event`)."""
+
+    MARKERS: tuple[bytes, ...] = ()
+    __slots__ = ("_anthropic_type", "_events", "_pending", "done", "error", "response_id", "usage")
+
+    def __init__(self) -> None:
+        self._pending = b""
+        self._events = 0  # events forwarded so far (a Responses error event numbers itself after them)
+        self._anthropic_type = "api_error"
+        self.done = False
+        self.error: WorkerStreamError | None = None
+        self.usage: Any = None
+        self.response_id: str | None = None
+
+    def feed(self, chunk: bytes) -> bytes:
+        """Bytes to forward now (whole events only); the partial tail waits for the next chunk."""
+        if self.error is not None or self.done:
+            return b""
+        data = self._pending + chunk if self._pending else chunk
+        cut = data.rfind(b"\n\n")
+        if cut < 0:
+            if len(data) > _MAX_PENDING_BYTES:
+                raise MalformedStream("an oversized SSE event")
+            self._pending = data
+            return b""
+        head = data[: cut + 2]
+        self._pending = data[cut + 2 :]
+        if not any(marker in head for marker in self.MARKERS):
+            self._events += head.count(b"\n\n")
+            return head
+        out: list[bytes] = []
+        for event in head.split(b"\n\n"):
+            if not event:
+                continue
+            if any(marker in event for marker in self.MARKERS):
+                forwarded = self._inspect(event)
+                if forwarded is None:  # an error: the client gets ours, and nothing after it
+                    out.append(self.error_event())
+                    self._pending = b""
+                    break
+                out.append(forwarded)
+            else:
+                out.append(event + b"\n\n")
+            self._events += 1
+            if self.done:
+                self._pending = b""  # nothing after the terminal event is part of the answer
+                break
+        return b"".join(out)
+
+    def _inspect(self, event: bytes) -> bytes | None:
+        payload = data_of(event)
+        try:
+            obj = orjson.loads(payload) if payload is not None else None
+        except orjson.JSONDecodeError:
+            obj = None
+        if not isinstance(obj, dict):
+            if b'"error"' in event:
+                self.error = _UNREADABLE
+                return None
+            return event + b"\n\n"
+        kind = obj.get("type")
+        self._event(kind if isinstance(kind, str) else "", obj)
+        return None if self.error is not None else event + b"\n\n"
+
+    def _event(self, kind: str, obj: dict[str, Any]) -> None:
+        """Note what one inspected event means: usage, an id, the end, or an error."""
+        raise NotImplementedError
+
+    def error_event(self, message: str | None = None, code: str | None = None) -> bytes:
+        """The route's error event: the worker's (bounded), or one the gateway writes."""
+        raise NotImplementedError
+
+    def closing(self, message: str, code: str) -> bytes:
+        """What ends a stream that did not reach its terminal event: one error event, unless the
+        worker's own was already sent (rewritten). No `[DONE]`: these APIs have none."""
+        return b"" if self.error is not None else self.error_event(message, code)
+
+
+class ResponsesRelay(NamedEventRelay):
+    """A Responses stream: the response id from `response.created`, usage and the end from
+    `response.completed` / `response.incomplete`, failures from `error` / `response.failed`."""
+
+    MARKERS = (
+        b'"response.created"',
+        b'"response.completed"',
+        b'"response.incomplete"',
+        b'"response.failed"',
+        b'"error"',
+    )
+    __slots__ = ()
+
+    def _event(self, kind: str, obj: dict[str, Any]) -> None:
+        response = obj.get("response")
+        response = response if isinstance(response, Mapping) else {}
+        if kind == "response.created":
+            rid = response.get("id")
+            self.response_id = rid if isinstance(rid, str) and rid else None
+        elif kind in ("response.completed", "response.incomplete"):
+            self.usage = response.get("usage")
+            self.done = True
+        elif kind == "response.failed":
+            self.error = worker_error_of(response.get("error"))
+        elif kind == "error":
+            self.error = worker_error_of(obj)
+
+    def error_event(self, message: str | None = None, code: str | None = None) -> bytes:
+        error = self.error
+        data = {
+            "type": "error",
+            "code": code if code is not None else (error.code if error else None),
+            "message": message if message is not None else (error.message if error else ""),
+            "param": error.param if error is not None and message is None else None,
+            "sequence_number": self._events,
+        }
+        return b"event: error\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+class MessagesRelay(NamedEventRelay):
+    """An Anthropic Messages stream: usage from `message_start` and `message_delta`, the end at
+    `message_stop`, failures from `error` events."""
+
+    MARKERS = (b'"message_start"', b'"message_delta"', b'"message_stop"', b'"error"')
+    __slots__ = ()
+
+    def _event(self, kind: str, obj: dict[str, Any]) -> None:
+        if kind == "message_start":
+            message = obj.get("message")
+            usage = message.get("usage") if isinstance(message, Mapping) else None
+            if isinstance(usage, Mapping):
+                self.usage = dict(usage)
+        elif kind == "message_delta":
+            usage = obj.get("usage")
+            if isinstance(usage, Mapping):
+                # Counts that are present and not null replace the start's (output grows).
+                merged = dict(self.usage) if isinstance(self.usage, Mapping) else {}
+                merged.update({k: v for k, v in usage.items() if v is not None})
+                self.usage = merged
+        elif kind == "message_stop":
+            self.done = True
+        elif kind == "error":
+            inner = obj.get("error")
+            self.error = worker_error_of(inner)
+            wtype = inner.get("type") if isinstance(inner, Mapping) else None
+            self._anthropic_type = wtype if wtype in ANTHROPIC_ERROR_TYPES else "api_error"
+
+    def error_event(self, message: str | None = None, code: str | None = None) -> bytes:
+        if message is None:
+            message = self.error.message if self.error is not None else ""
+            type_ = self._anthropic_type
+        else:
+            type_ = "api_error"
+        data = {"type": "error", "error": {"type": type_, "message": message}}
+        return b"event: error\ndata: " + orjson.dumps(data) + b"\n\n"

@@ -1,0 +1,125 @@
+"""The gateway's own GET routes of the OpenAI surface: models, one model, health, version.
+
+`/v1/models` lists only models that have a routable worker now (healthy, breaker not open), so a
+client never picks a model whose every worker is down; `/v1/models/{id}` answers the same card or
+404. `/health` is the gateway's own liveness (it never asks a worker) and `/version` its version;
+neither needs a key, like vLLM's.
+"""
+
+from __future__ import annotations
+
+import time
+from importlib.metadata import PackageNotFoundError, version
+
+import orjson
+from starlette.convertors import Convertor, register_url_convertor
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gateway.admission import request_id_of
+from gateway.breaker import BreakerState
+from gateway.errors import ApiError
+from gateway.routes import ROUTES
+from gateway.state import GatewayState
+
+
+def _version() -> str:
+    try:
+        return version("kvgate")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+VERSION = _version()
+
+
+class _ModelId(Convertor[str]):
+    """A model id in a path: one or more characters, slashes included (`org/model`)."""
+
+    regex = ".+"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("kvgate_model_id", _ModelId())
+
+
+def routable_models(state: GatewayState) -> list[str]:
+    """Every served model id whose pool has a worker that may take a request now."""
+    now_s = time.monotonic()
+    out: list[str] = []
+    for pool in state.registry.pools.values():
+        if any(w.healthy and w.breaker.state(now_s) is not BreakerState.OPEN for w in pool.workers.values()):
+            out.extend(pool.config.models)
+    return out
+
+
+def error(err: ApiError, request_id: str) -> Response:
+    return Response(
+        err.body(),
+        err.status,
+        headers={"x-request-id": request_id, **err.headers},
+        media_type="application/json",
+    )
+
+
+def json_response(obj: object, status: int, request_id: str) -> Response:
+    return Response(
+        orjson.dumps(obj), status, headers={"x-request-id": request_id}, media_type="application/json"
+    )
+
+
+_NO_KEY = ApiError(401, "incorrect or missing API key", "invalid_request_error", "invalid_api_key")
+
+
+def surface_routes(state: GatewayState) -> list[Route]:
+    """The GET routes above, and 405 for any other method on a proxied POST route."""
+
+    def card(model: str) -> dict[str, object]:
+        return {"id": model, "object": "model", "created": state.created_s, "owned_by": "kvgate"}
+
+    async def models(request: Request) -> Response:
+        request_id = request_id_of(request)
+        if state.keyring.lookup(request.headers.get("authorization")) is None:
+            return error(_NO_KEY, request_id)
+        data = [card(model) for model in routable_models(state)]
+        return json_response({"object": "list", "data": data}, 200, request_id)
+
+    async def model(request: Request) -> Response:
+        request_id = request_id_of(request)
+        if state.keyring.lookup(request.headers.get("authorization")) is None:
+            return error(_NO_KEY, request_id)
+        model_id = request.path_params["model_id"]
+        if model_id not in routable_models(state):
+            message = f"The model '{model_id}' does not exist"
+            err = ApiError(404, message, "invalid_request_error", "model_not_found", "model")
+            return error(err, request_id)
+        return json_response(card(model_id), 200, request_id)
+
+    async def health(request: Request) -> Response:
+        return json_response({"status": "ok"}, 200, request_id_of(request))
+
+    async def version_info(request: Request) -> Response:
+        return json_response({"version": VERSION}, 200, request_id_of(request))
+
+    async def not_allowed(request: Request) -> Response:
+        err = ApiError(
+            405,
+            f"method {request.method} not allowed on {request.url.path}",
+            "invalid_request_error",
+            "method_not_allowed",
+        )
+        return error(err, request_id_of(request))
+
+    return [
+        *(Route(path, not_allowed, methods=["GET", "PUT", "DELETE", "PATCH"]) for path in ROUTES),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model_id:kvgate_model_id}", model, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/version", version_info, methods=["GET"]),
+    ]

@@ -1,0 +1,375 @@
+"""Every vLLM route through the gateway, in-process against scripted workers: pass-through routes
+unsalted at the same path, Responses and Messages keyed and salted, each API's errors and
+streams, multipart audio, the model list, the gateway's own probes."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from gateway.app import build_app
+from gateway.auth import hash_api_key
+from gateway.config import parse_config
+from gateway.state import GatewayState, build_state
+from policies import make_policy
+from policies.base import (
+    KvEvent,
+    Observation,
+    RouteDecision,
+    RouteRequest,
+    RoutingPolicy,
+    WorkerId,
+    WorkerView,
+)
+from prompt_normalizer.normalizer import NormalizerConfig
+from tests.gateway.routes_worker import PASS_THROUGH, Received, RoutesWorker, start
+
+SECRET = b"routes"
+KEY = {"authorization": "Bearer sk-t"}
+
+
+class Recording:
+    """round_robin, remembering what it was asked."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.inner: RoutingPolicy = make_policy("round_robin")
+        self.requests: list[RouteRequest] = []
+        self.observations: list[Observation] = []
+
+    def select(self, req: RouteRequest, workers: Sequence[WorkerView], now_s: float) -> RouteDecision | None:
+        self.requests.append(req)
+        return self.inner.select(req, workers, now_s)
+
+    def on_dispatch(self, req: RouteRequest, decision: RouteDecision, now_s: float) -> None:
+        self.inner.on_dispatch(req, decision, now_s)
+
+    def on_complete(self, obs: Observation, now_s: float) -> None:
+        self.observations.append(obs)
+
+    def on_kv_event(self, worker: WorkerId, event: KvEvent, now_s: float) -> None:
+        return None
+
+
+@dataclass
+class Rig:
+    client: httpx.AsyncClient
+    state: GatewayState
+    policy: Recording
+    workers: list[RoutesWorker] = field(default_factory=list)
+
+    def last(self) -> Received:
+        got = [w.received[-1] for w in self.workers if w.received]
+        assert got
+        return max(got, key=lambda r: r.seq)
+
+    def metric(self, name: str, **labels: str) -> float:
+        text = self.state.metrics.render().decode()
+        for line in text.splitlines():
+            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+
+def _config(urls: list[str], **extra: Any) -> dict[str, Any]:
+    return {
+        "pools": [{"name": "p", "models": ["m"], "workers": urls, "retry_attempts": 0}],
+        "tenants": [
+            {"name": "t", "api_key_hashes": [hash_api_key(SECRET, "sk-t")]},
+            {"name": "one", "api_key_hashes": [hash_api_key(SECRET, "sk-one")], "quotas": {"rpm": 1}},
+        ],
+        "scrape": {"enabled": False},
+        "limits": {"max_body_bytes": 4096},
+        **extra,
+    }
+
+
+@pytest.fixture
+async def rig() -> AsyncIterator[Rig]:
+    workers = [RoutesWorker("w1"), RoutesWorker("w2")]
+    runners = [await start(w) for w in workers]
+    policy = Recording()
+    state = build_state(parse_config(_config([w.url for w in workers])), SECRET, policy, NormalizerConfig())
+    app = build_app(state)
+    try:
+        async with (
+            app.fallback.router.lifespan_context(app.fallback),
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client,
+        ):
+            yield Rig(client, state, policy, workers)
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+@pytest.mark.parametrize("path", PASS_THROUGH[:-1])
+async def test_pass_through_routes_reach_the_same_path_unsalted(rig: Rig, path: str) -> None:
+    body = {"model": "m", "input": "some text", "cache_salt": "client-chosen", "priority": 2}
+    resp = await rig.client.post(path, json=body, headers={**KEY, "x-request-id": "mine"})
+    assert resp.status_code == 200 and resp.json()["usage"]["prompt_tokens"] == 7
+    assert resp.headers["x-request-id"] == "mine"
+    got = rig.last()
+    assert got.path == path
+    # No field of the gateway's: pooling, tokenizer and audio requests have no cache_salt.
+    assert got.json() == {"model": "m", "input": "some text", "priority": 2}
+    assert got.headers["x-request-id"] != "mine"
+    # Load-aware: the policy saw the request's size, no keys.
+    req = rig.policy.requests[-1]
+    assert req.block_keys == () and req.n_prompt_tokens == len(orjson.dumps(body)) // 4
+    endpoint = path.rsplit("/", 1)[1]  # embeddings, rerank, score, pooling, ...
+    assert rig.metric("kvgate_requests_total", endpoint=endpoint, status="200", tenant="t") == 1
+
+
+async def test_every_route_has_the_same_auth_limits_and_quotas(rig: Rig) -> None:
+    for path in ("/v1/embeddings", "/v1/responses", "/tokenize"):
+        resp = await rig.client.post(path, json={"model": "m", "input": "x"})
+        assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
+        resp = await rig.client.post(path, json={"model": "m", "input": "x" * 5000}, headers=KEY)
+        assert resp.status_code == 413 and resp.json()["error"]["code"] == "body_too_large"
+        resp = await rig.client.post(
+            path, json={"model": "m", "input": "x", "kv_transfer_params": {}}, headers=KEY
+        )
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "kv_transfer_params"
+        resp = await rig.client.post(path, json={"model": "nope", "input": "x"}, headers=KEY)
+        assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"
+    one = {"authorization": "Bearer sk-one"}
+    assert (
+        await rig.client.post("/v1/embeddings", json={"model": "m", "input": "x"}, headers=one)
+    ).status_code == 200
+    resp = await rig.client.post("/pooling", json={"model": "m", "input": "x"}, headers=one)
+    assert resp.status_code == 429 and "retry-after" in resp.headers
+    assert rig.metric("kvgate_requests_total", endpoint="pooling", status="429") == 1
+    for method in ("GET", "PUT", "DELETE"):
+        assert (await rig.client.request(method, "/v1/rerank", headers=KEY)).status_code == 405
+
+
+async def test_a_request_without_model_goes_to_the_only_model() -> None:
+    worker = RoutesWorker("w")
+    runner = await start(worker)
+    config = _config([worker.url])
+    two = {**config, "pools": [*config["pools"], {"name": "q", "models": ["m2"], "workers": [worker.url]}]}
+    try:
+        for raw, expected in ((config, 200), (two, 400)):
+            state = build_state(parse_config(raw), SECRET, make_policy("round_robin"), NormalizerConfig())
+            app = build_app(state)
+            async with (
+                app.fallback.router.lifespan_context(app.fallback),
+                httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client,
+            ):
+                resp = await client.post("/tokenize", json={"prompt": "hello"}, headers=KEY)
+                assert resp.status_code == expected
+                if expected == 400:
+                    assert resp.json()["error"]["param"] == "model"
+                # Chat always names its model.
+                resp = await client.post(
+                    "/v1/chat/completions", json={"messages": [{"role": "user"}]}, headers=KEY
+                )
+                assert resp.status_code == 400
+        assert worker.received[0].json() == {"prompt": "hello"}  # forwarded as sent
+    finally:
+        await runner.cleanup()
+
+
+async def test_responses_are_keyed_salted_and_their_usage_read(rig: Rig) -> None:
+    body = {"model": "m", "instructions": "Answer briefly. " * 20, "input": "hi", "cache_salt": "x"}
+    resp = await rig.client.post("/v1/responses", json=body, headers=KEY)
+    assert resp.status_code == 200 and resp.json()["object"] == "response"
+    sent = rig.last().json()
+    assert sent["cache_salt"] == rig.state.keyring.tenants["t"].cache_salt
+    assert {k: v for k, v in sent.items() if k != "cache_salt"} == {
+        k: v for k, v in body.items() if k != "cache_salt"
+    }
+    req = rig.policy.requests[-1]
+    assert req.block_keys and req.immutable_blocks > 0 and req.namespace == "tenant:t"
+    obs = rig.policy.observations[-1]
+    assert (obs.prompt_tokens, obs.cached_tokens, obs.completion_tokens) == (40, 32, 2)
+    assert rig.metric("kvgate_cached_prompt_tokens_total", tenant="t") == 32
+
+
+async def test_a_bad_responses_input_is_a_400_naming_the_field(rig: Rig) -> None:
+    bad = {"model": "m", "input": [{"type": "message", "role": "robot", "content": "x"}]}
+    resp = await rig.client.post("/v1/responses", json=bad, headers=KEY)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "input[0].role"
+    resp = await rig.client.post("/v1/responses", json={"model": "m"}, headers=KEY)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "input"
+
+
+def _events(raw: bytes) -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    for event in raw.split(b"\n\n"):
+        if not event:
+            continue
+        kind = re.search(rb"^event: (.+)$", event, re.M)
+        data = re.search(rb"^data: (.+)$", event, re.M)
+        assert data is not None, event
+        out.append(
+            (
+                kind.group(1).decode() if kind else "",
+                orjson.loads(data.group(1)) if data.group(1) != b"[DONE]" else {},
+            )
+        )
+    return out
+
+
+async def test_a_responses_stream_ends_at_its_terminal_event(rig: Rig) -> None:
+    resp = await rig.client.post(
+        "/v1/responses", json={"model": "m", "input": "hi", "stream": True}, headers=KEY
+    )
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+    events = _events(resp.content)
+    assert [k for k, _ in events][-1] == "response.completed" and b"[DONE]" not in resp.content
+    assert rig.policy.observations[-1].cached_tokens == 32
+    assert "stream_options" not in rig.last().json()  # its usage always rides in response.completed
+
+
+@pytest.mark.parametrize(
+    ("fault", "code"), [("die", "upstream_stream_error"), ("error", "upstream_stream_error")]
+)
+async def test_a_broken_responses_stream_ends_with_one_error_event(rig: Rig, fault: str, code: str) -> None:
+    for w in rig.workers:
+        w.fault = fault
+    resp = await rig.client.post(
+        "/v1/responses", json={"model": "m", "input": "hi", "stream": True}, headers=KEY
+    )
+    events = _events(resp.content)
+    kind, data = events[-1]
+    assert kind == "error" and data["type"] == "error" and data["code"] == code
+    assert [k for k, _ in events].count("error") == 1 and b"[DONE]" not in resp.content
+    assert data["sequence_number"] == len(events) - 1
+    if fault == "error":
+        assert data["message"] == "engine failed"
+
+
+async def test_messages_take_the_key_in_x_api_key_and_read_anthropic_usage(rig: Rig) -> None:
+    system = [{"type": "text", "text": "S" * 300, "cache_control": {"type": "ephemeral"}}]
+    body = {"model": "m", "max_tokens": 8, "system": system, "messages": [{"role": "user", "content": "hi"}]}
+    headers = {"x-api-key": "sk-t", "anthropic-version": "2023-06-01"}
+    resp = await rig.client.post("/v1/messages", json=body, headers=headers)
+    assert resp.status_code == 200 and resp.json()["usage"]["cache_read_input_tokens"] == 32
+    assert rig.last().json()["cache_salt"] == rig.state.keyring.tenants["t"].cache_salt
+    obs = rig.policy.observations[-1]
+    assert (obs.prompt_tokens, obs.cached_tokens, obs.completion_tokens) == (36, 32, 2)
+    assert rig.policy.requests[-1].immutable_blocks > 0
+    # The key is read from x-api-key only on the Anthropic routes.
+    resp = await rig.client.post("/v1/embeddings", json={"model": "m", "input": "x"}, headers=headers)
+    assert resp.status_code == 401
+
+
+def _anthropic_error(resp: httpx.Response, status: int, type_: str) -> str:
+    assert resp.status_code == status
+    body = resp.json()
+    assert (
+        body["type"] == "error"
+        and body["error"]["type"] == type_
+        and set(body["error"]) == {"type", "message"}
+    )
+    message: str = body["error"]["message"]
+    return message
+
+
+async def test_errors_on_the_messages_routes_have_anthropics_shape(rig: Rig) -> None:
+    body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    _anthropic_error(await rig.client.post("/v1/messages", json=body), 401, "authentication_error")
+    _anthropic_error(
+        await rig.client.post("/v1/messages", json={**body, "model": "x"}, headers=KEY),
+        404,
+        "not_found_error",
+    )
+    bad = {**body, "messages": [{"role": "system", "content": "x"}]}
+    _anthropic_error(
+        await rig.client.post("/v1/messages", json=bad, headers=KEY), 400, "invalid_request_error"
+    )
+    big = {**body, "system": "x" * 5000}
+    _anthropic_error(await rig.client.post("/v1/messages", json=big, headers=KEY), 413, "request_too_large")
+    for w in rig.workers:
+        w.status, w.error_body = (
+            400,
+            {"type": "error", "error": {"type": "invalid_request_error", "message": "bad temp"}},
+        )
+    message = _anthropic_error(
+        await rig.client.post("/v1/messages", json=body, headers=KEY), 400, "invalid_request_error"
+    )
+    assert message == "bad temp"
+    resp = await rig.client.post("/v1/messages/count_tokens", json=body, headers={"x-api-key": "sk-t"})
+    _anthropic_error(resp, 400, "invalid_request_error")
+    for w in rig.state.registry.pools["p"].workers.values():
+        w.healthy = False
+    resp = await rig.client.post("/v1/messages", json=body, headers=KEY)
+    _anthropic_error(resp, 503, "overloaded_error")
+    assert resp.headers["retry-after"] == "1"
+
+
+@pytest.mark.parametrize("fault", [None, "done_after_stop", "die", "error"])
+async def test_a_messages_stream_relays_anthropic_events(rig: Rig, fault: str | None) -> None:
+    for w in rig.workers:
+        w.fault = fault
+    body = {"model": "m", "max_tokens": 8, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    resp = await rig.client.post("/v1/messages", json=body, headers=KEY)
+    events = _events(resp.content)
+    kinds = [k for k, _ in events]
+    assert b"[DONE]" not in resp.content
+    if fault in (None, "done_after_stop"):
+        assert kinds[-1] == "message_stop" and "error" not in kinds
+        obs = rig.policy.observations[-1]
+        assert (obs.prompt_tokens, obs.cached_tokens, obs.completion_tokens) == (36, 32, 2)
+    else:
+        assert kinds[-1] == "error" and kinds.count("error") == 1
+        error = events[-1][1]["error"]
+        assert error["type"] == ("overloaded_error" if fault == "error" else "api_error")
+
+
+async def test_audio_is_forwarded_as_the_clients_multipart_form(rig: Rig) -> None:
+    files = {"file": ("a.wav", b"RIFF" + bytes(range(200)), "audio/wav")}
+    resp = await rig.client.post(
+        "/v1/audio/transcriptions", data={"model": "m", "language": "en"}, files=files, headers=KEY
+    )
+    assert resp.status_code == 200 and resp.json()["text"] == "a transcript"
+    got = rig.last()
+    assert (
+        got.path == "/v1/audio/transcriptions"
+        and b'name="language"' in got.body
+        and bytes(range(200)) in got.body
+    )
+    boundary = re.search(r'boundary="?([^";]+)', got.headers["content-type"])
+    assert boundary is not None and got.body.startswith(b"--" + boundary.group(1).encode())
+    for w in rig.workers:
+        w.text_answer = True
+    resp = await rig.client.post("/v1/audio/translations", data={"model": "m"}, files=files, headers=KEY)
+    assert resp.status_code == 200 and resp.text == "a plain transcript"
+    assert rig.policy.requests[-1].n_prompt_tokens == 0
+    resp = await rig.client.post("/v1/audio/transcriptions", json={"model": "m"}, headers=KEY)
+    assert resp.status_code == 400 and "multipart/form-data" in resp.json()["error"]["message"]
+    broken = {"content-type": "multipart/form-data; boundary=zz", **KEY}
+    resp = await rig.client.post("/v1/audio/transcriptions", content=b"--zz\r\nno end", headers=broken)
+    assert resp.status_code == 400
+
+
+async def test_models_lists_only_models_with_a_routable_worker(rig: Rig) -> None:
+    resp = await rig.client.get("/v1/models", headers=KEY)
+    assert [m["id"] for m in resp.json()["data"]] == ["m"]
+    card = (await rig.client.get("/v1/models/m", headers=KEY)).json()
+    assert card["id"] == "m" and card["object"] == "model"
+    assert (await rig.client.get("/v1/models/org/model", headers=KEY)).status_code == 404
+    assert (await rig.client.get("/v1/models/m")).status_code == 401
+    for w in rig.state.registry.pools["p"].workers.values():
+        w.healthy = False
+    assert (await rig.client.get("/v1/models", headers=KEY)).json()["data"] == []
+    resp = await rig.client.get("/v1/models/m", headers=KEY)
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"
+
+
+async def test_health_and_version_are_the_gateways_own(rig: Rig) -> None:
+    for w in rig.state.registry.pools["p"].workers.values():
+        w.healthy = False
+    resp = await rig.client.get("/health")
+    assert resp.status_code == 200 and resp.json() == {"status": "ok"}
+    version = (await rig.client.get("/version")).json()["version"]
+    assert isinstance(version, str) and version
+    assert all(not w.received for w in rig.workers)

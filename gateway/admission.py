@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,7 @@ from gateway.errors import ApiError
 from gateway.keying import canonical_prompt, only_model, prompt_error
 from gateway.quotas import Rejection, TenantLimiter
 from gateway.registry import Pool
+from gateway.responses_affinity import ResponseAffinity, note_response, pin
 from gateway.routes import ApiRoute
 from gateway.state import GatewayState
 from policies.base import RouteDecision, RouteRequest, WorkerId
@@ -65,6 +67,7 @@ class Admitted:
     public_salt: str
     head: bytes = JSON_HEAD
     pinned: WorkerId | None = None
+    responses: ResponseAffinity | None = None  # Responses requests: where answers' ids are learned
     drift_field: str | None = None
     recorded: bool = False
     _encoded: dict[str | None, bytes] = field(default_factory=dict)
@@ -73,6 +76,19 @@ class Admitted:
     def endpoint(self) -> str:
         """The route's label in metrics, logs and spans."""
         return self.api.endpoint
+
+    def learn_response(self, worker: WorkerId, answer_id: Any) -> None:
+        """A Responses answer came from `worker`: follow-ups naming its id will go there."""
+        if self.responses is not None:
+            note_response(
+                self.responses,
+                self.forward,
+                self.tenant.name,
+                self.pool.name,
+                worker,
+                answer_id,
+                time.monotonic(),
+            )
 
     @property
     def reply_id(self) -> str:
@@ -287,6 +303,10 @@ async def admit(
     else:
         canonical = await canonical_prompt(api, raw, body, state, pool, identity, public, request_id)
 
+    pinned = None
+    if api.prompt == "responses":
+        pinned = pin(state.responses, body, tenant.name, pool, started_s)
+
     limiter = state.limiter(tenant)
     rejection = limiter.admit(canonical.n_tokens, started_s)
     if rejection is not None:
@@ -339,6 +359,8 @@ async def admit(
         started_s=started_s,
         public_salt=state.keyring.public_salt,
         head=form_head(head.content_type if head is not None else None) if api.multipart else JSON_HEAD,
+        pinned=pinned,
+        responses=state.responses if api.prompt == "responses" else None,
         drift_field=drift.field if drift is not None and drift.first_diff_block is not None else None,
     )
 

@@ -38,6 +38,7 @@ from gateway.errors import ApiError
 from gateway.fleet import Fleet
 from gateway.policy_watch import PolicyWatcher
 from gateway.proxy import dispatch
+from gateway.responses_routes import responses_routes
 from gateway.routes import ROUTES, ApiRoute
 from gateway.state import GatewayState, make_session
 from gateway.surface import error, json_response, surface_routes
@@ -211,6 +212,7 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
 
     routes = [
         *surface_routes(state),
+        *responses_routes(state),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         *admin_routes(state, watcher),

@@ -260,6 +260,16 @@ class AdminConfig(_Frozen):
         return value
 
 
+class ResponsesConfig(_Frozen):
+    """Responses API state (`gateway/responses_affinity.py`): the gateway remembers which worker
+    holds each stored response, for at most `affinity_max_entries` ids (least recently used
+    forgotten first), each for `affinity_ttl_s` after its last use. A forgotten id is routed like
+    any request; only the worker holding it can answer it."""
+
+    affinity_max_entries: PositiveInt = 100_000
+    affinity_ttl_s: PositiveFloat = 86_400.0
+
+
 class GatewayConfig(_Frozen):
     """Top level of the gateway config file."""
 
@@ -272,6 +282,7 @@ class GatewayConfig(_Frozen):
     secrets: SecretsConfig = SecretsConfig()
     admin: AdminConfig = AdminConfig()
     metrics: MetricsConfig = MetricsConfig()
+    responses: ResponsesConfig = ResponsesConfig()
     policy_file: str | None = None
     policy_reload_interval_s: PositiveFloat = 2.0
     pools: list[PoolConfig] = Field(min_length=1)

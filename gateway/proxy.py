@@ -32,6 +32,7 @@ from gateway.failure import (
     worker_status,
 )
 from gateway.outcome import NO_USAGE, Attempt, finish, usage_of
+from gateway.responses_affinity import pinned_decision
 from gateway.sse import first_event_problem
 from gateway.state import GatewayState
 from gateway.streaming import AiohttpSource, ProxyStream, StreamSource, first_events
@@ -67,7 +68,11 @@ async def _dispatch(a: Admitted, state: GatewayState, attempts: list[Attempt]) -
     retry: RetryReason | None = None
     for n in range(pool.config.retry_attempts + 1):
         now_s = time.monotonic()
-        decision = state.policy.select(a.route, pool.views(now_s, frozenset(tried)), now_s)
+        views = pool.views(now_s, frozenset(tried))
+        if a.pinned is None:
+            decision = state.policy.select(a.route, views, now_s)
+        else:  # a Responses follow-up: only the worker holding its conversation can answer
+            decision = pinned_decision(a.pinned, views)
         worker = pool.workers.get(decision.worker) if decision is not None else None
         if decision is None or worker is None or decision.worker in tried:
             break
@@ -139,6 +144,8 @@ async def _attempt(
             if problem is not None:
                 source.close()
                 return malformed(f"worker sent a malformed stream ({problem})", stage)
+            if a.responses is not None:
+                a.learn_response(attempt.worker.worker_id, relay.response_id)
             return ProxyStream(state, attempt, source, relay, first, retries)
         # A worker's 4xx, or a whole answer to a streamed request: read it and pass it through.
         stage = Stage.ANSWER
@@ -221,6 +228,8 @@ def _answer(
             usage = NO_USAGE  # a plain-text transcript, say
         else:
             usage = usage_of(parsed.get("usage"))
+            if a.responses is not None:
+                a.learn_response(attempt.worker.worker_id, parsed.get("id"))
         finish(state, a, attempt, status=200, outcome=Outcome.SERVED, usage=usage, retries=retries)
     else:
         # A 4xx is about the request, not the worker's health; the worker computed nothing.

@@ -19,6 +19,7 @@ from gateway.logs import AccessLog
 from gateway.metrics import GatewayMetrics
 from gateway.quotas import TenantLimiter
 from gateway.registry import Pool, Registry
+from gateway.responses_affinity import ResponseAffinity
 from gateway.tracing import RequestTracer
 from gateway.upstream import UpstreamPool
 from policies.base import RoutingPolicy
@@ -46,6 +47,8 @@ class GatewayState:
     limiters: dict[str, TenantLimiter]
     access_log: AccessLog = field(default_factory=lambda: AccessLog(enabled=False))
     tracer: RequestTracer | None = None
+    # Which worker holds each stored Responses response (affinity for previous_response_id).
+    responses: ResponseAffinity = field(default_factory=lambda: ResponseAffinity(100_000, 86_400.0))
     created_s: int = 0
     session: aiohttp.ClientSession | None = None
     # Non-streamed POSTs to plain-HTTP workers (gateway/upstream.py); None: aiohttp for everything.
@@ -173,6 +176,7 @@ def build_state(
         limiters={t.name: TenantLimiter(t.quotas, now_s) for t in config.tenants},
         access_log=AccessLog(enabled=logging.getLogger("kvgate.access").isEnabledFor(logging.INFO)),
         tracer=RequestTracer() if config.tracing.enabled else None,
+        responses=ResponseAffinity(config.responses.affinity_max_entries, config.responses.affinity_ttl_s),
         created_s=int(time.time()),
     )
 

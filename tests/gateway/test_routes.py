@@ -5,8 +5,7 @@ streams, multipart audio, the model list, the gateway's own probes."""
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -14,99 +13,18 @@ import orjson
 import pytest
 
 from gateway.app import build_app
-from gateway.auth import hash_api_key
 from gateway.config import parse_config
-from gateway.state import GatewayState, build_state
+from gateway.state import build_state
 from policies import make_policy
-from policies.base import (
-    KvEvent,
-    Observation,
-    RouteDecision,
-    RouteRequest,
-    RoutingPolicy,
-    WorkerId,
-    WorkerView,
-)
 from prompt_normalizer.normalizer import NormalizerConfig
-from tests.gateway.routes_worker import PASS_THROUGH, Received, RoutesWorker, start
-
-SECRET = b"routes"
-KEY = {"authorization": "Bearer sk-t"}
-
-
-class Recording:
-    """round_robin, remembering what it was asked."""
-
-    name = "recording"
-
-    def __init__(self) -> None:
-        self.inner: RoutingPolicy = make_policy("round_robin")
-        self.requests: list[RouteRequest] = []
-        self.observations: list[Observation] = []
-
-    def select(self, req: RouteRequest, workers: Sequence[WorkerView], now_s: float) -> RouteDecision | None:
-        self.requests.append(req)
-        return self.inner.select(req, workers, now_s)
-
-    def on_dispatch(self, req: RouteRequest, decision: RouteDecision, now_s: float) -> None:
-        self.inner.on_dispatch(req, decision, now_s)
-
-    def on_complete(self, obs: Observation, now_s: float) -> None:
-        self.observations.append(obs)
-
-    def on_kv_event(self, worker: WorkerId, event: KvEvent, now_s: float) -> None:
-        return None
-
-
-@dataclass
-class Rig:
-    client: httpx.AsyncClient
-    state: GatewayState
-    policy: Recording
-    workers: list[RoutesWorker] = field(default_factory=list)
-
-    def last(self) -> Received:
-        got = [w.received[-1] for w in self.workers if w.received]
-        assert got
-        return max(got, key=lambda r: r.seq)
-
-    def metric(self, name: str, **labels: str) -> float:
-        text = self.state.metrics.render().decode()
-        for line in text.splitlines():
-            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-                return float(line.rsplit(" ", 1)[1])
-        return 0.0
-
-
-def _config(urls: list[str], **extra: Any) -> dict[str, Any]:
-    return {
-        "pools": [{"name": "p", "models": ["m"], "workers": urls, "retry_attempts": 0}],
-        "tenants": [
-            {"name": "t", "api_key_hashes": [hash_api_key(SECRET, "sk-t")]},
-            {"name": "one", "api_key_hashes": [hash_api_key(SECRET, "sk-one")], "quotas": {"rpm": 1}},
-        ],
-        "scrape": {"enabled": False},
-        "limits": {"max_body_bytes": 4096},
-        **extra,
-    }
+from tests.gateway.routes_rig import KEY, SECRET, Rig, config, routes_rig
+from tests.gateway.routes_worker import PASS_THROUGH, RoutesWorker, start
 
 
 @pytest.fixture
 async def rig() -> AsyncIterator[Rig]:
-    workers = [RoutesWorker("w1"), RoutesWorker("w2")]
-    runners = [await start(w) for w in workers]
-    policy = Recording()
-    state = build_state(parse_config(_config([w.url for w in workers])), SECRET, policy, NormalizerConfig())
-    app = build_app(state)
-    try:
-        async with (
-            app.fallback.router.lifespan_context(app.fallback),
-            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client,
-        ):
-            yield Rig(client, state, policy, workers)
-    finally:
-        for runner in runners:
-            await runner.cleanup()
+    async with routes_rig() as rig:
+        yield rig
 
 
 @pytest.mark.parametrize("path", PASS_THROUGH[:-1])
@@ -153,10 +71,10 @@ async def test_every_route_has_the_same_auth_limits_and_quotas(rig: Rig) -> None
 async def test_a_request_without_model_goes_to_the_only_model() -> None:
     worker = RoutesWorker("w")
     runner = await start(worker)
-    config = _config([worker.url])
-    two = {**config, "pools": [*config["pools"], {"name": "q", "models": ["m2"], "workers": [worker.url]}]}
+    one = config([worker.url])
+    two = {**one, "pools": [*one["pools"], {"name": "q", "models": ["m2"], "workers": [worker.url]}]}
     try:
-        for raw, expected in ((config, 200), (two, 400)):
+        for raw, expected in ((one, 200), (two, 400)):
             state = build_state(parse_config(raw), SECRET, make_policy("round_robin"), NormalizerConfig())
             app = build_app(state)
             async with (

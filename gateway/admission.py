@@ -52,6 +52,7 @@ class Admitted:
     request_id: str
     client_request_id: str | None
     api: ApiRoute
+    endpoint: str  # the route's label in metrics, logs and spans
     tenant: Tenant
     limiter: TenantLimiter
     pool: Pool
@@ -71,11 +72,6 @@ class Admitted:
     drift_field: str | None = None
     recorded: bool = False
     _encoded: dict[str | None, bytes] = field(default_factory=dict)
-
-    @property
-    def endpoint(self) -> str:
-        """The route's label in metrics, logs and spans."""
-        return self.api.endpoint
 
     def learn_response(self, worker: WorkerId, answer_id: Any) -> None:
         """A Responses answer came from `worker`: follow-ups naming its id will go there."""
@@ -247,7 +243,9 @@ def authenticate(head: RequestHead, state: GatewayState) -> Tenant:
     if tenant is None:
         missing = not head.authorization
         message = (
-            "missing API key: send 'Authorization: Bearer <key>'" if missing else "incorrect API key provided"
+            "missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>' on /v1/messages)"
+            if missing
+            else "incorrect API key provided"
         )
         raise ApiError(401, message, "invalid_request_error", "invalid_api_key")
     return tenant
@@ -345,6 +343,7 @@ async def admit(
         request_id=request_id,
         client_request_id=ids.client,
         api=api,
+        endpoint=api.endpoint,
         tenant=tenant,
         limiter=limiter,
         pool=pool,

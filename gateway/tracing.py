@@ -15,7 +15,14 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-_OPERATION = {"chat": "chat", "completions": "text_completion"}
+# GenAI operation names; a route without one is named by its endpoint label (`rerank`, ...).
+_OPERATION = {
+    "chat": "chat",
+    "completions": "text_completion",
+    "responses": "chat",
+    "messages": "chat",
+    "embeddings": "embeddings",
+}
 
 
 class RequestTracer:
@@ -27,7 +34,8 @@ class RequestTracer:
     def record(self, *, duration_s: float, status: int, attributes: dict[str, Any]) -> None:
         end_ns = time.time_ns()
         start_ns = end_ns - int(duration_s * 1e9)
-        operation = _OPERATION.get(str(attributes.get("endpoint")), "chat")
+        endpoint = str(attributes.get("endpoint"))
+        operation = _OPERATION.get(endpoint, endpoint)
         span = self._tracer.start_span(
             f"{operation} {attributes.get('model', '')}", kind=SpanKind.SERVER, start_time=start_ns
         )

@@ -329,15 +329,6 @@ async def test_engine_internal_fields_are_refused(rig: Rig) -> None:
     assert rig.upstream.received == []
 
 
-async def test_vllm_priority_and_request_id_are_passed_through(rig: Rig) -> None:
-    resp = await rig.chat(priority=-3, request_id="client-chosen")
-    assert resp.status_code == 200
-    sent = rig.upstream.received[-1]
-    assert sent["body"]["priority"] == -3 and sent["body"]["request_id"] == "client-chosen"
-    # The engine's own id stays the gateway's: vLLM takes X-Request-Id over the body's field.
-    assert sent["request_id"] != "client-chosen"
-
-
 async def test_identity_fields_and_adapter_are_bound_into_the_keys(rig: Rig) -> None:
     pool = rig.state.registry.pools["p"]
     tenant = rig.state.keyring.tenants["shared"]

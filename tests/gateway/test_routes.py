@@ -45,6 +45,20 @@ async def test_pass_through_routes_reach_the_same_path_unsalted(rig: Rig, path: 
     assert rig.metric("kvgate_requests_total", endpoint=endpoint, status="200", tenant="t") == 1
 
 
+async def test_vllm_priority_and_request_id_are_passed_through(rig: Rig) -> None:
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "x"}],
+        "priority": -3,
+        "request_id": "mine",
+    }
+    assert (await rig.client.post("/v1/chat/completions", json=body, headers=KEY)).status_code == 200
+    sent = rig.last()
+    assert sent.json()["priority"] == -3 and sent.json()["request_id"] == "mine"
+    # The engine's own id stays the gateway's: vLLM takes X-Request-Id over the body's field.
+    assert sent.headers["x-request-id"] != "mine"
+
+
 async def test_every_route_has_the_same_auth_limits_and_quotas(rig: Rig) -> None:
     for path in ("/v1/embeddings", "/v1/responses", "/tokenize"):
         resp = await rig.client.post(path, json={"model": "m", "input": "x"})

@@ -49,12 +49,11 @@ class NamedEventRelay:
     (`MARKERS`) and what they mean (`_event`)."""
 
     MARKERS: tuple[bytes, ...] = ()
-    __slots__ = ("_anthropic_type", "_events", "_pending", "done", "error", "response_id", "usage")
+    __slots__ = ("_events", "_pending", "done", "error", "response_id", "usage")
 
     def __init__(self) -> None:
         self._pending = b""
         self._events = 0  # events forwarded so far (a Responses error event numbers itself after them)
-        self._anthropic_type = "api_error"
         self.done = False
         self.error: WorkerStreamError | None = None
         self.usage: Any = None
@@ -168,7 +167,11 @@ class MessagesRelay(NamedEventRelay):
     `message_stop`, failures from `error` events."""
 
     MARKERS = (b'"message_start"', b'"message_delta"', b'"message_stop"', b'"error"')
-    __slots__ = ()
+    __slots__ = ("_anthropic_type",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._anthropic_type = "api_error"  # the worker's own error type, when it is Anthropic's
 
     def _event(self, kind: str, obj: dict[str, Any]) -> None:
         if kind == "message_start":

@@ -280,11 +280,14 @@ async def admit(
     multipart body (its boundary)."""
     request_id = ids.internal
     if api.multipart:
-        body = parse_form(raw, head.content_type if head is not None else None, api)
+        content_type = head.content_type if head is not None else None
+        body = parse_form(raw, content_type, api)
         encoded = raw
+        upstream_head = form_head(content_type)
     else:
         body = parse_body(raw, api)
         encoded = encode_body(body)
+        upstream_head = JSON_HEAD
     model = body.get("model") or only_model(state)
     pool = state.registry.by_model.get(model)
     if pool is None:
@@ -301,9 +304,10 @@ async def admit(
     else:
         canonical = await canonical_prompt(api, raw, body, state, pool, identity, public, request_id)
 
-    pinned = None
+    pinned = responses = None
     if api.prompt == "responses":
-        pinned = pin(state.responses, body, tenant.name, pool, started_s)
+        responses = state.responses
+        pinned = pin(responses, body, tenant.name, pool, started_s)
 
     limiter = state.limiter(tenant)
     rejection = limiter.admit(canonical.n_tokens, started_s)
@@ -357,9 +361,9 @@ async def admit(
         max_output_tokens=max_out,
         started_s=started_s,
         public_salt=state.keyring.public_salt,
-        head=form_head(head.content_type if head is not None else None) if api.multipart else JSON_HEAD,
+        head=upstream_head,
         pinned=pinned,
-        responses=state.responses if api.prompt == "responses" else None,
+        responses=responses,
         drift_field=drift.field if drift is not None and drift.first_diff_block is not None else None,
     )
 

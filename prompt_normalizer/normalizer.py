@@ -214,7 +214,11 @@ class Normalizer:
                 "render mode: call prepare_render() and from_render()", code="render_required"
             )
         chat = canonicalize_chat(body, self._chat_rules, self._key)
-        return self._chat_prompt(chat, body, identity, public_identity, session_key)
+        if mode == "approximate":  # the common request, without a call of its own
+            hashed, bounds = approx_chat(chat, self._chars_per_token)
+            roots = self._roots.unit_roots(identity, public_identity, APPROX_UNIT)
+            return self._finish(hashed, roots, identity, body, session_key, chat, bounds)
+        return self._tokenized(chat, body, identity, public_identity, session_key)
 
     def _converted(
         self,
@@ -237,10 +241,15 @@ class Normalizer:
                 "render mode: call prepare_render() and from_render()", code="render_required"
             )
         chat = converted_canonical(converted, self._converted_rules, self._key)
-        prompt = self._chat_prompt(chat, body, identity, public_identity, session_key)
+        if self._config.mode == "approximate":
+            hashed, bounds = approx_chat(chat, self._chars_per_token)
+            roots = self._roots.unit_roots(identity, public_identity, APPROX_UNIT)
+            prompt = self._finish(hashed, roots, identity, body, session_key, chat, bounds)
+        else:
+            prompt = self._tokenized(chat, body, identity, public_identity, session_key)
         return relabel_drift(prompt, converted.sources)
 
-    def _chat_prompt(
+    def _tokenized(
         self,
         chat: CanonicalChat,
         body: Mapping[str, Any],
@@ -248,12 +257,7 @@ class Normalizer:
         public_identity: KeyIdentity | None,
         session_key: str | None,
     ) -> CanonicalPrompt:
-        """Keys and zones of a canonical chat request (approximate and tokenizer modes)."""
-        mode = self._config.mode
-        if mode == "approximate":
-            hashed, bounds = approx_chat(chat, self._chars_per_token)
-            roots = self._roots.unit_roots(identity, public_identity, APPROX_UNIT)
-            return self._finish(hashed, roots, identity, body, session_key, chat, bounds)
+        """Keys and zones of a canonical chat request in tokenizer mode."""
         assert self._tokenizer is not None
         roots = self._roots.unit_roots(identity, public_identity, TOKEN_UNIT)
         text = self._tokenizer.render(chat)

@@ -73,16 +73,22 @@ def _item(item: Any, where: str) -> dict[str, Any] | None:
         return {"role": "assistant", "content": None, "tool_calls": [call]}
     if kind == "function_call_output":
         output = item.get("output")
-        text = output if isinstance(output, str) else orjson.dumps(output).decode()
+        text = output if isinstance(output, str) else _json_text(output, f"{where}.output")
         return {"role": "tool", "tool_call_id": str(item.get("call_id", "")), "content": text}
     if kind == "reasoning":
         return None
     if not isinstance(kind, str):
         raise NormalizerError("item 'type' must be a string", param=f"{where}.type")
+    return {"role": f"item:{kind}", "content": _json_text(item, where)}
+
+
+def _json_text(value: Any, where: str) -> str:
     try:
-        return {"role": f"item:{kind}", "content": orjson.dumps(item).decode()}
-    except orjson.JSONEncodeError:
-        raise NormalizerError("must be JSON (string keys, finite numbers)", param=where) from None
+        return orjson.dumps(value).decode()
+    except orjson.JSONEncodeError:  # e.g. an integer beyond 64 bits
+        raise NormalizerError(
+            "must be JSON (string keys, finite numbers, 64-bit integers)", param=where
+        ) from None
 
 
 def _tools(raw: Any) -> list[Any] | None:

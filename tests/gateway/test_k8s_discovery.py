@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
-import socket
 import ssl
 import time
 from collections.abc import AsyncIterator, Callable
@@ -30,6 +29,7 @@ from policies import make_policy
 from policies.base import WorkerId
 from prompt_normalizer.normalizer import NormalizerConfig
 from tests.gateway.fake_kube_api import FakeKubeApi, make_pod
+from tests.support.processes import free_port
 
 TLS = Path(__file__).parent / "data" / "k8s_tls"
 ROUTED_WITHIN_S = 2.0
@@ -258,9 +258,7 @@ async def test_what_waiting_cannot_fix_stops_the_start(tmp_path: Path) -> None:
 
 
 async def test_an_api_server_that_is_down_at_start_is_retried(tmp_path: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     api = FakeKubeApi(token="tok-1")
     api.port = port  # not listening yet
     api.put(make_pod("a", port=8001))

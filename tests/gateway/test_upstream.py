@@ -16,8 +16,8 @@ from gateway.upstream import (
     UpstreamReply,
     UpstreamTimeout,
 )
-from loadtest.overhead_load import free_port
 from tests.gateway.fake_upstream import OK, Handler, Server, post, read_request
+from tests.support.processes import free_port
 
 
 async def send(pool: UpstreamPool, server: Server, read_s: float = 2.0) -> UpstreamReply:

@@ -15,10 +15,10 @@ import pytest
 import zmq
 
 from gateway.kv_events import decode_batch
-from loadtest.emulator.fidelity import free_port
 from loadtest.engine import block_hashes
 from policies.base import KvEventKind
 from tests.loadtest.test_emulator import MODEL, running_emulator
+from tests.support.processes import free_port
 
 TOPIC = "kv@emu@" + MODEL
 

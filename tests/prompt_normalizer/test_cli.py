@@ -15,6 +15,7 @@ import pytest
 
 from prompt_normalizer.normalizer import Normalizer, NormalizerConfig
 from prompt_normalizer.template import ChatTemplateTokenizer
+from tests.support.processes import free_port
 
 SECRET_WORDS = ("Zanzibar", "Quokka", "Paris")
 BODY = {
@@ -161,14 +162,6 @@ def test_render_url_must_be_loopback_and_reachable(tmp_path: Path) -> None:
     policy.write_text("normalizer: {mode: render}\n")
     remote = normalize(["--policy", str(policy), "--render-url", "http://10.0.0.1:1"], BODY)
     assert remote.returncode == 1 and "loopback" in remote.stderr
-    port = socket_free_port()
+    port = free_port()
     down = normalize(["--policy", str(policy), "--render-url", f"http://127.0.0.1:{port}"], BODY)
     assert down.returncode == 1 and "render_failed" in down.stderr and "Traceback" not in down.stderr
-
-
-def socket_free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

@@ -6,13 +6,14 @@ from __future__ import annotations
 import sys
 
 from tests.support.gateway_config import SECRET, tenant, write_gateway_config
-from tests.support.processes import Proc, free_port, start, start_gateway, wait_http
+from tests.support.processes import Proc, free_port, start, start_emulator, start_gateway, wait_http
 
 __all__ = [
     "SECRET",
     "Proc",
     "free_port",
     "start",
+    "start_emulator",
     "start_fake_workers",
     "start_gateway",
     "tenant",

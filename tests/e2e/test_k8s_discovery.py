@@ -12,7 +12,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.harness import Proc, free_port, start, start_gateway, tenant, wait_http, write_gateway_config
+from tests.e2e.harness import (
+    Proc,
+    free_port,
+    start,
+    start_emulator,
+    start_gateway,
+    tenant,
+    wait_http,
+    write_gateway_config,
+)
 from tests.gateway.fake_kube_api import make_pod
 
 MODEL = "kvgate-k8s"
@@ -20,9 +29,7 @@ TOKEN = "e2e-sa-token"
 
 
 def _emulator(port: int) -> Proc:
-    proc = start([sys.executable, "-m", "loadtest.emulator", "--port", str(port), "--model", MODEL])
-    wait_http(f"http://127.0.0.1:{port}/health", proc)
-    return proc
+    return start_emulator("--model", MODEL, port=port)[1]
 
 
 def _prompt_tokens(port: int) -> float:

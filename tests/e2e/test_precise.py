@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import re
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import openai
 
-from tests.e2e.harness import free_port, start, start_gateway, tenant, wait_http, write_gateway_config
+from tests.e2e.harness import free_port, start_emulator, start_gateway, tenant, write_gateway_config
 
 
 def _counter(text: str, name: str) -> float:
@@ -19,28 +18,15 @@ def _counter(text: str, name: str) -> float:
 
 
 def test_render_mode_and_kv_events_feed_the_policy(tmp_path: Path) -> None:
-    worker_port, zmq_port, gw_port = free_port(), free_port(), free_port()
-    worker = start(
-        [
-            sys.executable,
-            "-m",
-            "loadtest.emulator",
-            "--port",
-            str(worker_port),
-            "--model",
-            "m",
-            "--kv-events-endpoint",
-            f"tcp://127.0.0.1:{zmq_port}",
-        ]
-    )
+    zmq_port, gw_port = free_port(), free_port()
+    worker_url, worker = start_emulator("--model", "m", "--kv-events-endpoint", f"tcp://127.0.0.1:{zmq_port}")
     gateway = None
     try:
-        wait_http(f"http://127.0.0.1:{worker_port}/health", worker)
         (tmp_path / "policy.yaml").write_text("policy: cost\nprecise_namespace: public\n")
         pool = {
             "name": "p",
             "models": ["m"],
-            "workers": [f"http://127.0.0.1:{worker_port}"],
+            "workers": [worker_url],
             "normalizer": {"mode": "render"},
             "kv_events_endpoint": f"tcp://{{host}}:{zmq_port}",
         }

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -19,7 +18,7 @@ from gateway.scrape import (
     parse_samples,
 )
 from policies.base import WorkerId
-from tests.gateway.test_kv_events import emulator
+from tests.support.processes import running_emulator
 
 VLLM_PAGE = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -277,8 +276,8 @@ async def test_remove_and_stop_cancel_the_tasks(worker: tuple[Worker, str]) -> N
     await scraper.stop()
 
 
-async def test_scrapes_the_emulated_vllm_worker(tmp_path: Path) -> None:
-    async with emulator(tmp_path, "--kv-blocks", "1234", "--block-size", "32") as base:
+async def test_scrapes_the_emulated_vllm_worker() -> None:
+    with running_emulator("--kv-blocks", "1234", "--block-size", "32") as base:
         scraper = MetricsScraper(ScrapeConfig(timeout_s=2.0))
         await scraper.start()
         try:

@@ -3,7 +3,6 @@ driven by the `openai` SDK and raw httpx (SSE shape, metrics, render, tools, err
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from collections.abc import Iterator
@@ -13,19 +12,14 @@ import httpx
 import openai
 import pytest
 
-from loadtest.emulator.fidelity import emulator_process
+from tests.support.processes import running_emulator
 
 MODEL = "emu-test"
 
 
-def running_emulator(*extra: str, model: str = MODEL) -> contextlib.AbstractContextManager[str]:
-    """An emulator process on a free port (yields its base URL; always killed by process group)."""
-    return emulator_process("--model", model, *extra)
-
-
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
-    with running_emulator("--time-scale", "20", "--kv-blocks", "4000") as base:
+    with running_emulator("--model", MODEL, "--time-scale", "20", "--kv-blocks", "4000") as base:
         yield base
 
 

@@ -12,7 +12,7 @@ import anthropic
 import httpx
 import pytest
 
-from loadtest.emulator.fidelity import emulator_process
+from tests.support.processes import running_emulator
 
 MODEL = "emu-messages"
 SYSTEM: Any = [
@@ -23,7 +23,7 @@ SYSTEM: Any = [
 
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
-    with emulator_process("--model", MODEL, "--time-scale", "20", "--kv-blocks", "4000") as base:
+    with running_emulator("--model", MODEL, "--time-scale", "20", "--kv-blocks", "4000") as base:
         yield base
 
 

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from loadtest.emulator.fidelity import emulator_process
+from tests.support.processes import running_emulator
 
 MODEL = "emu-responses"
 INSTRUCTIONS = "You answer in one short sentence. " * 12
@@ -28,7 +28,7 @@ TOOLS: Any = [
 
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
-    with emulator_process("--model", MODEL, "--time-scale", "20", "--kv-blocks", "4000") as base:
+    with running_emulator("--model", MODEL, "--time-scale", "20", "--kv-blocks", "4000") as base:
         yield base
 
 

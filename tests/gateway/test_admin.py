@@ -11,11 +11,11 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.app import build_app
 from gateway.auth import hash_api_key
 from gateway.config import ConfigError, parse_config
 from gateway.serve import load_policy
-from gateway.state import GatewayState, build_state
+from gateway.state import GatewayState
+from tests.support.inprocess import gateway_in_process
 
 SECRET = b"admin-test-secret"
 ADMIN = {"authorization": "Bearer sk-admin"}
@@ -52,14 +52,12 @@ def _config(tmp_path: Path, admin: bool = True, policy_file: bool = True) -> dic
 async def _start(raw: dict[str, Any], tmp_path: Path) -> AsyncIterator[Admin]:
     config = parse_config(raw)
     loaded, watcher, swap = load_policy(config)
-    state = build_state(config, SECRET, loaded.policy, loaded.config.normalizer)
-    swap.state = state
-    app = build_app(state, watcher)
-    async with (
-        app.fallback.router.lifespan_context(app.fallback),
-        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client,
-    ):
-        yield Admin(client, state, tmp_path / "policy.yaml")
+    normalizer = loaded.config.normalizer
+    rig = gateway_in_process(
+        config, loaded.policy, secret=SECRET, normalizer=normalizer, watcher=watcher, swap=swap
+    )
+    async with rig as gw:
+        yield Admin(gw.client, gw.state, tmp_path / "policy.yaml")
 
 
 @pytest.fixture

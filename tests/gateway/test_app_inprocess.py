@@ -9,13 +9,12 @@ from dataclasses import dataclass
 
 import httpx
 
-from gateway.app import build_app
 from gateway.auth import hash_api_key
 from gateway.config import parse_config
-from gateway.state import GatewayState, build_state
+from gateway.state import GatewayState
 from policies import make_policy
 from policies.base import KvEvent, Observation, RouteDecision, RouteRequest, WorkerId, WorkerView
-from prompt_normalizer.normalizer import NormalizerConfig
+from tests.support.inprocess import gateway_in_process
 
 SECRET = b"k"
 
@@ -55,21 +54,15 @@ async def test_a_policy_exception_is_a_500_and_releases_the_quota_slot() -> None
             "scrape": {"enabled": False},
         }
     )
-    state = build_state(config, SECRET, BrokenPolicy(), NormalizerConfig())
-    app = build_app(state)
-    transport = httpx.ASGITransport(app=app)
-    async with (
-        app.fallback.router.lifespan_context(app.fallback),
-        httpx.AsyncClient(transport=transport, base_url="http://gw") as client,
-    ):
+    async with gateway_in_process(config, BrokenPolicy(), secret=SECRET) as gw:
         body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
         for _ in range(2):  # the second would be 429 if the first leaked its slot
-            resp = await client.post(
+            resp = await gw.client.post(
                 "/v1/chat/completions", json=body, headers={"authorization": "Bearer sk"}
             )
             assert resp.status_code == 500
             assert resp.json()["error"]["code"] == "internal_error"
-    assert state.limiters["t"].in_flight == 0
+    assert gw.state.limiters["t"].in_flight == 0
 
 
 async def _handle_hanging(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -106,16 +99,9 @@ async def _in_front_of_a_hanging_worker(**config: object) -> AsyncIterator[_Stac
         "scrape": {"enabled": False},
         **config,
     }
-    state = build_state(parse_config(raw), SECRET, make_policy("round_robin"), NormalizerConfig())
-    app = build_app(state)
     try:
-        async with (
-            app.fallback.router.lifespan_context(app.fallback),
-            httpx.AsyncClient(
-                transport=httpx.ASGITransport(app=app), base_url="http://gw", timeout=10
-            ) as client,
-        ):
-            yield _Stack(state, client, url)
+        async with gateway_in_process(raw, make_policy("round_robin"), secret=SECRET) as gw:
+            yield _Stack(gw.state, gw.client, url)
     finally:
         worker.close()
         await worker.wait_closed()

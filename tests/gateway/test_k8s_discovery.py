@@ -17,18 +17,15 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from gateway.app import build_app
 from gateway.auth import hash_api_key
-from gateway.config import parse_config
 from gateway.discovery import Discovery, WorkerSetChange
 from gateway.k8s.api import KubernetesSetupError
 from gateway.k8s.config import KubernetesDiscoveryConfig
 from gateway.k8s.source import PodWatcher
-from gateway.state import build_state
 from policies import make_policy
 from policies.base import WorkerId
-from prompt_normalizer.normalizer import NormalizerConfig
 from tests.gateway.fake_kube_api import FakeKubeApi, make_pod
+from tests.support.inprocess import gateway_in_process
 from tests.support.processes import free_port
 
 TLS = Path(__file__).parent / "data" / "k8s_tls"
@@ -307,15 +304,13 @@ async def test_the_gateway_routes_to_ready_pods_and_reports_discovery_metrics(
         "tenants": [{"name": "t", "api_key_hashes": [hash_api_key(b"k", "sk")]}],
         "scrape": {"enabled": False},
     }
-    state = build_state(parse_config(raw), b"k", make_policy("round_robin"), NormalizerConfig())
-    app = build_app(state)
-    pool = state.registry.pools["p"]
-
-    def routed() -> set[str]:
-        return {w.url for w in pool.workers.values() if w.view(time.monotonic()).healthy}
-
     try:
-        async with app.fallback.router.lifespan_context(app.fallback):
+        async with gateway_in_process(raw, make_policy("round_robin"), secret=b"k") as gw:
+            state, pool = gw.state, gw.state.registry.pools["p"]
+
+            def routed() -> set[str]:
+                return {w.url for w in pool.workers.values() if w.view(time.monotonic()).healthy}
+
             await wait_until(lambda: routed() == {url(p) for p in ports}, ROUTED_WITHIN_S)
             a, b = WorkerId(url(ports[0])), WorkerId(url(ports[1]))
             assert pool.workers[a].role == "decode" and pool.workers[b].role is None

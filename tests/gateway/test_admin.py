@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ from gateway.config import ConfigError, parse_config
 from gateway.serve import load_policy
 from gateway.state import GatewayState
 from tests.support.inprocess import gateway_in_process
+from tests.support.wait import wait_until
 
 SECRET = b"admin-test-secret"
 ADMIN = {"authorization": "Bearer sk-admin"}
@@ -76,16 +76,12 @@ async def test_admin_routes_need_the_admin_key(admin: Admin) -> None:
 
 
 async def test_status_reports_workers_breakers_scrapes_and_policy(admin: Admin) -> None:
-    async def scraped() -> dict[str, Any]:
-        for _ in range(200):
-            body: dict[str, Any] = (await admin.client.get("/admin/status", headers=ADMIN)).json()
-            scrape = body["pools"][0]["workers"][0]["scrape"]
-            if scrape is not None and scrape["failures"] > 0:
-                return body
-            await asyncio.sleep(0.02)
-        raise AssertionError("the scraper never reported")
+    async def scraped() -> dict[str, Any] | None:
+        body: dict[str, Any] = (await admin.client.get("/admin/status", headers=ADMIN)).json()
+        scrape = body["pools"][0]["workers"][0]["scrape"]
+        return body if scrape is not None and scrape["failures"] > 0 else None
 
-    body = await scraped()
+    body = await wait_until(scraped, what="the scraper reported")
     assert body["ready"] is True and body["draining"] is False
     (pool,) = body["pools"]
     (worker,) = pool["workers"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ from gateway.state import GatewayState
 from policies import make_policy
 from policies.base import KvEvent, Observation, RouteDecision, RouteRequest, WorkerId, WorkerView
 from tests.support.inprocess import gateway_in_process
+from tests.support.wait import wait_until
 
 SECRET = b"k"
 
@@ -65,14 +67,17 @@ async def test_a_policy_exception_is_a_500_and_releases_the_quota_slot() -> None
     assert gw.state.limiters["t"].in_flight == 0
 
 
-async def _handle_hanging(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    # A worker that answers health checks but never finishes a completion.
+async def _handle_hanging(
+    held: list[bytes], reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    # A worker that answers health checks but never finishes a completion (it keeps it in `held`).
     head = await reader.readuntil(b"\r\n\r\n")
     if head.startswith(b"GET"):
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
         await writer.drain()
         writer.close()
         return
+    held.append(head)
     await reader.read()  # hold the request until the gateway hangs up
 
 
@@ -81,6 +86,7 @@ class _Stack:
     state: GatewayState
     client: httpx.AsyncClient
     worker_url: str
+    held: list[bytes]  # the heads of the completions the worker holds
 
     async def chat(self) -> httpx.Response:
         return await self.client.post("/v1/chat/completions", json=BODY, headers=HEADERS)
@@ -89,7 +95,8 @@ class _Stack:
 @contextlib.asynccontextmanager
 async def _in_front_of_a_hanging_worker(**config: object) -> AsyncIterator[_Stack]:
     """A gateway (in-process, round_robin) in front of one worker that never answers a completion."""
-    worker = await asyncio.start_server(_handle_hanging, "127.0.0.1", 0)
+    held: list[bytes] = []
+    worker = await asyncio.start_server(functools.partial(_handle_hanging, held), "127.0.0.1", 0)
     url = f"http://127.0.0.1:{worker.sockets[0].getsockname()[1]}"
     raw = {
         "pools": [
@@ -101,7 +108,7 @@ async def _in_front_of_a_hanging_worker(**config: object) -> AsyncIterator[_Stac
     }
     try:
         async with gateway_in_process(raw, make_policy("round_robin"), secret=SECRET) as gw:
-            yield _Stack(gw.state, gw.client, url)
+            yield _Stack(gw.state, gw.client, url, held)
     finally:
         worker.close()
         await worker.wait_closed()
@@ -115,7 +122,7 @@ async def test_a_worker_at_its_connection_cap_is_a_503_with_retry_after() -> Non
     # With one connection allowed per worker, a second request waits connect_s for it, then 503.
     async with _in_front_of_a_hanging_worker(upstream={"max_connections_per_worker": 1}) as stack:
         held = asyncio.create_task(stack.chat())
-        await asyncio.sleep(0.2)
+        await wait_until(lambda: stack.held)  # the first request holds the only connection
         resp = await stack.chat()
         assert resp.status_code == 503
         assert resp.headers["retry-after"] == "1"
@@ -129,8 +136,7 @@ async def test_a_worker_at_its_connection_cap_is_a_503_with_retry_after() -> Non
 async def test_requests_beyond_the_in_flight_limit_get_503_at_once() -> None:
     async with _in_front_of_a_hanging_worker(limits={"max_in_flight_requests": 2}) as stack:
         held = [asyncio.create_task(stack.chat()) for _ in range(2)]
-        await asyncio.sleep(0.2)
-        assert stack.state.in_flight_requests == 2
+        await wait_until(lambda: stack.state.in_flight_requests == 2)
         resp = await stack.chat()
         assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
         assert resp.json()["error"]["code"] == "gateway_overloaded"
@@ -138,5 +144,4 @@ async def test_requests_beyond_the_in_flight_limit_get_503_at_once() -> None:
         for task in held:
             task.cancel()
         await asyncio.gather(*held, return_exceptions=True)
-        await asyncio.sleep(0.05)
-        assert stack.state.in_flight_requests == 0  # every slot came back
+        await wait_until(lambda: stack.state.in_flight_requests == 0)  # every slot came back

@@ -4,12 +4,11 @@ of watch failure ends in a re-list that catches up with what was missed."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import shutil
 import ssl
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,17 +26,10 @@ from policies.base import WorkerId
 from tests.gateway.fake_kube_api import FakeKubeApi, make_pod
 from tests.support.inprocess import gateway_in_process
 from tests.support.processes import free_port
+from tests.support.wait import wait_until
 
 TLS = Path(__file__).parent / "data" / "k8s_tls"
 ROUTED_WITHIN_S = 2.0
-
-
-async def wait_until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)
 
 
 def url(port: int) -> str:

@@ -23,6 +23,7 @@ from gateway.kv_events import (
 from policies.base import KvEvent, KvEventKind, WorkerId
 from tests.gateway.kv_event_payloads import W, batch, stored_array, stored_map
 from tests.support.processes import free_port, running_emulator
+from tests.support.wait import wait_until
 
 # ---------------------------------------------------------------- real sockets
 
@@ -260,9 +261,12 @@ async def test_membership_and_clean_stop(pub: Publisher) -> None:
     sub.add(KvEventEndpoint(WorkerId("bad"), "not-an-endpoint"))
     assert sub.workers() == {W, WorkerId("bad")}
     await pub.joined()
-    await asyncio.sleep(0.05)
-    bad = sub.stats(WorkerId("bad"))
-    assert bad is not None and bad.last_error is not None and "not-an-endpoint" in bad.last_error
+
+    def bad_error() -> str | None:
+        bad = sub.stats(WorkerId("bad"))
+        return bad.last_error if bad is not None else None
+
+    assert "not-an-endpoint" in await wait_until(bad_error)
     sub.remove(W)
     assert sub.workers() == {WorkerId("bad")}
     await sub.stop()

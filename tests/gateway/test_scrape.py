@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import pytest
@@ -19,6 +19,7 @@ from gateway.scrape import (
 )
 from policies.base import WorkerId
 from tests.support.processes import running_emulator
+from tests.support.wait import wait_until
 
 VLLM_PAGE = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -168,12 +169,6 @@ async def worker() -> AsyncIterator[tuple[Worker, str]]:
         await runner.cleanup()
 
 
-async def wait_until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not cond():  # noqa: ASYNC110 - polling another task's state, bounded by the timeout
-            await asyncio.sleep(0.01)
-
-
 W = WorkerId("w1")
 
 
@@ -269,9 +264,18 @@ async def test_remove_and_stop_cancel_the_tasks(worker: tuple[Worker, str]) -> N
     scraper.add(W, url)
     await wait_until(lambda: w.hits >= 2)
     scraper.remove(W)
-    await asyncio.sleep(0.05)
+    # A second target scraped at the same interval is the clock: its pages 404 (not counted as
+    # hits), and while it fails a few times the removed worker had every chance to be scraped.
+    witness = WorkerId("witness")
+    scraper.add(witness, url + "/elsewhere")
+
+    def witness_failures() -> int:
+        state = scraper.state(witness)
+        return state.failures if state is not None else 0
+
+    await wait_until(lambda: witness_failures() >= 2)  # a scrape in flight at removal has landed
     hits = w.hits
-    await asyncio.sleep(0.05)
+    await wait_until(lambda: witness_failures() >= 5)
     assert w.hits == hits and scraper.state(W) is None
     await scraper.stop()
 

@@ -4,7 +4,6 @@ driven by the `openai` SDK and raw httpx (SSE shape, metrics, render, tools, err
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,8 +12,10 @@ import openai
 import pytest
 
 from tests.support.processes import running_emulator
+from tests.support.wait import wait_until_sync
 
 MODEL = "emu-test"
+RUNNING = "vllm:num_requests_running"
 
 
 @pytest.fixture(scope="module")
@@ -325,10 +326,7 @@ def test_client_disconnect_aborts_and_frees_blocks(base_url: str) -> None:
         next(it)
         assert metric(base_url, "vllm:num_requests_running") == 1
         assert metric(base_url, "vllm:kv_cache_usage_perc") > 0
-    deadline = time.monotonic() + 5
-    while metric(base_url, "vllm:num_requests_running") != 0:
-        assert time.monotonic() < deadline, "aborted request still running"
-        time.sleep(0.05)
+    wait_until_sync(lambda: metric(base_url, RUNNING) == 0, what="aborted request stopped")
     assert metric(base_url, "vllm:kv_cache_usage_perc") == 0.0
 
 
@@ -336,8 +334,5 @@ def test_non_streaming_disconnect_aborts(base_url: str) -> None:
     body = {"model": MODEL, "prompt": "z" * 200, "max_tokens": 30000}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{base_url}/v1/completions", json=body, timeout=httpx.Timeout(5.0, read=0.3))
-    deadline = time.monotonic() + 5
-    while metric(base_url, "vllm:num_requests_running") != 0:
-        assert time.monotonic() < deadline, "abandoned request still running"
-        time.sleep(0.05)
+    wait_until_sync(lambda: metric(base_url, RUNNING) == 0, what="abandoned request stopped")
     assert metric(base_url, "vllm:kv_cache_usage_perc") == 0.0

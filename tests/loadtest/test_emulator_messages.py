@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,6 +12,7 @@ import httpx
 import pytest
 
 from tests.support.processes import running_emulator
+from tests.support.wait import wait_until_sync
 
 MODEL = "emu-messages"
 SYSTEM: Any = [
@@ -185,7 +185,4 @@ def test_disconnect_aborts_a_streamed_message(base_url: str) -> None:
         while "content_block_delta" not in next(lines):
             pass
         assert running() == 1
-    deadline = time.monotonic() + 5
-    while running() != 0:
-        assert time.monotonic() < deadline, "aborted stream still running"
-        time.sleep(0.05)
+    wait_until_sync(lambda: running() == 0, what="aborted stream stopped")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from tests.e2e.harness import (
     write_gateway_config,
 )
 from tests.gateway.fake_kube_api import make_pod
+from tests.support.wait import wait_until_sync
 
 MODEL = "kvgate-k8s"
 TOKEN = "e2e-sa-token"
@@ -43,11 +43,7 @@ def _routable(base: str) -> set[str]:
 
 
 def _wait_routable(base: str, workers: set[str], timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while (seen := _routable(base)) != workers:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"routable {sorted(seen)}, wanted {sorted(workers)}")
-        time.sleep(0.05)
+    wait_until_sync(lambda: _routable(base) == workers, timeout_s, f"routable workers are {sorted(workers)}")
 
 
 def _chat(base: str) -> httpx.Response:

@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import re
-import time
 from pathlib import Path
 
 import httpx
 import openai
 
 from tests.e2e.harness import free_port, start_emulator, start_gateway, tenant, write_gateway_config
+from tests.support.wait import wait_until_sync
 
 
 def _counter(text: str, name: str) -> float:
     match = re.search(rf'kvgate_policy_counter{{counter="{re.escape(name)}",policy="cost"}} (\S+)', text)
     return float(match.group(1)) if match else -1.0
+
+
+def _metrics(base: str) -> str:
+    return httpx.get(base + "/metrics", timeout=5).text
 
 
 def test_render_mode_and_kv_events_feed_the_policy(tmp_path: Path) -> None:
@@ -42,9 +46,10 @@ def test_render_mode_and_kv_events_feed_the_policy(tmp_path: Path) -> None:
             reply = client.chat.completions.create(model="m", messages=messages, max_tokens=4)
             assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
             cached.append(reply.usage.prompt_tokens_details.cached_tokens)
-            time.sleep(0.3)  # let the worker's events arrive
+            # The answer's blocks reach the policy as KV events before the next request is routed.
+            wait_until_sync(lambda: _counter(_metrics(base), "kv_events_applied") >= 1, what="events applied")
         assert cached[1] is not None and cached[1] >= 400
-        text = httpx.get(base + "/metrics", timeout=5).text
+        text = _metrics(base)
         assert _counter(text, "kv_events_applied") >= 1
         assert _counter(text, "kv_event_orphans:p") == 0
         assert 'kvgate_routing_decisions_total{policy="cost",reason="hit"}' in text

@@ -276,6 +276,7 @@ async def test_membership_and_clean_stop(pub: Publisher) -> None:
 # ---------------------------------------------------------------- against the emulated vLLM worker
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("encoding", ["array", "map"])
 async def test_events_from_the_emulated_worker(encoding: str) -> None:
     pub_port = free_port()

@@ -280,6 +280,7 @@ async def test_remove_and_stop_cancel_the_tasks(worker: tuple[Worker, str]) -> N
     await scraper.stop()
 
 
+@pytest.mark.e2e
 async def test_scrapes_the_emulated_vllm_worker() -> None:
     with running_emulator("--kv-blocks", "1234", "--block-size", "32") as base:
         scraper = MetricsScraper(ScrapeConfig(timeout_s=2.0))

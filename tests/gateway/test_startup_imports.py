@@ -19,6 +19,8 @@ import pytest
 
 from prompt_normalizer.extras import TOKENIZER_PACKAGES
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 OPTIONAL_MODULES = (*TOKENIZER_PACKAGES, "matplotlib")
 _MARK = "optional modules loaded:"

@@ -191,6 +191,7 @@ def test_bad_values_fail_with_a_clear_message(values: dict[str, Any], needle: st
         render(values)
 
 
+@pytest.mark.e2e
 def test_rendered_config_and_policy_boot_a_real_gateway(tmp_path: Path) -> None:
     """The chart's config Secret and policy ConfigMap, written to disk, run `kvgate serve` and route
     a chat request."""

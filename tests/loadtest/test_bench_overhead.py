@@ -35,6 +35,7 @@ def post(url: str, body: bytes) -> tuple[int, dict[str, object]]:
         return resp.status, json.loads(resp.read())
 
 
+@pytest.mark.e2e
 def test_static_backend_answers_chat_and_unknown_paths(backend: str) -> None:
     status, body = post(backend + "/v1/chat/completions", b'{"model":"bench-model","messages":[]}')
     assert status == 200 and body["object"] == "chat.completion"
@@ -43,6 +44,7 @@ def test_static_backend_answers_chat_and_unknown_paths(backend: str) -> None:
     assert err.value.code == 404
 
 
+@pytest.mark.e2e
 def test_pass_through_proxy_and_process_cpu(backend: str) -> None:
     port = free_port()
     argv = [sys.executable, "-m", "loadtest.overhead_load", "--child-proxy", "aiohttp"]
@@ -61,6 +63,7 @@ def test_workload_is_seeded() -> None:
     assert len({json.loads(x)["messages"][0]["content"] for x in a}) == 8
 
 
+@pytest.mark.e2e
 def test_bench_command_end_to_end_with_builtin_tools(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -124,6 +127,7 @@ def test_cpu_ratio_pairs_rounds() -> None:
     assert "| 200, 260, 180 | 2.00x peer |" in row
 
 
+@pytest.mark.e2e
 def test_streamed_bodies_and_the_backends_event_stream() -> None:
     body = json.loads(chat_bodies(0, stream=True)[0])
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 
 import httpx
+import pytest
 
 from loadtest.emulator.fidelity import (
     measure_tpot,
@@ -23,6 +24,8 @@ from loadtest.emulator.fidelity import (
 )
 from loadtest.engine import load_profile
 from tests.support.processes import running_emulator
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 PROFILE = load_profile("llama3-8b-h100")
 SAMPLES = 3

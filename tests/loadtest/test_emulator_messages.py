@@ -14,6 +14,8 @@ import pytest
 from tests.support.processes import running_emulator
 from tests.support.wait import wait_until_sync
 
+pytestmark = pytest.mark.e2e
+
 MODEL = "emu-messages"
 SYSTEM: Any = [
     {"type": "text", "text": "You are a careful assistant who cites sources. " * 40},

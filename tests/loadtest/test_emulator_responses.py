@@ -15,6 +15,8 @@ import pytest
 from tests.support.processes import running_emulator
 from tests.support.wait import wait_until_sync
 
+pytestmark = pytest.mark.e2e
+
 MODEL = "emu-responses"
 INSTRUCTIONS = "You answer in one short sentence. " * 12
 TOOLS: Any = [

@@ -19,6 +19,8 @@ from loadtest.emulator.chat_template import IMAGE_TOKENS
 from loadtest.emulator.pooling import EMBEDDING_DIM
 from tests.support.processes import running_emulator
 
+pytestmark = pytest.mark.e2e
+
 MODEL = "emu-routes"
 
 

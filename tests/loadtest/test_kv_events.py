@@ -21,6 +21,8 @@ from policies.base import KvEventKind
 from tests.loadtest.test_emulator import MODEL
 from tests.support.processes import free_port, running_emulator
 
+pytestmark = pytest.mark.e2e
+
 TOPIC = "kv@emu@" + MODEL
 
 

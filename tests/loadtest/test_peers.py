@@ -95,6 +95,7 @@ def test_install_script_rejects_unknown_peers(tmp_path: Path) -> None:
     assert not (tmp_path / "nginx").exists()
 
 
+@pytest.mark.e2e
 def test_running_process_waits_for_readiness_and_stops_by_pid(tmp_path: Path) -> None:
     port = free_port()
     argv = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "-d", str(tmp_path)]
@@ -106,6 +107,7 @@ def test_running_process_waits_for_readiness_and_stops_by_pid(tmp_path: Path) ->
     assert proc.proc.returncode is not None
 
 
+@pytest.mark.e2e
 def test_a_process_that_dies_fails_readiness_with_its_log(tmp_path: Path) -> None:
     proc = RunningProcess(
         [sys.executable, "-c", "print('boom'); raise SystemExit(3)"], log_path=tmp_path / "x.log"

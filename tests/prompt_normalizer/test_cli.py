@@ -82,6 +82,7 @@ def test_same_keys_as_the_library_with_the_same_secret(tmp_path: Path) -> None:
     assert json.loads(proc.stdout)["block_keys"] == [f"{k:016x}" for k in prompt.block_keys]
 
 
+@pytest.mark.slow
 def test_bad_policy_bad_json_bad_request(tmp_path: Path) -> None:
     policy = tmp_path / "p.yaml"
     policy.write_text("normalizer:\n  tool_order: random\n")
@@ -128,6 +129,7 @@ def render_worker(tiny_model_dir: Path) -> Iterator[str]:
         thread.join(timeout=5)
 
 
+@pytest.mark.e2e
 def test_render_mode_against_a_loopback_worker(
     render_worker: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -157,6 +159,7 @@ def test_pool_section_overrides_the_top_level_one(tmp_path: Path) -> None:
     assert load_config(None) == NormalizerConfig()
 
 
+@pytest.mark.slow
 def test_render_url_must_be_loopback_and_reachable(tmp_path: Path) -> None:
     policy = tmp_path / "render.yaml"
     policy.write_text("normalizer: {mode: render}\n")

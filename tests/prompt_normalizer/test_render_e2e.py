@@ -14,6 +14,8 @@ import pytest
 
 from tests.support.processes import running_emulator
 
+pytestmark = pytest.mark.e2e
+
 SYSTEM = "You are a careful assistant. Current time: 12:30:00."
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
 

@@ -3,6 +3,7 @@ driven by the `openai` SDK and raw httpx (SSE shape, metrics, render, tools, err
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -11,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.processes import running_emulator
+from tests.support import processes
 from tests.support.wait import wait_until_sync
 
 pytestmark = pytest.mark.e2e
@@ -20,9 +21,14 @@ MODEL = "emu-test"
 RUNNING = "vllm:num_requests_running"
 
 
+def running_emulator(*extra: str, model: str = MODEL) -> contextlib.AbstractContextManager[str]:
+    """The emulator process serving `model` (yields its base URL; always stopped by PID)."""
+    return processes.running_emulator("--model", model, *extra)
+
+
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
-    with running_emulator("--model", MODEL, "--time-scale", "20", "--kv-blocks", "4000") as base:
+    with running_emulator("--time-scale", "20", "--kv-blocks", "4000") as base:
         yield base
 
 

@@ -18,8 +18,8 @@ from zmq.utils.monitor import recv_monitor_message
 from gateway.kv_events import decode_batch
 from loadtest.engine import block_hashes
 from policies.base import KvEventKind
-from tests.loadtest.test_emulator import MODEL
-from tests.support.processes import free_port, running_emulator
+from tests.loadtest.test_emulator import MODEL, running_emulator
+from tests.support.processes import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -107,7 +107,7 @@ class Subscriber:
 @pytest.fixture(params=["array", "map"])
 def emulator(request: pytest.FixtureRequest) -> Iterator[tuple[str, str, str]]:
     pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    args = ("--model", MODEL, "--kv-blocks", "40", "--time-scale", "20", "--kv-events-endpoint", pub,
+    args = ("--kv-blocks", "40", "--time-scale", "20", "--kv-events-endpoint", pub,
             "--kv-events-replay-endpoint", replay, "--kv-events-encoding", request.param,
             "--kv-events-topic", TOPIC)  # fmt: skip
     with running_emulator(*args) as base:

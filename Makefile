@@ -16,7 +16,7 @@ $(RUN_STAMP): pyproject.toml | $(BIN)/python
 	touch $(RUN_STAMP)
 
 $(DEV_STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[dev,bench,tokenizer]'
+	$(BIN)/pip install -q -e '.[dev,bench,tokenizer,otel]'
 	touch $(DEV_STAMP) $(RUN_STAMP)
 
 demo: $(RUN_STAMP)

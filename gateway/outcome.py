@@ -141,7 +141,6 @@ def finish(
         ttft_s=attempt.ttft_s if attempt is not None else None,
         retries=retries,
         error=error,
-        last=attempt.trace if attempt is not None else None,
     )
 
 
@@ -166,10 +165,9 @@ def record_request(
     ttft_s: float | None,
     retries: int,
     error: str | None = None,
-    last: AttemptTrace | None = None,
 ) -> None:
     """Quota release, metrics, the access log line and (with tracing on) the SERVER span's
-    attributes of an admitted request (once); `last` is the last attempt's span."""
+    attributes of an admitted request (once)."""
     a = admitted
     if a.recorded:
         return
@@ -209,4 +207,4 @@ def record_request(
     }
     state.access_log.write(fields)
     if state.tracer is not None:
-        state.tracer.record(fields, last)
+        state.tracer.record(fields)

@@ -136,7 +136,8 @@ async def _attempt(
         source = await _open(state, a, attempt)
         if attempt.trace is not None:
             attempt.trace.status = source.status
-            source = TracedSource(source, attempt.trace)
+            if attempt.trace.recording:
+                source = TracedSource(source, attempt.trace)
         if source.status >= 500:
             source.close()
             return worker_status(source.status)
@@ -215,7 +216,6 @@ def _start_trace(state: GatewayState, a: Admitted, attempt: Attempt) -> AttemptT
         port=url.port or (443 if url.scheme == "https" else 80),
         policy=state.policy_name,
         reason=decision.reason,
-        score_s=decision.score_s,
         predicted_cached_tokens=decision.matched_tokens,
     )
 

@@ -11,11 +11,16 @@ Two kinds of span, named `{operation} {model}` as the GenAI conventions ask (`ch
   headers of the upstream request, so the engine's own spans (vLLM `--otlp-traces-endpoint`)
   join the same trace under the attempt that caused them.
 
-Attributes are the GenAI semantic conventions' (`gen_ai.operation.name`, `gen_ai.provider.name`,
-`gen_ai.request.model`, `gen_ai.response.id` / `.model` / `.finish_reasons`, `gen_ai.usage.*`,
-`server.address` / `server.port` of the worker, `error.type`) and kvgate's routing (`kvgate.*`:
-policy, reason, score, worker, predicted and actual cached tokens, tenant, retries). Prompt and
-answer content are never attached; the answer is read only for its id, model and finish reasons.
+Attributes follow the GenAI semantic conventions. Both spans: `gen_ai.operation.name`,
+`gen_ai.provider.name`, `gen_ai.request.model`, `error.type` on failure. The SERVER span adds the
+HTTP status, `kvgate.tenant`, `kvgate.request_id` and `kvgate.retries`. Each CLIENT span adds what
+the worker answered, `gen_ai.response.id` / `.model` / `.finish_reasons` and `gen_ai.usage.*`
+(`cache_read.input_tokens`: the cached tokens the worker reported), the worker's
+`server.address` / `server.port`, and kvgate's routing: `kvgate.route.policy`, `.reason`, `.worker`
+and `.predicted_cached_tokens` (the decision's matched prefix), `kvgate.attempt.outcome`. What the
+worker answered is not copied onto the SERVER span: with the Python SDK, each attribute costs
+about a microsecond or two of validation. Prompt and answer content are never attached; the answer
+is read only for its id, model and finish reasons.
 
 With tracing off, nothing in this module runs: the request path checks `state.tracer` and
 `Attempt.trace` and does nothing more. The SDK and its exporter are set up in `otel_sdk.py`.
@@ -31,7 +36,7 @@ from typing import Any
 import orjson
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace import Span, SpanContext, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from starlette.types import Message, Receive, Scope, Send
 
@@ -57,6 +62,7 @@ class AttemptTrace:
     span: Span
     headers: bytes  # `traceparent: ...\r\n` (and `tracestate`) for the lean client's request head
     header_map: dict[str, str]  # the same, for aiohttp
+    recording: bool = True  # False: the sampler dropped the span; only its context travels
     status: int | None = None
     response_id: str | None = None
     response_model: str | None = None
@@ -67,7 +73,7 @@ class AttemptTrace:
     def note_answer(self, status: int, parsed: dict[str, Any] | None) -> None:
         """A whole answer: its status and, for a JSON object, its id, model and finish reasons."""
         self.status = status
-        if parsed is None:
+        if parsed is None or not self.recording:
             return
         self._note_ids(parsed)
         choices = parsed.get("choices")
@@ -79,6 +85,8 @@ class AttemptTrace:
 
     def note_first_events(self, first: bytes) -> None:
         """A stream's first events (whole events, as the relay forwards them): id and model."""
+        if not self.recording:
+            return
         for event in first.split(b"\n\n"):
             line = event.strip()
             if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
@@ -106,27 +114,24 @@ class AttemptTrace:
         if isinstance(model, str):
             self.response_model = model[:256]
 
-    def response_attributes(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        if self.response_id is not None:
-            out["gen_ai.response.id"] = self.response_id
-        if self.response_model is not None:
-            out["gen_ai.response.model"] = self.response_model
-        if self.finish_reasons:
-            out["gen_ai.response.finish_reasons"] = list(self.finish_reasons)
-        return out
-
     def end(self, outcome: Outcome, prompt: int | None, completion: int | None, cached: int | None) -> None:
-        """Close the span with how the attempt ended (token counts only when SERVED)."""
+        """Close the span with what the worker answered and how the attempt ended (token counts
+        only when SERVED)."""
         span = self.span
-        attributes = self.response_attributes()
-        attributes["kvgate.attempt.outcome"] = outcome.value
+        if not self.recording:
+            span.end()
+            return
+        attributes: dict[str, Any] = {"kvgate.attempt.outcome": outcome.value}
+        if self.response_id is not None:
+            attributes["gen_ai.response.id"] = self.response_id
+        if self.response_model is not None:
+            attributes["gen_ai.response.model"] = self.response_model
+        if self.finish_reasons:
+            attributes["gen_ai.response.finish_reasons"] = list(self.finish_reasons)
         if self.status is not None:
             attributes["http.response.status_code"] = self.status
         if outcome is Outcome.SERVED:
             attributes.update(_usage(prompt, completion, cached))
-            if cached is not None:
-                attributes["kvgate.route.actual_cached_tokens"] = cached
         else:
             attributes["error.type"] = self.error_type or outcome.value
             if outcome is Outcome.WORKER_FAILED:
@@ -258,7 +263,6 @@ class RequestTracer:
         port: int | None,
         policy: str,
         reason: str,
-        score_s: float,
         predicted_cached_tokens: int,
     ) -> AttemptTrace:
         """Open the CLIENT span of an attempt (child of the current SERVER span) and render its
@@ -270,7 +274,6 @@ class RequestTracer:
             "gen_ai.request.model": model,
             "kvgate.route.policy": policy,
             "kvgate.route.reason": reason,
-            "kvgate.route.score_s": score_s,
             "kvgate.route.worker": worker_url,
             "kvgate.route.predicted_cached_tokens": predicted_cached_tokens,
         }
@@ -279,17 +282,14 @@ class RequestTracer:
         if port is not None:
             attributes["server.port"] = port
         span = self._tracer.start_span(f"{operation} {model}", kind=SpanKind.CLIENT, attributes=attributes)
-        carrier: dict[str, str] = {}
-        self._propagator.inject(carrier, context=trace.set_span_in_context(span))
-        # The values were validated on extraction (tracestate) or made here (traceparent); a line
-        # break would still end the header block, so none is ever passed on.
-        carrier = {k: v for k, v in carrier.items() if "\r" not in v and "\n" not in v}
+        carrier = _w3c_headers(span.get_span_context())
         headers = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in carrier.items())
-        return AttemptTrace(span, headers, carrier)
+        return AttemptTrace(span, headers, carrier, span.is_recording())
 
-    def record(self, fields: dict[str, Any], last: AttemptTrace | None) -> None:
-        """The request's outcome on its SERVER span (the current span): model, token counts, the
-        answer's id and finish reasons (from the last attempt), and how it was routed."""
+    def record(self, fields: dict[str, Any]) -> None:
+        """The request's outcome on its SERVER span (the current span): model, tenant, retries,
+        status. What the worker answered (id, finish reasons, tokens) is on the CLIENT spans: the
+        SDK's cost per attribute makes a second copy of each not worth its CPU."""
         span = trace.get_current_span()
         if not span.is_recording():
             return
@@ -300,23 +300,27 @@ class RequestTracer:
             "gen_ai.request.model": model,
             "kvgate.request_id": fields.get("request_id"),
             "kvgate.tenant": fields.get("tenant"),
-            "kvgate.stream": fields.get("stream"),
-            "kvgate.route.worker": fields.get("worker"),
-            "kvgate.route.reason": fields.get("reason"),
             "kvgate.retries": fields.get("retries"),
-            "kvgate.ttft_ms": fields.get("ttft_ms"),
         }
-        attributes.update(
-            _usage(fields.get("prompt_tokens"), fields.get("completion_tokens"), fields.get("cached_tokens"))
-        )
-        if last is not None:
-            attributes.update(last.response_attributes())
         status = fields.get("status")
         if isinstance(status, int) and status >= 400:
             attributes["error.type"] = str(status)
             if status >= 500:
                 span.set_status(Status(StatusCode.ERROR))
         span.set_attributes({k: v for k, v in attributes.items() if v is not None})
+
+
+def _w3c_headers(ctx: SpanContext) -> dict[str, str]:
+    """`traceparent` (and `tracestate`) of a span context, as the W3C Trace Context spec writes
+    them; nothing for an invalid context (the SDK disabled). The trace state was validated when
+    the client's header was parsed, so it holds no line break that could end the header block."""
+    if not ctx.is_valid:
+        return {}
+    out = {"traceparent": f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{ctx.trace_flags:02x}"}
+    state = ctx.trace_state.to_header() if ctx.trace_state else ""
+    if state and "\r" not in state and "\n" not in state:
+        out["tracestate"] = state
+    return out
 
 
 def _usage(prompt: Any, completion: Any, cached: Any) -> dict[str, Any]:

@@ -98,16 +98,16 @@ def _check(spans: list[ReceivedSpan], worker_url: str, traceparent: str | None) 
         a = span.attributes
         assert span.span.name == "chat m"
         assert a["gen_ai.operation.name"] == "chat" and a["gen_ai.provider.name"] == "openai"
-        assert a["gen_ai.request.model"] == "m" and a["gen_ai.response.model"] == "m"
-        assert a["gen_ai.response.id"].startswith("cmpl-")
-        assert a["gen_ai.response.finish_reasons"] == ["stop"]
-        assert a["gen_ai.usage.output_tokens"] == 7 and a["gen_ai.usage.input_tokens"] > 0
+        assert a["gen_ai.request.model"] == "m"
         assert "a private question" not in repr(a)
     c = client.attributes
+    assert c["gen_ai.response.model"] == "m" and c["gen_ai.response.id"].startswith("cmpl-")
+    assert c["gen_ai.response.finish_reasons"] == ["stop"]
+    assert c["gen_ai.usage.output_tokens"] == 7 and c["gen_ai.usage.input_tokens"] > 0
+    assert "gen_ai.usage.cache_read.input_tokens" in c
     assert c["server.address"] == "127.0.0.1" and f":{c['server.port']}" in worker_url
     assert c["kvgate.route.worker"] == worker_url and c["kvgate.route.policy"] == "cost"
     assert isinstance(c["kvgate.route.reason"], str) and "kvgate.route.predicted_cached_tokens" in c
-    assert c["kvgate.route.actual_cached_tokens"] == c["gen_ai.usage.cache_read.input_tokens"]
     assert server.attributes["http.response.status_code"] == 200
     assert server.attributes["kvgate.tenant"] == "acme"
 

@@ -41,7 +41,7 @@ clean:
 # `make image`: the container image the Helm chart runs by default, kvgate:<pyproject version>.
 IMAGE ?= kvgate
 IMAGE_TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
-KVGATE_EXTRAS ?= tokenizer
+KVGATE_EXTRAS ?= tokenizer,otel
 
 .PHONY: image
 image:

@@ -236,9 +236,9 @@ def _answer(
     """A complete answer. A 5xx, or a 200 whose body is not a JSON object, is the attempt's
     failure; anything else closes the books and is passed through: a 200 byte for byte, an error
     with its body in the gateway's error shape."""
+    if attempt.trace is not None:
+        attempt.trace.status = status
     if status >= 500:
-        if attempt.trace is not None:
-            attempt.trace.note_answer(status, None)
         return worker_status(status)
     if status == 200:
         try:
@@ -248,12 +248,10 @@ def _answer(
         if not isinstance(parsed, dict):
             return malformed("worker sent a malformed answer (its body is not a JSON object)", Stage.ANSWER)
         if attempt.trace is not None:
-            attempt.trace.note_answer(status, parsed)
+            attempt.trace.note_answer(parsed)
         usage = usage_of(parsed.get("usage"))
         finish(state, a, attempt, status=200, outcome=Outcome.SERVED, usage=usage, retries=retries)
     else:
-        if attempt.trace is not None:
-            attempt.trace.note_answer(status, None)
         # A 4xx is about the request, not the worker's health; the worker computed nothing.
         finish(state, a, attempt, status=status, outcome=Outcome.REJECTED, retries=retries)
         if status >= 400:

@@ -70,10 +70,9 @@ class AttemptTrace:
     error_type: str | None = None
     _tail: bytes = b""
 
-    def note_answer(self, status: int, parsed: dict[str, Any] | None) -> None:
-        """A whole answer: its status and, for a JSON object, its id, model and finish reasons."""
-        self.status = status
-        if parsed is None or not self.recording:
+    def note_answer(self, parsed: dict[str, Any]) -> None:
+        """A whole answer (a JSON object): its id, model and finish reasons."""
+        if not self.recording:
             return
         self._note_ids(parsed)
         choices = parsed.get("choices")
@@ -87,8 +86,7 @@ class AttemptTrace:
         """A stream's first events (whole events, as the relay forwards them): id and model."""
         if not self.recording:
             return
-        for event in first.split(b"\n\n"):
-            line = event.strip()
+        for line in first.split(b"\n"):
             if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
                 try:
                     parsed = orjson.loads(line[5:])

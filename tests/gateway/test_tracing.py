@@ -303,6 +303,14 @@ def test_finish_reasons_cut_between_chunks_are_found_once() -> None:
     assert trace.finish_reasons == ["stop", "length"]
 
 
+def test_a_streams_id_and_model_come_from_its_first_data_event() -> None:
+    from opentelemetry.trace import INVALID_SPAN
+
+    trace = AttemptTrace(INVALID_SPAN, b"", {})
+    trace.note_first_events(b': ping\n\nid: 1\ndata: {"id":"chatcmpl-9","model":"m2"}\n\ndata: {"id":"x"}\n\n')
+    assert (trace.response_id, trace.response_model) == ("chatcmpl-9", "m2")
+
+
 @pytest.mark.parametrize(
     ("environ", "problem"),
     [

@@ -307,7 +307,8 @@ def test_a_streams_id_and_model_come_from_its_first_data_event() -> None:
     from opentelemetry.trace import INVALID_SPAN
 
     trace = AttemptTrace(INVALID_SPAN, b"", {})
-    trace.note_first_events(b': ping\n\nid: 1\ndata: {"id":"chatcmpl-9","model":"m2"}\n\ndata: {"id":"x"}\n\n')
+    first = b': ping\n\nid: 1\ndata: {"id":"chatcmpl-9","model":"m2"}\n\ndata: {"id":"x"}\n\n'
+    trace.note_first_events(first)
     assert (trace.response_id, trace.response_model) == ("chatcmpl-9", "m2")
 
 

@@ -36,11 +36,11 @@ from gateway.auth import Tenant
 from gateway.disconnect import DisconnectGuard
 from gateway.errors import ApiError, error_response
 from gateway.fleet import Fleet
+from gateway.gauges import refresh_gauges
 from gateway.policy_watch import PolicyWatcher
 from gateway.proxy import dispatch
 from gateway.state import GatewayState, make_session
 from gateway.upstream import UpstreamPool
-from policies.stats import SupportsStats
 
 log = logging.getLogger("kvgate.app")
 
@@ -54,12 +54,14 @@ class GatewayApp:
     def __init__(self, state: GatewayState, fallback: Starlette) -> None:
         self.state = state
         self.fallback = fallback
+        # With tracing on, each completion runs inside its SERVER span (gateway/tracing.py).
+        self._completion = self._proxy if state.tracer is None else state.tracer.wrap(self._proxy)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             endpoint = _HOT_PATHS.get(scope["path"])
             if endpoint is not None:
-                await self._proxy(scope, receive, send, endpoint)
+                await self._completion(scope, receive, send, endpoint)
                 return
         await self.fallback(scope, receive, send)
 
@@ -222,6 +224,8 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
                 state.lean.close()
                 state.lean = None
             state.close_executor()
+            if state.tracer is not None:
+                await asyncio.to_thread(state.tracer.shutdown)  # export the last spans
 
     routes = [
         Route("/v1/chat/completions", not_allowed, methods=["GET", "PUT", "DELETE", "PATCH"]),
@@ -247,7 +251,7 @@ def build_metrics_app(state: GatewayState) -> Starlette:
     metrics route, as the metrics name tenants and workers."""
 
     async def metrics(request: Request) -> Response:
-        _refresh_gauges(state)
+        refresh_gauges(state)
         return Response(state.metrics.render(), 200, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     app = Starlette(
@@ -310,26 +314,3 @@ async def _internal(request: Request, exc: Exception) -> Response:
     log.error("unhandled error", exc_info=exc, extra={"path": request.url.path})
     err = ApiError(500, "internal gateway error", "server_error", "internal_error")
     return _error(err, request_id_of(request))
-
-
-def _refresh_gauges(state: GatewayState) -> None:
-    now_s = time.monotonic()
-    m = state.metrics
-    for gauge in (m.in_flight, m.worker_healthy, m.worker_waiting, m.worker_kv_usage):
-        gauge.clear()  # workers that discovery removed must not linger
-    policy = state.policy
-    if isinstance(policy, SupportsStats):
-        stats = policy.stats()
-        for name, value in stats.counters.items():
-            state.metrics.policy_counters.labels(stats.policy, name).set(value)
-    for pool in state.registry.pools.values():
-        for worker in pool.workers.values():
-            state.metrics.in_flight.labels(pool.name, worker.url).set(worker.in_flight)
-            state.metrics.worker_healthy.labels(pool.name, worker.url).set(
-                1 if worker.healthy and worker.breaker.allows(now_s) else 0
-            )
-            view = worker.view(now_s, pool.metrics_max_age_s)
-            if view.num_requests_waiting is not None:
-                state.metrics.worker_waiting.labels(pool.name, worker.url).set(view.num_requests_waiting)
-            if view.kv_usage is not None:
-                state.metrics.worker_kv_usage.labels(pool.name, worker.url).set(view.kv_usage)

@@ -6,6 +6,7 @@ read from an environment variable or a file named here. Validation errors name t
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -13,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gateway.k8s.config import KubernetesDiscoveryConfig
+from gateway.otel_sdk import tracing_unavailable
 from policies.base import Isolation
 from prompt_normalizer.normalizer import NormalizerConfig
 
@@ -233,9 +235,19 @@ class ScrapeSettings(_Frozen):
 
 
 class TracingConfig(_Frozen):
-    """OpenTelemetry spans, one per request, through the process's configured tracer provider."""
+    """OpenTelemetry traces: a SERVER span per completion request and a CLIENT span per attempt on
+    a worker, exported by the SDK the process sets up from the standard `OTEL_*` variables
+    (`gateway/otel_sdk.py`; needs `pip install 'kvgate[otel]'`, checked when the config loads)."""
 
     enabled: bool = False
+    # `gen_ai.provider.name` of the spans: the API the workers speak (vLLM and SGLang speak OpenAI's).
+    provider_name: str = Field(default="openai", min_length=1)
+
+    @model_validator(mode="after")
+    def _sdk_present(self) -> TracingConfig:
+        if self.enabled and (problem := tracing_unavailable(os.environ)):
+            raise ValueError(problem)
+        return self
 
 
 class SecretsConfig(_Frozen):

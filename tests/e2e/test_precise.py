@@ -14,7 +14,7 @@ from tests.e2e.harness import free_port, start, start_gateway, tenant, wait_http
 
 
 def _counter(text: str, name: str) -> float:
-    match = re.search(rf'kvgate_policy_counter{{counter="{re.escape(name)}",policy="cost"}} (\S+)', text)
+    match = re.search(rf'kvgate_policy_events_total{{event="{re.escape(name)}",policy="cost"}} (\S+)', text)
     return float(match.group(1)) if match else -1.0
 
 

@@ -10,7 +10,6 @@ import asyncio
 import functools
 import itertools
 import os
-import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -60,7 +59,8 @@ class Admitted:
     `outcome.record_request` (which sets `recorded`).
 
     `forward` is the body to send upstream (the canonical body when the normalizer changed it) and
-    `raw` the client's bytes, reused as-is when nothing needs changing.
+    `encoded` the client's body as the gateway re-encoded it at parse time (without any client
+    `cache_salt`), reused when nothing else needs changing.
     """
 
     request_id: str
@@ -70,7 +70,7 @@ class Admitted:
     limiter: TenantLimiter
     pool: Pool
     model: str
-    raw: bytes
+    encoded: bytes
     forward: dict[str, Any]
     changed: bool
     stream: bool
@@ -99,10 +99,11 @@ class Admitted:
         cached = self._encoded.get(salt)
         if cached is not None:
             return cached
-        if self.forward.get("cache_salt") == salt:
-            out = orjson.dumps(self.forward) if self.changed else self.raw
-        else:
+        if self.changed:
             out = orjson.dumps({**self.forward, "cache_salt": salt})
+        else:
+            # `encoded` is a non-empty JSON object with no `cache_salt` key: the salt goes first.
+            out = b'{"cache_salt":' + orjson.dumps(salt) + b"," + self.encoded[1:]
         self._encoded[salt] = out
         return out
 
@@ -219,6 +220,7 @@ def authenticate(head: RequestHead, state: GatewayState) -> Tenant:
 
 
 def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
+    """The request body as a JSON object, with the fields routing needs checked; 400 otherwise."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -252,6 +254,27 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
     return body
 
 
+# orjson parses up to 1024 levels but encodes at most 254, and every body is encoded again on its
+# way to the worker (with the gateway's `cache_salt`), as are parts of it by the normalizer.
+MAX_JSON_DEPTH = 254
+
+
+def encode_body(body: dict[str, Any]) -> bytes:
+    """The body re-encoded without any client `cache_salt` (the gateway always sets its own).
+
+    This is also the nesting bound: encoding refuses JSON nested deeper than `MAX_JSON_DEPTH`, at
+    the cost of one `orjson.dumps`, which `Admitted.body_for` then reuses instead of encoding again
+    (faster than counting brackets in the raw bytes or walking the parsed objects in Python).
+    """
+    body.pop("cache_salt", None)
+    try:
+        return orjson.dumps(body)
+    except orjson.JSONEncodeError:
+        raise bad_request(
+            f"request body is nested too deeply: at most {MAX_JSON_DEPTH} levels of JSON objects and arrays"
+        ) from None
+
+
 def _max_output_tokens(body: dict[str, Any]) -> int:
     for name in ("max_completion_tokens", "max_tokens"):
         value = body.get(name)
@@ -260,25 +283,35 @@ def _max_output_tokens(body: dict[str, Any]) -> int:
     return 0
 
 
-async def admit(
-    head: RequestHead, receive: Receive, endpoint: Endpoint, state: GatewayState, ids: RequestIds
-) -> Admitted:
-    """Run every check in the order a client would expect: 401, 413, 400, 404, 429."""
-    started_s = time.monotonic()
-    request_id = ids.internal
+def enter(head: RequestHead, state: GatewayState, now_s: float) -> Tenant:
+    """What the headers alone decide, before the body is read: 401 without a valid key, 413 when
+    `Content-Length` is already too large, 429 when the tenant is at its concurrency limit or out
+    of requests. Otherwise the request takes one of its tenant's slots (`TenantLimiter.enter`),
+    which its caller gives back unless `admit` hands it to the admitted request."""
     tenant = authenticate(head, state)
-    raw = await read_body(receive, head, state.config.limits.max_body_bytes)
+    max_bytes = state.config.limits.max_body_bytes
+    if head.content_length is not None and head.content_length > max_bytes:
+        raise _too_large(max_bytes)
+    rejection = state.limiter(tenant).enter(now_s)
+    if rejection is not None:
+        raise _quota_error(rejection)
+    return tenant
+
+
+async def admit(
+    raw: bytes, endpoint: Endpoint, state: GatewayState, ids: RequestIds, tenant: Tenant, started_s: float
+) -> Admitted:
+    """Run every check that needs the body, in the order a client would expect: 400, 404, 429
+    (tokens); the request already holds its tenant's slot (`enter`)."""
+    request_id = ids.internal
     body = parse_body(raw, endpoint)
+    encoded = encode_body(body)
     model: str = body["model"]
     pool = state.registry.by_model.get(model)
     if pool is None:
         raise ApiError(
             404, f"The model '{model}' does not exist", "invalid_request_error", "model_not_found", "model"
         )
-    limiter = state.limiter(tenant)
-    early = limiter.precheck(started_s)
-    if early is not None:
-        raise _quota_error(early)
     identity, public = state.identities(pool, model, tenant)
     normalizer = state.normalizer(pool)
     try:
@@ -338,7 +371,7 @@ async def admit(
         limiter=limiter,
         pool=pool,
         model=model,
-        raw=raw,
+        encoded=encoded,
         forward=forward,
         changed=changed,
         stream=stream,

@@ -6,6 +6,7 @@ read from an environment variable or a file named here. Validation errors name t
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -13,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gateway.k8s.config import KubernetesDiscoveryConfig
+from gateway.otel_sdk import tracing_unavailable
 from policies.base import Isolation
 from prompt_normalizer.normalizer import NormalizerConfig
 
@@ -36,11 +38,35 @@ class ListenConfig(_Frozen):
 
 
 class LimitsConfig(_Frozen):
-    """Limits applied before any parsing: body size, and completions in flight across tenants
-    (beyond it: 503 with Retry-After, so every per-request structure stays bounded)."""
+    """Bounds on what clients control, applied before a request is authenticated and admitted
+    (see gateway/http_limits.py), and the completions in flight across tenants.
+
+    Per connection: the request line and headers (`max_header_bytes`, `max_headers`; beyond: 431
+    and close), the time to send them (`header_timeout_s`, from the connection's opening or its
+    first byte after idling) and then the body (`body_timeout_s`; either: 408 and close), idle
+    time between requests (`keepalive_timeout_s`), and open connections per process
+    (`max_client_connections`; beyond: closed at once). Per request: the body size (413).
+    Completions past their tenant's own slot and their body, across tenants
+    (`max_in_flight_requests`; beyond: 503 with Retry-After, so every per-request structure
+    stays bounded).
+    """
 
     max_body_bytes: PositiveInt = 8 * 1024 * 1024
     max_in_flight_requests: PositiveInt = 4096
+    max_header_bytes: int = Field(default=32 * 1024, ge=1024)
+    max_headers: PositiveInt = 100
+    header_timeout_s: PositiveFloat = 10.0
+    body_timeout_s: PositiveFloat = 30.0
+    keepalive_timeout_s: PositiveFloat = 30.0
+    max_client_connections: PositiveInt = 4096
+
+
+class MetricsConfig(_Frozen):
+    """Where Prometheus scrapes `GET /metrics`: a listener of its own, never the client port
+    (the metrics name tenants and worker URLs). Loopback by default; in a pod, the pod's address
+    (`0.0.0.0`) so that Prometheus can reach it. Port 0 picks a free port (printed at startup)."""
+
+    listen: ListenConfig = ListenConfig(port=9464)
 
 
 class DrainConfig(_Frozen):
@@ -209,9 +235,19 @@ class ScrapeSettings(_Frozen):
 
 
 class TracingConfig(_Frozen):
-    """OpenTelemetry spans, one per request, through the process's configured tracer provider."""
+    """OpenTelemetry traces: a SERVER span per completion request and a CLIENT span per attempt on
+    a worker, exported by the SDK the process sets up from the standard `OTEL_*` variables
+    (`gateway/otel_sdk.py`; needs `pip install 'kvgate[otel]'`, checked when the config loads)."""
 
     enabled: bool = False
+    # `gen_ai.provider.name` of the spans: the API the workers speak (vLLM and SGLang speak OpenAI's).
+    provider_name: str = Field(default="openai", min_length=1)
+
+    @model_validator(mode="after")
+    def _sdk_present(self) -> TracingConfig:
+        if self.enabled and (problem := tracing_unavailable(os.environ)):
+            raise ValueError(problem)
+        return self
 
 
 class SecretsConfig(_Frozen):
@@ -247,6 +283,7 @@ class GatewayConfig(_Frozen):
     tracing: TracingConfig = TracingConfig()
     secrets: SecretsConfig = SecretsConfig()
     admin: AdminConfig = AdminConfig()
+    metrics: MetricsConfig = MetricsConfig()
     policy_file: str | None = None
     policy_reload_interval_s: PositiveFloat = 2.0
     pools: list[PoolConfig] = Field(min_length=1)
@@ -274,6 +311,8 @@ class GatewayConfig(_Frozen):
             raise ValueError("an API key hash is listed twice")
         if self.admin.api_key_hash is not None and self.admin.api_key_hash in hashes:
             raise ValueError("admin.api_key_hash must not also be a tenant's key")
+        if self.metrics.listen.port != 0 and self.metrics.listen.port == self.listen.port:
+            raise ValueError("metrics.listen.port must differ from listen.port (metrics never share it)")
         return self
 
 

@@ -13,20 +13,40 @@ from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Gauge,
+    GCCollector,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gateway.breaker import BreakerState
+from policies.base import Outcome
+
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# vLLM's buckets for its time-per-output-token histograms, so gateway and engine panels line up.
+_TPOT_BUCKETS_S = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+BREAKER_STATE_VALUE = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
 
 
 class GatewayMetrics:
-    """Request, latency, routing and token metrics. Labels stay low-cardinality: model, tenant,
-    status, policy, reason, worker — never request content."""
+    """Request, latency, routing and token metrics, and the process's own (`process_*`,
+    `python_*`). Labels stay low-cardinality: model, tenant, status, policy, reason, pool, worker —
+    never request content. Series labelled by worker are dropped when the worker leaves its pool
+    (`forget_workers`), so discovery's churn does not grow them."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
         hot = _HotCollector()
         self.requests = hot.counter(
             "kvgate_requests", "Finished requests", ("model", "tenant", "status", "endpoint")
@@ -42,6 +62,18 @@ class GatewayMetrics:
             "Time from request to last byte",
             ("model",),
             _LATENCY_BUCKETS_S,
+        )
+        self.tpot = hot.histogram(
+            "kvgate_request_time_per_output_token_seconds",
+            "Streamed requests' decode time per output token after the first (first chunk to end)",
+            ("model",),
+            _TPOT_BUCKETS_S,
+        )
+        self.worker_requests = hot.counter(
+            "kvgate_worker_requests",
+            "Requests sent to a worker (each attempt), by how they ended: served, rejected (4xx), "
+            "worker_failed, aborted",
+            ("pool", "worker", "outcome"),
         )
         self.decisions = hot.counter("kvgate_routing_decisions", "Routing decisions", ("policy", "reason"))
         self.retries = hot.counter(
@@ -68,9 +100,46 @@ class GatewayMetrics:
             "Full re-lists of a pool's workers after a watch ended in error",
             ("pool",),
         )
+        self.client_refusals = hot.counter(
+            "kvgate_client_refusals",
+            "Client connections closed by a limit before their request reached the gateway, by reason"
+            " (header_too_large, too_many_headers, header_timeout, body_timeout, connection_limit)",
+            ("reason",),
+        )
         r.register(hot)
+        self.policy_events = SnapshotCounter(
+            "kvgate_policy_events",
+            "The routing policy's own counters (KV events applied, promotions, replications, ...)",
+            ("policy", "event"),
+        )
+        r.register(self.policy_events)
+        self.public_prefixes = Gauge(
+            "kvgate_public_prefixes", "Prefixes promoted to the public namespace now", ["policy"], registry=r
+        )
+        self.breaker_state = Gauge(
+            "kvgate_worker_breaker_state",
+            "The worker's circuit breaker: 0 closed, 1 half-open (one trial request), 2 open",
+            ["pool", "worker"],
+            registry=r,
+        )
+        self.kv_events_lag = Gauge(
+            "kvgate_kv_events_lag_seconds",
+            "How late the worker's last KV-event batch arrived: receipt time minus the batch's "
+            "timestamp (the worker's clock)",
+            ["worker", "endpoint"],
+            registry=r,
+        )
+        self.kv_events_age = Gauge(
+            "kvgate_kv_events_last_batch_age_seconds",
+            "Seconds since the worker's last KV-event batch arrived (grows while it is idle or stalled)",
+            ["worker", "endpoint"],
+            registry=r,
+        )
         self.discovered_workers = Gauge(
             "kvgate_discovery_workers", "Workers a pool's discovery currently reports", ["pool"], registry=r
+        )
+        self.client_connections = Gauge(
+            "kvgate_client_connections", "Open client connections of this process", registry=r
         )
         self.in_flight = Gauge(
             "kvgate_worker_in_flight", "Gateway in-flight requests per worker", ["pool", "worker"], registry=r
@@ -85,12 +154,6 @@ class GatewayMetrics:
             "kvgate_worker_kv_cache_usage",
             "The worker's KV-cache usage (0-1), from its last fresh /metrics scrape",
             ["pool", "worker"],
-            registry=r,
-        )
-        self.policy_counters = Gauge(
-            "kvgate_policy_counter",
-            "The routing policy's own counters (KV events applied, promotions, ...)",
-            ["policy", "counter"],
             registry=r,
         )
         self.worker_healthy = Gauge(
@@ -141,6 +204,19 @@ class GatewayMetrics:
 
     def decision(self, policy: str, reason: str) -> None:
         self.decisions.labels(policy, reason).inc()
+
+    def worker_outcome(self, pool: str, worker: str, outcome: Outcome) -> None:
+        """One attempt on `worker` ended (`outcome.Attempt.end`)."""
+        self.worker_requests.labels(pool, worker, outcome.value).inc()
+
+    def time_per_output_token(self, model: str, seconds: float) -> None:
+        self.tpot.labels(model).observe(seconds)
+
+    def forget_workers(self, current: set[tuple[str, str]]) -> None:
+        """Drop the per-worker series of every (pool, worker) not in `current`."""
+        children = self.worker_requests.children
+        for labels in [k for k in children if (k[0], k[1]) not in current]:
+            del children[labels]
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -232,6 +308,29 @@ class HotHistogram:
                 buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
             family.add_metric(values, buckets, child.sum)
         return family
+
+
+class SnapshotCounter(Collector):
+    """A counter family whose totals are kept elsewhere (a policy's own counters) and copied in
+    at scrape time with `set`; `clear` first, so a label tuple that is gone stops being exported."""
+
+    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...]) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = labelnames
+        self.values: dict[tuple[str, ...], float] = {}
+
+    def set(self, labels: tuple[str, ...], value: float) -> None:
+        self.values[labels] = value
+
+    def clear(self) -> None:
+        self.values.clear()
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for labels, value in self.values.items():
+            family.add_metric(labels, value)
+        yield family
 
 
 class _HotCollector(Collector):

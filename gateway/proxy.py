@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from urllib.parse import urlsplit
 
 import orjson
 
@@ -35,6 +36,7 @@ from gateway.outcome import Attempt, finish, usage_of
 from gateway.sse import SseRelay, first_event_problem
 from gateway.state import GatewayState
 from gateway.streaming import AiohttpSource, ProxyStream, StreamSource, first_events
+from gateway.tracing import AttemptTrace, TracedSource
 from gateway.upstream import request_bytes
 from policies.base import Outcome, WorkerId
 
@@ -81,9 +83,13 @@ async def _dispatch(a: Admitted, state: GatewayState, attempts: list[Attempt]) -
         worker.acquire(a.route.n_prompt_tokens, a.max_output_tokens, now_s)
         attempt = Attempt(a, worker, decision.reason, now_s, decision)
         attempts.append(attempt)
+        if state.tracer is not None:
+            attempt.trace = _start_trace(state, a, attempt)
         result = await _attempt(state, a, attempt, n)
         if not isinstance(result, Failure):
             return result
+        if attempt.trace is not None:
+            attempt.trace.error_type = result.retry or result.code
         # The worker's breaker and load hear of it before the policy picks the next worker.
         attempt.end(state, result.outcome)
         failure, retry = result, result.retry
@@ -128,6 +134,10 @@ async def _attempt(
             )
             return _answer(state, a, attempt, reply.status, reply.body, reply.content_type, retries)
         source = await _open(state, a, attempt)
+        if attempt.trace is not None:
+            attempt.trace.status = source.status
+            if attempt.trace.recording:
+                source = TracedSource(source, attempt.trace)
         if source.status >= 500:
             source.close()
             return worker_status(source.status)
@@ -141,6 +151,8 @@ async def _attempt(
             if problem is not None:
                 source.close()
                 return malformed(f"worker sent a malformed stream ({problem})", stage)
+            if attempt.trace is not None:
+                attempt.trace.note_first_events(first)
             return ProxyStream(state, attempt, source, relay, first, retries)
         # A worker's 4xx, or a whole answer to a streamed request: read it and pass it through.
         stage = Stage.ANSWER
@@ -171,10 +183,13 @@ async def _open(state: GatewayState, a: Admitted, attempt: Attempt) -> StreamSou
             read_s=timeouts.read_s,
             total_s=timeouts.total_s,
         )
+    headers = {"content-type": "application/json", "x-request-id": a.request_id}
+    if attempt.trace is not None:
+        headers.update(attempt.trace.header_map)
     resp = await state.upstream().post(
         attempt.worker.url + UPSTREAM_PATHS[a.endpoint],
         data=a.body_for(attempt.decision),
-        headers={"content-type": "application/json", "x-request-id": a.request_id},
+        headers=headers,
         timeout=a.pool.client_timeout,
     )
     return AiohttpSource(resp)
@@ -184,7 +199,25 @@ def _lean_request(a: Admitted, attempt: Attempt) -> bytes:
     direct = attempt.worker.direct
     assert direct is not None
     head = b"Content-Type: application/json\r\nX-Request-Id: " + a.request_id.encode() + b"\r\n"
+    if attempt.trace is not None:
+        head += attempt.trace.headers  # traceparent (and tracestate): the attempt's CLIENT span
     return request_bytes(direct.host_header, UPSTREAM_PATHS_B[a.endpoint], head, a.body_for(attempt.decision))
+
+
+def _start_trace(state: GatewayState, a: Admitted, attempt: Attempt) -> AttemptTrace:
+    assert state.tracer is not None
+    url = urlsplit(attempt.worker.url)
+    decision = attempt.decision
+    return state.tracer.start_attempt(
+        endpoint=a.endpoint,
+        model=a.model,
+        worker_url=attempt.worker.url,
+        host=url.hostname,
+        port=url.port or (443 if url.scheme == "https" else 80),
+        policy=state.policy_name,
+        reason=decision.reason,
+        predicted_cached_tokens=decision.matched_tokens,
+    )
 
 
 def _is_event_stream(content_type: str) -> bool:
@@ -203,6 +236,8 @@ def _answer(
     """A complete answer. A 5xx, or a 200 whose body is not a JSON object, is the attempt's
     failure; anything else closes the books and is passed through: a 200 byte for byte, an error
     with its body in the gateway's error shape."""
+    if attempt.trace is not None:
+        attempt.trace.status = status
     if status >= 500:
         return worker_status(status)
     if status == 200:
@@ -212,6 +247,8 @@ def _answer(
             parsed = None
         if not isinstance(parsed, dict):
             return malformed("worker sent a malformed answer (its body is not a JSON object)", Stage.ANSWER)
+        if attempt.trace is not None:
+            attempt.trace.note_answer(parsed)
         usage = usage_of(parsed.get("usage"))
         finish(state, a, attempt, status=200, outcome=Outcome.SERVED, usage=usage, retries=retries)
     else:

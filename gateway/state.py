@@ -172,7 +172,7 @@ def build_state(
         metrics=GatewayMetrics(),
         limiters={t.name: TenantLimiter(t.quotas, now_s) for t in config.tenants},
         access_log=AccessLog(enabled=logging.getLogger("kvgate.access").isEnabledFor(logging.INFO)),
-        tracer=RequestTracer() if config.tracing.enabled else None,
+        tracer=RequestTracer.from_config(config.tracing) if config.tracing.enabled else None,
         created_s=int(time.time()),
     )
 

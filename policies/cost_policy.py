@@ -93,6 +93,10 @@ class CostPolicy(PrefixPolicyBase):
 
     def _ledger_add(self, request_id: str, worker: WorkerId, prompt: int, uncached: int) -> None:
         self._ledger_remove(request_id)
+        if prompt <= 0:
+            # Adds nothing to the sums (a prompt estimated at 0 tokens, e.g. "hi"); left out so
+            # that every entry has its worker's sums to be taken from (`_ledger_remove`).
+            return
         self._inflight[request_id] = (worker, prompt, uncached)
         total, new = self._inflight_sums.get(worker, (0, 0))
         self._ledger_set(worker, total + prompt, new + uncached)

@@ -72,7 +72,9 @@ def test_image_runs_kvgate_serve_as_the_chart_user() -> None:
 def test_make_image_builds_the_chart_default_image() -> None:
     make = shutil.which("make")
     assert make is not None
-    proc = subprocess.run([make, "-n", "image"], cwd=ROOT, capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [make, "--no-print-directory", "-n", "image"], cwd=ROOT, capture_output=True, text=True, check=True
+    )
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
@@ -83,7 +85,7 @@ def test_make_image_builds_the_chart_default_image() -> None:
         "docker",
         "build",
         "--build-arg",
-        "KVGATE_EXTRAS=tokenizer",
+        "KVGATE_EXTRAS=tokenizer,otel",
         "-t",
         tag,
         ".",

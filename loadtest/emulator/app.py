@@ -17,13 +17,22 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from loadtest.emulator import routes_audio, routes_messages, routes_openai, routes_pooling, routes_responses
+from loadtest.emulator import (
+    routes_audio,
+    routes_kv,
+    routes_messages,
+    routes_openai,
+    routes_pooling,
+    routes_responses,
+)
 from loadtest.emulator.config import EmulatorConfig
 from loadtest.emulator.errors import ApiError
+from loadtest.emulator.kv_transfer import KvTransfers
+from loadtest.emulator.live import KvEventSink
 from loadtest.emulator.metrics import render_metrics
 from loadtest.emulator.responses_api import ResponseStore
 from loadtest.emulator.web import json_response as _json
-from loadtest.emulator.worker import EmulatedWorker, KvEventSink
+from loadtest.emulator.worker import EmulatedWorker
 
 ROUTE_FAMILIES: tuple[APIRouter, ...] = (
     routes_openai.router,
@@ -31,7 +40,10 @@ ROUTE_FAMILIES: tuple[APIRouter, ...] = (
     routes_messages.router,
     routes_pooling.router,
     routes_audio.router,
+    routes_kv.router,
 )
+# SGLang's name for a server's role, as its routers read it from /server_info.
+_DISAGGREGATION_MODE = {"prefill": "prefill", "decode": "decode", "mixed": "null"}
 
 
 def _error(exc: ApiError) -> Response:
@@ -45,7 +57,9 @@ def create_app(cfg: EmulatorConfig, sink_factory: Callable[[], KvEventSink | Non
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         sink = sink_factory() if sink_factory is not None else None
         worker = EmulatedWorker(cfg, sink)
+        kv = KvTransfers(worker)
         _app.state.worker = worker
+        _app.state.kv = kv
         _app.state.response_store = ResponseStore()
         task = asyncio.create_task(worker.run(), name="engine-step-loop")
         try:
@@ -54,6 +68,7 @@ def create_app(cfg: EmulatorConfig, sink_factory: Callable[[], KvEventSink | Non
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            await kv.close()
             close = getattr(sink, "close", None)
             if close is not None:
                 close()
@@ -109,13 +124,17 @@ def create_app(cfg: EmulatorConfig, sink_factory: Callable[[], KvEventSink | Non
 
     def _server_info() -> dict[str, Any]:
         w = worker()
+        kv: KvTransfers = app.state.kv
         # No model_path / tokenizer_path on purpose: sglang-router would try to download it.
         return {
             "served_model_name": cfg.model,
             "tp_size": 1,
             "dp_size": 1,
             "load_balance_method": "round_robin",
-            "disaggregation_mode": "null",
+            "disaggregation_mode": _DISAGGREGATION_MODE[cfg.role],
+            "role": cfg.role,
+            "kv_engine_id": kv.engine_id,
+            "disaggregation_bootstrap_port": cfg.bootstrap_port or cfg.port,
             "block_size": w.block_size,
             "num_gpu_blocks": w.num_blocks,
             "max_model_len": w.max_model_len,
@@ -152,7 +171,9 @@ def create_app(cfg: EmulatorConfig, sink_factory: Callable[[], KvEventSink | Non
     @app.get("/metrics")
     async def metrics() -> Response:
         w = worker()
-        text = render_metrics(cfg.model, w.stats(), w.block_size, w.latency, w.num_aborted)
+        text = render_metrics(
+            cfg.model, w.stats(), w.block_size, w.latency, w.num_aborted, app.state.kv.stats
+        )
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/reset_prefix_cache")

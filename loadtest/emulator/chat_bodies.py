@@ -10,8 +10,8 @@ from typing import Any
 
 import orjson
 
+from loadtest.emulator.live import LiveGroup, LiveRequest
 from loadtest.emulator.logprobs import chat_logprobs, completion_logprobs
-from loadtest.emulator.worker import LiveGroup, LiveRequest
 
 
 def produced(live: LiveRequest) -> int:
@@ -73,14 +73,17 @@ def chat_response(group: LiveGroup) -> dict[str, Any]:
         }
         for live in group.lives
     ]
-    return {
-        "id": group.response_id,
-        "object": "chat.completion",
-        "created": group.created,
-        "model": group.gen.model,
-        "choices": choices,
-        "usage": usage(group),
-    }
+    return _with_kv_params(
+        group,
+        {
+            "id": group.response_id,
+            "object": "chat.completion",
+            "created": group.created,
+            "model": group.gen.model,
+            "choices": choices,
+            "usage": usage(group),
+        },
+    )
 
 
 def completion_response(group: LiveGroup) -> dict[str, Any]:
@@ -93,14 +96,24 @@ def completion_response(group: LiveGroup) -> dict[str, Any]:
         }
         for live in group.lives
     ]
-    return {
-        "id": group.response_id,
-        "object": "text_completion",
-        "created": group.created,
-        "model": group.gen.model,
-        "choices": choices,
-        "usage": usage(group),
-    }
+    return _with_kv_params(
+        group,
+        {
+            "id": group.response_id,
+            "object": "text_completion",
+            "created": group.created,
+            "model": group.gen.model,
+            "choices": choices,
+            "usage": usage(group),
+        },
+    )
+
+
+def _with_kv_params(group: LiveGroup, body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's prefill answer names where its KV waits (`kv_transfer_params`, top level)."""
+    if group.kv_transfer_params is not None:
+        body["kv_transfer_params"] = group.kv_transfer_params
+    return body
 
 
 def sse(obj: Any) -> bytes:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 from collections.abc import Sequence
 
@@ -59,6 +60,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="msgpack shape of each KV event: array (default) or map",
     )
     parser.add_argument("--kv-events-topic", default="", help="topic frame of every event message")
+    pd = parser.add_argument_group("prefill/decode disaggregation (docs/pd.md)")
+    pd.add_argument(
+        "--role",
+        choices=("prefill", "decode", "mixed"),
+        default="mixed",
+        help="worker role: reported in /server_info; decides how SGLang bootstrap_* fields are served",
+    )
+    pd.add_argument(
+        "--kv-engine-id", default=None, help="engine id named in kv_transfer_params (default random)"
+    )
+    pd.add_argument(
+        "--kv-advertise-host", default=None, help="host decode workers pull KV from (default: --host)"
+    )
+    pd.add_argument(
+        "--bootstrap-port",
+        type=int,
+        default=None,
+        help="also listen here, as SGLang's prefill bootstrap port",
+    )
+    pd.add_argument(
+        "--kv-transfer-timeout-s",
+        type=_positive_float,
+        default=300.0,
+        help="decode side: give up a KV transfer after this many real seconds (default 300)",
+    )
+    pd.add_argument(
+        "--kv-bootstrap-timeout-s",
+        type=_positive_float,
+        default=300.0,
+        help="prefill side: wait this long for the decode worker of a bootstrap room (default 300)",
+    )
+    pd.add_argument(
+        "--kv-hold-timeout-s",
+        type=_positive_float,
+        default=480.0,
+        help="prefill side: free unread KV after this many real seconds (default 480)",
+    )
+    pd.add_argument(
+        "--kv-load-failure-policy",
+        choices=("fail", "recompute"),
+        default="fail",
+        help="decode side, on a failed transfer: answer 500 (fail, default) or prefill locally",
+    )
     parser.add_argument(
         "--log-level",
         default="warning",
@@ -86,6 +130,14 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         kv_events_encoding=args.kv_events_encoding,
         kv_events_topic=args.kv_events_topic,
+        role=args.role,
+        kv_engine_id=args.kv_engine_id,
+        kv_advertise_host=args.kv_advertise_host,
+        bootstrap_port=args.bootstrap_port,
+        kv_transfer_timeout_s=args.kv_transfer_timeout_s,
+        kv_bootstrap_timeout_s=args.kv_bootstrap_timeout_s,
+        kv_hold_timeout_s=args.kv_hold_timeout_s,
+        kv_load_failure_policy=args.kv_load_failure_policy,
     )
 
 
@@ -107,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     app = create_app(cfg, publisher_factory(cfg))
     # In-flight streams get two seconds to finish on SIGTERM; then connections are closed.
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=cfg.host,
         port=cfg.port,
@@ -115,7 +167,24 @@ def run(args: argparse.Namespace) -> int:
         access_log=False,
         timeout_graceful_shutdown=2,
     )
+    server = uvicorn.Server(config)
+    if cfg.bootstrap_port is None:
+        server.run()
+        return 0
+    # SGLang routers reach a prefill worker's bootstrap server on its own port: serve the same
+    # app there too (the bootstrap route is one of its routes).
+    sockets = [_listen(cfg.host, cfg.port), _listen(cfg.host, cfg.bootstrap_port)]
+    server.run(sockets=sockets)
     return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+Role = Literal["prefill", "decode", "mixed"]
+KvLoadFailurePolicy = Literal["fail", "recompute"]
+
 
 @dataclass(frozen=True, slots=True)
 class EmulatorConfig:
@@ -28,3 +31,12 @@ class EmulatorConfig:
     kv_events_encoding: Literal["array", "map"] = "array"
     kv_events_topic: str = ""
     kv_events_buffer_steps: int = 10000
+    # Prefill/decode disaggregation (docs/pd.md). Timeouts are real seconds, not model time.
+    role: Role = "mixed"
+    kv_engine_id: str | None = None  # None: a random id per process, as vLLM's engine_id
+    kv_advertise_host: str | None = None  # the host decode workers pull from (None: --host)
+    bootstrap_port: int | None = None  # a second listener, as SGLang's prefill bootstrap port
+    kv_transfer_timeout_s: float = 300.0  # SGLang's SGLANG_DISAGGREGATION_WAITING_TIMEOUT
+    kv_bootstrap_timeout_s: float = 300.0  # SGLang's SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT
+    kv_hold_timeout_s: float = 480.0  # vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT
+    kv_load_failure_policy: KvLoadFailurePolicy = "fail"  # vLLM's kv_load_failure_policy

@@ -29,7 +29,7 @@ import msgpack
 import zmq
 
 from loadtest.emulator.config import EmulatorConfig
-from loadtest.emulator.worker import KvEventSink, StoredBlocks
+from loadtest.emulator.live import KvEventSink, StoredBlocks
 
 log = logging.getLogger("loadtest.emulator.kv_events")
 

@@ -22,9 +22,9 @@ import orjson
 from loadtest.emulator.chat_template import IMAGE_TOKENS, render_chat_offsets
 from loadtest.emulator.config import EmulatorConfig
 from loadtest.emulator.errors import ApiError
+from loadtest.emulator.live import LiveGroup
 from loadtest.emulator.protocol import GenerationRequest, ToolCall, common_fields, int_field
 from loadtest.emulator.tools import choose_tool, tool_call_arguments
-from loadtest.emulator.worker import LiveGroup
 from loadtest.engine.tokenizer import Tokenizer
 
 # Anthropic's error types by HTTP status (the envelope is {"type": "error", "error": {...}}).

@@ -9,11 +9,16 @@ from dataclasses import dataclass, field
 from loadtest.engine import EngineStats
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+# vLLM's NIXL connector buckets (nixl_connector.py, NixlPromMetrics).
+_XFER_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
+_BYTES_BUCKETS = tuple(float(2 ** (10 + i)) for i in range(1, 25, 2))
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0)
 
 
 @dataclass
-class _Histogram:
+class Histogram:
+    """A Prometheus histogram kept in-process (cumulative buckets rendered on demand)."""
+
     buckets: tuple[float, ...]
     counts: list[int] = field(default_factory=list)
     total: float = 0.0
@@ -45,8 +50,8 @@ class LatencyStats:
     """TTFT and end-to-end latency histograms, in model seconds."""
 
     def __init__(self) -> None:
-        self.ttft = _Histogram(_TTFT_BUCKETS)
-        self.e2e = _Histogram(_E2E_BUCKETS)
+        self.ttft = Histogram(_TTFT_BUCKETS)
+        self.e2e = Histogram(_E2E_BUCKETS)
 
     def observe_ttft(self, seconds: float) -> None:
         self.ttft.observe(seconds)
@@ -55,8 +60,38 @@ class LatencyStats:
         self.e2e.observe(seconds)
 
 
+@dataclass
+class TransferStats:
+    """KV transfers under vLLM's NIXL connector metric names: time (model seconds) and bytes per
+    transfer read by this worker, failed transfers (decode side), held KV that expired unread
+    (prefill side)."""
+
+    xfer_time: Histogram = field(default_factory=lambda: Histogram(_XFER_BUCKETS))
+    bytes_transferred: Histogram = field(default_factory=lambda: Histogram(_BYTES_BUCKETS))
+    num_failed: int = 0
+    num_expired: int = 0
+
+    def lines(self, labels: str) -> list[str]:
+        out = self.xfer_time.lines("vllm:nixl_xfer_time_seconds", labels)
+        out += self.bytes_transferred.lines("vllm:nixl_bytes_transferred", labels)
+        out += [
+            "# HELP vllm:nixl_num_failed_transfers Number of failed NIXL KV Cache transfers.",
+            "# TYPE vllm:nixl_num_failed_transfers counter",
+            f"vllm:nixl_num_failed_transfers{{{labels}}} {self.num_failed}",
+            "# HELP vllm:nixl_num_kv_expired_reqs Number of requests that had their KV expire.",
+            "# TYPE vllm:nixl_num_kv_expired_reqs counter",
+            f"vllm:nixl_num_kv_expired_reqs{{{labels}}} {self.num_expired}",
+        ]
+        return out
+
+
 def render_metrics(
-    model: str, stats: EngineStats, block_size: int, latency: LatencyStats, num_aborted: int
+    model: str,
+    stats: EngineStats,
+    block_size: int,
+    latency: LatencyStats,
+    num_aborted: int,
+    transfers: TransferStats | None = None,
 ) -> str:
     """The /metrics body."""
     lab = f'engine="0",model_name="{model}"'
@@ -123,4 +158,6 @@ def render_metrics(
     ]
     lines += latency.ttft.lines("vllm:time_to_first_token_seconds", lab)
     lines += latency.e2e.lines("vllm:e2e_request_latency_seconds", lab)
+    if transfers is not None:
+        lines += transfers.lines(lab)
     return "\n".join(lines) + "\n"

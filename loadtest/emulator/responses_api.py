@@ -21,9 +21,9 @@ import orjson
 from loadtest.emulator.chat_template import render_chat
 from loadtest.emulator.config import EmulatorConfig
 from loadtest.emulator.errors import ApiError
+from loadtest.emulator.live import LiveGroup
 from loadtest.emulator.protocol import GenerationRequest, ToolCall, bool_field, common_fields, int_field
 from loadtest.emulator.tools import choose_tool, tool_call_arguments
-from loadtest.emulator.worker import LiveGroup
 from loadtest.engine.tokenizer import Tokenizer
 
 RESPONSE_STORE_LIMIT = 10_000

@@ -12,14 +12,17 @@ from fastapi.responses import Response, StreamingResponse
 
 from loadtest.emulator import chat_bodies
 from loadtest.emulator.errors import ApiError
+from loadtest.emulator.live import LiveGroup
 from loadtest.emulator.protocol import (
+    GenerationRequest,
     completion_prompt_ids,
     parse_chat,
     parse_completions,
     render_chat_body,
 )
+from loadtest.emulator.routes_kv import transfers_of
 from loadtest.emulator.web import json_response, read_json, token_batches, wait_finished, worker_of
-from loadtest.emulator.worker import EmulatedWorker, LiveGroup
+from loadtest.emulator.worker import EmulatedWorker
 from loadtest.engine.tokenizer import TokenizerError
 
 router = APIRouter()
@@ -93,9 +96,25 @@ async def completions_render(request: Request) -> Response:
 
 
 async def _generate(
-    request: Request, group: LiveGroup, build: Callable[[LiveGroup], dict[str, Any]]
+    request: Request,
+    body: dict[str, Any],
+    gen: GenerationRequest,
+    prefix: str,
+    build: Callable[[LiveGroup], dict[str, Any]],
 ) -> Response:
+    """Act on the request's prefill/decode fields (docs/pd.md), then run and answer it."""
     w = worker_of(request)
+    prompt_param = "messages" if gen.endpoint == "chat" else "prompt"
+    prepared = await transfers_of(request).prepare(body, gen, prompt_param)
+    if prepared.failure is not None:
+        if gen.stream:  # as vLLM: the stream opens, then carries the error
+            return StreamingResponse(_error_stream(prepared.failure), media_type="text/event-stream")
+        raise prepared.failure
+    group = w.submit(
+        prepared.gen, response_id(prefix, gen.request_id), prepared.external_tokens, prepared.on_finish
+    )
+    if prepared.ticket is not None:
+        prepared.ticket.group = group
     if group.gen.stream:
         return StreamingResponse(_stream(w, group), media_type="text/event-stream")
     gone = await wait_finished(request, w, group)
@@ -107,8 +126,7 @@ async def chat(request: Request) -> Response:
     body = await read_json(request)
     w = worker_of(request)
     gen = parse_chat(body, w.cfg, w.tokenizer)
-    group = w.submit(gen, response_id("chatcmpl", gen.request_id))
-    return await _generate(request, group, chat_bodies.chat_response)
+    return await _generate(request, body, gen, "chatcmpl", chat_bodies.chat_response)
 
 
 @router.post("/v1/completions")
@@ -116,8 +134,12 @@ async def completions(request: Request) -> Response:
     body = await read_json(request)
     w = worker_of(request)
     gen = parse_completions(body, w.cfg, w.tokenizer)
-    group = w.submit(gen, response_id("cmpl", gen.request_id))
-    return await _generate(request, group, chat_bodies.completion_response)
+    return await _generate(request, body, gen, "cmpl", chat_bodies.completion_response)
+
+
+async def _error_stream(error: ApiError) -> AsyncIterator[bytes]:
+    yield chat_bodies.sse(error.body())
+    yield chat_bodies.SSE_DONE
 
 
 async def _stream(w: EmulatedWorker, group: LiveGroup) -> AsyncIterator[bytes]:

@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from loadtest.emulator.errors import ApiError
+from loadtest.emulator.live import LiveGroup
 from loadtest.emulator.responses_api import (
     EventWriter,
     ResponsesCall,
@@ -29,7 +30,7 @@ from loadtest.emulator.responses_api import (
     response_object,
 )
 from loadtest.emulator.web import json_response, read_json, token_batches, wait_finished, worker_of
-from loadtest.emulator.worker import EmulatedWorker, LiveGroup
+from loadtest.emulator.worker import EmulatedWorker
 
 router = APIRouter()
 

@@ -18,7 +18,8 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from loadtest.emulator.errors import ApiError
-from loadtest.emulator.worker import EmulatedWorker, LiveGroup, LiveRequest
+from loadtest.emulator.live import LiveGroup, LiveRequest
+from loadtest.emulator.worker import EmulatedWorker
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 DISCONNECT_POLL_S = 0.5

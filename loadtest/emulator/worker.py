@@ -11,18 +11,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable
 
 import numpy as np
 
 from loadtest.emulator.config import EmulatorConfig
 from loadtest.emulator.errors import ApiError
-from loadtest.emulator.logprobs import LogprobWriter, TokenLogprob
+from loadtest.emulator.live import KvEventSink, LiveGroup, LiveRequest, StoredBlocks
+from loadtest.emulator.logprobs import LogprobWriter
 from loadtest.emulator.metrics import LatencyStats
-from loadtest.emulator.output import Answer, AnswerWriter
+from loadtest.emulator.output import AnswerWriter
 from loadtest.emulator.pooling import Pooler
 from loadtest.emulator.protocol import GenerationRequest
 from loadtest.engine import (
@@ -32,6 +30,7 @@ from loadtest.engine import (
     EngineRejected,
     EngineRequest,
     EngineStats,
+    InstalledBlocks,
     StepResult,
     block_hashes,
     load_profile,
@@ -41,124 +40,6 @@ from loadtest.engine.tokenizer import Tokenizer, load_tokenizer
 log = logging.getLogger("loadtest.emulator")
 # The request field a too-long prompt is reported against, per endpoint.
 _PROMPT_PARAM = {"chat": "messages", "completions": "prompt", "responses": "input", "messages": "messages"}
-
-
-@dataclass(frozen=True, slots=True)
-class StoredBlocks:
-    """One BlockStored run with the tokens of its blocks (for a KV-event sink)."""
-
-    block_hashes: tuple[int, ...]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    cache_salt: str | None
-    first_block_index: int
-
-
-class KvEventSink(Protocol):
-    """Receives the cache changes of each step (the ZMQ publisher implements it)."""
-
-    def publish(self, stored: Sequence[StoredBlocks], removed: Sequence[int], block_size: int) -> None: ...
-
-    def publish_all_cleared(self) -> None: ...
-
-
-class LiveRequest:
-    """One sequence in flight (a prompt and one choice), as its handler sees it.
-
-    Updated only by the step loop. `index` is the choice index in the answer (`prompt * n +
-    choice`); `request_id` is the engine's id, unique even when clients reuse their ids.
-    """
-
-    __slots__ = (
-        "answer",
-        "arrival_s",
-        "cached_tokens",
-        "created",
-        "event",
-        "failed",
-        "finished",
-        "first_token_s",
-        "gen",
-        "index",
-        "logprobs",
-        "produced",
-        "prompt_ids",
-        "request_id",
-        "salt",
-        "seq_token_ids",
-    )
-
-    def __init__(
-        self,
-        gen: GenerationRequest,
-        prompt_ids: np.ndarray,
-        answer: Answer,
-        index: int = 0,
-        event: asyncio.Event | None = None,
-    ) -> None:
-        self.request_id = uuid.uuid4().hex
-        self.gen = gen
-        self.prompt_ids = prompt_ids
-        self.index = index
-        self.answer = answer
-        self.logprobs: tuple[TokenLogprob, ...] = ()
-        self.salt = gen.cache_salt
-        self.seq_token_ids = np.concatenate([prompt_ids, answer.token_ids[: len(answer.pieces)]])
-        self.created = int(time.time())
-        self.produced = 0
-        self.cached_tokens = 0
-        self.finished = False
-        self.failed = False  # the engine raised: the handler answers 500 instead of waiting forever
-        self.arrival_s = time.monotonic()
-        self.first_token_s: float | None = None
-        self.event = event if event is not None else asyncio.Event()
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.answer.pieces)
-
-    async def wait(self) -> None:
-        await self.event.wait()
-        self.event.clear()
-
-
-class LiveGroup:
-    """The sequences of one HTTP request (every prompt times `n` choices), woken by one event.
-
-    `lives[p * n + c]` is choice `c` of prompt `p`; `response_id` is the id the answer carries.
-    """
-
-    __slots__ = ("created", "event", "gen", "lives", "response_id")
-
-    def __init__(
-        self, gen: GenerationRequest, response_id: str, lives: list[LiveRequest], event: asyncio.Event
-    ) -> None:
-        self.gen = gen
-        self.response_id = response_id
-        self.lives = tuple(lives)
-        self.event = event
-        self.created = int(time.time())
-
-    @property
-    def finished(self) -> bool:
-        return all(live.finished for live in self.lives)
-
-    @property
-    def failed(self) -> bool:
-        return any(live.failed for live in self.lives)
-
-    @property
-    def first_of_each_prompt(self) -> tuple[LiveRequest, ...]:
-        """Choice 0 of every prompt: prompt tokens and cache hits are counted once per prompt."""
-        return self.lives[:: self.gen.n]
-
-    async def wait(self) -> None:
-        await self.event.wait()
-        self.event.clear()
 
 
 class EmulatedWorker:
@@ -199,9 +80,16 @@ class EmulatedWorker:
 
     # ------------------------------------------------------------------ requests
 
-    def submit(self, gen: GenerationRequest, response_id: str) -> LiveGroup:
+    def submit(
+        self,
+        gen: GenerationRequest,
+        response_id: str,
+        external_tokens: int = 0,
+        on_finish: Callable[[LiveRequest], None] | None = None,
+    ) -> LiveGroup:
         """Queue every sequence of a validated request (all or none); ApiError if one can never
-        run or the queue is full."""
+        run or the queue is full. `external_tokens`: prompt tokens whose KV was received from a
+        prefill worker (installed first); `on_finish` runs when each sequence finishes."""
         tool_answer = None
         if gen.tool_call is not None:
             tool_answer = self.answers.fixed_answer(gen.tool_call.arguments)
@@ -223,11 +111,14 @@ class EmulatedWorker:
                 for c in range(gen.n):
                     answer = tool_answer or self.answers.text_answer(prompt, gen.max_tokens, variant=c)
                     live = LiveRequest(gen, prompt, answer, p * gen.n + c, event)
+                    live.on_finish = on_finish
                     if gen.logprobs is not None:
                         live.logprobs = self.logprob_writer.for_answer(answer, gen.logprobs)
                     hashes = block_hashes(live.seq_token_ids, self.block_size, gen.cache_salt, self.cfg.seed)
                     self.engine.submit(
-                        EngineRequest(live.request_id, len(prompt), len(answer.pieces), hashes)
+                        EngineRequest(
+                            live.request_id, len(prompt), len(answer.pieces), hashes, external_tokens
+                        )
                     )
                     self._live[live.request_id] = live
                     lives.append(live)
@@ -299,8 +190,16 @@ class EmulatedWorker:
             self.engine.abort(live.request_id)
             live.failed = True
             live.finished = True
-            live.event.set()
+            self._finished(live)
         self._live.clear()
+
+    def _finished(self, live: LiveRequest) -> None:
+        if live.on_finish is not None:
+            try:
+                live.on_finish(live)
+            except Exception:  # a broken hook must not stop the step loop
+                log.exception("finish hook failed")
+        live.event.set()
 
     def _lookup(self, request_id: object) -> LiveRequest | None:
         key = str(request_id)
@@ -326,8 +225,31 @@ class EmulatedWorker:
             live = self._live.pop(str(fin.request_id), None)
             if live is not None:
                 live.finished = True
-                live.event.set()
+                self._finished(live)
                 self.latency.observe_e2e((now - live.arrival_s) * self.cfg.time_scale)
+
+    def publish_installed(self, installed: InstalledBlocks, prompt_ids: np.ndarray, salt: str | None) -> None:
+        """KV events for blocks received from a prefill worker (BlockStored, and BlockRemoved
+        for what their installation evicted)."""
+        if self.sink is None or not (installed.stored or installed.removed):
+            return
+        bs = self.block_size
+        stored = [
+            StoredBlocks(
+                st.block_hashes,
+                st.parent_block_hash,
+                prompt_ids[
+                    st.first_block_index * bs : (st.first_block_index + len(st.block_hashes)) * bs
+                ].tolist(),
+                salt,
+                st.first_block_index,
+            )
+            for st in installed.stored
+        ]
+        try:
+            self.sink.publish(stored, installed.removed, bs)
+        except Exception:  # a broken event socket must not fail the request
+            log.exception("KV event publish failed")
 
     def _publish(self, res: StepResult) -> None:
         assert self.sink is not None

@@ -28,6 +28,14 @@ Driving protocol
     engine.stats()                     # EngineStats: running, waiting, KV usage, cache counters
     engine.reset_prefix_cache()        # AllBlocksCleared, if no cached block is in use
 
+KV transfer (P/D disaggregation), see `transfer`:
+
+    profile.kv_transfer_s(n)           # modelled time to move n tokens' KV between engines
+    engine.prefix_hit_tokens(hashes, n)    # what a decode engine already holds (pull the rest)
+    engine.install_blocks(owner, hashes)   # received full blocks enter the prefix cache
+    engine.submit(EngineRequest(..., num_external_tokens=n))   # starts with n - 1 computed
+    engine.hold_blocks(id, hashes) / engine.release_hold(id)   # prefill side: pin until read
+
 A caller loop: submit arrivals; when idle, step at the arrival time; otherwise step again at the
 previous `res.end_s` (arrivals during a step join the next one, as in vLLM). `StepResult` lists the
 requests that produced a token (`emitted`), got their first token (`first_tokens`, with
@@ -66,6 +74,7 @@ from loadtest.engine.types import (
     EngineStats,
     FinishedRequest,
     FirstToken,
+    InstalledBlocks,
     RequestId,
     StepResult,
 )
@@ -81,6 +90,7 @@ __all__ = [
     "EngineStats",
     "FinishedRequest",
     "FirstToken",
+    "InstalledBlocks",
     "ProfileError",
     "RequestId",
     "StepProfile",

@@ -114,6 +114,35 @@ class BlockPool:
         self.blank += 1
         return False
 
+    def install(self, block_hash: int, protected: set[int]) -> bool | None:
+        """Cache a block whose content arrived from elsewhere, unreferenced and most recently used.
+
+        True when newly stored, False when already cached (its LRU position is refreshed), None
+        when there is no room: no blank block, and the least recently used evictable block is in
+        `protected` (the caller's own chain, so every evictable block is one it just installed).
+        """
+        refcount = self._refcount
+        evictable = self._evictable
+        rc = refcount.get(block_hash)
+        if rc is not None:
+            if rc == 0:
+                evictable.move_to_end(block_hash)
+            return False
+        if self.blank > 0:
+            self.blank -= 1
+        else:
+            if not evictable:
+                return None
+            oldest = next(iter(evictable))
+            if oldest in protected:
+                return None
+            del evictable[oldest]
+            del refcount[oldest]
+            self.removed.append(oldest)
+        refcount[block_hash] = 0
+        evictable[block_hash] = None
+        return True
+
     def release(self, block_hashes: Sequence[int], count: int, num_private: int) -> None:
         """Drop one reference on each of the first `count` hashes and free `num_private` blocks.
 

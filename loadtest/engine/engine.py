@@ -9,12 +9,13 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
-
-import numpy as np
+from collections.abc import Sequence
 
 from loadtest.engine.block_pool import BlockPool
+from loadtest.engine.decode_run import decode_run_length
 from loadtest.engine.profile import StepProfile
 from loadtest.engine.sequence import EngineConfig, Seq
+from loadtest.engine.transfer import BlockHolds, HoldId, install_chain
 from loadtest.engine.types import (
     BlocksStored,
     EngineQueueFull,
@@ -23,6 +24,7 @@ from loadtest.engine.types import (
     EngineStats,
     FinishedRequest,
     FirstToken,
+    InstalledBlocks,
     RequestId,
     StepResult,
 )
@@ -46,6 +48,7 @@ class Engine:
         self._jitter = cfg.jitter_frac
         self._rng = random.Random(cfg.seed)
         self._pool = BlockPool(self.num_blocks)
+        self._holds = BlockHolds(self._pool)
         self._seqs: dict[RequestId, Seq] = {}
         self._running: list[Seq] = []
         self._waiting: deque[Seq] = deque()
@@ -67,6 +70,8 @@ class Engine:
             raise EngineRejected("prompt must have at least one token")
         if req.max_output_tokens < 1:
             raise EngineRejected("max_output_tokens must be at least 1")
+        if req.num_external_tokens < 0:
+            raise EngineRejected("num_external_tokens must not be negative")
         total = req.num_prompt_tokens + req.max_output_tokens
         if len(req.block_hashes) > total // self.block_size:
             raise EngineRejected("more block hashes than full blocks in the sequence")
@@ -105,6 +110,24 @@ class Engine:
     def reset_prefix_cache(self) -> list[int] | None:
         """Drop every unreferenced cached block (vLLM refuses while blocks are in use: None)."""
         return self._pool.clear()
+
+    # ------------------------------------------------------------------ KV transfer (P/D)
+
+    def prefix_hit_tokens(self, block_hashes: Sequence[int], num_prompt_tokens: int) -> int:
+        """Prompt tokens a request with these hashes would find cached now (no state change)."""
+        limit = max(0, num_prompt_tokens - 1) // self.block_size
+        return self._pool.lookup(block_hashes, limit).num_blocks * self.block_size
+
+    def install_blocks(self, owner: RequestId, block_hashes: Sequence[int]) -> InstalledBlocks:
+        """Cache received blocks (a KV transfer's full blocks, block 0 first); see `transfer`."""
+        return install_chain(self._pool, owner, block_hashes)
+
+    def hold_blocks(self, hold_id: HoldId, block_hashes: Sequence[int]) -> int:
+        """Pin the cached leading blocks of a chain until `release_hold`; returns how many."""
+        return self._holds.hold(hold_id, block_hashes)
+
+    def release_hold(self, hold_id: HoldId) -> bool:
+        return self._holds.release(hold_id)
 
     def stats(self) -> EngineStats:
         pool = self._pool
@@ -171,6 +194,12 @@ class Engine:
             seq = waiting[0]
             hit = pool.lookup(seq.hashes, (seq.num_tokens - 1) // bs)
             cached = hit.num_blocks * bs
+            if seq.external > cached:
+                # Received KV counts when the full blocks it spans are cached; its tail sits in a
+                # private block allocated below.
+                external = min(seq.external, seq.num_tokens - 1)
+                if hit.num_blocks >= external // bs:
+                    cached = external
             n = min(seq.num_tokens - cached, budget)
             need = -(-(cached + n) // bs) - hit.num_blocks
             if need + hit.num_evictable > pool.available:
@@ -212,7 +241,10 @@ class Engine:
         duration_s = self.profile.step_time_s(num_tokens, len(sched), ctx_tokens, pairs)
 
         if prefill_tokens == 0 and until_s is not None and not waiting and not preempted:
-            k, duration_s = self._decode_run_length(sched, ctx_tokens, duration_s, now_s, until_s)
+            k, duration_s = decode_run_length(
+                sched, duration_s, now_s, until_s, self.block_size, self._pool.available,
+                self.profile.d_ms_per_context_token / 1000.0,
+            )  # fmt: skip
             if k > 1:
                 return self._apply_decode_run(now_s, sched, k, duration_s)
 
@@ -280,39 +312,6 @@ class Engine:
             removed=removed,
         )
 
-    def _decode_run_length(
-        self, sched: list[Seq], ctx0: int, first_s: float, now_s: float, until_s: float
-    ) -> tuple[int, float]:
-        """How many pure-decode steps to coalesce (≥1) and their total duration."""
-        k_max = min(s.max_output - s.generated for s in sched)
-        if k_max <= 1:
-            return 1, first_s
-        bs = self.block_size
-        comp = np.fromiter((s.computed for s in sched), dtype=np.int64, count=len(sched))
-        held = np.fromiter((s.n_cached_blocks + s.n_private for s in sched), dtype=np.int64, count=len(sched))
-        avail = self._pool.available
-
-        def extra_blocks(k: int) -> int:
-            return int(np.maximum(0, (comp + k + bs - 1) // bs - held).sum())
-
-        lo, hi = 1, k_max  # largest k with extra_blocks(k) <= avail; extra_blocks(1) == 0
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if extra_blocks(mid) <= avail:
-                lo = mid
-            else:
-                hi = mid - 1
-        r = len(sched)
-        d_s = self.profile.d_ms_per_context_token / 1000.0
-        total_s = first_s
-        k = 1
-        # Step j reads r more context tokens than step j-1; stop before a step that would start
-        # at or after until_s (a request arriving then joins that step in a real engine).
-        while k < lo and now_s + total_s < until_s:
-            total_s += first_s + d_s * r * k
-            k += 1
-        return k, total_s
-
     def _apply_decode_run(self, now_s: float, sched: list[Seq], k: int, duration_s: float) -> StepResult:
         bs = self.block_size
         pool = self._pool
@@ -372,6 +371,7 @@ class Engine:
         """Recompute preemption: free everything, restart from the front of the waiting queue."""
         self._free(seq)
         seq.computed = 0
+        seq.external = 0
         seq.preemptions += 1
         self._preemptions_total += 1
         self._waiting.appendleft(seq)

@@ -6,7 +6,13 @@ N = scheduled tokens (prefill-chunk tokens plus one per decode), R = scheduled r
 K = sum of the context lengths of the decoding requests (KV tokens read), A = sum over prefill
 chunks of m * (p + m / 2) (m chunk tokens, p tokens already in KV) = causal attention pairs.
 Below the knee N0 a step is memory-bound (weights read once), above it GEMMs are compute-bound.
-Each YAML file in `loadtest/profiles/` states where its constants come from.
+
+Moving a prompt's KV from a prefill engine to a decode engine (P/D disaggregation) takes
+
+    T_transfer(n) = setup + n * kv_bytes_per_token / kv_transfer_bytes_per_s     (0 when n = 0)
+
+with n the tokens whose KV moves. Each YAML file in `loadtest/profiles/` states where its
+constants come from.
 """
 
 from __future__ import annotations
@@ -42,6 +48,9 @@ class StepProfile(BaseModel):
     block_size_tokens: int = Field(gt=0)
     max_num_batched_tokens: int = Field(gt=0)
     max_num_seqs: int = Field(gt=0)
+    kv_bytes_per_token: int = Field(gt=0)  # the whole model's K and V, all tensor-parallel ranks
+    kv_transfer_bytes_per_s: float = Field(gt=0)  # one transfer, all ranks' links together
+    kv_transfer_setup_ms: float = Field(ge=0)  # fixed cost per transfer (request, notification)
 
     def step_time_s(
         self, num_tokens: int, num_requests: int, decode_context_tokens: int, attention_pairs: float
@@ -55,6 +64,21 @@ class StepProfile(BaseModel):
             + self.e_ms_per_attention_pair * attention_pairs
         )
         return ms / 1000.0
+
+    def kv_transfer_s(self, num_tokens: int) -> float:
+        """Modelled time to move the KV of `num_tokens` tokens between two engines, in seconds.
+
+        Nothing moves for zero tokens (the decode engine already held the whole prompt), so no
+        setup is paid either.
+        """
+        if num_tokens < 0:
+            raise ValueError("num_tokens must not be negative")
+        if num_tokens == 0:
+            return 0.0
+        return (
+            self.kv_transfer_setup_ms / 1000.0
+            + num_tokens * self.kv_bytes_per_token / self.kv_transfer_bytes_per_s
+        )
 
     def isolated_prefill_s(self, num_new_tokens: int, num_cached_tokens: int = 0) -> float:
         """Modelled TTFT (compute only) of one request alone on an idle engine.

@@ -28,6 +28,7 @@ class Seq:
 
     __slots__ = (
         "computed",
+        "external",
         "generated",
         "hashes",
         "max_output",
@@ -48,6 +49,7 @@ class Seq:
         self.max_output = req.max_output_tokens
         self.num_tokens = req.num_prompt_tokens
         self.computed = 0
+        self.external = req.num_external_tokens  # received KV; dropped on preemption
         self.generated = 0
         self.n_cached_blocks = 0
         self.n_private = 0

@@ -27,12 +27,20 @@ class EngineRequest:
     entries past `(num_prompt_tokens + max_output_tokens) // block_size` are rejected at submit.
     Build it with `loadtest.engine.hashing.request_from_tokens` when token ids are at hand, or pass
     precomputed hashes (e.g. derived from a trace's hash ids) without materializing any text.
+
+    `num_external_tokens` > 0 says the KV of the first that many prompt tokens was received from
+    another engine (a remote prefill): at its first admission the request starts with
+    `min(num_external_tokens, num_prompt_tokens - 1)` tokens computed, as vLLM does after a KV
+    transfer, provided the full blocks they span are in the prefix cache (install them first with
+    `Engine.install_blocks`); otherwise only the cached blocks count. The tokens count as cached.
+    A preempted request loses what was not in full cached blocks and recomputes it.
     """
 
     request_id: RequestId
     num_prompt_tokens: int
     max_output_tokens: int
     block_hashes: Sequence[int] = ()
+    num_external_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +74,21 @@ class BlocksStored:
     first_block_index: int
     block_hashes: tuple[int, ...]
     parent_block_hash: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class InstalledBlocks:
+    """What `Engine.install_blocks` did to the prefix cache.
+
+    The first `num_blocks` of the given hashes are now cached (newly stored or already there);
+    `stored` lists the newly stored runs (BlockStored events) and `removed` the hashes evicted to
+    make room (BlockRemoved events). Fewer than all blocks are cached when the pool has no room
+    left for the rest (every other block is in use).
+    """
+
+    num_blocks: int
+    stored: tuple[BlocksStored, ...]
+    removed: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ class Stack:
     """The running processes and what a test needs to reach them."""
 
     base_url: str
+    metrics_url: str
     workers: dict[str, str]
     gateway: Proc
     fake: Proc
@@ -31,7 +32,7 @@ class Stack:
         pattern = re.compile(rf'kvgate_worker_healthy{{pool="{re.escape(pool)}",worker="[^"]+"}} 1\.0')
 
         def routable() -> int:
-            return len(pattern.findall(httpx.get(self.base_url + "/metrics", timeout=5).text))
+            return len(pattern.findall(httpx.get(self.metrics_url, timeout=5).text))
 
         what = f"pool {pool} has {workers} routable workers"
         wait_until_sync(lambda: routable() >= workers, timeout_s, what)
@@ -96,9 +97,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             limits={"max_body_bytes": 65536},
             policy_file="policy.yaml",
         )
-        port = free_port()
-        gateway = start_gateway(config, port)
-        yield Stack(f"http://127.0.0.1:{port}", w, gateway, fake)
+        port, metrics_port = free_port(), free_port()
+        gateway = start_gateway(config, port, metrics_port)
+        yield Stack(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics", w, gateway, fake)
     finally:
         if gateway is not None:
             gateway.stop()

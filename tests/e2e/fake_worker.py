@@ -13,7 +13,7 @@ gateway hanging up is recorded as a cancel), tail (streams a chunk every 40 ms f
 JSON, or a stream whose events are not JSON), reject400 (a 400 in vLLM's error shape, naming `max_tokens`),
 streamerr400 / streamerr500 (stream two chunks, then an error event quoting the prompt, in vLLM's
 nested shape with `code` 400 / its older flat shape with `code` 500, then keep streaming for 10 s).
-GET /_log on any port returns what that port received (request id, body), saw (cancels, named
+GET /_log on any port returns what that port received (request id, body, traceparent), saw (cancels, named
 by the body's `user` field when the test set one, else by the request id the gateway sent) and
 how many distinct connections its completions came on.
 """
@@ -116,7 +116,14 @@ def make_app(port: Port) -> web.Application:
     async def infer(request: web.Request) -> web.StreamResponse:
         body = await request.json(loads=orjson.loads)
         rid = request.headers.get("x-request-id", "")
-        port.requests.append({"request_id": rid, "body": body, "path": request.path})
+        port.requests.append(
+            {
+                "request_id": rid,
+                "body": body,
+                "path": request.path,
+                "traceparent": request.headers.get("traceparent"),
+            }
+        )
         tag = body.get("user") or rid
         if request.transport is not None:
             port.peers.add(request.transport.get_extra_info("peername"))

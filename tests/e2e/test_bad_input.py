@@ -95,6 +95,31 @@ def test_rejections(
     assert err["param"] == param
 
 
+def _nested(depth: int) -> str:
+    return '{"a": ' * (depth - 1) + "[1]" + "}" * (depth - 1)
+
+
+@pytest.mark.parametrize("depth", [300, 1023, 1100])
+@pytest.mark.parametrize("where", ["extra", "content", "tools"])
+def test_deeply_nested_json_is_400(stack: Stack, depth: int, where: str) -> None:
+    deep = _nested(depth)
+    message = '{"role": "user", "content": "x"}'
+    body = {
+        "extra": f'{{"model": "m-ok", "messages": [{message}], "metadata": {deep}}}',
+        "content": f'{{"model": "m-ok", "messages": [{{"role": "user", "content": [{deep}]}}]}}',
+        "tools": f'{{"model": "m-ok", "messages": [{message}], "tools": [{{"type": "function", '
+        f'"function": {{"name": "f", "parameters": {deep}}}}}]}}',
+    }[where]
+    err = _assert_error(_post(stack, content=body.encode()), 400, "invalid_request")
+    assert "nested" in err["message"] or "depth" in err["message"]
+
+
+def test_nesting_within_the_limit_is_served(stack: Stack) -> None:
+    message = '{"role": "user", "content": "x"}'
+    body = f'{{"model": "m-ok", "messages": [{message}], "metadata": {_nested(200)}}}'
+    assert _post(stack, content=body.encode()).status_code == 200
+
+
 def test_worker_rejection_has_the_gateway_error_shape(stack: Stack) -> None:
     for stream in (False, True):
         body = {"model": "m-reject", "messages": [{"role": "user", "content": "x"}], "stream": stream}
@@ -132,6 +157,12 @@ def test_body_too_large_is_413(stack: Stack) -> None:
 def test_unknown_route_and_method(stack: Stack) -> None:
     _assert_error(httpx.get(stack.base_url + "/v1/nothing", timeout=5), 404)
     _assert_error(httpx.get(stack.base_url + CHAT, timeout=5), 405)
+
+
+def test_a_trailing_slash_is_404_without_a_redirect(stack: Stack) -> None:
+    resp = _post(stack, json=OK_BODY, path=CHAT + "/")
+    _assert_error(resp, 404, "not_found")
+    assert "location" not in resp.headers
 
 
 def test_sdk_maps_statuses_to_its_exceptions(stack: Stack) -> None:

@@ -59,6 +59,8 @@ def demo() -> Iterator[tuple[str, Proc]]:
         str(port),
         "--demo-key",
         KEY,
+        "--metrics-port",
+        "0",
     ]
     proc = start(argv)
     try:
@@ -147,10 +149,13 @@ def test_the_readme_snippet_runs_against_the_demo(demo: tuple[str, Proc]) -> Non
 
 
 def test_worker_metrics_are_scraped_into_routing(demo: tuple[str, Proc]) -> None:
-    base, _ = demo
+    base, proc = demo
+    found = re.search(r"metrics (http://127\.0\.0\.1:\d+/metrics)", proc.output())
+    assert found is not None  # the metrics listener's address is printed at startup
+    assert httpx.get(base + "/metrics", timeout=5).status_code == 404  # never on the client port
 
     def scraped() -> str | None:
-        text = httpx.get(base + "/metrics", timeout=5).text
+        text = httpx.get(found.group(1), timeout=5).text
         return text if text.count("kvgate_worker_requests_waiting{") == 2 else None
 
     text = wait_until_sync(scraped, what="both workers' waiting requests are reported")
@@ -160,7 +165,10 @@ def test_worker_metrics_are_scraped_into_routing(demo: tuple[str, Proc]) -> None
 def test_sigterm_stops_every_worker() -> None:
     port = free_port()
     proc = start(
-        [sys.executable, "-m", "gateway.cli", "serve", "--demo", "--workers", "2", "--port", str(port)]
+        [
+            *(sys.executable, "-m", "gateway.cli", "serve", "--demo", "--workers", "2"),
+            *("--port", str(port), "--metrics-port", "0"),
+        ]
     )
     try:
         wait_http(f"http://127.0.0.1:{port}/readyz", proc, timeout_s=40)

@@ -124,7 +124,7 @@ def _expect_cancelled(stack: Stack, rid: str, failure: str) -> None:
 
 
 def test_worker_killed_after_being_healthy_is_retried_then_avoided(tmp_path: Path) -> None:
-    victim_port, ok_port, gw_port = free_port(), free_port(), free_port()
+    victim_port, ok_port, gw_port, metrics_port = free_port(), free_port(), free_port(), free_port()
     victim = start_fake_workers({victim_port: "ok"})
     ok = start_fake_workers({ok_port: "ok"})
     gateway = None
@@ -139,7 +139,7 @@ def test_worker_killed_after_being_healthy_is_retried_then_avoided(tmp_path: Pat
             "breaker": {"failure_threshold": 1, "cooldown_s": 60},
         }
         config = write_gateway_config(tmp_path / "gw.yaml", [pool], [tenant("t", "sk-t")])
-        gateway = start_gateway(config, gw_port)
+        gateway = start_gateway(config, gw_port, metrics_port)
         victim.stop(signal.SIGKILL)
         client = openai.OpenAI(
             base_url=f"http://127.0.0.1:{gw_port}/v1", api_key="sk-t", max_retries=0, timeout=10
@@ -147,7 +147,7 @@ def test_worker_killed_after_being_healthy_is_retried_then_avoided(tmp_path: Pat
         for _ in range(3):
             reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
             assert f"ok-{ok_port}" in (reply.choices[0].message.content or "")
-        metrics = httpx.get(f"http://127.0.0.1:{gw_port}/metrics", timeout=5).text
+        metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
         # One connect failure, one retry; the open breaker keeps later requests away from the corpse.
         assert 'kvgate_upstream_retries_total{pool="p",reason="connect_error"} 1.0' in metrics
     finally:
@@ -158,7 +158,7 @@ def test_worker_killed_after_being_healthy_is_retried_then_avoided(tmp_path: Pat
 
 
 def test_dns_discovery_finds_workers_and_routes_around_dead_addresses(tmp_path: Path) -> None:
-    port, gw_port = free_port(), free_port()
+    port, gw_port, metrics_port = free_port(), free_port(), free_port()
     workers = start_fake_workers({port: "ok"})  # listens on 127.0.0.1 only
     gateway = None
     try:
@@ -169,14 +169,14 @@ def test_dns_discovery_finds_workers_and_routes_around_dead_addresses(tmp_path: 
             "dns": {"name": "localhost", "port": port, "refresh_s": 1},
         }
         config = write_gateway_config(tmp_path / "gw.yaml", [pool], [tenant("t", "sk-t")])
-        gateway = start_gateway(config, gw_port)
+        gateway = start_gateway(config, gw_port, metrics_port)
         client = openai.OpenAI(
             base_url=f"http://127.0.0.1:{gw_port}/v1", api_key="sk-t", max_retries=0, timeout=10
         )
         for _ in range(3):
             reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
             assert f"ok-{port}" in (reply.choices[0].message.content or "")
-        metrics = httpx.get(f"http://127.0.0.1:{gw_port}/metrics", timeout=5).text
+        metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
         assert f'kvgate_worker_healthy{{pool="p",worker="http://127.0.0.1:{port}"}} 1.0' in metrics
     finally:
         if gateway is not None:

@@ -258,7 +258,7 @@ def test_models_lists_every_pool_model(stack: Stack) -> None:
 
 def test_metrics_count_requests_routing_and_tokens(stack: Stack) -> None:
     _client(stack).chat.completions.create(model="m-ok", messages=[{"role": "user", "content": "count me"}])
-    text = httpx.get(stack.base_url + "/metrics", timeout=5).text
+    text = httpx.get(stack.metrics_url, timeout=5).text
     assert 'kvgate_requests_total{endpoint="chat",model="m-ok",status="200",tenant="acme"}' in text
     assert 'kvgate_routing_decisions_total{policy="consistent_hash",reason=' in text
     assert "kvgate_prompt_tokens_total" in text and "kvgate_request_duration_seconds_bucket" in text

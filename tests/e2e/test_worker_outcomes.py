@@ -32,6 +32,7 @@ WORKERS = {
 @dataclass
 class OutcomeStack:
     base_url: str
+    metrics_url: str
     workers: dict[str, str]
     gateway: Proc
 
@@ -50,7 +51,7 @@ class OutcomeStack:
         return wait_until_sync(logged, what=f"{count} access lines for {model}") or []
 
     def metrics(self) -> str:
-        return httpx.get(self.base_url + "/metrics", timeout=5).text
+        return httpx.get(self.metrics_url + "/metrics", timeout=5).text
 
     def routable(self, pool: str, worker: str) -> bool:
         pattern = f'kvgate_worker_healthy{{pool="{pool}",worker="{self.workers[worker]}"}} 1.0'
@@ -102,9 +103,9 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OutcomeStack]
         config = write_gateway_config(
             folder / "gateway.yaml", pools, [tenant("acme", "sk-acme")], policy_file="policy.yaml"
         )
-        port = free_port()
-        gateway = start_gateway(config, port)
-        yield OutcomeStack(f"http://127.0.0.1:{port}", w, gateway)
+        port, metrics_port = free_port(), free_port()
+        gateway = start_gateway(config, port, metrics_port)
+        yield OutcomeStack(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}", w, gateway)
     finally:
         if gateway is not None:
             gateway.stop()

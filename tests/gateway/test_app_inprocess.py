@@ -145,3 +145,13 @@ async def test_requests_beyond_the_in_flight_limit_get_503_at_once() -> None:
             task.cancel()
         await asyncio.gather(*held, return_exceptions=True)
         await wait_until(lambda: stack.state.in_flight_requests == 0)  # every slot came back
+
+
+async def test_a_trailing_slash_is_an_unknown_route_not_a_redirect() -> None:
+    # A redirect would carry a Location built from the client's own Host header.
+    async with _in_front_of_a_hanging_worker() as stack:
+        for path in ("/v1/chat/completions/", "/v1/completions/", "/v1/models/", "/healthz/"):
+            resp = await stack.client.post(path, json=BODY, headers={**HEADERS, "host": "evil.example"})
+            assert resp.status_code == 404, path
+            assert "location" not in resp.headers
+            assert resp.json()["error"]["code"] == "not_found"

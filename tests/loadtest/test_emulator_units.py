@@ -15,10 +15,10 @@ from loadtest.emulator.chat_template import render_chat
 from loadtest.emulator.config import EmulatorConfig
 from loadtest.emulator.errors import ApiError
 from loadtest.emulator.kv_events import encode_cleared, encode_removed, encode_stored
+from loadtest.emulator.live import StoredBlocks
 from loadtest.emulator.output import AnswerWriter
 from loadtest.emulator.protocol import parse_chat, parse_completions
 from loadtest.emulator.tools import choose_tool, example_value, tool_call_arguments
-from loadtest.emulator.worker import StoredBlocks
 from loadtest.engine.tokenizer import ByteTokenizer, HFTokenizer, TokenizerError, load_tokenizer
 
 CFG = EmulatorConfig(model="m")

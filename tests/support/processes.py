@@ -132,12 +132,18 @@ def running_emulator(*args: str, port: int | None = None) -> Iterator[str]:
 
 
 def start_gateway(
-    config_path: Path, port: int, secret: bytes = SECRET, port_from_config: bool = False
+    config_path: Path,
+    port: int,
+    metrics_port: int = 0,
+    secret: bytes = SECRET,
+    port_from_config: bool = False,
 ) -> Proc:
     """`kvgate serve --config` on `port`, ready (its /readyz answers 200); the caller stops it.
-    With `port_from_config` the config's own `listen` is used, and must name `port`."""
+    Its /metrics listens on `metrics_port` (0: any free port, for tests that do not read metrics;
+    never the fixed default, which gateways started side by side would share). With
+    `port_from_config` the config's own `listen` and `metrics.listen` are used, and must name `port`."""
     argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path)]
     if not port_from_config:
-        argv += ["--port", str(port)]
+        argv += ["--port", str(port), "--metrics-port", str(metrics_port)]
     env = {"KVGATE_KEY_SECRET": secret.decode()}
     return started(argv, f"http://127.0.0.1:{port}/readyz", env)

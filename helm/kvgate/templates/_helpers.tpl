@@ -115,6 +115,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if not $tenants }}{{ fail "tenants: at least one tenant is required (API keys are configured as hashes: `kvgate serve --hash-key`)" }}{{ end }}
 {{- $cfg := dict
   "listen" (dict "host" "0.0.0.0" "port" (int .Values.service.port))
+  "metrics" (dict "listen" (dict "host" "0.0.0.0" "port" (int .Values.metrics.port)))
   "drain" (dict "deadline_s" .Values.shutdown.drainSeconds "shutdown_delay_s" .Values.shutdown.shutdownDelaySeconds)
   "secrets" (dict "key_hash_secret_env" .Values.keyHashSecret.env)
   "policy_file" (printf "%s/policy.yaml" (include "kvgate.policyDir" .))

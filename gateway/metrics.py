@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+_SYNC_LAG_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -54,7 +55,23 @@ class GatewayMetrics:
         self.completion_tokens = hot.counter(
             "kvgate_completion_tokens", "Completion tokens reported by workers", ("model", "tenant")
         )
+        self.sync_lag = hot.histogram(
+            "kvgate_sync_lag_seconds",
+            "Replica sync: from a peer publishing a batch to this gateway applying it",
+            (),
+            _SYNC_LAG_BUCKETS_S,
+        )
+        self.sync_events = hot.counter(
+            "kvgate_sync_events",
+            "Replica sync batches and items published/applied, and what was dropped or lost, by reason",
+            ("event",),
+        )
         r.register(hot)
+        self.sync_peers = Gauge("kvgate_sync_peers", "Peer gateways heard from recently", registry=r)
+        self.sync_connected = Gauge(
+            "kvgate_sync_connected", "1 while connected to the sync broker", registry=r
+        )
+        self.sync_queued = Gauge("kvgate_sync_queued_items", "Sync items waiting to be published", registry=r)
         self.in_flight = Gauge(
             "kvgate_worker_in_flight", "Gateway in-flight requests per worker", ["pool", "worker"], registry=r
         )

@@ -20,6 +20,7 @@ from gateway.config import GatewayConfig
 from gateway.policy_watch import LoadedPolicy, PolicyWatcher
 from gateway.precise import install_token_hasher
 from gateway.state import GatewayState, PolicySwap, build_state
+from gateway.sync import attach_after_swap
 
 log = logging.getLogger("kvgate.server")
 
@@ -100,6 +101,7 @@ def serve(
     if swap is not None:
         swap.state = state
         swap.after_swap.append(install_token_hasher)
+        swap.after_swap.append(attach_after_swap)
     app = build_app(state, watcher)
     uv_config = uvicorn.Config(
         app,

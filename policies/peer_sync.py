@@ -208,6 +208,9 @@ class PeerLoads:
     def any(self) -> bool:
         return bool(self._sums)
 
+    def heard_from(self, origin: str) -> bool:
+        return origin in self._heard
+
     def peers(self) -> int:
         """Peers heard from within `ttl_s` of the last `expire`."""
         return len(self._heard)

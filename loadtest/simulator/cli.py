@@ -3,7 +3,7 @@
     kvgate simulate --trace FILE | --workload NAME [--policy NAME] [--policy-config FILE]
         [--workers N] [--kv-blocks-per-worker N] [--profile NAME] [--rate-scale X] [--seed S]
         [--isolation LEVEL] [--tenant-isolation NAME=LEVEL] [--kv-events] [--json OUT]
-        [--gateways N [--sync none|broker] [--sync-delay-ms D]]
+        [--gateways N [--sync none|broker] [--sync-delay-ms D]] [--arrival-spread-s S]
 
 Prints the summary; `--json` writes `{config, summary, workers, requests}` (format in
 docs/benchmarks.md, "Simulator output format").
@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import xxhash
 
 from loadtest.engine import DEFAULT_PROFILE, Engine, EngineConfig, EngineRequest, ProfileError, load_profile
 from loadtest.engine.hashing import block_hashes
@@ -80,6 +81,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scrape-interval-s", type=float, default=1.0, help="how stale scraped metrics are")
     parser.add_argument("--max-requests", type=_positive_int, default=None, help="only the first N requests")
     parser.add_argument(
+        "--arrival-spread-s",
+        type=float,
+        default=0.0,
+        help="move each arrival later by a seeded uniform draw in [0, S) s (for traces whose "
+        "timestamps are coarse: same-stamp requests otherwise arrive at one instant)",
+    )
+    parser.add_argument(
         "--gateways",
         type=_positive_int,
         default=1,
@@ -124,9 +132,22 @@ def _requests(args: argparse.Namespace) -> tuple[list[WorkloadRequest], str]:
         reqs = reqs[: args.max_requests]
     if args.rate_scale != 1.0:
         reqs = scale_arrivals(reqs, args.rate_scale)
+    if args.arrival_spread_s > 0:
+        reqs = spread_arrivals(reqs, args.arrival_spread_s, args.seed)
     if not reqs:
         raise UsageError("no requests to simulate")
     return reqs, source
+
+
+def spread_arrivals(reqs: list[WorkloadRequest], spread_s: float, seed: int) -> list[WorkloadRequest]:
+    """Each arrival moved later by `spread_s` × a uniform draw seeded by the request id alone."""
+    out = [
+        dataclasses.replace(
+            r, arrival_s=r.arrival_s + spread_s * xxhash.xxh64_intdigest(r.request_id.encode(), seed) / 2**64
+        )
+        for r in reqs
+    ]
+    return sorted(out, key=lambda r: r.arrival_s)
 
 
 def _policy(args: argparse.Namespace, gateway: int = 0) -> tuple[RoutingPolicy, str]:
@@ -179,8 +200,8 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError("--workers must be at least 1")
     if args.rate_scale <= 0:
         raise UsageError("--rate-scale must be positive")
-    if args.sync_delay_ms < 0:
-        raise UsageError("--sync-delay-ms must be >= 0")
+    if args.sync_delay_ms < 0 or args.arrival_spread_s < 0:
+        raise UsageError("--sync-delay-ms and --arrival-spread-s must be >= 0")
     profile = load_profile(args.profile)
     policy, policy_name = _policy(args)
     policies = [policy] + [_policy(args, g)[0] for g in range(1, args.gateways)]
@@ -255,6 +276,7 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         "block_size_tokens": block_size,
         "profile": profile.name,
         "rate_scale": args.rate_scale,
+        "arrival_spread_s": args.arrival_spread_s,
         "seed": args.seed,
         "kv_events": args.kv_events,
         "precise": precise,

@@ -7,7 +7,9 @@ from collections import Counter
 from pathlib import Path
 
 from gateway.cli import main
+from loadtest.simulator.cli import spread_arrivals
 from loadtest.simulator.gateways import SimGateway, SyncBus, pick_gateway
+from loadtest.workloads.records import TextPrompt, WorkloadRequest
 from policies.base import RouteDecision, WorkerId, WorkerView
 from policies.cost_policy import CostPolicy
 from policies.registry import make_policy
@@ -83,3 +85,12 @@ def test_one_gateway_with_a_broker_is_one_gateway(tmp_path: Path) -> None:
         s.pop("wall_time_s")
     assert lone.pop("sync_items_published") > plain.pop("sync_items_published") == 0  # type: ignore[operator]
     assert plain == lone
+
+
+def test_arrivals_spread_within_a_window_by_request_id() -> None:
+    reqs = [WorkloadRequest(f"r{i}", 3.0, "t", "", TextPrompt("x"), 1) for i in range(50)]
+    out = spread_arrivals(reqs, 2.0, seed=0)
+    times = [r.arrival_s for r in out]
+    assert times == sorted(times) and all(3.0 <= t < 5.0 for t in times) and len(set(times)) == 50
+    again = {r.request_id: r.arrival_s for r in spread_arrivals(reqs[::-1], 2.0, seed=0)}
+    assert again == {r.request_id: r.arrival_s for r in out}  # the request alone decides its draw

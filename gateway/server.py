@@ -17,6 +17,7 @@ import uvicorn
 
 from gateway.app import build_app, drain
 from gateway.config import GatewayConfig
+from gateway.multiproc import reuse_port_socket
 from gateway.policy_watch import LoadedPolicy, PolicyWatcher
 from gateway.precise import install_token_hasher
 from gateway.state import GatewayState, PolicySwap, build_state
@@ -95,6 +96,8 @@ def serve(
     loaded: LoadedPolicy,
     watcher: PolicyWatcher | None = None,
     swap: PolicySwap | None = None,
+    *,
+    reuse_port: bool = False,
 ) -> int:
     state = build_state(config, secret, loaded.policy, loaded.config.normalizer)
     install_token_hasher(state, loaded.policy)
@@ -116,5 +119,7 @@ def serve(
         server_header=False,
     )
     server = DrainingServer(uv_config, state)
-    server.run()  # uvicorn's loop factory: uvloop when installed
+    # One of `kvgate serve --processes N`: the port is shared with the others (gateway/multiproc.py).
+    sockets = [reuse_port_socket(config.listen.host, config.listen.port)] if reuse_port else None
+    server.run(sockets=sockets)  # uvicorn's loop factory: uvloop when installed
     return 0 if server.started else 1

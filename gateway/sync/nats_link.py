@@ -48,6 +48,7 @@ class NatsLink:
         self.errors = 0
         self.slow_consumer = 0
         self._warned = False  # one warning per outage, not one per reconnect attempt
+        self._closing = False
 
     @property
     def connected(self) -> bool:
@@ -78,7 +79,8 @@ class NatsLink:
             self._error(exc)
 
         async def on_disconnected() -> None:
-            log.warning("sync broker disconnected; routing on local knowledge")
+            if not self._closing:
+                log.warning("sync broker disconnected; routing on local knowledge")
 
         async def on_reconnected() -> None:
             self.connects += 1
@@ -141,4 +143,5 @@ class NatsLink:
                 await asyncio.wait_for(nc.close(), 1.0)
 
     async def close(self) -> None:
+        self._closing = True
         await self._drop()

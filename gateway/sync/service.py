@@ -85,9 +85,10 @@ class SyncService:
             policy.set_sync_sink(None)
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if self._tasks:
+            _, stuck = await asyncio.wait(self._tasks, timeout=2.0)  # shutdown never waits on the broker
+            if stuck:
+                log.warning("sync tasks did not stop in time", extra={"tasks": len(stuck)})
         self._tasks.clear()
         await self.link.close()
 
@@ -102,8 +103,10 @@ class SyncService:
         while True:
             wait_s = publisher.full_load_in_s(time.monotonic())
             if wait_s > 0:
+                # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(publisher.ready.wait(), wait_s)
+                    async with asyncio.timeout(wait_s):
+                        await publisher.ready.wait()
             await asyncio.sleep(cfg.batch_interval_s)
             now_s = time.monotonic()
             self.subscriber.expire(now_s)

@@ -214,7 +214,7 @@ class PrefixPolicyBase:
         pending = self._record(req, decision.worker, shared, now_s, speculative=True)
         dispatched[req.request_id] = _Dispatched(shared, pending > 0)
         if self._sync_sink is not None:
-            self._publish_dispatch(req, decision, shared, now_s)
+            self._publish_dispatch(req, decision, shared, now_s, pending)
 
     def on_complete(self, obs: Observation, now_s: float) -> None:
         pool = self._pool(obs.request)
@@ -280,7 +280,7 @@ class PrefixPolicyBase:
         self._sync_sink = sink
 
     def _publish_dispatch(
-        self, req: RouteRequest, decision: RouteDecision, shared: int, now_s: float
+        self, req: RouteRequest, decision: RouteDecision, shared: int, now_s: float, pending: int
     ) -> None:
         sink = self._sync_sink
         assert sink is not None
@@ -289,7 +289,12 @@ class PrefixPolicyBase:
         else:
             mine = self._own_keys(req)
             keys, namespace = mine.keys, mine.namespace
-        if not keys:
+        g = self._pool(req).index.config.granularity_blocks
+        if len(keys) < g:
+            return
+        if not pending and self._pool(req).index.last_use_s(keys[g - 1], decision.worker) != now_s:
+            # The dispatch left the chain as it was: confirmed here and touched within the index's
+            # recency resolution, by a dispatch or an outcome the peers were told of then.
             return
         ref = self._peers.dispatched(req.request_id)
         holding = PeerHolding(

@@ -276,3 +276,19 @@ def test_peer_load_weighs_on_the_score_but_not_on_this_gateways_cap() -> None:
     views = [folded, WorkerView(W1, in_flight_requests=3, in_flight_prefill_tokens=10, max_in_flight=4)]
     d = p.select(req("r", range(8)), views, 0.0)
     assert d is not None and d.worker == W1
+
+
+def test_a_warm_chain_is_not_published_again_within_the_recency_resolution() -> None:
+    a = _policy()
+    out = Outbox()
+    a.set_sync_sink(out)
+    r = req("r", range(8))
+    _dispatch(a, r, W0, 0.0)
+    a.on_complete(Observation(r, W0, prompt_tokens=r.n_prompt_tokens), 0.2)
+    assert len(out.items) == 2
+    again = req("r2", range(8))
+    _dispatch(a, again, W0, 0.5)  # confirmed and touched 0.5 s ago: the index leaves it be
+    a.on_complete(Observation(again, W0, prompt_tokens=again.n_prompt_tokens), 0.6)
+    assert len(out.items) == 2
+    _dispatch(a, req("r3", range(8)), W0, 1.5)  # past the resolution: walked again, published
+    assert len(out.items) == 3 and isinstance(out.items[2][0], PeerHolding)

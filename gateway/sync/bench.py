@@ -13,7 +13,7 @@ peer (the publishing cost), sync on with `--peers` peers (publishing plus applyi
   to the first (for N gateways each routing their share, a request costs one publish and N−1
   applies); the broker's own CPU per request from /proc.
 
-Event-loop scheduling noise is in the figures; compare rounds of the same run.
+The three rounds are repeated `--repeats` times, interleaved, and each figure is the median.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peers", type=int, default=1, help="gateways that apply what A publishes")
     parser.add_argument("--batch-interval-ms", type=float, default=5.0)
     parser.add_argument("--in-flight", type=int, default=64, help="requests A keeps running at once")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds of the three; medians")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -187,21 +188,47 @@ async def _main(args: argparse.Namespace) -> list[Round]:
         broker = LocalBroker(free_port(), Path(tmp))
         broker.start()
         try:
-            return [
-                await _round(args, "sync off", None, 0),
-                await _round(args, "sync on, no peer (publish)", broker, 0),
-                await _round(args, f"sync on, {args.peers} peer(s) (publish + apply)", broker, args.peers),
-            ]
+            rounds = []
+            # Interleaved, so a shared machine's slow drifts hit every configuration alike.
+            for _ in range(args.repeats):
+                rounds += [
+                    await _round(args, "sync off", None, 0),
+                    await _round(args, "sync on, no peer (publish)", broker, 0),
+                    await _round(
+                        args, f"sync on, {args.peers} peer(s) (publish + apply)", broker, args.peers
+                    ),
+                ]
+            return rounds
         finally:
             broker.stop()
 
 
 def run(args: argparse.Namespace) -> int:
-    rounds = asyncio.run(_main(args))
+    if args.repeats < 1 or args.requests < 1 or args.rate <= 0:
+        print("--repeats and --requests must be >= 1 and --rate > 0")
+        return 2
+    every = asyncio.run(_main(args))
+    rounds = []
+    for name in dict.fromkeys(r.name for r in every):
+        mine = [r for r in every if r.name == name]
+        lat50 = [r.latency_p50_ms for r in mine if r.latency_p50_ms is not None]
+        lat99 = [r.latency_p99_ms for r in mine if r.latency_p99_ms is not None]
+        rounds.append(
+            Round(
+                name,
+                mine[0].requests,
+                statistics.median([r.cpu_us_per_request for r in mine]),
+                statistics.median([r.broker_cpu_us_per_request for r in mine]),
+                statistics.median(lat50) if lat50 else None,
+                statistics.median(lat99) if lat99 else None,
+                sum(r.applied_items for r in mine),
+            )
+        )
     base = rounds[0].cpu_us_per_request
     print(
         f"kvgate bench sync: {args.requests} requests at {args.rate:g}/s, {args.prompt_tokens}-token "
-        f"prompts, {args.workers} workers, batch interval {args.batch_interval_ms:g} ms"
+        f"prompts, {args.workers} workers, batch interval {args.batch_interval_ms:g} ms, "
+        f"medians of {args.repeats} interleaved rounds"
     )
     print(
         "| round | CPU µs/request | vs sync off | nats-server CPU µs/request | publish→apply p50 / p99 ms |"

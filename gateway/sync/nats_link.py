@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import nats
 from nats.aio.client import Client
@@ -31,7 +31,7 @@ class NatsLink:
         urls: list[str],
         subject: str,
         name: str,
-        on_message: Callable[[bytes], None],
+        on_message: Callable[[bytes], Awaitable[None]],
         *,
         connect_timeout_s: float = 2.0,
         pending_bytes: int = 4 * 1024 * 1024,
@@ -109,7 +109,8 @@ class NatsLink:
         self._nc = nc
 
         async def deliver(msg: Msg) -> None:
-            self.on_message(msg.data)
+            await self.on_message(msg.data)
+            await asyncio.sleep(0)  # a backlog of batches still lets requests run between them
 
         await nc.subscribe(self.subject, cb=deliver)
         self.connects += 1

@@ -69,8 +69,11 @@ class SyncService:
         if isinstance(policy, SupportsPeerSync):
             policy.set_sync_sink(self.publisher.sink)
 
-    def _on_message(self, data: bytes) -> None:
-        self.subscriber.on_message(data, self.state.policy)
+    async def _on_message(self, data: bytes) -> None:
+        await self.subscriber.on_message(data, self._policy)
+
+    def _policy(self) -> RoutingPolicy:
+        return self.state.policy  # the current one: a reload may swap it between two chunks
 
     async def start(self) -> None:
         self.attach(self.state.policy)

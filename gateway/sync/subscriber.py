@@ -8,17 +8,21 @@ routing on what it knows.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gateway.metrics import GatewayMetrics
 from gateway.registry import Registry
 from gateway.sync.codec import MalformedBatch, SyncBatch, decode
 from policies.base import RoutingPolicy, WorkerId
-from policies.peer_sync import PeerLoads, SupportsPeerSync
+from policies.peer_sync import PeerItem, PeerLoads, SupportsPeerSync
 
 log = logging.getLogger("kvgate.sync")
+
+CHUNK_ITEMS = 32
 
 
 @dataclass(slots=True)
@@ -45,7 +49,9 @@ class SyncSubscriber:
         self.stats = ApplyStats()
         self._last_seq: dict[str, int] = {}
 
-    def on_message(self, data: bytes, policy: RoutingPolicy) -> None:
+    async def on_message(self, data: bytes, policy_of: Callable[[], RoutingPolicy]) -> None:
+        """Decode and apply one batch, `CHUNK_ITEMS` items at a time with the event loop's other
+        work (requests) in between: a full batch of long chains is many index walks."""
         try:
             batch = decode(data)
         except MalformedBatch as exc:
@@ -55,12 +61,33 @@ class SyncSubscriber:
         if batch.origin == self.origin:
             return
         try:
-            self.apply(batch, policy, time.monotonic())
+            items = batch.items
+            for start in range(0, len(items), CHUNK_ITEMS):
+                if start:
+                    await asyncio.sleep(0)
+                self.apply_items(
+                    batch.origin, items[start : start + CHUNK_ITEMS], policy_of(), time.monotonic()
+                )
+            self.finish(batch, time.monotonic())
         except Exception:  # a bug here must not end the subscription
             self.stats.failed += 1
             log.exception("applying a sync batch failed", extra={"peer": batch.origin})
 
     def apply(self, batch: SyncBatch, policy: RoutingPolicy, now_s: float) -> None:
+        """Apply a whole batch at once."""
+        self.apply_items(batch.origin, batch.items, policy, now_s)
+        self.finish(batch, now_s)
+
+    def apply_items(
+        self, origin: str, items: Sequence[PeerItem], policy: RoutingPolicy, now_s: float
+    ) -> None:
+        if isinstance(policy, SupportsPeerSync):
+            for item in items:
+                policy.apply_peer(origin, item, now_s)
+        self.stats.items += len(items)
+
+    def finish(self, batch: SyncBatch, now_s: float) -> None:
+        """The batch's bookkeeping: sequence gaps, lag, and its in-flight loads."""
         stats = self.stats
         last = self._last_seq.get(batch.origin)
         if last is not None and batch.seq > last + 1:
@@ -69,10 +96,6 @@ class SyncSubscriber:
             self._last_seq[batch.origin] = batch.seq
         if len(self._last_seq) > 4096:
             self._last_seq.clear()  # bounded against churning peers; a gap may go uncounted
-        if isinstance(policy, SupportsPeerSync):
-            for item in batch.items:
-                policy.apply_peer(batch.origin, item, now_s)
-        stats.items += len(batch.items)
         stats.batches += 1
         # Wall clocks: across hosts this includes their skew (same host: the true lag).
         self._lag.observe(max(0.0, time.time() - batch.sent_wall_s))

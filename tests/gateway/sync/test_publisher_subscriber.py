@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import msgpack
 
 from gateway.config import PoolConfig, SyncConfig
@@ -61,14 +63,14 @@ def _subscriber() -> tuple[SyncSubscriber, Registry]:
     return SyncSubscriber("me", registry, 2.0, GatewayMetrics()), registry
 
 
-def test_a_peer_batch_reaches_the_policy_and_the_registry_views() -> None:
+async def test_a_peer_batch_reaches_the_policy_and_the_registry_views() -> None:
     sub, registry = _subscriber()
     policy = CostPolicy(seed=0)
     r = req("r", range(256), pool="p")
     holding = PeerHolding(1, "p", BS, "t", r.block_keys, WorkerId(W1), r.n_prompt_tokens, 0)
     load = PeerLoad("p", WorkerId(W1), 3, 500, 20)
     batch = SyncBatch("peer", 1, 0.0, True, (holding, PeerOutcome(1, True)), (load,))
-    sub.on_message(encode(batch), policy)
+    await sub.on_message(encode(batch), lambda: policy)
     pool = registry.pools["p"]
     view = pool.workers[WorkerId(W1)].view(10.0)
     assert (view.in_flight_requests, view.in_flight_prefill_tokens, view.in_flight_decode_tokens) == (
@@ -85,16 +87,16 @@ def test_a_peer_batch_reaches_the_policy_and_the_registry_views() -> None:
     assert pool.workers[WorkerId(W1)].view(10.0).in_flight_requests == 0 and sub.loads.peers() == 0
 
 
-def test_own_batches_bad_bytes_and_gaps() -> None:
+async def test_own_batches_bad_bytes_and_gaps() -> None:
     sub, _ = _subscriber()
     policy = CostPolicy(seed=0)
-    sub.on_message(encode(SyncBatch("me", 1, 0.0, True, (_holding(1),))), policy)
+    await sub.on_message(encode(SyncBatch("me", 1, 0.0, True, (_holding(1),))), lambda: policy)
     assert sub.stats.batches == 0 and "peer_holdings_applied" not in policy.stats().counters
-    sub.on_message(b"\x93garbage", policy)
-    sub.on_message(msgpack.packb({"v": 1}), policy)
+    await sub.on_message(b"\x93garbage", lambda: policy)
+    await sub.on_message(msgpack.packb({"v": 1}), lambda: policy)
     assert sub.stats.malformed == 2
     for seq in (1, 2, 6, 5):
-        sub.on_message(encode(SyncBatch("peer", seq, 0.0, False)), policy)
+        await sub.on_message(encode(SyncBatch("peer", seq, 0.0, False)), lambda: policy)
     assert sub.stats.lost_batches == 3 and sub.stats.batches == 4
 
 
@@ -107,3 +109,24 @@ def test_a_policy_publishes_through_the_publisher_sink() -> None:
     batch = pub.next_batch([], 0.0)
     assert batch is not None and isinstance(batch.items[0], PeerHolding)
     assert batch.items[0].keys == r.block_keys and batch.origin == "me"
+
+
+async def test_a_large_batch_is_applied_in_chunks_with_the_loop_free_in_between() -> None:
+    sub, _ = _subscriber()
+    policy = CostPolicy(seed=0)
+    holdings = tuple(_holding(ref) for ref in range(1, 100))
+    ticks = 0
+
+    async def other_work() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(other_work())
+    await asyncio.sleep(0)
+    before = ticks
+    await sub.on_message(encode(SyncBatch("peer", 1, 0.0, False, holdings)), lambda: policy)
+    task.cancel()
+    assert sub.stats.items == 99 and policy.stats().counters["peer_holdings_applied"] == 99
+    assert ticks - before >= 3  # 99 items in chunks of 32: the other task ran between them

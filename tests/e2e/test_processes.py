@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -72,31 +72,47 @@ def _ask(base: str) -> int:
     return cached
 
 
-def _peer_applied(base: str) -> int:
+def _probe(base: str) -> tuple[int, int]:
+    """(chat requests answered with 200, peers' items applied) of the process that takes this
+    fresh connection."""
     with httpx.Client(timeout=5) as client:
         text = client.get(base + "/metrics").text
-    found = re.search(r'kvgate_policy_counter\{counter="peer_holdings_applied",policy="cost"\} (\S+)', text)
-    found = found or re.search(
-        r'kvgate_policy_counter\{policy="cost",counter="peer_holdings_applied"\} (\S+)', text
-    )
-    return int(float(found.group(1))) if found else 0
+    served = re.search(r'kvgate_requests_total\{endpoint="chat",[^}]*status="200"[^}]*\} (\S+)', text)
+    applied = re.search(r'kvgate_sync_events_total\{event="applied_items"\} (\S+)', text)
+    return (int(float(served.group(1))) if served else 0, int(float(applied.group(1))) if applied else 0)
+
+
+def _wait(
+    base: str, ok: Callable[[set[tuple[int, int]]], bool], timeout_s: float = 20.0
+) -> set[tuple[int, int]]:
+    """Probe until what the probes saw satisfies `ok` (or the timeout)."""
+    seen: set[tuple[int, int]] = set()
+    deadline = time.monotonic() + timeout_s
+    while not ok(seen) and time.monotonic() < deadline:
+        seen.add(_probe(base))
+    return seen
 
 
 def test_the_same_prompt_over_fresh_connections_is_cached_after_the_first(demo: tuple[str, Proc]) -> None:
     base, proc = demo
     assert "2 gateway processes on 127.0.0.1" in proc.output()
-    cached = [_ask(base) for _ in range(10)]
+    cached = [_ask(base)]
+    # The process that did not serve it has applied what the other published (the sync's own
+    # delay: a few ms, more on a loaded machine); then the prefix is known to both.
+    _wait(base, lambda seen: any(served == 0 and applied >= 1 for served, applied in seen))
+    cached += [_ask(base) for _ in range(9)]
     assert cached[0] < 64 and all(c >= 1024 for c in cached[1:]), cached
-    # Both processes served some of them: each applies what the other routed, so a process that
-    # served k of n requests reports n - k applied holdings. (10 more requests make the chance
-    # that the kernel sent all 20 connections to one process about 2e-6.)
+    # Both processes served some of them: each counts its own, so probes see k and 20 - k. (The
+    # chance that the kernel sent all 20 request connections to one process is about 2e-6.)
     cached += [_ask(base) for _ in range(10)]
     assert all(c >= 1024 for c in cached[1:])
-    seen: set[int] = set()
-    deadline = time.monotonic() + 20
-    while not any(0 < k < 20 and 20 - k in seen for k in seen) and time.monotonic() < deadline:
-        seen.add(_peer_applied(base))  # each probe is a fresh connection, to either process
-    assert any(0 < k < 20 and 20 - k in seen for k in seen), seen
+
+    def both_served(seen: set[tuple[int, int]]) -> bool:
+        counts = {served for served, _ in seen}
+        return any(0 < k < 20 and 20 - k in counts for k in counts)
+
+    seen = _wait(base, both_served)
+    assert both_served(seen), seen
 
 
 def test_sigterm_stops_gateways_broker_and_workers() -> None:

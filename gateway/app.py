@@ -201,6 +201,11 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
         state.fleet = fleet
         try:
             await fleet.start()
+            if state.config.sync.url is not None:
+                from gateway.sync.service import SyncService  # nats-py only when sync is on
+
+                state.sync = SyncService(state, state.config.sync)
+                await state.sync.start()  # connects in the background: never waits on the broker
             await state.registry.check_all(state.session)
             state.registry.start(state.session)
             flusher = asyncio.create_task(_flush_access_log(state), name="access-log")
@@ -214,6 +219,9 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
                 flusher.cancel()
             if watcher is not None:
                 await watcher.stop()
+            if state.sync is not None:
+                await state.sync.stop()
+                state.sync = None
             await fleet.stop()
             state.fleet = None
             state.access_log.flush()

@@ -20,6 +20,8 @@ def refresh_gauges(state: GatewayState) -> None:
     for gauge in (m.in_flight, m.worker_healthy, m.worker_waiting, m.worker_kv_usage, m.breaker_state):
         gauge.clear()
     _policy(state, m)
+    if state.sync is not None:
+        state.sync.refresh_metrics()
     current: set[tuple[str, str]] = set()
     for pool in state.registry.pools.values():
         for worker in pool.workers.values():

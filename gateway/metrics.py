@@ -27,6 +27,7 @@ from prometheus_client.registry import Collector
 from gateway.breaker import BreakerState
 from policies.base import Outcome
 
+_SYNC_LAG_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 # vLLM's buckets for its time-per-output-token histograms, so gateway and engine panels line up.
 _TPOT_BUCKETS_S = (
@@ -106,6 +107,17 @@ class GatewayMetrics:
             " (header_too_large, too_many_headers, header_timeout, body_timeout, connection_limit)",
             ("reason",),
         )
+        self.sync_lag = hot.histogram(
+            "kvgate_sync_lag_seconds",
+            "Replica sync: from a peer publishing a batch to this gateway applying it",
+            (),
+            _SYNC_LAG_BUCKETS_S,
+        )
+        self.sync_events = hot.counter(
+            "kvgate_sync_events",
+            "Replica sync batches and items published/applied, and what was dropped or lost, by reason",
+            ("event",),
+        )
         r.register(hot)
         self.policy_events = SnapshotCounter(
             "kvgate_policy_events",
@@ -141,6 +153,11 @@ class GatewayMetrics:
         self.client_connections = Gauge(
             "kvgate_client_connections", "Open client connections of this process", registry=r
         )
+        self.sync_peers = Gauge("kvgate_sync_peers", "Peer gateways heard from recently", registry=r)
+        self.sync_connected = Gauge(
+            "kvgate_sync_connected", "1 while connected to the sync broker", registry=r
+        )
+        self.sync_queued = Gauge("kvgate_sync_queued_items", "Sync items waiting to be published", registry=r)
         self.in_flight = Gauge(
             "kvgate_worker_in_flight", "Gateway in-flight requests per worker", ["pool", "worker"], registry=r
         )

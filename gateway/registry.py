@@ -21,6 +21,7 @@ from gateway.breaker import CircuitBreaker
 from gateway.config import PoolConfig
 from gateway.scrape import WorkerMetrics
 from policies.base import WorkerId, WorkerView
+from policies.peer_sync import PeerLoad, with_peer_load
 
 log = logging.getLogger("kvgate.registry")
 
@@ -60,6 +61,7 @@ class Worker:
         "_healthy",
         "_metrics",
         "_oks",
+        "_peer_load",
         "_version",
         "_view",
         "_view_until_s",
@@ -95,6 +97,7 @@ class Worker:
         self._metrics: WorkerMetrics | None = None  # last scrape, set by the scraper's callback
         self.metrics_at_s = 0.0
         self.role: str | None = None  # from discovery (a pod's role label), e.g. prefill / decode / mixed
+        self._peer_load: PeerLoad | None = None  # other gateways' in-flight here (replica sync)
 
     @property
     def healthy(self) -> bool:
@@ -113,6 +116,11 @@ class Worker:
         """A scrape's result (None: the worker exposes no metrics)."""
         self._metrics = metrics
         self.metrics_at_s = scraped_at_s
+        self._version += 1
+
+    def note_peer_load(self, load: PeerLoad | None) -> None:
+        """Other gateways' summed in-flight load on this worker (None: none), from replica sync."""
+        self._peer_load = load
         self._version += 1
 
     def view(self, now_s: float, metrics_max_age_s: float = 5.0) -> WorkerView:
@@ -138,7 +146,7 @@ class Worker:
         m = self._metrics
         if m is not None and now_s - self.metrics_at_s > metrics_max_age_s:
             m = None  # stale: the policy sees only the gateway's own accounting
-        return WorkerView(
+        view = WorkerView(
             worker_id=self.worker_id,
             healthy=self.healthy and self.breaker.allows(now_s),
             in_flight_requests=self.in_flight,
@@ -151,6 +159,7 @@ class Worker:
             num_gpu_blocks=m.num_gpu_blocks if m else None,
             engine_block_size=m.block_size_tokens if m else None,
         )
+        return view if self._peer_load is None else with_peer_load(view, self._peer_load)
 
     def acquire(self, prompt_tokens: int, max_output_tokens: int, now_s: float) -> None:
         self._version += 1

@@ -54,6 +54,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--demo-key", default=DEMO_KEY, help=f"demo: the API key clients use (default {DEMO_KEY})"
     )
     parser.add_argument("--log-level", default=None, help="debug, info, warning (default info)")
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="serve the port from N processes (SO_REUSEPORT) that share routing state through the "
+        "sync broker: the config's sync.url, else a local nats-server (docs/sync.md)",
+    )
+    parser.add_argument("--sync-url", default=None, help="replica sync broker URL (overrides sync.url)")
+    parser.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # a --processes child
 
 
 def load_policy(config: GatewayConfig) -> tuple[LoadedPolicy, PolicyWatcher | None, PolicySwap]:
@@ -94,6 +103,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.hash_key:
             return _hash_key(args)
+        if args.processes != 1:
+            from gateway.multiproc import supervise
+
+            return supervise(args)
         if args.demo:
             from gateway.demo import run_demo
 
@@ -102,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
 
             return run_demo(args, serve_demo)
         config = _with_listen(load_config(args.config), args.host, args.port, args.metrics_port)
+        if args.sync_url is not None:
+            config = config.model_copy(update={"sync": config.sync.model_copy(update={"url": args.sync_url})})
         if args.log_level is None:
             setup_logging(config.log_level)
         secret = read_secret(config.secrets, dict(os.environ))
@@ -109,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, PolicyConfigError) as exc:
         print(f"kvgate serve: {exc}", file=sys.stderr)
         return 2
-    return serve(config, secret, loaded, watcher, swap)
+    return serve(config, secret, loaded, watcher, swap, reuse_port=args.reuse_port)
 
 
 def _hash_key(args: argparse.Namespace) -> int:

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from gateway.fleet import Fleet
     from gateway.policy_watch import LoadedPolicy
     from gateway.streaming import ProxyStream
+    from gateway.sync.service import SyncService
 
 
 @dataclass(slots=True)
@@ -51,6 +52,7 @@ class GatewayState:
     # Non-streamed POSTs to plain-HTTP workers (gateway/upstream.py); None: aiohttp for everything.
     lean: UpstreamPool | None = None
     fleet: Fleet | None = None  # discovery, scraping and KV events, while the lifespan runs
+    sync: SyncService | None = None  # replica sync (config `sync.url`), while the lifespan runs
     draining: bool = False
     ready: bool = False
     in_flight_requests: int = 0  # completions between arrival and their last byte

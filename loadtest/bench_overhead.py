@@ -191,8 +191,11 @@ def _tracing_env(backend: str) -> dict[str, str]:
     }
 
 
-def kvgate_target(policy: str, baseline: str, traced: bool = False) -> Target:
+def kvgate_target(policy: str, baseline: str, traced: bool = False, processes: int = 1) -> Target:
     label = f"{policy} traced" if traced else policy
+    if processes > 1:
+        label = f"{label} x{processes} processes"
+        baseline = f"kvgate {policy}"  # compared with one process of the same policy
 
     def start(backend: str, workdir: Path) -> tuple[subprocess.Popen[bytes] | None, str]:
         port = free_port()
@@ -249,16 +252,19 @@ DEFAULT_TARGETS = ("direct", "kvgate-rr", "kvgate-cost", "sglang-rr", "sglang-ca
 TARGET_CHOICES = (*DEFAULT_TARGETS, "kvgate-cost-traced")
 
 
-def build_targets(names: Sequence[str], upstream_clients: bool) -> list[Target]:
-    table: dict[str, Callable[[], Target]] = {
-        "direct": direct_target,
-        "kvgate-rr": lambda: kvgate_target("round_robin", "sglang-router round_robin"),
-        "kvgate-cost": lambda: kvgate_target("cost", "sglang-router cache_aware"),
-        "kvgate-cost-traced": lambda: kvgate_target("cost", "kvgate cost", traced=True),
-        "sglang-rr": lambda: sglang_target("round_robin"),
-        "sglang-cache_aware": lambda: sglang_target("cache_aware"),
+def build_targets(
+    names: Sequence[str], upstream_clients: bool, processes: Sequence[int] = (1,)
+) -> list[Target]:
+    table: dict[str, Callable[[int], Target]] = {
+        "direct": lambda _n: direct_target(),
+        "kvgate-rr": lambda n: kvgate_target("round_robin", "sglang-router round_robin", processes=n),
+        "kvgate-cost": lambda n: kvgate_target("cost", "sglang-router cache_aware", processes=n),
+        "kvgate-cost-traced": lambda n: kvgate_target("cost", "kvgate cost", traced=True, processes=n),
+        "sglang-rr": lambda _n: sglang_target("round_robin"),
+        "sglang-cache_aware": lambda _n: sglang_target("cache_aware"),
     }
-    targets = [table[n]() for n in names]
+    # A kvgate target runs once per `processes` value; the others once.
+    targets = [table[name](n) for name in names for n in (processes if name.startswith("kvgate") else (1,))]
     if upstream_clients:
         targets += [proxy_target("aiohttp"), proxy_target("httpx")]
     return targets
@@ -378,6 +384,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="streamed chat (the backend answers an event stream; without the pass-through proxies)",
     )
+    parser.add_argument(
+        "--processes",
+        default="1",
+        help="comma-separated gateway process counts for the kvgate targets (`kvgate serve --processes`)",
+    )
     parser.add_argument("--json", type=Path, help="also write the results as JSON here")
 
 
@@ -389,8 +400,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         concurrencies = tuple(int(c) for c in args.concurrency.split(","))
+        processes = tuple(int(n) for n in args.processes.split(","))
     except ValueError:
-        print(f"--concurrency must be integers, got {args.concurrency!r}", file=sys.stderr)
+        print("--concurrency and --processes must be comma-separated integers", file=sys.stderr)
+        return 2
+    if not processes or min(processes) < 1 or max(processes) > 64:
+        print("--processes values must be in 1..64", file=sys.stderr)
         return 2
     if not concurrencies or min(concurrencies) < 1 or max(concurrencies) > 1024:
         print("--concurrency values must be in 1..1024", file=sys.stderr)
@@ -437,7 +452,7 @@ def run(args: argparse.Namespace) -> int:
             return asyncio.run(builtin_load(url, bodies, c, dur))
 
         backend_proc, backend_url, backend_name = _backend(backend, workdir, args.stream)
-        targets = build_targets(names, args.upstream_clients)
+        targets = build_targets(names, args.upstream_clients, processes)
         results = [TargetResult(t.name, t.baseline) for t in targets]
         try:
             # Rounds interleave the targets, so slow drifts of a shared machine hit all of them.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -14,6 +14,7 @@ import pytest
 
 from tests.e2e.harness import Proc, free_port, start, wait_http
 from tests.e2e.test_demo import _alive
+from tests.support.wait import wait_until_sync
 
 KEY = "sk-e2e-processes"
 
@@ -40,14 +41,12 @@ def demo() -> Iterator[tuple[str, Proc]]:
     port = free_port()
     argv = [
         sys.executable, "-m", "gateway.cli", "serve", "--demo", "--processes", "2", "--port", str(port),
-        "--demo-key", KEY,
+        "--demo-key", KEY, "--metrics-port", "0",
     ]  # fmt: skip
     proc = start(argv)
     try:
         wait_http(f"http://127.0.0.1:{port}/readyz", proc, timeout_s=60)
-        deadline = time.monotonic() + 30
-        while proc.output().count("kvgate serve: listening") < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until_sync(lambda: len(_metrics_urls(proc)) == 2, 30, "both processes listen")
         yield f"http://127.0.0.1:{port}", proc
     finally:
         proc.stop()
@@ -72,25 +71,22 @@ def _ask(base: str) -> int:
     return cached
 
 
-def _probe(base: str) -> tuple[int, int]:
-    """(chat requests answered with 200, peers' items applied) of the process that takes this
-    fresh connection."""
+def _metrics_urls(proc: Proc) -> list[str]:
+    """Each process's own /metrics (a free port each), as it prints it at startup."""
+    return sorted(set(re.findall(r"metrics (http://127\.0\.0\.1:\d+/metrics)", proc.output())))
+
+
+def _probe(metrics_url: str) -> tuple[int, int]:
+    """(chat requests answered with 200, peers' items applied) of one process."""
     with httpx.Client(timeout=5) as client:
-        text = client.get(base + "/metrics").text
+        text = client.get(metrics_url).text
     served = re.search(r'kvgate_requests_total\{endpoint="chat",[^}]*status="200"[^}]*\} (\S+)', text)
     applied = re.search(r'kvgate_sync_events_total\{event="applied_items"\} (\S+)', text)
     return (int(float(served.group(1))) if served else 0, int(float(applied.group(1))) if applied else 0)
 
 
-def _wait(
-    base: str, ok: Callable[[set[tuple[int, int]]], bool], timeout_s: float = 20.0
-) -> set[tuple[int, int]]:
-    """Probe until what the probes saw satisfies `ok` (or the timeout)."""
-    seen: set[tuple[int, int]] = set()
-    deadline = time.monotonic() + timeout_s
-    while not ok(seen) and time.monotonic() < deadline:
-        seen.add(_probe(base))
-    return seen
+def _probes(proc: Proc) -> list[tuple[int, int]]:
+    return [_probe(url) for url in _metrics_urls(proc)]
 
 
 def test_the_same_prompt_over_fresh_connections_is_cached_after_the_first(demo: tuple[str, Proc]) -> None:
@@ -99,20 +95,19 @@ def test_the_same_prompt_over_fresh_connections_is_cached_after_the_first(demo: 
     cached = [_ask(base)]
     # The process that did not serve it has applied what the other published (the sync's own
     # delay: a few ms, more on a loaded machine); then the prefix is known to both.
-    _wait(base, lambda seen: any(served == 0 and applied >= 1 for served, applied in seen))
+    wait_until_sync(
+        lambda: any(served == 0 and applied >= 1 for served, applied in _probes(proc)),
+        20,
+        "the process that did not serve it applied what the other published",
+    )
     cached += [_ask(base) for _ in range(9)]
     assert cached[0] < 64 and all(c >= 1024 for c in cached[1:]), cached
-    # Both processes served some of them: each counts its own, so probes see k and 20 - k. (The
-    # chance that the kernel sent all 20 request connections to one process is about 2e-6.)
+    # Both processes served some of them. (The chance that the kernel sent all 20 request
+    # connections to one process is about 2e-6.)
     cached += [_ask(base) for _ in range(10)]
     assert all(c >= 1024 for c in cached[1:])
-
-    def both_served(seen: set[tuple[int, int]]) -> bool:
-        counts = {served for served, _ in seen}
-        return any(0 < k < 20 and 20 - k in counts for k in counts)
-
-    seen = _wait(base, both_served)
-    assert both_served(seen), seen
+    served = [k for k, _ in _probes(proc)]
+    assert sum(served) == 20 and all(k > 0 for k in served), served
 
 
 def test_sigterm_stops_gateways_broker_and_workers() -> None:

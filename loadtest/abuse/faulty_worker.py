@@ -82,6 +82,9 @@ def make_app(mode: str) -> web.Application:
     async def health(request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
+    async def no_metrics(request: web.Request) -> web.Response:
+        return web.Response(text="", content_type="text/plain")  # scraped, but nothing to report
+
     async def stats(request: web.Request) -> web.Response:
         return web.json_response({"requests": received})
 
@@ -113,6 +116,7 @@ def make_app(mode: str) -> web.Application:
     app = web.Application()
     app.router.add_get("/health", health)
     app.router.add_get("/_stats", stats)
+    app.router.add_get("/metrics", no_metrics)
     app.router.add_post("/v1/chat/completions", complete)
     app.router.add_post("/v1/completions", complete)
     return app

@@ -30,7 +30,7 @@ def _target(ctx: Context) -> Target:
 
 async def _unfinished_headers(ctx: Context) -> Observation:
     n = ctx.sizes.header_connections
-    async with RssPeak(ctx.stack.gateway_pid) as rss:
+    async with RssPeak(ctx.stack.gateway_pid, interval_s=0.02) as rss:
         results = await unfinished_headers(
             _target(ctx), connections=n, header_bytes=ctx.sizes.header_bytes, timeout_s=CLOSE_BOUND_S + 5
         )

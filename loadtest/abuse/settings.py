@@ -22,7 +22,7 @@ class Sizes:
     load_streams: int = 96  # the streaming load a worker is killed or stopped under
     load_concurrency: int = 12
     flood_requests: int = 600
-    cross_tenant_prompts: int = 12
+    cross_tenant_prompts: int = 8
     drain_streams: int = 8
     header_timeout_s: float = 10.0  # the gateway's defaults
     body_timeout_s: float = 30.0
@@ -44,7 +44,7 @@ QUICK = Sizes(
     load_streams=24,
     load_concurrency=6,
     flood_requests=120,
-    cross_tenant_prompts=6,
+    cross_tenant_prompts=4,
     drain_streams=3,
     header_timeout_s=2.0,
     body_timeout_s=3.0,

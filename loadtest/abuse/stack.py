@@ -1,6 +1,8 @@
 """The processes the suite runs against, all on loopback and free ports, all stopped by PID.
 
-- three emulated vLLM workers (`python -m loadtest.emulator`) in pool `main`, serving `MODEL`;
+- three emulated vLLM workers (`python -m loadtest.emulator`) in pool `main`, serving `MODEL`,
+  and one more alone in pool `solo` (`SOLO_MODEL`), where every request meets every other
+  request's KV: the cross-tenant probe needs that;
 - one faulty-worker process (`loadtest.abuse.faulty_worker`) with a port that answers garbage
   (pool `garbage`) and a port that never answers beside one that does (pool `hung`);
 - the gateway, `kvgate serve --config` (run as `python -m gateway.cli`), with its metrics on a
@@ -33,6 +35,7 @@ from policies.identity import hash_api_key
 MODEL = "emulated-llama"
 GARBAGE_MODEL = "garbage-model"
 HUNG_MODEL = "hung-model"
+SOLO_MODEL = "solo-llama"
 SECRET = "kvgate-abuse-secret"
 KEY_A, KEY_B, KEY_METERED, KEY_ADMIN = "sk-abuse-a", "sk-abuse-b", "sk-abuse-metered", "sk-abuse-admin"
 TENANT_A_CONCURRENCY = 3
@@ -63,7 +66,7 @@ def policy_document(volatile_pattern: str = BACKTRACKING_PATTERN) -> dict[str, A
 
 
 def _gateway_document(
-    port: int, sizes: Sizes, main: list[str], garbage: str, hang: str, ok: str
+    port: int, sizes: Sizes, main: list[str], solo: str, garbage: str, hang: str, ok: str
 ) -> dict[str, Any]:
     secret = SECRET.encode()
     quick_health = {"interval_s": 0.5, "timeout_s": 1.0, "failures_to_down": 2}
@@ -88,6 +91,7 @@ def _gateway_document(
                 "health": quick_health,
                 "breaker": {"failure_threshold": 3, "cooldown_s": 2.0},
             },
+            {"name": "solo", "models": [SOLO_MODEL], "workers": [solo], "health": quick_health},
             {
                 "name": "garbage",
                 "models": [GARBAGE_MODEL],
@@ -129,6 +133,7 @@ class Worker:
     index: int
     port: int
     workdir: Path
+    model: str = MODEL
     proc: RunningProcess | None = None
     starts: int = 0
 
@@ -142,7 +147,7 @@ class Worker:
         return self.proc.proc.pid
 
     def start(self) -> None:
-        argv = [sys.executable, "-m", "loadtest.emulator", "--port", str(self.port), "--model", MODEL]
+        argv = [sys.executable, "-m", "loadtest.emulator", "--port", str(self.port), "--model", self.model]
         argv += ["--seed", str(self.index)]
         log = self.workdir / f"worker{self.index}.{self.starts}.log"
         self.proc = RunningProcess(argv, log_path=log)
@@ -175,6 +180,7 @@ class Stack:
     port: int
     metrics_port: int
     workers: list[Worker]
+    solo: Worker
     faulty_ports: dict[str, int]
     faulty: RunningProcess | None = None
     gateway: RunningProcess | None = None
@@ -215,7 +221,7 @@ class Stack:
     def stop(self) -> None:
         if self.gateway is not None:
             self.gateway.stop(timeout_s=40.0)  # beyond the drain deadline
-        for worker in self.workers:
+        for worker in [*self.workers, self.solo]:
             worker.stop()
         if self.faulty is not None:
             self.faulty.stop()
@@ -230,6 +236,7 @@ def start_stack(workdir: Path, sizes: Sizes) -> Stack:
         free_port(),
         free_port(),
         [Worker(i, free_port(), workdir) for i in range(WORKERS)],
+        Worker(WORKERS, free_port(), workdir, SOLO_MODEL),
         {mode: free_port() for mode in ("garbage", "hang", "ok")},
     )
     try:
@@ -237,7 +244,7 @@ def start_stack(workdir: Path, sizes: Sizes) -> Stack:
         for mode, port in stack.faulty_ports.items():
             argv += ["--listen", f"{port}:{mode}"]
         stack.faulty = RunningProcess(argv, log_path=workdir / "faulty.log")
-        for worker in stack.workers:
+        for worker in [*stack.workers, stack.solo]:
             worker.start()
         for mode in stack.faulty_ports:
             wait_http_ready(stack.faulty_url(mode) + "/health", stack.faulty, READY_TIMEOUT_S)
@@ -246,6 +253,7 @@ def start_stack(workdir: Path, sizes: Sizes) -> Stack:
             stack.port,
             sizes,
             [w.url for w in stack.workers],
+            stack.solo.url,
             stack.faulty_url("garbage"),
             stack.faulty_url("hang"),
             stack.faulty_url("ok"),

@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
             "soak": report.as_json() if report is not None else None,
             "ok": not failed,
         }
-        print(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode())
+        print(orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode())
     else:
         print(
             f"git {meta['git_sha']}, {'quick' if sizes.quick else 'full'} sizes, load average "

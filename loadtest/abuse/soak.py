@@ -49,8 +49,12 @@ class Window:
     """Outcomes of the requests that ended within one step or sample."""
 
     latencies_s: list[float] = field(default_factory=list)
-    errors: int = 0
+    errors_by_status: dict[int, int] = field(default_factory=dict)  # 0: a transport failure
     backlog_drops: int = 0
+
+    @property
+    def errors(self) -> int:
+        return sum(self.errors_by_status.values())
 
     def add(self, status: int | None, latency_s: float) -> None:
         if status == 200:
@@ -58,14 +62,14 @@ class Window:
         elif status is None:
             self.backlog_drops += 1
         else:
-            self.errors += 1
+            self.errors_by_status[status] = self.errors_by_status.get(status, 0) + 1
 
 
 @dataclass(frozen=True, slots=True)
 class Step:
     rate_rps: float
     completed: int
-    errors: int
+    errors_by_status: dict[int, int]
     backlog_drops: int
     p50_s: float
     p99_s: float
@@ -76,7 +80,8 @@ class Step:
 class Sample:
     minute: float  # end of the sample, from the soak's start
     completed: int
-    errors: int
+    errors_by_status: dict[int, int]
+    backlog_drops: int
     p50_s: float
     p99_s: float
     rss_bytes: int
@@ -94,7 +99,7 @@ class SoakReport:
 
     @property
     def errors(self) -> int:
-        return sum(s.errors for s in self.samples)
+        return sum(sum(s.errors_by_status.values()) + s.backlog_drops for s in self.samples)
 
     @property
     def rss_growth(self) -> int:
@@ -155,7 +160,7 @@ async def _step(sender: _Sender, rate_rps: float, duration_s: float, first_p99_s
     return Step(
         rate_rps,
         len(window.latencies_s),
-        window.errors,
+        window.errors_by_status,
         window.backlog_drops,
         quantile(window.latencies_s, 0.5),
         p99,
@@ -199,7 +204,8 @@ async def soak(ctx: Context, minutes: float, load_fraction: float, seed: int) ->
                 Sample(
                     round((time.monotonic() - started) / 60, 2),
                     len(window.latencies_s),
-                    window.errors + window.backlog_drops,
+                    window.errors_by_status,
+                    window.backlog_drops,
                     quantile(window.latencies_s, 0.5),
                     quantile(window.latencies_s, 0.99),
                     rss_bytes(ctx.stack.gateway_pid),
@@ -215,15 +221,27 @@ async def soak(ctx: Context, minutes: float, load_fraction: float, seed: int) ->
     return SoakReport(capacity, steps, rate, minutes, samples, load_before, os.getloadavg())
 
 
+def _errors(by_status: dict[int, int]) -> str:
+    """`0`, or the count and its statuses: `35 (503×35)`; status 0 is a transport failure."""
+    total = sum(by_status.values())
+    if not total:
+        return "0"
+    return f"{total} ({', '.join(f'{k}×{v}' for k, v in sorted(by_status.items()))})"
+
+
 def soak_text(report: SoakReport) -> str:
     """The soak's figures as Markdown."""
     lines = [
+        "Capacity steps (open-loop Poisson arrivals; dropped: arrivals past the client's bound of "
+        f"{MAX_OUTSTANDING} open requests):",
+        "",
         "| rate req/s | completed | errors | dropped | p50 ms | p99 ms | passed |",
         "|---|---|---|---|---|---|---|",
     ]
     for s in report.steps:
         lines.append(
-            f"| {s.rate_rps:.0f} | {s.completed} | {s.errors} | {s.backlog_drops} | {s.p50_s * 1000:.0f} "
+            f"| {s.rate_rps:.0f} | {s.completed} | {_errors(s.errors_by_status)} | {s.backlog_drops} "
+            f"| {s.p50_s * 1000:.0f} "
             f"| {s.p99_s * 1000:.0f} | {'yes' if s.passed else 'no'} |"
         )
     lines += [
@@ -231,12 +249,13 @@ def soak_text(report: SoakReport) -> str:
         f"capacity {report.capacity_rps:.0f} req/s; soak at {report.rate_rps:.1f} req/s for "
         f"{report.minutes:g} min",
         "",
-        "| minute | completed | errors | p50 ms | p99 ms | RSS MB |",
-        "|---|---|---|---|---|---|",
+        "| minute | completed | errors | dropped | p50 ms | p99 ms | RSS MB |",
+        "|---|---|---|---|---|---|---|",
     ]
     for m in report.samples:
         lines.append(
-            f"| {m.minute:g} | {m.completed} | {m.errors} | {m.p50_s * 1000:.0f} | {m.p99_s * 1000:.0f} "
+            f"| {m.minute:g} | {m.completed} | {_errors(m.errors_by_status)} | {m.backlog_drops} "
+            f"| {m.p50_s * 1000:.0f} | {m.p99_s * 1000:.0f} "
             f"| {m.rss_bytes / 2**20:.0f} |"
         )
     lines += [

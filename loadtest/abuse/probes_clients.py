@@ -40,7 +40,8 @@ async def _unfinished_headers(ctx: Context) -> Observation:
     ok = rss.growth < RSS_BOUND and len(closed) == n and slowest <= CLOSE_BOUND_S
     return Observation(
         f"RSS +{mib(rss.growth)} (from {mib(rss.start)}); {len(closed)}/{n} closed, slowest "
-        f"{slowest:.1f} s; status {counts([r.status for r in results])}; at most {mib(sent)} sent",
+        f"{slowest:.1f} s; status {counts([r.status or 'none' for r in results])}; at most "
+        f"{mib(sent)} sent",
         ok,
     )
 

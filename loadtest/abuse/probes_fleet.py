@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -93,10 +94,12 @@ async def _served_by(ctx: Context, worker: Worker) -> float:
     return series(samples, "vllm:request_success_total", finished_reason="length")
 
 
-async def _routed_again(ctx: Context, worker: Worker, tag: str) -> tuple[bool, float, int, int]:
+async def _routed_again(ctx: Context, worker: Worker, tag: str, since: float) -> tuple[bool, float, int, int]:
     """Wait until `worker` is routable again, then send requests until one reaches it: whether it
-    became routable, after how long, how many requests it served and how many were sent."""
-    back, after_s = await wait_for(lambda: routable(ctx.session, ctx.stack, "main", worker.url), 30)
+    became routable, how long after `since` (a monotonic time), how many requests it served and
+    how many were sent."""
+    back, _ = await wait_for(lambda: routable(ctx.session, ctx.stack, "main", worker.url), 30)
+    after_s = time.monotonic() - since
     if not back:
         return False, after_s, 0, 0
     start = await _served_by(ctx, worker)
@@ -130,10 +133,12 @@ async def _kill_worker(ctx: Context) -> Observation:
         await asyncio.to_thread(worker.wait_exit, 10)
 
     load = await _under_streams(ctx, "kill", worker, kill)
+    started = time.monotonic()
     await asyncio.to_thread(worker.start)
-    back, after_s, served, sent = await _routed_again(ctx, worker, "kill")
+    back, after_s, served, sent = await _routed_again(ctx, worker, "kill", started)
     return Observation(
-        f"{_load_text(load, ctx.sizes.load_streams)}; restarted: routable after {after_s:.1f} s, "
+        f"{_load_text(load, ctx.sizes.load_streams)}; restarted: routable {after_s:.1f} s after "
+        "its start, "
         f"served {served} of the next {sent}",
         _load_ok(load) and back and served >= 1,
     )
@@ -148,12 +153,16 @@ async def _stop_worker(ctx: Context) -> Observation:
         reason="read_timeout",
     )
 
+    continued = time.monotonic()
+
     async def stop_and_continue() -> None:
+        nonlocal continued
         worker.signal(signal.SIGSTOP)
         try:
             await asyncio.sleep(STOP_HOLD_S)  # past the read timeout: what the probe is about
         finally:
             worker.signal(signal.SIGCONT)
+            continued = time.monotonic()
 
     load = await _under_streams(ctx, "stop", worker, stop_and_continue)
     retries = (
@@ -165,10 +174,10 @@ async def _stop_worker(ctx: Context) -> Observation:
         )
         - before
     )
-    back, after_s, served, sent = await _routed_again(ctx, worker, "stop")
+    back, after_s, served, sent = await _routed_again(ctx, worker, "stop", continued)
     return Observation(
         f"{_load_text(load, ctx.sizes.load_streams)}; {retries:.0f} read-timeout retries; after "
-        f"SIGCONT routable in {after_s:.1f} s, served {served} of the next {sent}",
+        f"SIGCONT routable within {after_s:.1f} s, served {served} of the next {sent}",
         _load_ok(load) and retries >= 1 and back and served >= 1,
     )
 
@@ -189,15 +198,16 @@ async def _restart_worker(ctx: Context) -> Observation:
     await asyncio.sleep(0.5)  # the load is under way
     worker.signal(signal.SIGTERM)
     code = await asyncio.to_thread(worker.wait_exit, 15)
+    started = time.monotonic()
     await asyncio.to_thread(worker.start)
-    back, after_s, _, _ = await _routed_again(ctx, worker, "restart-wait")
+    back, after_s, _, _ = await _routed_again(ctx, worker, "restart-wait", started)
     restarted.set()
     await load
-    _, _, served, sent = await _routed_again(ctx, worker, "restart")
+    _, _, served, sent = await _routed_again(ctx, worker, "restart", started)
     errors = sum(s != 200 for s in statuses)
     return Observation(
         f"{len(statuses)} requests across SIGTERM (exit {code}) and restart: {errors} errors; "
-        f"routable again after {after_s:.1f} s, served {served} of the next {sent}",
+        f"routable {after_s:.1f} s after its start, served {served} of the next {sent}",
         errors == 0 and back and served >= 1,
     )
 

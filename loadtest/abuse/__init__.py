@@ -8,9 +8,12 @@ Each probe states what it expects and what it observed; the command exits non-ze
 
 | module | job |
 |---|---|
+| `settings.py` | the full and `--quick` sizes |
 | `stack.py` | the processes: gateway config, emulated and faulty workers, start, signals, stop |
+| `faulty_worker.py` | a worker that answers garbage, or nothing, while passing health checks |
 | `observe.py` | what the suite reads from the stack: RSS, metrics, access log, admin status |
 | `client.py` | the HTTP client side: whole answers and streams read to `[DONE]` |
+| `probe.py` | what a probe is; running one under its time limit |
 | `probes_clients.py` | hostile clients: header floods, slowloris, partial bodies, odd requests |
 | `probes_outcomes.py` | outcomes recorded as they happened: complete streams, tpm, bad workers |
 | `probes_fleet.py` | workers killed, stopped and restarted under load; index and tenant bounds |

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +87,9 @@ async def routable(session: aiohttp.ClientSession, stack: Stack, pool: str, work
     return series(samples, "kvgate_worker_healthy", pool=pool, worker=worker) == 1.0
 
 
-async def wait_for(check: Callable[[], Any], timeout_s: float, interval_s: float = 0.1) -> tuple[bool, float]:
+async def wait_for(
+    check: Callable[[], Awaitable[bool]], timeout_s: float, interval_s: float = 0.1
+) -> tuple[bool, float]:
     """Poll the coroutine function `check` until it returns true or `timeout_s` passes; whether it
     did, and after how long."""
     started = time.monotonic()

@@ -92,8 +92,12 @@ async def _garbage_worker(ctx: Context) -> Observation:
 
 async def _read_timeout(ctx: Context) -> Observation:
     hang = ctx.stack.faulty_url("hang")
-    for url in (hang, ctx.stack.faulty_url("ok")):
-        await wait_for(lambda u=url: routable(ctx.session, ctx.stack, "hung", u), 15)  # type: ignore[misc]
+
+    async def both_routable() -> bool:
+        ok_url = ctx.stack.faulty_url("ok")
+        return all([await routable(ctx.session, ctx.stack, "hung", u) for u in (hang, ok_url)])
+
+    await wait_for(both_routable, 15)
     before = series(await metrics(ctx.session, ctx.stack), "kvgate_upstream_retries_total", pool="hung")
     drew_before = await _faulty_received(ctx, "hang")
     answered = 0

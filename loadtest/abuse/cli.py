@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -76,6 +78,9 @@ async def _run(
 ) -> tuple[list[Verdict], SoakReport | None]:
     verdicts: list[Verdict] = []
     report = None
+    task = asyncio.current_task()
+    assert task is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, _interrupt, task)
     async with new_session() as session:
         ctx = Context(stack, sizes, session, AccessLog(stack.gateway_log), f"ab{os.getpid()}")
         last = [p for p in probes if p.name == "drain"]  # it stops the gateway
@@ -96,6 +101,16 @@ def _progress(v: Verdict) -> None:
     print(f"[{'ok' if v.ok else 'FAIL'}] {v.probe} ({v.duration_s:.1f} s): {v.observed}", file=sys.stderr)
 
 
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _interrupt(task: asyncio.Task[Any]) -> None:
+    """SIGTERM while the probes run: cancel them (the stack is stopped on the way out)."""
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # cancelled gathers are expected now
+    task.cancel()
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         probes, soak_only = _select(args.only)
@@ -108,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
     sizes = QUICK if args.quick else FULL
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="kvgate-abuse-"))
     meta: dict[str, Any] = {**run_metadata(), "quick": sizes.quick, "load_average": os.getloadavg()}
+    # SIGTERM unwinds like Ctrl-C, so that the processes of the stack are stopped on the way out.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         stack = start_stack(workdir, sizes)
     except Exception as exc:
@@ -115,6 +132,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         verdicts, report = asyncio.run(_run(stack, sizes, probes, args, progress=not args.json))
+    except asyncio.CancelledError:
+        print(f"kvgate bench abuse: terminated; logs: {workdir}", file=sys.stderr)
+        return 128 + signal.SIGTERM
     finally:
         stack.stop()
     failed = [v for v in verdicts if not v.ok] or (report is not None and report.errors > 0)

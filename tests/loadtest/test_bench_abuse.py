@@ -21,7 +21,14 @@ CHEAP = ("deep_json", "tiny_prompt", "trailing_slash", "metrics_port", "garbage_
 
 def _bench(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "-m", "gateway.cli", "bench", "abuse", *args]
-    return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # the bench stops its gateway and workers on SIGTERM
+        out, err = proc.communicate(timeout=60)
+        raise AssertionError(f"bench abuse overran {timeout_s} s:\n{out}\n{err}") from None
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 def test_cheap_probes_pass_against_a_real_stack_and_print_the_table() -> None:

@@ -7,7 +7,7 @@
 
 Prints `probe | expected | observed | ok` (and the soak's figures); `--json` prints one JSON
 document instead. The exit status is 1 when a probe failed or the soak saw an error, 2 when the
-stack could not start.
+stack could not start, 143 on SIGTERM (the stack is stopped first, as on Ctrl-C).
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from gateway.errors import ApiError, bad_request
 from gateway.quotas import Rejection, TenantLimiter
 from gateway.registry import Pool
 from gateway.render import render_canonical
+from gateway.retries import RETRY_COUNT_HEADER, retries_taken
 from gateway.state import GatewayState
 from policies.base import RouteDecision, RouteRequest
 from policies.identity import cache_salt_for, session_key
@@ -80,6 +81,7 @@ class Admitted:
     started_s: float
     public_salt: str
     drift_field: str | None = None
+    retries_taken: int = 0  # the client's earlier tries of this call (`retries.py`)
     recorded: bool = False
     _encoded: dict[str | None, bytes] = field(default_factory=dict)
 
@@ -110,16 +112,19 @@ class Admitted:
 
 @record
 class RequestHead:
-    """The three request headers the hot path reads, found in one pass over the raw ASGI headers
-    (no header-object layers): `Authorization`, `x-request-id` and `Content-Length`."""
+    """The request headers the hot path reads, found in one pass over the raw ASGI headers (no
+    header-object layers): `Authorization`, `x-request-id`, `Content-Length` and the SDK's
+    `x-stainless-retry-count` (`retries.py`)."""
 
     authorization: str | None
     client_request_id: str | None
     content_length: int | None
+    retries_taken: int = 0
 
     @classmethod
     def of(cls, scope: Scope) -> RequestHead:
         authorization = rid = length = None
+        taken = 0
         for name, value in scope["headers"]:
             if name == b"authorization":
                 authorization = value.decode("latin-1")
@@ -127,17 +132,21 @@ class RequestHead:
                 rid = _sane_id(value.decode("latin-1"))
             elif name == b"content-length" and value.isdigit():
                 length = int(value)
-        return cls(authorization, rid, length)
+            elif name == RETRY_COUNT_HEADER:
+                taken = retries_taken(value)
+        return cls(authorization, rid, length, taken)
 
 
 @record
 class RequestIds:
     """`internal` is always made here: it names the request to the worker, the policy and the
     logs, so two clients that send the same `x-request-id` can never collide. `client` is the
-    client's own id (when sane), only echoed back and logged beside the internal one."""
+    client's own id (when sane), only echoed back and logged beside the internal one.
+    `retries_taken` numbers the client's own tries of one call (`retries.py`)."""
 
     internal: str
     client: str | None
+    retries_taken: int = 0
 
     @property
     def reply(self) -> str:
@@ -156,7 +165,7 @@ def new_request_id() -> str:
 
 
 def request_ids(head: RequestHead) -> RequestIds:
-    return RequestIds(new_request_id(), head.client_request_id)
+    return RequestIds(new_request_id(), head.client_request_id, head.retries_taken)
 
 
 def _sane_id(rid: str | None) -> str | None:
@@ -381,6 +390,7 @@ async def admit(
         started_s=started_s,
         public_salt=state.keyring.public_salt,
         drift_field=drift.field if drift is not None and drift.first_diff_block is not None else None,
+        retries_taken=ids.retries_taken,
     )
 
 

@@ -32,10 +32,11 @@ from gateway.failure import (
     worker_status,
 )
 from gateway.outcome import Attempt, finish, usage_of
+from gateway.retries import advice, attempts_allowed, forwardable
 from gateway.sse import SseRelay, first_event_problem
 from gateway.state import GatewayState
 from gateway.streaming import AiohttpSource, ProxyStream, StreamSource, first_events
-from gateway.upstream import request_bytes
+from gateway.upstream import UpstreamReply, request_bytes
 from policies.base import Outcome, WorkerId
 
 log = logging.getLogger("kvgate.proxy")
@@ -67,7 +68,7 @@ async def _dispatch(a: Admitted, state: GatewayState, attempts: list[Attempt]) -
     tried: set[WorkerId] = set()
     failure: Failure | None = None  # why the latest attempt failed (None: no worker was tried)
     retry: RetryReason | None = None
-    for n in range(pool.config.retry_attempts + 1):
+    for n in range(attempts_allowed(pool.config.retry_attempts, a.retries_taken)):
         now_s = time.monotonic()
         decision = state.policy.select(a.route, pool.views(now_s, frozenset(tried)), now_s)
         worker = pool.workers.get(decision.worker) if decision is not None else None
@@ -94,7 +95,9 @@ async def _dispatch(a: Admitted, state: GatewayState, attempts: list[Attempt]) -
             503, f"no healthy worker available for model '{a.model}'", "no_worker_available", Outcome.ABORTED
         )
     _finish(state, a, attempts, failure.status, failure.outcome, failure.message)
-    return error_response(failure.error(), a.reply_id)
+    response = error_response(failure.error(), a.reply_id)
+    response.headers += advice(len(attempts), pool.config.retry_attempts, a.retries_taken)
+    return response
 
 
 def _finish(
@@ -126,11 +129,11 @@ async def _attempt(
                 read_s=timeouts.read_s,
                 total_s=timeouts.total_s,
             )
-            return _answer(state, a, attempt, reply.status, reply.body, reply.content_type, retries)
+            return _answer(state, a, attempt, reply, retries)
         source = await _open(state, a, attempt)
         if source.status >= 500:
             source.close()
-            return worker_status(source.status)
+            return worker_status(source.status, source.retry_hints)
         if a.stream and source.status == 200 and _is_event_stream(source.content_type):
             # Nothing is sent to the client before the worker's first event, so a worker that
             # stalls or fails before it can still be replaced by another.
@@ -146,7 +149,8 @@ async def _attempt(
         stage = Stage.ANSWER
         body = await source.read_all()
         source.release()
-        return _answer(state, a, attempt, source.status, body, source.content_type, retries)
+        reply = UpstreamReply(source.status, source.content_type, body, source.retry_hints)
+        return _answer(state, a, attempt, reply, retries)
     except TRANSPORT_ERRORS as exc:
         if source is not None:
             source.close()
@@ -192,19 +196,15 @@ def _is_event_stream(content_type: str) -> bool:
 
 
 def _answer(
-    state: GatewayState,
-    a: Admitted,
-    attempt: Attempt,
-    status: int,
-    body: bytes,
-    content_type: str,
-    retries: int,
+    state: GatewayState, a: Admitted, attempt: Attempt, reply: UpstreamReply, retries: int
 ) -> RawResponse | Failure:
     """A complete answer. A 5xx, or a 200 whose body is not a JSON object, is the attempt's
     failure; anything else closes the books and is passed through: a 200 byte for byte, an error
-    with its body in the gateway's error shape."""
+    with its body in the gateway's error shape, the worker's `Retry-After` and the gateway's
+    retry advice (`retries.py`)."""
+    status, body, content_type = reply.status, reply.body, reply.content_type
     if status >= 500:
-        return worker_status(status)
+        return worker_status(status, reply.retry_hints)
     if status == 200:
         try:
             parsed = orjson.loads(body)
@@ -224,4 +224,7 @@ def _answer(
         (b"content-type", (content_type or "application/json").encode()),
         (b"x-request-id", a.reply_id.encode()),
     ]
+    if status >= 400:
+        headers += forwardable(reply.retry_hints)
+        headers += advice(retries + 1, a.pool.config.retry_attempts, a.retries_taken)
     return RawResponse(status, body, headers)

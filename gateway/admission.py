@@ -33,7 +33,6 @@ Endpoint = Literal["chat", "completions"]
 # Body fields that steer an engine's internals rather than the completion. A tenant must not set
 # them: `kv_transfer_params` (vLLM disaggregated prefill: where KV is pulled from or pushed to),
 # `request_id` / `rid` (the engine's request id; the gateway names requests itself),
-# `priority` (engine scheduling; fairness between tenants is the gateway's job),
 # `data_parallel_rank` (pins an engine rank), `bootstrap_host` / `bootstrap_port` /
 # `bootstrap_room` (SGLang prefill-decode transfer), `prompt_embeds` (bypasses tokenization, so
 # the prefix keys could not describe the prompt). They are refused with 400, naming the field.
@@ -43,7 +42,6 @@ ENGINE_INTERNAL_FIELDS = frozenset(
         "kv_transfer_params",
         "request_id",
         "rid",
-        "priority",
         "data_parallel_rank",
         "bootstrap_host",
         "bootstrap_port",
@@ -82,6 +80,8 @@ class Admitted:
     public_salt: str
     drift_field: str | None = None
     retries_taken: int = 0  # the client's earlier tries of this call (`retries.py`)
+    priority: int = 0  # vLLM's `priority` (lower first): orders the tenant's own queued requests
+    queued_s: float | None = None  # time spent in the pool's queue (`queueing.py`), if it queued
     recorded: bool = False
     _encoded: dict[str | None, bytes] = field(default_factory=dict)
 
@@ -257,6 +257,9 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
     if options is not None and not isinstance(options.get("include_usage", False), bool | None):
         # A non-boolean would otherwise be read as "no usage" and silently dropped.
         raise bad_request("'stream_options.include_usage' must be a boolean", "stream_options.include_usage")
+    priority = body.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise bad_request("'priority' must be an integer (lower is served earlier)", "priority")
     if not ENGINE_INTERNAL_FIELDS.isdisjoint(body):
         name = min(ENGINE_INTERNAL_FIELDS.intersection(body))
         raise bad_request(f"'{name}' is an engine-internal field and cannot be set through the gateway", name)
@@ -391,6 +394,7 @@ async def admit(
         public_salt=state.keyring.public_salt,
         drift_field=drift.field if drift is not None and drift.first_diff_block is not None else None,
         retries_taken=ids.retries_taken,
+        priority=body.get("priority", 0),
     )
 
 

@@ -132,6 +132,21 @@ class DnsDiscoveryConfig(_Frozen):
     refresh_s: PositiveFloat = 5.0
 
 
+class QueueConfig(_Frozen):
+    """The pool's waiting room (gateway/queueing.py): a request that finds every routable worker
+    at `max_in_flight_per_worker` waits here for a free slot instead of failing. Tenants share
+    the freed slots by their `weight`; within a tenant, vLLM's `priority` (lower first) goes first.
+    Beyond `max_per_tenant` waiting requests of one tenant: 429; beyond `max_requests` in the
+    pool: 503; waiting longer than `timeout_s`: 503 (all with `Retry-After`). `order: fifo` serves
+    arrivals in order whatever the tenant (for comparison; one tenant's flood then delays all)."""
+
+    enabled: bool = True
+    max_requests: PositiveInt = 1024
+    max_per_tenant: PositiveInt = 256
+    timeout_s: PositiveFloat = 30.0
+    order: Literal["fair", "fifo"] = "fair"
+
+
 class PoolConfig(_Frozen):
     """A set of interchangeable workers serving the same model(s)."""
 
@@ -147,6 +162,7 @@ class PoolConfig(_Frozen):
     kv_events_topic: str = ""
     max_in_flight_per_worker: PositiveInt | None = 256
     retry_attempts: int = Field(default=2, ge=0, le=5)
+    queue: QueueConfig = QueueConfig()
     block_size_tokens: PositiveInt = 16
     timeouts: TimeoutsConfig = TimeoutsConfig()
     health: HealthConfig = HealthConfig()
@@ -210,6 +226,8 @@ class TenantConfig(_Frozen):
     api_key_hashes: list[str] = Field(min_length=1)
     isolation: Isolation = Isolation.STRICT
     quotas: QuotaConfig = QuotaConfig()
+    # The tenant's share of a full pool's freed worker slots, relative to the other tenants waiting.
+    weight: float = Field(default=1.0, ge=0.01, le=100.0)
 
     @field_validator("api_key_hashes")
     @classmethod

@@ -10,7 +10,7 @@ prometheus_client's.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, M
 from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_QUEUE_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class GatewayMetrics:
@@ -74,7 +75,26 @@ class GatewayMetrics:
             " (header_too_large, too_many_headers, header_timeout, body_timeout, connection_limit)",
             ("reason",),
         )
+        self.queue_wait = hot.histogram(
+            "kvgate_queue_wait_seconds",
+            "Time requests waited in their pool's queue for a free worker slot (only requests that queued)",
+            ("pool", "tenant"),
+            _QUEUE_BUCKETS_S,
+        )
+        self.queue_refusals = hot.counter(
+            "kvgate_queue_refusals",
+            "Requests a pool's queue turned away, by reason (tenant_full, full, timeout)",
+            ("pool", "tenant", "reason"),
+        )
         r.register(hot)
+        self.queue_depth = Gauge(
+            "kvgate_queue_depth",
+            "Requests waiting in a pool's queue for a free worker slot",
+            ["pool", "tenant"],
+            registry=r,
+        )
+        # Called at scrape time, before rendering: gauges that are cheaper to read than to keep.
+        self.before_scrape: list[Callable[[], None]] = []
         self.discovered_workers = Gauge(
             "kvgate_discovery_workers", "Workers a pool's discovery currently reports", ["pool"], registry=r
         )
@@ -152,6 +172,8 @@ class GatewayMetrics:
         self.decisions.labels(policy, reason).inc()
 
     def render(self) -> bytes:
+        for refresh in self.before_scrape:
+            refresh()
         return generate_latest(self.registry)
 
 

@@ -68,9 +68,18 @@ async def _dispatch(a: Admitted, state: GatewayState, attempts: list[Attempt]) -
     tried: set[WorkerId] = set()
     failure: Failure | None = None  # why the latest attempt failed (None: no worker was tried)
     retry: RetryReason | None = None
+    queue = state.queues.get(pool.name)
     for n in range(attempts_allowed(pool.config.retry_attempts, a.retries_taken)):
         now_s = time.monotonic()
-        decision = state.policy.select(a.route, pool.views(now_s, frozenset(tried)), now_s)
+        if n == 0 and queue is not None:
+            # Waits for a free worker slot while every worker is at its cap (queueing.py).
+            routed = await queue.route(a, state.policy)
+            if isinstance(routed, Failure):
+                failure = routed
+                break
+            decision, now_s = routed
+        else:
+            decision = state.policy.select(a.route, pool.views(now_s, frozenset(tried)), now_s)
         worker = pool.workers.get(decision.worker) if decision is not None else None
         if decision is None or worker is None or decision.worker in tried:
             break

@@ -17,6 +17,7 @@ from gateway.config import GatewayConfig
 from gateway.disconnect import DisconnectWatch
 from gateway.logs import AccessLog
 from gateway.metrics import GatewayMetrics
+from gateway.queueing import PoolQueue, build_queues
 from gateway.quotas import TenantLimiter
 from gateway.registry import Pool, Registry
 from gateway.tracing import RequestTracer
@@ -46,6 +47,7 @@ class GatewayState:
     limiters: dict[str, TenantLimiter]
     access_log: AccessLog = field(default_factory=lambda: AccessLog(enabled=False))
     tracer: RequestTracer | None = None
+    queues: dict[str, PoolQueue] = field(default_factory=dict)  # pool name -> its waiting room
     created_s: int = 0
     session: aiohttp.ClientSession | None = None
     # Non-streamed POSTs to plain-HTTP workers (gateway/upstream.py); None: aiohttp for everything.
@@ -162,14 +164,18 @@ def build_state(
     config: GatewayConfig, secret: bytes, policy: RoutingPolicy, policy_normalizer: NormalizerConfig
 ) -> GatewayState:
     now_s = time.monotonic()
+    registry = Registry(config.pools)
+    metrics = GatewayMetrics()
+    weights = {t.name: t.weight for t in config.tenants}
     return GatewayState(
         config=config,
         keyring=KeyRing(config.tenants, secret),
-        registry=Registry(config.pools),
+        registry=registry,
         policy=policy,
         normalizers=build_normalizers(config, policy_normalizer, secret, {}),
         secret=secret,
-        metrics=GatewayMetrics(),
+        metrics=metrics,
+        queues=build_queues(registry.pools, weights, metrics),
         limiters={t.name: TenantLimiter(t.quotas, now_s) for t in config.tenants},
         access_log=AccessLog(enabled=logging.getLogger("kvgate.access").isEnabledFor(logging.INFO)),
         tracer=RequestTracer() if config.tracing.enabled else None,

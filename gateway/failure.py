@@ -57,9 +57,10 @@ class RetryReason(enum.StrEnum):
 
 @record
 class Failure:
-    """An attempt's end without an answer for the client. `retry` is set when the request may go
-    to another worker; otherwise the client gets `status` with `message` and `code` (a stream
-    that had reached the client gets them as its terminal error event)."""
+    """An attempt's end without an answer for the client (or the queue's refusal of a request
+    before any attempt, `queueing.py`). `retry` is set when the request may go to another worker;
+    otherwise the client gets `status` with `message` and `code` (a stream that had reached the
+    client gets them as its terminal error event)."""
 
     status: int
     message: str

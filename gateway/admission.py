@@ -10,6 +10,7 @@ import asyncio
 import functools
 import itertools
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -24,6 +25,7 @@ from gateway.registry import Pool
 from gateway.render import render_canonical
 from gateway.retries import RETRY_COUNT_HEADER, retries_taken
 from gateway.state import GatewayState
+from gateway.upstream_headers import ClientHeaders, pick
 from policies.base import RouteDecision, RouteRequest
 from policies.identity import cache_salt_for, session_key
 from policies.records import record
@@ -82,6 +84,7 @@ class Admitted:
     retries_taken: int = 0  # the client's earlier tries of this call (`retries.py`)
     priority: int = 0  # vLLM's `priority` (lower first): orders the tenant's own queued requests
     queued_s: float | None = None  # time spent in the pool's queue (`queueing.py`), if it queued
+    client_headers: ClientHeaders = ()  # the client headers the pool forwards (`upstream_headers.py`)
     recorded: bool = False
     _encoded: dict[str | None, bytes] = field(default_factory=dict)
 
@@ -114,12 +117,14 @@ class Admitted:
 class RequestHead:
     """The request headers the hot path reads, found in one pass over the raw ASGI headers (no
     header-object layers): `Authorization`, `x-request-id`, `Content-Length` and the SDK's
-    `x-stainless-retry-count` (`retries.py`)."""
+    `x-stainless-retry-count` (`retries.py`); `raw` is the ASGI header list itself, from which
+    a pool's `forward_headers` are picked once the pool is known."""
 
     authorization: str | None
     client_request_id: str | None
     content_length: int | None
     retries_taken: int = 0
+    raw: Sequence[tuple[bytes, bytes]] = ()
 
     @classmethod
     def of(cls, scope: Scope) -> RequestHead:
@@ -134,7 +139,7 @@ class RequestHead:
                 length = int(value)
             elif name == RETRY_COUNT_HEADER:
                 taken = retries_taken(value)
-        return cls(authorization, rid, length, taken)
+        return cls(authorization, rid, length, taken, scope["headers"])
 
 
 @record
@@ -142,11 +147,13 @@ class RequestIds:
     """`internal` is always made here: it names the request to the worker, the policy and the
     logs, so two clients that send the same `x-request-id` can never collide. `client` is the
     client's own id (when sane), only echoed back and logged beside the internal one.
-    `retries_taken` numbers the client's own tries of one call (`retries.py`)."""
+    `retries_taken` numbers the client's own tries of one call (`retries.py`), and `headers` are
+    the client's raw headers (a pool may forward some, `upstream_headers.py`)."""
 
     internal: str
     client: str | None
     retries_taken: int = 0
+    headers: Sequence[tuple[bytes, bytes]] = ()
 
     @property
     def reply(self) -> str:
@@ -165,7 +172,7 @@ def new_request_id() -> str:
 
 
 def request_ids(head: RequestHead) -> RequestIds:
-    return RequestIds(new_request_id(), head.client_request_id, head.retries_taken)
+    return RequestIds(new_request_id(), head.client_request_id, head.retries_taken, head.raw)
 
 
 def _sane_id(rid: str | None) -> str | None:
@@ -395,6 +402,7 @@ async def admit(
         drift_field=drift.field if drift is not None and drift.first_diff_block is not None else None,
         retries_taken=ids.retries_taken,
         priority=body.get("priority", 0),
+        client_headers=pick(ids.headers, pool.forward) if pool.forward else (),
     )
 
 

@@ -37,6 +37,7 @@ from gateway.sse import SseRelay, first_event_problem
 from gateway.state import GatewayState
 from gateway.streaming import AiohttpSource, ProxyStream, StreamSource, first_events
 from gateway.upstream import UpstreamReply, request_bytes
+from gateway.upstream_headers import aiohttp_pairs, lean_lines
 from policies.base import Outcome, WorkerId
 
 log = logging.getLogger("kvgate.proxy")
@@ -184,10 +185,14 @@ async def _open(state: GatewayState, a: Admitted, attempt: Attempt) -> StreamSou
             read_s=timeouts.read_s,
             total_s=timeouts.total_s,
         )
+    headers = [("content-type", "application/json"), ("x-request-id", a.request_id)]
+    headers += a.pool.auth.headers.items()
+    if a.client_headers:
+        headers += aiohttp_pairs(a.client_headers)
     resp = await state.upstream().post(
         attempt.worker.url + UPSTREAM_PATHS[a.endpoint],
         data=a.body_for(attempt.decision),
-        headers={"content-type": "application/json", "x-request-id": a.request_id},
+        headers=headers,
         timeout=a.pool.client_timeout,
     )
     return AiohttpSource(resp)
@@ -197,6 +202,9 @@ def _lean_request(a: Admitted, attempt: Attempt) -> bytes:
     direct = attempt.worker.direct
     assert direct is not None
     head = b"Content-Type: application/json\r\nX-Request-Id: " + a.request_id.encode() + b"\r\n"
+    head += a.pool.auth.lean_lines
+    if a.client_headers:
+        head += lean_lines(a.client_headers)
     return request_bytes(direct.host_header, UPSTREAM_PATHS_B[a.endpoint], head, a.body_for(attempt.decision))
 
 

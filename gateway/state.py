@@ -5,15 +5,16 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import aiohttp
 
 from gateway.auth import KeyRing, Tenant
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, read_worker_key
 from gateway.disconnect import DisconnectWatch
 from gateway.logs import AccessLog
 from gateway.metrics import GatewayMetrics
@@ -22,6 +23,7 @@ from gateway.quotas import TenantLimiter
 from gateway.registry import Pool, Registry
 from gateway.tracing import RequestTracer
 from gateway.upstream import UpstreamPool
+from gateway.upstream_headers import WorkerAuth
 from policies.base import RoutingPolicy
 from policies.identity import derive_secret, key_identities, served_identity
 from prompt_normalizer.normalizer import Normalizer, NormalizerConfig
@@ -161,10 +163,18 @@ def build_normalizers(
 
 
 def build_state(
-    config: GatewayConfig, secret: bytes, policy: RoutingPolicy, policy_normalizer: NormalizerConfig
+    config: GatewayConfig,
+    secret: bytes,
+    policy: RoutingPolicy,
+    policy_normalizer: NormalizerConfig,
+    environ: Mapping[str, str] | None = None,
 ) -> GatewayState:
+    """The process state; the pools' worker API keys are read here (from `environ`, by default
+    the process's environment), so a missing one is a `ConfigError` before anything runs."""
     now_s = time.monotonic()
-    registry = Registry(config.pools)
+    env = os.environ if environ is None else environ
+    auth = {pool.name: WorkerAuth(read_worker_key(pool, env)) for pool in config.pools}
+    registry = Registry(config.pools, auth)
     metrics = GatewayMetrics()
     weights = {t.name: t.weight for t in config.tenants}
     return GatewayState(

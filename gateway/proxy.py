@@ -74,7 +74,7 @@ async def _dispatch(a: Admitted, state: GatewayState, attempts: list[Attempt]) -
         now_s = time.monotonic()
         if n == 0 and queue is not None:
             # Waits for a free worker slot while every worker is at its cap (queueing.py).
-            routed = await queue.route(a, state.policy)
+            routed = queue.try_route(a, state.policy) or await queue.wait(a, state.policy)
             if isinstance(routed, Failure):
                 failure = routed
                 break

@@ -3,7 +3,7 @@
 Without it, a request arriving while every routable worker of its pool held
 `max_in_flight_per_worker` requests got 503 at once. Now it waits, bounded and fairly:
 
-    route(request):
+    try_route(request), then if need be wait(request):
         nobody waits and the policy picks a worker       → go (the common path: one test more)
         no routable worker, or one with room that the policy passed over
                                                          → no worker: 503 as before (an outage
@@ -109,14 +109,22 @@ class PoolQueue:
         """Waiting requests per tenant (tenants with none left out)."""
         return {tenant: n for tenant, n in self._waiting.items() if n}
 
-    async def route(self, a: Admitted, policy: RoutingPolicy) -> Routed | Failure:
-        """The policy's first choice of worker for `a` (None: no worker, the caller answers 503),
-        and when it was made; or why the queue turned the request away."""
+    def try_route(self, a: Admitted, policy: RoutingPolicy) -> Routed | None:
+        """The common path, without a coroutine: when nobody waits, the policy's choice of worker
+        for `a` (None in it: no worker, the caller answers 503) and when it was made. None when
+        the request must `wait` instead: others wait, or every routable worker is at its cap."""
+        if self._order or self._turns:
+            return None
         now_s = time.monotonic()
-        if not self._order and not self._turns:
-            decision = policy.select(a.route, self._pool.views(now_s), now_s)
-            if decision is not None or not self._saturated(now_s):
-                return decision, now_s
+        decision = policy.select(a.route, self._pool.views(now_s), now_s)
+        if decision is not None or not self._saturated(now_s):
+            return decision, now_s
+        return None
+
+    async def wait(self, a: Admitted, policy: RoutingPolicy) -> Routed | Failure:
+        """Wait for a turn, then the policy's choice as in `try_route`; or why the queue turned
+        the request away (full, or it waited `timeout_s`)."""
+        now_s = time.monotonic()
         refusal = self._refusal(a.tenant.name)
         if refusal is not None:
             return refusal

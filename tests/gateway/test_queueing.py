@@ -9,18 +9,22 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import httpx
 import orjson
 import pytest
 from aiohttp import web
 
+from gateway.admission import Admitted
 from gateway.app import GatewayApp, build_app
 from gateway.auth import hash_api_key
-from gateway.config import parse_config
+from gateway.config import PoolConfig, parse_config
 from gateway.disconnect import DisconnectWatch
+from gateway.metrics import GatewayMetrics
 from gateway.queueing import PoolQueue
+from gateway.registry import Pool, Worker
 from gateway.state import GatewayState, build_state
 from policies import make_policy
 from policies.base import KvEvent, Observation, RouteDecision, RouteRequest, WorkerId, WorkerView
@@ -320,3 +324,122 @@ async def test_without_a_queue_a_full_pool_answers_503_at_once(make_rig: RigFact
     assert rig.state.queues == {}
     rig.gate.put_nowait(None)
     assert (await hold).status_code == 200
+
+
+# ---------------------------------------------------------------- the queue alone, with a stub pool
+
+
+class FirstFree:
+    """Picks the first healthy worker below its cap."""
+
+    name = "first_free"
+
+    def select(self, req: RouteRequest, workers: Sequence[WorkerView], now_s: float) -> RouteDecision | None:
+        for w in workers:
+            if w.healthy and (w.max_in_flight is None or w.in_flight_requests < w.max_in_flight):
+                return RouteDecision(w.worker_id, 0.0, "first")
+        return None
+
+    def on_dispatch(self, req: RouteRequest, decision: RouteDecision, now_s: float) -> None:
+        return None
+
+    def on_complete(self, obs: Observation, now_s: float) -> None:
+        return None
+
+    def on_kv_event(self, worker: WorkerId, event: KvEvent, now_s: float) -> None:
+        return None
+
+
+@dataclass
+class _Request:
+    """The parts of an admitted request the queue reads and writes."""
+
+    tenant: Any
+    route: RouteRequest
+    priority: int = 0
+    queued_s: float | None = None
+
+
+def _queued(tenant: str) -> Admitted:
+    route = RouteRequest(
+        request_id=tenant,
+        pool="p",
+        tenant=tenant,
+        namespace="",
+        block_keys=(),
+        n_prompt_tokens=1,
+        block_size_tokens=16,
+    )
+    return cast(Admitted, _Request(SimpleNamespace(name=tenant), route))
+
+
+@pytest.fixture
+def full_pool() -> tuple[Pool, Worker]:
+    pool = Pool(
+        PoolConfig(name="p", models=["m"], workers=["http://127.0.0.1:9"], max_in_flight_per_worker=1)
+    )
+    (worker,) = pool.workers.values()
+    worker.healthy = True
+    worker.acquire(1, 0, 0.0)  # its one slot is taken
+    return pool, worker
+
+
+def _free(pool: Pool, worker: Worker, queue: PoolQueue) -> None:
+    worker.release(1, 0, prefill_done=True)
+    queue.slot_freed()
+
+
+async def test_a_turn_handed_to_a_waiter_that_left_goes_to_the_next(full_pool: tuple[Pool, Worker]) -> None:
+    pool, worker = full_pool
+    queue = PoolQueue(pool, pool.config.queue, {}, GatewayMetrics(), tick_s=0.01)
+    policy = FirstFree()
+    first = asyncio.ensure_future(queue.wait(_queued("a"), policy))
+    second = asyncio.ensure_future(queue.wait(_queued("b"), policy))
+    await wait_until(lambda: queue.waiting == 2)
+    _free(pool, worker, queue)  # the turn goes to "a" ...
+    first.cancel()  # ... whose client leaves before its task runs
+    routed = await asyncio.wait_for(second, 2)
+    assert isinstance(routed, tuple) and routed[0] is not None
+    assert first.cancelled() and queue.waiting == 0 and queue._turns == 0
+    queue.check_invariants()
+
+
+async def test_waiters_get_no_worker_when_the_last_routable_worker_goes(
+    full_pool: tuple[Pool, Worker],
+) -> None:
+    pool, worker = full_pool
+    queue = PoolQueue(pool, pool.config.queue, {}, GatewayMetrics(), tick_s=0.01)
+    waiters = [asyncio.ensure_future(queue.wait(_queued(t), FirstFree())) for t in ("a", "b")]
+    await wait_until(lambda: queue.waiting == 2)
+    worker.healthy = False
+    results = await asyncio.wait_for(asyncio.gather(*waiters), 2)
+    assert [r[0] for r in results if isinstance(r, tuple)] == [None, None]  # the caller answers 503
+    queue.check_invariants()
+
+
+async def test_a_turn_lost_to_a_race_keeps_its_place(full_pool: tuple[Pool, Worker]) -> None:
+    pool, worker = full_pool
+    queue = PoolQueue(pool, pool.config.queue, {}, GatewayMetrics(), tick_s=0.01)
+    policy = FirstFree()
+    waiter = asyncio.ensure_future(queue.wait(_queued("a"), policy))
+    await wait_until(lambda: queue.waiting == 1)
+    _free(pool, worker, queue)
+    worker.acquire(1, 0, 0.0)  # a retry elsewhere takes the slot before the waiter runs
+    await wait_until(lambda: queue.waiting == 1 and queue._turns == 0)
+    assert not waiter.done()
+    _free(pool, worker, queue)
+    routed = await asyncio.wait_for(waiter, 2)
+    assert isinstance(routed, tuple) and routed[0] is not None
+    queue.check_invariants()
+
+
+def test_try_route_is_the_whole_path_when_nobody_waits(full_pool: tuple[Pool, Worker]) -> None:
+    pool, worker = full_pool
+    queue = PoolQueue(pool, pool.config.queue, {}, GatewayMetrics())
+    assert queue.try_route(_queued("a"), FirstFree()) is None  # full: it must wait
+    worker.release(1, 0, prefill_done=True)
+    routed = queue.try_route(_queued("a"), FirstFree())
+    assert routed is not None and routed[0] is not None
+    worker.healthy = False
+    routed = queue.try_route(_queued("a"), FirstFree())
+    assert routed is not None and routed[0] is None  # no worker at all: 503 at once, no waiting

@@ -29,6 +29,7 @@ goes to the next. There is no timer per request: one tick per pool, only while a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import enum
 import heapq
@@ -59,6 +60,7 @@ class _State(enum.Enum):
     TURN = "turn"  # handed a turn, about to ask the policy
     TIMED_OUT = "timed_out"
     NO_WORKER = "no_worker"  # every routable worker went away while it waited
+    CLOSED = "closed"  # the gateway's drain deadline passed while it waited
     LEFT = "left"  # its task was cancelled before its turn came
     DONE = "done"
 
@@ -99,6 +101,7 @@ class PoolQueue:
         self._seq = itertools.count()
         self._turns = 0
         self._timer: asyncio.TimerHandle | None = None
+        self._emptied: asyncio.Future[None] | None = None  # for `until_empty`, resolved by the tick
 
     @property
     def waiting(self) -> int:
@@ -139,6 +142,9 @@ class PoolQueue:
                 await waiter.future
                 if waiter.state is _State.TIMED_OUT:
                     return self._timed_out(waiter)
+                if waiter.state is _State.CLOSED:
+                    message = "gateway shutting down"
+                    return Failure(503, message, "gateway_shutting_down", Outcome.ABORTED, None, _RETRY_AFTER)
                 now_s = time.monotonic()
                 if waiter.state is _State.NO_WORKER:
                     return None, now_s
@@ -155,6 +161,21 @@ class PoolQueue:
         except BaseException:
             self._leave(waiter)
             raise
+
+    async def until_empty(self, timeout_s: float) -> None:
+        """Return once nothing waits (seen by the tick), or after `timeout_s`."""
+        if not self._order:
+            return
+        if self._emptied is None:
+            self._emptied = asyncio.get_running_loop().create_future()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._emptied), timeout_s)
+
+    def close(self) -> None:
+        """The drain deadline: every waiter gets 503 `gateway_shutting_down` (as open streams get
+        their terminal error event) instead of being cut off when the server stops."""
+        while (entry := self._order.pop()) is not None:
+            self._take(entry.item, _State.CLOSED)
 
     def slot_freed(self) -> None:
         """A request of this pool gave its worker slot back: the next waiter gets a turn."""
@@ -280,6 +301,9 @@ class PoolQueue:
         else:
             self._timer = None
             deadlines.clear()  # nobody waits: what is left belongs to waiters already gone
+            if self._emptied is not None:
+                self._emptied.set_result(None)
+                self._emptied = None
 
     def check_invariants(self) -> None:
         """The counters agree with the order."""

@@ -22,6 +22,7 @@ from gateway.app import GatewayApp, build_app
 from gateway.auth import hash_api_key
 from gateway.config import PoolConfig, parse_config
 from gateway.disconnect import DisconnectWatch
+from gateway.failure import Failure
 from gateway.metrics import GatewayMetrics
 from gateway.queueing import PoolQueue
 from gateway.registry import Pool, Worker
@@ -443,3 +444,20 @@ def test_try_route_is_the_whole_path_when_nobody_waits(full_pool: tuple[Pool, Wo
     worker.healthy = False
     routed = queue.try_route(_queued("a"), FirstFree())
     assert routed is not None and routed[0] is None  # no worker at all: 503 at once, no waiting
+
+
+async def test_at_the_drain_deadline_waiters_get_a_503(full_pool: tuple[Pool, Worker]) -> None:
+    pool, worker = full_pool
+    queue = PoolQueue(pool, pool.config.queue, {}, GatewayMetrics(), tick_s=60)  # no tick here
+    served = asyncio.ensure_future(queue.wait(_queued("a"), FirstFree()))
+    stuck = asyncio.ensure_future(queue.wait(_queued("b"), FirstFree()))
+    await wait_until(lambda: queue.waiting == 2)
+    _free(pool, worker, queue)  # "a" is served while the gateway drains ...
+    assert isinstance(await served, tuple)
+    worker.acquire(1, 0, 0.0)  # ... and holds the slot (the proxy's part)
+    await queue.until_empty(0.1)  # "b" is still waiting when the deadline comes
+    queue.close()
+    refused = await stuck
+    assert isinstance(refused, Failure) and (refused.status, refused.code) == (503, "gateway_shutting_down")
+    await queue.until_empty(5)  # returns at once: nothing waits
+    queue.check_invariants()

@@ -10,6 +10,7 @@ import asyncio
 import functools
 import itertools
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -22,7 +23,9 @@ from gateway.errors import ApiError, bad_request
 from gateway.quotas import Rejection, TenantLimiter
 from gateway.registry import Pool
 from gateway.render import render_canonical
+from gateway.retries import RETRY_COUNT_HEADER, retries_taken
 from gateway.state import GatewayState
+from gateway.upstream_headers import ClientHeaders, pick
 from policies.base import RouteDecision, RouteRequest
 from policies.identity import cache_salt_for, session_key
 from policies.records import record
@@ -32,7 +35,6 @@ Endpoint = Literal["chat", "completions"]
 # Body fields that steer an engine's internals rather than the completion. A tenant must not set
 # them: `kv_transfer_params` (vLLM disaggregated prefill: where KV is pulled from or pushed to),
 # `request_id` / `rid` (the engine's request id; the gateway names requests itself),
-# `priority` (engine scheduling; fairness between tenants is the gateway's job),
 # `data_parallel_rank` (pins an engine rank), `bootstrap_host` / `bootstrap_port` /
 # `bootstrap_room` (SGLang prefill-decode transfer), `prompt_embeds` (bypasses tokenization, so
 # the prefix keys could not describe the prompt). They are refused with 400, naming the field.
@@ -42,7 +44,6 @@ ENGINE_INTERNAL_FIELDS = frozenset(
         "kv_transfer_params",
         "request_id",
         "rid",
-        "priority",
         "data_parallel_rank",
         "bootstrap_host",
         "bootstrap_port",
@@ -80,6 +81,10 @@ class Admitted:
     started_s: float
     public_salt: str
     drift_field: str | None = None
+    retries_taken: int = 0  # the client's earlier tries of this call (`retries.py`)
+    priority: int = 0  # vLLM's `priority` (lower first): orders the tenant's own queued requests
+    queued_s: float | None = None  # time spent in the pool's queue (`queueing.py`), if it queued
+    client_headers: ClientHeaders = ()  # the client headers the pool forwards (`upstream_headers.py`)
     recorded: bool = False
     _encoded: dict[str | None, bytes] = field(default_factory=dict)
 
@@ -110,16 +115,21 @@ class Admitted:
 
 @record
 class RequestHead:
-    """The three request headers the hot path reads, found in one pass over the raw ASGI headers
-    (no header-object layers): `Authorization`, `x-request-id` and `Content-Length`."""
+    """The request headers the hot path reads, found in one pass over the raw ASGI headers (no
+    header-object layers): `Authorization`, `x-request-id`, `Content-Length` and the SDK's
+    `x-stainless-retry-count` (`retries.py`); `raw` is the ASGI header list itself, from which
+    a pool's `forward_headers` are picked once the pool is known."""
 
     authorization: str | None
     client_request_id: str | None
     content_length: int | None
+    retries_taken: int = 0
+    raw: Sequence[tuple[bytes, bytes]] = ()
 
     @classmethod
     def of(cls, scope: Scope) -> RequestHead:
         authorization = rid = length = None
+        taken = 0
         for name, value in scope["headers"]:
             if name == b"authorization":
                 authorization = value.decode("latin-1")
@@ -127,17 +137,23 @@ class RequestHead:
                 rid = _sane_id(value.decode("latin-1"))
             elif name == b"content-length" and value.isdigit():
                 length = int(value)
-        return cls(authorization, rid, length)
+            elif name == RETRY_COUNT_HEADER:
+                taken = retries_taken(value)
+        return cls(authorization, rid, length, taken, scope["headers"])
 
 
 @record
 class RequestIds:
     """`internal` is always made here: it names the request to the worker, the policy and the
     logs, so two clients that send the same `x-request-id` can never collide. `client` is the
-    client's own id (when sane), only echoed back and logged beside the internal one."""
+    client's own id (when sane), only echoed back and logged beside the internal one.
+    `retries_taken` numbers the client's own tries of one call (`retries.py`), and `headers` are
+    the client's raw headers (a pool may forward some, `upstream_headers.py`)."""
 
     internal: str
     client: str | None
+    retries_taken: int = 0
+    headers: Sequence[tuple[bytes, bytes]] = ()
 
     @property
     def reply(self) -> str:
@@ -156,7 +172,7 @@ def new_request_id() -> str:
 
 
 def request_ids(head: RequestHead) -> RequestIds:
-    return RequestIds(new_request_id(), head.client_request_id)
+    return RequestIds(new_request_id(), head.client_request_id, head.retries_taken, head.raw)
 
 
 def _sane_id(rid: str | None) -> str | None:
@@ -248,6 +264,9 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
     if options is not None and not isinstance(options.get("include_usage", False), bool | None):
         # A non-boolean would otherwise be read as "no usage" and silently dropped.
         raise bad_request("'stream_options.include_usage' must be a boolean", "stream_options.include_usage")
+    priority = body.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise bad_request("'priority' must be an integer (lower is served earlier)", "priority")
     if not ENGINE_INTERNAL_FIELDS.isdisjoint(body):
         name = min(ENGINE_INTERNAL_FIELDS.intersection(body))
         raise bad_request(f"'{name}' is an engine-internal field and cannot be set through the gateway", name)
@@ -381,6 +400,9 @@ async def admit(
         started_s=started_s,
         public_salt=state.keyring.public_salt,
         drift_field=drift.field if drift is not None and drift.first_diff_block is not None else None,
+        retries_taken=ids.retries_taken,
+        priority=body.get("priority", 0),
+        client_headers=pick(ids.headers, pool.forward) if pool.forward else (),
     )
 
 

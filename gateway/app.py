@@ -271,13 +271,20 @@ def build_metrics_app(state: GatewayState) -> Starlette:
 
 
 async def drain(state: GatewayState, deadline_s: float) -> None:
-    """Wait for in-flight streams to end; at the deadline, end the rest with an error event."""
+    """Wait for in-flight streams to end; at the deadline, end the rest with an error event and
+    answer the requests still queued for a worker with 503."""
     state.draining = True
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + deadline_s
     if state.active_streams:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(state.streams_idle.wait(), deadline_s)
     for stream in list(state.active_streams):
         stream.abort("gateway shutting down")
+    for queue in state.queues.values():
+        # Queued requests keep their place until the deadline (workers still free slots meanwhile).
+        await queue.until_empty(max(0.0, deadline - loop.time()))
+        queue.close()
 
 
 async def _flush_access_log(state: GatewayState) -> None:

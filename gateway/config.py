@@ -7,6 +7,7 @@ read from an environment variable or a file named here. Validation errors name t
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from gateway.k8s.config import KubernetesDiscoveryConfig
 from gateway.otel_sdk import tracing_unavailable
+from gateway.upstream_headers import check_worker_key, forwardable_name
 from policies.base import Isolation
 from prompt_normalizer.normalizer import NormalizerConfig
 
@@ -134,6 +136,21 @@ class DnsDiscoveryConfig(_Frozen):
     refresh_s: PositiveFloat = 5.0
 
 
+class QueueConfig(_Frozen):
+    """The pool's waiting room (gateway/queueing.py): a request that finds every routable worker
+    at `max_in_flight_per_worker` waits here for a free slot instead of failing. Tenants share
+    the freed slots by their `weight`; within a tenant, vLLM's `priority` (lower first) goes first.
+    Beyond `max_per_tenant` waiting requests of one tenant: 429; beyond `max_requests` in the
+    pool: 503; waiting longer than `timeout_s`: 503 (all with `Retry-After`). `order: fifo` serves
+    arrivals in order whatever the tenant (for comparison; one tenant's flood then delays all)."""
+
+    enabled: bool = True
+    max_requests: PositiveInt = 1024
+    max_per_tenant: PositiveInt = 256
+    timeout_s: PositiveFloat = 30.0
+    order: Literal["fair", "fifo"] = "fair"
+
+
 class PoolConfig(_Frozen):
     """A set of interchangeable workers serving the same model(s)."""
 
@@ -149,6 +166,7 @@ class PoolConfig(_Frozen):
     kv_events_topic: str = ""
     max_in_flight_per_worker: PositiveInt | None = 256
     retry_attempts: int = Field(default=2, ge=0, le=5)
+    queue: QueueConfig = QueueConfig()
     block_size_tokens: PositiveInt = 16
     timeouts: TimeoutsConfig = TimeoutsConfig()
     health: HealthConfig = HealthConfig()
@@ -159,6 +177,17 @@ class PoolConfig(_Frozen):
     # Served model id -> LoRA adapter name (vLLM serves each adapter under its own model id); the
     # adapter is bound into that model's prefix keys and matches KV events' `lora_name`.
     adapters: dict[str, str] = Field(default_factory=dict)
+    # The workers' API key (vLLM `--api-key`), from an environment variable or a file (a mounted
+    # Secret), sent as `Authorization: Bearer` on every request to them (gateway/upstream_headers.py).
+    worker_api_key_env: str | None = Field(default=None, min_length=1)
+    worker_api_key_file: str | None = Field(default=None, min_length=1)
+    # Client headers passed on to the workers; never hop-by-hop headers or credentials.
+    forward_headers: list[str] = Field(default_factory=list, max_length=32)
+
+    @field_validator("forward_headers")
+    @classmethod
+    def _forwardable(cls, names: list[str]) -> list[str]:
+        return sorted({forwardable_name(name) for name in names})
 
     @field_validator("workers")
     @classmethod
@@ -193,6 +222,8 @@ class PoolConfig(_Frozen):
             raise ValueError(f"adapters: {unknown[0]!r} is not one of the pool's models")
         if any(not name for name in self.adapters.values()):
             raise ValueError("adapters: an adapter name must not be empty")
+        if self.worker_api_key_env is not None and self.worker_api_key_file is not None:
+            raise ValueError("set worker_api_key_env or worker_api_key_file, not both")
         return self
 
 
@@ -212,6 +243,8 @@ class TenantConfig(_Frozen):
     api_key_hashes: list[str] = Field(min_length=1)
     isolation: Isolation = Isolation.STRICT
     quotas: QuotaConfig = QuotaConfig()
+    # The tenant's share of a full pool's freed worker slots, relative to the other tenants waiting.
+    weight: float = Field(default=1.0, ge=0.01, le=100.0)
 
     @field_validator("api_key_hashes")
     @classmethod
@@ -373,6 +406,13 @@ def load_config(path: str | Path) -> GatewayConfig:
     config = parse_config(raw)
     if config.policy_file is not None and not Path(config.policy_file).is_absolute():
         config = config.model_copy(update={"policy_file": str(p.parent / config.policy_file)})
+    pools = [
+        pool.model_copy(update={"worker_api_key_file": str(p.parent / pool.worker_api_key_file)})
+        if pool.worker_api_key_file is not None and not Path(pool.worker_api_key_file).is_absolute()
+        else pool
+        for pool in config.pools
+    ]
+    config = config.model_copy(update={"pools": pools})
     if (
         config.secrets.key_hash_secret_file is not None
         and not Path(config.secrets.key_hash_secret_file).is_absolute()
@@ -404,3 +444,26 @@ def read_secret(secrets: SecretsConfig, environ: dict[str, str]) -> bytes:
             )
         return env_value.encode()
     raise ConfigError("secrets: set key_hash_secret_env or key_hash_secret_file")
+
+
+def read_worker_key(pool: PoolConfig, environ: Mapping[str, str]) -> str | None:
+    """The pool's worker API key (None when it has none): from its file (trailing whitespace
+    ignored) or its environment variable. Errors name the field and the source, never the key."""
+    if pool.worker_api_key_file is not None:
+        field_name, source = f"pools.{pool.name}.worker_api_key_file", pool.worker_api_key_file
+        try:
+            value = Path(source).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8"
+            raise ConfigError(f"{field_name}: cannot read {source!r}: {reason}") from None
+    elif pool.worker_api_key_env is not None:
+        field_name, source = f"pools.{pool.name}.worker_api_key_env", pool.worker_api_key_env
+        value = environ.get(source, "")
+        if not value:
+            raise ConfigError(f"{field_name}: environment variable {source} is not set")
+    else:
+        return None
+    try:
+        return check_worker_key(value)
+    except ValueError as exc:
+        raise ConfigError(f"{field_name}: {exc} (in {source})") from None

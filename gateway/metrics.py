@@ -10,7 +10,7 @@ prometheus_client's.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import (
@@ -34,6 +34,7 @@ _TPOT_BUCKETS_S = (
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
 BREAKER_STATE_VALUE = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
+_QUEUE_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class GatewayMetrics:
@@ -118,6 +119,17 @@ class GatewayMetrics:
             "Replica sync batches and items published/applied, and what was dropped or lost, by reason",
             ("event",),
         )
+        self.queue_wait = hot.histogram(
+            "kvgate_queue_wait_seconds",
+            "Time requests waited in their pool's queue for a free worker slot (only requests that queued)",
+            ("pool", "tenant"),
+            _QUEUE_BUCKETS_S,
+        )
+        self.queue_refusals = hot.counter(
+            "kvgate_queue_refusals",
+            "Requests a pool's queue turned away, by reason (tenant_full, full, timeout)",
+            ("pool", "tenant", "reason"),
+        )
         r.register(hot)
         self.policy_events = SnapshotCounter(
             "kvgate_policy_events",
@@ -147,6 +159,14 @@ class GatewayMetrics:
             ["worker", "endpoint"],
             registry=r,
         )
+        self.queue_depth = Gauge(
+            "kvgate_queue_depth",
+            "Requests waiting in a pool's queue for a free worker slot",
+            ["pool", "tenant"],
+            registry=r,
+        )
+        # Called at scrape time, before rendering: gauges that are cheaper to read than to keep.
+        self.before_scrape: list[Callable[[], None]] = []
         self.discovered_workers = Gauge(
             "kvgate_discovery_workers", "Workers a pool's discovery currently reports", ["pool"], registry=r
         )
@@ -236,6 +256,8 @@ class GatewayMetrics:
             del children[labels]
 
     def render(self) -> bytes:
+        for refresh in self.before_scrape:
+            refresh()
         return generate_latest(self.registry)
 
 

@@ -79,6 +79,9 @@ class Attempt:
         trial without a verdict. No outcome but SERVED teaches the policy what the worker caches."""
         if not self._release():
             return
+        queue = state.queues.get(self.admitted.pool.name)
+        if queue is not None:
+            queue.slot_freed()  # a request waiting for a slot of this pool may have it
         now_s = time.monotonic()
         breaker = self.worker.breaker
         if outcome is Outcome.SERVED:
@@ -205,6 +208,7 @@ def record_request(
         "duration_ms": round(duration_s * 1000, 2),
         "error": error,
         "drift_field": a.drift_field,
+        "queue_ms": round(a.queued_s * 1000, 2) if a.queued_s is not None else None,
     }
     state.access_log.write(fields)
     if state.tracer is not None:

@@ -33,11 +33,13 @@ from gateway.failure import (
     worker_status,
 )
 from gateway.outcome import Attempt, finish, usage_of
+from gateway.retries import advice, attempts_allowed, forwardable
 from gateway.sse import SseRelay, first_event_problem
 from gateway.state import GatewayState
 from gateway.streaming import AiohttpSource, ProxyStream, StreamSource, first_events
 from gateway.tracing import AttemptTrace, TracedSource
-from gateway.upstream import request_bytes
+from gateway.upstream import UpstreamReply, request_bytes
+from gateway.upstream_headers import aiohttp_pairs, lean_lines
 from policies.base import Outcome, WorkerId
 
 log = logging.getLogger("kvgate.proxy")
@@ -69,9 +71,18 @@ async def _dispatch(a: Admitted, state: GatewayState, attempts: list[Attempt]) -
     tried: set[WorkerId] = set()
     failure: Failure | None = None  # why the latest attempt failed (None: no worker was tried)
     retry: RetryReason | None = None
-    for n in range(pool.config.retry_attempts + 1):
+    queue = state.queues.get(pool.name)
+    for n in range(attempts_allowed(pool.config.retry_attempts, a.retries_taken)):
         now_s = time.monotonic()
-        decision = state.policy.select(a.route, pool.views(now_s, frozenset(tried)), now_s)
+        if n == 0 and queue is not None:
+            # Waits for a free worker slot while every worker is at its cap (queueing.py).
+            routed = queue.try_route(a, state.policy) or await queue.wait(a, state.policy)
+            if isinstance(routed, Failure):
+                failure = routed
+                break
+            decision, now_s = routed
+        else:
+            decision = state.policy.select(a.route, pool.views(now_s, frozenset(tried)), now_s)
         worker = pool.workers.get(decision.worker) if decision is not None else None
         if decision is None or worker is None or decision.worker in tried:
             break
@@ -100,7 +111,9 @@ async def _dispatch(a: Admitted, state: GatewayState, attempts: list[Attempt]) -
             503, f"no healthy worker available for model '{a.model}'", "no_worker_available", Outcome.ABORTED
         )
     _finish(state, a, attempts, failure.status, failure.outcome, failure.message)
-    return error_response(failure.error(), a.reply_id)
+    response = error_response(failure.error(), a.reply_id)
+    response.headers += advice(len(attempts), pool.config.retry_attempts, a.retries_taken)
+    return response
 
 
 def _finish(
@@ -132,7 +145,7 @@ async def _attempt(
                 read_s=timeouts.read_s,
                 total_s=timeouts.total_s,
             )
-            return _answer(state, a, attempt, reply.status, reply.body, reply.content_type, retries)
+            return _answer(state, a, attempt, reply, retries)
         source = await _open(state, a, attempt)
         if attempt.trace is not None:
             attempt.trace.status = source.status
@@ -140,7 +153,7 @@ async def _attempt(
                 source = TracedSource(source, attempt.trace)
         if source.status >= 500:
             source.close()
-            return worker_status(source.status)
+            return worker_status(source.status, source.retry_hints)
         if a.stream and source.status == 200 and _is_event_stream(source.content_type):
             # Nothing is sent to the client before the worker's first event, so a worker that
             # stalls or fails before it can still be replaced by another.
@@ -158,7 +171,8 @@ async def _attempt(
         stage = Stage.ANSWER
         body = await source.read_all()
         source.release()
-        return _answer(state, a, attempt, source.status, body, source.content_type, retries)
+        reply = UpstreamReply(source.status, source.content_type, body, source.retry_hints)
+        return _answer(state, a, attempt, reply, retries)
     except TRANSPORT_ERRORS as exc:
         if source is not None:
             source.close()
@@ -183,9 +197,12 @@ async def _open(state: GatewayState, a: Admitted, attempt: Attempt) -> StreamSou
             read_s=timeouts.read_s,
             total_s=timeouts.total_s,
         )
-    headers = {"content-type": "application/json", "x-request-id": a.request_id}
+    headers = [("content-type", "application/json"), ("x-request-id", a.request_id)]
+    headers += a.pool.auth.headers.items()
+    if a.client_headers:
+        headers += aiohttp_pairs(a.client_headers)
     if attempt.trace is not None:
-        headers.update(attempt.trace.header_map)
+        headers += attempt.trace.header_map.items()
     resp = await state.upstream().post(
         attempt.worker.url + UPSTREAM_PATHS[a.endpoint],
         data=a.body_for(attempt.decision),
@@ -199,6 +216,9 @@ def _lean_request(a: Admitted, attempt: Attempt) -> bytes:
     direct = attempt.worker.direct
     assert direct is not None
     head = b"Content-Type: application/json\r\nX-Request-Id: " + a.request_id.encode() + b"\r\n"
+    head += a.pool.auth.lean_lines
+    if a.client_headers:
+        head += lean_lines(a.client_headers)
     if attempt.trace is not None:
         head += attempt.trace.headers  # traceparent (and tracestate): the attempt's CLIENT span
     return request_bytes(direct.host_header, UPSTREAM_PATHS_B[a.endpoint], head, a.body_for(attempt.decision))
@@ -225,21 +245,17 @@ def _is_event_stream(content_type: str) -> bool:
 
 
 def _answer(
-    state: GatewayState,
-    a: Admitted,
-    attempt: Attempt,
-    status: int,
-    body: bytes,
-    content_type: str,
-    retries: int,
+    state: GatewayState, a: Admitted, attempt: Attempt, reply: UpstreamReply, retries: int
 ) -> RawResponse | Failure:
     """A complete answer. A 5xx, or a 200 whose body is not a JSON object, is the attempt's
     failure; anything else closes the books and is passed through: a 200 byte for byte, an error
-    with its body in the gateway's error shape."""
+    with its body in the gateway's error shape, the worker's `Retry-After` and the gateway's
+    retry advice (`retries.py`)."""
+    status, body, content_type = reply.status, reply.body, reply.content_type
     if attempt.trace is not None:
         attempt.trace.status = status
     if status >= 500:
-        return worker_status(status)
+        return worker_status(status, reply.retry_hints)
     if status == 200:
         try:
             parsed = orjson.loads(body)
@@ -261,4 +277,7 @@ def _answer(
         (b"content-type", (content_type or "application/json").encode()),
         (b"x-request-id", a.reply_id.encode()),
     ]
+    if status >= 400:
+        headers += forwardable(reply.retry_hints)
+        headers += advice(retries + 1, a.pool.config.retry_attempts, a.retries_taken)
     return RawResponse(status, body, headers)

@@ -20,6 +20,7 @@ import aiohttp
 from gateway.breaker import CircuitBreaker
 from gateway.config import PoolConfig
 from gateway.scrape import WorkerMetrics
+from gateway.upstream_headers import NO_AUTH, WorkerAuth
 from policies.base import WorkerId, WorkerView
 from policies.peer_sync import PeerLoad, with_peer_load
 
@@ -197,11 +198,15 @@ class Worker:
 
 
 class Pool:
-    """The workers of one pool and the config they share."""
+    """The workers of one pool and the config they share. `auth` is the pool's API key for its
+    workers, sent on every request to them (`upstream_headers.py`); `forward` the client header
+    names (lower-case ASGI bytes) its config lets through."""
 
-    def __init__(self, config: PoolConfig) -> None:
+    def __init__(self, config: PoolConfig, auth: WorkerAuth = NO_AUTH) -> None:
         self.config = config
         self.name = config.name
+        self.auth = auth
+        self.forward = frozenset(name.encode("latin-1") for name in config.forward_headers)
         self.workers: dict[WorkerId, Worker] = {}
         self.metrics_max_age_s = 5.0
         t = config.timeouts
@@ -222,9 +227,8 @@ class Pool:
     async def check(self, session: aiohttp.ClientSession) -> None:
         """One round of health checks of this pool's workers, concurrently."""
         workers = list(self.workers.values())
-        results = await asyncio.gather(
-            *(_probe(w.url, self.config.health.timeout_s, session) for w in workers)
-        )
+        timeout_s, headers = self.config.health.timeout_s, self.auth.headers
+        results = await asyncio.gather(*(_probe(w.url, timeout_s, session, headers) for w in workers))
         for worker, ok in zip(workers, results, strict=True):
             worker.record_health(ok, self.config)
 
@@ -238,11 +242,11 @@ class Pool:
 class Registry:
     """All pools, the model → pool map, and the health-check loops (owned by the app lifespan)."""
 
-    def __init__(self, pools: Iterable[PoolConfig]) -> None:
+    def __init__(self, pools: Iterable[PoolConfig], auth: Mapping[str, WorkerAuth] | None = None) -> None:
         self.pools: dict[str, Pool] = {}
         self.by_model: dict[str, Pool] = {}
         for cfg in pools:
-            pool = Pool(cfg)
+            pool = Pool(cfg, (auth or {}).get(cfg.name, NO_AUTH))
             self.pools[cfg.name] = pool
             for model in cfg.models:
                 self.by_model[model] = pool
@@ -277,9 +281,12 @@ class Registry:
                 log.exception("health round failed", extra={"pool": pool.name})
 
 
-async def _probe(url: str, timeout_s: float, session: aiohttp.ClientSession) -> bool:
+async def _probe(
+    url: str, timeout_s: float, session: aiohttp.ClientSession, headers: Mapping[str, str]
+) -> bool:
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
     try:
-        async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        async with session.get(url + "/health", timeout=timeout, headers=headers) as resp:
             await resp.read()
             return resp.status == 200
     except (aiohttp.ClientError, TimeoutError, OSError):

@@ -19,6 +19,7 @@ from gateway.config import (
     MetricsConfig,
     load_config,
     read_secret,
+    read_worker_key,
 )
 from gateway.logs import setup_logging
 from gateway.policy_watch import LoadedPolicy, PolicyWatcher
@@ -120,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
         if args.log_level is None:
             setup_logging(config.log_level)
         secret = read_secret(config.secrets, dict(os.environ))
+        for pool in config.pools:
+            read_worker_key(pool, os.environ)  # a missing worker key stops the start here, clearly
         loaded, watcher, swap = load_policy(config)
     except (ConfigError, PolicyConfigError) as exc:
         print(f"kvgate serve: {exc}", file=sys.stderr)

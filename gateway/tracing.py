@@ -42,6 +42,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from gateway.config import TracingConfig
 from gateway.otel_sdk import kvgate_version, tracer_provider
+from gateway.upstream import RetryHints
 from policies.base import Outcome
 
 _OPERATION = {"chat": "chat", "completions": "text_completion"}
@@ -157,6 +158,11 @@ class TracedSource:
     def content_type(self) -> str:
         content_type: str = self._source.content_type
         return content_type
+
+    @property
+    def retry_hints(self) -> RetryHints:
+        hints: RetryHints = self._source.retry_hints
+        return hints
 
     async def read(self) -> bytes:
         chunk: bytes = await self._source.read()

@@ -112,7 +112,7 @@ def test_every_field_is_forwarded_and_every_tenant_gets_its_own_salt(stack: Stac
     assert all(len(salt) >= 16 for salt in salts.values())
 
 
-@pytest.mark.parametrize("field", ["kv_transfer_params", "request_id", "priority", "prompt_embeds"])
+@pytest.mark.parametrize("field", ["kv_transfer_params", "request_id", "prompt_embeds"])
 def test_engine_internal_fields_are_refused(stack: Stack, field: str) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         _client(stack).chat.completions.create(

@@ -313,7 +313,7 @@ async def test_worker_errors_are_passed_through_in_the_gateway_shape(
 
 
 async def test_engine_internal_fields_are_refused(rig: Rig) -> None:
-    for name in ("kv_transfer_params", "request_id", "priority", "data_parallel_rank"):
+    for name in ("kv_transfer_params", "request_id", "data_parallel_rank"):
         resp = await rig.chat(**{name: 1})
         assert resp.status_code == 400
         error = orjson.loads(resp.content)["error"]

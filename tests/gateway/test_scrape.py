@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
 import pytest
@@ -212,11 +212,11 @@ async def test_loop_survives_an_unexpected_exception(
     real = scraper.scrape_once
     calls = [0]
 
-    async def flaky(base_url: str) -> WorkerMetrics:
+    async def flaky(base_url: str, headers: Mapping[str, str] | None = None) -> WorkerMetrics:
         calls[0] += 1
         if calls[0] <= 2:
             raise OverflowError("boom")
-        return await real(base_url)
+        return await real(base_url, headers)
 
     monkeypatch.setattr(scraper, "scrape_once", flaky)
     await scraper.start()

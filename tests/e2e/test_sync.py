@@ -7,8 +7,7 @@ from __future__ import annotations
 import asyncio
 import re
 import sys
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from nats.aio.msg import Msg
 
 from gateway.sync.broker import LocalBroker
 from tests.e2e.harness import Proc, free_port, start, start_gateway, tenant, wait_http, write_gateway_config
+from tests.support.wait import wait_until_sync
 
 KEY = "sk-sync-e2e"
 SUBJECT = "kvgate.e2e"
@@ -29,19 +29,15 @@ class Pair:
     broker: LocalBroker
     gateways: list[str]
     procs: list[Proc]
+    metrics_urls: dict[str, str]  # gateway base URL -> its own metrics listener
 
     def metric(self, base: str, name: str) -> float:
-        text = httpx.get(base + "/metrics", timeout=5).text
+        text = httpx.get(self.metrics_urls[base] + "/metrics", timeout=5).text
         found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
         return float(found.group(1)) if found else 0.0
 
-    def wait_metric(self, base: str, name: str, ok: object, timeout_s: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if ok(self.metric(base, name)):  # type: ignore[operator]
-                return
-            time.sleep(0.05)
-        raise AssertionError(f"{name} at {base}: {self.metric(base, name)}")
+    def wait_metric(self, base: str, name: str, ok: Callable[[float], bool], timeout_s: float = 20.0) -> None:
+        wait_until_sync(lambda: ok(self.metric(base, name)), timeout_s, f"{name} at {base}")
 
 
 @pytest.fixture(scope="module")
@@ -73,12 +69,13 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
             {"name": "p", "models": ["m"], "workers": urls, "health": {"interval_s": 0.5, "timeout_s": 3}}
         ]
         config = write_gateway_config(Path(tmp) / "gateway.yaml", pools, [tenant("t", KEY)], sync=sync)
-        bases = []
+        bases, metrics_urls = [], {}
         for _ in range(2):
-            port = free_port()
-            procs.append(start_gateway(config, port))
+            port, metrics_port = free_port(), free_port()
+            procs.append(start_gateway(config, port, metrics_port))
             bases.append(f"http://127.0.0.1:{port}")
-        yield Pair(broker, bases, procs)
+            metrics_urls[bases[-1]] = f"http://127.0.0.1:{metrics_port}"
+        yield Pair(broker, bases, procs, metrics_urls)
     finally:
         for proc in reversed(procs):
             proc.stop()

@@ -63,7 +63,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "sync broker: the config's sync.url, else a local nats-server (docs/sync.md)",
     )
     parser.add_argument("--sync-url", default=None, help="replica sync broker URL (overrides sync.url)")
-    parser.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # a --processes child
+    parser.add_argument(
+        "--reuse-port",
+        action="store_true",
+        help="bind the client port with SO_REUSEPORT (set by --processes for its children)",
+    )
 
 
 def load_policy(config: GatewayConfig) -> tuple[LoadedPolicy, PolicyWatcher | None, PolicySwap]:

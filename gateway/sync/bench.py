@@ -58,15 +58,17 @@ class Round:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--requests", type=int, default=20_000)
+    parser.add_argument("--requests", type=int, default=20_000, help="requests gateway A routes per round")
     parser.add_argument("--rate", type=float, default=2000.0, help="requests per second routed by A")
     parser.add_argument("--prompt-tokens", type=int, default=2048, help="prompt length (a session's turn)")
-    parser.add_argument("--workers", type=int, default=16)
+    parser.add_argument("--workers", type=int, default=16, help="workers in the pool")
     parser.add_argument("--peers", type=int, default=1, help="gateways that apply what A publishes")
-    parser.add_argument("--batch-interval-ms", type=float, default=5.0)
+    parser.add_argument(
+        "--batch-interval-ms", type=float, default=5.0, help="how long the publisher gathers a batch"
+    )
     parser.add_argument("--in-flight", type=int, default=64, help="requests A keeps running at once")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds of the three; medians")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generated prompts")
 
 
 def _state(workers: list[str], sync: SyncConfig) -> GatewayState:

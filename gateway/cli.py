@@ -43,6 +43,7 @@ BENCHMARKS: dict[str, Command] = {
     "keys": Command("prompt_normalizer.bench", "block-key and tokenization time"),
     "drift": Command("loadtest.bench_drift", "hit ratio of a drifting agent workload, rules off and on"),
     "decision": Command("policies.bench", "routing decision latency over many workers"),
+    "goodput": Command("loadtest.goodput.cli", "each policy's highest rate meeting TTFT and TPOT SLOs"),
 }
 
 

@@ -75,6 +75,35 @@ def test_router_commands_bind_loopback_and_stay_quiet(
     assert v[v.index("--policy") + 1] == "round_robin" and v[v.index("--prometheus-port") + 1] == "29001"
 
 
+@pytest.mark.parametrize("policy", [None, "prefix_hash"])
+def test_smg_launches_router_only_on_loopback_without_a_tokenizer_download(
+    policy: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVGATE_PEERS_DIR", str(tmp_path))
+    _fake_install(tmp_path, "smg", "smg")
+    a = list(_cmd("smg", tmp_path, policy=policy).argv)
+    assert a[0].endswith("smg/bin/smg") and a[1] == "launch"
+    assert a[a.index("--host") + 1] == "127.0.0.1" and a[a.index("--prometheus-host") + 1] == "127.0.0.1"
+    assert a[a.index("--port") + 1] == "30001" and a[a.index("--prometheus-port") + 1] == "29001"
+    assert a[a.index("--policy") + 1] == (policy or "cache_aware")
+    assert "--disable-tokenizer-autoload" in a and a[a.index("--log-level") + 1] == "warn"
+    urls = a[a.index("--worker-urls") + 1 : a.index("--worker-urls") + 3]
+    assert urls == ["http://127.0.0.1:31001", "http://127.0.0.1:31002"]
+
+
+def test_install_script_knows_smg_in_a_venv_of_its_own(tmp_path: Path) -> None:
+    text = INSTALL_SH.read_text()
+    assert '[smg]="${SMG_SPEC:-smg==1.13.0}"' in text
+    proc = subprocess.run(
+        ["bash", str(INSTALL_SH), "nope"],
+        env={"KVGATE_PEERS_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 2 and "smg" in proc.stderr.split("known:")[1]
+
+
 def test_litellm_config_lists_every_worker_and_keeps_the_cost_map_local(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -7,9 +7,10 @@ For every trace of the config (shipped default: `loadtest/goodput/default.yaml`)
 replay the trace through the simulator at the reference rate, step the rate up or down by the
 coarse factor until the SLO attainment crosses the share, then bisect to the tolerance
 (`loadtest.goodput.search`). Each point is simulated once per run and appended to
-`DIR/points.jsonl`; `--resume` reuses the points a previous run at the same git sha recorded with
-the same settings. Writes `DIR/report.md`, `DIR/goodput.json` and one plot per trace, and prints
-the tables (also when matplotlib is missing).
+`DIR/points.jsonl` with the git sha it was measured at; `--resume` reuses the points a previous run
+recorded with the same settings, and the report names the shas its points come from. Writes
+`DIR/report.md`, `DIR/goodput.json` and one plot per trace, and prints the tables (also when
+matplotlib is missing).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import hashlib
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 import orjson
 
@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, help="override the config's seed")
     parser.add_argument("--out", default="bench-goodput", help="output directory (default bench-goodput)")
     parser.add_argument(
-        "--resume", action="store_true", help="reuse DIR/points.jsonl points of the same settings and git sha"
+        "--resume", action="store_true", help="reuse the points DIR/points.jsonl holds for the same settings"
     )
     parser.add_argument("--quiet", action="store_true", help="no line per simulated point")
     parser.add_argument(
@@ -104,10 +104,13 @@ def effective_config(args: argparse.Namespace) -> GoodputConfig:
     )
 
 
-def fingerprint(meta: dict[str, Any], cfg: GoodputConfig, trace: str, args: argparse.Namespace) -> str:
-    """What a point's result depends on besides policy and rate: code, trace, slice, settings."""
+def fingerprint(cfg: GoodputConfig, trace: str, args: argparse.Namespace) -> str:
+    """What a point's result depends on besides policy, rate and code: trace, slice, SLOs, settings.
+
+    The code is not in it: each stored point carries the git sha it was measured at, and the
+    report names every sha its points come from (rerun without `--resume` after changing the
+    simulator or a policy)."""
     doc = {
-        "git_sha": meta["git_sha"],
         "trace": trace,
         "spec": cfg.traces[trace].model_dump(),
         "workers": cfg.workers,
@@ -120,27 +123,45 @@ def fingerprint(meta: dict[str, Any], cfg: GoodputConfig, trace: str, args: argp
     return hashlib.sha256(orjson.dumps(doc, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
 
 
-class PointStore:
-    """Every simulated point of a run, appended to `points.jsonl` as it is measured; with
-    `resume`, the points of an earlier run with the same fingerprint are found again."""
+PointKey = tuple[str, str, str, float]  # fingerprint, trace, policy, rate scale
 
-    def __init__(self, path: Path, resume: bool) -> None:
+
+class PointStore:
+    """Every simulated point of a run, appended to `points.jsonl` as it is measured, with the git
+    sha it was measured at; with `resume`, the points of an earlier run with the same fingerprint
+    are found again. `shas_used` are the shas of every point the run used."""
+
+    def __init__(self, path: Path, resume: bool, git_sha: str) -> None:
         self.path = path
-        self.known: dict[tuple[str, str, str, float], PointResult] = {}
+        self.git_sha = git_sha
+        self.known: dict[PointKey, tuple[PointResult, str]] = {}
+        self.shas_used: set[str] = set()
         if resume and path.is_file():
             for line in path.read_bytes().splitlines():
                 row = orjson.loads(line)
                 point = PointResult(**row["point"])
-                self.known[(row["fingerprint"], row["trace"], row["policy"], point.rate_scale)] = point
+                key = (row["fingerprint"], row["trace"], row["policy"], point.rate_scale)
+                self.known[key] = (point, row["git_sha"])
         elif path.exists():
             path.unlink()
 
-    def get(self, key: tuple[str, str, str, float]) -> PointResult | None:
-        return self.known.get(key)
+    def get(self, key: PointKey) -> PointResult | None:
+        found = self.known.get(key)
+        if found is None:
+            return None
+        self.shas_used.add(found[1])
+        return found[0]
 
-    def put(self, key: tuple[str, str, str, float], point: PointResult) -> None:
-        self.known[key] = point
-        row = {"fingerprint": key[0], "trace": key[1], "policy": key[2], "point": asdict(point)}
+    def put(self, key: PointKey, point: PointResult) -> None:
+        self.known[key] = (point, self.git_sha)
+        self.shas_used.add(self.git_sha)
+        row = {
+            "fingerprint": key[0],
+            "trace": key[1],
+            "policy": key[2],
+            "git_sha": self.git_sha,
+            "point": asdict(point),
+        }
         with self.path.open("ab") as f:
             f.write(orjson.dumps(row) + b"\n")
 
@@ -233,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = run_metadata()
-    store = PointStore(out / "points.jsonl", args.resume)
+    store = PointStore(out / "points.jsonl", args.resume, meta["git_sha"])
     outcomes: list[TraceOutcome] = []
     sections: list[str] = []
     plot_note: str | None = None
@@ -245,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
         except (TraceFormatError, ValueError) as exc:
             print(f"kvgate bench goodput: error: {exc}", file=sys.stderr)
             return 2
-        outcome = measure_trace(setup, cfg, store, fingerprint(meta, cfg, name, args), quiet=args.quiet)
+        outcome = measure_trace(setup, cfg, store, fingerprint(cfg, name, args), quiet=args.quiet)
         outcomes.append(outcome)
         table = trace_table(outcome, cfg)
         sections.append(table)
@@ -256,10 +277,13 @@ def run(args: argparse.Namespace) -> int:
             except PlotUnavailable as exc:
                 plot_note = str(exc)
                 print(plot_note, file=sys.stderr)
+    meta = {**meta, "points_measured_at": sorted(store.shas_used)}
     header = (
-        f"kvgate bench goodput  git {meta['git_sha']}  seed {cfg.seed}  {cfg.workers} workers  "
+        f"kvgate bench goodput  git {meta['git_sha']} (points measured at "
+        f"{', '.join(meta['points_measured_at'])})  seed {cfg.seed}  {cfg.workers} workers  "
         f"profile {cfg.profile}  share {cfg.attainment_share:g}  tolerance {cfg.tolerance:g}"
     )
+    print(header)
     (out / "report.md").write_text(header + "\n\n" + "\n\n".join(sections) + "\n")
     doc = run_document(meta, cfg, outcomes)
     options = orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -54,6 +55,20 @@ def capacity_ratio(a: Capacity, b: Capacity) -> str:
     if b.failing_rate_scale is None and a.failing_rate_scale is not None:
         return f"≤ {ratio:.2f}×"
     return f"{ratio:.2f}×"
+
+
+def goal_text(a: Capacity, b: Capacity, goal: float = SUBJECT_GOAL) -> str:
+    """a's capacity over b's at the passing rates, the range the two search brackets allow, and
+    whether that range clears `goal` (met), stays below it (missed) or straddles it."""
+    if a.rate_scale is None:
+        return f"no capacity (goal ≥ {goal:g}×: missed)"
+    if b.rate_scale is None:
+        return f"∞ (goal ≥ {goal:g}×: met)"
+    ratio = a.rate_scale / b.rate_scale
+    low = a.rate_scale / b.failing_rate_scale if b.failing_rate_scale is not None else 0.0
+    high = a.failing_rate_scale / b.rate_scale if a.failing_rate_scale is not None else math.inf
+    verdict = "met" if low >= goal else "missed" if high < goal else "undecided within the brackets"
+    return f"{ratio:.3f}× ({low:.2f}–{high:.2f}× within the search brackets; goal ≥ {goal:g}×: {verdict})"
 
 
 def best_other(outcome: TraceOutcome, subject: str) -> str | None:
@@ -111,14 +126,9 @@ def _reading(outcome: TraceOutcome, config: GoodputConfig) -> list[str]:
         return out
     other = best_other(outcome, subject)
     if other is not None:
-        ratio = capacity_ratio(outcome.capacities[subject], outcome.capacities[other])
-        num = ratio.strip("≥≤× ")
-        try:
-            met = "met" if float(num) >= SUBJECT_GOAL else "missed"
-        except ValueError:
-            met = "met" if ratio == "∞" else "missed"
         out.append(
-            f"- {subject} against the best other policy ({other}): {ratio} (goal ≥ {SUBJECT_GOAL:g}×: {met})"
+            f"- {subject} against the best other policy ({other}): "
+            + goal_text(outcome.capacities[subject], outcome.capacities[other])
         )
     mine = outcome.at(subject, ref)
     rivals = {

@@ -78,3 +78,15 @@ def test_config_errors_name_the_field() -> None:
     bad_trace = {"t": {"ttft_slo_s": 1, "tpot_slo_s": 0.1, "reference_rate_scale": 100, "max_rate_scale": 8}}
     with pytest.raises(GoodputConfigError, match="reference_rate_scale"):
         parse_goodput_yaml(_config(traces=bad_trace))
+
+
+def test_the_goal_verdict_uses_both_brackets() -> None:
+    from loadtest.goodput.report import goal_text
+
+    other = Capacity(6.263, 6.541)
+    assert "undecided" in goal_text(Capacity(8.123, 8.482), other)  # 1.24–1.35 straddles 1.3
+    assert "1.297×" in goal_text(Capacity(8.123, 8.482), other)
+    assert goal_text(Capacity(9.0, 9.4), other).endswith("met)")  # 9.0 / 6.541 = 1.38
+    assert goal_text(Capacity(7.0, 7.3), other).endswith("missed)")  # 7.3 / 6.263 = 1.17
+    assert goal_text(Capacity(2.0, 2.1), Capacity(None, 0.1)).endswith("met)")
+    assert goal_text(Capacity(None, 0.1), other).endswith("missed)")

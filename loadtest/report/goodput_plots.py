@@ -53,6 +53,8 @@ def goodput_curves(
     """Two panels sharing a log rate axis: TTFT p99 (log, SLO dashed) and attainment (share
     dashed). A stopped replay is drawn as a hollow downward triangle at its attainment bound."""
     plt = _pyplot()
+    from matplotlib.ticker import FormatStrFormatter
+
     fig, (ax_t, ax_a) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
     for i, (policy, points) in enumerate(curves.items()):
         color = f"C{i % 10}"
@@ -90,7 +92,11 @@ def goodput_curves(
     ax_a.set_ylabel("share meeting TTFT and TPOT SLOs")
     ax_a.set_xlabel("arrival rate scale (× the trace's own rate, log)")
     ax_a.set_xscale("log")
-    ax_a.set_ylim(0, 1.02)
+    for axis in (ax_a.xaxis, ax_t.yaxis):  # plain numbers on the log axes, not powers of ten
+        axis.set_major_formatter(FormatStrFormatter("%g"))
+        axis.set_minor_formatter(FormatStrFormatter("%g"))
+    lowest = min((p.attainment for pts in curves.values() for p in pts), default=0.0)
+    ax_a.set_ylim(max(0.0, min(lowest, share) - 0.05), 1.01)  # zoomed on where the curves cross
     ax_a.grid(True, which="both", alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()

@@ -48,6 +48,7 @@ BENCHMARKS: dict[str, Command] = {
     "fairness": Command(
         "loadtest.bench_fairness", "a light tenant's wait while another floods a full pool (the queue)"
     ),
+    "goodput": Command("loadtest.goodput.cli", "each policy's highest rate meeting TTFT and TPOT SLOs"),
 }
 
 

@@ -3,11 +3,13 @@
 Every target forwards non-streaming chat to the same static backend (nginx when installed, else
 `loadtest.static_backend`): the backend directly, kvgate (`python -m gateway.cli serve --config`)
 with round_robin and with the `cost` policy, sglang-router (from its own venv, see
-`loadtest/peers/install.sh`) with round_robin and cache_aware, and, with `--upstream-clients`,
+`loadtest/peers/install.sh`) with round_robin and cache_aware, smg 1.13 (its own venv too) with
+cache_aware and prefix_hash, and, with `--upstream-clients`,
 a minimal FastAPI pass-through proxy with an aiohttp and with an httpx upstream client. For each
 target: req/s and p50/p99 latency at concurrency 32 and 1 (wrk when installed, else a built-in
 aiohttp load generator), and the router process tree's CPU time (utime+stime from /proc) per
-request. Ratios are against sglang-router and the direct run of the same invocation.
+request. Ratios are against sglang-router and the direct run of the same invocation; when smg
+cache_aware ran, a second CPU ratio is against it.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from loadtest.overhead_load import (
     wait_ready,
     wrk_script,
 )
+from loadtest.peers.launch import peer_bin, smg_argv
 from policies.identity import hash_api_key
 
 # ---------------------------------------------------------------- records
@@ -145,6 +148,23 @@ def sglang_target(policy: str) -> Target:
     return Target(f"sglang-router {policy}", None, start)
 
 
+def smg_target(policy: str) -> Target:
+    """smg 1.13 (`smg launch`), ready once its worker is registered and healthy."""
+
+    def start(backend: str, workdir: Path) -> tuple[subprocess.Popen[bytes] | None, str]:
+        exe = peer_bin("smg", "smg")
+        if not exe.exists():
+            raise TargetMissing(f"smg not installed ({exe}): run loadtest/peers/install.sh smg")
+        port, metrics_port = free_port(), free_port()
+        log_path = workdir / f"smg-{policy}.log"
+        proc = spawn(list(smg_argv(str(exe), port, metrics_port, [backend], policy)), log_path)
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url + "/readiness", proc, log_path)
+        return proc, url
+
+    return Target(f"smg {policy}", "sglang-router cache_aware", start)
+
+
 def proxy_target(client: str) -> Target:
     def start(backend: str, workdir: Path) -> tuple[subprocess.Popen[bytes] | None, str]:
         port = free_port()
@@ -247,9 +267,18 @@ def git_sha() -> str:
         return "unknown"
 
 
-DEFAULT_TARGETS = ("direct", "kvgate-rr", "kvgate-cost", "sglang-rr", "sglang-cache_aware")
+DEFAULT_TARGETS = (
+    "direct",
+    "kvgate-rr",
+    "kvgate-cost",
+    "sglang-rr",
+    "sglang-cache_aware",
+    "smg-cache_aware",
+    "smg-prefix_hash",
+)
 # kvgate-cost-traced: `tracing.enabled`, every request sampled (needs the `kvgate[otel]` extra).
 TARGET_CHOICES = (*DEFAULT_TARGETS, "kvgate-cost-traced")
+SMG_BASELINE = "smg cache_aware"  # the second CPU ratio's baseline, when it ran
 
 
 def build_targets(
@@ -262,6 +291,8 @@ def build_targets(
         "kvgate-cost-traced": lambda n: kvgate_target("cost", "kvgate cost", traced=True, processes=n),
         "sglang-rr": lambda _n: sglang_target("round_robin"),
         "sglang-cache_aware": lambda _n: sglang_target("cache_aware"),
+        "smg-cache_aware": lambda _n: smg_target("cache_aware"),
+        "smg-prefix_hash": lambda _n: smg_target("prefix_hash"),
     }
     # A kvgate target runs once per `processes` value; the others once.
     targets = [table[name](n) for name in names for n in (processes if name.startswith("kvgate") else (1,))]
@@ -326,6 +357,7 @@ def _row(r: TargetResult, by_name: dict[str, TargetResult], hi: int, lo: int) ->
         _fmt(a.cpu_us_per_request if a else None, ".0f"),
         rounds,
         ratio,
+        *_smg_ratio(r, by_name, hi),
         _fmt(b.p50_ms if b else None, ".3f"),
         _fmt(b.p99_ms if b else None, ".3f"),
         _fmt(added, "+.3f"),
@@ -334,18 +366,34 @@ def _row(r: TargetResult, by_name: dict[str, TargetResult], hi: int, lo: int) ->
     return "| " + " | ".join(cells) + " |"
 
 
+def _smg_ran(by_name: dict[str, TargetResult]) -> bool:
+    smg = by_name.get(SMG_BASELINE)
+    return smg is not None and smg.missing is None and bool(smg.runs)
+
+
+def _smg_ratio(r: TargetResult, by_name: dict[str, TargetResult], hi: int) -> list[str]:
+    """The CPU ratio against smg cache_aware (same-round pairs), as a cell when smg ran."""
+    if not _smg_ran(by_name):
+        return []
+    if r.name == SMG_BASELINE:
+        return ["1.00x"]
+    paired = cpu_ratio(r, by_name[SMG_BASELINE], hi)
+    return [_fmt(paired, ".2f") + ("x" if paired is not None else "")]
+
+
 def report(results: Sequence[TargetResult], cfg: BenchConfig, backend_name: str) -> str:
     by_name = {r.name: r for r in results}
     hi, lo = max(cfg.concurrencies), min(cfg.concurrencies)
+    smg_col = " CPU vs smg cache_aware |" if _smg_ran(by_name) else ""
     lines = [
         f"kvgate bench overhead  git {git_sha()}  seed {cfg.seed}  load: {cfg.load_tool}",
         f"backend: {backend_name}",
         f"{cfg.duration_s:g}s per concurrency after {cfg.warmup_s:g}s warm-up, {cfg.repeats} round(s), "
         "medians; CPU = router process tree; CPU ratio = median over rounds of the same-round ratio",
         "",
-        f"| target | c={hi} req/s | p50 ms | p99 ms | CPU µs/req | per round | CPU ratio | c={lo} p50 ms "
-        "| p99 ms | added p50 ms vs direct | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| target | c={hi} req/s | p50 ms | p99 ms | CPU µs/req | per round | CPU ratio |{smg_col} "
+        f"c={lo} p50 ms | p99 ms | added p50 ms vs direct | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if smg_col else ""),
     ]
     lines += [_row(r, by_name, hi, lo) for r in results]
     return "\n".join(lines)

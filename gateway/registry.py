@@ -20,7 +20,8 @@ import aiohttp
 from gateway.breaker import CircuitBreaker
 from gateway.config import PoolConfig
 from gateway.scrape import WorkerMetrics
-from policies.base import WorkerId, WorkerView
+from policies.base import Role, WorkerId, WorkerView
+from policies.pd import SGLANG_ROLES, VLLM_ROLES, PdRouter, PdSettings
 
 log = logging.getLogger("kvgate.registry")
 
@@ -60,6 +61,7 @@ class Worker:
         "_healthy",
         "_metrics",
         "_oks",
+        "_role",
         "_version",
         "_view",
         "_view_until_s",
@@ -71,7 +73,6 @@ class Worker:
         "max_in_flight",
         "metrics_at_s",
         "prefill_tokens",
-        "role",
         "url",
         "worker_id",
     )
@@ -94,7 +95,7 @@ class Worker:
         self._oks = 0
         self._metrics: WorkerMetrics | None = None  # last scrape, set by the scraper's callback
         self.metrics_at_s = 0.0
-        self.role: str | None = None  # from discovery (a pod's role label), e.g. prefill / decode / mixed
+        self._role: str | None = None
 
     @property
     def healthy(self) -> bool:
@@ -104,6 +105,17 @@ class Worker:
     def healthy(self, value: bool) -> None:
         self._healthy = value
         self._version += 1
+
+    @property
+    def role(self) -> str | None:
+        """The worker's role label (config or discovery): prefill, decode, mixed; None if unlabelled."""
+        return self._role
+
+    @role.setter
+    def role(self, value: str | None) -> None:
+        if value != self._role:
+            self._role = value
+            self._version += 1
 
     @property
     def metrics(self) -> WorkerMetrics | None:
@@ -150,6 +162,7 @@ class Worker:
             kv_usage=m.kv_cache_usage if m else None,
             num_gpu_blocks=m.num_gpu_blocks if m else None,
             engine_block_size=m.block_size_tokens if m else None,
+            role=Role.of(self._role),
         )
 
     def acquire(self, prompt_tokens: int, max_output_tokens: int, now_s: float) -> None:
@@ -199,15 +212,20 @@ class Pool:
         self.client_timeout = aiohttp.ClientTimeout(
             total=t.total_s, sock_connect=t.connect_s, sock_read=t.read_s
         )
-        self.set_urls(config.workers)
+        # Prefill/decode disaggregation: the pair chooser of a pool with a `pd` section.
+        self.pd_router = _pd_router(config)
+        self._static_roles = config.static_roles
+        self.set_urls(config.static_urls)
 
     def set_urls(self, urls: Iterable[str], roles: Mapping[str, str | None] | None = None) -> None:
         """Replace the worker set; workers that stay keep their health, breaker and counters.
-        `roles` (by URL) comes from discovery; a worker it does not name has no role."""
+        `roles` (by URL) comes from discovery; a worker it does not name has the role the config
+        gives it (`prefill_workers`, `decode_workers`), else none."""
         wanted = [u.rstrip("/") for u in urls]
         kept = {WorkerId(u): self.workers.get(WorkerId(u)) or Worker(u, self.config) for u in wanted}
         for worker in kept.values():
-            worker.role = roles.get(worker.url) if roles else None
+            found = roles.get(worker.url) if roles else None
+            worker.role = found if found is not None else self._static_roles.get(worker.url)
         self.workers = kept
 
     async def check(self, session: aiohttp.ClientSession) -> None:
@@ -224,6 +242,21 @@ class Pool:
         if exclude:
             views = [dataclasses.replace(v, healthy=False) if v.worker_id in exclude else v for v in views]
         return views
+
+
+def _pd_router(config: PoolConfig) -> PdRouter | None:
+    pd = config.pd
+    if pd is None:
+        return None
+    settings = PdSettings(
+        roles=VLLM_ROLES if pd.protocol == "vllm" else SGLANG_ROLES,
+        transfer_setup_s=pd.transfer.setup_s,
+        transfer_bytes_per_token=pd.transfer.bytes_per_token,
+        transfer_bandwidth_bytes_per_s=pd.transfer.bandwidth_bytes_per_s,
+        conditional=pd.conditional,
+        interference_weight=pd.interference_weight,
+    )
+    return PdRouter(settings)
 
 
 class Registry:

@@ -124,12 +124,26 @@ class PdConfig(_Frozen):
 
     protocol: Literal["vllm", "sglang"] = "vllm"
     transfer: PdTransferConfig = PdTransferConfig()
-    # SGLang: the prefill workers' bootstrap port (`--disaggregation-bootstrap-port`).
+    # SGLang: the prefill workers' bootstrap port (`--disaggregation-bootstrap-port`), and the
+    # port of any prefill worker (by URL) that uses another one.
     bootstrap_port: int | None = Field(default=None, ge=1, le=65535)
+    bootstrap_ports: dict[str, Annotated[int, Field(ge=1, le=65535)]] = Field(default_factory=dict)
     # Conditional disaggregation: a request may run on one worker alone when that scores better.
     conditional: bool = True
     # Weight of the delay a prefill run on a decode worker imposes on the requests it is decoding.
     interference_weight: float = Field(default=1.0, ge=0)
+
+    @field_validator("bootstrap_ports")
+    @classmethod
+    def _port_urls(cls, ports: dict[str, int]) -> dict[str, int]:
+        for url in ports:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"worker URL {url!r} must start with http:// or https://")
+        return {u.rstrip("/"): port for u, port in ports.items()}
+
+    def bootstrap_port_of(self, url: str) -> int | None:
+        """The bootstrap port of the prefill worker at `url` (SGLang)."""
+        return self.bootstrap_ports.get(url, self.bootstrap_port)
 
 
 class PoolConfig(_Frozen):

@@ -68,6 +68,28 @@ class GatewayMetrics:
             "Full re-lists of a pool's workers after a watch ended in error",
             ("pool",),
         )
+        self.pd_requests = hot.counter(
+            "kvgate_pd_requests",
+            "Requests sent to the workers of prefill/decode pools, by the part the worker played "
+            "(prefill, decode, or alone: the whole request)",
+            ("pool", "role"),
+        )
+        self.pd_transfers = hot.counter(
+            "kvgate_pd_transfers",
+            "Decode requests sent to read a prompt's KV from a prefill worker",
+            ("pool",),
+        )
+        self.pd_transfer_failures = hot.counter(
+            "kvgate_pd_transfer_failures",
+            "Decode requests whose KV transfer failed (decode_error: the worker said so; timeout)",
+            ("pool", "reason"),
+        )
+        self.pd_skipped_splits = hot.counter(
+            "kvgate_pd_skipped_splits",
+            "Requests of prefill/decode pools served by one worker alone (cached: scored better; "
+            "no_pair: no pair available; unsplittable: several sequences; transfer_failed: recomputed)",
+            ("pool", "reason"),
+        )
         r.register(hot)
         self.discovered_workers = Gauge(
             "kvgate_discovery_workers", "Workers a pool's discovery currently reports", ["pool"], registry=r

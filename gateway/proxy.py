@@ -49,6 +49,10 @@ async def dispatch(a: Admitted, state: GatewayState) -> RawResponse | ProxyStrea
     worker's load come back)."""
     attempts: list[Attempt] = []
     try:
+        if a.pool.pd_router is not None:
+            from gateway.pd import dispatch_pd  # a prefill/decode pool; gateway.pd builds on this module
+
+            return await dispatch_pd(a, state, attempts)
         return await _dispatch(a, state, attempts)
     except asyncio.CancelledError:
         # The client left while the request waited on a worker (`disconnect.py` cancelled it);
@@ -173,7 +177,7 @@ async def _open(state: GatewayState, a: Admitted, attempt: Attempt) -> StreamSou
         )
     resp = await state.upstream().post(
         attempt.worker.url + UPSTREAM_PATHS[a.endpoint],
-        data=a.body_for(attempt.decision),
+        data=attempt.request_body(),
         headers={"content-type": "application/json", "x-request-id": a.request_id},
         timeout=a.pool.client_timeout,
     )
@@ -184,7 +188,7 @@ def _lean_request(a: Admitted, attempt: Attempt) -> bytes:
     direct = attempt.worker.direct
     assert direct is not None
     head = b"Content-Type: application/json\r\nX-Request-Id: " + a.request_id.encode() + b"\r\n"
-    return request_bytes(direct.host_header, UPSTREAM_PATHS_B[a.endpoint], head, a.body_for(attempt.decision))
+    return request_bytes(direct.host_header, UPSTREAM_PATHS_B[a.endpoint], head, attempt.request_body())
 
 
 def _is_event_stream(content_type: str) -> bool:

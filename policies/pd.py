@@ -17,9 +17,9 @@ a full prefill of the prompt on an idle worker, so options compare directly (hig
 - T_kv(D): a large fixed penalty when D's free KV (reported usage × capacity) cannot hold the
   request (it would wait for room or preempt): such a worker is chosen only when all are full.
 - alone(D) is conditional disaggregation: D computes what it lacks itself. A decode worker that
-  prefills stalls the requests it is decoding, so each of them is charged the prefill's compute
-  (`interference_weight` per running request). A prompt that is mostly cached on D costs little
-  there, and then skipping the split finishes sooner.
+  prefills stalls the requests it is decoding, so each of them (at least one) is charged the
+  prefill's compute (`interference_weight` per request). A prompt that is mostly cached on D
+  costs little there, and then skipping the split finishes sooner.
 
 The cost terms come from the policy's per-pool `CostModel` (the same model, calibrated online,
 that `cost` routes with); a policy that keeps no index supplies neither holdings nor a calibrated
@@ -290,16 +290,17 @@ class _Scorer:
         return self.out * self.cost.decode_step_s(load_of(view) + 1, context)
 
     def interference_s(self, view: WorkerView, new: int, held: int) -> float:
-        """The delay a prefill of `new` tokens on `view` adds to each request it is decoding (the
-        prefill's compute; the step's fixed cost is paid by the decodes anyway)."""
-        running = load_of(view)
+        """The delay a prefill of `new` tokens on `view` adds to the requests it decodes: the
+        prefill's compute (the step's fixed cost is paid by the decodes anyway) for each request
+        running there, and at least one (a decode worker's compute is kept for decoding: an idle
+        one's next arrivals wait behind the prefill)."""
         weight = self.settings.interference_weight
-        if new <= 0 or running == 0 or weight == 0:
+        if new <= 0 or weight == 0:
             return 0.0
         cost = self.cost
         steps = -(-new // cost.params.max_batched_tokens)
         compute = cost.prefill_s(new, held) - cost.scale * cost.params.step_s * steps
-        return weight * running * max(0.0, compute)
+        return weight * max(1, load_of(view)) * max(0.0, compute)
 
     def kv_s(self, view: WorkerView) -> float:
         """A fixed penalty when the worker's free KV (as last reported) cannot hold the request."""

@@ -90,3 +90,15 @@ def test_a_bad_pd_flag_is_refused() -> None:
         timeout=30,
     )
     assert out.returncode == 2 and "--pd takes P:D" in out.stderr
+
+
+@pytest.mark.parametrize("field", ["kv_transfer_params", "bootstrap_room"])
+def test_clients_cannot_set_the_transfer_fields(demo: tuple[str, Proc], field: str) -> None:
+    base, _ = demo
+    client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=30)
+    value: object = {"do_remote_prefill": True} if field == "kv_transfer_params" else 7
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model="kvgate-demo", messages=[{"role": "user", "content": "hi"}], extra_body={field: value}
+        )
+    assert err.value.body is not None and field in str(err.value.body)

@@ -7,12 +7,14 @@ import re
 from typing import Any
 
 import pytest
+import yaml
 
 from gateway.auth import hash_api_key
-from gateway.config import ConfigError, parse_config
+from gateway.config import ConfigError, PoolConfig, parse_config
 from gateway.registry import Pool
 from policies.base import Role
 from policies.pd import SGLANG_ROLES, VLLM_ROLES
+from tests.gateway.test_docs_config import DOC
 
 P, D, M = "http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:3"
 
@@ -82,3 +84,10 @@ def test_kubernetes_pools_split_by_their_role_label() -> None:
     k8s = {"selector": "app=w", "port": 80, "role_label": "kvgate.io/role"}
     cfg = parse_config(config(kubernetes=k8s, pd={"protocol": "vllm"}))
     assert cfg.pools[0].pd is not None and cfg.pools[0].static_urls == []
+
+
+def test_the_documented_pd_pool_is_valid() -> None:
+    block = re.search(r"### Prefill/decode pools.*?```yaml\n(.*?)```", DOC.read_text(), re.S)
+    assert block is not None
+    pool = PoolConfig.model_validate(yaml.safe_load(block.group(1))["pools"][0])
+    assert pool.pd is not None and pool.pd.protocol == "vllm" and len(pool.decode_workers) == 2

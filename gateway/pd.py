@@ -292,6 +292,7 @@ class _Run:
                 self.excluded.add(source)
             return None
         self._failed(d, result)
+        self.final = result.retry is None  # the decode worker had begun answering: not sent twice
         return None
 
     async def abandon(self) -> None:

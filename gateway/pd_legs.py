@@ -223,8 +223,8 @@ async def decode_leg(
         if source is not None:
             source.close()
         failure = failure_of(exc, stage, timeouts)
-        if failure.status == 504:
-            return TransferFailed(failure, "timeout")
+        if failure.status == 504 and failure.retry is not None:
+            return TransferFailed(failure, "timeout")  # no answer yet: the KV never came
         return failure
     except BaseException:
         if source is not None:

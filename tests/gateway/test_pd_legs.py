@@ -3,13 +3,17 @@ client's `cached_tokens` taken from the prefill worker in whole answers and stre
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+from typing import Any, cast
 
 import orjson
 import pytest
 
-from gateway.pd import splittable
-from gateway.pd_legs import PdRelay, with_cached_tokens
+from gateway.failure import Failure
+from gateway.outcome import Usage
+from gateway.pd import _both, splittable
+from gateway.pd_legs import Opened, PdRelay, Prefilled, TransferFailed, with_cached_tokens
+from policies.base import Outcome
 
 
 @pytest.mark.parametrize(
@@ -56,3 +60,40 @@ def test_the_stream_relay_rewrites_the_usage_chunk_once_it_knows_the_hit() -> No
     plain = PdRelay(strip_usage=True)
     assert plain.feed(_events(*chunks)).count(b"data:") == 2  # the usage chunk the client did not ask for
     assert plain.usage["prompt_tokens_details"]["cached_tokens"] == 99
+
+
+async def _leg(result: object, gate: asyncio.Event | None = None, stopped: list[str] | None = None) -> Any:
+    """A leg that ends with `result` once `gate` opens (at once without one); records a stop."""
+    try:
+        if gate is not None:
+            await gate.wait()
+        return result
+    except asyncio.CancelledError:
+        if stopped is not None:
+            stopped.append("stopped")
+        raise
+
+
+async def test_sglang_legs_wait_for_each_other_and_a_failure_stops_the_other() -> None:
+    ok_p, ok_d = Prefilled(None, Usage(10, 1, 0)), Opened(cast(Any, None), 200, "text/event-stream")
+    failed = Failure(502, "boom", "bad_gateway", Outcome.WORKER_FAILED)
+    # Both succeed: both results, whatever order they end in.
+    gate = asyncio.Event()
+    p_task = asyncio.create_task(_leg(ok_p, gate))
+    d_task = asyncio.create_task(_leg(ok_d))
+    waiting = asyncio.create_task(_both(p_task, d_task))
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    gate.set()
+    assert await waiting == (ok_p, ok_d)
+    # The decode leg fails first: the prefill leg (waiting for its room) is stopped.
+    stopped: list[str] = []
+    p_task = asyncio.create_task(_leg(ok_p, asyncio.Event(), stopped))
+    d_task = asyncio.create_task(_leg(TransferFailed(failed, "decode_error")))
+    assert await _both(p_task, d_task) == (None, TransferFailed(failed, "decode_error"))
+    assert stopped == ["stopped"]
+    # The prefill leg fails: the decode leg is stopped.
+    stopped.clear()
+    p_task = asyncio.create_task(_leg(failed))
+    d_task = asyncio.create_task(_leg(ok_d, asyncio.Event(), stopped))
+    assert await _both(p_task, d_task) == (failed, None) and stopped == ["stopped"]

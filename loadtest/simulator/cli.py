@@ -3,6 +3,7 @@
     kvgate simulate --trace FILE|NAME | --workload NAME [--policy NAME] [--policy-config FILE]
         [--workers N] [--kv-blocks-per-worker N] [--profile NAME] [--rate-scale X] [--seed S]
         [--isolation LEVEL] [--tenant-isolation NAME=LEVEL] [--kv-events] [--json OUT]
+        [--pd P:D [--no-pd-conditional] [--pd-interference-weight W]]
 
 Prints the summary; `--json` writes `{config, summary, workers, requests}` (format in
 docs/benchmarks.md, "Simulator output format").
@@ -21,10 +22,12 @@ import orjson
 
 from loadtest.engine import DEFAULT_PROFILE, Engine, EngineConfig, EngineRequest, ProfileError, load_profile
 from loadtest.engine.hashing import block_hashes
+from loadtest.engine.profile import StepProfile
 from loadtest.report.meta import run_metadata
 from loadtest.report.progress import ProgressBar
 from loadtest.simulator.keys import KeyPath
 from loadtest.simulator.loop import EngineHooks, LoopConfig, run_loop
+from loadtest.simulator.pd import PdSim
 from loadtest.simulator.summary import summarize
 from loadtest.traces.load import load_trace
 from loadtest.traces.mooncake import TraceFormatError
@@ -33,6 +36,7 @@ from loadtest.workloads.records import WorkloadRequest, scale_arrivals
 from loadtest.workloads.registry import WORKLOADS, make_workload
 from policies.base import Isolation, RoutingPolicy
 from policies.config import PolicyConfig, PolicyConfigError, build_policy, parse_policy_yaml
+from policies.pd import VLLM_ROLES, PdRouter, PdSettings
 from policies.registry import known_policies, make_policy
 
 
@@ -80,6 +84,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--scrape-interval-s", type=float, default=1.0, help="how stale scraped metrics are")
     parser.add_argument("--max-requests", type=_positive_int, default=None, help="only the first N requests")
+    parser.add_argument(
+        "--pd",
+        metavar="P:D",
+        default=None,
+        help="prefill/decode disaggregation: P prefill and D decode workers (instead of --workers mixed "
+        "ones), pairs chosen as the gateway does (docs/pd.md)",
+    )
+    parser.add_argument(
+        "--pd-conditional",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--pd: let a request run on one decode worker alone when that scores better (default on)",
+    )
+    parser.add_argument(
+        "--pd-interference-weight",
+        type=float,
+        default=1.0,
+        help="--pd: weight of the delay a prefill on a decode worker adds to its decodes (default 1)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -153,13 +176,48 @@ def _install_precise(policy: RoutingPolicy, keys: KeyPath, block_size: int) -> b
     return True
 
 
+def pd_split(text: str | None) -> tuple[int, int] | None:
+    """`--pd P:D` as two worker counts."""
+    if text is None:
+        return None
+    try:
+        n_prefill, n_decode = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise UsageError(f"--pd takes P:D, two worker counts (e.g. 4:4), not {text!r}") from None
+    if n_prefill < 1 or n_decode < 1:
+        raise UsageError("--pd needs at least one prefill and one decode worker")
+    return n_prefill, n_decode
+
+
+def _pd_sim(args: argparse.Namespace, profile: StepProfile, split: tuple[int, int] | None) -> PdSim | None:
+    if split is None:
+        return None
+    settings = PdSettings(
+        roles=VLLM_ROLES,
+        transfer_setup_s=profile.kv_transfer_setup_ms / 1000,
+        transfer_bytes_per_token=profile.kv_bytes_per_token,
+        transfer_bandwidth_bytes_per_s=profile.kv_transfer_bytes_per_s,
+        conditional=args.pd_conditional,
+        interference_weight=args.pd_interference_weight,
+    )
+
+    def make_request(rid: str, n_prompt: int, max_out: int, hashes: Any, external: int) -> EngineRequest:
+        return EngineRequest(rid, n_prompt, max_out, hashes, external)
+
+    return PdSim(PdRouter(settings, seed=args.seed), split[0], profile.kv_transfer_s, make_request)
+
+
 def simulate(args: argparse.Namespace) -> dict[str, Any]:
     """Run one simulation; returns the JSON document."""
+    split = pd_split(args.pd)
+    if split is not None:
+        args.workers = sum(split)
     if args.workers < 1:
         raise UsageError("--workers must be at least 1")
     if args.rate_scale <= 0:
         raise UsageError("--rate-scale must be positive")
     profile = load_profile(args.profile)
+    pd = _pd_sim(args, profile, split)
     policy, policy_name = _policy(args)
     reqs, source = _requests(args)
     engine_config = EngineConfig(kv_blocks=args.kv_blocks_per_worker, seed=args.seed)
@@ -188,7 +246,7 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         engines,
         policy,
         EngineHooks(make_request, hash_tokens, keys),
-        LoopConfig(scrape_interval_s=args.scrape_interval_s, kv_events=args.kv_events),
+        LoopConfig(scrape_interval_s=args.scrape_interval_s, kv_events=args.kv_events, pd=pd),
         progress=bar.update if bar else None,
         keyed=keyed,
     )
@@ -208,6 +266,7 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
             "working_set_tokens": working_set,
             "cluster_kv_tokens": capacity_tokens,
             "cluster_kv_fraction_of_working_set": capacity_tokens / working_set if working_set else None,
+            "pd": pd.counters.as_dict() if pd is not None else None,
         }
     )
     config = {
@@ -229,6 +288,9 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         "isolation": args.isolation,
         "tenant_isolation": list(args.tenant_isolation),
         "scrape_interval_s": args.scrape_interval_s,
+        "pd": args.pd,
+        "pd_conditional": args.pd_conditional if split is not None else None,
+        "pd_interference_weight": args.pd_interference_weight if split is not None else None,
     }
     return {
         "config": config,
@@ -239,9 +301,9 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
 
 
 SUMMARY_KEYS = (
-    "n_requests", "ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "ttft_mean_s", "tpot_mean_s", "e2e_p99_s",
-    "throughput_tok_s", "hit_ratio", "ceiling_infinite", "ceiling_pooled_lru", "hit_ratio_of_ceiling",
-    "request_hit_ratio", "imbalance", "utilization", "n_rejected", "wall_time_s",
+    "n_requests", "ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "ttft_mean_s", "tpot_mean_s", "tpot_p99_s",
+    "e2e_p99_s", "throughput_tok_s", "hit_ratio", "ceiling_infinite", "ceiling_pooled_lru",
+    "hit_ratio_of_ceiling", "request_hit_ratio", "imbalance", "utilization", "n_rejected", "wall_time_s",
 )  # fmt: skip
 
 
@@ -264,6 +326,8 @@ def run(args: argparse.Namespace) -> int:
         p = s[part]
         print(f"{part:24s} hit_ratio {_fmt(p['hit_ratio'])}  ttft_p50_s {_fmt(p['ttft_p50_s'])}  "
               f"ttft_p99_s {_fmt(p['ttft_p99_s'])}")  # fmt: skip
+    if s.get("pd"):
+        print(f"{'pd':24s} " + "  ".join(f"{k} {v}" for k, v in s["pd"].items()))
     counters = s["policy_counters"]
     if counters:
         print(f"{'policy_counters':24s} " + "  ".join(f"{k} {v}" for k, v in sorted(counters.items())))

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 
 from loadtest.simulator.engine_hashes import TokenHasher, request_hashes
 from loadtest.simulator.keys import KeyedPrompt, KeyPath
-from loadtest.simulator.port import RequestFactory, SimEngine, StatsLike, StepLike
+from loadtest.simulator.pd import PdSim, PrefillLeg
+from loadtest.simulator.port import KvChanges, RequestFactory, SimEngine, StatsLike, StepLike
 from loadtest.simulator.records import RequestRecord, WorkerRecord
 from loadtest.workloads.records import WorkloadRequest
 from policies.base import (
@@ -30,6 +31,7 @@ from policies.base import (
     KvEventKind,
     Observation,
     Outcome,
+    Role,
     RouteDecision,
     RouteRequest,
     RoutingPolicy,
@@ -45,6 +47,7 @@ class LoopConfig:
     scrape_interval_s: float = 1.0
     kv_events: bool = False
     max_in_flight_per_worker: int | None = None
+    pd: PdSim | None = None  # prefill/decode roles and pair routing (loadtest/simulator/pd.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +71,10 @@ class EngineHooks:
 class _Flight:
     """A dispatched request the loop is waiting on (mutable; internal)."""
 
-    __slots__ = ("decision", "first_token_s", "keyed", "req", "route", "salt")
+    __slots__ = (
+        "decision", "first_token_s", "hashes", "keyed", "leg", "max_out", "req", "route", "salt",
+        "visible_cached",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -84,6 +90,10 @@ class _Flight:
         self.keyed = keyed
         self.salt = salt
         self.first_token_s: float | None = None
+        self.max_out = req.max_output_tokens  # the engine request's (1 for a prefill leg)
+        self.hashes: Sequence[int] = ()
+        self.leg: PrefillLeg | None = None  # P/D: set while the request's prefill leg runs
+        self.visible_cached: int | None = None  # P/D: the cached tokens the client is told
 
 
 class _Worker:
@@ -148,11 +158,13 @@ class _Loop:
         self.n_steps = 0
         self.n_calls = 0
         self.next_arrival = 0
+        self.pd = config.pd
+        self.roles = [Role.MIXED] * len(engines) if self.pd is None else self.pd.roles(len(engines))
 
     def views(self, now_s: float) -> list[WorkerView]:
         out = []
         cfg = self.config
-        for w in self.workers:
+        for i, w in enumerate(self.workers):
             if now_s - w.scrape_s >= cfg.scrape_interval_s:
                 w.scrape = w.engine.stats()
                 w.scrape_s = now_s
@@ -169,6 +181,7 @@ class _Loop:
                     kv_usage=s.kv_usage,
                     num_gpu_blocks=s.num_kv_blocks,
                     engine_block_size=w.engine.block_size,
+                    role=self.roles[i],
                 )
             )
         return out
@@ -196,7 +209,7 @@ class _Loop:
         if self.progress is not None:
             self.progress(len(self.records))
 
-    def kv_events(self, w: _Worker, out: StepLike, now_s: float) -> None:
+    def kv_events(self, w: _Worker, out: KvChanges, now_s: float) -> None:
         """The worker's KV events as the gateway decodes them: token ids of every stored block
         (chat and text prompts; a trace prompt has none), and the namespace its salt resolves to."""
         size = w.engine.block_size
@@ -234,29 +247,25 @@ class _Loop:
             f = self.flights[str(ft.request_id)]
             f.first_token_s = now_s
             w.prefill_in_flight -= f.route.n_prompt_tokens
-            w.decode_tokens += f.req.max_output_tokens
+            w.decode_tokens += f.max_out
         for fin in out.finished:
             f = self.flights.pop(str(fin.request_id))
             first = f.first_token_s if f.first_token_s is not None else now_s
-            w.decode_tokens -= f.req.max_output_tokens
+            w.decode_tokens -= f.max_out
             w.in_flight -= 1
             w.cached_tokens += fin.num_cached_tokens
             w.output_tokens += fin.num_output_tokens
-            self._record(
-                f,
-                str(w.id),
-                first,
-                now_s,
-                fin.num_prompt_tokens,
-                fin.num_cached_tokens,
-                fin.num_output_tokens,
-            )
+            if f.leg is not None and self.pd is not None:
+                self.pd.prefill_done(self, w.id, f, fin, first, now_s)
+                continue
+            cached = fin.num_cached_tokens if f.visible_cached is None else f.visible_cached
+            self._record(f, str(w.id), first, now_s, fin.num_prompt_tokens, cached, fin.num_output_tokens)
             obs = Observation(
                 f.route,
                 w.id,
                 ttft_s=first - f.req.arrival_s,
                 prompt_tokens=fin.num_prompt_tokens,
-                cached_tokens=fin.num_cached_tokens,
+                cached_tokens=cached,
                 completion_tokens=fin.num_output_tokens,
             )
             self.policy.on_complete(obs, now_s)
@@ -269,6 +278,8 @@ class _Loop:
         until_s = (
             self.requests[self.next_arrival].arrival_s if self.next_arrival < len(self.requests) else math.inf
         )
+        if self.pd is not None:
+            until_s = min(until_s, self.pd.horizon_s(self, idx))
         res = w.engine.step(now_s, until_s) if w.engine.has_work() else None
         if res is None:
             w.busy = False
@@ -286,26 +297,52 @@ class _Loop:
         if kp is None:
             kp = hooks.keys.keyed(req)
         route = hooks.keys.route_request(req, kp)
+        if self.pd is not None:
+            self.pd.arrive(self, req, kp, route, now_s)
+            return
         decision = self.policy.select(route, self.views(now_s), now_s)
         idx = self.by_id.get(decision.worker, -1) if decision is not None else -1
         if decision is None or idx < 0:
-            rejected = RouteDecision(WorkerId(""), 0.0, decision.reason if decision else "no worker")
-            self._record(_Flight(req, route, rejected), None, None, None, route.n_prompt_tokens, 0, 0)
+            self.reject(req, route, decision.reason if decision else "no worker")
             return
-        w = self.workers[idx]
+        flight = self.flight(req, route, decision, kp)
+        self.submit(
+            idx,
+            flight,
+            hooks.make_request(req.request_id, route.n_prompt_tokens, req.max_output_tokens, flight.hashes),
+            now_s,
+        )
+
+    def reject(self, req: WorkloadRequest, route: RouteRequest, reason: str) -> None:
+        """Record a request no worker could take."""
+        rejected = RouteDecision(WorkerId(""), 0.0, reason)
+        self._record(_Flight(req, route, rejected), None, None, None, route.n_prompt_tokens, 0, 0)
+
+    def flight(
+        self, req: WorkloadRequest, route: RouteRequest, decision: RouteDecision, kp: KeyedPrompt
+    ) -> _Flight:
+        """A request about to be dispatched as `decision` says, with its salt and engine hashes."""
+        hooks = self.hooks
         salt = hooks.keys.cache_salt(route, decision)
-        hashes = request_hashes(req, kp.tokens, w.engine.block_size, salt, hooks.hash_tokens)
+        flight = _Flight(req, route, decision, kp, salt)
+        size = self.workers[0].engine.block_size
+        flight.hashes = request_hashes(req, kp.tokens, size, salt, hooks.hash_tokens)
+        return flight
+
+    def submit(self, idx: int, f: _Flight, request: object, now_s: float) -> bool:
+        """Hand `request` (the engine's record of flight `f`) to worker `idx`, tell the policy of
+        the dispatch, and wake the worker; False (recorded as rejected) if the engine refuses it."""
+        w = self.workers[idx]
+        decision, route = f.decision, f.route
         try:
-            w.engine.submit(
-                hooks.make_request(req.request_id, route.n_prompt_tokens, req.max_output_tokens, hashes)
-            )
+            w.engine.submit(request)
         except ValueError:
             failed = RouteDecision(decision.worker, decision.score_s, "engine rejected")
-            self._record(_Flight(req, route, failed), None, None, None, route.n_prompt_tokens, 0, 0)
+            self._record(_Flight(f.req, route, failed), None, None, None, route.n_prompt_tokens, 0, 0)
             self.policy.on_complete(Observation(route, decision.worker, outcome=Outcome.REJECTED), now_s)
-            return
+            return False
         self.policy.on_dispatch(route, decision, now_s)
-        self.flights[req.request_id] = _Flight(req, route, decision, kp, salt)
+        self.flights[f.req.request_id] = f
         w.in_flight += 1
         w.n_requests += 1
         w.prompt_tokens += route.n_prompt_tokens
@@ -314,6 +351,13 @@ class _Loop:
             w.busy = True
             self.seq += 1
             heapq.heappush(self.heap, (now_s, self.seq, idx))
+        return True
+
+    def schedule(self, at_s: float) -> int:
+        """An event at `at_s` that is not a worker's step (a KV transfer's end): its key."""
+        self.seq += 1
+        heapq.heappush(self.heap, (at_s, self.seq, -1))
+        return self.seq
 
     def run(self) -> LoopResult:
         reqs, heap = self.requests, self.heap
@@ -325,7 +369,11 @@ class _Loop:
                 self.next_arrival += 1
                 self.arrive(reqs[i], None if self.keyed is None else self.keyed[i])
                 continue
-            t, _, idx = heapq.heappop(heap)
+            t, key, idx = heapq.heappop(heap)
+            if idx < 0:
+                assert self.pd is not None
+                self.pd.transfer_done(self, key, t)
+                continue
             self.run_step(idx, t)
         workers = tuple(
             WorkerRecord(

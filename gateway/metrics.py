@@ -86,8 +86,9 @@ class GatewayMetrics:
         )
         self.pd_skipped_splits = hot.counter(
             "kvgate_pd_skipped_splits",
-            "Requests of prefill/decode pools served by one worker alone (cached: scored better; "
-            "no_pair: no pair available; unsplittable: several sequences; transfer_failed: recomputed)",
+            "Requests of prefill/decode pools served by one worker alone (sooner: scored better than "
+            "any split; no_pair: no pair available; unsplittable: several sequences; "
+            "transfer_failed: recomputed)",
             ("pool", "reason"),
         )
         r.register(hot)

@@ -40,7 +40,7 @@ from policies.records import record
 
 SPLIT = "pd_split"
 # Why a request ran on one worker alone (the gateway counts these as skipped splits).
-ALONE_CACHED = "pd_alone_cached"  # conditional disaggregation scored it better than any split
+ALONE_SOONER = "pd_alone_sooner"  # conditional disaggregation: it finishes sooner alone
 ALONE_NO_PAIR = "pd_alone_no_pair"  # no prefill worker, or no decode worker besides it, could take it
 ALONE_UNSPLITTABLE = "pd_alone_unsplittable"  # the request cannot be split (several sequences)
 
@@ -198,7 +198,7 @@ class PdRouter:
         best = [o for o in options if o.score_s >= top - s.tie_s]
         chosen = best[0] if len(best) == 1 else self._rng.choice(best)
         if not chosen.split:
-            reason = ALONE_CACHED if split_possible else ALONE_NO_PAIR if splittable else ALONE_UNSPLITTABLE
+            reason = ALONE_SOONER if split_possible else ALONE_NO_PAIR if splittable else ALONE_UNSPLITTABLE
         else:
             reason = SPLIT
         return self._decision(req, prefill[0] if prefill else None, chosen, cost, scorer, reason)

@@ -19,7 +19,7 @@ from loadtest.simulator.pd import PdSim
 from loadtest.workloads.records import BlockPrompt, WorkloadRequest
 from policies.base import Role, RoutingPolicy
 from policies.cost_policy import CostPolicy
-from policies.pd import ALONE_CACHED, SPLIT, VLLM_ROLES, PdRouter, PdSettings
+from policies.pd import ALONE_SOONER, SPLIT, VLLM_ROLES, PdRouter, PdSettings
 from policies.registry import make_policy
 from tests.loadtest.test_simulator_cli import SMALL_GSP
 from tests.loadtest.test_simulator_loop import Spy
@@ -95,9 +95,9 @@ def test_a_turn_cached_on_the_decode_worker_skips_a_busy_prefill_queue() -> None
     # The burst's long new prompts queue on the prefill worker; the next turn, whose prefix the
     # decode worker holds (it installed it), runs there alone and its hit is the decode worker's.
     assert by_id["t1"].reason == SPLIT and by_id["b0"].reason == SPLIT
-    assert by_id["t2"].reason == ALONE_CACHED and by_id["t2"].worker == "w1"
+    assert by_id["t2"].reason == ALONE_SOONER and by_id["t2"].worker == "w1"
     assert by_id["t2"].cached_tokens == 256 * BS
-    assert pd.counters.splits + pd.counters.alone[ALONE_CACHED] == 5
+    assert pd.counters.splits + pd.counters.alone[ALONE_SOONER] == 5
     assert by_id["t2"].ttft_s is not None and by_id["b1"].ttft_s is not None
     assert by_id["t2"].ttft_s < by_id["b1"].ttft_s
 

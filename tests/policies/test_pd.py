@@ -13,8 +13,8 @@ from policies.base import Observation, Role, RouteDecision, RouteRequest, Worker
 from policies.config import PolicyConfig, build_policy
 from policies.cost_policy import CostPolicy
 from policies.pd import (
-    ALONE_CACHED,
     ALONE_NO_PAIR,
+    ALONE_SOONER,
     ALONE_UNSPLITTABLE,
     SGLANG_ROLES,
     SPLIT,
@@ -72,7 +72,7 @@ def test_a_prompt_mostly_cached_on_a_decode_worker_skips_the_split() -> None:
     router = PdRouter(PdSettings())
     decision = router.select(policy, req("turn2", [*range(300), 7, 8]), pool(), 1.0)
     assert decision is not None and decision.skip_prefill
-    assert decision.reason == ALONE_CACHED and decision.decode.worker == "d1"
+    assert decision.reason == ALONE_SOONER and decision.decode.worker == "d1"
     assert decision.decode.matched_tokens == 300 * 16
 
 
@@ -97,7 +97,7 @@ def test_a_busy_decode_worker_is_not_asked_to_prefill_much() -> None:
     assert decision is not None and decision.reason == SPLIT
     selfish = PdRouter(PdSettings(interference_weight=0.0))
     decision = selfish.select(policy, req("long2", range(300)), workers, 1.0)
-    assert decision is not None and decision.reason == ALONE_CACHED and decision.decode.worker == "d1"
+    assert decision is not None and decision.reason == ALONE_SOONER and decision.decode.worker == "d1"
 
 
 def test_the_decode_worker_is_the_less_loaded_one_and_one_with_room() -> None:

@@ -10,7 +10,7 @@ import asyncio
 import functools
 import itertools
 import os
-import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -23,7 +23,9 @@ from gateway.errors import ApiError, bad_request
 from gateway.quotas import Rejection, TenantLimiter
 from gateway.registry import Pool
 from gateway.render import render_canonical
+from gateway.retries import RETRY_COUNT_HEADER, retries_taken
 from gateway.state import GatewayState
+from gateway.upstream_headers import ClientHeaders, pick
 from policies.base import RouteDecision, RouteRequest
 from policies.identity import cache_salt_for, session_key
 from policies.records import record
@@ -33,7 +35,6 @@ Endpoint = Literal["chat", "completions"]
 # Body fields that steer an engine's internals rather than the completion. A tenant must not set
 # them: `kv_transfer_params` (vLLM disaggregated prefill: where KV is pulled from or pushed to),
 # `request_id` / `rid` (the engine's request id; the gateway names requests itself),
-# `priority` (engine scheduling; fairness between tenants is the gateway's job),
 # `data_parallel_rank` (pins an engine rank), `bootstrap_host` / `bootstrap_port` /
 # `bootstrap_room` (SGLang prefill-decode transfer), `prompt_embeds` (bypasses tokenization, so
 # the prefix keys could not describe the prompt). They are refused with 400, naming the field.
@@ -43,7 +44,6 @@ ENGINE_INTERNAL_FIELDS = frozenset(
         "kv_transfer_params",
         "request_id",
         "rid",
-        "priority",
         "data_parallel_rank",
         "bootstrap_host",
         "bootstrap_port",
@@ -60,7 +60,8 @@ class Admitted:
     `outcome.record_request` (which sets `recorded`).
 
     `forward` is the body to send upstream (the canonical body when the normalizer changed it) and
-    `raw` the client's bytes, reused as-is when nothing needs changing.
+    `encoded` the client's body as the gateway re-encoded it at parse time (without any client
+    `cache_salt`), reused when nothing else needs changing.
     """
 
     request_id: str
@@ -70,7 +71,7 @@ class Admitted:
     limiter: TenantLimiter
     pool: Pool
     model: str
-    raw: bytes
+    encoded: bytes
     forward: dict[str, Any]
     changed: bool
     stream: bool
@@ -80,6 +81,10 @@ class Admitted:
     started_s: float
     public_salt: str
     drift_field: str | None = None
+    retries_taken: int = 0  # the client's earlier tries of this call (`retries.py`)
+    priority: int = 0  # vLLM's `priority` (lower first): orders the tenant's own queued requests
+    queued_s: float | None = None  # time spent in the pool's queue (`queueing.py`), if it queued
+    client_headers: ClientHeaders = ()  # the client headers the pool forwards (`upstream_headers.py`)
     recorded: bool = False
     _encoded: dict[str | None, bytes] = field(default_factory=dict)
 
@@ -99,26 +104,32 @@ class Admitted:
         cached = self._encoded.get(salt)
         if cached is not None:
             return cached
-        if self.forward.get("cache_salt") == salt:
-            out = orjson.dumps(self.forward) if self.changed else self.raw
-        else:
+        if self.changed:
             out = orjson.dumps({**self.forward, "cache_salt": salt})
+        else:
+            # `encoded` is a non-empty JSON object with no `cache_salt` key: the salt goes first.
+            out = b'{"cache_salt":' + orjson.dumps(salt) + b"," + self.encoded[1:]
         self._encoded[salt] = out
         return out
 
 
 @record
 class RequestHead:
-    """The three request headers the hot path reads, found in one pass over the raw ASGI headers
-    (no header-object layers): `Authorization`, `x-request-id` and `Content-Length`."""
+    """The request headers the hot path reads, found in one pass over the raw ASGI headers (no
+    header-object layers): `Authorization`, `x-request-id`, `Content-Length` and the SDK's
+    `x-stainless-retry-count` (`retries.py`); `raw` is the ASGI header list itself, from which
+    a pool's `forward_headers` are picked once the pool is known."""
 
     authorization: str | None
     client_request_id: str | None
     content_length: int | None
+    retries_taken: int = 0
+    raw: Sequence[tuple[bytes, bytes]] = ()
 
     @classmethod
     def of(cls, scope: Scope) -> RequestHead:
         authorization = rid = length = None
+        taken = 0
         for name, value in scope["headers"]:
             if name == b"authorization":
                 authorization = value.decode("latin-1")
@@ -126,17 +137,23 @@ class RequestHead:
                 rid = _sane_id(value.decode("latin-1"))
             elif name == b"content-length" and value.isdigit():
                 length = int(value)
-        return cls(authorization, rid, length)
+            elif name == RETRY_COUNT_HEADER:
+                taken = retries_taken(value)
+        return cls(authorization, rid, length, taken, scope["headers"])
 
 
 @record
 class RequestIds:
     """`internal` is always made here: it names the request to the worker, the policy and the
     logs, so two clients that send the same `x-request-id` can never collide. `client` is the
-    client's own id (when sane), only echoed back and logged beside the internal one."""
+    client's own id (when sane), only echoed back and logged beside the internal one.
+    `retries_taken` numbers the client's own tries of one call (`retries.py`), and `headers` are
+    the client's raw headers (a pool may forward some, `upstream_headers.py`)."""
 
     internal: str
     client: str | None
+    retries_taken: int = 0
+    headers: Sequence[tuple[bytes, bytes]] = ()
 
     @property
     def reply(self) -> str:
@@ -155,7 +172,7 @@ def new_request_id() -> str:
 
 
 def request_ids(head: RequestHead) -> RequestIds:
-    return RequestIds(new_request_id(), head.client_request_id)
+    return RequestIds(new_request_id(), head.client_request_id, head.retries_taken, head.raw)
 
 
 def _sane_id(rid: str | None) -> str | None:
@@ -219,6 +236,7 @@ def authenticate(head: RequestHead, state: GatewayState) -> Tenant:
 
 
 def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
+    """The request body as a JSON object, with the fields routing needs checked; 400 otherwise."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -246,10 +264,34 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
     if options is not None and not isinstance(options.get("include_usage", False), bool | None):
         # A non-boolean would otherwise be read as "no usage" and silently dropped.
         raise bad_request("'stream_options.include_usage' must be a boolean", "stream_options.include_usage")
+    priority = body.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise bad_request("'priority' must be an integer (lower is served earlier)", "priority")
     if not ENGINE_INTERNAL_FIELDS.isdisjoint(body):
         name = min(ENGINE_INTERNAL_FIELDS.intersection(body))
         raise bad_request(f"'{name}' is an engine-internal field and cannot be set through the gateway", name)
     return body
+
+
+# orjson parses up to 1024 levels but encodes at most 254, and every body is encoded again on its
+# way to the worker (with the gateway's `cache_salt`), as are parts of it by the normalizer.
+MAX_JSON_DEPTH = 254
+
+
+def encode_body(body: dict[str, Any]) -> bytes:
+    """The body re-encoded without any client `cache_salt` (the gateway always sets its own).
+
+    This is also the nesting bound: encoding refuses JSON nested deeper than `MAX_JSON_DEPTH`, at
+    the cost of one `orjson.dumps`, which `Admitted.body_for` then reuses instead of encoding again
+    (faster than counting brackets in the raw bytes or walking the parsed objects in Python).
+    """
+    body.pop("cache_salt", None)
+    try:
+        return orjson.dumps(body)
+    except orjson.JSONEncodeError:
+        raise bad_request(
+            f"request body is nested too deeply: at most {MAX_JSON_DEPTH} levels of JSON objects and arrays"
+        ) from None
 
 
 def _max_output_tokens(body: dict[str, Any]) -> int:
@@ -260,25 +302,35 @@ def _max_output_tokens(body: dict[str, Any]) -> int:
     return 0
 
 
-async def admit(
-    head: RequestHead, receive: Receive, endpoint: Endpoint, state: GatewayState, ids: RequestIds
-) -> Admitted:
-    """Run every check in the order a client would expect: 401, 413, 400, 404, 429."""
-    started_s = time.monotonic()
-    request_id = ids.internal
+def enter(head: RequestHead, state: GatewayState, now_s: float) -> Tenant:
+    """What the headers alone decide, before the body is read: 401 without a valid key, 413 when
+    `Content-Length` is already too large, 429 when the tenant is at its concurrency limit or out
+    of requests. Otherwise the request takes one of its tenant's slots (`TenantLimiter.enter`),
+    which its caller gives back unless `admit` hands it to the admitted request."""
     tenant = authenticate(head, state)
-    raw = await read_body(receive, head, state.config.limits.max_body_bytes)
+    max_bytes = state.config.limits.max_body_bytes
+    if head.content_length is not None and head.content_length > max_bytes:
+        raise _too_large(max_bytes)
+    rejection = state.limiter(tenant).enter(now_s)
+    if rejection is not None:
+        raise _quota_error(rejection)
+    return tenant
+
+
+async def admit(
+    raw: bytes, endpoint: Endpoint, state: GatewayState, ids: RequestIds, tenant: Tenant, started_s: float
+) -> Admitted:
+    """Run every check that needs the body, in the order a client would expect: 400, 404, 429
+    (tokens); the request already holds its tenant's slot (`enter`)."""
+    request_id = ids.internal
     body = parse_body(raw, endpoint)
+    encoded = encode_body(body)
     model: str = body["model"]
     pool = state.registry.by_model.get(model)
     if pool is None:
         raise ApiError(
             404, f"The model '{model}' does not exist", "invalid_request_error", "model_not_found", "model"
         )
-    limiter = state.limiter(tenant)
-    early = limiter.precheck(started_s)
-    if early is not None:
-        raise _quota_error(early)
     identity, public = state.identities(pool, model, tenant)
     normalizer = state.normalizer(pool)
     try:
@@ -338,7 +390,7 @@ async def admit(
         limiter=limiter,
         pool=pool,
         model=model,
-        raw=raw,
+        encoded=encoded,
         forward=forward,
         changed=changed,
         stream=stream,
@@ -348,6 +400,9 @@ async def admit(
         started_s=started_s,
         public_salt=state.keyring.public_salt,
         drift_field=drift.field if drift is not None and drift.first_diff_block is not None else None,
+        retries_taken=ids.retries_taken,
+        priority=body.get("priority", 0),
+        client_headers=pick(ids.headers, pool.forward) if pool.forward else (),
     )
 
 

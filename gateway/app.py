@@ -21,15 +21,26 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.admin import admin_routes
-from gateway.admission import Endpoint, RequestHead, admit, request_id_of, request_ids
+from gateway.admission import (
+    Admitted,
+    Endpoint,
+    RequestHead,
+    RequestIds,
+    admit,
+    enter,
+    read_body,
+    request_id_of,
+    request_ids,
+)
+from gateway.auth import Tenant
 from gateway.disconnect import DisconnectGuard
 from gateway.errors import ApiError, error_response
 from gateway.fleet import Fleet
+from gateway.gauges import refresh_gauges
 from gateway.policy_watch import PolicyWatcher
 from gateway.proxy import dispatch
 from gateway.state import GatewayState, make_session
 from gateway.upstream import UpstreamPool
-from policies.stats import SupportsStats
 
 log = logging.getLogger("kvgate.app")
 
@@ -43,56 +54,90 @@ class GatewayApp:
     def __init__(self, state: GatewayState, fallback: Starlette) -> None:
         self.state = state
         self.fallback = fallback
+        # With tracing on, each completion runs inside its SERVER span (gateway/tracing.py).
+        self._completion = self._proxy if state.tracer is None else state.tracer.wrap(self._proxy)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             endpoint = _HOT_PATHS.get(scope["path"])
             if endpoint is not None:
-                await self._proxy(scope, receive, send, endpoint)
+                await self._completion(scope, receive, send, endpoint)
                 return
         await self.fallback(scope, receive, send)
 
     async def _proxy(self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
         state = self.state
-        if state.in_flight_requests >= state.config.limits.max_in_flight_requests:
-            state.metrics.rejected(endpoint, 503)
-            head = RequestHead.of(scope)
-            err = ApiError(
-                503,
-                "the gateway is at its limit of requests in flight; retry shortly",
-                "server_error",
-                "gateway_overloaded",
-                None,
-                {"retry-after": "1"},
-            )
-            await error_response(err, request_ids(head).reply)(scope, receive, send)
+        started_s = time.monotonic()
+        head = RequestHead.of(scope)
+        ids = request_ids(head)
+        try:
+            # The tenant's own slot first, from the headers alone; the body is read under the
+            # connection's deadline (gateway/http_limits.py) and only then is gateway-wide capacity
+            # taken: a tenant's slow or partial bodies hold its own slots, never everyone's.
+            tenant = enter(head, state, started_s)
+        except ApiError as err:
+            await self._rejected(err, endpoint, ids)(scope, receive, send)
             return
+        limiter = state.limiter(tenant)
+        try:
+            raw = await read_body(receive, head, state.config.limits.max_body_bytes)
+            if state.in_flight_requests >= state.config.limits.max_in_flight_requests:
+                raise ApiError(
+                    503,
+                    "the gateway is at its limit of requests in flight; retry shortly",
+                    "server_error",
+                    "gateway_overloaded",
+                    None,
+                    {"retry-after": "1"},
+                )
+        except ApiError as err:
+            limiter.leave()
+            await self._rejected(err, endpoint, ids)(scope, receive, send)
+            return
+        except ClientDisconnect:
+            limiter.leave()  # the client left while sending its body: nobody to answer
+            return
+        except BaseException:
+            limiter.leave()
+            raise
         state.in_flight_requests += 1
         try:
-            await self._handle(scope, receive, send, endpoint)
+            await self._handle(scope, receive, send, endpoint, raw, ids, tenant, started_s)
         finally:
             state.in_flight_requests -= 1
 
-    async def _handle(self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
+    def _rejected(self, err: ApiError, endpoint: Endpoint, ids: RequestIds) -> ASGIApp:
+        self.state.metrics.rejected(endpoint, err.status)
+        log.info(
+            "rejected",
+            extra={
+                "request_id": ids.internal,
+                "client_request_id": ids.client,
+                "status": err.status,
+                "code": err.code,
+            },
+        )
+        return error_response(err, ids.reply)
+
+    async def _handle(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        endpoint: Endpoint,
+        raw: bytes,
+        ids: RequestIds,
+        tenant: Tenant,
+        started_s: float,
+    ) -> None:
         state = self.state
-        head = RequestHead.of(scope)
-        ids = request_ids(head)
         response: ASGIApp
+        admitted: Admitted | None = None
         try:
             try:
-                admitted = await admit(head, receive, endpoint, state, ids)
+                admitted = await admit(raw, endpoint, state, ids, tenant, started_s)
             except ApiError as err:
-                state.metrics.rejected(endpoint, err.status)
-                log.info(
-                    "rejected",
-                    extra={
-                        "request_id": ids.internal,
-                        "client_request_id": ids.client,
-                        "status": err.status,
-                        "code": err.code,
-                    },
-                )
-                response = error_response(err, ids.reply)
+                response = self._rejected(err, endpoint, ids)
             else:
                 guard = DisconnectGuard(receive, state.disconnects)
                 try:
@@ -103,13 +148,14 @@ class GatewayApp:
                     raise
                 finally:
                     guard.close()
-        except ClientDisconnect:
-            return  # the client left while sending its body: nobody to answer
         except Exception as exc:
             log.error("unhandled error", exc_info=exc, extra={"request_id": ids.internal})
             response = error_response(
                 ApiError(500, "internal gateway error", "server_error", "internal_error"), ids.reply
             )
+        finally:
+            if admitted is None:
+                state.limiter(tenant).leave()  # else the request's record gives the slot back
         await response(scope, receive, send)
 
 
@@ -141,10 +187,6 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
             return _json({"status": "starting"}, 503, request_id_of(request))
         return _json({"status": "ready"}, 200, request_id_of(request))
 
-    async def metrics(request: Request) -> Response:
-        _refresh_gauges(state)
-        return Response(state.metrics.render(), 200, media_type="text/plain; version=0.0.4; charset=utf-8")
-
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         state.session = make_session(state.config)
@@ -159,6 +201,11 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
         state.fleet = fleet
         try:
             await fleet.start()
+            if state.config.sync.url is not None:
+                from gateway.sync.service import SyncService  # nats-py only when sync is on
+
+                state.sync = SyncService(state, state.config.sync)
+                await state.sync.start()  # connects in the background: never waits on the broker
             await state.registry.check_all(state.session)
             state.registry.start(state.session)
             flusher = asyncio.create_task(_flush_access_log(state), name="access-log")
@@ -172,6 +219,9 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
                 flusher.cancel()
             if watcher is not None:
                 await watcher.stop()
+            if state.sync is not None:
+                await state.sync.stop()
+                state.sync = None
             await fleet.stop()
             state.fleet = None
             state.access_log.flush()
@@ -182,6 +232,8 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
                 state.lean.close()
                 state.lean = None
             state.close_executor()
+            if state.tracer is not None:
+                await asyncio.to_thread(state.tracer.shutdown)  # export the last spans
 
     routes = [
         Route("/v1/chat/completions", not_allowed, methods=["GET", "PUT", "DELETE", "PATCH"]),
@@ -189,7 +241,6 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
         Route("/v1/models", models, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
         *admin_routes(state, watcher),
     ]
     fallback = Starlette(
@@ -197,17 +248,43 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
         lifespan=lifespan,
         exception_handlers={404: _not_found, 405: _method_not_allowed, Exception: _internal},
     )
+    # Starlette would answer a trailing-slash path with a 307 whose Location is built from the
+    # client's Host header; an unknown route is a 404 like any other.
+    fallback.router.redirect_slashes = False
     return GatewayApp(state, fallback)
 
 
+def build_metrics_app(state: GatewayState) -> Starlette:
+    """`GET /metrics` alone, for the metrics listener (`metrics.listen`): the client port has no
+    metrics route, as the metrics name tenants and workers."""
+
+    async def metrics(request: Request) -> Response:
+        refresh_gauges(state)
+        return Response(state.metrics.render(), 200, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    app = Starlette(
+        routes=[Route("/metrics", metrics, methods=["GET"])],
+        exception_handlers={404: _not_found, 405: _method_not_allowed, Exception: _internal},
+    )
+    app.router.redirect_slashes = False
+    return app
+
+
 async def drain(state: GatewayState, deadline_s: float) -> None:
-    """Wait for in-flight streams to end; at the deadline, end the rest with an error event."""
+    """Wait for in-flight streams to end; at the deadline, end the rest with an error event and
+    answer the requests still queued for a worker with 503."""
     state.draining = True
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + deadline_s
     if state.active_streams:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(state.streams_idle.wait(), deadline_s)
     for stream in list(state.active_streams):
         stream.abort("gateway shutting down")
+    for queue in state.queues.values():
+        # Queued requests keep their place until the deadline (workers still free slots meanwhile).
+        await queue.until_empty(max(0.0, deadline - loop.time()))
+        queue.close()
 
 
 async def _flush_access_log(state: GatewayState) -> None:
@@ -252,26 +329,3 @@ async def _internal(request: Request, exc: Exception) -> Response:
     log.error("unhandled error", exc_info=exc, extra={"path": request.url.path})
     err = ApiError(500, "internal gateway error", "server_error", "internal_error")
     return _error(err, request_id_of(request))
-
-
-def _refresh_gauges(state: GatewayState) -> None:
-    now_s = time.monotonic()
-    m = state.metrics
-    for gauge in (m.in_flight, m.worker_healthy, m.worker_waiting, m.worker_kv_usage):
-        gauge.clear()  # workers that discovery removed must not linger
-    policy = state.policy
-    if isinstance(policy, SupportsStats):
-        stats = policy.stats()
-        for name, value in stats.counters.items():
-            state.metrics.policy_counters.labels(stats.policy, name).set(value)
-    for pool in state.registry.pools.values():
-        for worker in pool.workers.values():
-            state.metrics.in_flight.labels(pool.name, worker.url).set(worker.in_flight)
-            state.metrics.worker_healthy.labels(pool.name, worker.url).set(
-                1 if worker.healthy and worker.breaker.allows(now_s) else 0
-            )
-            view = worker.view(now_s, pool.metrics_max_age_s)
-            if view.num_requests_waiting is not None:
-                state.metrics.worker_waiting.labels(pool.name, worker.url).set(view.num_requests_waiting)
-            if view.kv_usage is not None:
-                state.metrics.worker_kv_usage.labels(pool.name, worker.url).set(view.kv_usage)

@@ -6,6 +6,8 @@ read from an environment variable or a file named here. Validation errors name t
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -13,6 +15,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gateway.k8s.config import KubernetesDiscoveryConfig
+from gateway.otel_sdk import tracing_unavailable
+from gateway.upstream_headers import check_worker_key, forwardable_name
 from policies.base import Isolation
 from prompt_normalizer.normalizer import NormalizerConfig
 
@@ -36,11 +40,35 @@ class ListenConfig(_Frozen):
 
 
 class LimitsConfig(_Frozen):
-    """Limits applied before any parsing: body size, and completions in flight across tenants
-    (beyond it: 503 with Retry-After, so every per-request structure stays bounded)."""
+    """Bounds on what clients control, applied before a request is authenticated and admitted
+    (see gateway/http_limits.py), and the completions in flight across tenants.
+
+    Per connection: the request line and headers (`max_header_bytes`, `max_headers`; beyond: 431
+    and close), the time to send them (`header_timeout_s`, from the connection's opening or its
+    first byte after idling) and then the body (`body_timeout_s`; either: 408 and close), idle
+    time between requests (`keepalive_timeout_s`), and open connections per process
+    (`max_client_connections`; beyond: closed at once). Per request: the body size (413).
+    Completions past their tenant's own slot and their body, across tenants
+    (`max_in_flight_requests`; beyond: 503 with Retry-After, so every per-request structure
+    stays bounded).
+    """
 
     max_body_bytes: PositiveInt = 8 * 1024 * 1024
     max_in_flight_requests: PositiveInt = 4096
+    max_header_bytes: int = Field(default=32 * 1024, ge=1024)
+    max_headers: PositiveInt = 100
+    header_timeout_s: PositiveFloat = 10.0
+    body_timeout_s: PositiveFloat = 30.0
+    keepalive_timeout_s: PositiveFloat = 30.0
+    max_client_connections: PositiveInt = 4096
+
+
+class MetricsConfig(_Frozen):
+    """Where Prometheus scrapes `GET /metrics`: a listener of its own, never the client port
+    (the metrics name tenants and worker URLs). Loopback by default; in a pod, the pod's address
+    (`0.0.0.0`) so that Prometheus can reach it. Port 0 picks a free port (printed at startup)."""
+
+    listen: ListenConfig = ListenConfig(port=9464)
 
 
 class DrainConfig(_Frozen):
@@ -146,6 +174,21 @@ class PdConfig(_Frozen):
         return self.bootstrap_ports.get(url, self.bootstrap_port)
 
 
+class QueueConfig(_Frozen):
+    """The pool's waiting room (gateway/queueing.py): a request that finds every routable worker
+    at `max_in_flight_per_worker` waits here for a free slot instead of failing. Tenants share
+    the freed slots by their `weight`; within a tenant, vLLM's `priority` (lower first) goes first.
+    Beyond `max_per_tenant` waiting requests of one tenant: 429; beyond `max_requests` in the
+    pool: 503; waiting longer than `timeout_s`: 503 (all with `Retry-After`). `order: fifo` serves
+    arrivals in order whatever the tenant (for comparison; one tenant's flood then delays all)."""
+
+    enabled: bool = True
+    max_requests: PositiveInt = 1024
+    max_per_tenant: PositiveInt = 256
+    timeout_s: PositiveFloat = 30.0
+    order: Literal["fair", "fifo"] = "fair"
+
+
 class PoolConfig(_Frozen):
     """A set of interchangeable workers serving the same model(s)."""
 
@@ -165,6 +208,7 @@ class PoolConfig(_Frozen):
     kv_events_topic: str = ""
     max_in_flight_per_worker: PositiveInt | None = 256
     retry_attempts: int = Field(default=2, ge=0, le=5)
+    queue: QueueConfig = QueueConfig()
     block_size_tokens: PositiveInt = 16
     timeouts: TimeoutsConfig = TimeoutsConfig()
     health: HealthConfig = HealthConfig()
@@ -175,6 +219,17 @@ class PoolConfig(_Frozen):
     # Served model id -> LoRA adapter name (vLLM serves each adapter under its own model id); the
     # adapter is bound into that model's prefix keys and matches KV events' `lora_name`.
     adapters: dict[str, str] = Field(default_factory=dict)
+    # The workers' API key (vLLM `--api-key`), from an environment variable or a file (a mounted
+    # Secret), sent as `Authorization: Bearer` on every request to them (gateway/upstream_headers.py).
+    worker_api_key_env: str | None = Field(default=None, min_length=1)
+    worker_api_key_file: str | None = Field(default=None, min_length=1)
+    # Client headers passed on to the workers; never hop-by-hop headers or credentials.
+    forward_headers: list[str] = Field(default_factory=list, max_length=32)
+
+    @field_validator("forward_headers")
+    @classmethod
+    def _forwardable(cls, names: list[str]) -> list[str]:
+        return sorted({forwardable_name(name) for name in names})
 
     @field_validator("workers", "prefill_workers", "decode_workers")
     @classmethod
@@ -223,6 +278,8 @@ class PoolConfig(_Frozen):
             raise ValueError(f"adapters: {unknown[0]!r} is not one of the pool's models")
         if any(not name for name in self.adapters.values()):
             raise ValueError("adapters: an adapter name must not be empty")
+        if self.worker_api_key_env is not None and self.worker_api_key_file is not None:
+            raise ValueError("set worker_api_key_env or worker_api_key_file, not both")
         return self
 
     def _check_roles(self) -> None:
@@ -254,6 +311,8 @@ class TenantConfig(_Frozen):
     api_key_hashes: list[str] = Field(min_length=1)
     isolation: Isolation = Isolation.STRICT
     quotas: QuotaConfig = QuotaConfig()
+    # The tenant's share of a full pool's freed worker slots, relative to the other tenants waiting.
+    weight: float = Field(default=1.0, ge=0.01, le=100.0)
 
     @field_validator("api_key_hashes")
     @classmethod
@@ -277,9 +336,19 @@ class ScrapeSettings(_Frozen):
 
 
 class TracingConfig(_Frozen):
-    """OpenTelemetry spans, one per request, through the process's configured tracer provider."""
+    """OpenTelemetry traces: a SERVER span per completion request and a CLIENT span per attempt on
+    a worker, exported by the SDK the process sets up from the standard `OTEL_*` variables
+    (`gateway/otel_sdk.py`; needs `pip install 'kvgate[otel]'`, checked when the config loads)."""
 
     enabled: bool = False
+    # `gen_ai.provider.name` of the spans: the API the workers speak (vLLM and SGLang speak OpenAI's).
+    provider_name: str = Field(default="openai", min_length=1)
+
+    @model_validator(mode="after")
+    def _sdk_present(self) -> TracingConfig:
+        if self.enabled and (problem := tracing_unavailable(os.environ)):
+            raise ValueError(problem)
+        return self
 
 
 class SecretsConfig(_Frozen):
@@ -304,6 +373,32 @@ class AdminConfig(_Frozen):
         return value
 
 
+class SyncConfig(_Frozen):
+    """Replica sync (docs/sync.md): gateways sharing one worker fleet publish their routing decisions
+    and in-flight load through a NATS broker and apply each other's. Off unless `url` is set.
+
+    The broker is never on a request's path: items wait in a queue of `queue_max_items` (the
+    oldest is dropped and counted when it is full) and go out in batches of up to
+    `batch_max_items`, `batch_interval_s` after the first of them. Every `load_refresh_s` the
+    whole in-flight load goes out even if unchanged; a peer silent for `peer_timeout_s` is
+    forgotten with its load."""
+
+    url: str | None = Field(default=None, pattern=r"^(nats|tls)://")
+    subject_prefix: str = Field(default="kvgate.sync", pattern=r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
+    batch_max_items: PositiveInt = 256
+    batch_interval_s: PositiveFloat = 0.005
+    queue_max_items: PositiveInt = 16_384
+    load_refresh_s: PositiveFloat = 1.0
+    peer_timeout_s: PositiveFloat = 5.0
+    connect_timeout_s: PositiveFloat = 2.0
+
+    @model_validator(mode="after")
+    def _timeouts(self) -> SyncConfig:
+        if self.peer_timeout_s <= self.load_refresh_s:
+            raise ValueError("peer_timeout_s must be longer than load_refresh_s")
+        return self
+
+
 class GatewayConfig(_Frozen):
     """Top level of the gateway config file."""
 
@@ -315,6 +410,8 @@ class GatewayConfig(_Frozen):
     tracing: TracingConfig = TracingConfig()
     secrets: SecretsConfig = SecretsConfig()
     admin: AdminConfig = AdminConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    sync: SyncConfig = SyncConfig()
     policy_file: str | None = None
     policy_reload_interval_s: PositiveFloat = 2.0
     pools: list[PoolConfig] = Field(min_length=1)
@@ -342,6 +439,8 @@ class GatewayConfig(_Frozen):
             raise ValueError("an API key hash is listed twice")
         if self.admin.api_key_hash is not None and self.admin.api_key_hash in hashes:
             raise ValueError("admin.api_key_hash must not also be a tenant's key")
+        if self.metrics.listen.port != 0 and self.metrics.listen.port == self.listen.port:
+            raise ValueError("metrics.listen.port must differ from listen.port (metrics never share it)")
         return self
 
 
@@ -375,6 +474,13 @@ def load_config(path: str | Path) -> GatewayConfig:
     config = parse_config(raw)
     if config.policy_file is not None and not Path(config.policy_file).is_absolute():
         config = config.model_copy(update={"policy_file": str(p.parent / config.policy_file)})
+    pools = [
+        pool.model_copy(update={"worker_api_key_file": str(p.parent / pool.worker_api_key_file)})
+        if pool.worker_api_key_file is not None and not Path(pool.worker_api_key_file).is_absolute()
+        else pool
+        for pool in config.pools
+    ]
+    config = config.model_copy(update={"pools": pools})
     if (
         config.secrets.key_hash_secret_file is not None
         and not Path(config.secrets.key_hash_secret_file).is_absolute()
@@ -406,3 +512,26 @@ def read_secret(secrets: SecretsConfig, environ: dict[str, str]) -> bytes:
             )
         return env_value.encode()
     raise ConfigError("secrets: set key_hash_secret_env or key_hash_secret_file")
+
+
+def read_worker_key(pool: PoolConfig, environ: Mapping[str, str]) -> str | None:
+    """The pool's worker API key (None when it has none): from its file (trailing whitespace
+    ignored) or its environment variable. Errors name the field and the source, never the key."""
+    if pool.worker_api_key_file is not None:
+        field_name, source = f"pools.{pool.name}.worker_api_key_file", pool.worker_api_key_file
+        try:
+            value = Path(source).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8"
+            raise ConfigError(f"{field_name}: cannot read {source!r}: {reason}") from None
+    elif pool.worker_api_key_env is not None:
+        field_name, source = f"pools.{pool.name}.worker_api_key_env", pool.worker_api_key_env
+        value = environ.get(source, "")
+        if not value:
+            raise ConfigError(f"{field_name}: environment variable {source} is not set")
+    else:
+        return None
+    try:
+        return check_worker_key(value)
+    except ValueError as exc:
+        raise ConfigError(f"{field_name}: {exc} (in {source})") from None

@@ -114,7 +114,7 @@ class Fleet:
         for url in change.added:
             worker = WorkerId(url)
             if self._scraper is not None and self._scraper.state(worker) is None:
-                self._scraper.add(worker, url)
+                self._scraper.add(worker, url, pool.auth.headers)
             self._subscribe(pool, change, url)
         for url in change.changed:  # a pod's role or KV-event endpoint changed in place
             self._subscribe(pool, change, url)

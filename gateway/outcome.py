@@ -11,6 +11,7 @@ from typing import Any
 from gateway.admission import Admitted
 from gateway.registry import Worker
 from gateway.state import GatewayState
+from gateway.tracing import AttemptTrace
 from policies.base import Observation, Outcome, RouteDecision
 from policies.records import record
 
@@ -52,6 +53,7 @@ class Attempt:
     decision: RouteDecision
     ttft_s: float | None = None
     finished: bool = False
+    trace: AttemptTrace | None = None  # the attempt's CLIENT span, with tracing on
     body: bytes | None = None  # a prefill/decode leg's own body (gateway/pd.py); else the request's
 
     def request_body(self) -> bytes:
@@ -82,6 +84,9 @@ class Attempt:
         trial without a verdict. No outcome but SERVED teaches the policy what the worker caches."""
         if not self._release():
             return
+        queue = state.queues.get(self.admitted.pool.name)
+        if queue is not None:
+            queue.slot_freed()  # a request waiting for a slot of this pool may have it
         now_s = time.monotonic()
         breaker = self.worker.breaker
         if outcome is Outcome.SERVED:
@@ -92,6 +97,9 @@ class Attempt:
                 breaker.on_failure(now_s)
             else:
                 breaker.on_abandon()
+        state.metrics.worker_outcome(self.admitted.pool.name, self.worker.url, outcome)
+        if self.trace is not None:
+            self.trace.end(outcome, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
         _feedback(state, self._observation(outcome, usage), now_s)
 
     def _observation(self, outcome: Outcome, usage: Usage) -> Observation:
@@ -129,6 +137,8 @@ def finish(
     itself, once. `attempt` is None when no worker was tried."""
     if attempt is not None:
         attempt.end(state, outcome, usage)
+        if status == 200 and admitted.stream and not admitted.recorded:
+            _time_per_output_token(state, attempt, usage)
     record_request(
         state,
         admitted,
@@ -140,6 +150,16 @@ def finish(
         retries=retries,
         error=error,
     )
+
+
+def _time_per_output_token(state: GatewayState, attempt: Attempt, usage: Usage) -> None:
+    """A streamed answer's decode time per output token after the first, as vLLM defines its
+    `request_time_per_output_token_seconds` (seen from the gateway: first chunk to the end)."""
+    tokens = usage.completion_tokens
+    if tokens is None or tokens < 2 or attempt.ttft_s is None:
+        return
+    decode_s = time.monotonic() - attempt.dispatched_s - attempt.ttft_s
+    state.metrics.time_per_output_token(attempt.admitted.model, decode_s / (tokens - 1))
 
 
 def record_request(
@@ -154,12 +174,14 @@ def record_request(
     retries: int,
     error: str | None = None,
 ) -> None:
-    """Quota release, metrics and the access log line of an admitted request (once)."""
+    """Quota release, metrics, the access log line and (with tracing on) the SERVER span's
+    attributes of an admitted request (once)."""
     a = admitted
     if a.recorded:
         return
     a.recorded = True
     now_s = time.monotonic()
+    a.limiter.reconcile(a.route.n_prompt_tokens, usage.prompt_tokens, now_s)
     a.limiter.release(usage.completion_tokens or 0, now_s)
     duration_s = now_s - a.started_s
     state.metrics.observe(
@@ -191,7 +213,8 @@ def record_request(
         "duration_ms": round(duration_s * 1000, 2),
         "error": error,
         "drift_field": a.drift_field,
+        "queue_ms": round(a.queued_s * 1000, 2) if a.queued_s is not None else None,
     }
     state.access_log.write(fields)
     if state.tracer is not None:
-        state.tracer.record(duration_s=duration_s, status=status, attributes=fields)
+        state.tracer.record(fields)

@@ -50,6 +50,7 @@ from gateway.pd_legs import (
 from gateway.registry import Worker
 from gateway.state import GatewayState
 from gateway.streaming import ProxyStream
+from gateway.upstream_conn import UpstreamReply
 from policies.base import Outcome, RouteDecision, WorkerId
 from policies.pd import PdDecision, PdRouter
 
@@ -175,9 +176,7 @@ class _Run:
         self.retry_reason = failure.retry or "worker_error"
 
     def _refused(self, attempt: Attempt, refused: Refused) -> Response:
-        answer = proxy._answer(
-            self.state, self.a, attempt, refused.status, refused.body, refused.content_type, self._retries()
-        )
+        answer = proxy._answer(self.state, self.a, attempt, refused.reply, self._retries())
         assert not isinstance(answer, Failure)  # a 4xx is always passed through
         return answer
 
@@ -339,4 +338,5 @@ def _deliver(
     body = opened.body
     if opened.status == 200 and cached is not None:
         body = with_cached_tokens(body, cached)
-    return proxy._answer(state, a, attempt, opened.status, body, opened.content_type, retries)
+    reply = UpstreamReply(opened.status, opened.content_type, body, opened.source.retry_hints)
+    return proxy._answer(state, a, attempt, reply, retries)

@@ -22,6 +22,7 @@ from gateway.outcome import Attempt, Usage, usage_of
 from gateway.sse import SseRelay, first_event_problem
 from gateway.state import GatewayState
 from gateway.streaming import StreamSource, first_events
+from gateway.upstream_conn import UpstreamReply
 from policies.base import Outcome, RouteDecision
 from policies.identity import cache_salt_for
 
@@ -137,9 +138,7 @@ class Opened:
 class Refused:
     """A leg the worker refused with a 4xx: the request's fault, answered as it is."""
 
-    status: int
-    body: bytes
-    content_type: str
+    reply: UpstreamReply
 
 
 @dataclasses.dataclass(slots=True)
@@ -161,7 +160,7 @@ async def prefill_leg(state: GatewayState, a: Admitted, attempt: Attempt) -> Pre
         source = await proxy._open(state, a, attempt)
         if source.status >= 500:
             source.close()
-            return worker_status(source.status)
+            return worker_status(source.status, source.retry_hints)
         stage = Stage.ANSWER
         body = await source.read_all()
         source.release()
@@ -174,7 +173,7 @@ async def prefill_leg(state: GatewayState, a: Admitted, attempt: Attempt) -> Pre
             source.close()
         raise
     if source.status != 200:
-        return Refused(source.status, body, source.content_type)
+        return Refused(UpstreamReply(source.status, source.content_type, body, source.retry_hints))
     try:
         parsed = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -202,7 +201,7 @@ async def decode_leg(
         source = await proxy._open(state, a, attempt)
         if source.status >= 500:
             source.close()
-            return TransferFailed(worker_status(source.status), "decode_error")
+            return TransferFailed(worker_status(source.status, source.retry_hints), "decode_error")
         if a.stream and source.status == 200 and proxy._is_event_stream(source.content_type):
             stage = Stage.FIRST_EVENT
             relay = PdRelay(a.strip_usage)
@@ -231,5 +230,5 @@ async def decode_leg(
             source.close()
         raise
     if 400 <= source.status < 500:
-        return Refused(source.status, body, source.content_type)
-    return Opened(source, source.status, source.content_type, body=body)
+        return Refused(UpstreamReply(source.status, source.content_type, body, source.retry_hints))
+    return Opened(source, source.status, source.content_type, body=body)  # a 200 (or 1xx-3xx) whole

@@ -1,8 +1,13 @@
 """Per-tenant admission control: concurrency caps and rpm / tpm token buckets.
 
-Buckets hold one minute of budget and refill continuously. Tokens are charged in two steps: the
-prompt estimate at admission, the completion tokens when the request finishes (the bucket may go
-negative then, which delays the tenant's next requests instead of failing this one).
+A request's life in its tenant's limiter: `enter` takes a concurrency slot from the headers alone
+(before the body is read, so a tenant's slow bodies hold only its own slots), `admit` charges the
+request and its prompt estimate once the body is parsed, `leave` gives the slot back when the
+request is refused before that; at the end `reconcile` corrects the prompt charge to the worker's
+own count and `release` gives the slot back and charges the completion tokens.
+
+Buckets hold one minute of budget and refill continuously. The end-of-request charges may take a
+bucket below zero, which delays the tenant's next requests instead of failing this one.
 """
 
 from __future__ import annotations
@@ -48,8 +53,9 @@ class TokenBucket:
         return 0.0 if missing <= 0 else missing / self._rate_per_s
 
     def take(self, amount: float, now_s: float) -> None:
+        """Spend `amount` (a negative amount gives back, up to the capacity)."""
         self._refill(now_s)
-        self._level -= amount
+        self._level = min(self.capacity, self._level - amount)
 
 
 class TenantLimiter:
@@ -66,21 +72,27 @@ class TenantLimiter:
             f"too many concurrent requests (limit {self._max_concurrent})", 1.0, True, "rate_limit_exceeded"
         )
 
-    def precheck(self, now_s: float) -> Rejection | None:
-        """The token-independent limits (concurrency, rpm), without reserving anything: lets the
-        gateway refuse before it spends work (or a worker's render call) on the prompt."""
+    def enter(self, now_s: float) -> Rejection | None:
+        """Take one concurrency slot for a request whose body is still to be read, or say why not
+        (at the concurrency limit, or no request left in the rpm bucket: refused before the gateway
+        reads or parses anything). The caller gives the slot back with `leave` unless the request
+        is admitted, and then with `release`."""
         if self._max_concurrent is not None and self.in_flight >= self._max_concurrent:
             return self._too_many()
         if self._rpm is not None:
             wait = self._rpm.wait_s(1, now_s)
             if wait > 0:
                 return _spent("requests per minute", wait)
+        self.in_flight += 1
         return None
 
+    def leave(self) -> None:
+        """Give back the slot of a request that was refused or abandoned before admission."""
+        self.in_flight -= 1
+
     def admit(self, prompt_tokens: int, now_s: float) -> Rejection | None:
-        """Reserve one concurrency slot, one request and `prompt_tokens` tokens, or say why not."""
-        if self._max_concurrent is not None and self.in_flight >= self._max_concurrent:
-            return self._too_many()
+        """Charge one request and its estimated `prompt_tokens` to a request that holds a slot
+        (`enter`), or say why not (the slot stays taken: the caller leaves)."""
         if self._tpm is not None:
             wait = self._tpm.wait_s(prompt_tokens, now_s)
             if math.isinf(wait):
@@ -101,10 +113,16 @@ class TenantLimiter:
             self._tpm.take(prompt_tokens, now_s)
         if self._rpm is not None:
             self._rpm.take(1, now_s)
-        self.in_flight += 1
         return None
 
+    def reconcile(self, estimated_tokens: int, prompt_tokens: int | None, now_s: float) -> None:
+        """Correct a finished request's prompt charge from the estimate taken at admission to the
+        worker's count (`usage.prompt_tokens`); without a count the estimate stands."""
+        if self._tpm is not None and prompt_tokens is not None and prompt_tokens != estimated_tokens:
+            self._tpm.take(prompt_tokens - estimated_tokens, now_s)
+
     def release(self, completion_tokens: int, now_s: float) -> None:
+        """The end of an admitted request: its slot comes back, its completion tokens are charged."""
         self.in_flight -= 1
         if self._tpm is not None and completion_tokens > 0:
             self._tpm.take(completion_tokens, now_s)

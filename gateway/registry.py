@@ -20,8 +20,10 @@ import aiohttp
 from gateway.breaker import CircuitBreaker
 from gateway.config import PoolConfig
 from gateway.scrape import WorkerMetrics
+from gateway.upstream_headers import NO_AUTH, WorkerAuth
 from policies.base import Role, WorkerId, WorkerView
 from policies.pd import SGLANG_ROLES, VLLM_ROLES, PdRouter, PdSettings
+from policies.peer_sync import PeerLoad, with_peer_load
 
 log = logging.getLogger("kvgate.registry")
 
@@ -61,6 +63,7 @@ class Worker:
         "_healthy",
         "_metrics",
         "_oks",
+        "_peer_load",
         "_role",
         "_version",
         "_view",
@@ -96,6 +99,7 @@ class Worker:
         self._metrics: WorkerMetrics | None = None  # last scrape, set by the scraper's callback
         self.metrics_at_s = 0.0
         self._role: str | None = None
+        self._peer_load: PeerLoad | None = None  # other gateways' in-flight here (replica sync)
 
     @property
     def healthy(self) -> bool:
@@ -127,6 +131,11 @@ class Worker:
         self.metrics_at_s = scraped_at_s
         self._version += 1
 
+    def note_peer_load(self, load: PeerLoad | None) -> None:
+        """Other gateways' summed in-flight load on this worker (None: none), from replica sync."""
+        self._peer_load = load
+        self._version += 1
+
     def view(self, now_s: float, metrics_max_age_s: float = 5.0) -> WorkerView:
         view = self._view
         if (
@@ -150,7 +159,7 @@ class Worker:
         m = self._metrics
         if m is not None and now_s - self.metrics_at_s > metrics_max_age_s:
             m = None  # stale: the policy sees only the gateway's own accounting
-        return WorkerView(
+        view = WorkerView(
             worker_id=self.worker_id,
             healthy=self.healthy and self.breaker.allows(now_s),
             in_flight_requests=self.in_flight,
@@ -164,6 +173,7 @@ class Worker:
             engine_block_size=m.block_size_tokens if m else None,
             role=Role.of(self._role),
         )
+        return view if self._peer_load is None else with_peer_load(view, self._peer_load)
 
     def acquire(self, prompt_tokens: int, max_output_tokens: int, now_s: float) -> None:
         self._version += 1
@@ -201,11 +211,15 @@ class Worker:
 
 
 class Pool:
-    """The workers of one pool and the config they share."""
+    """The workers of one pool and the config they share. `auth` is the pool's API key for its
+    workers, sent on every request to them (`upstream_headers.py`); `forward` the client header
+    names (lower-case ASGI bytes) its config lets through."""
 
-    def __init__(self, config: PoolConfig) -> None:
+    def __init__(self, config: PoolConfig, auth: WorkerAuth = NO_AUTH) -> None:
         self.config = config
         self.name = config.name
+        self.auth = auth
+        self.forward = frozenset(name.encode("latin-1") for name in config.forward_headers)
         self.workers: dict[WorkerId, Worker] = {}
         self.metrics_max_age_s = 5.0
         t = config.timeouts
@@ -231,9 +245,8 @@ class Pool:
     async def check(self, session: aiohttp.ClientSession) -> None:
         """One round of health checks of this pool's workers, concurrently."""
         workers = list(self.workers.values())
-        results = await asyncio.gather(
-            *(_probe(w.url, self.config.health.timeout_s, session) for w in workers)
-        )
+        timeout_s, headers = self.config.health.timeout_s, self.auth.headers
+        results = await asyncio.gather(*(_probe(w.url, timeout_s, session, headers) for w in workers))
         for worker, ok in zip(workers, results, strict=True):
             worker.record_health(ok, self.config)
 
@@ -262,11 +275,11 @@ def _pd_router(config: PoolConfig) -> PdRouter | None:
 class Registry:
     """All pools, the model → pool map, and the health-check loops (owned by the app lifespan)."""
 
-    def __init__(self, pools: Iterable[PoolConfig]) -> None:
+    def __init__(self, pools: Iterable[PoolConfig], auth: Mapping[str, WorkerAuth] | None = None) -> None:
         self.pools: dict[str, Pool] = {}
         self.by_model: dict[str, Pool] = {}
         for cfg in pools:
-            pool = Pool(cfg)
+            pool = Pool(cfg, (auth or {}).get(cfg.name, NO_AUTH))
             self.pools[cfg.name] = pool
             for model in cfg.models:
                 self.by_model[model] = pool
@@ -301,9 +314,12 @@ class Registry:
                 log.exception("health round failed", extra={"pool": pool.name})
 
 
-async def _probe(url: str, timeout_s: float, session: aiohttp.ClientSession) -> bool:
+async def _probe(
+    url: str, timeout_s: float, session: aiohttp.ClientSession, headers: Mapping[str, str]
+) -> bool:
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
     try:
-        async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        async with session.get(url + "/health", timeout=timeout, headers=headers) as resp:
             await resp.read()
             return resp.status == 200
     except (aiohttp.ClientError, TimeoutError, OSError):

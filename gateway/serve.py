@@ -12,7 +12,15 @@ import os
 import sys
 
 from gateway.auth import hash_api_key
-from gateway.config import ConfigError, GatewayConfig, ListenConfig, load_config, read_secret
+from gateway.config import (
+    ConfigError,
+    GatewayConfig,
+    ListenConfig,
+    MetricsConfig,
+    load_config,
+    read_secret,
+    read_worker_key,
+)
 from gateway.logs import setup_logging
 from gateway.policy_watch import LoadedPolicy, PolicyWatcher
 from gateway.state import PolicySwap
@@ -51,9 +59,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=None, help="listen address (default 127.0.0.1 or the config's)")
     parser.add_argument("--port", type=int, default=None, help="listen port (default 8080 or the config's)")
     parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="port of the /metrics listener (default 9464 or the config's metrics.listen; 0: a free port)",
+    )
+    parser.add_argument(
         "--demo-key", default=DEMO_KEY, help=f"demo: the API key clients use (default {DEMO_KEY})"
     )
     parser.add_argument("--log-level", default=None, help="debug, info, warning (default info)")
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="serve the port from N processes (SO_REUSEPORT) that share routing state through the "
+        "sync broker: the config's sync.url, else a local nats-server (docs/sync.md)",
+    )
+    parser.add_argument("--sync-url", default=None, help="replica sync broker URL (overrides sync.url)")
+    parser.add_argument(
+        "--reuse-port",
+        action="store_true",
+        help="bind the client port with SO_REUSEPORT (set by --processes for its children)",
+    )
 
 
 def load_policy(config: GatewayConfig) -> tuple[LoadedPolicy, PolicyWatcher | None, PolicySwap]:
@@ -74,12 +101,17 @@ def demo_policy_name() -> str:
     return "cost" if "cost" in known_policies() else "least_load"
 
 
-def _with_listen(config: GatewayConfig, host: str | None, port: int | None) -> GatewayConfig:
+def _with_listen(
+    config: GatewayConfig, host: str | None, port: int | None, metrics_port: int | None = None
+) -> GatewayConfig:
     listen = ListenConfig(
         host=host if host is not None else config.listen.host,
         port=port if port is not None else config.listen.port,
     )
-    return config.model_copy(update={"listen": listen})
+    metrics = config.metrics
+    if metrics_port is not None:
+        metrics = MetricsConfig(listen=ListenConfig(host=metrics.listen.host, port=metrics_port))
+    return config.model_copy(update={"listen": listen, "metrics": metrics})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -89,19 +121,30 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.hash_key:
             return _hash_key(args)
+        if args.processes != 1:
+            from gateway.multiproc import supervise
+
+            return supervise(args)
         if args.demo:
             from gateway.demo import run_demo
 
-            return run_demo(args, serve)
-        config = _with_listen(load_config(args.config), args.host, args.port)
+            def serve_demo(config: GatewayConfig, secret: bytes, loaded: LoadedPolicy) -> int:
+                return serve(_with_listen(config, None, None, args.metrics_port), secret, loaded)
+
+            return run_demo(args, serve_demo)
+        config = _with_listen(load_config(args.config), args.host, args.port, args.metrics_port)
+        if args.sync_url is not None:
+            config = config.model_copy(update={"sync": config.sync.model_copy(update={"url": args.sync_url})})
         if args.log_level is None:
             setup_logging(config.log_level)
         secret = read_secret(config.secrets, dict(os.environ))
+        for pool in config.pools:
+            read_worker_key(pool, os.environ)  # a missing worker key stops the start here, clearly
         loaded, watcher, swap = load_policy(config)
     except (ConfigError, PolicyConfigError) as exc:
         print(f"kvgate serve: {exc}", file=sys.stderr)
         return 2
-    return serve(config, secret, loaded, watcher, swap)
+    return serve(config, secret, loaded, watcher, swap, reuse_port=args.reuse_port)
 
 
 def _hash_key(args: argparse.Namespace) -> int:

@@ -1,8 +1,12 @@
-"""Running the app under uvicorn with kvgate's shutdown order.
+"""Running the app under uvicorn with kvgate's shutdown order, client limits and metrics listener.
 
 First signal: readiness turns 503 at once; after `shutdown_delay_s` uvicorn stops listening; open
 streams get until `deadline_s` to finish, then end with a terminal error event. A second Ctrl-C
 forces the exit.
+
+Client connections are served by `GuardedHttpToolsProtocol` (gateway/http_limits.py), whose
+deadlines are checked from uvicorn's own periodic tick. `GET /metrics` is served on a listener of
+its own (`metrics.listen`), never on the client port.
 """
 
 from __future__ import annotations
@@ -11,25 +15,42 @@ import asyncio
 import gc
 import logging
 import socket
+import sys
+import time
 from types import FrameType
+from typing import Literal
 
 import uvicorn
+from starlette.types import ASGIApp
 
-from gateway.app import build_app, drain
-from gateway.config import GatewayConfig
+from gateway.app import build_app, build_metrics_app, drain
+from gateway.config import ConfigError, GatewayConfig
+from gateway.http_limits import ClientGuard, ClientLimits, GuardedHttpToolsProtocol, GuardedServerState
 from gateway.policy_watch import LoadedPolicy, PolicyWatcher
 from gateway.precise import install_token_hasher
 from gateway.state import GatewayState, PolicySwap, build_state
+from gateway.sync import attach_after_swap
 
 log = logging.getLogger("kvgate.server")
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn.Server whose first exit signal starts a drain instead of an immediate stop."""
+    """uvicorn.Server whose first exit signal starts a drain instead of an immediate stop, which
+    enforces the client limits on its tick, and which also serves `metrics_app` on `metrics_socket`."""
 
-    def __init__(self, config: uvicorn.Config, state: GatewayState) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        state: GatewayState,
+        metrics_app: ASGIApp,
+        metrics_socket: socket.socket,
+    ) -> None:
         super().__init__(config)
         self._state = state
+        self._guard = ClientGuard(ClientLimits.of(state.config.limits), state.metrics.client_refusals)
+        self.server_state = GuardedServerState(self._guard)
+        self._metrics_config = _uvicorn_config(metrics_app, state.config, lifespan="off")
+        self._metrics_socket = metrics_socket
         self._drain_task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -41,12 +62,40 @@ class DrainingServer(uvicorn.Server):
         await super().startup(sockets)
         tune_gc()
         if self.started and self.servers:
+            metrics_config = self._metrics_config
+            metrics_config.load()
+            server_state = self.server_state
+
+            def metrics_protocol() -> asyncio.Protocol:
+                return GuardedHttpToolsProtocol(metrics_config, server_state, {}, capped=False)
+
+            # Stopped with the client listener: uvicorn's shutdown closes every server listed here.
+            metrics = await asyncio.get_running_loop().create_server(
+                metrics_protocol, sock=self._metrics_socket, backlog=metrics_config.backlog
+            )
+            self.servers.append(metrics)
             # uvicorn's own startup line is silenced (log_level warning): say where clients go,
             # with the bound port (a configured port 0 binds a free one).
-            bound = [s.getsockname() for srv in self.servers for s in (srv.sockets or [])]
-            port = bound[0][1] if bound else self.config.port
-            print(f"kvgate serve: listening, base URL {base_url(self.config.host, port)}", flush=True)
-            log.info("listening", extra={"base_url": base_url(self.config.host, port)})
+            host, port = self.config.host, _port(self.servers[0])
+            metrics_host, metrics_port = self._state.config.metrics.listen.host, _port(metrics)
+            print(
+                f"kvgate serve: listening, base URL {base_url(host, port)}, "
+                f"metrics {metrics_url(metrics_host, metrics_port)}",
+                flush=True,
+            )
+            log.info(
+                "listening",
+                extra={
+                    "base_url": base_url(host, port),
+                    "metrics_url": metrics_url(metrics_host, metrics_port),
+                },
+            )
+
+    async def on_tick(self, counter: int) -> bool:
+        self._guard.tick(time.monotonic())
+        if counter % 10 == 0:
+            self._state.metrics.client_connections.set(len(self.server_state.connections))
+        return await super().on_tick(counter)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._state.draining or self._loop is None:
@@ -67,6 +116,11 @@ class DrainingServer(uvicorn.Server):
         await drain(self._state, drain_cfg.deadline_s - delay_s)
 
 
+def _port(server: asyncio.base_events.Server) -> int:
+    sockets = server.sockets or ()
+    return int(sockets[0].getsockname()[1]) if sockets else 0
+
+
 # A request allocates a few hundred short-lived objects; at CPython's default gen-0 threshold (700)
 # the collector ran every few requests and, with its older generations holding every long-lived
 # object of the process, cost 10-20 µs of CPU per request in `kvgate bench overhead`. Young
@@ -84,8 +138,51 @@ def tune_gc() -> None:
 
 def base_url(host: str, port: int) -> str:
     """The OpenAI base URL clients use; IPv6 literals get brackets."""
-    shown = f"[{host}]" if ":" in host and not host.startswith("[") else host
-    return f"http://{shown}:{port}/v1"
+    return f"http://{_host(host)}:{port}/v1"
+
+
+def metrics_url(host: str, port: int) -> str:
+    """Where Prometheus scrapes this process."""
+    return f"http://{_host(host)}:{port}/metrics"
+
+
+def _host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def bind(host: str, port: int, what: str, *, reuse_port: bool = False) -> socket.socket:
+    """A listening-ready TCP socket on host:port (IPv6 when the host is an IPv6 literal); with
+    `reuse_port`, one that other processes may bind too (SO_REUSEPORT)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"{what}: cannot listen on {_host(host)}:{port}: {exc.strerror}") from None
+    return sock
+
+
+def _uvicorn_config(
+    app: ASGIApp, config: GatewayConfig, lifespan: Literal["on", "off"] = "on"
+) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=config.listen.host,
+        port=config.listen.port,
+        http=GuardedHttpToolsProtocol,
+        ws="none",  # no upgrades: every connection stays under the client limits
+        log_level="warning",
+        access_log=False,
+        lifespan=lifespan,
+        timeout_graceful_shutdown=int(config.drain.deadline_s) + 5,
+        timeout_keep_alive=max(1, round(config.limits.keepalive_timeout_s)),  # enforced by the guard
+        proxy_headers=False,  # client addresses are not used; no per-request header rewriting
+        server_header=False,
+    )
 
 
 def serve(
@@ -94,25 +191,28 @@ def serve(
     loaded: LoadedPolicy,
     watcher: PolicyWatcher | None = None,
     swap: PolicySwap | None = None,
+    *,
+    reuse_port: bool = False,
 ) -> int:
     state = build_state(config, secret, loaded.policy, loaded.config.normalizer)
     install_token_hasher(state, loaded.policy)
     if swap is not None:
         swap.state = state
         swap.after_swap.append(install_token_hasher)
+        swap.after_swap.append(attach_after_swap)
     app = build_app(state, watcher)
-    uv_config = uvicorn.Config(
-        app,
-        host=config.listen.host,
-        port=config.listen.port,
-        log_level="warning",
-        access_log=False,
-        lifespan="on",
-        timeout_graceful_shutdown=int(config.drain.deadline_s) + 5,
-        timeout_keep_alive=30,
-        proxy_headers=False,  # client addresses are not used; no per-request header rewriting
-        server_header=False,
-    )
-    server = DrainingServer(uv_config, state)
-    server.run()  # uvicorn's loop factory: uvloop when installed
+    sockets: list[socket.socket] = []
+    try:
+        sockets.append(bind(config.listen.host, config.listen.port, "listen", reuse_port=reuse_port))
+        sockets.append(bind(config.metrics.listen.host, config.metrics.listen.port, "metrics.listen"))
+    except ConfigError as exc:
+        for sock in sockets:
+            sock.close()
+        print(f"kvgate serve: {exc}", file=sys.stderr)
+        return 2
+    client_socket, metrics_socket = sockets
+    server = DrainingServer(_uvicorn_config(app, config), state, build_metrics_app(state), metrics_socket)
+    # With reuse_port the client port is shared with the other `kvgate serve --processes N`
+    # processes (gateway/multiproc.py).
+    server.run(sockets=[client_socket])  # uvicorn's loop factory: uvloop when installed
     return 0 if server.started else 1

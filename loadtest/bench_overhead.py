@@ -162,33 +162,51 @@ def proxy_target(client: str) -> Target:
 BENCH_SECRET = "kvgate-bench-secret"
 
 
-def kvgate_config(backend: str, policy_path: Path, port: int) -> str:
+def kvgate_config(backend: str, policy_path: Path, port: int, traced: bool = False) -> str:
     """The gateway config (schema of `gateway.config`) for one static worker and the bench key."""
     key_hash = hash_api_key(BENCH_SECRET.encode(), API_KEY)
     return json.dumps(
         {
             "listen": {"host": "127.0.0.1", "port": port},
+            "metrics": {"listen": {"host": "127.0.0.1", "port": 0}},  # any free port: runs side by side
             "policy_file": str(policy_path),
             "log_level": "warning",
             "secrets": {"key_hash_secret_env": "KVGATE_KEY_SECRET"},
             "pools": [{"name": "bench", "models": [static_backend.MODEL], "workers": [backend]}],
             "tenants": [{"name": "bench", "api_key_hashes": [key_hash]}],
+            "tracing": {"enabled": traced},
         }
     )
 
 
-def kvgate_target(policy: str, baseline: str) -> Target:
-    label = policy
+def _tracing_env(backend: str) -> dict[str, str]:
+    """Spans exported over OTLP/HTTP to the static backend, which answers 200 to the POST as a
+    collector would (its CPU is not the router's). Every request is sampled unless the caller's
+    environment sets OTEL_TRACES_SAMPLER (and _ARG)."""
+    return {
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": backend + "/v1/chat/completions",
+        "OTEL_TRACES_SAMPLER": os.environ.get("OTEL_TRACES_SAMPLER", "always_on"),
+    }
+
+
+def kvgate_target(policy: str, baseline: str, traced: bool = False, processes: int = 1) -> Target:
+    label = f"{policy} traced" if traced else policy
+    if processes > 1:
+        label = f"{label} x{processes} processes"
+        baseline = f"kvgate {policy}"  # compared with one process of the same policy
 
     def start(backend: str, workdir: Path) -> tuple[subprocess.Popen[bytes] | None, str]:
         port = free_port()
         policy_path = workdir / f"policy-{label.replace(' ', '_')}.yaml"
         policy_path.write_text(f"policy: {policy}\nseed: 0\n")
         config_path = workdir / f"kvgate-{label.replace(' ', '_')}.yaml"
-        config_path.write_text(kvgate_config(backend, policy_path, port))
+        config_path.write_text(kvgate_config(backend, policy_path, port, traced))
         log_path = workdir / f"kvgate-{label.replace(' ', '_')}.log"
         argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path)]
-        proc = spawn(argv, log_path, env={"KVGATE_KEY_SECRET": BENCH_SECRET})
+        env = {"KVGATE_KEY_SECRET": BENCH_SECRET, **(_tracing_env(backend) if traced else {})}
+        proc = spawn(argv, log_path, env=env)
         url = f"http://127.0.0.1:{port}"
         wait_ready(url + "/readyz", proc, log_path)
         return proc, url
@@ -229,18 +247,24 @@ def git_sha() -> str:
         return "unknown"
 
 
-TARGET_CHOICES = ("direct", "kvgate-rr", "kvgate-cost", "sglang-rr", "sglang-cache_aware")
+DEFAULT_TARGETS = ("direct", "kvgate-rr", "kvgate-cost", "sglang-rr", "sglang-cache_aware")
+# kvgate-cost-traced: `tracing.enabled`, every request sampled (needs the `kvgate[otel]` extra).
+TARGET_CHOICES = (*DEFAULT_TARGETS, "kvgate-cost-traced")
 
 
-def build_targets(names: Sequence[str], upstream_clients: bool) -> list[Target]:
-    table: dict[str, Callable[[], Target]] = {
-        "direct": direct_target,
-        "kvgate-rr": lambda: kvgate_target("round_robin", "sglang-router round_robin"),
-        "kvgate-cost": lambda: kvgate_target("cost", "sglang-router cache_aware"),
-        "sglang-rr": lambda: sglang_target("round_robin"),
-        "sglang-cache_aware": lambda: sglang_target("cache_aware"),
+def build_targets(
+    names: Sequence[str], upstream_clients: bool, processes: Sequence[int] = (1,)
+) -> list[Target]:
+    table: dict[str, Callable[[int], Target]] = {
+        "direct": lambda _n: direct_target(),
+        "kvgate-rr": lambda n: kvgate_target("round_robin", "sglang-router round_robin", processes=n),
+        "kvgate-cost": lambda n: kvgate_target("cost", "sglang-router cache_aware", processes=n),
+        "kvgate-cost-traced": lambda n: kvgate_target("cost", "kvgate cost", traced=True, processes=n),
+        "sglang-rr": lambda _n: sglang_target("round_robin"),
+        "sglang-cache_aware": lambda _n: sglang_target("cache_aware"),
     }
-    targets = [table[n]() for n in names]
+    # A kvgate target runs once per `processes` value; the others once.
+    targets = [table[name](n) for name in names for n in (processes if name.startswith("kvgate") else (1,))]
     if upstream_clients:
         targets += [proxy_target("aiohttp"), proxy_target("httpx")]
     return targets
@@ -347,8 +371,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--targets",
-        default=",".join(TARGET_CHOICES),
-        help=f"comma-separated among {', '.join(TARGET_CHOICES)}",
+        default=",".join(DEFAULT_TARGETS),
+        help=f"comma-separated among {', '.join(TARGET_CHOICES)} (default: all but the last)",
     )
     parser.add_argument(
         "--upstream-clients",
@@ -359,6 +383,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--stream",
         action="store_true",
         help="streamed chat (the backend answers an event stream; without the pass-through proxies)",
+    )
+    parser.add_argument(
+        "--processes",
+        default="1",
+        help="comma-separated gateway process counts for the kvgate targets (`kvgate serve --processes`)",
     )
     parser.add_argument("--json", type=Path, help="also write the results as JSON here")
 
@@ -371,8 +400,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         concurrencies = tuple(int(c) for c in args.concurrency.split(","))
+        processes = tuple(int(n) for n in args.processes.split(","))
     except ValueError:
-        print(f"--concurrency must be integers, got {args.concurrency!r}", file=sys.stderr)
+        print("--concurrency and --processes must be comma-separated integers", file=sys.stderr)
+        return 2
+    if not processes or min(processes) < 1 or max(processes) > 64:
+        print("--processes values must be in 1..64", file=sys.stderr)
         return 2
     if not concurrencies or min(concurrencies) < 1 or max(concurrencies) > 1024:
         print("--concurrency values must be in 1..1024", file=sys.stderr)
@@ -419,7 +452,7 @@ def run(args: argparse.Namespace) -> int:
             return asyncio.run(builtin_load(url, bodies, c, dur))
 
         backend_proc, backend_url, backend_name = _backend(backend, workdir, args.stream)
-        targets = build_targets(names, args.upstream_clients)
+        targets = build_targets(names, args.upstream_clients, processes)
         results = [TargetResult(t.name, t.baseline) for t in targets]
         try:
             # Rounds interleave the targets, so slow drifts of a shared machine hit all of them.

@@ -33,7 +33,11 @@ class Isolation(enum.StrEnum):
 
 @record
 class RouteRequest:
-    """One request as a policy sees it: identity, keys and size, never content."""
+    """One request as a policy sees it: identity, keys and size, never content.
+
+    `queued_requests` is the demand the workers' counters do not show yet: how many requests of
+    the pool were waiting in the gateway's queue for a free worker slot when this one was routed
+    (0 unless every worker was at its cap)."""
 
     request_id: str
     pool: str
@@ -48,6 +52,7 @@ class RouteRequest:
     max_output_tokens: int | None = None
     session_key: str | None = None
     adapter: str | None = None
+    queued_requests: int = 0
 
 
 class Role(enum.StrEnum):

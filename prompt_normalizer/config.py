@@ -18,13 +18,13 @@ docs/normalizer.md is the reference for every field.
 
 from __future__ import annotations
 
-import re
 from datetime import datetime
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from prompt_normalizer.extras import tokenizer_mode_missing
+from prompt_normalizer.linear_regex import LinearPattern
 
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 ALL_ROLES: tuple[Role, ...] = ("system", "developer", "user", "assistant", "tool", "function")
@@ -35,11 +35,11 @@ class VolatileRule(BaseModel):
     """One thing the policy declares volatile, and what to do with it.
 
     Exactly one of `field` (a message field such as `reasoning_content`) or `pattern` (a regular
-    expression matched in the text content of messages) is set. `roles` limits the messages it
-    applies to; `scope="before_last_user"` limits it to messages before the last user message
-    (earlier turns). Actions: `move_to_end` takes the matched text out of its place and puts it in
-    one trailing message (the volatile zone), `drop` removes it from the model input, and
-    `keep_and_warn` leaves it in place and adds a diagnostic.
+    expression in RE2 syntax, matched in the text content of messages in linear time) is set.
+    `roles` limits the messages it applies to; `scope="before_last_user"` limits it to messages
+    before the last user message (earlier turns). Actions: `move_to_end` takes the matched text
+    out of its place and puts it in one trailing message (the volatile zone), `drop` removes it
+    from the model input, and `keep_and_warn` leaves it in place and adds a diagnostic.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -54,13 +54,9 @@ class VolatileRule(BaseModel):
     @field_validator("pattern")
     @classmethod
     def _compiles(cls, value: str | None) -> str | None:
-        if value is not None:
-            try:
-                compiled = re.compile(value)
-            except re.error as exc:
-                raise ValueError(f"pattern does not compile: {exc}") from None
-            if compiled.match(""):
-                raise ValueError("pattern matches the empty string")
+        # RE2 runs it, in time linear in the text (prompt_normalizer/linear_regex.py).
+        if value is not None and LinearPattern(value).matches_empty():
+            raise ValueError("pattern matches the empty string")
         return value
 
     @field_validator("field")

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Sequence
 from typing import Any
 
 import orjson
 
 from prompt_normalizer.config import VolatileRule
+from prompt_normalizer.linear_regex import LinearPattern
 from prompt_normalizer.switches import Report
 
 
@@ -28,8 +28,8 @@ def text_slots(msg: dict[str, Any]) -> list[tuple[str, Any, Any]]:
 
 
 @functools.lru_cache(maxsize=256)
-def _compiled(pattern: str) -> re.Pattern[str]:
-    return re.compile(pattern)
+def _compiled(pattern: str) -> LinearPattern:
+    return LinearPattern(pattern)  # valid: the rule's validator compiled it already
 
 
 def apply_rules(
@@ -62,10 +62,10 @@ def apply_rule(rule: VolatileRule, messages: list[dict[str, Any]], moved: list[s
         assert rule.pattern is not None
         regex = _compiled(rule.pattern)
         for suffix, container, key in text_slots(msg):
-            text = container[key]
-            found = [m.group(0) for m in regex.finditer(text)]
-            if not found:
+            cut = regex.cut(container[key])
+            if cut is None:
                 continue
+            found, rest = cut
             path = f"messages[{i}].{suffix}"
             if rule.action == "keep_and_warn":
                 report.add(
@@ -74,7 +74,7 @@ def apply_rule(rule: VolatileRule, messages: list[dict[str, Any]], moved: list[s
                     changed=False,
                 )
                 continue
-            container[key] = regex.sub("", text)
+            container[key] = rest
             if rule.action == "move_to_end":
                 moved.extend(found)
             report.add(f"volatile {rule.name!r} {rule.action}: {path}, {len(found)} match(es)")

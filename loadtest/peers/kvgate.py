@@ -38,6 +38,7 @@ def build_kvgate_command(
     (workdir / "policy.yaml").write_text(yaml.safe_dump({"policy": policy, "seed": seed}))
     config = {
         "listen": {"host": "127.0.0.1", "port": port},
+        "metrics": {"listen": {"host": "127.0.0.1", "port": 0}},  # any free port: runs side by side
         "policy_file": "policy.yaml",
         "log_level": "warning",
         "pools": [

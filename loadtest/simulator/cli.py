@@ -3,6 +3,7 @@
     kvgate simulate --trace FILE|NAME | --workload NAME [--policy NAME] [--policy-config FILE]
         [--workers N] [--kv-blocks-per-worker N] [--profile NAME] [--rate-scale X] [--seed S]
         [--isolation LEVEL] [--tenant-isolation NAME=LEVEL] [--kv-events] [--json OUT]
+        [--gateways N [--sync none|broker] [--sync-delay-ms D]] [--arrival-spread-s S]
         [--pd P:D [--no-pd-conditional] [--pd-interference-weight W]]
 
 Prints the summary; `--json` writes `{config, summary, workers, requests}` (format in
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import xxhash
 
 from loadtest.engine import DEFAULT_PROFILE, Engine, EngineConfig, EngineRequest, ProfileError, load_profile
 from loadtest.engine.hashing import block_hashes
@@ -38,6 +40,9 @@ from policies.base import Isolation, RoutingPolicy
 from policies.config import PolicyConfig, PolicyConfigError, build_policy, parse_policy_yaml
 from policies.pd import VLLM_ROLES, PdRouter, PdSettings
 from policies.registry import known_policies, make_policy
+
+# The gateway's measured NATS publish-to-apply latency, batching included (docs/sync.md).
+DEFAULT_SYNC_DELAY_MS = 10.0
 
 
 def _positive_int(text: str) -> int:
@@ -103,6 +108,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="--pd: weight of the delay a prefill on a decode worker adds to its decodes (default 1)",
     )
+    parser.add_argument(
+        "--arrival-spread-s",
+        type=float,
+        default=0.0,
+        help="move each arrival later by a seeded uniform draw in [0, S) s (for traces whose "
+        "timestamps are coarse: same-stamp requests otherwise arrive at one instant)",
+    )
+    parser.add_argument(
+        "--gateways",
+        type=_positive_int,
+        default=1,
+        help="gateway instances behind an L4 balancer (default 1)",
+    )
+    parser.add_argument(
+        "--sync",
+        choices=["none", "broker"],
+        default="none",
+        help="broker: each gateway applies what the others publish (default none: each learns alone)",
+    )
+    parser.add_argument(
+        "--sync-delay-ms",
+        type=float,
+        default=DEFAULT_SYNC_DELAY_MS,
+        help=f"broker: publish-to-apply delay in ms (default {DEFAULT_SYNC_DELAY_MS:g}, see docs/sync.md)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -130,12 +160,28 @@ def _requests(args: argparse.Namespace) -> tuple[list[WorkloadRequest], str]:
         reqs = reqs[: args.max_requests]
     if args.rate_scale != 1.0:
         reqs = scale_arrivals(reqs, args.rate_scale)
+    if args.arrival_spread_s > 0:
+        reqs = spread_arrivals(reqs, args.arrival_spread_s, args.seed)
     if not reqs:
         raise UsageError("no requests to simulate")
     return reqs, source
 
 
-def _policy(args: argparse.Namespace) -> tuple[RoutingPolicy, str]:
+def spread_arrivals(reqs: list[WorkloadRequest], spread_s: float, seed: int) -> list[WorkloadRequest]:
+    """Each arrival moved later by `spread_s` × a uniform draw seeded by the request id alone."""
+    out = [
+        dataclasses.replace(
+            r, arrival_s=r.arrival_s + spread_s * xxhash.xxh64_intdigest(r.request_id.encode(), seed) / 2**64
+        )
+        for r in reqs
+    ]
+    return sorted(out, key=lambda r: r.arrival_s)
+
+
+def _policy(args: argparse.Namespace, gateway: int = 0) -> tuple[RoutingPolicy, str]:
+    """Gateway `gateway`'s policy: gateway 0 takes the seed as given, the others their own seeds
+    (independent tie-breaks, as separate processes would have)."""
+    seed = args.seed + 7919 * gateway
     if args.policy_config:
         try:
             text = Path(args.policy_config).read_text()
@@ -146,10 +192,10 @@ def _policy(args: argparse.Namespace) -> tuple[RoutingPolicy, str]:
             raise UsageError(
                 f"--policy {args.policy} contradicts {args.policy_config} (policy: {config.policy})"
             )
-        return build_policy(config), config.policy
+        return build_policy(config.model_copy(update={"seed": config.seed + 7919 * gateway})), config.policy
     name = args.policy or PolicyConfig().policy
     try:
-        return make_policy(name, seed=args.seed), name
+        return make_policy(name, seed=seed), name
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
@@ -216,9 +262,12 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError("--workers must be at least 1")
     if args.rate_scale <= 0:
         raise UsageError("--rate-scale must be positive")
+    if args.sync_delay_ms < 0 or args.arrival_spread_s < 0:
+        raise UsageError("--sync-delay-ms and --arrival-spread-s must be >= 0")
     profile = load_profile(args.profile)
     pd = _pd_sim(args, profile, split)
     policy, policy_name = _policy(args)
+    policies = [policy] + [_policy(args, g)[0] for g in range(1, args.gateways)]
     reqs, source = _requests(args)
     engine_config = EngineConfig(kv_blocks=args.kv_blocks_per_worker, seed=args.seed)
     engines = [Engine(profile, engine_config) for _ in range(args.workers)]
@@ -227,7 +276,7 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
     keys = key_path(args)
     keyed = [keys.keyed(r) for r in reqs]
     chains = [k.chain() for k in keyed]
-    precise = args.kv_events and _install_precise(policy, keys, block_size)
+    precise = args.kv_events and all([_install_precise(p, keys, block_size) for p in policies])
     capacity_tokens = args.workers * kv_blocks * block_size
     working_set = working_set_tokens(chains)
     inf = ceiling_infinite(chains)
@@ -244,9 +293,15 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
     result = run_loop(
         reqs,
         engines,
-        policy,
+        policies,
         EngineHooks(make_request, hash_tokens, keys),
-        LoopConfig(scrape_interval_s=args.scrape_interval_s, kv_events=args.kv_events, pd=pd),
+        LoopConfig(
+            scrape_interval_s=args.scrape_interval_s,
+            kv_events=args.kv_events,
+            sync_delay_s=args.sync_delay_ms / 1000 if args.sync == "broker" else None,
+            balancer_seed=args.seed,
+            pd=pd,
+        ),
         progress=bar.update if bar else None,
         keyed=keyed,
     )
@@ -256,8 +311,11 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
     summary = summarize(
         result.requests, result.workers, ceiling_infinite=inf.hit_ratio, ceiling_pooled_lru=lru.hit_ratio
     )
-    stats = getattr(policy, "stats", None)
-    counters = dict(stats().counters) if callable(stats) else {}
+    counters: dict[str, int] = {}
+    for p in policies:  # summed over the gateways
+        stats = getattr(p, "stats", None)
+        for name, value in (stats().counters if callable(stats) else {}).items():
+            counters[name] = counters.get(name, 0) + value
     summary.update(
         {
             "policy_counters": counters,
@@ -267,6 +325,7 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
             "cluster_kv_tokens": capacity_tokens,
             "cluster_kv_fraction_of_working_set": capacity_tokens / working_set if working_set else None,
             "pd": pd.counters.as_dict() if pd is not None else None,
+            "sync_items_published": result.n_sync_items,
         }
     )
     config = {
@@ -282,6 +341,7 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         "block_size_tokens": block_size,
         "profile": profile.name,
         "rate_scale": args.rate_scale,
+        "arrival_spread_s": args.arrival_spread_s,
         "seed": args.seed,
         "kv_events": args.kv_events,
         "precise": precise,
@@ -291,6 +351,9 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         "pd": args.pd,
         "pd_conditional": args.pd_conditional if split is not None else None,
         "pd_interference_weight": args.pd_interference_weight if split is not None else None,
+        "gateways": args.gateways,
+        "sync": args.sync,
+        "sync_delay_ms": args.sync_delay_ms if args.sync == "broker" else None,
     }
     return {
         "config": config,

@@ -35,6 +35,7 @@ from policies.base import Observation, Role, RouteRequest, WorkerId
 from policies.pd import PdDecision, PdRouter
 
 if TYPE_CHECKING:
+    from loadtest.simulator.gateways import SimGateway
     from loadtest.simulator.loop import _Flight, _Loop
     from loadtest.simulator.port import FinishedLike
 
@@ -101,9 +102,16 @@ class PdSim:
         return [Role.PREFILL if i < self.n_prefill else Role.DECODE for i in range(n_workers)]
 
     def arrive(
-        self, loop: _Loop, req: WorkloadRequest, kp: KeyedPrompt, route: RouteRequest, now_s: float
+        self,
+        loop: _Loop,
+        gw: SimGateway,
+        req: WorkloadRequest,
+        kp: KeyedPrompt,
+        route: RouteRequest,
+        now_s: float,
     ) -> None:
-        decision = self.router.select(loop.policy, route, loop.views(now_s), now_s)
+        """Route a new request as gateway `gw` would, and send its first leg."""
+        decision = self.router.select(gw.policy, route, loop.views(now_s, gw, route.pool), now_s)
         if decision is None:
             loop.reject(req, route, "no worker")
             return
@@ -112,12 +120,12 @@ class PdSim:
         if decision.prefill is None:
             reason = decision.reason
             self.counters.alone[reason] = self.counters.alone.get(reason, 0) + 1
-            f = loop.flight(req, route, decision.decode, kp)
+            f = loop.flight(gw, req, route, decision.decode, kp)
             request = self.make_request(req.request_id, n, req.max_output_tokens, f.hashes, 0)
             loop.submit(decode_idx, f, request, now_s)
             return
         self.counters.splits += 1
-        f = loop.flight(req, route, decision.prefill, kp)
+        f = loop.flight(gw, req, route, decision.prefill, kp)
         f.leg = PrefillLeg(decision, decode_idx)
         f.max_out = 1
         request = self.make_request(req.request_id, n, 1, f.hashes, 0)
@@ -137,7 +145,8 @@ class PdSim:
             cached_tokens=fin.num_cached_tokens,
             completion_tokens=fin.num_output_tokens,
         )
-        loop.policy.on_complete(obs, now_s)
+        assert f.gateway is not None
+        f.gateway.policy.on_complete(obs, now_s)
         prefill_idx = loop.by_id[worker]
         n = f.route.n_prompt_tokens
         held = _engine(loop, leg.decode_idx).prefix_hit_tokens(f.hashes, n)

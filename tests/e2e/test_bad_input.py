@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from tests.e2e.conftest import Stack
+from tests.support.wait import wait_until_sync
 
 CHAT = "/v1/chat/completions"
 OK_BODY: dict[str, Any] = {"model": "m-ok", "messages": [{"role": "user", "content": "hi"}]}
@@ -94,6 +95,31 @@ def test_rejections(
     assert err["param"] == param
 
 
+def _nested(depth: int) -> str:
+    return '{"a": ' * (depth - 1) + "[1]" + "}" * (depth - 1)
+
+
+@pytest.mark.parametrize("depth", [300, 1023, 1100])
+@pytest.mark.parametrize("where", ["extra", "content", "tools"])
+def test_deeply_nested_json_is_400(stack: Stack, depth: int, where: str) -> None:
+    deep = _nested(depth)
+    message = '{"role": "user", "content": "x"}'
+    body = {
+        "extra": f'{{"model": "m-ok", "messages": [{message}], "metadata": {deep}}}',
+        "content": f'{{"model": "m-ok", "messages": [{{"role": "user", "content": [{deep}]}}]}}',
+        "tools": f'{{"model": "m-ok", "messages": [{message}], "tools": [{{"type": "function", '
+        f'"function": {{"name": "f", "parameters": {deep}}}}}]}}',
+    }[where]
+    err = _assert_error(_post(stack, content=body.encode()), 400, "invalid_request")
+    assert "nested" in err["message"] or "depth" in err["message"]
+
+
+def test_nesting_within_the_limit_is_served(stack: Stack) -> None:
+    message = '{"role": "user", "content": "x"}'
+    body = f'{{"model": "m-ok", "messages": [{message}], "metadata": {_nested(200)}}}'
+    assert _post(stack, content=body.encode()).status_code == 200
+
+
 def test_worker_rejection_has_the_gateway_error_shape(stack: Stack) -> None:
     for stream in (False, True):
         body = {"model": "m-reject", "messages": [{"role": "user", "content": "x"}], "stream": stream}
@@ -133,6 +159,12 @@ def test_unknown_route_and_method(stack: Stack) -> None:
     _assert_error(httpx.get(stack.base_url + CHAT, timeout=5), 405)
 
 
+def test_a_trailing_slash_is_404_without_a_redirect(stack: Stack) -> None:
+    resp = _post(stack, json=OK_BODY, path=CHAT + "/")
+    _assert_error(resp, 404, "not_found")
+    assert "location" not in resp.headers
+
+
 def test_sdk_maps_statuses_to_its_exceptions(stack: Stack) -> None:
     base = stack.base_url + "/v1"
     with pytest.raises(openai.AuthenticationError):
@@ -164,7 +196,7 @@ def test_request_bigger_than_tpm_quota_is_not_retryable(stack: Stack) -> None:
 
 def test_max_concurrent_is_429(stack: Stack) -> None:
     body = {"model": "m-slow", "messages": [{"role": "user", "content": "x"}], "stream": True}
-    started = threading.Event()
+    started, done = threading.Event(), threading.Event()
 
     def hold() -> None:
         with httpx.stream(
@@ -173,7 +205,7 @@ def test_max_concurrent_is_429(stack: Stack) -> None:
             chunks = resp.iter_raw()  # keep the iterator alive: dropping it closes the stream
             next(chunks)
             started.set()
-            time.sleep(0.5)
+            done.wait(10)
 
     t = threading.Thread(target=hold)
     t.start()
@@ -183,8 +215,10 @@ def test_max_concurrent_is_429(stack: Stack) -> None:
         _assert_error(resp, 429, "rate_limit_exceeded")
         assert resp.headers["retry-after"] == "1"
     finally:
+        done.set()
         t.join()
-    assert _post(stack, json=OK_BODY, key="sk-one").status_code == 200  # the slot came back
+    # The slot comes back once the gateway sees the client gone.
+    wait_until_sync(lambda: _post(stack, json=OK_BODY, key="sk-one").status_code == 200, what="slot back")
 
 
 def test_no_healthy_worker_is_503(stack: Stack) -> None:
@@ -212,8 +246,6 @@ def test_logs_never_contain_prompt_text(stack: Stack) -> None:
     _post(
         stack, json={"model": "m-ok", "messages": [{"role": "user", "content": secret_text}], "stream": "bad"}
     )
-    deadline = time.monotonic() + 3
-    while rid not in stack.gateway.output() and time.monotonic() < deadline:
-        time.sleep(0.05)  # access lines are flushed in batches
+    wait_until_sync(lambda: rid in stack.gateway.output())  # access lines are flushed in batches
     log = stack.gateway.output()
     assert f'"request_id":"{rid}"' in log and '"msg":"rejected"' in log and secret_text not in log

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
 import uuid
 from pathlib import Path
@@ -14,6 +13,7 @@ import openai
 import pytest
 
 from tests.e2e.conftest import Stack
+from tests.support.wait import wait_until_sync
 
 
 def _client(stack: Stack, key: str = "sk-acme") -> openai.OpenAI:
@@ -73,9 +73,7 @@ def test_inbound_request_id_is_echoed_but_never_forwarded(stack: Stack, gateway_
     internal = [r["request_id"] for r in records]
     assert len(internal) == 2 and len(set(internal)) == 2 and rid not in internal
     # The access log links the client's id to the internal one.
-    deadline = time.monotonic() + 3
-    while internal[1] not in gateway_log.read_text() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until_sync(lambda: internal[1] in gateway_log.read_text(), what="the access line is written")
     lines = [json.loads(line) for line in gateway_log.read_text().splitlines() if internal[1] in line]
     assert lines and lines[0]["client_request_id"] == rid
 
@@ -114,7 +112,7 @@ def test_every_field_is_forwarded_and_every_tenant_gets_its_own_salt(stack: Stac
     assert all(len(salt) >= 16 for salt in salts.values())
 
 
-@pytest.mark.parametrize("field", ["kv_transfer_params", "request_id", "priority", "prompt_embeds"])
+@pytest.mark.parametrize("field", ["kv_transfer_params", "request_id", "prompt_embeds"])
 def test_engine_internal_fields_are_refused(stack: Stack, field: str) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         _client(stack).chat.completions.create(
@@ -260,7 +258,7 @@ def test_models_lists_every_pool_model(stack: Stack) -> None:
 
 def test_metrics_count_requests_routing_and_tokens(stack: Stack) -> None:
     _client(stack).chat.completions.create(model="m-ok", messages=[{"role": "user", "content": "count me"}])
-    text = httpx.get(stack.base_url + "/metrics", timeout=5).text
+    text = httpx.get(stack.metrics_url, timeout=5).text
     assert 'kvgate_requests_total{endpoint="chat",model="m-ok",status="200",tenant="acme"}' in text
     assert 'kvgate_routing_decisions_total{policy="consistent_hash",reason=' in text
     assert "kvgate_prompt_tokens_total" in text and "kvgate_request_duration_seconds_bucket" in text

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -22,29 +23,35 @@ KEY = "sk-e2e-pd-demo"
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
-def metric(base: str, name: str) -> float:
+@dataclass(frozen=True)
+class Demo:
+    base: str
+    metrics: str  # the metrics listener's /metrics
+    proc: Proc
+
+
+def metric(demo: Demo, name: str) -> float:
     """The sum of every series of a gateway counter."""
-    text = httpx.get(base + "/metrics", timeout=5).text
+    text = httpx.get(demo.metrics, timeout=5).text
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
 @pytest.fixture(scope="module", params=["vllm", "sglang"])
-def demo(request: pytest.FixtureRequest) -> Iterator[tuple[str, Proc]]:
-    port = free_port()
-    argv = [sys.executable, "-m", "gateway.cli", "serve", "--demo", "--pd", "1:1"]
-    argv += ["--pd-protocol", request.param, "--port", str(port), "--demo-key", KEY]
+def demo(request: pytest.FixtureRequest) -> Iterator[Demo]:
+    port, metrics_port = free_port(), free_port()
+    argv = [sys.executable, "-m", "gateway.cli", "serve", "--demo", "--pd", "1:1", "--pd-protocol"]
+    argv += [request.param, "--port", str(port), "--metrics-port", str(metrics_port), "--demo-key", KEY]
     proc = start(argv)
     try:
         wait_http(f"http://127.0.0.1:{port}/readyz", proc, timeout_s=60)
-        yield f"http://127.0.0.1:{port}", proc
+        yield Demo(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics", proc)
     finally:
         assert proc.stop() == 0
 
 
-def test_the_first_request_is_split_and_answered_by_the_decode_worker(demo: tuple[str, Proc]) -> None:
-    base, proc = demo
-    assert "1 prefill + 1 decode emulated workers" in proc.output()
-    client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=30)
+def test_the_first_request_is_split_and_answered_by_the_decode_worker(demo: Demo) -> None:
+    assert "1 prefill + 1 decode emulated workers" in demo.proc.output()
+    client = openai.OpenAI(base_url=demo.base + "/v1", api_key=KEY, max_retries=0, timeout=30)
     messages = [{"role": "user", "content": "Explain prefill/decode disaggregation. " * 30}]
     reply = client.chat.completions.create(model="kvgate-demo", messages=messages, max_tokens=8)
     assert reply.choices[0].message.content and reply.usage is not None
@@ -52,12 +59,12 @@ def test_the_first_request_is_split_and_answered_by_the_decode_worker(demo: tupl
     # The client sees the prefill worker's hit (none yet), not the KV the decode worker received.
     assert reply.usage.prompt_tokens_details is not None
     assert reply.usage.prompt_tokens_details.cached_tokens == 0
-    assert metric(base, "kvgate_pd_transfers_total") >= 1
-    assert 'kvgate_pd_requests_total{pool="demo",role="prefill"}' in httpx.get(base + "/metrics").text
+    assert metric(demo, "kvgate_pd_transfers_total") >= 1
+    assert 'kvgate_pd_requests_total{pool="demo",role="prefill"}' in httpx.get(demo.metrics).text
 
 
-def test_the_readme_snippet_runs_against_the_pd_demo(demo: tuple[str, Proc]) -> None:
-    base, _ = demo
+def test_the_readme_snippet_runs_against_the_pd_demo(demo: Demo) -> None:
+    base = demo.base
     snippet = re.search(r"```python\n(.*?)```", README.read_text(), re.S)
     assert snippet is not None
     code = snippet.group(1).replace("http://127.0.0.1:8080/v1", base + "/v1").replace("sk-kvgate-demo", KEY)
@@ -93,9 +100,8 @@ def test_a_bad_pd_flag_is_refused() -> None:
 
 
 @pytest.mark.parametrize("field", ["kv_transfer_params", "bootstrap_room"])
-def test_clients_cannot_set_the_transfer_fields(demo: tuple[str, Proc], field: str) -> None:
-    base, _ = demo
-    client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=30)
+def test_clients_cannot_set_the_transfer_fields(demo: Demo, field: str) -> None:
+    client = openai.OpenAI(base_url=demo.base + "/v1", api_key=KEY, max_retries=0, timeout=30)
     value: object = {"do_remote_prefill": True} if field == "kv_transfer_params" else 7
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(

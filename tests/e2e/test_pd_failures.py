@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import re
 import signal
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,13 +23,13 @@ import pytest
 from tests.e2e.harness import (
     Proc,
     free_port,
-    start,
+    start_emulator,
     start_fake_workers,
     start_gateway,
     tenant,
-    wait_http,
     write_gateway_config,
 )
+from tests.support.wait import wait_until_sync
 
 KEY = "sk-e2e-pd"
 
@@ -39,6 +37,7 @@ KEY = "sk-e2e-pd"
 @dataclass
 class PdStack:
     base_url: str
+    metrics_url: str
     emulators: dict[str, Proc]
     urls: dict[str, str]
 
@@ -47,7 +46,7 @@ class PdStack:
 
     def counter(self, name: str, **labels: str) -> float:
         """A gateway counter summed over the series whose labels include `labels`."""
-        text = httpx.get(self.base_url + "/metrics", timeout=5).text
+        text = httpx.get(self.metrics_url, timeout=5).text
         total = 0.0
         for found, value in re.findall(rf"^{re.escape(name)}{{([^}}]*)}} (\S+)$", text, re.M):
             if all(f'{k}="{v}"' in found for k, v in labels.items()):
@@ -56,12 +55,7 @@ class PdStack:
 
 
 def _emulator(model: str, *args: str) -> tuple[str, Proc]:
-    port = free_port()
-    argv = [sys.executable, "-m", "loadtest.emulator", "--host", "127.0.0.1", "--port", str(port)]
-    proc = start([*argv, "--model", model, "--time-scale", "10", *args])
-    url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/health", proc, timeout_s=30)
-    return url, proc
+    return start_emulator("--host", "127.0.0.1", "--model", model, "--time-scale", "10", *args)
 
 
 @pytest.fixture(scope="module")
@@ -118,9 +112,9 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdStack]:
         config = write_gateway_config(
             Path(tmp_path_factory.mktemp("pd")) / "gateway.yaml", pools, [tenant("t", KEY)]
         )
-        port = free_port()
-        gateway = start_gateway(config, port)
-        stack = PdStack(f"http://127.0.0.1:{port}", procs, urls)
+        port, metrics_port = free_port(), free_port()
+        gateway = start_gateway(config, port, metrics_port)
+        stack = PdStack(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics", procs, urls)
         _wait_routable(stack, {"pfail": 3, "xfail": 2, "sgl": 3})
         yield stack
     finally:
@@ -130,19 +124,17 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdStack]:
             proc.stop()
 
 
-def _wait_routable(stack: PdStack, pools: dict[str, int], timeout_s: float = 20.0) -> None:
-    """Poll the gateway until each pool has that many healthy workers."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        text = httpx.get(stack.base_url + "/metrics", timeout=5).text
-        healthy = {
-            pool: len(re.findall(rf'kvgate_worker_healthy{{pool="{pool}",[^}}]*}} 1\.0', text))
-            for pool in pools
-        }
-        if all(healthy[p] >= n for p, n in pools.items()):
-            return
-        assert time.monotonic() < deadline, f"workers not routable: {healthy}"
-        time.sleep(0.05)
+def _wait_routable(stack: PdStack, pools: dict[str, int]) -> None:
+    """Wait until each pool has that many healthy workers (gateway metrics)."""
+
+    def routable() -> bool:
+        text = httpx.get(stack.metrics_url, timeout=5).text
+        return all(
+            len(re.findall(rf'kvgate_worker_healthy{{pool="{pool}",[^}}]*}} 1\.0', text)) >= n
+            for pool, n in pools.items()
+        )
+
+    wait_until_sync(routable, timeout_s=20, what=f"routable workers {pools}")
 
 
 def _prompt(i: int) -> list[dict[str, str]]:

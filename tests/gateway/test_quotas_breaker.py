@@ -2,7 +2,7 @@ import math
 
 from gateway.breaker import BreakerState, CircuitBreaker
 from gateway.config import BreakerConfig, QuotaConfig
-from gateway.quotas import TenantLimiter, TokenBucket
+from gateway.quotas import Rejection, TenantLimiter, TokenBucket
 
 
 def test_bucket_refills_at_capacity_per_minute() -> None:
@@ -13,40 +13,82 @@ def test_bucket_refills_at_capacity_per_minute() -> None:
     assert math.isinf(bucket.wait_s(61, 1.0))
 
 
+def _request(lim: TenantLimiter, prompt_tokens: int, now_s: float) -> Rejection | None:
+    """Enter and admit, as the gateway does; a refused request leaves."""
+    rej = lim.enter(now_s)
+    if rej is not None:
+        return rej
+    rej = lim.admit(prompt_tokens, now_s)
+    if rej is not None:
+        lim.leave()
+    return rej
+
+
 def test_rpm_limit_then_recovery() -> None:
     lim = TenantLimiter(QuotaConfig(rpm=2), now_s=0.0)
-    assert lim.admit(10, 0.0) is None and lim.admit(10, 0.0) is None
-    rej = lim.admit(10, 0.0)
+    assert _request(lim, 10, 0.0) is None and _request(lim, 10, 0.0) is None
+    rej = _request(lim, 10, 0.0)
     assert rej is not None and rej.retryable and rej.code == "rate_limit_exceeded"
     assert 29 < rej.retry_after_s <= 30
     lim.release(0, 0.0)
-    assert lim.admit(10, 30.0) is None
+    assert _request(lim, 10, 30.0) is None
 
 
-def test_precheck_refuses_early_without_reserving() -> None:
+def test_enter_refuses_a_spent_rpm_before_the_body_and_charges_nothing() -> None:
     lim = TenantLimiter(QuotaConfig(rpm=1, max_concurrent=5), now_s=0.0)
-    assert lim.precheck(0.0) is None and lim.precheck(0.0) is None  # nothing reserved
+    assert lim.enter(0.0) is None and lim.enter(0.0) is None  # slots, but no request charged yet
+    assert lim.in_flight == 2
     assert lim.admit(1, 0.0) is None
-    rej = lim.precheck(0.0)
+    rej = lim.enter(0.0)
     assert rej is not None and rej.code == "rate_limit_exceeded"
+    assert lim.in_flight == 2  # a refusal takes no slot
 
 
 def test_tpm_counts_prompt_then_completion_tokens() -> None:
     lim = TenantLimiter(QuotaConfig(tpm=100), now_s=0.0)
-    assert lim.admit(40, 0.0) is None
+    assert _request(lim, 40, 0.0) is None
     lim.release(50, 0.0)  # 90 of 100 spent
-    rej = lim.admit(20, 0.0)
+    rej = _request(lim, 20, 0.0)
     assert rej is not None and rej.retryable
-    too_big = lim.admit(101, 0.0)
+    too_big = _request(lim, 101, 0.0)
     assert too_big is not None and not too_big.retryable and too_big.code == "insufficient_quota"
+    assert lim.in_flight == 0
 
 
-def test_concurrency_slot_comes_back_on_release() -> None:
+def test_tpm_is_reconciled_with_the_workers_prompt_count() -> None:
+    # The estimate (characters / 4) was a quarter of what the worker counted: admitting on the
+    # estimate alone let four times the quota through.
+    lim = TenantLimiter(QuotaConfig(tpm=1000), now_s=0.0)
+    served = 0
+    while _request(lim, 50, 0.0) is None:
+        lim.reconcile(50, 200, 0.0)
+        lim.release(0, 0.0)
+        served += 200
+        assert served <= 2000
+    assert served <= 1000 + 200
+
+
+def test_reconcile_gives_back_an_overestimate_and_keeps_the_estimate_without_a_count() -> None:
+    lim = TenantLimiter(QuotaConfig(tpm=100), now_s=0.0)
+    assert _request(lim, 80, 0.0) is None
+    lim.reconcile(80, None, 0.0)  # no usage reported: the estimate stands
+    assert _request(lim, 30, 0.0) is not None
+    lim.reconcile(80, 20, 0.0)  # the worker counted fewer tokens: 60 come back
+    assert _request(lim, 70, 0.0) is None
+    lim.reconcile(10, 0, 0.0)
+    lim.reconcile(10, 0, 0.0)
+    assert _request(lim, 101, 0.0) is not None  # never more than the capacity
+
+
+def test_concurrency_slot_comes_back_on_release_or_leave() -> None:
     lim = TenantLimiter(QuotaConfig(max_concurrent=1), now_s=0.0)
-    assert lim.admit(1, 0.0) is None
-    assert lim.admit(1, 0.0) is not None
+    assert lim.enter(0.0) is None
+    assert lim.enter(0.0) is not None
+    lim.leave()
+    assert _request(lim, 1, 0.0) is None
+    assert lim.enter(0.0) is not None
     lim.release(0, 0.0)
-    assert lim.admit(1, 0.0) is None
+    assert lim.enter(0.0) is None
 
 
 def test_breaker_opens_half_opens_with_one_trial_and_closes() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,6 @@ import yaml
 
 from gateway.auth import hash_api_key
 from gateway.config import parse_config
-from loadtest.overhead_load import free_port, spawn, stop, wait_ready
 from tests.helm.chart import (
     CHART,
     KEY_HASH,
@@ -31,6 +31,7 @@ from tests.helm.chart import (
     render,
     validate_strictly,
 )
+from tests.support.processes import free_port, start_gateway, started
 
 
 def test_lint_is_clean() -> None:
@@ -53,6 +54,8 @@ def test_rendered_gateway_config_is_accepted_by_the_gateway() -> None:
     docs = render(FULL_VALUES | {"config": {"upstream": {"max_connections": 512}}})
     config = parse_config(gateway_config(docs))
     assert config.listen.port == 8080 and config.listen.host == "0.0.0.0"
+    # Metrics on their own port, reachable by Prometheus in the pod's network, never on the client port.
+    assert config.metrics.listen.port == 9464 and config.metrics.listen.host == "0.0.0.0"
     assert config.pools[0].workers == ["http://10.0.0.7:8000"]
     assert config.tenants[0].quotas.rpm == 60 and config.tenants[0].isolation == "public"
     assert config.secrets.key_hash_secret_env == "KVGATE_KEY_SECRET"
@@ -152,13 +155,26 @@ def test_policy_configmap_and_overrides() -> None:
 
 def test_optional_resources() -> None:
     assert not any(k.startswith(("ServiceMonitor/", "PodDisruptionBudget/")) for k in render())
+    assert "Service/rel-kvgate-metrics" not in render()
     docs = render(FULL_VALUES)
     sm = docs["ServiceMonitor/rel-kvgate"]
     assert sm["apiVersion"] == "monitoring.coreos.com/v1"
     assert sm["metadata"]["labels"]["release"] == "prom"
     assert sm["spec"]["endpoints"] == [
-        {"port": "http", "path": "/metrics", "interval": "15s", "scrapeTimeout": "10s"}
+        {"port": "metrics", "path": "/metrics", "interval": "15s", "scrapeTimeout": "10s"}
     ]
+    # The ServiceMonitor selects only the metrics Service; the client Service has no metrics port.
+    selector = sm["spec"]["selector"]["matchLabels"]
+    metrics_svc = docs["Service/rel-kvgate-metrics"]
+    assert selector.items() <= metrics_svc["metadata"]["labels"].items()
+    assert not selector.items() <= docs["Service/rel-kvgate"]["metadata"]["labels"].items()
+    assert metrics_svc["spec"]["clusterIP"] == "None"
+    assert metrics_svc["spec"]["ports"] == [
+        {"name": "metrics", "port": 9464, "targetPort": "metrics", "protocol": "TCP"}
+    ]
+    assert [p["name"] for p in docs["Service/rel-kvgate"]["spec"]["ports"]] == ["http"]
+    (c,) = pod_spec(docs)["containers"]
+    assert {"name": "metrics", "containerPort": 9464, "protocol": "TCP"} in c["ports"]
     assert docs["PodDisruptionBudget/rel-kvgate"]["spec"]["maxUnavailable"] == 1
     tenant = gateway_config(docs)["tenants"][0]
     assert tenant == {
@@ -191,11 +207,12 @@ def test_bad_values_fail_with_a_clear_message(values: dict[str, Any], needle: st
         render(values)
 
 
+@pytest.mark.e2e
 def test_rendered_config_and_policy_boot_a_real_gateway(tmp_path: Path) -> None:
     """The chart's config Secret and policy ConfigMap, written to disk, run `kvgate serve` and route
     a chat request."""
     secret, api_key = "chart-test-secret", "sk-chart-test"
-    backend_port, gateway_port = free_port(), free_port()
+    backend_port, gateway_port, metrics_port = free_port(), free_port(), free_port()
     backend_url = f"http://127.0.0.1:{backend_port}"
     policy_path = tmp_path / "policy.yaml"
     values = {
@@ -203,22 +220,22 @@ def test_rendered_config_and_policy_boot_a_real_gateway(tmp_path: Path) -> None:
         "pools": [{"name": "p", "models": ["bench-model"], "workers": {"urls": [backend_url]}}],
         "policy": {"content": "policy: cost\nseed: 1\n"},
         # Only what a pod's filesystem and network provide differently here.
-        "config": {"policy_file": str(policy_path), "listen": {"host": "127.0.0.1", "port": gateway_port}},
+        "config": {
+            "policy_file": str(policy_path),
+            "listen": {"host": "127.0.0.1", "port": gateway_port},
+            "metrics": {"listen": {"host": "127.0.0.1", "port": metrics_port}},
+        },
     }
     docs = render(values)
     policy_path.write_text(docs["ConfigMap/rel-kvgate-policy"]["data"]["policy.yaml"])
     config_path = tmp_path / "gateway.yaml"
     config_path.write_text(gateway_config_text(docs))
-    backend = spawn(
-        [sys.executable, "-m", "loadtest.static_backend", "--port", str(backend_port)], tmp_path / "b.log"
-    )
+    argv = [sys.executable, "-m", "loadtest.static_backend", "--port", str(backend_port)]
+    backend = started(argv, backend_url + "/health")
     gateway = None
     try:
-        wait_ready(backend_url + "/health", backend, tmp_path / "b.log", timeout_s=15)
-        cmd = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path)]
-        gateway = spawn(cmd, tmp_path / "g.log", env={"KVGATE_KEY_SECRET": secret})
+        gateway = start_gateway(config_path, gateway_port, secret=secret.encode(), port_from_config=True)
         base = f"http://127.0.0.1:{gateway_port}"
-        wait_ready(base + "/readyz", gateway, tmp_path / "g.log", timeout_s=30)
         body = json.dumps({"model": "bench-model", "messages": [{"role": "user", "content": "hi"}]}).encode()
         req = urllib.request.Request(
             base + "/v1/chat/completions",
@@ -228,6 +245,12 @@ def test_rendered_config_and_policy_boot_a_real_gateway(tmp_path: Path) -> None:
         with urllib.request.urlopen(req, timeout=10) as resp:
             assert resp.status == 200
             assert json.loads(resp.read())["choices"][0]["message"]["content"] == "ok"
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as resp:
+            assert b"kvgate_requests_total" in resp.read()
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(base + "/metrics", timeout=10)
+        assert info.value.code == 404
     finally:
-        stop(gateway)
-        stop(backend)
+        if gateway is not None:
+            gateway.stop()
+        backend.stop()

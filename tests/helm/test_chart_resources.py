@@ -166,11 +166,15 @@ def test_ingress_and_httproute() -> None:
 
 def test_network_policy() -> None:
     peer = {"namespaceSelector": {"matchLabels": {"team": "apps"}}}
-    docs = render({"networkPolicy": {"enabled": True, "ingressFrom": [peer]}})
+    monitoring = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    docs = render({"networkPolicy": {"enabled": True, "ingressFrom": [peer], "metricsFrom": [monitoring]}})
     spec = docs["NetworkPolicy/rel-kvgate"]["spec"]
     assert spec["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == "rel"
     assert spec["policyTypes"] == ["Ingress"]  # egress stays open unless rules are given
-    assert spec["ingress"] == [{"ports": [{"port": "http", "protocol": "TCP"}], "from": [peer]}]
+    assert spec["ingress"] == [
+        {"ports": [{"port": "http", "protocol": "TCP"}], "from": [peer]},
+        {"ports": [{"port": "metrics", "protocol": "TCP"}], "from": [monitoring]},
+    ]
     validate_strictly(docs)
     egress_rule = {"to": [{"podSelector": {"matchLabels": {"app": "vllm"}}}], "ports": [{"port": 8000}]}
     restricted = render({"networkPolicy": {"enabled": True, "egress": [egress_rule]}})

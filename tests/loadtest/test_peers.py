@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -10,15 +9,9 @@ import yaml
 
 from loadtest.peers import launch
 from loadtest.peers.launch import PeerMissing, RunningProcess, build_command, wait_http_ready
+from tests.support.processes import free_port
 
 INSTALL_SH = Path(launch.__file__).with_name("install.sh")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _fake_install(root: Path, name: str, program: str) -> None:
@@ -102,8 +95,9 @@ def test_install_script_rejects_unknown_peers(tmp_path: Path) -> None:
     assert not (tmp_path / "nginx").exists()
 
 
+@pytest.mark.e2e
 def test_running_process_waits_for_readiness_and_stops_by_pid(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "-d", str(tmp_path)]
     proc = RunningProcess(argv, log_path=tmp_path / "srv.log")
     try:
@@ -113,12 +107,13 @@ def test_running_process_waits_for_readiness_and_stops_by_pid(tmp_path: Path) ->
     assert proc.proc.returncode is not None
 
 
+@pytest.mark.e2e
 def test_a_process_that_dies_fails_readiness_with_its_log(tmp_path: Path) -> None:
     proc = RunningProcess(
         [sys.executable, "-c", "print('boom'); raise SystemExit(3)"], log_path=tmp_path / "x.log"
     )
     try:
         with pytest.raises(RuntimeError, match="boom"):
-            wait_http_ready(f"http://127.0.0.1:{_free_port()}/", proc, timeout_s=15)
+            wait_http_ready(f"http://127.0.0.1:{free_port()}/", proc, timeout_s=15)
     finally:
         proc.stop()

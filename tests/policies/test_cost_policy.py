@@ -368,3 +368,16 @@ def test_completion_confirms_what_its_dispatch_left_speculative_and_nothing_else
     assert index.stats().speculative_entries == 0
     assert index.lookup(longer.block_keys, "t", 1.0).blocks(w) == 14
     p.check_invariants()
+
+
+def test_a_request_estimated_at_zero_tokens_completes_cleanly() -> None:
+    # A completions prompt of "hi" is estimated at 0 tokens: its dispatch leaves nothing in the
+    # per-worker sums, and finishing it must not look them up.
+    p = _policy()
+    r = req("tiny", [], extra_tokens=0)
+    d = p.select(r, workers(0, 0), 0.0)
+    assert d is not None
+    p.on_dispatch(r, d, 0.0)
+    p.on_complete(Observation(r, d.worker, prompt_tokens=1, completion_tokens=4), 0.1)
+    assert p.uncached_share(d.worker) == 1.0
+    p.check_invariants()

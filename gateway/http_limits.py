@@ -1,0 +1,286 @@
+"""Bounds on what a client controls before its request reaches the app: the size and number of its
+header fields, the time it takes to send its headers and its body, how long it may keep an idle
+connection, and how many connections the process holds.
+
+uvicorn's httptools protocol bounds none of these but the keep-alive time (h11's
+`h11_max_incomplete_event_size` covers only the h11 protocol). `GuardedHttpToolsProtocol` adds
+them in a few hooks around httptools' parser callbacks; the parsing itself stays httptools'.
+
+Deadlines are not timers. Each connection notes the deadline of the phase it is in; uvicorn's own
+periodic tick (`DrainingServer.on_tick`, every 0.1 s) calls `ClientGuard.tick`, which closes the
+connections past theirs. A timer armed and cancelled per request costs measurable CPU
+(docs/benchmarks.md, "Gateway overhead"); this costs a few attribute writes per request, and the
+keep-alive timer uvicorn armed after every response is gone too.
+
+A connection's phases, and the deadline each one carries:
+
+    IDLE  (between requests)           keepalive_timeout_s    expiry: close
+    HEAD  (request line and headers)   header_timeout_s       expiry: 408 and close
+    BODY  (headers done, body not)     body_timeout_s         expiry: 408 (or close) and close
+    APP   (the app has the request)    none
+
+A new connection starts in HEAD: it must send a request head in time. Header bytes are counted
+as they arrive (before httptools buffers a huge header whole), the header fields when the head is
+complete; either limit answers 431 and closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httptools
+from uvicorn.config import Config
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.server import ServerState
+
+from gateway.config import LimitsConfig
+from gateway.errors import error_body
+from gateway.metrics import HotCounter
+
+# Where a connection is in its request cycle (see the module docstring). Plain ints, not an
+# enum: the phase is read and written several times per request.
+IDLE, HEAD, BODY, APP = 0, 1, 2, 3
+
+
+@dataclass(frozen=True, slots=True)
+class ClientLimits:
+    """The per-connection bounds, from the config's `limits` section."""
+
+    max_header_bytes: int
+    max_headers: int
+    header_timeout_s: float
+    body_timeout_s: float
+    keepalive_timeout_s: float
+    max_connections: int
+
+    @classmethod
+    def of(cls, limits: LimitsConfig) -> ClientLimits:
+        return cls(
+            limits.max_header_bytes,
+            limits.max_headers,
+            limits.header_timeout_s,
+            limits.body_timeout_s,
+            limits.keepalive_timeout_s,
+            limits.max_client_connections,
+        )
+
+    @property
+    def check_interval_s(self) -> float:
+        """How often deadlines are checked: a tenth of the shortest timeout, within [0.1, 1] s, so
+        a connection is closed at most that long after its deadline."""
+        shortest = min(self.header_timeout_s, self.body_timeout_s, self.keepalive_timeout_s)
+        return min(1.0, max(0.1, shortest / 10))
+
+
+class ClientGuard:
+    """The connections waiting on a client (with a deadline), checked on each periodic tick, and a
+    count of what was refused, by reason (`kvgate_client_refusals_total`).
+
+    Invariant: a connection is in `waiting` exactly when its phase is not APP and it is open.
+    """
+
+    def __init__(self, limits: ClientLimits, refusals: HotCounter) -> None:
+        self.limits = limits
+        self.waiting: set[GuardedHttpToolsProtocol] = set()
+        self._refusals = refusals
+        self._next_check_s = 0.0
+
+    def refused(self, reason: str) -> None:
+        self._refusals.labels(reason).inc()
+
+    def tick(self, now_s: float) -> None:
+        """Close every connection past its deadline (at most once per `check_interval_s`)."""
+        if now_s < self._next_check_s:
+            return
+        self._next_check_s = now_s + self.limits.check_interval_s
+        for conn in [c for c in self.waiting if c.deadline_s <= now_s]:
+            conn.expire()
+
+
+class GuardedServerState(ServerState):
+    """uvicorn's state shared by all connections of a server, plus the `ClientGuard`."""
+
+    def __init__(self, guard: ClientGuard) -> None:
+        super().__init__()
+        self.guard = guard
+
+
+class _TooManyHeaders(Exception):
+    """Raised from the header callback to stop httptools at once."""
+
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the limits of `ClientLimits` (see the module docstring).
+    Needs a `GuardedServerState`. An uncapped connection (the metrics listener's) is counted but
+    never refused for the connection limit, so that a flood of clients cannot blind monitoring."""
+
+    def __init__(
+        self,
+        config: Config,
+        server_state: ServerState,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+        *,
+        capped: bool = True,
+    ) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self._capped = capped
+        assert isinstance(server_state, GuardedServerState)
+        self._guard = server_state.guard
+        self._limits = server_state.guard.limits
+        self._phase = HEAD
+        self.deadline_s = 0.0
+        self._head_bytes = 0
+        self._head_began_inside = False  # a head began inside the chunk being parsed
+
+    # -- phases
+
+    def _wait(self, phase: int, timeout_s: float) -> None:
+        self._phase = phase
+        self.deadline_s = time.monotonic() + timeout_s
+        self._guard.waiting.add(self)
+
+    def _to_app(self) -> None:
+        self._phase = APP
+        self._guard.waiting.discard(self)
+
+    def _begin_head(self) -> None:
+        self._head_bytes = 0
+        self._wait(HEAD, self._limits.header_timeout_s)
+
+    # -- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        over = self._capped and len(self.connections) >= self._limits.max_connections
+        super().connection_made(transport)
+        if over:
+            # Cheapest for both sides: nothing read, nothing held; clients retry a closed connection.
+            self._guard.refused("connection_limit")
+            self._phase = APP
+            transport.close()
+            return
+        self._begin_head()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._to_app()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._phase == IDLE:  # the first bytes after idling begin a head (inlined: every request)
+            self._phase = HEAD
+            self._head_bytes = 0
+            self.deadline_s = time.monotonic() + self._limits.header_timeout_s
+        # A chunk counts toward the head when the head began before it; a head that begins inside
+        # it (a pipelined request, after another request's body) is counted from the next chunk.
+        self._head_began_inside = False
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            if isinstance(exc.__context__, _TooManyHeaders):
+                self._refuse(431, "too_many_headers", f"more than {self._limits.max_headers} header fields")
+                return
+            self._bad_request()
+            return
+        except httptools.HttpParserUpgrade:
+            self._unsupported_upgrade_warning()  # no upgrades are served: a plain request
+        except httptools.HttpParserError:
+            self._bad_request()
+            return
+        if self._phase == HEAD and not self._head_began_inside:
+            self._head_bytes += len(data)
+            if self._head_bytes > self._limits.max_header_bytes:
+                self._refuse(
+                    431,
+                    "header_too_large",
+                    f"request headers larger than {self._limits.max_header_bytes} bytes",
+                )
+
+    def _bad_request(self) -> None:
+        message = "Invalid HTTP request received."
+        self.logger.warning(message)
+        self._to_app()
+        self.send_400_response(message)
+
+    # -- httptools callbacks
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._phase != HEAD:
+            self._begin_head()
+            self._head_began_inside = True
+
+    def on_headers_complete(self) -> None:
+        # Counted here rather than per field (a call per header costs more than the check): the
+        # byte limit already bounds how many fields can pile up before the head is complete.
+        if len(self.headers) > self._limits.max_headers:
+            raise _TooManyHeaders
+        super().on_headers_complete()
+        self._phase = BODY
+        self.deadline_s = time.monotonic() + self._limits.body_timeout_s
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        if self.cycle is not None and self.cycle.response_complete:
+            self._wait(IDLE, self._limits.keepalive_timeout_s)  # answered before the body ended
+        else:
+            self._phase = APP
+            self._guard.waiting.discard(self)
+
+    def on_response_complete(self) -> None:
+        # uvicorn's version, with the idle deadline in place of a keep-alive timer.
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self.flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+        elif self._phase == APP:
+            self._phase = IDLE
+            self.deadline_s = time.monotonic() + self._limits.keepalive_timeout_s
+            self._guard.waiting.add(self)
+
+    # -- limits
+
+    def expire(self) -> None:
+        """The deadline of the current phase passed (called by `ClientGuard.tick`)."""
+        if self._phase == IDLE or (self._phase == HEAD and self._head_bytes == 0):
+            self._to_app()
+            self.transport.close()
+        elif self._phase == HEAD:
+            self._refuse(408, "header_timeout", "request headers not received in time")
+        else:
+            self._refuse(408, "body_timeout", "request body not received in time")
+
+    def _refuse(self, status: int, reason: str, message: str) -> None:
+        """Answer `status` with an OpenAI-shaped error when no response is under way, and close.
+        A request the app is still waiting on sees the client leave (its `receive` returns
+        `http.disconnect`) and anything it sends is dropped."""
+        self._guard.refused(reason)
+        cycle = self.cycle
+        if self._phase == HEAD:
+            # This request has no cycle yet; the previous one's response may still be under way.
+            answer = cycle is None or cycle.response_complete
+        else:
+            answer = cycle is not None and not cycle.response_started
+        self._to_app()
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True
+            cycle.message_event.set()
+        if answer and not self.transport.is_closing():
+            self.transport.write(_error_response(status, message, reason))
+        self.transport.close()
+
+
+def _error_response(status: int, message: str, code: str) -> bytes:
+    body = error_body(message, "invalid_request_error", code)
+    phrase = http.HTTPStatus(status).phrase
+    head = (
+        f"HTTP/1.1 {status} {phrase}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    )
+    return head.encode("latin-1") + body

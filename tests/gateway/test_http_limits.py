@@ -1,0 +1,268 @@
+"""The client limits of `GuardedHttpToolsProtocol`, driven byte by byte through a recording
+transport (no sockets): what is refused, what is answered, and when a connection is closed."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import pytest
+import uvicorn
+from starlette.types import Receive, Scope, Send
+
+from gateway.config import LimitsConfig
+from gateway.http_limits import (
+    BODY,
+    HEAD,
+    IDLE,
+    ClientGuard,
+    ClientLimits,
+    GuardedHttpToolsProtocol,
+    GuardedServerState,
+)
+from gateway.metrics import GatewayMetrics
+
+LIMITS = ClientLimits(
+    max_header_bytes=1024,
+    max_headers=8,
+    header_timeout_s=10.0,
+    body_timeout_s=20.0,
+    keepalive_timeout_s=30.0,
+    max_connections=3,
+)
+
+
+class RecordingTransport(asyncio.Transport):
+    """Keeps what the protocol writes; closing reports the loss to the protocol, as asyncio does."""
+
+    def __init__(self, protocol: asyncio.Protocol) -> None:
+        super().__init__()
+        self.protocol = protocol
+        self.written = bytearray()
+        self.closed = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        assert not self.closed, "written after close"
+        self.written += data
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            asyncio.get_running_loop().call_soon(self.protocol.connection_lost, None)
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"peername": ("127.0.0.1", 40000), "sockname": ("127.0.0.1", 8080)}.get(name, default)
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+    def status(self) -> int | None:
+        line = bytes(self.written).split(b"\r\n", 1)[0].split()
+        return int(line[1]) if len(line) > 1 else None
+
+    def json_body(self) -> Any:
+        return orjson.loads(bytes(self.written).split(b"\r\n\r\n", 1)[1])
+
+
+@dataclass
+class App:
+    """Reads the whole body, then answers 200; notes whether it saw the client leave."""
+
+    disconnected: list[bool] = field(default_factory=list)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self.disconnected.append(True)
+                return
+            if not message.get("more_body", False):
+                break
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+
+@dataclass
+class Rig:
+    app: App
+    guard: ClientGuard
+    state: GuardedServerState
+    config: uvicorn.Config
+    metrics: GatewayMetrics
+
+    def connect(self) -> tuple[GuardedHttpToolsProtocol, RecordingTransport]:
+        protocol = GuardedHttpToolsProtocol(self.config, self.state, {})
+        transport = RecordingTransport(protocol)
+        protocol.connection_made(transport)
+        return protocol, transport
+
+    def refusals(self, reason: str) -> float:
+        return self.metrics.client_refusals.labels(reason).value
+
+
+@pytest.fixture
+def rig() -> Iterator[Rig]:
+    app = App()
+    metrics = GatewayMetrics()
+    guard = ClientGuard(LIMITS, metrics.client_refusals)
+    config = uvicorn.Config(
+        app, http=GuardedHttpToolsProtocol, ws="none", lifespan="off", log_level="warning"
+    )
+    config.load()
+    yield Rig(app, guard, GuardedServerState(guard), config, metrics)
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+GET = b"GET /x HTTP/1.1\r\nHost: h\r\n\r\n"
+
+
+def post_head(length: int) -> bytes:
+    return f"POST /x HTTP/1.1\r\nHost: h\r\nContent-Length: {length}\r\n\r\n".encode()
+
+
+async def test_a_request_within_the_limits_is_served_and_the_connection_then_idles(rig: Rig) -> None:
+    protocol, transport = rig.connect()
+    protocol.data_received(GET)
+    await settle()
+    assert transport.status() == 200 and not transport.closed
+    assert protocol._phase == IDLE and protocol in rig.guard.waiting
+    assert protocol.timeout_keep_alive_task is None  # no timer per request: the guard's tick instead
+
+
+async def test_a_head_past_the_byte_limit_is_431_and_closed(rig: Rig) -> None:
+    protocol, transport = rig.connect()
+    protocol.data_received(b"GET /x HTTP/1.1\r\nX-Fill: ")
+    protocol.data_received(b"a" * 600)
+    assert not transport.closed  # 626 bytes so far
+    protocol.data_received(b"a" * 600)
+    assert transport.status() == 431 and transport.closed
+    assert transport.json_body()["error"]["code"] == "header_too_large"
+    assert rig.refusals("header_too_large") == 1
+    await settle()
+    assert protocol not in rig.guard.waiting and protocol not in rig.state.connections
+
+
+async def test_too_many_header_fields_is_431(rig: Rig) -> None:
+    protocol, transport = rig.connect()
+    fields = b"".join(b"X-%d: v\r\n" % i for i in range(LIMITS.max_headers + 1))
+    protocol.data_received(b"GET /x HTTP/1.1\r\n" + fields + b"\r\n")
+    assert transport.status() == 431 and transport.closed
+    assert transport.json_body()["error"]["code"] == "too_many_headers"
+    await settle()
+    assert rig.app.disconnected == []  # the app never saw the request
+
+
+async def test_body_bytes_never_count_toward_the_head(rig: Rig) -> None:
+    protocol, transport = rig.connect()
+    protocol.data_received(post_head(3000) + b"x" * 1500)
+    protocol.data_received(b"x" * 1500)
+    await settle()
+    assert transport.status() == 200
+    # A pipelined next request whose head starts inside a large chunk is not charged for the
+    # previous body's bytes.
+    transport.written.clear()
+    protocol.data_received(post_head(2000) + b"x" * 2000 + b"GET /y HTTP/1.1\r\n")
+    protocol.data_received(b"Host: h\r\n\r\n")
+    await settle()
+    assert transport.written.count(b"HTTP/1.1 200") == 2 and not transport.closed
+
+
+async def test_connections_beyond_the_process_limit_are_closed_at_once(rig: Rig) -> None:
+    held = [rig.connect() for _ in range(LIMITS.max_connections)]
+    protocol, transport = rig.connect()
+    assert transport.closed and transport.written == b""
+    assert protocol not in rig.guard.waiting
+    assert rig.refusals("connection_limit") == 1
+    await settle()
+    metrics = GuardedHttpToolsProtocol(rig.config, rig.state, {}, capped=False)
+    metrics_transport = RecordingTransport(metrics)
+    metrics.connection_made(metrics_transport)
+    assert not metrics_transport.closed  # monitoring is never locked out
+    held[0][1].close()
+    metrics_transport.close()
+    await settle()
+    assert not rig.connect()[1].closed  # a free place is taken again
+
+
+async def test_deadlines_close_each_phase_its_own_way(rig: Rig) -> None:
+    silent, silent_t = rig.connect()  # sends nothing
+    slow, slow_t = rig.connect()
+    slow.data_received(b"GET /x HT")
+    body, body_t = rig.connect()
+    body.data_received(post_head(10) + b"12345")
+    await settle()
+    assert body._phase == BODY
+    rig.guard.tick(silent.deadline_s + LIMITS.header_timeout_s)
+    assert silent_t.closed and silent_t.written == b""
+    assert slow_t.closed and slow_t.status() == 408
+    assert slow_t.json_body()["error"]["code"] == "header_timeout"
+    assert not body_t.closed  # its body deadline is later
+    rig.guard.tick(body.deadline_s + 1.0)
+    assert body_t.closed and body_t.status() == 408
+    await settle()
+    assert rig.app.disconnected == [True]  # the app waiting for the body saw the client leave
+    assert not rig.guard.waiting
+    assert rig.refusals("header_timeout") == 1 and rig.refusals("body_timeout") == 1
+
+
+async def test_an_idle_connection_is_closed_at_its_keepalive_deadline(rig: Rig) -> None:
+    protocol, transport = rig.connect()
+    protocol.data_received(GET)
+    await settle()
+    rig.guard.tick(protocol.deadline_s - 1.0)
+    assert not transport.closed
+    rig.guard.tick(protocol.deadline_s + 1.0)
+    assert transport.closed and transport.written.count(b"HTTP/1.1") == 1  # nothing more sent
+
+
+async def test_new_bytes_on_an_idle_connection_start_the_header_clock(rig: Rig) -> None:
+    protocol, _ = rig.connect()
+    protocol.data_received(GET)
+    await settle()
+    idle_deadline = protocol.deadline_s
+    protocol.data_received(b"\r\n")  # not even a request start: still bounded by the header deadline
+    assert protocol._phase == HEAD and protocol.deadline_s < idle_deadline
+
+
+def test_the_check_interval_follows_the_shortest_timeout() -> None:
+    assert ClientLimits.of(LimitsConfig()).check_interval_s == 1.0
+    short = ClientLimits.of(LimitsConfig(header_timeout_s=0.5))
+    assert short.check_interval_s == 0.1
+
+
+def test_the_guard_checks_at_most_once_per_interval(rig: Rig) -> None:
+    class Expiring:
+        deadline_s = 0.0
+        expired = 0
+
+        def expire(self) -> None:
+            self.expired += 1
+
+    conn = Expiring()
+    rig.guard.waiting.add(conn)  # type: ignore[arg-type]
+    rig.guard.tick(5.0)
+    rig.guard.tick(5.5)
+    assert conn.expired == 1
+    rig.guard.tick(6.0)
+    assert conn.expired == 2
+
+
+async def test_a_pipelined_head_is_still_bounded_from_its_next_chunk(rig: Rig) -> None:
+    protocol, transport = rig.connect()
+    protocol.data_received(post_head(10) + b"x" * 10 + b"GET /y HTTP/1.1\r\nX-Fill: ")
+    protocol.data_received(b"a" * (LIMITS.max_header_bytes + 1))
+    await settle()
+    assert transport.closed and rig.refusals("header_too_large") == 1

@@ -136,6 +136,44 @@ class DnsDiscoveryConfig(_Frozen):
     refresh_s: PositiveFloat = 5.0
 
 
+class PdTransferConfig(_Frozen):
+    """How long moving a request's KV from its prefill worker to its decode worker takes:
+    `setup_s + tokens × bytes_per_token / bandwidth_bytes_per_s` (defaults: Llama-3-8B in bf16,
+    one 400 Gb/s RDMA link)."""
+
+    setup_s: float = Field(default=0.001, ge=0)
+    bytes_per_token: PositiveInt = 131_072
+    bandwidth_bytes_per_s: PositiveFloat = 45e9
+
+
+class PdConfig(_Frozen):
+    """Prefill/decode disaggregation of a pool (docs/pd.md): the wire protocol the workers speak,
+    the transfer model that prices a split, and whether a request may skip the split."""
+
+    protocol: Literal["vllm", "sglang"] = "vllm"
+    transfer: PdTransferConfig = PdTransferConfig()
+    # SGLang: the prefill workers' bootstrap port (`--disaggregation-bootstrap-port`), and the
+    # port of any prefill worker (by URL) that uses another one.
+    bootstrap_port: int | None = Field(default=None, ge=1, le=65535)
+    bootstrap_ports: dict[str, Annotated[int, Field(ge=1, le=65535)]] = Field(default_factory=dict)
+    # Conditional disaggregation: a request may run on one worker alone when that scores better.
+    conditional: bool = True
+    # Weight of the delay a prefill run on a decode worker imposes on the requests it is decoding.
+    interference_weight: float = Field(default=1.0, ge=0)
+
+    @field_validator("bootstrap_ports")
+    @classmethod
+    def _port_urls(cls, ports: dict[str, int]) -> dict[str, int]:
+        for url in ports:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"worker URL {url!r} must start with http:// or https://")
+        return {u.rstrip("/"): port for u, port in ports.items()}
+
+    def bootstrap_port_of(self, url: str) -> int | None:
+        """The bootstrap port of the prefill worker at `url` (SGLang)."""
+        return self.bootstrap_ports.get(url, self.bootstrap_port)
+
+
 class QueueConfig(_Frozen):
     """The pool's waiting room (gateway/queueing.py): a request that finds every routable worker
     at `max_in_flight_per_worker` waits here for a free slot instead of failing. Tenants share
@@ -157,6 +195,10 @@ class PoolConfig(_Frozen):
     name: str = Field(min_length=1)
     models: list[str] = Field(min_length=1)
     workers: list[str] = Field(default_factory=list)
+    # Static workers with a prefill/decode role (`workers` are mixed); see `pd`.
+    prefill_workers: list[str] = Field(default_factory=list)
+    decode_workers: list[str] = Field(default_factory=list)
+    pd: PdConfig | None = None
     dns: DnsDiscoveryConfig | None = None
     kubernetes: KubernetesDiscoveryConfig | None = None
     # KV-cache events (vLLM `--kv-events-config`): `{host}` is replaced by each worker's address.
@@ -189,13 +231,25 @@ class PoolConfig(_Frozen):
     def _forwardable(cls, names: list[str]) -> list[str]:
         return sorted({forwardable_name(name) for name in names})
 
-    @field_validator("workers")
+    @field_validator("workers", "prefill_workers", "decode_workers")
     @classmethod
     def _urls(cls, urls: list[str]) -> list[str]:
         for url in urls:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"worker URL {url!r} must start with http:// or https://")
         return [u.rstrip("/") for u in urls]
+
+    @property
+    def static_urls(self) -> list[str]:
+        """Every static worker URL, whatever its role."""
+        return [*self.workers, *self.prefill_workers, *self.decode_workers]
+
+    @property
+    def static_roles(self) -> dict[str, str]:
+        """The role of each static worker listed under `prefill_workers` or `decode_workers`."""
+        roles = dict.fromkeys(self.prefill_workers, "prefill")
+        roles.update(dict.fromkeys(self.decode_workers, "decode"))
+        return roles
 
     @property
     def subscribes_kv_events(self) -> bool:
@@ -205,12 +259,14 @@ class PoolConfig(_Frozen):
 
     @model_validator(mode="after")
     def _one_source(self) -> PoolConfig:
-        sources = [bool(self.workers), self.dns is not None, self.kubernetes is not None]
+        sources = [bool(self.static_urls), self.dns is not None, self.kubernetes is not None]
         if sum(sources) != 1:
             raise ValueError(
                 "a pool needs exactly one of 'workers' (static URLs) or 'dns' (a DNS name) or "
-                "'kubernetes' (pods by label selector)"
+                "'kubernetes' (pods by label selector); 'prefill_workers' and 'decode_workers' are "
+                "static URLs too"
             )
+        self._check_roles()
         k8s = self.kubernetes
         if k8s is not None and k8s.finds_kv_events and self.kv_events_endpoint is not None:
             raise ValueError(
@@ -225,6 +281,18 @@ class PoolConfig(_Frozen):
         if self.worker_api_key_env is not None and self.worker_api_key_file is not None:
             raise ValueError("set worker_api_key_env or worker_api_key_file, not both")
         return self
+
+    def _check_roles(self) -> None:
+        urls = self.static_urls
+        if len(set(urls)) != len(urls):
+            raise ValueError("a worker URL is listed twice (workers, prefill_workers, decode_workers)")
+        if (self.prefill_workers or self.decode_workers) and self.pd is None:
+            raise ValueError("prefill_workers and decode_workers need a 'pd' section (the wire protocol)")
+        if self.pd is not None and self.dns is not None:
+            raise ValueError("pd: DNS discovery knows no roles; list prefill_workers and decode_workers")
+        k8s = self.kubernetes
+        if self.pd is not None and k8s is not None and k8s.role_label is None:
+            raise ValueError("pd: Kubernetes discovery needs kubernetes.role_label to find each pod's role")
 
 
 class QuotaConfig(_Frozen):

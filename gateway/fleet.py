@@ -41,7 +41,7 @@ def worker_source(config: PoolConfig) -> WorkerSource | WatchingSource:
         return DnsWorkers(d.name, d.port, scheme=d.scheme)
     if config.kubernetes is not None:
         return PodWatcher(config.kubernetes)
-    return StaticWorkers(config.workers)
+    return StaticWorkers(config.static_urls)
 
 
 class Fleet:

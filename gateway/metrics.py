@@ -102,6 +102,29 @@ class GatewayMetrics:
             "Full re-lists of a pool's workers after a watch ended in error",
             ("pool",),
         )
+        self.pd_requests = hot.counter(
+            "kvgate_pd_requests",
+            "Requests sent to the workers of prefill/decode pools, by the part the worker played "
+            "(prefill, decode, or alone: the whole request)",
+            ("pool", "role"),
+        )
+        self.pd_transfers = hot.counter(
+            "kvgate_pd_transfers",
+            "Decode requests sent to read a prompt's KV from a prefill worker",
+            ("pool",),
+        )
+        self.pd_transfer_failures = hot.counter(
+            "kvgate_pd_transfer_failures",
+            "Decode requests whose KV transfer failed (decode_error: the worker said so; timeout)",
+            ("pool", "reason"),
+        )
+        self.pd_skipped_splits = hot.counter(
+            "kvgate_pd_skipped_splits",
+            "Requests of prefill/decode pools served by one worker alone (sooner: scored better than "
+            "any split; no_pair: no pair available; unsplittable: several sequences; "
+            "transfer_failed: recomputed)",
+            ("pool", "reason"),
+        )
         self.client_refusals = hot.counter(
             "kvgate_client_refusals",
             "Client connections closed by a limit before their request reached the gateway, by reason"

@@ -54,6 +54,11 @@ class Attempt:
     ttft_s: float | None = None
     finished: bool = False
     trace: AttemptTrace | None = None  # the attempt's CLIENT span, with tracing on
+    body: bytes | None = None  # a prefill/decode leg's own body (gateway/pd.py); else the request's
+
+    def request_body(self) -> bytes:
+        """The bytes this attempt sends: its own body, or the request's for its decision."""
+        return self.body if self.body is not None else self.admitted.body_for(self.decision)
 
     def first_token(self) -> None:
         if self.ttft_s is None:

@@ -53,6 +53,10 @@ async def dispatch(a: Admitted, state: GatewayState) -> RawResponse | ProxyStrea
     worker's load come back)."""
     attempts: list[Attempt] = []
     try:
+        if a.pool.pd_router is not None:
+            from gateway.pd import dispatch_pd  # a prefill/decode pool; gateway.pd builds on this module
+
+            return await dispatch_pd(a, state, attempts)
         return await _dispatch(a, state, attempts)
     except asyncio.CancelledError:
         # The client left while the request waited on a worker (`disconnect.py` cancelled it);
@@ -205,7 +209,7 @@ async def _open(state: GatewayState, a: Admitted, attempt: Attempt) -> StreamSou
         headers += attempt.trace.header_map.items()
     resp = await state.upstream().post(
         attempt.worker.url + UPSTREAM_PATHS[a.endpoint],
-        data=a.body_for(attempt.decision),
+        data=attempt.request_body(),
         headers=headers,
         timeout=a.pool.client_timeout,
     )
@@ -221,7 +225,7 @@ def _lean_request(a: Admitted, attempt: Attempt) -> bytes:
         head += lean_lines(a.client_headers)
     if attempt.trace is not None:
         head += attempt.trace.headers  # traceparent (and tracestate): the attempt's CLIENT span
-    return request_bytes(direct.host_header, UPSTREAM_PATHS_B[a.endpoint], head, a.body_for(attempt.decision))
+    return request_bytes(direct.host_header, UPSTREAM_PATHS_B[a.endpoint], head, attempt.request_body())
 
 
 def _start_trace(state: GatewayState, a: Admitted, attempt: Attempt) -> AttemptTrace:

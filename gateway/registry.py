@@ -21,7 +21,8 @@ from gateway.breaker import CircuitBreaker
 from gateway.config import PoolConfig
 from gateway.scrape import WorkerMetrics
 from gateway.upstream_headers import NO_AUTH, WorkerAuth
-from policies.base import WorkerId, WorkerView
+from policies.base import Role, WorkerId, WorkerView
+from policies.pd import SGLANG_ROLES, VLLM_ROLES, PdRouter, PdSettings
 from policies.peer_sync import PeerLoad, with_peer_load
 
 log = logging.getLogger("kvgate.registry")
@@ -63,6 +64,7 @@ class Worker:
         "_metrics",
         "_oks",
         "_peer_load",
+        "_role",
         "_version",
         "_view",
         "_view_until_s",
@@ -74,7 +76,6 @@ class Worker:
         "max_in_flight",
         "metrics_at_s",
         "prefill_tokens",
-        "role",
         "url",
         "worker_id",
     )
@@ -97,7 +98,7 @@ class Worker:
         self._oks = 0
         self._metrics: WorkerMetrics | None = None  # last scrape, set by the scraper's callback
         self.metrics_at_s = 0.0
-        self.role: str | None = None  # from discovery (a pod's role label), e.g. prefill / decode / mixed
+        self._role: str | None = None
         self._peer_load: PeerLoad | None = None  # other gateways' in-flight here (replica sync)
 
     @property
@@ -108,6 +109,17 @@ class Worker:
     def healthy(self, value: bool) -> None:
         self._healthy = value
         self._version += 1
+
+    @property
+    def role(self) -> str | None:
+        """The worker's role label (config or discovery): prefill, decode, mixed; None if unlabelled."""
+        return self._role
+
+    @role.setter
+    def role(self, value: str | None) -> None:
+        if value != self._role:
+            self._role = value
+            self._version += 1
 
     @property
     def metrics(self) -> WorkerMetrics | None:
@@ -159,6 +171,7 @@ class Worker:
             kv_usage=m.kv_cache_usage if m else None,
             num_gpu_blocks=m.num_gpu_blocks if m else None,
             engine_block_size=m.block_size_tokens if m else None,
+            role=Role.of(self._role),
         )
         return view if self._peer_load is None else with_peer_load(view, self._peer_load)
 
@@ -213,15 +226,20 @@ class Pool:
         self.client_timeout = aiohttp.ClientTimeout(
             total=t.total_s, sock_connect=t.connect_s, sock_read=t.read_s
         )
-        self.set_urls(config.workers)
+        # Prefill/decode disaggregation: the pair chooser of a pool with a `pd` section.
+        self.pd_router = _pd_router(config)
+        self._static_roles = config.static_roles
+        self.set_urls(config.static_urls)
 
     def set_urls(self, urls: Iterable[str], roles: Mapping[str, str | None] | None = None) -> None:
         """Replace the worker set; workers that stay keep their health, breaker and counters.
-        `roles` (by URL) comes from discovery; a worker it does not name has no role."""
+        `roles` (by URL) comes from discovery; a worker it does not name has the role the config
+        gives it (`prefill_workers`, `decode_workers`), else none."""
         wanted = [u.rstrip("/") for u in urls]
         kept = {WorkerId(u): self.workers.get(WorkerId(u)) or Worker(u, self.config) for u in wanted}
         for worker in kept.values():
-            worker.role = roles.get(worker.url) if roles else None
+            found = roles.get(worker.url) if roles else None
+            worker.role = found if found is not None else self._static_roles.get(worker.url)
         self.workers = kept
 
     async def check(self, session: aiohttp.ClientSession) -> None:
@@ -237,6 +255,21 @@ class Pool:
         if exclude:
             views = [dataclasses.replace(v, healthy=False) if v.worker_id in exclude else v for v in views]
         return views
+
+
+def _pd_router(config: PoolConfig) -> PdRouter | None:
+    pd = config.pd
+    if pd is None:
+        return None
+    settings = PdSettings(
+        roles=VLLM_ROLES if pd.protocol == "vllm" else SGLANG_ROLES,
+        transfer_setup_s=pd.transfer.setup_s,
+        transfer_bytes_per_token=pd.transfer.bytes_per_token,
+        transfer_bandwidth_bytes_per_s=pd.transfer.bandwidth_bytes_per_s,
+        conditional=pd.conditional,
+        interference_weight=pd.interference_weight,
+    )
+    return PdRouter(settings)
 
 
 class Registry:

@@ -43,6 +43,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--secret-file", metavar="FILE", help="key-hash secret file for --hash-key")
     parser.add_argument("--workers", type=int, default=2, help="demo: number of emulated workers (default 2)")
+    parser.add_argument(
+        "--pd",
+        metavar="P:D",
+        default=None,
+        help="demo: P prefill and D decode emulated workers (prefill/decode disaggregation), "
+        "instead of --workers mixed ones",
+    )
+    parser.add_argument(
+        "--pd-protocol",
+        choices=("vllm", "sglang"),
+        default="vllm",
+        help="demo: the P/D wire protocol, vLLM's kv_transfer_params or SGLang's bootstrap_* (default vllm)",
+    )
     parser.add_argument("--host", default=None, help="listen address (default 127.0.0.1 or the config's)")
     parser.add_argument("--port", type=int, default=None, help="listen port (default 8080 or the config's)")
     parser.add_argument(

@@ -55,6 +55,25 @@ class RouteRequest:
     queued_requests: int = 0
 
 
+class Role(enum.StrEnum):
+    """What a worker does in a pool: everything (mixed, the default), or one half of a
+    prefill/decode split (policies/pd.py)."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    MIXED = "mixed"
+
+    @classmethod
+    def of(cls, label: str | None) -> Role:
+        """A role from a configured or discovered label: `prefill` and `decode` name the halves;
+        anything else (none, `mixed`, llm-d's `both`) serves whole requests."""
+        if label == "prefill":
+            return cls.PREFILL
+        if label == "decode":
+            return cls.DECODE
+        return cls.MIXED
+
+
 @record
 class WorkerView:
     """A candidate worker: the gateway's own accounting plus what the worker last reported.
@@ -75,6 +94,7 @@ class WorkerView:
     engine_block_size: int | None = None
     loaded_adapters: frozenset[str] | None = None
     warming: bool = False
+    role: Role = Role.MIXED
 
 
 @record

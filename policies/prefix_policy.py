@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from policies.base import Isolation, KvEvent, Observation, RouteDecision, RouteRequest, WorkerId
+from policies.cost_model import CostModel
 from policies.index import NO_MATCH, PrefixMatch
 from policies.kv_feed import KvEventFeed, TokenBlockHasher
 from policies.peer_sync import PeerHolding, PeerItem, PeerOutcome, PeerRouting, SyncSink
@@ -200,6 +201,24 @@ class PrefixPolicyBase:
             return pool.index.record(keys, worker, PUBLIC_NAMESPACE, now_s, speculative=speculative)
         mine = self._own_keys(req)
         return pool.index.record(mine.keys, worker, mine.namespace, now_s, speculative=speculative)
+
+    # -- what prefill/decode routing asks (policies/pd.py) ----------------------------------------
+
+    def held_tokens(self, req: RouteRequest, shared_prefix_blocks: int, now_s: float) -> dict[WorkerId, int]:
+        """Prompt tokens each worker holds for `req` (cacheable ones, per the index), under the salt
+        the request carries: the public chain when it is routed as wholly public, else its own."""
+        pool = self._pool(req)
+        if shared_prefix_blocks:
+            keys = req.public_block_keys[:shared_prefix_blocks]
+            match = pool.index.lookup(keys, PUBLIC_NAMESPACE, now_s)
+        else:
+            mine = self._own_keys(req)
+            match = pool.index.lookup(mine.keys, mine.namespace, now_s)
+        return {w: self._cap_tokens(req, blocks) for w, blocks in match.blocks_by_worker.items()}
+
+    def cost_model(self, req: RouteRequest) -> CostModel:
+        """The cost model (calibrated online) of the request's pool."""
+        return self._pool(req).cost
 
     # -- the Protocol's feedback hooks ----------------------------------------------------------
 

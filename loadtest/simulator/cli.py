@@ -4,6 +4,7 @@
         [--workers N] [--kv-blocks-per-worker N] [--profile NAME] [--rate-scale X] [--seed S]
         [--isolation LEVEL] [--tenant-isolation NAME=LEVEL] [--kv-events] [--json OUT]
         [--gateways N [--sync none|broker] [--sync-delay-ms D]] [--arrival-spread-s S]
+        [--pd P:D [--no-pd-conditional] [--pd-interference-weight W]]
 
 Prints the summary; `--json` writes `{config, summary, workers, requests}` (format in
 docs/benchmarks.md, "Simulator output format").
@@ -23,10 +24,12 @@ import xxhash
 
 from loadtest.engine import DEFAULT_PROFILE, Engine, EngineConfig, EngineRequest, ProfileError, load_profile
 from loadtest.engine.hashing import block_hashes
+from loadtest.engine.profile import StepProfile
 from loadtest.report.meta import run_metadata
 from loadtest.report.progress import ProgressBar
 from loadtest.simulator.keys import KeyPath
 from loadtest.simulator.loop import EngineHooks, LoopConfig, run_loop
+from loadtest.simulator.pd import PdSim
 from loadtest.simulator.summary import summarize
 from loadtest.traces.load import load_trace
 from loadtest.traces.mooncake import TraceFormatError
@@ -35,6 +38,7 @@ from loadtest.workloads.records import WorkloadRequest, scale_arrivals
 from loadtest.workloads.registry import WORKLOADS, make_workload
 from policies.base import Isolation, RoutingPolicy
 from policies.config import PolicyConfig, PolicyConfigError, build_policy, parse_policy_yaml
+from policies.pd import VLLM_ROLES, PdRouter, PdSettings
 from policies.registry import known_policies, make_policy
 
 # The gateway's measured NATS publish-to-apply latency, batching included (docs/sync.md).
@@ -85,6 +89,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--scrape-interval-s", type=float, default=1.0, help="how stale scraped metrics are")
     parser.add_argument("--max-requests", type=_positive_int, default=None, help="only the first N requests")
+    parser.add_argument(
+        "--pd",
+        metavar="P:D",
+        default=None,
+        help="prefill/decode disaggregation: P prefill and D decode workers (instead of --workers mixed "
+        "ones), pairs chosen as the gateway does (docs/pd.md)",
+    )
+    parser.add_argument(
+        "--pd-conditional",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--pd: let a request run on one decode worker alone when that scores better (default on)",
+    )
+    parser.add_argument(
+        "--pd-interference-weight",
+        type=float,
+        default=1.0,
+        help="--pd: weight of the delay a prefill on a decode worker adds to its decodes (default 1)",
+    )
     parser.add_argument(
         "--arrival-spread-s",
         type=float,
@@ -199,8 +222,42 @@ def _install_precise(policy: RoutingPolicy, keys: KeyPath, block_size: int) -> b
     return True
 
 
+def pd_split(text: str | None) -> tuple[int, int] | None:
+    """`--pd P:D` as two worker counts."""
+    if text is None:
+        return None
+    try:
+        n_prefill, n_decode = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise UsageError(f"--pd takes P:D, two worker counts (e.g. 4:4), not {text!r}") from None
+    if n_prefill < 1 or n_decode < 1:
+        raise UsageError("--pd needs at least one prefill and one decode worker")
+    return n_prefill, n_decode
+
+
+def _pd_sim(args: argparse.Namespace, profile: StepProfile, split: tuple[int, int] | None) -> PdSim | None:
+    if split is None:
+        return None
+    settings = PdSettings(
+        roles=VLLM_ROLES,
+        transfer_setup_s=profile.kv_transfer_setup_ms / 1000,
+        transfer_bytes_per_token=profile.kv_bytes_per_token,
+        transfer_bandwidth_bytes_per_s=profile.kv_transfer_bytes_per_s,
+        conditional=args.pd_conditional,
+        interference_weight=args.pd_interference_weight,
+    )
+
+    def make_request(rid: str, n_prompt: int, max_out: int, hashes: Any, external: int) -> EngineRequest:
+        return EngineRequest(rid, n_prompt, max_out, hashes, external)
+
+    return PdSim(PdRouter(settings, seed=args.seed), split[0], profile.kv_transfer_s, make_request)
+
+
 def simulate(args: argparse.Namespace) -> dict[str, Any]:
     """Run one simulation; returns the JSON document."""
+    split = pd_split(args.pd)
+    if split is not None:
+        args.workers = sum(split)
     if args.workers < 1:
         raise UsageError("--workers must be at least 1")
     if args.rate_scale <= 0:
@@ -208,6 +265,7 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
     if args.sync_delay_ms < 0 or args.arrival_spread_s < 0:
         raise UsageError("--sync-delay-ms and --arrival-spread-s must be >= 0")
     profile = load_profile(args.profile)
+    pd = _pd_sim(args, profile, split)
     policy, policy_name = _policy(args)
     policies = [policy] + [_policy(args, g)[0] for g in range(1, args.gateways)]
     reqs, source = _requests(args)
@@ -242,6 +300,7 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
             kv_events=args.kv_events,
             sync_delay_s=args.sync_delay_ms / 1000 if args.sync == "broker" else None,
             balancer_seed=args.seed,
+            pd=pd,
         ),
         progress=bar.update if bar else None,
         keyed=keyed,
@@ -265,6 +324,7 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
             "working_set_tokens": working_set,
             "cluster_kv_tokens": capacity_tokens,
             "cluster_kv_fraction_of_working_set": capacity_tokens / working_set if working_set else None,
+            "pd": pd.counters.as_dict() if pd is not None else None,
             "sync_items_published": result.n_sync_items,
         }
     )
@@ -288,6 +348,9 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         "isolation": args.isolation,
         "tenant_isolation": list(args.tenant_isolation),
         "scrape_interval_s": args.scrape_interval_s,
+        "pd": args.pd,
+        "pd_conditional": args.pd_conditional if split is not None else None,
+        "pd_interference_weight": args.pd_interference_weight if split is not None else None,
         "gateways": args.gateways,
         "sync": args.sync,
         "sync_delay_ms": args.sync_delay_ms if args.sync == "broker" else None,
@@ -301,9 +364,9 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
 
 
 SUMMARY_KEYS = (
-    "n_requests", "ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "ttft_mean_s", "tpot_mean_s", "e2e_p99_s",
-    "throughput_tok_s", "hit_ratio", "ceiling_infinite", "ceiling_pooled_lru", "hit_ratio_of_ceiling",
-    "request_hit_ratio", "imbalance", "utilization", "n_rejected", "wall_time_s",
+    "n_requests", "ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "ttft_mean_s", "tpot_mean_s", "tpot_p99_s",
+    "e2e_p99_s", "throughput_tok_s", "hit_ratio", "ceiling_infinite", "ceiling_pooled_lru",
+    "hit_ratio_of_ceiling", "request_hit_ratio", "imbalance", "utilization", "n_rejected", "wall_time_s",
 )  # fmt: skip
 
 
@@ -326,6 +389,8 @@ def run(args: argparse.Namespace) -> int:
         p = s[part]
         print(f"{part:24s} hit_ratio {_fmt(p['hit_ratio'])}  ttft_p50_s {_fmt(p['ttft_p50_s'])}  "
               f"ttft_p99_s {_fmt(p['ttft_p99_s'])}")  # fmt: skip
+    if s.get("pd"):
+        print(f"{'pd':24s} " + "  ".join(f"{k} {v}" for k, v in s["pd"].items()))
     counters = s["policy_counters"]
     if counters:
         print(f"{'policy_counters':24s} " + "  ".join(f"{k} {v}" for k, v in sorted(counters.items())))

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from loadtest.simulator.engine_hashes import TokenHasher, request_hashes
 from loadtest.simulator.gateways import SimGateway, SyncBus, pick_gateway
 from loadtest.simulator.keys import KeyedPrompt, KeyPath
-from loadtest.simulator.port import RequestFactory, SimEngine, StatsLike, StepLike
+from loadtest.simulator.pd import PdSim, PrefillLeg
+from loadtest.simulator.port import KvChanges, RequestFactory, SimEngine, StatsLike, StepLike
 from loadtest.simulator.records import RequestRecord, WorkerRecord
 from loadtest.workloads.records import WorkloadRequest
 from policies.base import (
@@ -34,6 +35,7 @@ from policies.base import (
     KvEventKind,
     Observation,
     Outcome,
+    Role,
     RouteDecision,
     RouteRequest,
     RoutingPolicy,
@@ -51,6 +53,7 @@ class LoopConfig:
     max_in_flight_per_worker: int | None = None
     sync_delay_s: float | None = None  # None: gateways do not share what they learn
     balancer_seed: int = 0
+    pd: PdSim | None = None  # prefill/decode roles and pair routing (loadtest/simulator/pd.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +78,10 @@ class EngineHooks:
 class _Flight:
     """A dispatched request the loop is waiting on (mutable; internal)."""
 
-    __slots__ = ("decision", "first_token_s", "gateway", "keyed", "req", "route", "salt")
+    __slots__ = (
+        "decision", "first_token_s", "gateway", "hashes", "keyed", "leg", "max_out", "req", "route",
+        "salt", "visible_cached",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -93,6 +99,10 @@ class _Flight:
         self.keyed = keyed
         self.salt = salt
         self.first_token_s: float | None = None
+        self.max_out = req.max_output_tokens  # the engine request's (1 for a prefill leg)
+        self.hashes: Sequence[int] = ()
+        self.leg: PrefillLeg | None = None  # P/D: set while the request's prefill leg runs
+        self.visible_cached: int | None = None  # P/D: the cached tokens the client is told
 
 
 class _Worker:
@@ -152,6 +162,8 @@ class _Loop:
         self.n_steps = 0
         self.n_calls = 0
         self.next_arrival = 0
+        self.pd = config.pd
+        self.roles = [Role.MIXED] * len(engines) if self.pd is None else self.pd.roles(len(engines))
 
     def views(self, now_s: float, gw: SimGateway, pool: str) -> list[WorkerView]:
         """What gateway `gw` sees: its own in-flight accounting, its peers' reports, the scrape."""
@@ -173,6 +185,7 @@ class _Loop:
                 kv_usage=s.kv_usage,
                 num_gpu_blocks=s.num_kv_blocks,
                 engine_block_size=w.engine.block_size,
+                role=self.roles[i],
             )
             out.append(gw.fold(pool, view))
         return out
@@ -200,7 +213,7 @@ class _Loop:
         if self.progress is not None:
             self.progress(len(self.records))
 
-    def kv_events(self, w: _Worker, out: StepLike, now_s: float) -> None:
+    def kv_events(self, w: _Worker, out: KvChanges, now_s: float) -> None:
         """The worker's KV events as the gateway decodes them: token ids of every stored block
         (chat and text prompts; a trace prompt has none), and the namespace its salt resolves to."""
         size = w.engine.block_size
@@ -244,33 +257,29 @@ class _Loop:
             gw = f.gateway
             assert gw is not None
             gw.prefill[idx] -= f.route.n_prompt_tokens
-            gw.decode[idx] += f.req.max_output_tokens
+            gw.decode[idx] += f.max_out
             changed[(gw, f.route.pool)] = None
         for fin in out.finished:
             f = self.flights.pop(str(fin.request_id))
             first = f.first_token_s if f.first_token_s is not None else now_s
             gw = f.gateway
             assert gw is not None
-            gw.decode[idx] -= f.req.max_output_tokens
+            gw.decode[idx] -= f.max_out
             gw.in_flight[idx] -= 1
             changed[(gw, f.route.pool)] = None
             w.cached_tokens += fin.num_cached_tokens
             w.output_tokens += fin.num_output_tokens
-            self._record(
-                f,
-                str(w.id),
-                first,
-                now_s,
-                fin.num_prompt_tokens,
-                fin.num_cached_tokens,
-                fin.num_output_tokens,
-            )
+            if f.leg is not None and self.pd is not None:
+                self.pd.prefill_done(self, w.id, f, fin, first, now_s)
+                continue
+            cached = fin.num_cached_tokens if f.visible_cached is None else f.visible_cached
+            self._record(f, str(w.id), first, now_s, fin.num_prompt_tokens, cached, fin.num_output_tokens)
             obs = Observation(
                 f.route,
                 w.id,
                 ttft_s=first - f.req.arrival_s,
                 prompt_tokens=fin.num_prompt_tokens,
-                cached_tokens=fin.num_cached_tokens,
+                cached_tokens=cached,
                 completion_tokens=fin.num_output_tokens,
             )
             gw.policy.on_complete(obs, now_s)
@@ -286,6 +295,8 @@ class _Loop:
         until_s = (
             self.requests[self.next_arrival].arrival_s if self.next_arrival < len(self.requests) else math.inf
         )
+        if self.pd is not None:
+            until_s = min(until_s, self.pd.horizon_s(self, idx))
         res = w.engine.step(now_s, until_s) if w.engine.has_work() else None
         if res is None:
             w.busy = False
@@ -304,26 +315,55 @@ class _Loop:
             kp = hooks.keys.keyed(req)
         route = hooks.keys.route_request(req, kp)
         gw = self.gateways[pick_gateway(req.request_id, len(self.gateways), self.config.balancer_seed)]
+        if self.pd is not None:
+            self.pd.arrive(self, gw, req, kp, route, now_s)
+            return
         decision = gw.policy.select(route, self.views(now_s, gw, route.pool), now_s)
         idx = self.by_id.get(decision.worker, -1) if decision is not None else -1
         if decision is None or idx < 0:
-            rejected = RouteDecision(WorkerId(""), 0.0, decision.reason if decision else "no worker")
-            self._record(_Flight(req, route, rejected), None, None, None, route.n_prompt_tokens, 0, 0)
+            self.reject(req, route, decision.reason if decision else "no worker")
             return
-        w = self.workers[idx]
+        f = self.flight(gw, req, route, decision, kp)
+        request = hooks.make_request(req.request_id, route.n_prompt_tokens, req.max_output_tokens, f.hashes)
+        self.submit(idx, f, request, now_s)
+
+    def reject(self, req: WorkloadRequest, route: RouteRequest, reason: str) -> None:
+        """Record a request no worker could take."""
+        rejected = RouteDecision(WorkerId(""), 0.0, reason)
+        self._record(_Flight(req, route, rejected), None, None, None, route.n_prompt_tokens, 0, 0)
+
+    def flight(
+        self,
+        gw: SimGateway,
+        req: WorkloadRequest,
+        route: RouteRequest,
+        decision: RouteDecision,
+        kp: KeyedPrompt,
+    ) -> _Flight:
+        """A request gateway `gw` is about to dispatch as `decision` says, with its salt and engine
+        hashes."""
+        hooks = self.hooks
         salt = hooks.keys.cache_salt(route, decision)
-        hashes = request_hashes(req, kp.tokens, w.engine.block_size, salt, hooks.hash_tokens)
+        f = _Flight(req, route, decision, kp, salt, gw)
+        f.hashes = request_hashes(req, kp.tokens, self.workers[0].engine.block_size, salt, hooks.hash_tokens)
+        return f
+
+    def submit(self, idx: int, f: _Flight, request: object, now_s: float) -> bool:
+        """Hand `request` (the engine's record of flight `f`) to worker `idx`, tell the flight's
+        gateway of the dispatch, and wake the worker; False (recorded as rejected) if the engine
+        refuses it."""
+        w = self.workers[idx]
+        gw, decision, route = f.gateway, f.decision, f.route
+        assert gw is not None
         try:
-            w.engine.submit(
-                hooks.make_request(req.request_id, route.n_prompt_tokens, req.max_output_tokens, hashes)
-            )
+            w.engine.submit(request)
         except ValueError:
             failed = RouteDecision(decision.worker, decision.score_s, "engine rejected")
-            self._record(_Flight(req, route, failed), None, None, None, route.n_prompt_tokens, 0, 0)
+            self._record(_Flight(f.req, route, failed), None, None, None, route.n_prompt_tokens, 0, 0)
             gw.policy.on_complete(Observation(route, decision.worker, outcome=Outcome.REJECTED), now_s)
-            return
+            return False
         gw.policy.on_dispatch(route, decision, now_s)
-        self.flights[req.request_id] = _Flight(req, route, decision, kp, salt, gw)
+        self.flights[f.req.request_id] = f
         gw.in_flight[idx] += 1
         gw.prefill[idx] += route.n_prompt_tokens
         if self.bus is not None:
@@ -334,6 +374,13 @@ class _Loop:
             w.busy = True
             self.seq += 1
             heapq.heappush(self.heap, (now_s, self.seq, idx))
+        return True
+
+    def schedule(self, at_s: float) -> int:
+        """An event at `at_s` that is not a worker's step (a KV transfer's end): its key."""
+        self.seq += 1
+        heapq.heappush(self.heap, (at_s, self.seq, -1))
+        return self.seq
 
     def run(self) -> LoopResult:
         reqs, heap, bus = self.requests, self.heap, self.bus
@@ -352,7 +399,11 @@ class _Loop:
                 self.next_arrival += 1
                 self.arrive(reqs[i], None if self.keyed is None else self.keyed[i])
                 continue
-            t, _, idx = heapq.heappop(heap)
+            t, key, idx = heapq.heappop(heap)
+            if idx < 0:
+                assert self.pd is not None
+                self.pd.transfer_done(self, key, t)
+                continue
             self.run_step(idx, t)
         workers = tuple(
             WorkerRecord(

@@ -3,9 +3,10 @@
 # default. Runs as uid/gid 10001 and writes nothing outside /tmp, so it works with a read-only root
 # filesystem when /tmp is a mounted volume (the chart mounts an emptyDir there).
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
-# Extras baked in: `tokenizer` lets pools run the normalizer's tokenizer mode (docs/install.md);
-# `make image KVGATE_EXTRAS=` builds the leaner image for approximate and render modes only.
-ARG KVGATE_EXTRAS=tokenizer
+# Extras baked in: `tokenizer` lets pools run the normalizer's tokenizer mode, `otel` exports traces
+# (the chart's `tracing.enabled`; docs/install.md); `make image KVGATE_EXTRAS=` builds the leaner
+# image for approximate and render modes, without traces.
+ARG KVGATE_EXTRAS=tokenizer,otel
 
 FROM ${PYTHON_IMAGE} AS build
 ARG KVGATE_EXTRAS

@@ -16,7 +16,7 @@ $(RUN_STAMP): pyproject.toml | $(BIN)/python
 	touch $(RUN_STAMP)
 
 $(DEV_STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[dev,bench,tokenizer]'
+	$(BIN)/pip install -q -e '.[dev,bench,tokenizer,otel]'
 	touch $(DEV_STAMP) $(RUN_STAMP)
 
 demo: $(RUN_STAMP)
@@ -41,7 +41,7 @@ clean:
 # `make image`: the container image the Helm chart runs by default, kvgate:<pyproject version>.
 IMAGE ?= kvgate
 IMAGE_TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
-KVGATE_EXTRAS ?= tokenizer
+KVGATE_EXTRAS ?= tokenizer,otel
 
 .PHONY: image
 image:

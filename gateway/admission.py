@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,8 +27,10 @@ from gateway.keying import canonical_prompt, only_model, prompt_error
 from gateway.quotas import Rejection, TenantLimiter
 from gateway.registry import Pool
 from gateway.responses_affinity import ResponseAffinity, note_response, pin
+from gateway.retries import RETRY_COUNT_HEADER, retries_taken
 from gateway.routes import ApiRoute
 from gateway.state import GatewayState
+from gateway.upstream_headers import ClientHeaders, pick
 from policies.base import RouteDecision, RouteRequest, WorkerId
 from policies.identity import cache_salt_for, session_key
 from policies.records import record
@@ -70,6 +73,10 @@ class Admitted:
     pinned: WorkerId | None = None
     responses: ResponseAffinity | None = None  # Responses requests: where answers' ids are learned
     drift_field: str | None = None
+    retries_taken: int = 0  # the client's earlier tries of this call (`retries.py`)
+    priority: int = 0  # vLLM's `priority` (lower first): orders the tenant's own queued requests
+    queued_s: float | None = None  # time spent in the pool's queue (`queueing.py`), if it queued
+    client_headers: ClientHeaders = ()  # the client headers the pool forwards (`upstream_headers.py`)
     recorded: bool = False
     _encoded: dict[str | None, bytes] = field(default_factory=dict)
 
@@ -116,19 +123,24 @@ class Admitted:
 
 @record
 class RequestHead:
-    """The three request headers the hot path reads, found in one pass over the raw ASGI headers
-    (no header-object layers): `Authorization`, `x-request-id` and `Content-Length`; for routes
-    that need them (`of_route`), also `x-api-key` (read as the key when there is no
-    `Authorization`) and `Content-Type` (a multipart body's boundary)."""
+    """The request headers the hot path reads, found in one pass over the raw ASGI headers (no
+    header-object layers): `Authorization`, `x-request-id`, `Content-Length` and the SDK's
+    `x-stainless-retry-count` (`retries.py`); for routes that need them (`of_route`), also
+    `x-api-key` (read as the key when there is no `Authorization`) and `Content-Type` (a multipart
+    body's boundary). `raw` is the ASGI header list itself, from which a pool's `forward_headers`
+    are picked once the pool is known."""
 
     authorization: str | None
     client_request_id: str | None
     content_length: int | None
     content_type: str | None = None
+    retries_taken: int = 0
+    raw: Sequence[tuple[bytes, bytes]] = ()
 
     @classmethod
     def of(cls, scope: Scope) -> RequestHead:
         authorization = rid = length = None
+        taken = 0
         for name, value in scope["headers"]:
             if name == b"authorization":
                 authorization = value.decode("latin-1")
@@ -136,7 +148,9 @@ class RequestHead:
                 rid = _sane_id(value.decode("latin-1"))
             elif name == b"content-length" and value.isdigit():
                 length = int(value)
-        return cls(authorization, rid, length)
+            elif name == RETRY_COUNT_HEADER:
+                taken = retries_taken(value)
+        return cls(authorization, rid, length, retries_taken=taken, raw=scope["headers"])
 
     @classmethod
     def of_route(cls, scope: Scope, api: ApiRoute) -> RequestHead:
@@ -144,6 +158,7 @@ class RequestHead:
         if not (api.api_key_header or api.multipart):
             return cls.of(scope)
         authorization = rid = length = content_type = api_key = None
+        taken = 0
         for name, value in scope["headers"]:
             if name == b"authorization":
                 authorization = value.decode("latin-1")
@@ -155,19 +170,25 @@ class RequestHead:
                 content_type = value.decode("latin-1")
             elif name == b"x-api-key" and api.api_key_header:
                 api_key = value
+            elif name == RETRY_COUNT_HEADER:
+                taken = retries_taken(value)
         if authorization is None and api_key:
             authorization = bearer_of_api_key(api_key)
-        return cls(authorization, rid, length, content_type)
+        return cls(authorization, rid, length, content_type, taken, scope["headers"])
 
 
 @record
 class RequestIds:
     """`internal` is always made here: it names the request to the worker, the policy and the
     logs, so two clients that send the same `x-request-id` can never collide. `client` is the
-    client's own id (when sane), only echoed back and logged beside the internal one."""
+    client's own id (when sane), only echoed back and logged beside the internal one.
+    `retries_taken` numbers the client's own tries of one call (`retries.py`), and `headers` are
+    the client's raw headers (a pool may forward some, `upstream_headers.py`)."""
 
     internal: str
     client: str | None
+    retries_taken: int = 0
+    headers: Sequence[tuple[bytes, bytes]] = ()
 
     @property
     def reply(self) -> str:
@@ -186,7 +207,7 @@ def new_request_id() -> str:
 
 
 def request_ids(head: RequestHead) -> RequestIds:
-    return RequestIds(new_request_id(), head.client_request_id)
+    return RequestIds(new_request_id(), head.client_request_id, head.retries_taken, head.raw)
 
 
 def _sane_id(rid: str | None) -> str | None:
@@ -365,6 +386,9 @@ async def admit(
         pinned=pinned,
         responses=responses,
         drift_field=drift.field if drift is not None and drift.first_diff_block is not None else None,
+        retries_taken=ids.retries_taken,
+        priority=body.get("priority", 0),
+        client_headers=pick(ids.headers, pool.forward) if pool.forward else (),
     )
 
 

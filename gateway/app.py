@@ -36,6 +36,7 @@ from gateway.auth import Tenant
 from gateway.disconnect import DisconnectGuard
 from gateway.errors import ApiError
 from gateway.fleet import Fleet
+from gateway.gauges import refresh_gauges
 from gateway.policy_watch import PolicyWatcher
 from gateway.proxy import dispatch
 from gateway.responses_routes import responses_routes
@@ -43,7 +44,6 @@ from gateway.routes import ROUTES, ApiRoute
 from gateway.state import GatewayState, make_session
 from gateway.surface import error, json_response, surface_routes
 from gateway.upstream import UpstreamPool
-from policies.stats import SupportsStats
 
 log = logging.getLogger("kvgate.app")
 
@@ -55,12 +55,14 @@ class GatewayApp:
     def __init__(self, state: GatewayState, fallback: Starlette) -> None:
         self.state = state
         self.fallback = fallback
+        # With tracing on, each completion runs inside its SERVER span (gateway/tracing.py).
+        self._completion = self._proxy if state.tracer is None else state.tracer.wrap(self._proxy)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             api = ROUTES.get(scope["path"])
             if api is not None:
-                await self._proxy(scope, receive, send, api)
+                await self._completion(scope, receive, send, api)
                 return
         await self.fallback(scope, receive, send)
 
@@ -186,6 +188,11 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
         state.fleet = fleet
         try:
             await fleet.start()
+            if state.config.sync.url is not None:
+                from gateway.sync.service import SyncService  # nats-py only when sync is on
+
+                state.sync = SyncService(state, state.config.sync)
+                await state.sync.start()  # connects in the background: never waits on the broker
             await state.registry.check_all(state.session)
             state.registry.start(state.session)
             flusher = asyncio.create_task(_flush_access_log(state), name="access-log")
@@ -199,6 +206,9 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
                 flusher.cancel()
             if watcher is not None:
                 await watcher.stop()
+            if state.sync is not None:
+                await state.sync.stop()
+                state.sync = None
             await fleet.stop()
             state.fleet = None
             state.access_log.flush()
@@ -209,6 +219,8 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
                 state.lean.close()
                 state.lean = None
             state.close_executor()
+            if state.tracer is not None:
+                await asyncio.to_thread(state.tracer.shutdown)  # export the last spans
 
     routes = [
         *surface_routes(state),
@@ -233,7 +245,7 @@ def build_metrics_app(state: GatewayState) -> Starlette:
     metrics route, as the metrics name tenants and workers."""
 
     async def metrics(request: Request) -> Response:
-        _refresh_gauges(state)
+        refresh_gauges(state)
         return Response(state.metrics.render(), 200, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     app = Starlette(
@@ -245,13 +257,20 @@ def build_metrics_app(state: GatewayState) -> Starlette:
 
 
 async def drain(state: GatewayState, deadline_s: float) -> None:
-    """Wait for in-flight streams to end; at the deadline, end the rest with an error event."""
+    """Wait for in-flight streams to end; at the deadline, end the rest with an error event and
+    answer the requests still queued for a worker with 503."""
     state.draining = True
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + deadline_s
     if state.active_streams:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(state.streams_idle.wait(), deadline_s)
     for stream in list(state.active_streams):
         stream.abort("gateway shutting down")
+    for queue in state.queues.values():
+        # Queued requests keep their place until the deadline (workers still free slots meanwhile).
+        await queue.until_empty(max(0.0, deadline - loop.time()))
+        queue.close()
 
 
 async def _flush_access_log(state: GatewayState) -> None:
@@ -281,26 +300,3 @@ async def _internal(request: Request, exc: Exception) -> Response:
     log.error("unhandled error", exc_info=exc, extra={"path": request.url.path})
     err = ApiError(500, "internal gateway error", "server_error", "internal_error")
     return error(err, request_id_of(request))
-
-
-def _refresh_gauges(state: GatewayState) -> None:
-    now_s = time.monotonic()
-    m = state.metrics
-    for gauge in (m.in_flight, m.worker_healthy, m.worker_waiting, m.worker_kv_usage):
-        gauge.clear()  # workers that discovery removed must not linger
-    policy = state.policy
-    if isinstance(policy, SupportsStats):
-        stats = policy.stats()
-        for name, value in stats.counters.items():
-            state.metrics.policy_counters.labels(stats.policy, name).set(value)
-    for pool in state.registry.pools.values():
-        for worker in pool.workers.values():
-            state.metrics.in_flight.labels(pool.name, worker.url).set(worker.in_flight)
-            state.metrics.worker_healthy.labels(pool.name, worker.url).set(
-                1 if worker.healthy and worker.breaker.allows(now_s) else 0
-            )
-            view = worker.view(now_s, pool.metrics_max_age_s)
-            if view.num_requests_waiting is not None:
-                state.metrics.worker_waiting.labels(pool.name, worker.url).set(view.num_requests_waiting)
-            if view.kv_usage is not None:
-                state.metrics.worker_kv_usage.labels(pool.name, worker.url).set(view.kv_usage)

@@ -76,6 +76,9 @@ def parse_body(raw: bytes, api: ApiRoute) -> dict[str, Any]:
     if options is not None and not isinstance(options.get("include_usage", False), bool | None):
         # A non-boolean would otherwise be read as "no usage" and silently dropped.
         raise bad_request("'stream_options.include_usage' must be a boolean", "stream_options.include_usage")
+    priority = body.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise bad_request("'priority' must be an integer (lower is served earlier)", "priority")
     if not ENGINE_INTERNAL_FIELDS.isdisjoint(body):
         name = min(ENGINE_INTERNAL_FIELDS.intersection(body))
         raise bad_request(f"'{name}' is an engine-internal field and cannot be set through the gateway", name)

@@ -43,6 +43,12 @@ BENCHMARKS: dict[str, Command] = {
     "keys": Command("prompt_normalizer.bench", "block-key and tokenization time"),
     "drift": Command("loadtest.bench_drift", "hit ratio of a drifting agent workload, rules off and on"),
     "decision": Command("policies.bench", "routing decision latency over many workers"),
+    "sync": Command("gateway.sync.bench", "replica sync: publish-to-apply latency and CPU over nats-server"),
+    "abuse": Command("loadtest.abuse.cli", "reliability probes: hostile clients, failing workers; a soak"),
+    "fairness": Command(
+        "loadtest.bench_fairness", "a light tenant's wait while another floods a full pool (the queue)"
+    ),
+    "goodput": Command("loadtest.goodput.cli", "each policy's highest rate meeting TTFT and TPOT SLOs"),
 }
 
 

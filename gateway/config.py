@@ -6,6 +6,8 @@ read from an environment variable or a file named here. Validation errors name t
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -13,6 +15,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gateway.k8s.config import KubernetesDiscoveryConfig
+from gateway.otel_sdk import tracing_unavailable
+from gateway.upstream_headers import check_worker_key, forwardable_name
 from policies.base import Isolation
 from prompt_normalizer.normalizer import NormalizerConfig
 
@@ -132,12 +136,69 @@ class DnsDiscoveryConfig(_Frozen):
     refresh_s: PositiveFloat = 5.0
 
 
+class PdTransferConfig(_Frozen):
+    """How long moving a request's KV from its prefill worker to its decode worker takes:
+    `setup_s + tokens × bytes_per_token / bandwidth_bytes_per_s` (defaults: Llama-3-8B in bf16,
+    one 400 Gb/s RDMA link)."""
+
+    setup_s: float = Field(default=0.001, ge=0)
+    bytes_per_token: PositiveInt = 131_072
+    bandwidth_bytes_per_s: PositiveFloat = 45e9
+
+
+class PdConfig(_Frozen):
+    """Prefill/decode disaggregation of a pool (docs/pd.md): the wire protocol the workers speak,
+    the transfer model that prices a split, and whether a request may skip the split."""
+
+    protocol: Literal["vllm", "sglang"] = "vllm"
+    transfer: PdTransferConfig = PdTransferConfig()
+    # SGLang: the prefill workers' bootstrap port (`--disaggregation-bootstrap-port`), and the
+    # port of any prefill worker (by URL) that uses another one.
+    bootstrap_port: int | None = Field(default=None, ge=1, le=65535)
+    bootstrap_ports: dict[str, Annotated[int, Field(ge=1, le=65535)]] = Field(default_factory=dict)
+    # Conditional disaggregation: a request may run on one worker alone when that scores better.
+    conditional: bool = True
+    # Weight of the delay a prefill run on a decode worker imposes on the requests it is decoding.
+    interference_weight: float = Field(default=1.0, ge=0)
+
+    @field_validator("bootstrap_ports")
+    @classmethod
+    def _port_urls(cls, ports: dict[str, int]) -> dict[str, int]:
+        for url in ports:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"worker URL {url!r} must start with http:// or https://")
+        return {u.rstrip("/"): port for u, port in ports.items()}
+
+    def bootstrap_port_of(self, url: str) -> int | None:
+        """The bootstrap port of the prefill worker at `url` (SGLang)."""
+        return self.bootstrap_ports.get(url, self.bootstrap_port)
+
+
+class QueueConfig(_Frozen):
+    """The pool's waiting room (gateway/queueing.py): a request that finds every routable worker
+    at `max_in_flight_per_worker` waits here for a free slot instead of failing. Tenants share
+    the freed slots by their `weight`; within a tenant, vLLM's `priority` (lower first) goes first.
+    Beyond `max_per_tenant` waiting requests of one tenant: 429; beyond `max_requests` in the
+    pool: 503; waiting longer than `timeout_s`: 503 (all with `Retry-After`). `order: fifo` serves
+    arrivals in order whatever the tenant (for comparison; one tenant's flood then delays all)."""
+
+    enabled: bool = True
+    max_requests: PositiveInt = 1024
+    max_per_tenant: PositiveInt = 256
+    timeout_s: PositiveFloat = 30.0
+    order: Literal["fair", "fifo"] = "fair"
+
+
 class PoolConfig(_Frozen):
     """A set of interchangeable workers serving the same model(s)."""
 
     name: str = Field(min_length=1)
     models: list[str] = Field(min_length=1)
     workers: list[str] = Field(default_factory=list)
+    # Static workers with a prefill/decode role (`workers` are mixed); see `pd`.
+    prefill_workers: list[str] = Field(default_factory=list)
+    decode_workers: list[str] = Field(default_factory=list)
+    pd: PdConfig | None = None
     dns: DnsDiscoveryConfig | None = None
     kubernetes: KubernetesDiscoveryConfig | None = None
     # KV-cache events (vLLM `--kv-events-config`): `{host}` is replaced by each worker's address.
@@ -147,6 +208,7 @@ class PoolConfig(_Frozen):
     kv_events_topic: str = ""
     max_in_flight_per_worker: PositiveInt | None = 256
     retry_attempts: int = Field(default=2, ge=0, le=5)
+    queue: QueueConfig = QueueConfig()
     block_size_tokens: PositiveInt = 16
     timeouts: TimeoutsConfig = TimeoutsConfig()
     health: HealthConfig = HealthConfig()
@@ -157,14 +219,37 @@ class PoolConfig(_Frozen):
     # Served model id -> LoRA adapter name (vLLM serves each adapter under its own model id); the
     # adapter is bound into that model's prefix keys and matches KV events' `lora_name`.
     adapters: dict[str, str] = Field(default_factory=dict)
+    # The workers' API key (vLLM `--api-key`), from an environment variable or a file (a mounted
+    # Secret), sent as `Authorization: Bearer` on every request to them (gateway/upstream_headers.py).
+    worker_api_key_env: str | None = Field(default=None, min_length=1)
+    worker_api_key_file: str | None = Field(default=None, min_length=1)
+    # Client headers passed on to the workers; never hop-by-hop headers or credentials.
+    forward_headers: list[str] = Field(default_factory=list, max_length=32)
 
-    @field_validator("workers")
+    @field_validator("forward_headers")
+    @classmethod
+    def _forwardable(cls, names: list[str]) -> list[str]:
+        return sorted({forwardable_name(name) for name in names})
+
+    @field_validator("workers", "prefill_workers", "decode_workers")
     @classmethod
     def _urls(cls, urls: list[str]) -> list[str]:
         for url in urls:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"worker URL {url!r} must start with http:// or https://")
         return [u.rstrip("/") for u in urls]
+
+    @property
+    def static_urls(self) -> list[str]:
+        """Every static worker URL, whatever its role."""
+        return [*self.workers, *self.prefill_workers, *self.decode_workers]
+
+    @property
+    def static_roles(self) -> dict[str, str]:
+        """The role of each static worker listed under `prefill_workers` or `decode_workers`."""
+        roles = dict.fromkeys(self.prefill_workers, "prefill")
+        roles.update(dict.fromkeys(self.decode_workers, "decode"))
+        return roles
 
     @property
     def subscribes_kv_events(self) -> bool:
@@ -174,12 +259,14 @@ class PoolConfig(_Frozen):
 
     @model_validator(mode="after")
     def _one_source(self) -> PoolConfig:
-        sources = [bool(self.workers), self.dns is not None, self.kubernetes is not None]
+        sources = [bool(self.static_urls), self.dns is not None, self.kubernetes is not None]
         if sum(sources) != 1:
             raise ValueError(
                 "a pool needs exactly one of 'workers' (static URLs) or 'dns' (a DNS name) or "
-                "'kubernetes' (pods by label selector)"
+                "'kubernetes' (pods by label selector); 'prefill_workers' and 'decode_workers' are "
+                "static URLs too"
             )
+        self._check_roles()
         k8s = self.kubernetes
         if k8s is not None and k8s.finds_kv_events and self.kv_events_endpoint is not None:
             raise ValueError(
@@ -191,7 +278,21 @@ class PoolConfig(_Frozen):
             raise ValueError(f"adapters: {unknown[0]!r} is not one of the pool's models")
         if any(not name for name in self.adapters.values()):
             raise ValueError("adapters: an adapter name must not be empty")
+        if self.worker_api_key_env is not None and self.worker_api_key_file is not None:
+            raise ValueError("set worker_api_key_env or worker_api_key_file, not both")
         return self
+
+    def _check_roles(self) -> None:
+        urls = self.static_urls
+        if len(set(urls)) != len(urls):
+            raise ValueError("a worker URL is listed twice (workers, prefill_workers, decode_workers)")
+        if (self.prefill_workers or self.decode_workers) and self.pd is None:
+            raise ValueError("prefill_workers and decode_workers need a 'pd' section (the wire protocol)")
+        if self.pd is not None and self.dns is not None:
+            raise ValueError("pd: DNS discovery knows no roles; list prefill_workers and decode_workers")
+        k8s = self.kubernetes
+        if self.pd is not None and k8s is not None and k8s.role_label is None:
+            raise ValueError("pd: Kubernetes discovery needs kubernetes.role_label to find each pod's role")
 
 
 class QuotaConfig(_Frozen):
@@ -210,6 +311,8 @@ class TenantConfig(_Frozen):
     api_key_hashes: list[str] = Field(min_length=1)
     isolation: Isolation = Isolation.STRICT
     quotas: QuotaConfig = QuotaConfig()
+    # The tenant's share of a full pool's freed worker slots, relative to the other tenants waiting.
+    weight: float = Field(default=1.0, ge=0.01, le=100.0)
 
     @field_validator("api_key_hashes")
     @classmethod
@@ -233,9 +336,19 @@ class ScrapeSettings(_Frozen):
 
 
 class TracingConfig(_Frozen):
-    """OpenTelemetry spans, one per request, through the process's configured tracer provider."""
+    """OpenTelemetry traces: a SERVER span per completion request and a CLIENT span per attempt on
+    a worker, exported by the SDK the process sets up from the standard `OTEL_*` variables
+    (`gateway/otel_sdk.py`; needs `pip install 'kvgate[otel]'`, checked when the config loads)."""
 
     enabled: bool = False
+    # `gen_ai.provider.name` of the spans: the API the workers speak (vLLM and SGLang speak OpenAI's).
+    provider_name: str = Field(default="openai", min_length=1)
+
+    @model_validator(mode="after")
+    def _sdk_present(self) -> TracingConfig:
+        if self.enabled and (problem := tracing_unavailable(os.environ)):
+            raise ValueError(problem)
+        return self
 
 
 class SecretsConfig(_Frozen):
@@ -270,6 +383,32 @@ class ResponsesConfig(_Frozen):
     affinity_ttl_s: PositiveFloat = 86_400.0
 
 
+class SyncConfig(_Frozen):
+    """Replica sync (docs/sync.md): gateways sharing one worker fleet publish their routing decisions
+    and in-flight load through a NATS broker and apply each other's. Off unless `url` is set.
+
+    The broker is never on a request's path: items wait in a queue of `queue_max_items` (the
+    oldest is dropped and counted when it is full) and go out in batches of up to
+    `batch_max_items`, `batch_interval_s` after the first of them. Every `load_refresh_s` the
+    whole in-flight load goes out even if unchanged; a peer silent for `peer_timeout_s` is
+    forgotten with its load."""
+
+    url: str | None = Field(default=None, pattern=r"^(nats|tls)://")
+    subject_prefix: str = Field(default="kvgate.sync", pattern=r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
+    batch_max_items: PositiveInt = 256
+    batch_interval_s: PositiveFloat = 0.005
+    queue_max_items: PositiveInt = 16_384
+    load_refresh_s: PositiveFloat = 1.0
+    peer_timeout_s: PositiveFloat = 5.0
+    connect_timeout_s: PositiveFloat = 2.0
+
+    @model_validator(mode="after")
+    def _timeouts(self) -> SyncConfig:
+        if self.peer_timeout_s <= self.load_refresh_s:
+            raise ValueError("peer_timeout_s must be longer than load_refresh_s")
+        return self
+
+
 class GatewayConfig(_Frozen):
     """Top level of the gateway config file."""
 
@@ -283,6 +422,7 @@ class GatewayConfig(_Frozen):
     admin: AdminConfig = AdminConfig()
     metrics: MetricsConfig = MetricsConfig()
     responses: ResponsesConfig = ResponsesConfig()
+    sync: SyncConfig = SyncConfig()
     policy_file: str | None = None
     policy_reload_interval_s: PositiveFloat = 2.0
     pools: list[PoolConfig] = Field(min_length=1)
@@ -345,6 +485,13 @@ def load_config(path: str | Path) -> GatewayConfig:
     config = parse_config(raw)
     if config.policy_file is not None and not Path(config.policy_file).is_absolute():
         config = config.model_copy(update={"policy_file": str(p.parent / config.policy_file)})
+    pools = [
+        pool.model_copy(update={"worker_api_key_file": str(p.parent / pool.worker_api_key_file)})
+        if pool.worker_api_key_file is not None and not Path(pool.worker_api_key_file).is_absolute()
+        else pool
+        for pool in config.pools
+    ]
+    config = config.model_copy(update={"pools": pools})
     if (
         config.secrets.key_hash_secret_file is not None
         and not Path(config.secrets.key_hash_secret_file).is_absolute()
@@ -376,3 +523,26 @@ def read_secret(secrets: SecretsConfig, environ: dict[str, str]) -> bytes:
             )
         return env_value.encode()
     raise ConfigError("secrets: set key_hash_secret_env or key_hash_secret_file")
+
+
+def read_worker_key(pool: PoolConfig, environ: Mapping[str, str]) -> str | None:
+    """The pool's worker API key (None when it has none): from its file (trailing whitespace
+    ignored) or its environment variable. Errors name the field and the source, never the key."""
+    if pool.worker_api_key_file is not None:
+        field_name, source = f"pools.{pool.name}.worker_api_key_file", pool.worker_api_key_file
+        try:
+            value = Path(source).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8"
+            raise ConfigError(f"{field_name}: cannot read {source!r}: {reason}") from None
+    elif pool.worker_api_key_env is not None:
+        field_name, source = f"pools.{pool.name}.worker_api_key_env", pool.worker_api_key_env
+        value = environ.get(source, "")
+        if not value:
+            raise ConfigError(f"{field_name}: environment variable {source} is not set")
+    else:
+        return None
+    try:
+        return check_worker_key(value)
+    except ValueError as exc:
+        raise ConfigError(f"{field_name}: {exc} (in {source})") from None

@@ -31,6 +31,7 @@ from gateway.config import (
     GatewayConfig,
     HealthConfig,
     ListenConfig,
+    PdConfig,
     PoolConfig,
     SecretsConfig,
     TenantConfig,
@@ -50,6 +51,43 @@ class Child:
     proc: subprocess.Popen[bytes]
     url: str
     log_path: Path
+
+
+@dataclass(frozen=True, slots=True)
+class DemoWorker:
+    """One emulated worker to start: its role and, for an SGLang prefill worker, its bootstrap port."""
+
+    name: str
+    role: str = "mixed"
+    bootstrap_port: int | None = None
+
+    def argv(self, port: int, seed: int) -> list[str]:
+        argv = [sys.executable, "-m", EMULATOR_MODULE, "--host", "127.0.0.1", "--port", str(port)]
+        argv += ["--model", "kvgate-demo", "--seed", str(seed)]
+        if self.role != "mixed":
+            argv += ["--role", self.role, "--kv-engine-id", self.name]
+        if self.bootstrap_port is not None:
+            argv += ["--bootstrap-port", str(self.bootstrap_port)]
+        return argv
+
+
+def demo_workers(args: argparse.Namespace) -> list[DemoWorker]:
+    """The workers `--workers N` or `--pd P:D` (with `--pd-protocol`) ask for."""
+    if args.pd is None:
+        if args.workers < 1:
+            raise ConfigError("--workers must be at least 1")
+        return [DemoWorker(f"worker{i}") for i in range(args.workers)]
+    try:
+        n_prefill, n_decode = (int(part) for part in args.pd.split(":"))
+    except ValueError:
+        raise ConfigError(f"--pd takes P:D, two worker counts (e.g. 1:1), not {args.pd!r}") from None
+    if n_prefill < 1 or n_decode < 1:
+        raise ConfigError("--pd needs at least one prefill and one decode worker")
+    sglang = args.pd_protocol == "sglang"
+    prefill = [
+        DemoWorker(f"prefill{i}", "prefill", free_port() if sglang else None) for i in range(n_prefill)
+    ]
+    return [*prefill, *(DemoWorker(f"decode{i}", "decode") for i in range(n_decode))]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -116,19 +154,36 @@ def wait_healthy(children: list[Child], timeout_s: float = _HEALTH_WAIT_S) -> No
             time.sleep(0.1)
 
 
-def demo_config(urls: list[str], key_hash: str, host: str, port: int) -> GatewayConfig:
+def demo_config(
+    urls: list[str],
+    key_hash: str,
+    host: str,
+    port: int,
+    workers: list[DemoWorker] | None = None,
+    pd_protocol: str = "vllm",
+) -> GatewayConfig:
+    """The demo's gateway config; with P/D `workers` (in the order of `urls`), a P/D pool."""
+    roles = {url: w for url, w in zip(urls, workers or [], strict=False)}
+    pd = any(w.role != "mixed" for w in roles.values())
+    pool = PoolConfig(
+        name="demo",
+        models=["kvgate-demo"],
+        workers=[u for u in urls if not pd or roles[u].role == "mixed"],
+        prefill_workers=[u for u in urls if pd and roles[u].role == "prefill"],
+        decode_workers=[u for u in urls if pd and roles[u].role == "decode"],
+        pd=PdConfig(
+            protocol="sglang" if pd_protocol == "sglang" else "vllm",
+            bootstrap_ports={u: w.bootstrap_port for u, w in roles.items() if w.bootstrap_port is not None},
+        )
+        if pd
+        else None,
+        health=HealthConfig(interval_s=1.0, timeout_s=1.0),
+    )
     return GatewayConfig(
         listen=ListenConfig(host=host, port=port),
         drain=DrainConfig(shutdown_delay_s=0.0, deadline_s=5.0),
         secrets=SecretsConfig(key_hash_secret_env=None),
-        pools=[
-            PoolConfig(
-                name="demo",
-                models=["kvgate-demo"],
-                workers=urls,
-                health=HealthConfig(interval_s=1.0, timeout_s=1.0),
-            )
-        ],
+        pools=[pool],
         tenants=[TenantConfig(name="demo", api_key_hashes=[key_hash], isolation=Isolation.STRICT)],
     )
 
@@ -143,8 +198,7 @@ def demo_policy() -> LoadedPolicy:
 def run_demo(args: argparse.Namespace, serve: Callable[[GatewayConfig, bytes, LoadedPolicy], int]) -> int:
     if importlib.util.find_spec(EMULATOR_MODULE) is None:
         raise ConfigError(f"the demo needs the emulated worker ({EMULATOR_MODULE}), which is not installed")
-    if args.workers < 1:
-        raise ConfigError("--workers must be at least 1")
+    workers = demo_workers(args)
     host = args.host or "127.0.0.1"
     port = args.port if args.port is not None else 8080
     # A fresh secret per run: the demo key's hash is computed here, never stored.
@@ -152,27 +206,17 @@ def run_demo(args: argparse.Namespace, serve: Callable[[GatewayConfig, bytes, Lo
     children: list[Child] = []
     with tempfile.TemporaryDirectory(prefix="kvgate-demo-") as log_dir:
         try:
-            for i in range(args.workers):
+            for i, worker in enumerate(workers):
                 wport = free_port()
-                argv = [
-                    sys.executable,
-                    "-m",
-                    EMULATOR_MODULE,
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(wport),
-                    "--model",
-                    "kvgate-demo",
-                    "--seed",
-                    str(i),
-                ]
-                children.append(start_child(argv, f"http://127.0.0.1:{wport}", Path(log_dir), f"worker{i}"))
+                url = f"http://127.0.0.1:{wport}"
+                children.append(start_child(worker.argv(wport, i), url, Path(log_dir), worker.name))
             wait_healthy(children)
-            config = demo_config([c.url for c in children], hash_api_key(secret, args.demo_key), host, port)
+            urls = [c.url for c in children]
+            key_hash = hash_api_key(secret, args.demo_key)
+            config = demo_config(urls, key_hash, host, port, workers, args.pd_protocol)
             policy = demo_policy()
             print(
-                f"kvgate demo: {len(children)} emulated workers, policy {policy.config.policy}\n"
+                f"kvgate demo: {_describe(workers, args.pd_protocol)}, policy {policy.config.policy}\n"
                 f"  base URL: http://{host}:{port}/v1\n"
                 f"  API key:  {args.demo_key}\n"
                 f"  model:    kvgate-demo\n"
@@ -182,3 +226,11 @@ def run_demo(args: argparse.Namespace, serve: Callable[[GatewayConfig, bytes, Lo
             return serve(config, secret, policy)
         finally:
             stop_children(children)
+
+
+def _describe(workers: list[DemoWorker], protocol: str) -> str:
+    n_prefill = sum(w.role == "prefill" for w in workers)
+    if n_prefill == 0:
+        return f"{len(workers)} emulated workers"
+    n_decode = len(workers) - n_prefill
+    return f"{n_prefill} prefill + {n_decode} decode emulated workers ({protocol} P/D protocol)"

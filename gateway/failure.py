@@ -22,8 +22,15 @@ import aiohttp
 
 from gateway.config import TimeoutsConfig
 from gateway.errors import ApiError
+from gateway.retries import forwardable
 from gateway.sse import STREAM_ERROR_CODE, MalformedStream
-from gateway.upstream import UpstreamBusy, UpstreamConnectError, UpstreamError, UpstreamTimeout
+from gateway.upstream import (
+    RetryHints,
+    UpstreamBusy,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamTimeout,
+)
 from policies.base import Outcome
 from policies.records import record
 
@@ -50,18 +57,22 @@ class RetryReason(enum.StrEnum):
 
 @record
 class Failure:
-    """An attempt's end without an answer for the client. `retry` is set when the request may go
-    to another worker; otherwise the client gets `status` with `message` and `code` (a stream
-    that had reached the client gets them as its terminal error event)."""
+    """An attempt's end without an answer for the client (or the queue's refusal of a request
+    before any attempt, `queueing.py`). `retry` is set when the request may go to another worker;
+    otherwise the client gets `status` with `message` and `code` (a stream that had reached the
+    client gets them as its terminal error event)."""
 
     status: int
     message: str
     code: str
     outcome: Outcome
     retry: RetryReason | None = None
+    retry_hints: RetryHints = ()  # the worker's Retry-After advice, forwarded with `status`
 
     def error(self) -> ApiError:
-        headers = {"retry-after": "1"} if self.status == 503 else {}
+        headers = {name.decode(): value.decode() for name, value in forwardable(self.retry_hints)}
+        if self.status == 503:
+            headers.setdefault("retry-after", "1")
         return ApiError(self.status, self.message, "server_error", self.code, None, headers)
 
 
@@ -112,10 +123,15 @@ def failure_of(exc: Exception, stage: Stage, timeouts: TimeoutsConfig) -> Failur
     return Failure(502, message, _BAD_GATEWAY, failed, RetryReason.CONNECTION_LOST)
 
 
-def worker_status(status: int) -> Failure:
-    """A worker answered 5xx: its body is discarded and another worker may take the request."""
+def worker_status(status: int, hints: RetryHints = ()) -> Failure:
+    """A worker answered 5xx: its body is discarded and another worker may take the request. When
+    none does, a 503 (an overloaded or starting worker) reaches the client as a 503 with the
+    worker's own `Retry-After`; any other 5xx as a 502."""
     message = f"worker answered {status}"
-    return Failure(502, message, _BAD_GATEWAY, Outcome.WORKER_FAILED, RetryReason.WORKER_ERROR)
+    failed, retry = Outcome.WORKER_FAILED, RetryReason.WORKER_ERROR
+    if status == 503:
+        return Failure(503, message, "worker_unavailable", failed, retry, hints)
+    return Failure(502, message, _BAD_GATEWAY, failed, retry)
 
 
 def malformed(message: str, stage: Stage) -> Failure:

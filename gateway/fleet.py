@@ -41,7 +41,7 @@ def worker_source(config: PoolConfig) -> WorkerSource | WatchingSource:
         return DnsWorkers(d.name, d.port, scheme=d.scheme)
     if config.kubernetes is not None:
         return PodWatcher(config.kubernetes)
-    return StaticWorkers(config.workers)
+    return StaticWorkers(config.static_urls)
 
 
 class Fleet:
@@ -114,7 +114,7 @@ class Fleet:
         for url in change.added:
             worker = WorkerId(url)
             if self._scraper is not None and self._scraper.state(worker) is None:
-                self._scraper.add(worker, url)
+                self._scraper.add(worker, url, pool.auth.headers)
             self._subscribe(pool, change, url)
         for url in change.changed:  # a pod's role or KV-event endpoint changed in place
             self._subscribe(pool, change, url)

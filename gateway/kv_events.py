@@ -107,6 +107,7 @@ class SubscriptionStats:
     restarts: int = 0
     last_seq: int | None = None
     last_batch_monotonic_s: float | None = None
+    last_batch_lag_s: float | None = None  # receipt (wall clock) minus the batch's `ts` (the worker's)
     last_error: str | None = None
 
 
@@ -332,6 +333,7 @@ class KvEventSubscriber:
             log.warning("kv events from %s: batch %d undecodable: %s", worker, seq, exc)
             return
         stats.batches += 1
+        stats.last_batch_lag_s = time.time() - batch.ts_s
         stats.skipped_events += batch.skipped_events
         for ev in batch.events:
             stats.events += 1

@@ -10,23 +10,45 @@ prometheus_client's.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Gauge,
+    GCCollector,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gateway.breaker import BreakerState
+from policies.base import Outcome
+
+_SYNC_LAG_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# vLLM's buckets for its time-per-output-token histograms, so gateway and engine panels line up.
+_TPOT_BUCKETS_S = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+BREAKER_STATE_VALUE = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
+_QUEUE_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class GatewayMetrics:
-    """Request, latency, routing and token metrics. Labels stay low-cardinality: model, tenant,
-    status, policy, reason, worker — never request content."""
+    """Request, latency, routing and token metrics, and the process's own (`process_*`,
+    `python_*`). Labels stay low-cardinality: model, tenant, status, policy, reason, pool, worker —
+    never request content. Series labelled by worker are dropped when the worker leaves its pool
+    (`forget_workers`), so discovery's churn does not grow them."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
         hot = _HotCollector()
         self.requests = hot.counter(
             "kvgate_requests", "Finished requests", ("model", "tenant", "status", "endpoint")
@@ -42,6 +64,18 @@ class GatewayMetrics:
             "Time from request to last byte",
             ("model",),
             _LATENCY_BUCKETS_S,
+        )
+        self.tpot = hot.histogram(
+            "kvgate_request_time_per_output_token_seconds",
+            "Streamed requests' decode time per output token after the first (first chunk to end)",
+            ("model",),
+            _TPOT_BUCKETS_S,
+        )
+        self.worker_requests = hot.counter(
+            "kvgate_worker_requests",
+            "Requests sent to a worker (each attempt), by how they ended: served, rejected (4xx), "
+            "worker_failed, aborted",
+            ("pool", "worker", "outcome"),
         )
         self.decisions = hot.counter("kvgate_routing_decisions", "Routing decisions", ("policy", "reason"))
         self.retries = hot.counter(
@@ -68,19 +102,105 @@ class GatewayMetrics:
             "Full re-lists of a pool's workers after a watch ended in error",
             ("pool",),
         )
+        self.pd_requests = hot.counter(
+            "kvgate_pd_requests",
+            "Requests sent to the workers of prefill/decode pools, by the part the worker played "
+            "(prefill, decode, or alone: the whole request)",
+            ("pool", "role"),
+        )
+        self.pd_transfers = hot.counter(
+            "kvgate_pd_transfers",
+            "Decode requests sent to read a prompt's KV from a prefill worker",
+            ("pool",),
+        )
+        self.pd_transfer_failures = hot.counter(
+            "kvgate_pd_transfer_failures",
+            "Decode requests whose KV transfer failed (decode_error: the worker said so; timeout)",
+            ("pool", "reason"),
+        )
+        self.pd_skipped_splits = hot.counter(
+            "kvgate_pd_skipped_splits",
+            "Requests of prefill/decode pools served by one worker alone (sooner: scored better than "
+            "any split; no_pair: no pair available; unsplittable: several sequences; "
+            "transfer_failed: recomputed)",
+            ("pool", "reason"),
+        )
         self.client_refusals = hot.counter(
             "kvgate_client_refusals",
             "Client connections closed by a limit before their request reached the gateway, by reason"
             " (header_too_large, too_many_headers, header_timeout, body_timeout, connection_limit)",
             ("reason",),
         )
+        self.sync_lag = hot.histogram(
+            "kvgate_sync_lag_seconds",
+            "Replica sync: from a peer publishing a batch to this gateway applying it",
+            (),
+            _SYNC_LAG_BUCKETS_S,
+        )
+        self.sync_events = hot.counter(
+            "kvgate_sync_events",
+            "Replica sync batches and items published/applied, and what was dropped or lost, by reason",
+            ("event",),
+        )
+        self.queue_wait = hot.histogram(
+            "kvgate_queue_wait_seconds",
+            "Time requests waited in their pool's queue for a free worker slot (only requests that queued)",
+            ("pool", "tenant"),
+            _QUEUE_BUCKETS_S,
+        )
+        self.queue_refusals = hot.counter(
+            "kvgate_queue_refusals",
+            "Requests a pool's queue turned away, by reason (tenant_full, full, timeout)",
+            ("pool", "tenant", "reason"),
+        )
         r.register(hot)
+        self.policy_events = SnapshotCounter(
+            "kvgate_policy_events",
+            "The routing policy's own counters (KV events applied, promotions, replications, ...)",
+            ("policy", "event"),
+        )
+        r.register(self.policy_events)
+        self.public_prefixes = Gauge(
+            "kvgate_public_prefixes", "Prefixes promoted to the public namespace now", ["policy"], registry=r
+        )
+        self.breaker_state = Gauge(
+            "kvgate_worker_breaker_state",
+            "The worker's circuit breaker: 0 closed, 1 half-open (one trial request), 2 open",
+            ["pool", "worker"],
+            registry=r,
+        )
+        self.kv_events_lag = Gauge(
+            "kvgate_kv_events_lag_seconds",
+            "How late the worker's last KV-event batch arrived: receipt time minus the batch's "
+            "timestamp (the worker's clock)",
+            ["worker", "endpoint"],
+            registry=r,
+        )
+        self.kv_events_age = Gauge(
+            "kvgate_kv_events_last_batch_age_seconds",
+            "Seconds since the worker's last KV-event batch arrived (grows while it is idle or stalled)",
+            ["worker", "endpoint"],
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "kvgate_queue_depth",
+            "Requests waiting in a pool's queue for a free worker slot",
+            ["pool", "tenant"],
+            registry=r,
+        )
+        # Called at scrape time, before rendering: gauges that are cheaper to read than to keep.
+        self.before_scrape: list[Callable[[], None]] = []
         self.discovered_workers = Gauge(
             "kvgate_discovery_workers", "Workers a pool's discovery currently reports", ["pool"], registry=r
         )
         self.client_connections = Gauge(
             "kvgate_client_connections", "Open client connections of this process", registry=r
         )
+        self.sync_peers = Gauge("kvgate_sync_peers", "Peer gateways heard from recently", registry=r)
+        self.sync_connected = Gauge(
+            "kvgate_sync_connected", "1 while connected to the sync broker", registry=r
+        )
+        self.sync_queued = Gauge("kvgate_sync_queued_items", "Sync items waiting to be published", registry=r)
         self.in_flight = Gauge(
             "kvgate_worker_in_flight", "Gateway in-flight requests per worker", ["pool", "worker"], registry=r
         )
@@ -94,12 +214,6 @@ class GatewayMetrics:
             "kvgate_worker_kv_cache_usage",
             "The worker's KV-cache usage (0-1), from its last fresh /metrics scrape",
             ["pool", "worker"],
-            registry=r,
-        )
-        self.policy_counters = Gauge(
-            "kvgate_policy_counter",
-            "The routing policy's own counters (KV events applied, promotions, ...)",
-            ["policy", "counter"],
             registry=r,
         )
         self.worker_healthy = Gauge(
@@ -151,7 +265,22 @@ class GatewayMetrics:
     def decision(self, policy: str, reason: str) -> None:
         self.decisions.labels(policy, reason).inc()
 
+    def worker_outcome(self, pool: str, worker: str, outcome: Outcome) -> None:
+        """One attempt on `worker` ended (`outcome.Attempt.end`)."""
+        self.worker_requests.labels(pool, worker, outcome.value).inc()
+
+    def time_per_output_token(self, model: str, seconds: float) -> None:
+        self.tpot.labels(model).observe(seconds)
+
+    def forget_workers(self, current: set[tuple[str, str]]) -> None:
+        """Drop the per-worker series of every (pool, worker) not in `current`."""
+        children = self.worker_requests.children
+        for labels in [k for k in children if (k[0], k[1]) not in current]:
+            del children[labels]
+
     def render(self) -> bytes:
+        for refresh in self.before_scrape:
+            refresh()
         return generate_latest(self.registry)
 
 
@@ -241,6 +370,29 @@ class HotHistogram:
                 buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
             family.add_metric(values, buckets, child.sum)
         return family
+
+
+class SnapshotCounter(Collector):
+    """A counter family whose totals are kept elsewhere (a policy's own counters) and copied in
+    at scrape time with `set`; `clear` first, so a label tuple that is gone stops being exported."""
+
+    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...]) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = labelnames
+        self.values: dict[tuple[str, ...], float] = {}
+
+    def set(self, labels: tuple[str, ...], value: float) -> None:
+        self.values[labels] = value
+
+    def clear(self) -> None:
+        self.values.clear()
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for labels, value in self.values.items():
+            family.add_metric(labels, value)
+        yield family
 
 
 class _HotCollector(Collector):

@@ -11,6 +11,7 @@ from typing import Any
 from gateway.admission import Admitted
 from gateway.registry import Worker
 from gateway.state import GatewayState
+from gateway.tracing import AttemptTrace
 from policies.base import Observation, Outcome, RouteDecision
 from policies.records import record
 
@@ -71,6 +72,12 @@ class Attempt:
     decision: RouteDecision
     ttft_s: float | None = None
     finished: bool = False
+    trace: AttemptTrace | None = None  # the attempt's CLIENT span, with tracing on
+    body: bytes | None = None  # a prefill/decode leg's own body (gateway/pd.py); else the request's
+
+    def request_body(self) -> bytes:
+        """The bytes this attempt sends: its own body, or the request's for its decision."""
+        return self.body if self.body is not None else self.admitted.body_for(self.decision)
 
     def first_token(self) -> None:
         if self.ttft_s is None:
@@ -96,6 +103,9 @@ class Attempt:
         trial without a verdict. No outcome but SERVED teaches the policy what the worker caches."""
         if not self._release():
             return
+        queue = state.queues.get(self.admitted.pool.name)
+        if queue is not None:
+            queue.slot_freed()  # a request waiting for a slot of this pool may have it
         now_s = time.monotonic()
         breaker = self.worker.breaker
         if outcome is Outcome.SERVED:
@@ -106,6 +116,9 @@ class Attempt:
                 breaker.on_failure(now_s)
             else:
                 breaker.on_abandon()
+        state.metrics.worker_outcome(self.admitted.pool.name, self.worker.url, outcome)
+        if self.trace is not None:
+            self.trace.end(outcome, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
         _feedback(state, self._observation(outcome, usage), now_s)
 
     def _observation(self, outcome: Outcome, usage: Usage) -> Observation:
@@ -143,6 +156,8 @@ def finish(
     itself, once. `attempt` is None when no worker was tried."""
     if attempt is not None:
         attempt.end(state, outcome, usage)
+        if status == 200 and admitted.stream and not admitted.recorded:
+            _time_per_output_token(state, attempt, usage)
     record_request(
         state,
         admitted,
@@ -154,6 +169,16 @@ def finish(
         retries=retries,
         error=error,
     )
+
+
+def _time_per_output_token(state: GatewayState, attempt: Attempt, usage: Usage) -> None:
+    """A streamed answer's decode time per output token after the first, as vLLM defines its
+    `request_time_per_output_token_seconds` (seen from the gateway: first chunk to the end)."""
+    tokens = usage.completion_tokens
+    if tokens is None or tokens < 2 or attempt.ttft_s is None:
+        return
+    decode_s = time.monotonic() - attempt.dispatched_s - attempt.ttft_s
+    state.metrics.time_per_output_token(attempt.admitted.model, decode_s / (tokens - 1))
 
 
 def record_request(
@@ -168,7 +193,8 @@ def record_request(
     retries: int,
     error: str | None = None,
 ) -> None:
-    """Quota release, metrics and the access log line of an admitted request (once)."""
+    """Quota release, metrics, the access log line and (with tracing on) the SERVER span's
+    attributes of an admitted request (once)."""
     a = admitted
     if a.recorded:
         return
@@ -206,7 +232,8 @@ def record_request(
         "duration_ms": round(duration_s * 1000, 2),
         "error": error,
         "drift_field": a.drift_field,
+        "queue_ms": round(a.queued_s * 1000, 2) if a.queued_s is not None else None,
     }
     state.access_log.write(fields)
     if state.tracer is not None:
-        state.tracer.record(duration_s=duration_s, status=status, attributes=fields)
+        state.tracer.record(fields)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from urllib.parse import urlsplit
 
 import orjson
 
@@ -33,10 +34,13 @@ from gateway.failure import (
 )
 from gateway.outcome import NO_USAGE, Attempt, finish, usage_of
 from gateway.responses_affinity import pinned_decision
+from gateway.retries import advice, attempts_allowed, forwardable
 from gateway.sse import first_event_problem
 from gateway.state import GatewayState
 from gateway.streaming import AiohttpSource, ProxyStream, StreamSource, first_events
-from gateway.upstream import request_bytes
+from gateway.tracing import AttemptTrace, TracedSource
+from gateway.upstream import UpstreamReply, request_bytes
+from gateway.upstream_headers import aiohttp_pairs, lean_lines
 from policies.base import Outcome, WorkerId
 
 log = logging.getLogger("kvgate.proxy")
@@ -48,6 +52,10 @@ async def dispatch(a: Admitted, state: GatewayState) -> RawResponse | ProxyStrea
     worker's load come back)."""
     attempts: list[Attempt] = []
     try:
+        if a.pool.pd_router is not None:
+            from gateway.pd import dispatch_pd  # a prefill/decode pool; gateway.pd builds on this module
+
+            return await dispatch_pd(a, state, attempts)
         return await _dispatch(a, state, attempts)
     except asyncio.CancelledError:
         # The client left while the request waited on a worker (`disconnect.py` cancelled it);
@@ -66,13 +74,20 @@ async def _dispatch(a: Admitted, state: GatewayState, attempts: list[Attempt]) -
     tried: set[WorkerId] = set()
     failure: Failure | None = None  # why the latest attempt failed (None: no worker was tried)
     retry: RetryReason | None = None
-    for n in range(pool.config.retry_attempts + 1):
+    queue = state.queues.get(pool.name)
+    for n in range(attempts_allowed(pool.config.retry_attempts, a.retries_taken)):
         now_s = time.monotonic()
-        views = pool.views(now_s, frozenset(tried))
-        if a.pinned is None:
-            decision = state.policy.select(a.route, views, now_s)
-        else:  # a Responses follow-up: only the worker holding its conversation can answer
-            decision = pinned_decision(a.pinned, views)
+        if a.pinned is not None:  # a Responses follow-up: only the worker holding it can answer
+            decision = pinned_decision(a.pinned, pool.views(now_s, frozenset(tried)))
+        elif n == 0 and queue is not None:
+            # Waits for a free worker slot while every worker is at its cap (queueing.py).
+            routed = queue.try_route(a, state.policy) or await queue.wait(a, state.policy)
+            if isinstance(routed, Failure):
+                failure = routed
+                break
+            decision, now_s = routed
+        else:
+            decision = state.policy.select(a.route, pool.views(now_s, frozenset(tried)), now_s)
         worker = pool.workers.get(decision.worker) if decision is not None else None
         if decision is None or worker is None or decision.worker in tried:
             break
@@ -84,9 +99,13 @@ async def _dispatch(a: Admitted, state: GatewayState, attempts: list[Attempt]) -
         worker.acquire(a.route.n_prompt_tokens, a.max_output_tokens, now_s)
         attempt = Attempt(a, worker, decision.reason, now_s, decision)
         attempts.append(attempt)
+        if state.tracer is not None:
+            attempt.trace = _start_trace(state, a, attempt)
         result = await _attempt(state, a, attempt, n)
         if not isinstance(result, Failure):
             return result
+        if attempt.trace is not None:
+            attempt.trace.error_type = result.retry or result.code
         # The worker's breaker and load hear of it before the policy picks the next worker.
         attempt.end(state, result.outcome)
         failure, retry = result, result.retry
@@ -97,7 +116,9 @@ async def _dispatch(a: Admitted, state: GatewayState, attempts: list[Attempt]) -
             503, f"no healthy worker available for model '{a.model}'", "no_worker_available", Outcome.ABORTED
         )
     _finish(state, a, attempts, failure.status, failure.outcome, failure.message)
-    return a.api.dialect.error_response(failure.error(), a.reply_id)
+    response = a.api.dialect.error_response(failure.error(), a.reply_id)
+    response.headers += advice(len(attempts), pool.config.retry_attempts, a.retries_taken)
+    return response
 
 
 def _finish(
@@ -129,11 +150,15 @@ async def _attempt(
                 read_s=timeouts.read_s,
                 total_s=timeouts.total_s,
             )
-            return _answer(state, a, attempt, reply.status, reply.body, reply.content_type, retries)
+            return _answer(state, a, attempt, reply, retries)
         source = await _open(state, a, attempt)
+        if attempt.trace is not None:
+            attempt.trace.status = source.status
+            if attempt.trace.recording:
+                source = TracedSource(source, attempt.trace)
         if source.status >= 500:
             source.close()
-            return worker_status(source.status)
+            return worker_status(source.status, source.retry_hints)
         if a.stream and source.status == 200 and _is_event_stream(source.content_type):
             # Nothing is sent to the client before the worker's first event, so a worker that
             # stalls or fails before it can still be replaced by another.
@@ -146,12 +171,15 @@ async def _attempt(
                 return malformed(f"worker sent a malformed stream ({problem})", stage)
             if a.responses is not None:
                 a.learn_response(attempt.worker.worker_id, relay.response_id)
+            if attempt.trace is not None:
+                attempt.trace.note_first_events(first)
             return ProxyStream(state, attempt, source, relay, first, retries)
         # A worker's 4xx, or a whole answer to a streamed request: read it and pass it through.
         stage = Stage.ANSWER
         body = await source.read_all()
         source.release()
-        return _answer(state, a, attempt, source.status, body, source.content_type, retries)
+        reply = UpstreamReply(source.status, source.content_type, body, source.retry_hints)
+        return _answer(state, a, attempt, reply, retries)
     except TRANSPORT_ERRORS as exc:
         if source is not None:
             source.close()
@@ -177,10 +205,16 @@ async def _open(state: GatewayState, a: Admitted, attempt: Attempt) -> StreamSou
             total_s=timeouts.total_s,
         )
     content_type = "application/json" if a.head is JSON_HEAD else _content_type(a.head)
+    headers = [("content-type", content_type), ("x-request-id", a.request_id)]
+    headers += a.pool.auth.headers.items()
+    if a.client_headers:
+        headers += aiohttp_pairs(a.client_headers)
+    if attempt.trace is not None:
+        headers += attempt.trace.header_map.items()
     resp = await state.upstream().post(
         attempt.worker.url + a.api.path,
-        data=a.body_for(attempt.decision),
-        headers={"content-type": content_type, "x-request-id": a.request_id},
+        data=attempt.request_body(),
+        headers=headers,
         timeout=a.pool.client_timeout,
     )
     return AiohttpSource(resp)
@@ -190,7 +224,12 @@ def _lean_request(a: Admitted, attempt: Attempt) -> bytes:
     direct = attempt.worker.direct
     assert direct is not None
     head = a.head + a.request_id.encode() + b"\r\n"
-    return request_bytes(direct.host_header, a.api.path_bytes, head, a.body_for(attempt.decision))
+    head += a.pool.auth.lean_lines
+    if a.client_headers:
+        head += lean_lines(a.client_headers)
+    if attempt.trace is not None:
+        head += attempt.trace.headers  # traceparent (and tracestate): the attempt's CLIENT span
+    return request_bytes(direct.host_header, a.api.path_bytes, head, attempt.request_body())
 
 
 def _content_type(head: bytes) -> str:
@@ -198,24 +237,38 @@ def _content_type(head: bytes) -> str:
     return head.split(b"\r\n", 1)[0].partition(b":")[2].strip().decode("latin-1")
 
 
+def _start_trace(state: GatewayState, a: Admitted, attempt: Attempt) -> AttemptTrace:
+    assert state.tracer is not None
+    url = urlsplit(attempt.worker.url)
+    decision = attempt.decision
+    return state.tracer.start_attempt(
+        endpoint=a.endpoint,
+        model=a.model,
+        worker_url=attempt.worker.url,
+        host=url.hostname,
+        port=url.port or (443 if url.scheme == "https" else 80),
+        policy=state.policy_name,
+        reason=decision.reason,
+        predicted_cached_tokens=decision.matched_tokens,
+    )
+
+
 def _is_event_stream(content_type: str) -> bool:
     return content_type.split(";", 1)[0].strip().lower() == "text/event-stream"
 
 
 def _answer(
-    state: GatewayState,
-    a: Admitted,
-    attempt: Attempt,
-    status: int,
-    body: bytes,
-    content_type: str,
-    retries: int,
+    state: GatewayState, a: Admitted, attempt: Attempt, reply: UpstreamReply, retries: int
 ) -> RawResponse | Failure:
     """A complete answer. A 5xx, or a 200 whose body is not a JSON object (on routes that answer
     JSON), is the attempt's failure; anything else closes the books and is passed through: a 200
-    byte for byte, an error with its body in the route's error shape."""
+    byte for byte, an error with its body in the route's error shape, the worker's `Retry-After`
+    and the gateway's retry advice (`retries.py`)."""
+    status, body, content_type = reply.status, reply.body, reply.content_type
+    if attempt.trace is not None:
+        attempt.trace.status = status
     if status >= 500:
-        return worker_status(status)
+        return worker_status(status, reply.retry_hints)
     if status == 200:
         try:
             parsed = orjson.loads(body)
@@ -227,6 +280,8 @@ def _answer(
                 return malformed(problem, Stage.ANSWER)
             usage = NO_USAGE  # a plain-text transcript, say
         else:
+            if attempt.trace is not None:
+                attempt.trace.note_answer(parsed)
             usage = usage_of(parsed.get("usage"))
             if a.responses is not None:
                 a.learn_response(attempt.worker.worker_id, parsed.get("id"))
@@ -241,4 +296,7 @@ def _answer(
         (b"content-type", (content_type or "application/json").encode()),
         (b"x-request-id", a.reply_id.encode()),
     ]
+    if status >= 400:
+        headers += forwardable(reply.retry_hints)
+        headers += advice(retries + 1, a.pool.config.retry_attempts, a.retries_taken)
     return RawResponse(status, body, headers)

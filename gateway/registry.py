@@ -20,7 +20,10 @@ import aiohttp
 from gateway.breaker import CircuitBreaker
 from gateway.config import PoolConfig
 from gateway.scrape import WorkerMetrics
-from policies.base import WorkerId, WorkerView
+from gateway.upstream_headers import NO_AUTH, WorkerAuth
+from policies.base import Role, WorkerId, WorkerView
+from policies.pd import SGLANG_ROLES, VLLM_ROLES, PdRouter, PdSettings
+from policies.peer_sync import PeerLoad, with_peer_load
 
 log = logging.getLogger("kvgate.registry")
 
@@ -60,6 +63,8 @@ class Worker:
         "_healthy",
         "_metrics",
         "_oks",
+        "_peer_load",
+        "_role",
         "_version",
         "_view",
         "_view_until_s",
@@ -71,7 +76,6 @@ class Worker:
         "max_in_flight",
         "metrics_at_s",
         "prefill_tokens",
-        "role",
         "url",
         "worker_id",
     )
@@ -94,7 +98,8 @@ class Worker:
         self._oks = 0
         self._metrics: WorkerMetrics | None = None  # last scrape, set by the scraper's callback
         self.metrics_at_s = 0.0
-        self.role: str | None = None  # from discovery (a pod's role label), e.g. prefill / decode / mixed
+        self._role: str | None = None
+        self._peer_load: PeerLoad | None = None  # other gateways' in-flight here (replica sync)
 
     @property
     def healthy(self) -> bool:
@@ -106,6 +111,17 @@ class Worker:
         self._version += 1
 
     @property
+    def role(self) -> str | None:
+        """The worker's role label (config or discovery): prefill, decode, mixed; None if unlabelled."""
+        return self._role
+
+    @role.setter
+    def role(self, value: str | None) -> None:
+        if value != self._role:
+            self._role = value
+            self._version += 1
+
+    @property
     def metrics(self) -> WorkerMetrics | None:
         return self._metrics
 
@@ -113,6 +129,11 @@ class Worker:
         """A scrape's result (None: the worker exposes no metrics)."""
         self._metrics = metrics
         self.metrics_at_s = scraped_at_s
+        self._version += 1
+
+    def note_peer_load(self, load: PeerLoad | None) -> None:
+        """Other gateways' summed in-flight load on this worker (None: none), from replica sync."""
+        self._peer_load = load
         self._version += 1
 
     def view(self, now_s: float, metrics_max_age_s: float = 5.0) -> WorkerView:
@@ -138,7 +159,7 @@ class Worker:
         m = self._metrics
         if m is not None and now_s - self.metrics_at_s > metrics_max_age_s:
             m = None  # stale: the policy sees only the gateway's own accounting
-        return WorkerView(
+        view = WorkerView(
             worker_id=self.worker_id,
             healthy=self.healthy and self.breaker.allows(now_s),
             in_flight_requests=self.in_flight,
@@ -150,7 +171,9 @@ class Worker:
             kv_usage=m.kv_cache_usage if m else None,
             num_gpu_blocks=m.num_gpu_blocks if m else None,
             engine_block_size=m.block_size_tokens if m else None,
+            role=Role.of(self._role),
         )
+        return view if self._peer_load is None else with_peer_load(view, self._peer_load)
 
     def acquire(self, prompt_tokens: int, max_output_tokens: int, now_s: float) -> None:
         self._version += 1
@@ -188,34 +211,42 @@ class Worker:
 
 
 class Pool:
-    """The workers of one pool and the config they share."""
+    """The workers of one pool and the config they share. `auth` is the pool's API key for its
+    workers, sent on every request to them (`upstream_headers.py`); `forward` the client header
+    names (lower-case ASGI bytes) its config lets through."""
 
-    def __init__(self, config: PoolConfig) -> None:
+    def __init__(self, config: PoolConfig, auth: WorkerAuth = NO_AUTH) -> None:
         self.config = config
         self.name = config.name
+        self.auth = auth
+        self.forward = frozenset(name.encode("latin-1") for name in config.forward_headers)
         self.workers: dict[WorkerId, Worker] = {}
         self.metrics_max_age_s = 5.0
         t = config.timeouts
         self.client_timeout = aiohttp.ClientTimeout(
             total=t.total_s, sock_connect=t.connect_s, sock_read=t.read_s
         )
-        self.set_urls(config.workers)
+        # Prefill/decode disaggregation: the pair chooser of a pool with a `pd` section.
+        self.pd_router = _pd_router(config)
+        self._static_roles = config.static_roles
+        self.set_urls(config.static_urls)
 
     def set_urls(self, urls: Iterable[str], roles: Mapping[str, str | None] | None = None) -> None:
         """Replace the worker set; workers that stay keep their health, breaker and counters.
-        `roles` (by URL) comes from discovery; a worker it does not name has no role."""
+        `roles` (by URL) comes from discovery; a worker it does not name has the role the config
+        gives it (`prefill_workers`, `decode_workers`), else none."""
         wanted = [u.rstrip("/") for u in urls]
         kept = {WorkerId(u): self.workers.get(WorkerId(u)) or Worker(u, self.config) for u in wanted}
         for worker in kept.values():
-            worker.role = roles.get(worker.url) if roles else None
+            found = roles.get(worker.url) if roles else None
+            worker.role = found if found is not None else self._static_roles.get(worker.url)
         self.workers = kept
 
     async def check(self, session: aiohttp.ClientSession) -> None:
         """One round of health checks of this pool's workers, concurrently."""
         workers = list(self.workers.values())
-        results = await asyncio.gather(
-            *(_probe(w.url, self.config.health.timeout_s, session) for w in workers)
-        )
+        timeout_s, headers = self.config.health.timeout_s, self.auth.headers
+        results = await asyncio.gather(*(_probe(w.url, timeout_s, session, headers) for w in workers))
         for worker, ok in zip(workers, results, strict=True):
             worker.record_health(ok, self.config)
 
@@ -226,14 +257,29 @@ class Pool:
         return views
 
 
+def _pd_router(config: PoolConfig) -> PdRouter | None:
+    pd = config.pd
+    if pd is None:
+        return None
+    settings = PdSettings(
+        roles=VLLM_ROLES if pd.protocol == "vllm" else SGLANG_ROLES,
+        transfer_setup_s=pd.transfer.setup_s,
+        transfer_bytes_per_token=pd.transfer.bytes_per_token,
+        transfer_bandwidth_bytes_per_s=pd.transfer.bandwidth_bytes_per_s,
+        conditional=pd.conditional,
+        interference_weight=pd.interference_weight,
+    )
+    return PdRouter(settings)
+
+
 class Registry:
     """All pools, the model → pool map, and the health-check loops (owned by the app lifespan)."""
 
-    def __init__(self, pools: Iterable[PoolConfig]) -> None:
+    def __init__(self, pools: Iterable[PoolConfig], auth: Mapping[str, WorkerAuth] | None = None) -> None:
         self.pools: dict[str, Pool] = {}
         self.by_model: dict[str, Pool] = {}
         for cfg in pools:
-            pool = Pool(cfg)
+            pool = Pool(cfg, (auth or {}).get(cfg.name, NO_AUTH))
             self.pools[cfg.name] = pool
             for model in cfg.models:
                 self.by_model[model] = pool
@@ -268,9 +314,12 @@ class Registry:
                 log.exception("health round failed", extra={"pool": pool.name})
 
 
-async def _probe(url: str, timeout_s: float, session: aiohttp.ClientSession) -> bool:
+async def _probe(
+    url: str, timeout_s: float, session: aiohttp.ClientSession, headers: Mapping[str, str]
+) -> bool:
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
     try:
-        async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        async with session.get(url + "/health", timeout=timeout, headers=headers) as resp:
             await resp.read()
             return resp.status == 200
     except (aiohttp.ClientError, TimeoutError, OSError):

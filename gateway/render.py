@@ -37,7 +37,7 @@ async def render_canonical(
     if not healthy:
         raise upstream_error(503, "no healthy worker available to render the prompt")
     url = healthy[next(_rotation) % len(healthy)].url + plan.render_path
-    headers = {"content-type": "application/json", "x-request-id": request_id}
+    headers = {"content-type": "application/json", "x-request-id": request_id, **pool.auth.headers}
     main = _render(session, url, plan.body, headers, pool, required=True)
     bounds = [
         _render(session, url, body, headers, pool, required=False) if body is not None else _none()

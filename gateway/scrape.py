@@ -20,7 +20,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 
@@ -229,6 +229,7 @@ class ScrapeState:
     """Per-worker scraper state, for the admin API."""
 
     base_url: str
+    headers: Mapping[str, str] = field(default_factory=dict)  # the worker's API key, if any
     last: ScrapeResult | None = None
     failures: int = 0
     consecutive_failures: int = 0
@@ -278,11 +279,12 @@ class MetricsScraper:
             await self._session.close()
             self._session = None
 
-    def add(self, worker: WorkerId, base_url: str) -> None:
+    def add(self, worker: WorkerId, base_url: str, headers: Mapping[str, str] | None = None) -> None:
+        """Scrape `worker` from now on; `headers` go with every scrape (its pool's API key)."""
         if self._session is None:
             raise RuntimeError("MetricsScraper.add() before start()")
         self.remove(worker)
-        state = ScrapeState(base_url=base_url.rstrip("/"))
+        state = ScrapeState(base_url=base_url.rstrip("/"), headers=dict(headers or {}))
         task = asyncio.create_task(self._loop(worker, state), name=f"scrape:{worker}")
         self._targets[worker] = _Target(state, task)
 
@@ -305,12 +307,13 @@ class MetricsScraper:
             return None
         return t.state.last.metrics
 
-    async def scrape_once(self, base_url: str) -> WorkerMetrics:
+    async def scrape_once(self, base_url: str, headers: Mapping[str, str] | None = None) -> WorkerMetrics:
         """Fetch and parse one page; raises on HTTP errors, timeouts and oversized bodies."""
         assert self._session is not None
         cfg = self._config
         timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
-        async with self._session.get(base_url.rstrip("/") + cfg.path, timeout=timeout) as resp:
+        url = base_url.rstrip("/") + cfg.path
+        async with self._session.get(url, timeout=timeout, headers=headers) as resp:
             if resp.status != 200:
                 raise ScrapeError(f"HTTP {resp.status}")
             too_big = ScrapeError(f"metrics page larger than {cfg.max_body_bytes} bytes")
@@ -327,7 +330,7 @@ class MetricsScraper:
         while True:
             started = self._clock()
             try:
-                metrics = await self.scrape_once(state.base_url)
+                metrics = await self.scrape_once(state.base_url, state.headers)
             except (aiohttp.ClientError, TimeoutError, ScrapeError) as exc:
                 self._failed(worker, state, str(exc) or type(exc).__name__)
             except Exception as exc:

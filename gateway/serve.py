@@ -19,6 +19,7 @@ from gateway.config import (
     MetricsConfig,
     load_config,
     read_secret,
+    read_worker_key,
 )
 from gateway.logs import setup_logging
 from gateway.policy_watch import LoadedPolicy, PolicyWatcher
@@ -42,6 +43,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--secret-file", metavar="FILE", help="key-hash secret file for --hash-key")
     parser.add_argument("--workers", type=int, default=2, help="demo: number of emulated workers (default 2)")
+    parser.add_argument(
+        "--pd",
+        metavar="P:D",
+        default=None,
+        help="demo: P prefill and D decode emulated workers (prefill/decode disaggregation), "
+        "instead of --workers mixed ones",
+    )
+    parser.add_argument(
+        "--pd-protocol",
+        choices=("vllm", "sglang"),
+        default="vllm",
+        help="demo: the P/D wire protocol, vLLM's kv_transfer_params or SGLang's bootstrap_* (default vllm)",
+    )
     parser.add_argument("--host", default=None, help="listen address (default 127.0.0.1 or the config's)")
     parser.add_argument("--port", type=int, default=None, help="listen port (default 8080 or the config's)")
     parser.add_argument(
@@ -54,6 +68,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--demo-key", default=DEMO_KEY, help=f"demo: the API key clients use (default {DEMO_KEY})"
     )
     parser.add_argument("--log-level", default=None, help="debug, info, warning (default info)")
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="serve the port from N processes (SO_REUSEPORT) that share routing state through the "
+        "sync broker: the config's sync.url, else a local nats-server (docs/sync.md)",
+    )
+    parser.add_argument("--sync-url", default=None, help="replica sync broker URL (overrides sync.url)")
+    parser.add_argument(
+        "--reuse-port",
+        action="store_true",
+        help="bind the client port with SO_REUSEPORT (set by --processes for its children)",
+    )
 
 
 def load_policy(config: GatewayConfig) -> tuple[LoadedPolicy, PolicyWatcher | None, PolicySwap]:
@@ -94,6 +121,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.hash_key:
             return _hash_key(args)
+        if args.processes != 1:
+            from gateway.multiproc import supervise
+
+            return supervise(args)
         if args.demo:
             from gateway.demo import run_demo
 
@@ -102,14 +133,18 @@ def run(args: argparse.Namespace) -> int:
 
             return run_demo(args, serve_demo)
         config = _with_listen(load_config(args.config), args.host, args.port, args.metrics_port)
+        if args.sync_url is not None:
+            config = config.model_copy(update={"sync": config.sync.model_copy(update={"url": args.sync_url})})
         if args.log_level is None:
             setup_logging(config.log_level)
         secret = read_secret(config.secrets, dict(os.environ))
+        for pool in config.pools:
+            read_worker_key(pool, os.environ)  # a missing worker key stops the start here, clearly
         loaded, watcher, swap = load_policy(config)
     except (ConfigError, PolicyConfigError) as exc:
         print(f"kvgate serve: {exc}", file=sys.stderr)
         return 2
-    return serve(config, secret, loaded, watcher, swap)
+    return serve(config, secret, loaded, watcher, swap, reuse_port=args.reuse_port)
 
 
 def _hash_key(args: argparse.Namespace) -> int:

@@ -29,6 +29,7 @@ from gateway.http_limits import ClientGuard, ClientLimits, GuardedHttpToolsProto
 from gateway.policy_watch import LoadedPolicy, PolicyWatcher
 from gateway.precise import install_token_hasher
 from gateway.state import GatewayState, PolicySwap, build_state
+from gateway.sync import attach_after_swap
 
 log = logging.getLogger("kvgate.server")
 
@@ -149,11 +150,14 @@ def _host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def bind(host: str, port: int, what: str) -> socket.socket:
-    """A listening-ready TCP socket on host:port (IPv6 when the host is an IPv6 literal)."""
+def bind(host: str, port: int, what: str, *, reuse_port: bool = False) -> socket.socket:
+    """A listening-ready TCP socket on host:port (IPv6 when the host is an IPv6 literal); with
+    `reuse_port`, one that other processes may bind too (SO_REUSEPORT)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:
@@ -187,16 +191,19 @@ def serve(
     loaded: LoadedPolicy,
     watcher: PolicyWatcher | None = None,
     swap: PolicySwap | None = None,
+    *,
+    reuse_port: bool = False,
 ) -> int:
     state = build_state(config, secret, loaded.policy, loaded.config.normalizer)
     install_token_hasher(state, loaded.policy)
     if swap is not None:
         swap.state = state
         swap.after_swap.append(install_token_hasher)
+        swap.after_swap.append(attach_after_swap)
     app = build_app(state, watcher)
     sockets: list[socket.socket] = []
     try:
-        sockets.append(bind(config.listen.host, config.listen.port, "listen"))
+        sockets.append(bind(config.listen.host, config.listen.port, "listen", reuse_port=reuse_port))
         sockets.append(bind(config.metrics.listen.host, config.metrics.listen.port, "metrics.listen"))
     except ConfigError as exc:
         for sock in sockets:
@@ -205,5 +212,7 @@ def serve(
         return 2
     client_socket, metrics_socket = sockets
     server = DrainingServer(_uvicorn_config(app, config), state, build_metrics_app(state), metrics_socket)
+    # With reuse_port the client port is shared with the other `kvgate serve --processes N`
+    # processes (gateway/multiproc.py).
     server.run(sockets=[client_socket])  # uvicorn's loop factory: uvloop when installed
     return 0 if server.started else 1

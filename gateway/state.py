@@ -5,23 +5,26 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import aiohttp
 
 from gateway.auth import KeyRing, Tenant
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, read_worker_key
 from gateway.disconnect import DisconnectWatch
 from gateway.logs import AccessLog
 from gateway.metrics import GatewayMetrics
+from gateway.queueing import PoolQueue, build_queues
 from gateway.quotas import TenantLimiter
 from gateway.registry import Pool, Registry
 from gateway.responses_affinity import ResponseAffinity
 from gateway.tracing import RequestTracer
 from gateway.upstream import UpstreamPool
+from gateway.upstream_headers import WorkerAuth
 from policies.base import RoutingPolicy
 from policies.identity import derive_secret, key_identities, served_identity
 from prompt_normalizer.normalizer import Normalizer, NormalizerConfig
@@ -31,6 +34,7 @@ if TYPE_CHECKING:
     from gateway.fleet import Fleet
     from gateway.policy_watch import LoadedPolicy
     from gateway.streaming import ProxyStream
+    from gateway.sync.service import SyncService
 
 
 @dataclass(slots=True)
@@ -49,11 +53,13 @@ class GatewayState:
     tracer: RequestTracer | None = None
     # Which worker holds each stored Responses response (affinity for previous_response_id).
     responses: ResponseAffinity = field(default_factory=lambda: ResponseAffinity(100_000, 86_400.0))
+    queues: dict[str, PoolQueue] = field(default_factory=dict)  # pool name -> its waiting room
     created_s: int = 0
     session: aiohttp.ClientSession | None = None
     # Non-streamed POSTs to plain-HTTP workers (gateway/upstream.py); None: aiohttp for everything.
     lean: UpstreamPool | None = None
     fleet: Fleet | None = None  # discovery, scraping and KV events, while the lifespan runs
+    sync: SyncService | None = None  # replica sync (config `sync.url`), while the lifespan runs
     draining: bool = False
     ready: bool = False
     in_flight_requests: int = 0  # completions between arrival and their last byte
@@ -162,20 +168,32 @@ def build_normalizers(
 
 
 def build_state(
-    config: GatewayConfig, secret: bytes, policy: RoutingPolicy, policy_normalizer: NormalizerConfig
+    config: GatewayConfig,
+    secret: bytes,
+    policy: RoutingPolicy,
+    policy_normalizer: NormalizerConfig,
+    environ: Mapping[str, str] | None = None,
 ) -> GatewayState:
+    """The process state; the pools' worker API keys are read here (from `environ`, by default
+    the process's environment), so a missing one is a `ConfigError` before anything runs."""
     now_s = time.monotonic()
+    env = os.environ if environ is None else environ
+    auth = {pool.name: WorkerAuth(read_worker_key(pool, env)) for pool in config.pools}
+    registry = Registry(config.pools, auth)
+    metrics = GatewayMetrics()
+    weights = {t.name: t.weight for t in config.tenants}
     return GatewayState(
         config=config,
         keyring=KeyRing(config.tenants, secret),
-        registry=Registry(config.pools),
+        registry=registry,
         policy=policy,
         normalizers=build_normalizers(config, policy_normalizer, secret, {}),
         secret=secret,
-        metrics=GatewayMetrics(),
+        metrics=metrics,
+        queues=build_queues(registry.pools, weights, metrics),
         limiters={t.name: TenantLimiter(t.quotas, now_s) for t in config.tenants},
         access_log=AccessLog(enabled=logging.getLogger("kvgate.access").isEnabledFor(logging.INFO)),
-        tracer=RequestTracer() if config.tracing.enabled else None,
+        tracer=RequestTracer.from_config(config.tracing) if config.tracing.enabled else None,
         responses=ResponseAffinity(config.responses.affinity_max_entries, config.responses.affinity_ttl_s),
         created_s=int(time.time()),
     )

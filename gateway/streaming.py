@@ -32,6 +32,7 @@ from gateway.failure import TRANSPORT_ERRORS, Failure, Stage, failure_of, malfor
 from gateway.outcome import Attempt, finish, usage_of
 from gateway.sse import Relay
 from gateway.state import GatewayState
+from gateway.upstream import RetryHints
 from policies.base import Outcome
 
 log = logging.getLogger("kvgate.streaming")
@@ -48,6 +49,9 @@ class StreamSource(Protocol):
     @property
     def content_type(self) -> str: ...
 
+    @property
+    def retry_hints(self) -> RetryHints: ...
+
     async def read(self) -> bytes: ...
 
     async def read_all(self) -> bytes: ...
@@ -60,12 +64,17 @@ class StreamSource(Protocol):
 class AiohttpSource:
     """An aiohttp response (https workers) as a `StreamSource`."""
 
-    __slots__ = ("_resp", "content_type", "status")
+    __slots__ = ("_resp", "content_type", "retry_hints", "status")
 
     def __init__(self, resp: aiohttp.ClientResponse) -> None:
         self._resp = resp
         self.status = resp.status
         self.content_type = resp.headers.get("content-type", "")
+        self.retry_hints: RetryHints = tuple(
+            (name, value.encode("latin-1"))
+            for name in (b"retry-after", b"retry-after-ms")
+            if (value := resp.headers.get(name.decode())) is not None
+        )
 
     async def read(self) -> bytes:
         return await self._resp.content.readany()

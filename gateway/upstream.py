@@ -31,6 +31,7 @@ from typing import TypeVar
 
 from gateway.upstream_conn import (
     MAX_ANSWER_BYTES,
+    RetryHints,
     UpstreamBusy,
     UpstreamConnectError,
     UpstreamError,
@@ -45,6 +46,7 @@ T = TypeVar("T")
 
 __all__ = [
     "MAX_ANSWER_BYTES",
+    "RetryHints",
     "UpstreamBusy",
     "UpstreamConnectError",
     "UpstreamError",
@@ -235,7 +237,7 @@ class UpstreamStream:
     it returns b"". `release()` after the end gives the connection back to the pool; `close()`
     (any time) drops it, so the worker stops. Either frees the connection slot, once."""
 
-    __slots__ = ("_conn", "_done", "_key", "_pool", "_slots", "content_type", "status")
+    __slots__ = ("_conn", "_done", "_key", "_pool", "_slots", "content_type", "retry_hints", "status")
 
     def __init__(
         self,
@@ -252,6 +254,7 @@ class UpstreamStream:
         self._done = False
         self.status = head.status
         self.content_type = head.content_type
+        self.retry_hints = head.retry_hints
 
     async def read(self) -> bytes:
         """The bytes that arrived since the last read (waiting for some); b"" at the end."""

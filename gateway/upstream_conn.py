@@ -50,6 +50,11 @@ class UpstreamTimeout(UpstreamError):
     """The worker was silent for longer than the read timeout (or the total timeout passed)."""
 
 
+# A worker's advice on when to retry (`Retry-After`, `retry-after-ms`), as (name, value) pairs:
+# empty unless the worker sent either, which only an overloaded worker does.
+RetryHints = tuple[tuple[bytes, bytes], ...]
+
+
 @record
 class UpstreamReply:
     """A complete non-streamed answer."""
@@ -57,6 +62,7 @@ class UpstreamReply:
     status: int
     content_type: str
     body: bytes
+    retry_hints: RetryHints = ()
 
 
 @record
@@ -65,6 +71,7 @@ class UpstreamHead:
 
     status: int
     content_type: str
+    retry_hints: RetryHints = ()
 
 
 # A streamed answer's unread bytes above which the connection stops reading from the worker
@@ -138,6 +145,7 @@ class WorkerConnection(asyncio.Protocol):
         "_parser",
         "_paused",
         "_read_s",
+        "_retry_hints",
         "_size",
         "_stream",
         "_sweep",
@@ -162,6 +170,7 @@ class WorkerConnection(asyncio.Protocol):
         self._body: list[bytes] = []
         self._size = 0
         self._content_type = ""
+        self._retry_hints: RetryHints = ()
         self._header_name = b""
         self._read_s = 0.0
         self._deadline_s = 0.0
@@ -194,13 +203,17 @@ class WorkerConnection(asyncio.Protocol):
 
     # httptools callbacks ---------------------------------------------------------------------
     def on_header(self, name: bytes, value: bytes) -> None:
-        if name.lower() == b"content-type":
+        lowered = name.lower()
+        if lowered == b"content-type":
             self._content_type = value.decode("latin-1")
+        elif (lowered == b"retry-after" or lowered == b"retry-after-ms") and len(self._retry_hints) < 2:
+            self._retry_hints += ((lowered, value),)
 
     def on_headers_complete(self) -> None:
         head = self._head
         if head is not None and self._parser is not None and not head.done():
-            head.set_result(UpstreamHead(self._parser.get_status_code(), self._content_type))
+            status = self._parser.get_status_code()
+            head.set_result(UpstreamHead(status, self._content_type, self._retry_hints))
 
     def on_body(self, body: bytes) -> None:
         if self._stream is not None:
@@ -229,7 +242,9 @@ class WorkerConnection(asyncio.Protocol):
         if parser is None or done is None:
             return
         keep = parser.should_keep_alive()
-        reply = UpstreamReply(parser.get_status_code(), self._content_type, b"".join(self._body))
+        reply = UpstreamReply(
+            parser.get_status_code(), self._content_type, b"".join(self._body), self._retry_hints
+        )
         self._reset()
         if not keep:
             self.alive = False
@@ -255,6 +270,7 @@ class WorkerConnection(asyncio.Protocol):
         self._body = []
         self._size = 0
         self._content_type = ""
+        self._retry_hints = ()
         self.got_bytes = False
         now = self._loop.time()
         self._read_s = read_s

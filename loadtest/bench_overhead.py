@@ -3,11 +3,13 @@
 Every target forwards non-streaming chat to the same static backend (nginx when installed, else
 `loadtest.static_backend`): the backend directly, kvgate (`python -m gateway.cli serve --config`)
 with round_robin and with the `cost` policy, sglang-router (from its own venv, see
-`loadtest/peers/install.sh`) with round_robin and cache_aware, and, with `--upstream-clients`,
+`loadtest/peers/install.sh`) with round_robin and cache_aware, smg 1.13 (its own venv too) with
+cache_aware and prefix_hash, and, with `--upstream-clients`,
 a minimal FastAPI pass-through proxy with an aiohttp and with an httpx upstream client. For each
 target: req/s and p50/p99 latency at concurrency 32 and 1 (wrk when installed, else a built-in
 aiohttp load generator), and the router process tree's CPU time (utime+stime from /proc) per
-request. Ratios are against sglang-router and the direct run of the same invocation.
+request. Ratios are against sglang-router and the direct run of the same invocation; when smg
+cache_aware ran, a second CPU ratio is against it.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from loadtest.overhead_load import (
     wait_ready,
     wrk_script,
 )
+from loadtest.peers.launch import peer_bin, smg_argv
 from policies.identity import hash_api_key
 
 # ---------------------------------------------------------------- records
@@ -145,6 +148,23 @@ def sglang_target(policy: str) -> Target:
     return Target(f"sglang-router {policy}", None, start)
 
 
+def smg_target(policy: str) -> Target:
+    """smg 1.13 (`smg launch`), ready once its worker is registered and healthy."""
+
+    def start(backend: str, workdir: Path) -> tuple[subprocess.Popen[bytes] | None, str]:
+        exe = peer_bin("smg", "smg")
+        if not exe.exists():
+            raise TargetMissing(f"smg not installed ({exe}): run loadtest/peers/install.sh smg")
+        port, metrics_port = free_port(), free_port()
+        log_path = workdir / f"smg-{policy}.log"
+        proc = spawn(list(smg_argv(str(exe), port, metrics_port, [backend], policy)), log_path)
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url + "/readiness", proc, log_path)
+        return proc, url
+
+    return Target(f"smg {policy}", "sglang-router cache_aware", start)
+
+
 def proxy_target(client: str) -> Target:
     def start(backend: str, workdir: Path) -> tuple[subprocess.Popen[bytes] | None, str]:
         port = free_port()
@@ -162,7 +182,7 @@ def proxy_target(client: str) -> Target:
 BENCH_SECRET = "kvgate-bench-secret"
 
 
-def kvgate_config(backend: str, policy_path: Path, port: int) -> str:
+def kvgate_config(backend: str, policy_path: Path, port: int, traced: bool = False) -> str:
     """The gateway config (schema of `gateway.config`) for one static worker and the bench key."""
     key_hash = hash_api_key(BENCH_SECRET.encode(), API_KEY)
     return json.dumps(
@@ -174,22 +194,39 @@ def kvgate_config(backend: str, policy_path: Path, port: int) -> str:
             "secrets": {"key_hash_secret_env": "KVGATE_KEY_SECRET"},
             "pools": [{"name": "bench", "models": [static_backend.MODEL], "workers": [backend]}],
             "tenants": [{"name": "bench", "api_key_hashes": [key_hash]}],
+            "tracing": {"enabled": traced},
         }
     )
 
 
-def kvgate_target(policy: str, baseline: str) -> Target:
-    label = policy
+def _tracing_env(backend: str) -> dict[str, str]:
+    """Spans exported over OTLP/HTTP to the static backend, which answers 200 to the POST as a
+    collector would (its CPU is not the router's). Every request is sampled unless the caller's
+    environment sets OTEL_TRACES_SAMPLER (and _ARG)."""
+    return {
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": backend + "/v1/chat/completions",
+        "OTEL_TRACES_SAMPLER": os.environ.get("OTEL_TRACES_SAMPLER", "always_on"),
+    }
+
+
+def kvgate_target(policy: str, baseline: str, traced: bool = False, processes: int = 1) -> Target:
+    label = f"{policy} traced" if traced else policy
+    if processes > 1:
+        label = f"{label} x{processes} processes"
+        baseline = f"kvgate {policy}"  # compared with one process of the same policy
 
     def start(backend: str, workdir: Path) -> tuple[subprocess.Popen[bytes] | None, str]:
         port = free_port()
         policy_path = workdir / f"policy-{label.replace(' ', '_')}.yaml"
         policy_path.write_text(f"policy: {policy}\nseed: 0\n")
         config_path = workdir / f"kvgate-{label.replace(' ', '_')}.yaml"
-        config_path.write_text(kvgate_config(backend, policy_path, port))
+        config_path.write_text(kvgate_config(backend, policy_path, port, traced))
         log_path = workdir / f"kvgate-{label.replace(' ', '_')}.log"
         argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path)]
-        proc = spawn(argv, log_path, env={"KVGATE_KEY_SECRET": BENCH_SECRET})
+        env = {"KVGATE_KEY_SECRET": BENCH_SECRET, **(_tracing_env(backend) if traced else {})}
+        proc = spawn(argv, log_path, env=env)
         url = f"http://127.0.0.1:{port}"
         wait_ready(url + "/readyz", proc, log_path)
         return proc, url
@@ -230,18 +267,35 @@ def git_sha() -> str:
         return "unknown"
 
 
-TARGET_CHOICES = ("direct", "kvgate-rr", "kvgate-cost", "sglang-rr", "sglang-cache_aware")
+DEFAULT_TARGETS = (
+    "direct",
+    "kvgate-rr",
+    "kvgate-cost",
+    "sglang-rr",
+    "sglang-cache_aware",
+    "smg-cache_aware",
+    "smg-prefix_hash",
+)
+# kvgate-cost-traced: `tracing.enabled`, every request sampled (needs the `kvgate[otel]` extra).
+TARGET_CHOICES = (*DEFAULT_TARGETS, "kvgate-cost-traced")
+SMG_BASELINE = "smg cache_aware"  # the second CPU ratio's baseline, when it ran
 
 
-def build_targets(names: Sequence[str], upstream_clients: bool) -> list[Target]:
-    table: dict[str, Callable[[], Target]] = {
-        "direct": direct_target,
-        "kvgate-rr": lambda: kvgate_target("round_robin", "sglang-router round_robin"),
-        "kvgate-cost": lambda: kvgate_target("cost", "sglang-router cache_aware"),
-        "sglang-rr": lambda: sglang_target("round_robin"),
-        "sglang-cache_aware": lambda: sglang_target("cache_aware"),
+def build_targets(
+    names: Sequence[str], upstream_clients: bool, processes: Sequence[int] = (1,)
+) -> list[Target]:
+    table: dict[str, Callable[[int], Target]] = {
+        "direct": lambda _n: direct_target(),
+        "kvgate-rr": lambda n: kvgate_target("round_robin", "sglang-router round_robin", processes=n),
+        "kvgate-cost": lambda n: kvgate_target("cost", "sglang-router cache_aware", processes=n),
+        "kvgate-cost-traced": lambda n: kvgate_target("cost", "kvgate cost", traced=True, processes=n),
+        "sglang-rr": lambda _n: sglang_target("round_robin"),
+        "sglang-cache_aware": lambda _n: sglang_target("cache_aware"),
+        "smg-cache_aware": lambda _n: smg_target("cache_aware"),
+        "smg-prefix_hash": lambda _n: smg_target("prefix_hash"),
     }
-    targets = [table[n]() for n in names]
+    # A kvgate target runs once per `processes` value; the others once.
+    targets = [table[name](n) for name in names for n in (processes if name.startswith("kvgate") else (1,))]
     if upstream_clients:
         targets += [proxy_target("aiohttp"), proxy_target("httpx")]
     return targets
@@ -303,6 +357,7 @@ def _row(r: TargetResult, by_name: dict[str, TargetResult], hi: int, lo: int) ->
         _fmt(a.cpu_us_per_request if a else None, ".0f"),
         rounds,
         ratio,
+        *_smg_ratio(r, by_name, hi),
         _fmt(b.p50_ms if b else None, ".3f"),
         _fmt(b.p99_ms if b else None, ".3f"),
         _fmt(added, "+.3f"),
@@ -311,18 +366,34 @@ def _row(r: TargetResult, by_name: dict[str, TargetResult], hi: int, lo: int) ->
     return "| " + " | ".join(cells) + " |"
 
 
+def _smg_ran(by_name: dict[str, TargetResult]) -> bool:
+    smg = by_name.get(SMG_BASELINE)
+    return smg is not None and smg.missing is None and bool(smg.runs)
+
+
+def _smg_ratio(r: TargetResult, by_name: dict[str, TargetResult], hi: int) -> list[str]:
+    """The CPU ratio against smg cache_aware (same-round pairs), as a cell when smg ran."""
+    if not _smg_ran(by_name):
+        return []
+    if r.name == SMG_BASELINE:
+        return ["1.00x"]
+    paired = cpu_ratio(r, by_name[SMG_BASELINE], hi)
+    return [_fmt(paired, ".2f") + ("x" if paired is not None else "")]
+
+
 def report(results: Sequence[TargetResult], cfg: BenchConfig, backend_name: str) -> str:
     by_name = {r.name: r for r in results}
     hi, lo = max(cfg.concurrencies), min(cfg.concurrencies)
+    smg_col = " CPU vs smg cache_aware |" if _smg_ran(by_name) else ""
     lines = [
         f"kvgate bench overhead  git {git_sha()}  seed {cfg.seed}  load: {cfg.load_tool}",
         f"backend: {backend_name}",
         f"{cfg.duration_s:g}s per concurrency after {cfg.warmup_s:g}s warm-up, {cfg.repeats} round(s), "
         "medians; CPU = router process tree; CPU ratio = median over rounds of the same-round ratio",
         "",
-        f"| target | c={hi} req/s | p50 ms | p99 ms | CPU µs/req | per round | CPU ratio | c={lo} p50 ms "
-        "| p99 ms | added p50 ms vs direct | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| target | c={hi} req/s | p50 ms | p99 ms | CPU µs/req | per round | CPU ratio |{smg_col} "
+        f"c={lo} p50 ms | p99 ms | added p50 ms vs direct | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if smg_col else ""),
     ]
     lines += [_row(r, by_name, hi, lo) for r in results]
     return "\n".join(lines)
@@ -348,8 +419,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--targets",
-        default=",".join(TARGET_CHOICES),
-        help=f"comma-separated among {', '.join(TARGET_CHOICES)}",
+        default=",".join(DEFAULT_TARGETS),
+        help=f"comma-separated among {', '.join(TARGET_CHOICES)} (default: all but the last)",
     )
     parser.add_argument(
         "--upstream-clients",
@@ -360,6 +431,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--stream",
         action="store_true",
         help="streamed chat (the backend answers an event stream; without the pass-through proxies)",
+    )
+    parser.add_argument(
+        "--processes",
+        default="1",
+        help="comma-separated gateway process counts for the kvgate targets (`kvgate serve --processes`)",
     )
     parser.add_argument("--json", type=Path, help="also write the results as JSON here")
 
@@ -372,8 +448,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         concurrencies = tuple(int(c) for c in args.concurrency.split(","))
+        processes = tuple(int(n) for n in args.processes.split(","))
     except ValueError:
-        print(f"--concurrency must be integers, got {args.concurrency!r}", file=sys.stderr)
+        print("--concurrency and --processes must be comma-separated integers", file=sys.stderr)
+        return 2
+    if not processes or min(processes) < 1 or max(processes) > 64:
+        print("--processes values must be in 1..64", file=sys.stderr)
         return 2
     if not concurrencies or min(concurrencies) < 1 or max(concurrencies) > 1024:
         print("--concurrency values must be in 1..1024", file=sys.stderr)
@@ -420,7 +500,7 @@ def run(args: argparse.Namespace) -> int:
             return asyncio.run(builtin_load(url, bodies, c, dur))
 
         backend_proc, backend_url, backend_name = _backend(backend, workdir, args.stream)
-        targets = build_targets(names, args.upstream_clients)
+        targets = build_targets(names, args.upstream_clients, processes)
         results = [TargetResult(t.name, t.baseline) for t in targets]
         try:
             # Rounds interleave the targets, so slow drifts of a shared machine hit all of them.

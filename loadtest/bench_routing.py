@@ -6,7 +6,8 @@ start the router in front of them, replay the same requests at the same arrival 
 everything by PID. Then write `report.md`, `results.json` and PNG plots into `--out`.
 
 Router names: `kvgate:<policy>` (any registered policy), `sglang-router[:policy]`,
-`vllm-router[:policy]`, `litellm[:routing_strategy]`. A peer that is not installed is reported as
+`vllm-router[:policy]`, `litellm[:routing_strategy]`, `smg[:policy]` (smg 1.13: cache_aware by
+default, or prefix_hash, round_robin, ...). A peer that is not installed is reported as
 missing (see `loadtest/peers/install.sh`). Ratios in the report are against the first router that
 ran (the baseline).
 """

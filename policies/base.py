@@ -33,7 +33,11 @@ class Isolation(enum.StrEnum):
 
 @record
 class RouteRequest:
-    """One request as a policy sees it: identity, keys and size, never content."""
+    """One request as a policy sees it: identity, keys and size, never content.
+
+    `queued_requests` is the demand the workers' counters do not show yet: how many requests of
+    the pool were waiting in the gateway's queue for a free worker slot when this one was routed
+    (0 unless every worker was at its cap)."""
 
     request_id: str
     pool: str
@@ -48,6 +52,26 @@ class RouteRequest:
     max_output_tokens: int | None = None
     session_key: str | None = None
     adapter: str | None = None
+    queued_requests: int = 0
+
+
+class Role(enum.StrEnum):
+    """What a worker does in a pool: everything (mixed, the default), or one half of a
+    prefill/decode split (policies/pd.py)."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    MIXED = "mixed"
+
+    @classmethod
+    def of(cls, label: str | None) -> Role:
+        """A role from a configured or discovered label: `prefill` and `decode` name the halves;
+        anything else (none, `mixed`, llm-d's `both`) serves whole requests."""
+        if label == "prefill":
+            return cls.PREFILL
+        if label == "decode":
+            return cls.DECODE
+        return cls.MIXED
 
 
 @record
@@ -70,6 +94,7 @@ class WorkerView:
     engine_block_size: int | None = None
     loaded_adapters: frozenset[str] | None = None
     warming: bool = False
+    role: Role = Role.MIXED
 
 
 @record

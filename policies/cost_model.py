@@ -84,6 +84,14 @@ def profile(name: str, **overrides: object) -> CostModelParams:
     return replace(base, **overrides)  # type: ignore[arg-type]
 
 
+def transfer_time_s(tokens: int, setup_s: float, bytes_per_token: int, bandwidth_bytes_per_s: float) -> float:
+    """T_transfer: moving `tokens` of KV between workers, `setup + tokens · bytes / bandwidth`;
+    nothing moves (no setup either) when there is nothing to move."""
+    if tokens <= 0:
+        return 0.0
+    return setup_s + tokens * bytes_per_token / bandwidth_bytes_per_s
+
+
 @dataclass(frozen=True, slots=True)
 class QueueTerms:
     """The constants of `CostModel.queue_s` at this moment, for callers that inline it."""
@@ -225,9 +233,11 @@ class CostModel:
     def transfer_s(self, tokens: int) -> float:
         """Moving `tokens` of KV from another holder; `inf` when the pool cannot move KV."""
         p = self.params
-        if not p.transfer_enabled or tokens <= 0:
-            return math.inf if not p.transfer_enabled else 0.0
-        return p.transfer_setup_s + tokens * p.transfer_bytes_per_token / p.transfer_bandwidth_bytes_per_s
+        if not p.transfer_enabled:
+            return math.inf
+        return transfer_time_s(
+            tokens, p.transfer_setup_s, p.transfer_bytes_per_token, p.transfer_bandwidth_bytes_per_s
+        )
 
     def cold_s(self, view: WorkerView, adapter: str | None) -> float:
         cold = self.params.warming_s if view.warming else 0.0

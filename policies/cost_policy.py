@@ -25,6 +25,8 @@ from typing import ClassVar
 
 from policies.base import Observation, RouteDecision, RouteRequest, WorkerId, WorkerView
 from policies.cost_model import CostModel, QueueTerms
+from policies.peer_sync import PeerHolding
+from policies.pools import PoolState
 from policies.prefix_policy import PrefixPolicyBase, SharedSettings
 from policies.registry import register_policy
 
@@ -127,11 +129,20 @@ class CostPolicy(PrefixPolicyBase):
         super().on_dispatch(req, decision, now_s)
         matched = min(decision.matched_tokens, req.n_prompt_tokens)
         self._ledger_add(req.request_id, decision.worker, req.n_prompt_tokens, req.n_prompt_tokens - matched)
-        work = self._pool(req).cost.prefill_s(req.n_prompt_tokens - matched, matched)
+        self._add_work(self._pool(req), decision.worker, req.n_prompt_tokens, matched, now_s)
+
+    def _apply_peer_holding(self, pool: PoolState, holding: PeerHolding, now_s: float) -> None:
+        # A peer's dispatch is work routed to that worker as much as our own is.
+        super()._apply_peer_holding(pool, holding, now_s)
+        matched = min(holding.matched_tokens, holding.n_prompt_tokens)
+        self._add_work(pool, holding.worker, holding.n_prompt_tokens, matched, now_s)
+
+    def _add_work(self, pool: PoolState, worker: WorkerId, prompt: int, matched: int, now_s: float) -> None:
+        work = pool.cost.prefill_s(prompt - matched, matched)
         recent = self._recent_work
-        if decision.worker not in recent and len(recent) >= 4096:
+        if worker not in recent and len(recent) >= 4096:
             recent.pop(next(iter(recent)))  # bounded across worker churn
-        recent[decision.worker] = (self.recent_work_s(decision.worker, now_s) + work, now_s)
+        recent[worker] = (self.recent_work_s(worker, now_s) + work, now_s)
 
     def select(self, req: RouteRequest, workers: Sequence[WorkerView], now_s: float) -> RouteDecision | None:
         pool = self._pool(req)

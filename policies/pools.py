@@ -105,6 +105,10 @@ class PoolSet:
                 self._pools.popitem(last=False)
         return pool
 
+    def existing(self, name: str) -> PoolState | None:
+        """The pool named `name` if one was made (never makes one)."""
+        return self._pools.get(name)
+
     def note_workers(self, pool: str, workers: Sequence[WorkerView]) -> None:
         owner = self._pool_of_worker
         for view in workers:

@@ -7,8 +7,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from policies.base import Isolation, KvEvent, Observation, RouteDecision, RouteRequest, WorkerId
+from policies.cost_model import CostModel
 from policies.index import NO_MATCH, PrefixMatch
 from policies.kv_feed import KvEventFeed, TokenBlockHasher
+from policies.peer_sync import PeerHolding, PeerItem, PeerOutcome, PeerRouting, SyncSink
 from policies.pools import PoolSet, PoolSettings, PoolState
 from policies.records import record
 from policies.stats import DecisionCounter, PolicyStats
@@ -104,6 +106,9 @@ class PrefixPolicyBase:
         # request id -> what it was dispatched with: its public blocks (what its worker KV is salted
         # by) and whether that dispatch left speculative holdings for its completion to confirm.
         self._dispatched: dict[str, _Dispatched] = {}
+        # Replica sync (`policies.peer_sync`): off until a sink is set.
+        self._sync_sink: SyncSink | None = None
+        self._peers = PeerRouting()
 
     MAX_DISPATCHED = 65_536
 
@@ -197,6 +202,24 @@ class PrefixPolicyBase:
         mine = self._own_keys(req)
         return pool.index.record(mine.keys, worker, mine.namespace, now_s, speculative=speculative)
 
+    # -- what prefill/decode routing asks (policies/pd.py) ----------------------------------------
+
+    def held_tokens(self, req: RouteRequest, shared_prefix_blocks: int, now_s: float) -> dict[WorkerId, int]:
+        """Prompt tokens each worker holds for `req` (cacheable ones, per the index), under the salt
+        the request carries: the public chain when it is routed as wholly public, else its own."""
+        pool = self._pool(req)
+        if shared_prefix_blocks:
+            keys = req.public_block_keys[:shared_prefix_blocks]
+            match = pool.index.lookup(keys, PUBLIC_NAMESPACE, now_s)
+        else:
+            mine = self._own_keys(req)
+            match = pool.index.lookup(mine.keys, mine.namespace, now_s)
+        return {w: self._cap_tokens(req, blocks) for w, blocks in match.blocks_by_worker.items()}
+
+    def cost_model(self, req: RouteRequest) -> CostModel:
+        """The cost model (calibrated online) of the request's pool."""
+        return self._pool(req).cost
+
     # -- the Protocol's feedback hooks ----------------------------------------------------------
 
     def on_dispatch(self, req: RouteRequest, decision: RouteDecision, now_s: float) -> None:
@@ -209,10 +232,16 @@ class PrefixPolicyBase:
             dispatched.pop(next(iter(dispatched)))  # bounded: the oldest falls back to the rule below
         pending = self._record(req, decision.worker, shared, now_s, speculative=True)
         dispatched[req.request_id] = _Dispatched(shared, pending > 0)
+        if self._sync_sink is not None:
+            self._publish_dispatch(req, decision, shared, now_s, pending)
 
     def on_complete(self, obs: Observation, now_s: float) -> None:
         pool = self._pool(obs.request)
         req = obs.request
+        if self._sync_sink is not None:
+            ref = self._peers.finished(req.request_id)
+            if ref is not None:
+                self._sync_sink(PeerOutcome(ref, not obs.failed), now_s)
         if obs.failed:
             # Only a served request says what the worker caches: take back this request's unconfirmed
             # holdings on that worker, and its calibration record.
@@ -263,6 +292,65 @@ class PrefixPolicyBase:
         feed.apply(worker, event, now_s)
         self._count("kv_events_applied")
 
+    # -- replica sync (policies.peer_sync) -------------------------------------------------------
+
+    def set_sync_sink(self, sink: SyncSink | None) -> None:
+        """Publish every dispatch and outcome to `sink` from now on (None: stop)."""
+        self._sync_sink = sink
+
+    def _publish_dispatch(
+        self, req: RouteRequest, decision: RouteDecision, shared: int, now_s: float, pending: int
+    ) -> None:
+        sink = self._sync_sink
+        assert sink is not None
+        if shared:
+            keys, namespace = req.public_block_keys[:shared], PUBLIC_NAMESPACE
+        else:
+            mine = self._own_keys(req)
+            keys, namespace = mine.keys, mine.namespace
+        g = self._pool(req).index.config.granularity_blocks
+        if len(keys) < g:
+            return
+        if not pending and self._pool(req).index.last_use_s(keys[g - 1], decision.worker) != now_s:
+            # The dispatch left the chain as it was: confirmed here and touched within the index's
+            # recency resolution, by a dispatch or an outcome the peers were told of then.
+            return
+        ref = self._peers.dispatched(req.request_id)
+        holding = PeerHolding(
+            ref, req.pool, req.block_size_tokens, namespace, keys, decision.worker,
+            req.n_prompt_tokens, decision.matched_tokens,
+        )  # fmt: skip
+        sink(holding, now_s)
+
+    def apply_peer(self, origin: str, item: PeerItem, now_s: float) -> None:
+        """Apply what gateway `origin` published: a holding is recorded as speculative, as a local
+        dispatch is; an outcome confirms it (served) or takes its unconfirmed blocks back."""
+        peers = self._peers
+        if isinstance(item, PeerHolding):
+            pool = self._pools.existing(item.pool)
+            if pool is None:
+                pool = self._pools.get(item.pool, item.block_size_tokens)
+            elif pool.block_size_tokens != item.block_size_tokens:
+                peers.count("peer_block_size_mismatch")  # a peer on another config: keep ours
+                return
+            self._apply_peer_holding(pool, item, now_s)
+            peers.remember(origin, item)
+            peers.count("peer_holdings_applied")
+            return
+        held = peers.settle(origin, item.ref)
+        pool = None if held is None else self._pools.existing(held.pool)
+        if held is None or pool is None or pool.block_size_tokens != held.block_size_tokens:
+            peers.count("peer_outcomes_unmatched")
+            return
+        if item.served:
+            pool.index.confirm(held.keys, held.worker, held.namespace, now_s)
+        else:
+            pool.index.drop_speculative(held.keys, held.worker, held.namespace)
+        peers.count("peer_outcomes_applied")
+
+    def _apply_peer_holding(self, pool: PoolState, holding: PeerHolding, now_s: float) -> None:
+        pool.index.record(holding.keys, holding.worker, holding.namespace, now_s, speculative=True)
+
     # -- stats --------------------------------------------------------------------------------
 
     def stats(self) -> PolicyStats:
@@ -270,6 +358,7 @@ class PrefixPolicyBase:
         counters["public_promotions"] = self._public.promotions
         counters["public_demotions"] = self._public.demotions
         counters["public_prefixes"] = self._public.promoted_count()
+        counters.update(self._peers.counters)
         for name, feed in self._feeds.items():
             counters[f"kv_event_orphans:{name}"] = feed.orphans
             counters[f"kv_event_mismatched:{name}"] = feed.mismatched

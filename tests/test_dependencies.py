@@ -21,6 +21,10 @@ from collections import defaultdict
 from importlib import metadata
 from pathlib import Path, PurePosixPath
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE_PACKAGES = ("gateway", "policies", "prompt_normalizer", "loadtest")
 OWN_MODULES = {*SOURCE_PACKAGES, "tests"}

@@ -25,6 +25,7 @@ from loadtest.emulator import (
     routes_pooling,
     routes_responses,
 )
+from loadtest.emulator.auth import ApiKeyGuard
 from loadtest.emulator.config import EmulatorConfig
 from loadtest.emulator.errors import ApiError
 from loadtest.emulator.kv_transfer import KvTransfers
@@ -184,4 +185,6 @@ def create_app(cfg: EmulatorConfig, sink_factory: Callable[[], KvEventSink | Non
 
     for family in ROUTE_FAMILIES:
         app.include_router(family)
+    if cfg.api_key:
+        app.add_middleware(ApiKeyGuard, api_key=cfg.api_key)
     return app

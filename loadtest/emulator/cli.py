@@ -104,6 +104,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="decode side, on a failed transfer: answer 500 (fail, default) or prefill locally",
     )
     parser.add_argument(
+        "--api-key",
+        default=None,
+        help="as vLLM's --api-key: /v1 routes answer 401 without 'Authorization: Bearer KEY'",
+    )
+    parser.add_argument(
         "--log-level",
         default="warning",
         choices=("debug", "info", "warning", "error"),
@@ -138,6 +143,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         kv_bootstrap_timeout_s=args.kv_bootstrap_timeout_s,
         kv_hold_timeout_s=args.kv_hold_timeout_s,
         kv_load_failure_policy=args.kv_load_failure_policy,
+        api_key=args.api_key,
     )
 
 

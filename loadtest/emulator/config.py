@@ -40,3 +40,4 @@ class EmulatorConfig:
     kv_bootstrap_timeout_s: float = 300.0  # SGLang's SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT
     kv_hold_timeout_s: float = 480.0  # vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT
     kv_load_failure_policy: KvLoadFailurePolicy = "fail"  # vLLM's kv_load_failure_policy
+    api_key: str | None = None  # vLLM's --api-key: /v1 routes want `Authorization: Bearer <key>`

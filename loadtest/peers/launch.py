@@ -4,7 +4,8 @@ Peers live in their own venvs (see `install.sh`). A peer that is not installed r
 with the install command; the benchmark reports it as missing rather than skipping it quietly.
 Commands follow what was verified on this machine: loopback only, distinct router and Prometheus
 ports, quiet log levels (sglang-router logs every request at info), no `model_path` advertised by
-the workers (else sglang-router tries a tokenizer download), and LiteLLM's cost map kept local.
+the workers (else sglang-router tries a tokenizer download), smg's tokenizer autoload off, and
+LiteLLM's cost map kept local.
 """
 
 from __future__ import annotations
@@ -22,8 +23,13 @@ from typing import IO
 
 import yaml
 
-PEERS = ("sglang-router", "vllm-router", "litellm")
-DEFAULT_POLICY = {"sglang-router": "cache_aware", "vllm-router": "cache_aware", "litellm": "simple-shuffle"}
+PEERS = ("sglang-router", "vllm-router", "litellm", "smg")
+DEFAULT_POLICY = {
+    "sglang-router": "cache_aware",
+    "vllm-router": "cache_aware",
+    "litellm": "simple-shuffle",
+    "smg": "cache_aware",
+}
 LITELLM_MASTER_KEY = "sk-kvgate-bench"
 
 
@@ -40,7 +46,7 @@ def peer_bin(name: str, program: str) -> Path:
 
 
 def _program(name: str) -> str:
-    return {"sglang-router": "python", "vllm-router": "vllm-router", "litellm": "litellm"}[name]
+    return {"sglang-router": "python", "vllm-router": "vllm-router", "litellm": "litellm", "smg": "smg"}[name]
 
 
 def is_installed(name: str) -> bool:
@@ -94,6 +100,8 @@ def build_command(
             "warn",
         ]
         return PeerCommand(name, policy, tuple(argv), port=port)
+    if name == "smg":
+        return PeerCommand(name, policy, smg_argv(exe, port, metrics_port, urls, policy), port=port)
     if name == "vllm-router":
         argv = [exe, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls, "--policy", policy]
         argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
@@ -144,6 +152,22 @@ def build_command(
         api_key=LITELLM_MASTER_KEY,
         port=port,
     )
+
+
+def smg_argv(
+    exe: str, port: int, metrics_port: int, worker_urls: Sequence[str], policy: str
+) -> tuple[str, ...]:
+    """smg 1.13 in router-only mode (`smg launch`) in front of HTTP workers.
+
+    `--disable-tokenizer-autoload`: the workers advertise a model name, not a local tokenizer
+    directory, and nothing may be fetched from the Hub. Over HTTP smg's cache_aware routes on its
+    approximate text tree; its event-driven KV index takes events only from gRPC workers (the
+    `SubscribeKvEvents` RPC), so the emulated workers' vLLM ZMQ events cannot reach it.
+    """
+    argv = [exe, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *worker_urls]
+    argv += ["--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
+    argv += ["--log-level", "warn", "--disable-tokenizer-autoload"]
+    return tuple(argv)
 
 
 class RunningProcess:

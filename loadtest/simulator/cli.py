@@ -3,6 +3,8 @@
     kvgate simulate --trace FILE|NAME | --workload NAME [--policy NAME] [--policy-config FILE]
         [--workers N] [--kv-blocks-per-worker N] [--profile NAME] [--rate-scale X] [--seed S]
         [--isolation LEVEL] [--tenant-isolation NAME=LEVEL] [--kv-events] [--json OUT]
+        [--gateways N [--sync none|broker] [--sync-delay-ms D]] [--arrival-spread-s S]
+        [--pd P:D [--no-pd-conditional] [--pd-interference-weight W]]
 
 Prints the summary; `--json` writes `{config, summary, workers, requests}` (format in
 docs/benchmarks.md, "Simulator output format").
@@ -18,13 +20,16 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import xxhash
 
 from loadtest.engine import DEFAULT_PROFILE, Engine, EngineConfig, EngineRequest, ProfileError, load_profile
 from loadtest.engine.hashing import block_hashes
+from loadtest.engine.profile import StepProfile
 from loadtest.report.meta import run_metadata
 from loadtest.report.progress import ProgressBar
 from loadtest.simulator.keys import KeyPath
 from loadtest.simulator.loop import EngineHooks, LoopConfig, run_loop
+from loadtest.simulator.pd import PdSim
 from loadtest.simulator.summary import summarize
 from loadtest.traces.load import load_trace
 from loadtest.traces.mooncake import TraceFormatError
@@ -33,7 +38,11 @@ from loadtest.workloads.records import WorkloadRequest, scale_arrivals
 from loadtest.workloads.registry import WORKLOADS, make_workload
 from policies.base import Isolation, RoutingPolicy
 from policies.config import PolicyConfig, PolicyConfigError, build_policy, parse_policy_yaml
+from policies.pd import VLLM_ROLES, PdRouter, PdSettings
 from policies.registry import known_policies, make_policy
+
+# The gateway's measured NATS publish-to-apply latency, batching included (docs/sync.md).
+DEFAULT_SYNC_DELAY_MS = 10.0
 
 
 def _positive_int(text: str) -> int:
@@ -80,6 +89,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--scrape-interval-s", type=float, default=1.0, help="how stale scraped metrics are")
     parser.add_argument("--max-requests", type=_positive_int, default=None, help="only the first N requests")
+    parser.add_argument(
+        "--pd",
+        metavar="P:D",
+        default=None,
+        help="prefill/decode disaggregation: P prefill and D decode workers (instead of --workers mixed "
+        "ones), pairs chosen as the gateway does (docs/pd.md)",
+    )
+    parser.add_argument(
+        "--pd-conditional",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--pd: let a request run on one decode worker alone when that scores better (default on)",
+    )
+    parser.add_argument(
+        "--pd-interference-weight",
+        type=float,
+        default=1.0,
+        help="--pd: weight of the delay a prefill on a decode worker adds to its decodes (default 1)",
+    )
+    parser.add_argument(
+        "--arrival-spread-s",
+        type=float,
+        default=0.0,
+        help="move each arrival later by a seeded uniform draw in [0, S) s (for traces whose "
+        "timestamps are coarse: same-stamp requests otherwise arrive at one instant)",
+    )
+    parser.add_argument(
+        "--gateways",
+        type=_positive_int,
+        default=1,
+        help="gateway instances behind an L4 balancer (default 1)",
+    )
+    parser.add_argument(
+        "--sync",
+        choices=["none", "broker"],
+        default="none",
+        help="broker: each gateway applies what the others publish (default none: each learns alone)",
+    )
+    parser.add_argument(
+        "--sync-delay-ms",
+        type=float,
+        default=DEFAULT_SYNC_DELAY_MS,
+        help=f"broker: publish-to-apply delay in ms (default {DEFAULT_SYNC_DELAY_MS:g}, see docs/sync.md)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -107,12 +160,28 @@ def _requests(args: argparse.Namespace) -> tuple[list[WorkloadRequest], str]:
         reqs = reqs[: args.max_requests]
     if args.rate_scale != 1.0:
         reqs = scale_arrivals(reqs, args.rate_scale)
+    if args.arrival_spread_s > 0:
+        reqs = spread_arrivals(reqs, args.arrival_spread_s, args.seed)
     if not reqs:
         raise UsageError("no requests to simulate")
     return reqs, source
 
 
-def _policy(args: argparse.Namespace) -> tuple[RoutingPolicy, str]:
+def spread_arrivals(reqs: list[WorkloadRequest], spread_s: float, seed: int) -> list[WorkloadRequest]:
+    """Each arrival moved later by `spread_s` × a uniform draw seeded by the request id alone."""
+    out = [
+        dataclasses.replace(
+            r, arrival_s=r.arrival_s + spread_s * xxhash.xxh64_intdigest(r.request_id.encode(), seed) / 2**64
+        )
+        for r in reqs
+    ]
+    return sorted(out, key=lambda r: r.arrival_s)
+
+
+def _policy(args: argparse.Namespace, gateway: int = 0) -> tuple[RoutingPolicy, str]:
+    """Gateway `gateway`'s policy: gateway 0 takes the seed as given, the others their own seeds
+    (independent tie-breaks, as separate processes would have)."""
+    seed = args.seed + 7919 * gateway
     if args.policy_config:
         try:
             text = Path(args.policy_config).read_text()
@@ -123,10 +192,10 @@ def _policy(args: argparse.Namespace) -> tuple[RoutingPolicy, str]:
             raise UsageError(
                 f"--policy {args.policy} contradicts {args.policy_config} (policy: {config.policy})"
             )
-        return build_policy(config), config.policy
+        return build_policy(config.model_copy(update={"seed": config.seed + 7919 * gateway})), config.policy
     name = args.policy or PolicyConfig().policy
     try:
-        return make_policy(name, seed=args.seed), name
+        return make_policy(name, seed=seed), name
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
@@ -153,14 +222,52 @@ def _install_precise(policy: RoutingPolicy, keys: KeyPath, block_size: int) -> b
     return True
 
 
+def pd_split(text: str | None) -> tuple[int, int] | None:
+    """`--pd P:D` as two worker counts."""
+    if text is None:
+        return None
+    try:
+        n_prefill, n_decode = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise UsageError(f"--pd takes P:D, two worker counts (e.g. 4:4), not {text!r}") from None
+    if n_prefill < 1 or n_decode < 1:
+        raise UsageError("--pd needs at least one prefill and one decode worker")
+    return n_prefill, n_decode
+
+
+def _pd_sim(args: argparse.Namespace, profile: StepProfile, split: tuple[int, int] | None) -> PdSim | None:
+    if split is None:
+        return None
+    settings = PdSettings(
+        roles=VLLM_ROLES,
+        transfer_setup_s=profile.kv_transfer_setup_ms / 1000,
+        transfer_bytes_per_token=profile.kv_bytes_per_token,
+        transfer_bandwidth_bytes_per_s=profile.kv_transfer_bytes_per_s,
+        conditional=args.pd_conditional,
+        interference_weight=args.pd_interference_weight,
+    )
+
+    def make_request(rid: str, n_prompt: int, max_out: int, hashes: Any, external: int) -> EngineRequest:
+        return EngineRequest(rid, n_prompt, max_out, hashes, external)
+
+    return PdSim(PdRouter(settings, seed=args.seed), split[0], profile.kv_transfer_s, make_request)
+
+
 def simulate(args: argparse.Namespace) -> dict[str, Any]:
     """Run one simulation; returns the JSON document."""
+    split = pd_split(args.pd)
+    if split is not None:
+        args.workers = sum(split)
     if args.workers < 1:
         raise UsageError("--workers must be at least 1")
     if args.rate_scale <= 0:
         raise UsageError("--rate-scale must be positive")
+    if args.sync_delay_ms < 0 or args.arrival_spread_s < 0:
+        raise UsageError("--sync-delay-ms and --arrival-spread-s must be >= 0")
     profile = load_profile(args.profile)
+    pd = _pd_sim(args, profile, split)
     policy, policy_name = _policy(args)
+    policies = [policy] + [_policy(args, g)[0] for g in range(1, args.gateways)]
     reqs, source = _requests(args)
     engine_config = EngineConfig(kv_blocks=args.kv_blocks_per_worker, seed=args.seed)
     engines = [Engine(profile, engine_config) for _ in range(args.workers)]
@@ -169,7 +276,7 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
     keys = key_path(args)
     keyed = [keys.keyed(r) for r in reqs]
     chains = [k.chain() for k in keyed]
-    precise = args.kv_events and _install_precise(policy, keys, block_size)
+    precise = args.kv_events and all([_install_precise(p, keys, block_size) for p in policies])
     capacity_tokens = args.workers * kv_blocks * block_size
     working_set = working_set_tokens(chains)
     inf = ceiling_infinite(chains)
@@ -186,9 +293,15 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
     result = run_loop(
         reqs,
         engines,
-        policy,
+        policies,
         EngineHooks(make_request, hash_tokens, keys),
-        LoopConfig(scrape_interval_s=args.scrape_interval_s, kv_events=args.kv_events),
+        LoopConfig(
+            scrape_interval_s=args.scrape_interval_s,
+            kv_events=args.kv_events,
+            sync_delay_s=args.sync_delay_ms / 1000 if args.sync == "broker" else None,
+            balancer_seed=args.seed,
+            pd=pd,
+        ),
         progress=bar.update if bar else None,
         keyed=keyed,
     )
@@ -198,8 +311,11 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
     summary = summarize(
         result.requests, result.workers, ceiling_infinite=inf.hit_ratio, ceiling_pooled_lru=lru.hit_ratio
     )
-    stats = getattr(policy, "stats", None)
-    counters = dict(stats().counters) if callable(stats) else {}
+    counters: dict[str, int] = {}
+    for p in policies:  # summed over the gateways
+        stats = getattr(p, "stats", None)
+        for name, value in (stats().counters if callable(stats) else {}).items():
+            counters[name] = counters.get(name, 0) + value
     summary.update(
         {
             "policy_counters": counters,
@@ -208,6 +324,8 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
             "working_set_tokens": working_set,
             "cluster_kv_tokens": capacity_tokens,
             "cluster_kv_fraction_of_working_set": capacity_tokens / working_set if working_set else None,
+            "pd": pd.counters.as_dict() if pd is not None else None,
+            "sync_items_published": result.n_sync_items,
         }
     )
     config = {
@@ -223,12 +341,19 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         "block_size_tokens": block_size,
         "profile": profile.name,
         "rate_scale": args.rate_scale,
+        "arrival_spread_s": args.arrival_spread_s,
         "seed": args.seed,
         "kv_events": args.kv_events,
         "precise": precise,
         "isolation": args.isolation,
         "tenant_isolation": list(args.tenant_isolation),
         "scrape_interval_s": args.scrape_interval_s,
+        "pd": args.pd,
+        "pd_conditional": args.pd_conditional if split is not None else None,
+        "pd_interference_weight": args.pd_interference_weight if split is not None else None,
+        "gateways": args.gateways,
+        "sync": args.sync,
+        "sync_delay_ms": args.sync_delay_ms if args.sync == "broker" else None,
     }
     return {
         "config": config,
@@ -239,9 +364,9 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
 
 
 SUMMARY_KEYS = (
-    "n_requests", "ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "ttft_mean_s", "tpot_mean_s", "e2e_p99_s",
-    "throughput_tok_s", "hit_ratio", "ceiling_infinite", "ceiling_pooled_lru", "hit_ratio_of_ceiling",
-    "request_hit_ratio", "imbalance", "utilization", "n_rejected", "wall_time_s",
+    "n_requests", "ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "ttft_mean_s", "tpot_mean_s", "tpot_p99_s",
+    "e2e_p99_s", "throughput_tok_s", "hit_ratio", "ceiling_infinite", "ceiling_pooled_lru",
+    "hit_ratio_of_ceiling", "request_hit_ratio", "imbalance", "utilization", "n_rejected", "wall_time_s",
 )  # fmt: skip
 
 
@@ -264,6 +389,8 @@ def run(args: argparse.Namespace) -> int:
         p = s[part]
         print(f"{part:24s} hit_ratio {_fmt(p['hit_ratio'])}  ttft_p50_s {_fmt(p['ttft_p50_s'])}  "
               f"ttft_p99_s {_fmt(p['ttft_p99_s'])}")  # fmt: skip
+    if s.get("pd"):
+        print(f"{'pd':24s} " + "  ".join(f"{k} {v}" for k, v in s["pd"].items()))
     counters = s["policy_counters"]
     if counters:
         print(f"{'policy_counters':24s} " + "  ".join(f"{k} {v}" for k, v in sorted(counters.items())))

@@ -10,6 +10,9 @@ keeps a 145 M-token trace fast.
 
 The policy sees a `WorkerView` built from the loop's own in-flight accounting (as the gateway keeps
 it) plus the last scrape of the engine's stats, refreshed every `scrape_interval_s` of virtual time.
+With several gateways (`gateways.py`) each request goes to one of them, whose policy routes it and
+whose accounting counts it; every gateway gets the workers' KV events, and with sync each applies
+what the others publish, delivered by the `SyncBus` between the other events.
 Invariant: virtual time never goes backwards; heap entries are (time, seq, worker index).
 """
 
@@ -21,8 +24,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from loadtest.simulator.engine_hashes import TokenHasher, request_hashes
+from loadtest.simulator.gateways import SimGateway, SyncBus, pick_gateway
 from loadtest.simulator.keys import KeyedPrompt, KeyPath
-from loadtest.simulator.port import RequestFactory, SimEngine, StatsLike, StepLike
+from loadtest.simulator.pd import PdSim, PrefillLeg
+from loadtest.simulator.port import KvChanges, RequestFactory, SimEngine, StatsLike, StepLike
 from loadtest.simulator.records import RequestRecord, WorkerRecord
 from loadtest.workloads.records import WorkloadRequest
 from policies.base import (
@@ -30,6 +35,7 @@ from policies.base import (
     KvEventKind,
     Observation,
     Outcome,
+    Role,
     RouteDecision,
     RouteRequest,
     RoutingPolicy,
@@ -45,6 +51,9 @@ class LoopConfig:
     scrape_interval_s: float = 1.0
     kv_events: bool = False
     max_in_flight_per_worker: int | None = None
+    sync_delay_s: float | None = None  # None: gateways do not share what they learn
+    balancer_seed: int = 0
+    pd: PdSim | None = None  # prefill/decode roles and pair routing (loadtest/simulator/pd.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +62,7 @@ class LoopResult:
     workers: tuple[WorkerRecord, ...]
     n_steps: int
     n_engine_calls: int
+    n_sync_items: int = 0  # items the gateways published to each other
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +78,10 @@ class EngineHooks:
 class _Flight:
     """A dispatched request the loop is waiting on (mutable; internal)."""
 
-    __slots__ = ("decision", "first_token_s", "keyed", "req", "route", "salt")
+    __slots__ = (
+        "decision", "first_token_s", "gateway", "hashes", "keyed", "leg", "max_out", "req", "route",
+        "salt", "visible_cached",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -77,13 +90,19 @@ class _Flight:
         decision: RouteDecision,
         keyed: KeyedPrompt | None = None,
         salt: str | None = None,
+        gateway: SimGateway | None = None,
     ) -> None:
+        self.gateway = gateway
         self.req = req
         self.route = route
         self.decision = decision
         self.keyed = keyed
         self.salt = salt
         self.first_token_s: float | None = None
+        self.max_out = req.max_output_tokens  # the engine request's (1 for a prefill leg)
+        self.hashes: Sequence[int] = ()
+        self.leg: PrefillLeg | None = None  # P/D: set while the request's prefill leg runs
+        self.visible_cached: int | None = None  # P/D: the cached tokens the client is told
 
 
 class _Worker:
@@ -91,15 +110,12 @@ class _Worker:
         "busy",
         "busy_s",
         "cached_tokens",
-        "decode_tokens",
         "engine",
         "id",
-        "in_flight",
         "n_requests",
         "n_steps",
         "output_tokens",
         "pending",
-        "prefill_in_flight",
         "prefill_tokens",
         "prompt_tokens",
         "scrape",
@@ -111,9 +127,6 @@ class _Worker:
         self.engine = engine
         self.busy = False
         self.pending: StepLike | None = None
-        self.in_flight = 0
-        self.prefill_in_flight = 0
-        self.decode_tokens = 0
         self.scrape: StatsLike = engine.stats()
         self.scrape_s = -math.inf
         self.n_requests = self.prompt_tokens = self.cached_tokens = self.prefill_tokens = 0
@@ -126,7 +139,7 @@ class _Loop:
         self,
         requests: Sequence[WorkloadRequest],
         engines: Sequence[SimEngine],
-        policy: RoutingPolicy,
+        policies: Sequence[RoutingPolicy],
         config: LoopConfig,
         hooks: EngineHooks,
         progress: Callable[[int], None] | None,
@@ -137,7 +150,8 @@ class _Loop:
         self.keyed = None if keyed is None else [keyed[i] for i in order]
         self.workers = [_Worker(f"w{i}", e) for i, e in enumerate(engines)]
         self.by_id = {w.id: i for i, w in enumerate(self.workers)}
-        self.policy = policy
+        self.gateways = [SimGateway(i, p, len(engines)) for i, p in enumerate(policies)]
+        self.bus = None if config.sync_delay_s is None else SyncBus(self.gateways, config.sync_delay_s)
         self.config = config
         self.hooks = hooks
         self.progress = progress
@@ -148,29 +162,32 @@ class _Loop:
         self.n_steps = 0
         self.n_calls = 0
         self.next_arrival = 0
+        self.pd = config.pd
+        self.roles = [Role.MIXED] * len(engines) if self.pd is None else self.pd.roles(len(engines))
 
-    def views(self, now_s: float) -> list[WorkerView]:
+    def views(self, now_s: float, gw: SimGateway, pool: str) -> list[WorkerView]:
+        """What gateway `gw` sees: its own in-flight accounting, its peers' reports, the scrape."""
         out = []
         cfg = self.config
-        for w in self.workers:
+        for i, w in enumerate(self.workers):
             if now_s - w.scrape_s >= cfg.scrape_interval_s:
                 w.scrape = w.engine.stats()
                 w.scrape_s = now_s
             s = w.scrape
-            out.append(
-                WorkerView(
-                    worker_id=w.id,
-                    in_flight_requests=w.in_flight,
-                    in_flight_prefill_tokens=w.prefill_in_flight,
-                    in_flight_decode_tokens=w.decode_tokens,
-                    max_in_flight=cfg.max_in_flight_per_worker,
-                    num_requests_waiting=s.num_waiting,
-                    num_requests_running=s.num_running,
-                    kv_usage=s.kv_usage,
-                    num_gpu_blocks=s.num_kv_blocks,
-                    engine_block_size=w.engine.block_size,
-                )
+            view = WorkerView(
+                worker_id=w.id,
+                in_flight_requests=gw.in_flight[i],
+                in_flight_prefill_tokens=gw.prefill[i],
+                in_flight_decode_tokens=gw.decode[i],
+                max_in_flight=cfg.max_in_flight_per_worker,
+                num_requests_waiting=s.num_waiting,
+                num_requests_running=s.num_running,
+                kv_usage=s.kv_usage,
+                num_gpu_blocks=s.num_kv_blocks,
+                engine_block_size=w.engine.block_size,
+                role=self.roles[i],
             )
+            out.append(gw.fold(pool, view))
         return out
 
     def _record(
@@ -196,7 +213,7 @@ class _Loop:
         if self.progress is not None:
             self.progress(len(self.records))
 
-    def kv_events(self, w: _Worker, out: StepLike, now_s: float) -> None:
+    def kv_events(self, w: _Worker, out: KvChanges, now_s: float) -> None:
         """The worker's KV events as the gateway decodes them: token ids of every stored block
         (chat and text prompts; a trace prompt has none), and the namespace its salt resolves to."""
         size = w.engine.block_size
@@ -217,12 +234,16 @@ class _Loop:
                 block_size=size,
                 namespace=namespace,
             )
-            self.policy.on_kv_event(w.id, ev, now_s)
+            for gw in self.gateways:
+                gw.policy.on_kv_event(w.id, ev, now_s)
         if out.removed:
-            self.policy.on_kv_event(w.id, KvEvent(KvEventKind.BLOCK_REMOVED, tuple(out.removed)), now_s)
+            ev = KvEvent(KvEventKind.BLOCK_REMOVED, tuple(out.removed))
+            for gw in self.gateways:
+                gw.policy.on_kv_event(w.id, ev, now_s)
 
-    def apply(self, w: _Worker, out: StepLike) -> None:
+    def apply(self, idx: int, w: _Worker, out: StepLike) -> None:
         now_s = out.end_s
+        changed: dict[tuple[SimGateway, str], None] = {}
         if self.config.kv_events:
             # Before the completions: a request that finishes in this step still owns its tokens.
             self.kv_events(w, out, now_s)
@@ -233,42 +254,49 @@ class _Loop:
         for ft in out.first_tokens:
             f = self.flights[str(ft.request_id)]
             f.first_token_s = now_s
-            w.prefill_in_flight -= f.route.n_prompt_tokens
-            w.decode_tokens += f.req.max_output_tokens
+            gw = f.gateway
+            assert gw is not None
+            gw.prefill[idx] -= f.route.n_prompt_tokens
+            gw.decode[idx] += f.max_out
+            changed[(gw, f.route.pool)] = None
         for fin in out.finished:
             f = self.flights.pop(str(fin.request_id))
             first = f.first_token_s if f.first_token_s is not None else now_s
-            w.decode_tokens -= f.req.max_output_tokens
-            w.in_flight -= 1
+            gw = f.gateway
+            assert gw is not None
+            gw.decode[idx] -= f.max_out
+            gw.in_flight[idx] -= 1
+            changed[(gw, f.route.pool)] = None
             w.cached_tokens += fin.num_cached_tokens
             w.output_tokens += fin.num_output_tokens
-            self._record(
-                f,
-                str(w.id),
-                first,
-                now_s,
-                fin.num_prompt_tokens,
-                fin.num_cached_tokens,
-                fin.num_output_tokens,
-            )
+            if f.leg is not None and self.pd is not None:
+                self.pd.prefill_done(self, w.id, f, fin, first, now_s)
+                continue
+            cached = fin.num_cached_tokens if f.visible_cached is None else f.visible_cached
+            self._record(f, str(w.id), first, now_s, fin.num_prompt_tokens, cached, fin.num_output_tokens)
             obs = Observation(
                 f.route,
                 w.id,
                 ttft_s=first - f.req.arrival_s,
                 prompt_tokens=fin.num_prompt_tokens,
-                cached_tokens=fin.num_cached_tokens,
+                cached_tokens=cached,
                 completion_tokens=fin.num_output_tokens,
             )
-            self.policy.on_complete(obs, now_s)
+            gw.policy.on_complete(obs, now_s)
+        if self.bus is not None:
+            for gw, pool in changed:
+                self.bus.load_changed(gw, pool, w.id, idx, now_s)
 
     def run_step(self, idx: int, now_s: float) -> None:
         w = self.workers[idx]
         if w.pending is not None:
             out, w.pending = w.pending, None
-            self.apply(w, out)
+            self.apply(idx, w, out)
         until_s = (
             self.requests[self.next_arrival].arrival_s if self.next_arrival < len(self.requests) else math.inf
         )
+        if self.pd is not None:
+            until_s = min(until_s, self.pd.horizon_s(self, idx))
         res = w.engine.step(now_s, until_s) if w.engine.has_work() else None
         if res is None:
             w.busy = False
@@ -286,38 +314,84 @@ class _Loop:
         if kp is None:
             kp = hooks.keys.keyed(req)
         route = hooks.keys.route_request(req, kp)
-        decision = self.policy.select(route, self.views(now_s), now_s)
+        gw = self.gateways[pick_gateway(req.request_id, len(self.gateways), self.config.balancer_seed)]
+        if self.pd is not None:
+            self.pd.arrive(self, gw, req, kp, route, now_s)
+            return
+        decision = gw.policy.select(route, self.views(now_s, gw, route.pool), now_s)
         idx = self.by_id.get(decision.worker, -1) if decision is not None else -1
         if decision is None or idx < 0:
-            rejected = RouteDecision(WorkerId(""), 0.0, decision.reason if decision else "no worker")
-            self._record(_Flight(req, route, rejected), None, None, None, route.n_prompt_tokens, 0, 0)
+            self.reject(req, route, decision.reason if decision else "no worker")
             return
-        w = self.workers[idx]
+        f = self.flight(gw, req, route, decision, kp)
+        request = hooks.make_request(req.request_id, route.n_prompt_tokens, req.max_output_tokens, f.hashes)
+        self.submit(idx, f, request, now_s)
+
+    def reject(self, req: WorkloadRequest, route: RouteRequest, reason: str) -> None:
+        """Record a request no worker could take."""
+        rejected = RouteDecision(WorkerId(""), 0.0, reason)
+        self._record(_Flight(req, route, rejected), None, None, None, route.n_prompt_tokens, 0, 0)
+
+    def flight(
+        self,
+        gw: SimGateway,
+        req: WorkloadRequest,
+        route: RouteRequest,
+        decision: RouteDecision,
+        kp: KeyedPrompt,
+    ) -> _Flight:
+        """A request gateway `gw` is about to dispatch as `decision` says, with its salt and engine
+        hashes."""
+        hooks = self.hooks
         salt = hooks.keys.cache_salt(route, decision)
-        hashes = request_hashes(req, kp.tokens, w.engine.block_size, salt, hooks.hash_tokens)
+        f = _Flight(req, route, decision, kp, salt, gw)
+        f.hashes = request_hashes(req, kp.tokens, self.workers[0].engine.block_size, salt, hooks.hash_tokens)
+        return f
+
+    def submit(self, idx: int, f: _Flight, request: object, now_s: float) -> bool:
+        """Hand `request` (the engine's record of flight `f`) to worker `idx`, tell the flight's
+        gateway of the dispatch, and wake the worker; False (recorded as rejected) if the engine
+        refuses it."""
+        w = self.workers[idx]
+        gw, decision, route = f.gateway, f.decision, f.route
+        assert gw is not None
         try:
-            w.engine.submit(
-                hooks.make_request(req.request_id, route.n_prompt_tokens, req.max_output_tokens, hashes)
-            )
+            w.engine.submit(request)
         except ValueError:
             failed = RouteDecision(decision.worker, decision.score_s, "engine rejected")
-            self._record(_Flight(req, route, failed), None, None, None, route.n_prompt_tokens, 0, 0)
-            self.policy.on_complete(Observation(route, decision.worker, outcome=Outcome.REJECTED), now_s)
-            return
-        self.policy.on_dispatch(route, decision, now_s)
-        self.flights[req.request_id] = _Flight(req, route, decision, kp, salt)
-        w.in_flight += 1
+            self._record(_Flight(f.req, route, failed), None, None, None, route.n_prompt_tokens, 0, 0)
+            gw.policy.on_complete(Observation(route, decision.worker, outcome=Outcome.REJECTED), now_s)
+            return False
+        gw.policy.on_dispatch(route, decision, now_s)
+        self.flights[f.req.request_id] = f
+        gw.in_flight[idx] += 1
+        gw.prefill[idx] += route.n_prompt_tokens
+        if self.bus is not None:
+            self.bus.load_changed(gw, route.pool, w.id, idx, now_s)
         w.n_requests += 1
         w.prompt_tokens += route.n_prompt_tokens
-        w.prefill_in_flight += route.n_prompt_tokens
         if not w.busy:
             w.busy = True
             self.seq += 1
             heapq.heappush(self.heap, (now_s, self.seq, idx))
+        return True
+
+    def schedule(self, at_s: float) -> int:
+        """An event at `at_s` that is not a worker's step (a KV transfer's end): its key."""
+        self.seq += 1
+        heapq.heappush(self.heap, (at_s, self.seq, -1))
+        return self.seq
 
     def run(self) -> LoopResult:
-        reqs, heap = self.requests, self.heap
+        reqs, heap, bus = self.requests, self.heap, self.bus
         while self.next_arrival < len(reqs) or heap:
+            if bus is not None and bus.queue:
+                # Sync first: what is due by the next event reaches the peers before it.
+                next_s = min(
+                    reqs[self.next_arrival].arrival_s if self.next_arrival < len(reqs) else math.inf,
+                    heap[0][0] if heap else math.inf,
+                )
+                bus.deliver_due(next_s)
             if self.next_arrival < len(reqs) and (
                 not heap or reqs[self.next_arrival].arrival_s <= heap[0][0]
             ):
@@ -325,7 +399,11 @@ class _Loop:
                 self.next_arrival += 1
                 self.arrive(reqs[i], None if self.keyed is None else self.keyed[i])
                 continue
-            t, _, idx = heapq.heappop(heap)
+            t, key, idx = heapq.heappop(heap)
+            if idx < 0:
+                assert self.pd is not None
+                self.pd.transfer_done(self, key, t)
+                continue
             self.run_step(idx, t)
         workers = tuple(
             WorkerRecord(
@@ -334,13 +412,14 @@ class _Loop:
             )
             for w in self.workers
         )  # fmt: skip
-        return LoopResult(tuple(self.records), workers, self.n_steps, self.n_calls)
+        published = 0 if self.bus is None else self.bus.published
+        return LoopResult(tuple(self.records), workers, self.n_steps, self.n_calls, published)
 
 
 def run_loop(
     requests: Sequence[WorkloadRequest],
     engines: Sequence[SimEngine],
-    policy: RoutingPolicy,
+    policy: RoutingPolicy | Sequence[RoutingPolicy],
     hooks: EngineHooks,
     config: LoopConfig = LoopConfig(),
     *,
@@ -349,6 +428,10 @@ def run_loop(
 ) -> LoopResult:
     """Replay `requests` through `policy` onto `engines` until every request has finished or failed.
 
-    `keyed[i]` are `requests[i]`'s keys when the caller already computed them (for the ceilings);
-    otherwise the loop keys each request on arrival."""
-    return _Loop(requests, engines, policy, config, hooks, progress, keyed).run()
+    A sequence of policies is one gateway each, behind a balancer (`gateways.py`). `keyed[i]` are
+    `requests[i]`'s keys when the caller already computed them (for the ceilings); otherwise the
+    loop keys each request on arrival."""
+    policies = list(policy) if isinstance(policy, Sequence) else [policy]
+    if not policies:
+        raise ValueError("at least one gateway's policy is needed")
+    return _Loop(requests, engines, policies, config, hooks, progress, keyed).run()

@@ -42,6 +42,15 @@ class StoredLike(Protocol):
     def parent_block_hash(self) -> int | None: ...
 
 
+class KvChanges(Protocol):
+    """Blocks that entered and left a prefix cache (a step's, or a KV transfer's install)."""
+
+    @property
+    def stored(self) -> Sequence[StoredLike]: ...
+    @property
+    def removed(self) -> Sequence[int]: ...
+
+
 class StepLike(Protocol):
     """One engine step (or a run of coalesced decode steps); everything in it happens at `end_s`."""
 
@@ -88,6 +97,18 @@ class SimEngine(Protocol):
     def step(self, now_s: float, until_s: float | None = None) -> StepLike | None: ...
 
     def stats(self) -> StatsLike: ...
+
+
+class PdEngine(SimEngine, Protocol):
+    """An engine that can take part in a prefill/decode split (`loadtest.engine.Engine` can)."""
+
+    def prefix_hit_tokens(self, block_hashes: Sequence[int], num_prompt_tokens: int) -> int: ...
+
+    def install_blocks(self, owner: Any, block_hashes: Sequence[int]) -> KvChanges: ...
+
+    def hold_blocks(self, hold_id: Hashable, block_hashes: Sequence[int]) -> int: ...
+
+    def release_hold(self, hold_id: Hashable) -> bool: ...
 
 
 # (request_id, num_prompt_tokens, max_output_tokens, block_hashes) -> the engine's request record.

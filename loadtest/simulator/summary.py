@@ -54,6 +54,7 @@ def request_figures(records: Sequence[RequestRecord]) -> dict[str, Any]:
         "ttft_p99_s": _pct(ttft, 99),
         "ttft_mean_s": _mean(ttft),
         "tpot_mean_s": _mean(tpot),
+        "tpot_p99_s": _pct(tpot, 99),
         "e2e_p50_s": _pct(e2e, 50),
         "e2e_p99_s": _pct(e2e, 99),
         "prompt_tokens": int(prompt.sum()),

@@ -4,7 +4,6 @@ shared by the e2e modules; both are stopped by PID when the session ends."""
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +12,7 @@ import httpx
 import pytest
 
 from tests.e2e.harness import Proc, free_port, start_fake_workers, start_gateway, tenant, write_gateway_config
+from tests.support.wait import wait_until_sync
 
 MODES = ("ok", "ok", "once500", "once500", "ok", "die", "slow", "error500", "hang", "reject400")
 
@@ -29,14 +29,13 @@ class Stack:
 
     def wait_routable(self, pool: str, workers: int, timeout_s: float = 15.0) -> None:
         """Wait until `workers` workers of `pool` are healthy with closed breakers (gateway metrics)."""
-        deadline = time.monotonic() + timeout_s
         pattern = re.compile(rf'kvgate_worker_healthy{{pool="{re.escape(pool)}",worker="[^"]+"}} 1\.0')
-        while time.monotonic() < deadline:
-            text = httpx.get(self.metrics_url, timeout=5).text
-            if len(pattern.findall(text)) >= workers:
-                return
-            time.sleep(0.05)
-        raise AssertionError(f"pool {pool} never had {workers} routable workers")
+
+        def routable() -> int:
+            return len(pattern.findall(httpx.get(self.metrics_url, timeout=5).text))
+
+        what = f"pool {pool} has {workers} routable workers"
+        wait_until_sync(lambda: routable() >= workers, timeout_s, what)
 
 
 def _url(port: int) -> str:

@@ -13,9 +13,10 @@ gateway hanging up is recorded as a cancel), tail (streams a chunk every 40 ms f
 JSON, or a stream whose events are not JSON), reject400 (a 400 in vLLM's error shape, naming `max_tokens`),
 streamerr400 / streamerr500 (stream two chunks, then an error event quoting the prompt, in vLLM's
 nested shape with `code` 400 / its older flat shape with `code` 500, then keep streaming for 10 s).
-GET /_log on any port returns what that port received (request id, body), saw (cancels, named
-by the body's `user` field when the test set one, else by the request id the gateway sent) and
-how many distinct connections its completions came on.
+GET /_log on any port returns what that port received (request id, body, headers, traceparent), saw (cancels,
+named by the body's `user` field when the test set one, else by the request id the gateway sent),
+how many distinct connections its completions came on, and the method, path, `Authorization` and
+`User-Agent` of every other request (health checks, metric scrapes; the last 200).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class Port:
         self.cancelled: list[str] = []
         self.seen_prompts: list[str] = []
         self.peers: set[Any] = set()  # the gateway's end of each connection a completion came on
+        self.others: list[dict[str, Any]] = []  # method, path, authorization of other requests
 
 
 def _prompt_text(body: dict[str, Any]) -> str:
@@ -108,7 +110,12 @@ def make_app(port: Port) -> web.Application:
     async def log(request: web.Request) -> web.Response:
         return web.Response(
             body=orjson.dumps(
-                {"requests": port.requests, "cancelled": port.cancelled, "connections": len(port.peers)}
+                {
+                    "requests": port.requests,
+                    "cancelled": port.cancelled,
+                    "connections": len(port.peers),
+                    "others": port.others,
+                }
             ),
             content_type="application/json",
         )
@@ -116,7 +123,16 @@ def make_app(port: Port) -> web.Application:
     async def infer(request: web.Request) -> web.StreamResponse:
         body = await request.json(loads=orjson.loads)
         rid = request.headers.get("x-request-id", "")
-        port.requests.append({"request_id": rid, "body": body, "path": request.path})
+        headers = {name.lower(): value for name, value in request.headers.items()}
+        port.requests.append(
+            {
+                "request_id": rid,
+                "body": body,
+                "path": request.path,
+                "headers": headers,
+                "traceparent": request.headers.get("traceparent"),
+            }
+        )
         tag = body.get("user") or rid
         if request.transport is not None:
             port.peers.add(request.transport.get_extra_info("peername"))
@@ -270,7 +286,17 @@ def make_app(port: Port) -> web.Application:
             raise
         return resp
 
-    app = web.Application()
+    @web.middleware
+    async def note_others(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.method != "POST" and request.path != "/_log":
+            seen = {"method": request.method, "path": request.path}
+            seen["user_agent"] = request.headers.get("user-agent", "")
+            port.others.append({**seen, "authorization": request.headers.get("authorization")})
+            del port.others[:-200]
+        response: web.StreamResponse = await handler(request)
+        return response
+
+    app = web.Application(middlewares=[note_others])
     app.router.add_get("/health", health)
     app.router.add_get("/_log", log)
     app.router.add_post("/v1/chat/completions", infer)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 
 from loadtest.client_probes import Target, partial_bodies, slow_headers, unfinished_headers
 from tests.e2e.harness import Proc, free_port, start_fake_workers, start_gateway, tenant, write_gateway_config
+from tests.support.wait import wait_until, wait_until_sync
 
 MAX_HEADER_BYTES = 4096
 MAX_HEADERS = 32
@@ -156,11 +156,13 @@ def test_partial_bodies_of_one_tenant_leave_the_others_served(gateway: Gateway) 
         probe = asyncio.create_task(
             partial_bodies(gateway.target, connections=64, api_key="sk-a", model="m-ok", timeout_s=WAIT_S)
         )
+
         # Every head was seen: those beyond the slots a's requests can hold were refused.
-        for _ in range(int(WAIT_S / 0.05)):
-            if await asyncio.to_thread(_refused_requests, gateway) >= refused_before + 64 - MAX_IN_FLIGHT:
-                break
-            await asyncio.sleep(0.05)
+        async def every_extra_head_refused() -> bool:
+            refused = await asyncio.to_thread(_refused_requests, gateway)
+            return refused >= refused_before + 64 - MAX_IN_FLIGHT
+
+        await wait_until(every_extra_head_refused, WAIT_S, "the heads beyond a's slots were refused")
         statuses: list[int] = []
         async with httpx.AsyncClient(base_url=gateway.base_url, timeout=10) as client:
             for _ in range(4):
@@ -183,9 +185,8 @@ def test_partial_bodies_of_one_tenant_leave_the_others_served(gateway: Gateway) 
 
 
 def _wait_logged(gateway: Gateway, request_id: str) -> str:
-    deadline = time.monotonic() + WAIT_S
-    while request_id not in gateway.proc.output() and time.monotonic() < deadline:
-        time.sleep(0.05)  # access lines are flushed in batches
+    # Access lines are flushed in batches.
+    wait_until_sync(lambda: request_id in gateway.proc.output(), WAIT_S, f"{request_id} is logged")
     return gateway.proc.output()
 
 

@@ -8,7 +8,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import openai
 import pytest
 
 from tests.e2e.harness import Proc, free_port, start, wait_http
+from tests.support.wait import wait_until_sync
 
 KEY = "sk-e2e-demo"
 
@@ -153,14 +153,12 @@ def test_worker_metrics_are_scraped_into_routing(demo: tuple[str, Proc]) -> None
     found = re.search(r"metrics (http://127\.0\.0\.1:\d+/metrics)", proc.output())
     assert found is not None  # the metrics listener's address is printed at startup
     assert httpx.get(base + "/metrics", timeout=5).status_code == 404  # never on the client port
-    deadline = time.monotonic() + 5
-    text = ""
-    while time.monotonic() < deadline:
+
+    def scraped() -> str | None:
         text = httpx.get(found.group(1), timeout=5).text
-        if text.count("kvgate_worker_requests_waiting{") == 2:
-            break
-        time.sleep(0.2)
-    assert text.count("kvgate_worker_requests_waiting{") == 2
+        return text if text.count("kvgate_worker_requests_waiting{") == 2 else None
+
+    text = wait_until_sync(scraped, what="both workers' waiting requests are reported")
     assert text.count("kvgate_worker_kv_cache_usage{") == 2
 
 

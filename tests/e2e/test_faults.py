@@ -26,6 +26,7 @@ from tests.e2e.harness import (
     write_gateway_config,
 )
 from tests.e2e.test_openai_sdk import worker_log
+from tests.support.wait import wait_until_sync
 
 
 def _client(stack: Stack) -> openai.OpenAI:
@@ -118,13 +119,8 @@ def test_client_disconnect_cancels_a_non_streamed_request(stack: Stack) -> None:
 
 
 def _expect_cancelled(stack: Stack, rid: str, failure: str) -> None:
-    """The slow worker logs request `rid` as cancelled within 3 s."""
-    deadline = time.monotonic() + 3
-    while time.monotonic() < deadline:
-        if rid in worker_log(stack.workers["slow"])["cancelled"]:
-            return
-        time.sleep(0.05)
-    pytest.fail(failure)
+    """The slow worker logs request `rid` as cancelled (it would otherwise generate for 10 s)."""
+    wait_until_sync(lambda: rid in worker_log(stack.workers["slow"])["cancelled"], timeout_s=5, what=failure)
 
 
 def test_worker_killed_after_being_healthy_is_retried_then_avoided(tmp_path: Path) -> None:
@@ -240,12 +236,11 @@ STREAM_ERRORS = {
 
 
 def _log_lines(proc: Proc, needle: str, count: int) -> list[dict[str, Any]]:
-    deadline = time.monotonic() + 3
-    while True:
+    def logged() -> list[dict[str, Any]] | None:
         lines = [json.loads(line) for line in proc.output().splitlines() if needle in line]
-        if len(lines) >= count or time.monotonic() > deadline:
-            return lines
-        time.sleep(0.05)
+        return lines if len(lines) >= count else None
+
+    return wait_until_sync(logged, what=f"{count} log lines with {needle}") or []
 
 
 @pytest.mark.parametrize("model", sorted(STREAM_ERRORS))
@@ -280,10 +275,10 @@ def test_worker_error_inside_a_stream_reaches_the_sdk_in_the_gateway_shape(
             "code": "upstream_stream_error",
         }
         # The gateway closed the upstream connection, so the worker stopped generating.
-        deadline = time.monotonic() + 3
-        while rid not in worker_log(error_stack.workers[mode])["cancelled"]:
-            assert time.monotonic() < deadline, "the worker never saw the gateway hang up"
-            time.sleep(0.05)
+        wait_until_sync(
+            lambda rid=rid: rid in worker_log(error_stack.workers[mode])["cancelled"],
+            what="the worker saw the gateway hang up",
+        )
         (access,) = _log_lines(error_stack.gateway, f'"client_request_id":"{rid}"', 1)
         assert access["status"] == status and access["error"] == "upstream_stream_error"
         (warning,) = _log_lines(error_stack.gateway, access["request_id"], 2)[:1]

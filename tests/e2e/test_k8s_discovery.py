@@ -5,24 +5,31 @@ from __future__ import annotations
 
 import re
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.e2e.harness import Proc, free_port, start, start_gateway, tenant, wait_http, write_gateway_config
+from tests.e2e.harness import (
+    Proc,
+    free_port,
+    start,
+    start_emulator,
+    start_gateway,
+    tenant,
+    wait_http,
+    write_gateway_config,
+)
 from tests.gateway.fake_kube_api import make_pod
+from tests.support.wait import wait_until_sync
 
 MODEL = "kvgate-k8s"
 TOKEN = "e2e-sa-token"
 
 
 def _emulator(port: int) -> Proc:
-    proc = start([sys.executable, "-m", "loadtest.emulator", "--port", str(port), "--model", MODEL])
-    wait_http(f"http://127.0.0.1:{port}/health", proc)
-    return proc
+    return start_emulator("--model", MODEL, port=port)[1]
 
 
 def _prompt_tokens(port: int) -> float:
@@ -36,11 +43,9 @@ def _routable(metrics: str) -> set[str]:
 
 
 def _wait_routable(metrics: str, workers: set[str], timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while (seen := _routable(metrics)) != workers:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"routable {sorted(seen)}, wanted {sorted(workers)}")
-        time.sleep(0.05)
+    wait_until_sync(
+        lambda: _routable(metrics) == workers, timeout_s, f"routable workers are {sorted(workers)}"
+    )
 
 
 def _chat(base: str) -> httpx.Response:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
 import uuid
 from pathlib import Path
@@ -14,6 +13,7 @@ import openai
 import pytest
 
 from tests.e2e.conftest import Stack
+from tests.support.wait import wait_until_sync
 
 
 def _client(stack: Stack, key: str = "sk-acme") -> openai.OpenAI:
@@ -73,9 +73,7 @@ def test_inbound_request_id_is_echoed_but_never_forwarded(stack: Stack, gateway_
     internal = [r["request_id"] for r in records]
     assert len(internal) == 2 and len(set(internal)) == 2 and rid not in internal
     # The access log links the client's id to the internal one.
-    deadline = time.monotonic() + 3
-    while internal[1] not in gateway_log.read_text() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until_sync(lambda: internal[1] in gateway_log.read_text(), what="the access line is written")
     lines = [json.loads(line) for line in gateway_log.read_text().splitlines() if internal[1] in line]
     assert lines and lines[0]["client_request_id"] == rid
 

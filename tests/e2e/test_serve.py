@@ -20,6 +20,7 @@ from tests.e2e.harness import (
     tenant,
     write_gateway_config,
 )
+from tests.support.wait import wait_until_sync
 
 
 def test_sigterm_drains_streams_to_the_deadline_then_exits(tmp_path: Path) -> None:
@@ -57,9 +58,8 @@ def test_sigterm_drains_streams_to_the_deadline_then_exits(tmp_path: Path) -> No
         assert streaming.wait(5)
         signalled = time.monotonic()
         gateway.popen.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
         # Draining: not ready any more, but still serving during the shutdown delay.
-        assert httpx.get(base + "/readyz", timeout=2).status_code == 503
+        wait_until_sync(lambda: httpx.get(base + "/readyz", timeout=2).status_code == 503, timeout_s=5)
         ok = {"model": "m-ok", "messages": [{"role": "user", "content": "x"}]}
         assert httpx.post(base + "/v1/chat/completions", json=ok, headers=auth, timeout=5).status_code == 200
         reader.join(10)

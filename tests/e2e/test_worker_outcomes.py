@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +17,7 @@ import pytest
 
 from tests.e2e.harness import Proc, free_port, start_fake_workers, start_gateway, tenant, write_gateway_config
 from tests.e2e.test_openai_sdk import worker_log
+from tests.support.wait import wait_until_sync
 
 WORKERS = {
     "tail": "tail",
@@ -43,13 +43,12 @@ class OutcomeStack:
                 lines.append(json.loads(line))
         return lines
 
-    def wait_access_lines(self, model: str, count: int, timeout_s: float = 10.0) -> list[dict[str, Any]]:
-        deadline = time.monotonic() + timeout_s
-        while True:
+    def wait_access_lines(self, model: str, count: int) -> list[dict[str, Any]]:
+        def logged() -> list[dict[str, Any]] | None:
             lines = self.access_lines(model)
-            if len(lines) >= count or time.monotonic() > deadline:
-                return lines
-            time.sleep(0.05)
+            return lines if len(lines) >= count else None
+
+        return wait_until_sync(logged, what=f"{count} access lines for {model}") or []
 
     def metrics(self) -> str:
         return httpx.get(self.metrics_url + "/metrics", timeout=5).text
@@ -59,10 +58,7 @@ class OutcomeStack:
         return pattern in self.metrics()
 
     def wait_routable(self, pool: str, worker: str, timeout_s: float = 15.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not self.routable(pool, worker):
-            assert time.monotonic() < deadline, f"{worker} never became routable in {pool}"
-            time.sleep(0.05)
+        wait_until_sync(lambda: self.routable(pool, worker), timeout_s, f"{worker} routable in {pool}")
 
 
 @pytest.fixture(scope="module")
@@ -188,10 +184,10 @@ def test_a_read_timeout_before_the_first_byte_is_retried_on_another_worker(
     assert not outcomes.routable(pool, "hang")
     assert _retries(outcomes.metrics(), pool, "read_timeout") == 2
     # The gateway hung up on the hung worker (so it can stop) and sent the request on.
-    deadline = time.monotonic() + 3
-    while not set(sent_to_hang) <= set(worker_log(outcomes.workers["hang"])["cancelled"]):
-        assert time.monotonic() < deadline, "the gateway never closed the timed-out request"
-        time.sleep(0.05)
+    wait_until_sync(
+        lambda: set(sent_to_hang) <= set(worker_log(outcomes.workers["hang"])["cancelled"]),
+        what="the gateway closed the timed-out requests",
+    )
     lines = {line["client_request_id"]: line for line in outcomes.wait_access_lines(f"m-{pool}", 6)}
     assert all(lines[tag]["status"] == 200 for tag in tags)
     assert all(

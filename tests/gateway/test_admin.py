@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,11 +10,12 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.app import build_app
 from gateway.auth import hash_api_key
 from gateway.config import ConfigError, parse_config
 from gateway.serve import load_policy
-from gateway.state import GatewayState, build_state
+from gateway.state import GatewayState
+from tests.support.inprocess import gateway_in_process
+from tests.support.wait import wait_until
 
 SECRET = b"admin-test-secret"
 ADMIN = {"authorization": "Bearer sk-admin"}
@@ -52,14 +52,12 @@ def _config(tmp_path: Path, admin: bool = True, policy_file: bool = True) -> dic
 async def _start(raw: dict[str, Any], tmp_path: Path) -> AsyncIterator[Admin]:
     config = parse_config(raw)
     loaded, watcher, swap = load_policy(config)
-    state = build_state(config, SECRET, loaded.policy, loaded.config.normalizer)
-    swap.state = state
-    app = build_app(state, watcher)
-    async with (
-        app.fallback.router.lifespan_context(app.fallback),
-        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client,
-    ):
-        yield Admin(client, state, tmp_path / "policy.yaml")
+    normalizer = loaded.config.normalizer
+    rig = gateway_in_process(
+        config, loaded.policy, secret=SECRET, normalizer=normalizer, watcher=watcher, swap=swap
+    )
+    async with rig as gw:
+        yield Admin(gw.client, gw.state, tmp_path / "policy.yaml")
 
 
 @pytest.fixture
@@ -78,16 +76,12 @@ async def test_admin_routes_need_the_admin_key(admin: Admin) -> None:
 
 
 async def test_status_reports_workers_breakers_scrapes_and_policy(admin: Admin) -> None:
-    async def scraped() -> dict[str, Any]:
-        for _ in range(200):
-            body: dict[str, Any] = (await admin.client.get("/admin/status", headers=ADMIN)).json()
-            scrape = body["pools"][0]["workers"][0]["scrape"]
-            if scrape is not None and scrape["failures"] > 0:
-                return body
-            await asyncio.sleep(0.02)
-        raise AssertionError("the scraper never reported")
+    async def scraped() -> dict[str, Any] | None:
+        body: dict[str, Any] = (await admin.client.get("/admin/status", headers=ADMIN)).json()
+        scrape = body["pools"][0]["workers"][0]["scrape"]
+        return body if scrape is not None and scrape["failures"] > 0 else None
 
-    body = await scraped()
+    body = await wait_until(scraped, what="the scraper reported")
     assert body["ready"] is True and body["draining"] is False
     (pool,) = body["pools"]
     (worker,) = pool["workers"]

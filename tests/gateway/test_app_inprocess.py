@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import httpx
 
-from gateway.app import build_app
 from gateway.auth import hash_api_key
 from gateway.config import parse_config
-from gateway.state import GatewayState, build_state
+from gateway.state import GatewayState
 from policies import make_policy
 from policies.base import KvEvent, Observation, RouteDecision, RouteRequest, WorkerId, WorkerView
-from prompt_normalizer.normalizer import NormalizerConfig
+from tests.support.inprocess import gateway_in_process
+from tests.support.wait import wait_until
 
 SECRET = b"k"
 
@@ -55,31 +56,28 @@ async def test_a_policy_exception_is_a_500_and_releases_the_quota_slot() -> None
             "scrape": {"enabled": False},
         }
     )
-    state = build_state(config, SECRET, BrokenPolicy(), NormalizerConfig())
-    app = build_app(state)
-    transport = httpx.ASGITransport(app=app)
-    async with (
-        app.fallback.router.lifespan_context(app.fallback),
-        httpx.AsyncClient(transport=transport, base_url="http://gw") as client,
-    ):
+    async with gateway_in_process(config, BrokenPolicy(), secret=SECRET) as gw:
         body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
         for _ in range(2):  # the second would be 429 if the first leaked its slot
-            resp = await client.post(
+            resp = await gw.client.post(
                 "/v1/chat/completions", json=body, headers={"authorization": "Bearer sk"}
             )
             assert resp.status_code == 500
             assert resp.json()["error"]["code"] == "internal_error"
-    assert state.limiters["t"].in_flight == 0
+    assert gw.state.limiters["t"].in_flight == 0
 
 
-async def _handle_hanging(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    # A worker that answers health checks but never finishes a completion.
+async def _handle_hanging(
+    held: list[bytes], reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    # A worker that answers health checks but never finishes a completion (it keeps it in `held`).
     head = await reader.readuntil(b"\r\n\r\n")
     if head.startswith(b"GET"):
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
         await writer.drain()
         writer.close()
         return
+    held.append(head)
     await reader.read()  # hold the request until the gateway hangs up
 
 
@@ -88,6 +86,7 @@ class _Stack:
     state: GatewayState
     client: httpx.AsyncClient
     worker_url: str
+    held: list[bytes]  # the heads of the completions the worker holds
 
     async def chat(self) -> httpx.Response:
         return await self.client.post("/v1/chat/completions", json=BODY, headers=HEADERS)
@@ -96,7 +95,8 @@ class _Stack:
 @contextlib.asynccontextmanager
 async def _in_front_of_a_hanging_worker(**config: object) -> AsyncIterator[_Stack]:
     """A gateway (in-process, round_robin) in front of one worker that never answers a completion."""
-    worker = await asyncio.start_server(_handle_hanging, "127.0.0.1", 0)
+    held: list[bytes] = []
+    worker = await asyncio.start_server(functools.partial(_handle_hanging, held), "127.0.0.1", 0)
     url = f"http://127.0.0.1:{worker.sockets[0].getsockname()[1]}"
     raw = {
         "pools": [
@@ -106,16 +106,9 @@ async def _in_front_of_a_hanging_worker(**config: object) -> AsyncIterator[_Stac
         "scrape": {"enabled": False},
         **config,
     }
-    state = build_state(parse_config(raw), SECRET, make_policy("round_robin"), NormalizerConfig())
-    app = build_app(state)
     try:
-        async with (
-            app.fallback.router.lifespan_context(app.fallback),
-            httpx.AsyncClient(
-                transport=httpx.ASGITransport(app=app), base_url="http://gw", timeout=10
-            ) as client,
-        ):
-            yield _Stack(state, client, url)
+        async with gateway_in_process(raw, make_policy("round_robin"), secret=SECRET) as gw:
+            yield _Stack(gw.state, gw.client, url, held)
     finally:
         worker.close()
         await worker.wait_closed()
@@ -129,7 +122,7 @@ async def test_a_worker_at_its_connection_cap_is_a_503_with_retry_after() -> Non
     # With one connection allowed per worker, a second request waits connect_s for it, then 503.
     async with _in_front_of_a_hanging_worker(upstream={"max_connections_per_worker": 1}) as stack:
         held = asyncio.create_task(stack.chat())
-        await asyncio.sleep(0.2)
+        await wait_until(lambda: stack.held)  # the first request holds the only connection
         resp = await stack.chat()
         assert resp.status_code == 503
         assert resp.headers["retry-after"] == "1"
@@ -143,8 +136,7 @@ async def test_a_worker_at_its_connection_cap_is_a_503_with_retry_after() -> Non
 async def test_requests_beyond_the_in_flight_limit_get_503_at_once() -> None:
     async with _in_front_of_a_hanging_worker(limits={"max_in_flight_requests": 2}) as stack:
         held = [asyncio.create_task(stack.chat()) for _ in range(2)]
-        await asyncio.sleep(0.2)
-        assert stack.state.in_flight_requests == 2
+        await wait_until(lambda: stack.state.in_flight_requests == 2)
         resp = await stack.chat()
         assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
         assert resp.json()["error"]["code"] == "gateway_overloaded"
@@ -152,8 +144,7 @@ async def test_requests_beyond_the_in_flight_limit_get_503_at_once() -> None:
         for task in held:
             task.cancel()
         await asyncio.gather(*held, return_exceptions=True)
-        await asyncio.sleep(0.05)
-        assert stack.state.in_flight_requests == 0  # every slot came back
+        await wait_until(lambda: stack.state.in_flight_requests == 0)  # every slot came back
 
 
 async def test_a_trailing_slash_is_an_unknown_route_not_a_redirect() -> None:

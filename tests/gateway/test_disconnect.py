@@ -4,6 +4,7 @@ import asyncio
 from typing import Any
 
 from gateway.disconnect import DisconnectGuard, DisconnectWatch
+from tests.support.wait import wait_until
 
 
 def _receive_disconnect_after(delay_s: float, calls: list[float]) -> Any:
@@ -44,5 +45,5 @@ async def test_a_quick_request_starts_no_watcher() -> None:
         await asyncio.sleep(0)
         guard.close()
         assert not guard.fired
-    await asyncio.sleep(0.1)
+    await wait_until(lambda: watch._timer is None)  # the last tick ran and found nobody waiting
     assert calls == [] and not watch._waiting

@@ -16,6 +16,7 @@ from gateway.discovery import (
     resolve_with_loop,
     worker_url,
 )
+from tests.support.wait import wait_until
 
 
 class ScriptedResolver:
@@ -119,6 +120,12 @@ async def test_background_loop_reports_changes_until_stopped() -> None:
         await got_two.wait()
     await d.stop()
     calls = len(r.calls)
-    await asyncio.sleep(0.05)
+    # A second loop at the same interval is the clock: while it polls three times, the stopped one
+    # had every chance to poll again.
+    witness = ScriptedResolver(["10.0.0.9"])
+    other = Discovery(DnsWorkers("svc", 9000, resolver=witness), interval_s=0.01)
+    await other.start(lambda change: None)
+    await wait_until(lambda: len(witness.calls) >= 3)
+    await other.stop()
     assert len(r.calls) == calls
     assert seen[1].added == {"http://10.0.0.2:9000"} and seen[1].removed == {"http://10.0.0.1:9000"}

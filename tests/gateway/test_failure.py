@@ -13,9 +13,9 @@ from gateway.config import TimeoutsConfig
 from gateway.failure import TRANSPORT_ERRORS, Failure, RetryReason, Stage, failure_of
 from gateway.sse import MalformedStream, first_event_problem
 from gateway.upstream import UpstreamBusy, UpstreamError, UpstreamPool, UpstreamTimeout
-from loadtest.overhead_load import free_port
 from policies.base import Outcome
 from tests.gateway.fake_upstream import Handler, Server, post, read_request
+from tests.support.processes import free_port
 
 TIMEOUTS = TimeoutsConfig(connect_s=1.0, read_s=0.2, total_s=10.0)
 

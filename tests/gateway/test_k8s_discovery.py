@@ -4,13 +4,11 @@ of watch failure ends in a re-list that catches up with what was missed."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import shutil
-import socket
 import ssl
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,29 +16,20 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from gateway.app import build_app
 from gateway.auth import hash_api_key
-from gateway.config import parse_config
 from gateway.discovery import Discovery, WorkerSetChange
 from gateway.k8s.api import KubernetesSetupError
 from gateway.k8s.config import KubernetesDiscoveryConfig
 from gateway.k8s.source import PodWatcher
-from gateway.state import build_state
 from policies import make_policy
 from policies.base import WorkerId
-from prompt_normalizer.normalizer import NormalizerConfig
 from tests.gateway.fake_kube_api import FakeKubeApi, make_pod
+from tests.support.inprocess import gateway_in_process
+from tests.support.processes import free_port
+from tests.support.wait import wait_until
 
 TLS = Path(__file__).parent / "data" / "k8s_tls"
 ROUTED_WITHIN_S = 2.0
-
-
-async def wait_until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)
 
 
 def url(port: int) -> str:
@@ -258,9 +247,7 @@ async def test_what_waiting_cannot_fix_stops_the_start(tmp_path: Path) -> None:
 
 
 async def test_an_api_server_that_is_down_at_start_is_retried(tmp_path: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     api = FakeKubeApi(token="tok-1")
     api.port = port  # not listening yet
     api.put(make_pod("a", port=8001))
@@ -309,15 +296,13 @@ async def test_the_gateway_routes_to_ready_pods_and_reports_discovery_metrics(
         "tenants": [{"name": "t", "api_key_hashes": [hash_api_key(b"k", "sk")]}],
         "scrape": {"enabled": False},
     }
-    state = build_state(parse_config(raw), b"k", make_policy("round_robin"), NormalizerConfig())
-    app = build_app(state)
-    pool = state.registry.pools["p"]
-
-    def routed() -> set[str]:
-        return {w.url for w in pool.workers.values() if w.view(time.monotonic()).healthy}
-
     try:
-        async with app.fallback.router.lifespan_context(app.fallback):
+        async with gateway_in_process(raw, make_policy("round_robin"), secret=b"k") as gw:
+            state, pool = gw.state, gw.state.registry.pools["p"]
+
+            def routed() -> set[str]:
+                return {w.url for w in pool.workers.values() if w.view(time.monotonic()).healthy}
+
             await wait_until(lambda: routed() == {url(p) for p in ports}, ROUTED_WITHIN_S)
             a, b = WorkerId(url(ports[0])), WorkerId(url(ports[1]))
             assert pool.workers[a].role == "decode" and pool.workers[b].role is None

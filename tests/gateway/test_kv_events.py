@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -22,9 +20,10 @@ from gateway.kv_events import (
     KvEventSubscriber,
     SequenceGap,
 )
-from loadtest.overhead_load import free_port, spawn, stop, wait_ready
 from policies.base import KvEvent, KvEventKind, WorkerId
 from tests.gateway.kv_event_payloads import W, batch, stored_array, stored_map
+from tests.support.processes import free_port, running_emulator
+from tests.support.wait import wait_until
 
 # ---------------------------------------------------------------- real sockets
 
@@ -262,9 +261,12 @@ async def test_membership_and_clean_stop(pub: Publisher) -> None:
     sub.add(KvEventEndpoint(WorkerId("bad"), "not-an-endpoint"))
     assert sub.workers() == {W, WorkerId("bad")}
     await pub.joined()
-    await asyncio.sleep(0.05)
-    bad = sub.stats(WorkerId("bad"))
-    assert bad is not None and bad.last_error is not None and "not-an-endpoint" in bad.last_error
+
+    def bad_error() -> str | None:
+        bad = sub.stats(WorkerId("bad"))
+        return bad.last_error if bad is not None else None
+
+    assert "not-an-endpoint" in await wait_until(bad_error)
     sub.remove(W)
     assert sub.workers() == {WorkerId("bad")}
     await sub.stop()
@@ -274,45 +276,33 @@ async def test_membership_and_clean_stop(pub: Publisher) -> None:
 # ---------------------------------------------------------------- against the emulated vLLM worker
 
 
-@contextlib.asynccontextmanager
-async def emulator(tmp_path: Path, *extra: str) -> AsyncIterator[str]:
-    """A real `python -m loadtest.emulator` process; stopped by its process group."""
-    port = free_port()
-    log_path = tmp_path / "emulator.log"
-    cmd = [sys.executable, "-m", "loadtest.emulator", "--port", str(port), "--time-scale", "50", *extra]
-    proc = spawn(cmd, log_path)
-    try:
-        await asyncio.to_thread(wait_ready, f"http://127.0.0.1:{port}/health", proc, log_path, 30.0)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        stop(proc)
-
-
+@pytest.mark.e2e
 @pytest.mark.parametrize("encoding", ["array", "map"])
-async def test_events_from_the_emulated_worker(tmp_path: Path, encoding: str) -> None:
+async def test_events_from_the_emulated_worker(encoding: str) -> None:
     pub_port = free_port()
     endpoint = f"tcp://127.0.0.1:{pub_port}"
     rec = Recorder()
     extra = ("--kv-events-endpoint", endpoint, "--kv-events-encoding", encoding, "--block-size", "16")
-    async with emulator(tmp_path, *extra) as base, aiohttp.ClientSession() as http:
-        sub = KvEventSubscriber(rec.on_event, on_gap=rec.on_gap)
-        await sub.start([KvEventEndpoint(W, endpoint)])
-        try:
-            # PUB/SUB drops what is sent before the subscription lands: retry with fresh prompts.
-            for attempt in range(20):
-                body = {
-                    "model": "emulated-llama",
-                    "messages": [{"role": "user", "content": f"attempt {attempt} " + "x" * 600}],
-                    "max_tokens": 1,
-                }
-                async with http.post(base + "/v1/chat/completions", json=body) as resp:
-                    assert resp.status == 200
-                with contextlib.suppress(TimeoutError):
-                    await rec.wait_for(1, timeout_s=0.5)
-                    break
-            await rec.wait_for(1)
-        finally:
-            await sub.stop()
+    with running_emulator("--time-scale", "50", *extra) as base:
+        async with aiohttp.ClientSession() as http:
+            sub = KvEventSubscriber(rec.on_event, on_gap=rec.on_gap)
+            await sub.start([KvEventEndpoint(W, endpoint)])
+            try:
+                # PUB/SUB drops what is sent before the subscription lands: retry with fresh prompts.
+                for attempt in range(20):
+                    body = {
+                        "model": "emulated-llama",
+                        "messages": [{"role": "user", "content": f"attempt {attempt} " + "x" * 600}],
+                        "max_tokens": 1,
+                    }
+                    async with http.post(base + "/v1/chat/completions", json=body) as resp:
+                        assert resp.status == 200
+                    with contextlib.suppress(TimeoutError):
+                        await rec.wait_for(1, timeout_s=0.5)
+                        break
+                await rec.wait_for(1)
+            finally:
+                await sub.stop()
     stored = [i[1] for i in rec.items if isinstance(i, tuple) and i[1].kind is KvEventKind.BLOCK_STORED]
     assert stored, rec.items
     ev = stored[0]

@@ -14,11 +14,10 @@ import orjson
 import pytest
 from aiohttp import web
 
-from gateway.app import GatewayApp, build_app
+from gateway.app import GatewayApp
 from gateway.auth import hash_api_key
-from gateway.config import parse_config
 from gateway.disconnect import DisconnectWatch
-from gateway.state import GatewayState, build_state
+from gateway.state import GatewayState
 from policies.base import (
     KvEvent,
     Observation,
@@ -28,9 +27,9 @@ from policies.base import (
     WorkerId,
     WorkerView,
 )
-from prompt_normalizer.normalizer import NormalizerConfig
 from prompt_normalizer.types import PUBLIC_NAMESPACE
 from tests.prompt_normalizer.tiny_model import build_tiny_model
+from tests.support.inprocess import gateway_in_process
 
 SECRET = b"k"
 
@@ -141,41 +140,34 @@ async def rig(tiny_model: Path) -> AsyncIterator[Rig]:
     def tenant(name: str, isolation: str) -> dict[str, Any]:
         return {"name": name, "api_key_hashes": [hash_api_key(SECRET, f"sk-{name}")], "isolation": isolation}
 
-    config = parse_config(
-        {
-            "pools": [
-                {
-                    "name": "p",
-                    "models": ["m", "m-lora"],
-                    "adapters": {"m-lora": "sql-lora"},
-                    "workers": [f"http://127.0.0.1:{port}"],
-                    "retry_attempts": 0,
-                    "identity": {"weights_version": "w1", "epoch": 3},
-                },
-                {
-                    "name": "tok",
-                    "models": ["m-tok"],
-                    "workers": [f"http://127.0.0.1:{port}"],
-                    "normalizer": {"mode": "tokenizer", "tokenizer_dir": str(tiny_model)},
-                },
-            ],
-            "tenants": [
-                tenant("strict", "strict"),
-                tenant("shared", "shared_public"),
-                tenant("pub", "public"),
-            ],
-            "scrape": {"enabled": False},
-        }
-    )
+    config = {
+        "pools": [
+            {
+                "name": "p",
+                "models": ["m", "m-lora"],
+                "adapters": {"m-lora": "sql-lora"},
+                "workers": [f"http://127.0.0.1:{port}"],
+                "retry_attempts": 0,
+                "identity": {"weights_version": "w1", "epoch": 3},
+            },
+            {
+                "name": "tok",
+                "models": ["m-tok"],
+                "workers": [f"http://127.0.0.1:{port}"],
+                "normalizer": {"mode": "tokenizer", "tokenizer_dir": str(tiny_model)},
+            },
+        ],
+        "tenants": [
+            tenant("strict", "strict"),
+            tenant("shared", "shared_public"),
+            tenant("pub", "public"),
+        ],
+        "scrape": {"enabled": False},
+    }
     policy = ScriptedPolicy()
-    state = build_state(config, SECRET, policy, NormalizerConfig())
-    app = build_app(state)
     try:
-        async with (
-            app.fallback.router.lifespan_context(app.fallback),
-            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client,
-        ):
-            yield Rig(client, upstream, policy, state, app)
+        async with gateway_in_process(config, policy, secret=SECRET) as gw:
+            yield Rig(gw.client, upstream, policy, gw.state, gw.app)
     finally:
         await runner.cleanup()
 

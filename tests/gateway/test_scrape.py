@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -19,7 +18,8 @@ from gateway.scrape import (
     parse_samples,
 )
 from policies.base import WorkerId
-from tests.gateway.test_kv_events import emulator
+from tests.support.processes import running_emulator
+from tests.support.wait import wait_until
 
 VLLM_PAGE = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -169,12 +169,6 @@ async def worker() -> AsyncIterator[tuple[Worker, str]]:
         await runner.cleanup()
 
 
-async def wait_until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not cond():  # noqa: ASYNC110 - polling another task's state, bounded by the timeout
-            await asyncio.sleep(0.01)
-
-
 W = WorkerId("w1")
 
 
@@ -218,11 +212,11 @@ async def test_loop_survives_an_unexpected_exception(
     real = scraper.scrape_once
     calls = [0]
 
-    async def flaky(base_url: str) -> WorkerMetrics:
+    async def flaky(base_url: str, headers: Mapping[str, str] | None = None) -> WorkerMetrics:
         calls[0] += 1
         if calls[0] <= 2:
             raise OverflowError("boom")
-        return await real(base_url)
+        return await real(base_url, headers)
 
     monkeypatch.setattr(scraper, "scrape_once", flaky)
     await scraper.start()
@@ -270,15 +264,25 @@ async def test_remove_and_stop_cancel_the_tasks(worker: tuple[Worker, str]) -> N
     scraper.add(W, url)
     await wait_until(lambda: w.hits >= 2)
     scraper.remove(W)
-    await asyncio.sleep(0.05)
+    # A second target scraped at the same interval is the clock: its pages 404 (not counted as
+    # hits), and while it fails a few times the removed worker had every chance to be scraped.
+    witness = WorkerId("witness")
+    scraper.add(witness, url + "/elsewhere")
+
+    def witness_failures() -> int:
+        state = scraper.state(witness)
+        return state.failures if state is not None else 0
+
+    await wait_until(lambda: witness_failures() >= 2)  # a scrape in flight at removal has landed
     hits = w.hits
-    await asyncio.sleep(0.05)
+    await wait_until(lambda: witness_failures() >= 5)
     assert w.hits == hits and scraper.state(W) is None
     await scraper.stop()
 
 
-async def test_scrapes_the_emulated_vllm_worker(tmp_path: Path) -> None:
-    async with emulator(tmp_path, "--kv-blocks", "1234", "--block-size", "32") as base:
+@pytest.mark.e2e
+async def test_scrapes_the_emulated_vllm_worker() -> None:
+    with running_emulator("--kv-blocks", "1234", "--block-size", "32") as base:
         scraper = MetricsScraper(ScrapeConfig(timeout_s=2.0))
         await scraper.start()
         try:

@@ -1,7 +1,7 @@
 """An approximate-mode start-up (the demo's) loads none of the optional extras' packages.
 
-The base install has no tokenizers, jinja2 or matplotlib; if start-up imported them, `kvgate
-serve --demo` would fail on a plain `pip install kvgate`. Each test runs a real start-up in a
+The base install has no tokenizers, jinja2, matplotlib or OpenTelemetry SDK; if start-up imported
+them, `kvgate serve --demo` would fail on a plain `pip install kvgate`. Each test runs a real start-up in a
 fresh interpreter whose uvicorn server, once it listens, prints the optional modules loaded so
 far and exits: the demo gateway (which starts and stops its emulated worker by PID) and the
 emulated worker itself.
@@ -19,8 +19,10 @@ import pytest
 
 from prompt_normalizer.extras import TOKENIZER_PACKAGES
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
-OPTIONAL_MODULES = (*TOKENIZER_PACKAGES, "matplotlib")
+OPTIONAL_MODULES = (*TOKENIZER_PACKAGES, "matplotlib", "opentelemetry.sdk")
 _MARK = "optional modules loaded:"
 
 # Prepended to each start-up: report at the end of uvicorn's startup, then ask it to exit.

@@ -16,8 +16,15 @@ from gateway.upstream import (
     UpstreamReply,
     UpstreamTimeout,
 )
-from loadtest.overhead_load import free_port
 from tests.gateway.fake_upstream import OK, Handler, Server, post, read_request
+from tests.support.processes import free_port
+from tests.support.wait import wait_until
+
+
+def slots(pool: UpstreamPool, server: Server) -> int:
+    """Requests holding or waiting for one of the worker's connection slots."""
+    held = pool._slots.get(("127.0.0.1", server.port))
+    return held.users if held is not None else 0
 
 
 async def send(pool: UpstreamPool, server: Server, read_s: float = 2.0) -> UpstreamReply:
@@ -72,7 +79,8 @@ async def test_an_idle_connection_the_worker_closed_is_replaced(
     pool = UpstreamPool()
     assert (await send(pool, server)).status == 200
     await server.closed.wait()
-    await asyncio.sleep(0.05)
+    idle = pool._idle[("127.0.0.1", server.port)]
+    await wait_until(lambda: not any(conn.alive for conn in idle))  # the pool saw the close
     assert (await send(pool, server)).status == 200
     assert server.connections == 2
 
@@ -145,13 +153,13 @@ async def test_cancelling_a_request_closes_its_connection(
     serve: Callable[[Handler], Awaitable[Server]],
 ) -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
-        await read_request(reader)
+        server.requests.append(await read_request(reader))
         await reader.read()  # returns when the client closes the connection
 
     server = await serve(handler)
     pool = UpstreamPool()
     task = asyncio.create_task(send(pool, server))
-    await asyncio.sleep(0.1)
+    await wait_until(lambda: server.requests)  # the worker is generating
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -180,7 +188,7 @@ async def test_open_connections_per_worker_are_capped(serve: Callable[[Handler],
     server = await serve(handler)
     pool = UpstreamPool(max_open_per_worker=2)
     tasks = [asyncio.create_task(send(pool, server)) for _ in range(6)]
-    await asyncio.sleep(0.2)
+    await wait_until(lambda: slots(pool, server) == 6 and len(server.requests) == 2)
     assert server.connections == 2 and len(server.requests) == 2  # the other four wait for a slot
     release.set()
     replies = await asyncio.gather(*tasks)
@@ -190,13 +198,13 @@ async def test_open_connections_per_worker_are_capped(serve: Callable[[Handler],
     # A request that finds every slot busy for longer than its connect_s gets UpstreamBusy.
     release.clear()
     held = [asyncio.create_task(send(pool, server)) for _ in range(2)]
-    await asyncio.sleep(0.1)
+    await wait_until(lambda: len(server.requests) == 8)
     with pytest.raises(UpstreamBusy, match="all 2 connections") as info:
         await pool.post("127.0.0.1", server.port, post(), connect_s=0.1, read_s=2.0, total_s=5.0)
     assert info.value.timed_out and not info.value.answered
     # A waiter cancelled by its client leaves no trace: it neither takes nor blocks a slot.
     gone = asyncio.create_task(pool.post("127.0.0.1", server.port, post(), connect_s=5, read_s=2, total_s=5))
-    await asyncio.sleep(0.05)
+    await wait_until(lambda: slots(pool, server) == 3)  # queued behind the two held requests
     gone.cancel()
     with pytest.raises(asyncio.CancelledError):
         await gone

@@ -9,6 +9,7 @@ import pytest
 
 from gateway.upstream import UpstreamError, UpstreamPool, UpstreamStream, UpstreamTimeout
 from tests.gateway.fake_upstream import Handler, Server, post, read_request
+from tests.support.wait import wait_until
 
 SSE_HEAD = (
     b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream; charset=utf-8\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -123,7 +124,8 @@ async def test_a_lagging_reader_pauses_the_worker_and_loses_nothing(
     server = await serve(handler)
     pool = UpstreamPool()
     stream = await open_stream(pool, server, read_s=0.3)
-    await asyncio.sleep(0.6)  # longer than read_s: a paused worker is not a silent one
+    await wait_until(lambda: stream._conn._paused)
+    await asyncio.sleep(0.6)  # the reader lags longer than read_s: a paused worker is not a silent one
     assert stream._conn._paused and stream._conn.body.size < 2 * 1024 * 1024
     total = 0
     while data := await stream.read():

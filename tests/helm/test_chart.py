@@ -19,7 +19,6 @@ import yaml
 
 from gateway.auth import hash_api_key
 from gateway.config import parse_config
-from loadtest.overhead_load import free_port, spawn, stop, wait_ready
 from tests.helm.chart import (
     CHART,
     KEY_HASH,
@@ -32,6 +31,7 @@ from tests.helm.chart import (
     render,
     validate_strictly,
 )
+from tests.support.processes import free_port, start_gateway, started
 
 
 def test_lint_is_clean() -> None:
@@ -207,6 +207,7 @@ def test_bad_values_fail_with_a_clear_message(values: dict[str, Any], needle: st
         render(values)
 
 
+@pytest.mark.e2e
 def test_rendered_config_and_policy_boot_a_real_gateway(tmp_path: Path) -> None:
     """The chart's config Secret and policy ConfigMap, written to disk, run `kvgate serve` and route
     a chat request."""
@@ -229,16 +230,12 @@ def test_rendered_config_and_policy_boot_a_real_gateway(tmp_path: Path) -> None:
     policy_path.write_text(docs["ConfigMap/rel-kvgate-policy"]["data"]["policy.yaml"])
     config_path = tmp_path / "gateway.yaml"
     config_path.write_text(gateway_config_text(docs))
-    backend = spawn(
-        [sys.executable, "-m", "loadtest.static_backend", "--port", str(backend_port)], tmp_path / "b.log"
-    )
+    argv = [sys.executable, "-m", "loadtest.static_backend", "--port", str(backend_port)]
+    backend = started(argv, backend_url + "/health")
     gateway = None
     try:
-        wait_ready(backend_url + "/health", backend, tmp_path / "b.log", timeout_s=15)
-        cmd = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path)]
-        gateway = spawn(cmd, tmp_path / "g.log", env={"KVGATE_KEY_SECRET": secret})
+        gateway = start_gateway(config_path, gateway_port, secret=secret.encode(), port_from_config=True)
         base = f"http://127.0.0.1:{gateway_port}"
-        wait_ready(base + "/readyz", gateway, tmp_path / "g.log", timeout_s=30)
         body = json.dumps({"model": "bench-model", "messages": [{"role": "user", "content": "hi"}]}).encode()
         req = urllib.request.Request(
             base + "/v1/chat/completions",
@@ -254,5 +251,6 @@ def test_rendered_config_and_policy_boot_a_real_gateway(tmp_path: Path) -> None:
             urllib.request.urlopen(base + "/metrics", timeout=10)
         assert info.value.code == 404
     finally:
-        stop(gateway)
-        stop(backend)
+        if gateway is not None:
+            gateway.stop()
+        backend.stop()

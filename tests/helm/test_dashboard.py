@@ -92,6 +92,12 @@ def test_the_dashboard_covers_the_request_metrics() -> None:
         "kvgate_time_to_first_token_seconds_bucket",
         "kvgate_cached_prompt_tokens_total",
         "kvgate_worker_healthy",
+        "kvgate_request_time_per_output_token_seconds_bucket",
+        "kvgate_worker_requests_total",
+        "kvgate_worker_breaker_state",
+        "kvgate_policy_events_total",
+        "kvgate_kv_events_lag_seconds",
+        "process_cpu_seconds_total",
     ):
         assert name in used
 

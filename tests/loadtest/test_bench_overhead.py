@@ -13,20 +13,20 @@ from pathlib import Path
 import pytest
 
 from loadtest import bench_overhead
-from loadtest.overhead_load import chat_bodies, free_port, spawn, stop, tree_cpu_s, wait_ready
+from loadtest.overhead_load import chat_bodies, tree_cpu_s
+from tests.support.processes import free_port, started
 
 
 @pytest.fixture
-def backend(tmp_path: Path) -> Iterator[str]:
+def backend() -> Iterator[str]:
     port = free_port()
-    proc = spawn([sys.executable, "-m", "loadtest.static_backend", "--port", str(port)], tmp_path / "b.log")
+    url = f"http://127.0.0.1:{port}"
+    proc = started([sys.executable, "-m", "loadtest.static_backend", "--port", str(port)], url + "/health")
     try:
-        url = f"http://127.0.0.1:{port}"
-        wait_ready(url + "/health", proc, tmp_path / "b.log", timeout_s=15)
         yield url
     finally:
-        stop(proc)
-    assert proc.poll() is not None
+        proc.stop()
+    assert proc.popen.poll() is not None
 
 
 def post(url: str, body: bytes) -> tuple[int, dict[str, object]]:
@@ -35,6 +35,7 @@ def post(url: str, body: bytes) -> tuple[int, dict[str, object]]:
         return resp.status, json.loads(resp.read())
 
 
+@pytest.mark.e2e
 def test_static_backend_answers_chat_and_unknown_paths(backend: str) -> None:
     status, body = post(backend + "/v1/chat/completions", b'{"model":"bench-model","messages":[]}')
     assert status == 200 and body["object"] == "chat.completion"
@@ -43,17 +44,17 @@ def test_static_backend_answers_chat_and_unknown_paths(backend: str) -> None:
     assert err.value.code == 404
 
 
-def test_pass_through_proxy_and_process_cpu(backend: str, tmp_path: Path) -> None:
+@pytest.mark.e2e
+def test_pass_through_proxy_and_process_cpu(backend: str) -> None:
     port = free_port()
     argv = [sys.executable, "-m", "loadtest.overhead_load", "--child-proxy", "aiohttp"]
-    proc = spawn([*argv, "--port", str(port), "--upstream", backend], tmp_path / "p.log")
+    proc = started([*argv, "--port", str(port), "--upstream", backend], f"http://127.0.0.1:{port}/health")
     try:
-        wait_ready(f"http://127.0.0.1:{port}/health", proc, tmp_path / "p.log", timeout_s=30)
         status, body = post(f"http://127.0.0.1:{port}/v1/chat/completions", chat_bodies(0)[0].encode())
         assert status == 200 and body["model"] == "bench-model"
-        assert tree_cpu_s(proc.pid) > 0  # the interpreter start alone costs CPU
+        assert tree_cpu_s(proc.popen.pid) > 0  # the interpreter start alone costs CPU
     finally:
-        stop(proc)
+        proc.stop()
 
 
 def test_workload_is_seeded() -> None:
@@ -62,6 +63,7 @@ def test_workload_is_seeded() -> None:
     assert len({json.loads(x)["messages"][0]["content"] for x in a}) == 8
 
 
+@pytest.mark.e2e
 def test_bench_command_end_to_end_with_builtin_tools(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -125,22 +127,22 @@ def test_cpu_ratio_pairs_rounds() -> None:
     assert "| 200, 260, 180 | 2.00x peer |" in row
 
 
-def test_streamed_bodies_and_the_backends_event_stream(tmp_path: Path) -> None:
+@pytest.mark.e2e
+def test_streamed_bodies_and_the_backends_event_stream() -> None:
     body = json.loads(chat_bodies(0, stream=True)[0])
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert "stream" not in json.loads(chat_bodies(0)[0])
     port = free_port()
     argv = [sys.executable, "-m", "loadtest.static_backend", "--port", str(port), "--stream"]
-    proc = spawn(argv, tmp_path / "b.log")
+    url = f"http://127.0.0.1:{port}"
+    proc = started(argv, url + "/health")
     try:
-        url = f"http://127.0.0.1:{port}"
-        wait_ready(url + "/health", proc, tmp_path / "b.log", timeout_s=15)
         req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode())
         with urllib.request.urlopen(req, timeout=5) as resp:
             assert resp.headers["content-type"] == "text/event-stream"
             events = [e for e in resp.read().decode().split("\n\n") if e]
     finally:
-        stop(proc)
+        proc.stop()
     assert events[-1] == "data: [DONE]"
     chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])

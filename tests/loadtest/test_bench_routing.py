@@ -26,6 +26,7 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatorPool]:
     assert all(proc.proc.poll() is not None for proc in p.procs)
 
 
+@pytest.mark.e2e
 def test_replay_measures_ttft_and_cached_tokens_over_http(pool: EmulatorPool) -> None:
     block = BlockPrompt((7, 8), 512, 1000, salt="test")
     reqs = [
@@ -47,6 +48,7 @@ def test_replay_measures_ttft_and_cached_tokens_over_http(pool: EmulatorPool) ->
     assert results["c"].prompt_tokens == 120 and results["d"].completion_tokens == 5
 
 
+@pytest.mark.e2e
 def test_replay_stops_at_the_time_limit(pool: EmulatorPool) -> None:
     reqs = [WorkloadRequest(f"r{i}", float(i), "t", "s", TextPrompt("x" * 50), 2) for i in range(5)]
     cfg = ReplayConfig(base_url=pool.urls[0], model="emu", time_limit_s=1.5, grace_s=5)
@@ -54,6 +56,7 @@ def test_replay_stops_at_the_time_limit(pool: EmulatorPool) -> None:
     assert sorted(r.request_id for r in results) == ["r0", "r1"]
 
 
+@pytest.mark.e2e
 def test_replay_records_http_errors(pool: EmulatorPool) -> None:
     reqs = [WorkloadRequest("r", 0.0, "t", "s", TextPrompt("x" * 50), 2)]
     cfg = ReplayConfig(base_url=pool.urls[0], model="no-such-model", time_limit_s=5)
@@ -74,6 +77,7 @@ def test_metrics_parser_reads_vllm_names() -> None:
     }
 
 
+@pytest.mark.slow
 def test_bench_reports_missing_peers_and_writes_results(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -96,6 +100,7 @@ def test_bench_rejects_unknown_routers(tmp_path: Path) -> None:
     assert main(["bench", "routing", "--routers", "nginx", "--out", str(tmp_path), "--quiet"]) == 2
 
 
+@pytest.mark.e2e
 def test_waiting_for_a_client_slot_counts_in_ttft(pool: EmulatorPool) -> None:
     reqs = [WorkloadRequest(f"q{i}", 0.0, "t", "s", TextPrompt(f"{i}" * 300), 20) for i in range(2)]
     cfg = ReplayConfig(base_url=pool.urls[0], model="emu", max_in_flight=1, time_limit_s=5, grace_s=20)
@@ -105,6 +110,8 @@ def test_waiting_for_a_client_slot_counts_in_ttft(pool: EmulatorPool) -> None:
     assert second.queued_s >= first.e2e_s * 0.9 and second.ttft_s > second.queued_s
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_bench_runs_kvgate_in_front_of_emulated_workers(tmp_path: Path) -> None:
     out = tmp_path / "out"
     args = ["bench", "routing", "--workload", "gsp", "--workload-arg", "num_groups=2", "--workers", "2"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,14 +12,18 @@ import httpx
 import openai
 import pytest
 
-from loadtest.emulator.fidelity import emulator_process
+from tests.support import processes
+from tests.support.wait import wait_until_sync
+
+pytestmark = pytest.mark.e2e
 
 MODEL = "emu-test"
+RUNNING = "vllm:num_requests_running"
 
 
 def running_emulator(*extra: str, model: str = MODEL) -> contextlib.AbstractContextManager[str]:
-    """An emulator process on a free port (yields its base URL; always killed by process group)."""
-    return emulator_process("--model", model, *extra)
+    """The emulator process serving `model` (yields its base URL; always stopped by PID)."""
+    return processes.running_emulator("--model", model, *extra)
 
 
 @pytest.fixture(scope="module")
@@ -331,10 +334,7 @@ def test_client_disconnect_aborts_and_frees_blocks(base_url: str) -> None:
         next(it)
         assert metric(base_url, "vllm:num_requests_running") == 1
         assert metric(base_url, "vllm:kv_cache_usage_perc") > 0
-    deadline = time.monotonic() + 5
-    while metric(base_url, "vllm:num_requests_running") != 0:
-        assert time.monotonic() < deadline, "aborted request still running"
-        time.sleep(0.05)
+    wait_until_sync(lambda: metric(base_url, RUNNING) == 0, what="aborted request stopped")
     assert metric(base_url, "vllm:kv_cache_usage_perc") == 0.0
 
 
@@ -342,8 +342,5 @@ def test_non_streaming_disconnect_aborts(base_url: str) -> None:
     body = {"model": MODEL, "prompt": "z" * 200, "max_tokens": 30000}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{base_url}/v1/completions", json=body, timeout=httpx.Timeout(5.0, read=0.3))
-    deadline = time.monotonic() + 5
-    while metric(base_url, "vllm:num_requests_running") != 0:
-        assert time.monotonic() < deadline, "abandoned request still running"
-        time.sleep(0.05)
+    wait_until_sync(lambda: metric(base_url, RUNNING) == 0, what="abandoned request stopped")
     assert metric(base_url, "vllm:kv_cache_usage_perc") == 0.0

@@ -14,15 +14,18 @@ from __future__ import annotations
 import random
 
 import httpx
+import pytest
 
 from loadtest.emulator.fidelity import (
-    emulator_process,
     measure_tpot,
     measure_ttft,
     modelled_tpot_s,
     random_prompt,
 )
 from loadtest.engine import load_profile
+from tests.support.processes import running_emulator
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 PROFILE = load_profile("llama3-8b-h100")
 SAMPLES = 3
@@ -54,11 +57,11 @@ def test_engine_waits_its_model_cache_skips_prefill_and_time_scale_divides() -> 
     tokens_out = 40
     tpot_model_s = modelled_tpot_s("llama3-8b-h100", 1024, tokens_out)
     with httpx.Client(timeout=30) as client:
-        with emulator_process("--model", "fid") as base:
+        with running_emulator("--model", "fid") as base:
             measure_ttft(client, base, random_prompt(64, rng), "fid")  # warm-up
             cold_s, warm_s = _best_ttfts(client, base, rng, 1.0)
             tpot_s = measure_tpot(client, base, random_prompt(1024, rng), "fid", tokens_out)
-        with emulator_process("--model", "fid", "--time-scale", "10") as base:
+        with running_emulator("--model", "fid", "--time-scale", "10") as base:
             measure_ttft(client, base, random_prompt(64, rng), "fid")
             scaled_cold_s, _ = _best_ttfts(client, base, rng, 10.0)
             scaled_tpot_s = measure_tpot(client, base, random_prompt(1024, rng), "fid", tokens_out)

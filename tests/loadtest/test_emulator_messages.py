@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,7 +11,10 @@ import anthropic
 import httpx
 import pytest
 
-from loadtest.emulator.fidelity import emulator_process
+from tests.support.processes import running_emulator
+from tests.support.wait import wait_until_sync
+
+pytestmark = pytest.mark.e2e
 
 MODEL = "emu-messages"
 SYSTEM: Any = [
@@ -23,7 +25,7 @@ SYSTEM: Any = [
 
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
-    with emulator_process("--model", MODEL, "--time-scale", "20", "--kv-blocks", "4000") as base:
+    with running_emulator("--model", MODEL, "--time-scale", "20", "--kv-blocks", "4000") as base:
         yield base
 
 
@@ -185,7 +187,4 @@ def test_disconnect_aborts_a_streamed_message(base_url: str) -> None:
         while "content_block_delta" not in next(lines):
             pass
         assert running() == 1
-    deadline = time.monotonic() + 5
-    while running() != 0:
-        assert time.monotonic() < deadline, "aborted stream still running"
-        time.sleep(0.05)
+    wait_until_sync(lambda: running() == 0, what="aborted stream stopped")

@@ -13,9 +13,9 @@ from typing import Any
 import httpx
 import pytest
 
-from loadtest.emulator.fidelity import free_port
 from tests.loadtest.test_emulator import MODEL, metric, running_emulator
 from tests.loadtest.test_kv_events import TOPIC, Subscriber
+from tests.support.processes import free_port
 
 BS = 16
 KV_BYTES_PER_TOKEN = 131072  # llama3-8b-h100

@@ -6,8 +6,7 @@ vLLM does (500, or a stream carrying the error); under `recompute` it prefills t
 from __future__ import annotations
 
 import random
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -17,15 +16,11 @@ import pytest
 
 from tests.loadtest.test_emulator import MODEL, metric, running_emulator
 from tests.loadtest.test_emulator_pd import chat, messages, prefill_leg, stream_chat
+from tests.support.wait import wait_until_sync
+
+pytestmark = pytest.mark.e2e
 
 COMMON = ("--time-scale", "20", "--kv-blocks", "4000")
-
-
-def wait_until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
 
 
 def slow_link_profile(directory: Path) -> str:
@@ -120,7 +115,7 @@ def test_a_prefill_leg_whose_decode_worker_never_registers_fails(workers: dict[s
 def test_held_kv_expires_unread_and_then_cannot_be_pulled(workers: dict[str, str]) -> None:
     with running_emulator(*COMMON, "--role", "prefill", "--kv-hold-timeout-s", "0.3") as p:
         params = prefill_leg(p, messages("K"))["kv_transfer_params"]
-        wait_until(lambda: metric(p, "vllm:nixl_num_kv_expired_reqs") == 1)
+        wait_until_sync(lambda: metric(p, "vllm:nixl_num_kv_expired_reqs") == 1, what="the held KV expired")
         assert metric(p, "vllm:kv_cache_usage_perc") == 0  # the held blocks were released
         text, usage = stream_chat(
             workers["recompute"], {"messages": messages("K"), "max_tokens": 3, "kv_transfer_params": params}

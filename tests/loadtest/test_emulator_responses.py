@@ -5,7 +5,6 @@ and vLLM's errors."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,7 +12,10 @@ import httpx
 import openai
 import pytest
 
-from loadtest.emulator.fidelity import emulator_process
+from tests.support.processes import running_emulator
+from tests.support.wait import wait_until_sync
+
+pytestmark = pytest.mark.e2e
 
 MODEL = "emu-responses"
 INSTRUCTIONS = "You answer in one short sentence. " * 12
@@ -28,7 +30,7 @@ TOOLS: Any = [
 
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
-    with emulator_process("--model", MODEL, "--time-scale", "20", "--kv-blocks", "4000") as base:
+    with running_emulator("--model", MODEL, "--time-scale", "20", "--kv-blocks", "4000") as base:
         yield base
 
 
@@ -178,15 +180,9 @@ def test_disconnects_abort_streamed_and_plain_responses(base_url: str) -> None:
         while "output_text.delta" not in next(lines):
             pass
         assert running(base_url) == 1
-    deadline = time.monotonic() + 5
-    while running(base_url) != 0:
-        assert time.monotonic() < deadline, "aborted stream still running"
-        time.sleep(0.05)
+    wait_until_sync(lambda: running(base_url) == 0, what="aborted stream stopped")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(
             f"{base_url}/v1/responses", json={**body, "stream": False}, timeout=httpx.Timeout(5, read=0.3)
         )
-    deadline = time.monotonic() + 5
-    while running(base_url) != 0:
-        assert time.monotonic() < deadline, "abandoned response still running"
-        time.sleep(0.05)
+    wait_until_sync(lambda: running(base_url) == 0, what="abandoned response stopped")

@@ -16,15 +16,17 @@ import openai
 import pytest
 
 from loadtest.emulator.chat_template import IMAGE_TOKENS
-from loadtest.emulator.fidelity import emulator_process
 from loadtest.emulator.pooling import EMBEDDING_DIM
+from tests.support.processes import running_emulator
+
+pytestmark = pytest.mark.e2e
 
 MODEL = "emu-routes"
 
 
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
-    with emulator_process("--model", MODEL, "--time-scale", "20", "--kv-blocks", "4000") as base:
+    with running_emulator("--model", MODEL, "--time-scale", "20", "--kv-blocks", "4000") as base:
         yield base
 
 

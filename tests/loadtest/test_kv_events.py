@@ -13,12 +13,15 @@ import httpx
 import msgpack
 import pytest
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from gateway.kv_events import decode_batch
-from loadtest.emulator.fidelity import free_port
 from loadtest.engine import block_hashes
 from policies.base import KvEventKind
 from tests.loadtest.test_emulator import MODEL, running_emulator
+from tests.support.processes import free_port
+
+pytestmark = pytest.mark.e2e
 
 TOPIC = "kv@emu@" + MODEL
 
@@ -66,9 +69,18 @@ class Subscriber:
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.setsockopt_string(zmq.SUBSCRIBE, TOPIC)
+        self._monitor = self.sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self.sub.connect(endpoint)
         self.raw: list[tuple[int, bytes]] = []
         self.events: list[Decoded] = []
+
+    def wait_connected(self, timeout_s: float = 10.0) -> None:
+        """Wait for the connection's handshake. PUB/SUB drops what is published before the
+        subscription lands (the slow joiner); the subscription is sent right after the handshake,
+        ahead of anything the test then asks the emulator to publish."""
+        assert self._monitor.poll(int(timeout_s * 1000)), "no handshake with the emulator's PUB socket"
+        assert recv_monitor_message(self._monitor)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+        self.sub.disable_monitor()
 
     def pump(self, until: Any, timeout_s: float = 5.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -87,6 +99,7 @@ class Subscriber:
         return [e for e in self.events if e.kind == "BlockStored"]
 
     def close(self) -> None:
+        self._monitor.close(linger=0)
         self.sub.close(linger=0)
         self.ctx.term()
 
@@ -113,7 +126,7 @@ def test_stored_removed_cleared_and_replay(emulator: tuple[str, str, str]) -> No
     base, pub, replay = emulator
     sub = Subscriber(pub)
     try:
-        time.sleep(0.5)  # let the SUB connection settle before the first event (ZMQ slow joiner)
+        sub.wait_connected()
         prompt_a = "a" * 100
         complete(base, prompt_a, 4)  # 100 + 3 computed tokens = 6 full blocks
         sub.pump(lambda: sum(len(e.hashes) for e in sub.stored()) >= 6)

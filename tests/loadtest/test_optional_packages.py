@@ -31,6 +31,7 @@ def _draw_all(out: Path) -> list[bool]:
     ]
 
 
+@pytest.mark.slow
 def test_plots_are_written_with_matplotlib(fresh_plots: None, tmp_path: Path) -> None:
     assert _draw_all(tmp_path) == [True, True, True]
     assert all(p.stat().st_size > 0 for p in tmp_path.glob("*.png"))

@@ -194,6 +194,7 @@ def test_shared_prefix_options_share_the_system_prompt_across_tenants(workload: 
     assert len(systems) == 1
 
 
+@pytest.mark.slow
 def test_precise_mode_files_a_public_tenants_events_under_its_request_keys(tmp_path: Path) -> None:
     """`public` tenants' KV events must land where their request keys look (their own namespace):
     precise mode then routes them as it routes strict tenants (no prompt here is wholly public).

@@ -14,6 +14,7 @@ def _args(*argv: str) -> argparse.Namespace:
     return parser.parse_args(list(argv))
 
 
+@pytest.mark.slow
 def test_bench_decision_prints_every_policy_against_round_robin(capsys: pytest.CaptureFixture[str]) -> None:
     args = _args(
         "--workers", "8", "--repeats", "5", "--background-prompts", "10", "--prompt-tokens", "64", "--json"

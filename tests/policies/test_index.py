@@ -264,6 +264,7 @@ def test_random_operations_keep_invariants_and_match_a_naive_walk(
     ),
     st.integers(1, 3),
 )
+@pytest.mark.slow
 def test_bisection_lookup_equals_the_block_by_block_walk(
     ops: list[tuple[str, int, int, int, int]], granularity: int
 ) -> None:

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 
 def test_bench_keys_reports() -> None:
     proc = subprocess.run(

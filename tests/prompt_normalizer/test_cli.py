@@ -15,6 +15,7 @@ import pytest
 
 from prompt_normalizer.normalizer import Normalizer, NormalizerConfig
 from prompt_normalizer.template import ChatTemplateTokenizer
+from tests.support.processes import free_port
 
 SECRET_WORDS = ("Zanzibar", "Quokka", "Paris")
 BODY = {
@@ -81,6 +82,7 @@ def test_same_keys_as_the_library_with_the_same_secret(tmp_path: Path) -> None:
     assert json.loads(proc.stdout)["block_keys"] == [f"{k:016x}" for k in prompt.block_keys]
 
 
+@pytest.mark.slow
 def test_bad_policy_bad_json_bad_request(tmp_path: Path) -> None:
     policy = tmp_path / "p.yaml"
     policy.write_text("normalizer:\n  tool_order: random\n")
@@ -127,6 +129,7 @@ def render_worker(tiny_model_dir: Path) -> Iterator[str]:
         thread.join(timeout=5)
 
 
+@pytest.mark.e2e
 def test_render_mode_against_a_loopback_worker(
     render_worker: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -156,19 +159,12 @@ def test_pool_section_overrides_the_top_level_one(tmp_path: Path) -> None:
     assert load_config(None) == NormalizerConfig()
 
 
+@pytest.mark.slow
 def test_render_url_must_be_loopback_and_reachable(tmp_path: Path) -> None:
     policy = tmp_path / "render.yaml"
     policy.write_text("normalizer: {mode: render}\n")
     remote = normalize(["--policy", str(policy), "--render-url", "http://10.0.0.1:1"], BODY)
     assert remote.returncode == 1 and "loopback" in remote.stderr
-    port = socket_free_port()
+    port = free_port()
     down = normalize(["--policy", str(policy), "--render-url", f"http://127.0.0.1:{port}"], BODY)
     assert down.returncode == 1 and "render_failed" in down.stderr and "Traceback" not in down.stderr
-
-
-def socket_free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

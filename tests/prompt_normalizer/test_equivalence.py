@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 
 from prompt_normalizer.normalizer import Normalizer
 from tests.prompt_normalizer.equivalence_corpus import (
@@ -60,6 +61,7 @@ def _describe(index: int) -> str:
     return f"case {index % N_REQUESTS} (pass {index // N_REQUESTS}): {case.endpoint} {case.tags}{public}"
 
 
+@pytest.mark.slow
 def test_outputs_equal_the_recorded_goldens(tiny_model_dir: Path) -> None:
     recorded = orjson.loads(GOLDENS.read_bytes())
     assert (recorded["seed"], recorded["n_requests"], recorded["passes"]) == (SEED, N_REQUESTS, PASSES)

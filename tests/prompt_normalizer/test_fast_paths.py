@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -23,6 +24,7 @@ def _body(system: str, user: str, **extra: Any) -> dict[str, Any]:
     return {"messages": [{"role": "system", "content": system}, {"role": "user", "content": user}], **extra}
 
 
+@pytest.mark.slow
 @FAST
 @given(system=texts, users=st.lists(texts, min_size=2, max_size=4), public=st.booleans())
 def test_remembered_prefix_keys_equal_fresh_keys(system: str, users: list[str], public: bool) -> None:
@@ -66,6 +68,7 @@ def test_prefix_memo_is_bounded_and_exact() -> None:
     assert memo.chain(view, memo.fingerprint(view), block, 8) == chain_keys(view, block, 8)
 
 
+@pytest.mark.slow
 @FAST
 @given(text=texts)
 def test_ascii_fast_path_agrees_with_nfc(text: str) -> None:

@@ -19,6 +19,8 @@ from prompt_normalizer.keys import public_identity_of
 from prompt_normalizer.normalizer import Normalizer, NormalizerConfig
 from prompt_normalizer.types import CanonicalPrompt, KeyIdentity
 
+pytestmark = pytest.mark.slow
+
 IDENT = KeyIdentity(model_id="m", namespace="t1", block_size_tokens=4)
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

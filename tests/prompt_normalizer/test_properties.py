@@ -7,6 +7,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -117,6 +118,7 @@ def test_tool_key_order_absorbed_only_with_canonical_json(schema: dict[str, Any]
     assert not same_off
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(schema=schemas, seed=st.integers(0, 10_000))
 def test_tool_key_order_with_real_template(tiny_model_dir: Path, schema: dict[str, Any], seed: int) -> None:

@@ -4,68 +4,26 @@ process on 127.0.0.1 (one token per UTF-8 byte of its rendered prompt, so spans 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
 import pytest
 
+from tests.support.processes import running_emulator
+
+pytestmark = pytest.mark.e2e
+
 SYSTEM = "You are a careful assistant. Current time: 12:30:00."
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def emulator() -> Iterator[str]:
-    port = _free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "loadtest.emulator",
-            "--port",
-            str(port),
-            "--model",
-            "m",
-            "--log-level",
-            "warning",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=1) as reply:
-                    if reply.status == 200:
-                        break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("emulator did not start") from None
-                time.sleep(0.2)
+    with running_emulator("--model", "m", "--log-level", "warning") as url:
         yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=5)
 
 
 def test_render_mode_spans_and_volatile_tail(emulator: str, tmp_path: Path) -> None:

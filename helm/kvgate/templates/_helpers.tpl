@@ -51,6 +51,8 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{/* Mount points: the gateway config and the policy file come from separate ConfigMaps. */}}
 {{- define "kvgate.configDir" -}}/etc/kvgate/config{{- end }}
 {{- define "kvgate.policyDir" -}}/etc/kvgate/policy{{- end }}
+{{- /* Pool i's worker API key (pools[i].workerApiKeySecret) is the file <dir>/<i>/api-key. */}}
+{{- define "kvgate.workerKeysDir" -}}/etc/kvgate/worker-keys{{- end }}
 
 {{- define "kvgate.configSecretName" -}}
 {{- default (printf "%s-config" (include "kvgate.fullname" .)) .Values.configSecret.existingSecret }}
@@ -98,6 +100,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $_ := set $pool "kubernetes" (mergeOverwrite $block (deepCopy (default dict $k.extra))) }}
 {{- end }}
 {{- with $p.kvEventsEndpoint }}{{ $_ := set $pool "kv_events_endpoint" . }}{{ end }}
+{{- with $p.workerApiKeySecret }}{{ if .name }}
+{{- $_ := set $pool "worker_api_key_file" (printf "%s/%d/api-key" (include "kvgate.workerKeysDir" $) $i) }}
+{{- end }}{{ end }}
 {{- with $p.extra }}{{ $pool = mergeOverwrite $pool (deepCopy .) }}{{ end }}
 {{- $pools = append $pools $pool }}
 {{- end }}
@@ -110,6 +115,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- with $t.rpm }}{{ $_ := set $quotas "rpm" . }}{{ end }}
 {{- with $t.tpm }}{{ $_ := set $quotas "tpm" . }}{{ end }}
 {{- $tenant := dict "name" $t.name "api_key_hashes" $t.apiKeyHashes "isolation" (default "strict" $t.isolation) "quotas" $quotas }}
+{{- with $t.weight }}{{ $_ := set $tenant "weight" . }}{{ end }}
 {{- $tenants = append $tenants $tenant }}
 {{- end }}
 {{- if not $tenants }}{{ fail "tenants: at least one tenant is required (API keys are configured as hashes: `kvgate serve --hash-key`)" }}{{ end }}

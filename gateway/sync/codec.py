@@ -1,0 +1,179 @@
+"""The wire format of one sync batch: msgpack, keys and counts only.
+
+    {"v": 1, "o": origin, "s": seq, "t": sent (wall clock, s), "f": full load snapshot,
+     "p": [pool names], "n": [namespaces], "w": [worker ids],      # string tables
+     "i": [[0, ref, pool, block size, namespace, worker, n keys, prompt tokens, matched tokens]
+           | [1, ref, served], ...],                             # holdings and outcomes, in order
+     "k": <every holding's keys, u64 little-endian, in item order>,
+     "l": [[pool, worker, requests, prefill tokens, decode tokens], ...]}
+
+Pools, namespaces and workers are indices into the string tables. A namespace is the tenant's
+index namespace (`tenant:<name>`, or the public one), a key a keyed chain hash: nothing in a batch
+is prompt content, and a key cannot be turned back into text without the deployment's secret.
+Anything that does not decode to exactly this shape is `MalformedBatch`.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any, cast
+
+import msgpack
+
+from policies.base import WorkerId
+from policies.peer_sync import PeerHolding, PeerItem, PeerLoad, PeerOutcome
+from prompt_normalizer.types import BlockKey
+
+WIRE_VERSION = 1
+_HOLDING, _OUTCOME = 0, 1
+_MAX_BYTES = 8 * 1024 * 1024
+
+
+class MalformedBatch(ValueError):
+    """Bytes that are not a sync batch of this version."""
+
+
+@dataclass(frozen=True, slots=True)
+class SyncBatch:
+    """What one gateway publishes at once. `full_load`: `loads` is its whole in-flight load (a
+    worker it leaves out is idle); otherwise only the workers whose load changed."""
+
+    origin: str
+    seq: int
+    sent_wall_s: float
+    full_load: bool
+    items: tuple[PeerItem, ...] = ()
+    loads: tuple[PeerLoad, ...] = ()
+
+
+class _Table:
+    __slots__ = ("index", "names")
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.index: dict[str, int] = {}
+
+    def __call__(self, name: str) -> int:
+        i = self.index.get(name)
+        if i is None:
+            i = self.index[name] = len(self.names)
+            self.names.append(name)
+        return i
+
+
+def encode(batch: SyncBatch) -> bytes:
+    pools, namespaces, workers = _Table(), _Table(), _Table()
+    items: list[list[Any]] = []
+    keys: list[int] = []
+    for item in batch.items:
+        if isinstance(item, PeerHolding):
+            items.append(
+                [
+                    _HOLDING, item.ref, pools(item.pool), item.block_size_tokens,
+                    namespaces(item.namespace), workers(item.worker), len(item.keys),
+                    item.n_prompt_tokens, item.matched_tokens,
+                ]
+            )  # fmt: skip
+            keys.extend(item.keys)
+        else:
+            items.append([_OUTCOME, item.ref, item.served])
+    loads = [
+        [pools(x.pool), workers(x.worker), x.requests, x.prefill_tokens, x.decode_tokens] for x in batch.loads
+    ]
+    doc = {
+        "v": WIRE_VERSION,
+        "o": batch.origin,
+        "s": batch.seq,
+        "t": batch.sent_wall_s,
+        "f": batch.full_load,
+        "p": pools.names,
+        "n": namespaces.names,
+        "w": workers.names,
+        "i": items,
+        "k": struct.pack(f"<{len(keys)}Q", *keys),
+        "l": loads,
+    }
+    return msgpack.packb(doc, use_bin_type=True)
+
+
+def decode(data: bytes) -> SyncBatch:
+    """Parse one batch; raises `MalformedBatch` for anything else (never another exception)."""
+    if len(data) > _MAX_BYTES:
+        raise MalformedBatch("batch too large")
+    try:
+        doc = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+        if not isinstance(doc, dict) or doc.get("v") != WIRE_VERSION:
+            raise MalformedBatch("not a sync batch of this version")
+        return _parse(doc)
+    except MalformedBatch:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, struct.error, msgpack.UnpackException) as exc:
+        raise MalformedBatch(f"{type(exc).__name__}") from None
+
+
+def _str(x: object) -> str:
+    if not isinstance(x, str):
+        raise MalformedBatch("expected a string")
+    return x
+
+
+def _int(x: object, low: int = 0) -> int:
+    """A non-negative integer (at least `low`)."""
+    if not isinstance(x, int) or isinstance(x, bool) or x < low:
+        raise MalformedBatch("expected a non-negative integer")
+    return x
+
+
+def _at(table: list[str], i: object) -> str:
+    j = _int(i)
+    if j >= len(table):
+        raise MalformedBatch("string index out of range")
+    return table[j]
+
+
+def _strings(x: object) -> list[str]:
+    if not isinstance(x, list):
+        raise MalformedBatch("expected a list")
+    return [_str(s) for s in x]
+
+
+def _parse(doc: dict[str, Any]) -> SyncBatch:
+    pools, namespaces, workers = _strings(doc["p"]), _strings(doc["n"]), _strings(doc["w"])
+    blob = doc["k"]
+    if not isinstance(blob, bytes) or len(blob) % 8:
+        raise MalformedBatch("keys must be u64 bytes")
+    all_keys = struct.unpack(f"<{len(blob) // 8}Q", blob)
+    sent = doc["t"]
+    if not isinstance(sent, float | int) or not isinstance(doc["f"], bool):
+        raise MalformedBatch("bad header")
+    items: list[PeerItem] = []
+    at = 0
+    for raw in doc["i"]:
+        if not isinstance(raw, list) or not raw:
+            raise MalformedBatch("bad item")
+        if raw[0] == _OUTCOME and len(raw) == 3 and isinstance(raw[2], bool):
+            items.append(PeerOutcome(_int(raw[1]), raw[2]))
+            continue
+        if raw[0] != _HOLDING or len(raw) != 9:
+            raise MalformedBatch("unknown item")
+        n = _int(raw[6])
+        if n < 0 or at + n > len(all_keys):
+            raise MalformedBatch("keys out of range")
+        keys = cast(tuple[BlockKey, ...], all_keys[at : at + n])
+        at += n
+        items.append(
+            PeerHolding(
+                _int(raw[1]), _at(pools, raw[2]), _int(raw[3], 1), _at(namespaces, raw[4]), keys,
+                WorkerId(_at(workers, raw[5])), _int(raw[7]), _int(raw[8]),
+            )
+        )  # fmt: skip
+    if at != len(all_keys):
+        raise MalformedBatch("keys left over")
+    loads = []
+    for raw in doc["l"]:
+        if not isinstance(raw, list) or len(raw) != 5:
+            raise MalformedBatch("bad load")
+        worker = WorkerId(_at(workers, raw[1]))
+        loads.append(PeerLoad(_at(pools, raw[0]), worker, _int(raw[2]), _int(raw[3]), _int(raw[4])))
+    return SyncBatch(_str(doc["o"]), _int(doc["s"]), float(sent), doc["f"], tuple(items), tuple(loads))

@@ -1,0 +1,148 @@
+"""The transport: one NATS connection (nats-py), kept up in the background.
+
+`run` connects, subscribes to the batch subject and waits; when the connection closes or cannot be
+made it tries again with a capped backoff, forever. While connected, nats-py reconnects by itself
+and buffers at most `pending_bytes` of outgoing data; `publish` reports False instead of waiting
+when the link is down or that buffer is full. Nothing a request does waits on this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+import nats
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
+
+log = logging.getLogger("kvgate.sync")
+
+_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+class NatsLink:
+    """A self-healing publish/subscribe link on one subject."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        subject: str,
+        name: str,
+        on_message: Callable[[bytes], Awaitable[None]],
+        *,
+        connect_timeout_s: float = 2.0,
+        pending_bytes: int = 4 * 1024 * 1024,
+    ) -> None:
+        self.urls = urls
+        self.subject = subject
+        self.name = name
+        self.on_message = on_message
+        self.connect_timeout_s = connect_timeout_s
+        self.pending_bytes = pending_bytes
+        self._nc: Client | None = None
+        self._closed = asyncio.Event()
+        self.connects = 0
+        self.errors = 0
+        self.slow_consumer = 0
+        self._warned = False  # one warning per outage, not one per reconnect attempt
+        self._closing = False
+
+    @property
+    def connected(self) -> bool:
+        nc = self._nc
+        return nc is not None and nc.is_connected
+
+    async def run(self) -> None:
+        """Keep a connection up until cancelled."""
+        attempt = 0
+        while True:
+            try:
+                # nats-py retries the first connection itself (max_reconnect_attempts=-1).
+                await self._connect()
+                attempt = 0
+                await self._closed.wait()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a bad URL, or a connection closed for good
+                self._error(exc)
+            await self._drop()
+            await asyncio.sleep(_BACKOFF_S[min(attempt, len(_BACKOFF_S) - 1)])
+            attempt += 1
+
+    async def _connect(self) -> None:
+        self._closed.clear()
+
+        async def on_error(exc: Exception) -> None:
+            self._error(exc)
+
+        async def on_disconnected() -> None:
+            if not self._closing:
+                log.warning("sync broker disconnected; routing on local knowledge")
+
+        async def on_reconnected() -> None:
+            self.connects += 1
+            self._warned = False
+            log.info("sync broker reconnected")
+
+        async def on_closed() -> None:
+            self._closed.set()
+
+        nc = await nats.connect(
+            self.urls,
+            name=self.name,
+            connect_timeout=self.connect_timeout_s,
+            reconnect_time_wait=1,
+            max_reconnect_attempts=-1,
+            allow_reconnect=True,
+            no_echo=True,
+            ping_interval=2,
+            max_outstanding_pings=2,
+            pending_size=self.pending_bytes,
+            error_cb=on_error,
+            disconnected_cb=on_disconnected,
+            reconnected_cb=on_reconnected,
+            closed_cb=on_closed,
+        )
+        self._nc = nc
+
+        async def deliver(msg: Msg) -> None:
+            await self.on_message(msg.data)
+            await asyncio.sleep(0)  # a backlog of batches still lets requests run between them
+
+        await nc.subscribe(self.subject, cb=deliver)
+        self.connects += 1
+        self._warned = False
+        log.info("sync broker connected", extra={"subject": self.subject})
+
+    def _error(self, exc: BaseException) -> None:
+        self.errors += 1
+        if isinstance(exc, nats.errors.SlowConsumerError):
+            self.slow_consumer += 1  # our subscription fell behind: the client dropped batches
+            return
+        if not self._warned:
+            self._warned = True
+            log.warning("sync broker unreachable; routing on local knowledge", extra={"error": repr(exc)})
+
+    async def publish(self, data: bytes) -> bool:
+        """Send one batch; False (and nothing waits) when the link is down or its buffer is full."""
+        nc = self._nc
+        if nc is None or not nc.is_connected:
+            return False
+        try:
+            await nc.publish(self.subject, data)
+        except (NatsError, OSError):
+            return False
+        return True
+
+    async def _drop(self) -> None:
+        nc, self._nc = self._nc, None
+        if nc is not None and not nc.is_closed:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(nc.close(), 1.0)
+
+    async def close(self) -> None:
+        self._closing = True
+        await self._drop()

@@ -1,0 +1,161 @@
+"""Replica sync for one gateway process: the policy's sink, the publish task, the NATS link.
+
+Owned by the app lifespan (`start` / `stop`). The publish task wakes when the queue gets its first
+item (or when a full load snapshot is due), waits `batch_interval_s` so a burst shares one batch,
+and sends batches while the link is up; while it is down, items wait in the bounded queue. Peers'
+batches are applied on the event loop as they arrive, between requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from gateway.config import SyncConfig
+from gateway.sync.codec import encode
+from gateway.sync.nats_link import NatsLink
+from gateway.sync.publisher import SyncPublisher
+from gateway.sync.subscriber import SyncSubscriber
+from policies.base import RoutingPolicy
+from policies.peer_sync import PeerLoad, SupportsPeerSync
+
+if TYPE_CHECKING:
+    from gateway.state import GatewayState
+
+log = logging.getLogger("kvgate.sync")
+
+_MAX_BATCHES_PER_WAKE = 8  # then yield to requests; the rest goes at the next wake
+_DOWN_POLL_S = 0.1
+
+
+def default_origin() -> str:
+    """This process's name on the bus: host, pid and a random part (a restarted process with the
+    same pid is a new peer, whose refs start again)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+
+
+class SyncService:
+    """Publishes this gateway's decisions and load, applies its peers'."""
+
+    def __init__(self, state: GatewayState, config: SyncConfig, origin: str | None = None) -> None:
+        if config.url is None:
+            raise ValueError("sync.url is not set")
+        self.state = state
+        self.config = config
+        self.origin = origin or default_origin()
+        self.publisher = SyncPublisher(self.origin, config)
+        self.subscriber = SyncSubscriber(self.origin, state.registry, config.peer_timeout_s, state.metrics)
+        self.link = NatsLink(
+            [u.strip() for u in config.url.split(",")],
+            f"{config.subject_prefix}.batches",
+            self.origin,
+            self._on_message,
+            connect_timeout_s=config.connect_timeout_s,
+        )
+        self.published_batches = 0
+        self.failed_batches = 0
+        self.lost_items = 0
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def attach(self, policy: RoutingPolicy) -> None:
+        """Make `policy` publish through this service (at start, and after a policy reload)."""
+        if isinstance(policy, SupportsPeerSync):
+            policy.set_sync_sink(self.publisher.sink)
+
+    async def _on_message(self, data: bytes) -> None:
+        await self.subscriber.on_message(data, self._policy)
+
+    def _policy(self) -> RoutingPolicy:
+        return self.state.policy  # the current one: a reload may swap it between two chunks
+
+    async def start(self) -> None:
+        self.attach(self.state.policy)
+        self._tasks = [
+            asyncio.create_task(self.link.run(), name="sync-link"),
+            asyncio.create_task(self._publish_loop(), name="sync-publish"),
+        ]
+
+    async def stop(self) -> None:
+        policy = self.state.policy
+        if isinstance(policy, SupportsPeerSync):
+            policy.set_sync_sink(None)
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:
+            _, stuck = await asyncio.wait(self._tasks, timeout=2.0)  # shutdown never waits on the broker
+            if stuck:
+                log.warning("sync tasks did not stop in time", extra={"tasks": len(stuck)})
+        self._tasks.clear()
+        await self.link.close()
+
+    def _loads(self) -> Iterator[PeerLoad]:
+        for pool in self.state.registry.pools.values():
+            for w in pool.workers.values():
+                yield PeerLoad(pool.name, w.worker_id, w.in_flight, w.prefill_tokens, w.decode_tokens)
+
+    async def _publish_loop(self) -> None:
+        cfg = self.config
+        publisher = self.publisher
+        while True:
+            wait_s = publisher.full_load_in_s(time.monotonic())
+            if wait_s > 0:
+                # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(wait_s):
+                        await publisher.ready.wait()
+            await asyncio.sleep(cfg.batch_interval_s)
+            now_s = time.monotonic()
+            self.subscriber.expire(now_s)
+            if not self.link.connected:
+                await asyncio.sleep(_DOWN_POLL_S)  # items wait in the bounded queue
+                continue
+            try:
+                await self._send(now_s)
+            except Exception:  # a bug here must not end publishing
+                log.exception("sync publish round failed")
+
+    async def _send(self, now_s: float) -> None:
+        for _ in range(_MAX_BATCHES_PER_WAKE):
+            batch = self.publisher.next_batch(self._loads(), now_s)
+            if batch is None:
+                return
+            if await self.link.publish(encode(batch)):
+                self.published_batches += 1
+            else:
+                self.failed_batches += 1
+                self.lost_items += len(batch.items)
+            if not self.publisher.queued:
+                return
+
+    def counters(self) -> dict[str, int]:
+        """Monotonic counts for the metrics."""
+        sub = self.subscriber.stats
+        return {
+            "published_batches": self.published_batches,
+            "published_items": self.publisher.batched_items - self.lost_items,
+            "applied_batches": sub.batches,
+            "applied_items": sub.items,
+            "dropped_queue_full": self.publisher.dropped,
+            "dropped_publish_failed": self.lost_items,
+            "dropped_malformed": sub.malformed,
+            "dropped_slow_consumer": self.link.slow_consumer,
+            "lost_batches": sub.lost_batches,
+            "apply_failed": sub.failed,
+            "broker_errors": self.link.errors,
+            "broker_connects": self.link.connects,
+        }
+
+    def refresh_metrics(self) -> None:
+        m = self.state.metrics
+        m.sync_peers.set(self.subscriber.loads.peers())
+        m.sync_connected.set(1 if self.link.connected else 0)
+        m.sync_queued.set(self.publisher.queued)
+        for name, value in self.counters().items():
+            m.sync_events.labels(name).value = float(value)

@@ -1,0 +1,116 @@
+"""The applying half: a peer's batch goes to the policy (holdings, outcomes) and the registry (load).
+
+Batches from this gateway itself are ignored (the broker is also told not to echo them). A batch
+that does not decode is counted and dropped; a gap in a peer's sequence numbers counts the batches
+lost on the way. Applying never raises into the transport: whatever goes wrong, the gateway keeps
+routing on what it knows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from gateway.metrics import GatewayMetrics
+from gateway.registry import Registry
+from gateway.sync.codec import MalformedBatch, SyncBatch, decode
+from policies.base import RoutingPolicy, WorkerId
+from policies.peer_sync import PeerItem, PeerLoads, SupportsPeerSync
+
+log = logging.getLogger("kvgate.sync")
+
+CHUNK_ITEMS = 32
+
+
+@dataclass(slots=True)
+class ApplyStats:
+    """What the subscriber did, for the metrics (monotonic counters)."""
+
+    batches: int = 0
+    items: int = 0
+    malformed: int = 0
+    lost_batches: int = 0
+    failed: int = 0
+
+
+class SyncSubscriber:
+    """Applies peers' batches to the current policy and folds their load into the registry."""
+
+    def __init__(
+        self, origin: str, registry: Registry, peer_timeout_s: float, metrics: GatewayMetrics
+    ) -> None:
+        self.origin = origin
+        self.registry = registry
+        self._lag = metrics.sync_lag.labels()
+        self.loads = PeerLoads(peer_timeout_s)
+        self.stats = ApplyStats()
+        self._last_seq: dict[str, int] = {}
+
+    async def on_message(self, data: bytes, policy_of: Callable[[], RoutingPolicy]) -> None:
+        """Decode and apply one batch, `CHUNK_ITEMS` items at a time with the event loop's other
+        work (requests) in between: a full batch of long chains is many index walks."""
+        try:
+            batch = decode(data)
+        except MalformedBatch as exc:
+            self.stats.malformed += 1
+            log.warning("malformed sync batch dropped", extra={"error": str(exc)})
+            return
+        if batch.origin == self.origin:
+            return
+        try:
+            items = batch.items
+            for start in range(0, len(items), CHUNK_ITEMS):
+                if start:
+                    await asyncio.sleep(0)
+                self.apply_items(
+                    batch.origin, items[start : start + CHUNK_ITEMS], policy_of(), time.monotonic()
+                )
+            self.finish(batch, time.monotonic())
+        except Exception:  # a bug here must not end the subscription
+            self.stats.failed += 1
+            log.exception("applying a sync batch failed", extra={"peer": batch.origin})
+
+    def apply(self, batch: SyncBatch, policy: RoutingPolicy, now_s: float) -> None:
+        """Apply a whole batch at once."""
+        self.apply_items(batch.origin, batch.items, policy, now_s)
+        self.finish(batch, now_s)
+
+    def apply_items(
+        self, origin: str, items: Sequence[PeerItem], policy: RoutingPolicy, now_s: float
+    ) -> None:
+        if isinstance(policy, SupportsPeerSync):
+            for item in items:
+                policy.apply_peer(origin, item, now_s)
+        self.stats.items += len(items)
+
+    def finish(self, batch: SyncBatch, now_s: float) -> None:
+        """The batch's bookkeeping: sequence gaps, lag, and its in-flight loads."""
+        stats = self.stats
+        last = self._last_seq.get(batch.origin)
+        if last is not None and batch.seq > last + 1:
+            stats.lost_batches += batch.seq - last - 1
+        if last is None or batch.seq > last:
+            self._last_seq[batch.origin] = batch.seq
+        if len(self._last_seq) > 4096:
+            self._last_seq.clear()  # bounded against churning peers; a gap may go uncounted
+        stats.batches += 1
+        # Wall clocks: across hosts this includes their skew (same host: the true lag).
+        self._lag.observe(max(0.0, time.time() - batch.sent_wall_s))
+        for pool, worker in self.loads.note(batch.origin, batch.loads, now_s, full=batch.full_load):
+            self._refresh(pool, worker)
+
+    def expire(self, now_s: float) -> None:
+        """Forget peers not heard from within the timeout (and their load)."""
+        for pool, worker in self.loads.expire(now_s):
+            self._refresh(pool, worker)
+        for origin in [o for o in self._last_seq if not self.loads.heard_from(o)]:
+            del self._last_seq[origin]
+
+    def _refresh(self, pool_name: str, worker_id: WorkerId) -> None:
+        pool = self.registry.pools.get(pool_name)
+        worker = None if pool is None else pool.workers.get(worker_id)
+        if worker is not None:
+            worker.note_peer_load(self.loads.total(pool_name, worker_id))

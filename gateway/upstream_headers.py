@@ -1,0 +1,106 @@
+"""What the gateway sends a pool's workers besides the request body: the pool's API key, and the
+client headers the pool's `forward_headers` allows.
+
+Workers started with an API key (vLLM's `--api-key`, SGLang's `--api-key`) want
+`Authorization: Bearer <key>`; the gateway sends it on every request to them: completions,
+render calls, health checks and metric scrapes. The key comes from an environment variable or a
+file (a mounted Secret), is held only here, and never appears in a log line, a repr or
+`/admin/status`.
+
+A client's own headers reach a worker only when the pool names them. Hop-by-hop headers (they
+describe one connection, not the request), credentials (the client's key is the gateway's
+business, the worker's key is the pool's), and the headers the gateway sets itself can never be
+forwarded: the config is refused when it names one.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+
+# RFC 9110 7.6.1 and proxies' own; credentials and cookies; what the gateway writes itself.
+NEVER_FORWARDED = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "authorization",
+        "x-api-key",
+        "api-key",
+        "cookie",
+        "set-cookie",
+        "host",
+        "content-length",
+        "content-type",
+        "content-encoding",
+        "expect",
+        "x-request-id",
+    }
+)
+_TOKEN = re.compile(r"[a-z0-9!#$%&'*+.^_`|~-]+")
+
+
+def forwardable_name(name: str) -> str:
+    """`name` lower-cased, if a client header of that name may be forwarded; ValueError if not."""
+    lowered = name.strip().lower()
+    if not _TOKEN.fullmatch(lowered):
+        raise ValueError(f"{name!r} is not a header name")
+    if lowered in NEVER_FORWARDED:
+        raise ValueError(
+            f"{lowered!r} can never be forwarded (hop-by-hop, a credential, or set by the gateway)"
+        )
+    return lowered
+
+
+class WorkerAuth:
+    """A pool's API key for its workers, ready to send; `NO_AUTH` when the pool has none. The key
+    itself is not an attribute: only the two encodings of its header are kept."""
+
+    __slots__ = ("headers", "lean_lines")
+
+    def __init__(self, key: str | None) -> None:
+        if key is None:
+            self.headers: dict[str, str] = {}
+            self.lean_lines = b""
+            return
+        value = f"Bearer {key}"
+        self.headers = {"Authorization": value}
+        self.lean_lines = b"Authorization: " + value.encode("latin-1") + b"\r\n"
+
+    def __repr__(self) -> str:
+        return "WorkerAuth(<key>)" if self.headers else "WorkerAuth(none)"
+
+
+NO_AUTH = WorkerAuth(None)
+
+
+def check_worker_key(key: str) -> str:
+    """The key as it will be sent; ValueError (never quoting the key) when it cannot be a header."""
+    if not key:
+        raise ValueError("the worker API key is empty")
+    if any(ord(c) < 0x21 or ord(c) > 0x7E for c in key):
+        raise ValueError("the worker API key must be printable ASCII without spaces")
+    return key
+
+
+ClientHeaders = tuple[tuple[bytes, bytes], ...]
+
+
+def pick(raw: Iterable[tuple[bytes, bytes]], allowed: frozenset[bytes]) -> ClientHeaders:
+    """The client's headers whose (lower-case ASGI) names are in `allowed`, in their order."""
+    return tuple((name, value) for name, value in raw if name in allowed)
+
+
+def lean_lines(headers: ClientHeaders) -> bytes:
+    """`Name: value\\r\\n` lines (the HTTP server already refused CR and LF inside values)."""
+    return b"".join(name + b": " + value + b"\r\n" for name, value in headers)
+
+
+def aiohttp_pairs(headers: ClientHeaders) -> Sequence[tuple[str, str]]:
+    return [(name.decode("latin-1"), value.decode("latin-1")) for name, value in headers]

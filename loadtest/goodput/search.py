@@ -1,0 +1,88 @@
+"""The rate search: coarse geometric steps from a start rate to a bracket, then bisection.
+
+    r = start; pass(r)? step up by f until a rate fails : step down by f until one passes
+    (bounded by [lo_bound, hi_bound]); then while hi / lo > 1 + tol: m = sqrt(lo * hi), keep the
+    half whose ends still pass / fail.
+
+The capacity is the highest rate seen to pass below the lowest rate seen to fail, so it is never
+above a failing measurement. Bisection assumes attainment falls as the rate rises; a trace whose
+attainment is not monotone in the rate can have several crossings, and the search reports one of
+them. `passes` is called at most once per rate (the caller memoizes it across searches as well).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class SearchSettings:
+    """Where the search starts, its bounds, the coarse step factor and the relative tolerance."""
+
+    start: float
+    lo_bound: float
+    hi_bound: float
+    coarse_factor: float = 2.0
+    tolerance: float = 0.05
+
+    def __post_init__(self) -> None:
+        if not 0 < self.lo_bound <= self.start <= self.hi_bound:
+            raise ValueError("need 0 < lo_bound <= start <= hi_bound")
+        if self.coarse_factor <= 1 or self.tolerance <= 0:
+            raise ValueError("coarse_factor must exceed 1 and tolerance be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    """The bracket the search ended with.
+
+    `rate_scale` is the highest passing rate (None: even `lo_bound` failed); `failing_rate_scale`
+    the lowest failing rate above it (None: `hi_bound` passed, so the capacity is at least that).
+    """
+
+    rate_scale: float | None
+    failing_rate_scale: float | None
+
+
+def round_rate(rate: float) -> float:
+    """Rates are kept to 6 significant digits, so a memo or a resumed run finds them again."""
+    return float(f"{rate:.6g}")
+
+
+def find_capacity(passes: Callable[[float], bool], s: SearchSettings) -> Capacity:
+    """Bracket then bisect the highest rate at which `passes` holds (see the module doc)."""
+    f = s.coarse_factor
+    lo: float | None = None
+    hi: float | None = None
+    start = round_rate(s.start)
+    if passes(start):
+        lo = start
+        while hi is None:
+            nxt = round_rate(min(lo * f, s.hi_bound))
+            if nxt <= lo:
+                return Capacity(lo, None)
+            if passes(nxt):
+                lo = nxt
+            else:
+                hi = nxt
+    else:
+        hi = start
+        while lo is None:
+            nxt = round_rate(max(hi / f, s.lo_bound))
+            if nxt >= hi:
+                return Capacity(None, hi)
+            if passes(nxt):
+                lo = nxt
+            else:
+                hi = nxt
+    while hi / lo > 1 + s.tolerance:
+        mid = round_rate(math.sqrt(lo * hi))
+        if mid <= lo or mid >= hi:  # rounding ate the gap
+            break
+        if passes(mid):
+            lo = mid
+        else:
+            hi = mid
+    return Capacity(lo, hi)

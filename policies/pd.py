@@ -1,0 +1,311 @@
+"""Prefill/decode disaggregation: choose a request's prefill and decode workers together.
+
+In a P/D pool a route is a pair: the prefill worker P computes the prompt, its KV moves to the
+decode worker D, and D streams the answer. Every option is scored in seconds against one baseline,
+a full prefill of the prompt on an idle worker, so options compare directly (higher is better):
+
+    split(P, D) = prefill(P) − T_transfer(n − held_D) − T_decode(D) − T_kv(D)
+    alone(D)    = saved(held_D) − T_queue(D) − T_cold(D) − interference(D) − T_decode(D) − T_kv(D)
+
+- prefill(P) = saved(matched_P) − T_queue(P) − T_cold(P): the design's score, where P is what the
+  routing policy picks among the prefill-capable workers (`cost` ranks them by this very score; a
+  baseline by its own rule, which is what a comparison of prefill choices needs).
+- T_transfer = setup + tokens · bytes_per_token / bandwidth, for the prompt tokens D does not hold
+  (a decode worker reads only what its own prefix cache lacks).
+- T_decode(D) = output tokens × one decode step at D's batch after admitting this request: D's
+  decode load, the time the answer takes there.
+- T_kv(D): a large fixed penalty when D's free KV (reported usage × capacity) cannot hold the
+  request (it would wait for room or preempt): such a worker is chosen only when all are full.
+- alone(D) is conditional disaggregation: D computes what it lacks itself. A decode worker that
+  prefills stalls the requests it is decoding, so each of them (at least one) is charged the
+  prefill's compute (`interference_weight` per request). A prompt that is mostly cached on D
+  costs little there, and then skipping the split finishes sooner.
+
+The cost terms come from the policy's per-pool `CostModel` (the same model, calibrated online,
+that `cost` routes with); a policy that keeps no index supplies neither holdings nor a calibrated
+model, and the router falls back to zero holdings and the default constants.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from policies.base import Role, RouteDecision, RouteRequest, RoutingPolicy, WorkerId, WorkerView
+from policies.cost_model import CostModel, CostModelParams, transfer_time_s
+from policies.pools import available, load_of
+from policies.records import record
+
+SPLIT = "pd_split"
+# Why a request ran on one worker alone (the gateway counts these as skipped splits).
+ALONE_SOONER = "pd_alone_sooner"  # conditional disaggregation: it finishes sooner alone
+ALONE_NO_PAIR = "pd_alone_no_pair"  # no prefill worker, or no decode worker besides it, could take it
+ALONE_UNSPLITTABLE = "pd_alone_unsplittable"  # the request cannot be split (several sequences)
+
+
+@record
+class PdRoles:
+    """Which worker roles may play each part under a wire protocol."""
+
+    prefill: frozenset[Role]
+    decode: frozenset[Role]
+    alone: frozenset[Role]
+
+
+# vLLM's connector acts per request on every server (`kv_both`): a mixed worker may play either
+# half, and a decode worker also serves a plain request.
+VLLM_ROLES = PdRoles(
+    prefill=frozenset({Role.PREFILL, Role.MIXED}),
+    decode=frozenset({Role.DECODE, Role.MIXED}),
+    alone=frozenset({Role.DECODE, Role.MIXED}),
+)
+# SGLang's prefill and decode servers take requests only as a pair; a mixed server ignores the
+# bootstrap fields, so it never takes part in a split and serves whole requests only.
+SGLANG_ROLES = PdRoles(
+    prefill=frozenset({Role.PREFILL}),
+    decode=frozenset({Role.DECODE}),
+    alone=frozenset({Role.MIXED}),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PdSettings:
+    """A P/D pool's routing constants (seconds, tokens, bytes)."""
+
+    roles: PdRoles = VLLM_ROLES
+    transfer_setup_s: float = 0.001
+    transfer_bytes_per_token: int = 131_072
+    transfer_bandwidth_bytes_per_s: float = 45e9
+    conditional: bool = True
+    interference_weight: float = 1.0
+    default_output_tokens: int = 256
+    kv_full_penalty_s: float = 30.0
+    tie_s: float = 1e-4
+
+    def __post_init__(self) -> None:
+        if self.transfer_bandwidth_bytes_per_s <= 0 or self.transfer_bytes_per_token <= 0:
+            raise ValueError("transfer bandwidth and bytes per token must be > 0")
+        if min(self.transfer_setup_s, self.interference_weight, self.kv_full_penalty_s, self.tie_s) < 0:
+            raise ValueError(
+                "transfer_setup_s, interference_weight, kv_full_penalty_s and tie_s must be >= 0"
+            )
+        if self.default_output_tokens < 1:
+            raise ValueError("default_output_tokens must be >= 1")
+
+    def transfer_s(self, tokens: int) -> float:
+        """T_transfer of `tokens` prompt tokens from the prefill worker to the decode worker."""
+        return transfer_time_s(
+            tokens, self.transfer_setup_s, self.transfer_bytes_per_token, self.transfer_bandwidth_bytes_per_s
+        )
+
+
+@record
+class PdDecision:
+    """A P/D route: the prefill half (None when the decode worker runs the request alone), the
+    decode half, the option's score in seconds and a metrics-safe reason.
+
+    `transfer_tokens` is what the decode worker is expected to read from the prefill worker.
+    The decode half's `matched_tokens` is what it will hold before computing anything: the whole
+    prompt after a transfer, its own cached prefix when alone.
+    """
+
+    prefill: RouteDecision | None
+    decode: RouteDecision
+    score_s: float
+    reason: str
+    transfer_tokens: int = 0
+
+    @property
+    def skip_prefill(self) -> bool:
+        return self.prefill is None
+
+
+@runtime_checkable
+class PrefixHolder(Protocol):
+    """What a prefix-aware policy tells P/D routing: each worker's cached prompt tokens and the
+    pool's cost model (`policies.prefix_policy.PrefixPolicyBase` has both)."""
+
+    def held_tokens(
+        self, req: RouteRequest, shared_prefix_blocks: int, now_s: float
+    ) -> Mapping[WorkerId, int]:
+        """Prompt tokens each worker holds for `req`."""
+        ...
+
+    def cost_model(self, req: RouteRequest) -> CostModel:
+        """The request's pool's cost model."""
+        ...
+
+
+@record
+class _Option:
+    score_s: float
+    decode: WorkerView
+    held: int  # engine tokens the decode worker holds
+    split: bool
+
+
+class PdRouter:
+    """Chooses P/D pairs (see the module docstring). Pure: time comes in as `now_s`, and the only
+    state is the tie-breaking random generator."""
+
+    def __init__(self, settings: PdSettings, *, seed: int = 0) -> None:
+        self.settings = settings
+        self._rng = random.Random(seed)
+        self._default_cost = CostModel(CostModelParams())
+
+    def select(
+        self,
+        policy: RoutingPolicy,
+        req: RouteRequest,
+        workers: Sequence[WorkerView],
+        now_s: float,
+        *,
+        splittable: bool = True,
+        holder: PrefixHolder | None = None,
+    ) -> PdDecision | None:
+        """The best pair or lone worker for `req` among `workers` (all of the pool's, healthy or
+        not); None if no worker can serve it. `policy` picks the prefill worker; `holder` (by
+        default the policy, when it keeps an index) says what each worker holds. The decision is
+        not yet dispatched: the caller tells the policy of each half it sends."""
+        s = self.settings
+        if holder is None and isinstance(policy, PrefixHolder):
+            holder = policy
+        ok = available(workers)
+        prefill = self._prefill(policy, req, workers, ok, now_s) if splittable else None
+        cost = holder.cost_model(req) if holder is not None else self._default_cost
+        shared = prefill[0].shared_prefix_blocks if prefill is not None else 0
+        held = holder.held_tokens(req, shared, now_s) if holder is not None else {}
+        scorer = _Scorer(s, cost, req)
+        options: list[_Option] = []
+        if prefill is not None:
+            decision, view = prefill
+            prefill_s = scorer.prefill_s(view, scorer.engine(decision.matched_tokens))
+            for d in ok:
+                if d.role in s.roles.decode and d.worker_id != decision.worker:
+                    h = scorer.engine(held.get(d.worker_id, 0))
+                    options.append(_Option(prefill_s + scorer.split_s(d, h), d, h, True))
+        split_possible = bool(options)
+        if s.conditional or not split_possible:
+            for d in ok:
+                if d.role in s.roles.alone:
+                    h = scorer.engine(held.get(d.worker_id, 0))
+                    options.append(_Option(scorer.alone_s(d, h), d, h, False))
+        if not options:
+            return None
+        top = max(o.score_s for o in options)
+        best = [o for o in options if o.score_s >= top - s.tie_s]
+        chosen = best[0] if len(best) == 1 else self._rng.choice(best)
+        if not chosen.split:
+            reason = ALONE_SOONER if split_possible else ALONE_NO_PAIR if splittable else ALONE_UNSPLITTABLE
+        else:
+            reason = SPLIT
+        return self._decision(req, prefill[0] if prefill else None, chosen, cost, scorer, reason)
+
+    def _prefill(
+        self,
+        policy: RoutingPolicy,
+        req: RouteRequest,
+        workers: Sequence[WorkerView],
+        ok: Sequence[WorkerView],
+        now_s: float,
+    ) -> tuple[RouteDecision, WorkerView] | None:
+        """The policy's pick among the prefill-capable workers, with its view."""
+        candidates = [w for w in workers if w.role in self.settings.roles.prefill]
+        decision = policy.select(req, candidates, now_s) if candidates else None
+        if decision is None:
+            return None
+        view = next((w for w in ok if w.worker_id == decision.worker), None)
+        return None if view is None else (decision, view)
+
+    def _decision(
+        self,
+        req: RouteRequest,
+        prefill: RouteDecision | None,
+        chosen: _Option,
+        cost: CostModel,
+        scorer: _Scorer,
+        reason: str,
+    ) -> PdDecision:
+        shared = prefill.shared_prefix_blocks if prefill is not None else 0
+        worker = chosen.decode.worker_id
+        if chosen.split:
+            assert prefill is not None
+            # After the transfer the decode worker holds the whole prompt: nothing left to compute.
+            decode = RouteDecision(worker, chosen.score_s, reason, req.n_prompt_tokens, shared)
+            moved = max(0, scorer.n - chosen.held)
+            return PdDecision(prefill, decode, chosen.score_s, reason, moved)
+        matched = scorer.request_tokens(chosen.held)
+        decode = RouteDecision(worker, chosen.score_s, reason, matched, shared)
+        # The policy noted the prefill worker's predicted queue for calibration; the request's first
+        # token now comes from the decode worker, so calibrate against that one instead.
+        cost.note_dispatch(req.request_id, cost.queue_s(chosen.decode, scorer.n - chosen.held), chosen.held)
+        return PdDecision(None, decode, chosen.score_s, reason)
+
+
+class _Scorer:
+    """The terms of one request's options (engine tokens throughout)."""
+
+    __slots__ = ("adapter", "cost", "n", "out", "settings", "unit")
+
+    def __init__(self, settings: PdSettings, cost: CostModel, req: RouteRequest) -> None:
+        self.settings = settings
+        self.cost = cost
+        self.unit = cost.engine_tokens_per_request_token
+        self.n = int(req.n_prompt_tokens * self.unit)
+        self.out = req.max_output_tokens or settings.default_output_tokens
+        self.adapter = req.adapter
+
+    def engine(self, request_tokens: int) -> int:
+        """Request tokens (the normalizer's count) in engine tokens, at most the prompt."""
+        return min(int(request_tokens * self.unit), self.n)
+
+    def request_tokens(self, engine_tokens: int) -> int:
+        return int(engine_tokens / self.unit)
+
+    def prefill_s(self, view: WorkerView, matched: int) -> float:
+        """The design's score of the prefill worker: saved − queue − cold."""
+        cost = self.cost
+        return (
+            cost.saved_s(self.n, matched)
+            - cost.queue_s(view, self.n - matched)
+            - cost.cold_s(view, self.adapter)
+        )
+
+    def split_s(self, view: WorkerView, held: int) -> float:
+        """What decoding on `view` after a transfer adds to the prefill score (all costs)."""
+        transfer = self.settings.transfer_s(self.n - held)
+        return -transfer - self.decode_s(view) - self.kv_s(view)
+
+    def alone_s(self, view: WorkerView, held: int) -> float:
+        """The score of `view` computing what it lacks and decoding the answer itself."""
+        new = self.n - held
+        interference = self.interference_s(view, new, held)
+        return self.prefill_s(view, held) - interference - self.decode_s(view) - self.kv_s(view)
+
+    def decode_s(self, view: WorkerView) -> float:
+        """Output tokens × one decode step at the worker's batch with this request admitted."""
+        context = view.in_flight_decode_tokens + self.n + self.out // 2
+        return self.out * self.cost.decode_step_s(load_of(view) + 1, context)
+
+    def interference_s(self, view: WorkerView, new: int, held: int) -> float:
+        """The delay a prefill of `new` tokens on `view` adds to the requests it decodes: the
+        prefill's compute (the step's fixed cost is paid by the decodes anyway) for each request
+        running there, and at least one (a decode worker's compute is kept for decoding: an idle
+        one's next arrivals wait behind the prefill)."""
+        weight = self.settings.interference_weight
+        if new <= 0 or weight == 0:
+            return 0.0
+        cost = self.cost
+        steps = -(-new // cost.params.max_batched_tokens)
+        compute = cost.prefill_s(new, held) - cost.scale * cost.params.step_s * steps
+        return weight * max(1, load_of(view)) * max(0.0, compute)
+
+    def kv_s(self, view: WorkerView) -> float:
+        """A fixed penalty when the worker's free KV (as last reported) cannot hold the request."""
+        if view.kv_usage is None or view.num_gpu_blocks is None:
+            return 0.0
+        capacity = view.num_gpu_blocks * (view.engine_block_size or 16)
+        free = capacity * max(0.0, 1.0 - view.kv_usage)
+        return self.settings.kv_full_penalty_s if free < self.n + self.out else 0.0

@@ -1,0 +1,250 @@
+"""Replica sync, the policy's side: what one gateway publishes and how another applies it.
+
+Several gateways (replicas, or processes of one replica) route to the same workers. KV events and
+scraped metrics give each of them the workers' truth, but late (after a prefill) or coarse (one
+scrape a second); what happens between a decision and its evidence is known to the gateway that
+decided. Sync publishes exactly that, as keys and counts, never content:
+
+- `PeerHolding`: the origin routed a request, so `worker` will compute chain `keys` in `namespace`
+  of `pool`. A receiver records it as a speculative holding, as it records its own dispatches
+  (same TTL, counted from when it applies the holding: gateways' clocks are not comparable).
+- `PeerOutcome`: how that request ended. Served confirms the holding in place, as a local
+  completion does; any failure takes its unconfirmed blocks back.
+- `PeerLoad`: the origin's in-flight requests and tokens on one worker of one pool, a snapshot
+  that replaces the origin's previous one. `PeerLoads` sums the snapshots per worker, and
+  `with_peer_load` adds the sum to the `WorkerView` a policy scores.
+
+A policy publishes through a `SyncSink` (`set_sync_sink`); with none set (the default) its
+decision path pays one attribute test. `PeerRouting` keeps, bounded, the references that pair an
+outcome with its holding on both sides.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from typing import Protocol, runtime_checkable
+
+from policies.base import WorkerId, WorkerView
+from policies.records import record
+from prompt_normalizer.types import BlockKey
+
+
+@record
+class PeerHolding:
+    """A routing decision as peers apply it: chain `keys` (chained prefix keys, in order from block
+    0) of `namespace` in `pool` will be computed by `worker`. `ref` names the dispatch for its
+    outcome; the token counts let a peer account the prefill work routed to the worker."""
+
+    ref: int
+    pool: str
+    block_size_tokens: int
+    namespace: str
+    keys: tuple[BlockKey, ...]
+    worker: WorkerId
+    n_prompt_tokens: int
+    matched_tokens: int
+
+
+@record
+class PeerOutcome:
+    """How the dispatch `ref` ended: `served` (the worker computed every block) or not."""
+
+    ref: int
+    served: bool
+
+
+@record
+class PeerLoad:
+    """One gateway's in-flight load on one worker of one pool (its own accounting, a snapshot)."""
+
+    pool: str
+    worker: WorkerId
+    requests: int
+    prefill_tokens: int
+    decode_tokens: int
+
+    @property
+    def idle(self) -> bool:
+        return self.requests <= 0 and self.prefill_tokens <= 0 and self.decode_tokens <= 0
+
+
+PeerItem = PeerHolding | PeerOutcome
+# Called by a policy for each item it publishes, with the policy's `now_s`.
+SyncSink = Callable[[PeerItem, float], None]
+
+
+@runtime_checkable
+class SupportsPeerSync(Protocol):
+    """A policy that publishes its decisions and applies its peers' (the prefix-index policies)."""
+
+    def set_sync_sink(self, sink: SyncSink | None) -> None: ...
+
+    def apply_peer(self, origin: str, item: PeerItem, now_s: float) -> None: ...
+
+
+class PeerRouting:
+    """One policy's sync bookkeeping: the ref of each of its own dispatches still running (so its
+    outcome can name it) and the peers' holdings still waiting for their outcomes.
+
+    Both maps are bounded (oldest first out): an outcome that finds no holding is dropped, and the
+    holding it would have settled expires with its TTL, as a lost message would leave it.
+    """
+
+    MAX_PENDING = 65_536
+
+    __slots__ = ("_next_ref", "_own", "_peer", "counters")
+
+    def __init__(self) -> None:
+        self._next_ref = 0
+        self._own: OrderedDict[str, int] = OrderedDict()
+        self._peer: OrderedDict[tuple[str, int], PeerHolding] = OrderedDict()
+        self.counters: dict[str, int] = {}
+
+    def count(self, name: str) -> None:
+        self.counters[name] = self.counters.get(name, 0) + 1
+
+    def dispatched(self, request_id: str) -> int:
+        """A new ref for this dispatch of `request_id` (a retry replaces the earlier one)."""
+        self._next_ref += 1
+        own = self._own
+        own.pop(request_id, None)
+        own[request_id] = self._next_ref
+        if len(own) > self.MAX_PENDING:
+            own.popitem(last=False)
+        return self._next_ref
+
+    def finished(self, request_id: str) -> int | None:
+        """The ref of `request_id`'s running dispatch, now settled (None: not published)."""
+        return self._own.pop(request_id, None)
+
+    def remember(self, origin: str, holding: PeerHolding) -> None:
+        peer = self._peer
+        peer[(origin, holding.ref)] = holding
+        if len(peer) > self.MAX_PENDING:
+            peer.popitem(last=False)
+
+    def settle(self, origin: str, ref: int) -> PeerHolding | None:
+        """The holding a peer's outcome settles, if still remembered."""
+        return self._peer.pop((origin, ref), None)
+
+    def pending(self) -> tuple[int, int]:
+        """(own dispatches awaiting an outcome, peers' holdings awaiting theirs)."""
+        return len(self._own), len(self._peer)
+
+
+_Slot = tuple[str, WorkerId]
+
+
+class PeerLoads:
+    """Peers' in-flight snapshots, summed per (pool, worker).
+
+    A peer not heard from for `ttl_s` is forgotten with its loads, so a gateway that died or was
+    cut off stops weighing on the workers it used. Invariant (`check_invariants`): `_sums[s]` is
+    the sum over origins of their snapshot at `s`, and holds only slots with load.
+    """
+
+    def __init__(self, ttl_s: float = 3.0) -> None:
+        if ttl_s <= 0:
+            raise ValueError("ttl_s must be > 0")
+        self.ttl_s = ttl_s
+        self._heard: dict[str, float] = {}
+        self._by_origin: dict[str, dict[_Slot, PeerLoad]] = {}
+        self._sums: dict[_Slot, tuple[int, int, int]] = {}
+
+    def note(self, origin: str, loads: Iterable[PeerLoad], now_s: float, *, full: bool) -> set[_Slot]:
+        """Apply `origin`'s snapshots: `full` means they are all its load (a slot it leaves out is
+        idle), otherwise only the slots listed changed. Returns the slots whose sum changed."""
+        self._heard[origin] = now_s
+        mine = self._by_origin.setdefault(origin, {})
+        changed: set[_Slot] = set()
+        if full:
+            for slot in list(mine):
+                self._put(mine, slot, None, changed)
+        for load in loads:
+            self._put(mine, (load.pool, load.worker), None if load.idle else load, changed)
+        if not mine:
+            del self._by_origin[origin]
+        return changed
+
+    def _put(
+        self, mine: dict[_Slot, PeerLoad], slot: _Slot, load: PeerLoad | None, changed: set[_Slot]
+    ) -> None:
+        old = mine.pop(slot, None)
+        if old is None and load is None:
+            return
+        r, p, d = self._sums.get(slot, (0, 0, 0))
+        if old is not None:
+            r, p, d = r - old.requests, p - old.prefill_tokens, d - old.decode_tokens
+        if load is not None:
+            mine[slot] = load
+            r, p, d = r + load.requests, p + load.prefill_tokens, d + load.decode_tokens
+        if r or p or d:
+            self._sums[slot] = (r, p, d)
+        else:
+            self._sums.pop(slot, None)
+        changed.add(slot)
+
+    def expire(self, now_s: float) -> set[_Slot]:
+        """Forget peers silent for `ttl_s`; returns the slots whose sum changed."""
+        changed: set[_Slot] = set()
+        for origin, heard in list(self._heard.items()):
+            if now_s - heard < self.ttl_s:
+                continue
+            del self._heard[origin]
+            mine = self._by_origin.pop(origin, {})
+            for slot in list(mine):
+                self._put(mine, slot, None, changed)
+        return changed
+
+    def total(self, pool: str, worker: WorkerId) -> PeerLoad | None:
+        """The peers' summed load on `worker` of `pool` (None: none)."""
+        found = self._sums.get((pool, worker))
+        if found is None:
+            return None
+        return PeerLoad(pool, worker, *found)
+
+    @property
+    def any(self) -> bool:
+        return bool(self._sums)
+
+    def heard_from(self, origin: str) -> bool:
+        return origin in self._heard
+
+    def peers(self) -> int:
+        """Peers heard from within `ttl_s` of the last `expire`."""
+        return len(self._heard)
+
+    def check_invariants(self) -> None:
+        sums: dict[_Slot, tuple[int, int, int]] = {}
+        for mine in self._by_origin.values():
+            assert mine, "an origin without load is kept"
+            for slot, load in mine.items():
+                assert not load.idle, "an idle snapshot is kept"
+                r, p, d = sums.get(slot, (0, 0, 0))
+                sums[slot] = (r + load.requests, p + load.prefill_tokens, d + load.decode_tokens)
+        assert sums == self._sums, "sums drifted from the snapshots"
+        assert set(self._by_origin) <= set(self._heard), "load from a peer never heard"
+
+
+def with_peer_load(view: WorkerView, load: PeerLoad | None) -> WorkerView:
+    """`view` with the peers' in-flight load added. A worker's `max_in_flight` is this gateway's own
+    cap, so it is raised by the peers' requests: peers' load weighs on the score, not on the cap."""
+    if load is None:
+        return view
+    cap = view.max_in_flight
+    return WorkerView(
+        worker_id=view.worker_id,
+        healthy=view.healthy,
+        in_flight_requests=view.in_flight_requests + load.requests,
+        in_flight_prefill_tokens=view.in_flight_prefill_tokens + load.prefill_tokens,
+        in_flight_decode_tokens=view.in_flight_decode_tokens + load.decode_tokens,
+        max_in_flight=None if cap is None else cap + load.requests,
+        num_requests_waiting=view.num_requests_waiting,
+        num_requests_running=view.num_requests_running,
+        kv_usage=view.kv_usage,
+        num_gpu_blocks=view.num_gpu_blocks,
+        engine_block_size=view.engine_block_size,
+        loaded_adapters=view.loaded_adapters,
+        warming=view.warming,
+    )

@@ -1,0 +1,150 @@
+"""Two real gateway processes sharing one nats-server, in front of emulated workers (approximate
+mode, no KV events): what gateway A routes, gateway B routes to the same worker; the broker carries
+keys and counts, never the prompt; with the broker killed both keep serving."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import nats
+import pytest
+from nats.aio.msg import Msg
+
+from gateway.sync.broker import LocalBroker
+from tests.e2e.harness import Proc, free_port, start, start_gateway, tenant, wait_http, write_gateway_config
+from tests.support.wait import wait_until_sync
+
+KEY = "sk-sync-e2e"
+SUBJECT = "kvgate.e2e"
+
+
+@dataclass
+class Pair:
+    broker: LocalBroker
+    gateways: list[str]
+    procs: list[Proc]
+    metrics_urls: dict[str, str]  # gateway base URL -> its own metrics listener
+
+    def metric(self, base: str, name: str) -> float:
+        text = httpx.get(self.metrics_urls[base] + "/metrics", timeout=5).text
+        found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    def wait_metric(self, base: str, name: str, ok: Callable[[float], bool], timeout_s: float = 20.0) -> None:
+        wait_until_sync(lambda: ok(self.metric(base, name)), timeout_s, f"{name} at {base}")
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    tmp = tmp_path_factory.mktemp("sync")
+    broker = LocalBroker(free_port(), tmp)
+    procs: list[Proc] = []
+    try:
+        broker.start()
+        urls = []
+        for i in range(3):
+            port = free_port()
+            argv = [
+                sys.executable,
+                "-m",
+                "loadtest.emulator",
+                "--port",
+                str(port),
+                "--model",
+                "m",
+                "--seed",
+                str(i),
+            ]
+            procs.append(start(argv))
+            urls.append(f"http://127.0.0.1:{port}")
+            wait_http(urls[-1] + "/health", procs[-1])
+        sync = {"url": broker.url, "subject_prefix": SUBJECT, "batch_interval_s": 0.002}
+        pools = [
+            {"name": "p", "models": ["m"], "workers": urls, "health": {"interval_s": 0.5, "timeout_s": 3}}
+        ]
+        config = write_gateway_config(Path(tmp) / "gateway.yaml", pools, [tenant("t", KEY)], sync=sync)
+        bases, metrics_urls = [], {}
+        for _ in range(2):
+            port, metrics_port = free_port(), free_port()
+            procs.append(start_gateway(config, port, metrics_port))
+            bases.append(f"http://127.0.0.1:{port}")
+            metrics_urls[bases[-1]] = f"http://127.0.0.1:{metrics_port}"
+        yield Pair(broker, bases, procs, metrics_urls)
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+        broker.stop()
+
+
+def _ask(base: str, system: str, question: str) -> int:
+    body = {
+        "model": "m",
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+        "max_tokens": 2,
+    }
+    resp = httpx.post(
+        base + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {KEY}"}, timeout=30
+    )
+    assert resp.status_code == 200, resp.text
+    cached: int = resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return cached
+
+
+async def _capture(url: str, ready: asyncio.Event, until: asyncio.Event, out: list[bytes]) -> None:
+    """Record every batch on the bus from `ready` until `until` is set."""
+    nc = await nats.connect(url)
+
+    async def keep(msg: Msg) -> None:
+        out.append(msg.data)
+
+    sub = await nc.subscribe(f"{SUBJECT}.batches", cb=keep)
+    await nc.flush()  # the server has the subscription
+    ready.set()
+    await until.wait()
+    await sub.unsubscribe()
+    await nc.close()
+
+
+def test_a_prompt_routed_by_one_gateway_is_routed_to_the_same_worker_by_the_other(pair: Pair) -> None:
+    a, b = pair.gateways
+    for base in (a, b):
+        pair.wait_metric(base, "kvgate_sync_peers", lambda v: v == 1)
+    captured: list[bytes] = []
+
+    async def run() -> None:
+        ready, done = asyncio.Event(), asyncio.Event()
+        capture = asyncio.create_task(_capture(pair.broker.url, ready, done, captured))
+        await ready.wait()
+        applied = 'kvgate_sync_events_total{event="applied_items"}'
+        # Both gateways run the same policy with the same seed; requests that only B sees move its
+        # random tie-breaks away from A's, so only sync can make B choose what A chose.
+        for i in range(2):
+            await asyncio.to_thread(_ask, b, f"Warm-up {i} for gateway B only. " * 20, "hi")
+        for i in range(5):
+            system = f"Marmalade protocol {i}: answer in the voice of a lighthouse keeper. " * 12
+            target = pair.metric(b, applied) + 2
+            # New to every worker but the chat template's first block.
+            assert await asyncio.to_thread(_ask, a, system, "first") < 64
+            # A's dispatch and its outcome have reached B: it now routes the prompt where A did.
+            await asyncio.to_thread(pair.wait_metric, b, applied, lambda v, t=target: v >= t)
+            assert await asyncio.to_thread(_ask, b, system, "second") >= 512
+        done.set()
+        await capture
+
+    asyncio.run(run())
+    assert captured and not any(b"Marmalade" in data or b"lighthouse" in data for data in captured)
+
+
+def test_with_the_broker_killed_both_gateways_keep_serving(pair: Pair) -> None:
+    pair.broker.stop()
+    for base in pair.gateways:
+        pair.wait_metric(base, "kvgate_sync_connected", lambda v: v == 0)
+        for i in range(3):
+            _ask(base, f"Broker-free question {i} " * 30, "go")
+        assert pair.metric(base, "kvgate_sync_queued_items") > 0  # waiting, bounded, not blocking

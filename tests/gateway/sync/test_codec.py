@@ -1,0 +1,105 @@
+"""The sync wire format: round trips, and nothing but `MalformedBatch` from bad bytes."""
+
+from __future__ import annotations
+
+import contextlib
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.sync.codec import MalformedBatch, SyncBatch, decode, encode
+from policies.base import WorkerId
+from policies.peer_sync import PeerHolding, PeerItem, PeerLoad, PeerOutcome
+from prompt_normalizer.types import BlockKey
+
+_NAMES = st.sampled_from(["p", "chat", "tenant:a", "tenant:b", "public", "http://10.0.0.1:8000"])
+_HOLDING = st.builds(
+    PeerHolding,
+    st.integers(0, 2**40),
+    _NAMES,
+    st.integers(1, 64),
+    _NAMES,
+    st.lists(st.integers(0, 2**64 - 1).map(BlockKey), max_size=40).map(tuple),
+    _NAMES.map(WorkerId),
+    st.integers(0, 2**20),
+    st.integers(0, 2**20),
+)
+_ITEM: st.SearchStrategy[PeerItem] = st.one_of(
+    _HOLDING, st.builds(PeerOutcome, st.integers(0, 2**40), st.booleans())
+)
+_LOAD = st.builds(
+    PeerLoad, _NAMES, _NAMES.map(WorkerId), st.integers(0, 999), st.integers(0, 10**7), st.integers(0, 10**6)
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.text(min_size=1, max_size=30),
+    st.integers(0, 2**40),
+    st.floats(0, 2e9),
+    st.booleans(),
+    st.lists(_ITEM, max_size=12),
+    st.lists(_LOAD, max_size=6),
+)
+def test_a_batch_survives_the_wire(
+    origin: str, seq: int, sent: float, full: bool, items: list[PeerItem], loads: list[PeerLoad]
+) -> None:
+    batch = SyncBatch(origin, seq, sent, full, tuple(items), tuple(loads))
+    assert decode(encode(batch)) == batch
+
+
+def test_the_wire_carries_the_documented_fields_only() -> None:
+    keys = (BlockKey(1), BlockKey(2**64 - 1))
+    batch = SyncBatch(
+        "gw-a", 3, 1.5, False,
+        (PeerHolding(7, "p", 16, "tenant:a", keys, WorkerId("w0"), 40, 16), PeerOutcome(7, True)),
+        (PeerLoad("p", WorkerId("w0"), 1, 40, 8),),
+    )  # fmt: skip
+    doc = msgpack.unpackb(encode(batch), raw=False)
+    assert set(doc) == {"v", "o", "s", "t", "f", "p", "n", "w", "i", "k", "l"}
+    assert doc["n"] == ["tenant:a"] and doc["w"] == ["w0"] and len(doc["k"]) == 16
+    assert doc["i"] == [[0, 7, 0, 16, 0, 0, 2, 40, 16], [1, 7, True]]
+
+
+def _doc(**over: object) -> bytes:
+    doc = {"v": 1, "o": "a", "s": 1, "t": 0.0, "f": False, "p": ["p"], "n": ["t"], "w": ["w"]}
+    doc.update({"i": [[0, 1, 0, 16, 0, 0, 1, 16, 0]], "k": b"\x00" * 8, "l": [[0, 0, 1, 2, 3]]})
+    doc.update(over)
+    return msgpack.packb(doc, use_bin_type=True)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"\xc1",
+        msgpack.packb([1, 2]),
+        _doc(v=2),
+        _doc(k=b"\x00" * 7),
+        _doc(k=b""),  # a holding names one key, none is sent
+        _doc(k=b"\x00" * 16),  # one key left over
+        _doc(i=[[0, 1, 5, 16, 0, 0, 1, 16, 0]]),  # pool index out of range
+        _doc(i=[[0, 1, -1, 16, 0, 0, 1, 16, 0]]),  # a negative index is not the last name
+        _doc(i=[[0, 1, 0, 0, 0, 0, 1, 16, 0]]),  # block size 0
+        _doc(i=[[2, 1]]),
+        _doc(i=[[1, 1, 1]]),  # served must be a boolean
+        _doc(i="xyz"),
+        _doc(l=[[0, 0, -1, 0, 0]]),
+        _doc(l=[[0, 0, 1]]),
+        _doc(p=[1]),
+        _doc(o=5),
+        _doc(f=1),
+    ],
+)
+def test_anything_else_is_a_malformed_batch(data: bytes) -> None:
+    with pytest.raises(MalformedBatch):
+        decode(data)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=200))
+def test_random_bytes_never_raise_anything_else(data: bytes) -> None:
+    with contextlib.suppress(MalformedBatch):
+        decode(data)

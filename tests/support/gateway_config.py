@@ -1,0 +1,25 @@
+"""Gateway configs written by tests: the key secret, tenants with hashed keys, the YAML file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gateway.auth import hash_api_key
+
+SECRET = b"e2e-test-secret"
+
+
+def tenant(name: str, key: str, secret: bytes = SECRET, **extra: Any) -> dict[str, Any]:
+    """A tenant entry whose API key `key` is accepted by a gateway holding `secret`."""
+    return {"name": name, "api_key_hashes": [hash_api_key(secret, key)], **extra}
+
+
+def write_gateway_config(
+    path: Path, pools: list[dict[str, Any]], tenants: list[dict[str, Any]], **extra: Any
+) -> Path:
+    config = {"pools": pools, "tenants": tenants, **extra}
+    path.write_text(yaml.safe_dump(config))
+    return path

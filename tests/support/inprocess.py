@@ -1,0 +1,57 @@
+"""A gateway in the test's own event loop: the real app over a real state, its lifespan entered
+(health checks, scrapers, discovery run as in `kvgate serve`), and an httpx client that speaks
+ASGI to it. Workers, if any, are real servers on 127.0.0.1 that the test starts."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from gateway.app import GatewayApp, build_app
+from gateway.config import GatewayConfig, parse_config
+from gateway.policy_watch import PolicyWatcher
+from gateway.state import GatewayState, PolicySwap, build_state
+from policies.base import RoutingPolicy
+from prompt_normalizer.normalizer import NormalizerConfig
+from tests.support.gateway_config import SECRET
+
+
+@dataclass
+class InProcessGateway:
+    """The running app, its state, and a client whose base URL is the gateway."""
+
+    app: GatewayApp
+    state: GatewayState
+    client: httpx.AsyncClient
+
+
+@contextlib.asynccontextmanager
+async def gateway_in_process(
+    config: GatewayConfig | Mapping[str, Any],
+    policy: RoutingPolicy,
+    *,
+    secret: bytes = SECRET,
+    normalizer: NormalizerConfig | None = None,
+    watcher: PolicyWatcher | None = None,
+    swap: PolicySwap | None = None,
+    timeout_s: float = 10.0,
+) -> AsyncIterator[InProcessGateway]:
+    """Build the state and app as `kvgate serve` does and run them until the block exits.
+
+    `config` is a parsed config or the raw mapping a YAML file would hold; `watcher` and `swap`
+    come from `gateway.serve.load_policy` when the test reloads a policy file."""
+    parsed = config if isinstance(config, GatewayConfig) else parse_config(dict(config))
+    state = build_state(parsed, secret, policy, normalizer or NormalizerConfig())
+    if swap is not None:
+        swap.state = state
+    app = build_app(state, watcher)
+    transport = httpx.ASGITransport(app=app)
+    async with (
+        app.fallback.router.lifespan_context(app.fallback),
+        httpx.AsyncClient(transport=transport, base_url="http://gw", timeout=timeout_s) as client,
+    ):
+        yield InProcessGateway(app, state, client)

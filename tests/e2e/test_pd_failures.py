@@ -134,7 +134,7 @@ def _wait_routable(stack: PdStack, pools: dict[str, int]) -> None:
             for pool, n in pools.items()
         )
 
-    wait_until_sync(routable, timeout_s=20, what=f"routable workers {pools}")
+    wait_until_sync(routable, timeout_s=60, what=f"routable workers {pools}")
 
 
 def _prompt(i: int) -> list[dict[str, str]]:

@@ -23,13 +23,23 @@ from tests.support.wait import wait_until_sync
 REPO = Path(__file__).resolve().parents[2]
 
 
+# Ports this test process has handed out. A port is often bound by its process only later (a
+# worker's second listener, a config written before the gateway starts), and the kernel readily
+# hands a just-closed port out again: never give the same one twice.
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A port nothing listens on right now (the kernel's pick; another process may take it later,
-    which the caller's start-up wait then reports)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    """A port nothing listens on right now and that this test process has not handed out before
+    (the kernel's pick; another process may still take it later, which the caller's start-up
+    wait then reports)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port: int = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 @dataclass

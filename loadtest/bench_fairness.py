@@ -29,6 +29,7 @@ from typing import Any
 import orjson
 import yaml
 
+from loadtest.cli_args import positive_float, positive_int
 from loadtest.fairness_load import Sample, Tenant, percentile, queue_waits_ms, run_phase
 from loadtest.peers.emulators import EmulatorPool, EmulatorSettings, free_port
 from loadtest.peers.kvgate import BENCH_SECRET, bench_api_key
@@ -37,34 +38,20 @@ from loadtest.report.meta import run_metadata
 from policies.identity import hash_api_key
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", type=_positive_int, default=2, help="emulated workers (default 2)")
+    parser.add_argument("--workers", type=positive_int, default=2, help="emulated workers (default 2)")
     parser.add_argument(
-        "--max-in-flight", type=_positive_int, default=4, help="max_in_flight_per_worker (default 4)"
+        "--max-in-flight", type=positive_int, default=4, help="max_in_flight_per_worker (default 4)"
     )
-    parser.add_argument("--light-clients", type=_positive_int, default=2, help="light tenant's clients")
-    parser.add_argument("--ratio", type=_positive_int, default=10, help="heavy clients per light client")
-    parser.add_argument("--max-tokens", type=_positive_int, default=64, help="tokens per answer")
-    parser.add_argument("--prompt-chars", type=_positive_int, default=400, help="prompt length (tokens)")
-    parser.add_argument("--duration-s", type=_positive_float, default=20.0, help="length of each phase")
+    parser.add_argument("--light-clients", type=positive_int, default=2, help="light tenant's clients")
+    parser.add_argument("--ratio", type=positive_int, default=10, help="heavy clients per light client")
+    parser.add_argument("--max-tokens", type=positive_int, default=64, help="tokens per answer")
+    parser.add_argument("--prompt-chars", type=positive_int, default=400, help="prompt length (tokens)")
+    parser.add_argument("--duration-s", type=positive_float, default=20.0, help="length of each phase")
     parser.add_argument("--warmup-s", type=float, default=2.0, help="start of each phase not counted")
-    parser.add_argument("--queue-timeout-s", type=_positive_float, default=60.0, help="queue.timeout_s")
+    parser.add_argument("--queue-timeout-s", type=positive_float, default=60.0, help="queue.timeout_s")
     parser.add_argument("--orders", default="fair,fifo", help="queue orders of the flood phases")
-    parser.add_argument("--time-scale", type=_positive_float, default=1.0, help="emulator time scale")
+    parser.add_argument("--time-scale", type=positive_float, default=1.0, help="emulator time scale")
     parser.add_argument("--seed", type=int, default=0, help="seed of prompts and emulators")
     parser.add_argument("--json", default=None, help="also write every figure to this file")
     parser.add_argument("--workdir", default=None, help="keep configs and logs here (default: temporary)")

@@ -24,6 +24,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
+from loadtest.cli_args import positive_float, positive_int
 from loadtest.peers.emulators import EmulatorPool, EmulatorSettings, free_port
 from loadtest.peers.kvgate import bench_api_key, build_kvgate_command
 from loadtest.peers.launch import (
@@ -49,20 +50,6 @@ from loadtest.workloads.text import synth_text
 DEFAULT_KV_BLOCKS = 27000  # the default profile's pool; used for the pooled-LRU ceiling when not given
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--workload", default=None, help=f"synthetic workload ({', '.join(sorted(WORKLOADS))})")
@@ -76,31 +63,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--workload-arg", action="append", default=[], metavar="K=V", help="workload option (repeatable)"
     )
     parser.add_argument(
-        "--users", type=_positive_int, default=1, help="replay a trace as this many salted users"
+        "--users", type=positive_int, default=1, help="replay a trace as this many salted users"
     )
-    parser.add_argument("--max-requests", type=_positive_int, default=200, help="only the first N requests")
+    parser.add_argument("--max-requests", type=positive_int, default=200, help="only the first N requests")
     parser.add_argument(
-        "--rate-scale", type=_positive_float, default=1.0, help="multiply the arrival rate by X"
+        "--rate-scale", type=positive_float, default=1.0, help="multiply the arrival rate by X"
     )
     parser.add_argument(
         "--routers", default="kvgate:round_robin,sglang-router", help="comma-separated routers to compare"
     )
-    parser.add_argument("--workers", type=_positive_int, default=4, help="emulated workers (default 4)")
+    parser.add_argument("--workers", type=positive_int, default=4, help="emulated workers (default 4)")
     parser.add_argument("--profile", default=None, help="emulator step-time profile (default: its own)")
     parser.add_argument(
-        "--kv-blocks", type=_positive_int, default=None, help="KV blocks per worker (default: profile)"
+        "--kv-blocks", type=positive_int, default=None, help="KV blocks per worker (default: profile)"
     )
     parser.add_argument(
-        "--time-scale", type=_positive_float, default=1.0, help="emulator model seconds per real second"
+        "--time-scale", type=positive_float, default=1.0, help="emulator model seconds per real second"
     )
     parser.add_argument("--model", default="emulated-llama", help="served model name")
     parser.add_argument("--seed", type=int, default=0, help="seed of workload and emulators (default 0)")
-    parser.add_argument("--max-in-flight", type=_positive_int, default=128, help="client concurrency bound")
+    parser.add_argument("--max-in-flight", type=positive_int, default=128, help="client concurrency bound")
     parser.add_argument(
-        "--time-limit-s", type=_positive_float, default=120.0, help="stop sending after this long"
+        "--time-limit-s", type=positive_float, default=120.0, help="stop sending after this long"
     )
     parser.add_argument(
-        "--sample-interval-s", type=_positive_float, default=0.5, help="per-worker load sampling period"
+        "--sample-interval-s", type=positive_float, default=0.5, help="per-worker load sampling period"
     )
     parser.add_argument(
         "--warmup-requests",

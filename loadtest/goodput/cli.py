@@ -23,6 +23,7 @@ from pathlib import Path
 
 import orjson
 
+from loadtest.cli_args import positive_float, positive_int
 from loadtest.engine import ProfileError, StepProfile, load_profile
 from loadtest.goodput.config import GoodputConfig, GoodputConfigError, TraceSpec, load_goodput_config
 from loadtest.goodput.report import TraceOutcome, run_document, trace_table
@@ -35,29 +36,15 @@ from loadtest.traces.files import TraceFormatError
 from policies.registry import known_policies
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="goodput YAML (default: the shipped default.yaml)")
     parser.add_argument("--traces", help="comma-separated subset of the config's traces")
     parser.add_argument("--policies", help="comma-separated subset of the config's policies")
     parser.add_argument(
-        "--max-requests", type=_positive_int, help="replay only the first N requests of each trace"
+        "--max-requests", type=positive_int, help="replay only the first N requests of each trace"
     )
     parser.add_argument(
-        "--window-s", type=_positive_float, help="replay only requests arriving within S s of the first"
+        "--window-s", type=positive_float, help="replay only requests arriving within S s of the first"
     )
     parser.add_argument("--seed", type=int, help="override the config's seed")
     parser.add_argument("--out", default="bench-goodput", help="output directory (default bench-goodput)")

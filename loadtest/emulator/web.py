@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 import orjson
@@ -33,6 +33,12 @@ def worker_of(request: Request) -> EmulatedWorker:
     """The app's worker (set by the lifespan)."""
     w: EmulatedWorker = request.app.state.worker
     return w
+
+
+def named_event(kind: str, data: Mapping[str, Any]) -> bytes:
+    """A server-sent event named `kind` whose JSON data leads with `"type": kind`: the framing of
+    the Responses and Anthropic Messages streams (chat streams send data-only events)."""
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **data}) + b"\n\n"
 
 
 async def read_body(request: Request, limit_bytes: int = MAX_BODY_BYTES) -> bytes:

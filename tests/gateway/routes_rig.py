@@ -15,22 +15,21 @@ from gateway.config import parse_config
 from gateway.state import GatewayState, build_state
 from policies import make_policy
 from policies.base import (
-    KvEvent,
     Observation,
     RouteDecision,
     RouteRequest,
     RoutingPolicy,
-    WorkerId,
     WorkerView,
 )
 from prompt_normalizer.normalizer import NormalizerConfig
 from tests.gateway.routes_worker import Received, RoutesWorker, start
+from tests.support.policies import IgnoresFeedback
 
 SECRET = b"routes"
 KEY = {"authorization": "Bearer sk-t"}
 
 
-class Recording:
+class Recording(IgnoresFeedback):
     """round_robin, remembering what it was asked."""
 
     name = "recording"
@@ -49,9 +48,6 @@ class Recording:
 
     def on_complete(self, obs: Observation, now_s: float) -> None:
         self.observations.append(obs)
-
-    def on_kv_event(self, worker: WorkerId, event: KvEvent, now_s: float) -> None:
-        return None
 
 
 @dataclass

@@ -17,11 +17,12 @@ from gateway.failure import Failure
 from gateway.metrics import GatewayMetrics
 from gateway.queueing import PoolQueue
 from gateway.registry import Pool, Worker
-from policies.base import KvEvent, Observation, RouteDecision, RouteRequest, WorkerId, WorkerView
+from policies.base import RouteDecision, RouteRequest, WorkerView
+from tests.support.policies import IgnoresFeedback
 from tests.support.wait import wait_until
 
 
-class FirstFree:
+class FirstFree(IgnoresFeedback):
     """Picks the first healthy worker below its cap."""
 
     name = "first_free"
@@ -30,15 +31,6 @@ class FirstFree:
         for w in workers:
             if w.healthy and (w.max_in_flight is None or w.in_flight_requests < w.max_in_flight):
                 return RouteDecision(w.worker_id, 0.0, "first")
-        return None
-
-    def on_dispatch(self, req: RouteRequest, decision: RouteDecision, now_s: float) -> None:
-        return None
-
-    def on_complete(self, obs: Observation, now_s: float) -> None:
-        return None
-
-    def on_kv_event(self, worker: WorkerId, event: KvEvent, now_s: float) -> None:
         return None
 
 

@@ -19,23 +19,22 @@ from gateway.auth import hash_api_key
 from gateway.disconnect import DisconnectWatch
 from gateway.state import GatewayState
 from policies.base import (
-    KvEvent,
     Observation,
     Outcome,
     RouteDecision,
     RouteRequest,
-    WorkerId,
     WorkerView,
 )
 from prompt_normalizer.types import PUBLIC_NAMESPACE
 from tests.prompt_normalizer.tiny_model import build_tiny_model
 from tests.support.inprocess import gateway_in_process
+from tests.support.policies import IgnoresFeedback
 
 SECRET = b"k"
 
 
 @dataclass
-class ScriptedPolicy:
+class ScriptedPolicy(IgnoresFeedback):
     """Picks the first healthy worker and claims `shared_blocks` public blocks; records feedback."""
 
     name: str = "scripted"
@@ -50,14 +49,8 @@ class ScriptedPolicy:
             return None
         return RouteDecision(healthy[0].worker_id, 0.0, "first", shared_prefix_blocks=self.shared_blocks)
 
-    def on_dispatch(self, req: RouteRequest, decision: RouteDecision, now_s: float) -> None:
-        return None
-
     def on_complete(self, obs: Observation, now_s: float) -> None:
         self.observations.append(obs)
-
-    def on_kv_event(self, worker: WorkerId, event: KvEvent, now_s: float) -> None:
-        return None
 
 
 @dataclass

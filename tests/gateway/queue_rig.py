@@ -21,6 +21,7 @@ from gateway.queueing import PoolQueue
 from gateway.state import GatewayState, build_state
 from prompt_normalizer.normalizer import NormalizerConfig
 from tests.gateway.routes_rig import Recording
+from tests.support.loopback import serve_app
 from tests.support.wait import wait_until
 
 SECRET = b"k"
@@ -79,12 +80,8 @@ async def queue_rigs() -> AsyncIterator[RigFactory]:
         worker = web.Application()
         worker.router.add_get("/health", health)
         worker.router.add_post("/v1/chat/completions", chat)
-        runner = web.AppRunner(worker)
-        await runner.setup()
+        runner, port = await serve_app(worker)
         stack.push_async_callback(runner.cleanup)
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
         def tenant(name: str, weight: float = 1.0) -> dict[str, Any]:
             return {"name": name, "api_key_hashes": [hash_api_key(SECRET, f"sk-{name}")], "weight": weight}

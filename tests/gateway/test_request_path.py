@@ -28,6 +28,7 @@ from policies.base import (
 from prompt_normalizer.types import PUBLIC_NAMESPACE
 from tests.prompt_normalizer.tiny_model import build_tiny_model
 from tests.support.inprocess import gateway_in_process
+from tests.support.loopback import serve_app
 from tests.support.policies import IgnoresFeedback
 
 SECRET = b"k"
@@ -124,11 +125,7 @@ async def rig(tiny_model: Path) -> AsyncIterator[Rig]:
     server = web.Application()
     server.router.add_get("/health", health)
     server.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(server)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, port = await serve_app(server)
 
     def tenant(name: str, isolation: str) -> dict[str, Any]:
         return {"name": name, "api_key_hashes": [hash_api_key(SECRET, f"sk-{name}")], "isolation": isolation}

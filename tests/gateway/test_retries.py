@@ -17,6 +17,7 @@ from gateway.retries import advice, attempts_allowed, forwardable, retries_taken
 from gateway.state import GatewayState, build_state
 from policies import make_policy
 from prompt_normalizer.normalizer import NormalizerConfig
+from tests.support.loopback import serve_app
 
 SECRET = b"k"
 NO = [(b"x-should-retry", b"false")]
@@ -108,12 +109,9 @@ async def rig() -> AsyncIterator[Rig]:
 
     runners, urls = [], []
     for name in ("a", "b", "c"):
-        runner = web.AppRunner(app_for(name))
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
+        runner, port = await serve_app(app_for(name))
         runners.append(runner)
-        urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")  # type: ignore[union-attr]
+        urls.append(f"http://127.0.0.1:{port}")
     breaker = {"failure_threshold": 1000}
     config = parse_config(
         {

@@ -31,6 +31,7 @@ from gateway.state import GatewayState, build_state
 from gateway.tracing import AttemptTrace, RequestTracer
 from policies.config import PolicyConfig, build_policy
 from prompt_normalizer.normalizer import NormalizerConfig
+from tests.support.loopback import serve_app
 
 SECRET = b"k"
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
@@ -99,11 +100,7 @@ async def _start_worker(worker: Worker) -> tuple[web.AppRunner, int]:
     app = web.Application()
     app.router.add_get("/health", health)
     app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return await serve_app(app)
 
 
 @pytest.fixture

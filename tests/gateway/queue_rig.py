@@ -13,14 +13,13 @@ from typing import Any
 import httpx
 from aiohttp import web
 
-from gateway.app import GatewayApp, build_app
+from gateway.app import GatewayApp
 from gateway.auth import hash_api_key
-from gateway.config import parse_config
 from gateway.disconnect import DisconnectWatch
 from gateway.queueing import PoolQueue
-from gateway.state import GatewayState, build_state
-from prompt_normalizer.normalizer import NormalizerConfig
+from gateway.state import GatewayState
 from tests.gateway.routes_rig import Recording
+from tests.support.inprocess import gateway_in_process
 from tests.support.loopback import serve_app
 from tests.support.wait import wait_until
 
@@ -86,31 +85,23 @@ async def queue_rigs() -> AsyncIterator[RigFactory]:
         def tenant(name: str, weight: float = 1.0) -> dict[str, Any]:
             return {"name": name, "api_key_hashes": [hash_api_key(SECRET, f"sk-{name}")], "weight": weight}
 
-        config = parse_config(
-            {
-                "pools": [
-                    {
-                        "name": "p",
-                        "models": ["m"],
-                        "workers": [f"http://127.0.0.1:{port}"],
-                        "max_in_flight_per_worker": 1,
-                        "queue": queue,
-                    }
-                ],
-                "tenants": [tenant("heavy"), tenant("light"), tenant("vip", weight=3.0)],
-                "scrape": {"enabled": False},
-            }
-        )
+        config = {
+            "pools": [
+                {
+                    "name": "p",
+                    "models": ["m"],
+                    "workers": [f"http://127.0.0.1:{port}"],
+                    "max_in_flight_per_worker": 1,
+                    "queue": queue,
+                }
+            ],
+            "tenants": [tenant("heavy"), tenant("light"), tenant("vip", weight=3.0)],
+            "scrape": {"enabled": False},
+        }
         policy = Recording()
-        state = build_state(config, SECRET, policy, NormalizerConfig())
-        state.disconnects = DisconnectWatch(delay_s=0.02)
-        app = build_app(state)
-        await stack.enter_async_context(app.fallback.router.lifespan_context(app.fallback))
-        transport = httpx.ASGITransport(app=app)
-        client = await stack.enter_async_context(
-            httpx.AsyncClient(transport=transport, base_url="http://gw", timeout=10)
-        )
-        rig = Rig(client, state, app, policy)
+        gw = await stack.enter_async_context(gateway_in_process(config, policy, secret=SECRET))
+        gw.state.disconnects = DisconnectWatch(delay_s=0.02)  # the app reads it per request
+        rig = Rig(gw.client, gw.state, gw.app, policy)
         rig_ref.append(rig)
         return rig
 

@@ -10,13 +10,12 @@ import httpx
 import pytest
 from aiohttp import web
 
-from gateway.app import build_app
 from gateway.auth import hash_api_key
 from gateway.config import parse_config
 from gateway.retries import advice, attempts_allowed, forwardable, retries_taken
-from gateway.state import GatewayState, build_state
+from gateway.state import GatewayState
 from policies import make_policy
-from prompt_normalizer.normalizer import NormalizerConfig
+from tests.support.inprocess import gateway_in_process
 from tests.support.loopback import serve_app
 
 SECRET = b"k"
@@ -143,14 +142,9 @@ async def rig() -> AsyncIterator[Rig]:
             "scrape": {"enabled": False},
         }
     )
-    state = build_state(config, SECRET, make_policy("round_robin"), NormalizerConfig())
-    app = build_app(state)
     try:
-        async with (
-            app.fallback.router.lifespan_context(app.fallback),
-            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client,
-        ):
-            yield Rig(client, workers, state)
+        async with gateway_in_process(config, make_policy("round_robin"), secret=SECRET) as gw:
+            yield Rig(gw.client, workers, gw.state)
     finally:
         for runner in runners:
             await runner.cleanup()

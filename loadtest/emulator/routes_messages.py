@@ -27,10 +27,10 @@ from loadtest.emulator.messages_api import (
     usage,
 )
 from loadtest.emulator.web import (
+    answer_steps,
     json_response,
     named_event,
     read_json,
-    token_batches,
     wait_finished,
     worker_of,
 )
@@ -67,23 +67,20 @@ async def count_tokens(request: Request) -> Response:
 
 async def _stream(w: EmulatedWorker, call: MessagesCall, group: LiveGroup) -> AsyncIterator[bytes]:
     is_call = group.gen.tool_call is not None
-    started = False
-    async with contextlib.aclosing(token_batches(w, group)) as batches:
-        async for batch in batches:
+    async with contextlib.aclosing(answer_steps(w, group)) as steps:
+        async for first, pieces in steps:
             out: list[bytes] = []
-            if not started:
-                started = True
+            if first:
                 out.append(named_event("message_start", {"message": message_body(call, group, done=False)}))
                 block = content_block(group, "", False)
                 out.append(named_event("content_block_start", {"index": 0, "content_block": block}))
-            for live, start, stop in batch:
-                for piece in live.answer.pieces[start:stop]:
-                    delta = (
-                        {"type": "input_json_delta", "partial_json": piece}
-                        if is_call
-                        else {"type": "text_delta", "text": piece}
-                    )
-                    out.append(named_event("content_block_delta", {"index": 0, "delta": delta}))
+            for piece in pieces:
+                delta = (
+                    {"type": "input_json_delta", "partial_json": piece}
+                    if is_call
+                    else {"type": "text_delta", "text": piece}
+                )
+                out.append(named_event("content_block_delta", {"index": 0, "delta": delta}))
             yield b"".join(out)
     if group.failed:
         yield named_event("error", {"error": {"type": "api_error", "message": "the emulated engine failed"}})

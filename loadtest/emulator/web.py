@@ -108,3 +108,14 @@ async def token_batches(
             await group.wait()
     finally:
         w.abort(group)
+
+
+async def answer_steps(w: EmulatedWorker, group: LiveGroup) -> AsyncGenerator[tuple[bool, list[str]]]:
+    """For a one-answer group (Responses, Messages): per batch of `token_batches`, whether it is
+    the first (the stream's opening events go with the first token, so usage knows the cache hit)
+    and the answer's pieces it made ready. Closing the iterator aborts what is still running."""
+    first = True
+    async with contextlib.aclosing(token_batches(w, group)) as batches:
+        async for batch in batches:
+            yield first, [piece for live, start, stop in batch for piece in live.answer.pieces[start:stop]]
+            first = False

@@ -6,6 +6,7 @@ Usage counts each prompt once (choice 0's cache hit) and every choice's output t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -63,11 +64,14 @@ def _message(live: LiveRequest) -> dict[str, Any]:
     return message
 
 
-def chat_response(group: LiveGroup) -> dict[str, Any]:
+def _response(
+    group: LiveGroup, object_name: str, answer: Callable[[LiveRequest], dict[str, Any]]
+) -> dict[str, Any]:
+    """The final body of a chat or completions request; `answer` gives a choice's own field."""
     choices = [
         {
             "index": live.index,
-            "message": _message(live),
+            **answer(live),
             "logprobs": _logprobs(live, 0, live.num_output_tokens),
             "finish_reason": finish_reason(live),
         }
@@ -77,36 +81,21 @@ def chat_response(group: LiveGroup) -> dict[str, Any]:
         group,
         {
             "id": group.response_id,
-            "object": "chat.completion",
+            "object": object_name,
             "created": group.created,
             "model": group.gen.model,
             "choices": choices,
             "usage": usage(group),
         },
     )
+
+
+def chat_response(group: LiveGroup) -> dict[str, Any]:
+    return _response(group, "chat.completion", lambda live: {"message": _message(live)})
 
 
 def completion_response(group: LiveGroup) -> dict[str, Any]:
-    choices = [
-        {
-            "index": live.index,
-            "text": live.answer.text,
-            "logprobs": _logprobs(live, 0, live.num_output_tokens),
-            "finish_reason": finish_reason(live),
-        }
-        for live in group.lives
-    ]
-    return _with_kv_params(
-        group,
-        {
-            "id": group.response_id,
-            "object": "text_completion",
-            "created": group.created,
-            "model": group.gen.model,
-            "choices": choices,
-            "usage": usage(group),
-        },
-    )
+    return _response(group, "text_completion", lambda live: {"text": live.answer.text})
 
 
 def _with_kv_params(group: LiveGroup, body: dict[str, Any]) -> dict[str, Any]:

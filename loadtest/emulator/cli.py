@@ -8,23 +8,10 @@ import socket
 import sys
 from collections.abc import Sequence
 
+from loadtest.cli_args import positive_float, positive_int
 from loadtest.emulator.config import EmulatorConfig
 from loadtest.engine.profile import DEFAULT_PROFILE, ProfileError, load_profile
 from loadtest.engine.tokenizer import TokenizerError, load_tokenizer
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError("must be a positive integer")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError("must be positive")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,20 +19,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--model", default="emulated-llama", help="served model name")
     parser.add_argument("--profile", default=DEFAULT_PROFILE, help="step-time profile name or YAML path")
-    parser.add_argument("--kv-blocks", type=_positive_int, default=None, help="KV blocks (default: profile)")
-    parser.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block")
+    parser.add_argument("--kv-blocks", type=positive_int, default=None, help="KV blocks (default: profile)")
+    parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
     parser.add_argument(
-        "--time-scale", type=_positive_float, default=1.0, help="model seconds per real second (>1 = faster)"
+        "--time-scale", type=positive_float, default=1.0, help="model seconds per real second (>1 = faster)"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed for block-hash root, answers and jitter")
     parser.add_argument(
         "--tokenizer", default=None, help="local HF tokenizer.json (default: one token per byte)"
     )
     parser.add_argument(
-        "--default-max-tokens", type=_positive_int, default=128, help="when a request sets none"
+        "--default-max-tokens", type=positive_int, default=128, help="when a request sets none"
     )
-    parser.add_argument("--max-model-len", type=_positive_int, default=131072, help="longest prompt + output")
-    parser.add_argument("--max-waiting", type=_positive_int, default=4096, help="bound of the waiting queue")
+    parser.add_argument("--max-model-len", type=positive_int, default=131072, help="longest prompt + output")
+    parser.add_argument("--max-waiting", type=positive_int, default=4096, help="bound of the waiting queue")
     parser.add_argument(
         "--jitter", type=float, default=0.0, help="per-step lognormal jitter sigma (e.g. 0.03)"
     )
@@ -81,19 +68,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     pd.add_argument(
         "--kv-transfer-timeout-s",
-        type=_positive_float,
+        type=positive_float,
         default=300.0,
         help="decode side: give up a KV transfer after this many real seconds (default 300)",
     )
     pd.add_argument(
         "--kv-bootstrap-timeout-s",
-        type=_positive_float,
+        type=positive_float,
         default=300.0,
         help="prefill side: wait this long for the decode worker of a bootstrap room (default 300)",
     )
     pd.add_argument(
         "--kv-hold-timeout-s",
-        type=_positive_float,
+        type=positive_float,
         default=480.0,
         help="prefill side: free unread KV after this many real seconds (default 480)",
     )

@@ -23,8 +23,8 @@ from loadtest.emulator.chat_template import IMAGE_TOKENS, render_chat_offsets
 from loadtest.emulator.config import EmulatorConfig
 from loadtest.emulator.errors import ApiError
 from loadtest.emulator.live import LiveGroup
-from loadtest.emulator.protocol import GenerationRequest, ToolCall, common_fields, int_field
-from loadtest.emulator.tools import choose_tool, tool_call_arguments
+from loadtest.emulator.protocol import GenerationRequest, common_fields, int_field, one_answer_request
+from loadtest.emulator.tools import choose_tool
 from loadtest.engine.tokenizer import Tokenizer
 
 # Anthropic's error types by HTTP status (the envelope is {"type": "error", "error": {...}}).
@@ -212,19 +212,7 @@ def parse_messages(
     prompt = tokenizer.encode(text)
     marked = len(tokenizer.encode(text[: max(ends)])) if ends else 0
     tool = choose_tool(tools, _tool_choice(body.get("tool_choice")), conv.messages)
-    gen = GenerationRequest(
-        endpoint="messages",
-        model=common.model,
-        prompts=(prompt,),
-        max_tokens=max_tokens,
-        stream=common.stream,
-        include_usage=True,
-        cache_salt=common.cache_salt,
-        tool_call=ToolCall(*tool_call_arguments(tool)) if tool is not None else None,
-        echo_sampling={"max_tokens": max_tokens},
-        request_id=common.request_id,
-        priority=common.priority,
-    )
+    gen = one_answer_request("messages", common, prompt, max_tokens, tool)
     # A hit covers at most prompt - 1 tokens, and only full blocks are cached.
     cacheable = min(marked, len(prompt) - 1) // block_size * block_size
     return MessagesCall(gen, f"msg_{uuid.uuid4().hex}", cacheable)
@@ -271,7 +259,3 @@ def message_body(call: MessagesCall, group: LiveGroup, done: bool) -> dict[str, 
         "stop_sequence": None,
         "usage": usage(call, group),
     }
-
-
-def sse(kind: str, data: dict[str, Any]) -> bytes:
-    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **data}) + b"\n\n"

@@ -95,57 +95,33 @@ def render_metrics(
 ) -> str:
     """The /metrics body."""
     lab = f'engine="0",model_name="{model}"'
-    hit_rate = (
-        stats.prefix_cache_hits_tokens / stats.prefix_cache_queries_tokens
-        if stats.prefix_cache_queries_tokens
-        else 0.0
-    )
-
-    def gauge(name: str, value: float, help_text: str) -> list[str]:
-        return [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name}{{{lab}}} {value}"]
-
-    def counter(name: str, value: float, help_text: str) -> list[str]:
-        return [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name}{{{lab}}} {value}"]
-
+    queries, hits = stats.prefix_cache_queries_tokens, stats.prefix_cache_hits_tokens
+    hit_rate = hits / queries if queries else 0.0
+    # (type, name after "vllm:", value, help): V1 names, then the older aliases routers scrape.
+    families: tuple[tuple[str, str, float, str], ...] = (
+        ("gauge", "num_requests_running", stats.num_running,
+         "Number of requests in model execution batches."),
+        ("gauge", "num_requests_waiting", stats.num_waiting, "Number of requests waiting to be processed."),
+        ("gauge", "kv_cache_usage_perc", stats.kv_usage, "KV-cache usage. 1 means 100 percent usage."),
+        ("gauge", "gpu_cache_usage_perc", stats.kv_usage, "GPU KV-cache usage (older name)."),
+        ("counter", "prefix_cache_queries_total", queries, "Prefix cache queries, in tokens."),
+        ("counter", "prefix_cache_hits_total", hits, "Prefix cache hits, in tokens."),
+        ("counter", "gpu_prefix_cache_queries_total", queries, "Prefix cache queries (older name)."),
+        ("counter", "gpu_prefix_cache_hits_total", hits, "Prefix cache hits (older name)."),
+        ("gauge", "gpu_prefix_cache_hit_rate", hit_rate, "Cumulative prefix cache hit rate (older name)."),
+        ("counter", "prompt_tokens_total", stats.prompt_tokens_total, "Number of prefill tokens processed."),
+        ("counter", "generation_tokens_total", stats.generation_tokens_total,
+         "Number of generation tokens processed."),
+        ("counter", "num_preemptions_total", stats.num_preemptions_total,
+         "Cumulative number of preemptions."),
+    )  # fmt: skip
     lines: list[str] = []
-    lines += gauge(
-        "vllm:num_requests_running", stats.num_running, "Number of requests in model execution batches."
-    )
-    lines += gauge(
-        "vllm:num_requests_waiting", stats.num_waiting, "Number of requests waiting to be processed."
-    )
-    lines += gauge("vllm:kv_cache_usage_perc", stats.kv_usage, "KV-cache usage. 1 means 100 percent usage.")
-    lines += gauge("vllm:gpu_cache_usage_perc", stats.kv_usage, "GPU KV-cache usage (older name).")
-    lines += counter(
-        "vllm:prefix_cache_queries_total",
-        stats.prefix_cache_queries_tokens,
-        "Prefix cache queries, in tokens.",
-    )
-    lines += counter(
-        "vllm:prefix_cache_hits_total", stats.prefix_cache_hits_tokens, "Prefix cache hits, in tokens."
-    )
-    lines += counter(
-        "vllm:gpu_prefix_cache_queries_total",
-        stats.prefix_cache_queries_tokens,
-        "Prefix cache queries (older name).",
-    )
-    lines += counter(
-        "vllm:gpu_prefix_cache_hits_total", stats.prefix_cache_hits_tokens, "Prefix cache hits (older name)."
-    )
-    lines += gauge(
-        "vllm:gpu_prefix_cache_hit_rate", hit_rate, "Cumulative prefix cache hit rate (older name)."
-    )
-    lines += counter(
-        "vllm:prompt_tokens_total", stats.prompt_tokens_total, "Number of prefill tokens processed."
-    )
-    lines += counter(
-        "vllm:generation_tokens_total",
-        stats.generation_tokens_total,
-        "Number of generation tokens processed.",
-    )
-    lines += counter(
-        "vllm:num_preemptions_total", stats.num_preemptions_total, "Cumulative number of preemptions."
-    )
+    for kind, name, value, help_text in families:
+        lines += [
+            f"# HELP vllm:{name} {help_text}",
+            f"# TYPE vllm:{name} {kind}",
+            f"vllm:{name}{{{lab}}} {value}",
+        ]
     lines += [
         "# HELP vllm:request_success_total Count of successfully processed requests.",
         "# TYPE vllm:request_success_total counter",

@@ -124,6 +124,30 @@ def common_fields(body: Mapping[str, Any], cfg: EmulatorConfig) -> CommonFields:
     return CommonFields(model, stream, salt, request_id, priority)
 
 
+def one_answer_request(
+    endpoint: Endpoint,
+    common: CommonFields,
+    prompt: np.ndarray,
+    max_tokens: int,
+    tool: Mapping[str, Any] | None,
+) -> GenerationRequest:
+    """A request for one answer to one prompt, with usage always reported: the shape of the
+    Responses and Anthropic Messages APIs, which have no `n`, logprobs or sampling echo."""
+    return GenerationRequest(
+        endpoint=endpoint,
+        model=common.model,
+        prompts=(prompt,),
+        max_tokens=max_tokens,
+        stream=common.stream,
+        include_usage=True,
+        cache_salt=common.cache_salt,
+        tool_call=ToolCall(*tool_call_arguments(tool)) if tool is not None else None,
+        echo_sampling={"max_tokens": max_tokens},
+        request_id=common.request_id,
+        priority=common.priority,
+    )
+
+
 def _include_usage(body: Mapping[str, Any], stream: bool) -> bool:
     options = body.get("stream_options")
     if options is None:

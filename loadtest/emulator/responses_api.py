@@ -22,8 +22,15 @@ from loadtest.emulator.chat_template import render_chat
 from loadtest.emulator.config import EmulatorConfig
 from loadtest.emulator.errors import ApiError
 from loadtest.emulator.live import LiveGroup
-from loadtest.emulator.protocol import GenerationRequest, ToolCall, bool_field, common_fields, int_field
-from loadtest.emulator.tools import choose_tool, tool_call_arguments
+from loadtest.emulator.protocol import (
+    GenerationRequest,
+    bool_field,
+    common_fields,
+    int_field,
+    one_answer_request,
+)
+from loadtest.emulator.tools import choose_tool
+from loadtest.emulator.web import named_event
 from loadtest.engine.tokenizer import Tokenizer
 
 RESPONSE_STORE_LIMIT = 10_000
@@ -175,19 +182,7 @@ def parse_responses(
     prompt = tokenizer.encode(render_chat(messages, tools))
     tool = choose_tool(tools, _chat_tool_choice(body.get("tool_choice")), history)
     max_tokens = int_field(body, "max_output_tokens", 1) or cfg.default_max_tokens
-    gen = GenerationRequest(
-        endpoint="responses",
-        model=common.model,
-        prompts=(prompt,),
-        max_tokens=max_tokens,
-        stream=common.stream,
-        include_usage=True,
-        cache_salt=common.cache_salt,
-        tool_call=ToolCall(*tool_call_arguments(tool)) if tool is not None else None,
-        echo_sampling={"max_tokens": max_tokens},
-        request_id=common.request_id,
-        priority=common.priority,
-    )
+    gen = one_answer_request("responses", common, prompt, max_tokens, tool)
     echo = {
         "instructions": instructions,
         "max_output_tokens": max_tokens,
@@ -276,6 +271,6 @@ class EventWriter:
         self._seq = 0
 
     def __call__(self, kind: str, **fields: Any) -> bytes:
-        data = {"type": kind, "sequence_number": self._seq, **fields}
+        event = named_event(kind, {"sequence_number": self._seq, **fields})
         self._seq += 1
-        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+        return event

@@ -23,11 +23,17 @@ from loadtest.emulator.messages_api import (
     error_body,
     message_body,
     parse_messages,
-    sse,
     stop_reason,
     usage,
 )
-from loadtest.emulator.web import json_response, read_json, token_batches, wait_finished, worker_of
+from loadtest.emulator.web import (
+    answer_steps,
+    json_response,
+    named_event,
+    read_json,
+    wait_finished,
+    worker_of,
+)
 from loadtest.emulator.worker import EmulatedWorker
 
 router = APIRouter()
@@ -61,29 +67,25 @@ async def count_tokens(request: Request) -> Response:
 
 async def _stream(w: EmulatedWorker, call: MessagesCall, group: LiveGroup) -> AsyncIterator[bytes]:
     is_call = group.gen.tool_call is not None
-    started = False
-    async with contextlib.aclosing(token_batches(w, group)) as batches:
-        async for batch in batches:
+    async with contextlib.aclosing(answer_steps(w, group)) as steps:
+        async for first, pieces in steps:
             out: list[bytes] = []
-            if not started:
-                started = True
-                out.append(sse("message_start", {"message": message_body(call, group, done=False)}))
-                out.append(
-                    sse("content_block_start", {"index": 0, "content_block": content_block(group, "", False)})
+            if first:
+                out.append(named_event("message_start", {"message": message_body(call, group, done=False)}))
+                block = content_block(group, "", False)
+                out.append(named_event("content_block_start", {"index": 0, "content_block": block}))
+            for piece in pieces:
+                delta = (
+                    {"type": "input_json_delta", "partial_json": piece}
+                    if is_call
+                    else {"type": "text_delta", "text": piece}
                 )
-            for live, start, stop in batch:
-                for piece in live.answer.pieces[start:stop]:
-                    delta = (
-                        {"type": "input_json_delta", "partial_json": piece}
-                        if is_call
-                        else {"type": "text_delta", "text": piece}
-                    )
-                    out.append(sse("content_block_delta", {"index": 0, "delta": delta}))
+                out.append(named_event("content_block_delta", {"index": 0, "delta": delta}))
             yield b"".join(out)
     if group.failed:
-        yield sse("error", {"error": {"type": "api_error", "message": "the emulated engine failed"}})
+        yield named_event("error", {"error": {"type": "api_error", "message": "the emulated engine failed"}})
         return
-    yield sse("content_block_stop", {"index": 0})
+    yield named_event("content_block_stop", {"index": 0})
     end = {"stop_reason": stop_reason(group), "stop_sequence": None}
-    yield sse("message_delta", {"delta": end, "usage": usage(call, group)})
-    yield sse("message_stop", {})
+    yield named_event("message_delta", {"delta": end, "usage": usage(call, group)})
+    yield named_event("message_stop", {})

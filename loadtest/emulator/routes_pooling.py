@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -15,7 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from loadtest.emulator.errors import ApiError
-from loadtest.emulator.pooling import CLASS_LABELS, EMBED_DTYPES, EMBEDDING_DIM, encode_vector
+from loadtest.emulator.pooling import CLASS_LABELS, EMBED_DTYPES, EMBEDDING_DIM, Pooler, encode_vector
 from loadtest.emulator.protocol import check_model, int_field, prompt_batch, render_chat_body
 from loadtest.emulator.web import json_response, read_json, worker_of
 from loadtest.emulator.worker import EmulatedWorker
@@ -89,56 +90,65 @@ def _list_body(prefix: str, model: str, data: list[dict[str, Any]], prompt_token
     }
 
 
-@router.post("/v1/embeddings")
-async def embeddings(request: Request) -> Response:
-    body = await read_json(request)
-    w = worker_of(request)
-    model = check_model(body, w.cfg)
-    fmt, dtype, dims = _encoding(body)
-    inputs = _inputs(body, w)
-    pooler = w.pooler
-    data = [
-        {"index": i, "object": "embedding", "embedding": encode_vector(pooler.embed(ids, dims), fmt, dtype)}
-        for i, ids in enumerate(inputs)
-    ]
-    return json_response(_list_body("embd", model, data, sum(len(x) for x in inputs)))
+_Item = Callable[[Pooler, np.ndarray], dict[str, Any]]
+"""Builds the item one tokenized input answers with (its `index` is added by the handler)."""
 
 
-@router.post("/pooling")
-async def pooling(request: Request) -> Response:
-    body = await read_json(request)
-    w = worker_of(request)
-    model = check_model(body, w.cfg)
-    fmt, dtype, dims = _encoding(body)
-    inputs = _inputs(body, w)
-    pooler = w.pooler
-    data = [
-        {"index": i, "object": "pooling", "data": encode_vector(pooler.embed(ids, dims), fmt, dtype)}
-        for i, ids in enumerate(inputs)
-    ]
-    return json_response(_list_body("pool", model, data, sum(len(x) for x in inputs)))
+def _vectors(object_name: str, field_name: str) -> Callable[[Mapping[str, Any]], _Item]:
+    def items(body: Mapping[str, Any]) -> _Item:
+        fmt, dtype, dims = _encoding(body)
+        return lambda pooler, ids: {
+            "object": object_name,
+            field_name: encode_vector(pooler.embed(ids, dims), fmt, dtype),
+        }
+
+    return items
 
 
-@router.post("/classify")
-async def classify(request: Request) -> Response:
-    body = await read_json(request)
-    w = worker_of(request)
-    model = check_model(body, w.cfg)
-    inputs = _inputs(body, w)
-    pooler = w.pooler
-    data = []
-    for i, ids in enumerate(inputs):
+def _classes(body: Mapping[str, Any]) -> _Item:
+    def item(pooler: Pooler, ids: np.ndarray) -> dict[str, Any]:
         probs = pooler.classify(ids)
-        label = CLASS_LABELS[int(np.argmax(probs))]
-        data.append(
-            {
-                "index": i,
-                "label": label,
-                "probs": probs.astype(np.float64).tolist(),
-                "num_classes": len(probs),
-            }
-        )
-    return json_response(_list_body("classify", model, data, sum(len(x) for x in inputs)))
+        return {
+            "label": CLASS_LABELS[int(np.argmax(probs))],
+            "probs": probs.astype(np.float64).tolist(),
+            "num_classes": len(probs),
+        }
+
+    return item
+
+
+@dataclass(frozen=True, slots=True)
+class _PerInputRoute:
+    """A route that answers each input with one item, in a vLLM list body. `items` reads the
+    route's own options first, so a bad option is rejected before any input is tokenized."""
+
+    path: str
+    id_prefix: str
+    items: Callable[[Mapping[str, Any]], _Item]
+
+
+_PER_INPUT_ROUTES = (
+    _PerInputRoute("/v1/embeddings", "embd", _vectors("embedding", "embedding")),
+    _PerInputRoute("/pooling", "pool", _vectors("pooling", "data")),
+    _PerInputRoute("/classify", "classify", _classes),
+)
+
+
+def _per_input_handler(route: _PerInputRoute) -> Callable[[Request], Awaitable[Response]]:
+    async def handler(request: Request) -> Response:
+        body = await read_json(request)
+        w = worker_of(request)
+        model = check_model(body, w.cfg)
+        item = route.items(body)
+        inputs = _inputs(body, w)
+        data = [{"index": i, **item(w.pooler, ids)} for i, ids in enumerate(inputs)]
+        return json_response(_list_body(route.id_prefix, model, data, sum(len(x) for x in inputs)))
+
+    return handler
+
+
+for _route in _PER_INPUT_ROUTES:
+    router.add_api_route(_route.path, _per_input_handler(_route), methods=["POST"], name=_route.id_prefix)
 
 
 def _encode_all(w: EmulatedWorker, body: Mapping[str, Any], texts: list[str], param: str) -> list[np.ndarray]:

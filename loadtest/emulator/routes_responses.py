@@ -29,7 +29,7 @@ from loadtest.emulator.responses_api import (
     parse_responses,
     response_object,
 )
-from loadtest.emulator.web import json_response, read_json, token_batches, wait_finished, worker_of
+from loadtest.emulator.web import answer_steps, json_response, read_json, wait_finished, worker_of
 from loadtest.emulator.worker import EmulatedWorker
 
 router = APIRouter()
@@ -86,24 +86,19 @@ async def _stream(
     is_call = group.gen.tool_call is not None
     ids = {"item_id": item_id("fc" if is_call else "msg", group), "output_index": 0}
     part = {"content_index": 0}
-    started = False
-    async with contextlib.aclosing(token_batches(w, group)) as batches:
-        async for batch in batches:
+    async with contextlib.aclosing(answer_steps(w, group)) as steps:
+        async for first, pieces in steps:
             out: list[bytes] = []
-            if not started:
-                started = True
+            if first:
                 out.append(event("response.output_item.added", output_index=0,
                                  item=output_item(group, "in_progress", "")))  # fmt: skip
                 if not is_call:
                     out.append(event("response.content_part.added", **ids, **part, part=_text_part("")))
-            for live, start, stop in batch:
-                for piece in live.answer.pieces[start:stop]:
-                    if is_call:
-                        out.append(event("response.function_call_arguments.delta", **ids, delta=piece))
-                    else:
-                        out.append(
-                            event("response.output_text.delta", **ids, **part, delta=piece, logprobs=[])
-                        )
+            for piece in pieces:
+                if is_call:
+                    out.append(event("response.function_call_arguments.delta", **ids, delta=piece))
+                else:
+                    out.append(event("response.output_text.delta", **ids, **part, delta=piece, logprobs=[]))
             yield b"".join(out)
     if group.failed:
         yield event("error", code="server_error", message="the emulated engine failed", param=None)

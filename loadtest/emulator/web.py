@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 import orjson
@@ -33,6 +33,12 @@ def worker_of(request: Request) -> EmulatedWorker:
     """The app's worker (set by the lifespan)."""
     w: EmulatedWorker = request.app.state.worker
     return w
+
+
+def named_event(kind: str, data: Mapping[str, Any]) -> bytes:
+    """A server-sent event named `kind` whose JSON data leads with `"type": kind`: the framing of
+    the Responses and Anthropic Messages streams (chat streams send data-only events)."""
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **data}) + b"\n\n"
 
 
 async def read_body(request: Request, limit_bytes: int = MAX_BODY_BYTES) -> bytes:
@@ -102,3 +108,14 @@ async def token_batches(
             await group.wait()
     finally:
         w.abort(group)
+
+
+async def answer_steps(w: EmulatedWorker, group: LiveGroup) -> AsyncGenerator[tuple[bool, list[str]]]:
+    """For a one-answer group (Responses, Messages): per batch of `token_batches`, whether it is
+    the first (the stream's opening events go with the first token, so usage knows the cache hit)
+    and the answer's pieces it made ready. Closing the iterator aborts what is still running."""
+    first = True
+    async with contextlib.aclosing(token_batches(w, group)) as batches:
+        async for batch in batches:
+            yield first, [piece for live, start, stop in batch for piece in live.answer.pieces[start:stop]]
+            first = False

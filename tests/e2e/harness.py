@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Sequence
+from pathlib import Path
 
 from tests.support.gateway_config import SECRET, tenant, write_gateway_config
 from tests.support.processes import Proc, free_port, start, start_emulator, start_gateway, wait_http
@@ -11,6 +14,7 @@ from tests.support.processes import Proc, free_port, start, start_emulator, star
 __all__ = [
     "SECRET",
     "Proc",
+    "assert_sigterm_stops_the_workers",
     "free_port",
     "start",
     "start_emulator",
@@ -35,3 +39,39 @@ def start_fake_workers(modes: dict[int, str]) -> Proc:
         proc.stop()
         raise
     return proc
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat").read_text() if Path(f"/proc/{pid}/stat").exists() else ""
+    return bool(stat) and stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def assert_sigterm_stops_the_workers(serve_args: Sequence[str], workers: int, ready_timeout_s: float) -> None:
+    """Start `kvgate serve <serve_args>` on a free port and wait until it is ready with `workers`
+    live children; on SIGTERM it exits 0 and takes every child with it."""
+    port = free_port()
+    proc = start([sys.executable, "-m", "gateway.cli", "serve", *serve_args, "--port", str(port)])
+    try:
+        wait_http(f"http://127.0.0.1:{port}/readyz", proc, timeout_s=ready_timeout_s)
+        children = _children(proc.popen.pid)
+        assert len(children) == workers and all(_alive(c) for c in children)
+    finally:
+        assert proc.stop() == 0
+    assert not any(_alive(c) for c in children)

@@ -4,7 +4,6 @@ caching through the gateway, and every child gone after SIGTERM."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -16,32 +15,10 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.harness import Proc, free_port, start, wait_http
+from tests.e2e.harness import Proc, assert_sigterm_stops_the_workers, free_port, start, wait_http
 from tests.support.wait import wait_until_sync
 
 KEY = "sk-e2e-demo"
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry.name))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat").read_text() if Path(f"/proc/{pid}/stat").exists() else ""
-    return bool(stat) and stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 @pytest.fixture(scope="module")
@@ -163,17 +140,4 @@ def test_worker_metrics_are_scraped_into_routing(demo: tuple[str, Proc]) -> None
 
 
 def test_sigterm_stops_every_worker() -> None:
-    port = free_port()
-    proc = start(
-        [
-            *(sys.executable, "-m", "gateway.cli", "serve", "--demo", "--workers", "2"),
-            *("--port", str(port), "--metrics-port", "0"),
-        ]
-    )
-    try:
-        wait_http(f"http://127.0.0.1:{port}/readyz", proc, timeout_s=40)
-        children = _children(proc.popen.pid)
-        assert len(children) == 2 and all(_alive(c) for c in children)
-    finally:
-        assert proc.stop() == 0
-    assert not any(_alive(c) for c in children)
+    assert_sigterm_stops_the_workers(("--demo", "--workers", "2", "--metrics-port", "0"), 2, 40)

@@ -16,8 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.harness import Proc, free_port, start, wait_http
-from tests.e2e.test_demo import _alive, _children
+from tests.e2e.harness import Proc, assert_sigterm_stops_the_workers, free_port, start, wait_http
 
 KEY = "sk-e2e-pd-demo"
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -78,15 +77,7 @@ def test_the_readme_snippet_runs_against_the_pd_demo(demo: Demo) -> None:
 
 
 def test_sigterm_stops_the_prefill_and_decode_workers() -> None:
-    port = free_port()
-    proc = start([sys.executable, "-m", "gateway.cli", "serve", "--demo", "--pd", "1:1", "--port", str(port)])
-    try:
-        wait_http(f"http://127.0.0.1:{port}/readyz", proc, timeout_s=60)
-        children = _children(proc.popen.pid)
-        assert len(children) == 2 and all(_alive(c) for c in children)
-    finally:
-        assert proc.stop() == 0
-    assert not any(_alive(c) for c in children)
+    assert_sigterm_stops_the_workers(("--demo", "--pd", "1:1"), 2, 60)
 
 
 def test_a_bad_pd_flag_is_refused() -> None:

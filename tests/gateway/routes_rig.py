@@ -9,28 +9,25 @@ from typing import Any
 
 import httpx
 
-from gateway.app import build_app
 from gateway.auth import hash_api_key
-from gateway.config import parse_config
-from gateway.state import GatewayState, build_state
+from gateway.state import GatewayState
 from policies import make_policy
 from policies.base import (
-    KvEvent,
     Observation,
     RouteDecision,
     RouteRequest,
     RoutingPolicy,
-    WorkerId,
     WorkerView,
 )
-from prompt_normalizer.normalizer import NormalizerConfig
 from tests.gateway.routes_worker import Received, RoutesWorker, start
+from tests.support.inprocess import gateway_in_process
+from tests.support.policies import IgnoresFeedback
 
 SECRET = b"routes"
 KEY = {"authorization": "Bearer sk-t"}
 
 
-class Recording:
+class Recording(IgnoresFeedback):
     """round_robin, remembering what it was asked."""
 
     name = "recording"
@@ -49,9 +46,6 @@ class Recording:
 
     def on_complete(self, obs: Observation, now_s: float) -> None:
         self.observations.append(obs)
-
-    def on_kv_event(self, worker: WorkerId, event: KvEvent, now_s: float) -> None:
-        return None
 
 
 @dataclass
@@ -94,16 +88,9 @@ async def routes_rig(**extra: Any) -> AsyncIterator[Rig]:
     workers = [RoutesWorker("w1"), RoutesWorker("w2")]
     runners = [await start(w) for w in workers]
     policy = Recording()
-    state = build_state(
-        parse_config(config([w.url for w in workers], **extra)), SECRET, policy, NormalizerConfig()
-    )
-    app = build_app(state)
     try:
-        async with (
-            app.fallback.router.lifespan_context(app.fallback),
-            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client,
-        ):
-            yield Rig(client, state, policy, workers)
+        async with gateway_in_process(config([w.url for w in workers], **extra), policy, secret=SECRET) as gw:
+            yield Rig(gw.client, gw.state, policy, workers)
     finally:
         for runner in runners:
             await runner.cleanup()

@@ -11,6 +11,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from tests.support.loopback import serve_app
+
 PASS_THROUGH = (
     "/v1/embeddings",
     "/pooling",
@@ -24,6 +26,7 @@ PASS_THROUGH = (
     "/detokenize",
     "/v1/messages/count_tokens",
 )
+
 _ids = itertools.count(1)
 _seq = itertools.count(1)
 
@@ -204,10 +207,6 @@ async def _health(_: web.Request) -> web.Response:
 
 async def start(worker: RoutesWorker) -> web.AppRunner:
     """Serve `worker` on a free loopback port (its `url` is set); the caller cleans the runner up."""
-    runner = web.AppRunner(worker.app())
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, port = await serve_app(worker.app())
     worker.url = f"http://127.0.0.1:{port}"
     return runner

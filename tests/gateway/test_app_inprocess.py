@@ -14,29 +14,21 @@ from gateway.auth import hash_api_key
 from gateway.config import parse_config
 from gateway.state import GatewayState
 from policies import make_policy
-from policies.base import KvEvent, Observation, RouteDecision, RouteRequest, WorkerId, WorkerView
+from policies.base import RouteDecision, RouteRequest, WorkerId, WorkerView
 from tests.support.inprocess import gateway_in_process
+from tests.support.policies import IgnoresFeedback
 from tests.support.wait import wait_until
 
 SECRET = b"k"
 
 
-class BrokenPolicy:
+class BrokenPolicy(IgnoresFeedback):
     """Raises from select: the gateway must answer 500 and give the tenant's slot back."""
 
     name = "broken"
 
     def select(self, req: RouteRequest, workers: Sequence[WorkerView], now_s: float) -> RouteDecision | None:
         raise RuntimeError("policy bug")
-
-    def on_dispatch(self, req: RouteRequest, decision: RouteDecision, now_s: float) -> None:
-        return None
-
-    def on_complete(self, obs: Observation, now_s: float) -> None:
-        return None
-
-    def on_kv_event(self, worker: WorkerId, event: KvEvent, now_s: float) -> None:
-        return None
 
 
 async def test_a_policy_exception_is_a_500_and_releases_the_quota_slot() -> None:

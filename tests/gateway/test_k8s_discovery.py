@@ -25,6 +25,7 @@ from policies import make_policy
 from policies.base import WorkerId
 from tests.gateway.fake_kube_api import FakeKubeApi, make_pod
 from tests.support.inprocess import gateway_in_process
+from tests.support.loopback import serve_app
 from tests.support.processes import free_port
 from tests.support.wait import wait_until
 
@@ -266,11 +267,7 @@ async def _health_only_worker() -> tuple[web.AppRunner, int]:
 
     app = web.Application()
     app.router.add_get("/health", health)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return await serve_app(app)
 
 
 async def test_the_gateway_routes_to_ready_pods_and_reports_discovery_metrics(

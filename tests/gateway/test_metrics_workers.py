@@ -24,6 +24,7 @@ from policies.config import PolicyConfig, build_policy
 from policies.stats import PolicyStats
 from prompt_normalizer.normalizer import NormalizerConfig
 from tests.gateway.kv_event_payloads import stored_array
+from tests.support.policies import IgnoresFeedback
 
 A, B = "http://10.0.0.1:8000", "http://10.0.0.2:8000"
 
@@ -84,7 +85,7 @@ def test_breaker_state_is_its_own_gauge() -> None:
 
 
 @dataclass
-class CountingPolicy:
+class CountingPolicy(IgnoresFeedback):
     """A policy that reports fixed counters; `public_prefixes` is a level that can go down."""
 
     counters: dict[str, int] = field(default_factory=dict)
@@ -94,15 +95,6 @@ class CountingPolicy:
         return PolicyStats(policy=self.name, decisions_by_reason={}, counters=dict(self.counters))
 
     def select(self, *_: Any) -> None:
-        return None
-
-    def on_dispatch(self, *_: Any) -> None:
-        return None
-
-    def on_complete(self, *_: Any) -> None:
-        return None
-
-    def on_kv_event(self, *_: Any) -> None:
         return None
 
 

@@ -9,16 +9,17 @@ from gateway.auth import hash_api_key
 from gateway.config import parse_config
 from gateway.precise import install_token_hasher
 from gateway.state import build_state
-from policies.base import KvEvent, Observation, RouteDecision, RouteRequest, WorkerId, WorkerView
+from policies.base import RouteDecision, RouteRequest, WorkerView
 from policies.kv_feed import TokenBlockHasher
 from prompt_normalizer.normalizer import NormalizerConfig
 from prompt_normalizer.types import BlockKey
+from tests.support.policies import IgnoresFeedback
 
 SECRET = b"k"
 
 
 @dataclass
-class HasherSink:
+class HasherSink(IgnoresFeedback):
     """A policy that only keeps the token hasher it is given."""
 
     name: str = "sink"
@@ -28,15 +29,6 @@ class HasherSink:
         self.hashers.append(hasher)
 
     def select(self, req: RouteRequest, workers: list[WorkerView], now_s: float) -> RouteDecision | None:
-        return None
-
-    def on_dispatch(self, req: RouteRequest, decision: RouteDecision, now_s: float) -> None:
-        return None
-
-    def on_complete(self, obs: Observation, now_s: float) -> None:
-        return None
-
-    def on_kv_event(self, worker: WorkerId, event: KvEvent, now_s: float) -> None:
         return None
 
 

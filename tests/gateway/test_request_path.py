@@ -19,23 +19,23 @@ from gateway.auth import hash_api_key
 from gateway.disconnect import DisconnectWatch
 from gateway.state import GatewayState
 from policies.base import (
-    KvEvent,
     Observation,
     Outcome,
     RouteDecision,
     RouteRequest,
-    WorkerId,
     WorkerView,
 )
 from prompt_normalizer.types import PUBLIC_NAMESPACE
 from tests.prompt_normalizer.tiny_model import build_tiny_model
 from tests.support.inprocess import gateway_in_process
+from tests.support.loopback import serve_app
+from tests.support.policies import IgnoresFeedback
 
 SECRET = b"k"
 
 
 @dataclass
-class ScriptedPolicy:
+class ScriptedPolicy(IgnoresFeedback):
     """Picks the first healthy worker and claims `shared_blocks` public blocks; records feedback."""
 
     name: str = "scripted"
@@ -50,14 +50,8 @@ class ScriptedPolicy:
             return None
         return RouteDecision(healthy[0].worker_id, 0.0, "first", shared_prefix_blocks=self.shared_blocks)
 
-    def on_dispatch(self, req: RouteRequest, decision: RouteDecision, now_s: float) -> None:
-        return None
-
     def on_complete(self, obs: Observation, now_s: float) -> None:
         self.observations.append(obs)
-
-    def on_kv_event(self, worker: WorkerId, event: KvEvent, now_s: float) -> None:
-        return None
 
 
 @dataclass
@@ -131,11 +125,7 @@ async def rig(tiny_model: Path) -> AsyncIterator[Rig]:
     server = web.Application()
     server.router.add_get("/health", health)
     server.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(server)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, port = await serve_app(server)
 
     def tenant(name: str, isolation: str) -> dict[str, Any]:
         return {"name": name, "api_key_hashes": [hash_api_key(SECRET, f"sk-{name}")], "isolation": isolation}

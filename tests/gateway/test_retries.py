@@ -10,13 +10,13 @@ import httpx
 import pytest
 from aiohttp import web
 
-from gateway.app import build_app
 from gateway.auth import hash_api_key
 from gateway.config import parse_config
 from gateway.retries import advice, attempts_allowed, forwardable, retries_taken
-from gateway.state import GatewayState, build_state
+from gateway.state import GatewayState
 from policies import make_policy
-from prompt_normalizer.normalizer import NormalizerConfig
+from tests.support.inprocess import gateway_in_process
+from tests.support.loopback import serve_app
 
 SECRET = b"k"
 NO = [(b"x-should-retry", b"false")]
@@ -108,12 +108,9 @@ async def rig() -> AsyncIterator[Rig]:
 
     runners, urls = [], []
     for name in ("a", "b", "c"):
-        runner = web.AppRunner(app_for(name))
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
+        runner, port = await serve_app(app_for(name))
         runners.append(runner)
-        urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")  # type: ignore[union-attr]
+        urls.append(f"http://127.0.0.1:{port}")
     breaker = {"failure_threshold": 1000}
     config = parse_config(
         {
@@ -145,14 +142,9 @@ async def rig() -> AsyncIterator[Rig]:
             "scrape": {"enabled": False},
         }
     )
-    state = build_state(config, SECRET, make_policy("round_robin"), NormalizerConfig())
-    app = build_app(state)
     try:
-        async with (
-            app.fallback.router.lifespan_context(app.fallback),
-            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client,
-        ):
-            yield Rig(client, workers, state)
+        async with gateway_in_process(config, make_policy("round_robin"), secret=SECRET) as gw:
+            yield Rig(gw.client, workers, gw.state)
     finally:
         for runner in runners:
             await runner.cleanup()

@@ -12,13 +12,10 @@ import httpx
 import orjson
 import pytest
 
-from gateway.app import build_app
-from gateway.config import parse_config
-from gateway.state import build_state
 from policies import make_policy
-from prompt_normalizer.normalizer import NormalizerConfig
 from tests.gateway.routes_rig import KEY, SECRET, Rig, config, routes_rig
 from tests.gateway.routes_worker import PASS_THROUGH, RoutesWorker, start
+from tests.support.inprocess import gateway_in_process
 
 
 @pytest.fixture
@@ -89,18 +86,13 @@ async def test_a_request_without_model_goes_to_the_only_model() -> None:
     two = {**one, "pools": [*one["pools"], {"name": "q", "models": ["m2"], "workers": [worker.url]}]}
     try:
         for raw, expected in ((one, 200), (two, 400)):
-            state = build_state(parse_config(raw), SECRET, make_policy("round_robin"), NormalizerConfig())
-            app = build_app(state)
-            async with (
-                app.fallback.router.lifespan_context(app.fallback),
-                httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client,
-            ):
-                resp = await client.post("/tokenize", json={"prompt": "hello"}, headers=KEY)
+            async with gateway_in_process(raw, make_policy("round_robin"), secret=SECRET) as gw:
+                resp = await gw.client.post("/tokenize", json={"prompt": "hello"}, headers=KEY)
                 assert resp.status_code == expected
                 if expected == 400:
                     assert resp.json()["error"]["param"] == "model"
                 # Chat always names its model.
-                resp = await client.post(
+                resp = await gw.client.post(
                     "/v1/chat/completions", json={"messages": [{"role": "user"}]}, headers=KEY
                 )
                 assert resp.status_code == 400

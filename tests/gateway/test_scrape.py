@@ -18,6 +18,7 @@ from gateway.scrape import (
     parse_samples,
 )
 from policies.base import WorkerId
+from tests.support.loopback import serve_app
 from tests.support.processes import running_emulator
 from tests.support.wait import wait_until
 
@@ -158,11 +159,7 @@ async def worker() -> AsyncIterator[tuple[Worker, str]]:
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, port = await serve_app(app)
     try:
         yield w, f"http://127.0.0.1:{port}"
     finally:

@@ -31,6 +31,8 @@ from gateway.state import GatewayState, build_state
 from gateway.tracing import AttemptTrace, RequestTracer
 from policies.config import PolicyConfig, build_policy
 from prompt_normalizer.normalizer import NormalizerConfig
+from tests.support.inprocess import gateway_in_process
+from tests.support.loopback import serve_app
 
 SECRET = b"k"
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
@@ -99,11 +101,7 @@ async def _start_worker(worker: Worker) -> tuple[web.AppRunner, int]:
     app = web.Application()
     app.router.add_get("/health", health)
     app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return await serve_app(app)
 
 
 @pytest.fixture
@@ -275,17 +273,16 @@ async def test_with_tracing_off_the_worker_gets_no_trace_headers() -> None:
             "scrape": {"enabled": False},
         }
     )
-    state = build_state(config, SECRET, build_policy(PolicyConfig(policy="round_robin")), NormalizerConfig())
-    assert state.tracer is None
-    app = build_app(state)
     try:
-        async with (
-            app.fallback.router.lifespan_context(app.fallback),
-            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client,
-        ):
+        async with gateway_in_process(
+            config, build_policy(PolicyConfig(policy="round_robin")), secret=SECRET
+        ) as gw:
+            assert gw.state.tracer is None
             body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
             headers = {"authorization": "Bearer sk-t", "traceparent": TRACEPARENT}
-            assert (await client.post("/v1/chat/completions", json=body, headers=headers)).status_code == 200
+            assert (
+                await gw.client.post("/v1/chat/completions", json=body, headers=headers)
+            ).status_code == 200
     finally:
         await runner.cleanup()
     assert "traceparent" not in worker.headers[-1] and "tracestate" not in worker.headers[-1]

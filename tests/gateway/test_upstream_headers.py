@@ -21,6 +21,7 @@ from gateway.state import GatewayState, build_state
 from gateway.upstream_headers import NO_AUTH, WorkerAuth, forwardable_name, pick
 from policies import make_policy
 from prompt_normalizer.normalizer import NormalizerConfig
+from tests.support.loopback import serve_app
 
 SECRET = b"k"
 KEY = "sk-worker-7f3a"
@@ -146,11 +147,8 @@ async def rig() -> AsyncIterator[Rig]:
     worker.router.add_get("/health", health)
     worker.router.add_get("/metrics", health)
     worker.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(worker)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    runner, port = await serve_app(worker)
+    url = f"http://127.0.0.1:{port}"
     raw = _config(
         workers=[url], worker_api_key_env="WORKER_KEY", forward_headers=["x-trace-tag", "traceparent"]
     )

@@ -5,36 +5,26 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
 pytestmark = pytest.mark.slow
 
 
-def test_bench_keys_reports() -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gateway.cli",
-            "bench",
-            "keys",
-            "--tokens",
-            "1024",
-            "--repeats",
-            "3",
-            "--vocab-size",
-            "300",
-            "--chat-requests",
-            "200",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=90,
-    )
+def _bench_keys(*args: str) -> dict[str, Any]:
+    """`kvgate bench keys ... --json`, run as a command; its report."""
+    command = [sys.executable, "-m", "gateway.cli", "bench", "keys", *args, "--json"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=90)
     assert proc.returncode == 0, proc.stderr
-    report = json.loads(proc.stdout)
+    report: dict[str, Any] = json.loads(proc.stdout)
+    return report
+
+
+def test_bench_keys_reports() -> None:
+    report = _bench_keys(
+        "--tokens", "1024", "--repeats", "3", "--vocab-size", "300", "--chat-requests", "200"
+    )
     for name in (
         "key_ms",
         "baseline_per_token_packing_ms",
@@ -52,26 +42,7 @@ def test_bench_keys_reports() -> None:
 
 
 def test_bench_keys_chat_only_reports_per_request_time_and_floor() -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gateway.cli",
-            "bench",
-            "keys",
-            "--chat-only",
-            "--vocab-size",
-            "300",
-            "--chat-requests",
-            "100",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=90,
-    )
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(proc.stdout)
+    report = _bench_keys("--chat-only", "--vocab-size", "300", "--chat-requests", "100")
     chat = report["chat_request"]
     assert report["git_sha"] and report["config"]["seed"] == 0
     assert 1000 < chat["chat_body_bytes"] < 2000

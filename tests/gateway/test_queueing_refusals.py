@@ -1,0 +1,116 @@
+"""The pool queue's refusals and exits, through the gateway: timeouts, bounds, clients that leave,
+its metrics, and a pool without a queue."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+import pytest
+
+from tests.gateway.queue_rig import RigFactory, fill, queue_rigs, serve_all
+from tests.support.wait import wait_until
+
+
+@pytest.fixture
+async def make_rig() -> AsyncIterator[RigFactory]:
+    async with queue_rigs() as build:
+        yield build
+
+
+async def test_a_queue_timeout_is_a_503_with_retry_after(make_rig: RigFactory) -> None:
+    rig = await make_rig(timeout_s=0.2)
+    hold = rig.send("heavy", "hold")
+    await wait_until(lambda: len(rig.arrivals) == 1)
+    resp = await rig.send("light", "late")
+    assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+    assert resp.json()["error"]["code"] == "queue_timeout"
+    assert "x-should-retry" not in resp.headers  # no worker saw it: retrying sends nothing twice
+    assert rig.queue.waiting == 0
+    await rig.answer_one()
+    assert (await hold).status_code == 200 and rig.order() == ["hold"]
+    refusals = rig.state.metrics.queue_refusals.children
+    assert refusals[("p", "light", "timeout")].value == 1
+
+
+async def test_the_bounds_refuse_at_once(make_rig: RigFactory) -> None:
+    rig = await make_rig(max_per_tenant=1, max_requests=2)
+    tasks = await fill(rig, [("heavy", "h0", {}), ("light", "l0", {})])
+    resp = await rig.send("heavy", "h1")  # heavy already has its one waiting request
+    assert resp.status_code == 429 and resp.headers["retry-after"] == "1"
+    assert resp.json()["error"]["code"] == "queue_full"
+    resp = await rig.send("vip", "v0")  # the pool's queue is full
+    assert resp.status_code == 503 and resp.json()["error"]["code"] == "queue_full"
+    await serve_all(rig, tasks)
+    assert rig.order() == ["hold", "h0", "l0"]
+    statuses = {key[2] for key in rig.state.metrics.requests.children if key[1] in ("heavy", "vip")}
+    assert statuses == {"200", "429", "503"}
+
+
+async def test_a_waiter_whose_client_leaves_leaves_the_queue(make_rig: RigFactory) -> None:
+    rig = await make_rig()
+    hold = rig.send("heavy", "hold")
+    await wait_until(lambda: len(rig.arrivals) == 1)
+    leave = asyncio.Event()
+    sent: list[dict[str, Any]] = []
+    raw = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}], "user": "gone"})
+    delivered = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await leave.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "headers": [(b"authorization", b"Bearer sk-light"), (b"content-length", str(len(raw)).encode())],
+        "query_string": b"",
+    }
+    gone = asyncio.ensure_future(rig.app(scope, receive, send))
+    await wait_until(lambda: rig.queue.waiting == 1)
+    leave.set()
+    await wait_until(gone.done)
+    assert rig.queue.waiting == 0 and sent == []  # nobody to answer
+    assert rig.state.metrics.requests.children[("m", "light", "499", "chat")].value == 1
+    after = rig.send("light", "after")
+    await wait_until(lambda: rig.queue.waiting == 1)
+    await rig.answer_one()
+    await rig.answer_one()
+    assert (await hold).status_code == 200 and (await after).status_code == 200
+    assert rig.order() == ["hold", "after"]  # the request that left never reached the worker
+    assert rig.state.limiters["light"].in_flight == 0
+    rig.queue.check_invariants()
+
+
+async def test_queue_waits_and_depth_are_in_the_metrics(make_rig: RigFactory) -> None:
+    rig = await make_rig()
+    tasks = await fill(rig, [("heavy", "h0", {}), ("light", "l0", {})])
+    text = rig.state.metrics.render().decode()
+    assert 'kvgate_queue_depth{pool="p",tenant="heavy"} 1.0' in text
+    assert 'kvgate_queue_depth{pool="p",tenant="light"} 1.0' in text
+    await serve_all(rig, tasks)
+    text = rig.state.metrics.render().decode()
+    assert "kvgate_queue_depth{" not in text
+    assert 'kvgate_queue_wait_seconds_count{pool="p",tenant="light"} 1.0' in text
+    assert 'kvgate_queue_wait_seconds_count{pool="p",tenant="heavy"} 1.0' in text  # "hold" never queued
+
+
+async def test_without_a_queue_a_full_pool_answers_503_at_once(make_rig: RigFactory) -> None:
+    rig = await make_rig(enabled=False)
+    hold = rig.send("heavy", "hold")
+    await wait_until(lambda: len(rig.arrivals) == 1)
+    resp = await rig.send("light", "l0")
+    assert resp.status_code == 503 and resp.json()["error"]["code"] == "no_worker_available"
+    assert rig.state.queues == {}
+    rig.gate.put_nowait(None)
+    assert (await hold).status_code == 200

@@ -1,0 +1,191 @@
+"""Replica sync in the chart: the gateway config's `sync` block, the NATS server the chart runs when
+no broker URL is given (and the NetworkPolicy that leaves it to the gateway pods), and `processes`,
+whose gateways share through the same broker."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import helm_python
+import pytest
+
+from gateway.config import parse_config
+from tests.helm.chart import (
+    NAMESPACE,
+    RELEASE,
+    container,
+    gateway_config,
+    pod_spec,
+    render,
+    validate_strictly,
+)
+
+NATS = f"{RELEASE}-kvgate-nats"
+GATEWAY_LABELS = {"app.kubernetes.io/name": "kvgate", "app.kubernetes.io/instance": RELEASE}
+
+
+def nats_resources(docs: dict[str, dict[str, Any]]) -> list[str]:
+    return sorted(k for k in docs if k.endswith(f"/{NATS}"))
+
+
+def test_by_default_the_replicas_share_through_the_charts_nats() -> None:
+    docs = render()
+    assert docs[f"Deployment/{RELEASE}-kvgate"]["spec"]["replicas"] == 2
+    config = parse_config(gateway_config(docs))
+    assert config.sync.url == f"nats://{NATS}.{NAMESPACE}.svc:4222"
+    # Two releases on one NATS (even of one name, in two namespaces) do not mix.
+    assert config.sync.subject_prefix == f"kvgate.{NAMESPACE}.{RELEASE}"
+    # Tuning keys left null keep the gateway's own defaults.
+    assert gateway_config(docs)["sync"] == {"url": config.sync.url, "subject_prefix": "kvgate.llm.rel"}
+    assert nats_resources(docs) == [f"Deployment/{NATS}", f"Service/{NATS}"]
+    validate_strictly(docs)
+
+
+def test_the_nats_workload() -> None:
+    docs = render()
+    deployment = docs[f"Deployment/{NATS}"]
+    spec = deployment["spec"]
+    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+    pod = spec["template"]["spec"]
+    (c,) = pod["containers"]
+    repository, tag = c["image"].split(":")
+    assert repository == "nats" and tag[0].isdigit() and tag != "latest"  # pinned
+    assert c["args"] == ["--port", "4222", "--http_port", "8222"]  # no JetStream, no storage
+    assert "volumeMounts" not in c and "volumes" not in pod
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert c["resources"]["requests"] == {"cpu": "50m", "memory": "32Mi"}
+    assert c["resources"]["limits"] == {"memory": "128Mi"}
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/healthz", "port": "monitor"}
+    assert pod["automountServiceAccountToken"] is False
+    service = docs[f"Service/{NATS}"]
+    assert service["spec"]["ports"] == [
+        {"name": "nats", "port": 4222, "targetPort": "nats", "protocol": "TCP"}
+    ]
+    # Its labels keep it out of the gateway's Service, PodDisruptionBudget and NetworkPolicy.
+    labels = spec["template"]["metadata"]["labels"]
+    assert not GATEWAY_LABELS.items() <= labels.items()
+    assert service["spec"]["selector"].items() <= labels.items()
+    gateway_selector = docs[f"Service/{RELEASE}-kvgate"]["spec"]["selector"]
+    assert not gateway_selector.items() <= labels.items()
+
+
+def test_an_existing_broker_and_tuning_keys() -> None:
+    tuning = {
+        "batchMaxItems": 128,
+        "batchIntervalS": 0.02,
+        "queueMaxItems": 4096,
+        "loadRefreshS": 2,
+        "peerTimeoutS": 8,
+        "connectTimeoutS": 1.5,
+    }
+    url = "nats://nats-a.messaging.svc:4222,nats://nats-b.messaging.svc:4222"
+    docs = render({"sync": {"url": url, "subjectPrefix": "team.kvgate", **tuning}})
+    assert nats_resources(docs) == []
+    assert gateway_config(docs)["sync"] == {
+        "url": url,
+        "subject_prefix": "team.kvgate",
+        "batch_max_items": 128,
+        "batch_interval_s": 0.02,
+        "queue_max_items": 4096,
+        "load_refresh_s": 2,
+        "peer_timeout_s": 8,
+        "connect_timeout_s": 1.5,
+    }
+    sync = parse_config(gateway_config(docs)).sync
+    assert (sync.batch_max_items, sync.peer_timeout_s, sync.connect_timeout_s) == (128, 8.0, 1.5)
+
+
+def test_sync_disabled_renders_nothing() -> None:
+    docs = render({"sync": {"enabled": False}, "networkPolicy": {"enabled": True, "egress": [{"to": []}]}})
+    assert "sync" not in gateway_config(docs)
+    assert parse_config(gateway_config(docs)).sync.url is None
+    assert nats_resources(docs) == []
+    egress = docs[f"NetworkPolicy/{RELEASE}-kvgate"]["spec"]["egress"]
+    assert egress[1:] == [{"to": []}]  # DNS, then the given rules only
+
+
+def test_network_policies_leave_the_broker_to_the_gateway_pods() -> None:
+    worker_rule = {"to": [{"podSelector": {"matchLabels": {"app": "vllm"}}}], "ports": [{"port": 8000}]}
+    docs = render({"networkPolicy": {"enabled": True, "egress": [worker_rule]}})
+    broker = docs[f"NetworkPolicy/{NATS}"]["spec"]
+    nats_labels = docs[f"Deployment/{NATS}"]["spec"]["template"]["metadata"]["labels"]
+    assert broker["podSelector"]["matchLabels"].items() <= nats_labels.items()
+    assert broker["policyTypes"] == ["Ingress", "Egress"]
+    # The client port, from this release's gateway pods only; the monitoring port from nobody
+    # (the kubelet's probes are not subject to NetworkPolicy); no egress at all.
+    assert broker["ingress"] == [
+        {
+            "from": [{"podSelector": {"matchLabels": GATEWAY_LABELS}}],
+            "ports": [{"port": "nats", "protocol": "TCP"}],
+        }
+    ]
+    assert broker.get("egress", []) == []
+    gateway_pod = docs[f"Deployment/{RELEASE}-kvgate"]["spec"]["template"]["metadata"]["labels"]
+    assert GATEWAY_LABELS.items() <= gateway_pod.items()
+    # Restricted gateway egress: DNS, the broker, then the given rules.
+    egress = docs[f"NetworkPolicy/{RELEASE}-kvgate"]["spec"]["egress"]
+    (to_broker,) = egress[1]["to"]
+    assert to_broker["podSelector"]["matchLabels"].items() <= nats_labels.items()
+    assert egress[1]["ports"] == [{"port": 4222, "protocol": "TCP"}]
+    assert egress[2:] == [worker_rule]
+    validate_strictly(docs)
+    # Open egress stays open; an external broker gets no rule of the chart's.
+    assert (
+        "egress"
+        not in render({"networkPolicy": {"enabled": True}})[f"NetworkPolicy/{RELEASE}-kvgate"]["spec"]
+    )
+    external = render(
+        {
+            "sync": {"url": "nats://nats.messaging.svc:4222"},
+            "networkPolicy": {"enabled": True, "egress": [worker_rule]},
+        }
+    )
+    assert f"NetworkPolicy/{NATS}" not in external
+    assert external[f"NetworkPolicy/{RELEASE}-kvgate"]["spec"]["egress"][1:] == [worker_rule]
+
+
+def test_processes_share_the_same_broker_and_each_has_a_metrics_port() -> None:
+    assert container(render())["args"] == ["serve", "--config", "/etc/kvgate/config/gateway.yaml"]
+    docs = render({"processes": 3, "serviceMonitor": {"enabled": True}, "networkPolicy": {"enabled": True}})
+    c = container(docs)
+    assert c["args"] == ["serve", "--config", "/etc/kvgate/config/gateway.yaml", "--processes", "3"]
+    # `kvgate serve --processes` hands the config's sync.url to every process: the chart's NATS,
+    # never a nats-server of its own (the image has none).
+    assert parse_config(gateway_config(docs)).sync.url == f"nats://{NATS}.{NAMESPACE}.svc:4222"
+    metrics = [(p["name"], p["containerPort"]) for p in c["ports"] if p["name"] != "http"]
+    assert metrics == [("metrics", 9464), ("metrics-1", 9465), ("metrics-2", 9466)]
+    assert [e["port"] for e in docs[f"ServiceMonitor/{RELEASE}-kvgate"]["spec"]["endpoints"]] == [
+        "metrics",
+        "metrics-1",
+        "metrics-2",
+    ]
+    svc_ports = docs[f"Service/{RELEASE}-kvgate-metrics"]["spec"]["ports"]
+    assert [(p["name"], p["port"], p["targetPort"]) for p in svc_ports] == [
+        ("metrics", 9464, "metrics"),
+        ("metrics-1", 9465, "metrics-1"),
+        ("metrics-2", 9466, "metrics-2"),
+    ]
+    (_, scrape) = docs[f"NetworkPolicy/{RELEASE}-kvgate"]["spec"]["ingress"]
+    assert [p["port"] for p in scrape["ports"]] == ["metrics", "metrics-1", "metrics-2"]
+    assert pod_spec(docs)["containers"][0]["readinessProbe"]["httpGet"]["port"] == "http"
+    validate_strictly(docs)
+
+
+@pytest.mark.parametrize(
+    ("values", "needle"),
+    [
+        ({"processes": 2, "sync": {"enabled": False}}, "processes > 1 needs sync.enabled"),
+        ({"processes": 0}, "/processes"),
+        ({"processes": 65}, "/processes"),
+        ({"sync": {"url": "redis://valkey:6379"}}, "/sync/url"),
+        ({"sync": {"subjectPrefix": "has space"}}, "/sync/subjectPrefix"),
+        ({"sync": {"peerTimeoutS": 0}}, "/sync/peerTimeoutS"),
+        ({"sync": {"nats": {"persistence": True}}}, "additional properties 'persistence'"),
+    ],
+)
+def test_bad_sync_values_fail_clearly(values: dict[str, Any], needle: str) -> None:
+    with pytest.raises(helm_python.HelmError, match=needle):
+        render(values)

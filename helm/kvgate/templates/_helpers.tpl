@@ -196,6 +196,16 @@ app.kubernetes.io/part-of: {{ include "kvgate.name" . }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 
+{{/* The broker's nats-server.conf: core NATS only (no JetStream, nothing stored). */}}
+{{- define "kvgate.natsConfig" -}}
+{{- with .Values.sync.nats -}}
+port: {{ .port }}
+http_port: {{ .monitorPort }}
+# A sync batch may be up to 8 MiB (gateway/sync/codec.py); the server's default is 1 MiB.
+max_payload: {{ int64 .maxPayloadBytes }}
+{{- end }}
+{{- end }}
+
 {{- define "kvgate.syncUrl" -}}
 {{- if .Values.sync.url }}
 {{- .Values.sync.url }}

@@ -106,6 +106,14 @@ def test_a_real_nats_server_runs_the_rendered_config(tmp_path: Path) -> None:
         server.stop()
 
 
+def test_long_names_keep_the_broker_apart_from_the_gateway() -> None:
+    docs = render({"nameOverride": "n" * 62})
+    (gateway,) = [k for k in docs if k.startswith("Deployment/") and not k.endswith("-nats")]
+    (broker,) = [k for k in docs if k.startswith("Deployment/") and k.endswith("-nats")]
+    assert len(broker.split("/")[1]) <= 63 and len(gateway.split("/")[1]) <= 63
+    validate_strictly(docs)
+
+
 def test_an_existing_broker_and_tuning_keys() -> None:
     tuning = {
         "batchMaxItems": 128,

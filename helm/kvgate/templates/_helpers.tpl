@@ -174,7 +174,8 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 
 {{/* Replica sync: the chart's own broker runs when sync is on and names no url. */}}
 {{- define "kvgate.natsName" -}}
-{{- printf "%s-nats" (include "kvgate.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- /* Room for the suffix, so that a long name never makes it the gateway's own. */}}
+{{- printf "%s-nats" (include "kvgate.fullname" . | trunc 58 | trimSuffix "-") }}
 {{- end }}
 
 {{- define "kvgate.runsNats" -}}
@@ -183,7 +184,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 
 {{/* Not the gateway's name label: the gateway's Service, PodDisruptionBudget and NetworkPolicy must not select the broker. */}}
 {{- define "kvgate.natsSelectorLabels" -}}
-app.kubernetes.io/name: {{ include "kvgate.name" . }}-nats
+app.kubernetes.io/name: {{ printf "%s-nats" (include "kvgate.name" . | trunc 58 | trimSuffix "-") }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: sync-broker
 {{- end }}

@@ -6,6 +6,7 @@ values schema in test_chart_values_files.py."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 import urllib.error
 import urllib.request
@@ -19,6 +20,7 @@ import yaml
 
 from gateway.auth import hash_api_key
 from gateway.config import parse_config
+from gateway.sync.broker import LocalBroker
 from tests.helm.chart import (
     CHART,
     KEY_HASH,
@@ -32,6 +34,7 @@ from tests.helm.chart import (
     validate_strictly,
 )
 from tests.support.processes import free_port, start_gateway, started
+from tests.support.wait import wait_until_sync
 
 
 def test_lint_is_clean() -> None:
@@ -210,15 +213,17 @@ def test_bad_values_fail_with_a_clear_message(values: dict[str, Any], needle: st
 @pytest.mark.e2e
 def test_rendered_config_and_policy_boot_a_real_gateway(tmp_path: Path) -> None:
     """The chart's config Secret and policy ConfigMap, written to disk, run `kvgate serve` and route
-    a chat request."""
+    a chat request; the gateway joins the sync broker the config names (a real nats-server)."""
     secret, api_key = "chart-test-secret", "sk-chart-test"
     backend_port, gateway_port, metrics_port = free_port(), free_port(), free_port()
     backend_url = f"http://127.0.0.1:{backend_port}"
+    broker = LocalBroker(free_port(), tmp_path)
     policy_path = tmp_path / "policy.yaml"
     values = {
         "tenants": [{"name": "team-a", "apiKeyHashes": [hash_api_key(secret.encode(), api_key)]}],
         "pools": [{"name": "p", "models": ["bench-model"], "workers": {"urls": [backend_url]}}],
         "policy": {"content": "policy: cost\nseed: 1\n"},
+        "sync": {"url": broker.url},
         # Only what a pod's filesystem and network provide differently here.
         "config": {
             "policy_file": str(policy_path),
@@ -234,6 +239,7 @@ def test_rendered_config_and_policy_boot_a_real_gateway(tmp_path: Path) -> None:
     backend = started(argv, backend_url + "/health")
     gateway = None
     try:
+        broker.start()
         gateway = start_gateway(config_path, gateway_port, secret=secret.encode(), port_from_config=True)
         base = f"http://127.0.0.1:{gateway_port}"
         body = json.dumps({"model": "bench-model", "messages": [{"role": "user", "content": "hi"}]}).encode()
@@ -247,6 +253,13 @@ def test_rendered_config_and_policy_boot_a_real_gateway(tmp_path: Path) -> None:
             assert json.loads(resp.read())["choices"][0]["message"]["content"] == "ok"
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as resp:
             assert b"kvgate_requests_total" in resp.read()
+        wait_until_sync(
+            lambda: re.search(
+                rb"^kvgate_sync_connected 1(\.0)?$", _get(f"http://127.0.0.1:{metrics_port}/metrics"), re.M
+            ),
+            20,
+            "the gateway connected to the sync broker",
+        )
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(base + "/metrics", timeout=10)
         assert info.value.code == 404
@@ -254,3 +267,10 @@ def test_rendered_config_and_policy_boot_a_real_gateway(tmp_path: Path) -> None:
         if gateway is not None:
             gateway.stop()
         backend.stop()
+        broker.stop()
+
+
+def _get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        body: bytes = resp.read()
+        return body

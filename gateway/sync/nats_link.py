@@ -55,6 +55,13 @@ class NatsLink:
         nc = self._nc
         return nc is not None and nc.is_connected
 
+    @property
+    def max_payload(self) -> int:
+        """The largest message the connected server takes (its INFO `max_payload`); NATS's
+        default of 1 MiB while not connected."""
+        nc = self._nc
+        return nc.max_payload if nc is not None and nc.is_connected else 1 << 20
+
     async def run(self) -> None:
         """Keep a connection up until cancelled."""
         attempt = 0

@@ -4,6 +4,11 @@
 oldest item is dropped and counted (a peer then misses one holding, which its TTL or a later
 dispatch of the same chain makes up for). Nothing here awaits; the service's task sends the
 batches, so a slow or absent broker never holds a request.
+
+A batch is also cut by size: the broker refuses a message over its `max_payload` (1 MiB by
+default on NATS), so items are taken while an upper bound of their encoded size fits. An item
+that alone would not fit (a holding of more than ~130k blocks at the default) is dropped and
+counted as `oversized`.
 """
 
 from __future__ import annotations
@@ -16,9 +21,28 @@ from collections.abc import Iterable
 from gateway.config import SyncConfig
 from gateway.sync.codec import SyncBatch
 from policies.base import WorkerId
-from policies.peer_sync import PeerItem, PeerLoad
+from policies.peer_sync import PeerHolding, PeerItem, PeerLoad
 
 _Slot = tuple[str, WorkerId]
+
+# Upper bounds of the msgpack bytes (gateway/sync/codec.py) that one item, key and load row take,
+# beyond the strings they may add to the batch's tables; and of the batch's own fields.
+_ITEM_BYTES = 48
+_KEY_BYTES = 8
+_LOAD_BYTES = 40
+_HEAD_BYTES = 256
+
+
+def item_bytes(item: PeerItem) -> int:
+    """An upper bound of what `item` adds to an encoded batch, its table strings included."""
+    if isinstance(item, PeerHolding):
+        strings = len(item.pool) + len(item.namespace) + len(item.worker)
+        return _ITEM_BYTES + _KEY_BYTES * len(item.keys) + strings
+    return _ITEM_BYTES
+
+
+def _load_bytes(load: PeerLoad) -> int:
+    return _LOAD_BYTES + len(load.pool) + len(load.worker)
 
 
 class SyncPublisher:
@@ -29,6 +53,7 @@ class SyncPublisher:
         self.config = config
         self._queue: deque[PeerItem] = deque()
         self.dropped = 0
+        self.oversized = 0
         self.batched_items = 0
         self._seq = 0
         self.ready = asyncio.Event()  # set when the queue goes from empty to non-empty
@@ -56,16 +81,38 @@ class SyncPublisher:
         """Seconds until the next whole load snapshot is due (<= 0: now)."""
         return self._last_full_s + self.config.load_refresh_s - now_s
 
-    def next_batch(self, loads: Iterable[PeerLoad], now_s: float) -> SyncBatch | None:
-        """The next batch: up to `batch_max_items` queued items, plus the in-flight loads that
-        changed since they were last sent (all of them when a full snapshot is due). None when
-        there is nothing to send."""
+    def next_batch(
+        self, loads: Iterable[PeerLoad], now_s: float, max_bytes: int = 1 << 20
+    ) -> SyncBatch | None:
+        """The next batch: the in-flight loads that changed since they were last sent (all of
+        them when a full snapshot is due), then queued items, at most `batch_max_items` and while
+        the batch stays within `max_bytes` encoded. None when there is nothing to send."""
+        full = self.full_load_due(now_s)
+        out = self._changed_loads(loads, full)
+        budget = max_bytes - _HEAD_BYTES - sum(_load_bytes(x) for x in out)
         queue = self._queue
-        n = min(len(queue), self.config.batch_max_items)
-        items = tuple(queue.popleft() for _ in range(n))
+        items: list[PeerItem] = []
+        while queue and len(items) < self.config.batch_max_items:
+            size = item_bytes(queue[0])
+            if size > budget:
+                if items or size <= max_bytes - _HEAD_BYTES:
+                    break  # the next batch takes it
+                queue.popleft()  # would not fit in any batch
+                self.oversized += 1
+                continue
+            budget -= size
+            items.append(queue.popleft())
         if not queue:
             self.ready.clear()
-        full = self.full_load_due(now_s)
+        if not items and not out and not full:
+            return None
+        if full:
+            self._last_full_s = now_s
+        self._seq += 1
+        self.batched_items += len(items)
+        return SyncBatch(self.origin, self._seq, time.time(), full, tuple(items), tuple(out))
+
+    def _changed_loads(self, loads: Iterable[PeerLoad], full: bool) -> list[PeerLoad]:
         sent = self._sent_loads
         out: list[PeerLoad] = []
         seen: set[_Slot] = set()
@@ -87,10 +134,4 @@ class SyncPublisher:
             del sent[slot]
             if not full:
                 out.append(PeerLoad(slot[0], slot[1], 0, 0, 0))
-        if not items and not out and not full:
-            return None
-        if full:
-            self._last_full_s = now_s
-        self._seq += 1
-        self.batched_items += n
-        return SyncBatch(self.origin, self._seq, time.time(), full, items, tuple(out))
+        return out

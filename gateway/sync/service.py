@@ -123,7 +123,7 @@ class SyncService:
 
     async def _send(self, now_s: float) -> None:
         for _ in range(_MAX_BATCHES_PER_WAKE):
-            batch = self.publisher.next_batch(self._loads(), now_s)
+            batch = self.publisher.next_batch(self._loads(), now_s, self.link.max_payload)
             if batch is None:
                 return
             if await self.link.publish(encode(batch)):
@@ -143,6 +143,7 @@ class SyncService:
             "applied_batches": sub.batches,
             "applied_items": sub.items,
             "dropped_queue_full": self.publisher.dropped,
+            "dropped_oversized": self.publisher.oversized,
             "dropped_publish_failed": self.lost_items,
             "dropped_malformed": sub.malformed,
             "dropped_slow_consumer": self.link.slow_consumer,

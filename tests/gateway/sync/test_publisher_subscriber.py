@@ -130,3 +130,27 @@ async def test_a_large_batch_is_applied_in_chunks_with_the_loop_free_in_between(
     task.cancel()
     assert sub.stats.items == 99 and policy.stats().counters["peer_holdings_applied"] == 99
     assert ticks - before >= 3  # 99 items in chunks of 32: the other task ran between them
+
+
+def _long_holding(ref: int, blocks: int) -> PeerHolding:
+    keys = req(f"long{ref}", range(blocks)).block_keys
+    return PeerHolding(ref, "p", BS, "tenant:team-a", keys, WorkerId(W0), blocks * BS, 0)
+
+
+def test_batches_are_cut_to_the_brokers_largest_message_and_an_item_too_large_for_any_is_counted() -> None:
+    limit = 16 * 1024
+    pub = SyncPublisher("me", SyncConfig(batch_max_items=1000))
+    for ref in range(1, 9):
+        pub.sink(_long_holding(ref, 700), 0.0)  # ~5.6 KB of keys each: two fit in one batch, not three
+    pub.sink(_long_holding(9, 3000), 0.0)  # 24 KB of keys: no batch can carry it
+    pub.sink(_holding(10), 0.0)
+    busy = PeerLoad("p", WorkerId(W1), 3, 300, 9)
+    batches = []
+    while (batch := pub.next_batch([busy], 0.0, limit)) is not None:
+        batches.append(batch)
+        if not pub.queued:
+            break
+    assert all(len(encode(b)) <= limit for b in batches)
+    assert [i.ref for b in batches for i in b.items] == [1, 2, 3, 4, 5, 6, 7, 8, 10]
+    assert len(batches) >= 4 and batches[0].loads == (busy,)
+    assert pub.oversized == 1 and pub.batched_items == 9

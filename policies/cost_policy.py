@@ -191,8 +191,10 @@ class CostPolicy(PrefixPolicyBase):
 
         mean_after = (sum(loads) + 1) / n_cands
         # Recomputing a prefix also delays whoever queues behind it: weigh saved compute by
-        # 1 + work_weight·L, L = prompts waiting per worker (Little's law), capped.
-        waiting_per_worker = raw_backlog / n_cands / max(1.0, cost.mean_prompt_tokens)
+        # 1 + work_weight·L, L = prompts waiting per worker (Little's law), capped. The backlog is
+        # in request tokens and the mean prompt in engine tokens: convert before dividing.
+        unit = cost.engine_tokens_per_request_token
+        waiting_per_worker = raw_backlog * unit / n_cands / max(1.0, cost.mean_prompt_tokens)
         weight = 1.0 + self.work_weight * min(waiting_per_worker, self.max_queue_factor)
         bound = max((1.0 + self.epsilon) * mean_after, mean_after + self.slack_requests) - 1
         overloaded = min(loads) > bound

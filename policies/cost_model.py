@@ -16,7 +16,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 
-from policies.base import WorkerView
+from policies.base import WorkerView, reported_load
 from policies.records import record
 
 
@@ -174,9 +174,9 @@ class CostModel:
         backlog = view.in_flight_prefill_tokens * uncached_share
         known = view.in_flight_requests
         running = known
-        waiting = view.num_requests_waiting
-        if waiting is not None:
-            scraped_running = view.num_requests_running or 0
+        scraped = reported_load(view)
+        if scraped is not None:
+            waiting, scraped_running = scraped
             reported = waiting + scraped_running
             if reported > known:
                 if known > 0 and view.in_flight_prefill_tokens > 0:

@@ -23,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import ClassVar
 
-from policies.base import Observation, RouteDecision, RouteRequest, WorkerId, WorkerView
+from policies.base import Observation, RouteDecision, RouteRequest, WorkerId, WorkerView, reported_load
 from policies.cost_model import CostModel, QueueTerms
 from policies.peer_sync import PeerHolding
 from policies.pools import PoolState
@@ -167,9 +167,8 @@ class CostPolicy(PrefixPolicyBase):
                 if blocks:
                     held.append((len(cands), blocks))
             cands.append(w)
-            waiting = w.num_requests_waiting
-            if waiting is not None:
-                reported = waiting + (w.num_requests_running or 0)
+            if w.num_requests_waiting is not None:
+                reported = sum(reported_load(w) or ())
                 if reported > inflight:
                     inflight = reported
             loads.append(inflight)
@@ -363,9 +362,9 @@ class _Scorer:
         if saved - q.scale * q.backlog_per_token_s * backlog < self.best_score - self.tie:
             return
         running = known = view.in_flight_requests
-        waiting = view.num_requests_waiting
-        if waiting is not None:
-            scraped = view.num_requests_running or 0
+        scraped_load = reported_load(view) if view.num_requests_waiting is not None else None
+        if scraped_load is not None:
+            waiting, scraped = scraped_load
             if waiting + scraped > known:
                 if known > 0 and view.in_flight_prefill_tokens > 0:
                     backlog *= (waiting + scraped) / known

@@ -25,7 +25,7 @@ from loadtest.bench_routing import DECISIONS_FILE, _requests
 from loadtest.cli_args import positive_float, positive_int
 from loadtest.engine import DEFAULT_PROFILE, Engine, EngineConfig, EngineRequest, load_profile
 from loadtest.engine.hashing import block_hashes
-from loadtest.replay.compare import compare, render
+from loadtest.replay.compare import compare, reason_agreement, render
 from loadtest.replay.forced import ForcedPolicy
 from loadtest.replay.log import HttpDecision, read_decisions, rebase
 from loadtest.simulator.keys import KeyPath
@@ -146,11 +146,16 @@ def run(args: argparse.Namespace) -> int:
         free = ForcedPolicy(_policy(workdir), None)
         free_result = simulate(reqs, config, free, args.scrape_interval_s)
         free_agreement = compare(http, free.decisions, 0)
+        same_reason = reason_agreement(http, free.decisions)
         print(
-            f"simulator on its own choices: hit ratio {hit_ratio(free_result):.3f}, "
-            f"agreement with HTTP {free_agreement.ratio:.1%} (diverging histories)"
+            f"simulator on its own choices: hit ratio {hit_ratio(free_result):.3f}, same worker "
+            f"{free_agreement.ratio:.1%} (histories diverge), same reason {same_reason:.1%}"
         )
-        doc["free"] = {"hit_ratio": hit_ratio(free_result), "agreement": free_agreement.ratio}
+        doc["free"] = {
+            "hit_ratio": hit_ratio(free_result),
+            "agreement": free_agreement.ratio,
+            "same_reason": same_reason,
+        }
     print(render(agreement))
     if args.json:
         doc["divergences"] = [

@@ -107,6 +107,13 @@ def compare(http: dict[str, HttpDecision], sim: dict[str, SimDecision], keep: in
     return out
 
 
+def reason_agreement(http: dict[str, HttpDecision], sim: dict[str, SimDecision]) -> float:
+    """The share of requests given the same reason (hit, miss, spread, ...) by both: comparable
+    across runs whose worker names drifted apart."""
+    both = [rid for rid in http if rid in sim]
+    return sum(http[rid].reason == sim[rid].reason for rid in both) / len(both) if both else 0.0
+
+
 def render(a: Agreement) -> str:
     lines = [
         f"decisions compared: {a.n}; same worker {a.same}, tied {a.ties}; agreement {a.ratio:.1%}",

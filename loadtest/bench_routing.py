@@ -106,7 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def _requests(args: argparse.Namespace) -> list[WorkloadRequest]:
+def stream_requests(args: argparse.Namespace) -> list[WorkloadRequest]:
+    """The requests of a run, in arrival order (also what `kvgate bench replay` rebuilds)."""
     if args.trace:
         reqs = list(load_trace(args.trace, users=args.users, seed=args.seed).requests)
     else:
@@ -244,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     try:
-        reqs = _requests(args)
+        reqs = stream_requests(args)
     except (ValueError, TraceFormatError) as exc:
         print(f"kvgate bench routing: error: {exc}", file=sys.stderr)
         return 2

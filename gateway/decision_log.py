@@ -1,6 +1,6 @@
 """The decision log: what the policy saw and chose for each request, and what came of it.
 
-Opt-in (`decision_log.path` in the config); off, the gateway pays one `is None` test per request.
+Opt-in (`decision_log.path` in the config); off, the gateway pays two `is None` tests per request.
 One JSON line per finished request, written when it finishes: its routing decisions (one per
 attempt) with the view of the top candidates the policy scored, and the outcome the worker
 reported (cached tokens, TTFT). `loadtest/replay` replays the same request stream through the

@@ -212,6 +212,8 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
             await fleet.stop()
             state.fleet = None
             state.access_log.flush()
+            if state.decision_log is not None:
+                state.decision_log.close()
             await state.registry.stop()
             await state.session.close()
             state.session = None
@@ -277,6 +279,8 @@ async def _flush_access_log(state: GatewayState) -> None:
     while True:
         await asyncio.sleep(state.access_log.flush_interval_s)
         state.access_log.flush()
+        if state.decision_log is not None:
+            state.decision_log.flush()
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:

@@ -40,6 +40,9 @@ COMMANDS: dict[str, Command] = {
 BENCHMARKS: dict[str, Command] = {
     "overhead": Command("loadtest.bench_overhead", "gateway CPU and latency overhead against peers"),
     "routing": Command("loadtest.bench_routing", "kvgate and peer routers over HTTP on emulated workers"),
+    "replay": Command(
+        "loadtest.replay.cli", "a bench routing run's decisions against the simulator's, one by one"
+    ),
     "keys": Command("prompt_normalizer.bench", "block-key and tokenization time"),
     "drift": Command("loadtest.bench_drift", "hit ratio of a drifting agent workload, rules off and on"),
     "decision": Command("policies.bench", "routing decision latency over many workers"),

@@ -383,6 +383,16 @@ class ResponsesConfig(_Frozen):
     affinity_ttl_s: PositiveFloat = 86_400.0
 
 
+class DecisionLogConfig(_Frozen):
+    """The decision log (`gateway/decision_log.py`), off unless `path` is set: one JSON line per
+    routed request with the policy's view of the top candidates and the worker's reported cached
+    tokens, at most `max_records` lines per process. For comparing routing with the simulator
+    (`kvgate bench replay`), not for production traffic."""
+
+    path: str | None = None
+    max_records: PositiveInt = 100_000
+
+
 class SyncConfig(_Frozen):
     """Replica sync (docs/sync.md): gateways sharing one worker fleet publish their routing decisions
     and in-flight load through a NATS broker and apply each other's. Off unless `url` is set.
@@ -423,6 +433,7 @@ class GatewayConfig(_Frozen):
     metrics: MetricsConfig = MetricsConfig()
     responses: ResponsesConfig = ResponsesConfig()
     sync: SyncConfig = SyncConfig()
+    decision_log: DecisionLogConfig = DecisionLogConfig()
     policy_file: str | None = None
     policy_reload_interval_s: PositiveFloat = 2.0
     pools: list[PoolConfig] = Field(min_length=1)

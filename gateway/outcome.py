@@ -235,5 +235,15 @@ def record_request(
         "queue_ms": round(a.queued_s * 1000, 2) if a.queued_s is not None else None,
     }
     state.access_log.write(fields)
+    if state.decision_log is not None:
+        state.decision_log.finished(
+            a.request_id,
+            a.client_request_id,
+            a.route,
+            status=status,
+            prompt_tokens=usage.prompt_tokens,
+            cached_tokens=usage.cached_tokens,
+            ttft_s=ttft_s,
+        )
     if state.tracer is not None:
         state.tracer.record(fields)

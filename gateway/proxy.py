@@ -93,6 +93,9 @@ async def _dispatch(a: Admitted, state: GatewayState, attempts: list[Attempt]) -
             break
         if retry is not None:
             state.metrics.retries.labels(pool.name, retry).inc()
+        if state.decision_log is not None:
+            views = pool.views(now_s, frozenset(tried))
+            state.decision_log.decided(a.request_id, a.route, decision, views, state.policy, now_s)
         tried.add(decision.worker)
         state.policy.on_dispatch(a.route, decision, now_s)
         state.metrics.decision(state.policy_name, decision.reason)

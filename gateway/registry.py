@@ -73,6 +73,7 @@ class Worker:
         "decode_tokens",
         "direct",
         "in_flight",
+        "in_flight_at_scrape",
         "max_in_flight",
         "metrics_at_s",
         "prefill_tokens",
@@ -98,6 +99,7 @@ class Worker:
         self._oks = 0
         self._metrics: WorkerMetrics | None = None  # last scrape, set by the scraper's callback
         self.metrics_at_s = 0.0
+        self.in_flight_at_scrape = 0  # this gateway's and its peers' requests when it was scraped
         self._role: str | None = None
         self._peer_load: PeerLoad | None = None  # other gateways' in-flight here (replica sync)
 
@@ -129,6 +131,8 @@ class Worker:
         """A scrape's result (None: the worker exposes no metrics)."""
         self._metrics = metrics
         self.metrics_at_s = scraped_at_s
+        peers = self._peer_load.requests if self._peer_load is not None else 0
+        self.in_flight_at_scrape = self.in_flight + peers
         self._version += 1
 
     def note_peer_load(self, load: PeerLoad | None) -> None:
@@ -172,6 +176,7 @@ class Worker:
             num_gpu_blocks=m.num_gpu_blocks if m else None,
             engine_block_size=m.block_size_tokens if m else None,
             role=Role.of(self._role),
+            in_flight_at_scrape=self.in_flight_at_scrape if m else None,
         )
         return view if self._peer_load is None else with_peer_load(view, self._peer_load)
 

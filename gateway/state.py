@@ -15,6 +15,7 @@ import aiohttp
 
 from gateway.auth import KeyRing, Tenant
 from gateway.config import GatewayConfig, read_worker_key
+from gateway.decision_log import DecisionLog
 from gateway.disconnect import DisconnectWatch
 from gateway.logs import AccessLog
 from gateway.metrics import GatewayMetrics
@@ -51,6 +52,7 @@ class GatewayState:
     limiters: dict[str, TenantLimiter]
     access_log: AccessLog = field(default_factory=lambda: AccessLog(enabled=False))
     tracer: RequestTracer | None = None
+    decision_log: DecisionLog | None = None  # config `decision_log.path`; None: off
     # Which worker holds each stored Responses response (affinity for previous_response_id).
     responses: ResponseAffinity = field(default_factory=lambda: ResponseAffinity(100_000, 86_400.0))
     queues: dict[str, PoolQueue] = field(default_factory=dict)  # pool name -> its waiting room
@@ -194,6 +196,11 @@ def build_state(
         limiters={t.name: TenantLimiter(t.quotas, now_s) for t in config.tenants},
         access_log=AccessLog(enabled=logging.getLogger("kvgate.access").isEnabledFor(logging.INFO)),
         tracer=RequestTracer.from_config(config.tracing) if config.tracing.enabled else None,
+        decision_log=(
+            DecisionLog(config.decision_log.path, config.decision_log.max_records)
+            if config.decision_log.path
+            else None
+        ),
         responses=ResponseAffinity(config.responses.affinity_max_entries, config.responses.affinity_ttl_s),
         created_s=int(time.time()),
     )

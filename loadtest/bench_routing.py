@@ -47,6 +47,7 @@ from loadtest.workloads.records import ChatPrompt, TextPrompt, WorkloadRequest, 
 from loadtest.workloads.registry import WORKLOADS, make_workload
 from loadtest.workloads.text import synth_text
 
+DECISIONS_FILE = "decisions.jsonl"  # a kvgate router's decision log, in its logs/ directory
 DEFAULT_KV_BLOCKS = 27000  # the default profile's pool; used for the pooled-LRU ceiling when not given
 
 
@@ -96,10 +97,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="unmeasured requests first (default: one per worker)",
     )
     parser.add_argument("--out", required=True, help="directory for report.md, results.json and plots")
+    parser.add_argument(
+        "--decision-log",
+        action="store_true",
+        help="kvgate routers log each routing decision to logs/<router>/decisions.jsonl "
+        "(for `kvgate bench replay`)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def _requests(args: argparse.Namespace) -> list[WorkloadRequest]:
+def stream_requests(args: argparse.Namespace) -> list[WorkloadRequest]:
+    """The requests of a run, in arrival order (also what `kvgate bench replay` rebuilds)."""
     if args.trace:
         reqs = list(load_trace(args.trace, users=args.users, seed=args.seed).requests)
     else:
@@ -126,6 +134,7 @@ def _router_command(
             tenants=tenants,
             seed=args.seed,
             workdir=workdir,
+            decision_log=workdir / DECISIONS_FILE if args.decision_log else None,
         )
     return build_command(
         name,
@@ -141,7 +150,8 @@ def _router_command(
 def _headers(cmd: PeerCommand) -> Callable[[WorkloadRequest], dict[str, str]]:
     def headers_for(req: WorkloadRequest) -> dict[str, str]:
         if cmd.name.startswith("kvgate"):
-            return {"Authorization": f"Bearer {bench_api_key(req.tenant)}"}
+            # The request id ties kvgate's decision log to the workload's request stream.
+            return {"Authorization": f"Bearer {bench_api_key(req.tenant)}", "x-request-id": req.request_id}
         if cmd.api_key:
             return {"Authorization": f"Bearer {LITELLM_MASTER_KEY}"}
         return {}
@@ -235,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     try:
-        reqs = _requests(args)
+        reqs = stream_requests(args)
     except (ValueError, TraceFormatError) as exc:
         print(f"kvgate bench routing: error: {exc}", file=sys.stderr)
         return 2
@@ -264,6 +274,10 @@ def run(args: argparse.Namespace) -> int:
     config = {
         **run_metadata(),
         "source": args.trace or f"workload:{args.workload or 'gsp'}",
+        "workload": args.workload,
+        "trace": args.trace,
+        "users": args.users,
+        "model": args.model,
         "workload_args": args.workload_arg,
         "n_requests": len(reqs),
         "n_chat": sum(isinstance(r.prompt, ChatPrompt) for r in reqs),
@@ -272,6 +286,7 @@ def run(args: argparse.Namespace) -> int:
         "kv_blocks": args.kv_blocks,
         "time_scale": args.time_scale,
         "rate_scale": args.rate_scale,
+        "max_requests": args.max_requests,
         "max_in_flight": args.max_in_flight,
         "time_limit_s": args.time_limit_s,
         "seed": args.seed,

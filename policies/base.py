@@ -95,6 +95,31 @@ class WorkerView:
     loaded_adapters: frozenset[str] | None = None
     warming: bool = False
     role: Role = Role.MIXED
+    # The gateway's own in-flight requests on the worker when `num_requests_*` were scraped (None:
+    # not known). Only what the scrape reports beyond them is load the gateway did not send; what
+    # it sent or finished since is already in `in_flight_requests` (see `reported_load`).
+    in_flight_at_scrape: int | None = None
+
+
+def reported_load(view: WorkerView) -> tuple[int, int] | None:
+    """The worker's scraped (waiting, running) brought up to now, None without a scrape.
+
+    A scrape is up to its interval old: counted as is against the gateway's current in-flight
+    requests, requests that have finished since would still weigh on the worker. So the requests
+    the gateway had in flight at the scrape are taken out and its current ones put in: the
+    scrape's excess over them (other gateways' or clients' load) is kept, waiting first."""
+    waiting = view.num_requests_waiting
+    if waiting is None:
+        return None
+    running = view.num_requests_running or 0
+    at = view.in_flight_at_scrape
+    if at is None:
+        return waiting, running
+    others = waiting + running - at
+    if others <= 0:
+        return 0, view.in_flight_requests
+    waiting = min(waiting, others)
+    return waiting, view.in_flight_requests + others - waiting
 
 
 @record

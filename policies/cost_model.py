@@ -16,7 +16,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 
-from policies.base import WorkerView
+from policies.base import WorkerView, reported_load
 from policies.records import record
 
 
@@ -130,6 +130,7 @@ class CostModel:
         # the engine's tokens per character in approximate mode. Learned from usage.prompt_tokens.
         self.engine_tokens_per_request_token = 1.0
         self._log_unit = 0.0
+        self._unit_samples = 0
 
     # -- time estimates -----------------------------------------------------------------------
 
@@ -173,9 +174,9 @@ class CostModel:
         backlog = view.in_flight_prefill_tokens * uncached_share
         known = view.in_flight_requests
         running = known
-        waiting = view.num_requests_waiting
-        if waiting is not None:
-            scraped_running = view.num_requests_running or 0
+        scraped = reported_load(view)
+        if scraped is not None:
+            waiting, scraped_running = scraped
             reported = waiting + scraped_running
             if reported > known:
                 if known > 0 and view.in_flight_prefill_tokens > 0:
@@ -275,7 +276,11 @@ class CostModel:
         pending = self._pending.pop(request_id, None)
         if request_tokens and prompt_tokens and request_tokens > 0 and prompt_tokens > 0:
             ratio = min(max(prompt_tokens / request_tokens, 0.05), 20.0)
-            self._log_unit += 0.05 * (math.log(ratio) - self._log_unit)
+            # The first sample sets the unit outright: until it does, every token count the policy
+            # weighs against the engine's (the mean prompt, the calibrated rates) is off by it.
+            weight = 0.05 if self._unit_samples else 1.0
+            self._unit_samples += 1
+            self._log_unit += weight * (math.log(ratio) - self._log_unit)
             # Snap to exactly 1 when keys are token-exact, so that path stays integer arithmetic.
             unit = math.exp(self._log_unit)
             self.engine_tokens_per_request_token = 1.0 if abs(unit - 1.0) < 1e-3 else unit

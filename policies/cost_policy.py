@@ -23,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import ClassVar
 
-from policies.base import Observation, RouteDecision, RouteRequest, WorkerId, WorkerView
+from policies.base import Observation, RouteDecision, RouteRequest, WorkerId, WorkerView, reported_load
 from policies.cost_model import CostModel, QueueTerms
 from policies.peer_sync import PeerHolding
 from policies.pools import PoolState
@@ -167,9 +167,8 @@ class CostPolicy(PrefixPolicyBase):
                 if blocks:
                     held.append((len(cands), blocks))
             cands.append(w)
-            waiting = w.num_requests_waiting
-            if waiting is not None:
-                reported = waiting + (w.num_requests_running or 0)
+            if w.num_requests_waiting is not None:
+                reported = sum(reported_load(w) or ())
                 if reported > inflight:
                     inflight = reported
             loads.append(inflight)
@@ -191,8 +190,10 @@ class CostPolicy(PrefixPolicyBase):
 
         mean_after = (sum(loads) + 1) / n_cands
         # Recomputing a prefix also delays whoever queues behind it: weigh saved compute by
-        # 1 + work_weight·L, L = prompts waiting per worker (Little's law), capped.
-        waiting_per_worker = raw_backlog / n_cands / max(1.0, cost.mean_prompt_tokens)
+        # 1 + work_weight·L, L = prompts waiting per worker (Little's law), capped. The backlog is
+        # in request tokens and the mean prompt in engine tokens: convert before dividing.
+        unit = cost.engine_tokens_per_request_token
+        waiting_per_worker = raw_backlog * unit / n_cands / max(1.0, cost.mean_prompt_tokens)
         weight = 1.0 + self.work_weight * min(waiting_per_worker, self.max_queue_factor)
         bound = max((1.0 + self.epsilon) * mean_after, mean_after + self.slack_requests) - 1
         overloaded = min(loads) > bound
@@ -361,9 +362,9 @@ class _Scorer:
         if saved - q.scale * q.backlog_per_token_s * backlog < self.best_score - self.tie:
             return
         running = known = view.in_flight_requests
-        waiting = view.num_requests_waiting
-        if waiting is not None:
-            scraped = view.num_requests_running or 0
+        scraped_load = reported_load(view) if view.num_requests_waiting is not None else None
+        if scraped_load is not None:
+            waiting, scraped = scraped_load
             if waiting + scraped > known:
                 if known > 0 and view.in_flight_prefill_tokens > 0:
                     backlog *= (waiting + scraped) / known

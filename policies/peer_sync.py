@@ -247,4 +247,5 @@ def with_peer_load(view: WorkerView, load: PeerLoad | None) -> WorkerView:
         engine_block_size=view.engine_block_size,
         loaded_adapters=view.loaded_adapters,
         warming=view.warming,
+        in_flight_at_scrape=view.in_flight_at_scrape,
     )

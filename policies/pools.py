@@ -6,7 +6,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from policies.base import WorkerId, WorkerView
+from policies.base import WorkerId, WorkerView, reported_load
 from policies.cost_model import CostModel, CostModelParams
 from policies.index import IndexConfig, PrefixIndex
 
@@ -22,8 +22,8 @@ def available(workers: Sequence[WorkerView]) -> list[WorkerView]:
 
 def load_of(view: WorkerView) -> int:
     """In-flight requests, raised to what the worker itself reports when it reports more."""
-    reported = (view.num_requests_waiting or 0) + (view.num_requests_running or 0)
-    return max(view.in_flight_requests, reported)
+    scraped = reported_load(view)
+    return view.in_flight_requests if scraped is None else max(view.in_flight_requests, sum(scraped))
 
 
 @dataclass(frozen=True, slots=True)

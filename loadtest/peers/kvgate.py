@@ -32,8 +32,10 @@ def build_kvgate_command(
     tenants: Sequence[str],
     seed: int,
     workdir: Path,
+    decision_log: Path | None = None,
 ) -> PeerCommand:
-    """Write `gateway.yaml` + `policy.yaml` into `workdir` and return the `serve` command."""
+    """Write `gateway.yaml` + `policy.yaml` into `workdir` and return the `serve` command; with
+    `decision_log`, the gateway writes its routing decisions there (`gateway/decision_log.py`)."""
     secret = BENCH_SECRET.encode()
     (workdir / "policy.yaml").write_text(yaml.safe_dump({"policy": policy, "seed": seed}))
     config = {
@@ -55,6 +57,8 @@ def build_kvgate_command(
             for t in sorted(set(tenants))
         ],
     }
+    if decision_log is not None:
+        config["decision_log"] = {"path": str(decision_log.resolve())}
     config_path = workdir / "gateway.yaml"
     text = yaml.safe_dump(config, sort_keys=False)
     argv = (sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path))

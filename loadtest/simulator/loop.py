@@ -119,6 +119,7 @@ class _Worker:
         "prefill_tokens",
         "prompt_tokens",
         "scrape",
+        "scrape_in_flight",
         "scrape_s",
     )
 
@@ -129,6 +130,7 @@ class _Worker:
         self.pending: StepLike | None = None
         self.scrape: StatsLike = engine.stats()
         self.scrape_s = -math.inf
+        self.scrape_in_flight: list[int] = []
         self.n_requests = self.prompt_tokens = self.cached_tokens = self.prefill_tokens = 0
         self.output_tokens = self.n_steps = 0
         self.busy_s = 0.0
@@ -173,6 +175,11 @@ class _Loop:
             if now_s - w.scrape_s >= cfg.scrape_interval_s:
                 w.scrape = w.engine.stats()
                 w.scrape_s = now_s
+                # Each gateway's requests there at that moment, its peers' included (as it sees them).
+                w.scrape_in_flight = [
+                    g.fold(pool, WorkerView(w.id, in_flight_requests=g.in_flight[i])).in_flight_requests
+                    for g in self.gateways
+                ]
             s = w.scrape
             view = WorkerView(
                 worker_id=w.id,
@@ -186,6 +193,7 @@ class _Loop:
                 num_gpu_blocks=s.num_kv_blocks,
                 engine_block_size=w.engine.block_size,
                 role=self.roles[i],
+                in_flight_at_scrape=w.scrape_in_flight[gw.index],
             )
             out.append(gw.fold(pool, view))
         return out

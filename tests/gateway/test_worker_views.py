@@ -54,3 +54,13 @@ def test_an_open_breaker_is_asked_each_time() -> None:
     w.breaker.on_success()
     w.release(1, 1, prefill_done=False)
     assert w.view(11.7).healthy and w.view(11.8).in_flight_requests == 0
+
+
+def test_the_view_carries_the_gateways_in_flight_at_the_scrape() -> None:
+    w = _worker()
+    for _ in range(3):
+        w.acquire(100, 10, 1.0)
+    w.note_metrics(WorkerMetrics(num_requests_waiting=1, num_requests_running=2), scraped_at_s=1.0)
+    w.release(100, 10, prefill_done=True)
+    v = w.view(2.0)
+    assert (v.in_flight_requests, v.in_flight_at_scrape, v.num_requests_running) == (2, 3, 2)

@@ -1,0 +1,157 @@
+"""The decision log: what the policy saw and chose for each request, and what came of it.
+
+Opt-in (`decision_log.path` in the config); off, the gateway pays two `is None` tests per request.
+One JSON line per finished request, written when it finishes: its routing decisions (one per
+attempt) with the view of the top candidates the policy scored, and the outcome the worker
+reported (cached tokens, TTFT). `loadtest/replay` replays the same request stream through the
+simulator and compares the two decision by decision.
+
+Nothing in a line identifies content: the request's ids, its tenant's namespace, token and block
+counts, worker ids and load figures. Never prompt text, token ids or block keys. The file is
+bounded: after `max_records` lines nothing more is written (the count of dropped lines is kept).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import orjson
+
+from policies.base import RouteDecision, RouteRequest, WorkerId, WorkerView
+
+# Decisions awaiting their request's end; beyond this the oldest are dropped (a request that never
+# finishes must not grow the log's memory).
+MAX_PENDING = 16_384
+
+HeldTokens = Callable[[RouteRequest, int, float], dict[WorkerId, int]]
+
+
+class DecisionLog:
+    """Collects decisions per request and writes one line when the request is recorded.
+
+    Lines collect in a buffer flushed with the access log's cadence and at shutdown, so the hot
+    path never writes to the file itself unless the buffer is full."""
+
+    _max_lines = 256
+
+    def __init__(self, path: str, max_records: int, top_candidates: int = 8) -> None:
+        self.path = path
+        self.max_records = max_records
+        self.top_candidates = top_candidates
+        self.written = 0
+        self.dropped = 0
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._pending: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+        self._lines: list[bytes] = []
+        # Monotonic seconds of the first decision: times in the log count from it.
+        self._origin_s: float | None = None
+
+    def decided(
+        self,
+        request_id: str,
+        route: RouteRequest,
+        decision: RouteDecision,
+        views: Sequence[WorkerView],
+        policy: object,
+        now_s: float,
+    ) -> None:
+        """Note one routing decision, before the policy hears of its dispatch (so the prefix
+        policies' `held_tokens`, their per-worker prediction of cached tokens, is what they
+        scored; other policies predict nothing)."""
+        if self._origin_s is None:
+            self._origin_s = now_s
+        held: HeldTokens | None = getattr(policy, "held_tokens", None)
+        predicted = held(route, decision.shared_prefix_blocks, now_s) if held is not None else {}
+        entry = {
+            "t_s": round(now_s - self._origin_s, 6),
+            "worker": decision.worker,
+            "reason": decision.reason,
+            "score_s": round(decision.score_s, 6),
+            "predicted_cached_tokens": decision.matched_tokens,
+            "queued_requests": route.queued_requests,
+            "candidates": self._candidates(views, predicted, decision.worker),
+        }
+        decisions = self._pending.get(request_id)
+        if decisions is None:
+            decisions = self._pending[request_id] = []
+            if len(self._pending) > MAX_PENDING:
+                self._pending.popitem(last=False)
+        decisions.append(entry)
+
+    def _candidates(
+        self, views: Sequence[WorkerView], predicted: dict[WorkerId, int], chosen: WorkerId
+    ) -> list[dict[str, Any]]:
+        """The chosen worker and the strongest rivals: most predicted cached tokens, then least
+        in flight."""
+        ranked = sorted(
+            (v for v in views if v.healthy or v.worker_id == chosen),
+            key=lambda v: (v.worker_id != chosen, -predicted.get(v.worker_id, 0), v.in_flight_requests),
+        )
+        return [
+            {
+                "worker": v.worker_id,
+                "predicted_cached_tokens": predicted.get(v.worker_id, 0),
+                "in_flight": v.in_flight_requests,
+                "prefill_tokens": v.in_flight_prefill_tokens,
+                "decode_tokens": v.in_flight_decode_tokens,
+                "waiting": v.num_requests_waiting,
+                "running": v.num_requests_running,
+                "kv_usage": v.kv_usage,
+            }
+            for v in ranked[: self.top_candidates]
+        ]
+
+    def finished(
+        self,
+        request_id: str,
+        client_request_id: str | None,
+        route: RouteRequest,
+        *,
+        status: int,
+        prompt_tokens: int | None,
+        cached_tokens: int | None,
+        ttft_s: float | None,
+    ) -> None:
+        """Write the request's line (if it was routed at all and the log has room)."""
+        decisions = self._pending.pop(request_id, None)
+        if decisions is None:
+            return
+        if self.written >= self.max_records:
+            self.dropped += 1
+            return
+        self.written += 1
+        record = {
+            "request_id": request_id,
+            "client_request_id": client_request_id,
+            "namespace": route.namespace,
+            "n_prompt_tokens": route.n_prompt_tokens,
+            "n_blocks": len(route.block_keys),
+            "decisions": decisions,
+            "status": status,
+            "prompt_tokens": prompt_tokens,
+            "cached_tokens": cached_tokens,
+            "ttft_ms": round(ttft_s * 1000, 3) if ttft_s is not None else None,
+            "wall_ts": round(time.time(), 3),
+        }
+        self._lines.append(orjson.dumps(record) + b"\n")
+        if len(self._lines) >= self._max_lines:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._lines:
+            return
+        data = b"".join(self._lines)
+        self._lines.clear()
+        try:
+            while data:
+                data = data[os.write(self._fd, data) :]
+        except OSError:
+            pass  # a full disk loses lines, never blocks requests
+
+    def close(self) -> None:
+        self.flush()
+        os.close(self._fd)

@@ -1,0 +1,78 @@
+"""The decision log (`gateway/decision_log.py`): off by default, one line per routed request with
+the policy's view and the worker's reported cached tokens, never content, bounded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from gateway.auth import hash_api_key
+from gateway.config import parse_config
+from gateway.decision_log import DecisionLog
+from policies import make_policy
+from policies.base import RouteDecision, RouteRequest, WorkerId, WorkerView
+from tests.support.inprocess import gateway_in_process
+from tests.support.processes import running_emulator
+
+SECRET = b"k"
+PROMPT = "the shared system prompt of a decision log test " * 40
+
+
+def _config(worker: str, log: Path | None) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "pools": [{"name": "p", "models": ["emulated-llama"], "workers": [worker]}],
+        "tenants": [{"name": "t", "api_key_hashes": [hash_api_key(SECRET, "sk")]}],
+    }
+    if log is not None:
+        config["decision_log"] = {"path": str(log)}
+    return config
+
+
+def test_it_is_off_by_default() -> None:
+    assert parse_config(_config("http://127.0.0.1:9", None)).decision_log.path is None
+
+
+@pytest.mark.e2e
+async def test_each_request_is_logged_with_its_view_and_cached_tokens(tmp_path: Path) -> None:
+    log = tmp_path / "decisions.jsonl"
+    with running_emulator("--time-scale", "50") as base:
+        async with gateway_in_process(_config(base, log), make_policy("cost"), secret=SECRET) as gw:
+            for i, stream in enumerate((False, True)):
+                body = {
+                    "model": "emulated-llama",
+                    "messages": [{"role": "user", "content": PROMPT}],
+                    "max_tokens": 2,
+                    "stream": stream,
+                    "stream_options": {"include_usage": True} if stream else None,
+                }
+                headers = {"authorization": "Bearer sk", "x-request-id": f"req-{i}"}
+                resp = await gw.client.post("/v1/chat/completions", json=body, headers=headers)
+                assert resp.status_code == 200
+    text = log.read_text()
+    assert "shared system prompt" not in text
+    first, second = (orjson.loads(line) for line in text.splitlines())
+    assert (first["client_request_id"], second["client_request_id"]) == ("req-0", "req-1")
+    assert first["namespace"] == second["namespace"] == "tenant:t"
+    assert first["n_blocks"] > 0 and first["status"] == 200
+    decision = second["decisions"][0]
+    assert decision["worker"] == base and decision["reason"] == "hit"
+    assert decision["predicted_cached_tokens"] > 0
+    (candidate,) = decision["candidates"]
+    assert candidate["worker"] == base and candidate["predicted_cached_tokens"] > 0
+    assert {"in_flight", "prefill_tokens", "waiting", "running"} <= candidate.keys()
+    assert second["cached_tokens"] > 0 and second["ttft_ms"] is not None
+
+
+def test_the_log_stops_at_max_records(tmp_path: Path) -> None:
+    log = DecisionLog(str(tmp_path / "d.jsonl"), max_records=2)
+    req = RouteRequest("r", "p", "t", "tenant:t", (), 10, 16)
+    view = WorkerView(WorkerId("w"))
+    for i in range(5):
+        log.decided(f"r{i}", req, RouteDecision(WorkerId("w"), 0.0, "miss"), [view], object(), float(i))
+        log.finished(f"r{i}", None, req, status=200, prompt_tokens=10, cached_tokens=0, ttft_s=0.01)
+    log.close()
+    assert len((tmp_path / "d.jsonl").read_text().splitlines()) == 2
+    assert log.dropped == 3

@@ -21,6 +21,7 @@ from typing import Any
 
 import orjson
 
+from gateway.config import ConfigError
 from policies.base import RouteDecision, RouteRequest, WorkerId, WorkerView
 
 # Decisions awaiting their request's end; beyond this the oldest are dropped (a request that never
@@ -44,7 +45,10 @@ class DecisionLog:
         self.top_candidates = top_candidates
         self.written = 0
         self.dropped = 0
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        except OSError as exc:
+            raise ConfigError(f"decision_log.path: cannot open {path!r}: {exc.strerror}") from None
         self._pending: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
         self._lines: list[bytes] = []
         # Monotonic seconds of the first decision: times in the log count from it.

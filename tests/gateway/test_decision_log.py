@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from gateway.auth import hash_api_key
-from gateway.config import parse_config
+from gateway.config import ConfigError, parse_config
 from gateway.decision_log import DecisionLog
 from policies import make_policy
 from policies.base import RouteDecision, RouteRequest, WorkerId, WorkerView
@@ -76,3 +76,8 @@ def test_the_log_stops_at_max_records(tmp_path: Path) -> None:
     log.close()
     assert len((tmp_path / "d.jsonl").read_text().splitlines()) == 2
     assert log.dropped == 3
+
+
+def test_a_path_that_cannot_be_opened_is_a_config_error_naming_the_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="decision_log.path"):
+        DecisionLog(str(tmp_path / "no-such-dir" / "d.jsonl"), max_records=2)

@@ -79,5 +79,5 @@ def test_the_log_stops_at_max_records(tmp_path: Path) -> None:
 
 
 def test_a_path_that_cannot_be_opened_is_a_config_error_naming_the_key(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="decision_log.path"):
+    with pytest.raises(ConfigError, match=r"decision_log\.path"):
         DecisionLog(str(tmp_path / "no-such-dir" / "d.jsonl"), max_records=2)

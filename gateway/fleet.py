@@ -65,7 +65,7 @@ class Fleet:
         if any(p.subscribes_kv_events for p in config.pools):
             # Events carry the chain's cache_salt; resolve it to the namespace the gateway salted it for.
             self._kv = KvEventSubscriber(
-                on_event=self._on_kv_event, salt_namespaces=state.keyring.salt_namespaces
+                on_event=self._on_kv_event, salt_namespaces=state.gate.keyring.salt_namespaces
             )
         self._discoveries: dict[str, Discovery] = {}
         self._pending: set[asyncio.Task[None]] = set()
@@ -77,7 +77,7 @@ class Fleet:
             await self._kv.start()
         for pool in self._state.registry.pools.values():
             interval_s = pool.config.dns.refresh_s if pool.config.dns is not None else 5.0
-            metrics = self._state.metrics
+            metrics = self._state.routing.metrics
             discovery = Discovery(
                 worker_source(pool.config),
                 interval_s=interval_s,
@@ -103,7 +103,7 @@ class Fleet:
     def _apply(self, pool: Pool, change: WorkerSetChange) -> None:
         roles = {url: change.details_of(url).role for url in change.current}
         pool.set_urls(sorted(change.current), roles)
-        self._state.metrics.discovered_workers.labels(pool.name).set(len(change.current))
+        self._state.routing.metrics.discovered_workers.labels(pool.name).set(len(change.current))
         for url in change.removed:
             worker = WorkerId(url)
             if not self._state.registry.workers_at(worker):
@@ -164,7 +164,7 @@ class Fleet:
             entry.note_metrics(result.metrics, result.scraped_at_s)
 
     def _on_kv_event(self, worker: WorkerId, event: KvEvent) -> None:
-        self._state.policy.on_kv_event(worker, event, time.monotonic())
+        self._state.routing.policy.on_kv_event(worker, event, time.monotonic())
 
 
 def _count_error(counter: HotCounter, pool: str, reason: str) -> None:

@@ -315,7 +315,7 @@ async def test_the_gateway_routes_to_ready_pods_and_reports_discovery_metrics(
             await wait_until(lambda: bool(fake.watchers))
             fake.expire()
             await wait_until(lambda: fake.lists == 2)
-            text = state.metrics.render().decode()
+            text = state.routing.metrics.render().decode()
             assert 'kvgate_discovery_workers{pool="p"} 1.0' in text
             assert 'kvgate_discovery_resyncs_total{pool="p"} 1.0' in text
             assert 'kvgate_discovery_errors_total{pool="p",reason="expired"} 1.0' in text

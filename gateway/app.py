@@ -184,7 +184,9 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         session = transport.open(state.config.upstream)
         flusher: asyncio.Task[None] | None = None
-        fleet = Fleet(state, session)
+        fleet = Fleet(
+            state.config, state.registry, state.routing, state.gate.keyring.salt_namespaces, session
+        )
         state.fleet = fleet
         try:
             await fleet.start()

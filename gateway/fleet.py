@@ -16,7 +16,8 @@ from collections.abc import Mapping
 
 import aiohttp
 
-from gateway.config import GatewayConfig, PoolConfig
+from gateway.config import GatewayConfig
+from gateway.config.pool import PoolConfig
 from gateway.discovery import (
     Discovery,
     DnsWorkers,

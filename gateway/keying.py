@@ -15,7 +15,7 @@ from typing import Any
 
 from gateway.auth import Tenant
 from gateway.bodies import missing_model
-from gateway.config import PoolConfig
+from gateway.config.pool import PoolConfig
 from gateway.errors import ApiError
 from gateway.registry import Pool
 from gateway.render import render_canonical

@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 
 from gateway import proxy
 from gateway.admission import Admitted
-from gateway.config import PdConfig
+from gateway.config.pd import PdConfig
 from gateway.errors import RawResponse, error_response
 from gateway.failure import Failure
 from gateway.lifecycle import Lifecycle

@@ -24,7 +24,8 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from gateway.app import build_app, build_metrics_app, drain
-from gateway.config import ConfigError, GatewayConfig
+from gateway.config import GatewayConfig
+from gateway.config.base import ConfigError
 from gateway.http_limits import ClientGuard, ClientLimits, GuardedHttpToolsProtocol, GuardedServerState
 from gateway.policy_watch import LoadedPolicy, PolicyWatcher
 from gateway.precise import install_token_hasher

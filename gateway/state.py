@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gateway.auth import KeyRing
-from gateway.config import GatewayConfig, read_worker_key
+from gateway.config import GatewayConfig
+from gateway.config.pool import read_worker_key
 from gateway.gate import Gate
 from gateway.keying import Keying
 from gateway.lifecycle import Lifecycle

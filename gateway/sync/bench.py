@@ -29,7 +29,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway.config import GatewayConfig, PoolConfig, SyncConfig, TenantConfig
+from gateway.config import GatewayConfig, TenantConfig
+from gateway.config.pool import PoolConfig
+from gateway.config.sync import SyncConfig
 from gateway.demo import free_port
 from gateway.state import GatewayState, build_state
 from gateway.sync.broker import LocalBroker

@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from gateway.config import SyncConfig
+from gateway.config.sync import SyncConfig
 from gateway.sync.codec import encode
 from gateway.sync.nats_link import NatsLink
 from gateway.sync.publisher import SyncPublisher

@@ -12,7 +12,8 @@ import pytest
 
 from gateway.app import GatewayApp
 from gateway.auth import hash_api_key
-from gateway.config import ConfigError, parse_config
+from gateway.config import parse_config
+from gateway.config.base import ConfigError
 from gateway.serve import load_policy
 from gateway.state import GatewayState
 from tests.support.inprocess import gateway_in_process

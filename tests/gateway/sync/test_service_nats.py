@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import PoolConfig, SyncConfig, parse_config
+from gateway.config import parse_config
+from gateway.config.pool import PoolConfig
+from gateway.config.sync import SyncConfig
 from gateway.state import GatewayState, build_state
 from gateway.sync.broker import LocalBroker, nats_server_path
 from gateway.sync.service import SyncService

@@ -3,6 +3,8 @@
 A route with a prompt is canonicalized (approximate on the event loop, tokenizer mode on the
 normalizer's thread, render mode through a worker's render endpoint); a pass-through route has
 nothing to key, and is sized from its body so that quotas and load accounting still see it.
+`Keying` holds what this takes: each pool's normalizer, the key identities, the normalizer's
+thread and the upstream clients.
 """
 
 from __future__ import annotations

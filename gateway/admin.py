@@ -92,10 +92,10 @@ def status_snapshot(state: GatewayState, watcher: PolicyWatcher | None) -> dict[
         workers = [_worker(w, now_s, pool.metrics_max_age_s, fleet) for w in pool.workers.values()]
         pools.append({"name": pool.name, "models": list(pool.config.models), "workers": workers})
     return {
-        "ready": state.ready,
-        "draining": state.draining,
+        "ready": state.lifecycle.ready,
+        "draining": state.lifecycle.draining,
         "uptime_s": round(time.time() - state.created_s, 1),
-        "active_streams": len(state.active_streams),
+        "active_streams": len(state.lifecycle.active_streams),
         "pools": pools,
         "policy": _policy(state, watcher),
     }
@@ -140,10 +140,10 @@ def _worker(worker: Worker, now_s: float, max_age_s: float, fleet: Fleet | None)
 
 
 def _policy(state: GatewayState, watcher: PolicyWatcher | None) -> dict[str, Any]:
-    out: dict[str, Any] = {"name": state.policy_name, "policy_file": None, "stats": None}
+    out: dict[str, Any] = {"name": state.routing.policy_name, "policy_file": None, "stats": None}
     if watcher is not None:
         out["policy_file"] = _policy_status(watcher.status())
-    policy = state.policy
+    policy = state.routing.policy
     if isinstance(policy, SupportsStats):
         stats = policy.stats()
         out["stats"] = {

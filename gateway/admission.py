@@ -23,13 +23,13 @@ from gateway.anthropic import bearer_of_api_key
 from gateway.auth import Tenant
 from gateway.bodies import encode_body, form_head, max_output_tokens, parse_body, parse_form
 from gateway.errors import ApiError
+from gateway.gate import Gate
 from gateway.keying import canonical_prompt, only_model, prompt_error
 from gateway.quotas import Rejection, TenantLimiter
 from gateway.registry import Pool
 from gateway.responses_affinity import ResponseAffinity, note_response, pin
 from gateway.retries import RETRY_COUNT_HEADER, retries_taken
 from gateway.routes import ApiRoute
-from gateway.state import GatewayState
 from gateway.upstream_headers import ClientHeaders, pick
 from policies.base import RouteDecision, RouteRequest, WorkerId
 from policies.identity import cache_salt_for, session_key
@@ -259,8 +259,8 @@ async def read_body(receive: Receive, head: RequestHead, max_bytes: int) -> byte
             return b"".join(chunks)
 
 
-def authenticate(head: RequestHead, state: GatewayState) -> Tenant:
-    tenant = state.keyring.lookup(head.authorization)
+def authenticate(head: RequestHead, gate: Gate) -> Tenant:
+    tenant = gate.keyring.lookup(head.authorization)
     if tenant is None:
         missing = not head.authorization
         message = (
@@ -272,16 +272,16 @@ def authenticate(head: RequestHead, state: GatewayState) -> Tenant:
     return tenant
 
 
-def enter(head: RequestHead, state: GatewayState, now_s: float) -> Tenant:
+def enter(head: RequestHead, gate: Gate, now_s: float) -> Tenant:
     """What the headers alone decide, before the body is read: 401 without a valid key, 413 when
     `Content-Length` is already too large, 429 when the tenant is at its concurrency limit or out
     of requests. Otherwise the request takes one of its tenant's slots (`TenantLimiter.enter`),
     which its caller gives back unless `admit` hands it to the admitted request."""
-    tenant = authenticate(head, state)
-    max_bytes = state.config.limits.max_body_bytes
+    tenant = authenticate(head, gate)
+    max_bytes = gate.limits.max_body_bytes
     if head.content_length is not None and head.content_length > max_bytes:
         raise _too_large(max_bytes)
-    rejection = state.limiter(tenant).enter(now_s)
+    rejection = gate.limiters[tenant.name].enter(now_s)
     if rejection is not None:
         raise _quota_error(rejection)
     return tenant
@@ -290,7 +290,7 @@ def enter(head: RequestHead, state: GatewayState, now_s: float) -> Tenant:
 async def admit(
     raw: bytes,
     api: ApiRoute,
-    state: GatewayState,
+    gate: Gate,
     ids: RequestIds,
     tenant: Tenant,
     started_s: float,
@@ -309,28 +309,29 @@ async def admit(
         body = parse_body(raw, api)
         encoded = encode_body(body)
         upstream_head = JSON_HEAD
-    model = body.get("model") or only_model(state)
-    pool = state.registry.by_model.get(model)
+    model = body.get("model") or only_model(gate.models)
+    pool = gate.models.get(model)
     if pool is None:
         raise ApiError(
             404, f"The model '{model}' does not exist", "invalid_request_error", "model_not_found", "model"
         )
-    identity, public = state.identities(pool, model, tenant)
-    normalizer = state.normalizer(pool)
+    keying = gate.keying
+    identity, public = keying.identities(pool, model, tenant)
+    normalizer = keying.normalizers[pool.name]
     if api.prompt is not None and normalizer.config.mode == "approximate":
         try:  # the common case, right here: no coroutine of its own
             canonical = normalizer.canonicalize(api.prompt, body, identity, public)
         except NormalizerError as exc:
             raise prompt_error(exc) from None
     else:
-        canonical = await canonical_prompt(api, raw, body, state, pool, identity, public, request_id)
+        canonical = await canonical_prompt(api, raw, body, keying, pool, identity, public, request_id)
 
     pinned = responses = None
     if api.prompt == "responses":
-        responses = state.responses
+        responses = gate.responses
         pinned = pin(responses, body, tenant.name, pool, started_s)
 
-    limiter = state.limiter(tenant)
+    limiter = gate.limiters[tenant.name]
     rejection = limiter.admit(canonical.n_tokens, started_s)
     if rejection is not None:
         raise _quota_error(rejection)
@@ -381,7 +382,7 @@ async def admit(
         route=route,
         max_output_tokens=max_out,
         started_s=started_s,
-        public_salt=state.keyring.public_salt,
+        public_salt=gate.keyring.public_salt,
         head=upstream_head,
         pinned=pinned,
         responses=responses,

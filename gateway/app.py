@@ -41,9 +41,9 @@ from gateway.policy_watch import PolicyWatcher
 from gateway.proxy import dispatch
 from gateway.responses_routes import responses_routes
 from gateway.routes import ROUTES, ApiRoute
-from gateway.state import GatewayState, make_session
+from gateway.routing import Routing
+from gateway.state import GatewayState
 from gateway.surface import error, json_response, surface_routes
-from gateway.upstream import UpstreamPool
 
 log = logging.getLogger("kvgate.app")
 
@@ -53,10 +53,14 @@ class GatewayApp:
     Starlette fallback."""
 
     def __init__(self, state: GatewayState, fallback: Starlette) -> None:
-        self.state = state
+        self.gate = state.gate
+        self.routing = state.routing
+        self.transport = state.transport
+        self.lifecycle = state.lifecycle
         self.fallback = fallback
         # With tracing on, each completion runs inside its SERVER span (gateway/tracing.py).
-        self._completion = self._proxy if state.tracer is None else state.tracer.wrap(self._proxy)
+        tracer = state.routing.tracer
+        self._completion = self._proxy if tracer is None else tracer.wrap(self._proxy)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
@@ -67,7 +71,7 @@ class GatewayApp:
         await self.fallback(scope, receive, send)
 
     async def _proxy(self, scope: Scope, receive: Receive, send: Send, api: ApiRoute) -> None:
-        state = self.state
+        gate, lifecycle = self.gate, self.lifecycle
         started_s = time.monotonic()
         head = RequestHead.of(scope) if api.plain_head else RequestHead.of_route(scope, api)
         ids = request_ids(head)
@@ -75,14 +79,15 @@ class GatewayApp:
             # The tenant's own slot first, from the headers alone; the body is read under the
             # connection's deadline (gateway/http_limits.py) and only then is gateway-wide capacity
             # taken: a tenant's slow or partial bodies hold its own slots, never everyone's.
-            tenant = enter(head, state, started_s)
+            tenant = enter(head, gate, started_s)
         except ApiError as err:
             await self._rejected(err, api, ids)(scope, receive, send)
             return
-        limiter = state.limiter(tenant)
+        limiter = gate.limiters[tenant.name]
+        limits = gate.limits
         try:
-            raw = await read_body(receive, head, state.config.limits.max_body_bytes)
-            if state.in_flight_requests >= state.config.limits.max_in_flight_requests:
+            raw = await read_body(receive, head, limits.max_body_bytes)
+            if lifecycle.in_flight_requests >= limits.max_in_flight_requests:
                 raise ApiError(
                     503,
                     "the gateway is at its limit of requests in flight; retry shortly",
@@ -101,14 +106,14 @@ class GatewayApp:
         except BaseException:
             limiter.leave()
             raise
-        state.in_flight_requests += 1
+        lifecycle.in_flight_requests += 1
         try:
             await self._handle(scope, receive, send, api, raw, ids, tenant, started_s, head)
         finally:
-            state.in_flight_requests -= 1
+            lifecycle.in_flight_requests -= 1
 
     def _rejected(self, err: ApiError, api: ApiRoute, ids: RequestIds) -> ASGIApp:
-        self.state.metrics.rejected(api.endpoint, err.status)
+        self.routing.metrics.rejected(api.endpoint, err.status)
         log.info(
             "rejected",
             extra={
@@ -132,18 +137,17 @@ class GatewayApp:
         started_s: float,
         head: RequestHead,
     ) -> None:
-        state = self.state
         response: ASGIApp
         admitted: Admitted | None = None
         try:
             try:
-                admitted = await admit(raw, api, state, ids, tenant, started_s, head)
+                admitted = await admit(raw, api, self.gate, ids, tenant, started_s, head)
             except ApiError as err:
                 response = self._rejected(err, api, ids)
             else:
-                guard = DisconnectGuard(receive, state.disconnects)
+                guard = DisconnectGuard(receive, self.lifecycle.disconnects)
                 try:
-                    response = await dispatch(admitted, state)
+                    response = await dispatch(admitted, self.routing, self.transport, self.lifecycle)
                 except asyncio.CancelledError:
                     if guard.fired:
                         return  # dispatch recorded the 499 and closed the upstream request
@@ -157,7 +161,7 @@ class GatewayApp:
             )
         finally:
             if admitted is None:
-                state.limiter(tenant).leave()  # else the request's record gives the slot back
+                self.gate.limiters[tenant.name].leave()  # else the request's record gives the slot back
         await response(scope, receive, send)
 
 
@@ -167,41 +171,39 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
     async def healthz(request: Request) -> Response:
         return json_response({"status": "ok"}, 200, request_id_of(request))
 
+    lifecycle, transport = state.lifecycle, state.transport
+
     async def readyz(request: Request) -> Response:
-        if state.draining:
+        if lifecycle.draining:
             return json_response({"status": "draining"}, 503, request_id_of(request))
-        if not state.ready:
+        if not lifecycle.ready:
             return json_response({"status": "starting"}, 503, request_id_of(request))
         return json_response({"status": "ready"}, 200, request_id_of(request))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
-        state.session = make_session(state.config)
-        upstream = state.config.upstream
-        state.lean = UpstreamPool(
-            upstream.max_connections_per_worker,
-            upstream.keepalive_timeout_s,
-            max_open_per_worker=upstream.max_connections_per_worker,
-        )
+        session = transport.open(state.config.upstream)
         flusher: asyncio.Task[None] | None = None
-        fleet = Fleet(state, state.session)
+        fleet = Fleet(
+            state.config, state.registry, state.routing, state.gate.keyring.salt_namespaces, session
+        )
         state.fleet = fleet
         try:
             await fleet.start()
             if state.config.sync.url is not None:
                 from gateway.sync.service import SyncService  # nats-py only when sync is on
 
-                state.sync = SyncService(state, state.config.sync)
+                state.sync = SyncService(state.registry, state.routing, state.config.sync)
                 await state.sync.start()  # connects in the background: never waits on the broker
-            await state.registry.check_all(state.session)
-            state.registry.start(state.session)
-            flusher = asyncio.create_task(_flush_access_log(state), name="access-log")
+            await state.registry.check_all(session)
+            state.registry.start(session)
+            flusher = asyncio.create_task(_flush_logs(state.routing), name="access-log")
             if watcher is not None:
                 await watcher.start()
-            state.ready = True
+            lifecycle.ready = True
             yield
         finally:
-            state.ready = False
+            lifecycle.ready = False
             if flusher is not None:
                 flusher.cancel()
             if watcher is not None:
@@ -211,22 +213,18 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
                 state.sync = None
             await fleet.stop()
             state.fleet = None
-            state.access_log.flush()
-            if state.decision_log is not None:
-                state.decision_log.close()
+            state.routing.access_log.flush()
+            if state.routing.decision_log is not None:
+                state.routing.decision_log.close()
             await state.registry.stop()
-            await state.session.close()
-            state.session = None
-            if state.lean is not None:
-                state.lean.close()
-                state.lean = None
-            state.close_executor()
-            if state.tracer is not None:
-                await asyncio.to_thread(state.tracer.shutdown)  # export the last spans
+            await transport.close()
+            state.gate.keying.close_executor()
+            if state.routing.tracer is not None:
+                await asyncio.to_thread(state.routing.tracer.shutdown)  # export the last spans
 
     routes = [
-        *surface_routes(state),
-        *responses_routes(state),
+        *surface_routes(state.gate.keyring, state.registry, state.created_s),
+        *responses_routes(state.gate, state.registry, state.routing.metrics, transport),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         *admin_routes(state, watcher),
@@ -248,7 +246,9 @@ def build_metrics_app(state: GatewayState) -> Starlette:
 
     async def metrics(request: Request) -> Response:
         refresh_gauges(state)
-        return Response(state.metrics.render(), 200, media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(
+            state.routing.metrics.render(), 200, media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
 
     app = Starlette(
         routes=[Route("/metrics", metrics, methods=["GET"])],
@@ -261,26 +261,28 @@ def build_metrics_app(state: GatewayState) -> Starlette:
 async def drain(state: GatewayState, deadline_s: float) -> None:
     """Wait for in-flight streams to end; at the deadline, end the rest with an error event and
     answer the requests still queued for a worker with 503."""
-    state.draining = True
+    lifecycle = state.lifecycle
+    lifecycle.draining = True
     loop = asyncio.get_running_loop()
     deadline = loop.time() + deadline_s
-    if state.active_streams:
+    if lifecycle.active_streams:
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(state.streams_idle.wait(), deadline_s)
-    for stream in list(state.active_streams):
+            await asyncio.wait_for(lifecycle.streams_idle.wait(), deadline_s)
+    for stream in list(lifecycle.active_streams):
         stream.abort("gateway shutting down")
-    for queue in state.queues.values():
+    for queue in state.routing.queues.values():
         # Queued requests keep their place until the deadline (workers still free slots meanwhile).
         await queue.until_empty(max(0.0, deadline - loop.time()))
         queue.close()
 
 
-async def _flush_access_log(state: GatewayState) -> None:
+async def _flush_logs(routing: Routing) -> None:
+    """The access log and the decision log reach their files on the access log's cadence."""
     while True:
-        await asyncio.sleep(state.access_log.flush_interval_s)
-        state.access_log.flush()
-        if state.decision_log is not None:
-            state.decision_log.flush()
+        await asyncio.sleep(routing.access_log.flush_interval_s)
+        routing.access_log.flush()
+        if routing.decision_log is not None:
+            routing.decision_log.flush()
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:

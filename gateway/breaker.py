@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 
-from gateway.config import BreakerConfig
+from gateway.config.pool import BreakerConfig
 
 
 class BreakerState(enum.StrEnum):

@@ -21,7 +21,7 @@ from typing import Any
 
 import orjson
 
-from gateway.config import ConfigError
+from gateway.config.base import ConfigError
 from policies.base import RouteDecision, RouteRequest, WorkerId, WorkerView
 
 # Decisions awaiting their request's end; beyond this the oldest are dropped (a request that never

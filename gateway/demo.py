@@ -25,17 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gateway.auth import hash_api_key
-from gateway.config import (
-    ConfigError,
-    DrainConfig,
-    GatewayConfig,
-    HealthConfig,
-    ListenConfig,
-    PdConfig,
-    PoolConfig,
-    SecretsConfig,
-    TenantConfig,
-)
+from gateway.config import DrainConfig, GatewayConfig, ListenConfig, SecretsConfig, TenantConfig
+from gateway.config.base import ConfigError
+from gateway.config.pd import PdConfig
+from gateway.config.pool import HealthConfig, PoolConfig
 from gateway.policy_watch import LoadedPolicy
 from policies.base import Isolation
 from policies.config import PolicyConfig, build_policy

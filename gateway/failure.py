@@ -20,7 +20,7 @@ import enum
 
 import aiohttp
 
-from gateway.config import TimeoutsConfig
+from gateway.config.pool import TimeoutsConfig
 from gateway.errors import ApiError
 from gateway.retries import forwardable
 from gateway.sse import STREAM_ERROR_CODE, MalformedStream

@@ -12,10 +12,12 @@ import asyncio
 import functools
 import logging
 import time
+from collections.abc import Mapping
 
 import aiohttp
 
-from gateway.config import GatewayConfig, PoolConfig
+from gateway.config import GatewayConfig
+from gateway.config.pool import PoolConfig
 from gateway.discovery import (
     Discovery,
     DnsWorkers,
@@ -27,9 +29,9 @@ from gateway.discovery import (
 from gateway.k8s.source import PodWatcher
 from gateway.kv_events import KvEventEndpoint, KvEventSubscriber, endpoint_for_worker
 from gateway.metrics import HotCounter
-from gateway.registry import Pool
+from gateway.registry import Pool, Registry
+from gateway.routing import Routing
 from gateway.scrape import MetricsScraper, ScrapeConfig, ScrapeResult
-from gateway.state import GatewayState
 from policies.base import KvEvent, WorkerId
 
 log = logging.getLogger("kvgate.fleet")
@@ -47,10 +49,17 @@ def worker_source(config: PoolConfig) -> WorkerSource | WatchingSource:
 class Fleet:
     """Owns the per-pool discovery loops, the metrics scraper and the KV-event subscriber."""
 
-    def __init__(self, state: GatewayState, session: aiohttp.ClientSession) -> None:
-        self._state = state
+    def __init__(
+        self,
+        config: GatewayConfig,
+        registry: Registry,
+        routing: Routing,
+        salt_namespaces: Mapping[str, str],
+        session: aiohttp.ClientSession,
+    ) -> None:
+        self._registry = registry
+        self._routing = routing  # the policy's one holder: a reload may swap it between two events
         self._session = session
-        config: GatewayConfig = state.config
         self._scraper: MetricsScraper | None = None
         if config.scrape.enabled:
             s = config.scrape
@@ -59,14 +68,12 @@ class Fleet:
                 session=session,
                 on_update=self._on_scrape,
             )
-            for pool in state.registry.pools.values():
+            for pool in registry.pools.values():
                 pool.metrics_max_age_s = s.max_age_s
         self._kv: KvEventSubscriber | None = None
         if any(p.subscribes_kv_events for p in config.pools):
             # Events carry the chain's cache_salt; resolve it to the namespace the gateway salted it for.
-            self._kv = KvEventSubscriber(
-                on_event=self._on_kv_event, salt_namespaces=state.keyring.salt_namespaces
-            )
+            self._kv = KvEventSubscriber(on_event=self._on_kv_event, salt_namespaces=salt_namespaces)
         self._discoveries: dict[str, Discovery] = {}
         self._pending: set[asyncio.Task[None]] = set()
 
@@ -75,9 +82,9 @@ class Fleet:
             await self._scraper.start()
         if self._kv is not None:
             await self._kv.start()
-        for pool in self._state.registry.pools.values():
+        for pool in self._registry.pools.values():
             interval_s = pool.config.dns.refresh_s if pool.config.dns is not None else 5.0
-            metrics = self._state.metrics
+            metrics = self._routing.metrics
             discovery = Discovery(
                 worker_source(pool.config),
                 interval_s=interval_s,
@@ -103,10 +110,10 @@ class Fleet:
     def _apply(self, pool: Pool, change: WorkerSetChange) -> None:
         roles = {url: change.details_of(url).role for url in change.current}
         pool.set_urls(sorted(change.current), roles)
-        self._state.metrics.discovered_workers.labels(pool.name).set(len(change.current))
+        self._routing.metrics.discovered_workers.labels(pool.name).set(len(change.current))
         for url in change.removed:
             worker = WorkerId(url)
-            if not self._state.registry.workers_at(worker):
+            if not self._registry.workers_at(worker):
                 if self._scraper is not None:
                     self._scraper.remove(worker)
                 if self._kv is not None:
@@ -160,11 +167,11 @@ class Fleet:
         return self._kv
 
     def _on_scrape(self, worker: WorkerId, result: ScrapeResult) -> None:
-        for entry in self._state.registry.workers_at(worker):
+        for entry in self._registry.workers_at(worker):
             entry.note_metrics(result.metrics, result.scraped_at_s)
 
     def _on_kv_event(self, worker: WorkerId, event: KvEvent) -> None:
-        self._state.policy.on_kv_event(worker, event, time.monotonic())
+        self._routing.policy.on_kv_event(worker, event, time.monotonic())
 
 
 def _count_error(counter: HotCounter, pool: str, reason: str) -> None:

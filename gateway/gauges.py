@@ -16,7 +16,7 @@ _PUBLIC_PREFIXES = "public_prefixes"
 def refresh_gauges(state: GatewayState) -> None:
     """Set every scrape-time series from the state; workers that discovery removed disappear."""
     now_s = time.monotonic()
-    m = state.metrics
+    m = state.routing.metrics
     for gauge in (m.in_flight, m.worker_healthy, m.worker_waiting, m.worker_kv_usage, m.breaker_state):
         gauge.clear()
     _policy(state, m)
@@ -43,7 +43,7 @@ def refresh_gauges(state: GatewayState) -> None:
 def _policy(state: GatewayState, m: GatewayMetrics) -> None:
     m.policy_events.clear()
     m.public_prefixes.clear()
-    policy = state.policy
+    policy = state.routing.policy
     if not isinstance(policy, SupportsStats):
         return
     stats = policy.stats()

@@ -3,36 +3,147 @@
 A route with a prompt is canonicalized (approximate on the event loop, tokenizer mode on the
 normalizer's thread, render mode through a worker's render endpoint); a pass-through route has
 nothing to key, and is sized from its body so that quotas and load accounting still see it.
+`Keying` holds what this takes: each pool's normalizer, the key identities, the normalizer's
+thread and the upstream clients.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gateway.auth import Tenant
 from gateway.bodies import missing_model
+from gateway.config.pool import PoolConfig
 from gateway.errors import ApiError
 from gateway.registry import Pool
 from gateway.render import render_canonical
 from gateway.routes import ApiRoute
-from gateway.state import GatewayState
+from gateway.transport import Transport
+from policies.identity import derive_secret, key_identities, served_identity
 from prompt_normalizer.errors import NormalizerError
-from prompt_normalizer.types import CanonicalPrompt, KeyIdentity
+from prompt_normalizer.normalizer import Normalizer, NormalizerConfig
+from prompt_normalizer.types import PUBLIC_NAMESPACE, CanonicalPrompt, KeyIdentity
+
+
+class Keying:
+    """Each pool's normalizer and the key identities of its (model, tenant) pairs, plus the one
+    thread tokenizer-mode canonicalization runs on and the upstream clients render mode asks a
+    worker through.
+
+    This is the one holder of the normalizers: a policy reload that changes the policy file's
+    normalizer settings rebuilds them here (`set_policy_normalizer`), which also forgets the
+    identities (they carry the normalizer's render fingerprint)."""
+
+    __slots__ = ("_executor", "_identities", "_pools", "_secret", "normalizers", "transport")
+
+    def __init__(
+        self,
+        pools: Sequence[PoolConfig],
+        policy_normalizer: NormalizerConfig,
+        secret: bytes,
+        transport: Transport,
+    ) -> None:
+        self._pools = pools
+        self._secret = secret
+        self.transport = transport
+        self.normalizers = build_normalizers(pools, policy_normalizer, secret, {})
+        self._identities: dict[tuple[str, str], tuple[KeyIdentity, KeyIdentity | None]] = {}
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def normalizer(self, pool: Pool) -> Normalizer:
+        return self.normalizers[pool.name]
+
+    def identities(self, pool: Pool, model: str, tenant: Tenant) -> tuple[KeyIdentity, KeyIdentity | None]:
+        """The key identity of a (model, tenant) and, unless the tenant is strict, its public twin
+        (`policies.identity.key_identities`)."""
+        cached = self._identities.get((model, tenant.name))
+        if cached is not None:
+            return cached
+        found = key_identities(self.base_identity(pool, model), tenant)
+        self._identities[(model, tenant.name)] = found
+        return found
+
+    def base_identity(self, pool: Pool, model: str) -> KeyIdentity:
+        """The identity of served model id `model` (with its LoRA adapter, if it names one) in the
+        public namespace (`policies.identity.served_identity`)."""
+        return served_identity(self.deployment_identity(pool), model, pool.config.adapters.get(model, ""))
+
+    def deployment_identity(self, pool: Pool) -> KeyIdentity:
+        """The pool's base model with every field of the pool's `identity` section, which are all
+        bound into the keys; what a KV event without `lora_name` was computed under."""
+        ident = pool.config.identity
+        normalizer = self.normalizers[pool.name]
+        return KeyIdentity(
+            model_id=base_model(pool),
+            weights_version=ident.weights_version,
+            tokenizer_version=ident.tokenizer_version or (normalizer.render_fingerprint or ""),
+            template_version=ident.template_version,
+            block_size_tokens=pool.config.block_size_tokens,
+            kv_dtype=ident.kv_dtype,
+            namespace=PUBLIC_NAMESPACE,
+            epoch=ident.epoch,
+        )
+
+    def set_policy_normalizer(self, policy_normalizer: NormalizerConfig) -> None:
+        """Rebuild the normalizers that follow the policy file (a reloaded policy's settings)."""
+        self.normalizers = build_normalizers(self._pools, policy_normalizer, self._secret, self.normalizers)
+        self._identities.clear()
+
+    def executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        """One thread for tokenizer-mode canonicalization (made on first use, shut at lifespan end)."""
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvgate-normalizer")
+        return self._executor
+
+    def close_executor(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+
+def base_model(pool: Pool) -> str:
+    """The pool's first model id that is not a LoRA adapter."""
+    adapters = pool.config.adapters
+    return next((m for m in pool.config.models if m not in adapters), pool.config.models[0])
+
+
+def build_normalizers(
+    pools: Sequence[PoolConfig],
+    policy_normalizer: NormalizerConfig,
+    secret: bytes,
+    current: Mapping[str, Normalizer],
+) -> dict[str, Normalizer]:
+    """One normalizer per pool: the pool's own settings, else the policy file's. An unchanged
+    config keeps its normalizer (and its drift memory)."""
+    normalizer_secret = derive_secret(secret, "prefix_keys")
+    out: dict[str, Normalizer] = {}
+    for pool in pools:
+        wanted = pool.normalizer if pool.normalizer is not None else policy_normalizer
+        existing = current.get(pool.name)
+        out[pool.name] = (
+            existing
+            if existing is not None and existing.config == wanted
+            else Normalizer(wanted, normalizer_secret)
+        )
+    return out
 
 
 async def canonical_prompt(
     api: ApiRoute,
     raw: bytes,
     body: dict[str, Any],
-    state: GatewayState,
+    keying: Keying,
     pool: Pool,
     identity: KeyIdentity,
     public: KeyIdentity | None,
     request_id: str,
 ) -> CanonicalPrompt:
     """Keys, zones and size of one request; 400 on a prompt the normalizer cannot read."""
-    normalizer = state.normalizer(pool)
+    normalizer = keying.normalizers[pool.name]
     prompt = api.prompt
     if prompt is None:
         # Nothing to key: the policy routes on load. JSON inputs count as approximate tokens of
@@ -47,13 +158,13 @@ async def canonical_prompt(
                 if exc.code != "render_empty":
                     raise
                 return normalizer.canonicalize(prompt, body, identity, public)  # nothing to render
-            session = state.upstream()
+            session = keying.transport.upstream()
             return await render_canonical(normalizer, plan, pool, session, identity, public, request_id)
         if normalizer.config.mode == "tokenizer":
             # Tokenizing and templating a long prompt takes milliseconds: off the event loop, on
             # the normalizer's one thread (so a Normalizer is never entered concurrently).
             return await asyncio.get_running_loop().run_in_executor(
-                state.normalizer_executor(),
+                keying.executor(),
                 functools.partial(normalizer.canonicalize, prompt, body, identity, public),
             )
         return normalizer.canonicalize(prompt, body, identity, public)
@@ -66,9 +177,9 @@ def prompt_error(exc: NormalizerError) -> ApiError:
     return ApiError(400, exc.message, "invalid_request_error", exc.code, exc.param)
 
 
-def only_model(state: GatewayState) -> str:
+def only_model(models: Mapping[str, Pool]) -> str:
     """The model of a request that names none: the gateway's only one (as vLLM takes its own)."""
-    served = list(state.registry.by_model)
+    served = list(models)
     if len(served) != 1:
         raise missing_model(served)
     return served[0]

@@ -35,7 +35,8 @@ from pathlib import Path
 import yaml
 
 from gateway.auth import hash_api_key
-from gateway.config import ConfigError, GatewayConfig, SecretsConfig, load_config, read_secret
+from gateway.config import GatewayConfig, SecretsConfig, load_config, read_secret
+from gateway.config.base import ConfigError
 from gateway.demo import _die_with_parent
 from gateway.policy_watch import LoadedPolicy
 from gateway.sync.broker import BrokerUnavailable, LocalBroker

@@ -10,7 +10,7 @@ from typing import Any
 
 from gateway.admission import Admitted
 from gateway.registry import Worker
-from gateway.state import GatewayState
+from gateway.routing import Routing
 from gateway.tracing import AttemptTrace
 from policies.base import Observation, Outcome, RouteDecision
 from policies.records import record
@@ -95,7 +95,7 @@ class Attempt:
         )
         return True
 
-    def end(self, state: GatewayState, outcome: Outcome, usage: Usage = NO_USAGE) -> None:
+    def end(self, routing: Routing, outcome: Outcome, usage: Usage = NO_USAGE) -> None:
         """Close the attempt, once (later calls do nothing): give back the worker's load, tell its
         breaker and the policy. SERVED is a success; WORKER_FAILED (connect error, 5xx, timeout,
         broken or malformed answer) is the only outcome that counts against the worker; REJECTED
@@ -103,7 +103,7 @@ class Attempt:
         trial without a verdict. No outcome but SERVED teaches the policy what the worker caches."""
         if not self._release():
             return
-        queue = state.queues.get(self.admitted.pool.name)
+        queue = routing.queues.get(self.admitted.pool.name)
         if queue is not None:
             queue.slot_freed()  # a request waiting for a slot of this pool may have it
         now_s = time.monotonic()
@@ -116,10 +116,10 @@ class Attempt:
                 breaker.on_failure(now_s)
             else:
                 breaker.on_abandon()
-        state.metrics.worker_outcome(self.admitted.pool.name, self.worker.url, outcome)
+        routing.metrics.worker_outcome(self.admitted.pool.name, self.worker.url, outcome)
         if self.trace is not None:
             self.trace.end(outcome, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
-        _feedback(state, self._observation(outcome, usage), now_s)
+        _feedback(routing, self._observation(outcome, usage), now_s)
 
     def _observation(self, outcome: Outcome, usage: Usage) -> Observation:
         return Observation(
@@ -133,16 +133,16 @@ class Attempt:
         )
 
 
-def _feedback(state: GatewayState, obs: Observation, now_s: float) -> None:
+def _feedback(routing: Routing, obs: Observation, now_s: float) -> None:
     # A policy bug must not leak the request's quota slot or worker load: log and carry on.
     try:
-        state.policy.on_complete(obs, now_s)
+        routing.policy.on_complete(obs, now_s)
     except Exception:
         log.exception("policy on_complete failed", extra={"request_id": obs.request.request_id})
 
 
 def finish(
-    state: GatewayState,
+    routing: Routing,
     admitted: Admitted,
     attempt: Attempt | None,
     *,
@@ -155,11 +155,11 @@ def finish(
     """Close the books on a request: its last attempt (unless already ended) and the request
     itself, once. `attempt` is None when no worker was tried."""
     if attempt is not None:
-        attempt.end(state, outcome, usage)
+        attempt.end(routing, outcome, usage)
         if status == 200 and admitted.stream and not admitted.recorded:
-            _time_per_output_token(state, attempt, usage)
+            _time_per_output_token(routing, attempt, usage)
     record_request(
-        state,
+        routing,
         admitted,
         status=status,
         worker=attempt.worker if attempt is not None else None,
@@ -171,18 +171,18 @@ def finish(
     )
 
 
-def _time_per_output_token(state: GatewayState, attempt: Attempt, usage: Usage) -> None:
+def _time_per_output_token(routing: Routing, attempt: Attempt, usage: Usage) -> None:
     """A streamed answer's decode time per output token after the first, as vLLM defines its
     `request_time_per_output_token_seconds` (seen from the gateway: first chunk to the end)."""
     tokens = usage.completion_tokens
     if tokens is None or tokens < 2 or attempt.ttft_s is None:
         return
     decode_s = time.monotonic() - attempt.dispatched_s - attempt.ttft_s
-    state.metrics.time_per_output_token(attempt.admitted.model, decode_s / (tokens - 1))
+    routing.metrics.time_per_output_token(attempt.admitted.model, decode_s / (tokens - 1))
 
 
 def record_request(
-    state: GatewayState,
+    routing: Routing,
     admitted: Admitted,
     *,
     status: int,
@@ -203,7 +203,7 @@ def record_request(
     a.limiter.reconcile(a.route.n_prompt_tokens, usage.prompt_tokens, now_s)
     a.limiter.release(usage.completion_tokens or 0, now_s)
     duration_s = now_s - a.started_s
-    state.metrics.observe(
+    routing.metrics.observe(
         model=a.model,
         tenant=a.tenant.name,
         endpoint=a.endpoint,
@@ -234,9 +234,9 @@ def record_request(
         "drift_field": a.drift_field,
         "queue_ms": round(a.queued_s * 1000, 2) if a.queued_s is not None else None,
     }
-    state.access_log.write(fields)
-    if state.decision_log is not None:
-        state.decision_log.finished(
+    routing.access_log.write(fields)
+    if routing.decision_log is not None:
+        routing.decision_log.finished(
             a.request_id,
             a.client_request_id,
             a.route,
@@ -245,5 +245,5 @@ def record_request(
             cached_tokens=usage.cached_tokens,
             ttft_s=ttft_s,
         )
-    if state.tracer is not None:
-        state.tracer.record(fields)
+    if routing.tracer is not None:
+        routing.tracer.record(fields)

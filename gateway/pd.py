@@ -31,9 +31,10 @@ from urllib.parse import urlsplit
 
 from gateway import proxy
 from gateway.admission import Admitted
-from gateway.config import PdConfig
+from gateway.config.pd import PdConfig
 from gateway.errors import RawResponse, error_response
 from gateway.failure import Failure
+from gateway.lifecycle import Lifecycle
 from gateway.outcome import Attempt, finish
 from gateway.pd_legs import (
     Opened,
@@ -48,8 +49,9 @@ from gateway.pd_legs import (
     with_cached_tokens,
 )
 from gateway.registry import Worker
-from gateway.state import GatewayState
+from gateway.routing import Routing
 from gateway.streaming import ProxyStream
+from gateway.transport import Transport
 from gateway.upstream_conn import UpstreamReply
 from policies.base import Outcome, RouteDecision, WorkerId
 from policies.pd import PdDecision, PdRouter
@@ -58,12 +60,14 @@ Response = RawResponse | ProxyStream
 _ALONE_PREFIX = "pd_alone_"
 
 
-async def dispatch_pd(a: Admitted, state: GatewayState, attempts: list[Attempt]) -> Response:
+async def dispatch_pd(
+    a: Admitted, routing: Routing, transport: Transport, lifecycle: Lifecycle, attempts: list[Attempt]
+) -> Response:
     """Route and send one request of a P/D pool; on any exception every leg still open is closed
     (the caller closes the request's books)."""
     router, pd = a.pool.pd_router, a.pool.config.pd
     assert router is not None and pd is not None
-    run = _Run(a, state, attempts, pd)
+    run = _Run(a, routing, transport, lifecycle, attempts, pd)
     try:
         return await run.rounds(router)
     except BaseException:
@@ -85,9 +89,19 @@ def splittable(body: Mapping[str, Any]) -> bool:
 class _Run:
     """One request's rounds: what failed so far, and the legs in flight."""
 
-    def __init__(self, a: Admitted, state: GatewayState, attempts: list[Attempt], pd: PdConfig) -> None:
+    def __init__(
+        self,
+        a: Admitted,
+        routing: Routing,
+        transport: Transport,
+        lifecycle: Lifecycle,
+        attempts: list[Attempt],
+        pd: PdConfig,
+    ) -> None:
         self.a = a
-        self.state = state
+        self.routing = routing
+        self.transport = transport
+        self.lifecycle = lifecycle
         self.attempts = attempts
         self.pd = pd
         self.excluded: set[WorkerId] = set()
@@ -100,16 +114,16 @@ class _Run:
         self.tasks: list[asyncio.Task[Any]] = []
 
     async def rounds(self, router: PdRouter) -> Response:
-        a, state = self.a, self.state
+        a, routing = self.a, self.routing
         pool = a.pool
         for _ in range(pool.config.retry_attempts + 1):
             now_s = time.monotonic()
             views = pool.views(now_s, frozenset(self.excluded))
-            decision = router.select(state.policy, a.route, views, now_s, splittable=self.splittable)
+            decision = router.select(routing.policy, a.route, views, now_s, splittable=self.splittable)
             if decision is None:
                 break
             if self.retry_reason is not None:
-                state.metrics.retries.labels(pool.name, self.retry_reason).inc()
+                routing.metrics.retries.labels(pool.name, self.retry_reason).inc()
             self._count(decision)
             if decision.prefill is None:
                 result = await self._alone(decision.decode)
@@ -127,7 +141,7 @@ class _Run:
         last = self.attempts[-1] if self.attempts else None
         retries = max(self.failures - 1, 0)
         finish(
-            state,
+            routing,
             a,
             last,
             status=failure.status,
@@ -138,7 +152,7 @@ class _Run:
         return error_response(failure.error(), a.reply_id)
 
     def _count(self, decision: PdDecision) -> None:
-        metrics, pool = self.state.metrics, self.a.pool.name
+        metrics, pool = self.routing.metrics, self.a.pool.name
         if decision.prefill is None:
             reason = (
                 "transfer_failed" if self.transfer_failed else decision.reason.removeprefix(_ALONE_PREFIX)
@@ -147,11 +161,11 @@ class _Run:
 
     def _start(self, worker: Worker, decision: RouteDecision, body: bytes | None, role: str) -> Attempt:
         """Dispatch one leg: the policy, the worker's load and the metrics hear of it."""
-        a, state = self.a, self.state
+        a, routing = self.a, self.routing
         now_s = time.monotonic()
-        state.policy.on_dispatch(a.route, decision, now_s)
-        state.metrics.decision(state.policy_name, decision.reason)
-        state.metrics.pd_requests.labels(a.pool.name, role).inc()
+        routing.policy.on_dispatch(a.route, decision, now_s)
+        routing.metrics.decision(routing.policy_name, decision.reason)
+        routing.metrics.pd_requests.labels(a.pool.name, role).inc()
         worker.acquire(a.route.n_prompt_tokens, a.max_output_tokens, now_s)
         attempt = Attempt(a, worker, decision.reason, now_s, decision, body=body)
         self.attempts.append(attempt)
@@ -168,7 +182,7 @@ class _Run:
     ) -> None:
         """A leg failed before the client had anything: close it (with `failure`'s outcome unless
         told otherwise) and try another round."""
-        attempt.end(self.state, outcome or failure.outcome)
+        attempt.end(self.routing, outcome or failure.outcome)
         self.failures += 1
         if exclude:
             self.excluded.add(attempt.worker.worker_id)
@@ -176,7 +190,7 @@ class _Run:
         self.retry_reason = failure.retry or "worker_error"
 
     def _refused(self, attempt: Attempt, refused: Refused) -> Response:
-        answer = proxy._answer(self.state, self.a, attempt, refused.reply, self._retries())
+        answer = proxy._answer(self.routing, self.a, attempt, refused.reply, self._retries())
         assert not isinstance(answer, Failure)  # a 4xx is always passed through
         return answer
 
@@ -190,7 +204,9 @@ class _Run:
         if workers is None:
             return None
         attempt = self._start(workers[0], decision, None, "alone")
-        result = await proxy._attempt(self.state, self.a, attempt, self._retries())
+        result = await proxy._attempt(
+            self.routing, self.transport, self.lifecycle, self.a, attempt, self._retries()
+        )
         if not isinstance(result, Failure):
             return result
         self._failed(attempt, result)
@@ -203,9 +219,9 @@ class _Run:
         workers = self._workers(prefill, decode)
         if workers is None:
             return None
-        a, state = self.a, self.state
+        a, routing = self.a, self.routing
         p = self._start(workers[0], prefill, vllm_prefill_body(a, prefill), "prefill")
-        prefilled = await prefill_leg(state, a, p)
+        prefilled = await prefill_leg(routing, self.transport, a, p)
         if isinstance(prefilled, Refused):
             return self._refused(p, prefilled)
         if isinstance(prefilled, Failure):
@@ -213,8 +229,8 @@ class _Run:
             return None
         d = self._start(workers[1], decode, vllm_decode_body(a, decode, prefilled.params), "decode")
         if prefilled.params is not None:
-            state.metrics.pd_transfers.labels(a.pool.name).inc()
-        result = await decode_leg(state, a, d)
+            routing.metrics.pd_transfers.labels(a.pool.name).inc()
+        result = await decode_leg(self.transport, a, d)
         return self._decoded(d, result, prefilled.usage.cached_tokens, prefill.worker)
 
     # -- SGLang: both legs at once, meeting in a bootstrap room ---------------------------------
@@ -223,7 +239,7 @@ class _Run:
         workers = self._workers(prefill, decode)
         if workers is None:
             return None
-        a, state = self.a, self.state
+        a, routing = self.a, self.routing
         bootstrap = {
             "bootstrap_host": urlsplit(workers[0].url).hostname,
             "bootstrap_port": self.pd.bootstrap_port_of(workers[0].url),
@@ -232,9 +248,9 @@ class _Run:
         p_body, d_body = sglang_bodies(a, prefill, bootstrap)
         p = self._start(workers[0], prefill, p_body, "prefill")
         d = self._start(workers[1], decode, d_body, "decode")
-        state.metrics.pd_transfers.labels(a.pool.name).inc()
-        p_task = asyncio.create_task(prefill_leg(state, a, p))
-        d_task = asyncio.create_task(decode_leg(state, a, d))
+        routing.metrics.pd_transfers.labels(a.pool.name).inc()
+        p_task = asyncio.create_task(prefill_leg(routing, self.transport, a, p))
+        d_task = asyncio.create_task(decode_leg(self.transport, a, d))
         self.tasks = [p_task, d_task]
         prefilled, opened = await _both(p_task, d_task)
         self.tasks = []
@@ -243,14 +259,14 @@ class _Run:
             if isinstance(prefilled, Failure):
                 self._failed(p, prefilled)
             else:
-                p.end(state, Outcome.ABORTED)
+                p.end(routing, Outcome.ABORTED)
             if opened is None:
-                d.end(state, Outcome.ABORTED)
+                d.end(routing, Outcome.ABORTED)
                 return None
         if isinstance(prefilled, Refused):
             if isinstance(opened, Opened):
                 opened.source.close()
-            d.end(state, Outcome.ABORTED)
+            d.end(routing, Outcome.ABORTED)
             return self._refused(p, prefilled)
         if opened is None:
             return None
@@ -268,7 +284,7 @@ class _Run:
     ) -> Response | None:
         """Hand an opened decode answer to the client, or account for the leg's failure."""
         if isinstance(result, Opened):
-            out = _deliver(self.state, self.a, d, result, cached, self._retries())
+            out = _deliver(self.routing, self.lifecycle, self.a, d, result, cached, self._retries())
             if isinstance(out, Failure):
                 self._failed(d, out)
                 return None
@@ -276,7 +292,7 @@ class _Run:
         if isinstance(result, Refused):
             return self._refused(d, result)
         if isinstance(result, TransferFailed):
-            self.state.metrics.pd_transfer_failures.labels(self.a.pool.name, result.reason).inc()
+            self.routing.metrics.pd_transfer_failures.labels(self.a.pool.name, result.reason).inc()
             self.transfer_failed = True
             timed_out = result.reason == "timeout"
             # A decode worker that answered is not blamed for KV it could not get: its breaker gets
@@ -306,7 +322,7 @@ class _Run:
                 if isinstance(result, Opened):
                     result.source.close()
         for attempt in self.attempts:
-            attempt.end(self.state, Outcome.ABORTED)
+            attempt.end(self.routing, Outcome.ABORTED)
 
 
 async def _both(
@@ -329,14 +345,20 @@ async def _both(
 
 
 def _deliver(
-    state: GatewayState, a: Admitted, attempt: Attempt, opened: Opened, cached: int | None, retries: int
+    routing: Routing,
+    lifecycle: Lifecycle,
+    a: Admitted,
+    attempt: Attempt,
+    opened: Opened,
+    cached: int | None,
+    retries: int,
 ) -> Response | Failure:
     """The decode answer to the client, reporting the prefill worker's `cached_tokens`."""
     if opened.relay is not None:
         opened.relay.cached_tokens = cached
-        return ProxyStream(state, attempt, opened.source, opened.relay, opened.first, retries)
+        return ProxyStream(routing, lifecycle, attempt, opened.source, opened.relay, opened.first, retries)
     body = opened.body
     if opened.status == 200 and cached is not None:
         body = with_cached_tokens(body, cached)
     reply = UpstreamReply(opened.status, opened.content_type, body, opened.source.retry_hints)
-    return proxy._answer(state, a, attempt, reply, retries)
+    return proxy._answer(routing, a, attempt, reply, retries)

@@ -19,9 +19,10 @@ from gateway import proxy
 from gateway.admission import Admitted
 from gateway.failure import TRANSPORT_ERRORS, Failure, Stage, failure_of, malformed, worker_status
 from gateway.outcome import Attempt, Usage, usage_of
+from gateway.routing import Routing
 from gateway.sse import SseRelay, first_event_problem
-from gateway.state import GatewayState
 from gateway.streaming import StreamSource, first_events
+from gateway.transport import Transport
 from gateway.upstream_conn import UpstreamReply
 from policies.base import Outcome, RouteDecision
 from policies.identity import cache_salt_for
@@ -150,14 +151,16 @@ class TransferFailed:
     reason: str
 
 
-async def prefill_leg(state: GatewayState, a: Admitted, attempt: Attempt) -> Prefilled | Refused | Failure:
+async def prefill_leg(
+    routing: Routing, transport: Transport, a: Admitted, attempt: Attempt
+) -> Prefilled | Refused | Failure:
     """Send the prefill leg and read its whole answer. The attempt is closed here on success (its
     worker now holds the prompt); on failure the caller closes it."""
     timeouts = a.pool.config.timeouts
     source: StreamSource | None = None
     stage = Stage.HEAD
     try:
-        source = await proxy._open(state, a, attempt)
+        source = await proxy._open(transport, a, attempt)
         if source.status >= 500:
             source.close()
             return worker_status(source.status, source.retry_hints)
@@ -185,12 +188,12 @@ async def prefill_leg(state: GatewayState, a: Admitted, attempt: Attempt) -> Pre
     params = parsed.get("kv_transfer_params")
     usage = usage_of(parsed.get("usage"))
     attempt.first_token()  # one output token: the leg's time is the prompt's time to first token
-    attempt.end(state, Outcome.SERVED, usage)
+    attempt.end(routing, Outcome.SERVED, usage)
     return Prefilled(params if isinstance(params, dict) else None, usage)
 
 
 async def decode_leg(
-    state: GatewayState, a: Admitted, attempt: Attempt
+    transport: Transport, a: Admitted, attempt: Attempt
 ) -> Opened | Refused | TransferFailed | Failure:
     """Send the decode leg and read up to its first events (or its whole answer). Nothing reaches
     the client here; on failure the caller closes the attempt."""
@@ -198,7 +201,7 @@ async def decode_leg(
     source: StreamSource | None = None
     stage = Stage.HEAD
     try:
-        source = await proxy._open(state, a, attempt)
+        source = await proxy._open(transport, a, attempt)
         if source.status >= 500:
             source.close()
             return TransferFailed(worker_status(source.status, source.retry_hints), "decode_error")

@@ -25,7 +25,8 @@ def install_token_hasher(state: GatewayState, policy: RoutingPolicy) -> bool:
     if setter is None or not pools:
         return False
     pool = pools[0]
-    normalizer = state.normalizer(pool)
+    keying = state.gate.keying
+    normalizer = keying.normalizer(pool)
     if normalizer.config.mode == "approximate":
         log.warning(
             "pool %s subscribes to KV events but its normalizer is approximate: events ignored", pool.name
@@ -33,5 +34,5 @@ def install_token_hasher(state: GatewayState, policy: RoutingPolicy) -> bool:
         return False
     if len(pools) > 1:
         log.warning("KV events of several pools are keyed with pool %s's identity", pool.name)
-    setter(normalizer.token_hasher(state.deployment_identity(pool)))
+    setter(normalizer.token_hasher(keying.deployment_identity(pool)))
     return True

@@ -32,13 +32,15 @@ from gateway.failure import (
     malformed,
     worker_status,
 )
+from gateway.lifecycle import Lifecycle
 from gateway.outcome import NO_USAGE, Attempt, finish, usage_of
 from gateway.responses_affinity import pinned_decision
 from gateway.retries import advice, attempts_allowed, forwardable
+from gateway.routing import Routing
 from gateway.sse import first_event_problem
-from gateway.state import GatewayState
 from gateway.streaming import AiohttpSource, ProxyStream, StreamSource, first_events
 from gateway.tracing import AttemptTrace, TracedSource
+from gateway.transport import Transport
 from gateway.upstream import UpstreamReply, request_bytes
 from gateway.upstream_headers import aiohttp_pairs, lean_lines
 from policies.base import Outcome, WorkerId
@@ -46,7 +48,9 @@ from policies.base import Outcome, WorkerId
 log = logging.getLogger("kvgate.proxy")
 
 
-async def dispatch(a: Admitted, state: GatewayState) -> RawResponse | ProxyStream:
+async def dispatch(
+    a: Admitted, routing: Routing, transport: Transport, lifecycle: Lifecycle
+) -> RawResponse | ProxyStream:
     """Route and send one admitted request; always ends by recording it exactly once, even when
     the client leaves, or the policy or the gateway itself fails (the tenant's quota slot and the
     worker's load come back)."""
@@ -55,62 +59,65 @@ async def dispatch(a: Admitted, state: GatewayState) -> RawResponse | ProxyStrea
         if a.pool.pd_router is not None:
             from gateway.pd import dispatch_pd  # a prefill/decode pool; gateway.pd builds on this module
 
-            return await dispatch_pd(a, state, attempts)
-        return await _dispatch(a, state, attempts)
+            return await dispatch_pd(a, routing, transport, lifecycle, attempts)
+        return await _dispatch(a, routing, transport, lifecycle, attempts)
     except asyncio.CancelledError:
         # The client left while the request waited on a worker (`disconnect.py` cancelled it);
         # the transport closed the worker's connection on the way out, so the worker stops.
-        _finish(state, a, attempts, 499, Outcome.ABORTED, "client disconnected")
+        _finish(routing, a, attempts, 499, Outcome.ABORTED, "client disconnected")
         raise
     except Exception as exc:
         log.error("dispatch failed", exc_info=exc, extra={"request_id": a.request_id})
         err = ApiError(500, "internal gateway error", "server_error", "internal_error")
-        _finish(state, a, attempts, 500, Outcome.ABORTED, err.message)
+        _finish(routing, a, attempts, 500, Outcome.ABORTED, err.message)
         return a.api.dialect.error_response(err, a.reply_id)
 
 
-async def _dispatch(a: Admitted, state: GatewayState, attempts: list[Attempt]) -> RawResponse | ProxyStream:
+async def _dispatch(
+    a: Admitted, routing: Routing, transport: Transport, lifecycle: Lifecycle, attempts: list[Attempt]
+) -> RawResponse | ProxyStream:
     pool = a.pool
     tried: set[WorkerId] = set()
     failure: Failure | None = None  # why the latest attempt failed (None: no worker was tried)
     retry: RetryReason | None = None
-    queue = state.queues.get(pool.name)
+    queue = routing.queues.get(pool.name)
     for n in range(attempts_allowed(pool.config.retry_attempts, a.retries_taken)):
         now_s = time.monotonic()
+        policy = routing.policy  # the current one: a reload may swap it while an attempt runs
         if a.pinned is not None:  # a Responses follow-up: only the worker holding it can answer
             decision = pinned_decision(a.pinned, pool.views(now_s, frozenset(tried)))
         elif n == 0 and queue is not None:
             # Waits for a free worker slot while every worker is at its cap (queueing.py).
-            routed = queue.try_route(a, state.policy) or await queue.wait(a, state.policy)
+            routed = queue.try_route(a, policy) or await queue.wait(a, policy)
             if isinstance(routed, Failure):
                 failure = routed
                 break
             decision, now_s = routed
         else:
-            decision = state.policy.select(a.route, pool.views(now_s, frozenset(tried)), now_s)
+            decision = policy.select(a.route, pool.views(now_s, frozenset(tried)), now_s)
         worker = pool.workers.get(decision.worker) if decision is not None else None
         if decision is None or worker is None or decision.worker in tried:
             break
         if retry is not None:
-            state.metrics.retries.labels(pool.name, retry).inc()
-        if state.decision_log is not None:
+            routing.metrics.retries.labels(pool.name, retry).inc()
+        if routing.decision_log is not None:
             views = pool.views(now_s, frozenset(tried))
-            state.decision_log.decided(a.request_id, a.route, decision, views, state.policy, now_s)
+            routing.decision_log.decided(a.request_id, a.route, decision, views, policy, now_s)
         tried.add(decision.worker)
-        state.policy.on_dispatch(a.route, decision, now_s)
-        state.metrics.decision(state.policy_name, decision.reason)
+        policy.on_dispatch(a.route, decision, now_s)
+        routing.metrics.decision(routing.policy_name, decision.reason)
         worker.acquire(a.route.n_prompt_tokens, a.max_output_tokens, now_s)
         attempt = Attempt(a, worker, decision.reason, now_s, decision)
         attempts.append(attempt)
-        if state.tracer is not None:
-            attempt.trace = _start_trace(state, a, attempt)
-        result = await _attempt(state, a, attempt, n)
+        if routing.tracer is not None:
+            attempt.trace = _start_trace(routing, a, attempt)
+        result = await _attempt(routing, transport, lifecycle, a, attempt, n)
         if not isinstance(result, Failure):
             return result
         if attempt.trace is not None:
             attempt.trace.error_type = result.retry or result.code
         # The worker's breaker and load hear of it before the policy picks the next worker.
-        attempt.end(state, result.outcome)
+        attempt.end(routing, result.outcome)
         failure, retry = result, result.retry
         if retry is None:
             break
@@ -118,26 +125,28 @@ async def _dispatch(a: Admitted, state: GatewayState, attempts: list[Attempt]) -
         failure = Failure(
             503, f"no healthy worker available for model '{a.model}'", "no_worker_available", Outcome.ABORTED
         )
-    _finish(state, a, attempts, failure.status, failure.outcome, failure.message)
+    _finish(routing, a, attempts, failure.status, failure.outcome, failure.message)
     response = a.api.dialect.error_response(failure.error(), a.reply_id)
     response.headers += advice(len(attempts), pool.config.retry_attempts, a.retries_taken)
     return response
 
 
 def _finish(
-    state: GatewayState, a: Admitted, attempts: list[Attempt], status: int, outcome: Outcome, error: str
+    routing: Routing, a: Admitted, attempts: list[Attempt], status: int, outcome: Outcome, error: str
 ) -> None:
     """Close the books on a request that ends without a worker's answer."""
     attempt = attempts[-1] if attempts else None
-    finish(state, a, attempt, status=status, outcome=outcome, retries=max(len(attempts) - 1, 0), error=error)
+    finish(
+        routing, a, attempt, status=status, outcome=outcome, retries=max(len(attempts) - 1, 0), error=error
+    )
 
 
 async def _attempt(
-    state: GatewayState, a: Admitted, attempt: Attempt, retries: int
+    routing: Routing, transport: Transport, lifecycle: Lifecycle, a: Admitted, attempt: Attempt, retries: int
 ) -> RawResponse | ProxyStream | Failure:
     """Send the request to the attempt's worker: the client's response, or why this attempt failed
     (the attempt is then still open: the caller ends it and may try another worker)."""
-    lean = state.lean
+    lean = transport.lean
     direct = attempt.worker.direct
     timeouts = a.pool.config.timeouts
     source: StreamSource | None = None
@@ -153,8 +162,8 @@ async def _attempt(
                 read_s=timeouts.read_s,
                 total_s=timeouts.total_s,
             )
-            return _answer(state, a, attempt, reply, retries)
-        source = await _open(state, a, attempt)
+            return _answer(routing, a, attempt, reply, retries)
+        source = await _open(transport, a, attempt)
         if attempt.trace is not None:
             attempt.trace.status = source.status
             if attempt.trace.recording:
@@ -176,13 +185,13 @@ async def _attempt(
                 a.learn_response(attempt.worker.worker_id, relay.response_id)
             if attempt.trace is not None:
                 attempt.trace.note_first_events(first)
-            return ProxyStream(state, attempt, source, relay, first, retries)
+            return ProxyStream(routing, lifecycle, attempt, source, relay, first, retries)
         # A worker's 4xx, or a whole answer to a streamed request: read it and pass it through.
         stage = Stage.ANSWER
         body = await source.read_all()
         source.release()
         reply = UpstreamReply(source.status, source.content_type, body, source.retry_hints)
-        return _answer(state, a, attempt, reply, retries)
+        return _answer(routing, a, attempt, reply, retries)
     except TRANSPORT_ERRORS as exc:
         if source is not None:
             source.close()
@@ -193,9 +202,9 @@ async def _attempt(
         raise
 
 
-async def _open(state: GatewayState, a: Admitted, attempt: Attempt) -> StreamSource:
+async def _open(transport: Transport, a: Admitted, attempt: Attempt) -> StreamSource:
     """Send the request; the answer's head, its body still to be read."""
-    lean = state.lean
+    lean = transport.lean
     direct = attempt.worker.direct
     if direct is not None and lean is not None:
         timeouts = a.pool.config.timeouts
@@ -214,7 +223,7 @@ async def _open(state: GatewayState, a: Admitted, attempt: Attempt) -> StreamSou
         headers += aiohttp_pairs(a.client_headers)
     if attempt.trace is not None:
         headers += attempt.trace.header_map.items()
-    resp = await state.upstream().post(
+    resp = await transport.upstream().post(
         attempt.worker.url + a.api.path,
         data=attempt.request_body(),
         headers=headers,
@@ -240,17 +249,17 @@ def _content_type(head: bytes) -> str:
     return head.split(b"\r\n", 1)[0].partition(b":")[2].strip().decode("latin-1")
 
 
-def _start_trace(state: GatewayState, a: Admitted, attempt: Attempt) -> AttemptTrace:
-    assert state.tracer is not None
+def _start_trace(routing: Routing, a: Admitted, attempt: Attempt) -> AttemptTrace:
+    assert routing.tracer is not None
     url = urlsplit(attempt.worker.url)
     decision = attempt.decision
-    return state.tracer.start_attempt(
+    return routing.tracer.start_attempt(
         endpoint=a.endpoint,
         model=a.model,
         worker_url=attempt.worker.url,
         host=url.hostname,
         port=url.port or (443 if url.scheme == "https" else 80),
-        policy=state.policy_name,
+        policy=routing.policy_name,
         reason=decision.reason,
         predicted_cached_tokens=decision.matched_tokens,
     )
@@ -261,7 +270,7 @@ def _is_event_stream(content_type: str) -> bool:
 
 
 def _answer(
-    state: GatewayState, a: Admitted, attempt: Attempt, reply: UpstreamReply, retries: int
+    routing: Routing, a: Admitted, attempt: Attempt, reply: UpstreamReply, retries: int
 ) -> RawResponse | Failure:
     """A complete answer. A 5xx, or a 200 whose body is not a JSON object (on routes that answer
     JSON), is the attempt's failure; anything else closes the books and is passed through: a 200
@@ -288,10 +297,10 @@ def _answer(
             usage = usage_of(parsed.get("usage"))
             if a.responses is not None:
                 a.learn_response(attempt.worker.worker_id, parsed.get("id"))
-        finish(state, a, attempt, status=200, outcome=Outcome.SERVED, usage=usage, retries=retries)
+        finish(routing, a, attempt, status=200, outcome=Outcome.SERVED, usage=usage, retries=retries)
     else:
         # A 4xx is about the request, not the worker's health; the worker computed nothing.
-        finish(state, a, attempt, status=status, outcome=Outcome.REJECTED, retries=retries)
+        finish(routing, a, attempt, status=status, outcome=Outcome.REJECTED, retries=retries)
         if status >= 400:
             body = a.api.dialect.worker_error(status, body)
             content_type = "application/json"

@@ -39,7 +39,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from gateway.config import QueueConfig
+from gateway.config.queue import QueueConfig
 from gateway.failure import Failure
 from gateway.fair_order import Entry, FairOrder
 from gateway.metrics import GatewayMetrics

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from gateway.breaker import CircuitBreaker
-from gateway.config import PoolConfig
+from gateway.config.pool import PoolConfig
 from gateway.scrape import WorkerMetrics
 from gateway.upstream_headers import NO_AUTH, WorkerAuth
 from policies.base import Role, WorkerId, WorkerView

@@ -17,10 +17,13 @@ from starlette.routing import Route
 
 from gateway.admission import new_request_id, request_id_of
 from gateway.errors import ApiError, normalize_worker_error, upstream_error
+from gateway.gate import Gate
+from gateway.metrics import GatewayMetrics
 from gateway.quotas import Rejection
-from gateway.responses_affinity import not_found
-from gateway.state import GatewayState
+from gateway.registry import Registry
+from gateway.responses_affinity import ResponseAffinity, not_found
 from gateway.surface import error
+from gateway.transport import Transport
 
 _NO_KEY = ApiError(401, "incorrect or missing API key", "invalid_request_error", "invalid_api_key")
 
@@ -32,29 +35,38 @@ def _rejected(rejection: Rejection) -> ApiError:
     )
 
 
-def responses_routes(state: GatewayState) -> list[Route]:
-    """The stored-response routes, bound to the gateway state."""
+def responses_routes(
+    gate: Gate, registry: Registry, metrics: GatewayMetrics, transport: Transport
+) -> list[Route]:
+    """The stored-response routes: a tenant's key and a slot of its limiter (`gate`), the worker
+    that holds the response (`gate.responses`, `registry`), reached with the process's session."""
 
     async def forward(request: Request, suffix: str, endpoint: str) -> Response:
         reply_id = request_id_of(request)
-        tenant = state.keyring.lookup(request.headers.get("authorization"))
+        tenant = gate.keyring.lookup(request.headers.get("authorization"))
         if tenant is None:
             return error(_NO_KEY, reply_id)
         now_s = time.monotonic()
-        limiter = state.limiter(tenant)
+        limiter = gate.limiter(tenant)
         rejection = limiter.enter(now_s)
         if rejection is not None:
-            state.metrics.requests.labels("", tenant.name, "429", endpoint).inc()
+            metrics.requests.labels("", tenant.name, "429", endpoint).inc()
             return error(_rejected(rejection), reply_id)
         try:
             status, body = await _to_holder(
-                state, request.path_params["response_id"], tenant.name, suffix, request
+                gate.responses,
+                registry,
+                transport,
+                request.path_params["response_id"],
+                tenant.name,
+                suffix,
+                request,
             )
         except ApiError as err:
             status, body = err.status, err.body()
         finally:
             limiter.leave()
-        state.metrics.requests.labels("", tenant.name, str(status), endpoint).inc()
+        metrics.requests.labels("", tenant.name, str(status), endpoint).inc()
         if status >= 400:
             body = normalize_worker_error(status, body)
         return Response(body, status, headers={"x-request-id": reply_id}, media_type="application/json")
@@ -72,17 +84,23 @@ def responses_routes(state: GatewayState) -> list[Route]:
 
 
 async def _to_holder(
-    state: GatewayState, response_id: str, tenant: str, suffix: str, request: Request
+    responses: ResponseAffinity,
+    registry: Registry,
+    transport: Transport,
+    response_id: str,
+    tenant: str,
+    suffix: str,
+    request: Request,
 ) -> tuple[int, bytes]:
-    held = state.responses.holder(response_id, time.monotonic())
-    pool = state.registry.pools.get(held.pool) if held is not None else None
+    held = responses.holder(response_id, time.monotonic())
+    pool = registry.pools.get(held.pool) if held is not None else None
     if held is None or held.tenant != tenant or pool is None or held.worker not in pool.workers:
         raise not_found(response_id, "response_id")
     worker = pool.workers[held.worker]
     url = f"{worker.url}/v1/responses/{quote(response_id, safe='')}{suffix}"
     headers = {"x-request-id": new_request_id()}
     try:
-        async with state.upstream().request(
+        async with transport.upstream().request(
             request.method, url, headers=headers, params=request.query_params, timeout=pool.client_timeout
         ) as resp:
             return resp.status, await resp.read()

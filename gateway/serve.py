@@ -12,15 +12,9 @@ import os
 import sys
 
 from gateway.auth import hash_api_key
-from gateway.config import (
-    ConfigError,
-    GatewayConfig,
-    ListenConfig,
-    MetricsConfig,
-    load_config,
-    read_secret,
-    read_worker_key,
-)
+from gateway.config import GatewayConfig, ListenConfig, MetricsConfig, load_config, read_secret
+from gateway.config.base import ConfigError
+from gateway.config.pool import read_worker_key
 from gateway.logs import setup_logging
 from gateway.policy_watch import LoadedPolicy, PolicyWatcher
 from gateway.state import PolicySwap

@@ -24,7 +24,8 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from gateway.app import build_app, build_metrics_app, drain
-from gateway.config import ConfigError, GatewayConfig
+from gateway.config import GatewayConfig
+from gateway.config.base import ConfigError
 from gateway.http_limits import ClientGuard, ClientLimits, GuardedHttpToolsProtocol, GuardedServerState
 from gateway.policy_watch import LoadedPolicy, PolicyWatcher
 from gateway.precise import install_token_hasher
@@ -47,7 +48,7 @@ class DrainingServer(uvicorn.Server):
     ) -> None:
         super().__init__(config)
         self._state = state
-        self._guard = ClientGuard(ClientLimits.of(state.config.limits), state.metrics.client_refusals)
+        self._guard = ClientGuard(ClientLimits.of(state.config.limits), state.routing.metrics.client_refusals)
         self.server_state = GuardedServerState(self._guard)
         self._metrics_config = _uvicorn_config(metrics_app, state.config, lifespan="off")
         self._metrics_socket = metrics_socket
@@ -94,14 +95,14 @@ class DrainingServer(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         self._guard.tick(time.monotonic())
         if counter % 10 == 0:
-            self._state.metrics.client_connections.set(len(self.server_state.connections))
+            self._state.routing.metrics.client_connections.set(len(self.server_state.connections))
         return await super().on_tick(counter)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self._state.draining or self._loop is None:
+        if self._state.lifecycle.draining or self._loop is None:
             super().handle_exit(sig, frame)
             return
-        self._state.draining = True
+        self._state.lifecycle.draining = True
         log.info("draining", extra={"signal": sig})
         self._loop.call_soon_threadsafe(self._start_drain)
 

@@ -112,6 +112,10 @@ def worker_error_of(inner: Any) -> WorkerStreamError:
     )
 
 
+# A worker's error event the relay could not read: the client could not have read it either.
+UNREADABLE_ERROR = WorkerStreamError(_UNREADABLE_MESSAGE, "server_error", None, None)
+
+
 class Relay(Protocol):
     """What a streamed response needs of its relay, whatever the API's event format: whole
     events to forward, whether the worker ended the stream (`done`), its error and usage, and
@@ -130,7 +134,47 @@ class Relay(Protocol):
     def closing(self, message: str, code: str) -> bytes: ...
 
 
-class SseRelay:
+class EventRelay:
+    """What every relay shares: whole events out of upstream bytes that arrive in arbitrary
+    pieces. `feed` keeps the partial tail for the next chunk and hands the complete events to
+    `_events`, the API's own reading of them; once the worker's error has been recorded (or, for
+    APIs that end with a terminal event, `ENDS_AT_TERMINAL`, once that event has been seen)
+    nothing more is forwarded."""
+
+    ENDS_AT_TERMINAL = False
+    __slots__ = ("_pending", "done", "error", "usage")
+
+    def __init__(self) -> None:
+        self._pending = b""
+        self.done = False
+        self.error: WorkerStreamError | None = None
+        self.usage: Any = None
+
+    def feed(self, chunk: bytes) -> bytes:
+        """Bytes to forward now (whole events only); the partial tail waits for the next chunk."""
+        if self.error is not None or (self.done and self.ENDS_AT_TERMINAL):
+            # The worker already failed (or finished) this stream and the client has been told.
+            # Whatever it sends next (more deltas, a second error, its own [DONE]) is not part of
+            # an answer: a raw SSE reader would take deltas after the error as content, and a
+            # second error event would break the one-error contract. The streaming response
+            # stops reading here anyway.
+            return b""
+        data = self._pending + chunk if self._pending else chunk
+        cut = data.rfind(b"\n\n")
+        if cut < 0:
+            if len(data) > _MAX_PENDING_BYTES:
+                raise MalformedStream("an oversized SSE event")
+            self._pending = data
+            return b""
+        self._pending = data[cut + 2 :]
+        return self._events(data[: cut + 2])
+
+    def _events(self, head: bytes) -> bytes:
+        """What to forward of `head`, one or more whole events."""
+        raise NotImplementedError
+
+
+class SseRelay(EventRelay):
     """Splits an SSE byte stream into events and rewrites the few that need it.
 
     - a usage chunk with `"choices": null` gets `"choices": []` (vLLM quirk; SDKs expect a list);
@@ -141,14 +185,11 @@ class SseRelay:
     - `done` records whether the worker finished the stream with `[DONE]`.
     """
 
-    __slots__ = ("_pending", "done", "error", "strip_usage", "usage")
+    __slots__ = ("strip_usage",)
 
     def __init__(self, strip_usage: bool) -> None:
+        super().__init__()
         self.strip_usage = strip_usage
-        self._pending = b""
-        self.done = False
-        self.error: WorkerStreamError | None = None
-        self.usage: Any = None
 
     @property
     def response_id(self) -> str | None:
@@ -161,23 +202,7 @@ class SseRelay:
         tail = error_event(message, code) if self.error is None else b""
         return tail if self.done else tail + DONE_EVENT
 
-    def feed(self, chunk: bytes) -> bytes:
-        """Bytes to forward now (whole events only); the partial tail waits for the next chunk."""
-        if self.error is not None:
-            # The worker already failed this stream and the client has been told. Whatever it sends
-            # next (more deltas, a second error, its own [DONE]) is not part of an answer: a raw SSE
-            # reader would take deltas after the error as content, and a second error event would
-            # break the one-error contract. The streaming response stops reading here anyway.
-            return b""
-        data = self._pending + chunk if self._pending else chunk
-        cut = data.rfind(b"\n\n")
-        if cut < 0:
-            if len(data) > _MAX_PENDING_BYTES:
-                raise MalformedStream("an oversized SSE event")
-            self._pending = data
-            return b""
-        head = data[: cut + 2]
-        self._pending = data[cut + 2 :]
+    def _events(self, head: bytes) -> bytes:
         # `"error"` with its quotes covers both error shapes; inside a JSON string the quotes would
         # be escaped, so only a structural key or a bare "error" value (a rare false alarm that
         # costs one parse) matches. Events before the first match are forwarded as they are.
@@ -221,12 +246,12 @@ class SseRelay:
         except orjson.JSONDecodeError:
             if b'"error"' in payload:
                 # A broken payload that mentions an error: the client could not parse it either.
-                self.error = WorkerStreamError(_UNREADABLE_MESSAGE, "server_error", None, None)
+                self.error = UNREADABLE_ERROR
             return payload
         if not isinstance(obj, dict):
             if b'"error"' in payload:
                 # A chunk is always an object; a bare `"error"` string or list is a failing worker.
-                self.error = WorkerStreamError(_UNREADABLE_MESSAGE, "server_error", None, None)
+                self.error = UNREADABLE_ERROR
             return payload
         inner = obj.get("error")
         if inner is not None and inner is not False:

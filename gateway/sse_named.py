@@ -3,9 +3,10 @@
 Both APIs stream `event: <type>` + `data: {json}` events with no `[DONE]`: a stream ends with its
 terminal event (`response.completed` / `response.incomplete`; `message_stop`), and usage rides
 inside events (`response.completed.response.usage`; `message_start.message.usage` merged with
-`message_delta.usage`). Like `sse.SseRelay`, a relay forwards whole events only and looks inside
-an event only when a byte test says it may matter: the quoted type names below match only
-structural JSON, never text inside a string (where the quotes would be escaped).
+`message_delta.usage`). Like `sse.SseRelay`, these relays are `sse.EventRelay`s: they forward
+whole events only and look inside an event only when a byte test says it may matter: the quoted
+type names below match only structural JSON, never text inside a string (where the quotes would be
+escaped).
 
 A worker's failure inside a stream (`error`, `response.failed`) is never passed on as is: the
 client gets one error event in the route's own shape (Responses: `{"type": "error", "code",
@@ -21,12 +22,8 @@ from typing import Any
 
 import orjson
 
-from gateway.sse import MalformedStream, WorkerStreamError, data_of, worker_error_of
+from gateway.sse import UNREADABLE_ERROR, EventRelay, data_of, worker_error_of
 
-_MAX_PENDING_BYTES = 4 * 1024 * 1024
-_UNREADABLE = WorkerStreamError(
-    "the worker reported an unreadable error mid-stream", "server_error", None, None
-)
 # Anthropic's error types; a worker's own type outside this set is reported as `api_error`.
 ANTHROPIC_ERROR_TYPES = frozenset(
     {
@@ -44,36 +41,23 @@ ANTHROPIC_ERROR_TYPES = frozenset(
 )
 
 
-class NamedEventRelay:
-    """Splits a named-event stream into whole events; subclasses say which events to look inside
-    (`MARKERS`) and what they mean (`_event`)."""
+class NamedEventRelay(EventRelay):
+    """Splits a named-event stream into whole events (`sse.EventRelay`); subclasses say which
+    events to look inside (`MARKERS`) and what they mean (`_event`). Nothing after the terminal
+    event is forwarded."""
 
+    ENDS_AT_TERMINAL = True
     MARKERS: tuple[bytes, ...] = ()
-    __slots__ = ("_events", "_pending", "done", "error", "response_id", "usage")
+    __slots__ = ("_forwarded", "response_id")
 
     def __init__(self) -> None:
-        self._pending = b""
-        self._events = 0  # events forwarded so far (a Responses error event numbers itself after them)
-        self.done = False
-        self.error: WorkerStreamError | None = None
-        self.usage: Any = None
+        super().__init__()
+        self._forwarded = 0  # events forwarded so far (a Responses error event numbers itself after them)
         self.response_id: str | None = None
 
-    def feed(self, chunk: bytes) -> bytes:
-        """Bytes to forward now (whole events only); the partial tail waits for the next chunk."""
-        if self.error is not None or self.done:
-            return b""
-        data = self._pending + chunk if self._pending else chunk
-        cut = data.rfind(b"\n\n")
-        if cut < 0:
-            if len(data) > _MAX_PENDING_BYTES:
-                raise MalformedStream("an oversized SSE event")
-            self._pending = data
-            return b""
-        head = data[: cut + 2]
-        self._pending = data[cut + 2 :]
+    def _events(self, head: bytes) -> bytes:
         if not any(marker in head for marker in self.MARKERS):
-            self._events += head.count(b"\n\n")
+            self._forwarded += head.count(b"\n\n")
             return head
         out: list[bytes] = []
         for event in head.split(b"\n\n"):
@@ -88,7 +72,7 @@ class NamedEventRelay:
                 out.append(forwarded)
             else:
                 out.append(event + b"\n\n")
-            self._events += 1
+            self._forwarded += 1
             if self.done:
                 self._pending = b""  # nothing after the terminal event is part of the answer
                 break
@@ -102,7 +86,7 @@ class NamedEventRelay:
             obj = None
         if not isinstance(obj, dict):
             if b'"error"' in event:
-                self.error = _UNREADABLE
+                self.error = UNREADABLE_ERROR
                 return None
             return event + b"\n\n"
         kind = obj.get("type")
@@ -157,7 +141,7 @@ class ResponsesRelay(NamedEventRelay):
             "code": code if code is not None else (error.code if error else None),
             "message": message if message is not None else (error.message if error else ""),
             "param": error.param if error is not None and message is None else None,
-            "sequence_number": self._events,
+            "sequence_number": self._forwarded,
         }
         return b"event: error\ndata: " + orjson.dumps(data) + b"\n\n"
 

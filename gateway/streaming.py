@@ -29,9 +29,10 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.disconnect import DisconnectGuard
 from gateway.failure import TRANSPORT_ERRORS, Failure, Stage, failure_of, malformed
+from gateway.lifecycle import Lifecycle
 from gateway.outcome import Attempt, finish, usage_of
+from gateway.routing import Routing
 from gateway.sse import Relay
-from gateway.state import GatewayState
 from gateway.upstream import RetryHints
 from policies.base import Outcome
 
@@ -107,14 +108,16 @@ class ProxyStream:
 
     def __init__(
         self,
-        state: GatewayState,
+        routing: Routing,
+        lifecycle: Lifecycle,
         attempt: Attempt,
         upstream: StreamSource,
         relay: Relay,
         first: bytes,
         retries: int,
     ) -> None:
-        self._state = state
+        self._routing = routing
+        self._lifecycle = lifecycle
         self._attempt = attempt
         self._upstream = upstream
         self._sse = relay
@@ -128,9 +131,10 @@ class ProxyStream:
         self._upstream.close()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self._state.stream_started(self)
+        lifecycle = self._lifecycle
+        lifecycle.stream_started(self)
         # A client that leaves cancels this task (and so the relay, which closes the upstream).
-        guard = DisconnectGuard(receive, self._state.disconnects)
+        guard = DisconnectGuard(receive, lifecycle.disconnects)
         try:
             await self._relay(send, guard)
         except asyncio.CancelledError:
@@ -138,7 +142,7 @@ class ProxyStream:
                 raise
         finally:
             guard.close()
-            self._state.stream_ended(self)
+            lifecycle.stream_ended(self)
 
     async def _relay(self, send: Send, guard: DisconnectGuard) -> None:
         relay = self._sse
@@ -268,7 +272,7 @@ class ProxyStream:
         else:
             status, outcome, error = failure.status, failure.outcome, failure.code
         finish(
-            self._state,
+            self._routing,
             attempt.admitted,
             attempt,
             status=status,

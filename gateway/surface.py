@@ -18,10 +18,11 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.admission import request_id_of
+from gateway.auth import KeyRing
 from gateway.breaker import BreakerState
 from gateway.errors import ApiError
+from gateway.registry import Registry
 from gateway.routes import ROUTES
-from gateway.state import GatewayState
 
 
 def _version() -> str:
@@ -49,11 +50,11 @@ class _ModelId(Convertor[str]):
 register_url_convertor("kvgate_model_id", _ModelId())
 
 
-def routable_models(state: GatewayState) -> list[str]:
+def routable_models(registry: Registry) -> list[str]:
     """Every served model id whose pool has a worker that may take a request now."""
     now_s = time.monotonic()
     out: list[str] = []
-    for pool in state.registry.pools.values():
+    for pool in registry.pools.values():
         if any(w.healthy and w.breaker.state(now_s) is not BreakerState.OPEN for w in pool.workers.values()):
             out.extend(pool.config.models)
     return out
@@ -77,25 +78,25 @@ def json_response(obj: object, status: int, request_id: str) -> Response:
 _NO_KEY = ApiError(401, "incorrect or missing API key", "invalid_request_error", "invalid_api_key")
 
 
-def surface_routes(state: GatewayState) -> list[Route]:
+def surface_routes(keyring: KeyRing, registry: Registry, created_s: int) -> list[Route]:
     """The GET routes above, and 405 for any other method on a proxied POST route."""
 
     def card(model: str) -> dict[str, object]:
-        return {"id": model, "object": "model", "created": state.created_s, "owned_by": "kvgate"}
+        return {"id": model, "object": "model", "created": created_s, "owned_by": "kvgate"}
 
     async def models(request: Request) -> Response:
         request_id = request_id_of(request)
-        if state.keyring.lookup(request.headers.get("authorization")) is None:
+        if keyring.lookup(request.headers.get("authorization")) is None:
             return error(_NO_KEY, request_id)
-        data = [card(model) for model in routable_models(state)]
+        data = [card(model) for model in routable_models(registry)]
         return json_response({"object": "list", "data": data}, 200, request_id)
 
     async def model(request: Request) -> Response:
         request_id = request_id_of(request)
-        if state.keyring.lookup(request.headers.get("authorization")) is None:
+        if keyring.lookup(request.headers.get("authorization")) is None:
             return error(_NO_KEY, request_id)
         model_id = request.path_params["model_id"]
-        if model_id not in routable_models(state):
+        if model_id not in routable_models(registry):
             message = f"The model '{model_id}' does not exist"
             err = ApiError(404, message, "invalid_request_error", "model_not_found", "model")
             return error(err, request_id)

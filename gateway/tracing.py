@@ -22,7 +22,7 @@ worker answered is not copied onto the SERVER span: with the Python SDK, each at
 about a microsecond or two of validation. Prompt and answer content are never attached; the answer
 is read only for its id, model and finish reasons.
 
-With tracing off, nothing in this module runs: the request path checks `state.tracer` and
+With tracing off, nothing in this module runs: the request path checks `routing.tracer` and
 `Attempt.trace` and does nothing more. The SDK and its exporter are set up in `otel_sdk.py`.
 """
 

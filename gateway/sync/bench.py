@@ -29,7 +29,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway.config import GatewayConfig, PoolConfig, SyncConfig, TenantConfig
+from gateway.config import GatewayConfig, TenantConfig
+from gateway.config.pool import PoolConfig
+from gateway.config.sync import SyncConfig
 from gateway.demo import free_port
 from gateway.state import GatewayState, build_state
 from gateway.sync.broker import LocalBroker
@@ -113,26 +115,29 @@ async def _drive(a: GatewayState, reqs: list[RouteRequest], rate: float, in_flig
         # Always yield, as a request's I/O does: peers' batches are applied between requests.
         await asyncio.sleep(max(0.0, started + i / rate - time.monotonic()))
         now = time.monotonic()
-        d = a.policy.select(r, pool.views(now), now)
+        policy = a.routing.policy
+        d = policy.select(r, pool.views(now), now)
         assert d is not None
-        a.policy.on_dispatch(r, d, now)
+        policy.on_dispatch(r, d, now)
         pool.workers[d.worker].acquire(r.n_prompt_tokens, 16, now)
         running.append((r, d.worker))
         if len(running) > in_flight:
             done, w = running.pop(0)
             pool.workers[w].release(done.n_prompt_tokens, 16, False)
-            a.policy.on_complete(Observation(done, w, prompt_tokens=done.n_prompt_tokens), now)
+            policy.on_complete(Observation(done, w, prompt_tokens=done.n_prompt_tokens), now)
 
 
 async def _round(args: argparse.Namespace, name: str, broker: LocalBroker | None, peers: int) -> Round:
     workers = [f"http://10.0.0.{i}:8000" for i in range(args.workers)]
     sync = SyncConfig(url=broker.url if broker else None, batch_interval_s=args.batch_interval_ms / 1000)
     states = [_state(workers, sync) for _ in range(1 + peers)]
-    services = [SyncService(s, sync, f"g{i}") for i, s in enumerate(states)] if broker else []
+    services = (
+        [SyncService(s.registry, s.routing, sync, f"g{i}") for i, s in enumerate(states)] if broker else []
+    )
     sent_at: dict[int, float] = {}
     latencies: list[float] = []
-    for s in services:
-        s.state.sync = s
+    for state, s in zip(states, services, strict=False):
+        state.sync = s
         await s.start()
     if services:
         a_sink = services[0].publisher.sink
@@ -142,11 +147,11 @@ async def _round(args: argparse.Namespace, name: str, broker: LocalBroker | None
                 sent_at[item.ref] = time.monotonic()
             a_sink(item, now_s)
 
-        policy_a = states[0].policy
+        policy_a = states[0].routing.policy
         assert isinstance(policy_a, SupportsPeerSync)
         policy_a.set_sync_sink(timed_sink)
         for st in states[1:]:
-            peer = st.policy
+            peer = st.routing.policy
             assert isinstance(peer, CostPolicy)
             apply = peer.apply_peer
 

@@ -18,7 +18,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
-from gateway.config import SyncConfig
+from gateway.config.sync import SyncConfig
 from gateway.sync.codec import SyncBatch
 from policies.base import WorkerId
 from policies.peer_sync import PeerHolding, PeerItem, PeerLoad

@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from gateway.config import SyncConfig
+from gateway.config.sync import SyncConfig
 from gateway.sync.codec import encode
 from gateway.sync.nats_link import NatsLink
 from gateway.sync.publisher import SyncPublisher
@@ -27,7 +27,8 @@ from policies.base import RoutingPolicy
 from policies.peer_sync import PeerLoad, SupportsPeerSync
 
 if TYPE_CHECKING:
-    from gateway.state import GatewayState
+    from gateway.registry import Registry
+    from gateway.routing import Routing
 
 log = logging.getLogger("kvgate.sync")
 
@@ -44,14 +45,17 @@ def default_origin() -> str:
 class SyncService:
     """Publishes this gateway's decisions and load, applies its peers'."""
 
-    def __init__(self, state: GatewayState, config: SyncConfig, origin: str | None = None) -> None:
+    def __init__(
+        self, registry: Registry, routing: Routing, config: SyncConfig, origin: str | None = None
+    ) -> None:
         if config.url is None:
             raise ValueError("sync.url is not set")
-        self.state = state
+        self.registry = registry
+        self.routing = routing  # the policy's one holder: read at each use, as a reload swaps it
         self.config = config
         self.origin = origin or default_origin()
         self.publisher = SyncPublisher(self.origin, config)
-        self.subscriber = SyncSubscriber(self.origin, state.registry, config.peer_timeout_s, state.metrics)
+        self.subscriber = SyncSubscriber(self.origin, registry, config.peer_timeout_s, routing.metrics)
         self.link = NatsLink(
             [u.strip() for u in config.url.split(",")],
             f"{config.subject_prefix}.batches",
@@ -73,17 +77,17 @@ class SyncService:
         await self.subscriber.on_message(data, self._policy)
 
     def _policy(self) -> RoutingPolicy:
-        return self.state.policy  # the current one: a reload may swap it between two chunks
+        return self.routing.policy  # the current one: a reload may swap it between two chunks
 
     async def start(self) -> None:
-        self.attach(self.state.policy)
+        self.attach(self.routing.policy)
         self._tasks = [
             asyncio.create_task(self.link.run(), name="sync-link"),
             asyncio.create_task(self._publish_loop(), name="sync-publish"),
         ]
 
     async def stop(self) -> None:
-        policy = self.state.policy
+        policy = self.routing.policy
         if isinstance(policy, SupportsPeerSync):
             policy.set_sync_sink(None)
         for task in self._tasks:
@@ -96,7 +100,7 @@ class SyncService:
         await self.link.close()
 
     def _loads(self) -> Iterator[PeerLoad]:
-        for pool in self.state.registry.pools.values():
+        for pool in self.registry.pools.values():
             for w in pool.workers.values():
                 yield PeerLoad(pool.name, w.worker_id, w.in_flight, w.prefill_tokens, w.decode_tokens)
 
@@ -154,7 +158,7 @@ class SyncService:
         }
 
     def refresh_metrics(self) -> None:
-        m = self.state.metrics
+        m = self.routing.metrics
         m.sync_peers.set(self.subscriber.loads.peers())
         m.sync_connected.set(1 if self.link.connected else 0)
         m.sync_queued.set(self.publisher.queued)

@@ -54,7 +54,7 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -71,7 +71,7 @@ def assert_sigterm_stops_the_workers(serve_args: Sequence[str], workers: int, re
     try:
         wait_http(f"http://127.0.0.1:{port}/readyz", proc, timeout_s=ready_timeout_s)
         children = _children(proc.popen.pid)
-        assert len(children) == workers and all(_alive(c) for c in children)
+        assert len(children) == workers and all(alive(c) for c in children)
     finally:
         assert proc.stop() == 0
-    assert not any(_alive(c) for c in children)
+    assert not any(alive(c) for c in children)

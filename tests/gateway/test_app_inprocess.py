@@ -56,7 +56,7 @@ async def test_a_policy_exception_is_a_500_and_releases_the_quota_slot() -> None
             )
             assert resp.status_code == 500
             assert resp.json()["error"]["code"] == "internal_error"
-    assert gw.state.limiters["t"].in_flight == 0
+    assert gw.state.gate.limiters["t"].in_flight == 0
 
 
 async def _handle_hanging(
@@ -128,7 +128,7 @@ async def test_a_worker_at_its_connection_cap_is_a_503_with_retry_after() -> Non
 async def test_requests_beyond_the_in_flight_limit_get_503_at_once() -> None:
     async with _in_front_of_a_hanging_worker(limits={"max_in_flight_requests": 2}) as stack:
         held = [asyncio.create_task(stack.chat()) for _ in range(2)]
-        await wait_until(lambda: stack.state.in_flight_requests == 2)
+        await wait_until(lambda: stack.state.lifecycle.in_flight_requests == 2)
         resp = await stack.chat()
         assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
         assert resp.json()["error"]["code"] == "gateway_overloaded"
@@ -136,7 +136,7 @@ async def test_requests_beyond_the_in_flight_limit_get_503_at_once() -> None:
         for task in held:
             task.cancel()
         await asyncio.gather(*held, return_exceptions=True)
-        await wait_until(lambda: stack.state.in_flight_requests == 0)  # every slot came back
+        await wait_until(lambda: stack.state.lifecycle.in_flight_requests == 0)  # every slot came back
 
 
 async def test_a_trailing_slash_is_an_unknown_route_not_a_redirect() -> None:

@@ -6,7 +6,9 @@ import pytest
 import yaml
 
 from gateway.auth import KeyRing, hash_api_key
-from gateway.config import ConfigError, PoolConfig, TenantConfig, load_config, parse_config, read_secret
+from gateway.config import TenantConfig, load_config, parse_config, read_secret
+from gateway.config.base import ConfigError
+from gateway.config.pool import PoolConfig
 from gateway.registry import Pool
 from policies.base import Isolation
 from policies.identity import TenantIdentity

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 import pytest
 
-from gateway.config import TimeoutsConfig
+from gateway.config.pool import TimeoutsConfig
 from gateway.failure import TRANSPORT_ERRORS, Failure, RetryReason, Stage, failure_of
 from gateway.sse import MalformedStream, first_event_problem
 from gateway.upstream import UpstreamBusy, UpstreamError, UpstreamPool, UpstreamTimeout

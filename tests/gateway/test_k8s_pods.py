@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import yaml
 
-from gateway.config import ConfigError, parse_config
+from gateway.config import parse_config
+from gateway.config.base import ConfigError
 from gateway.k8s.pods import PodSettings, read_pod
 from gateway.k8s.selector import normalize_selector
 from tests.gateway.fake_kube_api import make_pod

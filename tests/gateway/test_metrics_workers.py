@@ -54,7 +54,7 @@ def _state(policy: Any = None) -> GatewayState:
 
 def test_outcomes_per_worker_go_when_the_worker_leaves_its_pool() -> None:
     state = _state()
-    m = state.metrics
+    m = state.routing.metrics
     m.worker_outcome("p", A, Outcome.SERVED)
     m.worker_outcome("p", A, Outcome.SERVED)
     m.worker_outcome("p", B, Outcome.WORKER_FAILED)
@@ -76,12 +76,12 @@ def test_breaker_state_is_its_own_gauge() -> None:
     now_s = time.monotonic()
     pool.workers[WorkerId(B)].breaker.on_failure(now_s)  # threshold 1: open
     refresh_gauges(state)
-    states = _samples(state.metrics, "kvgate_worker_breaker_state")
+    states = _samples(state.routing.metrics, "kvgate_worker_breaker_state")
     assert states[(("pool", "p"), ("worker", A))] == 0
     assert states[(("pool", "p"), ("worker", B))] == 2
     pool.workers[WorkerId(B)].breaker._opened_at_s = now_s - 3600  # cooled down: one trial allowed
     refresh_gauges(state)
-    assert _samples(state.metrics, "kvgate_worker_breaker_state")[(("pool", "p"), ("worker", B))] == 1
+    assert _samples(state.routing.metrics, "kvgate_worker_breaker_state")[(("pool", "p"), ("worker", B))] == 1
 
 
 @dataclass
@@ -102,17 +102,17 @@ def test_policy_counters_are_counters_and_the_promoted_count_a_gauge() -> None:
     policy = CountingPolicy({"kv_events_applied": 7, "public_promotions": 2, "public_prefixes": 2})
     state = _state(policy)
     refresh_gauges(state)
-    families = _families(state.metrics)
+    families = _families(state.routing.metrics)
     assert families["kvgate_policy_events"].type == "counter"
-    events = _samples(state.metrics, "kvgate_policy_events_total")
+    events = _samples(state.routing.metrics, "kvgate_policy_events_total")
     assert events == {
         (("event", "kv_events_applied"), ("policy", "counting")): 7,
         (("event", "public_promotions"), ("policy", "counting")): 2,
     }
-    assert _samples(state.metrics, "kvgate_public_prefixes") == {(("policy", "counting"),): 2}
+    assert _samples(state.routing.metrics, "kvgate_public_prefixes") == {(("policy", "counting"),): 2}
     policy.counters["public_prefixes"] = 1  # a demotion: the gauge follows it down
     refresh_gauges(state)
-    assert _samples(state.metrics, "kvgate_public_prefixes") == {(("policy", "counting"),): 1}
+    assert _samples(state.routing.metrics, "kvgate_public_prefixes") == {(("policy", "counting"),): 1}
 
 
 def test_process_metrics_are_exported() -> None:
@@ -155,8 +155,8 @@ def test_kv_event_lag_and_age_per_stream() -> None:
     state.fleet = StubFleet(StubSubscriber({A: {"tcp://10.0.0.1:5557": fresh, "tcp://10.0.0.1:5558": never}}))  # type: ignore[assignment]
     refresh_gauges(state)
     labels = (("endpoint", "tcp://10.0.0.1:5557"), ("worker", A))
-    assert _samples(state.metrics, "kvgate_kv_events_lag_seconds") == {labels: 0.25}
-    (age,) = _samples(state.metrics, "kvgate_kv_events_last_batch_age_seconds").values()
+    assert _samples(state.routing.metrics, "kvgate_kv_events_lag_seconds") == {labels: 0.25}
+    (age,) = _samples(state.routing.metrics, "kvgate_kv_events_last_batch_age_seconds").values()
     assert age >= 2.0
 
 

@@ -10,7 +10,9 @@ import pytest
 import yaml
 
 from gateway.auth import hash_api_key
-from gateway.config import ConfigError, PoolConfig, parse_config
+from gateway.config import parse_config
+from gateway.config.base import ConfigError
+from gateway.config.pool import PoolConfig
 from gateway.registry import Pool
 from policies.base import Role
 from policies.pd import SGLANG_ROLES, VLLM_ROLES

@@ -63,15 +63,15 @@ def test_events_key_as_the_base_model_unless_they_name_an_adapter() -> None:
     state = build_state(_config("render"), SECRET, policy, NormalizerConfig())
     assert install_token_hasher(state, policy) and len(policy.hashers) == 1
     hasher = policy.hashers[0]
-    pool, tenant = state.registry.pools["p"], state.keyring.tenants["t"]
+    pool, tenant = state.registry.pools["p"], state.gate.keyring.tenants["t"]
     tokens = list(range(1000, 1048))
     keys = {}
     for model, lora in (("m", None), ("m-lora", "sql-lora")):
-        own, public = state.identities(pool, model, tenant)
-        expected = state.normalizer(pool).keys_for_tokens(tokens, own)
+        own, public = state.gate.keying.identities(pool, model, tenant)
+        expected = state.gate.keying.normalizer(pool).keys_for_tokens(tokens, own)
         assert tuple(_event_keys(hasher, tenant.namespace, lora, tokens)) == expected
         assert public is not None  # the public twin's chain too (an unsalted or public-salted event)
-        public_keys = state.normalizer(pool).keys_for_tokens(tokens, public)
+        public_keys = state.gate.keying.normalizer(pool).keys_for_tokens(tokens, public)
         assert tuple(_event_keys(hasher, public.namespace, lora, tokens)) == public_keys
         keys[model] = expected
     assert set(keys["m"]).isdisjoint(keys["m-lora"])

@@ -12,7 +12,7 @@ from typing import Any, cast
 import pytest
 
 from gateway.admission import Admitted
-from gateway.config import PoolConfig
+from gateway.config.pool import PoolConfig
 from gateway.failure import Failure
 from gateway.metrics import GatewayMetrics
 from gateway.queueing import PoolQueue

@@ -31,7 +31,7 @@ async def test_a_queue_timeout_is_a_503_with_retry_after(make_rig: RigFactory) -
     assert rig.queue.waiting == 0
     await rig.answer_one()
     assert (await hold).status_code == 200 and rig.order() == ["hold"]
-    refusals = rig.state.metrics.queue_refusals.children
+    refusals = rig.state.routing.metrics.queue_refusals.children
     assert refusals[("p", "light", "timeout")].value == 1
 
 
@@ -45,7 +45,7 @@ async def test_the_bounds_refuse_at_once(make_rig: RigFactory) -> None:
     assert resp.status_code == 503 and resp.json()["error"]["code"] == "queue_full"
     await serve_all(rig, tasks)
     assert rig.order() == ["hold", "h0", "l0"]
-    statuses = {key[2] for key in rig.state.metrics.requests.children if key[1] in ("heavy", "vip")}
+    statuses = {key[2] for key in rig.state.routing.metrics.requests.children if key[1] in ("heavy", "vip")}
     assert statuses == {"200", "429", "503"}
 
 
@@ -81,25 +81,25 @@ async def test_a_waiter_whose_client_leaves_leaves_the_queue(make_rig: RigFactor
     leave.set()
     await wait_until(gone.done)
     assert rig.queue.waiting == 0 and sent == []  # nobody to answer
-    assert rig.state.metrics.requests.children[("m", "light", "499", "chat")].value == 1
+    assert rig.state.routing.metrics.requests.children[("m", "light", "499", "chat")].value == 1
     after = rig.send("light", "after")
     await wait_until(lambda: rig.queue.waiting == 1)
     await rig.answer_one()
     await rig.answer_one()
     assert (await hold).status_code == 200 and (await after).status_code == 200
     assert rig.order() == ["hold", "after"]  # the request that left never reached the worker
-    assert rig.state.limiters["light"].in_flight == 0
+    assert rig.state.gate.limiters["light"].in_flight == 0
     rig.queue.check_invariants()
 
 
 async def test_queue_waits_and_depth_are_in_the_metrics(make_rig: RigFactory) -> None:
     rig = await make_rig()
     tasks = await fill(rig, [("heavy", "h0", {}), ("light", "l0", {})])
-    text = rig.state.metrics.render().decode()
+    text = rig.state.routing.metrics.render().decode()
     assert 'kvgate_queue_depth{pool="p",tenant="heavy"} 1.0' in text
     assert 'kvgate_queue_depth{pool="p",tenant="light"} 1.0' in text
     await serve_all(rig, tasks)
-    text = rig.state.metrics.render().decode()
+    text = rig.state.routing.metrics.render().decode()
     assert "kvgate_queue_depth{" not in text
     assert 'kvgate_queue_wait_seconds_count{pool="p",tenant="light"} 1.0' in text
     assert 'kvgate_queue_wait_seconds_count{pool="p",tenant="heavy"} 1.0' in text  # "hold" never queued
@@ -111,6 +111,6 @@ async def test_without_a_queue_a_full_pool_answers_503_at_once(make_rig: RigFact
     await wait_until(lambda: len(rig.arrivals) == 1)
     resp = await rig.send("light", "l0")
     assert resp.status_code == 503 and resp.json()["error"]["code"] == "no_worker_available"
-    assert rig.state.queues == {}
+    assert rig.state.routing.queues == {}
     rig.gate.put_nowait(None)
     assert (await hold).status_code == 200

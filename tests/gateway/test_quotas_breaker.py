@@ -1,7 +1,8 @@
 import math
 
 from gateway.breaker import BreakerState, CircuitBreaker
-from gateway.config import BreakerConfig, QuotaConfig
+from gateway.config import QuotaConfig
+from gateway.config.pool import BreakerConfig
 from gateway.quotas import Rejection, TenantLimiter, TokenBucket
 
 

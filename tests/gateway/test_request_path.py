@@ -169,7 +169,7 @@ async def test_every_request_is_salted_and_a_client_salt_is_replaced(rig: Rig) -
         assert resp.status_code == 200
         salts[name] = rig.upstream.received[-1]["body"]["cache_salt"]
     assert len(set(salts.values())) == 3 and "mine" not in salts.values()
-    assert salts["strict"] == rig.state.keyring.tenants["strict"].cache_salt
+    assert salts["strict"] == rig.state.gate.keyring.tenants["strict"].cache_salt
     # Every tenant's own keys live in its own namespace (its KV is salted with its own salt).
     assert [r.namespace for r in rig.policy.requests] == ["tenant:strict", "tenant:shared", "tenant:pub"]
 
@@ -177,21 +177,25 @@ async def test_every_request_is_salted_and_a_client_salt_is_replaced(rig: Rig) -
 async def test_public_salt_only_when_the_whole_prompt_is_in_promoted_blocks(rig: Rig) -> None:
     system = {"role": "system", "content": "S" * 400}  # 100 approximate tokens: 6 full blocks
     rig.policy.shared_blocks = 6
-    public_salt = rig.state.keyring.public_salt
+    public_salt = rig.state.gate.keyring.public_salt
     # A prompt with a private tail after the promoted prefix keeps the tenant's salt.
     resp = await rig.chat("sk-shared", messages=[system, {"role": "user", "content": "a private question"}])
     assert resp.status_code == 200
     req = rig.policy.requests[-1]
     assert req.public_block_keys and req.n_prompt_tokens > 6 * req.block_size_tokens
-    assert rig.upstream.received[-1]["body"]["cache_salt"] == rig.state.keyring.tenants["shared"].cache_salt
+    assert (
+        rig.upstream.received[-1]["body"]["cache_salt"] == rig.state.gate.keyring.tenants["shared"].cache_salt
+    )
     # A policy claiming more shared blocks than the request has is not trusted.
     rig.policy.shared_blocks = 10_000
     resp = await rig.chat("sk-shared", messages=[system])
     assert rig.upstream.received[-1]["body"]["cache_salt"] != public_salt
     # Never for a strict tenant (the rule itself: tests/policies/test_identity.py).
     resp = await rig.chat("sk-strict", messages=[system])
-    assert rig.upstream.received[-1]["body"]["cache_salt"] == rig.state.keyring.tenants["strict"].cache_salt
-    assert rig.state.keyring.salt_namespaces[public_salt] == PUBLIC_NAMESPACE
+    assert (
+        rig.upstream.received[-1]["body"]["cache_salt"] == rig.state.gate.keyring.tenants["strict"].cache_salt
+    )
+    assert rig.state.gate.keyring.salt_namespaces[public_salt] == PUBLIC_NAMESPACE
 
 
 async def test_internal_request_id_is_sent_upstream_and_the_client_id_only_echoed(rig: Rig) -> None:
@@ -313,13 +317,15 @@ async def test_engine_internal_fields_are_refused(rig: Rig) -> None:
 
 async def test_identity_fields_and_adapter_are_bound_into_the_keys(rig: Rig) -> None:
     pool = rig.state.registry.pools["p"]
-    tenant = rig.state.keyring.tenants["shared"]
-    own, public = rig.state.identities(pool, "m", tenant)
+    tenant = rig.state.gate.keyring.tenants["shared"]
+    own, public = rig.state.gate.keying.identities(pool, "m", tenant)
     assert (own.weights_version, own.epoch, own.namespace, own.adapter) == ("w1", 3, "tenant:shared", "")
     assert public is not None and public == own.__class__(**{**_fields(own), "namespace": PUBLIC_NAMESPACE})
-    lora, _ = rig.state.identities(pool, "m-lora", tenant)
+    lora, _ = rig.state.gate.keying.identities(pool, "m-lora", tenant)
     assert (lora.model_id, lora.adapter) == ("m", "sql-lora")
-    strict_own, strict_public = rig.state.identities(pool, "m", rig.state.keyring.tenants["strict"])
+    strict_own, strict_public = rig.state.gate.keying.identities(
+        pool, "m", rig.state.gate.keyring.tenants["strict"]
+    )
     assert strict_public is None and strict_own.namespace == "tenant:strict"
     await rig.chat(model="m-lora")
     assert rig.policy.requests[-1].adapter == "sql-lora"
@@ -342,7 +348,7 @@ def _fields(identity: Any) -> dict[str, Any]:
 
 
 async def test_tokenizer_mode_runs_off_the_event_loop(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
-    normalizer = rig.state.normalizers["tok"]
+    normalizer = rig.state.gate.keying.normalizers["tok"]
     real = normalizer.canonicalize
     threads: list[str] = []
 
@@ -365,7 +371,7 @@ async def test_a_stream_that_reached_done_is_a_success_whatever_the_socket_does_
     _through(rig, transport)
     # The disconnect watcher runs from 20 ms on, and the worker ends its body 50 ms after [DONE]:
     # the client's response is complete by then, which its receive() reports as a disconnect.
-    rig.state.disconnects = DisconnectWatch(delay_s=0.02)
+    rig.state.lifecycle.disconnects = DisconnectWatch(delay_s=0.02)
     rig.upstream.chunk_pause_s = 0.03
     rig.upstream.tail_pause_s = 0.05
     streams = 5
@@ -373,7 +379,7 @@ async def test_a_stream_that_reached_done_is_a_success_whatever_the_socket_does_
         resp = await rig.chat(stream=True)
         assert resp.status_code == 200 and resp.content.endswith(b"data: [DONE]\n\n")
     assert [obs.outcome for obs in rig.policy.observations] == [Outcome.SERVED] * streams
-    statuses = {values[2] for values in rig.state.metrics.requests.children}
+    statuses = {values[2] for values in rig.state.routing.metrics.requests.children}
     assert statuses == {"200"}
     worker = next(iter(rig.state.registry.pools["p"].workers.values()))
     assert worker.breaker.failures == 0 and worker.in_flight == 0

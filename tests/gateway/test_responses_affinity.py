@@ -51,7 +51,7 @@ async def test_follow_ups_reach_the_worker_holding_the_response(rig: Rig, stream
             if not stream
             else resp.content.split(b'"id":"', 1)[1].split(b'"', 1)[0].decode()
         )
-    assert len(rig.state.responses) == 5
+    assert len(rig.state.gate.responses) == 5
     resp = await rig.client.get(f"/v1/responses/{rid}", headers=KEY)
     assert resp.status_code == 200 and resp.json()["id"] == rid and _served_by(rig) == holder
     resp = await rig.client.post(f"/v1/responses/{rid}/cancel", headers=KEY)
@@ -97,7 +97,7 @@ async def test_an_unroutable_holder_is_a_503_and_a_gone_one_a_404(rig: Rig) -> N
 
 async def test_unknown_and_unstored_ids_are_routed_by_the_policy(rig: Rig) -> None:
     rid = await _create(rig, store=False)
-    assert len(rig.state.responses) == 0
+    assert len(rig.state.gate.responses) == 0
     body = {"model": "m", "input": "next", "previous_response_id": rid}
     resp = await rig.client.post("/v1/responses", json=body, headers=KEY)
     # Neither worker stored it: the worker's own 404 comes back, in the gateway's error shape.

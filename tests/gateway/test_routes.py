@@ -106,7 +106,7 @@ async def test_responses_are_keyed_salted_and_their_usage_read(rig: Rig) -> None
     resp = await rig.client.post("/v1/responses", json=body, headers=KEY)
     assert resp.status_code == 200 and resp.json()["object"] == "response"
     sent = rig.last().json()
-    assert sent["cache_salt"] == rig.state.keyring.tenants["t"].cache_salt
+    assert sent["cache_salt"] == rig.state.gate.keyring.tenants["t"].cache_salt
     assert {k: v for k, v in sent.items() if k != "cache_salt"} == {
         k: v for k, v in body.items() if k != "cache_salt"
     }
@@ -177,7 +177,7 @@ async def test_messages_take_the_key_in_x_api_key_and_read_anthropic_usage(rig: 
     headers = {"x-api-key": "sk-t", "anthropic-version": "2023-06-01"}
     resp = await rig.client.post("/v1/messages", json=body, headers=headers)
     assert resp.status_code == 200 and resp.json()["usage"]["cache_read_input_tokens"] == 32
-    assert rig.last().json()["cache_salt"] == rig.state.keyring.tenants["t"].cache_salt
+    assert rig.last().json()["cache_salt"] == rig.state.gate.keyring.tenants["t"].cache_salt
     obs = rig.policy.observations[-1]
     assert (obs.prompt_tokens, obs.cached_tokens, obs.completion_tokens) == (36, 32, 2)
     assert rig.policy.requests[-1].immutable_blocks > 0

@@ -127,7 +127,7 @@ async def rig(request: pytest.FixtureRequest) -> AsyncIterator[Rig]:
     provider = TracerProvider(sampler=getattr(request, "param", None))
     provider.add_span_processor(SimpleSpanProcessor(spans))
     state = build_state(config, SECRET, build_policy(PolicyConfig(policy="round_robin")), NormalizerConfig())
-    state.tracer = RequestTracer(provider, "openai", provider.shutdown)
+    state.routing.tracer = RequestTracer(provider, "openai", provider.shutdown)
     app = build_app(state)
     try:
         async with (
@@ -207,7 +207,7 @@ async def test_a_stream_reports_its_finish_reasons_and_time_per_output_token(rig
     _no_content([server, client])
     metrics = {
         s.name: s.value
-        for family in text_string_to_metric_families(rig.state.metrics.render().decode())
+        for family in text_string_to_metric_families(rig.state.routing.metrics.render().decode())
         for s in family.samples
         if s.labels.get("model") == "m"
     }
@@ -277,7 +277,7 @@ async def test_with_tracing_off_the_worker_gets_no_trace_headers() -> None:
         async with gateway_in_process(
             config, build_policy(PolicyConfig(policy="round_robin")), secret=SECRET
         ) as gw:
-            assert gw.state.tracer is None
+            assert gw.state.routing.tracer is None
             body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
             headers = {"authorization": "Bearer sk-t", "traceparent": TRACEPARENT}
             assert (

@@ -16,7 +16,9 @@ from aiohttp import web
 
 from gateway.app import build_app
 from gateway.auth import hash_api_key
-from gateway.config import ConfigError, load_config, parse_config, read_worker_key
+from gateway.config import load_config, parse_config
+from gateway.config.base import ConfigError
+from gateway.config.pool import read_worker_key
 from gateway.state import GatewayState, build_state
 from gateway.upstream_headers import NO_AUTH, WorkerAuth, forwardable_name, pick
 from policies import make_policy

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.config import BreakerConfig, PoolConfig
+from gateway.config.pool import BreakerConfig, PoolConfig
 from gateway.registry import Worker
 from gateway.scrape import WorkerMetrics
 

@@ -6,7 +6,8 @@ import asyncio
 
 import msgpack
 
-from gateway.config import PoolConfig, SyncConfig
+from gateway.config.pool import PoolConfig
+from gateway.config.sync import SyncConfig
 from gateway.metrics import GatewayMetrics
 from gateway.registry import Registry
 from gateway.sync.codec import SyncBatch, encode

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import PoolConfig, SyncConfig, parse_config
+from gateway.config import parse_config
+from gateway.config.pool import PoolConfig
+from gateway.config.sync import SyncConfig
 from gateway.state import GatewayState, build_state
 from gateway.sync.broker import LocalBroker, nats_server_path
 from gateway.sync.service import SyncService
@@ -57,9 +59,12 @@ def _state(url: str) -> GatewayState:
 @pytest.fixture
 async def pair(broker: LocalBroker) -> AsyncIterator[tuple[SyncService, SyncService]]:
     a, b = _state(broker.url), _state(broker.url)
-    services = (SyncService(a, a.config.sync, "a"), SyncService(b, b.config.sync, "b"))
-    for s in services:
-        s.state.sync = s
+    services = (
+        SyncService(a.registry, a.routing, a.config.sync, "a"),
+        SyncService(b.registry, b.routing, b.config.sync, "b"),
+    )
+    for state, s in zip((a, b), services, strict=True):
+        state.sync = s
         await s.start()
     try:
         await wait_until(lambda: all(s.link.connected for s in services))
@@ -75,23 +80,23 @@ async def test_what_one_gateway_routes_the_other_routes_the_same_way(
     a, b = pair
     chosen = WorkerId(W[2])
     r = req("r1", range(64), pool="p")
-    a.state.policy.on_dispatch(r, RouteDecision(chosen, 0.0, "miss"), time.monotonic())
-    a.state.registry.pools["p"].workers[chosen].acquire(r.n_prompt_tokens, 16, time.monotonic())
+    a.routing.policy.on_dispatch(r, RouteDecision(chosen, 0.0, "miss"), time.monotonic())
+    a.registry.pools["p"].workers[chosen].acquire(r.n_prompt_tokens, 16, time.monotonic())
     await wait_until(lambda: b.subscriber.stats.items >= 1 and b.subscriber.loads.any)
-    d = b.state.policy.select(
-        req("r2", range(66), pool="p"), b.state.registry.pools["p"].views(time.monotonic()), time.monotonic()
+    d = b.routing.policy.select(
+        req("r2", range(66), pool="p"), b.registry.pools["p"].views(time.monotonic()), time.monotonic()
     )
     assert d is not None and d.worker == chosen and d.reason == "hit"
     # B sees A's request in flight on that worker; A's own view does not count it twice.
-    assert b.state.registry.pools["p"].workers[chosen].view(time.monotonic()).in_flight_requests == 1
-    assert a.state.registry.pools["p"].workers[chosen].view(time.monotonic()).in_flight_requests == 1
+    assert b.registry.pools["p"].workers[chosen].view(time.monotonic()).in_flight_requests == 1
+    assert a.registry.pools["p"].workers[chosen].view(time.monotonic()).in_flight_requests == 1
     assert a.subscriber.stats.items == 0  # nothing came back to its origin
-    a.state.policy.on_complete(Observation(r, chosen, prompt_tokens=r.n_prompt_tokens), time.monotonic())
-    policy_b = b.state.policy
+    a.routing.policy.on_complete(Observation(r, chosen, prompt_tokens=r.n_prompt_tokens), time.monotonic())
+    policy_b = b.routing.policy
     assert isinstance(policy_b, CostPolicy)
     await wait_until(lambda: policy_b.stats().counters.get("peer_outcomes_applied", 0) == 1)
     a.refresh_metrics()
-    text = a.state.metrics.render().decode()
+    text = a.routing.metrics.render().decode()
     assert 'kvgate_sync_events_total{event="published_items"} 2.0' in text
     assert "kvgate_sync_connected 1.0" in text and "kvgate_sync_peers 1.0" in text
 
@@ -106,9 +111,9 @@ async def test_without_the_broker_both_keep_routing_and_resume_when_it_returns(
     for i in range(5):
         r = req(f"down{i}", range(100 * i, 100 * i + 32), pool="p")
         now = time.monotonic()
-        d = a.state.policy.select(r, a.state.registry.pools["p"].views(now), now)
+        d = a.routing.policy.select(r, a.registry.pools["p"].views(now), now)
         assert d is not None  # routing never waits on the broker
-        a.state.policy.on_dispatch(r, d, now)
+        a.routing.policy.on_dispatch(r, d, now)
     assert a.publisher.queued == 5 and b.subscriber.stats.items == before
     broker.start()  # same port: nats-py reconnects by itself, and the queue drains
     await wait_until(lambda: a.link.connected and b.link.connected, timeout_s=20)

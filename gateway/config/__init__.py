@@ -1,0 +1,293 @@
+"""The gateway's YAML configuration, parsed at the edge into frozen pydantic models: the file's
+top level, the process-wide blocks and the tenants here; a pool in `pool`, its `pd` and `queue`
+blocks in modules of their own (and its `kubernetes` block in `gateway.k8s.config`), replica sync
+in `sync`, and what every block shares (`ConfigError`, `Frozen`) in `base`.
+
+Secrets never live in this file: API keys appear only as keyed hashes, and the key-hash secret is
+read from an environment variable or a file named here. Validation errors name the offending field.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from gateway.config.base import ConfigError, Frozen, PositiveFloat, PositiveInt
+from gateway.config.pool import PoolConfig
+from gateway.config.sync import SyncConfig
+from gateway.otel_sdk import tracing_unavailable
+from policies.base import Isolation
+
+
+class ListenConfig(Frozen):
+    """Where the gateway accepts clients."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+
+
+class LimitsConfig(Frozen):
+    """Bounds on what clients control, applied before a request is authenticated and admitted
+    (see gateway/http_limits.py), and the completions in flight across tenants.
+
+    Per connection: the request line and headers (`max_header_bytes`, `max_headers`; beyond: 431
+    and close), the time to send them (`header_timeout_s`, from the connection's opening or its
+    first byte after idling) and then the body (`body_timeout_s`; either: 408 and close), idle
+    time between requests (`keepalive_timeout_s`), and open connections per process
+    (`max_client_connections`; beyond: closed at once). Per request: the body size (413).
+    Completions past their tenant's own slot and their body, across tenants
+    (`max_in_flight_requests`; beyond: 503 with Retry-After, so every per-request structure
+    stays bounded).
+    """
+
+    max_body_bytes: PositiveInt = 8 * 1024 * 1024
+    max_in_flight_requests: PositiveInt = 4096
+    max_header_bytes: int = Field(default=32 * 1024, ge=1024)
+    max_headers: PositiveInt = 100
+    header_timeout_s: PositiveFloat = 10.0
+    body_timeout_s: PositiveFloat = 30.0
+    keepalive_timeout_s: PositiveFloat = 30.0
+    max_client_connections: PositiveInt = 4096
+
+
+class MetricsConfig(Frozen):
+    """Where Prometheus scrapes `GET /metrics`: a listener of its own, never the client port
+    (the metrics name tenants and worker URLs). Loopback by default; in a pod, the pod's address
+    (`0.0.0.0`) so that Prometheus can reach it. Port 0 picks a free port (printed at startup)."""
+
+    listen: ListenConfig = ListenConfig(port=9464)
+
+
+class DrainConfig(Frozen):
+    """Graceful shutdown: readiness flips to 503 at once, listening stops after `shutdown_delay_s`,
+    in-flight streams get until `deadline_s` (counted from the signal) before a terminal error event."""
+
+    shutdown_delay_s: float = Field(default=0.0, ge=0)
+    deadline_s: PositiveFloat = 30.0
+
+
+class UpstreamConfig(Frozen):
+    """The one shared upstream HTTP client of the process."""
+
+    max_connections: PositiveInt = 1024
+    max_connections_per_worker: PositiveInt = 256
+    keepalive_timeout_s: PositiveFloat = 30.0
+
+
+class QuotaConfig(Frozen):
+    """Per-tenant limits. None means unlimited. rpm and tpm are token buckets with a one-minute
+    capacity (a burst of a full minute's budget is allowed)."""
+
+    max_concurrent: PositiveInt | None = None
+    rpm: PositiveInt | None = None
+    tpm: PositiveInt | None = None
+
+
+class TenantConfig(Frozen):
+    """A customer namespace: its API keys (as hashes), isolation level and quotas."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
+    api_key_hashes: list[str] = Field(min_length=1)
+    isolation: Isolation = Isolation.STRICT
+    quotas: QuotaConfig = QuotaConfig()
+    # The tenant's share of a full pool's freed worker slots, relative to the other tenants waiting.
+    weight: float = Field(default=1.0, ge=0.01, le=100.0)
+
+    @field_validator("api_key_hashes")
+    @classmethod
+    def _hashes(cls, hashes: list[str]) -> list[str]:
+        for h in hashes:
+            if not h.startswith("hmac-sha256:") or len(h) != len("hmac-sha256:") + 64:
+                raise ValueError(
+                    "each entry must be 'hmac-sha256:<64 hex>' (make one with `kvgate serve --hash-key`)"
+                )
+        return hashes
+
+
+class ScrapeSettings(Frozen):
+    """Polling each worker's Prometheus /metrics (queue depth, KV usage, cache size) for routing.
+    A result older than `max_age_s` is ignored."""
+
+    enabled: bool = True
+    interval_s: PositiveFloat = 1.0
+    timeout_s: PositiveFloat = 0.5
+    max_age_s: PositiveFloat = 5.0
+
+
+class TracingConfig(Frozen):
+    """OpenTelemetry traces: a SERVER span per completion request and a CLIENT span per attempt on
+    a worker, exported by the SDK the process sets up from the standard `OTEL_*` variables
+    (`gateway/otel_sdk.py`; needs `pip install 'kvgate[otel]'`, checked when the config loads)."""
+
+    enabled: bool = False
+    # `gen_ai.provider.name` of the spans: the API the workers speak (vLLM and SGLang speak OpenAI's).
+    provider_name: str = Field(default="openai", min_length=1)
+
+    @model_validator(mode="after")
+    def _sdk_present(self) -> TracingConfig:
+        if self.enabled and (problem := tracing_unavailable(os.environ)):
+            raise ValueError(problem)
+        return self
+
+
+class SecretsConfig(Frozen):
+    """Where the key-hash secret comes from: an environment variable or a file (never this YAML)."""
+
+    key_hash_secret_env: str | None = "KVGATE_KEY_SECRET"
+    key_hash_secret_file: str | None = None
+
+
+class AdminConfig(Frozen):
+    """The admin API (`/admin/status`, `/admin/policy/reload`): off unless a key hash is set."""
+
+    api_key_hash: str | None = None
+
+    @field_validator("api_key_hash")
+    @classmethod
+    def _hash(cls, value: str | None) -> str | None:
+        if value is not None and (
+            not value.startswith("hmac-sha256:") or len(value) != len("hmac-sha256:") + 64
+        ):
+            raise ValueError("must be 'hmac-sha256:<64 hex>' (make one with `kvgate serve --hash-key`)")
+        return value
+
+
+class ResponsesConfig(Frozen):
+    """Responses API state (`gateway/responses_affinity.py`): the gateway remembers which worker
+    holds each stored response, for at most `affinity_max_entries` ids (least recently used
+    forgotten first), each for `affinity_ttl_s` after its last use. A forgotten id is routed like
+    any request; only the worker holding it can answer it."""
+
+    affinity_max_entries: PositiveInt = 100_000
+    affinity_ttl_s: PositiveFloat = 86_400.0
+
+
+class DecisionLogConfig(Frozen):
+    """The decision log (`gateway/decision_log.py`), off unless `path` is set: one JSON line per
+    routed request with the policy's view of the top candidates and the worker's reported cached
+    tokens, at most `max_records` lines per process. For comparing routing with the simulator
+    (`kvgate bench replay`), not for production traffic."""
+
+    path: str | None = None
+    max_records: PositiveInt = 100_000
+
+
+class GatewayConfig(Frozen):
+    """Top level of the gateway config file."""
+
+    listen: ListenConfig = ListenConfig()
+    limits: LimitsConfig = LimitsConfig()
+    drain: DrainConfig = DrainConfig()
+    upstream: UpstreamConfig = UpstreamConfig()
+    scrape: ScrapeSettings = ScrapeSettings()
+    tracing: TracingConfig = TracingConfig()
+    secrets: SecretsConfig = SecretsConfig()
+    admin: AdminConfig = AdminConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    responses: ResponsesConfig = ResponsesConfig()
+    sync: SyncConfig = SyncConfig()
+    decision_log: DecisionLogConfig = DecisionLogConfig()
+    policy_file: str | None = None
+    policy_reload_interval_s: PositiveFloat = 2.0
+    pools: list[PoolConfig] = Field(min_length=1)
+    tenants: list[TenantConfig] = Field(min_length=1)
+    log_level: str = "info"
+
+    @model_validator(mode="after")
+    def _unique(self) -> GatewayConfig:
+        seen_models: dict[str, str] = {}
+        for pool in self.pools:
+            for model in pool.models:
+                if model in seen_models:
+                    raise ValueError(
+                        f"model {model!r} is served by pools {seen_models[model]!r} and {pool.name!r}"
+                    )
+                seen_models[model] = pool.name
+        names = [p.name for p in self.pools]
+        if len(set(names)) != len(names):
+            raise ValueError("pool names must be unique")
+        tenants = [t.name for t in self.tenants]
+        if len(set(tenants)) != len(tenants):
+            raise ValueError("tenant names must be unique")
+        hashes = [h for t in self.tenants for h in t.api_key_hashes]
+        if len(set(hashes)) != len(hashes):
+            raise ValueError("an API key hash is listed twice")
+        if self.admin.api_key_hash is not None and self.admin.api_key_hash in hashes:
+            raise ValueError("admin.api_key_hash must not also be a tenant's key")
+        if self.metrics.listen.port != 0 and self.metrics.listen.port == self.listen.port:
+            raise ValueError("metrics.listen.port must differ from listen.port (metrics never share it)")
+        return self
+
+
+def _describe(exc: ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in exc.errors()
+    )
+
+
+def parse_config(raw: Any) -> GatewayConfig:
+    """Validate an already-loaded mapping; raises `ConfigError` naming each bad field."""
+    try:
+        return GatewayConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(f"invalid gateway config: {_describe(exc)}") from None
+
+
+def load_config(path: str | Path) -> GatewayConfig:
+    """Read and validate a config file. A relative `policy_file` is resolved against the file's folder."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {str(p)!r}: {exc.strerror}") from None
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {str(p)!r}: the top level must be a mapping")
+    config = parse_config(raw)
+    if config.policy_file is not None and not Path(config.policy_file).is_absolute():
+        config = config.model_copy(update={"policy_file": str(p.parent / config.policy_file)})
+    pools = [
+        pool.model_copy(update={"worker_api_key_file": str(p.parent / pool.worker_api_key_file)})
+        if pool.worker_api_key_file is not None and not Path(pool.worker_api_key_file).is_absolute()
+        else pool
+        for pool in config.pools
+    ]
+    config = config.model_copy(update={"pools": pools})
+    if (
+        config.secrets.key_hash_secret_file is not None
+        and not Path(config.secrets.key_hash_secret_file).is_absolute()
+    ):
+        secrets = config.secrets.model_copy(
+            update={"key_hash_secret_file": str(p.parent / config.secrets.key_hash_secret_file)}
+        )
+        config = config.model_copy(update={"secrets": secrets})
+    return config
+
+
+def read_secret(secrets: SecretsConfig, environ: dict[str, str]) -> bytes:
+    """The key-hash secret: the file wins over the environment variable; empty is an error."""
+    if secrets.key_hash_secret_file is not None:
+        try:
+            value = Path(secrets.key_hash_secret_file).read_bytes().strip()
+        except OSError as exc:
+            raise ConfigError(
+                f"secrets.key_hash_secret_file: cannot read {secrets.key_hash_secret_file!r}: {exc.strerror}"
+            ) from None
+        if not value:
+            raise ConfigError("secrets.key_hash_secret_file: the file is empty")
+        return value
+    if secrets.key_hash_secret_env is not None:
+        env_value = environ.get(secrets.key_hash_secret_env, "")
+        if not env_value:
+            raise ConfigError(
+                f"secrets.key_hash_secret_env: environment variable {secrets.key_hash_secret_env} is not set"
+            )
+        return env_value.encode()
+    raise ConfigError("secrets: set key_hash_secret_env or key_hash_secret_file")

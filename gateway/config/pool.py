@@ -1,0 +1,196 @@
+"""A pool in the gateway config: its workers (static, DNS or Kubernetes), timeouts, health
+checks, breaker, key identity, normalizer and worker credentials. Its `pd`, `queue` and
+`kubernetes` blocks have modules of their own."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from gateway.config.base import ConfigError, Frozen, PositiveFloat, PositiveInt
+from gateway.config.pd import PdConfig
+from gateway.config.queue import QueueConfig
+from gateway.k8s.config import KubernetesDiscoveryConfig
+from gateway.upstream_headers import check_worker_key, forwardable_name
+from prompt_normalizer.normalizer import NormalizerConfig
+
+
+class TimeoutsConfig(Frozen):
+    """Per-request upstream timeouts of a pool. `read_s` is the longest silence allowed while
+    waiting for the response head or between two body chunks (a non-streamed answer arrives only
+    when generation ends, so it must cover a whole generation)."""
+
+    connect_s: PositiveFloat = 2.0
+    read_s: PositiveFloat = 120.0
+    total_s: PositiveFloat = 600.0
+
+
+class HealthConfig(Frozen):
+    """Active health checks: GET /health every `interval_s`."""
+
+    interval_s: PositiveFloat = 2.0
+    timeout_s: PositiveFloat = 1.0
+    failures_to_down: PositiveInt = 2
+    successes_to_up: PositiveInt = 1
+
+
+class BreakerConfig(Frozen):
+    """Passive circuit breaker per worker: opens after `failure_threshold` consecutive request
+    failures, lets one trial request through after `cooldown_s`."""
+
+    failure_threshold: PositiveInt = 3
+    cooldown_s: PositiveFloat = 5.0
+
+
+class IdentityConfig(Frozen):
+    """What the pool's prefix keys are bound to besides model, tenant and block size: change any
+    of these when the workers' model state changes (new weights, template, KV dtype), or bump
+    `epoch` to forget every learned prefix of the pool at once."""
+
+    weights_version: str = ""
+    tokenizer_version: str = ""
+    template_version: str = ""
+    kv_dtype: str = "auto"
+    epoch: int = Field(default=0, ge=0)
+
+
+class DnsDiscoveryConfig(Frozen):
+    """Workers as every address of a DNS name (a Kubernetes headless Service), re-resolved every
+    `refresh_s`; a failed lookup keeps the last known set."""
+
+    name: str = Field(min_length=1)
+    port: int = Field(ge=1, le=65535)
+    scheme: Literal["http", "https"] = "http"
+    refresh_s: PositiveFloat = 5.0
+
+
+class PoolConfig(Frozen):
+    """A set of interchangeable workers serving the same model(s)."""
+
+    name: str = Field(min_length=1)
+    models: list[str] = Field(min_length=1)
+    workers: list[str] = Field(default_factory=list)
+    # Static workers with a prefill/decode role (`workers` are mixed); see `pd`.
+    prefill_workers: list[str] = Field(default_factory=list)
+    decode_workers: list[str] = Field(default_factory=list)
+    pd: PdConfig | None = None
+    dns: DnsDiscoveryConfig | None = None
+    kubernetes: KubernetesDiscoveryConfig | None = None
+    # KV-cache events (vLLM `--kv-events-config`): `{host}` is replaced by each worker's address.
+    # Precise routing needs token-exact keys: the pool's normalizer in `tokenizer` or `render` mode.
+    kv_events_endpoint: str | None = Field(default=None, min_length=1)
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
+    max_in_flight_per_worker: PositiveInt | None = 256
+    retry_attempts: int = Field(default=2, ge=0, le=5)
+    queue: QueueConfig = QueueConfig()
+    block_size_tokens: PositiveInt = 16
+    timeouts: TimeoutsConfig = TimeoutsConfig()
+    health: HealthConfig = HealthConfig()
+    breaker: BreakerConfig = BreakerConfig()
+    # None: use the policy file's `normalizer` section (hot-reloaded with it).
+    normalizer: NormalizerConfig | None = None
+    identity: IdentityConfig = IdentityConfig()
+    # Served model id -> LoRA adapter name (vLLM serves each adapter under its own model id); the
+    # adapter is bound into that model's prefix keys and matches KV events' `lora_name`.
+    adapters: dict[str, str] = Field(default_factory=dict)
+    # The workers' API key (vLLM `--api-key`), from an environment variable or a file (a mounted
+    # Secret), sent as `Authorization: Bearer` on every request to them (gateway/upstream_headers.py).
+    worker_api_key_env: str | None = Field(default=None, min_length=1)
+    worker_api_key_file: str | None = Field(default=None, min_length=1)
+    # Client headers passed on to the workers; never hop-by-hop headers or credentials.
+    forward_headers: list[str] = Field(default_factory=list, max_length=32)
+
+    @field_validator("forward_headers")
+    @classmethod
+    def _forwardable(cls, names: list[str]) -> list[str]:
+        return sorted({forwardable_name(name) for name in names})
+
+    @field_validator("workers", "prefill_workers", "decode_workers")
+    @classmethod
+    def _urls(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"worker URL {url!r} must start with http:// or https://")
+        return [u.rstrip("/") for u in urls]
+
+    @property
+    def static_urls(self) -> list[str]:
+        """Every static worker URL, whatever its role."""
+        return [*self.workers, *self.prefill_workers, *self.decode_workers]
+
+    @property
+    def static_roles(self) -> dict[str, str]:
+        """The role of each static worker listed under `prefill_workers` or `decode_workers`."""
+        roles = dict.fromkeys(self.prefill_workers, "prefill")
+        roles.update(dict.fromkeys(self.decode_workers, "decode"))
+        return roles
+
+    @property
+    def subscribes_kv_events(self) -> bool:
+        """Whether the pool's workers publish KV events (an endpoint template, or per pod)."""
+        k8s = self.kubernetes
+        return self.kv_events_endpoint is not None or (k8s is not None and k8s.finds_kv_events)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> PoolConfig:
+        sources = [bool(self.static_urls), self.dns is not None, self.kubernetes is not None]
+        if sum(sources) != 1:
+            raise ValueError(
+                "a pool needs exactly one of 'workers' (static URLs) or 'dns' (a DNS name) or "
+                "'kubernetes' (pods by label selector); 'prefill_workers' and 'decode_workers' are "
+                "static URLs too"
+            )
+        self._check_roles()
+        k8s = self.kubernetes
+        if k8s is not None and k8s.finds_kv_events and self.kv_events_endpoint is not None:
+            raise ValueError(
+                "kv_events_endpoint and kubernetes.kv_events_port / kv_events_annotation both say "
+                "where KV events come from: keep one"
+            )
+        unknown = sorted(set(self.adapters) - set(self.models))
+        if unknown:
+            raise ValueError(f"adapters: {unknown[0]!r} is not one of the pool's models")
+        if any(not name for name in self.adapters.values()):
+            raise ValueError("adapters: an adapter name must not be empty")
+        if self.worker_api_key_env is not None and self.worker_api_key_file is not None:
+            raise ValueError("set worker_api_key_env or worker_api_key_file, not both")
+        return self
+
+    def _check_roles(self) -> None:
+        urls = self.static_urls
+        if len(set(urls)) != len(urls):
+            raise ValueError("a worker URL is listed twice (workers, prefill_workers, decode_workers)")
+        if (self.prefill_workers or self.decode_workers) and self.pd is None:
+            raise ValueError("prefill_workers and decode_workers need a 'pd' section (the wire protocol)")
+        if self.pd is not None and self.dns is not None:
+            raise ValueError("pd: DNS discovery knows no roles; list prefill_workers and decode_workers")
+        k8s = self.kubernetes
+        if self.pd is not None and k8s is not None and k8s.role_label is None:
+            raise ValueError("pd: Kubernetes discovery needs kubernetes.role_label to find each pod's role")
+
+
+def read_worker_key(pool: PoolConfig, environ: Mapping[str, str]) -> str | None:
+    """The pool's worker API key (None when it has none): from its file (trailing whitespace
+    ignored) or its environment variable. Errors name the field and the source, never the key."""
+    if pool.worker_api_key_file is not None:
+        field_name, source = f"pools.{pool.name}.worker_api_key_file", pool.worker_api_key_file
+        try:
+            value = Path(source).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8"
+            raise ConfigError(f"{field_name}: cannot read {source!r}: {reason}") from None
+    elif pool.worker_api_key_env is not None:
+        field_name, source = f"pools.{pool.name}.worker_api_key_env", pool.worker_api_key_env
+        value = environ.get(source, "")
+        if not value:
+            raise ConfigError(f"{field_name}: environment variable {source} is not set")
+    else:
+        return None
+    try:
+        return check_worker_key(value)
+    except ValueError as exc:
+        raise ConfigError(f"{field_name}: {exc} (in {source})") from None

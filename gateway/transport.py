@@ -1,0 +1,59 @@
+"""The process's upstream clients, which exist while the app lifespan runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import aiohttp
+
+from gateway.config import UpstreamConfig
+from gateway.upstream import UpstreamPool
+
+
+@dataclass(slots=True)
+class Transport:
+    """The one aiohttp session of the process (streams, https workers, health checks, render) and
+    the lean client for non-streamed POSTs to plain-HTTP workers (`gateway/upstream.py`; None:
+    aiohttp carries everything). Both are made by `open` at lifespan startup and closed by
+    `close` at its end."""
+
+    session: aiohttp.ClientSession | None = None
+    lean: UpstreamPool | None = None
+
+    def open(self, config: UpstreamConfig) -> aiohttp.ClientSession:
+        self.session = make_session(config)
+        self.lean = UpstreamPool(
+            config.max_connections_per_worker,
+            config.keepalive_timeout_s,
+            max_open_per_worker=config.max_connections_per_worker,
+        )
+        return self.session
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+        if self.lean is not None:
+            self.lean.close()
+            self.lean = None
+
+    def upstream(self) -> aiohttp.ClientSession:
+        if self.session is None:
+            raise RuntimeError("upstream session used outside the app lifespan")
+        return self.session
+
+
+def make_session(config: UpstreamConfig) -> aiohttp.ClientSession:
+    """The one upstream client of the process: bounded connection pool, keep-alive, no cookies."""
+    connector = aiohttp.TCPConnector(
+        limit=config.max_connections,
+        limit_per_host=config.max_connections_per_worker,
+        keepalive_timeout=config.keepalive_timeout_s,
+        enable_cleanup_closed=True,
+    )
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=10.0, sock_read=120.0),
+        cookie_jar=aiohttp.DummyCookieJar(),
+        skip_auto_headers=("User-Agent", "Accept-Encoding"),
+    )

@@ -74,7 +74,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $namespaces | uniq | toJson }}
 {{- end }}
 
-{{/* The gateway config file (schema: gateway/config.py), generated from the values; `.Values.config` keys win. */}}
+{{/* The gateway config file (schema: gateway/config/), generated from the values; `.Values.config` keys win. */}}
 {{- define "kvgate.gatewayConfig" -}}
 {{- $pools := list }}
 {{- range $i, $p := .Values.pools }}

@@ -38,7 +38,10 @@ class BlockPool:
         self.blank = num_blocks
         self._refcount: dict[int, int] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()
-        self.removed: list[int] = []  # evicted hashes not yet reported; the engine drains it
+        # Evicted hashes not yet reported, in eviction order; the engine drains it. Consumers apply
+        # a step's BlockStored events before its BlockRemoved, so a hash evicted and stored again
+        # within one step leaves this list when it is stored: it ends the step cached.
+        self.removed: dict[int, None] = {}
 
     @property
     def available(self) -> int:
@@ -96,7 +99,7 @@ class BlockPool:
             for _ in range(rest):
                 h, _none = evictable.popitem(last=False)
                 del refcount[h]
-                removed.append(h)
+                removed[h] = None
 
     def store(self, block_hash: int) -> bool:
         """A private block just became full with content `block_hash`: cache it.
@@ -107,6 +110,8 @@ class BlockPool:
         rc = self._refcount.get(block_hash)
         if rc is None:
             self._refcount[block_hash] = 1
+            if self.removed:
+                self.removed.pop(block_hash, None)
             return True
         if rc == 0:
             del self._evictable[block_hash]
@@ -138,9 +143,11 @@ class BlockPool:
                 return None
             del evictable[oldest]
             del refcount[oldest]
-            self.removed.append(oldest)
+            self.removed[oldest] = None
         refcount[block_hash] = 0
         evictable[block_hash] = None
+        if self.removed:
+            self.removed.pop(block_hash, None)
         return True
 
     def release(self, block_hashes: Sequence[int], count: int, num_private: int) -> None:

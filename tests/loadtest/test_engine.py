@@ -299,3 +299,21 @@ def test_profiles_load_and_errors_name_the_field(tmp_path: object) -> None:
         load_profile("nope")
     with pytest.raises(ProfileError, match="a_ms"):
         parse_profile("name: x\ndescription: y\nsource: z\na_ms: -1\n")
+
+
+def test_a_block_evicted_and_stored_again_in_one_step_is_not_reported_removed() -> None:
+    """A step's BlockStored events are applied before its BlockRemoved: a hash evicted and then
+    cached again within the step must not be reported removed, or a consumer would drop a block
+    the worker holds and file its children as orphans."""
+    from loadtest.engine.block_pool import BlockPool
+
+    pool = BlockPool(2)
+    pool.allocate(2)
+    assert pool.store(11) and pool.store(12)
+    pool.release([11, 12], 2, 0)  # both cached and evictable; 12 is evicted first (tail first)
+    pool.allocate(1)
+    assert list(pool.removed) == [12]
+    assert pool.store(12)  # the same content computed again in the same step
+    assert list(pool.removed) == []
+    pool.allocate(1)  # now 11 goes: evicted and not stored again, so it is reported
+    assert list(pool.removed) == [11] and pool.contains(12) and not pool.contains(11)

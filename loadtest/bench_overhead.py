@@ -225,6 +225,8 @@ def kvgate_target(policy: str, baseline: str, traced: bool = False, processes: i
         config_path.write_text(kvgate_config(backend, policy_path, port, traced))
         log_path = workdir / f"kvgate-{label.replace(' ', '_')}.log"
         argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path)]
+        if processes > 1:
+            argv += ["--processes", str(processes)]  # one port, SO_REUSEPORT, a local nats-server
         env = {"KVGATE_KEY_SECRET": BENCH_SECRET, **(_tracing_env(backend) if traced else {})}
         proc = spawn(argv, log_path, env=env)
         url = f"http://127.0.0.1:{port}"

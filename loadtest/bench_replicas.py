@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import statistics
 import sys
 import tempfile
@@ -240,6 +241,8 @@ def run(args: argparse.Namespace) -> int:
         "seed": args.seed,
     }
     all_rounds = [Rounds(s) for s in setups(args, modes)]
+    # SIGTERM unwinds like Ctrl-C, so every `finally` stops what it started.
+    signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(143))
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-replicas-") as tmp:
         logs = args.logs or Path(tmp)
         # Rounds interleave the configurations, so a drift of the shared machine hits all of them.

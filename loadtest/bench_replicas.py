@@ -81,6 +81,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sync", default="none,broker", help="comma-separated sync modes for the K processes: none, broker"
     )
     parser.add_argument("--policy", default="cost", help="routing policy of every gateway (default cost)")
+    parser.add_argument(
+        "--policy-file",
+        type=Path,
+        default=None,
+        help="a policy YAML for every gateway instead of --policy (its seed becomes --seed + i)",
+    )
     parser.add_argument("--repeats", type=positive_int, default=3, help="rounds; medians (default 3)")
     parser.add_argument("--workers", type=positive_int, default=4, help="emulated workers (default 4)")
     parser.add_argument("--profile", default=None, help="emulator step-time profile (default: its own)")
@@ -156,7 +162,9 @@ def run_setup(
         url = None
         if setup.layout == "rr" and setup.sync == "broker":
             broker, url = start_broker(workdir)
-        spec = FleetSpec(setup.layout, setup.processes, url, args.policy, args.model, args.seed)
+        spec = FleetSpec(
+            setup.layout, setup.processes, url, args.policy, args.model, args.seed, args.policy_file
+        )
         fleet = start_fleet(spec, pool.urls, sorted({r.tenant for r in reqs}), workdir)
         try:
             run = asyncio.run(_replay_through(fleet.urls, reqs, args, setup.processes))
@@ -234,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
         "workers": args.workers,
         "gateways": args.gateways,
         "front": args.front,
-        "policy": args.policy,
+        "policy": str(args.policy_file) if args.policy_file else args.policy,
         "repeats": args.repeats,
         "rate_scale": args.rate_scale,
         "max_in_flight": args.max_in_flight,

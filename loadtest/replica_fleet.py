@@ -28,6 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from loadtest.peers.emulators import free_port
 from loadtest.peers.kvgate import build_kvgate_command
 from loadtest.peers.launch import RunningProcess, start_peer
@@ -45,6 +47,7 @@ class FleetSpec:
     policy: str
     model: str
     seed: int
+    policy_file: Path | None = None  # a policy YAML to use instead of `policy: <policy>`
 
     @property
     def shares(self) -> bool:
@@ -159,6 +162,9 @@ def start_fleet(spec: FleetSpec, worker_urls: Sequence[str], tenants: Sequence[s
                 if spec.broker_url is not None:
                     extra += ["--sync-url", spec.broker_url]
                 fleet.metrics_urls.append(f"http://127.0.0.1:{metrics}")
+            if spec.policy_file is not None:  # its content, with each gateway's own seed
+                doc = yaml.safe_load(spec.policy_file.read_text())
+                (sub / "policy.yaml").write_text(yaml.safe_dump({**doc, "seed": spec.seed + i}))
             cmd = dataclasses.replace(cmd, name=f"kvgate{i}", argv=(*cmd.argv, *extra))
             fleet.procs.append(start_peer(cmd, workdir=sub, ready_timeout_s=60.0))
             urls.append(f"http://127.0.0.1:{cmd.port}")

@@ -107,9 +107,13 @@ def _median_share(shares: Sequence[CpuShare]) -> dict[str, float]:
 
 def cpu_report(results: Sequence[TargetResult], hi: int) -> list[str]:
     """Cores (CPU seconds per wall second, medians over rounds) at c=`hi`: the router's tree, its
-    processes (last round), the backend, the load generator, the rest of the machine; and req/s
-    per router core. A router process that is not CPU-bound leaves its core partly idle; one that
-    is gets about one core, less what the backend, the load generator and other jobs take."""
+    processes (last round), the backend, the load generator, the rest of the machine; req/s per
+    router core; and, for a target whose baseline is another kvgate target (`x N processes`), its
+    req/s and router cores against the baseline's, paired by round. A router process that is not
+    CPU-bound leaves its core partly idle; one that is gets about one core, less what the backend,
+    the load generator and other jobs take. When req/s grows with the router's cores at an equal
+    rate per core, the processes scale and what is missing is CPU."""
+    by_name = {r.name: r for r in results}
     rows = [(r, r.shares(hi)) for r in results if r.missing is None]
     rows = [(r, s) for r, s in rows if s and any(x.router > 0 for x in s)]
     if not rows:
@@ -119,8 +123,8 @@ def cpu_report(results: Sequence[TargetResult], hi: int) -> list[str]:
         f"CPU at c={hi}, cores (medians over rounds); router processes from the last round",
         "",
         "| target | router | router processes | backend | load generator | others | machine busy "
-        "| req/s per router core |",
-        "|---|---|---|---|---|---|---|---|",
+        "| req/s per router core | req/s, router cores vs baseline |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r, shares in rows:
         m = _median_share(shares)
@@ -138,6 +142,25 @@ def cpu_report(results: Sequence[TargetResult], hi: int) -> list[str]:
             f"{m['others']:.2f}",
             f"{m['machine']:.2f}",
             _fmt(per_core, ",.0f"),
+            _scaling(r, by_name.get(r.baseline or ""), hi),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def _paired(mine: Sequence[float], theirs: Sequence[float]) -> float | None:
+    ratios = [a / b for a, b in zip(mine, theirs, strict=False) if b > 0]
+    return statistics.median(ratios) if ratios else None
+
+
+def _scaling(r: TargetResult, base: TargetResult | None, hi: int) -> str:
+    """`req/s ×, router cores ×` against a kvgate baseline: medians of same-round ratios."""
+    if base is None or not base.name.startswith("kvgate") or base.missing is not None:
+        return "-"
+    rps = _paired(
+        [x.rps for x in r.runs if x.concurrency == hi], [x.rps for x in base.runs if x.concurrency == hi]
+    )
+    cores = _paired([s.router for s in r.shares(hi)], [s.router for s in base.shares(hi)])
+    if rps is None or cores is None:
+        return "-"
+    return f"{rps:.2f}x, {cores:.2f}x"

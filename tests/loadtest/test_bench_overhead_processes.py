@@ -76,3 +76,19 @@ def test_the_cpu_table_leaves_out_targets_without_a_router_process() -> None:
     direct.cpu.append(share)
     assert cpu_report([direct], 4) == []
     assert share.others == pytest.approx(0.2)
+
+
+def test_processes_scale_against_one_process_round_by_round() -> None:
+    def target(name: str, baseline: str | None, *rounds: tuple[float, float]) -> TargetResult:
+        t = TargetResult(name, baseline)
+        for rps, cores in rounds:
+            t.runs.append(LoadResult(64, 100, 0, 1.0, rps, 1.0, 2.0, 100.0))
+            t.cpu.append(CpuShare(cores, (("python", cores),), 0.1, 0.1, 2.0, 1.0))
+        return t
+
+    one = target("kvgate cost", "sglang-router cache_aware", (1000, 0.9), (500, 0.5), (800, 0.8))
+    two = target("kvgate cost x2 processes", "kvgate cost", (1500, 1.3), (1000, 1.0), (1200, 1.2))
+    rows = {line.split(" | ")[0]: line for line in cpu_report([one, two], 64)}
+    # Same-round req/s ratios 1.5, 2.0, 1.5 and core ratios 1.44, 2.0, 1.5: medians 1.5 and 1.5.
+    assert rows["| kvgate cost x2 processes"].endswith("| 1.50x, 1.50x |")
+    assert rows["| kvgate cost"].endswith("| - |")  # its baseline is not a kvgate target

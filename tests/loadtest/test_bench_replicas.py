@@ -86,6 +86,26 @@ def test_one_process_against_k_with_and_without_sync_end_to_end(
         assert all(r["n_errors"] == 0 and r["n_ok"] == 12 for r in setup["rounds"])
 
 
+@pytest.mark.e2e
+def test_processes_on_one_port_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvgate serve --processes 2` behind the same client; its children and nats-server stop too."""
+    parser = argparse.ArgumentParser()
+    bench_replicas.add_arguments(parser)
+    out = tmp_path / "r.json"
+    args = parser.parse_args(
+        [*TINY, "--repeats", "1", "--front", "reuseport", "--sync", "broker", "--json", str(out)]
+    )
+    before = _descendants()
+    assert bench_replicas.run(args) == 0
+    assert _descendants() == before
+    assert "| 2 processes (one port, SO_REUSEPORT), sync broker |" in capsys.readouterr().out
+    base, shared = json.loads(out.read_text())["setups"]
+    assert shared["layout"] == "reuseport" and shared["rounds"][0]["n_ok"] == 12
+    assert shared["ratio_to_1"]["hit_ratio"] == pytest.approx(
+        shared["rounds"][0]["hit_ratio"] / base["rounds"][0]["hit_ratio"]
+    )
+
+
 def test_ratios_pair_each_round_with_its_own_baseline() -> None:
     base = Rounds(Setup(BASELINE, "single", 1, "none"), [{"hit_ratio": 0.5}, {"hit_ratio": 0.8}, None])
     mine = Rounds(Setup("k", "rr", 2, "broker"), [{"hit_ratio": 0.5}, {"hit_ratio": 0.4}, {"hit_ratio": 0.9}])

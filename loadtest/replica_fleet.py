@@ -82,6 +82,7 @@ def _metrics_value(url: str, name: str) -> float | None:
 def wait_for_peers(metrics_urls: Sequence[str], peers: int, timeout_s: float = 30.0) -> None:
     """Until every gateway's `kvgate_sync_peers` reaches `peers`; TimeoutError otherwise."""
     deadline = time.monotonic() + timeout_s
+    seen: list[float | None] = []
     while time.monotonic() < deadline:
         seen = [_metrics_value(u, "kvgate_sync_peers") for u in metrics_urls]
         if all(v is not None and v >= peers for v in seen):

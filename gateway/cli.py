@@ -47,6 +47,9 @@ BENCHMARKS: dict[str, Command] = {
     "drift": Command("loadtest.bench_drift", "hit ratio of a drifting agent workload, rules off and on"),
     "decision": Command("policies.bench", "routing decision latency over many workers"),
     "sync": Command("gateway.sync.bench", "replica sync: publish-to-apply latency and CPU over nats-server"),
+    "replicas": Command(
+        "loadtest.bench_replicas", "1 gateway process against K (independent, synced) on emulated workers"
+    ),
     "abuse": Command("loadtest.abuse.cli", "reliability probes: hostile clients, failing workers; a soak"),
     "fairness": Command(
         "loadtest.bench_fairness", "a light tenant's wait while another floods a full pool (the queue)"

@@ -51,7 +51,8 @@ DECISIONS_FILE = "decisions.jsonl"  # a kvgate router's decision log, in its log
 DEFAULT_KV_BLOCKS = 27000  # the default profile's pool; used for the pooled-LRU ceiling when not given
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The request stream's options (also `kvgate bench replicas`'); `load_requests` reads them."""
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--workload", default=None, help=f"synthetic workload ({', '.join(sorted(WORKLOADS))})")
     src.add_argument(
@@ -70,6 +71,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rate-scale", type=positive_float, default=1.0, help="multiply the arrival rate by X"
     )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_workload_arguments(parser)
     parser.add_argument(
         "--routers", default="kvgate:round_robin,sglang-router", help="comma-separated routers to compare"
     )
@@ -106,8 +111,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def stream_requests(args: argparse.Namespace) -> list[WorkloadRequest]:
-    """The requests of a run, in arrival order (also what `kvgate bench replay` rebuilds)."""
+def load_requests(args: argparse.Namespace) -> list[WorkloadRequest]:
+    """The first `--max-requests` of the trace or workload, by arrival, rate-scaled (also what
+    `kvgate bench replay` rebuilds and `kvgate bench replicas` sends)."""
     if args.trace:
         reqs = list(load_trace(args.trace, users=args.users, seed=args.seed).requests)
     else:
@@ -159,6 +165,14 @@ def _headers(cmd: PeerCommand) -> Callable[[WorkloadRequest], dict[str, str]]:
     return headers_for
 
 
+def warmup_requests(tenant: str, n: int) -> list[WorkloadRequest]:
+    """`n` short requests with prompts of their own (no prefix of the workload's), all due at once."""
+    return [
+        WorkloadRequest(f"warmup-{i}", 0.0, tenant, "warmup", TextPrompt(synth_text(f"warmup/{i}", 64)), 2)
+        for i in range(n)
+    ]
+
+
 async def _measure(
     cmd: PeerCommand, urls: list[str], reqs: list[WorkloadRequest], args: argparse.Namespace, run: RouterRun
 ) -> None:
@@ -172,12 +186,7 @@ async def _measure(
     # Unmeasured warm-up with prompts of their own: connection pools, lazy imports and first-request
     # set-up of every router are paid before the clock starts, without touching the workload's prefixes.
     n_warm = args.warmup_requests if args.warmup_requests is not None else args.workers
-    warm = [
-        WorkloadRequest(
-            f"warmup-{i}", 0.0, reqs[0].tenant, "warmup", TextPrompt(synth_text(f"warmup/{i}", 64)), 2
-        )
-        for i in range(n_warm)
-    ]
+    warm = warmup_requests(reqs[0].tenant, n_warm)
     if warm:
         await replay(
             warm, ReplayConfig(cfg.base_url, cfg.model, time_limit_s=5.0, grace_s=60.0), _headers(cmd)
@@ -245,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     try:
-        reqs = stream_requests(args)
+        reqs = load_requests(args)
     except (ValueError, TraceFormatError) as exc:
         print(f"kvgate bench routing: error: {exc}", file=sys.stderr)
         return 2

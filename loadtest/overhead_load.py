@@ -102,10 +102,11 @@ def wait_ready(
     raise RuntimeError(f"{url} not ready after {timeout_s:.0f}s")
 
 
-def tree_cpu_s(root_pid: int) -> float:
-    """utime+stime of a process and all its live descendants, in seconds (from /proc)."""
+def tree_cpu_by_process(root_pid: int) -> dict[int, tuple[str, float]]:
+    """Each live process of the tree under `root_pid` (itself included): its name and its
+    utime+stime in seconds (from /proc)."""
     children: dict[int, list[int]] = {}
-    cpu: dict[int, float] = {}
+    cpu: dict[int, tuple[str, float]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -113,16 +114,24 @@ def tree_cpu_s(root_pid: int) -> float:
             stat = Path(f"/proc/{entry}/stat").read_text()
         except OSError:
             continue
+        name = stat[stat.find("(") + 1 : stat.rfind(")")]
         fields = stat[stat.rfind(")") + 2 :].split()
         pid, ppid = int(entry), int(fields[1])
         children.setdefault(ppid, []).append(pid)
-        cpu[pid] = (int(fields[11]) + int(fields[12])) / CLK_TCK
-    total, todo = 0.0, [root_pid]
+        cpu[pid] = (name, (int(fields[11]) + int(fields[12])) / CLK_TCK)
+    tree: dict[int, tuple[str, float]] = {}
+    todo = [root_pid]
     while todo:
         pid = todo.pop()
-        total += cpu.get(pid, 0.0)
+        if pid in cpu:
+            tree[pid] = cpu[pid]
         todo.extend(children.get(pid, []))
-    return total
+    return tree
+
+
+def tree_cpu_s(root_pid: int) -> float:
+    """utime+stime of a process and all its live descendants, in seconds (from /proc)."""
+    return sum(cpu for _, cpu in tree_cpu_by_process(root_pid).values())
 
 
 # ---------------------------------------------------------------- workload

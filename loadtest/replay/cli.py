@@ -21,7 +21,7 @@ from typing import Any
 
 import orjson
 
-from loadtest.bench_routing import DECISIONS_FILE, DEFAULT_KV_BLOCKS, stream_requests
+from loadtest.bench_routing import DECISIONS_FILE, DEFAULT_KV_BLOCKS, load_requests
 from loadtest.cli_args import positive_float, positive_int
 from loadtest.engine import DEFAULT_PROFILE, Engine, EngineConfig, EngineRequest, load_profile
 from loadtest.engine.hashing import block_hashes
@@ -69,7 +69,7 @@ def _stream(config: dict[str, Any], http: dict[str, HttpDecision], arrivals: str
         max_requests=config.get("max_requests") or config["n_requests"],
         rate_scale=config.get("rate_scale") or 1.0,
     )
-    reqs = [r for r in stream_requests(ns) if r.request_id in http]
+    reqs = [r for r in load_requests(ns) if r.request_id in http]
     if arrivals == "http":
         t0 = rebase(http.values())
         reqs = [dataclasses.replace(r, arrival_s=http[r.request_id].t_s - t0) for r in reqs]

@@ -5,6 +5,11 @@ Each request is sent at `arrival_s / time_scale` after the start, at most `max_i
 see it); nothing is sent after `time_limit_s`, and anything still open at `time_limit_s + grace`
 is cancelled and recorded as an error. TTFT is the time to the first streamed chunk that carries
 generated content; usage (prompt, cached and completion tokens) comes from the final chunk.
+
+With `spread_urls`, the client is its own L4 balancer: it holds `max_in_flight` keep-alive
+connections, connection j to `spread_urls[j % len]`, and a request takes the connection freed
+longest ago. Requests thus cycle over every connection (and so over every URL, or, for one URL
+served by several processes with SO_REUSEPORT, over the processes the kernel gave the connections).
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ class ReplayConfig:
     time_limit_s: float = 300.0
     grace_s: float = 60.0
     request_timeout_s: float = 300.0
+    spread_urls: tuple[str, ...] = ()  # when set: pinned connections over these (base_url unused)
 
 
 def _int(value: object) -> int:
@@ -78,13 +84,15 @@ async def _one(
     headers: dict[str, str],
     t0: float,
     sent: float,
+    base_url: str | None = None,
 ) -> HttpResult:
     wire = openai_request(req, cfg.model)
     queued = time.monotonic() - t0 - sent
     first: float | None = None
     usage: dict[str, object] = {}
+    url = (base_url or cfg.base_url) + wire.path
     try:
-        async with session.post(cfg.base_url + wire.path, json=wire.body, headers=headers) as resp:
+        async with session.post(url, json=wire.body, headers=headers) as resp:
             if resp.status != 200:
                 text = (await resp.text())[:200]
                 return HttpResult(
@@ -131,42 +139,73 @@ async def replay(
     progress: Callable[[int], None] | None = None,
 ) -> list[HttpResult]:
     """Send every request at its (scaled) arrival time; returns one result per request sent."""
+    timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s)
+    if cfg.spread_urls:
+        n = cfg.max_in_flight
+        sessions = [
+            aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=1)) for _ in range(n)
+        ]
+        slots = [(s, cfg.spread_urls[j % len(cfg.spread_urls)]) for j, s in enumerate(sessions)]
+    else:
+        connector = aiohttp.TCPConnector(limit=cfg.max_in_flight)
+        slots = [(aiohttp.ClientSession(timeout=timeout, connector=connector), cfg.base_url)]
+    try:
+        return await _replay(requests, cfg, headers_for, progress, slots)
+    finally:
+        await asyncio.gather(*(s.close() for s, _ in slots))
+
+
+async def _replay(
+    requests: Sequence[WorkloadRequest],
+    cfg: ReplayConfig,
+    headers_for: Callable[[WorkloadRequest], dict[str, str]],
+    progress: Callable[[int], None] | None,
+    slots: list[tuple[aiohttp.ClientSession, str]],
+) -> list[HttpResult]:
+    """The replay over `slots`: one shared pool (one slot, `max_in_flight` requests at once on it)
+    or pinned connections (one request at a time on each, taken in the order they were freed)."""
     ordered = sorted(requests, key=lambda r: r.arrival_s)
     t_first = ordered[0].arrival_s if ordered else 0.0
     limit = asyncio.Semaphore(cfg.max_in_flight)
+    pinned = bool(cfg.spread_urls)
+    free: asyncio.Queue[tuple[aiohttp.ClientSession, str]] = asyncio.Queue()
+    for slot in slots if pinned else ():
+        free.put_nowait(slot)
     results: list[HttpResult] = []
-    timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s)
-    connector = aiohttp.TCPConnector(limit=cfg.max_in_flight)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        t0 = time.monotonic()
+    t0 = time.monotonic()
 
-        async def send(req: WorkloadRequest, due_s: float) -> None:
-            async with limit:
-                results.append(await _one(session, cfg, req, headers_for(req), t0, due_s))
-                if progress is not None:
-                    progress(len(results))
+    async def send(req: WorkloadRequest, due_s: float) -> None:
+        async with limit:
+            slot = await free.get() if pinned else slots[0]
+            try:
+                results.append(await _one(slot[0], cfg, req, headers_for(req), t0, due_s, slot[1]))
+            finally:
+                if pinned:
+                    free.put_nowait(slot)
+            if progress is not None:
+                progress(len(results))
 
-        tasks: list[asyncio.Task[None]] = []
-        for req in ordered:
-            due = (req.arrival_s - t_first) / cfg.time_scale
-            if due > cfg.time_limit_s:
-                break
-            delay = due - (time.monotonic() - t0)
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(send(req, due)))
-        remaining = cfg.time_limit_s + cfg.grace_s - (time.monotonic() - t0)
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=max(remaining, 0.1))
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-            done_ids = {r.request_id for r in results}
-            for req in ordered[: len(tasks)]:
-                if req.request_id not in done_ids:
-                    due = (req.arrival_s - t_first) / cfg.time_scale
-                    cancelled = "cancelled at time limit"
-                    results.append(
-                        HttpResult(req.request_id, req.tenant, due, 0.0, None, None, 0, cancelled, 0, 0, 0)
-                    )
+    tasks: list[asyncio.Task[None]] = []
+    for req in ordered:
+        due = (req.arrival_s - t_first) / cfg.time_scale
+        if due > cfg.time_limit_s:
+            break
+        delay = due - (time.monotonic() - t0)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(send(req, due)))
+    remaining = cfg.time_limit_s + cfg.grace_s - (time.monotonic() - t0)
+    if tasks:
+        _, pending = await asyncio.wait(tasks, timeout=max(remaining, 0.1))
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        done_ids = {r.request_id for r in results}
+        for req in ordered[: len(tasks)]:
+            if req.request_id not in done_ids:
+                due = (req.arrival_s - t_first) / cfg.time_scale
+                cancelled = "cancelled at time limit"
+                results.append(
+                    HttpResult(req.request_id, req.tenant, due, 0.0, None, None, 0, cancelled, 0, 0, 0)
+                )
     return results

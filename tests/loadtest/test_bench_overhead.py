@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from loadtest import bench_overhead
-from loadtest.overhead_load import chat_bodies, tree_cpu_s
+from loadtest import bench_overhead, overhead_report, static_backend
+from loadtest.overhead_load import LoadResult, chat_bodies, tree_cpu_s
+from loadtest.overhead_runner import TargetResult, cpu_ratio
 from tests.support.processes import free_port, started
 
 
@@ -102,9 +103,7 @@ def test_bad_arguments_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_repeats_are_combined_by_median() -> None:
-    from loadtest.overhead_load import LoadResult
-
-    r = bench_overhead.TargetResult("t", None)
+    r = TargetResult("t", None)
     for rps, cpu in ((100.0, 50.0), (300.0, 10.0), (200.0, 30.0)):
         r.runs.append(LoadResult(1, 10, 1, 1.0, rps, rps / 100, rps / 10, cpu))
     combined = r.at(1)
@@ -115,15 +114,15 @@ def test_repeats_are_combined_by_median() -> None:
 
 
 def test_cpu_ratio_pairs_rounds() -> None:
-    def runs(*cpu: float) -> list[bench_overhead.LoadResult]:
-        return [bench_overhead.LoadResult(32, 100, 0, 1.0, 100.0, 1.0, 2.0, c) for c in cpu]
+    def runs(*cpu: float) -> list[LoadResult]:
+        return [LoadResult(32, 100, 0, 1.0, 100.0, 1.0, 2.0, c) for c in cpu]
 
-    mine = bench_overhead.TargetResult("kvgate cost", "peer", runs(200, 260, 180))
-    peer = bench_overhead.TargetResult("peer", None, runs(100, 130, 120))
+    mine = TargetResult("kvgate cost", "peer", runs(200, 260, 180))
+    peer = TargetResult("peer", None, runs(100, 130, 120))
     # Same-round ratios 2.0, 2.0, 1.5: median 2.0 (the ratio of the medians would be 200/120).
-    assert bench_overhead.cpu_ratio(mine, peer, 32) == 2.0
+    assert cpu_ratio(mine, peer, 32) == 2.0
     assert mine.cpu_rounds(32) == [200, 260, 180]
-    row = bench_overhead._row(mine, {"peer": peer, "kvgate cost": mine}, 32, 1)
+    row = overhead_report._row(mine, {"peer": peer, "kvgate cost": mine}, 32, 1)
     assert "| 200, 260, 180 | 2.00x peer |" in row
 
 
@@ -146,5 +145,5 @@ def test_streamed_bodies_and_the_backends_event_stream() -> None:
     assert events[-1] == "data: [DONE]"
     chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
-    assert text.split() == [f"t{i}" for i in range(bench_overhead.static_backend.STREAM_DELTAS)]
+    assert text.split() == [f"t{i}" for i in range(static_backend.STREAM_DELTAS)]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 16

@@ -152,30 +152,32 @@ def test_overhead_bench_reports_smg_missing_with_the_install_command(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from loadtest import bench_overhead
+    from loadtest.overhead_targets import TargetMissing
 
     monkeypatch.setenv("KVGATE_PEERS_DIR", str(tmp_path))
     targets = bench_overhead.build_targets(["smg-cache_aware", "smg-prefix_hash"], upstream_clients=False)
     assert [t.name for t in targets] == ["smg cache_aware", "smg prefix_hash"]
-    with pytest.raises(bench_overhead.TargetMissing, match=r"install\.sh smg"):
+    with pytest.raises(TargetMissing, match=r"install\.sh smg"):
         targets[0].start("http://127.0.0.1:1", tmp_path)
 
 
 def test_overhead_report_adds_a_cpu_ratio_against_smg_only_when_it_ran() -> None:
-    from loadtest import bench_overhead
     from loadtest.overhead_load import LoadResult
+    from loadtest.overhead_report import report
+    from loadtest.overhead_runner import BenchConfig, TargetResult
 
-    def target(name: str, baseline: str | None, *cpu: float) -> bench_overhead.TargetResult:
+    def target(name: str, baseline: str | None, *cpu: float) -> TargetResult:
         runs = [LoadResult(32, 100, 0, 1.0, 100.0, 1.0, 2.0, c) for c in cpu]
-        return bench_overhead.TargetResult(name, baseline, runs)
+        return TargetResult(name, baseline, runs)
 
     sgl = target("sglang-router cache_aware", None, 100, 100, 100)
     smg = target("smg cache_aware", "sglang-router cache_aware", 150, 200, 300)
     cost = target("kvgate cost", "sglang-router cache_aware", 180, 200, 150)
-    cfg = bench_overhead.BenchConfig(5, 1, (32,), 0, "builtin", "builtin", False, ())
-    text = bench_overhead.report([sgl, smg, cost], cfg, "backend")
+    cfg = BenchConfig(5, 1, (32,), 0, "builtin", "builtin", False, ())
+    text = report([sgl, smg, cost], cfg, "backend")
     assert "| CPU vs smg cache_aware |" in text
     cost_row = next(line for line in text.splitlines() if line.startswith("| kvgate cost |"))
     # Same-round ratios 1.2, 1.0, 0.5: median 1.0.
     assert "| 1.80x sglang-router cache_aware | 1.00x |" in cost_row
     smg.missing = "not installed"
-    assert "CPU vs smg" not in bench_overhead.report([sgl, smg, cost], cfg, "backend")
+    assert "CPU vs smg" not in report([sgl, smg, cost], cfg, "backend")

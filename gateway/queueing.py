@@ -27,7 +27,8 @@ goes to the next. There is no timer per request: one tick per pool, only while a
 
 A prefill/decode pool's requests wait the same way (`try_pair`, `wait_pair`): the pair chooser
 takes the policy's place, and "every worker at its cap" means no route has a free slot on each
-worker it needs (`_pair_capacity`). A slot freed by either leg hands a turn, as any attempt's end.
+worker it needs (`_pair_capacity`). A slot freed by either leg hands turns for the routes then
+free (`slot_freed`).
 """
 
 from __future__ import annotations
@@ -110,6 +111,7 @@ class PoolQueue:
         self._deadlines: list[tuple[float, int, _Waiter]] = []
         self._seq = itertools.count()
         self._turns = 0
+        self._recount_due = False  # a P/D pool's `_recount` is scheduled
         self._timer: asyncio.TimerHandle | None = None
         self._emptied: asyncio.Future[None] | None = None  # for `until_empty`, resolved by the tick
 
@@ -210,9 +212,25 @@ class PoolQueue:
             self._take(entry.item, _State.CLOSED)
 
     def slot_freed(self) -> None:
-        """A request of this pool gave its worker slot back: the next waiter gets a turn."""
-        if self._order:
+        """A request of this pool gave its worker slot back: the next waiter gets a turn. In a
+        prefill/decode pool a freed slot makes a route only with a slot of the other role, and a
+        vLLM request's prefill slot is given back just before its decode leg takes a slot: the
+        free routes are counted once that step is over, and only they hand turns (a turn that
+        finds no route costs its tenant its place in the fair order)."""
+        if not self._order:
+            return
+        if self._roles is None:
             self._hand(1)
+        elif not self._recount_due:
+            self._recount_due = True
+            asyncio.get_running_loop().call_soon(self._recount)
+
+    def _recount(self) -> None:
+        self._recount_due = False
+        if self._order:
+            _, free = self._capacity(time.monotonic())
+            if free > self._turns:
+                self._hand(free - self._turns)
 
     # ---------------------------------------------------------------- inside
 

@@ -41,18 +41,18 @@ from gateway.pd_legs import (
     Prefilled,
     Refused,
     TransferFailed,
+    both_legs,
     decode_leg,
+    deliver,
     prefill_leg,
     sglang_bodies,
     vllm_decode_body,
     vllm_prefill_body,
-    with_cached_tokens,
 )
 from gateway.registry import Worker
 from gateway.routing import Routing
 from gateway.streaming import ProxyStream
 from gateway.transport import Transport
-from gateway.upstream_conn import UpstreamReply
 from policies.base import Outcome, RouteDecision, WorkerId
 from policies.pd import PdDecision, PdRouter
 
@@ -297,7 +297,7 @@ class _Run:
         p_task = asyncio.create_task(prefill_leg(routing, self.transport, a, p))
         d_task = asyncio.create_task(decode_leg(self.transport, a, d))
         self.tasks = [p_task, d_task]
-        prefilled, opened = await _both(p_task, d_task)
+        prefilled, opened = await both_legs(p_task, d_task)
         self.tasks = []
         if prefilled is None or isinstance(prefilled, Failure):
             # The prefill leg failed (or was stopped because the decode leg had).
@@ -343,7 +343,7 @@ class _Run:
                     first_s = d.dispatched_s + d.ttft_s
                     metrics.pd_transfer_time.labels(pool).observe(max(0.0, first_s - transfer_since_s))
             self._served(d, "decode")
-            out = _deliver(self.routing, self.lifecycle, self.a, d, result, cached, self._retries())
+            out = deliver(self.routing, self.lifecycle, self.a, d, result, cached, self._retries())
             if isinstance(out, Failure):
                 self._failed(d, out, "decode")
                 return None
@@ -384,42 +384,3 @@ class _Run:
                     result.source.close()
         for attempt in self.attempts:
             attempt.end(self.routing, Outcome.ABORTED)
-
-
-async def _both(
-    p_task: asyncio.Task[Prefilled | Refused | Failure],
-    d_task: asyncio.Task[Opened | Refused | TransferFailed | Failure],
-) -> tuple[Prefilled | Refused | Failure | None, Opened | Refused | TransferFailed | Failure | None]:
-    """Wait for both legs; once one fails, stop the other (None: stopped before it ended)."""
-    pending: set[asyncio.Task[Any]] = {p_task, d_task}
-    while pending:
-        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-        if any(not isinstance(task.result(), Prefilled | Opened) for task in done):
-            break
-    for task in pending:
-        task.cancel()
-    if pending:
-        await asyncio.wait(pending)
-    p = None if p_task.cancelled() else p_task.result()
-    d = None if d_task.cancelled() else d_task.result()
-    return p, d
-
-
-def _deliver(
-    routing: Routing,
-    lifecycle: Lifecycle,
-    a: Admitted,
-    attempt: Attempt,
-    opened: Opened,
-    cached: int | None,
-    retries: int,
-) -> Response | Failure:
-    """The decode answer to the client, reporting the prefill worker's `cached_tokens`."""
-    if opened.relay is not None:
-        opened.relay.cached_tokens = cached
-        return ProxyStream(routing, lifecycle, attempt, opened.source, opened.relay, opened.first, retries)
-    body = opened.body
-    if opened.status == 200 and cached is not None:
-        body = with_cached_tokens(body, cached)
-    reply = UpstreamReply(opened.status, opened.content_type, body, opened.source.retry_hints)
-    return proxy._answer(routing, a, attempt, reply, retries)

@@ -316,11 +316,11 @@ class _Run:
         if opened is None:
             return None
         cached = prefilled.usage.cached_tokens if isinstance(prefilled, Prefilled) else None
-        since_s = None
+        since_s = d.dispatched_s  # the KV is ready to move once the prefill leg answered
         if isinstance(prefilled, Prefilled):
             self._served(p, "prefill")
             if p.ttft_s is not None:
-                since_s = p.dispatched_s + p.ttft_s  # the KV is ready to move once the prefill answered
+                since_s = p.dispatched_s + p.ttft_s
         return self._decoded(d, opened, cached, prefill.worker, since_s)
 
     # -- the decode leg's outcome ---------------------------------------------------------------

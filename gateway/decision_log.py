@@ -6,6 +6,10 @@ attempt) with the view of the top candidates the policy scored, and the outcome 
 reported (cached tokens, TTFT). `loadtest/replay` replays the same request stream through the
 simulator and compares the two decision by decision.
 
+In a prefill/decode pool a round's route is logged as one decision per leg, each with its `role`:
+`prefill` and `decode` for a split (the decode leg with the transfer the chooser priced), `alone`
+for a worker that serves the whole request. Mixed pools' decisions carry no role.
+
 Nothing in a line identifies content: the request's ids, its tenant's namespace, token and block
 counts, worker ids and load figures. Never prompt text, token ids or block keys. The file is
 bounded: after `max_records` lines nothing more is written (the count of dropped lines is kept).
@@ -23,6 +27,7 @@ import orjson
 
 from gateway.config.base import ConfigError
 from policies.base import RouteDecision, RouteRequest, WorkerId, WorkerView
+from policies.pd import PdDecision
 
 # Decisions awaiting their request's end; beyond this the oldest are dropped (a request that never
 # finishes must not grow the log's memory).
@@ -66,11 +71,52 @@ class DecisionLog:
         """Note one routing decision, before the policy hears of its dispatch (so the prefix
         policies' `held_tokens`, their per-worker prediction of cached tokens, is what they
         scored; other policies predict nothing)."""
+        predicted = self._predicted(route, decision, policy, now_s)
+        self._append(request_id, self._entry(route, decision, views, predicted, now_s))
+
+    def decided_pd(
+        self,
+        request_id: str,
+        route: RouteRequest,
+        decision: PdDecision,
+        views: Sequence[WorkerView],
+        policy: object,
+        now_s: float,
+        transfer_s: float,
+    ) -> None:
+        """Note one round of a prefill/decode pool, as `decided` does: the prefill leg and the
+        decode leg of a split (the latter with the tokens it is to read and the chooser's
+        `transfer_s` for them), or the worker alone."""
+        predicted = self._predicted(route, decision.decode, policy, now_s)
+        if decision.prefill is None:
+            entry = self._entry(route, decision.decode, views, predicted, now_s)
+            self._append(request_id, {"role": "alone", **entry})
+            return
+        prefill = self._entry(route, decision.prefill, views, predicted, now_s)
+        decode = self._entry(route, decision.decode, views, predicted, now_s)
+        decode["transfer_tokens"] = decision.transfer_tokens
+        decode["transfer_s"] = round(transfer_s, 6)
+        self._append(request_id, {"role": "prefill", **prefill})
+        self._append(request_id, {"role": "decode", **decode})
+
+    def _predicted(
+        self, route: RouteRequest, decision: RouteDecision, policy: object, now_s: float
+    ) -> dict[WorkerId, int]:
         if self._origin_s is None:
             self._origin_s = now_s
         held: HeldTokens | None = getattr(policy, "held_tokens", None)
-        predicted = held(route, decision.shared_prefix_blocks, now_s) if held is not None else {}
-        entry = {
+        return held(route, decision.shared_prefix_blocks, now_s) if held is not None else {}
+
+    def _entry(
+        self,
+        route: RouteRequest,
+        decision: RouteDecision,
+        views: Sequence[WorkerView],
+        predicted: dict[WorkerId, int],
+        now_s: float,
+    ) -> dict[str, Any]:
+        assert self._origin_s is not None
+        return {
             "t_s": round(now_s - self._origin_s, 6),
             "worker": decision.worker,
             "reason": decision.reason,
@@ -79,6 +125,8 @@ class DecisionLog:
             "queued_requests": route.queued_requests,
             "candidates": self._candidates(views, predicted, decision.worker),
         }
+
+    def _append(self, request_id: str, entry: dict[str, Any]) -> None:
         decisions = self._pending.get(request_id)
         if decisions is None:
             decisions = self._pending[request_id] = []

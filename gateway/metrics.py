@@ -125,6 +125,32 @@ class GatewayMetrics:
             "transfer_failed: recomputed)",
             ("pool", "reason"),
         )
+        self.pd_ttft = hot.histogram(
+            "kvgate_pd_time_to_first_token_seconds",
+            "Legs of prefill/decode pools: from dispatch to the worker's first token, by role (prefill: "
+            "its whole answer; decode: after the KV transfer; alone: the whole request's TTFT)",
+            ("pool", "role"),
+            _LATENCY_BUCKETS_S,
+        )
+        self.pd_transfer_time = hot.histogram(
+            "kvgate_pd_transfer_seconds",
+            "KV transfers as the gateway sees them: vLLM, the decode leg's dispatch to its first "
+            "token; SGLang, the prefill leg's answer to the decode leg's first token",
+            ("pool",),
+            _LATENCY_BUCKETS_S,
+        )
+        self.pd_transfer_outcomes = hot.counter(
+            "kvgate_pd_transfer_outcomes",
+            "KV transfers by how they ended (ok, decode_error, timeout), and requests recomputed "
+            "on one worker alone after their transfer failed (recomputed)",
+            ("pool", "outcome"),
+        )
+        self.pd_leg_failures = hot.counter(
+            "kvgate_pd_leg_failures",
+            "Legs of prefill/decode pools that failed before the client had anything, by role "
+            "(prefill, decode, alone) and reason (the retry reason, or the error code)",
+            ("pool", "role", "reason"),
+        )
         self.client_refusals = hot.counter(
             "kvgate_client_refusals",
             "Client connections closed by a limit before their request reached the gateway, by reason"

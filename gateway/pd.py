@@ -41,18 +41,18 @@ from gateway.pd_legs import (
     Prefilled,
     Refused,
     TransferFailed,
+    both_legs,
     decode_leg,
+    deliver,
     prefill_leg,
     sglang_bodies,
     vllm_decode_body,
     vllm_prefill_body,
-    with_cached_tokens,
 )
 from gateway.registry import Worker
 from gateway.routing import Routing
 from gateway.streaming import ProxyStream
 from gateway.transport import Transport
-from gateway.upstream_conn import UpstreamReply
 from policies.base import Outcome, RouteDecision, WorkerId
 from policies.pd import PdDecision, PdRouter
 
@@ -116,14 +116,22 @@ class _Run:
     async def rounds(self, router: PdRouter) -> Response:
         a, routing = self.a, self.routing
         pool = a.pool
-        for _ in range(pool.config.retry_attempts + 1):
-            now_s = time.monotonic()
-            views = pool.views(now_s, frozenset(self.excluded))
-            decision = router.select(routing.policy, a.route, views, now_s, splittable=self.splittable)
+        for n in range(pool.config.retry_attempts + 1):
+            routed = await self._choose(router, n == 0)
+            if isinstance(routed, Failure):
+                self.failure = routed  # the pool's queue turned it away
+                break
+            decision, now_s = routed
             if decision is None:
                 break
             if self.retry_reason is not None:
                 routing.metrics.retries.labels(pool.name, self.retry_reason).inc()
+            if routing.decision_log is not None:
+                views = pool.views(now_s, frozenset(self.excluded))
+                transfer_s = router.settings.transfer_s(decision.transfer_tokens)
+                routing.decision_log.decided_pd(
+                    a.request_id, a.route, decision, views, routing.policy, now_s, transfer_s
+                )
             self._count(decision)
             if decision.prefill is None:
                 result = await self._alone(decision.decode)
@@ -151,13 +159,38 @@ class _Run:
         )
         return error_response(failure.error(), a.reply_id)
 
+    async def _choose(self, router: PdRouter, first: bool) -> tuple[PdDecision | None, float] | Failure:
+        """The round's route. The first waits in the pool's queue while no route has a free slot
+        on its workers (`queueing.py`, as a mixed pool's first attempt); a retry does not."""
+        a, routing = self.a, self.routing
+        pool = a.pool
+        excluded = frozenset(self.excluded)
+        splittable = self.splittable
+
+        def choose(now_s: float) -> PdDecision | None:
+            views = pool.views(now_s, excluded)
+            return router.select(routing.policy, a.route, views, now_s, splittable=splittable)
+
+        queue = routing.queues.get(pool.name) if first else None
+        if queue is None:
+            now_s = time.monotonic()
+            return choose(now_s), now_s
+        return queue.try_pair(a, choose, splittable) or await queue.wait_pair(a, choose, splittable)
+
     def _count(self, decision: PdDecision) -> None:
         metrics, pool = self.routing.metrics, self.a.pool.name
         if decision.prefill is None:
-            reason = (
-                "transfer_failed" if self.transfer_failed else decision.reason.removeprefix(_ALONE_PREFIX)
-            )
+            if self.transfer_failed:
+                reason = "transfer_failed"
+                metrics.pd_transfer_outcomes.labels(pool, "recomputed").inc()
+            else:
+                reason = decision.reason.removeprefix(_ALONE_PREFIX)
             metrics.pd_skipped_splits.labels(pool, reason).inc()
+
+    def _served(self, attempt: Attempt, role: str) -> None:
+        """A leg's worker answered: its time to first token, when known."""
+        if attempt.ttft_s is not None:
+            self.routing.metrics.pd_ttft.labels(self.a.pool.name, role).observe(attempt.ttft_s)
 
     def _start(self, worker: Worker, decision: RouteDecision, body: bytes | None, role: str) -> Attempt:
         """Dispatch one leg: the policy, the worker's load and the metrics hear of it."""
@@ -178,10 +211,18 @@ class _Run:
         return [w for w in found if w is not None]
 
     def _failed(
-        self, attempt: Attempt, failure: Failure, *, exclude: bool = True, outcome: Outcome | None = None
+        self,
+        attempt: Attempt,
+        failure: Failure,
+        role: str,
+        *,
+        exclude: bool = True,
+        outcome: Outcome | None = None,
     ) -> None:
         """A leg failed before the client had anything: close it (with `failure`'s outcome unless
         told otherwise) and try another round."""
+        reason = failure.retry or failure.code
+        self.routing.metrics.pd_leg_failures.labels(self.a.pool.name, role, reason).inc()
         attempt.end(self.routing, outcome or failure.outcome)
         self.failures += 1
         if exclude:
@@ -208,8 +249,9 @@ class _Run:
             self.routing, self.transport, self.lifecycle, self.a, attempt, self._retries()
         )
         if not isinstance(result, Failure):
+            self._served(attempt, "alone")
             return result
-        self._failed(attempt, result)
+        self._failed(attempt, result, "alone")
         self.final = result.retry is None  # the worker had begun answering: not sent twice
         return None
 
@@ -225,13 +267,16 @@ class _Run:
         if isinstance(prefilled, Refused):
             return self._refused(p, prefilled)
         if isinstance(prefilled, Failure):
-            self._failed(p, prefilled)
+            self._failed(p, prefilled, "prefill")
             return None
+        self._served(p, "prefill")
         d = self._start(workers[1], decode, vllm_decode_body(a, decode, prefilled.params), "decode")
-        if prefilled.params is not None:
+        moved = prefilled.params is not None  # else the decode worker computes the prompt itself
+        if moved:
             routing.metrics.pd_transfers.labels(a.pool.name).inc()
         result = await decode_leg(self.transport, a, d)
-        return self._decoded(d, result, prefilled.usage.cached_tokens, prefill.worker)
+        since_s = d.dispatched_s if moved else None
+        return self._decoded(d, result, prefilled.usage.cached_tokens, prefill.worker, since_s)
 
     # -- SGLang: both legs at once, meeting in a bootstrap room ---------------------------------
 
@@ -252,12 +297,12 @@ class _Run:
         p_task = asyncio.create_task(prefill_leg(routing, self.transport, a, p))
         d_task = asyncio.create_task(decode_leg(self.transport, a, d))
         self.tasks = [p_task, d_task]
-        prefilled, opened = await _both(p_task, d_task)
+        prefilled, opened = await both_legs(p_task, d_task)
         self.tasks = []
         if prefilled is None or isinstance(prefilled, Failure):
             # The prefill leg failed (or was stopped because the decode leg had).
             if isinstance(prefilled, Failure):
-                self._failed(p, prefilled)
+                self._failed(p, prefilled, "prefill")
             else:
                 p.end(routing, Outcome.ABORTED)
             if opened is None:
@@ -271,7 +316,12 @@ class _Run:
         if opened is None:
             return None
         cached = prefilled.usage.cached_tokens if isinstance(prefilled, Prefilled) else None
-        return self._decoded(d, opened, cached, prefill.worker)
+        since_s = d.dispatched_s  # the KV is ready to move once the prefill leg answered
+        if isinstance(prefilled, Prefilled):
+            self._served(p, "prefill")
+            if p.ttft_s is not None:
+                since_s = p.dispatched_s + p.ttft_s
+        return self._decoded(d, opened, cached, prefill.worker, since_s)
 
     # -- the decode leg's outcome ---------------------------------------------------------------
 
@@ -281,23 +331,34 @@ class _Run:
         result: Opened | Refused | TransferFailed | Failure,
         cached: int | None,
         source: WorkerId,
+        transfer_since_s: float | None,
     ) -> Response | None:
-        """Hand an opened decode answer to the client, or account for the leg's failure."""
+        """Hand an opened decode answer to the client, or account for the leg's failure.
+        `transfer_since_s` is when the KV could start to move (None: no transfer was asked)."""
+        metrics, pool = self.routing.metrics, self.a.pool.name
         if isinstance(result, Opened):
-            out = _deliver(self.routing, self.lifecycle, self.a, d, result, cached, self._retries())
+            if transfer_since_s is not None:
+                metrics.pd_transfer_outcomes.labels(pool, "ok").inc()
+                if d.ttft_s is not None:
+                    first_s = d.dispatched_s + d.ttft_s
+                    metrics.pd_transfer_time.labels(pool).observe(max(0.0, first_s - transfer_since_s))
+            self._served(d, "decode")
+            out = deliver(self.routing, self.lifecycle, self.a, d, result, cached, self._retries())
             if isinstance(out, Failure):
-                self._failed(d, out)
+                self._failed(d, out, "decode")
                 return None
             return out
         if isinstance(result, Refused):
             return self._refused(d, result)
         if isinstance(result, TransferFailed):
-            self.routing.metrics.pd_transfer_failures.labels(self.a.pool.name, result.reason).inc()
+            metrics.pd_transfer_failures.labels(pool, result.reason).inc()
+            metrics.pd_transfer_outcomes.labels(pool, result.reason).inc()
             self.transfer_failed = True
             timed_out = result.reason == "timeout"
             # A decode worker that answered is not blamed for KV it could not get: its breaker gets
             # no verdict. One that timed out is, and is not asked again.
-            self._failed(d, result.failure, exclude=timed_out, outcome=None if timed_out else Outcome.ABORTED)
+            outcome = None if timed_out else Outcome.ABORTED
+            self._failed(d, result.failure, "decode", exclude=timed_out, outcome=outcome)
             self.retry_reason = "transfer_failed"
             if self.pd.protocol == "vllm":
                 self.splittable = False  # recompute the prompt where it is decoded
@@ -306,7 +367,7 @@ class _Run:
                 # worker whose KV did not arrive ("it might be dead").
                 self.excluded.add(source)
             return None
-        self._failed(d, result)
+        self._failed(d, result, "decode")
         self.final = result.retry is None  # the decode worker had begun answering: not sent twice
         return None
 
@@ -323,42 +384,3 @@ class _Run:
                     result.source.close()
         for attempt in self.attempts:
             attempt.end(self.routing, Outcome.ABORTED)
-
-
-async def _both(
-    p_task: asyncio.Task[Prefilled | Refused | Failure],
-    d_task: asyncio.Task[Opened | Refused | TransferFailed | Failure],
-) -> tuple[Prefilled | Refused | Failure | None, Opened | Refused | TransferFailed | Failure | None]:
-    """Wait for both legs; once one fails, stop the other (None: stopped before it ended)."""
-    pending: set[asyncio.Task[Any]] = {p_task, d_task}
-    while pending:
-        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-        if any(not isinstance(task.result(), Prefilled | Opened) for task in done):
-            break
-    for task in pending:
-        task.cancel()
-    if pending:
-        await asyncio.wait(pending)
-    p = None if p_task.cancelled() else p_task.result()
-    d = None if d_task.cancelled() else d_task.result()
-    return p, d
-
-
-def _deliver(
-    routing: Routing,
-    lifecycle: Lifecycle,
-    a: Admitted,
-    attempt: Attempt,
-    opened: Opened,
-    cached: int | None,
-    retries: int,
-) -> Response | Failure:
-    """The decode answer to the client, reporting the prefill worker's `cached_tokens`."""
-    if opened.relay is not None:
-        opened.relay.cached_tokens = cached
-        return ProxyStream(routing, lifecycle, attempt, opened.source, opened.relay, opened.first, retries)
-    body = opened.body
-    if opened.status == 200 and cached is not None:
-        body = with_cached_tokens(body, cached)
-    reply = UpstreamReply(opened.status, opened.content_type, body, opened.source.retry_hints)
-    return proxy._answer(routing, a, attempt, reply, retries)

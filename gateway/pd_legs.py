@@ -1,4 +1,4 @@
-"""The two legs of a split request: their bodies, and sending each to its worker.
+"""The two legs of a split request: their bodies, sending each to its worker, and the answer.
 
 A leg's answer is held back until the caller knows what to do with it: the prefill answer gives
 the decode leg its `kv_transfer_params` (vLLM) and the client its `cached_tokens`; the decode
@@ -10,6 +10,7 @@ both carry `bootstrap_host`, `bootstrap_port` and `bootstrap_room`.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from typing import Any
 
@@ -17,11 +18,13 @@ import orjson
 
 from gateway import proxy
 from gateway.admission import Admitted
+from gateway.errors import RawResponse
 from gateway.failure import TRANSPORT_ERRORS, Failure, Stage, failure_of, malformed, worker_status
+from gateway.lifecycle import Lifecycle
 from gateway.outcome import Attempt, Usage, usage_of
 from gateway.routing import Routing
 from gateway.sse import SseRelay, first_event_problem
-from gateway.streaming import StreamSource, first_events
+from gateway.streaming import ProxyStream, StreamSource, first_events
 from gateway.transport import Transport
 from gateway.upstream_conn import UpstreamReply
 from policies.base import Outcome, RouteDecision
@@ -235,3 +238,42 @@ async def decode_leg(
     if 400 <= source.status < 500:
         return Refused(UpstreamReply(source.status, source.content_type, body, source.retry_hints))
     return Opened(source, source.status, source.content_type, body=body)  # a 200 (or 1xx-3xx) whole
+
+
+async def both_legs(
+    p_task: asyncio.Task[Prefilled | Refused | Failure],
+    d_task: asyncio.Task[Opened | Refused | TransferFailed | Failure],
+) -> tuple[Prefilled | Refused | Failure | None, Opened | Refused | TransferFailed | Failure | None]:
+    """Wait for both legs; once one fails, stop the other (None: stopped before it ended)."""
+    pending: set[asyncio.Task[Any]] = {p_task, d_task}
+    while pending:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        if any(not isinstance(task.result(), Prefilled | Opened) for task in done):
+            break
+    for task in pending:
+        task.cancel()
+    if pending:
+        await asyncio.wait(pending)
+    p = None if p_task.cancelled() else p_task.result()
+    d = None if d_task.cancelled() else d_task.result()
+    return p, d
+
+
+def deliver(
+    routing: Routing,
+    lifecycle: Lifecycle,
+    a: Admitted,
+    attempt: Attempt,
+    opened: Opened,
+    cached: int | None,
+    retries: int,
+) -> RawResponse | ProxyStream | Failure:
+    """The decode answer to the client, reporting the prefill worker's `cached_tokens`."""
+    if opened.relay is not None:
+        opened.relay.cached_tokens = cached
+        return ProxyStream(routing, lifecycle, attempt, opened.source, opened.relay, opened.first, retries)
+    body = opened.body
+    if opened.status == 200 and cached is not None:
+        body = with_cached_tokens(body, cached)
+    reply = UpstreamReply(opened.status, opened.content_type, body, opened.source.retry_hints)
+    return proxy._answer(routing, a, attempt, reply, retries)

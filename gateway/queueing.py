@@ -24,6 +24,11 @@ While anyone waits, or holds a turn it has not used yet, a new arrival queues be
 of taking a freed slot first. A turn is handed by resolving the waiter's future. A waiter whose
 client leaves is cancelled by `disconnect.py` and leaves the queue; if it held a turn, the turn
 goes to the next. There is no timer per request: one tick per pool, only while anything waits.
+
+A prefill/decode pool's requests wait the same way (`try_pair`, `wait_pair`): the pair chooser
+takes the policy's place, and "every worker at its cap" means no route has a free slot on each
+worker it needs (`_pair_capacity`). A slot freed by either leg hands turns for the routes then
+free (`slot_freed`).
 """
 
 from __future__ import annotations
@@ -36,15 +41,16 @@ import heapq
 import itertools
 import time
 from collections import Counter
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, TypeVar
 
 from gateway.config.queue import QueueConfig
 from gateway.failure import Failure
 from gateway.fair_order import Entry, FairOrder
 from gateway.metrics import GatewayMetrics
 from gateway.registry import Pool
-from policies.base import Outcome, RouteDecision, RoutingPolicy
+from policies.base import Outcome, Role, RouteDecision, RoutingPolicy
+from policies.pd import PdDecision, PdRoles
 
 if TYPE_CHECKING:
     from gateway.admission import Admitted
@@ -75,7 +81,11 @@ class _Waiter:
     entry: Entry[_Waiter] | None = None
 
 
+D = TypeVar("D", RouteDecision, PdDecision)
 Routed = tuple[RouteDecision | None, float]
+Paired = tuple[PdDecision | None, float]
+# A P/D pool's chooser: the route for the request at `now_s` (`policies.pd.PdRouter.select`).
+ChoosePair = Callable[[float], PdDecision | None]
 
 
 class PoolQueue:
@@ -91,6 +101,7 @@ class PoolQueue:
         tick_s: float = 0.1,
     ) -> None:
         self._pool = pool
+        self._roles = pool.pd_router.settings.roles if pool.pd_router is not None else None
         self._config = config
         self._weights = weights
         self._metrics = metrics
@@ -100,6 +111,7 @@ class PoolQueue:
         self._deadlines: list[tuple[float, int, _Waiter]] = []
         self._seq = itertools.count()
         self._turns = 0
+        self._recount_due = False  # a P/D pool's `_recount` is scheduled
         self._timer: asyncio.TimerHandle | None = None
         self._emptied: asyncio.Future[None] | None = None  # for `until_empty`, resolved by the tick
 
@@ -127,6 +139,28 @@ class PoolQueue:
     async def wait(self, a: Admitted, policy: RoutingPolicy) -> Routed | Failure:
         """Wait for a turn, then the policy's choice as in `try_route`; or why the queue turned
         the request away (full, or it waited `timeout_s`)."""
+        pool = self._pool
+        return await self._wait(a, lambda now_s: policy.select(a.route, pool.views(now_s), now_s), True)
+
+    def try_pair(self, a: Admitted, choose: ChoosePair, splittable: bool) -> Paired | None:
+        """`try_route` in a prefill/decode pool: `choose` is its pair chooser (reading `a.route`
+        when called), and the pool is full when no route for the request (a pair, or one worker
+        alone; only the latter when it is not `splittable`) has a worker with a free slot."""
+        if self._order or self._turns:
+            return None
+        now_s = time.monotonic()
+        decision = choose(now_s)
+        if decision is not None or not self._saturated(now_s, splittable):
+            return decision, now_s
+        return None
+
+    async def wait_pair(self, a: Admitted, choose: ChoosePair, splittable: bool) -> Paired | Failure:
+        """`wait` in a prefill/decode pool (see `try_pair`)."""
+        return await self._wait(a, choose, splittable)
+
+    async def _wait(
+        self, a: Admitted, choose: Callable[[float], D | None], splittable: bool
+    ) -> tuple[D | None, float] | Failure:
         now_s = time.monotonic()
         refusal = self._refusal(a.tenant.name)
         if refusal is not None:
@@ -151,8 +185,8 @@ class PoolQueue:
                 self._turns -= 1
                 waiter.state = _State.DONE
                 a.route = dataclasses.replace(a.route, queued_requests=len(self._order) + self._turns)
-                decision = policy.select(a.route, self._pool.views(now_s), now_s)
-                if decision is not None or not self._saturated(now_s):
+                decision = choose(now_s)
+                if decision is not None or not self._saturated(now_s, splittable):
                     waited_s = now_s - waiter.enqueued_s
                     a.queued_s = waited_s
                     self._metrics.queue_wait.labels(self._pool.name, waiter.tenant).observe(waited_s)
@@ -178,19 +212,37 @@ class PoolQueue:
             self._take(entry.item, _State.CLOSED)
 
     def slot_freed(self) -> None:
-        """A request of this pool gave its worker slot back: the next waiter gets a turn."""
-        if self._order:
+        """A request of this pool gave its worker slot back: the next waiter gets a turn. In a
+        prefill/decode pool a freed slot makes a route only with a slot of the other role, and a
+        vLLM request's prefill slot is given back just before its decode leg takes a slot: the
+        free routes are counted once that step is over, and only they hand turns (a turn that
+        finds no route costs its tenant its place in the fair order)."""
+        if not self._order:
+            return
+        if self._roles is None:
             self._hand(1)
+        elif not self._recount_due:
+            self._recount_due = True
+            asyncio.get_running_loop().call_soon(self._recount)
+
+    def _recount(self) -> None:
+        self._recount_due = False
+        if self._order:
+            _, free = self._capacity(time.monotonic())
+            if free > self._turns:
+                self._hand(free - self._turns)
 
     # ---------------------------------------------------------------- inside
 
-    def _saturated(self, now_s: float) -> bool:
+    def _saturated(self, now_s: float, splittable: bool = True) -> bool:
         """Some worker is routable and none has a free slot: capacity will come back."""
-        routable, free = self._capacity(now_s)
+        routable, free = self._capacity(now_s, splittable)
         return routable > 0 and free == 0
 
-    def _capacity(self, now_s: float) -> tuple[int, int]:
-        """(routable workers, free slots on them)."""
+    def _capacity(self, now_s: float, splittable: bool = True) -> tuple[int, int]:
+        """(routable workers, free slots on them); in a prefill/decode pool, routes instead."""
+        if self._roles is not None:
+            return self._pair_capacity(self._roles, now_s, splittable)
         routable = free = 0
         for worker in self._pool.workers.values():
             if not (worker.healthy and worker.breaker.allows(now_s)):
@@ -202,6 +254,33 @@ class PoolQueue:
             elif worker.in_flight < cap:
                 free += cap - worker.in_flight
         return routable, free
+
+    def _pair_capacity(self, roles: PdRoles, now_s: float, splittable: bool) -> tuple[int, int]:
+        """(routes, routes whose workers all have a free slot). A worker that may serve a request
+        alone is one route per slot; a split needs a slot on a prefill worker and one on a decode
+        worker that is not also counted alone (SGLang's decode workers, which take only pairs).
+        In vLLM's roles every decode worker serves alone too, so a full prefill side does not hold
+        a request back: the pair chooser then runs it alone (`pd_alone_no_pair`)."""
+        alone = prefill = paired = 0  # routable workers
+        alone_free = prefill_free = paired_free = 0
+        for worker in self._pool.workers.values():
+            if not (worker.healthy and worker.breaker.allows(now_s)):
+                continue
+            role = Role.of(worker.role)
+            cap = worker.max_in_flight
+            room = UNCAPPED if cap is None else max(cap - worker.in_flight, 0)
+            if role in roles.alone:
+                alone += 1
+                alone_free += room
+            elif role in roles.decode:
+                paired += 1
+                paired_free += room
+            if role in roles.prefill:
+                prefill += 1
+                prefill_free += room
+        if not splittable:
+            return alone, alone_free
+        return alone + min(prefill, paired), alone_free + min(prefill_free, paired_free)
 
     def _timed_out(self, waiter: _Waiter) -> Failure:
         self._metrics.queue_refusals.labels(self._pool.name, waiter.tenant, "timeout").inc()

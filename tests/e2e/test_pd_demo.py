@@ -60,6 +60,12 @@ def test_the_first_request_is_split_and_answered_by_the_decode_worker(demo: Demo
     assert reply.usage.prompt_tokens_details.cached_tokens == 0
     assert metric(demo, "kvgate_pd_transfers_total") >= 1
     assert 'kvgate_pd_requests_total{pool="demo",role="prefill"}' in httpx.get(demo.metrics).text
+    # A stream's decode leg has a first token: the transfer is timed (a whole answer's is not).
+    messages = [{"role": "user", "content": "Now stream about KV transfers. " * 30}]
+    chunks = client.chat.completions.create(model="kvgate-demo", messages=messages, max_tokens=4, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert metric(demo, "kvgate_pd_transfer_seconds_count") >= 1
+    assert metric(demo, "kvgate_pd_transfer_outcomes_total") >= 2
 
 
 def test_the_readme_snippet_runs_against_the_pd_demo(demo: Demo) -> None:

@@ -155,10 +155,18 @@ def _served_despite_failing_prefill_worker(stack: PdStack, model: str, pool: str
     sent = httpx.get(stack.urls[fake] + "/_log", timeout=5).json()["requests"]
     assert sent and all(r["body"]["stream"] is False for r in sent)
     assert stack.counter("kvgate_pd_requests_total", pool=pool, role="decode") >= i + 1
+    # Per role: a leg's failure (SGLang: the prefill leg's, or the decode leg's that waited for it),
+    # and every served prefill leg's time to first token.
+    assert stack.counter("kvgate_pd_leg_failures_total", pool=pool) >= 1
+    served = stack.counter("kvgate_pd_time_to_first_token_seconds_count", pool=pool, role="prefill")
+    assert served >= i + 1
+    assert stack.counter("kvgate_pd_transfer_outcomes_total", pool=pool, outcome="ok") >= i + 1
 
 
 def test_a_failing_prefill_worker_is_replaced_by_another_vllm(pd: PdStack) -> None:
     _served_despite_failing_prefill_worker(pd, "m-pfail", "pfail", "fake0")
+    failures = pd.counter("kvgate_pd_leg_failures_total", pool="pfail", role="prefill", reason="worker_error")
+    assert failures >= 1 and pd.counter("kvgate_pd_leg_failures_total", pool="pfail", role="decode") == 0
     sent = httpx.get(pd.urls["fake0"] + "/_log", timeout=5).json()["requests"]
     leg = sent[0]["body"]
     assert leg["max_tokens"] == 1 and leg["kv_transfer_params"]["do_remote_decode"] is True
@@ -174,6 +182,7 @@ def test_a_failing_prefill_worker_is_replaced_by_another_sglang(pd: PdStack) -> 
 def test_a_failed_transfer_is_recomputed_on_the_decode_worker(pd: PdStack, stream: bool) -> None:
     client = pd.client()
     failures = pd.counter("kvgate_pd_transfer_failures_total", pool="xfail")
+    recomputed = pd.counter("kvgate_pd_transfer_outcomes_total", pool="xfail", outcome="recomputed")
     messages = _prompt(100 + stream)
     if stream:
         chunks = client.chat.completions.create(
@@ -195,6 +204,12 @@ def test_a_failed_transfer_is_recomputed_on_the_decode_worker(pd: PdStack, strea
         pd.counter("kvgate_pd_transfer_failures_total", pool="xfail", reason="decode_error") == failures + 1
     )
     assert pd.counter("kvgate_pd_skipped_splits_total", pool="xfail", reason="transfer_failed") >= 1
+    outcomes = {o: pd.counter("kvgate_pd_transfer_outcomes_total", pool="xfail", outcome=o) for o in ("ok",)}
+    assert outcomes == {"ok": 0}  # every transfer of this pool fails
+    assert (
+        pd.counter("kvgate_pd_transfer_outcomes_total", pool="xfail", outcome="recomputed") == recomputed + 1
+    )
+    assert pd.counter("kvgate_pd_leg_failures_total", pool="xfail", role="decode") >= 1
     decode_metrics = httpx.get(pd.urls["d2"] + "/metrics", timeout=5).text
     assert re.search(r"^vllm:nixl_num_failed_transfers\{[^}]*\} [1-9]", decode_metrics, re.M)
 

@@ -1,6 +1,10 @@
 """The gateway in-process, its pool queue in front of one worker capped at one request that answers
 only when the test opens its gate; for the queue's tests. Nothing here is timed: every step
-waits for a condition."""
+waits for a condition.
+
+With `pd=True` the pool is a vLLM prefill/decode pair instead (every request split), both capped
+at one request: the prefill worker answers at once, the decode worker (whose arrivals the rig
+records) when the gate opens."""
 
 from __future__ import annotations
 
@@ -63,7 +67,7 @@ async def queue_rigs() -> AsyncIterator[RigFactory]:
     Tenants: heavy, light and vip (weight 3), each with the key `sk-<name>`."""
     stack = contextlib.AsyncExitStack()
 
-    async def build(**queue: Any) -> Rig:
+    async def build(*, pd: bool = False, **queue: Any) -> Rig:
         rig_ref: list[Rig] = []
 
         async def health(_: web.Request) -> web.Response:
@@ -76,11 +80,30 @@ async def queue_rigs() -> AsyncIterator[RigFactory]:
             usage = {"prompt_tokens": 1, "completion_tokens": 1}
             return web.json_response({"choices": [], "usage": usage})
 
-        worker = web.Application()
-        worker.router.add_get("/health", health)
-        worker.router.add_post("/v1/chat/completions", chat)
-        runner, port = await serve_app(worker)
-        stack.push_async_callback(runner.cleanup)
+        async def prefill(request: web.Request) -> web.Response:
+            body = await request.json()
+            assert body["kv_transfer_params"]["do_remote_decode"] is True
+            usage = {"prompt_tokens": 1, "completion_tokens": 1}
+            params = {"remote_engine_id": "e", "remote_block_ids": [1]}
+            return web.json_response({"choices": [], "usage": usage, "kv_transfer_params": params})
+
+        async def worker_url(answer: Any) -> str:
+            worker = web.Application()
+            worker.router.add_get("/health", health)
+            worker.router.add_post("/v1/chat/completions", answer)
+            runner, port = await serve_app(worker)
+            stack.push_async_callback(runner.cleanup)
+            return f"http://127.0.0.1:{port}"
+
+        workers: dict[str, Any]
+        if pd:
+            workers = {
+                "prefill_workers": [await worker_url(prefill)],
+                "decode_workers": [await worker_url(chat)],
+                "pd": {"protocol": "vllm", "conditional": False},  # always a pair
+            }
+        else:
+            workers = {"workers": [await worker_url(chat)]}
 
         def tenant(name: str, weight: float = 1.0) -> dict[str, Any]:
             return {"name": name, "api_key_hashes": [hash_api_key(SECRET, f"sk-{name}")], "weight": weight}
@@ -90,7 +113,7 @@ async def queue_rigs() -> AsyncIterator[RigFactory]:
                 {
                     "name": "p",
                     "models": ["m"],
-                    "workers": [f"http://127.0.0.1:{port}"],
+                    **workers,
                     "max_in_flight_per_worker": 1,
                     "queue": queue,
                 }

@@ -8,6 +8,7 @@ from typing import Any
 
 import orjson
 import pytest
+from aiohttp import web
 
 from gateway.auth import hash_api_key
 from gateway.config import ConfigError, parse_config
@@ -15,6 +16,7 @@ from gateway.decision_log import DecisionLog
 from policies import make_policy
 from policies.base import RouteDecision, RouteRequest, WorkerId, WorkerView
 from tests.support.inprocess import gateway_in_process
+from tests.support.loopback import serve_app
 from tests.support.processes import running_emulator
 
 SECRET = b"k"
@@ -81,3 +83,54 @@ def test_the_log_stops_at_max_records(tmp_path: Path) -> None:
 def test_a_path_that_cannot_be_opened_is_a_config_error_naming_the_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"decision_log\.path"):
         DecisionLog(str(tmp_path / "no-such-dir" / "d.jsonl"), max_records=2)
+
+
+async def _pd_worker(prefill: bool) -> tuple[web.AppRunner, str]:
+    """A vLLM worker of a P/D pool: the prefill one returns `kv_transfer_params`."""
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def chat(request: web.Request) -> web.Response:
+        await request.read()
+        usage = {"prompt_tokens": 300, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}}
+        answer: dict[str, Any] = {"choices": [], "usage": usage}
+        if prefill:
+            answer["kv_transfer_params"] = {"remote_engine_id": "e", "remote_block_ids": [1]}
+        return web.json_response(answer)
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/v1/chat/completions", chat)
+    runner, port = await serve_app(app)
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def test_a_pd_pool_logs_each_leg_with_its_role(tmp_path: Path) -> None:
+    log = tmp_path / "decisions.jsonl"
+    (p_runner, p_url), (d_runner, d_url) = await _pd_worker(True), await _pd_worker(False)
+    config = _config("", log)
+    pool = config["pools"][0]
+    del pool["workers"]
+    pool.update(prefill_workers=[p_url], decode_workers=[d_url], pd={"conditional": False})
+    try:
+        async with gateway_in_process(config, make_policy("cost"), secret=SECRET) as gw:
+            for n in (1, 2):  # two choices cannot be split: the decode worker serves it alone
+                body = {"model": "emulated-llama", "messages": [{"role": "user", "content": PROMPT}], "n": n}
+                resp = await gw.client.post(
+                    "/v1/chat/completions", json=body, headers={"authorization": "Bearer sk"}
+                )
+                assert resp.status_code == 200
+    finally:
+        await p_runner.cleanup()
+        await d_runner.cleanup()
+    split, alone = (orjson.loads(line) for line in log.read_text().splitlines())
+    prefill, decode = split["decisions"]
+    assert (prefill["role"], prefill["worker"]) == ("prefill", p_url)
+    assert prefill["reason"] in ("hit", "miss") and "transfer_s" not in prefill
+    assert (decode["role"], decode["worker"], decode["reason"]) == ("decode", d_url, "pd_split")
+    assert decode["transfer_tokens"] > 0 and decode["transfer_s"] > 0
+    assert decode["candidates"][0]["worker"] == d_url
+    assert split["status"] == 200 and split["cached_tokens"] == 0
+    (only,) = alone["decisions"]
+    assert (only["role"], only["worker"], only["reason"]) == ("alone", d_url, "pd_alone_unsplittable")

@@ -11,8 +11,8 @@ import pytest
 
 from gateway.failure import Failure
 from gateway.outcome import Usage
-from gateway.pd import _both, splittable
-from gateway.pd_legs import Opened, PdRelay, Prefilled, TransferFailed, with_cached_tokens
+from gateway.pd import splittable
+from gateway.pd_legs import Opened, PdRelay, Prefilled, TransferFailed, both_legs, with_cached_tokens
 from policies.base import Outcome
 
 
@@ -81,7 +81,7 @@ async def test_sglang_legs_wait_for_each_other_and_a_failure_stops_the_other() -
     gate = asyncio.Event()
     p_task = asyncio.create_task(_leg(ok_p, gate))
     d_task = asyncio.create_task(_leg(ok_d))
-    waiting = asyncio.create_task(_both(p_task, d_task))
+    waiting = asyncio.create_task(both_legs(p_task, d_task))
     await asyncio.sleep(0)
     assert not waiting.done()
     gate.set()
@@ -90,10 +90,10 @@ async def test_sglang_legs_wait_for_each_other_and_a_failure_stops_the_other() -
     stopped: list[str] = []
     p_task = asyncio.create_task(_leg(ok_p, asyncio.Event(), stopped))
     d_task = asyncio.create_task(_leg(TransferFailed(failed, "decode_error")))
-    assert await _both(p_task, d_task) == (None, TransferFailed(failed, "decode_error"))
+    assert await both_legs(p_task, d_task) == (None, TransferFailed(failed, "decode_error"))
     assert stopped == ["stopped"]
     # The prefill leg fails: the decode leg is stopped.
     stopped.clear()
     p_task = asyncio.create_task(_leg(failed))
     d_task = asyncio.create_task(_leg(ok_d, asyncio.Event(), stopped))
-    assert await _both(p_task, d_task) == (failed, None) and stopped == ["stopped"]
+    assert await both_legs(p_task, d_task) == (failed, None) and stopped == ["stopped"]

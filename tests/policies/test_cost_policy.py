@@ -62,11 +62,26 @@ def test_hot_prefix_is_replicated_when_its_holder_is_queued() -> None:
 def test_bounded_load_guard_moves_off_an_overloaded_holder() -> None:
     p = _policy()
     _warm(p, range(256), "w0")
-    d = p.select(req("r", range(258)), workers(10, 0, 0, 0), 1.0)
+    # The holder has half the prompt: a new branch, held to the guard.
+    branch = req("r", [*range(256), *range(1000, 1256)])
+    d = p.select(branch, workers(10, 0, 0, 0), 1.0)
     assert d is not None and d.worker != "w0"
     strict = _policy(epsilon=0.0, slack_requests=0.0)
     d2 = strict.select(req("r", range(3)), workers(2, 2, 2, 2), 1.0)
     assert d2 is not None and d2.reason == "overloaded"
+
+
+def test_a_holder_of_most_of_the_prompt_is_not_held_to_the_load_guard() -> None:
+    # w0's load is over the guard's bound, but it holds all but the last blocks of the prompt: the
+    # session continues there instead of recomputing its history on an idle worker.
+    p = _policy()
+    _warm(p, range(256), "w0")
+    d = p.select(req("r", range(258)), workers(10, 0, 0, 0), 1.0)
+    assert d is not None and d.worker == "w0" and d.reason == "hit"
+    guarded = _policy(guard_continuations=True)
+    _warm(guarded, range(256), "w0")
+    d2 = guarded.select(req("r", range(258)), workers(10, 0, 0, 0), 1.0)
+    assert d2 is not None and d2.worker != "w0" and d2.reason == "spread"
 
 
 def test_cold_adapter_outweighs_a_short_prefix() -> None:
@@ -226,9 +241,9 @@ def _reference_best_s(p: CostPolicy, r: RouteRequest, views: list[WorkerView]) -
     branch = 2 * p._cap_tokens(r, match.longest_blocks) <= r.n_prompt_tokens
     best = -float("inf")
     for v, load in zip(views, loads, strict=True):
-        if load > bound:
-            continue
         matched = p._cap_tokens(r, match.blocks(v.worker_id))
+        if load > bound and (p.guard_continuations or 2 * matched <= r.n_prompt_tokens):
+            continue
         score = model.saved_s(r.n_prompt_tokens, matched) * weight - model.queue_s(
             v, r.n_prompt_tokens - matched
         )

@@ -62,26 +62,28 @@ def test_hot_prefix_is_replicated_when_its_holder_is_queued() -> None:
 def test_bounded_load_guard_moves_off_an_overloaded_holder() -> None:
     p = _policy()
     _warm(p, range(256), "w0")
-    # The holder has half the prompt: a new branch, held to the guard.
-    branch = req("r", [*range(256), *range(1000, 1256)])
-    d = p.select(branch, workers(10, 0, 0, 0), 1.0)
-    assert d is not None and d.worker != "w0"
+    d = p.select(req("r", range(258)), workers(10, 0, 0, 0), 1.0)
+    assert d is not None and d.worker != "w0" and d.reason == "spread"
     strict = _policy(epsilon=0.0, slack_requests=0.0)
     d2 = strict.select(req("r", range(3)), workers(2, 2, 2, 2), 1.0)
     assert d2 is not None and d2.reason == "overloaded"
 
 
-def test_a_holder_of_most_of_the_prompt_is_not_held_to_the_load_guard() -> None:
-    # w0's load is over the guard's bound, but it holds all but the last blocks of the prompt: the
-    # session continues there instead of recomputing its history on an idle worker.
-    p = _policy()
+def test_continuation_slack_gives_a_holder_of_most_of_the_prompt_more_room() -> None:
+    # w0's load (10) is over the guard's bound (9.75), but it holds all but the last blocks of the
+    # prompt: with `continuation_slack_requests` the session continues there instead of recomputing
+    # its history on an idle worker, up to that many requests past the bound.
+    p = _policy(continuation_slack_requests=8.0)
     _warm(p, range(256), "w0")
     d = p.select(req("r", range(258)), workers(10, 0, 0, 0), 1.0)
     assert d is not None and d.worker == "w0" and d.reason == "hit"
-    guarded = _policy(guard_continuations=True)
-    _warm(guarded, range(256), "w0")
-    d2 = guarded.select(req("r", range(258)), workers(10, 0, 0, 0), 1.0)
-    assert d2 is not None and d2.worker != "w0" and d2.reason == "spread"
+    # Past the extra room (bound 14.75 + 8 here), the guard applies.
+    d1 = p.select(req("r1", range(258)), workers(30, 0, 0, 0), 1.0)
+    assert d1 is not None and d1.worker != "w0" and d1.reason == "spread"
+    # A holder of only half the prompt (a new branch) gets no extra room.
+    branch = req("r2", [*range(256), *range(1000, 1256)])
+    d2 = p.select(branch, workers(10, 0, 0, 0), 1.0)
+    assert d2 is not None and d2.worker != "w0"
 
 
 def test_cold_adapter_outweighs_a_short_prefix() -> None:
@@ -242,7 +244,8 @@ def _reference_best_s(p: CostPolicy, r: RouteRequest, views: list[WorkerView]) -
     best = -float("inf")
     for v, load in zip(views, loads, strict=True):
         matched = p._cap_tokens(r, match.blocks(v.worker_id))
-        if load > bound and (p.guard_continuations or 2 * matched <= r.n_prompt_tokens):
+        follow = 2 * matched > r.n_prompt_tokens and load <= bound + p.continuation_slack_requests
+        if load > bound and not follow:
             continue
         score = model.saved_s(r.n_prompt_tokens, matched) * weight - model.queue_s(
             v, r.n_prompt_tokens - matched
@@ -261,11 +264,12 @@ def _reference_best_s(p: CostPolicy, r: RouteRequest, views: list[WorkerView]) -
         max_size=12,
     ),
     st.lists(st.integers(0, 64), min_size=1, max_size=12),
+    st.sampled_from([0.0, 4.0]),
 )
 def test_pruned_scoring_finds_the_brute_force_best(
-    loads: list[tuple[int, int, int, int]], depths: list[int]
+    loads: list[tuple[int, int, int, int]], depths: list[int], continuation_slack: float
 ) -> None:
-    p = _policy()
+    p = _policy(continuation_slack_requests=continuation_slack)
     views = [
         WorkerView(
             WorkerId(f"w{i}"),

@@ -142,6 +142,7 @@ class CostParamsYaml(_Strict):
     branch_load_weight: float = Field(1.0, ge=0)
     load_window_s: float = Field(180.0, gt=0)
     discount_cached_backlog: bool = False
+    continuation_slack_requests: float = Field(0.0, ge=0)
 
 
 class SglangParamsYaml(_Strict):

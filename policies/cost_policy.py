@@ -10,7 +10,8 @@ T_branch = branch_load_weight × prefill seconds recently routed to j, charged o
 match covers at most half the prompt, i.e. the request starts a branch its successors will follow;
 token counts are in engine tokens, see `CostModel.engine_tokens_per_request_token`), then:
 1. bounded-load guard: only workers whose in-flight load stays within
-   max((1+ε)·mean, mean + slack) after this request are eligible, unless none is;
+   max((1+ε)·mean, mean + slack) after this request are eligible, unless none is; a worker holding
+   more than half the prompt gets `continuation_slack_requests` more;
 2. the best score wins, ties (within `tie_s`) broken at random (so idle workers share misses);
 3. hot-prefix spreading falls out of the score: when the holders' queue costs more than the
    prefill they save, a fresh worker wins and the prefix is replicated there (reason "spread").
@@ -51,12 +52,24 @@ class CostPolicy(PrefixPolicyBase):
         branch_load_weight: float = 1.0,
         load_window_s: float = 180.0,
         discount_cached_backlog: bool = False,
+        continuation_slack_requests: float = 0.0,
         shared: SharedSettings | None = None,
     ) -> None:
-        if min(epsilon, slack_requests, tie_s, work_weight, max_queue_factor, branch_load_weight) < 0:
+        if (
+            min(
+                epsilon,
+                slack_requests,
+                tie_s,
+                work_weight,
+                max_queue_factor,
+                branch_load_weight,
+                continuation_slack_requests,
+            )
+            < 0
+        ):
             raise ValueError(
-                "epsilon, slack_requests, tie_s, work_weight, max_queue_factor and branch_load_weight"
-                " must be >= 0"
+                "epsilon, slack_requests, tie_s, work_weight, max_queue_factor, branch_load_weight and"
+                " continuation_slack_requests must be >= 0"
             )
         if load_window_s <= 0:
             raise ValueError("load_window_s must be > 0")
@@ -69,6 +82,7 @@ class CostPolicy(PrefixPolicyBase):
         self.branch_load_weight = branch_load_weight
         self.load_window_s = load_window_s
         self.discount_cached_backlog = discount_cached_backlog
+        self.continuation_slack_requests = continuation_slack_requests
         self._calls = 0
         self._last_n = -1
         # Per worker: prefill seconds routed there, decayed with time constant `load_window_s`, and
@@ -226,11 +240,15 @@ class CostPolicy(PrefixPolicyBase):
             held = [(i, public[v.worker_id]) for i, v in enumerate(cands) if public.get(v.worker_id, 0)]
         holders: set[int] = set()
         if held:
+            # A worker holding more than half the prompt gets more room under the load guard: its
+            # load is mostly the decodes of the sessions it holds, and recomputing the history
+            # elsewhere adds more prefill to the pool than it moves (the score prices its queue).
+            follow_bound = bound + self.continuation_slack_requests
             ranked: list[tuple[float, int, int]] = []
             for i, blocks in held:
                 holders.add(i)
-                if loads[i] <= bound:
-                    matched = min(blocks * bs, limit)
+                matched = min(blocks * bs, limit)
+                if loads[i] <= bound or (2 * matched > n and loads[i] <= follow_bound):
                     upper = max(scorer.saved(matched), scorer.nonholder_saved_s)
                     ranked.append((upper - per_backlog_token * backlogs[i], i, matched))
             ranked.sort(reverse=True)

@@ -63,10 +63,27 @@ def test_bounded_load_guard_moves_off_an_overloaded_holder() -> None:
     p = _policy()
     _warm(p, range(256), "w0")
     d = p.select(req("r", range(258)), workers(10, 0, 0, 0), 1.0)
-    assert d is not None and d.worker != "w0"
+    assert d is not None and d.worker != "w0" and d.reason == "spread"
     strict = _policy(epsilon=0.0, slack_requests=0.0)
     d2 = strict.select(req("r", range(3)), workers(2, 2, 2, 2), 1.0)
     assert d2 is not None and d2.reason == "overloaded"
+
+
+def test_continuation_slack_gives_a_holder_of_most_of_the_prompt_more_room() -> None:
+    # w0's load (10) is over the guard's bound (9.75), but it holds all but the last blocks of the
+    # prompt: with `continuation_slack_requests` the session continues there instead of recomputing
+    # its history on an idle worker, up to that many requests past the bound.
+    p = _policy(continuation_slack_requests=8.0)
+    _warm(p, range(256), "w0")
+    d = p.select(req("r", range(258)), workers(10, 0, 0, 0), 1.0)
+    assert d is not None and d.worker == "w0" and d.reason == "hit"
+    # Past the extra room (bound 14.75 + 8 here), the guard applies.
+    d1 = p.select(req("r1", range(258)), workers(30, 0, 0, 0), 1.0)
+    assert d1 is not None and d1.worker != "w0" and d1.reason == "spread"
+    # A holder of only half the prompt (a new branch) gets no extra room.
+    branch = req("r2", [*range(256), *range(1000, 1256)])
+    d2 = p.select(branch, workers(10, 0, 0, 0), 1.0)
+    assert d2 is not None and d2.worker != "w0"
 
 
 def test_cold_adapter_outweighs_a_short_prefix() -> None:
@@ -226,9 +243,10 @@ def _reference_best_s(p: CostPolicy, r: RouteRequest, views: list[WorkerView]) -
     branch = 2 * p._cap_tokens(r, match.longest_blocks) <= r.n_prompt_tokens
     best = -float("inf")
     for v, load in zip(views, loads, strict=True):
-        if load > bound:
-            continue
         matched = p._cap_tokens(r, match.blocks(v.worker_id))
+        follow = 2 * matched > r.n_prompt_tokens and load <= bound + p.continuation_slack_requests
+        if load > bound and not follow:
+            continue
         score = model.saved_s(r.n_prompt_tokens, matched) * weight - model.queue_s(
             v, r.n_prompt_tokens - matched
         )
@@ -246,11 +264,12 @@ def _reference_best_s(p: CostPolicy, r: RouteRequest, views: list[WorkerView]) -
         max_size=12,
     ),
     st.lists(st.integers(0, 64), min_size=1, max_size=12),
+    st.sampled_from([0.0, 4.0]),
 )
 def test_pruned_scoring_finds_the_brute_force_best(
-    loads: list[tuple[int, int, int, int]], depths: list[int]
+    loads: list[tuple[int, int, int, int]], depths: list[int], continuation_slack: float
 ) -> None:
-    p = _policy()
+    p = _policy(continuation_slack_requests=continuation_slack)
     views = [
         WorkerView(
             WorkerId(f"w{i}"),

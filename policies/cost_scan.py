@@ -1,0 +1,118 @@
+"""The per-worker part of a `cost` decision, kept to what a thousand workers can afford.
+
+Every decision must read each worker's view once (availability, load, prefill backlog): that pass
+is built from list comprehensions, about three times cheaper on CPython 3.11 than one loop that
+appends to three lists. Everything after it touches only the workers that can matter:
+
+- the holders of part of the prefix are found from the index match (a few workers), through a
+  worker id → position map that is rebuilt only when the candidate list changes;
+- the other workers are taken in order of raw backlog from a heap, lazily, and the scan stops at
+  the first one whose best possible score cannot reach the best so far. Heapifying is O(workers)
+  in C; sorting them all, as a plain scan would, costs O(workers·log workers) key calls.
+
+The heap pops (backlog, position) in the order a stable sort by backlog gives, so the workers
+scored, and the decision, are the same as scanning all of them in sorted order.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator, Mapping, Sequence
+
+from policies.base import WorkerId, WorkerView
+from policies.records import record
+
+
+@record
+class Candidates:
+    """The available workers of one decision, as parallel columns.
+
+    `loads`: in-flight requests, raised to what the worker reports (waiting + running) when it
+    reports more. `pending`: in-flight prompt tokens, and `raw_backlog` their sum. `backlogs`:
+    prefill tokens left to compute, `pending` × the worker's uncached share when shares are given
+    (else `pending` itself).
+    """
+
+    views: list[WorkerView]
+    loads: list[int]
+    backlogs: Sequence[float]
+    pending: list[int]
+    raw_backlog: int
+
+
+def candidates(workers: Sequence[WorkerView], shares: Mapping[WorkerId, float]) -> Candidates:
+    """The healthy workers below their in-flight limit, in the order given, with their columns."""
+    views = [
+        w
+        for w in workers
+        if w.healthy and (w.max_in_flight is None or w.in_flight_requests < w.max_in_flight)
+    ]
+    loads = [
+        w.in_flight_requests
+        if w.num_requests_waiting is None
+        or w.num_requests_waiting + (w.num_requests_running or 0) <= w.in_flight_requests
+        else w.num_requests_waiting + (w.num_requests_running or 0)
+        for w in views
+    ]
+    pending = [w.in_flight_prefill_tokens for w in views]
+    raw = sum(pending)
+    if shares:
+        get = shares.get
+        backlogs = [p * get(w.worker_id, 1.0) for p, w in zip(pending, views, strict=True)]
+        return Candidates(views, loads, backlogs, pending, raw)
+    return Candidates(views, loads, pending, pending, raw)
+
+
+class Positions:
+    """Worker id → position in the candidate list, checked per holder and rebuilt only when stale.
+
+    A gateway lists the same workers in the same order decision after decision, so a holder's
+    remembered position is almost always still right: checking it costs one comparison, where
+    mapping every candidate's id would cost a pass over all of them. Worker ids in one candidate
+    list are distinct (a pool lists each worker once).
+    """
+
+    __slots__ = ("_ids", "_pos")
+
+    def __init__(self) -> None:
+        self._ids: list[WorkerId] = []
+        self._pos: dict[WorkerId, int] = {}
+
+    def held(
+        self, views: Sequence[WorkerView], blocks_by_worker: Mapping[WorkerId, int]
+    ) -> list[tuple[int, int]]:
+        """(candidate position, matched blocks) of every candidate holding part of the prefix."""
+        out = []
+        pos = self._pos
+        n = len(views)
+        for worker, blocks in blocks_by_worker.items():
+            if not blocks:
+                continue
+            i = pos.get(worker)
+            if i is None or i >= n or views[i].worker_id != worker:
+                ids = [w.worker_id for w in views]
+                if ids != self._ids:
+                    self._ids = ids
+                    pos = self._pos = {w: i for i, w in enumerate(ids)}
+                i = pos.get(worker)
+                if i is None:
+                    continue  # not a candidate (unavailable, or not in this pool)
+            out.append((i, blocks))
+        return out
+
+
+def by_backlog(cands: Candidates) -> Iterator[int]:
+    """Candidate positions in ascending backlog, ties by position (a stable sort's order), lazily."""
+    n = len(cands.views)
+    if cands.backlogs is cands.pending:
+        # Integer backlogs: one int per candidate, backlog·n + position, orders exactly like the
+        # pair without allocating n tuples.
+        keys = [b * n + i for i, b in enumerate(cands.pending)]
+        heapq.heapify(keys)
+        while keys:
+            yield heapq.heappop(keys) % n
+        return
+    pairs = [(b, i) for i, b in enumerate(cands.backlogs)]
+    heapq.heapify(pairs)
+    while pairs:
+        yield heapq.heappop(pairs)[1]

@@ -1,17 +1,20 @@
 """The per-worker part of a `cost` decision, kept to what a thousand workers can afford.
 
 Every decision must read each worker's view once (availability, load, prefill backlog): that pass
-is built from list comprehensions, about three times cheaper on CPython 3.11 than one loop that
-appends to three lists. Everything after it touches only the workers that can matter:
+is built from list comprehensions, about a third cheaper on CPython 3.11 than one loop that
+appends to three lists and looks up every worker in the prefix match. After it:
 
-- the holders of part of the prefix are found from the index match (a few workers), through a
-  worker id → position map that is rebuilt only when the candidate list changes;
-- the other workers are taken in order of raw backlog from a heap, lazily, and the scan stops at
-  the first one whose best possible score cannot reach the best so far. Heapifying is O(workers)
-  in C; sorting them all, as a plain scan would, costs O(workers·log workers) key calls.
+- the holders of part of the prefix are found from the index match, each through its position
+  in the candidate list remembered from earlier decisions (a full worker id → position map is
+  rebuilt only when the list changes);
+- the other workers are taken in order of raw backlog, the first few from a heap (heapified in
+  C, O(workers)) and the rest, when the scan goes on, from one sort of what is left; the scan
+  stops at the first one whose best possible score cannot reach the best so far. Sorting all of
+  them up front by a key function, as a plain scan would, costs more than the scan itself on a
+  hit.
 
-The heap pops (backlog, position) in the order a stable sort by backlog gives, so the workers
-scored, and the decision, are the same as scanning all of them in sorted order.
+Both give (backlog, position) in the order a stable sort by backlog gives, so the workers scored,
+and the decision, are the same as scanning all of them in sorted order.
 """
 
 from __future__ import annotations
@@ -101,18 +104,36 @@ class Positions:
         return out
 
 
-def by_backlog(cands: Candidates) -> Iterator[int]:
-    """Candidate positions in ascending backlog, ties by position (a stable sort's order), lazily."""
+def by_backlog(cands: Candidates, lazy: int = 16) -> Iterator[int]:
+    """Candidate positions in ascending backlog, ties by position (a stable sort's order).
+
+    Up to 128 candidates, one sort. Beyond, the first `lazy` come from a heap one at a time (a
+    scan usually stops within them), and a longer scan sorts what is left once, which is cheaper
+    than popping the heap for every worker.
+    """
+    backlogs = cands.backlogs
+    if len(backlogs) <= 128:
+        return iter(sorted(range(len(backlogs)), key=backlogs.__getitem__))
+    return _heap_order(cands, lazy)
+
+
+def _heap_order(cands: Candidates, lazy: int) -> Iterator[int]:
     n = len(cands.views)
     if cands.backlogs is cands.pending:
         # Integer backlogs: one int per candidate, backlog·n + position, orders exactly like the
         # pair without allocating n tuples.
         keys = [b * n + i for i, b in enumerate(cands.pending)]
         heapq.heapify(keys)
-        while keys:
+        for _ in range(min(lazy, n)):
             yield heapq.heappop(keys) % n
+        keys.sort()
+        for key in keys:
+            yield key % n
         return
     pairs = [(b, i) for i, b in enumerate(cands.backlogs)]
     heapq.heapify(pairs)
-    while pairs:
+    for _ in range(min(lazy, n)):
         yield heapq.heappop(pairs)[1]
+    pairs.sort()
+    for _, i in pairs:
+        yield i

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterator, Mapping, Sequence
+from itertools import chain
+from operator import itemgetter
 
 from policies.base import WorkerId, WorkerView
 from policies.records import record
@@ -118,22 +120,23 @@ def by_backlog(cands: Candidates, lazy: int = 16) -> Iterator[int]:
 
 
 def _heap_order(cands: Candidates, lazy: int) -> Iterator[int]:
+    return chain.from_iterable(_heap_parts(cands, lazy))
+
+
+def _heap_parts(cands: Candidates, lazy: int) -> Iterator[Iterator[int]]:
+    # `chain` asks for the second part only once the first is used up: the sort happens then.
     n = len(cands.views)
     if cands.backlogs is cands.pending:
         # Integer backlogs: one int per candidate, backlog·n + position, orders exactly like the
         # pair without allocating n tuples.
         keys = [b * n + i for i, b in enumerate(cands.pending)]
         heapq.heapify(keys)
-        for _ in range(min(lazy, n)):
-            yield heapq.heappop(keys) % n
+        yield (heapq.heappop(keys) % n for _ in range(min(lazy, n)))
         keys.sort()
-        for key in keys:
-            yield key % n
+        yield map(n.__rmod__, keys)
         return
     pairs = [(b, i) for i, b in enumerate(cands.backlogs)]
     heapq.heapify(pairs)
-    for _ in range(min(lazy, n)):
-        yield heapq.heappop(pairs)[1]
+    yield (heapq.heappop(pairs)[1] for _ in range(min(lazy, n)))
     pairs.sort()
-    for _, i in pairs:
-        yield i
+    yield map(itemgetter(1), pairs)

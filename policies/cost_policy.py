@@ -226,9 +226,9 @@ class CostPolicy(PrefixPolicyBase):
                 if upper < scorer.best_score - tie:
                     break
                 scorer.consider(i, cands[i], matched, backlogs[i])
-        # Pass 2b: the others (they save nothing, or at most a transfer), by raw backlog, taken
-        # lazily from a heap: a hit usually stops after a few of them, a miss scores every worker
-        # the backlog bound cannot rule out (each one's queue and branch charge differ).
+        # Pass 2b: the others (they save nothing, or at most a transfer), by raw backlog
+        # (`cost_scan.by_backlog`): a hit usually stops after a few of them, a miss scores every
+        # worker the backlog bound cannot rule out (each one's queue and branch charge differ).
         cap_s = scorer.nonholder_saved_s
         if cap_s >= scorer.best_score - tie:
             for i in by_backlog(columns):

@@ -7,8 +7,9 @@ appends to three lists and looks up every worker in the prefix match. After it:
 - the holders of part of the prefix are found from the index match, each through its position
   in the candidate list remembered from earlier decisions (a full worker id → position map is
   rebuilt only when the list changes);
-- the other workers are taken in order of raw backlog, the first few from a heap (heapified in
-  C, O(workers)) and the rest, when the scan goes on, from one sort of what is left; the scan
+- the other workers are taken in order of raw backlog: beyond 128 of them, the first few from a
+  heap (heapified in C, O(workers)) and the rest, when the scan goes on, from one sort of what is
+  left (fewer workers are sorted once); the scan
   stops at the first one whose best possible score cannot reach the best so far. Sorting all of
   them up front by a key function, as a plain scan would, costs more than the scan itself on a
   hit.

@@ -2,8 +2,9 @@
 
 The index is filled first: a background of unrelated prompts on every worker, plus the measured
 prompt's prefix on a few workers at different depths (so the lookup walks the whole prompt and
-several workers drop out along the way). Each policy's `select` is then timed on the same request
-and worker views; round_robin, timed in the same run, is the baseline.
+several workers drop out along the way). `--miss` times a prompt no worker holds instead: the
+decision then weighs every worker's queue, not the holders'. Each policy's `select` is then timed
+on the same request and worker views; round_robin, timed in the same run, is the baseline.
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         default=["round_robin", "cost", "sglang_cache_aware", "preble_e2", "consistent_hash", "least_load"],
         help="registered policies to time",
+    )
+    parser.add_argument(
+        "--miss",
+        action="store_true",
+        help="time a prompt no worker holds (a new conversation) instead of one six workers hold in part",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated keys (default 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -162,7 +168,12 @@ def measure(args: argparse.Namespace) -> list[Timing]:
                 options["shared"] = SharedSettings(default_pool=PoolSettings(index=index))
             policy = make_policy(name, seed=args.seed, **options)
             _fill(policy, views, prompt, args)
-            samples = sorted(_time(policy, prompt, views, args.repeats))
+            measured = (
+                _request("new", _keys(random.Random(args.seed + 2), len(prompt.block_keys)))
+                if args.miss
+                else prompt
+            )
+            samples = sorted(_time(policy, measured, views, args.repeats))
             p99 = samples[min(len(samples) - 1, int(0.99 * len(samples)))]
             results.append(Timing(name, prompt.n_prompt_tokens, statistics.median(samples), p99))
     return results
@@ -179,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
         "background_prompts": args.background_prompts,
         "granularity_blocks": args.granularity_blocks,
         "seed": args.seed,
+        "miss": args.miss,
         "git_sha": _git_sha(),
         "python": sys.version.split()[0],
     }

@@ -26,6 +26,7 @@ from typing import ClassVar
 
 from policies.base import Observation, RouteDecision, RouteRequest, WorkerId, WorkerView, reported_load
 from policies.cost_model import CostModel, QueueTerms
+from policies.cost_scan import Positions, by_backlog, candidates
 from policies.peer_sync import PeerHolding
 from policies.pools import PoolState
 from policies.prefix_policy import PrefixPolicyBase, SharedSettings
@@ -38,6 +39,7 @@ class CostPolicy(PrefixPolicyBase):
 
     name: ClassVar[str]
     OBSERVE_EVERY = 32
+    OBSERVE_SLICE = 8
     MAX_INFLIGHT = 65_536
 
     def __init__(
@@ -83,8 +85,9 @@ class CostPolicy(PrefixPolicyBase):
         self.load_window_s = load_window_s
         self.discount_cached_backlog = discount_cached_backlog
         self.continuation_slack_requests = continuation_slack_requests
-        self._calls = 0
         self._last_n = -1
+        self._positions = Positions()
+        self._observe_at = 0
         # Per worker: prefill seconds routed there, decayed with time constant `load_window_s`, and
         # when that was last brought up to date.
         self._recent_work: dict[WorkerId, tuple[float, float]] = {}
@@ -163,42 +166,28 @@ class CostPolicy(PrefixPolicyBase):
         pool.index.expire(now_s)
         mine = self._own_keys(req)
         own_match = pool.index.lookup(mine.keys, mine.namespace, now_s)
-        own_get = own_match.blocks_by_worker.get if own_match.longest_blocks else None
-        # Pass 1: availability, load, raw prefill backlog and own-namespace match of every worker
-        # (locals only: this and the scoring below are the per-worker hot path).
-        cands: list[WorkerView] = []
-        loads: list[int] = []
-        backlogs: list[float] = []  # prefill tokens left to compute (whole prompts × uncached share)
-        held: list[tuple[int, int]] = []  # (candidate, matched blocks)
-        raw_backlog = 0
-        shares: dict[WorkerId, float] = self._uncached_share if self.discount_cached_backlog else {}
-        for w in workers:
-            inflight = w.in_flight_requests
-            if not w.healthy or (w.max_in_flight is not None and inflight >= w.max_in_flight):
-                continue
-            if own_get is not None:
-                blocks = own_get(w.worker_id)
-                if blocks:
-                    held.append((len(cands), blocks))
-            cands.append(w)
-            if w.num_requests_waiting is not None:
-                reported = sum(reported_load(w) or ())
-                if reported > inflight:
-                    inflight = reported
-            loads.append(inflight)
-            pending = w.in_flight_prefill_tokens
-            raw_backlog += pending
-            backlogs.append(pending * shares.get(w.worker_id, 1.0) if shares else pending)
+        # Pass 1: availability, load and prefill backlog of every worker (see `cost_scan`).
+        shares = self._uncached_share if self.discount_cached_backlog else {}
+        columns = candidates(workers, shares)
+        cands, loads, backlogs = columns.views, columns.loads, columns.backlogs
         if not cands:
             return None
         n_cands = len(cands)
         self._note_tenant(req)
-        self._calls += 1
-        if self._calls % self.OBSERVE_EVERY == 1 or n_cands != self._last_n:
-            # Capacities and pool membership change rarely; refresh them periodically.
+        if n_cands != self._last_n:
             self._last_n = n_cands
             self._pools.note_workers(req.pool, cands)
             pool.observe_workers(cands)
+        else:
+            # Capacities and pool membership change rarely: each decision refreshes the next few
+            # workers (at most OBSERVE_SLICE), so each is seen every max(OBSERVE_EVERY, workers /
+            # OBSERVE_SLICE) decisions, at a flat cost per decision.
+            step = min(self.OBSERVE_SLICE, -(-n_cands // self.OBSERVE_EVERY))
+            start = self._observe_at if self._observe_at < n_cands else 0
+            self._observe_at = start + step
+            part = cands[start : start + step]
+            self._pools.note_workers(req.pool, part)
+            pool.observe_workers(part)
         found = self._lookup(pool, req, now_s, own=own_match)
         cost = pool.cost
 
@@ -207,10 +196,12 @@ class CostPolicy(PrefixPolicyBase):
         # 1 + work_weight·L, L = prompts waiting per worker (Little's law), capped. The backlog is
         # in request tokens and the mean prompt in engine tokens: convert before dividing.
         unit = cost.engine_tokens_per_request_token
-        waiting_per_worker = raw_backlog * unit / n_cands / max(1.0, cost.mean_prompt_tokens)
+        waiting_per_worker = columns.raw_backlog * unit / n_cands / max(1.0, cost.mean_prompt_tokens)
         weight = 1.0 + self.work_weight * min(waiting_per_worker, self.max_queue_factor)
         bound = max((1.0 + self.epsilon) * mean_after, mean_after + self.slack_requests) - 1
-        overloaded = min(loads) > bound
+        # The least loaded worker is at most the mean: with a slack of a request or more, it is
+        # always within the bound, and the pass over the loads is skipped.
+        overloaded = self.slack_requests < 1 and min(loads) > bound
         if overloaded:
             bound = math.inf
 
@@ -232,12 +223,11 @@ class CostPolicy(PrefixPolicyBase):
         # no later worker can win or tie: the loop stops there.
         tie = self.tie_s
         per_backlog_token = q.scale * q.backlog_per_token_s * cost.engine_tokens_per_request_token
-        # Pass 2a: the workers holding part of the prefix (few).
-        if found.public_blocks:
-            # Wholly inside a promoted public prefix: the request carries the public salt, so only
-            # public holders save it anything (its tenant-salted blocks are not reused).
-            public = found.public.blocks_by_worker
-            held = [(i, public[v.worker_id]) for i, v in enumerate(cands) if public.get(v.worker_id, 0)]
+        # Pass 2a: the workers holding part of the prefix (few). Wholly inside a promoted public
+        # prefix, the request carries the public salt, so only public holders save it anything
+        # (its tenant-salted blocks are not reused).
+        match = found.public if found.public_blocks else own_match
+        held = self._positions.held(cands, match.blocks_by_worker) if match.longest_blocks else []
         holders: set[int] = set()
         if held:
             # A worker holding more than half the prompt gets more room under the load guard: its
@@ -256,12 +246,14 @@ class CostPolicy(PrefixPolicyBase):
                 if upper < scorer.best_score - tie:
                     break
                 scorer.consider(i, cands[i], matched, backlogs[i])
-        # Pass 2b: the others (they save nothing, or at most a transfer), by raw backlog.
+        # Pass 2b: the others (they save nothing, or at most a transfer), by raw backlog
+        # (`cost_scan.by_backlog`): a hit usually stops after a few of them, a miss scores every
+        # worker the backlog bound cannot rule out (each one's queue and branch charge differ).
         cap_s = scorer.nonholder_saved_s
         if cap_s >= scorer.best_score - tie:
-            order = [i for i in range(n_cands) if loads[i] <= bound and i not in holders]
-            order.sort(key=backlogs.__getitem__)
-            for i in order:
+            for i in by_backlog(columns):
+                if loads[i] > bound or i in holders:
+                    continue
                 if cap_s - per_backlog_token * backlogs[i] < scorer.best_score - tie:
                     break
                 scorer.consider(i, cands[i], 0, backlogs[i])

@@ -24,9 +24,14 @@ from policies.peer_sync import PeerItem, PeerLoad, PeerLoads, SupportsPeerSync, 
 
 
 class SimGateway:
-    """One gateway: its policy and what it knows of each worker's load (by worker index)."""
+    """One gateway: its policy and what it knows of each worker's load (by worker index).
 
-    __slots__ = ("decode", "in_flight", "index", "name", "peer_loads", "policy", "prefill")
+    `views` holds each worker's last `WorkerView` as this gateway built it, as the gateway's
+    registry keeps one: the loop clears a worker's entry when the accounting or the scrape behind
+    it changes, so a decision rebuilds only the views that changed.
+    """
+
+    __slots__ = ("decode", "in_flight", "index", "name", "peer_loads", "policy", "prefill", "views")
 
     def __init__(self, index: int, policy: RoutingPolicy, n_workers: int) -> None:
         self.index = index
@@ -35,6 +40,7 @@ class SimGateway:
         self.in_flight = [0] * n_workers
         self.prefill = [0] * n_workers
         self.decode = [0] * n_workers
+        self.views: list[WorkerView | None] = [None] * n_workers
         self.peer_loads: PeerLoads | None = None
 
     def load(self, pool: str, worker: WorkerId, i: int) -> PeerLoad:

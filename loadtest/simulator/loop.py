@@ -171,6 +171,7 @@ class _Loop:
         """What gateway `gw` sees: its own in-flight accounting, its peers' reports, the scrape."""
         out = []
         cfg = self.config
+        cache = gw.views
         for i, w in enumerate(self.workers):
             if now_s - w.scrape_s >= cfg.scrape_interval_s:
                 w.scrape = w.engine.stats()
@@ -180,21 +181,25 @@ class _Loop:
                     g.fold(pool, WorkerView(w.id, in_flight_requests=g.in_flight[i])).in_flight_requests
                     for g in self.gateways
                 ]
-            s = w.scrape
-            view = WorkerView(
-                worker_id=w.id,
-                in_flight_requests=gw.in_flight[i],
-                in_flight_prefill_tokens=gw.prefill[i],
-                in_flight_decode_tokens=gw.decode[i],
-                max_in_flight=cfg.max_in_flight_per_worker,
-                num_requests_waiting=s.num_waiting,
-                num_requests_running=s.num_running,
-                kv_usage=s.kv_usage,
-                num_gpu_blocks=s.num_kv_blocks,
-                engine_block_size=w.engine.block_size,
-                role=self.roles[i],
-                in_flight_at_scrape=w.scrape_in_flight[gw.index],
-            )
+                for g in self.gateways:
+                    g.views[i] = None
+            view = cache[i]
+            if view is None:
+                s = w.scrape
+                view = cache[i] = WorkerView(
+                    worker_id=w.id,
+                    in_flight_requests=gw.in_flight[i],
+                    in_flight_prefill_tokens=gw.prefill[i],
+                    in_flight_decode_tokens=gw.decode[i],
+                    max_in_flight=cfg.max_in_flight_per_worker,
+                    num_requests_waiting=s.num_waiting,
+                    num_requests_running=s.num_running,
+                    kv_usage=s.kv_usage,
+                    num_gpu_blocks=s.num_kv_blocks,
+                    engine_block_size=w.engine.block_size,
+                    role=self.roles[i],
+                    in_flight_at_scrape=w.scrape_in_flight[gw.index],
+                )
             out.append(gw.fold(pool, view))
         return out
 
@@ -266,6 +271,7 @@ class _Loop:
             assert gw is not None
             gw.prefill[idx] -= f.route.n_prompt_tokens
             gw.decode[idx] += f.max_out
+            gw.views[idx] = None
             changed[(gw, f.route.pool)] = None
         for fin in out.finished:
             f = self.flights.pop(str(fin.request_id))
@@ -274,6 +280,7 @@ class _Loop:
             assert gw is not None
             gw.decode[idx] -= f.max_out
             gw.in_flight[idx] -= 1
+            gw.views[idx] = None
             changed[(gw, f.route.pool)] = None
             w.cached_tokens += fin.num_cached_tokens
             w.output_tokens += fin.num_output_tokens
@@ -374,6 +381,7 @@ class _Loop:
         self.flights[f.req.request_id] = f
         gw.in_flight[idx] += 1
         gw.prefill[idx] += route.n_prompt_tokens
+        gw.views[idx] = None
         if self.bus is not None:
             self.bus.load_changed(gw, route.pool, w.id, idx, now_s)
         w.n_requests += 1

@@ -218,13 +218,19 @@ class Worker:
 class Pool:
     """The workers of one pool and the config they share. `auth` is the pool's API key for its
     workers, sent on every request to them (`upstream_headers.py`); `forward` the client header
-    names (lower-case ASGI bytes) its config lets through."""
+    names (lower-case ASGI bytes) its config lets through, less `withheld` (the trace context
+    while the gateway traces: its own CLIENT span's `traceparent` replaces the client's, whose
+    context is already the parent of the gateway's SERVER span)."""
 
-    def __init__(self, config: PoolConfig, auth: WorkerAuth = NO_AUTH) -> None:
+    def __init__(
+        self, config: PoolConfig, auth: WorkerAuth = NO_AUTH, withheld: frozenset[str] = frozenset()
+    ) -> None:
         self.config = config
         self.name = config.name
         self.auth = auth
-        self.forward = frozenset(name.encode("latin-1") for name in config.forward_headers)
+        self.forward = frozenset(
+            name.encode("latin-1") for name in config.forward_headers if name not in withheld
+        )
         self.workers: dict[WorkerId, Worker] = {}
         self.metrics_max_age_s = 5.0
         t = config.timeouts
@@ -280,11 +286,16 @@ def _pd_router(config: PoolConfig) -> PdRouter | None:
 class Registry:
     """All pools, the model → pool map, and the health-check loops (owned by the app lifespan)."""
 
-    def __init__(self, pools: Iterable[PoolConfig], auth: Mapping[str, WorkerAuth] | None = None) -> None:
+    def __init__(
+        self,
+        pools: Iterable[PoolConfig],
+        auth: Mapping[str, WorkerAuth] | None = None,
+        withheld: frozenset[str] = frozenset(),
+    ) -> None:
         self.pools: dict[str, Pool] = {}
         self.by_model: dict[str, Pool] = {}
         for cfg in pools:
-            pool = Pool(cfg, (auth or {}).get(cfg.name, NO_AUTH))
+            pool = Pool(cfg, (auth or {}).get(cfg.name, NO_AUTH), withheld)
             self.pools[cfg.name] = pool
             for model in cfg.models:
                 self.by_model[model] = pool

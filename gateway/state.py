@@ -24,7 +24,7 @@ from gateway.quotas import TenantLimiter
 from gateway.registry import Registry
 from gateway.responses_affinity import ResponseAffinity
 from gateway.routing import Routing
-from gateway.tracing import RequestTracer
+from gateway.tracing import TRACE_CONTEXT_HEADERS, RequestTracer
 from gateway.transport import Transport
 from gateway.upstream_headers import WorkerAuth
 from policies.base import RoutingPolicy
@@ -72,7 +72,9 @@ def build_state(
     now_s = time.monotonic()
     env = os.environ if environ is None else environ
     auth = {pool.name: WorkerAuth(read_worker_key(pool, env)) for pool in config.pools}
-    registry = Registry(config.pools, auth)
+    # While tracing, each attempt carries its own span's trace context; a client's is not forwarded.
+    withheld = TRACE_CONTEXT_HEADERS if config.tracing.enabled else frozenset()
+    registry = Registry(config.pools, auth, withheld)
     metrics = GatewayMetrics()
     weights = {t.name: t.weight for t in config.tenants}
     transport = Transport()

@@ -54,6 +54,8 @@ _OPERATION = {
     "embeddings": "embeddings",
 }
 _TRACE_HEADERS = (b"traceparent", b"tracestate")
+# The same names as a pool's `forward_headers` spells them: withheld from workers while tracing.
+TRACE_CONTEXT_HEADERS = frozenset(h.decode() for h in _TRACE_HEADERS)
 # A finish reason in a streamed chunk (`"finish_reason":null` until the last chunk of a choice).
 _FINISH_REASON = re.compile(rb'"finish_reason"\s*:\s*"([A-Za-z0-9_.-]{1,64})"')
 _MAX_FINISH_REASONS = 16  # one per choice; `n` is bounded by the worker, this by us

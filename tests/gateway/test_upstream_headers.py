@@ -40,6 +40,17 @@ def _config(**pool: Any) -> dict[str, Any]:
     }
 
 
+def test_while_tracing_a_clients_trace_context_is_not_forwarded() -> None:
+    """The attempt's own CLIENT span context goes to the worker; forwarding the client's too would
+    send the worker two `traceparent` headers."""
+    raw = _config(forward_headers=["x-b", "traceparent", "tracestate"])
+    quiet = build_state(parse_config(raw), SECRET, make_policy("round_robin"), NormalizerConfig())
+    assert quiet.registry.pools["p"].forward == {b"x-b", b"traceparent", b"tracestate"}
+    traced_config = parse_config({**raw, "tracing": {"enabled": True}})
+    traced = build_state(traced_config, SECRET, make_policy("round_robin"), NormalizerConfig())
+    assert traced.registry.pools["p"].forward == {b"x-b"}
+
+
 def test_header_names_are_lower_cased_and_dangerous_ones_refused() -> None:
     assert forwardable_name(" X-Trace-Tag ") == "x-trace-tag"
     for name in (

@@ -150,7 +150,9 @@ def parse_goodput_yaml(text: str) -> GoodputConfig:
     try:
         return GoodputConfig.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
+        errors = exc.errors()
+        # A row that is a mapping fails both branches of `str | PolicyEntry`: report the entry's.
+        first = next((e for e in errors if e["type"] != "string_type"), errors[0])
         where = ".".join(str(p) for p in first["loc"]) or "(top level)"
         raise GoodputConfigError(f"{where}: {first['msg']}") from exc
 

@@ -44,7 +44,11 @@ from policies.registry import known_policies
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="FILE", help="goodput YAML (default: the shipped default.yaml)")
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="goodput YAML (default: the shipped default.yaml), or a shipped one by name: pd, pd-tight-tpot",
+    )
     parser.add_argument("--traces", help="comma-separated subset of the config's traces")
     parser.add_argument(
         "--policies", help="comma-separated subset of the config's policies (rows, by label: 'cost 4:4')"

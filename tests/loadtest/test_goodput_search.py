@@ -117,3 +117,14 @@ def test_pd_rows_are_validated() -> None:
         _config(policies=["cost", {"policy": "cost", "pd": "2:6"}], baselines=["cost 2:6"], subject="cost")
     )
     assert ok.baselines == ("cost 2:6",)
+
+
+def test_the_tight_tpot_config_differs_from_pd_only_in_rows_and_slos() -> None:
+    from loadtest.goodput.config import load_goodput_config
+
+    pd, tight = load_goodput_config("pd"), load_goodput_config("pd-tight-tpot")
+    assert tight.labels() == ("cost", "cost 4:4", "cost 3:5")
+    for name, spec in tight.traces.items():
+        assert spec.tpot_slo_s == 0.02 and spec.ttft_slo_s == 2 * pd.traces[name].ttft_slo_s
+        same = {"ttft_slo_s", "tpot_slo_s"}
+        assert spec.model_dump(exclude=same) == pd.traces[name].model_dump(exclude=same)

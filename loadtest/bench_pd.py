@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -47,6 +46,7 @@ from loadtest.peers.launch import (
     start_peer,
 )
 from loadtest.report.meta import run_metadata
+from loadtest.report.pd import aggregate, fmt, markdown_table
 from loadtest.report.sampler import scrape
 from loadtest.traces.http_replay import HttpResult, ReplayConfig, replay
 from loadtest.traces.mooncake import TraceFormatError
@@ -57,7 +57,6 @@ from loadtest.workloads.text import synth_text
 HITS = "vllm:prefix_cache_hits_total"
 QUERIES = "vllm:prefix_cache_queries_total"
 FAILED = "vllm:nixl_num_failed_transfers"
-COLUMNS = ("ttft_p50_s", "ttft_p99_s", "tpot_p99_s", "prefill_hit_ratio", "reported_hit_ratio", "n_errors")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -284,77 +283,13 @@ def run_router(
     return run
 
 
-def _median(values: Sequence[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return statistics.median(present) if present else None
-
-
-def aggregate(
-    summaries: Sequence[dict[str, Any]], routers: Sequence[str]
-) -> tuple[dict[str, dict[str, Any]], str | None]:
-    """Per router: the median of each column over its successful repeats, and the median over
-    repeats of its ratio to the first smg router of the same repeat."""
-    ref = next((r for r in routers if r.startswith("smg")), None)
-    by_repeat: dict[int, dict[str, dict[str, Any]]] = {}
-    for s in summaries:
-        if s["status"] == "ok":
-            by_repeat.setdefault(s["repeat"], {})[s["router"]] = s
-    table: dict[str, dict[str, Any]] = {}
-    for router in routers:
-        mine = [rows[router] for rows in by_repeat.values() if router in rows]
-        row: dict[str, Any] = {"repeats": len(mine)}
-        for col in COLUMNS:
-            row[col] = _median([m[col] for m in mine])
-            row[f"{col}_each"] = [m[col] for m in mine]
-            if ref is not None and col != "n_errors":
-                ratios = [
-                    rows[router][col] / rows[ref][col]
-                    for rows in by_repeat.values()
-                    if router in rows and ref in rows and rows[router][col] and rows[ref][col]
-                ]
-                row[f"{col}_vs_ref"] = _median(ratios)
-        row["failed_transfers"] = _median([m["failed_transfers"] for m in mine])
-        row["n_sent"] = _median([m["n_sent"] for m in mine])
-        table[router] = row
-    return table, ref
-
-
-def _f(v: Any, spec: str, scale: float = 1.0) -> str:
-    return "–" if v is None else format(v * scale, spec)
-
-
-def markdown_table(table: dict[str, dict[str, Any]], ref: str | None) -> str:
-    vs = f"vs {ref}" if ref else ""
-    head = ["router", "TTFT p50 s", "TTFT p99 s", "TPOT p99 ms", "prefill hit ratio", "reported hit ratio"]
-    head += ["errors", "repeats"]
-    if ref:
-        head += [f"TTFT p50 {vs}", f"TTFT p99 {vs}", f"TPOT p99 {vs}", f"hit ratio {vs}"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for router, row in table.items():
-        cells = [
-            router,
-            _f(row["ttft_p50_s"], ".3f"),
-            _f(row["ttft_p99_s"], ".3f"),
-            _f(row["tpot_p99_s"], ".1f", 1e3),
-            _f(row["prefill_hit_ratio"], ".3f"),
-            _f(row["reported_hit_ratio"], ".3f"),
-            _f(row["n_errors"], "g"),
-            str(row["repeats"]),
-        ]
-        if ref:
-            for col in ("ttft_p50_s", "ttft_p99_s", "tpot_p99_s", "prefill_hit_ratio"):
-                cells.append(_f(row.get(f"{col}_vs_ref"), ".2f") + ("×" if row.get(f"{col}_vs_ref") else ""))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
 def _progress(s: dict[str, Any]) -> str:
     if s["status"] != "ok":
         return f"r{s['repeat']} {s['router']:24s} {s['status']}: {s['detail']}"
     return (
-        f"r{s['repeat']} {s['router']:24s} ttft p50 {_f(s['ttft_p50_s'], '.3f')} "
-        f"p99 {_f(s['ttft_p99_s'], '.3f')}  "
-        f"tpot p99 {_f(s['tpot_p99_s'], '.1f', 1e3)}ms  prefill hit {_f(s['prefill_hit_ratio'], '.3f')}  "
+        f"r{s['repeat']} {s['router']:24s} ttft p50 {fmt(s['ttft_p50_s'], '.3f')} "
+        f"p99 {fmt(s['ttft_p99_s'], '.3f')}  "
+        f"tpot p99 {fmt(s['tpot_p99_s'], '.1f', 1e3)}ms  prefill hit {fmt(s['prefill_hit_ratio'], '.3f')}  "
         f"errors {s['n_errors']}/{s['n_sent']}  ({s['wall_s']:.0f}s)"
     )
 

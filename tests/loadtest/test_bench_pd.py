@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from gateway.cli import BENCHMARKS, main
-from loadtest.bench_pd import UsageError, aggregate, parse_routers, parse_split
+from loadtest.bench_pd import UsageError, parse_routers, parse_split
+from loadtest.report.pd import aggregate
 
 
 def test_pd_is_a_bench_subcommand() -> None:

@@ -108,6 +108,9 @@ class GoodputConfig(_Strict):
     policies: tuple[str | PolicyEntry, ...] = Field(min_length=1)
     baselines: tuple[str, ...] = ()
     subject: str = "cost"
+    goal: float | None = Field(
+        1.3, gt=0
+    )  # the subject's capacity over the best other row's; None: no verdict
     attainment_share: float = Field(0.9, gt=0, le=1)
     tolerance: float = Field(0.05, gt=0, le=1)
     coarse_factor: float = Field(2.0, gt=1)

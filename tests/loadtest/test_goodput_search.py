@@ -128,3 +128,12 @@ def test_the_tight_tpot_config_differs_from_pd_only_in_rows_and_slos() -> None:
         assert spec.tpot_slo_s == 0.02 and spec.ttft_slo_s == 2 * pd.traces[name].ttft_slo_s
         same = {"ttft_slo_s", "tpot_slo_s"}
         assert spec.model_dump(exclude=same) == pd.traces[name].model_dump(exclude=same)
+
+
+def test_without_a_goal_the_ratio_has_no_verdict() -> None:
+    from loadtest.goodput.config import load_goodput_config
+    from loadtest.goodput.report import goal_text
+
+    assert load_goodput_config("pd").goal is None and parse_goodput_yaml(default_config_text()).goal == 1.3
+    text = goal_text(Capacity(2.0, 2.1), Capacity(1.0, 1.05), None)
+    assert text == "2.000× (1.90–2.10× within the search brackets)"

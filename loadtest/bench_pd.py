@@ -34,10 +34,10 @@ import aiohttp
 import numpy as np
 import orjson
 
-from loadtest.bench_routing import _requests as routing_requests
 from loadtest.cli_args import positive_float, positive_int
 from loadtest.peers.emulators import EmulatorSettings, PdEmulatorPool, free_port
-from loadtest.peers.kvgate import PdPool, bench_api_key, build_kvgate_command
+from loadtest.peers.kvgate import bench_api_key
+from loadtest.peers.kvgate_pd import PdPool, build_kvgate_pd_command
 from loadtest.peers.launch import (
     PeerCommand,
     PeerMissing,
@@ -49,9 +49,10 @@ from loadtest.report.meta import run_metadata
 from loadtest.report.pd import aggregate, fmt, markdown_table
 from loadtest.report.sampler import scrape
 from loadtest.traces.http_replay import HttpResult, ReplayConfig, replay
+from loadtest.traces.load import load_trace
 from loadtest.traces.mooncake import TraceFormatError
-from loadtest.workloads.records import TextPrompt, WorkloadRequest
-from loadtest.workloads.registry import WORKLOADS
+from loadtest.workloads.records import TextPrompt, WorkloadRequest, scale_arrivals
+from loadtest.workloads.registry import WORKLOADS, make_workload
 from loadtest.workloads.text import synth_text
 
 HITS = "vllm:prefix_cache_hits_total"
@@ -110,6 +111,20 @@ def parse_split(text: str) -> tuple[int, int]:
     if n_prefill < 1 or n_decode < 1:
         raise UsageError("--pd needs at least one prefill and one decode worker")
     return n_prefill, n_decode
+
+
+def load_requests(args: argparse.Namespace) -> list[WorkloadRequest]:
+    """The first `--max-requests` of the trace or workload, by arrival, at `--rate-scale`."""
+    if args.trace:
+        reqs = list(load_trace(args.trace, users=args.users, seed=args.seed).requests)
+    else:
+        reqs = make_workload(args.workload or "gsp", args.seed, args.workload_arg)
+    reqs = sorted(reqs, key=lambda r: r.arrival_s)[: args.max_requests]
+    if args.rate_scale != 1.0:
+        reqs = scale_arrivals(reqs, args.rate_scale)
+    if not reqs:
+        raise ValueError("no requests to replay")
+    return reqs
 
 
 def parse_routers(text: str) -> list[str]:
@@ -222,15 +237,14 @@ def _command(
     name, _, policy = spec.partition(":")
     if name == "kvgate":
         pd = PdPool(tuple(pool.prefill_urls), tuple(pool.decode_urls), "sglang", dict(pool.bootstrap_ports))
-        return build_kvgate_command(
+        return build_kvgate_pd_command(
             policy=policy,
             port=free_port(),
-            worker_urls=[],
+            pd=pd,
             model=args.model,
             tenants=sorted({r.tenant for r in reqs}),
             seed=args.seed,
             workdir=workdir,
-            pd=pd,
         )
     return build_smg_pd_command(
         port=free_port(),
@@ -298,7 +312,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         parse_split(args.pd)
         routers = parse_routers(args.routers)
-        reqs = routing_requests(args)
+        reqs = load_requests(args)
     except (UsageError, ValueError, TraceFormatError) as exc:
         print(f"kvgate bench pd: error: {exc}", file=sys.stderr)
         return 2

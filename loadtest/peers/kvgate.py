@@ -8,10 +8,8 @@ isolation, and the policy comes from a policy file.
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import yaml
 
@@ -19,27 +17,6 @@ from loadtest.peers.launch import PeerCommand
 from policies.identity import hash_api_key
 
 BENCH_SECRET = "kvgate-bench-secret"
-
-
-@dataclass(frozen=True, slots=True)
-class PdPool:
-    """The workers of a prefill/decode pool and the protocol they speak (docs/pd.md); SGLang's
-    prefill workers each have a bootstrap port (by URL)."""
-
-    prefill_urls: tuple[str, ...]
-    decode_urls: tuple[str, ...]
-    protocol: str = "sglang"
-    bootstrap_ports: Mapping[str, int] = field(default_factory=dict)
-
-    def pool_fields(self) -> dict[str, Any]:
-        pd: dict[str, Any] = {"protocol": self.protocol}
-        if self.bootstrap_ports:
-            pd["bootstrap_ports"] = dict(self.bootstrap_ports)
-        return {
-            "prefill_workers": list(self.prefill_urls),
-            "decode_workers": list(self.decode_urls),
-            "pd": pd,
-        }
 
 
 def bench_api_key(tenant: str) -> str:
@@ -55,11 +32,8 @@ def build_kvgate_command(
     tenants: Sequence[str],
     seed: int,
     workdir: Path,
-    pd: PdPool | None = None,
 ) -> PeerCommand:
-    """Write `gateway.yaml` + `policy.yaml` into `workdir` and return the `serve` command.
-
-    With `pd`, the pool is a prefill/decode pool of those workers (`worker_urls` is then unused)."""
+    """Write `gateway.yaml` + `policy.yaml` into `workdir` and return the `serve` command."""
     secret = BENCH_SECRET.encode()
     (workdir / "policy.yaml").write_text(yaml.safe_dump({"policy": policy, "seed": seed}))
     config = {
@@ -71,8 +45,7 @@ def build_kvgate_command(
             {
                 "name": "bench",
                 "models": [model],
-                "workers": list(worker_urls) if pd is None else [],
-                **(pd.pool_fields() if pd is not None else {}),
+                "workers": list(worker_urls),
                 "health": {"interval_s": 1.0, "timeout_s": 1.0},
                 "timeouts": {"read_s": 600.0, "total_s": 1200.0},
             }

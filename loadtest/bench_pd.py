@@ -47,7 +47,6 @@ from loadtest.peers.launch import (
 )
 from loadtest.report.meta import run_metadata
 from loadtest.report.pd import aggregate, fmt, markdown_table
-from loadtest.report.sampler import scrape
 from loadtest.traces.http_replay import HttpResult, ReplayConfig, replay
 from loadtest.traces.load import load_trace
 from loadtest.traces.mooncake import TraceFormatError
@@ -58,6 +57,8 @@ from loadtest.workloads.text import synth_text
 HITS = "vllm:prefix_cache_hits_total"
 QUERIES = "vllm:prefix_cache_queries_total"
 FAILED = "vllm:nixl_num_failed_transfers"
+TRANSFERS = "vllm:nixl_xfer_time_seconds_count"
+COUNTERS = (HITS, QUERIES, FAILED, TRANSFERS)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -150,6 +151,7 @@ class PdRun:
     prefill_queries: float = 0.0
     prefill_hits: float = 0.0
     failed_transfers: float = 0.0
+    transfers: float = 0.0
     wall_s: float = 0.0
 
 
@@ -182,14 +184,36 @@ def summarize_run(run: PdRun) -> dict[str, Any]:
         "prefill_hit_ratio": run.prefill_hits / run.prefill_queries if run.prefill_queries else None,
         "reported_hit_ratio": sum(r.cached_tokens for r in ok) / prompt if prompt else None,
         "failed_transfers": run.failed_transfers,
+        # Requests whose decode worker received the KV: below 1, some ran without a split.
+        "split_share": run.transfers / len(ok) if ok else None,
         "wall_s": run.wall_s,
     }
 
 
+def parse_counters(text: str, names: Sequence[str] = COUNTERS) -> dict[str, float]:
+    """The values of `names` in a Prometheus text exposition, summed over their labels."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, rest = line.partition("{") if "{" in line.split(" ", 1)[0] else line.partition(" ")
+        if name in names:
+            value = rest.rsplit(" ", 1)[-1]
+            if value != "NaN":
+                out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
 async def _counters(urls: Sequence[str]) -> list[dict[str, float]]:
+    async def one(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+        try:
+            async with session.get(url + "/metrics") as resp:
+                return parse_counters(await resp.text()) if resp.status == 200 else {}
+        except (aiohttp.ClientError, TimeoutError):
+            return {}
+
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
-        found = await asyncio.gather(*(scrape(session, u) for u in urls))
-    return [m or {} for m in found]
+        return list(await asyncio.gather(*(one(session, u) for u in urls)))
 
 
 def _delta(before: list[dict[str, float]], after: list[dict[str, float]], name: str) -> float:
@@ -229,6 +253,7 @@ async def _measure(
     run.prefill_queries = _delta(before[:n_prefill], after[:n_prefill], QUERIES)
     run.prefill_hits = _delta(before[:n_prefill], after[:n_prefill], HITS)
     run.failed_transfers = _delta(before[n_prefill:], after[n_prefill:], FAILED)
+    run.transfers = _delta(before[n_prefill:], after[n_prefill:], TRANSFERS)
 
 
 def _command(
@@ -304,7 +329,7 @@ def _progress(s: dict[str, Any]) -> str:
         f"r{s['repeat']} {s['router']:24s} ttft p50 {fmt(s['ttft_p50_s'], '.3f')} "
         f"p99 {fmt(s['ttft_p99_s'], '.3f')}  "
         f"tpot p99 {fmt(s['tpot_p99_s'], '.1f', 1e3)}ms  prefill hit {fmt(s['prefill_hit_ratio'], '.3f')}  "
-        f"errors {s['n_errors']}/{s['n_sent']}  ({s['wall_s']:.0f}s)"
+        f"split {fmt(s['split_share'], '.3f')}  errors {s['n_errors']}/{s['n_sent']}  ({s['wall_s']:.0f}s)"
     )
 
 

@@ -7,7 +7,15 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-COLUMNS = ("ttft_p50_s", "ttft_p99_s", "tpot_p99_s", "prefill_hit_ratio", "reported_hit_ratio", "n_errors")
+COLUMNS = (
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "tpot_p99_s",
+    "prefill_hit_ratio",
+    "reported_hit_ratio",
+    "split_share",
+    "n_errors",
+)
 
 
 def _median(values: Sequence[float | None]) -> float | None:
@@ -32,7 +40,7 @@ def aggregate(
         for col in COLUMNS:
             row[col] = _median([m[col] for m in mine])
             row[f"{col}_each"] = [m[col] for m in mine]
-            if ref is not None and col != "n_errors":
+            if ref is not None and col not in ("n_errors", "split_share"):
                 ratios = [
                     rows[router][col] / rows[ref][col]
                     for rows in by_repeat.values()
@@ -40,6 +48,8 @@ def aggregate(
                 ]
                 row[f"{col}_vs_ref"] = _median(ratios)
         row["failed_transfers"] = _median([m["failed_transfers"] for m in mine])
+        shares = [m["split_share"] for m in mine if m["split_share"] is not None]
+        row["split_share_min"] = min(shares) if shares else None
         row["n_sent"] = _median([m["n_sent"] for m in mine])
         table[router] = row
     return table, ref
@@ -52,7 +62,7 @@ def fmt(v: Any, spec: str, scale: float = 1.0) -> str:
 def markdown_table(table: dict[str, dict[str, Any]], ref: str | None) -> str:
     vs = f"vs {ref}" if ref else ""
     head = ["router", "TTFT p50 s", "TTFT p99 s", "TPOT p99 ms", "prefill hit ratio", "reported hit ratio"]
-    head += ["errors", "repeats"]
+    head += ["split share (lowest round)", "errors", "repeats"]
     if ref:
         head += [f"TTFT p50 {vs}", f"TTFT p99 {vs}", f"TPOT p99 {vs}", f"hit ratio {vs}"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -64,6 +74,7 @@ def markdown_table(table: dict[str, dict[str, Any]], ref: str | None) -> str:
             fmt(row["tpot_p99_s"], ".1f", 1e3),
             fmt(row["prefill_hit_ratio"], ".3f"),
             fmt(row["reported_hit_ratio"], ".3f"),
+            fmt(row["split_share_min"], ".3f"),
             fmt(row["n_errors"], "g"),
             str(row["repeats"]),
         ]

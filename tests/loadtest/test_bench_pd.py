@@ -31,7 +31,7 @@ def _row(router: str, repeat: int, ttft: float) -> dict[str, object]:
     return {
         "router": router, "repeat": repeat, "status": "ok", "n_sent": 10, "n_errors": 0,
         "ttft_p50_s": ttft, "ttft_p99_s": ttft * 2, "tpot_p99_s": 0.01, "prefill_hit_ratio": 0.5,
-        "reported_hit_ratio": 0.5, "failed_transfers": 0.0,
+        "reported_hit_ratio": 0.5, "failed_transfers": 0.0, "split_share": 1.0,
     }  # fmt: skip
 
 
@@ -65,9 +65,28 @@ def test_kvgate_side_runs_on_prefill_and_decode_workers(
     (run,) = doc["runs"]
     assert run["status"] == "ok" and run["n_sent"] == 6 and run["n_errors"] == 0
     assert run["failed_transfers"] == 0
+    assert run["split_share"] == 1.0  # every request's decode worker received the KV
     # Requests of a group after its first hit the system prompt on the prefill worker, and kvgate
     # reports the prefill worker's cached tokens to the client.
     assert 0 < run["prefill_hit_ratio"] < 1
     assert run["reported_hit_ratio"] == pytest.approx(run["prefill_hit_ratio"], abs=0.05)
     assert run["tpot_p99_s"] is not None and run["ttft_p50_s"] is not None
     assert doc["config"]["load_average"] and doc["config"]["pd"] == "1:1"
+
+
+def test_counters_are_summed_over_labels() -> None:
+    from loadtest.bench_pd import parse_counters
+
+    text = (
+        "# HELP vllm:nixl_num_failed_transfers x\n"
+        'vllm:nixl_num_failed_transfers{engine="0",model_name="m"} 2.0\n'
+        'vllm:nixl_num_failed_transfers{engine="1",model_name="m"} 1.0\n'
+        'vllm:nixl_xfer_time_seconds_count{engine="0"} 7\n'
+        'vllm:nixl_xfer_time_seconds_bucket{engine="0",le="0.1"} 3\n'
+        "vllm:prefix_cache_hits_total 5\n"
+    )
+    assert parse_counters(text) == {
+        "vllm:nixl_num_failed_transfers": 3.0,
+        "vllm:nixl_xfer_time_seconds_count": 7.0,
+        "vllm:prefix_cache_hits_total": 5.0,
+    }

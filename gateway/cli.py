@@ -55,6 +55,9 @@ BENCHMARKS: dict[str, Command] = {
         "loadtest.bench_fairness", "a light tenant's wait while another floods a full pool (the queue)"
     ),
     "goodput": Command("loadtest.goodput.cli", "each policy's highest rate meeting TTFT and TPOT SLOs"),
+    "pd": Command(
+        "loadtest.bench_pd", "kvgate and smg --pd-disaggregation over HTTP on P/D emulated workers"
+    ),
 }
 
 

@@ -25,7 +25,14 @@ import orjson
 
 from loadtest.cli_args import positive_float, positive_int
 from loadtest.engine import ProfileError, StepProfile, load_profile
-from loadtest.goodput.config import GoodputConfig, GoodputConfigError, TraceSpec, load_goodput_config
+from loadtest.goodput.config import (
+    GoodputConfig,
+    GoodputConfigError,
+    PolicyEntry,
+    TraceSpec,
+    as_entry,
+    load_goodput_config,
+)
 from loadtest.goodput.report import TraceOutcome, run_document, trace_table
 from loadtest.goodput.runner import PointResult, SimSettings, TraceSetup, prepare_trace, run_point
 from loadtest.goodput.search import SearchSettings, find_capacity, round_rate
@@ -37,9 +44,15 @@ from policies.registry import known_policies
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="FILE", help="goodput YAML (default: the shipped default.yaml)")
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="goodput YAML (default: the shipped default.yaml), or a shipped one by name: pd, pd-tight-tpot",
+    )
     parser.add_argument("--traces", help="comma-separated subset of the config's traces")
-    parser.add_argument("--policies", help="comma-separated subset of the config's policies")
+    parser.add_argument(
+        "--policies", help="comma-separated subset of the config's policies (rows, by label: 'cost 4:4')"
+    )
     parser.add_argument(
         "--max-requests", type=positive_int, help="replay only the first N requests of each trace"
     )
@@ -77,15 +90,16 @@ def effective_config(args: argparse.Namespace) -> GoodputConfig:
     """The config file with the command line's subsets and overrides applied."""
     cfg = load_goodput_config(args.config)
     traces = _subset(args.traces, tuple(cfg.traces), "trace(s)")
-    policies = _subset(args.policies, cfg.policies, "policy(ies)")
-    unknown = [p for p in policies if p not in known_policies()]
+    labels = _subset(args.policies, cfg.labels(), "policy(ies)")
+    chosen = tuple(item for item, label in zip(cfg.policies, cfg.labels(), strict=True) if label in labels)
+    unknown = [e.policy for e in map(as_entry, chosen) if e.policy not in known_policies()]
     if unknown:
         raise UsageError(f"unknown policy {', '.join(unknown)}; known: {', '.join(known_policies())}")
     return cfg.model_copy(
         update={
             "traces": {t: cfg.traces[t] for t in traces},
-            "policies": policies,
-            "baselines": tuple(b for b in cfg.baselines if b in policies),
+            "policies": chosen,
+            "baselines": tuple(b for b in cfg.baselines if b in labels),
             "seed": cfg.seed if args.seed is None else args.seed,
         }
     )
@@ -161,19 +175,22 @@ def measure_trace(
     sim = SimSettings(cfg.workers, cfg.seed, cfg.scrape_interval_s)
     outcome = TraceOutcome(setup.name, spec, len(setup.requests))
     reference = round_rate(spec.reference_rate_scale)
-    for policy in cfg.policies:
+    for entry in cfg.entries():
+        policy = entry.label
         points = outcome.points.setdefault(policy, {})
 
-        def passes(rate: float, policy: str = policy, points: dict[float, PointResult] = points) -> bool:
-            key = (fp, setup.name, policy, rate)
+        def passes(
+            rate: float, entry: PolicyEntry = entry, points: dict[float, PointResult] = points
+        ) -> bool:
+            key = (fp, setup.name, entry.point_key, rate)
             full = rate == reference or not cfg.stop_early
             point = store.get(key)
             if point is None or (full and not point.complete):
                 stop = None if full else cfg.attainment_share
-                point = run_point(setup, policy, rate, sim, stop_below_share=stop)
+                point = run_point(setup, entry, rate, sim, stop_below_share=stop)
                 store.put(key, point)
                 if not quiet:
-                    print(_progress(setup.name, policy, point), file=sys.stderr, flush=True)
+                    print(_progress(setup.name, entry.label, point), file=sys.stderr, flush=True)
             points[rate] = point
             return point.passes(cfg.attainment_share)
 

@@ -50,14 +50,67 @@ class TraceSpec(_Strict):
         return self
 
 
-class GoodputConfig(_Strict):
-    """The whole benchmark. `baselines` are the policies every row's capacity is divided by;
-    `subject` is the policy the report reads against the best other one. With `stop_early`, a
-    point above the reference rate stops as soon as it can no longer meet the share."""
+class PolicyEntry(_Strict):
+    """One row of the benchmark that is more than a policy name: `policy` routing a P/D pool of
+    `pd` = "P:D" prefill and decode workers (the simulator's `--pd`, pairs chosen as the gateway
+    chooses them, `policy` picking the prefill worker). `name` is the row's label (default:
+    "POLICY P:D"); `pd_conditional` lets a request run alone on a decode worker when that scores
+    better, as the gateway's default does."""
 
-    policies: tuple[str, ...] = Field(min_length=1)
+    name: str | None = None
+    policy: str
+    pd: str | None = None
+    pd_conditional: bool = True
+
+    @model_validator(mode="after")
+    def _split(self) -> PolicyEntry:
+        self.split()
+        return self
+
+    def split(self) -> tuple[int, int] | None:
+        """`pd` as (prefill workers, decode workers), or None for a pool of mixed workers."""
+        if self.pd is None:
+            return None
+        try:
+            n_prefill, n_decode = (int(part) for part in self.pd.split(":"))
+        except ValueError:
+            raise ValueError(f"pd takes P:D, two worker counts (e.g. 4:4), not {self.pd!r}") from None
+        if n_prefill < 1 or n_decode < 1:
+            raise ValueError("pd needs at least one prefill and one decode worker")
+        return n_prefill, n_decode
+
+    @property
+    def label(self) -> str:
+        if self.name is not None:
+            return self.name
+        return self.policy if self.pd is None else f"{self.policy} {self.pd}"
+
+    @property
+    def point_key(self) -> str:
+        """What a stored point is filed under: the bare policy name for a plain row (as before P/D
+        rows existed), else every field, so a renamed or changed row never reuses another's."""
+        if self.name is None and self.pd is None:
+            return self.policy
+        return self.model_dump_json()
+
+
+def as_entry(item: str | PolicyEntry) -> PolicyEntry:
+    """A bare policy name is a row of `workers` mixed workers under that policy."""
+    return PolicyEntry(policy=item) if isinstance(item, str) else item
+
+
+class GoodputConfig(_Strict):
+    """The whole benchmark. `policies` are the rows: a policy name, or a `PolicyEntry` (a P/D
+    split); `baselines` are the rows (by label) every row's capacity is divided by; `subject` is
+    the row the report reads against the best other one. With `stop_early`, a point above the
+    reference rate stops as soon as it can no longer meet the share."""
+
+    policies: tuple[str | PolicyEntry, ...] = Field(min_length=1)
     baselines: tuple[str, ...] = ()
     subject: str = "cost"
+    goal: float | None = Field(
+        1.3, gt=0
+    )  # the subject's capacity over the best other row's; None: no verdict
     attainment_share: float = Field(0.9, gt=0, le=1)
     tolerance: float = Field(0.05, gt=0, le=1)
     coarse_factor: float = Field(2.0, gt=1)
@@ -70,10 +123,23 @@ class GoodputConfig(_Strict):
 
     @model_validator(mode="after")
     def _names(self) -> GoodputConfig:
-        unknown = [b for b in self.baselines if b not in self.policies]
+        labels = self.labels()
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"two rows share a label: {sorted(labels)}")
+        unknown = [b for b in self.baselines if b not in labels]
         if unknown:
             raise ValueError(f"baselines {unknown} are not among the policies")
+        for entry in self.entries():
+            split = entry.split()
+            if split is not None and sum(split) != self.workers:
+                raise ValueError(f"{entry.label}: pd {entry.pd} has {sum(split)} workers, not {self.workers}")
         return self
+
+    def entries(self) -> tuple[PolicyEntry, ...]:
+        return tuple(as_entry(p) for p in self.policies)
+
+    def labels(self) -> tuple[str, ...]:
+        return tuple(e.label for e in self.entries())
 
 
 def parse_goodput_yaml(text: str) -> GoodputConfig:
@@ -87,7 +153,9 @@ def parse_goodput_yaml(text: str) -> GoodputConfig:
     try:
         return GoodputConfig.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
+        errors = exc.errors()
+        # A row that is a mapping fails both branches of `str | PolicyEntry`: report the entry's.
+        first = next((e for e in errors if e["type"] != "string_type"), errors[0])
         where = ".".join(str(p) for p in first["loc"]) or "(top level)"
         raise GoodputConfigError(f"{where}: {first['msg']}") from exc
 
@@ -97,9 +165,13 @@ def default_config_text() -> str:
 
 
 def load_goodput_config(path: str | None) -> GoodputConfig:
-    """The file at `path`, or the shipped default when None."""
+    """The file at `path`, or the shipped default when None; a bare name that is no file names a
+    shipped config (`pd`: the P/D splits)."""
     if path is None:
         return parse_goodput_yaml(default_config_text())
+    shipped = resources.files("loadtest.goodput").joinpath(f"{path}.yaml")
+    if "/" not in path and not Path(path).exists() and shipped.is_file():
+        return parse_goodput_yaml(shipped.read_text(encoding="utf-8"))
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:

@@ -57,16 +57,19 @@ def capacity_ratio(a: Capacity, b: Capacity) -> str:
     return f"{ratio:.2f}×"
 
 
-def goal_text(a: Capacity, b: Capacity, goal: float = SUBJECT_GOAL) -> str:
+def goal_text(a: Capacity, b: Capacity, goal: float | None = SUBJECT_GOAL) -> str:
     """a's capacity over b's at the passing rates, the range the two search brackets allow, and
-    whether that range clears `goal` (met), stays below it (missed) or straddles it."""
+    whether that range clears `goal` (met), stays below it (missed) or straddles it; no verdict
+    when there is no goal."""
     if a.rate_scale is None:
-        return f"no capacity (goal ≥ {goal:g}×: missed)"
+        return "no capacity" + (f" (goal ≥ {goal:g}×: missed)" if goal is not None else "")
     if b.rate_scale is None:
-        return f"∞ (goal ≥ {goal:g}×: met)"
+        return "∞" + (f" (goal ≥ {goal:g}×: met)" if goal is not None else "")
     ratio = a.rate_scale / b.rate_scale
     low = a.rate_scale / b.failing_rate_scale if b.failing_rate_scale is not None else 0.0
     high = a.failing_rate_scale / b.rate_scale if a.failing_rate_scale is not None else math.inf
+    if goal is None:
+        return f"{ratio:.3f}× ({low:.2f}–{high:.2f}× within the search brackets)"
     verdict = "met" if low >= goal else "missed" if high < goal else "undecided within the brackets"
     return f"{ratio:.3f}× ({low:.2f}–{high:.2f}× within the search brackets; goal ≥ {goal:g}×: {verdict})"
 
@@ -128,7 +131,7 @@ def _reading(outcome: TraceOutcome, config: GoodputConfig) -> list[str]:
     if other is not None:
         out.append(
             f"- {subject} against the best other policy ({other}): "
-            + goal_text(outcome.capacities[subject], outcome.capacities[other])
+            + goal_text(outcome.capacities[subject], outcome.capacities[other], config.goal)
         )
     mine = outcome.at(subject, ref)
     rivals = {

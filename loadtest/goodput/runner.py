@@ -17,15 +17,17 @@ import numpy as np
 
 from loadtest.engine import Engine, EngineConfig, EngineRequest, StepProfile
 from loadtest.engine.hashing import block_hashes
-from loadtest.goodput.config import TraceSpec
-from loadtest.goodput.watch import PointHopeless, SloWatch
+from loadtest.goodput.config import PolicyEntry, TraceSpec, as_entry
+from loadtest.goodput.watch import PointHopeless, watch_policy
 from loadtest.simulator.keys import KeyedPrompt, KeyPath
 from loadtest.simulator.loop import EngineHooks, LoopConfig, run_loop
+from loadtest.simulator.pd import PdSim
 from loadtest.simulator.records import RequestRecord
 from loadtest.simulator.summary import summarize
 from loadtest.traces.load import load_trace
 from loadtest.workloads.records import WorkloadRequest, scale_arrivals
 from policies.base import RoutingPolicy
+from policies.pd import VLLM_ROLES, PdRouter, PdSettings
 from policies.registry import make_policy
 
 
@@ -133,27 +135,56 @@ def _pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if values else None
 
 
+def pd_sim(entry: PolicyEntry, profile: StepProfile, seed: int) -> PdSim | None:
+    """The P/D side of the loop for a split row, wired as `kvgate simulate --pd` wires it."""
+    split = entry.split()
+    if split is None:
+        return None
+    settings = PdSettings(
+        roles=VLLM_ROLES,
+        transfer_setup_s=profile.kv_transfer_setup_ms / 1000,
+        transfer_bytes_per_token=profile.kv_bytes_per_token,
+        transfer_bandwidth_bytes_per_s=profile.kv_transfer_bytes_per_s,
+        conditional=entry.pd_conditional,
+    )
+
+    def make_request(rid: str, n_prompt: int, max_out: int, hashes: Any, external: int) -> EngineRequest:
+        return EngineRequest(rid, n_prompt, max_out, hashes, external)
+
+    return PdSim(PdRouter(settings, seed=seed), split[0], profile.kv_transfer_s, make_request)
+
+
 def run_point(
     setup: TraceSetup,
-    policy_name: str,
+    policy_name: str | PolicyEntry,
     rate_scale: float,
     sim: SimSettings,
     *,
     stop_below_share: float | None = None,
 ) -> PointResult:
-    """Replay the slice at `rate_scale` through a fresh `policy_name` on fresh engines.
+    """Replay the slice at `rate_scale` through a fresh policy on fresh engines: `sim.workers`
+    mixed ones, or the entry's P/D split.
 
     With `stop_below_share`, the replay stops as soon as that share of requests can no longer
     meet the SLOs (`loadtest.goodput.watch`)."""
+    entry = as_entry(policy_name)
     reqs = scale_arrivals(list(setup.requests), rate_scale) if rate_scale != 1.0 else list(setup.requests)
     spec = setup.spec
+    pd = pd_sim(entry, setup.profile, sim.seed)
+    split = entry.split()
+    n_workers = sim.workers if split is None else sum(split)
     engine_config = EngineConfig(kv_blocks=spec.kv_blocks_per_worker, seed=sim.seed)
-    engines = [Engine(setup.profile, engine_config) for _ in range(sim.workers)]
-    policy: RoutingPolicy = make_policy(policy_name, seed=sim.seed)
+    engines = [Engine(setup.profile, engine_config) for _ in range(n_workers)]
+    policy: RoutingPolicy = make_policy(entry.policy, seed=sim.seed)
     if stop_below_share is not None:
         arrivals = {r.request_id: r.arrival_s for r in reqs}
-        policy = SloWatch(
-            policy, arrivals, ttft_slo_s=spec.ttft_slo_s, tpot_slo_s=spec.tpot_slo_s, share=stop_below_share
+        policy = watch_policy(
+            policy,
+            arrivals,
+            ttft_slo_s=spec.ttft_slo_s,
+            tpot_slo_s=spec.tpot_slo_s,
+            share=stop_below_share,
+            pd=pd is not None,
         )
 
     def make_request(request_id: str, n_prompt: int, max_out: int, hashes: Any) -> EngineRequest:
@@ -169,7 +200,7 @@ def run_point(
             engines,
             policy,
             EngineHooks(make_request, hash_tokens, setup.keys),
-            LoopConfig(scrape_interval_s=sim.scrape_interval_s),
+            LoopConfig(scrape_interval_s=sim.scrape_interval_s, pd=pd),
             keyed=setup.keyed,
         )
     except PointHopeless as stop:

@@ -5,13 +5,19 @@ each request as the loop reports it (a refused route, or a completion with its T
 and output tokens, which give the same TPOT as the request record) and raises `PointHopeless` as
 soon as more requests have missed the SLOs than the share allows. A rate far above a policy's
 capacity then costs a fraction of a full replay; the search only needs to know that it fails.
+
+In a P/D pool the policy hears of a request twice, its prefill leg (one token) and then its
+answer, so misses are counted per request: a prefill leg that missed the TTFT objective means the
+answer misses it too. A refused route is not a miss there (the pair chooser may still run the
+request alone); the watch can only count too few misses, never too many, so a point it stops has
+failed for certain.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import ClassVar
+from typing import ClassVar, cast
 
 from policies.base import (
     KvEvent,
@@ -22,6 +28,8 @@ from policies.base import (
     WorkerId,
     WorkerView,
 )
+from policies.cost_model import CostModel
+from policies.pd import PrefixHolder
 
 
 class PointHopeless(Exception):
@@ -45,24 +53,30 @@ class SloWatch:
         ttft_slo_s: float,
         tpot_slo_s: float,
         share: float,
+        pd: bool = False,
     ) -> None:
         self.inner = inner
+        self._pd = pd
         self._arrivals_s = arrivals_s
         self._ttft_slo_s = ttft_slo_s
         self._tpot_slo_s = tpot_slo_s
         n = len(arrivals_s)
         self.max_missed = n - math.ceil(share * n - 1e-9)
-        self.n_missed = 0
+        self._missed: set[str] = set()
 
-    def _miss(self) -> None:
-        self.n_missed += 1
-        if self.n_missed > self.max_missed:
-            raise PointHopeless(self.n_missed)
+    @property
+    def n_missed(self) -> int:
+        return len(self._missed)
+
+    def _miss(self, request_id: str) -> None:
+        self._missed.add(request_id)
+        if len(self._missed) > self.max_missed:
+            raise PointHopeless(len(self._missed))
 
     def select(self, req: RouteRequest, workers: Sequence[WorkerView], now_s: float) -> RouteDecision | None:
         decision = self.inner.select(req, workers, now_s)
-        if decision is None:
-            self._miss()
+        if decision is None and not self._pd:
+            self._miss(req.request_id)
         return decision
 
     def on_dispatch(self, req: RouteRequest, decision: RouteDecision, now_s: float) -> None:
@@ -70,14 +84,43 @@ class SloWatch:
 
     def on_complete(self, obs: Observation, now_s: float) -> None:
         self.inner.on_complete(obs, now_s)
+        rid = obs.request.request_id
         if obs.failed or obs.ttft_s is None:
-            self._miss()
+            self._miss(rid)
             return
         out = obs.completion_tokens or 0
-        first_s = self._arrivals_s[obs.request.request_id] + obs.ttft_s
+        first_s = self._arrivals_s[rid] + obs.ttft_s
         tpot_s = (now_s - first_s) / (out - 1) if out >= 2 else None
         if obs.ttft_s > self._ttft_slo_s or (tpot_s is not None and tpot_s > self._tpot_slo_s):
-            self._miss()
+            self._miss(rid)
 
     def on_kv_event(self, worker: WorkerId, event: KvEvent, now_s: float) -> None:
         self.inner.on_kv_event(worker, event, now_s)
+
+
+class _HolderSloWatch(SloWatch):
+    """A `SloWatch` around a policy that keeps a prefix index: P/D routing asks the policy what
+    each worker holds and for its cost model (`policies.pd.PrefixHolder`), so the watch answers
+    for it."""
+
+    def held_tokens(
+        self, req: RouteRequest, shared_prefix_blocks: int, now_s: float
+    ) -> Mapping[WorkerId, int]:
+        return cast(PrefixHolder, self.inner).held_tokens(req, shared_prefix_blocks, now_s)
+
+    def cost_model(self, req: RouteRequest) -> CostModel:
+        return cast(PrefixHolder, self.inner).cost_model(req)
+
+
+def watch_policy(
+    inner: RoutingPolicy,
+    arrivals_s: Mapping[str, float],
+    *,
+    ttft_slo_s: float,
+    tpot_slo_s: float,
+    share: float,
+    pd: bool = False,
+) -> SloWatch:
+    """`inner` watched; a prefix holder stays one, so P/D routing decides as it would unwatched."""
+    kind = _HolderSloWatch if isinstance(inner, PrefixHolder) else SloWatch
+    return kind(inner, arrivals_s, ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s, share=share, pd=pd)

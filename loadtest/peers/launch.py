@@ -10,6 +10,7 @@ LiteLLM's cost map kept local.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -19,7 +20,7 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import yaml
 
@@ -168,6 +169,72 @@ def smg_argv(
     argv += ["--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
     argv += ["--log-level", "warn", "--disable-tokenizer-autoload"]
     return tuple(argv)
+
+
+def build_smg_pd_command(
+    *,
+    port: int,
+    metrics_port: int,
+    prefill: Sequence[tuple[str, int]],
+    decode_urls: Sequence[str],
+    prefill_policy: str,
+    decode_policy: str,
+) -> PeerCommand:
+    """smg 1.13 `--pd-disaggregation` in front of HTTP prefill workers (URL, bootstrap port) and
+    decode workers; `PeerMissing` when smg is not installed. The workers must then be registered
+    as SGLang runtimes (`register_smg_sglang_workers`) before smg sends `bootstrap_*`."""
+    if not is_installed("smg"):
+        raise PeerMissing(f"smg is not installed under {peers_dir()}: run loadtest/peers/install.sh smg")
+    exe = str(peer_bin("smg", "smg"))
+    argv = [exe, "launch", "--host", "127.0.0.1", "--port", str(port), "--pd-disaggregation"]
+    for url, boot in prefill:
+        argv += ["--prefill", url, str(boot)]
+    for url in decode_urls:
+        argv += ["--decode", url]
+    argv += ["--prefill-policy", prefill_policy, "--decode-policy", decode_policy]
+    argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
+    argv += ["--log-level", "warn", "--disable-tokenizer-autoload"]
+    return PeerCommand("smg", prefill_policy, tuple(argv), port=port)
+
+
+def _json(method: str, url: str, body: object | None = None) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=5.0) as resp:
+        return json.loads(resp.read() or b"null")
+
+
+def register_smg_sglang_workers(
+    base_url: str, bootstrap_ports: dict[str, int], timeout_s: float = 30.0
+) -> None:
+    """Re-register every worker of a P/D smg as an SGLang runtime, keeping its role and bootstrap port.
+
+    smg 1.13 records HTTP workers given on its command line as vLLM runtimes with an unknown KV
+    connector and then only forwards the prefill leg (docs/pd.md, "smg --pd-disaggregation");
+    `PUT /workers/{id}` with `runtime_type: sglang` makes it inject `bootstrap_*` and send both
+    legs at once. The PUT replaces the worker's settings, so the role and port are sent again.
+    Waits until every worker reads back as a ready SGLang worker of its role."""
+    workers = _json("GET", base_url + "/workers")["workers"]
+    for w in workers:
+        body: dict[str, object] = {"url": w["url"], "runtime_type": "sglang", "worker_type": w["worker_type"]}
+        if w["url"] in bootstrap_ports:
+            body["bootstrap_port"] = bootstrap_ports[w["url"]]
+        _json("PUT", f"{base_url}/workers/{w['id']}", body)
+    want = {w["url"]: w["worker_type"] for w in workers}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = {w["url"]: w for w in _json("GET", base_url + "/workers")["workers"]}
+        if all(
+            u in now
+            and now[u].get("runtime_type") == "sglang"
+            and now[u].get("worker_type") == role
+            and now[u].get("status") == "ready"
+            for u, role in want.items()
+        ):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"smg did not take the SGLang registration within {timeout_s:.0f}s")
+        time.sleep(0.1)
 
 
 class RunningProcess:

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from loadtest.engine import load_profile
-from loadtest.goodput.config import TraceSpec
+from loadtest.goodput.config import PolicyEntry, TraceSpec
 from loadtest.goodput.runner import (
     SimSettings,
     TraceSetup,
@@ -87,3 +87,42 @@ def test_a_hopeless_point_stops_as_soon_as_the_share_is_out_of_reach() -> None:
     assert stopped.ttft_p99_s is None
     full = run_point(setup, "cost", 1.0, SIM)
     assert full.complete and full.attainment == 0.0
+
+
+@pytest.mark.parametrize(
+    "entry", [PolicyEntry(policy="cost", pd="1:1"), PolicyEntry(policy="round_robin", pd="1:1")]
+)
+def test_a_pd_row_runs_split_and_the_watch_changes_no_decision(entry: PolicyEntry) -> None:
+    setup = _setup()
+    mixed = run_point(setup, entry.policy, 8.0, SIM)
+    plain = run_point(setup, entry, 8.0, SIM)
+    watched = run_point(setup, entry, 8.0, SIM, stop_below_share=0.01)
+    assert plain.complete and plain.n_requests == 24
+    assert (plain.ttft_p99_s, plain.tpot_p99_s) != (mixed.ttft_p99_s, mixed.tpot_p99_s)
+    assert watched.complete
+    assert (watched.n_met, watched.hit_ratio, watched.ttft_p99_s, watched.tpot_p99_s) == (
+        plain.n_met,
+        plain.hit_ratio,
+        plain.ttft_p99_s,
+        plain.tpot_p99_s,
+    )
+
+
+def test_the_watch_counts_a_request_heard_of_twice_once() -> None:
+    from loadtest.goodput.watch import PointHopeless, watch_policy
+    from policies.base import Observation, RouteRequest, WorkerId
+    from policies.pd import PrefixHolder
+    from policies.registry import make_policy
+
+    cost = make_policy("cost", seed=0)
+    watch = watch_policy(cost, {"a": 0.0, "b": 0.0}, ttft_slo_s=0.1, tpot_slo_s=0.1, share=0.5, pd=True)
+    assert isinstance(watch, PrefixHolder), "P/D routing still sees what the policy holds"
+    assert not isinstance(watch_policy(make_policy("round_robin"), {}, ttft_slo_s=1, tpot_slo_s=1, share=1),
+                          PrefixHolder)  # fmt: skip
+    a = RouteRequest("a", "p", "t", "ns", (), 100, 16)
+    watch.on_complete(Observation(a, WorkerId("w0"), ttft_s=0.5, completion_tokens=1), 0.5)  # prefill leg
+    watch.on_complete(Observation(a, WorkerId("w1"), ttft_s=0.6, completion_tokens=4), 0.9)  # answer
+    assert watch.n_missed == 1  # two requests at a 50 % share allow one miss: not stopped yet
+    b = RouteRequest("b", "p", "t", "ns", (), 100, 16)
+    with pytest.raises(PointHopeless):
+        watch.on_complete(Observation(b, WorkerId("w0"), ttft_s=0.5, completion_tokens=1), 0.5)

@@ -112,3 +112,23 @@ def test_suggest_slos_prints_the_derivation(tmp_path: Path, capsys: pytest.Captu
     assert _run(tmp_path, "--suggest-slos") == 0
     out = capsys.readouterr().out
     assert "own prefill p90" in out and "ttft_slo_s" in out and "tpot_slo_s 0.1" in out
+
+
+def test_a_pd_row_gets_its_own_capacity(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _config(tmp_path)
+    doc = yaml.safe_load(path.read_text())
+    doc["policies"] = ["cost", {"policy": "cost", "pd": "1:1"}]
+    doc["baselines"] = ["cost"]
+    doc["subject"] = "cost 1:1"
+    path.write_text(yaml.safe_dump(doc))
+    out = tmp_path / "out"
+    args = ["bench", "goodput", "--config", str(path), "--out", str(out), "--quiet", "--max-requests", "30"]
+    assert main([*args, "--policies", "cost 1:1"]) == 0
+    assert "| cost 1:1 |" in capsys.readouterr().out
+    assert main([*args, "--resume"]) == 0
+    printed = capsys.readouterr().out
+    assert "| cost |" in printed and "| cost 1:1 |" in printed and "vs cost" in printed
+    (trace,) = json.loads((out / "goodput.json").read_text())["traces"].values()
+    assert set(trace["capacities"]) == {"cost", "cost 1:1"}
+    rows = [json.loads(line) for line in (out / "points.jsonl").read_text().splitlines()]
+    assert {json.loads(r["policy"])["pd"] for r in rows if r["policy"] != "cost"} == {"1:1"}

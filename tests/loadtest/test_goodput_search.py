@@ -90,3 +90,50 @@ def test_the_goal_verdict_uses_both_brackets() -> None:
     assert goal_text(Capacity(7.0, 7.3), other).endswith("missed)")  # 7.3 / 6.263 = 1.17
     assert goal_text(Capacity(2.0, 2.1), Capacity(None, 0.1)).endswith("met)")
     assert goal_text(Capacity(None, 0.1), other).endswith("missed)")
+
+
+def test_rows_may_be_pd_splits_with_labels() -> None:
+    from loadtest.goodput.config import load_goodput_config
+
+    cfg = load_goodput_config("pd")  # the shipped P/D config, by name
+    assert cfg.labels() == ("cost", "cost 4:4", "cost 3:5", "cost 2:6", "round_robin-prefill 4:4")
+    assert [e.split() for e in cfg.entries()] == [None, (4, 4), (3, 5), (2, 6), (4, 4)]
+    assert cfg.subject == "cost 4:4" and cfg.baselines == ("cost",)
+    default = parse_goodput_yaml(default_config_text())
+    for name in ("mooncake-conversation", "mooncake-synthetic"):
+        assert cfg.traces[name] == default.traces[name], "the same SLOs and bounds as default.yaml"
+    # A bare name keeps its old point key, so earlier points files resume.
+    assert cfg.entries()[0].point_key == "cost" and cfg.entries()[1].point_key != "cost 4:4"
+
+
+def test_pd_rows_are_validated() -> None:
+    with pytest.raises(GoodputConfigError, match="workers"):
+        parse_goodput_yaml(_config(policies=[{"policy": "cost", "pd": "4:5"}], baselines=[]))
+    with pytest.raises(GoodputConfigError, match="P:D"):
+        parse_goodput_yaml(_config(policies=[{"policy": "cost", "pd": "4-4"}], baselines=[]))
+    with pytest.raises(GoodputConfigError, match="label"):
+        parse_goodput_yaml(_config(policies=["cost", {"policy": "cost", "name": "cost"}], baselines=[]))
+    ok = parse_goodput_yaml(
+        _config(policies=["cost", {"policy": "cost", "pd": "2:6"}], baselines=["cost 2:6"], subject="cost")
+    )
+    assert ok.baselines == ("cost 2:6",)
+
+
+def test_the_tight_tpot_config_differs_from_pd_only_in_rows_and_slos() -> None:
+    from loadtest.goodput.config import load_goodput_config
+
+    pd, tight = load_goodput_config("pd"), load_goodput_config("pd-tight-tpot")
+    assert tight.labels() == ("cost", "cost 4:4", "cost 3:5")
+    for name, spec in tight.traces.items():
+        assert spec.tpot_slo_s == 0.02 and spec.ttft_slo_s == 2 * pd.traces[name].ttft_slo_s
+        same = {"ttft_slo_s", "tpot_slo_s"}
+        assert spec.model_dump(exclude=same) == pd.traces[name].model_dump(exclude=same)
+
+
+def test_without_a_goal_the_ratio_has_no_verdict() -> None:
+    from loadtest.goodput.config import load_goodput_config
+    from loadtest.goodput.report import goal_text
+
+    assert load_goodput_config("pd").goal is None and parse_goodput_yaml(default_config_text()).goal == 1.3
+    text = goal_text(Capacity(2.0, 2.1), Capacity(1.0, 1.05), None)
+    assert text == "2.000× (1.90–2.10× within the search brackets)"

@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import ClassVar
 
-from policies.base import Observation, RouteDecision, RouteRequest, WorkerId, WorkerView, reported_load
+from policies.base import Observation, RouteDecision, RouteRequest, WorkerId, WorkerView
 from policies.cost_model import CostModel, QueueTerms
 from policies.cost_scan import Positions, by_backlog, candidates
 from policies.peer_sync import PeerHolding
@@ -372,9 +372,17 @@ class _Scorer:
         if saved - q.scale * q.backlog_per_token_s * backlog < self.best_score - self.tie:
             return
         running = known = view.in_flight_requests
-        scraped_load = reported_load(view) if view.num_requests_waiting is not None else None
-        if scraped_load is not None:
-            waiting, scraped = scraped_load
+        waiting = view.num_requests_waiting
+        if waiting is not None:
+            scraped = view.num_requests_running or 0
+            at = view.in_flight_at_scrape
+            if at is not None:  # `policies.base.reported_load`, inlined: no call per worker
+                others = waiting + scraped - at
+                if others <= 0:
+                    waiting, scraped = 0, known
+                else:
+                    waiting = others if others < waiting else waiting
+                    scraped = known + others - waiting
             if waiting + scraped > known:
                 if known > 0 and view.in_flight_prefill_tokens > 0:
                     backlog *= (waiting + scraped) / known

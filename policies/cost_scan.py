@@ -53,15 +53,19 @@ def candidates(workers: Sequence[WorkerView], shares: Mapping[WorkerId, float]) 
         for w in workers
         if w.healthy and (w.max_in_flight is None or w.in_flight_requests < w.max_in_flight)
     ]
-    # `policies.base.reported_load` inlined (a call per worker is a tenth of a 1,024-worker
-    # decision): the scrape's count when it is more, less the requests the gateway itself had in
-    # flight at the scrape when that is known (they are counted now as in-flight requests).
+    # `policies.base.reported_load` inlined, without a call per worker (a call, `max` included,
+    # costs as much as the rest of the expression): what the scrape reports beyond the gateway's
+    # own requests (then, when the scrape says how many it had; else now) is load it did not send.
     loads = [
-        w.in_flight_requests
-        if (waiting := w.num_requests_waiting) is None
-        else max(w.in_flight_requests, waiting + (w.num_requests_running or 0))
-        if (at := w.in_flight_at_scrape) is None
-        else w.in_flight_requests + max(0, waiting + (w.num_requests_running or 0) - at)
+        w.in_flight_requests + excess
+        if (waiting := w.num_requests_waiting) is not None
+        and (
+            excess := waiting
+            + (w.num_requests_running or 0)
+            - (w.in_flight_requests if (at := w.in_flight_at_scrape) is None else at)
+        )
+        > 0
+        else w.in_flight_requests
         for w in views
     ]
     pending = [w.in_flight_prefill_tokens for w in views]

@@ -48,6 +48,7 @@ from loadtest.workloads.registry import WORKLOADS, make_workload
 from loadtest.workloads.text import synth_text
 
 DECISIONS_FILE = "decisions.jsonl"  # a kvgate router's decision log, in its logs/ directory
+WARMUP_PREFIX = "warmup-"  # request ids of the unmeasured warm-up requests
 DEFAULT_KV_BLOCKS = 27000  # the default profile's pool; used for the pooled-LRU ceiling when not given
 
 
@@ -120,6 +121,14 @@ def stream_requests(args: argparse.Namespace) -> list[WorkloadRequest]:
     return reqs
 
 
+def warmup_request(i: int, tenant: str) -> WorkloadRequest:
+    """The `i`th unmeasured warm-up request (its id starts with `WARMUP_PREFIX`); `kvgate bench
+    replay` rebuilds them too, since they are part of what the policy learned from."""
+    return WorkloadRequest(
+        f"{WARMUP_PREFIX}{i}", 0.0, tenant, "warmup", TextPrompt(synth_text(f"warmup/{i}", 64)), 2
+    )
+
+
 def _router_command(
     spec: str, args: argparse.Namespace, urls: list[str], tenants: list[str], workdir: Path
 ) -> PeerCommand:
@@ -172,12 +181,7 @@ async def _measure(
     # Unmeasured warm-up with prompts of their own: connection pools, lazy imports and first-request
     # set-up of every router are paid before the clock starts, without touching the workload's prefixes.
     n_warm = args.warmup_requests if args.warmup_requests is not None else args.workers
-    warm = [
-        WorkloadRequest(
-            f"warmup-{i}", 0.0, reqs[0].tenant, "warmup", TextPrompt(synth_text(f"warmup/{i}", 64)), 2
-        )
-        for i in range(n_warm)
-    ]
+    warm = [warmup_request(i, reqs[0].tenant) for i in range(n_warm)]
     if warm:
         await replay(
             warm, ReplayConfig(cfg.base_url, cfg.model, time_limit_s=5.0, grace_s=60.0), _headers(cmd)

@@ -138,7 +138,9 @@ class CostPolicy(PrefixPolicyBase):
         self._add_work(pool, holding.worker, holding.n_prompt_tokens, matched, now_s)
 
     def _add_work(self, pool: PoolState, worker: WorkerId, prompt: int, matched: int, now_s: float) -> None:
-        work = pool.cost.prefill_s(prompt - matched, matched)
+        # `prompt` and `matched` are request tokens; the prefill time is the engine's.
+        unit = pool.cost.engine_tokens_per_request_token
+        work = pool.cost.prefill_s(int((prompt - matched) * unit), int(matched * unit))
         recent = self._recent_work
         if worker not in recent and len(recent) >= 4096:
             recent.pop(next(iter(recent)))  # bounded across worker churn

@@ -123,9 +123,12 @@ def stream_requests(args: argparse.Namespace) -> list[WorkloadRequest]:
 
 def warmup_request(i: int, tenant: str) -> WorkloadRequest:
     """The `i`th unmeasured warm-up request (its id starts with `WARMUP_PREFIX`); `kvgate bench
-    replay` rebuilds them too, since they are part of what the policy learned from."""
+    replay` rebuilds them too, since they are part of what the policy learned from.
+
+    32 tokens: too few for `cost` to calibrate its prefill rate on (it needs 64 new tokens), since
+    a first request's TTFT is mostly connection and start-up time, not prefill."""
     return WorkloadRequest(
-        f"{WARMUP_PREFIX}{i}", 0.0, tenant, "warmup", TextPrompt(synth_text(f"warmup/{i}", 64)), 2
+        f"{WARMUP_PREFIX}{i}", 0.0, tenant, "warmup", TextPrompt(synth_text(f"warmup/{i}", 32)), 2
     )
 
 

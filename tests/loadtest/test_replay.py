@@ -8,7 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 
+from gateway.cli import main
 from loadtest.bench_routing import warmup_request
 from loadtest.replay.cli import _stream, simulate
 from loadtest.replay.compare import compare, render
@@ -107,3 +109,15 @@ def test_the_warm_up_is_replayed_first_and_left_out_of_the_comparison() -> None:
     forced = ForcedPolicy(make_policy("cost"), {**{rid: "w0" for rid in warm}, **{r: "w0" for r in http}})
     simulate(stream, config, forced, 1.0)
     assert "warmup-0" in forced.decisions and compare(http, forced.decisions).n == len(reqs)
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_a_conversation_trace_run_over_http_is_replayed_decision_by_decision(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    args = ["bench", "routing", "--trace", "mooncake-conversation", "--rate-scale", "8", "--workers", "2"]
+    args += ["--max-requests", "6", "--kv-blocks", "4000", "--routers", "kvgate:cost", "--decision-log"]
+    assert main([*args, "--out", str(out), "--quiet"]) == 0
+    assert main(["bench", "replay", "--run", str(out), "--json", str(tmp_path / "replay.json")]) == 0
+    doc = orjson.loads((tmp_path / "replay.json").read_bytes())
+    assert doc["n"] == 6 and 0 < doc["agreement"] <= 1

@@ -48,6 +48,7 @@ from loadtest.workloads.registry import WORKLOADS, make_workload
 from loadtest.workloads.text import synth_text
 
 DECISIONS_FILE = "decisions.jsonl"  # a kvgate router's decision log, in its logs/ directory
+WARMUP_PREFIX = "warmup-"  # request ids of the unmeasured warm-up requests
 DEFAULT_KV_BLOCKS = 27000  # the default profile's pool; used for the pooled-LRU ceiling when not given
 
 
@@ -126,6 +127,17 @@ def load_requests(args: argparse.Namespace) -> list[WorkloadRequest]:
     return reqs
 
 
+def warmup_request(i: int, tenant: str) -> WorkloadRequest:
+    """The `i`th unmeasured warm-up request (its id starts with `WARMUP_PREFIX`); `kvgate bench
+    replay` rebuilds them too, since they are part of what the policy learned from.
+
+    32 tokens: too few for `cost` to calibrate its prefill rate on (it needs 64 new tokens), since
+    a first request's TTFT is mostly connection and start-up time, not prefill."""
+    return WorkloadRequest(
+        f"{WARMUP_PREFIX}{i}", 0.0, tenant, "warmup", TextPrompt(synth_text(f"warmup/{i}", 32)), 2
+    )
+
+
 def _router_command(
     spec: str, args: argparse.Namespace, urls: list[str], tenants: list[str], workdir: Path
 ) -> PeerCommand:
@@ -167,10 +179,7 @@ def _headers(cmd: PeerCommand) -> Callable[[WorkloadRequest], dict[str, str]]:
 
 def warmup_requests(tenant: str, n: int) -> list[WorkloadRequest]:
     """`n` short requests with prompts of their own (no prefix of the workload's), all due at once."""
-    return [
-        WorkloadRequest(f"warmup-{i}", 0.0, tenant, "warmup", TextPrompt(synth_text(f"warmup/{i}", 64)), 2)
-        for i in range(n)
-    ]
+    return [warmup_request(i, tenant) for i in range(n)]
 
 
 async def _measure(

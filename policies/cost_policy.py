@@ -88,8 +88,8 @@ class CostPolicy(PrefixPolicyBase):
         self._last_n = -1
         self._positions = Positions()
         self._observe_at = 0
-        # Per worker: prefill seconds routed there, decayed with time constant `load_window_s`, and
-        # when that was last brought up to date.
+        # Per worker: prefill seconds routed there (the model's, before calibration), decayed with
+        # time constant `load_window_s`, and when that was last brought up to date.
         self._recent_work: dict[WorkerId, tuple[float, float]] = {}
         # This policy's dispatched, unfinished requests: request id → (worker, prompt tokens,
         # predicted uncached tokens), and per worker the sums and the uncached share. The gateway's
@@ -99,7 +99,8 @@ class CostPolicy(PrefixPolicyBase):
         self._uncached_share: dict[WorkerId, float] = {}
 
     def recent_work_s(self, worker: WorkerId, now_s: float) -> float:
-        """Prefill seconds this policy routed to `worker`, exponentially decayed over `load_window_s`."""
+        """Prefill seconds this policy routed to `worker`, exponentially decayed over `load_window_s`;
+        the model's seconds, before calibration: the score multiplies them by the current scale."""
         found = self._recent_work.get(worker)
         if found is None:
             return 0.0
@@ -155,7 +156,12 @@ class CostPolicy(PrefixPolicyBase):
         self._add_work(pool, holding.worker, holding.n_prompt_tokens, matched, now_s)
 
     def _add_work(self, pool: PoolState, worker: WorkerId, prompt: int, matched: int, now_s: float) -> None:
-        work = pool.cost.prefill_s(prompt - matched, matched)
+        # `prompt` and `matched` are request tokens; the prefill time is the engine's. Stored
+        # before calibration, so that the charge moves with the scale as the other terms do: the
+        # choice then does not depend on the scale's history (how it stood at each dispatch).
+        cost = pool.cost
+        unit = cost.engine_tokens_per_request_token
+        work = cost.prefill_s(int((prompt - matched) * unit), int(matched * unit)) / cost.scale
         recent = self._recent_work
         if worker not in recent and len(recent) >= 4096:
             recent.pop(next(iter(recent)))  # bounded across worker churn
@@ -402,7 +408,7 @@ class _Scorer:
             score -= cost.cold_s(view, self.adapter)
         if self.branch is not None:
             policy, now_s = self.branch
-            score -= policy.branch_load_weight * policy.recent_work_s(view.worker_id, now_s)
+            score -= policy.branch_load_weight * q.scale * policy.recent_work_s(view.worker_id, now_s)
         if score > self.best_score + self.tie:
             self.best_score, self.best = score, [(i, matched, queue)]
         elif score >= self.best_score - self.tie:

@@ -21,7 +21,13 @@ from typing import Any
 
 import orjson
 
-from loadtest.bench_routing import DECISIONS_FILE, DEFAULT_KV_BLOCKS, load_requests
+from loadtest.bench_routing import (
+    DECISIONS_FILE,
+    DEFAULT_KV_BLOCKS,
+    WARMUP_PREFIX,
+    load_requests,
+    warmup_request,
+)
 from loadtest.cli_args import positive_float, positive_int
 from loadtest.engine import DEFAULT_PROFILE, Engine, EngineConfig, EngineRequest, load_profile
 from loadtest.engine.hashing import block_hashes
@@ -54,12 +60,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="simulated /metrics period (gateway: 1 s)",
     )
+    parser.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="leave the run's warm-up requests out of the simulation (they are replayed by default)",
+    )
     parser.add_argument("--free", action="store_true", help="also simulate without forcing placements")
     parser.add_argument("--keep", type=positive_int, default=20, help="divergences to print")
     parser.add_argument("--json", metavar="OUT", help="write the comparison here")
 
 
-def _stream(config: dict[str, Any], http: dict[str, HttpDecision], arrivals: str) -> list[WorkloadRequest]:
+def _stream(
+    config: dict[str, Any], http: dict[str, HttpDecision], warm: dict[str, HttpDecision], arrivals: str
+) -> list[WorkloadRequest]:
+    """The run's measured requests (those in `http`) after its warm-up requests (those in `warm`),
+    at the times the gateway routed them, or the measured ones at the workload's times."""
     ns = argparse.Namespace(
         trace=config.get("trace"),
         users=config.get("users") or 1,
@@ -69,11 +84,23 @@ def _stream(config: dict[str, Any], http: dict[str, HttpDecision], arrivals: str
         max_requests=config.get("max_requests") or config["n_requests"],
         rate_scale=config.get("rate_scale") or 1.0,
     )
-    reqs = [r for r in load_requests(ns) if r.request_id in http]
+    stream = load_requests(ns)
+    reqs = [r for r in stream if r.request_id in http]
+    t0 = rebase([*http.values(), *warm.values()])
     if arrivals == "http":
-        t0 = rebase(http.values())
         reqs = [dataclasses.replace(r, arrival_s=http[r.request_id].t_s - t0) for r in reqs]
-    return sorted(reqs, key=lambda r: r.arrival_s)
+    elif reqs:
+        first = rebase(http.values()) - t0 - reqs[0].arrival_s
+        reqs = [dataclasses.replace(r, arrival_s=r.arrival_s + first) for r in reqs]
+    # The warm-up went through the same policy first: it moved the calibration and the load
+    # history every later decision was scored with.
+    warmups = [
+        dataclasses.replace(
+            warmup_request(int(rid.removeprefix(WARMUP_PREFIX)), stream[0].tenant), arrival_s=d.t_s - t0
+        )
+        for rid, d in warm.items()
+    ]
+    return sorted([*warmups, *reqs], key=lambda r: r.arrival_s)
 
 
 def _policy(workdir: Path) -> RoutingPolicy:
@@ -106,8 +133,10 @@ def simulate(
 
 
 def hit_ratio(result: LoopResult) -> float:
-    prompt = sum(r.prompt_tokens for r in result.requests)
-    return sum(r.cached_tokens for r in result.requests) / prompt if prompt else 0.0
+    """Over the measured requests (the warm-up left out, as the HTTP run leaves it out)."""
+    measured = [r for r in result.requests if not r.request_id.startswith(WARMUP_PREFIX)]
+    prompt = sum(r.prompt_tokens for r in measured)
+    return sum(r.cached_tokens for r in measured) / prompt if prompt else 0.0
 
 
 def http_hit_ratio(http: dict[str, HttpDecision]) -> float:
@@ -121,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     log_path = workdir / DECISIONS_FILE
     try:
         config = orjson.loads((out / "results.json").read_bytes())["config"]
-        http, workers = read_decisions(log_path)
+        logged, workers = read_decisions(log_path, skip_prefix=None)
     except (OSError, KeyError, ValueError) as exc:
         print(f"kvgate bench replay: error: {exc}", file=sys.stderr)
         return 2
@@ -131,11 +160,13 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    reqs = _stream(config, http, args.arrivals)
-    forced = ForcedPolicy(_policy(workdir), {rid: d.worker for rid, d in http.items()})
+    http = {rid: d for rid, d in logged.items() if not rid.startswith(WARMUP_PREFIX)}
+    warm = {} if args.no_warmup else {rid: d for rid, d in logged.items() if rid.startswith(WARMUP_PREFIX)}
+    reqs = _stream(config, http, warm, args.arrivals)
+    forced = ForcedPolicy(_policy(workdir), {rid: d.worker for rid, d in logged.items()})
     result = simulate(reqs, config, forced, args.scrape_interval_s)
     agreement = compare(http, forced.decisions, args.keep)
-    print(f"router {args.router}, {len(reqs)} requests, arrivals: {args.arrivals}")
+    print(f"router {args.router}, {len(http)} requests after {len(warm)} warm-up, arrivals: {args.arrivals}")
     print(
         f"hit ratio: HTTP {http_hit_ratio(http):.3f}, simulator with HTTP placements {hit_ratio(result):.3f}"
     )

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from loadtest.replay.forced import SimDecision
 from loadtest.replay.log import Candidate, HttpDecision
 
-SIGNALS = ("predicted", "in_flight", "prefill", "waiting", "running")
+SIGNALS = ("predicted", "in_flight", "prefill", "decode", "waiting", "running")
 
 
 @dataclass(slots=True)
@@ -52,6 +52,7 @@ def _sim_signals(sim: SimDecision, worker: str) -> dict[str, float | int | None]
         "predicted": round(sim.predicted.get(worker, 0) / n, 2),
         "in_flight": view.in_flight_requests,
         "prefill": round(view.in_flight_prefill_tokens / n, 2),
+        "decode": view.in_flight_decode_tokens,
         "waiting": view.num_requests_waiting,
         "running": view.num_requests_running,
     }
@@ -66,6 +67,7 @@ def _http_signals(http: HttpDecision, worker: str) -> dict[str, float | int | No
         "predicted": round(found.predicted_cached_tokens / n, 2),
         "in_flight": found.in_flight,
         "prefill": round(found.prefill_tokens / n, 2),
+        "decode": found.decode_tokens,
         "waiting": found.waiting,
         "running": found.running,
     }

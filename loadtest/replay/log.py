@@ -56,16 +56,19 @@ class HttpDecision:
     ttft_ms: float | None
 
 
-def read_decisions(path: Path, skip_prefix: str = "warmup-") -> tuple[dict[str, HttpDecision], list[str]]:
+def read_decisions(
+    path: Path, skip_prefix: str | None = "warmup-"
+) -> tuple[dict[str, HttpDecision], list[str]]:
     """The log's decisions by client request id (requests without one, or whose id starts with
-    `skip_prefix`, are left out), and the workers' ids in the order that names them w0, w1, ..."""
+    `skip_prefix` when given, are left out), and the workers' ids in the order that names them
+    w0, w1, ..."""
     lines = [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
     workers = sorted({c["worker"] for rec in lines for d in rec["decisions"] for c in d["candidates"]})
     rename = {w: f"w{i}" for i, w in enumerate(workers)}
     out: dict[str, HttpDecision] = {}
     for rec in lines:
         rid = rec.get("client_request_id")
-        if not rid or rid.startswith(skip_prefix) or not rec["decisions"]:
+        if not rid or (skip_prefix is not None and rid.startswith(skip_prefix)) or not rec["decisions"]:
             continue
         d = rec["decisions"][0]
         out[rid] = HttpDecision(

@@ -270,7 +270,6 @@ class _Loop:
             gw = f.gateway
             assert gw is not None
             gw.prefill[idx] -= f.route.n_prompt_tokens
-            gw.decode[idx] += f.max_out
             gw.views[idx] = None
             changed[(gw, f.route.pool)] = None
         for fin in out.finished:
@@ -381,6 +380,8 @@ class _Loop:
         self.flights[f.req.request_id] = f
         gw.in_flight[idx] += 1
         gw.prefill[idx] += route.n_prompt_tokens
+        # Output tokens to come count from dispatch, as the gateway's registry counts them.
+        gw.decode[idx] += f.max_out
         gw.views[idx] = None
         if self.bus is not None:
             self.bus.load_changed(gw, route.pool, w.id, idx, now_s)

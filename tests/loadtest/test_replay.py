@@ -3,12 +3,16 @@ followed and its divergence explained by the signals that differ."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 
-from loadtest.replay.cli import simulate
+from gateway.cli import main
+from loadtest.bench_routing import warmup_request
+from loadtest.replay.cli import _stream, simulate
 from loadtest.replay.compare import compare, render
 from loadtest.replay.forced import ForcedPolicy, SimDecision
 from loadtest.replay.log import Candidate, HttpDecision, read_decisions
@@ -18,9 +22,11 @@ from policies import make_policy
 CONFIG: dict[str, Any] = {"seed": 0, "workers": 3, "kv_blocks": 1500, "model": "emulated-llama"}
 
 
-def _stream() -> list[Any]:
-    args = ["num_groups=4", "prompts_per_group=6", "output_len=8", "rate_per_s=16"]
-    return make_workload("gsp", 0, args)
+_GSP = ["num_groups=4", "prompts_per_group=6", "output_len=8", "rate_per_s=16"]
+
+
+def _gsp() -> list[Any]:
+    return make_workload("gsp", 0, _GSP)
 
 
 def _as_http(d: SimDecision) -> HttpDecision:
@@ -41,7 +47,7 @@ def _as_http(d: SimDecision) -> HttpDecision:
 
 
 def test_a_simulated_run_replayed_against_itself_agrees_on_every_decision() -> None:
-    reqs = _stream()
+    reqs = _gsp()
     free = ForcedPolicy(make_policy("cost"), None)
     simulate(reqs, CONFIG, free, 1.0)
     http = {rid: _as_http(d) for rid, d in free.decisions.items()}
@@ -53,7 +59,7 @@ def test_a_simulated_run_replayed_against_itself_agrees_on_every_decision() -> N
 
 
 def test_a_forced_placement_is_followed_and_its_divergence_names_the_signals() -> None:
-    reqs = _stream()
+    reqs = _gsp()
     free = ForcedPolicy(make_policy("cost"), None)
     simulate(reqs, CONFIG, free, 1.0)
     ordered = sorted(free.decisions.values(), key=lambda d: d.t_s)
@@ -84,3 +90,34 @@ def test_the_log_reader_renames_workers_and_skips_the_warm_up(tmp_path: Path) ->
     decisions, workers = read_decisions(path)
     assert workers == ["http://a", "http://b"]
     assert list(decisions) == ["r1"] and decisions["r1"].worker == "w1"
+
+
+def test_the_warm_up_is_replayed_first_and_left_out_of_the_comparison() -> None:
+    config = {**CONFIG, "workload": "gsp", "workload_args": _GSP, "n_requests": 24, "max_requests": 24}
+    reqs = make_workload("gsp", 0, _GSP)
+
+    def decided(rid: str, t_s: float) -> HttpDecision:
+        return HttpDecision(rid, t_s, "w0", "miss", 0, (), 1, 1, 0, 1.0)
+
+    http = {r.request_id: decided(r.request_id, 1.0 + r.arrival_s) for r in reqs}
+    warm = {"warmup-0": decided("warmup-0", 0.0), "warmup-1": decided("warmup-1", 0.1)}
+    stream = _stream(config, http, warm, "http")
+    assert [r.request_id for r in stream[:2]] == ["warmup-0", "warmup-1"]
+    assert stream[1].arrival_s == 0.1 and stream[2].arrival_s == 1.0 + min(r.arrival_s for r in reqs)
+    assert stream[0] == dataclasses.replace(warmup_request(0, reqs[0].tenant), arrival_s=0.0)
+    assert len(stream) == len(reqs) + 2
+    forced = ForcedPolicy(make_policy("cost"), {**{rid: "w0" for rid in warm}, **{r: "w0" for r in http}})
+    simulate(stream, config, forced, 1.0)
+    assert "warmup-0" in forced.decisions and compare(http, forced.decisions).n == len(reqs)
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_a_conversation_trace_run_over_http_is_replayed_decision_by_decision(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    args = ["bench", "routing", "--trace", "mooncake-conversation", "--rate-scale", "8", "--workers", "2"]
+    args += ["--max-requests", "6", "--kv-blocks", "4000", "--routers", "kvgate:cost", "--decision-log"]
+    assert main([*args, "--out", str(out), "--quiet"]) == 0
+    assert main(["bench", "replay", "--run", str(out), "--json", str(tmp_path / "replay.json")]) == 0
+    doc = orjson.loads((tmp_path / "replay.json").read_bytes())
+    assert doc["n"] == 6 and 0 < doc["agreement"] <= 1

@@ -46,6 +46,28 @@ def test_both_units_weigh_a_queue_alike() -> None:
         assert _decide(1, queued) == _decide(4, queued)
 
 
+def test_work_routed_to_a_worker_is_counted_in_engine_tokens() -> None:
+    """The branch charge (prefill seconds recently routed to a worker) is the same in both units."""
+    recent = []
+    for unit in (1, 4):
+        p = CostPolicy(seed=1)
+        warm = _shrunk(req("warm", range(128)), unit)
+        d = p.select(warm, [WorkerView(WorkerId("w0"))], 0.0)
+        assert d is not None
+        p.on_dispatch(warm, d, 0.0)
+        p.on_complete(
+            Observation(warm, d.worker, ttft_s=None, prompt_tokens=warm.n_prompt_tokens * unit), 0.0
+        )
+        r = _shrunk(req("r", range(300)), unit)
+        d = p.select(r, [WorkerView(WorkerId("w1"))], 1.0)
+        assert d is not None
+        p.on_dispatch(r, d, 1.0)
+        recent.append(p.recent_work_s(WorkerId("w1"), 1.0))
+    assert (
+        recent[0] > 0 and abs(recent[1] - recent[0]) < 1e-3 * recent[0]
+    )  # 4,801 engine tokens against 4,800
+
+
 def test_the_first_sample_sets_the_engine_unit() -> None:
     cost = CostModel(CostModelParams())
     cost.note_complete("r", None, prompt_tokens=400, cached_tokens=None, request_tokens=100)

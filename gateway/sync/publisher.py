@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from gateway.config.sync import SyncConfig
 from gateway.sync.codec import SyncBatch
 from policies.base import WorkerId
-from policies.peer_sync import PeerHolding, PeerItem, PeerLoad
+from policies.peer_sync import PeerCalibration, PeerHolding, PeerItem, PeerLoad
 
 _Slot = tuple[str, WorkerId]
 
@@ -38,6 +38,8 @@ def item_bytes(item: PeerItem) -> int:
     if isinstance(item, PeerHolding):
         strings = len(item.pool) + len(item.namespace) + len(item.worker)
         return _ITEM_BYTES + _KEY_BYTES * len(item.keys) + strings
+    if isinstance(item, PeerCalibration):
+        return _ITEM_BYTES + len(item.pool)
     return _ITEM_BYTES
 
 
@@ -62,6 +64,8 @@ class SyncPublisher:
 
     def sink(self, item: PeerItem, now_s: float) -> None:
         """The policy's `SyncSink`: queue one item, dropping the oldest when full. Never blocks."""
+        if isinstance(item, PeerCalibration) and not self.config.share_calibration:
+            return
         queue = self._queue
         if len(queue) >= self.config.queue_max_items:
             queue.popleft()

@@ -55,7 +55,13 @@ class SyncService:
         self.config = config
         self.origin = origin or default_origin()
         self.publisher = SyncPublisher(self.origin, config)
-        self.subscriber = SyncSubscriber(self.origin, registry, config.peer_timeout_s, routing.metrics)
+        self.subscriber = SyncSubscriber(
+            self.origin,
+            registry,
+            config.peer_timeout_s,
+            routing.metrics,
+            share_calibration=config.share_calibration,
+        )
         self.link = NatsLink(
             [u.strip() for u in config.url.split(",")],
             f"{config.subject_prefix}.batches",

@@ -15,7 +15,7 @@ from gateway.sync.publisher import SyncPublisher
 from gateway.sync.subscriber import SyncSubscriber
 from policies.base import RouteDecision, WorkerId
 from policies.cost_policy import CostPolicy
-from policies.peer_sync import PeerHolding, PeerLoad, PeerOutcome
+from policies.peer_sync import PeerCalibration, PeerHolding, PeerLoad, PeerOutcome
 from tests.policies.factories import BS, req
 
 W0, W1 = "http://127.0.0.1:9001", "http://127.0.0.1:9002"
@@ -155,3 +155,19 @@ def test_batches_are_cut_to_the_brokers_largest_message_and_an_item_too_large_fo
     assert [i.ref for b in batches for i in b.items] == [1, 2, 3, 4, 5, 6, 7, 8, 10]
     assert len(batches) >= 4 and batches[0].loads == (busy,)
     assert pub.oversized == 1 and pub.batched_items == 9
+
+
+async def test_with_share_calibration_off_samples_are_neither_published_nor_applied() -> None:
+    sample = PeerCalibration("p", BS, 4000, 1000, 2.0)
+    on, off = SyncPublisher("me", SyncConfig()), SyncPublisher("me", SyncConfig(share_calibration=False))
+    for pub in (on, off):
+        pub.sink(sample, 0.0)
+        pub.sink(PeerOutcome(1, True), 0.0)
+    assert on.queued == 2 and off.queued == 1
+    registry = Registry([PoolConfig(name="p", models=["m"], workers=[W0])])
+    batch = encode(SyncBatch("peer", 1, 0.0, False, (sample,)))
+    for share, applied in ((True, 1), (False, 0)):
+        policy = CostPolicy(seed=0)
+        sub = SyncSubscriber("me", registry, 2.0, GatewayMetrics(), share_calibration=share)
+        await sub.on_message(batch, lambda policy=policy: policy)
+        assert policy.stats().counters.get("peer_calibration_applied", 0) == applied

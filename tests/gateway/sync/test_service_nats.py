@@ -95,9 +95,12 @@ async def test_what_one_gateway_routes_the_other_routes_the_same_way(
     policy_b = b.routing.policy
     assert isinstance(policy_b, CostPolicy)
     await wait_until(lambda: policy_b.stats().counters.get("peer_outcomes_applied", 0) == 1)
+    # The completion's calibration sample went with it: B's cost model learned A's prompt size.
+    await wait_until(lambda: policy_b.stats().counters.get("peer_calibration_applied", 0) == 1)
+    assert policy_b.cost_model(r).mean_prompt_tokens != 1024.0
     a.refresh_metrics()
     text = a.routing.metrics.render().decode()
-    assert 'kvgate_sync_events_total{event="published_items"} 2.0' in text
+    assert 'kvgate_sync_events_total{event="published_items"} 3.0' in text
     assert "kvgate_sync_connected 1.0" in text and "kvgate_sync_peers 1.0" in text
 
 

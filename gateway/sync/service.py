@@ -115,6 +115,11 @@ class SyncService:
         publisher = self.publisher
         while True:
             wait_s = publisher.full_load_in_s(time.monotonic())
+            if publisher.prefill_published:
+                # A prefill ending queues no item, but the peers must hear of it: while they count
+                # prefill tokens of ours, look for changed loads every batch interval (a batch goes
+                # out only when one changed).
+                wait_s = 0.0
             if wait_s > 0:
                 # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation.
                 with contextlib.suppress(TimeoutError):

@@ -171,3 +171,15 @@ async def test_with_share_calibration_off_samples_are_neither_published_nor_appl
         sub = SyncSubscriber("me", registry, 2.0, GatewayMetrics(), share_calibration=share)
         await sub.on_message(batch, lambda policy=policy: policy)
         assert policy.stats().counters.get("peer_calibration_applied", 0) == applied
+
+
+def test_the_publisher_knows_while_peers_count_prefill_tokens_of_its_own() -> None:
+    pub = SyncPublisher("me", SyncConfig())
+    assert not pub.prefill_published
+    assert pub.next_batch([PeerLoad("p", WorkerId(W0), 1, 500, 10)], 0.0) is not None
+    assert pub.prefill_published
+    # The prefill ended: that load changed, so it goes out with no item to carry it.
+    batch = pub.next_batch([PeerLoad("p", WorkerId(W0), 1, 0, 10)], 0.01)
+    assert batch is not None and batch.items == () and batch.loads == (PeerLoad("p", WorkerId(W0), 1, 0, 10),)
+    assert not pub.prefill_published
+    assert pub.next_batch([PeerLoad("p", WorkerId(W0), 1, 0, 10)], 0.02) is None

@@ -43,8 +43,8 @@ from loadtest.traces.http_replay import ReplayConfig, replay
 from loadtest.traces.mooncake import TraceFormatError
 from loadtest.workloads.records import WorkloadRequest
 
-# broker-own-calibration: shares as `broker` does but calibration (sync.share_calibration: false).
-SYNC_MODES = ("none", "broker", "broker-own-calibration")
+# broker-shared-calibration: as `broker`, and the calibration samples too (sync.share_calibration).
+SYNC_MODES = ("none", "broker", "broker-shared-calibration")
 METRICS = ("hit_ratio", "ttft_p50_s", "ttft_p99_s")
 BASELINE = "1 process"
 
@@ -81,8 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sync",
         default="none,broker",
-        help="comma-separated sync modes for the K processes: none, broker, broker-own-calibration "
-        "(each gateway calibrates its cost model from its own completions only)",
+        help="comma-separated sync modes for the K processes: none, broker, broker-shared-calibration "
+        "(also the cost model's calibration samples: sync.share_calibration)",
     )
     parser.add_argument("--policy", default="cost", help="routing policy of every gateway (default cost)")
     parser.add_argument(
@@ -183,7 +183,7 @@ def run_setup(
             args.seed,
             args.policy_file,
             decision_log=args.decision_log,
-            share_calibration=setup.sync != "broker-own-calibration",
+            share_calibration=setup.sync == "broker-shared-calibration",
         )
         fleet = start_fleet(spec, pool.urls, sorted({r.tenant for r in reqs}), workdir)
         try:

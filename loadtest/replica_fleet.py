@@ -50,7 +50,7 @@ class FleetSpec:
     seed: int
     policy_file: Path | None = None  # a policy YAML to use instead of `policy: <policy>`
     decision_log: bool = False  # each gateway writes `decisions.jsonl` in its own directory
-    share_calibration: bool = True  # the config's `sync.share_calibration`
+    share_calibration: bool = False  # the config's `sync.share_calibration`
 
     @property
     def shares(self) -> bool:
@@ -171,9 +171,9 @@ def start_fleet(spec: FleetSpec, worker_urls: Sequence[str], tenants: Sequence[s
                 doc = yaml.safe_load(spec.policy_file.read_text())
                 (sub / "policy.yaml").write_text(yaml.safe_dump({**doc, "seed": spec.seed + i}))
             text = cmd.config_text
-            if not spec.share_calibration and text is not None:
+            if spec.share_calibration and text is not None:
                 text = yaml.safe_dump(
-                    {**yaml.safe_load(text), "sync": {"share_calibration": False}}, sort_keys=False
+                    {**yaml.safe_load(text), "sync": {"share_calibration": True}}, sort_keys=False
                 )
             cmd = dataclasses.replace(cmd, name=f"kvgate{i}", argv=(*cmd.argv, *extra), config_text=text)
             fleet.procs.append(start_peer(cmd, workdir=sub, ready_timeout_s=60.0))

@@ -46,7 +46,7 @@ class SyncSubscriber:
         peer_timeout_s: float,
         metrics: GatewayMetrics,
         *,
-        share_calibration: bool = True,
+        share_calibration: bool = False,
     ) -> None:
         self.origin = origin
         self.share_calibration = share_calibration

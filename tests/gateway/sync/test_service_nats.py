@@ -43,7 +43,7 @@ def broker(tmp_path: Path) -> Iterator[LocalBroker]:
         b.stop()
 
 
-def _state(url: str, **sync: float) -> GatewayState:
+def _state(url: str, **sync: float | bool) -> GatewayState:
     config = parse_config(
         {
             "pools": [PoolConfig(name="p", models=["m"], workers=W).model_dump()],
@@ -64,7 +64,7 @@ async def pair(broker: LocalBroker) -> AsyncIterator[tuple[SyncService, SyncServ
 
 
 @contextlib.asynccontextmanager
-async def _pair(broker: LocalBroker, **sync: float) -> AsyncIterator[tuple[SyncService, SyncService]]:
+async def _pair(broker: LocalBroker, **sync: float | bool) -> AsyncIterator[tuple[SyncService, SyncService]]:
     a, b = _state(broker.url, **sync), _state(broker.url, **sync)
     services = (
         SyncService(a.registry, a.routing, a.config.sync, "a"),
@@ -102,13 +102,26 @@ async def test_what_one_gateway_routes_the_other_routes_the_same_way(
     policy_b = b.routing.policy
     assert isinstance(policy_b, CostPolicy)
     await wait_until(lambda: policy_b.stats().counters.get("peer_outcomes_applied", 0) == 1)
-    # The completion's calibration sample went with it: B's cost model learned A's prompt size.
-    await wait_until(lambda: policy_b.stats().counters.get("peer_calibration_applied", 0) == 1)
-    assert policy_b.cost_model(r).mean_prompt_tokens != 1024.0
     a.refresh_metrics()
     text = a.routing.metrics.render().decode()
-    assert 'kvgate_sync_events_total{event="published_items"} 3.0' in text
+    # A holding and an outcome: calibration samples stay home unless `share_calibration` is set.
+    assert 'kvgate_sync_events_total{event="published_items"} 2.0' in text
+    assert "peer_calibration_applied" not in policy_b.stats().counters
     assert "kvgate_sync_connected 1.0" in text and "kvgate_sync_peers 1.0" in text
+
+
+async def test_with_share_calibration_a_completion_calibrates_the_peer_too(broker: LocalBroker) -> None:
+    async with _pair(broker, share_calibration=True) as (a, b):
+        r = req("r1", range(64), pool="p")
+        chosen = WorkerId(W[0])
+        a.routing.policy.on_dispatch(r, RouteDecision(chosen, 0.0, "miss"), time.monotonic())
+        obs = Observation(r, chosen, prompt_tokens=4 * r.n_prompt_tokens)
+        a.routing.policy.on_complete(obs, time.monotonic())
+        policy_b = b.routing.policy
+        assert isinstance(policy_b, CostPolicy)
+        await wait_until(lambda: policy_b.stats().counters.get("peer_calibration_applied", 0) == 1)
+        # B learned A's engine unit from A's completion, as A did.
+        assert policy_b.cost_model(r).engine_tokens_per_request_token == 4.0
 
 
 async def test_a_prefill_that_ends_reaches_the_peers_without_an_item_to_carry_it(broker: LocalBroker) -> None:

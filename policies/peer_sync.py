@@ -17,9 +17,9 @@ decided. Sync publishes exactly that, as keys and counts, never content:
   that replaces the origin's previous one. `PeerLoads` sums the snapshots per worker, and
   `with_peer_load` adds the sum to the `WorkerView` a policy scores.
 
-A policy publishes through a `SyncSink` (`set_sync_sink`); with none set (the default) its
-decision path pays one attribute test. `PeerRouting` keeps, bounded, the references that pair an
-outcome with its holding on both sides.
+A policy publishes through a `SyncSink` (`set_sync_sink`, calibration samples only when asked);
+with none set (the default) its decision path pays one attribute test. `PeerRouting` keeps,
+bounded, the references that pair an outcome with its holding on both sides.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ SyncSink = Callable[[PeerItem, float], None]
 class SupportsPeerSync(Protocol):
     """A policy that publishes its decisions and applies its peers' (the prefix-index policies)."""
 
-    def set_sync_sink(self, sink: SyncSink | None) -> None: ...
+    def set_sync_sink(self, sink: SyncSink | None, *, calibration: bool = False) -> None: ...
 
     def apply_peer(self, origin: str, item: PeerItem, now_s: float) -> None: ...
 

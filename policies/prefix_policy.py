@@ -108,6 +108,7 @@ class PrefixPolicyBase:
         self._dispatched: dict[str, _Dispatched] = {}
         # Replica sync (`policies.peer_sync`): off until a sink is set.
         self._sync_sink: SyncSink | None = None
+        self._sync_calibration = False
         self._peers = PeerRouting()
 
     MAX_DISPATCHED = 65_536
@@ -274,7 +275,7 @@ class PrefixPolicyBase:
         sample = pool.cost.note_complete(
             req.request_id, obs.ttft_s, obs.prompt_tokens, obs.cached_tokens, req.n_prompt_tokens
         )
-        if sample is not None and self._sync_sink is not None:
+        if sample is not None and self._sync_sink is not None and self._sync_calibration:
             self._sync_sink(
                 PeerCalibration(
                     req.pool, req.block_size_tokens, sample.prompt_tokens, sample.request_tokens,
@@ -302,9 +303,11 @@ class PrefixPolicyBase:
 
     # -- replica sync (policies.peer_sync) -------------------------------------------------------
 
-    def set_sync_sink(self, sink: SyncSink | None) -> None:
-        """Publish every dispatch and outcome to `sink` from now on (None: stop)."""
+    def set_sync_sink(self, sink: SyncSink | None, *, calibration: bool = False) -> None:
+        """Publish every dispatch and outcome to `sink` from now on (None: stop), and with
+        `calibration` every completion's calibration sample too."""
         self._sync_sink = sink
+        self._sync_calibration = calibration
 
     def _publish_dispatch(
         self, req: RouteRequest, decision: RouteDecision, shared: int, now_s: float, pending: int

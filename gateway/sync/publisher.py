@@ -65,8 +65,6 @@ class SyncPublisher:
 
     def sink(self, item: PeerItem, now_s: float) -> None:
         """The policy's `SyncSink`: queue one item, dropping the oldest when full. Never blocks."""
-        if isinstance(item, PeerCalibration) and not self.config.share_calibration:
-            return
         queue = self._queue
         if len(queue) >= self.config.queue_max_items:
             queue.popleft()

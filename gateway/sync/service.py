@@ -77,7 +77,7 @@ class SyncService:
     def attach(self, policy: RoutingPolicy) -> None:
         """Make `policy` publish through this service (at start, and after a policy reload)."""
         if isinstance(policy, SupportsPeerSync):
-            policy.set_sync_sink(self.publisher.sink)
+            policy.set_sync_sink(self.publisher.sink, calibration=self.config.share_calibration)
 
     async def _on_message(self, data: bytes) -> None:
         await self.subscriber.on_message(data, self._policy)

@@ -43,10 +43,6 @@ class Outbox:
     def __call__(self, item: PeerItem, now_s: float) -> None:
         self.items.append((item, now_s))
 
-    def routing(self) -> list[tuple[PeerItem, float]]:
-        """What was published but calibration samples."""
-        return [(i, t) for i, t in self.items if not isinstance(i, PeerCalibration)]
-
     def deliver(self, to: CostPolicy, origin: str = "a", now_s: float | None = None) -> None:
         for item, at_s in self.items:
             to.apply_peer(origin, item, at_s if now_s is None else now_s)
@@ -72,12 +68,17 @@ def test_a_policy_publishes_nothing_until_a_sink_is_set_and_keys_only_then() -> 
     assert at_s == 1.0
     assert holding == PeerHolding(1, "p", BS, "t", r1.block_keys, W1, 8 * BS + 5, 3 * BS)
     assert out.items[1] == (PeerOutcome(1, True), 2.0)
-    # The completion's calibration sample: sizes only (no TTFT was observed, so no time ratio).
-    n = r1.n_prompt_tokens
-    assert out.items[2] == (PeerCalibration("p", BS, n, n, 0.0), 2.0)
     a.set_sync_sink(None)
     _dispatch(a, req("r2", range(4)), W0, 3.0)
-    assert len(out.items) == 3
+    assert len(out.items) == 2
+    # Asked to, it publishes each completion's calibration sample too: sizes only here (no TTFT
+    # was observed, so no time ratio).
+    a.set_sync_sink(out, calibration=True)
+    r3 = req("r3", range(8), extra_tokens=5)
+    a.on_dispatch(r3, RouteDecision(W1, 0.0, "hit", matched_tokens=8 * BS), 4.0)
+    a.on_complete(Observation(r3, W1, prompt_tokens=r3.n_prompt_tokens), 5.0)
+    n = r3.n_prompt_tokens
+    assert out.items[-1] == (PeerCalibration("p", BS, n, n, 0.0), 5.0)
 
 
 def test_a_peer_routes_a_prompt_to_the_worker_the_origin_chose() -> None:
@@ -293,14 +294,13 @@ def test_a_warm_chain_is_not_published_again_within_the_recency_resolution() -> 
     r = req("r", range(8))
     _dispatch(a, r, W0, 0.0)
     a.on_complete(Observation(r, W0, prompt_tokens=r.n_prompt_tokens), 0.2)
-    out.items = out.routing()
     assert len(out.items) == 2
     again = req("r2", range(8))
     _dispatch(a, again, W0, 0.5)  # confirmed and touched 0.5 s ago: the index leaves it be
     a.on_complete(Observation(again, W0, prompt_tokens=again.n_prompt_tokens), 0.6)
-    assert len(out.routing()) == 2  # only its calibration sample went out
+    assert len(out.items) == 2
     _dispatch(a, req("r3", range(8)), W0, 1.5)  # past the resolution: walked again, published
-    assert len(out.routing()) == 3 and isinstance(out.items[-1][0], PeerHolding)
+    assert len(out.items) == 3 and isinstance(out.items[2][0], PeerHolding)
 
 
 def _serve(p: CostPolicy, r: RouteRequest, now_s: float, ttft_s: float, engine_unit: int = 4) -> None:
@@ -316,7 +316,7 @@ def _serve(p: CostPolicy, r: RouteRequest, now_s: float, ttft_s: float, engine_u
 def test_a_peer_calibrates_from_the_origins_completions_as_the_origin_does() -> None:
     a, b = _policy(), _policy(seed=2)
     out = Outbox()
-    a.set_sync_sink(out)
+    a.set_sync_sink(out, calibration=True)
     for i in range(40):
         _serve(a, req(f"r{i}", range(100 * i, 100 * i + 64)), float(i), 0.4)
     samples = [item for item, _ in out.items if isinstance(item, PeerCalibration)]
@@ -335,8 +335,8 @@ def test_a_peer_calibrates_from_the_origins_completions_as_the_origin_does() -> 
 def test_two_gateways_that_share_calibrate_alike_from_half_the_completions_each() -> None:
     a, b = _policy(), _policy(seed=2)
     to_b, to_a = Outbox(), Outbox()
-    a.set_sync_sink(to_b)
-    b.set_sync_sink(to_a)
+    a.set_sync_sink(to_b, calibration=True)
+    b.set_sync_sink(to_a, calibration=True)
     for i in range(80):
         # A's half is slow, B's fast: alone each would learn only its own half.
         p, ttft = (a, 0.8) if i % 2 else (b, 0.2)

@@ -43,7 +43,8 @@ from loadtest.traces.http_replay import ReplayConfig, replay
 from loadtest.traces.mooncake import TraceFormatError
 from loadtest.workloads.records import WorkloadRequest
 
-SYNC_MODES = ("none", "broker")
+# broker-shared-calibration: as `broker`, and the calibration samples too (sync.share_calibration).
+SYNC_MODES = ("none", "broker", "broker-shared-calibration")
 METRICS = ("hit_ratio", "ttft_p50_s", "ttft_p99_s")
 BASELINE = "1 process"
 
@@ -78,7 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "reuseport: `kvgate serve --processes K` on one port (sync broker only)",
     )
     parser.add_argument(
-        "--sync", default="none,broker", help="comma-separated sync modes for the K processes: none, broker"
+        "--sync",
+        default="none,broker",
+        help="comma-separated sync modes for the K processes: none, broker, broker-shared-calibration "
+        "(also the cost model's calibration samples: sync.share_calibration)",
     )
     parser.add_argument("--policy", default="cost", help="routing policy of every gateway (default cost)")
     parser.add_argument(
@@ -105,6 +109,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--time-limit-s", type=positive_float, default=120.0, help="stop sending after this long"
     )
     parser.add_argument("--logs", type=Path, default=None, help="keep the processes' logs here")
+    parser.add_argument(
+        "--decision-log",
+        action="store_true",
+        help="every gateway logs its routing decisions to "
+        "<logs>/round<i>/setup<k>/gateway<j>/decisions.jsonl (the workload's request id is the "
+        "client request id; use with --logs)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
 
 
@@ -122,7 +133,8 @@ async def _replay_through(
     urls: tuple[str, ...], reqs: list[WorkloadRequest], args: argparse.Namespace, processes: int
 ) -> RouterRun:
     def headers(req: WorkloadRequest) -> dict[str, str]:
-        return {"Authorization": f"Bearer {bench_api_key(req.tenant)}"}
+        # The request id ties each gateway's decision log to the workload's request stream.
+        return {"Authorization": f"Bearer {bench_api_key(req.tenant)}", "x-request-id": req.request_id}
 
     cfg = ReplayConfig(
         base_url=urls[0],
@@ -160,10 +172,18 @@ def run_setup(
     broker: RunningProcess | None = None
     try:
         url = None
-        if setup.layout == "rr" and setup.sync == "broker":
+        if setup.layout == "rr" and setup.sync != "none":
             broker, url = start_broker(workdir)
         spec = FleetSpec(
-            setup.layout, setup.processes, url, args.policy, args.model, args.seed, args.policy_file
+            setup.layout,
+            setup.processes,
+            url,
+            args.policy,
+            args.model,
+            args.seed,
+            args.policy_file,
+            decision_log=args.decision_log,
+            share_calibration=setup.sync == "broker-shared-calibration",
         )
         fleet = start_fleet(spec, pool.urls, sorted({r.tenant for r in reqs}), workdir)
         try:

@@ -35,6 +35,7 @@ from loadtest.peers.kvgate import build_kvgate_command
 from loadtest.peers.launch import RunningProcess, start_peer
 
 LAYOUTS = ("single", "rr", "reuseport")
+DECISIONS_FILE = "decisions.jsonl"
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,8 @@ class FleetSpec:
     model: str
     seed: int
     policy_file: Path | None = None  # a policy YAML to use instead of `policy: <policy>`
+    decision_log: bool = False  # each gateway writes `decisions.jsonl` in its own directory
+    share_calibration: bool = False  # the config's `sync.share_calibration`
 
     @property
     def shares(self) -> bool:
@@ -151,6 +154,7 @@ def start_fleet(spec: FleetSpec, worker_urls: Sequence[str], tenants: Sequence[s
                 tenants=tenants,
                 seed=spec.seed + i,
                 workdir=sub,
+                decision_log=sub / DECISIONS_FILE if spec.decision_log else None,
             )
             extra: list[str] = []
             if spec.layout == "reuseport":
@@ -166,7 +170,12 @@ def start_fleet(spec: FleetSpec, worker_urls: Sequence[str], tenants: Sequence[s
             if spec.policy_file is not None:  # its content, with each gateway's own seed
                 doc = yaml.safe_load(spec.policy_file.read_text())
                 (sub / "policy.yaml").write_text(yaml.safe_dump({**doc, "seed": spec.seed + i}))
-            cmd = dataclasses.replace(cmd, name=f"kvgate{i}", argv=(*cmd.argv, *extra))
+            text = cmd.config_text
+            if spec.share_calibration and text is not None:
+                text = yaml.safe_dump(
+                    {**yaml.safe_load(text), "sync": {"share_calibration": True}}, sort_keys=False
+                )
+            cmd = dataclasses.replace(cmd, name=f"kvgate{i}", argv=(*cmd.argv, *extra), config_text=text)
             fleet.procs.append(start_peer(cmd, workdir=sub, ready_timeout_s=60.0))
             urls.append(f"http://127.0.0.1:{cmd.port}")
         fleet.urls = tuple(urls)

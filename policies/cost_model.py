@@ -108,6 +108,17 @@ class QueueTerms:
 
 
 @record
+class CalibrationSample:
+    """What one completion teaches the calibration: the engine's prompt tokens (0: unknown), the
+    request's own estimate of them (0: none) and observed over predicted prefill time (0: no
+    measurement). Numbers only, so replica sync can share it (`policies.peer_sync`)."""
+
+    prompt_tokens: int
+    request_tokens: int
+    scale_ratio: float
+
+
+@record
 class _Pending:
     queue_s: float
     matched_tokens: int
@@ -269,13 +280,48 @@ class CostModel:
         prompt_tokens: int | None,
         cached_tokens: int | None,
         request_tokens: int | None = None,
-    ) -> None:
-        """Fold one observed TTFT into the scale (log-domain EWMA, clipped to the configured range),
-        and the engine's prompt size against the request's estimate (`request_tokens`) into
-        `engine_tokens_per_request_token`."""
-        pending = self._pending.pop(request_id, None)
-        if request_tokens and prompt_tokens and request_tokens > 0 and prompt_tokens > 0:
-            ratio = min(max(prompt_tokens / request_tokens, 0.05), 20.0)
+    ) -> CalibrationSample | None:
+        """Fold one completion into the calibration (`fold`) and return what it taught, for
+        replica sync to share (None: nothing)."""
+        sample = self.sample(
+            self._pending.pop(request_id, None), ttft_s, prompt_tokens, cached_tokens, request_tokens
+        )
+        if sample is not None:
+            self.fold(sample)
+        return sample
+
+    def sample(
+        self,
+        pending: _Pending | None,
+        ttft_s: float | None,
+        prompt_tokens: int | None,
+        cached_tokens: int | None,
+        request_tokens: int | None,
+    ) -> CalibrationSample | None:
+        """What one completion says: the engine's prompt size (and the request's estimate of it)
+        and, when enough was computed, observed over predicted prefill time (clipped)."""
+        prompt = prompt_tokens if prompt_tokens is not None and prompt_tokens > 0 else 0
+        estimate = request_tokens if request_tokens and request_tokens > 0 and prompt else 0
+        ratio = 0.0
+        p = self.params
+        if p.calibrate and pending is not None and ttft_s is not None and prompt:
+            cached = pending.matched_tokens if cached_tokens is None else min(cached_tokens, prompt)
+            new = prompt - cached
+            if new >= 64:  # less is too little compute to say anything about the per-token rate
+                predicted = self.prefill_s(new, cached) / self.scale
+                observed = ttft_s - p.ingestion_s - pending.queue_s
+                if predicted > 0 and observed > 0:
+                    ratio = min(max(observed / predicted, p.min_scale), p.max_scale)
+        if not prompt and not ratio:
+            return None
+        return CalibrationSample(prompt, estimate, ratio)
+
+    def fold(self, sample: CalibrationSample) -> None:
+        """Fold a sample, this gateway's or a peer's, into the scale (log-domain EWMA, clipped to
+        the configured range), the mean prompt, and the engine's prompt size against the request's
+        estimate into `engine_tokens_per_request_token`."""
+        if sample.request_tokens > 0 and sample.prompt_tokens > 0:
+            ratio = min(max(sample.prompt_tokens / sample.request_tokens, 0.05), 20.0)
             # The first sample sets the unit outright: until it does, every token count the policy
             # weighs against the engine's (the mean prompt, the calibrated rates) is off by it.
             weight = 0.05 if self._unit_samples else 1.0
@@ -284,20 +330,12 @@ class CostModel:
             # Snap to exactly 1 when keys are token-exact, so that path stays integer arithmetic.
             unit = math.exp(self._log_unit)
             self.engine_tokens_per_request_token = 1.0 if abs(unit - 1.0) < 1e-3 else unit
-        if prompt_tokens is not None and prompt_tokens > 0:
-            self._mean_prompt_tokens += 0.01 * (prompt_tokens - self._mean_prompt_tokens)
+        if sample.prompt_tokens > 0:
+            self._mean_prompt_tokens += 0.01 * (sample.prompt_tokens - self._mean_prompt_tokens)
         p = self.params
-        if not p.calibrate or pending is None or ttft_s is None or not prompt_tokens:
+        if not p.calibrate or sample.scale_ratio <= 0:
             return
-        cached = pending.matched_tokens if cached_tokens is None else min(cached_tokens, prompt_tokens)
-        new = prompt_tokens - cached
-        if new < 64:
-            return  # too little compute to say anything about the per-token rate
-        predicted = self.prefill_s(new, cached) / self.scale
-        observed = ttft_s - p.ingestion_s - pending.queue_s
-        if predicted <= 0 or observed <= 0:
-            return
-        ratio = min(max(observed / predicted, p.min_scale), p.max_scale)
+        ratio = min(max(sample.scale_ratio, p.min_scale), p.max_scale)
         self._log_scale += p.calibration_weight * (math.log(ratio) - self._log_scale)
         self.scale = min(max(math.exp(self._log_scale), p.min_scale), p.max_scale)
         self.calibration_samples += 1

@@ -10,13 +10,16 @@ decided. Sync publishes exactly that, as keys and counts, never content:
   (same TTL, counted from when it applies the holding: gateways' clocks are not comparable).
 - `PeerOutcome`: how that request ended. Served confirms the holding in place, as a local
   completion does; any failure takes its unconfirmed blocks back.
+- `PeerCalibration`: what one of the origin's completions taught its cost model (prompt sizes, the
+  observed over predicted prefill time). A receiver folds it into its own calibration, so every
+  gateway learns from every completion, as one gateway in front of the same traffic would.
 - `PeerLoad`: the origin's in-flight requests and tokens on one worker of one pool, a snapshot
   that replaces the origin's previous one. `PeerLoads` sums the snapshots per worker, and
   `with_peer_load` adds the sum to the `WorkerView` a policy scores.
 
-A policy publishes through a `SyncSink` (`set_sync_sink`); with none set (the default) its
-decision path pays one attribute test. `PeerRouting` keeps, bounded, the references that pair an
-outcome with its holding on both sides.
+A policy publishes through a `SyncSink` (`set_sync_sink`, calibration samples only when asked);
+with none set (the default) its decision path pays one attribute test. `PeerRouting` keeps,
+bounded, the references that pair an outcome with its holding on both sides.
 """
 
 from __future__ import annotations
@@ -55,6 +58,19 @@ class PeerOutcome:
 
 
 @record
+class PeerCalibration:
+    """One completion's calibration sample (`policies.cost_model.CalibrationSample`) in `pool`:
+    the engine's prompt tokens, the request's estimate of them and observed over predicted prefill
+    time, each 0 when unknown. Numbers only."""
+
+    pool: str
+    block_size_tokens: int
+    prompt_tokens: int
+    request_tokens: int
+    scale_ratio: float
+
+
+@record
 class PeerLoad:
     """One gateway's in-flight load on one worker of one pool (its own accounting, a snapshot)."""
 
@@ -69,7 +85,7 @@ class PeerLoad:
         return self.requests <= 0 and self.prefill_tokens <= 0 and self.decode_tokens <= 0
 
 
-PeerItem = PeerHolding | PeerOutcome
+PeerItem = PeerHolding | PeerOutcome | PeerCalibration
 # Called by a policy for each item it publishes, with the policy's `now_s`.
 SyncSink = Callable[[PeerItem, float], None]
 
@@ -78,7 +94,7 @@ SyncSink = Callable[[PeerItem, float], None]
 class SupportsPeerSync(Protocol):
     """A policy that publishes its decisions and applies its peers' (the prefix-index policies)."""
 
-    def set_sync_sink(self, sink: SyncSink | None) -> None: ...
+    def set_sync_sink(self, sink: SyncSink | None, *, calibration: bool = False) -> None: ...
 
     def apply_peer(self, origin: str, item: PeerItem, now_s: float) -> None: ...
 

@@ -7,10 +7,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from policies.base import Isolation, KvEvent, Observation, RouteDecision, RouteRequest, WorkerId
-from policies.cost_model import CostModel
+from policies.cost_model import CalibrationSample, CostModel
 from policies.index import NO_MATCH, PrefixMatch
 from policies.kv_feed import KvEventFeed, TokenBlockHasher
-from policies.peer_sync import PeerHolding, PeerItem, PeerOutcome, PeerRouting, SyncSink
+from policies.peer_sync import PeerCalibration, PeerHolding, PeerItem, PeerOutcome, PeerRouting, SyncSink
 from policies.pools import PoolSet, PoolSettings, PoolState
 from policies.records import record
 from policies.stats import DecisionCounter, PolicyStats
@@ -108,6 +108,7 @@ class PrefixPolicyBase:
         self._dispatched: dict[str, _Dispatched] = {}
         # Replica sync (`policies.peer_sync`): off until a sink is set.
         self._sync_sink: SyncSink | None = None
+        self._sync_calibration = False
         self._peers = PeerRouting()
 
     MAX_DISPATCHED = 65_536
@@ -271,9 +272,17 @@ class PrefixPolicyBase:
             else:
                 mine = self._own_keys(req)
                 pool.index.confirm(mine.keys, obs.worker, mine.namespace, now_s)
-        pool.cost.note_complete(
+        sample = pool.cost.note_complete(
             req.request_id, obs.ttft_s, obs.prompt_tokens, obs.cached_tokens, req.n_prompt_tokens
         )
+        if sample is not None and self._sync_sink is not None and self._sync_calibration:
+            self._sync_sink(
+                PeerCalibration(
+                    req.pool, req.block_size_tokens, sample.prompt_tokens, sample.request_tokens,
+                    sample.scale_ratio,
+                ),
+                now_s,
+            )  # fmt: skip
 
     def set_token_hasher(self, hasher: TokenBlockHasher) -> None:
         """Enable precise mode: KV events are keyed with `hasher` (the normalizer's token-chain hash)."""
@@ -294,9 +303,11 @@ class PrefixPolicyBase:
 
     # -- replica sync (policies.peer_sync) -------------------------------------------------------
 
-    def set_sync_sink(self, sink: SyncSink | None) -> None:
-        """Publish every dispatch and outcome to `sink` from now on (None: stop)."""
+    def set_sync_sink(self, sink: SyncSink | None, *, calibration: bool = False) -> None:
+        """Publish every dispatch and outcome to `sink` from now on (None: stop), and with
+        `calibration` every completion's calibration sample too."""
         self._sync_sink = sink
+        self._sync_calibration = calibration
 
     def _publish_dispatch(
         self, req: RouteRequest, decision: RouteDecision, shared: int, now_s: float, pending: int
@@ -326,6 +337,9 @@ class PrefixPolicyBase:
         """Apply what gateway `origin` published: a holding is recorded as speculative, as a local
         dispatch is; an outcome confirms it (served) or takes its unconfirmed blocks back."""
         peers = self._peers
+        if isinstance(item, PeerCalibration):
+            self._apply_peer_calibration(item)
+            return
         if isinstance(item, PeerHolding):
             pool = self._pools.existing(item.pool)
             if pool is None:
@@ -350,6 +364,18 @@ class PrefixPolicyBase:
 
     def _apply_peer_holding(self, pool: PoolState, holding: PeerHolding, now_s: float) -> None:
         pool.index.record(holding.keys, holding.worker, holding.namespace, now_s, speculative=True)
+
+    def _apply_peer_calibration(self, item: PeerCalibration) -> None:
+        """Fold a peer's completion into this gateway's cost model of the same pool, as if it had
+        seen it: N gateways then calibrate from all completions, and score alike."""
+        pool = self._pools.existing(item.pool)
+        if pool is None:
+            pool = self._pools.get(item.pool, item.block_size_tokens)
+        elif pool.block_size_tokens != item.block_size_tokens:
+            self._peers.count("peer_block_size_mismatch")  # a peer on another config: keep ours
+            return
+        pool.cost.fold(CalibrationSample(item.prompt_tokens, item.request_tokens, item.scale_ratio))
+        self._peers.count("peer_calibration_applied")
 
     # -- stats --------------------------------------------------------------------------------
 

@@ -15,7 +15,11 @@ class SyncConfig(Frozen):
     oldest is dropped and counted when it is full) and go out in batches of up to
     `batch_max_items`, `batch_interval_s` after the first of them. Every `load_refresh_s` the
     whole in-flight load goes out even if unchanged; a peer silent for `peer_timeout_s` is
-    forgotten with its load."""
+    forgotten with its load. With `share_calibration` each completion's calibration sample is
+    published too and peers fold it into their cost model, so that every gateway calibrates from
+    all of the fleet's completions; off (the default: gateways that calibrate alike also choose
+    alike for requests that arrive together, see docs/sync.md), a gateway neither publishes nor
+    applies them and calibrates from its own."""
 
     url: str | None = Field(default=None, pattern=r"^(nats|tls)://")
     subject_prefix: str = Field(default="kvgate.sync", pattern=r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
@@ -25,6 +29,7 @@ class SyncConfig(Frozen):
     load_refresh_s: PositiveFloat = 1.0
     peer_timeout_s: PositiveFloat = 5.0
     connect_timeout_s: PositiveFloat = 2.0
+    share_calibration: bool = False
 
     @model_validator(mode="after")
     def _timeouts(self) -> SyncConfig:

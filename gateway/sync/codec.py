@@ -5,7 +5,13 @@
      "i": [[0, ref, pool, block size, namespace, worker, n keys, prompt tokens, matched tokens]
            | [1, ref, served], ...],                             # holdings and outcomes, in order
      "k": <every holding's keys, u64 little-endian, in item order>,
-     "l": [[pool, worker, requests, prefill tokens, decode tokens], ...]}
+     "l": [[pool, worker, requests, prefill tokens, decode tokens], ...],
+     "c": [[pool, block size, prompt tokens, request tokens, prefill time ratio], ...]}  # optional
+
+"c" carries calibration samples (`PeerCalibration`). It was added within version 1 as an optional
+field, because a reader takes the fields it knows by name: a gateway of an earlier release ignores
+it (and keeps routing on the holdings and loads of the same batch), and a batch without it is one
+with no samples. Samples are independent of the items' order, so they travel after them.
 
 Pools, namespaces and workers are indices into the string tables. A namespace is the tenant's
 index namespace (`tenant:<name>`, or the public one), a key a keyed chain hash: nothing in a batch
@@ -15,6 +21,7 @@ Anything that does not decode to exactly this shape is `MalformedBatch`.
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from typing import Any, cast
@@ -22,7 +29,7 @@ from typing import Any, cast
 import msgpack
 
 from policies.base import WorkerId
-from policies.peer_sync import PeerHolding, PeerItem, PeerLoad, PeerOutcome
+from policies.peer_sync import PeerCalibration, PeerHolding, PeerItem, PeerLoad, PeerOutcome
 from prompt_normalizer.types import BlockKey
 
 WIRE_VERSION = 1
@@ -65,9 +72,17 @@ class _Table:
 def encode(batch: SyncBatch) -> bytes:
     pools, namespaces, workers = _Table(), _Table(), _Table()
     items: list[list[Any]] = []
+    samples: list[list[Any]] = []
     keys: list[int] = []
     for item in batch.items:
-        if isinstance(item, PeerHolding):
+        if isinstance(item, PeerCalibration):
+            samples.append(
+                [
+                    pools(item.pool), item.block_size_tokens, item.prompt_tokens, item.request_tokens,
+                    float(item.scale_ratio),
+                ]
+            )  # fmt: skip
+        elif isinstance(item, PeerHolding):
             items.append(
                 [
                     _HOLDING, item.ref, pools(item.pool), item.block_size_tokens,
@@ -81,7 +96,7 @@ def encode(batch: SyncBatch) -> bytes:
     loads = [
         [pools(x.pool), workers(x.worker), x.requests, x.prefill_tokens, x.decode_tokens] for x in batch.loads
     ]
-    doc = {
+    doc: dict[str, Any] = {
         "v": WIRE_VERSION,
         "o": batch.origin,
         "s": batch.seq,
@@ -94,6 +109,8 @@ def encode(batch: SyncBatch) -> bytes:
         "k": struct.pack(f"<{len(keys)}Q", *keys),
         "l": loads,
     }
+    if samples:
+        doc["c"] = samples
     return msgpack.packb(doc, use_bin_type=True)
 
 
@@ -176,4 +193,15 @@ def _parse(doc: dict[str, Any]) -> SyncBatch:
             raise MalformedBatch("bad load")
         worker = WorkerId(_at(workers, raw[1]))
         loads.append(PeerLoad(_at(pools, raw[0]), worker, _int(raw[2]), _int(raw[3]), _int(raw[4])))
+    for raw in doc.get("c", ()):
+        items.append(_sample(pools, raw))
     return SyncBatch(_str(doc["o"]), _int(doc["s"]), float(sent), doc["f"], tuple(items), tuple(loads))
+
+
+def _sample(pools: list[str], raw: object) -> PeerCalibration:
+    if not isinstance(raw, list) or len(raw) != 5:
+        raise MalformedBatch("bad calibration sample")
+    ratio = raw[4]
+    if not isinstance(ratio, float | int) or isinstance(ratio, bool) or not 0.0 <= ratio < math.inf:
+        raise MalformedBatch("bad calibration ratio")
+    return PeerCalibration(_at(pools, raw[0]), _int(raw[1], 1), _int(raw[2]), _int(raw[3]), float(ratio))

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from gateway.config.sync import SyncConfig
 from gateway.sync.codec import SyncBatch
 from policies.base import WorkerId
-from policies.peer_sync import PeerHolding, PeerItem, PeerLoad
+from policies.peer_sync import PeerCalibration, PeerHolding, PeerItem, PeerLoad
 
 _Slot = tuple[str, WorkerId]
 
@@ -38,6 +38,8 @@ def item_bytes(item: PeerItem) -> int:
     if isinstance(item, PeerHolding):
         strings = len(item.pool) + len(item.namespace) + len(item.worker)
         return _ITEM_BYTES + _KEY_BYTES * len(item.keys) + strings
+    if isinstance(item, PeerCalibration):
+        return _ITEM_BYTES + len(item.pool)
     return _ITEM_BYTES
 
 
@@ -59,6 +61,7 @@ class SyncPublisher:
         self.ready = asyncio.Event()  # set when the queue goes from empty to non-empty
         self._sent_loads: dict[_Slot, tuple[int, int, int]] = {}
         self._last_full_s = -float("inf")
+        self._prefill_slots = 0  # slots of `_sent_loads` with prefill tokens
 
     def sink(self, item: PeerItem, now_s: float) -> None:
         """The policy's `SyncSink`: queue one item, dropping the oldest when full. Never blocks."""
@@ -73,6 +76,12 @@ class SyncPublisher:
     @property
     def queued(self) -> int:
         return len(self._queue)
+
+    @property
+    def prefill_published(self) -> bool:
+        """Whether the peers were last told of prefill tokens in flight: until they hear that
+        those prefills ended, they count them in front of the worker's queue."""
+        return self._prefill_slots > 0
 
     def full_load_due(self, now_s: float) -> bool:
         return self.full_load_in_s(now_s) <= 0
@@ -134,4 +143,5 @@ class SyncPublisher:
             del sent[slot]
             if not full:
                 out.append(PeerLoad(slot[0], slot[1], 0, 0, 0))
+        self._prefill_slots = sum(1 for value in sent.values() if value[1] > 0)
         return out

@@ -55,7 +55,13 @@ class SyncService:
         self.config = config
         self.origin = origin or default_origin()
         self.publisher = SyncPublisher(self.origin, config)
-        self.subscriber = SyncSubscriber(self.origin, registry, config.peer_timeout_s, routing.metrics)
+        self.subscriber = SyncSubscriber(
+            self.origin,
+            registry,
+            config.peer_timeout_s,
+            routing.metrics,
+            share_calibration=config.share_calibration,
+        )
         self.link = NatsLink(
             [u.strip() for u in config.url.split(",")],
             f"{config.subject_prefix}.batches",
@@ -71,7 +77,7 @@ class SyncService:
     def attach(self, policy: RoutingPolicy) -> None:
         """Make `policy` publish through this service (at start, and after a policy reload)."""
         if isinstance(policy, SupportsPeerSync):
-            policy.set_sync_sink(self.publisher.sink)
+            policy.set_sync_sink(self.publisher.sink, calibration=self.config.share_calibration)
 
     async def _on_message(self, data: bytes) -> None:
         await self.subscriber.on_message(data, self._policy)
@@ -109,6 +115,11 @@ class SyncService:
         publisher = self.publisher
         while True:
             wait_s = publisher.full_load_in_s(time.monotonic())
+            if publisher.prefill_published:
+                # A prefill ending queues no item, but the peers must hear of it: while they count
+                # prefill tokens of ours, look for changed loads every batch interval (a batch goes
+                # out only when one changed).
+                wait_s = 0.0
             if wait_s > 0:
                 # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation.
                 with contextlib.suppress(TimeoutError):

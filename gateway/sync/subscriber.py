@@ -18,7 +18,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.registry import Registry
 from gateway.sync.codec import MalformedBatch, SyncBatch, decode
 from policies.base import RoutingPolicy, WorkerId
-from policies.peer_sync import PeerItem, PeerLoads, SupportsPeerSync
+from policies.peer_sync import PeerCalibration, PeerItem, PeerLoads, SupportsPeerSync
 
 log = logging.getLogger("kvgate.sync")
 
@@ -40,9 +40,16 @@ class SyncSubscriber:
     """Applies peers' batches to the current policy and folds their load into the registry."""
 
     def __init__(
-        self, origin: str, registry: Registry, peer_timeout_s: float, metrics: GatewayMetrics
+        self,
+        origin: str,
+        registry: Registry,
+        peer_timeout_s: float,
+        metrics: GatewayMetrics,
+        *,
+        share_calibration: bool = False,
     ) -> None:
         self.origin = origin
+        self.share_calibration = share_calibration
         self.registry = registry
         self._lag = metrics.sync_lag.labels()
         self.loads = PeerLoads(peer_timeout_s)
@@ -82,8 +89,10 @@ class SyncSubscriber:
         self, origin: str, items: Sequence[PeerItem], policy: RoutingPolicy, now_s: float
     ) -> None:
         if isinstance(policy, SupportsPeerSync):
+            share_calibration = self.share_calibration
             for item in items:
-                policy.apply_peer(origin, item, now_s)
+                if share_calibration or not isinstance(item, PeerCalibration):
+                    policy.apply_peer(origin, item, now_s)
         self.stats.items += len(items)
 
     def finish(self, batch: SyncBatch, now_s: float) -> None:

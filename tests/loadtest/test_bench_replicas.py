@@ -12,6 +12,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import yaml
 
 from loadtest import bench_replicas
 from loadtest.bench_replicas import BASELINE, Rounds, Setup, paired_ratio
@@ -84,6 +85,34 @@ def test_one_process_against_k_with_and_without_sync_end_to_end(
             ]
             assert setup["ratio_to_1"][metric] == pytest.approx(statistics.median(same_round))
         assert all(r["n_errors"] == 0 and r["n_ok"] == 12 for r in setup["rounds"])
+
+
+@pytest.mark.e2e
+def test_every_gateway_logs_its_decisions_and_shares_calibration_when_asked(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    bench_replicas.add_arguments(parser)
+    logs = tmp_path / "logs"
+    argv = [
+        *TINY,
+        "--repeats",
+        "1",
+        "--sync",
+        "broker-shared-calibration",
+        "--decision-log",
+        "--logs",
+        str(logs),
+    ]
+    assert bench_replicas.run(parser.parse_args(argv)) == 0
+    ids = {r.request_id for r in make_workload("gsp", 0, TINY[3:14:2])}
+    for setup, gateways in (("setup0", 1), ("setup1", 2)):
+        seen: set[str] = set()
+        for j in range(gateways):
+            gateway = logs / "round1" / setup / f"gateway{j}"
+            lines = (gateway / "decisions.jsonl").read_text().splitlines()
+            seen |= {json.loads(line)["client_request_id"] for line in lines}
+            config = yaml.safe_load((gateway / "gateway.yaml").read_text())
+            assert config.get("sync", {}).get("share_calibration", False) is (setup == "setup1")
+        assert ids <= seen  # every measured request, whichever gateway routed it
 
 
 @pytest.mark.e2e

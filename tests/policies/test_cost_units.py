@@ -74,3 +74,21 @@ def test_the_first_sample_sets_the_engine_unit() -> None:
     assert abs(cost.engine_tokens_per_request_token - 4.0) < 1e-9
     cost.note_complete("r2", None, prompt_tokens=200, cached_tokens=None, request_tokens=100)
     assert 3.0 < cost.engine_tokens_per_request_token < 4.0  # later ones move it gradually
+
+
+def test_a_completion_is_a_sample_folded_and_the_same_sample_folds_alike_elsewhere() -> None:
+    here, there = CostModel(CostModelParams()), CostModel(CostModelParams())
+    here.note_dispatch("r", 0.001, 0)
+    sample = here.note_complete("r", 0.3, prompt_tokens=4000, cached_tokens=0, request_tokens=1000)
+    assert sample is not None and sample.prompt_tokens == 4000 and sample.request_tokens == 1000
+    assert sample.scale_ratio > 1.0
+    there.fold(sample)
+    state = (
+        here.scale,
+        here.engine_tokens_per_request_token,
+        here.mean_prompt_tokens,
+        here.calibration_samples,
+    )
+    assert state == (there.scale, there.engine_tokens_per_request_token, there.mean_prompt_tokens, 1)
+    # Nothing measured, nothing to share.
+    assert here.note_complete("unknown", None, prompt_tokens=None, cached_tokens=None) is None

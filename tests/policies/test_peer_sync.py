@@ -12,6 +12,7 @@ from policies.base import Isolation, Observation, Outcome, RouteDecision, RouteR
 from policies.cost_policy import CostPolicy
 from policies.index import IndexConfig
 from policies.peer_sync import (
+    PeerCalibration,
     PeerHolding,
     PeerItem,
     PeerLoad,
@@ -70,6 +71,14 @@ def test_a_policy_publishes_nothing_until_a_sink_is_set_and_keys_only_then() -> 
     a.set_sync_sink(None)
     _dispatch(a, req("r2", range(4)), W0, 3.0)
     assert len(out.items) == 2
+    # Asked to, it publishes each completion's calibration sample too: sizes only here (no TTFT
+    # was observed, so no time ratio).
+    a.set_sync_sink(out, calibration=True)
+    r3 = req("r3", range(8), extra_tokens=5)
+    a.on_dispatch(r3, RouteDecision(W1, 0.0, "hit", matched_tokens=8 * BS), 4.0)
+    a.on_complete(Observation(r3, W1, prompt_tokens=r3.n_prompt_tokens), 5.0)
+    n = r3.n_prompt_tokens
+    assert out.items[-1] == (PeerCalibration("p", BS, n, n, 0.0), 5.0)
 
 
 def test_a_peer_routes_a_prompt_to_the_worker_the_origin_chose() -> None:
@@ -292,3 +301,56 @@ def test_a_warm_chain_is_not_published_again_within_the_recency_resolution() -> 
     assert len(out.items) == 2
     _dispatch(a, req("r3", range(8)), W0, 1.5)  # past the resolution: walked again, published
     assert len(out.items) == 3 and isinstance(out.items[2][0], PeerHolding)
+
+
+def _serve(p: CostPolicy, r: RouteRequest, now_s: float, ttft_s: float, engine_unit: int = 4) -> None:
+    """Dispatch `r` to W0 and complete it after `ttft_s`, the engine counting `engine_unit` tokens
+    per request token (approximate mode)."""
+    d = p.select(r, [WorkerView(W0)], now_s)  # the cost model notes what it predicted
+    assert d is not None
+    p.on_dispatch(r, d, now_s)
+    obs = Observation(r, W0, ttft_s=ttft_s, prompt_tokens=engine_unit * r.n_prompt_tokens, cached_tokens=0)
+    p.on_complete(obs, now_s + ttft_s)
+
+
+def test_a_peer_calibrates_from_the_origins_completions_as_the_origin_does() -> None:
+    a, b = _policy(), _policy(seed=2)
+    out = Outbox()
+    a.set_sync_sink(out, calibration=True)
+    for i in range(40):
+        _serve(a, req(f"r{i}", range(100 * i, 100 * i + 64)), float(i), 0.4)
+    samples = [item for item, _ in out.items if isinstance(item, PeerCalibration)]
+    assert len(samples) == 40 and all(
+        s.scale_ratio > 1.0 and s.prompt_tokens == 4 * s.request_tokens for s in samples
+    )
+    out.deliver(b)
+    mine, theirs = a.cost_model(req("x", range(4))), b.cost_model(req("x", range(4)))
+    assert mine.scale > 1.5 and mine.engine_tokens_per_request_token == pytest.approx(4.0)
+    assert (theirs.scale, theirs.engine_tokens_per_request_token, theirs.mean_prompt_tokens) == (
+        mine.scale, mine.engine_tokens_per_request_token, mine.mean_prompt_tokens,
+    )  # fmt: skip
+    assert b.stats().counters["peer_calibration_applied"] == 40
+
+
+def test_two_gateways_that_share_calibrate_alike_from_half_the_completions_each() -> None:
+    a, b = _policy(), _policy(seed=2)
+    to_b, to_a = Outbox(), Outbox()
+    a.set_sync_sink(to_b, calibration=True)
+    b.set_sync_sink(to_a, calibration=True)
+    for i in range(80):
+        # A's half is slow, B's fast: alone each would learn only its own half.
+        p, ttft = (a, 0.8) if i % 2 else (b, 0.2)
+        _serve(p, req(f"r{i}", range(100 * i, 100 * i + 64)), float(i), ttft)
+        to_b.deliver(b)
+        to_a.deliver(a)
+    sa, sb = a.cost_model(req("x", range(4))).scale, b.cost_model(req("x", range(4))).scale
+    assert sa == pytest.approx(sb, rel=0.1)
+
+
+def test_a_calibration_sample_of_another_block_size_is_not_applied() -> None:
+    b = _policy()
+    _serve(b, req("r0", range(8)), 0.0, 0.1)
+    before = b.cost_model(req("x", range(4))).mean_prompt_tokens
+    b.apply_peer("a", PeerCalibration("p", BS * 2, 10_000, 100, 2.0), 1.0)
+    assert b.cost_model(req("x", range(4))).mean_prompt_tokens == before
+    assert b.stats().counters["peer_block_size_mismatch"] == 1

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from gateway.sync.codec import MalformedBatch, SyncBatch, decode, encode
 from policies.base import WorkerId
-from policies.peer_sync import PeerHolding, PeerItem, PeerLoad, PeerOutcome
+from policies.peer_sync import PeerCalibration, PeerHolding, PeerItem, PeerLoad, PeerOutcome
 from prompt_normalizer.types import BlockKey
 
 _NAMES = st.sampled_from(["p", "chat", "tenant:a", "tenant:b", "public", "http://10.0.0.1:8000"])
@@ -29,6 +29,14 @@ _HOLDING = st.builds(
 _ITEM: st.SearchStrategy[PeerItem] = st.one_of(
     _HOLDING, st.builds(PeerOutcome, st.integers(0, 2**40), st.booleans())
 )
+_SAMPLE = st.builds(
+    PeerCalibration,
+    _NAMES,
+    st.integers(1, 64),
+    st.integers(0, 2**20),
+    st.integers(0, 2**20),
+    st.floats(0, 5.0),
+)
 _LOAD = st.builds(
     PeerLoad, _NAMES, _NAMES.map(WorkerId), st.integers(0, 999), st.integers(0, 10**7), st.integers(0, 10**6)
 )
@@ -41,13 +49,33 @@ _LOAD = st.builds(
     st.floats(0, 2e9),
     st.booleans(),
     st.lists(_ITEM, max_size=12),
+    st.lists(_SAMPLE, max_size=4),
     st.lists(_LOAD, max_size=6),
 )
 def test_a_batch_survives_the_wire(
-    origin: str, seq: int, sent: float, full: bool, items: list[PeerItem], loads: list[PeerLoad]
+    origin: str,
+    seq: int,
+    sent: float,
+    full: bool,
+    items: list[PeerItem],
+    samples: list[PeerCalibration],
+    loads: list[PeerLoad],
 ) -> None:
-    batch = SyncBatch(origin, seq, sent, full, tuple(items), tuple(loads))
+    # Calibration samples travel after the holdings and outcomes (their order is immaterial).
+    batch = SyncBatch(origin, seq, sent, full, (*items, *samples), tuple(loads))
     assert decode(encode(batch)) == batch
+
+
+def test_calibration_samples_are_an_optional_field_of_version_1() -> None:
+    sample = PeerCalibration("p", 16, 2176, 544, 1.25)
+    batch = SyncBatch("gw-a", 1, 0.0, False, (PeerOutcome(3, True), sample))
+    doc = msgpack.unpackb(encode(batch), raw=False)
+    assert doc["v"] == 1 and doc["c"] == [[0, 16, 2176, 544, 1.25]] and doc["i"] == [[1, 3, True]]
+    # An earlier release's reader takes the fields it knows and leaves "c" alone...
+    del doc["c"]
+    # ...and a batch without it (an earlier release's writer) carries no samples.
+    assert decode(msgpack.packb(doc, use_bin_type=True)).items == (PeerOutcome(3, True),)
+    assert "c" not in msgpack.unpackb(encode(SyncBatch("gw-a", 2, 0.0, False)), raw=False)
 
 
 def test_the_wire_carries_the_documented_fields_only() -> None:
@@ -91,6 +119,15 @@ def _doc(**over: object) -> bytes:
         _doc(p=[1]),
         _doc(o=5),
         _doc(f=1),
+        _doc(c=[[0, 16, 100, 25]]),  # a calibration sample short of a field
+        _doc(c=[[1, 16, 100, 25, 1.0]]),  # pool index out of range
+        _doc(c=[[0, 0, 100, 25, 1.0]]),  # block size 0
+        _doc(c=[[0, 16, -1, 25, 1.0]]),
+        _doc(c=[[0, 16, 100, 25, -1.0]]),
+        _doc(c=[[0, 16, 100, 25, float("nan")]]),
+        _doc(c=[[0, 16, 100, 25, float("inf")]]),
+        _doc(c=[[0, 16, 100, 25, True]]),
+        _doc(c="xyz"),
     ],
 )
 def test_anything_else_is_a_malformed_batch(data: bytes) -> None:

@@ -15,7 +15,7 @@ from gateway.sync.publisher import SyncPublisher
 from gateway.sync.subscriber import SyncSubscriber
 from policies.base import RouteDecision, WorkerId
 from policies.cost_policy import CostPolicy
-from policies.peer_sync import PeerHolding, PeerLoad, PeerOutcome
+from policies.peer_sync import PeerCalibration, PeerHolding, PeerLoad, PeerOutcome
 from tests.policies.factories import BS, req
 
 W0, W1 = "http://127.0.0.1:9001", "http://127.0.0.1:9002"
@@ -155,3 +155,26 @@ def test_batches_are_cut_to_the_brokers_largest_message_and_an_item_too_large_fo
     assert [i.ref for b in batches for i in b.items] == [1, 2, 3, 4, 5, 6, 7, 8, 10]
     assert len(batches) >= 4 and batches[0].loads == (busy,)
     assert pub.oversized == 1 and pub.batched_items == 9
+
+
+async def test_calibration_samples_are_applied_only_with_share_calibration() -> None:
+    sample = PeerCalibration("p", BS, 4000, 1000, 2.0)
+    registry = Registry([PoolConfig(name="p", models=["m"], workers=[W0])])
+    batch = encode(SyncBatch("peer", 1, 0.0, False, (sample,)))
+    for share, applied in ((True, 1), (False, 0)):
+        policy = CostPolicy(seed=0)
+        sub = SyncSubscriber("me", registry, 2.0, GatewayMetrics(), share_calibration=share)
+        await sub.on_message(batch, lambda policy=policy: policy)
+        assert policy.stats().counters.get("peer_calibration_applied", 0) == applied
+
+
+def test_the_publisher_knows_while_peers_count_prefill_tokens_of_its_own() -> None:
+    pub = SyncPublisher("me", SyncConfig())
+    assert not pub.prefill_published
+    assert pub.next_batch([PeerLoad("p", WorkerId(W0), 1, 500, 10)], 0.0) is not None
+    assert pub.prefill_published
+    # The prefill ended: that load changed, so it goes out with no item to carry it.
+    batch = pub.next_batch([PeerLoad("p", WorkerId(W0), 1, 0, 10)], 0.01)
+    assert batch is not None and batch.items == () and batch.loads == (PeerLoad("p", WorkerId(W0), 1, 0, 10),)
+    assert not pub.prefill_published
+    assert pub.next_batch([PeerLoad("p", WorkerId(W0), 1, 0, 10)], 0.02) is None

@@ -4,6 +4,7 @@ what one routes, the other learns; with the broker gone both keep routing; it co
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -42,12 +43,12 @@ def broker(tmp_path: Path) -> Iterator[LocalBroker]:
         b.stop()
 
 
-def _state(url: str) -> GatewayState:
+def _state(url: str, **sync: float | bool) -> GatewayState:
     config = parse_config(
         {
             "pools": [PoolConfig(name="p", models=["m"], workers=W).model_dump()],
             "tenants": [tenant("t", "sk-t")],
-            "sync": SyncConfig(url=url, batch_interval_s=0.001).model_dump(),
+            "sync": SyncConfig(url=url, batch_interval_s=0.001, **sync).model_dump(),
         }
     )
     state = build_state(config, b"secret", CostPolicy(seed=0), NormalizerConfig())
@@ -58,7 +59,13 @@ def _state(url: str) -> GatewayState:
 
 @pytest.fixture
 async def pair(broker: LocalBroker) -> AsyncIterator[tuple[SyncService, SyncService]]:
-    a, b = _state(broker.url), _state(broker.url)
+    async with _pair(broker) as services:
+        yield services
+
+
+@contextlib.asynccontextmanager
+async def _pair(broker: LocalBroker, **sync: float | bool) -> AsyncIterator[tuple[SyncService, SyncService]]:
+    a, b = _state(broker.url, **sync), _state(broker.url, **sync)
     services = (
         SyncService(a.registry, a.routing, a.config.sync, "a"),
         SyncService(b.registry, b.routing, b.config.sync, "b"),
@@ -97,8 +104,43 @@ async def test_what_one_gateway_routes_the_other_routes_the_same_way(
     await wait_until(lambda: policy_b.stats().counters.get("peer_outcomes_applied", 0) == 1)
     a.refresh_metrics()
     text = a.routing.metrics.render().decode()
+    # A holding and an outcome: calibration samples stay home unless `share_calibration` is set.
     assert 'kvgate_sync_events_total{event="published_items"} 2.0' in text
+    assert "peer_calibration_applied" not in policy_b.stats().counters
     assert "kvgate_sync_connected 1.0" in text and "kvgate_sync_peers 1.0" in text
+
+
+async def test_with_share_calibration_a_completion_calibrates_the_peer_too(broker: LocalBroker) -> None:
+    async with _pair(broker, share_calibration=True) as (a, b):
+        r = req("r1", range(64), pool="p")
+        chosen = WorkerId(W[0])
+        a.routing.policy.on_dispatch(r, RouteDecision(chosen, 0.0, "miss"), time.monotonic())
+        obs = Observation(r, chosen, prompt_tokens=4 * r.n_prompt_tokens)
+        a.routing.policy.on_complete(obs, time.monotonic())
+        policy_b = b.routing.policy
+        assert isinstance(policy_b, CostPolicy)
+        await wait_until(lambda: policy_b.stats().counters.get("peer_calibration_applied", 0) == 1)
+        # B learned A's engine unit from A's completion, as A did.
+        assert policy_b.cost_model(r).engine_tokens_per_request_token == 4.0
+
+
+async def test_a_prefill_that_ends_reaches_the_peers_without_an_item_to_carry_it(broker: LocalBroker) -> None:
+    # Whole snapshots far apart: only the prefill's end can bring the news in time.
+    async with _pair(broker, load_refresh_s=600.0, peer_timeout_s=1200.0) as (a, b):
+        await _prefill_ends(a, b)
+
+
+async def _prefill_ends(a: SyncService, b: SyncService) -> None:
+    chosen = WorkerId(W[1])
+    r = req("r1", range(64), pool="p")
+    a.routing.policy.on_dispatch(r, RouteDecision(chosen, 0.0, "miss"), time.monotonic())
+    worker = a.registry.pools["p"].workers[chosen]
+    worker.acquire(r.n_prompt_tokens, 16, time.monotonic())
+    peer_view = b.registry.pools["p"].workers[chosen]
+    await wait_until(lambda: peer_view.view(time.monotonic()).in_flight_prefill_tokens == r.n_prompt_tokens)
+    worker.first_token(r.n_prompt_tokens)  # no item is queued: only the load changed
+    await wait_until(lambda: peer_view.view(time.monotonic()).in_flight_prefill_tokens == 0)
+    assert peer_view.view(time.monotonic()).in_flight_requests == 1
 
 
 async def test_without_the_broker_both_keep_routing_and_resume_when_it_returns(

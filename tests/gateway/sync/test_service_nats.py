@@ -107,7 +107,12 @@ async def test_what_one_gateway_routes_the_other_routes_the_same_way(
     # A holding and an outcome: calibration samples stay home unless `share_calibration` is set.
     assert 'kvgate_sync_events_total{event="published_items"} 2.0' in text
     assert "peer_calibration_applied" not in policy_b.stats().counters
-    assert "kvgate_sync_connected 1.0" in text and "kvgate_sync_peers 1.0" in text
+    assert "kvgate_sync_connected 1.0" in text
+    # B is a peer once A has heard a batch of B's: its first load snapshot may have gone out before
+    # A's subscription was up, and the next one comes with B's periodic refresh.
+    await wait_until(lambda: a.subscriber.loads.peers() == 1)
+    a.refresh_metrics()
+    assert "kvgate_sync_peers 1.0" in a.routing.metrics.render().decode()
 
 
 async def test_with_share_calibration_a_completion_calibrates_the_peer_too(broker: LocalBroker) -> None:

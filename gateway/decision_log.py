@@ -26,6 +26,7 @@ from typing import Any
 import orjson
 
 from gateway.config.base import ConfigError
+from gateway.logs import write_lines
 from policies.base import RouteDecision, RouteRequest, WorkerId, WorkerView
 from policies.pd import PdDecision
 
@@ -194,15 +195,7 @@ class DecisionLog:
             self.flush()
 
     def flush(self) -> None:
-        if not self._lines:
-            return
-        data = b"".join(self._lines)
-        self._lines.clear()
-        try:
-            while data:
-                data = data[os.write(self._fd, data) :]
-        except OSError:
-            pass  # a full disk loses lines, never blocks requests
+        write_lines(self._fd, self._lines)
 
     def close(self) -> None:
         self.flush()

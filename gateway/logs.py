@@ -76,13 +76,18 @@ class AccessLog:
             self.flush()
 
     def flush(self) -> None:
-        if not self._lines:
-            return
-        data = b"".join(self._lines)
-        self._lines.clear()
-        try:
-            while data:
-                written = os.write(self._fd, data)
-                data = data[written:]
-        except (BlockingIOError, OSError):
-            pass  # a log sink that cannot keep up loses lines, never blocks requests
+        write_lines(self._fd, self._lines)
+
+
+def write_lines(fd: int, lines: list[bytes]) -> None:
+    """Write and clear buffered JSON lines. A sink that cannot keep up (or a full disk) loses
+    lines, never blocks requests."""
+    if not lines:
+        return
+    data = b"".join(lines)
+    lines.clear()
+    try:
+        while data:
+            data = data[os.write(fd, data) :]
+    except OSError:  # BlockingIOError included
+        pass

@@ -34,6 +34,7 @@ import aiohttp
 import numpy as np
 import orjson
 
+from loadtest.bench_routing import load_requests, warmup_requests
 from loadtest.cli_args import positive_float, positive_int
 from loadtest.peers.emulators import EmulatorSettings, PdEmulatorPool, free_port
 from loadtest.peers.kvgate import bench_api_key
@@ -48,11 +49,9 @@ from loadtest.peers.launch import (
 from loadtest.report.meta import run_metadata
 from loadtest.report.pd import aggregate, fmt, markdown_table
 from loadtest.traces.http_replay import HttpResult, ReplayConfig, replay
-from loadtest.traces.load import load_trace
 from loadtest.traces.mooncake import TraceFormatError
-from loadtest.workloads.records import TextPrompt, WorkloadRequest, scale_arrivals
-from loadtest.workloads.registry import WORKLOADS, make_workload
-from loadtest.workloads.text import synth_text
+from loadtest.workloads.records import WorkloadRequest
+from loadtest.workloads.registry import WORKLOADS
 
 HITS = "vllm:prefix_cache_hits_total"
 QUERIES = "vllm:prefix_cache_queries_total"
@@ -112,20 +111,6 @@ def parse_split(text: str) -> tuple[int, int]:
     if n_prefill < 1 or n_decode < 1:
         raise UsageError("--pd needs at least one prefill and one decode worker")
     return n_prefill, n_decode
-
-
-def load_requests(args: argparse.Namespace) -> list[WorkloadRequest]:
-    """The first `--max-requests` of the trace or workload, by arrival, at `--rate-scale`."""
-    if args.trace:
-        reqs = list(load_trace(args.trace, users=args.users, seed=args.seed).requests)
-    else:
-        reqs = make_workload(args.workload or "gsp", args.seed, args.workload_arg)
-    reqs = sorted(reqs, key=lambda r: r.arrival_s)[: args.max_requests]
-    if args.rate_scale != 1.0:
-        reqs = scale_arrivals(reqs, args.rate_scale)
-    if not reqs:
-        raise ValueError("no requests to replay")
-    return reqs
 
 
 def parse_routers(text: str) -> list[str]:
@@ -231,12 +216,7 @@ async def _measure(
         )
 
     n_warm = args.warmup_requests if args.warmup_requests is not None else len(pool.urls)
-    warm = [
-        WorkloadRequest(
-            f"warmup-{i}", 0.0, reqs[0].tenant, "warmup", TextPrompt(synth_text(f"warmup/{i}", 64)), 2
-        )
-        for i in range(n_warm)
-    ]
+    warm = warmup_requests(reqs[0].tenant, n_warm)
     if warm:
         await replay(warm, ReplayConfig(base, args.model, time_limit_s=5.0, grace_s=60.0), headers_for)
     before = await _counters(pool.urls)

@@ -19,6 +19,7 @@ from loadtest.engine import Engine, EngineConfig, EngineRequest, StepProfile
 from loadtest.engine.hashing import block_hashes
 from loadtest.goodput.config import PolicyEntry, TraceSpec, as_entry
 from loadtest.goodput.watch import PointHopeless, watch_policy
+from loadtest.simulator.cli import vllm_pd_sim
 from loadtest.simulator.keys import KeyedPrompt, KeyPath
 from loadtest.simulator.loop import EngineHooks, LoopConfig, run_loop
 from loadtest.simulator.pd import PdSim
@@ -27,7 +28,6 @@ from loadtest.simulator.summary import summarize
 from loadtest.traces.load import load_trace
 from loadtest.workloads.records import WorkloadRequest, scale_arrivals
 from policies.base import RoutingPolicy
-from policies.pd import VLLM_ROLES, PdRouter, PdSettings
 from policies.registry import make_policy
 
 
@@ -138,20 +138,7 @@ def _pct(values: list[float], q: float) -> float | None:
 def pd_sim(entry: PolicyEntry, profile: StepProfile, seed: int) -> PdSim | None:
     """The P/D side of the loop for a split row, wired as `kvgate simulate --pd` wires it."""
     split = entry.split()
-    if split is None:
-        return None
-    settings = PdSettings(
-        roles=VLLM_ROLES,
-        transfer_setup_s=profile.kv_transfer_setup_ms / 1000,
-        transfer_bytes_per_token=profile.kv_bytes_per_token,
-        transfer_bandwidth_bytes_per_s=profile.kv_transfer_bytes_per_s,
-        conditional=entry.pd_conditional,
-    )
-
-    def make_request(rid: str, n_prompt: int, max_out: int, hashes: Any, external: int) -> EngineRequest:
-        return EngineRequest(rid, n_prompt, max_out, hashes, external)
-
-    return PdSim(PdRouter(settings, seed=seed), split[0], profile.kv_transfer_s, make_request)
+    return None if split is None else vllm_pd_sim(split[0], profile, seed, entry.pd_conditional)
 
 
 def run_point(

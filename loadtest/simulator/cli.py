@@ -238,19 +238,28 @@ def pd_split(text: str | None) -> tuple[int, int] | None:
 def _pd_sim(args: argparse.Namespace, profile: StepProfile, split: tuple[int, int] | None) -> PdSim | None:
     if split is None:
         return None
+    return vllm_pd_sim(split[0], profile, args.seed, args.pd_conditional, args.pd_interference_weight)
+
+
+def vllm_pd_sim(
+    n_prefill: int, profile: StepProfile, seed: int, conditional: bool, interference_weight: float = 1.0
+) -> PdSim:
+    """The P/D side of the loop: the gateway's pair chooser over vLLM roles (the first `n_prefill`
+    workers prefill), the transfer priced from the engine profile (`kvgate simulate --pd`, and
+    the goodput benchmark's split rows)."""
     settings = PdSettings(
         roles=VLLM_ROLES,
         transfer_setup_s=profile.kv_transfer_setup_ms / 1000,
         transfer_bytes_per_token=profile.kv_bytes_per_token,
         transfer_bandwidth_bytes_per_s=profile.kv_transfer_bytes_per_s,
-        conditional=args.pd_conditional,
-        interference_weight=args.pd_interference_weight,
+        conditional=conditional,
+        interference_weight=interference_weight,
     )
 
     def make_request(rid: str, n_prompt: int, max_out: int, hashes: Any, external: int) -> EngineRequest:
         return EngineRequest(rid, n_prompt, max_out, hashes, external)
 
-    return PdSim(PdRouter(settings, seed=args.seed), split[0], profile.kv_transfer_s, make_request)
+    return PdSim(PdRouter(settings, seed=seed), n_prefill, profile.kv_transfer_s, make_request)
 
 
 def simulate(args: argparse.Namespace) -> dict[str, Any]:

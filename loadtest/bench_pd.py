@@ -34,7 +34,7 @@ import aiohttp
 import numpy as np
 import orjson
 
-from loadtest.bench_routing import load_requests, warmup_requests
+from loadtest.bench_routing import add_emulator_arguments, load_requests, warmup_requests
 from loadtest.cli_args import positive_float, positive_int
 from loadtest.peers.emulators import EmulatorSettings, PdEmulatorPool, free_port
 from loadtest.peers.kvgate import bench_api_key
@@ -80,12 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--smg-decode-policy", default="power_of_two", help="smg --decode-policy (default power_of_two)"
     )
     parser.add_argument("--repeats", type=positive_int, default=3, help="rounds of every router (default 3)")
-    parser.add_argument("--profile", default=None, help="emulator step-time profile (default: its own)")
-    parser.add_argument("--kv-blocks", type=positive_int, default=None, help="KV blocks per worker")
-    parser.add_argument(
-        "--time-scale", type=positive_float, default=1.0, help="emulator model seconds per real second"
-    )
-    parser.add_argument("--model", default="emulated-llama", help="served model name")
+    add_emulator_arguments(parser)
     parser.add_argument("--seed", type=int, default=0, help="seed of workload and emulators (default 0)")
     parser.add_argument("--max-in-flight", type=positive_int, default=128, help="client concurrency bound")
     parser.add_argument("--time-limit-s", type=positive_float, default=120.0, help="stop sending after this")

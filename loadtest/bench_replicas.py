@@ -31,7 +31,12 @@ from typing import Any
 
 import orjson
 
-from loadtest.bench_routing import add_workload_arguments, load_requests, warmup_requests
+from loadtest.bench_routing import (
+    add_emulator_arguments,
+    add_workload_arguments,
+    load_requests,
+    warmup_requests,
+)
 from loadtest.cli_args import positive_float, positive_int
 from loadtest.peers.emulators import EmulatorPool, EmulatorSettings
 from loadtest.peers.kvgate import bench_api_key
@@ -93,14 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--repeats", type=positive_int, default=3, help="rounds; medians (default 3)")
     parser.add_argument("--workers", type=positive_int, default=4, help="emulated workers (default 4)")
-    parser.add_argument("--profile", default=None, help="emulator step-time profile (default: its own)")
-    parser.add_argument(
-        "--kv-blocks", type=positive_int, default=None, help="KV blocks per worker (default: profile)"
-    )
-    parser.add_argument(
-        "--time-scale", type=positive_float, default=1.0, help="emulator model seconds per real second"
-    )
-    parser.add_argument("--model", default="emulated-llama", help="served model name")
+    add_emulator_arguments(parser)
     parser.add_argument("--seed", type=int, default=0, help="seed of workload, emulators and gateways")
     parser.add_argument(
         "--max-in-flight", type=positive_int, default=128, help="client connections = concurrency bound"

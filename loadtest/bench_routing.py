@@ -80,14 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--routers", default="kvgate:round_robin,sglang-router", help="comma-separated routers to compare"
     )
     parser.add_argument("--workers", type=positive_int, default=4, help="emulated workers (default 4)")
-    parser.add_argument("--profile", default=None, help="emulator step-time profile (default: its own)")
-    parser.add_argument(
-        "--kv-blocks", type=positive_int, default=None, help="KV blocks per worker (default: profile)"
-    )
-    parser.add_argument(
-        "--time-scale", type=positive_float, default=1.0, help="emulator model seconds per real second"
-    )
-    parser.add_argument("--model", default="emulated-llama", help="served model name")
+    add_emulator_arguments(parser)
     parser.add_argument("--seed", type=int, default=0, help="seed of workload and emulators (default 0)")
     parser.add_argument("--max-in-flight", type=positive_int, default=128, help="client concurrency bound")
     parser.add_argument(
@@ -110,6 +103,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(for `kvgate bench replay`)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def add_emulator_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the emulated workers run (also `kvgate bench replicas`' and `kvgate bench pd`'s)."""
+    parser.add_argument("--profile", default=None, help="emulator step-time profile (default: its own)")
+    parser.add_argument(
+        "--kv-blocks", type=positive_int, default=None, help="KV blocks per worker (default: profile)"
+    )
+    parser.add_argument(
+        "--time-scale", type=positive_float, default=1.0, help="emulator model seconds per real second"
+    )
+    parser.add_argument("--model", default="emulated-llama", help="served model name")
 
 
 def load_requests(args: argparse.Namespace) -> list[WorkloadRequest]:

@@ -24,15 +24,8 @@ import orjson
 import pytest
 
 from prompt_normalizer.normalizer import Normalizer
-from tests.prompt_normalizer.equivalence_corpus import (
-    N_REQUESTS,
-    SECRET,
-    SEED,
-    configs,
-    corpus,
-    digest,
-    run_case,
-)
+from tests.prompt_normalizer.equivalence_corpus import N_REQUESTS, SECRET, SEED, configs, corpus
+from tests.prompt_normalizer.equivalence_records import digest, run_case
 from tests.prompt_normalizer.tiny_model import build_tiny_model
 
 GOLDENS = Path(__file__).parent / "data" / "equivalence_goldens.json"

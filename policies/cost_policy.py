@@ -26,7 +26,7 @@ from typing import ClassVar
 
 from policies.base import Observation, RouteDecision, RouteRequest, WorkerId, WorkerView
 from policies.cost_model import CostModel, QueueTerms
-from policies.cost_scan import Positions, by_backlog, candidates
+from policies.cost_scan import CandidateCache, Positions, by_backlog
 from policies.peer_sync import PeerHolding
 from policies.pools import PoolState
 from policies.prefix_policy import PrefixPolicyBase, SharedSettings
@@ -41,6 +41,7 @@ class CostPolicy(PrefixPolicyBase):
     OBSERVE_EVERY = 32
     OBSERVE_SLICE = 8
     MAX_INFLIGHT = 65_536
+    MAX_CACHED_POOLS = 32
 
     def __init__(
         self,
@@ -87,6 +88,7 @@ class CostPolicy(PrefixPolicyBase):
         self.continuation_slack_requests = continuation_slack_requests
         self._last_n = -1
         self._positions = Positions()
+        self._columns: OrderedDict[str, CandidateCache] = OrderedDict()
         self._observe_at = 0
         # Per worker: prefill seconds routed there (the model's, before calibration), decayed with
         # time constant `load_window_s`, and when that was last brought up to date.
@@ -172,9 +174,10 @@ class CostPolicy(PrefixPolicyBase):
         pool.index.expire(now_s)
         mine = self._own_keys(req)
         own_match = pool.index.lookup(mine.keys, mine.namespace, now_s)
-        # Pass 1: availability, load and prefill backlog of every worker (see `cost_scan`).
+        # Pass 1: availability, load and prefill backlog of every worker, re-read only where a view
+        # changed since the pool's last decision (see `cost_scan`).
         shares = self._uncached_share if self.discount_cached_backlog else {}
-        columns = candidates(workers, shares)
+        columns = self._candidate_cache(req.pool).candidates(workers, shares)
         cands, loads, backlogs = columns.views, columns.loads, columns.backlogs
         if not cands:
             return None
@@ -197,7 +200,7 @@ class CostPolicy(PrefixPolicyBase):
         found = self._lookup(pool, req, now_s, own=own_match)
         cost = pool.cost
 
-        mean_after = (sum(loads) + 1) / n_cands
+        mean_after = (columns.total_load + 1) / n_cands
         # Recomputing a prefix also delays whoever queues behind it: weigh saved compute by
         # 1 + work_weight·L, L = prompts waiting per worker (Little's law), capped. The backlog is
         # in request tokens and the mean prompt in engine tokens: convert before dividing.
@@ -273,6 +276,14 @@ class CostPolicy(PrefixPolicyBase):
         self._decisions.add(reason)
         cost.note_dispatch(req.request_id, queue, scorer._engine(matched))
         return RouteDecision(cands[chosen].worker_id, scorer.best_score, reason, matched, found.public_blocks)
+
+    def _candidate_cache(self, pool: str) -> CandidateCache:
+        cache = self._columns.get(pool)
+        if cache is None:
+            if len(self._columns) >= self.MAX_CACHED_POOLS:
+                self._columns.popitem(last=False)
+            cache = self._columns[pool] = CandidateCache()
+        return cache
 
     def _reason(self, overloaded: bool, matched: int, longest: int) -> str:
         if overloaded:

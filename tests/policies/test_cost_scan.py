@@ -10,15 +10,17 @@ left to the default (no reported blocks), so the two refresh schedules cannot di
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import pytest
 
 from policies.base import Observation, RouteDecision, RouteRequest, WorkerId, WorkerView, reported_load
 from policies.cost_model import CostModelParams
 from policies.cost_policy import CostPolicy, _Scorer
+from policies.cost_scan import CandidateCache, Candidates, candidates
 from policies.pools import PoolSettings
 from policies.prefix_policy import SharedSettings
 from tests.policies.factories import req
@@ -146,31 +148,48 @@ class _PlainScan(CostPolicy):
         return RouteDecision(cands[chosen].worker_id, scorer.best_score, reason, matched, found.public_blocks)
 
 
-def _views(rng: random.Random, n: int, step: int) -> list[WorkerView]:
-    views = []
-    for i in range(n):
-        if rng.random() < 0.3:
-            # Idle and unscraped: identical workers, so ties are common.
-            views.append(WorkerView(WorkerId(f"w{i}")))
-            continue
-        inflight = rng.randint(0, 12)
-        scraped = rng.random() < 0.6
-        views.append(
-            WorkerView(
-                WorkerId(f"w{i}"),
-                healthy=rng.random() > 0.05,
-                in_flight_requests=inflight,
-                in_flight_prefill_tokens=rng.choice((0, rng.randint(0, 60_000))),
-                in_flight_decode_tokens=rng.randint(0, 200_000),
-                max_in_flight=rng.choice((None, None, 4, 16)),
-                num_requests_waiting=rng.randint(0, 5) if scraped else None,
-                num_requests_running=rng.randint(0, 14) if scraped else None,
-                in_flight_at_scrape=rng.choice((None, rng.randint(0, 14))) if scraped else None,
-                warming=rng.random() < 0.03,
-            )
-        )
+def _view(rng: random.Random, i: int) -> WorkerView:
+    if rng.random() < 0.3:
+        # Idle and unscraped: identical workers, so ties are common.
+        return WorkerView(WorkerId(f"w{i}"))
+    inflight = rng.randint(0, 12)
+    scraped = rng.random() < 0.6
+    return WorkerView(
+        WorkerId(f"w{i}"),
+        healthy=rng.random() > 0.05,
+        in_flight_requests=inflight,
+        in_flight_prefill_tokens=rng.choice((0, rng.randint(0, 60_000))),
+        in_flight_decode_tokens=rng.randint(0, 200_000),
+        max_in_flight=rng.choice((None, None, 4, 16)),
+        num_requests_waiting=rng.randint(0, 5) if scraped else None,
+        num_requests_running=rng.randint(0, 14) if scraped else None,
+        in_flight_at_scrape=rng.choice((None, rng.randint(0, 14))) if scraped else None,
+        warming=rng.random() < 0.03,
+    )
+
+
+def _views(rng: random.Random, n: int, step: int, before: list[WorkerView]) -> list[WorkerView]:
+    """The next decision's views. Mostly the objects of the one before with a few replaced, as the
+    gateway's registry hands them out (`CandidateCache` re-reads only those); now and then all new,
+    reordered, or a worker more or less."""
+    if not before or step % 11 == 5:
+        views = [_view(rng, i) for i in range(n)]
+    else:
+        views = list(before)
+        for _ in range(rng.choice((0, 1, 1, 2, 3, n // 3 + 1))):
+            i = rng.randrange(len(views))
+            found = views[i]
+            if rng.random() < 0.2:
+                views[i] = dataclasses.replace(found)  # a new object, equal to the one it replaces
+            else:
+                views[i] = dataclasses.replace(_view(rng, i), worker_id=found.worker_id)
     if step % 7 == 3:
         rng.shuffle(views)  # the candidate list's order changes now and then
+    if step % 13 == 6:
+        if len(views) > 1 and rng.random() < 0.5:
+            views.pop(rng.randrange(len(views)))
+        else:
+            views.append(_view(rng, n + step))
     return views
 
 
@@ -198,9 +217,10 @@ def test_decisions_equal_the_plain_scan(seed: int) -> None:
     n = rng.choice((1, 3, 8, 40, 130))
     inflight: list[tuple[RouteRequest, RouteDecision]] = []
     decided = 0
+    views: list[WorkerView] = []
     for k in range(300):
         now = k * 0.05
-        views = _views(rng, n, k)
+        views = _views(rng, n, k, views)
         r = _request(rng, k)
         d_new = new.select(r, views, now)
         d_old = old.select(r, views, now)
@@ -221,3 +241,25 @@ def test_decisions_equal_the_plain_scan(seed: int) -> None:
                 )
     assert decided > 100
     new.check_invariants()
+
+
+class _CountingCache(CandidateCache):
+    rebuilds = 0
+
+    def _rebuild(self, workers: Sequence[WorkerView], shares: Mapping[WorkerId, float]) -> Candidates:
+        self.rebuilds += 1
+        return super()._rebuild(workers, shares)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_candidate_cache_equals_a_fresh_pass(seed: int) -> None:
+    rng = random.Random(seed)
+    cache = _CountingCache()
+    n = (3, 8, 40, 130, 300, 1)[seed]
+    views: list[WorkerView] = []
+    for k in range(400):
+        views = _views(rng, n, k, views)
+        shares = {v.worker_id: rng.random() for v in views if rng.random() < 0.3} if k % 3 == 0 else {}
+        assert cache.candidates(views, shares) == candidates(views, shares), f"step {k}"
+    if n >= 8:
+        assert cache.rebuilds < 300  # most decisions take in a few changed views

@@ -95,10 +95,12 @@ class CandidateCache:
     """`candidates` of one pool, kept from decision to decision and redone where a view changed.
 
     The gateway's registry (and the simulator) hand out the same `WorkerView` object for a worker
-    until something in it changes, so from one decision to the next almost every view is the one
-    seen before. Finding the positions whose view is a different object is one pass in C (about
-    20 ns a worker, a quarter of reading a view's load); only those are read again. A change of
-    availability, of the list's length, or of more than a quarter of the views rebuilds all.
+    until something in it changes (a view is a record: never changed once built), so from one
+    decision to the next almost every view is the one seen before. Finding the positions whose view
+    is a different object is one pass in C (about 20 ns a worker, a quarter of reading a view's
+    load); only those are read again. A change of availability, of the list's length, or of more
+    than a quarter of the views rebuilds all. Below `MIN_WORKERS` workers the pass is done afresh,
+    and nothing is kept.
 
     Invariant: `_workers[p]` is the view last seen at position p; `_slot[p]` (when not None) its
     position among the candidates, -1 if unavailable; None means every worker is a candidate
@@ -109,6 +111,9 @@ class CandidateCache:
 
     __slots__ = ("_all", "_cands", "_slot", "_workers")
 
+    # A small pool's pass costs little, and most of its views change between two decisions.
+    MIN_WORKERS = 32
+
     def __init__(self) -> None:
         self._workers: list[WorkerView] = []
         self._slot: list[int] | None = None
@@ -117,8 +122,10 @@ class CandidateCache:
 
     def candidates(self, workers: Sequence[WorkerView], shares: Mapping[WorkerId, float]) -> Candidates:
         """As `candidates(workers, shares)`."""
-        seen = self._workers
         n = len(workers)
+        if n < self.MIN_WORKERS:
+            return candidates(workers, shares)
+        seen = self._workers
         if n != len(seen):
             return self._rebuild(workers, shares)
         changed = list(compress(range(n), map(is_not, workers, seen)))

@@ -244,6 +244,7 @@ def test_decisions_equal_the_plain_scan(seed: int) -> None:
 
 
 class _CountingCache(CandidateCache):
+    MIN_WORKERS = 1  # kept at every size here
     rebuilds = 0
 
     def _rebuild(self, workers: Sequence[WorkerView], shares: Mapping[WorkerId, float]) -> Candidates:

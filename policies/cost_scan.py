@@ -1,8 +1,10 @@
 """The per-worker part of a `cost` decision, kept to what a thousand workers can afford.
 
-Every decision must read each worker's view once (availability, load, prefill backlog): that pass
-is built from list comprehensions, about a third cheaper on CPython 3.11 than one loop that
-appends to three lists and looks up every worker in the prefix match. After it:
+Every decision needs each worker's availability, load and prefill backlog. The pass that reads
+them is built from list comprehensions, about a third cheaper on CPython 3.11 than one loop that
+appends to three lists and looks up every worker in the prefix match; from 32 workers on, its
+columns are kept per pool (`CandidateCache`) and only the views that are new objects since the
+pool's last decision are read again. After it:
 
 - the holders of part of the prefix are found from the index match, each through its position
   in the candidate list remembered from earlier decisions (a full worker id → position map is

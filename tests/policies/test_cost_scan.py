@@ -1,11 +1,14 @@
 """The `cost` decision over many workers equals the plain scan it replaced, decision for decision.
 
 `_PlainScan` is `CostPolicy.select` as it was before `policies/cost_scan.py`: one loop over every
-worker's view, every non-holder sorted by backlog, all capacities refreshed every 32 decisions. Both
-policies see the same random states (health, caps, scraped counters, backlogs, ties between
-identical workers, prefix families that hit, partly hit and miss, transfer on or off, the uncached
-share discount on or off), and their decisions and random draws must be identical. Capacities are
-left to the default (no reported blocks), so the two refresh schedules cannot diverge the indexes.
+worker's view, every non-holder sorted by backlog, all capacities refreshed every 32 decisions,
+each worker scored by `_PlainScorer` (the scorer before its per-decision constants). Both policies
+see the same random states (health, caps, scraped counters, backlogs, ties between identical
+workers, prefix families that hit, partly hit and miss, transfer on or off, the uncached share
+discount on or off), mostly the previous decision's view objects with a few replaced, as a
+gateway hands them out (`CandidateCache`), and their decisions and random draws must be
+identical. Capacities are left to the default (no reported blocks), so the two refresh schedules
+cannot diverge the indexes.
 """
 
 from __future__ import annotations

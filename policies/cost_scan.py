@@ -23,6 +23,7 @@ and the decision, are the same as scanning all of them in sorted order.
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import chain, compress
 from operator import is_not, itemgetter
@@ -93,6 +94,17 @@ def candidates(workers: Sequence[WorkerView], shares: Mapping[WorkerId, float]) 
     return Candidates(views, loads, _backlogs(views, pending, shares), pending, sum(pending), sum(loads))
 
 
+def _left_out(workers: Sequence[WorkerView], kept: Sequence[WorkerView]) -> list[int]:
+    """Positions in `workers` of the views `_available` left out (`kept` is what it returned)."""
+    out, j, m = [], 0, len(kept)
+    for p, w in enumerate(workers):
+        if j < m and kept[j] is w:
+            j += 1
+        else:
+            out.append(p)
+    return out
+
+
 class CandidateCache:
     """`candidates` of one pool, kept from decision to decision and redone where a view changed.
 
@@ -100,26 +112,26 @@ class CandidateCache:
     until something in it changes (a view is a record: never changed once built), so from one
     decision to the next almost every view is the one seen before. Finding the positions whose view
     is a different object is one pass in C (about 20 ns a worker, a quarter of reading a view's
-    load); only those are read again. A change of availability, of the list's length, or of more
-    than a quarter of the views rebuilds all. Below `MIN_WORKERS` workers the pass is done afresh,
-    and nothing is kept.
+    load); only those are read again. A worker that becomes available or unavailable (an in-flight
+    cap reached or left, as happens at every dispatch when the pool is saturated) is inserted into
+    or deleted from the columns (a move in C). A change of the list's length, or of more than a
+    quarter of the views, rebuilds all. Below `MIN_WORKERS` workers the pass is done afresh, and
+    nothing is kept.
 
-    Invariant: `_workers[p]` is the view last seen at position p; `_slot[p]` (when not None) its
-    position among the candidates, -1 if unavailable; None means every worker is a candidate
-    (position p is candidate p) or the map is not built yet (`_all` says which). The columns
-    equal `candidates(_workers, {})`. The lists returned are the cache's own: valid until its
-    next call, not to be kept or changed.
+    Invariant: `_workers[p]` is the view last seen at position p, `_off` the sorted positions of
+    the unavailable ones, so position p (if available) is candidate p − (positions in `_off`
+    before p); the columns equal `candidates(_workers, {})`. The lists returned are the cache's
+    own: valid until its next call, not to be kept or changed.
     """
 
-    __slots__ = ("_all", "_cands", "_slot", "_workers")
+    __slots__ = ("_cands", "_off", "_workers")
 
     # A small pool's pass costs little, and most of its views change between two decisions.
     MIN_WORKERS = 32
 
     def __init__(self) -> None:
         self._workers: list[WorkerView] = []
-        self._slot: list[int] | None = None
-        self._all = True
+        self._off: list[int] = []
         self._cands = candidates((), {})
 
     def candidates(self, workers: Sequence[WorkerView], shares: Mapping[WorkerId, float]) -> Candidates:
@@ -127,80 +139,63 @@ class CandidateCache:
         n = len(workers)
         if n < self.MIN_WORKERS:
             return candidates(workers, shares)
-        seen = self._workers
-        if n != len(seen):
+        if n != len(self._workers):
             return self._rebuild(workers, shares)
-        changed = list(compress(range(n), map(is_not, workers, seen)))
-        if changed and (4 * len(changed) > n or not self._patch(workers, changed)):
+        changed = list(compress(range(n), map(is_not, workers, self._workers)))
+        if 4 * len(changed) > n:
             return self._rebuild(workers, shares)
-        c = self._cands
-        if not shares:
-            return c
-        return Candidates(
-            c.views, c.loads, _backlogs(c.views, c.pending, shares), c.pending, c.raw_backlog, c.total_load
-        )
+        if changed:
+            self._patch(workers, changed)
+        return self._with_shares(shares)
 
     def _rebuild(self, workers: Sequence[WorkerView], shares: Mapping[WorkerId, float]) -> Candidates:
         self._workers = list(workers)
         self._cands = candidates(workers, {})
-        self._all = len(self._cands.views) == len(workers)
-        self._slot = None
+        views = self._cands.views
+        self._off = [] if len(views) == len(workers) else _left_out(workers, views)
+        return self._with_shares(shares)
+
+    def _with_shares(self, shares: Mapping[WorkerId, float]) -> Candidates:
         c = self._cands
-        return (
-            c
-            if not shares
-            else Candidates(
-                c.views,
-                c.loads,
-                _backlogs(c.views, c.pending, shares),
-                c.pending,
-                c.raw_backlog,
-                c.total_load,
-            )
-        )
+        if not shares:
+            return c
+        backlogs = _backlogs(c.views, c.pending, shares)
+        return Candidates(c.views, c.loads, backlogs, c.pending, c.raw_backlog, c.total_load)
 
-    def _slots(self) -> list[int]:
-        slot = self._slot
-        if slot is None:
-            # Candidates are the available workers in order: walk both lists once.
-            views = self._cands.views
-            slot, j, m = [], 0, len(views)
-            for w in self._workers:
-                if j < m and views[j] is w:
-                    slot.append(j)
-                    j += 1
-                else:
-                    slot.append(-1)
-            self._slot = slot
-        return slot
-
-    def _patch(self, workers: Sequence[WorkerView], changed: list[int]) -> bool:
-        """Take in the views at `changed`; False (nothing taken in) if one changed availability."""
+    def _patch(self, workers: Sequence[WorkerView], changed: list[int]) -> None:
+        """Take in the views at `changed` (ascending positions)."""
         new = [workers[p] for p in changed]
         kept = _available(new)
-        slots = list(changed) if self._all else [self._slots()[p] for p in changed]
-        if len(kept) == len(new):
-            if min(slots) < 0:
-                return False
-        elif kept or max(slots) >= 0:
-            return False
-        seen = self._workers
-        for p, w in zip(changed, new, strict=True):
-            seen[p] = w
-        if not kept:
-            return True  # unavailable before and after: no column moves
+        left_out = set() if len(kept) == len(new) else set(_left_out(new, kept))
+        seen, off = self._workers, self._off
         c = self._cands
         views, loads, pending = c.views, c.loads, c.pending
         raw, total = c.raw_backlog, c.total_load
-        for j, w, load in zip(slots, new, _loads(new), strict=True):
-            views[j] = w
-            total += load - loads[j]
-            loads[j] = load
+        for k, (p, w, load) in enumerate(zip(changed, new, _loads(new), strict=True)):
+            seen[p] = w
+            before = bisect_left(off, p) if off else 0
+            j = p - before  # its candidate position (if it is or was one)
+            was = before == len(off) or off[before] != p  # available until now
+            if k in left_out:
+                if was:
+                    off.insert(before, p)
+                    total -= loads.pop(j)
+                    raw -= pending.pop(j)
+                    del views[j]
+                continue
             b = w.in_flight_prefill_tokens
-            raw += b - pending[j]
-            pending[j] = b
+            if was:
+                total += load - loads[j]
+                raw += b - pending[j]
+                views[j], loads[j], pending[j] = w, load, b
+            else:
+                del off[before]
+                views.insert(j, w)
+                loads.insert(j, load)
+                pending.insert(j, b)
+                total += load
+                raw += b
         self._cands = Candidates(views, loads, pending, pending, raw, total)
-        return True
 
 
 class Positions:

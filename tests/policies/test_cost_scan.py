@@ -398,3 +398,16 @@ def test_candidate_cache_equals_a_fresh_pass(seed: int) -> None:
         assert cache.candidates(views, shares) == candidates(views, shares), f"step {k}"
     if n >= 8:
         assert cache.rebuilds < 300  # most decisions take in a few changed views
+
+
+def test_candidate_cache_takes_in_workers_reaching_and_leaving_their_cap() -> None:
+    # A saturated pool: every dispatch fills a worker to its cap, every completion frees one.
+    rng = random.Random(7)
+    views = [WorkerView(WorkerId(f"w{i}"), in_flight_requests=4, max_in_flight=4) for i in range(64)]
+    cache = _CountingCache()
+    for k in range(300):
+        i = rng.randrange(len(views))
+        inflight = views[i].in_flight_requests + rng.choice((-1, 1))
+        views[i] = dataclasses.replace(views[i], in_flight_requests=min(4, max(0, inflight)))
+        assert cache.candidates(views, {}) == candidates(views, {}), f"step {k}"
+    assert cache.rebuilds == 1

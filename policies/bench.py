@@ -5,11 +5,14 @@ prompt's prefix on a few workers at different depths (so the lookup walks the wh
 several workers drop out along the way). `--miss` times a prompt no worker holds instead: the
 decision then weighs every worker's queue, not the holders'. Each policy's `select` is then timed
 on the same request and worker views; round_robin, timed in the same run, is the baseline.
+`--changed-views K` hands K of the views over as new objects before each decision, as a gateway
+does for the workers whose counters moved since its last decision (`cost` re-reads only those).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import random
@@ -62,6 +65,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--miss",
         action="store_true",
         help="time a prompt no worker holds (a new conversation) instead of one six workers hold in part",
+    )
+    parser.add_argument(
+        "--changed-views",
+        type=int,
+        default=0,
+        help="views replaced by new (equal) objects before each decision, as a gateway's registry hands"
+        " out a new view for each worker whose counters moved (default 0)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated keys (default 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -126,17 +136,24 @@ def _fill(
 
 
 def _time(
-    policy: RoutingPolicy, prompt: RouteRequest, views: Sequence[WorkerView], repeats: int
+    policy: RoutingPolicy, prompt: RouteRequest, views: Sequence[WorkerView], repeats: int, changed: int = 0
 ) -> list[float]:
     for _ in range(min(50, repeats)):
         policy.select(prompt, views, 1.0)
     samples = []
     clock = time.perf_counter_ns
+    views = list(views)
+    rng = random.Random(len(views))
+    changed = min(changed, len(views))
     # Like timeit: collect first and keep the collector out of the timed loop.
     gc.collect()
     gc.disable()
     try:
         for _ in range(repeats):
+            # New objects with the same fields: a policy that keeps what it read from a view must
+            # read these again, and every decision stays the same.
+            for i in rng.sample(range(len(views)), changed):
+                views[i] = dataclasses.replace(views[i])
             t0 = clock()
             policy.select(prompt, views, 1.0)
             samples.append((clock() - t0) / 1000.0)
@@ -173,15 +190,23 @@ def measure(args: argparse.Namespace) -> list[Timing]:
                 if args.miss
                 else prompt
             )
-            samples = sorted(_time(policy, measured, views, args.repeats))
+            samples = sorted(_time(policy, measured, views, args.repeats, args.changed_views))
             p99 = samples[min(len(samples) - 1, int(0.99 * len(samples)))]
             results.append(Timing(name, prompt.n_prompt_tokens, statistics.median(samples), p99))
     return results
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.workers < 1 or args.repeats < 1 or any(t < BLOCK for t in args.prompt_tokens):
-        print("need --workers >= 1, --repeats >= 1 and prompts of at least one block", file=sys.stderr)
+    if (
+        args.workers < 1
+        or args.repeats < 1
+        or args.changed_views < 0
+        or any(t < BLOCK for t in args.prompt_tokens)
+    ):
+        print(
+            "need --workers >= 1, --repeats >= 1, --changed-views >= 0 and prompts of at least one block",
+            file=sys.stderr,
+        )
         return 2
     results = measure(args)
     config = {
@@ -191,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
         "granularity_blocks": args.granularity_blocks,
         "seed": args.seed,
         "miss": args.miss,
+        "changed_views": args.changed_views,
         "git_sha": _git_sha(),
         "python": sys.version.split()[0],
     }

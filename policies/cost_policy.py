@@ -26,7 +26,7 @@ from typing import ClassVar
 
 from policies.base import Observation, RouteDecision, RouteRequest, WorkerId, WorkerView
 from policies.cost_model import CostModel, QueueTerms
-from policies.cost_scan import Positions, by_backlog, candidates
+from policies.cost_scan import CandidateCache, Positions, by_backlog
 from policies.peer_sync import PeerHolding
 from policies.pools import PoolState
 from policies.prefix_policy import PrefixPolicyBase, SharedSettings
@@ -41,6 +41,7 @@ class CostPolicy(PrefixPolicyBase):
     OBSERVE_EVERY = 32
     OBSERVE_SLICE = 8
     MAX_INFLIGHT = 65_536
+    MAX_CACHED_POOLS = 32
 
     def __init__(
         self,
@@ -87,6 +88,7 @@ class CostPolicy(PrefixPolicyBase):
         self.continuation_slack_requests = continuation_slack_requests
         self._last_n = -1
         self._positions = Positions()
+        self._columns: OrderedDict[str, CandidateCache] = OrderedDict()
         self._observe_at = 0
         # Per worker: prefill seconds routed there (the model's, before calibration), decayed with
         # time constant `load_window_s`, and when that was last brought up to date.
@@ -172,9 +174,10 @@ class CostPolicy(PrefixPolicyBase):
         pool.index.expire(now_s)
         mine = self._own_keys(req)
         own_match = pool.index.lookup(mine.keys, mine.namespace, now_s)
-        # Pass 1: availability, load and prefill backlog of every worker (see `cost_scan`).
+        # Pass 1: availability, load and prefill backlog of every worker, re-read only where a view
+        # changed since the pool's last decision (see `cost_scan`).
         shares = self._uncached_share if self.discount_cached_backlog else {}
-        columns = candidates(workers, shares)
+        columns = self._candidate_cache(req.pool).candidates(workers, shares)
         cands, loads, backlogs = columns.views, columns.loads, columns.backlogs
         if not cands:
             return None
@@ -197,7 +200,7 @@ class CostPolicy(PrefixPolicyBase):
         found = self._lookup(pool, req, now_s, own=own_match)
         cost = pool.cost
 
-        mean_after = (sum(loads) + 1) / n_cands
+        mean_after = (columns.total_load + 1) / n_cands
         # Recomputing a prefix also delays whoever queues behind it: weigh saved compute by
         # 1 + work_weight·L, L = prompts waiting per worker (Little's law), capped. The backlog is
         # in request tokens and the mean prompt in engine tokens: convert before dividing.
@@ -221,7 +224,7 @@ class CostPolicy(PrefixPolicyBase):
             # Most of the prompt is new: it starts a branch (a new session or a fork) whose next
             # requests will follow it to this worker. Charge each worker the work recently routed
             # to it, so branches spread over the pool by long-run load, not only by the queue now.
-            scorer.branch = (self, now_s)
+            scorer.charge_branches(self, now_s)
 
         # A worker's score is at most what it saves minus its raw backlog's prefill time (the
         # queue's smallest term, before scaling for requests this gateway did not send). Workers are
@@ -274,6 +277,14 @@ class CostPolicy(PrefixPolicyBase):
         cost.note_dispatch(req.request_id, queue, scorer._engine(matched))
         return RouteDecision(cands[chosen].worker_id, scorer.best_score, reason, matched, found.public_blocks)
 
+    def _candidate_cache(self, pool: str) -> CandidateCache:
+        cache = self._columns.get(pool)
+        if cache is None:
+            if len(self._columns) >= self.MAX_CACHED_POOLS:
+                self._columns.popitem(last=False)
+            cache = self._columns[pool] = CandidateCache()
+        return cache
+
     def _reason(self, overloaded: bool, matched: int, longest: int) -> str:
         if overloaded:
             return "overloaded"
@@ -291,21 +302,26 @@ class _Scorer:
 
     __slots__ = (
         "adapter",
+        "backlog_s_per_token",
         "best",
         "best_score",
-        "branch",
+        "branch_s",
         "cost",
         "limit_tokens",
         "longest_tokens",
+        "moved_for",
         "n",
         "n_steps",
         "nonholder_saved_s",
+        "now_s",
         "q",
+        "recent",
         "saved_for",
         "tie",
         "transfer_on",
         "unit",
         "weight",
+        "window_s",
     )
 
     def __init__(
@@ -330,10 +346,16 @@ class _Scorer:
         self.longest_tokens = longest_tokens
         self.transfer_on = cost.params.transfer_enabled
         self.saved_for: dict[int, float] = {0: 0.0}
+        self.moved_for: dict[int, float] = {}
+        self.backlog_s_per_token = q.scale * q.backlog_per_token_s
         self.best_score = -math.inf
         self.best: list[tuple[int, int, float]] = []
         self.nonholder_saved_s = 0.0
-        self.branch: tuple[CostPolicy, float] | None = None
+        # The branch charge (`charge_branches`): off until then.
+        self.recent: dict[WorkerId, tuple[float, float]] | None = None
+        self.branch_s = 0.0
+        self.now_s = 0.0
+        self.window_s = 1.0
         if self.transfer_on and longest_tokens > 0:
             longest = self._engine(longest_tokens)
             moved = cost.saved_s(self.n, longest) * weight - cost.transfer_s(longest)
@@ -341,6 +363,14 @@ class _Scorer:
 
     def _engine(self, request_tokens: float) -> int:
         return int(request_tokens) if self.unit == 1.0 else int(request_tokens * self.unit)
+
+    def charge_branches(self, policy: CostPolicy, now_s: float) -> None:
+        """Charge each worker the prefill seconds `policy` recently routed there
+        (`CostPolicy.recent_work_s` inlined), at `branch_load_weight` × the current scale."""
+        self.recent = policy._recent_work
+        self.branch_s = policy.branch_load_weight * self.q.scale
+        self.now_s = now_s
+        self.window_s = policy.load_window_s
 
     def saved(self, matched: int) -> float:
         """Weighted prefill time a match of `matched` tokens saves (`CostModel.saved_s` inlined and
@@ -361,22 +391,31 @@ class _Scorer:
     def consider(self, i: int, view: WorkerView, matched: int, backlog: float) -> None:
         """Score candidate `i`; `matched` and `backlog` (prefill tokens left to compute, see
         `select`) are in request tokens."""
-        cost = self.cost
-        q = self.q
-        n = self.n
-        saved = self.saved(matched)
+        # Everything that depends only on the request and the match length is computed once per
+        # decision (`saved_for`, `moved_for`, the scaled constants): a miss scores most workers.
+        saved = self.saved_for.get(matched)
+        if saved is None:
+            saved = self.saved(matched)
         longest = self.longest_tokens
         if self.transfer_on and longest > matched:
-            moved_tokens = self._engine(longest - matched)
-            moved = cost.saved_s(n, self._engine(longest)) * self.weight - cost.transfer_s(moved_tokens)
+            moved = self.moved_for.get(matched)
+            if moved is None:
+                cost = self.cost
+                moved_tokens = self._engine(longest - matched)
+                moved = cost.saved_s(self.n, self._engine(longest)) * self.weight - cost.transfer_s(
+                    moved_tokens
+                )
+                self.moved_for[matched] = moved
             if moved > saved:
                 saved, matched = moved, longest
         if self.unit != 1.0:
             backlog *= self.unit
         # T_queue, inlined from CostModel.queue_s (kept equal by a test). The backlog alone bounds
         # the score from above: skip the rest when even that cannot reach a tie.
-        if saved - q.scale * q.backlog_per_token_s * backlog < self.best_score - self.tie:
+        if saved - self.backlog_s_per_token * backlog < self.best_score - self.tie:
             return
+        q = self.q
+        n = self.n
         running = known = view.in_flight_requests
         waiting = view.num_requests_waiting
         if waiting is not None:
@@ -405,10 +444,10 @@ class _Scorer:
         queue *= q.scale
         score = saved - queue
         if view.warming or (self.adapter and view.loaded_adapters is not None):
-            score -= cost.cold_s(view, self.adapter)
-        if self.branch is not None:
-            policy, now_s = self.branch
-            score -= policy.branch_load_weight * q.scale * policy.recent_work_s(view.worker_id, now_s)
+            score -= self.cost.cold_s(view, self.adapter)
+        if self.recent is not None and (found := self.recent.get(view.worker_id)) is not None:
+            work, at_s = found
+            score -= self.branch_s * (work * math.exp(-max(0.0, self.now_s - at_s) / self.window_s))
         if score > self.best_score + self.tie:
             self.best_score, self.best = score, [(i, matched, queue)]
         elif score >= self.best_score - self.tie:

@@ -1,24 +1,29 @@
 """The `cost` decision over many workers equals the plain scan it replaced, decision for decision.
 
 `_PlainScan` is `CostPolicy.select` as it was before `policies/cost_scan.py`: one loop over every
-worker's view, every non-holder sorted by backlog, all capacities refreshed every 32 decisions. Both
-policies see the same random states (health, caps, scraped counters, backlogs, ties between
-identical workers, prefix families that hit, partly hit and miss, transfer on or off, the uncached
-share discount on or off), and their decisions and random draws must be identical. Capacities are
-left to the default (no reported blocks), so the two refresh schedules cannot diverge the indexes.
+worker's view, every non-holder sorted by backlog, all capacities refreshed every 32 decisions,
+each worker scored by `_PlainScorer` (the scorer before its per-decision constants). Both policies
+see the same random states (health, caps, scraped counters, backlogs, ties between identical
+workers, prefix families that hit, partly hit and miss, transfer on or off, the uncached share
+discount on or off), mostly the previous decision's view objects with a few replaced, as a
+gateway hands them out (`CandidateCache`), and their decisions and random draws must be
+identical. Capacities are left to the default (no reported blocks), so the two refresh schedules
+cannot diverge the indexes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import pytest
 
 from policies.base import Observation, RouteDecision, RouteRequest, WorkerId, WorkerView, reported_load
-from policies.cost_model import CostModelParams
-from policies.cost_policy import CostPolicy, _Scorer
+from policies.cost_model import CostModel, CostModelParams, QueueTerms
+from policies.cost_policy import CostPolicy
+from policies.cost_scan import CandidateCache, Candidates, candidates
 from policies.pools import PoolSettings
 from policies.prefix_policy import SharedSettings
 from tests.policies.factories import req
@@ -88,7 +93,7 @@ class _PlainScan(CostPolicy):
         limit = self._cap_tokens(req, n)
         longest_tokens = min(found.longest_blocks * bs, limit)
         q = cost.queue_terms()
-        scorer = _Scorer(self, req, cost, q, weight, longest_tokens)
+        scorer = _PlainScorer(self, req, cost, q, weight, longest_tokens)
         if self.branch_load_weight > 0 and 2 * longest_tokens <= n:
             # Most of the prompt is new: it starts a branch (a new session or a fork) whose next
             # requests will follow it to this worker. Charge each worker the work recently routed
@@ -146,31 +151,179 @@ class _PlainScan(CostPolicy):
         return RouteDecision(cands[chosen].worker_id, scorer.best_score, reason, matched, found.public_blocks)
 
 
-def _views(rng: random.Random, n: int, step: int) -> list[WorkerView]:
-    views = []
-    for i in range(n):
-        if rng.random() < 0.3:
-            # Idle and unscraped: identical workers, so ties are common.
-            views.append(WorkerView(WorkerId(f"w{i}")))
-            continue
-        inflight = rng.randint(0, 12)
-        scraped = rng.random() < 0.6
-        views.append(
-            WorkerView(
-                WorkerId(f"w{i}"),
-                healthy=rng.random() > 0.05,
-                in_flight_requests=inflight,
-                in_flight_prefill_tokens=rng.choice((0, rng.randint(0, 60_000))),
-                in_flight_decode_tokens=rng.randint(0, 200_000),
-                max_in_flight=rng.choice((None, None, 4, 16)),
-                num_requests_waiting=rng.randint(0, 5) if scraped else None,
-                num_requests_running=rng.randint(0, 14) if scraped else None,
-                in_flight_at_scrape=rng.choice((None, rng.randint(0, 14))) if scraped else None,
-                warming=rng.random() < 0.03,
-            )
-        )
+class _PlainScorer:
+    """`cost_policy._Scorer` as it was before its per-request constants and memos (the reference)."""
+
+    __slots__ = (
+        "adapter",
+        "best",
+        "best_score",
+        "branch",
+        "cost",
+        "limit_tokens",
+        "longest_tokens",
+        "n",
+        "n_steps",
+        "nonholder_saved_s",
+        "q",
+        "saved_for",
+        "tie",
+        "transfer_on",
+        "unit",
+        "weight",
+    )
+
+    def __init__(
+        self,
+        policy: CostPolicy,
+        req: RouteRequest,
+        cost: CostModel,
+        q: QueueTerms,
+        weight: float,
+        longest_tokens: int,
+    ) -> None:
+        # The scorer works in engine tokens: a request's token count is the normalizer's estimate
+        # (approximate mode counts characters / chars_per_token), converted at the learned ratio.
+        self.unit = cost.engine_tokens_per_request_token
+        self.n = self._engine(req.n_prompt_tokens)
+        self.n_steps = -(-self.n // q.max_batched_tokens)
+        self.adapter = req.adapter
+        self.cost = cost
+        self.q = q
+        self.weight = weight
+        self.tie = policy.tie_s
+        self.longest_tokens = longest_tokens
+        self.transfer_on = cost.params.transfer_enabled
+        self.saved_for: dict[int, float] = {0: 0.0}
+        self.best_score = -math.inf
+        self.best: list[tuple[int, int, float]] = []
+        self.nonholder_saved_s = 0.0
+        self.branch: tuple[CostPolicy, float] | None = None
+        if self.transfer_on and longest_tokens > 0:
+            longest = self._engine(longest_tokens)
+            moved = cost.saved_s(self.n, longest) * weight - cost.transfer_s(longest)
+            self.nonholder_saved_s = max(0.0, moved)
+
+    def _engine(self, request_tokens: float) -> int:
+        return int(request_tokens) if self.unit == 1.0 else int(request_tokens * self.unit)
+
+    def saved(self, matched: int) -> float:
+        """Weighted prefill time a match of `matched` tokens saves (`CostModel.saved_s` inlined and
+        memoized per request; a test keeps them equal)."""
+        saved = self.saved_for.get(matched)
+        if saved is None:
+            m = matched if self.unit == 1.0 else int(matched * self.unit)
+            if m > self.n:
+                m = self.n
+            if m <= 0:
+                return 0.0
+            q = self.q
+            steps = self.n_steps - -(-(self.n - m) // q.max_batched_tokens)
+            raw = q.prefill_per_token_s * m + q.attention_per_pair_s * m * m / 2 + q.step_s * steps
+            saved = self.saved_for[matched] = q.scale * raw * self.weight
+        return saved
+
+    def consider(self, i: int, view: WorkerView, matched: int, backlog: float) -> None:
+        """Score candidate `i`; `matched` and `backlog` (prefill tokens left to compute, see
+        `select`) are in request tokens."""
+        cost = self.cost
+        q = self.q
+        n = self.n
+        saved = self.saved(matched)
+        longest = self.longest_tokens
+        if self.transfer_on and longest > matched:
+            moved_tokens = self._engine(longest - matched)
+            moved = cost.saved_s(n, self._engine(longest)) * self.weight - cost.transfer_s(moved_tokens)
+            if moved > saved:
+                saved, matched = moved, longest
+        if self.unit != 1.0:
+            backlog *= self.unit
+        # T_queue, inlined from CostModel.queue_s (kept equal by a test). The backlog alone bounds
+        # the score from above: skip the rest when even that cannot reach a tie.
+        if saved - q.scale * q.backlog_per_token_s * backlog < self.best_score - self.tie:
+            return
+        running = known = view.in_flight_requests
+        waiting = view.num_requests_waiting
+        if waiting is not None:
+            scraped = view.num_requests_running or 0
+            at = view.in_flight_at_scrape
+            if at is not None:  # `policies.base.reported_load`, inlined: no call per worker
+                others = waiting + scraped - at
+                if others <= 0:
+                    waiting, scraped = 0, known
+                else:
+                    waiting = others if others < waiting else waiting
+                    scraped = known + others - waiting
+            if waiting + scraped > known:
+                if known > 0 and view.in_flight_prefill_tokens > 0:
+                    backlog *= (waiting + scraped) / known
+                else:
+                    backlog += waiting * q.mean_prompt_tokens
+            if scraped > running:
+                running = scraped
+        budget = q.max_batched_tokens
+        per_step = q.per_request_s * running + q.per_context_token_s * view.in_flight_decode_tokens
+        new = n - (matched if self.unit == 1.0 else int(matched * self.unit))
+        queue = -(-int(backlog + new) // budget) * per_step
+        if backlog > 0:
+            queue += q.backlog_per_token_s * backlog + q.step_s * -(-int(backlog) // budget)
+        queue *= q.scale
+        score = saved - queue
+        if view.warming or (self.adapter and view.loaded_adapters is not None):
+            score -= cost.cold_s(view, self.adapter)
+        if self.branch is not None:
+            policy, now_s = self.branch
+            score -= policy.branch_load_weight * q.scale * policy.recent_work_s(view.worker_id, now_s)
+        if score > self.best_score + self.tie:
+            self.best_score, self.best = score, [(i, matched, queue)]
+        elif score >= self.best_score - self.tie:
+            if score > self.best_score:
+                self.best_score = score
+            self.best.append((i, matched, queue))
+
+
+def _view(rng: random.Random, i: int) -> WorkerView:
+    if rng.random() < 0.3:
+        # Idle and unscraped: identical workers, so ties are common.
+        return WorkerView(WorkerId(f"w{i}"))
+    inflight = rng.randint(0, 12)
+    scraped = rng.random() < 0.6
+    return WorkerView(
+        WorkerId(f"w{i}"),
+        healthy=rng.random() > 0.05,
+        in_flight_requests=inflight,
+        in_flight_prefill_tokens=rng.choice((0, rng.randint(0, 60_000))),
+        in_flight_decode_tokens=rng.randint(0, 200_000),
+        max_in_flight=rng.choice((None, None, 4, 16)),
+        num_requests_waiting=rng.randint(0, 5) if scraped else None,
+        num_requests_running=rng.randint(0, 14) if scraped else None,
+        in_flight_at_scrape=rng.choice((None, rng.randint(0, 14))) if scraped else None,
+        warming=rng.random() < 0.03,
+    )
+
+
+def _views(rng: random.Random, n: int, step: int, before: list[WorkerView]) -> list[WorkerView]:
+    """The next decision's views. Mostly the objects of the one before with a few replaced, as the
+    gateway's registry hands them out (`CandidateCache` re-reads only those); now and then all new,
+    reordered, or a worker more or less."""
+    if not before or step % 11 == 5:
+        views = [_view(rng, i) for i in range(n)]
+    else:
+        views = list(before)
+        for _ in range(rng.choice((0, 1, 1, 2, 3, n // 3 + 1))):
+            i = rng.randrange(len(views))
+            found = views[i]
+            if rng.random() < 0.2:
+                views[i] = dataclasses.replace(found)  # a new object, equal to the one it replaces
+            else:
+                views[i] = dataclasses.replace(_view(rng, i), worker_id=found.worker_id)
     if step % 7 == 3:
         rng.shuffle(views)  # the candidate list's order changes now and then
+    if step % 13 == 6:
+        if len(views) > 1 and rng.random() < 0.5:
+            views.pop(rng.randrange(len(views)))
+        else:
+            views.append(_view(rng, n + step))
     return views
 
 
@@ -195,12 +348,13 @@ def test_decisions_equal_the_plain_scan(seed: int) -> None:
     }
     new = CostPolicy(seed=seed, **options)  # type: ignore[arg-type]
     old = _PlainScan(seed=seed, **options)  # type: ignore[arg-type]
-    n = rng.choice((1, 3, 8, 40, 130))
+    n = (1, 3, 8, 40, 130, 300)[seed // 2]
     inflight: list[tuple[RouteRequest, RouteDecision]] = []
     decided = 0
+    views: list[WorkerView] = []
     for k in range(300):
         now = k * 0.05
-        views = _views(rng, n, k)
+        views = _views(rng, n, k, views)
         r = _request(rng, k)
         d_new = new.select(r, views, now)
         d_old = old.select(r, views, now)
@@ -221,3 +375,39 @@ def test_decisions_equal_the_plain_scan(seed: int) -> None:
                 )
     assert decided > 100
     new.check_invariants()
+
+
+class _CountingCache(CandidateCache):
+    MIN_WORKERS = 1  # kept at every size here
+    rebuilds = 0
+
+    def _rebuild(self, workers: Sequence[WorkerView], shares: Mapping[WorkerId, float]) -> Candidates:
+        self.rebuilds += 1
+        return super()._rebuild(workers, shares)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_candidate_cache_equals_a_fresh_pass(seed: int) -> None:
+    rng = random.Random(seed)
+    cache = _CountingCache()
+    n = (3, 8, 40, 130, 300, 1)[seed]
+    views: list[WorkerView] = []
+    for k in range(400):
+        views = _views(rng, n, k, views)
+        shares = {v.worker_id: rng.random() for v in views if rng.random() < 0.3} if k % 3 == 0 else {}
+        assert cache.candidates(views, shares) == candidates(views, shares), f"step {k}"
+    if n >= 8:
+        assert cache.rebuilds < 300  # most decisions take in a few changed views
+
+
+def test_candidate_cache_takes_in_workers_reaching_and_leaving_their_cap() -> None:
+    # A saturated pool: every dispatch fills a worker to its cap, every completion frees one.
+    rng = random.Random(7)
+    views = [WorkerView(WorkerId(f"w{i}"), in_flight_requests=4, max_in_flight=4) for i in range(64)]
+    cache = _CountingCache()
+    for k in range(300):
+        i = rng.randrange(len(views))
+        inflight = views[i].in_flight_requests + rng.choice((-1, 1))
+        views[i] = dataclasses.replace(views[i], in_flight_requests=min(4, max(0, inflight)))
+        assert cache.candidates(views, {}) == candidates(views, {}), f"step {k}"
+    assert cache.rebuilds == 1

@@ -151,6 +151,7 @@ class DecisionLog:
                 "in_flight": v.in_flight_requests,
                 "prefill_tokens": v.in_flight_prefill_tokens,
                 "decode_tokens": v.in_flight_decode_tokens,
+                "decode_context_tokens": v.decode_context_tokens,
                 "waiting": v.num_requests_waiting,
                 "running": v.num_requests_running,
                 "kv_usage": v.kv_usage,

@@ -21,7 +21,7 @@ from gateway.breaker import CircuitBreaker
 from gateway.config.pool import PoolConfig
 from gateway.scrape import WorkerMetrics
 from gateway.upstream_headers import NO_AUTH, WorkerAuth
-from policies.base import Role, WorkerId, WorkerView
+from policies.base import Role, WorkerId, WorkerView, decode_context_of
 from policies.pd import SGLANG_ROLES, VLLM_ROLES, PdRouter, PdSettings
 from policies.peer_sync import PeerLoad, with_peer_load
 
@@ -70,6 +70,7 @@ class Worker:
         "_view_until_s",
         "_view_version",
         "breaker",
+        "decode_context",
         "decode_tokens",
         "direct",
         "in_flight",
@@ -95,6 +96,7 @@ class Worker:
         self.in_flight = 0
         self.prefill_tokens = 0
         self.decode_tokens = 0
+        self.decode_context = 0  # see `decode_context_of`
         self._fails = 0
         self._oks = 0
         self._metrics: WorkerMetrics | None = None  # last scrape, set by the scraper's callback
@@ -177,6 +179,7 @@ class Worker:
             engine_block_size=m.block_size_tokens if m else None,
             role=Role.of(self._role),
             in_flight_at_scrape=self.in_flight_at_scrape if m else None,
+            decode_context_tokens=self.decode_context,
         )
         return view if self._peer_load is None else with_peer_load(view, self._peer_load)
 
@@ -187,15 +190,20 @@ class Worker:
         self.decode_tokens += max_output_tokens
         self.breaker.on_dispatch(now_s)
 
-    def first_token(self, prompt_tokens: int) -> None:
-        """Prefill is done: the prompt no longer weighs on the worker's prefill queue."""
+    def first_token(self, prompt_tokens: int, max_output_tokens: int = 0) -> None:
+        """Prefill is done: the prompt no longer weighs on the worker's prefill queue, and the
+        request's context joins its decode batch."""
         self._version += 1
         self.prefill_tokens = max(0, self.prefill_tokens - prompt_tokens)
+        self.decode_context += decode_context_of(prompt_tokens, max_output_tokens)
 
     def release(self, prompt_tokens: int, max_output_tokens: int, prefill_done: bool) -> None:
         self._version += 1
         self.in_flight = max(0, self.in_flight - 1)
-        if not prefill_done:
+        if prefill_done:
+            context = decode_context_of(prompt_tokens, max_output_tokens)
+            self.decode_context = max(0, self.decode_context - context)
+        else:
             self.prefill_tokens = max(0, self.prefill_tokens - prompt_tokens)
         self.decode_tokens = max(0, self.decode_tokens - max_output_tokens)
 

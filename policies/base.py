@@ -99,6 +99,18 @@ class WorkerView:
     # not known). Only what the scrape reports beyond them is load the gateway did not send; what
     # it sent or finished since is already in `in_flight_requests` (see `reported_load`).
     in_flight_at_scrape: int | None = None
+    # KV tokens the worker's decode batch reads per step, as the gateway counts it: the prompt
+    # tokens of its in-flight requests past their first token, plus half their maximum output (the
+    # mean generated length if they run to it). `in_flight_decode_tokens` counts output still to
+    # come, not context.
+    decode_context_tokens: int = 0
+
+
+def decode_context_of(prompt_tokens: int, max_output_tokens: int) -> int:
+    """The KV tokens one decoding request adds to its worker's decode steps, as the gateway can
+    count them without reading the stream: its prompt plus half its maximum output (its mean
+    generated length over the decode, if it runs to the limit; 0 when the client set none)."""
+    return prompt_tokens + max_output_tokens // 2
 
 
 def reported_load(view: WorkerView) -> tuple[int, int] | None:

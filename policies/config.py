@@ -143,6 +143,7 @@ class CostParamsYaml(_Strict):
     load_window_s: float = Field(180.0, gt=0)
     discount_cached_backlog: bool = False
     continuation_slack_requests: float = Field(0.0, ge=0)
+    keep_tpot_s: float = Field(0.0, ge=0)
 
 
 class SglangParamsYaml(_Strict):

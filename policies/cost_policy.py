@@ -11,7 +11,9 @@ match covers at most half the prompt, i.e. the request starts a branch its succe
 token counts are in engine tokens, see `CostModel.engine_tokens_per_request_token`), then:
 1. bounded-load guard: only workers whose in-flight load stays within
    max((1+ε)·mean, mean + slack) after this request are eligible, unless none is; a worker holding
-   more than half the prompt gets `continuation_slack_requests` more;
+   more than half the prompt gets `continuation_slack_requests` more, and with `keep_tpot_s` > 0
+   stays eligible past any bound while its predicted decode step, with the request's decode
+   joining its batch, stays within `keep_tpot_s` (`keeps_decode`);
 2. the best score wins, ties (within `tie_s`) broken at random (so idle workers share misses);
 3. hot-prefix spreading falls out of the score: when the holders' queue costs more than the
    prefill they save, a fresh worker wins and the prefix is replicated there (reason "spread").
@@ -56,6 +58,7 @@ class CostPolicy(PrefixPolicyBase):
         load_window_s: float = 180.0,
         discount_cached_backlog: bool = False,
         continuation_slack_requests: float = 0.0,
+        keep_tpot_s: float = 0.0,
         shared: SharedSettings | None = None,
     ) -> None:
         if (
@@ -67,12 +70,13 @@ class CostPolicy(PrefixPolicyBase):
                 max_queue_factor,
                 branch_load_weight,
                 continuation_slack_requests,
+                keep_tpot_s,
             )
             < 0
         ):
             raise ValueError(
-                "epsilon, slack_requests, tie_s, work_weight, max_queue_factor, branch_load_weight and"
-                " continuation_slack_requests must be >= 0"
+                "epsilon, slack_requests, tie_s, work_weight, max_queue_factor, branch_load_weight,"
+                " continuation_slack_requests and keep_tpot_s must be >= 0"
             )
         if load_window_s <= 0:
             raise ValueError("load_window_s must be > 0")
@@ -86,6 +90,7 @@ class CostPolicy(PrefixPolicyBase):
         self.load_window_s = load_window_s
         self.discount_cached_backlog = discount_cached_backlog
         self.continuation_slack_requests = continuation_slack_requests
+        self.keep_tpot_s = keep_tpot_s
         self._last_n = -1
         self._positions = Positions()
         self._columns: OrderedDict[str, CandidateCache] = OrderedDict()
@@ -112,6 +117,18 @@ class CostPolicy(PrefixPolicyBase):
     def uncached_share(self, worker: WorkerId) -> float:
         """Predicted uncached share of the prompts this policy has in flight on `worker` (1 if none)."""
         return self._uncached_share.get(worker, 1.0)
+
+    def keeps_decode(self, cost: CostModel, view: WorkerView, load: int, req: RouteRequest) -> bool:
+        """Whether a holder past the load guard can still take `req`'s decode: its decode step once
+        the request joins the batch, `decode_step_s(requests + 1, context)`, stays within
+        `keep_tpot_s`. The context is what the holder decodes now (`decode_context_tokens`), the
+        prompts queued for its prefill (they decode before this request does) and this request's
+        own context at mid-decode. The guard moves a session to recompute its history elsewhere;
+        past this bound the holder's batch would miss the TPOT instead."""
+        unit = cost.engine_tokens_per_request_token
+        out = req.max_output_tokens or 0
+        context = view.decode_context_tokens + view.in_flight_prefill_tokens + req.n_prompt_tokens + out // 2
+        return cost.decode_step_s(load + 1, int(context * unit)) <= self.keep_tpot_s
 
     def _ledger_add(self, request_id: str, worker: WorkerId, prompt: int, uncached: int) -> None:
         self._ledger_remove(request_id)
@@ -243,11 +260,16 @@ class CostPolicy(PrefixPolicyBase):
             # load is mostly the decodes of the sessions it holds, and recomputing the history
             # elsewhere adds more prefill to the pool than it moves (the score prices its queue).
             follow_bound = bound + self.continuation_slack_requests
+            keep = self.keep_tpot_s > 0
             ranked: list[tuple[float, int, int]] = []
             for i, blocks in held:
                 holders.add(i)
                 matched = min(blocks * bs, limit)
-                if loads[i] <= bound or (2 * matched > n and loads[i] <= follow_bound):
+                if (
+                    loads[i] <= bound
+                    or (2 * matched > n and loads[i] <= follow_bound)
+                    or (keep and 2 * matched > n and self.keeps_decode(cost, cands[i], loads[i], req))
+                ):
                     upper = max(scorer.saved(matched), scorer.nonholder_saved_s)
                     ranked.append((upper - per_backlog_token * backlogs[i], i, matched))
             ranked.sort(reverse=True)

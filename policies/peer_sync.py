@@ -79,6 +79,7 @@ class PeerLoad:
     requests: int
     prefill_tokens: int
     decode_tokens: int
+    decode_context_tokens: int = 0  # `WorkerView.decode_context_tokens` of the origin's requests
 
     @property
     def idle(self) -> bool:
@@ -167,6 +168,7 @@ class PeerLoads:
         self._heard: dict[str, float] = {}
         self._by_origin: dict[str, dict[_Slot, PeerLoad]] = {}
         self._sums: dict[_Slot, tuple[int, int, int]] = {}
+        self._contexts: dict[_Slot, int] = {}  # summed `decode_context_tokens`, slots with any
 
     def note(self, origin: str, loads: Iterable[PeerLoad], now_s: float, *, full: bool) -> set[_Slot]:
         """Apply `origin`'s snapshots: `full` means they are all its load (a slot it leaves out is
@@ -199,6 +201,14 @@ class PeerLoads:
             self._sums[slot] = (r, p, d)
         else:
             self._sums.pop(slot, None)
+        context = self._contexts.get(slot, 0)
+        context += (load.decode_context_tokens if load is not None else 0) - (
+            old.decode_context_tokens if old is not None else 0
+        )
+        if context:
+            self._contexts[slot] = context
+        else:
+            self._contexts.pop(slot, None)
         changed.add(slot)
 
     def expire(self, now_s: float) -> set[_Slot]:
@@ -218,7 +228,7 @@ class PeerLoads:
         found = self._sums.get((pool, worker))
         if found is None:
             return None
-        return PeerLoad(pool, worker, *found)
+        return PeerLoad(pool, worker, *found, self._contexts.get((pool, worker), 0))
 
     @property
     def any(self) -> bool:
@@ -240,6 +250,11 @@ class PeerLoads:
                 r, p, d = sums.get(slot, (0, 0, 0))
                 sums[slot] = (r + load.requests, p + load.prefill_tokens, d + load.decode_tokens)
         assert sums == self._sums, "sums drifted from the snapshots"
+        contexts: dict[_Slot, int] = {}
+        for mine in self._by_origin.values():
+            for slot, load in mine.items():
+                contexts[slot] = contexts.get(slot, 0) + load.decode_context_tokens
+        assert {s: c for s, c in contexts.items() if c} == self._contexts, "decode contexts drifted"
         assert set(self._by_origin) <= set(self._heard), "load from a peer never heard"
 
 
@@ -264,4 +279,5 @@ def with_peer_load(view: WorkerView, load: PeerLoad | None) -> WorkerView:
         loaded_adapters=view.loaded_adapters,
         warming=view.warming,
         in_flight_at_scrape=view.in_flight_at_scrape,
+        decode_context_tokens=view.decode_context_tokens + load.decode_context_tokens,
     )

@@ -31,7 +31,9 @@ class SimGateway:
     it changes, so a decision rebuilds only the views that changed.
     """
 
-    __slots__ = ("decode", "in_flight", "index", "name", "peer_loads", "policy", "prefill", "views")
+    __slots__ = (
+        "context", "decode", "in_flight", "index", "name", "peer_loads", "policy", "prefill", "views",
+    )  # fmt: skip
 
     def __init__(self, index: int, policy: RoutingPolicy, n_workers: int) -> None:
         self.index = index
@@ -40,11 +42,12 @@ class SimGateway:
         self.in_flight = [0] * n_workers
         self.prefill = [0] * n_workers
         self.decode = [0] * n_workers
+        self.context = [0] * n_workers  # decode context tokens (`WorkerView.decode_context_tokens`)
         self.views: list[WorkerView | None] = [None] * n_workers
         self.peer_loads: PeerLoads | None = None
 
     def load(self, pool: str, worker: WorkerId, i: int) -> PeerLoad:
-        return PeerLoad(pool, worker, self.in_flight[i], self.prefill[i], self.decode[i])
+        return PeerLoad(pool, worker, self.in_flight[i], self.prefill[i], self.decode[i], self.context[i])
 
     def fold(self, pool: str, view: WorkerView) -> WorkerView:
         """`view` (this gateway's own accounting) plus what its peers reported."""

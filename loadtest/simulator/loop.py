@@ -41,6 +41,7 @@ from policies.base import (
     RoutingPolicy,
     WorkerId,
     WorkerView,
+    decode_context_of,
 )
 
 
@@ -79,8 +80,8 @@ class _Flight:
     """A dispatched request the loop is waiting on (mutable; internal)."""
 
     __slots__ = (
-        "decision", "first_token_s", "gateway", "hashes", "keyed", "leg", "max_out", "req", "route",
-        "salt", "visible_cached",
+        "context", "decision", "first_token_s", "gateway", "hashes", "keyed", "leg", "max_out", "req",
+        "route", "salt", "visible_cached",
     )  # fmt: skip
 
     def __init__(
@@ -103,6 +104,7 @@ class _Flight:
         self.hashes: Sequence[int] = ()
         self.leg: PrefillLeg | None = None  # P/D: set while the request's prefill leg runs
         self.visible_cached: int | None = None  # P/D: the cached tokens the client is told
+        self.context = 0  # what its first token added to its gateway's decode context count
 
 
 class _Worker:
@@ -199,6 +201,7 @@ class _Loop:
                     engine_block_size=w.engine.block_size,
                     role=self.roles[i],
                     in_flight_at_scrape=w.scrape_in_flight[gw.index],
+                    decode_context_tokens=gw.context[i],
                 )
             out.append(gw.fold(pool, view))
         return out
@@ -270,6 +273,8 @@ class _Loop:
             gw = f.gateway
             assert gw is not None
             gw.prefill[idx] -= f.route.n_prompt_tokens
+            f.context = decode_context_of(f.route.n_prompt_tokens, f.max_out)
+            gw.context[idx] += f.context
             gw.views[idx] = None
             changed[(gw, f.route.pool)] = None
         for fin in out.finished:
@@ -278,6 +283,8 @@ class _Loop:
             gw = f.gateway
             assert gw is not None
             gw.decode[idx] -= f.max_out
+            gw.context[idx] -= f.context
+            f.context = 0  # a P/D flight goes on to its decode leg
             gw.in_flight[idx] -= 1
             gw.views[idx] = None
             changed[(gw, f.route.pool)] = None

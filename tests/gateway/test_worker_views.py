@@ -64,3 +64,20 @@ def test_the_view_carries_the_gateways_in_flight_at_the_scrape() -> None:
     w.release(100, 10, prefill_done=True)
     v = w.view(2.0)
     assert (v.in_flight_requests, v.in_flight_at_scrape, v.num_requests_running) == (2, 3, 2)
+
+
+def test_the_decode_context_counts_prompts_past_their_first_token() -> None:
+    # A request's prompt joins the decode batch's context at its first token (plus half its
+    # maximum output, its mean generated length) and leaves it when it ends; a request that ends
+    # before its first token never added any.
+    w = _worker()
+    w.acquire(1000, 100, 1.0)
+    w.acquire(500, 10, 1.0)
+    assert w.view(1.0).decode_context_tokens == 0
+    w.first_token(1000, 100)
+    v = w.view(1.1)
+    assert v.decode_context_tokens == 1050 and v.in_flight_prefill_tokens == 500
+    w.release(500, 10, prefill_done=False)
+    assert w.view(1.2).decode_context_tokens == 1050
+    w.release(1000, 100, prefill_done=True)
+    assert w.view(1.3).decode_context_tokens == 0 and w.view(1.3).in_flight_requests == 0

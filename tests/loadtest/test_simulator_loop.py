@@ -189,6 +189,22 @@ def test_views_carry_in_flight_accounting_and_kv_events_flow_when_enabled() -> N
     assert spy.events and spy.events[0].block_size == 16
 
 
+def test_views_count_the_decode_context_of_requests_past_their_first_token() -> None:
+    # r0 (100 prompt tokens, 100 output) is decoding on w0 when r1 arrives; it has finished when
+    # r2 does. Its context is its prompt plus half its maximum output, as the gateway counts it.
+    spy = Spy(make_policy("round_robin"))
+    reqs = [
+        WorkloadRequest("r0", 0.0, "t", "s0", BlockPrompt((1, 100), 64, 100), 100),
+        WorkloadRequest("r1", 0.2, "t", "s1", BlockPrompt((2, 101), 64, 100), 4),
+        WorkloadRequest("r2", 5.0, "t", "s2", BlockPrompt((3, 102), 64, 100), 4),
+    ]
+    run_loop(reqs, [ScriptedEngine(), ScriptedEngine()], spy, _hooks())
+    first, second, third = ({v.worker_id: v.decode_context_tokens for v in views} for views in spy.views)
+    assert first == {"w0": 0, "w1": 0}
+    assert second == {"w0": 150, "w1": 0}
+    assert third == {"w0": 0, "w1": 0}
+
+
 def test_text_prompts_are_hashed_from_their_bytes() -> None:
     text = "x" * 40
     reqs = [WorkloadRequest(f"r{i}", float(i), "t", "s", TextPrompt(text), 2) for i in range(2)]

@@ -86,6 +86,34 @@ def test_continuation_slack_gives_a_holder_of_most_of_the_prompt_more_room() -> 
     assert d2 is not None and d2.worker != "w0"
 
 
+def test_a_holder_past_the_guard_keeps_a_session_while_its_decode_batch_can_take_it() -> None:
+    # w0 (10 in flight, over the guard's bound of 9.75) holds all but the last blocks of the prompt.
+    # With `keep_tpot_s`, it keeps the session while its decode step with the request's decode
+    # added, c·(requests + 1) + d·context, stays within the bound: a light batch keeps it, a batch
+    # decoding 2 M tokens of context (about 0.11 s a step) does not, and the session moves.
+    p = _policy(keep_tpot_s=0.05)
+    _warm(p, range(256), "w0")
+    r = req("r", range(258))
+    views = workers(10, 0, 0, 0)
+    light = [dataclasses.replace(views[0], decode_context_tokens=100_000), *views[1:]]
+    d = p.select(r, light, 1.0)
+    assert d is not None and d.worker == "w0" and d.reason == "hit"
+    heavy = [dataclasses.replace(light[0], decode_context_tokens=2_000_000), *light[1:]]
+    d1 = p.select(req("r1", range(258)), heavy, 1.0)
+    assert d1 is not None and d1.worker != "w0" and d1.reason == "spread"
+    cost = p._pool(r).cost
+    assert cost.decode_step_s(11, 2_000_000 + 258 * BS) > 0.1
+    # Without the bound (the default), the guard moves the session off even a light holder.
+    plain = _policy()
+    _warm(plain, range(256), "w0")
+    d2 = plain.select(r, light, 1.0)
+    assert d2 is not None and d2.worker != "w0"
+    # Past the bound only holders of most of the prompt are kept: a new branch still moves.
+    branch = req("r2", [*range(256), *range(1000, 1256)])
+    d3 = p.select(branch, light, 1.0)
+    assert d3 is not None and d3.worker != "w0"
+
+
 def test_cold_adapter_outweighs_a_short_prefix() -> None:
     p = _policy()
     _warm(p, range(16), "w0")

@@ -354,3 +354,21 @@ def test_a_calibration_sample_of_another_block_size_is_not_applied() -> None:
     b.apply_peer("a", PeerCalibration("p", BS * 2, 10_000, 100, 2.0), 1.0)
     assert b.cost_model(req("x", range(4))).mean_prompt_tokens == before
     assert b.stats().counters["peer_block_size_mismatch"] == 1
+
+
+def test_peers_decode_contexts_are_summed_and_added_to_the_view() -> None:
+    loads = PeerLoads(ttl_s=3.0)
+    loads.note("a", [PeerLoad("p", W0, 2, 0, 10, 300_000)], 0.0, full=False)
+    loads.note("b", [PeerLoad("p", W0, 1, 50, 5, 100_000)], 0.5, full=False)
+    total = loads.total("p", W0)
+    assert total is not None and total.decode_context_tokens == 400_000
+    loads.note("a", [PeerLoad("p", W0, 1, 0, 5, 120_000)], 1.0, full=False)  # a replaces its snapshot
+    loads.check_invariants()
+    total = loads.total("p", W0)
+    assert total is not None and total.decode_context_tokens == 220_000
+    view = with_peer_load(WorkerView(W0, decode_context_tokens=1_000), total)
+    assert view.decode_context_tokens == 221_000
+    loads.note("a", [], 1.5, full=True)
+    loads.note("b", [], 1.5, full=True)
+    assert loads.total("p", W0) is None
+    loads.check_invariants()

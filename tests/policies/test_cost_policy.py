@@ -320,12 +320,12 @@ def test_pruned_scoring_finds_the_brute_force_best(
 
 @given(st.integers(1, 200_000), st.integers(0, 200_000))
 def test_inlined_saved_time_equals_the_cost_model(n: int, m: int) -> None:
-    from policies.cost_policy import _Scorer
+    from policies.cost_scorer import Scorer
 
     p = _policy()
     r = dataclasses.replace(req("r", range(1)), n_prompt_tokens=n)
     model = CostModel(profile("llama3-8b-a100"))
-    scorer = _Scorer(p, r, model, model.queue_terms(), 3.0, 0)
+    scorer = Scorer(p.tie_s, r, model, model.queue_terms(), 3.0, 0)
     assert scorer.saved(m) == pytest.approx(model.saved_s(n, m) * 3.0, rel=1e-9, abs=1e-15)
 
 

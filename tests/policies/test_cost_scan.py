@@ -152,7 +152,7 @@ class _PlainScan(CostPolicy):
 
 
 class _PlainScorer:
-    """`cost_policy._Scorer` as it was before its per-request constants and memos (the reference)."""
+    """`cost_scorer.Scorer` as it was before its per-request constants and memos (the reference)."""
 
     __slots__ = (
         "adapter",

@@ -1,0 +1,176 @@
+"""One `cost` decision's scoring of candidates (`policies.cost_policy`), one worker at a time.
+
+`CostModel.saved_s` and `CostModel.queue_s` are inlined here, with everything that depends only on
+the request and the match length computed once per decision: a miss scores most workers, so the
+per-worker part is kept to a few arithmetic operations (tests keep the inlined forms equal to the
+model's).
+"""
+
+from __future__ import annotations
+
+import math
+
+from policies.base import RouteRequest, WorkerId, WorkerView
+from policies.cost_model import CostModel, QueueTerms
+
+
+class Scorer:
+    """Scores candidates one at a time and keeps the best (ties within `tie_s` kept together)."""
+
+    __slots__ = (
+        "adapter",
+        "backlog_s_per_token",
+        "best",
+        "best_score",
+        "branch_s",
+        "cost",
+        "limit_tokens",
+        "longest_tokens",
+        "moved_for",
+        "n",
+        "n_steps",
+        "nonholder_saved_s",
+        "now_s",
+        "q",
+        "recent",
+        "saved_for",
+        "tie",
+        "transfer_on",
+        "unit",
+        "weight",
+        "window_s",
+    )
+
+    def __init__(
+        self,
+        tie_s: float,
+        req: RouteRequest,
+        cost: CostModel,
+        q: QueueTerms,
+        weight: float,
+        longest_tokens: int,
+    ) -> None:
+        # The scorer works in engine tokens: a request's token count is the normalizer's estimate
+        # (approximate mode counts characters / chars_per_token), converted at the learned ratio.
+        self.unit = cost.engine_tokens_per_request_token
+        self.n = self._engine(req.n_prompt_tokens)
+        self.n_steps = -(-self.n // q.max_batched_tokens)
+        self.adapter = req.adapter
+        self.cost = cost
+        self.q = q
+        self.weight = weight
+        self.tie = tie_s
+        self.longest_tokens = longest_tokens
+        self.transfer_on = cost.params.transfer_enabled
+        self.saved_for: dict[int, float] = {0: 0.0}
+        self.moved_for: dict[int, float] = {}
+        self.backlog_s_per_token = q.scale * q.backlog_per_token_s
+        self.best_score = -math.inf
+        self.best: list[tuple[int, int, float]] = []
+        self.nonholder_saved_s = 0.0
+        # The branch charge (`charge_branches`): off until then.
+        self.recent: dict[WorkerId, tuple[float, float]] | None = None
+        self.branch_s = 0.0
+        self.now_s = 0.0
+        self.window_s = 1.0
+        if self.transfer_on and longest_tokens > 0:
+            longest = self._engine(longest_tokens)
+            moved = cost.saved_s(self.n, longest) * weight - cost.transfer_s(longest)
+            self.nonholder_saved_s = max(0.0, moved)
+
+    def _engine(self, request_tokens: float) -> int:
+        return int(request_tokens) if self.unit == 1.0 else int(request_tokens * self.unit)
+
+    def charge_branches(
+        self, recent: dict[WorkerId, tuple[float, float]], weight: float, window_s: float, now_s: float
+    ) -> None:
+        """Charge each worker the prefill seconds recently routed there (`recent`: work and when,
+        decaying over `window_s`; `CostPolicy.recent_work_s` inlined), at `weight` × the current
+        scale."""
+        self.recent = recent
+        self.branch_s = weight * self.q.scale
+        self.now_s = now_s
+        self.window_s = window_s
+
+    def saved(self, matched: int) -> float:
+        """Weighted prefill time a match of `matched` tokens saves (`CostModel.saved_s` inlined and
+        memoized per request; a test keeps them equal)."""
+        saved = self.saved_for.get(matched)
+        if saved is None:
+            m = matched if self.unit == 1.0 else int(matched * self.unit)
+            if m > self.n:
+                m = self.n
+            if m <= 0:
+                return 0.0
+            q = self.q
+            steps = self.n_steps - -(-(self.n - m) // q.max_batched_tokens)
+            raw = q.prefill_per_token_s * m + q.attention_per_pair_s * m * m / 2 + q.step_s * steps
+            saved = self.saved_for[matched] = q.scale * raw * self.weight
+        return saved
+
+    def consider(self, i: int, view: WorkerView, matched: int, backlog: float) -> None:
+        """Score candidate `i`; `matched` and `backlog` (prefill tokens left to compute, see
+        `select`) are in request tokens."""
+        # Everything that depends only on the request and the match length is computed once per
+        # decision (`saved_for`, `moved_for`, the scaled constants): a miss scores most workers.
+        saved = self.saved_for.get(matched)
+        if saved is None:
+            saved = self.saved(matched)
+        longest = self.longest_tokens
+        if self.transfer_on and longest > matched:
+            moved = self.moved_for.get(matched)
+            if moved is None:
+                cost = self.cost
+                moved_tokens = self._engine(longest - matched)
+                moved = cost.saved_s(self.n, self._engine(longest)) * self.weight - cost.transfer_s(
+                    moved_tokens
+                )
+                self.moved_for[matched] = moved
+            if moved > saved:
+                saved, matched = moved, longest
+        if self.unit != 1.0:
+            backlog *= self.unit
+        # T_queue, inlined from CostModel.queue_s (kept equal by a test). The backlog alone bounds
+        # the score from above: skip the rest when even that cannot reach a tie.
+        if saved - self.backlog_s_per_token * backlog < self.best_score - self.tie:
+            return
+        q = self.q
+        n = self.n
+        running = known = view.in_flight_requests
+        waiting = view.num_requests_waiting
+        if waiting is not None:
+            scraped = view.num_requests_running or 0
+            at = view.in_flight_at_scrape
+            if at is not None:  # `policies.base.reported_load`, inlined: no call per worker
+                others = waiting + scraped - at
+                if others <= 0:
+                    waiting, scraped = 0, known
+                else:
+                    waiting = others if others < waiting else waiting
+                    scraped = known + others - waiting
+            if waiting + scraped > known:
+                if known > 0 and view.in_flight_prefill_tokens > 0:
+                    backlog *= (waiting + scraped) / known
+                else:
+                    backlog += waiting * q.mean_prompt_tokens
+            if scraped > running:
+                running = scraped
+        budget = q.max_batched_tokens
+        per_step = q.per_request_s * running + q.per_context_token_s * view.in_flight_decode_tokens
+        new = n - (matched if self.unit == 1.0 else int(matched * self.unit))
+        queue = -(-int(backlog + new) // budget) * per_step
+        if backlog > 0:
+            queue += q.backlog_per_token_s * backlog + q.step_s * -(-int(backlog) // budget)
+        queue *= q.scale
+        score = saved - queue
+        if view.warming or (self.adapter and view.loaded_adapters is not None):
+            score -= self.cost.cold_s(view, self.adapter)
+        if self.recent is not None and (found := self.recent.get(view.worker_id)) is not None:
+            work, at_s = found
+            score -= self.branch_s * (work * math.exp(-max(0.0, self.now_s - at_s) / self.window_s))
+        if score > self.best_score + self.tie:
+            self.best_score, self.best = score, [(i, matched, queue)]
+        elif score >= self.best_score - self.tie:
+            if score > self.best_score:
+                self.best_score = score
+            self.best.append((i, matched, queue))

@@ -76,6 +76,7 @@ class Worker:
         "in_flight_at_scrape",
         "max_in_flight",
         "metrics_at_s",
+        "prefill_started_s",
         "prefill_tokens",
         "url",
         "worker_id",
@@ -94,6 +95,7 @@ class Worker:
         self.max_in_flight = config.max_in_flight_per_worker
         self.in_flight = 0
         self.prefill_tokens = 0
+        self.prefill_started_s: float | None = None  # see WorkerView.prefill_started_s
         self.decode_tokens = 0
         self._fails = 0
         self._oks = 0
@@ -177,26 +179,34 @@ class Worker:
             engine_block_size=m.block_size_tokens if m else None,
             role=Role.of(self._role),
             in_flight_at_scrape=self.in_flight_at_scrape if m else None,
+            prefill_started_s=self.prefill_started_s,
         )
         return view if self._peer_load is None else with_peer_load(view, self._peer_load)
 
     def acquire(self, prompt_tokens: int, max_output_tokens: int, now_s: float) -> None:
         self._version += 1
         self.in_flight += 1
+        if self.prefill_tokens <= 0 < prompt_tokens:
+            self.prefill_started_s = now_s
         self.prefill_tokens += prompt_tokens
         self.decode_tokens += max_output_tokens
         self.breaker.on_dispatch(now_s)
 
-    def first_token(self, prompt_tokens: int) -> None:
-        """Prefill is done: the prompt no longer weighs on the worker's prefill queue."""
+    def first_token(self, prompt_tokens: int, now_s: float | None = None) -> None:
+        """Prefill is done: the prompt no longer weighs on the worker's prefill queue, and the
+        prompts still pending are worked on from now at the earliest (None: when is not known)."""
         self._version += 1
         self.prefill_tokens = max(0, self.prefill_tokens - prompt_tokens)
+        self.prefill_started_s = now_s if self.prefill_tokens > 0 else None
 
     def release(self, prompt_tokens: int, max_output_tokens: int, prefill_done: bool) -> None:
         self._version += 1
         self.in_flight = max(0, self.in_flight - 1)
         if not prefill_done:
             self.prefill_tokens = max(0, self.prefill_tokens - prompt_tokens)
+            # The engine may have spent the time since on the prompt that left: count no progress
+            # on the rest until the backlog next restarts.
+            self.prefill_started_s = None
         self.decode_tokens = max(0, self.decode_tokens - max_output_tokens)
 
     def record_health(self, ok: bool, config: PoolConfig) -> None:

@@ -99,6 +99,11 @@ class WorkerView:
     # not known). Only what the scrape reports beyond them is load the gateway did not send; what
     # it sent or finished since is already in `in_flight_requests` (see `reported_load`).
     in_flight_at_scrape: int | None = None
+    # When the work on `in_flight_prefill_tokens` last (re)started, on the policy's clock: the
+    # backlog's first dispatch after it was empty, or its last first token (under FCFS the oldest
+    # prompt still pending started no earlier). None: not known, or no backlog. Only the elapsed
+    # time since then may count as prefill done (`CostModel.prefill_remaining`).
+    prefill_started_s: float | None = None
 
 
 def reported_load(view: WorkerView) -> tuple[int, int] | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from policies.base import WorkerView, reported_load
@@ -41,6 +42,7 @@ class CostModelParams:
     transfer_setup_s: float = 0.005
     cold_adapter_s: float = 1.0
     warming_s: float = 5.0
+    prefill_progress: bool = False
 
     def __post_init__(self) -> None:
         if self.max_batched_tokens < 1:
@@ -174,15 +176,19 @@ class CostModel:
         per_step = p.step_s + p.decode_s_per_request * running_requests
         return self.scale * (per_step + p.decode_s_per_context_token * context_tokens)
 
-    def queue_s(self, view: WorkerView, new_tokens: int = 0, uncached_share: float = 1.0) -> float:
+    def queue_s(
+        self, view: WorkerView, new_tokens: int = 0, uncached_share: float = 1.0, now_s: float | None = None
+    ) -> float:
         """Work ahead of a new request on `view`, plus the decode interference its own prefill suffers.
 
-        Prefill backlog is the gateway's in-flight prefill tokens times `uncached_share` (the share
+        Prefill backlog is the gateway's in-flight prefill tokens (less the progress made on them
+        by `now_s`, see `prefill_remaining`; none without `now_s`) times `uncached_share` (the share
         of them the worker must still compute), scaled up when the worker reports more requests than
         this gateway sent (other gateway replicas, other clients).
         """
         p = self.params
-        backlog = view.in_flight_prefill_tokens * uncached_share
+        pending = view.in_flight_prefill_tokens if now_s is None else self.prefill_remaining(view, now_s)
+        backlog = pending * uncached_share
         known = view.in_flight_requests
         running = known
         scraped = reported_load(view)
@@ -205,6 +211,38 @@ class CostModel:
         backlog_steps = -(-int(backlog) // p.max_batched_tokens)
         per_token = p.prefill_s_per_token + p.attention_s_per_pair * self._mean_prompt_tokens / 2
         return self.scale * (per_token * backlog + p.step_s * backlog_steps + steps * per_step)
+
+    def prefill_remaining(self, view: WorkerView, now_s: float) -> int:
+        """Request tokens of `view`'s prefill backlog still to compute at `now_s`, with
+        `prefill_progress` on (else the whole backlog).
+
+        The gateway counts a prompt as pending, whole, until its first token. Since
+        `view.prefill_started_s` the engine has worked on nothing but the prompts pending now, so
+        at most the elapsed time's worth of them is done: the backlog drains as a fluid at the
+        calibrated prefill rate, never below zero. The rate is the slowest one the backlog can
+        have: attention as if it were one prompt (or a mean one, if larger), so a long prompt
+        near its end is seen near its end, and several short ones are drained no faster than
+        they can be computed.
+        """
+        pending = view.in_flight_prefill_tokens
+        started = view.prefill_started_s
+        if started is None or pending <= 0 or now_s <= started or not self.params.prefill_progress:
+            return pending
+        p = self.params
+        unit = self.engine_tokens_per_request_token
+        prompt = max(pending * unit, self._mean_prompt_tokens)
+        per_token = (
+            p.prefill_s_per_token + p.attention_s_per_pair * prompt / 2 + p.step_s / p.max_batched_tokens
+        )
+        drained = int((now_s - started) / (self.scale * per_token * unit))
+        return pending - drained if drained < pending else 0
+
+    def remaining_at(self, now_s: float) -> Callable[[WorkerView], int] | None:
+        """`prefill_remaining` at `now_s` as a function of the view; None with `prefill_progress`
+        off (every backlog is whole)."""
+        if not self.params.prefill_progress:
+            return None
+        return lambda view: self.prefill_remaining(view, now_s)
 
     @property
     def mean_prompt_tokens(self) -> float:

@@ -174,7 +174,7 @@ class CostPolicy(PrefixPolicyBase):
         own_match = pool.index.lookup(mine.keys, mine.namespace, now_s)
         # Pass 1: availability, load and prefill backlog of every worker (see `cost_scan`).
         shares = self._uncached_share if self.discount_cached_backlog else {}
-        columns = candidates(workers, shares)
+        columns = candidates(workers, shares, pool.cost.remaining_at(now_s))
         cands, loads, backlogs = columns.views, columns.loads, columns.backlogs
         if not cands:
             return None

@@ -21,7 +21,7 @@ and the decision, are the same as scanning all of them in sorted order.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import chain
 from operator import itemgetter
 
@@ -46,8 +46,14 @@ class Candidates:
     raw_backlog: int
 
 
-def candidates(workers: Sequence[WorkerView], shares: Mapping[WorkerId, float]) -> Candidates:
-    """The healthy workers below their in-flight limit, in the order given, with their columns."""
+def candidates(
+    workers: Sequence[WorkerView],
+    shares: Mapping[WorkerId, float],
+    remaining: Callable[[WorkerView], int] | None = None,
+) -> Candidates:
+    """The healthy workers below their in-flight limit, in the order given, with their columns.
+    `remaining` (`CostModel.remaining_at`) takes the progress since dispatch off `pending`: the
+    score charges what is left, so the order and the bound of the scan must see the same."""
     views = [
         w
         for w in workers
@@ -68,7 +74,10 @@ def candidates(workers: Sequence[WorkerView], shares: Mapping[WorkerId, float]) 
         else w.in_flight_requests
         for w in views
     ]
-    pending = [w.in_flight_prefill_tokens for w in views]
+    if remaining is None:
+        pending = [w.in_flight_prefill_tokens for w in views]
+    else:
+        pending = [w.in_flight_prefill_tokens if w.prefill_started_s is None else remaining(w) for w in views]
     raw = sum(pending)
     if shares:
         get = shares.get

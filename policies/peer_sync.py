@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from dataclasses import field
 from typing import Protocol, runtime_checkable
 
 from policies.base import WorkerId, WorkerView
@@ -72,13 +73,19 @@ class PeerCalibration:
 
 @record
 class PeerLoad:
-    """One gateway's in-flight load on one worker of one pool (its own accounting, a snapshot)."""
+    """One gateway's in-flight load on one worker of one pool (its own accounting, a snapshot).
+
+    `prefill_since_s` is not sent: a receiver sets it, on its own clock, to when the origin's
+    load there last changed (`PeerLoads.note`). The origin's prefill work restarts only with such a
+    change, so no progress counted from then on (`WorkerView.prefill_started_s`) can exceed the
+    origin's own; None: no progress is counted. A receiver's annotation, left out of equality."""
 
     pool: str
     worker: WorkerId
     requests: int
     prefill_tokens: int
     decode_tokens: int
+    prefill_since_s: float | None = field(default=None, compare=False)
 
     @property
     def idle(self) -> bool:
@@ -178,7 +185,18 @@ class PeerLoads:
             for slot in list(mine):
                 self._put(mine, slot, None, changed)
         for load in loads:
-            self._put(mine, (load.pool, load.worker), None if load.idle else load, changed)
+            slot = (load.pool, load.worker)
+            old = mine.get(slot)
+            if not load.idle:
+                same = old is not None and (old.requests, old.prefill_tokens) == (
+                    load.requests,
+                    load.prefill_tokens,
+                )
+                since = old.prefill_since_s if same and old is not None else now_s
+                load = PeerLoad(
+                    load.pool, load.worker, load.requests, load.prefill_tokens, load.decode_tokens, since
+                )
+            self._put(mine, slot, None if load.idle else load, changed)
         if not mine:
             del self._by_origin[origin]
         return changed
@@ -215,10 +233,22 @@ class PeerLoads:
 
     def total(self, pool: str, worker: WorkerId) -> PeerLoad | None:
         """The peers' summed load on `worker` of `pool` (None: none)."""
-        found = self._sums.get((pool, worker))
+        slot = (pool, worker)
+        found = self._sums.get(slot)
         if found is None:
             return None
-        return PeerLoad(pool, worker, *found)
+        since: float | None = None
+        if found[1] > 0:
+            # The latest restart among the origins with prefill pending there (see `PeerLoad`).
+            for mine in self._by_origin.values():
+                load = mine.get(slot)
+                if load is None or load.prefill_tokens <= 0:
+                    continue
+                if load.prefill_since_s is None:
+                    since = None
+                    break
+                since = load.prefill_since_s if since is None else max(since, load.prefill_since_s)
+        return PeerLoad(pool, worker, *found, since)
 
     @property
     def any(self) -> bool:
@@ -249,6 +279,12 @@ def with_peer_load(view: WorkerView, load: PeerLoad | None) -> WorkerView:
     if load is None:
         return view
     cap = view.max_in_flight
+    started = view.prefill_started_s
+    if load.prefill_tokens > 0:
+        # The engine works on all the gateways' prompts: progress counts from the latest restart.
+        own = view.in_flight_prefill_tokens > 0
+        peer = load.prefill_since_s
+        started = None if peer is None or (own and started is None) else max(started or peer, peer)
     return WorkerView(
         worker_id=view.worker_id,
         healthy=view.healthy,
@@ -264,4 +300,5 @@ def with_peer_load(view: WorkerView, load: PeerLoad | None) -> WorkerView:
         loaded_adapters=view.loaded_adapters,
         warming=view.warming,
         in_flight_at_scrape=view.in_flight_at_scrape,
+        prefill_started_s=started,
     )

@@ -31,7 +31,9 @@ class SimGateway:
     it changes, so a decision rebuilds only the views that changed.
     """
 
-    __slots__ = ("decode", "in_flight", "index", "name", "peer_loads", "policy", "prefill", "views")
+    __slots__ = (
+        "decode", "in_flight", "index", "name", "peer_loads", "policy", "prefill", "prefill_started", "views",
+    )  # fmt: skip
 
     def __init__(self, index: int, policy: RoutingPolicy, n_workers: int) -> None:
         self.index = index
@@ -39,6 +41,9 @@ class SimGateway:
         self.policy = policy
         self.in_flight = [0] * n_workers
         self.prefill = [0] * n_workers
+        # When each worker's prefill backlog (as this gateway counts it) last restarted, as the
+        # registry keeps it (`WorkerView.prefill_started_s`).
+        self.prefill_started: list[float | None] = [None] * n_workers
         self.decode = [0] * n_workers
         self.views: list[WorkerView | None] = [None] * n_workers
         self.peer_loads: PeerLoads | None = None

@@ -199,6 +199,7 @@ class _Loop:
                     engine_block_size=w.engine.block_size,
                     role=self.roles[i],
                     in_flight_at_scrape=w.scrape_in_flight[gw.index],
+                    prefill_started_s=gw.prefill_started[i],
                 )
             out.append(gw.fold(pool, view))
         return out
@@ -270,6 +271,7 @@ class _Loop:
             gw = f.gateway
             assert gw is not None
             gw.prefill[idx] -= f.route.n_prompt_tokens
+            gw.prefill_started[idx] = now_s if gw.prefill[idx] > 0 else None
             gw.views[idx] = None
             changed[(gw, f.route.pool)] = None
         for fin in out.finished:
@@ -379,6 +381,8 @@ class _Loop:
         gw.policy.on_dispatch(route, decision, now_s)
         self.flights[f.req.request_id] = f
         gw.in_flight[idx] += 1
+        if gw.prefill[idx] <= 0 < route.n_prompt_tokens:
+            gw.prefill_started[idx] = now_s
         gw.prefill[idx] += route.n_prompt_tokens
         # Output tokens to come count from dispatch, as the gateway's registry counts them.
         gw.decode[idx] += f.max_out

@@ -55,7 +55,7 @@ class _PlainScan(CostPolicy):
                 if reported > inflight:
                     inflight = reported
             loads.append(inflight)
-            pending = w.in_flight_prefill_tokens
+            pending = pool.cost.prefill_remaining(w, now_s)  # less its progress (`prefill_progress`)
             raw_backlog += pending
             backlogs.append(pending * shares.get(w.worker_id, 1.0) if shares else pending)
         if not cands:
@@ -167,6 +167,7 @@ def _views(rng: random.Random, n: int, step: int) -> list[WorkerView]:
                 num_requests_running=rng.randint(0, 14) if scraped else None,
                 in_flight_at_scrape=rng.choice((None, rng.randint(0, 14))) if scraped else None,
                 warming=rng.random() < 0.03,
+                prefill_started_s=rng.choice((None, step * 0.05 - rng.uniform(0.0, 3.0))),
             )
         )
     if step % 7 == 3:

@@ -42,11 +42,15 @@ class CostModelParams:
     transfer_setup_s: float = 0.005
     cold_adapter_s: float = 1.0
     warming_s: float = 5.0
-    prefill_progress: bool = False
+    # Share of the calibrated prefill rate counted as progress on a worker's pending prompts since
+    # their backlog last restarted (`CostModel.prefill_remaining`); 0: none, the backlog is whole.
+    prefill_progress: float = 0.5
 
     def __post_init__(self) -> None:
         if self.max_batched_tokens < 1:
             raise ValueError("max_batched_tokens must be >= 1")
+        if not 0.0 <= self.prefill_progress <= 1.0:
+            raise ValueError("prefill_progress must be in [0, 1]")
         if not 0.0 <= self.calibration_weight <= 1.0:
             raise ValueError("calibration_weight must be in [0, 1]")
         if not 0.0 < self.min_scale <= 1.0 <= self.max_scale:
@@ -213,34 +217,42 @@ class CostModel:
         return self.scale * (per_token * backlog + p.step_s * backlog_steps + steps * per_step)
 
     def prefill_remaining(self, view: WorkerView, now_s: float) -> int:
-        """Request tokens of `view`'s prefill backlog still to compute at `now_s`, with
-        `prefill_progress` on (else the whole backlog).
+        """Request tokens of `view`'s prefill backlog still to compute at `now_s` (the whole
+        backlog with `prefill_progress` 0).
 
         The gateway counts a prompt as pending, whole, until its first token. Since
-        `view.prefill_started_s` the engine has worked on nothing but the prompts pending now, so
-        at most the elapsed time's worth of them is done: the backlog drains as a fluid at the
-        calibrated prefill rate, never below zero. The rate is the slowest one the backlog can
-        have: attention as if it were one prompt (or a mean one, if larger), so a long prompt
-        near its end is seen near its end, and several short ones are drained no faster than
-        they can be computed.
+        `view.prefill_started_s` the engine's prefill has gone to no other prompts than the ones
+        pending now, so at most the elapsed time's worth of them is done: the backlog drains as a
+        fluid at `prefill_progress` × the calibrated prefill rate, never below zero. The rate is
+        the slowest the backlog can have: attention as if it were one prompt (or a mean one, if
+        larger), so a long prompt near its end is seen near its end, and several short ones drain
+        no faster than they can be computed. The share stands for what the model does not see:
+        the steps the engine gives to decodes, whose context the gateway does not count, and the
+        wait for a step's end before a first token shows.
         """
         pending = view.in_flight_prefill_tokens
         started = view.prefill_started_s
-        if started is None or pending <= 0 or now_s <= started or not self.params.prefill_progress:
-            return pending
         p = self.params
+        if started is None or pending <= 0 or now_s <= started or p.prefill_progress <= 0:
+            return pending
         unit = self.engine_tokens_per_request_token
         prompt = max(pending * unit, self._mean_prompt_tokens)
-        per_token = (
-            p.prefill_s_per_token + p.attention_s_per_pair * prompt / 2 + p.step_s / p.max_batched_tokens
+        # Each step of `max_batched_tokens` also pays its overhead and the decodes it carries.
+        per_step = (
+            p.step_s
+            + p.decode_s_per_request * view.in_flight_requests
+            + p.decode_s_per_context_token * view.in_flight_decode_tokens
         )
-        drained = int((now_s - started) / (self.scale * per_token * unit))
+        per_token = (
+            p.prefill_s_per_token + p.attention_s_per_pair * prompt / 2 + per_step / p.max_batched_tokens
+        )
+        drained = int(p.prefill_progress * (now_s - started) / (self.scale * per_token * unit))
         return pending - drained if drained < pending else 0
 
     def remaining_at(self, now_s: float) -> Callable[[WorkerView], int] | None:
         """`prefill_remaining` at `now_s` as a function of the view; None with `prefill_progress`
-        off (every backlog is whole)."""
-        if not self.params.prefill_progress:
+        0 (every backlog is whole)."""
+        if self.params.prefill_progress <= 0:
             return None
         return lambda view: self.prefill_remaining(view, now_s)
 

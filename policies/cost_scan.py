@@ -34,9 +34,10 @@ class Candidates:
     """The available workers of one decision, as parallel columns.
 
     `loads`: in-flight requests, raised to what the worker reports (waiting + running) when it
-    reports more (`policies.base.reported_load`). `pending`: in-flight prompt tokens, and
-    `raw_backlog` their sum. `backlogs`: prefill tokens left to compute, `pending` × the worker's
-    uncached share when shares are given (else `pending` itself).
+    reports more (`policies.base.reported_load`). `pending`: in-flight prompt tokens (less the
+    progress on them, given `remaining`), and `raw_backlog` the sum of the whole prompts.
+    `backlogs`: prefill tokens left to compute, `pending` × the worker's uncached share when
+    shares are given (else `pending` itself).
     """
 
     views: list[WorkerView]
@@ -74,11 +75,13 @@ def candidates(
         else w.in_flight_requests
         for w in views
     ]
-    if remaining is None:
-        pending = [w.in_flight_prefill_tokens for w in views]
-    else:
-        pending = [w.in_flight_prefill_tokens if w.prefill_started_s is None else remaining(w) for w in views]
+    pending = [w.in_flight_prefill_tokens for w in views]
     raw = sum(pending)
+    if remaining is not None:
+        # The queue weight's prompts waiting stay whole (`raw_backlog`): only the queue drains.
+        pending = [
+            p if w.prefill_started_s is None else remaining(w) for p, w in zip(pending, views, strict=True)
+        ]
     if shares:
         get = shares.get
         backlogs = [p * get(w.worker_id, 1.0) for p, w in zip(pending, views, strict=True)]

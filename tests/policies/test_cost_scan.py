@@ -55,8 +55,8 @@ class _PlainScan(CostPolicy):
                 if reported > inflight:
                     inflight = reported
             loads.append(inflight)
+            raw_backlog += w.in_flight_prefill_tokens
             pending = pool.cost.prefill_remaining(w, now_s)  # less its progress (`prefill_progress`)
-            raw_backlog += pending
             backlogs.append(pending * shares.get(w.worker_id, 1.0) if shares else pending)
         if not cands:
             return None

@@ -30,7 +30,7 @@ def _busy(tokens: int, started_s: float | None, requests: int = 1) -> WorkerView
 
 
 def test_the_backlog_drains_with_the_time_since_it_restarted() -> None:
-    model = CostModel(CostModelParams(prefill_progress=True))
+    model = CostModel(CostModelParams(prefill_progress=1.0))
     view = _busy(100_000, started_s=10.0)
     assert model.prefill_remaining(view, 10.0) == 100_000  # no time, no progress
     left = [model.prefill_remaining(view, 10.0 + t) for t in (0.5, 1.0, 2.0, 4.0)]
@@ -38,12 +38,12 @@ def test_the_backlog_drains_with_the_time_since_it_restarted() -> None:
     assert model.prefill_remaining(view, 1e6) == 0  # never below zero
     # Unknown start, or the option off: the whole backlog.
     assert model.prefill_remaining(_busy(100_000, None), 20.0) == 100_000
-    off = CostModel(CostModelParams(prefill_progress=False))
+    off = CostModel(CostModelParams(prefill_progress=0.0))
     assert off.prefill_remaining(view, 20.0) == 100_000 and off.remaining_at(20.0) is None
 
 
 def test_no_more_is_drained_than_the_fastest_rate_allows() -> None:
-    p = CostModelParams(prefill_progress=True)
+    p = CostModelParams(prefill_progress=1.0)
     model = CostModel(p)
     model.scale = 0.5  # a faster engine than modelled drains faster, still within its rate
     fastest_s_per_token = model.scale * (p.prefill_s_per_token + p.step_s / p.max_batched_tokens)
@@ -55,14 +55,14 @@ def test_no_more_is_drained_than_the_fastest_rate_allows() -> None:
 
 def test_a_long_prompt_near_its_end_is_seen_near_its_end() -> None:
     # A 103k-token prompt alone: its own attention makes it take about 9 s here.
-    model = CostModel(CostModelParams(prefill_progress=True))
+    model = CostModel(CostModelParams(prefill_progress=1.0))
     alone_s = model.prefill_s(103_000)
     assert model.prefill_remaining(_busy(103_000, 0.0), 0.5 * alone_s) > 40_000
     assert model.prefill_remaining(_busy(103_000, 0.0), 0.98 * alone_s) < 5_000
 
 
 def test_queue_s_charges_what_is_left() -> None:
-    model = CostModel(CostModelParams(prefill_progress=True))
+    model = CostModel(CostModelParams(prefill_progress=1.0))
     view = _busy(60_000, started_s=0.0, requests=2)
     left = model.prefill_remaining(view, 1.0)
     assert 0 < left < 60_000
@@ -72,7 +72,7 @@ def test_queue_s_charges_what_is_left() -> None:
 
 
 def test_the_scan_orders_and_bounds_by_what_is_left() -> None:
-    model = CostModel(CostModelParams(prefill_progress=True))
+    model = CostModel(CostModelParams(prefill_progress=1.0))
     views = [
         _busy(50_000, started_s=0.0),
         WorkerView(W1, in_flight_requests=1, in_flight_prefill_tokens=20_000),
@@ -81,11 +81,12 @@ def test_the_scan_orders_and_bounds_by_what_is_left() -> None:
     drained = candidates(views, {}, model.remaining_at(5.0))
     assert plain.pending == [50_000, 20_000]
     assert drained.pending == [model.prefill_remaining(views[0], 5.0), 20_000]
-    assert drained.pending[0] < 20_000 and drained.raw_backlog == sum(drained.pending)
+    assert drained.pending[0] < 20_000
+    assert drained.raw_backlog == plain.raw_backlog  # the queue weight's prompts waiting stay whole
 
 
 def _policy(progress: bool) -> CostPolicy:
-    params = CostModelParams(prefill_progress=progress, calibrate=False)
+    params = CostModelParams(prefill_progress=1.0 if progress else 0.0, calibrate=False)
     # No queue weight on saved compute: the choice is the holder's queue against the recompute.
     return CostPolicy(seed=0, work_weight=0.0, shared=SharedSettings(default_pool=PoolSettings(cost=params)))
 
@@ -127,3 +128,12 @@ def test_peers_prefill_counts_progress_only_from_its_last_change() -> None:
     idle = WorkerView(W0)
     assert with_peer_load(idle, total).prefill_started_s == 8.0
     assert with_peer_load(idle, dataclasses.replace(total, prefill_since_s=None)).prefill_started_s is None
+
+
+def test_the_share_of_the_rate_scales_the_progress() -> None:
+    full = CostModel(CostModelParams(prefill_progress=1.0))
+    half = CostModel(CostModelParams(prefill_progress=0.5))
+    view = _busy(80_000, started_s=0.0)
+    assert half.prefill_remaining(view, 2.0) == pytest.approx(full.prefill_remaining(view, 1.0), abs=1)
+    with pytest.raises(ValueError, match="prefill_progress"):
+        CostModelParams(prefill_progress=1.5)

@@ -44,7 +44,7 @@ class CostModelParams:
     warming_s: float = 5.0
     # Share of the calibrated prefill rate counted as progress on a worker's pending prompts since
     # their backlog last restarted (`CostModel.prefill_remaining`); 0: none, the backlog is whole.
-    prefill_progress: float = 0.5
+    prefill_progress: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_batched_tokens < 1:

@@ -187,7 +187,9 @@ def _request(rng: random.Random, k: int) -> RouteRequest:
 def test_decisions_equal_the_plain_scan(seed: int) -> None:
     rng = random.Random(seed)
     transfer = seed % 3 == 1
-    shared = SharedSettings(default_pool=PoolSettings(cost=CostModelParams(transfer_enabled=transfer)))
+    progress = (0.0, 1.0)[seed % 4 // 2]  # the backlog less its progress since dispatch, or whole
+    params = CostModelParams(transfer_enabled=transfer, prefill_progress=progress)
+    shared = SharedSettings(default_pool=PoolSettings(cost=params))
     options: dict[str, object] = {
         "discount_cached_backlog": seed % 2 == 0,
         "tie_s": (1e-4, 1e-2, 0.5)[seed % 3],

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import field
+from dataclasses import field, replace
 from typing import Protocol, runtime_checkable
 
 from policies.base import WorkerId, WorkerView
@@ -181,21 +181,19 @@ class PeerLoads:
         self._heard[origin] = now_s
         mine = self._by_origin.setdefault(origin, {})
         changed: set[_Slot] = set()
+        before = dict(mine) if full else mine  # unchanged slots keep their restart times
         if full:
             for slot in list(mine):
                 self._put(mine, slot, None, changed)
         for load in loads:
             slot = (load.pool, load.worker)
-            old = mine.get(slot)
             if not load.idle:
-                same = old is not None and (old.requests, old.prefill_tokens) == (
+                old = before.get(slot)
+                kept = old is not None and (old.requests, old.prefill_tokens) == (
                     load.requests,
                     load.prefill_tokens,
                 )
-                since = old.prefill_since_s if same and old is not None else now_s
-                load = PeerLoad(
-                    load.pool, load.worker, load.requests, load.prefill_tokens, load.decode_tokens, since
-                )
+                load = replace(load, prefill_since_s=old.prefill_since_s if kept and old else now_s)
             self._put(mine, slot, None if load.idle else load, changed)
         if not mine:
             del self._by_origin[origin]
@@ -248,7 +246,7 @@ class PeerLoads:
                     since = None
                     break
                 since = load.prefill_since_s if since is None else max(since, load.prefill_since_s)
-        return PeerLoad(pool, worker, *found, since)
+        return PeerLoad(pool, worker, *found, prefill_since_s=since)
 
     @property
     def any(self) -> bool:

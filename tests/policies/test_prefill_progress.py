@@ -137,3 +137,12 @@ def test_the_share_of_the_rate_scales_the_progress() -> None:
     assert half.prefill_remaining(view, 2.0) == pytest.approx(full.prefill_remaining(view, 1.0), abs=1)
     with pytest.raises(ValueError, match="prefill_progress"):
         CostModelParams(prefill_progress=1.5)
+
+
+def test_a_full_snapshot_keeps_the_restart_time_of_unchanged_load() -> None:
+    loads = PeerLoads()
+    loads.note("a", [PeerLoad("p", W0, 1, 40_000, 100), PeerLoad("p", W1, 1, 900, 10)], 1.0, full=True)
+    loads.note("a", [PeerLoad("p", W0, 1, 40_000, 100), PeerLoad("p", W1, 2, 1_900, 20)], 4.0, full=True)
+    w0, w1 = loads.total("p", W0), loads.total("p", W1)
+    assert w0 is not None and w0.prefill_since_s == 1.0
+    assert w1 is not None and w1.prefill_since_s == 4.0

@@ -192,7 +192,7 @@ class Worker:
         self.decode_tokens += max_output_tokens
         self.breaker.on_dispatch(now_s)
 
-    def first_token(self, prompt_tokens: int, now_s: float | None = None) -> None:
+    def first_token(self, prompt_tokens: int, *, now_s: float | None = None) -> None:
         """Prefill is done: the prompt no longer weighs on the worker's prefill queue, and the
         prompts still pending are worked on from now at the earliest (None: when is not known)."""
         self._version += 1

@@ -124,7 +124,7 @@ class DecisionLog:
             "score_s": round(decision.score_s, 6),
             "predicted_cached_tokens": decision.matched_tokens,
             "queued_requests": route.queued_requests,
-            "candidates": self._candidates(views, predicted, decision.worker),
+            "candidates": self._candidates(views, predicted, decision.worker, now_s),
         }
 
     def _append(self, request_id: str, entry: dict[str, Any]) -> None:
@@ -136,10 +136,11 @@ class DecisionLog:
         decisions.append(entry)
 
     def _candidates(
-        self, views: Sequence[WorkerView], predicted: dict[WorkerId, int], chosen: WorkerId
+        self, views: Sequence[WorkerView], predicted: dict[WorkerId, int], chosen: WorkerId, now_s: float
     ) -> list[dict[str, Any]]:
         """The chosen worker and the strongest rivals: most predicted cached tokens, then least
-        in flight."""
+        in flight. `prefill_age_s`: seconds since the prefill backlog last restarted (None: no
+        backlog, or its progress not known; see `WorkerView.prefill_started_s`)."""
         ranked = sorted(
             (v for v in views if v.healthy or v.worker_id == chosen),
             key=lambda v: (v.worker_id != chosen, -predicted.get(v.worker_id, 0), v.in_flight_requests),
@@ -150,6 +151,9 @@ class DecisionLog:
                 "predicted_cached_tokens": predicted.get(v.worker_id, 0),
                 "in_flight": v.in_flight_requests,
                 "prefill_tokens": v.in_flight_prefill_tokens,
+                "prefill_age_s": None
+                if v.prefill_started_s is None
+                else round(now_s - v.prefill_started_s, 4),
                 "decode_tokens": v.in_flight_decode_tokens,
                 "decode_context_tokens": v.decode_context_tokens,
                 "waiting": v.num_requests_waiting,

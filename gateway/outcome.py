@@ -82,7 +82,11 @@ class Attempt:
     def first_token(self) -> None:
         if self.ttft_s is None:
             self.ttft_s = time.monotonic() - self.dispatched_s
-            self.worker.first_token(self.admitted.route.n_prompt_tokens, self.admitted.max_output_tokens)
+            self.worker.first_token(
+                self.admitted.route.n_prompt_tokens,
+                self.admitted.max_output_tokens,
+                now_s=self.dispatched_s + self.ttft_s,
+            )
 
     def _release(self) -> bool:
         """Give back the worker's load exactly once; False if the attempt was already closed."""

@@ -77,6 +77,7 @@ class Worker:
         "in_flight_at_scrape",
         "max_in_flight",
         "metrics_at_s",
+        "prefill_started_s",
         "prefill_tokens",
         "url",
         "worker_id",
@@ -95,6 +96,7 @@ class Worker:
         self.max_in_flight = config.max_in_flight_per_worker
         self.in_flight = 0
         self.prefill_tokens = 0
+        self.prefill_started_s: float | None = None  # see WorkerView.prefill_started_s
         self.decode_tokens = 0
         self.decode_context = 0  # see `decode_context_of`
         self._fails = 0
@@ -180,21 +182,28 @@ class Worker:
             role=Role.of(self._role),
             in_flight_at_scrape=self.in_flight_at_scrape if m else None,
             decode_context_tokens=self.decode_context,
+            prefill_started_s=self.prefill_started_s,
         )
         return view if self._peer_load is None else with_peer_load(view, self._peer_load)
 
     def acquire(self, prompt_tokens: int, max_output_tokens: int, now_s: float) -> None:
         self._version += 1
         self.in_flight += 1
+        if self.prefill_tokens <= 0 < prompt_tokens:
+            self.prefill_started_s = now_s
         self.prefill_tokens += prompt_tokens
         self.decode_tokens += max_output_tokens
         self.breaker.on_dispatch(now_s)
 
-    def first_token(self, prompt_tokens: int, max_output_tokens: int = 0) -> None:
-        """Prefill is done: the prompt no longer weighs on the worker's prefill queue, and the
-        request's context joins its decode batch."""
+    def first_token(
+        self, prompt_tokens: int, max_output_tokens: int = 0, *, now_s: float | None = None
+    ) -> None:
+        """Prefill is done: the prompt no longer weighs on the worker's prefill queue, its context
+        joins the decode batch, and the prompts still pending are worked on from now at the
+        earliest (None: when is not known)."""
         self._version += 1
         self.prefill_tokens = max(0, self.prefill_tokens - prompt_tokens)
+        self.prefill_started_s = now_s if self.prefill_tokens > 0 else None
         self.decode_context += decode_context_of(prompt_tokens, max_output_tokens)
 
     def release(self, prompt_tokens: int, max_output_tokens: int, prefill_done: bool) -> None:
@@ -205,6 +214,9 @@ class Worker:
             self.decode_context = max(0, self.decode_context - context)
         else:
             self.prefill_tokens = max(0, self.prefill_tokens - prompt_tokens)
+            # The engine may have spent the time since on the prompt that left: count no progress
+            # on the rest until the backlog next restarts.
+            self.prefill_started_s = None
         self.decode_tokens = max(0, self.decode_tokens - max_output_tokens)
 
     def record_health(self, ok: bool, config: PoolConfig) -> None:

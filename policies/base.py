@@ -104,6 +104,11 @@ class WorkerView:
     # mean generated length if they run to it). `in_flight_decode_tokens` counts output still to
     # come, not context.
     decode_context_tokens: int = 0
+    # When the work on `in_flight_prefill_tokens` last (re)started, on the policy's clock: the
+    # backlog's first dispatch after it was empty, or its last first token (under FCFS the oldest
+    # prompt still pending started no earlier). None: not known, or no backlog. Only the elapsed
+    # time since then may count as prefill done (`CostModel.prefill_remaining`).
+    prefill_started_s: float | None = None
 
 
 def decode_context_of(prompt_tokens: int, max_output_tokens: int) -> int:

@@ -65,6 +65,7 @@ class CostModelYaml(_Strict):
     transfer_setup_s: float | None = Field(None, ge=0)
     cold_adapter_s: float | None = Field(None, ge=0)
     warming_s: float | None = Field(None, ge=0)
+    prefill_progress: float | None = Field(None, ge=0, le=1)
 
     @field_validator("profile")
     @classmethod

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from policies.base import WorkerView, reported_load
@@ -41,10 +42,15 @@ class CostModelParams:
     transfer_setup_s: float = 0.005
     cold_adapter_s: float = 1.0
     warming_s: float = 5.0
+    # Share of the calibrated prefill rate counted as progress on a worker's pending prompts since
+    # their backlog last restarted (`CostModel.prefill_remaining`); 0: none, the backlog is whole.
+    prefill_progress: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_batched_tokens < 1:
             raise ValueError("max_batched_tokens must be >= 1")
+        if not 0.0 <= self.prefill_progress <= 1.0:
+            raise ValueError("prefill_progress must be in [0, 1]")
         if not 0.0 <= self.calibration_weight <= 1.0:
             raise ValueError("calibration_weight must be in [0, 1]")
         if not 0.0 < self.min_scale <= 1.0 <= self.max_scale:
@@ -174,15 +180,19 @@ class CostModel:
         per_step = p.step_s + p.decode_s_per_request * running_requests
         return self.scale * (per_step + p.decode_s_per_context_token * context_tokens)
 
-    def queue_s(self, view: WorkerView, new_tokens: int = 0, uncached_share: float = 1.0) -> float:
+    def queue_s(
+        self, view: WorkerView, new_tokens: int = 0, uncached_share: float = 1.0, now_s: float | None = None
+    ) -> float:
         """Work ahead of a new request on `view`, plus the decode interference its own prefill suffers.
 
-        Prefill backlog is the gateway's in-flight prefill tokens times `uncached_share` (the share
+        Prefill backlog is the gateway's in-flight prefill tokens (less the progress made on them
+        by `now_s`, see `prefill_remaining`; none without `now_s`) times `uncached_share` (the share
         of them the worker must still compute), scaled up when the worker reports more requests than
         this gateway sent (other gateway replicas, other clients).
         """
         p = self.params
-        backlog = view.in_flight_prefill_tokens * uncached_share
+        pending = view.in_flight_prefill_tokens if now_s is None else self.prefill_remaining(view, now_s)
+        backlog = pending * uncached_share
         known = view.in_flight_requests
         running = known
         scraped = reported_load(view)
@@ -205,6 +215,46 @@ class CostModel:
         backlog_steps = -(-int(backlog) // p.max_batched_tokens)
         per_token = p.prefill_s_per_token + p.attention_s_per_pair * self._mean_prompt_tokens / 2
         return self.scale * (per_token * backlog + p.step_s * backlog_steps + steps * per_step)
+
+    def prefill_remaining(self, view: WorkerView, now_s: float) -> int:
+        """Request tokens of `view`'s prefill backlog still to compute at `now_s` (the whole
+        backlog with `prefill_progress` 0).
+
+        The gateway counts a prompt as pending, whole, until its first token. Since
+        `view.prefill_started_s` the engine's prefill has gone to no other prompts than the ones
+        pending now, so at most the elapsed time's worth of them is done: the backlog drains as a
+        fluid at `prefill_progress` × the calibrated prefill rate, never below zero. The rate is
+        the slowest the backlog can have: attention as if it were one prompt (or a mean one, if
+        larger), so a long prompt near its end is seen near its end, and several short ones drain
+        no faster than they can be computed. The share stands for what the model does not see:
+        the steps the engine gives to decodes, whose context the gateway does not count, and the
+        wait for a step's end before a first token shows.
+        """
+        pending = view.in_flight_prefill_tokens
+        started = view.prefill_started_s
+        p = self.params
+        if started is None or pending <= 0 or now_s <= started or p.prefill_progress <= 0:
+            return pending
+        unit = self.engine_tokens_per_request_token
+        prompt = max(pending * unit, self._mean_prompt_tokens)
+        # Each step of `max_batched_tokens` also pays its overhead and the decodes it carries.
+        per_step = (
+            p.step_s
+            + p.decode_s_per_request * view.in_flight_requests
+            + p.decode_s_per_context_token * view.in_flight_decode_tokens
+        )
+        per_token = (
+            p.prefill_s_per_token + p.attention_s_per_pair * prompt / 2 + per_step / p.max_batched_tokens
+        )
+        drained = int(p.prefill_progress * (now_s - started) / (self.scale * per_token * unit))
+        return pending - drained if drained < pending else 0
+
+    def remaining_at(self, now_s: float) -> Callable[[WorkerView], int] | None:
+        """`prefill_remaining` at `now_s` as a function of the view; None with `prefill_progress`
+        0 (every backlog is whole)."""
+        if self.params.prefill_progress <= 0:
+            return None
+        return lambda view: self.prefill_remaining(view, now_s)
 
     @property
     def mean_prompt_tokens(self) -> float:

@@ -195,7 +195,7 @@ class CostPolicy(PrefixPolicyBase):
         # Pass 1: availability, load and prefill backlog of every worker, re-read only where a view
         # changed since the pool's last decision (see `cost_scan`).
         shares = self._uncached_share if self.discount_cached_backlog else {}
-        columns = self._candidate_cache(req.pool).candidates(workers, shares)
+        columns = self._candidate_cache(req.pool).candidates(workers, shares, pool.cost.remaining_at(now_s))
         cands, loads, backlogs = columns.views, columns.loads, columns.backlogs
         if not cands:
             return None

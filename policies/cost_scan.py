@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_left
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import chain, compress
 from operator import is_not, itemgetter
 
@@ -38,8 +38,9 @@ class Candidates:
 
     `loads`: in-flight requests, raised to what the worker reports (waiting + running) when it
     reports more (`policies.base.reported_load`), and `total_load` their sum. `pending`: in-flight
-    prompt tokens, and `raw_backlog` their sum. `backlogs`: prefill tokens left to compute,
-    `pending` × the worker's uncached share when shares are given (else `pending` itself).
+    prompt tokens (less the progress on them, given `remaining`), and `raw_backlog` the sum of the
+    whole prompts. `backlogs`: prefill tokens left to compute, `pending` × the worker's uncached
+    share when shares are given (else `pending` itself).
     """
 
     views: list[WorkerView]
@@ -86,12 +87,24 @@ def _backlogs(
     return [p * get(w.worker_id, 1.0) for p, w in zip(pending, cands, strict=True)]
 
 
-def candidates(workers: Sequence[WorkerView], shares: Mapping[WorkerId, float]) -> Candidates:
-    """The healthy workers below their in-flight limit, in the order given, with their columns."""
+def candidates(
+    workers: Sequence[WorkerView],
+    shares: Mapping[WorkerId, float],
+    remaining: Callable[[WorkerView], int] | None = None,
+) -> Candidates:
+    """The healthy workers below their in-flight limit, in the order given, with their columns.
+    `remaining` (`CostModel.remaining_at`) takes the progress since dispatch off `pending`: the
+    score charges what is left, so the order and the bound of the scan must see the same."""
     views = _available(workers)
     loads = _loads(views)
-    pending = [w.in_flight_prefill_tokens for w in views]
-    return Candidates(views, loads, _backlogs(views, pending, shares), pending, sum(pending), sum(loads))
+    whole = [w.in_flight_prefill_tokens for w in views]
+    pending = whole
+    if remaining is not None:
+        # The queue weight's prompts waiting stay whole (`raw_backlog`): only the queue drains.
+        pending = [
+            p if w.prefill_started_s is None else remaining(w) for p, w in zip(whole, views, strict=True)
+        ]
+    return Candidates(views, loads, _backlogs(views, pending, shares), pending, sum(whole), sum(loads))
 
 
 def _left_out(workers: Sequence[WorkerView], kept: Sequence[WorkerView]) -> list[int]:
@@ -135,11 +148,17 @@ class CandidateCache:
         self._off: list[int] = []
         self._cands = candidates((), {})
 
-    def candidates(self, workers: Sequence[WorkerView], shares: Mapping[WorkerId, float]) -> Candidates:
-        """As `candidates(workers, shares)`."""
+    def candidates(
+        self,
+        workers: Sequence[WorkerView],
+        shares: Mapping[WorkerId, float],
+        remaining: Callable[[WorkerView], int] | None = None,
+    ) -> Candidates:
+        """As `candidates(workers, shares, remaining)`. With `remaining` the backlogs change with
+        time, not only with the views: the pass is done afresh and nothing is kept."""
         n = len(workers)
-        if n < self.MIN_WORKERS:
-            return candidates(workers, shares)
+        if n < self.MIN_WORKERS or remaining is not None:
+            return candidates(workers, shares, remaining)
         if n != len(self._workers):
             return self._rebuild(workers, shares)
         changed = list(compress(range(n), map(is_not, workers, self._workers)))

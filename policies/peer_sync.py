@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from dataclasses import field, replace
 from typing import Protocol, runtime_checkable
 
 from policies.base import WorkerId, WorkerView
@@ -72,7 +73,12 @@ class PeerCalibration:
 
 @record
 class PeerLoad:
-    """One gateway's in-flight load on one worker of one pool (its own accounting, a snapshot)."""
+    """One gateway's in-flight load on one worker of one pool (its own accounting, a snapshot).
+
+    `prefill_since_s` is not sent: a receiver sets it, on its own clock, to when the origin's
+    load there last changed (`PeerLoads.note`). The origin's prefill work restarts only with such a
+    change, so no progress counted from then on (`WorkerView.prefill_started_s`) can exceed the
+    origin's own; None: no progress is counted. A receiver's annotation, left out of equality."""
 
     pool: str
     worker: WorkerId
@@ -80,6 +86,7 @@ class PeerLoad:
     prefill_tokens: int
     decode_tokens: int
     decode_context_tokens: int = 0  # `WorkerView.decode_context_tokens` of the origin's requests
+    prefill_since_s: float | None = field(default=None, compare=False)
 
     @property
     def idle(self) -> bool:
@@ -176,11 +183,20 @@ class PeerLoads:
         self._heard[origin] = now_s
         mine = self._by_origin.setdefault(origin, {})
         changed: set[_Slot] = set()
+        before = dict(mine) if full else mine  # unchanged slots keep their restart times
         if full:
             for slot in list(mine):
                 self._put(mine, slot, None, changed)
         for load in loads:
-            self._put(mine, (load.pool, load.worker), None if load.idle else load, changed)
+            slot = (load.pool, load.worker)
+            if not load.idle:
+                old = before.get(slot)
+                kept = old is not None and (old.requests, old.prefill_tokens) == (
+                    load.requests,
+                    load.prefill_tokens,
+                )
+                load = replace(load, prefill_since_s=old.prefill_since_s if kept and old else now_s)
+            self._put(mine, slot, None if load.idle else load, changed)
         if not mine:
             del self._by_origin[origin]
         return changed
@@ -225,10 +241,22 @@ class PeerLoads:
 
     def total(self, pool: str, worker: WorkerId) -> PeerLoad | None:
         """The peers' summed load on `worker` of `pool` (None: none)."""
-        found = self._sums.get((pool, worker))
+        slot = (pool, worker)
+        found = self._sums.get(slot)
         if found is None:
             return None
-        return PeerLoad(pool, worker, *found, self._contexts.get((pool, worker), 0))
+        since: float | None = None
+        if found[1] > 0:
+            # The latest restart among the origins with prefill pending there (see `PeerLoad`).
+            for mine in self._by_origin.values():
+                load = mine.get(slot)
+                if load is None or load.prefill_tokens <= 0:
+                    continue
+                if load.prefill_since_s is None:
+                    since = None
+                    break
+                since = load.prefill_since_s if since is None else max(since, load.prefill_since_s)
+        return PeerLoad(pool, worker, *found, self._contexts.get(slot, 0), prefill_since_s=since)
 
     @property
     def any(self) -> bool:
@@ -264,6 +292,12 @@ def with_peer_load(view: WorkerView, load: PeerLoad | None) -> WorkerView:
     if load is None:
         return view
     cap = view.max_in_flight
+    started = view.prefill_started_s
+    if load.prefill_tokens > 0:
+        # The engine works on all the gateways' prompts: progress counts from the latest restart.
+        own = view.in_flight_prefill_tokens > 0
+        peer = load.prefill_since_s
+        started = None if peer is None or (own and started is None) else max(started or peer, peer)
     return WorkerView(
         worker_id=view.worker_id,
         healthy=view.healthy,
@@ -280,4 +314,6 @@ def with_peer_load(view: WorkerView, load: PeerLoad | None) -> WorkerView:
         warming=view.warming,
         in_flight_at_scrape=view.in_flight_at_scrape,
         decode_context_tokens=view.decode_context_tokens + load.decode_context_tokens,
+        prefill_started_s=started,
+        role=view.role,
     )

@@ -32,7 +32,8 @@ class SimGateway:
     """
 
     __slots__ = (
-        "context", "decode", "in_flight", "index", "name", "peer_loads", "policy", "prefill", "views",
+        "context", "decode", "in_flight", "index", "name", "peer_loads", "policy", "prefill",
+        "prefill_started", "views",
     )  # fmt: skip
 
     def __init__(self, index: int, policy: RoutingPolicy, n_workers: int) -> None:
@@ -41,6 +42,9 @@ class SimGateway:
         self.policy = policy
         self.in_flight = [0] * n_workers
         self.prefill = [0] * n_workers
+        # When each worker's prefill backlog (as this gateway counts it) last restarted, as the
+        # registry keeps it (`WorkerView.prefill_started_s`).
+        self.prefill_started: list[float | None] = [None] * n_workers
         self.decode = [0] * n_workers
         self.context = [0] * n_workers  # decode context tokens (`WorkerView.decode_context_tokens`)
         self.views: list[WorkerView | None] = [None] * n_workers

@@ -202,6 +202,7 @@ class _Loop:
                     role=self.roles[i],
                     in_flight_at_scrape=w.scrape_in_flight[gw.index],
                     decode_context_tokens=gw.context[i],
+                    prefill_started_s=gw.prefill_started[i],
                 )
             out.append(gw.fold(pool, view))
         return out
@@ -275,6 +276,7 @@ class _Loop:
             gw.prefill[idx] -= f.route.n_prompt_tokens
             f.context = decode_context_of(f.route.n_prompt_tokens, f.max_out)
             gw.context[idx] += f.context
+            gw.prefill_started[idx] = now_s if gw.prefill[idx] > 0 else None
             gw.views[idx] = None
             changed[(gw, f.route.pool)] = None
         for fin in out.finished:
@@ -386,6 +388,8 @@ class _Loop:
         gw.policy.on_dispatch(route, decision, now_s)
         self.flights[f.req.request_id] = f
         gw.in_flight[idx] += 1
+        if gw.prefill[idx] <= 0 < route.n_prompt_tokens:
+            gw.prefill_started[idx] = now_s
         gw.prefill[idx] += route.n_prompt_tokens
         # Output tokens to come count from dispatch, as the gateway's registry counts them.
         gw.decode[idx] += f.max_out

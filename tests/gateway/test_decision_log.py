@@ -80,6 +80,21 @@ def test_the_log_stops_at_max_records(tmp_path: Path) -> None:
     assert log.dropped == 3
 
 
+def test_each_candidate_carries_its_prefill_backlogs_age(tmp_path: Path) -> None:
+    log = DecisionLog(str(tmp_path / "d.jsonl"), max_records=2)
+    req = RouteRequest("r", "p", "t", "tenant:t", (), 10, 16)
+    busy = WorkerView(
+        WorkerId("a"), in_flight_requests=1, in_flight_prefill_tokens=900, prefill_started_s=2.0
+    )
+    idle = WorkerView(WorkerId("b"))
+    log.decided("r", req, RouteDecision(WorkerId("b"), 0.0, "miss"), [busy, idle], object(), 3.25)
+    log.finished("r", None, req, status=200, prompt_tokens=10, cached_tokens=0, ttft_s=0.01)
+    log.close()
+    (line,) = (tmp_path / "d.jsonl").read_text().splitlines()
+    ages = {c["worker"]: c["prefill_age_s"] for c in orjson.loads(line)["decisions"][0]["candidates"]}
+    assert ages == {"a": 1.25, "b": None}
+
+
 def test_a_path_that_cannot_be_opened_is_a_config_error_naming_the_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"decision_log\.path"):
         DecisionLog(str(tmp_path / "no-such-dir" / "d.jsonl"), max_records=2)

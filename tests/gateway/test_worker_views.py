@@ -81,3 +81,22 @@ def test_the_decode_context_counts_prompts_past_their_first_token() -> None:
     assert w.view(1.2).decode_context_tokens == 1050
     w.release(1000, 100, prefill_done=True)
     assert w.view(1.3).decode_context_tokens == 0 and w.view(1.3).in_flight_requests == 0
+
+
+def test_the_view_says_when_the_prefill_backlog_last_restarted() -> None:
+    w = _worker()
+    assert w.view(0.0).prefill_started_s is None
+    w.acquire(100, 10, 1.0)  # an empty backlog starts with its first prompt
+    w.acquire(50, 10, 1.5)  # joins a backlog already being worked on
+    assert w.view(1.5).prefill_started_s == 1.0
+    w.first_token(100, now_s=2.0)  # what is left is worked on from this first token at the earliest
+    v = w.view(2.0)
+    assert v.in_flight_prefill_tokens == 50 and v.prefill_started_s == 2.0
+    w.first_token(50, now_s=2.5)
+    assert w.view(2.5).prefill_started_s is None  # no backlog
+    w.acquire(80, 10, 3.0)
+    w.acquire(20, 10, 3.1)
+    # A prompt that leaves unfinished may have taken the time since: no progress counts.
+    w.release(80, 10, prefill_done=False)
+    v = w.view(3.2)
+    assert v.in_flight_prefill_tokens == 20 and v.prefill_started_s is None

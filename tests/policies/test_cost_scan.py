@@ -60,8 +60,8 @@ class _PlainScan(CostPolicy):
                 if reported > inflight:
                     inflight = reported
             loads.append(inflight)
-            pending = w.in_flight_prefill_tokens
-            raw_backlog += pending
+            raw_backlog += w.in_flight_prefill_tokens
+            pending = pool.cost.prefill_remaining(w, now_s)  # less its progress (`prefill_progress`)
             backlogs.append(pending * shares.get(w.worker_id, 1.0) if shares else pending)
         if not cands:
             return None
@@ -282,7 +282,7 @@ class _PlainScorer:
             self.best.append((i, matched, queue))
 
 
-def _view(rng: random.Random, i: int) -> WorkerView:
+def _view(rng: random.Random, i: int, step: int) -> WorkerView:
     if rng.random() < 0.3:
         # Idle and unscraped: identical workers, so ties are common.
         return WorkerView(WorkerId(f"w{i}"))
@@ -299,6 +299,7 @@ def _view(rng: random.Random, i: int) -> WorkerView:
         num_requests_running=rng.randint(0, 14) if scraped else None,
         in_flight_at_scrape=rng.choice((None, rng.randint(0, 14))) if scraped else None,
         warming=rng.random() < 0.03,
+        prefill_started_s=rng.choice((None, step * 0.05 - rng.uniform(0.0, 3.0))),
     )
 
 
@@ -307,7 +308,7 @@ def _views(rng: random.Random, n: int, step: int, before: list[WorkerView]) -> l
     gateway's registry hands them out (`CandidateCache` re-reads only those); now and then all new,
     reordered, or a worker more or less."""
     if not before or step % 11 == 5:
-        views = [_view(rng, i) for i in range(n)]
+        views = [_view(rng, i, step) for i in range(n)]
     else:
         views = list(before)
         for _ in range(rng.choice((0, 1, 1, 2, 3, n // 3 + 1))):
@@ -316,14 +317,14 @@ def _views(rng: random.Random, n: int, step: int, before: list[WorkerView]) -> l
             if rng.random() < 0.2:
                 views[i] = dataclasses.replace(found)  # a new object, equal to the one it replaces
             else:
-                views[i] = dataclasses.replace(_view(rng, i), worker_id=found.worker_id)
+                views[i] = dataclasses.replace(_view(rng, i, step), worker_id=found.worker_id)
     if step % 7 == 3:
         rng.shuffle(views)  # the candidate list's order changes now and then
     if step % 13 == 6:
         if len(views) > 1 and rng.random() < 0.5:
             views.pop(rng.randrange(len(views)))
         else:
-            views.append(_view(rng, n + step))
+            views.append(_view(rng, n + step, step))
     return views
 
 
@@ -339,7 +340,9 @@ def _request(rng: random.Random, k: int) -> RouteRequest:
 def test_decisions_equal_the_plain_scan(seed: int) -> None:
     rng = random.Random(seed)
     transfer = seed % 3 == 1
-    shared = SharedSettings(default_pool=PoolSettings(cost=CostModelParams(transfer_enabled=transfer)))
+    progress = (0.0, 1.0)[seed % 4 // 2]  # the backlog less its progress since dispatch, or whole
+    params = CostModelParams(transfer_enabled=transfer, prefill_progress=progress)
+    shared = SharedSettings(default_pool=PoolSettings(cost=params))
     options: dict[str, object] = {
         "discount_cached_backlog": seed % 2 == 0,
         "tie_s": (1e-4, 1e-2, 0.5)[seed % 3],

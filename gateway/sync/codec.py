@@ -6,12 +6,15 @@
            | [1, ref, served], ...],                             # holdings and outcomes, in order
      "k": <every holding's keys, u64 little-endian, in item order>,
      "l": [[pool, worker, requests, prefill tokens, decode tokens], ...],
-     "c": [[pool, block size, prompt tokens, request tokens, prefill time ratio], ...]}  # optional
+     "c": [[pool, block size, prompt tokens, request tokens, prefill time ratio], ...],  # optional
+     "x": [decode context tokens, ...]}                          # optional, one per "l" entry
 
-"c" carries calibration samples (`PeerCalibration`). It was added within version 1 as an optional
-field, because a reader takes the fields it knows by name: a gateway of an earlier release ignores
-it (and keeps routing on the holdings and loads of the same batch), and a batch without it is one
-with no samples. Samples are independent of the items' order, so they travel after them.
+"c" carries calibration samples (`PeerCalibration`), "x" each load's decode context
+(`PeerLoad.decode_context_tokens`). Both were added within version 1 as optional fields, because a
+reader takes the fields it knows by name: a gateway of an earlier release ignores them (and keeps
+routing on the holdings and loads of the same batch). A batch without "c" has no samples; one
+without "x" has loads whose decode context is 0 (its writer did not count it). Samples are
+independent of the items' order, so they travel after them.
 
 Pools, namespaces and workers are indices into the string tables. A namespace is the tenant's
 index namespace (`tenant:<name>`, or the public one), a key a keyed chain hash: nothing in a batch
@@ -111,6 +114,9 @@ def encode(batch: SyncBatch) -> bytes:
     }
     if samples:
         doc["c"] = samples
+    contexts = [x.decode_context_tokens for x in batch.loads]
+    if any(contexts):
+        doc["x"] = contexts
     return msgpack.packb(doc, use_bin_type=True)
 
 
@@ -187,12 +193,16 @@ def _parse(doc: dict[str, Any]) -> SyncBatch:
         )  # fmt: skip
     if at != len(all_keys):
         raise MalformedBatch("keys left over")
+    contexts = doc.get("x")
+    if contexts is not None and (not isinstance(contexts, list) or len(contexts) != len(doc["l"])):
+        raise MalformedBatch("bad decode contexts")
     loads = []
-    for raw in doc["l"]:
+    for k, raw in enumerate(doc["l"]):
         if not isinstance(raw, list) or len(raw) != 5:
             raise MalformedBatch("bad load")
         worker = WorkerId(_at(workers, raw[1]))
-        loads.append(PeerLoad(_at(pools, raw[0]), worker, _int(raw[2]), _int(raw[3]), _int(raw[4])))
+        context = 0 if contexts is None else _int(contexts[k])
+        loads.append(PeerLoad(_at(pools, raw[0]), worker, _int(raw[2]), _int(raw[3]), _int(raw[4]), context))
     for raw in doc.get("c", ()):
         items.append(_sample(pools, raw))
     return SyncBatch(_str(doc["o"]), _int(doc["s"]), float(sent), doc["f"], tuple(items), tuple(loads))

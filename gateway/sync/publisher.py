@@ -29,7 +29,7 @@ _Slot = tuple[str, WorkerId]
 # beyond the strings they may add to the batch's tables; and of the batch's own fields.
 _ITEM_BYTES = 48
 _KEY_BYTES = 8
-_LOAD_BYTES = 40
+_LOAD_BYTES = 49  # the row, and its entry in "x"
 _HEAD_BYTES = 256
 
 
@@ -59,7 +59,7 @@ class SyncPublisher:
         self.batched_items = 0
         self._seq = 0
         self.ready = asyncio.Event()  # set when the queue goes from empty to non-empty
-        self._sent_loads: dict[_Slot, tuple[int, int, int]] = {}
+        self._sent_loads: dict[_Slot, tuple[int, int, int, int]] = {}
         self._last_full_s = -float("inf")
         self._prefill_slots = 0  # slots of `_sent_loads` with prefill tokens
 
@@ -128,11 +128,11 @@ class SyncPublisher:
         for load in loads:
             slot = (load.pool, load.worker)
             seen.add(slot)
-            value = (load.requests, load.prefill_tokens, load.decode_tokens)
+            value = (load.requests, load.prefill_tokens, load.decode_tokens, load.decode_context_tokens)
             if full:
                 if not load.idle:
                     out.append(load)
-            elif sent.get(slot, (0, 0, 0)) != value:
+            elif sent.get(slot, (0, 0, 0, 0)) != value:
                 out.append(load)
             if load.idle:
                 sent.pop(slot, None)

@@ -108,7 +108,9 @@ class SyncService:
     def _loads(self) -> Iterator[PeerLoad]:
         for pool in self.registry.pools.values():
             for w in pool.workers.values():
-                yield PeerLoad(pool.name, w.worker_id, w.in_flight, w.prefill_tokens, w.decode_tokens)
+                yield PeerLoad(
+                    pool.name, w.worker_id, w.in_flight, w.prefill_tokens, w.decode_tokens, w.decode_context
+                )
 
     async def _publish_loop(self) -> None:
         cfg = self.config

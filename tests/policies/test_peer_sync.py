@@ -8,7 +8,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.base import Isolation, Observation, Outcome, RouteDecision, RouteRequest, WorkerId, WorkerView
+from policies.base import (
+    Isolation,
+    Observation,
+    Outcome,
+    Role,
+    RouteDecision,
+    RouteRequest,
+    WorkerId,
+    WorkerView,
+)
 from policies.cost_policy import CostPolicy
 from policies.index import IndexConfig
 from policies.peer_sync import (
@@ -285,6 +294,24 @@ def test_peer_load_weighs_on_the_score_but_not_on_this_gateways_cap() -> None:
     views = [folded, WorkerView(W1, in_flight_requests=3, in_flight_prefill_tokens=10, max_in_flight=4)]
     d = p.select(req("r", range(8)), views, 0.0)
     assert d is not None and d.worker == W1
+
+
+def test_peer_load_keeps_every_field_it_does_not_sum() -> None:
+    # A field added to WorkerView must not fall back to its default once a peer's load is folded
+    # in (a prefill or decode worker would otherwise score as a mixed one).
+    view = WorkerView(
+        W0, healthy=False, num_requests_waiting=2, num_requests_running=3, kv_usage=0.5, num_gpu_blocks=9,
+        engine_block_size=16, loaded_adapters=frozenset({"a"}), warming=True, role=Role.DECODE,
+        in_flight_at_scrape=1, prefill_started_s=4.0,
+    )  # fmt: skip
+    folded = with_peer_load(view, PeerLoad("p", W0, 1, 0, 0, prefill_since_s=4.0))
+    summed = {
+        "in_flight_requests", "in_flight_prefill_tokens", "in_flight_decode_tokens", "max_in_flight",
+        "decode_context_tokens", "prefill_started_s",
+    }  # fmt: skip
+    for f in dataclasses.fields(WorkerView):
+        if f.name not in summed:
+            assert getattr(folded, f.name) == getattr(view, f.name), f.name
 
 
 def test_a_warm_chain_is_not_published_again_within_the_recency_resolution() -> None:

@@ -38,7 +38,13 @@ _SAMPLE = st.builds(
     st.floats(0, 5.0),
 )
 _LOAD = st.builds(
-    PeerLoad, _NAMES, _NAMES.map(WorkerId), st.integers(0, 999), st.integers(0, 10**7), st.integers(0, 10**6)
+    PeerLoad,
+    _NAMES,
+    _NAMES.map(WorkerId),
+    st.integers(0, 999),
+    st.integers(0, 10**7),
+    st.integers(0, 10**6),
+    st.one_of(st.just(0), st.integers(0, 10**8)),
 )
 
 
@@ -76,6 +82,19 @@ def test_calibration_samples_are_an_optional_field_of_version_1() -> None:
     # ...and a batch without it (an earlier release's writer) carries no samples.
     assert decode(msgpack.packb(doc, use_bin_type=True)).items == (PeerOutcome(3, True),)
     assert "c" not in msgpack.unpackb(encode(SyncBatch("gw-a", 2, 0.0, False)), raw=False)
+
+
+def test_decode_contexts_are_an_optional_field_of_version_1() -> None:
+    loads = (PeerLoad("p", WorkerId("w0"), 2, 0, 64, 5000), PeerLoad("p", WorkerId("w1"), 1, 10, 8))
+    doc = msgpack.unpackb(encode(SyncBatch("gw-a", 1, 0.0, True, (), loads)), raw=False)
+    assert doc["x"] == [5000, 0] and doc["l"] == [[0, 0, 2, 0, 64], [0, 1, 1, 10, 8]]
+    # An earlier release's reader leaves "x" alone; a batch without it (an earlier release's
+    # writer) has loads whose decode context is not counted.
+    del doc["x"]
+    got = decode(msgpack.packb(doc, use_bin_type=True)).loads
+    assert [x.decode_context_tokens for x in got] == [0, 0] and got[0].decode_tokens == 64
+    bare = SyncBatch("gw-a", 2, 0.0, True, (), (PeerLoad("p", WorkerId("w0"), 1, 10, 8),))
+    assert "x" not in msgpack.unpackb(encode(bare), raw=False)
 
 
 def test_the_wire_carries_the_documented_fields_only() -> None:
@@ -128,6 +147,10 @@ def _doc(**over: object) -> bytes:
         _doc(c=[[0, 16, 100, 25, float("inf")]]),
         _doc(c=[[0, 16, 100, 25, True]]),
         _doc(c="xyz"),
+        _doc(x=[5, 6]),  # one decode context per load row
+        _doc(x=[-1]),
+        _doc(x=[True]),
+        _doc(x="xyz"),
     ],
 )
 def test_anything_else_is_a_malformed_batch(data: bytes) -> None:

@@ -51,6 +51,10 @@ def test_loads_go_out_when_they_change_and_whole_at_each_refresh() -> None:
     assert gone is not None and gone.loads == (PeerLoad("p", WorkerId(W1), 0, 0, 0),)
     refresh = pub.next_batch([moved], 1.05)
     assert refresh is not None and refresh.full_load and refresh.loads == (moved,)
+    # A request reaching its first token moves only the decode context: that is a change too.
+    decoding = PeerLoad("p", WorkerId(W1), 1, 0, 1, 10)
+    batch = pub.next_batch([decoding], 1.1)
+    assert batch is not None and batch.loads == (decoding,)
 
 
 def idle_of(load: PeerLoad) -> PeerLoad:
@@ -69,7 +73,7 @@ async def test_a_peer_batch_reaches_the_policy_and_the_registry_views() -> None:
     policy = CostPolicy(seed=0)
     r = req("r", range(256), pool="p")
     holding = PeerHolding(1, "p", BS, "t", r.block_keys, WorkerId(W1), r.n_prompt_tokens, 0)
-    load = PeerLoad("p", WorkerId(W1), 3, 500, 20)
+    load = PeerLoad("p", WorkerId(W1), 3, 500, 20, 4096)
     batch = SyncBatch("peer", 1, 0.0, True, (holding, PeerOutcome(1, True)), (load,))
     await sub.on_message(encode(batch), lambda: policy)
     pool = registry.pools["p"]
@@ -79,6 +83,7 @@ async def test_a_peer_batch_reaches_the_policy_and_the_registry_views() -> None:
         500,
         20,
     )
+    assert view.decode_context_tokens == 4096
     assert pool.workers[WorkerId(W0)].view(10.0).in_flight_requests == 0
     d = policy.select(req("r2", range(258), pool="p"), [pool.workers[WorkerId(W0)].view(10.0), view], 10.0)
     assert d is not None and d.worker == W1 and d.reason == "hit"

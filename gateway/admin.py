@@ -113,6 +113,7 @@ def _worker(worker: Worker, now_s: float, max_age_s: float, fleet: Fleet | None)
         "in_flight": worker.in_flight,
         "prefill_tokens": worker.prefill_tokens,
         "decode_tokens": worker.decode_tokens,
+        "decode_context_tokens": worker.decode_context,
         "scrape": None,
         "kv_events": None,
     }

@@ -34,9 +34,15 @@ import aiohttp
 import numpy as np
 import orjson
 
-from loadtest.bench_routing import add_emulator_arguments, load_requests, warmup_requests
+from loadtest.bench_routing import (
+    add_emulator_arguments,
+    add_run_arguments,
+    emulator_settings,
+    load_requests,
+    warmup_requests,
+)
 from loadtest.cli_args import positive_float, positive_int
-from loadtest.peers.emulators import EmulatorSettings, PdEmulatorPool, free_port
+from loadtest.peers.emulators import PdEmulatorPool, free_port
 from loadtest.peers.kvgate import bench_api_key
 from loadtest.peers.kvgate_pd import PdPool, build_kvgate_pd_command
 from loadtest.peers.launch import (
@@ -81,15 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--repeats", type=positive_int, default=3, help="rounds of every router (default 3)")
     add_emulator_arguments(parser)
-    parser.add_argument("--seed", type=int, default=0, help="seed of workload and emulators (default 0)")
-    parser.add_argument("--max-in-flight", type=positive_int, default=128, help="client concurrency bound")
-    parser.add_argument("--time-limit-s", type=positive_float, default=120.0, help="stop sending after this")
-    parser.add_argument(
-        "--warmup-requests",
-        type=int,
-        default=None,
-        help="unmeasured requests first (default: one per worker)",
-    )
+    add_run_arguments(parser)
     parser.add_argument("--out", required=True, help="directory for report.md and results.json")
     parser.add_argument("--quiet", action="store_true", help="no line per run")
 
@@ -264,13 +262,7 @@ def run_router(
     run = PdRun(spec, repeat)
     workdir = out / "logs" / f"r{repeat}" / spec.replace(":", "_")
     n_prefill, n_decode = parse_split(args.pd)
-    settings = EmulatorSettings(
-        model=args.model,
-        profile=args.profile,
-        kv_blocks=args.kv_blocks,
-        time_scale=args.time_scale,
-        seed=args.seed,
-    )
+    settings = emulator_settings(args)
     started = time.monotonic()
     try:
         pool = PdEmulatorPool(n_prefill, n_decode, settings, workdir)

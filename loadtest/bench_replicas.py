@@ -33,12 +33,14 @@ import orjson
 
 from loadtest.bench_routing import (
     add_emulator_arguments,
+    add_run_arguments,
     add_workload_arguments,
+    emulator_settings,
     load_requests,
     warmup_requests,
 )
-from loadtest.cli_args import positive_float, positive_int
-from loadtest.peers.emulators import EmulatorPool, EmulatorSettings
+from loadtest.cli_args import positive_int
+from loadtest.peers.emulators import EmulatorPool
 from loadtest.peers.kvgate import bench_api_key
 from loadtest.peers.launch import RunningProcess
 from loadtest.replica_fleet import FleetSpec, start_broker, start_fleet
@@ -99,12 +101,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=positive_int, default=3, help="rounds; medians (default 3)")
     parser.add_argument("--workers", type=positive_int, default=4, help="emulated workers (default 4)")
     add_emulator_arguments(parser)
-    parser.add_argument("--seed", type=int, default=0, help="seed of workload, emulators and gateways")
-    parser.add_argument(
-        "--max-in-flight", type=positive_int, default=128, help="client connections = concurrency bound"
-    )
-    parser.add_argument(
-        "--time-limit-s", type=positive_float, default=120.0, help="stop sending after this long"
+    add_run_arguments(
+        parser,
+        seed_help="seed of workload, emulators and gateways",
+        in_flight_help="client connections = concurrency bound",
+        warmup=False,
     )
     parser.add_argument("--logs", type=Path, default=None, help="keep the processes' logs here")
     parser.add_argument(
@@ -158,13 +159,7 @@ def run_setup(
 ) -> RouterRun:
     """One configuration on fresh workers; everything it started is stopped by PID before it returns."""
     workdir.mkdir(parents=True, exist_ok=True)
-    settings = EmulatorSettings(
-        model=args.model,
-        profile=args.profile,
-        kv_blocks=args.kv_blocks,
-        time_scale=args.time_scale,
-        seed=args.seed,
-    )
+    settings = emulator_settings(args)
     started = time.monotonic()
     pool = EmulatorPool(args.workers, settings, workdir / "workers")
     broker: RunningProcess | None = None

@@ -81,19 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--workers", type=positive_int, default=4, help="emulated workers (default 4)")
     add_emulator_arguments(parser)
-    parser.add_argument("--seed", type=int, default=0, help="seed of workload and emulators (default 0)")
-    parser.add_argument("--max-in-flight", type=positive_int, default=128, help="client concurrency bound")
-    parser.add_argument(
-        "--time-limit-s", type=positive_float, default=120.0, help="stop sending after this long"
-    )
+    add_run_arguments(parser)
     parser.add_argument(
         "--sample-interval-s", type=positive_float, default=0.5, help="per-worker load sampling period"
-    )
-    parser.add_argument(
-        "--warmup-requests",
-        type=int,
-        default=None,
-        help="unmeasured requests first (default: one per worker)",
     )
     parser.add_argument("--out", required=True, help="directory for report.md, results.json and plots")
     parser.add_argument(
@@ -103,6 +93,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(for `kvgate bench replay`)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def add_run_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    seed_help: str = "seed of workload and emulators (default 0)",
+    in_flight_help: str = "client concurrency bound",
+    warmup: bool = True,
+) -> None:
+    """How one run sends its workload (also `kvgate bench replicas`' and `kvgate bench pd`'s)."""
+    parser.add_argument("--seed", type=int, default=0, help=seed_help)
+    parser.add_argument("--max-in-flight", type=positive_int, default=128, help=in_flight_help)
+    parser.add_argument(
+        "--time-limit-s", type=positive_float, default=120.0, help="stop sending after this long"
+    )
+    if warmup:
+        parser.add_argument(
+            "--warmup-requests",
+            type=int,
+            default=None,
+            help="unmeasured requests first (default: one per worker)",
+        )
+
+
+def emulator_settings(args: argparse.Namespace) -> EmulatorSettings:
+    """The emulated workers' settings from `add_emulator_arguments`' options and `--seed`."""
+    return EmulatorSettings(
+        model=args.model,
+        profile=args.profile,
+        kv_blocks=args.kv_blocks,
+        time_scale=args.time_scale,
+        seed=args.seed,
+    )
 
 
 def add_emulator_arguments(parser: argparse.ArgumentParser) -> None:
@@ -229,13 +252,7 @@ def run_router(spec: str, reqs: list[WorkloadRequest], args: argparse.Namespace,
     run = RouterRun(spec, "ok")
     workdir = out / "logs" / spec.replace(":", "_")
     workdir.mkdir(parents=True, exist_ok=True)
-    settings = EmulatorSettings(
-        model=args.model,
-        profile=args.profile,
-        kv_blocks=args.kv_blocks,
-        time_scale=args.time_scale,
-        seed=args.seed,
-    )
+    settings = emulator_settings(args)
     try:
         pool = EmulatorPool(args.workers, settings, workdir)
     except (RuntimeError, TimeoutError) as exc:

@@ -41,7 +41,7 @@ from loadtest.bench_routing import (
     load_requests,
     warmup_requests,
 )
-from loadtest.cli_args import positive_float, positive_int
+from loadtest.cli_args import UsageError, positive_float, positive_int, worker_split
 from loadtest.peers.emulators import PdEmulatorPool, free_port
 from loadtest.peers.kvgate import bench_api_key
 from loadtest.peers.kvgate_pd import PdPool, build_kvgate_pd_command
@@ -90,20 +90,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_run_arguments(parser)
     parser.add_argument("--out", required=True, help="directory for report.md and results.json")
     parser.add_argument("--quiet", action="store_true", help="no line per run")
-
-
-class UsageError(ValueError):
-    """A command-line value that cannot be used."""
-
-
-def parse_split(text: str) -> tuple[int, int]:
-    try:
-        n_prefill, n_decode = (int(part) for part in text.split(":"))
-    except ValueError:
-        raise UsageError(f"--pd takes P:D, two worker counts (e.g. 2:2), not {text!r}") from None
-    if n_prefill < 1 or n_decode < 1:
-        raise UsageError("--pd needs at least one prefill and one decode worker")
-    return n_prefill, n_decode
 
 
 def parse_routers(text: str) -> list[str]:
@@ -261,7 +247,7 @@ def run_router(
     """One router's turn on fresh workers; never raises for a router that cannot run."""
     run = PdRun(spec, repeat)
     workdir = out / "logs" / f"r{repeat}" / spec.replace(":", "_")
-    n_prefill, n_decode = parse_split(args.pd)
+    n_prefill, n_decode = worker_split(args.pd)
     settings = emulator_settings(args)
     started = time.monotonic()
     try:
@@ -302,7 +288,7 @@ def _progress(s: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        parse_split(args.pd)
+        worker_split(args.pd)
         routers = parse_routers(args.routers)
         reqs = load_requests(args)
     except (UsageError, ValueError, TraceFormatError) as exc:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import orjson
 
-from loadtest.cli_args import positive_float, positive_int
+from loadtest.cli_args import UsageError, positive_float, positive_int
 from loadtest.engine import ProfileError, StepProfile, load_profile
 from loadtest.goodput.config import (
     GoodputConfig,
@@ -70,10 +70,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="print the prompt sizes and step times the SLOs are derived from, and the SLOs they give",
     )
-
-
-class UsageError(ValueError):
-    """A command-line value that cannot be used."""
 
 
 def _subset(given: str | None, available: tuple[str, ...], what: str) -> tuple[str, ...]:

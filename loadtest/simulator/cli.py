@@ -22,6 +22,7 @@ from typing import Any
 import orjson
 import xxhash
 
+from loadtest.cli_args import UsageError, positive_int, worker_split
 from loadtest.engine import DEFAULT_PROFILE, Engine, EngineConfig, EngineRequest, ProfileError, load_profile
 from loadtest.engine.hashing import block_hashes
 from loadtest.engine.profile import StepProfile
@@ -45,13 +46,6 @@ from policies.registry import known_policies, make_policy
 DEFAULT_SYNC_DELAY_MS = 10.0
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument(
@@ -63,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--workload", metavar="NAME", help=f"synthetic workload: {', '.join(sorted(WORKLOADS))}")
     parser.add_argument("--workload-arg", action="append", default=[], metavar="K=V", help="workload option")
     parser.add_argument(
-        "--users", type=_positive_int, default=1, help="replay the trace as this many salted users"
+        "--users", type=positive_int, default=1, help="replay the trace as this many salted users"
     )
     parser.add_argument("--user-spread-s", type=float, default=0.0, help="users start within this window")
     parser.add_argument(
@@ -75,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy-config", metavar="FILE", help="policy YAML (policy, seed, options)")
     parser.add_argument("--workers", type=int, default=8, help="simulated workers (default 8)")
     parser.add_argument(
-        "--kv-blocks-per-worker", type=_positive_int, default=None, help="default: the profile's"
+        "--kv-blocks-per-worker", type=positive_int, default=None, help="default: the profile's"
     )
     parser.add_argument("--profile", default=DEFAULT_PROFILE, help="engine step-time profile")
     parser.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rate by X")
@@ -88,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tenant-isolation", action="append", default=[], metavar="NAME=LEVEL", help="one tenant's isolation"
     )
     parser.add_argument("--scrape-interval-s", type=float, default=1.0, help="how stale scraped metrics are")
-    parser.add_argument("--max-requests", type=_positive_int, default=None, help="only the first N requests")
+    parser.add_argument("--max-requests", type=positive_int, default=None, help="only the first N requests")
     parser.add_argument(
         "--pd",
         metavar="P:D",
@@ -117,7 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--gateways",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         help="gateway instances behind an L4 balancer (default 1)",
     )
@@ -134,10 +128,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"broker: publish-to-apply delay in ms (default {DEFAULT_SYNC_DELAY_MS:g}, see docs/sync.md)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
-
-
-class UsageError(ValueError):
-    """A command-line value that cannot be used."""
 
 
 def _requests(args: argparse.Namespace) -> tuple[list[WorkloadRequest], str]:
@@ -224,15 +214,7 @@ def _install_precise(policy: RoutingPolicy, keys: KeyPath, block_size: int) -> b
 
 def pd_split(text: str | None) -> tuple[int, int] | None:
     """`--pd P:D` as two worker counts."""
-    if text is None:
-        return None
-    try:
-        n_prefill, n_decode = (int(part) for part in text.split(":"))
-    except ValueError:
-        raise UsageError(f"--pd takes P:D, two worker counts (e.g. 4:4), not {text!r}") from None
-    if n_prefill < 1 or n_decode < 1:
-        raise UsageError("--pd needs at least one prefill and one decode worker")
-    return n_prefill, n_decode
+    return None if text is None else worker_split(text)
 
 
 def _pd_sim(args: argparse.Namespace, profile: StepProfile, split: tuple[int, int] | None) -> PdSim | None:

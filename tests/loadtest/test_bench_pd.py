@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from gateway.cli import BENCHMARKS, main
-from loadtest.bench_pd import UsageError, parse_routers, parse_split
+from loadtest.bench_pd import parse_routers
+from loadtest.cli_args import UsageError, worker_split
 from loadtest.report.pd import aggregate
 
 
@@ -17,10 +18,10 @@ def test_pd_is_a_bench_subcommand() -> None:
 
 
 def test_splits_and_router_names_are_checked() -> None:
-    assert parse_split("2:3") == (2, 3)
+    assert worker_split("2:3") == (2, 3)
     for bad in ("4", "0:2", "a:b"):
         with pytest.raises(UsageError):
-            parse_split(bad)
+            worker_split(bad)
     assert parse_routers("kvgate:cost, smg:cache_aware") == ["kvgate:cost", "smg:cache_aware"]
     for bad in ("sglang-router:cache_aware", "kvgate", ""):
         with pytest.raises(UsageError):

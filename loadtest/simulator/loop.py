@@ -24,15 +24,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from loadtest.simulator.engine_hashes import TokenHasher, request_hashes
+from loadtest.simulator.flights import Flight, SimWorker, kv_events
 from loadtest.simulator.gateways import SimGateway, SyncBus, pick_gateway
 from loadtest.simulator.keys import KeyedPrompt, KeyPath
-from loadtest.simulator.pd import PdSim, PrefillLeg
-from loadtest.simulator.port import KvChanges, RequestFactory, SimEngine, StatsLike, StepLike
+from loadtest.simulator.pd import PdSim
+from loadtest.simulator.port import KvChanges, RequestFactory, SimEngine, StepLike
 from loadtest.simulator.records import RequestRecord, WorkerRecord
 from loadtest.workloads.records import WorkloadRequest
 from policies.base import (
-    KvEvent,
-    KvEventKind,
     Observation,
     Outcome,
     Role,
@@ -76,68 +75,6 @@ class EngineHooks:
     keys: KeyPath = field(default_factory=KeyPath)
 
 
-class _Flight:
-    """A dispatched request the loop is waiting on (mutable; internal)."""
-
-    __slots__ = (
-        "context", "decision", "first_token_s", "gateway", "hashes", "keyed", "leg", "max_out", "req",
-        "route", "salt", "visible_cached",
-    )  # fmt: skip
-
-    def __init__(
-        self,
-        req: WorkloadRequest,
-        route: RouteRequest,
-        decision: RouteDecision,
-        keyed: KeyedPrompt | None = None,
-        salt: str | None = None,
-        gateway: SimGateway | None = None,
-    ) -> None:
-        self.gateway = gateway
-        self.req = req
-        self.route = route
-        self.decision = decision
-        self.keyed = keyed
-        self.salt = salt
-        self.first_token_s: float | None = None
-        self.max_out = req.max_output_tokens  # the engine request's (1 for a prefill leg)
-        self.hashes: Sequence[int] = ()
-        self.leg: PrefillLeg | None = None  # P/D: set while the request's prefill leg runs
-        self.visible_cached: int | None = None  # P/D: the cached tokens the client is told
-        self.context = 0  # what its first token added to its gateway's decode context count
-
-
-class _Worker:
-    __slots__ = (
-        "busy",
-        "busy_s",
-        "cached_tokens",
-        "engine",
-        "id",
-        "n_requests",
-        "n_steps",
-        "output_tokens",
-        "pending",
-        "prefill_tokens",
-        "prompt_tokens",
-        "scrape",
-        "scrape_in_flight",
-        "scrape_s",
-    )
-
-    def __init__(self, worker_id: str, engine: SimEngine) -> None:
-        self.id = WorkerId(worker_id)
-        self.engine = engine
-        self.busy = False
-        self.pending: StepLike | None = None
-        self.scrape: StatsLike = engine.stats()
-        self.scrape_s = -math.inf
-        self.scrape_in_flight: list[int] = []
-        self.n_requests = self.prompt_tokens = self.cached_tokens = self.prefill_tokens = 0
-        self.output_tokens = self.n_steps = 0
-        self.busy_s = 0.0
-
-
 class _Loop:
     def __init__(
         self,
@@ -152,14 +89,14 @@ class _Loop:
         order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
         self.requests = [requests[i] for i in order]
         self.keyed = None if keyed is None else [keyed[i] for i in order]
-        self.workers = [_Worker(f"w{i}", e) for i, e in enumerate(engines)]
+        self.workers = [SimWorker(f"w{i}", e) for i, e in enumerate(engines)]
         self.by_id = {w.id: i for i, w in enumerate(self.workers)}
         self.gateways = [SimGateway(i, p, len(engines)) for i, p in enumerate(policies)]
         self.bus = None if config.sync_delay_s is None else SyncBus(self.gateways, config.sync_delay_s)
         self.config = config
         self.hooks = hooks
         self.progress = progress
-        self.flights: dict[str, _Flight] = {}
+        self.flights: dict[str, Flight] = {}
         self.records: list[RequestRecord] = []
         self.heap: list[tuple[float, int, int]] = []
         self.seq = 0
@@ -209,7 +146,7 @@ class _Loop:
 
     def _record(
         self,
-        f: _Flight,
+        f: Flight,
         worker: str | None,
         first_s: float | None,
         end_s: float | None,
@@ -230,35 +167,13 @@ class _Loop:
         if self.progress is not None:
             self.progress(len(self.records))
 
-    def kv_events(self, w: _Worker, out: KvChanges, now_s: float) -> None:
-        """The worker's KV events as the gateway decodes them: token ids of every stored block
-        (chat and text prompts; a trace prompt has none), and the namespace its salt resolves to."""
-        size = w.engine.block_size
-        for st in out.stored:
-            tokens: tuple[int, ...] = ()
-            namespace = None
-            f = self.flights.get(str(st.request_id))
-            if f is not None and f.keyed is not None:
-                namespace = self.hooks.keys.namespace_of_salt(f.salt)
-                if f.keyed.tokens is not None:
-                    start = st.first_block_index * size
-                    tokens = tuple(f.keyed.tokens[start : start + len(st.block_hashes) * size])
-            ev = KvEvent(
-                KvEventKind.BLOCK_STORED,
-                tuple(st.block_hashes),
-                st.parent_block_hash,
-                token_ids=tokens,
-                block_size=size,
-                namespace=namespace,
-            )
-            for gw in self.gateways:
-                gw.policy.on_kv_event(w.id, ev, now_s)
-        if out.removed:
-            ev = KvEvent(KvEventKind.BLOCK_REMOVED, tuple(out.removed))
+    def kv_events(self, w: SimWorker, out: KvChanges, now_s: float) -> None:
+        """The worker's KV events, to every gateway's policy (`flights.kv_events`)."""
+        for ev in kv_events(out, w.engine.block_size, self.flights, self.hooks.keys):
             for gw in self.gateways:
                 gw.policy.on_kv_event(w.id, ev, now_s)
 
-    def apply(self, idx: int, w: _Worker, out: StepLike) -> None:
+    def apply(self, idx: int, w: SimWorker, out: StepLike) -> None:
         now_s = out.end_s
         changed: dict[tuple[SimGateway, str], None] = {}
         if self.config.kv_events:
@@ -353,7 +268,7 @@ class _Loop:
     def reject(self, req: WorkloadRequest, route: RouteRequest, reason: str) -> None:
         """Record a request no worker could take."""
         rejected = RouteDecision(WorkerId(""), 0.0, reason)
-        self._record(_Flight(req, route, rejected), None, None, None, route.n_prompt_tokens, 0, 0)
+        self._record(Flight(req, route, rejected), None, None, None, route.n_prompt_tokens, 0, 0)
 
     def flight(
         self,
@@ -362,16 +277,16 @@ class _Loop:
         route: RouteRequest,
         decision: RouteDecision,
         kp: KeyedPrompt,
-    ) -> _Flight:
+    ) -> Flight:
         """A request gateway `gw` is about to dispatch as `decision` says, with its salt and engine
         hashes."""
         hooks = self.hooks
         salt = hooks.keys.cache_salt(route, decision)
-        f = _Flight(req, route, decision, kp, salt, gw)
+        f = Flight(req, route, decision, kp, salt, gw)
         f.hashes = request_hashes(req, kp.tokens, self.workers[0].engine.block_size, salt, hooks.hash_tokens)
         return f
 
-    def submit(self, idx: int, f: _Flight, request: object, now_s: float) -> bool:
+    def submit(self, idx: int, f: Flight, request: object, now_s: float) -> bool:
         """Hand `request` (the engine's record of flight `f`) to worker `idx`, tell the flight's
         gateway of the dispatch, and wake the worker; False (recorded as rejected) if the engine
         refuses it."""
@@ -382,7 +297,7 @@ class _Loop:
             w.engine.submit(request)
         except ValueError:
             failed = RouteDecision(decision.worker, decision.score_s, "engine rejected")
-            self._record(_Flight(f.req, route, failed), None, None, None, route.n_prompt_tokens, 0, 0)
+            self._record(Flight(f.req, route, failed), None, None, None, route.n_prompt_tokens, 0, 0)
             gw.policy.on_complete(Observation(route, decision.worker, outcome=Outcome.REJECTED), now_s)
             return False
         gw.policy.on_dispatch(route, decision, now_s)

@@ -35,8 +35,9 @@ from policies.base import Observation, Role, RouteRequest, WorkerId
 from policies.pd import PdDecision, PdRouter
 
 if TYPE_CHECKING:
+    from loadtest.simulator.flights import Flight
     from loadtest.simulator.gateways import SimGateway
-    from loadtest.simulator.loop import _Flight, _Loop
+    from loadtest.simulator.loop import _Loop
     from loadtest.simulator.port import FinishedLike
 
 
@@ -54,7 +55,7 @@ class PrefillLeg:
 
 @dataclass(slots=True)
 class _Transfer:
-    flight: _Flight
+    flight: Flight
     prefill_idx: int
     decode_idx: int
     at_s: float
@@ -132,7 +133,7 @@ class PdSim:
         loop.submit(loop.by_id[decision.prefill.worker], f, request, now_s)
 
     def prefill_done(
-        self, loop: _Loop, worker: WorkerId, f: _Flight, fin: FinishedLike, first_s: float, now_s: float
+        self, loop: _Loop, worker: WorkerId, f: Flight, fin: FinishedLike, first_s: float, now_s: float
     ) -> None:
         """A prefill leg finished: tell the policy, hold the blocks, start the transfer."""
         leg = f.leg

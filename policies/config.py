@@ -145,6 +145,7 @@ class CostParamsYaml(_Strict):
     discount_cached_backlog: bool = False
     continuation_slack_requests: float = Field(0.0, ge=0)
     keep_tpot_s: float = Field(0.0, ge=0)
+    herd_weight: float = Field(2.0, ge=0)
 
 
 class SglangParamsYaml(_Strict):

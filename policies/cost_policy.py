@@ -16,7 +16,12 @@ token counts are in engine tokens, see `CostModel.engine_tokens_per_request_toke
    joining its batch, stays within `keep_tpot_s` (`keeps_decode`);
 2. the best score wins, ties (within `tie_s`) broken at random (so idle workers share misses);
 3. hot-prefix spreading falls out of the score: when the holders' queue costs more than the
-   prefill they save, a fresh worker wins and the prefix is replicated there (reason "spread").
+   prefill they save, a fresh worker wins and the prefix is replicated there (reason "spread");
+4. with `herd_weight` > 0, behind a sync broker, when peers' dispatches this gateway cannot see yet
+   are common (requests reaching several gateways at once, `policies.herd`): the best of this
+   gateway's home share of the workers, among those matching as much of the prompt, wins over a
+   better non-home worker within `herd_margin_s`, so that same-instant choices of several
+   gateways part instead of all going to the same least-loaded worker.
 """
 
 from __future__ import annotations
@@ -45,6 +50,11 @@ class CostPolicy(PrefixPolicyBase):
     OBSERVE_SLICE = 8
     MAX_INFLIGHT = 65_536
     MAX_CACHED_POOLS = 32
+    MEAN_WORK_DISPATCHES = 64
+    # Below this many unseen peer dispatches per decision (`policies.herd.UnseenPeers`), gateways
+    # rarely decide together: no home preference. A steady stream at a realistic rate and a sync lag
+    # of milliseconds stays far below it.
+    HERD_MIN_UNSEEN = 0.5
 
     def __init__(
         self,
@@ -60,6 +70,7 @@ class CostPolicy(PrefixPolicyBase):
         discount_cached_backlog: bool = False,
         continuation_slack_requests: float = 0.0,
         keep_tpot_s: float = 0.0,
+        herd_weight: float = 2.0,
         shared: SharedSettings | None = None,
     ) -> None:
         if (
@@ -72,12 +83,13 @@ class CostPolicy(PrefixPolicyBase):
                 branch_load_weight,
                 continuation_slack_requests,
                 keep_tpot_s,
+                herd_weight,
             )
             < 0
         ):
             raise ValueError(
                 "epsilon, slack_requests, tie_s, work_weight, max_queue_factor, branch_load_weight,"
-                " continuation_slack_requests and keep_tpot_s must be >= 0"
+                " continuation_slack_requests, keep_tpot_s and herd_weight must be >= 0"
             )
         if load_window_s <= 0:
             raise ValueError("load_window_s must be > 0")
@@ -92,6 +104,9 @@ class CostPolicy(PrefixPolicyBase):
         self.discount_cached_backlog = discount_cached_backlog
         self.continuation_slack_requests = continuation_slack_requests
         self.keep_tpot_s = keep_tpot_s
+        self.herd_weight = herd_weight
+        self._mean_work_s = 0.0  # prefill seconds per dispatch (own and peers'), moving average
+        self._work_samples = 0
         self._last_n = -1
         self._positions = Positions()
         self._columns: OrderedDict[str, CandidateCache] = OrderedDict()
@@ -186,6 +201,21 @@ class CostPolicy(PrefixPolicyBase):
         if worker not in recent and len(recent) >= 4096:
             recent.pop(next(iter(recent)))  # bounded across worker churn
         recent[worker] = (self.recent_work_s(worker, now_s) + work, now_s)
+        # The mean over the first dispatches, then a moving average over the last ~64.
+        self._work_samples = min(self._work_samples + 1, self.MEAN_WORK_DISPATCHES)
+        self._mean_work_s += (work - self._mean_work_s) / self._work_samples
+
+    def herd_margin_s(self, scale: float) -> float:
+        """How much worse than the best a home worker may score and still be chosen: the prefill
+        seconds that the peer dispatches this gateway cannot see would add to the best worker if
+        they all went there (`herd_weight` × unseen dispatches per decision × mean prefill per
+        dispatch). 0 with no peers in sight or with `herd_weight` 0."""
+        if self.herd_weight <= 0 or self._sync_sink is None:
+            return 0.0
+        unseen = self._unseen.per_decision
+        if unseen < self.HERD_MIN_UNSEEN:
+            return 0.0
+        return self.herd_weight * unseen * self._mean_work_s * scale
 
     def select(self, req: RouteRequest, workers: Sequence[WorkerView], now_s: float) -> RouteDecision | None:
         pool = self._pool(req)
@@ -238,6 +268,9 @@ class CostPolicy(PrefixPolicyBase):
         longest_tokens = min(found.longest_blocks * bs, limit)
         q = cost.queue_terms()
         scorer = Scorer(self.tie_s, req, cost, q, weight, longest_tokens)
+        herd_s = self.herd_margin_s(q.scale)
+        if herd_s > 0:
+            scorer.keep_near(herd_s)
         if self.branch_load_weight > 0 and 2 * longest_tokens <= n:
             # Most of the prompt is new: it starts a branch (a new session or a fork) whose next
             # requests will follow it to this worker. Charge each worker the work recently routed
@@ -248,7 +281,7 @@ class CostPolicy(PrefixPolicyBase):
         # queue's smallest term, before scaling for requests this gateway did not send). Workers are
         # scored in order of that bound, and once it falls below the best score less the tie margin
         # no later worker can win or tie: the loop stops there.
-        tie = self.tie_s
+        reach = scorer.reach
         per_backlog_token = q.scale * q.backlog_per_token_s * cost.engine_tokens_per_request_token
         # Pass 2a: the workers holding part of the prefix (few). Wholly inside a promoted public
         # prefix, the request carries the public salt, so only public holders save it anything
@@ -275,18 +308,18 @@ class CostPolicy(PrefixPolicyBase):
                     ranked.append((upper - per_backlog_token * backlogs[i], i, matched))
             ranked.sort(reverse=True)
             for upper, i, matched in ranked:
-                if upper < scorer.best_score - tie:
+                if upper < scorer.best_score - reach:
                     break
                 scorer.consider(i, cands[i], matched, backlogs[i])
         # Pass 2b: the others (they save nothing, or at most a transfer), by raw backlog
         # (`cost_scan.by_backlog`): a hit usually stops after a few of them, a miss scores every
         # worker the backlog bound cannot rule out (each one's queue and branch charge differ).
         cap_s = scorer.nonholder_saved_s
-        if cap_s >= scorer.best_score - tie:
+        if cap_s >= scorer.best_score - reach:
             for i in by_backlog(columns):
                 if loads[i] > bound or i in holders:
                     continue
-                if cap_s - per_backlog_token * backlogs[i] < scorer.best_score - tie:
+                if cap_s - per_backlog_token * backlogs[i] < scorer.best_score - reach:
                     break
                 scorer.consider(i, cands[i], 0, backlogs[i])
         best = scorer.best
@@ -295,10 +328,40 @@ class CostPolicy(PrefixPolicyBase):
         else:
             best.sort()
             chosen, matched, queue = self._rng.choice(best)
+        score = scorer.best_score
+        if herd_s > 0:
+            home = self._home_choice(scorer, cands, matched, herd_s, now_s)
+            if home is not None:
+                score, chosen, matched, queue = home
         reason = self._reason(overloaded, matched, longest_tokens)
         self._decisions.add(reason)
         cost.note_dispatch(req.request_id, queue, scorer._engine(matched))
-        return RouteDecision(cands[chosen].worker_id, scorer.best_score, reason, matched, found.public_blocks)
+        return RouteDecision(cands[chosen].worker_id, score, reason, matched, found.public_blocks)
+
+    def _home_choice(
+        self, scorer: Scorer, cands: Sequence[WorkerView], matched: int, herd_s: float, now_s: float
+    ) -> tuple[float, int, int, float] | None:
+        """The best of this gateway's home workers (`policies.herd`) among the candidates matching
+        as much of the prompt as the winner and within `herd_s` of its score, unless the winner or
+        a tie of it is home already (None: keep the winner)."""
+        home = self._gateways.home([view.worker_id for view in cands], now_s)
+        if not home or any(cands[i].worker_id in home for i, _, _ in scorer.best):
+            return None
+        assert scorer.near is not None
+        floor = scorer.best_score - herd_s
+        found = None
+        for entry in scorer.near:
+            score, i, m, _ = entry
+            if (
+                score >= floor
+                and m >= matched
+                and cands[i].worker_id in home
+                and (found is None or score > found[0])
+            ):
+                found = entry
+        if found is not None:
+            self._count("herd_home_choices")
+        return found
 
     def _candidate_cache(self, pool: str) -> CandidateCache:
         cache = self._columns.get(pool)

@@ -29,9 +29,11 @@ class Scorer:
         "moved_for",
         "n",
         "n_steps",
+        "near",
         "nonholder_saved_s",
         "now_s",
         "q",
+        "reach",
         "recent",
         "saved_for",
         "tie",
@@ -60,6 +62,10 @@ class Scorer:
         self.q = q
         self.weight = weight
         self.tie = tie_s
+        # How far below the best a candidate may score and still matter: the tie margin, widened by
+        # `keep_near` to collect the candidates within a margin (`near`, None: not kept).
+        self.reach = tie_s
+        self.near: list[tuple[float, int, int, float]] | None = None
         self.longest_tokens = longest_tokens
         self.transfer_on = cost.params.transfer_enabled
         self.saved_for: dict[int, float] = {0: 0.0}
@@ -77,6 +83,12 @@ class Scorer:
             longest = self._engine(longest_tokens)
             moved = cost.saved_s(self.n, longest) * weight - cost.transfer_s(longest)
             self.nonholder_saved_s = max(0.0, moved)
+
+    def keep_near(self, margin_s: float) -> None:
+        """Also keep, in `near`, every candidate scoring within `margin_s` (plus the tie margin) of
+        the best at the time it was scored: (score, index, matched, queue)."""
+        self.reach = self.tie + margin_s
+        self.near = []
 
     def _engine(self, request_tokens: float) -> int:
         return int(request_tokens) if self.unit == 1.0 else int(request_tokens * self.unit)
@@ -132,7 +144,7 @@ class Scorer:
             backlog *= self.unit
         # T_queue, inlined from CostModel.queue_s (kept equal by a test). The backlog alone bounds
         # the score from above: skip the rest when even that cannot reach a tie.
-        if saved - self.backlog_s_per_token * backlog < self.best_score - self.tie:
+        if saved - self.backlog_s_per_token * backlog < self.best_score - self.reach:
             return
         q = self.q
         n = self.n
@@ -168,6 +180,9 @@ class Scorer:
         if self.recent is not None and (found := self.recent.get(view.worker_id)) is not None:
             work, at_s = found
             score -= self.branch_s * (work * math.exp(-max(0.0, self.now_s - at_s) / self.window_s))
+        near = self.near
+        if near is not None and score >= self.best_score - self.reach:
+            near.append((score, i, matched, queue))
         if score > self.best_score + self.tie:
             self.best_score, self.best = score, [(i, matched, queue)]
         elif score >= self.best_score - self.tie:

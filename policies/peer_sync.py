@@ -102,9 +102,13 @@ SyncSink = Callable[[PeerItem, float], None]
 class SupportsPeerSync(Protocol):
     """A policy that publishes its decisions and applies its peers' (the prefix-index policies)."""
 
-    def set_sync_sink(self, sink: SyncSink | None, *, calibration: bool = False) -> None: ...
+    def set_sync_sink(
+        self, sink: SyncSink | None, *, calibration: bool = False, origin: str = ""
+    ) -> None: ...
 
-    def apply_peer(self, origin: str, item: PeerItem, now_s: float) -> None: ...
+    def apply_peer(
+        self, origin: str, item: PeerItem, now_s: float, decided_s: float | None = None
+    ) -> None: ...
 
 
 class PeerRouting:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from policies.base import Isolation, KvEvent, Observation, RouteDecision, RouteRequest, WorkerId
 from policies.cost_model import CalibrationSample, CostModel
+from policies.herd import Gateways, UnseenPeers
 from policies.index import NO_MATCH, PrefixMatch
 from policies.kv_feed import KvEventFeed, TokenBlockHasher
 from policies.peer_sync import PeerCalibration, PeerHolding, PeerItem, PeerOutcome, PeerRouting, SyncSink
@@ -110,6 +111,10 @@ class PrefixPolicyBase:
         self._sync_sink: SyncSink | None = None
         self._sync_calibration = False
         self._peers = PeerRouting()
+        # Same-instant decisions across synced gateways (`policies.herd`): what this gateway's
+        # decisions cannot see of its peers', and the gateways there are.
+        self._unseen = UnseenPeers()
+        self._gateways = Gateways("")
 
     MAX_DISPATCHED = 65_536
 
@@ -234,6 +239,7 @@ class PrefixPolicyBase:
         pending = self._record(req, decision.worker, shared, now_s, speculative=True)
         dispatched[req.request_id] = _Dispatched(shared, pending > 0)
         if self._sync_sink is not None:
+            self._unseen.own(now_s)
             self._publish_dispatch(req, decision, shared, now_s, pending)
 
     def on_complete(self, obs: Observation, now_s: float) -> None:
@@ -303,11 +309,14 @@ class PrefixPolicyBase:
 
     # -- replica sync (policies.peer_sync) -------------------------------------------------------
 
-    def set_sync_sink(self, sink: SyncSink | None, *, calibration: bool = False) -> None:
+    def set_sync_sink(self, sink: SyncSink | None, *, calibration: bool = False, origin: str = "") -> None:
         """Publish every dispatch and outcome to `sink` from now on (None: stop), and with
-        `calibration` every completion's calibration sample too."""
+        `calibration` every completion's calibration sample too; `origin` is this gateway's name on
+        the bus (`policies.herd.home_workers` deals workers by it)."""
         self._sync_sink = sink
         self._sync_calibration = calibration
+        if origin != self._gateways.name:
+            self._gateways = Gateways(origin)
 
     def _publish_dispatch(
         self, req: RouteRequest, decision: RouteDecision, shared: int, now_s: float, pending: int
@@ -333,9 +342,11 @@ class PrefixPolicyBase:
         )  # fmt: skip
         sink(holding, now_s)
 
-    def apply_peer(self, origin: str, item: PeerItem, now_s: float) -> None:
+    def apply_peer(self, origin: str, item: PeerItem, now_s: float, decided_s: float | None = None) -> None:
         """Apply what gateway `origin` published: a holding is recorded as speculative, as a local
-        dispatch is; an outcome confirms it (served) or takes its unconfirmed blocks back."""
+        dispatch is; an outcome confirms it (served) or takes its unconfirmed blocks back.
+        `decided_s`: the earliest the origin can have decided it, on this gateway's clock (None:
+        unknown); with it a holding also counts toward `policies.herd.UnseenPeers`."""
         peers = self._peers
         if isinstance(item, PeerCalibration):
             self._apply_peer_calibration(item)
@@ -349,6 +360,9 @@ class PrefixPolicyBase:
                 return
             self._apply_peer_holding(pool, item, now_s)
             peers.remember(origin, item)
+            self._gateways.heard(origin, now_s)
+            if decided_s is not None:
+                self._unseen.peer(decided_s, now_s)
             peers.count("peer_holdings_applied")
             return
         held = peers.settle(origin, item.ref)

@@ -149,16 +149,23 @@ async def _round(args: argparse.Namespace, name: str, broker: LocalBroker | None
 
         policy_a = states[0].routing.policy
         assert isinstance(policy_a, SupportsPeerSync)
-        policy_a.set_sync_sink(timed_sink)
+        policy_a.set_sync_sink(timed_sink, origin=services[0].origin)
         for st in states[1:]:
             peer = st.routing.policy
             assert isinstance(peer, CostPolicy)
             apply = peer.apply_peer
 
-            def timed_apply(origin: str, item: PeerItem, now_s: float, apply: object = apply) -> None:
+            def timed_apply(
+                origin: str,
+                item: PeerItem,
+                now_s: float,
+                decided_s: float | None = None,
+                *,
+                apply: object = apply,
+            ) -> None:
                 if isinstance(item, PeerHolding) and item.ref in sent_at:
                     latencies.append(time.monotonic() - sent_at[item.ref])
-                apply(origin, item, now_s)  # type: ignore[operator]
+                apply(origin, item, now_s, decided_s)  # type: ignore[operator]
 
             peer.apply_peer = timed_apply  # type: ignore[method-assign]
         await _until(lambda: all(s.link.connected for s in services))

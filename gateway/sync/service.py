@@ -61,6 +61,7 @@ class SyncService:
             config.peer_timeout_s,
             routing.metrics,
             share_calibration=config.share_calibration,
+            batch_interval_s=config.batch_interval_s,
         )
         self.link = NatsLink(
             [u.strip() for u in config.url.split(",")],
@@ -77,7 +78,9 @@ class SyncService:
     def attach(self, policy: RoutingPolicy) -> None:
         """Make `policy` publish through this service (at start, and after a policy reload)."""
         if isinstance(policy, SupportsPeerSync):
-            policy.set_sync_sink(self.publisher.sink, calibration=self.config.share_calibration)
+            policy.set_sync_sink(
+                self.publisher.sink, calibration=self.config.share_calibration, origin=self.origin
+            )
 
     async def _on_message(self, data: bytes) -> None:
         await self.subscriber.on_message(data, self._policy)

@@ -47,9 +47,11 @@ class SyncSubscriber:
         metrics: GatewayMetrics,
         *,
         share_calibration: bool = False,
+        batch_interval_s: float = 0.0,
     ) -> None:
         self.origin = origin
         self.share_calibration = share_calibration
+        self.batch_interval_s = batch_interval_s  # the longest an item waits in a peer's batch
         self.registry = registry
         self._lag = metrics.sync_lag.labels()
         self.loads = PeerLoads(peer_timeout_s)
@@ -69,11 +71,16 @@ class SyncSubscriber:
             return
         try:
             items = batch.items
+            decided_s = self.decided_s(batch, time.monotonic())
             for start in range(0, len(items), CHUNK_ITEMS):
                 if start:
                     await asyncio.sleep(0)
                 self.apply_items(
-                    batch.origin, items[start : start + CHUNK_ITEMS], policy_of(), time.monotonic()
+                    batch.origin,
+                    items[start : start + CHUNK_ITEMS],
+                    policy_of(),
+                    time.monotonic(),
+                    decided_s=decided_s,
                 )
             self.finish(batch, time.monotonic())
         except Exception:  # a bug here must not end the subscription
@@ -82,17 +89,28 @@ class SyncSubscriber:
 
     def apply(self, batch: SyncBatch, policy: RoutingPolicy, now_s: float) -> None:
         """Apply a whole batch at once."""
-        self.apply_items(batch.origin, batch.items, policy, now_s)
+        self.apply_items(batch.origin, batch.items, policy, now_s, decided_s=self.decided_s(batch, now_s))
         self.finish(batch, now_s)
 
+    def decided_s(self, batch: SyncBatch, now_s: float) -> float:
+        """The earliest the batch's items can have been decided, on the monotonic clock of `now_s`:
+        its age by the wall clocks (across hosts their skew included), plus the batching wait."""
+        return now_s - max(0.0, time.time() - batch.sent_wall_s) - self.batch_interval_s
+
     def apply_items(
-        self, origin: str, items: Sequence[PeerItem], policy: RoutingPolicy, now_s: float
+        self,
+        origin: str,
+        items: Sequence[PeerItem],
+        policy: RoutingPolicy,
+        now_s: float,
+        *,
+        decided_s: float | None = None,
     ) -> None:
         if isinstance(policy, SupportsPeerSync):
             share_calibration = self.share_calibration
             for item in items:
                 if share_calibration or not isinstance(item, PeerCalibration):
-                    policy.apply_peer(origin, item, now_s)
+                    policy.apply_peer(origin, item, now_s, decided_s)
         self.stats.items += len(items)
 
     def finish(self, batch: SyncBatch, now_s: float) -> None:

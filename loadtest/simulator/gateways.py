@@ -86,7 +86,7 @@ class SyncBus:
         for gw in gateways:
             gw.peer_loads = PeerLoads()  # never expired here: the broker loses nothing
             if isinstance(gw.policy, SupportsPeerSync):
-                gw.policy.set_sync_sink(self._sink(gw.index))
+                gw.policy.set_sync_sink(self._sink(gw.index), origin=gw.name)
 
     def _sink(self, origin: int) -> SyncSink:
         def publish(item: PeerItem, now_s: float) -> None:
@@ -118,4 +118,4 @@ class SyncBus:
                     assert gw.peer_loads is not None
                     gw.peer_loads.note(name, (item,), due_s, full=False)
                 elif isinstance(gw.policy, SupportsPeerSync):
-                    gw.policy.apply_peer(name, item, due_s)
+                    gw.policy.apply_peer(name, item, due_s, due_s - self.delay_s)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import msgpack
+import pytest
 
 from gateway.config.pool import PoolConfig
 from gateway.config.sync import SyncConfig
@@ -183,3 +185,22 @@ def test_the_publisher_knows_while_peers_count_prefill_tokens_of_its_own() -> No
     assert batch is not None and batch.items == () and batch.loads == (PeerLoad("p", WorkerId(W0), 1, 0, 10),)
     assert not pub.prefill_published
     assert pub.next_batch([PeerLoad("p", WorkerId(W0), 1, 0, 10)], 0.02) is None
+
+
+async def test_a_peer_holding_counts_against_the_decisions_made_since_the_peer_sent_it() -> None:
+    registry = Registry([PoolConfig(name="p", models=["m"], workers=[W0, W1])])
+    sub = SyncSubscriber("me", registry, 2.0, GatewayMetrics(), batch_interval_s=0.005)
+    policy = CostPolicy(seed=0)
+    policy.set_sync_sink(lambda item, now_s: None, origin="me")
+    now = time.monotonic()
+    for k, ago_s in enumerate((0.2, 0.01)):  # two decisions here, 200 ms and 10 ms ago
+        r = req(f"own{k}", range(100 * k, 100 * k + 8), pool="p")
+        policy.on_dispatch(r, RouteDecision(WorkerId(W0), 0.0, "miss"), now - ago_s)
+    # The peer sent its batch 15 ms ago: its holding was decided at most 20 ms ago (5 ms batching).
+    batch = SyncBatch("peer", 1, time.time() - 0.015, True, (_holding(1),))
+    decided = sub.decided_s(batch, time.monotonic())
+    assert 0.02 <= time.monotonic() - decided < 0.2
+    await sub.on_message(encode(batch), lambda: policy)
+    # The decision of 10 ms ago could not see it, the one of 200 ms ago was before it.
+    assert policy._unseen.per_decision == pytest.approx(0.5, rel=0.01)
+    assert "peer" in policy._gateways.names(time.monotonic())

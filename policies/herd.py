@@ -1,0 +1,139 @@
+"""Synced gateways deciding at the same instant: how many peer decisions one cannot see, who takes what.
+
+Gateways that share their decisions (`policies.peer_sync`) see each other's dispatches a sync lag
+late. Requests that reach several gateways within that lag are routed on the same view, so a miss
+from every gateway goes to the same least-loaded worker: the herd. One gateway would have routed
+them one after the other, each seeing the last.
+
+`UnseenPeers` measures how much of that happens. When a peer's dispatch arrives, the gateway counts
+its own decisions made since the peer decided: none of them could see it. Those pairs, over the
+gateway's own decisions (both decayed over `window_s`), give how many peer dispatches one decision
+of this gateway typically cannot see. A steady stream gives about rate × lag (a small number for
+any realistic rate and a lag of milliseconds); arrivals that come together, as a batch job's or a
+trace's on a coarse clock, give about the size of what comes together. It is a measure of
+coincidence, not of rate.
+
+`home_workers` breaks the symmetry without a message: a convention every gateway computes alike,
+the pool's workers sorted by id dealt in turn to the gateways sorted by name. A gateway that
+expects unseen peers prefers its own share within a margin (`policies.cost_policy`), so the
+gateways' same-instant choices part instead of piling up.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+
+from policies.base import WorkerId
+
+
+class UnseenPeers:
+    """Peer dispatches per own decision that the decision could not see (see the module docstring).
+
+    Own decision times are kept for `horizon_s` (at most `MAX_OWN` of them): a peer dispatch
+    arriving later than that after its decision counts only the decisions within the horizon.
+    Times are one clock's (the receiver's); decisions are noted in non-decreasing time.
+    """
+
+    MAX_OWN = 4096
+
+    __slots__ = ("_at", "_decisions", "_own", "_pairs", "horizon_s", "window_s")
+
+    def __init__(self, window_s: float = 30.0, horizon_s: float = 1.0) -> None:
+        if window_s <= 0 or horizon_s <= 0:
+            raise ValueError("window_s and horizon_s must be > 0")
+        self.window_s = window_s
+        self.horizon_s = horizon_s
+        self._own: deque[float] = deque()
+        self._pairs = 0.0
+        self._decisions = 0.0
+        self._at = 0.0
+
+    def _decay(self, now_s: float) -> None:
+        elapsed = now_s - self._at
+        if elapsed > 0:
+            keep = math.exp(-elapsed / self.window_s)
+            self._pairs *= keep
+            self._decisions *= keep
+            self._at = now_s
+
+    def own(self, now_s: float) -> None:
+        """This gateway decided at `now_s`."""
+        self._decay(now_s)
+        self._decisions += 1.0
+        own = self._own
+        own.append(now_s)
+        oldest = now_s - self.horizon_s
+        while own[0] < oldest or len(own) > self.MAX_OWN:
+            own.popleft()
+
+    def peer(self, decided_s: float, now_s: float) -> None:
+        """A peer's dispatch, decided no earlier than `decided_s`, arrives at `now_s`."""
+        self._decay(now_s)
+        own = self._own
+        if not own or own[-1] < decided_s:
+            return
+        self._pairs += len(own) - bisect_left(own, max(decided_s, now_s - self.horizon_s))
+
+    @property
+    def per_decision(self) -> float:
+        """Peer dispatches one decision of this gateway could not see, on average over the window
+        (0 until it has decided)."""
+        return self._pairs / self._decisions if self._decisions > 0.0 else 0.0
+
+
+class Gateways:
+    """The gateways a policy knows of: itself (`name`) and the peers heard within `ttl_s`, bounded."""
+
+    MAX_PEERS = 1024
+
+    __slots__ = ("_heard", "_homes", "name", "ttl_s")
+
+    def __init__(self, name: str, ttl_s: float = 10.0) -> None:
+        self.name = name
+        self.ttl_s = ttl_s
+        self._heard: OrderedDict[str, float] = OrderedDict()
+        self._homes: tuple[tuple[str, ...], tuple[WorkerId, ...], frozenset[WorkerId]] | None = None
+
+    def heard(self, origin: str, now_s: float) -> None:
+        heard = self._heard
+        heard.pop(origin, None)
+        heard[origin] = now_s
+        if len(heard) > self.MAX_PEERS:
+            heard.popitem(last=False)
+
+    def names(self, now_s: float) -> tuple[str, ...]:
+        """Every gateway known now, sorted (this one included)."""
+        heard = self._heard
+        while heard:
+            origin, at_s = next(iter(heard.items()))
+            if now_s - at_s < self.ttl_s:
+                break
+            del heard[origin]
+        return tuple(sorted({self.name, *heard}))
+
+    def home(self, workers: Sequence[WorkerId], now_s: float) -> frozenset[WorkerId]:
+        """This gateway's share of `workers` (memoized while the gateways and workers stay)."""
+        names = self.names(now_s)
+        ids = tuple(workers)
+        found = self._homes
+        if found is not None and found[0] == names and found[1] == ids:
+            return found[2]
+        home = home_workers(ids, names, self.name)
+        self._homes = (names, ids, home)
+        return home
+
+
+def home_workers(workers: Sequence[WorkerId], gateways: Sequence[str], name: str) -> frozenset[WorkerId]:
+    """`name`'s share: `workers` sorted by id, dealt in turn to `gateways` sorted by name. With
+    more gateways than workers, each gateway gets one worker (some share one)."""
+    names = sorted(gateways)
+    if name not in names or not workers:
+        return frozenset()
+    rank, n_gateways = names.index(name), len(names)
+    ordered = sorted(workers)
+    if n_gateways > len(ordered):
+        return frozenset((ordered[rank % len(ordered)],))
+    return frozenset(ordered[rank::n_gateways])

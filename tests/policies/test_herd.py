@@ -1,0 +1,157 @@
+"""Synced gateways deciding at once: the unseen-peer measure, the home shares, and `cost`'s use of them."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from policies.base import WorkerId
+from policies.cost_policy import CostPolicy
+from policies.herd import Gateways, UnseenPeers, home_workers
+from policies.peer_sync import PeerItem
+from tests.policies.factories import req, workers
+
+LAG_S = 0.01
+
+
+@given(st.integers(1, 40), st.integers(1, 12))
+def test_home_shares_part_the_workers_among_the_gateways(n_workers: int, n_gateways: int) -> None:
+    ids = [WorkerId(f"w{i:02d}") for i in range(n_workers)]
+    names = [f"gw{g}" for g in range(n_gateways)]
+    shares = [home_workers(ids, names, name) for name in names]
+    # Every gateway computes the same deal whatever order it lists workers and gateways in.
+    assert shares == [home_workers(ids[::-1], names[::-1], name) for name in names]
+    assert all(len(s) >= 1 for s in shares)
+    if n_gateways <= n_workers:
+        assert set().union(*shares) == set(ids)
+        assert sum(map(len, shares)) == n_workers  # disjoint
+        assert max(map(len, shares)) - min(map(len, shares)) <= 1
+    else:
+        assert all(len(s) == 1 for s in shares)
+    assert home_workers(ids, names, "stranger") == frozenset()
+
+
+def test_gateways_forget_peers_not_heard_within_their_ttl() -> None:
+    gws = Gateways("b", ttl_s=10.0)
+    gws.heard("a", 0.0)
+    gws.heard("c", 5.0)
+    ids = [WorkerId(f"w{i}") for i in range(6)]
+    assert gws.names(9.0) == ("a", "b", "c")
+    assert gws.home(ids, 9.0) == {WorkerId("w1"), WorkerId("w4")}
+    assert gws.names(12.0) == ("b", "c")
+    assert gws.home(ids, 12.0) == {WorkerId("w0"), WorkerId("w2"), WorkerId("w4")}
+
+
+def test_unseen_peers_counts_coincidence_not_rate() -> None:
+    steady = UnseenPeers()
+    # 100 decisions a second here and 300 from the peers, interleaved, each arriving LAG_S late:
+    # about rate × lag of theirs are unseen per decision, in time order.
+    events = []
+    for k in range(3000):
+        t = k / 100
+        events.append((t, -1.0))
+        events += [(t + j * 0.0025 + LAG_S, t + j * 0.0025) for j in range(1, 4)]
+    for at_s, decided_s in sorted(events):
+        if decided_s < 0:
+            steady.own(at_s)
+        else:
+            steady.peer(decided_s, at_s)
+    assert steady.per_decision == pytest.approx(3.0, rel=0.01)  # 300/s × 10 ms
+    quiet = UnseenPeers()
+    for k in range(300):  # 10 a second each, peers 25 ms after: none unseen
+        quiet.own(k / 10)
+        quiet.peer(k / 10 + 0.025, k / 10 + 0.025 + LAG_S)
+    assert quiet.per_decision == 0.0
+    burst = UnseenPeers()
+    for step in range(100):  # every 3 s, 2 requests here and 6 at the peers, all at once
+        t = 3.0 * step
+        burst.own(t)
+        burst.own(t)
+        for _ in range(6):
+            burst.peer(t, t + LAG_S)
+    assert burst.per_decision == pytest.approx(6.0, rel=0.01)
+
+
+def test_unseen_peers_counts_only_within_its_horizon() -> None:
+    unseen = UnseenPeers(window_s=1e9, horizon_s=1.0)  # no decay here
+    for k in range(10):
+        unseen.own(k * 0.5)
+    unseen.peer(0.0, 4.6)  # decided long ago, arrives now: only the decisions of the last second
+    assert unseen.per_decision == pytest.approx(2 / 10)
+    with pytest.raises(ValueError):
+        UnseenPeers(window_s=0)
+
+
+class Bus:
+    """Four `cost` gateways, each publishing to the others; delivery `LAG_S` after a decision."""
+
+    def __init__(self, herd_weight: float, n: int = 4) -> None:
+        self.policies = [CostPolicy(seed=g, herd_weight=herd_weight) for g in range(n)]
+        self.queue: list[tuple[int, PeerItem, float]] = []
+        for g, p in enumerate(self.policies):
+            p.set_sync_sink(self._sink(g), origin=f"g{g}")
+
+    def _sink(self, g: int):  # type: ignore[no-untyped-def]
+        def sink(item: PeerItem, now_s: float) -> None:
+            self.queue.append((g, item, now_s))
+
+        return sink
+
+    def deliver(self) -> None:
+        for g, item, decided_s in self.queue:
+            for h, p in enumerate(self.policies):
+                if h != g:
+                    p.apply_peer(f"g{g}", item, decided_s + LAG_S, decided_s)
+        self.queue.clear()
+
+    def decide(self, g: int, rid: str, first_block: int, now_s: float) -> WorkerId:
+        # A new 500-block prompt on 8 workers whose backlogs grow with their index.
+        r = req(rid, range(first_block, first_block + 500))
+        views = workers(*[0] * 8, prefill=tuple(2000 * i for i in range(8)))
+        p = self.policies[g]
+        decision = p.select(r, views, now_s)
+        assert decision is not None
+        p.on_dispatch(r, decision, now_s)
+        return decision.worker
+
+
+def _bursts(herd_weight: float) -> tuple[Bus, list[list[WorkerId]]]:
+    bus = Bus(herd_weight)
+    rounds = []
+    for k in range(4):  # each gateway gets one new prompt at the same instant, every 3 s
+        t = 3.0 * k
+        rounds.append([bus.decide(g, f"r{k}-{g}", 10_000 * k + 1000 * g, t) for g in range(4)])
+        bus.deliver()
+    return bus, rounds
+
+
+def test_gateways_deciding_at_once_part_on_their_home_shares() -> None:
+    _, herded = _bursts(herd_weight=0.0)
+    assert all(len(set(chosen)) == 1 for chosen in herded)  # the same least-loaded worker, 4 times
+    bus, parted = _bursts(herd_weight=2.0)
+    assert len(set(parted[0])) == 1  # nothing is known of the peers before their first dispatches
+    for chosen in parted[1:]:
+        assert len(set(chosen)) == 4
+        for g, worker in enumerate(chosen):
+            assert int(worker[1:]) % 4 == g  # g's home share: w{g} and w{g+4}
+    assert bus.policies[0].stats().counters["herd_home_choices"] >= 2
+
+
+def test_a_steady_stream_routes_as_without_the_home_preference() -> None:
+    chosen = {}
+    for weight in (0.0, 2.0):
+        bus = Bus(weight)
+        seq = []
+        for k in range(40):  # the gateways take turns, 250 ms apart: every decision sees the others
+            t = 0.25 * k
+            seq.append(bus.decide(k % 4, f"s{k}", 1000 * k, t))
+            bus.deliver()
+        chosen[weight] = seq
+        assert "herd_home_choices" not in bus.policies[0].stats().counters
+    assert chosen[0.0] == chosen[2.0]
+
+
+def test_herd_weight_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="herd_weight"):
+        CostPolicy(herd_weight=-1.0)

@@ -1,6 +1,7 @@
 """Two real gateway processes sharing one nats-server, in front of emulated workers (approximate
 mode, no KV events): what gateway A routes, gateway B routes to the same worker; the broker carries
-keys and counts, never the prompt; with the broker killed both keep serving."""
+keys and counts, never the prompt; requests reaching both at once part over the gateways' home
+shares; with the broker killed both keep serving."""
 
 from __future__ import annotations
 
@@ -139,6 +140,33 @@ def test_a_prompt_routed_by_one_gateway_is_routed_to_the_same_worker_by_the_othe
 
     asyncio.run(run())
     assert captured and not any(b"Marmalade" in data or b"lighthouse" in data for data in captured)
+
+
+def test_requests_reaching_both_gateways_at_once_part_over_their_home_shares(pair: Pair) -> None:
+    """Bursts of new prompts sent to A and B together: each gateway sees the other's dispatches of
+    the same instant only after they were made, measures that, and prefers its home share."""
+    a, b = pair.gateways
+    herd = 'kvgate_policy_events_total{event="herd_home_choices",policy="cost"}'
+    # The requests so far came one at a time: every decision saw the other gateway's earlier ones.
+    assert pair.metric(a, herd) + pair.metric(b, herd) == 0
+
+    async def burst(k: int) -> None:
+        headers = {"authorization": f"Bearer {KEY}"}
+        async with httpx.AsyncClient(headers=headers, timeout=30) as client:
+
+            async def one(base: str, i: int) -> None:
+                system = f"Burst {k} prompt {i} to {base[-5:]}: an unrelated long instruction. " * 8
+                body = {"model": "m", "messages": [{"role": "system", "content": system}], "max_tokens": 2}
+                resp = await client.post(base + "/v1/chat/completions", json=body)
+                assert resp.status_code == 200, resp.text
+
+            await asyncio.gather(*(one(base, i) for i in range(6) for base in (a, b)))
+
+    for k in range(20):  # bounded: 240 requests at most
+        asyncio.run(burst(k))
+        if pair.metric(a, herd) + pair.metric(b, herd) > 0:
+            break
+    assert pair.metric(a, herd) + pair.metric(b, herd) > 0
 
 
 def test_with_the_broker_killed_both_gateways_keep_serving(pair: Pair) -> None:

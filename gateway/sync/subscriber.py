@@ -57,6 +57,7 @@ class SyncSubscriber:
         self.loads = PeerLoads(peer_timeout_s)
         self.stats = ApplyStats()
         self._last_seq: dict[str, int] = {}
+        self._age_floor: dict[str, tuple[float, float]] = {}  # origin -> (smallest age, when)
 
     async def on_message(self, data: bytes, policy_of: Callable[[], RoutingPolicy]) -> None:
         """Decode and apply one batch, `CHUNK_ITEMS` items at a time with the event loop's other
@@ -92,10 +93,23 @@ class SyncSubscriber:
         self.apply_items(batch.origin, batch.items, policy, now_s, decided_s=self.decided_s(batch, now_s))
         self.finish(batch, now_s)
 
+    # How fast an origin's smallest batch age may rise again (s per s): clocks drift apart slowly.
+    AGE_FLOOR_DRIFT = 1e-3
+
     def decided_s(self, batch: SyncBatch, now_s: float) -> float:
         """The earliest the batch's items can have been decided, on the monotonic clock of `now_s`:
-        its age by the wall clocks (across hosts their skew included), plus the batching wait."""
-        return now_s - max(0.0, time.time() - batch.sent_wall_s) - self.batch_interval_s
+        its age plus the batching wait. Across hosts a batch's age by the wall clocks includes their
+        skew, which may be large either way; the skew is the same for every batch of one origin, so
+        the age counted is the excess over the origin's smallest recent age (a real transit of
+        tens of microseconds is lost on one host, and no skew is counted across hosts)."""
+        age = time.time() - batch.sent_wall_s
+        floors = self._age_floor
+        found = floors.get(batch.origin)
+        floor = age if found is None else min(age, found[0] + self.AGE_FLOOR_DRIFT * (now_s - found[1]))
+        if len(floors) >= 4096 and batch.origin not in floors:
+            floors.clear()  # bounded against churning peers
+        floors[batch.origin] = (floor, now_s)
+        return now_s - (age - floor) - self.batch_interval_s
 
     def apply_items(
         self,
@@ -135,6 +149,8 @@ class SyncSubscriber:
             self._refresh(pool, worker)
         for origin in [o for o in self._last_seq if not self.loads.heard_from(o)]:
             del self._last_seq[origin]
+        for origin in [o for o in self._age_floor if not self.loads.heard_from(o)]:
+            del self._age_floor[origin]
 
     def _refresh(self, pool_name: str, worker_id: WorkerId) -> None:
         pool = self.registry.pools.get(pool_name)

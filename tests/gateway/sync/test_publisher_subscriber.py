@@ -192,14 +192,18 @@ async def test_a_peer_holding_counts_against_the_decisions_made_since_the_peer_s
     sub = SyncSubscriber("me", registry, 2.0, GatewayMetrics(), batch_interval_s=0.005)
     policy = CostPolicy(seed=0)
     policy.set_sync_sink(lambda item, now_s: None, origin="me")
+    skew_s = 10.0  # the peer's wall clock is 10 s behind ours
+    # A batch sent just now: the smallest age seen from this peer, its clocks' skew.
+    await sub.on_message(encode(SyncBatch("peer", 1, time.time() - skew_s, True)), lambda: policy)
     now = time.monotonic()
     for k, ago_s in enumerate((0.2, 0.01)):  # two decisions here, 200 ms and 10 ms ago
         r = req(f"own{k}", range(100 * k, 100 * k + 8), pool="p")
         policy.on_dispatch(r, RouteDecision(WorkerId(W0), 0.0, "miss"), now - ago_s)
-    # The peer sent its batch 15 ms ago: its holding was decided at most 20 ms ago (5 ms batching).
-    batch = SyncBatch("peer", 1, time.time() - 0.015, True, (_holding(1),))
+    # The peer sent this batch 15 ms ago: its holding was decided at most 20 ms ago (5 ms batching),
+    # not 10 s ago as the clocks alone would say.
+    batch = SyncBatch("peer", 2, time.time() - skew_s - 0.015, True, (_holding(1),))
     decided = sub.decided_s(batch, time.monotonic())
-    assert 0.02 <= time.monotonic() - decided < 0.2
+    assert 0.019 <= time.monotonic() - decided < 0.2  # less the first batch's own transit
     await sub.on_message(encode(batch), lambda: policy)
     # The decision of 10 ms ago could not see it, the one of 200 ms ago was before it.
     assert policy._unseen.per_decision == pytest.approx(0.5, rel=0.01)

@@ -89,17 +89,21 @@ class Gateways:
 
     MAX_PEERS = 1024
 
-    __slots__ = ("_heard", "_homes", "name", "ttl_s")
+    __slots__ = ("_heard", "_homes", "_names", "name", "ttl_s")
 
     def __init__(self, name: str, ttl_s: float = 10.0) -> None:
         self.name = name
         self.ttl_s = ttl_s
-        self._heard: OrderedDict[str, float] = OrderedDict()
+        self._heard: OrderedDict[str, float] = OrderedDict()  # oldest heard first
+        self._names: tuple[str, ...] | None = None  # `names()`, until a gateway comes or goes
         self._homes: tuple[tuple[str, ...], tuple[WorkerId, ...], frozenset[WorkerId]] | None = None
 
     def heard(self, origin: str, now_s: float) -> None:
         heard = self._heard
-        heard.pop(origin, None)
+        if origin in heard:
+            heard.move_to_end(origin)
+        else:
+            self._names = None
         heard[origin] = now_s
         if len(heard) > self.MAX_PEERS:
             heard.popitem(last=False)
@@ -112,7 +116,10 @@ class Gateways:
             if now_s - at_s < self.ttl_s:
                 break
             del heard[origin]
-        return tuple(sorted({self.name, *heard}))
+            self._names = None
+        if self._names is None:
+            self._names = tuple(sorted({self.name, *heard}))
+        return self._names
 
     def home(self, workers: Sequence[WorkerId], now_s: float) -> frozenset[WorkerId]:
         """This gateway's share of `workers` (memoized while the gateways and workers stay)."""

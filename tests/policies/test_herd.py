@@ -41,6 +41,9 @@ def test_gateways_forget_peers_not_heard_within_their_ttl() -> None:
     assert gws.home(ids, 9.0) == {WorkerId("w1"), WorkerId("w4")}
     assert gws.names(12.0) == ("b", "c")
     assert gws.home(ids, 12.0) == {WorkerId("w0"), WorkerId("w2"), WorkerId("w4")}
+    gws.heard("a", 13.0)  # back again
+    assert gws.names(13.0) == ("a", "b", "c")
+    assert gws.home(ids, 13.0) == {WorkerId("w1"), WorkerId("w4")}
 
 
 def test_unseen_peers_counts_coincidence_not_rate() -> None:

@@ -110,6 +110,11 @@ class SupportsPeerSync(Protocol):
         self, origin: str, item: PeerItem, now_s: float, decided_s: float | None = None
     ) -> None: ...
 
+    @property
+    def unseen_peer_dispatches(self) -> float:
+        """Peer dispatches one decision of this policy could not see yet (`policies.herd`)."""
+        ...
+
 
 class PeerRouting:
     """One policy's sync bookkeeping: the ref of each of its own dispatches still running (so its

@@ -342,6 +342,12 @@ class PrefixPolicyBase:
         )  # fmt: skip
         sink(holding, now_s)
 
+    @property
+    def unseen_peer_dispatches(self) -> float:
+        """Peer dispatches one of this policy's decisions could not see yet, on average
+        (`policies.herd.UnseenPeers`)."""
+        return self._unseen.per_decision
+
     def apply_peer(self, origin: str, item: PeerItem, now_s: float, decided_s: float | None = None) -> None:
         """Apply what gateway `origin` published: a holding is recorded as speculative, as a local
         dispatch is; an outcome confirms it (served) or takes its unconfirmed blocks back.

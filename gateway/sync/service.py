@@ -178,5 +178,7 @@ class SyncService:
         m.sync_peers.set(self.subscriber.loads.peers())
         m.sync_connected.set(1 if self.link.connected else 0)
         m.sync_queued.set(self.publisher.queued)
+        policy = self.routing.policy
+        m.sync_unseen.set(policy.unseen_peer_dispatches if isinstance(policy, SupportsPeerSync) else 0.0)
         for name, value in self.counters().items():
             m.sync_events.labels(name).value = float(value)

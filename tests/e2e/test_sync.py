@@ -147,8 +147,10 @@ def test_requests_reaching_both_gateways_at_once_part_over_their_home_shares(pai
     the same instant only after they were made, measures that, and prefers its home share."""
     a, b = pair.gateways
     herd = 'kvgate_policy_events_total{event="herd_home_choices",policy="cost"}'
+    unseen = "kvgate_sync_unseen_peer_dispatches"
     # The requests so far came one at a time: every decision saw the other gateway's earlier ones.
     assert pair.metric(a, herd) + pair.metric(b, herd) == 0
+    assert max(pair.metric(a, unseen), pair.metric(b, unseen)) < 0.5
 
     async def burst(k: int) -> None:
         headers = {"authorization": f"Bearer {KEY}"}
@@ -167,6 +169,7 @@ def test_requests_reaching_both_gateways_at_once_part_over_their_home_shares(pai
         if pair.metric(a, herd) + pair.metric(b, herd) > 0:
             break
     assert pair.metric(a, herd) + pair.metric(b, herd) > 0
+    assert max(pair.metric(a, unseen), pair.metric(b, unseen)) >= 0.5
 
 
 def test_with_the_broker_killed_both_gateways_keep_serving(pair: Pair) -> None:

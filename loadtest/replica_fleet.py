@@ -82,6 +82,23 @@ def _metrics_value(url: str, name: str) -> float | None:
     return None
 
 
+def metric_sum(metrics_urls: Sequence[str], prefix: str) -> float | None:
+    """The sum over gateways of the first sample whose line starts with `prefix` (a name, or a name
+    and the start of its labels); None if a gateway did not answer. A gateway without the sample
+    counts 0."""
+    total = 0.0
+    for url in metrics_urls:
+        try:
+            with urllib.request.urlopen(url + "/metrics", timeout=1.0) as resp:
+                text = resp.read().decode()
+        except (urllib.error.URLError, OSError, TimeoutError):
+            return None
+        total += next(
+            (float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix)), 0.0
+        )
+    return total
+
+
 def wait_for_peers(metrics_urls: Sequence[str], peers: int, timeout_s: float = 30.0) -> None:
     """Until every gateway's `kvgate_sync_peers` reaches `peers`; TimeoutError otherwise."""
     deadline = time.monotonic() + timeout_s

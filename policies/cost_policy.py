@@ -53,8 +53,11 @@ class CostPolicy(PrefixPolicyBase):
     MEAN_WORK_DISPATCHES = 64
     # Below this many unseen peer dispatches per decision (`policies.herd.UnseenPeers`), gateways
     # rarely decide together: no home preference. A steady stream at a realistic rate and a sync lag
-    # of milliseconds stays far below it.
+    # of milliseconds stays far below it. Above the cap, more are not counted: a gateway with few
+    # decisions of its own that meets one large burst of its peers' would otherwise let its home
+    # workers' queues grow without bound.
     HERD_MIN_UNSEEN = 0.5
+    HERD_MAX_UNSEEN = 8.0
 
     def __init__(
         self,
@@ -209,13 +212,14 @@ class CostPolicy(PrefixPolicyBase):
         """How much worse than the best a home worker may score and still be chosen: the prefill
         seconds that the peer dispatches this gateway cannot see would add to the best worker if
         they all went there (`herd_weight` × unseen dispatches per decision × mean prefill per
-        dispatch). 0 with no peers in sight or with `herd_weight` 0."""
+        dispatch, with at most `HERD_MAX_UNSEEN` dispatches counted). 0 with no peers in sight, with
+        `herd_weight` 0, or without a name on the bus (no share can be dealt)."""
         if self.herd_weight <= 0 or self._sync_sink is None:
             return 0.0
         unseen = self._unseen.per_decision
-        if unseen < self.HERD_MIN_UNSEEN:
+        if unseen < self.HERD_MIN_UNSEEN or not self._gateways.name:
             return 0.0
-        return self.herd_weight * unseen * self._mean_work_s * scale
+        return self.herd_weight * min(unseen, self.HERD_MAX_UNSEEN) * self._mean_work_s * scale
 
     def select(self, req: RouteRequest, workers: Sequence[WorkerView], now_s: float) -> RouteDecision | None:
         pool = self._pool(req)
@@ -330,7 +334,7 @@ class CostPolicy(PrefixPolicyBase):
             chosen, matched, queue = self._rng.choice(best)
         score = scorer.best_score
         if herd_s > 0:
-            home = self._home_choice(scorer, cands, matched, herd_s, now_s)
+            home = self._home_choice(scorer, workers, cands, chosen, matched, herd_s, now_s)
             if home is not None:
                 score, chosen, matched, queue = home
         reason = self._reason(overloaded, matched, longest_tokens)
@@ -339,13 +343,22 @@ class CostPolicy(PrefixPolicyBase):
         return RouteDecision(cands[chosen].worker_id, score, reason, matched, found.public_blocks)
 
     def _home_choice(
-        self, scorer: Scorer, cands: Sequence[WorkerView], matched: int, herd_s: float, now_s: float
+        self,
+        scorer: Scorer,
+        workers: Sequence[WorkerView],
+        cands: Sequence[WorkerView],
+        chosen: int,
+        matched: int,
+        herd_s: float,
+        now_s: float,
     ) -> tuple[float, int, int, float] | None:
         """The best of this gateway's home workers (`policies.herd`) among the candidates matching
-        as much of the prompt as the winner and within `herd_s` of its score, unless the winner or
-        a tie of it is home already (None: keep the winner)."""
-        home = self._gateways.home([view.worker_id for view in cands], now_s)
-        if not home or any(cands[i].worker_id in home for i, _, _ in scorer.best):
+        as much of the prompt as the winner and within `herd_s` of its score: a home member of the
+        winner's tie if there is one, else the best within the margin (None: keep the winner).
+        The shares are dealt over every worker of the pool, candidates or not, so that gateways
+        whose candidates differ (a worker at one gateway's in-flight cap) still deal alike."""
+        home = self._gateways.home([view.worker_id for view in workers], now_s)
+        if not home or cands[chosen].worker_id in home:
             return None
         assert scorer.near is not None
         floor = scorer.best_score - herd_s

@@ -100,7 +100,10 @@ SyncSink = Callable[[PeerItem, float], None]
 
 @runtime_checkable
 class SupportsPeerSync(Protocol):
-    """A policy that publishes its decisions and applies its peers' (the prefix-index policies)."""
+    """A policy that publishes its decisions and applies its peers' (the prefix-index policies).
+
+    Runtime-checkable: a class missing any member below is not taken for one, and then neither
+    publishes nor receives anything."""
 
     def set_sync_sink(
         self, sink: SyncSink | None, *, calibration: bool = False, origin: str = ""
@@ -109,6 +112,10 @@ class SupportsPeerSync(Protocol):
     def apply_peer(
         self, origin: str, item: PeerItem, now_s: float, decided_s: float | None = None
     ) -> None: ...
+
+    def note_peer(self, origin: str, now_s: float) -> None:
+        """Gateway `origin` was heard from (any batch, its load refreshes included)."""
+        ...
 
     @property
     def unseen_peer_dispatches(self) -> float:

@@ -342,6 +342,10 @@ class PrefixPolicyBase:
         )  # fmt: skip
         sink(holding, now_s)
 
+    def note_peer(self, origin: str, now_s: float) -> None:
+        """Gateway `origin` was heard from: it counts in the deal of home shares (`policies.herd`)."""
+        self._gateways.heard(origin, now_s)
+
     @property
     def unseen_peer_dispatches(self) -> float:
         """Peer dispatches one of this policy's decisions could not see yet, on average

@@ -7,13 +7,16 @@
      "k": <every holding's keys, u64 little-endian, in item order>,
      "l": [[pool, worker, requests, prefill tokens, decode tokens], ...],
      "c": [[pool, block size, prompt tokens, request tokens, prefill time ratio], ...],  # optional
-     "x": [decode context tokens, ...]}                          # optional, one per "l" entry
+     "x": [decode context tokens, ...],                          # optional, one per "l" entry
+     "a": seconds its oldest item waited in the sender's queue}  # optional
 
 "c" carries calibration samples (`PeerCalibration`), "x" each load's decode context
-(`PeerLoad.decode_context_tokens`). Both were added within version 1 as optional fields, because a
-reader takes the fields it knows by name: a gateway of an earlier release ignores them (and keeps
-routing on the holdings and loads of the same batch). A batch without "c" has no samples; one
-without "x" has loads whose decode context is 0 (its writer did not count it). Samples are
+(`PeerLoad.decode_context_tokens`), "a" how long before "t" the batch's first item was queued (on
+the sender's monotonic clock: when its items were decided, for `policies.herd`). All three were
+added within version 1 as optional fields, because a reader takes the fields it knows by name: a
+gateway of an earlier release ignores them (and keeps routing on the holdings and loads of the
+same batch). A batch without "c" has no samples; one without "x" has loads whose decode context is
+0 (its writer did not count it); one without "a" had no item wait (or its writer did not say). Samples are
 independent of the items' order, so they travel after them.
 
 Pools, namespaces and workers are indices into the string tables. A namespace is the tenant's
@@ -38,6 +41,7 @@ from prompt_normalizer.types import BlockKey
 WIRE_VERSION = 1
 _HOLDING, _OUTCOME = 0, 1
 _MAX_BYTES = 8 * 1024 * 1024
+_MAX_WAIT_S = 3600.0  # an item's wait in its sender's queue ("a"), beyond any sane one
 
 
 class MalformedBatch(ValueError):
@@ -55,6 +59,7 @@ class SyncBatch:
     full_load: bool
     items: tuple[PeerItem, ...] = ()
     loads: tuple[PeerLoad, ...] = ()
+    waited_s: float = 0.0  # how long the first item waited in the sender's queue before `sent_wall_s`
 
 
 class _Table:
@@ -117,6 +122,8 @@ def encode(batch: SyncBatch) -> bytes:
     contexts = [x.decode_context_tokens for x in batch.loads]
     if any(contexts):
         doc["x"] = contexts
+    if batch.waited_s > 0:
+        doc["a"] = batch.waited_s
     return msgpack.packb(doc, use_bin_type=True)
 
 
@@ -205,7 +212,12 @@ def _parse(doc: dict[str, Any]) -> SyncBatch:
         loads.append(PeerLoad(_at(pools, raw[0]), worker, _int(raw[2]), _int(raw[3]), _int(raw[4]), context))
     for raw in doc.get("c", ()):
         items.append(_sample(pools, raw))
-    return SyncBatch(_str(doc["o"]), _int(doc["s"]), float(sent), doc["f"], tuple(items), tuple(loads))
+    waited = doc.get("a", 0.0)
+    if isinstance(waited, bool) or not isinstance(waited, float | int) or not 0 <= waited <= _MAX_WAIT_S:
+        raise MalformedBatch("bad item wait")
+    return SyncBatch(
+        _str(doc["o"]), _int(doc["s"]), float(sent), doc["f"], tuple(items), tuple(loads), float(waited)
+    )
 
 
 def _sample(pools: list[str], raw: object) -> PeerCalibration:

@@ -54,6 +54,7 @@ class SyncPublisher:
         self.origin = origin
         self.config = config
         self._queue: deque[PeerItem] = deque()
+        self._queued_at: deque[float] = deque()  # when each queued item came (monotonic), in step
         self.dropped = 0
         self.oversized = 0
         self.batched_items = 0
@@ -68,8 +69,10 @@ class SyncPublisher:
         queue = self._queue
         if len(queue) >= self.config.queue_max_items:
             queue.popleft()
+            self._queued_at.popleft()
             self.dropped += 1
         queue.append(item)
+        self._queued_at.append(time.monotonic())
         if len(queue) == 1:
             self.ready.set()
 
@@ -99,18 +102,23 @@ class SyncPublisher:
         full = self.full_load_due(now_s)
         out = self._changed_loads(loads, full)
         budget = max_bytes - _HEAD_BYTES - sum(_load_bytes(x) for x in out)
-        queue = self._queue
+        queue, queued_at = self._queue, self._queued_at
         items: list[PeerItem] = []
+        first_queued_s: float | None = None
         while queue and len(items) < self.config.batch_max_items:
             size = item_bytes(queue[0])
             if size > budget:
                 if items or size <= max_bytes - _HEAD_BYTES:
                     break  # the next batch takes it
                 queue.popleft()  # would not fit in any batch
+                queued_at.popleft()
                 self.oversized += 1
                 continue
             budget -= size
             items.append(queue.popleft())
+            at_s = queued_at.popleft()
+            if first_queued_s is None:
+                first_queued_s = at_s
         if not queue:
             self.ready.clear()
         if not items and not out and not full:
@@ -119,7 +127,8 @@ class SyncPublisher:
             self._last_full_s = now_s
         self._seq += 1
         self.batched_items += len(items)
-        return SyncBatch(self.origin, self._seq, time.time(), full, tuple(items), tuple(out))
+        waited = 0.0 if first_queued_s is None else max(0.0, time.monotonic() - first_queued_s)
+        return SyncBatch(self.origin, self._seq, time.time(), full, tuple(items), tuple(out), waited)
 
     def _changed_loads(self, loads: Iterable[PeerLoad], full: bool) -> list[PeerLoad]:
         sent = self._sent_loads

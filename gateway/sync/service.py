@@ -61,7 +61,6 @@ class SyncService:
             config.peer_timeout_s,
             routing.metrics,
             share_calibration=config.share_calibration,
-            batch_interval_s=config.batch_interval_s,
         )
         self.link = NatsLink(
             [u.strip() for u in config.url.split(",")],

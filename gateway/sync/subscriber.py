@@ -47,11 +47,9 @@ class SyncSubscriber:
         metrics: GatewayMetrics,
         *,
         share_calibration: bool = False,
-        batch_interval_s: float = 0.0,
     ) -> None:
         self.origin = origin
         self.share_calibration = share_calibration
-        self.batch_interval_s = batch_interval_s  # the longest an item waits in a peer's batch
         self.registry = registry
         self._lag = metrics.sync_lag.labels()
         self.loads = PeerLoads(peer_timeout_s)
@@ -71,8 +69,10 @@ class SyncSubscriber:
         if batch.origin == self.origin:
             return
         try:
+            now_s = time.monotonic()
+            self.note(batch.origin, policy_of(), now_s)
             items = batch.items
-            decided_s = self.decided_s(batch, time.monotonic())
+            decided_s = self.decided_s(batch, now_s)
             for start in range(0, len(items), CHUNK_ITEMS):
                 if start:
                     await asyncio.sleep(0)
@@ -90,18 +90,27 @@ class SyncSubscriber:
 
     def apply(self, batch: SyncBatch, policy: RoutingPolicy, now_s: float) -> None:
         """Apply a whole batch at once."""
+        self.note(batch.origin, policy, now_s)
         self.apply_items(batch.origin, batch.items, policy, now_s, decided_s=self.decided_s(batch, now_s))
         self.finish(batch, now_s)
 
-    # How fast an origin's smallest batch age may rise again (s per s): clocks drift apart slowly.
-    AGE_FLOOR_DRIFT = 1e-3
+    # How fast an origin's smallest batch age may rise again (s per s): far faster than clocks drift
+    # apart, so that a step of either clock is forgotten within a minute or two.
+    AGE_FLOOR_DRIFT = 1e-2
+
+    @staticmethod
+    def note(origin: str, policy: RoutingPolicy, now_s: float) -> None:
+        """Tell the policy `origin` was heard from (every batch, load refreshes included)."""
+        if isinstance(policy, SupportsPeerSync):
+            policy.note_peer(origin, now_s)
 
     def decided_s(self, batch: SyncBatch, now_s: float) -> float:
         """The earliest the batch's items can have been decided, on the monotonic clock of `now_s`:
-        its age plus the batching wait. Across hosts a batch's age by the wall clocks includes their
-        skew, which may be large either way; the skew is the same for every batch of one origin, so
-        the age counted is the excess over the origin's smallest recent age (a real transit of
-        tens of microseconds is lost on one host, and no skew is counted across hosts)."""
+        its age, plus how long its first item waited in the sender's queue. Across hosts a batch's
+        age by the wall clocks includes their skew, which may be large either way; the skew is the
+        same for every batch of one origin, so the age counted is the excess over the origin's
+        smallest recent age (a real transit of tens of microseconds is lost on one host, and no
+        skew is counted across hosts)."""
         age = time.time() - batch.sent_wall_s
         floors = self._age_floor
         found = floors.get(batch.origin)
@@ -109,7 +118,7 @@ class SyncSubscriber:
         if len(floors) >= 4096 and batch.origin not in floors:
             floors.clear()  # bounded against churning peers
         floors[batch.origin] = (floor, now_s)
-        return now_s - (age - floor) - self.batch_interval_s
+        return now_s - (age - floor) - batch.waited_s
 
     def apply_items(
         self,

@@ -114,6 +114,8 @@ class SyncBus:
                 if gw.index == origin:
                     continue
                 self.delivered += 1
+                if isinstance(gw.policy, SupportsPeerSync):
+                    gw.policy.note_peer(name, due_s)
                 if isinstance(item, PeerLoad):
                     assert gw.peer_loads is not None
                     gw.peer_loads.note(name, (item,), due_s, full=False)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -108,10 +110,13 @@ class Bus:
                     p.apply_peer(f"g{g}", item, decided_s + LAG_S, decided_s)
         self.queue.clear()
 
-    def decide(self, g: int, rid: str, first_block: int, now_s: float) -> WorkerId:
-        # A new 500-block prompt on 8 workers whose backlogs grow with their index.
+    def decide(self, g: int, rid: str, first_block: int, now_s: float, down: int | None = None) -> WorkerId:
+        # A new 500-block prompt on 8 workers whose backlogs grow with their index (one of them
+        # unhealthy with `down`).
         r = req(rid, range(first_block, first_block + 500))
         views = workers(*[0] * 8, prefill=tuple(2000 * i for i in range(8)))
+        if down is not None:
+            views[down] = dataclasses.replace(views[down], healthy=False)
         p = self.policies[g]
         decision = p.select(r, views, now_s)
         assert decision is not None
@@ -119,12 +124,12 @@ class Bus:
         return decision.worker
 
 
-def _bursts(herd_weight: float) -> tuple[Bus, list[list[WorkerId]]]:
+def _bursts(herd_weight: float, down: int | None = None) -> tuple[Bus, list[list[WorkerId]]]:
     bus = Bus(herd_weight)
     rounds = []
     for k in range(4):  # each gateway gets one new prompt at the same instant, every 3 s
         t = 3.0 * k
-        rounds.append([bus.decide(g, f"r{k}-{g}", 10_000 * k + 1000 * g, t) for g in range(4)])
+        rounds.append([bus.decide(g, f"r{k}-{g}", 10_000 * k + 1000 * g, t, down) for g in range(4)])
         bus.deliver()
     return bus, rounds
 
@@ -139,6 +144,25 @@ def test_gateways_deciding_at_once_part_on_their_home_shares() -> None:
         for g, worker in enumerate(chosen):
             assert int(worker[1:]) % 4 == g  # g's home share: w{g} and w{g+4}
     assert bus.policies[0].stats().counters["herd_home_choices"] >= 2
+
+
+def test_the_shares_are_dealt_over_the_whole_pool_not_the_candidates() -> None:
+    # w1 is down: g1 keeps w5 (its share is {w1, w5}), and nobody's share moves.
+    _, parted = _bursts(herd_weight=2.0, down=1)
+    for chosen in parted[1:]:
+        assert chosen[1] == "w5" and len(set(chosen)) == 4
+        assert all(int(worker[1:]) % 4 == g for g, worker in enumerate(chosen))
+
+
+def test_a_gateway_without_a_name_on_the_bus_keeps_the_winner() -> None:
+    bus = Bus(2.0)
+    bus.policies[0].set_sync_sink(lambda item, now_s: None, origin="")  # publishes, unnamed
+    for k in range(4):
+        for g in range(4):
+            bus.decide(g, f"r{k}-{g}", 10_000 * k + 1000 * g, 3.0 * k)
+        bus.deliver()
+    assert "herd_home_choices" not in bus.policies[0].stats().counters
+    assert bus.policies[1].stats().counters.get("herd_home_choices", 0) >= 1
 
 
 def test_a_steady_stream_routes_as_without_the_home_preference() -> None:

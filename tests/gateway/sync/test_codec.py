@@ -57,6 +57,7 @@ _LOAD = st.builds(
     st.lists(_ITEM, max_size=12),
     st.lists(_SAMPLE, max_size=4),
     st.lists(_LOAD, max_size=6),
+    st.one_of(st.just(0.0), st.floats(0, 10.0)),
 )
 def test_a_batch_survives_the_wire(
     origin: str,
@@ -66,9 +67,10 @@ def test_a_batch_survives_the_wire(
     items: list[PeerItem],
     samples: list[PeerCalibration],
     loads: list[PeerLoad],
+    waited: float,
 ) -> None:
     # Calibration samples travel after the holdings and outcomes (their order is immaterial).
-    batch = SyncBatch(origin, seq, sent, full, (*items, *samples), tuple(loads))
+    batch = SyncBatch(origin, seq, sent, full, (*items, *samples), tuple(loads), waited)
     assert decode(encode(batch)) == batch
 
 
@@ -95,6 +97,14 @@ def test_decode_contexts_are_an_optional_field_of_version_1() -> None:
     assert [x.decode_context_tokens for x in got] == [0, 0] and got[0].decode_tokens == 64
     bare = SyncBatch("gw-a", 2, 0.0, True, (), (PeerLoad("p", WorkerId("w0"), 1, 10, 8),))
     assert "x" not in msgpack.unpackb(encode(bare), raw=False)
+
+
+def test_the_first_items_wait_is_an_optional_field_of_version_1() -> None:
+    doc = msgpack.unpackb(encode(SyncBatch("gw-a", 1, 0.0, False, (PeerOutcome(3, True),), (), 0.004)))
+    assert doc["a"] == 0.004
+    del doc["a"]  # an earlier release's writer: no wait said
+    assert decode(msgpack.packb(doc, use_bin_type=True)).waited_s == 0.0
+    assert "a" not in msgpack.unpackb(encode(SyncBatch("gw-a", 2, 0.0, False)), raw=False)
 
 
 def test_the_wire_carries_the_documented_fields_only() -> None:
@@ -151,6 +161,11 @@ def _doc(**over: object) -> bytes:
         _doc(x=[-1]),
         _doc(x=[True]),
         _doc(x="xyz"),
+        _doc(a=-0.001),  # the first item's wait
+        _doc(a=float("nan")),
+        _doc(a=1e9),
+        _doc(a=True),
+        _doc(a="1"),
     ],
 )
 def test_anything_else_is_a_malformed_batch(data: bytes) -> None:

@@ -189,22 +189,46 @@ def test_the_publisher_knows_while_peers_count_prefill_tokens_of_its_own() -> No
 
 async def test_a_peer_holding_counts_against_the_decisions_made_since_the_peer_sent_it() -> None:
     registry = Registry([PoolConfig(name="p", models=["m"], workers=[W0, W1])])
-    sub = SyncSubscriber("me", registry, 2.0, GatewayMetrics(), batch_interval_s=0.005)
+    sub = SyncSubscriber("me", registry, 2.0, GatewayMetrics())
     policy = CostPolicy(seed=0)
     policy.set_sync_sink(lambda item, now_s: None, origin="me")
     skew_s = 10.0  # the peer's wall clock is 10 s behind ours
     # A batch sent just now: the smallest age seen from this peer, its clocks' skew.
     await sub.on_message(encode(SyncBatch("peer", 1, time.time() - skew_s, True)), lambda: policy)
     now = time.monotonic()
-    for k, ago_s in enumerate((0.2, 0.01)):  # two decisions here, 200 ms and 10 ms ago
+    for k, ago_s in enumerate((1.0, 0.001)):  # two decisions here, 1 s and 1 ms ago
         r = req(f"own{k}", range(100 * k, 100 * k + 8), pool="p")
         policy.on_dispatch(r, RouteDecision(WorkerId(W0), 0.0, "miss"), now - ago_s)
-    # The peer sent this batch 15 ms ago: its holding was decided at most 20 ms ago (5 ms batching),
-    # not 10 s ago as the clocks alone would say.
-    batch = SyncBatch("peer", 2, time.time() - skew_s - 0.015, True, (_holding(1),))
+    # The peer sent this batch 50 ms ago: its holding was decided then at the latest, not 10 s ago
+    # as the clocks alone would say.
+    batch = SyncBatch("peer", 2, time.time() - skew_s - 0.05, True, (_holding(1),))
     decided = sub.decided_s(batch, time.monotonic())
-    assert 0.019 <= time.monotonic() - decided < 0.2  # less the first batch's own transit
+    assert 0.045 <= time.monotonic() - decided < 0.5  # less the first batch's own transit
     await sub.on_message(encode(batch), lambda: policy)
-    # The decision of 10 ms ago could not see it, the one of 200 ms ago was before it.
-    assert policy._unseen.per_decision == pytest.approx(0.5, rel=0.01)
+    # The decision of 1 ms ago could not see it, the one of 1 s ago was before it.
+    assert policy._unseen.per_decision == pytest.approx(0.5, rel=0.05)  # the older one decayed a little
     assert "peer" in policy._gateways.names(time.monotonic())
+
+
+def test_a_batch_says_how_long_its_first_item_waited(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [100.0]
+    monkeypatch.setattr("gateway.sync.publisher.time.monotonic", lambda: clock[0])
+    pub = SyncPublisher("me", SyncConfig())
+    pub.sink(_holding(1), 0.0)
+    clock[0] += 0.003
+    pub.sink(_holding(2), 0.0)
+    clock[0] += 0.002
+    batch = pub.next_batch([], 0.0)
+    assert batch is not None and len(batch.items) == 2 and batch.waited_s == pytest.approx(0.005)
+    batch = pub.next_batch([PeerLoad("p", WorkerId(W0), 1, 0, 10)], 0.0)
+    assert batch is not None and batch.items == () and batch.waited_s == 0.0  # loads only
+
+
+def test_a_peer_item_that_waited_in_its_batch_counts_from_when_it_came() -> None:
+    registry = Registry([PoolConfig(name="p", models=["m"], workers=[W0, W1])])
+    sub = SyncSubscriber("me", registry, 2.0, GatewayMetrics())
+    sub.decided_s(SyncBatch("peer", 1, time.time(), True), time.monotonic())  # the smallest age
+    now = time.monotonic()
+    fresh = sub.decided_s(SyncBatch("peer", 2, time.time(), True), now)
+    waited = sub.decided_s(SyncBatch("peer", 3, time.time(), True, (_holding(1),), (), 0.5), now)
+    assert fresh - waited == pytest.approx(0.5, abs=0.01)

@@ -229,8 +229,8 @@ class GatewayMetrics:
         self.sync_queued = Gauge("kvgate_sync_queued_items", "Sync items waiting to be published", registry=r)
         self.sync_unseen = Gauge(
             "kvgate_sync_unseen_peer_dispatches",
-            "Peer dispatches one routing decision of this gateway could not see yet, on average (30 s);"
-            " at 0.5 or more the cost policy prefers its home share of the workers",
+            "Peer dispatches one routing decision of this gateway could not see yet (decayed over 30 s,"
+            " held while idle); at 0.5 or more the cost policy prefers its home share of the workers",
             registry=r,
         )
         self.in_flight = Gauge(

@@ -10,8 +10,8 @@ its own decisions made since the peer decided: none of them could see it. Those 
 gateway's own decisions (both decayed over `window_s`), give how many peer dispatches one decision
 of this gateway typically cannot see. A steady stream gives about rate × lag (a small number for
 any realistic rate and a lag of milliseconds); arrivals that come together, as a batch job's or a
-trace's on a coarse clock, give about the size of what comes together. It is a measure of
-coincidence, not of rate.
+trace's on a coarse clock, give about the size of what comes together. It counts coincidences:
+a rate enters only through how many decisions fall within a lag of each other.
 
 `home_workers` breaks the symmetry without a message: a convention every gateway computes alike,
 the pool's workers sorted by id dealt in turn to the gateways sorted by name. A gateway that

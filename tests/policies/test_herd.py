@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -163,6 +164,28 @@ def test_a_gateway_without_a_name_on_the_bus_keeps_the_winner() -> None:
         bus.deliver()
     assert "herd_home_choices" not in bus.policies[0].stats().counters
     assert bus.policies[1].stats().counters.get("herd_home_choices", 0) >= 1
+
+
+def test_a_home_choice_only_ever_replaces_the_winner_by_a_home_worker_matching_as_much() -> None:
+    bus = Bus(2.0)
+    checked = 0
+    for k in range(6):
+        for g, p in enumerate(bus.policies):
+            # Every other request extends a prompt routed before (a hit somewhere), the rest are new.
+            first = 10_000 * (k - 1) + 1000 * g if k % 2 and k else 10_000 * k + 1000 * g
+            r = req(f"q{k}-{g}", range(first, first + 500 + 50 * k))
+            views = workers(*[0] * 8, prefill=tuple(2000 * i for i in range(8)))
+            off = copy.deepcopy(p)
+            off.herd_weight = 0.0
+            on_d, off_d = p.select(r, views, 3.0 * k), off.select(r, views, 3.0 * k)
+            assert on_d is not None and off_d is not None
+            if on_d.worker != off_d.worker:
+                home = p._gateways.home([v.worker_id for v in views], 3.0 * k)
+                assert on_d.worker in home and on_d.matched_tokens >= off_d.matched_tokens
+                checked += 1
+            p.on_dispatch(r, on_d, 3.0 * k)
+        bus.deliver()
+    assert checked >= 4  # home choices happened, and each was one
 
 
 def test_a_steady_stream_routes_as_without_the_home_preference() -> None:

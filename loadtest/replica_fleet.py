@@ -70,16 +70,30 @@ class Fleet:
             proc.stop(timeout_s=15.0)
 
 
-def _metrics_value(url: str, name: str) -> float | None:
+def _scrape(url: str) -> str | None:
+    """The gateway's /metrics text (None: it did not answer)."""
     try:
         with urllib.request.urlopen(url + "/metrics", timeout=1.0) as resp:
-            text = resp.read().decode()
+            text: str = resp.read().decode()
     except (urllib.error.URLError, OSError, TimeoutError):
         return None
+    return text
+
+
+def _first_sample(text: str, prefix: str) -> float | None:
+    """The value of the first sample whose line starts with `prefix` (None: no such sample)."""
     for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
+        if line.startswith(prefix):
             return float(line.rsplit(" ", 1)[1])
     return None
+
+
+def _metrics_value(url: str, name: str) -> float | None:
+    text = _scrape(url)
+    if text is None:
+        return None
+    found = _first_sample(text, name + " ")
+    return found if found is not None else _first_sample(text, name + "{")
 
 
 def metric_sum(metrics_urls: Sequence[str], prefix: str) -> float | None:
@@ -88,14 +102,10 @@ def metric_sum(metrics_urls: Sequence[str], prefix: str) -> float | None:
     counts 0."""
     total = 0.0
     for url in metrics_urls:
-        try:
-            with urllib.request.urlopen(url + "/metrics", timeout=1.0) as resp:
-                text = resp.read().decode()
-        except (urllib.error.URLError, OSError, TimeoutError):
+        text = _scrape(url)
+        if text is None:
             return None
-        total += next(
-            (float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix)), 0.0
-        )
+        total += _first_sample(text, prefix) or 0.0
     return total
 
 

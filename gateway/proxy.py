@@ -81,6 +81,11 @@ async def _dispatch(
     failure: Failure | None = None  # why the latest attempt failed (None: no worker was tried)
     retry: RetryReason | None = None
     queue = routing.queues.get(pool.name)
+    if a.pinned is None:
+        # Synced gateways in a burst: a long prefill waits for peers' same-instant choices.
+        hold_s = routing.hold_s(a.route, time.monotonic())
+        if hold_s > 0:
+            await asyncio.sleep(hold_s)
     for n in range(attempts_allowed(pool.config.retry_attempts, a.retries_taken)):
         now_s = time.monotonic()
         policy = routing.policy  # the current one: a reload may swap it while an attempt runs

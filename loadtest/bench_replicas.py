@@ -13,8 +13,9 @@ the baseline.
 Printed per configuration: the hit ratio (sum of `usage.prompt_tokens_details.cached_tokens` over
 sum of `prompt_tokens`, answered requests), TTFT p50 and p99, each the median over `--repeats`
 rounds, and each one's ratio to the one-process run: the median over rounds of the ratio to the
-baseline of the same round; and per round, the gateways' home-share choices (`policies.herd`:
-decisions that went to a gateway's home share because peers' same-instant dispatches were common).
+baseline of the same round; and per round, the gateways' home-share choices and holds
+(`policies.herd`: decisions that went to a gateway's home share, and requests held before their
+decision, because peers' same-instant dispatches were common).
 """
 
 from __future__ import annotations
@@ -55,7 +56,11 @@ from loadtest.workloads.records import WorkloadRequest
 SYNC_MODES = ("none", "broker", "broker-shared-calibration")
 METRICS = ("hit_ratio", "ttft_p50_s", "ttft_p99_s")
 BASELINE = "1 process"
-HOME_CHOICES = 'kvgate_policy_events_total{event="herd_home_choices"'
+# Per round, read from the gateways' metrics: what `policies.herd` did (a summary key per event).
+HERD_EVENTS = {
+    "home_choices": 'kvgate_policy_events_total{event="herd_home_choices"',
+    "holds": 'kvgate_policy_events_total{event="herd_holds"',
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,9 +163,9 @@ async def _replay_through(
 
 def run_setup(
     setup: Setup, reqs: list[WorkloadRequest], args: argparse.Namespace, workdir: Path
-) -> tuple[RouterRun, int | None]:
-    """One configuration on fresh workers, and its gateways' home-share choices (`policies.herd`;
-    None: not read); everything it started is stopped by PID before it returns."""
+) -> tuple[RouterRun, dict[str, int | None]]:
+    """One configuration on fresh workers, and its gateways' home-share choices and holds
+    (`HERD_EVENTS`; None: not read); everything it started is stopped by PID before it returns."""
     workdir.mkdir(parents=True, exist_ok=True)
     settings = emulator_settings(args)
     started = time.monotonic()
@@ -184,7 +189,7 @@ def run_setup(
         fleet = start_fleet(spec, pool.urls, sorted({r.tenant for r in reqs}), workdir)
         try:
             run = asyncio.run(_replay_through(fleet.urls, reqs, args, setup.processes))
-            home = metric_sum(fleet.metrics_urls, HOME_CHOICES)
+            herd = {key: metric_sum(fleet.metrics_urls, name) for key, name in HERD_EVENTS.items()}
         finally:
             fleet.stop()
     finally:
@@ -193,7 +198,7 @@ def run_setup(
         pool.stop()
     run.name = setup.name
     run.wall_s = time.monotonic() - started
-    return run, None if home is None else int(home)
+    return run, {key: None if n is None else int(n) for key, n in herd.items()}
 
 
 def paired_ratio(rounds: Rounds, base: Rounds, metric: str) -> float | None:
@@ -224,8 +229,8 @@ def report(all_rounds: list[Rounds], meta: dict[str, Any]) -> str:
         "medians over rounds; × 1 = median over rounds of the ratio to the 1-process run of the same round",
         "",
         "| gateways | hit ratio | × 1 | TTFT p50 s | × 1 | TTFT p99 s | × 1 | errors | hit ratio per round"
-        " | home choices per round |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        " | home choices per round | holds per round |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
     ]
     for r in all_rounds:
         cells = [r.setup.name]
@@ -234,7 +239,8 @@ def report(all_rounds: list[Rounds], meta: dict[str, Any]) -> str:
             cells.append(_fmt(paired_ratio(r, base, metric), ".3f", "×"))
         cells.append(str(sum(s["n_errors"] for s in r.summaries if s)))
         cells.append(", ".join(_fmt(s.get("hit_ratio") if s else None, ".3f") for s in r.summaries))
-        cells.append(", ".join(_fmt(s.get("home_choices") if s else None, "d") for s in r.summaries))
+        for key in HERD_EVENTS:
+            cells.append(", ".join(_fmt(s.get(key) if s else None, "d") for s in r.summaries))
         lines.append("| " + " | ".join(cells) + " |")
     for r in all_rounds:
         lines += [f"{r.setup.name}: failed: {f}" for f in r.failures]
@@ -277,8 +283,8 @@ def run(args: argparse.Namespace) -> int:
             for k, rounds in enumerate(all_rounds):
                 print(f"round {i + 1}: {rounds.setup.name} ...", file=sys.stderr, flush=True)
                 try:
-                    done, home = run_setup(rounds.setup, reqs, args, logs / f"round{i + 1}" / f"setup{k}")
-                    rounds.summaries.append({**router_summary(done), "home_choices": home})
+                    done, herd = run_setup(rounds.setup, reqs, args, logs / f"round{i + 1}" / f"setup{k}")
+                    rounds.summaries.append({**router_summary(done), **herd})
                 except (RuntimeError, TimeoutError, OSError) as exc:
                     rounds.summaries.append(None)
                     rounds.failures.append(f"round {i + 1}: {str(exc)[-300:]}")

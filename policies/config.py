@@ -146,6 +146,7 @@ class CostParamsYaml(_Strict):
     continuation_slack_requests: float = Field(0.0, ge=0)
     keep_tpot_s: float = Field(0.0, ge=0)
     herd_weight: float = Field(2.0, ge=0)
+    herd_hold_steps: int = Field(3, ge=0, le=3)
 
 
 class SglangParamsYaml(_Strict):

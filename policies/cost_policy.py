@@ -21,7 +21,11 @@ token counts are in engine tokens, see `CostModel.engine_tokens_per_request_toke
    are common (requests reaching several gateways at once, `policies.herd`): the best of this
    gateway's home share of the workers, among those matching as much of the prompt, wins over a
    better non-home worker within `herd_margin_s`, so that same-instant choices of several
-   gateways part instead of all going to the same least-loaded worker.
+   gateways part instead of all going to the same least-loaded worker;
+5. with `herd_hold_steps` > 0, in the same condition, a request whose own predicted prefill is
+   long is held before it is decided (`hold_s`, `policies.herd.hold_steps`): one sync lag per step
+   it reaches of 0.25 s, 1 s and 4 s, so the cheap requests of an instant, from every gateway, are
+   placed (and queued at the engines) before the expensive ones, which then see them.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from policies.base import Observation, RouteDecision, RouteRequest, WorkerId, Wo
 from policies.cost_model import CostModel
 from policies.cost_scan import CandidateCache, Positions, by_backlog
 from policies.cost_scorer import Scorer
+from policies.herd import HOLD_MARGIN_S, hold_steps
 from policies.peer_sync import PeerHolding
 from policies.pools import PoolState
 from policies.prefix_policy import PrefixPolicyBase, SharedSettings
@@ -74,6 +79,7 @@ class CostPolicy(PrefixPolicyBase):
         continuation_slack_requests: float = 0.0,
         keep_tpot_s: float = 0.0,
         herd_weight: float = 2.0,
+        herd_hold_steps: int = 3,
         shared: SharedSettings | None = None,
     ) -> None:
         if (
@@ -87,12 +93,13 @@ class CostPolicy(PrefixPolicyBase):
                 continuation_slack_requests,
                 keep_tpot_s,
                 herd_weight,
+                herd_hold_steps,
             )
             < 0
         ):
             raise ValueError(
                 "epsilon, slack_requests, tie_s, work_weight, max_queue_factor, branch_load_weight,"
-                " continuation_slack_requests, keep_tpot_s and herd_weight must be >= 0"
+                " continuation_slack_requests, keep_tpot_s, herd_weight and herd_hold_steps must be >= 0"
             )
         if load_window_s <= 0:
             raise ValueError("load_window_s must be > 0")
@@ -108,6 +115,7 @@ class CostPolicy(PrefixPolicyBase):
         self.continuation_slack_requests = continuation_slack_requests
         self.keep_tpot_s = keep_tpot_s
         self.herd_weight = herd_weight
+        self.herd_hold_steps = herd_hold_steps
         self._mean_work_s = 0.0  # prefill seconds per dispatch (own and peers'), moving average
         self._work_samples = 0
         self._last_n = -1
@@ -208,18 +216,44 @@ class CostPolicy(PrefixPolicyBase):
         self._work_samples = min(self._work_samples + 1, self.MEAN_WORK_DISPATCHES)
         self._mean_work_s += (work - self._mean_work_s) / self._work_samples
 
+    def _unseen_in_burst(self) -> float:
+        """Peer dispatches one decision cannot see (`policies.herd.UnseenPeers`) while gateways
+        decide together: 0 below `HERD_MIN_UNSEEN`, without sync, or without a name on the bus."""
+        if self._sync_sink is None or not self._gateways.name:
+            return 0.0
+        unseen = self._unseen.per_decision
+        return unseen if unseen >= self.HERD_MIN_UNSEEN else 0.0
+
     def herd_margin_s(self, scale: float) -> float:
         """How much worse than the best a home worker may score and still be chosen: the prefill
         seconds that the peer dispatches this gateway cannot see would add to the best worker if
         they all went there (`herd_weight` × unseen dispatches per decision × mean prefill per
         dispatch, with at most `HERD_MAX_UNSEEN` dispatches counted). 0 with no peers in sight, with
         `herd_weight` 0, or without a name on the bus (no share can be dealt)."""
-        if self.herd_weight <= 0 or self._sync_sink is None:
+        if self.herd_weight <= 0:
             return 0.0
-        unseen = self._unseen.per_decision
-        if unseen < self.HERD_MIN_UNSEEN or not self._gateways.name:
-            return 0.0
+        unseen = self._unseen_in_burst()
         return self.herd_weight * min(unseen, self.HERD_MAX_UNSEEN) * self._mean_work_s * scale
+
+    def hold_s(self, req: RouteRequest, now_s: float) -> float:
+        """Seconds to hold `req` before deciding it (step 5 of the module docstring): in a burst,
+        one sync lag (the largest lately seen, plus `HOLD_MARGIN_S`) per step its own predicted
+        prefill reaches (`policies.herd.hold_steps`); 0 outside bursts or with `herd_hold_steps` 0."""
+        if self.herd_hold_steps <= 0 or self._unseen_in_burst() <= 0:
+            return 0.0
+        pool = self._pool(req)
+        found = self._lookup(pool, req, now_s, observe=False)
+        n = req.n_prompt_tokens
+        matched = min(found.longest_blocks * req.block_size_tokens, self._cap_tokens(req, n))
+        cost = pool.cost
+        unit = cost.engine_tokens_per_request_token
+        prefill_s = cost.prefill_s(int((n - matched) * unit), int(matched * unit))
+        lag_s = self._unseen.lag_s(now_s) + HOLD_MARGIN_S
+        steps = hold_steps(prefill_s, lag_s, self.herd_hold_steps)
+        if not steps:
+            return 0.0
+        self._count("herd_holds")
+        return steps * lag_s
 
     def select(self, req: RouteRequest, workers: Sequence[WorkerView], now_s: float) -> RouteDecision | None:
         pool = self._pool(req)

@@ -13,6 +13,13 @@ any realistic rate and a lag of milliseconds); arrivals that come together, as a
 trace's on a coarse clock, give about the size of what comes together. It counts coincidences:
 a rate enters only through how many decisions fall within a lag of each other.
 
+`UnseenPeers` also keeps the lag itself (from a peer's decision to its arrival here, the largest
+lately seen), and `hold_steps` turns a request's predicted prefill into how many lags a gateway in
+a burst holds it before deciding: the cheap requests of an instant are placed first, and the
+expensive ones, held, see where every gateway put them. A prompt of many seconds no longer lands
+unseen on the worker where another gateway's short turn went the same instant (it would wait
+behind it for all those seconds), and the short requests reach the engines' FCFS queues before it.
+
 `home_workers` breaks the symmetry without a message: a convention every gateway computes alike,
 the pool's workers sorted by id dealt in turn to the gateways sorted by name. A gateway that
 expects unseen peers prefers its own share within a margin (`policies.cost_policy`), so the
@@ -39,7 +46,7 @@ class UnseenPeers:
 
     MAX_OWN = 4096
 
-    __slots__ = ("_at", "_decisions", "_own", "_pairs", "horizon_s", "window_s")
+    __slots__ = ("_at", "_decisions", "_lag_at", "_lag_s", "_own", "_pairs", "horizon_s", "window_s")
 
     def __init__(self, window_s: float = 30.0, horizon_s: float = 1.0) -> None:
         if window_s <= 0 or horizon_s <= 0:
@@ -50,6 +57,8 @@ class UnseenPeers:
         self._pairs = 0.0
         self._decisions = 0.0
         self._at = 0.0
+        self._lag_s = 0.0  # the largest lag seen, decayed over `window_s` since `_lag_at`
+        self._lag_at = 0.0
 
     def _decay(self, now_s: float) -> None:
         elapsed = now_s - self._at
@@ -72,16 +81,51 @@ class UnseenPeers:
     def peer(self, decided_s: float, now_s: float) -> None:
         """A peer's dispatch, decided no earlier than `decided_s`, arrives at `now_s`."""
         self._decay(now_s)
+        lag = min(max(0.0, now_s - decided_s), self.horizon_s)
+        if lag >= self.lag_s(now_s):
+            self._lag_s, self._lag_at = lag, now_s
         own = self._own
         if not own or own[-1] < decided_s:
             return
         self._pairs += len(own) - bisect_left(own, max(decided_s, now_s - self.horizon_s))
+
+    def lag_s(self, now_s: float) -> float:
+        """How late peers' dispatches arrive here: the largest lag lately seen (each decays over
+        `window_s`, so one slow batch does not hold forever), at most `horizon_s`; 0 before any."""
+        return self._lag_s * math.exp(-max(0.0, now_s - self._lag_at) / self.window_s)
 
     @property
     def per_decision(self) -> float:
         """Peer dispatches one decision of this gateway could not see, on average over the window
         (0 until it has decided)."""
         return self._pairs / self._decisions if self._decisions > 0.0 else 0.0
+
+
+# A request's hold, in lags, is the number of these prefill times (seconds) it reaches.
+HOLD_STEPS_S = (0.25, 1.0, 4.0)
+# A hold never exceeds this share of the request's own prefill.
+HOLD_MAX_SHARE = 1 / 16
+# Past this lag, no hold: the broker is too slow for a hold to let peers' choices arrive.
+HOLD_MAX_LAG_S = 0.1
+# Added to the lag seen, so that what a peer decided a lag before has arrived when the hold ends.
+HOLD_MARGIN_S = 0.001
+
+
+def hold_steps(prefill_s: float, lag_s: float, max_steps: int = len(HOLD_STEPS_S)) -> int:
+    """Lags to hold a request whose own prefill is predicted at `prefill_s` before deciding it:
+    the number of `HOLD_STEPS_S` it reaches (at most `max_steps`), lowered until the hold is
+    within `HOLD_MAX_SHARE` of the prefill. Requests of one step decide together, each step after
+    all cheaper ones have been seen. None past `HOLD_MAX_LAG_S`."""
+    if lag_s > HOLD_MAX_LAG_S:
+        return 0
+    steps = 0
+    for at_s in HOLD_STEPS_S[: max(0, max_steps)]:
+        if prefill_s < at_s:
+            break
+        steps += 1
+    while steps and steps * lag_s > HOLD_MAX_SHARE * prefill_s:
+        steps -= 1
+    return steps
 
 
 class Gateways:

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import field, replace
 from typing import Protocol, runtime_checkable
 
-from policies.base import WorkerId, WorkerView
+from policies.base import RouteRequest, WorkerId, WorkerView
 from policies.records import record
 from prompt_normalizer.types import BlockKey
 
@@ -120,6 +120,11 @@ class SupportsPeerSync(Protocol):
     @property
     def unseen_peer_dispatches(self) -> float:
         """Peer dispatches one decision of this policy could not see yet (`policies.herd`)."""
+        ...
+
+    def hold_s(self, req: RouteRequest, now_s: float) -> float:
+        """Seconds to hold `req` before deciding it, so that peers' decisions of the same instant
+        arrive first (0: decide now)."""
         ...
 
 

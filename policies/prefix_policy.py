@@ -342,6 +342,11 @@ class PrefixPolicyBase:
         )  # fmt: skip
         sink(holding, now_s)
 
+    def hold_s(self, req: RouteRequest, now_s: float) -> float:
+        """Seconds the gateway should hold `req` before deciding it, so that its peers' decisions
+        of the same instant reach this one first (`policies.cost_policy`, step 5); 0 here."""
+        return 0.0
+
     def note_peer(self, origin: str, now_s: float) -> None:
         """Gateway `origin` was heard from: it counts in the deal of home shares (`policies.herd`)."""
         self._gateways.heard(origin, now_s)

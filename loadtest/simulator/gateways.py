@@ -9,7 +9,8 @@ is of the request alone, so a run is the same whatever else is in the trace.
 Each `SimGateway` has its own policy object (its own index), its own in-flight accounting per
 worker, and the load its peers reported. With `SyncBus`, every item a gateway's policy publishes,
 and each change of its in-flight load on a worker, reaches every other gateway `delay_s` later
-(the broker's publish-to-apply latency, batching included), in publication order.
+(the broker's publish-to-apply latency, batching included), in publication order. A request
+its gateway holds before deciding (`SupportsPeerSync.hold_s`) is decided when the hold ends.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Sequence
 
 import xxhash
 
-from policies.base import RoutingPolicy, WorkerId, WorkerView
+from policies.base import RouteRequest, RoutingPolicy, WorkerId, WorkerView
 from policies.peer_sync import PeerItem, PeerLoad, PeerLoads, SupportsPeerSync, SyncSink, with_peer_load
 
 
@@ -33,13 +34,14 @@ class SimGateway:
 
     __slots__ = (
         "context", "decode", "in_flight", "index", "name", "peer_loads", "policy", "prefill",
-        "prefill_started", "views",
+        "prefill_started", "syncing", "views",
     )  # fmt: skip
 
     def __init__(self, index: int, policy: RoutingPolicy, n_workers: int) -> None:
         self.index = index
         self.name = f"gw{index}"
         self.policy = policy
+        self.syncing = policy if isinstance(policy, SupportsPeerSync) else None
         self.in_flight = [0] * n_workers
         self.prefill = [0] * n_workers
         # When each worker's prefill backlog (as this gateway counts it) last restarted, as the
@@ -49,6 +51,10 @@ class SimGateway:
         self.context = [0] * n_workers  # decode context tokens (`WorkerView.decode_context_tokens`)
         self.views: list[WorkerView | None] = [None] * n_workers
         self.peer_loads: PeerLoads | None = None
+
+    def hold_s(self, route: RouteRequest, now_s: float) -> float:
+        """How long the gateway holds `route` before deciding it (`SupportsPeerSync.hold_s`)."""
+        return 0.0 if self.syncing is None else self.syncing.hold_s(route, now_s)
 
     def load(self, pool: str, worker: WorkerId, i: int) -> PeerLoad:
         return PeerLoad(pool, worker, self.in_flight[i], self.prefill[i], self.decode[i], self.context[i])

@@ -12,8 +12,10 @@ The policy sees a `WorkerView` built from the loop's own in-flight accounting (a
 it) plus the last scrape of the engine's stats, refreshed every `scrape_interval_s` of virtual time.
 With several gateways (`gateways.py`) each request goes to one of them, whose policy routes it and
 whose accounting counts it; every gateway gets the workers' KV events, and with sync each applies
-what the others publish, delivered by the `SyncBus` between the other events.
-Invariant: virtual time never goes backwards; heap entries are (time, seq, worker index).
+what the others publish, delivered by the `SyncBus` between the other events; a request its
+gateway holds (`SimGateway.hold_s`) is decided at the hold's end, an event of its own.
+Invariant: virtual time never goes backwards; heap entries are (time, seq, worker index, or
+`TRANSFER` / `HELD` for the other events).
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ from policies.base import (
     WorkerView,
     decode_context_of,
 )
+
+# Heap entries that are not a worker's step: a KV transfer's end, a held request's decision.
+TRANSFER = -1
+HELD = -2
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +109,8 @@ class _Loop:
         self.n_steps = 0
         self.n_calls = 0
         self.next_arrival = 0
+        # Requests held by their gateway, by event key: when the hold ends, and what to decide.
+        self.held: dict[int, tuple[float, WorkloadRequest, KeyedPrompt, RouteRequest, SimGateway]] = {}
         self.pd = config.pd
         self.roles = [Role.MIXED] * len(engines) if self.pd is None else self.pd.roles(len(engines))
 
@@ -235,6 +243,9 @@ class _Loop:
         )
         if self.pd is not None:
             until_s = min(until_s, self.pd.horizon_s(self, idx))
+        if self.held:
+            # A held request is routed at its hold's end: no step may be coalesced past it.
+            until_s = min(until_s, min(held[0] for held in self.held.values()))
         res = w.engine.step(now_s, until_s) if w.engine.has_work() else None
         if res is None:
             w.busy = False
@@ -256,6 +267,17 @@ class _Loop:
         if self.pd is not None:
             self.pd.arrive(self, gw, req, kp, route, now_s)
             return
+        hold_s = gw.hold_s(route, now_s) if self.bus is not None else 0.0
+        if hold_s > 0:
+            self.held[self.schedule(now_s + hold_s, HELD)] = (now_s + hold_s, req, kp, route, gw)
+            return
+        self.decide(gw, req, kp, route, now_s)
+
+    def decide(
+        self, gw: SimGateway, req: WorkloadRequest, kp: KeyedPrompt, route: RouteRequest, now_s: float
+    ) -> None:
+        """Gateway `gw` routes `req` at `now_s` (its arrival, or the end of its hold)."""
+        hooks = self.hooks
         decision = gw.policy.select(route, self.views(now_s, gw, route.pool), now_s)
         idx = self.by_id.get(decision.worker, -1) if decision is not None else -1
         if decision is None or idx < 0:
@@ -319,10 +341,11 @@ class _Loop:
             heapq.heappush(self.heap, (now_s, self.seq, idx))
         return True
 
-    def schedule(self, at_s: float) -> int:
-        """An event at `at_s` that is not a worker's step (a KV transfer's end): its key."""
+    def schedule(self, at_s: float, kind: int = TRANSFER) -> int:
+        """An event at `at_s` that is not a worker's step (`TRANSFER`: a KV transfer's end, `HELD`:
+        a held request's decision): its key."""
         self.seq += 1
-        heapq.heappush(self.heap, (at_s, self.seq, -1))
+        heapq.heappush(self.heap, (at_s, self.seq, kind))
         return self.seq
 
     def run(self) -> LoopResult:
@@ -343,6 +366,10 @@ class _Loop:
                 self.arrive(reqs[i], None if self.keyed is None else self.keyed[i])
                 continue
             t, key, idx = heapq.heappop(heap)
+            if idx == HELD:
+                _, req, kp, route, gw = self.held.pop(key)
+                self.decide(gw, req, kp, route, t)
+                continue
             if idx < 0:
                 assert self.pd is not None
                 self.pd.transfer_done(self, key, t)

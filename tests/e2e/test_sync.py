@@ -1,7 +1,8 @@
 """Two real gateway processes sharing one nats-server, in front of emulated workers (approximate
 mode, no KV events): what gateway A routes, gateway B routes to the same worker; the broker carries
 keys and counts, never the prompt; requests reaching both at once part over the gateways' home
-shares; with the broker killed both keep serving."""
+shares, and long prompts among them are held while the short ones are placed; with the broker
+killed both keep serving."""
 
 from __future__ import annotations
 
@@ -170,6 +171,33 @@ def test_requests_reaching_both_gateways_at_once_part_over_their_home_shares(pai
             break
     assert pair.metric(a, herd) + pair.metric(b, herd) > 0
     assert max(pair.metric(a, unseen), pair.metric(b, unseen)) >= 0.5
+
+
+def test_in_a_burst_long_prompts_are_held_and_every_request_is_served(pair: Pair) -> None:
+    """Bursts mixing long new prompts (about 15k tokens, a prefill the gateways predict at half a
+    second) with short ones, to A and B together: in a burst each gateway holds the long ones a
+    sync lag or more before deciding them (`cost` step 5), and every request is served."""
+    a, b = pair.gateways
+    holds = 'kvgate_policy_events_total{event="herd_holds",policy="cost"}'
+
+    async def burst(k: int) -> None:
+        headers = {"authorization": f"Bearer {KEY}"}
+        async with httpx.AsyncClient(headers=headers, timeout=60) as client:
+
+            async def one(base: str, i: int) -> None:
+                repeat = 1500 if i < 2 else 8
+                system = f"Held burst {k} prompt {i} to {base[-5:]}: a long, unrelated brief. " * repeat
+                body = {"model": "m", "messages": [{"role": "system", "content": system}], "max_tokens": 2}
+                resp = await client.post(base + "/v1/chat/completions", json=body)
+                assert resp.status_code == 200, resp.text
+
+            await asyncio.gather(*(one(base, i) for i in range(6) for base in (a, b)))
+
+    for k in range(20):  # bounded: 240 requests at most
+        asyncio.run(burst(k))
+        if pair.metric(a, holds) + pair.metric(b, holds) > 0:
+            break
+    assert pair.metric(a, holds) + pair.metric(b, holds) > 0
 
 
 def test_with_the_broker_killed_both_gateways_keep_serving(pair: Pair) -> None:

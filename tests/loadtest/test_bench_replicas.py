@@ -73,13 +73,13 @@ def test_one_process_against_k_with_and_without_sync_end_to_end(
         "| 2 processes (round-robin connections), sync broker",
     ]
     assert rows[0].count("1.000×") == 3  # the baseline against itself
-    assert rows[0].endswith("| 0, 0 |")  # one gateway has no peers to part from
+    assert rows[0].endswith("| 0, 0 | 0, 0 |")  # one gateway has no peers to part from or wait for
     doc = json.loads(out.read_text())
     base, *others = doc["setups"]
     assert base["name"] == BASELINE and base["ratio_to_1"] == {m: 1.0 for m in bench_replicas.METRICS}
     for setup in others:
         assert len(setup["rounds"]) == 2 and not setup["failures"]
-        assert all(isinstance(r["home_choices"], int) for r in setup["rounds"])
+        assert all(isinstance(r[key], int) for r in setup["rounds"] for key in ("home_choices", "holds"))
         for metric in bench_replicas.METRICS:
             same_round = [
                 mine[metric] / theirs[metric]

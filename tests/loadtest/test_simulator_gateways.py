@@ -94,3 +94,45 @@ def test_arrivals_spread_within_a_window_by_request_id() -> None:
     assert times == sorted(times) and all(3.0 <= t < 5.0 for t in times) and len(set(times)) == 50
     again = {r.request_id: r.arrival_s for r in spread_arrivals(reqs[::-1], 2.0, seed=0)}
     assert again == {r.request_id: r.arrival_s for r in out}  # the request alone decides its draw
+
+
+LONG_PROMPT = 24_000
+
+
+def _burst_trace(path: Path) -> None:
+    """Every 3 s, one long new prompt and then five short ones, all at the same instant (as a trace
+    on a coarse clock has them)."""
+    rows = []
+    block = 0
+    for k in range(30):
+        for size in (LONG_PROMPT, 1000, 1000, 1000, 1000, 1000):
+            n_blocks = -(-size // 512)
+            rows.append(
+                {"timestamp": 3000 * k, "input_length": size, "output_length": 8,
+                 "hash_ids": list(range(block, block + n_blocks))}
+            )  # fmt: skip
+            block += n_blocks
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+
+
+def test_held_long_prompts_let_the_short_ones_of_the_instant_go_first(tmp_path: Path) -> None:
+    trace = tmp_path / "bursts.jsonl"
+    _burst_trace(trace)
+    waits = {}
+    for steps in (0, 3):
+        cfg = tmp_path / f"policy{steps}.yaml"
+        cfg.write_text(f"policy: cost\ncost:\n  herd_hold_steps: {steps}\n")
+        out = tmp_path / f"sim{steps}.json"
+        argv = ["simulate", "--trace", str(trace), "--workers", "4", "--gateways", "4", "--sync", "broker"]
+        assert main([*argv, "--policy-config", str(cfg), "--quiet", "--json", str(out)]) == 0
+        doc = json.loads(out.read_text())
+        holds = doc["summary"]["policy_counters"].get("herd_holds", 0)
+        assert (holds > 0) == (steps > 0)
+        short = [r for r in doc["requests"] if r["prompt_tokens"] < LONG_PROMPT]
+        assert len(short) == 150
+        # How many short prompts waited for a long one's prefill (about a second here).
+        waits[steps] = sum(r["ttft_s"] > 0.5 for r in short)
+    # Without holds, a short prompt another gateway placed the same instant on the long prompt's
+    # worker waits for its whole prefill; with them the long prompt is placed after, seeing it.
+    assert waits[0] >= 8
+    assert waits[3] == 0

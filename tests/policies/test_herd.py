@@ -1,9 +1,11 @@
-"""Synced gateways deciding at once: the unseen-peer measure, the home shares, and `cost`'s use of them."""
+"""Synced gateways deciding at once: the unseen-peer measure, the home shares, the holds, and `cost`'s
+use of them."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 import pytest
 from hypothesis import given
@@ -11,7 +13,16 @@ from hypothesis import strategies as st
 
 from policies.base import WorkerId
 from policies.cost_policy import CostPolicy
-from policies.herd import Gateways, UnseenPeers, home_workers
+from policies.herd import (
+    HOLD_MARGIN_S,
+    HOLD_MAX_LAG_S,
+    HOLD_MAX_SHARE,
+    HOLD_STEPS_S,
+    Gateways,
+    UnseenPeers,
+    hold_steps,
+    home_workers,
+)
 from policies.peer_sync import PeerItem
 from tests.policies.factories import req, workers
 
@@ -205,3 +216,81 @@ def test_a_steady_stream_routes_as_without_the_home_preference() -> None:
 def test_herd_weight_must_not_be_negative() -> None:
     with pytest.raises(ValueError, match="herd_weight"):
         CostPolicy(herd_weight=-1.0)
+
+
+@given(st.floats(0.0, 100.0), st.floats(0.0, 0.2), st.integers(0, 3))
+def test_a_hold_grows_with_the_prefill_and_stays_a_small_share_of_it(
+    prefill_s: float, lag_s: float, max_steps: int
+) -> None:
+    steps = hold_steps(prefill_s, lag_s, max_steps)
+    assert 0 <= steps <= max_steps
+    assert steps * lag_s <= HOLD_MAX_SHARE * prefill_s
+    assert steps <= sum(prefill_s >= at_s for at_s in HOLD_STEPS_S)
+    assert hold_steps(prefill_s * 2, lag_s, max_steps) >= steps  # a longer prefill waits no less
+    if lag_s > HOLD_MAX_LAG_S:
+        assert steps == 0
+
+
+def test_hold_steps_at_a_lag_of_ten_milliseconds() -> None:
+    assert [hold_steps(p, 0.011) for p in (0.1, 0.3, 1.5, 10.0)] == [0, 1, 2, 3]
+    assert hold_steps(10.0, 0.011, max_steps=1) == 1
+    assert hold_steps(0.3, 0.05) == 0  # 50 ms would be a sixth of its prefill
+
+
+def test_unseen_peers_keeps_the_largest_lag_lately_seen() -> None:
+    unseen = UnseenPeers(window_s=30.0)
+    assert unseen.lag_s(0.0) == 0.0
+    unseen.peer(1.0, 1.01)
+    unseen.peer(2.0, 2.03)
+    unseen.peer(3.0, 3.02)  # smaller than the largest: kept as it decays
+    assert unseen.lag_s(3.02) == pytest.approx(0.03 * math.exp(-0.99 / 30))
+    assert unseen.lag_s(32.03) == pytest.approx(0.03 / math.e)
+    unseen.peer(0.0, 50.0)  # a batch delayed past the horizon counts as the horizon
+    assert unseen.lag_s(50.0) == unseen.horizon_s
+
+
+def _burst_bus() -> Bus:
+    """Four gateways after a few same-instant bursts of new 500-block prompts: in a burst."""
+    bus, _ = _bursts(herd_weight=2.0)
+    return bus
+
+
+def test_in_a_burst_a_long_new_prompt_is_held_a_lag_per_step_and_a_short_one_is_not() -> None:
+    bus = _burst_bus()
+    p = bus.policies[0]
+    t = 12.0
+    assert p.unseen_peer_dispatches >= 0.5
+    long_prompt = req("long", range(900_000, 900_000 + 2000))  # 32k tokens
+    short_prompt = req("short", range(800_000, 800_000 + 8))
+    cost = p.cost_model(long_prompt)
+    lag_s = LAG_S * math.exp(-(t - 9.0 - LAG_S) / 30.0)  # the last burst's, decayed since
+    assert p._unseen.lag_s(t) == pytest.approx(lag_s)
+    steps = hold_steps(cost.prefill_s(long_prompt.n_prompt_tokens), lag_s + HOLD_MARGIN_S)
+    assert steps >= 2
+    assert p.hold_s(long_prompt, t) == pytest.approx(steps * (lag_s + HOLD_MARGIN_S))
+    assert p.hold_s(short_prompt, t) == 0.0
+    assert p.stats().counters["herd_holds"] == 1
+    # What a request finds cached does not need computing: a known prompt's next turn is short.
+    views = workers(*[0] * 8)
+    decision = p.select(long_prompt, views, t)
+    assert decision is not None
+    p.on_dispatch(long_prompt, decision, t)
+    turn = req("turn", [*range(900_000, 900_000 + 2000), 5, 6])
+    assert p.hold_s(turn, t) == 0.0
+
+
+def test_no_hold_outside_a_burst_without_sync_or_when_switched_off() -> None:
+    long_prompt = req("long", range(900_000, 900_000 + 2000))
+    alone = CostPolicy()
+    assert alone.hold_s(long_prompt, 1.0) == 0.0
+    steady = Bus(2.0)
+    for k in range(40):  # turns 250 ms apart: every decision sees the others
+        steady.decide(k % 4, f"s{k}", 1000 * k, 0.25 * k)
+        steady.deliver()
+    assert steady.policies[0].hold_s(long_prompt, 10.0) == 0.0
+    bus = _burst_bus()
+    bus.policies[0].herd_hold_steps = 0
+    assert bus.policies[0].hold_s(long_prompt, 12.0) == 0.0
+    assert bus.policies[1].hold_s(long_prompt, 12.0) > 0.0
+    with pytest.raises(ValueError, match="herd_hold_steps"):
+        CostPolicy(herd_hold_steps=-1)

@@ -76,6 +76,7 @@ class Admitted:
     retries_taken: int = 0  # the client's earlier tries of this call (`retries.py`)
     priority: int = 0  # vLLM's `priority` (lower first): orders the tenant's own queued requests
     queued_s: float | None = None  # time spent in the pool's queue (`queueing.py`), if it queued
+    held_s: float | None = None  # how long the policy had it held before deciding (`SupportsHold`)
     client_headers: ClientHeaders = ()  # the client headers the pool forwards (`upstream_headers.py`)
     recorded: bool = False
     _encoded: dict[str | None, bytes] = field(default_factory=dict)

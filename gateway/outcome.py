@@ -237,6 +237,7 @@ def record_request(
         "error": error,
         "drift_field": a.drift_field,
         "queue_ms": round(a.queued_s * 1000, 2) if a.queued_s is not None else None,
+        "hold_ms": round(a.held_s * 1000, 2) if a.held_s is not None else None,
     }
     routing.access_log.write(fields)
     if routing.decision_log is not None:

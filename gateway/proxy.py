@@ -85,6 +85,7 @@ async def _dispatch(
         # Synced gateways in a burst: a long prefill waits for peers' same-instant choices.
         hold_s = routing.hold_s(a.route, time.monotonic())
         if hold_s > 0:
+            a.held_s = hold_s
             await asyncio.sleep(hold_s)
     for n in range(attempts_allowed(pool.config.retry_attempts, a.retries_taken)):
         now_s = time.monotonic()

@@ -10,7 +10,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.queueing import PoolQueue
 from gateway.tracing import RequestTracer
 from policies.base import RouteRequest, RoutingPolicy
-from policies.peer_sync import SupportsPeerSync
+from policies.peer_sync import SupportsHold
 
 
 @dataclass(slots=True)
@@ -28,19 +28,19 @@ class Routing:
     access_log: AccessLog = field(default_factory=lambda: AccessLog(enabled=False))
     tracer: RequestTracer | None = None
     decision_log: DecisionLog | None = None  # config `decision_log.path`; None: off
-    # The policy `hold_s` last looked at, and it as a syncing policy (None: it does not sync).
-    _held_for: RoutingPolicy | None = field(default=None, init=False, repr=False)
-    _syncing: SupportsPeerSync | None = field(default=None, init=False, repr=False)
+    # The policy `hold_s` last checked, and it as one that may hold (None: it never holds).
+    _hold_checked: RoutingPolicy | None = field(default=None, init=False, repr=False)
+    _holder: SupportsHold | None = field(default=None, init=False, repr=False)
 
     def hold_s(self, route: RouteRequest, now_s: float) -> float:
-        """How long to hold `route` before deciding it (`SupportsPeerSync.hold_s`: peers' decisions
-        of the same instant reach this gateway first); 0 with a policy that does not sync. The
-        protocol check is made once per policy, not per request."""
+        """How long to hold `route` before deciding it (`SupportsHold`: peers' decisions of the
+        same instant reach this gateway first); 0 with a policy that never holds. The protocol
+        check is made once per policy, not per request."""
         policy = self.policy
-        if policy is not self._held_for:
-            self._held_for = policy
-            self._syncing = policy if isinstance(policy, SupportsPeerSync) else None
-        return 0.0 if self._syncing is None else self._syncing.hold_s(route, now_s)
+        if policy is not self._hold_checked:
+            self._hold_checked = policy
+            self._holder = policy if isinstance(policy, SupportsHold) else None
+        return 0.0 if self._holder is None else self._holder.hold_s(route, now_s)
 
     @property
     def policy_name(self) -> str:

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from policies.base import Isolation, RoutingPolicy
 from policies.cost_model import PROFILES, CostModelParams, profile
+from policies.herd import HOLD_STEPS_S
 from policies.index import IndexConfig
 from policies.pools import PoolSettings
 from policies.prefix_policy import SharedSettings
@@ -146,7 +147,7 @@ class CostParamsYaml(_Strict):
     continuation_slack_requests: float = Field(0.0, ge=0)
     keep_tpot_s: float = Field(0.0, ge=0)
     herd_weight: float = Field(2.0, ge=0)
-    herd_hold_steps: int = Field(3, ge=0, le=3)
+    herd_hold_steps: int = Field(len(HOLD_STEPS_S), ge=0, le=len(HOLD_STEPS_S))
 
 
 class SglangParamsYaml(_Strict):

@@ -39,11 +39,12 @@ from policies.base import Observation, RouteDecision, RouteRequest, WorkerId, Wo
 from policies.cost_model import CostModel
 from policies.cost_scan import CandidateCache, Positions, by_backlog
 from policies.cost_scorer import Scorer
-from policies.herd import HOLD_MARGIN_S, hold_steps
+from policies.herd import HOLD_STEPS_S, hold_for
 from policies.peer_sync import PeerHolding
 from policies.pools import PoolState
 from policies.prefix_policy import PrefixPolicyBase, SharedSettings
 from policies.registry import register_policy
+from prompt_normalizer.types import PUBLIC_NAMESPACE
 
 
 @register_policy("cost")
@@ -79,7 +80,7 @@ class CostPolicy(PrefixPolicyBase):
         continuation_slack_requests: float = 0.0,
         keep_tpot_s: float = 0.0,
         herd_weight: float = 2.0,
-        herd_hold_steps: int = 3,
+        herd_hold_steps: int = len(HOLD_STEPS_S),
         shared: SharedSettings | None = None,
     ) -> None:
         if (
@@ -103,6 +104,8 @@ class CostPolicy(PrefixPolicyBase):
             )
         if load_window_s <= 0:
             raise ValueError("load_window_s must be > 0")
+        if herd_hold_steps > len(HOLD_STEPS_S):
+            raise ValueError(f"herd_hold_steps must be <= {len(HOLD_STEPS_S)}")
         super().__init__(seed=seed, shared=shared)
         self.epsilon = epsilon
         self.slack_requests = slack_requests
@@ -237,23 +240,27 @@ class CostPolicy(PrefixPolicyBase):
 
     def hold_s(self, req: RouteRequest, now_s: float) -> float:
         """Seconds to hold `req` before deciding it (step 5 of the module docstring): in a burst,
-        one sync lag (the largest lately seen, plus `HOLD_MARGIN_S`) per step its own predicted
-        prefill reaches (`policies.herd.hold_steps`); 0 outside bursts or with `herd_hold_steps` 0."""
+        one sync lag (`policies.herd.hold_for`) per step its own predicted prefill reaches, after
+        the longer of its own match and its public one (the public one is what a request wholly
+        inside a promoted public prefix is served from: holding less is the safe side); 0 outside
+        bursts or with `herd_hold_steps` 0. The index is only read."""
         if self.herd_hold_steps <= 0 or self._unseen_in_burst() <= 0:
             return 0.0
         pool = self._pool(req)
-        found = self._lookup(pool, req, now_s, observe=False)
+        mine = self._own_keys(req)
+        blocks = pool.index.lookup(mine.keys, mine.namespace, now_s).longest_blocks
+        if req.public_block_keys:
+            public = pool.index.lookup(req.public_block_keys, PUBLIC_NAMESPACE, now_s)
+            blocks = max(blocks, public.longest_blocks)
         n = req.n_prompt_tokens
-        matched = min(found.longest_blocks * req.block_size_tokens, self._cap_tokens(req, n))
+        matched = min(blocks * req.block_size_tokens, self._cap_tokens(req, n))
         cost = pool.cost
         unit = cost.engine_tokens_per_request_token
         prefill_s = cost.prefill_s(int((n - matched) * unit), int(matched * unit))
-        lag_s = self._unseen.lag_s(now_s) + HOLD_MARGIN_S
-        steps = hold_steps(prefill_s, lag_s, self.herd_hold_steps)
-        if not steps:
-            return 0.0
-        self._count("herd_holds")
-        return steps * lag_s
+        hold_s = hold_for(prefill_s, self._unseen.lag_s, self.herd_hold_steps)
+        if hold_s > 0:
+            self._count("herd_holds")
+        return hold_s
 
     def select(self, req: RouteRequest, workers: Sequence[WorkerView], now_s: float) -> RouteDecision | None:
         pool = self._pool(req)

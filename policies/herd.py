@@ -14,8 +14,9 @@ trace's on a coarse clock, give about the size of what comes together. It counts
 a rate enters only through how many decisions fall within a lag of each other.
 
 `UnseenPeers` also keeps the lag itself (from a peer's decision to its arrival here, the largest
-lately seen), and `hold_steps` turns a request's predicted prefill into how many lags a gateway in
-a burst holds it before deciding: the cheap requests of an instant are placed first, and the
+of the last `LAG_SAMPLES` peer dispatches: idle time does not shorten it), and `hold_for` turns a
+request's predicted prefill into how long a gateway in a burst holds it before deciding: one lag
+per step reached (`hold_steps`). The cheap requests of an instant are placed first, and the
 expensive ones, held, see where every gateway put them. A prompt of many seconds no longer lands
 unseen on the worker where another gateway's short turn went the same instant (it would wait
 behind it for all those seconds), and the short requests reach the engines' FCFS queues before it.
@@ -45,8 +46,9 @@ class UnseenPeers:
     """
 
     MAX_OWN = 4096
+    LAG_SAMPLES = 64
 
-    __slots__ = ("_at", "_decisions", "_lag_at", "_lag_s", "_own", "_pairs", "horizon_s", "window_s")
+    __slots__ = ("_at", "_decisions", "_lag_max", "_lags", "_own", "_pairs", "horizon_s", "window_s")
 
     def __init__(self, window_s: float = 30.0, horizon_s: float = 1.0) -> None:
         if window_s <= 0 or horizon_s <= 0:
@@ -57,8 +59,8 @@ class UnseenPeers:
         self._pairs = 0.0
         self._decisions = 0.0
         self._at = 0.0
-        self._lag_s = 0.0  # the largest lag seen, decayed over `window_s` since `_lag_at`
-        self._lag_at = 0.0
+        self._lags: deque[float] = deque(maxlen=self.LAG_SAMPLES)  # the last peer dispatches' lags
+        self._lag_max: float | None = 0.0  # max(_lags), None until recomputed
 
     def _decay(self, now_s: float) -> None:
         elapsed = now_s - self._at
@@ -82,17 +84,24 @@ class UnseenPeers:
         """A peer's dispatch, decided no earlier than `decided_s`, arrives at `now_s`."""
         self._decay(now_s)
         lag = min(max(0.0, now_s - decided_s), self.horizon_s)
-        if lag >= self.lag_s(now_s):
-            self._lag_s, self._lag_at = lag, now_s
+        lags = self._lags
+        if len(lags) == lags.maxlen and lags[0] == self._lag_max:
+            self._lag_max = None  # the largest is about to leave
+        lags.append(lag)
+        if self._lag_max is not None and lag > self._lag_max:
+            self._lag_max = lag
         own = self._own
         if not own or own[-1] < decided_s:
             return
         self._pairs += len(own) - bisect_left(own, max(decided_s, now_s - self.horizon_s))
 
-    def lag_s(self, now_s: float) -> float:
-        """How late peers' dispatches arrive here: the largest lag lately seen (each decays over
-        `window_s`, so one slow batch does not hold forever), at most `horizon_s`; 0 before any."""
-        return self._lag_s * math.exp(-max(0.0, now_s - self._lag_at) / self.window_s)
+    @property
+    def lag_s(self) -> float:
+        """How late peers' dispatches arrive here: the largest lag of the last `LAG_SAMPLES` (a
+        slow batch counts until that many more have come), each at most `horizon_s`; 0 before any."""
+        if self._lag_max is None:
+            self._lag_max = max(self._lags)
+        return self._lag_max
 
     @property
     def per_decision(self) -> float:
@@ -111,21 +120,28 @@ HOLD_MAX_LAG_S = 0.1
 HOLD_MARGIN_S = 0.001
 
 
-def hold_steps(prefill_s: float, lag_s: float, max_steps: int = len(HOLD_STEPS_S)) -> int:
-    """Lags to hold a request whose own prefill is predicted at `prefill_s` before deciding it:
-    the number of `HOLD_STEPS_S` it reaches (at most `max_steps`), lowered until the hold is
-    within `HOLD_MAX_SHARE` of the prefill. Requests of one step decide together, each step after
-    all cheaper ones have been seen. None past `HOLD_MAX_LAG_S`."""
-    if lag_s > HOLD_MAX_LAG_S:
-        return 0
+def hold_steps(prefill_s: float, step_s: float, max_steps: int = len(HOLD_STEPS_S)) -> int:
+    """Steps of `step_s` to hold a request whose own prefill is predicted at `prefill_s` before
+    deciding it: the number of `HOLD_STEPS_S` it reaches (at most `max_steps`), lowered until the
+    hold is within `HOLD_MAX_SHARE` of the prefill. Requests of one step decide together, each
+    step after all cheaper ones have been seen."""
     steps = 0
     for at_s in HOLD_STEPS_S[: max(0, max_steps)]:
         if prefill_s < at_s:
             break
         steps += 1
-    while steps and steps * lag_s > HOLD_MAX_SHARE * prefill_s:
+    while steps and steps * step_s > HOLD_MAX_SHARE * prefill_s:
         steps -= 1
     return steps
+
+
+def hold_for(prefill_s: float, lag_s: float, max_steps: int = len(HOLD_STEPS_S)) -> float:
+    """Seconds to hold such a request when peers' dispatches arrive `lag_s` late: `hold_steps`
+    steps of the lag plus `HOLD_MARGIN_S`; 0 when the lag is past `HOLD_MAX_LAG_S`."""
+    if lag_s > HOLD_MAX_LAG_S:
+        return 0.0
+    step_s = lag_s + HOLD_MARGIN_S
+    return hold_steps(prefill_s, step_s, max_steps) * step_s
 
 
 class Gateways:

@@ -122,9 +122,15 @@ class SupportsPeerSync(Protocol):
         """Peer dispatches one decision of this policy could not see yet (`policies.herd`)."""
         ...
 
+
+@runtime_checkable
+class SupportsHold(Protocol):
+    """A policy that may ask for a request to be held before it is decided, so that its peers'
+    decisions of the same instant reach it first (`policies.herd`). Its own protocol: a policy
+    that syncs without it still syncs."""
+
     def hold_s(self, req: RouteRequest, now_s: float) -> float:
-        """Seconds to hold `req` before deciding it, so that peers' decisions of the same instant
-        arrive first (0: decide now)."""
+        """Seconds to hold `req` before deciding it (0: decide now)."""
         ...
 
 

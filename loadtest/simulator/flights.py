@@ -18,8 +18,8 @@ class Flight:
     """A dispatched request the loop is waiting on (mutable)."""
 
     __slots__ = (
-        "context", "decision", "first_token_s", "gateway", "hashes", "keyed", "leg", "max_out", "req",
-        "route", "salt", "visible_cached",
+        "context", "decided_s", "decision", "first_token_s", "gateway", "hashes", "keyed", "leg",
+        "max_out", "req", "route", "salt", "visible_cached",
     )  # fmt: skip
 
     def __init__(
@@ -38,6 +38,9 @@ class Flight:
         self.keyed = keyed
         self.salt = salt
         self.first_token_s: float | None = None
+        # When its gateway decided it: its arrival, or later for a request the gateway held. The
+        # policy's TTFT sample runs from there, as the gateway's does from its dispatch.
+        self.decided_s = req.arrival_s
         self.max_out = req.max_output_tokens  # the engine request's (1 for a prefill leg)
         self.hashes: Sequence[int] = ()
         self.leg: PrefillLeg | None = None  # P/D: set while the request's prefill leg runs

@@ -10,7 +10,7 @@ Each `SimGateway` has its own policy object (its own index), its own in-flight a
 worker, and the load its peers reported. With `SyncBus`, every item a gateway's policy publishes,
 and each change of its in-flight load on a worker, reaches every other gateway `delay_s` later
 (the broker's publish-to-apply latency, batching included), in publication order. A request
-its gateway holds before deciding (`SupportsPeerSync.hold_s`) is decided when the hold ends.
+its gateway holds before deciding (`SupportsHold`) is decided when the hold ends.
 """
 
 from __future__ import annotations
@@ -21,7 +21,15 @@ from collections.abc import Sequence
 import xxhash
 
 from policies.base import RouteRequest, RoutingPolicy, WorkerId, WorkerView
-from policies.peer_sync import PeerItem, PeerLoad, PeerLoads, SupportsPeerSync, SyncSink, with_peer_load
+from policies.peer_sync import (
+    PeerItem,
+    PeerLoad,
+    PeerLoads,
+    SupportsHold,
+    SupportsPeerSync,
+    SyncSink,
+    with_peer_load,
+)
 
 
 class SimGateway:
@@ -33,15 +41,24 @@ class SimGateway:
     """
 
     __slots__ = (
-        "context", "decode", "in_flight", "index", "name", "peer_loads", "policy", "prefill",
-        "prefill_started", "syncing", "views",
+        "context",
+        "decode",
+        "holder",
+        "in_flight",
+        "index",
+        "name",
+        "peer_loads",
+        "policy",
+        "prefill",
+        "prefill_started",
+        "views",
     )  # fmt: skip
 
     def __init__(self, index: int, policy: RoutingPolicy, n_workers: int) -> None:
         self.index = index
         self.name = f"gw{index}"
         self.policy = policy
-        self.syncing = policy if isinstance(policy, SupportsPeerSync) else None
+        self.holder = policy if isinstance(policy, SupportsHold) else None
         self.in_flight = [0] * n_workers
         self.prefill = [0] * n_workers
         # When each worker's prefill backlog (as this gateway counts it) last restarted, as the
@@ -53,8 +70,8 @@ class SimGateway:
         self.peer_loads: PeerLoads | None = None
 
     def hold_s(self, route: RouteRequest, now_s: float) -> float:
-        """How long the gateway holds `route` before deciding it (`SupportsPeerSync.hold_s`)."""
-        return 0.0 if self.syncing is None else self.syncing.hold_s(route, now_s)
+        """How long the gateway holds `route` before deciding it (`SupportsHold`)."""
+        return 0.0 if self.holder is None else self.holder.hold_s(route, now_s)
 
     def load(self, pool: str, worker: WorkerId, i: int) -> PeerLoad:
         return PeerLoad(pool, worker, self.in_flight[i], self.prefill[i], self.decode[i], self.context[i])

@@ -51,6 +51,16 @@ HELD = -2
 
 
 @dataclass(frozen=True, slots=True)
+class Held:
+    """A request its gateway holds before deciding it (`SimGateway.hold_s`)."""
+
+    req: WorkloadRequest
+    kp: KeyedPrompt
+    route: RouteRequest
+    gateway: SimGateway
+
+
+@dataclass(frozen=True, slots=True)
 class LoopConfig:
     """Knobs of the loop itself (not of the engine or the policy)."""
 
@@ -109,8 +119,10 @@ class _Loop:
         self.n_steps = 0
         self.n_calls = 0
         self.next_arrival = 0
-        # Requests held by their gateway, by event key: when the hold ends, and what to decide.
-        self.held: dict[int, tuple[float, WorkloadRequest, KeyedPrompt, RouteRequest, SimGateway]] = {}
+        # Requests held by their gateway, by event key, and when their holds end (a heap: the held
+        # events leave the main heap in time order, so each takes the smallest).
+        self.held: dict[int, Held] = {}
+        self.held_ends: list[float] = []
         self.pd = config.pd
         self.roles = [Role.MIXED] * len(engines) if self.pd is None else self.pd.roles(len(engines))
 
@@ -223,7 +235,7 @@ class _Loop:
             obs = Observation(
                 f.route,
                 w.id,
-                ttft_s=first - f.req.arrival_s,
+                ttft_s=first - f.decided_s,
                 prompt_tokens=fin.num_prompt_tokens,
                 cached_tokens=cached,
                 completion_tokens=fin.num_output_tokens,
@@ -243,9 +255,9 @@ class _Loop:
         )
         if self.pd is not None:
             until_s = min(until_s, self.pd.horizon_s(self, idx))
-        if self.held:
+        if self.held_ends:
             # A held request is routed at its hold's end: no step may be coalesced past it.
-            until_s = min(until_s, min(held[0] for held in self.held.values()))
+            until_s = min(until_s, self.held_ends[0])
         res = w.engine.step(now_s, until_s) if w.engine.has_work() else None
         if res is None:
             w.busy = False
@@ -269,7 +281,8 @@ class _Loop:
             return
         hold_s = gw.hold_s(route, now_s) if self.bus is not None else 0.0
         if hold_s > 0:
-            self.held[self.schedule(now_s + hold_s, HELD)] = (now_s + hold_s, req, kp, route, gw)
+            self.held[self.schedule(now_s + hold_s, HELD)] = Held(req, kp, route, gw)
+            heapq.heappush(self.held_ends, now_s + hold_s)
             return
         self.decide(gw, req, kp, route, now_s)
 
@@ -284,6 +297,7 @@ class _Loop:
             self.reject(req, route, decision.reason if decision else "no worker")
             return
         f = self.flight(gw, req, route, decision, kp)
+        f.decided_s = now_s
         request = hooks.make_request(req.request_id, route.n_prompt_tokens, req.max_output_tokens, f.hashes)
         self.submit(idx, f, request, now_s)
 
@@ -367,8 +381,9 @@ class _Loop:
                 continue
             t, key, idx = heapq.heappop(heap)
             if idx == HELD:
-                _, req, kp, route, gw = self.held.pop(key)
-                self.decide(gw, req, kp, route, t)
+                held = self.held.pop(key)
+                heapq.heappop(self.held_ends)
+                self.decide(held.gateway, held.req, held.kp, held.route, t)
                 continue
             if idx < 0:
                 assert self.pd is not None

@@ -364,6 +364,40 @@ async def test_tokenizer_mode_runs_off_the_event_loop(rig: Rig, monkeypatch: pyt
     assert rig.policy.requests[-1].n_prompt_tokens > 500
 
 
+@dataclass
+class HoldingPolicy(ScriptedPolicy):
+    """Asks for every request to be held `hold` seconds first (`policies.peer_sync.SupportsHold`),
+    and records when it was asked and when it decided."""
+
+    hold: float = 0.05
+    asked_s: list[float] = field(default_factory=list)
+    decided_s: list[float] = field(default_factory=list)
+
+    def hold_s(self, req: RouteRequest, now_s: float) -> float:
+        self.asked_s.append(now_s)
+        return self.hold
+
+    def select(self, req: RouteRequest, workers: Sequence[WorkerView], now_s: float) -> RouteDecision | None:
+        self.decided_s.append(now_s)
+        return super().select(req, workers, now_s)
+
+
+async def test_a_request_the_policy_holds_is_decided_after_the_hold_and_served(rig: Rig) -> None:
+    policy = HoldingPolicy()
+    rig.state.routing.policy = policy  # as a reload swaps it
+    resp = await rig.chat()
+    assert resp.status_code == 200
+    (asked,), (decided,) = policy.asked_s, policy.decided_s
+    assert decided - asked >= 0.9 * policy.hold  # the sleep's clock may round a little early
+    policy.hold = 0.0
+    assert (await rig.chat()).status_code == 200
+    assert len(policy.asked_s) == len(policy.decided_s) == 2
+    assert rig.state.routing.hold_s(policy.requests[-1], 0.0) == 0.0
+    rig.state.routing.policy = rig.policy  # a policy without `hold_s` is never held
+    assert rig.state.routing.hold_s(policy.requests[-1], 0.0) == 0.0
+    assert (await rig.chat()).status_code == 200
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_a_stream_that_reached_done_is_a_success_whatever_the_socket_does_next(
     rig: Rig, transport: str

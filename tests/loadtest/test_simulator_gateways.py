@@ -100,7 +100,7 @@ LONG_PROMPT = 24_000
 
 
 def _burst_trace(path: Path) -> None:
-    """Every 3 s, one long new prompt and then five short ones, all at the same instant (as a trace
+    """Every 7 s, one long new prompt and then five short ones, all at the same instant (as a trace
     on a coarse clock has them)."""
     rows = []
     block = 0
@@ -108,7 +108,7 @@ def _burst_trace(path: Path) -> None:
         for size in (LONG_PROMPT, 1000, 1000, 1000, 1000, 1000):
             n_blocks = -(-size // 512)
             rows.append(
-                {"timestamp": 3000 * k, "input_length": size, "output_length": 8,
+                {"timestamp": 7000 * k, "input_length": size, "output_length": 8,
                  "hash_ids": list(range(block, block + n_blocks))}
             )  # fmt: skip
             block += n_blocks

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 
 import pytest
 from hypothesis import given
@@ -20,6 +19,7 @@ from policies.herd import (
     HOLD_STEPS_S,
     Gateways,
     UnseenPeers,
+    hold_for,
     hold_steps,
     home_workers,
 )
@@ -222,31 +222,39 @@ def test_herd_weight_must_not_be_negative() -> None:
 def test_a_hold_grows_with_the_prefill_and_stays_a_small_share_of_it(
     prefill_s: float, lag_s: float, max_steps: int
 ) -> None:
-    steps = hold_steps(prefill_s, lag_s, max_steps)
+    held_s = hold_for(prefill_s, lag_s, max_steps)
+    steps = hold_steps(prefill_s, lag_s + HOLD_MARGIN_S, max_steps)
     assert 0 <= steps <= max_steps
-    assert steps * lag_s <= HOLD_MAX_SHARE * prefill_s
     assert steps <= sum(prefill_s >= at_s for at_s in HOLD_STEPS_S)
-    assert hold_steps(prefill_s * 2, lag_s, max_steps) >= steps  # a longer prefill waits no less
+    assert hold_steps(prefill_s * 2, lag_s + HOLD_MARGIN_S, max_steps) >= steps  # longer waits no less
     if lag_s > HOLD_MAX_LAG_S:
-        assert steps == 0
+        assert held_s == 0.0
+    else:
+        assert held_s == pytest.approx(steps * (lag_s + HOLD_MARGIN_S))
+    assert held_s <= HOLD_MAX_SHARE * prefill_s + 1e-12
 
 
 def test_hold_steps_at_a_lag_of_ten_milliseconds() -> None:
     assert [hold_steps(p, 0.011) for p in (0.1, 0.3, 1.5, 10.0)] == [0, 1, 2, 3]
     assert hold_steps(10.0, 0.011, max_steps=1) == 1
     assert hold_steps(0.3, 0.05) == 0  # 50 ms would be a sixth of its prefill
+    assert hold_for(10.0, 0.01) == pytest.approx(3 * (0.01 + HOLD_MARGIN_S))
 
 
-def test_unseen_peers_keeps_the_largest_lag_lately_seen() -> None:
+def test_unseen_peers_keeps_the_largest_of_the_last_lags_however_long_it_idles() -> None:
     unseen = UnseenPeers(window_s=30.0)
-    assert unseen.lag_s(0.0) == 0.0
+    assert unseen.lag_s == 0.0
     unseen.peer(1.0, 1.01)
     unseen.peer(2.0, 2.03)
-    unseen.peer(3.0, 3.02)  # smaller than the largest: kept as it decays
-    assert unseen.lag_s(3.02) == pytest.approx(0.03 * math.exp(-0.99 / 30))
-    assert unseen.lag_s(32.03) == pytest.approx(0.03 / math.e)
-    unseen.peer(0.0, 50.0)  # a batch delayed past the horizon counts as the horizon
-    assert unseen.lag_s(50.0) == unseen.horizon_s
+    unseen.peer(3.0, 3.02)
+    assert unseen.lag_s == pytest.approx(0.03)
+    unseen.peer(300.0, 300.01)  # five minutes idle: the lag is what the link does, not the traffic
+    assert unseen.lag_s == pytest.approx(0.03)
+    for k in range(UnseenPeers.LAG_SAMPLES):  # the slow one leaves after that many more
+        unseen.peer(400.0 + k, 400.01 + k)
+    assert unseen.lag_s == pytest.approx(0.01)
+    unseen.peer(0.0, 500.0)  # a batch delayed past the horizon counts as the horizon
+    assert unseen.lag_s == unseen.horizon_s
 
 
 def _burst_bus() -> Bus:
@@ -263,13 +271,14 @@ def test_in_a_burst_a_long_new_prompt_is_held_a_lag_per_step_and_a_short_one_is_
     long_prompt = req("long", range(900_000, 900_000 + 2000))  # 32k tokens
     short_prompt = req("short", range(800_000, 800_000 + 8))
     cost = p.cost_model(long_prompt)
-    lag_s = LAG_S * math.exp(-(t - 9.0 - LAG_S) / 30.0)  # the last burst's, decayed since
-    assert p._unseen.lag_s(t) == pytest.approx(lag_s)
-    steps = hold_steps(cost.prefill_s(long_prompt.n_prompt_tokens), lag_s + HOLD_MARGIN_S)
+    assert p._unseen.lag_s == pytest.approx(LAG_S)
+    steps = hold_steps(cost.prefill_s(long_prompt.n_prompt_tokens), LAG_S + HOLD_MARGIN_S)
     assert steps >= 2
-    assert p.hold_s(long_prompt, t) == pytest.approx(steps * (lag_s + HOLD_MARGIN_S))
+    assert p.hold_s(long_prompt, t) == pytest.approx(steps * (LAG_S + HOLD_MARGIN_S))
+    # However long the gateway idled since, a hold still outlasts the lag.
+    assert p.hold_s(long_prompt, t + 60.0) == pytest.approx(steps * (LAG_S + HOLD_MARGIN_S))
     assert p.hold_s(short_prompt, t) == 0.0
-    assert p.stats().counters["herd_holds"] == 1
+    assert p.stats().counters["herd_holds"] == 2
     # What a request finds cached does not need computing: a known prompt's next turn is short.
     views = workers(*[0] * 8)
     decision = p.select(long_prompt, views, t)
@@ -292,5 +301,6 @@ def test_no_hold_outside_a_burst_without_sync_or_when_switched_off() -> None:
     bus.policies[0].herd_hold_steps = 0
     assert bus.policies[0].hold_s(long_prompt, 12.0) == 0.0
     assert bus.policies[1].hold_s(long_prompt, 12.0) > 0.0
-    with pytest.raises(ValueError, match="herd_hold_steps"):
-        CostPolicy(herd_hold_steps=-1)
+    for bad in (-1, len(HOLD_STEPS_S) + 1):
+        with pytest.raises(ValueError, match="herd_hold_steps"):
+            CostPolicy(herd_hold_steps=bad)

@@ -143,6 +143,31 @@ def test_a_prompt_routed_by_one_gateway_is_routed_to_the_same_worker_by_the_othe
     assert captured and not any(b"Marmalade" in data or b"lighthouse" in data for data in captured)
 
 
+def _bursts_until(pair: Pair, counter: str, tag: str, long_prompts: int = 0) -> None:
+    """Bursts of new prompts, 6 to each gateway at once (the first `long_prompts` of each 6 about
+    15k tokens, a prefill the gateways predict at half a second), until `counter` moves at either
+    gateway; at most 20 bursts (240 requests), each request answered 200."""
+    a, b = pair.gateways
+
+    async def burst(k: int) -> None:
+        headers = {"authorization": f"Bearer {KEY}"}
+        async with httpx.AsyncClient(headers=headers, timeout=60) as client:
+
+            async def one(base: str, i: int) -> None:
+                repeat = 1500 if i < long_prompts else 8
+                system = f"Burst {tag} {k} prompt {i} to {base[-5:]}: an unrelated instruction. " * repeat
+                body = {"model": "m", "messages": [{"role": "system", "content": system}], "max_tokens": 2}
+                resp = await client.post(base + "/v1/chat/completions", json=body)
+                assert resp.status_code == 200, resp.text
+
+            await asyncio.gather(*(one(base, i) for i in range(6) for base in (a, b)))
+
+    for k in range(20):
+        asyncio.run(burst(k))
+        if pair.metric(a, counter) + pair.metric(b, counter) > 0:
+            return
+
+
 def test_requests_reaching_both_gateways_at_once_part_over_their_home_shares(pair: Pair) -> None:
     """Bursts of new prompts sent to A and B together: each gateway sees the other's dispatches of
     the same instant only after they were made, measures that, and prefers its home share."""
@@ -153,50 +178,17 @@ def test_requests_reaching_both_gateways_at_once_part_over_their_home_shares(pai
     assert pair.metric(a, herd) + pair.metric(b, herd) == 0
     assert max(pair.metric(a, unseen), pair.metric(b, unseen)) < 0.5
 
-    async def burst(k: int) -> None:
-        headers = {"authorization": f"Bearer {KEY}"}
-        async with httpx.AsyncClient(headers=headers, timeout=30) as client:
-
-            async def one(base: str, i: int) -> None:
-                system = f"Burst {k} prompt {i} to {base[-5:]}: an unrelated long instruction. " * 8
-                body = {"model": "m", "messages": [{"role": "system", "content": system}], "max_tokens": 2}
-                resp = await client.post(base + "/v1/chat/completions", json=body)
-                assert resp.status_code == 200, resp.text
-
-            await asyncio.gather(*(one(base, i) for i in range(6) for base in (a, b)))
-
-    for k in range(20):  # bounded: 240 requests at most
-        asyncio.run(burst(k))
-        if pair.metric(a, herd) + pair.metric(b, herd) > 0:
-            break
+    _bursts_until(pair, herd, "home")
     assert pair.metric(a, herd) + pair.metric(b, herd) > 0
     assert max(pair.metric(a, unseen), pair.metric(b, unseen)) >= 0.5
 
 
 def test_in_a_burst_long_prompts_are_held_and_every_request_is_served(pair: Pair) -> None:
-    """Bursts mixing long new prompts (about 15k tokens, a prefill the gateways predict at half a
-    second) with short ones, to A and B together: in a burst each gateway holds the long ones a
-    sync lag or more before deciding them (`cost` step 5), and every request is served."""
+    """Bursts mixing long new prompts with short ones, to A and B together: in a burst the
+    gateways hold long ones before deciding them (`cost` step 5), and every request is served."""
     a, b = pair.gateways
     holds = 'kvgate_policy_events_total{event="herd_holds",policy="cost"}'
-
-    async def burst(k: int) -> None:
-        headers = {"authorization": f"Bearer {KEY}"}
-        async with httpx.AsyncClient(headers=headers, timeout=60) as client:
-
-            async def one(base: str, i: int) -> None:
-                repeat = 1500 if i < 2 else 8
-                system = f"Held burst {k} prompt {i} to {base[-5:]}: a long, unrelated brief. " * repeat
-                body = {"model": "m", "messages": [{"role": "system", "content": system}], "max_tokens": 2}
-                resp = await client.post(base + "/v1/chat/completions", json=body)
-                assert resp.status_code == 200, resp.text
-
-            await asyncio.gather(*(one(base, i) for i in range(6) for base in (a, b)))
-
-    for k in range(20):  # bounded: 240 requests at most
-        asyncio.run(burst(k))
-        if pair.metric(a, holds) + pair.metric(b, holds) > 0:
-            break
+    _bursts_until(pair, holds, "held", long_prompts=2)
     assert pair.metric(a, holds) + pair.metric(b, holds) > 0
 
 

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from policies.config import PolicyConfig
 
 DEFAULT_CONFIG = "default.yaml"
 
@@ -53,19 +56,38 @@ class TraceSpec(_Strict):
 class PolicyEntry(_Strict):
     """One row of the benchmark that is more than a policy name: `policy` routing a P/D pool of
     `pd` = "P:D" prefill and decode workers (the simulator's `--pd`, pairs chosen as the gateway
-    chooses them, `policy` picking the prefill worker). `name` is the row's label (default:
-    "POLICY P:D"); `pd_conditional` lets a request run alone on a decode worker when that scores
+    chooses them, `policy` picking the prefill worker), or with `settings`: a policy file's
+    settings for it ([policy.md](../../docs/policy.md), without `policy` and `seed`), e.g.
+    `{default_pool: {capacity_fraction: 1.0}}`. `name` is the row's label (default: "POLICY P:D",
+    or POLICY); `pd_conditional` lets a request run alone on a decode worker when that scores
     better, as the gateway's default does."""
 
     name: str | None = None
     policy: str
     pd: str | None = None
     pd_conditional: bool = True
+    settings: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _split(self) -> PolicyEntry:
         self.split()
+        self.policy_config(0)
         return self
+
+    def policy_config(self, seed: int) -> PolicyConfig | None:
+        """The row's policy file (None: the policy's defaults); `settings` may not name `policy`
+        or `seed`, which the row and the run set."""
+        if self.settings is None:
+            return None
+        clash = {"policy", "seed"} & set(self.settings)
+        if clash:
+            raise ValueError(f"settings may not set {sorted(clash)}: the row and the run do")
+        try:
+            return PolicyConfig.model_validate({**self.settings, "policy": self.policy, "seed": seed})
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(part) for part in first["loc"])
+            raise ValueError(f"{self.label}: settings: {where}: {first['msg']}") from None
 
     def split(self) -> tuple[int, int] | None:
         """`pd` as (prefill workers, decode workers), or None for a pool of mixed workers."""

@@ -27,7 +27,7 @@ from loadtest.simulator.records import RequestRecord
 from loadtest.simulator.summary import summarize
 from loadtest.traces.load import load_trace
 from loadtest.workloads.records import WorkloadRequest, scale_arrivals
-from policies.base import RoutingPolicy
+from policies.config import build_policy
 from policies.registry import make_policy
 
 
@@ -162,7 +162,8 @@ def run_point(
     n_workers = sim.workers if split is None else sum(split)
     engine_config = EngineConfig(kv_blocks=spec.kv_blocks_per_worker, seed=sim.seed)
     engines = [Engine(setup.profile, engine_config) for _ in range(n_workers)]
-    policy: RoutingPolicy = make_policy(entry.policy, seed=sim.seed)
+    config = entry.policy_config(sim.seed)
+    policy = make_policy(entry.policy, seed=sim.seed) if config is None else build_policy(config)
     if stop_below_share is not None:
         arrivals = {r.request_id: r.arrival_s for r in reqs}
         policy = watch_policy(

@@ -126,3 +126,17 @@ def test_the_watch_counts_a_request_heard_of_twice_once() -> None:
     b = RouteRequest("b", "p", "t", "ns", (), 100, 16)
     with pytest.raises(PointHopeless):
         watch.on_complete(Observation(b, WorkerId("w0"), ttft_s=0.5, completion_tokens=1), 0.5)
+
+
+def test_a_row_with_settings_runs_its_policy_as_a_policy_file_sets_it() -> None:
+    setup = _setup()
+    # An index with room for almost nothing forgets every system prompt: cost loses its hits.
+    tiny = PolicyEntry(
+        name="cost, tiny index", policy="cost", settings={"default_pool": {"capacity_fraction": 0.001}}
+    )
+    plain, small = run_point(setup, "cost", 1.0, SIM), run_point(setup, tiny, 1.0, SIM)
+    assert plain.hit_ratio is not None and small.hit_ratio is not None
+    assert small.hit_ratio < plain.hit_ratio
+    for bad in ({"seed": 3}, {"policy": "round_robin"}, {"cost": {"no_such_knob": 1}}):
+        with pytest.raises(ValueError, match="settings"):
+            PolicyEntry(policy="cost", settings=bad)

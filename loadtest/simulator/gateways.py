@@ -41,17 +41,8 @@ class SimGateway:
     """
 
     __slots__ = (
-        "context",
-        "decode",
-        "holder",
-        "in_flight",
-        "index",
-        "name",
-        "peer_loads",
-        "policy",
-        "prefill",
-        "prefill_started",
-        "views",
+        "context", "decode", "holder", "in_flight", "index", "name", "peer_loads", "policy", "prefill",
+        "prefill_started", "views",
     )  # fmt: skip
 
     def __init__(self, index: int, policy: RoutingPolicy, n_workers: int) -> None:

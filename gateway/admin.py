@@ -114,6 +114,7 @@ def _worker(worker: Worker, now_s: float, max_age_s: float, fleet: Fleet | None)
         "prefill_tokens": worker.prefill_tokens,
         "decode_tokens": worker.decode_tokens,
         "decode_context_tokens": worker.decode_context,
+        "prefill_pairs": worker.prefill_pairs,
         "scrape": None,
         "kv_events": None,
     }

@@ -151,6 +151,7 @@ class DecisionLog:
                 "predicted_cached_tokens": predicted.get(v.worker_id, 0),
                 "in_flight": v.in_flight_requests,
                 "prefill_tokens": v.in_flight_prefill_tokens,
+                "prefill_pairs": v.in_flight_prefill_pairs,
                 "prefill_age_s": None
                 if v.prefill_started_s is None
                 else round(now_s - v.prefill_started_s, 4),

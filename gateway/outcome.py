@@ -85,6 +85,7 @@ class Attempt:
             self.worker.first_token(
                 self.admitted.route.n_prompt_tokens,
                 self.admitted.max_output_tokens,
+                matched_tokens=self.decision.matched_tokens,
                 now_s=self.dispatched_s + self.ttft_s,
             )
 
@@ -95,7 +96,10 @@ class Attempt:
         self.finished = True
         a = self.admitted
         self.worker.release(
-            a.route.n_prompt_tokens, a.max_output_tokens, prefill_done=self.ttft_s is not None
+            a.route.n_prompt_tokens,
+            a.max_output_tokens,
+            prefill_done=self.ttft_s is not None,
+            matched_tokens=self.decision.matched_tokens,
         )
         return True
 

@@ -199,7 +199,7 @@ class _Run:
         routing.policy.on_dispatch(a.route, decision, now_s)
         routing.metrics.decision(routing.policy_name, decision.reason)
         routing.metrics.pd_requests.labels(a.pool.name, role).inc()
-        worker.acquire(a.route.n_prompt_tokens, a.max_output_tokens, now_s)
+        worker.acquire(a.route.n_prompt_tokens, a.max_output_tokens, now_s, decision.matched_tokens)
         attempt = Attempt(a, worker, decision.reason, now_s, decision, body=body)
         self.attempts.append(attempt)
         return attempt

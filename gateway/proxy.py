@@ -112,7 +112,7 @@ async def _dispatch(
         tried.add(decision.worker)
         policy.on_dispatch(a.route, decision, now_s)
         routing.metrics.decision(routing.policy_name, decision.reason)
-        worker.acquire(a.route.n_prompt_tokens, a.max_output_tokens, now_s)
+        worker.acquire(a.route.n_prompt_tokens, a.max_output_tokens, now_s, decision.matched_tokens)
         attempt = Attempt(a, worker, decision.reason, now_s, decision)
         attempts.append(attempt)
         if routing.tracer is not None:

@@ -21,7 +21,7 @@ from gateway.breaker import CircuitBreaker
 from gateway.config.pool import PoolConfig
 from gateway.scrape import WorkerMetrics
 from gateway.upstream_headers import NO_AUTH, WorkerAuth
-from policies.base import Role, WorkerId, WorkerView, decode_context_of
+from policies.base import Role, WorkerId, WorkerView, decode_context_of, prefill_pairs
 from policies.pd import SGLANG_ROLES, VLLM_ROLES, PdRouter, PdSettings
 from policies.peer_sync import PeerLoad, with_peer_load
 
@@ -77,6 +77,7 @@ class Worker:
         "in_flight_at_scrape",
         "max_in_flight",
         "metrics_at_s",
+        "prefill_pairs",
         "prefill_started_s",
         "prefill_tokens",
         "url",
@@ -96,6 +97,7 @@ class Worker:
         self.max_in_flight = config.max_in_flight_per_worker
         self.in_flight = 0
         self.prefill_tokens = 0
+        self.prefill_pairs = 0  # see WorkerView.in_flight_prefill_pairs
         self.prefill_started_s: float | None = None  # see WorkerView.prefill_started_s
         self.decode_tokens = 0
         self.decode_context = 0  # see `decode_context_of`
@@ -172,6 +174,7 @@ class Worker:
             healthy=self.healthy and self.breaker.allows(now_s),
             in_flight_requests=self.in_flight,
             in_flight_prefill_tokens=self.prefill_tokens,
+            in_flight_prefill_pairs=self.prefill_pairs,
             in_flight_decode_tokens=self.decode_tokens,
             max_in_flight=self.max_in_flight,
             num_requests_waiting=m.num_requests_waiting if m else None,
@@ -186,38 +189,55 @@ class Worker:
         )
         return view if self._peer_load is None else with_peer_load(view, self._peer_load)
 
-    def acquire(self, prompt_tokens: int, max_output_tokens: int, now_s: float) -> None:
+    def acquire(
+        self, prompt_tokens: int, max_output_tokens: int, now_s: float, matched_tokens: int = 0
+    ) -> None:
+        """A request is dispatched here; `matched_tokens`: the cached tokens its decision predicted."""
         self._version += 1
         self.in_flight += 1
         if self.prefill_tokens <= 0 < prompt_tokens:
             self.prefill_started_s = now_s
         self.prefill_tokens += prompt_tokens
+        self.prefill_pairs += prefill_pairs(prompt_tokens, matched_tokens)
         self.decode_tokens += max_output_tokens
         self.breaker.on_dispatch(now_s)
 
     def first_token(
-        self, prompt_tokens: int, max_output_tokens: int = 0, *, now_s: float | None = None
+        self,
+        prompt_tokens: int,
+        max_output_tokens: int = 0,
+        *,
+        matched_tokens: int = 0,
+        now_s: float | None = None,
     ) -> None:
         """Prefill is done: the prompt no longer weighs on the worker's prefill queue, its context
         joins the decode batch, and the prompts still pending are worked on from now at the
-        earliest (None: when is not known)."""
+        earliest (None: when is not known). `matched_tokens` as given to `acquire`."""
         self._version += 1
-        self.prefill_tokens = max(0, self.prefill_tokens - prompt_tokens)
+        self._prefill_done(prompt_tokens, matched_tokens)
         self.prefill_started_s = now_s if self.prefill_tokens > 0 else None
         self.decode_context += decode_context_of(prompt_tokens, max_output_tokens)
 
-    def release(self, prompt_tokens: int, max_output_tokens: int, prefill_done: bool) -> None:
+    def release(
+        self, prompt_tokens: int, max_output_tokens: int, prefill_done: bool, matched_tokens: int = 0
+    ) -> None:
         self._version += 1
         self.in_flight = max(0, self.in_flight - 1)
         if prefill_done:
             context = decode_context_of(prompt_tokens, max_output_tokens)
             self.decode_context = max(0, self.decode_context - context)
         else:
-            self.prefill_tokens = max(0, self.prefill_tokens - prompt_tokens)
+            self._prefill_done(prompt_tokens, matched_tokens)
             # The engine may have spent the time since on the prompt that left: count no progress
             # on the rest until the backlog next restarts.
             self.prefill_started_s = None
         self.decode_tokens = max(0, self.decode_tokens - max_output_tokens)
+
+    def _prefill_done(self, prompt_tokens: int, matched_tokens: int) -> None:
+        self.prefill_tokens = max(0, self.prefill_tokens - prompt_tokens)
+        self.prefill_pairs = max(0, self.prefill_pairs - prefill_pairs(prompt_tokens, matched_tokens))
+        if self.prefill_tokens == 0:
+            self.prefill_pairs = 0
 
     def record_health(self, ok: bool, config: PoolConfig) -> None:
         if ok:

@@ -109,6 +109,20 @@ class WorkerView:
     # prompt still pending started no earlier). None: not known, or no backlog. Only the elapsed
     # time since then may count as prefill done (`CostModel.prefill_remaining`).
     prefill_started_s: float | None = None
+    # The causal attention of the prompts in `in_flight_prefill_tokens`: the sum over them of
+    # `prefill_pairs(prompt, matched)` with the match their decision predicted (request tokens²).
+    # Attention grows with a prompt's square, so a backlog holding one long miss takes longer to
+    # compute than the same tokens in many short prompts (`CostModel.queue_s`).
+    in_flight_prefill_pairs: int = 0
+
+
+def prefill_pairs(prompt_tokens: int, matched_tokens: int) -> int:
+    """The query-key pairs of causal attention a prefill of `prompt_tokens` computes when
+    `matched_tokens` of them are cached: each of the `new` tokens attends to the cached ones and to
+    the new ones before it, `new · (matched + new / 2)`."""
+    matched = min(max(matched_tokens, 0), prompt_tokens)
+    new = prompt_tokens - matched
+    return new * (2 * matched + new) // 2 if new > 0 else 0
 
 
 def decode_context_of(prompt_tokens: int, max_output_tokens: int) -> int:

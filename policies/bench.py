@@ -103,7 +103,8 @@ def _views(rng: random.Random, n: int) -> list[WorkerView]:
         WorkerView(
             WorkerId(f"http://10.0.{i // 256}.{i % 256}:8000"),
             in_flight_requests=rng.randint(0, 12),
-            in_flight_prefill_tokens=rng.randint(0, 40_000),
+            in_flight_prefill_tokens=(prefill := rng.randint(0, 40_000)),
+            in_flight_prefill_pairs=rng.randint(0, prefill * prefill // 2),
             in_flight_decode_tokens=rng.randint(0, 200_000),
             num_requests_waiting=rng.randint(0, 4),
             num_requests_running=rng.randint(0, 12),

@@ -6,6 +6,11 @@ The step model follows shared/reference/engine-timing.md §6: one engine step co
 
     T_prefill(new, ctx) = s · (b·new + e·new·(ctx + new/2) + a·ceil(new / budget))
 
+A worker's prefill queue is priced the same way over the prompts pending there: `b` per token of
+the backlog plus `e` per attention pair of its prompts (`WorkerView.in_flight_prefill_pairs`, never
+below the mean prompt's `tokens · mean / 2`), so a queued 190k-token miss weighs as the 28 s of
+compute it is, not as 190k tokens of mean-sized prompts.
+
 The scale `s` starts at 1 and is calibrated online from observed TTFT minus the queueing we
 predicted at dispatch, against the prefill we predicted for the reported `cached_tokens`.
 """
@@ -105,7 +110,7 @@ class QueueTerms:
     scale: float
     max_batched_tokens: int
     step_s: float
-    backlog_per_token_s: float
+    backlog_per_token_s: float  # b + e · mean prompt / 2: a backlog token at the least attention
     prefill_per_token_s: float
     attention_per_pair_s: float
     per_request_s: float
@@ -187,12 +192,18 @@ class CostModel:
 
         Prefill backlog is the gateway's in-flight prefill tokens (less the progress made on them
         by `now_s`, see `prefill_remaining`; none without `now_s`) times `uncached_share` (the share
-        of them the worker must still compute), scaled up when the worker reports more requests than
-        this gateway sent (other gateway replicas, other clients).
+        of them the worker must still compute), plus the causal attention of those prompts
+        (`WorkerView.in_flight_prefill_pairs`, drained in proportion), never counted below the
+        mean prompt's per backlog token, both scaled up when the worker reports more requests than
+        this gateway sent (other gateway replicas, other clients; each prompt this gateway does
+        not know of counts as one of the mean size).
         """
         p = self.params
-        pending = view.in_flight_prefill_tokens if now_s is None else self.prefill_remaining(view, now_s)
+        whole = view.in_flight_prefill_tokens
+        pending = whole if now_s is None else self.prefill_remaining(view, now_s)
         backlog = pending * uncached_share
+        pairs = view.in_flight_prefill_pairs * (pending / whole) if whole > 0 else 0.0
+        pairs = max(pairs, backlog * self._mean_prompt_tokens / 2)
         known = view.in_flight_requests
         running = known
         scraped = reported_load(view)
@@ -200,10 +211,13 @@ class CostModel:
             waiting, scraped_running = scraped
             reported = waiting + scraped_running
             if reported > known:
-                if known > 0 and view.in_flight_prefill_tokens > 0:
+                if known > 0 and whole > 0:
                     backlog *= reported / known
+                    pairs *= reported / known
                 else:
-                    backlog += waiting * self._mean_prompt_tokens
+                    mean = self._mean_prompt_tokens
+                    backlog += waiting * mean
+                    pairs += waiting * mean * mean / 2
             if scraped_running > running:
                 running = scraped_running
         steps = -(-int(backlog + new_tokens) // p.max_batched_tokens)
@@ -213,8 +227,8 @@ class CostModel:
         if backlog <= 0:
             return self.scale * steps * per_step
         backlog_steps = -(-int(backlog) // p.max_batched_tokens)
-        per_token = p.prefill_s_per_token + p.attention_s_per_pair * self._mean_prompt_tokens / 2
-        return self.scale * (per_token * backlog + p.step_s * backlog_steps + steps * per_step)
+        prefill = p.prefill_s_per_token * backlog + p.attention_s_per_pair * pairs
+        return self.scale * (prefill + p.step_s * backlog_steps + steps * per_step)
 
     def prefill_remaining(self, view: WorkerView, now_s: float) -> int:
         """Request tokens of `view`'s prefill backlog still to compute at `now_s` (the whole
@@ -281,16 +295,6 @@ class CostModel:
             per_context_token_s=p.decode_s_per_context_token,
             mean_prompt_tokens=self._mean_prompt_tokens,
         )
-
-    def backlog_s(self, tokens: float) -> float:
-        """Prefill time of `tokens` queued across separate prompts of about the mean prompt size
-        (attention is quadratic per prompt, not over the sum)."""
-        if tokens <= 0:
-            return 0.0
-        p = self.params
-        steps = math.ceil(tokens / p.max_batched_tokens)
-        per_token = p.prefill_s_per_token + p.attention_s_per_pair * self._mean_prompt_tokens / 2
-        return self.scale * (per_token * tokens + p.step_s * steps)
 
     def transfer_s(self, tokens: int) -> float:
         """Moving `tokens` of KV from another holder; `inf` when the pool cannot move KV."""

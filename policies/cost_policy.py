@@ -270,7 +270,8 @@ class CostPolicy(PrefixPolicyBase):
         # Pass 1: availability, load and prefill backlog of every worker, re-read only where a view
         # changed since the pool's last decision (see `cost_scan`).
         shares = self._uncached_share if self.discount_cached_backlog else {}
-        columns = self._candidate_cache(req.pool).candidates(workers, shares, pool.cost.remaining_at(now_s))
+        remaining = pool.cost.remaining_at(now_s)
+        columns = self._candidate_cache(req.pool).candidates(workers, shares, remaining)
         cands, loads, backlogs = columns.views, columns.loads, columns.backlogs
         if not cands:
             return None
@@ -313,6 +314,8 @@ class CostPolicy(PrefixPolicyBase):
         longest_tokens = min(found.longest_blocks * bs, limit)
         q = cost.queue_terms()
         scorer = Scorer(self.tie_s, req, cost, q, weight, longest_tokens)
+        if remaining is not None:
+            scorer.drained(columns.pending)
         herd_s = self.herd_margin_s(q.scale)
         if herd_s > 0:
             scorer.keep_near(herd_s)
@@ -322,8 +325,9 @@ class CostPolicy(PrefixPolicyBase):
             # to it, so branches spread over the pool by long-run load, not only by the queue now.
             scorer.charge_branches(self._recent_work, self.branch_load_weight, self.load_window_s, now_s)
 
-        # A worker's score is at most what it saves minus its raw backlog's prefill time (the
-        # queue's smallest term, before scaling for requests this gateway did not send). Workers are
+        # A worker's score is at most what it saves minus its raw backlog's prefill time at the
+        # mean prompt's attention (the queue's smallest term, before scaling for requests this
+        # gateway did not send: a backlog's attention is never counted below it). Workers are
         # scored in order of that bound, and once it falls below the best score less the tie margin
         # no later worker can win or tie: the loop stops there.
         reach = scorer.reach

@@ -9,6 +9,7 @@ model's).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from policies.base import RouteRequest, WorkerId, WorkerView
 from policies.cost_model import CostModel, QueueTerms
@@ -32,6 +33,7 @@ class Scorer:
         "near",
         "nonholder_saved_s",
         "now_s",
+        "pending",
         "q",
         "reach",
         "recent",
@@ -70,11 +72,14 @@ class Scorer:
         self.transfer_on = cost.params.transfer_enabled
         self.saved_for: dict[int, float] = {0: 0.0}
         self.moved_for: dict[int, float] = {}
+        # The least a backlog token can cost (its attention at least the mean prompt's): the bound.
         self.backlog_s_per_token = q.scale * q.backlog_per_token_s
         self.best_score = -math.inf
         self.best: list[tuple[int, int, float]] = []
         self.nonholder_saved_s = 0.0
         # The branch charge (`charge_branches`): off until then.
+        # Each candidate's prefill tokens left (`drained`): None, every backlog is whole.
+        self.pending: Sequence[int] | None = None
         self.recent: dict[WorkerId, tuple[float, float]] | None = None
         self.branch_s = 0.0
         self.now_s = 0.0
@@ -89,6 +94,11 @@ class Scorer:
         the best at the time it was scored: (score, index, matched, queue)."""
         self.reach = self.tie + margin_s
         self.near = []
+
+    def drained(self, pending: Sequence[int]) -> None:
+        """The candidates' backlogs have drained to `pending` (`CostModel.prefill_remaining`, by
+        candidate index): their attention drains with them."""
+        self.pending = pending
 
     def _engine(self, request_tokens: float) -> int:
         return int(request_tokens) if self.unit == 1.0 else int(request_tokens * self.unit)
@@ -148,6 +158,19 @@ class Scorer:
             return
         q = self.q
         n = self.n
+        # The backlog's attention (`CostModel.queue_s`): its prompts' own, drained with the tokens
+        # (`prefill_progress`; the share discounts tokens, not pairs), at least the mean prompt's.
+        pairs: float = view.in_flight_prefill_pairs
+        if pairs:
+            whole = view.in_flight_prefill_tokens
+            pending = self.pending
+            if pending is not None and pending[i] < whole:
+                pairs *= pending[i] / whole
+            if self.unit != 1.0:
+                pairs *= self.unit * self.unit
+        floor = backlog * q.mean_prompt_tokens / 2
+        if pairs < floor:
+            pairs = floor
         running = known = view.in_flight_requests
         waiting = view.num_requests_waiting
         if waiting is not None:
@@ -163,8 +186,10 @@ class Scorer:
             if waiting + scraped > known:
                 if known > 0 and view.in_flight_prefill_tokens > 0:
                     backlog *= (waiting + scraped) / known
+                    pairs *= (waiting + scraped) / known
                 else:
                     backlog += waiting * q.mean_prompt_tokens
+                    pairs += waiting * q.mean_prompt_tokens * q.mean_prompt_tokens / 2
             if scraped > running:
                 running = scraped
         budget = q.max_batched_tokens
@@ -172,7 +197,8 @@ class Scorer:
         new = n - (matched if self.unit == 1.0 else int(matched * self.unit))
         queue = -(-int(backlog + new) // budget) * per_step
         if backlog > 0:
-            queue += q.backlog_per_token_s * backlog + q.step_s * -(-int(backlog) // budget)
+            prefill = q.prefill_per_token_s * backlog + q.attention_per_pair_s * pairs
+            queue += prefill + q.step_s * -(-int(backlog) // budget)
         queue *= q.scale
         score = saved - queue
         if view.warming or (self.adapter and view.loaded_adapters is not None):

@@ -86,6 +86,7 @@ class PeerLoad:
     prefill_tokens: int
     decode_tokens: int
     decode_context_tokens: int = 0  # `WorkerView.decode_context_tokens` of the origin's requests
+    prefill_pairs: int = 0  # `WorkerView.in_flight_prefill_pairs` of the origin's requests
     prefill_since_s: float | None = field(default=None, compare=False)
 
     @property
@@ -202,7 +203,8 @@ class PeerLoads:
         self._heard: dict[str, float] = {}
         self._by_origin: dict[str, dict[_Slot, PeerLoad]] = {}
         self._sums: dict[_Slot, tuple[int, int, int]] = {}
-        self._contexts: dict[_Slot, int] = {}  # summed `decode_context_tokens`, slots with any
+        # Summed `decode_context_tokens` and `prefill_pairs`, slots with any.
+        self._extras: dict[_Slot, tuple[int, int]] = {}
 
     def note(self, origin: str, loads: Iterable[PeerLoad], now_s: float, *, full: bool) -> set[_Slot]:
         """Apply `origin`'s snapshots: `full` means they are all its load (a slot it leaves out is
@@ -244,14 +246,15 @@ class PeerLoads:
             self._sums[slot] = (r, p, d)
         else:
             self._sums.pop(slot, None)
-        context = self._contexts.get(slot, 0)
-        context += (load.decode_context_tokens if load is not None else 0) - (
-            old.decode_context_tokens if old is not None else 0
-        )
-        if context:
-            self._contexts[slot] = context
+        context, pairs = self._extras.get(slot, (0, 0))
+        if old is not None:
+            context, pairs = context - old.decode_context_tokens, pairs - old.prefill_pairs
+        if load is not None:
+            context, pairs = context + load.decode_context_tokens, pairs + load.prefill_pairs
+        if context or pairs:
+            self._extras[slot] = (context, pairs)
         else:
-            self._contexts.pop(slot, None)
+            self._extras.pop(slot, None)
         changed.add(slot)
 
     def expire(self, now_s: float) -> set[_Slot]:
@@ -283,7 +286,7 @@ class PeerLoads:
                     since = None
                     break
                 since = load.prefill_since_s if since is None else max(since, load.prefill_since_s)
-        return PeerLoad(pool, worker, *found, self._contexts.get(slot, 0), prefill_since_s=since)
+        return PeerLoad(pool, worker, *found, *self._extras.get(slot, (0, 0)), prefill_since_s=since)
 
     @property
     def any(self) -> bool:
@@ -305,11 +308,12 @@ class PeerLoads:
                 r, p, d = sums.get(slot, (0, 0, 0))
                 sums[slot] = (r + load.requests, p + load.prefill_tokens, d + load.decode_tokens)
         assert sums == self._sums, "sums drifted from the snapshots"
-        contexts: dict[_Slot, int] = {}
+        extras: dict[_Slot, tuple[int, int]] = {}
         for mine in self._by_origin.values():
             for slot, load in mine.items():
-                contexts[slot] = contexts.get(slot, 0) + load.decode_context_tokens
-        assert {s: c for s, c in contexts.items() if c} == self._contexts, "decode contexts drifted"
+                context, pairs = extras.get(slot, (0, 0))
+                extras[slot] = (context + load.decode_context_tokens, pairs + load.prefill_pairs)
+        assert {s: e for s, e in extras.items() if any(e)} == self._extras, "decode contexts or pairs drifted"
         assert set(self._by_origin) <= set(self._heard), "load from a peer never heard"
 
 
@@ -330,6 +334,7 @@ def with_peer_load(view: WorkerView, load: PeerLoad | None) -> WorkerView:
         healthy=view.healthy,
         in_flight_requests=view.in_flight_requests + load.requests,
         in_flight_prefill_tokens=view.in_flight_prefill_tokens + load.prefill_tokens,
+        in_flight_prefill_pairs=view.in_flight_prefill_pairs + load.prefill_pairs,
         in_flight_decode_tokens=view.in_flight_decode_tokens + load.decode_tokens,
         max_in_flight=None if cap is None else cap + load.requests,
         num_requests_waiting=view.num_requests_waiting,

@@ -8,16 +8,18 @@
      "l": [[pool, worker, requests, prefill tokens, decode tokens], ...],
      "c": [[pool, block size, prompt tokens, request tokens, prefill time ratio], ...],  # optional
      "x": [decode context tokens, ...],                          # optional, one per "l" entry
+     "y": [prefill attention pairs, ...],                        # optional, one per "l" entry
      "a": seconds its oldest item waited in the sender's queue}  # optional
 
 "c" carries calibration samples (`PeerCalibration`), "x" each load's decode context
-(`PeerLoad.decode_context_tokens`), "a" how long before "t" the batch's first item was queued (on
-the sender's monotonic clock: when its items were decided, for `policies.herd`). All three were
-added within version 1 as optional fields, because a reader takes the fields it knows by name: a
-gateway of an earlier release ignores them (and keeps routing on the holdings and loads of the
-same batch). A batch without "c" has no samples; one without "x" has loads whose decode context is
-0 (its writer did not count it); one without "a" had no item wait (or its writer did not say). Samples are
-independent of the items' order, so they travel after them.
+(`PeerLoad.decode_context_tokens`), "y" each load's prefill attention (`PeerLoad.prefill_pairs`),
+"a" how long before "t" the batch's first item was queued (on the sender's monotonic clock: when
+its items were decided, for `policies.herd`). All four were added within version 1 as optional
+fields, because a reader takes the fields it knows by name: a gateway of an earlier release
+ignores them (and keeps routing on the holdings and loads of the same batch). A batch without "c"
+has no samples; one without "x" or "y" has loads whose decode context or prefill attention is 0
+(its writer did not count it); one without "a" had no item wait (or its writer did not say).
+Samples are independent of the items' order, so they travel after them.
 
 Pools, namespaces and workers are indices into the string tables. A namespace is the tenant's
 index namespace (`tenant:<name>`, or the public one), a key a keyed chain hash: nothing in a batch
@@ -122,6 +124,9 @@ def encode(batch: SyncBatch) -> bytes:
     contexts = [x.decode_context_tokens for x in batch.loads]
     if any(contexts):
         doc["x"] = contexts
+    pairs = [x.prefill_pairs for x in batch.loads]
+    if any(pairs):
+        doc["y"] = pairs
     if batch.waited_s > 0:
         doc["a"] = batch.waited_s
     return msgpack.packb(doc, use_bin_type=True)
@@ -140,6 +145,14 @@ def decode(data: bytes) -> SyncBatch:
         raise
     except (ValueError, TypeError, KeyError, IndexError, struct.error, msgpack.UnpackException) as exc:
         raise MalformedBatch(f"{type(exc).__name__}") from None
+
+
+def _per_load(doc: dict[str, Any], key: str, error: str) -> list[object] | None:
+    """An optional list with one entry per load ("x", "y"); None when absent."""
+    found = doc.get(key)
+    if found is not None and (not isinstance(found, list) or len(found) != len(doc["l"])):
+        raise MalformedBatch(error)
+    return found
 
 
 def _str(x: object) -> str:
@@ -200,16 +213,18 @@ def _parse(doc: dict[str, Any]) -> SyncBatch:
         )  # fmt: skip
     if at != len(all_keys):
         raise MalformedBatch("keys left over")
-    contexts = doc.get("x")
-    if contexts is not None and (not isinstance(contexts, list) or len(contexts) != len(doc["l"])):
-        raise MalformedBatch("bad decode contexts")
+    contexts = _per_load(doc, "x", "bad decode contexts")
+    pairs = _per_load(doc, "y", "bad prefill pairs")
     loads = []
     for k, raw in enumerate(doc["l"]):
         if not isinstance(raw, list) or len(raw) != 5:
             raise MalformedBatch("bad load")
         worker = WorkerId(_at(workers, raw[1]))
         context = 0 if contexts is None else _int(contexts[k])
-        loads.append(PeerLoad(_at(pools, raw[0]), worker, _int(raw[2]), _int(raw[3]), _int(raw[4]), context))
+        pair = 0 if pairs is None else _int(pairs[k])
+        loads.append(
+            PeerLoad(_at(pools, raw[0]), worker, _int(raw[2]), _int(raw[3]), _int(raw[4]), context, pair)
+        )
     for raw in doc.get("c", ()):
         items.append(_sample(pools, raw))
     waited = doc.get("a", 0.0)

@@ -111,7 +111,13 @@ class SyncService:
         for pool in self.registry.pools.values():
             for w in pool.workers.values():
                 yield PeerLoad(
-                    pool.name, w.worker_id, w.in_flight, w.prefill_tokens, w.decode_tokens, w.decode_context
+                    pool.name,
+                    w.worker_id,
+                    w.in_flight,
+                    w.prefill_tokens,
+                    w.decode_tokens,
+                    w.decode_context,
+                    w.prefill_pairs,
                 )
 
     async def _publish_loop(self) -> None:

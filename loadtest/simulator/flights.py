@@ -19,7 +19,7 @@ class Flight:
 
     __slots__ = (
         "context", "decided_s", "decision", "first_token_s", "gateway", "hashes", "keyed", "leg",
-        "max_out", "req", "route", "salt", "visible_cached",
+        "max_out", "pairs", "req", "route", "salt", "visible_cached",
     )  # fmt: skip
 
     def __init__(
@@ -38,6 +38,7 @@ class Flight:
         self.keyed = keyed
         self.salt = salt
         self.first_token_s: float | None = None
+        self.pairs = 0  # its prefill's attention, as its gateway counts it (`prefill_pairs`)
         # When its gateway decided it: its arrival, or later for a request the gateway held. The
         # policy's TTFT sample runs from there, as the gateway's does from its dispatch.
         self.decided_s = req.arrival_s

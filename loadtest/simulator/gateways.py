@@ -41,8 +41,8 @@ class SimGateway:
     """
 
     __slots__ = (
-        "context", "decode", "holder", "in_flight", "index", "name", "peer_loads", "policy", "prefill",
-        "prefill_started", "views",
+        "context", "decode", "holder", "in_flight", "index", "name", "pairs", "peer_loads", "policy",
+        "prefill", "prefill_started", "views",
     )  # fmt: skip
 
     def __init__(self, index: int, policy: RoutingPolicy, n_workers: int) -> None:
@@ -52,6 +52,7 @@ class SimGateway:
         self.holder = policy if isinstance(policy, SupportsHold) else None
         self.in_flight = [0] * n_workers
         self.prefill = [0] * n_workers
+        self.pairs = [0] * n_workers  # prefill attention (`WorkerView.in_flight_prefill_pairs`)
         # When each worker's prefill backlog (as this gateway counts it) last restarted, as the
         # registry keeps it (`WorkerView.prefill_started_s`).
         self.prefill_started: list[float | None] = [None] * n_workers
@@ -65,7 +66,9 @@ class SimGateway:
         return 0.0 if self.holder is None else self.holder.hold_s(route, now_s)
 
     def load(self, pool: str, worker: WorkerId, i: int) -> PeerLoad:
-        return PeerLoad(pool, worker, self.in_flight[i], self.prefill[i], self.decode[i], self.context[i])
+        return PeerLoad(
+            pool, worker, self.in_flight[i], self.prefill[i], self.decode[i], self.context[i], self.pairs[i]
+        )
 
     def fold(self, pool: str, view: WorkerView) -> WorkerView:
         """`view` (this gateway's own accounting) plus what its peers reported."""

@@ -43,6 +43,7 @@ from policies.base import (
     WorkerId,
     WorkerView,
     decode_context_of,
+    prefill_pairs,
 )
 
 # Heap entries that are not a worker's step: a KV transfer's end, a held request's decision.
@@ -149,6 +150,7 @@ class _Loop:
                     worker_id=w.id,
                     in_flight_requests=gw.in_flight[i],
                     in_flight_prefill_tokens=gw.prefill[i],
+                    in_flight_prefill_pairs=gw.pairs[i],
                     in_flight_decode_tokens=gw.decode[i],
                     max_in_flight=cfg.max_in_flight_per_worker,
                     num_requests_waiting=s.num_waiting,
@@ -209,6 +211,7 @@ class _Loop:
             gw = f.gateway
             assert gw is not None
             gw.prefill[idx] -= f.route.n_prompt_tokens
+            gw.pairs[idx] -= f.pairs
             f.context = decode_context_of(f.route.n_prompt_tokens, f.max_out)
             gw.context[idx] += f.context
             gw.prefill_started[idx] = now_s if gw.prefill[idx] > 0 else None
@@ -342,6 +345,8 @@ class _Loop:
         if gw.prefill[idx] <= 0 < route.n_prompt_tokens:
             gw.prefill_started[idx] = now_s
         gw.prefill[idx] += route.n_prompt_tokens
+        f.pairs = prefill_pairs(route.n_prompt_tokens, decision.matched_tokens)
+        gw.pairs[idx] += f.pairs
         # Output tokens to come count from dispatch, as the gateway's registry counts them.
         gw.decode[idx] += f.max_out
         gw.views[idx] = None

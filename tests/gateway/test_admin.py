@@ -90,7 +90,7 @@ async def test_status_reports_workers_breakers_scrapes_and_policy(admin: Admin) 
     (worker,) = pool["workers"]
     assert worker["url"] == "http://127.0.0.1:9"
     assert worker["healthy"] is False and worker["routable"] is False
-    load = ("in_flight", "prefill_tokens", "decode_tokens", "decode_context_tokens")
+    load = ("in_flight", "prefill_tokens", "prefill_pairs", "decode_tokens", "decode_context_tokens")
     assert {k: worker[k] for k in load} == dict.fromkeys(load, 0)
     assert worker["breaker"] == {"state": "closed", "consecutive_failures": 0}
     assert worker["scrape"]["age_s"] is None and worker["scrape"]["fresh"] is False

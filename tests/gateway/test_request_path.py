@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -24,12 +25,14 @@ from policies.base import (
     RouteDecision,
     RouteRequest,
     WorkerView,
+    prefill_pairs,
 )
 from prompt_normalizer.types import PUBLIC_NAMESPACE
 from tests.prompt_normalizer.tiny_model import build_tiny_model
 from tests.support.inprocess import gateway_in_process
 from tests.support.loopback import serve_app
 from tests.support.policies import IgnoresFeedback
+from tests.support.wait import wait_until
 
 SECRET = b"k"
 
@@ -64,6 +67,7 @@ class Upstream:
     chunk_pause_s: float = 0.0
     tail_pause_s: float = 0.0
     garbage: bytes | None = None  # answer 200 with this instead of a completion (or its chunks)
+    gate: asyncio.Event | None = None  # streams wait for it before their first chunk
 
 
 @dataclass
@@ -113,6 +117,8 @@ async def rig(tiny_model: Path) -> AsyncIterator[Rig]:
             await resp.write(b"data: " + upstream.garbage + b"\n\ndata: [DONE]\n\n")
             await resp.write_eof()
             return resp
+        if upstream.gate is not None:
+            await upstream.gate.wait()
         for word in ("a", "b", "c"):
             delta = {"choices": [{"index": 0, "delta": {"content": word}, "finish_reason": None}]}
             await resp.write(b"data: " + orjson.dumps(delta) + b"\n\n")
@@ -396,6 +402,36 @@ async def test_a_request_the_policy_holds_is_decided_after_the_hold_and_served(r
     rig.state.routing.policy = rig.policy  # a policy without `hold_s` is never held
     assert rig.state.routing.hold_s(policy.requests[-1], 0.0) == 0.0
     assert (await rig.chat()).status_code == 200
+
+
+@dataclass
+class MatchingPolicy(ScriptedPolicy):
+    """Predicts `matched` cached tokens on the worker it picks."""
+
+    matched: int = 0
+
+    def select(self, req: RouteRequest, workers: Sequence[WorkerView], now_s: float) -> RouteDecision | None:
+        decision = super().select(req, workers, now_s)
+        if decision is None:
+            return None
+        return dataclasses.replace(decision, matched_tokens=min(self.matched, req.n_prompt_tokens))
+
+
+async def test_a_pending_prompts_attention_is_counted_with_its_predicted_match_until_its_first_token(
+    rig: Rig,
+) -> None:
+    policy = MatchingPolicy(matched=2)
+    rig.state.routing.policy = policy
+    rig.upstream.gate = asyncio.Event()
+    worker = next(iter(rig.state.registry.pools["p"].workers.values()))
+    pending = asyncio.create_task(rig.chat(stream=True))
+    pairs = await wait_until(lambda: worker.prefill_pairs, what="the prompt is pending on the worker")
+    (r,) = policy.requests
+    assert r.n_prompt_tokens > 2 and pairs == prefill_pairs(r.n_prompt_tokens, 2)
+    assert worker.view(0.0).in_flight_prefill_pairs == pairs
+    rig.upstream.gate.set()
+    assert (await pending).status_code == 200
+    assert worker.prefill_pairs == 0 and worker.prefill_tokens == 0 and worker.in_flight == 0
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

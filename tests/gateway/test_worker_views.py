@@ -83,6 +83,22 @@ def test_the_decode_context_counts_prompts_past_their_first_token() -> None:
     assert w.view(1.3).decode_context_tokens == 0 and w.view(1.3).in_flight_requests == 0
 
 
+def test_the_prefill_attention_counts_each_pending_prompt_with_its_predicted_match() -> None:
+    # A prompt's attention is new·(matched + new/2) for the match its decision predicted, counted
+    # from dispatch to its first token (or its end before one).
+    w = _worker()
+    w.acquire(120_000, 10, 1.0)  # a long miss
+    w.acquire(10_000, 10, 1.0, matched_tokens=8_000)  # a hit with 2,000 new tokens
+    assert w.view(1.0).in_flight_prefill_pairs == 120_000 * 60_000 + 2_000 * 9_000
+    w.first_token(120_000, 10, now_s=1.5)
+    assert w.view(1.5).in_flight_prefill_pairs == 2_000 * 9_000
+    w.release(10_000, 10, prefill_done=False, matched_tokens=8_000)
+    v = w.view(1.6)
+    assert v.in_flight_prefill_pairs == 0 and v.in_flight_prefill_tokens == 0
+    w.release(120_000, 10, prefill_done=True)  # past its first token: nothing more to take back
+    assert w.view(1.7).in_flight_prefill_pairs == 0
+
+
 def test_the_view_says_when_the_prefill_backlog_last_restarted() -> None:
     w = _worker()
     assert w.view(0.0).prefill_started_s is None

@@ -12,7 +12,7 @@ import pytest
 from loadtest.simulator.loop import EngineHooks, LoopConfig, run_loop
 from loadtest.simulator.summary import summarize
 from loadtest.workloads.records import BlockPrompt, TextPrompt, WorkloadRequest
-from policies.base import KvEvent, Observation, RouteDecision, RouteRequest, WorkerView
+from policies.base import KvEvent, Observation, RouteDecision, RouteRequest, WorkerView, prefill_pairs
 from policies.registry import make_policy
 
 
@@ -185,7 +185,10 @@ def test_views_carry_in_flight_accounting_and_kv_events_flow_when_enabled() -> N
     # The fourth arrival sees w0 with two requests waiting for prefill, w1 with one.
     assert last_view["w0"].in_flight_requests == 2 and last_view["w0"].in_flight_prefill_tokens == 200
     assert last_view["w1"].in_flight_requests == 1
+    # round_robin predicts no match: each pending 100-token prompt computes 100·50 attention pairs.
+    assert last_view["w0"].in_flight_prefill_pairs == 2 * prefill_pairs(100, 0) == 10_000
     assert last_view["w0"].engine_block_size == 16
+    assert all(v.in_flight_prefill_pairs == 0 for v in spy.views[0])  # the first arrival: none
     assert spy.events and spy.events[0].block_size == 16
 
 
@@ -203,6 +206,8 @@ def test_views_count_the_decode_context_of_requests_past_their_first_token() -> 
     assert first == {"w0": 0, "w1": 0}
     assert second == {"w0": 150, "w1": 0}
     assert third == {"w0": 0, "w1": 0}
+    # r0's prefill attention counted until its first token only.
+    assert all(v.in_flight_prefill_pairs == 0 for views in spy.views for v in views)
 
 
 def test_text_prompts_are_hashed_from_their_bytes() -> None:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.base import Observation, Outcome, RouteRequest, WorkerId, WorkerView
+from policies.base import Observation, Outcome, RouteRequest, WorkerId, WorkerView, prefill_pairs
 from policies.cost_model import CostModel, CostModelParams, profile
 from policies.cost_policy import CostPolicy
 from policies.index import IndexConfig
@@ -194,6 +194,62 @@ def test_unknown_profile_lists_known() -> None:
         profile("nope")
 
 
+def test_a_long_prompt_pending_costs_more_than_as_many_tokens_in_short_ones() -> None:
+    # Attention is quadratic per prompt: one 120k-token miss queued computes 120k·60k pairs, twelve
+    # 10k-token ones 12·10k·5k. The queue prices each backlog at its own attention.
+    model = CostModel(CostModelParams())
+    one = WorkerView(
+        WorkerId("a"),
+        in_flight_requests=1,
+        in_flight_prefill_tokens=120_000,
+        in_flight_prefill_pairs=prefill_pairs(120_000, 0),
+    )
+    twelve = WorkerView(
+        WorkerId("b"),
+        in_flight_requests=12,
+        in_flight_prefill_tokens=120_000,
+        in_flight_prefill_pairs=12 * prefill_pairs(10_000, 0),
+    )
+    assert model.queue_s(one) == pytest.approx(model.prefill_s(120_000), rel=0.01)
+    assert model.queue_s(twelve) == pytest.approx(12 * model.prefill_s(10_000), rel=0.02)
+    assert model.queue_s(one) > 3 * model.queue_s(twelve)
+    # A prompt mostly cached computes only its new tokens' attention, over the cached ones too;
+    # a backlog's attention is never counted below the mean prompt's (1,024 tokens before any
+    # completion): each backlog token at least 512 pairs.
+    hit = WorkerView(
+        WorkerId("c"),
+        in_flight_requests=1,
+        in_flight_prefill_tokens=10_000,
+        in_flight_prefill_pairs=prefill_pairs(10_000, 8_000),
+    )
+    floor = dataclasses.replace(hit, in_flight_prefill_pairs=0)
+    above = model.params.attention_s_per_pair * (2_000 * 9_000 - 10_000 * 512)
+    assert model.queue_s(hit) == pytest.approx(model.queue_s(floor) + above)
+    assert model.queue_s(floor) == model.queue_s(dataclasses.replace(hit, in_flight_prefill_pairs=10_000))
+
+
+def test_a_miss_avoids_the_worker_whose_queue_is_one_long_prompt() -> None:
+    # Both workers have 120k prompt tokens pending; on w0 they are one long prompt (about 23 s of
+    # prefill), on w1 twelve short ones (about 4 s).
+    p = _policy()
+    views = [
+        WorkerView(
+            WorkerId("w0"),
+            in_flight_requests=1,
+            in_flight_prefill_tokens=120_000,
+            in_flight_prefill_pairs=prefill_pairs(120_000, 0),
+        ),
+        WorkerView(
+            WorkerId("w1"),
+            in_flight_requests=12,
+            in_flight_prefill_tokens=120_000,
+            in_flight_prefill_pairs=12 * prefill_pairs(10_000, 0),
+        ),
+    ]
+    d = p.select(req("r", range(64)), views, 0.0)
+    assert d is not None and d.worker == "w1"
+
+
 @settings(max_examples=80, deadline=None)
 @given(
     st.integers(0, 20),
@@ -202,15 +258,23 @@ def test_unknown_profile_lists_known() -> None:
     st.one_of(st.none(), st.integers(0, 30)),
     st.one_of(st.none(), st.integers(0, 30)),
     st.integers(1, 40),
+    st.floats(0.0, 1.0),
 )
 def test_inlined_queue_cost_equals_the_cost_model(
-    inflight: int, prefill: int, decode: int, waiting: int | None, running: int | None, blocks: int
+    inflight: int,
+    prefill: int,
+    decode: int,
+    waiting: int | None,
+    running: int | None,
+    blocks: int,
+    attention: float,
 ) -> None:
     p = _policy()
     view = WorkerView(
         WorkerId("w0"),
         in_flight_requests=inflight,
         in_flight_prefill_tokens=prefill,
+        in_flight_prefill_pairs=int(attention * prefill * prefill / 2),
         in_flight_decode_tokens=decode,
         num_requests_waiting=waiting,
         num_requests_running=running,

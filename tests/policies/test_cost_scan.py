@@ -45,6 +45,7 @@ class _PlainScan(CostPolicy):
         backlogs: list[float] = []  # prefill tokens left to compute (whole prompts × uncached share)
         held: list[tuple[int, int]] = []  # (candidate, matched blocks)
         raw_backlog = 0
+        drained: list[float] = []
         shares: dict[WorkerId, float] = self._uncached_share if self.discount_cached_backlog else {}
         for w in workers:
             inflight = w.in_flight_requests
@@ -63,6 +64,8 @@ class _PlainScan(CostPolicy):
             raw_backlog += w.in_flight_prefill_tokens
             pending = pool.cost.prefill_remaining(w, now_s)  # less its progress (`prefill_progress`)
             backlogs.append(pending * shares.get(w.worker_id, 1.0) if shares else pending)
+            whole = w.in_flight_prefill_tokens
+            drained.append(pending / whole if whole else 1.0)  # the attention drains with the tokens
         if not cands:
             return None
         n_cands = len(cands)
@@ -94,6 +97,7 @@ class _PlainScan(CostPolicy):
         longest_tokens = min(found.longest_blocks * bs, limit)
         q = cost.queue_terms()
         scorer = _PlainScorer(self, req, cost, q, weight, longest_tokens)
+        scorer.drained = drained
         if self.branch_load_weight > 0 and 2 * longest_tokens <= n:
             # Most of the prompt is new: it starts a branch (a new session or a fork) whose next
             # requests will follow it to this worker. Charge each worker the work recently routed
@@ -160,6 +164,7 @@ class _PlainScorer:
         "best_score",
         "branch",
         "cost",
+        "drained",
         "limit_tokens",
         "longest_tokens",
         "n",
@@ -199,6 +204,7 @@ class _PlainScorer:
         self.best: list[tuple[int, int, float]] = []
         self.nonholder_saved_s = 0.0
         self.branch: tuple[CostPolicy, float] | None = None
+        self.drained: list[float] = []
         if self.transfer_on and longest_tokens > 0:
             longest = self._engine(longest_tokens)
             moved = cost.saved_s(self.n, longest) * weight - cost.transfer_s(longest)
@@ -242,6 +248,9 @@ class _PlainScorer:
         # the score from above: skip the rest when even that cannot reach a tie.
         if saved - q.scale * q.backlog_per_token_s * backlog < self.best_score - self.tie:
             return
+        pairs = view.in_flight_prefill_pairs * self.drained[i]
+        pairs *= self.unit * self.unit
+        pairs = max(pairs, backlog * q.mean_prompt_tokens / 2)
         running = known = view.in_flight_requests
         waiting = view.num_requests_waiting
         if waiting is not None:
@@ -257,8 +266,10 @@ class _PlainScorer:
             if waiting + scraped > known:
                 if known > 0 and view.in_flight_prefill_tokens > 0:
                     backlog *= (waiting + scraped) / known
+                    pairs *= (waiting + scraped) / known
                 else:
                     backlog += waiting * q.mean_prompt_tokens
+                    pairs += waiting * q.mean_prompt_tokens * q.mean_prompt_tokens / 2
             if scraped > running:
                 running = scraped
         budget = q.max_batched_tokens
@@ -266,7 +277,8 @@ class _PlainScorer:
         new = n - (matched if self.unit == 1.0 else int(matched * self.unit))
         queue = -(-int(backlog + new) // budget) * per_step
         if backlog > 0:
-            queue += q.backlog_per_token_s * backlog + q.step_s * -(-int(backlog) // budget)
+            prefill = q.prefill_per_token_s * backlog + q.attention_per_pair_s * pairs
+            queue += prefill + q.step_s * -(-int(backlog) // budget)
         queue *= q.scale
         score = saved - queue
         if view.warming or (self.adapter and view.loaded_adapters is not None):
@@ -292,7 +304,8 @@ def _view(rng: random.Random, i: int, step: int) -> WorkerView:
         WorkerId(f"w{i}"),
         healthy=rng.random() > 0.05,
         in_flight_requests=inflight,
-        in_flight_prefill_tokens=rng.choice((0, rng.randint(0, 60_000))),
+        in_flight_prefill_tokens=(prefill := rng.choice((0, rng.randint(0, 60_000)))),
+        in_flight_prefill_pairs=rng.randint(0, prefill * prefill // 2),
         in_flight_decode_tokens=rng.randint(0, 200_000),
         max_in_flight=rng.choice((None, None, 4, 16)),
         num_requests_waiting=rng.randint(0, 5) if scraped else None,

@@ -383,6 +383,24 @@ def test_a_calibration_sample_of_another_block_size_is_not_applied() -> None:
     assert b.stats().counters["peer_block_size_mismatch"] == 1
 
 
+def test_peers_prefill_pairs_are_summed_and_added_to_the_view() -> None:
+    loads = PeerLoads(ttl_s=3.0)
+    loads.note("a", [PeerLoad("p", W0, 1, 1000, 10, 0, 500_000)], 0.0, full=False)
+    loads.note("b", [PeerLoad("p", W0, 1, 2000, 5, 300, 2_000_000)], 0.5, full=False)
+    total = loads.total("p", W0)
+    assert total is not None and (total.prefill_pairs, total.decode_context_tokens) == (2_500_000, 300)
+    loads.note("b", [PeerLoad("p", W0, 1, 0, 5, 300)], 1.0, full=False)  # b's prompt got its first token
+    loads.check_invariants()
+    total = loads.total("p", W0)
+    assert total is not None and total.prefill_pairs == 500_000
+    view = with_peer_load(WorkerView(W0, in_flight_prefill_tokens=10, in_flight_prefill_pairs=50), total)
+    assert (view.in_flight_prefill_tokens, view.in_flight_prefill_pairs) == (1010, 500_050)
+    loads.note("a", [], 1.5, full=True)
+    loads.note("b", [], 1.5, full=True)
+    assert loads.total("p", W0) is None
+    loads.check_invariants()
+
+
 def test_peers_decode_contexts_are_summed_and_added_to_the_view() -> None:
     loads = PeerLoads(ttl_s=3.0)
     loads.note("a", [PeerLoad("p", W0, 2, 0, 10, 300_000)], 0.0, full=False)

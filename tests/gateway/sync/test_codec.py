@@ -99,6 +99,19 @@ def test_decode_contexts_are_an_optional_field_of_version_1() -> None:
     assert "x" not in msgpack.unpackb(encode(bare), raw=False)
 
 
+def test_prefill_pairs_are_an_optional_field_of_version_1() -> None:
+    loads = (
+        PeerLoad("p", WorkerId("w0"), 2, 9000, 64, 0, 40_500_000),
+        PeerLoad("p", WorkerId("w1"), 1, 10, 8),
+    )
+    doc = msgpack.unpackb(encode(SyncBatch("gw-a", 1, 0.0, True, (), loads)), raw=False)
+    assert doc["y"] == [40_500_000, 0] and "x" not in doc
+    assert decode(msgpack.packb(doc, use_bin_type=True)).loads == loads
+    del doc["y"]  # an earlier release's writer: its loads' attention is not counted
+    got = decode(msgpack.packb(doc, use_bin_type=True)).loads
+    assert [x.prefill_pairs for x in got] == [0, 0] and got[0].prefill_tokens == 9000
+
+
 def test_the_first_items_wait_is_an_optional_field_of_version_1() -> None:
     doc = msgpack.unpackb(encode(SyncBatch("gw-a", 1, 0.0, False, (PeerOutcome(3, True),), (), 0.004)))
     assert doc["a"] == 0.004
@@ -161,6 +174,10 @@ def _doc(**over: object) -> bytes:
         _doc(x=[-1]),
         _doc(x=[True]),
         _doc(x="xyz"),
+        _doc(y=[5, 6]),  # one prefill attention per load row
+        _doc(y=[-1]),
+        _doc(y=[1.5]),
+        _doc(y="xyz"),
         _doc(a=-0.001),  # the first item's wait
         _doc(a=float("nan")),
         _doc(a=1e9),

@@ -236,8 +236,6 @@ class Worker:
     def _prefill_done(self, prompt_tokens: int, matched_tokens: int) -> None:
         self.prefill_tokens = max(0, self.prefill_tokens - prompt_tokens)
         self.prefill_pairs = max(0, self.prefill_pairs - prefill_pairs(prompt_tokens, matched_tokens))
-        if self.prefill_tokens == 0:
-            self.prefill_pairs = 0
 
     def record_health(self, ok: bool, config: PoolConfig) -> None:
         if ok:

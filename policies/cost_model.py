@@ -194,9 +194,9 @@ class CostModel:
         by `now_s`, see `prefill_remaining`; none without `now_s`) times `uncached_share` (the share
         of them the worker must still compute), plus the causal attention of those prompts
         (`WorkerView.in_flight_prefill_pairs`, drained in proportion), never counted below the
-        mean prompt's per backlog token, both scaled up when the worker reports more requests than
-        this gateway sent (other gateway replicas, other clients; each prompt this gateway does
-        not know of counts as one of the mean size).
+        mean prompt's per backlog token. When the worker reports more requests than this gateway
+        sent (other gateway replicas, other clients), the backlog is scaled up by the ratio, and
+        the tokens added are of prompts of the mean size.
         """
         p = self.params
         whole = view.in_flight_prefill_tokens
@@ -211,11 +211,14 @@ class CostModel:
             waiting, scraped_running = scraped
             reported = waiting + scraped_running
             if reported > known:
+                mean = self._mean_prompt_tokens
                 if known > 0 and whole > 0:
-                    backlog *= reported / known
-                    pairs *= reported / known
+                    # The requests it did not send bring as many tokens each as its own, of
+                    # prompts of the mean size.
+                    extra = backlog * (reported / known - 1)
+                    backlog += extra
+                    pairs += extra * mean / 2
                 else:
-                    mean = self._mean_prompt_tokens
                     backlog += waiting * mean
                     pairs += waiting * mean * mean / 2
             if scraped_running > running:

@@ -77,9 +77,9 @@ class Scorer:
         self.best_score = -math.inf
         self.best: list[tuple[int, int, float]] = []
         self.nonholder_saved_s = 0.0
-        # The branch charge (`charge_branches`): off until then.
         # Each candidate's prefill tokens left (`drained`): None, every backlog is whole.
         self.pending: Sequence[int] | None = None
+        # The branch charge (`charge_branches`): off until then.
         self.recent: dict[WorkerId, tuple[float, float]] | None = None
         self.branch_s = 0.0
         self.now_s = 0.0
@@ -160,9 +160,9 @@ class Scorer:
         n = self.n
         # The backlog's attention (`CostModel.queue_s`): its prompts' own, drained with the tokens
         # (`prefill_progress`; the share discounts tokens, not pairs), at least the mean prompt's.
-        pairs: float = view.in_flight_prefill_pairs
+        whole = view.in_flight_prefill_tokens
+        pairs: float = view.in_flight_prefill_pairs if whole > 0 else 0
         if pairs:
-            whole = view.in_flight_prefill_tokens
             pending = self.pending
             if pending is not None and pending[i] < whole:
                 pairs *= pending[i] / whole
@@ -184,9 +184,10 @@ class Scorer:
                     waiting = others if others < waiting else waiting
                     scraped = known + others - waiting
             if waiting + scraped > known:
-                if known > 0 and view.in_flight_prefill_tokens > 0:
-                    backlog *= (waiting + scraped) / known
-                    pairs *= (waiting + scraped) / known
+                if known > 0 and whole > 0:
+                    extra = backlog * ((waiting + scraped) / known - 1)
+                    backlog += extra
+                    pairs += extra * q.mean_prompt_tokens / 2
                 else:
                     backlog += waiting * q.mean_prompt_tokens
                     pairs += waiting * q.mean_prompt_tokens * q.mean_prompt_tokens / 2

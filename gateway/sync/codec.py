@@ -222,6 +222,8 @@ def _parse(doc: dict[str, Any]) -> SyncBatch:
         worker = WorkerId(_at(workers, raw[1]))
         context = 0 if contexts is None else _int(contexts[k])
         pair = 0 if pairs is None else _int(pairs[k])
+        if 2 * pair > _int(raw[3]) ** 2:
+            raise MalformedBatch("prefill pairs beyond what the prefill tokens can have")
         loads.append(
             PeerLoad(_at(pools, raw[0]), worker, _int(raw[2]), _int(raw[3]), _int(raw[4]), context, pair)
         )

@@ -29,7 +29,7 @@ _Slot = tuple[str, WorkerId]
 # beyond the strings they may add to the batch's tables; and of the batch's own fields.
 _ITEM_BYTES = 48
 _KEY_BYTES = 8
-_LOAD_BYTES = 49  # the row, and its entry in "x"
+_LOAD_BYTES = 58  # the row, and its entries in "x" and "y"
 _HEAD_BYTES = 256
 
 
@@ -43,7 +43,8 @@ def item_bytes(item: PeerItem) -> int:
     return _ITEM_BYTES
 
 
-def _load_bytes(load: PeerLoad) -> int:
+def load_bytes(load: PeerLoad) -> int:
+    """An upper bound of what `load` adds to an encoded batch, its table strings included."""
     return _LOAD_BYTES + len(load.pool) + len(load.worker)
 
 
@@ -60,7 +61,7 @@ class SyncPublisher:
         self.batched_items = 0
         self._seq = 0
         self.ready = asyncio.Event()  # set when the queue goes from empty to non-empty
-        self._sent_loads: dict[_Slot, tuple[int, int, int, int]] = {}
+        self._sent_loads: dict[_Slot, tuple[int, int, int, int, int]] = {}
         self._last_full_s = -float("inf")
         self._prefill_slots = 0  # slots of `_sent_loads` with prefill tokens
 
@@ -101,7 +102,7 @@ class SyncPublisher:
         the batch stays within `max_bytes` encoded. None when there is nothing to send."""
         full = self.full_load_due(now_s)
         out = self._changed_loads(loads, full)
-        budget = max_bytes - _HEAD_BYTES - sum(_load_bytes(x) for x in out)
+        budget = max_bytes - _HEAD_BYTES - sum(load_bytes(x) for x in out)
         queue, queued_at = self._queue, self._queued_at
         items: list[PeerItem] = []
         first_queued_s: float | None = None
@@ -137,11 +138,17 @@ class SyncPublisher:
         for load in loads:
             slot = (load.pool, load.worker)
             seen.add(slot)
-            value = (load.requests, load.prefill_tokens, load.decode_tokens, load.decode_context_tokens)
+            value = (
+                load.requests,
+                load.prefill_tokens,
+                load.decode_tokens,
+                load.decode_context_tokens,
+                load.prefill_pairs,
+            )
             if full:
                 if not load.idle:
                     out.append(load)
-            elif sent.get(slot, (0, 0, 0, 0)) != value:
+            elif sent.get(slot, (0, 0, 0, 0, 0)) != value:
                 out.append(load)
             if load.idle:
                 sent.pop(slot, None)

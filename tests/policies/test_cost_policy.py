@@ -228,6 +228,22 @@ def test_a_long_prompt_pending_costs_more_than_as_many_tokens_in_short_ones() ->
     assert model.queue_s(floor) == model.queue_s(dataclasses.replace(hit, in_flight_prefill_pairs=10_000))
 
 
+def test_prompts_the_gateway_did_not_send_are_priced_at_the_mean_prompts_attention() -> None:
+    model = CostModel(CostModelParams())
+    miss = WorkerView(
+        WorkerId("a"),
+        in_flight_requests=1,
+        in_flight_prefill_tokens=190_000,
+        in_flight_prefill_pairs=prefill_pairs(190_000, 0),
+    )
+    # The worker reports one request more than this gateway sent: it brings as many tokens as the
+    # gateway's own, at the mean prompt's attention (about 4.3 s), not a second 28 s miss.
+    crowded = dataclasses.replace(miss, num_requests_waiting=1, num_requests_running=1)
+    p = model.params
+    extra_s = 190_000 * (p.prefill_s_per_token + p.attention_s_per_pair * model.mean_prompt_tokens / 2)
+    assert model.queue_s(crowded) - model.queue_s(miss) == pytest.approx(extra_s, rel=0.05)
+
+
 def test_a_miss_avoids_the_worker_whose_queue_is_one_long_prompt() -> None:
     # Both workers have 120k prompt tokens pending; on w0 they are one long prompt (about 23 s of
     # prefill), on w1 twelve short ones (about 4 s).

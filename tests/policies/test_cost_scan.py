@@ -265,8 +265,9 @@ class _PlainScorer:
                     scraped = known + others - waiting
             if waiting + scraped > known:
                 if known > 0 and view.in_flight_prefill_tokens > 0:
-                    backlog *= (waiting + scraped) / known
-                    pairs *= (waiting + scraped) / known
+                    extra = backlog * ((waiting + scraped) / known - 1)
+                    backlog += extra
+                    pairs += extra * q.mean_prompt_tokens / 2
                 else:
                     backlog += waiting * q.mean_prompt_tokens
                     pairs += waiting * q.mean_prompt_tokens * q.mean_prompt_tokens / 2

@@ -175,6 +175,7 @@ def _doc(**over: object) -> bytes:
         _doc(x=[True]),
         _doc(x="xyz"),
         _doc(y=[5, 6]),  # one prefill attention per load row
+        _doc(y=[3]),  # 2 prefill tokens have at most 2 pairs
         _doc(y=[-1]),
         _doc(y=[1.5]),
         _doc(y="xyz"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import msgpack
@@ -13,7 +14,7 @@ from gateway.config.sync import SyncConfig
 from gateway.metrics import GatewayMetrics
 from gateway.registry import Registry
 from gateway.sync.codec import SyncBatch, encode
-from gateway.sync.publisher import SyncPublisher
+from gateway.sync.publisher import SyncPublisher, load_bytes
 from gateway.sync.subscriber import SyncSubscriber
 from policies.base import RouteDecision, WorkerId
 from policies.cost_policy import CostPolicy
@@ -39,6 +40,16 @@ def test_a_full_queue_drops_its_oldest_item_and_counts_it() -> None:
     assert not pub.ready.is_set() and pub.batched_items == 3
 
 
+def test_each_load_stays_within_its_bound_of_bytes() -> None:
+    # Every field of a load row at its widest msgpack encoding (9-byte integers), "x" and "y" too:
+    # what the loads add to a batch is at most what the publisher counts them for.
+    big = 2**63
+    loads = tuple(PeerLoad("p", WorkerId(f"w{i:04d}"), big, big, big, big, big) for i in range(2000))
+    bare = SyncBatch("me", 1, 0.0, True, (), loads[:1])
+    added = len(encode(dataclasses.replace(bare, loads=loads))) - len(encode(bare))
+    assert added <= sum(load_bytes(x) for x in loads[1:])
+
+
 def test_loads_go_out_when_they_change_and_whole_at_each_refresh() -> None:
     pub = SyncPublisher("me", SyncConfig(load_refresh_s=1.0))
     busy, idle = PeerLoad("p", WorkerId(W0), 2, 100, 8), PeerLoad("p", WorkerId(W1), 0, 0, 0)
@@ -57,6 +68,12 @@ def test_loads_go_out_when_they_change_and_whole_at_each_refresh() -> None:
     decoding = PeerLoad("p", WorkerId(W1), 1, 0, 1, 10)
     batch = pub.next_batch([decoding], 1.1)
     assert batch is not None and batch.loads == (decoding,)
+    # So is a pending prompt replaced by one of the same size with another predicted match.
+    queued = PeerLoad("p", WorkerId(W1), 1, 500, 1, 10, 125_000)
+    assert pub.next_batch([queued], 1.2) is not None
+    rematched = dataclasses.replace(queued, prefill_pairs=60_000)
+    batch = pub.next_batch([rematched], 1.3)
+    assert batch is not None and batch.loads == (rematched,)
 
 
 def idle_of(load: PeerLoad) -> PeerLoad:

@@ -194,34 +194,29 @@ def test_unknown_profile_lists_known() -> None:
         profile("nope")
 
 
+def _pending(worker: str, prompts: int, tokens: int, pairs: int) -> WorkerView:
+    """A worker with `prompts` prompts pending prefill: `tokens` tokens, `pairs` attention pairs."""
+    return WorkerView(
+        WorkerId(worker),
+        in_flight_requests=prompts,
+        in_flight_prefill_tokens=tokens,
+        in_flight_prefill_pairs=pairs,
+    )
+
+
 def test_a_long_prompt_pending_costs_more_than_as_many_tokens_in_short_ones() -> None:
     # Attention is quadratic per prompt: one 120k-token miss queued computes 120k·60k pairs, twelve
     # 10k-token ones 12·10k·5k. The queue prices each backlog at its own attention.
     model = CostModel(CostModelParams())
-    one = WorkerView(
-        WorkerId("a"),
-        in_flight_requests=1,
-        in_flight_prefill_tokens=120_000,
-        in_flight_prefill_pairs=prefill_pairs(120_000, 0),
-    )
-    twelve = WorkerView(
-        WorkerId("b"),
-        in_flight_requests=12,
-        in_flight_prefill_tokens=120_000,
-        in_flight_prefill_pairs=12 * prefill_pairs(10_000, 0),
-    )
+    one = _pending("a", 1, 120_000, prefill_pairs(120_000, 0))
+    twelve = _pending("b", 12, 120_000, 12 * prefill_pairs(10_000, 0))
     assert model.queue_s(one) == pytest.approx(model.prefill_s(120_000), rel=0.01)
     assert model.queue_s(twelve) == pytest.approx(12 * model.prefill_s(10_000), rel=0.02)
     assert model.queue_s(one) > 3 * model.queue_s(twelve)
     # A prompt mostly cached computes only its new tokens' attention, over the cached ones too;
     # a backlog's attention is never counted below the mean prompt's (1,024 tokens before any
     # completion): each backlog token at least 512 pairs.
-    hit = WorkerView(
-        WorkerId("c"),
-        in_flight_requests=1,
-        in_flight_prefill_tokens=10_000,
-        in_flight_prefill_pairs=prefill_pairs(10_000, 8_000),
-    )
+    hit = _pending("c", 1, 10_000, prefill_pairs(10_000, 8_000))
     floor = dataclasses.replace(hit, in_flight_prefill_pairs=0)
     above = model.params.attention_s_per_pair * (2_000 * 9_000 - 10_000 * 512)
     assert model.queue_s(hit) == pytest.approx(model.queue_s(floor) + above)
@@ -230,12 +225,7 @@ def test_a_long_prompt_pending_costs_more_than_as_many_tokens_in_short_ones() ->
 
 def test_prompts_the_gateway_did_not_send_are_priced_at_the_mean_prompts_attention() -> None:
     model = CostModel(CostModelParams())
-    miss = WorkerView(
-        WorkerId("a"),
-        in_flight_requests=1,
-        in_flight_prefill_tokens=190_000,
-        in_flight_prefill_pairs=prefill_pairs(190_000, 0),
-    )
+    miss = _pending("a", 1, 190_000, prefill_pairs(190_000, 0))
     # The worker reports one request more than this gateway sent: it brings as many tokens as the
     # gateway's own, at the mean prompt's attention (about 4.3 s), not a second 28 s miss.
     crowded = dataclasses.replace(miss, num_requests_waiting=1, num_requests_running=1)
@@ -245,22 +235,12 @@ def test_prompts_the_gateway_did_not_send_are_priced_at_the_mean_prompts_attenti
 
 
 def test_a_miss_avoids_the_worker_whose_queue_is_one_long_prompt() -> None:
-    # Both workers have 120k prompt tokens pending; on w0 they are one long prompt (about 23 s of
-    # prefill), on w1 twelve short ones (about 4 s).
+    # Both workers have 120k prompt tokens pending; on w0 they are one long prompt (about 12 s of
+    # prefill), on w1 twelve short ones (under 4 s).
     p = _policy()
     views = [
-        WorkerView(
-            WorkerId("w0"),
-            in_flight_requests=1,
-            in_flight_prefill_tokens=120_000,
-            in_flight_prefill_pairs=prefill_pairs(120_000, 0),
-        ),
-        WorkerView(
-            WorkerId("w1"),
-            in_flight_requests=12,
-            in_flight_prefill_tokens=120_000,
-            in_flight_prefill_pairs=12 * prefill_pairs(10_000, 0),
-        ),
+        _pending("w0", 1, 120_000, prefill_pairs(120_000, 0)),
+        _pending("w1", 12, 120_000, 12 * prefill_pairs(10_000, 0)),
     ]
     d = p.select(req("r", range(64)), views, 0.0)
     assert d is not None and d.worker == "w1"

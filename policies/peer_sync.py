@@ -93,6 +93,22 @@ class PeerLoad:
     def idle(self) -> bool:
         return self.requests <= 0 and self.prefill_tokens <= 0 and self.decode_tokens <= 0
 
+    @property
+    def counts(self) -> LoadCounts:
+        """The load's numbers, in field order (what `PeerLoads` sums, what a publisher compares)."""
+        return (
+            self.requests,
+            self.prefill_tokens,
+            self.decode_tokens,
+            self.decode_context_tokens,
+            self.prefill_pairs,
+        )
+
+
+# requests, prefill tokens, decode tokens, decode context tokens, prefill pairs (`PeerLoad.counts`)
+LoadCounts = tuple[int, int, int, int, int]
+NO_LOAD: LoadCounts = (0, 0, 0, 0, 0)
+
 
 PeerItem = PeerHolding | PeerOutcome | PeerCalibration
 # Called by a policy for each item it publishes, with the policy's `now_s`.
@@ -202,9 +218,7 @@ class PeerLoads:
         self.ttl_s = ttl_s
         self._heard: dict[str, float] = {}
         self._by_origin: dict[str, dict[_Slot, PeerLoad]] = {}
-        self._sums: dict[_Slot, tuple[int, int, int]] = {}
-        # Summed `decode_context_tokens` and `prefill_pairs`, slots with any.
-        self._extras: dict[_Slot, tuple[int, int]] = {}
+        self._sums: dict[_Slot, LoadCounts] = {}
 
     def note(self, origin: str, loads: Iterable[PeerLoad], now_s: float, *, full: bool) -> set[_Slot]:
         """Apply `origin`'s snapshots: `full` means they are all its load (a slot it leaves out is
@@ -236,25 +250,16 @@ class PeerLoads:
         old = mine.pop(slot, None)
         if old is None and load is None:
             return
-        r, p, d = self._sums.get(slot, (0, 0, 0))
+        sums = self._sums.get(slot, NO_LOAD)
         if old is not None:
-            r, p, d = r - old.requests, p - old.prefill_tokens, d - old.decode_tokens
+            sums = _add(sums, old.counts, -1)
         if load is not None:
             mine[slot] = load
-            r, p, d = r + load.requests, p + load.prefill_tokens, d + load.decode_tokens
-        if r or p or d:
-            self._sums[slot] = (r, p, d)
+            sums = _add(sums, load.counts, 1)
+        if any(sums):
+            self._sums[slot] = sums
         else:
             self._sums.pop(slot, None)
-        context, pairs = self._extras.get(slot, (0, 0))
-        if old is not None:
-            context, pairs = context - old.decode_context_tokens, pairs - old.prefill_pairs
-        if load is not None:
-            context, pairs = context + load.decode_context_tokens, pairs + load.prefill_pairs
-        if context or pairs:
-            self._extras[slot] = (context, pairs)
-        else:
-            self._extras.pop(slot, None)
         changed.add(slot)
 
     def expire(self, now_s: float) -> set[_Slot]:
@@ -286,7 +291,7 @@ class PeerLoads:
                     since = None
                     break
                 since = load.prefill_since_s if since is None else max(since, load.prefill_since_s)
-        return PeerLoad(pool, worker, *found, *self._extras.get(slot, (0, 0)), prefill_since_s=since)
+        return PeerLoad(pool, worker, *found, prefill_since_s=since)
 
     @property
     def any(self) -> bool:
@@ -300,21 +305,24 @@ class PeerLoads:
         return len(self._heard)
 
     def check_invariants(self) -> None:
-        sums: dict[_Slot, tuple[int, int, int]] = {}
+        sums: dict[_Slot, LoadCounts] = {}
         for mine in self._by_origin.values():
             assert mine, "an origin without load is kept"
             for slot, load in mine.items():
                 assert not load.idle, "an idle snapshot is kept"
-                r, p, d = sums.get(slot, (0, 0, 0))
-                sums[slot] = (r + load.requests, p + load.prefill_tokens, d + load.decode_tokens)
-        assert sums == self._sums, "sums drifted from the snapshots"
-        extras: dict[_Slot, tuple[int, int]] = {}
-        for mine in self._by_origin.values():
-            for slot, load in mine.items():
-                context, pairs = extras.get(slot, (0, 0))
-                extras[slot] = (context + load.decode_context_tokens, pairs + load.prefill_pairs)
-        assert {s: e for s, e in extras.items() if any(e)} == self._extras, "decode contexts or pairs drifted"
+                sums[slot] = _add(sums.get(slot, NO_LOAD), load.counts, 1)
+        assert {s: c for s, c in sums.items() if any(c)} == self._sums, "sums drifted from the snapshots"
         assert set(self._by_origin) <= set(self._heard), "load from a peer never heard"
+
+
+def _add(a: LoadCounts, b: LoadCounts, sign: int) -> LoadCounts:
+    return (
+        a[0] + sign * b[0],
+        a[1] + sign * b[1],
+        a[2] + sign * b[2],
+        a[3] + sign * b[3],
+        a[4] + sign * b[4],
+    )
 
 
 def with_peer_load(view: WorkerView, load: PeerLoad | None) -> WorkerView:

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from gateway.config.sync import SyncConfig
 from gateway.sync.codec import SyncBatch
 from policies.base import WorkerId
-from policies.peer_sync import PeerCalibration, PeerHolding, PeerItem, PeerLoad
+from policies.peer_sync import NO_LOAD, LoadCounts, PeerCalibration, PeerHolding, PeerItem, PeerLoad
 
 _Slot = tuple[str, WorkerId]
 
@@ -61,7 +61,7 @@ class SyncPublisher:
         self.batched_items = 0
         self._seq = 0
         self.ready = asyncio.Event()  # set when the queue goes from empty to non-empty
-        self._sent_loads: dict[_Slot, tuple[int, int, int, int, int]] = {}
+        self._sent_loads: dict[_Slot, LoadCounts] = {}
         self._last_full_s = -float("inf")
         self._prefill_slots = 0  # slots of `_sent_loads` with prefill tokens
 
@@ -138,17 +138,11 @@ class SyncPublisher:
         for load in loads:
             slot = (load.pool, load.worker)
             seen.add(slot)
-            value = (
-                load.requests,
-                load.prefill_tokens,
-                load.decode_tokens,
-                load.decode_context_tokens,
-                load.prefill_pairs,
-            )
+            value = load.counts
             if full:
                 if not load.idle:
                     out.append(load)
-            elif sent.get(slot, (0, 0, 0, 0, 0)) != value:
+            elif sent.get(slot, NO_LOAD) != value:
                 out.append(load)
             if load.idle:
                 sent.pop(slot, None)

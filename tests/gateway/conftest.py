@@ -2,10 +2,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import pytest
 
 from tests.gateway.fake_upstream import Handler, Server
+from tests.prompt_normalizer.tiny_model import build_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tokenizer directory for pools in tokenizer mode (`request_rig`)."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
 @pytest.fixture

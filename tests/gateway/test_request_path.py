@@ -1,4 +1,5 @@
-"""In-process request path against a scripted upstream: salts, request ids, policy outcomes."""
+"""In-process request path against a scripted upstream (`request_rig`): salts, request ids, identity
+and keys, tokenizer mode, holds, and the worker's accounting of a pending prompt."""
 
 from __future__ import annotations
 
@@ -10,162 +11,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import orjson
 import pytest
-from aiohttp import web
 
-from gateway.app import GatewayApp
-from gateway.auth import hash_api_key
-from gateway.disconnect import DisconnectWatch
-from gateway.state import GatewayState
 from policies.base import (
-    Observation,
-    Outcome,
     RouteDecision,
     RouteRequest,
     WorkerView,
     prefill_pairs,
 )
 from prompt_normalizer.types import PUBLIC_NAMESPACE
-from tests.prompt_normalizer.tiny_model import build_tiny_model
-from tests.support.inprocess import gateway_in_process
-from tests.support.loopback import serve_app
-from tests.support.policies import IgnoresFeedback
+from tests.gateway.request_rig import Rig, ScriptedPolicy, request_rig
 from tests.support.wait import wait_until
-
-SECRET = b"k"
-
-
-@dataclass
-class ScriptedPolicy(IgnoresFeedback):
-    """Picks the first healthy worker and claims `shared_blocks` public blocks; records feedback."""
-
-    name: str = "scripted"
-    shared_blocks: int = 0
-    requests: list[RouteRequest] = field(default_factory=list)
-    observations: list[Observation] = field(default_factory=list)
-
-    def select(self, req: RouteRequest, workers: Sequence[WorkerView], now_s: float) -> RouteDecision | None:
-        self.requests.append(req)
-        healthy = [w for w in workers if w.healthy]
-        if not healthy:
-            return None
-        return RouteDecision(healthy[0].worker_id, 0.0, "first", shared_prefix_blocks=self.shared_blocks)
-
-    def on_complete(self, obs: Observation, now_s: float) -> None:
-        self.observations.append(obs)
-
-
-@dataclass
-class Upstream:
-    status: int = 200
-    error_body: Any = None
-    received: list[dict[str, Any]] = field(default_factory=list)
-    peers: set[Any] = field(default_factory=set)  # the gateway's end of each connection used
-    # Streams: the pause between chunks, and after [DONE] before the body ends.
-    chunk_pause_s: float = 0.0
-    tail_pause_s: float = 0.0
-    garbage: bytes | None = None  # answer 200 with this instead of a completion (or its chunks)
-    gate: asyncio.Event | None = None  # streams wait for it before their first chunk
-
-
-@dataclass
-class Rig:
-    client: httpx.AsyncClient
-    upstream: Upstream
-    policy: ScriptedPolicy
-    state: GatewayState
-    app: GatewayApp
-
-    async def chat(self, key: str = "sk-strict", **extra: Any) -> httpx.Response:
-        headers = {"authorization": f"Bearer {key}", **extra.pop("headers", {})}
-        body = {"model": "m", "messages": [{"role": "user", "content": "hello"}], **extra}
-        return await self.client.post("/v1/chat/completions", json=body, headers=headers)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
 @pytest.fixture
 async def rig(tiny_model: Path) -> AsyncIterator[Rig]:
-    upstream = Upstream()
-
-    async def health(_: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    async def chat(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        upstream.received.append({"request_id": request.headers.get("x-request-id"), "body": body})
-        if request.transport is not None:
-            upstream.peers.add(request.transport.get_extra_info("peername"))
-        if upstream.status != 200:
-            if isinstance(upstream.error_body, bytes):
-                return web.Response(body=upstream.error_body, status=upstream.status)
-            error = upstream.error_body if upstream.error_body is not None else {"error": {"message": "no"}}
-            return web.json_response(error, status=upstream.status)
-        usage = {"prompt_tokens": 5, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}}
-        if not body.get("stream"):
-            if upstream.garbage is not None:
-                return web.Response(body=upstream.garbage, content_type="application/json")
-            return web.json_response({"choices": [], "usage": usage})
-        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
-        await resp.prepare(request)
-        if upstream.garbage is not None:
-            await resp.write(b"data: " + upstream.garbage + b"\n\ndata: [DONE]\n\n")
-            await resp.write_eof()
-            return resp
-        if upstream.gate is not None:
-            await upstream.gate.wait()
-        for word in ("a", "b", "c"):
-            delta = {"choices": [{"index": 0, "delta": {"content": word}, "finish_reason": None}]}
-            await resp.write(b"data: " + orjson.dumps(delta) + b"\n\n")
-            await asyncio.sleep(upstream.chunk_pause_s)
-        await resp.write(b"data: [DONE]\n\n")
-        await asyncio.sleep(upstream.tail_pause_s)
-        await resp.write_eof()
-        return resp
-
-    server = web.Application()
-    server.router.add_get("/health", health)
-    server.router.add_post("/v1/chat/completions", chat)
-    runner, port = await serve_app(server)
-
-    def tenant(name: str, isolation: str) -> dict[str, Any]:
-        return {"name": name, "api_key_hashes": [hash_api_key(SECRET, f"sk-{name}")], "isolation": isolation}
-
-    config = {
-        "pools": [
-            {
-                "name": "p",
-                "models": ["m", "m-lora"],
-                "adapters": {"m-lora": "sql-lora"},
-                "workers": [f"http://127.0.0.1:{port}"],
-                "retry_attempts": 0,
-                "identity": {"weights_version": "w1", "epoch": 3},
-            },
-            {
-                "name": "tok",
-                "models": ["m-tok"],
-                "workers": [f"http://127.0.0.1:{port}"],
-                "normalizer": {"mode": "tokenizer", "tokenizer_dir": str(tiny_model)},
-            },
-        ],
-        "tenants": [
-            tenant("strict", "strict"),
-            tenant("shared", "shared_public"),
-            tenant("pub", "public"),
-        ],
-        "scrape": {"enabled": False},
-    }
-    policy = ScriptedPolicy()
-    try:
-        async with gateway_in_process(config, policy, secret=SECRET) as gw:
-            yield Rig(gw.client, upstream, policy, gw.state, gw.app)
-    finally:
-        await runner.cleanup()
+    async with request_rig(tiny_model) as built:
+        yield built
 
 
 async def test_every_request_is_salted_and_a_client_salt_is_replaced(rig: Rig) -> None:
@@ -212,104 +75,6 @@ async def test_internal_request_id_is_sent_upstream_and_the_client_id_only_echoe
         ids.append(rig.upstream.received[-1]["request_id"])
     assert len(set(ids)) == 2 and "same-client-id" not in ids
     assert [r.request_id for r in rig.policy.requests] == ids
-
-
-def _through(rig: Rig, transport: str) -> None:
-    """Send the rig's requests through `transport`: the lean client (http:// workers, the
-    default) or aiohttp (what https workers use)."""
-    if transport == "aiohttp":
-        for pool in rig.state.registry.pools.values():
-            for worker in pool.workers.values():
-                worker.direct = None
-
-
-TRANSPORTS = ["lean", "aiohttp"]
-
-
-@pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize(
-    ("status", "outcome", "client_status"),
-    [(200, Outcome.SERVED, 200), (400, Outcome.REJECTED, 400), (500, Outcome.WORKER_FAILED, 502)],
-)
-async def test_policy_learns_the_outcome(
-    rig: Rig, status: int, outcome: Outcome, client_status: int, transport: str
-) -> None:
-    _through(rig, transport)
-    rig.upstream.status = status
-    resp = await rig.chat()
-    assert resp.status_code == client_status
-    (obs,) = rig.policy.observations
-    assert obs.outcome is outcome and obs.failed == (outcome is not Outcome.SERVED)
-    worker = next(iter(rig.state.registry.pools["p"].workers.values()))
-    # A 4xx says nothing about the worker's health; a 5xx counts against its breaker.
-    assert worker.breaker.failures == (1 if outcome is Outcome.WORKER_FAILED else 0)
-
-
-@pytest.mark.parametrize(
-    ("status", "worker_body", "expected"),
-    [
-        (  # vLLM today: nested, with a class name for type and the status as an integer code
-            400,
-            {
-                "error": {
-                    "message": "max_tokens is too large",
-                    "type": "BadRequestError",
-                    "param": "max_tokens",
-                    "code": 400,
-                }
-            },
-            {
-                "message": "max_tokens is too large",
-                "type": "invalid_request_error",
-                "param": "max_tokens",
-                "code": None,
-            },
-        ),
-        (  # older vLLM: the fields at the top level
-            404,
-            {
-                "object": "error",
-                "message": "The model `x` does not exist.",
-                "type": "NotFoundError",
-                "param": None,
-                "code": 404,
-            },
-            {
-                "message": "The model `x` does not exist.",
-                "type": "invalid_request_error",
-                "param": None,
-                "code": None,
-            },
-        ),
-        (
-            429,
-            {"error": {"message": "slow down", "type": "RateLimitError", "code": "too_many"}},
-            {"message": "slow down", "type": "rate_limit_error", "param": None, "code": "too_many"},
-        ),
-        (
-            422,
-            b"<html>not json</html>",
-            {
-                "message": "the worker refused the request (HTTP 422)",
-                "type": "invalid_request_error",
-                "param": None,
-                "code": None,
-            },
-        ),
-    ],
-)
-@pytest.mark.parametrize("transport", TRANSPORTS)
-async def test_worker_errors_are_passed_through_in_the_gateway_shape(
-    rig: Rig, status: int, worker_body: Any, expected: dict[str, Any], transport: str
-) -> None:
-    _through(rig, transport)
-    rig.upstream.status = status
-    rig.upstream.error_body = worker_body
-    for stream in (False, True):
-        resp = await rig.chat(stream=stream)
-        assert resp.status_code == status
-        assert resp.headers["content-type"].startswith("application/json")
-        assert orjson.loads(resp.content) == {"error": expected}
 
 
 async def test_engine_internal_fields_are_refused(rig: Rig) -> None:
@@ -432,49 +197,3 @@ async def test_a_pending_prompts_attention_is_counted_with_its_predicted_match_u
     rig.upstream.gate.set()
     assert (await pending).status_code == 200
     assert worker.prefill_pairs == 0 and worker.prefill_tokens == 0 and worker.in_flight == 0
-
-
-@pytest.mark.parametrize("transport", TRANSPORTS)
-async def test_a_stream_that_reached_done_is_a_success_whatever_the_socket_does_next(
-    rig: Rig, transport: str
-) -> None:
-    _through(rig, transport)
-    # The disconnect watcher runs from 20 ms on, and the worker ends its body 50 ms after [DONE]:
-    # the client's response is complete by then, which its receive() reports as a disconnect.
-    rig.state.lifecycle.disconnects = DisconnectWatch(delay_s=0.02)
-    rig.upstream.chunk_pause_s = 0.03
-    rig.upstream.tail_pause_s = 0.05
-    streams = 5
-    for _ in range(streams):
-        resp = await rig.chat(stream=True)
-        assert resp.status_code == 200 and resp.content.endswith(b"data: [DONE]\n\n")
-    assert [obs.outcome for obs in rig.policy.observations] == [Outcome.SERVED] * streams
-    statuses = {values[2] for values in rig.state.routing.metrics.requests.children}
-    assert statuses == {"200"}
-    worker = next(iter(rig.state.registry.pools["p"].workers.values()))
-    assert worker.breaker.failures == 0 and worker.in_flight == 0
-    # Read to its end, each connection went back to the pool (closing it would take one per
-    # stream). The lean client reuses the one it has; aiohttp's pool hands out its oldest idle
-    # connection first, some of them opened by health checks.
-    if transport == "lean":
-        assert len(rig.upstream.peers) == 1
-    else:
-        assert len(rig.upstream.peers) < streams
-
-
-@pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("stream", [False, True])
-async def test_a_malformed_answer_is_a_502_and_counts_against_the_worker(
-    rig: Rig, transport: str, stream: bool
-) -> None:
-    _through(rig, transport)
-    rig.upstream.garbage = b"<html>502 from a proxy in front of the worker</html>"
-    resp = await rig.chat(stream=stream)
-    assert resp.status_code == 502 and resp.headers["content-type"] == "application/json"
-    error = orjson.loads(resp.content)["error"]
-    assert (error["type"], error["code"]) == ("server_error", "bad_gateway")
-    assert error["message"].startswith("worker sent a malformed")
-    (obs,) = rig.policy.observations
-    assert obs.outcome is Outcome.WORKER_FAILED
-    worker = next(iter(rig.state.registry.pools["p"].workers.values()))
-    assert worker.breaker.failures == 1 and worker.in_flight == 0

@@ -17,6 +17,7 @@ from gateway.state import GatewayState
 from policies import make_policy
 from tests.support.inprocess import gateway_in_process
 from tests.support.loopback import serve_app
+from tests.support.transports import TRANSPORTS, through
 
 SECRET = b"k"
 NO = [(b"x-should-retry", b"false")]
@@ -150,22 +151,12 @@ async def rig() -> AsyncIterator[Rig]:
             await runner.cleanup()
 
 
-def _through(rig: Rig, transport: str) -> None:
-    if transport == "aiohttp":  # what https workers use
-        for pool in rig.state.registry.pools.values():
-            for worker in pool.workers.values():
-                worker.direct = None
-
-
-TRANSPORTS = ["lean", "aiohttp"]
-
-
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_worker_429_reaches_the_client_with_its_retry_after(
     rig: Rig, transport: str, stream: bool
 ) -> None:
-    _through(rig, transport)
+    through(rig.state, transport)
     rig.workers.status = 429
     rig.workers.headers = {"Retry-After": "7", "retry-after-ms": "6500"}
     resp = await rig.chat("m1", stream)
@@ -183,7 +174,7 @@ async def test_a_worker_429_reaches_the_client_with_its_retry_after(
 async def test_workers_503_is_a_503_with_the_workers_retry_after_and_no_sdk_retry(
     rig: Rig, transport: str, stream: bool
 ) -> None:
-    _through(rig, transport)
+    through(rig.state, transport)
     rig.workers.status = 503
     rig.workers.headers = {"Retry-After": "5"}
     resp = await rig.chat("m2", stream)

@@ -1,0 +1,155 @@
+"""The request path's outcomes against a scripted upstream (`request_rig`), through either
+transport: what the policy and the worker's breaker learn, worker errors in the gateway's shape,
+streams that reached [DONE], malformed answers."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from gateway.disconnect import DisconnectWatch
+from policies.base import Outcome
+from tests.gateway.request_rig import Rig, request_rig
+from tests.support.transports import TRANSPORTS, through
+
+
+@pytest.fixture
+async def rig(tiny_model: Path) -> AsyncIterator[Rig]:
+    async with request_rig(tiny_model) as built:
+        yield built
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize(
+    ("status", "outcome", "client_status"),
+    [(200, Outcome.SERVED, 200), (400, Outcome.REJECTED, 400), (500, Outcome.WORKER_FAILED, 502)],
+)
+async def test_policy_learns_the_outcome(
+    rig: Rig, status: int, outcome: Outcome, client_status: int, transport: str
+) -> None:
+    through(rig.state, transport)
+    rig.upstream.status = status
+    resp = await rig.chat()
+    assert resp.status_code == client_status
+    (obs,) = rig.policy.observations
+    assert obs.outcome is outcome and obs.failed == (outcome is not Outcome.SERVED)
+    worker = next(iter(rig.state.registry.pools["p"].workers.values()))
+    # A 4xx says nothing about the worker's health; a 5xx counts against its breaker.
+    assert worker.breaker.failures == (1 if outcome is Outcome.WORKER_FAILED else 0)
+
+
+@pytest.mark.parametrize(
+    ("status", "worker_body", "expected"),
+    [
+        (  # vLLM today: nested, with a class name for type and the status as an integer code
+            400,
+            {
+                "error": {
+                    "message": "max_tokens is too large",
+                    "type": "BadRequestError",
+                    "param": "max_tokens",
+                    "code": 400,
+                }
+            },
+            {
+                "message": "max_tokens is too large",
+                "type": "invalid_request_error",
+                "param": "max_tokens",
+                "code": None,
+            },
+        ),
+        (  # older vLLM: the fields at the top level
+            404,
+            {
+                "object": "error",
+                "message": "The model `x` does not exist.",
+                "type": "NotFoundError",
+                "param": None,
+                "code": 404,
+            },
+            {
+                "message": "The model `x` does not exist.",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": None,
+            },
+        ),
+        (
+            429,
+            {"error": {"message": "slow down", "type": "RateLimitError", "code": "too_many"}},
+            {"message": "slow down", "type": "rate_limit_error", "param": None, "code": "too_many"},
+        ),
+        (
+            422,
+            b"<html>not json</html>",
+            {
+                "message": "the worker refused the request (HTTP 422)",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": None,
+            },
+        ),
+    ],
+)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_worker_errors_are_passed_through_in_the_gateway_shape(
+    rig: Rig, status: int, worker_body: Any, expected: dict[str, Any], transport: str
+) -> None:
+    through(rig.state, transport)
+    rig.upstream.status = status
+    rig.upstream.error_body = worker_body
+    for stream in (False, True):
+        resp = await rig.chat(stream=stream)
+        assert resp.status_code == status
+        assert resp.headers["content-type"].startswith("application/json")
+        assert orjson.loads(resp.content) == {"error": expected}
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_stream_that_reached_done_is_a_success_whatever_the_socket_does_next(
+    rig: Rig, transport: str
+) -> None:
+    through(rig.state, transport)
+    # The disconnect watcher runs from 20 ms on, and the worker ends its body 50 ms after [DONE]:
+    # the client's response is complete by then, which its receive() reports as a disconnect.
+    rig.state.lifecycle.disconnects = DisconnectWatch(delay_s=0.02)
+    rig.upstream.chunk_pause_s = 0.03
+    rig.upstream.tail_pause_s = 0.05
+    streams = 5
+    for _ in range(streams):
+        resp = await rig.chat(stream=True)
+        assert resp.status_code == 200 and resp.content.endswith(b"data: [DONE]\n\n")
+    assert [obs.outcome for obs in rig.policy.observations] == [Outcome.SERVED] * streams
+    statuses = {values[2] for values in rig.state.routing.metrics.requests.children}
+    assert statuses == {"200"}
+    worker = next(iter(rig.state.registry.pools["p"].workers.values()))
+    assert worker.breaker.failures == 0 and worker.in_flight == 0
+    # Read to its end, each connection went back to the pool (closing it would take one per
+    # stream). The lean client reuses the one it has; aiohttp's pool hands out its oldest idle
+    # connection first, some of them opened by health checks.
+    if transport == "lean":
+        assert len(rig.upstream.peers) == 1
+    else:
+        assert len(rig.upstream.peers) < streams
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_malformed_answer_is_a_502_and_counts_against_the_worker(
+    rig: Rig, transport: str, stream: bool
+) -> None:
+    through(rig.state, transport)
+    rig.upstream.garbage = b"<html>502 from a proxy in front of the worker</html>"
+    resp = await rig.chat(stream=stream)
+    assert resp.status_code == 502 and resp.headers["content-type"] == "application/json"
+    error = orjson.loads(resp.content)["error"]
+    assert (error["type"], error["code"]) == ("server_error", "bad_gateway")
+    assert error["message"].startswith("worker sent a malformed")
+    (obs,) = rig.policy.observations
+    assert obs.outcome is Outcome.WORKER_FAILED
+    worker = next(iter(rig.state.registry.pools["p"].workers.values()))
+    assert worker.breaker.failures == 1 and worker.in_flight == 0

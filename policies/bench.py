@@ -7,6 +7,9 @@ decision then weighs every worker's queue, not the holders'. Each policy's `sele
 on the same request and worker views; round_robin, timed in the same run, is the baseline.
 `--changed-views K` hands K of the views over as new objects before each decision, as a gateway
 does for the workers whose counters moved since its last decision (`cost` re-reads only those).
+`--prefill-progress X` times `cost` with that `prefill_progress` (`CostModel.prefill_remaining`):
+every worker with a backlog then carries the time it started, up to a second before the timed
+decisions, so most backlogs have drained in part and some wholly.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 import xxhash
 
 from policies.base import Observation, RouteRequest, RoutingPolicy, WorkerId, WorkerView
+from policies.cost_model import CostModelParams
 from policies.index import IndexConfig
 from policies.pools import PoolSettings
 from policies.prefix_policy import SharedSettings
@@ -73,6 +77,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="views replaced by new (equal) objects before each decision, as a gateway's registry hands"
         " out a new view for each worker whose counters moved (default 0)",
     )
+    parser.add_argument(
+        "--prefill-progress",
+        type=float,
+        default=0.0,
+        help="the cost model's prefill_progress for `cost` (default 0: backlogs stay whole); above 0 the"
+        " views' backlogs carry when they started",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated keys (default 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
@@ -112,6 +123,19 @@ def _views(rng: random.Random, n: int) -> list[WorkerView]:
             engine_block_size=BLOCK,
         )
         for i in range(n)
+    ]
+
+
+def _started(seed: int, views: Sequence[WorkerView]) -> list[WorkerView]:
+    """`views` with each backlog's start (`WorkerView.prefill_started_s`) up to a second before
+    the timed decisions (at 1.0), drawn apart from the views so that their other fields stay the
+    same."""
+    rng = random.Random(seed + 3)
+    return [
+        dataclasses.replace(w, prefill_started_s=rng.uniform(0.0, 1.0))
+        if w.in_flight_prefill_tokens > 0
+        else w
+        for w in views
     ]
 
 
@@ -178,12 +202,15 @@ def measure(args: argparse.Namespace) -> list[Timing]:
     for tokens in args.prompt_tokens:
         rng = random.Random(args.seed)
         views = _views(rng, args.workers)
+        if args.prefill_progress > 0:
+            views = _started(args.seed, views)
         prompt = _request("measured", _keys(rng, tokens // BLOCK))
         for name in args.policies:
             options: dict[str, object] = {}
             if name in ("cost", "preble_e2"):
                 index = IndexConfig(granularity_blocks=args.granularity_blocks)
-                options["shared"] = SharedSettings(default_pool=PoolSettings(index=index))
+                cost = CostModelParams(prefill_progress=args.prefill_progress if name == "cost" else 0.0)
+                options["shared"] = SharedSettings(default_pool=PoolSettings(index=index, cost=cost))
             policy = make_policy(name, seed=args.seed, **options)
             _fill(policy, views, prompt, args)
             measured = (
@@ -202,10 +229,12 @@ def run(args: argparse.Namespace) -> int:
         args.workers < 1
         or args.repeats < 1
         or args.changed_views < 0
+        or not 0.0 <= args.prefill_progress <= 1.0
         or any(t < BLOCK for t in args.prompt_tokens)
     ):
         print(
-            "need --workers >= 1, --repeats >= 1, --changed-views >= 0 and prompts of at least one block",
+            "need --workers >= 1, --repeats >= 1, --changed-views >= 0, --prefill-progress in [0, 1]"
+            " and prompts of at least one block",
             file=sys.stderr,
         )
         return 2
@@ -218,6 +247,7 @@ def run(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "miss": args.miss,
         "changed_views": args.changed_views,
+        **({"prefill_progress": args.prefill_progress} if args.prefill_progress > 0 else {}),
         "git_sha": _git_sha(),
         "python": sys.version.split()[0],
     }

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import random
 
 import pytest
 
@@ -49,3 +51,23 @@ def test_bench_decision_hands_over_changed_views(capsys: pytest.CaptureFixture[s
     assert doc["config"]["changed_views"] == 3
     assert [r["policy"] for r in doc["results"]] == ["round_robin", "cost"]
     assert bench.run(_args("--changed-views", "-1")) == 2
+
+
+def test_bench_decision_times_cost_with_prefill_progress(capsys: pytest.CaptureFixture[str]) -> None:
+    args = _args(
+        "--workers", "8", "--repeats", "5", "--background-prompts", "10", "--prompt-tokens", "64",
+        "--policies", "round_robin", "cost", "--prefill-progress", "1", "--json",
+    )  # fmt: skip
+    assert bench.run(args) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["config"]["prefill_progress"] == 1.0
+    assert [r["policy"] for r in doc["results"]] == ["round_robin", "cost"]
+    assert bench.run(_args("--prefill-progress", "1.5")) == 2
+
+
+def test_bench_views_carry_backlog_starts_before_the_timed_decisions() -> None:
+    views = bench._views(random.Random(0), 64)
+    started = bench._started(0, views)
+    busy = [w for w in started if w.in_flight_prefill_tokens > 0]
+    assert busy and all(w.prefill_started_s is not None and w.prefill_started_s < 1.0 for w in busy)
+    assert [dataclasses.replace(w, prefill_started_s=None) for w in started] == views

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from policies.base import WorkerView, reported_load
@@ -249,29 +249,58 @@ class CostModel:
         """
         pending = view.in_flight_prefill_tokens
         started = view.prefill_started_s
-        p = self.params
-        if started is None or pending <= 0 or now_s <= started or p.prefill_progress <= 0:
+        if started is None or pending <= 0 or self.params.prefill_progress <= 0:
             return pending
-        unit = self.engine_tokens_per_request_token
-        prompt = max(pending * unit, self._mean_prompt_tokens)
-        # Each step of `max_batched_tokens` also pays its overhead and the decodes it carries.
-        per_step = (
-            p.step_s
-            + p.decode_s_per_request * view.in_flight_requests
-            + p.decode_s_per_context_token * view.in_flight_decode_tokens
-        )
-        per_token = (
-            p.prefill_s_per_token + p.attention_s_per_pair * prompt / 2 + per_step / p.max_batched_tokens
-        )
-        drained = int(p.prefill_progress * (now_s - started) / (self.scale * per_token * unit))
-        return pending - drained if drained < pending else 0
+        return self.prefill_left((pending,), (started,), self.step_s_per_token((view,)), now_s)[0]
 
-    def remaining_at(self, now_s: float) -> Callable[[WorkerView], int] | None:
-        """`prefill_remaining` at `now_s` as a function of the view; None with `prefill_progress`
-        0 (every backlog is whole)."""
+    def step_s_per_token(self, views: Iterable[WorkerView]) -> list[float]:
+        """What the engine's steps add to each token of each view's prefill backlog: every step of
+        `max_batched_tokens` also pays its overhead and the decodes it carries. It depends on the
+        view alone, so a caller that drains the same views again keeps it (`prefill_left`)."""
+        p = self.params
+        a, c, d, budget = p.step_s, p.decode_s_per_request, p.decode_s_per_context_token, p.max_batched_tokens
+        return [(a + c * w.in_flight_requests + d * w.in_flight_decode_tokens) / budget for w in views]
+
+    def prefill_left(
+        self,
+        pending: Sequence[int],
+        started_s: Sequence[float],
+        step_s_per_token: Sequence[float],
+        now_s: float,
+    ) -> list[int]:
+        """`prefill_remaining` at `now_s` of many backlogs in one pass (this is its formula): each of
+        `pending` tokens (> 0), its work restarted at `started_s`, its view's `step_s_per_token`.
+
+        One expression a backlog, without a call: a pool of a thousand busy workers drains all of
+        them at every decision (`policies.cost_scan.CandidateCache`)."""
+        p = self.params
+        progress = p.prefill_progress
+        if progress <= 0:
+            return list(pending)
+        unit = self.engine_tokens_per_request_token
+        mean = self._mean_prompt_tokens
+        scale = self.scale
+        per_token = p.prefill_s_per_token
+        per_pair = p.attention_s_per_pair
+        # Per backlog (`for v in [...]` is an assignment in a comprehension): seconds a token =
+        # b + e · max(prompt, mean) / 2 + the steps' share; done by `now_s`: progress × elapsed /
+        # (scale · seconds a token · unit), none before the start, at most all that is pending.
+        return [
+            0 if done >= x else x - done if done > 0 else x
+            for x, s, y in zip(pending, started_s, step_s_per_token, strict=True)
+            for xu in [x * unit]
+            for prompt in [xu if xu > mean else mean]
+            for done in [
+                int(progress * (now_s - s) / (scale * (per_token + per_pair * prompt / 2 + y) * unit))
+            ]
+        ]
+
+    def remaining_at(self, now_s: float) -> Drain | None:
+        """`prefill_remaining` at `now_s`, for one view or many (`Drain`); None with
+        `prefill_progress` 0 (every backlog is whole)."""
         if self.params.prefill_progress <= 0:
             return None
-        return lambda view: self.prefill_remaining(view, now_s)
+        return Drain(self, now_s)
 
     @property
     def mean_prompt_tokens(self) -> float:
@@ -396,3 +425,21 @@ class CostModel:
         self._log_scale += p.calibration_weight * (math.log(ratio) - self._log_scale)
         self.scale = min(max(math.exp(self._log_scale), p.min_scale), p.max_scale)
         self.calibration_samples += 1
+
+
+@record
+class Drain:
+    """`CostModel.prefill_remaining` at one instant (`CostModel.remaining_at`): called on a view,
+    or over columns of backlogs (`left`) by a caller that keeps each view's `step_s_per_token`."""
+
+    model: CostModel
+    now_s: float
+
+    def __call__(self, view: WorkerView) -> int:
+        return self.model.prefill_remaining(view, self.now_s)
+
+    def left(
+        self, pending: Sequence[int], started_s: Sequence[float], step_s_per_token: Sequence[float]
+    ) -> list[int]:
+        """`CostModel.prefill_left` at this instant."""
+        return self.model.prefill_left(pending, started_s, step_s_per_token, self.now_s)

@@ -4,7 +4,10 @@ Every decision needs each worker's availability, load and prefill backlog. The p
 them is built from list comprehensions, about a third cheaper on CPython 3.11 than one loop that
 appends to three lists and looks up every worker in the prefix match; from 96 workers on, its
 columns are kept per pool (`CandidateCache`) and only the views that are new objects since the
-pool's last decision are read again. After it:
+pool's last decision are read again. With `prefill_progress` the backlogs also drain with time
+(`CostModel.prefill_remaining`): the whole backlogs are kept all the same, with the positions
+whose backlog drains, and at each decision only those are drained again, by the model in one
+pass over columns (`CostModel.prefill_left`), not a call per worker. After it:
 
 - the holders of part of the prefix are found from the index match, each through its position
   in the candidate list remembered from earlier decisions (a full worker id → position map is
@@ -24,11 +27,12 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import chain, compress
 from operator import is_not, itemgetter
 
 from policies.base import WorkerId, WorkerView
+from policies.cost_model import CostModel, Drain
 from policies.records import record
 
 
@@ -90,7 +94,7 @@ def _backlogs(
 def candidates(
     workers: Sequence[WorkerView],
     shares: Mapping[WorkerId, float],
-    remaining: Callable[[WorkerView], int] | None = None,
+    remaining: Drain | None = None,
 ) -> Candidates:
     """The healthy workers below their in-flight limit, in the order given, with their columns.
     `remaining` (`CostModel.remaining_at`) takes the progress since dispatch off `pending`: the
@@ -101,10 +105,81 @@ def candidates(
     pending = whole
     if remaining is not None:
         # The queue weight's prompts waiting stay whole (`raw_backlog`): only the queue drains.
-        pending = [
-            p if w.prefill_started_s is None else remaining(w) for p, w in zip(whole, views, strict=True)
-        ]
+        pending = _Draining(remaining.model, views).drained(remaining, whole)
     return Candidates(views, loads, _backlogs(views, pending, shares), pending, sum(whole), sum(loads))
+
+
+class _Draining:
+    """The candidates whose prefill backlog drains with time (its start known, tokens pending), by
+    ascending candidate position, with the columns `CostModel.prefill_left` reads: each one's
+    whole backlog, its start and its view's `step_s_per_token` (which depends on the view alone,
+    so it is kept with it while the view is)."""
+
+    __slots__ = ("model", "pending", "positions", "started_s", "steps")
+
+    def __init__(self, model: CostModel, views: Sequence[WorkerView]) -> None:
+        self.model = model
+        self.positions = [
+            j
+            for j, w in enumerate(views)
+            if w.prefill_started_s is not None and w.in_flight_prefill_tokens > 0
+        ]
+        draining = [views[j] for j in self.positions]
+        self.pending = [w.in_flight_prefill_tokens for w in draining]
+        self.started_s = [s for w in draining if (s := w.prefill_started_s) is not None]
+        self.steps = model.step_s_per_token(draining)
+
+    def drained(self, drain: Drain, whole: list[int]) -> list[int]:
+        """`whole`, every candidate's backlog, with the draining ones' progress by `drain`'s
+        instant taken off (`whole` itself when none drains)."""
+        positions = self.positions
+        if not positions:
+            return whole
+        left = drain.left(self.pending, self.started_s, self.steps)
+        if len(left) == len(whole):
+            return left  # every candidate drains: the positions are 0 … n − 1
+        out = whole.copy()
+        for j, x in zip(positions, left, strict=True):
+            out[j] = x
+        return out
+
+    def set(self, j: int, view: WorkerView, step: float) -> None:
+        """Candidate `j`'s view is now `view` (`step`: its `step_s_per_token`)."""
+        positions = self.positions
+        i = bisect_left(positions, j)
+        here = i < len(positions) and positions[i] == j
+        started = view.prefill_started_s
+        tokens = view.in_flight_prefill_tokens
+        if started is not None and tokens > 0:
+            if here:
+                self.pending[i], self.started_s[i], self.steps[i] = tokens, started, step
+            else:
+                positions.insert(i, j)
+                self.pending.insert(i, tokens)
+                self.started_s.insert(i, started)
+                self.steps.insert(i, step)
+        elif here:
+            self._drop(i)
+
+    def insert(self, j: int, view: WorkerView, step: float) -> None:
+        """A candidate comes in at position `j`: the ones from `j` on move up one."""
+        positions = self.positions
+        i = bisect_left(positions, j)
+        if i < len(positions):
+            positions[i:] = [p + 1 for p in positions[i:]]
+        self.set(j, view, step)
+
+    def delete(self, j: int) -> None:
+        """Candidate `j` leaves: the ones after it move down one."""
+        positions = self.positions
+        i = bisect_left(positions, j)
+        if i < len(positions) and positions[i] == j:
+            self._drop(i)
+        if i < len(positions):
+            positions[i:] = [p - 1 for p in positions[i:]]
+
+    def _drop(self, i: int) -> None:
+        del self.positions[i], self.pending[i], self.started_s[i], self.steps[i]
 
 
 def _left_out(workers: Sequence[WorkerView], kept: Sequence[WorkerView]) -> list[int]:
@@ -131,13 +206,24 @@ class CandidateCache:
     quarter of the views, rebuilds all. Below `MIN_WORKERS` workers the pass is done afresh, and
     nothing is kept.
 
+    With `remaining` (`CostModel.remaining_at`), what is left of a backlog changes with time, the
+    model's scale and its mean prompt, not only with the view: it is worked out again at every
+    decision, but only for the candidates whose backlog drains (a start known, tokens pending,
+    `_Draining`), from columns kept with the views (each one's whole backlog, start and
+    `step_s_per_token`), and laid over a copy of the whole backlogs (a copy in C; none when every
+    candidate drains). A view taken in, inserted or deleted updates these columns too; a rebuild,
+    or a call without `remaining`, drops them, and the next call that drains takes them again
+    from the views.
+
     Invariant: `_workers[p]` is the view last seen at position p, `_off` the sorted positions of
     the unavailable ones, so position p (if available) is candidate p − (positions in `_off`
-    before p); the columns equal `candidates(_workers, {})`. The lists returned are the cache's
-    own: valid until its next call, not to be kept or changed.
+    before p); the columns equal `candidates(_workers, {})`; `_draining`, unless None, holds
+    exactly the candidate positions whose view's backlog drains, ascending, with that view's
+    columns (its `step_s_per_token` by `_draining.model`). The lists returned are the cache's own:
+    valid until its next call, not to be kept or changed.
     """
 
-    __slots__ = ("_cands", "_off", "_workers")
+    __slots__ = ("_cands", "_draining", "_off", "_workers")
 
     # A small pool's pass costs little, and a larger share of its views changes between two
     # decisions: at 64 workers keeping the columns broke even, at 128 it saved 10-13 %.
@@ -147,40 +233,47 @@ class CandidateCache:
         self._workers: list[WorkerView] = []
         self._off: list[int] = []
         self._cands = candidates((), {})
+        self._draining: _Draining | None = None
 
     def candidates(
         self,
         workers: Sequence[WorkerView],
         shares: Mapping[WorkerId, float],
-        remaining: Callable[[WorkerView], int] | None = None,
+        remaining: Drain | None = None,
     ) -> Candidates:
-        """As `candidates(workers, shares, remaining)`. With `remaining` the backlogs change with
-        time, not only with the views: the pass is done afresh and nothing is kept."""
+        """As `candidates(workers, shares, remaining)`: the same columns, `pending` (and `backlogs`)
+        drained by `remaining` where it is given."""
         n = len(workers)
-        if n < self.MIN_WORKERS or remaining is not None:
+        if n < self.MIN_WORKERS:
             return candidates(workers, shares, remaining)
         if n != len(self._workers):
-            return self._rebuild(workers, shares)
-        changed = list(compress(range(n), map(is_not, workers, self._workers)))
-        if 4 * len(changed) > n:
-            return self._rebuild(workers, shares)
-        if changed:
-            self._patch(workers, changed)
-        return self._with_shares(shares)
+            self._rebuild(workers)
+        else:
+            changed = list(compress(range(n), map(is_not, workers, self._workers)))
+            if 4 * len(changed) > n:
+                self._rebuild(workers)
+            elif changed:
+                self._patch(workers, changed)
+        c = self._cands
+        pending = c.pending
+        if remaining is None:
+            self._draining = None  # nothing drains: not kept
+        else:
+            draining = self._draining
+            if draining is None or draining.model is not remaining.model:
+                draining = self._draining = _Draining(remaining.model, c.views)
+            pending = draining.drained(remaining, pending)
+        if pending is c.pending and not shares:
+            return c
+        backlogs = _backlogs(c.views, pending, shares)
+        return Candidates(c.views, c.loads, backlogs, pending, c.raw_backlog, c.total_load)
 
-    def _rebuild(self, workers: Sequence[WorkerView], shares: Mapping[WorkerId, float]) -> Candidates:
+    def _rebuild(self, workers: Sequence[WorkerView]) -> None:
         self._workers = list(workers)
         self._cands = candidates(workers, {})
         views = self._cands.views
         self._off = [] if len(views) == len(workers) else _left_out(workers, views)
-        return self._with_shares(shares)
-
-    def _with_shares(self, shares: Mapping[WorkerId, float]) -> Candidates:
-        c = self._cands
-        if not shares:
-            return c
-        backlogs = _backlogs(c.views, c.pending, shares)
-        return Candidates(c.views, c.loads, backlogs, c.pending, c.raw_backlog, c.total_load)
+        self._draining = None  # taken again from the views by the next call that drains
 
     def _patch(self, workers: Sequence[WorkerView], changed: list[int]) -> None:
         """Take in the views at `changed` (ascending positions)."""
@@ -191,6 +284,8 @@ class CandidateCache:
         c = self._cands
         views, loads, pending = c.views, c.loads, c.pending
         raw, total = c.raw_backlog, c.total_load
+        draining = self._draining
+        steps = [] if draining is None else draining.model.step_s_per_token(new)
         for k, (p, w, load) in enumerate(zip(changed, new, _loads(new), strict=True)):
             seen[p] = w
             before = bisect_left(off, p) if off else 0
@@ -202,12 +297,16 @@ class CandidateCache:
                     total -= loads.pop(j)
                     raw -= pending.pop(j)
                     del views[j]
+                    if draining is not None:
+                        draining.delete(j)
                 continue
             b = w.in_flight_prefill_tokens
             if was:
                 total += load - loads[j]
                 raw += b - pending[j]
                 views[j], loads[j], pending[j] = w, load, b
+                if draining is not None:
+                    draining.set(j, w, steps[k])
             else:
                 del off[before]
                 views.insert(j, w)
@@ -215,6 +314,8 @@ class CandidateCache:
                 pending.insert(j, b)
                 total += load
                 raw += b
+                if draining is not None:
+                    draining.insert(j, w, steps[k])
         self._cands = Candidates(views, loads, pending, pending, raw, total)
 
 

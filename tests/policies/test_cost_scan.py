@@ -16,14 +16,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import pytest
 
 from policies.base import Observation, RouteDecision, RouteRequest, WorkerId, WorkerView, reported_load
 from policies.cost_model import CostModel, CostModelParams, QueueTerms
 from policies.cost_policy import CostPolicy
-from policies.cost_scan import CandidateCache, Candidates, candidates
+from policies.cost_scan import CandidateCache, candidates
 from policies.pools import PoolSettings
 from policies.prefix_policy import SharedSettings
 from tests.policies.factories import req
@@ -398,9 +398,9 @@ class _CountingCache(CandidateCache):
     MIN_WORKERS = 1  # kept at every size here
     rebuilds = 0
 
-    def _rebuild(self, workers: Sequence[WorkerView], shares: Mapping[WorkerId, float]) -> Candidates:
+    def _rebuild(self, workers: Sequence[WorkerView]) -> None:
         self.rebuilds += 1
-        return super()._rebuild(workers, shares)
+        super()._rebuild(workers)
 
 
 @pytest.mark.parametrize("seed", range(6))

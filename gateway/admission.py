@@ -307,7 +307,7 @@ async def admit(
         encoded = raw
         upstream_head = form_head(content_type)
     else:
-        body = parse_body(raw, api)
+        body = parse_body(raw, api, gate.limits.max_choices)
         encoded = encode_body(body)
         upstream_head = JSON_HEAD
     model = body.get("model") or only_model(gate.models)

@@ -44,8 +44,9 @@ MAX_JSON_DEPTH = 254
 _FORM_FIELDS = frozenset({"model", "stream"})
 
 
-def parse_body(raw: bytes, api: ApiRoute) -> dict[str, Any]:
-    """The request body as a JSON object, with the fields routing needs checked; 400 otherwise."""
+def parse_body(raw: bytes, api: ApiRoute, max_choices: int = 128) -> dict[str, Any]:
+    """The request body as a JSON object, with the fields routing needs checked; 400 otherwise.
+    On chat and completions, `n` and `best_of` are checked too (`check_choices`)."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -79,10 +80,33 @@ def parse_body(raw: bytes, api: ApiRoute) -> dict[str, Any]:
     priority = body.get("priority", 0)
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise bad_request("'priority' must be an integer (lower is served earlier)", "priority")
+    if api.rewrites:
+        check_choices(body, max_choices)
     if not ENGINE_INTERNAL_FIELDS.isdisjoint(body):
         name = min(ENGINE_INTERNAL_FIELDS.intersection(body))
         raise bad_request(f"'{name}' is an engine-internal field and cannot be set through the gateway", name)
     return body
+
+
+# The fields that multiply one request's work on the worker: every choice decodes (and with
+# `best_of`, is generated and scored) on its own.
+_CHOICE_FIELDS = ("n", "best_of")
+
+
+def check_choices(body: dict[str, Any], max_choices: int) -> None:
+    """`n` and `best_of`, when set, are integers from 1 to `max_choices`: one request asking for
+    many thousand choices would fill a worker's queue by itself (and fail there), where a
+    tenant's limits count it as one request."""
+    for name in _CHOICE_FIELDS:
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise bad_request(f"'{name}' must be an integer of at least 1", name)
+        if value > max_choices:
+            # OpenAI's code for the same refusal, so that clients handling it there handle it here.
+            message = f"'{name}' is {value}: this gateway serves at most {max_choices} choices per request"
+            raise ApiError(400, message, "invalid_request_error", "integer_above_max_value", name)
 
 
 def _check_api_prompt(body: dict[str, Any], prompt: str) -> None:

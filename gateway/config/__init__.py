@@ -38,13 +38,16 @@ class LimitsConfig(Frozen):
     and close), the time to send them (`header_timeout_s`, from the connection's opening or its
     first byte after idling) and then the body (`body_timeout_s`; either: 408 and close), idle
     time between requests (`keepalive_timeout_s`), and open connections per process
-    (`max_client_connections`; beyond: closed at once). Per request: the body size (413).
+    (`max_client_connections`; beyond: closed at once). Per request: the body size (413), and
+    the choices a chat or completions request asks for (`n`, `best_of`; beyond: 400).
     Completions past their tenant's own slot and their body, across tenants
     (`max_in_flight_requests`; beyond: 503 with Retry-After, so every per-request structure
     stays bounded).
     """
 
     max_body_bytes: PositiveInt = 8 * 1024 * 1024
+    # OpenAI's chat completions take `n` up to 128.
+    max_choices: PositiveInt = 128
     max_in_flight_requests: PositiveInt = 4096
     max_header_bytes: int = Field(default=32 * 1024, ge=1024)
     max_headers: PositiveInt = 100

@@ -135,6 +135,25 @@ def test_engine_internal_fields_are_refused(stack: Stack, field: str) -> None:
     assert isinstance(error, dict) and error["param"] == field and field in error["message"]
 
 
+def test_choices_above_the_limit_are_refused_before_any_worker(stack: Stack) -> None:
+    tag = uuid.uuid4().hex
+    with pytest.raises(openai.BadRequestError) as info:
+        _client(stack).chat.completions.create(
+            model="m-ok", messages=[{"role": "user", "content": "x"}], n=129, user=tag
+        )
+    error = info.value.body
+    assert isinstance(error, dict) and error["param"] == "n" and error["code"] == "integer_above_max_value"
+    with pytest.raises(openai.BadRequestError) as info:
+        _client(stack).completions.create(model="m-ok", prompt="x", best_of=0, user=tag)
+    error = info.value.body
+    assert isinstance(error, dict) and error["param"] == "best_of"
+    assert received(stack, tag) == []
+    reply = _client(stack).chat.completions.create(
+        model="m-ok", messages=[{"role": "user", "content": "x"}], n=128, user=tag
+    )
+    assert reply.choices and received(stack, tag)[0]["body"]["n"] == 128
+
+
 async def test_async_stream_with_usage_has_choices_list_and_cached_tokens(stack: Stack) -> None:
     stack.wait_routable("ok", 2)  # the same prefix must find the same worker both times
     client = _async_client(stack)

@@ -68,6 +68,9 @@ class Failure:
     outcome: Outcome
     retry: RetryReason | None = None
     retry_hints: RetryHints = ()  # the worker's Retry-After advice, forwarded with `status`
+    # The worker answered with a 5xx: it is up, and the request may be the cause
+    # (`outcome.HeldVerdicts` decides which once the request's fate is known).
+    answered: bool = False
 
     def error(self) -> ApiError:
         headers = {name.decode(): value.decode() for name, value in forwardable(self.retry_hints)}
@@ -130,8 +133,8 @@ def worker_status(status: int, hints: RetryHints = ()) -> Failure:
     message = f"worker answered {status}"
     failed, retry = Outcome.WORKER_FAILED, RetryReason.WORKER_ERROR
     if status == 503:
-        return Failure(503, message, "worker_unavailable", failed, retry, hints)
-    return Failure(502, message, _BAD_GATEWAY, failed, retry)
+        return Failure(503, message, "worker_unavailable", failed, retry, hints, answered=True)
+    return Failure(502, message, _BAD_GATEWAY, failed, retry, answered=True)
 
 
 def malformed(message: str, stage: Stage) -> Failure:

@@ -103,12 +103,15 @@ class Attempt:
         )
         return True
 
-    def end(self, routing: Routing, outcome: Outcome, usage: Usage = NO_USAGE) -> None:
+    def end(
+        self, routing: Routing, outcome: Outcome, usage: Usage = NO_USAGE, *, judged: bool = True
+    ) -> None:
         """Close the attempt, once (later calls do nothing): give back the worker's load, tell its
         breaker and the policy. SERVED is a success; WORKER_FAILED (connect error, 5xx, timeout,
         broken or malformed answer) is the only outcome that counts against the worker; REJECTED
         (the worker's 4xx) and ABORTED (the client left, or the gateway gave up) free a breaker
-        trial without a verdict. No outcome but SERVED teaches the policy what the worker caches."""
+        trial without a verdict. No outcome but SERVED teaches the policy what the worker caches.
+        `judged` False leaves the breaker to the caller (`HeldVerdicts`)."""
         if not self._release():
             return
         queue = routing.queues.get(self.admitted.pool.name)
@@ -120,9 +123,9 @@ class Attempt:
             breaker.on_success()
         else:
             usage = NO_USAGE  # a worker's token counts are told to the policy only with a success
-            if outcome is Outcome.WORKER_FAILED:
+            if judged and outcome is Outcome.WORKER_FAILED:
                 breaker.on_failure(now_s)
-            else:
+            elif judged:
                 breaker.on_abandon()
         routing.metrics.worker_outcome(self.admitted.pool.name, self.worker.url, outcome)
         if self.trace is not None:
@@ -139,6 +142,46 @@ class Attempt:
             completion_tokens=usage.completion_tokens,
             outcome=outcome,
         )
+
+
+class HeldVerdicts:
+    """The workers that answered one request with a 5xx, their breakers' verdict held until the
+    request's fate shows whose fault it was.
+
+    A worker that answers is up, and the request itself may be what fails: one no worker can take
+    would otherwise count against every worker it is retried on, and a tenant sending a few could
+    open every breaker of the pool, for every tenant. So another worker serving the same request
+    convicts them (`convict`: each counts as a failure); another worker refusing it (a 4xx), or
+    the request ending with 5xx from two or more workers, acquits them (`acquit`: each breaker's
+    trial is freed without a verdict); a request that ends with one worker's 5xx and no other
+    evidence counts it, as any other failure counts (`settle`). One the client leaves acquits.
+    """
+
+    __slots__ = ("_workers",)
+
+    def __init__(self) -> None:
+        self._workers: list[Worker] = []
+
+    def hold(self, worker: Worker) -> None:
+        self._workers.append(worker)
+
+    def convict(self, now_s: float) -> None:
+        for worker in self._workers:
+            worker.breaker.on_failure(now_s)
+        self._workers.clear()
+
+    def acquit(self) -> None:
+        for worker in self._workers:
+            worker.breaker.on_abandon()
+        self._workers.clear()
+
+    def settle(self, now_s: float) -> None:
+        """The request ends without an answer: one worker's 5xx is its failure, several workers'
+        point at the request."""
+        if len(self._workers) > 1:
+            self.acquit()
+        else:
+            self.convict(now_s)
 
 
 def _feedback(routing: Routing, obs: Observation, now_s: float) -> None:

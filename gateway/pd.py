@@ -35,7 +35,7 @@ from gateway.config.pd import PdConfig
 from gateway.errors import RawResponse, error_response
 from gateway.failure import Failure
 from gateway.lifecycle import Lifecycle
-from gateway.outcome import Attempt, finish
+from gateway.outcome import Attempt, HeldVerdicts, finish
 from gateway.pd_legs import (
     Opened,
     Prefilled,
@@ -71,6 +71,7 @@ async def dispatch_pd(
     try:
         return await run.rounds(router)
     except BaseException:
+        run.verdicts.acquit()
         await run.abandon()
         raise
 
@@ -111,6 +112,7 @@ class _Run:
         self.retry_reason: str | None = None
         self.final = False
         self.failures = 0  # legs that failed: the request's retries
+        self.verdicts = HeldVerdicts()  # the workers that answered a leg with a 5xx
         self.tasks: list[asyncio.Task[Any]] = []
 
     async def rounds(self, router: PdRouter) -> Response:
@@ -140,9 +142,14 @@ class _Run:
             else:
                 result = await self._sglang(decision.prefill, decision.decode)
             if result is not None:
+                if isinstance(result, RawResponse) and result.status >= 400:
+                    self.verdicts.acquit()  # a worker refused the request: it is the likely cause
+                else:
+                    self.verdicts.convict(time.monotonic())
                 return result
             if self.final:
                 break
+        self.verdicts.settle(time.monotonic())
         failure = self.failure or Failure(
             503, f"no healthy worker available for model '{a.model}'", "no_worker_available", Outcome.ABORTED
         )
@@ -223,7 +230,11 @@ class _Run:
         told otherwise) and try another round."""
         reason = failure.retry or failure.code
         self.routing.metrics.pd_leg_failures.labels(self.a.pool.name, role, reason).inc()
-        attempt.end(self.routing, outcome or failure.outcome)
+        if failure.answered and outcome is None:
+            attempt.end(self.routing, failure.outcome, judged=False)
+            self.verdicts.hold(attempt.worker)
+        else:
+            attempt.end(self.routing, outcome or failure.outcome)
         self.failures += 1
         if exclude:
             self.excluded.add(attempt.worker.worker_id)

@@ -33,7 +33,7 @@ from gateway.failure import (
     worker_status,
 )
 from gateway.lifecycle import Lifecycle
-from gateway.outcome import NO_USAGE, Attempt, finish, usage_of
+from gateway.outcome import NO_USAGE, Attempt, HeldVerdicts, finish, usage_of
 from gateway.responses_affinity import pinned_decision
 from gateway.retries import advice, attempts_allowed, forwardable
 from gateway.routing import Routing
@@ -76,17 +76,35 @@ async def dispatch(
 async def _dispatch(
     a: Admitted, routing: Routing, transport: Transport, lifecycle: Lifecycle, attempts: list[Attempt]
 ) -> RawResponse | ProxyStream:
-    pool = a.pool
-    tried: set[WorkerId] = set()
-    failure: Failure | None = None  # why the latest attempt failed (None: no worker was tried)
-    retry: RetryReason | None = None
-    queue = routing.queues.get(pool.name)
     if a.pinned is None:
         # Synced gateways in a burst: a long prefill waits for peers' same-instant choices.
         hold_s = routing.hold_s(a.route, time.monotonic())
         if hold_s > 0:
             a.held_s = hold_s
             await asyncio.sleep(hold_s)
+    verdicts = HeldVerdicts()  # the workers that answered this request with a 5xx
+    try:
+        return await _attempts(a, routing, transport, lifecycle, attempts, verdicts)
+    except BaseException:
+        verdicts.acquit()  # the client left (or the gateway failed): no evidence either way
+        raise
+
+
+async def _attempts(
+    a: Admitted,
+    routing: Routing,
+    transport: Transport,
+    lifecycle: Lifecycle,
+    attempts: list[Attempt],
+    verdicts: HeldVerdicts,
+) -> RawResponse | ProxyStream:
+    """Route and send the request, to another worker after each failure that allows it (up to
+    the pool's `retry_attempts`): the client's response."""
+    pool = a.pool
+    tried: set[WorkerId] = set()
+    failure: Failure | None = None  # why the latest attempt failed (None: no worker was tried)
+    retry: RetryReason | None = None
+    queue = routing.queues.get(pool.name)
     for n in range(attempts_allowed(pool.config.retry_attempts, a.retries_taken)):
         now_s = time.monotonic()
         policy = routing.policy  # the current one: a reload may swap it while an attempt runs
@@ -119,14 +137,23 @@ async def _dispatch(
             attempt.trace = _start_trace(routing, a, attempt)
         result = await _attempt(routing, transport, lifecycle, a, attempt, n)
         if not isinstance(result, Failure):
+            if isinstance(result, RawResponse) and result.status >= 400:
+                verdicts.acquit()  # this worker refused the request: it is the likely cause
+            else:
+                verdicts.convict(time.monotonic())  # this one served it: the 5xx were the workers'
             return result
         if attempt.trace is not None:
             attempt.trace.error_type = result.retry or result.code
-        # The worker's breaker and load hear of it before the policy picks the next worker.
-        attempt.end(routing, result.outcome)
         failure, retry = result, result.retry
+        if result.answered:
+            attempt.end(routing, result.outcome, judged=False)
+            verdicts.hold(worker)
+        else:
+            # The worker's breaker and load hear of it before the policy picks the next worker.
+            attempt.end(routing, result.outcome)
         if retry is None:
             break
+    verdicts.settle(time.monotonic())
     if failure is None:
         failure = Failure(
             503, f"no healthy worker available for model '{a.model}'", "no_worker_available", Outcome.ABORTED

@@ -98,7 +98,7 @@ class GatewayApp:
                 )
         except ApiError as err:
             limiter.leave()
-            await self._rejected(err, api, ids)(scope, receive, send)
+            await self._rejected(err, api, ids, tenant)(scope, receive, send)
             return
         except ClientDisconnect:
             limiter.leave()  # the client left while sending its body: nobody to answer
@@ -112,8 +112,10 @@ class GatewayApp:
         finally:
             lifecycle.in_flight_requests -= 1
 
-    def _rejected(self, err: ApiError, api: ApiRoute, ids: RequestIds) -> ASGIApp:
-        self.routing.metrics.rejected(api.endpoint, err.status)
+    def _rejected(
+        self, err: ApiError, api: ApiRoute, ids: RequestIds, tenant: Tenant | None = None
+    ) -> ASGIApp:
+        self.routing.metrics.rejected(api.endpoint, err.status, tenant.name if tenant is not None else "")
         log.info(
             "rejected",
             extra={
@@ -143,7 +145,7 @@ class GatewayApp:
             try:
                 admitted = await admit(raw, api, self.gate, ids, tenant, started_s, head)
             except ApiError as err:
-                response = self._rejected(err, api, ids)
+                response = self._rejected(err, api, ids, tenant)
             else:
                 guard = DisconnectGuard(receive, self.lifecycle.disconnects)
                 try:

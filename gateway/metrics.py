@@ -256,9 +256,10 @@ class GatewayMetrics:
         # (and a small set of statuses), so every map of children stays bounded.
         self._per_model: dict[tuple[str, str], _ModelChildren] = {}
 
-    def rejected(self, endpoint: str, status: int) -> None:
-        """A request refused before it was tied to a known model and tenant."""
-        self.requests.labels("", "", str(status), endpoint).inc()
+    def rejected(self, endpoint: str, status: int, tenant: str = "") -> None:
+        """A request refused before it was tied to a served model: its tenant once its key was
+        known (a configured name, so the labels stay bounded), the model label empty."""
+        self.requests.labels("", tenant, str(status), endpoint).inc()
 
     def observe(
         self,

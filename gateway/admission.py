@@ -273,19 +273,18 @@ def authenticate(head: RequestHead, gate: Gate) -> Tenant:
     return tenant
 
 
-def enter(head: RequestHead, gate: Gate, now_s: float) -> Tenant:
-    """What the headers alone decide, before the body is read: 401 without a valid key, 413 when
-    `Content-Length` is already too large, 429 when the tenant is at its concurrency limit or out
-    of requests. Otherwise the request takes one of its tenant's slots (`TenantLimiter.enter`),
-    which its caller gives back unless `admit` hands it to the admitted request."""
-    tenant = authenticate(head, gate)
+def enter(head: RequestHead, gate: Gate, tenant: Tenant, now_s: float) -> None:
+    """What the headers alone decide once the key is known (`authenticate`), before the body is
+    read: 413 when `Content-Length` is already too large, 429 when the tenant is at its
+    concurrency limit or out of requests. Otherwise the request takes one of its tenant's slots
+    (`TenantLimiter.enter`), which its caller gives back unless `admit` hands it to the admitted
+    request."""
     max_bytes = gate.limits.max_body_bytes
     if head.content_length is not None and head.content_length > max_bytes:
         raise _too_large(max_bytes)
     rejection = gate.limiters[tenant.name].enter(now_s)
     if rejection is not None:
         raise _quota_error(rejection)
-    return tenant
 
 
 async def admit(

@@ -27,6 +27,7 @@ from gateway.admission import (
     RequestHead,
     RequestIds,
     admit,
+    authenticate,
     enter,
     read_body,
     request_id_of,
@@ -76,12 +77,17 @@ class GatewayApp:
         head = RequestHead.of(scope) if api.plain_head else RequestHead.of_route(scope, api)
         ids = request_ids(head)
         try:
+            tenant = authenticate(head, gate)
+        except ApiError as err:
+            await self._rejected(err, api, ids)(scope, receive, send)
+            return
+        try:
             # The tenant's own slot first, from the headers alone; the body is read under the
             # connection's deadline (gateway/http_limits.py) and only then is gateway-wide capacity
             # taken: a tenant's slow or partial bodies hold its own slots, never everyone's.
-            tenant = enter(head, gate, started_s)
+            enter(head, gate, tenant, started_s)
         except ApiError as err:
-            await self._rejected(err, api, ids)(scope, receive, send)
+            await self._rejected(err, api, ids, tenant)(scope, receive, send)
             return
         limiter = gate.limiters[tenant.name]
         limits = gate.limits

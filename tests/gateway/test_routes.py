@@ -70,6 +70,7 @@ async def test_every_route_has_the_same_auth_limits_and_quotas(rig: Rig) -> None
         assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"
     # Refused before a served model was known, but once the key was: counted under its tenant.
     assert rig.metric("kvgate_requests_total", endpoint="tokenize", status="401", tenant="") == 1
+    assert rig.metric("kvgate_requests_total", endpoint="tokenize", status="413", tenant="t") == 1
     assert rig.metric("kvgate_requests_total", endpoint="tokenize", status="400", tenant="t") == 1
     assert rig.metric("kvgate_requests_total", endpoint="tokenize", status="404", tenant="t") == 1
     one = {"authorization": "Bearer sk-one"}

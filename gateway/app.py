@@ -38,6 +38,7 @@ from gateway.disconnect import DisconnectGuard
 from gateway.errors import ApiError
 from gateway.fleet import Fleet
 from gateway.gauges import refresh_gauges
+from gateway.lifecycle import SHUTTING_DOWN
 from gateway.policy_watch import PolicyWatcher
 from gateway.proxy import dispatch
 from gateway.responses_routes import responses_routes
@@ -153,14 +154,19 @@ class GatewayApp:
             except ApiError as err:
                 response = self._rejected(err, api, ids, tenant)
             else:
-                guard = DisconnectGuard(receive, self.lifecycle.disconnects)
+                lifecycle = self.lifecycle
+                guard = DisconnectGuard(receive, lifecycle.disconnects)
+                task = asyncio.current_task()
+                assert task is not None
+                lifecycle.dispatch_started(task)  # the drain deadline may end it (`drain`)
                 try:
-                    response = await dispatch(admitted, self.routing, self.transport, self.lifecycle)
+                    response = await dispatch(admitted, self.routing, self.transport, lifecycle)
                 except asyncio.CancelledError:
                     if guard.fired:
                         return  # dispatch recorded the 499 and closed the upstream request
                     raise
                 finally:
+                    lifecycle.dispatch_ended(task)
                     guard.close()
         except Exception as exc:
             log.error("unhandled error", exc_info=exc, extra={"request_id": ids.internal})
@@ -267,21 +273,20 @@ def build_metrics_app(state: GatewayState) -> Starlette:
 
 
 async def drain(state: GatewayState, deadline_s: float) -> None:
-    """Wait for in-flight streams to end; at the deadline, end the rest with an error event and
-    answer the requests still queued for a worker with 503."""
+    """Let what is in flight finish until the deadline, then end what is left, each with
+    `gateway_shutting_down`: open streams with a terminal error event, requests queued for a worker
+    or still waiting on one with a 503 (`Lifecycle.end_dispatching`). Returns at the deadline; the
+    server stops before it once nothing is in flight, and cancels this task then."""
     lifecycle = state.lifecycle
     lifecycle.draining = True
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + deadline_s
-    if lifecycle.active_streams:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(lifecycle.streams_idle.wait(), deadline_s)
+    # Queued requests keep their place until the deadline (workers still free slots meanwhile),
+    # and a request that arrived just before the listener closed gets the full deadline too.
+    await asyncio.sleep(deadline_s)
     for stream in list(lifecycle.active_streams):
-        stream.abort("gateway shutting down")
+        stream.abort(SHUTTING_DOWN)
     for queue in state.routing.queues.values():
-        # Queued requests keep their place until the deadline (workers still free slots meanwhile).
-        await queue.until_empty(max(0.0, deadline - loop.time()))
         queue.close()
+    lifecycle.end_dispatching()
 
 
 async def _flush_logs(routing: Routing) -> None:

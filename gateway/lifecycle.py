@@ -4,34 +4,78 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gateway.disconnect import DisconnectWatch
+from gateway.errors import ApiError
 
 if TYPE_CHECKING:
     from gateway.streaming import ProxyStream
 
+SHUTTING_DOWN = "gateway shutting down"
+
+
+def shutting_down() -> ApiError:
+    """What a request the drain deadline ended before its answer began is told (a retry goes to
+    another replica: this one no longer listens)."""
+    return ApiError(503, SHUTTING_DOWN, "server_error", "gateway_shutting_down", None, {"retry-after": "1"})
+
 
 @dataclass(slots=True)
 class Lifecycle:
-    """`ready` from lifespan startup to shutdown, `draining` once shutdown begins. The drain
-    (`app.drain`) waits on `streams_idle` and ends the streams still in `active_streams` at its
-    deadline; `in_flight_requests` counts completions between arrival and their last byte (the
-    gateway-wide cap). Invariant: `streams_idle` is set exactly when `active_streams` is empty
-    after a stream ended."""
+    """`ready` from lifespan startup to shutdown, `draining` once shutdown begins. At its
+    deadline the drain (`app.drain`) ends the streams still in `active_streams` and cancels the
+    requests still in `dispatching` (waiting on a worker, or for a queue's turn);
+    `in_flight_requests` counts completions between arrival and their last byte (the gateway-wide
+    cap). Invariant: `ended` holds only tasks of `dispatching` that the deadline cancelled and that
+    have not yet taken their cancellation back (`ended_by_drain`)."""
 
     draining: bool = False
     ready: bool = False
     in_flight_requests: int = 0
     disconnects: DisconnectWatch = field(default_factory=DisconnectWatch)
     active_streams: set[ProxyStream] = field(default_factory=set)
-    streams_idle: asyncio.Event = field(default_factory=asyncio.Event)
+    dispatching: set[asyncio.Task[Any]] = field(default_factory=set)
+    ended: set[asyncio.Task[Any]] = field(default_factory=set)
+    past_deadline: bool = False
 
     def stream_started(self, stream: ProxyStream) -> None:
         self.active_streams.add(stream)
-        self.streams_idle.clear()
 
     def stream_ended(self, stream: ProxyStream) -> None:
         self.active_streams.discard(stream)
-        if not self.active_streams:
-            self.streams_idle.set()
+
+    def dispatch_started(self, task: asyncio.Task[Any]) -> None:
+        """`task` waits on a worker from now until `dispatch_ended`; past the drain deadline it
+        is ended at once (it arrived just before the listener closed)."""
+        self.dispatching.add(task)
+        if self.past_deadline:
+            self._end(task)
+
+    def dispatch_ended(self, task: asyncio.Task[Any]) -> None:
+        self.dispatching.discard(task)
+        self.ended.discard(task)
+
+    def end_dispatching(self) -> None:
+        """The drain deadline: cancel every request still waiting on a worker. The cancellation
+        closes its worker connection on the way out, as a client's disconnect does, and
+        `proxy.dispatch` turns it into a 503 `gateway_shutting_down` (`ended_by_drain`), so the
+        server's own last-resort timeout never has a request left to cut off."""
+        self.past_deadline = True
+        for task in list(self.dispatching):
+            self._end(task)
+
+    def _end(self, task: asyncio.Task[Any]) -> None:
+        if task not in self.ended:
+            self.ended.add(task)
+            task.cancel()
+
+    def ended_by_drain(self) -> bool:
+        """Whether the drain deadline cancelled the current task (and not its client leaving):
+        if so the cancellation is taken back, for the request to answer its client itself."""
+        task = asyncio.current_task()
+        if task is None or task not in self.ended:
+            return False
+        self.ended.discard(task)
+        task.uncancel()
+        return True

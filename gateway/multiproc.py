@@ -35,7 +35,7 @@ from pathlib import Path
 import yaml
 
 from gateway.auth import hash_api_key
-from gateway.config import GatewayConfig, SecretsConfig, load_config, read_secret
+from gateway.config import EXIT_MARGIN_S, GatewayConfig, SecretsConfig, load_config, read_secret
 from gateway.config.base import ConfigError
 from gateway.demo import _die_with_parent
 from gateway.policy_watch import LoadedPolicy
@@ -209,7 +209,7 @@ def _run(args: argparse.Namespace, source: tuple[Path, GatewayConfig, dict[str, 
     except BrokerUnavailable as exc:
         raise ConfigError(f"--processes needs a sync broker: {exc}") from None
     finally:
-        worst = children.stop(config.drain.deadline_s + 5.0) if children is not None else 0
+        worst = children.stop(config.drain.deadline_s + EXIT_MARGIN_S) if children is not None else 0
         if worst:
             log.warning("a gateway process exited with an error", extra={"code": worst})
         if broker is not None:

@@ -32,7 +32,7 @@ from gateway.failure import (
     malformed,
     worker_status,
 )
-from gateway.lifecycle import Lifecycle
+from gateway.lifecycle import Lifecycle, shutting_down
 from gateway.outcome import NO_USAGE, Attempt, HeldVerdicts, finish, usage_of
 from gateway.responses_affinity import pinned_decision
 from gateway.retries import advice, attempts_allowed, forwardable
@@ -62,8 +62,12 @@ async def dispatch(
             return await dispatch_pd(a, routing, transport, lifecycle, attempts)
         return await _dispatch(a, routing, transport, lifecycle, attempts)
     except asyncio.CancelledError:
-        # The client left while the request waited on a worker (`disconnect.py` cancelled it);
-        # the transport closed the worker's connection on the way out, so the worker stops.
+        # The transport closed the worker's connection on the way out, so the worker stops.
+        if lifecycle.ended_by_drain():  # the drain deadline, not the client: answer it
+            err = shutting_down()
+            _finish(routing, a, attempts, err.status, Outcome.ABORTED, err.message)
+            return a.api.dialect.error_response(err, a.reply_id)
+        # The client left while the request waited on a worker (`disconnect.py` cancelled it).
         _finish(routing, a, attempts, 499, Outcome.ABORTED, "client disconnected")
         raise
     except Exception as exc:

@@ -1,8 +1,10 @@
 """Running the app under uvicorn with kvgate's shutdown order, client limits and metrics listener.
 
-First signal: readiness turns 503 at once; after `shutdown_delay_s` uvicorn stops listening; open
-streams get until `deadline_s` to finish, then end with a terminal error event. A second Ctrl-C
-forces the exit.
+First signal: readiness turns 503 at once; after `shutdown_delay_s` uvicorn stops listening; what
+is in flight gets until `deadline_s` to finish, then the gateway ends it (`app.drain`): streams
+with a terminal error event, requests still queued or waiting on a worker with a 503
+`gateway_shutting_down`. uvicorn's own timeout comes `LAST_RESORT_MARGIN_S` later and finds
+nothing left. A second Ctrl-C forces the exit.
 
 Client connections are served by `GuardedHttpToolsProtocol` (gateway/http_limits.py), whose
 deadlines are checked from uvicorn's own periodic tick. `GET /metrics` is served on a listener of
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import math
 import socket
 import sys
 import time
@@ -24,7 +27,7 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from gateway.app import build_app, build_metrics_app, drain
-from gateway.config import GatewayConfig
+from gateway.config import DrainConfig, GatewayConfig
 from gateway.config.base import ConfigError
 from gateway.http_limits import ClientGuard, ClientLimits, GuardedHttpToolsProtocol, GuardedServerState
 from gateway.policy_watch import LoadedPolicy, PolicyWatcher
@@ -116,6 +119,25 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
         await drain(self._state, drain_cfg.deadline_s - delay_s)
 
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().shutdown(sockets)
+        if self._drain_task is not None:
+            self._drain_task.cancel()  # nothing was left in flight before the deadline
+
+
+# uvicorn's own graceful-shutdown timeout, counted from when it stops listening, ends after the
+# drain deadline by this much: by then the drain has ended every request (streams with an error
+# event, the rest with a 503), so uvicorn cancelling what is left is a last resort for a bug.
+LAST_RESORT_MARGIN_S = 2
+
+
+def server_timeout_s(drain_cfg: DrainConfig) -> int:
+    """uvicorn's `timeout_graceful_shutdown`: from the end of the shutdown delay (when it stops
+    listening) to `LAST_RESORT_MARGIN_S` past the drain deadline; a whole number of seconds, as
+    uvicorn types it."""
+    delay_s = min(drain_cfg.shutdown_delay_s, drain_cfg.deadline_s)
+    return math.ceil(drain_cfg.deadline_s - delay_s) + LAST_RESORT_MARGIN_S
+
 
 def _port(server: asyncio.base_events.Server) -> int:
     sockets = server.sockets or ()
@@ -179,7 +201,7 @@ def _uvicorn_config(
         log_level="warning",
         access_log=False,
         lifespan=lifespan,
-        timeout_graceful_shutdown=int(config.drain.deadline_s) + 5,
+        timeout_graceful_shutdown=server_timeout_s(config.drain),
         timeout_keep_alive=max(1, round(config.limits.keepalive_timeout_s)),  # enforced by the guard
         proxy_headers=False,  # client addresses are not used; no per-request header rewriting
         server_header=False,

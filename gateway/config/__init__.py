@@ -65,9 +65,17 @@ class MetricsConfig(Frozen):
     listen: ListenConfig = ListenConfig(port=9464)
 
 
+# How long after its drain deadline a gateway process may take to exit: the server's last-resort
+# timeout (gateway/server.py), closing connections, the last log lines and spans. Supervisors
+# (`kvgate serve --processes`, Kubernetes' grace period) allow at least `deadline_s` plus this.
+EXIT_MARGIN_S = 10.0
+
+
 class DrainConfig(Frozen):
     """Graceful shutdown: readiness flips to 503 at once, listening stops after `shutdown_delay_s`,
-    in-flight streams get until `deadline_s` (counted from the signal) before a terminal error event."""
+    and what is in flight gets until `deadline_s` (counted from the signal); then the gateway ends
+    the rest itself with `gateway_shutting_down`: a stream with a terminal error event, a request
+    still queued or waiting on a worker with a 503. The process exits within `EXIT_MARGIN_S` after."""
 
     shutdown_delay_s: float = Field(default=0.0, ge=0)
     deadline_s: PositiveFloat = 30.0

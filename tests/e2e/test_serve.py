@@ -10,11 +10,13 @@ import time
 from pathlib import Path
 
 import httpx
+import orjson
 
 from gateway.auth import hash_api_key
 from tests.e2e.harness import (
     SECRET,
     free_port,
+    start_emulator,
     start_fake_workers,
     start_gateway,
     tenant,
@@ -75,6 +77,92 @@ def test_sigterm_drains_streams_to_the_deadline_then_exits(tmp_path: Path) -> No
         if gateway is not None:
             gateway.stop()
         workers.stop()
+
+
+def _gauge(metrics_text: str, name: str) -> float:
+    """The sum of a metric's samples in a Prometheus text body (0 when it has none)."""
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics_text.splitlines()
+        if line.startswith((name + "{", name + " "))
+    )
+
+
+def test_sigterm_ends_whole_answers_still_waiting_at_the_deadline_with_a_503(tmp_path: Path) -> None:
+    """A non-streamed request still generating at the drain deadline, and one still queued behind
+    it, are ended by the gateway itself: a JSON 503 `gateway_shutting_down` with Retry-After (not
+    uvicorn's plain-text 500 at its own timeout), the worker stops generating, the gateway logs
+    its own abort (no 499, no traceback) and exits 0."""
+    worker, emulator = start_emulator()
+    gw_port, metrics_port = free_port(), free_port()
+    gateway = None
+    try:
+        pools = [
+            {
+                "name": "p",
+                "models": ["emulated-llama"],
+                "workers": [worker],
+                "max_in_flight_per_worker": 1,  # the second request waits in the pool's queue
+            }
+        ]
+        config = write_gateway_config(
+            tmp_path / "gw.yaml", pools, [tenant("t", "sk-t")], drain={"deadline_s": 1.0}
+        )
+        gateway = start_gateway(config, gw_port, metrics_port)
+        base, metrics = f"http://127.0.0.1:{gw_port}", f"http://127.0.0.1:{metrics_port}/metrics"
+        # Far longer than the deadline: the emulated worker decodes 100,000 tokens in real time.
+        body = {
+            "model": "emulated-llama",
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 100_000,
+        }
+        answers: list[httpx.Response] = []
+
+        def ask() -> None:
+            answers.append(
+                httpx.post(
+                    base + "/v1/chat/completions",
+                    json=body,
+                    headers={"authorization": "Bearer sk-t"},
+                    timeout=60,
+                )
+            )
+
+        askers = [threading.Thread(target=ask) for _ in range(2)]
+        for asker in askers:
+            asker.start()
+
+        def one_generating_one_queued() -> bool:
+            text = httpx.get(metrics, timeout=2).text
+            return _gauge(text, "kvgate_worker_in_flight") == 1 and _gauge(text, "kvgate_queue_depth") == 1
+
+        wait_until_sync(one_generating_one_queued, timeout_s=10)
+        gateway.popen.send_signal(signal.SIGTERM)
+        for asker in askers:
+            asker.join(30)
+            assert not asker.is_alive()
+        assert len(answers) == 2
+        for answer in answers:
+            assert answer.status_code == 503
+            assert answer.headers["content-type"] == "application/json"
+            assert answer.headers["retry-after"] == "1"
+            assert answer.json()["error"]["code"] == "gateway_shutting_down"
+        assert gateway.popen.wait(30) == 0
+        output = gateway.output()
+        assert "Traceback" not in output and "CancelledError" not in output
+        logged = [orjson.loads(line) for line in output.splitlines() if '"logger":"kvgate.access"' in line]
+        assert sorted(entry["status"] for entry in logged) == [503, 503]
+        assert all(entry["error"] == "gateway shutting down" for entry in logged)
+
+        # The worker's request was closed with the gateway's connection: it stops generating.
+        def worker_idle() -> bool:
+            return _gauge(httpx.get(worker + "/metrics", timeout=2).text, "vllm:num_requests_running") == 0
+
+        wait_until_sync(worker_idle, timeout_s=10)
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        emulator.stop()
 
 
 def test_bad_config_fails_naming_the_field(tmp_path: Path) -> None:

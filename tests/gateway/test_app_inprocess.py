@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import httpx
 
+from gateway.app import drain
 from gateway.auth import hash_api_key
 from gateway.config import parse_config
 from gateway.state import GatewayState
@@ -85,15 +86,17 @@ class _Stack:
 
 
 @contextlib.asynccontextmanager
-async def _in_front_of_a_hanging_worker(**config: object) -> AsyncIterator[_Stack]:
-    """A gateway (in-process, round_robin) in front of one worker that never answers a completion."""
+async def _in_front_of_a_hanging_worker(
+    pool: Mapping[str, object] | None = None, **config: object
+) -> AsyncIterator[_Stack]:
+    """A gateway (in-process, round_robin) in front of one worker that never answers a completion;
+    `pool` adds to the pool's config, `config` to the top level."""
     held: list[bytes] = []
     worker = await asyncio.start_server(functools.partial(_handle_hanging, held), "127.0.0.1", 0)
     url = f"http://127.0.0.1:{worker.sockets[0].getsockname()[1]}"
+    timeouts = {"connect_s": 0.3, "read_s": 30}
     raw = {
-        "pools": [
-            {"name": "p", "models": ["m"], "workers": [url], "timeouts": {"connect_s": 0.3, "read_s": 30}}
-        ],
+        "pools": [{"name": "p", "models": ["m"], "workers": [url], "timeouts": timeouts, **(pool or {})}],
         "tenants": [{"name": "t", "api_key_hashes": [hash_api_key(SECRET, "sk")]}],
         "scrape": {"enabled": False},
         **config,
@@ -137,6 +140,28 @@ async def test_requests_beyond_the_in_flight_limit_get_503_at_once() -> None:
             task.cancel()
         await asyncio.gather(*held, return_exceptions=True)
         await wait_until(lambda: stack.state.lifecycle.in_flight_requests == 0)  # every slot came back
+
+
+async def test_the_drain_deadline_answers_requests_still_waiting_on_a_worker_or_queued_with_503() -> None:
+    # One whole answer still awaited from the worker, one request queued behind it (one slot per
+    # worker): at the deadline the gateway answers both itself and gives everything back once.
+    async with _in_front_of_a_hanging_worker(pool={"max_in_flight_per_worker": 1}) as stack:
+        state = stack.state
+        waiting = [asyncio.create_task(stack.chat()) for _ in range(2)]
+        await wait_until(lambda: stack.held and state.routing.queues["p"].waiting == 1)
+        await drain(state, 0.0)
+        for resp in await asyncio.gather(*waiting):
+            assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+            assert resp.json()["error"]["code"] == "gateway_shutting_down"
+        worker = state.registry.pools["p"].workers[WorkerId(stack.worker_url)]
+        assert worker.in_flight == 0 and worker.breaker.closed and worker.breaker.failures == 0
+        assert state.gate.limiters["t"].in_flight == 0 and state.lifecycle.in_flight_requests == 0
+        assert not state.lifecycle.dispatching and not state.lifecycle.ended
+        metrics = state.routing.metrics.render().decode().splitlines()
+        outcomes = [line for line in metrics if line.startswith("kvgate_worker_requests_total{")]
+        assert len(outcomes) == 1 and 'outcome="aborted"' in outcomes[0] and outcomes[0].endswith(" 1.0")
+        for task in waiting:
+            assert task.cancelling() == 0  # the drain's cancellation was taken back
 
 
 async def test_a_trailing_slash_is_an_unknown_route_not_a_redirect() -> None:

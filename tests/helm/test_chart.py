@@ -97,8 +97,8 @@ def test_probes_shutdown_and_mounts() -> None:
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert c["lifecycle"]["preStop"]["sleep"]["seconds"] == 10
-    # The grace period covers preStop + the gateway's drain deadline.
-    assert spec["terminationGracePeriodSeconds"] == 75
+    # The grace period covers preStop + the gateway's drain deadline + its exit margin (10 s) + 5 s.
+    assert spec["terminationGracePeriodSeconds"] == 85
     assert gateway_config(docs)["drain"] == {"deadline_s": 60, "shutdown_delay_s": 0}
     assert c["args"] == ["serve", "--config", "/etc/kvgate/config/gateway.yaml"]
     assert all("subPath" not in m for m in c["volumeMounts"])  # ConfigMap updates must reach the pod

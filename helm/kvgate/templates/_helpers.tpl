@@ -42,7 +42,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 
 {{- define "kvgate.terminationGracePeriodSeconds" -}}
 {{- if kindIs "invalid" .Values.shutdown.terminationGracePeriodSeconds }}
-{{- add .Values.shutdown.preStopSleepSeconds .Values.shutdown.drainSeconds 5 }}
+{{- add .Values.shutdown.preStopSleepSeconds .Values.shutdown.drainSeconds 15 }}
 {{- else }}
 {{- .Values.shutdown.terminationGracePeriodSeconds }}
 {{- end }}

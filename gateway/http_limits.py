@@ -19,15 +19,21 @@ A connection's phases, and the deadline each one carries:
     BODY  (headers done, body not)     body_timeout_s         expiry: 408 (or close) and close
     APP   (the app has the request)    none
 
-A new connection starts in HEAD: it must send a request head in time. Header bytes are counted
-as they arrive (before httptools buffers a huge header whole), the header fields when the head is
-complete; either limit answers 431 and closes.
+A new connection starts in HEAD: it must send a request head in time. Either head limit answers
+431 and closes. Header bytes are counted as they arrive, so that httptools never buffers a huge
+head whole: a read that leaves the head unfinished counts whole. The read that finishes it is
+measured only when it could reach the limit (a small head in one read, the common case, costs one
+comparison): up to the blank line that ends the head, found with `bytes.find`, so body bytes never
+count. A head that began after another request inside one read (pipelining) starts at an offset
+httptools does not report; it is measured from its parsed parts, a lower bound that misses only
+optional whitespace. The header fields are counted when the head is complete.
 """
 
 from __future__ import annotations
 
 import asyncio
 import http
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +50,9 @@ from gateway.metrics import HotCounter
 # Where a connection is in its request cycle (see the module docstring). Plain ints, not an
 # enum: the phase is read and written several times per request.
 IDLE, HEAD, BODY, APP = 0, 1, 2, 3
+
+_HEAD_END = b"\r\n\r\n"  # llhttp accepts no bare-LF line ends, so this alone ends a head
+_REQUEST_START = re.compile(rb"[^\r\n]")  # blank lines before a request line are skipped
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,8 +118,14 @@ class GuardedServerState(ServerState):
         self.guard = guard
 
 
-class _TooManyHeaders(Exception):
-    """Raised from the header callback to stop httptools at once."""
+class _HeadRefused(Exception):
+    """Raised from the header callback to stop httptools at once; carries the refusal's reason
+    and message."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(reason, message)
+        self.reason = reason
+        self.message = message
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -134,8 +149,13 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._limits = server_state.guard.limits
         self._phase = HEAD
         self.deadline_s = 0.0
+        # Header bytes of the current head in earlier reads. Exact when the head began at a
+        # known offset; a lower bound when it began after another request inside a read.
         self._head_bytes = 0
-        self._head_began_inside = False  # a head began inside the chunk being parsed
+        self._chunk = b""  # the read being parsed, while it is
+        self._message_ended_inside = False  # a request ended inside `_chunk`
+        self._head_start_unknown = False  # the current head began after a request in its read
+        self._head_tail = b""  # last bytes of the previous read of this head; b"" if it began in `_chunk`
 
     # -- phases
 
@@ -174,14 +194,14 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._phase = HEAD
             self._head_bytes = 0
             self.deadline_s = time.monotonic() + self._limits.header_timeout_s
-        # A chunk counts toward the head when the head began before it; a head that begins inside
-        # it (a pipelined request, after another request's body) is counted from the next chunk.
-        self._head_began_inside = False
+        self._chunk = data
+        self._message_ended_inside = False
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
-            if isinstance(exc.__context__, _TooManyHeaders):
-                self._refuse(431, "too_many_headers", f"more than {self._limits.max_headers} header fields")
+            refused = exc.__context__
+            if isinstance(refused, _HeadRefused):
+                self._refuse(431, refused.reason, refused.message)
                 return
             self._bad_request()
             return
@@ -190,14 +210,17 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         except httptools.HttpParserError:
             self._bad_request()
             return
-        if self._phase == HEAD and not self._head_began_inside:
-            self._head_bytes += len(data)
-            if self._head_bytes > self._limits.max_header_bytes:
-                self._refuse(
-                    431,
-                    "header_too_large",
-                    f"request headers larger than {self._limits.max_header_bytes} bytes",
-                )
+        finally:
+            self._chunk = b""  # an idle connection must not hold its last read
+        if self._phase == HEAD:  # the head goes on in the next read
+            self._head_tail = data[-3:]
+            # The whole read is head (or blank lines before it) unless the head began after another
+            # request in it; then its first part here goes uncounted, and it is measured from its
+            # parsed parts when complete.
+            if not self._message_ended_inside:
+                self._head_bytes += len(data)
+                if self._head_bytes > self._limits.max_header_bytes:
+                    self._refuse(431, "header_too_large", self._too_large_message())
 
     def _bad_request(self) -> None:
         message = "Invalid HTTP request received."
@@ -211,19 +234,26 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().on_message_begin()
         if self._phase != HEAD:
             self._begin_head()
-            self._head_began_inside = True
+        self._head_tail = b""
+        self._head_start_unknown = self._message_ended_inside
 
     def on_headers_complete(self) -> None:
         # Counted here rather than per field (a call per header costs more than the check): the
         # byte limit already bounds how many fields can pile up before the head is complete.
         if len(self.headers) > self._limits.max_headers:
-            raise _TooManyHeaders
+            raise _HeadRefused("too_many_headers", f"more than {self._limits.max_headers} header fields")
+        limit = self._limits.max_header_bytes
+        if (
+            self._head_start_unknown or self._head_bytes + len(self._chunk) > limit
+        ) and self._head_size() > limit:
+            raise _HeadRefused("header_too_large", self._too_large_message())
         super().on_headers_complete()
         self._phase = BODY
         self.deadline_s = time.monotonic() + self._limits.body_timeout_s
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
+        self._message_ended_inside = True
         if self.cycle is not None and self.cycle.response_complete:
             self._wait(IDLE, self._limits.keepalive_timeout_s)  # answered before the body ended
         else:
@@ -245,6 +275,39 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._guard.waiting.add(self)
 
     # -- limits
+
+    def _head_size(self) -> int:
+        """The bytes of the head that ends in the read being parsed (called when it is complete).
+        Exact when the head's part in this read starts at its beginning; otherwise the larger of
+        what was counted and a lower bound from the parsed parts."""
+        chunk = self._chunk
+        if self._head_start_unknown:
+            size = self._parsed_head_size()
+            if not self._head_tail:  # began in this read, after another request: nothing counted
+                return size
+        else:
+            size = 0
+        if not self._head_tail:  # began in this read, at its start or after blank lines
+            start = _REQUEST_START.search(chunk)
+            end = chunk.find(_HEAD_END, start.start() if start else 0) + len(_HEAD_END)
+        else:  # the blank line may straddle the two reads
+            probe = self._head_tail + chunk[:3]
+            straddle = probe.find(_HEAD_END)
+            if straddle >= 0:
+                end = straddle + len(_HEAD_END) - len(self._head_tail)
+            else:
+                end = chunk.find(_HEAD_END) + len(_HEAD_END)
+        return max(size, self._head_bytes + end)
+
+    def _parsed_head_size(self) -> int:
+        """The fewest bytes the parsed head can have been sent in: one space and `HTTP/1.x` on
+        the request line, `name:value` fields, no optional whitespace."""
+        fields = sum(len(name) + len(value) + 3 for name, value in self.headers)
+        request_line = len(self.parser.get_method()) + len(self.url) + 12
+        return request_line + fields + 2
+
+    def _too_large_message(self) -> str:
+        return f"request headers larger than {self._limits.max_header_bytes} bytes"
 
     def expire(self) -> None:
         """The deadline of the current phase passed (called by `ClientGuard.tick`)."""

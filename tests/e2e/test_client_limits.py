@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 
 from loadtest.client_probes import Target, partial_bodies, slow_headers, unfinished_headers
@@ -113,6 +114,108 @@ def test_a_flood_of_header_bytes_is_cut_off(gateway: Gateway) -> None:
     # Closed long before the flood was sent: the server stopped reading past its limit, and what
     # the client could still send fit in the kernel's socket buffers (a few MiB on loopback).
     assert all(r.closed_after_s is not None and r.sent_bytes < flood // 2 for r in results)
+
+
+def _head(size: int, path: str = "/healthz", extra: bytes = b"") -> bytes:
+    """A request head of exactly `size` bytes, padded with one header field."""
+    start = f"GET {path} HTTP/1.1\r\nHost: x\r\n".encode() + extra + b"X-Fill: "
+    head = start + b"a" * (size - len(start) - 4) + b"\r\n\r\n"
+    assert len(head) == size
+    return head
+
+
+def _response(sock: socket.socket, pending: bytearray) -> tuple[int, bytes]:
+    """The next response on `sock` (status, body); bytes read past it stay in `pending`."""
+    while b"\r\n\r\n" not in pending:
+        data = sock.recv(65536)
+        assert data, f"closed before a response; got {bytes(pending)!r}"
+        pending += data
+    head, _, _ = bytes(pending).partition(b"\r\n\r\n")
+    fields = dict(line.lower().split(b": ", 1) for line in head.split(b"\r\n")[1:])
+    end = len(head) + 4 + int(fields[b"content-length"])
+    while len(pending) < end:
+        data = sock.recv(65536)
+        assert data, "closed inside a response body"
+        pending += data
+    body = bytes(pending[len(head) + 4 : end])
+    del pending[:end]
+    return int(head.split()[1]), body
+
+
+def _exchange(gateway: Gateway, *writes: bytes, responses: int = 1) -> tuple[list[tuple[int, bytes]], bool]:
+    """Sends `writes` on one connection, one `sendall` each; the first `responses` answers, and
+    whether the server then closed the connection (it is keep-alive otherwise)."""
+    with socket.create_connection((gateway.target.host, gateway.target.port), timeout=WAIT_S) as sock:
+        for data in writes:
+            sock.sendall(data)
+        pending = bytearray()
+        answers = [_response(sock, pending) for _ in range(responses)]
+        sock.shutdown(socket.SHUT_WR)  # a server that keeps the connection waits; one that closed reads EOF
+        closed_first = not pending and sock.recv(1) == b""
+        return answers, closed_first
+
+
+def _assert_too_large(answer: tuple[int, bytes]) -> None:
+    status, body = answer
+    assert status == 431
+    assert orjson.loads(body)["error"]["code"] == "header_too_large"
+
+
+def test_a_whole_head_over_the_limit_in_one_write_is_431_and_closed(gateway: Gateway) -> None:
+    before = _refusals(gateway, "header_too_large")
+    for size in (MAX_HEADER_BYTES + 1, 2 * MAX_HEADER_BYTES, 25 * MAX_HEADER_BYTES):
+        [answer], closed = _exchange(gateway, _head(size))
+        _assert_too_large(answer)
+        assert closed
+    assert _refusals(gateway, "header_too_large") >= before + 3
+
+
+def test_a_head_exactly_at_the_limit_is_served(gateway: Gateway) -> None:
+    [(status, _)], _ = _exchange(gateway, _head(MAX_HEADER_BYTES))
+    assert status == 200
+
+
+def test_a_head_over_the_limit_finished_by_a_second_write_is_431(gateway: Gateway) -> None:
+    head = _head(MAX_HEADER_BYTES + 100)
+    [answer], closed = _exchange(gateway, head[: MAX_HEADER_BYTES - 200], head[MAX_HEADER_BYTES - 200 :])
+    _assert_too_large(answer)
+    assert closed
+
+
+def test_an_oversized_head_after_a_good_request_on_a_keepalive_connection_is_431(gateway: Gateway) -> None:
+    with socket.create_connection((gateway.target.host, gateway.target.port), timeout=WAIT_S) as sock:
+        pending = bytearray()
+        sock.sendall(_head(MAX_HEADER_BYTES))
+        assert _response(sock, pending)[0] == 200
+        sock.sendall(_head(MAX_HEADER_BYTES + 1))
+        _assert_too_large(_response(sock, pending))
+        assert sock.recv(1) == b""
+
+
+def test_pipelined_heads_are_bounded_one_by_one(gateway: Gateway) -> None:
+    # Two heads at the limit in one write: together over it, each within it.
+    answers, _ = _exchange(gateway, _head(MAX_HEADER_BYTES) * 2, responses=2)
+    assert [status for status, _ in answers] == [200, 200]
+    # An oversized head right behind a request whose answer is not out yet: no 431 can be written
+    # in front of that answer, so the connection is only closed.
+    before = _refusals(gateway, "header_too_large")
+    with socket.create_connection((gateway.target.host, gateway.target.port), timeout=WAIT_S) as sock:
+        sock.sendall(_head(100) + _head(MAX_HEADER_BYTES + 1000))
+        assert sock.recv(65536) == b""
+    assert _refusals(gateway, "header_too_large") == before + 1
+
+
+def test_body_bytes_read_with_the_head_do_not_count(gateway: Gateway) -> None:
+    content = "tokens " * (2 * MAX_HEADER_BYTES // 7)
+    body = orjson.dumps({"model": "m-ok", "messages": [{"role": "user", "content": content}]})
+    extra = b"Authorization: Bearer sk-b\r\nContent-Type: application/json\r\nContent-Length: %d\r\n" % len(
+        body
+    )
+    head = _head(MAX_HEADER_BYTES, "/v1/chat/completions", extra).replace(b"GET", b"POST", 1)
+    head = head[:-5] + b"\r\n\r\n"  # one byte longer for "POST": at the limit again
+    assert len(head) == MAX_HEADER_BYTES and len(body) > MAX_HEADER_BYTES
+    [(status, _)], _ = _exchange(gateway, head + body)
+    assert status == 200
 
 
 def test_too_many_header_fields_is_431(gateway: Gateway) -> None:

@@ -266,3 +266,66 @@ async def test_a_pipelined_head_is_still_bounded_from_its_next_chunk(rig: Rig) -
     protocol.data_received(b"a" * (LIMITS.max_header_bytes + 1))
     await settle()
     assert transport.closed and rig.refusals("header_too_large") == 1
+
+
+def head_of(size: int, start: bytes = b"GET /x HTTP/1.1\r\nHost: h\r\n", fill: bytes = b"X-Fill: ") -> bytes:
+    """A request head of exactly `size` bytes, padded with one header field."""
+    start += fill
+    return start + b"a" * (size - len(start) - 4) + b"\r\n\r\n"
+
+
+@pytest.mark.parametrize("split", [None, 20, 1020, 1021, 1022, 1023])
+async def test_a_finished_head_is_measured_to_its_blank_line_however_it_is_split(
+    rig: Rig, split: int | None
+) -> None:
+    limit = LIMITS.max_header_bytes
+    for size, served in ((limit, True), (limit + 1, False)):
+        protocol, transport = rig.connect()
+        head = head_of(size)
+        at = len(head) if split is None else min(split, len(head))
+        protocol.data_received(head[:at])
+        if at < len(head):
+            protocol.data_received(head[at:])
+        await settle()
+        if served:
+            assert transport.status() == 200 and not transport.closed
+        else:
+            assert transport.status() == 431 and transport.closed
+            assert transport.json_body()["error"]["code"] == "header_too_large"
+
+
+async def test_a_head_at_the_limit_and_its_body_in_one_read_are_served(rig: Rig) -> None:
+    protocol, transport = rig.connect()
+    head = head_of(LIMITS.max_header_bytes, b"POST /x HTTP/1.1\r\nContent-Length: 3000\r\n")
+    protocol.data_received(head + b"x" * 3000)
+    await settle()
+    assert transport.status() == 200 and not transport.closed
+
+
+async def test_blank_lines_before_a_request_count_toward_its_head(rig: Rig) -> None:
+    protocol, transport = rig.connect()
+    protocol.data_received(b"\r\n" * 400 + head_of(LIMITS.max_header_bytes - 799) + b"\r\n\r\n")
+    await settle()
+    assert transport.status() == 431  # the blank lines cannot hide the head's end
+
+
+async def test_a_head_pipelined_behind_a_body_is_measured_from_its_parts(rig: Rig) -> None:
+    # Without optional whitespace, so that the lower bound from the parsed parts is exact.
+    def bare_head(size: int) -> bytes:
+        return head_of(size, b"GET /x HTTP/1.1\r\nHost:h\r\n", b"X-Fill:")
+
+    protocol, transport = rig.connect()
+    protocol.data_received(post_head(10) + b"x" * 10 + bare_head(LIMITS.max_header_bytes))
+    await settle()
+    assert transport.written.count(b"HTTP/1.1 200") == 2 and not transport.closed
+    protocol, transport = rig.connect()
+    protocol.data_received(post_head(10) + b"x" * 10 + bare_head(LIMITS.max_header_bytes + 1))
+    await settle()
+    assert transport.closed and rig.refusals("header_too_large") == 1
+    # Begun in one read, finished in the next with a body behind it.
+    protocol, transport = rig.connect()
+    head = head_of(LIMITS.max_header_bytes + 1, b"POST /x HTTP/1.1\r\nContent-Length:4000\r\n", b"X-Fill:")
+    protocol.data_received(post_head(10) + b"x" * 10 + head[:10])
+    protocol.data_received(head[10:] + b"x" * 4000)
+    await settle()
+    assert transport.closed and rig.refusals("header_too_large") == 2

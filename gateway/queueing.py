@@ -34,7 +34,6 @@ free (`slot_freed`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import enum
 import heapq
@@ -113,7 +112,6 @@ class PoolQueue:
         self._turns = 0
         self._recount_due = False  # a P/D pool's `_recount` is scheduled
         self._timer: asyncio.TimerHandle | None = None
-        self._emptied: asyncio.Future[None] | None = None  # for `until_empty`, resolved by the tick
 
     @property
     def waiting(self) -> int:
@@ -195,15 +193,6 @@ class PoolQueue:
         except BaseException:
             self._leave(waiter)
             raise
-
-    async def until_empty(self, timeout_s: float) -> None:
-        """Return once nothing waits (seen by the tick), or after `timeout_s`."""
-        if not self._order:
-            return
-        if self._emptied is None:
-            self._emptied = asyncio.get_running_loop().create_future()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(self._emptied), timeout_s)
 
     def close(self) -> None:
         """The drain deadline: every waiter gets 503 `gateway_shutting_down` (as open streams get
@@ -380,9 +369,6 @@ class PoolQueue:
         else:
             self._timer = None
             deadlines.clear()  # nobody waits: what is left belongs to waiters already gone
-            if self._emptied is not None:
-                self._emptied.set_result(None)
-                self._emptied = None
 
     def check_invariants(self) -> None:
         """The counters agree with the order."""

@@ -2,7 +2,8 @@
 
 Both routes need `Authorization: Bearer <admin key>`, checked against `admin.api_key_hash` in the
 config (the same keyed hash as tenant keys; a tenant key never works here). Without that setting
-the routes answer 404, as if they did not exist. Nothing here shows request content: workers,
+there are no admin routes: every method on them answers the gateway's 404, as for any unknown
+path. Nothing here shows request content: workers,
 breakers, scrape ages, KV-event stream counters, policy counters and the policy file's state.
 """
 
@@ -19,11 +20,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from gateway.admission import request_id_of
 from gateway.auth import hash_api_key
 from gateway.errors import ApiError
 from gateway.policy_watch import PolicyStatus, PolicyWatcher, ReloadResult
 from gateway.registry import Worker
 from gateway.state import GatewayState
+from gateway.surface import error
 from policies.stats import SupportsStats
 
 if TYPE_CHECKING:
@@ -31,7 +34,10 @@ if TYPE_CHECKING:
 
 
 def admin_routes(state: GatewayState, watcher: PolicyWatcher | None) -> list[Route]:
-    """`GET /admin/status` and `POST /admin/policy/reload` over the gateway's state."""
+    """`GET /admin/status` and `POST /admin/policy/reload` over the gateway's state; none
+    without an admin key."""
+    if state.config.admin.api_key_hash is None:
+        return []
 
     async def status(request: Request) -> Response:
         denied = _check(request, state)
@@ -45,7 +51,7 @@ def admin_routes(state: GatewayState, watcher: PolicyWatcher | None) -> list[Rou
             return denied
         if watcher is None:
             err = ApiError(409, "no policy_file is configured: nothing to reload", "invalid_request_error")
-            return _error(dataclasses.replace(err, code="no_policy_file"))
+            return error(dataclasses.replace(err, code="no_policy_file"), request_id_of(request))
         result = await watcher.reload_now()
         return _json(_reload_body(result), 200 if result.error is None else 422)
 
@@ -57,13 +63,15 @@ def admin_routes(state: GatewayState, watcher: PolicyWatcher | None) -> list[Rou
 
 def _check(request: Request, state: GatewayState) -> Response | None:
     expected = state.config.admin.api_key_hash
-    if expected is None:
-        return _error(ApiError(404, f"unknown route {request.method} {request.url.path}", code="not_found"))
+    assert expected is not None  # no routes without it
     scheme, _, key = (request.headers.get("authorization") or "").partition(" ")
     key = key.strip()
     if scheme.lower() == "bearer" and key and hmac.compare_digest(hash_api_key(state.secret, key), expected):
         return None
-    return _error(ApiError(401, "admin key required", "invalid_request_error", "invalid_api_key"))
+    return error(_NO_ADMIN_KEY, request_id_of(request))
+
+
+_NO_ADMIN_KEY = ApiError(401, "admin key required", "invalid_request_error", "invalid_api_key")
 
 
 def _reload_body(result: ReloadResult) -> dict[str, Any]:
@@ -170,7 +178,3 @@ def _round(value: float | None) -> float | None:
 
 def _json(obj: object, status: int) -> Response:
     return Response(orjson.dumps(obj), status, media_type="application/json")
-
-
-def _error(err: ApiError) -> Response:
-    return Response(err.body(), err.status, headers=err.headers, media_type="application/json")

@@ -71,10 +71,11 @@ async def admin(tmp_path: Path) -> AsyncIterator[Admin]:
 
 async def test_admin_routes_need_the_admin_key(admin: Admin) -> None:
     for headers in ({}, {"authorization": "Bearer sk-tenant"}, {"authorization": "Bearer nope"}):
-        resp = await admin.client.get("/admin/status", headers=headers)
+        resp = await admin.client.get("/admin/status", headers={**headers, "x-request-id": "ops-1"})
         assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
+        assert resp.headers["x-request-id"] == "ops-1"
         resp = await admin.client.post("/admin/policy/reload", headers=headers)
-        assert resp.status_code == 401
+        assert resp.status_code == 401 and resp.headers["x-request-id"]
     assert (await admin.client.get("/admin/status", headers=ADMIN)).status_code == 200
 
 
@@ -146,10 +147,12 @@ async def test_reload_without_a_policy_file_is_a_conflict(tmp_path: Path) -> Non
 
 async def test_without_an_admin_key_the_routes_do_not_exist(tmp_path: Path) -> None:
     async for rig in _start(_config(tmp_path, admin=False), tmp_path):
-        for method in ("GET", "POST"):
-            path = "/admin/status" if method == "GET" else "/admin/policy/reload"
-            resp = await rig.client.request(method, path, headers=ADMIN)
-            assert resp.status_code == 404 and resp.json()["error"]["code"] == "not_found"
+        # Every method, the ones the routes take when configured or not: nothing shows they exist.
+        for method in ("GET", "POST", "PUT"):
+            for path in ("/admin/status", "/admin/policy/reload"):
+                resp = await rig.client.request(method, path, headers=ADMIN)
+                assert resp.status_code == 404 and resp.json()["error"]["code"] == "not_found"
+                assert resp.headers["x-request-id"]
 
 
 def test_admin_key_must_be_a_hash_and_not_a_tenant_key(tmp_path: Path) -> None:

@@ -223,10 +223,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                     self._refuse(431, "header_too_large", self._too_large_message())
 
     def _bad_request(self) -> None:
-        message = "Invalid HTTP request received."
-        self.logger.warning(message)
-        self._to_app()
-        self.send_400_response(message)
+        # In the error shape of every other answer (uvicorn's own is plain text, and its log line
+        # is not JSON); counted with the other refusals.
+        self._refuse(400, "invalid_http", "the request is not valid HTTP/1.1")
 
     # -- httptools callbacks
 

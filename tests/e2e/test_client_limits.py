@@ -218,6 +218,26 @@ def test_body_bytes_read_with_the_head_do_not_count(gateway: Gateway) -> None:
     assert status == 200
 
 
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"NOT HTTP AT ALL\r\n\r\n",
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n",
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
+    ],
+)
+def test_a_request_that_is_not_http_is_a_400_in_the_error_shape_and_closed(
+    gateway: Gateway, request_bytes: bytes
+) -> None:
+    before = _refusals(gateway, "invalid_http")
+    [(status, body)], closed = _exchange(gateway, request_bytes)
+    assert status == 400 and orjson.loads(body)["error"]["code"] == "invalid_http"
+    assert closed
+    assert _refusals(gateway, "invalid_http") == before + 1
+    assert httpx.get(gateway.base_url + "/healthz", timeout=5).is_success
+
+
 def test_too_many_header_fields_is_431(gateway: Gateway) -> None:
     headers = {f"x-h{i}": "v" for i in range(MAX_HEADERS + 1)}
     resp = httpx.get(gateway.base_url + "/healthz", headers=headers, timeout=5)

@@ -107,6 +107,21 @@ def test_probes_shutdown_and_mounts() -> None:
     assert secret_env["valueFrom"]["secretKeyRef"] == {"name": "rel-kvgate-key-hash", "key": "secret"}
     explicit = pod_spec(render({"shutdown": {"terminationGracePeriodSeconds": 300}}))
     assert explicit["terminationGracePeriodSeconds"] == 300
+    # The deadline the gateway runs with, when `config` sets it: 5 + 120 + 15.
+    docs = render({"config": {"drain": {"deadline_s": 119.5}}})
+    assert gateway_config(docs)["drain"]["deadline_s"] == 119.5
+    assert pod_spec(docs)["terminationGracePeriodSeconds"] == 140
+
+
+def test_a_grace_period_shorter_than_the_drain_fails_clearly() -> None:
+    with pytest.raises(helm_python.HelmError, match="must be at least .* \\(45\\)"):
+        render({"shutdown": {"terminationGracePeriodSeconds": 44}})  # 5 + 30 + 10 needed
+    assert (
+        pod_spec(render({"shutdown": {"terminationGracePeriodSeconds": 45}}))["terminationGracePeriodSeconds"]
+        == 45
+    )
+    with pytest.raises(helm_python.HelmError, match="must be at least"):
+        render({"shutdown": {"terminationGracePeriodSeconds": 60}, "config": {"drain": {"deadline_s": 50}}})
 
 
 def test_config_change_rolls_pods_but_policy_change_does_not() -> None:

@@ -40,11 +40,25 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- default (printf "%s-key-hash" (include "kvgate.fullname" .)) .Values.keyHashSecret.existingSecret }}
 {{- end }}
 
+{{/* The drain deadline the gateway runs with: `config.drain.deadline_s` wins over
+shutdown.drainSeconds, as every key of `config` does (kvgate.gatewayConfig). */}}
+{{- define "kvgate.drainDeadlineSeconds" -}}
+{{- $deadline := dig "drain" "deadline_s" .Values.shutdown.drainSeconds (.Values.config | default dict) }}
+{{- int (ceil (float64 $deadline)) }}
+{{- end }}
+
+{{/* preStop + the drain deadline + the gateway's exit margin (10 s) + 5 s by default; an explicit
+value below preStop + deadline + 10 would let the kubelet kill a pod still draining. */}}
 {{- define "kvgate.terminationGracePeriodSeconds" -}}
+{{- $needed := add .Values.shutdown.preStopSleepSeconds (include "kvgate.drainDeadlineSeconds" . | int) 10 }}
 {{- if kindIs "invalid" .Values.shutdown.terminationGracePeriodSeconds }}
-{{- add .Values.shutdown.preStopSleepSeconds .Values.shutdown.drainSeconds 15 }}
+{{- add $needed 5 }}
 {{- else }}
-{{- .Values.shutdown.terminationGracePeriodSeconds }}
+{{- $grace := .Values.shutdown.terminationGracePeriodSeconds | int }}
+{{- if lt $grace $needed }}
+{{- fail (printf "shutdown.terminationGracePeriodSeconds (%d) must be at least preStopSleepSeconds + the drain deadline + 10 (%d): the kubelet would kill pods still draining" $grace $needed) }}
+{{- end }}
+{{- $grace }}
 {{- end }}
 {{- end }}
 

@@ -1,12 +1,17 @@
 """Hot reload of the routing-policy file.
 
-The watcher polls the file's stat (mtime, size, inode: a Kubernetes ConfigMap update swaps a
-symlink, which changes all three) and, when it moved, reads the file and compares a SHA-256 of the
+The watcher polls the file's stat (mtime, ctime, size, inode: a Kubernetes ConfigMap update swaps
+a symlink, which changes them all) and, when it moved, reads the file and compares a SHA-256 of the
 content, so touching the file or re-mounting identical content rebuilds nothing (a rebuild would
-throw away the policy's learned state). A changed file is parsed and built completely before the
-`on_swap` callback sees it, so the gateway swaps one reference and requests never meet a
-half-built policy. A file that does not parse or build, or is empty, keeps the running policy; the
-reason is logged and kept in `status()` for the admin API.
+throw away the policy's learned state). A changed file is read, parsed and built completely in a
+worker thread, off the event loop (parsing a 1 MiB file takes over a second of CPU), and only then
+does the `on_swap` callback see it, on the loop: the gateway swaps one reference and requests
+never meet a half-built policy. Building touches nothing shared: it makes a fresh policy object
+from the file alone; everything that connects it to the running gateway is `on_swap`'s work.
+
+A file that cannot be read, does not parse or build, or is empty keeps the running policy; the
+reason is logged and kept in `status()` for the admin API. Its stat is recorded all the same, so a
+bad file is one failure however many polls see it, and a further change to it is tried again.
 """
 
 from __future__ import annotations
@@ -66,8 +71,19 @@ class ReloadResult:
 @dataclass(frozen=True, slots=True)
 class _Stamp:
     mtime_ns: int
+    ctime_ns: int
     size: int
     inode: int
+
+
+# What the watcher records when the file cannot be stat'ed, so a missing file fails once.
+_NO_FILE = _Stamp(-1, -1, -1, -1)
+
+
+@dataclass(frozen=True, slots=True)
+class _Content:
+    text: str
+    sha256: str
 
 
 SwapCallback = Callable[[LoadedPolicy], None]
@@ -97,6 +113,11 @@ def _read(path: Path) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError:
         raise PolicyConfigError("policy file is not UTF-8") from None
+
+
+def _read_content(path: Path) -> _Content:
+    text = _read(path)
+    return _Content(text, hashlib.sha256(text.encode()).hexdigest())
 
 
 class PolicyWatcher:
@@ -141,10 +162,13 @@ class PolicyWatcher:
             self._task = None
 
     async def check(self) -> ReloadResult | None:
-        """Reload if the file's stat moved; None when it did not."""
+        """Reload if the file's stat moved since the last attempt; None when it did not."""
         try:
             stamp = await asyncio.to_thread(self._stat)
         except OSError as exc:
+            if self._stamp == _NO_FILE:
+                return None
+            self._stamp = _NO_FILE
             return self._fail(f"cannot stat policy file: {exc.strerror or exc}")
         self._status = replace(self._status, last_checked_at_unix_s=time.time())
         if stamp == self._stamp:
@@ -152,23 +176,30 @@ class PolicyWatcher:
         return await self.reload_now(_stamp=stamp)
 
     async def reload_now(self, force: bool = False, _stamp: _Stamp | None = None) -> ReloadResult:
-        """Read, parse and build the file now; swap if its content changed (or `force`)."""
+        """Read, parse and build the file now; swap if its content changed (or `force`).
+
+        The read, parse and build run in a worker thread; only the swap runs on the event loop.
+        """
         async with self._lock:
             try:
                 stamp = _stamp or await asyncio.to_thread(self._stat)
-                text = await asyncio.to_thread(_read, self._path)
+            except OSError as exc:
+                return self._fail(f"cannot stat policy file: {exc.strerror or exc}")
+            # Recorded before the outcome is known: `check()` tries each version of the file once.
+            self._stamp = stamp
+            try:
+                content = await asyncio.to_thread(_read_content, self._path)
             except OSError as exc:
                 return self._fail(f"cannot read policy file: {exc.strerror or exc}")
             except PolicyConfigError as exc:
                 return self._fail(str(exc))
-            self._stamp = stamp
-            digest = hashlib.sha256(text.encode()).hexdigest()
+            digest = content.sha256
             if digest == self._status.sha256 and not force:
                 # Same content as the running policy (e.g. a bad edit reverted): nothing to rebuild.
                 self._status = replace(self._status, last_error=None, last_error_at_unix_s=None)
                 return ReloadResult(swapped=False, unchanged=True, error=None, status=self._status)
             try:
-                loaded = load_policy_text(text)
+                loaded = await asyncio.to_thread(load_policy_text, content.text)
             except PolicyConfigError as exc:
                 return self._fail(str(exc))
             try:
@@ -183,7 +214,7 @@ class PolicyWatcher:
     # internals ------------------------------------------------------------
     def _stat(self) -> _Stamp:
         st = self._path.stat()
-        return _Stamp(st.st_mtime_ns, st.st_size, st.st_ino)
+        return _Stamp(st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino)
 
     def _mark_loaded(self, loaded: LoadedPolicy, reload: bool = False) -> None:
         self._status = replace(

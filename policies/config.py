@@ -3,6 +3,10 @@
 Validation errors name the offending field (`pools.chat.cost_model.step_s: ...`). Parsing and
 building are separate so a hot reload can build the new policy completely before swapping it in;
 any failure is a `PolicyConfigError` and the caller keeps the running policy.
+
+YAML anchors and aliases are refused (`load_yaml_without_aliases`): an alias makes the document
+larger than the file, so without them the 1 MiB file-size limit also bounds what validation
+builds. A policy file has no need for them; repeat the values instead.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from yaml.events import AliasEvent, NodeEvent
+from yaml.nodes import Node
 
 from policies.base import Isolation, RoutingPolicy
 from policies.cost_model import PROFILES, CostModelParams, profile
@@ -208,6 +214,42 @@ class PolicyConfig(_Strict):
         )
 
 
+class YamlAliasError(yaml.YAMLError):
+    """A YAML anchor (`&name`) or alias (`*name`) in an operator file, with where it is."""
+
+    def __init__(self, event: NodeEvent) -> None:
+        sigil, kind = ("*", "alias") if isinstance(event, AliasEvent) else ("&", "anchor")
+        mark = event.start_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        super().__init__(
+            f"{where}YAML {kind} {sigil}{event.anchor} is not allowed (anchors and aliases can expand "
+            "a small file into a huge document; write the values out)"
+        )
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that refuses anchors and aliases as soon as the parser meets one.
+
+    The check sits before composition, so an alias bomb is refused at its first anchor, having
+    built nothing.
+    """
+
+    def compose_node(self, parent: Node | None, index: int) -> Node | None:
+        event: object = self.peek_event()  # type: ignore[no-untyped-call]
+        if isinstance(event, NodeEvent) and event.anchor is not None:
+            raise YamlAliasError(event)
+        return super().compose_node(parent, index)
+
+
+def load_yaml_without_aliases(text: str) -> Any:
+    """`yaml.safe_load` for operator files, refusing anchors and aliases with `YamlAliasError`."""
+    loader = _NoAliasLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def _format(exc: ValidationError) -> str:
     return "; ".join(
         f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in exc.errors()
@@ -217,7 +259,9 @@ def _format(exc: ValidationError) -> str:
 def parse_policy_yaml(text: str) -> PolicyConfig:
     """Parse and validate a policy file; any problem is a `PolicyConfigError` naming the field."""
     try:
-        raw = yaml.safe_load(text)
+        raw = load_yaml_without_aliases(text)
+    except YamlAliasError as exc:
+        raise PolicyConfigError(f"policy file: {exc}") from None
     except yaml.YAMLError as exc:
         raise PolicyConfigError(f"policy file is not valid YAML: {exc}") from None
     if raw is None:

@@ -21,6 +21,7 @@ from gateway.config.pool import PoolConfig
 from gateway.config.sync import SyncConfig
 from gateway.otel_sdk import tracing_unavailable
 from policies.base import Isolation
+from policies.config import YamlAliasError, load_yaml_without_aliases
 
 
 class ListenConfig(Frozen):
@@ -256,7 +257,9 @@ def load_config(path: str | Path) -> GatewayConfig:
     except OSError as exc:
         raise ConfigError(f"cannot read config file {str(p)!r}: {exc.strerror}") from None
     try:
-        raw = yaml.safe_load(text) or {}
+        raw = load_yaml_without_aliases(text) or {}
+    except YamlAliasError as exc:
+        raise ConfigError(f"config file {str(p)!r}: {exc}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
     if not isinstance(raw, dict):

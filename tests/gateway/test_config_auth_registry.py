@@ -90,6 +90,15 @@ def test_secret_comes_from_env_or_file_never_yaml(tmp_path: Path) -> None:
     assert loaded.policy_file == str(tmp_path / "p.yaml")
 
 
+def test_config_file_refuses_yaml_aliases(tmp_path: Path) -> None:
+    path = tmp_path / "gw.yaml"
+    text = yaml.safe_dump(_minimal())
+    path.write_text(text + "x: &t 1\ny: *t\n")
+    lines = text.count("\n")
+    with pytest.raises(ConfigError, match=rf"line {lines + 1}, column 4: YAML anchor &t is not allowed"):
+        load_config(path)
+
+
 def test_keyring_maps_keys_to_tenants_with_distinct_salts() -> None:
     tenants = [
         TenantConfig(name="a", api_key_hashes=[hash_api_key(SECRET, "ka")]),

@@ -77,3 +77,16 @@ def test_documented_example_parses_and_builds_every_policy() -> None:
     assert shared.pools["chat"].cost.step_s == 0.017  # from the profile, not overridden
     for name in ("round_robin", "random", "least_load", "consistent_hash", "sglang_cache_aware", "preble_e2"):
         assert build_policy(cfg.model_copy(update={"policy": name})).name == name
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("policy: cost\ndefault_pool: &p {capacity_fraction: 0.5}\n", "line 2, column 15: YAML anchor &p"),
+        ("policy: cost\npools:\n  a: {}\n  b: *a\n", "line 4, column 6: YAML alias *a"),
+        ("policy: cost\nbase: &b {}\npools:\n  a:\n    <<: *b\n", "YAML anchor &b"),
+    ],
+)
+def test_anchors_and_aliases_are_refused_naming_the_line(text: str, needle: str) -> None:
+    with pytest.raises(PolicyConfigError, match=re.escape(needle)):
+        parse_policy_yaml(text)

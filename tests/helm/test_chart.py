@@ -114,7 +114,7 @@ def test_probes_shutdown_and_mounts() -> None:
 
 
 def test_a_grace_period_shorter_than_the_drain_fails_clearly() -> None:
-    with pytest.raises(helm_python.HelmError, match="must be at least .* \\(45\\)"):
+    with pytest.raises(helm_python.HelmError, match=r"must be at least .* \(45\)"):
         render({"shutdown": {"terminationGracePeriodSeconds": 44}})  # 5 + 30 + 10 needed
     assert (
         pod_spec(render({"shutdown": {"terminationGracePeriodSeconds": 45}}))["terminationGracePeriodSeconds"]

@@ -73,7 +73,11 @@ class Fleet:
         self._kv: KvEventSubscriber | None = None
         if any(p.subscribes_kv_events for p in config.pools):
             # Events carry the chain's cache_salt; resolve it to the namespace the gateway salted it for.
-            self._kv = KvEventSubscriber(on_event=self._on_kv_event, salt_namespaces=salt_namespaces)
+            self._kv = KvEventSubscriber(
+                on_event=self._on_kv_event,
+                salt_namespaces=salt_namespaces,
+                wanted=lambda: routing.kv_events_used,
+            )
         self._discoveries: dict[str, Discovery] = {}
         self._pending: set[asyncio.Task[None]] = set()
 

@@ -13,12 +13,16 @@ itself, so `salt_namespaces` (salt → key namespace) tells whose chain it is: t
 `namespace`. A root block whose extra keys carry strings but no known salt belongs to requests
 that did not come through this gateway: it is skipped, since none of our requests can hit it.
 Token ids are range-checked (0 ≤ id < 2^32) and never appear in an error message.
+
+A batch is read one event at a time (`BatchReader`), so a subscriber can spread a large batch
+over several turns of the event loop: msgpack's unpacking and our checks both hold the GIL, so a
+thread would not keep the loop any freer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -175,34 +179,115 @@ def decode_event(raw: Any, salt_namespaces: Mapping[str, str] | None = None) -> 
     )
 
 
-def decode_batch(payload: bytes, salt_namespaces: Mapping[str, str] | None = None) -> DecodedBatch:
-    """Decode a msgpack `EventBatch` (array or map form); raises `KvEventDecodeError`."""
-    try:
-        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except Exception as exc:  # msgpack raises several unrelated types for bad input
-        raise KvEventDecodeError(f"payload is not msgpack: {type(exc).__name__}") from None
-    if isinstance(raw, Mapping):
-        ts, events, rank = raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")
-    elif isinstance(raw, list | tuple) and len(raw) >= 2:
-        ts, events = raw[0], raw[1]
-        rank = raw[2] if len(raw) > 2 else None
-    else:
-        raise KvEventDecodeError("batch must be [ts, events, dp_rank?] or a map with 'events'")
-    if not isinstance(events, list | tuple):
-        raise KvEventDecodeError("batch.events: expected a list")
+_ARRAY_FIRST_BYTES = frozenset({*range(0x90, 0xA0), 0xDC, 0xDD})
+_MAP_FIRST_BYTES = frozenset({*range(0x80, 0x90), 0xDE, 0xDF})
+
+
+@dataclass(slots=True)
+class BatchReader:
+    """One `EventBatch`, decoded a few events per `step`: the whole batch or an error, never a
+    part of it (events are handed out by `result` only once every event decoded)."""
+
+    payload: bytes
+    salt_namespaces: Mapping[str, str] | None = None
+    _events: list[KvEvent] = field(default_factory=list)
+    _skipped: int = 0
+    _ts: object = None
+    _rank: object = None
+    _walk: Iterator[None] | None = None
+    _done: bool = False
+
+    def step(self, max_events: int) -> bool:
+        """Decode up to `max_events` more events; True when the batch is complete. Raises
+        `KvEventDecodeError`."""
+        if self._walk is None:
+            self._walk = self._read()
+        try:
+            for _ in range(max_events):
+                next(self._walk)
+        except StopIteration:
+            self._done = True
+        except KvEventDecodeError:
+            raise
+        except Exception as exc:  # msgpack raises several unrelated types for bad input
+            raise KvEventDecodeError(f"payload is not msgpack: {type(exc).__name__}") from None
+        return self._done
+
+    def result(self) -> DecodedBatch:
+        assert self._done, "BatchReader.result() before the last step"
+        ts, rank = self._ts, self._rank
+        assert isinstance(ts, int | float)
+        return DecodedBatch(
+            ts_s=float(ts),
+            events=tuple(self._events),
+            skipped_events=self._skipped,
+            data_parallel_rank=rank if isinstance(rank, int) and not isinstance(rank, bool) else None,
+        )
+
+    def _read(self) -> Iterator[None]:
+        payload = self.payload
+        unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(len(payload), 1))
+        unpacker.feed(payload)
+        first = payload[0] if payload else -1
+        if first in _ARRAY_FIRST_BYTES:
+            fields = unpacker.read_array_header()
+            if fields < 2:
+                raise KvEventDecodeError("batch must be [ts, events, dp_rank?] or a map with 'events'")
+            self._ts = unpacker.unpack()
+            _check_ts(self._ts)
+            yield from self._read_events(unpacker)
+            for i in range(2, fields):
+                value = unpacker.unpack()
+                if i == 2:
+                    self._rank = value
+        elif first in _MAP_FIRST_BYTES:
+            seen = False
+            for _ in range(unpacker.read_map_header()):
+                key = unpacker.unpack()
+                if key == "events":
+                    yield from self._read_events(unpacker)
+                    seen = True
+                elif key == "ts":
+                    self._ts = unpacker.unpack()
+                elif key == "data_parallel_rank":
+                    self._rank = unpacker.unpack()
+                else:
+                    unpacker.skip()
+            if not seen:
+                raise KvEventDecodeError("batch.events: expected a list")
+            _check_ts(self._ts)
+        elif first in (0xC1, -1):
+            raise KvEventDecodeError("payload is not msgpack: it starts with no value")
+        else:
+            raise KvEventDecodeError("batch must be [ts, events, dp_rank?] or a map with 'events'")
+        try:
+            unpacker.skip()
+        except msgpack.OutOfData:
+            return
+        raise KvEventDecodeError("payload is not msgpack: ExtraData")
+
+    def _read_events(self, unpacker: msgpack.Unpacker) -> Iterator[None]:
+        try:
+            count = unpacker.read_array_header()
+        except ValueError:
+            raise KvEventDecodeError("batch.events: expected a list") from None
+        for _ in range(count):
+            ev = decode_event(unpacker.unpack(), self.salt_namespaces)
+            if ev is None:
+                self._skipped += 1
+            else:
+                self._events.append(ev)
+            yield
+
+
+def _check_ts(ts: object) -> None:
     if not isinstance(ts, int | float) or isinstance(ts, bool):
         raise KvEventDecodeError("batch.ts: expected a number")
-    decoded: list[KvEvent] = []
-    skipped = 0
-    for item in events:
-        ev = decode_event(item, salt_namespaces)
-        if ev is None:
-            skipped += 1
-        else:
-            decoded.append(ev)
-    return DecodedBatch(
-        ts_s=float(ts),
-        events=tuple(decoded),
-        skipped_events=skipped,
-        data_parallel_rank=rank if isinstance(rank, int) and not isinstance(rank, bool) else None,
-    )
+
+
+def decode_batch(payload: bytes, salt_namespaces: Mapping[str, str] | None = None) -> DecodedBatch:
+    """Decode a msgpack `EventBatch` (array or map form) at once; raises `KvEventDecodeError`."""
+    reader = BatchReader(payload, salt_namespaces)
+    while not reader.step(1 << 30):
+        pass
+    return reader.result()

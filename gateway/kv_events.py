@@ -14,6 +14,13 @@ A sequence that goes backwards means the publisher restarted (its cache is empty
 On joining a worker that is already running (first batch seen with seq > 0), the subscriber asks the
 replay socket for the history it still buffers, so a restarted gateway relearns recent blocks.
 
+Decoding holds the event loop, and every pool's requests share that loop: a batch is decoded and
+delivered in slices of about `SLICE_S` of work, with a turn of the loop between them, so a
+worker that publishes huge batches delays other requests by a slice, not by its batch. When
+nothing would use the events (`wanted` says no: the policy has no precise mode), a batch is
+counted and dropped undecoded; the sequence is then forgotten, so following it again starts like
+joining a running worker.
+
 A worker with data-parallel engines publishes one stream per rank (vLLM: endpoint port + rank);
 each is added as its own `KvEventEndpoint` of the same worker and keeps its own sequence.
 """
@@ -33,6 +40,7 @@ import zmq.asyncio
 from gateway.kv_event_codec import (
     GPU_MEDIA,
     PREFIX_SPEC_KINDS,
+    BatchReader,
     DecodedBatch,
     KvEventDecodeError,
     decode_batch,
@@ -62,6 +70,11 @@ log = logging.getLogger("kvgate.kv_events")
 REPLAY_END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 KvEventCallback = Callable[[WorkerId, KvEvent], None]
+
+# The work done on the loop between two yields to it while a batch is decoded or delivered, and
+# how many events go between two looks at the clock.
+SLICE_S = 0.002
+_SLICE_EVENTS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +109,7 @@ class SubscriptionStats:
     """Counters of one worker's subscription, for /metrics and the admin API."""
 
     batches: int = 0
+    ignored_batches: int = 0  # dropped undecoded: nothing would use their events
     events: int = 0
     skipped_events: int = 0
     decode_errors: int = 0
@@ -116,10 +130,16 @@ class SubscriptionStats:
 
 @dataclass(frozen=True, slots=True)
 class KvEventLimits:
-    """Bounds on what one subscription may hold or wait for."""
+    """Bounds on what one subscription may hold or wait for.
 
-    max_message_bytes: int = 64 * 1024 * 1024
-    receive_hwm: int = 10_000
+    A real batch is one engine step's events: its new full blocks (token ids of at most the
+    step's `max_num_batched_tokens`, a few bytes each, plus 9 bytes a block hash) and evictions,
+    tens of KiB, under 1 MiB for a 128k-token step. A message over `max_message_bytes` makes ZMQ
+    drop the connection (the gap is then handled like any other), and the queue holds at most
+    `receive_hwm` messages, so one worker's stream holds at most their product (256 MiB)."""
+
+    max_message_bytes: int = 2 * 1024 * 1024
+    receive_hwm: int = 128
     replay_timeout_s: float = 2.0
     max_replay_batches: int = 10_000
     reconnect_ivl_s: float = 0.1
@@ -148,8 +168,10 @@ class KvEventSubscriber:
         on_gap: GapCallback | None = None,
         limits: KvEventLimits | None = None,
         salt_namespaces: Mapping[str, str] | None = None,
+        wanted: Callable[[], bool] | None = None,
     ) -> None:
         self._on_event = on_event
+        self._wanted = wanted
         self._salt_namespaces = salt_namespaces
         self._on_gap = on_gap
         self._limits = limits or KvEventLimits()
@@ -236,12 +258,17 @@ class KvEventSubscriber:
                     stats.decode_errors += 1
                     log.warning("kv events from %s: malformed message (%d frames)", ep.worker, len(frames))
                     continue
+                if self._wanted is not None and not self._wanted():
+                    stats.ignored_batches += 1
+                    stats.last_seq = seq
+                    expected = None
+                    continue
                 if expected is None and seq > 0 and ep.replay_endpoint and self._limits.replay_on_join:
                     # Joining a running worker: fetch what its replay buffer still holds.
                     await self._replay(ep, stats, 0, seq, joining=True)
                 elif expected is not None and seq != expected:
                     await self._recover(ep, stats, expected, seq)
-                self._deliver(ep.worker, stats, seq, frames[-1])
+                await self._deliver(ep.worker, stats, seq, frames[-1])
                 expected = seq + 1
         finally:
             sock.close(linger=0)
@@ -294,7 +321,7 @@ class KvEventSubscriber:
                 if rseq > next_needed and not joining:
                     # The replay buffer no longer reaches back far enough.
                     self._gap(SequenceGap(ep.worker, next_needed, rseq), stats)
-                self._deliver(ep.worker, stats, rseq, frames[1])
+                await self._deliver(ep.worker, stats, rseq, frames[1])
                 stats.replayed_batches += 1
                 next_needed = rseq + 1
         except (TimeoutError, KvEventDecodeError, zmq.ZMQError) as exc:
@@ -323,19 +350,27 @@ class KvEventSubscriber:
             stats.callback_errors += 1
             log.exception("kv events: gap handler failed for %s", gap.worker)
 
-    def _deliver(self, worker: WorkerId, stats: SubscriptionStats, seq: int, payload: bytes) -> None:
+    async def _deliver(self, worker: WorkerId, stats: SubscriptionStats, seq: int, payload: bytes) -> None:
+        """Decode the batch, then hand its events to `on_event`, both in slices of `SLICE_S`."""
         stats.last_seq = seq
         stats.last_batch_monotonic_s = time.monotonic()
+        reader = BatchReader(payload, self._salt_namespaces)
         try:
-            batch = decode_batch(payload, self._salt_namespaces)
+            started = time.perf_counter()
+            while not reader.step(_SLICE_EVENTS):
+                if time.perf_counter() - started >= SLICE_S:
+                    await asyncio.sleep(0)
+                    started = time.perf_counter()
         except KvEventDecodeError as exc:
             stats.decode_errors += 1
             log.warning("kv events from %s: batch %d undecodable: %s", worker, seq, exc)
             return
+        batch = reader.result()
         stats.batches += 1
         stats.last_batch_lag_s = time.time() - batch.ts_s
         stats.skipped_events += batch.skipped_events
-        for ev in batch.events:
+        started = time.perf_counter()
+        for i, ev in enumerate(batch.events, 1):
             stats.events += 1
             try:
                 self._on_event(worker, ev)
@@ -344,6 +379,9 @@ class KvEventSubscriber:
                 # The type only: an exception's message may quote token ids, which never reach a log.
                 stats.last_error = f"callback raised {type(exc).__name__}"
                 log.error("kv events: callback failed for %s: %s", worker, type(exc).__name__)
+            if not i % _SLICE_EVENTS and time.perf_counter() - started >= SLICE_S:
+                await asyncio.sleep(0)
+                started = time.perf_counter()
 
 
 def _parse_frames(frames: Sequence[bytes]) -> int | None:

@@ -20,6 +20,13 @@ log = logging.getLogger("kvgate.precise")
 def install_token_hasher(state: GatewayState, policy: RoutingPolicy) -> bool:
     """Give the policy a hasher for the pool that subscribes to KV events (the first such pool:
     the hasher interface carries no pool, so one identity serves every event stream)."""
+    installed = _install(state, policy)
+    # Without a hasher the policy ignores every event: the subscriber need not decode them.
+    state.routing.kv_events_used = installed
+    return installed
+
+
+def _install(state: GatewayState, policy: RoutingPolicy) -> bool:
     setter = getattr(policy, "set_token_hasher", None)
     pools = [p for p in state.registry.pools.values() if p.config.subscribes_kv_events]
     if setter is None or not pools:

@@ -28,6 +28,9 @@ class Routing:
     access_log: AccessLog = field(default_factory=lambda: AccessLog(enabled=False))
     tracer: RequestTracer | None = None
     decision_log: DecisionLog | None = None  # config `decision_log.path`; None: off
+    # Whether the policy applies workers' KV events (precise mode, `precise.py`); when it does not,
+    # the subscriber drops them undecoded.
+    kv_events_used: bool = True
     # The policy `hold_s` last checked, and it as one that may hold (None: it never holds).
     _hold_checked: RoutingPolicy | None = field(default=None, init=False, repr=False)
     _holder: SupportsHold | None = field(default=None, init=False, repr=False)

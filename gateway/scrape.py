@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import re
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -77,33 +78,33 @@ _WANTED = frozenset(
 )
 
 
+# One `key="value"` of a label set, after any separating spaces and commas. Possessive
+# quantifiers: a broken label set fails in one pass, never by backtracking.
+_LABEL = re.compile(r'[ ,]*+([^=]*+)="([^"\\]*+(?:\\.[^"\\]*+)*+)"')
+# Stands in for an escaped backslash while the other escapes are read: a lone surrogate, which
+# text decoded from bytes never holds.
+_HELD = "\ud800"
+
+
+def _unescape(raw: str) -> str:
+    """The exposition format's escapes, read left to right: `\\\\`, `\\"`, `\\n` (any other
+    escaped character stands for itself). Whole-string replaces only, so no Python code runs per
+    escape: a page full of them costs what any other page of its size costs."""
+    if _HELD in raw:  # not from a page (those are decoded from bytes): take it apart instead
+        return "\\".join(p.replace("\\n", "\n").replace("\\", "") for p in raw.split("\\\\"))
+    # Once escaped backslashes are held aside, every backslash left escapes the character after it.
+    return raw.replace("\\\\", _HELD).replace("\\n", "\n").replace("\\", "").replace(_HELD, "\\")
+
+
 def _parse_labels(text: str) -> dict[str, str] | None:
     """Parse `a="x",b="y\\"z"`; None when the label set is malformed."""
     labels: dict[str, str] = {}
-    i, n = 0, len(text)
-    while i < n:
-        while i < n and text[i] in " ,":
-            i += 1
-        if i >= n:
-            break
-        eq = text.find("=", i)
-        if eq < 0 or eq + 1 >= n or text[eq + 1] != '"':
-            return None
-        key = text[i:eq].strip()
-        j = eq + 2
-        buf: list[str] = []
-        while j < n and text[j] != '"':
-            if text[j] == "\\" and j + 1 < n:
-                j += 1
-                buf.append({"n": "\n", "\\": "\\", '"': '"'}.get(text[j], text[j]))
-            else:
-                buf.append(text[j])
-            j += 1
-        if j >= n:
-            return None
-        labels[key] = "".join(buf)
-        i = j + 1
-    return labels
+    pos = 0
+    while (m := _LABEL.match(text, pos)) is not None:
+        key, raw = m.groups()
+        labels[key.strip()] = _unescape(raw) if "\\" in raw else raw
+        pos = m.end()
+    return labels if not text[pos:].strip(" ,") else None
 
 
 def parse_samples(text: str, wanted: frozenset[str] = _WANTED) -> Iterable[Sample]:
@@ -118,7 +119,7 @@ def parse_samples(text: str, wanted: frozenset[str] = _WANTED) -> Iterable[Sampl
         if 0 <= brace < space:
             name = line[:brace]
             close = line.rfind("}")
-            if close < brace:
+            if close < brace or name not in wanted:
                 continue
             rest = line[close + 1 :].split()
             labels = _parse_labels(line[brace + 1 : close])

@@ -33,7 +33,7 @@ from gateway.lifecycle import Lifecycle
 from gateway.outcome import Attempt, finish, usage_of
 from gateway.routing import Routing
 from gateway.sse import Relay
-from gateway.upstream import RetryHints
+from gateway.upstream import RetryHints, read_whole
 from policies.base import Outcome
 
 log = logging.getLogger("kvgate.streaming")
@@ -63,7 +63,10 @@ class StreamSource(Protocol):
 
 
 class AiohttpSource:
-    """An aiohttp response (https workers) as a `StreamSource`."""
+    """An aiohttp response (https workers) as a `StreamSource`. `read` returns what aiohttp has
+    buffered, which it keeps below a small high-water mark (it stops reading from the socket
+    above it), so a stream's memory is bounded here as in the lean client; whole answers are
+    bounded by `read_whole`, and single events by the relay."""
 
     __slots__ = ("_resp", "content_type", "retry_hints", "status")
 
@@ -81,7 +84,8 @@ class AiohttpSource:
         return await self._resp.content.readany()
 
     async def read_all(self) -> bytes:
-        return await self._resp.read()
+        # Not `resp.read()`: that holds whatever the worker sends, however large.
+        return await read_whole(self.read)
 
     def release(self) -> None:
         self._resp.release()

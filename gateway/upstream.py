@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from gateway import upstream_conn
 from gateway.upstream_conn import (
     MAX_ANSWER_BYTES,
     RetryHints,
@@ -54,6 +55,7 @@ __all__ = [
     "UpstreamReply",
     "UpstreamStream",
     "UpstreamTimeout",
+    "read_whole",
     "request_bytes",
 ]
 
@@ -260,16 +262,9 @@ class UpstreamStream:
         """The bytes that arrived since the last read (waiting for some); b"" at the end."""
         return await self._conn.body.read()
 
-    async def read_all(self, max_bytes: int = MAX_ANSWER_BYTES) -> bytes:
+    async def read_all(self) -> bytes:
         """The rest of the answer (for a worker that did not stream, e.g. a 4xx)."""
-        parts: list[bytes] = []
-        size = 0
-        while data := await self.read():
-            size += len(data)
-            if size > max_bytes:
-                raise UpstreamError("worker answer too large", answered=True)
-            parts.append(data)
-        return b"".join(parts)
+        return await read_whole(self.read)
 
     def release(self) -> None:
         """The answer was read to its end: the connection may serve another request."""
@@ -289,6 +284,22 @@ class UpstreamStream:
         self._done = True
         self._conn.abort()
         self._pool._leave(self._key, self._slots)
+
+
+async def read_whole(read: Callable[[], Awaitable[bytes]]) -> bytes:
+    """Everything `read` returns until b"", held whole, so bounded like the lean client's whole
+    answers (`MAX_ANSWER_BYTES`, read when called): past it, `UpstreamError` ("worker answer too
+    large", answered), which the gateway maps like any answer that broke off. Both transports'
+    `read_all` go through here, so an https worker is held to the same bound as an http one."""
+    limit = upstream_conn.MAX_ANSWER_BYTES
+    parts: list[bytes] = []
+    size = 0
+    while data := await read():
+        size += len(data)
+        if size > limit:
+            raise UpstreamError("worker answer too large", answered=True)
+        parts.append(data)
+    return b"".join(parts)
 
 
 def request_bytes(host_header: bytes, path: bytes, headers: bytes, body: bytes) -> bytes:

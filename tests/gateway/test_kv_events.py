@@ -13,6 +13,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from gateway import kv_events
 from gateway.kv_events import (
     REPLAY_END_SEQ,
     KvEventEndpoint,
@@ -126,8 +127,9 @@ async def subscribed(
     replay: str | None = None,
     gap_handler: Callable[[SequenceGap], None] | None = None,
     limits: KvEventLimits | None = None,
+    wanted: Callable[[], bool] | None = None,
 ) -> AsyncIterator[KvEventSubscriber]:
-    sub = KvEventSubscriber(rec.on_event, on_gap=gap_handler, limits=limits)
+    sub = KvEventSubscriber(rec.on_event, on_gap=gap_handler, limits=limits, wanted=wanted)
     await sub.start([KvEventEndpoint(W, pub.endpoint, replay_endpoint=replay, topic="kv@")])
     try:
         await pub.joined()
@@ -148,6 +150,64 @@ async def test_live_batches_in_both_encodings_reach_the_callback(pub: Publisher)
     assert rec.items[0] == (W, KvEvent(KvEventKind.BLOCK_STORED, (10,), None, (0, 1), 2))
     assert rec.items[1][1].block_hashes == (11,)  # type: ignore[index]
     assert rec.items[2] == (W, KvEvent(KvEventKind.ALL_BLOCKS_CLEARED))
+
+
+async def test_unwanted_batches_are_dropped_undecoded(
+    pub: Publisher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The policy has no precise mode: nothing would use the events, so none is decoded.
+    rec, used = Recorder(), [False]
+    readers: list[bytes] = []
+    real_reader = kv_events.BatchReader
+
+    def counting_reader(payload: bytes, salts: Any = None) -> kv_events.BatchReader:
+        readers.append(payload)
+        return real_reader(payload, salts)
+
+    monkeypatch.setattr(kv_events, "BatchReader", counting_reader)
+    async with subscribed(pub, rec, wanted=lambda: used[0]) as sub:
+        await pub.send(0, one(10))
+        await pub.send(1, b"\xc1 not even msgpack")
+        stats = sub.stats(W)
+        assert stats is not None
+        await wait_until(lambda: stats.ignored_batches == 2, 5)
+        assert readers == [] and stats.batches == stats.decode_errors == 0 and rec.items == []
+        # A reload that turns precise mode on: the stream is followed again, without a gap.
+        used[0] = True
+        await pub.send(2, one(12))
+        await rec.wait_for(1)
+        assert stats.batches == 1 and stats.gaps == 0
+    assert rec.hashes() == [12]
+
+
+async def test_a_large_batch_is_decoded_and_delivered_a_slice_at_a_time(pub: Publisher) -> None:
+    # Other pools' requests share the loop: it must get turns while one big batch is worked on.
+    turns = 0
+    seen_at: list[int] = []
+
+    def on_event(worker: WorkerId, event: KvEvent) -> None:
+        seen_at.append(turns)
+
+    async def ticker() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    events = [stored_array([h], None, bs=16) for h in range(20_000)]
+    payload = batch(events)
+    sub = KvEventSubscriber(on_event)
+    await sub.start([KvEventEndpoint(W, pub.endpoint, topic="kv@")])
+    tick = asyncio.create_task(ticker())
+    try:
+        await pub.joined()
+        await pub.send(0, payload)
+        await wait_until(lambda: len(seen_at) == len(events), 10)
+    finally:
+        tick.cancel()
+        await sub.stop()
+    # Delivery alone spanned several turns of the loop (and decoding came before it).
+    assert seen_at[-1] > seen_at[0]
 
 
 async def test_gap_without_replay_is_signalled(pub: Publisher) -> None:

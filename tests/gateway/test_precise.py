@@ -62,6 +62,7 @@ def test_events_key_as_the_base_model_unless_they_name_an_adapter() -> None:
     policy = HasherSink()
     state = build_state(_config("render"), SECRET, policy, NormalizerConfig())
     assert install_token_hasher(state, policy) and len(policy.hashers) == 1
+    assert state.routing.kv_events_used
     hasher = policy.hashers[0]
     pool, tenant = state.registry.pools["p"], state.gate.keyring.tenants["t"]
     tokens = list(range(1000, 1048))
@@ -81,3 +82,4 @@ def test_an_approximate_pool_gets_no_hasher() -> None:
     policy = HasherSink()
     state = build_state(_config("approximate"), SECRET, policy, NormalizerConfig())
     assert not install_token_hasher(state, policy) and policy.hashers == []
+    assert not state.routing.kv_events_used

@@ -153,3 +153,39 @@ async def test_a_malformed_answer_is_a_502_and_counts_against_the_worker(
     assert obs.outcome is Outcome.WORKER_FAILED
     worker = next(iter(rig.state.registry.pools["p"].workers.values()))
     assert worker.breaker.failures == 1 and worker.in_flight == 0
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_answer_over_the_size_bound_is_a_502_whatever_the_transport(
+    rig: Rig, transport: str, stream: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    through(rig.state, transport)
+    monkeypatch.setattr("gateway.upstream_conn.MAX_ANSWER_BYTES", 1000)
+    pad = b"a" * 5000
+    if stream:  # a streamed request's whole-answer path: the worker's 4xx is read whole
+        rig.upstream.status = 400
+        rig.upstream.error_body = b'{"error": {"message": "' + pad + b'"}}'
+    else:
+        rig.upstream.garbage = b'{"choices": [], "pad": "' + pad + b'"}'
+    resp = await rig.chat(stream=stream)
+    assert resp.status_code == 502
+    error = orjson.loads(resp.content)["error"]
+    assert error["code"] == "bad_gateway" and "worker answer too large" in error["message"]
+    (obs,) = rig.policy.observations
+    assert obs.outcome is Outcome.WORKER_FAILED
+    worker = next(iter(rig.state.registry.pools["p"].workers.values()))
+    assert worker.breaker.failures == 1 and worker.in_flight == 0
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_an_oversized_stream_event_is_a_502_whatever_the_transport(rig: Rig, transport: str) -> None:
+    through(rig.state, transport)
+    # One event larger than the relay holds (4 MiB), before anything reached the client.
+    rig.upstream.garbage = b'{"pad": "' + b"a" * (5 * 1024 * 1024) + b'"}'
+    resp = await rig.chat(stream=True)
+    assert resp.status_code == 502
+    error = orjson.loads(resp.content)["error"]
+    assert error["message"] == "worker sent a malformed stream (an oversized SSE event)"
+    worker = next(iter(rig.state.registry.pools["p"].workers.values()))
+    assert worker.breaker.failures == 1 and worker.in_flight == 0

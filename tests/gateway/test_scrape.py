@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
@@ -290,3 +291,32 @@ async def test_scrapes_the_emulated_vllm_worker() -> None:
     assert (m.num_gpu_blocks, m.block_size_tokens, m.kv_capacity_tokens) == (1234, 32, 1234 * 32)
     assert m.num_requests_running == 0 and m.num_requests_waiting == 0
     assert m.kv_cache_usage is not None and 0.0 <= m.kv_cache_usage <= 1.0
+
+
+def _calls_to_parse(page: str) -> int:
+    calls = 0
+
+    def count(frame: object, event: str, arg: object) -> None:
+        nonlocal calls
+        if event in ("call", "c_call"):
+            calls += 1
+
+    sys.setprofile(count)
+    try:
+        parse_metrics(page)
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_escapes_cost_no_work_per_escape() -> None:
+    # A hostile worker's page: every line a family the gateway reads, with a long escaped label.
+    # Parsing must not run code per escaped character, or one worker's page under the size limit
+    # keeps the loop busy for a large part of every scrape interval.
+    def page(escapes: int) -> str:
+        label = "\\\\" * escapes + '\\"' * escapes + "\\n" * escapes
+        return f'vllm:num_requests_waiting{{k="{label}"}} 1\n' * 20
+
+    assert _calls_to_parse(page(2000)) == _calls_to_parse(page(2))
+    (s,) = parse_samples('x{k="\\\\\\"\\n\\\\n\\q"} 1', frozenset({"x"}))
+    assert s.labels == {"k": '\\"\n\\nq'}

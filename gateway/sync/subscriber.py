@@ -72,8 +72,9 @@ class SyncSubscriber:
         self._age_floor: dict[str, tuple[float, float]] = {}  # origin -> (smallest age, when)
 
     async def on_message(self, data: bytes, policy_of: Callable[[], RoutingPolicy]) -> None:
-        """Decode and apply one batch, `CHUNK_ITEMS` items at a time with the event loop's other
-        work (requests) in between: a full batch of long chains is many index walks."""
+        """Decode and apply one batch in steps of at most `CHUNK_ITEMS` items and `CHUNK_KEYS`
+        keys, with the event loop's other work (requests) in between: a full batch of long chains
+        is many index walks."""
         try:
             batch = decode(data)
         except MalformedBatch as exc:

@@ -155,18 +155,22 @@ class PeerRouting:
     """One policy's sync bookkeeping: the ref of each of its own dispatches still running (so its
     outcome can name it) and the peers' holdings still waiting for their outcomes.
 
-    Both maps are bounded (oldest first out): an outcome that finds no holding is dropped, and the
-    holding it would have settled expires with its TTL, as a lost message would leave it.
+    Both maps are bounded (oldest first out), the peers' holdings also by their keys in all (what
+    they cost in memory, a peer choosing their length): an outcome that finds no holding is
+    dropped, and the holding it would have settled expires with its TTL, as a lost message would
+    leave it. Invariant: `_peer_keys` is the sum of the remembered holdings' keys.
     """
 
     MAX_PENDING = 65_536
+    MAX_PENDING_KEYS = 1 << 21  # ~16 per pending holding at the count bound: typical chains fit
 
-    __slots__ = ("_next_ref", "_own", "_peer", "counters")
+    __slots__ = ("_next_ref", "_own", "_peer", "_peer_keys", "counters")
 
     def __init__(self) -> None:
         self._next_ref = 0
         self._own: OrderedDict[str, int] = OrderedDict()
         self._peer: OrderedDict[tuple[str, int], PeerHolding] = OrderedDict()
+        self._peer_keys = 0
         self.counters: dict[str, int] = {}
 
     def count(self, name: str) -> None:
@@ -187,18 +191,28 @@ class PeerRouting:
         return self._own.pop(request_id, None)
 
     def remember(self, origin: str, holding: PeerHolding) -> None:
+        self.settle(origin, holding.ref)  # a ref seen again replaces its holding
         peer = self._peer
         peer[(origin, holding.ref)] = holding
-        if len(peer) > self.MAX_PENDING:
-            peer.popitem(last=False)
+        self._peer_keys += len(holding.keys)
+        while len(peer) > self.MAX_PENDING or self._peer_keys > self.MAX_PENDING_KEYS:
+            _, oldest = peer.popitem(last=False)
+            self._peer_keys -= len(oldest.keys)
 
     def settle(self, origin: str, ref: int) -> PeerHolding | None:
         """The holding a peer's outcome settles, if still remembered."""
-        return self._peer.pop((origin, ref), None)
+        held = self._peer.pop((origin, ref), None)
+        if held is not None:
+            self._peer_keys -= len(held.keys)
+        return held
 
     def pending(self) -> tuple[int, int]:
         """(own dispatches awaiting an outcome, peers' holdings awaiting theirs)."""
         return len(self._own), len(self._peer)
+
+    def check_invariants(self) -> None:
+        assert self._peer_keys == sum(len(h.keys) for h in self._peer.values()), "pending keys drifted"
+        assert len(self._peer) <= self.MAX_PENDING and self._peer_keys <= self.MAX_PENDING_KEYS
 
 
 _Slot = tuple[str, WorkerId]
@@ -208,9 +222,13 @@ class PeerLoads:
     """Peers' in-flight snapshots, summed per (pool, worker).
 
     A peer not heard from for `ttl_s` is forgotten with its loads, so a gateway that died or was
-    cut off stops weighing on the workers it used. Invariant (`check_invariants`): `_sums[s]` is
-    the sum over origins of their snapshot at `s`, and holds only slots with load.
+    cut off stops weighing on the workers it used; so is the one heard from least recently when a
+    new peer would make more than `MAX_PEERS` (the bus is open: a name costs nothing to make up).
+    Invariant (`check_invariants`): `_sums[s]` is the sum over origins of their snapshot at `s`,
+    and holds only slots with load.
     """
+
+    MAX_PEERS = 1024
 
     def __init__(self, ttl_s: float = 3.0) -> None:
         if ttl_s <= 0:
@@ -223,9 +241,12 @@ class PeerLoads:
     def note(self, origin: str, loads: Iterable[PeerLoad], now_s: float, *, full: bool) -> set[_Slot]:
         """Apply `origin`'s snapshots: `full` means they are all its load (a slot it leaves out is
         idle), otherwise only the slots listed changed. Returns the slots whose sum changed."""
-        self._heard[origin] = now_s
-        mine = self._by_origin.setdefault(origin, {})
         changed: set[_Slot] = set()
+        heard = self._heard
+        if heard.pop(origin, None) is None and len(heard) >= self.MAX_PEERS:
+            self._forget(next(iter(heard)), changed)  # the one heard from least recently
+        heard[origin] = now_s  # kept in the order last heard
+        mine = self._by_origin.setdefault(origin, {})
         before = dict(mine) if full else mine  # unchanged slots keep their restart times
         if full:
             for slot in list(mine):
@@ -268,11 +289,14 @@ class PeerLoads:
         for origin, heard in list(self._heard.items()):
             if now_s - heard < self.ttl_s:
                 continue
-            del self._heard[origin]
-            mine = self._by_origin.pop(origin, {})
-            for slot in list(mine):
-                self._put(mine, slot, None, changed)
+            self._forget(origin, changed)
         return changed
+
+    def _forget(self, origin: str, changed: set[_Slot]) -> None:
+        del self._heard[origin]
+        mine = self._by_origin.pop(origin, {})
+        for slot in list(mine):
+            self._put(mine, slot, None, changed)
 
     def total(self, pool: str, worker: WorkerId) -> PeerLoad | None:
         """The peers' summed load on `worker` of `pool` (None: none)."""
@@ -313,6 +337,7 @@ class PeerLoads:
                 sums[slot] = _add(sums.get(slot, NO_LOAD), load.counts, 1)
         assert {s: c for s, c in sums.items() if any(c)} == self._sums, "sums drifted from the snapshots"
         assert set(self._by_origin) <= set(self._heard), "load from a peer never heard"
+        assert len(self._heard) <= self.MAX_PEERS, "more peers than the bound"
 
 
 def _add(a: LoadCounts, b: LoadCounts, sign: int) -> LoadCounts:

@@ -24,13 +24,17 @@ Samples are independent of the items' order, so they travel after them.
 Pools, namespaces and workers are indices into the string tables. A namespace is the tenant's
 index namespace (`tenant:<name>`, or the public one), a key a keyed chain hash: nothing in a batch
 is prompt content, and a key cannot be turned back into text without the deployment's secret.
-Anything that does not decode to exactly this shape is `MalformedBatch`.
+Anything that does not decode to exactly this shape is `MalformedBatch`, and so is a batch beyond
+what a gateway publishes: more than `MAX_BATCH_KEYS` keys, or a send time that is not finite or
+further than `MAX_CLOCK_SKEW_S` from the receiver's wall clock (it feeds the lag metric and the
+decision times of `policies.herd`).
 """
 
 from __future__ import annotations
 
 import math
 import struct
+import time
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -44,6 +48,13 @@ WIRE_VERSION = 1
 _HOLDING, _OUTCOME = 0, 1
 _MAX_BYTES = 8 * 1024 * 1024
 _MAX_WAIT_S = 3600.0  # an item's wait in its sender's queue ("a"), beyond any sane one
+# Keys one batch may carry: twice what a publisher puts in one (`PUBLISH_BATCH_KEYS`, the keys a
+# batch under NATS's default 1 MiB `max_payload` could ever hold), so every gateway's batches pass.
+PUBLISH_BATCH_KEYS = 131_072
+MAX_BATCH_KEYS = 2 * PUBLISH_BATCH_KEYS
+# How far a batch's send time may be from the receiver's wall clock, either way: far beyond the
+# skew of hosts that keep time and any wait in the broker, well short of a clock that is broken.
+MAX_CLOCK_SKEW_S = 600.0
 
 
 class MalformedBatch(ValueError):
@@ -132,15 +143,16 @@ def encode(batch: SyncBatch) -> bytes:
     return msgpack.packb(doc, use_bin_type=True)
 
 
-def decode(data: bytes) -> SyncBatch:
-    """Parse one batch; raises `MalformedBatch` for anything else (never another exception)."""
+def decode(data: bytes, now_wall_s: float | None = None) -> SyncBatch:
+    """Parse one batch received at `now_wall_s` (default: now, `time.time()`); raises
+    `MalformedBatch` for anything else (never another exception)."""
     if len(data) > _MAX_BYTES:
         raise MalformedBatch("batch too large")
     try:
         doc = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
         if not isinstance(doc, dict) or doc.get("v") != WIRE_VERSION:
             raise MalformedBatch("not a sync batch of this version")
-        return _parse(doc)
+        return _parse(doc, time.time() if now_wall_s is None else now_wall_s)
     except MalformedBatch:
         raise
     except (ValueError, TypeError, KeyError, IndexError, struct.error, msgpack.UnpackException) as exc:
@@ -181,15 +193,19 @@ def _strings(x: object) -> list[str]:
     return [_str(s) for s in x]
 
 
-def _parse(doc: dict[str, Any]) -> SyncBatch:
+def _parse(doc: dict[str, Any], now_wall_s: float) -> SyncBatch:
+    sent = doc["t"]
+    if isinstance(sent, bool) or not isinstance(sent, float | int) or not isinstance(doc["f"], bool):
+        raise MalformedBatch("bad header")
+    if not abs(float(sent) - now_wall_s) <= MAX_CLOCK_SKEW_S:  # NaN fails too
+        raise MalformedBatch("send time not within the clock skew allowed")
     pools, namespaces, workers = _strings(doc["p"]), _strings(doc["n"]), _strings(doc["w"])
     blob = doc["k"]
     if not isinstance(blob, bytes) or len(blob) % 8:
         raise MalformedBatch("keys must be u64 bytes")
+    if len(blob) > 8 * MAX_BATCH_KEYS:
+        raise MalformedBatch("more keys than any gateway publishes in one batch")
     all_keys = struct.unpack(f"<{len(blob) // 8}Q", blob)
-    sent = doc["t"]
-    if not isinstance(sent, float | int) or not isinstance(doc["f"], bool):
-        raise MalformedBatch("bad header")
     items: list[PeerItem] = []
     at = 0
     for raw in doc["i"]:

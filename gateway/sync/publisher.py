@@ -6,9 +6,9 @@ dispatch of the same chain makes up for). Nothing here awaits; the service's tas
 batches, so a slow or absent broker never holds a request.
 
 A batch is also cut by size: the broker refuses a message over its `max_payload` (1 MiB by
-default on NATS), so items are taken while an upper bound of their encoded size fits. An item
-that alone would not fit (a holding of more than ~130k blocks at the default) is dropped and
-counted as `oversized`.
+default on NATS), so items are taken while an upper bound of their encoded size fits, and while
+their keys stay within `PUBLISH_BATCH_KEYS` (peers refuse a batch of many more). An item that
+alone would not fit (a holding of more than ~130k blocks) is dropped and counted as `oversized`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from gateway.config.sync import SyncConfig
-from gateway.sync.codec import SyncBatch
+from gateway.sync.codec import PUBLISH_BATCH_KEYS, SyncBatch
 from policies.base import WorkerId
 from policies.peer_sync import NO_LOAD, LoadCounts, PeerCalibration, PeerHolding, PeerItem, PeerLoad
 
@@ -41,6 +41,10 @@ def item_bytes(item: PeerItem) -> int:
     if isinstance(item, PeerCalibration):
         return _ITEM_BYTES + len(item.pool)
     return _ITEM_BYTES
+
+
+def item_keys(item: PeerItem) -> int:
+    return len(item.keys) if isinstance(item, PeerHolding) else 0
 
 
 def load_bytes(load: PeerLoad) -> int:
@@ -99,23 +103,26 @@ class SyncPublisher:
     ) -> SyncBatch | None:
         """The next batch: the in-flight loads that changed since they were last sent (all of
         them when a full snapshot is due), then queued items, at most `batch_max_items` and while
-        the batch stays within `max_bytes` encoded. None when there is nothing to send."""
+        the batch stays within `max_bytes` encoded and `PUBLISH_BATCH_KEYS` keys. None when there
+        is nothing to send."""
         full = self.full_load_due(now_s)
         out = self._changed_loads(loads, full)
         budget = max_bytes - _HEAD_BYTES - sum(load_bytes(x) for x in out)
         queue, queued_at = self._queue, self._queued_at
         items: list[PeerItem] = []
         first_queued_s: float | None = None
+        keys_left = PUBLISH_BATCH_KEYS
         while queue and len(items) < self.config.batch_max_items:
-            size = item_bytes(queue[0])
-            if size > budget:
-                if items or size <= max_bytes - _HEAD_BYTES:
+            size, keys = item_bytes(queue[0]), item_keys(queue[0])
+            if size > budget or keys > keys_left:
+                if items or (size <= max_bytes - _HEAD_BYTES and keys <= PUBLISH_BATCH_KEYS):
                     break  # the next batch takes it
                 queue.popleft()  # would not fit in any batch
                 queued_at.popleft()
                 self.oversized += 1
                 continue
             budget -= size
+            keys_left -= keys
             items.append(queue.popleft())
             at_s = queued_at.popleft()
             if first_queued_s is None:

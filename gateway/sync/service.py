@@ -171,6 +171,8 @@ class SyncService:
             "dropped_oversized": self.publisher.oversized,
             "dropped_publish_failed": self.lost_items,
             "dropped_malformed": sub.malformed,
+            "dropped_unknown_worker": sub.unknown_worker,
+            "truncated_holdings": sub.truncated,
             "dropped_slow_consumer": self.link.slow_consumer,
             "lost_batches": sub.lost_batches,
             "apply_failed": sub.failed,

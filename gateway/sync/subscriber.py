@@ -4,6 +4,12 @@ Batches from this gateway itself are ignored (the broker is also told not to ech
 that does not decode is counted and dropped; a gap in a peer's sequence numbers counts the batches
 lost on the way. Applying never raises into the transport: whatever goes wrong, the gateway keeps
 routing on what it knows.
+
+The bus is open to anyone who reaches the broker, so what one batch can cost is bounded here:
+holdings and loads of a pool or worker this gateway's registry does not have are dropped and
+counted (they would only be state kept for nothing), a holding applies at most its first
+`MAX_HOLDING_KEYS` keys, and a batch is applied in steps of at most `CHUNK_ITEMS` items and
+`CHUNK_KEYS` keys, with requests served in between.
 """
 
 from __future__ import annotations
@@ -11,18 +17,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 
 from gateway.metrics import GatewayMetrics
 from gateway.registry import Registry
 from gateway.sync.codec import MalformedBatch, SyncBatch, decode
 from policies.base import RoutingPolicy, WorkerId
-from policies.peer_sync import PeerCalibration, PeerItem, PeerLoads, SupportsPeerSync
+from policies.peer_sync import PeerCalibration, PeerHolding, PeerItem, PeerLoads, SupportsPeerSync
 
 log = logging.getLogger("kvgate.sync")
 
 CHUNK_ITEMS = 32
+# Keys one step applies (one holding alone may take a step of up to MAX_HOLDING_KEYS): an index
+# walk costs a few microseconds a key, so a step stays within tens of milliseconds.
+CHUNK_KEYS = 4096
+# The longest chain a peer's holding is applied for: 256k tokens at 16-token blocks. Its first
+# keys are the prefix any later request shares; the rest comes from KV events or own dispatches.
+MAX_HOLDING_KEYS = 16_384
 
 
 @dataclass(slots=True)
@@ -34,6 +46,8 @@ class ApplyStats:
     malformed: int = 0
     lost_batches: int = 0
     failed: int = 0
+    unknown_worker: int = 0  # holdings, samples and load rows of a pool or worker not in the registry
+    truncated: int = 0  # holdings cut to MAX_HOLDING_KEYS
 
 
 class SyncSubscriber:
@@ -58,8 +72,9 @@ class SyncSubscriber:
         self._age_floor: dict[str, tuple[float, float]] = {}  # origin -> (smallest age, when)
 
     async def on_message(self, data: bytes, policy_of: Callable[[], RoutingPolicy]) -> None:
-        """Decode and apply one batch, `CHUNK_ITEMS` items at a time with the event loop's other
-        work (requests) in between: a full batch of long chains is many index walks."""
+        """Decode and apply one batch in steps of at most `CHUNK_ITEMS` items and `CHUNK_KEYS`
+        keys, with the event loop's other work (requests) in between: a full batch of long chains
+        is many index walks."""
         try:
             batch = decode(data)
         except MalformedBatch as exc:
@@ -71,18 +86,11 @@ class SyncSubscriber:
         try:
             now_s = time.monotonic()
             self.note(batch.origin, policy_of(), now_s)
-            items = batch.items
             decided_s = self.decided_s(batch, now_s)
-            for start in range(0, len(items), CHUNK_ITEMS):
-                if start:
+            for k, chunk in enumerate(_chunks(self.known_items(batch.items))):
+                if k:
                     await asyncio.sleep(0)
-                self.apply_items(
-                    batch.origin,
-                    items[start : start + CHUNK_ITEMS],
-                    policy_of(),
-                    time.monotonic(),
-                    decided_s=decided_s,
-                )
+                self.apply_items(batch.origin, chunk, policy_of(), time.monotonic(), decided_s=decided_s)
             self.finish(batch, time.monotonic())
         except Exception:  # a bug here must not end the subscription
             self.stats.failed += 1
@@ -91,8 +99,32 @@ class SyncSubscriber:
     def apply(self, batch: SyncBatch, policy: RoutingPolicy, now_s: float) -> None:
         """Apply a whole batch at once."""
         self.note(batch.origin, policy, now_s)
-        self.apply_items(batch.origin, batch.items, policy, now_s, decided_s=self.decided_s(batch, now_s))
+        items = self.known_items(batch.items)
+        self.apply_items(batch.origin, items, policy, now_s, decided_s=self.decided_s(batch, now_s))
         self.finish(batch, now_s)
+
+    def known(self, pool_name: str, worker_id: WorkerId | None = None) -> bool:
+        """Whether this gateway's registry has `pool_name` (and `worker_id` in it)."""
+        pool = self.registry.pools.get(pool_name)
+        return pool is not None and (worker_id is None or worker_id in pool.workers)
+
+    def known_items(self, items: Sequence[PeerItem]) -> list[PeerItem]:
+        """`items` less those of pools or workers this gateway does not route to (counted), with
+        every holding cut to its first `MAX_HOLDING_KEYS` keys."""
+        kept: list[PeerItem] = []
+        for item in items:
+            if isinstance(item, PeerHolding):
+                if not self.known(item.pool, item.worker):
+                    self.stats.unknown_worker += 1
+                    continue
+                if len(item.keys) > MAX_HOLDING_KEYS:
+                    item = replace(item, keys=item.keys[:MAX_HOLDING_KEYS])
+                    self.stats.truncated += 1
+            elif isinstance(item, PeerCalibration) and not self.known(item.pool):
+                self.stats.unknown_worker += 1
+                continue
+            kept.append(item)
+        return kept
 
     # How fast an origin's smallest batch age may rise again (s per s): far faster than clocks drift
     # apart, so that a step of either clock is forgotten within a minute or two.
@@ -149,7 +181,9 @@ class SyncSubscriber:
         stats.batches += 1
         # Wall clocks: across hosts this includes their skew (same host: the true lag).
         self._lag.observe(max(0.0, time.time() - batch.sent_wall_s))
-        for pool, worker in self.loads.note(batch.origin, batch.loads, now_s, full=batch.full_load):
+        loads = [x for x in batch.loads if self.known(x.pool, x.worker)]
+        stats.unknown_worker += len(batch.loads) - len(loads)
+        for pool, worker in self.loads.note(batch.origin, loads, now_s, full=batch.full_load):
             self._refresh(pool, worker)
 
     def expire(self, now_s: float) -> None:
@@ -166,3 +200,17 @@ class SyncSubscriber:
         worker = None if pool is None else pool.workers.get(worker_id)
         if worker is not None:
             worker.note_peer_load(self.loads.total(pool_name, worker_id))
+
+
+def _chunks(items: Sequence[PeerItem]) -> Iterator[Sequence[PeerItem]]:
+    """`items` in steps of at most `CHUNK_ITEMS` items and `CHUNK_KEYS` keys (a longer holding is
+    a step of its own)."""
+    start, keys = 0, 0
+    for end, item in enumerate(items):
+        n = len(item.keys) if isinstance(item, PeerHolding) else 0
+        if end > start and (end - start >= CHUNK_ITEMS or keys + n > CHUNK_KEYS):
+            yield items[start:end]
+            start, keys = end, 0
+        keys += n
+    if start < len(items):
+        yield items[start:]

@@ -27,6 +27,7 @@ from policies.peer_sync import (
     PeerLoad,
     PeerLoads,
     PeerOutcome,
+    PeerRouting,
     SupportsPeerSync,
     with_peer_load,
 )
@@ -234,6 +235,33 @@ def test_peer_loads_sum_snapshots_and_forget_a_silent_peer() -> None:
     assert loads.expire(5.2) == set() and loads.peers() == 1  # a heard at 2.0: gone; b at 2.5: kept
     assert loads.expire(5.6) == {("p", W1)} and not loads.any and loads.peers() == 0
     loads.check_invariants()
+
+
+def test_peer_loads_keep_at_most_max_peers_forgetting_the_one_heard_from_least_recently(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(PeerLoads, "MAX_PEERS", 3)
+    loads = PeerLoads(ttl_s=60.0)
+    for k, origin in enumerate("abc"):
+        loads.note(origin, [PeerLoad("p", W0, 1, 10, 1)], float(k), full=False)
+    loads.note("a", [], 3.0, full=False)  # heard again: "b" is now the oldest
+    assert loads.note("d", [PeerLoad("p", W1, 1, 0, 0)], 4.0, full=False) == {("p", W0), ("p", W1)}
+    assert loads.peers() == 3 and not loads.heard_from("b") and loads.heard_from("a")
+    assert loads.total("p", W0) == PeerLoad("p", W0, 2, 20, 2)  # b's share went with it
+    loads.check_invariants()
+
+
+def test_peers_holdings_awaiting_outcomes_are_bounded_by_their_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(PeerRouting, "MAX_PENDING_KEYS", 100)
+    peers = PeerRouting()
+    for ref in range(1, 5):
+        peers.remember("a", PeerHolding(ref, "p", BS, "t", req(f"r{ref}", range(30)).block_keys, W0, 30, 0))
+        peers.check_invariants()
+    assert peers.pending() == (0, 3) and peers.settle("a", 1) is None  # the oldest went first
+    assert peers.settle("a", 4) is not None
+    peers.remember("a", PeerHolding(9, "p", BS, "t", req("big", range(101)).block_keys, W0, 101, 0))
+    assert peers.pending() == (0, 0)  # alone beyond the bound: not kept
+    peers.check_invariants()
 
 
 _FIELDS = ("requests", "prefill_tokens", "decode_tokens")

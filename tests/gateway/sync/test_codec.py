@@ -9,7 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.sync.codec import MalformedBatch, SyncBatch, decode, encode
+from gateway.sync.codec import (
+    MAX_BATCH_KEYS,
+    MAX_CLOCK_SKEW_S,
+    PUBLISH_BATCH_KEYS,
+    MalformedBatch,
+    SyncBatch,
+    decode,
+    encode,
+)
 from policies.base import WorkerId
 from policies.peer_sync import PeerCalibration, PeerHolding, PeerItem, PeerLoad, PeerOutcome
 from prompt_normalizer.types import BlockKey
@@ -71,7 +79,7 @@ def test_a_batch_survives_the_wire(
 ) -> None:
     # Calibration samples travel after the holdings and outcomes (their order is immaterial).
     batch = SyncBatch(origin, seq, sent, full, (*items, *samples), tuple(loads), waited)
-    assert decode(encode(batch)) == batch
+    assert decode(encode(batch), now_wall_s=sent) == batch
 
 
 def test_calibration_samples_are_an_optional_field_of_version_1() -> None:
@@ -82,7 +90,7 @@ def test_calibration_samples_are_an_optional_field_of_version_1() -> None:
     # An earlier release's reader takes the fields it knows and leaves "c" alone...
     del doc["c"]
     # ...and a batch without it (an earlier release's writer) carries no samples.
-    assert decode(msgpack.packb(doc, use_bin_type=True)).items == (PeerOutcome(3, True),)
+    assert decode(msgpack.packb(doc, use_bin_type=True), now_wall_s=0.0).items == (PeerOutcome(3, True),)
     assert "c" not in msgpack.unpackb(encode(SyncBatch("gw-a", 2, 0.0, False)), raw=False)
 
 
@@ -93,7 +101,7 @@ def test_decode_contexts_are_an_optional_field_of_version_1() -> None:
     # An earlier release's reader leaves "x" alone; a batch without it (an earlier release's
     # writer) has loads whose decode context is not counted.
     del doc["x"]
-    got = decode(msgpack.packb(doc, use_bin_type=True)).loads
+    got = decode(msgpack.packb(doc, use_bin_type=True), now_wall_s=0.0).loads
     assert [x.decode_context_tokens for x in got] == [0, 0] and got[0].decode_tokens == 64
     bare = SyncBatch("gw-a", 2, 0.0, True, (), (PeerLoad("p", WorkerId("w0"), 1, 10, 8),))
     assert "x" not in msgpack.unpackb(encode(bare), raw=False)
@@ -106,9 +114,9 @@ def test_prefill_pairs_are_an_optional_field_of_version_1() -> None:
     )
     doc = msgpack.unpackb(encode(SyncBatch("gw-a", 1, 0.0, True, (), loads)), raw=False)
     assert doc["y"] == [40_500_000, 0] and "x" not in doc
-    assert decode(msgpack.packb(doc, use_bin_type=True)).loads == loads
+    assert decode(msgpack.packb(doc, use_bin_type=True), now_wall_s=0.0).loads == loads
     del doc["y"]  # an earlier release's writer: its loads' attention is not counted
-    got = decode(msgpack.packb(doc, use_bin_type=True)).loads
+    got = decode(msgpack.packb(doc, use_bin_type=True), now_wall_s=0.0).loads
     assert [x.prefill_pairs for x in got] == [0, 0] and got[0].prefill_tokens == 9000
 
 
@@ -116,7 +124,7 @@ def test_the_first_items_wait_is_an_optional_field_of_version_1() -> None:
     doc = msgpack.unpackb(encode(SyncBatch("gw-a", 1, 0.0, False, (PeerOutcome(3, True),), (), 0.004)))
     assert doc["a"] == 0.004
     del doc["a"]  # an earlier release's writer: no wait said
-    assert decode(msgpack.packb(doc, use_bin_type=True)).waited_s == 0.0
+    assert decode(msgpack.packb(doc, use_bin_type=True), now_wall_s=0.0).waited_s == 0.0
     assert "a" not in msgpack.unpackb(encode(SyncBatch("gw-a", 2, 0.0, False)), raw=False)
 
 
@@ -187,8 +195,41 @@ def _doc(**over: object) -> bytes:
     ],
 )
 def test_anything_else_is_a_malformed_batch(data: bytes) -> None:
+    assert decode(_doc(), now_wall_s=0.0).loads  # each case differs from a good batch by what it says
     with pytest.raises(MalformedBatch):
-        decode(data)
+        decode(data, now_wall_s=0.0)
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [
+        float("inf"),
+        float("-inf"),
+        float("nan"),
+        1e308,
+        -1e308,
+        1.0 + MAX_CLOCK_SKEW_S + 1.0,
+        -MAX_CLOCK_SKEW_S - 1.0,
+    ],
+)
+def test_a_send_time_not_finite_or_far_from_the_receivers_clock_is_malformed(sent: float) -> None:
+    # It would feed the lag histogram (an infinite sum, forever) and the peer's decision times.
+    with pytest.raises(MalformedBatch):
+        decode(_doc(t=sent), now_wall_s=1.0)
+    with pytest.raises(MalformedBatch):
+        decode(_doc(t=True), now_wall_s=1.0)
+    for skew in (-MAX_CLOCK_SKEW_S, MAX_CLOCK_SKEW_S):  # hosts whose clocks differ, within the bound
+        assert decode(_doc(t=1.0 + skew), now_wall_s=1.0).sent_wall_s == 1.0 + skew
+
+
+def test_a_batch_of_more_keys_than_any_gateway_publishes_is_malformed() -> None:
+    def holding(n: int) -> bytes:
+        return _doc(i=[[0, 1, 0, 16, 0, 0, n, n * 16, 0]], k=b"\x01" * 8 * n)
+
+    assert len(decode(holding(MAX_BATCH_KEYS), now_wall_s=0.0).items[0].keys) == MAX_BATCH_KEYS  # type: ignore[union-attr]
+    with pytest.raises(MalformedBatch):
+        decode(holding(MAX_BATCH_KEYS + 1), now_wall_s=0.0)
+    assert MAX_BATCH_KEYS >= 2 * PUBLISH_BATCH_KEYS  # room above what a publisher sends
 
 
 @settings(max_examples=200, deadline=None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Sequence
 
 import msgpack
 import pytest
@@ -13,12 +14,13 @@ from gateway.config.pool import PoolConfig
 from gateway.config.sync import SyncConfig
 from gateway.metrics import GatewayMetrics
 from gateway.registry import Registry
-from gateway.sync.codec import SyncBatch, encode
+from gateway.sync.codec import PUBLISH_BATCH_KEYS, SyncBatch, decode, encode
 from gateway.sync.publisher import SyncPublisher, load_bytes
-from gateway.sync.subscriber import SyncSubscriber
+from gateway.sync.subscriber import CHUNK_KEYS, MAX_HOLDING_KEYS, SyncSubscriber
 from policies.base import RouteDecision, WorkerId
 from policies.cost_policy import CostPolicy
-from policies.peer_sync import PeerCalibration, PeerHolding, PeerLoad, PeerOutcome
+from policies.peer_sync import PeerCalibration, PeerHolding, PeerItem, PeerLoad, PeerOutcome
+from prompt_normalizer.types import BlockKey
 from tests.policies.factories import BS, req
 
 W0, W1 = "http://127.0.0.1:9001", "http://127.0.0.1:9002"
@@ -93,7 +95,7 @@ async def test_a_peer_batch_reaches_the_policy_and_the_registry_views() -> None:
     r = req("r", range(256), pool="p")
     holding = PeerHolding(1, "p", BS, "t", r.block_keys, WorkerId(W1), r.n_prompt_tokens, 0)
     load = PeerLoad("p", WorkerId(W1), 3, 500, 20, 4096)
-    batch = SyncBatch("peer", 1, 0.0, True, (holding, PeerOutcome(1, True)), (load,))
+    batch = SyncBatch("peer", 1, time.time(), True, (holding, PeerOutcome(1, True)), (load,))
     await sub.on_message(encode(batch), lambda: policy)
     pool = registry.pools["p"]
     view = pool.workers[WorkerId(W1)].view(10.0)
@@ -115,13 +117,13 @@ async def test_a_peer_batch_reaches_the_policy_and_the_registry_views() -> None:
 async def test_own_batches_bad_bytes_and_gaps() -> None:
     sub, _ = _subscriber()
     policy = CostPolicy(seed=0)
-    await sub.on_message(encode(SyncBatch("me", 1, 0.0, True, (_holding(1),))), lambda: policy)
+    await sub.on_message(encode(SyncBatch("me", 1, time.time(), True, (_holding(1),))), lambda: policy)
     assert sub.stats.batches == 0 and "peer_holdings_applied" not in policy.stats().counters
     await sub.on_message(b"\x93garbage", lambda: policy)
     await sub.on_message(msgpack.packb({"v": 1}), lambda: policy)
     assert sub.stats.malformed == 2
     for seq in (1, 2, 6, 5):
-        await sub.on_message(encode(SyncBatch("peer", seq, 0.0, False)), lambda: policy)
+        await sub.on_message(encode(SyncBatch("peer", seq, time.time(), False)), lambda: policy)
     assert sub.stats.lost_batches == 3 and sub.stats.batches == 4
 
 
@@ -151,7 +153,7 @@ async def test_a_large_batch_is_applied_in_chunks_with_the_loop_free_in_between(
     task = asyncio.create_task(other_work())
     await asyncio.sleep(0)
     before = ticks
-    await sub.on_message(encode(SyncBatch("peer", 1, 0.0, False, holdings)), lambda: policy)
+    await sub.on_message(encode(SyncBatch("peer", 1, time.time(), False, holdings)), lambda: policy)
     task.cancel()
     assert sub.stats.items == 99 and policy.stats().counters["peer_holdings_applied"] == 99
     assert ticks - before >= 3  # 99 items in chunks of 32: the other task ran between them
@@ -184,7 +186,7 @@ def test_batches_are_cut_to_the_brokers_largest_message_and_an_item_too_large_fo
 async def test_calibration_samples_are_applied_only_with_share_calibration() -> None:
     sample = PeerCalibration("p", BS, 4000, 1000, 2.0)
     registry = Registry([PoolConfig(name="p", models=["m"], workers=[W0])])
-    batch = encode(SyncBatch("peer", 1, 0.0, False, (sample,)))
+    batch = encode(SyncBatch("peer", 1, time.time(), False, (sample,)))
     for share, applied in ((True, 1), (False, 0)):
         policy = CostPolicy(seed=0)
         sub = SyncSubscriber("me", registry, 2.0, GatewayMetrics(), share_calibration=share)
@@ -249,3 +251,73 @@ def test_a_peer_item_that_waited_in_its_batch_counts_from_when_it_came() -> None
     fresh = sub.decided_s(SyncBatch("peer", 2, time.time(), True), now)
     waited = sub.decided_s(SyncBatch("peer", 3, time.time(), True, (_holding(1),), (), 0.5), now)
     assert fresh - waited == pytest.approx(0.5, abs=0.01)
+
+
+async def test_holdings_and_loads_of_workers_this_gateway_does_not_have_leave_nothing_and_are_counted() -> (
+    None
+):
+    sub, registry = _subscriber()
+    policy = CostPolicy(seed=0)
+    made_up = WorkerId("w-made-up")
+    r = req("r", range(64), pool="p")
+    items = (
+        PeerHolding(1, "p", BS, "t", r.block_keys, made_up, r.n_prompt_tokens, 0),  # pool known, worker not
+        PeerHolding(2, "q", BS, "t", r.block_keys, WorkerId(W0), r.n_prompt_tokens, 0),  # pool unknown
+        PeerCalibration("q", BS, 4000, 1000, 2.0),
+    )
+    fakes = tuple(PeerLoad("p", WorkerId(f"w{i}"), 1, 1, 1) for i in range(500))
+    real = PeerLoad("p", WorkerId(W1), 2, 100, 8)
+    batch = SyncBatch(
+        "peer", 1, time.time(), False, items, (*fakes, PeerLoad("q", WorkerId(W0), 1, 1, 1), real)
+    )
+    sub.share_calibration = True
+    await sub.on_message(encode(batch), lambda: policy)
+    assert sub.stats.unknown_worker == 3 + 501 and sub.stats.items == 0
+    counters = policy.stats().counters
+    assert "peer_holdings_applied" not in counters and "peer_calibration_applied" not in counters
+    assert policy._pools.existing("q") is None and policy._peers.pending() == (0, 0)
+    assert sub.loads.total("p", made_up) is None and sub.loads.total("p", WorkerId("w7")) is None
+    assert sub.loads.total("p", WorkerId(W1)) == real  # what is known still applies
+    assert registry.pools["p"].workers[WorkerId(W1)].view(10.0).in_flight_requests == 2
+    sub.loads.check_invariants()
+
+
+async def test_a_long_holding_is_cut_and_a_batch_is_applied_in_steps_bounded_by_keys(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sub, _ = _subscriber()
+    policy = CostPolicy(seed=0)
+    steps: list[int] = []
+    apply_items = sub.apply_items
+
+    def counted(origin: str, items: Sequence[PeerItem], *args: object, **kw: float | None) -> None:
+        steps.append(sum(len(x.keys) for x in items if isinstance(x, PeerHolding)))
+        apply_items(origin, items, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sub, "apply_items", counted)
+    long = _long_holding(1, MAX_HOLDING_KEYS + 5000)
+    medium = tuple(_long_holding(ref, 1500) for ref in range(2, 12))  # 15,000 keys in all
+    await sub.on_message(encode(SyncBatch("peer", 1, time.time(), False, (long, *medium))), lambda: policy)
+    assert steps[0] == MAX_HOLDING_KEYS and all(n <= CHUNK_KEYS for n in steps[1:])
+    assert sum(steps) == MAX_HOLDING_KEYS + 15_000 and len(steps) >= 1 + 15_000 // CHUNK_KEYS
+    assert sub.stats.truncated == 1 and policy.stats().counters["peer_holdings_applied"] == 11
+    # The cut holding is what its outcome settles.
+    await sub.on_message(
+        encode(SyncBatch("peer", 2, time.time(), False, (PeerOutcome(1, True),))), lambda: policy
+    )
+    assert policy.stats().counters["peer_outcomes_applied"] == 1
+
+
+def test_a_batch_never_carries_more_keys_than_peers_accept() -> None:
+    pub = SyncPublisher("me", SyncConfig(batch_max_items=1000))
+    per_holding = PUBLISH_BATCH_KEYS // 3 + 1  # three do not fit in one batch
+    keys = tuple(BlockKey(k) for k in range(per_holding))
+    for ref in range(1, 4):
+        pub.sink(PeerHolding(ref, "p", BS, "t", keys, WorkerId(W0), 16 * per_holding, 0), 0.0)
+    batches = [pub.next_batch([], 0.0, 64 << 20) for _ in range(2)]
+    assert [[i.keys[-1] for i in b.items if isinstance(i, PeerHolding)] for b in batches if b] == [
+        [keys[-1]] * 2,
+        [keys[-1]],
+    ]
+    assert [len(b.items) for b in batches if b] == [2, 1]
+    assert all(len(decode(encode(b)).items) for b in batches if b)

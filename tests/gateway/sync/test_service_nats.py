@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
+import nats
 import pytest
 
 from gateway.config import parse_config
@@ -16,9 +18,11 @@ from gateway.config.pool import PoolConfig
 from gateway.config.sync import SyncConfig
 from gateway.state import GatewayState, build_state
 from gateway.sync.broker import LocalBroker, nats_server_path
+from gateway.sync.codec import SyncBatch, encode
 from gateway.sync.service import SyncService
 from policies.base import Observation, RouteDecision, WorkerId
 from policies.cost_policy import CostPolicy
+from policies.peer_sync import PeerHolding, PeerLoad
 from prompt_normalizer.normalizer import NormalizerConfig
 from tests.e2e.harness import free_port, tenant
 from tests.policies.factories import req
@@ -166,3 +170,38 @@ async def test_without_the_broker_both_keep_routing_and_resume_when_it_returns(
     await wait_until(lambda: a.link.connected and b.link.connected, timeout_s=20)
     await wait_until(lambda: b.subscriber.stats.items >= before + 5, timeout_s=10)
     assert a.publisher.queued == 0
+
+
+async def test_a_third_party_on_the_bus_costs_nothing_lasting(pair: tuple[SyncService, SyncService]) -> None:
+    # Anyone reaching the broker can publish. Batches that look valid but name workers B does not
+    # have, or a send time that is not a time, leave B as it was, counted; A's batches still apply.
+    a, b = pair
+    fakes = tuple(PeerLoad("p", WorkerId(f"w{i}"), 1, 1, 1) for i in range(2000))
+    keys = req("fake", range(64), pool="p").block_keys
+    holding = PeerHolding(1, "p", 16, "tenant:t", keys, WorkerId("w-made-up"), 1024, 0)
+    hostile = [
+        SyncBatch("evil:1", 1, time.time(), False, (holding,), fakes),
+        SyncBatch("evil:2", 1, float("inf"), True),
+        SyncBatch("evil:3", 1, float("nan"), True),
+        SyncBatch("evil:4", 1, time.time() + 3600, True),
+    ]
+    nc = await nats.connect(b.link.urls[0])
+    try:
+        for batch in hostile:
+            await nc.publish(b.link.subject, encode(batch))
+        await nc.flush()
+    finally:
+        await nc.close()
+    await wait_until(lambda: b.subscriber.stats.malformed == 3 and b.subscriber.stats.unknown_worker == 2001)
+    policy_b = b.routing.policy
+    assert isinstance(policy_b, CostPolicy)
+    assert not b.subscriber.loads.any and "peer_holdings_applied" not in policy_b.stats().counters
+    r = req("r1", range(64), pool="p")
+    a.routing.policy.on_dispatch(r, RouteDecision(WorkerId(W[3]), 0.0, "miss"), time.monotonic())
+    await wait_until(lambda: policy_b.stats().counters.get("peer_holdings_applied", 0) == 1)
+    b.refresh_metrics()
+    text = b.routing.metrics.render().decode()
+    assert 'kvgate_sync_events_total{event="dropped_unknown_worker"} 2001.0' in text
+    assert 'kvgate_sync_events_total{event="dropped_malformed"} 3.0' in text
+    lag_sum = next(line for line in text.splitlines() if line.startswith("kvgate_sync_lag_seconds_sum"))
+    assert math.isfinite(float(lag_sum.split()[-1]))

@@ -4,9 +4,9 @@ Validation errors name the offending field (`pools.chat.cost_model.step_s: ...`)
 building are separate so a hot reload can build the new policy completely before swapping it in;
 any failure is a `PolicyConfigError` and the caller keeps the running policy.
 
-YAML anchors and aliases are refused (`load_yaml_without_aliases`): an alias makes the document
-larger than the file, so without them the 1 MiB file-size limit also bounds what validation
-builds. A policy file has no need for them; repeat the values instead.
+Operator files are read with `load_operator_yaml`: anchors and aliases may share values, but the
+document they expand to is bounded (`MAX_YAML_NODES`), so the 1 MiB file-size limit also bounds
+what validation builds: without the bound, an alias repeats a value without repeating its bytes.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from yaml.events import AliasEvent, NodeEvent
-from yaml.nodes import Node
+from yaml.nodes import MappingNode, Node, SequenceNode
 
 from policies.base import Isolation, RoutingPolicy
 from policies.cost_model import PROFILES, CostModelParams, profile
@@ -214,36 +213,62 @@ class PolicyConfig(_Strict):
         )
 
 
-class YamlAliasError(yaml.YAMLError):
-    """A YAML anchor (`&name`) or alias (`*name`) in an operator file, with where it is."""
-
-    def __init__(self, event: NodeEvent) -> None:
-        sigil, kind = ("*", "alias") if isinstance(event, AliasEvent) else ("&", "anchor")
-        mark = event.start_mark
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-        super().__init__(
-            f"{where}YAML {kind} {sigil}{event.anchor} is not allowed (anchors and aliases can expand "
-            "a small file into a huge document; write the values out)"
-        )
+# Nodes a document may expand to, aliases counted at every use: about twice what a 1 MiB file
+# can hold written out (a flow list of one-digit numbers, two bytes a node).
+MAX_YAML_NODES = 1_000_000
 
 
-class _NoAliasLoader(yaml.SafeLoader):
-    """`yaml.SafeLoader` that refuses anchors and aliases as soon as the parser meets one.
-
-    The check sits before composition, so an alias bomb is refused at its first anchor, having
-    built nothing.
-    """
-
-    def compose_node(self, parent: Node | None, index: int) -> Node | None:
-        event: object = self.peek_event()  # type: ignore[no-untyped-call]
-        if isinstance(event, NodeEvent) and event.anchor is not None:
-            raise YamlAliasError(event)
-        return super().compose_node(parent, index)
+class YamlTooLarge(yaml.YAMLError):
+    """A YAML document whose aliases expand it past `MAX_YAML_NODES`, or refer to themselves."""
 
 
-def load_yaml_without_aliases(text: str) -> Any:
-    """`yaml.safe_load` for operator files, refusing anchors and aliases with `YamlAliasError`."""
-    loader = _NoAliasLoader(text)
+class _BoundedLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that measures the composed document, aliases expanded, before building
+    anything from it: a few kilobytes of nested aliases could otherwise build gigabytes."""
+
+    def get_single_node(self) -> Node | None:
+        node: Node | None = super().get_single_node()
+        if node is not None:
+            _expanded_size(node, MAX_YAML_NODES)
+        return node
+
+
+def _expanded_size(root: Node, limit: int) -> int:
+    """The nodes `root` stands for with every alias expanded where it is used; `YamlTooLarge`
+    past `limit` or on an alias inside the value it names. Each node is measured once (a shared
+    node's size is remembered), so this costs the composed graph's size, not the expansion's."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+
+    def size(node: Node) -> int:
+        key = id(node)
+        known = sizes.get(key)
+        if known is not None:
+            return known
+        if key in open_nodes:
+            raise YamlTooLarge("a YAML alias refers to the value that contains it")
+        open_nodes.add(key)
+        total = 1
+        if isinstance(node, SequenceNode):
+            total += sum(size(item) for item in node.value)
+        elif isinstance(node, MappingNode):
+            total += sum(size(k) + size(v) for k, v in node.value)
+        if total > limit:
+            raise YamlTooLarge(
+                f"the YAML document expands to more than {limit:,} values through its aliases; "
+                "write shared values out or share fewer"
+            )
+        open_nodes.discard(key)
+        sizes[key] = total
+        return total
+
+    return size(root)
+
+
+def load_operator_yaml(text: str) -> Any:
+    """`yaml.safe_load` for operator files, with the document's expanded size bounded
+    (`YamlTooLarge`)."""
+    loader = _BoundedLoader(text)
     try:
         return loader.get_single_data()
     finally:
@@ -259,8 +284,8 @@ def _format(exc: ValidationError) -> str:
 def parse_policy_yaml(text: str) -> PolicyConfig:
     """Parse and validate a policy file; any problem is a `PolicyConfigError` naming the field."""
     try:
-        raw = load_yaml_without_aliases(text)
-    except YamlAliasError as exc:
+        raw = load_operator_yaml(text)
+    except YamlTooLarge as exc:
         raise PolicyConfigError(f"policy file: {exc}") from None
     except yaml.YAMLError as exc:
         raise PolicyConfigError(f"policy file is not valid YAML: {exc}") from None

@@ -21,7 +21,7 @@ from gateway.config.pool import PoolConfig
 from gateway.config.sync import SyncConfig
 from gateway.otel_sdk import tracing_unavailable
 from policies.base import Isolation
-from policies.config import YamlAliasError, load_yaml_without_aliases
+from policies.config import YamlTooLarge, load_operator_yaml
 
 
 class ListenConfig(Frozen):
@@ -257,8 +257,8 @@ def load_config(path: str | Path) -> GatewayConfig:
     except OSError as exc:
         raise ConfigError(f"cannot read config file {str(p)!r}: {exc.strerror}") from None
     try:
-        raw = load_yaml_without_aliases(text) or {}
-    except YamlAliasError as exc:
+        raw = load_operator_yaml(text) or {}
+    except YamlTooLarge as exc:
         raise ConfigError(f"config file {str(p)!r}: {exc}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None

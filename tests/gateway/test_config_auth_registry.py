@@ -90,12 +90,20 @@ def test_secret_comes_from_env_or_file_never_yaml(tmp_path: Path) -> None:
     assert loaded.policy_file == str(tmp_path / "p.yaml")
 
 
-def test_config_file_refuses_yaml_aliases(tmp_path: Path) -> None:
+def test_config_file_bounds_what_its_yaml_aliases_expand_to(tmp_path: Path) -> None:
     path = tmp_path / "gw.yaml"
     text = yaml.safe_dump(_minimal())
-    path.write_text(text + "x: &t 1\ny: *t\n")
-    lines = text.count("\n")
-    with pytest.raises(ConfigError, match=rf"line {lines + 1}, column 4: YAML anchor &t is not allowed"):
+    # Sharing a value is fine (a mapping reused by two pools, as yaml.safe_dump writes it) ...
+    config = _minimal()
+    config["pools"] = [config["pools"][0], {**config["pools"][0], "name": "p2", "models": ["m2"]}]
+    health = {"interval_s": 2.0}
+    config["pools"][0]["health"] = config["pools"][1]["health"] = health
+    path.write_text(yaml.safe_dump(config))
+    assert "&id001" in path.read_text()
+    assert [p.health.interval_s for p in load_config(path).pools] == [2.0, 2.0]
+    bomb = "".join(f"b{i}: &b{i} [{', '.join([f'*b{i - 1}'] * 10)}]\n" for i in range(1, 8))
+    path.write_text(text + "b0: &b0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]\n" + bomb)  # ... 10^8 values is not
+    with pytest.raises(ConfigError, match="expands to more than 1,000,000 values"):
         load_config(path)
 
 

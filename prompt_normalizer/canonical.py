@@ -164,29 +164,49 @@ def _media(messages: list[dict[str, Any]], key: bytes) -> list[MediaItem]:
     return items
 
 
+# Fields a request's drift record names one by one; the rest of a longer request is one item.
+MAX_FIELD_ITEMS = 1024
+
+
 def field_items(chat: CanonicalChat, key: bytes) -> tuple[FieldItem, ...]:
     """Every request field of `chat` in model-input order, as keyed digests (drift diagnostics only,
-    so computed only for requests that have a session)."""
+    so computed only for requests that have a session). Past `MAX_FIELD_ITEMS` fields, what is
+    left is one item (`messages[i:]` or `tools[j:]`, with everything after it): a request of
+    200,000 messages costs one digest of its tail, not 400,000, and its session's record stays
+    small; a drift there is named by where the tail starts."""
 
     def digest(value: Any) -> bytes:
         # Key order counts: with canonical_json off it reaches the model input.
         return keyed_digest(key, orjson.dumps(value))
 
     msgs, n_imm, volatile_index = chat.messages, chat.n_immutable, chat.volatile_index
+    tools: list[Any] = list(chat.tools or ())
     tools_zone = Zone.IMMUTABLE if chat.tools_immutable else Zone.APPEND_ONLY
     items = [FieldItem("template", Zone.IMMUTABLE, digest(chat.template))]
 
-    def add_message(i: int) -> None:
-        zone = Zone.IMMUTABLE if i < n_imm else Zone.VOLATILE if i == volatile_index else Zone.APPEND_ONLY
-        for name in ("role", *sorted(k for k in msgs[i] if k != "role")):
-            items.append(FieldItem(f"messages[{i}].{name}", zone, digest(msgs[i][name])))
+    def zone_of(i: int) -> Zone:
+        return Zone.IMMUTABLE if i < n_imm else Zone.VOLATILE if i == volatile_index else Zone.APPEND_ONLY
 
-    for i in range(n_imm):
-        add_message(i)
-    for j, tool in enumerate(chat.tools or ()):
+    def messages(lo: int, hi: int, after: list[Any]) -> bool:
+        """Add messages lo … hi − 1; False once the budget is spent (the rest, from the next
+        message on and then `after`, added as one item)."""
+        for i in range(lo, hi):
+            if len(items) >= MAX_FIELD_ITEMS:
+                items.append(FieldItem(f"messages[{i}:]", zone_of(i), digest([msgs[i:hi], *after])))
+                return False
+            zone = zone_of(i)
+            for name in ("role", *sorted(k for k in msgs[i] if k != "role")):
+                items.append(FieldItem(f"messages[{i}].{name}", zone, digest(msgs[i][name])))
+        return True
+
+    if not messages(0, n_imm, [tools, msgs[n_imm:]]):
+        return tuple(items)
+    for j, tool in enumerate(tools):
+        if len(items) >= MAX_FIELD_ITEMS:
+            items.append(FieldItem(f"tools[{j}:]", tools_zone, digest([tools[j:], msgs[n_imm:]])))
+            return tuple(items)
         items.append(FieldItem(f"tools[{j}]", tools_zone, digest(tool)))
-    for i in range(n_imm, len(msgs)):
-        add_message(i)
+    messages(n_imm, len(msgs), [])
     return tuple(items)
 
 

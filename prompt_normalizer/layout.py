@@ -277,10 +277,14 @@ def assemble(
     stable = stable if stable > imm_end else imm_end
     extras: dict[int, bytes] = {}
     if chat is not None and chat.media:
+        # Joined once per block: appending each digest to the block's bytes would copy them
+        # again for every media item of a message (quadratic in a request's images).
+        digests: dict[int, list[bytes]] = {}
         for item in chat.media:
             start = boundaries.media_starts.get(item.message_index)
             block = 0 if start is None else min(start, n) // block_size
-            extras[block] = extras.get(block, b"") + item.digest
+            digests.setdefault(block, []).append(item.digest)
+        extras = {block: b"".join(parts) for block, parts in digests.items()}
     if chat is None:
         zones = _zone_spans(n, 0, n, False, source, 0, False, 0, None)
     else:

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from prompt_normalizer.canonical import MAX_FIELD_ITEMS
 from prompt_normalizer.config import VolatileRule, ZoneConfig
 from prompt_normalizer.errors import NormalizerError
 from prompt_normalizer.normalizer import Normalizer, NormalizerConfig
@@ -242,6 +243,23 @@ def test_drift_names_block_zone_and_field_without_content() -> None:
     # A header session key wins over body fields.
     by_header = norm.canonicalize("chat", chat(sys_msg(), user("q1")), IDENT, session_key="hdr")
     assert by_header.drift is not None and not by_header.drift.session_seen
+
+
+def test_a_long_sessions_fields_are_named_up_to_a_bound_then_by_where_its_tail_starts() -> None:
+    norm = Normalizer(NormalizerConfig(canonical_json=False), b"s")
+    turns = [user(f"q{i}") if i % 2 else assistant(f"a{i}") for i in range(3 * MAX_FIELD_ITEMS)]
+    first = norm.canonicalize("chat", chat(sys_msg(), *turns, user="u-long"), IDENT)
+    assert first.drift is not None and not first.drift.session_seen
+    # A change far past the bound is named by the tail it falls in: the template, then two fields
+    # (role, content) a message up to the bound.
+    changed = [*turns[: 2 * MAX_FIELD_ITEMS], user("changed"), *turns[2 * MAX_FIELD_ITEMS + 1 :]]
+    report = norm.canonicalize("chat", chat(sys_msg(), *changed, user="u-long"), IDENT).drift
+    assert report is not None and report.first_diff_block is not None
+    assert report.field == f"messages[{(MAX_FIELD_ITEMS - 1 + 1) // 2}:]"
+    # One within the bound is still named by its field.
+    early = [assistant("changed early"), *turns[1:]]
+    report = norm.canonicalize("chat", chat(sys_msg(), *early, user="u-long"), IDENT).drift
+    assert report is not None and report.field == "messages[1].content"
 
 
 def test_drift_memory_is_bounded() -> None:

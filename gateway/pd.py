@@ -106,7 +106,10 @@ class _Run:
         self.attempts = attempts
         self.pd = pd
         self.excluded: set[WorkerId] = set()
-        self.splittable = splittable(a.forward)
+        # With vLLM a Responses request runs alone: its output budget (`max_output_tokens`) is not
+        # one the prefill leg's rewrite caps, and vLLM's Responses route carries no KV transfer.
+        responses_on_vllm = a.api.prompt == "responses" and pd.protocol == "vllm"
+        self.splittable = not responses_on_vllm and splittable(a.forward)
         self.transfer_failed = False
         self.failure: Failure | None = None
         self.retry_reason: str | None = None

@@ -83,8 +83,9 @@ def sglang_bodies(a: Admitted, decision: RouteDecision, bootstrap: dict[str, Any
 
 
 def with_cached_tokens(payload: bytes, cached_tokens: int) -> bytes:
-    """An answer (or usage chunk) with `usage.prompt_tokens_details.cached_tokens` replaced; the
-    payload unchanged when it has no such usage."""
+    """An answer (or usage chunk) with its usage's cached prompt tokens replaced, in the field its
+    route's clients read: `prompt_tokens_details.cached_tokens` (chat, completions),
+    `cache_read_input_tokens` (Anthropic Messages); the payload unchanged when it has no usage."""
     try:
         obj = orjson.loads(payload)
     except orjson.JSONDecodeError:
@@ -92,6 +93,9 @@ def with_cached_tokens(payload: bytes, cached_tokens: int) -> bytes:
     usage = obj.get("usage") if isinstance(obj, dict) else None
     if not isinstance(usage, dict):
         return payload
+    if "input_tokens" in usage and "prompt_tokens" not in usage:
+        usage["cache_read_input_tokens"] = cached_tokens
+        return orjson.dumps(obj)
     details = usage.get("prompt_tokens_details")
     usage["prompt_tokens_details"] = {
         **(details if isinstance(details, dict) else {}),

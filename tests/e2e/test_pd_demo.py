@@ -27,6 +27,7 @@ class Demo:
     base: str
     metrics: str  # the metrics listener's /metrics
     proc: Proc
+    protocol: str
 
 
 def metric(demo: Demo, name: str) -> float:
@@ -43,7 +44,9 @@ def demo(request: pytest.FixtureRequest) -> Iterator[Demo]:
     proc = start(argv)
     try:
         wait_http(f"http://127.0.0.1:{port}/readyz", proc, timeout_s=60)
-        yield Demo(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics", proc)
+        yield Demo(
+            f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics", proc, request.param
+        )
     finally:
         assert proc.stop() == 0
 
@@ -66,6 +69,26 @@ def test_the_first_request_is_split_and_answered_by_the_decode_worker(demo: Demo
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert metric(demo, "kvgate_pd_transfer_seconds_count") >= 1
     assert metric(demo, "kvgate_pd_transfer_outcomes_total") >= 2
+
+
+def _served_by(demo: Demo, role: str) -> float:
+    series = f'kvgate_pd_requests_total{{pool="demo",role="{role}"}}'
+    lines = httpx.get(demo.metrics, timeout=5).text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(series))
+
+
+def test_a_responses_request_runs_alone_with_vllm_and_split_with_sglang(demo: Demo) -> None:
+    # vLLM's prefill leg caps `max_tokens`, not Responses' `max_output_tokens`, and its Responses
+    # route moves no KV; SGLang's prefill leg computes the prompt whatever the route.
+    prefills, alone = _served_by(demo, "prefill"), _served_by(demo, "alone")
+    client = openai.OpenAI(base_url=demo.base + "/v1", api_key=KEY, max_retries=0, timeout=30)
+    reply = client.responses.create(
+        model="kvgate-demo", input="Explain why a Responses request is not split. " * 30, max_output_tokens=8
+    )
+    assert reply.output_text and reply.usage is not None and reply.usage.output_tokens == 8
+    split = demo.protocol == "sglang"
+    assert _served_by(demo, "prefill") == prefills + split
+    assert _served_by(demo, "alone") == alone + (not split)
 
 
 def test_the_readme_snippet_runs_against_the_pd_demo(demo: Demo) -> None:

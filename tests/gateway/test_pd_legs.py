@@ -42,6 +42,10 @@ def test_the_answer_reports_the_given_cached_tokens() -> None:
     assert no_details["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     for unchanged in (b'{"usage": null}', b"not json", b"[1]", b'{"choices": []}'):
         assert with_cached_tokens(unchanged, 5) == unchanged
+    # Anthropic Messages: the field its clients read.
+    messages = {"type": "message", "usage": {"input_tokens": 100, "cache_read_input_tokens": 99}}
+    out = orjson.loads(with_cached_tokens(orjson.dumps(messages), 48))
+    assert out["usage"] == {"input_tokens": 100, "cache_read_input_tokens": 48}
 
 
 def _events(*payloads: dict[str, Any]) -> bytes:

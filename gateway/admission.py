@@ -27,7 +27,7 @@ from gateway.gate import Gate
 from gateway.keying import canonical_prompt, only_model, prompt_error
 from gateway.quotas import Rejection, TenantLimiter
 from gateway.registry import Pool
-from gateway.responses_affinity import ResponseAffinity, note_response, pin
+from gateway.responses_affinity import ResponseAffinity, check_request_id, note_response, pin
 from gateway.retries import RETRY_COUNT_HEADER, retries_taken
 from gateway.routes import ApiRoute
 from gateway.upstream_headers import ClientHeaders, pick
@@ -326,15 +326,17 @@ async def admit(
     else:
         canonical = await canonical_prompt(api, raw, body, keying, pool, identity, public, request_id)
 
-    pinned = responses = None
-    if api.prompt == "responses":
-        responses = gate.responses
-        pinned = pin(responses, body, tenant.name, pool, started_s)
+    responses = gate.responses if api.prompt == "responses" else None
+    if responses is not None:
+        check_request_id(responses, body, tenant.name, started_s)
 
     limiter = gate.limiters[tenant.name]
     rejection = limiter.admit(canonical.n_tokens, started_s)
     if rejection is not None:
         raise _quota_error(rejection)
+    # After the token check, as a worker's 404 for an id nobody holds comes after it: another
+    # tenant's id must read the same as an unknown one (`responses_affinity`).
+    pinned = pin(responses, body, tenant.name, pool, started_s) if responses is not None else None
 
     # Only chat and completions bodies are rewritten: a Responses or Messages body is keyed as
     # the worker will convert it, and forwarded as sent.

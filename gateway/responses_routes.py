@@ -92,10 +92,10 @@ async def _to_holder(
     suffix: str,
     request: Request,
 ) -> tuple[int, bytes]:
-    held = responses.holder(response_id, time.monotonic())
+    held = responses.holder(response_id, tenant, time.monotonic())
     pool = registry.pools.get(held.pool) if held is not None else None
-    if held is None or held.tenant != tenant or pool is None or held.worker not in pool.workers:
-        raise not_found(response_id, "response_id")
+    if held is None or pool is None or held.worker not in pool.workers:
+        raise not_found(response_id)
     worker = pool.workers[held.worker]
     url = f"{worker.url}/v1/responses/{quote(response_id, safe='')}{suffix}"
     headers = {"x-request-id": new_request_id()}

@@ -84,7 +84,9 @@ def build_state(
         limiters={t.name: TenantLimiter(t.quotas, now_s) for t in config.tenants},
         models=registry.by_model,
         keying=Keying(config.pools, policy_normalizer, secret, transport),
-        responses=ResponseAffinity(config.responses.affinity_max_entries, config.responses.affinity_ttl_s),
+        responses=ResponseAffinity(
+            config.responses.affinity_max_entries, config.responses.affinity_ttl_s, len(config.tenants)
+        ),
     )
     routing = Routing(
         policy=policy,

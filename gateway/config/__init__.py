@@ -170,9 +170,11 @@ class AdminConfig(Frozen):
 
 class ResponsesConfig(Frozen):
     """Responses API state (`gateway/responses_affinity.py`): the gateway remembers which worker
-    holds each stored response, for at most `affinity_max_entries` ids (least recently used
-    forgotten first), each for `affinity_ttl_s` after its last use. A forgotten id is routed like
-    any request; only the worker holding it can answer it."""
+    holds each stored response, for at most `affinity_max_entries` ids, each for `affinity_ttl_s`
+    after its last use. Each tenant is reserved an equal share (`affinity_max_entries` divided by
+    the number of tenants) that no other tenant's ids can evict; when the map is full, ids of a
+    tenant above its share are forgotten first, least recently used first. A forgotten id is
+    routed like any request; only the worker holding it can answer it."""
 
     affinity_max_entries: PositiveInt = 100_000
     affinity_ttl_s: PositiveFloat = 86_400.0

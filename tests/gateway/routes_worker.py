@@ -54,6 +54,7 @@ class RoutesWorker:
     text_answer: bool = False  # audio: answer text/plain
     received: list[Received] = field(default_factory=list)
     responses: dict[str, Any] = field(default_factory=dict)  # the worker's own response store
+    response_id_suffix: str = ""  # appended to the ids of the responses it creates
     url: str = ""
 
     def app(self) -> web.Application:
@@ -114,7 +115,7 @@ class RoutesWorker:
             error = {"message": f"Response with id '{previous}' not found.", "type": "invalid_request_error",
                      "param": "response_id", "code": 404}  # fmt: skip
             return web.json_response({"error": error}, status=404)
-        rid = body.get("request_id") or f"resp_{self.name}_{next(_ids)}"
+        rid = (body.get("request_id") or f"resp_{self.name}_{next(_ids)}") + self.response_id_suffix
         usage = {"input_tokens": 40, "input_tokens_details": {"cached_tokens": 32}, "output_tokens": 2,
                  "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 42}  # fmt: skip
         output = [{"type": "message", "content": [{"type": "output_text", "text": "hi"}]}]

@@ -1,6 +1,7 @@
 """Responses state: a follow-up reaches the worker holding its `previous_response_id` (learned from
-whole and streamed answers), ids belong to their tenant, a gone or unroutable holder is never
-silently replaced, the map is bounded and forgets."""
+whole and streamed answers), ids belong to their tenant (another tenant's reads as unknown), a gone
+or unroutable holder is never silently replaced, the map is bounded in ids, bytes and per tenant,
+and forgets."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from gateway.responses_affinity import ResponseAffinity
+from gateway.responses_affinity import MAX_RESPONSE_ID_CHARS, ResponseAffinity
 from policies.base import WorkerId
 from tests.gateway.routes_rig import KEY, Rig, routes_rig
 
@@ -73,11 +74,76 @@ async def test_another_tenants_response_is_never_reached(rig: Rig) -> None:
         "/v1/responses", json={"model": "m", "input": "x", "request_id": rid}, headers=OTHER
     )
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "request_id"
+    assert "yours" not in resp.json()["error"]["message"]
     assert sum(len(w.received) for w in rig.workers) == before
     # An id the gateway never saw reads the same as another tenant's (nothing tells them apart).
     unknown = (await rig.client.get("/v1/responses/resp_unknown", headers=OTHER)).json()["error"]
     foreign = (await rig.client.get(f"/v1/responses/{rid}", headers=OTHER)).json()["error"]
     assert unknown == {**foreign, "message": "Response with id 'resp_unknown' not found."}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_another_tenants_follow_up_reads_as_an_unknown_id(rig: Rig, stream: bool) -> None:
+    rid = await _create(rig)
+    answers = {}
+    for name, previous in (("foreign", rid), ("unknown", "resp_" + "0" * 32)):
+        body = {"model": "m", "input": "peek", "previous_response_id": previous, "stream": stream}
+        resp = await rig.client.post("/v1/responses", json=body, headers=OTHER)
+        error = resp.json()["error"]
+        answers[name] = (resp.status_code, {**error, "message": error["message"].replace(previous, "ID")})
+    # The unknown id's 404 is the worker's own (vLLM's); the gateway's for another tenant's id is the same.
+    assert answers["foreign"] == answers["unknown"]
+    assert answers["foreign"][0] == 404 and answers["foreign"][1]["param"] == "response_id"
+
+
+async def test_a_long_or_odd_request_id_is_refused_and_never_remembered(rig: Rig) -> None:
+    long_id = "resp_" + "x" * MAX_RESPONSE_ID_CHARS
+    for bad in (long_id, "resp one", "", 7):
+        body = {"model": "m", "input": "x", "request_id": bad}
+        resp = await rig.client.post("/v1/responses", json=body, headers=KEY)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "request_id", bad
+    assert resp.status_code == 400
+    long_resp = await rig.client.post(
+        "/v1/responses", json={"model": "m", "input": "x", "request_id": long_id}, headers=KEY
+    )
+    assert long_resp.json()["error"]["code"] == "string_above_max_length"
+    assert not any(w.received for w in rig.workers)
+    ok = "resp_" + "y" * (MAX_RESPONSE_ID_CHARS - 5)
+    assert await _create(rig, request_id=ok) == ok and len(rig.state.gate.responses) == 1
+
+
+async def test_a_long_id_learned_from_a_worker_is_not_remembered(rig: Rig) -> None:
+    responses = rig.state.gate.responses
+    responses.learn("resp_" + "z" * 2_000_000, "t", "p", WorkerId(rig.workers[0].url), 0.0)
+    responses.learn("resp_with space", "t", "p", WorkerId(rig.workers[0].url), 0.0)
+    assert len(responses) == 0
+    rig.workers[0].response_id_suffix = "x" * MAX_RESPONSE_ID_CHARS  # answers with overlong ids
+    rig.workers[1].response_id_suffix = "x" * MAX_RESPONSE_ID_CHARS
+    await _create(rig)
+    assert len(responses) == 0
+
+
+async def test_one_tenants_burst_cannot_evict_anothers_share() -> None:
+    # Three tenants share 6 ids: each is reserved 2.
+    async with routes_rig(responses={"affinity_max_entries": 6}) as rig:
+        holders = {}
+        for _ in range(2):
+            rid = await _create(rig)
+            holders[rid] = _served_by(rig)
+        for n in range(20):
+            resp = await rig.client.post(
+                "/v1/responses", json={"model": "m", "input": f"burst {n}"}, headers=OTHER
+            )
+            assert resp.status_code == 200
+        assert rig.state.gate.responses.held_by("t") == 2
+        asked = len(rig.policy.requests)
+        for rid in holders:  # (not stored: a new id of t's own would evict its oldest)
+            body = {"model": "m", "input": "next", "previous_response_id": rid, "store": False}
+            resp = await rig.client.post("/v1/responses", json=body, headers=KEY)
+            assert resp.status_code == 200, resp.text
+            assert _served_by(rig) == holders[rid]
+        assert len(rig.policy.requests) == asked  # pinned: the policy was not asked
+        rig.state.gate.responses.check_invariants()
 
 
 async def test_an_unroutable_holder_is_a_503_and_a_gone_one_a_404(rig: Rig) -> None:
@@ -92,7 +158,7 @@ async def test_an_unroutable_holder_is_a_503_and_a_gone_one_a_404(rig: Rig) -> N
     assert {w.name: len(w.received) for w in rig.workers} == before  # no silent re-route
     pool.set_urls([w.url for w in rig.workers if w is not holder])
     resp = await rig.client.post("/v1/responses", json=body, headers=KEY)
-    assert resp.status_code == 404 and resp.json()["error"]["param"] == "previous_response_id"
+    assert resp.status_code == 404 and resp.json()["error"]["param"] == "response_id"
 
 
 async def test_unknown_and_unstored_ids_are_routed_by_the_policy(rig: Rig) -> None:
@@ -116,27 +182,66 @@ def test_the_map_is_bounded_forgets_and_keeps_owners() -> None:
     w = WorkerId("http://w")
     for n in range(5):
         affinity.learn(f"r{n}", "t", "p", w, float(n))
-    assert len(affinity) == 3 and affinity.holder("r0", 5.0) is None and affinity.holder("r1", 5.0) is None
-    assert affinity.holder("r2", 5.0) is not None  # a use refreshes it: r3 is now the oldest
+    assert len(affinity) == 3 and affinity.holder("r0", "t", 5.0) is None
+    assert affinity.holder("r1", "t", 5.0) is None
+    assert affinity.holder("r2", "t", 5.0) is not None  # a use refreshes it: r3 is now the oldest
     affinity.learn("r5", "t", "p", w, 6.0)
-    assert affinity.holder("r3", 6.0) is None and affinity.holder("r2", 6.0) is not None
+    assert affinity.holder("r3", "t", 6.0) is None and affinity.holder("r2", "t", 6.0) is not None
     affinity.learn("r2", "intruder", "p", WorkerId("http://x"), 7.0)
-    held = affinity.holder("r2", 7.0)
+    assert affinity.holder("r2", "intruder", 7.0) is None
+    held = affinity.holder("r2", "t", 7.0)
     assert held is not None and held.tenant == "t" and held.worker == w
-    assert affinity.holder("r5", 17.5) is None  # expired 10 s after its last use
+    assert affinity.holder("r5", "t", 17.5) is None  # expired 10 s after its last use
     affinity.check_invariants()
+
+
+def test_another_tenants_probe_does_not_keep_an_id_alive() -> None:
+    affinity = ResponseAffinity(max_entries=4, ttl_s=10.0, tenants=2)
+    w = WorkerId("http://w")
+    affinity.learn("a", "alice", "p", w, 0.0)
+    assert affinity.holder("a", "bob", 9.0) is None and affinity.taken_by_another("a", "bob", 9.0)
+    assert affinity.holder("a", "alice", 10.5) is None  # bob's probe at 9 s did not refresh it
+    # Nor does a probe move it in alice's least-recently-used order.
+    affinity.learn("a1", "alice", "p", w, 11.0)
+    affinity.learn("a2", "alice", "p", w, 12.0)
+    affinity.learn("a3", "alice", "p", w, 13.0)
+    affinity.learn("b1", "bob", "p", w, 13.0)
+    assert affinity.holder("a1", "bob", 14.0) is None
+    affinity.learn("a4", "alice", "p", w, 15.0)  # full, alice above her reserve of 2: her oldest goes
+    assert affinity.holder("a1", "alice", 15.0) is None and affinity.holder("a2", "alice", 15.0) is not None
+    affinity.check_invariants()
+
+
+def test_a_tenant_within_its_reserve_is_never_evicted_by_another() -> None:
+    affinity = ResponseAffinity(max_entries=9, ttl_s=1e9, tenants=3)  # 3 ids reserved each
+    w = WorkerId("http://w")
+    for n in range(3):
+        affinity.learn(f"a{n}", "alice", "p", w, float(n))
+    for n in range(4):
+        affinity.learn(f"c{n}", "carol", "p", w, float(n))
+    for n in range(50):  # bob bursts: the map fills, then bob and carol (above 3) pay
+        affinity.learn(f"b{n}", "bob", "p", w, 10.0 + n)
+        affinity.check_invariants()
+    assert all(affinity.holder(f"a{n}", "alice", 100.0) is not None for n in range(3))
+    assert affinity.held_by("carol") == 3 and affinity.held_by("bob") == 3
+    # While alice is idle, her reserve is usable by the others.
+    lone = ResponseAffinity(max_entries=9, ttl_s=1e9, tenants=3)
+    for n in range(9):
+        lone.learn(f"b{n}", "bob", "p", w, float(n))
+    assert len(lone) == 9
 
 
 def test_random_use_keeps_the_invariants() -> None:
     rng = random.Random(7)
-    affinity = ResponseAffinity(max_entries=50, ttl_s=30.0)
+    affinity = ResponseAffinity(max_entries=50, ttl_s=30.0, tenants=3)
     now_s = 0.0
     for _ in range(5000):
         now_s += rng.random()
         rid = f"r{rng.randrange(200)}"
+        tenant = rng.choice("abcd")  # one more tenant than the reserve was divided among
         if rng.random() < 0.5:
-            affinity.learn(rid, rng.choice("ab"), "p", WorkerId("w"), now_s)
+            affinity.learn(rid, tenant, "p", WorkerId("w"), now_s)
         else:
-            held = affinity.holder(rid, now_s)
-            assert held is None or held.used_s == now_s
+            held = affinity.holder(rid, tenant, now_s)
+            assert held is None or (held.used_s == now_s and held.tenant == tenant)
         affinity.check_invariants()

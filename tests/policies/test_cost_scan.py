@@ -394,8 +394,10 @@ def test_decisions_equal_the_plain_scan(seed: int) -> None:
     new.check_invariants()
 
 
-class _CountingCache(CandidateCache):
-    MIN_WORKERS = 1  # kept at every size here
+class CountingCache(CandidateCache):
+    """A candidate cache kept at every pool size, counting its full rebuilds."""
+
+    MIN_WORKERS = 1
     rebuilds = 0
 
     def _rebuild(self, workers: Sequence[WorkerView]) -> None:
@@ -406,7 +408,7 @@ class _CountingCache(CandidateCache):
 @pytest.mark.parametrize("seed", range(6))
 def test_candidate_cache_equals_a_fresh_pass(seed: int) -> None:
     rng = random.Random(seed)
-    cache = _CountingCache()
+    cache = CountingCache()
     n = (3, 8, 40, 130, 300, 1)[seed]
     views: list[WorkerView] = []
     for k in range(400):
@@ -421,7 +423,7 @@ def test_candidate_cache_takes_in_workers_reaching_and_leaving_their_cap() -> No
     # A saturated pool: every dispatch fills a worker to its cap, every completion frees one.
     rng = random.Random(7)
     views = [WorkerView(WorkerId(f"w{i}"), in_flight_requests=4, max_in_flight=4) for i in range(64)]
-    cache = _CountingCache()
+    cache = CountingCache()
     for k in range(300):
         i = rng.randrange(len(views))
         inflight = views[i].in_flight_requests + rng.choice((-1, 1))

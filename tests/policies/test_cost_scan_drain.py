@@ -11,22 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Sequence
 
 import pytest
 
 from policies.base import WorkerId, WorkerView
 from policies.cost_model import CalibrationSample, CostModel, CostModelParams
 from policies.cost_scan import CandidateCache, candidates
-
-
-class _CountingCache(CandidateCache):
-    MIN_WORKERS = 1  # kept at every size here
-    rebuilds = 0
-
-    def _rebuild(self, workers: Sequence[WorkerView]) -> None:
-        self.rebuilds += 1
-        super()._rebuild(workers)
+from tests.policies.test_cost_scan import CountingCache
 
 
 def _view(rng: random.Random, worker: WorkerId, now_s: float) -> WorkerView:
@@ -93,7 +84,7 @@ def _complete(rng: random.Random, model: CostModel) -> None:
 def test_drained_columns_equal_a_fresh_pass(n: int, progress: float) -> None:
     rng = random.Random(n * 10 + int(progress * 2))
     model = CostModel(CostModelParams(prefill_progress=progress))
-    cache = _CountingCache()
+    cache = CountingCache()
     now = 100.0
     views = [_view(rng, WorkerId(f"w{i}"), now) for i in range(n)]
     decisions = partly = 0
@@ -159,7 +150,7 @@ def test_a_worker_crossing_its_cap_shifts_the_draining_positions() -> None:
         )
         for i in range(120)
     ]
-    cache = _CountingCache()
+    cache = CountingCache()
     for k in range(400):
         i = rng.randrange(len(views))
         inflight = min(4, max(0, views[i].in_flight_requests + rng.choice((-1, 1))))

@@ -321,7 +321,10 @@ class KvEventSubscriber:
                 if rseq > next_needed and not joining:
                     # The replay buffer no longer reaches back far enough.
                     self._gap(SequenceGap(ep.worker, next_needed, rseq), stats)
+                delivering = time.monotonic()
                 await self._deliver(ep.worker, stats, rseq, frames[1])
+                # The deadline bounds the wait for the worker, not the turns given to requests.
+                deadline += time.monotonic() - delivering
                 stats.replayed_batches += 1
                 next_needed = rseq + 1
         except (TimeoutError, KvEventDecodeError, zmq.ZMQError) as exc:

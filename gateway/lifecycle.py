@@ -46,11 +46,9 @@ class Lifecycle:
         self.active_streams.discard(stream)
 
     def dispatch_started(self, task: asyncio.Task[Any]) -> None:
-        """`task` waits on a worker from now until `dispatch_ended`; past the drain deadline it
-        is ended at once (it arrived just before the listener closed)."""
+        """`task` waits on a worker from now until `dispatch_ended` (past the drain deadline,
+        `proxy.dispatch` answers it at once instead)."""
         self.dispatching.add(task)
-        if self.past_deadline:
-            self._end(task)
 
     def dispatch_ended(self, task: asyncio.Task[Any]) -> None:
         self.dispatching.discard(task)

@@ -152,9 +152,17 @@ class HeldVerdicts:
     would otherwise count against every worker it is retried on, and a tenant sending a few could
     open every breaker of the pool, for every tenant. So another worker serving the same request
     convicts them (`convict`: each counts as a failure); another worker refusing it (a 4xx), or
-    the request ending with 5xx from two or more workers, acquits them (`acquit`: each breaker's
-    trial is freed without a verdict); a request that ends with one worker's 5xx and no other
-    evidence counts it, as any other failure counts (`settle`). One the client leaves acquits.
+    the request ending with 5xx from two or more workers, acquits them (`acquit`); a request that
+    ends with one worker's 5xx and no other evidence counts it, as any other failure counts
+    (`settle`). One the client leaves acquits.
+
+    Only a closed breaker's verdict is held (the caller judges a half-open breaker's trial at
+    once: a trial must not stay in flight for another worker's whole answer). A held request took
+    no trial, so acquitting frees nothing; and a verdict that arrives after the breaker left the
+    closed state (other requests opened it meanwhile) is dropped rather than applied to a state
+    it was not about. So a pool whose workers all answer every request with a 5xx opens no
+    breaker; its requests still fail fast, and health checks still take down a worker that fails
+    them.
     """
 
     __slots__ = ("_workers",)
@@ -167,12 +175,11 @@ class HeldVerdicts:
 
     def convict(self, now_s: float) -> None:
         for worker in self._workers:
-            worker.breaker.on_failure(now_s)
+            if worker.breaker.closed:
+                worker.breaker.on_failure(now_s)
         self._workers.clear()
 
     def acquit(self) -> None:
-        for worker in self._workers:
-            worker.breaker.on_abandon()
         self._workers.clear()
 
     def settle(self, now_s: float) -> None:

@@ -233,7 +233,7 @@ class _Run:
         told otherwise) and try another round."""
         reason = failure.retry or failure.code
         self.routing.metrics.pd_leg_failures.labels(self.a.pool.name, role, reason).inc()
-        if failure.answered and outcome is None:
+        if failure.answered and outcome is None and attempt.worker.breaker.closed:
             attempt.end(self.routing, failure.outcome, judged=False)
             self.verdicts.hold(attempt.worker)
         else:

@@ -55,6 +55,10 @@ async def dispatch(
     the client leaves, or the policy or the gateway itself fails (the tenant's quota slot and the
     worker's load come back)."""
     attempts: list[Attempt] = []
+    if lifecycle.past_deadline:  # arrived just before the listener closed
+        err = shutting_down()
+        _finish(routing, a, attempts, err.status, Outcome.ABORTED, err.message)
+        return a.api.dialect.error_response(err, a.reply_id)
     try:
         if a.pool.pd_router is not None:
             from gateway.pd import dispatch_pd  # a prefill/decode pool; gateway.pd builds on this module
@@ -149,7 +153,7 @@ async def _attempts(
         if attempt.trace is not None:
             attempt.trace.error_type = result.retry or result.code
         failure, retry = result, result.retry
-        if result.answered:
+        if result.answered and worker.breaker.closed:
             attempt.end(routing, result.outcome, judged=False)
             verdicts.hold(worker)
         else:

@@ -271,6 +271,9 @@ def load_operator_yaml(text: str) -> Any:
     loader = _BoundedLoader(text)
     try:
         return loader.get_single_data()
+    except RecursionError:
+        # PyYAML composes nested collections recursively.
+        raise YamlTooLarge("the YAML document is nested too deeply") from None
     finally:
         loader.dispose()
 

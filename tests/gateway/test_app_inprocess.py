@@ -162,6 +162,13 @@ async def test_the_drain_deadline_answers_requests_still_waiting_on_a_worker_or_
         assert len(outcomes) == 1 and 'outcome="aborted"' in outcomes[0] and outcomes[0].endswith(" 1.0")
         for task in waiting:
             assert task.cancelling() == 0  # the drain's cancellation was taken back
+        # One that arrives after the deadline (just before the listener closed) is answered at
+        # once, without a worker, and its task is never cancelled.
+        late = asyncio.create_task(stack.chat())
+        resp = await late
+        assert resp.status_code == 503 and resp.json()["error"]["code"] == "gateway_shutting_down"
+        assert late.cancelling() == 0 and not state.lifecycle.dispatching
+        assert worker.in_flight == 0 and state.gate.limiters["t"].in_flight == 0
 
 
 async def test_a_trailing_slash_is_an_unknown_route_not_a_redirect() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import cast
 
 import httpx
 import orjson
@@ -13,7 +14,10 @@ import pytest
 from aiohttp import web
 
 from gateway.auth import hash_api_key
+from gateway.breaker import CircuitBreaker
 from gateway.config import parse_config
+from gateway.config.pool import BreakerConfig
+from gateway.outcome import HeldVerdicts
 from gateway.registry import Worker
 from gateway.state import GatewayState
 from policies import make_policy
@@ -177,3 +181,24 @@ async def test_a_lone_workers_5xx_still_counts(rig: Rig) -> None:
     rig.workers.status["a"] = 500
     assert (await rig.chat("m1")).status_code == 502
     assert rig.failures("one") == {"a": 1}
+
+
+def test_a_held_verdict_never_touches_a_breaker_that_left_the_closed_state() -> None:
+    @dataclass
+    class _Held:
+        breaker: CircuitBreaker
+
+    now_s = 100.0
+    opened = _Held(CircuitBreaker(BreakerConfig(failure_threshold=1, cooldown_s=5)))
+    verdicts = HeldVerdicts()
+    verdicts.hold(cast(Worker, opened))
+    opened.breaker.on_failure(now_s)  # other requests open it meanwhile ...
+    now_s += 10
+    assert opened.breaker.allows(now_s)
+    opened.breaker.on_dispatch(now_s)  # ... and another request is its half-open trial
+    verdicts.acquit()  # the held request's end frees nobody's trial
+    assert not opened.breaker.allows(now_s)
+    verdicts.hold(cast(Worker, opened))
+    verdicts.convict(now_s)  # nor reopens it on evidence older than the trial
+    opened.breaker.on_success()
+    assert opened.breaker.closed and opened.breaker.failures == 0

@@ -85,6 +85,11 @@ def test_anchors_and_aliases_share_values() -> None:
     assert cfg.pools["a"].capacity_fraction == cfg.pools["b"].capacity_fraction == 0.5
 
 
+def test_a_document_nested_too_deeply_for_the_parser_is_refused() -> None:
+    with pytest.raises(PolicyConfigError, match="nested too deeply"):
+        parse_policy_yaml("policy: cost\nx: " + "[" * 5000 + "]" * 5000 + "\n")
+
+
 @pytest.mark.parametrize(
     ("text", "needle"),
     [

@@ -70,7 +70,8 @@ class Holder:
 
 class ResponseAffinity:
     """Response id → `Holder`. Invariants: at most `max_entries` ids; each tenant's ids are kept
-    least recently used first; `_over` holds exactly the tenants holding more than `reserve`."""
+    least recently used first, and `_all` holds every id in the order of its last use; `_over`
+    holds exactly the tenants holding more than `reserve`."""
 
     def __init__(self, max_entries: int, ttl_s: float, tenants: int = 1) -> None:
         self.max_entries = max_entries
@@ -78,6 +79,7 @@ class ResponseAffinity:
         self.reserve = max(1, max_entries // max(1, tenants))
         self._items: dict[str, Holder] = {}
         self._lru: dict[str, OrderedDict[str, None]] = {}  # tenant -> its ids, oldest first
+        self._all: OrderedDict[str, None] = OrderedDict()  # every id, oldest first
         self._over: dict[str, None] = {}  # tenants above their reserve, in the order they went over
 
     def __len__(self) -> int:
@@ -99,12 +101,13 @@ class ResponseAffinity:
                 return
             self._drop(response_id)
         self._items[response_id] = Holder(tenant, pool, worker, now_s)
+        self._all[response_id] = None
         lru = self._lru.setdefault(tenant, OrderedDict())
         lru[response_id] = None
         if len(lru) > self.reserve:
             self._over[tenant] = None
         if len(self._items) > self.max_entries:
-            self._evict_for(tenant)
+            self._evict_for(tenant, now_s)
 
     def holder(self, response_id: str, tenant: str, now_s: float) -> Holder | None:
         """`tenant`'s holder of `response_id` (its use refreshed), or None when unknown, expired or
@@ -118,6 +121,7 @@ class ResponseAffinity:
         fresh = Holder(held.tenant, held.pool, held.worker, now_s)
         self._items[response_id] = fresh
         self._lru[tenant].move_to_end(response_id)
+        self._all.move_to_end(response_id)
         return fresh
 
     def taken_by_another(self, response_id: str, tenant: str, now_s: float) -> bool:
@@ -125,15 +129,21 @@ class ResponseAffinity:
         held = self._items.get(response_id)
         return held is not None and held.tenant != tenant and now_s - held.used_s <= self.ttl_s
 
-    def _evict_for(self, tenant: str) -> None:
-        """Make room after `tenant` added an id: its own oldest when it is above its reserve,
-        else the oldest of a tenant above its reserve. One exists whenever no more tenants hold
-        ids than the reserve was divided among; otherwise `tenant` pays."""
+    def _evict_for(self, tenant: str, now_s: float) -> None:
+        """Make room after `tenant` added an id: the oldest id of all when it has expired (a quiet
+        tenant's expired ids do not keep its reserve), else `tenant`'s own oldest when it is above
+        its reserve, else the oldest of a tenant above its reserve. One exists whenever no more
+        tenants hold ids than the reserve was divided among; otherwise `tenant` pays."""
+        oldest = next(iter(self._all))
+        if now_s - self._items[oldest].used_s > self.ttl_s:
+            self._drop(oldest)
+            return
         victim = tenant if tenant in self._over else next(iter(self._over), tenant)
         self._drop(next(iter(self._lru[victim])))
 
     def _drop(self, response_id: str) -> None:
         tenant = self._items.pop(response_id).tenant
+        del self._all[response_id]
         lru = self._lru[tenant]
         del lru[response_id]
         if len(lru) <= self.reserve:
@@ -143,7 +153,8 @@ class ResponseAffinity:
 
     def check_invariants(self) -> None:
         assert len(self._items) <= self.max_entries
-        assert sum(len(lru) for lru in self._lru.values()) == len(self._items)
+        assert sum(len(lru) for lru in self._lru.values()) == len(self._items) == len(self._all)
+        assert set(self._all) == set(self._items)
         for tenant, lru in self._lru.items():
             assert lru, "no empty tenant lists"
             holders = [self._items[rid] for rid in lru]

@@ -231,6 +231,18 @@ def test_a_tenant_within_its_reserve_is_never_evicted_by_another() -> None:
     assert len(lone) == 9
 
 
+def test_a_quiet_tenants_expired_ids_do_not_keep_its_reserve() -> None:
+    affinity = ResponseAffinity(max_entries=4, ttl_s=60.0, tenants=2)  # 2 ids reserved each
+    w = WorkerId("http://w")
+    for n in range(2):
+        affinity.learn(f"a{n}", "alice", "p", w, float(n))
+    for n in range(4):  # a day later alice is gone: bob's ids take her expired places
+        affinity.learn(f"b{n}", "bob", "p", w, 86_400.0 + n)
+        affinity.check_invariants()
+    assert affinity.held_by("alice") == 0 and affinity.held_by("bob") == 4
+    assert all(affinity.holder(f"b{n}", "bob", 86_410.0) is not None for n in range(4))
+
+
 def test_random_use_keeps_the_invariants() -> None:
     rng = random.Random(7)
     affinity = ResponseAffinity(max_entries=50, ttl_s=30.0, tenants=3)

@@ -24,7 +24,7 @@ from gateway.auth import Tenant
 from gateway.bodies import encode_body, form_head, max_output_tokens, parse_body, parse_form
 from gateway.errors import ApiError
 from gateway.gate import Gate
-from gateway.keying import canonical_prompt, only_model, prompt_error
+from gateway.keying import INLINE_PROMPT_BYTES, canonical_prompt, only_model, prompt_error
 from gateway.quotas import Rejection, TenantLimiter
 from gateway.registry import Pool
 from gateway.responses_affinity import ResponseAffinity, check_request_id, note_response, pin
@@ -318,7 +318,7 @@ async def admit(
     keying = gate.keying
     identity, public = keying.identities(pool, model, tenant)
     normalizer = keying.normalizers[pool.name]
-    if api.prompt is not None and normalizer.config.mode == "approximate":
+    if api.prompt is not None and normalizer.config.mode == "approximate" and len(raw) <= INLINE_PROMPT_BYTES:
         try:  # the common case, right here: no coroutine of its own
             canonical = normalizer.canonicalize(api.prompt, body, identity, public)
         except NormalizerError as exc:

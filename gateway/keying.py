@@ -94,7 +94,8 @@ class Keying:
         self._identities.clear()
 
     def executor(self) -> concurrent.futures.ThreadPoolExecutor:
-        """One thread for tokenizer-mode canonicalization (made on first use, shut at lifespan end)."""
+        """One thread for canonicalization off the event loop: tokenizer mode, and large bodies
+        in approximate mode (made on first use, shut at lifespan end)."""
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvgate-normalizer")
         return self._executor
@@ -132,6 +133,11 @@ def build_normalizers(
     return out
 
 
+# Bodies up to this size are canonicalized on the event loop in approximate mode (a few
+# milliseconds at most); larger ones on the keying's thread (`canonical_prompt`).
+INLINE_PROMPT_BYTES = 256 * 1024
+
+
 async def canonical_prompt(
     api: ApiRoute,
     raw: bytes,
@@ -160,9 +166,10 @@ async def canonical_prompt(
                 return normalizer.canonicalize(prompt, body, identity, public)  # nothing to render
             session = keying.transport.upstream()
             return await render_canonical(normalizer, plan, pool, session, identity, public, request_id)
-        if normalizer.config.mode == "tokenizer":
-            # Tokenizing and templating a long prompt takes milliseconds: off the event loop, on
-            # the normalizer's one thread (so a Normalizer is never entered concurrently).
+        if normalizer.config.mode == "tokenizer" or len(raw) > INLINE_PROMPT_BYTES:
+            # Tokenizing and templating a long prompt takes milliseconds, and approximate mode
+            # spends up to ~0.1 s a MB on a large body: off the event loop, on the keying's one
+            # thread, so large bodies take their turns there instead of holding every request.
             return await asyncio.get_running_loop().run_in_executor(
                 keying.executor(),
                 functools.partial(normalizer.canonicalize, prompt, body, identity, public),

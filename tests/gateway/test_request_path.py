@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 import pytest
 
+from gateway.keying import INLINE_PROMPT_BYTES
 from policies.base import (
     RouteDecision,
     RouteRequest,
@@ -133,6 +134,26 @@ async def test_tokenizer_mode_runs_off_the_event_loop(rig: Rig, monkeypatch: pyt
         assert resp.status_code == 200
     assert len(threads) == 2 and all(t.startswith("kvgate-normalizer") for t in threads)
     assert rig.policy.requests[-1].n_prompt_tokens > 500
+
+
+async def test_a_large_body_is_keyed_off_the_event_loop_in_approximate_mode(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    normalizer = rig.state.gate.keying.normalizers["p"]
+    real = normalizer.canonicalize
+    threads: list[str] = []
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(normalizer, "canonicalize", recording)
+    small = "hello there " * 100
+    large = "x " * (INLINE_PROMPT_BYTES // 2 + 1)
+    for content in (small, large):
+        assert (await rig.chat(messages=[{"role": "user", "content": content}])).status_code == 200
+    assert threads[0] == threading.current_thread().name  # a small body: keyed where it is read
+    assert threads[1].startswith("kvgate-normalizer")
 
 
 @dataclass

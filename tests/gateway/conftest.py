@@ -42,3 +42,13 @@ async def serve() -> AsyncIterator[Callable[[Handler], Awaitable[Server]]]:
     for server in servers:
         server.close()
         await server.wait_closed()
+
+
+@pytest.fixture
+def policy_file(tmp_path: Path) -> Path:
+    """A watched policy file, `round_robin` to start with (`test_policy_watch.write` edits it)."""
+    from tests.gateway.test_policy_watch import write
+
+    p = tmp_path / "policy.yaml"
+    write(p, "policy: round_robin\nseed: 1\n")
+    return p

@@ -34,13 +34,6 @@ def write(path: Path, text: str) -> None:
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
 
 
-@pytest.fixture
-def policy_file(tmp_path: Path) -> Path:
-    p = tmp_path / "policy.yaml"
-    write(p, "policy: round_robin\nseed: 1\n")
-    return p
-
-
 async def test_change_swaps_and_touch_does_not(policy_file: Path) -> None:
     swaps = Swaps()
     w = PolicyWatcher(policy_file, swaps)

@@ -29,13 +29,6 @@ def write_bytes(path: Path, content: bytes) -> None:
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
 
 
-@pytest.fixture
-def policy_file(tmp_path: Path) -> Path:
-    p = tmp_path / "policy.yaml"
-    write(p, "policy: round_robin\nseed: 1\n")
-    return p
-
-
 async def test_an_alias_bomb_is_refused_before_it_is_built_and_the_old_policy_stays(
     policy_file: Path,
 ) -> None:

@@ -119,8 +119,9 @@ def _fields(identity: Any) -> dict[str, Any]:
     return {name: getattr(identity, name) for name in identity.__dataclass_fields__}
 
 
-async def test_tokenizer_mode_runs_off_the_event_loop(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
-    normalizer = rig.state.gate.keying.normalizers["tok"]
+def _keying_threads(rig: Rig, pool: str, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the threads `pool`'s normalizer canonicalizes on, one per request, from now."""
+    normalizer = rig.state.gate.keying.normalizers[pool]
     real = normalizer.canonicalize
     threads: list[str] = []
 
@@ -129,6 +130,11 @@ async def test_tokenizer_mode_runs_off_the_event_loop(rig: Rig, monkeypatch: pyt
         return real(*args, **kwargs)
 
     monkeypatch.setattr(normalizer, "canonicalize", recording)
+    return threads
+
+
+async def test_tokenizer_mode_runs_off_the_event_loop(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    threads = _keying_threads(rig, "tok", monkeypatch)
     for _ in range(2):
         resp = await rig.chat(model="m-tok", messages=[{"role": "user", "content": "hello there " * 500}])
         assert resp.status_code == 200
@@ -139,15 +145,7 @@ async def test_tokenizer_mode_runs_off_the_event_loop(rig: Rig, monkeypatch: pyt
 async def test_a_large_body_is_keyed_off_the_event_loop_in_approximate_mode(
     rig: Rig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    normalizer = rig.state.gate.keying.normalizers["p"]
-    real = normalizer.canonicalize
-    threads: list[str] = []
-
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        threads.append(threading.current_thread().name)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(normalizer, "canonicalize", recording)
+    threads = _keying_threads(rig, "p", monkeypatch)
     small = "hello there " * 100
     large = "x " * (INLINE_PROMPT_BYTES // 2 + 1)
     for content in (small, large):

@@ -28,7 +28,7 @@ from gateway.discovery import (
 )
 from gateway.k8s.source import PodWatcher
 from gateway.kv_events import KvEventEndpoint, KvEventSubscriber, endpoint_for_worker
-from gateway.metrics import HotCounter
+from gateway.metrics.families import HotCounter
 from gateway.registry import Pool, Registry
 from gateway.routing import Routing
 from gateway.scrape import MetricsScraper, ScrapeConfig, ScrapeResult

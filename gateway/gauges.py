@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import time
 
-from gateway.metrics import BREAKER_STATE_VALUE, GatewayMetrics
+from gateway.metrics import GatewayMetrics
+from gateway.metrics.catalogue import BREAKER_STATE_VALUE
 from gateway.state import GatewayState
 from policies.stats import SupportsStats
 

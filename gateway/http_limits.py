@@ -45,7 +45,7 @@ from uvicorn.server import ServerState
 
 from gateway.config import LimitsConfig
 from gateway.errors import error_body
-from gateway.metrics import HotCounter
+from gateway.metrics.families import HotCounter
 
 # Where a connection is in its request cycle (see the module docstring). Plain ints, not an
 # enum: the phase is read and written several times per request.

@@ -1,6 +1,6 @@
 """Every query of the chart's Grafana dashboard names only metrics the gateway exports.
 
-The exported names come from the gateway's own metrics registry (gateway/metrics.py), expanded by
+The exported names come from the gateway's own metrics registry (gateway/metrics/catalogue.py), expanded by
 metric type into the series names Prometheus stores (`_total`, `_bucket`, ...)."""
 
 from __future__ import annotations

@@ -152,10 +152,6 @@ async def rig() -> AsyncIterator[Rig]:
 async def test_the_decode_slot_is_taken_while_the_prefill_runs(rig: Rig) -> None:
     first = rig.send("a")
     await wait_until(lambda: rig.prefill.tags() == ["a"])
-    decode = rig.worker(rig.decode)
-    # Held: a request in flight and the output it will decode; its prompt is computed elsewhere.
-    assert (decode.in_flight, decode.decode_tokens, decode.prefill_tokens) == (1, 8, 0)
-    assert decode.view(0.0).in_flight_requests == 1  # the policy sees it too
     ticks = 0
     tick = rig.queue._tick
 
@@ -167,8 +163,13 @@ async def test_the_decode_slot_is_taken_while_the_prefill_runs(rig: Rig) -> None
     rig.queue._tick = counted  # type: ignore[method-assign]
     second = rig.send("b", "light")
     await wait_until(lambda: rig.queue.waiting == 1 or rig.decode.arrivals)
+    assert rig.decode.arrivals == []  # it waits: the decode worker is the first request's
     await wait_until(lambda: ticks >= 3)  # the periodic hand-out ran while the prefill leg runs
     assert rig.decode.arrivals == [] and rig.queue.waiting == 1
+    decode = rig.worker(rig.decode)
+    # Held: a request in flight and the output it will decode; its prompt is computed elsewhere.
+    assert (decode.in_flight, decode.decode_tokens, decode.prefill_tokens) == (1, 8, 0)
+    assert decode.view(0.0).in_flight_requests == 1  # the policy sees it too
     rig.prefill.answer("a")
     await wait_until(lambda: rig.decode.tags() == ["a"])
     assert decode.in_flight == 1  # the decode leg took the held slot over

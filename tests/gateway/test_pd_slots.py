@@ -20,7 +20,9 @@ import pytest
 from aiohttp import web
 
 from gateway.auth import hash_api_key
+from gateway.config.pool import PoolConfig
 from gateway.disconnect import DisconnectWatch
+from gateway.outcome import Reservation
 from gateway.queueing import PoolQueue
 from gateway.registry import Worker
 from gateway.state import GatewayState
@@ -248,3 +250,27 @@ async def test_a_client_that_leaves_during_the_prefill_gives_the_decode_slot_bac
     rig.decode.answer("b")
     assert (await second).status_code == 200
     await rig.idle()
+
+
+def test_a_held_slot_takes_a_half_open_breakers_trial_and_gives_it_back() -> None:
+    breaker = {"failure_threshold": 1, "cooldown_s": 1.0}
+    config = PoolConfig(name="p", models=["m"], workers=["http://127.0.0.1:1"], breaker=breaker)
+    worker = Worker("http://127.0.0.1:1", config)
+    closed = Reservation(worker, 8, 0.0)
+    assert (worker.in_flight, worker.decode_tokens, worker.prefill_tokens) == (1, 8, 0)
+    closed.take()
+    closed.take()  # once only
+    assert (worker.in_flight, worker.decode_tokens) == (0, 0) and worker.breaker.closed
+    worker.breaker.on_failure(0.0)
+    trial = Reservation(worker, 8, 2.0)  # past the cooldown: the one trial is the held slot's
+    assert not worker.breaker.allows(2.0)
+    trial.give_back(_NoQueues(), "p")  # type: ignore[arg-type]
+    trial.give_back(_NoQueues(), "p")  # type: ignore[arg-type]
+    assert worker.in_flight == 0 and worker.breaker.allows(2.0)
+
+
+class _NoQueues:
+    """The part of `Routing` a slot given back reads: a pool without a queue."""
+
+    def __init__(self) -> None:
+        self.queues: dict[str, PoolQueue] = {}

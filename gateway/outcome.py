@@ -156,10 +156,6 @@ class Reservation:
         self._trial = worker.reserve(max_output_tokens, now_s)
         self._held = True
 
-    @property
-    def held(self) -> bool:
-        return self._held
-
     def take(self) -> None:
         """The leg starts: the caller acquires the worker at once, in the same step."""
         if self._held:

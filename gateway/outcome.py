@@ -114,9 +114,7 @@ class Attempt:
         `judged` False leaves the breaker to the caller (`HeldVerdicts`)."""
         if not self._release():
             return
-        queue = routing.queues.get(self.admitted.pool.name)
-        if queue is not None:
-            queue.slot_freed()  # a request waiting for a slot of this pool may have it
+        _slot_freed(routing, self.admitted.pool.name)
         now_s = time.monotonic()
         breaker = self.worker.breaker
         if outcome is Outcome.SERVED:
@@ -142,6 +140,38 @@ class Attempt:
             completion_tokens=usage.completion_tokens,
             outcome=outcome,
         )
+
+
+class Reservation:
+    """A worker's slot held for a leg that is sent later (`Worker.reserve`): a vLLM pair's decode
+    leg. Exactly one of `take` (the leg starts: its `Attempt` holds the slot from then on) and
+    `give_back` (it will not be sent) takes effect; later calls do nothing. A slot given back is
+    a freed slot to the pool's queue, as a closed attempt's is."""
+
+    __slots__ = ("_held", "_max_output_tokens", "_trial", "worker")
+
+    def __init__(self, worker: Worker, max_output_tokens: int, now_s: float) -> None:
+        self.worker = worker
+        self._max_output_tokens = max_output_tokens
+        self._trial = worker.reserve(max_output_tokens, now_s)
+        self._held = True
+
+    def take(self) -> None:
+        """The leg starts: the caller acquires the worker at once, in the same step."""
+        if self._held:
+            self._held = False
+            self.worker.unreserve(self._max_output_tokens, self._trial)
+
+    def give_back(self, routing: Routing, pool: str) -> None:
+        if self._held:
+            self.take()
+            _slot_freed(routing, pool)
+
+
+def _slot_freed(routing: Routing, pool: str) -> None:
+    queue = routing.queues.get(pool)
+    if queue is not None:
+        queue.slot_freed()  # a request waiting for a slot of this pool may have it
 
 
 class HeldVerdicts:

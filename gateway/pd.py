@@ -35,7 +35,7 @@ from gateway.config.pd import PdConfig
 from gateway.errors import RawResponse, error_response
 from gateway.failure import Failure
 from gateway.lifecycle import Lifecycle
-from gateway.outcome import Attempt, HeldVerdicts, finish
+from gateway.outcome import Attempt, HeldVerdicts, Reservation, finish
 from gateway.pd_legs import (
     Opened,
     Prefilled,
@@ -117,6 +117,7 @@ class _Run:
         self.failures = 0  # legs that failed: the request's retries
         self.verdicts = HeldVerdicts()  # the workers that answered a leg with a 5xx
         self.tasks: list[asyncio.Task[Any]] = []
+        self.reserved: Reservation | None = None  # the decode slot of the vLLM pair in flight
 
     async def rounds(self, router: PdRouter) -> Response:
         a, routing = self.a, self.routing
@@ -202,13 +203,23 @@ class _Run:
         if attempt.ttft_s is not None:
             self.routing.metrics.pd_ttft.labels(self.a.pool.name, role).observe(attempt.ttft_s)
 
-    def _start(self, worker: Worker, decision: RouteDecision, body: bytes | None, role: str) -> Attempt:
-        """Dispatch one leg: the policy, the worker's load and the metrics hear of it."""
+    def _start(
+        self,
+        worker: Worker,
+        decision: RouteDecision,
+        body: bytes | None,
+        role: str,
+        reserved: Reservation | None = None,
+    ) -> Attempt:
+        """Dispatch one leg: the policy, the worker's load and the metrics hear of it. The leg
+        takes over `reserved`, the worker's slot held for it, if any."""
         a, routing = self.a, self.routing
         now_s = time.monotonic()
         routing.policy.on_dispatch(a.route, decision, now_s)
         routing.metrics.decision(routing.policy_name, decision.reason)
         routing.metrics.pd_requests.labels(a.pool.name, role).inc()
+        if reserved is not None:
+            reserved.take()
         worker.acquire(a.route.n_prompt_tokens, a.max_output_tokens, now_s, decision.matched_tokens)
         attempt = Attempt(a, worker, decision.reason, now_s, decision, body=body)
         self.attempts.append(attempt)
@@ -272,19 +283,27 @@ class _Run:
     # -- vLLM: prefill, then decode with what the prefill returned ------------------------------
 
     async def _vllm(self, prefill: RouteDecision, decode: RouteDecision) -> Response | None:
+        """The decode worker's slot is the pair's from the start (`outcome.Reservation`): while
+        the prefill leg runs, the pool's queue would otherwise see it free and send another
+        request there, out of turn and past the worker's cap. Whatever ends the prefill leg
+        without a decode leg (a refusal, a failure, the client leaving, the drain deadline)
+        gives the slot back."""
         workers = self._workers(prefill, decode)
         if workers is None:
             return None
         a, routing = self.a, self.routing
+        slot = self.reserved = Reservation(workers[1], a.max_output_tokens, time.monotonic())
         p = self._start(workers[0], prefill, vllm_prefill_body(a, prefill), "prefill")
         prefilled = await prefill_leg(routing, self.transport, a, p)
-        if isinstance(prefilled, Refused):
-            return self._refused(p, prefilled)
-        if isinstance(prefilled, Failure):
+        if not isinstance(prefilled, Prefilled):
+            slot.give_back(routing, a.pool.name)
+            if isinstance(prefilled, Refused):
+                return self._refused(p, prefilled)
             self._failed(p, prefilled, "prefill")
             return None
         self._served(p, "prefill")
-        d = self._start(workers[1], decode, vllm_decode_body(a, decode, prefilled.params), "decode")
+        body = vllm_decode_body(a, decode, prefilled.params)
+        d = self._start(workers[1], decode, body, "decode", slot)
         moved = prefilled.params is not None  # else the decode worker computes the prompt itself
         if moved:
             routing.metrics.pd_transfers.labels(a.pool.name).inc()
@@ -386,8 +405,11 @@ class _Run:
         return None
 
     async def abandon(self) -> None:
-        """The request ends early (the client left, or a bug): stop legs in flight, close their
-        attempts (ABORTED: no verdict on the workers)."""
+        """The request ends early (the client left, the drain deadline, or a bug): stop legs in
+        flight, close their attempts (ABORTED: no verdict on the workers), give back a decode slot
+        still held for a leg not sent."""
+        if self.reserved is not None:
+            self.reserved.give_back(self.routing, self.a.pool.name)
         for task in self.tasks:
             task.cancel()
         if self.tasks:

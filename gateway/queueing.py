@@ -202,10 +202,11 @@ class PoolQueue:
 
     def slot_freed(self) -> None:
         """A request of this pool gave its worker slot back: the next waiter gets a turn. In a
-        prefill/decode pool a freed slot makes a route only with a slot of the other role, and a
-        vLLM request's prefill slot is given back just before its decode leg takes a slot: the
-        free routes are counted once that step is over, and only they hand turns (a turn that
-        finds no route costs its tenant its place in the fair order)."""
+        prefill/decode pool a freed slot makes a route only with a slot of the other role (a vLLM
+        pair holds its decode slot from the moment it is chosen, `outcome.Reservation`, and
+        one request may free both of its slots in one step): the free routes are counted once
+        that step is over, and only they hand turns (a turn that finds no route costs its tenant
+        its place in the fair order)."""
         if not self._order:
             return
         if self._roles is None:

@@ -202,6 +202,31 @@ class Worker:
         self.decode_tokens += max_output_tokens
         self.breaker.on_dispatch(now_s)
 
+    def reserve(self, max_output_tokens: int, now_s: float) -> bool:
+        """Hold a slot for a leg sent later: a vLLM pair's decode leg, which goes out once the
+        prefill leg has answered, is this worker's from the moment the pair is chosen, so neither
+        the pool's queue nor the policy sees the slot free meanwhile. Whether it took the
+        breaker's half-open trial is returned (`unreserve` then gives that back too).
+
+        A reservation is a request in flight and output this worker will decode, so it counts in
+        `in_flight` and `decode_tokens`; its prompt is being computed on the prefill worker and
+        weighs on that worker's prefill backlog only (counted here too, the policy would see a
+        prefill queue on this worker that is not there). The leg's own `acquire` replaces it."""
+        self._version += 1
+        self.in_flight += 1
+        self.decode_tokens += max_output_tokens
+        trial = self.breaker.allows(now_s) and not self.breaker.closed
+        self.breaker.on_dispatch(now_s)
+        return trial
+
+    def unreserve(self, max_output_tokens: int, trial: bool) -> None:
+        """Give back what `reserve` took (the leg starts, or will not be sent)."""
+        self._version += 1
+        self.in_flight = max(0, self.in_flight - 1)
+        self.decode_tokens = max(0, self.decode_tokens - max_output_tokens)
+        if trial:
+            self.breaker.on_abandon()
+
     def first_token(
         self,
         prompt_tokens: int,

@@ -48,10 +48,6 @@ async def test_a_request_waits_for_a_decode_slot_and_is_served_when_one_frees(ma
 
 async def test_tenants_take_fair_turns(make_rig: RigFactory) -> None:
     rig = await make_rig(pd=True)
-    # Turns come from freed slots only here. The queue's periodic tick also hands turns for free
-    # routes, and one that lands while a pair's prefill leg runs sees its decode worker free (the
-    # decode slot is taken after the prefill): a second request is then sent there, out of turn.
-    rig.queue.tick_s = 3600.0
     sends: list[tuple[str, str, dict[str, Any]]] = [("heavy", f"h{i}", {}) for i in range(4)]
     sends += [("light", f"l{i}", {}) for i in range(2)]
     tasks = await fill(rig, sends)

@@ -158,7 +158,7 @@ class MetricCatalogue:
         )
         self.sync_events = hot.counter(
             "kvgate_sync_events",
-            "Replica sync batches and items published/applied, and what was dropped or lost, by reason",
+            "Replica sync batches and items published, applied or parked, and what was dropped or lost",
             ("event",),
         )
         # Pool queues.

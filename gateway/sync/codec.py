@@ -25,9 +25,10 @@ Pools, namespaces and workers are indices into the string tables. A namespace is
 index namespace (`tenant:<name>`, or the public one), a key a keyed chain hash: nothing in a batch
 is prompt content, and a key cannot be turned back into text without the deployment's secret.
 Anything that does not decode to exactly this shape is `MalformedBatch`, and so is a batch beyond
-what a gateway publishes: more than `MAX_BATCH_KEYS` keys, or a send time that is not finite or
-further than `MAX_CLOCK_SKEW_S` from the receiver's wall clock (it feeds the lag metric and the
-decision times of `policies.herd`).
+what a gateway publishes: more than `MAX_BATCH_KEYS` keys, or a send time that is not finite. A
+batch otherwise well formed whose send time is further than `MAX_CLOCK_SKEW_S` from the
+receiver's wall clock (it feeds the lag metric and the decision times of `policies.herd`) is
+`ClockSkewed`, a `MalformedBatch` of its own.
 """
 
 from __future__ import annotations
@@ -59,6 +60,18 @@ MAX_CLOCK_SKEW_S = 600.0
 
 class MalformedBatch(ValueError):
     """Bytes that are not a sync batch of this version."""
+
+
+class ClockSkewed(MalformedBatch):
+    """A batch of the right shape whose send time is finite but further than `MAX_CLOCK_SKEW_S`
+    from the receiver's wall clock: the sender's clock, or the receiver's, is off. Its own type so
+    that an operator can tell a broken clock from a broken peer. `skew_s`: send time less the
+    receiver's wall clock."""
+
+    def __init__(self, origin: str, skew_s: float) -> None:
+        super().__init__("send time not within the clock skew allowed")
+        self.origin = origin
+        self.skew_s = skew_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,8 +210,8 @@ def _parse(doc: dict[str, Any], now_wall_s: float) -> SyncBatch:
     sent = doc["t"]
     if isinstance(sent, bool) or not isinstance(sent, float | int) or not isinstance(doc["f"], bool):
         raise MalformedBatch("bad header")
-    if not abs(float(sent) - now_wall_s) <= MAX_CLOCK_SKEW_S:  # NaN fails too
-        raise MalformedBatch("send time not within the clock skew allowed")
+    if not math.isfinite(sent):
+        raise MalformedBatch("send time not finite")
     pools, namespaces, workers = _strings(doc["p"]), _strings(doc["n"]), _strings(doc["w"])
     blob = doc["k"]
     if not isinstance(blob, bytes) or len(blob) % 8:
@@ -248,9 +261,11 @@ def _parse(doc: dict[str, Any], now_wall_s: float) -> SyncBatch:
     waited = doc.get("a", 0.0)
     if isinstance(waited, bool) or not isinstance(waited, float | int) or not 0 <= waited <= _MAX_WAIT_S:
         raise MalformedBatch("bad item wait")
-    return SyncBatch(
-        _str(doc["o"]), _int(doc["s"]), float(sent), doc["f"], tuple(items), tuple(loads), float(waited)
-    )
+    origin = _str(doc["o"])
+    seq = _int(doc["s"])
+    if abs(float(sent) - now_wall_s) > MAX_CLOCK_SKEW_S:  # checked last: a broken batch is malformed
+        raise ClockSkewed(origin, float(sent) - now_wall_s)
+    return SyncBatch(origin, seq, float(sent), doc["f"], tuple(items), tuple(loads), float(waited))
 
 
 def _sample(pools: list[str], raw: object) -> PeerCalibration:

@@ -3,7 +3,10 @@
 Owned by the app lifespan (`start` / `stop`). The publish task wakes when the queue gets its first
 item (or when a full load snapshot is due), waits `batch_interval_s` so a burst shares one batch,
 and sends batches while the link is up; while it is down, items wait in the bounded queue. Peers'
-batches are applied on the event loop as they arrive, between requests.
+batches are applied on the event loop as they arrive, between requests. While peers' holdings
+wait for their worker to be discovered here (`parking`), a third task looks every
+`ADOPT_POLL_S` for discovery having added it; a new worker is not routable before its first
+health check answers, which takes about as long.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ log = logging.getLogger("kvgate.sync")
 
 _MAX_BATCHES_PER_WAKE = 8  # then yield to requests; the rest goes at the next wake
 _DOWN_POLL_S = 0.1
+ADOPT_POLL_S = 0.02
 
 
 def default_origin() -> str:
@@ -92,6 +96,7 @@ class SyncService:
         self._tasks = [
             asyncio.create_task(self.link.run(), name="sync-link"),
             asyncio.create_task(self._publish_loop(), name="sync-publish"),
+            asyncio.create_task(self._adopt_loop(), name="sync-adopt"),
         ]
 
     async def stop(self) -> None:
@@ -146,6 +151,19 @@ class SyncService:
             except Exception:  # a bug here must not end publishing
                 log.exception("sync publish round failed")
 
+    async def _adopt_loop(self) -> None:
+        sub = self.subscriber
+        while True:
+            await sub.parked_any.wait()
+            await asyncio.sleep(ADOPT_POLL_S)
+            try:
+                sub.parked.expire(time.monotonic())
+                await sub.adopt(self._policy)
+            except Exception:  # a bug here must not end adopting
+                log.exception("applying parked sync holdings failed")
+            if not sub.parked:
+                sub.parked_any.clear()
+
     async def _send(self, now_s: float) -> None:
         for _ in range(_MAX_BATCHES_PER_WAKE):
             batch = self.publisher.next_batch(self._loads(), now_s, self.link.max_payload)
@@ -162,6 +180,7 @@ class SyncService:
     def counters(self) -> dict[str, int]:
         """Monotonic counts for the metrics."""
         sub = self.subscriber.stats
+        parked = self.subscriber.parked.stats
         return {
             "published_batches": self.published_batches,
             "published_items": self.publisher.batched_items - self.lost_items,
@@ -171,7 +190,13 @@ class SyncService:
             "dropped_oversized": self.publisher.oversized,
             "dropped_publish_failed": self.lost_items,
             "dropped_malformed": sub.malformed,
+            "dropped_clock_skew": sub.clock_skew,
             "dropped_unknown_worker": sub.unknown_worker,
+            "parked_holdings": parked.parked,
+            "parked_applied": parked.applied,
+            "parked_expired": parked.expired,
+            "parked_evicted": parked.evicted,
+            "parked_withdrawn": parked.withdrawn,
             "truncated_holdings": sub.truncated,
             "dropped_slow_consumer": self.link.slow_consumer,
             "lost_batches": sub.lost_batches,

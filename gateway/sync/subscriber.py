@@ -6,10 +6,14 @@ lost on the way. Applying never raises into the transport: whatever goes wrong, 
 routing on what it knows.
 
 The bus is open to anyone who reaches the broker, so what one batch can cost is bounded here:
-holdings and loads of a pool or worker this gateway's registry does not have are dropped and
-counted (they would only be state kept for nothing), a holding applies at most its first
+holdings and loads of a pool this gateway's registry does not have, and loads of a worker it does
+not have, are dropped and counted (they would only be state kept for nothing); holdings of a worker
+not discovered yet in a known pool wait, bounded, in `parking.ParkedHoldings` until it is
+(discovery may simply have been quicker at the peer); a holding applies at most its first
 `MAX_HOLDING_KEYS` keys, and a batch is applied in steps of at most `CHUNK_ITEMS` items and
-`CHUNK_KEYS` keys, with requests served in between.
+`CHUNK_KEYS` keys, with requests served in between. A batch whose send time is far from this
+gateway's clock is counted apart from the malformed ones, and logged at most once a minute per
+sender: a clock to fix, not a peer.
 """
 
 from __future__ import annotations
@@ -22,9 +26,17 @@ from dataclasses import dataclass, replace
 
 from gateway.metrics import GatewayMetrics
 from gateway.registry import Registry
-from gateway.sync.codec import MalformedBatch, SyncBatch, decode
+from gateway.sync.codec import ClockSkewed, MalformedBatch, SyncBatch, decode
+from gateway.sync.parking import ParkedHoldings
 from policies.base import RoutingPolicy, WorkerId
-from policies.peer_sync import PeerCalibration, PeerHolding, PeerItem, PeerLoads, SupportsPeerSync
+from policies.peer_sync import (
+    PeerCalibration,
+    PeerHolding,
+    PeerItem,
+    PeerLoads,
+    PeerOutcome,
+    SupportsPeerSync,
+)
 
 log = logging.getLogger("kvgate.sync")
 
@@ -35,6 +47,12 @@ CHUNK_KEYS = 4096
 # The longest chain a peer's holding is applied for: 256k tokens at 16-token blocks. Its first
 # keys are the prefix any later request shares; the rest comes from KV events or own dispatches.
 MAX_HOLDING_KEYS = 16_384
+# How long a holding waits for its worker to be discovered here: three of the fleet's 5-second
+# discovery rounds (a Kubernetes watch or a DNS refresh is usually far quicker).
+PARK_TTL_S = 15.0
+# One clock-skew warning per sender in this time; the senders remembered for it are bounded.
+SKEW_LOG_EVERY_S = 60.0
+_SKEW_LOG_SENDERS = 1024
 
 
 @dataclass(slots=True)
@@ -43,10 +61,12 @@ class ApplyStats:
 
     batches: int = 0
     items: int = 0
-    malformed: int = 0
+    malformed: int = 0  # not a batch of this version (a broken or hostile peer)
+    clock_skew: int = 0  # a batch sent further than `MAX_CLOCK_SKEW_S` from this gateway's clock
     lost_batches: int = 0
     failed: int = 0
-    unknown_worker: int = 0  # holdings, samples and load rows of a pool or worker not in the registry
+    # Holdings and samples of a pool, load rows of a pool or worker, that the registry does not have.
+    unknown_worker: int = 0
     truncated: int = 0  # holdings cut to MAX_HOLDING_KEYS
 
 
@@ -70,6 +90,10 @@ class SyncSubscriber:
         self.stats = ApplyStats()
         self._last_seq: dict[str, int] = {}
         self._age_floor: dict[str, tuple[float, float]] = {}  # origin -> (smallest age, when)
+        self.parked = ParkedHoldings(PARK_TTL_S)
+        self.parked_any = asyncio.Event()  # set while something is parked: the service polls for it
+        self._seen_workers: dict[str, object] = {}  # pool -> its worker map when last looked at
+        self._skew_logged: dict[str, float] = {}  # sender -> when its clock was last logged
 
     async def on_message(self, data: bytes, policy_of: Callable[[], RoutingPolicy]) -> None:
         """Decode and apply one batch in steps of at most `CHUNK_ITEMS` items and `CHUNK_KEYS`
@@ -77,6 +101,10 @@ class SyncSubscriber:
         is many index walks."""
         try:
             batch = decode(data)
+        except ClockSkewed as exc:
+            self.stats.clock_skew += 1
+            self._log_skew(exc, time.monotonic())
+            return
         except MalformedBatch as exc:
             self.stats.malformed += 1
             log.warning("malformed sync batch dropped", extra={"error": str(exc)})
@@ -84,10 +112,11 @@ class SyncSubscriber:
         if batch.origin == self.origin:
             return
         try:
+            await self.adopt(policy_of)  # holdings parked for a worker discovered since go first
             now_s = time.monotonic()
             self.note(batch.origin, policy_of(), now_s)
             decided_s = self.decided_s(batch, now_s)
-            for k, chunk in enumerate(_chunks(self.known_items(batch.items))):
+            for k, chunk in enumerate(_chunks(self.known_items(batch.origin, batch.items, now_s))):
                 if k:
                     await asyncio.sleep(0)
                 self.apply_items(batch.origin, chunk, policy_of(), time.monotonic(), decided_s=decided_s)
@@ -99,7 +128,7 @@ class SyncSubscriber:
     def apply(self, batch: SyncBatch, policy: RoutingPolicy, now_s: float) -> None:
         """Apply a whole batch at once."""
         self.note(batch.origin, policy, now_s)
-        items = self.known_items(batch.items)
+        items = self.known_items(batch.origin, batch.items, now_s)
         self.apply_items(batch.origin, items, policy, now_s, decided_s=self.decided_s(batch, now_s))
         self.finish(batch, now_s)
 
@@ -108,18 +137,27 @@ class SyncSubscriber:
         pool = self.registry.pools.get(pool_name)
         return pool is not None and (worker_id is None or worker_id in pool.workers)
 
-    def known_items(self, items: Sequence[PeerItem]) -> list[PeerItem]:
-        """`items` less those of pools or workers this gateway does not route to (counted), with
-        every holding cut to its first `MAX_HOLDING_KEYS` keys."""
+    def known_items(self, origin: str, items: Sequence[PeerItem], now_s: float) -> list[PeerItem]:
+        """`items` less those of pools this gateway does not route to (counted) and the holdings
+        of workers it has not discovered (parked) with their outcomes, and with every holding cut
+        to its first `MAX_HOLDING_KEYS` keys."""
         kept: list[PeerItem] = []
+        parked = self.parked
         for item in items:
             if isinstance(item, PeerHolding):
-                if not self.known(item.pool, item.worker):
+                if not self.known(item.pool):
                     self.stats.unknown_worker += 1
                     continue
                 if len(item.keys) > MAX_HOLDING_KEYS:
                     item = replace(item, keys=item.keys[:MAX_HOLDING_KEYS])
                     self.stats.truncated += 1
+                if not self.known(item.pool, item.worker):
+                    parked.park(origin, item, now_s)
+                    self.parked_any.set()
+                    continue
+            elif isinstance(item, PeerOutcome):
+                if parked and parked.settle(origin, item.ref, item.served):
+                    continue
             elif isinstance(item, PeerCalibration) and not self.known(item.pool):
                 self.stats.unknown_worker += 1
                 continue
@@ -186,8 +224,57 @@ class SyncSubscriber:
         for pool, worker in self.loads.note(batch.origin, loads, now_s, full=batch.full_load):
             self._refresh(pool, worker)
 
+    async def adopt(self, policy_of: Callable[[], RoutingPolicy]) -> None:
+        """Apply the parked holdings (and the served outcomes kept with them) of the workers
+        discovered since they were parked, in steps as a batch is. Costs one look at each pool's
+        worker map unless discovery replaced one (`Pool.set_urls`) since the last look."""
+        if not self.parked or not self._workers_changed():
+            return
+        taken = self.parked.take(self.known)
+        if not self.parked:
+            self.parked_any.clear()
+        items, keys = 0, 0
+        for parked in taken:
+            if items >= CHUNK_ITEMS or keys >= CHUNK_KEYS:
+                await asyncio.sleep(0)
+                items, keys = 0, 0
+            batch: list[PeerItem] = [parked.holding]
+            if parked.served:
+                batch.append(PeerOutcome(parked.holding.ref, True))
+            self.apply_items(parked.origin, batch, policy_of(), time.monotonic())
+            items, keys = items + len(batch), keys + len(parked.holding.keys)
+
+    def _workers_changed(self) -> bool:
+        """Whether any pool's worker map was replaced since the last call (discovery replaces the
+        map on every change, and keeps it otherwise)."""
+        changed = False
+        seen = self._seen_workers
+        for name, pool in self.registry.pools.items():
+            if seen.get(name) is not pool.workers:
+                seen[name] = pool.workers
+                changed = True
+        return changed
+
+    def _log_skew(self, exc: ClockSkewed, now_s: float) -> None:
+        """Warn of a sender's clock, at most once per `SKEW_LOG_EVERY_S` per sender."""
+        logged = self._skew_logged
+        last = logged.get(exc.origin)
+        if last is not None and now_s - last < SKEW_LOG_EVERY_S:
+            return
+        if last is None and len(logged) >= _SKEW_LOG_SENDERS:
+            logged.clear()  # bounded against made-up senders: at worst a warning comes early
+        logged[exc.origin] = now_s
+        log.warning(
+            "sync batch dropped: the sender's clock and this gateway's are too far apart",
+            extra={"peer": exc.origin[:128], "skew_s": round(exc.skew_s, 1)},
+        )
+
     def expire(self, now_s: float) -> None:
-        """Forget peers not heard from within the timeout (and their load)."""
+        """Forget peers not heard from within the timeout (and their load), and holdings parked
+        for longer than their TTL."""
+        self.parked.expire(now_s)
+        if not self.parked:
+            self.parked_any.clear()
         for pool, worker in self.loads.expire(now_s):
             self._refresh(pool, worker)
         for origin in [o for o in self._last_seq if not self.loads.heard_from(o)]:

@@ -13,6 +13,7 @@ from gateway.sync.codec import (
     MAX_BATCH_KEYS,
     MAX_CLOCK_SKEW_S,
     PUBLISH_BATCH_KEYS,
+    ClockSkewed,
     MalformedBatch,
     SyncBatch,
     decode,
@@ -220,6 +221,19 @@ def test_a_send_time_not_finite_or_far_from_the_receivers_clock_is_malformed(sen
         decode(_doc(t=True), now_wall_s=1.0)
     for skew in (-MAX_CLOCK_SKEW_S, MAX_CLOCK_SKEW_S):  # hosts whose clocks differ, within the bound
         assert decode(_doc(t=1.0 + skew), now_wall_s=1.0).sent_wall_s == 1.0 + skew
+
+
+def test_a_clock_far_off_is_told_apart_from_a_broken_batch() -> None:
+    # A well-formed batch from a clock out of bounds is `ClockSkewed` (with its sender and skew);
+    # a send time that is no time, or a broken batch whatever its send time, is not.
+    for sent in (1.0 + MAX_CLOCK_SKEW_S + 1.0, -MAX_CLOCK_SKEW_S - 1.0, 1e308):
+        with pytest.raises(ClockSkewed) as caught:
+            decode(_doc(t=sent), now_wall_s=1.0)
+        assert caught.value.origin == "a" and caught.value.skew_s == pytest.approx(sent - 1.0)
+    for data in (_doc(t=float("nan")), _doc(t=float("inf")), _doc(t=1e6, k=b"\x00" * 7)):
+        with pytest.raises(MalformedBatch) as broken:
+            decode(data, now_wall_s=1.0)
+        assert not isinstance(broken.value, ClockSkewed)
 
 
 def test_a_batch_of_more_keys_than_any_gateway_publishes_is_malformed() -> None:

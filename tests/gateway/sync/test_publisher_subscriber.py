@@ -272,7 +272,9 @@ async def test_holdings_and_loads_of_workers_this_gateway_does_not_have_leave_no
     )
     sub.share_calibration = True
     await sub.on_message(encode(batch), lambda: policy)
-    assert sub.stats.unknown_worker == 3 + 501 and sub.stats.items == 0
+    # The holding of a worker of a known pool waits for discovery (`ParkedHoldings`); the rest is dropped.
+    assert sub.stats.unknown_worker == 2 + 501 and sub.stats.items == 0
+    assert len(sub.parked) == 1 and sub.parked.slots() == [("p", made_up)]
     counters = policy.stats().counters
     assert "peer_holdings_applied" not in counters and "peer_calibration_applied" not in counters
     assert policy._pools.existing("q") is None and policy._peers.pending() == (0, 0)

@@ -119,6 +119,41 @@ async def test_what_one_gateway_routes_the_other_routes_the_same_way(
     assert "kvgate_sync_peers 1.0" in a.routing.metrics.render().decode()
 
 
+async def test_a_worker_the_peer_discovered_first_keeps_the_holdings_routed_to_it_meanwhile(
+    pair: tuple[SyncService, SyncService],
+) -> None:
+    # A's discovery found W[3] before B's did: what A routes there reaches B before B knows the
+    # worker, waits, and applies when B's discovery adds it, as `Fleet` does on a change.
+    a, b = pair
+    pool_b = b.registry.pools["p"]
+    pool_b.set_urls(W[:3])
+    new = WorkerId(W[3])
+    r = req("r1", range(64), pool="p")
+    a.routing.policy.on_dispatch(r, RouteDecision(new, 0.0, "miss"), time.monotonic())
+    await wait_until(lambda: len(b.subscriber.parked) == 1)
+    a.routing.policy.on_complete(Observation(r, new, prompt_tokens=r.n_prompt_tokens), time.monotonic())
+    policy_b = b.routing.policy
+    assert isinstance(policy_b, CostPolicy)
+    # The outcome stays with its parked holding, not counted unmatched.
+    held = b.subscriber.parked.get("a", 1)
+    assert held is not None
+    await wait_until(lambda: held.served is True)
+    assert b.subscriber.stats.items == 0
+    pool_b.set_urls(W)
+    pool_b.workers[new].healthy = True  # its first health check
+    await wait_until(lambda: b.subscriber.parked.stats.applied == 1)
+    assert len(b.subscriber.parked) == 0
+    counters = policy_b.stats().counters
+    assert counters["peer_holdings_applied"] == 1 and counters["peer_outcomes_applied"] == 1
+    assert "peer_outcomes_unmatched" not in counters
+    now = time.monotonic()
+    d = policy_b.select(req("r2", range(66), pool="p"), pool_b.views(now), now)
+    assert d is not None and d.worker == new and d.reason == "hit"
+    b.refresh_metrics()
+    text = b.routing.metrics.render().decode()
+    assert 'kvgate_sync_events_total{event="parked_applied"} 1.0' in text
+
+
 async def test_with_share_calibration_a_completion_calibrates_the_peer_too(broker: LocalBroker) -> None:
     async with _pair(broker, share_calibration=True) as (a, b):
         r = req("r1", range(64), pool="p")
@@ -192,16 +227,20 @@ async def test_a_third_party_on_the_bus_costs_nothing_lasting(pair: tuple[SyncSe
         await nc.flush()
     finally:
         await nc.close()
-    await wait_until(lambda: b.subscriber.stats.malformed == 3 and b.subscriber.stats.unknown_worker == 2001)
+    stats = b.subscriber.stats
+    await wait_until(lambda: stats.malformed == 2 and stats.clock_skew == 1 and stats.unknown_worker == 2000)
     policy_b = b.routing.policy
     assert isinstance(policy_b, CostPolicy)
     assert not b.subscriber.loads.any and "peer_holdings_applied" not in policy_b.stats().counters
+    assert len(b.subscriber.parked) == 1  # waits, bounded, for a discovery that never comes
     r = req("r1", range(64), pool="p")
     a.routing.policy.on_dispatch(r, RouteDecision(WorkerId(W[3]), 0.0, "miss"), time.monotonic())
     await wait_until(lambda: policy_b.stats().counters.get("peer_holdings_applied", 0) == 1)
     b.refresh_metrics()
     text = b.routing.metrics.render().decode()
-    assert 'kvgate_sync_events_total{event="dropped_unknown_worker"} 2001.0' in text
-    assert 'kvgate_sync_events_total{event="dropped_malformed"} 3.0' in text
+    assert 'kvgate_sync_events_total{event="dropped_unknown_worker"} 2000.0' in text
+    assert 'kvgate_sync_events_total{event="dropped_malformed"} 2.0' in text
+    assert 'kvgate_sync_events_total{event="dropped_clock_skew"} 1.0' in text
+    assert 'kvgate_sync_events_total{event="parked_holdings"} 1.0' in text
     lag_sum = next(line for line in text.splitlines() if line.startswith("kvgate_sync_lag_seconds_sum"))
     assert math.isfinite(float(lag_sum.split()[-1]))

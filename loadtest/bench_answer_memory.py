@@ -8,7 +8,8 @@ had the rest (or had its connection dropped by the gateway), so that all the ans
 in the gateway at the same time. The gateway (`python -m gateway.cli serve` from
 `--gateway-root`, so two checkouts can be compared) serves one pool with that worker. Printed:
 the gateway's RSS before the load and its peak (VmHWM from /proc) after, and the statuses the
-clients got (the end of each non-200 answer goes to stderr). Nothing here imports the gateway: it is started as a process.
+clients got (the end of each non-200 answer goes to stderr). Nothing here imports the gateway:
+it is started as a process.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ connect error, a worker at its connection cap, a read timeout or a dropped conne
 answer's head (for a stream: before its first event), a 5xx answer, or an answer that is not one
 (a 200 whose body is not a JSON object, a stream whose first event is not an SSE data event with
 a JSON object). The attempt that timed out is closed first, so the worker stops. Every failure
-but the gateway's own connection cap counts against the worker.
+but the gateway's own limits (its connection cap per worker, its budget of whole answers held in
+memory) counts against the worker.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from gateway.errors import ApiError
 from gateway.retries import forwardable
 from gateway.sse import STREAM_ERROR_CODE, MalformedStream
 from gateway.upstream import (
+    AnswerBudgetExceeded,
     RetryHints,
     UpstreamBusy,
     UpstreamConnectError,
@@ -95,6 +97,10 @@ def failure_of(exc: Exception, stage: Stage, timeouts: TimeoutsConfig) -> Failur
         # client gets 503 with Retry-After when no other worker takes the request.
         message = f"worker at its connection limit ({exc})"
         return Failure(503, message, "no_worker_available", Outcome.ABORTED, RetryReason.WORKER_BUSY)
+    if isinstance(exc, AnswerBudgetExceeded):
+        # The gateway's memory, not the worker: no breaker verdict, and no other worker (the
+        # budget is the process's); 503 with Retry-After, like the other gateway-wide limits.
+        return Failure(503, f"{exc}; retry shortly", "gateway_overloaded", Outcome.ABORTED)
     failed = Outcome.WORKER_FAILED
     detail = str(exc) if isinstance(exc, UpstreamError) else type(exc).__name__
     if isinstance(exc, aiohttp.ConnectionTimeoutError) or (

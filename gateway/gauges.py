@@ -39,6 +39,7 @@ def refresh_gauges(state: GatewayState) -> None:
                 m.worker_kv_usage.labels(*labels).set(view.kv_usage)
     m.forget_workers(current)
     _kv_events(state, m, now_s)
+    m.answer_bytes_held.set(state.transport.answers.held_bytes)
 
 
 def _policy(state: GatewayState, m: GatewayMetrics) -> None:

@@ -270,7 +270,7 @@ async def _open(transport: Transport, a: Admitted, attempt: Attempt) -> StreamSo
         headers=headers,
         timeout=a.pool.client_timeout,
     )
-    return AiohttpSource(resp)
+    return AiohttpSource(resp, transport.answers)
 
 
 def _lean_request(a: Admitted, attempt: Attempt) -> bytes:

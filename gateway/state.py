@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from gateway.answer_budget import AnswerBudget
 from gateway.auth import KeyRing
 from gateway.config import GatewayConfig
 from gateway.config.pool import read_worker_key
@@ -77,7 +78,9 @@ def build_state(
     registry = Registry(config.pools, auth, withheld)
     metrics = GatewayMetrics()
     weights = {t.name: t.weight for t in config.tenants}
-    transport = Transport()
+    transport = Transport(
+        answers=AnswerBudget(config.limits.max_buffered_answer_bytes, metrics.answer_budget_refusals.labels())
+    )
     gate = Gate(
         keyring=KeyRing(config.tenants, secret),
         limits=config.limits,

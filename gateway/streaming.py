@@ -33,7 +33,7 @@ from gateway.lifecycle import Lifecycle
 from gateway.outcome import Attempt, finish, usage_of
 from gateway.routing import Routing
 from gateway.sse import Relay
-from gateway.upstream import RetryHints, read_whole
+from gateway.upstream import AnswerBudget, RetryHints, read_whole
 from policies.base import Outcome
 
 log = logging.getLogger("kvgate.streaming")
@@ -66,12 +66,14 @@ class AiohttpSource:
     """An aiohttp response (https workers) as a `StreamSource`. `read` returns what aiohttp has
     buffered, which it keeps below a small high-water mark (it stops reading from the socket
     above it), so a stream's memory is bounded here as in the lean client; whole answers are
-    bounded by `read_whole`, and single events by the relay."""
+    bounded by `read_whole` (each, and all together by the process's `budget`), and single
+    events by the relay."""
 
-    __slots__ = ("_resp", "content_type", "retry_hints", "status")
+    __slots__ = ("_budget", "_resp", "content_type", "retry_hints", "status")
 
-    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+    def __init__(self, resp: aiohttp.ClientResponse, budget: AnswerBudget) -> None:
         self._resp = resp
+        self._budget = budget
         self.status = resp.status
         self.content_type = resp.headers.get("content-type", "")
         self.retry_hints: RetryHints = tuple(
@@ -85,7 +87,7 @@ class AiohttpSource:
 
     async def read_all(self) -> bytes:
         # Not `resp.read()`: that holds whatever the worker sends, however large.
-        return await read_whole(self.read)
+        return await read_whole(self.read, self._budget)
 
     def release(self) -> None:
         self._resp.release()

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 
 from gateway.config import UpstreamConfig
-from gateway.upstream import UpstreamPool
+from gateway.upstream import DEFAULT_BUDGET_BYTES, AnswerBudget, UpstreamPool
 
 
 @dataclass(slots=True)
@@ -15,10 +15,12 @@ class Transport:
     """The one aiohttp session of the process (streams, https workers, health checks, render) and
     the lean client for non-streamed POSTs to plain-HTTP workers (`gateway/upstream.py`; None:
     aiohttp carries everything). Both are made by `open` at lifespan startup and closed by
-    `close` at its end."""
+    `close` at its end. Both read whole answers within `answers`, the process's budget for them
+    (`limits.max_buffered_answer_bytes`), which outlives them."""
 
     session: aiohttp.ClientSession | None = None
     lean: UpstreamPool | None = None
+    answers: AnswerBudget = field(default_factory=lambda: AnswerBudget(DEFAULT_BUDGET_BYTES))
 
     def open(self, config: UpstreamConfig) -> aiohttp.ClientSession:
         self.session = make_session(config)
@@ -26,6 +28,7 @@ class Transport:
             config.max_connections_per_worker,
             config.keepalive_timeout_s,
             max_open_per_worker=config.max_connections_per_worker,
+            budget=self.answers,
         )
         return self.session
 

@@ -17,8 +17,9 @@ the timeout sweep live in `upstream_slots.py`.
 
 Streamed answers come through `open_stream`: the head first, then the body as it arrives, read
 from a bounded buffer (the connection stops reading from the worker while the reader lags).
-https workers and everything off the hot path keep using aiohttp. The connection itself is in
-`upstream_conn.py`.
+Whole answers (read in one call, or by `read_whole` from a stream) are held within the process's
+`AnswerBudget`, shared with aiohttp's whole reads. https workers and everything off the hot path
+keep using aiohttp. The connection itself is in `upstream_conn.py`.
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from gateway import upstream_conn
+from gateway.answer_budget import AnswerBudget
 from gateway.upstream_conn import (
     MAX_ANSWER_BYTES,
+    AnswerBudgetExceeded,
     RetryHints,
     UpstreamBusy,
     UpstreamConnectError,
@@ -45,8 +48,14 @@ from gateway.upstream_slots import ConnectionSlots, TimeoutSweep
 
 T = TypeVar("T")
 
+# `limits.max_buffered_answer_bytes`' default: eight answers at the per-answer cap.
+DEFAULT_BUDGET_BYTES = 8 * MAX_ANSWER_BYTES
+
 __all__ = [
+    "DEFAULT_BUDGET_BYTES",
     "MAX_ANSWER_BYTES",
+    "AnswerBudget",
+    "AnswerBudgetExceeded",
     "RetryHints",
     "UpstreamBusy",
     "UpstreamConnectError",
@@ -62,14 +71,17 @@ __all__ = [
 
 class UpstreamPool:
     """Keep-alive connections to plain-HTTP workers: at most `max_open_per_worker` open (busy or
-    idle) and `max_idle_per_worker` idle each."""
+    idle) and `max_idle_per_worker` idle each. Whole answers are read within `budget` (the
+    process's, shared with the aiohttp transport; one of its own when none is given)."""
 
     def __init__(
         self,
         max_idle_per_worker: int = 256,
         keepalive_timeout_s: float = 30.0,
         max_open_per_worker: int = 256,
+        budget: AnswerBudget | None = None,
     ) -> None:
+        self.budget = budget if budget is not None else AnswerBudget(DEFAULT_BUDGET_BYTES)
         self._idle: dict[tuple[str, int], deque[WorkerConnection]] = {}
         self._max_idle = max_idle_per_worker
         self._keepalive_s = keepalive_timeout_s
@@ -195,7 +207,7 @@ class UpstreamPool:
         try:
             async with asyncio.timeout(connect_s):
                 _, protocol = await loop.create_connection(
-                    lambda: WorkerConnection(loop, self._sweep), host, port
+                    lambda: WorkerConnection(loop, self._sweep, self.budget), host, port
                 )
         except TimeoutError:
             raise UpstreamConnectError("connect timed out", timed_out=True) from None
@@ -264,7 +276,7 @@ class UpstreamStream:
 
     async def read_all(self) -> bytes:
         """The rest of the answer (for a worker that did not stream, e.g. a 4xx)."""
-        return await read_whole(self.read)
+        return await read_whole(self.read, self._pool.budget)
 
     def release(self) -> None:
         """The answer was read to its end: the connection may serve another request."""
@@ -286,20 +298,27 @@ class UpstreamStream:
         self._pool._leave(self._key, self._slots)
 
 
-async def read_whole(read: Callable[[], Awaitable[bytes]]) -> bytes:
+async def read_whole(read: Callable[[], Awaitable[bytes]], budget: AnswerBudget) -> bytes:
     """Everything `read` returns until b"", held whole, so bounded like the lean client's whole
     answers (`MAX_ANSWER_BYTES`, read when called): past it, `UpstreamError` ("worker answer too
-    large", answered), which the gateway maps like any answer that broke off. Both transports'
-    `read_all` go through here, so an https worker is held to the same bound as an http one."""
+    large", answered), which the gateway maps like any answer that broke off; past the process's
+    `budget`, `AnswerBudgetExceeded`. The reservation is released when the read ends, however it
+    ends. Both transports' `read_all` go through here, so an https worker is held to the same
+    bounds as an http one."""
     limit = upstream_conn.MAX_ANSWER_BYTES
     parts: list[bytes] = []
-    size = 0
-    while data := await read():
-        size += len(data)
-        if size > limit:
-            raise UpstreamError("worker answer too large", answered=True)
-        parts.append(data)
-    return b"".join(parts)
+    held = 0
+    try:
+        while data := await read():
+            if held + len(data) > limit:
+                raise UpstreamError("worker answer too large", answered=True)
+            if not budget.reserve(len(data)):
+                raise AnswerBudgetExceeded(budget)
+            held += len(data)
+            parts.append(data)
+        return b"".join(parts)
+    finally:
+        budget.release(held)
 
 
 def request_bytes(host_header: bytes, path: bytes, headers: bytes, body: bytes) -> bytes:

@@ -3,7 +3,9 @@
 A connection serves one request at a time, in one of two modes: a whole answer (status, content
 type and body, resolved when the answer is complete), or a stream (status and content type as
 soon as the head arrives, then body chunks through a bounded buffer that pauses reading while the
-consumer lags). Read and total timeouts are checked by the pool's `TimeoutSweep`.
+consumer lags). Read and total timeouts are checked by the pool's `TimeoutSweep`. A whole
+answer's bytes are reserved from the process's `AnswerBudget` as they arrive and released when
+the exchange ends, however it ends (`_reset`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import cast
 
 import httptools
 
+from gateway.answer_budget import AnswerBudget
 from gateway.upstream_slots import TimeoutSweep
 from policies.records import record
 
@@ -48,6 +51,18 @@ class UpstreamBusy(UpstreamConnectError):
 
 class UpstreamTimeout(UpstreamError):
     """The worker was silent for longer than the read timeout (or the total timeout passed)."""
+
+
+class AnswerBudgetExceeded(UpstreamError):
+    """A whole answer's next bytes would pass the process's `AnswerBudget`: the gateway's own
+    limit, not the worker's fault (the read ends and the connection is dropped)."""
+
+    def __init__(self, budget: AnswerBudget) -> None:
+        super().__init__(
+            f"the gateway holds its limit of worker answers in memory "
+            f"(limits.max_buffered_answer_bytes: {budget.capacity_bytes} bytes)",
+            answered=True,
+        )
 
 
 # A worker's advice on when to retry (`Retry-After`, `retry-after-ms`), as (name, value) pairs:
@@ -135,11 +150,13 @@ class WorkerConnection(asyncio.Protocol):
 
     __slots__ = (
         "_body",
+        "_budget",
         "_content_type",
         "_deadline_s",
         "_done",
         "_head",
         "_header_name",
+        "_held",
         "_last_activity_s",
         "_loop",
         "_parser",
@@ -155,9 +172,11 @@ class WorkerConnection(asyncio.Protocol):
         "transport",
     )
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, sweep: TimeoutSweep) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, sweep: TimeoutSweep, budget: AnswerBudget) -> None:
         self._loop = loop
         self._sweep = sweep
+        self._budget = budget
+        self._held = 0  # bytes of the whole answer being read, reserved from `_budget`
         self.transport: asyncio.Transport | None = None
         self.alive = False
         self.idle_since_s = 0.0
@@ -225,6 +244,12 @@ class WorkerConnection(asyncio.Protocol):
             self._fail(UpstreamError("worker answer too large", answered=True))
             self._close()
             return
+        if not self._budget.reserve(len(body)):
+            self.alive = False
+            self._fail(AnswerBudgetExceeded(self._budget))
+            self._close()
+            return
+        self._held += len(body)
         self._body.append(body)
 
     def on_message_complete(self) -> None:
@@ -334,11 +359,16 @@ class WorkerConnection(asyncio.Protocol):
             stream.end(exc)
 
     def _reset(self) -> None:
-        """The exchange is over (the stream's body stays readable until drained)."""
+        """The exchange is over (the stream's body stays readable until drained); a whole
+        answer's reservation is released (its bytes were joined into the reply, or dropped)."""
         self._sweep.discard(self)
         self._parser = None
         self._done = None
         self._head = None
+        if self._held:
+            self._budget.release(self._held)
+            self._held = 0
+            self._body = []
 
     def _close(self) -> None:
         if self.transport is not None:

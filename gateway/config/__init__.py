@@ -43,13 +43,16 @@ class LimitsConfig(Frozen):
     the choices a chat or completions request asks for (`n`, `best_of`; beyond: 400).
     Completions past their tenant's own slot and their body, across tenants
     (`max_in_flight_requests`; beyond: 503 with Retry-After, so every per-request structure
-    stays bounded).
+    stays bounded). Bytes of workers' whole answers being read at once, across requests
+    (`max_buffered_answer_bytes`; the answer that would pass it: 503 with Retry-After).
     """
 
     max_body_bytes: PositiveInt = 8 * 1024 * 1024
     # OpenAI's chat completions take `n` up to 128.
     max_choices: PositiveInt = 128
     max_in_flight_requests: PositiveInt = 4096
+    # Eight answers at the per-answer cap (`upstream_conn.MAX_ANSWER_BYTES`, 64 MiB).
+    max_buffered_answer_bytes: int = Field(default=512 * 1024 * 1024, ge=1024 * 1024)
     max_header_bytes: int = Field(default=32 * 1024, ge=1024)
     max_headers: PositiveInt = 100
     header_timeout_s: PositiveFloat = 10.0

@@ -173,6 +173,13 @@ class MetricCatalogue:
             "Requests a pool's queue turned away, by reason (tenant_full, full, timeout)",
             ("pool", "tenant", "reason"),
         )
+        # Whole answers held in memory while they are read (`gateway.answer_budget`).
+        self.answer_budget_refusals = hot.counter(
+            "kvgate_answer_budget_refusals",
+            "Whole worker answers cut off because the bytes of answers being read would pass "
+            "limits.max_buffered_answer_bytes (the client got 503 gateway_overloaded)",
+            (),
+        )
         r.register(hot)
         # Copied or set at scrape time.
         self.policy_events = SnapshotCounter(
@@ -211,6 +218,12 @@ class MetricCatalogue:
         )
         self.discovered_workers = Gauge(
             "kvgate_discovery_workers", "Workers a pool's discovery currently reports", ["pool"], registry=r
+        )
+        self.answer_bytes_held = Gauge(
+            "kvgate_answer_bytes_held",
+            "Bytes of whole worker answers being read now, across requests "
+            "(at most limits.max_buffered_answer_bytes)",
+            registry=r,
         )
         self.client_connections = Gauge(
             "kvgate_client_connections", "Open client connections of this process", registry=r

@@ -12,7 +12,10 @@ gateway hanging up is recorded as a cancel), tail (streams a chunk every 40 ms f
 `[DONE]`, then ends the chunked body 30 ms later), garbage (answers 200 with a body that is not
 JSON, or a stream whose events are not JSON), reject400 (a 400 in vLLM's error shape, naming `max_tokens`),
 streamerr400 / streamerr500 (stream two chunks, then an error event quoting the prompt, in vLLM's
-nested shape with `code` 400 / its older flat shape with `code` 500, then keep streaming for 10 s).
+nested shape with `code` 400 / its older flat shape with `code` 500, then keep streaming for 10 s),
+big (a non-streamed chat answer of `max_tokens` KiB of content, chunked: all but its last bytes at
+once, the rest when the process is released: GET /_hold holds every big answer's end, GET /_release
+lets them end; released at start; a gateway closing the connection meanwhile is recorded as a cancel).
 GET /_log on any port returns what that port received (request id, body, headers, traceparent), saw (cancels,
 named by the body's `user` field when the test set one, else by the request id the gateway sent),
 how many distinct connections its completions came on, and the method, path, `Authorization` and
@@ -41,9 +44,13 @@ MODES = (
     "reject400",
     "streamerr400",
     "streamerr500",
+    "big",
 )
 # Request ids some once500 port has failed already (shared by all ports of the process).
 FAILED_ONCE: set[str] = set()
+# Set while big answers may end (GET /_release), cleared by GET /_hold; shared by all ports.
+RELEASED = asyncio.Event()
+RELEASED.set()
 
 
 class Port:
@@ -103,6 +110,26 @@ async def _until_closed(request: web.Request, port: Port, tag: str, limit_s: flo
         await asyncio.sleep(0.05)
 
 
+async def _big(request: web.Request, port: Port, tag: str, answer: dict[str, Any]) -> web.StreamResponse:
+    """`answer` with `max_tokens` KiB of content, its end held while the process is on hold."""
+    size = int(answer.pop("kib")) * 1024
+    answer["choices"][0]["message"]["content"] = "x" * size
+    data = orjson.dumps(answer)
+    resp = web.StreamResponse(headers={"content-type": "application/json"})
+    await resp.prepare(request)
+    await resp.write(data[:-2])
+    for _ in range(600):
+        if RELEASED.is_set():
+            break
+        if request.transport is None or request.transport.is_closing():
+            port.cancelled.append(tag)
+            return resp
+        await asyncio.sleep(0.05)
+    await resp.write(data[-2:])
+    await resp.write_eof()
+    return resp
+
+
 def make_app(port: Port) -> web.Application:
     async def health(request: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -119,6 +146,14 @@ def make_app(port: Port) -> web.Application:
             ),
             content_type="application/json",
         )
+
+    async def hold(request: web.Request) -> web.Response:
+        RELEASED.clear()
+        return web.Response(text="held")
+
+    async def release(request: web.Request) -> web.Response:
+        RELEASED.set()
+        return web.Response(text="released")
 
     async def infer(request: web.Request) -> web.StreamResponse:
         body = await request.json(loads=orjson.loads)
@@ -178,6 +213,10 @@ def make_app(port: Port) -> web.Application:
             "prompt_tokens_details": {"cached_tokens": cached},
         }
         base = {"id": f"cmpl-{rid}", "created": int(time.time()), "model": body.get("model")}
+        if port.mode == "big" and chat and not body.get("stream"):
+            choice = {"index": 0, "message": message, "finish_reason": "length", "logprobs": None}
+            out = {**base, "object": "chat.completion", "choices": [choice], "usage": usage}
+            return await _big(request, port, tag, {**out, "kib": body.get("max_tokens") or 1})
         if not body.get("stream"):
             if port.mode == "slow":
                 # A long non-streamed generation: notice the gateway closing the connection.
@@ -299,6 +338,8 @@ def make_app(port: Port) -> web.Application:
     app = web.Application(middlewares=[note_others])
     app.router.add_get("/health", health)
     app.router.add_get("/_log", log)
+    app.router.add_get("/_hold", hold)
+    app.router.add_get("/_release", release)
     app.router.add_post("/v1/chat/completions", infer)
     app.router.add_post("/v1/completions", infer)
     return app

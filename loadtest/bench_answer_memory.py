@@ -1,0 +1,203 @@
+"""The gateway's peak memory while it reads many large non-streamed answers at once.
+
+    python -m loadtest.bench_answer_memory --gateway-root . --requests 16 --answer-mb 60
+
+One raw-socket worker answers every chat request with the same prebuilt JSON answer of
+`--answer-mb` MB: all of it but its last byte at once, the last byte when every request has
+had the rest (or had its connection dropped by the gateway), so that all the answers are held
+in the gateway at the same time. The gateway (`python -m gateway.cli serve` from
+`--gateway-root`, so two checkouts can be compared) serves one pool with that worker. Printed:
+the gateway's RSS before the load and its peak (VmHWM from /proc) after, and the statuses the
+clients got (the end of each non-200 answer goes to stderr). Nothing here imports the gateway:
+it is started as a process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+SECRET = "bench-answer-memory"
+KEY = "sk-bench"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _answer(size: int) -> bytes:
+    content = "x" * size
+    body = json.dumps(
+        {
+            "id": "cmpl-bench",
+            "object": "chat.completion",
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "length"}
+            ],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        }
+    ).encode()
+    head = f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    return head.encode() + body
+
+
+class Worker:
+    """Answers `requests` requests; their last bytes wait until every one has had the rest."""
+
+    def __init__(self, answer: bytes, requests: int) -> None:
+        self.answer = answer
+        self.requests = requests
+        self.sent = 0
+        self.all_sent = asyncio.Event()
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = b""
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            if head.startswith(b"GET"):
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+                await writer.drain()
+                return
+            length = next(
+                int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")
+            )
+            await reader.readexactly(length)
+            writer.write(memoryview(self.answer)[:-1])
+            await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            return
+        finally:
+            if not head.startswith(b"GET"):
+                self.sent += 1
+                if self.sent >= self.requests:
+                    self.all_sent.set()
+        await self.all_sent.wait()
+        try:
+            writer.write(self.answer[-1:])
+            await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+
+def _status_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _gateway(
+    root: Path, folder: Path, worker_port: int, budget_bytes: int | None
+) -> tuple[subprocess.Popen[bytes], int]:
+    env = {**os.environ, "PYTHONPATH": str(root), "KVGATE_KEY_SECRET": SECRET}
+    hashed = (
+        subprocess.run(
+            [sys.executable, "-m", "gateway.cli", "serve", "--hash-key"],
+            input=KEY.encode(),
+            env=env,
+            cwd=root,
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .strip()
+    )
+    (folder / "policy.yaml").write_text("policy: round_robin\n")
+    config: dict[str, object] = {
+        "policy_file": "policy.yaml",
+        "pools": [{"name": "big", "models": ["m-big"], "workers": [f"http://127.0.0.1:{worker_port}"]}],
+        "tenants": [{"name": "bench", "api_key_hashes": [hashed]}],
+    }
+    if budget_bytes is not None:  # a checkout without the budget refuses the key
+        config["limits"] = {"max_buffered_answer_bytes": budget_bytes}
+    (folder / "gateway.json").write_text(json.dumps(config))  # JSON is YAML
+    port = _free_port()
+    argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(folder / "gateway.json")]
+    argv += ["--port", str(port), "--metrics-port", str(_free_port())]
+    proc = subprocess.Popen(argv, env=env, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1):
+                return proc, port
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise SystemExit("the gateway did not become ready") from None
+            time.sleep(0.1)
+
+
+async def _post(port: int) -> int:
+    body = json.dumps({"model": "m-big", "messages": [{"role": "user", "content": "x"}]}).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
+        + KEY.encode()
+        + b"\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
+    await writer.drain()
+    status = int((await reader.readline()).split()[1])
+    rest = b""
+    while data := await reader.read(1 << 20):
+        rest = (rest + data)[-400:]
+    writer.close()
+    if status != 200:
+        print(status, rest[-300:], file=sys.stderr)
+    return status
+
+
+async def run(root: Path, requests: int, answer_mb: int, budget_bytes: int | None) -> dict[str, object]:
+    worker = Worker(_answer(answer_mb * 1000 * 1000), requests)
+    server = await asyncio.start_server(worker.serve, "127.0.0.1", 0)
+    worker_port = server.sockets[0].getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, port = await asyncio.to_thread(_gateway, root, Path(tmp), worker_port, budget_bytes)
+        try:
+            before_kib = _status_kib(proc.pid, "VmRSS")
+            statuses = await asyncio.gather(*(_post(port) for _ in range(requests)))
+            peak_kib = _status_kib(proc.pid, "VmHWM")
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    server.close()
+    return {
+        "rss_before_mb": round(before_kib / 1024),
+        "peak_rss_mb": round(peak_kib / 1024),
+        "statuses": dict(Counter(statuses)),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gateway-root", type=Path, default=Path.cwd(), help="checkout whose gateway runs")
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--answer-mb", type=int, default=60)
+    parser.add_argument("--budget-bytes", type=int, default=None, help="limits.max_buffered_answer_bytes")
+    args = parser.parse_args()
+    print(
+        json.dumps(
+            asyncio.run(run(args.gateway_root.resolve(), args.requests, args.answer_mb, args.budget_bytes))
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -238,7 +238,14 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
 
     routes = [
         *surface_routes(state.gate.keyring, state.registry, state.created_s),
-        *responses_routes(state.gate, state.registry, state.routing.metrics, transport),
+        *responses_routes(
+            state.gate,
+            state.registry,
+            state.routing.metrics,
+            transport,
+            state.lifecycle,
+            tracing=state.routing.tracer is not None,
+        ),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         *admin_routes(state, watcher),

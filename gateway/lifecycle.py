@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from gateway.disconnect import DisconnectWatch
 from gateway.errors import ApiError
 
-if TYPE_CHECKING:
-    from gateway.streaming import ProxyStream
-
 SHUTTING_DOWN = "gateway shutting down"
+
+
+class OpenStream(Protocol):
+    """A streamed response the drain deadline can end (`streaming.ProxyStream`,
+    `responses_stream.StoredResponseStream`): the client gets a terminal error event."""
+
+    def abort(self, reason: str) -> None: ...
 
 
 def shutting_down() -> ApiError:
@@ -34,15 +38,15 @@ class Lifecycle:
     ready: bool = False
     in_flight_requests: int = 0
     disconnects: DisconnectWatch = field(default_factory=DisconnectWatch)
-    active_streams: set[ProxyStream] = field(default_factory=set)
+    active_streams: set[OpenStream] = field(default_factory=set)
     dispatching: set[asyncio.Task[Any]] = field(default_factory=set)
     ended: set[asyncio.Task[Any]] = field(default_factory=set)
     past_deadline: bool = False
 
-    def stream_started(self, stream: ProxyStream) -> None:
+    def stream_started(self, stream: OpenStream) -> None:
         self.active_streams.add(stream)
 
-    def stream_ended(self, stream: ProxyStream) -> None:
+    def stream_ended(self, stream: OpenStream) -> None:
         self.active_streams.discard(stream)
 
     def dispatch_started(self, task: asyncio.Task[Any]) -> None:

@@ -42,7 +42,7 @@ from gateway.streaming import AiohttpSource, ProxyStream, StreamSource, first_ev
 from gateway.tracing import AttemptTrace, TracedSource
 from gateway.transport import Transport
 from gateway.upstream import UpstreamReply, request_bytes
-from gateway.upstream_headers import aiohttp_pairs, lean_lines
+from gateway.upstream_headers import aiohttp_pairs, lean_lines, passed_on
 from policies.base import Outcome, WorkerId
 
 log = logging.getLogger("kvgate.proxy")
@@ -313,25 +313,33 @@ def _is_event_stream(content_type: str) -> bool:
 def _answer(
     routing: Routing, a: Admitted, attempt: Attempt, reply: UpstreamReply, retries: int
 ) -> RawResponse | Failure:
-    """A complete answer. A 5xx, or a 200 whose body is not a JSON object (on routes that answer
-    JSON), is the attempt's failure; anything else closes the books and is passed through: a 200
-    byte for byte, an error with its body in the route's error shape, the worker's `Retry-After`
-    and the gateway's retry advice (`retries.py`)."""
+    """A complete answer. A 5xx, or a 200 that says it is JSON but whose body is not a JSON
+    object (on routes that answer JSON), is the attempt's failure; anything else closes the books
+    and is passed through: a 200 byte for byte, an error with its body in the route's error shape,
+    the worker's `Retry-After` and the gateway's retry advice (`retries.py`). A 200 of another
+    content type is an answer in another format, not a broken one (vLLM's binary embeddings,
+    `encoding_format` "bytes", with their `metadata` header; a plain-text transcript): it goes to
+    the client with its content type, and the request has no usage the gateway can read."""
     status, body, content_type = reply.status, reply.body, reply.content_type
     if attempt.trace is not None:
         attempt.trace.status = status
     if status >= 500:
         return worker_status(status, reply.retry_hints)
+    passed: list[tuple[bytes, bytes]] = []
     if status == 200:
-        try:
-            parsed = orjson.loads(body)
-        except orjson.JSONDecodeError:
+        if not _is_json(content_type):
             parsed = None
-        if not isinstance(parsed, dict):
-            if a.api.json_answer:
+            passed = passed_on(reply.retry_hints)
+        else:
+            try:
+                parsed = orjson.loads(body)
+            except orjson.JSONDecodeError:
+                parsed = None
+            if not isinstance(parsed, dict) and a.api.json_answer:
                 problem = "worker sent a malformed answer (its body is not a JSON object)"
                 return malformed(problem, Stage.ANSWER)
-            usage = NO_USAGE  # a plain-text transcript, say
+        if not isinstance(parsed, dict):
+            usage = NO_USAGE
         else:
             if attempt.trace is not None:
                 attempt.trace.note_answer(parsed)
@@ -352,4 +360,10 @@ def _answer(
     if status >= 400:
         headers += forwardable(reply.retry_hints)
         headers += advice(retries + 1, a.pool.config.retry_attempts, a.retries_taken)
-    return RawResponse(status, body, headers)
+    return RawResponse(status, body, headers + passed)
+
+
+def _is_json(content_type: str) -> bool:
+    """`application/json`, or none (a worker that names no type is read as it always was)."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    return not media or media == "application/json" or media.endswith("+json")

@@ -2,11 +2,16 @@
 
 Only the tenant that created a response reaches it (`responses_affinity`); anything else, and an id
 the gateway does not know, is vLLM's 404. The request counts against the tenant's concurrency and
-rpm like any other; the worker's answer is passed through (its errors in the gateway's shape).
+rpm like any other; the worker's answer is passed through (its errors in the gateway's shape), and
+a retrieve the worker answers with an event stream (`stream=true`) is relayed as one
+(`responses_stream.py`). The worker gets what a proxied request would send it: the pool's API key
+for its workers, the client headers the pool forwards, and the query string (`stream`,
+`starting_after`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from urllib.parse import quote
 
@@ -17,15 +22,22 @@ from starlette.routing import Route
 
 from gateway.admission import new_request_id, request_id_of
 from gateway.errors import ApiError, normalize_worker_error, upstream_error
+from gateway.failure import TRANSPORT_ERRORS
 from gateway.gate import Gate
+from gateway.lifecycle import Lifecycle
 from gateway.metrics import GatewayMetrics
 from gateway.quotas import Rejection
-from gateway.registry import Registry
+from gateway.registry import Pool, Registry
 from gateway.responses_affinity import ResponseAffinity, not_found
+from gateway.responses_stream import StoredResponseStream
+from gateway.streaming import AiohttpSource
 from gateway.surface import error
+from gateway.tracing import TRACE_CONTEXT_HEADERS
 from gateway.transport import Transport
+from gateway.upstream_headers import aiohttp_pairs, pick
 
 _NO_KEY = ApiError(401, "incorrect or missing API key", "invalid_request_error", "invalid_api_key")
+_TRACE_CONTEXT = frozenset(name.encode() for name in TRACE_CONTEXT_HEADERS)
 
 
 def _rejected(rejection: Rejection) -> ApiError:
@@ -36,10 +48,17 @@ def _rejected(rejection: Rejection) -> ApiError:
 
 
 def responses_routes(
-    gate: Gate, registry: Registry, metrics: GatewayMetrics, transport: Transport
+    gate: Gate,
+    registry: Registry,
+    metrics: GatewayMetrics,
+    transport: Transport,
+    lifecycle: Lifecycle,
+    tracing: bool = False,
 ) -> list[Route]:
     """The stored-response routes: a tenant's key and a slot of its limiter (`gate`), the worker
-    that holds the response (`gate.responses`, `registry`), reached with the process's session."""
+    that holds the response (`gate.responses`, `registry`), reached with the process's session.
+    With `tracing` the client's own trace context goes to the worker (these routes open no span
+    of their own), so the worker's spans join the client's trace."""
 
     async def forward(request: Request, suffix: str, endpoint: str) -> Response:
         reply_id = request_id_of(request)
@@ -52,21 +71,38 @@ def responses_routes(
         if rejection is not None:
             metrics.requests.labels("", tenant.name, "429", endpoint).inc()
             return error(_rejected(rejection), reply_id)
-        try:
-            status, body = await _to_holder(
-                gate.responses,
-                registry,
-                transport,
-                request.path_params["response_id"],
-                tenant.name,
-                suffix,
-                request,
-            )
-        except ApiError as err:
-            status, body = err.status, err.body()
-        finally:
+
+        def done(status: int) -> None:
             limiter.leave()
-        metrics.requests.labels("", tenant.name, str(status), endpoint).inc()
+            metrics.requests.labels("", tenant.name, str(status), endpoint).inc()
+
+        try:
+            try:
+                pool, source = await _to_holder(
+                    gate.responses,
+                    registry,
+                    transport,
+                    request.path_params["response_id"],
+                    tenant.name,
+                    suffix,
+                    request,
+                    tracing,
+                )
+            except ApiError as err:
+                done(err.status)
+                return error(err, reply_id)
+            if source.status == 200 and _is_event_stream(source.content_type):
+                # The stream gives the limiter's slot back, and counts the request, when it ends.
+                return StoredResponseStream(source, reply_id, lifecycle, pool.config.timeouts, done)
+            try:
+                status, body = await _whole(source)
+            except ApiError as err:
+                done(err.status)
+                return error(err, reply_id)
+        except BaseException as exc:
+            done(499 if isinstance(exc, asyncio.CancelledError) else 500)  # the client left, or a bug
+            raise
+        done(status)
         if status >= 400:
             body = normalize_worker_error(status, body)
         return Response(body, status, headers={"x-request-id": reply_id}, media_type="application/json")
@@ -91,22 +127,56 @@ async def _to_holder(
     tenant: str,
     suffix: str,
     request: Request,
-) -> tuple[int, bytes]:
+    tracing: bool,
+) -> tuple[Pool, AiohttpSource]:
+    """The worker's answer head (its body still to be read), and the pool the worker is in."""
     held = responses.holder(response_id, tenant, time.monotonic())
     pool = registry.pools.get(held.pool) if held is not None else None
     if held is None or pool is None or held.worker not in pool.workers:
         raise not_found(response_id)
     worker = pool.workers[held.worker]
     url = f"{worker.url}/v1/responses/{quote(response_id, safe='')}{suffix}"
-    headers = {"x-request-id": new_request_id()}
+    raw = request.scope["headers"]
+    headers = [("x-request-id", new_request_id()), *pool.auth.headers.items()]
+    if pool.forward:
+        headers += aiohttp_pairs(pick(raw, pool.forward))
+    if tracing:
+        headers += aiohttp_pairs(pick(raw, _TRACE_CONTEXT))
     try:
-        async with transport.upstream().request(
-            request.method, url, headers=headers, params=request.query_params, timeout=pool.client_timeout
-        ) as resp:
-            return resp.status, await resp.read()
+        resp = await transport.upstream().request(
+            request.method,
+            url,
+            headers=headers,
+            params=list(request.query_params.multi_items()),
+            timeout=pool.client_timeout,
+        )
     except TimeoutError:
         raise upstream_error(504, "the worker holding the response did not answer in time") from None
     except (aiohttp.ClientError, OSError) as exc:
-        raise upstream_error(
-            502, f"could not reach the worker holding the response ({type(exc).__name__})"
-        ) from None
+        raise _unreachable(exc) from None
+    return pool, AiohttpSource(resp, transport.answers)
+
+
+async def _whole(source: AiohttpSource) -> tuple[int, bytes]:
+    """The worker's whole answer (bounded like any: `upstream.read_whole`)."""
+    try:
+        body = await source.read_all()
+    except TimeoutError:
+        source.close()
+        raise upstream_error(504, "the worker holding the response did not answer in time") from None
+    except TRANSPORT_ERRORS as exc:
+        source.close()
+        raise _unreachable(exc) from None
+    except BaseException:
+        source.close()
+        raise
+    source.release()
+    return source.status, body
+
+
+def _unreachable(exc: BaseException) -> ApiError:
+    return upstream_error(502, f"could not reach the worker holding the response ({type(exc).__name__})")
+
+
+def _is_event_stream(content_type: str) -> bool:
+    return content_type.split(";", 1)[0].strip().lower() == "text/event-stream"

@@ -34,6 +34,7 @@ from gateway.outcome import Attempt, finish, usage_of
 from gateway.routing import Routing
 from gateway.sse import Relay
 from gateway.upstream import AnswerBudget, RetryHints, read_whole
+from gateway.upstream_headers import ANSWER_HEADERS
 from policies.base import Outcome
 
 log = logging.getLogger("kvgate.streaming")
@@ -78,7 +79,7 @@ class AiohttpSource:
         self.content_type = resp.headers.get("content-type", "")
         self.retry_hints: RetryHints = tuple(
             (name, value.encode("latin-1"))
-            for name in (b"retry-after", b"retry-after-ms")
+            for name in ANSWER_HEADERS
             if (value := resp.headers.get(name.decode())) is not None
         )
 

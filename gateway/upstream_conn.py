@@ -17,6 +17,7 @@ from typing import cast
 import httptools
 
 from gateway.answer_budget import AnswerBudget
+from gateway.upstream_headers import ANSWER_HEADERS
 from gateway.upstream_slots import TimeoutSweep
 from policies.records import record
 
@@ -65,8 +66,9 @@ class AnswerBudgetExceeded(UpstreamError):
         )
 
 
-# A worker's advice on when to retry (`Retry-After`, `retry-after-ms`), as (name, value) pairs:
-# empty unless the worker sent either, which only an overloaded worker does.
+# The answer headers the gateway keeps (`upstream_headers.ANSWER_HEADERS`), as (name, value)
+# pairs: a worker's advice on when to retry (only an overloaded worker sends it), and vLLM's
+# `metadata` of a binary embeddings answer; empty otherwise.
 RetryHints = tuple[tuple[bytes, bytes], ...]
 
 
@@ -225,7 +227,7 @@ class WorkerConnection(asyncio.Protocol):
         lowered = name.lower()
         if lowered == b"content-type":
             self._content_type = value.decode("latin-1")
-        elif (lowered == b"retry-after" or lowered == b"retry-after-ms") and len(self._retry_hints) < 2:
+        elif lowered in ANSWER_HEADERS and len(self._retry_hints) < len(ANSWER_HEADERS):
             self._retry_hints += ((lowered, value),)
 
     def on_headers_complete(self) -> None:

@@ -45,6 +45,14 @@ NEVER_FORWARDED = frozenset(
 )
 _TOKEN = re.compile(r"[a-z0-9!#$%&'*+.^_`|~-]+")
 
+# The headers of a worker's answer the gateway keeps (`upstream.RetryHints`, lower-case): its
+# retry advice, passed on with an error (`retries.forwardable`), and vLLM's `metadata` (the id,
+# model, usage and per-input offsets and shapes of a binary embeddings answer, `encoding_format`
+# "bytes"), passed on with a 200 that is not JSON (`passed_on`). No other answer header reaches
+# the client.
+ANSWER_HEADERS = (b"retry-after", b"retry-after-ms", b"metadata")
+_PASSED_ON_WITH_A_BODY = frozenset({b"metadata"})
+
 
 def forwardable_name(name: str) -> str:
     """`name` lower-cased, if a client header of that name may be forwarded; ValueError if not."""
@@ -104,3 +112,8 @@ def lean_lines(headers: ClientHeaders) -> bytes:
 
 def aiohttp_pairs(headers: ClientHeaders) -> Sequence[tuple[str, str]]:
     return [(name.decode("latin-1"), value.decode("latin-1")) for name, value in headers]
+
+
+def passed_on(hints: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The answer headers that go to the client with a worker's 200 that is not JSON."""
+    return [(name, value) for name, value in hints if name in _PASSED_ON_WITH_A_BODY]

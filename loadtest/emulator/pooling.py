@@ -9,6 +9,7 @@ spent: pooling models in vLLM do no decoding, and the emulator keeps these route
 from __future__ import annotations
 
 import base64
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,6 +18,7 @@ EMBEDDING_DIM = 1024
 _TABLE_ROWS = 1024
 CLASS_LABELS = ("LABEL_0", "LABEL_1")
 EMBED_DTYPES = ("float32", "float16", "bfloat16")
+ENDIANNESS = ("native", "little", "big")
 
 
 @dataclass
@@ -66,10 +68,15 @@ def encode_vector(vec: np.ndarray, encoding_format: str, embed_dtype: str = "flo
     if encoding_format == "float":
         out: list[float] = vec.astype(np.float64).tolist()
         return out
+    return base64.b64encode(vector_bytes(vec, embed_dtype)).decode()
+
+
+def vector_bytes(vec: np.ndarray, embed_dtype: str = "float32", endianness: str = "little") -> bytes:
+    """The raw `embed_dtype` values of `vec` in `endianness` byte order ("native" is this
+    machine's); bfloat16 is the upper half of each float32."""
+    order = "<" if endianness == "little" or (endianness == "native" and sys.byteorder == "little") else ">"
     if embed_dtype == "float16":
-        raw = vec.astype("<f2").tobytes()
-    elif embed_dtype == "bfloat16":
-        raw = (vec.astype("<f4").view("<u4") >> 16).astype("<u2").tobytes()
-    else:
-        raw = vec.astype("<f4").tobytes()
-    return base64.b64encode(raw).decode()
+        return vec.astype(order + "f2").tobytes()
+    if embed_dtype == "bfloat16":
+        return (vec.astype("<f4").view("<u4") >> 16).astype(order + "u2").tobytes()
+    return vec.astype(order + "f4").tobytes()

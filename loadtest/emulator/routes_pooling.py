@@ -5,6 +5,7 @@ validated and counted like prompts (each within `max_model_len`)."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
@@ -16,7 +17,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from loadtest.emulator.errors import ApiError
-from loadtest.emulator.pooling import CLASS_LABELS, EMBED_DTYPES, EMBEDDING_DIM, Pooler, encode_vector
+from loadtest.emulator.pooling import (
+    CLASS_LABELS,
+    EMBED_DTYPES,
+    EMBEDDING_DIM,
+    ENDIANNESS,
+    Pooler,
+    encode_vector,
+    vector_bytes,
+)
 from loadtest.emulator.protocol import check_model, int_field, prompt_batch, render_chat_body
 from loadtest.emulator.web import json_response, read_json, worker_of
 from loadtest.emulator.worker import EmulatedWorker
@@ -68,10 +77,16 @@ def _usage(prompt_tokens: int) -> dict[str, Any]:
     }
 
 
+_FORMATS = ("float", "base64", "bytes", "bytes_only")
+_BINARY = ("bytes", "bytes_only")
+
+
 def _encoding(body: Mapping[str, Any]) -> tuple[str, str, int]:
     fmt = body.get("encoding_format", "float")
-    if fmt not in ("float", "base64"):
-        raise ApiError.bad_request('encoding_format must be "float" or "base64"', "encoding_format")
+    if fmt not in _FORMATS:
+        raise ApiError.bad_request(f"encoding_format must be one of {', '.join(_FORMATS)}", "encoding_format")
+    if body.get("endianness", "native") not in ENDIANNESS:
+        raise ApiError.bad_request(f"endianness must be one of {', '.join(ENDIANNESS)}", "endianness")
     dtype = body.get("embed_dtype", "float32")
     if dtype not in EMBED_DTYPES:
         raise ApiError.bad_request(f"embed_dtype must be one of {', '.join(EMBED_DTYPES)}", "embed_dtype")
@@ -97,12 +112,46 @@ _Item = Callable[[Pooler, np.ndarray], dict[str, Any]]
 def _vectors(object_name: str, field_name: str) -> Callable[[Mapping[str, Any]], _Item]:
     def items(body: Mapping[str, Any]) -> _Item:
         fmt, dtype, dims = _encoding(body)
+        if fmt in _BINARY:
+            return lambda pooler, ids: {"vector": pooler.embed(ids, dims)}
         return lambda pooler, ids: {
             "object": object_name,
             field_name: encode_vector(pooler.embed(ids, dims), fmt, dtype),
         }
 
     return items
+
+
+def _binary_answer(
+    body: Mapping[str, Any], answer_id: str, model: str, data: list[dict[str, Any]], prompt_tokens: int
+) -> Response:
+    """vLLM's `encoding_format` "bytes" and "bytes_only" (`_openai_bytes_response` in
+    vllm/entrypoints/pooling/embed/serving.py, the offsets as `encode_pooling_bytes` in
+    vllm/entrypoints/pooling/utils.py lays them out): the vectors back to back as raw
+    `embed_dtype` values in `endianness` order, `application/octet-stream`; with "bytes", a
+    `metadata` header holding a JSON object: `id`, `created`, `model`, `usage`, and in `data` one
+    item per input with its `index`, `embed_dtype`, `endianness`, `start` and `end` (byte offsets
+    into the body) and `shape`. "bytes_only" sends no header."""
+    dtype = str(body.get("embed_dtype", "float32"))
+    endianness = str(body.get("endianness", "native"))
+    chunks: list[bytes] = []
+    items: list[dict[str, Any]] = []
+    offset = 0
+    for item in data:
+        vec = item["vector"]
+        raw = vector_bytes(vec, dtype, endianness)
+        items.append(
+            {"index": item["index"], "embed_dtype": dtype, "endianness": endianness,
+             "start": offset, "end": offset + len(raw), "shape": list(vec.shape)}
+        )  # fmt: skip
+        chunks.append(raw)
+        offset += len(raw)
+    headers = None
+    if body.get("encoding_format") == "bytes":
+        usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
+        meta = {"id": answer_id, "created": int(time.time()), "model": model, "data": items, "usage": usage}
+        headers = {"metadata": json.dumps(meta)}
+    return Response(b"".join(chunks), media_type="application/octet-stream", headers=headers)
 
 
 def _classes(body: Mapping[str, Any]) -> _Item:
@@ -120,17 +169,19 @@ def _classes(body: Mapping[str, Any]) -> _Item:
 @dataclass(frozen=True, slots=True)
 class _PerInputRoute:
     """A route that answers each input with one item, in a vLLM list body. `items` reads the
-    route's own options first, so a bad option is rejected before any input is tokenized."""
+    route's own options first, so a bad option is rejected before any input is tokenized.
+    `vectors`: its items are vectors, which `encoding_format` "bytes" sends as a binary body."""
 
     path: str
     id_prefix: str
     items: Callable[[Mapping[str, Any]], _Item]
+    vectors: bool = True
 
 
 _PER_INPUT_ROUTES = (
     _PerInputRoute("/v1/embeddings", "embd", _vectors("embedding", "embedding")),
     _PerInputRoute("/pooling", "pool", _vectors("pooling", "data")),
-    _PerInputRoute("/classify", "classify", _classes),
+    _PerInputRoute("/classify", "classify", _classes, vectors=False),
 )
 
 
@@ -142,7 +193,11 @@ def _per_input_handler(route: _PerInputRoute) -> Callable[[Request], Awaitable[R
         item = route.items(body)
         inputs = _inputs(body, w)
         data = [{"index": i, **item(w.pooler, ids)} for i, ids in enumerate(inputs)]
-        return json_response(_list_body(route.id_prefix, model, data, sum(len(x) for x in inputs)))
+        prompt_tokens = sum(len(x) for x in inputs)
+        if route.vectors and body.get("encoding_format") in _BINARY:
+            answer_id = f"{route.id_prefix}-{uuid.uuid4().hex}"
+            return _binary_answer(body, answer_id, model, data, prompt_tokens)
+        return json_response(_list_body(route.id_prefix, model, data, prompt_tokens))
 
     return handler
 

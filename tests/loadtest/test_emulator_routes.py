@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import math
 import wave
 from collections.abc import Iterator
@@ -151,6 +152,22 @@ def test_embeddings_with_the_sdk(client: openai.OpenAI, base_url: str) -> None:
     assert raw["object"] == "list" and raw["data"][1]["object"] == "embedding"
 
 
+def test_binary_embeddings_are_raw_values_with_their_offsets_in_a_metadata_header(base_url: str) -> None:
+    body = {"input": ["a b c", "d e"], "dimensions": 16}
+    floats = post(base_url, "/v1/embeddings", body).json()["data"]
+    binary = post(base_url, "/v1/embeddings", {**body, "encoding_format": "bytes", "embed_dtype": "float16",
+                                               "endianness": "big"})  # fmt: skip
+    assert binary.headers["content-type"] == "application/octet-stream"
+    meta = json.loads(binary.headers["metadata"])
+    assert meta["usage"]["prompt_tokens"] == meta["usage"]["total_tokens"] > 0
+    for item, expected in zip(meta["data"], floats, strict=True):
+        assert (item["embed_dtype"], item["endianness"], item["shape"]) == ("float16", "big", [16])
+        values = np.frombuffer(binary.content[item["start"] : item["end"]], dtype=">f2")
+        assert np.allclose(values, expected["embedding"], atol=1e-3)
+    only = post(base_url, "/pooling", {**body, "encoding_format": "bytes_only"})
+    assert "metadata" not in only.headers and len(only.content) == 2 * 16 * 4
+
+
 def test_pooling_classify_score_rerank_shapes(base_url: str) -> None:
     pooled = post(base_url, "/pooling", {"model": MODEL, "input": ["a b c", "d e f"]}).json()
     assert [d["object"] for d in pooled["data"]] == ["pooling", "pooling"]
@@ -177,7 +194,8 @@ def test_pooling_classify_score_rerank_shapes(base_url: str) -> None:
     ("path", "body", "param"),
     [
         ("/v1/embeddings", {"input": ""}, "input"),
-        ("/v1/embeddings", {"input": "x", "encoding_format": "bytes"}, "encoding_format"),
+        ("/v1/embeddings", {"input": "x", "encoding_format": "binary"}, "encoding_format"),
+        ("/v1/embeddings", {"input": "x", "encoding_format": "bytes", "endianness": "middle"}, "endianness"),
         ("/v1/embeddings", {"input": "x", "dimensions": 0}, "dimensions"),
         ("/v1/embeddings", {"input": "x" * 70000}, "input"),
         ("/pooling", {"input": [1.5]}, "input"),

@@ -1,0 +1,124 @@
+"""`GET /v1/responses/{id}?stream=true`: a stored response's events, relayed as the worker sends them.
+
+vLLM answers a retrieve with `stream=true` (and `starting_after`) with the response's event
+stream: the events stored so far at once, then each new one as a background response produces
+it. The client gets each event when the worker sends it, through the Responses relay the
+proxied `POST /v1/responses` streams use (`sse_named.ResponsesRelay`: whole events only, a
+bounded partial event, the worker's error rewritten into the Responses error event, nothing after
+the terminal event). As for proxied streams, a client that leaves cancels the relay and so closes
+the worker's request (`disconnect.py`), a worker that dies or ends before the terminal event gets
+one terminal error event written for it, and the drain deadline ends the stream with
+`gateway_shutting_down` (`app.drain`).
+
+The head goes out before the first event: only the worker holding the response can answer, so
+there is no other worker to try, and a background response may take a while before its next
+event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from gateway.config.pool import TimeoutsConfig
+from gateway.disconnect import DisconnectGuard
+from gateway.failure import TRANSPORT_ERRORS, Failure, Stage, failure_of, malformed
+from gateway.lifecycle import Lifecycle
+from gateway.sse_named import ResponsesRelay
+from gateway.streaming import StreamSource
+from policies.base import Outcome
+
+_GATEWAY_SHUTTING_DOWN = "gateway_shutting_down"
+
+
+class StoredResponseStream(Response):
+    """An ASGI response that owns the worker's event stream until it ends; `done(status)` is
+    called once when it does (200: the terminal event reached the client; 499: the client left;
+    otherwise the status of what ended it)."""
+
+    def __init__(
+        self,
+        source: StreamSource,
+        reply_id: str,
+        lifecycle: Lifecycle,
+        timeouts: TimeoutsConfig,
+        done: Callable[[int], None],
+    ) -> None:
+        # Not Response.__init__: nothing here is a body known up front.
+        self._source = source
+        self._reply_id = reply_id
+        self._lifecycle = lifecycle
+        self._timeouts = timeouts
+        self._done = done
+        self._relay = ResponsesRelay()
+        self._abort_reason: str | None = None
+
+    def abort(self, reason: str) -> None:
+        """Stop relaying (drain deadline): the client gets a terminal error event."""
+        self._abort_reason = reason
+        self._source.close()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        lifecycle = self._lifecycle
+        lifecycle.stream_started(self)
+        guard = DisconnectGuard(receive, lifecycle.disconnects)
+        status = 499
+        try:
+            status = await self._run(send, guard)
+        except asyncio.CancelledError:
+            if not guard.fired:
+                raise
+        except OSError:
+            pass  # the client's socket went away while we were sending
+        finally:
+            guard.close()
+            lifecycle.stream_ended(self)
+            self._source.close()  # a no-op once the worker's answer has ended
+            self._done(status)
+
+    async def _run(self, send: Send, guard: DisconnectGuard) -> int:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"text/event-stream; charset=utf-8"),
+                    (b"cache-control", b"no-cache"),
+                    (b"x-accel-buffering", b"no"),
+                    (b"x-request-id", self._reply_id.encode()),
+                ],
+            }
+        )
+        relay = self._relay
+        failure: Failure | None = None
+        while not relay.done and relay.error is None:
+            try:
+                chunk = await self._source.read()
+                if not chunk:
+                    break
+                out = relay.feed(chunk)
+            except TRANSPORT_ERRORS as exc:
+                failure = failure_of(exc, Stage.STREAM, self._timeouts)
+                break
+            if out:
+                await send({"type": "http.response.body", "body": out, "more_body": True})
+        if relay.done and relay.error is None:
+            # The client has the whole stream: its leaving now costs it nothing.
+            guard.stop_watching()
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return 200
+        if self._abort_reason is not None:
+            failure = Failure(503, self._abort_reason, _GATEWAY_SHUTTING_DOWN, Outcome.ABORTED)
+        elif failure is None and relay.error is None:
+            failure = malformed("worker stream ended before its last event", Stage.STREAM)
+        message, code = (failure.message, failure.code) if failure is not None else ("", "")
+        # One terminal error event (unless the relay already sent the worker's, rewritten).
+        await send({"type": "http.response.body", "body": relay.closing(message, code), "more_body": False})
+        if failure is not None:
+            return failure.status
+        error = relay.error
+        worker_status = error.worker_status if error is not None else None
+        return worker_status if worker_status is not None and 400 <= worker_status < 600 else 502

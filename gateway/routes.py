@@ -52,12 +52,12 @@ class ApiRoute:
     adapter (None: load-aware pass-through). `model_optional`: vLLM takes its served model when
     the body names none, so the gateway does too when it serves one model. `multipart`: a form
     body (audio), read only for `model` and `stream`. `json_answer`: a 200 must be a JSON object
-    (anything else is a malformed answer); audio answers may be plain text. `api_key_header`:
-    the key may come in `x-api-key` (Anthropic clients). `rewrites`: the gateway may rewrite the
-    body (the normalizer's canonical body, `stream_options.include_usage`): chat and completions
-    only; a Responses or Messages body is forwarded as sent. `pick`: the body chooses the route
-    that serves it (SageMaker's `/invocations`); the request is then admitted, keyed, sent and
-    counted as the route picked.
+    (anything else is a malformed answer); audio answers may be plain text, and some routes
+    answer a JSON array. `api_key_header`: the key may come in `x-api-key` (Anthropic clients).
+    `rewrites`: the gateway may rewrite the body (the normalizer's canonical body,
+    `stream_options.include_usage`): chat and completions only; a Responses or Messages body is
+    forwarded as sent. `pick`: the body chooses the route that serves it (SageMaker's
+    `/invocations`); the request is then admitted, keyed, sent and counted as the route picked.
     """
 
     endpoint: str
@@ -132,7 +132,9 @@ ROUTES: dict[str, ApiRoute] = _routes(
     # Rendering computes no KV: keyed, it would tell the policy that the worker now holds the
     # prompt's blocks. Load-aware, to any worker of the pool.
     ApiRoute("chat_render", "/v1/chat/completions/render"),
-    ApiRoute("completions_render", "/v1/completions/render"),
+    # A JSON array (one render per prompt), as SGLang's answers to a batch on `/generate` and
+    # `/encode` are: `json_answer` off passes a 200 through without asking for an object.
+    ApiRoute("completions_render", "/v1/completions/render", json_answer=False),
     # vLLM's token-in, token-out generation (`token_ids`), with `cache_salt`.
     ApiRoute("generate", "/inference/v1/generate", "generate", salted=True),
     _INVOCATIONS,
@@ -152,8 +154,8 @@ ROUTES: dict[str, ApiRoute] = _routes(
     ApiRoute("detokenize", "/v1/detokenize"),
     # SGLang's native API: `/generate` (`text` or `input_ids`) is keyed like a completions
     # prompt; its request has no `cache_salt`. `/encode` is SGLang's embeddings.
-    ApiRoute("generate", "/generate", "generate"),
-    ApiRoute("embeddings", "/encode"),
+    ApiRoute("generate", "/generate", "generate", json_answer=False),
+    ApiRoute("embeddings", "/encode", json_answer=False),
     ApiRoute("transcriptions", "/v1/audio/transcriptions", multipart=True, json_answer=False),
     ApiRoute("translations", "/v1/audio/translations", multipart=True, json_answer=False),
 )

@@ -13,6 +13,7 @@ import orjson
 from gateway.errors import ApiError, bad_request
 from gateway.multipart import boundary_of, content_type_header, form_fields
 from gateway.routes import ApiRoute
+from prompt_normalizer.generate_input import GENERATE_PROMPT_FIELDS
 
 # Body fields that steer an engine's internals rather than the answer. A tenant must not set
 # them: `kv_transfer_params` (vLLM disaggregated prefill: where KV is pulled from or pushed to),
@@ -53,6 +54,8 @@ def parse_body(raw: bytes, api: ApiRoute, max_choices: int = 128) -> dict[str, A
         raise bad_request(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
+    if api.pick is not None:
+        api = api.pick(body)  # the route the body names is the one to check it against
     model = body.get("model")
     if (not isinstance(model, str) or not model) and (model is not None or not api.model_optional):
         raise bad_request("'model' is required and must be a non-empty string", "model")
@@ -110,8 +113,14 @@ def check_choices(body: dict[str, Any], max_choices: int) -> None:
 
 
 def _check_api_prompt(body: dict[str, Any], prompt: str) -> None:
-    """The top-level shape of a Responses or Messages prompt (the normalizer checks the rest)."""
-    if prompt == "responses":
+    """The top-level shape of a Responses, Messages or native generate prompt (the normalizer
+    checks the rest)."""
+    if prompt == "generate":
+        if not any(isinstance(body.get(name), str | list) and body[name] for name in GENERATE_PROMPT_FIELDS):
+            raise bad_request(
+                "'text' or 'input_ids' is required: a string, token ids or a non-empty array", "text"
+            )
+    elif prompt == "responses":
         value = body.get("input")
         if not isinstance(value, str | list):
             raise bad_request("'input' is required and must be a string or an array of items", "input")

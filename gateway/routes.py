@@ -9,21 +9,22 @@ streams are relayed), whether the body is JSON or a multipart form, and whether 
 `cache_salt` goes with it (vLLM's generation requests have the field; its pooling, tokenizer and
 audio requests do not).
 
-Each route is sent to the same path on the worker (vLLM serves `/rerank` and `/v1/rerank`, ...).
+Each route is sent to the same path on the worker (vLLM serves `/rerank` and `/v1/rerank`, ...),
+except SageMaker's `/invocations`, whose body picks the route (`invocation_route`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from gateway import anthropic
 from gateway.errors import ApiError, RawResponse, error_response, normalize_worker_error
 from gateway.sse import Relay, SseRelay
 from gateway.sse_named import MessagesRelay, ResponsesRelay
 
-Prompt = Literal["chat", "completions", "responses", "messages"]
+Prompt = Literal["chat", "completions", "responses", "messages", "generate"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,10 +52,12 @@ class ApiRoute:
     adapter (None: load-aware pass-through). `model_optional`: vLLM takes its served model when
     the body names none, so the gateway does too when it serves one model. `multipart`: a form
     body (audio), read only for `model` and `stream`. `json_answer`: a 200 must be a JSON object
-    (anything else is a malformed answer); audio answers may be plain text. `api_key_header`:
-    the key may come in `x-api-key` (Anthropic clients). `rewrites`: the gateway may rewrite the
-    body (the normalizer's canonical body, `stream_options.include_usage`): chat and completions
-    only; a Responses or Messages body is forwarded as sent.
+    (anything else is a malformed answer); audio answers may be plain text, and some routes
+    answer a JSON array. `api_key_header`: the key may come in `x-api-key` (Anthropic clients).
+    `rewrites`: the gateway may rewrite the body (the normalizer's canonical body,
+    `stream_options.include_usage`): chat and completions only; a Responses or Messages body is
+    forwarded as sent. `pick`: the body chooses the route that serves it (SageMaker's
+    `/invocations`); the request is then admitted, keyed, sent and counted as the route picked.
     """
 
     endpoint: str
@@ -66,6 +69,7 @@ class ApiRoute:
     multipart: bool = False
     json_answer: bool = True
     api_key_header: bool = False
+    pick: Callable[[Mapping[str, Any]], ApiRoute] | None = None
     path_bytes: bytes = field(init=False)
     rewrites: bool = field(init=False)
     plain_head: bool = field(init=False)
@@ -77,32 +81,81 @@ class ApiRoute:
         object.__setattr__(self, "plain_head", not (self.api_key_header or self.multipart))
 
 
-# Anthropic clients always name the model and send their key in `x-api-key`.
-_ANTHROPIC_CLIENT = {"model_optional": False, "api_key_header": True}
-
-
 def _routes(*routes: ApiRoute) -> dict[str, ApiRoute]:
     return {route.path: route for route in routes}
 
 
+# vLLM takes its served model when a chat or completions body names none (`model_optional`).
+_CHAT = ApiRoute("chat", "/v1/chat/completions", "chat", salted=True)
+_COMPLETIONS = ApiRoute("completions", "/v1/completions", "completions", salted=True)
+
+
+def invocation_route(body: Mapping[str, Any]) -> ApiRoute:
+    """The route of a SageMaker `/invocations` body. vLLM tries its request types in order (chat,
+    then completions, then the pooling ones its model supports); the gateway sends `messages` to
+    chat and `prompt` to completions, so they are keyed and salted as on their own routes, and
+    anything else to the worker's `/invocations`, which alone knows its model's pooling tasks."""
+    if "messages" in body:
+        return _CHAT
+    if "prompt" in body:
+        return _COMPLETIONS
+    return _INVOCATIONS
+
+
+_INVOCATIONS = ApiRoute("invocations", "/invocations", pick=invocation_route)
+
+
 ROUTES: dict[str, ApiRoute] = _routes(
-    ApiRoute("chat", "/v1/chat/completions", "chat", salted=True, model_optional=False),
-    ApiRoute("completions", "/v1/completions", "completions", salted=True, model_optional=False),
+    _CHAT,
+    _COMPLETIONS,
     ApiRoute("responses", "/v1/responses", "responses", RESPONSES, salted=True),
     # vLLM's Anthropic request model has no `cache_salt`; the gateway sends it anyway (see
     # docs/gateway.md, "Anthropic Messages"): builds that honour it isolate tenants, vLLM drops it.
-    ApiRoute("messages", "/v1/messages", "messages", ANTHROPIC, salted=True, **_ANTHROPIC_CLIENT),
-    ApiRoute("count_tokens", "/v1/messages/count_tokens", None, ANTHROPIC, **_ANTHROPIC_CLIENT),
+    # Anthropic clients always name the model and send their key in `x-api-key`.
+    ApiRoute(
+        "messages",
+        "/v1/messages",
+        "messages",
+        ANTHROPIC,
+        salted=True,
+        model_optional=False,
+        api_key_header=True,
+    ),
+    ApiRoute(
+        "count_tokens",
+        "/v1/messages/count_tokens",
+        None,
+        ANTHROPIC,
+        model_optional=False,
+        api_key_header=True,
+    ),
+    # Rendering computes no KV: keyed, it would tell the policy that the worker now holds the
+    # prompt's blocks. Load-aware, to any worker of the pool.
+    ApiRoute("chat_render", "/v1/chat/completions/render"),
+    # A JSON array (one render per prompt), as SGLang's answers to a batch on `/generate` and
+    # `/encode` are: `json_answer` off passes a 200 through without asking for an object.
+    ApiRoute("completions_render", "/v1/completions/render", json_answer=False),
+    # vLLM's token-in, token-out generation (`token_ids`), with `cache_salt`.
+    ApiRoute("generate", "/inference/v1/generate", "generate", salted=True),
+    _INVOCATIONS,
     ApiRoute("embeddings", "/v1/embeddings"),
+    ApiRoute("embeddings", "/v2/embed"),
     ApiRoute("pooling", "/pooling"),
     ApiRoute("classify", "/classify"),
+    ApiRoute("classify", "/v1/classify"),
     ApiRoute("score", "/score"),
     ApiRoute("score", "/v1/score"),
     ApiRoute("rerank", "/rerank"),
     ApiRoute("rerank", "/v1/rerank"),
     ApiRoute("rerank", "/v2/rerank"),
     ApiRoute("tokenize", "/tokenize"),
+    ApiRoute("tokenize", "/v1/tokenize"),
     ApiRoute("detokenize", "/detokenize"),
+    ApiRoute("detokenize", "/v1/detokenize"),
+    # SGLang's native API: `/generate` (`text` or `input_ids`) is keyed like a completions
+    # prompt; its request has no `cache_salt`. `/encode` is SGLang's embeddings.
+    ApiRoute("generate", "/generate", "generate", json_answer=False),
+    ApiRoute("embeddings", "/encode", json_answer=False),
     ApiRoute("transcriptions", "/v1/audio/transcriptions", multipart=True, json_answer=False),
     ApiRoute("translations", "/v1/audio/translations", multipart=True, json_answer=False),
 )

@@ -2,8 +2,10 @@
 
 `/v1/models` lists only models that have a routable worker now (healthy, breaker not open), so a
 client never picks a model whose every worker is down; `/v1/models/{id}` answers the same card or
-404. `/health` is the gateway's own liveness (it never asks a worker) and `/version` its version;
-neither needs a key, like vLLM's.
+404. `/health` is the gateway's own liveness (it never asks a worker), as is SageMaker's `/ping`
+(GET or POST, as vLLM serves it), and `/version` its version; none needs a key, like vLLM's.
+SGLang's `/health_generate` asks whether a request could be served: 200 while some model has a
+routable worker, else 503 (it never sends a worker a generation of its own).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from gateway.admission import request_id_of
 from gateway.auth import KeyRing
 from gateway.breaker import BreakerState
 from gateway.errors import ApiError
+from gateway.keying import base_model
 from gateway.registry import Registry
 from gateway.routes import ROUTES
 
@@ -48,6 +51,28 @@ class _ModelId(Convertor[str]):
 
 
 register_url_convertor("kvgate_model_id", _ModelId())
+
+
+def model_cards(registry: Registry, created_s: int) -> dict[str, dict[str, object]]:
+    """The card of every served model, in vLLM's shape: `root` the model id (the gateway does not
+    know the path a worker loaded), `parent` the pool's base model for a LoRA adapter id (null
+    otherwise), `permission` empty; `owned_by` names the gateway. No `max_model_len`: the gateway
+    does not learn it from the workers."""
+    cards: dict[str, dict[str, object]] = {}
+    for pool in registry.pools.values():
+        adapters = pool.config.adapters
+        base = base_model(pool)
+        for model in pool.config.models:
+            cards[model] = {
+                "id": model,
+                "object": "model",
+                "created": created_s,
+                "owned_by": "kvgate",
+                "root": model,
+                "parent": base if model in adapters else None,
+                "permission": [],
+            }
+    return cards
 
 
 def routable_models(registry: Registry) -> list[str]:
@@ -81,8 +106,10 @@ _NO_KEY = ApiError(401, "incorrect or missing API key", "invalid_request_error",
 def surface_routes(keyring: KeyRing, registry: Registry, created_s: int) -> list[Route]:
     """The GET routes above, and 405 for any other method on a proxied POST route."""
 
+    cards = model_cards(registry, created_s)  # the pools' models are fixed for the process
+
     def card(model: str) -> dict[str, object]:
-        return {"id": model, "object": "model", "created": created_s, "owned_by": "kvgate"}
+        return cards[model]
 
     async def models(request: Request) -> Response:
         request_id = request_id_of(request)
@@ -105,6 +132,11 @@ def surface_routes(keyring: KeyRing, registry: Registry, created_s: int) -> list
     async def health(request: Request) -> Response:
         return json_response({"status": "ok"}, 200, request_id_of(request))
 
+    async def health_generate(request: Request) -> Response:
+        if routable_models(registry):
+            return json_response({"status": "ok"}, 200, request_id_of(request))
+        return json_response({"status": "no routable worker"}, 503, request_id_of(request))
+
     async def version_info(request: Request) -> Response:
         return json_response({"version": VERSION}, 200, request_id_of(request))
 
@@ -122,5 +154,7 @@ def surface_routes(keyring: KeyRing, registry: Registry, created_s: int) -> list
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model_id:kvgate_model_id}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/ping", health, methods=["GET", "POST"]),
+        Route("/health_generate", health_generate, methods=["GET"]),
         Route("/version", version_info, methods=["GET"]),
     ]

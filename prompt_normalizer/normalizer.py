@@ -38,6 +38,7 @@ from prompt_normalizer.config import NormalizerConfig, VolatileRule, ZoneConfig
 from prompt_normalizer.converted import ConvertedChat, converted_canonical, no_edit_rules, relabel_drift
 from prompt_normalizer.drift import DriftTracker
 from prompt_normalizer.errors import NormalizerError
+from prompt_normalizer.generate_input import generate_as_completions
 from prompt_normalizer.keys import (
     TOKEN_DTYPE,
     TOKEN_UNIT,
@@ -76,7 +77,7 @@ __all__ = [
     "public_identity_of",
 ]
 
-Endpoint = Literal["chat", "completions", "responses", "messages"]
+Endpoint = Literal["chat", "completions", "responses", "messages", "generate"]
 # The input adapters of the APIs a worker serves by converting them to chat.
 _CONVERTERS: dict[str, Callable[[Mapping[str, Any]], ConvertedChat]] = {
     "responses": responses_chat,
@@ -175,8 +176,18 @@ class Normalizer:
         if type(body) is not dict and not isinstance(body, Mapping):  # the ABC check is the slow one
             raise NormalizerError("request body must be a JSON object")
         mode = self._config.mode
+        prompt_body, field = body, "prompt"
+        if endpoint == "generate":
+            prompt_body, field = generate_as_completions(body)
+            endpoint = "completions"
+            if mode == "render":
+                mode = "approximate"  # no worker renders a native prompt: its text is keyed by characters
         if endpoint == "completions":
-            prompt = CompletionsPrompt(body, self._config.max_input_chars)
+            try:
+                prompt = CompletionsPrompt(prompt_body, self._config.max_input_chars)
+            except NormalizerError as exc:
+                exc.param = field if exc.param == "prompt" else exc.param
+                raise
             text_unit = APPROX_UNIT if mode == "approximate" else TOKEN_UNIT
             roots = self._roots.unit_roots(
                 identity, public_identity, TOKEN_UNIT if prompt.tokens is not None else text_unit
@@ -185,13 +196,13 @@ class Normalizer:
             if prompt.tokens is not None:
                 hashed = _token_bytes(prompt.tokens)
                 return self._finish(
-                    hashed, roots, identity, body, session_key, None, None, diagnostics, "prompt"
+                    hashed, roots, identity, body, session_key, None, None, diagnostics, field
                 )
             assert prompt.text is not None
             if mode == "approximate":
                 hashed = approx_text(prompt.text, self._chars_per_token)
                 return self._finish(
-                    hashed, roots, identity, body, session_key, None, None, diagnostics, "prompt"
+                    hashed, roots, identity, body, session_key, None, None, diagnostics, field
                 )
             if mode == "render":
                 raise NormalizerError(
@@ -199,11 +210,11 @@ class Normalizer:
                 )
             assert self._tokenizer is not None
             add_special = request_flag(
-                body, "add_special_tokens", self._config.completions_add_special_tokens
+                prompt_body, "add_special_tokens", self._config.completions_add_special_tokens
             )
             enc = self._tokenizer.encode(prompt.text, add_special_tokens=add_special, with_offsets=False)
             hashed = _token_bytes(enc.tokens)
-            return self._finish(hashed, roots, identity, body, session_key, None, None, diagnostics, "prompt")
+            return self._finish(hashed, roots, identity, body, session_key, None, None, diagnostics, field)
         converter = None if endpoint == "chat" else _CONVERTERS.get(endpoint)
         if converter is None and endpoint != "chat":
             raise NormalizerError(f"unknown endpoint {endpoint!r}", code="bad_endpoint")
@@ -279,6 +290,10 @@ class Normalizer:
         """Render mode, step 1: the canonical body to render and forward, and the boundary renders."""
         if not isinstance(body, Mapping):
             raise NormalizerError("request body must be a JSON object")
+        if endpoint == "generate":
+            raise NormalizerError(
+                "native generate prompts are not rendered; call canonicalize()", code="render_empty"
+            )
         if endpoint == "completions":
             CompletionsPrompt(body, self._config.max_input_chars)  # validates
             return RenderPlan(

@@ -18,6 +18,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loadtest.emulator import (
+    routes_aliases,
     routes_audio,
     routes_kv,
     routes_messages,
@@ -42,6 +43,7 @@ ROUTE_FAMILIES: tuple[APIRouter, ...] = (
     routes_pooling.router,
     routes_audio.router,
     routes_kv.router,
+    routes_aliases.router,
 )
 # SGLang's name for a server's role, as its routers read it from /server_info.
 _DISAGGREGATION_MODE = {"prefill": "prefill", "decode": "decode", "mixed": "null"}

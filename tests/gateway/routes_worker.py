@@ -27,6 +27,20 @@ PASS_THROUGH = (
     "/v1/messages/count_tokens",
 )
 
+# The routes vLLM's and SGLang's other APIs add, all answered like PASS_THROUGH, and the generating
+# routes of their native APIs (answered like chat).
+ENGINE_PATHS = (
+    "/v1/chat/completions/render",
+    "/v1/completions/render",
+    "/v2/embed",
+    "/encode",
+    "/v1/classify",
+    "/v1/tokenize",
+    "/v1/detokenize",
+    "/invocations",
+)
+GENERATING_PATHS = ("/v1/completions", "/generate", "/inference/v1/generate")
+
 _ids = itertools.count(1)
 _seq = itertools.count(1)
 
@@ -67,8 +81,10 @@ class RoutesWorker:
         app.router.add_post("/v1/audio/transcriptions", self._audio)
         app.router.add_post("/v1/audio/translations", self._audio)
         app.router.add_post("/v1/chat/completions", self._chat)
-        for path in PASS_THROUGH:
+        for path in (*PASS_THROUGH, *ENGINE_PATHS):
             app.router.add_post(path, self._json)
+        for path in GENERATING_PATHS:
+            app.router.add_post(path, self._chat)
         return app
 
     async def _record(self, request: web.Request) -> Received:

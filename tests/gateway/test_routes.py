@@ -96,9 +96,9 @@ async def test_a_request_without_model_goes_to_the_only_model() -> None:
                 assert resp.status_code == expected
                 if expected == 400:
                     assert resp.json()["error"]["param"] == "model"
-                # Chat always names its model.
+                # Messages always names its model (chat and completions: test_routes_engines).
                 resp = await gw.client.post(
-                    "/v1/chat/completions", json={"messages": [{"role": "user"}]}, headers=KEY
+                    "/v1/messages", json={"max_tokens": 1, "messages": [{"role": "user"}]}, headers=KEY
                 )
                 assert resp.status_code == 400
         assert worker.received[0].json() == {"prompt": "hello"}  # forwarded as sent

@@ -248,3 +248,5 @@ def test_pod_labels_name_the_component_but_no_chart_version() -> None:
     # The selector is immutable on a Deployment: it must stay what it was.
     assert deployment["spec"]["selector"]["matchLabels"] == SELECTOR
     assert SELECTOR.items() <= labels.items()
+    broker = docs[f"Deployment/{NATS}"]["spec"]["template"]["metadata"]["labels"]
+    assert "helm.sh/chart" not in broker and broker["app.kubernetes.io/component"] == "sync-broker"

@@ -232,6 +232,13 @@ app.kubernetes.io/part-of: {{ include "kvgate.name" . }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 
+{{/* Without the chart's version either: a chart bump alone does not recreate the broker. */}}
+{{- define "kvgate.natsPodLabels" -}}
+{{ include "kvgate.natsSelectorLabels" . }}
+app.kubernetes.io/part-of: {{ include "kvgate.name" . }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
 {{/* The broker's nats-server.conf: core NATS only (no JetStream, nothing stored). */}}
 {{- define "kvgate.natsConfig" -}}
 {{- with .Values.sync.nats -}}

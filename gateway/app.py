@@ -182,17 +182,7 @@ class GatewayApp:
 def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> GatewayApp:
     """The ASGI app over a prepared state; the lifespan owns the upstream session and health loops."""
 
-    async def healthz(request: Request) -> Response:
-        return json_response({"status": "ok"}, 200, request_id_of(request))
-
     lifecycle, transport = state.lifecycle, state.transport
-
-    async def readyz(request: Request) -> Response:
-        if lifecycle.draining:
-            return json_response({"status": "draining"}, 503, request_id_of(request))
-        if not lifecycle.ready:
-            return json_response({"status": "starting"}, 503, request_id_of(request))
-        return json_response({"status": "ready"}, 200, request_id_of(request))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
@@ -246,8 +236,7 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
             state.lifecycle,
             tracing=state.routing.tracer is not None,
         ),
-        Route("/healthz", healthz, methods=["GET"]),
-        Route("/readyz", readyz, methods=["GET"]),
+        *probe_routes(state),
         *admin_routes(state, watcher),
     ]
     fallback = Starlette(
@@ -261,9 +250,28 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
     return GatewayApp(state, fallback)
 
 
+def probe_routes(state: GatewayState) -> list[Route]:
+    """`/healthz` (the process answers) and `/readyz` (503 while starting or draining)."""
+    lifecycle = state.lifecycle
+
+    async def healthz(request: Request) -> Response:
+        return json_response({"status": "ok"}, 200, request_id_of(request))
+
+    async def readyz(request: Request) -> Response:
+        if lifecycle.draining:
+            return json_response({"status": "draining"}, 503, request_id_of(request))
+        if not lifecycle.ready:
+            return json_response({"status": "starting"}, 503, request_id_of(request))
+        return json_response({"status": "ready"}, 200, request_id_of(request))
+
+    return [Route("/healthz", healthz, methods=["GET"]), Route("/readyz", readyz, methods=["GET"])]
+
+
 def build_metrics_app(state: GatewayState) -> Starlette:
-    """`GET /metrics` alone, for the metrics listener (`metrics.listen`): the client port has no
-    metrics route, as the metrics name tenants and workers."""
+    """`GET /metrics` for the metrics listener (`metrics.listen`): the client port has no metrics
+    route, as the metrics name tenants and workers. The probes are served here too: this listener
+    has no connection cap, so a client port full of connections (`max_client_connections`) does not
+    fail the kubelet's probes and restart the busiest pods."""
 
     async def metrics(request: Request) -> Response:
         refresh_gauges(state)
@@ -272,7 +280,7 @@ def build_metrics_app(state: GatewayState) -> Starlette:
         )
 
     app = Starlette(
-        routes=[Route("/metrics", metrics, methods=["GET"])],
+        routes=[Route("/metrics", metrics, methods=["GET"]), *probe_routes(state)],
         exception_handlers={404: _not_found, 405: _method_not_allowed, Exception: _internal},
     )
     app.router.redirect_slashes = False

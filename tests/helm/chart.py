@@ -4,12 +4,14 @@ validation of every built-in resource against the bundled Kubernetes schemas."""
 from __future__ import annotations
 
 import base64
+import json
 from pathlib import Path
 from typing import Any
 
 import helm_python  # dev extra: helm-python-sdk (Helm v4 SDK in-process, no helm binary)
 import kubernetes_validate  # dev extra: kubernetes-validate (bundled Kubernetes JSON schemas)
 import yaml
+from helm_python import _native
 
 CHART = Path(__file__).resolve().parents[2] / "helm" / "kvgate"
 RELEASE, NAMESPACE = "rel", "llm"
@@ -25,16 +27,29 @@ POOL: dict[str, Any] = {
     "models": ["my-model"],
     "workers": {"urls": ["http://10.0.0.7:8000"]},
 }
-REQUIRED: dict[str, Any] = {"tenants": [TENANT], "pools": [POOL]}
+# ...nor the key-hash secret: one of keyHashSecret.existingSecret and .value is required.
+REQUIRED: dict[str, Any] = {
+    "tenants": [TENANT],
+    "pools": [POOL],
+    "keyHashSecret": {"existingSecret": f"{RELEASE}-kvgate-key-hash"},
+}
 
 Docs = dict[str, dict[str, Any]]
 
 
-def render_raw(values: dict[str, Any]) -> Docs:
-    """Render exactly `values` on top of values.yaml. Documents are keyed `Kind/name`, plus
+def render_raw(values: dict[str, Any], namespace: str = NAMESPACE, kube_version: str | None = None) -> Docs:
+    """Render exactly `values` on top of values.yaml, into `namespace`, for the Kubernetes version
+    `kube_version` (None: the SDK's default, a recent one). Documents are keyed `Kind/name`, plus
     `@namespace` when they go to a namespace other than the release's."""
     chart = helm_python.Chart.load(str(CHART))
-    out = chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    options: dict[str, Any] = {"name": RELEASE, "namespace": namespace, "is_install": True}
+    if kube_version is None:
+        out = chart.render(values, **options)
+    else:
+        # The SDK's render options take the version; its Python wrapper does not pass it on.
+        options["kube_version"] = kube_version
+        raw = _native.call_string("helm_render", chart._raw(), json.dumps(values), json.dumps(options))
+        out = json.loads(raw)
     docs: Docs = {}
     for path, text in out.items():
         if not path.endswith(".yaml"):
@@ -42,14 +57,17 @@ def render_raw(values: dict[str, Any]) -> Docs:
         for doc in yaml.safe_load_all(text):
             if doc:
                 key = f"{doc['kind']}/{doc['metadata']['name']}"
-                namespace = doc["metadata"].get("namespace", NAMESPACE)
-                docs[key if namespace == NAMESPACE else f"{key}@{namespace}"] = doc
+                target = doc["metadata"].get("namespace", namespace)
+                docs[key if target == namespace else f"{key}@{target}"] = doc
     return docs
 
 
-def render(values: dict[str, Any] | None = None) -> Docs:
-    """Render with `values` (plus a tenant and a static pool unless given) on top of values.yaml."""
-    return render_raw({**REQUIRED, **(values or {})})
+def render(
+    values: dict[str, Any] | None = None, namespace: str = NAMESPACE, kube_version: str | None = None
+) -> Docs:
+    """Render with `values` (plus a tenant, a static pool and a key-hash Secret unless given) on
+    top of values.yaml."""
+    return render_raw({**REQUIRED, **(values or {})}, namespace, kube_version)
 
 
 def values_file(name: str) -> dict[str, Any]:

@@ -45,7 +45,14 @@ def test_lint_is_clean() -> None:
 
 @pytest.mark.parametrize(
     ("values", "needle"),
-    [({"pools": [POOL]}, "at least one tenant"), ({"tenants": [TENANT]}, "set exactly one of workers.urls")],
+    [
+        ({"pools": [POOL], "keyHashSecret": REQUIRED["keyHashSecret"]}, "at least one tenant"),
+        (
+            {"tenants": [TENANT], "keyHashSecret": REQUIRED["keyHashSecret"]},
+            "set exactly one of workers.urls",
+        ),
+        ({"pools": [POOL], "tenants": [TENANT]}, "keyHashSecret: set existingSecret"),
+    ],
 )
 def test_install_without_tenant_or_workers_fails_clearly(values: dict[str, Any], needle: str) -> None:
     chart = helm_python.Chart.load(str(CHART))
@@ -172,7 +179,8 @@ def test_policy_configmap_and_overrides() -> None:
 
 
 def test_optional_resources() -> None:
-    assert not any(k.startswith(("ServiceMonitor/", "PodDisruptionBudget/")) for k in render())
+    assert not any(k.startswith("ServiceMonitor/") for k in render())
+    assert "PodDisruptionBudget/rel-kvgate" not in render({"podDisruptionBudget": {"enabled": False}})
     assert "Service/rel-kvgate-metrics" not in render()
     docs = render(FULL_VALUES)
     sm = docs["ServiceMonitor/rel-kvgate"]

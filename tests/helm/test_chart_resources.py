@@ -24,6 +24,7 @@ from tests.helm.chart import (
     validate_strictly,
 )
 
+VALUE = "0123456789abcdef" * 2  # the shortest key-hash secret the chart takes
 KUBE_POOL: dict[str, Any] = POOL | {"workers": {"kubernetes": {"selector": {"app": "vllm"}, "port": 8000}}}
 
 
@@ -43,15 +44,15 @@ def test_key_hashes_live_in_a_secret_never_in_a_configmap() -> None:
 
 
 def test_key_hash_secret_created_from_a_value_or_referenced() -> None:
-    docs = render({"keyHashSecret": {"value": "s3cret"}})
+    docs = render({"keyHashSecret": {"value": VALUE}})
     secret = docs["Secret/rel-kvgate-key-hash"]
-    assert base64.b64decode(secret["data"]["secret"]) == b"s3cret"
+    assert base64.b64decode(secret["data"]["secret"]) == VALUE.encode()
     assert env(docs)["KVGATE_KEY_SECRET"]["valueFrom"]["secretKeyRef"] == {
         "name": "rel-kvgate-key-hash",
         "key": "secret",
     }
     annotations = docs["Deployment/rel-kvgate"]["spec"]["template"]["metadata"]["annotations"]
-    rotated = render({"keyHashSecret": {"value": "other"}})["Deployment/rel-kvgate"]
+    rotated = render({"keyHashSecret": {"value": VALUE[::-1]}})["Deployment/rel-kvgate"]
     assert (
         rotated["spec"]["template"]["metadata"]["annotations"]["checksum/key-hash"]
         != (annotations["checksum/key-hash"])
@@ -60,7 +61,7 @@ def test_key_hash_secret_created_from_a_value_or_referenced() -> None:
     assert "Secret/rel-kvgate-key-hash" not in referenced
     assert env(referenced)["KVGATE_KEY_SECRET"]["valueFrom"]["secretKeyRef"]["name"] == "mine"
     with pytest.raises(helm_python.HelmError, match="either value"):
-        render({"keyHashSecret": {"value": "s", "existingSecret": "mine"}})
+        render({"keyHashSecret": {"value": VALUE, "existingSecret": "mine"}})
 
 
 def test_an_existing_config_secret_replaces_the_generated_one() -> None:
@@ -241,7 +242,7 @@ def test_grafana_dashboard_configmap() -> None:
     shipped = json.loads((CHART / "dashboards" / "kvgate.json").read_text())
     assert json.loads(cm["data"]["kvgate.json"]) == shipped
     other = render({"grafanaDashboard": {"enabled": True, "namespace": "monitoring"}})
-    assert other["ConfigMap/rel-kvgate-dashboard@monitoring"]["metadata"]["namespace"] == "monitoring"
+    assert other["ConfigMap/llm.rel-kvgate-dashboard@monitoring"]["metadata"]["namespace"] == "monitoring"
     validate_strictly(docs)
 
 
@@ -259,7 +260,7 @@ def test_everything_on_validates_strictly() -> None:
             "grafanaDashboard": {"enabled": True},
             "serviceMonitor": {"enabled": True},
             "podDisruptionBudget": {"enabled": True},
-            "keyHashSecret": {"value": "s"},
+            "keyHashSecret": {"value": VALUE},
         }
     )
     assert len(docs) >= 14

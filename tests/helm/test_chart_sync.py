@@ -43,7 +43,12 @@ def test_by_default_the_replicas_share_through_the_charts_nats() -> None:
     assert config.sync.subject_prefix == f"kvgate.{NAMESPACE}.{RELEASE}"
     # Tuning keys left null keep the gateway's own defaults.
     assert gateway_config(docs)["sync"] == {"url": config.sync.url, "subject_prefix": "kvgate.llm.rel"}
-    assert nats_resources(docs) == [f"ConfigMap/{NATS}", f"Deployment/{NATS}", f"Service/{NATS}"]
+    assert nats_resources(docs) == [
+        f"ConfigMap/{NATS}",
+        f"Deployment/{NATS}",
+        f"NetworkPolicy/{NATS}",
+        f"Service/{NATS}",
+    ]
     validate_strictly(docs)
 
 
@@ -212,7 +217,8 @@ def test_processes_share_the_same_broker_and_each_has_a_metrics_port() -> None:
     ]
     (_, scrape) = docs[f"NetworkPolicy/{RELEASE}-kvgate"]["spec"]["ingress"]
     assert [p["port"] for p in scrape["ports"]] == ["metrics", "metrics-1", "metrics-2"]
-    assert pod_spec(docs)["containers"][0]["readinessProbe"]["httpGet"]["port"] == "http"
+    # The probes ask process 0 on its metrics port (docs/deploy.md, "Probes and graceful shutdown").
+    assert pod_spec(docs)["containers"][0]["readinessProbe"]["httpGet"]["port"] == "metrics"
     validate_strictly(docs)
 
 

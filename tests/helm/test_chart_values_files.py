@@ -102,18 +102,16 @@ def test_kubernetes_example() -> None:
         "scheme": "http",
     }
     assert pod_spec(docs)["automountServiceAccountToken"] is True
-    # The workers' namespace and the release's own.
-    for suffix in ("@inference", ""):
-        role = docs[f"Role/rel-kvgate-discovery{suffix}"]
-        assert {(tuple(r["apiGroups"]), tuple(r["resources"])) for r in role["rules"]} == {
-            (("",), ("pods",)),
-        }
-        assert all(r["verbs"] == ["get", "list", "watch"] for r in role["rules"])
-        binding = docs[f"RoleBinding/rel-kvgate-discovery{suffix}"]
-        assert binding["subjects"] == [
-            {"kind": "ServiceAccount", "name": "rel-kvgate", "namespace": NAMESPACE}
-        ]
-        assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    # The workers' namespace only (no pool watches the release's own), named after the release's.
+    assert [k for k in docs if k.startswith("Role")] == [
+        "Role/llm.rel-kvgate-discovery@inference",
+        "RoleBinding/llm.rel-kvgate-discovery@inference",
+    ]
+    role = docs["Role/llm.rel-kvgate-discovery@inference"]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]
+    binding = docs["RoleBinding/llm.rel-kvgate-discovery@inference"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "rel-kvgate", "namespace": NAMESPACE}]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
     mounts = {m["name"]: m for m in container(docs)["volumeMounts"]}
     assert mounts["tokenizer"]["mountPath"] == "/models/llama"
     route = docs["HTTPRoute/rel-kvgate"]
@@ -151,7 +149,7 @@ def test_pd_example() -> None:
     assert qwen.pd is not None and qwen.pd.protocol == "sglang" and qwen.pd.bootstrap_port == 8998
     assert qwen.pd.conditional is False
     assert qwen.kubernetes is not None and qwen.kubernetes.role_label == "kvgate.io/role"
-    assert "Role/rel-kvgate-discovery@inference" in docs
+    assert "Role/llm.rel-kvgate-discovery@inference" in docs
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,27 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 
+{{/* The gateway pods' labels: no chart or app version, so that a chart bump alone restarts no pod. */}}
+{{- define "kvgate.podLabels" -}}
+{{ include "kvgate.selectorLabels" . }}
+app.kubernetes.io/component: gateway
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/* The name of a resource the release puts in `namespace` (a dict: ctx, namespace, suffix):
+`<fullname>-<suffix>` in the release's own namespace; elsewhere prefixed with the release's
+namespace and a dot, so that releases of the same name in different namespaces never share it
+(namespace and release names have no dots, so the prefix cannot be confused). */}}
+{{- define "kvgate.crossNamespaceName" -}}
+{{- $ctx := .ctx }}
+{{- $name := printf "%s-%s" (include "kvgate.fullname" $ctx) .suffix }}
+{{- if eq .namespace $ctx.Release.Namespace }}
+{{- $name }}
+{{- else }}
+{{- printf "%s.%s" $ctx.Release.Namespace $name }}
+{{- end }}
+{{- end }}
+
 {{- define "kvgate.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create }}
 {{- default (include "kvgate.fullname" .) .Values.serviceAccount.name }}
@@ -77,9 +98,9 @@ value below preStop + deadline + 10 would let the kubelet kill a pod still drain
 {{- default (printf "%s-config" (include "kvgate.fullname" .)) .Values.configSecret.existingSecret }}
 {{- end }}
 
-{{/* Namespaces whose worker pods the gateway watches: the release's, and each Kubernetes pool's. */}}
+{{/* Namespaces whose worker pods the gateway watches: each Kubernetes pool's (default: the release's). */}}
 {{- define "kvgate.discoveryNamespaces" -}}
-{{- $namespaces := list .Release.Namespace }}
+{{- $namespaces := list }}
 {{- range .Values.pools }}
 {{- with (default dict .workers).kubernetes }}
 {{- $namespaces = append $namespaces (default $.Release.Namespace .namespace) }}
@@ -207,6 +228,13 @@ app.kubernetes.io/component: sync-broker
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
 {{ include "kvgate.natsSelectorLabels" . }}
 app.kubernetes.io/version: {{ .Values.sync.nats.image.tag | trunc 63 | trimSuffix "-" | quote }}
+app.kubernetes.io/part-of: {{ include "kvgate.name" . }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/* Without the chart's version either: a chart bump alone does not recreate the broker. */}}
+{{- define "kvgate.natsPodLabels" -}}
+{{ include "kvgate.natsSelectorLabels" . }}
 app.kubernetes.io/part-of: {{ include "kvgate.name" . }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}

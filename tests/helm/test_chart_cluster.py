@@ -1,0 +1,252 @@
+"""What the chart does for the cluster around it: probes that a full client port cannot fail, a
+preStop hook each Kubernetes version accepts, names that releases in other namespaces do not
+share, the broker's own NetworkPolicy, spread and disruption budget, the least RBAC, and the
+key-hash secret required up front."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import helm_python
+import kubernetes_validate
+import pytest
+
+from tests.helm.chart import (
+    CRD_KINDS,
+    POOL,
+    RELEASE,
+    TENANT,
+    Docs,
+    container,
+    pod_spec,
+    render,
+    render_raw,
+    validate_strictly,
+)
+
+SELECTOR = {"app.kubernetes.io/name": "kvgate", "app.kubernetes.io/instance": RELEASE}
+NATS = f"{RELEASE}-kvgate-nats"
+
+
+def kube_pool(namespace: str | None = None) -> dict[str, Any]:
+    kubernetes: dict[str, Any] = {"selector": {"app": "vllm"}, "port": 8000}
+    if namespace is not None:
+        kubernetes["namespace"] = namespace
+    return POOL | {"workers": {"kubernetes": kubernetes}}
+
+
+def validate_for(docs: Docs, version: str) -> None:
+    for doc in docs.values():
+        if doc["kind"] not in CRD_KINDS:
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
+# ---------------------------------------------------------------- probes
+
+
+@pytest.mark.parametrize("processes", [1, 3])
+def test_the_probes_go_to_the_metrics_port_never_the_client_port(processes: int) -> None:
+    # The client port closes new connections at max_client_connections, the kubelet's among them;
+    # the metrics listener has no cap. With several processes: process 0's port.
+    docs = render({"processes": processes})
+    c = container(docs)
+    probes = {name: c[name]["httpGet"] for name in ("startupProbe", "livenessProbe", "readinessProbe")}
+    assert probes == {
+        "startupProbe": {"path": "/healthz", "port": "metrics"},
+        "livenessProbe": {"path": "/healthz", "port": "metrics"},
+        "readinessProbe": {"path": "/readyz", "port": "metrics"},
+    }
+    assert {"name": "metrics", "containerPort": 9464, "protocol": "TCP"} in c["ports"]
+    validate_strictly(docs)
+
+
+# ---------------------------------------------------------------- preStop across versions
+
+
+@pytest.mark.parametrize(
+    ("version", "pre_stop"),
+    [
+        ("1.28.0", {"exec": {"command": ["sleep", "7"]}}),
+        ("1.29.4", {"exec": {"command": ["sleep", "7"]}}),  # there `sleep` is behind a feature gate
+        ("1.30.0", {"sleep": {"seconds": 7}}),
+        ("1.33.1", {"sleep": {"seconds": 7}}),
+    ],
+)
+def test_pre_stop_sleeps_with_what_the_cluster_accepts(version: str, pre_stop: dict[str, Any]) -> None:
+    docs = render({"shutdown": {"preStopSleepSeconds": 7}}, kube_version=version)
+    assert container(docs)["lifecycle"]["preStop"] == pre_stop
+    validate_for(docs, version)
+    assert "lifecycle" not in container(
+        render({"shutdown": {"preStopSleepSeconds": 0}}, kube_version=version)
+    )
+
+
+def test_everything_on_validates_on_1_28() -> None:
+    docs = render(
+        {
+            "kubernetesDiscovery": {"enabled": True},
+            "pools": [kube_pool("inference")],
+            "networkPolicy": {"enabled": True},
+            "grafanaDashboard": {"enabled": True, "namespace": "monitoring"},
+            "autoscaling": {"enabled": True},
+        },
+        kube_version="1.28.0",
+    )
+    validate_for(docs, "1.28.0")
+
+
+# ---------------------------------------------------------------- names in other namespaces
+
+
+def test_releases_of_one_name_in_two_namespaces_share_no_resource() -> None:
+    values = {
+        "kubernetesDiscovery": {"enabled": True},
+        "pools": [kube_pool("inference")],
+        "grafanaDashboard": {"enabled": True, "namespace": "monitoring"},
+    }
+    a, b = render(values, namespace="team-a"), render(values, namespace="team-b")
+    elsewhere = [k for k in a if "@" in k]
+    assert sorted(elsewhere) == [
+        "ConfigMap/team-a.rel-kvgate-dashboard@monitoring",
+        "Role/team-a.rel-kvgate-discovery@inference",
+        "RoleBinding/team-a.rel-kvgate-discovery@inference",
+    ]
+    assert not set(elsewhere) & {k for k in b if "@" in k}
+    binding = a["RoleBinding/team-a.rel-kvgate-discovery@inference"]
+    assert binding["roleRef"]["name"] == "team-a.rel-kvgate-discovery"
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "rel-kvgate", "namespace": "team-a"}]
+    validate_strictly(a)
+    # In the release's own namespace the names stay as they were.
+    here = render({**values, "pools": [kube_pool()], "grafanaDashboard": {"enabled": True}})
+    assert {"Role/rel-kvgate-discovery", "ConfigMap/rel-kvgate-dashboard"} <= here.keys()
+
+
+# ---------------------------------------------------------------- RBAC
+
+
+def test_discovery_rbac_lists_and_watches_only_where_a_pool_watches() -> None:
+    docs = render(
+        {"kubernetesDiscovery": {"enabled": True}, "pools": [kube_pool("inference"), POOL | {"name": "b"}]}
+    )
+    roles = [k for k in docs if k.startswith("Role")]
+    assert roles == [
+        "Role/llm.rel-kvgate-discovery@inference",
+        "RoleBinding/llm.rel-kvgate-discovery@inference",
+    ]
+    rules = docs["Role/llm.rel-kvgate-discovery@inference"]["rules"]
+    assert rules == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]
+    no_pool = render({"kubernetesDiscovery": {"enabled": True}})
+    assert not any(k.startswith("Role") for k in no_pool)
+
+
+@pytest.mark.parametrize(
+    "service_account", [{"create": False}, {"create": False, "name": "default"}, {"name": "default"}]
+)
+def test_discovery_rbac_never_binds_the_default_service_account(service_account: dict[str, Any]) -> None:
+    values = {
+        "kubernetesDiscovery": {"enabled": True},
+        "pools": [kube_pool()],
+        "serviceAccount": service_account,
+    }
+    with pytest.raises(helm_python.HelmError, match="`default` service account"):
+        render(values)
+    # Without the chart's RBAC the account is the operator's business.
+    render({**values, "kubernetesDiscovery": {"enabled": True, "rbac": {"create": False}}})
+
+
+# ---------------------------------------------------------------- the key-hash secret
+
+
+def test_an_install_without_a_key_hash_secret_fails_at_once() -> None:
+    values = {"tenants": [TENANT], "pools": [POOL]}
+    with pytest.raises(helm_python.HelmError, match=r"keyHashSecret: set existingSecret .* or value"):
+        render_raw(values)
+    with pytest.raises(helm_python.HelmError, match="keyHashSecret/value"):
+        render_raw(values | {"keyHashSecret": {"value": "x" * 31}})
+    assert "Secret/rel-kvgate-key-hash" in render_raw(values | {"keyHashSecret": {"value": "x" * 32}})
+    assert "Secret/rel-kvgate-key-hash" not in render_raw(values | {"keyHashSecret": {"existingSecret": "k"}})
+
+
+# ---------------------------------------------------------------- the broker's NetworkPolicy
+
+
+def test_the_charts_broker_is_fenced_off_by_default() -> None:
+    docs = render()  # networkPolicy.enabled is false
+    policy = docs[f"NetworkPolicy/{NATS}"]["spec"]
+    nats_labels = docs[f"Deployment/{NATS}"]["spec"]["template"]["metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"].items() <= nats_labels.items()
+    assert policy["policyTypes"] == ["Ingress", "Egress"]
+    assert policy["ingress"] == [
+        {"from": [{"podSelector": {"matchLabels": SELECTOR}}], "ports": [{"port": "nats", "protocol": "TCP"}]}
+    ]
+    assert policy["egress"] == []
+    assert f"NetworkPolicy/{RELEASE}-kvgate" not in docs  # the gateway's own stays opt-in
+    validate_strictly(docs)
+    off = render({"sync": {"nats": {"networkPolicy": {"enabled": False}}}})
+    assert f"NetworkPolicy/{NATS}" not in off
+    external = render({"sync": {"url": "nats://nats.shared:4222"}})
+    assert not any(k.startswith("NetworkPolicy/") for k in external)
+
+
+# ---------------------------------------------------------------- spread and disruption
+
+
+def test_pods_spread_over_nodes_by_default() -> None:
+    (spread,) = pod_spec(render())["topologySpreadConstraints"]
+    assert spread == {
+        "maxSkew": 1,
+        "topologyKey": "kubernetes.io/hostname",
+        "whenUnsatisfiable": "ScheduleAnyway",
+        "labelSelector": {"matchLabels": SELECTOR},
+        "matchLabelKeys": ["pod-template-hash"],
+    }
+    zones = [
+        {
+            "maxSkew": 2,
+            "topologyKey": "topology.kubernetes.io/zone",
+            "whenUnsatisfiable": "DoNotSchedule",
+            "labelSelector": {"matchLabels": SELECTOR},
+        }
+    ]
+    docs = render({"topologySpreadConstraints": zones})
+    assert pod_spec(docs)["topologySpreadConstraints"] == zones
+    validate_strictly(docs)
+    assert "topologySpreadConstraints" not in pod_spec(render({"topologySpread": {"enabled": False}}))
+    zone_default = render({"topologySpread": {"topologyKey": "topology.kubernetes.io/zone"}})
+    assert (
+        pod_spec(zone_default)["topologySpreadConstraints"][0]["topologyKey"] == "topology.kubernetes.io/zone"
+    )
+
+
+def test_a_disruption_budget_by_default() -> None:
+    docs = render()
+    pdb = docs[f"PodDisruptionBudget/{RELEASE}-kvgate"]["spec"]
+    assert pdb == {
+        "maxUnavailable": 1,
+        "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        "selector": {"matchLabels": SELECTOR},
+    }
+    validate_strictly(docs)
+    assert f"PodDisruptionBudget/{RELEASE}-kvgate" not in render({"podDisruptionBudget": {"enabled": False}})
+
+
+# ---------------------------------------------------------------- resources and labels
+
+
+def test_one_core_per_process_is_requested_by_default() -> None:
+    assert container(render())["resources"]["requests"]["cpu"] == "1"
+
+
+def test_pod_labels_name_the_component_but_no_chart_version() -> None:
+    docs = render()
+    deployment = docs[f"Deployment/{RELEASE}-kvgate"]
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    # A chart bump alone changes no pod template, so it restarts no pod.
+    assert "helm.sh/chart" not in labels and "app.kubernetes.io/version" not in labels
+    assert labels["app.kubernetes.io/component"] == "gateway"
+    assert deployment["metadata"]["labels"]["app.kubernetes.io/component"] == "gateway"
+    # The selector is immutable on a Deployment: it must stay what it was.
+    assert deployment["spec"]["selector"]["matchLabels"] == SELECTOR
+    assert SELECTOR.items() <= labels.items()
+    broker = docs[f"Deployment/{NATS}"]["spec"]["template"]["metadata"]["labels"]
+    assert "helm.sh/chart" not in broker and broker["app.kubernetes.io/component"] == "sync-broker"

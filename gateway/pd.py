@@ -109,7 +109,10 @@ class _Run:
         # With vLLM a Responses request runs alone: its output budget (`max_output_tokens`) is not
         # one the prefill leg's rewrite caps, and vLLM's Responses route carries no KV transfer.
         responses_on_vllm = a.api.prompt == "responses" and pd.protocol == "vllm"
-        self.splittable = not responses_on_vllm and splittable(a.forward)
+        # A route that does not generate (embeddings, scores, tokenizer, render, audio) has no KV
+        # to move: it runs whole on a worker that serves it alone (`PdRoles.whole`).
+        self.whole = not a.api.pd_split
+        self.splittable = not (self.whole or responses_on_vllm) and splittable(a.forward)
         self.transfer_failed = False
         self.failure: Failure | None = None
         self.retry_reason: str | None = None
@@ -176,21 +179,22 @@ class _Run:
         a, routing = self.a, self.routing
         pool = a.pool
         excluded = frozenset(self.excluded)
-        splittable = self.splittable
+        splittable, whole = self.splittable, self.whole
 
         def choose(now_s: float) -> PdDecision | None:
             views = pool.views(now_s, excluded)
-            return router.select(routing.policy, a.route, views, now_s, splittable=splittable)
+            return router.select(routing.policy, a.route, views, now_s, splittable=splittable, whole=whole)
 
         queue = routing.queues.get(pool.name) if first else None
         if queue is None:
             now_s = time.monotonic()
             return choose(now_s), now_s
-        return queue.try_pair(a, choose, splittable) or await queue.wait_pair(a, choose, splittable)
+        routed = queue.try_pair(a, choose, splittable, whole=whole)
+        return routed or await queue.wait_pair(a, choose, splittable, whole=whole)
 
     def _count(self, decision: PdDecision) -> None:
         metrics, pool = self.routing.metrics, self.a.pool.name
-        if decision.prefill is None:
+        if decision.prefill is None and not self.whole:
             if self.transfer_failed:
                 reason = "transfer_failed"
                 metrics.pd_transfer_outcomes.labels(pool, "recomputed").inc()

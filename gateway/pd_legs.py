@@ -58,7 +58,14 @@ def _as_prefill(body: dict[str, Any]) -> dict[str, Any]:
 
 def vllm_prefill_body(a: Admitted, decision: RouteDecision) -> bytes:
     body = _as_prefill(_base(a, decision))
-    body["max_tokens"] = 1
+    if a.api.prompt == "generate":
+        # `/inference/v1/generate` takes its output budget in `sampling_params`.
+        sampling = body.get("sampling_params")
+        sampling = {**sampling} if isinstance(sampling, dict) else {}
+        sampling.pop("min_tokens", None)
+        body["sampling_params"] = {**sampling, "max_tokens": 1}
+    else:
+        body["max_tokens"] = 1
     if "max_completion_tokens" in body:
         body["max_completion_tokens"] = 1
     body["kv_transfer_params"] = _REMOTE_DECODE

@@ -140,24 +140,29 @@ class PoolQueue:
         pool = self._pool
         return await self._wait(a, lambda now_s: policy.select(a.route, pool.views(now_s), now_s), True)
 
-    def try_pair(self, a: Admitted, choose: ChoosePair, splittable: bool) -> Paired | None:
+    def try_pair(
+        self, a: Admitted, choose: ChoosePair, splittable: bool, *, whole: bool = False
+    ) -> Paired | None:
         """`try_route` in a prefill/decode pool: `choose` is its pair chooser (reading `a.route`
         when called), and the pool is full when no route for the request (a pair, or one worker
-        alone; only the latter when it is not `splittable`) has a worker with a free slot."""
+        alone; only the latter when it is not `splittable`; for a `whole` request, one worker of
+        the roles that serve it, `PdRoles.whole`) has a worker with a free slot."""
         if self._order or self._turns:
             return None
         now_s = time.monotonic()
         decision = choose(now_s)
-        if decision is not None or not self._saturated(now_s, splittable):
+        if decision is not None or not self._saturated(now_s, splittable, whole):
             return decision, now_s
         return None
 
-    async def wait_pair(self, a: Admitted, choose: ChoosePair, splittable: bool) -> Paired | Failure:
+    async def wait_pair(
+        self, a: Admitted, choose: ChoosePair, splittable: bool, *, whole: bool = False
+    ) -> Paired | Failure:
         """`wait` in a prefill/decode pool (see `try_pair`)."""
-        return await self._wait(a, choose, splittable)
+        return await self._wait(a, choose, splittable, whole)
 
     async def _wait(
-        self, a: Admitted, choose: Callable[[float], D | None], splittable: bool
+        self, a: Admitted, choose: Callable[[float], D | None], splittable: bool, whole: bool = False
     ) -> tuple[D | None, float] | Failure:
         now_s = time.monotonic()
         refusal = self._refusal(a.tenant.name)
@@ -184,7 +189,7 @@ class PoolQueue:
                 waiter.state = _State.DONE
                 a.route = dataclasses.replace(a.route, queued_requests=len(self._order) + self._turns)
                 decision = choose(now_s)
-                if decision is not None or not self._saturated(now_s, splittable):
+                if decision is not None or not self._saturated(now_s, splittable, whole):
                     waited_s = now_s - waiter.enqueued_s
                     a.queued_s = waited_s
                     self._metrics.queue_wait.labels(self._pool.name, waiter.tenant).observe(waited_s)
@@ -224,14 +229,16 @@ class PoolQueue:
 
     # ---------------------------------------------------------------- inside
 
-    def _saturated(self, now_s: float, splittable: bool = True) -> bool:
+    def _saturated(self, now_s: float, splittable: bool = True, whole: bool = False) -> bool:
         """Some worker is routable and none has a free slot: capacity will come back."""
-        routable, free = self._capacity(now_s, splittable)
+        routable, free = self._capacity(now_s, splittable, whole)
         return routable > 0 and free == 0
 
-    def _capacity(self, now_s: float, splittable: bool = True) -> tuple[int, int]:
+    def _capacity(self, now_s: float, splittable: bool = True, whole: bool = False) -> tuple[int, int]:
         """(routable workers, free slots on them); in a prefill/decode pool, routes instead."""
         if self._roles is not None:
+            if whole:
+                return self._role_capacity(self._roles.whole, now_s)
             return self._pair_capacity(self._roles, now_s, splittable)
         routable = free = 0
         for worker in self._pool.workers.values():
@@ -243,6 +250,16 @@ class PoolQueue:
                 free += UNCAPPED
             elif worker.in_flight < cap:
                 free += cap - worker.in_flight
+        return routable, free
+
+    def _role_capacity(self, roles: frozenset[Role], now_s: float) -> tuple[int, int]:
+        """(routable workers of `roles`, free slots on them): a request one of them serves alone."""
+        routable = free = 0
+        for worker in self._pool.workers.values():
+            if Role.of(worker.role) in roles and worker.healthy and worker.breaker.allows(now_s):
+                routable += 1
+                cap = worker.max_in_flight
+                free += UNCAPPED if cap is None else max(cap - worker.in_flight, 0)
         return routable, free
 
     def _pair_capacity(self, roles: PdRoles, now_s: float, splittable: bool) -> tuple[int, int]:

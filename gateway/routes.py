@@ -51,13 +51,17 @@ class ApiRoute:
     `endpoint` labels metrics, access logs and spans. `prompt` names the normalizer's input
     adapter (None: load-aware pass-through). `model_optional`: vLLM takes its served model when
     the body names none, so the gateway does too when it serves one model. `multipart`: a form
-    body (audio), read only for `model` and `stream`. `json_answer`: a 200 must be a JSON object
-    (anything else is a malformed answer); audio answers may be plain text, and some routes
-    answer a JSON array. `api_key_header`: the key may come in `x-api-key` (Anthropic clients).
-    `rewrites`: the gateway may rewrite the body (the normalizer's canonical body,
-    `stream_options.include_usage`): chat and completions only; a Responses or Messages body is
-    forwarded as sent. `pick`: the body chooses the route that serves it (SageMaker's
-    `/invocations`); the request is then admitted, keyed, sent and counted as the route picked.
+    body (audio), read only for `model` and `stream`. `json_answer`: a 200 that says it is JSON
+    must be a JSON object (anything else is a malformed answer); audio answers may be plain text.
+    `answer_may_be_array`: a JSON array is a well-formed answer too (one item per prompt of a
+    batch), with no usage the gateway reads. `pd_split`: the route generates, so a prefill/decode
+    pool may send it as a prefill leg and a decode leg (docs/pd.md); every other route runs whole
+    on one worker that serves it alone, with no KV transfer fields. `api_key_header`: the key may
+    come in `x-api-key` (Anthropic clients). `rewrites`: the gateway may rewrite the body (the
+    normalizer's canonical body, `stream_options.include_usage`): chat and completions only; a
+    Responses or Messages body is forwarded as sent. `pick`: the body chooses the route that
+    serves it (SageMaker's `/invocations`); the request is then admitted, keyed, sent and counted
+    as the route picked.
     """
 
     endpoint: str
@@ -68,6 +72,8 @@ class ApiRoute:
     model_optional: bool = True
     multipart: bool = False
     json_answer: bool = True
+    answer_may_be_array: bool = False
+    pd_split: bool = False
     api_key_header: bool = False
     pick: Callable[[Mapping[str, Any]], ApiRoute] | None = None
     path_bytes: bytes = field(init=False)
@@ -86,8 +92,8 @@ def _routes(*routes: ApiRoute) -> dict[str, ApiRoute]:
 
 
 # vLLM takes its served model when a chat or completions body names none (`model_optional`).
-_CHAT = ApiRoute("chat", "/v1/chat/completions", "chat", salted=True)
-_COMPLETIONS = ApiRoute("completions", "/v1/completions", "completions", salted=True)
+_CHAT = ApiRoute("chat", "/v1/chat/completions", "chat", salted=True, pd_split=True)
+_COMPLETIONS = ApiRoute("completions", "/v1/completions", "completions", salted=True, pd_split=True)
 
 
 def invocation_route(body: Mapping[str, Any]) -> ApiRoute:
@@ -108,7 +114,7 @@ _INVOCATIONS = ApiRoute("invocations", "/invocations", pick=invocation_route)
 ROUTES: dict[str, ApiRoute] = _routes(
     _CHAT,
     _COMPLETIONS,
-    ApiRoute("responses", "/v1/responses", "responses", RESPONSES, salted=True),
+    ApiRoute("responses", "/v1/responses", "responses", RESPONSES, salted=True, pd_split=True),
     # vLLM's Anthropic request model has no `cache_salt`; the gateway sends it anyway (see
     # docs/gateway.md, "Anthropic Messages"): builds that honour it isolate tenants, vLLM drops it.
     # Anthropic clients always name the model and send their key in `x-api-key`.
@@ -120,6 +126,7 @@ ROUTES: dict[str, ApiRoute] = _routes(
         salted=True,
         model_optional=False,
         api_key_header=True,
+        pd_split=True,
     ),
     ApiRoute(
         "count_tokens",
@@ -133,10 +140,11 @@ ROUTES: dict[str, ApiRoute] = _routes(
     # prompt's blocks. Load-aware, to any worker of the pool.
     ApiRoute("chat_render", "/v1/chat/completions/render"),
     # A JSON array (one render per prompt), as SGLang's answers to a batch on `/generate` and
-    # `/encode` are: `json_answer` off passes a 200 through without asking for an object.
-    ApiRoute("completions_render", "/v1/completions/render", json_answer=False),
-    # vLLM's token-in, token-out generation (`token_ids`), with `cache_salt`.
-    ApiRoute("generate", "/inference/v1/generate", "generate", salted=True),
+    # `/encode` are.
+    ApiRoute("completions_render", "/v1/completions/render", answer_may_be_array=True),
+    # vLLM's token-in, token-out generation (`token_ids`), with `cache_salt` and
+    # `kv_transfer_params`; its output budget is `sampling_params.max_tokens`.
+    ApiRoute("generate", "/inference/v1/generate", "generate", salted=True, pd_split=True),
     _INVOCATIONS,
     ApiRoute("embeddings", "/v1/embeddings"),
     ApiRoute("embeddings", "/v2/embed"),
@@ -153,9 +161,10 @@ ROUTES: dict[str, ApiRoute] = _routes(
     ApiRoute("detokenize", "/detokenize"),
     ApiRoute("detokenize", "/v1/detokenize"),
     # SGLang's native API: `/generate` (`text` or `input_ids`) is keyed like a completions
-    # prompt; its request has no `cache_salt`. `/encode` is SGLang's embeddings.
-    ApiRoute("generate", "/generate", "generate", json_answer=False),
-    ApiRoute("embeddings", "/encode", json_answer=False),
+    # prompt; its request has no `cache_salt` and takes the `bootstrap_*` fields. `/encode` is
+    # SGLang's embeddings.
+    ApiRoute("generate", "/generate", "generate", answer_may_be_array=True, pd_split=True),
+    ApiRoute("embeddings", "/encode", answer_may_be_array=True),
     ApiRoute("transcriptions", "/v1/audio/transcriptions", multipart=True, json_answer=False),
     ApiRoute("translations", "/v1/audio/translations", multipart=True, json_answer=False),
 )

@@ -43,30 +43,37 @@ SPLIT = "pd_split"
 ALONE_SOONER = "pd_alone_sooner"  # conditional disaggregation: it finishes sooner alone
 ALONE_NO_PAIR = "pd_alone_no_pair"  # no prefill worker, or no decode worker besides it, could take it
 ALONE_UNSPLITTABLE = "pd_alone_unsplittable"  # the request cannot be split (several sequences)
+WHOLE = "pd_whole"  # the route does not generate (embeddings, scores, tokenizer, ...): never split
 
 
 @record
 class PdRoles:
-    """Which worker roles may play each part under a wire protocol."""
+    """Which worker roles may play each part under a wire protocol: `alone`, a generation
+    request run without a split; `whole`, a request of a route that does not generate."""
 
     prefill: frozenset[Role]
     decode: frozenset[Role]
     alone: frozenset[Role]
+    whole: frozenset[Role]
 
 
 # vLLM's connector acts per request on every server (`kv_both`): a mixed worker may play either
-# half, and a decode worker also serves a plain request.
+# half, and a decode worker also serves a plain request, generation or not.
 VLLM_ROLES = PdRoles(
     prefill=frozenset({Role.PREFILL, Role.MIXED}),
     decode=frozenset({Role.DECODE, Role.MIXED}),
     alone=frozenset({Role.DECODE, Role.MIXED}),
+    whole=frozenset({Role.DECODE, Role.MIXED}),
 )
-# SGLang's prefill and decode servers take requests only as a pair; a mixed server ignores the
-# bootstrap fields, so it never takes part in a split and serves whole requests only.
+# SGLang's prefill and decode servers take generation requests only as a pair (one without a
+# bootstrap room is refused); a mixed server ignores the bootstrap fields, so it never takes part
+# in a split and serves whole requests only. A request of another route goes to a mixed server,
+# or with none free to a prefill server: a decode server only admits KV another server computed.
 SGLANG_ROLES = PdRoles(
     prefill=frozenset({Role.PREFILL}),
     decode=frozenset({Role.DECODE}),
     alone=frozenset({Role.MIXED}),
+    whole=frozenset({Role.MIXED, Role.PREFILL}),
 )
 
 
@@ -163,16 +170,20 @@ class PdRouter:
         now_s: float,
         *,
         splittable: bool = True,
+        whole: bool = False,
         holder: PrefixHolder | None = None,
     ) -> PdDecision | None:
         """The best pair or lone worker for `req` among `workers` (all of the pool's, healthy or
         not); None if no worker can serve it. `policy` picks the prefill worker; `holder` (by
-        default the policy, when it keeps an index) says what each worker holds. The decision is
-        not yet dispatched: the caller tells the policy of each half it sends."""
+        default the policy, when it keeps an index) says what each worker holds. A `whole`
+        request (a route that does not generate) is never split: it goes to a worker that serves
+        generation alone, or with none free to another of `PdRoles.whole`. The decision is not
+        yet dispatched: the caller tells the policy of each half it sends."""
         s = self.settings
         if holder is None and isinstance(policy, PrefixHolder):
             holder = policy
         ok = available(workers)
+        splittable = splittable and not whole
         prefill = self._prefill(policy, req, workers, ok, now_s) if splittable else None
         cost = holder.cost_model(req) if holder is not None else self._default_cost
         shared = prefill[0].shared_prefix_blocks if prefill is not None else 0
@@ -188,8 +199,11 @@ class PdRouter:
                     options.append(_Option(prefill_s + scorer.split_s(d, h), d, h, True))
         split_possible = bool(options)
         if s.conditional or not split_possible:
+            alone = s.roles.alone
+            if whole and not any(d.role in alone for d in ok):
+                alone = s.roles.whole  # SGLang: a prefill server when no mixed one is free
             for d in ok:
-                if d.role in s.roles.alone:
+                if d.role in alone:
                     h = scorer.engine(held.get(d.worker_id, 0))
                     options.append(_Option(scorer.alone_s(d, h), d, h, False))
         if not options:
@@ -197,7 +211,9 @@ class PdRouter:
         top = max(o.score_s for o in options)
         best = [o for o in options if o.score_s >= top - s.tie_s]
         chosen = best[0] if len(best) == 1 else self._rng.choice(best)
-        if not chosen.split:
+        if whole:
+            reason = WHOLE
+        elif not chosen.split:
             reason = ALONE_SOONER if split_possible else ALONE_NO_PAIR if splittable else ALONE_UNSPLITTABLE
         else:
             reason = SPLIT

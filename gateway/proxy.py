@@ -314,7 +314,8 @@ def _answer(
     routing: Routing, a: Admitted, attempt: Attempt, reply: UpstreamReply, retries: int
 ) -> RawResponse | Failure:
     """A complete answer. A 5xx, or a 200 that says it is JSON but whose body is not a JSON
-    object (on routes that answer JSON), is the attempt's failure; anything else closes the books
+    object (on routes that answer JSON; or an array, on routes whose answer may be one: a batch's
+    items, which carry no usage the gateway reads), is the attempt's failure; anything else closes the books
     and is passed through: a 200 byte for byte, an error with its body in the route's error shape,
     the worker's `Retry-After` and the gateway's retry advice (`retries.py`). A 200 of another
     content type is an answer in another format, not a broken one (vLLM's binary embeddings,
@@ -335,9 +336,10 @@ def _answer(
                 parsed = orjson.loads(body)
             except orjson.JSONDecodeError:
                 parsed = None
-            if not isinstance(parsed, dict) and a.api.json_answer:
-                problem = "worker sent a malformed answer (its body is not a JSON object)"
-                return malformed(problem, Stage.ANSWER)
+            well_formed = isinstance(parsed, dict) or (isinstance(parsed, list) and a.api.answer_may_be_array)
+            if not well_formed and a.api.json_answer:
+                what = "a JSON object or array" if a.api.answer_may_be_array else "a JSON object"
+                return malformed(f"worker sent a malformed answer (its body is not {what})", Stage.ANSWER)
         if not isinstance(parsed, dict):
             usage = NO_USAGE
         else:

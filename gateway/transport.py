@@ -8,6 +8,7 @@ import aiohttp
 
 from gateway.config import UpstreamConfig
 from gateway.upstream import DEFAULT_BUDGET_BYTES, AnswerBudget, UpstreamPool
+from gateway.upstream_conn import MAX_ANSWER_HEAD_BYTES
 
 
 @dataclass(slots=True)
@@ -47,7 +48,10 @@ class Transport:
 
 
 def make_session(config: UpstreamConfig) -> aiohttp.ClientSession:
-    """The one upstream client of the process: bounded connection pool, keep-alive, no cookies."""
+    """The one upstream client of the process: bounded connection pool, keep-alive, no cookies.
+    An answer's status line and each of its headers may be as long as the lean client's whole
+    head (`MAX_ANSWER_HEAD_BYTES`), not aiohttp's default 8 KB: vLLM's binary embeddings carry
+    every input's offsets in one `metadata` header."""
     connector = aiohttp.TCPConnector(
         limit=config.max_connections,
         limit_per_host=config.max_connections_per_worker,
@@ -59,4 +63,6 @@ def make_session(config: UpstreamConfig) -> aiohttp.ClientSession:
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=10.0, sock_read=120.0),
         cookie_jar=aiohttp.DummyCookieJar(),
         skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        max_line_size=MAX_ANSWER_HEAD_BYTES,
+        max_field_size=MAX_ANSWER_HEAD_BYTES,
     )

@@ -5,7 +5,8 @@ type and body, resolved when the answer is complete), or a stream (status and co
 soon as the head arrives, then body chunks through a bounded buffer that pauses reading while the
 consumer lags). Read and total timeouts are checked by the pool's `TimeoutSweep`. A whole
 answer's bytes are reserved from the process's `AnswerBudget` as they arrive and released when
-the exchange ends, however it ends (`_reset`).
+the exchange ends, however it ends (`_reset`). An answer's head (status line and headers) is
+bounded by `MAX_ANSWER_HEAD_BYTES`: httptools itself puts no limit on a header's size.
 """
 
 from __future__ import annotations
@@ -65,6 +66,13 @@ class AnswerBudgetExceeded(UpstreamError):
             answered=True,
         )
 
+
+# The most bytes read before an answer's head is complete (the head, and the first bytes of the
+# body that arrived with its end): past it the answer is malformed. vLLM's binary embeddings
+# (`encoding_format` "bytes") put every input's offsets in one `metadata` header, which for a large
+# batch outgrows the 8 KB header lines HTTP clients commonly allow; aiohttp's limits for https
+# workers are the same (`transport.make_session`).
+MAX_ANSWER_HEAD_BYTES = 1 << 20
 
 # The answer headers the gateway keeps (`upstream_headers.ANSWER_HEADERS`), as (name, value)
 # pairs: a worker's advice on when to retry (only an overloaded worker sends it), and vLLM's
@@ -157,6 +165,7 @@ class WorkerConnection(asyncio.Protocol):
         "_deadline_s",
         "_done",
         "_head",
+        "_head_bytes",
         "_header_name",
         "_held",
         "_last_activity_s",
@@ -193,6 +202,7 @@ class WorkerConnection(asyncio.Protocol):
         self._content_type = ""
         self._retry_hints: RetryHints = ()
         self._header_name = b""
+        self._head_bytes: int | None = None  # bytes read of the answer's head (None: it is complete)
         self._read_s = 0.0
         self._deadline_s = 0.0
         self._last_activity_s = 0.0
@@ -215,6 +225,12 @@ class WorkerConnection(asyncio.Protocol):
             return
         self.got_bytes = True
         self._last_activity_s = self._loop.time()
+        if self._head_bytes is not None:
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_ANSWER_HEAD_BYTES:
+                problem = f"worker sent a malformed answer (its head exceeds {MAX_ANSWER_HEAD_BYTES} bytes)"
+                self._fail(UpstreamError(problem, answered=True))
+                return
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -231,6 +247,7 @@ class WorkerConnection(asyncio.Protocol):
             self._retry_hints += ((lowered, value),)
 
     def on_headers_complete(self) -> None:
+        self._head_bytes = None
         head = self._head
         if head is not None and self._parser is not None and not head.done():
             status = self._parser.get_status_code()
@@ -298,6 +315,7 @@ class WorkerConnection(asyncio.Protocol):
         self._size = 0
         self._content_type = ""
         self._retry_hints = ()
+        self._head_bytes = 0
         self.got_bytes = False
         now = self._loop.time()
         self._read_s = read_s

@@ -21,8 +21,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.admission import new_request_id, request_id_of
+from gateway.config.pool import TimeoutsConfig
 from gateway.errors import ApiError, normalize_worker_error, upstream_error
-from gateway.failure import TRANSPORT_ERRORS
+from gateway.failure import TRANSPORT_ERRORS, Stage, failure_of
 from gateway.gate import Gate
 from gateway.lifecycle import Lifecycle
 from gateway.metrics import GatewayMetrics
@@ -34,6 +35,7 @@ from gateway.streaming import AiohttpSource
 from gateway.surface import error
 from gateway.tracing import TRACE_CONTEXT_HEADERS
 from gateway.transport import Transport
+from gateway.upstream import UpstreamError
 from gateway.upstream_headers import aiohttp_pairs, pick
 
 _NO_KEY = ApiError(401, "incorrect or missing API key", "invalid_request_error", "invalid_api_key")
@@ -95,7 +97,7 @@ def responses_routes(
                 # The stream gives the limiter's slot back, and counts the request, when it ends.
                 return StoredResponseStream(source, reply_id, lifecycle, pool.config.timeouts, done)
             try:
-                status, body = await _whole(source)
+                status, body = await _whole(source, pool.config.timeouts)
             except ApiError as err:
                 done(err.status)
                 return error(err, reply_id)
@@ -157,8 +159,11 @@ async def _to_holder(
     return pool, AiohttpSource(resp, transport.answers)
 
 
-async def _whole(source: AiohttpSource) -> tuple[int, bytes]:
-    """The worker's whole answer (bounded like any: `upstream.read_whole`)."""
+async def _whole(source: AiohttpSource, timeouts: TimeoutsConfig) -> tuple[int, bytes]:
+    """The worker's whole answer (bounded like any: `upstream.read_whole`). A read that fails
+    once the answer has begun (too large, the process's answer budget, a broken connection) is
+    mapped as the proxied routes map it (`failure.failure_of`); one that never got an answer is
+    the holder being unreachable."""
     try:
         body = await source.read_all()
     except TimeoutError:
@@ -166,6 +171,8 @@ async def _whole(source: AiohttpSource) -> tuple[int, bytes]:
         raise upstream_error(504, "the worker holding the response did not answer in time") from None
     except TRANSPORT_ERRORS as exc:
         source.close()
+        if isinstance(exc, UpstreamError) and exc.answered:
+            raise failure_of(exc, Stage.ANSWER, timeouts).error() from None
         raise _unreachable(exc) from None
     except BaseException:
         source.close()

@@ -9,10 +9,14 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
+from aiohttp import ClientSession, web
 
 from gateway.config import LimitsConfig
 from gateway.config.pool import TimeoutsConfig
+from gateway.errors import ApiError
 from gateway.failure import Stage, failure_of
+from gateway.responses_routes import _whole
+from gateway.streaming import AiohttpSource
 from gateway.upstream import (
     DEFAULT_BUDGET_BYTES,
     MAX_ANSWER_BYTES,
@@ -26,6 +30,7 @@ from gateway.upstream import (
 )
 from policies.base import Outcome
 from tests.gateway.fake_upstream import Handler, Server, post, read_request
+from tests.support.processes import free_port
 from tests.support.wait import wait_until
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
@@ -209,3 +214,25 @@ async def test_concurrent_whole_reads_share_one_budget() -> None:
     gate.set()
     assert [len(await first), len(await second)] == [500, 500]
     assert budget.held_bytes == 0
+
+
+async def test_a_stored_response_cut_off_by_the_budget_is_the_gateways_503() -> None:
+    """A retrieve (`GET /v1/responses/{id}`) read past the budget is the same 503 as the proxied
+    routes', not "could not reach the worker"; the budget is given back."""
+    app = web.Application()
+    app.router.add_get("/r", lambda _: web.json_response({"id": "resp_1", "output": "x" * 4096}))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    budget = AnswerBudget(1024)
+    try:
+        async with ClientSession() as session:
+            resp = await session.get(f"http://127.0.0.1:{port}/r")
+            with pytest.raises(ApiError) as raised:
+                await _whole(AiohttpSource(resp, budget), TimeoutsConfig())
+    finally:
+        await runner.cleanup()
+    err = raised.value
+    assert (err.status, err.code, err.headers.get("retry-after")) == (503, "gateway_overloaded", "1")
+    assert budget.held_bytes == 0 and budget.refusals.value == 1

@@ -219,8 +219,11 @@ async def test_concurrent_whole_reads_share_one_budget() -> None:
 async def test_a_stored_response_cut_off_by_the_budget_is_the_gateways_503() -> None:
     """A retrieve (`GET /v1/responses/{id}`) read past the budget is the same 503 as the proxied
     routes', not "could not reach the worker"; the budget is given back."""
+    async def stored(_: web.Request) -> web.Response:
+        return web.json_response({"id": "resp_1", "output": "x" * 4096})
+
     app = web.Application()
-    app.router.add_get("/r", lambda _: web.json_response({"id": "resp_1", "output": "x" * 4096}))
+    app.router.add_get("/r", stored)
     runner = web.AppRunner(app)
     await runner.setup()
     port = free_port()

@@ -100,11 +100,12 @@ class Admitted:
         return self.client_request_id if self.client_request_id is not None else self.request_id
 
     def body_for(self, decision: RouteDecision) -> bytes:
-        """The bytes for one dispatch, always with the gateway's own `cache_salt` (a client's is
-        replaced): the tenant's salt, or the public salt when the whole prompt lies inside the
-        promoted public prefix the policy routed (vLLM's salt covers a request's entire chain, so
-        any private token after the public prefix must keep the tenant's salt). Routes whose
-        requests have no `cache_salt` field get the client's body as encoded."""
+        """The bytes for one dispatch, always with the gateway's own `cache_salt` (in the route's
+        `salt_field`; a client's is replaced): the tenant's salt, or the public salt when the
+        whole prompt lies inside the promoted public prefix the policy routed (vLLM's salt covers
+        a request's entire chain, so any private token after the public prefix must keep the
+        tenant's salt). Routes whose requests have no salt field get the client's body as
+        encoded."""
         if not self.api.salted:
             return self.encoded
         salt = cache_salt_for(
@@ -113,11 +114,12 @@ class Admitted:
         cached = self._encoded.get(salt)
         if cached is not None:
             return cached
+        field = self.api.salt_field
         if self.changed:
-            out = orjson.dumps({**self.forward, "cache_salt": salt})
+            out = orjson.dumps({**self.forward, field: salt})
         else:
-            # `encoded` is a non-empty JSON object with no `cache_salt` key: the salt goes first.
-            out = b'{"cache_salt":' + orjson.dumps(salt) + b"," + self.encoded[1:]
+            # `encoded` is a non-empty JSON object without the salt's key: the salt goes first.
+            out = b'{"' + field.encode() + b'":' + orjson.dumps(salt) + b"," + self.encoded[1:]
         self._encoded[salt] = out
         return out
 
@@ -309,7 +311,7 @@ async def admit(
         body = parse_body(raw, api, gate.limits.max_choices)
         if api.pick is not None:
             api = api.pick(body)  # SageMaker's `/invocations`: admitted as the route its body names
-        encoded = encode_body(body)
+        encoded = encode_body(body, api.salt_field)
         upstream_head = JSON_HEAD
     model = body.get("model") or only_model(gate.models)
     pool = gate.models.get(model)

@@ -151,14 +151,16 @@ def form_head(content_type: str | None) -> bytes:
     return content_type_header(boundary_of(content_type)) + b"X-Request-Id: "
 
 
-def encode_body(body: dict[str, Any]) -> bytes:
-    """The body re-encoded without any client `cache_salt` (the gateway always sets its own).
+def encode_body(body: dict[str, Any], salt_field: str = "cache_salt") -> bytes:
+    """The body re-encoded without any client `cache_salt` (the gateway always sets its own), nor
+    the route's own salt field if it names it otherwise (SGLang's `extra_key`).
 
     This is also the nesting bound: encoding refuses JSON nested deeper than `MAX_JSON_DEPTH`, at
     the cost of one `orjson.dumps`, which `Admitted.body_for` then reuses instead of encoding again
     (faster than counting brackets in the raw bytes or walking the parsed objects in Python).
     """
     body.pop("cache_salt", None)
+    body.pop(salt_field, None)
     try:
         return orjson.dumps(body)
     except orjson.JSONEncodeError:

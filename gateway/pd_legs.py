@@ -46,7 +46,7 @@ _NOT_IN_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")
 
 def _base(a: Admitted, decision: RouteDecision) -> dict[str, Any]:
     salt = cache_salt_for(a.route, decision.shared_prefix_blocks, a.tenant.cache_salt, a.public_salt)
-    return {**a.forward, "cache_salt": salt}
+    return {**a.forward, a.api.salt_field: salt}
 
 
 def _as_prefill(body: dict[str, Any]) -> dict[str, Any]:

@@ -61,7 +61,9 @@ class ApiRoute:
     normalizer's canonical body, `stream_options.include_usage`): chat and completions only; a
     Responses or Messages body is forwarded as sent. `pick`: the body chooses the route that
     serves it (SageMaker's `/invocations`); the request is then admitted, keyed, sent and counted
-    as the route picked.
+    as the route picked. `salted`: the gateway sets the engine's cache isolation key, in
+    `salt_field` (vLLM's `cache_salt`; SGLang's native request names it `extra_key`), replacing
+    any value the client sent.
     """
 
     endpoint: str
@@ -69,6 +71,7 @@ class ApiRoute:
     prompt: Prompt | None = None
     dialect: Dialect = OPENAI
     salted: bool = False
+    salt_field: str = "cache_salt"
     model_optional: bool = True
     multipart: bool = False
     json_answer: bool = True
@@ -161,9 +164,18 @@ ROUTES: dict[str, ApiRoute] = _routes(
     ApiRoute("detokenize", "/detokenize"),
     ApiRoute("detokenize", "/v1/detokenize"),
     # SGLang's native API: `/generate` (`text` or `input_ids`) is keyed like a completions
-    # prompt; its request has no `cache_salt` and takes the `bootstrap_*` fields. `/encode` is
-    # SGLang's embeddings.
-    ApiRoute("generate", "/generate", "generate", answer_may_be_array=True, pd_split=True),
+    # prompt; its radix cache is isolated by `extra_key` ("e.g. cache_salt" in SGLang's
+    # `GenerateReqInput`), which takes the tenant's salt, and it takes the `bootstrap_*` fields.
+    # `/encode` is SGLang's embeddings.
+    ApiRoute(
+        "generate",
+        "/generate",
+        "generate",
+        salted=True,
+        salt_field="extra_key",
+        answer_may_be_array=True,
+        pd_split=True,
+    ),
     ApiRoute("embeddings", "/encode", answer_may_be_array=True),
     ApiRoute("transcriptions", "/v1/audio/transcriptions", multipart=True, json_answer=False),
     ApiRoute("translations", "/v1/audio/translations", multipart=True, json_answer=False),

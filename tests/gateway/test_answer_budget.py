@@ -219,6 +219,7 @@ async def test_concurrent_whole_reads_share_one_budget() -> None:
 async def test_a_stored_response_cut_off_by_the_budget_is_the_gateways_503() -> None:
     """A retrieve (`GET /v1/responses/{id}`) read past the budget is the same 503 as the proxied
     routes', not "could not reach the worker"; the budget is given back."""
+
     async def stored(_: web.Request) -> web.Response:
         return web.json_response({"id": "resp_1", "output": "x" * 4096})
 

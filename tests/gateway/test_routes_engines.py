@@ -90,12 +90,15 @@ async def test_native_generate_is_keyed_like_the_same_completions_prompt(rig: Ri
     assert (await rig.client.post("/v1/completions", json=completions, headers=KEY)).status_code == 200
     as_completions = rig.policy.requests[-1]
     assert as_completions.block_keys
+    salt = rig.last().json()["cache_salt"]
 
     sglang = {"text": PROMPT, "sampling_params": {"max_new_tokens": 2}}
-    assert (await rig.client.post("/generate", json=sglang, headers=KEY)).status_code == 200
+    sent = {**sglang, "extra_key": "chosen-by-the-client"}
+    assert (await rig.client.post("/generate", json=sent, headers=KEY)).status_code == 200
     got = rig.last()
-    # The only model's pool; the body as sent (SGLang's request has no `cache_salt`).
-    assert got.path == "/generate" and got.json() == sglang
+    # The only model's pool; the body as sent, SGLang's cache isolation key (`extra_key`) set to
+    # the tenant's salt in place of the client's.
+    assert got.path == "/generate" and got.json() == {**sglang, "extra_key": salt}
     req = rig.policy.requests[-1]
     assert req.block_keys == as_completions.block_keys
     assert req.n_prompt_tokens == as_completions.n_prompt_tokens

@@ -307,7 +307,7 @@ def _start_trace(routing: Routing, a: Admitted, attempt: Attempt) -> AttemptTrac
 
 
 def _is_event_stream(content_type: str) -> bool:
-    return content_type.split(";", 1)[0].strip().lower() == "text/event-stream"
+    return _media(content_type) == "text/event-stream"
 
 
 def _answer(
@@ -318,9 +318,11 @@ def _answer(
     items, which carry no usage the gateway reads), is the attempt's failure; anything else closes the books
     and is passed through: a 200 byte for byte, an error with its body in the route's error shape,
     the worker's `Retry-After` and the gateway's retry advice (`retries.py`). A 200 of another
-    content type is an answer in another format, not a broken one (vLLM's binary embeddings,
-    `encoding_format` "bytes", with their `metadata` header; a plain-text transcript): it goes to
-    the client with its content type, and the request has no usage the gateway can read."""
+    content type is an answer in another format on the routes that have one (vLLM's binary
+    embeddings, `encoding_format` "bytes", with their `metadata` header: `binary_answer`; a
+    plain-text transcript): it goes to the client with its content type, and the request has no
+    usage the gateway can read; on the other JSON routes it is malformed (an HTML error page of
+    a proxy in front of the worker, say)."""
     status, body, content_type = reply.status, reply.body, reply.content_type
     if attempt.trace is not None:
         attempt.trace.status = status
@@ -329,6 +331,9 @@ def _answer(
     passed: list[tuple[bytes, bytes]] = []
     if status == 200:
         if not _is_json(content_type):
+            if a.api.json_answer and not (a.api.binary_answer and _media(content_type) == _BINARY):
+                what = f"content type {content_type[:64]!r}"
+                return malformed(f"worker sent a malformed answer ({what})", Stage.ANSWER)
             parsed = None
             passed = passed_on(reply.retry_hints)
         else:
@@ -365,7 +370,14 @@ def _answer(
     return RawResponse(status, body, headers + passed)
 
 
+_BINARY = "application/octet-stream"
+
+
+def _media(content_type: str) -> str:
+    return content_type.split(";", 1)[0].strip().lower()
+
+
 def _is_json(content_type: str) -> bool:
     """`application/json`, or none (a worker that names no type is read as it always was)."""
-    media = content_type.split(";", 1)[0].strip().lower()
+    media = _media(content_type)
     return not media or media == "application/json" or media.endswith("+json")

@@ -52,7 +52,9 @@ class ApiRoute:
     adapter (None: load-aware pass-through). `model_optional`: vLLM takes its served model when
     the body names none, so the gateway does too when it serves one model. `multipart`: a form
     body (audio), read only for `model` and `stream`. `json_answer`: a 200 that says it is JSON
-    must be a JSON object (anything else is a malformed answer); audio answers may be plain text.
+    must be a JSON object (anything else is a malformed answer), and a 200 of another content
+    type is malformed too, except `application/octet-stream` on `binary_answer` routes (vLLM's
+    binary embeddings, `encoding_format` "bytes"); audio answers (`json_answer` False) may be plain text.
     `answer_may_be_array`: a JSON array is a well-formed answer too (one item per prompt of a
     batch), with no usage the gateway reads. `pd_split`: the route generates, so a prefill/decode
     pool may send it as a prefill leg and a decode leg (docs/pd.md); every other route runs whole
@@ -75,6 +77,7 @@ class ApiRoute:
     model_optional: bool = True
     multipart: bool = False
     json_answer: bool = True
+    binary_answer: bool = False
     answer_may_be_array: bool = False
     pd_split: bool = False
     api_key_header: bool = False
@@ -149,9 +152,11 @@ ROUTES: dict[str, ApiRoute] = _routes(
     # `kv_transfer_params`; its output budget is `sampling_params.max_tokens`.
     ApiRoute("generate", "/inference/v1/generate", "generate", salted=True, pd_split=True),
     _INVOCATIONS,
-    ApiRoute("embeddings", "/v1/embeddings"),
+    # `encoding_format` "bytes" / "bytes_only": an `application/octet-stream` answer (and its
+    # `metadata` header).
+    ApiRoute("embeddings", "/v1/embeddings", binary_answer=True),
     ApiRoute("embeddings", "/v2/embed"),
-    ApiRoute("pooling", "/pooling"),
+    ApiRoute("pooling", "/pooling", binary_answer=True),
     ApiRoute("classify", "/classify"),
     ApiRoute("classify", "/v1/classify"),
     ApiRoute("score", "/score"),

@@ -1,0 +1,93 @@
+"""A worker's 200 in another content type than JSON: vLLM's binary embeddings are an answer
+(`binary_answer` routes), while on every other JSON route (chat, completions, ...) it is a broken
+answer (an HTML error page of a proxy in front of the worker), counted against the worker and
+never passed to the client as a success; on both upstream transports."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import orjson
+import pytest
+from aiohttp import web
+
+from gateway.routes import ROUTES
+from policies.base import Outcome
+from tests.gateway.routes_rig import KEY, SECRET, Recording, config
+from tests.support.inprocess import InProcessGateway, gateway_in_process
+from tests.support.loopback import serve_app
+from tests.support.transports import TRANSPORTS, through
+from tests.support.wait import wait_until
+
+HTML = b"<html>502 upstream proxy error</html>"
+BODIES = {
+    "/v1/chat/completions": {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+    "/v1/completions": {"model": "m", "prompt": "hi"},
+    "/v1/embeddings": {"model": "m", "input": "hi", "encoding_format": "bytes"},
+}
+
+
+def test_only_vllm_s_binary_embeddings_routes_answer_other_formats() -> None:
+    assert {p for p, r in ROUTES.items() if r.binary_answer} == {"/v1/embeddings", "/pooling"}
+
+
+@contextlib.asynccontextmanager
+async def worker(body: bytes, content_type: str) -> AsyncIterator[str]:
+    """A worker that answers every POST of BODIES with `body` in `content_type`."""
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def reply(_: web.Request) -> web.Response:
+        return web.Response(body=body, headers={"content-type": content_type})
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    for path in BODIES:
+        app.router.add_post(path, reply)
+    runner, port = await serve_app(app)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def gateway(url: str, transport: str) -> AsyncIterator[tuple[InProcessGateway, Recording]]:
+    policy = Recording()
+    async with gateway_in_process(config([url]), policy, secret=SECRET) as gw:
+        pool = gw.state.registry.pools["p"]
+        await wait_until(lambda: all(w.healthy for w in pool.workers.values()))
+        through(gw.state, transport)
+        yield gw, policy
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+async def test_an_html_page_is_a_broken_answer_on_a_json_route(path: str, transport: str) -> None:
+    async with worker(HTML, "text/html; charset=utf-8") as url, gateway(url, transport) as (gw, policy):
+        resp = await gw.client.post(path, json=BODIES[path], headers=KEY)
+        assert resp.status_code == 502, resp.text
+        error = orjson.loads(resp.content)["error"]
+        assert error["code"] == "bad_gateway" and "text/html" in error["message"]
+        (obs,) = policy.observations
+        assert obs.outcome is Outcome.WORKER_FAILED
+        worker_state = next(iter(gw.state.registry.pools["p"].workers.values()))
+        assert worker_state.breaker.failures == 1 and worker_state.in_flight == 0
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_binary_embeddings_are_an_answer_and_html_is_not(transport: str) -> None:
+    vectors = bytes(range(16))
+    async with worker(vectors, "application/octet-stream") as url, gateway(url, transport) as (gw, policy):
+        resp = await gw.client.post("/v1/embeddings", json=BODIES["/v1/embeddings"], headers=KEY)
+        assert resp.status_code == 200 and resp.content == vectors
+        assert resp.headers["content-type"] == "application/octet-stream"
+        (obs,) = policy.observations
+        assert obs.outcome is Outcome.SERVED
+    async with worker(HTML, "text/html") as url, gateway(url, transport) as (gw, policy):
+        resp = await gw.client.post("/v1/embeddings", json=BODIES["/v1/embeddings"], headers=KEY)
+        assert resp.status_code == 502
+        (obs,) = policy.observations
+        assert obs.outcome is Outcome.WORKER_FAILED

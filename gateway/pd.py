@@ -259,6 +259,15 @@ class _Run:
         self.failure = failure
         self.retry_reason = failure.retry or "worker_error"
 
+    def _prefill_failed(self, attempt: Attempt, failure: Failure) -> None:
+        """A prefill leg failed: another pair is tried, without that worker, unless the failure is
+        the gateway's own limit (the process's answer budget: aborted, no retry), which another
+        pair would meet as well and which is no fault of the worker."""
+        own_limit = failure.outcome is Outcome.ABORTED and failure.retry is None
+        self._failed(attempt, failure, "prefill", exclude=not own_limit)
+        if own_limit:
+            self.final = True
+
     def _refused(self, attempt: Attempt, refused: Refused) -> Response:
         answer = proxy._answer(self.routing, self.a, attempt, refused.reply, self._retries())
         assert not isinstance(answer, Failure)  # a 4xx is always passed through
@@ -303,7 +312,7 @@ class _Run:
             slot.give_back(routing, a.pool.name)
             if isinstance(prefilled, Refused):
                 return self._refused(p, prefilled)
-            self._failed(p, prefilled, "prefill")
+            self._prefill_failed(p, prefilled)
             return None
         self._served(p, "prefill")
         body = vllm_decode_body(a, decode, prefilled.params)
@@ -339,7 +348,7 @@ class _Run:
         if prefilled is None or isinstance(prefilled, Failure):
             # The prefill leg failed (or was stopped because the decode leg had).
             if isinstance(prefilled, Failure):
-                self._failed(p, prefilled, "prefill")
+                self._prefill_failed(p, prefilled)
             else:
                 p.end(routing, Outcome.ABORTED)
             if opened is None:

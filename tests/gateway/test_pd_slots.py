@@ -252,6 +252,24 @@ async def test_a_client_that_leaves_during_the_prefill_gives_the_decode_slot_bac
     await rig.idle()
 
 
+async def test_the_answer_budget_ends_the_request_at_its_prefill_leg(rig: Rig) -> None:
+    """A prefill answer past the process's answer budget is the gateway's own 503: not retried on
+    another route (the budget is the same everywhere), the prefill worker not blamed."""
+    budget = rig.state.transport.answers
+    budget.capacity_bytes = 16  # below any answer
+    first = rig.send("a")
+    await wait_until(lambda: rig.prefill.tags() == ["a"])
+    rig.prefill.answer("a")
+    await wait_until(lambda: first.done() or bool(rig.decode.arrivals))
+    assert rig.decode.arrivals == []
+    resp = await first
+    assert resp.status_code == 503 and resp.json()["error"]["code"] == "gateway_overloaded"
+    assert resp.headers["retry-after"] == "1"
+    assert rig.worker(rig.prefill).breaker.failures == 0
+    assert budget.held_bytes == 0
+    await rig.idle()
+
+
 def test_a_held_slot_takes_a_half_open_breakers_trial_and_gives_it_back() -> None:
     breaker = {"failure_threshold": 1, "cooldown_s": 1.0}
     config = PoolConfig(name="p", models=["m"], workers=["http://127.0.0.1:1"], breaker=breaker)

@@ -17,7 +17,7 @@ CHART = Path(__file__).resolve().parents[2] / "helm" / "kvgate"
 RELEASE, NAMESPACE = "rel", "llm"
 KUBE_VERSIONS = ("1.30.0", "1.33.0")
 # Custom resources have no bundled schema; their tests check them by shape instead.
-CRD_KINDS = frozenset({"ServiceMonitor", "HTTPRoute"})
+CRD_KINDS = frozenset({"ServiceMonitor", "PodMonitor", "PrometheusRule", "HTTPRoute"})
 
 KEY_HASH = "hmac-sha256:" + "ab" * 32
 # values.yaml ships no tenant and no workers (both are deployment-specific): every render adds them.

@@ -31,7 +31,9 @@ from tests.helm.chart import (
     gateway_config_text,
     pod_spec,
     render,
+    render_raw,
     validate_strictly,
+    values_file,
 )
 from tests.support.processes import free_port, start_gateway, started
 from tests.support.wait import wait_until_sync
@@ -69,7 +71,7 @@ def test_rendered_gateway_config_is_accepted_by_the_gateway() -> None:
     assert config.pools[0].workers == ["http://10.0.0.7:8000"]
     assert config.tenants[0].quotas.rpm == 60 and config.tenants[0].isolation == "public"
     assert config.secrets.key_hash_secret_env == "KVGATE_KEY_SECRET"
-    assert config.drain.deadline_s == 30 and config.upstream.max_connections == 512
+    assert config.drain.deadline_s == 120 and config.upstream.max_connections == 512
     assert config.policy_file == "/etc/kvgate/policy/policy.yaml"
 
 
@@ -120,12 +122,26 @@ def test_probes_shutdown_and_mounts() -> None:
     assert pod_spec(docs)["terminationGracePeriodSeconds"] == 140
 
 
+def test_the_default_drain_lets_long_generations_finish() -> None:
+    """120 s of drain by default (the gateway's own default is 30 s), and a grace period to cover it;
+    the examples whose routes allow 600 s requests drain as long."""
+    docs = render()
+    assert gateway_config(docs)["drain"]["deadline_s"] == 120
+    assert pod_spec(docs)["terminationGracePeriodSeconds"] == 140  # 5 + 120 + 10 + 5
+    for name in ("kubernetes-values.yaml", "dns-values.yaml"):
+        docs = render_raw(values_file(name))
+        assert gateway_config(docs)["drain"]["deadline_s"] == 600
+        assert pod_spec(docs)["terminationGracePeriodSeconds"] == 620
+
+
 def test_a_grace_period_shorter_than_the_drain_fails_clearly() -> None:
-    with pytest.raises(helm_python.HelmError, match=r"must be at least .* \(45\)"):
-        render({"shutdown": {"terminationGracePeriodSeconds": 44}})  # 5 + 30 + 10 needed
+    with pytest.raises(helm_python.HelmError, match=r"must be at least .* \(135\)"):
+        render({"shutdown": {"terminationGracePeriodSeconds": 134}})  # 5 + 120 + 10 needed
     assert (
-        pod_spec(render({"shutdown": {"terminationGracePeriodSeconds": 45}}))["terminationGracePeriodSeconds"]
-        == 45
+        pod_spec(render({"shutdown": {"terminationGracePeriodSeconds": 135}}))[
+            "terminationGracePeriodSeconds"
+        ]
+        == 135
     )
     with pytest.raises(helm_python.HelmError, match="must be at least"):
         render({"shutdown": {"terminationGracePeriodSeconds": 60}, "config": {"drain": {"deadline_s": 50}}})

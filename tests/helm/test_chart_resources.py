@@ -86,7 +86,7 @@ def test_kubernetes_pools_need_the_discovery_flag() -> None:
 
 
 def test_kubernetes_pool_config_and_rbac() -> None:
-    extra = {"kubernetes": {"selector": {"app": "vllm"}, "port": 8000, "extra": {"resync_s": 30}}}
+    extra = {"kubernetes": {"selector": {"app": "vllm"}, "port": 8000, "extra": {"max_pods": 64}}}
     docs = render({"kubernetesDiscovery": {"enabled": True}, "pools": [POOL | {"workers": extra}]})
     (pool,) = gateway_config(docs)["pools"]
     # The release namespace by default; `extra` keys pass through to the gateway's block.
@@ -95,7 +95,7 @@ def test_kubernetes_pool_config_and_rbac() -> None:
         "selector": {"app": "vllm"},
         "port": 8000,
         "scheme": "http",
-        "resync_s": 30,
+        "max_pods": 64,
     }
     assert [k for k in docs if k.startswith(("Role", "RoleBinding"))] == [
         "Role/rel-kvgate-discovery",

@@ -26,6 +26,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | 
 {{ include "kvgate.selectorLabels" . }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
 {{- end }}
 
 {{/* The gateway pods' labels: no chart or app version, so that a chart bump alone restarts no pod. */}}
@@ -230,6 +233,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | 
 app.kubernetes.io/version: {{ .Values.sync.nats.image.tag | trunc 63 | trimSuffix "-" | quote }}
 app.kubernetes.io/part-of: {{ include "kvgate.name" . }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
 {{- end }}
 
 {{/* Without the chart's version either: a chart bump alone does not recreate the broker. */}}

@@ -1,0 +1,82 @@
+"""The chart's escape hatches: a pinned image digest, a PriorityClass, the Deployment strategy,
+the Service's traffic policy and source ranges, init and sidecar containers, and labels on every
+resource. Each is off (empty) by default and validates strictly when set."""
+
+from __future__ import annotations
+
+import helm_python
+import pytest
+
+from tests.helm.chart import container, pod_spec, render, validate_strictly
+
+DIGEST = "sha256:" + "0123456789abcdef" * 4
+SIDECAR = {"name": "proxy", "image": "envoyproxy/envoy:v1.31.0", "ports": [{"containerPort": 9901}]}
+INIT = {"name": "warm", "image": "busybox:1.36", "command": ["true"]}
+
+
+def test_defaults_render_none_of_them() -> None:
+    docs = render()
+    spec = pod_spec(docs)
+    assert "priorityClassName" not in spec and "initContainers" not in spec
+    assert [c["name"] for c in spec["containers"]] == ["kvgate"]
+    assert container(docs)["image"] == "kvgate:0.1.0"
+    assert "strategy" not in docs["Deployment/rel-kvgate"]["spec"]
+    service = docs["Service/rel-kvgate"]["spec"]
+    assert "externalTrafficPolicy" not in service and "loadBalancerSourceRanges" not in service
+
+
+def test_every_escape_hatch() -> None:
+    docs = render(
+        {
+            "image": {"repository": "registry.example.com/kvgate", "tag": "ignored", "digest": DIGEST},
+            "priorityClassName": "inference-critical",
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "service": {
+                "type": "LoadBalancer",
+                "port": 8080,
+                "externalTrafficPolicy": "Local",
+                "loadBalancerSourceRanges": ["10.0.0.0/8"],
+            },
+            "initContainers": [INIT],
+            "extraContainers": [SIDECAR],
+            "commonLabels": {"team": "llm", "cost-center": "42"},
+            "serviceMonitor": {"enabled": True},
+            "prometheusRule": {"enabled": True},
+        }
+    )
+    spec = pod_spec(docs)
+    assert spec["containers"][0]["image"] == f"registry.example.com/kvgate@{DIGEST}"
+    assert spec["priorityClassName"] == "inference-critical"
+    assert spec["initContainers"] == [INIT]
+    assert spec["containers"][1] == SIDECAR
+    assert docs["Deployment/rel-kvgate"]["spec"]["strategy"]["rollingUpdate"] == {
+        "maxSurge": 1,
+        "maxUnavailable": 0,
+    }
+    service = docs["Service/rel-kvgate"]["spec"]
+    assert service["externalTrafficPolicy"] == "Local"
+    assert service["loadBalancerSourceRanges"] == ["10.0.0.0/8"]
+    for key, doc in docs.items():
+        assert doc["metadata"]["labels"]["team"] == "llm", key
+    # Selectors never change: the Deployment's stays the two immutable labels.
+    assert set(docs["Deployment/rel-kvgate"]["spec"]["selector"]["matchLabels"]) == {
+        "app.kubernetes.io/name",
+        "app.kubernetes.io/instance",
+    }
+    validate_strictly(docs)
+
+
+@pytest.mark.parametrize(
+    ("values", "needle"),
+    [
+        ({"image": {"repository": "x", "digest": "abc"}}, "/image/digest"),
+        (
+            {"service": {"type": "ClusterIP", "port": 8080, "externalTrafficPolicy": "Nearest"}},
+            "externalTrafficPolicy",
+        ),
+        ({"priorityClassName": 5}, "/priorityClassName"),
+    ],
+)
+def test_bad_escape_hatch_values_fail(values: dict[str, object], needle: str) -> None:
+    with pytest.raises(helm_python.HelmError, match=needle):
+        render(values)

@@ -7,21 +7,18 @@ scripted one."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import orjson
 import pytest
-from aiohttp import web
 
 from gateway.routes import ROUTES
 from policies.base import Outcome
-from tests.gateway.routes_rig import KEY, SECRET, Recording, config
-from tests.support.inprocess import InProcessGateway, gateway_in_process
-from tests.support.loopback import serve_app
+from tests.gateway.answer_rig import answering, gateway
+from tests.gateway.routes_rig import KEY
 from tests.support.processes import start_emulator
-from tests.support.transports import TRANSPORTS, through
-from tests.support.wait import wait_until
+from tests.support.transports import TRANSPORTS
 
 ARRAY_ROUTES = ("/v1/completions/render", "/generate", "/encode")
 _USAGE = {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}
@@ -41,35 +38,9 @@ def emulator() -> Iterator[str]:
         proc.stop()
 
 
-@contextlib.asynccontextmanager
-async def gateway(url: str, transport: str) -> AsyncIterator[tuple[InProcessGateway, Recording]]:
-    policy = Recording()
-    async with gateway_in_process(config([url]), policy, secret=SECRET) as gw:
-        pool = gw.state.registry.pools["p"]
-        await wait_until(lambda: all(w.healthy for w in pool.workers.values()))
-        through(gw.state, transport)
-        yield gw, policy
-
-
-@contextlib.asynccontextmanager
-async def scripted(answer: bytes) -> AsyncIterator[str]:
+def scripted(answer: bytes) -> contextlib.AbstractAsyncContextManager[str]:
     """A worker that answers every POST of ARRAY_ROUTES with `answer`, as JSON."""
-
-    async def health(_: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    async def reply(_: web.Request) -> web.Response:
-        return web.Response(body=answer, content_type="application/json")
-
-    app = web.Application()
-    app.router.add_get("/health", health)
-    for path in ARRAY_ROUTES:
-        app.router.add_post(path, reply)
-    runner, port = await serve_app(app)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    return answering(ARRAY_ROUTES, answer, {"content-type": "application/json"})
 
 
 def _body(path: str) -> dict[str, Any]:

@@ -6,19 +6,15 @@ never passed to the client as a success; on both upstream transports."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
 
 import orjson
 import pytest
-from aiohttp import web
 
 from gateway.routes import ROUTES
 from policies.base import Outcome
-from tests.gateway.routes_rig import KEY, SECRET, Recording, config
-from tests.support.inprocess import InProcessGateway, gateway_in_process
-from tests.support.loopback import serve_app
-from tests.support.transports import TRANSPORTS, through
-from tests.support.wait import wait_until
+from tests.gateway.answer_rig import answering, gateway
+from tests.gateway.routes_rig import KEY
+from tests.support.transports import TRANSPORTS
 
 HTML = b"<html>502 upstream proxy error</html>"
 BODIES = {
@@ -32,35 +28,9 @@ def test_only_vllm_s_binary_embeddings_routes_answer_other_formats() -> None:
     assert {p for p, r in ROUTES.items() if r.binary_answer} == {"/v1/embeddings", "/pooling"}
 
 
-@contextlib.asynccontextmanager
-async def worker(body: bytes, content_type: str) -> AsyncIterator[str]:
+def worker(body: bytes, content_type: str) -> contextlib.AbstractAsyncContextManager[str]:
     """A worker that answers every POST of BODIES with `body` in `content_type`."""
-
-    async def health(_: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    async def reply(_: web.Request) -> web.Response:
-        return web.Response(body=body, headers={"content-type": content_type})
-
-    app = web.Application()
-    app.router.add_get("/health", health)
-    for path in BODIES:
-        app.router.add_post(path, reply)
-    runner, port = await serve_app(app)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
-
-
-@contextlib.asynccontextmanager
-async def gateway(url: str, transport: str) -> AsyncIterator[tuple[InProcessGateway, Recording]]:
-    policy = Recording()
-    async with gateway_in_process(config([url]), policy, secret=SECRET) as gw:
-        pool = gw.state.registry.pools["p"]
-        await wait_until(lambda: all(w.healthy for w in pool.workers.values()))
-        through(gw.state, transport)
-        yield gw, policy
+    return answering(BODIES, body, {"content-type": content_type})
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

@@ -6,19 +6,15 @@ workers are read with), and a head past the bound is a malformed answer on eithe
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
 
 import orjson
 import pytest
-from aiohttp import web
 
 from gateway.upstream_conn import MAX_ANSWER_HEAD_BYTES
 from policies.base import Outcome
-from tests.gateway.routes_rig import KEY, SECRET, Recording, config
-from tests.support.inprocess import InProcessGateway, gateway_in_process
-from tests.support.loopback import serve_app
-from tests.support.transports import TRANSPORTS, through
-from tests.support.wait import wait_until
+from tests.gateway.answer_rig import answering, gateway
+from tests.gateway.routes_rig import KEY
+from tests.support.transports import TRANSPORTS
 
 
 def _metadata(inputs: int) -> str:
@@ -29,33 +25,9 @@ def _metadata(inputs: int) -> str:
     return orjson.dumps({"id": "embd-1", "object": "list", "model": "m", "data": data}).decode()
 
 
-@contextlib.asynccontextmanager
-async def embeddings_worker(metadata: str) -> AsyncIterator[str]:
-    async def health(_: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    async def embeddings(_: web.Request) -> web.Response:
-        headers = {"metadata": metadata}
-        return web.Response(body=b"\0" * 64, content_type="application/octet-stream", headers=headers)
-
-    app = web.Application()
-    app.router.add_get("/health", health)
-    app.router.add_post("/v1/embeddings", embeddings)
-    runner, port = await serve_app(app)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
-
-
-@contextlib.asynccontextmanager
-async def gateway(url: str, transport: str) -> AsyncIterator[tuple[InProcessGateway, Recording]]:
-    policy = Recording()
-    async with gateway_in_process(config([url]), policy, secret=SECRET) as gw:
-        pool = gw.state.registry.pools["p"]
-        await wait_until(lambda: all(w.healthy for w in pool.workers.values()))
-        through(gw.state, transport)
-        yield gw, policy
+def embeddings_worker(metadata: str) -> contextlib.AbstractAsyncContextManager[str]:
+    headers = {"content-type": "application/octet-stream", "metadata": metadata}
+    return answering(["/v1/embeddings"], b"\0" * 64, headers)
 
 
 _BODY = {"model": "m", "input": ["x"], "encoding_format": "bytes"}

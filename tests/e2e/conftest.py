@@ -109,3 +109,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 @pytest.fixture()
 def gateway_log(stack: Stack) -> Path:
     return stack.gateway.log_path
+
+
+@pytest.fixture
+def processes() -> Iterator[list[Proc]]:
+    """Processes a test starts one by one (a broker's, a fake API server's, gateways...): each is
+    stopped by PID at the test's end, the last started first."""
+    procs: list[Proc] = []
+    yield procs
+    for proc in reversed(procs):
+        proc.stop()

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import pytest
 
 from tests.e2e.harness import (
     Proc,
@@ -53,14 +51,6 @@ def _chat(base: str) -> httpx.Response:
     return httpx.post(
         base + "/v1/chat/completions", json=body, headers={"authorization": "Bearer sk-k8s"}, timeout=30
     )
-
-
-@pytest.fixture
-def processes() -> Iterator[list[Proc]]:
-    procs: list[Proc] = []
-    yield procs
-    for proc in reversed(procs):
-        proc.stop()
 
 
 def test_a_pool_discovered_through_the_api_server_routes_chat_requests(

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import pytest
 
 from gateway.sync.broker import LocalBroker
 from tests.e2e.harness import (
@@ -64,14 +62,6 @@ def _ask(base: str, system: str) -> int:
     assert resp.status_code == 200, resp.text
     cached: int = resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     return cached
-
-
-@pytest.fixture
-def processes() -> Iterator[list[Proc]]:
-    procs: list[Proc] = []
-    yield procs
-    for proc in reversed(procs):
-        proc.stop()
 
 
 def test_holdings_that_reach_a_gateway_before_their_worker_are_used_once_it_is_discovered(

@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from gateway.config import ConfigError, parse_config
+from gateway.config import parse_config
+from gateway.config.base import ConfigError
 from gateway.config.cors import CorsConfig
 
 BASE: dict[str, Any] = {

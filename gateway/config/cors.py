@@ -50,7 +50,7 @@ class CorsConfig(Frozen):
     def _origins(cls, origins: list[str]) -> list[str]:
         _only_star(origins, "allow_origins")
         for origin in origins:
-            if origin != "*" and not _ORIGIN.match(origin):
+            if origin != "*" and (not _ORIGIN.match(origin) or origin != origin.lower()):
                 raise ValueError(
                     f"allow_origins: {origin!r} is not an origin (scheme://host[:port], lower case, "
                     "no path or trailing slash)"

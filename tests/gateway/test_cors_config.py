@@ -37,6 +37,7 @@ def test_methods_and_headers_are_normalized() -> None:
         ({"allow_origins": ["*"], "allow_credentials": True}, "forbidden by the CORS spec"),
         ({"allow_origins": ["https://a.example/"]}, "is not an origin"),
         ({"allow_origins": ["a.example"]}, "is not an origin"),
+        ({"allow_origins": ["https://App.example"]}, "is not an origin"),
         ({"allow_origins": ["*", "https://a.example"]}, "must be the only entry"),
         ({"allow_headers": ["bad header"]}, "is not a method or header name"),
         (

@@ -4,7 +4,8 @@ Every proxied POST route (`gateway.routes.ROUTES`: chat, completions, Responses,
 Messages, embeddings, pooling, score, rerank, tokenizer and audio routes) is dispatched straight
 from the ASGI entry point with one dict lookup (no routing or middleware layers on the hot path:
 raw bytes in, one parse, raw bytes out); probes, /v1/models, /health, /version, the lifespan and
-404/405 go through a small Starlette app.
+404/405 go through a small Starlette app. With `cors` on, both run inside the CORS layer
+(`gateway/cors.py`, `CorsGatewayApp`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from gateway.admission import (
     request_ids,
 )
 from gateway.auth import Tenant
+from gateway.cors import Cors, serves
 from gateway.disconnect import DisconnectGuard
 from gateway.errors import ApiError
 from gateway.fleet import Fleet
@@ -179,6 +181,18 @@ class GatewayApp:
         await response(scope, receive, send)
 
 
+class CorsGatewayApp(GatewayApp):
+    """The entry point inside the CORS layer (`gateway/cors.py`): its own class, so that with
+    CORS off the entry point is exactly `GatewayApp`'s and pays nothing for it."""
+
+    def __init__(self, state: GatewayState, fallback: Starlette) -> None:
+        super().__init__(state, fallback)
+        self._cors = Cors(state.config.cors, serves(fallback.routes, ROUTES.__contains__))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._cors(scope, receive, send, super().__call__)
+
+
 def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> GatewayApp:
     """The ASGI app over a prepared state; the lifespan owns the upstream session and health loops."""
 
@@ -247,6 +261,8 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
     # Starlette would answer a trailing-slash path with a 307 whose Location is built from the
     # client's Host header; an unknown route is a 404 like any other.
     fallback.router.redirect_slashes = False
+    if state.config.cors.enabled:
+        return CorsGatewayApp(state, fallback)
     return GatewayApp(state, fallback)
 
 

@@ -1,7 +1,7 @@
 """The gateway's YAML configuration, parsed at the edge into frozen pydantic models: the file's
 top level, the process-wide blocks and the tenants here; a pool in `pool`, its `pd` and `queue`
 blocks in modules of their own (and its `kubernetes` block in `gateway.k8s.config`), replica sync
-in `sync`, and what every block shares (`ConfigError`, `Frozen`) in `base`.
+in `sync`, browser origins in `cors`, and what every block shares (`ConfigError`, `Frozen`) in `base`.
 
 Secrets never live in this file: API keys appear only as keyed hashes, and the key-hash secret is
 read from an environment variable or a file named here. Validation errors name the offending field.
@@ -17,6 +17,7 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from gateway.config.base import ConfigError, Frozen, PositiveFloat, PositiveInt
+from gateway.config.cors import CorsConfig
 from gateway.config.pool import PoolConfig
 from gateway.config.sync import SyncConfig
 from gateway.otel_sdk import tracing_unavailable
@@ -208,6 +209,7 @@ class GatewayConfig(Frozen):
     responses: ResponsesConfig = ResponsesConfig()
     sync: SyncConfig = SyncConfig()
     decision_log: DecisionLogConfig = DecisionLogConfig()
+    cors: CorsConfig = CorsConfig()
     policy_file: str | None = None
     policy_reload_interval_s: PositiveFloat = 2.0
     pools: list[PoolConfig] = Field(min_length=1)

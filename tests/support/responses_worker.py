@@ -6,7 +6,9 @@
 `POST /v1/responses` answers a response (its id `resp_` + the body's `request_id`, or a fresh one).
 `GET /v1/responses/{id}?stream=true` answers `text/event-stream`: `response.created` and
 `response.in_progress` at once, then holds the stream until `POST /_release/{id}`, then sends
-`response.completed` and ends. A retrieve without `stream` answers the response as JSON.
+`response.completed` and ends; `POST /_die/{id}` instead makes it send half an event and drop the
+connection, as a worker that dies mid-stream. A retrieve without `stream` answers the response as
+JSON.
 `GET /_log` returns the query strings and headers each retrieve came with, and the ids whose
 stream the gateway closed before it ended.
 """
@@ -25,6 +27,7 @@ from aiohttp import web
 class State:
     def __init__(self) -> None:
         self.releases: dict[str, asyncio.Event] = {}
+        self.dying: set[str] = set()
         self.retrieves: list[dict[str, Any]] = []
         self.closed_early: list[str] = []
 
@@ -70,6 +73,11 @@ def make_app(state: State) -> web.Application:
             await resp.write(_event("response.created", 0, rid, "in_progress"))
             await resp.write(_event("response.in_progress", 1, rid, "in_progress"))
             await release.wait()
+            if rid in state.dying:
+                await resp.write(_event("response.output_text.delta", 2, rid, "in_progress")[:40])
+                assert request.transport is not None
+                request.transport.abort()  # no end of the chunked body: the connection just drops
+                return resp
             await resp.write(_event("response.completed", 2, rid, "completed"))
             await resp.write_eof()
             ended = True
@@ -80,6 +88,12 @@ def make_app(state: State) -> web.Application:
 
     async def release(request: web.Request) -> web.Response:
         state.releases.setdefault(request.match_info["rid"], asyncio.Event()).set()
+        return web.json_response({})
+
+    async def die(request: web.Request) -> web.Response:
+        rid = request.match_info["rid"]
+        state.dying.add(rid)
+        state.releases.setdefault(rid, asyncio.Event()).set()
         return web.json_response({})
 
     async def log(_: web.Request) -> web.Response:
@@ -93,6 +107,7 @@ def make_app(state: State) -> web.Application:
             web.post("/v1/responses", create),
             web.get("/v1/responses/{rid}", retrieve),
             web.post("/_release/{rid}", release),
+            web.post("/_die/{rid}", die),
             web.get("/_log", log),
         ]
     )

@@ -1,4 +1,4 @@
-"""The process's budget for worker answers held whole in memory.
+"""The process's budget for worker answers held whole in memory, and each tenant's share of it.
 
 A non-streamed answer is read into memory before it is relayed, each bounded by
 `upstream_conn.MAX_ANSWER_BYTES`. That bound is per answer: N whole answers in flight could
@@ -9,6 +9,16 @@ other way (error, timeout, the client leaving); a read that would take the total
 `gateway_overloaded` with `Retry-After` (`failure.failure_of`). That is the gateway's own
 limit, so the worker's breaker is not told.
 
+A request's answer is reserved through its tenant's `TenantShare`: a tenant holds at most
+`capacity × its weight / the sum of all tenants' weights` (the `weight` that also orders the
+pools' queues), and never less than one answer at the per-answer cap (`min_share_bytes`), so a
+small tenant can still be sent the largest answer the gateway reads. Past its share, its next
+answer gets the same 503, naming the share, while the other tenants' answers are served: one
+tenant sending many large answers (float embeddings of big batches) fills only its own share
+(DESIGN.md, "Untrusted clients"). Shares are fixed, not lent out while other tenants are idle: a
+reservation cannot be taken back, so bytes lent to one tenant would not be there when another
+arrives. With one tenant (or a budget made without weights) the share is the whole budget.
+
 Reserving never waits: an answer that waited for budget would keep its worker's connection
 and the client's request open while the answers ahead of it, which may be as slow as their
 worker's total timeout, finish; failing fast bounds both the memory and the wait.
@@ -16,20 +26,42 @@ worker's total timeout, finish; failing fast bounds both the memory and the wait
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from gateway.metrics.families import CounterChild
 
 
 class AnswerBudget:
     """Bytes of whole answers being read, across the process. Invariant:
-    `0 <= held_bytes <= capacity_bytes`; each reader releases exactly what it reserved."""
+    `0 <= held_bytes <= capacity_bytes`; each reader releases exactly what it reserved.
+    Reading through `share(tenant)` also bounds the tenant's own sum."""
 
-    __slots__ = ("capacity_bytes", "held_bytes", "refusals")
+    __slots__ = (
+        "_min_share",
+        "_shares",
+        "_total_weight",
+        "_weights",
+        "capacity_bytes",
+        "held_bytes",
+        "refusals",
+    )
 
-    def __init__(self, capacity_bytes: int, refusals: CounterChild | None = None) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        refusals: CounterChild | None = None,
+        weights: Mapping[str, float] | None = None,
+        min_share_bytes: int = 0,
+    ) -> None:
         self.capacity_bytes = capacity_bytes
         self.held_bytes = 0
         # `kvgate_answer_budget_refusals_total`; a budget made without metrics counts for itself.
         self.refusals = refusals if refusals is not None else CounterChild()
+        self._weights = dict(weights or {})
+        self._total_weight = sum(self._weights.values())
+        self._min_share = min_share_bytes
+        # One per tenant that has read an answer: tenants come from the config, so this is bounded.
+        self._shares: dict[str, TenantShare] = {}
 
     def reserve(self, size: int) -> bool:
         """Take `size` more bytes; False (and nothing taken) when they would pass the budget."""
@@ -44,3 +76,63 @@ class AnswerBudget:
         """Give back `size` bytes a reader had reserved."""
         self.held_bytes -= size
         assert self.held_bytes >= 0, "an answer budget released more than it reserved"
+
+    def share(self, tenant: str) -> TenantShare:
+        """The tenant's share, to reserve its answers through (one dict lookup)."""
+        found = self._shares.get(tenant)
+        if found is None:
+            found = self._shares[tenant] = TenantShare(self, self.share_bytes(tenant))
+        return found
+
+    def share_bytes(self, tenant: str) -> int:
+        """The most the tenant may hold: its weight's part of the capacity, at least
+        `min_share_bytes`, at most the capacity (a tenant missing from the weights weighs 1)."""
+        if not self._weights:
+            return self.capacity_bytes
+        weight = self._weights.get(tenant, 1.0)
+        total = self._total_weight if tenant in self._weights else self._total_weight + weight
+        part = int(self.capacity_bytes * weight / total)
+        return min(self.capacity_bytes, max(part, self._min_share))
+
+    def held_by(self, tenant: str) -> int:
+        """Bytes the tenant's answers hold now (0 for a tenant that never read one)."""
+        found = self._shares.get(tenant)
+        return found.held_bytes if found is not None else 0
+
+
+class TenantShare:
+    """One tenant's part of an `AnswerBudget`, reserved and released like the budget itself.
+    Invariant: `0 <= held_bytes <= share_bytes`, and every byte held here is held in the budget."""
+
+    __slots__ = ("budget", "held_bytes", "share_bytes")
+
+    def __init__(self, budget: AnswerBudget, share_bytes: int) -> None:
+        self.budget = budget
+        self.share_bytes = share_bytes
+        self.held_bytes = 0
+
+    def reserve(self, size: int) -> bool:
+        """Take `size` more bytes from the share and the budget; False (nothing taken) when
+        either would be passed."""
+        held = self.held_bytes + size
+        if held > self.share_bytes:
+            self.budget.refusals.inc()
+            return False
+        if not self.budget.reserve(size):
+            return False
+        self.held_bytes = held
+        return True
+
+    def release(self, size: int) -> None:
+        self.held_bytes -= size
+        assert self.held_bytes >= 0, "a tenant's answer share released more than it reserved"
+        self.budget.release(size)
+
+    def full_for(self, size: int) -> bool:
+        """Whether `size` more bytes would pass the share itself (not only the budget)."""
+        return self.held_bytes + size > self.share_bytes
+
+
+# What a whole answer's bytes are reserved from: a request's tenant share, or the process's
+# budget alone for reads on no tenant's behalf.
+AnswerHold = AnswerBudget | TenantShare

@@ -165,7 +165,10 @@ async def canonical_prompt(
                     raise
                 return normalizer.canonicalize(prompt, body, identity, public)  # nothing to render
             session = keying.transport.upstream()
-            return await render_canonical(normalizer, plan, pool, session, identity, public, request_id)
+            answers = keying.transport.answers
+            return await render_canonical(
+                normalizer, plan, pool, session, identity, public, request_id, answers
+            )
         if normalizer.config.mode == "tokenizer" or len(raw) > INLINE_PROMPT_BYTES:
             # Tokenizing and templating a long prompt takes milliseconds, and approximate mode
             # spends up to ~0.1 s a MB on a large body: off the event loop, on the keying's one

@@ -202,6 +202,7 @@ async def _attempt(
                 connect_s=timeouts.connect_s,
                 read_s=timeouts.read_s,
                 total_s=timeouts.total_s,
+                hold=transport.answers.share(a.tenant.name),
             )
             return _answer(routing, a, attempt, reply, retries)
         source = await _open(transport, a, attempt)
@@ -256,6 +257,7 @@ async def _open(transport: Transport, a: Admitted, attempt: Attempt) -> StreamSo
             connect_s=timeouts.connect_s,
             read_s=timeouts.read_s,
             total_s=timeouts.total_s,
+            hold=transport.answers.share(a.tenant.name),
         )
     content_type = "application/json" if a.head is JSON_HEAD else _content_type(a.head)
     headers = [("content-type", content_type), ("x-request-id", a.request_id)]
@@ -270,7 +272,7 @@ async def _open(transport: Transport, a: Admitted, attempt: Attempt) -> StreamSo
         headers=headers,
         timeout=a.pool.client_timeout,
     )
-    return AiohttpSource(resp, transport.answers)
+    return AiohttpSource(resp, transport.answers.share(a.tenant.name))
 
 
 def _lean_request(a: Admitted, attempt: Attempt) -> bytes:

@@ -2,6 +2,11 @@
 
 The normalizer stays pure; this module does the HTTP calls its `RenderPlan` asks for (the full
 prompt, plus the zone-boundary prefixes, concurrently) against one healthy worker of the pool.
+Each answer is read like a whole worker answer (`upstream.read_whole`): at most
+`MAX_ANSWER_BYTES`, within the process's `AnswerBudget` (not a tenant's share: rendering
+happens during admission, for a prompt already bounded by `limits.max_body_bytes`). Past the
+budget the request gets the gateway's 503 `gateway_overloaded`; a larger answer is the
+worker's 502.
 """
 
 from __future__ import annotations
@@ -14,8 +19,10 @@ from typing import Any
 import aiohttp
 import orjson
 
+from gateway.answer_budget import AnswerBudget
 from gateway.errors import ApiError, upstream_error
 from gateway.registry import Pool
+from gateway.upstream import AnswerBudgetExceeded, UpstreamError, read_whole
 from prompt_normalizer.normalizer import Normalizer
 from prompt_normalizer.render import RenderPlan, parse_render_token_ids
 from prompt_normalizer.types import CanonicalPrompt, KeyIdentity
@@ -31,6 +38,7 @@ async def render_canonical(
     identity: KeyIdentity,
     public: KeyIdentity | None,
     request_id: str,
+    budget: AnswerBudget,
 ) -> CanonicalPrompt:
     """Token ids from a worker's render endpoint, then keys; errors are OpenAI-shaped."""
     healthy = [w for w in pool.workers.values() if w.healthy]
@@ -38,9 +46,9 @@ async def render_canonical(
         raise upstream_error(503, "no healthy worker available to render the prompt")
     url = healthy[next(_rotation) % len(healthy)].url + plan.render_path
     headers = {"content-type": "application/json", "x-request-id": request_id, **pool.auth.headers}
-    main = _render(session, url, plan.body, headers, pool, required=True)
+    main = _render(session, url, plan.body, headers, pool, budget, required=True)
     bounds = [
-        _render(session, url, body, headers, pool, required=False) if body is not None else _none()
+        _render(session, url, body, headers, pool, budget, required=False) if body is not None else _none()
         for body in plan.boundary_bodies
     ]
     results = await asyncio.gather(main, *bounds)
@@ -59,6 +67,7 @@ async def _render(
     body: Mapping[str, Any],
     headers: dict[str, str],
     pool: Pool,
+    budget: AnswerBudget,
     *,
     required: bool,
 ) -> Any:
@@ -66,8 +75,18 @@ async def _render(
         async with session.post(
             url, data=orjson.dumps(body), headers=headers, timeout=pool.client_timeout
         ) as resp:
-            payload = await resp.read()
+            payload = await read_whole(resp.content.readany, budget)
             status = resp.status
+    except AnswerBudgetExceeded as exc:
+        if not required:
+            return None
+        raise ApiError(
+            503, f"{exc}; retry shortly", "server_error", "gateway_overloaded", None, {"retry-after": "1"}
+        ) from None
+    except UpstreamError as exc:  # the answer passed the per-answer cap
+        if not required:
+            return None
+        raise upstream_error(502, f"the worker's render answer could not be read ({exc})") from None
     except TimeoutError:
         if not required:
             return None

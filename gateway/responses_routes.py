@@ -156,7 +156,7 @@ async def _to_holder(
         raise upstream_error(504, "the worker holding the response did not answer in time") from None
     except (aiohttp.ClientError, OSError) as exc:
         raise _unreachable(exc) from None
-    return pool, AiohttpSource(resp, transport.answers)
+    return pool, AiohttpSource(resp, transport.answers.share(tenant))
 
 
 async def _whole(source: AiohttpSource, timeouts: TimeoutsConfig) -> tuple[int, bytes]:

@@ -27,6 +27,7 @@ from gateway.responses_affinity import ResponseAffinity
 from gateway.routing import Routing
 from gateway.tracing import TRACE_CONTEXT_HEADERS, RequestTracer
 from gateway.transport import Transport
+from gateway.upstream_conn import MAX_ANSWER_BYTES
 from gateway.upstream_headers import WorkerAuth
 from policies.base import RoutingPolicy
 from prompt_normalizer.normalizer import NormalizerConfig
@@ -79,7 +80,12 @@ def build_state(
     metrics = GatewayMetrics()
     weights = {t.name: t.weight for t in config.tenants}
     transport = Transport(
-        answers=AnswerBudget(config.limits.max_buffered_answer_bytes, metrics.answer_budget_refusals.labels())
+        answers=AnswerBudget(
+            config.limits.max_buffered_answer_bytes,
+            metrics.answer_budget_refusals.labels(),
+            weights=weights,
+            min_share_bytes=MAX_ANSWER_BYTES,
+        )
     )
     gate = Gate(
         keyring=KeyRing(config.tenants, secret),

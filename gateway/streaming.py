@@ -33,7 +33,7 @@ from gateway.lifecycle import Lifecycle
 from gateway.outcome import Attempt, finish, usage_of
 from gateway.routing import Routing
 from gateway.sse import Relay
-from gateway.upstream import AnswerBudget, RetryHints, read_whole
+from gateway.upstream import AnswerHold, RetryHints, read_whole
 from gateway.upstream_headers import ANSWER_HEADERS
 from policies.base import Outcome
 
@@ -67,12 +67,12 @@ class AiohttpSource:
     """An aiohttp response (https workers) as a `StreamSource`. `read` returns what aiohttp has
     buffered, which it keeps below a small high-water mark (it stops reading from the socket
     above it), so a stream's memory is bounded here as in the lean client; whole answers are
-    bounded by `read_whole` (each, and all together by the process's `budget`), and single
-    events by the relay."""
+    bounded by `read_whole` (each, and all together by `budget`: the request's tenant share of the
+    process's budget), and single events by the relay."""
 
     __slots__ = ("_budget", "_resp", "content_type", "retry_hints", "status")
 
-    def __init__(self, resp: aiohttp.ClientResponse, budget: AnswerBudget) -> None:
+    def __init__(self, resp: aiohttp.ClientResponse, budget: AnswerHold) -> None:
         self._resp = resp
         self._budget = budget
         self.status = resp.status

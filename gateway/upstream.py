@@ -18,8 +18,9 @@ the timeout sweep live in `upstream_slots.py`.
 Streamed answers come through `open_stream`: the head first, then the body as it arrives, read
 from a bounded buffer (the connection stops reading from the worker while the reader lags).
 Whole answers (read in one call, or by `read_whole` from a stream) are held within the process's
-`AnswerBudget`, shared with aiohttp's whole reads. https workers and everything off the hot path
-keep using aiohttp. The connection itself is in `upstream_conn.py`.
+`AnswerBudget` (through the request's tenant share, `hold`), shared with aiohttp's whole reads.
+https workers and everything off the hot path keep using aiohttp. The connection itself is in
+`upstream_conn.py`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from gateway import upstream_conn
-from gateway.answer_budget import AnswerBudget
+from gateway.answer_budget import AnswerBudget, AnswerHold, TenantShare
 from gateway.upstream_conn import (
     MAX_ANSWER_BYTES,
     AnswerBudgetExceeded,
@@ -56,7 +57,9 @@ __all__ = [
     "MAX_ANSWER_BYTES",
     "AnswerBudget",
     "AnswerBudgetExceeded",
+    "AnswerHold",
     "RetryHints",
+    "TenantShare",
     "UpstreamBusy",
     "UpstreamConnectError",
     "UpstreamError",
@@ -101,13 +104,15 @@ class UpstreamPool:
         connect_s: float,
         read_s: float,
         total_s: float,
+        hold: AnswerHold | None = None,
     ) -> UpstreamReply:
-        """Send one prebuilt request (head and body) and return the whole answer."""
+        """Send one prebuilt request (head and body) and return the whole answer, its bytes
+        reserved from `hold` (the request's tenant share; the pool's budget alone when None)."""
         key = (host, port)
         slots = await self._enter(key, connect_s)
         try:
             _, reply = await self._on_a_connection(
-                key, host, port, connect_s, lambda c: self._run(key, c, request, read_s, total_s)
+                key, host, port, connect_s, lambda c: self._run(key, c, request, read_s, total_s, hold)
             )
             return reply
         finally:
@@ -122,9 +127,11 @@ class UpstreamPool:
         connect_s: float,
         read_s: float,
         total_s: float,
+        hold: AnswerHold | None = None,
     ) -> UpstreamStream:
         """Send one prebuilt request and return its answer's head; the body is read from the
-        returned stream, which holds the connection (and its slot) until released or closed."""
+        returned stream, which holds the connection (and its slot) until released or closed.
+        `read_all` reserves from `hold` (as `post`)."""
         key = (host, port)
         slots = await self._enter(key, connect_s)
         try:
@@ -134,7 +141,7 @@ class UpstreamPool:
         except BaseException:
             self._leave(key, slots)
             raise
-        return UpstreamStream(self, key, slots, conn, head)
+        return UpstreamStream(self, key, slots, conn, head, hold if hold is not None else self.budget)
 
     async def _on_a_connection(
         self,
@@ -192,10 +199,16 @@ class UpstreamPool:
             del self._slots[key]
 
     async def _run(
-        self, key: tuple[str, int], conn: WorkerConnection, request: bytes, read_s: float, total_s: float
+        self,
+        key: tuple[str, int],
+        conn: WorkerConnection,
+        request: bytes,
+        read_s: float,
+        total_s: float,
+        hold: AnswerHold | None,
     ) -> UpstreamReply:
         try:
-            reply = await conn.request(request, read_s, total_s)
+            reply = await conn.request(request, read_s, total_s, hold)
         except (asyncio.CancelledError, UpstreamError):
             conn.abort()
             raise
@@ -251,7 +264,17 @@ class UpstreamStream:
     it returns b"". `release()` after the end gives the connection back to the pool; `close()`
     (any time) drops it, so the worker stops. Either frees the connection slot, once."""
 
-    __slots__ = ("_conn", "_done", "_key", "_pool", "_slots", "content_type", "retry_hints", "status")
+    __slots__ = (
+        "_conn",
+        "_done",
+        "_hold",
+        "_key",
+        "_pool",
+        "_slots",
+        "content_type",
+        "retry_hints",
+        "status",
+    )
 
     def __init__(
         self,
@@ -260,8 +283,10 @@ class UpstreamStream:
         slots: ConnectionSlots,
         conn: WorkerConnection,
         head: UpstreamHead,
+        hold: AnswerHold,
     ) -> None:
         self._pool = pool
+        self._hold = hold
         self._key = key
         self._slots = slots
         self._conn = conn
@@ -276,7 +301,7 @@ class UpstreamStream:
 
     async def read_all(self) -> bytes:
         """The rest of the answer (for a worker that did not stream, e.g. a 4xx)."""
-        return await read_whole(self.read, self._pool.budget)
+        return await read_whole(self.read, self._hold)
 
     def release(self) -> None:
         """The answer was read to its end: the connection may serve another request."""
@@ -298,14 +323,17 @@ class UpstreamStream:
         self._pool._leave(self._key, self._slots)
 
 
-async def read_whole(read: Callable[[], Awaitable[bytes]], budget: AnswerBudget) -> bytes:
+async def read_whole(
+    read: Callable[[], Awaitable[bytes]], budget: AnswerHold, limit: int | None = None
+) -> bytes:
     """Everything `read` returns until b"", held whole, so bounded like the lean client's whole
-    answers (`MAX_ANSWER_BYTES`, read when called): past it, `UpstreamError` ("worker answer too
-    large", answered), which the gateway maps like any answer that broke off; past the process's
-    `budget`, `AnswerBudgetExceeded`. The reservation is released when the read ends, however it
-    ends. Both transports' `read_all` go through here, so an https worker is held to the same
-    bounds as an http one."""
-    limit = upstream_conn.MAX_ANSWER_BYTES
+    answers (`limit`, by default `MAX_ANSWER_BYTES` read when called): past it, `UpstreamError`
+    ("worker answer too large", answered), which the gateway maps like any answer that broke off;
+    past the process's budget or the tenant's share of it (`budget`), `AnswerBudgetExceeded`.
+    The reservation is released when the read ends, however it ends. Both transports' `read_all`
+    go through here, so an https worker is held to the same bounds as an http one."""
+    if limit is None:
+        limit = upstream_conn.MAX_ANSWER_BYTES
     parts: list[bytes] = []
     held = 0
     try:
@@ -313,7 +341,7 @@ async def read_whole(read: Callable[[], Awaitable[bytes]], budget: AnswerBudget)
             if held + len(data) > limit:
                 raise UpstreamError("worker answer too large", answered=True)
             if not budget.reserve(len(data)):
-                raise AnswerBudgetExceeded(budget)
+                raise AnswerBudgetExceeded(budget, len(data))
             held += len(data)
             parts.append(data)
         return b"".join(parts)

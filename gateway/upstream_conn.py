@@ -17,7 +17,7 @@ from typing import cast
 
 import httptools
 
-from gateway.answer_budget import AnswerBudget
+from gateway.answer_budget import AnswerBudget, AnswerHold, TenantShare
 from gateway.upstream_headers import ANSWER_HEADERS
 from gateway.upstream_slots import TimeoutSweep
 from policies.records import record
@@ -56,15 +56,19 @@ class UpstreamTimeout(UpstreamError):
 
 
 class AnswerBudgetExceeded(UpstreamError):
-    """A whole answer's next bytes would pass the process's `AnswerBudget`: the gateway's own
-    limit, not the worker's fault (the read ends and the connection is dropped)."""
+    """A whole answer's next `size` bytes would pass the process's `AnswerBudget`, or the
+    tenant's share of it: the gateway's own limit, not the worker's fault (the read ends and the
+    connection is dropped). Made right after the refusal, so `hold` still says which it was."""
 
-    def __init__(self, budget: AnswerBudget) -> None:
-        super().__init__(
-            f"the gateway holds its limit of worker answers in memory "
-            f"(limits.max_buffered_answer_bytes: {budget.capacity_bytes} bytes)",
-            answered=True,
-        )
+    def __init__(self, hold: AnswerHold, size: int = 0) -> None:
+        budget = hold.budget if isinstance(hold, TenantShare) else hold
+        limit = f"limits.max_buffered_answer_bytes: {budget.capacity_bytes} bytes"
+        if isinstance(hold, TenantShare) and hold.full_for(size):
+            share = f"{hold.share_bytes} bytes of {limit}"
+            message = f"the gateway holds this tenant's share of worker answers in memory ({share})"
+        else:
+            message = f"the gateway holds its limit of worker answers in memory ({limit})"
+        super().__init__(message, answered=True)
 
 
 # The most bytes read before an answer's head is complete (the head, and the first bytes of the
@@ -168,6 +172,7 @@ class WorkerConnection(asyncio.Protocol):
         "_head_bytes",
         "_header_name",
         "_held",
+        "_hold",
         "_last_activity_s",
         "_loop",
         "_parser",
@@ -187,7 +192,10 @@ class WorkerConnection(asyncio.Protocol):
         self._loop = loop
         self._sweep = sweep
         self._budget = budget
-        self._held = 0  # bytes of the whole answer being read, reserved from `_budget`
+        # What the whole answer being read reserves from (the request's tenant share, or
+        # `_budget`), and how many bytes it holds there.
+        self._hold: AnswerHold = budget
+        self._held = 0
         self.transport: asyncio.Transport | None = None
         self.alive = False
         self.idle_since_s = 0.0
@@ -243,7 +251,9 @@ class WorkerConnection(asyncio.Protocol):
         lowered = name.lower()
         if lowered == b"content-type":
             self._content_type = value.decode("latin-1")
-        elif lowered in ANSWER_HEADERS and len(self._retry_hints) < len(ANSWER_HEADERS):
+        elif lowered in ANSWER_HEADERS and all(seen != lowered for seen, _ in self._retry_hints):
+            # The first value of each name, as aiohttp's `headers.get` gives for https workers:
+            # a repeated `retry-after` must not crowd out `metadata`.
             self._retry_hints += ((lowered, value),)
 
     def on_headers_complete(self) -> None:
@@ -263,9 +273,10 @@ class WorkerConnection(asyncio.Protocol):
             self._fail(UpstreamError("worker answer too large", answered=True))
             self._close()
             return
-        if not self._budget.reserve(len(body)):
+        hold = self._hold
+        if not hold.reserve(len(body)):
             self.alive = False
-            self._fail(AnswerBudgetExceeded(self._budget))
+            self._fail(AnswerBudgetExceeded(hold, len(body)))
             self._close()
             return
         self._held += len(body)
@@ -297,8 +308,12 @@ class WorkerConnection(asyncio.Protocol):
             done.set_result(reply)
 
     # requests --------------------------------------------------------------------------------
-    def request(self, data: bytes, read_s: float, total_s: float) -> asyncio.Future[UpstreamReply]:
-        """Send a request whose answer is read whole."""
+    def request(
+        self, data: bytes, read_s: float, total_s: float, hold: AnswerHold | None = None
+    ) -> asyncio.Future[UpstreamReply]:
+        """Send a request whose answer is read whole, its bytes reserved from `hold` (the
+        request's tenant share; the connection's budget alone when None)."""
+        self._hold = hold if hold is not None else self._budget
         self._done = self._loop.create_future()
         self._head = None
         self._stream = None
@@ -386,7 +401,7 @@ class WorkerConnection(asyncio.Protocol):
         self._done = None
         self._head = None
         if self._held:
-            self._budget.release(self._held)
+            self._hold.release(self._held)
             self._held = 0
             self._body = []
 

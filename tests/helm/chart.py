@@ -27,12 +27,17 @@ POOL: dict[str, Any] = {
     "models": ["my-model"],
     "workers": {"urls": ["http://10.0.0.7:8000"]},
 }
-# ...nor the key-hash secret: one of keyHashSecret.existingSecret and .value is required.
+# ...nor the key-hash secret: one of keyHashSecret.existingSecret and .value is required; nor an
+# image repository with a registry (the default `kvgate` is refused unless image.local is true).
+IMAGE: dict[str, Any] = {"repository": "registry.example.com/llm/kvgate"}
 REQUIRED: dict[str, Any] = {
     "tenants": [TENANT],
     "pools": [POOL],
     "keyHashSecret": {"existingSecret": f"{RELEASE}-kvgate-key-hash"},
+    "image": IMAGE,
 }
+# Where the pod finds the key-hash secret (keyHashSecret.key is `secret` by default).
+KEY_HASH_FILE = "/etc/kvgate/key-hash/secret"
 
 Docs = dict[str, dict[str, Any]]
 
@@ -98,7 +103,17 @@ def container(docs: Docs) -> dict[str, Any]:
 
 def env(docs: Docs) -> dict[str, dict[str, Any]]:
     """The container's environment by variable name."""
-    return {e["name"]: e for e in container(docs)["env"]}
+    return {e["name"]: e for e in container(docs).get("env", [])}
+
+
+def volumes(docs: Docs) -> dict[str, dict[str, Any]]:
+    """The pod's volumes by name."""
+    return {v["name"]: v for v in pod_spec(docs)["volumes"]}
+
+
+def mounts(docs: Docs) -> dict[str, dict[str, Any]]:
+    """The gateway container's volume mounts by volume name."""
+    return {m["name"]: m for m in container(docs)["volumeMounts"]}
 
 
 def validate_strictly(docs: Docs) -> None:

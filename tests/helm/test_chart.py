@@ -23,7 +23,9 @@ from gateway.config import parse_config
 from gateway.sync.broker import LocalBroker
 from tests.helm.chart import (
     CHART,
+    IMAGE,
     KEY_HASH,
+    KEY_HASH_FILE,
     POOL,
     REQUIRED,
     TENANT,
@@ -48,12 +50,19 @@ def test_lint_is_clean() -> None:
 @pytest.mark.parametrize(
     ("values", "needle"),
     [
-        ({"pools": [POOL], "keyHashSecret": REQUIRED["keyHashSecret"]}, "at least one tenant"),
         (
-            {"tenants": [TENANT], "keyHashSecret": REQUIRED["keyHashSecret"]},
+            {"pools": [POOL], "keyHashSecret": REQUIRED["keyHashSecret"], "image": IMAGE},
+            "at least one tenant",
+        ),
+        (
+            {"tenants": [TENANT], "keyHashSecret": REQUIRED["keyHashSecret"], "image": IMAGE},
             "set exactly one of workers.urls",
         ),
-        ({"pools": [POOL], "tenants": [TENANT]}, "keyHashSecret: set existingSecret"),
+        ({"pools": [POOL], "tenants": [TENANT], "image": IMAGE}, "keyHashSecret: set existingSecret"),
+        (
+            {"pools": [POOL], "tenants": [TENANT], "keyHashSecret": REQUIRED["keyHashSecret"]},
+            r'image.repository "kvgate" names no registry: the nodes would pull docker.io/library/kvgate',
+        ),
     ],
 )
 def test_install_without_tenant_or_workers_fails_clearly(values: dict[str, Any], needle: str) -> None:
@@ -70,7 +79,7 @@ def test_rendered_gateway_config_is_accepted_by_the_gateway() -> None:
     assert config.metrics.listen.port == 9464 and config.metrics.listen.host == "0.0.0.0"
     assert config.pools[0].workers == ["http://10.0.0.7:8000"]
     assert config.tenants[0].quotas.rpm == 60 and config.tenants[0].isolation == "public"
-    assert config.secrets.key_hash_secret_env == "KVGATE_KEY_SECRET"
+    assert config.secrets.key_hash_secret_file == KEY_HASH_FILE
     assert config.drain.deadline_s == 120 and config.upstream.max_connections == 512
     assert config.policy_file == "/etc/kvgate/policy/policy.yaml"
 
@@ -112,8 +121,7 @@ def test_probes_shutdown_and_mounts() -> None:
     assert c["args"] == ["serve", "--config", "/etc/kvgate/config/gateway.yaml"]
     assert all("subPath" not in m for m in c["volumeMounts"])  # ConfigMap updates must reach the pod
     assert gateway_config(docs)["policy_file"] == "/etc/kvgate/policy/policy.yaml"
-    secret_env = c["env"][0]
-    assert secret_env["valueFrom"]["secretKeyRef"] == {"name": "rel-kvgate-key-hash", "key": "secret"}
+    assert "env" not in c  # the key-hash secret is a mounted file, nothing else needs the environment
     explicit = pod_spec(render({"shutdown": {"terminationGracePeriodSeconds": 300}}))
     assert explicit["terminationGracePeriodSeconds"] == 300
     # The deadline the gateway runs with, when `config` sets it: 5 + 120 + 15.
@@ -251,13 +259,18 @@ def test_bad_values_fail_with_a_clear_message(values: dict[str, Any], needle: st
 
 @pytest.mark.e2e
 def test_rendered_config_and_policy_boot_a_real_gateway(tmp_path: Path) -> None:
-    """The chart's config Secret and policy ConfigMap, written to disk, run `kvgate serve` and route
-    a chat request; the gateway joins the sync broker the config names (a real nats-server)."""
+    """The chart's config Secret, policy ConfigMap and key-hash file, written to disk, run
+    `kvgate serve` and route a chat request; the gateway joins the sync broker the config names (a
+    real nats-server)."""
     secret, api_key = "chart-test-secret", "sk-chart-test"
     backend_port, gateway_port, metrics_port = free_port(), free_port(), free_port()
     backend_url = f"http://127.0.0.1:{backend_port}"
     broker = LocalBroker(free_port(), tmp_path)
     policy_path = tmp_path / "policy.yaml"
+    # The file the pod mounts from the key-hash Secret; the environment carries a wrong secret,
+    # so the request below is admitted only if the gateway keyed its hashes from the file.
+    key_hash_path = tmp_path / "key-hash"
+    key_hash_path.write_text(secret + "\n")
     values = {
         "tenants": [{"name": "team-a", "apiKeyHashes": [hash_api_key(secret.encode(), api_key)]}],
         "pools": [{"name": "p", "models": ["bench-model"], "workers": {"urls": [backend_url]}}],
@@ -266,11 +279,13 @@ def test_rendered_config_and_policy_boot_a_real_gateway(tmp_path: Path) -> None:
         # Only what a pod's filesystem and network provide differently here.
         "config": {
             "policy_file": str(policy_path),
+            "secrets": {"key_hash_secret_file": str(key_hash_path)},
             "listen": {"host": "127.0.0.1", "port": gateway_port},
             "metrics": {"listen": {"host": "127.0.0.1", "port": metrics_port}},
         },
     }
     docs = render(values)
+    assert gateway_config(docs)["secrets"] == {"key_hash_secret_file": str(key_hash_path)}
     policy_path.write_text(docs["ConfigMap/rel-kvgate-policy"]["data"]["policy.yaml"])
     config_path = tmp_path / "gateway.yaml"
     config_path.write_text(gateway_config_text(docs))
@@ -279,7 +294,9 @@ def test_rendered_config_and_policy_boot_a_real_gateway(tmp_path: Path) -> None:
     gateway = None
     try:
         broker.start()
-        gateway = start_gateway(config_path, gateway_port, secret=secret.encode(), port_from_config=True)
+        gateway = start_gateway(
+            config_path, gateway_port, secret=b"not-the-key-hash-secret", port_from_config=True
+        )
         base = f"http://127.0.0.1:{gateway_port}"
         body = json.dumps({"model": "bench-model", "messages": [{"role": "user", "content": "hi"}]}).encode()
         req = urllib.request.Request(

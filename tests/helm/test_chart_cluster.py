@@ -13,6 +13,7 @@ import pytest
 
 from tests.helm.chart import (
     CRD_KINDS,
+    IMAGE,
     POOL,
     RELEASE,
     TENANT,
@@ -158,7 +159,7 @@ def test_discovery_rbac_never_binds_the_default_service_account(service_account:
 
 
 def test_an_install_without_a_key_hash_secret_fails_at_once() -> None:
-    values = {"tenants": [TENANT], "pools": [POOL]}
+    values = {"tenants": [TENANT], "pools": [POOL], "image": IMAGE}
     with pytest.raises(helm_python.HelmError, match=r"keyHashSecret: set existingSecret .* or value"):
         render_raw(values)
     with pytest.raises(helm_python.HelmError, match="keyHashSecret/value"):

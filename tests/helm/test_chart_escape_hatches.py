@@ -19,10 +19,23 @@ def test_defaults_render_none_of_them() -> None:
     spec = pod_spec(docs)
     assert "priorityClassName" not in spec and "initContainers" not in spec
     assert [c["name"] for c in spec["containers"]] == ["kvgate"]
-    assert container(docs)["image"] == "kvgate:0.1.0"
+    assert container(docs)["image"] == "registry.example.com/llm/kvgate:0.1.0"
     assert "strategy" not in docs["Deployment/rel-kvgate"]["spec"]
     service = docs["Service/rel-kvgate"]["spec"]
     assert "externalTrafficPolicy" not in service and "loadBalancerSourceRanges" not in service
+
+
+def test_an_image_without_a_registry_is_refused_unless_local() -> None:
+    """`kvgate` alone would be pulled as docker.io/library/kvgate (ImagePullBackOff): the install
+    fails instead, unless the image is loaded into the nodes (kind, minikube)."""
+    with pytest.raises(helm_python.HelmError, match=r"image.repository \"kvgate\" names no registry"):
+        render({"image": {"repository": "kvgate"}})
+    local = render({"image": {"repository": "kvgate", "local": True, "pullPolicy": "Never"}})
+    assert container(local)["image"] == "kvgate:0.1.0"
+    assert container(local)["imagePullPolicy"] == "Never"
+    validate_strictly(local)
+    for repository in ("localhost:5000/kvgate", "ghcr.io/acme/kvgate", "acme/kvgate"):
+        assert container(render({"image": {"repository": repository}}))["image"] == f"{repository}:0.1.0"
 
 
 def test_every_escape_hatch() -> None:

@@ -19,9 +19,11 @@ from tests.helm.chart import (
     container,
     env,
     gateway_config,
+    mounts,
     pod_spec,
     render,
     validate_strictly,
+    volumes,
 )
 
 VALUE = "0123456789abcdef" * 2  # the shortest key-hash secret the chart takes
@@ -39,18 +41,14 @@ def test_key_hashes_live_in_a_secret_never_in_a_configmap() -> None:
     for doc in docs.values():
         if doc["kind"] == "ConfigMap":
             assert KEY_HASH not in json.dumps(doc)
-    volumes = {v["name"]: v for v in pod_spec(docs)["volumes"]}
-    assert volumes["config"] == {"name": "config", "secret": {"secretName": "rel-kvgate-config"}}
+    assert volumes(docs)["config"] == {"name": "config", "secret": {"secretName": "rel-kvgate-config"}}
 
 
 def test_key_hash_secret_created_from_a_value_or_referenced() -> None:
     docs = render({"keyHashSecret": {"value": VALUE}})
     secret = docs["Secret/rel-kvgate-key-hash"]
     assert base64.b64decode(secret["data"]["secret"]) == VALUE.encode()
-    assert env(docs)["KVGATE_KEY_SECRET"]["valueFrom"]["secretKeyRef"] == {
-        "name": "rel-kvgate-key-hash",
-        "key": "secret",
-    }
+    assert volumes(docs)["key-hash"]["secret"]["secretName"] == "rel-kvgate-key-hash"
     annotations = docs["Deployment/rel-kvgate"]["spec"]["template"]["metadata"]["annotations"]
     rotated = render({"keyHashSecret": {"value": VALUE[::-1]}})["Deployment/rel-kvgate"]
     assert (
@@ -59,17 +57,47 @@ def test_key_hash_secret_created_from_a_value_or_referenced() -> None:
     )
     referenced = render({"keyHashSecret": {"existingSecret": "mine"}})
     assert "Secret/rel-kvgate-key-hash" not in referenced
-    assert env(referenced)["KVGATE_KEY_SECRET"]["valueFrom"]["secretKeyRef"]["name"] == "mine"
+    assert volumes(referenced)["key-hash"]["secret"]["secretName"] == "mine"
+    assert (
+        "checksum/key-hash"
+        not in referenced["Deployment/rel-kvgate"]["spec"]["template"]["metadata"]["annotations"]
+    )
     with pytest.raises(helm_python.HelmError, match="either value"):
         render({"keyHashSecret": {"value": VALUE, "existingSecret": "mine"}})
+
+
+def test_key_hash_secret_is_a_file_never_an_environment_variable() -> None:
+    """Not in the pod spec's env (nor the process environment): one key of the Secret, mounted
+    read-only, readable by its owner and the pod's fsGroup only, and named in the gateway config."""
+    docs = render({"keyHashSecret": {"existingSecret": "mine", "key": "hmac.key", "env": "OLD_NAME"}})
+    assert env(docs) == {}
+    assert "KVGATE_KEY_SECRET" not in json.dumps(docs["Deployment/rel-kvgate"])
+    assert volumes(docs)["key-hash"]["secret"] == {
+        "secretName": "mine",
+        "defaultMode": 0o440,
+        "items": [{"key": "hmac.key", "path": "hmac.key"}],
+    }
+    assert mounts(docs)["key-hash"] == {
+        "name": "key-hash",
+        "mountPath": "/etc/kvgate/key-hash",
+        "readOnly": True,
+    }
+    assert pod_spec(docs)["securityContext"]["fsGroup"] == 10001
+    assert gateway_config(docs)["secrets"] == {"key_hash_secret_file": "/etc/kvgate/key-hash/hmac.key"}
+    validate_strictly(docs)
+    # keyHashSecret.env is deprecated: still accepted, used nowhere.
+    assert gateway_config(docs) == gateway_config(
+        render({"keyHashSecret": {"existingSecret": "mine", "key": "hmac.key"}})
+    )
+    with pytest.raises(helm_python.HelmValuesError, match="/keyHashSecret/key"):
+        render({"keyHashSecret": {"existingSecret": "mine", "key": "a/b"}})
 
 
 def test_an_existing_config_secret_replaces_the_generated_one() -> None:
     # Pools and tenants then live in that Secret: the chart needs neither.
     docs = render({"configSecret": {"existingSecret": "gateway-config"}, "tenants": []})
     assert "Secret/rel-kvgate-config" not in docs
-    volumes = {v["name"]: v for v in pod_spec(docs)["volumes"]}
-    assert volumes["config"]["secret"]["secretName"] == "gateway-config"
+    assert volumes(docs)["config"]["secret"]["secretName"] == "gateway-config"
     validate_strictly(docs)
 
 

@@ -25,6 +25,7 @@ from tests.helm.chart import (
     render_raw,
     validate_strictly,
     values_file,
+    volumes,
 )
 
 FILES = (
@@ -71,7 +72,7 @@ def test_static_example() -> None:
     (pool,) = gateway_config(docs)["pools"]
     assert pool["workers"] == ["http://10.0.0.7:8000", "http://10.0.0.8:8000"]
     assert pool["max_in_flight_per_worker"] == 128
-    assert env(docs)["KVGATE_KEY_SECRET"]["valueFrom"]["secretKeyRef"]["name"] == "kvgate-key-hash"
+    assert volumes(docs)["key-hash"]["secret"]["secretName"] == "kvgate-key-hash"
     assert "Secret/rel-kvgate-key-hash" not in docs  # referenced, not created
     assert pod_spec(docs)["automountServiceAccountToken"] is False
     assert not any(k.startswith(("Role/", "RoleBinding/", "HorizontalPodAutoscaler/")) for k in docs)

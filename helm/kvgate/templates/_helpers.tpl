@@ -60,6 +60,21 @@ namespace and a dot, so that releases of the same name in different namespaces n
 {{- end }}
 {{- end }}
 
+{{/* The gateway image. A repository without a registry or namespace (no `/`) would be pulled from
+Docker Hub's library, where there is no kvgate: refused unless image.local says the nodes have it. */}}
+{{- define "kvgate.image" -}}
+{{- with .Values.image }}
+{{- if not (or (contains "/" .repository) .local) }}
+{{- fail (printf "image.repository %q names no registry: the nodes would pull docker.io/library/%s, which does not exist. Push the image built by `make image` to a registry the cluster pulls from and set image.repository to its full name (e.g. registry.example.com/llm/kvgate), or set image.local=true for an image loaded into the nodes (kind load docker-image, minikube image load)" .repository .repository) }}
+{{- end }}
+{{- if .digest }}
+{{- printf "%s@%s" .repository .digest }}
+{{- else }}
+{{- printf "%s:%s" .repository (.tag | default $.Chart.AppVersion) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{- define "kvgate.keyHashSecretName" -}}
 {{- default (printf "%s-key-hash" (include "kvgate.fullname" .)) .Values.keyHashSecret.existingSecret }}
 {{- end }}
@@ -96,6 +111,8 @@ value below preStop + deadline + 10 would let the kubelet kill a pod still drain
 {{- define "kvgate.policyDir" -}}/etc/kvgate/policy{{- end }}
 {{- /* Pool i's worker API key (pools[i].workerApiKeySecret) is the file <dir>/<i>/api-key. */}}
 {{- define "kvgate.workerKeysDir" -}}/etc/kvgate/worker-keys{{- end }}
+{{- /* The key-hash secret is the file <dir>/<keyHashSecret.key>. */}}
+{{- define "kvgate.keyHashDir" -}}/etc/kvgate/key-hash{{- end }}
 
 {{- define "kvgate.configSecretName" -}}
 {{- default (printf "%s-config" (include "kvgate.fullname" .)) .Values.configSecret.existingSecret }}
@@ -182,7 +199,7 @@ value below preStop + deadline + 10 would let the kubelet kill a pod still drain
   "listen" (dict "host" "0.0.0.0" "port" (int .Values.service.port))
   "metrics" (dict "listen" (dict "host" "0.0.0.0" "port" (int .Values.metrics.port)))
   "drain" (dict "deadline_s" .Values.shutdown.drainSeconds "shutdown_delay_s" .Values.shutdown.shutdownDelaySeconds)
-  "secrets" (dict "key_hash_secret_env" .Values.keyHashSecret.env)
+  "secrets" (dict "key_hash_secret_file" (printf "%s/%s" (include "kvgate.keyHashDir" .) .Values.keyHashSecret.key))
   "policy_file" (printf "%s/policy.yaml" (include "kvgate.policyDir" .))
   "log_level" .Values.logLevel
   "pools" $pools

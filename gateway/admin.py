@@ -20,11 +20,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.admission import request_id_of
 from gateway.auth import hash_api_key
 from gateway.errors import ApiError
 from gateway.policy_watch import PolicyStatus, PolicyWatcher, ReloadResult
 from gateway.registry import Worker
+from gateway.request_head import request_id_of
 from gateway.state import GatewayState
 from gateway.surface import error
 from policies.stats import SupportsStats

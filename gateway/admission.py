@@ -1,25 +1,21 @@
 """From an HTTP request to an admitted, routable request: auth, size, parse, model, quota, keys.
 
-Every proxied route (`gateway.routes`) comes through here. Only the fields routing needs are
-validated (`gateway.bodies`); everything else is the worker's to judge and is forwarded
-untouched. A route with a prompt is keyed by the normalizer; a pass-through route is sized from
-its body and routed on load alone.
+Every proxied route (`gateway.routes`) comes through here, its head and ids already read
+(`gateway.request_head`). Only the fields routing needs are validated (`gateway.bodies`);
+everything else is the worker's to judge and is forwarded untouched. A route with a prompt is
+keyed by the normalizer; a pass-through route is sized from its body and routed on load alone.
 """
 
 from __future__ import annotations
 
-import itertools
-import os
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from starlette.requests import ClientDisconnect, Request
-from starlette.types import Receive, Scope
+from starlette.requests import ClientDisconnect
+from starlette.types import Receive
 
-from gateway.anthropic import bearer_of_api_key
 from gateway.auth import Tenant
 from gateway.bodies import encode_body, form_head, max_output_tokens, parse_body, parse_form
 from gateway.errors import ApiError
@@ -27,13 +23,15 @@ from gateway.gate import Gate
 from gateway.keying import INLINE_PROMPT_BYTES, canonical_prompt, only_model, prompt_error
 from gateway.quotas import Rejection, TenantLimiter
 from gateway.registry import Pool
+from gateway.request_head import RequestHead as RequestHead  # gateway.app imports these four here
+from gateway.request_head import RequestIds as RequestIds
+from gateway.request_head import request_id_of as request_id_of
+from gateway.request_head import request_ids as request_ids
 from gateway.responses_affinity import ResponseAffinity, check_request_id, note_response, pin
-from gateway.retries import RETRY_COUNT_HEADER, retries_taken
 from gateway.routes import ApiRoute
 from gateway.upstream_headers import ClientHeaders, pick
 from policies.base import RouteDecision, RouteRequest, WorkerId
 from policies.identity import cache_salt_for, session_key
-from policies.records import record
 from prompt_normalizer.errors import NormalizerError
 
 # The bytes that start the headers of every JSON request to a worker (the request id follows).
@@ -122,111 +120,6 @@ class Admitted:
             out = b'{"' + field.encode() + b'":' + orjson.dumps(salt) + b"," + self.encoded[1:]
         self._encoded[salt] = out
         return out
-
-
-@record
-class RequestHead:
-    """The request headers the hot path reads, found in one pass over the raw ASGI headers (no
-    header-object layers): `Authorization`, `x-request-id`, `Content-Length` and the SDK's
-    `x-stainless-retry-count` (`retries.py`); for routes that need them (`of_route`), also
-    `x-api-key` (read as the key when there is no `Authorization`) and `Content-Type` (a multipart
-    body's boundary). `raw` is the ASGI header list itself, from which a pool's `forward_headers`
-    are picked once the pool is known."""
-
-    authorization: str | None
-    client_request_id: str | None
-    content_length: int | None
-    content_type: str | None = None
-    retries_taken: int = 0
-    raw: Sequence[tuple[bytes, bytes]] = ()
-
-    @classmethod
-    def of(cls, scope: Scope) -> RequestHead:
-        authorization = rid = length = None
-        taken = 0
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                authorization = value.decode("latin-1")
-            elif name == b"x-request-id":
-                rid = _sane_id(value.decode("latin-1"))
-            elif name == b"content-length" and value.isdigit():
-                length = int(value)
-            elif name == RETRY_COUNT_HEADER:
-                taken = retries_taken(value)
-        return cls(authorization, rid, length, retries_taken=taken, raw=scope["headers"])
-
-    @classmethod
-    def of_route(cls, scope: Scope, api: ApiRoute) -> RequestHead:
-        """The head for `api`: `of` itself unless the route reads more headers."""
-        if not (api.api_key_header or api.multipart):
-            return cls.of(scope)
-        authorization = rid = length = content_type = api_key = None
-        taken = 0
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                authorization = value.decode("latin-1")
-            elif name == b"x-request-id":
-                rid = _sane_id(value.decode("latin-1"))
-            elif name == b"content-length" and value.isdigit():
-                length = int(value)
-            elif name == b"content-type":
-                content_type = value.decode("latin-1")
-            elif name == b"x-api-key" and api.api_key_header:
-                api_key = value
-            elif name == RETRY_COUNT_HEADER:
-                taken = retries_taken(value)
-        if authorization is None and api_key:
-            authorization = bearer_of_api_key(api_key)
-        return cls(authorization, rid, length, content_type, taken, scope["headers"])
-
-
-@record
-class RequestIds:
-    """`internal` is always made here: it names the request to the worker, the policy and the
-    logs, so two clients that send the same `x-request-id` can never collide. `client` is the
-    client's own id (when sane), only echoed back and logged beside the internal one.
-    `retries_taken` numbers the client's own tries of one call (`retries.py`), and `headers` are
-    the client's raw headers (a pool may forward some, `upstream_headers.py`)."""
-
-    internal: str
-    client: str | None
-    retries_taken: int = 0
-    headers: Sequence[tuple[bytes, bytes]] = ()
-
-    @property
-    def reply(self) -> str:
-        """The `x-request-id` of the response: the client's own id, else the internal one."""
-        return self.client if self.client is not None else self.internal
-
-
-# Internal ids: a random per-process prefix and a counter. Unique, which is all an engine and the
-# policy need, and far cheaper than reading the OS's random source per request.
-_ID_PREFIX = os.urandom(6).hex()
-_id_counter = itertools.count(1)
-
-
-def new_request_id() -> str:
-    return f"{_ID_PREFIX}{next(_id_counter):010x}"
-
-
-def request_ids(head: RequestHead) -> RequestIds:
-    return RequestIds(new_request_id(), head.client_request_id, head.retries_taken, head.raw)
-
-
-def _sane_id(rid: str | None) -> str | None:
-    if rid and len(rid) <= 128 and rid.isascii() and rid.isprintable():
-        return rid
-    return None
-
-
-def client_request_id(request: Request) -> str | None:
-    """A sane inbound `x-request-id` (printable ASCII, at most 128 characters), else None."""
-    return _sane_id(request.headers.get("x-request-id"))
-
-
-def request_id_of(request: Request) -> str:
-    """The id to answer with on routes that send nothing upstream."""
-    return client_request_id(request) or new_request_id()
 
 
 def _too_large(max_bytes: int) -> ApiError:

@@ -1,62 +1,29 @@
 """Dispatch in a prefill/decode pool (docs/pd.md, "Routing").
 
 Each round asks the pool's `policies.pd.PdRouter` for a route, a pair or one worker alone, and
-sends it in the pool's wire protocol (`gateway.pd_legs`): vLLM's legs one after the other (the
-prefill answer's `kv_transfer_params` go into the decode leg), SGLang's both at once with the same
-bootstrap room. The client gets the decode worker's answer, its `cached_tokens` the prefill
-worker's (the prefix-cache hit, not the transfer). The policy hears of each leg as of any attempt:
-the prefill worker's completion teaches it that worker holds the prompt, the decode worker's that
-it holds it too (it installed the KV it received).
-
-Failures lose nothing; a new round starts, up to the pool's `retry_attempts`:
-- a prefill leg that fails (connect error, 5xx, timeout, malformed answer): without that worker;
-- a decode worker unreachable or broken before the client has anything: without that worker;
-- a transfer failure (the decode worker answered 5xx, or an error event before its first token,
-  or timed out): counted; vLLM then recomputes the request without a split (a decode or mixed
-  worker alone); SGLang, whose decode workers take only paired requests, tries a fresh pair
-  without that decode worker.
-Once the decode answer's first event has reached the client, a failure is the usual terminal
-error event (`streaming.ProxyStream`). A leg refused with a 4xx is the request's fault and is
-answered as it is.
+has `gateway.pd_pairs` send it in the pool's wire protocol. Failures lose nothing: a leg that
+fails before the client has anything leaves its lesson on the run (a worker to avoid, no split
+after a vLLM transfer failure) and a new round starts, up to the pool's `retry_attempts`; the
+first round waits in the pool's queue, a retry does not.
 """
 
 from __future__ import annotations
 
-import asyncio
-import random
 import time
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import urlsplit
 
-from gateway import proxy
 from gateway.admission import Admitted
-from gateway.config.pd import PdConfig
 from gateway.errors import RawResponse, error_response
 from gateway.failure import Failure
 from gateway.lifecycle import Lifecycle
-from gateway.outcome import Attempt, HeldVerdicts, Reservation, finish
-from gateway.pd_legs import (
-    Opened,
-    Prefilled,
-    Refused,
-    TransferFailed,
-    both_legs,
-    decode_leg,
-    deliver,
-    prefill_leg,
-    sglang_bodies,
-    vllm_decode_body,
-    vllm_prefill_body,
-)
-from gateway.registry import Worker
+from gateway.outcome import Attempt, finish
+from gateway.pd_pairs import PdRun, Response
 from gateway.routing import Routing
-from gateway.streaming import ProxyStream
 from gateway.transport import Transport
-from policies.base import Outcome, RouteDecision, WorkerId
+from policies.base import Outcome
 from policies.pd import PdDecision, PdRouter
 
-Response = RawResponse | ProxyStream
 _ALONE_PREFIX = "pd_alone_"
 
 
@@ -67,9 +34,16 @@ async def dispatch_pd(
     (the caller closes the request's books)."""
     router, pd = a.pool.pd_router, a.pool.config.pd
     assert router is not None and pd is not None
-    run = _Run(a, routing, transport, lifecycle, attempts, pd)
+    # With vLLM a Responses request runs alone: its output budget (`max_output_tokens`) is not
+    # one the prefill leg's rewrite caps, and vLLM's Responses route carries no KV transfer.
+    responses_on_vllm = a.api.prompt == "responses" and pd.protocol == "vllm"
+    # A route that does not generate (embeddings, scores, tokenizer, render, audio) has no KV
+    # to move: it runs whole on a worker that serves it alone (`PdRoles.whole`).
+    whole = not a.api.pd_split
+    split = not (whole or responses_on_vllm) and splittable(a.forward)
+    run = PdRun(a, routing, transport, lifecycle, attempts, pd, splittable=split, whole=whole)
     try:
-        return await run.rounds(router)
+        return await _rounds(run, router)
     except BaseException:
         run.verdicts.acquit()
         await run.abandon()
@@ -87,349 +61,87 @@ def splittable(body: Mapping[str, Any]) -> bool:
     return not (isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int))
 
 
-class _Run:
-    """One request's rounds: what failed so far, and the legs in flight."""
-
-    def __init__(
-        self,
-        a: Admitted,
-        routing: Routing,
-        transport: Transport,
-        lifecycle: Lifecycle,
-        attempts: list[Attempt],
-        pd: PdConfig,
-    ) -> None:
-        self.a = a
-        self.routing = routing
-        self.transport = transport
-        self.lifecycle = lifecycle
-        self.attempts = attempts
-        self.pd = pd
-        self.excluded: set[WorkerId] = set()
-        # With vLLM a Responses request runs alone: its output budget (`max_output_tokens`) is not
-        # one the prefill leg's rewrite caps, and vLLM's Responses route carries no KV transfer.
-        responses_on_vllm = a.api.prompt == "responses" and pd.protocol == "vllm"
-        # A route that does not generate (embeddings, scores, tokenizer, render, audio) has no KV
-        # to move: it runs whole on a worker that serves it alone (`PdRoles.whole`).
-        self.whole = not a.api.pd_split
-        self.splittable = not (self.whole or responses_on_vllm) and splittable(a.forward)
-        self.transfer_failed = False
-        self.failure: Failure | None = None
-        self.retry_reason: str | None = None
-        self.final = False
-        self.failures = 0  # legs that failed: the request's retries
-        self.verdicts = HeldVerdicts()  # the workers that answered a leg with a 5xx
-        self.tasks: list[asyncio.Task[Any]] = []
-        self.reserved: Reservation | None = None  # the decode slot of the vLLM pair in flight
-
-    async def rounds(self, router: PdRouter) -> Response:
-        a, routing = self.a, self.routing
-        pool = a.pool
-        for n in range(pool.config.retry_attempts + 1):
-            routed = await self._choose(router, n == 0)
-            if isinstance(routed, Failure):
-                self.failure = routed  # the pool's queue turned it away
-                break
-            decision, now_s = routed
-            if decision is None:
-                break
-            if self.retry_reason is not None:
-                routing.metrics.retries.labels(pool.name, self.retry_reason).inc()
-            if routing.decision_log is not None:
-                views = pool.views(now_s, frozenset(self.excluded))
-                transfer_s = router.settings.transfer_s(decision.transfer_tokens)
-                routing.decision_log.decided_pd(
-                    a.request_id, a.route, decision, views, routing.policy, now_s, transfer_s
-                )
-            self._count(decision)
-            if decision.prefill is None:
-                result = await self._alone(decision.decode)
-            elif self.pd.protocol == "vllm":
-                result = await self._vllm(decision.prefill, decision.decode)
-            else:
-                result = await self._sglang(decision.prefill, decision.decode)
-            if result is not None:
-                if isinstance(result, RawResponse) and result.status >= 400:
-                    self.verdicts.acquit()  # a worker refused the request: it is the likely cause
-                else:
-                    self.verdicts.convict(time.monotonic())
-                return result
-            if self.final:
-                break
-        self.verdicts.settle(time.monotonic())
-        failure = self.failure or Failure(
-            503, f"no healthy worker available for model '{a.model}'", "no_worker_available", Outcome.ABORTED
-        )
-        last = self.attempts[-1] if self.attempts else None
-        retries = max(self.failures - 1, 0)
-        finish(
-            routing,
-            a,
-            last,
-            status=failure.status,
-            outcome=failure.outcome,
-            retries=retries,
-            error=failure.message,
-        )
-        return error_response(failure.error(), a.reply_id)
-
-    async def _choose(self, router: PdRouter, first: bool) -> tuple[PdDecision | None, float] | Failure:
-        """The round's route. The first waits in the pool's queue while no route has a free slot
-        on its workers (`queueing.py`, as a mixed pool's first attempt); a retry does not."""
-        a, routing = self.a, self.routing
-        pool = a.pool
-        excluded = frozenset(self.excluded)
-        splittable, whole = self.splittable, self.whole
-
-        def choose(now_s: float) -> PdDecision | None:
-            views = pool.views(now_s, excluded)
-            return router.select(routing.policy, a.route, views, now_s, splittable=splittable, whole=whole)
-
-        queue = routing.queues.get(pool.name) if first else None
-        if queue is None:
-            now_s = time.monotonic()
-            return choose(now_s), now_s
-        routed = queue.try_pair(a, choose, splittable, whole=whole)
-        return routed or await queue.wait_pair(a, choose, splittable, whole=whole)
-
-    def _count(self, decision: PdDecision) -> None:
-        metrics, pool = self.routing.metrics, self.a.pool.name
-        if decision.prefill is None and not self.whole:
-            if self.transfer_failed:
-                reason = "transfer_failed"
-                metrics.pd_transfer_outcomes.labels(pool, "recomputed").inc()
-            else:
-                reason = decision.reason.removeprefix(_ALONE_PREFIX)
-            metrics.pd_skipped_splits.labels(pool, reason).inc()
-
-    def _served(self, attempt: Attempt, role: str) -> None:
-        """A leg's worker answered: its time to first token, when known."""
-        if attempt.ttft_s is not None:
-            self.routing.metrics.pd_ttft.labels(self.a.pool.name, role).observe(attempt.ttft_s)
-
-    def _start(
-        self,
-        worker: Worker,
-        decision: RouteDecision,
-        body: bytes | None,
-        role: str,
-        reserved: Reservation | None = None,
-    ) -> Attempt:
-        """Dispatch one leg: the policy, the worker's load and the metrics hear of it. The leg
-        takes over `reserved`, the worker's slot held for it, if any."""
-        a, routing = self.a, self.routing
-        now_s = time.monotonic()
-        routing.policy.on_dispatch(a.route, decision, now_s)
-        routing.metrics.decision(routing.policy_name, decision.reason)
-        routing.metrics.pd_requests.labels(a.pool.name, role).inc()
-        if reserved is not None:
-            reserved.take()
-        worker.acquire(a.route.n_prompt_tokens, a.max_output_tokens, now_s, decision.matched_tokens)
-        attempt = Attempt(a, worker, decision.reason, now_s, decision, body=body)
-        self.attempts.append(attempt)
-        return attempt
-
-    def _workers(self, *decisions: RouteDecision) -> list[Worker] | None:
-        found = [self.a.pool.workers.get(d.worker) for d in decisions]
-        if any(w is None for w in found):
-            return None  # discovery removed a worker since the views were taken: choose again
-        return [w for w in found if w is not None]
-
-    def _failed(
-        self,
-        attempt: Attempt,
-        failure: Failure,
-        role: str,
-        *,
-        exclude: bool = True,
-        outcome: Outcome | None = None,
-    ) -> None:
-        """A leg failed before the client had anything: close it (with `failure`'s outcome unless
-        told otherwise) and try another round."""
-        reason = failure.retry or failure.code
-        self.routing.metrics.pd_leg_failures.labels(self.a.pool.name, role, reason).inc()
-        if failure.answered and outcome is None and attempt.worker.breaker.closed:
-            attempt.end(self.routing, failure.outcome, judged=False)
-            self.verdicts.hold(attempt.worker)
+async def _rounds(run: PdRun, router: PdRouter) -> Response:
+    """Rounds until one answers the client or none is left; the last failure (or 503, no worker)
+    is the request's answer, and the held verdicts on workers are settled once."""
+    a, routing = run.a, run.routing
+    pool = a.pool
+    for n in range(pool.config.retry_attempts + 1):
+        routed = await _choose(run, router, n == 0)
+        if isinstance(routed, Failure):
+            run.failure = routed  # the pool's queue turned it away
+            break
+        decision, now_s = routed
+        if decision is None:
+            break
+        if run.retry_reason is not None:
+            routing.metrics.retries.labels(pool.name, run.retry_reason).inc()
+        if routing.decision_log is not None:
+            views = pool.views(now_s, frozenset(run.excluded))
+            transfer_s = router.settings.transfer_s(decision.transfer_tokens)
+            routing.decision_log.decided_pd(
+                a.request_id, a.route, decision, views, routing.policy, now_s, transfer_s
+            )
+        _count(run, decision)
+        if decision.prefill is None:
+            result = await run.alone(decision.decode)
+        elif run.pd.protocol == "vllm":
+            result = await run.vllm_pair(decision.prefill, decision.decode)
         else:
-            attempt.end(self.routing, outcome or failure.outcome)
-        self.failures += 1
-        if exclude:
-            self.excluded.add(attempt.worker.worker_id)
-        self.failure = failure
-        self.retry_reason = failure.retry or "worker_error"
-
-    def _prefill_failed(self, attempt: Attempt, failure: Failure) -> None:
-        """A prefill leg failed: another pair is tried, without that worker, unless the failure is
-        the gateway's own limit (the process's answer budget: aborted, no retry), which another
-        pair would meet as well and which is no fault of the worker."""
-        own_limit = failure.outcome is Outcome.ABORTED and failure.retry is None
-        self._failed(attempt, failure, "prefill", exclude=not own_limit)
-        if own_limit:
-            self.final = True
-
-    def _refused(self, attempt: Attempt, refused: Refused) -> Response:
-        answer = proxy._answer(self.routing, self.a, attempt, refused.reply, self._retries())
-        assert not isinstance(answer, Failure)  # a 4xx is always passed through
-        return answer
-
-    def _retries(self) -> int:
-        return self.failures
-
-    # -- one worker alone -----------------------------------------------------------------------
-
-    async def _alone(self, decision: RouteDecision) -> Response | None:
-        workers = self._workers(decision)
-        if workers is None:
-            return None
-        attempt = self._start(workers[0], decision, None, "alone")
-        result = await proxy._attempt(
-            self.routing, self.transport, self.lifecycle, self.a, attempt, self._retries()
-        )
-        if not isinstance(result, Failure):
-            self._served(attempt, "alone")
+            result = await run.sglang_pair(decision.prefill, decision.decode)
+        if result is not None:
+            if isinstance(result, RawResponse) and result.status >= 400:
+                run.verdicts.acquit()  # a worker refused the request: it is the likely cause
+            else:
+                run.verdicts.convict(time.monotonic())
             return result
-        self._failed(attempt, result, "alone")
-        self.final = result.retry is None  # the worker had begun answering: not sent twice
-        return None
+        if run.final:
+            break
+    run.verdicts.settle(time.monotonic())
+    failure = run.failure or Failure(
+        503, f"no healthy worker available for model '{a.model}'", "no_worker_available", Outcome.ABORTED
+    )
+    last = run.attempts[-1] if run.attempts else None
+    retries = max(run.failures - 1, 0)
+    finish(
+        routing,
+        a,
+        last,
+        status=failure.status,
+        outcome=failure.outcome,
+        retries=retries,
+        error=failure.message,
+    )
+    return error_response(failure.error(), a.reply_id)
 
-    # -- vLLM: prefill, then decode with what the prefill returned ------------------------------
 
-    async def _vllm(self, prefill: RouteDecision, decode: RouteDecision) -> Response | None:
-        """The decode worker's slot is the pair's from the start (`outcome.Reservation`): while
-        the prefill leg runs, the pool's queue would otherwise see it free and send another
-        request there, out of turn and past the worker's cap. Whatever ends the prefill leg
-        without a decode leg (a refusal, a failure, the client leaving, the drain deadline)
-        gives the slot back."""
-        workers = self._workers(prefill, decode)
-        if workers is None:
-            return None
-        a, routing = self.a, self.routing
-        slot = self.reserved = Reservation(workers[1], a.max_output_tokens, time.monotonic())
-        p = self._start(workers[0], prefill, vllm_prefill_body(a, prefill), "prefill")
-        prefilled = await prefill_leg(routing, self.transport, a, p)
-        if not isinstance(prefilled, Prefilled):
-            slot.give_back(routing, a.pool.name)
-            if isinstance(prefilled, Refused):
-                return self._refused(p, prefilled)
-            self._prefill_failed(p, prefilled)
-            return None
-        self._served(p, "prefill")
-        body = vllm_decode_body(a, decode, prefilled.params)
-        d = self._start(workers[1], decode, body, "decode", slot)
-        moved = prefilled.params is not None  # else the decode worker computes the prompt itself
-        if moved:
-            routing.metrics.pd_transfers.labels(a.pool.name).inc()
-        result = await decode_leg(self.transport, a, d)
-        since_s = d.dispatched_s if moved else None
-        return self._decoded(d, result, prefilled.usage.cached_tokens, prefill.worker, since_s)
+async def _choose(run: PdRun, router: PdRouter, first: bool) -> tuple[PdDecision | None, float] | Failure:
+    """The round's route. The first waits in the pool's queue while no route has a free slot
+    on its workers (`queueing.py`, as a mixed pool's first attempt); a retry does not."""
+    a, routing = run.a, run.routing
+    pool = a.pool
+    excluded = frozenset(run.excluded)
+    splittable, whole = run.splittable, run.whole
 
-    # -- SGLang: both legs at once, meeting in a bootstrap room ---------------------------------
+    def choose(now_s: float) -> PdDecision | None:
+        views = pool.views(now_s, excluded)
+        return router.select(routing.policy, a.route, views, now_s, splittable=splittable, whole=whole)
 
-    async def _sglang(self, prefill: RouteDecision, decode: RouteDecision) -> Response | None:
-        workers = self._workers(prefill, decode)
-        if workers is None:
-            return None
-        a, routing = self.a, self.routing
-        bootstrap = {
-            "bootstrap_host": urlsplit(workers[0].url).hostname,
-            "bootstrap_port": self.pd.bootstrap_port_of(workers[0].url),
-            "bootstrap_room": random.getrandbits(63),
-        }
-        p_body, d_body = sglang_bodies(a, prefill, bootstrap)
-        p = self._start(workers[0], prefill, p_body, "prefill")
-        d = self._start(workers[1], decode, d_body, "decode")
-        routing.metrics.pd_transfers.labels(a.pool.name).inc()
-        p_task = asyncio.create_task(prefill_leg(routing, self.transport, a, p))
-        d_task = asyncio.create_task(decode_leg(self.transport, a, d))
-        self.tasks = [p_task, d_task]
-        prefilled, opened = await both_legs(p_task, d_task)
-        self.tasks = []
-        if prefilled is None or isinstance(prefilled, Failure):
-            # The prefill leg failed (or was stopped because the decode leg had).
-            if isinstance(prefilled, Failure):
-                self._prefill_failed(p, prefilled)
-            else:
-                p.end(routing, Outcome.ABORTED)
-            if opened is None:
-                d.end(routing, Outcome.ABORTED)
-                return None
-        if isinstance(prefilled, Refused):
-            if isinstance(opened, Opened):
-                opened.source.close()
-            d.end(routing, Outcome.ABORTED)
-            return self._refused(p, prefilled)
-        if opened is None:
-            return None
-        cached = prefilled.usage.cached_tokens if isinstance(prefilled, Prefilled) else None
-        since_s = d.dispatched_s  # the KV is ready to move once the prefill leg answered
-        if isinstance(prefilled, Prefilled):
-            self._served(p, "prefill")
-            if p.ttft_s is not None:
-                since_s = p.dispatched_s + p.ttft_s
-        return self._decoded(d, opened, cached, prefill.worker, since_s)
+    queue = routing.queues.get(pool.name) if first else None
+    if queue is None:
+        now_s = time.monotonic()
+        return choose(now_s), now_s
+    routed = queue.try_pair(a, choose, splittable, whole=whole)
+    return routed or await queue.wait_pair(a, choose, splittable, whole=whole)
 
-    # -- the decode leg's outcome ---------------------------------------------------------------
 
-    def _decoded(
-        self,
-        d: Attempt,
-        result: Opened | Refused | TransferFailed | Failure,
-        cached: int | None,
-        source: WorkerId,
-        transfer_since_s: float | None,
-    ) -> Response | None:
-        """Hand an opened decode answer to the client, or account for the leg's failure.
-        `transfer_since_s` is when the KV could start to move (None: no transfer was asked)."""
-        metrics, pool = self.routing.metrics, self.a.pool.name
-        if isinstance(result, Opened):
-            if transfer_since_s is not None:
-                metrics.pd_transfer_outcomes.labels(pool, "ok").inc()
-                if d.ttft_s is not None:
-                    first_s = d.dispatched_s + d.ttft_s
-                    metrics.pd_transfer_time.labels(pool).observe(max(0.0, first_s - transfer_since_s))
-            self._served(d, "decode")
-            out = deliver(self.routing, self.lifecycle, self.a, d, result, cached, self._retries())
-            if isinstance(out, Failure):
-                self._failed(d, out, "decode")
-                return None
-            return out
-        if isinstance(result, Refused):
-            return self._refused(d, result)
-        if isinstance(result, TransferFailed):
-            metrics.pd_transfer_failures.labels(pool, result.reason).inc()
-            metrics.pd_transfer_outcomes.labels(pool, result.reason).inc()
-            self.transfer_failed = True
-            timed_out = result.reason == "timeout"
-            # A decode worker that answered is not blamed for KV it could not get: its breaker gets
-            # no verdict. One that timed out is, and is not asked again.
-            outcome = None if timed_out else Outcome.ABORTED
-            self._failed(d, result.failure, "decode", exclude=timed_out, outcome=outcome)
-            self.retry_reason = "transfer_failed"
-            if self.pd.protocol == "vllm":
-                self.splittable = False  # recompute the prompt where it is decoded
-            else:
-                # SGLang's decode workers serve only pairs: try another pair, without the prefill
-                # worker whose KV did not arrive ("it might be dead").
-                self.excluded.add(source)
-            return None
-        self._failed(d, result, "decode")
-        self.final = result.retry is None  # the decode worker had begun answering: not sent twice
-        return None
-
-    async def abandon(self) -> None:
-        """The request ends early (the client left, the drain deadline, or a bug): stop legs in
-        flight, close their attempts (ABORTED: no verdict on the workers), give back a decode slot
-        still held for a leg not sent."""
-        if self.reserved is not None:
-            self.reserved.give_back(self.routing, self.a.pool.name)
-        for task in self.tasks:
-            task.cancel()
-        if self.tasks:
-            await asyncio.wait(self.tasks)
-            for task in self.tasks:
-                result = None if task.cancelled() or task.exception() else task.result()
-                if isinstance(result, Opened):
-                    result.source.close()
-        for attempt in self.attempts:
-            attempt.end(self.routing, Outcome.ABORTED)
+def _count(run: PdRun, decision: PdDecision) -> None:
+    """A worker alone where the route could have been split: a skipped split, with its reason."""
+    metrics, pool = run.routing.metrics, run.a.pool.name
+    if decision.prefill is None and not run.whole:
+        if run.transfer_failed:
+            reason = "transfer_failed"
+            metrics.pd_transfer_outcomes.labels(pool, "recomputed").inc()
+        else:
+            reason = decision.reason.removeprefix(_ALONE_PREFIX)
+        metrics.pd_skipped_splits.labels(pool, reason).inc()

@@ -27,7 +27,7 @@ goes to the next. There is no timer per request: one tick per pool, only while a
 
 A prefill/decode pool's requests wait the same way (`try_pair`, `wait_pair`): the pair chooser
 takes the policy's place, and "every worker at its cap" means no route has a free slot on each
-worker it needs (`_pair_capacity`). A slot freed by either leg hands turns for the routes then
+worker it needs (`pool_capacity.py`). A slot freed by either leg hands turns for the routes then
 free (`slot_freed`).
 """
 
@@ -47,15 +47,14 @@ from gateway.config.queue import QueueConfig
 from gateway.failure import Failure
 from gateway.fair_order import Entry, FairOrder
 from gateway.metrics import GatewayMetrics
+from gateway.pool_capacity import capacity
 from gateway.registry import Pool
-from policies.base import Outcome, Role, RouteDecision, RoutingPolicy
-from policies.pd import PdDecision, PdRoles
+from policies.base import Outcome, RouteDecision, RoutingPolicy
+from policies.pd import PdDecision
 
 if TYPE_CHECKING:
     from gateway.admission import Admitted
 
-# Free slots counted for a routable worker without `max_in_flight_per_worker`.
-UNCAPPED = 1 << 30
 _FIFO = ""  # the one key of every request when `order: fifo`
 _RETRY_AFTER = ((b"retry-after", b"1"),)
 
@@ -171,7 +170,7 @@ class PoolQueue:
         waiter = self._join(a, now_s)
         if len(self._order) == 1:
             # The first to wait: turns still unused may leave capacity over (nothing else hands it).
-            _, free = self._capacity(now_s)
+            _, free = capacity(self._pool, self._roles, now_s)
             if free > self._turns:
                 self._hand(free - self._turns)
         try:
@@ -223,7 +222,7 @@ class PoolQueue:
     def _recount(self) -> None:
         self._recount_due = False
         if self._order:
-            _, free = self._capacity(time.monotonic())
+            _, free = capacity(self._pool, self._roles, time.monotonic())
             if free > self._turns:
                 self._hand(free - self._turns)
 
@@ -231,63 +230,8 @@ class PoolQueue:
 
     def _saturated(self, now_s: float, splittable: bool = True, whole: bool = False) -> bool:
         """Some worker is routable and none has a free slot: capacity will come back."""
-        routable, free = self._capacity(now_s, splittable, whole)
+        routable, free = capacity(self._pool, self._roles, now_s, splittable, whole)
         return routable > 0 and free == 0
-
-    def _capacity(self, now_s: float, splittable: bool = True, whole: bool = False) -> tuple[int, int]:
-        """(routable workers, free slots on them); in a prefill/decode pool, routes instead."""
-        if self._roles is not None:
-            if whole:
-                return self._role_capacity(self._roles.whole, now_s)
-            return self._pair_capacity(self._roles, now_s, splittable)
-        routable = free = 0
-        for worker in self._pool.workers.values():
-            if not (worker.healthy and worker.breaker.allows(now_s)):
-                continue
-            routable += 1
-            cap = worker.max_in_flight
-            if cap is None:
-                free += UNCAPPED
-            elif worker.in_flight < cap:
-                free += cap - worker.in_flight
-        return routable, free
-
-    def _role_capacity(self, roles: frozenset[Role], now_s: float) -> tuple[int, int]:
-        """(routable workers of `roles`, free slots on them): a request one of them serves alone."""
-        routable = free = 0
-        for worker in self._pool.workers.values():
-            if Role.of(worker.role) in roles and worker.healthy and worker.breaker.allows(now_s):
-                routable += 1
-                cap = worker.max_in_flight
-                free += UNCAPPED if cap is None else max(cap - worker.in_flight, 0)
-        return routable, free
-
-    def _pair_capacity(self, roles: PdRoles, now_s: float, splittable: bool) -> tuple[int, int]:
-        """(routes, routes whose workers all have a free slot). A worker that may serve a request
-        alone is one route per slot; a split needs a slot on a prefill worker and one on a decode
-        worker that is not also counted alone (SGLang's decode workers, which take only pairs).
-        In vLLM's roles every decode worker serves alone too, so a full prefill side does not hold
-        a request back: the pair chooser then runs it alone (`pd_alone_no_pair`)."""
-        alone = prefill = paired = 0  # routable workers
-        alone_free = prefill_free = paired_free = 0
-        for worker in self._pool.workers.values():
-            if not (worker.healthy and worker.breaker.allows(now_s)):
-                continue
-            role = Role.of(worker.role)
-            cap = worker.max_in_flight
-            room = UNCAPPED if cap is None else max(cap - worker.in_flight, 0)
-            if role in roles.alone:
-                alone += 1
-                alone_free += room
-            elif role in roles.decode:
-                paired += 1
-                paired_free += room
-            if role in roles.prefill:
-                prefill += 1
-                prefill_free += room
-        if not splittable:
-            return alone, alone_free
-        return alone + min(prefill, paired), alone_free + min(prefill_free, paired_free)
 
     def _timed_out(self, waiter: _Waiter) -> Failure:
         self._metrics.queue_refusals.labels(self._pool.name, waiter.tenant, "timeout").inc()
@@ -376,7 +320,7 @@ class PoolQueue:
             if waiter.state is _State.WAITING:
                 self._take(waiter, _State.TIMED_OUT)
         if self._order:
-            routable, free = self._capacity(now_s)
+            routable, free = capacity(self._pool, self._roles, now_s)
             if routable == 0:
                 while (entry := self._order.pop()) is not None:
                     self._take(entry.item, _State.NO_WORKER)

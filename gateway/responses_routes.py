@@ -20,7 +20,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.admission import new_request_id, request_id_of
 from gateway.config.pool import TimeoutsConfig
 from gateway.errors import ApiError, normalize_worker_error, upstream_error
 from gateway.failure import TRANSPORT_ERRORS, Stage, failure_of
@@ -29,6 +28,7 @@ from gateway.lifecycle import Lifecycle
 from gateway.metrics import GatewayMetrics
 from gateway.quotas import Rejection
 from gateway.registry import Pool, Registry
+from gateway.request_head import new_request_id, request_id_of
 from gateway.responses_affinity import ResponseAffinity, not_found
 from gateway.responses_stream import StoredResponseStream
 from gateway.streaming import AiohttpSource

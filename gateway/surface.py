@@ -19,12 +19,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.admission import request_id_of
 from gateway.auth import KeyRing
 from gateway.breaker import BreakerState
 from gateway.errors import ApiError
 from gateway.keying import base_model
 from gateway.registry import Registry
+from gateway.request_head import request_id_of
 from gateway.routes import ROUTES
 
 

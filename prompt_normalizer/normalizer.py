@@ -24,19 +24,15 @@ index fed by events and one fed by requests agree.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
-import orjson
-
 from prompt_normalizer.approx import APPROX_UNIT, approx_chat, approx_text
-from prompt_normalizer.canonical import CanonicalChat, ChatRules, FieldItem, canonicalize_chat, field_items
+from prompt_normalizer.canonical import CanonicalChat, ChatRules, canonicalize_chat
 from prompt_normalizer.chat_input import request_flag
 from prompt_normalizer.completions import CompletionsPrompt
 from prompt_normalizer.config import NormalizerConfig, VolatileRule, ZoneConfig
 from prompt_normalizer.converted import ConvertedChat, converted_canonical, no_edit_rules, relabel_drift
-from prompt_normalizer.drift import DriftTracker
 from prompt_normalizer.errors import NormalizerError
 from prompt_normalizer.generate_input import generate_as_completions
 from prompt_normalizer.keys import (
@@ -46,7 +42,6 @@ from prompt_normalizer.keys import (
     PrefixKeyMemo,
     TokenArray,
     as_tokens,
-    keyed_digest,
     public_identity_of,
     secret_key,
     token_block_keys,
@@ -63,9 +58,10 @@ from prompt_normalizer.messages_input import messages_chat
 from prompt_normalizer.render import CHAT_RENDER_PATH, COMPLETIONS_RENDER_PATH, RenderPlan, render_boundaries
 from prompt_normalizer.responses_input import responses_chat
 from prompt_normalizer.roots import RootCache, UnitRoots
+from prompt_normalizer.sessions import SessionDrift
 from prompt_normalizer.switches import json_copy
 from prompt_normalizer.template import ChatTemplateTokenizer
-from prompt_normalizer.types import BlockKey, CanonicalPrompt, DriftReport, KeyIdentity, Zone, ZoneSpan
+from prompt_normalizer.types import BlockKey, CanonicalPrompt, KeyIdentity
 
 __all__ = [
     "Endpoint",
@@ -94,7 +90,6 @@ class Normalizer:
         self._chat_rules = ChatRules.of(config)
         self._converted_rules = no_edit_rules(self._chat_rules)
         self._chars_per_token = config.chars_per_token
-        self._session_fields = frozenset(config.session_fields)
         self._key = secret_key(secret)
         self._roots = RootCache(self._key)
         self._memo = PrefixKeyMemo(self._key)
@@ -104,7 +99,8 @@ class Normalizer:
             self._tokenizer = ChatTemplateTokenizer(
                 config.tokenizer_dir, config.chat_template_file, config.content_format, config.template_time
             )
-        self._drift = DriftTracker(config.drift_sessions_max, config.drift_store_max_blocks)
+        self._session_fields = frozenset(config.session_fields)
+        self._sessions = SessionDrift(config, self._key)
 
     @property
     def config(self) -> NormalizerConfig:
@@ -123,7 +119,7 @@ class Normalizer:
 
     @property
     def drift_sessions(self) -> int:
-        return len(self._drift)
+        return len(self._sessions)
 
     def root(self, identity: KeyIdentity, unit: str = TOKEN_UNIT) -> int:
         """The chain root for `identity` (cached, bounded)."""
@@ -145,16 +141,7 @@ class Normalizer:
         self, body: Mapping[str, Any], identity: KeyIdentity, session_key: str | None = None
     ) -> bytes | None:
         """Keyed session id: a header value if given, else the first configured body field."""
-        value = session_key
-        if value is None:
-            for name in self._config.session_fields:
-                candidate = body.get(name)
-                if isinstance(candidate, str) and candidate:
-                    value = candidate
-                    break
-        if value is None:
-            return None
-        return keyed_digest(self._key, orjson.dumps([identity.namespace, value]), b"kvgate-session")
+        return self._sessions.digest(body, identity, session_key)
 
     # -- the facade -------------------------------------------------------------------------------
 
@@ -377,28 +364,9 @@ class Normalizer:
         observe = None
         # Most requests name no session: skip the method call when no session field is present.
         if session_key is not None or not self._session_fields.isdisjoint(body):
-            session = self.session_digest(body, identity, session_key)
-            if session is not None:
-                items = field_items(chat, self._key) if chat is not None else _prompt_items(body, self._key)
-                observe = functools.partial(self._observe_drift, session, block_size, items)
+            observe = self._sessions.observer(body, identity, session_key, chat, block_size)
         return assemble(hashed, block_size, roots, bounds, chat, source, diags, self._memo, observe)
-
-    def _observe_drift(
-        self,
-        session: bytes,
-        block_size: int,
-        items: tuple[FieldItem, ...],
-        keys: tuple[BlockKey, ...],
-        stable_end_token: int,
-        zones: tuple[ZoneSpan, ...],
-    ) -> DriftReport:
-        return self._drift.observe(session, keys, stable_end_token, block_size, items, zones)
 
 
 def _token_bytes(tokens: TokenArray) -> Hashed:
     return Hashed(tokens, TOKEN_DTYPE.itemsize, len(tokens))
-
-
-def _prompt_items(body: Mapping[str, Any], key: bytes) -> tuple[FieldItem, ...]:
-    digest = keyed_digest(key, orjson.dumps(body.get("prompt"), option=orjson.OPT_SORT_KEYS))
-    return (FieldItem("prompt", Zone.APPEND_ONLY, digest),)

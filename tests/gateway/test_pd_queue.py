@@ -12,6 +12,7 @@ import pytest
 
 from gateway.config.pool import PoolConfig
 from gateway.metrics import GatewayMetrics
+from gateway.pool_capacity import capacity
 from gateway.queueing import PoolQueue
 from gateway.registry import Pool
 from tests.gateway.queue_rig import RigFactory, fill, queue_rigs, serve_all
@@ -129,6 +130,7 @@ def test_a_free_mixed_worker_is_a_route_for_any_request() -> None:
     pool = _pool("sglang", mixed=True)
     _take(pool, "http://127.0.0.1:1")
     queue = PoolQueue(pool, pool.config.queue, {}, GatewayMetrics())
-    assert queue._capacity(time.monotonic(), False) == (1, 1)
+    assert pool.pd_router is not None
+    assert capacity(pool, pool.pd_router.settings.roles, time.monotonic(), False) == (1, 1)
     _take(pool, "http://127.0.0.1:3")
     assert queue._saturated(time.monotonic(), False)

@@ -1,0 +1,326 @@
+"""One round of a prefill/decode request: its legs, and what a failed leg leaves for the next round.
+
+A round sends the route `gateway.pd` chose in the pool's wire protocol (`gateway.pd_legs`): one
+worker alone; vLLM's legs one after the other (the prefill answer's `kv_transfer_params` go into
+the decode leg); SGLang's both at once with the same bootstrap room. The client gets the decode
+worker's answer, its `cached_tokens` the prefill worker's (the prefix-cache hit, not the
+transfer). The policy hears of each leg as of any attempt: the prefill worker's completion teaches
+it that worker holds the prompt, the decode worker's that it holds it too (it installed the KV it
+received).
+
+A leg that fails before the client has anything is closed here and leaves the next round its
+lesson (docs/pd.md, "Failures"):
+- a prefill leg that fails (connect error, 5xx, timeout, malformed answer): without that worker;
+- a decode worker unreachable or broken: without that worker;
+- a transfer failure (the decode worker answered 5xx, or an error event before its first token,
+  or timed out): counted; vLLM then recomputes the request without a split (a decode or mixed
+  worker alone); SGLang, whose decode workers take only paired requests, tries a fresh pair
+  without that decode worker.
+Once the decode answer's first event has reached the client, a failure is the usual terminal
+error event (`streaming.ProxyStream`). A leg refused with a 4xx is the request's fault and is
+answered as it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Any
+from urllib.parse import urlsplit
+
+from gateway import proxy
+from gateway.admission import Admitted
+from gateway.config.pd import PdConfig
+from gateway.errors import RawResponse
+from gateway.failure import Failure
+from gateway.lifecycle import Lifecycle
+from gateway.outcome import Attempt, HeldVerdicts, Reservation
+from gateway.pd_legs import (
+    Opened,
+    Prefilled,
+    Refused,
+    TransferFailed,
+    both_legs,
+    decode_leg,
+    deliver,
+    prefill_leg,
+    sglang_bodies,
+    vllm_decode_body,
+    vllm_prefill_body,
+)
+from gateway.registry import Worker
+from gateway.routing import Routing
+from gateway.streaming import ProxyStream
+from gateway.transport import Transport
+from policies.base import Outcome, RouteDecision, WorkerId
+
+Response = RawResponse | ProxyStream
+
+
+class PdRun:
+    """One request's rounds: what failed so far, and the legs in flight. `splittable` says a
+    round may still choose a pair (a transfer failure under vLLM clears it); `whole` that the
+    route runs whole on one worker (it has no KV to move)."""
+
+    def __init__(
+        self,
+        a: Admitted,
+        routing: Routing,
+        transport: Transport,
+        lifecycle: Lifecycle,
+        attempts: list[Attempt],
+        pd: PdConfig,
+        *,
+        splittable: bool,
+        whole: bool,
+    ) -> None:
+        self.a = a
+        self.routing = routing
+        self.transport = transport
+        self.lifecycle = lifecycle
+        self.attempts = attempts
+        self.pd = pd
+        self.excluded: set[WorkerId] = set()
+        self.whole = whole
+        self.splittable = splittable
+        self.transfer_failed = False
+        self.failure: Failure | None = None
+        self.retry_reason: str | None = None
+        self.final = False
+        self.failures = 0  # legs that failed: the request's retries
+        self.verdicts = HeldVerdicts()  # the workers that answered a leg with a 5xx
+        self.tasks: list[asyncio.Task[Any]] = []
+        self.reserved: Reservation | None = None  # the decode slot of the vLLM pair in flight
+
+    def _served(self, attempt: Attempt, role: str) -> None:
+        """A leg's worker answered: its time to first token, when known."""
+        if attempt.ttft_s is not None:
+            self.routing.metrics.pd_ttft.labels(self.a.pool.name, role).observe(attempt.ttft_s)
+
+    def _start(
+        self,
+        worker: Worker,
+        decision: RouteDecision,
+        body: bytes | None,
+        role: str,
+        reserved: Reservation | None = None,
+    ) -> Attempt:
+        """Dispatch one leg: the policy, the worker's load and the metrics hear of it. The leg
+        takes over `reserved`, the worker's slot held for it, if any."""
+        a, routing = self.a, self.routing
+        now_s = time.monotonic()
+        routing.policy.on_dispatch(a.route, decision, now_s)
+        routing.metrics.decision(routing.policy_name, decision.reason)
+        routing.metrics.pd_requests.labels(a.pool.name, role).inc()
+        if reserved is not None:
+            reserved.take()
+        worker.acquire(a.route.n_prompt_tokens, a.max_output_tokens, now_s, decision.matched_tokens)
+        attempt = Attempt(a, worker, decision.reason, now_s, decision, body=body)
+        self.attempts.append(attempt)
+        return attempt
+
+    def _workers(self, *decisions: RouteDecision) -> list[Worker] | None:
+        found = [self.a.pool.workers.get(d.worker) for d in decisions]
+        if any(w is None for w in found):
+            return None  # discovery removed a worker since the views were taken: choose again
+        return [w for w in found if w is not None]
+
+    def _failed(
+        self,
+        attempt: Attempt,
+        failure: Failure,
+        role: str,
+        *,
+        exclude: bool = True,
+        outcome: Outcome | None = None,
+    ) -> None:
+        """A leg failed before the client had anything: close it (with `failure`'s outcome unless
+        told otherwise) and try another round."""
+        reason = failure.retry or failure.code
+        self.routing.metrics.pd_leg_failures.labels(self.a.pool.name, role, reason).inc()
+        if failure.answered and outcome is None and attempt.worker.breaker.closed:
+            attempt.end(self.routing, failure.outcome, judged=False)
+            self.verdicts.hold(attempt.worker)
+        else:
+            attempt.end(self.routing, outcome or failure.outcome)
+        self.failures += 1
+        if exclude:
+            self.excluded.add(attempt.worker.worker_id)
+        self.failure = failure
+        self.retry_reason = failure.retry or "worker_error"
+
+    def _prefill_failed(self, attempt: Attempt, failure: Failure) -> None:
+        """A prefill leg failed: another pair is tried, without that worker, unless the failure is
+        the gateway's own limit (the process's answer budget: aborted, no retry), which another
+        pair would meet as well and which is no fault of the worker."""
+        own_limit = failure.outcome is Outcome.ABORTED and failure.retry is None
+        self._failed(attempt, failure, "prefill", exclude=not own_limit)
+        if own_limit:
+            self.final = True
+
+    def _refused(self, attempt: Attempt, refused: Refused) -> Response:
+        answer = proxy._answer(self.routing, self.a, attempt, refused.reply, self._retries())
+        assert not isinstance(answer, Failure)  # a 4xx is always passed through
+        return answer
+
+    def _retries(self) -> int:
+        return self.failures
+
+    # -- one worker alone -----------------------------------------------------------------------
+
+    async def alone(self, decision: RouteDecision) -> Response | None:
+        workers = self._workers(decision)
+        if workers is None:
+            return None
+        attempt = self._start(workers[0], decision, None, "alone")
+        result = await proxy._attempt(
+            self.routing, self.transport, self.lifecycle, self.a, attempt, self._retries()
+        )
+        if not isinstance(result, Failure):
+            self._served(attempt, "alone")
+            return result
+        self._failed(attempt, result, "alone")
+        self.final = result.retry is None  # the worker had begun answering: not sent twice
+        return None
+
+    # -- vLLM: prefill, then decode with what the prefill returned ------------------------------
+
+    async def vllm_pair(self, prefill: RouteDecision, decode: RouteDecision) -> Response | None:
+        """The decode worker's slot is the pair's from the start (`outcome.Reservation`): while
+        the prefill leg runs, the pool's queue would otherwise see it free and send another
+        request there, out of turn and past the worker's cap. Whatever ends the prefill leg
+        without a decode leg (a refusal, a failure, the client leaving, the drain deadline)
+        gives the slot back."""
+        workers = self._workers(prefill, decode)
+        if workers is None:
+            return None
+        a, routing = self.a, self.routing
+        slot = self.reserved = Reservation(workers[1], a.max_output_tokens, time.monotonic())
+        p = self._start(workers[0], prefill, vllm_prefill_body(a, prefill), "prefill")
+        prefilled = await prefill_leg(routing, self.transport, a, p)
+        if not isinstance(prefilled, Prefilled):
+            slot.give_back(routing, a.pool.name)
+            if isinstance(prefilled, Refused):
+                return self._refused(p, prefilled)
+            self._prefill_failed(p, prefilled)
+            return None
+        self._served(p, "prefill")
+        body = vllm_decode_body(a, decode, prefilled.params)
+        d = self._start(workers[1], decode, body, "decode", slot)
+        moved = prefilled.params is not None  # else the decode worker computes the prompt itself
+        if moved:
+            routing.metrics.pd_transfers.labels(a.pool.name).inc()
+        result = await decode_leg(self.transport, a, d)
+        since_s = d.dispatched_s if moved else None
+        return self._decoded(d, result, prefilled.usage.cached_tokens, prefill.worker, since_s)
+
+    # -- SGLang: both legs at once, meeting in a bootstrap room ---------------------------------
+
+    async def sglang_pair(self, prefill: RouteDecision, decode: RouteDecision) -> Response | None:
+        workers = self._workers(prefill, decode)
+        if workers is None:
+            return None
+        a, routing = self.a, self.routing
+        bootstrap = {
+            "bootstrap_host": urlsplit(workers[0].url).hostname,
+            "bootstrap_port": self.pd.bootstrap_port_of(workers[0].url),
+            "bootstrap_room": random.getrandbits(63),
+        }
+        p_body, d_body = sglang_bodies(a, prefill, bootstrap)
+        p = self._start(workers[0], prefill, p_body, "prefill")
+        d = self._start(workers[1], decode, d_body, "decode")
+        routing.metrics.pd_transfers.labels(a.pool.name).inc()
+        p_task = asyncio.create_task(prefill_leg(routing, self.transport, a, p))
+        d_task = asyncio.create_task(decode_leg(self.transport, a, d))
+        self.tasks = [p_task, d_task]
+        prefilled, opened = await both_legs(p_task, d_task)
+        self.tasks = []
+        if prefilled is None or isinstance(prefilled, Failure):
+            # The prefill leg failed (or was stopped because the decode leg had).
+            if isinstance(prefilled, Failure):
+                self._prefill_failed(p, prefilled)
+            else:
+                p.end(routing, Outcome.ABORTED)
+            if opened is None:
+                d.end(routing, Outcome.ABORTED)
+                return None
+        if isinstance(prefilled, Refused):
+            if isinstance(opened, Opened):
+                opened.source.close()
+            d.end(routing, Outcome.ABORTED)
+            return self._refused(p, prefilled)
+        if opened is None:
+            return None
+        cached = prefilled.usage.cached_tokens if isinstance(prefilled, Prefilled) else None
+        since_s = d.dispatched_s  # the KV is ready to move once the prefill leg answered
+        if isinstance(prefilled, Prefilled):
+            self._served(p, "prefill")
+            if p.ttft_s is not None:
+                since_s = p.dispatched_s + p.ttft_s
+        return self._decoded(d, opened, cached, prefill.worker, since_s)
+
+    # -- the decode leg's outcome ---------------------------------------------------------------
+
+    def _decoded(
+        self,
+        d: Attempt,
+        result: Opened | Refused | TransferFailed | Failure,
+        cached: int | None,
+        source: WorkerId,
+        transfer_since_s: float | None,
+    ) -> Response | None:
+        """Hand an opened decode answer to the client, or account for the leg's failure.
+        `transfer_since_s` is when the KV could start to move (None: no transfer was asked)."""
+        metrics, pool = self.routing.metrics, self.a.pool.name
+        if isinstance(result, Opened):
+            if transfer_since_s is not None:
+                metrics.pd_transfer_outcomes.labels(pool, "ok").inc()
+                if d.ttft_s is not None:
+                    first_s = d.dispatched_s + d.ttft_s
+                    metrics.pd_transfer_time.labels(pool).observe(max(0.0, first_s - transfer_since_s))
+            self._served(d, "decode")
+            out = deliver(self.routing, self.lifecycle, self.a, d, result, cached, self._retries())
+            if isinstance(out, Failure):
+                self._failed(d, out, "decode")
+                return None
+            return out
+        if isinstance(result, Refused):
+            return self._refused(d, result)
+        if isinstance(result, TransferFailed):
+            metrics.pd_transfer_failures.labels(pool, result.reason).inc()
+            metrics.pd_transfer_outcomes.labels(pool, result.reason).inc()
+            self.transfer_failed = True
+            timed_out = result.reason == "timeout"
+            # A decode worker that answered is not blamed for KV it could not get: its breaker gets
+            # no verdict. One that timed out is, and is not asked again.
+            outcome = None if timed_out else Outcome.ABORTED
+            self._failed(d, result.failure, "decode", exclude=timed_out, outcome=outcome)
+            self.retry_reason = "transfer_failed"
+            if self.pd.protocol == "vllm":
+                self.splittable = False  # recompute the prompt where it is decoded
+            else:
+                # SGLang's decode workers serve only pairs: try another pair, without the prefill
+                # worker whose KV did not arrive ("it might be dead").
+                self.excluded.add(source)
+            return None
+        self._failed(d, result, "decode")
+        self.final = result.retry is None  # the decode worker had begun answering: not sent twice
+        return None
+
+    async def abandon(self) -> None:
+        """The request ends early (the client left, the drain deadline, or a bug): stop legs in
+        flight, close their attempts (ABORTED: no verdict on the workers), give back a decode slot
+        still held for a leg not sent."""
+        if self.reserved is not None:
+            self.reserved.give_back(self.routing, self.a.pool.name)
+        for task in self.tasks:
+            task.cancel()
+        if self.tasks:
+            await asyncio.wait(self.tasks)
+            for task in self.tasks:
+                result = None if task.cancelled() or task.exception() else task.result()
+                if isinstance(result, Opened):
+                    result.source.close()
+        for attempt in self.attempts:
+            attempt.end(self.routing, Outcome.ABORTED)

@@ -1,0 +1,125 @@
+"""The request's head: the headers the hot path reads and the request's ids.
+
+Both are known before the API key is checked or the body read, and every answer needs them: an
+error before admission still echoes the client's `x-request-id`, and a route that sends nothing
+upstream answers with an id of its own (`request_id_of`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Sequence
+
+from starlette.requests import Request
+from starlette.types import Scope
+
+from gateway.anthropic import bearer_of_api_key
+from gateway.retries import RETRY_COUNT_HEADER, retries_taken
+from gateway.routes import ApiRoute
+from policies.records import record
+
+
+@record
+class RequestHead:
+    """The request headers the hot path reads, found in one pass over the raw ASGI headers (no
+    header-object layers): `Authorization`, `x-request-id`, `Content-Length` and the SDK's
+    `x-stainless-retry-count` (`retries.py`); for routes that need them (`of_route`), also
+    `x-api-key` (read as the key when there is no `Authorization`) and `Content-Type` (a multipart
+    body's boundary). `raw` is the ASGI header list itself, from which a pool's `forward_headers`
+    are picked once the pool is known."""
+
+    authorization: str | None
+    client_request_id: str | None
+    content_length: int | None
+    content_type: str | None = None
+    retries_taken: int = 0
+    raw: Sequence[tuple[bytes, bytes]] = ()
+
+    @classmethod
+    def of(cls, scope: Scope) -> RequestHead:
+        authorization = rid = length = None
+        taken = 0
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                authorization = value.decode("latin-1")
+            elif name == b"x-request-id":
+                rid = _sane_id(value.decode("latin-1"))
+            elif name == b"content-length" and value.isdigit():
+                length = int(value)
+            elif name == RETRY_COUNT_HEADER:
+                taken = retries_taken(value)
+        return cls(authorization, rid, length, retries_taken=taken, raw=scope["headers"])
+
+    @classmethod
+    def of_route(cls, scope: Scope, api: ApiRoute) -> RequestHead:
+        """The head for `api`: `of` itself unless the route reads more headers."""
+        if not (api.api_key_header or api.multipart):
+            return cls.of(scope)
+        authorization = rid = length = content_type = api_key = None
+        taken = 0
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                authorization = value.decode("latin-1")
+            elif name == b"x-request-id":
+                rid = _sane_id(value.decode("latin-1"))
+            elif name == b"content-length" and value.isdigit():
+                length = int(value)
+            elif name == b"content-type":
+                content_type = value.decode("latin-1")
+            elif name == b"x-api-key" and api.api_key_header:
+                api_key = value
+            elif name == RETRY_COUNT_HEADER:
+                taken = retries_taken(value)
+        if authorization is None and api_key:
+            authorization = bearer_of_api_key(api_key)
+        return cls(authorization, rid, length, content_type, taken, scope["headers"])
+
+
+@record
+class RequestIds:
+    """`internal` is always made here: it names the request to the worker, the policy and the
+    logs, so two clients that send the same `x-request-id` can never collide. `client` is the
+    client's own id (when sane), only echoed back and logged beside the internal one.
+    `retries_taken` numbers the client's own tries of one call (`retries.py`), and `headers` are
+    the client's raw headers (a pool may forward some, `upstream_headers.py`)."""
+
+    internal: str
+    client: str | None
+    retries_taken: int = 0
+    headers: Sequence[tuple[bytes, bytes]] = ()
+
+    @property
+    def reply(self) -> str:
+        """The `x-request-id` of the response: the client's own id, else the internal one."""
+        return self.client if self.client is not None else self.internal
+
+
+# Internal ids: a random per-process prefix and a counter. Unique, which is all an engine and the
+# policy need, and far cheaper than reading the OS's random source per request.
+_ID_PREFIX = os.urandom(6).hex()
+_id_counter = itertools.count(1)
+
+
+def new_request_id() -> str:
+    return f"{_ID_PREFIX}{next(_id_counter):010x}"
+
+
+def request_ids(head: RequestHead) -> RequestIds:
+    return RequestIds(new_request_id(), head.client_request_id, head.retries_taken, head.raw)
+
+
+def _sane_id(rid: str | None) -> str | None:
+    if rid and len(rid) <= 128 and rid.isascii() and rid.isprintable():
+        return rid
+    return None
+
+
+def client_request_id(request: Request) -> str | None:
+    """A sane inbound `x-request-id` (printable ASCII, at most 128 characters), else None."""
+    return _sane_id(request.headers.get("x-request-id"))
+
+
+def request_id_of(request: Request) -> str:
+    """The id to answer with on routes that send nothing upstream."""
+    return client_request_id(request) or new_request_id()

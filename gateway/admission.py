@@ -23,10 +23,7 @@ from gateway.gate import Gate
 from gateway.keying import INLINE_PROMPT_BYTES, canonical_prompt, only_model, prompt_error
 from gateway.quotas import Rejection, TenantLimiter
 from gateway.registry import Pool
-from gateway.request_head import RequestHead as RequestHead  # gateway.app imports these four here
-from gateway.request_head import RequestIds as RequestIds
-from gateway.request_head import request_id_of as request_id_of
-from gateway.request_head import request_ids as request_ids
+from gateway.request_head import RequestHead, RequestIds
 from gateway.responses_affinity import ResponseAffinity, check_request_id, note_response, pin
 from gateway.routes import ApiRoute
 from gateway.upstream_headers import ClientHeaders, pick

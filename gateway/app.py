@@ -23,17 +23,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.admin import admin_routes
-from gateway.admission import (
-    Admitted,
-    RequestHead,
-    RequestIds,
-    admit,
-    authenticate,
-    enter,
-    read_body,
-    request_id_of,
-    request_ids,
-)
+from gateway.admission import Admitted, admit, authenticate, enter, read_body
 from gateway.auth import Tenant
 from gateway.cors import Cors, serves
 from gateway.disconnect import DisconnectGuard
@@ -43,6 +33,7 @@ from gateway.gauges import refresh_gauges
 from gateway.lifecycle import SHUTTING_DOWN
 from gateway.policy_watch import PolicyWatcher
 from gateway.proxy import dispatch
+from gateway.request_head import RequestHead, RequestIds, request_id_of, request_ids
 from gateway.responses_routes import responses_routes
 from gateway.routes import ROUTES, ApiRoute
 from gateway.routing import Routing

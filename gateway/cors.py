@@ -22,9 +22,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.admission import new_request_id
 from gateway.config.cors import CorsConfig
 from gateway.errors import ApiError, RawResponse, error_response
+from gateway.request_head import new_request_id
 
 # Request headers a preflight may name without the config listing them (the Fetch spec's
 # CORS-safelisted names; `content-type` is safelisted only for form types, JSON needs it named).

@@ -52,13 +52,25 @@ async def dispatch_pd(
 
 def splittable(body: Mapping[str, Any]) -> bool:
     """Whether a request is one sequence, as a KV transfer carries one prompt's KV: not several
-    choices (`n`, `best_of`) and not a batch of completions prompts."""
-    for name in ("n", "best_of"):
-        value = body.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+    choices (`n`, `best_of`, at the top or in a native request's `sampling_params`) and not a
+    batch of prompts (a completions `prompt`, SGLang's `text` or `input_ids`, listing more than
+    one)."""
+    params = body.get("sampling_params")
+    for source in (body, params) if isinstance(params, Mapping) else (body,):
+        for name in ("n", "best_of"):
+            value = source.get(name)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+                return False
+    for name in _PROMPT_FIELDS:
+        prompt = body.get(name)
+        if isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int):
             return False
-    prompt = body.get("prompt")
-    return not (isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int))
+    return True
+
+
+# The fields that may carry a batch of prompts: completions' and SGLang's `/generate`'s (vLLM's
+# `/inference/v1/generate` takes one sequence of `token_ids`).
+_PROMPT_FIELDS = ("prompt", "text", "input_ids")
 
 
 async def _rounds(run: PdRun, router: PdRouter) -> Response:

@@ -114,7 +114,8 @@ def invocation_route(body: Mapping[str, Any]) -> ApiRoute:
     return _INVOCATIONS
 
 
-_INVOCATIONS = ApiRoute("invocations", "/invocations", pick=invocation_route)
+# A pooling body may ask for vLLM's binary embeddings (`encoding_format` "bytes").
+_INVOCATIONS = ApiRoute("invocations", "/invocations", binary_answer=True, pick=invocation_route)
 
 
 ROUTES: dict[str, ApiRoute] = _routes(

@@ -21,11 +21,13 @@ BODIES = {
     "/v1/chat/completions": {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
     "/v1/completions": {"model": "m", "prompt": "hi"},
     "/v1/embeddings": {"model": "m", "input": "hi", "encoding_format": "bytes"},
+    "/invocations": {"model": "m", "input": "hi", "encoding_format": "bytes"},  # SageMaker's, pooling
 }
 
 
 def test_only_vllm_s_binary_embeddings_routes_answer_other_formats() -> None:
-    assert {p for p, r in ROUTES.items() if r.binary_answer} == {"/v1/embeddings", "/pooling"}
+    binary = {"/v1/embeddings", "/pooling", "/invocations"}
+    assert {p for p, r in ROUTES.items() if r.binary_answer} == binary
 
 
 def worker(body: bytes, content_type: str) -> contextlib.AbstractAsyncContextManager[str]:
@@ -48,16 +50,17 @@ async def test_an_html_page_is_a_broken_answer_on_a_json_route(path: str, transp
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-async def test_binary_embeddings_are_an_answer_and_html_is_not(transport: str) -> None:
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/invocations"])
+async def test_binary_embeddings_are_an_answer_and_html_is_not(path: str, transport: str) -> None:
     vectors = bytes(range(16))
     async with worker(vectors, "application/octet-stream") as url, gateway(url, transport) as (gw, policy):
-        resp = await gw.client.post("/v1/embeddings", json=BODIES["/v1/embeddings"], headers=KEY)
+        resp = await gw.client.post(path, json=BODIES[path], headers=KEY)
         assert resp.status_code == 200 and resp.content == vectors
         assert resp.headers["content-type"] == "application/octet-stream"
         (obs,) = policy.observations
         assert obs.outcome is Outcome.SERVED
     async with worker(HTML, "text/html") as url, gateway(url, transport) as (gw, policy):
-        resp = await gw.client.post("/v1/embeddings", json=BODIES["/v1/embeddings"], headers=KEY)
+        resp = await gw.client.post(path, json=BODIES[path], headers=KEY)
         assert resp.status_code == 502
         (obs,) = policy.observations
         assert obs.outcome is Outcome.WORKER_FAILED

@@ -28,6 +28,15 @@ from policies.base import Outcome
         ({"prompt": ["a", "b"]}, False),
         ({"prompt": [[1, 2], [3]]}, False),
         ({"n": True}, True),  # not a count; the worker judges it
+        # The native generate routes: SGLang's `/generate`, vLLM's `/inference/v1/generate`.
+        ({"text": "x", "sampling_params": {"max_new_tokens": 4}}, True),
+        ({"text": ["only one"]}, True),
+        ({"input_ids": [1, 2, 3]}, True),
+        ({"token_ids": [1, 2, 3], "sampling_params": {"n": 1}}, True),
+        ({"text": ["a", "b"]}, False),
+        ({"input_ids": [[1, 2], [3]]}, False),
+        ({"text": "x", "sampling_params": {"n": 2}}, False),
+        ({"token_ids": [1, 2], "sampling_params": {"best_of": 2}}, False),
     ],
 )
 def test_only_one_sequence_is_split(body: dict[str, Any], expected: bool) -> None:

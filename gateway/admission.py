@@ -201,7 +201,7 @@ async def admit(
         body = parse_body(raw, api, gate.limits.max_choices)
         if api.pick is not None:
             api = api.pick(body)  # SageMaker's `/invocations`: admitted as the route its body names
-        encoded = encode_body(body, api.salt_field)
+        encoded = encode_body(body)
         upstream_head = JSON_HEAD
     model = body.get("model") or only_model(gate.models)
     pool = gate.models.get(model)

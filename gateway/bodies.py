@@ -37,6 +37,11 @@ ENGINE_INTERNAL_FIELDS = frozenset(
     }
 )
 
+# The engines' prefix-cache isolation keys: vLLM's `cache_salt`; SGLang's `extra_key` (its native
+# request's, and on its OpenAI routes joined to `cache_salt`). Not refused: a client's is dropped,
+# and the gateway sets its own (`routes.ApiRoute.salt_field`).
+ISOLATION_FIELDS = ("cache_salt", "extra_key")
+
 # orjson parses up to 1024 levels but encodes at most 254, and every body is encoded again on its
 # way to the worker (with the gateway's `cache_salt`), as are parts of it by the normalizer.
 MAX_JSON_DEPTH = 254
@@ -151,16 +156,17 @@ def form_head(content_type: str | None) -> bytes:
     return content_type_header(boundary_of(content_type)) + b"X-Request-Id: "
 
 
-def encode_body(body: dict[str, Any], salt_field: str = "cache_salt") -> bytes:
-    """The body re-encoded without any client `cache_salt` (the gateway always sets its own), nor
-    the route's own salt field if it names it otherwise (SGLang's `extra_key`).
+def encode_body(body: dict[str, Any]) -> bytes:
+    """The body re-encoded without the client's cache isolation keys (`ISOLATION_FIELDS`): the
+    gateway sets its own on the routes that take one, and no client chooses its namespace in an
+    engine's cache.
 
     This is also the nesting bound: encoding refuses JSON nested deeper than `MAX_JSON_DEPTH`, at
     the cost of one `orjson.dumps`, which `Admitted.body_for` then reuses instead of encoding again
     (faster than counting brackets in the raw bytes or walking the parsed objects in Python).
     """
-    body.pop("cache_salt", None)
-    body.pop(salt_field, None)
+    for name in ISOLATION_FIELDS:
+        body.pop(name, None)
     try:
         return orjson.dumps(body)
     except orjson.JSONEncodeError:

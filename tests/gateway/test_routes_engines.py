@@ -37,7 +37,7 @@ async def rig() -> AsyncIterator[Rig]:
 
 @pytest.mark.parametrize("path", ENGINE_PATHS)
 async def test_engine_routes_are_passed_through_to_the_same_path(rig: Rig, path: str) -> None:
-    body = {"model": "m", "input": "some text", "cache_salt": "client-chosen"}
+    body = {"model": "m", "input": "some text", "cache_salt": "client-chosen", "extra_key": "mine"}
     resp = await rig.client.post(path, json=body, headers=KEY)
     assert resp.status_code == 200, resp.text
     got = rig.last()
@@ -60,10 +60,12 @@ async def test_render_routes_are_not_keyed(rig: Rig) -> None:
 
 async def test_invocations_route_by_body_shape(rig: Rig) -> None:
     chat = {"model": "m", "messages": [{"role": "user", "content": PROMPT}]}
-    assert (await rig.client.post("/invocations", json=chat, headers=KEY)).status_code == 200
+    sent = {**chat, "extra_key": "mine"}  # SGLang joins it to `cache_salt`: the client's is dropped
+    assert (await rig.client.post("/invocations", json=sent, headers=KEY)).status_code == 200
     got = rig.last()
     # Sent, keyed and salted as the chat route itself would be.
     assert got.path == "/v1/chat/completions" and "cache_salt" in got.json()
+    assert "extra_key" not in got.json()
     keyed = rig.policy.requests[-1].block_keys
     assert keyed
     assert (await rig.client.post("/v1/chat/completions", json=chat, headers=KEY)).status_code == 200

@@ -47,11 +47,18 @@ class Transport:
         return self.session
 
 
+# A worker's answer carries about a dozen headers, a proxy in front of it a few more; aiohttp's
+# default allows 128, each up to the line bound.
+MAX_ANSWER_HEADERS = 64
+
+
 def make_session(config: UpstreamConfig) -> aiohttp.ClientSession:
     """The one upstream client of the process: bounded connection pool, keep-alive, no cookies.
     An answer's status line and each of its headers may be as long as the lean client's whole
     head (`MAX_ANSWER_HEAD_BYTES`), not aiohttp's default 8 KB: vLLM's binary embeddings carry
-    every input's offsets in one `metadata` header."""
+    every input's offsets in one `metadata` header. aiohttp bounds the head per line, not in
+    total, so the number of headers is bounded too (`MAX_ANSWER_HEADERS`): at most that many
+    lines of that size."""
     connector = aiohttp.TCPConnector(
         limit=config.max_connections,
         limit_per_host=config.max_connections_per_worker,
@@ -65,4 +72,5 @@ def make_session(config: UpstreamConfig) -> aiohttp.ClientSession:
         skip_auto_headers=("User-Agent", "Accept-Encoding"),
         max_line_size=MAX_ANSWER_HEAD_BYTES,
         max_field_size=MAX_ANSWER_HEAD_BYTES,
+        max_headers=MAX_ANSWER_HEADERS,
     )

@@ -10,6 +10,7 @@ import contextlib
 import orjson
 import pytest
 
+from gateway.transport import MAX_ANSWER_HEADERS
 from gateway.upstream_conn import MAX_ANSWER_HEAD_BYTES
 from policies.base import Outcome
 from tests.gateway.answer_rig import answering, gateway
@@ -53,5 +54,18 @@ async def test_a_head_past_the_bound_is_a_malformed_answer(transport: str) -> No
         resp = await gw.client.post("/v1/embeddings", json=_BODY, headers=KEY)
         assert resp.status_code == 502, resp.text
         assert orjson.loads(resp.content)["error"]["code"] == "bad_gateway"
+        (obs,) = policy.observations
+        assert obs.outcome is Outcome.WORKER_FAILED
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_many_large_headers_are_a_malformed_answer(transport: str) -> None:
+    """aiohttp bounds a head per line, so https answers bound the number of headers as well: 80
+    headers of 512 KiB (40 MiB) are refused on either transport, as one head past 1 MiB is."""
+    many = {f"x-filler-{i}": "y" * (512 * 1024) for i in range(MAX_ANSWER_HEADERS + 16)}
+    headers = {"content-type": "application/json", **many}
+    async with answering(["/v1/embeddings"], b"{}", headers) as url, gateway(url, transport) as (gw, policy):
+        resp = await gw.client.post("/v1/embeddings", json=_BODY, headers=KEY)
+        assert resp.status_code == 502, resp.text
         (obs,) = policy.observations
         assert obs.outcome is Outcome.WORKER_FAILED

@@ -218,7 +218,9 @@ async def admit(
         except NormalizerError as exc:
             raise prompt_error(exc) from None
     else:
-        canonical = await canonical_prompt(api, raw, body, keying, pool, identity, public, request_id)
+        canonical = await canonical_prompt(
+            api, raw, body, keying, pool, identity, public, request_id, tenant.name
+        )
 
     responses = gate.responses if api.prompt == "responses" else None
     if responses is not None:

@@ -147,8 +147,10 @@ async def canonical_prompt(
     identity: KeyIdentity,
     public: KeyIdentity | None,
     request_id: str,
+    tenant: str,
 ) -> CanonicalPrompt:
-    """Keys, zones and size of one request; 400 on a prompt the normalizer cannot read."""
+    """Keys, zones and size of one request; 400 on a prompt the normalizer cannot read. A render
+    answer is read within `tenant`'s share of the process's answer budget."""
     normalizer = keying.normalizers[pool.name]
     prompt = api.prompt
     if prompt is None:
@@ -165,7 +167,7 @@ async def canonical_prompt(
                     raise
                 return normalizer.canonicalize(prompt, body, identity, public)  # nothing to render
             session = keying.transport.upstream()
-            answers = keying.transport.answers
+            answers = keying.transport.answers.share(tenant)
             return await render_canonical(
                 normalizer, plan, pool, session, identity, public, request_id, answers
             )

@@ -3,10 +3,9 @@
 The normalizer stays pure; this module does the HTTP calls its `RenderPlan` asks for (the full
 prompt, plus the zone-boundary prefixes, concurrently) against one healthy worker of the pool.
 Each answer is read like a whole worker answer (`upstream.read_whole`): at most
-`MAX_ANSWER_BYTES`, within the process's `AnswerBudget` (not a tenant's share: rendering
-happens during admission, for a prompt already bounded by `limits.max_body_bytes`). Past the
-budget the request gets the gateway's 503 `gateway_overloaded`; a larger answer is the
-worker's 502.
+`MAX_ANSWER_BYTES`, within the request's tenant's share of the process's answer budget. Past
+it the request gets the gateway's 503 `gateway_overloaded`; a larger answer is the worker's
+502.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from gateway.answer_budget import AnswerBudget
+from gateway.answer_budget import AnswerHold
 from gateway.errors import ApiError, upstream_error
 from gateway.registry import Pool
 from gateway.upstream import AnswerBudgetExceeded, UpstreamError, read_whole
@@ -38,7 +37,7 @@ async def render_canonical(
     identity: KeyIdentity,
     public: KeyIdentity | None,
     request_id: str,
-    budget: AnswerBudget,
+    budget: AnswerHold,
 ) -> CanonicalPrompt:
     """Token ids from a worker's render endpoint, then keys; errors are OpenAI-shaped."""
     healthy = [w for w in pool.workers.values() if w.healthy]
@@ -67,7 +66,7 @@ async def _render(
     body: Mapping[str, Any],
     headers: dict[str, str],
     pool: Pool,
-    budget: AnswerBudget,
+    budget: AnswerHold,
     *,
     required: bool,
 ) -> Any:

@@ -16,7 +16,7 @@ from aiohttp import web
 from gateway.errors import ApiError
 from gateway.registry import Pool, _probe
 from gateway.render import _render
-from gateway.upstream import AnswerBudget
+from gateway.upstream import AnswerBudget, AnswerHold
 from tests.support.processes import free_port
 
 CHUNK = b"[" + b"1," * 32767  # 64 KiB of a token-id list that never ends
@@ -67,7 +67,7 @@ class _PoolStub:
     client_timeout = aiohttp.ClientTimeout(total=30)
 
 
-async def render(session: aiohttp.ClientSession, url: str, budget: AnswerBudget, *, required: bool) -> Any:
+async def render(session: aiohttp.ClientSession, url: str, budget: AnswerHold, *, required: bool) -> Any:
     pool = cast(Pool, _PoolStub())
     return await _render(session, url + "/tokenize", {"prompt": "x"}, {}, pool, budget, required=required)
 
@@ -98,6 +98,20 @@ async def test_a_render_answer_past_the_budget_is_the_gateways_503(endless: Any)
     assert (err.status, err.code, err.headers.get("retry-after")) == (503, "gateway_overloaded", "1")
     assert "limits.max_buffered_answer_bytes" in err.message
     assert budget.held_bytes == 0 and budget.refusals.value == 1
+
+
+async def test_a_render_answer_is_held_to_its_tenants_share(endless: Any) -> None:
+    """Rendering reads within the request's tenant's share (keying passes it): one tenant's large
+    renders cannot take the budget the other tenants' answers need."""
+    worker = await endless()
+    budget = AnswerBudget(4 << 20, weights={"a": 1.0, "b": 1.0, "c": 1.0, "d": 1.0}, min_share_bytes=1 << 20)
+    share = budget.share("a")
+    assert share.share_bytes == 1 << 20
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(ApiError) as raised:
+            await render(session, worker.url, share, required=True)
+    assert raised.value.status == 503 and "share" in raised.value.message
+    assert share.held_bytes == 0 and budget.held_bytes == 0
 
 
 @pytest.mark.parametrize(("status", "healthy"), [(200, True), (500, False)])

@@ -26,7 +26,7 @@ worker's total timeout, finish; failing fast bounds both the memory and the wait
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from gateway.metrics.families import CounterChild
 
@@ -38,6 +38,7 @@ class AnswerBudget:
 
     __slots__ = (
         "_min_share",
+        "_share_refusals",
         "_shares",
         "_total_weight",
         "_weights",
@@ -52,6 +53,7 @@ class AnswerBudget:
         refusals: CounterChild | None = None,
         weights: Mapping[str, float] | None = None,
         min_share_bytes: int = 0,
+        share_refusals: Callable[[str], CounterChild] | None = None,
     ) -> None:
         self.capacity_bytes = capacity_bytes
         self.held_bytes = 0
@@ -60,6 +62,8 @@ class AnswerBudget:
         self._weights = dict(weights or {})
         self._total_weight = sum(self._weights.values())
         self._min_share = min_share_bytes
+        # `kvgate_answer_share_refusals_total{tenant}`: refusals at a share, apart from the budget's.
+        self._share_refusals = share_refusals
         # One per tenant that has read an answer: tenants come from the config, so this is bounded.
         self._shares: dict[str, TenantShare] = {}
 
@@ -81,7 +85,8 @@ class AnswerBudget:
         """The tenant's share, to reserve its answers through (one dict lookup)."""
         found = self._shares.get(tenant)
         if found is None:
-            found = self._shares[tenant] = TenantShare(self, self.share_bytes(tenant))
+            refusals = self._share_refusals(tenant) if self._share_refusals is not None else CounterChild()
+            found = self._shares[tenant] = TenantShare(self, self.share_bytes(tenant), refusals)
         return found
 
     def share_bytes(self, tenant: str) -> int:
@@ -104,19 +109,20 @@ class TenantShare:
     """One tenant's part of an `AnswerBudget`, reserved and released like the budget itself.
     Invariant: `0 <= held_bytes <= share_bytes`, and every byte held here is held in the budget."""
 
-    __slots__ = ("budget", "held_bytes", "share_bytes")
+    __slots__ = ("budget", "held_bytes", "refusals", "share_bytes")
 
-    def __init__(self, budget: AnswerBudget, share_bytes: int) -> None:
+    def __init__(self, budget: AnswerBudget, share_bytes: int, refusals: CounterChild | None = None) -> None:
         self.budget = budget
         self.share_bytes = share_bytes
         self.held_bytes = 0
+        self.refusals = refusals if refusals is not None else CounterChild()
 
     def reserve(self, size: int) -> bool:
         """Take `size` more bytes from the share and the budget; False (nothing taken) when
         either would be passed."""
         held = self.held_bytes + size
-        if held > self.share_bytes:
-            self.budget.refusals.inc()
+        if self.full_for(size):
+            self.refusals.inc()  # the tenant's limit, counted apart from the process's
             return False
         if not self.budget.reserve(size):
             return False
@@ -129,8 +135,9 @@ class TenantShare:
         self.budget.release(size)
 
     def full_for(self, size: int) -> bool:
-        """Whether `size` more bytes would pass the share itself (not only the budget)."""
-        return self.held_bytes + size > self.share_bytes
+        """Whether `size` more bytes would pass the share itself, a share smaller than the budget
+        (a share of the whole budget is the budget's own limit)."""
+        return self.held_bytes + size > self.share_bytes and self.share_bytes < self.budget.capacity_bytes
 
 
 # What a whole answer's bytes are reserved from: a request's tenant share, or the process's

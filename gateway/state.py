@@ -85,6 +85,7 @@ def build_state(
             metrics.answer_budget_refusals.labels(),
             weights=weights,
             min_share_bytes=MAX_ANSWER_BYTES,
+            share_refusals=metrics.answer_share_refusals.labels,
         )
     )
     gate = Gate(

@@ -180,6 +180,12 @@ class MetricCatalogue:
             "limits.max_buffered_answer_bytes (the client got 503 gateway_overloaded)",
             (),
         )
+        self.answer_share_refusals = hot.counter(
+            "kvgate_answer_share_refusals",
+            "Whole worker answers cut off because the tenant's answers being read would pass its "
+            "share of limits.max_buffered_answer_bytes (the client got 503 gateway_overloaded)",
+            ("tenant",),
+        )
         r.register(hot)
         # Copied or set at scrape time.
         self.policy_events = SnapshotCounter(

@@ -42,7 +42,8 @@ def test_a_tenant_past_its_share_is_refused_while_the_other_is_served() -> None:
     assert budget.share("a") is a
     assert a.reserve(300) and a.reserve(200)
     assert not a.reserve(1)
-    assert (a.held_bytes, budget.held_bytes, budget.refusals.value) == (500, 500, 1)
+    # Counted as the tenant's refusal, not the process budget's.
+    assert (a.held_bytes, budget.held_bytes, a.refusals.value, budget.refusals.value) == (500, 500, 1, 0)
     refusal = AnswerBudgetExceeded(a, 1)
     assert "this tenant's share" in str(refusal) and "500 bytes of" in str(refusal)
     failure = failure_of(refusal, Stage.ANSWER, TimeoutsConfig())
@@ -94,7 +95,7 @@ async def test_a_tenant_filling_its_share_leaves_the_others_answers_served(
     await wait_until(lambda: budget.held_by("a") == 2000, what="tenant A's first answer held")
     with pytest.raises(AnswerBudgetExceeded, match="this tenant's share"):
         await send(pool, server, "a")
-    assert budget.held_by("a") == 2000 and budget.refusals.value == 1
+    assert budget.held_by("a") == 2000 and budget.share("a").refusals.value == 1
     for_b = asyncio.create_task(send(pool, server, "b"))
     await wait_until(lambda: budget.held_by("b") == 2000, what="tenant B's answer held")
     go.set()
@@ -139,7 +140,7 @@ async def test_read_whole_gives_the_tenants_bytes_back_on_every_path(monkeypatch
     monkeypatch.setattr("gateway.upstream_conn.MAX_ANSWER_BYTES", 500)
     with pytest.raises(UpstreamError, match="too large"):
         await read_whole(_reader(b"a" * 400, b"b" * 400), a)
-    assert (budget.held_by("a"), budget.held_bytes, budget.refusals.value) == (0, 0, 1)
+    assert (budget.held_by("a"), budget.held_bytes, a.refusals.value) == (0, 0, 1)
 
 
 async def test_one_value_per_answer_header_so_metadata_is_kept(

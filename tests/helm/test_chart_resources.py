@@ -85,7 +85,7 @@ def test_key_hash_secret_is_a_file_never_an_environment_variable() -> None:
     assert pod_spec(docs)["securityContext"]["fsGroup"] == 10001
     assert gateway_config(docs)["secrets"] == {"key_hash_secret_file": "/etc/kvgate/key-hash/hmac.key"}
     validate_strictly(docs)
-    # keyHashSecret.env is deprecated: still accepted, used nowhere.
+    # keyHashSecret.env names a variable only for a config of one's own: here, used nowhere.
     assert gateway_config(docs) == gateway_config(
         render({"keyHashSecret": {"existingSecret": "mine", "key": "hmac.key"}})
     )
@@ -98,6 +98,11 @@ def test_an_existing_config_secret_replaces_the_generated_one() -> None:
     docs = render({"configSecret": {"existingSecret": "gateway-config"}, "tenants": []})
     assert "Secret/rel-kvgate-config" not in docs
     assert volumes(docs)["config"]["secret"]["secretName"] == "gateway-config"
+    # A gateway.yaml of one's own may still read the key-hash secret from the environment (the
+    # default before it became a file): it is there for such configs only.
+    assert env(docs)["KVGATE_KEY_SECRET"]["valueFrom"] == {
+        "secretKeyRef": {"name": "rel-kvgate-key-hash", "key": "secret"}
+    }
     validate_strictly(docs)
 
 

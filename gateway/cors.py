@@ -80,26 +80,21 @@ class Cors:
             return
         headers = scope["headers"]
         origin = _header(headers, b"origin")
-        if origin is None:
-            await route(scope, receive, send)
-            return
-        allowed = self._any_origin or origin in self._origins
-        if scope["method"] == "OPTIONS":
+        allowed = origin is not None and (self._any_origin or origin in self._origins)
+        if origin is not None and scope["method"] == "OPTIONS":
             requested = _header(headers, b"access-control-request-method")
             if requested is not None and self._served(scope):
                 await self._preflight(origin, allowed, requested, headers)(scope, receive, send)
                 return
-        if not allowed:
-            await route(scope, receive, send)
+        if origin is None or not allowed:
+            if self._any_origin:
+                await route(scope, receive, send)
+            else:
+                # With origins listed, every answer depends on the request's Origin (an allowed
+                # one would carry the headers): caches must key on it.
+                await route(scope, receive, _adding(send, _VARY))
             return
-        added = [*self._allow_origin(origin), *self._answer_headers]
-
-        async def send_with_cors(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", ()), *added]}
-            await send(message)
-
-        await route(scope, receive, send_with_cors)
+        await route(scope, receive, _adding(send, [*self._allow_origin(origin), *self._answer_headers]))
 
     def _preflight(
         self,
@@ -122,6 +117,20 @@ class Cors:
             granted = asked if self._any_header else ", ".join(names).encode()
             answer.append((b"access-control-allow-headers", granted))
         return _NoContent(answer)
+
+
+_VARY = [(b"vary", b"origin")]
+
+
+def _adding(send: Send, added: list[tuple[bytes, bytes]]) -> Send:
+    """`send`, with `added` appended to the answer's head."""
+
+    async def send_with(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), *added]}
+        await send(message)
+
+    return send_with
 
 
 class _NoContent:

@@ -85,8 +85,13 @@ async def test_what_is_not_a_preflight_of_a_served_route_reaches_the_route() -> 
         assert reached and head["access-control-allow-origin"] == [APP.decode()]
 
 
-async def test_other_origins_and_no_origin_pass_through_unchanged() -> None:
+async def test_other_origins_and_no_origin_get_no_cors_headers_and_vary_on_origin() -> None:
+    """With origins listed, the answer depends on the request's Origin whether it is allowed or
+    absent, so caches are told to key on it; with any origin it does not."""
     cors = _cors(allow_origins=[APP.decode()])
     for headers in ({"origin": "https://evil.example"}, {}):
         head, reached = await _call(cors, "POST", "/v1/x", headers)
         assert reached and not [name for name in head if name.startswith("access-control-")]
+        assert head["vary"] == ["origin"] and head["x-request-id"] == ["r1"]
+    head, _ = await _call(_cors(allow_origins=["*"]), "POST", "/v1/x", {})
+    assert "vary" not in head and "access-control-allow-origin" not in head

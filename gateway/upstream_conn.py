@@ -237,14 +237,14 @@ class WorkerConnection(asyncio.Protocol):
             self._head_bytes += len(data)
             if self._head_bytes > MAX_ANSWER_HEAD_BYTES:
                 problem = f"worker sent a malformed answer (its head exceeds {MAX_ANSWER_HEAD_BYTES} bytes)"
-                self._fail(UpstreamError(problem, answered=True))
+                self._broken(UpstreamError(problem, answered=True))
                 return
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self._fail(UpstreamError("worker tried to upgrade the connection", answered=True))
+            self._broken(UpstreamError("worker tried to upgrade the connection", answered=True))
         except httptools.HttpParserError:
-            self._fail(UpstreamError("worker sent a malformed answer", answered=True))
+            self._broken(UpstreamError("worker sent a malformed answer", answered=True))
 
     # httptools callbacks ---------------------------------------------------------------------
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -269,15 +269,11 @@ class WorkerConnection(asyncio.Protocol):
             return
         self._size += len(body)
         if self._size > MAX_ANSWER_BYTES:
-            self.alive = False
-            self._fail(UpstreamError("worker answer too large", answered=True))
-            self._close()
+            self._broken(UpstreamError("worker answer too large", answered=True))
             return
         hold = self._hold
         if not hold.reserve(len(body)):
-            self.alive = False
-            self._fail(AnswerBudgetExceeded(hold, len(body)))
-            self._close()
+            self._broken(AnswerBudgetExceeded(hold, len(body)))
             return
         self._held += len(body)
         self._body.append(body)
@@ -382,6 +378,13 @@ class WorkerConnection(asyncio.Protocol):
         self._reset()
         if self.transport is not None:
             self.transport.abort()
+
+    def _broken(self, exc: UpstreamError) -> None:
+        """The exchange failed mid-answer: the connection's remaining bytes belong to that
+        answer, so it is never reused; closed here, whatever its caller then does."""
+        self.alive = False
+        self._fail(exc)
+        self._close()
 
     def _fail(self, exc: UpstreamError) -> None:
         done, head, stream = self._done, self._head, self._stream

@@ -30,3 +30,20 @@ async def read_request(reader: asyncio.StreamReader) -> bytes:
 
 def post(body: bytes = b"{}") -> bytes:
     return request_bytes(b"127.0.0.1", b"/v1/chat/completions", b"X-Request-Id: r1\r\n", body)
+
+
+def held_answer(go: asyncio.Event, size: int = 2001) -> Handler:
+    """A worker whose JSON answer of `size` bytes arrives but for its last byte, held until `go`:
+    while held, the answer's bytes so far are reserved in the reader's answer budget."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % size
+        writer.write(head + b"x" * (size - 1))
+        await writer.drain()
+        await go.wait()
+        writer.write(b"y")
+        await writer.drain()
+        await reader.read()
+
+    return handler

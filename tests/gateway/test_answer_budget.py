@@ -29,7 +29,7 @@ from gateway.upstream import (
     read_whole,
 )
 from policies.base import Outcome
-from tests.gateway.fake_upstream import Handler, Server, post, read_request
+from tests.gateway.fake_upstream import Handler, Server, held_answer, post, read_request
 from tests.support.processes import free_port
 from tests.support.wait import wait_until
 
@@ -71,17 +71,7 @@ async def test_answers_past_the_budget_are_cut_off_and_the_rest_served(
 ) -> None:
     # Each answer is 2001 bytes, its last byte held until `go`: two fit in 5000, a third does not.
     go = asyncio.Event()
-
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
-        await read_request(reader)
-        writer.write(HEAD % 2001 + b"x" * 2000)
-        await writer.drain()
-        await go.wait()
-        writer.write(b"y")
-        await writer.drain()
-        await reader.read()
-
-    server = await serve(handler)
+    server = await serve(held_answer(go))
     pool = UpstreamPool(budget=AnswerBudget(5000))
     sent = [asyncio.create_task(send(pool, server)) for _ in range(3)]
     done, _ = await asyncio.wait(sent, return_when=asyncio.FIRST_COMPLETED)

@@ -21,7 +21,7 @@ from gateway.upstream import (
     UpstreamReply,
     read_whole,
 )
-from tests.gateway.fake_upstream import Handler, Server, post, read_request
+from tests.gateway.fake_upstream import Handler, Server, held_answer, post, read_request
 from tests.gateway.test_answer_budget import HEAD, _reader
 from tests.support.wait import wait_until
 
@@ -78,17 +78,7 @@ async def test_a_tenant_filling_its_share_leaves_the_others_answers_served(
     # Each answer is 2001 bytes, its last byte held until `go`. Shares are 3000 each: tenant A's
     # second answer passes its share (the budget still has room), tenant B's is served.
     go = asyncio.Event()
-
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
-        await read_request(reader)
-        writer.write(HEAD % 2001 + b"x" * 2000)
-        await writer.drain()
-        await go.wait()
-        writer.write(b"y")
-        await writer.drain()
-        await reader.read()
-
-    server = await serve(handler)
+    server = await serve(held_answer(go))
     budget = AnswerBudget(6000, weights={"a": 1.0, "b": 1.0})
     pool = UpstreamPool(budget=budget)
     first_a = asyncio.create_task(send(pool, server, "a"))

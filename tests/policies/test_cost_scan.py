@@ -21,7 +21,8 @@ from collections.abc import Sequence
 import pytest
 
 from policies.base import Observation, RouteDecision, RouteRequest, WorkerId, WorkerView, reported_load
-from policies.cost_model import CostModel, CostModelParams, QueueTerms
+from policies.cost_model import CostModel, QueueTerms
+from policies.cost_params import CostModelParams
 from policies.cost_policy import CostPolicy
 from policies.cost_scan import CandidateCache, candidates
 from policies.pools import PoolSettings

@@ -27,7 +27,8 @@ from gateway.discovery import (
     WorkerSource,
 )
 from gateway.k8s.source import PodWatcher
-from gateway.kv_events import KvEventEndpoint, KvEventSubscriber, endpoint_for_worker
+from gateway.kv_event_types import KvEventEndpoint, endpoint_for_worker
+from gateway.kv_events import KvEventSubscriber
 from gateway.metrics.families import HotCounter
 from gateway.registry import Pool, Registry
 from gateway.routing import Routing

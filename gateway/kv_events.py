@@ -2,7 +2,8 @@
 
 Wire format (vLLM `vllm/distributed/kv_events.py`, SGLang uses the same framing):
 a multipart message `[topic, seq (8-byte big-endian), payload]`, where payload is a msgpack
-`EventBatch` (decoded by `gateway.kv_event_codec`, which this module re-exports).
+`EventBatch` (decoded by `gateway.kv_event_codec`, which this module re-exports). What a
+subscription is given and reports (endpoints, limits, counters, gaps) is in `gateway.kv_event_types`.
 
 The publisher numbers batches 0, 1, 2, ... and drops messages above its high-water mark, so the
 subscriber watches `seq`. On a gap it asks the worker's ROUTER replay socket (when configured) for
@@ -46,6 +47,13 @@ from gateway.kv_event_codec import (
     decode_batch,
     decode_event,
 )
+from gateway.kv_event_types import (
+    GapCallback,
+    KvEventEndpoint,
+    KvEventLimits,
+    SequenceGap,
+    SubscriptionStats,
+)
 from policies.base import KvEvent, KvEventKind, WorkerId
 
 __all__ = [
@@ -54,14 +62,9 @@ __all__ = [
     "REPLAY_END_SEQ",
     "DecodedBatch",
     "KvEventDecodeError",
-    "KvEventEndpoint",
-    "KvEventLimits",
     "KvEventSubscriber",
-    "SequenceGap",
-    "SubscriptionStats",
     "decode_batch",
     "decode_event",
-    "endpoint_for_worker",
 ]
 
 log = logging.getLogger("kvgate.kv_events")
@@ -77,74 +80,7 @@ SLICE_S = 0.002
 _SLICE_EVENTS = 32
 
 
-@dataclass(frozen=True, slots=True)
-class KvEventEndpoint:
-    """Where one worker publishes: its PUB endpoint, optional ROUTER replay endpoint and topic prefix."""
-
-    worker: WorkerId
-    endpoint: str
-    replay_endpoint: str | None = None
-    topic: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class SequenceGap:
-    """Batches `first_missing_seq .. next_seq - 1` were lost for good (or the publisher restarted)."""
-
-    worker: WorkerId
-    first_missing_seq: int
-    next_seq: int
-    publisher_restarted: bool = False
-
-    @property
-    def missing_batches(self) -> int:
-        return max(0, self.next_seq - self.first_missing_seq)
-
-
-GapCallback = Callable[[SequenceGap], None]
-
-
-@dataclass(slots=True)
-class SubscriptionStats:
-    """Counters of one worker's subscription, for /metrics and the admin API."""
-
-    batches: int = 0
-    ignored_batches: int = 0  # dropped undecoded: nothing would use their events
-    events: int = 0
-    skipped_events: int = 0
-    decode_errors: int = 0
-    callback_errors: int = 0
-    gaps: int = 0
-    lost_batches: int = 0
-    replayed_batches: int = 0
-    replay_failures: int = 0
-    restarts: int = 0
-    last_seq: int | None = None
-    last_batch_monotonic_s: float | None = None
-    last_batch_lag_s: float | None = None  # receipt (wall clock) minus the batch's `ts` (the worker's)
-    last_error: str | None = None
-
-
 # ---------------------------------------------------------------- subscriber
-
-
-@dataclass(frozen=True, slots=True)
-class KvEventLimits:
-    """Bounds on what one subscription may hold or wait for.
-
-    A real batch is one engine step's events: its new full blocks (token ids of at most the
-    step's `max_num_batched_tokens`, a few bytes each, plus 9 bytes a block hash) and evictions,
-    tens of KiB, under 1 MiB for a 128k-token step. A message over `max_message_bytes` makes ZMQ
-    drop the connection (the gap is then handled like any other), and the queue holds at most
-    `receive_hwm` messages, so one worker's stream holds at most their product (256 MiB)."""
-
-    max_message_bytes: int = 2 * 1024 * 1024
-    receive_hwm: int = 128
-    replay_timeout_s: float = 2.0
-    max_replay_batches: int = 10_000
-    reconnect_ivl_s: float = 0.1
-    # On the first live batch of a worker already running, replay its buffered history first.
-    replay_on_join: bool = True
 
 
 @dataclass(slots=True)
@@ -392,13 +328,3 @@ def _parse_frames(frames: Sequence[bytes]) -> int | None:
     if len(frames) != 3 or len(frames[1]) != 8:
         return None
     return int.from_bytes(frames[1], "big")
-
-
-def endpoint_for_worker(template: str, worker_url: str) -> str:
-    """Fill `{host}` in an endpoint template from a worker URL: `tcp://{host}:5557`, `http://10.0.0.7:8000`."""
-    from urllib.parse import urlsplit
-
-    host = urlsplit(worker_url).hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    return template.format(host=host)

@@ -13,40 +13,20 @@ import dataclasses
 import logging
 import math
 from collections.abc import Iterable, Mapping
-from urllib.parse import urlsplit
 
 import aiohttp
 
 from gateway.breaker import CircuitBreaker
 from gateway.config.pool import PoolConfig
+from gateway.health import probe_health
 from gateway.scrape import WorkerMetrics
+from gateway.upstream_address import direct_address
 from gateway.upstream_headers import NO_AUTH, WorkerAuth
 from policies.base import Role, WorkerId, WorkerView, decode_context_of, prefill_pairs
 from policies.pd import SGLANG_ROLES, VLLM_ROLES, PdRouter, PdSettings
 from policies.peer_sync import PeerLoad, with_peer_load
 
 log = logging.getLogger("kvgate.registry")
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class DirectAddress:
-    """Where the lean upstream client connects for a plain-HTTP worker (`gateway.upstream`)."""
-
-    host: str
-    port: int
-    host_header: bytes
-
-
-def direct_address(url: str) -> DirectAddress | None:
-    """The address of an `http://` worker URL without a path; None for anything else (https)."""
-    parts = urlsplit(url)
-    if parts.scheme != "http" or parts.hostname is None or parts.path not in ("", "/"):
-        return None
-    try:
-        port = parts.port or 80
-    except ValueError:
-        return None
-    return DirectAddress(parts.hostname, port, parts.netloc.encode("idna"))
 
 
 class Worker:
@@ -320,7 +300,7 @@ class Pool:
         """One round of health checks of this pool's workers, concurrently."""
         workers = list(self.workers.values())
         timeout_s, headers = self.config.health.timeout_s, self.auth.headers
-        results = await asyncio.gather(*(_probe(w.url, timeout_s, session, headers) for w in workers))
+        results = await asyncio.gather(*(probe_health(w.url, timeout_s, session, headers) for w in workers))
         for worker, ok in zip(workers, results, strict=True):
             worker.record_health(ok, self.config)
 
@@ -391,28 +371,3 @@ class Registry:
                 await pool.check(session)
             except Exception:  # a bug in one round must not end health checking
                 log.exception("health round failed", extra={"pool": pool.name})
-
-
-# The most of a health answer read (vLLM's is empty): the body is read only so the connection
-# can be reused; past this the connection is dropped instead of holding whatever the worker sends.
-MAX_HEALTH_ANSWER_BYTES = 64 * 1024
-
-
-async def _probe(
-    url: str, timeout_s: float, session: aiohttp.ClientSession, headers: Mapping[str, str]
-) -> bool:
-    """Whether the worker answers `/health` with 200. Its body is never kept: at most
-    `MAX_HEALTH_ANSWER_BYTES` are read (and dropped); a longer one closes the connection, and
-    the status alone decides."""
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
-    try:
-        async with session.get(url + "/health", timeout=timeout, headers=headers) as resp:
-            read = 0
-            while chunk := await resp.content.readany():
-                read += len(chunk)
-                if read > MAX_HEALTH_ANSWER_BYTES:
-                    resp.close()
-                    break
-            return resp.status == 200
-    except (aiohttp.ClientError, TimeoutError, OSError):
-        return False

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import xxhash
 
 from policies.base import Observation, RouteRequest, RoutingPolicy, WorkerId, WorkerView
-from policies.cost_model import CostModelParams
+from policies.cost_params import CostModelParams
 from policies.index import IndexConfig
 from policies.pools import PoolSettings
 from policies.prefix_policy import SharedSettings

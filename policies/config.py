@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from yaml.nodes import MappingNode, Node, SequenceNode
 
 from policies.base import Isolation, RoutingPolicy
-from policies.cost_model import PROFILES, CostModelParams, profile
+from policies.cost_params import PROFILES, CostModelParams, profile
 from policies.herd import HOLD_STEPS_S
 from policies.index import IndexConfig
 from policies.pools import PoolSettings

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from policies.base import Observation, RouteDecision, RouteRequest, WorkerId, WorkerView
+from policies.cost_ledger import InflightLedger, RecentWork
 from policies.cost_model import CostModel
 from policies.cost_scan import CandidateCache, Positions, by_backlog
 from policies.cost_scorer import Scorer
@@ -54,9 +55,7 @@ class CostPolicy(PrefixPolicyBase):
     name: ClassVar[str]
     OBSERVE_EVERY = 32
     OBSERVE_SLICE = 8
-    MAX_INFLIGHT = 65_536
     MAX_CACHED_POOLS = 32
-    MEAN_WORK_DISPATCHES = 64
     # Below this many unseen peer dispatches per decision (`policies.herd.UnseenPeers`), gateways
     # rarely decide together: no home preference. A steady stream at a realistic rate and a sync lag
     # of milliseconds stays far below it. Above the cap, more are not counted: a gateway with few
@@ -119,34 +118,21 @@ class CostPolicy(PrefixPolicyBase):
         self.keep_tpot_s = keep_tpot_s
         self.herd_weight = herd_weight
         self.herd_hold_steps = herd_hold_steps
-        self._mean_work_s = 0.0  # prefill seconds per dispatch (own and peers'), moving average
-        self._work_samples = 0
         self._last_n = -1
         self._positions = Positions()
         self._columns: OrderedDict[str, CandidateCache] = OrderedDict()
         self._observe_at = 0
-        # Per worker: prefill seconds routed there (the model's, before calibration), decayed with
-        # time constant `load_window_s`, and when that was last brought up to date.
-        self._recent_work: dict[WorkerId, tuple[float, float]] = {}
-        # This policy's dispatched, unfinished requests: request id → (worker, prompt tokens,
-        # predicted uncached tokens), and per worker the sums and the uncached share. The gateway's
-        # prefill backlog counts whole prompts; the share turns it into the tokens left to compute.
-        self._inflight: OrderedDict[str, tuple[WorkerId, int, int]] = OrderedDict()
-        self._inflight_sums: dict[WorkerId, tuple[int, int]] = {}
-        self._uncached_share: dict[WorkerId, float] = {}
+        self._recent_work = RecentWork(load_window_s)
+        self._ledger = InflightLedger()
 
     def recent_work_s(self, worker: WorkerId, now_s: float) -> float:
         """Prefill seconds this policy routed to `worker`, exponentially decayed over `load_window_s`;
         the model's seconds, before calibration: the score multiplies them by the current scale."""
-        found = self._recent_work.get(worker)
-        if found is None:
-            return 0.0
-        work, at_s = found
-        return work * math.exp(-max(0.0, now_s - at_s) / self.load_window_s)
+        return self._recent_work.at(worker, now_s)
 
     def uncached_share(self, worker: WorkerId) -> float:
         """Predicted uncached share of the prompts this policy has in flight on `worker` (1 if none)."""
-        return self._uncached_share.get(worker, 1.0)
+        return self._ledger.share(worker)
 
     def keeps_decode(self, cost: CostModel, view: WorkerView, load: int, req: RouteRequest) -> bool:
         """Whether a holder past the load guard can still take `req`'s decode: its decode step once
@@ -160,42 +146,14 @@ class CostPolicy(PrefixPolicyBase):
         context = view.decode_context_tokens + view.in_flight_prefill_tokens + req.n_prompt_tokens + out // 2
         return cost.decode_step_s(load + 1, int(context * unit)) <= self.keep_tpot_s
 
-    def _ledger_add(self, request_id: str, worker: WorkerId, prompt: int, uncached: int) -> None:
-        self._ledger_remove(request_id)
-        if prompt <= 0:
-            # Adds nothing to the sums (a prompt estimated at 0 tokens, e.g. "hi"); left out so
-            # that every entry has its worker's sums to be taken from (`_ledger_remove`).
-            return
-        self._inflight[request_id] = (worker, prompt, uncached)
-        total, new = self._inflight_sums.get(worker, (0, 0))
-        self._ledger_set(worker, total + prompt, new + uncached)
-        if len(self._inflight) > self.MAX_INFLIGHT:
-            self._ledger_remove(next(iter(self._inflight)))
-
-    def _ledger_remove(self, request_id: str) -> None:
-        found = self._inflight.pop(request_id, None)
-        if found is None:
-            return
-        worker, prompt, uncached = found
-        total, new = self._inflight_sums[worker]
-        self._ledger_set(worker, total - prompt, new - uncached)
-
-    def _ledger_set(self, worker: WorkerId, total: int, new: int) -> None:
-        if total <= 0:
-            self._inflight_sums.pop(worker, None)
-            self._uncached_share.pop(worker, None)
-        else:
-            self._inflight_sums[worker] = (total, new)
-            self._uncached_share[worker] = new / total
-
     def on_complete(self, obs: Observation, now_s: float) -> None:
         super().on_complete(obs, now_s)
-        self._ledger_remove(obs.request.request_id)
+        self._ledger.remove(obs.request.request_id)
 
     def on_dispatch(self, req: RouteRequest, decision: RouteDecision, now_s: float) -> None:
         super().on_dispatch(req, decision, now_s)
         matched = min(decision.matched_tokens, req.n_prompt_tokens)
-        self._ledger_add(req.request_id, decision.worker, req.n_prompt_tokens, req.n_prompt_tokens - matched)
+        self._ledger.add(req.request_id, decision.worker, req.n_prompt_tokens, req.n_prompt_tokens - matched)
         self._add_work(self._pool(req), decision.worker, req.n_prompt_tokens, matched, now_s)
 
     def _apply_peer_holding(self, pool: PoolState, holding: PeerHolding, now_s: float) -> None:
@@ -211,13 +169,7 @@ class CostPolicy(PrefixPolicyBase):
         cost = pool.cost
         unit = cost.engine_tokens_per_request_token
         work = cost.prefill_s(int((prompt - matched) * unit), int(matched * unit)) / cost.scale
-        recent = self._recent_work
-        if worker not in recent and len(recent) >= 4096:
-            recent.pop(next(iter(recent)))  # bounded across worker churn
-        recent[worker] = (self.recent_work_s(worker, now_s) + work, now_s)
-        # The mean over the first dispatches, then a moving average over the last ~64.
-        self._work_samples = min(self._work_samples + 1, self.MEAN_WORK_DISPATCHES)
-        self._mean_work_s += (work - self._mean_work_s) / self._work_samples
+        self._recent_work.add(worker, work, now_s)
 
     def _unseen_in_burst(self) -> float:
         """Peer dispatches one decision cannot see (`policies.herd.UnseenPeers`) while gateways
@@ -236,7 +188,7 @@ class CostPolicy(PrefixPolicyBase):
         if self.herd_weight <= 0:
             return 0.0
         unseen = self._unseen_in_burst()
-        return self.herd_weight * min(unseen, self.HERD_MAX_UNSEEN) * self._mean_work_s * scale
+        return self.herd_weight * min(unseen, self.HERD_MAX_UNSEEN) * self._recent_work.mean_s * scale
 
     def hold_s(self, req: RouteRequest, now_s: float) -> float:
         """Seconds to hold `req` before deciding it (step 5 of the module docstring): in a burst,
@@ -269,7 +221,7 @@ class CostPolicy(PrefixPolicyBase):
         own_match = pool.index.lookup(mine.keys, mine.namespace, now_s)
         # Pass 1: availability, load and prefill backlog of every worker, re-read only where a view
         # changed since the pool's last decision (see `cost_scan`).
-        shares = self._uncached_share if self.discount_cached_backlog else {}
+        shares = self._ledger.shares if self.discount_cached_backlog else {}
         remaining = pool.cost.remaining_at(now_s)
         columns = self._candidate_cache(req.pool).candidates(workers, shares, remaining)
         cands, loads, backlogs = columns.views, columns.loads, columns.backlogs
@@ -323,7 +275,9 @@ class CostPolicy(PrefixPolicyBase):
             # Most of the prompt is new: it starts a branch (a new session or a fork) whose next
             # requests will follow it to this worker. Charge each worker the work recently routed
             # to it, so branches spread over the pool by long-run load, not only by the queue now.
-            scorer.charge_branches(self._recent_work, self.branch_load_weight, self.load_window_s, now_s)
+            scorer.charge_branches(
+                self._recent_work.by_worker, self.branch_load_weight, self.load_window_s, now_s
+            )
 
         # A worker's score is at most what it saves minus its raw backlog's prefill time at the
         # mean prompt's attention (the queue's smallest term, before scaling for requests this

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from policies.base import Role, RouteDecision, RouteRequest, RoutingPolicy, WorkerId, WorkerView
-from policies.cost_model import CostModel, CostModelParams, transfer_time_s
+from policies.cost_model import CostModel
+from policies.cost_params import CostModelParams, transfer_time_s
 from policies.pools import available, load_of
 from policies.records import record
 

@@ -7,7 +7,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from policies.base import WorkerId, WorkerView, reported_load
-from policies.cost_model import CostModel, CostModelParams
+from policies.cost_model import CostModel
+from policies.cost_params import CostModelParams
 from policies.index import IndexConfig, PrefixIndex
 
 

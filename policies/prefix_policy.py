@@ -14,6 +14,7 @@ from policies.kv_feed import KvEventFeed, TokenBlockHasher
 from policies.peer_sync import PeerCalibration, PeerHolding, PeerItem, PeerOutcome, PeerRouting, SyncSink
 from policies.pools import PoolSet, PoolSettings, PoolState
 from policies.records import record
+from policies.request_keys import Lookup, OwnKeys, tenant_scoped
 from policies.stats import DecisionCounter, PolicyStats
 from policies.tenants import (
     PromotionConfig,
@@ -22,9 +23,7 @@ from policies.tenants import (
     effective_isolation,
     wholly_public_blocks,
 )
-from prompt_normalizer.types import PUBLIC_NAMESPACE, BlockKey
-
-_MASK64 = (1 << 64) - 1
+from prompt_normalizer.types import PUBLIC_NAMESPACE
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,53 +39,9 @@ class SharedSettings:
 
 
 @record
-class OwnKeys:
-    """The keys and index namespace of the worker KV a request uses when it keeps its tenant's salt."""
-
-    keys: tuple[BlockKey, ...]
-    namespace: str
-
-
-@record
-class Lookup:
-    """One request's view of the index: the match that can save it prefill.
-
-    `public_blocks` > 0: the request lies wholly inside a promoted public prefix and will carry the
-    public salt, so only the public-namespace match counts (`own` is empty). Otherwise it keeps its
-    tenant's salt and only its own-namespace match counts (`public` is empty).
-    """
-
-    own: PrefixMatch
-    public: PrefixMatch
-    public_blocks: int
-
-    def blocks(self, worker: WorkerId) -> int:
-        return max(self.own.blocks(worker), self.public.blocks(worker))
-
-    @property
-    def longest_blocks(self) -> int:
-        return max(self.own.longest_blocks, self.public.longest_blocks)
-
-
-@record
 class _Dispatched:
     shared: int  # public blocks the request was dispatched with (0: its tenant's salt)
     pending: bool  # its dispatch left speculative holdings that its completion confirms
-
-
-def _tenant_scoped(keys: tuple[BlockKey, ...], tenant: str) -> tuple[BlockKey, ...]:
-    # A bijection per tenant (splitmix64 finalizer of key ^ tenant seed): distinct keys stay
-    # distinct, and a key still names its whole prefix, now for this tenant's salt only.
-    t = 0x9E3779B97F4A7C15
-    for ch in tenant.encode():
-        t = ((t ^ ch) * 0x100000001B3) & _MASK64
-    out = []
-    for k in keys:
-        z = (k ^ t) & _MASK64
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-        out.append(BlockKey(z ^ (z >> 31)))
-    return tuple(out)
 
 
 class PrefixPolicyBase:
@@ -152,7 +107,7 @@ class PrefixPolicyBase:
         if req.namespace != PUBLIC_NAMESPACE or req.isolation is not Isolation.PUBLIC:
             own = OwnKeys(req.block_keys, req.namespace)
         else:
-            own = OwnKeys(_tenant_scoped(req.block_keys, req.tenant), f"{PUBLIC_NAMESPACE}/{req.tenant}")
+            own = OwnKeys(tenant_scoped(req.block_keys, req.tenant), f"{PUBLIC_NAMESPACE}/{req.tenant}")
         self._own_memo = (req, own)
         return own
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.discovery import WorkerDetails, worker_url
-from gateway.kv_events import endpoint_for_worker
+from gateway.kv_event_types import endpoint_for_worker
 
 
 @dataclass(frozen=True, slots=True)

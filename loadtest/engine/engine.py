@@ -11,6 +11,7 @@ import random
 from collections import deque
 from collections.abc import Sequence
 
+from loadtest.engine.batch import batch_shape
 from loadtest.engine.block_pool import BlockPool
 from loadtest.engine.decode_run import decode_run_length
 from loadtest.engine.profile import StepProfile
@@ -226,19 +227,12 @@ class Engine:
             raise RuntimeError("engine could not schedule any request")
 
         # 3. Step time from the profile.
-        prefill_tokens = 0
-        decode_reqs = 0
-        ctx_tokens = 0
-        pairs = 0.0
-        for seq, n in zip(sched, counts, strict=True):
-            if seq.generated > 0 and n == 1 and seq.computed == seq.num_tokens - 1:
-                decode_reqs += 1
-                ctx_tokens += seq.computed + 1
-            else:
-                prefill_tokens += n
-                pairs += n * (seq.computed + n / 2.0)
+        shape = batch_shape(sched, counts)
+        prefill_tokens, decode_reqs = shape.prefill_tokens, shape.decode_requests
         num_tokens = prefill_tokens + decode_reqs
-        duration_s = self.profile.step_time_s(num_tokens, len(sched), ctx_tokens, pairs)
+        duration_s = self.profile.step_time_s(
+            num_tokens, len(sched), shape.context_tokens, shape.attention_pairs
+        )
 
         if prefill_tokens == 0 and until_s is not None and not waiting and not preempted:
             k, duration_s = decode_run_length(

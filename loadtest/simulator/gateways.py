@@ -36,8 +36,9 @@ class SimGateway:
     """One gateway: its policy and what it knows of each worker's load (by worker index).
 
     `views` holds each worker's last `WorkerView` as this gateway built it, as the gateway's
-    registry keeps one: the loop clears a worker's entry when the accounting or the scrape behind
-    it changes, so a decision rebuilds only the views that changed.
+    registry keeps one: a worker's entry is cleared when the accounting (`dispatched`,
+    `first_token`, `finished`) or the scrape behind it (`views.GatewayViews`) changes, so a
+    decision rebuilds only the views that changed.
     """
 
     __slots__ = (
@@ -60,6 +61,34 @@ class SimGateway:
         self.context = [0] * n_workers  # decode context tokens (`WorkerView.decode_context_tokens`)
         self.views: list[WorkerView | None] = [None] * n_workers
         self.peer_loads: PeerLoads | None = None
+
+    def dispatched(self, i: int, prompt_tokens: int, pairs: int, max_out: int, now_s: float) -> None:
+        """A request went to worker `i`: its prompt joins the prefill backlog (which restarts if it
+        was empty) and its output tokens to come count from now, as the gateway's registry counts
+        them."""
+        self.in_flight[i] += 1
+        if self.prefill[i] <= 0 < prompt_tokens:
+            self.prefill_started[i] = now_s
+        self.prefill[i] += prompt_tokens
+        self.pairs[i] += pairs
+        self.decode[i] += max_out
+        self.views[i] = None
+
+    def first_token(self, i: int, prompt_tokens: int, pairs: int, context: int, now_s: float) -> None:
+        """A request's first token on worker `i`: its prompt leaves the prefill backlog and its
+        `context` (`decode_context_of`) joins the decode context."""
+        self.prefill[i] -= prompt_tokens
+        self.pairs[i] -= pairs
+        self.context[i] += context
+        self.prefill_started[i] = now_s if self.prefill[i] > 0 else None
+        self.views[i] = None
+
+    def finished(self, i: int, max_out: int, context: int) -> None:
+        """A request on worker `i` finished: it leaves the in-flight count and the decode terms."""
+        self.decode[i] -= max_out
+        self.context[i] -= context
+        self.in_flight[i] -= 1
+        self.views[i] = None
 
     def hold_s(self, route: RouteRequest, now_s: float) -> float:
         """How long the gateway holds `route` before deciding it (`SupportsHold`)."""

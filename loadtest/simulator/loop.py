@@ -8,8 +8,9 @@ request that arrives during a step joins the next one, as with a real engine. Pu
 coalesced by the engine up to the next arrival (nothing can be routed in between), which is what
 keeps a 145 M-token trace fast.
 
-The policy sees a `WorkerView` built from the loop's own in-flight accounting (as the gateway keeps
-it) plus the last scrape of the engine's stats, refreshed every `scrape_interval_s` of virtual time.
+The policy sees a `WorkerView` (`views.py`) built from its gateway's in-flight accounting
+(`SimGateway`, as the gateway keeps it) plus the last scrape of the engine's stats, refreshed every
+`scrape_interval_s` of virtual time.
 With several gateways (`gateways.py`) each request goes to one of them, whose policy routes it and
 whose accounting counts it; every gateway gets the workers' KV events, and with sync each applies
 what the others publish, delivered by the `SyncBus` between the other events; a request its
@@ -32,6 +33,7 @@ from loadtest.simulator.keys import KeyedPrompt, KeyPath
 from loadtest.simulator.pd import PdSim
 from loadtest.simulator.port import KvChanges, RequestFactory, SimEngine, StepLike
 from loadtest.simulator.records import RequestRecord, WorkerRecord
+from loadtest.simulator.views import GatewayViews
 from loadtest.workloads.records import WorkloadRequest
 from policies.base import (
     Observation,
@@ -41,7 +43,6 @@ from policies.base import (
     RouteRequest,
     RoutingPolicy,
     WorkerId,
-    WorkerView,
     decode_context_of,
     prefill_pairs,
 )
@@ -126,45 +127,9 @@ class _Loop:
         self.held_ends: list[float] = []
         self.pd = config.pd
         self.roles = [Role.MIXED] * len(engines) if self.pd is None else self.pd.roles(len(engines))
-
-    def views(self, now_s: float, gw: SimGateway, pool: str) -> list[WorkerView]:
-        """What gateway `gw` sees: its own in-flight accounting, its peers' reports, the scrape."""
-        out = []
-        cfg = self.config
-        cache = gw.views
-        for i, w in enumerate(self.workers):
-            if now_s - w.scrape_s >= cfg.scrape_interval_s:
-                w.scrape = w.engine.stats()
-                w.scrape_s = now_s
-                # Each gateway's requests there at that moment, its peers' included (as it sees them).
-                w.scrape_in_flight = [
-                    g.fold(pool, WorkerView(w.id, in_flight_requests=g.in_flight[i])).in_flight_requests
-                    for g in self.gateways
-                ]
-                for g in self.gateways:
-                    g.views[i] = None
-            view = cache[i]
-            if view is None:
-                s = w.scrape
-                view = cache[i] = WorkerView(
-                    worker_id=w.id,
-                    in_flight_requests=gw.in_flight[i],
-                    in_flight_prefill_tokens=gw.prefill[i],
-                    in_flight_prefill_pairs=gw.pairs[i],
-                    in_flight_decode_tokens=gw.decode[i],
-                    max_in_flight=cfg.max_in_flight_per_worker,
-                    num_requests_waiting=s.num_waiting,
-                    num_requests_running=s.num_running,
-                    kv_usage=s.kv_usage,
-                    num_gpu_blocks=s.num_kv_blocks,
-                    engine_block_size=w.engine.block_size,
-                    role=self.roles[i],
-                    in_flight_at_scrape=w.scrape_in_flight[gw.index],
-                    decode_context_tokens=gw.context[i],
-                    prefill_started_s=gw.prefill_started[i],
-                )
-            out.append(gw.fold(pool, view))
-        return out
+        self.views = GatewayViews(
+            self.workers, self.gateways, self.roles, config.scrape_interval_s, config.max_in_flight_per_worker
+        )
 
     def _record(
         self,
@@ -210,23 +175,16 @@ class _Loop:
             f.first_token_s = now_s
             gw = f.gateway
             assert gw is not None
-            gw.prefill[idx] -= f.route.n_prompt_tokens
-            gw.pairs[idx] -= f.pairs
             f.context = decode_context_of(f.route.n_prompt_tokens, f.max_out)
-            gw.context[idx] += f.context
-            gw.prefill_started[idx] = now_s if gw.prefill[idx] > 0 else None
-            gw.views[idx] = None
+            gw.first_token(idx, f.route.n_prompt_tokens, f.pairs, f.context, now_s)
             changed[(gw, f.route.pool)] = None
         for fin in out.finished:
             f = self.flights.pop(str(fin.request_id))
             first = f.first_token_s if f.first_token_s is not None else now_s
             gw = f.gateway
             assert gw is not None
-            gw.decode[idx] -= f.max_out
-            gw.context[idx] -= f.context
+            gw.finished(idx, f.max_out, f.context)
             f.context = 0  # a P/D flight goes on to its decode leg
-            gw.in_flight[idx] -= 1
-            gw.views[idx] = None
             changed[(gw, f.route.pool)] = None
             w.cached_tokens += fin.num_cached_tokens
             w.output_tokens += fin.num_output_tokens
@@ -341,15 +299,8 @@ class _Loop:
             return False
         gw.policy.on_dispatch(route, decision, now_s)
         self.flights[f.req.request_id] = f
-        gw.in_flight[idx] += 1
-        if gw.prefill[idx] <= 0 < route.n_prompt_tokens:
-            gw.prefill_started[idx] = now_s
-        gw.prefill[idx] += route.n_prompt_tokens
         f.pairs = prefill_pairs(route.n_prompt_tokens, decision.matched_tokens)
-        gw.pairs[idx] += f.pairs
-        # Output tokens to come count from dispatch, as the gateway's registry counts them.
-        gw.decode[idx] += f.max_out
-        gw.views[idx] = None
+        gw.dispatched(idx, route.n_prompt_tokens, f.pairs, f.max_out, now_s)
         if self.bus is not None:
             self.bus.load_changed(gw, route.pool, w.id, idx, now_s)
         w.n_requests += 1

@@ -14,7 +14,8 @@ import pytest
 from aiohttp import web
 
 from gateway.errors import ApiError
-from gateway.registry import Pool, _probe
+from gateway.health import probe_health
+from gateway.registry import Pool
 from gateway.render import _render
 from gateway.upstream import AnswerBudget, AnswerHold
 from tests.support.processes import free_port
@@ -120,5 +121,5 @@ async def test_the_health_probe_stops_reading_an_endless_answer(
 ) -> None:
     worker = await endless(status)
     async with aiohttp.ClientSession() as session:
-        assert await _probe(worker.url, 30.0, session, {}) is healthy
+        assert await probe_health(worker.url, 30.0, session, {}) is healthy
     await asyncio.wait_for(worker.hung_up.wait(), 10)

@@ -7,7 +7,8 @@ from typing import Any
 import msgpack
 import pytest
 
-from gateway.kv_events import KvEventDecodeError, decode_batch, endpoint_for_worker
+from gateway.kv_event_types import endpoint_for_worker
+from gateway.kv_events import KvEventDecodeError, decode_batch
 from policies.base import KvEvent, KvEventKind
 from tests.gateway.kv_event_payloads import BIG_HASH, batch, stored_array, stored_map
 

@@ -14,13 +14,8 @@ import zmq
 import zmq.asyncio
 
 from gateway import kv_events
-from gateway.kv_events import (
-    REPLAY_END_SEQ,
-    KvEventEndpoint,
-    KvEventLimits,
-    KvEventSubscriber,
-    SequenceGap,
-)
+from gateway.kv_event_types import KvEventEndpoint, KvEventLimits, SequenceGap
+from gateway.kv_events import REPLAY_END_SEQ, KvEventSubscriber
 from policies.base import KvEvent, KvEventKind, WorkerId
 from tests.gateway.kv_event_payloads import W, batch, stored_array, stored_map
 from tests.support.processes import free_port, running_emulator

@@ -16,7 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.auth import hash_api_key
 from gateway.config import parse_config
 from gateway.gauges import refresh_gauges
-from gateway.kv_events import KvEventEndpoint, KvEventSubscriber, SubscriptionStats
+from gateway.kv_event_types import KvEventEndpoint, SubscriptionStats
+from gateway.kv_events import KvEventSubscriber
 from gateway.metrics import GatewayMetrics
 from gateway.state import GatewayState, build_state
 from policies.base import Outcome, WorkerId

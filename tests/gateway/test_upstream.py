@@ -7,7 +7,6 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from gateway.registry import direct_address
 from gateway.upstream import (
     UpstreamBusy,
     UpstreamConnectError,
@@ -16,6 +15,7 @@ from gateway.upstream import (
     UpstreamReply,
     UpstreamTimeout,
 )
+from gateway.upstream_address import direct_address
 from tests.gateway.fake_upstream import OK, Handler, Server, post, read_request
 from tests.support.processes import free_port
 from tests.support.wait import wait_until

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies.base import WorkerId, WorkerView, prefill_pairs
-from policies.cost_model import CostModel, CostModelParams, profile
+from policies.cost_model import CostModel
+from policies.cost_params import CostModelParams, profile
 from policies.cost_policy import CostPolicy
 from policies.cost_scorer import Scorer
 from tests.policies.factories import req

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies.base import Observation, Outcome, RouteRequest, WorkerId, WorkerView
-from policies.cost_model import profile
+from policies.cost_params import profile
 from policies.cost_policy import CostPolicy
 from policies.index import IndexConfig
 from policies.pools import PoolSettings, load_of

@@ -21,7 +21,8 @@ from collections.abc import Sequence
 import pytest
 
 from policies.base import Observation, RouteDecision, RouteRequest, WorkerId, WorkerView, reported_load
-from policies.cost_model import CostModel, CostModelParams, QueueTerms
+from policies.cost_model import CostModel, QueueTerms
+from policies.cost_params import CostModelParams
 from policies.cost_policy import CostPolicy
 from policies.cost_scan import CandidateCache, candidates
 from policies.pools import PoolSettings
@@ -46,7 +47,7 @@ class _PlainScan(CostPolicy):
         held: list[tuple[int, int]] = []  # (candidate, matched blocks)
         raw_backlog = 0
         drained: list[float] = []
-        shares: dict[WorkerId, float] = self._uncached_share if self.discount_cached_backlog else {}
+        shares: dict[WorkerId, float] = self._ledger.shares if self.discount_cached_backlog else {}
         for w in workers:
             inflight = w.in_flight_requests
             if not w.healthy or (w.max_in_flight is not None and inflight >= w.max_in_flight):

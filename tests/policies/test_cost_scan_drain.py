@@ -15,7 +15,8 @@ import random
 import pytest
 
 from policies.base import WorkerId, WorkerView
-from policies.cost_model import CalibrationSample, CostModel, CostModelParams
+from policies.cost_model import CalibrationSample, CostModel
+from policies.cost_params import CostModelParams
 from policies.cost_scan import CandidateCache, candidates
 from tests.policies.test_cost_scan import CountingCache
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 from policies.base import Observation, RouteRequest, WorkerId, WorkerView
-from policies.cost_model import CostModel, CostModelParams
+from policies.cost_model import CostModel
+from policies.cost_params import CostModelParams
 from policies.cost_policy import CostPolicy
 from tests.policies.factories import req
 

@@ -12,7 +12,8 @@ import dataclasses
 import pytest
 
 from policies.base import RouteDecision, WorkerId, WorkerView
-from policies.cost_model import CostModel, CostModelParams
+from policies.cost_model import CostModel
+from policies.cost_params import CostModelParams
 from policies.cost_policy import CostPolicy
 from policies.cost_scan import candidates
 from policies.peer_sync import PeerLoad, PeerLoads, with_peer_load

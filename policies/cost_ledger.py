@@ -1,0 +1,96 @@
+"""What `cost` has routed to each worker, kept incrementally for its score.
+
+Two ledgers, both fed by this gateway's dispatches (and, for the work, its peers'):
+- `InflightLedger`: the requests dispatched and not yet finished, per worker the sums of their
+  prompt tokens and of the tokens predicted uncached. The gateway's prefill backlog counts whole
+  prompts; the share turns it into the tokens left to compute (`discount_cached_backlog`).
+- `RecentWork`: prefill seconds routed to each worker, decayed over a window, which the score
+  charges a request that starts a branch (`branch_load_weight`), and their mean per dispatch, which
+  sizes the herd margin (`CostPolicy.herd_margin_s`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+from policies.base import WorkerId
+
+
+class InflightLedger:
+    """Dispatched, unfinished requests: request id → (worker, prompt tokens, predicted uncached
+    tokens), and per worker their sums and the uncached share (`shares`, absent: none in flight).
+
+    Every entry's prompt is > 0, so each has its worker's sums to be taken from."""
+
+    MAX_INFLIGHT = 65_536
+
+    def __init__(self) -> None:
+        self._inflight: OrderedDict[str, tuple[WorkerId, int, int]] = OrderedDict()
+        self._sums: dict[WorkerId, tuple[int, int]] = {}
+        self.shares: dict[WorkerId, float] = {}
+
+    def share(self, worker: WorkerId) -> float:
+        """Predicted uncached share of the prompts in flight on `worker` (1 if none)."""
+        return self.shares.get(worker, 1.0)
+
+    def add(self, request_id: str, worker: WorkerId, prompt: int, uncached: int) -> None:
+        self.remove(request_id)
+        if prompt <= 0:
+            # Adds nothing to the sums (a prompt estimated at 0 tokens, e.g. "hi"); left out so
+            # that every entry has its worker's sums to be taken from (`remove`).
+            return
+        self._inflight[request_id] = (worker, prompt, uncached)
+        total, new = self._sums.get(worker, (0, 0))
+        self._set(worker, total + prompt, new + uncached)
+        if len(self._inflight) > self.MAX_INFLIGHT:
+            self.remove(next(iter(self._inflight)))
+
+    def remove(self, request_id: str) -> None:
+        found = self._inflight.pop(request_id, None)
+        if found is None:
+            return
+        worker, prompt, uncached = found
+        total, new = self._sums[worker]
+        self._set(worker, total - prompt, new - uncached)
+
+    def _set(self, worker: WorkerId, total: int, new: int) -> None:
+        if total <= 0:
+            self._sums.pop(worker, None)
+            self.shares.pop(worker, None)
+        else:
+            self._sums[worker] = (total, new)
+            self.shares[worker] = new / total
+
+
+class RecentWork:
+    """Per worker: prefill seconds routed there (the model's, before calibration), decayed with time
+    constant `window_s`, and when that was last brought up to date (`by_worker`, read by
+    `policies.cost_scorer.Scorer.charge_branches`); and the prefill seconds per dispatch, a moving
+    average (`mean_s`)."""
+
+    MEAN_WORK_DISPATCHES = 64
+    MAX_WORKERS = 4096
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self.by_worker: dict[WorkerId, tuple[float, float]] = {}
+        self.mean_s = 0.0
+        self._samples = 0
+
+    def at(self, worker: WorkerId, now_s: float) -> float:
+        """`worker`'s decayed work at `now_s`."""
+        found = self.by_worker.get(worker)
+        if found is None:
+            return 0.0
+        work, at_s = found
+        return work * math.exp(-max(0.0, now_s - at_s) / self.window_s)
+
+    def add(self, worker: WorkerId, work: float, now_s: float) -> None:
+        recent = self.by_worker
+        if worker not in recent and len(recent) >= self.MAX_WORKERS:
+            recent.pop(next(iter(recent)))  # bounded across worker churn
+        recent[worker] = (self.at(worker, now_s) + work, now_s)
+        # The mean over the first dispatches, then a moving average over the last ~64.
+        self._samples = min(self._samples + 1, self.MEAN_WORK_DISPATCHES)
+        self.mean_s += (work - self.mean_s) / self._samples

@@ -190,8 +190,8 @@ class PdRun:
         """The decode worker's slot is the pair's from the start (`outcome.Reservation`): while
         the prefill leg runs, the pool's queue would otherwise see it free and send another
         request there, out of turn and past the worker's cap. Whatever ends the prefill leg
-        without a decode leg (a refusal, a failure, the client leaving, the drain deadline)
-        gives the slot back."""
+        without a decode leg (a refusal, a failure, the client leaving, the drain deadline, the
+        decode worker leaving the pool meanwhile) gives the slot back."""
         workers = self._workers(prefill, decode)
         if workers is None:
             return None
@@ -206,6 +206,12 @@ class PdRun:
             self._prefill_failed(p, prefilled)
             return None
         self._served(p, "prefill")
+        if a.pool.workers.get(decode.worker) is not workers[1]:
+            # Discovery removed the decode worker while the prefill leg ran: its slot goes back,
+            # and the next round chooses again (the prompt is now cached where it was prefilled).
+            slot.give_back(routing, a.pool.name)
+            self.retry_reason = "worker_removed"
+            return None
         body = vllm_decode_body(a, decode, prefilled.params)
         d = self._start(workers[1], decode, body, "decode", slot)
         moved = prefilled.params is not None  # else the decode worker computes the prompt itself

@@ -270,6 +270,22 @@ async def test_the_answer_budget_ends_the_request_at_its_prefill_leg(rig: Rig) -
     await rig.idle()
 
 
+async def test_a_decode_worker_removed_during_the_prefill_is_not_sent_the_decode_leg(rig: Rig) -> None:
+    """Discovery drops the decode worker while the pair's prefill leg runs: its held slot is given
+    back, and the next round chooses again (here no route is left: the request gets a 503)."""
+    decode = rig.worker(rig.decode)
+    first = rig.send("a")
+    await wait_until(lambda: rig.prefill.tags() == ["a"])
+    rig.state.registry.pools["p"].set_urls([rig.prefill.url])
+    rig.prefill.answer("a")
+    await wait_until(lambda: first.done() or bool(rig.decode.arrivals))
+    assert rig.decode.arrivals == []
+    resp = await first
+    assert resp.status_code == 503 and resp.json()["error"]["code"] == "no_worker_available"
+    assert (decode.in_flight, decode.decode_tokens) == (0, 0)
+    await wait_until(lambda: rig.worker(rig.prefill).in_flight == 0)
+
+
 def test_a_held_slot_takes_a_half_open_breakers_trial_and_gives_it_back() -> None:
     breaker = {"failure_threshold": 1, "cooldown_s": 1.0}
     config = PoolConfig(name="p", models=["m"], workers=["http://127.0.0.1:1"], breaker=breaker)

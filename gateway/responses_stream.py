@@ -18,6 +18,8 @@ event.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from collections.abc import Callable
 
 from starlette.responses import Response
@@ -32,6 +34,8 @@ from gateway.streaming import StreamSource
 from policies.base import Outcome
 
 _GATEWAY_SHUTTING_DOWN = "gateway_shutting_down"
+
+log = logging.getLogger("kvgate.responses")
 
 
 class StoredResponseStream(Response):
@@ -55,6 +59,7 @@ class StoredResponseStream(Response):
         self._done = done
         self._relay = ResponsesRelay()
         self._abort_reason: str | None = None
+        self._started = False  # the answer's head has been sent
 
     def abort(self, reason: str) -> None:
         """Stop relaying (drain deadline): the client gets a terminal error event."""
@@ -73,6 +78,14 @@ class StoredResponseStream(Response):
                 raise
         except OSError:
             pass  # the client's socket went away while we were sending
+        except Exception as exc:
+            # A gateway bug: still end the stream, close the books (the tenant's slot, the count)
+            # and log it.
+            log.error("stored response relay failed", exc_info=exc, extra={"request_id": self._reply_id})
+            status = 500
+            if self._started:
+                with contextlib.suppress(Exception):
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             guard.close()
             lifecycle.stream_ended(self)
@@ -92,6 +105,7 @@ class StoredResponseStream(Response):
                 ],
             }
         )
+        self._started = True
         relay = self._relay
         failure: Failure | None = None
         while not relay.done and relay.error is None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import httpx
 import orjson
+import pytest
 from aiohttp import web
 
 from gateway.app import drain
@@ -109,3 +110,16 @@ async def test_the_drain_deadline_ends_the_stream_and_closes_the_workers_request
         assert last["code"] == "gateway_shutting_down"
         await wait_until(lambda: stack.settled("503"))
         await wait_until(lambda: "resp_drained" in stack.worker.closed_early)
+
+
+async def test_a_gateway_bug_in_the_relay_is_logged_and_counted_500(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(self: object, chunk: bytes) -> bytes:
+        raise RuntimeError("a bug")
+
+    async with _stack() as stack:
+        body = {"model": "m", "input": "hi", "request_id": "resp_bug"}
+        assert (await stack.client.post("/v1/responses", json=body, headers=HEADERS)).status_code == 200
+        monkeypatch.setattr("gateway.responses_stream.ResponsesRelay.feed", broken)
+        with contextlib.suppress(httpx.HTTPError):
+            await stack.client.get("/v1/responses/resp_bug", params={"stream": "true"}, headers=HEADERS)
+        await wait_until(lambda: stack.settled("500"))

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, MutableMapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-import orjson
 import pytest
 from aiohttp import web
 
@@ -29,6 +28,7 @@ from gateway.state import GatewayState
 from policies.base import WorkerId
 from tests.gateway.routes_rig import Recording
 from tests.support.inprocess import InProcessGateway, gateway_in_process
+from tests.support.leaving_client import leaving_chat
 from tests.support.loopback import serve_app
 from tests.support.wait import wait_until
 
@@ -214,29 +214,7 @@ async def test_a_prefill_that_fails_gives_the_decode_slot_back(rig: Rig, status:
 
 async def test_a_client_that_leaves_during_the_prefill_gives_the_decode_slot_back(rig: Rig) -> None:
     rig.queue.tick_s = 3600.0
-    leave = asyncio.Event()
-    raw = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}], "user": "a"})
-    delivered = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal delivered
-        if not delivered:
-            delivered = True
-            return {"type": "http.request", "body": raw, "more_body": False}
-        await leave.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message: MutableMapping[str, Any]) -> None:
-        pass
-
-    scope = {
-        "type": "http",
-        "method": "POST",
-        "path": "/v1/chat/completions",
-        "headers": [(b"authorization", b"Bearer sk-heavy"), (b"content-length", str(len(raw)).encode())],
-        "query_string": b"",
-    }
-    gone = asyncio.ensure_future(rig.gw.app(scope, receive, send))
+    gone, leave = leaving_chat(rig.gw.app, "sk-heavy", "a", [])
     await wait_until(lambda: rig.prefill.tags() == ["a"])
     assert rig.worker(rig.decode).in_flight == 1
     second = rig.send("b", "light")

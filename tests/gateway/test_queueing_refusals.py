@@ -3,14 +3,13 @@ its metrics, and a pool without a queue."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, MutableMapping
 from typing import Any
 
-import orjson
 import pytest
 
 from tests.gateway.queue_rig import RigFactory, fill, queue_rigs, serve_all
+from tests.support.leaving_client import leaving_chat
 from tests.support.wait import wait_until
 
 
@@ -53,30 +52,8 @@ async def test_a_waiter_whose_client_leaves_leaves_the_queue(make_rig: RigFactor
     rig = await make_rig()
     hold = rig.send("heavy", "hold")
     await wait_until(lambda: len(rig.arrivals) == 1)
-    leave = asyncio.Event()
-    sent: list[dict[str, Any]] = []
-    raw = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}], "user": "gone"})
-    delivered = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal delivered
-        if not delivered:
-            delivered = True
-            return {"type": "http.request", "body": raw, "more_body": False}
-        await leave.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    scope = {
-        "type": "http",
-        "method": "POST",
-        "path": "/v1/chat/completions",
-        "headers": [(b"authorization", b"Bearer sk-light"), (b"content-length", str(len(raw)).encode())],
-        "query_string": b"",
-    }
-    gone = asyncio.ensure_future(rig.app(scope, receive, send))
+    sent: list[MutableMapping[str, Any]] = []
+    gone, leave = leaving_chat(rig.app, "sk-light", "gone", sent)
     await wait_until(lambda: rig.queue.waiting == 1)
     leave.set()
     await wait_until(gone.done)

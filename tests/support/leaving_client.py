@@ -33,7 +33,6 @@ def leaving_chat(
     async def send(message: MutableMapping[str, Any]) -> None:
         sent.append(message)
 
-    length = str(len(raw)).encode()
     scope = {
         "type": "http",
         "method": "POST",

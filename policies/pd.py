@@ -21,6 +21,19 @@ a full prefill of the prompt on an idle worker, so options compare directly (hig
   prefill's compute (`interference_weight` per request). A prompt that is mostly cached on D
   costs little there, and then skipping the split finishes sooner.
 
+In `holder_prefill` mode (a pool of mixed vLLM workers, every one able to send and receive KV) a
+request runs where the routing policy sends it, alone, unless another worker H holds more of its
+prompt than the policy's pick W, and over `holder_share` of it: then H prefills (only what it
+lacks) and the best decode worker D ≠ H decodes, when that scores better:
+
+    split(H, D) = prefill(H) − T_transfer(n − held_D) − T_decode(D) − T_kv(D)
+    alone(W)    = prefill(W) − T_decode(W)
+
+This is for the sessions a policy moves off the holder of their history because its decodes are
+many (`cost`'s bounded-load guard): without it they are recomputed elsewhere in full; with it
+the holder computes the new turn and the decodes move, so the next turn's holder is a lighter
+worker.
+
 The cost terms come from the policy's per-pool `CostModel` (the same model, calibrated online,
 that `cost` routes with); a policy that keeps no index supplies neither holdings nor a calibrated
 model, and the router falls back to zero holdings and the default constants.
@@ -31,7 +44,7 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 from policies.base import Role, RouteDecision, RouteRequest, RoutingPolicy, WorkerId, WorkerView
 from policies.cost_model import CostModel
@@ -45,6 +58,10 @@ ALONE_SOONER = "pd_alone_sooner"  # conditional disaggregation: it finishes soon
 ALONE_NO_PAIR = "pd_alone_no_pair"  # no prefill worker, or no decode worker besides it, could take it
 ALONE_UNSPLITTABLE = "pd_alone_unsplittable"  # the request cannot be split (several sequences)
 WHOLE = "pd_whole"  # the route does not generate (embeddings, scores, tokenizer, ...): never split
+ALONE_POLICY = "pd_alone_policy"  # holder_prefill: no other worker holds more of it than the policy's pick
+PdMode = Literal["pairs", "holder_prefill"]
+PAIRS: PdMode = "pairs"  # every option scored (the module docstring's two formulas)
+HOLDER_PREFILL: PdMode = "holder_prefill"  # the policy's pick, or a split from the prompt's holder
 
 
 @record
@@ -91,8 +108,12 @@ class PdSettings:
     default_output_tokens: int = 256
     kv_full_penalty_s: float = 30.0
     tie_s: float = 1e-4
+    mode: PdMode = PAIRS
+    holder_share: float = 0.5
 
     def __post_init__(self) -> None:
+        if not 0 <= self.holder_share < 1:
+            raise ValueError("holder_share must be in [0, 1)")
         if self.transfer_bandwidth_bytes_per_s <= 0 or self.transfer_bytes_per_token <= 0:
             raise ValueError("transfer bandwidth and bytes per token must be > 0")
         if min(self.transfer_setup_s, self.interference_weight, self.kv_full_penalty_s, self.tie_s) < 0:
@@ -185,6 +206,8 @@ class PdRouter:
             holder = policy
         ok = available(workers)
         splittable = splittable and not whole
+        if s.mode == HOLDER_PREFILL:
+            return self._holder_prefill(policy, req, workers, ok, now_s, splittable, whole, holder)
         prefill = self._prefill(policy, req, workers, ok, now_s) if splittable else None
         cost = holder.cost_model(req) if holder is not None else self._default_cost
         shared = prefill[0].shared_prefix_blocks if prefill is not None else 0
@@ -219,6 +242,56 @@ class PdRouter:
         else:
             reason = SPLIT
         return self._decision(req, prefill[0] if prefill else None, chosen, cost, scorer, reason)
+
+    def _holder_prefill(
+        self,
+        policy: RoutingPolicy,
+        req: RouteRequest,
+        workers: Sequence[WorkerView],
+        ok: Sequence[WorkerView],
+        now_s: float,
+        splittable: bool,
+        whole: bool,
+        holder: PrefixHolder | None,
+    ) -> PdDecision | None:
+        """`holder_prefill` mode (module docstring): the policy's pick alone, or a split from the
+        worker that holds the most of the prompt when the pick holds less."""
+        s = self.settings
+        roles = s.roles.whole if whole else s.roles.alone
+        pick = policy.select(req, [w for w in workers if w.role in roles], now_s)
+        view = None if pick is None else next((w for w in ok if w.worker_id == pick.worker), None)
+        if pick is None or view is None:
+            return None
+        if whole or not splittable or holder is None:
+            return PdDecision(None, pick, pick.score_s, WHOLE if whole else ALONE_UNSPLITTABLE)
+        cost = holder.cost_model(req)
+        scorer = _Scorer(s, cost, req)
+        held = {
+            w: scorer.engine(t) for w, t in holder.held_tokens(req, pick.shared_prefix_blocks, now_s).items()
+        }
+        prefill = [w for w in ok if w.role in s.roles.prefill]
+        top = max(prefill, key=lambda w: held.get(w.worker_id, 0), default=None)
+        top_held = 0 if top is None else held.get(top.worker_id, 0)
+        if top is None or top_held <= max(held.get(view.worker_id, 0), s.holder_share * scorer.n):
+            return PdDecision(None, pick, pick.score_s, ALONE_POLICY)
+        alone_s = scorer.prefill_s(view, held.get(view.worker_id, 0)) - scorer.decode_s(view)
+        prefill_s = scorer.prefill_s(top, top_held)
+        options = [
+            _Option(
+                prefill_s + scorer.split_s(d, held.get(d.worker_id, 0)), d, held.get(d.worker_id, 0), True
+            )
+            for d in ok
+            if d.role in s.roles.decode and d.worker_id != top.worker_id
+        ]
+        best = max(options, key=lambda o: o.score_s, default=None)
+        if best is None or best.score_s <= alone_s + s.tie_s:
+            return PdDecision(None, pick, pick.score_s, ALONE_SOONER if best is not None else ALONE_NO_PAIR)
+        first = RouteDecision(
+            top.worker_id, prefill_s, pick.reason, scorer.request_tokens(top_held), pick.shared_prefix_blocks
+        )
+        # The policy noted its pick's predicted queue for calibration; the first leg runs on the holder.
+        cost.note_dispatch(req.request_id, cost.queue_s(top, scorer.n - top_held), top_held)
+        return self._decision(req, first, best, cost, scorer, SPLIT)
 
     def _prefill(
         self,

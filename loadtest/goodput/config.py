@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from policies.config import PolicyConfig
+from policies.pd import HOLDER_PREFILL
 
 DEFAULT_CONFIG = "default.yaml"
 
@@ -58,9 +59,10 @@ class PolicyEntry(_Strict):
     `pd` = "P:D" prefill and decode workers (the simulator's `--pd`, pairs chosen as the gateway
     chooses them, `policy` picking the prefill worker), or with `settings`: a policy file's
     settings for it ([policy.md](../../docs/policy.md), without `policy` and `seed`), e.g.
-    `{default_pool: {capacity_fraction: 1.0}}`. `name` is the row's label (default: "POLICY P:D",
-    or POLICY); `pd_conditional` lets a request run alone on a decode worker when that scores
-    better, as the gateway's default does."""
+    `{default_pool: {capacity_fraction: 1.0}}`. `pd: holder_prefill` keeps the workers mixed
+    with the chooser in that mode (`kvgate simulate --pd holder_prefill`). `name` is the row's
+    label (default: "POLICY P:D", or POLICY); `pd_conditional` lets a request run alone on a
+    decode worker when that scores better, as the gateway's default does."""
 
     name: str | None = None
     policy: str
@@ -90,8 +92,9 @@ class PolicyEntry(_Strict):
             raise ValueError(f"{self.label}: settings: {where}: {first['msg']}") from None
 
     def split(self) -> tuple[int, int] | None:
-        """`pd` as (prefill workers, decode workers), or None for a pool of mixed workers."""
-        if self.pd is None:
+        """`pd` as (prefill workers, decode workers), or None for a pool of mixed workers
+        (`holder_prefill` included)."""
+        if self.pd is None or self.pd == HOLDER_PREFILL:
             return None
         try:
             n_prefill, n_decode = (int(part) for part in self.pd.split(":"))

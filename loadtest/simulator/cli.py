@@ -39,7 +39,7 @@ from loadtest.workloads.records import WorkloadRequest, scale_arrivals
 from loadtest.workloads.registry import WORKLOADS, make_workload
 from policies.base import Isolation, RoutingPolicy
 from policies.config import PolicyConfig, PolicyConfigError, build_policy, parse_policy_yaml
-from policies.pd import VLLM_ROLES, PdRouter, PdSettings
+from policies.pd import HOLDER_PREFILL, PAIRS, VLLM_ROLES, PdRouter, PdSettings
 from policies.registry import known_policies, make_policy
 
 # The gateway's measured NATS publish-to-apply latency, batching included (docs/sync.md).
@@ -88,7 +88,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="P:D",
         default=None,
         help="prefill/decode disaggregation: P prefill and D decode workers (instead of --workers mixed "
-        "ones), pairs chosen as the gateway does (docs/pd.md)",
+        "ones), pairs chosen as the gateway does (docs/pd.md); 'holder_prefill': the --workers stay "
+        "mixed and a request is split only to prefill on the holder of its prompt (pd.mode)",
     )
     parser.add_argument(
         "--pd-conditional",
@@ -213,11 +214,13 @@ def _install_precise(policy: RoutingPolicy, keys: KeyPath, block_size: int) -> b
 
 
 def pd_split(text: str | None) -> tuple[int, int] | None:
-    """`--pd P:D` as two worker counts."""
-    return None if text is None else worker_split(text)
+    """`--pd P:D` as two worker counts (None without `--pd`, or with `holder_prefill`)."""
+    return None if text is None or text == HOLDER_PREFILL else worker_split(text)
 
 
 def _pd_sim(args: argparse.Namespace, profile: StepProfile, split: tuple[int, int] | None) -> PdSim | None:
+    if args.pd == HOLDER_PREFILL:
+        return vllm_pd_sim(0, profile, args.seed, args.pd_conditional, args.pd_interference_weight)
     if split is None:
         return None
     return vllm_pd_sim(split[0], profile, args.seed, args.pd_conditional, args.pd_interference_weight)
@@ -227,8 +230,9 @@ def vllm_pd_sim(
     n_prefill: int, profile: StepProfile, seed: int, conditional: bool, interference_weight: float = 1.0
 ) -> PdSim:
     """The P/D side of the loop: the gateway's pair chooser over vLLM roles (the first `n_prefill`
-    workers prefill), the transfer priced from the engine profile (`kvgate simulate --pd`, and
-    the goodput benchmark's split rows)."""
+    workers prefill; with none, every worker is mixed and the chooser is in `holder_prefill`
+    mode), the transfer priced from the engine profile (`kvgate simulate --pd`, and the goodput
+    benchmark's split rows)."""
     settings = PdSettings(
         roles=VLLM_ROLES,
         transfer_setup_s=profile.kv_transfer_setup_ms / 1000,
@@ -236,6 +240,7 @@ def vllm_pd_sim(
         transfer_bandwidth_bytes_per_s=profile.kv_transfer_bytes_per_s,
         conditional=conditional,
         interference_weight=interference_weight,
+        mode=HOLDER_PREFILL if n_prefill == 0 else PAIRS,
     )
 
     def make_request(rid: str, n_prompt: int, max_out: int, hashes: Any, external: int) -> EngineRequest:

@@ -1,6 +1,7 @@
 """Prefill/decode disaggregation in virtual time (`kvgate simulate --pd P:D`).
 
-The first P workers are prefill workers, the other D decode workers. Each request is routed by
+The first P workers are prefill workers, the other D decode workers; with `--pd holder_prefill`
+every worker is mixed and the chooser runs in that mode (policies/pd.py). Each request is routed by
 the gateway's own pair chooser (`policies.pd.PdRouter`, with the simulated policy picking the
 prefill worker) and runs as the gateway sends it under vLLM's protocol:
 
@@ -17,8 +18,8 @@ The request's TTFT is its decode worker's first token, its TPOT the decode worke
 chooser sends to one worker alone runs there like any other.
 
 Decode engines coalesce pure-decode steps only up to the next moment new work could reach them:
-the next arrival, the end of a transfer in flight, or the end of a prefill worker's current step
-(which may start a transfer).
+the next arrival, the end of a transfer in flight, or the end of the current step of a worker
+running a prefill leg (which may start a transfer).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from loadtest.simulator.keys import KeyedPrompt
 from loadtest.simulator.port import PdEngine
 from loadtest.workloads.records import WorkloadRequest
 from policies.base import Observation, Role, RouteRequest, WorkerId
-from policies.pd import PdDecision, PdRouter
+from policies.pd import HOLDER_PREFILL, PdDecision, PdRouter
 
 if TYPE_CHECKING:
     from loadtest.simulator.flights import Flight
@@ -88,16 +89,20 @@ class PdSim:
         transfer_s: Callable[[int], float],
         make_request: PdRequestFactory,
     ) -> None:
-        if n_prefill < 1:
-            raise ValueError("a P/D pool needs at least one prefill worker")
+        self.mixed = router.settings.mode == HOLDER_PREFILL
+        if self.mixed != (n_prefill == 0):
+            raise ValueError("a P/D pool needs at least one prefill worker, a holder_prefill pool none")
         self.router = router
         self.n_prefill = n_prefill
         self.transfer_s = transfer_s
         self.make_request = make_request
         self.counters = PdCounters()
         self._transfers: dict[int, _Transfer] = {}
+        self._legs: dict[int, int] = {}  # worker index -> prefill legs running there
 
     def roles(self, n_workers: int) -> list[Role]:
+        if self.mixed:
+            return [Role.MIXED] * n_workers
         if n_workers <= self.n_prefill:
             raise ValueError("a P/D pool needs at least one decode worker")
         return [Role.PREFILL if i < self.n_prefill else Role.DECODE for i in range(n_workers)]
@@ -130,7 +135,9 @@ class PdSim:
         f.leg = PrefillLeg(decision, decode_idx)
         f.max_out = 1
         request = self.make_request(req.request_id, n, 1, f.hashes, 0)
-        loop.submit(loop.by_id[decision.prefill.worker], f, request, now_s)
+        prefill_idx = loop.by_id[decision.prefill.worker]
+        self._legs[prefill_idx] = self._legs.get(prefill_idx, 0) + 1
+        loop.submit(prefill_idx, f, request, now_s)
 
     def prefill_done(
         self, loop: _Loop, worker: WorkerId, f: Flight, fin: FinishedLike, first_s: float, now_s: float
@@ -149,6 +156,10 @@ class PdSim:
         assert f.gateway is not None
         f.gateway.policy.on_complete(obs, now_s)
         prefill_idx = loop.by_id[worker]
+        if self._legs[prefill_idx] == 1:
+            del self._legs[prefill_idx]
+        else:
+            self._legs[prefill_idx] -= 1
         n = f.route.n_prompt_tokens
         held = _engine(loop, leg.decode_idx).prefix_hit_tokens(f.hashes, n)
         moved = max(0, n - held)
@@ -180,13 +191,16 @@ class PdSim:
     def horizon_s(self, loop: _Loop, idx: int) -> float:
         """Until when worker `idx` may coalesce decode steps: a decode worker only until new
         work could reach it (a transfer's end, or a prefill worker's step end, which may start
-        one); a prefill worker gets work only from arrivals."""
+        one); a prefill worker gets work only from arrivals. In a pool of mixed workers any worker
+        may run a prefill leg, so the step ends that count are those of the workers running one."""
         if idx < self.n_prefill:
             return math.inf
         horizon = min((t.at_s for t in self._transfers.values()), default=math.inf)
-        for w in loop.workers[: self.n_prefill]:
-            if w.pending is not None:
-                horizon = min(horizon, w.pending.end_s)
+        legs = self._legs if self.mixed else range(self.n_prefill)
+        for j in legs:
+            pending = loop.workers[j].pending
+            if pending is not None:
+                horizon = min(horizon, pending.end_s)
         return horizon
 
 

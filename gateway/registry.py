@@ -322,6 +322,8 @@ def _pd_router(config: PoolConfig) -> PdRouter | None:
         transfer_bandwidth_bytes_per_s=pd.transfer.bandwidth_bytes_per_s,
         conditional=pd.conditional,
         interference_weight=pd.interference_weight,
+        mode=pd.mode,
+        holder_share=pd.holder_share,
     )
     return PdRouter(settings)
 

@@ -262,8 +262,10 @@ class PdRouter:
         view = None if pick is None else next((w for w in ok if w.worker_id == pick.worker), None)
         if pick is None or view is None:
             return None
-        if whole or not splittable or holder is None:
+        if whole or not splittable:
             return PdDecision(None, pick, pick.score_s, WHOLE if whole else ALONE_UNSPLITTABLE)
+        if holder is None:  # a policy that keeps no index: nobody is known to hold more
+            return PdDecision(None, pick, pick.score_s, ALONE_POLICY)
         cost = holder.cost_model(req)
         scorer = _Scorer(s, cost, req)
         held = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from gateway.config.base import Frozen, PositiveFloat, PositiveInt
 
@@ -33,6 +33,21 @@ class PdConfig(Frozen):
     conditional: bool = True
     # Weight of the delay a prefill run on a decode worker imposes on the requests it is decoding.
     interference_weight: float = Field(default=1.0, ge=0)
+    # `pairs`: every request of a generation route is scored as a split and alone (the pair
+    # chooser, docs/pd.md). `holder_prefill` (vLLM, mixed workers that send and receive KV): a
+    # request runs where the routing policy sends it, unless another worker holds more of its
+    # prompt, and over `holder_share` of it; then that worker prefills and the best other worker
+    # decodes, when that is predicted to finish sooner.
+    mode: Literal["pairs", "holder_prefill"] = "pairs"
+    holder_share: float = Field(default=0.5, ge=0, lt=1)
+
+    @model_validator(mode="after")
+    def _holder_protocol(self) -> PdConfig:
+        if self.mode == "holder_prefill" and self.protocol != "vllm":
+            raise ValueError(
+                "pd.mode holder_prefill needs protocol vllm: an SGLang mixed server takes no part in a split"
+            )
+        return self
 
     @field_validator("bootstrap_ports")
     @classmethod

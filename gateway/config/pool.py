@@ -166,10 +166,12 @@ class PoolConfig(Frozen):
             raise ValueError("a worker URL is listed twice (workers, prefill_workers, decode_workers)")
         if (self.prefill_workers or self.decode_workers) and self.pd is None:
             raise ValueError("prefill_workers and decode_workers need a 'pd' section (the wire protocol)")
-        if self.pd is not None and self.dns is not None:
+        # In holder_prefill mode every worker is mixed, so discovery need not know roles.
+        needs_roles = self.pd is not None and self.pd.mode == "pairs"
+        if needs_roles and self.dns is not None:
             raise ValueError("pd: DNS discovery knows no roles; list prefill_workers and decode_workers")
         k8s = self.kubernetes
-        if self.pd is not None and k8s is not None and k8s.role_label is None:
+        if needs_roles and k8s is not None and k8s.role_label is None:
             raise ValueError("pd: Kubernetes discovery needs kubernetes.role_label to find each pod's role")
 
 

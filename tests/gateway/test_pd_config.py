@@ -75,6 +75,8 @@ def test_a_rediscovered_static_pool_keeps_its_roles_and_discovery_labels_win() -
         ({"workers": [P], "pd": {"transfer": {"bandwidth_bytes_per_s": 0}}}, "bandwidth_bytes_per_s"),
         ({"workers": [P], "pd": {"bootstrap": 1}}, "pools.0.pd.bootstrap"),
         ({"decode_workers": ["127.0.0.1:2"], "pd": {}}, "must start with http"),
+        ({"workers": [P], "pd": {"protocol": "sglang", "mode": "holder_prefill"}}, "needs protocol vllm"),
+        ({"workers": [P], "pd": {"mode": "holder_prefill", "holder_share": 1}}, "pools.0.pd.holder_share"),
     ],
 )
 def test_bad_pd_sections_name_the_problem(pool: dict[str, Any], message: str) -> None:
@@ -93,3 +95,20 @@ def test_the_documented_pd_pool_is_valid() -> None:
     assert block is not None
     pool = PoolConfig.model_validate(yaml.safe_load(block.group(1))["pools"][0])
     assert pool.pd is not None and pool.pd.protocol == "vllm" and len(pool.decode_workers) == 2
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        {"workers": [M, P]},
+        {"dns": {"name": "w", "port": 80}},
+        {"kubernetes": {"selector": "app=w", "port": 80}},
+    ],
+)
+def test_a_holder_prefill_pool_of_mixed_workers_needs_no_roles(source: dict[str, Any]) -> None:
+    cfg = parse_config(config(**source, pd={"mode": "holder_prefill", "holder_share": 0.6}))
+    pool = Pool(cfg.pools[0])
+    assert pool.pd_router is not None
+    settings = pool.pd_router.settings
+    assert settings.mode == "holder_prefill" and settings.holder_share == 0.6 and settings.roles == VLLM_ROLES
+    assert all(w.view(0.0).role == Role.MIXED for w in pool.workers.values())

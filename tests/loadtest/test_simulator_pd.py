@@ -19,7 +19,16 @@ from loadtest.simulator.pd import PdSim
 from loadtest.workloads.records import BlockPrompt, WorkloadRequest
 from policies.base import Role, RoutingPolicy
 from policies.cost_policy import CostPolicy
-from policies.pd import ALONE_SOONER, SPLIT, VLLM_ROLES, PdRouter, PdSettings
+from policies.pd import (
+    ALONE_POLICY,
+    ALONE_SOONER,
+    HOLDER_PREFILL,
+    PAIRS,
+    SPLIT,
+    VLLM_ROLES,
+    PdRouter,
+    PdSettings,
+)
 from policies.registry import make_policy
 from tests.loadtest.test_simulator_cli import SMALL_GSP
 from tests.loadtest.test_simulator_loop import Spy
@@ -33,12 +42,14 @@ def _request(rid: str, at_s: float, blocks: range, out: int = 8) -> WorkloadRequ
 
 
 def _pd(split: tuple[int, int] = (1, 1), conditional: bool = True) -> PdSim:
+    """A P/D pool of `split` prefill and decode workers; (0, 0): mixed workers, holder_prefill."""
     settings = PdSettings(
         roles=VLLM_ROLES,
         transfer_setup_s=PROFILE.kv_transfer_setup_ms / 1000,
         transfer_bytes_per_token=PROFILE.kv_bytes_per_token,
         transfer_bandwidth_bytes_per_s=PROFILE.kv_transfer_bytes_per_s,
         conditional=conditional,
+        mode=HOLDER_PREFILL if split[0] == 0 else PAIRS,
     )
 
     def make(rid: str, n: int, out: int, hashes: Any, external: int) -> EngineRequest:
@@ -125,6 +136,32 @@ def test_a_busy_pool_is_deterministic_and_serves_everything() -> None:
     assert first == once()
 
 
+def test_a_turn_moved_off_its_busy_holder_is_prefilled_there_in_holder_prefill_mode() -> None:
+    # `cost` with a guard that admits no worker above the mean: while the first turn's long
+    # answer decodes on its worker, the next turn is sent to the other one.
+    reqs = [
+        _request("t1", 0.0, range(256)),
+        _request("long", 1.0, range(258), 3000),
+        _request("t2", 2.0, range(260)),
+    ]
+    pd = _pd((0, 0))
+    res, engines = _run(reqs, CostPolicy(epsilon=0.0, slack_requests=0.0), pd)
+    by_id = {r.request_id: r for r in res.requests}
+    holder = by_id["t1"].worker
+    assert by_id["long"].worker == holder
+    # The holder computes the 4 new blocks, the other worker receives the prompt and decodes.
+    t2 = by_id["t2"]
+    assert t2.reason == SPLIT and t2.worker != holder and t2.cached_tokens == 258 * BS
+    assert pd.counters.splits == 1 and pd.counters.transferred_tokens == 260 * BS
+    assert pd.counters.alone == {ALONE_POLICY: 2}
+    # The same pool without the mode computes the whole prompt again there, later.
+    plain, _ = _run(reqs, CostPolicy(epsilon=0.0, slack_requests=0.0), None)
+    again = {r.request_id: r for r in plain.requests}["t2"]
+    assert again.worker != holder and again.cached_tokens == 0
+    assert t2.ttft_s is not None and again.ttft_s is not None and t2.ttft_s < again.ttft_s
+    assert all(e.stats().num_running == 0 for e in engines)
+
+
 def test_the_policy_is_asked_about_prefill_workers_only() -> None:
     spy = Spy(make_policy("round_robin"))
     _run([_request("r0", 0.0, range(8))], spy, _pd((2, 1)), 3)
@@ -141,6 +178,16 @@ def test_simulate_pd_from_the_command_line(tmp_path: Path) -> None:
     assert summary["n_rejected"] == 0 and summary["tpot_p99_s"] > 0
     assert summary["pd"]["splits"] + sum(summary["pd"]["alone"].values()) == summary["n_requests"]
     assert {r["worker"] for r in doc["requests"]} <= {"w1", "w2"}
+
+
+def test_simulate_holder_prefill_from_the_command_line(tmp_path: Path) -> None:
+    out = tmp_path / "hp.json"
+    assert main(["simulate", *SMALL_GSP, "--pd", "holder_prefill", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["config"]["workers"] == 2 and doc["config"]["pd"] == "holder_prefill"
+    summary = doc["summary"]
+    assert summary["n_rejected"] == 0
+    assert summary["pd"]["splits"] + sum(summary["pd"]["alone"].values()) == summary["n_requests"]
 
 
 @pytest.mark.parametrize("spec", ["0:2", "2", "a:b"])

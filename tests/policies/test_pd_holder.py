@@ -1,0 +1,148 @@
+"""`holder_prefill` mode: a request runs where the routing policy sends it, unless another worker
+holds most of its prompt; then that worker prefills it and a lighter one decodes it."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from policies.base import Role, WorkerView
+from policies.cost_policy import CostPolicy
+from policies.pd import (
+    ALONE_POLICY,
+    ALONE_SOONER,
+    ALONE_UNSPLITTABLE,
+    HOLDER_PREFILL,
+    SPLIT,
+    WHOLE,
+    PdRouter,
+    PdSettings,
+)
+from policies.registry import make_policy
+from tests.policies.factories import req
+from tests.policies.test_pd import served, view
+
+TURN1 = range(300)
+TURN2 = [*range(300), 7, 8]
+
+
+def strict_guard() -> CostPolicy:
+    """`cost` whose bounded-load guard admits no worker above the mean (so a holder that decodes
+    more than the others is not its pick)."""
+    return CostPolicy(epsilon=0.0, slack_requests=0.0)
+
+
+def strict_guard_with(prompt: range, worker: str) -> CostPolicy:
+    """`strict_guard()` that has seen `worker` compute `prompt`."""
+    policy = strict_guard()
+    served(policy, req("turn1", prompt), worker)
+    return policy
+
+
+def mixed(*, m1_load: int = 0, **m1: object) -> list[WorkerView]:
+    return [view("m0", Role.MIXED), view("m1", Role.MIXED, load=m1_load, **m1), view("m2", Role.MIXED)]
+
+
+def holder_router(**fields: object) -> PdRouter:
+    return PdRouter(PdSettings(mode=HOLDER_PREFILL, **fields))  # type: ignore[arg-type]
+
+
+def test_a_session_moved_off_its_busy_holder_is_prefilled_there_and_decoded_elsewhere() -> None:
+    r = req("turn2", TURN2)
+    # The policy alone sends it elsewhere, to compute the whole prompt again.
+    pick = strict_guard_with(TURN1, "m1").select(r, mixed(m1_load=2), 1.0)
+    assert pick is not None and pick.worker != "m1"
+    decision = holder_router().select(strict_guard_with(TURN1, "m1"), r, mixed(m1_load=2), 1.0)
+    assert decision is not None and decision.reason == SPLIT
+    assert decision.prefill is not None and decision.prefill.worker == "m1"
+    assert decision.prefill.matched_tokens == 300 * 16
+    assert decision.decode.worker in ("m0", "m2")
+    # The decode worker holds none of it: the whole prompt moves.
+    assert decision.transfer_tokens == r.n_prompt_tokens
+    assert decision.decode.matched_tokens == r.n_prompt_tokens
+
+
+def test_a_request_the_policy_sends_to_its_holder_runs_there_alone() -> None:
+    policy = strict_guard_with(TURN1, "m1")
+    decision = holder_router().select(policy, req("turn2", TURN2), mixed(), 1.0)
+    assert decision is not None and decision.skip_prefill
+    assert decision.reason == ALONE_POLICY and decision.decode.worker == "m1"
+    assert decision.decode.matched_tokens == 300 * 16
+
+
+def test_a_holder_of_less_than_the_share_is_not_asked_to_prefill() -> None:
+    policy = strict_guard_with(range(100), "m1")
+    r = req("turn2", [*range(100), *range(1000, 1200)])  # a third of it held
+    decision = holder_router().select(policy, r, mixed(m1_load=2), 1.0)
+    assert decision is not None and decision.skip_prefill and decision.reason == ALONE_POLICY
+    assert decision.decode.worker != "m1"
+    # With a lower share the same holder prefills it.
+    split = holder_router(holder_share=0.25).select(
+        strict_guard_with(range(100), "m1"), r, mixed(m1_load=2), 1.0
+    )
+    assert split is not None and split.reason == SPLIT and split.prefill is not None
+    assert split.prefill.worker == "m1"
+
+
+def test_a_holder_with_a_long_prefill_queue_loses_to_computing_it_again() -> None:
+    policy = strict_guard_with(TURN1, "m1")
+    # Minutes of prompts waiting on the holder: recomputing 4.8k tokens elsewhere is sooner.
+    decision = holder_router().select(
+        policy, req("turn2", TURN2), mixed(m1_load=2, in_flight_prefill_tokens=2_000_000), 1.0
+    )
+    assert decision is not None and decision.skip_prefill and decision.reason == ALONE_SOONER
+    assert decision.decode.worker != "m1"
+
+
+def test_whole_and_unsplittable_requests_run_on_the_policys_pick() -> None:
+    router = holder_router()
+    whole = router.select(strict_guard_with(TURN1, "m1"), req("e", TURN2), mixed(m1_load=2), 1.0, whole=True)
+    assert whole is not None and whole.skip_prefill and whole.reason == WHOLE
+    one = router.select(
+        strict_guard_with(TURN1, "m1"), req("n", TURN2), mixed(m1_load=2), 1.0, splittable=False
+    )
+    assert one is not None and one.skip_prefill and one.reason == ALONE_UNSPLITTABLE
+
+
+def test_a_policy_without_an_index_is_followed() -> None:
+    policy = make_policy("round_robin")
+    decision = holder_router().select(policy, req("r", TURN2), mixed(m1_load=2), 1.0)
+    assert decision is not None and decision.skip_prefill and decision.reason == ALONE_POLICY
+
+
+def test_holder_share_is_a_fraction() -> None:
+    with pytest.raises(ValueError, match="holder_share"):
+        PdSettings(mode=HOLDER_PREFILL, holder_share=1.0)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.tuples(st.booleans(), st.integers(0, 6), st.integers(0, 3)), min_size=1, max_size=6),
+    st.booleans(),
+    st.integers(1, 60),
+)
+def test_holder_mode_splits_only_from_the_longest_holder_to_another_healthy_worker(
+    spec: list[tuple[bool, int, int]], splittable: bool, blocks: int
+) -> None:
+    policy = strict_guard()
+    workers = [view(f"w{i}", Role.MIXED, load=load, healthy=ok) for i, (ok, load, _) in enumerate(spec)]
+    for i, (_, _, held_blocks) in enumerate(spec):
+        if held_blocks:
+            served(policy, req(f"warm{i}", range(held_blocks * 10)), f"w{i}")
+    r = req("r", range(blocks))
+    held = policy.held_tokens(r, 0, 1.0)
+    decision = holder_router().select(policy, r, workers, 1.0, splittable=splittable)
+    healthy = {w.worker_id for w in workers if w.healthy}
+    if decision is None:
+        assert not healthy
+        return
+    assert decision.decode.worker in healthy
+    if decision.prefill is None:
+        assert decision.transfer_tokens == 0
+        return
+    p = decision.prefill.worker
+    assert splittable and decision.reason == SPLIT and p in healthy and p != decision.decode.worker
+    assert held.get(p, 0) == max(held.get(w, 0) for w in healthy)
+    assert held.get(p, 0) > r.n_prompt_tokens / 2
+    policy.check_invariants()

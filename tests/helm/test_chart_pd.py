@@ -73,6 +73,26 @@ def test_roles_from_a_pod_label() -> None:
     assert "pd" not in gateway_config(plain)["pools"][0]
 
 
+@pytest.mark.parametrize(
+    "workers",
+    [
+        {"urls": [MIXED, PREFILL]},
+        {"dns": {"name": "vllm.llm.svc", "port": 8000}},
+        {"kubernetes": {k: v for k, v in KUBE.items() if k != "roleLabel"}},
+    ],
+)
+def test_a_holder_prefill_pool_needs_no_roles(workers: dict[str, Any]) -> None:
+    pd = {"mode": "holder_prefill", "holderShare": 0.6}
+    docs = render(
+        {"kubernetesDiscovery": {"enabled": True}, "pools": [POOL | {"workers": workers, "pd": pd}]}
+    )
+    (rendered,) = gateway_config(docs)["pools"]
+    assert rendered["pd"] == {"protocol": "vllm", "mode": "holder_prefill", "holder_share": 0.6}
+    (pool,) = parse_config(gateway_config(docs)).pools
+    assert pool.pd is not None and pool.pd.mode == "holder_prefill" and pool.static_roles == {}
+    validate_strictly(docs)
+
+
 def test_pools_without_pd_render_as_before() -> None:
     (pool,) = gateway_config(render())["pools"]
     assert set(pool) == {"name", "models", "workers"}
@@ -95,6 +115,8 @@ def test_pools_without_pd_render_as_before() -> None:
             "exactly one of",
         ),
         ({"workers": ROLES, "pd": {"protocol": "nixl"}}, "/pd/protocol"),
+        ({"workers": ROLES, "pd": {"mode": "always"}}, "/pd/mode"),
+        ({"workers": ROLES, "pd": {"holderShare": 1}}, "/pd/holderShare"),
         ({"workers": ROLES, "pd": {"transfer": {"bandwidth": 1}}}, "additional properties 'bandwidth'"),
         ({"workers": ROLES, "pd": {"bootstrapPorts": {"10.0.1.1": 9000}}}, "invalid propertyName '10.0.1.1'"),
         ({"workers": {"prefillUrls": ["10.0.1.1:8000"]}, "pd": {}}, "/workers/prefillUrls/0"),

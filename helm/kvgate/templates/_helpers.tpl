@@ -150,10 +150,12 @@ value below preStop + deadline + 10 would let the kubelet kill a pod still drain
 {{- if and (or $w.prefillUrls $w.decodeUrls) (not $pd) }}
 {{- fail (printf "pools[%d] (%s): workers.prefillUrls and workers.decodeUrls need the pool's pd block (at least pd.protocol)" $i $p.name) }}
 {{- end }}
-{{- if and $pd $w.dns }}
+{{- /* pd.mode holder_prefill keeps every worker mixed: discovery need not know roles. */}}
+{{- $roles := and $pd (ne (default "pairs" $p.pd.mode) "holder_prefill") }}
+{{- if and $roles $w.dns }}
 {{- fail (printf "pools[%d] (%s): pd: DNS discovery knows no roles; list workers.prefillUrls and workers.decodeUrls, or use workers.kubernetes with roleLabel" $i $p.name) }}
 {{- end }}
-{{- if and $pd $w.kubernetes (not $w.kubernetes.roleLabel) }}
+{{- if and $roles $w.kubernetes (not $w.kubernetes.roleLabel) }}
 {{- fail (printf "pools[%d] (%s): pd: workers.kubernetes.roleLabel is required (the pod label whose value is prefill or decode)" $i $p.name) }}
 {{- end }}
 {{- if $static }}
@@ -222,6 +224,8 @@ value below preStop + deadline + 10 would let the kubelet kill a pod still drain
 {{- end }}
 {{- if not (kindIs "invalid" .conditional) }}{{ $_ := set $pd "conditional" .conditional }}{{ end }}
 {{- if not (kindIs "invalid" .interferenceWeight) }}{{ $_ := set $pd "interference_weight" .interferenceWeight }}{{ end }}
+{{- with .mode }}{{ $_ := set $pd "mode" . }}{{ end }}
+{{- if not (kindIs "invalid" .holderShare) }}{{ $_ := set $pd "holder_share" .holderShare }}{{ end }}
 {{- with .bootstrapPort }}{{ $_ := set $pd "bootstrap_port" (int .) }}{{ end }}
 {{- with .bootstrapPorts }}{{ $_ := set $pd "bootstrap_ports" . }}{{ end }}
 {{- toYaml $pd }}

@@ -137,3 +137,13 @@ def test_without_a_goal_the_ratio_has_no_verdict() -> None:
     assert load_goodput_config("pd").goal is None and parse_goodput_yaml(default_config_text()).goal == 1.3
     text = goal_text(Capacity(2.0, 2.1), Capacity(1.0, 1.05), None)
     assert text == "2.000× (1.90–2.10× within the search brackets)"
+
+
+def test_the_holder_config_is_default_yaml_with_a_holder_prefill_row() -> None:
+    from loadtest.goodput.config import load_goodput_config
+
+    holder, default = load_goodput_config("holder"), parse_goodput_yaml(default_config_text())
+    assert holder.labels() == ("preble_e2", "cost", "cost holder_prefill")
+    assert [e.split() for e in holder.entries()] == [None, None, None]
+    assert holder.entries()[2].pd == "holder_prefill" and holder.subject == "cost holder_prefill"
+    assert holder.traces == default.traces and holder.workers == default.workers

@@ -5,7 +5,8 @@ start the router in front of them, replay the same requests at the same arrival 
 (bounded concurrency and total time), sample per-worker load from the workers' /metrics, stop
 everything by PID. Then write `report.md`, `results.json` and PNG plots into `--out`.
 
-Router names: `kvgate:<policy>` (any registered policy), `sglang-router[:policy]`,
+Router names: `kvgate:<policy>` (any registered policy; `kvgate:<policy>+holder_prefill` gives
+the pool a vLLM `pd` section in that mode, docs/pd.md), `sglang-router[:policy]`,
 `vllm-router[:policy]`, `litellm[:routing_strategy]`, `smg[:policy]` (smg 1.13: cache_aware by
 default, or prefix_hash, round_robin, ...). A peer that is not installed is reported as
 missing (see `loadtest/peers/install.sh`). Ratios in the report are against the first router that
@@ -172,6 +173,7 @@ def _router_command(
     name, _, policy = spec.partition(":")
     port = free_port()
     if name == "kvgate":
+        policy, _, pd_mode = policy.partition("+")
         return build_kvgate_command(
             policy=policy or "round_robin",
             port=port,
@@ -181,6 +183,7 @@ def _router_command(
             seed=args.seed,
             workdir=workdir,
             decision_log=workdir / DECISIONS_FILE if args.decision_log else None,
+            pd_mode=pd_mode or None,
         )
     return build_command(
         name,

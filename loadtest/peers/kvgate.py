@@ -33,25 +33,28 @@ def build_kvgate_command(
     seed: int,
     workdir: Path,
     decision_log: Path | None = None,
+    pd_mode: str | None = None,
 ) -> PeerCommand:
     """Write `gateway.yaml` + `policy.yaml` into `workdir` and return the `serve` command; with
-    `decision_log`, the gateway writes its routing decisions there (`gateway/decision_log.py`)."""
+    `decision_log`, the gateway writes its routing decisions there (`gateway/decision_log.py`);
+    with `pd_mode` (e.g. `holder_prefill`) the pool gets a vLLM `pd` section in that mode."""
     secret = BENCH_SECRET.encode()
     (workdir / "policy.yaml").write_text(yaml.safe_dump({"policy": policy, "seed": seed}))
+    pool: dict[str, object] = {
+        "name": "bench",
+        "models": [model],
+        "workers": list(worker_urls),
+        "health": {"interval_s": 1.0, "timeout_s": 1.0},
+        "timeouts": {"read_s": 600.0, "total_s": 1200.0},
+    }
+    if pd_mode is not None:
+        pool["pd"] = {"protocol": "vllm", "mode": pd_mode}
     config = {
         "listen": {"host": "127.0.0.1", "port": port},
         "metrics": {"listen": {"host": "127.0.0.1", "port": 0}},  # any free port: runs side by side
         "policy_file": "policy.yaml",
         "log_level": "warning",
-        "pools": [
-            {
-                "name": "bench",
-                "models": [model],
-                "workers": list(worker_urls),
-                "health": {"interval_s": 1.0, "timeout_s": 1.0},
-                "timeouts": {"read_s": 600.0, "total_s": 1200.0},
-            }
-        ],
+        "pools": [pool],
         "tenants": [
             {"name": t, "api_key_hashes": [hash_api_key(secret, bench_api_key(t))], "isolation": "strict"}
             for t in sorted(set(tenants))
@@ -63,7 +66,7 @@ def build_kvgate_command(
     text = yaml.safe_dump(config, sort_keys=False)
     argv = (sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path))
     return PeerCommand(
-        f"kvgate:{policy}",
+        f"kvgate:{policy}" if pd_mode is None else f"kvgate:{policy}+{pd_mode}",
         policy,
         argv,
         {"KVGATE_KEY_SECRET": BENCH_SECRET},

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from gateway.cli import main
 from loadtest.peers.emulators import EmulatorPool, EmulatorSettings
@@ -116,8 +117,18 @@ def test_bench_runs_kvgate_in_front_of_emulated_workers(tmp_path: Path) -> None:
     out = tmp_path / "out"
     args = ["bench", "routing", "--workload", "gsp", "--workload-arg", "num_groups=2", "--workers", "2"]
     args += ["--workload-arg", "prompts_per_group=3", "--workload-arg", "output_len=4"]
-    args += ["--max-requests", "6", "--routers", "kvgate:round_robin", "--out", str(out), "--quiet"]
-    rc = main(args)
-    summary = json.loads((out / "results.json").read_text())["routers"]["kvgate:round_robin"]
-    assert rc == 0 and summary["status"] == "ok", summary
-    assert summary["n_ok"] == 6 and summary["hit_ratio"] is not None and summary["hit_ratio"] > 0
+    args += ["--max-requests", "6", "--out", str(out), "--quiet"]
+    rc = main([*args, "--routers", "kvgate:round_robin,kvgate:cost+holder_prefill"])
+    routers = json.loads((out / "results.json").read_text())["routers"]
+    assert rc == 0
+    for name in ("kvgate:round_robin", "kvgate:cost+holder_prefill"):
+        summary = routers[name]
+        assert summary["status"] == "ok", summary
+        assert summary["n_ok"] == 6 and summary["hit_ratio"] is not None and summary["hit_ratio"] > 0
+    # `+holder_prefill` gives the pool a vLLM pd section in that mode; the plain router none.
+    pool = yaml.safe_load((out / "logs" / "kvgate_cost+holder_prefill" / "gateway.yaml").read_text())[
+        "pools"
+    ][0]
+    assert pool["pd"] == {"protocol": "vllm", "mode": "holder_prefill"}
+    plain = yaml.safe_load((out / "logs" / "kvgate_round_robin" / "gateway.yaml").read_text())["pools"][0]
+    assert "pd" not in plain

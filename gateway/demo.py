@@ -32,6 +32,7 @@ from gateway.config.pool import HealthConfig, PoolConfig
 from gateway.policy_watch import LoadedPolicy
 from policies.base import Isolation
 from policies.config import PolicyConfig, build_policy
+from policies.pd import HOLDER_PREFILL
 
 EMULATOR_MODULE = "loadtest.emulator"
 _HEALTH_WAIT_S = 30.0
@@ -65,15 +66,20 @@ class DemoWorker:
 
 
 def demo_workers(args: argparse.Namespace) -> list[DemoWorker]:
-    """The workers `--workers N` or `--pd P:D` (with `--pd-protocol`) ask for."""
-    if args.pd is None:
+    """The workers `--workers N` or `--pd P:D` (with `--pd-protocol`) ask for; `--pd
+    holder_prefill` keeps `--workers N` mixed ones (vLLM's protocol only)."""
+    if args.pd == HOLDER_PREFILL and args.pd_protocol != "vllm":
+        raise ConfigError("--pd holder_prefill needs --pd-protocol vllm")
+    if args.pd is None or args.pd == HOLDER_PREFILL:
         if args.workers < 1:
             raise ConfigError("--workers must be at least 1")
         return [DemoWorker(f"worker{i}") for i in range(args.workers)]
     try:
         n_prefill, n_decode = (int(part) for part in args.pd.split(":"))
     except ValueError:
-        raise ConfigError(f"--pd takes P:D, two worker counts (e.g. 1:1), not {args.pd!r}") from None
+        raise ConfigError(
+            f"--pd takes P:D, two worker counts (e.g. 1:1), or holder_prefill, not {args.pd!r}"
+        ) from None
     if n_prefill < 1 or n_decode < 1:
         raise ConfigError("--pd needs at least one prefill and one decode worker")
     sglang = args.pd_protocol == "sglang"
@@ -154,8 +160,10 @@ def demo_config(
     port: int,
     workers: list[DemoWorker] | None = None,
     pd_protocol: str = "vllm",
+    holder_prefill: bool = False,
 ) -> GatewayConfig:
-    """The demo's gateway config; with P/D `workers` (in the order of `urls`), a P/D pool."""
+    """The demo's gateway config; with P/D `workers` (in the order of `urls`), a P/D pool; with
+    `holder_prefill`, mixed workers in that pd mode."""
     roles = {url: w for url, w in zip(urls, workers or [], strict=False)}
     pd = any(w.role != "mixed" for w in roles.values())
     pool = PoolConfig(
@@ -169,6 +177,8 @@ def demo_config(
             bootstrap_ports={u: w.bootstrap_port for u, w in roles.items() if w.bootstrap_port is not None},
         )
         if pd
+        else PdConfig(mode=HOLDER_PREFILL)
+        if holder_prefill
         else None,
         health=HealthConfig(interval_s=1.0, timeout_s=1.0),
     )
@@ -206,10 +216,12 @@ def run_demo(args: argparse.Namespace, serve: Callable[[GatewayConfig, bytes, Lo
             wait_healthy(children)
             urls = [c.url for c in children]
             key_hash = hash_api_key(secret, args.demo_key)
-            config = demo_config(urls, key_hash, host, port, workers, args.pd_protocol)
+            holder = args.pd == HOLDER_PREFILL
+            config = demo_config(urls, key_hash, host, port, workers, args.pd_protocol, holder)
             policy = demo_policy()
+            described = _describe(workers, args.pd_protocol) + (", pd.mode holder_prefill" if holder else "")
             print(
-                f"kvgate demo: {_describe(workers, args.pd_protocol)}, policy {policy.config.policy}\n"
+                f"kvgate demo: {described}, policy {policy.config.policy}\n"
                 f"  base URL: http://{host}:{port}/v1\n"
                 f"  API key:  {args.demo_key}\n"
                 f"  model:    kvgate-demo\n"

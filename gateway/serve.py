@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="P:D",
         default=None,
         help="demo: P prefill and D decode emulated workers (prefill/decode disaggregation), "
-        "instead of --workers mixed ones",
+        "instead of --workers mixed ones; or holder_prefill: --workers mixed ones in that pd mode",
     )
     parser.add_argument(
         "--pd-protocol",

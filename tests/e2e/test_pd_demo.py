@@ -128,3 +128,40 @@ def test_clients_cannot_set_the_transfer_fields(demo: Demo, field: str) -> None:
             model="kvgate-demo", messages=[{"role": "user", "content": "hi"}], extra_body={field: value}
         )
     assert err.value.body is not None and field in str(err.value.body)
+
+
+def test_the_holder_prefill_demo_runs_mixed_workers_in_that_mode() -> None:
+    port, metrics_port = free_port(), free_port()
+    argv = [sys.executable, "-m", "gateway.cli", "serve", "--demo", "--pd", "holder_prefill"]
+    argv += ["--port", str(port), "--metrics-port", str(metrics_port), "--demo-key", KEY]
+    proc = start(argv)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/readyz", proc, timeout_s=60)
+        assert "2 emulated workers, pd.mode holder_prefill" in proc.output()
+        demo = Demo(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics", proc, "vllm")
+        client = openai.OpenAI(base_url=demo.base + "/v1", api_key=KEY, max_retries=0, timeout=30)
+        messages = [{"role": "user", "content": "Explain holder prefill. " * 30}]
+        for _ in range(2):
+            reply = client.chat.completions.create(model="kvgate-demo", messages=messages, max_tokens=4)
+            assert reply.usage is not None and reply.usage.completion_tokens == 4
+        # Nobody holds more of the prompt than the policy's pick: both ran alone, the second on
+        # the holder of the first, with its prompt cached.
+        assert reply.usage.prompt_tokens_details is not None
+        assert reply.usage.prompt_tokens_details.cached_tokens > 0
+        assert metric(demo, "kvgate_pd_skipped_splits_total") == 2
+        assert (
+            'kvgate_pd_skipped_splits_total{pool="demo",reason="policy"} 2.0' in httpx.get(demo.metrics).text
+        )
+    finally:
+        assert proc.stop() == 0
+
+
+def test_holder_prefill_is_refused_with_sglang() -> None:
+    argv = ["serve", "--demo", "--pd", "holder_prefill", "--pd-protocol", "sglang", "--port", "0"]
+    out = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 2 and "needs --pd-protocol vllm" in out.stderr

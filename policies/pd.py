@@ -58,6 +58,7 @@ ALONE_SOONER = "pd_alone_sooner"  # conditional disaggregation: it finishes soon
 ALONE_NO_PAIR = "pd_alone_no_pair"  # no prefill worker, or no decode worker besides it, could take it
 ALONE_UNSPLITTABLE = "pd_alone_unsplittable"  # the request cannot be split (several sequences)
 WHOLE = "pd_whole"  # the route does not generate (embeddings, scores, tokenizer, ...): never split
+HOLDER_HIT = "hit"  # holder_prefill: the prefill leg's reason (the holder of the longest match)
 ALONE_POLICY = "pd_alone_policy"  # holder_prefill: no other worker holds more of it than the policy's pick
 PdMode = Literal["pairs", "holder_prefill"]
 PAIRS: PdMode = "pairs"  # every option scored (the module docstring's two formulas)
@@ -289,7 +290,7 @@ class PdRouter:
         if best is None or best.score_s <= alone_s + s.tie_s:
             return PdDecision(None, pick, pick.score_s, ALONE_SOONER if best is not None else ALONE_NO_PAIR)
         first = RouteDecision(
-            top.worker_id, prefill_s, pick.reason, scorer.request_tokens(top_held), pick.shared_prefix_blocks
+            top.worker_id, prefill_s, HOLDER_HIT, scorer.request_tokens(top_held), pick.shared_prefix_blocks
         )
         # The policy noted its pick's predicted queue for calibration; the first leg runs on the holder.
         cost.note_dispatch(req.request_id, cost.queue_s(top, scorer.n - top_held), top_held)

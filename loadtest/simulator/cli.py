@@ -104,6 +104,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="--pd: weight of the delay a prefill on a decode worker adds to its decodes (default 1)",
     )
     parser.add_argument(
+        "--pd-holder-share",
+        type=float,
+        default=0.5,
+        help="--pd holder_prefill: the share of the prompt a worker must hold to prefill a request "
+        "the policy sent elsewhere (pd.holder_share, default 0.5)",
+    )
+    parser.add_argument(
         "--arrival-spread-s",
         type=float,
         default=0.0,
@@ -220,14 +227,21 @@ def pd_split(text: str | None) -> tuple[int, int] | None:
 
 def _pd_sim(args: argparse.Namespace, profile: StepProfile, split: tuple[int, int] | None) -> PdSim | None:
     if args.pd == HOLDER_PREFILL:
-        return vllm_pd_sim(0, profile, args.seed, args.pd_conditional, args.pd_interference_weight)
+        return vllm_pd_sim(
+            0, profile, args.seed, args.pd_conditional, args.pd_interference_weight, args.pd_holder_share
+        )
     if split is None:
         return None
     return vllm_pd_sim(split[0], profile, args.seed, args.pd_conditional, args.pd_interference_weight)
 
 
 def vllm_pd_sim(
-    n_prefill: int, profile: StepProfile, seed: int, conditional: bool, interference_weight: float = 1.0
+    n_prefill: int,
+    profile: StepProfile,
+    seed: int,
+    conditional: bool,
+    interference_weight: float = 1.0,
+    holder_share: float = 0.5,
 ) -> PdSim:
     """The P/D side of the loop: the gateway's pair chooser over vLLM roles (the first `n_prefill`
     workers prefill; with none, every worker is mixed and the chooser is in `holder_prefill`
@@ -240,6 +254,7 @@ def vllm_pd_sim(
         transfer_bandwidth_bytes_per_s=profile.kv_transfer_bytes_per_s,
         conditional=conditional,
         interference_weight=interference_weight,
+        holder_share=holder_share,
         mode=HOLDER_PREFILL if n_prefill == 0 else PAIRS,
     )
 
@@ -260,6 +275,8 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError("--rate-scale must be positive")
     if args.sync_delay_ms < 0 or args.arrival_spread_s < 0:
         raise UsageError("--sync-delay-ms and --arrival-spread-s must be >= 0")
+    if not 0 <= args.pd_holder_share < 1:
+        raise UsageError("--pd-holder-share must be in [0, 1)")
     profile = load_profile(args.profile)
     pd = _pd_sim(args, profile, split)
     policy, policy_name = _policy(args)
@@ -347,6 +364,7 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         "pd": args.pd,
         "pd_conditional": args.pd_conditional if split is not None else None,
         "pd_interference_weight": args.pd_interference_weight if split is not None else None,
+        "pd_holder_share": args.pd_holder_share if args.pd == HOLDER_PREFILL else None,
         "gateways": args.gateways,
         "sync": args.sync,
         "sync_delay_ms": args.sync_delay_ms if args.sync == "broker" else None,

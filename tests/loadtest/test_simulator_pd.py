@@ -182,9 +182,11 @@ def test_simulate_pd_from_the_command_line(tmp_path: Path) -> None:
 
 def test_simulate_holder_prefill_from_the_command_line(tmp_path: Path) -> None:
     out = tmp_path / "hp.json"
-    assert main(["simulate", *SMALL_GSP, "--pd", "holder_prefill", "--json", str(out)]) == 0
+    argv = ["simulate", *SMALL_GSP, "--pd", "holder_prefill", "--pd-holder-share", "0.25"]
+    assert main([*argv, "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["config"]["workers"] == 2 and doc["config"]["pd"] == "holder_prefill"
+    assert doc["config"]["pd_holder_share"] == 0.25
     summary = doc["summary"]
     assert summary["n_rejected"] == 0
     assert summary["pd"]["splits"] + sum(summary["pd"]["alone"].values()) == summary["n_requests"]
@@ -194,3 +196,8 @@ def test_simulate_holder_prefill_from_the_command_line(tmp_path: Path) -> None:
 def test_a_bad_pd_split_is_refused(spec: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", *SMALL_GSP, "--pd", spec]) == 2
     assert "--pd" in capsys.readouterr().err
+
+
+def test_a_holder_share_outside_0_1_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", *SMALL_GSP, "--pd", "holder_prefill", "--pd-holder-share", "1"]) == 2
+    assert "--pd-holder-share" in capsys.readouterr().err

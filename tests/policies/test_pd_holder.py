@@ -56,7 +56,7 @@ def test_a_session_moved_off_its_busy_holder_is_prefilled_there_and_decoded_else
     decision = holder_router().select(strict_guard_with(TURN1, "m1"), r, mixed(m1_load=2), 1.0)
     assert decision is not None and decision.reason == SPLIT
     assert decision.prefill is not None and decision.prefill.worker == "m1"
-    assert decision.prefill.matched_tokens == 300 * 16
+    assert decision.prefill.matched_tokens == 300 * 16 and decision.prefill.reason == "hit"
     assert decision.decode.worker in ("m0", "m2")
     # The decode worker holds none of it: the whole prompt moves.
     assert decision.transfer_tokens == r.n_prompt_tokens

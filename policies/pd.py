@@ -275,17 +275,16 @@ class PdRouter:
         prefill = [w for w in ok if w.role in s.roles.prefill]
         top = max(prefill, key=lambda w: held.get(w.worker_id, 0), default=None)
         top_held = 0 if top is None else held.get(top.worker_id, 0)
-        if top is None or top_held <= max(held.get(view.worker_id, 0), s.holder_share * scorer.n):
+        picked = held.get(view.worker_id, 0)
+        if top is None or top_held <= max(picked, s.holder_share * scorer.n):
             return PdDecision(None, pick, pick.score_s, ALONE_POLICY)
-        alone_s = scorer.prefill_s(view, held.get(view.worker_id, 0)) - scorer.decode_s(view)
+        alone_s = scorer.prefill_s(view, picked) - scorer.decode_s(view)
         prefill_s = scorer.prefill_s(top, top_held)
-        options = [
-            _Option(
-                prefill_s + scorer.split_s(d, held.get(d.worker_id, 0)), d, held.get(d.worker_id, 0), True
-            )
-            for d in ok
-            if d.role in s.roles.decode and d.worker_id != top.worker_id
-        ]
+        options: list[_Option] = []
+        for d in ok:
+            if d.role in s.roles.decode and d.worker_id != top.worker_id:
+                h = held.get(d.worker_id, 0)
+                options.append(_Option(prefill_s + scorer.split_s(d, h), d, h, True))
         best = max(options, key=lambda o: o.score_s, default=None)
         if best is None or best.score_s <= alone_s + s.tie_s:
             return PdDecision(None, pick, pick.score_s, ALONE_SOONER if best is not None else ALONE_NO_PAIR)

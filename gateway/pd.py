@@ -9,20 +9,23 @@ first round waits in the pool's queue, a retry does not.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Mapping
 from typing import Any
 
 from gateway.admission import Admitted
-from gateway.errors import RawResponse, error_response
+from gateway.errors import RawResponse
 from gateway.failure import Failure
 from gateway.lifecycle import Lifecycle
 from gateway.outcome import Attempt, finish
 from gateway.pd_pairs import PdRun, Response
+from gateway.responses_affinity import pinned_decision
+from gateway.retries import advice, attempts_allowed
 from gateway.routing import Routing
 from gateway.transport import Transport
 from policies.base import Outcome
-from policies.pd import PdDecision, PdRouter
+from policies.pd import WHOLE, PdDecision, PdRouter
 
 _ALONE_PREFIX = "pd_alone_"
 
@@ -42,6 +45,13 @@ async def dispatch_pd(
     whole = not a.api.pd_split
     split = not (whole or responses_on_vllm) and splittable(a.forward)
     run = PdRun(a, routing, transport, lifecycle, attempts, pd, splittable=split, whole=whole)
+    if a.pinned is None:
+        # Synced gateways in a burst: a long prefill waits for peers' same-instant choices, as
+        # in a pool without roles (`proxy._dispatch`).
+        hold_s = routing.hold_s(a.route, time.monotonic())
+        if hold_s > 0:
+            a.held_s = hold_s
+            await asyncio.sleep(hold_s)
     try:
         return await _rounds(run, router)
     except BaseException:
@@ -78,7 +88,9 @@ async def _rounds(run: PdRun, router: PdRouter) -> Response:
     is the request's answer, and the held verdicts on workers are settled once."""
     a, routing = run.a, run.routing
     pool = a.pool
-    for n in range(pool.config.retry_attempts + 1):
+    # The client's own retries count against the pool's budget, as in `proxy._attempts`.
+    rounds = 0  # rounds sent to workers
+    for n in range(attempts_allowed(pool.config.retry_attempts, a.retries_taken)):
         routed = await _choose(run, router, n == 0)
         if isinstance(routed, Failure):
             run.failure = routed  # the pool's queue turned it away
@@ -95,6 +107,7 @@ async def _rounds(run: PdRun, router: PdRouter) -> Response:
                 a.request_id, a.route, decision, views, routing.policy, now_s, transfer_s
             )
         _count(run, decision)
+        rounds += 1
         if decision.prefill is None:
             result = await run.alone(decision.decode)
         elif run.pd.protocol == "vllm":
@@ -124,7 +137,9 @@ async def _rounds(run: PdRun, router: PdRouter) -> Response:
         retries=retries,
         error=failure.message,
     )
-    return error_response(failure.error(), a.reply_id)
+    response = a.api.dialect.error_response(failure.error(), a.reply_id)
+    response.headers += advice(rounds, pool.config.retry_attempts, a.retries_taken)
+    return response
 
 
 async def _choose(run: PdRun, router: PdRouter, first: bool) -> tuple[PdDecision | None, float] | Failure:
@@ -134,6 +149,11 @@ async def _choose(run: PdRun, router: PdRouter, first: bool) -> tuple[PdDecision
     pool = a.pool
     excluded = frozenset(run.excluded)
     splittable, whole = run.splittable, run.whole
+    if a.pinned is not None:
+        # A Responses follow-up: only the worker holding its state can answer, alone.
+        now_s = time.monotonic()
+        pinned = pinned_decision(a.pinned, pool.views(now_s, excluded))
+        return (None if pinned is None else PdDecision(None, pinned, 0.0, WHOLE)), now_s
 
     def choose(now_s: float) -> PdDecision | None:
         views = pool.views(now_s, excluded)

@@ -20,6 +20,7 @@ GET /_log on any port returns what that port received (request id, body, headers
 named by the body's `user` field when the test set one, else by the request id the gateway sent),
 how many distinct connections its completions came on, and the method, path, `Authorization` and
 `User-Agent` of every other request (health checks, metric scrapes; the last 200).
+POST /v1/messages is served as chat completions are: only its failure modes are meant for it.
 """
 
 from __future__ import annotations
@@ -342,6 +343,7 @@ def make_app(port: Port) -> web.Application:
     app.router.add_get("/_release", release)
     app.router.add_post("/v1/chat/completions", infer)
     app.router.add_post("/v1/completions", infer)
+    app.router.add_post("/v1/messages", infer)
     return app
 
 

@@ -166,8 +166,15 @@ class PoolConfig(Frozen):
             raise ValueError("a worker URL is listed twice (workers, prefill_workers, decode_workers)")
         if (self.prefill_workers or self.decode_workers) and self.pd is None:
             raise ValueError("prefill_workers and decode_workers need a 'pd' section (the wire protocol)")
-        # In holder_prefill mode every worker is mixed, so discovery need not know roles.
-        needs_roles = self.pd is not None and self.pd.mode == "pairs"
+        # In holder_prefill mode every worker is mixed, so discovery need not know roles, and a
+        # prefill or decode worker would take no part (a prefill one never runs a request, a
+        # decode one never holds a prompt the chooser can use).
+        holder = self.pd is not None and self.pd.mode == "holder_prefill"
+        if holder and (self.prefill_workers or self.decode_workers):
+            raise ValueError("pd.mode holder_prefill takes mixed workers only: list them under 'workers'")
+        if holder and self.kubernetes is not None and self.kubernetes.role_label is not None:
+            raise ValueError("pd.mode holder_prefill takes mixed workers only: drop kubernetes.role_label")
+        needs_roles = self.pd is not None and not holder
         if needs_roles and self.dns is not None:
             raise ValueError("pd: DNS discovery knows no roles; list prefill_workers and decode_workers")
         k8s = self.kubernetes

@@ -77,6 +77,14 @@ def test_a_rediscovered_static_pool_keeps_its_roles_and_discovery_labels_win() -
         ({"decode_workers": ["127.0.0.1:2"], "pd": {}}, "must start with http"),
         ({"workers": [P], "pd": {"protocol": "sglang", "mode": "holder_prefill"}}, "needs protocol vllm"),
         ({"workers": [P], "pd": {"mode": "holder_prefill", "holder_share": 1}}, "pools.0.pd.holder_share"),
+        ({"workers": [M], "decode_workers": [D], "pd": {"mode": "holder_prefill"}}, "mixed workers only"),
+        (
+            {
+                "kubernetes": {"selector": "app=w", "port": 80, "role_label": "r"},
+                "pd": {"mode": "holder_prefill"},
+            },
+            "drop kubernetes.role_label",
+        ),
     ],
 )
 def test_bad_pd_sections_name_the_problem(pool: dict[str, Any], message: str) -> None:

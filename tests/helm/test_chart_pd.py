@@ -116,6 +116,8 @@ def test_pools_without_pd_render_as_before() -> None:
         ),
         ({"workers": ROLES, "pd": {"protocol": "nixl"}}, "/pd/protocol"),
         ({"workers": ROLES, "pd": {"mode": "always"}}, "/pd/mode"),
+        ({"workers": ROLES, "pd": {"mode": "holder_prefill"}}, "takes mixed workers only"),
+        ({"workers": {"kubernetes": KUBE}, "pd": {"mode": "holder_prefill"}}, "takes mixed workers only"),
         ({"workers": ROLES, "pd": {"holderShare": 1}}, "/pd/holderShare"),
         ({"workers": ROLES, "pd": {"transfer": {"bandwidth": 1}}}, "additional properties 'bandwidth'"),
         ({"workers": ROLES, "pd": {"bootstrapPorts": {"10.0.1.1": 9000}}}, "invalid propertyName '10.0.1.1'"),

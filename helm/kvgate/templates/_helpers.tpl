@@ -151,7 +151,11 @@ value below preStop + deadline + 10 would let the kubelet kill a pod still drain
 {{- fail (printf "pools[%d] (%s): workers.prefillUrls and workers.decodeUrls need the pool's pd block (at least pd.protocol)" $i $p.name) }}
 {{- end }}
 {{- /* pd.mode holder_prefill keeps every worker mixed: discovery need not know roles. */}}
-{{- $roles := and $pd (ne (default "pairs" $p.pd.mode) "holder_prefill") }}
+{{- $holder := and $pd (eq (default "pairs" $p.pd.mode) "holder_prefill") }}
+{{- $roles := and $pd (not $holder) }}
+{{- if and $holder (or $w.prefillUrls $w.decodeUrls (and $w.kubernetes $w.kubernetes.roleLabel)) }}
+{{- fail (printf "pools[%d] (%s): pd.mode holder_prefill takes mixed workers only: use workers.urls, dns or kubernetes without roleLabel" $i $p.name) }}
+{{- end }}
 {{- if and $roles $w.dns }}
 {{- fail (printf "pools[%d] (%s): pd: DNS discovery knows no roles; list workers.prefillUrls and workers.decodeUrls, or use workers.kubernetes with roleLabel" $i $p.name) }}
 {{- end }}

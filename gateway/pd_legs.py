@@ -175,6 +175,8 @@ async def prefill_leg(
     stage = Stage.HEAD
     try:
         source = await proxy._open(transport, a, attempt)
+        if attempt.trace is not None:
+            attempt.trace.status = source.status
         if source.status >= 500:
             source.close()
             return worker_status(source.status, source.retry_hints)
@@ -216,6 +218,8 @@ async def decode_leg(
     stage = Stage.HEAD
     try:
         source = await proxy._open(transport, a, attempt)
+        if attempt.trace is not None:
+            attempt.trace.status = source.status
         if source.status >= 500:
             source.close()
             return TransferFailed(worker_status(source.status, source.retry_hints), "decode_error")

@@ -117,6 +117,8 @@ class PdRun:
             reserved.take()
         worker.acquire(a.route.n_prompt_tokens, a.max_output_tokens, now_s, decision.matched_tokens)
         attempt = Attempt(a, worker, decision.reason, now_s, decision, body=body)
+        if routing.tracer is not None:
+            attempt.trace = proxy._start_trace(routing, a, attempt)  # each leg's CLIENT span
         self.attempts.append(attempt)
         return attempt
 
@@ -139,6 +141,8 @@ class PdRun:
         told otherwise) and try another round."""
         reason = failure.retry or failure.code
         self.routing.metrics.pd_leg_failures.labels(self.a.pool.name, role, reason).inc()
+        if attempt.trace is not None:
+            attempt.trace.error_type = reason
         if failure.answered and outcome is None and attempt.worker.breaker.closed:
             attempt.end(self.routing, failure.outcome, judged=False)
             self.verdicts.hold(attempt.worker)

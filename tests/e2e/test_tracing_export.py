@@ -18,6 +18,7 @@ from tests.e2e.harness import (
     Proc,
     free_port,
     start,
+    start_emulator,
     start_fake_workers,
     tenant,
     wait_http,
@@ -40,6 +41,12 @@ class Traced:
 
 @pytest.fixture()
 def traced(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Traced]:
+    # The SDK's default batch delay (5 s) unless the test asks for one longer than the run.
+    delay_ms, pd = getattr(request, "param", (5000, None))
+    yield from _traced(tmp_path, delay_ms, pd)
+
+
+def _traced(tmp_path: Path, delay_ms: int, pd: dict[str, str] | None) -> Iterator[Traced]:
     worker_port, gw_port = free_port(), free_port()
     receiver = OtlpReceiver()
     fake = start_fake_workers({worker_port: "ok"})
@@ -48,7 +55,7 @@ def traced(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Traced]:
         worker_url = f"http://127.0.0.1:{worker_port}"
         config = write_gateway_config(
             tmp_path / "gateway.yaml",
-            [{"name": "p", "models": ["m"], "workers": [worker_url]}],
+            [{"name": "p", "models": ["m"], "workers": [worker_url], **({"pd": pd} if pd else {})}],
             [tenant("acme", "sk-acme")],
             tracing={"enabled": True},
         )
@@ -59,8 +66,7 @@ def traced(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Traced]:
             "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
             "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=e2e",
             "OTEL_TRACES_SAMPLER": "parentbased_always_on",
-            # The SDK's default batch delay (5 s) unless the test asks for one longer than the run.
-            "OTEL_BSP_SCHEDULE_DELAY": str(getattr(request, "param", 5000)),
+            "OTEL_BSP_SCHEDULE_DELAY": str(delay_ms),
         }
         argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port", str(gw_port)]
         gateway = start(argv, env=env)
@@ -119,6 +125,8 @@ def _worker_traceparent(worker_url: str) -> str | None:
     return value
 
 
+# A prefill/decode pool's request run on one worker alone is traced as in a plain pool.
+@pytest.mark.parametrize("traced", [(5000, None), (5000, {"mode": "holder_prefill"})], indirect=True)
 def test_spans_reach_the_receiver_within_15_s_and_the_worker_joins_the_trace(traced: Traced) -> None:
     assert _chat(traced.base_url, stream=False).status_code == 200
     spans = traced.receiver.wait_for(_request_spans, timeout_s=15.0)
@@ -126,7 +134,7 @@ def test_spans_reach_the_receiver_within_15_s_and_the_worker_joins_the_trace(tra
     _check(spans, traced.worker_url, _worker_traceparent(traced.worker_url))
 
 
-@pytest.mark.parametrize("traced", [600_000], indirect=True)  # a 10-minute batch delay
+@pytest.mark.parametrize("traced", [(600_000, None)], indirect=True)  # a 10-minute batch delay
 def test_a_streams_spans_are_flushed_at_shutdown(traced: Traced) -> None:
     resp = _chat(traced.base_url, stream=True)
     assert resp.status_code == 200 and resp.text.endswith("data: [DONE]\n\n")
@@ -136,3 +144,65 @@ def test_a_streams_spans_are_flushed_at_shutdown(traced: Traced) -> None:
     spans = traced.receiver.wait_for(_request_spans, timeout_s=15.0)
     assert traced.gateway.popen.wait(15) == 0
     _check(spans, traced.worker_url, traceparent)
+
+
+def test_a_split_request_has_a_client_span_per_leg(tmp_path: Path) -> None:
+    receiver = OtlpReceiver()
+    procs: list[Proc] = []
+    gateway: Proc | None = None
+    try:
+        urls = []
+        for role in ("prefill", "decode"):
+            url, proc = start_emulator("--host", "127.0.0.1", "--model", "m", "--role", role)
+            urls.append(url)
+            procs.append(proc)
+        pool = {"name": "p", "models": ["m"], "prefill_workers": urls[:1], "decode_workers": urls[1:]}
+        config = write_gateway_config(
+            tmp_path / "gateway.yaml",
+            [{**pool, "pd": {"protocol": "vllm"}}],
+            [tenant("acme", "sk-acme")],
+            tracing={"enabled": True},
+        )
+        env = {
+            "KVGATE_KEY_SECRET": SECRET.decode(),
+            "OTEL_TRACES_EXPORTER": "otlp",
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+            "OTEL_BSP_SCHEDULE_DELAY": "200",
+        }
+        port = free_port()
+        argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port", str(port)]
+        gateway = start(argv, env=env)
+        wait_http(f"http://127.0.0.1:{port}/readyz", gateway)
+        body = {
+            "model": "m",
+            "messages": [{"role": "user", "content": "a private question " * 40}],
+            "stream": True,
+        }
+        headers = {"authorization": "Bearer sk-acme", "traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01"}
+        resp = httpx.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions", json=body, headers=headers, timeout=30
+        )
+        assert resp.status_code == 200
+
+        def both_legs(spans: list[ReceivedSpan]) -> bool:
+            return sum(s.span.kind == CLIENT for s in spans) == 2 and any(
+                s.span.kind == SERVER for s in spans
+            )
+
+        spans = receiver.wait_for(both_legs, timeout_s=15.0)
+        (server,) = [s for s in spans if s.span.kind == SERVER]
+        legs = {s.attributes["kvgate.route.worker"]: s for s in spans if s.span.kind == CLIENT}
+        assert set(legs) == set(urls)
+        for leg in legs.values():
+            assert leg.trace_id == TRACE_ID and leg.parent_span_id == server.span_id
+            assert leg.attributes["http.response.status_code"] == 200
+        # The prefill leg answers one token, the decode leg the answer.
+        assert legs[urls[0]].attributes["gen_ai.usage.output_tokens"] == 1
+        assert legs[urls[1]].attributes["gen_ai.usage.output_tokens"] > 1
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        for proc in procs:
+            proc.stop()
+        receiver.stop()

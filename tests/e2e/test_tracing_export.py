@@ -46,6 +46,20 @@ def traced(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Traced]:
     yield from _traced(tmp_path, delay_ms, pd)
 
 
+def _otel_env(receiver: OtlpReceiver, delay_ms: int) -> dict[str, str]:
+    """The gateway's environment: its key secret, and the SDK exporting to `receiver` in
+    batches every `delay_ms`."""
+    return {
+        "KVGATE_KEY_SECRET": SECRET.decode(),
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+        "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=e2e",
+        "OTEL_TRACES_SAMPLER": "parentbased_always_on",
+        "OTEL_BSP_SCHEDULE_DELAY": str(delay_ms),
+    }
+
+
 def _traced(tmp_path: Path, delay_ms: int, pd: dict[str, str] | None) -> Iterator[Traced]:
     worker_port, gw_port = free_port(), free_port()
     receiver = OtlpReceiver()
@@ -59,15 +73,7 @@ def _traced(tmp_path: Path, delay_ms: int, pd: dict[str, str] | None) -> Iterato
             [tenant("acme", "sk-acme")],
             tracing={"enabled": True},
         )
-        env = {
-            "KVGATE_KEY_SECRET": SECRET.decode(),
-            "OTEL_TRACES_EXPORTER": "otlp",
-            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
-            "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
-            "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=e2e",
-            "OTEL_TRACES_SAMPLER": "parentbased_always_on",
-            "OTEL_BSP_SCHEDULE_DELAY": str(delay_ms),
-        }
+        env = _otel_env(receiver, delay_ms)
         argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port", str(gw_port)]
         gateway = start(argv, env=env)
         wait_http(f"http://127.0.0.1:{gw_port}/readyz", gateway)
@@ -163,13 +169,7 @@ def test_a_split_request_has_a_client_span_per_leg(tmp_path: Path) -> None:
             [tenant("acme", "sk-acme")],
             tracing={"enabled": True},
         )
-        env = {
-            "KVGATE_KEY_SECRET": SECRET.decode(),
-            "OTEL_TRACES_EXPORTER": "otlp",
-            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
-            "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
-            "OTEL_BSP_SCHEDULE_DELAY": "200",
-        }
+        env = _otel_env(receiver, 200)
         port = free_port()
         argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port", str(port)]
         gateway = start(argv, env=env)

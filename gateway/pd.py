@@ -9,7 +9,6 @@ first round waits in the pool's queue, a retry does not.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -20,6 +19,7 @@ from gateway.failure import Failure
 from gateway.lifecycle import Lifecycle
 from gateway.outcome import Attempt, finish
 from gateway.pd_pairs import PdRun, Response
+from gateway.proxy import hold_for_peers
 from gateway.responses_affinity import pinned_decision
 from gateway.retries import advice, attempts_allowed
 from gateway.routing import Routing
@@ -45,13 +45,7 @@ async def dispatch_pd(
     whole = not a.api.pd_split
     split = not (whole or responses_on_vllm) and splittable(a.forward)
     run = PdRun(a, routing, transport, lifecycle, attempts, pd, splittable=split, whole=whole)
-    if a.pinned is None:
-        # Synced gateways in a burst: a long prefill waits for peers' same-instant choices, as
-        # in a pool without roles (`proxy._dispatch`).
-        hold_s = routing.hold_s(a.route, time.monotonic())
-        if hold_s > 0:
-            a.held_s = hold_s
-            await asyncio.sleep(hold_s)
+    await hold_for_peers(a, routing)  # as in a pool without roles
     try:
         return await _rounds(run, router)
     except BaseException:

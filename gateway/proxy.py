@@ -81,15 +81,20 @@ async def dispatch(
         return a.api.dialect.error_response(err, a.reply_id)
 
 
-async def _dispatch(
-    a: Admitted, routing: Routing, transport: Transport, lifecycle: Lifecycle, attempts: list[Attempt]
-) -> RawResponse | ProxyStream:
+async def hold_for_peers(a: Admitted, routing: Routing) -> None:
+    """Synced gateways in a burst: a long prefill waits for peers' same-instant choices (a
+    Responses follow-up, bound to its worker, does not)."""
     if a.pinned is None:
-        # Synced gateways in a burst: a long prefill waits for peers' same-instant choices.
         hold_s = routing.hold_s(a.route, time.monotonic())
         if hold_s > 0:
             a.held_s = hold_s
             await asyncio.sleep(hold_s)
+
+
+async def _dispatch(
+    a: Admitted, routing: Routing, transport: Transport, lifecycle: Lifecycle, attempts: list[Attempt]
+) -> RawResponse | ProxyStream:
+    await hold_for_peers(a, routing)
     verdicts = HeldVerdicts()  # the workers that answered this request with a 5xx
     try:
         return await _attempts(a, routing, transport, lifecycle, attempts, verdicts)

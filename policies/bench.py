@@ -10,6 +10,8 @@ does for the workers whose counters moved since its last decision (`cost` re-rea
 `--prefill-progress X` times `cost` with that `prefill_progress` (`CostModel.prefill_remaining`):
 every worker with a backlog then carries the time it started, up to a second before the timed
 decisions, so most backlogs have drained in part and some wholly.
+`--pd-holder` also times `cost` as a `pd.mode: holder_prefill` pool decides with it
+(`policies.pd.PdRouter`, the row `cost+holder_prefill`).
 """
 
 from __future__ import annotations
@@ -23,14 +25,16 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import xxhash
 
 from policies.base import Observation, RouteRequest, RoutingPolicy, WorkerId, WorkerView
 from policies.cost_params import CostModelParams
 from policies.index import IndexConfig
+from policies.pd import HOLDER_PREFILL, PdRouter, PdSettings
 from policies.pools import PoolSettings
 from policies.prefix_policy import SharedSettings
 from policies.registry import make_policy
@@ -83,6 +87,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="the cost model's prefill_progress for `cost` (default 0: backlogs stay whole); above 0 the"
         " views' backlogs carry when they started",
+    )
+    parser.add_argument(
+        "--pd-holder",
+        action="store_true",
+        help="also time `cost` through the pd.mode holder_prefill chooser (row cost+holder_prefill)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated keys (default 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -160,11 +169,14 @@ def _fill(
             policy.on_complete(Observation(part, d.worker, prompt_tokens=part.n_prompt_tokens), 0.0)
 
 
+Decide = Callable[[RouteRequest, Sequence[WorkerView], float], object]
+
+
 def _time(
-    policy: RoutingPolicy, prompt: RouteRequest, views: Sequence[WorkerView], repeats: int, changed: int = 0
+    decide: Decide, prompt: RouteRequest, views: Sequence[WorkerView], repeats: int, changed: int = 0
 ) -> list[float]:
     for _ in range(min(50, repeats)):
-        policy.select(prompt, views, 1.0)
+        decide(prompt, views, 1.0)
     samples = []
     clock = time.perf_counter_ns
     views = list(views)
@@ -180,7 +192,7 @@ def _time(
             for i in rng.sample(range(len(views)), changed):
                 views[i] = dataclasses.replace(views[i])
             t0 = clock()
-            policy.select(prompt, views, 1.0)
+            decide(prompt, views, 1.0)
             samples.append((clock() - t0) / 1000.0)
     finally:
         gc.enable()
@@ -218,9 +230,14 @@ def measure(args: argparse.Namespace) -> list[Timing]:
                 if args.miss
                 else prompt
             )
-            samples = sorted(_time(policy, measured, views, args.repeats, args.changed_views))
-            p99 = samples[min(len(samples) - 1, int(0.99 * len(samples)))]
-            results.append(Timing(name, prompt.n_prompt_tokens, statistics.median(samples), p99))
+            rows: list[tuple[str, Decide]] = [(name, policy.select)]
+            if name == "cost" and args.pd_holder:
+                router = PdRouter(PdSettings(mode=HOLDER_PREFILL))
+                rows.append((f"{name}+holder_prefill", partial(router.select, policy)))
+            for label, decide in rows:
+                samples = sorted(_time(decide, measured, views, args.repeats, args.changed_views))
+                p99 = samples[min(len(samples) - 1, int(0.99 * len(samples)))]
+                results.append(Timing(label, prompt.n_prompt_tokens, statistics.median(samples), p99))
     return results
 
 
@@ -248,6 +265,7 @@ def run(args: argparse.Namespace) -> int:
         "miss": args.miss,
         "changed_views": args.changed_views,
         **({"prefill_progress": args.prefill_progress} if args.prefill_progress > 0 else {}),
+        **({"pd_holder": True} if args.pd_holder else {}),
         "git_sha": _git_sha(),
         "python": sys.version.split()[0],
     }

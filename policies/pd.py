@@ -44,7 +44,7 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, cast, runtime_checkable
 
 from policies.base import Role, RouteDecision, RouteRequest, RoutingPolicy, WorkerId, WorkerView
 from policies.cost_model import CostModel
@@ -184,6 +184,9 @@ class PdRouter:
         self.settings = settings
         self._rng = random.Random(seed)
         self._default_cost = CostModel(CostModelParams())
+        # Whether each policy class answers P/D questions: a runtime Protocol check walks the
+        # protocol's attributes, too slow to repeat at every decision.
+        self._holder_types: dict[type, bool] = {}
 
     def select(
         self,
@@ -203,8 +206,8 @@ class PdRouter:
         generation alone, or with none free to another of `PdRoles.whole`. The decision is not
         yet dispatched: the caller tells the policy of each half it sends."""
         s = self.settings
-        if holder is None and isinstance(policy, PrefixHolder):
-            holder = policy
+        if holder is None and self._is_holder(policy):
+            holder = cast(PrefixHolder, policy)
         ok = available(workers)
         splittable = splittable and not whole
         if s.mode == HOLDER_PREFILL:
@@ -243,6 +246,12 @@ class PdRouter:
         else:
             reason = SPLIT
         return self._decision(req, prefill[0] if prefill else None, chosen, cost, scorer, reason)
+
+    def _is_holder(self, policy: RoutingPolicy) -> bool:
+        known = self._holder_types.get(type(policy))
+        if known is None:
+            known = self._holder_types[type(policy)] = isinstance(policy, PrefixHolder)
+        return known
 
     def _holder_prefill(
         self,

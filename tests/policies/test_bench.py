@@ -65,6 +65,20 @@ def test_bench_decision_times_cost_with_prefill_progress(capsys: pytest.CaptureF
     assert bench.run(_args("--prefill-progress", "1.5")) == 2
 
 
+def test_bench_decision_times_cost_through_the_holder_prefill_chooser(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = _args(
+        "--workers", "8", "--repeats", "5", "--background-prompts", "10", "--prompt-tokens", "64",
+        "--policies", "round_robin", "cost", "--pd-holder", "--json",
+    )  # fmt: skip
+    assert bench.run(args) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["config"]["pd_holder"] is True
+    assert [r["policy"] for r in doc["results"]] == ["round_robin", "cost", "cost+holder_prefill"]
+    assert all(r["median_us"] > 0 for r in doc["results"])
+
+
 def test_bench_views_carry_backlog_starts_before_the_timed_decisions() -> None:
     views = bench._views(random.Random(0), 64)
     started = bench._started(0, views)

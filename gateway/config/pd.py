@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator, model_validator
 
 from gateway.config.base import Frozen, PositiveFloat, PositiveInt
+from policies.pd import HOLDER_PREFILL, PAIRS, PdMode
 
 
 class PdTransferConfig(Frozen):
@@ -38,12 +39,12 @@ class PdConfig(Frozen):
     # request runs where the routing policy sends it, unless another worker holds more of its
     # prompt, and over `holder_share` of it; then that worker prefills and the best other worker
     # decodes, when that is predicted to finish sooner.
-    mode: Literal["pairs", "holder_prefill"] = "pairs"
+    mode: PdMode = PAIRS
     holder_share: float = Field(default=0.5, ge=0, lt=1)
 
     @model_validator(mode="after")
     def _holder_protocol(self) -> PdConfig:
-        if self.mode == "holder_prefill" and self.protocol != "vllm":
+        if self.mode == HOLDER_PREFILL and self.protocol != "vllm":
             raise ValueError(
                 "pd.mode holder_prefill needs protocol vllm: an SGLang mixed server takes no part in a split"
             )

@@ -15,6 +15,7 @@ from gateway.config.pd import PdConfig
 from gateway.config.queue import QueueConfig
 from gateway.k8s.config import KubernetesDiscoveryConfig
 from gateway.upstream_headers import check_worker_key, forwardable_name
+from policies.pd import HOLDER_PREFILL
 from prompt_normalizer.normalizer import NormalizerConfig
 
 
@@ -169,7 +170,7 @@ class PoolConfig(Frozen):
         # In holder_prefill mode every worker is mixed, so discovery need not know roles, and a
         # prefill or decode worker would take no part (a prefill one never runs a request, a
         # decode one never holds a prompt the chooser can use).
-        holder = self.pd is not None and self.pd.mode == "holder_prefill"
+        holder = self.pd is not None and self.pd.mode == HOLDER_PREFILL
         if holder and (self.prefill_workers or self.decode_workers):
             raise ValueError("pd.mode holder_prefill takes mixed workers only: list them under 'workers'")
         if holder and self.kubernetes is not None and self.kubernetes.role_label is not None:

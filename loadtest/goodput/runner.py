@@ -28,7 +28,6 @@ from loadtest.simulator.summary import summarize
 from loadtest.traces.load import load_trace
 from loadtest.workloads.records import WorkloadRequest, scale_arrivals
 from policies.config import build_policy
-from policies.pd import HOLDER_PREFILL
 from policies.registry import make_policy
 
 
@@ -137,11 +136,8 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 def pd_sim(entry: PolicyEntry, profile: StepProfile, seed: int) -> PdSim | None:
-    """The P/D side of the loop for a split row, wired as `kvgate simulate --pd` wires it."""
-    if entry.pd == HOLDER_PREFILL:
-        return vllm_pd_sim(0, profile, seed, entry.pd_conditional)
-    split = entry.split()
-    return None if split is None else vllm_pd_sim(split[0], profile, seed, entry.pd_conditional)
+    """The P/D side of the loop for a row with `pd`, wired as `kvgate simulate --pd` wires it."""
+    return vllm_pd_sim(entry.pd, profile, seed, entry.pd_conditional)
 
 
 def run_point(

@@ -225,28 +225,21 @@ def pd_split(text: str | None) -> tuple[int, int] | None:
     return None if text is None or text == HOLDER_PREFILL else worker_split(text)
 
 
-def _pd_sim(args: argparse.Namespace, profile: StepProfile, split: tuple[int, int] | None) -> PdSim | None:
-    if args.pd == HOLDER_PREFILL:
-        return vllm_pd_sim(
-            0, profile, args.seed, args.pd_conditional, args.pd_interference_weight, args.pd_holder_share
-        )
-    if split is None:
-        return None
-    return vllm_pd_sim(split[0], profile, args.seed, args.pd_conditional, args.pd_interference_weight)
-
-
 def vllm_pd_sim(
-    n_prefill: int,
+    spec: str | None,
     profile: StepProfile,
     seed: int,
     conditional: bool,
     interference_weight: float = 1.0,
     holder_share: float = 0.5,
-) -> PdSim:
-    """The P/D side of the loop: the gateway's pair chooser over vLLM roles (the first `n_prefill`
-    workers prefill; with none, every worker is mixed and the chooser is in `holder_prefill`
-    mode), the transfer priced from the engine profile (`kvgate simulate --pd`, and the goodput
-    benchmark's split rows)."""
+) -> PdSim | None:
+    """The P/D side of the loop for `--pd SPEC` (also a goodput row's `pd`): None without one;
+    for P:D the gateway's pair chooser over vLLM roles, the first P workers prefilling; for
+    `holder_prefill` every worker mixed and the chooser in that mode. The transfer is priced
+    from the engine profile."""
+    if spec is None:
+        return None
+    holder = spec == HOLDER_PREFILL
     settings = PdSettings(
         roles=VLLM_ROLES,
         transfer_setup_s=profile.kv_transfer_setup_ms / 1000,
@@ -255,8 +248,9 @@ def vllm_pd_sim(
         conditional=conditional,
         interference_weight=interference_weight,
         holder_share=holder_share,
-        mode=HOLDER_PREFILL if n_prefill == 0 else PAIRS,
+        mode=HOLDER_PREFILL if holder else PAIRS,
     )
+    n_prefill = 0 if holder else worker_split(spec)[0]
 
     def make_request(rid: str, n_prompt: int, max_out: int, hashes: Any, external: int) -> EngineRequest:
         return EngineRequest(rid, n_prompt, max_out, hashes, external)
@@ -278,7 +272,9 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
     if not 0 <= args.pd_holder_share < 1:
         raise UsageError("--pd-holder-share must be in [0, 1)")
     profile = load_profile(args.profile)
-    pd = _pd_sim(args, profile, split)
+    pd = vllm_pd_sim(
+        args.pd, profile, args.seed, args.pd_conditional, args.pd_interference_weight, args.pd_holder_share
+    )
     policy, policy_name = _policy(args)
     policies = [policy] + [_policy(args, g)[0] for g in range(1, args.gateways)]
     reqs, source = _requests(args)

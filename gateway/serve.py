@@ -11,10 +11,13 @@ import argparse
 import os
 import sys
 
+from pydantic import ValidationError
+
 from gateway.auth import hash_api_key
 from gateway.config import GatewayConfig, ListenConfig, MetricsConfig, load_config, read_secret
 from gateway.config.base import ConfigError
 from gateway.config.pool import read_worker_key
+from gateway.config.sync import SyncConfig
 from gateway.logs import setup_logging
 from gateway.policy_watch import LoadedPolicy, PolicyWatcher
 from gateway.state import PolicySwap
@@ -71,6 +74,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--sync-url", default=None, help="replica sync broker URL (overrides sync.url)")
     parser.add_argument(
+        "--sync-token-env",
+        default=None,
+        metavar="NAME",
+        help="read the sync broker's token from environment variable NAME (overrides sync.auth; "
+        "set by --processes for its children when it runs the broker)",
+    )
+    parser.add_argument(
         "--reuse-port",
         action="store_true",
         help="bind the client port with SO_REUSEPORT (set by --processes for its children)",
@@ -108,6 +118,20 @@ def _with_listen(
     return config.model_copy(update={"listen": listen, "metrics": metrics})
 
 
+def _with_sync(config: GatewayConfig, url: str | None, token_env: str | None) -> GatewayConfig:
+    """The config with `--sync-url` and `--sync-token-env` applied (and checked as the YAML is)."""
+    fields = config.sync.model_dump()
+    if url is not None:
+        fields["url"] = url
+    if token_env is not None:
+        fields["auth"] = {"token_env": token_env}
+    try:
+        sync = SyncConfig.model_validate(fields)
+    except ValidationError as exc:
+        raise ConfigError(f"--sync-url / --sync-token-env: {exc.errors()[0]['msg']}") from None
+    return config.model_copy(update={"sync": sync})
+
+
 def run(args: argparse.Namespace) -> int:
     from gateway.server import serve  # uvicorn is imported only when serving
 
@@ -127,13 +151,16 @@ def run(args: argparse.Namespace) -> int:
 
             return run_demo(args, serve_demo)
         config = _with_listen(load_config(args.config), args.host, args.port, args.metrics_port)
-        if args.sync_url is not None:
-            config = config.model_copy(update={"sync": config.sync.model_copy(update={"url": args.sync_url})})
+        config = _with_sync(config, args.sync_url, args.sync_token_env)
         if args.log_level is None:
             setup_logging(config.log_level)
         secret = read_secret(config.secrets, dict(os.environ))
         for pool in config.pools:
             read_worker_key(pool, os.environ)  # a missing worker key stops the start here, clearly
+        if config.sync.url is not None:
+            from gateway.sync.auth import connect_options
+
+            connect_options(config.sync, os.environ)  # and so does a missing broker secret
         loaded, watcher, swap = load_policy(config)
     except (ConfigError, PolicyConfigError) as exc:
         print(f"kvgate serve: {exc}", file=sys.stderr)

@@ -3,6 +3,8 @@ numbers, and the one error a bad config raises."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -19,3 +21,24 @@ class Frozen(BaseModel):
     """A config block: immutable once parsed, and an unknown field is an error."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def read_file_or_env(field: str, file: str | None, env: str | None, environ: Mapping[str, str]) -> str | None:
+    """A secret named by `<field>_file` or `<field>_env` (None when neither is set): the file's text
+    without trailing whitespace, or the variable's value. Empty is an error; errors name the
+    field and the source, never the value."""
+    if file is not None:
+        try:
+            value = Path(file).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8"
+            raise ConfigError(f"{field}_file: cannot read {file!r}: {reason}") from None
+        if not value:
+            raise ConfigError(f"{field}_file: {file!r} is empty")
+        return value
+    if env is not None:
+        value = environ.get(env, "")
+        if not value:
+            raise ConfigError(f"{field}_env: environment variable {env} is not set")
+        return value
+    return None

@@ -5,12 +5,11 @@ checks, breaker, key identity, normalizer and worker credentials. Its `pd`, `que
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from gateway.config.base import ConfigError, Frozen, PositiveFloat, PositiveInt
+from gateway.config.base import ConfigError, Frozen, PositiveFloat, PositiveInt, read_file_or_env
 from gateway.config.pd import PdConfig
 from gateway.config.queue import QueueConfig
 from gateway.k8s.config import KubernetesDiscoveryConfig
@@ -186,21 +185,16 @@ class PoolConfig(Frozen):
 def read_worker_key(pool: PoolConfig, environ: Mapping[str, str]) -> str | None:
     """The pool's worker API key (None when it has none): from its file (trailing whitespace
     ignored) or its environment variable. Errors name the field and the source, never the key."""
-    if pool.worker_api_key_file is not None:
-        field_name, source = f"pools.{pool.name}.worker_api_key_file", pool.worker_api_key_file
-        try:
-            value = Path(source).read_text(encoding="utf-8").strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8"
-            raise ConfigError(f"{field_name}: cannot read {source!r}: {reason}") from None
-    elif pool.worker_api_key_env is not None:
-        field_name, source = f"pools.{pool.name}.worker_api_key_env", pool.worker_api_key_env
-        value = environ.get(source, "")
-        if not value:
-            raise ConfigError(f"{field_name}: environment variable {source} is not set")
-    else:
+    field = f"pools.{pool.name}.worker_api_key"
+    value = read_file_or_env(field, pool.worker_api_key_file, pool.worker_api_key_env, environ)
+    if value is None:
         return None
     try:
         return check_worker_key(value)
     except ValueError as exc:
-        raise ConfigError(f"{field_name}: {exc} (in {source})") from None
+        kind, source = (
+            ("file", pool.worker_api_key_file)
+            if pool.worker_api_key_file
+            else ("env", pool.worker_api_key_env)
+        )
+        raise ConfigError(f"{field}_{kind}: {exc} (in {source})") from None

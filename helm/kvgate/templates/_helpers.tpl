@@ -245,6 +245,29 @@ value below preStop + deadline + 10 would let the kubelet kill a pod still drain
 {{- if and .Values.sync.enabled (not .Values.sync.url) }}true{{ end }}
 {{- end }}
 
+{{/* The Secret with the token the gateways present to the sync broker (and the chart's broker
+requires): the operator's, else the chart's; empty when they present none (an external sync.url
+given no token). */}}
+{{- define "kvgate.syncTokenSecretName" -}}
+{{- $auth := .Values.sync.auth }}
+{{- if .Values.sync.enabled }}
+{{- if $auth.existingSecret }}{{ $auth.existingSecret }}
+{{- else if or $auth.token (include "kvgate.runsNats" .) }}{{ printf "%s-sync-token" (include "kvgate.fullname" .) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "kvgate.syncTokenDir" -}}/etc/kvgate/sync-token{{- end }}
+
+{{/* Where the chart's broker reads the sync token from (its config names the variable). */}}
+{{- define "kvgate.syncTokenEnv" -}}
+- name: KVGATE_SYNC_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kvgate.syncTokenSecretName" . }}
+      key: {{ .Values.sync.auth.tokenKey }}
+{{- end }}
+
 {{/* Not the gateway's name label: the gateway's Service, PodDisruptionBudget and NetworkPolicy must not select the broker. */}}
 {{- define "kvgate.natsSelectorLabels" -}}
 app.kubernetes.io/name: {{ printf "%s-nats" (include "kvgate.name" . | trunc 58 | trimSuffix "-") }}
@@ -278,6 +301,10 @@ http_port: {{ .monitorPort }}
 # A sync batch may be up to 8 MiB (gateway/sync/codec.py); the server's default is 1 MiB.
 max_payload: {{ int64 .maxPayloadBytes }}
 {{- end }}
+# Only clients presenting the release's token (from the environment, never this file).
+authorization {
+  token: $KVGATE_SYNC_TOKEN
+}
 {{- end }}
 
 {{- define "kvgate.syncUrl" -}}
@@ -293,6 +320,9 @@ max_payload: {{ int64 .maxPayloadBytes }}
 {{- $s := .Values.sync }}
 {{- $prefix := default (printf "kvgate.%s.%s" .Release.Namespace .Release.Name) $s.subjectPrefix }}
 {{- $block := dict "url" (include "kvgate.syncUrl" .) "subject_prefix" $prefix }}
+{{- if include "kvgate.syncTokenSecretName" . }}
+{{- $_ := set $block "auth" (dict "token_file" (printf "%s/%s" (include "kvgate.syncTokenDir" .) .Values.sync.auth.tokenKey)) }}
+{{- end }}
 {{- range $key, $name := dict "batchMaxItems" "batch_max_items" "queueMaxItems" "queue_max_items" }}
 {{- with index $s $key }}{{ $_ := set $block $name (int64 .) }}{{ end }}
 {{- end }}

@@ -80,7 +80,7 @@ def test_a_missing_file_is_no_beat() -> None:
     watchdog = Watchdog(timeout_s=5, grace_s=5)
     watchdog.started(0, None, now=0.0)
     assert watchdog.check([(0, None)], 4.0) == []
-    assert watchdog.check([(0, None)], 5.1) == [Overdue(0, pytest.approx(5.1))]
+    assert [o.index for o in watchdog.check([(0, None)], 5.1)] == [0]
 
 
 def test_a_supervisor_that_did_not_run_for_a_while_restarts_the_ages_instead_of_killing() -> None:
@@ -98,7 +98,7 @@ def test_children_not_started_or_forgotten_are_not_watched() -> None:
     watchdog.started(0, 0, now=0.0)
     watchdog.started(1, 0, now=0.0)
     watchdog.forget(1)
-    assert watchdog.check([(0, 0), (1, 0), (2, 0)], 2.1) == [Overdue(0, pytest.approx(2.1))]
+    assert watchdog.check([(0, 0), (1, 0), (2, 0)], 2.5) == [Overdue(0, 2.5)]
 
 
 async def test_beat_renews_the_file_until_cancelled(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 
@@ -30,6 +31,7 @@ from gateway.disconnect import DisconnectGuard
 from gateway.errors import ApiError
 from gateway.fleet import Fleet
 from gateway.gauges import refresh_gauges
+from gateway.heartbeat import start_beating
 from gateway.lifecycle import SHUTTING_DOWN
 from gateway.policy_watch import PolicyWatcher
 from gateway.proxy import dispatch
@@ -197,6 +199,8 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
             state.config, state.registry, state.routing, state.gate.keyring.salt_namespaces, session
         )
         state.fleet = fleet
+        # Before the rest starts: the supervisor of `--processes` hears from this loop meanwhile.
+        heartbeat = start_beating(os.environ)
         try:
             await fleet.start()
             if state.config.sync.url is not None:
@@ -230,6 +234,8 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
             state.gate.keying.close_executor()
             if state.routing.tracer is not None:
                 await asyncio.to_thread(state.routing.tracer.shutdown)  # export the last spans
+            if heartbeat is not None:
+                heartbeat.cancel()  # last: it beats for as long as this loop runs the app
 
     routes = [
         *surface_routes(state.gate.keyring, state.registry, state.created_s),

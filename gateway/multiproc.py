@@ -10,9 +10,10 @@ supervisor also starts the emulated workers, once, for all children.
 The supervisor holds the port with a bound, never-listening socket of its own (so port 0 becomes
 one port for every child, and the port stays ours while a child restarts). A child that exits is
 restarted after a second, at most `MAX_RESTARTS_PER_MIN` times a minute; beyond that the whole
-group stops. SIGTERM or SIGINT goes on to every child's process group (each drains as a single
-gateway does), then whatever is left after the drain deadline is killed; children are stopped by
-PID, always.
+group stops. A child whose heartbeat (`gateway.heartbeat`) stops for `--watchdog-s`, its event
+loop stuck, has its process group killed and is restarted the same way, within the same budget.
+SIGTERM or SIGINT goes on to every child's process group (each drains as a single gateway does),
+then whatever is left after the drain deadline is killed; children are stopped by PID, always.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from gateway.auth import hash_api_key
 from gateway.config import EXIT_MARGIN_S, GatewayConfig, SecretsConfig, load_config, read_secret
 from gateway.config.base import ConfigError
 from gateway.demo import _die_with_parent
+from gateway.heartbeat import HEARTBEAT_ENV, MIN_TIMEOUT_S, Watchdog, read_stamp, touch_stamp
 from gateway.policy_watch import LoadedPolicy
 from gateway.sync.broker import BrokerUnavailable, LocalBroker
 
@@ -62,28 +64,66 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
 
 
 class Children:
-    """The N gateway processes: started, watched, restarted, and stopped by PID."""
+    """The N gateway processes: started, watched, restarted, and stopped by PID. With a
+    `watchdog`, child i beats on the file `heartbeat-i` of `heartbeat_dir`."""
 
     def __init__(
-        self, argv: list[str], n: int, env: dict[str, str], child_args: Callable[[int], list[str]]
+        self,
+        argv: list[str],
+        n: int,
+        env: dict[str, str],
+        child_args: Callable[[int], list[str]],
+        watchdog: tuple[Watchdog, Path] | None = None,
     ) -> None:
         self.argv = argv
         self.child_args = child_args  # what differs per child (its own metrics port)
         self.env = env
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * n
+        self.watchdog: Watchdog | None = watchdog[0] if watchdog is not None else None
+        self.heartbeat_dir: Path | None = watchdog[1] if watchdog is not None else None
         self._restarts: deque[float] = deque()
 
     def start(self, i: int) -> None:
+        env = self.env
+        if self.watchdog is not None and self.heartbeat_dir is not None:
+            path = self.heartbeat_dir / f"heartbeat-{i}"
+            env = {**env, HEARTBEAT_ENV: str(path)}
+            self.watchdog.started(i, touch_stamp(path), time.monotonic())
         self.procs[i] = subprocess.Popen(
             [*self.argv, *self.child_args(i)],
             stdin=subprocess.DEVNULL,
-            env=self.env,
+            env=env,
             start_new_session=True,  # a terminal's Ctrl-C reaches the supervisor only
             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )
 
+    def kill_hung(self) -> None:
+        """SIGKILL the process group of every child whose heartbeat is overdue, and reap it:
+        `watch` then restarts it as a child that exited."""
+        if self.watchdog is None or self.heartbeat_dir is None:
+            return
+        stamps = [
+            (i, read_stamp(self.heartbeat_dir / f"heartbeat-{i}"))
+            for i, proc in enumerate(self.procs)
+            if proc is not None and proc.poll() is None
+        ]
+        for overdue in self.watchdog.check(stamps, time.monotonic()):
+            proc = self.procs[overdue.index]
+            assert proc is not None
+            print(
+                f"kvgate serve: gateway process {proc.pid} (index {overdue.index}) sent no heartbeat "
+                f"for {overdue.silent_s:.1f} s; killing it",
+                flush=True,
+            )
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            self.watchdog.forget(overdue.index)
+
     def watch(self) -> bool:
-        """Restart children that exited; False when they exit too often to go on."""
+        """Restart children that exited (or were killed as hung); False when that happens too
+        often to go on."""
+        self.kill_hung()
         for i, proc in enumerate(self.procs):
             if proc is None or proc.poll() is None:
                 continue
@@ -126,6 +166,8 @@ def supervise(args: argparse.Namespace) -> int:
     """Run `args.processes` gateway processes on one port (see the module docstring)."""
     if not 1 <= args.processes <= 64:
         raise ConfigError(f"--processes {args.processes}: must be between 1 and 64")
+    if args.watchdog_s != 0 and not MIN_TIMEOUT_S <= args.watchdog_s < float("inf"):
+        raise ConfigError(f"--watchdog-s {args.watchdog_s:g}: must be 0 (off) or at least {MIN_TIMEOUT_S:g}")
     with tempfile.TemporaryDirectory(prefix="kvgate-processes-") as tmp:
         if args.demo:
             from gateway.demo import run_demo
@@ -193,7 +235,9 @@ def _run(args: argparse.Namespace, source: tuple[Path, GatewayConfig, dict[str, 
         def child_args(i: int) -> list[str]:
             return ["--metrics-port", str(metrics_base + i if metrics_base else 0)]
 
-        children = Children(argv, args.processes, {**os.environ, **extra_env}, child_args)
+        env = {k: v for k, v in os.environ.items() if k != HEARTBEAT_ENV}
+        watchdog = (Watchdog(args.watchdog_s), tmp) if args.watchdog_s else None
+        children = Children(argv, args.processes, {**env, **extra_env}, child_args, watchdog)
         for i in range(args.processes):
             children.start(i)
         print(

@@ -72,6 +72,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve the port from N processes (SO_REUSEPORT) that share routing state through the "
         "sync broker: the config's sync.url, else a local nats-server (docs/sync.md)",
     )
+    parser.add_argument(
+        "--watchdog-s",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="with --processes above 1: kill and restart a process whose event loop has not run for "
+        "S seconds (its heartbeat stopped); 0: off (default 30)",
+    )
     parser.add_argument("--sync-url", default=None, help="replica sync broker URL (overrides sync.url)")
     parser.add_argument(
         "--sync-token-env",

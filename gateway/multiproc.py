@@ -41,12 +41,14 @@ from gateway.config.base import ConfigError
 from gateway.demo import _die_with_parent
 from gateway.heartbeat import HEARTBEAT_ENV, MIN_TIMEOUT_S, Watchdog, read_stamp, touch_stamp
 from gateway.policy_watch import LoadedPolicy
+from gateway.sync.auth import connect_options
 from gateway.sync.broker import BrokerUnavailable, LocalBroker
 
 log = logging.getLogger("kvgate.multiproc")
 
 MAX_RESTARTS_PER_MIN = 5
 _SECRET_ENV = "KVGATE_KEY_SECRET"
+_SYNC_TOKEN_ENV = "KVGATE_LOCAL_SYNC_TOKEN"  # the local broker's token, for the children only
 
 
 def reuse_port_socket(host: str, port: int) -> socket.socket:
@@ -178,6 +180,8 @@ def supervise(args: argparse.Namespace) -> int:
             return run_demo(args, serve_demo)
         config = load_config(args.config)
         read_secret(config.secrets, dict(os.environ))  # a missing secret fails here, not N times
+        if config.sync.url is not None:
+            connect_options(config.sync, os.environ)  # and so does a missing broker secret
         return _run(args, (Path(args.config).resolve(), config, {}), Path(tmp))
 
 
@@ -218,13 +222,17 @@ def _run(args: argparse.Namespace, source: tuple[Path, GatewayConfig, dict[str, 
         if url is None:
             from gateway.demo import free_port
 
-            broker = LocalBroker(free_port(), tmp)
+            # Loopback is reachable by every local user: the broker admits only this run's token.
+            broker = LocalBroker(free_port(), tmp, token=secrets.token_hex(32))
             broker.start()
             url = broker.url
+            extra_env = {**extra_env, _SYNC_TOKEN_ENV: broker.token or ""}
         argv = [
             sys.executable, "-m", "gateway.cli", "serve", "--config", str(path), "--host", host,
             "--port", str(port), "--reuse-port", "--sync-url", url,
         ]  # fmt: skip
+        if broker is not None:
+            argv += ["--sync-token-env", _SYNC_TOKEN_ENV]
         if args.log_level:
             argv += ["--log-level", args.log_level]
         # Each process scrapes as itself: its /metrics on the next port up (0: any free port).

@@ -3,6 +3,8 @@ they route through the nats-server the CLI starts; SIGTERM stops every process i
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
 import sys
 import time
@@ -10,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import nats
 import pytest
 
 from tests.e2e.harness import Proc, alive, free_port, start, wait_http
@@ -107,6 +110,33 @@ def test_the_same_prompt_over_fresh_connections_is_cached_after_the_first(demo: 
     assert all(c >= 1024 for c in cached[1:])
     served = [k for k, _ in _probes(proc)]
     assert sum(served) == 20 and all(k > 0 for k in served), served
+
+
+def test_the_local_broker_admits_only_the_runs_token(demo: tuple[str, Proc]) -> None:
+    _, proc = demo
+    match = re.search(r"sharing through (nats://127\.0\.0\.1:\d+) \(a local nats-server\)", proc.output())
+    assert match, proc.output()
+
+    async def refused(token: str | None) -> str:
+        with pytest.raises(nats.errors.Error) as info:
+            await nats.connect(
+                match.group(1),
+                token=token,
+                allow_reconnect=False,
+                connect_timeout=5,
+                max_reconnect_attempts=0,
+            )
+        return str(info.value)
+
+    for token in (None, "0" * 64):
+        assert "Authorization Violation" in asyncio.run(refused(token))
+    # The run's token (64 hex digits) is on no command line: any local user can read those.
+    argvs = []
+    for pid in _descendants(proc.popen.pid):
+        with contextlib.suppress(OSError):
+            argvs.append((Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0"))
+    assert any(b"--sync-token-env" in argv for argv in argvs)
+    assert not any(re.fullmatch(rb"[0-9a-f]{64}", arg) for argv in argvs for arg in argv)
 
 
 def test_sigterm_stops_gateways_broker_and_workers() -> None:

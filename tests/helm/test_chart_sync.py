@@ -276,7 +276,11 @@ def test_processes_share_the_same_broker_and_each_has_a_metrics_port() -> None:
     assert container(render())["args"] == ["serve", "--config", "/etc/kvgate/config/gateway.yaml"]
     docs = render({"processes": 3, "serviceMonitor": {"enabled": True}, "networkPolicy": {"enabled": True}})
     c = container(docs)
-    assert c["args"] == ["serve", "--config", "/etc/kvgate/config/gateway.yaml", "--processes", "3"]
+    # The watchdog restarts a hung process before the liveness probe would restart the pod over a
+    # hang of process 0: (3 - 1) x 10 s + 2 s - 1 s with the default probe.
+    assert c["args"] == [
+        "serve", "--config", "/etc/kvgate/config/gateway.yaml", "--processes", "3", "--watchdog-s", "21",
+    ]  # fmt: skip
     # `kvgate serve --processes` hands the config's sync.url to every process: the chart's NATS,
     # never a nats-server of its own (the image has none).
     assert parse_config(gateway_config(docs)).sync.url == f"nats://{NATS}.{NAMESPACE}.svc:4222"
@@ -317,3 +321,22 @@ def test_processes_share_the_same_broker_and_each_has_a_metrics_port() -> None:
 def test_bad_sync_values_fail_clearly(values: dict[str, Any], needle: str) -> None:
     with pytest.raises(helm_python.HelmError, match=needle):
         render(values)
+
+
+def test_the_watchdog_follows_the_liveness_probe_or_the_value() -> None:
+    def watchdog(values: dict[str, Any]) -> str:
+        args = container(render({"processes": 2, **values}))["args"]
+        return str(args[args.index("--watchdog-s") + 1])
+
+    assert (
+        watchdog({"probes": {"liveness": {"periodSeconds": 5, "failureThreshold": 4, "timeoutSeconds": 3}}})
+        == "17"
+    )
+    assert (
+        watchdog({"probes": {"liveness": {"periodSeconds": 1, "failureThreshold": 1, "timeoutSeconds": 1}}})
+        == "2"
+    )
+    assert watchdog({"watchdogSeconds": 0}) == "0"
+    assert watchdog({"watchdogSeconds": 12.5}) == "12.5"
+    with pytest.raises(helm_python.HelmError, match=r"watchdogSeconds: 0 \(off\) or at least 2"):
+        render({"processes": 2, "watchdogSeconds": 1})

@@ -126,7 +126,7 @@ def test_sync_example() -> None:
     assert config.sync.subject_prefix == "kvgate.prod.llama"
     assert (config.sync.batch_interval_s, config.sync.queue_max_items) == (0.01, 32768)
     assert (config.sync.peer_timeout_s, config.sync.batch_max_items) == (10, 256)  # 256: the default
-    assert container(docs)["args"][-2:] == ["--processes", "2"]
+    assert container(docs)["args"][-4:] == ["--processes", "2", "--watchdog-s", "21"]
     assert container(docs)["resources"]["requests"]["cpu"] == "2"  # a core per process
     assert docs["Deployment/rel-kvgate"]["spec"]["replicas"] == 3
     nats = docs["Deployment/rel-kvgate-nats"]["spec"]["template"]["spec"]["containers"][0]

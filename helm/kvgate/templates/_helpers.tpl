@@ -370,3 +370,17 @@ authorization {
   value: {{ join "," $attributes | quote }}
 {{- end }}
 {{- end }}
+
+{{/* `kvgate serve --watchdog-s` for processes above 1: watchdogSeconds, else just under the time the
+liveness probe takes to restart the pod over a hang of process 0 (docs/deploy.md). */}}
+{{- define "kvgate.watchdogSeconds" -}}
+{{- $set := .Values.watchdogSeconds }}
+{{- if kindIs "invalid" $set }}
+{{- with .Values.probes.liveness }}{{ max 2 (sub (add (mul (sub (int .failureThreshold) 1) (int .periodSeconds)) (int .timeoutSeconds)) 1) }}{{ end }}
+{{- else }}
+{{- if and (ne (float64 $set) 0.0) (lt (float64 $set) 2.0) }}
+{{- fail "watchdogSeconds: 0 (off) or at least 2" }}
+{{- end }}
+{{- $set }}
+{{- end }}
+{{- end }}

@@ -148,7 +148,7 @@ class CostParamsYaml(_Strict):
     tie_s: float = Field(1e-4, ge=0)
     branch_load_weight: float = Field(1.0, ge=0)
     load_window_s: float = Field(180.0, gt=0)
-    discount_cached_backlog: bool = False
+    discount_cached_backlog: bool | None = None
     continuation_slack_requests: float = Field(0.0, ge=0)
     keep_tpot_s: float = Field(0.0, ge=0)
     herd_weight: float = Field(2.0, ge=0)

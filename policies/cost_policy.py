@@ -75,7 +75,7 @@ class CostPolicy(PrefixPolicyBase):
         tie_s: float = 1e-4,
         branch_load_weight: float = 1.0,
         load_window_s: float = 180.0,
-        discount_cached_backlog: bool = False,
+        discount_cached_backlog: bool | None = None,
         continuation_slack_requests: float = 0.0,
         keep_tpot_s: float = 0.0,
         herd_weight: float = 2.0,
@@ -113,7 +113,9 @@ class CostPolicy(PrefixPolicyBase):
         self.max_queue_factor = max_queue_factor
         self.branch_load_weight = branch_load_weight
         self.load_window_s = load_window_s
+        # None: counted in uncached tokens on pools whose workers move KV (`pool_moves_kv`).
         self.discount_cached_backlog = discount_cached_backlog
+        self._moves_kv: set[str] = set()
         self.continuation_slack_requests = continuation_slack_requests
         self.keep_tpot_s = keep_tpot_s
         self.herd_weight = herd_weight
@@ -190,6 +192,20 @@ class CostPolicy(PrefixPolicyBase):
         unseen = self._unseen_in_burst()
         return self.herd_weight * min(unseen, self.HERD_MAX_UNSEEN) * self._recent_work.mean_s * scale
 
+    def pool_moves_kv(self, pool: str) -> None:
+        """`pool`'s workers move KV between them (`pd.mode: holder_prefill`), so a session kept
+        with its holder need not decode there: with `discount_cached_backlog` unset, its
+        workers' backlogs count the tokens left to compute. Counted as whole prompts, a holder
+        busy with mostly-cached turns looks seconds away and long histories are recomputed
+        elsewhere; counted as what is left, sessions stay with their holders, which alone would
+        pile their decodes up there (docs/policy.md, docs/benchmarks.md "Holder prefill")."""
+        self._moves_kv.add(pool)
+
+    def discounts_backlog(self, pool: str) -> bool:
+        """Whether `pool`'s prefill backlogs are counted in uncached tokens."""
+        setting = self.discount_cached_backlog
+        return pool in self._moves_kv if setting is None else setting
+
     def hold_s(self, req: RouteRequest, now_s: float) -> float:
         """Seconds to hold `req` before deciding it (step 5 of the module docstring): in a burst,
         one sync lag (`policies.herd.hold_for`) per step its own predicted prefill reaches, after
@@ -221,7 +237,7 @@ class CostPolicy(PrefixPolicyBase):
         own_match = pool.index.lookup(mine.keys, mine.namespace, now_s)
         # Pass 1: availability, load and prefill backlog of every worker, re-read only where a view
         # changed since the pool's last decision (see `cost_scan`).
-        shares = self._ledger.shares if self.discount_cached_backlog else {}
+        shares = self._ledger.shares if self.discounts_backlog(req.pool) else {}
         remaining = pool.cost.remaining_at(now_s)
         columns = self._candidate_cache(req.pool).candidates(workers, shares, remaining)
         cands, loads, backlogs = columns.views, columns.loads, columns.backlogs

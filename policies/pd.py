@@ -168,6 +168,15 @@ class PrefixHolder(Protocol):
         ...
 
 
+@runtime_checkable
+class MovesKvAware(Protocol):
+    """A policy that scores pools whose workers move KV differently (`CostPolicy.pool_moves_kv`)."""
+
+    def pool_moves_kv(self, pool: str) -> None:
+        """Told at each `holder_prefill` decision of `pool` (idempotent, a set insert)."""
+        ...
+
+
 @record
 class _Option:
     score_s: float
@@ -184,9 +193,10 @@ class PdRouter:
         self.settings = settings
         self._rng = random.Random(seed)
         self._default_cost = CostModel(CostModelParams())
-        # Whether each policy class answers P/D questions: a runtime Protocol check walks the
-        # protocol's attributes, too slow to repeat at every decision.
-        self._holder_types: dict[type, bool] = {}
+        # Whether each policy class answers P/D questions, and hears of pools that move KV: a
+        # runtime Protocol check walks the protocol's attributes, too slow to repeat at every
+        # decision.
+        self._implements: dict[tuple[type, type], bool] = {}
 
     def select(
         self,
@@ -248,9 +258,16 @@ class PdRouter:
         return self._decision(req, prefill[0] if prefill else None, chosen, cost, scorer, reason)
 
     def _is_holder(self, policy: RoutingPolicy) -> bool:
-        known = self._holder_types.get(type(policy))
+        return self._is(policy, PrefixHolder)
+
+    def _is_kv_aware(self, policy: RoutingPolicy) -> bool:
+        return self._is(policy, MovesKvAware)
+
+    def _is(self, policy: RoutingPolicy, protocol: type) -> bool:
+        key = (type(policy), protocol)
+        known = self._implements.get(key)
         if known is None:
-            known = self._holder_types[type(policy)] = isinstance(policy, PrefixHolder)
+            known = self._implements[key] = isinstance(policy, protocol)
         return known
 
     def _holder_prefill(
@@ -267,6 +284,8 @@ class PdRouter:
         """`holder_prefill` mode (module docstring): the policy's pick alone, or a split from the
         worker that holds the most of the prompt when the pick holds less."""
         s = self.settings
+        if self._is_kv_aware(policy):
+            cast(MovesKvAware, policy).pool_moves_kv(req.pool)  # before its pick: it shapes the pick
         roles = s.roles.whole if whole else s.roles.alone
         pick = policy.select(req, [w for w in workers if w.role in roles], now_s)
         view = None if pick is None else next((w for w in ok if w.worker_id == pick.worker), None)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.base import Role, WorkerView
+from policies.base import Role, WorkerId, WorkerView
 from policies.cost_policy import CostPolicy
 from policies.pd import (
     ALONE_POLICY,
@@ -20,7 +20,7 @@ from policies.pd import (
     PdSettings,
 )
 from policies.registry import make_policy
-from tests.policies.factories import req
+from tests.policies.factories import BS, req, workers
 from tests.policies.test_pd import served, view
 
 TURN1 = range(300)
@@ -146,3 +146,33 @@ def test_holder_mode_splits_only_from_the_longest_holder_to_another_healthy_work
     assert held.get(p, 0) == max(held.get(w, 0) for w in healthy)
     assert held.get(p, 0) > r.n_prompt_tokens / 2
     policy.check_invariants()
+
+
+def _busy_with_cached_turns() -> tuple[CostPolicy, list[WorkerView]]:
+    """`cost` whose w0 holds a prefix and runs eight more turns of it, almost all cached: as whole
+    prompts its backlog looks long, as tokens left to compute it is nearly empty."""
+    policy = CostPolicy(seed=1)
+    served(policy, req("warm", range(64)), "w0")
+    for i in range(8):
+        r = req(f"f{i}", range(64))
+        d = policy.select(r, [WorkerView(WorkerId("w0"))], 1.0)
+        assert d is not None
+        policy.on_dispatch(r, d, 1.0)
+    return policy, workers(8, 0, 0, 0, prefill=(8 * (64 * BS + 1), 0, 0, 0))
+
+
+def test_a_pool_that_moves_kv_counts_backlogs_in_tokens_left_to_compute() -> None:
+    # Alone, `cost` takes the holder's mostly-cached backlog for a queue and recomputes elsewhere.
+    policy, views = _busy_with_cached_turns()
+    d = policy.select(req("r", range(64)), views, 1.0)
+    assert d is not None and d.worker != "w0" and not policy.discounts_backlog("p")
+    # In a holder_prefill pool the session stays with its holder (its decode can move if needed).
+    policy, views = _busy_with_cached_turns()
+    decision = holder_router().select(policy, req("r", range(64)), views, 1.0)
+    assert decision is not None and decision.reason == ALONE_POLICY and decision.decode.worker == "w0"
+    assert policy.discounts_backlog("p") and not policy.discounts_backlog("other-pool")
+    # An explicit setting wins either way.
+    pinned = CostPolicy(seed=1, discount_cached_backlog=False)
+    holder_router().select(pinned, req("r", range(64)), views, 1.0)
+    assert not pinned.discounts_backlog("p")
+    assert CostPolicy(discount_cached_backlog=True).discounts_backlog("p")

@@ -153,7 +153,6 @@ class CostParamsYaml(_Strict):
     keep_tpot_s: float = Field(0.0, ge=0)
     herd_weight: float = Field(2.0, ge=0)
     herd_hold_steps: int = Field(len(HOLD_STEPS_S), ge=0, le=len(HOLD_STEPS_S))
-    instant_hold_s: float = Field(0.0, ge=0)
 
 
 class SglangParamsYaml(_Strict):

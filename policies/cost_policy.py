@@ -25,11 +25,7 @@ token counts are in engine tokens, see `CostModel.engine_tokens_per_request_toke
 5. with `herd_hold_steps` > 0, in the same condition, a request whose own predicted prefill is
    long is held before it is decided (`hold_s`, `policies.herd.hold_steps`): one sync lag per step
    it reaches of 0.25 s, 1 s and 4 s, so the cheap requests of an instant, from every gateway, are
-   placed (and queued at the engines) before the expensive ones, which then see them;
-6. with `instant_hold_s` > 0, the same holds for one gateway alone, in steps of `instant_hold_s`
-   (the spread of one instant's arrivals at this gateway): without peers, the requests of an
-   instant still reach it one after another, and a long new prompt decided first can queue at the
-   holder of a session whose next turn arrives a few milliseconds later in the same instant.
+   placed (and queued at the engines) before the expensive ones, which then see them.
 """
 
 from __future__ import annotations
@@ -44,7 +40,7 @@ from policies.cost_ledger import InflightLedger, RecentWork
 from policies.cost_model import CostModel
 from policies.cost_scan import CandidateCache, Positions, by_backlog
 from policies.cost_scorer import Scorer
-from policies.herd import HOLD_STEPS_S, hold_for, hold_steps
+from policies.herd import HOLD_STEPS_S, hold_for
 from policies.peer_sync import PeerHolding
 from policies.pools import PoolState
 from policies.prefix_policy import PrefixPolicyBase, SharedSettings
@@ -84,7 +80,6 @@ class CostPolicy(PrefixPolicyBase):
         keep_tpot_s: float = 0.0,
         herd_weight: float = 2.0,
         herd_hold_steps: int = len(HOLD_STEPS_S),
-        instant_hold_s: float = 0.0,
         shared: SharedSettings | None = None,
     ) -> None:
         if (
@@ -99,14 +94,12 @@ class CostPolicy(PrefixPolicyBase):
                 keep_tpot_s,
                 herd_weight,
                 herd_hold_steps,
-                instant_hold_s,
             )
             < 0
         ):
             raise ValueError(
                 "epsilon, slack_requests, tie_s, work_weight, max_queue_factor, branch_load_weight,"
-                " continuation_slack_requests, keep_tpot_s, herd_weight, herd_hold_steps and"
-                " instant_hold_s must be >= 0"
+                " continuation_slack_requests, keep_tpot_s, herd_weight and herd_hold_steps must be >= 0"
             )
         if load_window_s <= 0:
             raise ValueError("load_window_s must be > 0")
@@ -125,7 +118,6 @@ class CostPolicy(PrefixPolicyBase):
         self.keep_tpot_s = keep_tpot_s
         self.herd_weight = herd_weight
         self.herd_hold_steps = herd_hold_steps
-        self.instant_hold_s = instant_hold_s
         self._last_n = -1
         self._positions = Positions()
         self._columns: OrderedDict[str, CandidateCache] = OrderedDict()
@@ -199,28 +191,13 @@ class CostPolicy(PrefixPolicyBase):
         return self.herd_weight * min(unseen, self.HERD_MAX_UNSEEN) * self._recent_work.mean_s * scale
 
     def hold_s(self, req: RouteRequest, now_s: float) -> float:
-        """Seconds to hold `req` before deciding it (steps 5 and 6 of the module docstring): in a
-        burst, one sync lag (`policies.herd.hold_for`) per step its own predicted prefill reaches,
-        after the longer of its own match and its public one (the public one is what a request
-        wholly inside a promoted public prefix is served from: holding less is the safe side);
-        outside bursts, one `instant_hold_s` per step; 0 with neither. The index is only read."""
-        burst = self.herd_hold_steps > 0 and self._unseen_in_burst() > 0
-        if not burst and self.instant_hold_s <= 0:
+        """Seconds to hold `req` before deciding it (step 5 of the module docstring): in a burst,
+        one sync lag (`policies.herd.hold_for`) per step its own predicted prefill reaches, after
+        the longer of its own match and its public one (the public one is what a request wholly
+        inside a promoted public prefix is served from: holding less is the safe side); 0 outside
+        bursts or with `herd_hold_steps` 0. The index is only read."""
+        if self.herd_hold_steps <= 0 or self._unseen_in_burst() <= 0:
             return 0.0
-        prefill_s = self._own_prefill_s(req, now_s)
-        if burst:
-            hold_s = hold_for(prefill_s, self._unseen.lag_s, self.herd_hold_steps)
-            if hold_s > 0:
-                self._count("herd_holds")
-            return hold_s
-        hold_s = hold_steps(prefill_s, self.instant_hold_s) * self.instant_hold_s
-        if hold_s > 0:
-            self._count("instant_holds")
-        return hold_s
-
-    def _own_prefill_s(self, req: RouteRequest, now_s: float) -> float:
-        """`req`'s predicted prefill after the longest match anywhere, idle worker, uncalibrated
-        queue: what the holds rank an instant's requests by."""
         pool = self._pool(req)
         mine = self._own_keys(req)
         blocks = pool.index.lookup(mine.keys, mine.namespace, now_s).longest_blocks
@@ -231,7 +208,11 @@ class CostPolicy(PrefixPolicyBase):
         matched = min(blocks * req.block_size_tokens, self._cap_tokens(req, n))
         cost = pool.cost
         unit = cost.engine_tokens_per_request_token
-        return cost.prefill_s(int((n - matched) * unit), int(matched * unit))
+        prefill_s = cost.prefill_s(int((n - matched) * unit), int(matched * unit))
+        hold_s = hold_for(prefill_s, self._unseen.lag_s, self.herd_hold_steps)
+        if hold_s > 0:
+            self._count("herd_holds")
+        return hold_s
 
     def select(self, req: RouteRequest, workers: Sequence[WorkerView], now_s: float) -> RouteDecision | None:
         pool = self._pool(req)

@@ -237,19 +237,13 @@ class _Loop:
             kp = hooks.keys.keyed(req)
         route = hooks.keys.route_request(req, kp)
         gw = self.gateways[pick_gateway(req.request_id, len(self.gateways), self.config.balancer_seed)]
-        hold_s = gw.hold_s(route, now_s)
+        if self.pd is not None:
+            self.pd.arrive(self, gw, req, kp, route, now_s)
+            return
+        hold_s = gw.hold_s(route, now_s) if self.bus is not None else 0.0
         if hold_s > 0:
             self.held[self.schedule(now_s + hold_s, HELD)] = Held(req, kp, route, gw)
             heapq.heappush(self.held_ends, now_s + hold_s)
-            return
-        self.route(gw, req, kp, route, now_s)
-
-    def route(
-        self, gw: SimGateway, req: WorkloadRequest, kp: KeyedPrompt, route: RouteRequest, now_s: float
-    ) -> None:
-        """Route `req` now: through the prefill/decode router in a P/D pool, else `decide`."""
-        if self.pd is not None:
-            self.pd.arrive(self, gw, req, kp, route, now_s)
             return
         self.decide(gw, req, kp, route, now_s)
 
@@ -345,7 +339,7 @@ class _Loop:
             if idx == HELD:
                 held = self.held.pop(key)
                 heapq.heappop(self.held_ends)
-                self.route(held.gateway, held.req, held.kp, held.route, t)
+                self.decide(held.gateway, held.req, held.kp, held.route, t)
                 continue
             if idx < 0:
                 assert self.pd is not None

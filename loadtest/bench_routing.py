@@ -6,7 +6,8 @@ start the router in front of them, replay the same requests at the same arrival 
 everything by PID. Then write `report.md`, `results.json` and PNG plots into `--out`.
 
 Router names: `kvgate:<policy>` (any registered policy; `kvgate:<policy>+holder_prefill` gives
-the pool a vLLM `pd` section in that mode, docs/pd.md), `sglang-router[:policy]`,
+the pool a vLLM `pd` section in that mode, docs/pd.md, and `+holder_prefill@S` sets its
+`holder_share` to S), `sglang-router[:policy]`,
 `vllm-router[:policy]`, `litellm[:routing_strategy]`, `smg[:policy]` (smg 1.13: cache_aware by
 default, or prefix_hash, round_robin, ...). A peer that is not installed is reported as
 missing (see `loadtest/peers/install.sh`). Ratios in the report are against the first router that
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import aiohttp
 import orjson
+import yaml
 
 from loadtest.cli_args import positive_float, positive_int
 from loadtest.peers.emulators import EmulatorPool, EmulatorSettings, free_port
@@ -92,6 +94,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="kvgate routers log each routing decision to logs/<router>/decisions.jsonl "
         "(for `kvgate bench replay`)",
+    )
+    parser.add_argument(
+        "--kvgate-policy-config",
+        metavar="FILE",
+        default=None,
+        help="policy YAML whose options the kvgate routers run with (its `policy` is each row's)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -173,7 +181,8 @@ def _router_command(
     name, _, policy = spec.partition(":")
     port = free_port()
     if name == "kvgate":
-        policy, _, pd_mode = policy.partition("+")
+        policy, _, pd_spec = policy.partition("+")
+        pd_mode, _, share = pd_spec.partition("@")
         return build_kvgate_command(
             policy=policy or "round_robin",
             port=port,
@@ -184,6 +193,8 @@ def _router_command(
             workdir=workdir,
             decision_log=workdir / DECISIONS_FILE if args.decision_log else None,
             pd_mode=pd_mode or None,
+            pd_holder_share=float(share) if share else None,
+            policy_options=_policy_options(args.kvgate_policy_config),
         )
     return build_command(
         name,
@@ -194,6 +205,16 @@ def _router_command(
         policy=policy or None,
         workdir=workdir,
     )
+
+
+def _policy_options(path: str | None) -> dict[str, object]:
+    """The options of `--kvgate-policy-config` (everything but `policy`), or none."""
+    if path is None:
+        return {}
+    doc = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: a policy file is a mapping")
+    return {k: v for k, v in doc.items() if k != "policy"}
 
 
 def _headers(cmd: PeerCommand) -> Callable[[WorkloadRequest], dict[str, str]]:

@@ -8,7 +8,7 @@ isolation, and the policy comes from a policy file.
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import yaml
@@ -34,12 +34,17 @@ def build_kvgate_command(
     workdir: Path,
     decision_log: Path | None = None,
     pd_mode: str | None = None,
+    pd_holder_share: float | None = None,
+    policy_options: Mapping[str, object] | None = None,
 ) -> PeerCommand:
     """Write `gateway.yaml` + `policy.yaml` into `workdir` and return the `serve` command; with
     `decision_log`, the gateway writes its routing decisions there (`gateway/decision_log.py`);
-    with `pd_mode` (e.g. `holder_prefill`) the pool gets a vLLM `pd` section in that mode."""
+    with `pd_mode` (e.g. `holder_prefill`) the pool gets a vLLM `pd` section in that mode, with
+    `pd.holder_share` when `pd_holder_share` is given; `policy_options` go into the policy file
+    beside `policy` (a `seed` among them wins over `seed`)."""
     secret = BENCH_SECRET.encode()
-    (workdir / "policy.yaml").write_text(yaml.safe_dump({"policy": policy, "seed": seed}))
+    policy_doc = {"policy": policy, "seed": seed, **(policy_options or {})}
+    (workdir / "policy.yaml").write_text(yaml.safe_dump(policy_doc))
     pool: dict[str, object] = {
         "name": "bench",
         "models": [model],
@@ -48,7 +53,10 @@ def build_kvgate_command(
         "timeouts": {"read_s": 600.0, "total_s": 1200.0},
     }
     if pd_mode is not None:
-        pool["pd"] = {"protocol": "vllm", "mode": pd_mode}
+        pd: dict[str, object] = {"protocol": "vllm", "mode": pd_mode}
+        if pd_holder_share is not None:
+            pd["holder_share"] = pd_holder_share
+        pool["pd"] = pd
     config = {
         "listen": {"host": "127.0.0.1", "port": port},
         "metrics": {"listen": {"host": "127.0.0.1", "port": 0}},  # any free port: runs side by side
@@ -65,8 +73,11 @@ def build_kvgate_command(
     config_path = workdir / "gateway.yaml"
     text = yaml.safe_dump(config, sort_keys=False)
     argv = (sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path))
+    name = f"kvgate:{policy}" if pd_mode is None else f"kvgate:{policy}+{pd_mode}"
+    if pd_mode is not None and pd_holder_share is not None:
+        name += f"@{pd_holder_share:g}"
     return PeerCommand(
-        f"kvgate:{policy}" if pd_mode is None else f"kvgate:{policy}+{pd_mode}",
+        name,
         policy,
         argv,
         {"KVGATE_KEY_SECRET": BENCH_SECRET},

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 from collections.abc import Iterator
@@ -132,3 +133,20 @@ def test_bench_runs_kvgate_in_front_of_emulated_workers(tmp_path: Path) -> None:
     assert pool["pd"] == {"protocol": "vllm", "mode": "holder_prefill"}
     plain = yaml.safe_load((out / "logs" / "kvgate_round_robin" / "gateway.yaml").read_text())["pools"][0]
     assert "pd" not in plain
+
+
+def test_kvgate_rows_take_a_holder_share_and_policy_options(tmp_path: Path) -> None:
+    from loadtest.bench_routing import _router_command
+
+    options = tmp_path / "opts.yaml"
+    options.write_text("policy: round_robin\ncost:\n  branch_load_weight: 0.5\n")
+    args = argparse.Namespace(model="emu", seed=3, decision_log=False, kvgate_policy_config=str(options))
+    urls = ["http://127.0.0.1:1"]
+    cmd = _router_command("kvgate:cost+holder_prefill@0.25", args, urls, ["t"], tmp_path)
+    assert cmd.name == "kvgate:cost+holder_prefill@0.25"
+    assert cmd.config_text is not None
+    pool = yaml.safe_load(cmd.config_text)["pools"][0]
+    assert pool["pd"] == {"protocol": "vllm", "mode": "holder_prefill", "holder_share": 0.25}
+    # The row's policy wins over the file's; the file's options come along.
+    policy = yaml.safe_load((tmp_path / "policy.yaml").read_text())
+    assert policy == {"policy": "cost", "seed": 3, "cost": {"branch_load_weight": 0.5}}

@@ -120,14 +120,17 @@ async def _big(request: web.Request, port: Port, tag: str, answer: dict[str, Any
     await resp.prepare(request)
     await resp.write(data[:-2])
     for _ in range(600):
-        if RELEASED.is_set():
-            break
         if request.transport is None or request.transport.is_closing():
             port.cancelled.append(tag)
             return resp
+        if RELEASED.is_set():
+            break
         await asyncio.sleep(0.05)
-    await resp.write(data[-2:])
-    await resp.write_eof()
+    try:
+        await resp.write(data[-2:])
+        await resp.write_eof()
+    except ConnectionError:  # the gateway hung up between the last look and the release
+        port.cancelled.append(tag)
     return resp
 
 

@@ -112,6 +112,9 @@ def test_answers_past_the_budget_get_503_and_the_others_are_served(stack: Budget
             done, _ = await asyncio.wait(sent, return_when=asyncio.FIRST_COMPLETED)
             assert [t.result().status_code for t in done] == [503]
             await wait_until(lambda: stack.held_bytes() >= 2 * ANSWER_KIB * 1024, what="two answers held")
+            # The refused answer's connection was dropped, so its worker stopped sending (seen
+            # while the worker still holds every answer's end, before anything can race it).
+            await wait_until(lambda: len(stack.cancelled()) == 1, what="the worker hung up on")
             stack.release()
             return await asyncio.gather(*sent)
 
@@ -136,8 +139,7 @@ def test_answers_past_the_budget_get_503_and_the_others_are_served(stack: Budget
     assert f'kvgate_worker_breaker_state{{pool="big",worker="{stack.worker}"}} 0.0' in page
     aborted = f'kvgate_worker_requests_total{{outcome="aborted",pool="big",worker="{stack.worker}"}} 1.0'
     assert aborted in page
-    # Its connection was dropped, so the worker stopped sending.
-    wait_until_sync(lambda: len(stack.cancelled()) == 1, what="the worker hung up on")
+    assert len(stack.cancelled()) == 1  # and no other
     with httpx.Client(base_url=stack.base_url, timeout=30) as client:
         again = client.post("/v1/chat/completions", json=_body("after"), headers=HEADERS)
     assert again.status_code == 200

@@ -29,7 +29,7 @@ from policies.base import (
     WorkerView,
 )
 from policies.cost_model import CostModel
-from policies.pd import PrefixHolder
+from policies.pd import MovesKvAware, PrefixHolder
 
 
 class PointHopeless(Exception):
@@ -100,8 +100,8 @@ class SloWatch:
 
 class _HolderSloWatch(SloWatch):
     """A `SloWatch` around a policy that keeps a prefix index: P/D routing asks the policy what
-    each worker holds and for its cost model (`policies.pd.PrefixHolder`), so the watch answers
-    for it."""
+    each worker holds and for its cost model (`policies.pd.PrefixHolder`), and tells it of pools
+    that move KV (`policies.pd.MovesKvAware`), so the watch answers and passes on for it."""
 
     def held_tokens(
         self, req: RouteRequest, shared_prefix_blocks: int, now_s: float
@@ -110,6 +110,11 @@ class _HolderSloWatch(SloWatch):
 
     def cost_model(self, req: RouteRequest) -> CostModel:
         return cast(PrefixHolder, self.inner).cost_model(req)
+
+    def pool_moves_kv(self, pool: str) -> None:
+        # `holder_prefill` tells the policy its pool moves KV (`policies.pd.MovesKvAware`).
+        if isinstance(self.inner, MovesKvAware):
+            self.inner.pool_moves_kv(pool)
 
 
 def watch_policy(

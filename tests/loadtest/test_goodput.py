@@ -111,12 +111,17 @@ def test_a_pd_row_runs_split_and_the_watch_changes_no_decision(entry: PolicyEntr
 def test_the_watch_counts_a_request_heard_of_twice_once() -> None:
     from loadtest.goodput.watch import PointHopeless, watch_policy
     from policies.base import Observation, RouteRequest, WorkerId
-    from policies.pd import PrefixHolder
+    from policies.cost_policy import CostPolicy
+    from policies.pd import MovesKvAware, PrefixHolder
     from policies.registry import make_policy
 
     cost = make_policy("cost", seed=0)
     watch = watch_policy(cost, {"a": 0.0, "b": 0.0}, ttft_slo_s=0.1, tpot_slo_s=0.1, share=0.5, pd=True)
     assert isinstance(watch, PrefixHolder), "P/D routing still sees what the policy holds"
+    # ... and still tells it of a pool that moves KV (holder_prefill), which changes its scoring.
+    assert isinstance(watch, MovesKvAware) and isinstance(cost, CostPolicy)
+    watch.pool_moves_kv("p")
+    assert cost.discounts_backlog("p")
     assert not isinstance(watch_policy(make_policy("round_robin"), {}, ttft_slo_s=1, tpot_slo_s=1, share=1),
                           PrefixHolder)  # fmt: skip
     a = RouteRequest("a", "p", "t", "ns", (), 100, 16)

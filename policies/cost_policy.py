@@ -206,6 +206,11 @@ class CostPolicy(PrefixPolicyBase):
         setting = self.discount_cached_backlog
         return pool in self._moves_kv if setting is None else setting
 
+    def backlog_share(self, pool: str, worker: WorkerId) -> float:
+        """The share of `worker`'s in-flight prefill tokens this policy counts as work ahead of a
+        new request: its predicted uncached share where backlogs are so counted, else 1."""
+        return self._ledger.share(worker) if self.discounts_backlog(pool) else 1.0
+
     def hold_s(self, req: RouteRequest, now_s: float) -> float:
         """Seconds to hold `req` before deciding it (step 5 of the module docstring): in a burst,
         one sync lag (`policies.herd.hold_for`) per step its own predicted prefill reaches, after

@@ -176,6 +176,11 @@ class MovesKvAware(Protocol):
         """Told at each `holder_prefill` decision of `pool` (idempotent, a set insert)."""
         ...
 
+    def backlog_share(self, pool: str, worker: WorkerId) -> float:
+        """The share of `worker`'s in-flight prefill tokens the policy counts as work ahead (1:
+        whole prompts), so that the split it is offered is scored as its own pick was."""
+        ...
+
 
 @record
 class _Option:
@@ -284,8 +289,9 @@ class PdRouter:
         """`holder_prefill` mode (module docstring): the policy's pick alone, or a split from the
         worker that holds the most of the prompt when the pick holds less."""
         s = self.settings
-        if self._is_kv_aware(policy):
-            cast(MovesKvAware, policy).pool_moves_kv(req.pool)  # before its pick: it shapes the pick
+        aware = cast(MovesKvAware, policy) if self._is_kv_aware(policy) else None
+        if aware is not None:
+            aware.pool_moves_kv(req.pool)  # before its pick: it shapes the pick
         roles = s.roles.whole if whole else s.roles.alone
         pick = policy.select(req, [w for w in workers if w.role in roles], now_s)
         view = None if pick is None else next((w for w in ok if w.worker_id == pick.worker), None)
@@ -306,8 +312,11 @@ class PdRouter:
         picked = held.get(view.worker_id, 0)
         if top is None or top_held <= max(picked, s.holder_share * scorer.n):
             return PdDecision(None, pick, pick.score_s, ALONE_POLICY)
-        alone_s = scorer.prefill_s(view, picked) - scorer.decode_s(view)
-        prefill_s = scorer.prefill_s(top, top_held)
+        def share(w: WorkerView) -> float:
+            return 1.0 if aware is None else aware.backlog_share(req.pool, w.worker_id)
+
+        alone_s = scorer.prefill_s(view, picked, share(view)) - scorer.decode_s(view)
+        prefill_s = scorer.prefill_s(top, top_held, share(top))
         options: list[_Option] = []
         for d in ok:
             if d.role in s.roles.decode and d.worker_id != top.worker_id:
@@ -320,7 +329,7 @@ class PdRouter:
             top.worker_id, prefill_s, HOLDER_HIT, scorer.request_tokens(top_held), pick.shared_prefix_blocks
         )
         # The policy noted its pick's predicted queue for calibration; the first leg runs on the holder.
-        cost.note_dispatch(req.request_id, cost.queue_s(top, scorer.n - top_held), top_held)
+        cost.note_dispatch(req.request_id, cost.queue_s(top, scorer.n - top_held, share(top)), top_held)
         return self._decision(req, first, best, cost, scorer, SPLIT)
 
     def _prefill(
@@ -384,12 +393,13 @@ class _Scorer:
     def request_tokens(self, engine_tokens: int) -> int:
         return int(engine_tokens / self.unit)
 
-    def prefill_s(self, view: WorkerView, matched: int) -> float:
-        """The design's score of the prefill worker: saved − queue − cold."""
+    def prefill_s(self, view: WorkerView, matched: int, backlog_share: float = 1.0) -> float:
+        """The design's score of the prefill worker: saved − queue − cold (the backlog counted
+        at `backlog_share` of its whole prompts)."""
         cost = self.cost
         return (
             cost.saved_s(self.n, matched)
-            - cost.queue_s(view, self.n - matched)
+            - cost.queue_s(view, self.n - matched, backlog_share)
             - cost.cold_s(view, self.adapter)
         )
 

@@ -116,6 +116,9 @@ class _HolderSloWatch(SloWatch):
         if isinstance(self.inner, MovesKvAware):
             self.inner.pool_moves_kv(pool)
 
+    def backlog_share(self, pool: str, worker: WorkerId) -> float:
+        return self.inner.backlog_share(pool, worker) if isinstance(self.inner, MovesKvAware) else 1.0
+
 
 def watch_policy(
     inner: RoutingPolicy,

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.base import Role, WorkerId, WorkerView
+from policies.base import Role, RouteDecision, WorkerId, WorkerView
 from policies.cost_policy import CostPolicy
 from policies.pd import (
     ALONE_POLICY,
@@ -176,3 +176,21 @@ def test_a_pool_that_moves_kv_counts_backlogs_in_tokens_left_to_compute() -> Non
     holder_router().select(pinned, req("r", range(64)), views, 1.0)
     assert not pinned.discounts_backlog("p")
     assert CostPolicy(discount_cached_backlog=True).discounts_backlog("p")
+
+
+@pytest.mark.parametrize("discount", [None, False])
+def test_the_split_counts_the_holders_backlog_as_the_policy_does(discount: bool | None) -> None:
+    # m1 holds the session and runs four more turns of it, almost all cached; the guard turns it
+    # away (it runs more requests than the others). Counted as whole prompts its backlog looks
+    # longer than recomputing the turn elsewhere; counted as what is left, the split wins.
+    policy = CostPolicy(epsilon=0.0, slack_requests=0.0, discount_cached_backlog=discount)
+    served(policy, req("turn1", TURN1), "m1")
+    for i in range(4):
+        policy.on_dispatch(req(f"busy{i}", TURN1), RouteDecision(WorkerId("m1"), 0.0, "hit", 300 * 16), 1.0)
+    views = mixed(m1_load=4, in_flight_prefill_tokens=4 * req("busy", TURN1).n_prompt_tokens)
+    decision = holder_router().select(policy, req("turn2", TURN2), views, 1.0)
+    assert decision is not None and decision.decode.worker != "m1"
+    if discount is None:  # a holder_prefill pool: backlogs in tokens left to compute
+        assert decision.reason == SPLIT and decision.prefill is not None and decision.prefill.worker == "m1"
+    else:
+        assert decision.reason == ALONE_SOONER and decision.prefill is None

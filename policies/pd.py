@@ -312,6 +312,7 @@ class PdRouter:
         picked = held.get(view.worker_id, 0)
         if top is None or top_held <= max(picked, s.holder_share * scorer.n):
             return PdDecision(None, pick, pick.score_s, ALONE_POLICY)
+
         def share(w: WorkerView) -> float:
             return 1.0 if aware is None else aware.backlog_share(req.pool, w.worker_id)
 

@@ -3,19 +3,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from tests.support.gateway_config import SECRET, tenant, write_gateway_config
 from tests.support.processes import Proc, free_port, start, start_emulator, start_gateway, wait_http
+from tests.support.wait import wait_until_sync
 
 __all__ = [
     "SECRET",
     "Proc",
     "assert_sigterm_stops_the_workers",
     "free_port",
+    "metrics_urls",
+    "processes_demo",
     "start",
     "start_emulator",
     "start_fake_workers",
@@ -24,6 +29,30 @@ __all__ = [
     "wait_http",
     "write_gateway_config",
 ]
+
+
+def metrics_urls(proc: Proc) -> list[str]:
+    """Every /metrics URL the processes of `kvgate serve --processes` printed as they started, in
+    order (one line per start, so a restarted process adds one)."""
+    return re.findall(r"metrics (http://127\.0\.0\.1:\d+/metrics)", proc.output())
+
+
+@contextlib.contextmanager
+def processes_demo(key: str, *extra: str, processes: int = 2) -> Iterator[tuple[str, Proc]]:
+    """`kvgate serve --demo --processes N` (plus `extra`) on a free port, each process on a metrics
+    port of its own: (base URL, supervisor) once every process listens; stopped by PID after."""
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "gateway.cli", "serve", "--demo", "--processes", str(processes),
+        "--port", str(port), "--demo-key", key, "--metrics-port", "0", *extra,
+    ]  # fmt: skip
+    proc = start(argv)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/readyz", proc, timeout_s=60)
+        wait_until_sync(lambda: len(set(metrics_urls(proc))) == processes, 30, "every process listens")
+        yield f"http://127.0.0.1:{port}", proc
+    finally:
+        proc.stop()
 
 
 def start_fake_workers(modes: dict[int, str]) -> Proc:

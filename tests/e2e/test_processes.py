@@ -15,7 +15,7 @@ import httpx
 import nats
 import pytest
 
-from tests.e2e.harness import Proc, alive, free_port, start, wait_http
+from tests.e2e.harness import Proc, alive, free_port, metrics_urls, processes_demo, start, wait_http
 from tests.support.wait import wait_until_sync
 
 KEY = "sk-e2e-processes"
@@ -40,18 +40,8 @@ def _descendants(pid: int) -> set[int]:
 
 @pytest.fixture(scope="module")
 def demo() -> Iterator[tuple[str, Proc]]:
-    port = free_port()
-    argv = [
-        sys.executable, "-m", "gateway.cli", "serve", "--demo", "--processes", "2", "--port", str(port),
-        "--demo-key", KEY, "--metrics-port", "0",
-    ]  # fmt: skip
-    proc = start(argv)
-    try:
-        wait_http(f"http://127.0.0.1:{port}/readyz", proc, timeout_s=60)
-        wait_until_sync(lambda: len(_metrics_urls(proc)) == 2, 30, "both processes listen")
-        yield f"http://127.0.0.1:{port}", proc
-    finally:
-        proc.stop()
+    with processes_demo(KEY) as running:
+        yield running
 
 
 def _ask(base: str) -> int:
@@ -75,7 +65,7 @@ def _ask(base: str) -> int:
 
 def _metrics_urls(proc: Proc) -> list[str]:
     """Each process's own /metrics (a free port each), as it prints it at startup."""
-    return sorted(set(re.findall(r"metrics (http://127\.0\.0\.1:\d+/metrics)", proc.output())))
+    return sorted(set(metrics_urls(proc)))
 
 
 def _probe(metrics_url: str) -> tuple[int, int]:

@@ -7,14 +7,13 @@ import contextlib
 import os
 import re
 import signal
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.e2e.harness import Proc, alive, free_port, start, wait_http
+from tests.e2e.harness import Proc, alive, metrics_urls, processes_demo
 from tests.support.wait import wait_until_sync
 
 KEY = "sk-e2e-watchdog"
@@ -23,18 +22,8 @@ WATCHDOG_S = 5.0  # well above a loaded machine's scheduling delays, short for t
 
 @pytest.fixture(scope="module")
 def group() -> Iterator[tuple[str, Proc]]:
-    port = free_port()
-    argv = [
-        sys.executable, "-m", "gateway.cli", "serve", "--demo", "--processes", "2", "--port", str(port),
-        "--demo-key", KEY, "--metrics-port", "0", "--watchdog-s", str(WATCHDOG_S),
-    ]  # fmt: skip
-    proc = start(argv)
-    try:
-        wait_http(f"http://127.0.0.1:{port}/readyz", proc, timeout_s=60)
-        wait_until_sync(lambda: len(_metrics_urls(proc)) == 2, 30, "both processes listen")
-        yield f"http://127.0.0.1:{port}", proc
-    finally:
-        proc.stop()
+    with processes_demo(KEY, "--watchdog-s", str(WATCHDOG_S)) as running:
+        yield running
 
 
 def _args(pid: int) -> list[str]:
@@ -63,11 +52,6 @@ def _gateways(supervisor: int) -> set[int]:
 def _heartbeat_file(pid: int) -> Path:
     environ = Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
     return Path(next(e for e in environ if e.startswith("KVGATE_HEARTBEAT_FILE=")).split("=", 1)[1])
-
-
-def _metrics_urls(proc: Proc) -> list[str]:
-    """Every /metrics URL a process printed as it started, in order (one line per start)."""
-    return re.findall(r"metrics (http://127\.0\.0\.1:\d+/metrics)", proc.output())
 
 
 def _served(metrics_url: str) -> int:
@@ -114,7 +98,7 @@ def test_a_stopped_process_is_killed_and_replaced_and_the_port_serves(group: tup
     base, proc = group
     before = _gateways(proc.popen.pid)
     assert len(before) == 2
-    listening = len(_metrics_urls(proc))
+    listening = len(metrics_urls(proc))
     victim = min(before)
     os.kill(victim, signal.SIGSTOP)
     try:
@@ -127,7 +111,7 @@ def test_a_stopped_process_is_killed_and_replaced_and_the_port_serves(group: tup
 
         replaced = wait_until_sync(replaced_by, 60, "a new gateway process runs")
         urls = wait_until_sync(
-            lambda: _metrics_urls(proc)[listening:], 60, "the new process listens", interval_s=0.2
+            lambda: metrics_urls(proc)[listening:], 60, "the new process listens", interval_s=0.2
         )
     finally:
         with contextlib.suppress(ProcessLookupError):

@@ -36,12 +36,12 @@ from pathlib import Path
 import yaml
 
 from gateway.auth import hash_api_key
-from gateway.config import EXIT_MARGIN_S, GatewayConfig, SecretsConfig, load_config, read_secret
+from gateway.config import EXIT_MARGIN_S, GatewayConfig, SecretsConfig, load_config
 from gateway.config.base import ConfigError
 from gateway.demo import _die_with_parent
 from gateway.heartbeat import HEARTBEAT_ENV, MIN_TIMEOUT_S, Watchdog, read_stamp, touch_stamp
 from gateway.policy_watch import LoadedPolicy
-from gateway.sync.auth import connect_options
+from gateway.serve import read_start_secrets
 from gateway.sync.broker import BrokerUnavailable, LocalBroker
 
 log = logging.getLogger("kvgate.multiproc")
@@ -65,6 +65,10 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _heartbeat_file(folder: Path, i: int) -> Path:
+    return folder / f"heartbeat-{i}"
+
+
 class Children:
     """The N gateway processes: started, watched, restarted, and stopped by PID. With a
     `watchdog`, child i beats on the file `heartbeat-i` of `heartbeat_dir`."""
@@ -81,16 +85,16 @@ class Children:
         self.child_args = child_args  # what differs per child (its own metrics port)
         self.env = env
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * n
-        self.watchdog: Watchdog | None = watchdog[0] if watchdog is not None else None
-        self.heartbeat_dir: Path | None = watchdog[1] if watchdog is not None else None
+        self.watchdog = watchdog
         self._restarts: deque[float] = deque()
 
     def start(self, i: int) -> None:
         env = self.env
-        if self.watchdog is not None and self.heartbeat_dir is not None:
-            path = self.heartbeat_dir / f"heartbeat-{i}"
+        if self.watchdog is not None:
+            dog, folder = self.watchdog
+            path = _heartbeat_file(folder, i)
             env = {**env, HEARTBEAT_ENV: str(path)}
-            self.watchdog.started(i, touch_stamp(path), time.monotonic())
+            dog.started(i, touch_stamp(path), time.monotonic())
         self.procs[i] = subprocess.Popen(
             [*self.argv, *self.child_args(i)],
             stdin=subprocess.DEVNULL,
@@ -102,14 +106,15 @@ class Children:
     def kill_hung(self) -> None:
         """SIGKILL the process group of every child whose heartbeat is overdue, and reap it:
         `watch` then restarts it as a child that exited."""
-        if self.watchdog is None or self.heartbeat_dir is None:
+        if self.watchdog is None:
             return
+        dog, folder = self.watchdog
         stamps = [
-            (i, read_stamp(self.heartbeat_dir / f"heartbeat-{i}"))
+            (i, read_stamp(_heartbeat_file(folder, i)))
             for i, proc in enumerate(self.procs)
             if proc is not None and proc.poll() is None
         ]
-        for overdue in self.watchdog.check(stamps, time.monotonic()):
+        for overdue in dog.check(stamps, time.monotonic()):
             proc = self.procs[overdue.index]
             assert proc is not None
             print(
@@ -120,7 +125,7 @@ class Children:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            self.watchdog.forget(overdue.index)
+            dog.forget(overdue.index)
 
     def watch(self) -> bool:
         """Restart children that exited (or were killed as hung); False when that happens too
@@ -179,9 +184,7 @@ def supervise(args: argparse.Namespace) -> int:
 
             return run_demo(args, serve_demo)
         config = load_config(args.config)
-        read_secret(config.secrets, dict(os.environ))  # a missing secret fails here, not N times
-        if config.sync.url is not None:
-            connect_options(config.sync, os.environ)  # and so does a missing broker secret
+        read_start_secrets(config)  # a missing secret fails here, not N times
         return _run(args, (Path(args.config).resolve(), config, {}), Path(tmp))
 
 

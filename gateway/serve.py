@@ -126,6 +126,20 @@ def _with_listen(
     return config.model_copy(update={"listen": listen, "metrics": metrics})
 
 
+def read_start_secrets(config: GatewayConfig) -> bytes:
+    """Every secret the config names, read once before anything starts, so that a missing one
+    stops the start with a message naming its field (once, not once per process): the key-hash
+    secret (returned), each pool's worker key, the sync broker's credentials."""
+    secret = read_secret(config.secrets, dict(os.environ))
+    for pool in config.pools:
+        read_worker_key(pool, os.environ)
+    if config.sync.url is not None:
+        from gateway.sync.auth import connect_options
+
+        connect_options(config.sync, os.environ)
+    return secret
+
+
 def _with_sync(config: GatewayConfig, url: str | None, token_env: str | None) -> GatewayConfig:
     """The config with `--sync-url` and `--sync-token-env` applied (and checked as the YAML is)."""
     fields = config.sync.model_dump()
@@ -162,13 +176,7 @@ def run(args: argparse.Namespace) -> int:
         config = _with_sync(config, args.sync_url, args.sync_token_env)
         if args.log_level is None:
             setup_logging(config.log_level)
-        secret = read_secret(config.secrets, dict(os.environ))
-        for pool in config.pools:
-            read_worker_key(pool, os.environ)  # a missing worker key stops the start here, clearly
-        if config.sync.url is not None:
-            from gateway.sync.auth import connect_options
-
-            connect_options(config.sync, os.environ)  # and so does a missing broker secret
+        secret = read_start_secrets(config)
         loaded, watcher, swap = load_policy(config)
     except (ConfigError, PolicyConfigError) as exc:
         print(f"kvgate serve: {exc}", file=sys.stderr)

@@ -221,7 +221,7 @@ class PdRouter:
         generation alone, or with none free to another of `PdRoles.whole`. The decision is not
         yet dispatched: the caller tells the policy of each half it sends."""
         s = self.settings
-        if holder is None and self._is_holder(policy):
+        if holder is None and self._is(policy, PrefixHolder):
             holder = cast(PrefixHolder, policy)
         ok = available(workers)
         splittable = splittable and not whole
@@ -262,12 +262,6 @@ class PdRouter:
             reason = SPLIT
         return self._decision(req, prefill[0] if prefill else None, chosen, cost, scorer, reason)
 
-    def _is_holder(self, policy: RoutingPolicy) -> bool:
-        return self._is(policy, PrefixHolder)
-
-    def _is_kv_aware(self, policy: RoutingPolicy) -> bool:
-        return self._is(policy, MovesKvAware)
-
     def _is(self, policy: RoutingPolicy, protocol: type) -> bool:
         key = (type(policy), protocol)
         known = self._implements.get(key)
@@ -289,7 +283,7 @@ class PdRouter:
         """`holder_prefill` mode (module docstring): the policy's pick alone, or a split from the
         worker that holds the most of the prompt when the pick holds less."""
         s = self.settings
-        aware = cast(MovesKvAware, policy) if self._is_kv_aware(policy) else None
+        aware = cast(MovesKvAware, policy) if self._is(policy, MovesKvAware) else None
         if aware is not None:
             aware.pool_moves_kv(req.pool)  # before its pick: it shapes the pick
         roles = s.roles.whole if whole else s.roles.alone

@@ -15,6 +15,7 @@ failed for certain.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import ClassVar, cast
@@ -111,13 +112,18 @@ class _HolderSloWatch(SloWatch):
     def cost_model(self, req: RouteRequest) -> CostModel:
         return cast(PrefixHolder, self.inner).cost_model(req)
 
+    # `holder_prefill` tells the policy its pool moves KV and asks how it counts backlogs
+    # (`policies.pd.MovesKvAware`); the runtime Protocol check is made once, not per decision.
     def pool_moves_kv(self, pool: str) -> None:
-        # `holder_prefill` tells the policy its pool moves KV (`policies.pd.MovesKvAware`).
-        if isinstance(self.inner, MovesKvAware):
-            self.inner.pool_moves_kv(pool)
+        if self._kv_aware is not None:
+            self._kv_aware.pool_moves_kv(pool)
 
     def backlog_share(self, pool: str, worker: WorkerId) -> float:
-        return self.inner.backlog_share(pool, worker) if isinstance(self.inner, MovesKvAware) else 1.0
+        return 1.0 if self._kv_aware is None else self._kv_aware.backlog_share(pool, worker)
+
+    @functools.cached_property
+    def _kv_aware(self) -> MovesKvAware | None:
+        return self.inner if isinstance(self.inner, MovesKvAware) else None
 
 
 def watch_policy(

@@ -188,7 +188,8 @@ def test_secrets_are_read_at_start_and_errors_name_the_field_not_the_value(tmp_p
         connect_options(SyncConfig(url="tls://x:4222", tls=SyncTlsConfig(ca_file=str(empty))), {})
 
 
-def test_serve_stops_at_start_on_a_missing_broker_secret(tmp_path: Path) -> None:
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_serve_stops_at_start_on_a_missing_broker_secret(tmp_path: Path, processes: str) -> None:
     path = tmp_path / "gw.yaml"
     config = {
         "pools": [{"name": "p", "models": ["m"], "workers": ["http://127.0.0.1:9"]}],
@@ -198,14 +199,25 @@ def test_serve_stops_at_start_on_a_missing_broker_secret(tmp_path: Path) -> None
     }
     path.write_text(yaml.safe_dump(config))
     proc = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(path), "--port", "0"],
+        [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "serve",
+            "--config",
+            str(path),
+            "--port",
+            "0",
+            "--processes",
+            processes,
+        ],
         capture_output=True,
         text=True,
         timeout=30,
         env={**os.environ, "KVGATE_TEST_SECRET": SECRET.decode()},
     )
     assert proc.returncode == 2, proc.stderr
-    assert "sync.auth.token_file: cannot read" in proc.stderr
+    assert proc.stderr.count("sync.auth.token_file: cannot read") == 1  # said once, before any process starts
 
 
 TLS = (

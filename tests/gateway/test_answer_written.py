@@ -164,6 +164,7 @@ async def answering(status: int, body: bytes, content_type: str) -> AsyncIterato
         await runner.cleanup()
 
 
+@pytest.mark.parametrize("stream", [False, True])  # streamed: a whole answer read from the stream
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize(
     ("status", "body", "content_type", "client_status"),
@@ -175,11 +176,11 @@ async def answering(status: int, body: bytes, content_type: str) -> AsyncIterato
     ],
 )
 async def test_every_way_a_whole_answer_ends_gives_its_bytes_back_once(
-    transport: str, status: int, body: bytes, content_type: str, client_status: int
+    transport: str, stream: bool, status: int, body: bytes, content_type: str, client_status: int
 ) -> None:
     async with answering(status, body, content_type) as url, gateway(url, transport) as (gw, _):
         answers = gw.state.transport.answers
-        resp = await gw.client.post("/v1/chat/completions", json=CHAT, headers=KEY)
+        resp = await gw.client.post("/v1/chat/completions", json={**CHAT, "stream": stream}, headers=KEY)
         assert resp.status_code == client_status, resp.text
         if client_status == 200:
             assert resp.content == body

@@ -3,11 +3,14 @@
 A non-streamed answer is read into memory before it is relayed, each bounded by
 `upstream_conn.MAX_ANSWER_BYTES`. That bound is per answer: N whole answers in flight could
 hold N times it. The budget bounds their sum. Every byte of a whole answer is reserved as it
-arrives and released once, when the answer has been read and joined, or its read ends any
-other way (error, timeout, the client leaving); a read that would take the total past
+arrives, in the answer's `Reservation`, and released once: when an answer passed on as it came
+has been written to its client (`answer_write.HeldResponse`), or the request ends any other way
+(an error, a timeout, the client leaving, the gateway's drain). Answers the gateway reads for
+itself or passes on in another form (render, a P/D pool's prefill and whole decode answers, a
+stored response) are released when they have been read. A read that would take the total past
 `capacity_bytes` ends at once (`AnswerBudgetExceeded`), and the client gets 503
-`gateway_overloaded` with `Retry-After` (`failure.failure_of`). That is the gateway's own
-limit, so the worker's breaker is not told.
+`gateway_overloaded` with `Retry-After` (`failure.failure_of`). That is the gateway's own limit,
+so the worker's breaker is not told.
 
 A request's answer is reserved through its tenant's `TenantShare`: a tenant holds at most
 `capacity × its weight / the sum of all tenants' weights` (the `weight` that also orders the
@@ -32,7 +35,8 @@ from gateway.metrics.families import CounterChild
 
 
 class AnswerBudget:
-    """Bytes of whole answers being read, across the process. Invariant:
+    """Bytes of whole answers held (read, or being read, and not yet written), across the
+    process. Invariant:
     `0 <= held_bytes <= capacity_bytes`; each reader releases exactly what it reserved.
     Reading through `share(tenant)` also bounds the tenant's own sum."""
 
@@ -138,6 +142,31 @@ class TenantShare:
         """Whether `size` more bytes would pass the share itself, a share smaller than the budget
         (a share of the whole budget is the budget's own limit)."""
         return self.held_bytes + size > self.share_bytes and self.share_bytes < self.budget.capacity_bytes
+
+
+class Reservation:
+    """One answer's bytes, reserved from `hold` while it is read and kept until its owner
+    releases them. Ownership passes along with the answer (connection, reply, response); whoever
+    holds it last calls `release`, which gives the bytes back once (later calls do nothing), so
+    every path that ends a request may call it without counting twice."""
+
+    __slots__ = ("hold", "size")
+
+    def __init__(self, hold: AnswerHold) -> None:
+        self.hold = hold
+        self.size = 0
+
+    def take(self, size: int) -> bool:
+        """Reserve `size` more bytes; False (nothing taken) past the budget or the share."""
+        if not self.hold.reserve(size):
+            return False
+        self.size += size
+        return True
+
+    def release(self) -> None:
+        if self.size:
+            self.hold.release(self.size)
+            self.size = 0
 
 
 # What a whole answer's bytes are reserved from: a request's tenant share, or the process's

@@ -83,7 +83,7 @@ class RawResponse:
 
     __slots__ = ("body", "headers", "status")
 
-    def __init__(self, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    def __init__(self, status: int, body: bytes | bytearray, headers: list[tuple[bytes, bytes]]) -> None:
         self.status = status
         self.body = body
         self.headers = headers

@@ -9,7 +9,9 @@ and is passed through, its error body rewritten into the gateway's own OpenAI er
 worker's message and `param` are kept).
 
 Every attempt is closed by `Attempt.end`, and every request's books by `outcome.finish`: here
-for whole answers and errors, in `streaming.ProxyStream` for a stream once it has started.
+for whole answers and errors, in `streaming.ProxyStream` for a stream once it has started. A
+whole answer's bytes stay reserved in the answer budget until they have been written to the
+client (`answer_write.HeldResponse`); `_answer` hands the reservation on or releases it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from urllib.parse import urlsplit
 import orjson
 
 from gateway.admission import JSON_HEAD, Admitted
+from gateway.answer_write import HeldResponse
 from gateway.errors import ApiError, RawResponse
 from gateway.failure import (
     TRANSPORT_ERRORS,
@@ -41,7 +44,7 @@ from gateway.sse import first_event_problem
 from gateway.streaming import AiohttpSource, ProxyStream, StreamSource, first_events
 from gateway.tracing import AttemptTrace, TracedSource
 from gateway.transport import Transport
-from gateway.upstream import UpstreamReply, request_bytes
+from gateway.upstream import Reservation, UpstreamReply, request_bytes
 from gateway.upstream_headers import aiohttp_pairs, lean_lines, passed_on
 from policies.base import Outcome, WorkerId
 
@@ -196,6 +199,7 @@ async def _attempt(
     direct = attempt.worker.direct
     timeouts = a.pool.config.timeouts
     source: StreamSource | None = None
+    held: Reservation | None = None
     stage = Stage.HEAD
     try:
         if direct is not None and lean is not None and not a.stream:
@@ -235,17 +239,22 @@ async def _attempt(
             return ProxyStream(routing, lifecycle, attempt, source, relay, first, retries)
         # A worker's 4xx, or a whole answer to a streamed request: read it and pass it through.
         stage = Stage.ANSWER
-        body = await source.read_all()
+        held = Reservation(transport.answers.share(a.tenant.name))
+        body = await source.read_held(held)
         source.release()
-        reply = UpstreamReply(source.status, source.content_type, body, source.retry_hints)
+        reply = UpstreamReply(source.status, source.content_type, body, source.retry_hints, held)
         return _answer(routing, a, attempt, reply, retries)
     except TRANSPORT_ERRORS as exc:
         if source is not None:
             source.close()
+        if held is not None:
+            held.release()
         return failure_of(exc, stage, timeouts)
     except BaseException:
         if source is not None:
             source.close()
+        if held is not None:
+            held.release()
         raise
 
 
@@ -320,7 +329,23 @@ def _is_event_stream(content_type: str) -> bool:
 def _answer(
     routing: Routing, a: Admitted, attempt: Attempt, reply: UpstreamReply, retries: int
 ) -> RawResponse | Failure:
-    """A complete answer. A 5xx, or a 200 that says it is JSON but whose body is not a JSON
+    """A complete answer, whose bytes' reservation (`reply.held`) goes with the body to the
+    client's response when the body is passed on as it came (`HeldResponse`), and is released
+    here on every other way out: a failure, a rewritten error body, an exception."""
+    try:
+        response = _respond(routing, a, attempt, reply, retries)
+    except BaseException:
+        reply.release()
+        raise
+    if not isinstance(response, HeldResponse):
+        reply.release()
+    return response
+
+
+def _respond(
+    routing: Routing, a: Admitted, attempt: Attempt, reply: UpstreamReply, retries: int
+) -> RawResponse | Failure:
+    """`_answer`'s response. A 5xx, or a 200 that says it is JSON but whose body is not a JSON
     object (on routes that answer JSON; or an array, on routes whose answer may be one: a batch's
     items, which carry no usage the gateway reads), is the attempt's failure; anything else closes the books
     and is passed through: a 200 byte for byte, an error with its body in the route's error shape,
@@ -365,7 +390,7 @@ def _answer(
         # A 4xx is about the request, not the worker's health; the worker computed nothing.
         finish(routing, a, attempt, status=status, outcome=Outcome.REJECTED, retries=retries)
         if status >= 400:
-            body = a.api.dialect.worker_error(status, body)
+            body = a.api.dialect.worker_error(status, body if isinstance(body, bytes) else bytes(body))
             content_type = "application/json"
     headers = [
         (b"content-type", (content_type or "application/json").encode()),
@@ -374,6 +399,8 @@ def _answer(
     if status >= 400:
         headers += forwardable(reply.retry_hints)
         headers += advice(retries + 1, a.pool.config.retry_attempts, a.retries_taken)
+    if reply.held is not None and body is reply.body:
+        return HeldResponse(status, body, headers + passed, reply.held)
     return RawResponse(status, body, headers + passed)
 
 

@@ -33,7 +33,7 @@ from gateway.lifecycle import Lifecycle
 from gateway.outcome import Attempt, finish, usage_of
 from gateway.routing import Routing
 from gateway.sse import Relay
-from gateway.upstream import AnswerHold, RetryHints, read_whole
+from gateway.upstream import AnswerBody, AnswerHold, Reservation, RetryHints, read_reserved, read_whole
 from gateway.upstream_headers import ANSWER_HEADERS
 from policies.base import Outcome
 
@@ -41,8 +41,9 @@ log = logging.getLogger("kvgate.streaming")
 
 
 class StreamSource(Protocol):
-    """A worker's answer after its head: `read()` until it returns b"" (or `read_all()`), then
-    `release()` (the connection may be reused); `close()` drops it at any time, so the worker
+    """A worker's answer after its head: `read()` until it returns b"" (or `read_all()`; or
+    `read_held(held)`, whose bytes stay reserved in the answer budget until `held` is released),
+    then `release()` (the connection may be reused); `close()` drops it at any time, so the worker
     stops. Both transports' answers have this shape (`upstream.UpstreamStream`, `AiohttpSource`)."""
 
     @property
@@ -58,6 +59,8 @@ class StreamSource(Protocol):
 
     async def read_all(self) -> bytes: ...
 
+    async def read_held(self, held: Reservation) -> AnswerBody: ...
+
     def release(self) -> None: ...
 
     def close(self) -> None: ...
@@ -67,7 +70,7 @@ class AiohttpSource:
     """An aiohttp response (https workers) as a `StreamSource`. `read` returns what aiohttp has
     buffered, which it keeps below a small high-water mark (it stops reading from the socket
     above it), so a stream's memory is bounded here as in the lean client; whole answers are
-    bounded by `read_whole` (each, and all together by `budget`: the request's tenant share of the
+    bounded by `read_reserved` (each, and all together by `budget`: the request's tenant share of the
     process's budget), and single events by the relay."""
 
     __slots__ = ("_budget", "_resp", "content_type", "retry_hints", "status")
@@ -89,6 +92,9 @@ class AiohttpSource:
     async def read_all(self) -> bytes:
         # Not `resp.read()`: that holds whatever the worker sends, however large.
         return await read_whole(self.read, self._budget)
+
+    async def read_held(self, held: Reservation) -> AnswerBody:
+        return await read_reserved(self.read, held)
 
     def release(self) -> None:
         self._resp.release()

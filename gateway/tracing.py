@@ -42,7 +42,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from gateway.config import TracingConfig
 from gateway.otel_sdk import kvgate_version, tracer_provider
-from gateway.upstream import RetryHints
+from gateway.upstream import AnswerBody, Reservation, RetryHints
 from policies.base import Outcome
 
 # GenAI operation names; a route without one is named by its endpoint label (`rerank`, ...).
@@ -181,6 +181,10 @@ class TracedSource:
 
     async def read_all(self) -> bytes:
         body: bytes = await self._source.read_all()
+        return body
+
+    async def read_held(self, held: Reservation) -> AnswerBody:
+        body: AnswerBody = await self._source.read_held(held)
         return body
 
     def release(self) -> None:

@@ -18,7 +18,9 @@ the timeout sweep live in `upstream_slots.py`.
 Streamed answers come through `open_stream`: the head first, then the body as it arrives, read
 from a bounded buffer (the connection stops reading from the worker while the reader lags).
 Whole answers (read in one call, or by `read_whole` from a stream) are held within the process's
-`AnswerBudget` (through the request's tenant share, `hold`), shared with aiohttp's whole reads.
+`AnswerBudget` (through the request's tenant share, `hold`), shared with aiohttp's whole reads;
+a whole answer's `Reservation` goes with it to the client's response, which gives it back once
+the answer has been written.
 https workers and everything off the hot path keep using aiohttp. The connection itself is in
 `upstream_conn.py`.
 """
@@ -32,9 +34,10 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from gateway import upstream_conn
-from gateway.answer_budget import AnswerBudget, AnswerHold, TenantShare
+from gateway.answer_budget import AnswerBudget, AnswerHold, Reservation, TenantShare
 from gateway.upstream_conn import (
     MAX_ANSWER_BYTES,
+    AnswerBody,
     AnswerBudgetExceeded,
     RetryHints,
     UpstreamBusy,
@@ -55,9 +58,11 @@ DEFAULT_BUDGET_BYTES = 8 * MAX_ANSWER_BYTES
 __all__ = [
     "DEFAULT_BUDGET_BYTES",
     "MAX_ANSWER_BYTES",
+    "AnswerBody",
     "AnswerBudget",
     "AnswerBudgetExceeded",
     "AnswerHold",
+    "Reservation",
     "RetryHints",
     "TenantShare",
     "UpstreamBusy",
@@ -67,6 +72,7 @@ __all__ = [
     "UpstreamReply",
     "UpstreamStream",
     "UpstreamTimeout",
+    "read_reserved",
     "read_whole",
     "request_bytes",
 ]
@@ -107,7 +113,8 @@ class UpstreamPool:
         hold: AnswerHold | None = None,
     ) -> UpstreamReply:
         """Send one prebuilt request (head and body) and return the whole answer, its bytes
-        reserved from `hold` (the request's tenant share; the pool's budget alone when None)."""
+        reserved from `hold` (the request's tenant share; the pool's budget alone when None)
+        until the caller releases the reply (`UpstreamReply.release`)."""
         key = (host, port)
         slots = await self._enter(key, connect_s)
         try:
@@ -207,10 +214,13 @@ class UpstreamPool:
         total_s: float,
         hold: AnswerHold | None,
     ) -> UpstreamReply:
+        answer = conn.request(request, read_s, total_s, hold)
         try:
-            reply = await conn.request(request, read_s, total_s, hold)
+            reply = await answer
         except (asyncio.CancelledError, UpstreamError):
             conn.abort()
+            if answer.done() and not answer.cancelled() and answer.exception() is None:
+                answer.result().release()  # cancelled just after the answer came: nobody takes it
             raise
         self._give_back(key, conn)
         return reply
@@ -303,6 +313,10 @@ class UpstreamStream:
         """The rest of the answer (for a worker that did not stream, e.g. a 4xx)."""
         return await read_whole(self.read, self._hold)
 
+    async def read_held(self, held: Reservation) -> AnswerBody:
+        """The rest of the answer, its bytes kept reserved in `held` for the caller to release."""
+        return await read_reserved(self.read, held)
+
     def release(self) -> None:
         """The answer was read to its end: the connection may serve another request."""
         if self._done:
@@ -326,27 +340,41 @@ class UpstreamStream:
 async def read_whole(
     read: Callable[[], Awaitable[bytes]], budget: AnswerHold, limit: int | None = None
 ) -> bytes:
+    """`read_reserved` whose reservation is released when the read ends, however it ends: for
+    answers read for the gateway itself (render, a prefill leg) or passed on in another form."""
+    held = Reservation(budget)
+    try:
+        body = await read_reserved(read, held, limit)
+    finally:
+        held.release()
+    return body if isinstance(body, bytes) else bytes(body)
+
+
+async def read_reserved(
+    read: Callable[[], Awaitable[bytes]], held: Reservation, limit: int | None = None
+) -> AnswerBody:
     """Everything `read` returns until b"", held whole, so bounded like the lean client's whole
     answers (`limit`, by default `MAX_ANSWER_BYTES` read when called): past it, `UpstreamError`
     ("worker answer too large", answered), which the gateway maps like any answer that broke off;
-    past the process's budget or the tenant's share of it (`budget`), `AnswerBudgetExceeded`.
-    The reservation is released when the read ends, however it ends. Both transports' `read_all`
-    go through here, so an https worker is held to the same bounds as an http one."""
+    past the process's budget or the tenant's share of it (`held.hold`), `AnswerBudgetExceeded`.
+    The bytes stay reserved in `held` for the caller to release; a read that fails releases them
+    itself. Both transports' `read_all` go through here, so an https worker is held to the same
+    bounds as an http one. The answer grows in one buffer, as in the lean client (and for the
+    same reason: `upstream_conn`)."""
     if limit is None:
         limit = upstream_conn.MAX_ANSWER_BYTES
-    parts: list[bytes] = []
-    held = 0
+    body: AnswerBody = b""
     try:
         while data := await read():
-            if held + len(data) > limit:
+            if len(body) + len(data) > limit:
                 raise UpstreamError("worker answer too large", answered=True)
-            if not budget.reserve(len(data)):
-                raise AnswerBudgetExceeded(budget, len(data))
-            held += len(data)
-            parts.append(data)
-        return b"".join(parts)
-    finally:
-        budget.release(held)
+            if not held.take(len(data)):
+                raise AnswerBudgetExceeded(held.hold, len(data))
+            body = upstream_conn.gather(body, data)
+        return body
+    except BaseException:
+        held.release()
+        raise
 
 
 def request_bytes(host_header: bytes, path: bytes, headers: bytes, body: bytes) -> bytes:

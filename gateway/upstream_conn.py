@@ -4,20 +4,26 @@ A connection serves one request at a time, in one of two modes: a whole answer (
 type and body, resolved when the answer is complete), or a stream (status and content type as
 soon as the head arrives, then body chunks through a bounded buffer that pauses reading while the
 consumer lags). Read and total timeouts are checked by the pool's `TimeoutSweep`. A whole
-answer's bytes are reserved from the process's `AnswerBudget` as they arrive and released when
-the exchange ends, however it ends (`_reset`). An answer's head (status line and headers) is
-bounded by `MAX_ANSWER_HEAD_BYTES`: httptools itself puts no limit on a header's size.
+answer's bytes are reserved from the process's `AnswerBudget` as they arrive, in a `Reservation`
+that goes with the complete answer (`UpstreamReply.held`: its new owner releases it once the
+answer has been written to the client), or is released here when the exchange ends any other way
+(`_reset`). The answer is gathered in one growing buffer, not a list of chunks joined at the
+end: the join held a second copy of the answer next to its chunks, and the chunks' freed heap
+memory is not given back to the system, so the process held about twice what it had reserved.
+An answer's head (status line and headers) is bounded by `MAX_ANSWER_HEAD_BYTES`: httptools
+itself puts no limit on a header's size.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
+from dataclasses import field
 from typing import cast
 
 import httptools
 
-from gateway.answer_budget import AnswerBudget, AnswerHold, TenantShare
+from gateway.answer_budget import AnswerBudget, AnswerHold, Reservation, TenantShare
 from gateway.upstream_headers import ANSWER_HEADERS
 from gateway.upstream_slots import TimeoutSweep
 from policies.records import record
@@ -71,6 +77,18 @@ class AnswerBudgetExceeded(UpstreamError):
         super().__init__(message, answered=True)
 
 
+def gather(body: AnswerBody, data: bytes) -> AnswerBody:
+    """`body` followed by `data`. The first piece is kept as it came (most answers arrive in one:
+    no copy), later ones go into one bytearray grown in place (a large one by remapping its
+    pages, without copying them)."""
+    if not body:
+        return data
+    if isinstance(body, bytearray):
+        body += data
+        return body
+    return bytearray(body) + data
+
+
 # The most bytes read before an answer's head is complete (the head, and the first bytes of the
 # body that arrived with its end): past it the answer is malformed. vLLM's binary embeddings
 # (`encoding_format` "bytes") put every input's offsets in one `metadata` header, which for a large
@@ -83,15 +101,26 @@ MAX_ANSWER_HEAD_BYTES = 1 << 20
 # `metadata` of a binary embeddings answer; empty otherwise.
 RetryHints = tuple[tuple[bytes, bytes], ...]
 
+# A whole answer's body: the bytes as they came, or the bytearray they were gathered in (`gather`).
+AnswerBody = bytes | bytearray
+
 
 @record
 class UpstreamReply:
-    """A complete non-streamed answer."""
+    """A complete non-streamed answer. `held` is its bytes' reservation in the answer budget (None
+    when it was released as the read ended): whoever takes the reply releases it, once the body
+    has been written or dropped (`release`). The body may be the connection's `bytearray`, passed
+    on as it is: making it `bytes` would copy the whole answer."""
 
     status: int
     content_type: str
-    body: bytes
+    body: AnswerBody
     retry_hints: RetryHints = ()
+    held: Reservation | None = field(default=None, compare=False)
+
+    def release(self) -> None:
+        if self.held is not None:
+            self.held.release()
 
 
 @record
@@ -172,7 +201,6 @@ class WorkerConnection(asyncio.Protocol):
         "_head_bytes",
         "_header_name",
         "_held",
-        "_hold",
         "_last_activity_s",
         "_loop",
         "_parser",
@@ -192,10 +220,10 @@ class WorkerConnection(asyncio.Protocol):
         self._loop = loop
         self._sweep = sweep
         self._budget = budget
-        # What the whole answer being read reserves from (the request's tenant share, or
-        # `_budget`), and how many bytes it holds there.
-        self._hold: AnswerHold = budget
-        self._held = 0
+        # The whole answer being read: its bytes' reservation (from the request's tenant share,
+        # or `_budget`) until the reply takes it, and its bytes so far.
+        self._held: Reservation | None = None
+        self._body: AnswerBody = b""
         self.transport: asyncio.Transport | None = None
         self.alive = False
         self.idle_since_s = 0.0
@@ -205,7 +233,6 @@ class WorkerConnection(asyncio.Protocol):
         self._stream: StreamBody | None = None
         self._paused = False
         self._parser: httptools.HttpResponseParser | None = None
-        self._body: list[bytes] = []
         self._size = 0
         self._content_type = ""
         self._retry_hints: RetryHints = ()
@@ -267,16 +294,17 @@ class WorkerConnection(asyncio.Protocol):
         if self._stream is not None:
             self._stream.push(body)
             return
+        held = self._held
+        if held is None:  # the exchange ended earlier in this read (`_broken`): the rest is dropped
+            return
         self._size += len(body)
         if self._size > MAX_ANSWER_BYTES:
             self._broken(UpstreamError("worker answer too large", answered=True))
             return
-        hold = self._hold
-        if not hold.reserve(len(body)):
-            self._broken(AnswerBudgetExceeded(hold, len(body)))
+        if not held.take(len(body)):
+            self._broken(AnswerBudgetExceeded(held.hold, len(body)))
             return
-        self._held += len(body)
-        self._body.append(body)
+        self._body = gather(self._body, body)
 
     def on_message_complete(self) -> None:
         parser = self._parser
@@ -294,13 +322,16 @@ class WorkerConnection(asyncio.Protocol):
             return
         keep = parser.should_keep_alive()
         reply = UpstreamReply(
-            parser.get_status_code(), self._content_type, b"".join(self._body), self._retry_hints
+            parser.get_status_code(), self._content_type, self._body, self._retry_hints, self._held
         )
+        self._held = None  # the reply owns the reservation now
         self._reset()
         if not keep:
             self.alive = False
             self._close()
-        if not done.done():
+        if done.done():
+            reply.release()  # nobody waits for it
+        else:
             done.set_result(reply)
 
     # requests --------------------------------------------------------------------------------
@@ -308,8 +339,9 @@ class WorkerConnection(asyncio.Protocol):
         self, data: bytes, read_s: float, total_s: float, hold: AnswerHold | None = None
     ) -> asyncio.Future[UpstreamReply]:
         """Send a request whose answer is read whole, its bytes reserved from `hold` (the
-        request's tenant share; the connection's budget alone when None)."""
-        self._hold = hold if hold is not None else self._budget
+        request's tenant share; the connection's budget alone when None). The reply holds the
+        reservation: its taker releases it (`UpstreamReply.release`)."""
+        self._held = Reservation(hold if hold is not None else self._budget)
         self._done = self._loop.create_future()
         self._head = None
         self._stream = None
@@ -322,7 +354,7 @@ class WorkerConnection(asyncio.Protocol):
             self._paused = False
             self.transport.resume_reading()
         self._parser = httptools.HttpResponseParser(self)
-        self._body = []
+        self._body = b""
         self._size = 0
         self._content_type = ""
         self._retry_hints = ()
@@ -398,15 +430,15 @@ class WorkerConnection(asyncio.Protocol):
 
     def _reset(self) -> None:
         """The exchange is over (the stream's body stays readable until drained); a whole
-        answer's reservation is released (its bytes were joined into the reply, or dropped)."""
+        answer's reservation still here is released (its reply never came: the bytes are dropped)."""
         self._sweep.discard(self)
         self._parser = None
         self._done = None
         self._head = None
-        if self._held:
-            self._hold.release(self._held)
-            self._held = 0
-            self._body = []
+        self._body = b""
+        if self._held is not None:
+            self._held.release()
+            self._held = None
 
     def _close(self) -> None:
         if self.transport is not None:

@@ -1,15 +1,22 @@
 """The gateway's peak memory while it reads many large non-streamed answers at once.
 
     python -m loadtest.bench_answer_memory --gateway-root . --requests 16 --answer-mb 60
+    python -m loadtest.bench_answer_memory --gateway-root . --requests 16 --answer-mb 60 --late-readers 8
 
 One raw-socket worker answers every chat request with the same prebuilt JSON answer of
-`--answer-mb` MB: all of it but its last byte at once, the last byte when every request has
-had the rest (or had its connection dropped by the gateway), so that all the answers are held
-in the gateway at the same time. The gateway (`python -m gateway.cli serve` from
-`--gateway-root`, so two checkouts can be compared) serves one pool with that worker. Printed:
-the gateway's RSS before the load and its peak (VmHWM from /proc) after, and the statuses the
-clients got (the end of each non-200 answer goes to stderr). Nothing here imports the gateway:
-it is started as a process.
+`--answer-mb` MB: all of it but its last byte at once, the last byte when every request of its
+wave has had the rest (or had its connection dropped by the gateway), so that all the answers of
+a wave are held in the gateway at the same time. The gateway (`python -m gateway.cli serve` from
+`--gateway-root`, so two checkouts can be compared) serves one pool with that worker.
+
+With `--late-readers K`, the first wave is K clients that read their answer's status line (sent
+once the gateway has read the answer whole) and then nothing more until the second wave, the
+other requests, has ended: their answers are still being written while the second wave's are
+read, as they would be for slow clients.
+
+Printed: the gateway's RSS before the load and its peak (VmHWM from /proc) after, and the
+statuses the clients got (the late readers' also apart; the end of each non-200 answer goes to
+stderr). Nothing here imports the gateway: it is started as a process.
 """
 
 from __future__ import annotations
@@ -55,15 +62,21 @@ def _answer(size: int) -> bytes:
 
 
 class Worker:
-    """Answers `requests` requests; their last bytes wait until every one has had the rest."""
+    """Answers requests in waves of `requests`; the last bytes of a wave's answers wait until
+    every one of the wave has had the rest."""
 
     def __init__(self, answer: bytes, requests: int) -> None:
         self.answer = answer
+        self.expect(requests)
+
+    def expect(self, requests: int) -> None:
+        """The next wave: `requests` requests."""
         self.requests = requests
         self.sent = 0
         self.all_sent = asyncio.Event()
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        all_sent = self.all_sent  # this request's wave
         head = b""
         try:
             head = await reader.readuntil(b"\r\n\r\n")
@@ -84,7 +97,7 @@ class Worker:
                 self.sent += 1
                 if self.sent >= self.requests:
                     self.all_sent.set()
-        await self.all_sent.wait()
+        await all_sent.wait()
         try:
             writer.write(self.answer[-1:])
             await writer.drain()
@@ -142,9 +155,16 @@ def _gateway(
             time.sleep(0.1)
 
 
-async def _post(port: int) -> int:
+async def _post(port: int, late: asyncio.Future[int] | None = None, go: asyncio.Event | None = None) -> int:
+    """One request; a late reader (`late` and `go` given) sets `late` to its status, then reads
+    nothing more until `go`."""
     body = json.dumps({"model": "m-big", "messages": [{"role": "user", "content": "x"}]}).encode()
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    sock = socket.socket()
+    if late is not None:  # a small receive buffer: the kernel takes little of its unread answer
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+    reader, writer = await asyncio.open_connection(sock=sock)
     writer.write(
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
         + KEY.encode()
@@ -155,6 +175,9 @@ async def _post(port: int) -> int:
     )
     await writer.drain()
     status = int((await reader.readline()).split()[1])
+    if late is not None and go is not None:
+        late.set_result(status)
+        await go.wait()
     rest = b""
     while data := await reader.read(1 << 20):
         rest = (rest + data)[-400:]
@@ -164,25 +187,38 @@ async def _post(port: int) -> int:
     return status
 
 
-async def run(root: Path, requests: int, answer_mb: int, budget_bytes: int | None) -> dict[str, object]:
-    worker = Worker(_answer(answer_mb * 1000 * 1000), requests)
+async def run(
+    root: Path, requests: int, answer_mb: int, budget_bytes: int | None, late_readers: int = 0
+) -> dict[str, object]:
+    worker = Worker(_answer(answer_mb * 1000 * 1000), late_readers or requests)
     server = await asyncio.start_server(worker.serve, "127.0.0.1", 0)
     worker_port = server.sockets[0].getsockname()[1]
+    loop = asyncio.get_running_loop()
     with tempfile.TemporaryDirectory() as tmp:
         proc, port = await asyncio.to_thread(_gateway, root, Path(tmp), worker_port, budget_bytes)
         try:
             before_kib = _status_kib(proc.pid, "VmRSS")
-            statuses = await asyncio.gather(*(_post(port) for _ in range(requests)))
+            go = asyncio.Event()
+            heads: list[asyncio.Future[int]] = [loop.create_future() for _ in range(late_readers)]
+            late = [asyncio.create_task(_post(port, head, go)) for head in heads]
+            late_statuses = await asyncio.gather(*heads)  # every late answer read by the gateway
+            worker.expect(requests - late_readers)
+            statuses = await asyncio.gather(*(_post(port) for _ in range(requests - late_readers)))
+            go.set()
+            statuses += await asyncio.gather(*late)
             peak_kib = _status_kib(proc.pid, "VmHWM")
         finally:
             proc.terminate()
             proc.wait(30)
     server.close()
-    return {
+    result: dict[str, object] = {
         "rss_before_mb": round(before_kib / 1024),
         "peak_rss_mb": round(peak_kib / 1024),
         "statuses": dict(Counter(statuses)),
     }
+    if late_readers:
+        result["late_statuses"] = dict(Counter(late_statuses))
+    return result
 
 
 def main() -> None:
@@ -191,12 +227,15 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--answer-mb", type=int, default=60)
     parser.add_argument("--budget-bytes", type=int, default=None, help="limits.max_buffered_answer_bytes")
-    args = parser.parse_args()
-    print(
-        json.dumps(
-            asyncio.run(run(args.gateway_root.resolve(), args.requests, args.answer_mb, args.budget_bytes))
-        )
+    parser.add_argument(
+        "--late-readers", type=int, default=0, help="requests (of --requests) whose clients read late"
     )
+    args = parser.parse_args()
+    if not 0 <= args.late_readers <= args.requests:
+        parser.error("--late-readers must be between 0 and --requests")
+    root = args.gateway_root.resolve()
+    result = asyncio.run(run(root, args.requests, args.answer_mb, args.budget_bytes, args.late_readers))
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -44,8 +44,9 @@ class LimitsConfig(Frozen):
     the choices a chat or completions request asks for (`n`, `best_of`; beyond: 400).
     Completions past their tenant's own slot and their body, across tenants
     (`max_in_flight_requests`; beyond: 503 with Retry-After, so every per-request structure
-    stays bounded). Bytes of workers' whole answers being read at once, across requests
-    (`max_buffered_answer_bytes`; the answer that would pass it: 503 with Retry-After).
+    stays bounded). Bytes of workers' whole answers held at once, across requests, each from
+    its first byte read until it has been written to its client (`max_buffered_answer_bytes`;
+    the answer that would pass it: 503 with Retry-After).
     """
 
     max_body_bytes: PositiveInt = 8 * 1024 * 1024

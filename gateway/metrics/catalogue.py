@@ -173,16 +173,16 @@ class MetricCatalogue:
             "Requests a pool's queue turned away, by reason (tenant_full, full, timeout)",
             ("pool", "tenant", "reason"),
         )
-        # Whole answers held in memory while they are read (`gateway.answer_budget`).
+        # Whole answers held in memory until written to their clients (`gateway.answer_budget`).
         self.answer_budget_refusals = hot.counter(
             "kvgate_answer_budget_refusals",
-            "Whole worker answers cut off because the bytes of answers being read would pass "
+            "Whole worker answers cut off because the bytes of answers held would pass "
             "limits.max_buffered_answer_bytes (the client got 503 gateway_overloaded)",
             (),
         )
         self.answer_share_refusals = hot.counter(
             "kvgate_answer_share_refusals",
-            "Whole worker answers cut off because the tenant's answers being read would pass its "
+            "Whole worker answers cut off because the tenant's answers held would pass its "
             "share of limits.max_buffered_answer_bytes (the client got 503 gateway_overloaded)",
             ("tenant",),
         )
@@ -227,8 +227,8 @@ class MetricCatalogue:
         )
         self.answer_bytes_held = Gauge(
             "kvgate_answer_bytes_held",
-            "Bytes of whole worker answers being read now, across requests "
-            "(at most limits.max_buffered_answer_bytes)",
+            "Bytes of whole worker answers held now (read, or being read, and not yet written to "
+            "their clients), across requests (at most limits.max_buffered_answer_bytes)",
             registry=r,
         )
         self.client_connections = Gauge(

@@ -1,7 +1,8 @@
 """The process's budget for whole answers: the lean client (against scripted raw-socket servers on
-127.0.0.1) and `read_whole` (both transports' whole reads) reserve every byte as it arrives and
-give it all back on every path: served, cut off by the budget or the per-answer cap, the worker
-closing or going silent, the caller cancelled."""
+127.0.0.1) and `read_whole` / `read_reserved` (both transports' whole reads) reserve every byte
+as it arrives and give it all back on every path: served (when the reply's taker releases it),
+cut off by the budget or the per-answer cap, the worker closing or going silent, the caller
+cancelled."""
 
 from __future__ import annotations
 
@@ -81,7 +82,12 @@ async def test_answers_past_the_budget_are_cut_off_and_the_rest_served(
     go.set()
     replies = [task.result() for task in await asyncio.wait_for(_finished(sent), 10)]
     assert sorted(len(r.body) for r in replies) == [2001, 2001]
-    assert pool.budget.held_bytes == 0 and pool.budget.refusals.value == 1
+    # A served answer stays reserved until its taker releases it (once written to the client).
+    assert pool.budget.held_bytes == 4002 and pool.budget.refusals.value == 1
+    for reply in replies:
+        reply.release()
+        reply.release()  # a second release gives nothing back twice
+    assert pool.budget.held_bytes == 0
     pool.close()
 
 

@@ -91,6 +91,11 @@ async def test_a_tenant_filling_its_share_leaves_the_others_answers_served(
     go.set()
     replies = await asyncio.wait_for(asyncio.gather(first_a, for_b), 10)
     assert [len(r.body) for r in replies] == [2001, 2001]
+    # Each served answer is its tenant's until released (written to the client).
+    assert (budget.held_by("a"), budget.held_by("b"), budget.held_bytes) == (2001, 2001, 4002)
+    replies[0].release()
+    assert (budget.held_by("a"), budget.held_by("b"), budget.held_bytes) == (0, 2001, 2001)
+    replies[1].release()
     assert (budget.held_by("a"), budget.held_by("b"), budget.held_bytes) == (0, 0, 0)
     pool.close()
 

@@ -13,7 +13,8 @@ still in the process. The reservation is then given back, once, however the writ
 the client gone (uvicorn's `send` then returns at once), the send failing, or the task cancelled
 (the gateway's drain, a shutdown). A slow client keeps its answer's reservation while it reads:
 the memory is the process's as long, and the tenant's share bounds what one tenant's clients can
-hold (`answer_budget`).
+hold (`answer_budget`). A client that reads nothing is cut off after `limits.send_timeout_s`
+(`http_limits`), which ends the write as a client gone.
 """
 
 from __future__ import annotations

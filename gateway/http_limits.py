@@ -19,6 +19,13 @@ A connection's phases, and the deadline each one carries:
     BODY  (headers done, body not)     body_timeout_s         expiry: 408 (or close) and close
     APP   (the app has the request)    none
 
+Apart from the phases, a connection whose client stops reading has its writes paused by the
+transport (its buffer above the high-water mark) and the response waits. If the buffer has not
+drained when `send_timeout_s` has passed since the pause, the connection is aborted: what it
+buffered is dropped, the response's sends return at once, and the request sees its client
+leave (a stream's worker request is closed, a whole answer's budget given back). Only a client
+that reads nothing for that long is cut off: each drain below the low-water mark restarts it.
+
 A new connection starts in HEAD: it must send a request head in time. Either head limit answers
 431 and closes. Header bytes are counted as they arrive, so that httptools never buffers a huge
 head whole: a read that leaves the head unfinished counts whole. The read that finishes it is
@@ -65,6 +72,7 @@ class ClientLimits:
     body_timeout_s: float
     keepalive_timeout_s: float
     max_connections: int
+    send_timeout_s: float = 60.0
 
     @classmethod
     def of(cls, limits: LimitsConfig) -> ClientLimits:
@@ -75,13 +83,16 @@ class ClientLimits:
             limits.body_timeout_s,
             limits.keepalive_timeout_s,
             limits.max_client_connections,
+            limits.send_timeout_s,
         )
 
     @property
     def check_interval_s(self) -> float:
         """How often deadlines are checked: a tenth of the shortest timeout, within [0.1, 1] s, so
         a connection is closed at most that long after its deadline."""
-        shortest = min(self.header_timeout_s, self.body_timeout_s, self.keepalive_timeout_s)
+        shortest = min(
+            self.header_timeout_s, self.body_timeout_s, self.keepalive_timeout_s, self.send_timeout_s
+        )
         return min(1.0, max(0.1, shortest / 10))
 
 
@@ -89,12 +100,14 @@ class ClientGuard:
     """The connections waiting on a client (with a deadline), checked on each periodic tick, and a
     count of what was refused, by reason (`kvgate_client_refusals_total`).
 
-    Invariant: a connection is in `waiting` exactly when its phase is not APP and it is open.
+    Invariants: a connection is in `waiting` exactly when its phase is not APP and it is open;
+    in `stalled` exactly when its writes are paused (its client is not reading) and it is open.
     """
 
     def __init__(self, limits: ClientLimits, refusals: HotCounter) -> None:
         self.limits = limits
         self.waiting: set[GuardedHttpToolsProtocol] = set()
+        self.stalled: set[GuardedHttpToolsProtocol] = set()
         self._refusals = refusals
         self._next_check_s = 0.0
 
@@ -108,6 +121,9 @@ class ClientGuard:
         self._next_check_s = now_s + self.limits.check_interval_s
         for conn in [c for c in self.waiting if c.deadline_s <= now_s]:
             conn.expire()
+        if self.stalled:
+            for conn in [c for c in self.stalled if c.send_deadline_s <= now_s]:
+                conn.expire_send()
 
 
 class GuardedServerState(ServerState):
@@ -149,6 +165,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._limits = server_state.guard.limits
         self._phase = HEAD
         self.deadline_s = 0.0
+        self.send_deadline_s = 0.0  # while in the guard's `stalled`
         # Header bytes of the current head in earlier reads. Exact when the head began at a
         # known offset; a lower bound when it began after another request inside a read.
         self._head_bytes = 0
@@ -187,7 +204,18 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._to_app()
+        self._guard.stalled.discard(self)
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if not self.transport.is_closing():
+            self.send_deadline_s = time.monotonic() + self._limits.send_timeout_s
+            self._guard.stalled.add(self)
+
+    def resume_writing(self) -> None:
+        self._guard.stalled.discard(self)
+        super().resume_writing()
 
     def data_received(self, data: bytes) -> None:
         if self._phase == IDLE:  # the first bytes after idling begin a head (inlined: every request)
@@ -317,6 +345,16 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._refuse(408, "header_timeout", "request headers not received in time")
         else:
             self._refuse(408, "body_timeout", "request body not received in time")
+
+    def expire_send(self) -> None:
+        """The client read nothing for `send_timeout_s` (called by `ClientGuard.tick`): abort, so
+        that the buffer is dropped rather than flushed to a client that does not read. Losing the
+        connection resumes the response's writes (they return at once) and tells the request its
+        client left."""
+        self._guard.refused("send_timeout")
+        self._guard.stalled.discard(self)
+        self._to_app()
+        self.transport.abort()
 
     def _refuse(self, status: int, reason: str, message: str) -> None:
         """Answer `status` with an OpenAI-shaped error when no response is under way, and close.

@@ -39,9 +39,11 @@ class LimitsConfig(Frozen):
     Per connection: the request line and headers (`max_header_bytes`, `max_headers`; beyond: 431
     and close), the time to send them (`header_timeout_s`, from the connection's opening or its
     first byte after idling) and then the body (`body_timeout_s`; either: 408 and close), idle
-    time between requests (`keepalive_timeout_s`), and open connections per process
-    (`max_client_connections`; beyond: closed at once). Per request: the body size (413), and
-    the choices a chat or completions request asks for (`n`, `best_of`; beyond: 400).
+    time between requests (`keepalive_timeout_s`), the time a response may wait on a client that
+    reads nothing (`send_timeout_s`; then the connection is aborted and the request cancelled),
+    and open connections per process (`max_client_connections`; beyond: closed at once). Per
+    request: the body size (413), and the choices a chat or completions request asks for (`n`,
+    `best_of`; beyond: 400).
     Completions past their tenant's own slot and their body, across tenants
     (`max_in_flight_requests`; beyond: 503 with Retry-After, so every per-request structure
     stays bounded). Bytes of workers' whole answers held at once, across requests, each from
@@ -60,6 +62,8 @@ class LimitsConfig(Frozen):
     header_timeout_s: PositiveFloat = 10.0
     body_timeout_s: PositiveFloat = 30.0
     keepalive_timeout_s: PositiveFloat = 30.0
+    # nginx's `send_timeout` default: a client that reads nothing for a minute is taken as gone.
+    send_timeout_s: PositiveFloat = 60.0
     max_client_connections: PositiveInt = 4096
 
 

@@ -145,8 +145,9 @@ class MetricCatalogue:
         # Client connection limits.
         self.client_refusals = hot.counter(
             "kvgate_client_refusals",
-            "Client connections closed by a limit before their request reached the gateway, by reason"
-            " (header_too_large, too_many_headers, header_timeout, body_timeout, connection_limit)",
+            "Client connections closed by a limit, by reason: before their request reached the gateway"
+            " (header_too_large, too_many_headers, header_timeout, body_timeout, connection_limit,"
+            " invalid_http) or while its answer waited on a client that read nothing (send_timeout)",
             ("reason",),
         )
         # Replica sync.

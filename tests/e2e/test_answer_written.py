@@ -1,7 +1,8 @@
 """On real processes: a whole answer counts against `limits.max_buffered_answer_bytes` until it
 has been written to its client, not only while it is read. A client that does not read its
 answer keeps it reserved (another answer that would pass the budget meanwhile gets 503), and the
-reservation comes back once the client has read it, or once the client has gone."""
+reservation comes back once the client has read it, once the client has gone, or once it has read
+nothing for `limits.send_timeout_s`."""
 
 from __future__ import annotations
 
@@ -66,10 +67,12 @@ class Stack:
     metrics_url: str
 
     def held_bytes(self) -> float:
+        return self.metric(r"kvgate_answer_bytes_held")
+
+    def metric(self, series: str) -> float:
         page = httpx.get(self.metrics_url + "/metrics", timeout=5).text
-        match = re.search(r"^kvgate_answer_bytes_held (\S+)$", page, re.M)
-        assert match is not None
-        return float(match.group(1))
+        match = re.search(rf"^{series} (\S+)$", page, re.M)
+        return float(match.group(1)) if match else 0.0
 
     def post(self) -> httpx.Response:
         return httpx.post(
@@ -97,6 +100,16 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    yield from _stack(tmp_path_factory, {})
+
+
+@pytest.fixture(scope="module")
+def impatient(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """A gateway that waits one second on a client that reads nothing."""
+    yield from _stack(tmp_path_factory, {"send_timeout_s": 1.0})
+
+
+def _stack(tmp_path_factory: pytest.TempPathFactory, limits: dict[str, float]) -> Iterator[Stack]:
     worker = socketserver.ThreadingTCPServer(("127.0.0.1", 0), _Worker)
     worker.daemon_threads = True
     threading.Thread(target=worker.serve_forever, daemon=True).start()
@@ -117,7 +130,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             pools,
             [tenant("acme", "sk-acme")],
             policy_file="policy.yaml",
-            limits={"max_buffered_answer_bytes": BUDGET_BYTES},
+            limits={"max_buffered_answer_bytes": BUDGET_BYTES, **limits},
         )
         port, metrics_port = free_port(), free_port()
         gateway = start_gateway(config, port, metrics_port)
@@ -153,3 +166,18 @@ def test_a_client_gone_mid_write_gives_its_answer_back(stack: Stack) -> None:
     client.close()  # a reset, with most of the answer unwritten
     wait_until_sync(lambda: stack.held_bytes() == 0, what="the budget back to 0 once the client left")
     assert stack.post().status_code == 200
+
+
+def test_a_client_that_reads_nothing_is_cut_off_at_the_send_timeout(impatient: Stack) -> None:
+    with impatient.unread() as client:
+        wait_until_sync(lambda: impatient.held_bytes() == len(ANSWER), what="the unread answer held")
+        timed_out = r'kvgate_client_refusals_total\{reason="send_timeout"\}'
+        wait_until_sync(lambda: impatient.metric(timed_out) == 1, what="the connection aborted")
+        wait_until_sync(lambda: impatient.held_bytes() == 0, what="the budget back to 0")
+        received = 0
+        with contextlib.suppress(ConnectionResetError):
+            while data := client.recv(MIB):
+                received += len(data)
+        assert received < len(ANSWER)  # what the kernel had taken, then the end: not the answer
+    served = impatient.post()  # the budget is free for the next answer
+    assert served.status_code == 200 and served.content == ANSWER

@@ -329,3 +329,88 @@ async def test_a_head_pipelined_behind_a_body_is_measured_from_its_parts(rig: Ri
     protocol.data_received(head[10:] + b"x" * 4000)
     await settle()
     assert transport.closed and rig.refusals("header_too_large") == 2
+
+
+class AbortableTransport(RecordingTransport):
+    """A recording transport that can be aborted, as a socket transport is: the loss is reported
+    to the protocol with nothing more written."""
+
+    def __init__(self, protocol: asyncio.Protocol) -> None:
+        super().__init__(protocol)
+        self.aborted = False
+
+    def abort(self) -> None:
+        self.aborted = True
+        self.close()
+
+
+@dataclass
+class SlowReaderApp:
+    """Sends its answer's head, then (once `go` is set) its body, noting when the body's send
+    returned and whether it then saw its client leave."""
+
+    go: asyncio.Event = field(default_factory=asyncio.Event)
+    body_sent: asyncio.Event = field(default_factory=asyncio.Event)
+    disconnected: list[bool] = field(default_factory=list)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"4")]})
+        await self.go.wait()
+        await send({"type": "http.response.body", "body": b"done"})
+        self.body_sent.set()
+        if (await receive())["type"] == "http.disconnect":
+            self.disconnected.append(True)
+
+
+def slow_reader_rig(rig: Rig) -> tuple[SlowReaderApp, GuardedHttpToolsProtocol, AbortableTransport]:
+    app = SlowReaderApp()
+    config = uvicorn.Config(
+        app, http=GuardedHttpToolsProtocol, ws="none", lifespan="off", log_level="warning"
+    )
+    config.load()
+    protocol = GuardedHttpToolsProtocol(config, rig.state, {})
+    transport = AbortableTransport(protocol)
+    protocol.connection_made(transport)
+    return app, protocol, transport
+
+
+async def test_an_answer_waiting_on_a_client_that_reads_nothing_is_aborted_at_the_send_timeout(
+    rig: Rig,
+) -> None:
+    app, protocol, transport = slow_reader_rig(rig)
+    protocol.data_received(GET)
+    await settle()
+    protocol.pause_writing()  # the client stopped reading: the transport's buffer is full
+    app.go.set()
+    await settle()
+    assert not app.body_sent.is_set()  # the send waits for the buffer to drain
+    assert rig.guard.stalled == {protocol}
+    rig.guard.tick(protocol.send_deadline_s - 1.0)
+    assert not transport.closed
+    rig.guard.tick(protocol.send_deadline_s + 1.0)
+    assert transport.aborted
+    await settle()
+    assert app.body_sent.is_set() and app.disconnected == [True]  # the send returned; the client left
+    assert b"done" not in transport.written
+    assert not rig.guard.stalled and not rig.guard.waiting
+    assert rig.refusals("send_timeout") == 1
+
+
+async def test_a_client_that_reads_again_before_the_send_timeout_is_not_cut_off(rig: Rig) -> None:
+    app, protocol, transport = slow_reader_rig(rig)
+    protocol.data_received(GET)
+    await settle()
+    protocol.pause_writing()
+    app.go.set()
+    await settle()
+    protocol.resume_writing()  # it read: the buffer drained below the low-water mark
+    await settle()
+    assert app.body_sent.is_set() and bytes(transport.written).endswith(b"done")
+    assert not rig.guard.stalled
+    rig.guard.tick(protocol.send_deadline_s + 1.0)  # (the idle connection's keep-alive ends it)
+    assert not transport.aborted and rig.refusals("send_timeout") == 0
+
+
+def test_the_send_timeout_counts_toward_the_check_interval() -> None:
+    assert ClientLimits.of(LimitsConfig(send_timeout_s=0.5)).check_interval_s == 0.1

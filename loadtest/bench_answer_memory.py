@@ -34,15 +34,10 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
+from loadtest.ports import free_port
+
 SECRET = "bench-answer-memory"
 KEY = "sk-bench"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _answer(size: int) -> bytes:
@@ -139,9 +134,9 @@ def _gateway(
     if budget_bytes is not None:  # a checkout without the budget refuses the key
         config["limits"] = {"max_buffered_answer_bytes": budget_bytes}
     (folder / "gateway.json").write_text(json.dumps(config))  # JSON is YAML
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(folder / "gateway.json")]
-    argv += ["--port", str(port), "--metrics-port", str(_free_port())]
+    argv += ["--port", str(port), "--metrics-port", str(free_port())]
     proc = subprocess.Popen(argv, env=env, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while True:

@@ -31,9 +31,10 @@ import yaml
 
 from loadtest.cli_args import positive_float, positive_int
 from loadtest.fairness_load import Sample, Tenant, percentile, queue_waits_ms, run_phase
-from loadtest.peers.emulators import EmulatorPool, EmulatorSettings, free_port
+from loadtest.peers.emulators import EmulatorPool, EmulatorSettings
 from loadtest.peers.kvgate import BENCH_SECRET, bench_api_key
 from loadtest.peers.launch import RunningProcess, wait_http_ready
+from loadtest.ports import free_port
 from loadtest.report.meta import run_metadata
 from policies.identity import hash_api_key
 

@@ -42,7 +42,7 @@ from loadtest.bench_routing import (
     warmup_requests,
 )
 from loadtest.cli_args import UsageError, positive_float, positive_int, worker_split
-from loadtest.peers.emulators import PdEmulatorPool, free_port
+from loadtest.peers.emulators import PdEmulatorPool
 from loadtest.peers.kvgate import bench_api_key
 from loadtest.peers.kvgate_pd import PdPool, build_kvgate_pd_command
 from loadtest.peers.launch import (
@@ -52,6 +52,7 @@ from loadtest.peers.launch import (
     register_smg_sglang_workers,
     start_peer,
 )
+from loadtest.ports import free_port
 from loadtest.report.meta import run_metadata
 from loadtest.report.pd import aggregate, fmt, markdown_table
 from loadtest.traces.http_replay import HttpResult, ReplayConfig, replay

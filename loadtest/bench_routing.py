@@ -28,7 +28,7 @@ import orjson
 import yaml
 
 from loadtest.cli_args import positive_float, positive_int
-from loadtest.peers.emulators import EmulatorPool, EmulatorSettings, free_port
+from loadtest.peers.emulators import EmulatorPool, EmulatorSettings
 from loadtest.peers.kvgate import bench_api_key, build_kvgate_command
 from loadtest.peers.launch import (
     LITELLM_MASTER_KEY,
@@ -38,6 +38,7 @@ from loadtest.peers.launch import (
     build_command,
     start_peer,
 )
+from loadtest.ports import free_port
 from loadtest.report.meta import run_metadata
 from loadtest.report.progress import ProgressBar
 from loadtest.report.routing import RouterRun, markdown_report, router_summary

@@ -10,9 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from loadtest.overhead_load import free_port, spawn, wait_ready
+from loadtest.overhead_load import spawn, wait_ready
 from loadtest.overhead_targets import Target, TargetMissing
 from loadtest.peers.launch import peer_bin, smg_argv
+from loadtest.ports import free_port
 
 
 def _sglang_python() -> Path:

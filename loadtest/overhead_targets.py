@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loadtest import static_backend
-from loadtest.overhead_load import API_KEY, free_port, spawn, wait_ready
+from loadtest.overhead_load import API_KEY, spawn, wait_ready
+from loadtest.ports import free_port
 from policies.identity import hash_api_key
 
 

@@ -30,9 +30,9 @@ from pathlib import Path
 
 import yaml
 
-from loadtest.peers.emulators import free_port
 from loadtest.peers.kvgate import build_kvgate_command
 from loadtest.peers.launch import RunningProcess, start_peer
+from loadtest.ports import free_port
 
 LAYOUTS = ("single", "rr", "reuseport")
 DECISIONS_FILE = "decisions.jsonl"

@@ -28,8 +28,8 @@ from typing import Any
 import yaml
 
 from loadtest.abuse.settings import Sizes
-from loadtest.peers.emulators import free_port
 from loadtest.peers.launch import RunningProcess, wait_http_ready
+from loadtest.ports import free_ports
 from policies.identity import hash_api_key
 
 MODEL = "emulated-llama"
@@ -230,14 +230,16 @@ class Stack:
 def start_stack(workdir: Path, sizes: Sizes) -> Stack:
     """Start the workers, then the gateway; on any failure stop what was started and re-raise."""
     workdir.mkdir(parents=True, exist_ok=True)
+    modes = ("garbage", "hang", "ok")
+    port, metrics_port, *ports = free_ports(2 + WORKERS + 1 + len(modes))
     stack = Stack(
         workdir,
         sizes,
-        free_port(),
-        free_port(),
-        [Worker(i, free_port(), workdir) for i in range(WORKERS)],
-        Worker(WORKERS, free_port(), workdir, SOLO_MODEL),
-        {mode: free_port() for mode in ("garbage", "hang", "ok")},
+        port,
+        metrics_port,
+        [Worker(i, ports[i], workdir) for i in range(WORKERS)],
+        Worker(WORKERS, ports[WORKERS], workdir, SOLO_MODEL),
+        dict(zip(modes, ports[WORKERS + 1 :], strict=True)),
     )
     try:
         argv = [sys.executable, "-m", "loadtest.abuse.faulty_worker"]

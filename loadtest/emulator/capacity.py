@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from loadtest.emulator.fidelity import free_port
+from loadtest.ports import free_port
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,6 @@ import contextlib
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 import httpx
 
 from loadtest.engine import load_profile
+from loadtest.ports import free_port
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,13 +85,6 @@ def modelled_tpot_s(profile_name: str, prompt_tokens: int, max_tokens: int) -> f
     profile = load_profile(profile_name)
     steps = [profile.step_time_s(1, 1, prompt_tokens + 1 + j, 0.0) for j in range(max_tokens - 1)]
     return sum(steps) / len(steps)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @contextlib.contextmanager

@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from loadtest.peers.launch import RunningProcess, wait_http_ready
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+from loadtest.ports import free_port
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 
 from loadtest.bench_overhead import build_targets
-from loadtest.overhead_load import LoadResult, builtin_load, chat_bodies, free_port, spawn, stop, wait_ready
+from loadtest.overhead_load import LoadResult, builtin_load, chat_bodies, spawn, stop, wait_ready
 from loadtest.overhead_report import cpu_report
 from loadtest.overhead_runner import BenchConfig, CpuShare, TargetResult, measure
 from loadtest.overhead_targets import Target, kvgate_argv, start_backend
+from loadtest.ports import free_port
 
 
 def test_kvgate_targets_run_once_per_process_count_against_one_process() -> None:

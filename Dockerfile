@@ -13,7 +13,7 @@ ARG KVGATE_EXTRAS
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE NOTICE ./
 COPY gateway/ gateway/
 COPY policies/ policies/
 COPY prompt_normalizer/ prompt_normalizer/

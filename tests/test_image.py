@@ -97,6 +97,7 @@ def test_build_context_holds_every_package_the_wheel_needs() -> None:
     included = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     packages = {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
-    assert packages | {"pyproject.toml", pyproject["project"]["readme"]} == included
+    # The license files ship in the wheel (setuptools takes LICENSE and NOTICE from the root).
+    assert packages | {"pyproject.toml", pyproject["project"]["readme"], "LICENSE", "NOTICE"} == included
     copied = " ".join(arg for op, arg in _instructions() if op == "COPY")
     assert all(name in copied for name in included)

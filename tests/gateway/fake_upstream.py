@@ -32,14 +32,29 @@ def post(body: bytes = b"{}") -> bytes:
     return request_bytes(b"127.0.0.1", b"/v1/chat/completions", b"X-Request-Id: r1\r\n", body)
 
 
+ANSWER_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+
+
+def whole_answer(size: int) -> Handler:
+    """A worker that answers every request with `size` bytes at once, then waits for the reader
+    to hang up."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(ANSWER_HEAD % size + b"x" * size)
+        await writer.drain()
+        await reader.read()
+
+    return handler
+
+
 def held_answer(go: asyncio.Event, size: int = 2001) -> Handler:
     """A worker whose JSON answer of `size` bytes arrives but for its last byte, held until `go`:
     while held, the answer's bytes so far are reserved in the reader's answer budget."""
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
         await read_request(reader)
-        head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % size
-        writer.write(head + b"x" * (size - 1))
+        writer.write(ANSWER_HEAD % size + b"x" * (size - 1))
         await writer.drain()
         await go.wait()
         writer.write(b"y")

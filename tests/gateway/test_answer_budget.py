@@ -30,11 +30,9 @@ from gateway.upstream import (
     read_whole,
 )
 from policies.base import Outcome
-from tests.gateway.fake_upstream import Handler, Server, held_answer, post, read_request
+from tests.gateway.fake_upstream import ANSWER_HEAD, Handler, Server, held_answer, post, read_request
 from tests.support.processes import free_port
 from tests.support.wait import wait_until
-
-HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
 
 
 def test_the_budget_never_passes_its_capacity_and_counts_refusals() -> None:
@@ -101,18 +99,18 @@ async def test_every_failed_read_gives_its_bytes_back(
 ) -> None:
     async def closes(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
         await read_request(reader)
-        writer.write(HEAD % 5000 + b"x" * 1000)
+        writer.write(ANSWER_HEAD % 5000 + b"x" * 1000)
         await writer.drain()  # then the connection closes mid-answer
 
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
         await read_request(reader)
-        writer.write(HEAD % 5000 + b"x" * 1000)
+        writer.write(ANSWER_HEAD % 5000 + b"x" * 1000)
         await writer.drain()
         await reader.read()
 
     async def too_large(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
         await read_request(reader)
-        writer.write(HEAD % 5000 + b"x" * 5000)
+        writer.write(ANSWER_HEAD % 5000 + b"x" * 5000)
         await writer.drain()
         await reader.read()
 
@@ -133,7 +131,7 @@ async def test_every_failed_read_gives_its_bytes_back(
 async def test_a_cancelled_read_gives_its_bytes_back(serve: Callable[[Handler], Awaitable[Server]]) -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
         await read_request(reader)
-        writer.write(HEAD % 5000 + b"x" * 1000)
+        writer.write(ANSWER_HEAD % 5000 + b"x" * 1000)
         await writer.drain()
         await reader.read()  # until the client hangs up
 

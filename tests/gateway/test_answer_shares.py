@@ -21,8 +21,8 @@ from gateway.upstream import (
     UpstreamReply,
     read_whole,
 )
-from tests.gateway.fake_upstream import Handler, Server, held_answer, post, read_request
-from tests.gateway.test_answer_budget import HEAD, _reader
+from tests.gateway.fake_upstream import Handler, Server, held_answer, post, read_request, whole_answer
+from tests.gateway.test_answer_budget import _reader
 from tests.support.wait import wait_until
 
 
@@ -103,13 +103,7 @@ async def test_a_tenant_filling_its_share_leaves_the_others_answers_served(
 async def test_a_streamed_answer_read_whole_holds_its_tenants_share(
     serve: Callable[[Handler], Awaitable[Server]],
 ) -> None:
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
-        await read_request(reader)
-        writer.write(HEAD % 4000 + b"x" * 4000)
-        await writer.drain()
-        await reader.read()
-
-    server = await serve(handler)
+    server = await serve(whole_answer(4000))
     budget = AnswerBudget(6000, weights={"a": 1.0, "b": 1.0})
     pool = UpstreamPool(budget=budget)
     stream = await pool.open_stream(

@@ -19,13 +19,12 @@ from gateway.answer_write import WRITE_PIECE_BYTES, HeldResponse
 from gateway.upstream import AnswerBudget, Reservation, UpstreamPool
 from gateway.upstream_conn import WorkerConnection
 from tests.gateway.answer_rig import gateway
-from tests.gateway.fake_upstream import Handler, Server, post, read_request
+from tests.gateway.fake_upstream import Handler, Server, post, whole_answer
 from tests.gateway.routes_rig import KEY
 from tests.support.loopback import serve_app
 from tests.support.transports import TRANSPORTS
 from tests.support.wait import wait_until
 
-HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
@@ -109,13 +108,7 @@ async def test_a_request_cancelled_just_as_its_answer_arrives_releases_it(
     """The answer is complete (the reply holds the reservation) but the waiting task is cancelled
     before it resumes: nobody will take the reply, so the pool gives its bytes back."""
 
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
-        await read_request(reader)
-        writer.write(HEAD % 4000 + b"x" * 4000)
-        await writer.drain()
-        await reader.read()
-
-    server = await serve(handler)
+    server = await serve(whole_answer(4000))
     budget = AnswerBudget(1 << 20)
     pool = UpstreamPool(budget=budget)
     tasks: list[asyncio.Task[Any]] = []

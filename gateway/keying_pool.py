@@ -1,0 +1,138 @@
+"""The keying process: large JSON bodies read and keyed beside the event loop, not on it.
+
+A thread would not do: parsing, encoding and keying a body of several megabytes are long calls
+that hold the GIL, and the loop waits for each of them whole (docs/normalizer.md, "Cost per
+request"). One process per gateway process (under `--processes N`, each has its own), spawned on
+the first large body, runs `gateway.large_body.key_body`; the loop then rebuilds the parsed body
+from its pieces, giving other requests a turn every couple of milliseconds (`rebuild`).
+
+Lifecycle: at most `MAX_JOBS` bodies are in the process's queue or at work; later ones wait
+their turn (how many requests wait at all is bounded by the gateway's own limits on requests
+in flight). A process that dies (killed, out of memory) fails the job it had, which admission
+then keys on the keying's thread as before; the next body starts a new process. `close` (the
+app's lifespan end) stops it, and a keying process whose gateway died exits by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any
+
+import orjson
+
+from gateway.large_body import BodyJob, Container, KeyedBody, Member, Piece, Run, Whole, key_body
+
+# Bodies in the keying process's queue or at work at once: one keyed while the next is sent.
+MAX_JOBS = 2
+# The most work the loop does between two turns of its own while it rebuilds a body.
+TURN_S = 0.002
+_ORPHAN_CHECK_S = 1.0
+
+
+def _exit_with_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(_ORPHAN_CHECK_S)
+    os._exit(0)
+
+
+def _start_keying_process(parent: int) -> None:
+    """In the keying process, first: Ctrl-C is the gateway's to handle (it closes the pool), and a
+    keying process whose gateway died without closing it (SIGKILL) exits."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+
+
+class KeyingPool:
+    """One keying process, started on first use and again after it died; see the module doc."""
+
+    def __init__(self, max_jobs: int = MAX_JOBS) -> None:
+        self._executor: concurrent.futures.ProcessPoolExecutor | None = None
+        self._slots = asyncio.Semaphore(max_jobs)
+        self.started = 0  # keying processes started (a restart after a death counts too)
+        self.in_flight = 0  # bodies sent and not answered yet
+
+    def _pool(self) -> concurrent.futures.ProcessPoolExecutor:
+        if self._executor is None:
+            # Spawned, not forked: the gateway has threads (the keying's, the resolver's), and a
+            # fork would copy its whole heap and whatever locks they held.
+            self._executor = concurrent.futures.ProcessPoolExecutor(
+                1,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_start_keying_process,
+                initargs=(os.getpid(),),
+            )
+            self.started += 1
+        return self._executor
+
+    async def key(self, job: BodyJob) -> KeyedBody | None:
+        """The keyed body, or None when the keying process died with it (the next job starts
+        another)."""
+        async with self._slots:
+            executor = self._pool()
+            self.in_flight += 1
+            try:
+                return await asyncio.wrap_future(executor.submit(key_body, job))
+            except BrokenProcessPool:
+                if self._executor is executor:
+                    self._executor = None
+                    executor.shutdown(wait=False, cancel_futures=True)
+                return None
+            finally:
+                self.in_flight -= 1
+
+    def pid(self) -> int | None:
+        """The keying process's id while one runs (for tests and diagnostics)."""
+        executor = self._executor
+        processes = getattr(executor, "_processes", None) or {}
+        return next(iter(processes), None)
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+
+class Turns:
+    """Gives the event loop a turn whenever `TURN_S` of work has passed since the last one."""
+
+    __slots__ = ("_since",)
+
+    def __init__(self) -> None:
+        self._since = time.monotonic()
+
+    async def tick(self) -> None:
+        if time.monotonic() - self._since >= TURN_S:
+            await asyncio.sleep(0)
+            self._since = time.monotonic()
+
+
+async def rebuild(piece: Piece, turns: Turns) -> Any:
+    """The value `piece` was made from (`gateway.large_body.pieces`), parsed a piece at a time."""
+    if isinstance(piece, Whole):
+        value = orjson.loads(piece.data)
+        await turns.tick()
+        return value
+    if piece.is_object:
+        members: dict[str, Any] = {}
+        for part in piece.parts:
+            if isinstance(part, Run):
+                members.update(orjson.loads(part.data))
+            elif isinstance(part, Member):
+                members[part.name] = await rebuild(part.value, turns)
+            await turns.tick()
+        return members
+    items: list[Any] = []
+    for part in piece.parts:
+        if isinstance(part, Run):
+            items.extend(orjson.loads(part.data))
+        elif isinstance(part, Whole | Container):
+            items.append(await rebuild(part, turns))
+        await turns.tick()
+    return items

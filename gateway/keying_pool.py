@@ -27,13 +27,15 @@ from typing import Any
 
 import orjson
 
-from gateway.large_body import BodyJob, Container, KeyedBody, Member, Piece, Run, Whole, key_body
+from gateway.large_body import BodyJob, Container, KeyedBody, Member, Piece, Run, Text, Whole, key_body
 
 # Bodies in the keying process's queue or at work at once: one keyed while the next is sent.
 MAX_JOBS = 2
 # The most work the loop does between two turns of its own while it rebuilds a body.
 TURN_S = 0.002
 _ORPHAN_CHECK_S = 1.0
+# How much lower the keying process's CPU priority is than the gateway's (`os.nice`).
+KEYING_NICENESS = 10
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -43,8 +45,11 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def _start_keying_process(parent: int) -> None:
-    """In the keying process, first: Ctrl-C is the gateway's to handle (it closes the pool), and a
-    keying process whose gateway died without closing it (SIGKILL) exits."""
+    """In the keying process, first: it yields the CPU to the gateway's event loop when both want
+    it (a large body waits a little longer, every other request does not); Ctrl-C is the
+    gateway's to handle (it closes the pool); a keying process whose gateway died without closing
+    it (SIGKILL) exits."""
+    os.nice(KEYING_NICENESS)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
 
@@ -119,6 +124,12 @@ async def rebuild(piece: Piece, turns: Turns) -> Any:
         value = orjson.loads(piece.data)
         await turns.tick()
         return value
+    if isinstance(piece, Text):
+        slices: list[str] = []
+        for data in piece.slices:
+            slices.append(orjson.loads(data))
+            await turns.tick()
+        return "".join(slices)
     if piece.is_object:
         members: dict[str, Any] = {}
         for part in piece.parts:
@@ -132,7 +143,7 @@ async def rebuild(piece: Piece, turns: Turns) -> Any:
     for part in piece.parts:
         if isinstance(part, Run):
             items.extend(orjson.loads(part.data))
-        elif isinstance(part, Whole | Container):
+        elif isinstance(part, Whole | Text | Container):
             items.append(await rebuild(part, turns))
         await turns.tick()
     return items

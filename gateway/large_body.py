@@ -40,6 +40,13 @@ class Whole:
 
 
 @dataclass(frozen=True, slots=True)
+class Text:
+    """A string too long for one piece, as consecutive slices (each a JSON string)."""
+
+    slices: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Run:
     """Consecutive members of an object (a JSON object) or items of an array (a JSON array)."""
 
@@ -59,19 +66,22 @@ class Container:
     """An object (`is_object`) or array too large for one piece, in order."""
 
     is_object: bool
-    parts: tuple[Run | Member | Whole | Container, ...]
+    parts: tuple[Run | Member | Whole | Text | Container, ...]
 
 
-Piece = Whole | Container
+Piece = Whole | Text | Container
 
 
 def pieces(value: Any, encoded: bytes | None = None) -> Piece:
     """`value` (a parsed JSON value) as pieces that parse back to an equal value, its members and
     items in order."""
     data = orjson.dumps(value) if encoded is None else encoded
+    if len(data) > PIECE_BYTES and isinstance(value, str):
+        step = max(1, PIECE_BYTES // 4)  # at most 4 bytes of UTF-8 a character: 64 KiB a slice
+        return Text(tuple(orjson.dumps(value[i : i + step]) for i in range(0, len(value), step)))
     if len(data) <= PIECE_BYTES or not isinstance(value, dict | list):
         return Whole(data)
-    parts: list[Run | Member | Whole | Container] = []
+    parts: list[Run | Member | Whole | Text | Container] = []
     run: list[bytes] = []
     size = 0
 

@@ -1,16 +1,19 @@
-"""How long other requests wait while the gateway keys large bodies.
+"""How long other requests wait while the gateway reads and keys large bodies.
 
-    python -m loadtest.bench_loop_stall --gateway-root . --repeats 3
+    python -m loadtest.bench_loop_stall --gateway-root . --repeats 3 [--policy least_load]
 
-Starts `kvgate serve --demo` (from `--gateway-root`, so two checkouts can be compared) and a
-prober process that sends `GET /health` every 10 ms on one keep-alive connection and records
-each answer's latency. First a baseline with no other load, then, for each body shape, the same
-probe while `--repeats` large chat bodies of that shape (about 7 MB, under the gateway's 8 MiB
-body limit) are posted one after another. Printed per phase: the slowest and the p99 probe
-latency (ms), the number of probes, and the large requests' statuses and median latency. The
-shapes are the ones whose keying cost is described in docs/normalizer.md: one message of 93,000
-image parts, 190,000 short messages with a session key, one 7 MB text, 20,000 tool calls
-(canonical JSON), and one non-ASCII text. Nothing here imports the gateway: it is started as a
+Starts a static worker (`loadtest.static_backend`, which answers at once whatever the body), the
+gateway (`python -m gateway.cli serve` from `--gateway-root`, so two checkouts can be compared)
+with one pool of it, and a prober process that sends `GET /health` every 10 ms on one keep-alive
+connection and records each answer's latency. First a baseline with no other load, then, for
+each body shape, the same probe while `--repeats` large chat bodies of that shape (about 7 MB,
+under the gateway's 8 MiB body limit) are posted one after another. Printed per phase: the
+slowest and the p99 probe latency (ms), the five slowest, the number of probes, and the large
+requests' statuses and median latency. The shapes are the ones whose keying cost is described in
+docs/normalizer.md: one message of 93,000 image parts, 190,000 short messages with a session
+key, one 7 MB text, 20,000 tool calls (canonical JSON), and one non-ASCII text. The default
+policy keeps no prefix index, so the probe sees reading and keying; `--policy cost` adds the
+index's work on each request's keys. Nothing here imports the gateway: it is started as a
 process.
 """
 
@@ -23,13 +26,16 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-DEMO_KEY = "sk-kvgate-demo"
+SECRET = "bench-loop-stall"
+KEY = "sk-bench"
+MODEL = "bench-model"  # loadtest.static_backend's
 PROBE_INTERVAL_S = 0.01
 
 
@@ -82,9 +88,8 @@ SHAPES: dict[str, Callable[[], dict[str, Any]]] = {
 
 def body_of(shape: str) -> bytes:
     """The shape's chat body, encoded (`max_tokens` 1: the worker's answer is not what is timed)."""
-    return json.dumps(
-        {"model": "kvgate-demo", "max_tokens": 1, **SHAPES[shape]()}, separators=(",", ":")
-    ).encode()
+    body = {"model": MODEL, "max_tokens": 1, **SHAPES[shape]()}
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def _request(sock: socket.socket, head: bytes, body: bytes = b"") -> int:
@@ -156,38 +161,66 @@ def _summary(latencies: list[float]) -> dict[str, Any]:
     }
 
 
-def _gateway(root: Path, port: int) -> subprocess.Popen[bytes]:
-    argv = [
-        sys.executable,
-        "-m",
-        "gateway.cli",
-        "serve",
-        "--demo",
-        "--port",
-        str(port),
-        "--metrics-port",
-        "0",
-    ]
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    proc = subprocess.Popen(argv, env=env, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def _wait_ready(proc: subprocess.Popen[bytes], port: int, path: str) -> None:
     deadline = time.monotonic() + 60
     while True:
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
-                if _request(sock, b"GET /readyz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n") == 200:
-                    return proc
+                if _request(sock, f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode()) == 200:
+                    return
         except OSError:
             pass
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
-            raise SystemExit("the gateway did not become ready")
+            raise SystemExit(f"{proc.args!r} did not become ready")
         time.sleep(0.1)
+
+
+def _gateway(root: Path, folder: Path, worker_port: int, policy: str) -> tuple[subprocess.Popen[bytes], int]:
+    """The gateway from `root`, one pool of the static worker, `policy`, one tenant."""
+    env = {**os.environ, "PYTHONPATH": str(root), "KVGATE_KEY_SECRET": SECRET}
+    hashed = (
+        subprocess.run(
+            [sys.executable, "-m", "gateway.cli", "serve", "--hash-key"],
+            input=KEY.encode(),
+            env=env,
+            cwd=root,
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .strip()
+    )
+    (folder / "policy.yaml").write_text(f"policy: {policy}\n")
+    config = {
+        "policy_file": "policy.yaml",
+        "pools": [{"name": "bench", "models": [MODEL], "workers": [f"http://127.0.0.1:{worker_port}"]}],
+        "tenants": [{"name": "bench", "api_key_hashes": [hashed]}],
+    }
+    (folder / "gateway.json").write_text(json.dumps(config))  # JSON is YAML
+    port = _free_port()
+    argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(folder / "gateway.json")]
+    argv += ["--port", str(port), "--metrics-port", "0"]
+    proc = subprocess.Popen(argv, env=env, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_ready(proc, port, "/readyz")
+    return proc, port
+
+
+def _worker() -> tuple[subprocess.Popen[bytes], int]:
+    """The static worker (`loadtest.static_backend`): answers at once, whatever the body."""
+    port = _free_port()
+    here = Path(__file__).resolve().parent.parent
+    argv = [sys.executable, "-m", "loadtest.static_backend", "--port", str(port)]
+    env = {**os.environ, "PYTHONPATH": str(here)}
+    proc = subprocess.Popen(argv, env=env, cwd=here, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_ready(proc, port, "/health")
+    return proc, port
 
 
 def _post_all(port: int, body: bytes, repeats: int) -> tuple[Counter[int], float]:
     head = (
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
-        + DEMO_KEY.encode()
+        + KEY.encode()
         + b"\r\nContent-Type: application/json\r\nContent-Length: "
         + str(len(body)).encode()
         + b"\r\n\r\n"
@@ -206,28 +239,31 @@ def _settle() -> None:
     time.sleep(0.5)  # let the prober connect and the gateway go idle between phases
 
 
-def run(root: Path, shapes: list[str], repeats: int, baseline_s: float) -> dict[str, Any]:
-    port = _free_port()
+def run(root: Path, shapes: list[str], repeats: int, baseline_s: float, policy: str) -> dict[str, Any]:
     bodies = {shape: body_of(shape) for shape in shapes}
-    gateway = _gateway(root, port)
-    out: dict[str, Any] = {"load_average": os.getloadavg()}
-    try:
-        prober = Prober(port)
-        time.sleep(baseline_s)
-        out["baseline"] = _summary(prober.stop())
-        for shape, body in bodies.items():
+    out: dict[str, Any] = {"policy": policy, "load_average": os.getloadavg()}
+    worker, worker_port = _worker()
+    with tempfile.TemporaryDirectory() as tmp:
+        gateway, port = _gateway(root, Path(tmp), worker_port, policy)
+        try:
             prober = Prober(port)
-            _settle()
-            statuses, median_s = _post_all(port, body, repeats)
-            out[shape] = {
-                **_summary(prober.stop()),
-                "body_mb": round(len(body) / 1e6, 2),
-                "statuses": dict(statuses),
-                "median_request_s": round(median_s, 3),
-            }
-    finally:
-        gateway.terminate()
-        gateway.wait(30)
+            time.sleep(baseline_s)
+            out["baseline"] = _summary(prober.stop())
+            for shape, body in bodies.items():
+                prober = Prober(port)
+                _settle()
+                statuses, median_s = _post_all(port, body, repeats)
+                out[shape] = {
+                    **_summary(prober.stop()),
+                    "body_mb": round(len(body) / 1e6, 2),
+                    "statuses": dict(statuses),
+                    "median_request_s": round(median_s, 3),
+                }
+        finally:
+            gateway.terminate()
+            gateway.wait(30)
+            worker.terminate()
+            worker.wait(30)
     out["load_average_after"] = os.getloadavg()
     return out
 
@@ -238,6 +274,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="large bodies posted per shape, one at a time")
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     parser.add_argument("--baseline-s", type=float, default=3.0, help="seconds of probing without load")
+    parser.add_argument(
+        "--policy",
+        default="least_load",
+        help="routing policy (least_load: no prefix index, so what is timed is reading and keying; "
+        "cost indexes every key of every request too)",
+    )
     parser.add_argument("--probe", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.probe is not None:
@@ -247,7 +289,7 @@ def main() -> None:
     unknown = sorted(set(shapes) - set(SHAPES))
     if unknown:
         parser.error(f"unknown shapes {unknown}; known: {', '.join(SHAPES)}")
-    result = run(args.gateway_root.resolve(), shapes, args.repeats, args.baseline_s)
+    result = run(args.gateway_root.resolve(), shapes, args.repeats, args.baseline_s, args.policy)
     print(json.dumps(result, indent=1))
 
 

@@ -9,9 +9,11 @@ connection and records each answer's latency. First a baseline with no other loa
 each body shape, the same probe while `--repeats` large chat bodies of that shape (about 7 MB,
 under the gateway's 8 MiB body limit) are posted one after another. Printed per phase: the
 slowest and the p99 probe latency (ms), the five slowest, the number of probes, and the large
-requests' statuses and median latency. The shapes are the ones whose keying cost is described in
-docs/normalizer.md: one message of 93,000 image parts, 190,000 short messages with a session
-key, one 7 MB text, 20,000 tool calls (canonical JSON), and one non-ASCII text. The default
+requests' statuses and median latency; and the median and p99 latency of 300 small chat
+requests posted one after another after the baseline (the inline path). The shapes are the
+ones whose keying cost is described in docs/normalizer.md: one message of 93,000 image parts,
+190,000 short messages with a session key, one 7 MB text, 20,000 tool calls (canonical JSON),
+and one non-ASCII text. The default
 policy keeps no prefix index, so the probe sees reading and keying; `--policy cost` adds the
 index's work on each request's keys. Nothing here imports the gateway: it is started as a
 process.
@@ -235,6 +237,34 @@ def _post_all(port: int, body: bytes, repeats: int) -> tuple[Counter[int], float
     return statuses, statistics.median(took)
 
 
+SMALL_REQUESTS = 300
+
+
+def _small_requests(port: int, n: int) -> dict[str, float]:
+    """Median and p99 latency (ms) of `n` small chat requests, one after another: the inline path."""
+    body = json.dumps(
+        {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi " * 200}]}
+    )
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
+        + KEY.encode()
+        + b"\r\nContent-Type: application/json\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+    )
+    took: list[float] = []
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        for _ in range(n):
+            started = time.monotonic()
+            _request(sock, head, body.encode())
+            took.append(time.monotonic() - started)
+    took.sort()
+    return {
+        "median_ms": round(statistics.median(took) * 1e3, 2),
+        "p99_ms": round(took[int(0.99 * n)] * 1e3, 2),
+    }
+
+
 def _settle() -> None:
     time.sleep(0.5)  # let the prober connect and the gateway go idle between phases
 
@@ -249,6 +279,7 @@ def run(root: Path, shapes: list[str], repeats: int, baseline_s: float, policy: 
             prober = Prober(port)
             time.sleep(baseline_s)
             out["baseline"] = _summary(prober.stop())
+            out["small_requests"] = _small_requests(port, SMALL_REQUESTS)
             for shape, body in bodies.items():
                 prober = Prober(port)
                 _settle()

@@ -311,6 +311,13 @@ def main() -> None:
         help="routing policy (least_load: no prefix index, so what is timed is reading and keying; "
         "cost indexes every key of every request too)",
     )
+    parser.add_argument(
+        "--write-bodies",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="only write each shape's body to DIR/SHAPE.json (for python -m gateway.keying_bench)",
+    )
     parser.add_argument("--probe", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.probe is not None:
@@ -320,6 +327,11 @@ def main() -> None:
     unknown = sorted(set(shapes) - set(SHAPES))
     if unknown:
         parser.error(f"unknown shapes {unknown}; known: {', '.join(SHAPES)}")
+    if args.write_bodies is not None:
+        args.write_bodies.mkdir(parents=True, exist_ok=True)
+        for shape in shapes:
+            (args.write_bodies / f"{shape}.json").write_bytes(body_of(shape))
+        return
     result = run(args.gateway_root.resolve(), shapes, args.repeats, args.baseline_s, args.policy)
     print(json.dumps(result, indent=1))
 

@@ -1,10 +1,11 @@
 """The event loop's longest stall in each phase of reading and keying one large body, in process.
 
-    python -m loadtest.bench_keying_phases --repeats 3
+    python -m loadtest.bench_loop_stall --write-bodies /tmp/bodies
+    python -m gateway.keying_bench /tmp/bodies --repeats 3
 
-For each shape of `loadtest.bench_loop_stall` (about 7 MB each), a probe task on the loop measures
-how late `asyncio.sleep(0.001)` wakes while one phase runs, as admission ran it before the keying
-process and as it runs now:
+For each chat body in the folder (`SHAPE.json`; the loop-stall benchmark writes its shapes, about
+7 MB each), a probe task on the loop measures how late `asyncio.sleep(0.001)` wakes while one
+phase runs, as admission ran it before the keying process and as it runs now:
 
 - `parse`, `encode`: `parse_body` and `encode_body` on the loop;
 - `key_thread`: `Normalizer.canonicalize` on a thread (it holds the GIL in long calls);
@@ -28,6 +29,7 @@ import os
 import statistics
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from gateway.bodies import encode_body, parse_body
@@ -35,12 +37,12 @@ from gateway.keying_pool import KeyingPool, Turns, rebuild
 from gateway.large_body import BodyJob, ModelKeying
 from gateway.routes import ROUTES
 from gateway.server import tune_gc
-from loadtest.bench_loop_stall import MODEL, SHAPES, body_of
 from prompt_normalizer.keys import public_identity_of
 from prompt_normalizer.normalizer import Normalizer, NormalizerConfig
 from prompt_normalizer.types import KeyIdentity
 
 SECRET = b"bench-keying-phases-0123456789ab"
+MODEL = "bench-model"
 CHAT = ROUTES["/v1/chat/completions"]
 
 
@@ -75,7 +77,7 @@ def _summary(lateness: list[float], took: list[float]) -> dict[str, float]:
     }
 
 
-async def run(shapes: list[str], repeats: int) -> dict[str, Any]:
+async def run(bodies: dict[str, bytes], repeats: int) -> dict[str, Any]:
     config = NormalizerConfig()
     identity = KeyIdentity(model_id=MODEL, block_size_tokens=16)
     public = public_identity_of(identity)
@@ -89,10 +91,11 @@ async def run(shapes: list[str], repeats: int) -> dict[str, Any]:
         lateness, _ = await _timed(lambda: asyncio.sleep(1.0))
         out["baseline"] = _summary(lateness, [1.0])
         started = time.perf_counter()
-        await pool.key(BodyJob(body_of("text"), CHAT.path, 128, SECRET, models, None))
+        await pool.key(
+            BodyJob(b'{"messages": [{"role": "user", "content": "x"}]}', CHAT.path, 128, SECRET, models, None)
+        )
         out["keying_process_start_s"] = round(time.perf_counter() - started, 2)
-        for shape in shapes:
-            raw = body_of(shape)
+        for shape, raw in bodies.items():
             body = parse_body(raw, CHAT)
             encode_body(body)
 
@@ -143,11 +146,13 @@ async def run(shapes: list[str], repeats: int) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each phase per shape")
-    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    parser.add_argument("folder", type=Path, help="chat bodies, one per SHAPE.json")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each phase per body")
     args = parser.parse_args()
-    shapes = [s for s in args.shapes.split(",") if s]
-    print(json.dumps(asyncio.run(run(shapes, args.repeats)), indent=1))
+    bodies = {path.stem: path.read_bytes() for path in sorted(args.folder.glob("*.json"))}
+    if not bodies:
+        parser.error(f"no *.json bodies in {args.folder}")
+    print(json.dumps(asyncio.run(run(bodies, args.repeats)), indent=1))
 
 
 if __name__ == "__main__":

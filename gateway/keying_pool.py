@@ -9,14 +9,18 @@ from its pieces, giving other requests a turn every couple of milliseconds (`reb
 Lifecycle: at most `MAX_JOBS` bodies are in the process's queue or at work; later ones wait
 their turn (how many requests wait at all is bounded by the gateway's own limits on requests
 in flight). A process that dies (killed, out of memory) fails the job it had, which admission
-then keys on the keying's thread as before; the next body starts a new process. `close` (the
-app's lifespan end) stops it, and a keying process whose gateway died exits by itself.
+then reads and keys in the gateway's own process as before; the next body starts a new process.
+One that ends before answering anything (it cannot start) is not tried again for
+`RETRY_START_S`. `close` (the app's lifespan end) stops it, and a keying process whose gateway
+died exits by itself. Being spawned, it imports the gateway's main module as `__mp_main__`, as
+multiprocessing does: the gateway's entry points run nothing on import.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import multiprocessing
 import os
 import signal
@@ -29,11 +33,16 @@ import orjson
 
 from gateway.large_body import BodyJob, Container, KeyedBody, Member, Piece, Run, Text, Whole, key_body
 
+log = logging.getLogger("kvgate.keying")
+
 # Bodies in the keying process's queue or at work at once: one keyed while the next is sent.
 MAX_JOBS = 2
 # The most work the loop does between two turns of its own while it rebuilds a body.
 TURN_S = 0.002
 _ORPHAN_CHECK_S = 1.0
+# After a keying process that ended before answering anything (it could not start), how long large
+# bodies are read and keyed in the gateway's own process before another is tried.
+RETRY_START_S = 60.0
 # How much lower the keying process's CPU priority is than the gateway's (`os.nice`).
 KEYING_NICENESS = 10
 
@@ -59,9 +68,12 @@ class KeyingPool:
 
     def __init__(self, max_jobs: int = MAX_JOBS) -> None:
         self._executor: concurrent.futures.ProcessPoolExecutor | None = None
+        self._answered = 0  # bodies the current process has answered
+        self._retry_s = 0.0  # no process is started before this (monotonic), after one failed to start
         self._slots = asyncio.Semaphore(max_jobs)
         self.started = 0  # keying processes started (a restart after a death counts too)
-        self.in_flight = 0  # bodies sent and not answered yet
+        self.in_flight = 0  # bodies sent and not answered yet (at most `max_jobs`)
+        self.waiting = 0  # bodies waiting for one of those places
 
     def _pool(self) -> concurrent.futures.ProcessPoolExecutor:
         if self._executor is None:
@@ -73,24 +85,41 @@ class KeyingPool:
                 initializer=_start_keying_process,
                 initargs=(os.getpid(),),
             )
+            self._answered = 0
             self.started += 1
         return self._executor
 
     async def key(self, job: BodyJob) -> KeyedBody | None:
         """The keyed body, or None when the keying process died with it (the next job starts
-        another)."""
-        async with self._slots:
-            executor = self._pool()
-            self.in_flight += 1
-            try:
-                return await asyncio.wrap_future(executor.submit(key_body, job))
-            except BrokenProcessPool:
-                if self._executor is executor:
-                    self._executor = None
-                    executor.shutdown(wait=False, cancel_futures=True)
-                return None
-            finally:
-                self.in_flight -= 1
+        another) or, for `RETRY_START_S` after one could not start at all, at once."""
+        if time.monotonic() < self._retry_s:
+            return None
+        self.waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.waiting -= 1
+        self.in_flight += 1
+        executor = self._pool()
+        try:
+            keyed: KeyedBody = await asyncio.wrap_future(executor.submit(key_body, job))
+            self._answered += 1
+            return keyed
+        except BrokenProcessPool:
+            if self._executor is executor:
+                if self._answered == 0:
+                    self._retry_s = time.monotonic() + RETRY_START_S
+                    log.warning(
+                        "the keying process ended before answering: large bodies are read and keyed "
+                        "in this process for %.0f s",
+                        RETRY_START_S,
+                    )
+                self._executor = None
+                executor.shutdown(wait=False, cancel_futures=True)
+            return None
+        finally:
+            self.in_flight -= 1
+            self._slots.release()
 
     def pid(self) -> int | None:
         """The keying process's id while one runs (for tests and diagnostics)."""

@@ -1,7 +1,8 @@
 """The keying process in the request path (`gateway.keying_pool`): other requests are answered
 while it keys a large body, a large body is keyed as the loop would key it, a keying process that
-dies is replaced (its body keyed in the gateway's own process meanwhile), and the lifespan's end
-stops it. The keying process is paused with SIGSTOP where a test needs a body to stay in it."""
+dies is replaced (its body keyed in the gateway's own process meanwhile), one that cannot start
+is not tried again at once, large bodies wait their turn for it, and the lifespan's end stops
+it. The keying process is paused with SIGSTOP where a test needs a body to stay in it."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from typing import Any
 
 import pytest
 
+from gateway import keying_pool
 from gateway.keying import INLINE_PROMPT_BYTES
+from gateway.keying_pool import MAX_JOBS
 from tests.gateway.request_rig import Rig, request_rig
 from tests.support.wait import wait_until
 
@@ -121,3 +124,39 @@ async def test_small_bodies_never_start_a_keying_process(rig: Rig) -> None:
     for _ in range(3):
         assert (await rig.chat()).status_code == 200
     assert rig.state.gate.keying.processes.started == 0
+
+
+async def test_large_bodies_wait_their_turn_for_the_keying_process(rig: Rig) -> None:
+    keying = rig.state.gate.keying
+    pid = await _started_keying_process(rig)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        prompts = [_large(f"flood {i}") for i in range(2 + MAX_JOBS)]
+        flood = [asyncio.create_task(rig.chat(messages=messages)) for messages in prompts]
+        await wait_until(
+            lambda: keying.processes.in_flight == MAX_JOBS and keying.processes.waiting == 2,
+            what="two bodies in the keying process, two waiting",
+        )
+        assert (await rig.client.get("/health")).status_code == 200
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert [r.status_code for r in await asyncio.gather(*flood)] == [200] * len(prompts)
+    keyed = {req.block_keys for req in rig.policy.requests[-len(prompts) :]}
+    assert keyed == {_expected_keys(rig, messages) for messages in prompts}
+    assert keying.processes.in_flight == keying.processes.waiting == 0
+
+
+def failing_start(parent: int) -> None:
+    """A keying process that cannot start (its initializer fails)."""
+    raise RuntimeError("no keying process here")
+
+
+async def test_a_keying_process_that_cannot_start_is_not_retried_at_once(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(keying_pool, "_start_keying_process", failing_start)
+    for tag in ("first", "second"):
+        messages = _large(tag)
+        assert (await rig.chat(messages=messages)).status_code == 200
+        assert rig.policy.requests[-1].block_keys == _expected_keys(rig, messages)
+    assert rig.state.gate.keying.processes.started == 1  # the second body did not try again

@@ -20,7 +20,7 @@ from gateway.auth import Tenant
 from gateway.bodies import encode_body, form_head, max_output_tokens, parse_body, parse_form
 from gateway.errors import ApiError
 from gateway.gate import Gate
-from gateway.keying import INLINE_PROMPT_BYTES, canonical_prompt, only_model, prompt_error
+from gateway.keying import INLINE_PROMPT_BYTES, canonical_prompt, only_model, prompt_error, read_large_body
 from gateway.quotas import Rejection, TenantLimiter
 from gateway.registry import Pool
 from gateway.request_head import RequestHead, RequestIds
@@ -192,16 +192,22 @@ async def admit(
     (tokens); the request already holds its tenant's slot (`enter`). `head` is needed for a
     multipart body (its boundary)."""
     request_id = ids.internal
+    large = None
     if api.multipart:
         content_type = head.content_type if head is not None else None
         body = parse_form(raw, content_type, api)
         encoded = raw
         upstream_head = form_head(content_type)
     else:
-        body = parse_body(raw, api, gate.limits.max_choices)
-        if api.pick is not None:
-            api = api.pick(body)  # SageMaker's `/invocations`: admitted as the route its body names
-        encoded = encode_body(body)
+        if len(raw) > INLINE_PROMPT_BYTES:  # read (and keyed) in the keying process
+            large = await read_large_body(raw, api, gate.keying, gate.models, tenant, gate.limits.max_choices)
+        if large is not None:
+            api, body, encoded = large.api, large.body, large.encoded
+        else:
+            body = parse_body(raw, api, gate.limits.max_choices)
+            if api.pick is not None:
+                api = api.pick(body)  # SageMaker's `/invocations`: admitted as the route its body names
+            encoded = encode_body(body)
         upstream_head = JSON_HEAD
     model = body.get("model") or only_model(gate.models)
     pool = gate.models.get(model)
@@ -212,7 +218,13 @@ async def admit(
     keying = gate.keying
     identity, public = keying.identities(pool, model, tenant)
     normalizer = keying.normalizers[pool.name]
-    if api.prompt is not None and normalizer.config.mode == "approximate" and len(raw) <= INLINE_PROMPT_BYTES:
+    if large is not None and large.model == model and large.prompt_error is not None:
+        raise large.prompt_error
+    if large is not None and large.model == model and large.canonical is not None:
+        canonical = large.canonical
+    elif (
+        api.prompt is not None and normalizer.config.mode == "approximate" and len(raw) <= INLINE_PROMPT_BYTES
+    ):
         try:  # the common case, right here: no coroutine of its own
             canonical = normalizer.canonicalize(api.prompt, body, identity, public)
         except NormalizerError as exc:

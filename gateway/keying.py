@@ -11,17 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from gateway.auth import Tenant
 from gateway.bodies import missing_model
 from gateway.config.pool import PoolConfig
 from gateway.errors import ApiError
+from gateway.keying_pool import KeyingPool, Turns, rebuild
+from gateway.large_body import BodyJob, ModelKeying
 from gateway.registry import Pool
 from gateway.render import render_canonical
-from gateway.routes import ApiRoute
+from gateway.routes import ROUTES, ApiRoute
 from gateway.transport import Transport
 from policies.identity import derive_secret, key_identities, served_identity
 from prompt_normalizer.errors import NormalizerError
@@ -38,7 +42,7 @@ class Keying:
     normalizer settings rebuilds them here (`set_policy_normalizer`), which also forgets the
     identities (they carry the normalizer's render fingerprint)."""
 
-    __slots__ = ("_executor", "_identities", "_pools", "_secret", "normalizers", "transport")
+    __slots__ = ("_executor", "_identities", "_pools", "_secret", "normalizers", "processes", "transport")
 
     def __init__(
         self,
@@ -53,6 +57,7 @@ class Keying:
         self.normalizers = build_normalizers(pools, policy_normalizer, secret, {})
         self._identities: dict[tuple[str, str], tuple[KeyIdentity, KeyIdentity | None]] = {}
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self.processes = KeyingPool()
 
     def normalizer(self, pool: Pool) -> Normalizer:
         return self.normalizers[pool.name]
@@ -101,9 +106,25 @@ class Keying:
         return self._executor
 
     def close_executor(self) -> None:
+        """Stop the keying's thread and its keying process (lifespan end)."""
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
+        self.processes.close()
+
+    def large_body_job(
+        self, raw: bytes, api: ApiRoute, models: Mapping[str, Pool], tenant: Tenant, max_choices: int
+    ) -> BodyJob:
+        """What the keying process needs to read `raw` and key it for any model whose pool keys
+        in approximate mode (under `tenant`'s identities)."""
+        keyed: dict[str, ModelKeying] = {}
+        for model, pool in models.items():
+            normalizer = self.normalizers[pool.name]
+            if normalizer.config.mode == "approximate":
+                identity, public = self.identities(pool, model, tenant)
+                keyed[model] = ModelKeying(normalizer.config, identity, public)
+        only = next(iter(models)) if len(models) == 1 else None
+        return BodyJob(raw, api.path, max_choices, derive_secret(self._secret, "prefix_keys"), keyed, only)
 
 
 def base_model(pool: Pool) -> str:
@@ -133,9 +154,57 @@ def build_normalizers(
     return out
 
 
-# Bodies up to this size are canonicalized on the event loop in approximate mode (a few
-# milliseconds at most); larger ones on the keying's thread (`canonical_prompt`).
+# Bodies up to this size are read and canonicalized on the event loop in approximate mode (a few
+# milliseconds at most); larger ones in the keying process (`read_large_body`).
 INLINE_PROMPT_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class LargeBody:
+    """A large JSON body as admission reads it (`parse_body`, the route it picks, `encode_body`),
+    and, when its model's pool keys in approximate mode, its `CanonicalPrompt` for `model` or the
+    400 the normalizer gives it (`prompt_error`)."""
+
+    api: ApiRoute
+    body: dict[str, Any]
+    encoded: bytes
+    model: str | None = None
+    canonical: CanonicalPrompt | None = None
+    prompt_error: ApiError | None = None
+
+
+async def read_large_body(
+    raw: bytes, api: ApiRoute, keying: Keying, models: Mapping[str, Pool], tenant: Tenant, max_choices: int
+) -> LargeBody | None:
+    """A JSON body over `INLINE_PROMPT_BYTES` read and keyed in the keying process, the loop taking
+    turns while it rebuilds the parsed body; the same answers as admission's own calls (a 400 is
+    raised). None when the keying process died meanwhile: the caller reads the body itself."""
+    job = keying.large_body_job(raw, api, models, tenant, max_choices)
+    keyed = await keying.processes.key(job)
+    if keyed is None:
+        return None
+    if keyed.error is not None:
+        status, message, type_, code, param = keyed.error
+        raise ApiError(status, message, type_, code, param)
+    assert keyed.body is not None
+    turns = Turns()
+    body = await rebuild(keyed.body, turns)
+    out = LargeBody(ROUTES[keyed.path], body, keyed.encoded)
+    model = keyed.model
+    if model is None:
+        return out
+    if keyed.prompt_error is not None:
+        message, code, param = keyed.prompt_error
+        error = prompt_error(NormalizerError(message, param=param, code=code))
+        return dataclasses.replace(out, model=model, prompt_error=error)
+    canonical = keyed.canonical
+    if canonical is None:
+        return out
+    if keyed.canonical_body is not None:
+        canonical = dataclasses.replace(canonical, canonical_body=await rebuild(keyed.canonical_body, turns))
+    if keyed.pending is not None:
+        canonical = keying.normalizers[models[model].name].observe_pending(canonical, keyed.pending)
+    return dataclasses.replace(out, model=model, canonical=canonical)
 
 
 async def canonical_prompt(

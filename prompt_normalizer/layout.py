@@ -146,6 +146,11 @@ class Hashed:
 DriftObserver = Callable[[tuple[BlockKey, ...], int, tuple[ZoneSpan, ...]], DriftReport]
 
 
+def drift_line(drift: DriftReport) -> str:
+    """The diagnostic a drifted request carries, naming the block, zone and field."""
+    return f"drift: block {drift.first_diff_block} ({drift.zone}, {drift.field})"
+
+
 # One `CanonicalPrompt` per request. Its frozen dataclass __init__ stores each of its eight fields
 # through `object.__setattr__` (about 1.1 µs in all); the slot descriptors' own setters store the
 # same values in half that. The field order is checked here, so a field added to the type fails
@@ -320,6 +325,6 @@ def assemble(
     if observe_drift is not None:
         drift = observe_drift(keys, stable, zones)
         if drift.first_diff_block is not None:
-            diagnostics.append(f"drift: block {drift.first_diff_block} ({drift.zone}, {drift.field})")
+            diagnostics.append(drift_line(drift))
     body = chat.body if chat is not None else None
     return new_prompt(n, block_size, keys, zones, public, tuple(diagnostics), body, drift)

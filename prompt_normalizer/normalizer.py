@@ -53,12 +53,13 @@ from prompt_normalizer.layout import (
     boundaries_from_positions,
     boundary_body,
     boundary_specs,
+    drift_line,
 )
 from prompt_normalizer.messages_input import messages_chat
 from prompt_normalizer.render import CHAT_RENDER_PATH, COMPLETIONS_RENDER_PATH, RenderPlan, render_boundaries
 from prompt_normalizer.responses_input import responses_chat
 from prompt_normalizer.roots import RootCache, UnitRoots
-from prompt_normalizer.sessions import SessionDrift
+from prompt_normalizer.sessions import DeferredDrift, PendingDrift, SessionDrift
 from prompt_normalizer.switches import json_copy
 from prompt_normalizer.template import ChatTemplateTokenizer
 from prompt_normalizer.types import BlockKey, CanonicalPrompt, KeyIdentity
@@ -84,7 +85,11 @@ _CONVERTERS: dict[str, Callable[[Mapping[str, Any]], ConvertedChat]] = {
 class Normalizer:
     """Turns one OpenAI request body into a `CanonicalPrompt` under a `KeyIdentity`."""
 
-    def __init__(self, config: NormalizerConfig, secret: bytes) -> None:
+    def __init__(self, config: NormalizerConfig, secret: bytes, *, defer_drift: bool = False) -> None:
+        """`defer_drift`: keep no session memory; each request's drift observation is taken with
+        `take_pending_drift` and made by another normalizer of the same config and secret
+        (`observe_pending`), one that keeps the memory. Such a normalizer keys one request at a
+        time."""
         self._config = config
         # Per-config work done once, not per request.
         self._chat_rules = ChatRules.of(config)
@@ -100,7 +105,10 @@ class Normalizer:
                 config.tokenizer_dir, config.chat_template_file, config.content_format, config.template_time
             )
         self._session_fields = frozenset(config.session_fields)
-        self._sessions = SessionDrift(config, self._key)
+        self._deferred = DeferredDrift(config, self._key) if defer_drift else None
+        self._sessions: SessionDrift = (
+            self._deferred if self._deferred is not None else SessionDrift(config, self._key)
+        )
 
     @property
     def config(self) -> NormalizerConfig:
@@ -142,6 +150,21 @@ class Normalizer:
     ) -> bytes | None:
         """Keyed session id: a header value if given, else the first configured body field."""
         return self._sessions.digest(body, identity, session_key)
+
+    def take_pending_drift(self) -> PendingDrift | None:
+        """The drift observation of the last request a deferring normalizer keyed, if it named a
+        session (once)."""
+        return self._deferred.take() if self._deferred is not None else None
+
+    def observe_pending(self, prompt: CanonicalPrompt, pending: PendingDrift) -> CanonicalPrompt:
+        """`prompt`, keyed by a deferring normalizer, with the drift report this normalizer's
+        session memory gives it: the same answer as keying it here."""
+        drift = self._sessions.observe_pending(pending, prompt.block_keys)
+        diagnostics = prompt.diagnostics
+        if drift.first_diff_block is not None:
+            diagnostics = (*diagnostics, drift_line(drift))
+        observed = dataclasses.replace(prompt, drift=drift, diagnostics=diagnostics)
+        return observed if pending.sources is None else relabel_drift(observed, pending.sources)
 
     # -- the facade -------------------------------------------------------------------------------
 
@@ -245,6 +268,8 @@ class Normalizer:
             prompt = self._finish(hashed, roots, identity, body, session_key, chat, bounds)
         else:
             prompt = self._tokenized(chat, body, identity, public_identity, session_key)
+        if self._deferred is not None and self._deferred.pending is not None:
+            self._deferred.pending = dataclasses.replace(self._deferred.pending, sources=converted.sources)
         return relabel_drift(prompt, converted.sources)
 
     def _tokenized(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -73,6 +74,57 @@ class SessionDrift:
         zones: tuple[ZoneSpan, ...],
     ) -> DriftReport:
         return self._drift.observe(session, keys, stable_end_token, block_size, items, zones)
+
+    def observe_pending(self, pending: PendingDrift, keys: tuple[BlockKey, ...]) -> DriftReport:
+        """The report for an observation taken elsewhere (`DeferredDrift`), as `_observe` makes it."""
+        return self._drift.observe(
+            pending.session, keys, pending.stable_end_token, pending.block_size, pending.items, pending.zones
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PendingDrift:
+    """A drift observation taken where a request was keyed, to be made where its session's
+    memory is kept (`Normalizer.observe_pending`): the keyed session id and field digests with the
+    zones, never content. The keys are the prompt's own `block_keys`. `sources` names a converted
+    request's own fields (`converted.relabel_drift`)."""
+
+    session: bytes
+    block_size: int
+    items: tuple[FieldItem, ...]
+    stable_end_token: int
+    zones: tuple[ZoneSpan, ...]
+    sources: tuple[str, ...] | None = None
+
+
+# What a deferring normalizer's request carries until its drift is observed: no first differing
+# block, so `layout.assemble` adds no drift line to its diagnostics.
+_UNSEEN = DriftReport(session_seen=False, first_diff_block=None, shared_blocks=0, previous_blocks=0)
+
+
+class DeferredDrift(SessionDrift):
+    """Session naming without a memory: records each observation as a `PendingDrift` (taken
+    with `take`) for a normalizer in another process to observe. For one request at a time."""
+
+    def __init__(self, config: NormalizerConfig, key: bytes) -> None:
+        super().__init__(config, key)
+        self.pending: PendingDrift | None = None
+
+    def take(self) -> PendingDrift | None:
+        pending, self.pending = self.pending, None
+        return pending
+
+    def _observe(
+        self,
+        session: bytes,
+        block_size: int,
+        items: tuple[FieldItem, ...],
+        keys: tuple[BlockKey, ...],
+        stable_end_token: int,
+        zones: tuple[ZoneSpan, ...],
+    ) -> DriftReport:
+        self.pending = PendingDrift(session, block_size, items, stable_end_token, zones)
+        return _UNSEEN
 
 
 def _prompt_items(body: Mapping[str, Any], key: bytes) -> tuple[FieldItem, ...]:

@@ -1,0 +1,178 @@
+"""The keying process: large JSON bodies read and keyed beside the event loop, not on it.
+
+A thread would not do: parsing, encoding and keying a body of several megabytes are long calls
+that hold the GIL, and the loop waits for each of them whole (docs/normalizer.md, "Cost per
+request"). One process per gateway process (under `--processes N`, each has its own), spawned on
+the first large body, runs `gateway.large_body.key_body`; the loop then rebuilds the parsed body
+from its pieces, giving other requests a turn every couple of milliseconds (`rebuild`).
+
+Lifecycle: at most `MAX_JOBS` bodies are in the process's queue or at work; later ones wait
+their turn (how many requests wait at all is bounded by the gateway's own limits on requests
+in flight). A process that dies (killed, out of memory) fails the job it had, which admission
+then reads and keys in the gateway's own process as before; the next body starts a new process.
+One that ends before answering anything (it cannot start) is not tried again for
+`RETRY_START_S`. `close` (the app's lifespan end) stops it, and a keying process whose gateway
+died exits by itself. Being spawned, it imports the gateway's main module as `__mp_main__`, as
+multiprocessing does: the gateway's entry points run nothing on import.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any
+
+import orjson
+
+from gateway.large_body import BodyJob, Container, KeyedBody, Member, Piece, Run, Text, Whole, key_body
+
+log = logging.getLogger("kvgate.keying")
+
+# Bodies in the keying process's queue or at work at once: one keyed while the next is sent.
+MAX_JOBS = 2
+# The most work the loop does between two turns of its own while it rebuilds a body.
+TURN_S = 0.002
+_ORPHAN_CHECK_S = 1.0
+# After a keying process that ended before answering anything (it could not start), how long large
+# bodies are read and keyed in the gateway's own process before another is tried.
+RETRY_START_S = 60.0
+# How much lower the keying process's CPU priority is than the gateway's (`os.nice`).
+KEYING_NICENESS = 10
+
+
+def _exit_with_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(_ORPHAN_CHECK_S)
+    os._exit(0)
+
+
+def _start_keying_process(parent: int) -> None:
+    """In the keying process, first: it yields the CPU to the gateway's event loop when both want
+    it (a large body waits a little longer, every other request does not); Ctrl-C is the
+    gateway's to handle (it closes the pool); a keying process whose gateway died without closing
+    it (SIGKILL) exits."""
+    os.nice(KEYING_NICENESS)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+
+
+class KeyingPool:
+    """One keying process, started on first use and again after it died; see the module doc."""
+
+    def __init__(self, max_jobs: int = MAX_JOBS) -> None:
+        self._executor: concurrent.futures.ProcessPoolExecutor | None = None
+        self._answered = 0  # bodies the current process has answered
+        self._retry_s = 0.0  # no process is started before this (monotonic), after one failed to start
+        self._slots = asyncio.Semaphore(max_jobs)
+        self.started = 0  # keying processes started (a restart after a death counts too)
+        self.in_flight = 0  # bodies sent and not answered yet (at most `max_jobs`)
+        self.waiting = 0  # bodies waiting for one of those places
+
+    def _pool(self) -> concurrent.futures.ProcessPoolExecutor:
+        if self._executor is None:
+            # Spawned, not forked: the gateway has threads (the keying's, the resolver's), and a
+            # fork would copy its whole heap and whatever locks they held.
+            self._executor = concurrent.futures.ProcessPoolExecutor(
+                1,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_start_keying_process,
+                initargs=(os.getpid(),),
+            )
+            self._answered = 0
+            self.started += 1
+        return self._executor
+
+    async def key(self, job: BodyJob) -> KeyedBody | None:
+        """The keyed body, or None when the keying process died with it (the next job starts
+        another) or, for `RETRY_START_S` after one could not start at all, at once."""
+        if time.monotonic() < self._retry_s:
+            return None
+        self.waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.waiting -= 1
+        self.in_flight += 1
+        executor = self._pool()
+        try:
+            keyed: KeyedBody = await asyncio.wrap_future(executor.submit(key_body, job))
+            self._answered += 1
+            return keyed
+        except BrokenProcessPool:
+            if self._executor is executor:
+                if self._answered == 0:
+                    self._retry_s = time.monotonic() + RETRY_START_S
+                    log.warning(
+                        "the keying process ended before answering: large bodies are read and keyed "
+                        "in this process for %.0f s",
+                        RETRY_START_S,
+                    )
+                self._executor = None
+                executor.shutdown(wait=False, cancel_futures=True)
+            return None
+        finally:
+            self.in_flight -= 1
+            self._slots.release()
+
+    def pid(self) -> int | None:
+        """The keying process's id while one runs (for tests and diagnostics)."""
+        executor = self._executor
+        processes = getattr(executor, "_processes", None) or {}
+        return next(iter(processes), None)
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+
+class Turns:
+    """Gives the event loop a turn whenever `TURN_S` of work has passed since the last one."""
+
+    __slots__ = ("_since",)
+
+    def __init__(self) -> None:
+        self._since = time.monotonic()
+
+    async def tick(self) -> None:
+        if time.monotonic() - self._since >= TURN_S:
+            await asyncio.sleep(0)
+            self._since = time.monotonic()
+
+
+async def rebuild(piece: Piece, turns: Turns) -> Any:
+    """The value `piece` was made from (`gateway.large_body.pieces`), parsed a piece at a time."""
+    if isinstance(piece, Whole):
+        value = orjson.loads(piece.data)
+        await turns.tick()
+        return value
+    if isinstance(piece, Text):
+        slices: list[str] = []
+        for data in piece.slices:
+            slices.append(orjson.loads(data))
+            await turns.tick()
+        return "".join(slices)
+    if piece.is_object:
+        members: dict[str, Any] = {}
+        for part in piece.parts:
+            if isinstance(part, Run):
+                members.update(orjson.loads(part.data))
+            elif isinstance(part, Member):
+                members[part.name] = await rebuild(part.value, turns)
+            await turns.tick()
+        return members
+    items: list[Any] = []
+    for part in piece.parts:
+        if isinstance(part, Run):
+            items.extend(orjson.loads(part.data))
+        elif isinstance(part, Whole | Text | Container):
+            items.append(await rebuild(part, turns))
+        await turns.tick()
+    return items

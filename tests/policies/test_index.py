@@ -94,6 +94,30 @@ def test_capacity_evicts_tail_first_and_forgets_old_prefixes() -> None:
     idx.check_invariants()
 
 
+@pytest.mark.parametrize("granularity", [1, 2])
+def test_a_chain_longer_than_the_capacity_is_walked_only_as_far_as_it_can_be_held(
+    granularity: int,
+) -> None:
+    def filled() -> PrefixIndex:
+        idx = _index(default_capacity_tokens=6 * BS * granularity, granularity_blocks=granularity)
+        idx.record(chain("t", range(100, 104)), W0, "t", 0.0, speculative=False)
+        return idx
+
+    long = chain("t", range(200, 200 + 40 * granularity))
+    walked, reference = filled(), filled()
+    walked.record(long, W0, "t", 1.0, speculative=True)
+    walked.confirm(long, W0, "t", 2.0)
+    reference.record(long[: 6 * granularity], W0, "t", 1.0, speculative=True)
+    reference.confirm(long[: 6 * granularity], W0, "t", 2.0)
+    # The same holdings as recording only the head, and no block put in only to be evicted.
+    for idx in (walked, reference):
+        assert idx.lookup(long, "t", 2.0).blocks(W0) == 6 * granularity
+        assert idx.stats() == reference.stats()
+        assert idx.stats().evictions == 4 // granularity  # b made room (its entries)
+        assert idx.stats().speculative_entries == 0
+        idx.check_invariants()
+
+
 def test_reported_capacity_shrinks_the_worker() -> None:
     idx = _index()
     keys = chain("t", range(10))

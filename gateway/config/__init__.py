@@ -243,7 +243,10 @@ class GatewayConfig(Frozen):
         if self.admin.api_key_hash is not None and self.admin.api_key_hash in hashes:
             raise ValueError("admin.api_key_hash must not also be a tenant's key")
         if self.metrics.listen.port != 0 and self.metrics.listen.port == self.listen.port:
-            raise ValueError("metrics.listen.port must differ from listen.port (metrics never share it)")
+            raise ValueError(
+                f"metrics.listen.port must differ from listen.port (both {self.listen.port}; "
+                "metrics never share the client port)"
+            )
         return self
 
 
@@ -259,6 +262,16 @@ def parse_config(raw: Any) -> GatewayConfig:
         return GatewayConfig.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(f"invalid gateway config: {_describe(exc)}") from None
+
+
+def revalidated(config: GatewayConfig, **update: Any) -> GatewayConfig:
+    """`config` with top-level fields replaced (each a model or its mapping) and the whole checked
+    again: `model_copy(update=...)` checks nothing, so a command-line override could otherwise make
+    a config that no file may hold, such as a metrics port equal to the client port."""
+    try:
+        return GatewayConfig.model_validate({**dict(config), **update})
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from None
 
 
 def load_config(path: str | Path) -> GatewayConfig:

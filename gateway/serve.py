@@ -19,7 +19,7 @@ from gateway.config import GatewayConfig, load_config, read_secret, revalidated
 from gateway.config.base import ConfigError
 from gateway.config.pool import read_worker_key
 from gateway.config.sync import SyncConfig
-from gateway.logs import setup_logging
+from gateway.logs import LOG_LEVELS, setup_logging
 from gateway.policy_watch import LoadedPolicy, PolicyWatcher
 from gateway.state import PolicySwap
 from policies.config import PolicyConfig, PolicyConfigError, build_policy
@@ -65,7 +65,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--demo-key", default=DEMO_KEY, help=f"demo: the API key clients use (default {DEMO_KEY})"
     )
-    parser.add_argument("--log-level", default=None, help="debug, info, warning (default info)")
+    parser.add_argument(
+        "--log-level",
+        type=str.lower,
+        choices=LOG_LEVELS,
+        default=None,
+        help="log verbosity, any case (default the config's log_level, else info)",
+    )
     parser.add_argument(
         "--processes",
         type=int,

@@ -20,6 +20,7 @@ from gateway.config.base import ConfigError, Frozen, PositiveFloat, PositiveInt
 from gateway.config.cors import CorsConfig
 from gateway.config.pool import PoolConfig
 from gateway.config.sync import SyncConfig
+from gateway.logs import LOG_LEVELS
 from gateway.otel_sdk import tracing_unavailable
 from policies.base import Isolation
 from policies.config import YamlTooLarge, load_operator_yaml
@@ -219,7 +220,14 @@ class GatewayConfig(Frozen):
     policy_reload_interval_s: PositiveFloat = 2.0
     pools: list[PoolConfig] = Field(min_length=1)
     tenants: list[TenantConfig] = Field(min_length=1)
-    log_level: str = "info"
+    log_level: str = Field(default="info", json_schema_extra={"pattern": f"(?i)^({'|'.join(LOG_LEVELS)})$"})
+
+    @field_validator("log_level")
+    @classmethod
+    def _log_level(cls, value: str) -> str:
+        if value.lower() not in LOG_LEVELS:
+            raise ValueError(f"must be one of {', '.join(LOG_LEVELS)} (any case), not {value!r}")
+        return value.lower()
 
     @model_validator(mode="after")
     def _unique(self) -> GatewayConfig:

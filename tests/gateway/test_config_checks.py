@@ -1,0 +1,37 @@
+"""Config values that used to pass validation and fail later, or pass when they should not:
+`log_level`, duplicate keys in the YAML, a short key-hash secret."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from gateway.auth import hash_api_key
+from gateway.config import parse_config
+from gateway.config.base import ConfigError
+from gateway.logs import setup_logging
+
+SECRET = b"config-checks-secret-of-32-bytes"
+
+
+def _config(**extra: Any) -> dict[str, Any]:
+    return {
+        "pools": [{"name": "p", "models": ["m"], "workers": ["http://127.0.0.1:1"]}],
+        "tenants": [{"name": "t", "api_key_hashes": [hash_api_key(SECRET, "k")]}],
+        **extra,
+    }
+
+
+@pytest.mark.parametrize("level", ["debug", "INFO", "Warning", "error", "CRITICAL"])
+def test_log_levels_are_taken_in_any_case(level: str) -> None:
+    config = parse_config(_config(log_level=level))
+    assert config.log_level == level.lower()
+    setup_logging(config.log_level)
+
+
+@pytest.mark.parametrize("level", ["bogus", "", "10", "notset"])
+def test_an_unknown_log_level_is_refused_naming_the_field(level: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape("log_level: Value error, must be one of debug, info")):
+        parse_config(_config(log_level=level))

@@ -23,7 +23,7 @@ from gateway.config.sync import SyncConfig
 from gateway.logs import LOG_LEVELS
 from gateway.otel_sdk import tracing_unavailable
 from policies.base import Isolation
-from policies.config import YamlTooLarge, load_operator_yaml
+from policies.operator_yaml import OperatorYamlError, load_operator_yaml
 
 
 class ListenConfig(Frozen):
@@ -291,7 +291,7 @@ def load_config(path: str | Path) -> GatewayConfig:
         raise ConfigError(f"cannot read config file {str(p)!r}: {exc.strerror}") from None
     try:
         raw = load_operator_yaml(text) or {}
-    except YamlTooLarge as exc:
+    except OperatorYamlError as exc:
         raise ConfigError(f"config file {str(p)!r}: {exc}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from gateway.auth import hash_api_key
-from gateway.config import parse_config
+from gateway.config import load_config, parse_config
 from gateway.config.base import ConfigError
 from gateway.logs import setup_logging
 
@@ -35,3 +37,14 @@ def test_log_levels_are_taken_in_any_case(level: str) -> None:
 def test_an_unknown_log_level_is_refused_naming_the_field(level: str) -> None:
     with pytest.raises(ConfigError, match=re.escape("log_level: Value error, must be one of debug, info")):
         parse_config(_config(log_level=level))
+
+
+def test_a_key_said_twice_in_the_config_file_is_refused(tmp_path: Path) -> None:
+    text = yaml.safe_dump(_config())
+    path = tmp_path / "gw.yaml"
+    path.write_text(text + "listen:\n  port: 8081\n  port: 8082\n")
+    with pytest.raises(ConfigError, match=re.escape("duplicate key 'listen.port' on line")):
+        load_config(path)
+    path.write_text(text + "log_level: info\n" + text.splitlines()[0] + "\n")
+    with pytest.raises(ConfigError, match=r"duplicate key '\w+'"):
+        load_config(path)

@@ -36,8 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode.add_argument(
         "--hash-key",
         action="store_true",
-        help="read an API key on stdin and print its config hash (secret from KVGATE_KEY_SECRET "
-        "or --secret-file)",
+        help="read an API key on stdin and print its config hash (secret, at least 32 bytes, from "
+        "KVGATE_KEY_SECRET or --secret-file)",
     )
     parser.add_argument("--secret-file", metavar="FILE", help="key-hash secret file for --hash-key")
     parser.add_argument("--workers", type=int, default=2, help="demo: number of emulated workers (default 2)")

@@ -34,7 +34,7 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
-SECRET = "bench-answer-memory"
+SECRET = "bench-answer-memory-key-hash-secret"
 KEY = "sk-bench"
 
 

@@ -318,8 +318,18 @@ def load_config(path: str | Path) -> GatewayConfig:
     return config
 
 
+# The key-hash secret is the HMAC key of every API-key hash in the config: with a short one, a
+# leaked hash can be tested against guessed secrets and keys offline. The Helm chart asks as much.
+MIN_KEY_HASH_SECRET_BYTES = 32
+_SHORT_SECRET = (
+    f"shorter than {MIN_KEY_HASH_SECRET_BYTES} bytes: the key-hash secret keys every API-key hash, "
+    "and a short one can be guessed (make one with: openssl rand -hex 32)"
+)
+
+
 def read_secret(secrets: SecretsConfig, environ: dict[str, str]) -> bytes:
-    """The key-hash secret: the file wins over the environment variable; empty is an error."""
+    """The key-hash secret: the file wins over the environment variable; empty, or shorter than
+    `MIN_KEY_HASH_SECRET_BYTES`, is an error (naming the source, never the value)."""
     if secrets.key_hash_secret_file is not None:
         try:
             value = Path(secrets.key_hash_secret_file).read_bytes().strip()
@@ -329,12 +339,21 @@ def read_secret(secrets: SecretsConfig, environ: dict[str, str]) -> bytes:
             ) from None
         if not value:
             raise ConfigError("secrets.key_hash_secret_file: the file is empty")
+        if len(value) < MIN_KEY_HASH_SECRET_BYTES:
+            raise ConfigError(
+                f"secrets.key_hash_secret_file: {secrets.key_hash_secret_file!r} is {_SHORT_SECRET}"
+            )
         return value
     if secrets.key_hash_secret_env is not None:
-        env_value = environ.get(secrets.key_hash_secret_env, "")
+        env_value = environ.get(secrets.key_hash_secret_env, "").encode()
         if not env_value:
             raise ConfigError(
                 f"secrets.key_hash_secret_env: environment variable {secrets.key_hash_secret_env} is not set"
             )
-        return env_value.encode()
+        if len(env_value) < MIN_KEY_HASH_SECRET_BYTES:
+            raise ConfigError(
+                f"secrets.key_hash_secret_env: environment variable {secrets.key_hash_secret_env} is "
+                f"{_SHORT_SECRET}"
+            )
+        return env_value
     raise ConfigError("secrets: set key_hash_secret_env or key_hash_secret_file")

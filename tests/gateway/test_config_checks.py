@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from gateway.auth import hash_api_key
-from gateway.config import load_config, parse_config
+from gateway.config import MIN_KEY_HASH_SECRET_BYTES, SecretsConfig, load_config, parse_config, read_secret
 from gateway.config.base import ConfigError
 from gateway.logs import setup_logging
 
@@ -48,3 +48,19 @@ def test_a_key_said_twice_in_the_config_file_is_refused(tmp_path: Path) -> None:
     path.write_text(text + "log_level: info\n" + text.splitlines()[0] + "\n")
     with pytest.raises(ConfigError, match=r"duplicate key '\w+'"):
         load_config(path)
+
+
+def test_a_key_hash_secret_shorter_than_32_bytes_is_refused_never_shown(tmp_path: Path) -> None:
+    short = "s" * (MIN_KEY_HASH_SECRET_BYTES - 1)
+    env = SecretsConfig()
+    with pytest.raises(ConfigError, match="environment variable KVGATE_KEY_SECRET is shorter than 32") as exc:
+        read_secret(env, {"KVGATE_KEY_SECRET": short})
+    assert short not in str(exc.value)
+    assert read_secret(env, {"KVGATE_KEY_SECRET": short + "s"}) == (short + "s").encode()
+    (tmp_path / "secret").write_text(short + "\n")  # trailing whitespace is not counted
+    in_file = SecretsConfig(key_hash_secret_file=str(tmp_path / "secret"))
+    with pytest.raises(ConfigError, match=r"secrets\.key_hash_secret_file: .* is shorter than 32") as exc:
+        read_secret(in_file, {"KVGATE_KEY_SECRET": short + "s"})
+    assert short not in str(exc.value)
+    (tmp_path / "secret").write_bytes(bytes(range(128, 160)))  # random bytes count as they are
+    assert read_secret(in_file, {}) == bytes(range(128, 160))

@@ -212,8 +212,14 @@ def run_demo(args: argparse.Namespace, serve: Callable[[GatewayConfig, bytes, Lo
     port = args.port if args.port is not None else 8080
     # A fresh secret per run: the demo key's hash is computed here, never stored.
     secret = secrets.token_bytes(32)
-    # The workers' ports are chosen first so that the whole config is checked before any starts.
-    ports = [free_port() for _ in workers]
+    # The workers' ports are chosen first so that the whole config is checked before any starts
+    # (distinct from each other and from the prefill workers' bootstrap ports).
+    ports: list[int] = []
+    taken = {w.bootstrap_port for w in workers}
+    while len(ports) < len(workers):
+        if (wport := free_port()) not in taken:
+            ports.append(wport)
+            taken.add(wport)
     urls = [f"http://127.0.0.1:{wport}" for wport in ports]
     key_hash = hash_api_key(secret, args.demo_key)
     holder = args.pd == HOLDER_PREFILL

@@ -23,9 +23,10 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gateway.auth import hash_api_key
-from gateway.config import DrainConfig, GatewayConfig, ListenConfig, SecretsConfig, TenantConfig
+from gateway.config import DrainConfig, GatewayConfig, SecretsConfig, TenantConfig, parse_config
 from gateway.config.base import ConfigError
 from gateway.config.pd import PdConfig
 from gateway.config.pool import HealthConfig, PoolConfig
@@ -161,9 +162,11 @@ def demo_config(
     workers: list[DemoWorker] | None = None,
     pd_protocol: str = "vllm",
     holder_prefill: bool = False,
+    metrics_port: int | None = None,
 ) -> GatewayConfig:
     """The demo's gateway config; with P/D `workers` (in the order of `urls`), a P/D pool; with
-    `holder_prefill`, mixed workers in that pd mode."""
+    `holder_prefill`, mixed workers in that pd mode. What comes from the command line (the ports,
+    the host) is checked as a config file's would be (`ConfigError`)."""
     roles = {url: w for url, w in zip(urls, workers or [], strict=False)}
     pd = any(w.role != "mixed" for w in roles.values())
     pool = PoolConfig(
@@ -182,13 +185,16 @@ def demo_config(
         else None,
         health=HealthConfig(interval_s=1.0, timeout_s=1.0),
     )
-    return GatewayConfig(
-        listen=ListenConfig(host=host, port=port),
-        drain=DrainConfig(shutdown_delay_s=0.0, deadline_s=5.0),
-        secrets=SecretsConfig(key_hash_secret_env=None),
-        pools=[pool],
-        tenants=[TenantConfig(name="demo", api_key_hashes=[key_hash], isolation=Isolation.STRICT)],
-    )
+    raw: dict[str, Any] = {
+        "listen": {"host": host, "port": port},
+        "drain": DrainConfig(shutdown_delay_s=0.0, deadline_s=5.0),
+        "secrets": SecretsConfig(key_hash_secret_env=None),
+        "pools": [pool],
+        "tenants": [TenantConfig(name="demo", api_key_hashes=[key_hash], isolation=Isolation.STRICT)],
+    }
+    if metrics_port is not None:
+        raw["metrics"] = {"listen": {"port": metrics_port}}
+    return parse_config(raw)
 
 
 def demo_policy() -> LoadedPolicy:
@@ -206,18 +212,24 @@ def run_demo(args: argparse.Namespace, serve: Callable[[GatewayConfig, bytes, Lo
     port = args.port if args.port is not None else 8080
     # A fresh secret per run: the demo key's hash is computed here, never stored.
     secret = secrets.token_bytes(32)
+    # The workers' ports are chosen first so that the whole config is checked before any starts
+    # (distinct from each other and from the prefill workers' bootstrap ports).
+    ports: list[int] = []
+    taken = {w.bootstrap_port for w in workers}
+    while len(ports) < len(workers):
+        if (wport := free_port()) not in taken:
+            ports.append(wport)
+            taken.add(wport)
+    urls = [f"http://127.0.0.1:{wport}" for wport in ports]
+    key_hash = hash_api_key(secret, args.demo_key)
+    holder = args.pd == HOLDER_PREFILL
+    config = demo_config(urls, key_hash, host, port, workers, args.pd_protocol, holder, args.metrics_port)
     children: list[Child] = []
     with tempfile.TemporaryDirectory(prefix="kvgate-demo-") as log_dir:
         try:
-            for i, worker in enumerate(workers):
-                wport = free_port()
-                url = f"http://127.0.0.1:{wport}"
+            for i, (worker, wport, url) in enumerate(zip(workers, ports, urls, strict=True)):
                 children.append(start_child(worker.argv(wport, i), url, Path(log_dir), worker.name))
             wait_healthy(children)
-            urls = [c.url for c in children]
-            key_hash = hash_api_key(secret, args.demo_key)
-            holder = args.pd == HOLDER_PREFILL
-            config = demo_config(urls, key_hash, host, port, workers, args.pd_protocol, holder)
             policy = demo_policy()
             described = _describe(workers, args.pd_protocol) + (", pd.mode holder_prefill" if holder else "")
             print(

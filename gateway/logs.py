@@ -36,6 +36,10 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(out, default=str).decode()
 
 
+# What `log_level` and `--log-level` take, in any case (the names `logging` knows, less its aliases).
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
 def setup_logging(level: str = "info") -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter())

@@ -41,7 +41,7 @@ from gateway.config.base import ConfigError
 from gateway.demo import _die_with_parent
 from gateway.heartbeat import HEARTBEAT_ENV, MIN_TIMEOUT_S, Watchdog, read_stamp, touch_stamp
 from gateway.policy_watch import LoadedPolicy
-from gateway.serve import read_start_secrets
+from gateway.serve import read_start_secrets, with_listen
 from gateway.sync.broker import BrokerUnavailable, LocalBroker
 
 log = logging.getLogger("kvgate.multiproc")
@@ -183,7 +183,8 @@ def supervise(args: argparse.Namespace) -> int:
                 return _run(args, _demo_config(config, args.demo_key, Path(tmp)), Path(tmp))
 
             return run_demo(args, serve_demo)
-        config = load_config(args.config)
+        # The children apply the overrides; checked here too, so a bad one fails once.
+        config = with_listen(load_config(args.config), args.host, args.port, args.metrics_port)
         read_start_secrets(config)  # a missing secret fails here, not N times
         return _run(args, (Path(args.config).resolve(), config, {}), Path(tmp))
 
@@ -210,6 +211,15 @@ def _run(args: argparse.Namespace, source: tuple[Path, GatewayConfig, dict[str, 
     path, config, extra_env = source
     host = args.host if args.host is not None else config.listen.host
     port = args.port if args.port is not None else config.listen.port
+    # Each process scrapes as itself: its /metrics on the next port up (0: any free port).
+    metrics_base = getattr(args, "metrics_port", None)
+    if metrics_base is None:
+        metrics_base = config.metrics.listen.port
+    if port and metrics_base and metrics_base <= port < metrics_base + args.processes:
+        raise ConfigError(
+            f"--processes {args.processes}: metrics ports {metrics_base} to "
+            f"{metrics_base + args.processes - 1} (one a process) include the client port {port}"
+        )
     holder = reuse_port_socket(host, port)
     port = holder.getsockname()[1]
     broker: LocalBroker | None = None
@@ -238,10 +248,6 @@ def _run(args: argparse.Namespace, source: tuple[Path, GatewayConfig, dict[str, 
             argv += ["--sync-token-env", _SYNC_TOKEN_ENV]
         if args.log_level:
             argv += ["--log-level", args.log_level]
-        # Each process scrapes as itself: its /metrics on the next port up (0: any free port).
-        metrics_base = getattr(args, "metrics_port", None)
-        if metrics_base is None:
-            metrics_base = config.metrics.listen.port
 
         def child_args(i: int) -> list[str]:
             return ["--metrics-port", str(metrics_base + i if metrics_base else 0)]

@@ -10,15 +10,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 from pydantic import ValidationError
 
 from gateway.auth import hash_api_key
-from gateway.config import GatewayConfig, ListenConfig, MetricsConfig, load_config, read_secret
+from gateway.config import GatewayConfig, load_config, read_secret, revalidated
 from gateway.config.base import ConfigError
 from gateway.config.pool import read_worker_key
 from gateway.config.sync import SyncConfig
-from gateway.logs import setup_logging
+from gateway.logs import LOG_LEVELS, setup_logging
 from gateway.policy_watch import LoadedPolicy, PolicyWatcher
 from gateway.state import PolicySwap
 from policies.config import PolicyConfig, PolicyConfigError, build_policy
@@ -35,8 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode.add_argument(
         "--hash-key",
         action="store_true",
-        help="read an API key on stdin and print its config hash (secret from KVGATE_KEY_SECRET "
-        "or --secret-file)",
+        help="read an API key on stdin and print its config hash (secret, at least 32 bytes, from "
+        "KVGATE_KEY_SECRET or --secret-file)",
     )
     parser.add_argument("--secret-file", metavar="FILE", help="key-hash secret file for --hash-key")
     parser.add_argument("--workers", type=int, default=2, help="demo: number of emulated workers (default 2)")
@@ -64,7 +65,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--demo-key", default=DEMO_KEY, help=f"demo: the API key clients use (default {DEMO_KEY})"
     )
-    parser.add_argument("--log-level", default=None, help="debug, info, warning (default info)")
+    parser.add_argument(
+        "--log-level",
+        type=str.lower,
+        choices=LOG_LEVELS,
+        default=None,
+        help="log verbosity, any case (default the config's log_level, else info)",
+    )
     parser.add_argument(
         "--processes",
         type=int,
@@ -113,17 +120,27 @@ def demo_policy_name() -> str:
     return "cost" if "cost" in known_policies() else "least_load"
 
 
-def _with_listen(
+def with_listen(
     config: GatewayConfig, host: str | None, port: int | None, metrics_port: int | None = None
 ) -> GatewayConfig:
-    listen = ListenConfig(
-        host=host if host is not None else config.listen.host,
-        port=port if port is not None else config.listen.port,
-    )
-    metrics = config.metrics
+    """The config with `--host`, `--port` and `--metrics-port` applied, checked as the YAML is."""
+    update: dict[str, Any] = {
+        "listen": {
+            "host": host if host is not None else config.listen.host,
+            "port": port if port is not None else config.listen.port,
+        }
+    }
     if metrics_port is not None:
-        metrics = MetricsConfig(listen=ListenConfig(host=metrics.listen.host, port=metrics_port))
-    return config.model_copy(update={"listen": listen, "metrics": metrics})
+        update["metrics"] = {"listen": {"host": config.metrics.listen.host, "port": metrics_port}}
+    try:
+        return revalidated(config, **update)
+    except ConfigError as exc:
+        given = [
+            f"{flag} {value}"
+            for flag, value in (("--host", host), ("--port", port), ("--metrics-port", metrics_port))
+            if value is not None
+        ]
+        raise ConfigError(f"{', '.join(given)}: {exc}" if given else str(exc)) from None
 
 
 def read_start_secrets(config: GatewayConfig) -> bytes:
@@ -169,10 +186,10 @@ def run(args: argparse.Namespace) -> int:
             from gateway.demo import run_demo
 
             def serve_demo(config: GatewayConfig, secret: bytes, loaded: LoadedPolicy) -> int:
-                return serve(_with_listen(config, None, None, args.metrics_port), secret, loaded)
+                return serve(config, secret, loaded)
 
             return run_demo(args, serve_demo)
-        config = _with_listen(load_config(args.config), args.host, args.port, args.metrics_port)
+        config = with_listen(load_config(args.config), args.host, args.port, args.metrics_port)
         config = _with_sync(config, args.sync_url, args.sync_token_env)
         if args.log_level is None:
             setup_logging(config.log_level)

@@ -228,6 +228,12 @@ def serve(
     try:
         sockets.append(bind(config.listen.host, config.listen.port, "listen", reuse_port=reuse_port))
         sockets.append(bind(config.metrics.listen.host, config.metrics.listen.port, "metrics.listen"))
+        # SO_REUSEADDR lets two sockets that do not listen yet bind one port; the config refuses
+        # equal ports, and this keeps one process from ever holding two listeners on one.
+        if sockets[0].getsockname()[1] == sockets[1].getsockname()[1]:
+            raise ConfigError(
+                f"metrics.listen: port {sockets[1].getsockname()[1]} is the client port (listen.port)"
+            )
     except ConfigError as exc:
         for sock in sockets:
             sock.close()

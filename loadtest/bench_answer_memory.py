@@ -36,7 +36,7 @@ from pathlib import Path
 
 from loadtest.ports import free_port
 
-SECRET = "bench-answer-memory"
+SECRET = "bench-answer-memory-key-hash-secret"
 KEY = "sk-bench"
 
 

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-SECRET = "bench-loop-stall"
+SECRET = "bench-loop-stall-key-hash-secret-32"
 KEY = "sk-bench"
 MODEL = "bench-model"  # loadtest.static_backend's
 PROBE_INTERVAL_S = 0.01

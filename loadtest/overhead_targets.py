@@ -51,7 +51,7 @@ def start_backend(kind: str, workdir: Path, stream: bool = False) -> tuple[subpr
     return proc, url, name
 
 
-BENCH_SECRET = "kvgate-bench-secret"
+BENCH_SECRET = "kvgate-bench-key-hash-secret-32-bytes"
 
 
 def kvgate_config(backend: str, policy_path: Path, port: int, traced: bool = False) -> str:

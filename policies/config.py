@@ -4,9 +4,8 @@ Validation errors name the offending field (`pools.chat.cost_model.step_s: ...`)
 building are separate so a hot reload can build the new policy completely before swapping it in;
 any failure is a `PolicyConfigError` and the caller keeps the running policy.
 
-Operator files are read with `load_operator_yaml`: anchors and aliases may share values, but the
-document they expand to is bounded (`MAX_YAML_NODES`), so the 1 MiB file-size limit also bounds
-what validation builds: without the bound, an alias repeats a value without repeating its bytes.
+Operator files are read with `policies.operator_yaml.load_operator_yaml`, which bounds what
+aliases expand to and refuses a key said twice in one mapping.
 """
 
 from __future__ import annotations
@@ -15,12 +14,12 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from yaml.nodes import MappingNode, Node, SequenceNode
 
 from policies.base import Isolation, RoutingPolicy
 from policies.cost_params import PROFILES, CostModelParams, profile
 from policies.herd import HOLD_STEPS_S
 from policies.index import IndexConfig
+from policies.operator_yaml import OperatorYamlError, load_operator_yaml
 from policies.pools import PoolSettings
 from policies.prefix_policy import SharedSettings
 from policies.registry import known_policies, make_policy
@@ -213,71 +212,6 @@ class PolicyConfig(_Strict):
         )
 
 
-# Nodes a document may expand to, aliases counted at every use: about twice what a 1 MiB file
-# can hold written out (a flow list of one-digit numbers, two bytes a node).
-MAX_YAML_NODES = 1_000_000
-
-
-class YamlTooLarge(yaml.YAMLError):
-    """A YAML document whose aliases expand it past `MAX_YAML_NODES`, or refer to themselves."""
-
-
-class _BoundedLoader(yaml.SafeLoader):
-    """`yaml.SafeLoader` that measures the composed document, aliases expanded, before building
-    anything from it: a few kilobytes of nested aliases could otherwise build gigabytes."""
-
-    def get_single_node(self) -> Node | None:
-        node: Node | None = super().get_single_node()
-        if node is not None:
-            _expanded_size(node, MAX_YAML_NODES)
-        return node
-
-
-def _expanded_size(root: Node, limit: int) -> int:
-    """The nodes `root` stands for with every alias expanded where it is used; `YamlTooLarge`
-    past `limit` or on an alias inside the value it names. Each node is measured once (a shared
-    node's size is remembered), so this costs the composed graph's size, not the expansion's."""
-    sizes: dict[int, int] = {}
-    open_nodes: set[int] = set()
-
-    def size(node: Node) -> int:
-        key = id(node)
-        known = sizes.get(key)
-        if known is not None:
-            return known
-        if key in open_nodes:
-            raise YamlTooLarge("a YAML alias refers to the value that contains it")
-        open_nodes.add(key)
-        total = 1
-        if isinstance(node, SequenceNode):
-            total += sum(size(item) for item in node.value)
-        elif isinstance(node, MappingNode):
-            total += sum(size(k) + size(v) for k, v in node.value)
-        if total > limit:
-            raise YamlTooLarge(
-                f"the YAML document expands to more than {limit:,} values through its aliases; "
-                "write shared values out or share fewer"
-            )
-        open_nodes.discard(key)
-        sizes[key] = total
-        return total
-
-    return size(root)
-
-
-def load_operator_yaml(text: str) -> Any:
-    """`yaml.safe_load` for operator files, with the document's expanded size bounded
-    (`YamlTooLarge`)."""
-    loader = _BoundedLoader(text)
-    try:
-        return loader.get_single_data()
-    except RecursionError:
-        # PyYAML composes nested collections recursively.
-        raise YamlTooLarge("the YAML document is nested too deeply") from None
-    finally:
-        loader.dispose()
-
-
 def _format(exc: ValidationError) -> str:
     return "; ".join(
         f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in exc.errors()
@@ -288,7 +222,7 @@ def parse_policy_yaml(text: str) -> PolicyConfig:
     """Parse and validate a policy file; any problem is a `PolicyConfigError` naming the field."""
     try:
         raw = load_operator_yaml(text)
-    except YamlTooLarge as exc:
+    except OperatorYamlError as exc:
         raise PolicyConfigError(f"policy file: {exc}") from None
     except yaml.YAMLError as exc:
         raise PolicyConfigError(f"policy file is not valid YAML: {exc}") from None

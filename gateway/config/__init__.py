@@ -20,9 +20,10 @@ from gateway.config.base import ConfigError, Frozen, PositiveFloat, PositiveInt
 from gateway.config.cors import CorsConfig
 from gateway.config.pool import PoolConfig
 from gateway.config.sync import SyncConfig
+from gateway.logs import LOG_LEVELS
 from gateway.otel_sdk import tracing_unavailable
 from policies.base import Isolation
-from policies.config import YamlTooLarge, load_operator_yaml
+from policies.operator_yaml import OperatorYamlError, load_operator_yaml
 
 
 class ListenConfig(Frozen):
@@ -219,7 +220,14 @@ class GatewayConfig(Frozen):
     policy_reload_interval_s: PositiveFloat = 2.0
     pools: list[PoolConfig] = Field(min_length=1)
     tenants: list[TenantConfig] = Field(min_length=1)
-    log_level: str = "info"
+    log_level: str = Field(default="info", json_schema_extra={"pattern": f"(?i)^({'|'.join(LOG_LEVELS)})$"})
+
+    @field_validator("log_level")
+    @classmethod
+    def _log_level(cls, value: str) -> str:
+        if value.lower() not in LOG_LEVELS:
+            raise ValueError(f"must be one of {', '.join(LOG_LEVELS)} (any case), not {value!r}")
+        return value.lower()
 
     @model_validator(mode="after")
     def _unique(self) -> GatewayConfig:
@@ -243,7 +251,10 @@ class GatewayConfig(Frozen):
         if self.admin.api_key_hash is not None and self.admin.api_key_hash in hashes:
             raise ValueError("admin.api_key_hash must not also be a tenant's key")
         if self.metrics.listen.port != 0 and self.metrics.listen.port == self.listen.port:
-            raise ValueError("metrics.listen.port must differ from listen.port (metrics never share it)")
+            raise ValueError(
+                f"metrics.listen.port must differ from listen.port (both {self.listen.port}; "
+                "metrics never share the client port)"
+            )
         return self
 
 
@@ -261,6 +272,16 @@ def parse_config(raw: Any) -> GatewayConfig:
         raise ConfigError(f"invalid gateway config: {_describe(exc)}") from None
 
 
+def revalidated(config: GatewayConfig, **update: Any) -> GatewayConfig:
+    """`config` with top-level fields replaced (each a model or its mapping) and the whole checked
+    again: `model_copy(update=...)` checks nothing, so a command-line override could otherwise make
+    a config that no file may hold, such as a metrics port equal to the client port."""
+    try:
+        return GatewayConfig.model_validate({**dict(config), **update})
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from None
+
+
 def load_config(path: str | Path) -> GatewayConfig:
     """Read and validate a config file. A relative `policy_file` is resolved against the file's folder."""
     p = Path(path)
@@ -270,7 +291,7 @@ def load_config(path: str | Path) -> GatewayConfig:
         raise ConfigError(f"cannot read config file {str(p)!r}: {exc.strerror}") from None
     try:
         raw = load_operator_yaml(text) or {}
-    except YamlTooLarge as exc:
+    except OperatorYamlError as exc:
         raise ConfigError(f"config file {str(p)!r}: {exc}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
@@ -297,8 +318,18 @@ def load_config(path: str | Path) -> GatewayConfig:
     return config
 
 
+# The key-hash secret is the HMAC key of every API-key hash in the config: with a short one, a
+# leaked hash can be tested against guessed secrets and keys offline. The Helm chart asks as much.
+MIN_KEY_HASH_SECRET_BYTES = 32
+_SHORT_SECRET = (
+    f"shorter than {MIN_KEY_HASH_SECRET_BYTES} bytes: the key-hash secret keys every API-key hash, "
+    "and a short one can be guessed (make one with: openssl rand -hex 32)"
+)
+
+
 def read_secret(secrets: SecretsConfig, environ: dict[str, str]) -> bytes:
-    """The key-hash secret: the file wins over the environment variable; empty is an error."""
+    """The key-hash secret: the file wins over the environment variable; empty, or shorter than
+    `MIN_KEY_HASH_SECRET_BYTES`, is an error (naming the source, never the value)."""
     if secrets.key_hash_secret_file is not None:
         try:
             value = Path(secrets.key_hash_secret_file).read_bytes().strip()
@@ -308,12 +339,21 @@ def read_secret(secrets: SecretsConfig, environ: dict[str, str]) -> bytes:
             ) from None
         if not value:
             raise ConfigError("secrets.key_hash_secret_file: the file is empty")
+        if len(value) < MIN_KEY_HASH_SECRET_BYTES:
+            raise ConfigError(
+                f"secrets.key_hash_secret_file: {secrets.key_hash_secret_file!r} is {_SHORT_SECRET}"
+            )
         return value
     if secrets.key_hash_secret_env is not None:
-        env_value = environ.get(secrets.key_hash_secret_env, "")
+        env_value = environ.get(secrets.key_hash_secret_env, "").encode()
         if not env_value:
             raise ConfigError(
                 f"secrets.key_hash_secret_env: environment variable {secrets.key_hash_secret_env} is not set"
             )
-        return env_value.encode()
+        if len(env_value) < MIN_KEY_HASH_SECRET_BYTES:
+            raise ConfigError(
+                f"secrets.key_hash_secret_env: environment variable {secrets.key_hash_secret_env} is "
+                f"{_SHORT_SECRET}"
+            )
+        return env_value
     raise ConfigError("secrets: set key_hash_secret_env or key_hash_secret_file")

@@ -16,7 +16,7 @@ import yaml
 from loadtest.peers.launch import PeerCommand
 from policies.identity import hash_api_key
 
-BENCH_SECRET = "kvgate-bench-secret"
+BENCH_SECRET = "kvgate-bench-key-hash-secret-32-bytes"
 
 
 def bench_api_key(tenant: str) -> str:

@@ -77,16 +77,16 @@ def test_a_model_in_two_pools_is_refused() -> None:
 
 def test_secret_comes_from_env_or_file_never_yaml(tmp_path: Path) -> None:
     cfg = parse_config(_minimal())
-    assert read_secret(cfg.secrets, {"KVGATE_KEY_SECRET": "abc"}) == b"abc"
+    assert read_secret(cfg.secrets, {"KVGATE_KEY_SECRET": "a" * 32}) == b"a" * 32
     with pytest.raises(ConfigError, match="KVGATE_KEY_SECRET"):
         read_secret(cfg.secrets, {})
-    (tmp_path / "secret").write_text("from-file\n")
+    (tmp_path / "secret").write_text("from-file-" * 4 + "\n")
     path = tmp_path / "gw.yaml"
     path.write_text(
         yaml.safe_dump(_minimal(secrets={"key_hash_secret_file": "secret"}, policy_file="p.yaml"))
     )
     loaded = load_config(path)
-    assert read_secret(loaded.secrets, {}) == b"from-file"
+    assert read_secret(loaded.secrets, {}) == b"from-file-" * 4
     assert loaded.policy_file == str(tmp_path / "p.yaml")
 
 

@@ -59,6 +59,10 @@ async def test_change_swaps_and_touch_does_not(policy_file: Path) -> None:
         ("policy: [\n", "YAML"),
         ("policy: round_robin\nsed: 1\n", "sed"),
         ("policy: no_such_policy\n", "no_such_policy"),
+        (
+            "policy: least_load\ncost:\n  epsilon: 0.5\n  epsilon: 0.7\n",
+            "duplicate key 'cost.epsilon' on line 4",
+        ),
     ],
 )
 async def test_bad_file_keeps_running_policy_and_says_why(policy_file: Path, text: str, needle: str) -> None:

@@ -263,7 +263,7 @@ def test_rendered_config_and_policy_boot_a_real_gateway(tmp_path: Path) -> None:
     """The chart's config Secret, policy ConfigMap and key-hash file, written to disk, run
     `kvgate serve` and route a chat request; the gateway joins the sync broker the config names (a
     real nats-server that admits only the token of the chart's Secret)."""
-    secret, api_key = "chart-test-secret", "sk-chart-test"
+    secret, api_key = "chart-test-key-hash-secret-of-32-bytes", "sk-chart-test"
     backend_port, gateway_port, metrics_port = free_port(), free_port(), free_port()
     backend_url = f"http://127.0.0.1:{backend_port}"
     sync_token = "c0ffee" * 8

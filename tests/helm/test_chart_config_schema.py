@@ -48,6 +48,7 @@ KUBERNETES = {"kubernetes": {"selector": {"app": "vllm"}, "port": 8000}}
         ({"config": {"limts": {}}}, "at '/config': additional properties 'limts'"),
         ({"config": {"limits": {"max_body_bytes": "8MiB"}}}, "at '/config/limits/max_body_bytes'"),
         ({"config": {"drain": {"deadline_s": 0}}}, "at '/config/drain/deadline_s'"),
+        ({"config": {"log_level": "verbose"}}, "at '/config/log_level'"),
         (
             {"pools": [POOL | {"extra": {"max_inflight_per_worker": 8}}]},
             "at '/pools/0/extra': additional properties 'max_inflight_per_worker'",

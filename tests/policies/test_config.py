@@ -106,3 +106,30 @@ def test_a_document_nested_too_deeply_for_the_parser_is_refused() -> None:
 def test_aliases_that_expand_past_the_bound_are_refused(text: str, needle: str) -> None:
     with pytest.raises(PolicyConfigError, match=re.escape(needle)):
         parse_policy_yaml(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("cost: {epsilon: 0.5, epsilon: 0.7}\n", "duplicate key 'cost.epsilon' on line 1 (first on line 1)"),
+        (
+            "cost:\n  epsilon: 0.5\n  epsilon: 0.7\n",
+            "duplicate key 'cost.epsilon' on line 3 (first on line 2)",
+        ),
+        ("policy: cost\nseed: 1\npolicy: least_load\n", "duplicate key 'policy' on line 3 (first on line 1)"),
+        ("pools:\n  a: {}\n  a: {capacity_fraction: 0.5}\n", "duplicate key 'pools.a' on line 3"),
+        (
+            "public_prefixes:\n  allow_list: [{k: 1, k: 2}]\n",
+            "duplicate key 'public_prefixes.allow_list.0.k' on line 2",
+        ),
+    ],
+)
+def test_a_key_said_twice_is_refused_with_its_path_and_lines(text: str, needle: str) -> None:
+    with pytest.raises(PolicyConfigError, match=re.escape(needle)):
+        parse_policy_yaml(text)
+
+
+def test_a_merged_key_may_be_overridden() -> None:
+    assert parse_policy_yaml("cost:\n  <<: {epsilon: 0.5}\n  epsilon: 0.7\n").cost.epsilon == 0.7
+    text = "default_pool: &p {capacity_fraction: 0.5}\npools:\n  a:\n    <<: *p\n    capacity_fraction: 0.6\n"
+    assert parse_policy_yaml(text).pools["a"].capacity_fraction == 0.6

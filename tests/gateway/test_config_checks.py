@@ -1,0 +1,66 @@
+"""Config values that used to pass validation and fail later, or pass when they should not:
+`log_level`, duplicate keys in the YAML, a short key-hash secret."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gateway.auth import hash_api_key
+from gateway.config import MIN_KEY_HASH_SECRET_BYTES, SecretsConfig, load_config, parse_config, read_secret
+from gateway.config.base import ConfigError
+from gateway.logs import setup_logging
+
+SECRET = b"config-checks-secret-of-32-bytes"
+
+
+def _config(**extra: Any) -> dict[str, Any]:
+    return {
+        "pools": [{"name": "p", "models": ["m"], "workers": ["http://127.0.0.1:1"]}],
+        "tenants": [{"name": "t", "api_key_hashes": [hash_api_key(SECRET, "k")]}],
+        **extra,
+    }
+
+
+@pytest.mark.parametrize("level", ["debug", "INFO", "Warning", "error", "CRITICAL"])
+def test_log_levels_are_taken_in_any_case(level: str) -> None:
+    config = parse_config(_config(log_level=level))
+    assert config.log_level == level.lower()
+    setup_logging(config.log_level)
+
+
+@pytest.mark.parametrize("level", ["bogus", "", "10", "notset"])
+def test_an_unknown_log_level_is_refused_naming_the_field(level: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape("log_level: Value error, must be one of debug, info")):
+        parse_config(_config(log_level=level))
+
+
+def test_a_key_said_twice_in_the_config_file_is_refused(tmp_path: Path) -> None:
+    text = yaml.safe_dump(_config())
+    path = tmp_path / "gw.yaml"
+    path.write_text(text + "listen:\n  port: 8081\n  port: 8082\n")
+    with pytest.raises(ConfigError, match=re.escape("duplicate key 'listen.port' on line")):
+        load_config(path)
+    path.write_text(text + "log_level: info\n" + text.splitlines()[0] + "\n")
+    with pytest.raises(ConfigError, match=r"duplicate key '\w+'"):
+        load_config(path)
+
+
+def test_a_key_hash_secret_shorter_than_32_bytes_is_refused_never_shown(tmp_path: Path) -> None:
+    short = "s" * (MIN_KEY_HASH_SECRET_BYTES - 1)
+    env = SecretsConfig()
+    with pytest.raises(ConfigError, match="environment variable KVGATE_KEY_SECRET is shorter than 32") as exc:
+        read_secret(env, {"KVGATE_KEY_SECRET": short})
+    assert short not in str(exc.value)
+    assert read_secret(env, {"KVGATE_KEY_SECRET": short + "s"}) == (short + "s").encode()
+    (tmp_path / "secret").write_text(short + "\n")  # trailing whitespace is not counted
+    in_file = SecretsConfig(key_hash_secret_file=str(tmp_path / "secret"))
+    with pytest.raises(ConfigError, match=r"secrets\.key_hash_secret_file: .* is shorter than 32") as exc:
+        read_secret(in_file, {"KVGATE_KEY_SECRET": short + "s"})
+    assert short not in str(exc.value)
+    (tmp_path / "secret").write_bytes(bytes(range(128, 160)))  # random bytes count as they are
+    assert read_secret(in_file, {}) == bytes(range(128, 160))

@@ -40,8 +40,10 @@ async def test_the_bounds_refuse_at_once(make_rig: RigFactory) -> None:
     resp = await rig.send("heavy", "h1")  # heavy already has its one waiting request
     assert resp.status_code == 429 and resp.headers["retry-after"] == "1"
     assert resp.json()["error"]["code"] == "queue_full"
+    assert resp.json()["error"]["message"] == "every worker is busy and 1 of your requests is already waiting"
     resp = await rig.send("vip", "v0")  # the pool's queue is full
     assert resp.status_code == 503 and resp.json()["error"]["code"] == "queue_full"
+    assert resp.json()["error"]["message"] == "every worker is busy and 2 requests are already waiting"
     await serve_all(rig, tasks)
     assert rig.order() == ["hold", "h0", "l0"]
     statuses = {key[2] for key in rig.state.routing.metrics.requests.children if key[1] in ("heavy", "vip")}

@@ -38,6 +38,11 @@ from gateway.transport import Transport
 from gateway.upstream import UpstreamError
 from gateway.upstream_headers import aiohttp_pairs, pick
 
+# The `endpoint` labels of the stored-response routes (the proxied routes' are in `routes.ROUTES`).
+RETRIEVE_ENDPOINT = "responses.retrieve"
+CANCEL_ENDPOINT = "responses.cancel"
+STORED_RESPONSE_ENDPOINTS = (RETRIEVE_ENDPOINT, CANCEL_ENDPOINT)
+
 _NO_KEY = ApiError(401, "incorrect or missing API key", "invalid_request_error", "invalid_api_key")
 _TRACE_CONTEXT = frozenset(name.encode() for name in TRACE_CONTEXT_HEADERS)
 
@@ -110,10 +115,10 @@ def responses_routes(
         return Response(body, status, headers={"x-request-id": reply_id}, media_type="application/json")
 
     async def retrieve(request: Request) -> Response:
-        return await forward(request, "", "responses.retrieve")
+        return await forward(request, "", RETRIEVE_ENDPOINT)
 
     async def cancel(request: Request) -> Response:
-        return await forward(request, "/cancel", "responses.cancel")
+        return await forward(request, "/cancel", CANCEL_ENDPOINT)
 
     return [
         Route("/v1/responses/{response_id}", retrieve, methods=["GET"]),

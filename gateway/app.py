@@ -280,7 +280,7 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
         *responses_routes(
             state.gate,
             state.registry,
-            state.routing.metrics,
+            state.routing,
             transport,
             state.lifecycle,
             tracing=state.routing.tracer is not None,

@@ -356,15 +356,17 @@ def record_refusal(
     started_s: float,
     *,
     status: int,
-    error: str,
+    error: str | None,
     tenant: str | None = None,
     model: str | None = None,
     stream: bool | None = None,
+    worker: str | None = None,
 ) -> None:
-    """The access line (and, with tracing on, the SERVER span's attributes) of a request the
-    gateway refused or lost before admitting it: the same fields as `record_request`'s, those not
-    known yet null. No `error_detail`: a refusal's message may quote the request; the code and the
-    status say what was wrong. The API key is never logged, only the tenant it names."""
+    """The access line of a request the gateway refused or lost before admitting it, or of a
+    stored-response request (`responses_routes.py`, which admits nothing): the same fields as
+    `record_request`'s, those not known null. No `error_detail`: a refusal's message may quote
+    the request; the code and the status say what was wrong. The API key is never logged, only
+    the tenant it names."""
     fields = {
         "request_id": ids.internal,
         "client_request_id": ids.client,
@@ -373,7 +375,7 @@ def record_refusal(
         "endpoint": endpoint,
         "stream": stream,
         "status": status,
-        "worker": None,
+        "worker": worker,
         "reason": None,
         "retries": 0,
         "prompt_tokens": None,
@@ -388,5 +390,3 @@ def record_refusal(
         "hold_ms": None,
     }
     routing.access_log.write(fields)
-    if routing.tracer is not None:
-        routing.tracer.record(fields)

@@ -4,11 +4,14 @@ admission included, with what was known of the request by then, never the API ke
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, MutableMapping
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.gateway.access_lines import AccessLines, capture_access
+from tests.gateway.request_rig import request_rig
 from tests.gateway.routes_rig import Rig, routes_rig
 
 FIELDS = {
@@ -126,3 +129,72 @@ async def test_what_admission_knew_is_logged(rig: tuple[Rig, AccessLines]) -> No
     chat = {"model": "nope", "messages": [{"role": "user", "content": "x"}], "stream": True}
     line = lines.of(await _post(r, "/invocations", chat, rid="b"))
     assert (line["status"], line["endpoint"], line["stream"], line["model"]) == (404, "chat", True, None)
+
+
+async def test_a_client_gone_while_sending_its_body_has_its_access_line(tiny_model: Path) -> None:
+    async with request_rig(tiny_model) as rig:
+        lines = capture_access(rig.state)
+        parts: list[dict[str, Any]] = [
+            {"type": "http.request", "body": b'{"model": "m", "messa', "more_body": True},
+            {"type": "http.disconnect"},
+        ]
+        sent: list[MutableMapping[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            return parts.pop(0)
+
+        async def send(message: MutableMapping[str, Any]) -> None:
+            sent.append(message)
+
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/v1/chat/completions",
+            "headers": [(b"authorization", b"Bearer sk-strict"), (b"x-request-id", b"gone")],
+            "query_string": b"",
+        }
+        await rig.app(scope, receive, send)
+        assert sent == []  # nobody to answer
+        line = lines.of("gone")
+        assert set(line) == FIELDS
+        assert (line["status"], line["error"], line["tenant"], line["endpoint"]) == (
+            499,
+            "client_disconnected",
+            "strict",
+            "chat",
+        )
+
+
+async def test_stored_response_requests_have_their_access_lines(rig: tuple[Rig, AccessLines]) -> None:
+    r, lines = rig
+    created = await r.client.post(
+        "/v1/responses", json=RESPONSES_BODY, headers={"authorization": "Bearer sk-t"}
+    )
+    rid = created.json()["id"]
+    holder = next(w.url for w in r.workers if w.received)
+    headers = {"authorization": "Bearer sk-t", "x-request-id": "get"}
+    assert (await r.client.get(f"/v1/responses/{rid}", headers=headers)).status_code == 200
+    line = lines.of("get")
+    assert set(line) == FIELDS
+    assert (line["endpoint"], line["status"], line["tenant"], line["worker"], line["error"]) == (
+        "responses.retrieve",
+        200,
+        "t",
+        holder,
+        None,
+    )
+    # The id the worker got is the line's request_id, as on the proxied routes.
+    assert r.last().headers["x-request-id"] == line["request_id"]
+    await r.client.get("/v1/responses/resp_unknown", headers={**headers, "x-request-id": "unknown"})
+    line = lines.of("unknown")
+    assert (line["status"], line["error"], line["worker"]) == (404, "invalid_request_error", None)
+    await r.client.post(
+        f"/v1/responses/{rid}/cancel", headers={"authorization": "Bearer sk-wrong", "x-request-id": "nokey"}
+    )
+    line = lines.of("nokey")
+    assert (line["endpoint"], line["status"], line["error"], line["tenant"]) == (
+        "responses.cancel",
+        401,
+        "invalid_api_key",
+        None,
+    )

@@ -181,6 +181,9 @@ async def test_a_holder_that_died_is_named_as_the_worker_holding_the_conversatio
         "the worker holding the conversation (previous_response_id) is unavailable: "
         "could not reach a worker (connect failed)"
     )
+    resp = await rig.client.get(f"/v1/responses/{rid}", headers=KEY)
+    assert resp.status_code == 502
+    assert resp.json()["error"]["message"] == "could not reach the worker holding the response"
 
 
 async def test_unknown_and_unstored_ids_are_routed_by_the_policy(rig: Rig) -> None:

@@ -122,7 +122,9 @@ class Admitted:
 class Refused(Exception):
     """`admit` refused a request whose body it had parsed: the error, and what the access line
     can say of the request by then (its route after `pick`, whether it streams, and its served
-    model once known; a model the gateway does not serve is the client's string, never logged)."""
+    model once known; a model the gateway does not serve is the client's string, never logged).
+    Raised only on the way out, so the success path pays nothing for it; a body that does not
+    parse raises its plain `ApiError`."""
 
     def __init__(self, error: ApiError, endpoint: str, stream: bool, model: str | None = None) -> None:
         super().__init__(error.message)
@@ -203,8 +205,7 @@ async def admit(
 ) -> Admitted:
     """Run every check that needs the body, in the order a client would expect: 400, 404, 429
     (tokens); the request already holds its tenant's slot (`enter`). `head` is needed for a
-    multipart body (its boundary). A body that does not parse raises its `ApiError`; any later
-    refusal is `Refused`, with what is known of the request by then."""
+    multipart body (its boundary)."""
     request_id = ids.internal
     if api.multipart:
         content_type = head.content_type if head is not None else None
@@ -217,104 +218,106 @@ async def admit(
             api = api.pick(body)  # SageMaker's `/invocations`: admitted as the route its body names
         encoded = encode_body(body)
         upstream_head = JSON_HEAD
-    stream = body.get("stream") is True
-    try:
-        model = body.get("model") or only_model(gate.models)
-    except ApiError as err:
-        raise Refused(err, api.endpoint, stream) from None
+    model = body.get("model") or only_model(gate.models)
     pool = gate.models.get(model)
     if pool is None:
         unknown = ApiError(
             404, f"The model '{model}' does not exist", "invalid_request_error", "model_not_found", "model"
         )
-        raise Refused(unknown, api.endpoint, stream)
-    # Zero cost unless raised: the success path pays nothing for the access line's context.
-    try:
-        keying = gate.keying
-        identity, public = keying.identities(pool, model, tenant)
-        normalizer = keying.normalizers[pool.name]
-        if (
-            api.prompt is not None
-            and normalizer.config.mode == "approximate"
-            and len(raw) <= INLINE_PROMPT_BYTES
-        ):
-            try:  # the common case, right here: no coroutine of its own
-                canonical = normalizer.canonicalize(api.prompt, body, identity, public)
-            except NormalizerError as exc:
-                raise prompt_error(exc) from None
-        else:
+        raise Refused(unknown, api.endpoint, body.get("stream") is True)
+    keying = gate.keying
+    identity, public = keying.identities(pool, model, tenant)
+    normalizer = keying.normalizers[pool.name]
+    if api.prompt is not None and normalizer.config.mode == "approximate" and len(raw) <= INLINE_PROMPT_BYTES:
+        try:  # the common case, right here: no coroutine of its own
+            canonical = normalizer.canonicalize(api.prompt, body, identity, public)
+        except NormalizerError as exc:
+            raise _refused(prompt_error(exc), api, body, model) from None
+    else:
+        try:
             canonical = await canonical_prompt(
                 api, raw, body, keying, pool, identity, public, request_id, tenant.name
             )
+        except ApiError as err:
+            raise _refused(err, api, body, model) from None
 
-        responses = gate.responses if api.prompt == "responses" else None
-        if responses is not None:
+    responses = gate.responses if api.prompt == "responses" else None
+    if responses is not None:
+        try:
             check_request_id(responses, body, tenant.name, started_s)
+        except ApiError as err:
+            raise _refused(err, api, body, model) from None
 
-        limiter = gate.limiters[tenant.name]
-        rejection = limiter.admit(canonical.n_tokens, started_s)
-        if rejection is not None:
-            raise _quota_error(rejection)
-        # After the token check, as a worker's 404 for an id nobody holds comes after it: another
-        # tenant's id must read the same as an unknown one (`responses_affinity`).
+    limiter = gate.limiters[tenant.name]
+    rejection = limiter.admit(canonical.n_tokens, started_s)
+    if rejection is not None:
+        raise _refused(_quota_error(rejection), api, body, model)
+    # After the token check, as a worker's 404 for an id nobody holds comes after it: another
+    # tenant's id must read the same as an unknown one (`responses_affinity`).
+    try:
         pinned = pin(responses, body, tenant.name, pool, started_s) if responses is not None else None
-
-        # Only chat and completions bodies are rewritten: a Responses or Messages body is keyed as
-        # the worker will convert it, and forwarded as sent.
-        changed = canonical.canonical_body is not None and api.rewrites
-        forward = dict(canonical.canonical_body) if changed and canonical.canonical_body is not None else body
-        options = body.get("stream_options")
-        wants_usage = isinstance(options, dict) and options.get("include_usage") is True
-        strip_usage = stream and not wants_usage and api.rewrites
-        if strip_usage:
-            # Ask for usage anyway (the policy learns from cached_tokens) and strip it before the client.
-            forward["stream_options"] = {**(options or {}), "include_usage": True}
-            changed = True
-        max_out = max_output_tokens(body)
-        route = RouteRequest(
-            request_id=request_id,
-            pool=pool.name,
-            tenant=tenant.name,
-            namespace=identity.namespace,
-            block_keys=canonical.block_keys,
-            n_prompt_tokens=canonical.n_tokens,
-            block_size_tokens=canonical.block_size_tokens,
-            isolation=tenant.isolation,
-            public_block_keys=canonical.public_block_keys,
-            immutable_blocks=canonical.immutable_blocks,
-            max_output_tokens=max_out or None,
-            session_key=session_key(tenant, body.get("prompt_cache_key")),
-            adapter=identity.adapter or None,
-        )
-        drift = canonical.drift
-        return Admitted(
-            request_id=request_id,
-            client_request_id=ids.client,
-            api=api,
-            endpoint=api.endpoint,
-            tenant=tenant,
-            limiter=limiter,
-            pool=pool,
-            model=model,
-            encoded=encoded,
-            forward=forward,
-            changed=changed,
-            stream=stream,
-            strip_usage=strip_usage,
-            route=route,
-            max_output_tokens=max_out,
-            started_s=started_s,
-            public_salt=gate.keyring.public_salt,
-            head=upstream_head,
-            pinned=pinned,
-            responses=responses,
-            drift_field=drift.field if drift is not None and drift.first_diff_block is not None else None,
-            retries_taken=ids.retries_taken,
-            priority=body.get("priority", 0),
-            client_headers=pick(ids.headers, pool.forward) if pool.forward else (),
-        )
     except ApiError as err:
-        raise Refused(err, api.endpoint, stream, model) from None
+        raise _refused(err, api, body, model) from None
+
+    # Only chat and completions bodies are rewritten: a Responses or Messages body is keyed as
+    # the worker will convert it, and forwarded as sent.
+    changed = canonical.canonical_body is not None and api.rewrites
+    forward = dict(canonical.canonical_body) if changed and canonical.canonical_body is not None else body
+    stream = body.get("stream") is True
+    options = body.get("stream_options")
+    wants_usage = isinstance(options, dict) and options.get("include_usage") is True
+    strip_usage = stream and not wants_usage and api.rewrites
+    if strip_usage:
+        # Ask for usage anyway (the policy learns from cached_tokens) and strip it before the client.
+        forward["stream_options"] = {**(options or {}), "include_usage": True}
+        changed = True
+    max_out = max_output_tokens(body)
+    route = RouteRequest(
+        request_id=request_id,
+        pool=pool.name,
+        tenant=tenant.name,
+        namespace=identity.namespace,
+        block_keys=canonical.block_keys,
+        n_prompt_tokens=canonical.n_tokens,
+        block_size_tokens=canonical.block_size_tokens,
+        isolation=tenant.isolation,
+        public_block_keys=canonical.public_block_keys,
+        immutable_blocks=canonical.immutable_blocks,
+        max_output_tokens=max_out or None,
+        session_key=session_key(tenant, body.get("prompt_cache_key")),
+        adapter=identity.adapter or None,
+    )
+    drift = canonical.drift
+    return Admitted(
+        request_id=request_id,
+        client_request_id=ids.client,
+        api=api,
+        endpoint=api.endpoint,
+        tenant=tenant,
+        limiter=limiter,
+        pool=pool,
+        model=model,
+        encoded=encoded,
+        forward=forward,
+        changed=changed,
+        stream=stream,
+        strip_usage=strip_usage,
+        route=route,
+        max_output_tokens=max_out,
+        started_s=started_s,
+        public_salt=gate.keyring.public_salt,
+        head=upstream_head,
+        pinned=pinned,
+        responses=responses,
+        drift_field=drift.field if drift is not None and drift.first_diff_block is not None else None,
+        retries_taken=ids.retries_taken,
+        priority=body.get("priority", 0),
+        client_headers=pick(ids.headers, pool.forward) if pool.forward else (),
+    )
+
+
+def _refused(err: ApiError, api: ApiRoute, body: dict[str, Any], model: str) -> Refused:
+    return Refused(err, api.endpoint, body.get("stream") is True, model)
 
 
 def _quota_error(rejection: Rejection) -> ApiError:

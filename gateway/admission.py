@@ -119,6 +119,21 @@ class Admitted:
         return out
 
 
+class Refused(Exception):
+    """`admit` refused a request whose body it had parsed: the error, and what the access line
+    can say of the request by then (its route after `pick`, whether it streams, and its served
+    model once known; a model the gateway does not serve is the client's string, never logged).
+    Raised only on the way out, so the success path pays nothing for it; a body that does not
+    parse raises its plain `ApiError`."""
+
+    def __init__(self, error: ApiError, endpoint: str, stream: bool, model: str | None = None) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.endpoint = endpoint
+        self.stream = stream
+        self.model = model
+
+
 def _too_large(max_bytes: int) -> ApiError:
     return ApiError(
         413, f"request body larger than {max_bytes} bytes", "invalid_request_error", "body_too_large"
@@ -212,9 +227,10 @@ async def admit(
     model = body.get("model") or only_model(gate.models)
     pool = gate.models.get(model)
     if pool is None:
-        raise ApiError(
+        unknown = ApiError(
             404, f"The model '{model}' does not exist", "invalid_request_error", "model_not_found", "model"
         )
+        raise Refused(unknown, api.endpoint, body.get("stream") is True)
     keying = gate.keying
     identity, public = keying.identities(pool, model, tenant)
     normalizer = keying.normalizers[pool.name]
@@ -228,23 +244,32 @@ async def admit(
         try:  # the common case, right here: no coroutine of its own
             canonical = normalizer.canonicalize(api.prompt, body, identity, public)
         except NormalizerError as exc:
-            raise prompt_error(exc) from None
+            raise _refused(prompt_error(exc), api, body, model) from None
     else:
-        canonical = await canonical_prompt(
-            api, raw, body, keying, pool, identity, public, request_id, tenant.name
-        )
+        try:
+            canonical = await canonical_prompt(
+                api, raw, body, keying, pool, identity, public, request_id, tenant.name
+            )
+        except ApiError as err:
+            raise _refused(err, api, body, model) from None
 
     responses = gate.responses if api.prompt == "responses" else None
     if responses is not None:
-        check_request_id(responses, body, tenant.name, started_s)
+        try:
+            check_request_id(responses, body, tenant.name, started_s)
+        except ApiError as err:
+            raise _refused(err, api, body, model) from None
 
     limiter = gate.limiters[tenant.name]
     rejection = limiter.admit(canonical.n_tokens, started_s)
     if rejection is not None:
-        raise _quota_error(rejection)
+        raise _refused(_quota_error(rejection), api, body, model)
     # After the token check, as a worker's 404 for an id nobody holds comes after it: another
     # tenant's id must read the same as an unknown one (`responses_affinity`).
-    pinned = pin(responses, body, tenant.name, pool, started_s) if responses is not None else None
+    try:
+        pinned = pin(responses, body, tenant.name, pool, started_s) if responses is not None else None
+    except ApiError as err:
+        raise _refused(err, api, body, model) from None
 
     # Only chat and completions bodies are rewritten: a Responses or Messages body is keyed as
     # the worker will convert it, and forwarded as sent.
@@ -301,6 +326,10 @@ async def admit(
         priority=body.get("priority", 0),
         client_headers=pick(ids.headers, pool.forward) if pool.forward else (),
     )
+
+
+def _refused(err: ApiError, api: ApiRoute, body: dict[str, Any], model: str) -> Refused:
+    return Refused(err, api.endpoint, body.get("stream") is True, model)
 
 
 def _quota_error(rejection: Rejection) -> ApiError:

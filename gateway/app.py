@@ -24,7 +24,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.admin import admin_routes
-from gateway.admission import Admitted, admit, authenticate, enter, read_body
+from gateway.admission import Admitted, Refused, admit, authenticate, enter, read_body
 from gateway.auth import Tenant
 from gateway.cors import Cors, serves
 from gateway.disconnect import DisconnectGuard
@@ -33,6 +33,7 @@ from gateway.fleet import Fleet
 from gateway.gauges import refresh_gauges
 from gateway.heartbeat import start_beating
 from gateway.lifecycle import SHUTTING_DOWN
+from gateway.outcome import CLIENT_DISCONNECTED, record_refusal
 from gateway.policy_watch import PolicyWatcher
 from gateway.proxy import dispatch
 from gateway.request_head import RequestHead, RequestIds, request_id_of, request_ids
@@ -75,7 +76,7 @@ class GatewayApp:
         try:
             tenant = authenticate(head, gate)
         except ApiError as err:
-            await self._rejected(err, api, ids)(scope, receive, send)
+            await self._rejected(err, api, ids, started_s)(scope, receive, send)
             return
         try:
             # The tenant's own slot first, from the headers alone; the body is read under the
@@ -83,7 +84,7 @@ class GatewayApp:
             # taken: a tenant's slow or partial bodies hold its own slots, never everyone's.
             enter(head, gate, tenant, started_s)
         except ApiError as err:
-            await self._rejected(err, api, ids, tenant)(scope, receive, send)
+            await self._rejected(err, api, ids, started_s, tenant)(scope, receive, send)
             return
         limiter = gate.limiters[tenant.name]
         limits = gate.limits
@@ -100,10 +101,11 @@ class GatewayApp:
                 )
         except ApiError as err:
             limiter.leave()
-            await self._rejected(err, api, ids, tenant)(scope, receive, send)
+            await self._rejected(err, api, ids, started_s, tenant)(scope, receive, send)
             return
         except ClientDisconnect:
             limiter.leave()  # the client left while sending its body: nobody to answer
+            self._refused(499, CLIENT_DISCONNECTED, api.endpoint, ids, started_s, tenant)
             return
         except BaseException:
             limiter.leave()
@@ -115,19 +117,51 @@ class GatewayApp:
             lifecycle.in_flight_requests -= 1
 
     def _rejected(
-        self, err: ApiError, api: ApiRoute, ids: RequestIds, tenant: Tenant | None = None
+        self,
+        err: ApiError,
+        api: ApiRoute,
+        ids: RequestIds,
+        started_s: float,
+        tenant: Tenant | None = None,
+        refused: Refused | None = None,
     ) -> ASGIApp:
-        self.routing.metrics.rejected(api.endpoint, err.status, tenant.name if tenant is not None else "")
-        log.info(
-            "rejected",
-            extra={
-                "request_id": ids.internal,
-                "client_request_id": ids.client,
-                "status": err.status,
-                "code": err.code,
-            },
-        )
+        """The error response to a request refused before admission, its metric and its access
+        line (the error's code; its `type` when it has none). `refused` says what `admit` knew."""
+        error = err.code or err.type
+        if refused is None:
+            self._refused(err.status, error, api.endpoint, ids, started_s, tenant)
+        else:
+            self._refused(
+                err.status, error, refused.endpoint, ids, started_s, tenant, refused.model, refused.stream
+            )
         return api.dialect.error_response(err, ids.reply)
+
+    def _refused(
+        self,
+        status: int,
+        error: str,
+        endpoint: str,
+        ids: RequestIds,
+        started_s: float,
+        tenant: Tenant | None,
+        model: str | None = None,
+        stream: bool | None = None,
+    ) -> None:
+        """Count and log a request that ends before admission (its metric's model stays empty:
+        a refused request's model may be any string the client sent)."""
+        name = tenant.name if tenant is not None else None
+        self.routing.metrics.rejected(endpoint, status, name or "")
+        record_refusal(
+            self.routing,
+            ids,
+            endpoint,
+            started_s,
+            status=status,
+            error=error,
+            tenant=name,
+            model=model,
+            stream=stream,
+        )
 
     async def _handle(
         self,
@@ -146,8 +180,10 @@ class GatewayApp:
         try:
             try:
                 admitted = await admit(raw, api, self.gate, ids, tenant, started_s, head)
+            except Refused as refused:
+                response = self._rejected(refused.error, api, ids, started_s, tenant, refused)
             except ApiError as err:
-                response = self._rejected(err, api, ids, tenant)
+                response = self._rejected(err, api, ids, started_s, tenant)
             else:
                 lifecycle = self.lifecycle
                 guard = DisconnectGuard(receive, lifecycle.disconnects)
@@ -165,6 +201,8 @@ class GatewayApp:
                     guard.close()
         except Exception as exc:
             log.error("unhandled error", exc_info=exc, extra={"request_id": ids.internal})
+            if admitted is None:
+                self._refused(500, "internal_error", api.endpoint, ids, started_s, tenant)
             response = api.dialect.error_response(
                 ApiError(500, "internal gateway error", "server_error", "internal_error"), ids.reply
             )
@@ -242,7 +280,7 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
         *responses_routes(
             state.gate,
             state.registry,
-            state.routing.metrics,
+            state.routing,
             transport,
             state.lifecycle,
             tracing=state.routing.tracer is not None,

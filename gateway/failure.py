@@ -73,12 +73,20 @@ class Failure:
     # The worker answered with a 5xx: it is up, and the request may be the cause
     # (`outcome.HeldVerdicts` decides which once the request's fate is known).
     answered: bool = False
+    # What the transport raised, for the logs only (`error_detail` of the access line): the
+    # client's `message` says what happened in plain words, never a Python class name.
+    cause: str | None = None
+    param: str | None = None  # the request field the failure is about, as the client sees it
 
     def error(self) -> ApiError:
         headers = {name.decode(): value.decode() for name, value in forwardable(self.retry_hints)}
         if self.status == 503:
             headers.setdefault("retry-after", "1")
-        return ApiError(self.status, self.message, "server_error", self.code, None, headers)
+        return ApiError(self.status, self.message, "server_error", self.code, self.param, headers)
+
+    def detail(self) -> str:
+        """The access line's `error_detail`: the client's message, and what the transport raised."""
+        return self.message if self.cause is None else f"{self.message}; {self.cause}"
 
 
 # Everything a transport (or the relay reading from it) raises for a worker's fault.
@@ -102,34 +110,57 @@ def failure_of(exc: Exception, stage: Stage, timeouts: TimeoutsConfig) -> Failur
         # budget is the process's); 503 with Retry-After, like the other gateway-wide limits.
         return Failure(503, f"{exc}; retry shortly", "gateway_overloaded", Outcome.ABORTED)
     failed = Outcome.WORKER_FAILED
-    detail = str(exc) if isinstance(exc, UpstreamError) else type(exc).__name__
+    cause = _cause(exc)
     if isinstance(exc, aiohttp.ConnectionTimeoutError) or (
         isinstance(exc, UpstreamConnectError) and exc.timed_out
     ):
         message = f"could not connect to a worker within {timeouts.connect_s:g} s"
-        return Failure(502, message, _BAD_GATEWAY, failed, RetryReason.CONNECT_ERROR)
+        return Failure(502, message, _BAD_GATEWAY, failed, RetryReason.CONNECT_ERROR, cause=cause)
     if isinstance(exc, UpstreamConnectError | aiohttp.ClientConnectorError):
-        return Failure(
-            502, f"could not reach a worker ({detail})", _BAD_GATEWAY, failed, RetryReason.CONNECT_ERROR
-        )
+        message = "could not reach a worker (connect failed)"
+        return Failure(502, message, _BAD_GATEWAY, failed, RetryReason.CONNECT_ERROR, cause=cause)
     if stage is Stage.HEAD and isinstance(exc, UpstreamError) and exc.answered:
         # The lean client reads a whole answer in one call and says itself whether its head came.
         stage = Stage.ANSWER
     timed_out = isinstance(exc, TimeoutError | UpstreamTimeout)
+    said = _plain(exc, timed_out)
     if stage is Stage.STREAM:
-        return Failure(502, f"worker stream failed: {type(exc).__name__}", STREAM_ERROR_CODE, failed)
+        return Failure(
+            502, f"worker stream failed mid-answer ({said})", STREAM_ERROR_CODE, failed, cause=cause
+        )
     if stage is Stage.ANSWER:
         if timed_out:
-            return Failure(504, "worker timed out while sending its answer", _TIMEOUT, failed)
-        return Failure(502, f"worker connection failed mid-answer ({detail})", _BAD_GATEWAY, failed)
+            message = "worker timed out while sending its answer"
+            return Failure(504, message, _TIMEOUT, failed, cause=cause)
+        return Failure(
+            502, f"worker connection failed mid-answer ({said})", _BAD_GATEWAY, failed, cause=cause
+        )
     if timed_out:
         message = f"worker did not answer within {timeouts.read_s:g} s"
-        return Failure(504, message, _TIMEOUT, failed, RetryReason.READ_TIMEOUT)
+        return Failure(504, message, _TIMEOUT, failed, RetryReason.READ_TIMEOUT, cause=cause)
     if stage is Stage.FIRST_EVENT:
-        message = f"worker stream failed before its first event ({detail})"
+        message = f"worker stream failed before its first event ({said})"
     else:
-        message = f"could not reach a worker ({detail})"
-    return Failure(502, message, _BAD_GATEWAY, failed, RetryReason.CONNECTION_LOST)
+        message = f"could not reach a worker ({said})"
+    return Failure(502, message, _BAD_GATEWAY, failed, RetryReason.CONNECTION_LOST, cause=cause)
+
+
+def _cause(exc: Exception) -> str | None:
+    """What the logs get beyond the client's message: a connect error's errno class (`connect
+    failed (ConnectionRefusedError)`), another library's exception class; nothing for the lean
+    client's other errors, whose words the message already quotes."""
+    if isinstance(exc, UpstreamConnectError):
+        return str(exc)
+    return None if isinstance(exc, UpstreamError) else type(exc).__name__
+
+
+def _plain(exc: Exception, timed_out: bool) -> str:
+    """What went wrong in words a client reads: the lean client's own (`worker closed the
+    connection`, `worker answer too large`); for another library's exception, whose name is
+    for the logs only, what it amounts to."""
+    if isinstance(exc, UpstreamError):
+        return str(exc)
+    return "timed out" if timed_out else "connection lost"
 
 
 def worker_status(status: int, hints: RetryHints = ()) -> Failure:

@@ -10,12 +10,16 @@ from typing import Any
 
 from gateway.admission import Admitted
 from gateway.registry import Worker
+from gateway.request_head import RequestIds
 from gateway.routing import Routing
 from gateway.tracing import AttemptTrace
 from policies.base import Observation, Outcome, RouteDecision
 from policies.records import record
 
 log = logging.getLogger("kvgate.outcome")
+
+# The access line's `error` for a request whose client left before its answer (status 499).
+CLIENT_DISCONNECTED = "client_disconnected"
 
 
 @record
@@ -239,9 +243,11 @@ def finish(
     retries: int,
     usage: Usage = NO_USAGE,
     error: str | None = None,
+    error_detail: str | None = None,
 ) -> None:
     """Close the books on a request: its last attempt (unless already ended) and the request
-    itself, once. `attempt` is None when no worker was tried."""
+    itself, once. `attempt` is None when no worker was tried. `error` is the error's code (the
+    one the client got, or `client_disconnected`), `error_detail` its words (see `record_request`)."""
     if attempt is not None:
         attempt.end(routing, outcome, usage)
         if status == 200 and admitted.stream and not admitted.recorded:
@@ -256,6 +262,7 @@ def finish(
         ttft_s=attempt.ttft_s if attempt is not None else None,
         retries=retries,
         error=error,
+        error_detail=error_detail,
     )
 
 
@@ -280,9 +287,12 @@ def record_request(
     ttft_s: float | None,
     retries: int,
     error: str | None = None,
+    error_detail: str | None = None,
 ) -> None:
     """Quota release, metrics, the access log line and (with tracing on) the SERVER span's
-    attributes of an admitted request (once)."""
+    attributes of an admitted request (once). The line's `error` is machine-readable (the error
+    code), `error_detail` for people: the message the client got and, for a failed worker
+    attempt, what the transport raised (`Failure.detail`); never request content."""
     a = admitted
     if a.recorded:
         return
@@ -319,6 +329,7 @@ def record_request(
         "ttft_ms": round(ttft_s * 1000, 2) if ttft_s is not None else None,
         "duration_ms": round(duration_s * 1000, 2),
         "error": error,
+        "error_detail": error_detail,
         "drift_field": a.drift_field,
         "queue_ms": round(a.queued_s * 1000, 2) if a.queued_s is not None else None,
         "hold_ms": round(a.held_s * 1000, 2) if a.held_s is not None else None,
@@ -336,3 +347,46 @@ def record_request(
         )
     if routing.tracer is not None:
         routing.tracer.record(fields)
+
+
+def record_refusal(
+    routing: Routing,
+    ids: RequestIds,
+    endpoint: str,
+    started_s: float,
+    *,
+    status: int,
+    error: str | None,
+    tenant: str | None = None,
+    model: str | None = None,
+    stream: bool | None = None,
+    worker: str | None = None,
+) -> None:
+    """The access line of a request the gateway refused or lost before admitting it, or of a
+    stored-response request (`responses_routes.py`, which admits nothing): the same fields as
+    `record_request`'s, those not known null. No `error_detail`: a refusal's message may quote
+    the request; the code and the status say what was wrong. The API key is never logged, only
+    the tenant it names."""
+    fields = {
+        "request_id": ids.internal,
+        "client_request_id": ids.client,
+        "tenant": tenant,
+        "model": model,
+        "endpoint": endpoint,
+        "stream": stream,
+        "status": status,
+        "worker": worker,
+        "reason": None,
+        "retries": 0,
+        "prompt_tokens": None,
+        "cached_tokens": None,
+        "completion_tokens": None,
+        "ttft_ms": None,
+        "duration_ms": round((time.monotonic() - started_s) * 1000, 2),
+        "error": error,
+        "error_detail": None,
+        "drift_field": None,
+        "queue_ms": None,
+        "hold_ms": None,
+    }
+    routing.access_log.write(fields)

@@ -20,7 +20,7 @@ from gateway.lifecycle import Lifecycle
 from gateway.outcome import Attempt, finish
 from gateway.pd_pairs import PdRun, Response
 from gateway.proxy import hold_for_peers
-from gateway.responses_affinity import pinned_decision
+from gateway.responses_affinity import holder_unavailable, pinned_decision
 from gateway.retries import advice, attempts_allowed
 from gateway.routing import Routing
 from gateway.transport import Transport
@@ -120,6 +120,8 @@ async def _rounds(run: PdRun, router: PdRouter) -> Response:
     failure = run.failure or Failure(
         503, f"no healthy worker available for model '{a.model}'", "no_worker_available", Outcome.ABORTED
     )
+    if a.pinned is not None:
+        failure = holder_unavailable(run.failure)
     last = run.attempts[-1] if run.attempts else None
     retries = max(run.failures - 1, 0)
     finish(
@@ -129,7 +131,8 @@ async def _rounds(run: PdRun, router: PdRouter) -> Response:
         status=failure.status,
         outcome=failure.outcome,
         retries=retries,
-        error=failure.message,
+        error=failure.code,
+        error_detail=failure.detail(),
     )
     response = a.api.dialect.error_response(failure.error(), a.reply_id)
     response.headers += advice(rounds, pool.config.retry_attempts, a.retries_taken)

@@ -186,7 +186,9 @@ class PolicyWatcher:
             except OSError as exc:
                 return self._fail(f"cannot stat policy file: {exc.strerror or exc}")
             # Recorded before the outcome is known: `check()` tries each version of the file once.
+            # A manual reload (`POST /admin/policy/reload`) is a check of the file as well.
             self._stamp = stamp
+            self._status = replace(self._status, last_checked_at_unix_s=time.time())
             try:
                 content = await asyncio.to_thread(_read_content, self._path)
             except OSError as exc:

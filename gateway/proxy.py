@@ -36,8 +36,8 @@ from gateway.failure import (
     worker_status,
 )
 from gateway.lifecycle import Lifecycle, shutting_down
-from gateway.outcome import NO_USAGE, Attempt, HeldVerdicts, finish, usage_of
-from gateway.responses_affinity import pinned_decision
+from gateway.outcome import CLIENT_DISCONNECTED, NO_USAGE, Attempt, HeldVerdicts, finish, usage_of
+from gateway.responses_affinity import holder_unavailable, pinned_decision
 from gateway.retries import advice, attempts_allowed, forwardable
 from gateway.routing import Routing
 from gateway.sse import first_event_problem
@@ -60,7 +60,7 @@ async def dispatch(
     attempts: list[Attempt] = []
     if lifecycle.past_deadline:  # arrived just before the listener closed
         err = shutting_down()
-        _finish(routing, a, attempts, err.status, Outcome.ABORTED, err.message)
+        _finish(routing, a, attempts, err.status, Outcome.ABORTED, err.code, err.message)
         return a.api.dialect.error_response(err, a.reply_id)
     try:
         if a.pool.pd_router is not None:
@@ -72,15 +72,15 @@ async def dispatch(
         # The transport closed the worker's connection on the way out, so the worker stops.
         if lifecycle.ended_by_drain():  # the drain deadline, not the client: answer it
             err = shutting_down()
-            _finish(routing, a, attempts, err.status, Outcome.ABORTED, err.message)
+            _finish(routing, a, attempts, err.status, Outcome.ABORTED, err.code, err.message)
             return a.api.dialect.error_response(err, a.reply_id)
         # The client left while the request waited on a worker (`disconnect.py` cancelled it).
-        _finish(routing, a, attempts, 499, Outcome.ABORTED, "client disconnected")
+        _finish(routing, a, attempts, 499, Outcome.ABORTED, CLIENT_DISCONNECTED)
         raise
     except Exception as exc:
         log.error("dispatch failed", exc_info=exc, extra={"request_id": a.request_id})
         err = ApiError(500, "internal gateway error", "server_error", "internal_error")
-        _finish(routing, a, attempts, 500, Outcome.ABORTED, err.message)
+        _finish(routing, a, attempts, 500, Outcome.ABORTED, err.code, err.message)
         return a.api.dialect.error_response(err, a.reply_id)
 
 
@@ -170,23 +170,33 @@ async def _attempts(
         if retry is None:
             break
     verdicts.settle(time.monotonic())
-    if failure is None:
+    if a.pinned is not None:
+        failure = holder_unavailable(failure)
+    elif failure is None:
         failure = Failure(
             503, f"no healthy worker available for model '{a.model}'", "no_worker_available", Outcome.ABORTED
         )
-    _finish(routing, a, attempts, failure.status, failure.outcome, failure.message)
+    _finish(routing, a, attempts, failure.status, failure.outcome, failure.code, failure.detail())
     response = a.api.dialect.error_response(failure.error(), a.reply_id)
     response.headers += advice(len(attempts), pool.config.retry_attempts, a.retries_taken)
     return response
 
 
 def _finish(
-    routing: Routing, a: Admitted, attempts: list[Attempt], status: int, outcome: Outcome, error: str
+    routing: Routing,
+    a: Admitted,
+    attempts: list[Attempt],
+    status: int,
+    outcome: Outcome,
+    error: str | None,
+    detail: str | None = None,
 ) -> None:
-    """Close the books on a request that ends without a worker's answer."""
+    """Close the books on a request that ends without a worker's answer: `error` its code,
+    `detail` its words (`outcome.record_request`)."""
     attempt = attempts[-1] if attempts else None
+    retries = max(len(attempts) - 1, 0)
     finish(
-        routing, a, attempt, status=status, outcome=outcome, retries=max(len(attempts) - 1, 0), error=error
+        routing, a, attempt, status=status, outcome=outcome, retries=retries, error=error, error_detail=detail
     )
 
 

@@ -242,11 +242,11 @@ class PoolQueue:
         config, pool = self._config, self._pool.name
         if self._waiting[tenant] >= config.max_per_tenant:
             self._metrics.queue_refusals.labels(pool, tenant, "tenant_full").inc()
-            message = f"every worker is busy and {config.max_per_tenant} of your requests already wait"
+            message = f"every worker is busy and {_already_waiting(config.max_per_tenant, yours=True)}"
             return Failure(429, message, "queue_full", Outcome.ABORTED, None, _RETRY_AFTER)
         if len(self._order) >= config.max_requests:
             self._metrics.queue_refusals.labels(pool, tenant, "full").inc()
-            message = f"every worker is busy and {config.max_requests} requests already wait"
+            message = f"every worker is busy and {_already_waiting(config.max_requests)}"
             return Failure(503, message, "queue_full", Outcome.ABORTED, None, _RETRY_AFTER)
         return None
 
@@ -356,3 +356,11 @@ def build_queues(
 
     metrics.before_scrape.append(refresh_depths)
     return queues
+
+
+def _already_waiting(count: int, yours: bool = False) -> str:
+    """ "1 of your requests is already waiting", "3 requests are already waiting"."""
+    verb = "is" if count == 1 else "are"
+    if yours:
+        return f"{count} of your requests {verb} already waiting"
+    return f"{count} request{'' if count == 1 else 's'} {verb} already waiting"

@@ -34,11 +34,13 @@ from __future__ import annotations
 import re
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from gateway.errors import ApiError, bad_request
+from gateway.failure import Failure, RetryReason
 from gateway.registry import Pool
-from policies.base import RouteDecision, WorkerId, WorkerView
+from policies.base import Outcome, RouteDecision, WorkerId, WorkerView
 from policies.records import record
 
 PINNED_REASON = "response_affinity"
@@ -221,6 +223,25 @@ def pinned_decision(worker: WorkerId, views: Sequence[WorkerView]) -> RouteDecis
                 return RouteDecision(worker, 0.0, PINNED_REASON)
             return None
     return None
+
+
+_HOLDER_UNAVAILABLE = "the worker holding the conversation (previous_response_id) is unavailable"
+# An attempt that never reached the pinned worker: the worker is the problem, not the answer.
+_UNREACHED = (RetryReason.CONNECT_ERROR, RetryReason.WORKER_BUSY, RetryReason.CONNECTION_LOST)
+
+
+def holder_unavailable(failure: Failure | None) -> Failure:
+    """Why a pinned follow-up ended without an answer, told as what it is: the one worker that
+    can continue the conversation is down, unhealthy or full (a generic "no healthy worker" would
+    read as a pool outage while the pool's other workers are fine). `failure` is the pinned
+    worker's last attempt's, None when it was not routable; status and code stay as they are."""
+    if failure is None:
+        message = f"{_HOLDER_UNAVAILABLE} (unhealthy or at its capacity); no other worker holds its state"
+        return Failure(503, message, "no_worker_available", Outcome.ABORTED, param="previous_response_id")
+    if failure.retry in _UNREACHED:
+        message = f"{_HOLDER_UNAVAILABLE}: {failure.message}"
+        return replace(failure, message=message, param="previous_response_id")
+    return failure
 
 
 def note_response(

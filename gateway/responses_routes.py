@@ -25,18 +25,24 @@ from gateway.errors import ApiError, normalize_worker_error, upstream_error
 from gateway.failure import TRANSPORT_ERRORS, Stage, failure_of
 from gateway.gate import Gate
 from gateway.lifecycle import Lifecycle
-from gateway.metrics import GatewayMetrics
+from gateway.outcome import CLIENT_DISCONNECTED, record_refusal
 from gateway.quotas import Rejection
 from gateway.registry import Pool, Registry
-from gateway.request_head import new_request_id, request_id_of
+from gateway.request_head import RequestIds, client_request_id, new_request_id
 from gateway.responses_affinity import ResponseAffinity, not_found
 from gateway.responses_stream import StoredResponseStream
+from gateway.routing import Routing
 from gateway.streaming import AiohttpSource
 from gateway.surface import error
 from gateway.tracing import TRACE_CONTEXT_HEADERS
 from gateway.transport import Transport
 from gateway.upstream import UpstreamError
 from gateway.upstream_headers import aiohttp_pairs, pick
+
+# The `endpoint` labels of the stored-response routes (the proxied routes' are in `routes.ROUTES`).
+RETRIEVE_ENDPOINT = "responses.retrieve"
+CANCEL_ENDPOINT = "responses.cancel"
+STORED_RESPONSE_ENDPOINTS = (RETRIEVE_ENDPOINT, CANCEL_ENDPOINT)
 
 _NO_KEY = ApiError(401, "incorrect or missing API key", "invalid_request_error", "invalid_api_key")
 _TRACE_CONTEXT = frozenset(name.encode() for name in TRACE_CONTEXT_HEADERS)
@@ -52,35 +58,55 @@ def _rejected(rejection: Rejection) -> ApiError:
 def responses_routes(
     gate: Gate,
     registry: Registry,
-    metrics: GatewayMetrics,
+    routing: Routing,
     transport: Transport,
     lifecycle: Lifecycle,
     tracing: bool = False,
 ) -> list[Route]:
     """The stored-response routes: a tenant's key and a slot of its limiter (`gate`), the worker
-    that holds the response (`gate.responses`, `registry`), reached with the process's session.
+    that holds the response (`gate.responses`, `registry`), reached with the process's session;
+    each request counted (`routing.metrics`) and logged (one access line) when it ends.
     With `tracing` the client's own trace context goes to the worker (these routes open no span
     of their own), so the worker's spans join the client's trace."""
+    metrics = routing.metrics
 
     async def forward(request: Request, suffix: str, endpoint: str) -> Response:
-        reply_id = request_id_of(request)
+        started_s = time.monotonic()
+        ids = RequestIds(new_request_id(), client_request_id(request))
+        reply_id = ids.reply
         tenant = gate.keyring.lookup(request.headers.get("authorization"))
         if tenant is None:
+            record_refusal(routing, ids, endpoint, started_s, status=401, error=_NO_KEY.code)
             return error(_NO_KEY, reply_id)
-        now_s = time.monotonic()
         limiter = gate.limiter(tenant)
-        rejection = limiter.enter(now_s)
+        rejection = limiter.enter(started_s)
         if rejection is not None:
+            refused = _rejected(rejection)
             metrics.requests.labels("", tenant.name, "429", endpoint).inc()
-            return error(_rejected(rejection), reply_id)
+            record_refusal(
+                routing, ids, endpoint, started_s, status=429, error=refused.code, tenant=tenant.name
+            )
+            return error(refused, reply_id)
+        worker: str | None = None
 
-        def done(status: int) -> None:
+        def done(status: int, code: str | None = None) -> None:
+            """`code`: the error the gateway answered (None for a worker's answer, passed on)."""
             limiter.leave()
             metrics.requests.labels("", tenant.name, str(status), endpoint).inc()
+            record_refusal(
+                routing,
+                ids,
+                endpoint,
+                started_s,
+                status=status,
+                error=code,
+                tenant=tenant.name,
+                worker=worker,
+            )
 
         try:
             try:
-                pool, source = await _to_holder(
+                pool, worker, source = await _to_holder(
                     gate.responses,
                     registry,
                     transport,
@@ -89,9 +115,10 @@ def responses_routes(
                     suffix,
                     request,
                     tracing,
+                    ids.internal,
                 )
             except ApiError as err:
-                done(err.status)
+                done(err.status, err.code or err.type)
                 return error(err, reply_id)
             if source.status == 200 and _is_event_stream(source.content_type):
                 # The stream gives the limiter's slot back, and counts the request, when it ends.
@@ -99,10 +126,14 @@ def responses_routes(
             try:
                 status, body = await _whole(source, pool.config.timeouts)
             except ApiError as err:
-                done(err.status)
+                done(err.status, err.code or err.type)
                 return error(err, reply_id)
         except BaseException as exc:
-            done(499 if isinstance(exc, asyncio.CancelledError) else 500)  # the client left, or a bug
+            # The client left, or a bug.
+            if isinstance(exc, asyncio.CancelledError):
+                done(499, CLIENT_DISCONNECTED)
+            else:
+                done(500, "internal_error")
             raise
         done(status)
         if status >= 400:
@@ -110,10 +141,10 @@ def responses_routes(
         return Response(body, status, headers={"x-request-id": reply_id}, media_type="application/json")
 
     async def retrieve(request: Request) -> Response:
-        return await forward(request, "", "responses.retrieve")
+        return await forward(request, "", RETRIEVE_ENDPOINT)
 
     async def cancel(request: Request) -> Response:
-        return await forward(request, "/cancel", "responses.cancel")
+        return await forward(request, "/cancel", CANCEL_ENDPOINT)
 
     return [
         Route("/v1/responses/{response_id}", retrieve, methods=["GET"]),
@@ -130,8 +161,10 @@ async def _to_holder(
     suffix: str,
     request: Request,
     tracing: bool,
-) -> tuple[Pool, AiohttpSource]:
-    """The worker's answer head (its body still to be read), and the pool the worker is in."""
+    request_id: str,
+) -> tuple[Pool, str, AiohttpSource]:
+    """The worker's answer head (its body still to be read), the pool the worker is in and its
+    URL; `request_id` names the request to the worker."""
     held = responses.holder(response_id, tenant, time.monotonic())
     pool = registry.pools.get(held.pool) if held is not None else None
     if held is None or pool is None or held.worker not in pool.workers:
@@ -139,7 +172,7 @@ async def _to_holder(
     worker = pool.workers[held.worker]
     url = f"{worker.url}/v1/responses/{quote(response_id, safe='')}{suffix}"
     raw = request.scope["headers"]
-    headers = [("x-request-id", new_request_id()), *pool.auth.headers.items()]
+    headers = [("x-request-id", request_id), *pool.auth.headers.items()]
     if pool.forward:
         headers += aiohttp_pairs(pick(raw, pool.forward))
     if tracing:
@@ -156,7 +189,7 @@ async def _to_holder(
         raise upstream_error(504, "the worker holding the response did not answer in time") from None
     except (aiohttp.ClientError, OSError) as exc:
         raise _unreachable(exc) from None
-    return pool, AiohttpSource(resp, transport.answers.share(tenant))
+    return pool, worker.url, AiohttpSource(resp, transport.answers.share(tenant))
 
 
 async def _whole(source: AiohttpSource, timeouts: TimeoutsConfig) -> tuple[int, bytes]:
@@ -182,7 +215,9 @@ async def _whole(source: AiohttpSource, timeouts: TimeoutsConfig) -> tuple[int, 
 
 
 def _unreachable(exc: BaseException) -> ApiError:
-    return upstream_error(502, f"could not reach the worker holding the response ({type(exc).__name__})")
+    """The holder did not answer: plain words for the client (the exception's class is not
+    theirs to read)."""
+    return upstream_error(502, "could not reach the worker holding the response")
 
 
 def _is_event_stream(content_type: str) -> bool:

@@ -29,6 +29,7 @@ from gateway.config.pool import TimeoutsConfig
 from gateway.disconnect import DisconnectGuard
 from gateway.failure import TRANSPORT_ERRORS, Failure, Stage, failure_of, malformed
 from gateway.lifecycle import Lifecycle
+from gateway.outcome import CLIENT_DISCONNECTED
 from gateway.sse_named import ResponsesRelay
 from gateway.streaming import StreamSource
 from policies.base import Outcome
@@ -39,9 +40,10 @@ log = logging.getLogger("kvgate.responses")
 
 
 class StoredResponseStream(Response):
-    """An ASGI response that owns the worker's event stream until it ends; `done(status)` is
-    called once when it does (200: the terminal event reached the client; 499: the client left;
-    otherwise the status of what ended it)."""
+    """An ASGI response that owns the worker's event stream until it ends; `done(status, error)`
+    is called once when it does (200: the terminal event reached the client; 499: the client left;
+    otherwise the status of what ended it), `error` the code of the client's error event (None on
+    a success)."""
 
     def __init__(
         self,
@@ -49,7 +51,7 @@ class StoredResponseStream(Response):
         reply_id: str,
         lifecycle: Lifecycle,
         timeouts: TimeoutsConfig,
-        done: Callable[[int], None],
+        done: Callable[[int, str | None], None],
     ) -> None:
         # Not Response.__init__: nothing here is a body known up front.
         self._source = source
@@ -70,9 +72,10 @@ class StoredResponseStream(Response):
         lifecycle = self._lifecycle
         lifecycle.stream_started(self)
         guard = DisconnectGuard(receive, lifecycle.disconnects)
-        status = 499
+        code: str | None
+        status, code = 499, CLIENT_DISCONNECTED
         try:
-            status = await self._run(send, guard)
+            status, code = await self._run(send, guard)
         except asyncio.CancelledError:
             if not guard.fired:
                 raise
@@ -82,7 +85,7 @@ class StoredResponseStream(Response):
             # A gateway bug: still end the stream, close the books (the tenant's slot, the count)
             # and log it.
             log.error("stored response relay failed", exc_info=exc, extra={"request_id": self._reply_id})
-            status = 500
+            status, code = 500, "internal_error"
             if self._started:
                 with contextlib.suppress(Exception):
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -90,9 +93,9 @@ class StoredResponseStream(Response):
             guard.close()
             lifecycle.stream_ended(self)
             self._source.close()  # a no-op once the worker's answer has ended
-            self._done(status)
+            self._done(status, code)
 
-    async def _run(self, send: Send, guard: DisconnectGuard) -> int:
+    async def _run(self, send: Send, guard: DisconnectGuard) -> tuple[int, str | None]:
         await send(
             {
                 "type": "http.response.start",
@@ -123,7 +126,7 @@ class StoredResponseStream(Response):
             # The client has the whole stream: its leaving now costs it nothing.
             guard.stop_watching()
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-            return 200
+            return 200, None
         if self._abort_reason is not None:
             failure = Failure(503, self._abort_reason, _GATEWAY_SHUTTING_DOWN, Outcome.ABORTED)
         elif failure is None and relay.error is None:
@@ -132,7 +135,8 @@ class StoredResponseStream(Response):
         # One terminal error event (unless the relay already sent the worker's, rewritten).
         await send({"type": "http.response.body", "body": relay.closing(message, code), "more_body": False})
         if failure is not None:
-            return failure.status
+            return failure.status, failure.code
         error = relay.error
         worker_status = error.worker_status if error is not None else None
-        return worker_status if worker_status is not None and 400 <= worker_status < 600 else 502
+        status = worker_status if worker_status is not None and 400 <= worker_status < 600 else 502
+        return status, error.code if error is not None else None

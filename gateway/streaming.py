@@ -30,7 +30,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.disconnect import DisconnectGuard
 from gateway.failure import TRANSPORT_ERRORS, Failure, Stage, failure_of, malformed
 from gateway.lifecycle import Lifecycle
-from gateway.outcome import Attempt, finish, usage_of
+from gateway.outcome import CLIENT_DISCONNECTED, Attempt, finish, usage_of
 from gateway.routing import Routing
 from gateway.sse import Relay
 from gateway.upstream import AnswerBody, AnswerHold, Reservation, RetryHints, read_reserved, read_whole
@@ -276,14 +276,17 @@ class ProxyStream:
         """Record how the stream ended (once: when its [DONE] is sent, else when it stops)."""
         attempt = self._attempt
         usage = usage_of(self._sse.usage)
+        detail: str | None = None
         if answered:
             status, outcome, error = 200, Outcome.SERVED, None
         elif gone == 499:
-            status, outcome, error = 499, Outcome.ABORTED, "client disconnected"
+            status, outcome, error = 499, Outcome.ABORTED, CLIENT_DISCONNECTED
         elif gone is not None or failure is None:
             status, outcome, error = 500, Outcome.ABORTED, "internal_error"
+            detail = "internal gateway error"
         else:
             status, outcome, error = failure.status, failure.outcome, failure.code
+            detail = failure.detail()
         finish(
             self._routing,
             attempt.admitted,
@@ -293,4 +296,5 @@ class ProxyStream:
             usage=usage,
             retries=self._retries,
             error=error,
+            error_detail=detail,
         )

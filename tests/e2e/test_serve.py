@@ -152,7 +152,7 @@ def test_sigterm_ends_whole_answers_still_waiting_at_the_deadline_with_a_503(tmp
         assert "Traceback" not in output and "CancelledError" not in output
         logged = [orjson.loads(line) for line in output.splitlines() if '"logger":"kvgate.access"' in line]
         assert sorted(entry["status"] for entry in logged) == [503, 503]
-        assert all(entry["error"] == "gateway shutting down" for entry in logged)
+        assert all(entry["error"] == "gateway_shutting_down" for entry in logged)
 
         # The worker's request was closed with the gateway's connection: it stops generating.
         def worker_idle() -> bool:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from aiohttp import web
 
 from gateway.auth import hash_api_key
 from gateway.state import GatewayState
@@ -54,6 +55,7 @@ class Rig:
     state: GatewayState
     policy: Recording
     workers: list[RoutesWorker] = field(default_factory=list)
+    runners: list[web.AppRunner] = field(default_factory=list)  # the workers' servers, in order
 
     def last(self) -> Received:
         got = [w.received[-1] for w in self.workers if w.received]
@@ -90,7 +92,7 @@ async def routes_rig(**extra: Any) -> AsyncIterator[Rig]:
     policy = Recording()
     try:
         async with gateway_in_process(config([w.url for w in workers], **extra), policy, secret=SECRET) as gw:
-            yield Rig(gw.client, gw.state, policy, workers)
+            yield Rig(gw.client, gw.state, policy, workers, runners)
     finally:
         for runner in runners:
             await runner.cleanup()

@@ -16,6 +16,7 @@ from gateway.config import parse_config
 from gateway.state import GatewayState
 from policies import make_policy
 from policies.base import RouteDecision, RouteRequest, WorkerId, WorkerView
+from tests.gateway.access_lines import capture_access
 from tests.support.inprocess import gateway_in_process
 from tests.support.policies import IgnoresFeedback
 from tests.support.wait import wait_until
@@ -147,6 +148,7 @@ async def test_the_drain_deadline_answers_requests_still_waiting_on_a_worker_or_
     # worker): at the deadline the gateway answers both itself and gives everything back once.
     async with _in_front_of_a_hanging_worker(pool={"max_in_flight_per_worker": 1}) as stack:
         state = stack.state
+        lines = capture_access(state)
         waiting = [asyncio.create_task(stack.chat()) for _ in range(2)]
         await wait_until(lambda: stack.held and state.routing.queues["p"].waiting == 1)
         await drain(state, 0.0)
@@ -169,6 +171,9 @@ async def test_the_drain_deadline_answers_requests_still_waiting_on_a_worker_or_
         assert resp.status_code == 503 and resp.json()["error"]["code"] == "gateway_shutting_down"
         assert late.cancelling() == 0 and not state.lifecycle.dispatching
         assert worker.in_flight == 0 and state.gate.limiters["t"].in_flight == 0
+        lines.flush()  # as docs/reliability.md says: status 503, the code, and the words told
+        logged = [(r["status"], r["error"], r["error_detail"]) for r in lines.records]
+        assert logged == [(503, "gateway_shutting_down", "gateway shutting down")] * 3
 
 
 async def test_a_trailing_slash_is_an_unknown_route_not_a_redirect() -> None:

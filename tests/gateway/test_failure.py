@@ -4,6 +4,7 @@ same scripted workers, fail the same way in the gateway's terms."""
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Awaitable, Callable
 
 import aiohttp
@@ -18,6 +19,8 @@ from tests.gateway.fake_upstream import Handler, Server, post, read_request
 from tests.support.processes import free_port
 
 TIMEOUTS = TimeoutsConfig(connect_s=1.0, read_s=0.2, total_s=10.0)
+# A Python class name in a client's message ("ConnectionRefusedError", "UpstreamError").
+CLASS_NAME = re.compile(r"[A-Z][A-Za-z]*(Error|Exception)\b")
 
 
 async def _lean(port: int) -> Failure:
@@ -126,6 +129,9 @@ async def test_both_transports_fail_alike(serve: Callable[[Handler], Awaitable[S
             retry,
         )
         assert failure.message.startswith(message)
+        # Plain words for the client; the transport's class names only in the access line's detail.
+        assert not CLASS_NAME.search(failure.message), failure.message
+        assert failure.detail().startswith(failure.message)
 
 
 def test_stages_decide_retries_and_the_stream_code() -> None:
@@ -145,6 +151,22 @@ def test_stages_decide_retries_and_the_stream_code() -> None:
     busy = failure_of(UpstreamBusy("all 2 connections to the worker stayed busy"), Stage.HEAD, TIMEOUTS)
     assert (busy.status, busy.outcome, busy.retry) == (503, Outcome.ABORTED, RetryReason.WORKER_BUSY)
     assert busy.error().headers == {"retry-after": "1"}
+
+
+def test_a_stream_that_breaks_says_so_in_plain_words() -> None:
+    """A worker that dies mid-stream: the client reads what happened, not "worker stream failed:
+    UpstreamError"; the log's detail keeps another library's class name."""
+    closed = failure_of(UpstreamError("worker closed the connection", answered=True), Stage.STREAM, TIMEOUTS)
+    assert closed.message == "worker stream failed mid-answer (worker closed the connection)"
+    assert closed.detail() == closed.message
+    stalled = failure_of(UpstreamTimeout("worker timed out", answered=True), Stage.STREAM, TIMEOUTS)
+    assert stalled.message == "worker stream failed mid-answer (worker timed out)"
+    payload = failure_of(
+        aiohttp.ClientPayloadError("Response payload is not completed"), Stage.STREAM, TIMEOUTS
+    )
+    assert payload.message == "worker stream failed mid-answer (connection lost)"
+    assert payload.detail() == "worker stream failed mid-answer (connection lost); ClientPayloadError"
+    assert failure_of(TimeoutError(), Stage.STREAM, TIMEOUTS).message.endswith("(timed out)")
 
 
 @pytest.mark.parametrize(

@@ -145,6 +145,21 @@ async def test_reload_now_force_rebuilds_same_content(policy_file: Path) -> None
     assert forced.swapped and len(swaps.loaded) == 1
 
 
+async def test_a_manual_reload_counts_as_a_check(policy_file: Path) -> None:
+    """`/admin/status` says when the file was last looked at: a reload asked for by an operator
+    looks at it too, whether or not its content changed."""
+    w = PolicyWatcher(policy_file, Swaps())
+    w.load_initial()
+    assert w.status().last_checked_at_unix_s is None
+    assert (await w.reload_now()).unchanged
+    first = w.status().last_checked_at_unix_s
+    assert first is not None
+    write(policy_file, "policy: round_robin\n")
+    assert (await w.reload_now()).swapped
+    second = w.status().last_checked_at_unix_s
+    assert second is not None and second >= first
+
+
 async def test_background_polling_picks_up_a_change(policy_file: Path) -> None:
     swaps = Swaps()
     w = PolicyWatcher(policy_file, swaps, interval_s=0.1)

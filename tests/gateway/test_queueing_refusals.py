@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from tests.gateway.access_lines import capture_access
 from tests.gateway.queue_rig import RigFactory, fill, queue_rigs, serve_all
 from tests.support.leaving_client import leaving_chat
 from tests.support.wait import wait_until
@@ -36,12 +37,18 @@ async def test_a_queue_timeout_is_a_503_with_retry_after(make_rig: RigFactory) -
 
 async def test_the_bounds_refuse_at_once(make_rig: RigFactory) -> None:
     rig = await make_rig(max_per_tenant=1, max_requests=2)
+    lines = capture_access(rig.state)
     tasks = await fill(rig, [("heavy", "h0", {}), ("light", "l0", {})])
     resp = await rig.send("heavy", "h1")  # heavy already has its one waiting request
+    line = lines.of(resp.headers["x-request-id"])
+    assert (line["status"], line["error"], line["tenant"], line["model"]) == (429, "queue_full", "heavy", "m")
+    assert line["error_detail"] == "every worker is busy and 1 of your requests is already waiting"
     assert resp.status_code == 429 and resp.headers["retry-after"] == "1"
     assert resp.json()["error"]["code"] == "queue_full"
+    assert resp.json()["error"]["message"] == "every worker is busy and 1 of your requests is already waiting"
     resp = await rig.send("vip", "v0")  # the pool's queue is full
     assert resp.status_code == 503 and resp.json()["error"]["code"] == "queue_full"
+    assert resp.json()["error"]["message"] == "every worker is busy and 2 requests are already waiting"
     await serve_all(rig, tasks)
     assert rig.order() == ["hold", "h0", "l0"]
     statuses = {key[2] for key in rig.state.routing.metrics.requests.children if key[1] in ("heavy", "vip")}

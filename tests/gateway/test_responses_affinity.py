@@ -155,10 +155,35 @@ async def test_an_unroutable_holder_is_a_503_and_a_gone_one_a_404(rig: Rig) -> N
     body = {"model": "m", "input": "next", "previous_response_id": rid}
     resp = await rig.client.post("/v1/responses", json=body, headers=KEY)
     assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+    error = resp.json()["error"]
+    # The pool's other worker is healthy: the message names what is missing, the conversation's worker.
+    assert (error["code"], error["param"]) == ("no_worker_available", "previous_response_id")
+    assert error["message"].startswith(
+        "the worker holding the conversation (previous_response_id) is unavailable"
+    )
     assert {w.name: len(w.received) for w in rig.workers} == before  # no silent re-route
     pool.set_urls([w.url for w in rig.workers if w is not holder])
     resp = await rig.client.post("/v1/responses", json=body, headers=KEY)
     assert resp.status_code == 404 and resp.json()["error"]["param"] == "response_id"
+
+
+async def test_a_holder_that_died_is_named_as_the_worker_holding_the_conversation(rig: Rig) -> None:
+    """The holder's process is gone (connections refused): a 502 that says whose worker failed,
+    not "could not reach a worker", and no other worker is tried."""
+    rid = await _create(rig)
+    index = next(i for i, w in enumerate(rig.workers) if w.name == _served_by(rig))
+    await rig.runners[index].cleanup()  # its listener and open connections close
+    body = {"model": "m", "input": "next", "previous_response_id": rid}
+    resp = await rig.client.post("/v1/responses", json=body, headers=KEY)
+    error = resp.json()["error"]
+    assert (resp.status_code, error["code"], error["param"]) == (502, "bad_gateway", "previous_response_id")
+    assert error["message"] == (
+        "the worker holding the conversation (previous_response_id) is unavailable: "
+        "could not reach a worker (connect failed)"
+    )
+    resp = await rig.client.get(f"/v1/responses/{rid}", headers=KEY)
+    assert resp.status_code == 502
+    assert resp.json()["error"]["message"] == "could not reach the worker holding the response"
 
 
 async def test_unknown_and_unstored_ids_are_routed_by_the_policy(rig: Rig) -> None:

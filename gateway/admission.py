@@ -235,7 +235,7 @@ async def admit(
     identity, public = keying.identities(pool, model, tenant)
     normalizer = keying.normalizers[pool.name]
     if large is not None and large.model == model and large.prompt_error is not None:
-        raise large.prompt_error
+        raise _refused(large.prompt_error, api, body, model)
     if large is not None and large.model == model and large.canonical is not None:
         canonical = large.canonical
     elif (

@@ -70,9 +70,9 @@ class Rig:
         return 0.0
 
 
-def config(urls: list[str], **extra: Any) -> dict[str, Any]:
+def config(urls: list[str], pool: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
     return {
-        "pools": [{"name": "p", "models": ["m"], "workers": urls, "retry_attempts": 0}],
+        "pools": [{"name": "p", "models": ["m"], "workers": urls, "retry_attempts": 0, **(pool or {})}],
         "tenants": [
             {"name": "t", "api_key_hashes": [hash_api_key(SECRET, "sk-t")]},
             {"name": "one", "api_key_hashes": [hash_api_key(SECRET, "sk-one")], "quotas": {"rpm": 1}},
@@ -85,13 +85,15 @@ def config(urls: list[str], **extra: Any) -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
-async def routes_rig(**extra: Any) -> AsyncIterator[Rig]:
-    """The gateway (round_robin, recorded) in front of workers w1 and w2; `extra` goes into its config."""
+async def routes_rig(pool: dict[str, Any] | None = None, **extra: Any) -> AsyncIterator[Rig]:
+    """The gateway (round_robin, recorded) in front of workers w1 and w2; `pool` goes into its
+    pool's config, `extra` into the gateway's."""
     workers = [RoutesWorker("w1"), RoutesWorker("w2")]
     runners = [await start(w) for w in workers]
     policy = Recording()
     try:
-        async with gateway_in_process(config([w.url for w in workers], **extra), policy, secret=SECRET) as gw:
+        built = config([w.url for w in workers], pool, **extra)
+        async with gateway_in_process(built, policy, secret=SECRET) as gw:
             yield Rig(gw.client, gw.state, policy, workers, runners)
     finally:
         for runner in runners:

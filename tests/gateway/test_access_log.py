@@ -198,3 +198,21 @@ async def test_stored_response_requests_have_their_access_lines(rig: tuple[Rig, 
         "invalid_api_key",
         None,
     )
+
+
+async def test_a_large_body_refused_by_the_normalizer_names_its_model() -> None:
+    """A body over the inline size is keyed in the keying process; the normalizer's refusal is
+    logged as the same refusal of a small body is, with the served model."""
+    normalizer = {"mode": "approximate", "max_input_chars": 1000}
+    async with routes_rig(pool={"normalizer": normalizer}, limits={"max_body_bytes": 1 << 20}) as r:
+        lines = capture_access(r.state)
+        for size in (2_000, 300_000):
+            body = {"model": "m", "messages": [{"role": "user", "content": "x" * size}]}
+            line = lines.of(await _post(r, "/v1/chat/completions", body, rid=f"big-{size}"))
+            assert (line["status"], line["error"], line["model"], line["endpoint"]) == (
+                400,
+                "input_too_large",
+                "m",
+                "chat",
+            )
+        assert not any(w.received for w in r.workers)

@@ -24,17 +24,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from collections import Counter
 from pathlib import Path
 
-from loadtest.ports import free_port
+from loadtest.checkout_gateway import start_gateway
 
 SECRET = "bench-answer-memory-key-hash-secret"
 KEY = "sk-bench"
@@ -112,42 +109,11 @@ def _status_kib(pid: int, field: str) -> int:
 def _gateway(
     root: Path, folder: Path, worker_port: int, budget_bytes: int | None
 ) -> tuple[subprocess.Popen[bytes], int]:
-    env = {**os.environ, "PYTHONPATH": str(root), "KVGATE_KEY_SECRET": SECRET}
-    hashed = (
-        subprocess.run(
-            [sys.executable, "-m", "gateway.cli", "serve", "--hash-key"],
-            input=KEY.encode(),
-            env=env,
-            cwd=root,
-            capture_output=True,
-            check=True,
-        )
-        .stdout.decode()
-        .strip()
+    pools = [{"name": "big", "models": ["m-big"], "workers": [f"http://127.0.0.1:{worker_port}"]}]
+    limits = {"max_buffered_answer_bytes": budget_bytes} if budget_bytes is not None else None
+    return start_gateway(
+        root, folder, secret=SECRET, key=KEY, pools=pools, policy="round_robin", limits=limits
     )
-    (folder / "policy.yaml").write_text("policy: round_robin\n")
-    config: dict[str, object] = {
-        "policy_file": "policy.yaml",
-        "pools": [{"name": "big", "models": ["m-big"], "workers": [f"http://127.0.0.1:{worker_port}"]}],
-        "tenants": [{"name": "bench", "api_key_hashes": [hashed]}],
-    }
-    if budget_bytes is not None:  # a checkout without the budget refuses the key
-        config["limits"] = {"max_buffered_answer_bytes": budget_bytes}
-    (folder / "gateway.json").write_text(json.dumps(config))  # JSON is YAML
-    port = free_port()
-    argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(folder / "gateway.json")]
-    argv += ["--port", str(port), "--metrics-port", str(free_port())]
-    proc = subprocess.Popen(argv, env=env, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1):
-                return proc, port
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise SystemExit("the gateway did not become ready") from None
-            time.sleep(0.1)
 
 
 async def _post(port: int, late: asyncio.Future[int] | None = None, go: asyncio.Event | None = None) -> int:

@@ -35,17 +35,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from loadtest.checkout_gateway import start_gateway, wait_ready
+from loadtest.ports import free_port
+
 SECRET = "bench-loop-stall-key-hash-secret-32"
 KEY = "sk-bench"
 MODEL = "bench-model"  # loadtest.static_backend's
 PROBE_INTERVAL_S = 0.01
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _images() -> dict[str, Any]:
@@ -163,59 +159,20 @@ def _summary(latencies: list[float]) -> dict[str, Any]:
     }
 
 
-def _wait_ready(proc: subprocess.Popen[bytes], port: int, path: str) -> None:
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
-                if _request(sock, f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode()) == 200:
-                    return
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit(f"{proc.args!r} did not become ready")
-        time.sleep(0.1)
-
-
 def _gateway(root: Path, folder: Path, worker_port: int, policy: str) -> tuple[subprocess.Popen[bytes], int]:
     """The gateway from `root`, one pool of the static worker, `policy`, one tenant."""
-    env = {**os.environ, "PYTHONPATH": str(root), "KVGATE_KEY_SECRET": SECRET}
-    hashed = (
-        subprocess.run(
-            [sys.executable, "-m", "gateway.cli", "serve", "--hash-key"],
-            input=KEY.encode(),
-            env=env,
-            cwd=root,
-            capture_output=True,
-            check=True,
-        )
-        .stdout.decode()
-        .strip()
-    )
-    (folder / "policy.yaml").write_text(f"policy: {policy}\n")
-    config = {
-        "policy_file": "policy.yaml",
-        "pools": [{"name": "bench", "models": [MODEL], "workers": [f"http://127.0.0.1:{worker_port}"]}],
-        "tenants": [{"name": "bench", "api_key_hashes": [hashed]}],
-    }
-    (folder / "gateway.json").write_text(json.dumps(config))  # JSON is YAML
-    port = _free_port()
-    argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(folder / "gateway.json")]
-    argv += ["--port", str(port), "--metrics-port", "0"]
-    proc = subprocess.Popen(argv, env=env, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _wait_ready(proc, port, "/readyz")
-    return proc, port
+    pools = [{"name": "bench", "models": [MODEL], "workers": [f"http://127.0.0.1:{worker_port}"]}]
+    return start_gateway(root, folder, secret=SECRET, key=KEY, pools=pools, policy=policy)
 
 
 def _worker() -> tuple[subprocess.Popen[bytes], int]:
     """The static worker (`loadtest.static_backend`): answers at once, whatever the body."""
-    port = _free_port()
+    port = free_port()
     here = Path(__file__).resolve().parent.parent
     argv = [sys.executable, "-m", "loadtest.static_backend", "--port", str(port)]
     env = {**os.environ, "PYTHONPATH": str(here)}
     proc = subprocess.Popen(argv, env=env, cwd=here, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _wait_ready(proc, port, "/health")
+    wait_ready(proc, f"http://127.0.0.1:{port}/health")
     return proc, port
 
 

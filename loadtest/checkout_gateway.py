@@ -1,0 +1,80 @@
+"""A gateway run from a checkout (`--gateway-root`), for benchmarks that compare two commits.
+
+The benchmark's own code is this tree's; the gateway under test is the checkout's, started with
+the checkout's CLI (its key hashing included, so the tenant's key matches whatever that commit
+does). One tenant whose key is `key`, the pools and limits given, and a policy file naming
+`policy`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from loadtest.ports import free_port
+
+READY_TIMEOUT_S = 60.0
+
+
+def wait_ready(proc: subprocess.Popen[bytes], url: str, timeout_s: float = READY_TIMEOUT_S) -> None:
+    """Until `url` answers 200; a process that exits or a deadline passed first is killed and
+    ends the benchmark."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as answer:
+                if answer.status == 200:
+                    return
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit(f"{proc.args!r} did not become ready")
+        time.sleep(0.1)
+
+
+def start_gateway(
+    root: Path,
+    folder: Path,
+    *,
+    secret: str,
+    key: str,
+    pools: list[dict[str, Any]],
+    policy: str,
+    limits: dict[str, Any] | None = None,
+) -> tuple[subprocess.Popen[bytes], int]:
+    """The checkout's gateway on a free port, ready; its config and policy file in `folder`."""
+    env = {**os.environ, "PYTHONPATH": str(root), "KVGATE_KEY_SECRET": secret}
+    hashed = (
+        subprocess.run(
+            [sys.executable, "-m", "gateway.cli", "serve", "--hash-key"],
+            input=key.encode(),
+            env=env,
+            cwd=root,
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .strip()
+    )
+    (folder / "policy.yaml").write_text(f"policy: {policy}\n")
+    config: dict[str, Any] = {
+        "policy_file": "policy.yaml",
+        "pools": pools,
+        "tenants": [{"name": "bench", "api_key_hashes": [hashed]}],
+    }
+    if limits:  # a checkout that lacks a limit refuses the key: given only when asked for
+        config["limits"] = limits
+    (folder / "gateway.json").write_text(json.dumps(config))  # JSON is YAML
+    port = free_port()
+    argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(folder / "gateway.json")]
+    argv += ["--port", str(port), "--metrics-port", str(free_port())]
+    proc = subprocess.Popen(argv, env=env, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_ready(proc, f"http://127.0.0.1:{port}/readyz")
+    return proc, port

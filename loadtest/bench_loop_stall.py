@@ -176,14 +176,17 @@ def _worker() -> tuple[subprocess.Popen[bytes], int]:
     return proc, port
 
 
-def _post_all(port: int, body: bytes, repeats: int) -> tuple[Counter[int], float]:
-    head = (
+def _chat_head(length: int) -> bytes:
+    """A chat request's head with the bench tenant's key, for a body of `length` bytes."""
+    return (
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
         + KEY.encode()
-        + b"\r\nContent-Type: application/json\r\nContent-Length: "
-        + str(len(body)).encode()
-        + b"\r\n\r\n"
+        + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % length
     )
+
+
+def _post_all(port: int, body: bytes, repeats: int) -> tuple[Counter[int], float]:
+    head = _chat_head(len(body))
     statuses: Counter[int] = Counter()
     took: list[float] = []
     with socket.create_connection(("127.0.0.1", port)) as sock:
@@ -202,13 +205,7 @@ def _small_requests(port: int, n: int) -> dict[str, float]:
     body = json.dumps(
         {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi " * 200}]}
     )
-    head = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
-        + KEY.encode()
-        + b"\r\nContent-Type: application/json\r\nContent-Length: "
-        + str(len(body)).encode()
-        + b"\r\n\r\n"
-    )
+    head = _chat_head(len(body))
     took: list[float] = []
     with socket.create_connection(("127.0.0.1", port)) as sock:
         for _ in range(n):

@@ -120,6 +120,18 @@ async def test_the_lifespan_end_stops_the_keying_process(tiny_model: Path) -> No
     await wait_until(lambda: not _alive(pid), what="the keying process stopped")
 
 
+async def test_an_idle_keying_process_is_stopped_and_the_next_large_body_starts_another(rig: Rig) -> None:
+    processes = rig.state.gate.keying.processes
+    processes.idle_exit_s = 0.2
+    pid = await _started_keying_process(rig)
+    await wait_until(lambda: not _alive(pid), what="the idle keying process stopped")
+    assert processes.pid() is None
+    messages = _large("after")
+    assert (await rig.chat(messages=messages)).status_code == 200
+    assert rig.policy.requests[-1].block_keys == _expected_keys(rig, messages)
+    assert processes.started == 2  # a new keying process took it
+
+
 async def test_small_bodies_never_start_a_keying_process(rig: Rig) -> None:
     for _ in range(3):
         assert (await rig.chat()).status_code == 200

@@ -35,7 +35,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from loadtest.checkout_gateway import start_gateway, wait_ready
+from loadtest.checkout_gateway import READY_TIMEOUT_S, start_gateway
+from loadtest.overhead_load import wait_ready
 from loadtest.ports import free_port
 
 SECRET = "bench-loop-stall-key-hash-secret-32"
@@ -165,14 +166,20 @@ def _gateway(root: Path, folder: Path, worker_port: int, policy: str) -> tuple[s
     return start_gateway(root, folder, secret=SECRET, key=KEY, pools=pools, policy=policy)
 
 
-def _worker() -> tuple[subprocess.Popen[bytes], int]:
+def _worker(folder: Path) -> tuple[subprocess.Popen[bytes], int]:
     """The static worker (`loadtest.static_backend`): answers at once, whatever the body."""
     port = free_port()
     here = Path(__file__).resolve().parent.parent
     argv = [sys.executable, "-m", "loadtest.static_backend", "--port", str(port)]
     env = {**os.environ, "PYTHONPATH": str(here)}
-    proc = subprocess.Popen(argv, env=env, cwd=here, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_ready(proc, f"http://127.0.0.1:{port}/health")
+    log_path = folder / "worker.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(argv, env=env, cwd=here, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}/health", proc, log_path, READY_TIMEOUT_S)
+    except BaseException:
+        proc.kill()
+        raise
     return proc, port
 
 
@@ -223,30 +230,39 @@ def _settle() -> None:
     time.sleep(0.5)  # let the prober connect and the gateway go idle between phases
 
 
+def _measure(
+    port: int, bodies: dict[str, bytes], repeats: int, baseline_s: float, out: dict[str, Any]
+) -> None:
+    """The baseline, the small requests, then each shape's large bodies, into `out`."""
+    prober = Prober(port)
+    time.sleep(baseline_s)
+    out["baseline"] = _summary(prober.stop())
+    out["small_requests"] = _small_requests(port, SMALL_REQUESTS)
+    for shape, body in bodies.items():
+        prober = Prober(port)
+        _settle()
+        statuses, median_s = _post_all(port, body, repeats)
+        out[shape] = {
+            **_summary(prober.stop()),
+            "body_mb": round(len(body) / 1e6, 2),
+            "statuses": dict(statuses),
+            "median_request_s": round(median_s, 3),
+        }
+
+
 def run(root: Path, shapes: list[str], repeats: int, baseline_s: float, policy: str) -> dict[str, Any]:
     bodies = {shape: body_of(shape) for shape in shapes}
     out: dict[str, Any] = {"policy": policy, "load_average": os.getloadavg()}
-    worker, worker_port = _worker()
     with tempfile.TemporaryDirectory() as tmp:
-        gateway, port = _gateway(root, Path(tmp), worker_port, policy)
+        worker, worker_port = _worker(Path(tmp))
         try:
-            prober = Prober(port)
-            time.sleep(baseline_s)
-            out["baseline"] = _summary(prober.stop())
-            out["small_requests"] = _small_requests(port, SMALL_REQUESTS)
-            for shape, body in bodies.items():
-                prober = Prober(port)
-                _settle()
-                statuses, median_s = _post_all(port, body, repeats)
-                out[shape] = {
-                    **_summary(prober.stop()),
-                    "body_mb": round(len(body) / 1e6, 2),
-                    "statuses": dict(statuses),
-                    "median_request_s": round(median_s, 3),
-                }
+            gateway, port = _gateway(root, Path(tmp), worker_port, policy)
+            try:
+                _measure(port, bodies, repeats, baseline_s, out)
+            finally:
+                gateway.terminate()
+                gateway.wait(30)
         finally:
-            gateway.terminate()
-            gateway.wait(30)
             worker.terminate()
             worker.wait(30)
     out["load_average_after"] = os.getloadavg()

@@ -12,31 +12,13 @@ import json
 import os
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
+from loadtest.overhead_load import wait_ready
 from loadtest.ports import free_port
 
 READY_TIMEOUT_S = 60.0
-
-
-def wait_ready(proc: subprocess.Popen[bytes], url: str, timeout_s: float = READY_TIMEOUT_S) -> None:
-    """Until `url` answers 200; a process that exits or a deadline passed first is killed and
-    ends the benchmark."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as answer:
-                if answer.status == 200:
-                    return
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit(f"{proc.args!r} did not become ready")
-        time.sleep(0.1)
 
 
 def start_gateway(
@@ -49,7 +31,9 @@ def start_gateway(
     policy: str,
     limits: dict[str, Any] | None = None,
 ) -> tuple[subprocess.Popen[bytes], int]:
-    """The checkout's gateway on a free port, ready; its config and policy file in `folder`."""
+    """The checkout's gateway on a free port, ready; its config, policy file and log in `folder`
+    (a gateway that exits or is not ready in time: `RuntimeError` with the log's tail, and it is
+    killed)."""
     env = {**os.environ, "PYTHONPATH": str(root), "KVGATE_KEY_SECRET": secret}
     hashed = (
         subprocess.run(
@@ -75,6 +59,12 @@ def start_gateway(
     port = free_port()
     argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(folder / "gateway.json")]
     argv += ["--port", str(port), "--metrics-port", str(free_port())]
-    proc = subprocess.Popen(argv, env=env, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_ready(proc, f"http://127.0.0.1:{port}/readyz")
+    log_path = folder / "gateway.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(argv, env=env, cwd=root, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}/readyz", proc, log_path, READY_TIMEOUT_S)
+    except BaseException:
+        proc.kill()
+        raise
     return proc, port

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,29 +16,15 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from loadtest.ports import free_port as free_port
 from tests.support.gateway_config import SECRET
 from tests.support.wait import wait_until_sync
 
 REPO = Path(__file__).resolve().parents[2]
 
-
-# Ports this test process has handed out. A port is often bound by its process only later (a
-# worker's second listener, a config written before the gateway starts), and the kernel readily
-# hands a just-closed port out again: never give the same one twice.
-_HANDED_OUT: set[int] = set()
-
-
-def free_port() -> int:
-    """A port nothing listens on right now and that this test process has not handed out before
-    (the kernel's pick; another process may still take it later, which the caller's start-up
-    wait then reports)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port: int = s.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
+# `free_port` (re-exported for the tests): a port is often bound by its process only later (a worker's second
+# listener, a config written before the gateway starts), and the kernel readily hands a
+# just-closed port out again, so `loadtest.ports` never gives the same one twice.
 
 
 @dataclass

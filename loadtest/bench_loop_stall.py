@@ -35,8 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from loadtest.checkout_gateway import READY_TIMEOUT_S, start_gateway
-from loadtest.overhead_load import wait_ready
+from loadtest.checkout_gateway import start_gateway, start_ready
 from loadtest.ports import free_port
 
 SECRET = "bench-loop-stall-key-hash-secret-32"
@@ -172,14 +171,7 @@ def _worker(folder: Path) -> tuple[subprocess.Popen[bytes], int]:
     here = Path(__file__).resolve().parent.parent
     argv = [sys.executable, "-m", "loadtest.static_backend", "--port", str(port)]
     env = {**os.environ, "PYTHONPATH": str(here)}
-    log_path = folder / "worker.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(argv, env=env, cwd=here, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_ready(f"http://127.0.0.1:{port}/health", proc, log_path, READY_TIMEOUT_S)
-    except BaseException:
-        proc.kill()
-        raise
+    proc = start_ready(argv, env, here, folder / "worker.log", f"http://127.0.0.1:{port}/health")
     return proc, port
 
 

@@ -59,12 +59,20 @@ def start_gateway(
     port = free_port()
     argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(folder / "gateway.json")]
     argv += ["--port", str(port), "--metrics-port", str(free_port())]
-    log_path = folder / "gateway.log"
+    proc = start_ready(argv, env, root, folder / "gateway.log", f"http://127.0.0.1:{port}/readyz")
+    return proc, port
+
+
+def start_ready(
+    argv: list[str], env: dict[str, str], cwd: Path, log_path: Path, ready_url: str
+) -> subprocess.Popen[bytes]:
+    """`argv` run in `cwd` with its output in `log_path`, once `ready_url` answers; one that exits
+    or is not ready in time is killed (`RuntimeError` with the log's tail)."""
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(argv, env=env, cwd=root, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_ready(f"http://127.0.0.1:{port}/readyz", proc, log_path, READY_TIMEOUT_S)
+        wait_ready(ready_url, proc, log_path, READY_TIMEOUT_S)
     except BaseException:
         proc.kill()
         raise
-    return proc, port
+    return proc

@@ -152,6 +152,7 @@ class CostParamsYaml(_Strict):
     keep_tpot_s: float = Field(0.0, ge=0)
     herd_weight: float = Field(2.0, ge=0)
     herd_hold_steps: int = Field(len(HOLD_STEPS_S), ge=0, le=len(HOLD_STEPS_S))
+    ttft_objective_s: float | None = Field(None, gt=0)
 
 
 class SglangParamsYaml(_Strict):

@@ -25,7 +25,12 @@ token counts are in engine tokens, see `CostModel.engine_tokens_per_request_toke
 5. with `herd_hold_steps` > 0, in the same condition, a request whose own predicted prefill is
    long is held before it is decided (`hold_s`, `policies.herd.hold_steps`): one sync lag per step
    it reaches of 0.25 s, 1 s and 4 s, so the cheap requests of an instant, from every gateway, are
-   placed (and queued at the engines) before the expensive ones, which then see them.
+   placed (and queued at the engines) before the expensive ones, which then see them;
+6. with `ttft_objective_s` set, a request that matches nothing and whose own prefill alone takes
+   longer than the objective goes to the eligible worker with the fewest requests in flight (then
+   the longest backlog, then at random): it misses the objective wherever it runs, and there it
+   delays the fewest requests. Such prompts gather on the few workers already busy with one
+   (they hold few requests, since the score steers the rest away), and the others stay quick.
 """
 
 from __future__ import annotations
@@ -80,6 +85,7 @@ class CostPolicy(PrefixPolicyBase):
         keep_tpot_s: float = 0.0,
         herd_weight: float = 2.0,
         herd_hold_steps: int = len(HOLD_STEPS_S),
+        ttft_objective_s: float | None = None,
         shared: SharedSettings | None = None,
     ) -> None:
         if (
@@ -105,6 +111,8 @@ class CostPolicy(PrefixPolicyBase):
             raise ValueError("load_window_s must be > 0")
         if herd_hold_steps > len(HOLD_STEPS_S):
             raise ValueError(f"herd_hold_steps must be <= {len(HOLD_STEPS_S)}")
+        if ttft_objective_s is not None and ttft_objective_s <= 0:
+            raise ValueError("ttft_objective_s must be > 0 (or None: off)")
         super().__init__(seed=seed, shared=shared)
         self.epsilon = epsilon
         self.slack_requests = slack_requests
@@ -120,6 +128,7 @@ class CostPolicy(PrefixPolicyBase):
         self.keep_tpot_s = keep_tpot_s
         self.herd_weight = herd_weight
         self.herd_hold_steps = herd_hold_steps
+        self.ttft_objective_s = ttft_objective_s
         self._last_n = -1
         self._positions = Positions()
         self._columns: OrderedDict[str, CandidateCache] = OrderedDict()
@@ -300,6 +309,16 @@ class CostPolicy(PrefixPolicyBase):
                 self._recent_work.by_worker, self.branch_load_weight, self.load_window_s, now_s
             )
 
+        objective = self.ttft_objective_s
+        if objective is not None and longest_tokens == 0 and cost.prefill_s(scorer.n) > objective:
+            # Step 6 of the module docstring: no worker can meet the objective for this prompt.
+            lane = self._fewest_in_flight(loads, backlogs, bound)
+            scorer.consider(lane, cands[lane], 0, backlogs[lane])
+            self._count("objective_lanes")
+            return self._decided(
+                req, cands, scorer, scorer.best[0], overloaded, longest_tokens, found.public_blocks
+            )
+
         # A worker's score is at most what it saves minus its raw backlog's prefill time at the
         # mean prompt's attention (the queue's smallest term, before scaling for requests this
         # gateway did not send: a backlog's attention is never counted below it). Workers are
@@ -357,10 +376,54 @@ class CostPolicy(PrefixPolicyBase):
             home = self._home_choice(scorer, workers, cands, chosen, matched, herd_s, now_s)
             if home is not None:
                 score, chosen, matched, queue = home
+        return self._decided(
+            req,
+            cands,
+            scorer,
+            (chosen, matched, queue),
+            overloaded,
+            longest_tokens,
+            found.public_blocks,
+            score,
+        )
+
+    def _decided(
+        self,
+        req: RouteRequest,
+        cands: Sequence[WorkerView],
+        scorer: Scorer,
+        choice: tuple[int, int, float],
+        overloaded: bool,
+        longest_tokens: int,
+        public_blocks: int,
+        score: float | None = None,
+    ) -> RouteDecision:
+        """Record the choice (its reason; the queue the cost model expects, for calibration)."""
+        chosen, matched, queue = choice
         reason = self._reason(overloaded, matched, longest_tokens)
         self._decisions.add(reason)
-        cost.note_dispatch(req.request_id, queue, scorer._engine(matched))
-        return RouteDecision(cands[chosen].worker_id, score, reason, matched, found.public_blocks)
+        scorer.cost.note_dispatch(req.request_id, queue, scorer._engine(matched))
+        if score is None:
+            score = scorer.best_score
+        return RouteDecision(cands[chosen].worker_id, score, reason, matched, public_blocks)
+
+    def _fewest_in_flight(self, loads: Sequence[int], backlogs: Sequence[float], bound: float) -> int:
+        """The eligible worker (load within `bound`) with the fewest requests in flight, then the
+        longest backlog (one already busy with such a prompt, so that an idle worker stays free
+        for requests that can still meet the objective), ties at random."""
+        best: list[int] = []
+        best_key: tuple[float, float] | None = None
+        for i, load in enumerate(loads):
+            if load > bound:
+                continue
+            key = (load, -backlogs[i])
+            if best_key is None or key < best_key:
+                best_key, best = key, [i]
+            elif key == best_key:
+                best.append(i)
+        if not best:  # no worker within the bound: the least loaded of all
+            return self._fewest_in_flight(loads, backlogs, math.inf)
+        return best[0] if len(best) == 1 else self._rng.choice(best)
 
     def _home_choice(
         self,

@@ -47,7 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config",
         metavar="FILE",
-        help="goodput YAML (default: the shipped default.yaml), or a shipped one by name: pd, pd-tight-tpot",
+        help="goodput YAML (default: the shipped default.yaml), or a shipped one by name:"
+        " pd, pd-tight-tpot, holder, objective",
     )
     parser.add_argument("--traces", help="comma-separated subset of the config's traces")
     parser.add_argument(

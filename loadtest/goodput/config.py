@@ -62,30 +62,41 @@ class PolicyEntry(_Strict):
     `{default_pool: {capacity_fraction: 1.0}}`. `pd: holder_prefill` keeps the workers mixed
     with the chooser in that mode (`kvgate simulate --pd holder_prefill`). `name` is the row's
     label (default: "POLICY P:D", or POLICY); `pd_conditional` lets a request run alone on a
-    decode worker when that scores better, as the gateway's default does."""
+    decode worker when that scores better, as the gateway's default does. `objective: true`
+    gives `cost` each trace's TTFT objective as its `ttft_objective_s` (docs/policy.md)."""
 
     name: str | None = None
     policy: str
     pd: str | None = None
     pd_conditional: bool = True
     settings: dict[str, Any] | None = None
+    objective: bool = False
 
     @model_validator(mode="after")
     def _split(self) -> PolicyEntry:
         self.split()
-        self.policy_config(0)
+        if self.objective and self.policy != "cost":
+            raise ValueError("objective: true is a setting of the cost policy")
+        self.policy_config(0, 1.0)
         return self
 
-    def policy_config(self, seed: int) -> PolicyConfig | None:
+    def policy_config(self, seed: int, ttft_slo_s: float) -> PolicyConfig | None:
         """The row's policy file (None: the policy's defaults); `settings` may not name `policy`
-        or `seed`, which the row and the run set."""
-        if self.settings is None:
+        or `seed`, which the row and the run set, and with `objective` not `cost.ttft_objective_s`,
+        which is the trace's `ttft_slo_s`."""
+        if self.settings is None and not self.objective:
             return None
-        clash = {"policy", "seed"} & set(self.settings)
+        settings = dict(self.settings or {})
+        clash = {"policy", "seed"} & set(settings)
         if clash:
             raise ValueError(f"settings may not set {sorted(clash)}: the row and the run do")
+        if self.objective:
+            cost = dict(settings.get("cost") or {})
+            if "ttft_objective_s" in cost:
+                raise ValueError("settings may not set cost.ttft_objective_s with objective: true")
+            settings["cost"] = {**cost, "ttft_objective_s": ttft_slo_s}
         try:
-            return PolicyConfig.model_validate({**self.settings, "policy": self.policy, "seed": seed})
+            return PolicyConfig.model_validate({**settings, "policy": self.policy, "seed": seed})
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(part) for part in first["loc"])

@@ -161,7 +161,7 @@ def run_point(
     n_workers = sim.workers if split is None else sum(split)
     engine_config = EngineConfig(kv_blocks=spec.kv_blocks_per_worker, seed=sim.seed)
     engines = [Engine(setup.profile, engine_config) for _ in range(n_workers)]
-    config = entry.policy_config(sim.seed)
+    config = entry.policy_config(sim.seed, spec.ttft_slo_s)
     policy = make_policy(entry.policy, seed=sim.seed) if config is None else build_policy(config)
     if stop_below_share is not None:
         arrivals = {r.request_id: r.arrival_s for r in reqs}

@@ -145,3 +145,17 @@ def test_a_row_with_settings_runs_its_policy_as_a_policy_file_sets_it() -> None:
     for bad in ({"seed": 3}, {"policy": "round_robin"}, {"cost": {"no_such_knob": 1}}):
         with pytest.raises(ValueError, match="settings"):
             PolicyEntry(policy="cost", settings=bad)
+
+
+def test_an_objective_row_gives_cost_the_traces_ttft_slo() -> None:
+    row = PolicyEntry(policy="cost", objective=True, settings={"cost": {"epsilon": 0.25}})
+    config = row.policy_config(4, 1.4)
+    assert config is not None and config.seed == 4
+    assert config.cost.ttft_objective_s == 1.4 and config.cost.epsilon == 0.25
+    assert PolicyEntry(policy="cost").policy_config(0, 1.4) is None
+    for bad in (
+        {"policy": "preble_e2", "objective": True},
+        {"policy": "cost", "objective": True, "settings": {"cost": {"ttft_objective_s": 2.0}}},
+    ):
+        with pytest.raises(ValueError, match="objective"):
+            PolicyEntry.model_validate(bad)

@@ -114,6 +114,37 @@ def test_a_holder_past_the_guard_keeps_a_session_while_its_decode_batch_can_take
     assert d3 is not None and d3.worker != "w0"
 
 
+def test_a_prompt_that_cannot_meet_the_objective_goes_where_it_delays_the_fewest() -> None:
+    # 64k new tokens: about 4 s of prefill on an idle worker, over a 1 s objective anywhere.
+    long_miss = req("long", range(4000))
+    views = workers(3, 1, 1, 5, prefill=(0, 0, 40_000, 0))
+    plain = _policy().select(long_miss, views, 1.0)
+    assert plain is not None and plain.worker == "w0"  # the soonest start: no backlog
+    p = _policy(ttft_objective_s=1.0)
+    d = p.select(long_miss, views, 1.0)
+    # The fewest requests in flight (w1, w2), then the one already busy with a long prompt.
+    assert d is not None and d.worker == "w2" and d.reason == "miss"
+    assert p.stats().counters["objective_lanes"] == 1
+    # A prompt that can meet it is scored as without the objective.
+    short = p.select(req("short", range(5000, 5200)), views, 1.0)
+    assert short is not None and short.worker == "w0"
+    # So is one that matches a prefix: its holder saves it the most.
+    _warm(p, range(2000), "w3")
+    lanes = p.stats().counters["objective_lanes"]
+    held = p.select(req("held", range(4000)), views, 1.0)
+    assert held is not None and held.reason != "miss"
+    assert p.stats().counters["objective_lanes"] == lanes
+
+
+def test_the_objective_lane_keeps_to_the_load_guard() -> None:
+    p = _policy(ttft_objective_s=1.0, epsilon=0.0, slack_requests=1.0)
+    # w1 has the fewest requests but the longest backlog; w3 is past the guard (mean 2.5 + 1).
+    d = p.select(req("long", range(4000)), workers(2, 1, 2, 5, prefill=(0, 9_000, 0, 0)), 1.0)
+    assert d is not None and d.worker == "w1"
+    with pytest.raises(ValueError, match="ttft_objective_s"):
+        _policy(ttft_objective_s=0.0)
+
+
 def test_cold_adapter_outweighs_a_short_prefix() -> None:
     p = _policy()
     _warm(p, range(16), "w0")

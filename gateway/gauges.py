@@ -40,6 +40,7 @@ def refresh_gauges(state: GatewayState) -> None:
     m.forget_workers(current)
     _kv_events(state, m, now_s)
     m.answer_bytes_held.set(state.transport.answers.held_bytes)
+    m.stream_bytes_buffered.set(state.transport.streams.held_bytes)
 
 
 def _policy(state: GatewayState, m: GatewayMetrics) -> None:

@@ -27,7 +27,7 @@ from gateway.responses_affinity import ResponseAffinity
 from gateway.routing import Routing
 from gateway.tracing import TRACE_CONTEXT_HEADERS, RequestTracer
 from gateway.transport import Transport
-from gateway.upstream_conn import MAX_ANSWER_BYTES
+from gateway.upstream_conn import MAX_ANSWER_BYTES, StreamBuffers
 from gateway.upstream_headers import WorkerAuth
 from policies.base import RoutingPolicy
 from prompt_normalizer.normalizer import NormalizerConfig
@@ -86,7 +86,8 @@ def build_state(
             weights=weights,
             min_share_bytes=MAX_ANSWER_BYTES,
             share_refusals=metrics.answer_share_refusals.labels,
-        )
+        ),
+        streams=StreamBuffers(config.limits.max_buffered_stream_bytes),
     )
     gate = Gate(
         keyring=KeyRing(config.tenants, secret),

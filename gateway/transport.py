@@ -7,7 +7,13 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from gateway.config import UpstreamConfig
-from gateway.upstream import DEFAULT_BUDGET_BYTES, AnswerBudget, UpstreamPool
+from gateway.upstream import (
+    DEFAULT_BUDGET_BYTES,
+    DEFAULT_STREAM_BUFFER_BYTES,
+    AnswerBudget,
+    StreamBuffers,
+    UpstreamPool,
+)
 from gateway.upstream_conn import MAX_ANSWER_HEAD_BYTES
 
 
@@ -17,11 +23,14 @@ class Transport:
     the lean client for non-streamed POSTs to plain-HTTP workers (`gateway/upstream.py`; None:
     aiohttp carries everything). Both are made by `open` at lifespan startup and closed by
     `close` at its end. Both read whole answers within `answers`, the process's budget for them
-    (`limits.max_buffered_answer_bytes`), which outlives them."""
+    (`limits.max_buffered_answer_bytes`), which outlives them; the lean client's streams count
+    their unread bytes in `streams` (`limits.max_buffered_stream_bytes`; aiohttp keeps its own
+    small per-stream buffer)."""
 
     session: aiohttp.ClientSession | None = None
     lean: UpstreamPool | None = None
     answers: AnswerBudget = field(default_factory=lambda: AnswerBudget(DEFAULT_BUDGET_BYTES))
+    streams: StreamBuffers = field(default_factory=lambda: StreamBuffers(DEFAULT_STREAM_BUFFER_BYTES))
 
     def open(self, config: UpstreamConfig) -> aiohttp.ClientSession:
         self.session = make_session(config)
@@ -30,6 +39,7 @@ class Transport:
             config.keepalive_timeout_s,
             max_open_per_worker=config.max_connections_per_worker,
             budget=self.answers,
+            streams=self.streams,
         )
         return self.session
 

@@ -36,10 +36,12 @@ from typing import TypeVar
 from gateway import upstream_conn
 from gateway.answer_budget import AnswerBudget, AnswerHold, Reservation, TenantShare
 from gateway.upstream_conn import (
+    DEFAULT_STREAM_BUFFER_BYTES,
     MAX_ANSWER_BYTES,
     AnswerBody,
     AnswerBudgetExceeded,
     RetryHints,
+    StreamBuffers,
     UpstreamBusy,
     UpstreamConnectError,
     UpstreamError,
@@ -57,6 +59,7 @@ DEFAULT_BUDGET_BYTES = 8 * MAX_ANSWER_BYTES
 
 __all__ = [
     "DEFAULT_BUDGET_BYTES",
+    "DEFAULT_STREAM_BUFFER_BYTES",
     "MAX_ANSWER_BYTES",
     "AnswerBody",
     "AnswerBudget",
@@ -64,6 +67,7 @@ __all__ = [
     "AnswerHold",
     "Reservation",
     "RetryHints",
+    "StreamBuffers",
     "TenantShare",
     "UpstreamBusy",
     "UpstreamConnectError",
@@ -89,8 +93,10 @@ class UpstreamPool:
         keepalive_timeout_s: float = 30.0,
         max_open_per_worker: int = 256,
         budget: AnswerBudget | None = None,
+        streams: StreamBuffers | None = None,
     ) -> None:
         self.budget = budget if budget is not None else AnswerBudget(DEFAULT_BUDGET_BYTES)
+        self.streams = streams if streams is not None else StreamBuffers(DEFAULT_STREAM_BUFFER_BYTES)
         self._idle: dict[tuple[str, int], deque[WorkerConnection]] = {}
         self._max_idle = max_idle_per_worker
         self._keepalive_s = keepalive_timeout_s
@@ -230,7 +236,7 @@ class UpstreamPool:
         try:
             async with asyncio.timeout(connect_s):
                 _, protocol = await loop.create_connection(
-                    lambda: WorkerConnection(loop, self._sweep, self.budget), host, port
+                    lambda: WorkerConnection(loop, self._sweep, self.budget, self.streams), host, port
                 )
         except TimeoutError:
             raise UpstreamConnectError("connect timed out", timed_out=True) from None
@@ -322,6 +328,7 @@ class UpstreamStream:
         if self._done:
             return
         self._done = True
+        self._conn.body.discard()
         if self._conn.body.eof:
             self._pool._give_back(self._key, self._conn)
         else:
@@ -333,6 +340,7 @@ class UpstreamStream:
         if self._done:
             return
         self._done = True
+        self._conn.body.discard()
         self._conn.abort()
         self._pool._leave(self._key, self._slots)
 

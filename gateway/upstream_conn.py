@@ -133,18 +133,43 @@ class UpstreamHead:
 
 
 # A streamed answer's unread bytes above which the connection stops reading from the worker
-# (TCP then slows the worker down), and below which it reads again.
+# (TCP then slows the worker down), and below which it reads again; while the process's streams
+# hold more than their budget (`StreamBuffers`), each stops past `STREAM_TIGHT_BYTES` instead.
 STREAM_PAUSE_BYTES = 1024 * 1024
 STREAM_RESUME_BYTES = 256 * 1024
+STREAM_TIGHT_BYTES = 64 * 1024
+# `limits.max_buffered_stream_bytes`' default.
+DEFAULT_STREAM_BUFFER_BYTES = 256 * 1024 * 1024
+
+
+class StreamBuffers:
+    """Unread bytes of streamed answers across the process: what workers sent that the relays
+    have not yet taken, because their clients read slower than the workers write. Past
+    `capacity_bytes` every stream stops reading from its worker once it holds
+    `STREAM_TIGHT_BYTES` unread, instead of `STREAM_PAUSE_BYTES`: nothing is refused, the
+    workers are slowed by TCP. So the process holds at most the capacity plus, per stream, that
+    much and one read of the socket, however many streams read slowly."""
+
+    __slots__ = ("capacity_bytes", "held_bytes")
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.held_bytes = 0
+
+    def pause_above(self) -> int:
+        """The unread bytes past which a stream stops reading now."""
+        return STREAM_TIGHT_BYTES if self.held_bytes > self.capacity_bytes else STREAM_PAUSE_BYTES
 
 
 class StreamBody:
-    """The body of a streamed answer between the connection (writer) and one reader."""
+    """The body of a streamed answer between the connection (writer) and one reader. Its unread
+    bytes are counted in the process's `StreamBuffers` until read or dropped (`discard`)."""
 
-    __slots__ = ("_conn", "_waiter", "chunks", "eof", "error", "size")
+    __slots__ = ("_buffers", "_conn", "_waiter", "chunks", "eof", "error", "size")
 
-    def __init__(self, conn: WorkerConnection) -> None:
+    def __init__(self, conn: WorkerConnection, buffers: StreamBuffers) -> None:
         self._conn = conn
+        self._buffers = buffers
         self.chunks: deque[bytes] = deque()
         self.size = 0
         self.eof = False
@@ -154,9 +179,17 @@ class StreamBody:
     def push(self, data: bytes) -> None:
         self.chunks.append(data)
         self.size += len(data)
-        if self.size > STREAM_PAUSE_BYTES:
+        buffers = self._buffers
+        buffers.held_bytes += len(data)
+        if self.size > buffers.pause_above():
             self._conn.pause()
         self._wake()
+
+    def discard(self) -> None:
+        """Nobody will read the rest (the stream was closed): give its bytes back."""
+        self._buffers.held_bytes -= self.size
+        self.size = 0
+        self.chunks.clear()
 
     def end(self, error: UpstreamError | None = None) -> None:
         if error is not None:
@@ -179,6 +212,7 @@ class StreamBody:
                 self._waiter = None
         data = self.chunks.popleft() if len(self.chunks) == 1 else b"".join(self.chunks)
         self.chunks.clear()
+        self._buffers.held_bytes -= self.size
         self.size = 0
         self._conn.resume()
         return data
@@ -209,6 +243,7 @@ class WorkerConnection(asyncio.Protocol):
         "_retry_hints",
         "_size",
         "_stream",
+        "_streams",
         "_sweep",
         "alive",
         "got_bytes",
@@ -216,10 +251,17 @@ class WorkerConnection(asyncio.Protocol):
         "transport",
     )
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, sweep: TimeoutSweep, budget: AnswerBudget) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        sweep: TimeoutSweep,
+        budget: AnswerBudget,
+        streams: StreamBuffers,
+    ) -> None:
         self._loop = loop
         self._sweep = sweep
         self._budget = budget
+        self._streams = streams
         # The whole answer being read: its bytes' reservation (from the request's tenant share,
         # or `_budget`) until the reply takes it, and its bytes so far.
         self._held: Reservation | None = None
@@ -371,7 +413,7 @@ class WorkerConnection(asyncio.Protocol):
         """Send a request whose answer is read as a stream: the head future resolves first, then
         `body` holds the chunks until the answer ends (or fails)."""
         self._head = self._loop.create_future()
-        self._stream = StreamBody(self)
+        self._stream = StreamBody(self, self._streams)
         self._start(data, read_s, total_s)
         return self._head
 

@@ -49,7 +49,9 @@ class LimitsConfig(Frozen):
     (`max_in_flight_requests`; beyond: 503 with Retry-After, so every per-request structure
     stays bounded). Bytes of workers' whole answers held at once, across requests, each from
     its first byte read until it has been written to its client (`max_buffered_answer_bytes`;
-    the answer that would pass it: 503 with Retry-After).
+    the answer that would pass it: 503 with Retry-After). Unread bytes of streamed answers
+    across requests (`max_buffered_stream_bytes`; past it every stream stops reading from its
+    worker sooner, nothing is refused).
     """
 
     max_body_bytes: PositiveInt = 8 * 1024 * 1024
@@ -58,6 +60,7 @@ class LimitsConfig(Frozen):
     max_in_flight_requests: PositiveInt = 4096
     # Eight answers at the per-answer cap (`upstream_conn.MAX_ANSWER_BYTES`, 64 MiB).
     max_buffered_answer_bytes: int = Field(default=512 * 1024 * 1024, ge=1024 * 1024)
+    max_buffered_stream_bytes: int = Field(default=256 * 1024 * 1024, ge=1024 * 1024)
     max_header_bytes: int = Field(default=32 * 1024, ge=1024)
     max_headers: PositiveInt = 100
     header_timeout_s: PositiveFloat = 10.0

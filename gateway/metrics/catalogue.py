@@ -232,6 +232,12 @@ class MetricCatalogue:
             "their clients), across requests (at most limits.max_buffered_answer_bytes)",
             registry=r,
         )
+        self.stream_bytes_buffered = Gauge(
+            "kvgate_stream_bytes_buffered",
+            "Bytes of streamed worker answers received and not yet taken by their relays, across "
+            "requests (past limits.max_buffered_stream_bytes each stream stops reading sooner)",
+            registry=r,
+        )
         self.client_connections = Gauge(
             "kvgate_client_connections", "Open client connections of this process", registry=r
         )

@@ -7,7 +7,8 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from gateway.upstream import UpstreamError, UpstreamPool, UpstreamStream, UpstreamTimeout
+from gateway.upstream import StreamBuffers, UpstreamError, UpstreamPool, UpstreamStream, UpstreamTimeout
+from gateway.upstream_conn import STREAM_TIGHT_BYTES
 from tests.gateway.fake_upstream import Handler, Server, post, read_request
 from tests.support.wait import wait_until
 
@@ -132,4 +133,44 @@ async def test_a_lagging_reader_pauses_the_worker_and_loses_nothing(
         total += len(data)
     assert total == len(piece) * pieces
     stream.release()
+    pool.close()
+
+
+async def test_streams_past_the_process_budget_stop_reading_sooner_and_give_bytes_back(
+    serve: Callable[[Handler], Awaitable[Server]],
+) -> None:
+    piece = b"x" * 65536
+    pieces = 64  # 4 MiB each
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(SSE_HEAD)
+        for _ in range(pieces):
+            writer.write(chunk(piece))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        await reader.read()  # until the gateway hangs up
+
+    server = await serve(handler)
+    buffers = StreamBuffers(256 * 1024)
+    pool = UpstreamPool(streams=buffers)
+    first = await open_stream(pool, server)
+    await wait_until(lambda: first._conn._paused)
+    second = await open_stream(pool, server)
+    await wait_until(lambda: second._conn._paused)
+    # The budget is spent: the second stream stopped past 64 KiB (plus what one socket read
+    # brought), not past the 1 MiB a stream may hold while the process is under its budget.
+    one_read = 256 * 1024
+    assert buffers.held_bytes > buffers.capacity_bytes
+    assert STREAM_TIGHT_BYTES < second._conn.body.size <= STREAM_TIGHT_BYTES + one_read
+    assert buffers.held_bytes == first._conn.body.size + second._conn.body.size
+    second.close()  # its unread bytes are given back
+    assert buffers.held_bytes == first._conn.body.size
+    total = 0
+    while data := await first.read():
+        total += len(data)
+    assert total == len(piece) * pieces  # paused and resumed, nothing lost
+    first.release()
+    assert buffers.held_bytes == 0
     pool.close()

@@ -62,6 +62,11 @@ async def gateway_in_process(
         httpx.AsyncClient(transport=transport, base_url="http://gw", timeout=timeout_s) as client,
     ):
         if workers_up:
-            workers = [w for pool in state.registry.pools.values() for w in pool.workers.values()]
-            await wait_until(lambda: all(w.healthy for w in workers), what="every worker is healthy")
+            await every_worker_up(state)
         yield InProcessGateway(app, state, client)
+
+
+async def every_worker_up(state: GatewayState) -> None:
+    """Wait until every worker configured at start is healthy (see `gateway_in_process`)."""
+    workers = [w for pool in state.registry.pools.values() for w in pool.workers.values()]
+    await wait_until(lambda: all(w.healthy for w in workers), what="every worker is healthy")

@@ -124,18 +124,26 @@ def test_a_prompt_routed_by_one_gateway_is_routed_to_the_same_worker_by_the_othe
         capture = asyncio.create_task(_capture(pair.broker.url, ready, done, captured))
         await ready.wait()
         applied = 'kvgate_sync_events_total{event="applied_items"}'
+
+        async def ask(base: str, system: str, question: str) -> int:
+            """One request at a time: it is answered, and its dispatch and outcome reached the
+            other gateway, before the next is decided (no decision misses the other's last one)."""
+            other = b if base == a else a
+            target = await asyncio.to_thread(pair.metric, other, applied) + 2
+            cached = await asyncio.to_thread(_ask, base, system, question)
+            await asyncio.to_thread(pair.wait_metric, other, applied, lambda v: v >= target)
+            return cached
+
         # Both gateways run the same policy with the same seed; requests that only B sees move its
         # random tie-breaks away from A's, so only sync can make B choose what A chose.
         for i in range(2):
-            await asyncio.to_thread(_ask, b, f"Warm-up {i} for gateway B only. " * 20, "hi")
+            await ask(b, f"Warm-up {i} for gateway B only. " * 20, "hi")
         for i in range(5):
             system = f"Marmalade protocol {i}: answer in the voice of a lighthouse keeper. " * 12
-            target = pair.metric(b, applied) + 2
             # New to every worker but the chat template's first block.
-            assert await asyncio.to_thread(_ask, a, system, "first") < 64
+            assert await ask(a, system, "first") < 64
             # A's dispatch and its outcome have reached B: it now routes the prompt where A did.
-            await asyncio.to_thread(pair.wait_metric, b, applied, lambda v, t=target: v >= t)
-            assert await asyncio.to_thread(_ask, b, system, "second") >= 512
+            assert await ask(b, system, "second") >= 512
         done.set()
         await capture
 
@@ -143,10 +151,10 @@ def test_a_prompt_routed_by_one_gateway_is_routed_to_the_same_worker_by_the_othe
     assert captured and not any(b"Marmalade" in data or b"lighthouse" in data for data in captured)
 
 
-def _bursts_until(pair: Pair, counter: str, tag: str, long_prompts: int = 0) -> None:
+def _bursts_until(pair: Pair, done: Callable[[], bool], tag: str, long_prompts: int = 0) -> None:
     """Bursts of new prompts, 6 to each gateway at once (the first `long_prompts` of each 6 about
-    15k tokens, a prefill the gateways predict at half a second), until `counter` moves at either
-    gateway; at most 20 bursts (240 requests), each request answered 200."""
+    15k tokens, a prefill the gateways predict at half a second), until `done()` after a burst; at
+    most 20 bursts (240 requests), each request answered 200."""
     a, b = pair.gateways
 
     async def burst(k: int) -> None:
@@ -164,32 +172,38 @@ def _bursts_until(pair: Pair, counter: str, tag: str, long_prompts: int = 0) -> 
 
     for k in range(20):
         asyncio.run(burst(k))
-        if pair.metric(a, counter) + pair.metric(b, counter) > 0:
+        if done():
             return
+
+
+def _either(pair: Pair, series: str) -> float:
+    """The larger value of `series` at the two gateways."""
+    return max(pair.metric(base, series) for base in pair.gateways)
 
 
 def test_requests_reaching_both_gateways_at_once_part_over_their_home_shares(pair: Pair) -> None:
     """Bursts of new prompts sent to A and B together: each gateway sees the other's dispatches of
     the same instant only after they were made, measures that, and prefers its home share."""
-    a, b = pair.gateways
     herd = 'kvgate_policy_events_total{event="herd_home_choices",policy="cost"}'
     unseen = "kvgate_sync_unseen_peer_dispatches"
     # The requests so far came one at a time: every decision saw the other gateway's earlier ones.
-    assert pair.metric(a, herd) + pair.metric(b, herd) == 0
-    assert max(pair.metric(a, unseen), pair.metric(b, unseen)) < 0.5
+    assert _either(pair, herd) == 0
+    assert _either(pair, unseen) < 0.5
 
-    _bursts_until(pair, herd, "home")
-    assert pair.metric(a, herd) + pair.metric(b, herd) > 0
-    assert max(pair.metric(a, unseen), pair.metric(b, unseen)) >= 0.5
+    # A home choice is made while the unseen dispatches per decision are at least 0.5; the
+    # decisions of the rest of that burst may bring the average back below it, so bursts go on
+    # until the gauge shows it too.
+    _bursts_until(pair, lambda: _either(pair, herd) > 0 and _either(pair, unseen) >= 0.5, "home")
+    assert _either(pair, herd) > 0
+    assert _either(pair, unseen) >= 0.5
 
 
 def test_in_a_burst_long_prompts_are_held_and_every_request_is_served(pair: Pair) -> None:
     """Bursts mixing long new prompts with short ones, to A and B together: in a burst the
     gateways hold long ones before deciding them (`cost` step 5), and every request is served."""
-    a, b = pair.gateways
     holds = 'kvgate_policy_events_total{event="herd_holds",policy="cost"}'
-    _bursts_until(pair, holds, "held", long_prompts=2)
-    assert pair.metric(a, holds) + pair.metric(b, holds) > 0
+    _bursts_until(pair, lambda: _either(pair, holds) > 0, "held", long_prompts=2)
+    assert _either(pair, holds) > 0
 
 
 def test_with_the_broker_killed_both_gateways_keep_serving(pair: Pair) -> None:

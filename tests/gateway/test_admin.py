@@ -57,7 +57,13 @@ async def _start(raw: dict[str, Any], tmp_path: Path) -> AsyncIterator[Admin]:
     loaded, watcher, swap = load_policy(config)
     normalizer = loaded.config.normalizer
     rig = gateway_in_process(
-        config, loaded.policy, secret=SECRET, normalizer=normalizer, watcher=watcher, swap=swap
+        config,
+        loaded.policy,
+        secret=SECRET,
+        normalizer=normalizer,
+        watcher=watcher,
+        swap=swap,
+        workers_up=False,  # its one worker is down on purpose
     )
     async with rig as gw:
         yield Admin(gw.client, gw.state, tmp_path / "policy.yaml", gw.app)

@@ -50,7 +50,7 @@ async def test_a_policy_exception_is_a_500_and_releases_the_quota_slot() -> None
             "scrape": {"enabled": False},
         }
     )
-    async with gateway_in_process(config, BrokenPolicy(), secret=SECRET) as gw:
+    async with gateway_in_process(config, BrokenPolicy(), secret=SECRET, workers_up=False) as gw:
         body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
         for _ in range(2):  # the second would be 429 if the first leaked its slot
             resp = await gw.client.post(

@@ -175,7 +175,8 @@ async def test_loop_scrapes_ages_and_survives_failures(worker: tuple[Worker, str
     clock = [100.0]
     updates: list[WorkerId] = []
     scraper = MetricsScraper(
-        ScrapeConfig(interval_s=0.02, timeout_s=0.2, max_age_s=5.0),
+        # A timeout far beyond any scheduling delay: the only failures are the worker's HTTP 500s.
+        ScrapeConfig(interval_s=0.02, timeout_s=10.0, max_age_s=5.0),
         clock=lambda: clock[0],
         on_update=lambda wid, _: updates.append(wid),
     )
@@ -241,16 +242,21 @@ async def test_large_page_is_read_whole(worker: tuple[Worker, str]) -> None:
 
 async def test_slow_and_oversized_pages_fail_cleanly(worker: tuple[Worker, str]) -> None:
     w, url = worker
-    scraper = MetricsScraper(ScrapeConfig(timeout_s=0.1, max_body_bytes=64))
-    await scraper.start()
+    # Each scraper fails one way only: the one with a small body limit has all the time it needs
+    # to see the page is too large, the one with a short timeout gets a page that never comes.
+    oversized = MetricsScraper(ScrapeConfig(timeout_s=10.0, max_body_bytes=64))
+    slow = MetricsScraper(ScrapeConfig(timeout_s=0.1))
+    await oversized.start()
+    await slow.start()
     try:
         with pytest.raises(ScrapeError, match="larger than 64"):
-            await scraper.scrape_once(url)
+            await oversized.scrape_once(url)
         w.delay_s = 1.0
         with pytest.raises(TimeoutError):
-            await scraper.scrape_once(url)
+            await slow.scrape_once(url)
     finally:
-        await scraper.stop()
+        await oversized.stop()
+        await slow.stop()
 
 
 async def test_remove_and_stop_cancel_the_tasks(worker: tuple[Worker, str]) -> None:

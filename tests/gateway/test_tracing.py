@@ -31,7 +31,7 @@ from gateway.state import GatewayState, build_state
 from gateway.tracing import AttemptTrace, RequestTracer
 from policies.config import PolicyConfig, build_policy
 from prompt_normalizer.normalizer import NormalizerConfig
-from tests.support.inprocess import gateway_in_process
+from tests.support.inprocess import every_worker_up, gateway_in_process
 from tests.support.loopback import serve_app
 
 SECRET = b"k"
@@ -134,6 +134,7 @@ async def rig(request: pytest.FixtureRequest) -> AsyncIterator[Rig]:
             app.fallback.router.lifespan_context(app.fallback),
             httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client,
         ):
+            await every_worker_up(state)
             yield Rig(client, worker, state, app, spans, port)
     finally:
         await runner.cleanup()

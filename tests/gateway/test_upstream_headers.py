@@ -23,6 +23,7 @@ from gateway.state import GatewayState, build_state
 from gateway.upstream_headers import NO_AUTH, WorkerAuth, forwardable_name, pick
 from policies import make_policy
 from prompt_normalizer.normalizer import NormalizerConfig
+from tests.support.inprocess import every_worker_up
 from tests.support.loopback import serve_app
 
 SECRET = b"k"
@@ -175,6 +176,7 @@ async def rig() -> AsyncIterator[Rig]:
             app.fallback.router.lifespan_context(app.fallback),
             httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client,
         ):
+            await every_worker_up(state)
             yield Rig(client, state, seen)
     finally:
         await runner.cleanup()

@@ -30,7 +30,9 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatorPool]:
 
 @pytest.mark.e2e
 def test_replay_measures_ttft_and_cached_tokens_over_http(pool: EmulatorPool) -> None:
-    block = BlockPrompt((7, 8), 512, 1000, salt="test")
+    # 4000 tokens: a's prefill is ~100 ms modelled, b's (all but its last block cached) one short
+    # step, so b answers first by far more than this machine's scheduling delays.
+    block = BlockPrompt((7, 8), 2048, 4000, salt="test")
     reqs = [
         WorkloadRequest("a", 0.0, "t", "s", block, 4),
         WorkloadRequest("b", 0.3, "t", "s", block, 4),
@@ -43,8 +45,8 @@ def test_replay_measures_ttft_and_cached_tokens_over_http(pool: EmulatorPool) ->
     results = {r.request_id: r for r in asyncio.run(replay(reqs, cfg, lambda r: {}))}
     assert all(r.error is None and r.status == 200 for r in results.values()), results
     a, b = results["a"], results["b"]
-    assert a.prompt_tokens == 1000 and a.completion_tokens == 4
-    assert a.cached_tokens == 0 and b.cached_tokens == 992  # full 16-token blocks of the shared prompt
+    assert a.prompt_tokens == 4000 and a.completion_tokens == 4
+    assert a.cached_tokens == 0 and b.cached_tokens == 3984  # the full 16-token blocks before the last token
     assert a.ttft_s is not None and b.ttft_s is not None and b.ttft_s < a.ttft_s
     assert b.sent_s == pytest.approx(0.3, abs=0.15)  # sent at its arrival time
     assert results["c"].prompt_tokens == 120 and results["d"].completion_tokens == 5

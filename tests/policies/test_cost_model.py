@@ -144,6 +144,7 @@ def test_inlined_queue_cost_equals_the_cost_model(
     )
 
 
+@settings(deadline=None)
 @given(st.integers(1, 200_000), st.integers(0, 200_000))
 def test_inlined_saved_time_equals_the_cost_model(n: int, m: int) -> None:
     p = CostPolicy(seed=1)

@@ -7,7 +7,7 @@ import copy
 import dataclasses
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies.base import WorkerId
@@ -29,6 +29,7 @@ from tests.policies.factories import req, workers
 LAG_S = 0.01
 
 
+@settings(deadline=None)
 @given(st.integers(1, 40), st.integers(1, 12))
 def test_home_shares_part_the_workers_among_the_gateways(n_workers: int, n_gateways: int) -> None:
     ids = [WorkerId(f"w{i:02d}") for i in range(n_workers)]
@@ -218,6 +219,7 @@ def test_herd_weight_must_not_be_negative() -> None:
         CostPolicy(herd_weight=-1.0)
 
 
+@settings(deadline=None)
 @given(st.floats(0.0, 100.0), st.floats(0.0, 0.2), st.integers(0, 3))
 def test_a_hold_grows_with_the_prefill_and_stays_a_small_share_of_it(
     prefill_s: float, lag_s: float, max_steps: int

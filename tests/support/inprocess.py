@@ -18,6 +18,7 @@ from gateway.state import GatewayState, PolicySwap, build_state
 from policies.base import RoutingPolicy
 from prompt_normalizer.normalizer import NormalizerConfig
 from tests.support.gateway_config import SECRET
+from tests.support.wait import wait_until
 
 
 @dataclass
@@ -39,11 +40,17 @@ async def gateway_in_process(
     watcher: PolicyWatcher | None = None,
     swap: PolicySwap | None = None,
     timeout_s: float = 10.0,
+    workers_up: bool = True,
 ) -> AsyncIterator[InProcessGateway]:
     """Build the state and app as `kvgate serve` does and run them until the block exits.
 
     `config` is a parsed config or the raw mapping a YAML file would hold; `watcher` and `swap`
-    come from `gateway.serve.load_policy` when the test reloads a policy file."""
+    come from `gateway.serve.load_policy` when the test reloads a policy file.
+
+    With `workers_up` the block starts once every configured worker is healthy: the lifespan's
+    first round of health checks misses a worker that answers if this process stops for longer
+    than the check's timeout (a long garbage collection on a loaded machine), and the next round
+    comes an interval later. A test whose workers are meant to be down passes False."""
     parsed = config if isinstance(config, GatewayConfig) else parse_config(dict(config))
     state = build_state(parsed, secret, policy, normalizer or NormalizerConfig())
     if swap is not None:
@@ -54,4 +61,12 @@ async def gateway_in_process(
         app.fallback.router.lifespan_context(app.fallback),
         httpx.AsyncClient(transport=transport, base_url="http://gw", timeout=timeout_s) as client,
     ):
+        if workers_up:
+            await every_worker_up(state)
         yield InProcessGateway(app, state, client)
+
+
+async def every_worker_up(state: GatewayState) -> None:
+    """Wait until every worker configured at start is healthy (see `gateway_in_process`)."""
+    workers = [w for pool in state.registry.pools.values() for w in pool.workers.values()]
+    await wait_until(lambda: all(w.healthy for w in workers), what="every worker is healthy")

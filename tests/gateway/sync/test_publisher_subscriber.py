@@ -14,6 +14,7 @@ from gateway.config.pool import PoolConfig
 from gateway.config.sync import SyncConfig
 from gateway.metrics import GatewayMetrics
 from gateway.registry import Registry
+from gateway.sync import subscriber
 from gateway.sync.codec import PUBLISH_BATCH_KEYS, SyncBatch, decode, encode
 from gateway.sync.publisher import SyncPublisher, load_bytes
 from gateway.sync.subscriber import CHUNK_KEYS, MAX_HOLDING_KEYS, SyncSubscriber
@@ -80,6 +81,27 @@ def test_loads_go_out_when_they_change_and_whole_at_each_refresh() -> None:
 
 def idle_of(load: PeerLoad) -> PeerLoad:
     return PeerLoad(load.pool, load.worker, 0, 0, 0)
+
+
+class _StoppedClocks:
+    """The subscriber's `time` module, stopped: a batch's age is what the test sent, not that plus
+    however long this process was preempted between sending the batch and receiving it."""
+
+    def __init__(self) -> None:
+        self.wall_s = time.time()
+        self.monotonic_s = time.monotonic()
+
+    def time(self) -> float:
+        return self.wall_s
+
+    def monotonic(self) -> float:
+        return self.monotonic_s
+
+
+def _stop_clocks(monkeypatch: pytest.MonkeyPatch) -> _StoppedClocks:
+    clocks = _StoppedClocks()
+    monkeypatch.setattr(subscriber, "time", clocks)
+    return clocks
 
 
 def _subscriber() -> tuple[SyncSubscriber, Registry]:
@@ -206,27 +228,29 @@ def test_the_publisher_knows_while_peers_count_prefill_tokens_of_its_own() -> No
     assert pub.next_batch([PeerLoad("p", WorkerId(W0), 1, 0, 10)], 0.02) is None
 
 
-async def test_a_peer_holding_counts_against_the_decisions_made_since_the_peer_sent_it() -> None:
+async def test_a_peer_holding_counts_against_the_decisions_made_since_the_peer_sent_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clocks = _stop_clocks(monkeypatch)
     registry = Registry([PoolConfig(name="p", models=["m"], workers=[W0, W1])])
     sub = SyncSubscriber("me", registry, 2.0, GatewayMetrics())
     policy = CostPolicy(seed=0)
     policy.set_sync_sink(lambda item, now_s: None, origin="me")
     skew_s = 10.0  # the peer's wall clock is 10 s behind ours
     # A batch sent just now: the smallest age seen from this peer, its clocks' skew.
-    await sub.on_message(encode(SyncBatch("peer", 1, time.time() - skew_s, True)), lambda: policy)
-    now = time.monotonic()
+    await sub.on_message(encode(SyncBatch("peer", 1, clocks.wall_s - skew_s, True)), lambda: policy)
+    now = clocks.monotonic_s
     for k, ago_s in enumerate((1.0, 0.001)):  # two decisions here, 1 s and 1 ms ago
         r = req(f"own{k}", range(100 * k, 100 * k + 8), pool="p")
         policy.on_dispatch(r, RouteDecision(WorkerId(W0), 0.0, "miss"), now - ago_s)
     # The peer sent this batch 50 ms ago: its holding was decided then at the latest, not 10 s ago
     # as the clocks alone would say.
-    batch = SyncBatch("peer", 2, time.time() - skew_s - 0.05, True, (_holding(1),))
-    decided = sub.decided_s(batch, time.monotonic())
-    assert 0.045 <= time.monotonic() - decided < 0.5  # less the first batch's own transit
+    batch = SyncBatch("peer", 2, clocks.wall_s - skew_s - 0.05, True, (_holding(1),))
+    assert sub.decided_s(batch, now) == pytest.approx(now - 0.05, abs=1e-6)
     await sub.on_message(encode(batch), lambda: policy)
     # The decision of 1 ms ago could not see it, the one of 1 s ago was before it.
     assert policy._unseen.per_decision == pytest.approx(0.5, rel=0.05)  # the older one decayed a little
-    assert "peer" in policy._gateways.names(time.monotonic())
+    assert "peer" in policy._gateways.names(now)
 
 
 def test_a_batch_says_how_long_its_first_item_waited(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -243,14 +267,17 @@ def test_a_batch_says_how_long_its_first_item_waited(monkeypatch: pytest.MonkeyP
     assert batch is not None and batch.items == () and batch.waited_s == 0.0  # loads only
 
 
-def test_a_peer_item_that_waited_in_its_batch_counts_from_when_it_came() -> None:
+def test_a_peer_item_that_waited_in_its_batch_counts_from_when_it_came(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clocks = _stop_clocks(monkeypatch)
     registry = Registry([PoolConfig(name="p", models=["m"], workers=[W0, W1])])
     sub = SyncSubscriber("me", registry, 2.0, GatewayMetrics())
-    sub.decided_s(SyncBatch("peer", 1, time.time(), True), time.monotonic())  # the smallest age
-    now = time.monotonic()
-    fresh = sub.decided_s(SyncBatch("peer", 2, time.time(), True), now)
-    waited = sub.decided_s(SyncBatch("peer", 3, time.time(), True, (_holding(1),), (), 0.5), now)
-    assert fresh - waited == pytest.approx(0.5, abs=0.01)
+    now, sent_s = clocks.monotonic_s, clocks.wall_s
+    sub.decided_s(SyncBatch("peer", 1, sent_s, True), now)  # the smallest age
+    fresh = sub.decided_s(SyncBatch("peer", 2, sent_s, True), now)
+    waited = sub.decided_s(SyncBatch("peer", 3, sent_s, True, (_holding(1),), (), 0.5), now)
+    assert fresh == now and fresh - waited == pytest.approx(0.5, abs=1e-6)
 
 
 async def test_holdings_and_loads_of_workers_this_gateway_does_not_have_leave_nothing_and_are_counted() -> (

@@ -340,8 +340,7 @@ class UpstreamStream:
         if self._done:
             return
         self._done = True
-        self._conn.body.discard()
-        self._conn.abort()
+        self._conn.abort()  # its unread bytes are given back
         self._pool._leave(self._key, self._slots)
 
 

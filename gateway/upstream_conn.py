@@ -447,8 +447,11 @@ class WorkerConnection(asyncio.Protocol):
         self._close()
 
     def abort(self) -> None:
-        """The caller gave up (client disconnect): drop the connection so the worker stops."""
+        """The caller gave up (client disconnect): drop the connection so the worker stops. A
+        stream's unread bytes are given back (nobody reads them now)."""
         self.alive = False
+        if self._stream is not None:
+            self._stream.discard()
         self._reset()
         if self.transport is not None:
             self.transport.abort()

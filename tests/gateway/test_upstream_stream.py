@@ -174,3 +174,25 @@ async def test_streams_past_the_process_budget_stop_reading_sooner_and_give_byte
     first.release()
     assert buffers.held_bytes == 0
     pool.close()
+
+
+async def test_a_stream_opened_and_abandoned_before_its_head_was_taken_gives_its_bytes_back(
+    serve: Callable[[Handler], Awaitable[Server]],
+) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(SSE_HEAD + chunk(b"data: 1\n\n"))  # the head and a first event in one write
+        await writer.drain()
+        await reader.read()
+
+    server = await serve(handler)
+    buffers = StreamBuffers(1024 * 1024)
+    pool = UpstreamPool(streams=buffers)
+    conn = await pool._connect("127.0.0.1", server.port, 1.0)
+    head = await conn.stream(post(), 2.0, 10.0)
+    assert head.status == 200
+    await wait_until(lambda: conn.body.size > 0)
+    assert buffers.held_bytes == conn.body.size
+    conn.abort()  # as `open_stream` does when it is cancelled before handing the stream over
+    assert buffers.held_bytes == 0
+    pool.close()

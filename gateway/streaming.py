@@ -115,6 +115,23 @@ async def first_events(source: StreamSource, relay: Relay, attempt: Attempt) -> 
     return b""
 
 
+# A stream's events go to the client in pieces of at most this many bytes. uvicorn waits for its
+# client connection's write buffer to drain below the high-water mark before taking the next
+# piece, so a client that reads slowly holds at most one piece there beyond the mark, not all the
+# events that arrived while it was not reading (up to the worker's pause threshold, 1 MiB).
+STREAM_PIECE_BYTES = 64 * 1024
+
+
+async def send_in_pieces(send: Send, out: bytes) -> None:
+    if len(out) <= STREAM_PIECE_BYTES:
+        await send({"type": "http.response.body", "body": out, "more_body": True})
+        return
+    view = memoryview(out)
+    for start in range(0, len(out), STREAM_PIECE_BYTES):
+        piece = view[start : start + STREAM_PIECE_BYTES].tobytes()
+        await send({"type": "http.response.body", "body": piece, "more_body": True})
+
+
 class ProxyStream:
     """An ASGI response that owns one upstream streamed response until it ends, and closes the
     request's books when it does."""
@@ -186,7 +203,7 @@ class ProxyStream:
                     answered = True
                     break
                 if out:
-                    await send({"type": "http.response.body", "body": out, "more_body": True})
+                    await send_in_pieces(send, out)
                 if relay.error is not None:
                     break
                 try:

@@ -138,6 +138,8 @@ class UpstreamHead:
 STREAM_PAUSE_BYTES = 1024 * 1024
 STREAM_RESUME_BYTES = 256 * 1024
 STREAM_TIGHT_BYTES = 64 * 1024
+# The most a reader takes at once (`StreamBody.read`).
+STREAM_READ_BYTES = 64 * 1024
 # `limits.max_buffered_stream_bytes`' default.
 DEFAULT_STREAM_BUFFER_BYTES = 256 * 1024 * 1024
 
@@ -147,8 +149,9 @@ class StreamBuffers:
     have not yet taken, because their clients read slower than the workers write. Past
     `capacity_bytes` every stream stops reading from its worker once it holds
     `STREAM_TIGHT_BYTES` unread, instead of `STREAM_PAUSE_BYTES`: nothing is refused, the
-    workers are slowed by TCP. So the process holds at most the capacity plus, per stream, that
-    much and one read of the socket, however many streams read slowly."""
+    workers are slowed by TCP. So the process holds at most the capacity, plus one stream's
+    `STREAM_PAUSE_BYTES` (the one that crossed it), plus per stream `STREAM_TIGHT_BYTES`, each
+    stream past its threshold by at most one read of the socket, however many streams read slowly."""
 
     __slots__ = ("capacity_bytes", "held_bytes")
 
@@ -199,8 +202,11 @@ class StreamBody:
         self._wake()
 
     async def read(self) -> bytes:
-        """Everything received so far (waiting for something); b"" at the end of the answer."""
-        while not self.chunks:
+        """What was received so far, at most `STREAM_READ_BYTES` of it (waiting for something);
+        b"" at the end of the answer. The rest stays here, counted, so a reader that is slow to
+        come back holds one piece, not everything that arrived meanwhile."""
+        chunks = self.chunks
+        while not chunks:
             if self.error is not None:
                 raise self.error
             if self.eof:
@@ -210,10 +216,24 @@ class StreamBody:
                 await self._waiter
             finally:
                 self._waiter = None
-        data = self.chunks.popleft() if len(self.chunks) == 1 else b"".join(self.chunks)
-        self.chunks.clear()
-        self._buffers.held_bytes -= self.size
-        self.size = 0
+        if self.size <= STREAM_READ_BYTES:
+            data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+            chunks.clear()
+        else:
+            taken: list[bytes] = []
+            left = STREAM_READ_BYTES
+            while left > 0:
+                first = chunks[0]
+                if len(first) <= left:
+                    taken.append(chunks.popleft())
+                    left -= len(first)
+                else:
+                    taken.append(first[:left])
+                    chunks[0] = first[left:]
+                    left = 0
+            data = b"".join(taken)
+        self.size -= len(data)
+        self._buffers.held_bytes -= len(data)
         self._conn.resume()
         return data
 

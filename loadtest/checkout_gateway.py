@@ -30,10 +30,11 @@ def start_gateway(
     pools: list[dict[str, Any]],
     policy: str,
     limits: dict[str, Any] | None = None,
+    metrics_port: int | None = None,
 ) -> tuple[subprocess.Popen[bytes], int]:
     """The checkout's gateway on a free port, ready; its config, policy file and log in `folder`
     (a gateway that exits or is not ready in time: `RuntimeError` with the log's tail, and it is
-    killed)."""
+    killed). Its metrics listener is on `metrics_port` (default: a free port)."""
     env = {**os.environ, "PYTHONPATH": str(root), "KVGATE_KEY_SECRET": secret}
     hashed = (
         subprocess.run(
@@ -58,7 +59,7 @@ def start_gateway(
     (folder / "gateway.json").write_text(json.dumps(config))  # JSON is YAML
     port = free_port()
     argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(folder / "gateway.json")]
-    argv += ["--port", str(port), "--metrics-port", str(free_port())]
+    argv += ["--port", str(port), "--metrics-port", str(metrics_port or free_port())]
     proc = start_ready(argv, env, root, folder / "gateway.log", f"http://127.0.0.1:{port}/readyz")
     return proc, port
 

@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from gateway.upstream import StreamBuffers, UpstreamError, UpstreamPool, UpstreamStream, UpstreamTimeout
-from gateway.upstream_conn import STREAM_TIGHT_BYTES
+from gateway.upstream_conn import STREAM_READ_BYTES, STREAM_TIGHT_BYTES
 from tests.gateway.fake_upstream import Handler, Server, post, read_request
 from tests.support.wait import wait_until
 
@@ -169,6 +169,8 @@ async def test_streams_past_the_process_budget_stop_reading_sooner_and_give_byte
     assert buffers.held_bytes == first._conn.body.size
     total = 0
     while data := await first.read():
+        assert len(data) <= STREAM_READ_BYTES  # the rest stays in the body, counted
+        assert buffers.held_bytes == first._conn.body.size
         total += len(data)
     assert total == len(piece) * pieces  # paused and resumed, nothing lost
     first.release()

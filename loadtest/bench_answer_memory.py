@@ -24,14 +24,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import subprocess
 import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
 
-from loadtest.checkout_gateway import start_gateway
+from loadtest.checkout_gateway import post_chat, read_worker_request, start_gateway
 
 SECRET = "bench-answer-memory-key-hash-secret"
 KEY = "sk-bench"
@@ -69,23 +68,17 @@ class Worker:
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         all_sent = self.all_sent  # this request's wave
-        head = b""
+        posted = True  # a connection that fails before its request counts as one of the wave
         try:
-            head = await reader.readuntil(b"\r\n\r\n")
-            if head.startswith(b"GET"):
-                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
-                await writer.drain()
+            posted = await read_worker_request(reader, writer)
+            if not posted:
                 return
-            length = next(
-                int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")
-            )
-            await reader.readexactly(length)
             writer.write(memoryview(self.answer)[:-1])
             await writer.drain()
         except (ConnectionError, asyncio.IncompleteReadError):
             return
         finally:
-            if not head.startswith(b"GET"):
+            if posted:
                 self.sent += 1
                 if self.sent >= self.requests:
                     self.all_sent.set()
@@ -120,22 +113,8 @@ async def _post(port: int, late: asyncio.Future[int] | None = None, go: asyncio.
     """One request; a late reader (`late` and `go` given) sets `late` to its status, then reads
     nothing more until `go`."""
     body = json.dumps({"model": "m-big", "messages": [{"role": "user", "content": "x"}]}).encode()
-    sock = socket.socket()
-    if late is not None:  # a small receive buffer: the kernel takes little of its unread answer
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
-    sock.setblocking(False)
-    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
-    reader, writer = await asyncio.open_connection(sock=sock)
-    writer.write(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
-        + KEY.encode()
-        + b"\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: "
-        + str(len(body)).encode()
-        + b"\r\n\r\n"
-        + body
-    )
-    await writer.drain()
-    status = int((await reader.readline()).split()[1])
+    # A late reader's small receive buffer: the kernel takes little of its unread answer.
+    reader, writer, status = await post_chat(port, KEY, body, small_window=late is not None)
     if late is not None and go is not None:
         late.set_result(status)
         await go.wait()

@@ -24,14 +24,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import subprocess
 import tempfile
 import urllib.request
 from functools import partial
 from pathlib import Path
 
-from loadtest.checkout_gateway import start_gateway
+from loadtest.checkout_gateway import post_chat, read_worker_request, start_gateway
 from loadtest.ports import free_port
 
 SECRET = "bench-stream-memory-key-hash-secret"
@@ -83,15 +82,8 @@ class Workers:
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.writers.append(writer)
         try:
-            head = await reader.readuntil(b"\r\n\r\n")
-            if head.startswith(b"GET"):
-                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
-                await writer.drain()
+            if not await read_worker_request(reader, writer):
                 return
-            length = next(
-                int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")
-            )
-            await reader.readexactly(length)
             self.streams += 1
             self.changed.set()
             writer.write(SSE_HEAD)
@@ -134,21 +126,7 @@ def _buffered_bytes(metrics_port: int) -> float:
 async def _open(port: int) -> asyncio.StreamWriter:
     """One streamed request whose client reads its status line and then nothing."""
     body = json.dumps({"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]}).encode()
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
-    sock.setblocking(False)
-    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
-    reader, writer = await asyncio.open_connection(sock=sock)
-    writer.write(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
-        + KEY.encode()
-        + b"\r\nContent-Type: application/json\r\nContent-Length: "
-        + str(len(body)).encode()
-        + b"\r\n\r\n"
-        + body
-    )
-    await writer.drain()
-    status = int((await reader.readline()).split()[1])
+    _, writer, status = await post_chat(port, KEY, body, small_window=True, close=False)
     if status != 200:
         raise RuntimeError(f"a stream was refused: {status}")
     return writer

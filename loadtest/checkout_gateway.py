@@ -8,8 +8,10 @@ does). One tenant whose key is `key`, the pools and limits given, and a policy f
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -77,3 +79,46 @@ def start_ready(
         proc.kill()
         raise
     return proc
+
+
+async def post_chat(
+    port: int, key: str, body: bytes, *, small_window: bool = False, close: bool = True
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, int]:
+    """POST `body` to the gateway's chat completions on 127.0.0.1:`port` as the tenant of `key`;
+    the connection (reader, writer) and the answer's status, once its status line has come. With
+    `small_window` the socket's receive buffer is 64 KiB, so the kernel takes little of an answer
+    the client does not read."""
+    sock = socket.socket()
+    if small_window:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
+        + key.encode()
+        + b"\r\nContent-Type: application/json\r\n"
+        + (b"Connection: close\r\n" if close else b"")
+        + b"Content-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
+    await writer.drain()
+    status = int((await reader.readline()).split()[1])
+    return reader, writer, status
+
+
+async def read_worker_request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    """For a raw-socket worker: read one request. A health check (`GET`) is answered 200 here
+    (False); a POST's body is read (True), for the caller to answer."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    if head.startswith(b"GET"):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+        await writer.drain()
+        return False
+    length = next(
+        int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")
+    )
+    await reader.readexactly(length)
+    return True

@@ -21,6 +21,22 @@ def chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
+PIECE = b"x" * 65536
+PIECES = 64  # 4 MiB, four times the pause threshold
+
+
+async def four_mib_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+    """A worker that streams 4 MiB as fast as it is read, then waits until the gateway hangs up."""
+    await read_request(reader)
+    writer.write(SSE_HEAD)
+    for _ in range(PIECES):
+        writer.write(chunk(PIECE))
+        await writer.drain()
+    writer.write(b"0\r\n\r\n")
+    await writer.drain()
+    await reader.read()
+
+
 async def open_stream(pool: UpstreamPool, server: Server, read_s: float = 2.0) -> UpstreamStream:
     return await pool.open_stream(
         "127.0.0.1", server.port, post(), connect_s=1.0, read_s=read_s, total_s=10.0
@@ -110,19 +126,7 @@ async def test_a_silent_worker_mid_stream_times_out_and_a_dying_one_fails(
 async def test_a_lagging_reader_pauses_the_worker_and_loses_nothing(
     serve: Callable[[Handler], Awaitable[Server]],
 ) -> None:
-    piece = b"x" * 65536
-    pieces = 64  # 4 MiB, four times the pause threshold
-
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
-        await read_request(reader)
-        writer.write(SSE_HEAD)
-        for _ in range(pieces):
-            writer.write(chunk(piece))
-            await writer.drain()
-        writer.write(b"0\r\n\r\n")
-        await writer.drain()
-
-    server = await serve(handler)
+    server = await serve(four_mib_stream)
     pool = UpstreamPool()
     stream = await open_stream(pool, server, read_s=0.3)
     await wait_until(lambda: stream._conn._paused)
@@ -131,7 +135,7 @@ async def test_a_lagging_reader_pauses_the_worker_and_loses_nothing(
     total = 0
     while data := await stream.read():
         total += len(data)
-    assert total == len(piece) * pieces
+    assert total == len(PIECE) * PIECES
     stream.release()
     pool.close()
 
@@ -139,20 +143,7 @@ async def test_a_lagging_reader_pauses_the_worker_and_loses_nothing(
 async def test_streams_past_the_process_budget_stop_reading_sooner_and_give_bytes_back(
     serve: Callable[[Handler], Awaitable[Server]],
 ) -> None:
-    piece = b"x" * 65536
-    pieces = 64  # 4 MiB each
-
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
-        await read_request(reader)
-        writer.write(SSE_HEAD)
-        for _ in range(pieces):
-            writer.write(chunk(piece))
-            await writer.drain()
-        writer.write(b"0\r\n\r\n")
-        await writer.drain()
-        await reader.read()  # until the gateway hangs up
-
-    server = await serve(handler)
+    server = await serve(four_mib_stream)
     buffers = StreamBuffers(256 * 1024)
     pool = UpstreamPool(streams=buffers)
     first = await open_stream(pool, server)
@@ -172,7 +163,7 @@ async def test_streams_past_the_process_budget_stop_reading_sooner_and_give_byte
         assert len(data) <= STREAM_READ_BYTES  # the rest stays in the body, counted
         assert buffers.held_bytes == first._conn.body.size
         total += len(data)
-    assert total == len(piece) * pieces  # paused and resumed, nothing lost
+    assert total == len(PIECE) * PIECES  # paused and resumed, nothing lost
     first.release()
     assert buffers.held_bytes == 0
     pool.close()

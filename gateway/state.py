@@ -25,9 +25,10 @@ from gateway.quotas import TenantLimiter
 from gateway.registry import Registry
 from gateway.responses_affinity import ResponseAffinity
 from gateway.routing import Routing
+from gateway.stream_body import StreamBuffers
 from gateway.tracing import TRACE_CONTEXT_HEADERS, RequestTracer
 from gateway.transport import Transport
-from gateway.upstream_conn import MAX_ANSWER_BYTES, StreamBuffers
+from gateway.upstream_conn import MAX_ANSWER_BYTES
 from gateway.upstream_headers import WorkerAuth
 from policies.base import RoutingPolicy
 from prompt_normalizer.normalizer import NormalizerConfig

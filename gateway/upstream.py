@@ -35,13 +35,12 @@ from typing import TypeVar
 
 from gateway import upstream_conn
 from gateway.answer_budget import AnswerBudget, AnswerHold, Reservation, TenantShare
+from gateway.stream_body import DEFAULT_STREAM_BUFFER_BYTES, StreamBuffers
 from gateway.upstream_conn import (
-    DEFAULT_STREAM_BUFFER_BYTES,
     MAX_ANSWER_BYTES,
     AnswerBody,
     AnswerBudgetExceeded,
     RetryHints,
-    StreamBuffers,
     UpstreamBusy,
     UpstreamConnectError,
     UpstreamError,

@@ -43,7 +43,7 @@ from typing import ClassVar
 from policies.base import Observation, RouteDecision, RouteRequest, WorkerId, WorkerView
 from policies.cost_ledger import InflightLedger, RecentWork
 from policies.cost_model import CostModel
-from policies.cost_scan import CandidateCache, Positions, by_backlog
+from policies.cost_scan import CandidateCache, Positions, by_backlog, fewest_in_flight
 from policies.cost_scorer import Scorer
 from policies.herd import HOLD_STEPS_S, hold_for
 from policies.peer_sync import PeerHolding
@@ -312,7 +312,7 @@ class CostPolicy(PrefixPolicyBase):
         objective = self.ttft_objective_s
         if objective is not None and longest_tokens == 0 and cost.prefill_s(scorer.n) > objective:
             # Step 6 of the module docstring: no worker can meet the objective for this prompt.
-            lane = self._fewest_in_flight(loads, backlogs, bound)
+            lane = fewest_in_flight(loads, backlogs, bound, self._rng)
             scorer.consider(lane, cands[lane], 0, backlogs[lane])
             self._count("objective_lanes")
             return self._decided(
@@ -406,24 +406,6 @@ class CostPolicy(PrefixPolicyBase):
         if score is None:
             score = scorer.best_score
         return RouteDecision(cands[chosen].worker_id, score, reason, matched, public_blocks)
-
-    def _fewest_in_flight(self, loads: Sequence[int], backlogs: Sequence[float], bound: float) -> int:
-        """The eligible worker (load within `bound`) with the fewest requests in flight, then the
-        longest backlog (one already busy with such a prompt, so that an idle worker stays free
-        for requests that can still meet the objective), ties at random."""
-        best: list[int] = []
-        best_key: tuple[float, float] | None = None
-        for i, load in enumerate(loads):
-            if load > bound:
-                continue
-            key = (load, -backlogs[i])
-            if best_key is None or key < best_key:
-                best_key, best = key, [i]
-            elif key == best_key:
-                best.append(i)
-        if not best:  # no worker within the bound: the least loaded of all
-            return self._fewest_in_flight(loads, backlogs, math.inf)
-        return best[0] if len(best) == 1 else self._rng.choice(best)
 
     def _home_choice(
         self,

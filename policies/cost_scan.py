@@ -26,6 +26,8 @@ and the decision, are the same as scanning all of them in sorted order.
 from __future__ import annotations
 
 import heapq
+import math
+import random
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import chain, compress
@@ -391,3 +393,24 @@ def _heap_parts(cands: Candidates, lazy: int) -> Iterator[Iterator[int]]:
     yield (heapq.heappop(pairs)[1] for _ in range(min(lazy, n)))
     pairs.sort()
     yield map(itemgetter(1), pairs)
+
+
+def fewest_in_flight(
+    loads: Sequence[int], backlogs: Sequence[float], bound: float, rng: random.Random
+) -> int:
+    """The candidate with load within `bound` and the fewest requests in flight, then the longest
+    backlog (one already busy with a long prompt, so that an idle worker stays free for requests
+    that can still meet an objective), ties at random; past every bound, the least loaded of all."""
+    best: list[int] = []
+    best_key: tuple[float, float] | None = None
+    for i, load in enumerate(loads):
+        if load > bound:
+            continue
+        key = (load, -backlogs[i])
+        if best_key is None or key < best_key:
+            best_key, best = key, [i]
+        elif key == best_key:
+            best.append(i)
+    if not best:
+        return fewest_in_flight(loads, backlogs, math.inf, rng)
+    return best[0] if len(best) == 1 else rng.choice(best)

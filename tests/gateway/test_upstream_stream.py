@@ -7,8 +7,8 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
+from gateway.stream_body import STREAM_READ_BYTES, STREAM_TIGHT_BYTES
 from gateway.upstream import StreamBuffers, UpstreamError, UpstreamPool, UpstreamStream, UpstreamTimeout
-from gateway.upstream_conn import STREAM_READ_BYTES, STREAM_TIGHT_BYTES
 from tests.gateway.fake_upstream import Handler, Server, post, read_request
 from tests.support.wait import wait_until
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gateway.upstream_conn import STREAM_PAUSE_BYTES, STREAM_TIGHT_BYTES
+from gateway.stream_body import STREAM_PAUSE_BYTES, STREAM_TIGHT_BYTES
 from loadtest.bench_stream_memory import run
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -47,15 +47,26 @@ class HeldResponse(RawResponse):
             body = self.body
             headers = [*self.headers, (b"content-length", str(len(body)).encode())]
             await send({"type": "http.response.start", "status": self.status, "headers": headers})
-            if len(body) <= WRITE_PIECE_BYTES:
-                whole = body if isinstance(body, bytes) else bytes(body)
-                await send({"type": "http.response.body", "body": whole})
-                return
-            with memoryview(body) as view:
-                for start in range(0, len(body), WRITE_PIECE_BYTES):
-                    end = start + WRITE_PIECE_BYTES
-                    piece = view[start:end].tobytes()
-                    await send({"type": "http.response.body", "body": piece, "more_body": end < len(body)})
+            await send_in_pieces(send, body, WRITE_PIECE_BYTES, more_body=False)
         finally:
             self.body = b""  # not needed any more: its memory goes with its reservation
             self.held.release()
+
+
+async def send_in_pieces(send: Send, body: AnswerBody, piece_bytes: int, *, more_body: bool) -> None:
+    """`body` as ASGI body messages of at most `piece_bytes` each (uvicorn waits for the client
+    connection's buffer to drain below its mark before taking the next); `more_body` is the last
+    message's flag (False: the response ends with it)."""
+    if len(body) <= piece_bytes:
+        whole = body if isinstance(body, bytes) else bytes(body)
+        message: dict[str, object] = {"type": "http.response.body", "body": whole}
+        if more_body:
+            message["more_body"] = True
+        await send(message)
+        return
+    with memoryview(body) as view:
+        for start in range(0, len(body), piece_bytes):
+            end = start + piece_bytes
+            last = end >= len(body)
+            piece = view[start:end].tobytes()
+            await send({"type": "http.response.body", "body": piece, "more_body": more_body or not last})

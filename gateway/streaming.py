@@ -27,6 +27,7 @@ from typing import Protocol
 import aiohttp
 from starlette.types import Receive, Scope, Send
 
+from gateway.answer_write import send_in_pieces
 from gateway.disconnect import DisconnectGuard
 from gateway.failure import TRANSPORT_ERRORS, Failure, Stage, failure_of, malformed
 from gateway.lifecycle import Lifecycle
@@ -122,16 +123,6 @@ async def first_events(source: StreamSource, relay: Relay, attempt: Attempt) -> 
 STREAM_PIECE_BYTES = 64 * 1024
 
 
-async def send_in_pieces(send: Send, out: bytes) -> None:
-    if len(out) <= STREAM_PIECE_BYTES:
-        await send({"type": "http.response.body", "body": out, "more_body": True})
-        return
-    view = memoryview(out)
-    for start in range(0, len(out), STREAM_PIECE_BYTES):
-        piece = view[start : start + STREAM_PIECE_BYTES].tobytes()
-        await send({"type": "http.response.body", "body": piece, "more_body": True})
-
-
 class ProxyStream:
     """An ASGI response that owns one upstream streamed response until it ends, and closes the
     request's books when it does."""
@@ -203,7 +194,7 @@ class ProxyStream:
                     answered = True
                     break
                 if out:
-                    await send_in_pieces(send, out)
+                    await send_in_pieces(send, out, STREAM_PIECE_BYTES, more_body=True)
                 if relay.error is not None:
                     break
                 try:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.streaming import STREAM_PIECE_BYTES, send_in_pieces
+from gateway.answer_write import send_in_pieces
+from gateway.streaming import STREAM_PIECE_BYTES
 
 
 async def test_a_large_run_of_events_is_sent_in_pieces_and_a_small_one_whole() -> None:
@@ -14,10 +15,10 @@ async def test_a_large_run_of_events_is_sent_in_pieces_and_a_small_one_whole() -
         sent.append(message)
 
     out = bytes(range(256)) * (3 * STREAM_PIECE_BYTES // 256 + 7)
-    await send_in_pieces(send, out)
+    await send_in_pieces(send, out, STREAM_PIECE_BYTES, more_body=True)
     assert len(sent) == 4
     assert all(len(m["body"]) <= STREAM_PIECE_BYTES and m["more_body"] for m in sent)
     assert b"".join(m["body"] for m in sent) == out
     sent.clear()
-    await send_in_pieces(send, b"data: {}\n\n")
+    await send_in_pieces(send, b"data: {}\n\n", STREAM_PIECE_BYTES, more_body=True)
     assert sent == [{"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True}]

@@ -84,7 +84,9 @@ __all__ = [
 class UpstreamPool:
     """Keep-alive connections to plain-HTTP workers: at most `max_open_per_worker` open (busy or
     idle) and `max_idle_per_worker` idle each. Whole answers are read within `budget` (the
-    process's, shared with the aiohttp transport; one of its own when none is given)."""
+    process's, shared with the aiohttp transport; one of its own when none is given). Read and
+    total timeouts are checked by `sweep` (one of its own, on the loop's clock, when none is
+    given)."""
 
     def __init__(
         self,
@@ -93,6 +95,7 @@ class UpstreamPool:
         max_open_per_worker: int = 256,
         budget: AnswerBudget | None = None,
         streams: StreamBuffers | None = None,
+        sweep: TimeoutSweep | None = None,
     ) -> None:
         self.budget = budget if budget is not None else AnswerBudget(DEFAULT_BUDGET_BYTES)
         self.streams = streams if streams is not None else StreamBuffers(DEFAULT_STREAM_BUFFER_BYTES)
@@ -103,7 +106,7 @@ class UpstreamPool:
         # Slots of the workers with a request in flight, dropped when the last user leaves
         # (workers come and go with discovery: the dict must not grow with every address seen).
         self._slots: dict[tuple[str, int], ConnectionSlots] = {}
-        self._sweep = TimeoutSweep()
+        self._sweep = sweep if sweep is not None else TimeoutSweep()
         self._closed = False
 
     async def post(

@@ -138,6 +138,7 @@ class WorkerConnection(asyncio.Protocol):
     __slots__ = (
         "_body",
         "_budget",
+        "_clock",
         "_content_type",
         "_deadline_s",
         "_done",
@@ -170,6 +171,7 @@ class WorkerConnection(asyncio.Protocol):
     ) -> None:
         self._loop = loop
         self._sweep = sweep
+        self._clock = sweep.clock_for(loop)  # the deadlines' clock is the one the sweep checks them on
         self._budget = budget
         self._streams = streams
         # The whole answer being read: its bytes' reservation (from the request's tenant share,
@@ -211,7 +213,7 @@ class WorkerConnection(asyncio.Protocol):
             self._close()
             return
         self.got_bytes = True
-        self._last_activity_s = self._loop.time()
+        self._last_activity_s = self._clock.time()
         if self._head_bytes is not None:
             self._head_bytes += len(data)
             if self._head_bytes > MAX_ANSWER_HEAD_BYTES:
@@ -312,7 +314,7 @@ class WorkerConnection(asyncio.Protocol):
         self._retry_hints = ()
         self._head_bytes = 0
         self.got_bytes = False
-        now = self._loop.time()
+        now = self._clock.time()
         self._read_s = read_s
         self._deadline_s = now + total_s
         self._last_activity_s = now
@@ -342,7 +344,7 @@ class WorkerConnection(asyncio.Protocol):
         if not self._paused or self.transport is None or stream is None or stream.size > STREAM_RESUME_BYTES:
             return
         self._paused = False
-        self._last_activity_s = self._loop.time()  # the silence was ours, not the worker's
+        self._last_activity_s = self._clock.time()  # the silence was ours, not the worker's
         self.transport.resume_reading()
 
     def check_timeout(self, now: float) -> None:

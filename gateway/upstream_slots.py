@@ -13,19 +13,35 @@ from collections import deque
 from typing import Protocol
 
 
+class Clock(Protocol):
+    """Seconds on a monotonic clock, read as the event loop's are (the loop is one)."""
+
+    def time(self) -> float: ...
+
+
 class Expiring(Protocol):
     def check_timeout(self, now: float) -> None:
-        """Fail if a deadline has passed by `now` (loop time); leave the sweep through `discard`."""
+        """Fail if a deadline has passed by `now` (on the sweep's clock); leave the sweep through
+        `discard`."""
 
 
 class TimeoutSweep:
     """Timeouts of the requests in flight, checked by one timer every `tick_s` while any is in
-    flight. A timeout fires up to `tick_s` late."""
+    flight. A timeout fires up to `tick_s` late.
 
-    def __init__(self, tick_s: float = 0.05) -> None:
+    Deadlines are set and checked on one clock: `clock` when given, else the event loop's. The
+    timer runs on the loop's time whatever the clock, so a clock that moves only when told (a
+    test's) makes a timeout fire exactly when it is moved past a deadline and `check` runs."""
+
+    def __init__(self, tick_s: float = 0.05, clock: Clock | None = None) -> None:
         self.tick_s = tick_s
+        self.clock = clock
         self._busy: dict[Expiring, None] = {}
         self._timer: asyncio.TimerHandle | None = None
+
+    def clock_for(self, loop: asyncio.AbstractEventLoop) -> Clock:
+        """The clock that deadlines checked by this sweep are set on, for an item on `loop`."""
+        return self.clock if self.clock is not None else loop
 
     def add(self, item: Expiring) -> None:
         self._busy[item] = None
@@ -35,11 +51,15 @@ class TimeoutSweep:
     def discard(self, item: Expiring) -> None:
         self._busy.pop(item, None)
 
-    def _tick(self) -> None:
-        loop = asyncio.get_running_loop()
-        now = loop.time()
+    def check(self) -> None:
+        """Fail now every item whose deadline has passed (the timer's tick, and a test's)."""
+        now = self.clock_for(asyncio.get_running_loop()).time()
         for item in list(self._busy):
             item.check_timeout(now)
+
+    def _tick(self) -> None:
+        self.check()
+        loop = asyncio.get_running_loop()
         self._timer = loop.call_later(self.tick_s, self._tick) if self._busy else None
 
 

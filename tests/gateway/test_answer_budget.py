@@ -31,6 +31,7 @@ from gateway.upstream import (
 )
 from policies.base import Outcome
 from tests.gateway.fake_upstream import ANSWER_HEAD, Handler, Server, held_answer, post, read_request
+from tests.gateway.manual_clock import ManualClock
 from tests.support.processes import free_port
 from tests.support.wait import wait_until
 
@@ -114,12 +115,16 @@ async def test_every_failed_read_gives_its_bytes_back(
         await writer.drain()
         await reader.read()
 
-    pool = UpstreamPool(budget=AnswerBudget(1 << 20))
+    clock = ManualClock()
+    pool = UpstreamPool(budget=AnswerBudget(1 << 20), sweep=clock.sweep)
     with pytest.raises(UpstreamError, match="closed"):
         await send(pool, await serve(closes))
     assert pool.budget.held_bytes == 0
+    stalled = asyncio.create_task(send(pool, await serve(silent)))
+    await wait_until(lambda: pool.budget.held_bytes == 1000, what="the answer's first bytes held")
+    clock.advance(5.0)  # the read timeout
     with pytest.raises(UpstreamTimeout):
-        await send(pool, await serve(silent), read_s=0.2)
+        await asyncio.wait_for(stalled, 10)
     assert pool.budget.held_bytes == 0
     monkeypatch.setattr("gateway.upstream_conn.MAX_ANSWER_BYTES", 3000)
     with pytest.raises(UpstreamError, match="too large"):

@@ -4,8 +4,10 @@ same scripted workers, fail the same way in the gateway's terms."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import aiohttp
 import pytest
@@ -16,27 +18,49 @@ from gateway.sse import MalformedStream, first_event_problem
 from gateway.upstream import UpstreamBusy, UpstreamError, UpstreamPool, UpstreamTimeout
 from policies.base import Outcome
 from tests.gateway.fake_upstream import Handler, Server, post, read_request
+from tests.gateway.manual_clock import ManualClock
 from tests.support.processes import free_port
+from tests.support.wait import wait_until
 
-TIMEOUTS = TimeoutsConfig(connect_s=1.0, read_s=0.2, total_s=10.0)
+TIMEOUTS = TimeoutsConfig(connect_s=1.0, read_s=1.0, total_s=10.0)
 # A Python class name in a client's message ("ConnectionRefusedError", "UpstreamError").
 CLASS_NAME = re.compile(r"[A-Z][A-Za-z]*(Error|Exception)\b")
 
 
-async def _lean(port: int) -> Failure:
-    pool = UpstreamPool()
+@dataclass
+class Silence:
+    """Where a scripted worker fell silent: the answer's body bytes it had sent by then (None
+    until it does, or if it never does)."""
+
+    body_bytes: int | None = None
+
+
+async def _lean(port: int, silence: Silence) -> Failure:
+    """The lean client's read timeout on a clock that moves only here: once the worker fell
+    silent and what it sent before has arrived, so no stall of the machine changes the stage."""
+    clock = ManualClock()
+    pool = UpstreamPool(sweep=clock.sweep)
+    sent = asyncio.create_task(
+        pool.post("127.0.0.1", port, post(), connect_s=1.0, read_s=TIMEOUTS.read_s, total_s=10.0)
+    )
     try:
-        await pool.post("127.0.0.1", port, post(), connect_s=1.0, read_s=0.2, total_s=10.0)
+        await wait_until(lambda: sent.done() or silence.body_bytes == pool.budget.held_bytes)
+        clock.advance(TIMEOUTS.read_s)
+        await wait_until(sent.done, what="the request ended")
+        sent.result()
     except TRANSPORT_ERRORS as exc:
         return failure_of(exc, Stage.HEAD, TIMEOUTS)
     finally:
+        sent.cancel()
         pool.close()
     raise AssertionError("the request did not fail")
 
 
 async def _aiohttp(port: int) -> Failure:
-    """As the proxy drives aiohttp: the head first (Stage.HEAD), then the body (Stage.ANSWER)."""
-    timeout = aiohttp.ClientTimeout(total=10.0, sock_connect=1.0, sock_read=0.2)
+    """As the proxy drives aiohttp: the head first (Stage.HEAD), then the body (Stage.ANSWER).
+    aiohttp's read timeout runs on the loop's clock: it is long enough that only a stall of the
+    machine as long as it, before a stalling worker's first bytes arrive, changes the stage."""
+    timeout = aiohttp.ClientTimeout(total=10.0, sock_connect=1.0, sock_read=TIMEOUTS.read_s)
     async with aiohttp.ClientSession() as session:
         stage = Stage.HEAD
         try:
@@ -50,30 +74,45 @@ async def _aiohttp(port: int) -> Failure:
     raise AssertionError("the request did not fail")
 
 
-async def _silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+# A scripted worker: `Handler` with the `Silence` it notes where it falls silent in.
+Scripted = Callable[[Silence, asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
+PART = b"part"
+
+
+async def _silent(
+    silence: Silence, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int
+) -> None:
     await read_request(reader)
-    await asyncio.sleep(2)
+    silence.body_bytes = 0
+    await reader.read()  # until the client gives up
 
 
-async def _hangs_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+async def _hangs_up(
+    silence: Silence, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int
+) -> None:
     await read_request(reader)  # ... and the fixture closes the connection
 
 
-async def _dies_mid_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+async def _dies_mid_answer(
+    silence: Silence, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int
+) -> None:
     await read_request(reader)
-    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npart")
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + PART)
     await writer.drain()
 
 
-async def _stalls_mid_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+async def _stalls_mid_answer(
+    silence: Silence, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int
+) -> None:
     await read_request(reader)
-    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npart")
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + PART)
     await writer.drain()
-    await asyncio.sleep(2)
+    silence.body_bytes = len(PART)
+    await reader.read()
 
 
 # scripted worker: status, code, outcome, retry reason, message prefix (both transports)
-CASES: dict[str, tuple[Handler | None, int, str, Outcome, RetryReason | None, str]] = {
+CASES: dict[str, tuple[Scripted | None, int, str, Outcome, RetryReason | None, str]] = {
     "refused": (
         None,
         502,
@@ -120,8 +159,9 @@ CASES: dict[str, tuple[Handler | None, int, str, Outcome, RetryReason | None, st
 @pytest.mark.parametrize("case", sorted(CASES))
 async def test_both_transports_fail_alike(serve: Callable[[Handler], Awaitable[Server]], case: str) -> None:
     handler, status, code, outcome, retry, message = CASES[case]
-    port = (await serve(handler)).port if handler is not None else free_port()
-    for failure in (await _lean(port), await _aiohttp(port)):
+    silence = Silence()
+    port = (await serve(functools.partial(handler, silence))).port if handler is not None else free_port()
+    for failure in (await _lean(port, silence), await _aiohttp(port)):
         assert (failure.status, failure.code, failure.outcome, failure.retry) == (
             status,
             code,

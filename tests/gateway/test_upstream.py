@@ -16,7 +16,9 @@ from gateway.upstream import (
     UpstreamTimeout,
 )
 from gateway.upstream_address import direct_address
+from gateway.upstream_conn import WorkerConnection
 from tests.gateway.fake_upstream import OK, Handler, Server, post, read_request
+from tests.gateway.manual_clock import ManualClock
 from tests.support.processes import free_port
 from tests.support.wait import wait_until
 
@@ -28,7 +30,7 @@ def slots(pool: UpstreamPool, server: Server) -> int:
 
 
 async def send(pool: UpstreamPool, server: Server, read_s: float = 2.0) -> UpstreamReply:
-    return await pool.post("127.0.0.1", server.port, post(), connect_s=1.0, read_s=read_s, total_s=10.0)
+    return await pool.post("127.0.0.1", server.port, post(), connect_s=10.0, read_s=read_s, total_s=10.0)
 
 
 async def test_keep_alive_reuses_one_connection_and_sends_the_request_as_given(
@@ -87,20 +89,77 @@ async def test_an_idle_connection_the_worker_closed_is_replaced(
 
 async def test_timeouts_before_and_during_the_answer(serve: Callable[[Handler], Awaitable[Server]]) -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
-        await read_request(reader)
+        server.requests.append(await read_request(reader))
         if n == 2:
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial")
             await writer.drain()
-        await asyncio.sleep(5)
+        await reader.read()  # silent until the client hangs up
 
     server = await serve(handler)
-    pool = UpstreamPool()
-    with pytest.raises(UpstreamTimeout) as before:
-        await send(pool, server, read_s=0.2)
-    assert before.value.answered is False
-    with pytest.raises(UpstreamTimeout) as during:
-        await send(pool, server, read_s=0.2)
-    assert during.value.answered is True
+    clock = ManualClock()
+    pool = UpstreamPool(sweep=clock.sweep)
+    before = asyncio.create_task(send(pool, server, read_s=1.0))
+    await wait_until(lambda: len(server.requests) == 1)
+    clock.advance(1.0)
+    with pytest.raises(UpstreamTimeout) as silent:
+        await asyncio.wait_for(before, 10)
+    assert silent.value.answered is False
+    during = asyncio.create_task(send(pool, server, read_s=1.0))
+    await wait_until(lambda: pool.budget.held_bytes == len(b"partial"), what="the first bytes arrived")
+    clock.advance(1.0)
+    with pytest.raises(UpstreamTimeout) as stalled:
+        await asyncio.wait_for(during, 10)
+    assert stalled.value.answered is True
+    assert pool.budget.held_bytes == 0 and pool._slots == {}
+    pool.close()
+
+
+async def test_the_read_timeout_counts_from_the_last_byte_and_the_total_bounds_it_all(
+    serve: Callable[[Handler], Awaitable[Server]],
+) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await read_request(reader)
+        if n > 1:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial")
+            await writer.drain()
+        await reader.read()
+
+    server = await serve(handler)
+    clock = ManualClock()
+    pool = UpstreamPool(sweep=clock.sweep)
+
+    async def exchange(
+        read_s: float, total_s: float
+    ) -> tuple[WorkerConnection, asyncio.Future[UpstreamReply]]:
+        conn = await pool._connect("127.0.0.1", server.port, 1.0)
+        return conn, conn.request(post(), read_s, total_s)
+
+    # A silent worker: the read timeout passes exactly `read_s` after the request was sent.
+    _, silent = await exchange(read_s=1.0, total_s=10.0)
+    clock.advance(0.75)
+    assert not silent.done()
+    clock.advance(0.25)
+    assert isinstance(silent.exception(), UpstreamTimeout)
+
+    # Bytes that arrive start the silence over.
+    conn, stalled = await exchange(read_s=1.0, total_s=10.0)
+    clock.advance(0.75)  # before the worker's first bytes can arrive: no await since the request
+    await wait_until(lambda: conn.got_bytes)
+    clock.advance(0.75)  # 1.5 s since the request, 0.75 s since the last byte
+    assert not stalled.done()
+    clock.advance(0.25)
+    assert isinstance(stalled.exception(), UpstreamTimeout) and not conn.alive
+
+    # The total timeout ends an exchange whose worker was never silent for `read_s`.
+    conn, bounded = await exchange(read_s=1.0, total_s=1.5)
+    clock.advance(0.75)
+    await wait_until(lambda: conn.got_bytes)
+    clock.advance(0.5)
+    assert not bounded.done()
+    clock.advance(0.25)
+    assert isinstance(bounded.exception(), UpstreamTimeout)
+    assert pool.budget.held_bytes == 0
+    pool.close()
 
 
 async def test_connect_errors_and_a_worker_dying_mid_answer(

@@ -10,6 +10,7 @@ import pytest
 from gateway.stream_body import STREAM_READ_BYTES, STREAM_TIGHT_BYTES
 from gateway.upstream import StreamBuffers, UpstreamError, UpstreamPool, UpstreamStream, UpstreamTimeout
 from tests.gateway.fake_upstream import Handler, Server, post, read_request
+from tests.gateway.manual_clock import ManualClock
 from tests.support.wait import wait_until
 
 SSE_HEAD = (
@@ -104,15 +105,20 @@ async def test_a_silent_worker_mid_stream_times_out_and_a_dying_one_fails(
         writer.write(SSE_HEAD + chunk(b"data: 1\n\n"))
         await writer.drain()
         if n == 1:
-            await asyncio.sleep(5)  # silent
+            await reader.read()  # silent until the gateway hangs up
         # the second connection dies mid-answer (the fixture closes it)
 
     server = await serve(handler)
-    pool = UpstreamPool()
-    stream = await open_stream(pool, server, read_s=0.2)
+    clock = ManualClock()
+    pool = UpstreamPool(sweep=clock.sweep)
+    stream = await open_stream(pool, server, read_s=1.0)
     assert await stream.read() == b"data: 1\n\n"
+    reading = asyncio.create_task(stream.read())
+    clock.advance(0.75)
+    assert stream._conn.alive and stream._conn.body.error is None
+    clock.advance(0.25)
     with pytest.raises(UpstreamTimeout) as timed_out:
-        await stream.read()
+        await asyncio.wait_for(reading, 10)
     assert timed_out.value.answered
     stream.close()
     stream = await open_stream(pool, server)
@@ -127,10 +133,12 @@ async def test_a_lagging_reader_pauses_the_worker_and_loses_nothing(
     serve: Callable[[Handler], Awaitable[Server]],
 ) -> None:
     server = await serve(four_mib_stream)
-    pool = UpstreamPool()
-    stream = await open_stream(pool, server, read_s=0.3)
+    clock = ManualClock()
+    pool = UpstreamPool(sweep=clock.sweep)
+    stream = await open_stream(pool, server, read_s=1.0)
     await wait_until(lambda: stream._conn._paused)
-    await asyncio.sleep(0.6)  # the reader lags longer than read_s: a paused worker is not a silent one
+    clock.advance(5.0)  # the reader lags longer than read_s: a paused worker is not a silent one
+    assert stream._conn.alive and stream._conn.body.error is None
     assert stream._conn._paused and stream._conn.body.size < 2 * 1024 * 1024
     total = 0
     while data := await stream.read():

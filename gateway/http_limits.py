@@ -34,6 +34,12 @@ comparison): up to the blank line that ends the head, found with `bytes.find`, s
 count. A head that began after another request inside one read (pipelining) starts at an offset
 httptools does not report; it is measured from its parsed parts, a lower bound that misses only
 optional whitespace. The header fields are counted when the head is complete.
+
+Pipelined requests (sent before the previous answer) wait in a queue per connection, each with its
+head and its body's bytes in that read. At most `MAX_PIPELINED` wait: a request beginning past them
+is not read. The connection answers the ones it took, the last with `connection: close`, and
+closes; a client that pipelines retries what was left unanswered (RFC 9112, 9.3.2). One read of
+256 KiB would otherwise queue thousands of small requests, before any key is checked.
 """
 
 from __future__ import annotations
@@ -57,6 +63,9 @@ from gateway.metrics.families import HotCounter
 # Where a connection is in its request cycle (see the module docstring). Plain ints, not an
 # enum: the phase is read and written several times per request.
 IDLE, HEAD, BODY, APP = 0, 1, 2, 3
+
+# Requests a connection may have waiting behind the one being answered (see the module docstring).
+MAX_PIPELINED = 16
 
 _HEAD_END = b"\r\n\r\n"  # llhttp accepts no bare-LF line ends, so this alone ends a head
 _REQUEST_START = re.compile(rb"[^\r\n]")  # blank lines before a request line are skipped
@@ -144,6 +153,10 @@ class _HeadRefused(Exception):
         self.message = message
 
 
+class _PipelineFull(Exception):
+    """Raised from the message callback to stop httptools at a request past `MAX_PIPELINED`."""
+
+
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the limits of `ClientLimits` (see the module docstring).
     Needs a `GuardedServerState`. An uncapped connection (the metrics listener's) is counted but
@@ -173,6 +186,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._message_ended_inside = False  # a request ended inside `_chunk`
         self._head_start_unknown = False  # the current head began after a request in its read
         self._head_tail = b""  # last bytes of the previous read of this head; b"" if it began in `_chunk`
+        self._last_read = False  # the pipeline was full: answer what was taken, then close
 
     # -- phases
 
@@ -218,6 +232,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().resume_writing()
 
     def data_received(self, data: bytes) -> None:
+        if self._last_read:
+            return  # the parser stopped at a request it will not take; the connection closes
         if self._phase == IDLE:  # the first bytes after idling begin a head (inlined: every request)
             self._phase = HEAD
             self._head_bytes = 0
@@ -230,6 +246,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             refused = exc.__context__
             if isinstance(refused, _HeadRefused):
                 self._refuse(431, refused.reason, refused.message)
+                return
+            if isinstance(refused, _PipelineFull):
+                self._stop_reading()
                 return
             self._bad_request()
             return
@@ -258,6 +277,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     # -- httptools callbacks
 
     def on_message_begin(self) -> None:
+        if len(self.pipeline) >= MAX_PIPELINED:
+            raise _PipelineFull
         super().on_message_begin()
         if self._phase != HEAD:
             self._begin_head()
@@ -292,7 +313,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.server_state.total_requests += 1
         if self.transport.is_closing():
             return
-        self.flow.resume_reading()
+        if not self._last_read:
+            self.flow.resume_reading()
         if self.pipeline:
             cycle, app = self.pipeline.pop()
             self._start_asgi_task(cycle, app)
@@ -302,6 +324,20 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._guard.waiting.add(self)
 
     # -- limits
+
+    def _stop_reading(self) -> None:
+        """A request began past `MAX_PIPELINED` waiting ones: read nothing more. The last request
+        taken is answered with `connection: close` (uvicorn closes after it), the others before it
+        as usual."""
+        self._guard.refused("pipelined_requests")
+        self._last_read = True
+        self._to_app()
+        self.flow.pause_reading()
+        last = self.pipeline[0][0] if self.pipeline else self.cycle
+        if last is not None:
+            last.keep_alive = False
+            if last.response_complete:
+                self.transport.close()
 
     def _head_size(self) -> int:
         """The bytes of the head that ends in the read being parsed (called when it is complete).

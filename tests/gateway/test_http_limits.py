@@ -18,6 +18,7 @@ from gateway.http_limits import (
     BODY,
     HEAD,
     IDLE,
+    MAX_PIPELINED,
     ClientGuard,
     ClientLimits,
     GuardedHttpToolsProtocol,
@@ -266,6 +267,43 @@ async def test_a_pipelined_head_is_still_bounded_from_its_next_chunk(rig: Rig) -
     protocol.data_received(b"a" * (LIMITS.max_header_bytes + 1))
     await settle()
     assert transport.closed and rig.refusals("header_too_large") == 1
+
+
+async def answered(transport: RecordingTransport, count: int) -> None:
+    """Wait until `count` answers have been written (each is a task's few loop turns)."""
+    for _ in range(100 * count):
+        if transport.written.count(b"HTTP/1.1 ") >= count:
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"{transport.written.count(b'HTTP/1.1 ')} answers written, not {count}")
+
+
+async def test_pipelined_requests_past_the_limit_are_not_read_and_the_taken_ones_are_answered(
+    rig: Rig,
+) -> None:
+    protocol, transport = rig.connect()
+    protocol.data_received(GET * 1000)  # one read: about 28 KB, a thousand requests
+    # One request is with the app and MAX_PIPELINED wait; the parser stopped at the next one.
+    assert len(protocol.pipeline) == MAX_PIPELINED
+    assert rig.refusals("pipelined_requests") == 1
+    protocol.data_received(GET)  # nothing more is read
+    await answered(transport, 1 + MAX_PIPELINED)
+    await settle()
+    answers = bytes(transport.written).split(b"HTTP/1.1 ")[1:]
+    assert len(answers) == 1 + MAX_PIPELINED and all(a.startswith(b"200") for a in answers)
+    assert b"connection: close" in answers[-1] and b"connection: close" not in answers[-2]
+    assert transport.closed
+
+
+async def test_pipelined_requests_up_to_the_limit_are_all_answered_on_an_open_connection(rig: Rig) -> None:
+    protocol, transport = rig.connect()
+    protocol.data_received(GET * (1 + MAX_PIPELINED))
+    await answered(transport, 1 + MAX_PIPELINED)
+    protocol.data_received(GET)  # and the connection reads on
+    await answered(transport, 2 + MAX_PIPELINED)
+    await settle()
+    assert not transport.closed and b"connection: close" not in transport.written
+    assert rig.refusals("pipelined_requests") == 0
 
 
 def head_of(size: int, start: bytes = b"GET /x HTTP/1.1\r\nHost: h\r\n", fill: bytes = b"X-Fill: ") -> bytes:

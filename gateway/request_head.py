@@ -7,7 +7,6 @@ upstream answers with an id of its own (`request_id_of`).
 
 from __future__ import annotations
 
-import itertools
 import os
 from collections.abc import Sequence
 
@@ -46,7 +45,7 @@ class RequestHead:
             elif name == b"x-request-id":
                 rid = _sane_id(value.decode("latin-1"))
             elif name == b"content-length" and value.isdigit():
-                length = int(value)
+                length = int(value) if len(value) <= _LENGTH_DIGITS else _long_length(value)
             elif name == RETRY_COUNT_HEADER:
                 taken = retries_taken(value)
         return cls(authorization, rid, length, retries_taken=taken, raw=scope["headers"])
@@ -66,7 +65,7 @@ class RequestHead:
             elif name == b"x-request-id":
                 rid = _sane_id(value.decode("latin-1"))
             elif name == b"content-length" and value.isdigit():
-                length = int(value)
+                length = int(value) if len(value) <= _LENGTH_DIGITS else _long_length(value)
             elif name == b"content-type":
                 content_type = value.decode("latin-1")
             elif name == b"x-api-key" and api.api_key_header:
@@ -97,14 +96,49 @@ class RequestIds:
         return self.client if self.client is not None else self.internal
 
 
-# Internal ids: a random per-process prefix and a counter. Unique, which is all an engine and the
-# policy need, and far cheaper than reading the OS's random source per request.
-_ID_PREFIX = os.urandom(6).hex()
-_id_counter = itertools.count(1)
+# A Content-Length of more digits than this is read without `int` of the whole string: Python
+# refuses to convert more than 4,300 digits, and llhttp accepts any number of leading zeros.
+_LENGTH_DIGITS = 18
+
+
+def _long_length(value: bytes) -> int:
+    """A long run of digits as a length: its value when the leading zeros hide a small one, else
+    a length past any body limit (over 18 significant digits: an exabyte)."""
+    digits = value.lstrip(b"0")
+    return int(digits or b"0") if len(digits) <= _LENGTH_DIGITS else 10**_LENGTH_DIGITS
+
+
+class _IdSource:
+    """Internal request ids: 12 random bytes each, in hex. Every answer carries one (its
+    `x-request-id`, and a worker puts it into the answer's own id), so they must tell nothing:
+    a counter would show other tenants' request volume and which process served them. The OS's
+    random source is read 4 KiB at a time (one read per 341 ids, not one per request), and a
+    forked child drops what its parent had read, so processes never hand out the same id."""
+
+    ID_BYTES = 12
+    READ_BYTES = 4092  # a multiple of ID_BYTES
+
+    def __init__(self) -> None:
+        self._pool = b""
+        self._at = 0
+        os.register_at_fork(after_in_child=self.drop)
+
+    def drop(self) -> None:
+        self._pool, self._at = b"", 0
+
+    def next(self) -> str:
+        at = self._at
+        if at >= len(self._pool):
+            self._pool, at = os.urandom(self.READ_BYTES), 0
+        self._at = at + self.ID_BYTES
+        return self._pool[at : at + self.ID_BYTES].hex()
+
+
+_ids = _IdSource()
 
 
 def new_request_id() -> str:
-    return f"{_ID_PREFIX}{next(_id_counter):010x}"
+    return _ids.next()
 
 
 def request_ids(head: RequestHead) -> RequestIds:

@@ -82,6 +82,7 @@ class ClientLimits:
     keepalive_timeout_s: float
     max_connections: int
     send_timeout_s: float = 60.0
+    max_connections_per_address: int = 0  # 0: no limit
 
     @classmethod
     def of(cls, limits: LimitsConfig) -> ClientLimits:
@@ -93,6 +94,7 @@ class ClientLimits:
             limits.keepalive_timeout_s,
             limits.max_client_connections,
             limits.send_timeout_s,
+            limits.max_client_connections_per_address,
         )
 
     @property
@@ -117,6 +119,8 @@ class ClientGuard:
         self.limits = limits
         self.waiting: set[GuardedHttpToolsProtocol] = set()
         self.stalled: set[GuardedHttpToolsProtocol] = set()
+        # Open capped connections per client address, while `max_connections_per_address` is set.
+        self.by_address: dict[str, int] = {}
         self._refusals = refusals
         self._next_check_s = 0.0
 
@@ -187,6 +191,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._head_start_unknown = False  # the current head began after a request in its read
         self._head_tail = b""  # last bytes of the previous read of this head; b"" if it began in `_chunk`
         self._last_read = False  # the pipeline was full: answer what was taken, then close
+        self._address: str | None = None  # counted in the guard's `by_address`
 
     # -- phases
 
@@ -208,17 +213,39 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         over = self._capped and len(self.connections) >= self._limits.max_connections
         super().connection_made(transport)
-        if over:
+        refused = "connection_limit" if over else None
+        if refused is None and self._capped and self._limits.max_connections_per_address and self.client:
+            refused = self._count_address(self.client[0])
+        if refused is not None:
             # Cheapest for both sides: nothing read, nothing held; clients retry a closed connection.
-            self._guard.refused("connection_limit")
+            self._guard.refused(refused)
             self._phase = APP
             transport.close()
             return
         self._begin_head()
 
+    def _count_address(self, address: str) -> str | None:
+        """Count this connection for its client address; the refusal's reason past the limit."""
+        by_address = self._guard.by_address
+        open_now = by_address.get(address, 0)
+        if open_now >= self._limits.max_connections_per_address:
+            return "address_limit"
+        by_address[address] = open_now + 1
+        self._address = address
+        return None
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._to_app()
         self._guard.stalled.discard(self)
+        address = self._address
+        if address is not None:
+            self._address = None
+            by_address = self._guard.by_address
+            left = by_address[address] - 1
+            if left:
+                by_address[address] = left
+            else:
+                del by_address[address]
         super().connection_lost(exc)
 
     def pause_writing(self) -> None:

@@ -42,7 +42,8 @@ class LimitsConfig(Frozen):
     first byte after idling) and then the body (`body_timeout_s`; either: 408 and close), idle
     time between requests (`keepalive_timeout_s`), the time a response may wait on a client that
     reads nothing (`send_timeout_s`; then the connection is aborted and the request cancelled),
-    and open connections per process (`max_client_connections`; beyond: closed at once). Per
+    and open connections per process (`max_client_connections`; beyond: closed at once), and
+    per client address (`max_client_connections_per_address`, 0: no limit). Per
     request: the body size (413), and the choices a chat or completions request asks for (`n`,
     `best_of`; beyond: 400).
     Completions past their tenant's own slot and their body, across tenants
@@ -69,6 +70,8 @@ class LimitsConfig(Frozen):
     # nginx's `send_timeout` default: a client that reads nothing for a minute is taken as gone.
     send_timeout_s: PositiveFloat = 60.0
     max_client_connections: PositiveInt = 4096
+    # Off by default: behind an ingress or a proxy every client shares the proxy's address.
+    max_client_connections_per_address: int = Field(default=0, ge=0)
 
 
 class MetricsConfig(Frozen):

@@ -4,6 +4,7 @@ transport (no sockets): what is refused, what is answered, and when a connection
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -196,6 +197,25 @@ async def test_connections_beyond_the_process_limit_are_closed_at_once(rig: Rig)
     metrics_transport.close()
     await settle()
     assert not rig.connect()[1].closed  # a free place is taken again
+
+
+async def test_connections_beyond_the_limit_per_client_address_are_closed_at_once(rig: Rig) -> None:
+    limits = dataclasses.replace(LIMITS, max_connections=10, max_connections_per_address=2)
+    guard = ClientGuard(limits, rig.metrics.client_refusals)
+    rig = dataclasses.replace(rig, guard=guard, state=GuardedServerState(guard))
+    held = [rig.connect() for _ in range(2)]
+    protocol, transport = rig.connect()  # every connection of the rig is from 127.0.0.1
+    assert transport.closed and transport.written == b""
+    assert rig.refusals("address_limit") == 1
+    assert guard.by_address == {"127.0.0.1": 2}
+    held[0][1].close()
+    await settle()
+    assert guard.by_address == {"127.0.0.1": 1}
+    assert not rig.connect()[1].closed  # a free place is taken again
+    for _, held_transport in held[1:]:
+        held_transport.close()
+    await settle()
+    assert guard.by_address == {"127.0.0.1": 1}  # the one just opened
 
 
 async def test_deadlines_close_each_phase_its_own_way(rig: Rig) -> None:

@@ -204,7 +204,7 @@ async def test_connections_beyond_the_limit_per_client_address_are_closed_at_onc
     guard = ClientGuard(limits, rig.metrics.client_refusals)
     rig = dataclasses.replace(rig, guard=guard, state=GuardedServerState(guard))
     held = [rig.connect() for _ in range(2)]
-    protocol, transport = rig.connect()  # every connection of the rig is from 127.0.0.1
+    _, transport = rig.connect()  # every connection of the rig is from 127.0.0.1
     assert transport.closed and transport.written == b""
     assert rig.refusals("address_limit") == 1
     assert guard.by_address == {"127.0.0.1": 2}

@@ -9,7 +9,6 @@ thread and the upstream clients.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import dataclasses
 import functools
@@ -21,7 +20,7 @@ from gateway.auth import Tenant
 from gateway.bodies import missing_model
 from gateway.config.pool import PoolConfig
 from gateway.errors import ApiError
-from gateway.keying_pool import KeyingPool, Turns, rebuild
+from gateway.keying_pool import FairSlots, KeyingPool, Turns, rebuild, run_fairly
 from gateway.large_body import BodyJob, ModelKeying
 from gateway.registry import Pool
 from gateway.render import render_canonical
@@ -31,6 +30,9 @@ from policies.identity import derive_secret, key_identities, served_identity
 from prompt_normalizer.errors import NormalizerError
 from prompt_normalizer.normalizer import Normalizer, NormalizerConfig
 from prompt_normalizer.types import PUBLIC_NAMESPACE, CanonicalPrompt, KeyIdentity
+
+# Canonicalizations on the keying's thread or queued for it at once (`Keying.thread_slots`).
+THREAD_JOBS = 2
 
 
 class Keying:
@@ -42,7 +44,16 @@ class Keying:
     normalizer settings rebuilds them here (`set_policy_normalizer`), which also forgets the
     identities (they carry the normalizer's render fingerprint)."""
 
-    __slots__ = ("_executor", "_identities", "_pools", "_secret", "normalizers", "processes", "transport")
+    __slots__ = (
+        "_executor",
+        "_identities",
+        "_pools",
+        "_secret",
+        "normalizers",
+        "processes",
+        "thread_slots",
+        "transport",
+    )
 
     def __init__(
         self,
@@ -57,6 +68,9 @@ class Keying:
         self.normalizers = build_normalizers(pools, policy_normalizer, secret, {})
         self._identities: dict[tuple[str, str], tuple[KeyIdentity, KeyIdentity | None]] = {}
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        # The thread's work, handed out fairly across tenants: one canonicalization at work, the
+        # next one queued behind it.
+        self.thread_slots = FairSlots(THREAD_JOBS)
         self.processes = KeyingPool()
 
     def normalizer(self, pool: Pool) -> Normalizer:
@@ -180,7 +194,7 @@ async def read_large_body(
     turns while it rebuilds the parsed body; the same answers as admission's own calls (a 400 is
     raised). None when the keying process died meanwhile: the caller reads the body itself."""
     job = keying.large_body_job(raw, api, models, tenant, max_choices)
-    keyed = await keying.processes.key(job)
+    keyed = await keying.processes.key(job, tenant.name)
     if keyed is None:
         return None
     if keyed.error is not None:
@@ -243,8 +257,11 @@ async def canonical_prompt(
         if normalizer.config.mode == "tokenizer" or len(raw) > INLINE_PROMPT_BYTES:
             # Tokenizing and templating a long prompt takes milliseconds, and approximate mode
             # spends up to ~0.1 s a MB on a large body: off the event loop, on the keying's one
-            # thread, so large bodies take their turns there instead of holding every request.
-            return await asyncio.get_running_loop().run_in_executor(
+            # thread, so large bodies take their turns there instead of holding every request,
+            # and tenants take theirs in fair order.
+            return await run_fairly(
+                keying.thread_slots,
+                tenant,
                 keying.executor(),
                 functools.partial(normalizer.canonicalize, prompt, body, identity, public),
             )

@@ -92,7 +92,10 @@ async def run(bodies: dict[str, bytes], repeats: int) -> dict[str, Any]:
         out["baseline"] = _summary(lateness, [1.0])
         started = time.perf_counter()
         await pool.key(
-            BodyJob(b'{"messages": [{"role": "user", "content": "x"}]}', CHAT.path, 128, SECRET, models, None)
+            BodyJob(
+                b'{"messages": [{"role": "user", "content": "x"}]}', CHAT.path, 128, SECRET, models, None
+            ),
+            "bench",
         )
         out["keying_process_start_s"] = round(time.perf_counter() - started, 2)
         for shape, raw in bodies.items():
@@ -112,7 +115,7 @@ async def run(bodies: dict[str, bytes], repeats: int) -> dict[str, Any]:
                 )
 
             async def process(raw: bytes = raw) -> None:
-                keyed = await pool.key(BodyJob(raw, CHAT.path, 128, SECRET, models, None))
+                keyed = await pool.key(BodyJob(raw, CHAT.path, 128, SECRET, models, None), "bench")
                 assert keyed is not None and keyed.body is not None and keyed.canonical is not None
                 turns = Turns()
                 await rebuild(keyed.body, turns)

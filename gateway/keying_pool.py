@@ -6,10 +6,13 @@ request"). One process per gateway process (under `--processes N`, each has its 
 the first large body, runs `gateway.large_body.key_body`; the loop then rebuilds the parsed body
 from its pieces, giving other requests a turn every couple of milliseconds (`rebuild`).
 
-Lifecycle: at most `MAX_JOBS` bodies are in the process's queue or at work; later ones wait
-their turn (how many requests wait at all is bounded by the gateway's own limits on requests
-in flight). A process that dies (killed, out of memory) fails the job it had, which admission
-then reads and keys in the gateway's own process as before; the next body starts a new process.
+Lifecycle: at most `MAX_JOBS` bodies are in the process's queue or at work, a body counting until
+the process is done with it even when its request left first; later ones wait their turn, handed
+out fairly across tenants (`FairSlots`: a tenant's one body waits for at most about one more of a
+busy tenant's, not for all of them). How many bodies wait is bounded by the gateway's limits on
+requests in flight, and each by the body limit. A process that dies (killed, out of memory)
+fails the job it had, which admission then reads and keys in the gateway's own process as
+before; the next body starts a new process.
 One that ends before answering anything (it cannot start) is not tried again for
 `RETRY_START_S`. One with nothing to do for `IDLE_EXIT_S` is stopped, giving back the memory
 large bodies left in it (about 120 MB after 7 MB bodies); the next large body starts another
@@ -22,20 +25,24 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import multiprocessing
 import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
+from gateway.fair_order import FairOrder
 from gateway.large_body import BodyJob, Container, KeyedBody, Member, Piece, Run, Text, Whole, key_body
 
 log = logging.getLogger("kvgate.keying")
+T = TypeVar("T")
 
 # Bodies in the keying process's queue or at work at once: one keyed while the next is sent.
 MAX_JOBS = 2
@@ -67,6 +74,61 @@ def _start_keying_process(parent: int) -> None:
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
 
 
+class FairSlots:
+    """`n` slots of keying work handed out one tenant at a time.
+
+    A slot that is free is taken at once (then nobody waits). Otherwise the request waits in
+    `fair_order.FairOrder` with every tenant weighted alike, and each slot given back goes
+    straight to the next waiter in that order (a newcomer never takes it first):
+
+        tenant A has 10 bodies waiting, then B's one arrives:  A, B, A, A, ...
+
+    so a tenant's body waits for at most about one more of a busy tenant's, however many that
+    tenant has queued. Tenants' weights do not apply: a heavy tenant's bodies would then go many
+    at a time before a light tenant's one, which is the wait this bounds. A waiter that leaves (its client
+    went away) leaves the order, and a slot handed to a waiter that left before using it goes to
+    the next. Invariant: `free` > 0 only when nothing waits."""
+
+    __slots__ = ("_order", "free")
+
+    def __init__(self, n: int) -> None:
+        self.free = n
+        self._order: FairOrder[asyncio.Future[None]] = FairOrder()
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a slot."""
+        return len(self._order)
+
+    async def acquire(self, tenant: str) -> None:
+        """Hold a slot (give it back with `release`), waiting for `tenant`'s turn if none is free."""
+        if self.free > 0:
+            self.free -= 1
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = self._order.push(tenant, 1.0, 0, future)
+        try:
+            await future
+        except BaseException:
+            if entry.live:
+                self._order.remove(entry)
+            elif future.done() and not future.cancelled():
+                self.release()  # handed a slot, cancelled before it could use it
+            raise
+
+    def release(self) -> None:
+        """Give a slot back: to the next waiter in fair order, or to the free ones."""
+        while (entry := self._order.pop()) is not None:
+            if not entry.item.done():  # a done one was cancelled and is leaving
+                entry.item.set_result(None)
+                return
+        self.free += 1
+
+    def check_invariants(self) -> None:
+        self._order.check_invariants()
+        assert self.free >= 0 and (self.free == 0 or not self._order)
+
+
 class KeyingPool:
     """One keying process, started on first use and again after it died; see the module doc."""
 
@@ -76,7 +138,7 @@ class KeyingPool:
         self._idle: asyncio.TimerHandle | None = None  # stops an idle process (`_stop_if_idle`)
         self._answered = 0  # bodies the current process has answered
         self._retry_s = 0.0  # no process is started before this (monotonic), after one failed to start
-        self._slots = asyncio.Semaphore(max_jobs)
+        self.slots = FairSlots(max_jobs)
         self.started = 0  # keying processes started (a restart after a death counts too)
         self.in_flight = 0  # bodies sent and not answered yet (at most `max_jobs`)
         self.waiting = 0  # bodies waiting for one of those places
@@ -95,20 +157,23 @@ class KeyingPool:
             self.started += 1
         return self._executor
 
-    async def key(self, job: BodyJob) -> KeyedBody | None:
+    async def key(self, job: BodyJob, tenant: str) -> KeyedBody | None:
         """The keyed body, or None when the keying process died with it (the next job starts
-        another) or, for `RETRY_START_S` after one could not start at all, at once."""
+        another) or, for `RETRY_START_S` after one could not start at all, at once. `tenant`
+        waits its turn among the tenants whose bodies wait (`FairSlots`)."""
         if time.monotonic() < self._retry_s:
             return None
         self.waiting += 1
         try:
-            await self._slots.acquire()
+            await self.slots.acquire(tenant)
         finally:
             self.waiting -= 1
         self.in_flight += 1
         executor = self._pool()
+        work: concurrent.futures.Future[KeyedBody] | None = None
         try:
-            keyed: KeyedBody = await asyncio.wrap_future(executor.submit(key_body, job))
+            work = executor.submit(key_body, job)
+            keyed = await asyncio.wrap_future(work)
             self._answered += 1
             return keyed
         except BrokenProcessPool:
@@ -124,10 +189,15 @@ class KeyingPool:
                 executor.shutdown(wait=False, cancel_futures=True)
             return None
         finally:
-            self.in_flight -= 1
-            self._slots.release()
-            if self.in_flight == 0 and self.waiting == 0:
-                self._arm_idle_exit()
+            # A request that leaves while its body is in the keying process does not stop the
+            # work there: its place is given back when the process is done with it.
+            when_done(work, self._job_ended)
+
+    def _job_ended(self) -> None:
+        self.in_flight -= 1
+        self.slots.release()
+        if self.in_flight == 0 and self.waiting == 0:
+            self._arm_idle_exit()
 
     def _arm_idle_exit(self) -> None:
         # One timer per quiet spell, set when the last body leaves (large bodies are rare: the
@@ -155,6 +225,36 @@ class KeyingPool:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
+
+
+def when_done(work: concurrent.futures.Future[Any] | None, callback: Callable[[], object]) -> None:
+    """`callback()` on the running loop once `work` has ended (at once if it has, or was never
+    submitted): a thread or process goes on with a job whose caller was cancelled."""
+    if work is None or work.done():
+        callback()
+        return
+    loop = asyncio.get_running_loop()
+
+    def ended(_: concurrent.futures.Future[Any]) -> None:
+        if not loop.is_closed():  # a job that outlived the app's lifespan
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(callback)
+
+    work.add_done_callback(ended)
+
+
+async def run_fairly(
+    slots: FairSlots, tenant: str, executor: concurrent.futures.Executor, fn: Callable[[], T]
+) -> T:
+    """`fn()` on `executor` in `tenant`'s turn for one of `slots`, the slot held until `fn` has
+    returned (also when the caller is cancelled first)."""
+    await slots.acquire(tenant)
+    work: concurrent.futures.Future[T] | None = None
+    try:
+        work = executor.submit(fn)
+        return await asyncio.wrap_future(work)
+    finally:
+        when_done(work, slots.release)
 
 
 class Turns:

@@ -9,8 +9,12 @@ file (a mounted Secret), is held only here, and never appears in a log line, a r
 
 A client's own headers reach a worker only when the pool names them. Hop-by-hop headers (they
 describe one connection, not the request), credentials (the client's key is the gateway's
-business, the worker's key is the pool's), and the headers the gateway sets itself can never be
-forwarded: the config is refused when it names one.
+business, the worker's key is the pool's), the headers the gateway sets itself, engine-internal
+headers (vLLM reads `X-data-parallel-rank` as the body field `data_parallel_rank`, which the
+gateway refuses from clients: it pins the request to one engine rank, past the worker's own load
+balancing) and proxy headers (`Forwarded`, `X-Forwarded-*`, `X-Real-IP`: a worker, or whatever
+sits behind it, may trust them as a proxy's word about the client, and a client's copy would be
+believed) can never be forwarded: the config is refused when it names one, saying why.
 """
 
 from __future__ import annotations
@@ -18,31 +22,48 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 
-# RFC 9110 7.6.1 and proxies' own; credentials and cookies; what the gateway writes itself.
-NEVER_FORWARDED = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "authorization",
-        "x-api-key",
-        "api-key",
-        "cookie",
-        "set-cookie",
-        "host",
-        "content-length",
-        "content-type",
-        "content-encoding",
-        "expect",
-        "x-request-id",
-    }
+_HOP_BY_HOP = "hop-by-hop, a credential, or set by the gateway"
+_ENGINE_INTERNAL = (
+    "an engine-internal header: vLLM reads it as the body field data_parallel_rank, "
+    "which pins a request to one engine rank and is refused from clients"
 )
+_PROXY = "a proxy header: a worker may trust it as a proxy's word about the client"
+
+# Why each name can never be forwarded. RFC 9110 7.6.1 and proxies' own; credentials and cookies;
+# what the gateway writes itself; an engine's internal routing; what proxies assert about a client.
+_REFUSED = {
+    **dict.fromkeys(
+        (
+            "connection",
+            "keep-alive",
+            "proxy-connection",
+            "te",
+            "trailer",
+            "transfer-encoding",
+            "upgrade",
+            "proxy-authenticate",
+            "proxy-authorization",
+            "authorization",
+            "x-api-key",
+            "api-key",
+            "cookie",
+            "set-cookie",
+            "host",
+            "content-length",
+            "content-type",
+            "content-encoding",
+            "expect",
+            "x-request-id",
+        ),
+        _HOP_BY_HOP,
+    ),
+    "x-data-parallel-rank": _ENGINE_INTERNAL,
+    "forwarded": _PROXY,
+    "x-real-ip": _PROXY,
+}
+NEVER_FORWARDED = frozenset(_REFUSED)
+# Every name under this prefix is a proxy header (`X-Forwarded-For`, `-Host`, `-Proto`, `-Port`, ...).
+NEVER_FORWARDED_PREFIX = "x-forwarded-"
 _TOKEN = re.compile(r"[a-z0-9!#$%&'*+.^_`|~-]+")
 
 # The headers of a worker's answer the gateway keeps (`upstream.RetryHints`, lower-case): its
@@ -59,10 +80,9 @@ def forwardable_name(name: str) -> str:
     lowered = name.strip().lower()
     if not _TOKEN.fullmatch(lowered):
         raise ValueError(f"{name!r} is not a header name")
-    if lowered in NEVER_FORWARDED:
-        raise ValueError(
-            f"{lowered!r} can never be forwarded (hop-by-hop, a credential, or set by the gateway)"
-        )
+    reason = _PROXY if lowered.startswith(NEVER_FORWARDED_PREFIX) else _REFUSED.get(lowered)
+    if reason is not None:
+        raise ValueError(f"{lowered!r} can never be forwarded ({reason})")
     return lowered
 
 

@@ -80,6 +80,29 @@ def test_the_config_names_the_field_of_a_forbidden_header() -> None:
         parse_config(_config(worker_api_key_env="A", worker_api_key_file="/f"))
 
 
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [
+        ("X-data-parallel-rank", "engine-internal header: vLLM reads it as .* data_parallel_rank"),
+        ("Forwarded", "a proxy header"),
+        ("X-Forwarded-For", "a proxy header"),
+        ("x-forwarded-host", "a proxy header"),
+        ("X-Forwarded-Proto", "a proxy header"),
+        ("x-real-ip", "a proxy header"),
+    ],
+)
+def test_engine_and_proxy_headers_are_refused_naming_the_header_and_why(name: str, reason: str) -> None:
+    """vLLM reads `X-data-parallel-rank` as `data_parallel_rank` (refused in a body); a worker may
+    believe a client's `Forwarded` or `X-Forwarded-*` as a proxy's."""
+    lowered = name.lower()
+    with pytest.raises(ValueError, match=f"'{lowered}' can never be forwarded .*{reason}"):
+        forwardable_name(name)
+    with pytest.raises(ConfigError, match=rf"pools\.0\.forward_headers.*'{lowered}' can never be forwarded"):
+        parse_config(_config(forward_headers=["traceparent", name]))
+    # Names that only look alike are a pool's to choose.
+    assert forwardable_name("x-my-" + lowered) == "x-my-" + lowered
+
+
 def test_the_key_comes_from_the_file_or_the_variable_and_errors_never_quote_it(tmp_path: Path) -> None:
     pool = parse_config(_config(worker_api_key_env="WORKER_KEY")).pools[0]
     assert read_worker_key(pool, {"WORKER_KEY": KEY}) == KEY

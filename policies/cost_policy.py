@@ -161,11 +161,12 @@ class CostPolicy(PrefixPolicyBase):
         super().on_complete(obs, now_s)
         self._ledger.remove(obs.request.request_id)
 
-    def on_dispatch(self, req: RouteRequest, decision: RouteDecision, now_s: float) -> None:
-        super().on_dispatch(req, decision, now_s)
+    def _dispatched_to(
+        self, pool: PoolState, req: RouteRequest, decision: RouteDecision, now_s: float
+    ) -> None:
         matched = min(decision.matched_tokens, req.n_prompt_tokens)
         self._ledger.add(req.request_id, decision.worker, req.n_prompt_tokens, req.n_prompt_tokens - matched)
-        self._add_work(self._pool(req), decision.worker, req.n_prompt_tokens, matched, now_s)
+        self._add_work(pool, decision.worker, req.n_prompt_tokens, matched, now_s)
 
     def _apply_peer_holding(self, pool: PoolState, holding: PeerHolding, now_s: float) -> None:
         # A peer's dispatch is work routed to that worker as much as our own is.
@@ -274,14 +275,21 @@ class CostPolicy(PrefixPolicyBase):
             self._pools.note_workers(req.pool, part)
             pool.observe_workers(part)
         found = self._lookup(pool, req, now_s, own=own_match)
+        # Wholly inside a promoted public prefix, the request carries the public salt, so only
+        # public holders save it anything (its tenant-salted blocks are not reused).
+        match = found.public if found.public_blocks else own_match
         cost = pool.cost
+        q = cost.queue_terms()
 
         mean_after = (columns.total_load + 1) / n_cands
         # Recomputing a prefix also delays whoever queues behind it: weigh saved compute by
         # 1 + work_weight·L, L = prompts waiting per worker (Little's law), capped. The backlog is
         # in request tokens and the mean prompt in engine tokens: convert before dividing.
         unit = cost.engine_tokens_per_request_token
-        waiting_per_worker = columns.raw_backlog * unit / n_cands / max(1.0, cost.mean_prompt_tokens)
+        mean_prompt = q.mean_prompt_tokens
+        waiting_per_worker = (
+            columns.raw_backlog * unit / n_cands / (mean_prompt if mean_prompt > 1.0 else 1.0)
+        )
         weight = 1.0 + self.work_weight * min(waiting_per_worker, self.max_queue_factor)
         bound = max((1.0 + self.epsilon) * mean_after, mean_after + self.slack_requests) - 1
         # The least loaded worker is at most the mean: with a slack of a request or more, it is
@@ -292,13 +300,15 @@ class CostPolicy(PrefixPolicyBase):
 
         n = req.n_prompt_tokens
         bs = req.block_size_tokens
-        limit = self._cap_tokens(req, n)
-        longest_tokens = min(found.longest_blocks * bs, limit)
-        q = cost.queue_terms()
+        limit = ((n - 1) // bs) * bs if n > 0 else 0  # `_cap_tokens(req, n)`: never the last token
+        longest_tokens = match.longest_blocks * bs
+        if longest_tokens > limit:
+            longest_tokens = limit
         scorer = Scorer(self.tie_s, req, cost, q, weight, longest_tokens)
         if remaining is not None:
             scorer.drained(columns.pending)
-        herd_s = self.herd_margin_s(q.scale)
+        # Without a sync sink no peer dispatch goes unseen: no margin (`herd_margin_s` is 0).
+        herd_s = 0.0 if self._sync_sink is None else self.herd_margin_s(q.scale)
         if herd_s > 0:
             scorer.keep_near(herd_s)
         if self.branch_load_weight > 0 and 2 * longest_tokens <= n:
@@ -326,10 +336,7 @@ class CostPolicy(PrefixPolicyBase):
         # no later worker can win or tie: the loop stops there.
         reach = scorer.reach
         per_backlog_token = q.scale * q.backlog_per_token_s * cost.engine_tokens_per_request_token
-        # Pass 2a: the workers holding part of the prefix (few). Wholly inside a promoted public
-        # prefix, the request carries the public salt, so only public holders save it anything
-        # (its tenant-salted blocks are not reused).
-        match = found.public if found.public_blocks else own_match
+        # Pass 2a: the workers holding part of the prefix (few), in `match` (see above).
         held = self._positions.held(cands, match.blocks_by_worker) if match.longest_blocks else []
         holders: set[int] = set()
         if held:
@@ -402,7 +409,8 @@ class CostPolicy(PrefixPolicyBase):
         chosen, matched, queue = choice
         reason = self._reason(overloaded, matched, longest_tokens)
         self._decisions.add(reason)
-        scorer.cost.note_dispatch(req.request_id, queue, scorer._engine(matched))
+        unit = scorer.unit
+        scorer.cost.note_dispatch(req.request_id, queue, matched if unit == 1.0 else int(matched * unit))
         if score is None:
             score = scorer.best_score
         return RouteDecision(cands[chosen].worker_id, score, reason, matched, public_blocks)

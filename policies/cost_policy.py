@@ -227,7 +227,7 @@ class CostPolicy(PrefixPolicyBase):
         the longer of its own match and its public one (the public one is what a request wholly
         inside a promoted public prefix is served from: holding less is the safe side); 0 outside
         bursts or with `herd_hold_steps` 0. The index is only read."""
-        if self.herd_hold_steps <= 0 or self._unseen_in_burst() <= 0:
+        if self.herd_hold_steps <= 0 or self._sync_sink is None or self._unseen_in_burst() <= 0:
             return 0.0
         pool = self._pool(req)
         mine = self._own_keys(req)
@@ -246,7 +246,7 @@ class CostPolicy(PrefixPolicyBase):
         return hold_s
 
     def select(self, req: RouteRequest, workers: Sequence[WorkerView], now_s: float) -> RouteDecision | None:
-        pool = self._pool(req)
+        pool = self._pools.get(req.pool, req.block_size_tokens)  # `_pool`, inlined
         pool.index.expire(now_s)
         mine = self._own_keys(req)
         own_match = pool.index.lookup(mine.keys, mine.namespace, now_s)
@@ -254,12 +254,14 @@ class CostPolicy(PrefixPolicyBase):
         # changed since the pool's last decision (see `cost_scan`).
         shares = self._ledger.shares if self.discounts_backlog(req.pool) else {}
         remaining = pool.cost.remaining_at(now_s)
-        columns = self._candidate_cache(req.pool).candidates(workers, shares, remaining)
+        cache = self._columns.get(req.pool) or self._candidate_cache(req.pool)
+        columns = cache.candidates(workers, shares, remaining)
         cands, loads, backlogs = columns.views, columns.loads, columns.backlogs
         if not cands:
             return None
         n_cands = len(cands)
-        self._note_tenant(req)
+        if self.shared.tenants:
+            self._note_tenant(req)
         if n_cands != self._last_n:
             self._last_n = n_cands
             self._pools.note_workers(req.pool, cands)

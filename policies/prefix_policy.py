@@ -197,7 +197,7 @@ class PrefixPolicyBase:
         dispatched = self._dispatched
         if len(dispatched) >= self.MAX_DISPATCHED and req.request_id not in dispatched:
             dispatched.pop(next(iter(dispatched)))  # bounded: the oldest falls back to the rule below
-        pool = self._pool(req)
+        pool = self._pools.get(req.pool, req.block_size_tokens)  # `_pool`, inlined
         pending = self._record(pool, req, decision.worker, shared, now_s, speculative=True)
         dispatched[req.request_id] = _Dispatched(shared, pending > 0)
         if self._sync_sink is not None:
@@ -211,8 +211,8 @@ class PrefixPolicyBase:
         """What a subclass keeps of each dispatch, once the index has it (`pool`: the request's)."""
 
     def on_complete(self, obs: Observation, now_s: float) -> None:
-        pool = self._pool(obs.request)
         req = obs.request
+        pool = self._pools.get(req.pool, req.block_size_tokens)  # `_pool`, inlined
         if self._sync_sink is not None:
             ref = self._peers.finished(req.request_id)
             if ref is not None:

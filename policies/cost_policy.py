@@ -367,7 +367,7 @@ class CostPolicy(PrefixPolicyBase):
         # (`cost_scan.by_backlog`): a hit usually stops after a few of them, a miss scores every
         # worker the backlog bound cannot rule out (each one's queue and branch charge differ).
         cap_s = scorer.nonholder_saved_s
-        if cap_s >= scorer.best_score - reach:
+        if cap_s >= scorer.best_score - reach and len(holders) < n_cands:
             for i in by_backlog(columns):
                 if loads[i] > bound or i in holders:
                     continue

@@ -130,6 +130,7 @@ class CostPolicy(PrefixPolicyBase):
         self.herd_hold_steps = herd_hold_steps
         self.ttft_objective_s = ttft_objective_s
         self._last_n = -1
+        self._observe_step = 1
         self._positions = Positions()
         self._columns: OrderedDict[str, CandidateCache] = OrderedDict()
         self._observe_at = 0
@@ -264,13 +265,14 @@ class CostPolicy(PrefixPolicyBase):
             self._note_tenant(req)
         if n_cands != self._last_n:
             self._last_n = n_cands
-            self._pools.note_workers(req.pool, cands)
-            pool.observe_workers(cands)
-        else:
             # Capacities and pool membership change rarely: each decision refreshes the next few
             # workers (at most OBSERVE_SLICE), so each is seen every max(OBSERVE_EVERY, workers /
             # OBSERVE_SLICE) decisions, at a flat cost per decision.
-            step = min(self.OBSERVE_SLICE, -(-n_cands // self.OBSERVE_EVERY))
+            self._observe_step = min(self.OBSERVE_SLICE, -(-n_cands // self.OBSERVE_EVERY))
+            self._pools.note_workers(req.pool, cands)
+            pool.observe_workers(cands)
+        else:
+            step = self._observe_step
             start = self._observe_at if self._observe_at < n_cands else 0
             self._observe_at = start + step
             part = cands[start : start + step]
@@ -287,13 +289,17 @@ class CostPolicy(PrefixPolicyBase):
         # Recomputing a prefix also delays whoever queues behind it: weigh saved compute by
         # 1 + work_weight·L, L = prompts waiting per worker (Little's law), capped. The backlog is
         # in request tokens and the mean prompt in engine tokens: convert before dividing.
+        # (min() and max() are written as conditional expressions here and below, each picking what
+        # the builtin picks: a builtin call costs more than the comparison.)
         unit = cost.engine_tokens_per_request_token
         mean_prompt = q.mean_prompt_tokens
         waiting_per_worker = (
             columns.raw_backlog * unit / n_cands / (mean_prompt if mean_prompt > 1.0 else 1.0)
         )
-        weight = 1.0 + self.work_weight * min(waiting_per_worker, self.max_queue_factor)
-        bound = max((1.0 + self.epsilon) * mean_after, mean_after + self.slack_requests) - 1
+        factor = self.max_queue_factor
+        weight = 1.0 + self.work_weight * (factor if factor < waiting_per_worker else waiting_per_worker)
+        relative, absolute = (1.0 + self.epsilon) * mean_after, mean_after + self.slack_requests
+        bound = (absolute if absolute > relative else relative) - 1
         # The least loaded worker is at most the mean: with a slack of a request or more, it is
         # always within the bound, and the pass over the loads is skipped.
         overloaded = self.slack_requests < 1 and min(loads) > bound
@@ -350,13 +356,15 @@ class CostPolicy(PrefixPolicyBase):
             ranked: list[tuple[float, int, int]] = []
             for i, blocks in held:
                 holders.add(i)
-                matched = min(blocks * bs, limit)
+                matched = blocks * bs
+                matched = limit if limit < matched else matched
                 if (
                     loads[i] <= bound
                     or (2 * matched > n and loads[i] <= follow_bound)
                     or (keep and 2 * matched > n and self.keeps_decode(cost, cands[i], loads[i], req))
                 ):
-                    upper = max(scorer.saved(matched), scorer.nonholder_saved_s)
+                    saved, moved = scorer.saved(matched), scorer.nonholder_saved_s
+                    upper = moved if moved > saved else saved
                     ranked.append((upper - per_backlog_token * backlogs[i], i, matched))
             ranked.sort(reverse=True)
             for upper, i, matched in ranked:

@@ -35,15 +35,23 @@ class InflightLedger:
         return self.shares.get(worker, 1.0)
 
     def add(self, request_id: str, worker: WorkerId, prompt: int, uncached: int) -> None:
-        self.remove(request_id)
+        inflight = self._inflight
+        if request_id in inflight:
+            self.remove(request_id)
         if prompt <= 0:
             # Adds nothing to the sums (a prompt estimated at 0 tokens, e.g. "hi"); left out so
             # that every entry has its worker's sums to be taken from (`remove`).
             return
-        self._inflight[request_id] = (worker, prompt, uncached)
-        total, new = self._sums.get(worker, (0, 0))
-        self._set(worker, total + prompt, new + uncached)
-        if len(self._inflight) > self.MAX_INFLIGHT:
+        inflight[request_id] = (worker, prompt, uncached)
+        sums = self._sums.get(worker)
+        if sums is None:
+            total, new = prompt, uncached
+        else:
+            total, new = sums[0] + prompt, sums[1] + uncached
+        # `_set` with a total > 0 (every sum is, and so is `prompt`).
+        self._sums[worker] = (total, new)
+        self.shares[worker] = new / total
+        if len(inflight) > self.MAX_INFLIGHT:
             self.remove(next(iter(self._inflight)))
 
     def remove(self, request_id: str) -> None:
@@ -88,9 +96,16 @@ class RecentWork:
 
     def add(self, worker: WorkerId, work: float, now_s: float) -> None:
         recent = self.by_worker
-        if worker not in recent and len(recent) >= self.MAX_WORKERS:
-            recent.pop(next(iter(recent)))  # bounded across worker churn
-        recent[worker] = (self.at(worker, now_s) + work, now_s)
+        found = recent.get(worker)
+        if found is None:
+            if len(recent) >= self.MAX_WORKERS:
+                recent.pop(next(iter(recent)))  # bounded across worker churn
+            recent[worker] = (0.0 + work, now_s)
+        else:
+            before, at_s = found  # `at`, inlined
+            elapsed = now_s - at_s
+            decayed = before * math.exp(-(elapsed if elapsed > 0.0 else 0.0) / self.window_s)
+            recent[worker] = (decayed + work, now_s)
         # The mean over the first dispatches, then a moving average over the last ~64.
         self._samples = min(self._samples + 1, self.MEAN_WORK_DISPATCHES)
         self.mean_s += (work - self.mean_s) / self._samples

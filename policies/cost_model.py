@@ -22,16 +22,16 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 from policies.base import WorkerView, reported_load
 from policies.cost_params import CostModelParams, transfer_time_s
 from policies.records import record
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class QueueTerms:
-    """The constants of `CostModel.queue_s` at this moment, for callers that inline it."""
+    """The constants of `CostModel.queue_s` at this moment, for callers that inline it (rebuilt
+    whenever a completion moves the scale or the mean prompt: a record, cheap to build)."""
 
     scale: float
     max_batched_tokens: int
@@ -323,7 +323,9 @@ class CostModel:
                 predicted = self.prefill_s(new, cached) / self.scale
                 observed = ttft_s - p.ingestion_s - pending.queue_s
                 if predicted > 0 and observed > 0:
-                    ratio = min(max(observed / predicted, p.min_scale), p.max_scale)
+                    ratio = observed / predicted  # clipped as in `fold`
+                    ratio = p.min_scale if p.min_scale > ratio else ratio
+                    ratio = p.max_scale if p.max_scale < ratio else ratio
         if not prompt and not ratio:
             return None
         return CalibrationSample(prompt, estimate, ratio)
@@ -332,8 +334,13 @@ class CostModel:
         """Fold a sample, this gateway's or a peer's, into the scale (log-domain EWMA, clipped to
         the configured range), the mean prompt, and the engine's prompt size against the request's
         estimate into `engine_tokens_per_request_token`."""
-        if sample.request_tokens > 0 and sample.prompt_tokens > 0:
-            ratio = min(max(sample.prompt_tokens / sample.request_tokens, 0.05), 20.0)
+        # `min(max(x, lo), hi)` is written as conditionals that pick what the builtins pick (NaN
+        # included): this runs at every completion, and a builtin call costs more than the test.
+        prompt = sample.prompt_tokens
+        if sample.request_tokens > 0 and prompt > 0:
+            ratio = prompt / sample.request_tokens
+            ratio = 0.05 if ratio < 0.05 else ratio
+            ratio = 20.0 if ratio > 20.0 else ratio
             # The first sample sets the unit outright: until it does, every token count the policy
             # weighs against the engine's (the mean prompt, the calibrated rates) is off by it.
             weight = 0.05 if self._unit_samples else 1.0
@@ -342,14 +349,19 @@ class CostModel:
             # Snap to exactly 1 when keys are token-exact, so that path stays integer arithmetic.
             unit = math.exp(self._log_unit)
             self.engine_tokens_per_request_token = 1.0 if abs(unit - 1.0) < 1e-3 else unit
-        if sample.prompt_tokens > 0:
-            self._mean_prompt_tokens += 0.01 * (sample.prompt_tokens - self._mean_prompt_tokens)
+        if prompt > 0:
+            self._mean_prompt_tokens += 0.01 * (prompt - self._mean_prompt_tokens)
         p = self.params
         if not p.calibrate or sample.scale_ratio <= 0:
             return
-        ratio = min(max(sample.scale_ratio, p.min_scale), p.max_scale)
+        lo, hi = p.min_scale, p.max_scale
+        ratio = sample.scale_ratio
+        ratio = lo if lo > ratio else ratio
+        ratio = hi if hi < ratio else ratio
         self._log_scale += p.calibration_weight * (math.log(ratio) - self._log_scale)
-        self.scale = min(max(math.exp(self._log_scale), p.min_scale), p.max_scale)
+        scale = math.exp(self._log_scale)
+        scale = lo if lo > scale else scale
+        self.scale = hi if hi < scale else scale
         self.calibration_samples += 1
 
 

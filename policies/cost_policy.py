@@ -130,6 +130,7 @@ class CostPolicy(PrefixPolicyBase):
         self.herd_hold_steps = herd_hold_steps
         self.ttft_objective_s = ttft_objective_s
         self._last_n = -1
+        self._observe_step = 1
         self._positions = Positions()
         self._columns: OrderedDict[str, CandidateCache] = OrderedDict()
         self._observe_at = 0
@@ -161,11 +162,12 @@ class CostPolicy(PrefixPolicyBase):
         super().on_complete(obs, now_s)
         self._ledger.remove(obs.request.request_id)
 
-    def on_dispatch(self, req: RouteRequest, decision: RouteDecision, now_s: float) -> None:
-        super().on_dispatch(req, decision, now_s)
+    def _dispatched_to(
+        self, pool: PoolState, req: RouteRequest, decision: RouteDecision, now_s: float
+    ) -> None:
         matched = min(decision.matched_tokens, req.n_prompt_tokens)
         self._ledger.add(req.request_id, decision.worker, req.n_prompt_tokens, req.n_prompt_tokens - matched)
-        self._add_work(self._pool(req), decision.worker, req.n_prompt_tokens, matched, now_s)
+        self._add_work(pool, decision.worker, req.n_prompt_tokens, matched, now_s)
 
     def _apply_peer_holding(self, pool: PoolState, holding: PeerHolding, now_s: float) -> None:
         # A peer's dispatch is work routed to that worker as much as our own is.
@@ -226,7 +228,7 @@ class CostPolicy(PrefixPolicyBase):
         the longer of its own match and its public one (the public one is what a request wholly
         inside a promoted public prefix is served from: holding less is the safe side); 0 outside
         bursts or with `herd_hold_steps` 0. The index is only read."""
-        if self.herd_hold_steps <= 0 or self._unseen_in_burst() <= 0:
+        if self.herd_hold_steps <= 0 or self._sync_sink is None or self._unseen_in_burst() <= 0:
             return 0.0
         pool = self._pool(req)
         mine = self._own_keys(req)
@@ -245,7 +247,7 @@ class CostPolicy(PrefixPolicyBase):
         return hold_s
 
     def select(self, req: RouteRequest, workers: Sequence[WorkerView], now_s: float) -> RouteDecision | None:
-        pool = self._pool(req)
+        pool = self._pools.get(req.pool, req.block_size_tokens)  # `_pool`, inlined
         pool.index.expire(now_s)
         mine = self._own_keys(req)
         own_match = pool.index.lookup(mine.keys, mine.namespace, now_s)
@@ -253,37 +255,51 @@ class CostPolicy(PrefixPolicyBase):
         # changed since the pool's last decision (see `cost_scan`).
         shares = self._ledger.shares if self.discounts_backlog(req.pool) else {}
         remaining = pool.cost.remaining_at(now_s)
-        columns = self._candidate_cache(req.pool).candidates(workers, shares, remaining)
+        cache = self._columns.get(req.pool) or self._candidate_cache(req.pool)
+        columns = cache.candidates(workers, shares, remaining)
         cands, loads, backlogs = columns.views, columns.loads, columns.backlogs
         if not cands:
             return None
         n_cands = len(cands)
-        self._note_tenant(req)
+        if self.shared.tenants:
+            self._note_tenant(req)
         if n_cands != self._last_n:
             self._last_n = n_cands
-            self._pools.note_workers(req.pool, cands)
-            pool.observe_workers(cands)
-        else:
             # Capacities and pool membership change rarely: each decision refreshes the next few
             # workers (at most OBSERVE_SLICE), so each is seen every max(OBSERVE_EVERY, workers /
             # OBSERVE_SLICE) decisions, at a flat cost per decision.
-            step = min(self.OBSERVE_SLICE, -(-n_cands // self.OBSERVE_EVERY))
+            self._observe_step = min(self.OBSERVE_SLICE, -(-n_cands // self.OBSERVE_EVERY))
+            self._pools.note_workers(req.pool, cands)
+            pool.observe_workers(cands)
+        else:
+            step = self._observe_step
             start = self._observe_at if self._observe_at < n_cands else 0
             self._observe_at = start + step
             part = cands[start : start + step]
             self._pools.note_workers(req.pool, part)
             pool.observe_workers(part)
         found = self._lookup(pool, req, now_s, own=own_match)
+        # Wholly inside a promoted public prefix, the request carries the public salt, so only
+        # public holders save it anything (its tenant-salted blocks are not reused).
+        match = found.public if found.public_blocks else own_match
         cost = pool.cost
+        q = cost.queue_terms()
 
         mean_after = (columns.total_load + 1) / n_cands
         # Recomputing a prefix also delays whoever queues behind it: weigh saved compute by
         # 1 + work_weight·L, L = prompts waiting per worker (Little's law), capped. The backlog is
         # in request tokens and the mean prompt in engine tokens: convert before dividing.
+        # (min() and max() are written as conditional expressions here and below, each picking what
+        # the builtin picks: a builtin call costs more than the comparison.)
         unit = cost.engine_tokens_per_request_token
-        waiting_per_worker = columns.raw_backlog * unit / n_cands / max(1.0, cost.mean_prompt_tokens)
-        weight = 1.0 + self.work_weight * min(waiting_per_worker, self.max_queue_factor)
-        bound = max((1.0 + self.epsilon) * mean_after, mean_after + self.slack_requests) - 1
+        mean_prompt = q.mean_prompt_tokens
+        waiting_per_worker = (
+            columns.raw_backlog * unit / n_cands / (mean_prompt if mean_prompt > 1.0 else 1.0)
+        )
+        factor = self.max_queue_factor
+        weight = 1.0 + self.work_weight * (factor if factor < waiting_per_worker else waiting_per_worker)
+        relative, absolute = (1.0 + self.epsilon) * mean_after, mean_after + self.slack_requests
+        bound = (absolute if absolute > relative else relative) - 1
         # The least loaded worker is at most the mean: with a slack of a request or more, it is
         # always within the bound, and the pass over the loads is skipped.
         overloaded = self.slack_requests < 1 and min(loads) > bound
@@ -292,13 +308,15 @@ class CostPolicy(PrefixPolicyBase):
 
         n = req.n_prompt_tokens
         bs = req.block_size_tokens
-        limit = self._cap_tokens(req, n)
-        longest_tokens = min(found.longest_blocks * bs, limit)
-        q = cost.queue_terms()
+        limit = ((n - 1) // bs) * bs if n > 0 else 0  # `_cap_tokens(req, n)`: never the last token
+        longest_tokens = match.longest_blocks * bs
+        if longest_tokens > limit:
+            longest_tokens = limit
         scorer = Scorer(self.tie_s, req, cost, q, weight, longest_tokens)
         if remaining is not None:
             scorer.drained(columns.pending)
-        herd_s = self.herd_margin_s(q.scale)
+        # Without a sync sink no peer dispatch goes unseen: no margin (`herd_margin_s` is 0).
+        herd_s = 0.0 if self._sync_sink is None else self.herd_margin_s(q.scale)
         if herd_s > 0:
             scorer.keep_near(herd_s)
         if self.branch_load_weight > 0 and 2 * longest_tokens <= n:
@@ -326,10 +344,7 @@ class CostPolicy(PrefixPolicyBase):
         # no later worker can win or tie: the loop stops there.
         reach = scorer.reach
         per_backlog_token = q.scale * q.backlog_per_token_s * cost.engine_tokens_per_request_token
-        # Pass 2a: the workers holding part of the prefix (few). Wholly inside a promoted public
-        # prefix, the request carries the public salt, so only public holders save it anything
-        # (its tenant-salted blocks are not reused).
-        match = found.public if found.public_blocks else own_match
+        # Pass 2a: the workers holding part of the prefix (few), in `match` (see above).
         held = self._positions.held(cands, match.blocks_by_worker) if match.longest_blocks else []
         holders: set[int] = set()
         if held:
@@ -341,13 +356,15 @@ class CostPolicy(PrefixPolicyBase):
             ranked: list[tuple[float, int, int]] = []
             for i, blocks in held:
                 holders.add(i)
-                matched = min(blocks * bs, limit)
+                matched = blocks * bs
+                matched = limit if limit < matched else matched
                 if (
                     loads[i] <= bound
                     or (2 * matched > n and loads[i] <= follow_bound)
                     or (keep and 2 * matched > n and self.keeps_decode(cost, cands[i], loads[i], req))
                 ):
-                    upper = max(scorer.saved(matched), scorer.nonholder_saved_s)
+                    saved, moved = scorer.saved(matched), scorer.nonholder_saved_s
+                    upper = moved if moved > saved else saved
                     ranked.append((upper - per_backlog_token * backlogs[i], i, matched))
             ranked.sort(reverse=True)
             for upper, i, matched in ranked:
@@ -358,7 +375,7 @@ class CostPolicy(PrefixPolicyBase):
         # (`cost_scan.by_backlog`): a hit usually stops after a few of them, a miss scores every
         # worker the backlog bound cannot rule out (each one's queue and branch charge differ).
         cap_s = scorer.nonholder_saved_s
-        if cap_s >= scorer.best_score - reach:
+        if cap_s >= scorer.best_score - reach and len(holders) < n_cands:
             for i in by_backlog(columns):
                 if loads[i] > bound or i in holders:
                     continue
@@ -402,7 +419,8 @@ class CostPolicy(PrefixPolicyBase):
         chosen, matched, queue = choice
         reason = self._reason(overloaded, matched, longest_tokens)
         self._decisions.add(reason)
-        scorer.cost.note_dispatch(req.request_id, queue, scorer._engine(matched))
+        unit = scorer.unit
+        scorer.cost.note_dispatch(req.request_id, queue, matched if unit == 1.0 else int(matched * unit))
         if score is None:
             score = scorer.best_score
         return RouteDecision(cands[chosen].worker_id, score, reason, matched, public_blocks)

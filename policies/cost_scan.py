@@ -108,7 +108,8 @@ def candidates(
     if remaining is not None:
         # The queue weight's prompts waiting stay whole (`raw_backlog`): only the queue drains.
         pending = _Draining(remaining.model, views).drained(remaining, whole)
-    return Candidates(views, loads, _backlogs(views, pending, shares), pending, sum(whole), sum(loads))
+    backlogs = _backlogs(views, pending, shares) if shares else pending
+    return Candidates(views, loads, backlogs, pending, sum(whole), sum(loads))
 
 
 class _Draining:

@@ -56,9 +56,10 @@ class Scorer:
     ) -> None:
         # The scorer works in engine tokens: a request's token count is the normalizer's estimate
         # (approximate mode counts characters / chars_per_token), converted at the learned ratio.
-        self.unit = cost.engine_tokens_per_request_token
-        self.n = self._engine(req.n_prompt_tokens)
-        self.n_steps = -(-self.n // q.max_batched_tokens)
+        self.unit = unit = cost.engine_tokens_per_request_token
+        n = req.n_prompt_tokens
+        self.n = n = int(n) if unit == 1.0 else int(n * unit)  # `_engine`, inlined
+        self.n_steps = -(-n // q.max_batched_tokens)
         self.adapter = req.adapter
         self.cost = cost
         self.q = q

@@ -72,15 +72,26 @@ class PrefixIndex(IndexHoldings):
         `recency_resolution_s` is left as it is: its ancestors were touched by the same walk or
         later, and are confirmed (a confirmation walks a chain to its start).
         """
-        self._ensure_worker(worker)
+        lru = self._lru.get(worker)
+        if lru is None:
+            self._ensure_worker(worker)
+            lru = self._lru[worker]
         end = self._held_end(keys, worker, n_blocks)
         g = self._g
         last = (end // g) * g - 1
         if last < 0:
             return 0
-        lru = self._lru[worker]
-        if self._fresh(keys[last], worker, namespace, lru, now_s):
-            return 0
+        resolution = self.config.recency_resolution_s
+        if resolution > 0:
+            # Held confirmed and touched within the resolution: a warm prefix's dispatch ends here.
+            entry = self._table.get(keys[last])
+            if (
+                entry is not None
+                and entry.namespace == namespace
+                and entry.holders.get(worker) == CONFIRMED
+                and lru[keys[last]] >= now_s - resolution
+            ):
+                return 0
         ns_keys = self._ns_keys.get(namespace)
         if ns_keys is None:
             ns_keys = self._ns_keys[namespace] = OrderedDict()
@@ -141,20 +152,13 @@ class PrefixIndex(IndexHoldings):
         capacity the walk would only evict its own deepest blocks again: a 1.7M-token prompt's
         110,000 keys cost 0.4 s of the event loop to record, to keep the first 24,000."""
         end = len(keys) if n_blocks is None else min(n_blocks, len(keys))
-        cap = self.capacity_blocks(worker) * self._g
+        own = self._cap_blocks.get(worker)  # `capacity_blocks`, inlined
+        if own is None:
+            own = self._blocks_for_tokens(self.config.default_capacity_tokens)
+        n_workers = len(self._lru)
+        share = self.config.max_entries // (n_workers if n_workers > 1 else 1)
+        cap = (own if own < share else share) * self._g
         return cap if end > cap else end
-
-    def _fresh(
-        self, key: BlockKey, worker: WorkerId, namespace: str, lru: OrderedDict[BlockKey, float], now_s: float
-    ) -> bool:
-        """Whether `worker` holds `key` confirmed and touched it within `recency_resolution_s`."""
-        resolution = self.config.recency_resolution_s
-        if resolution <= 0:
-            return False
-        entry = self._table.get(key)
-        if entry is None or entry.namespace != namespace or entry.holders.get(worker) != CONFIRMED:
-            return False
-        return lru[key] >= now_s - resolution
 
     def record_key(self, key: BlockKey, worker: WorkerId, namespace: str, now_s: float) -> None:
         """Confirm one holding, ignoring granularity (the caller placed it: KV events know depths)."""

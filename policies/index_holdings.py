@@ -90,7 +90,9 @@ class IndexHoldings:
 
     def capacity_blocks(self, worker: WorkerId) -> int:
         """The effective capacity: the worker's own, capped by its even share of `max_entries`."""
-        own = self._cap_blocks.get(worker, self._blocks_for_tokens(self.config.default_capacity_tokens))
+        own = self._cap_blocks.get(worker)
+        if own is None:
+            own = self._blocks_for_tokens(self.config.default_capacity_tokens)
         return min(own, self.config.max_entries // max(1, len(self._lru)))
 
     def _namespace_quota(self, namespace: str) -> int:

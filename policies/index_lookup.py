@@ -36,6 +36,11 @@ def lookup_prefix(
     alive = set(head.holders) if head.spec == 0 else {w for w, exp in head.holders.items() if exp > now_s}
     if not alive:
         return NO_MATCH
+    if len(alive) == 1 and (not open_workers or not alive & open_workers.keys()):
+        # One holder, prefix-closed (the common case in a small pool): its depth is the match.
+        (w,) = alive
+        depth = _depth(table, probe, namespace, now_s, w, 1, len(probe))
+        return PrefixMatch({w: depth * granularity}, depth * granularity, w)
     depth_of: dict[WorkerId, int] = {}
     walk = alive & open_workers.keys() if open_workers else set()
     closed = alive - walk if walk else alive
@@ -81,16 +86,8 @@ def _bisect(
     while stack:
         members, lo, hi = stack.pop()
         if len(members) == 1:
-            # One worker left: plain binary search on its own holdings (no set algebra).
             (w,) = members
-            while lo < hi:
-                mid = (lo + hi + 1) >> 1
-                entry = table_get(probe[mid - 1])
-                if entry is not None and entry.namespace == namespace and entry.holders.get(w, 0.0) > now_s:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            depth_of[w] = lo
+            depth_of[w] = _depth(table, probe, namespace, now_s, w, lo, hi)
             continue
         while lo < hi:
             mid = (lo + hi + 1) >> 1
@@ -115,6 +112,28 @@ def _bisect(
                 members, lo = deeper, mid
         for w in members:
             depth_of[w] = lo
+
+
+def _depth(
+    table: Mapping[BlockKey, Entry],
+    probe: Sequence[BlockKey],
+    namespace: str,
+    now_s: float,
+    w: WorkerId,
+    lo: int,
+    hi: int,
+) -> int:
+    """One worker's depth along `probe`, known to be in [lo, hi]: plain binary search on its own
+    holdings (no set algebra)."""
+    table_get = table.get
+    while lo < hi:
+        mid = (lo + hi + 1) >> 1
+        entry = table_get(probe[mid - 1])
+        if entry is not None and entry.namespace == namespace and entry.holders.get(w, 0.0) > now_s:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _walk(

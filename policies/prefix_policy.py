@@ -151,12 +151,18 @@ class PrefixPolicyBase:
         return max(0, min(blocks * bs, limit))
 
     def _record(
-        self, req: RouteRequest, worker: WorkerId, shared: int, now_s: float, *, speculative: bool
+        self,
+        pool: PoolState,
+        req: RouteRequest,
+        worker: WorkerId,
+        shared: int,
+        now_s: float,
+        *,
+        speculative: bool,
     ) -> int:
-        """Record the worker's new holdings under the salt it computes them with: the public chain
-        when `shared` > 0 (wholly public), else the request's own keys. Returns how many of them
-        are still speculative."""
-        pool = self._pool(req)
+        """Record the worker's new holdings in `pool` (the request's) under the salt it computes
+        them with: the public chain when `shared` > 0 (wholly public), else the request's own keys.
+        Returns how many of them are still speculative."""
         if shared:
             keys = req.public_block_keys[:shared]
             return pool.index.record(keys, worker, PUBLIC_NAMESPACE, now_s, speculative=speculative)
@@ -191,15 +197,22 @@ class PrefixPolicyBase:
         dispatched = self._dispatched
         if len(dispatched) >= self.MAX_DISPATCHED and req.request_id not in dispatched:
             dispatched.pop(next(iter(dispatched)))  # bounded: the oldest falls back to the rule below
-        pending = self._record(req, decision.worker, shared, now_s, speculative=True)
+        pool = self._pools.get(req.pool, req.block_size_tokens)  # `_pool`, inlined
+        pending = self._record(pool, req, decision.worker, shared, now_s, speculative=True)
         dispatched[req.request_id] = _Dispatched(shared, pending > 0)
         if self._sync_sink is not None:
             self._unseen.own(now_s)
-            self._publish_dispatch(req, decision, shared, now_s, pending)
+            self._publish_dispatch(pool, req, decision, shared, now_s, pending)
+        self._dispatched_to(pool, req, decision, now_s)
+
+    def _dispatched_to(
+        self, pool: PoolState, req: RouteRequest, decision: RouteDecision, now_s: float
+    ) -> None:
+        """What a subclass keeps of each dispatch, once the index has it (`pool`: the request's)."""
 
     def on_complete(self, obs: Observation, now_s: float) -> None:
-        pool = self._pool(obs.request)
         req = obs.request
+        pool = self._pools.get(req.pool, req.block_size_tokens)  # `_pool`, inlined
         if self._sync_sink is not None:
             ref = self._peers.finished(req.request_id)
             if ref is not None:
@@ -222,7 +235,7 @@ class PrefixPolicyBase:
             if n_pub and not self._public.is_public(req.public_block_keys[n_pub - 1]):
                 n_pub = 0
             shared = self._shared_blocks(req, n_pub)
-            self._record(req, obs.worker, shared, now_s, speculative=False)
+            self._record(pool, req, obs.worker, shared, now_s, speculative=False)
         elif dispatched.pending:
             # The worker computed the whole prompt under the salt it was dispatched with (a chain
             # promoted while the request ran does not change its KV), so it holds every full block.
@@ -274,7 +287,13 @@ class PrefixPolicyBase:
             self._gateways = Gateways(origin)
 
     def _publish_dispatch(
-        self, req: RouteRequest, decision: RouteDecision, shared: int, now_s: float, pending: int
+        self,
+        pool: PoolState,
+        req: RouteRequest,
+        decision: RouteDecision,
+        shared: int,
+        now_s: float,
+        pending: int,
     ) -> None:
         sink = self._sync_sink
         assert sink is not None
@@ -283,10 +302,10 @@ class PrefixPolicyBase:
         else:
             mine = self._own_keys(req)
             keys, namespace = mine.keys, mine.namespace
-        g = self._pool(req).index.config.granularity_blocks
+        g = pool.index.config.granularity_blocks
         if len(keys) < g:
             return
-        if not pending and self._pool(req).index.last_use_s(keys[g - 1], decision.worker) != now_s:
+        if not pending and pool.index.last_use_s(keys[g - 1], decision.worker) != now_s:
             # The dispatch left the chain as it was: confirmed here and touched within the index's
             # recency resolution, by a dispatch or an outcome the peers were told of then.
             return

@@ -137,7 +137,8 @@ class PublicPrefixes:
 
     def tick(self, now_s: float) -> None:
         """Demote chains gone cold (also done by every `observe`)."""
-        self._demote_cold(now_s)
+        if self._promoted:
+            self._demote_cold(now_s)
 
     def is_public(self, key: BlockKey) -> bool:
         return key in self._promoted or key in self.config.allow_list

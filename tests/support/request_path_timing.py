@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 import uvloop
 
+from gateway.answer_budget import AnswerHold
 from gateway.app import build_app
 from gateway.auth import hash_api_key
 from gateway.config import parse_config
@@ -50,7 +51,15 @@ class InstantWorker(UpstreamPool):
     """The lean client with every POST answered from memory."""
 
     async def post(
-        self, host: str, port: int, request: bytes, *, connect_s: float, read_s: float, total_s: float
+        self,
+        host: str,
+        port: int,
+        request: bytes,
+        *,
+        connect_s: float,
+        read_s: float,
+        total_s: float,
+        hold: AnswerHold | None = None,
     ) -> UpstreamReply:
         return UpstreamReply(200, "application/json", ANSWER, ())
 

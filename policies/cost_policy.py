@@ -45,10 +45,10 @@ from policies.cost_ledger import InflightLedger, RecentWork
 from policies.cost_model import CostModel
 from policies.cost_scan import CandidateCache, Positions, by_backlog, fewest_in_flight
 from policies.cost_scorer import Scorer
-from policies.herd import HOLD_STEPS_S, hold_for
+from policies.herd import HOLD_STEPS_S, hold_for, home_choice
 from policies.peer_sync import PeerHolding
 from policies.pools import PoolState
-from policies.prefix_policy import PrefixPolicyBase, SharedSettings
+from policies.prefix_policy import PrefixPolicyBase, SharedSettings, servable_tokens
 from policies.registry import register_policy
 from prompt_normalizer.types import PUBLIC_NAMESPACE
 
@@ -308,7 +308,7 @@ class CostPolicy(PrefixPolicyBase):
 
         n = req.n_prompt_tokens
         bs = req.block_size_tokens
-        limit = ((n - 1) // bs) * bs if n > 0 else 0  # `_cap_tokens(req, n)`: never the last token
+        limit = servable_tokens(n, bs)
         longest_tokens = match.longest_blocks * bs
         if longest_tokens > limit:
             longest_tokens = limit
@@ -444,17 +444,8 @@ class CostPolicy(PrefixPolicyBase):
         if not home or cands[chosen].worker_id in home:
             return None
         assert scorer.near is not None
-        floor = scorer.best_score - herd_s
-        found = None
-        for entry in scorer.near:
-            score, i, m, _ = entry
-            if (
-                score >= floor
-                and m >= matched
-                and cands[i].worker_id in home
-                and (found is None or score > found[0])
-            ):
-                found = entry
+        ids = [view.worker_id for view in cands]
+        found = home_choice(scorer.near, home, ids, matched, scorer.best_score - herd_s)
         if found is not None:
             self._count("herd_home_choices")
         return found

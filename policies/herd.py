@@ -204,3 +204,20 @@ def home_workers(workers: Sequence[WorkerId], gateways: Sequence[str], name: str
     if n_gateways > len(ordered):
         return frozenset((ordered[rank % len(ordered)],))
     return frozenset(ordered[rank::n_gateways])
+
+
+def home_choice(
+    near: Sequence[tuple[float, int, int, float]],
+    home: frozenset[WorkerId],
+    ids: Sequence[WorkerId],
+    matched: int,
+    floor: float,
+) -> tuple[float, int, int, float] | None:
+    """The best-scored of `near` (score, candidate index, matched, queue) whose worker (`ids[index]`)
+    is in `home`, scores at least `floor` and matches at least `matched` tokens; None if none does."""
+    found = None
+    for entry in near:
+        score, i, m, _ = entry
+        if score >= floor and m >= matched and ids[i] in home and (found is None or score > found[0]):
+            found = entry
+    return found

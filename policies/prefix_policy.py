@@ -26,6 +26,12 @@ from policies.tenants import (
 from prompt_normalizer.types import PUBLIC_NAMESPACE
 
 
+def servable_tokens(n_prompt: int, block_size: int) -> int:
+    """The most of an `n_prompt`-token prompt a worker can serve from cache: whole blocks, never
+    the last token (vLLM computes it to produce the first output token)."""
+    return ((n_prompt - 1) // block_size) * block_size if n_prompt > 0 else 0
+
+
 @dataclass(frozen=True, slots=True)
 class SharedSettings:
     """Settings every prefix-aware policy takes: pools, tenants, promotion, precise mode."""
@@ -145,10 +151,8 @@ class PrefixPolicyBase:
         return Lookup(own, NO_MATCH, 0)
 
     def _cap_tokens(self, req: RouteRequest, blocks: int) -> int:
-        # vLLM never serves the last prompt token from cache (max hit = prompt − 1, full blocks).
         bs = req.block_size_tokens
-        limit = ((req.n_prompt_tokens - 1) // bs) * bs if req.n_prompt_tokens > 0 else 0
-        return max(0, min(blocks * bs, limit))
+        return max(0, min(blocks * bs, servable_tokens(req.n_prompt_tokens, bs)))
 
     def _record(
         self,

@@ -12,7 +12,8 @@ answer's head (for a stream: before its first event), a 5xx answer, or an answer
 (a 200 whose body is not a JSON object, a stream whose first event is not an SSE data event with
 a JSON object). The attempt that timed out is closed first, so the worker stops. Every failure
 but the gateway's own limits (its connection cap per worker, its budget of whole answers held in
-memory) counts against the worker.
+memory) counts against the worker; a 5xx and a read timeout before the first byte count only once
+the request's fate shows whose fault they were (`Failure.held`, `outcome.HeldVerdicts`).
 """
 
 from __future__ import annotations
@@ -70,13 +71,20 @@ class Failure:
     outcome: Outcome
     retry: RetryReason | None = None
     retry_hints: RetryHints = ()  # the worker's Retry-After advice, forwarded with `status`
-    # The worker answered with a 5xx: it is up, and the request may be the cause
-    # (`outcome.HeldVerdicts` decides which once the request's fate is known).
+    # The worker answered with a 5xx: it is up, and the request may be the cause (see `held`).
     answered: bool = False
     # What the transport raised, for the logs only (`error_detail` of the access line): the
     # client's `message` says what happened in plain words, never a Python class name.
     cause: str | None = None
     param: str | None = None  # the request field the failure is about, as the client sees it
+
+    @property
+    def held(self) -> bool:
+        """Whether the worker's breaker verdict waits for the request's fate
+        (`outcome.HeldVerdicts`): after a 5xx (the worker is up, and the request may be what
+        fails) or a read timeout before the first byte (a hung worker, or a request that takes
+        longer than `read_s` anywhere: a non-streamed answer is sent only once it is whole)."""
+        return self.answered or self.retry is RetryReason.READ_TIMEOUT
 
     def error(self) -> ApiError:
         headers = {name.decode(): value.decode() for name, value in forwardable(self.retry_hints)}

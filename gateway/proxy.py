@@ -98,7 +98,7 @@ async def _dispatch(
     a: Admitted, routing: Routing, transport: Transport, lifecycle: Lifecycle, attempts: list[Attempt]
 ) -> RawResponse | ProxyStream:
     await hold_for_peers(a, routing)
-    verdicts = HeldVerdicts()  # the workers that answered this request with a 5xx
+    verdicts = HeldVerdicts()  # the workers whose 5xx or read timeout awaits the request's fate
     try:
         return await _attempts(a, routing, transport, lifecycle, attempts, verdicts)
     except BaseException:
@@ -161,9 +161,9 @@ async def _attempts(
         if attempt.trace is not None:
             attempt.trace.error_type = result.retry or result.code
         failure, retry = result, result.retry
-        if result.answered and worker.breaker.closed:
+        if result.held and worker.breaker.closed:
             attempt.end(routing, result.outcome, judged=False)
-            verdicts.hold(worker)
+            verdicts.hold(worker, result)
         else:
             # The worker's breaker and load hear of it before the policy picks the next worker.
             attempt.end(routing, result.outcome)

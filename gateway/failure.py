@@ -13,7 +13,8 @@ answer's head (for a stream: before its first event), a 5xx answer, or an answer
 a JSON object). The attempt that timed out is closed first, so the worker stops. Every failure
 but the gateway's own limits (its connection cap per worker, its budget of whole answers held in
 memory) counts against the worker; a 5xx and a read timeout before the first byte count only once
-the request's fate shows whose fault they were (`Failure.held`, `outcome.HeldVerdicts`).
+the request's fate shows whose fault they were (`Failure.held`, `outcome.HeldVerdicts`). A read
+timeout sends the request to another worker once at most (`ReadTimeouts`).
 """
 
 from __future__ import annotations
@@ -95,6 +96,30 @@ class Failure:
     def detail(self) -> str:
         """The access line's `error_detail`: the client's message, and what the transport raised."""
         return self.message if self.cause is None else f"{self.message}; {self.cause}"
+
+
+# The read timeouts after which a request still goes to another worker (docs/gateway.md,
+# "Retries and failed workers"): one shuts out a hung worker; every further one would mostly cost
+# a long generation another worker's `read_s` of GPU time.
+READ_TIMEOUT_RETRIES = 1
+
+
+class ReadTimeouts:
+    """One request's attempts that ended in a read timeout (`RetryReason.READ_TIMEOUT`): once
+    there are more than `READ_TIMEOUT_RETRIES`, the request goes to no other worker."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def note(self, failure: Failure) -> None:
+        if failure.retry is RetryReason.READ_TIMEOUT:
+            self.count += 1
+
+    @property
+    def spent(self) -> bool:
+        return self.count > READ_TIMEOUT_RETRIES
 
 
 # Everything a transport (or the relay reading from it) raises for a worker's fault.

@@ -19,7 +19,8 @@ lesson (docs/pd.md, "Failures"):
 Once the decode answer's first event has reached the client, a failure is the usual terminal
 error event (`streaming.ProxyStream`). A leg refused with a 4xx is the request's fault and is
 answered as it is. As in a pool without roles, a leg's 5xx or read timeout counts against its
-worker only once another worker serves the request (`outcome.HeldVerdicts`).
+worker only once another worker serves the request (`outcome.HeldVerdicts`), and a request's
+second read timeout ends its rounds (`failure.ReadTimeouts`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from gateway import proxy
 from gateway.admission import Admitted
 from gateway.config.pd import PdConfig
 from gateway.errors import RawResponse
-from gateway.failure import Failure
+from gateway.failure import Failure, ReadTimeouts
 from gateway.lifecycle import Lifecycle
 from gateway.outcome import Attempt, HeldVerdicts, Reservation
 from gateway.pd_legs import (
@@ -91,6 +92,7 @@ class PdRun:
         self.final = False
         self.failures = 0  # legs that failed: the request's retries
         self.verdicts = HeldVerdicts()  # the workers whose 5xx or read timeout awaits the request's fate
+        self.read_timeouts = ReadTimeouts()  # past one, no further round (`failure.ReadTimeouts`)
         self.tasks: list[asyncio.Task[Any]] = []
         self.reserved: Reservation | None = None  # the decode slot of the vLLM pair in flight
 
@@ -149,6 +151,7 @@ class PdRun:
             self.verdicts.hold(attempt.worker, failure)
         else:
             attempt.end(self.routing, outcome or failure.outcome)
+        self.read_timeouts.note(failure)
         self.failures += 1
         if exclude:
             self.excluded.add(attempt.worker.worker_id)

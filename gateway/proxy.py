@@ -29,6 +29,7 @@ from gateway.errors import ApiError, RawResponse
 from gateway.failure import (
     TRANSPORT_ERRORS,
     Failure,
+    ReadTimeouts,
     RetryReason,
     Stage,
     failure_of,
@@ -115,11 +116,12 @@ async def _attempts(
     verdicts: HeldVerdicts,
 ) -> RawResponse | ProxyStream:
     """Route and send the request, to another worker after each failure that allows it (up to
-    the pool's `retry_attempts`): the client's response."""
+    the pool's `retry_attempts`, and after one read timeout at most): the client's response."""
     pool = a.pool
     tried: set[WorkerId] = set()
     failure: Failure | None = None  # why the latest attempt failed (None: no worker was tried)
     retry: RetryReason | None = None
+    read_timeouts = ReadTimeouts()
     queue = routing.queues.get(pool.name)
     for n in range(attempts_allowed(pool.config.retry_attempts, a.retries_taken)):
         now_s = time.monotonic()
@@ -167,7 +169,8 @@ async def _attempts(
         else:
             # The worker's breaker and load hear of it before the policy picks the next worker.
             attempt.end(routing, result.outcome)
-        if retry is None:
+        read_timeouts.note(result)
+        if retry is None or read_timeouts.spent:
             break
     verdicts.settle(time.monotonic())
     if a.pinned is not None:

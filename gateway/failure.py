@@ -12,7 +12,9 @@ answer's head (for a stream: before its first event), a 5xx answer, or an answer
 (a 200 whose body is not a JSON object, a stream whose first event is not an SSE data event with
 a JSON object). The attempt that timed out is closed first, so the worker stops. Every failure
 but the gateway's own limits (its connection cap per worker, its budget of whole answers held in
-memory) counts against the worker.
+memory) counts against the worker; a 5xx and a read timeout before the first byte count only once
+the request's fate shows whose fault they were (`Failure.held`, `outcome.HeldVerdicts`). A read
+timeout sends the request to another worker once at most (`ReadTimeouts`).
 """
 
 from __future__ import annotations
@@ -70,13 +72,20 @@ class Failure:
     outcome: Outcome
     retry: RetryReason | None = None
     retry_hints: RetryHints = ()  # the worker's Retry-After advice, forwarded with `status`
-    # The worker answered with a 5xx: it is up, and the request may be the cause
-    # (`outcome.HeldVerdicts` decides which once the request's fate is known).
+    # The worker answered with a 5xx: it is up, and the request may be the cause (see `held`).
     answered: bool = False
     # What the transport raised, for the logs only (`error_detail` of the access line): the
     # client's `message` says what happened in plain words, never a Python class name.
     cause: str | None = None
     param: str | None = None  # the request field the failure is about, as the client sees it
+
+    @property
+    def held(self) -> bool:
+        """Whether the worker's breaker verdict waits for the request's fate
+        (`outcome.HeldVerdicts`): after a 5xx (the worker is up, and the request may be what
+        fails) or a read timeout before the first byte (a hung worker, or a request that takes
+        longer than `read_s` anywhere: a non-streamed answer is sent only once it is whole)."""
+        return self.answered or self.retry is RetryReason.READ_TIMEOUT
 
     def error(self) -> ApiError:
         headers = {name.decode(): value.decode() for name, value in forwardable(self.retry_hints)}
@@ -87,6 +96,30 @@ class Failure:
     def detail(self) -> str:
         """The access line's `error_detail`: the client's message, and what the transport raised."""
         return self.message if self.cause is None else f"{self.message}; {self.cause}"
+
+
+# The read timeouts after which a request still goes to another worker (docs/gateway.md,
+# "Retries and failed workers"): one shuts out a hung worker; every further one would mostly cost
+# a long generation another worker's `read_s` of GPU time.
+READ_TIMEOUT_RETRIES = 1
+
+
+class ReadTimeouts:
+    """One request's attempts that ended in a read timeout (`RetryReason.READ_TIMEOUT`): once
+    there are more than `READ_TIMEOUT_RETRIES`, the request goes to no other worker."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def note(self, failure: Failure) -> None:
+        if failure.retry is RetryReason.READ_TIMEOUT:
+            self.count += 1
+
+    @property
+    def spent(self) -> bool:
+        return self.count > READ_TIMEOUT_RETRIES
 
 
 # Everything a transport (or the relay reading from it) raises for a worker's fault.

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.admission import Admitted
+from gateway.failure import Failure
 from gateway.registry import Worker
 from gateway.request_head import RequestIds
 from gateway.routing import Routing
@@ -115,7 +116,7 @@ class Attempt:
         broken or malformed answer) is the only outcome that counts against the worker; REJECTED
         (the worker's 4xx) and ABORTED (the client left, or the gateway gave up) free a breaker
         trial without a verdict. No outcome but SERVED teaches the policy what the worker caches.
-        `judged` False leaves the breaker to the caller (`HeldVerdicts`)."""
+        `judged` False leaves the breaker to the caller (`HeldVerdicts`: a 5xx, a read timeout)."""
         if not self._release():
             return
         _slot_freed(routing, self.admitted.pool.name)
@@ -179,50 +180,57 @@ def _slot_freed(routing: Routing, pool: str) -> None:
 
 
 class HeldVerdicts:
-    """The workers that answered one request with a 5xx, their breakers' verdict held until the
-    request's fate shows whose fault it was.
+    """The workers whose failure on one request waits for the request's fate to show whose fault
+    it was (`Failure.held`): a 5xx answer, or a read timeout before the first byte.
 
     A worker that answers is up, and the request itself may be what fails: one no worker can take
     would otherwise count against every worker it is retried on, and a tenant sending a few could
-    open every breaker of the pool, for every tenant. So another worker serving the same request
-    convicts them (`convict`: each counts as a failure); another worker refusing it (a 4xx), or
-    the request ending with 5xx from two or more workers, acquits them (`acquit`); a request that
-    ends with one worker's 5xx and no other evidence counts it, as any other failure counts
-    (`settle`). One the client leaves acquits.
+    open every breaker of the pool, for every tenant. A read timeout is no better evidence: vLLM
+    sends nothing of a non-streamed answer until it is whole, so a long generation looks like a
+    silent worker. So another worker serving the same request (its first event, or its whole
+    answer) convicts them (`convict`: each counts as a failure), which still shuts out a hung
+    worker; another worker refusing it (a 4xx), or the request ending with failures held on two
+    or more workers, acquits them (`acquit`). A request that ends with one worker's 5xx and no
+    other evidence counts it, as any other failure counts; one that ends with one worker's read
+    timeout does not, since the request may be what is slow (`settle`). One the client leaves
+    acquits.
 
     Only a closed breaker's verdict is held (the caller judges a half-open breaker's trial at
     once: a trial must not stay in flight for another worker's whole answer). A held request took
     no trial, so acquitting frees nothing; and a verdict that arrives after the breaker left the
     closed state (other requests opened it meanwhile) is dropped rather than applied to a state
-    it was not about. So a pool whose workers all answer every request with a 5xx opens no
-    breaker; its requests still fail fast, and health checks still take down a worker that fails
-    them.
+    it was not about. So a pool whose workers all answer every request with a 5xx, or all hang,
+    opens no breaker; its requests still end (fast, or after `read_s`), and health checks still
+    take down a worker that fails them.
     """
 
-    __slots__ = ("_workers",)
+    __slots__ = ("_timed_out", "_workers")
 
     def __init__(self) -> None:
         self._workers: list[Worker] = []
+        self._timed_out = False  # a held failure was a read timeout
 
-    def hold(self, worker: Worker) -> None:
+    def hold(self, worker: Worker, failure: Failure) -> None:
         self._workers.append(worker)
+        self._timed_out = self._timed_out or not failure.answered
 
     def convict(self, now_s: float) -> None:
         for worker in self._workers:
             if worker.breaker.closed:
                 worker.breaker.on_failure(now_s)
-        self._workers.clear()
+        self.acquit()
 
     def acquit(self) -> None:
         self._workers.clear()
+        self._timed_out = False
 
     def settle(self, now_s: float) -> None:
-        """The request ends without an answer: one worker's 5xx is its failure, several workers'
-        point at the request."""
-        if len(self._workers) > 1:
-            self.acquit()
-        else:
+        """The request ends without an answer: one worker's 5xx is its failure; one worker's read
+        timeout, or several workers' failures, point at the request."""
+        if len(self._workers) == 1 and not self._timed_out:
             self.convict(now_s)
+        else:
+            self.acquit()
 
 
 def _feedback(routing: Routing, obs: Observation, now_s: float) -> None:

@@ -114,7 +114,7 @@ async def _rounds(run: PdRun, router: PdRouter) -> Response:
             else:
                 run.verdicts.convict(time.monotonic())
             return result
-        if run.final:
+        if run.final or run.read_timeouts.spent:
             break
     run.verdicts.settle(time.monotonic())
     failure = run.failure or Failure(

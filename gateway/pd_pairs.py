@@ -18,7 +18,9 @@ lesson (docs/pd.md, "Failures"):
   without that decode worker.
 Once the decode answer's first event has reached the client, a failure is the usual terminal
 error event (`streaming.ProxyStream`). A leg refused with a 4xx is the request's fault and is
-answered as it is.
+answered as it is. As in a pool without roles, a leg's 5xx or read timeout counts against its
+worker only once another worker serves the request (`outcome.HeldVerdicts`), and a request's
+second read timeout ends its rounds (`failure.ReadTimeouts`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from gateway import proxy
 from gateway.admission import Admitted
 from gateway.config.pd import PdConfig
 from gateway.errors import RawResponse
-from gateway.failure import Failure
+from gateway.failure import Failure, ReadTimeouts
 from gateway.lifecycle import Lifecycle
 from gateway.outcome import Attempt, HeldVerdicts, Reservation
 from gateway.pd_legs import (
@@ -89,7 +91,8 @@ class PdRun:
         self.retry_reason: str | None = None
         self.final = False
         self.failures = 0  # legs that failed: the request's retries
-        self.verdicts = HeldVerdicts()  # the workers that answered a leg with a 5xx
+        self.verdicts = HeldVerdicts()  # the workers whose 5xx or read timeout awaits the request's fate
+        self.read_timeouts = ReadTimeouts()  # past one, no further round (`failure.ReadTimeouts`)
         self.tasks: list[asyncio.Task[Any]] = []
         self.reserved: Reservation | None = None  # the decode slot of the vLLM pair in flight
 
@@ -143,11 +146,12 @@ class PdRun:
         self.routing.metrics.pd_leg_failures.labels(self.a.pool.name, role, reason).inc()
         if attempt.trace is not None:
             attempt.trace.error_type = reason
-        if failure.answered and outcome is None and attempt.worker.breaker.closed:
+        if failure.held and outcome is None and attempt.worker.breaker.closed:
             attempt.end(self.routing, failure.outcome, judged=False)
-            self.verdicts.hold(attempt.worker)
+            self.verdicts.hold(attempt.worker, failure)
         else:
             attempt.end(self.routing, outcome or failure.outcome)
+        self.read_timeouts.note(failure)
         self.failures += 1
         if exclude:
             self.excluded.add(attempt.worker.worker_id)
@@ -303,7 +307,8 @@ class PdRun:
             self.transfer_failed = True
             timed_out = result.reason == "timeout"
             # A decode worker that answered is not blamed for KV it could not get: its breaker gets
-            # no verdict. One that timed out is, and is not asked again.
+            # no verdict. One that timed out is not asked again, and is blamed as any read timeout
+            # is (`outcome.HeldVerdicts`: once another worker serves the request).
             outcome = None if timed_out else Outcome.ABORTED
             self._failed(d, result.failure, "decode", exclude=timed_out, outcome=outcome)
             self.retry_reason = "transfer_failed"

@@ -29,6 +29,7 @@ from gateway.errors import ApiError, RawResponse
 from gateway.failure import (
     TRANSPORT_ERRORS,
     Failure,
+    ReadTimeouts,
     RetryReason,
     Stage,
     failure_of,
@@ -98,7 +99,7 @@ async def _dispatch(
     a: Admitted, routing: Routing, transport: Transport, lifecycle: Lifecycle, attempts: list[Attempt]
 ) -> RawResponse | ProxyStream:
     await hold_for_peers(a, routing)
-    verdicts = HeldVerdicts()  # the workers that answered this request with a 5xx
+    verdicts = HeldVerdicts()  # the workers whose 5xx or read timeout awaits the request's fate
     try:
         return await _attempts(a, routing, transport, lifecycle, attempts, verdicts)
     except BaseException:
@@ -115,11 +116,12 @@ async def _attempts(
     verdicts: HeldVerdicts,
 ) -> RawResponse | ProxyStream:
     """Route and send the request, to another worker after each failure that allows it (up to
-    the pool's `retry_attempts`): the client's response."""
+    the pool's `retry_attempts`, and after one read timeout at most): the client's response."""
     pool = a.pool
     tried: set[WorkerId] = set()
     failure: Failure | None = None  # why the latest attempt failed (None: no worker was tried)
     retry: RetryReason | None = None
+    read_timeouts = ReadTimeouts()
     queue = routing.queues.get(pool.name)
     for n in range(attempts_allowed(pool.config.retry_attempts, a.retries_taken)):
         now_s = time.monotonic()
@@ -161,13 +163,14 @@ async def _attempts(
         if attempt.trace is not None:
             attempt.trace.error_type = result.retry or result.code
         failure, retry = result, result.retry
-        if result.answered and worker.breaker.closed:
+        if result.held and worker.breaker.closed:
             attempt.end(routing, result.outcome, judged=False)
-            verdicts.hold(worker)
+            verdicts.hold(worker, result)
         else:
             # The worker's breaker and load hear of it before the policy picks the next worker.
             attempt.end(routing, result.outcome)
-        if retry is None:
+        read_timeouts.note(result)
+        if retry is None or read_timeouts.spent:
             break
     verdicts.settle(time.monotonic())
     if a.pinned is not None:

@@ -179,7 +179,8 @@ def test_a_read_timeout_before_the_first_byte_is_retried_on_another_worker(
         assert "hello from the fake worker" in text
     hang = worker_log(outcomes.workers["hang"])
     sent_to_hang = [r["body"]["user"] for r in hang["requests"] if r["body"].get("user") in tags]
-    # Each timeout counts against the hung worker: its breaker (threshold 2) keeps it out after two.
+    # Each timeout counts against the hung worker once another worker has served the request: its
+    # breaker (threshold 2) keeps it out after two.
     assert len(sent_to_hang) == 2
     assert not outcomes.routable(pool, "hang")
     assert _retries(outcomes.metrics(), pool, "read_timeout") == 2

@@ -1,12 +1,14 @@
-"""Whose fault a worker's 5xx is: a request that every worker answers with a 5xx must not open
-their breakers (one tenant could take the pool down for all), while a worker that fails what
-another serves still counts it (`outcome.HeldVerdicts`)."""
+"""Whose fault a worker's 5xx or read timeout is: a request that every worker answers with a 5xx,
+or that takes longer than `read_s` everywhere (a long non-streamed generation), must not open their
+breakers (one tenant could take the pool down for all), while a worker that fails what another
+serves still counts it (`outcome.HeldVerdicts`), so a hung worker is still shut out."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import httpx
 import orjson
@@ -16,25 +18,39 @@ from aiohttp import web
 from gateway.auth import hash_api_key
 from gateway.breaker import CircuitBreaker
 from gateway.config import parse_config
-from gateway.config.pool import BreakerConfig
+from gateway.config.pool import BreakerConfig, TimeoutsConfig
+from gateway.failure import Stage, failure_of, worker_status
 from gateway.outcome import HeldVerdicts
 from gateway.registry import Worker
 from gateway.state import GatewayState
+from gateway.upstream import UpstreamTimeout
 from policies import make_policy
 from tests.support.inprocess import gateway_in_process
 from tests.support.loopback import serve_app
 from tests.support.transports import TRANSPORTS, through
+from tests.support.wait import wait_until
 
 SECRET = b"k"
-NAMES = ("a", "b", "c")
+NAMES = ("a", "b", "c", "d")
+HANG = 0  # a `status` for a worker that never answers: an engine stuck behind a live HTTP server
+# A request with this many `max_tokens` takes every worker longer than `READ_S`: a long generation,
+# whose non-streamed answer (like vLLM's) is sent only once it is whole.
+LONG_TOKENS = 20_000
+READ_S = 0.5
+KEYS = {"t": "sk", "u": "sk-u"}
 
 
 @dataclass
 class Workers:
-    """Scripted workers: `status[name]` is what worker `name` answers every completion with."""
+    """Scripted workers: `status[name]` is what worker `name` answers every completion with
+    (`HANG`: nothing, ever); a request for `LONG_TOKENS` or more gets nothing either (a stream
+    gets its head). Silent handlers end when `released` is set, as the rig stops."""
 
     status: dict[str, int] = field(default_factory=lambda: dict.fromkeys(NAMES, 200))
     posts: list[str] = field(default_factory=list)
+    silent: list[str] = field(default_factory=list)  # the workers that kept a request unanswered
+    health_hangs: set[str] = field(default_factory=set)  # workers whose `/health` never answers
+    released: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 @dataclass
@@ -44,10 +60,17 @@ class Rig:
     state: GatewayState
     urls: dict[str, str]
 
-    async def chat(self, model: str, stream: bool = False) -> httpx.Response:
-        body = {"model": model, "messages": [{"role": "user", "content": "x"}], "stream": stream}
+    async def chat(
+        self, model: str, stream: bool = False, *, tenant: str = "t", max_tokens: int = 4
+    ) -> httpx.Response:
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": "x"}],
+            "stream": stream,
+            "max_tokens": max_tokens,
+        }
         return await self.client.post(
-            "/v1/chat/completions", json=body, headers={"authorization": "Bearer sk"}
+            "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {KEYS[tenant]}"}
         )
 
     def worker(self, pool: str, name: str) -> Worker:
@@ -57,6 +80,9 @@ class Rig:
 
     def failures(self, pool: str) -> dict[str, int]:
         return {name: self.worker(pool, name).breaker.failures for name in NAMES if self._in(pool, name)}
+
+    def all_closed(self, pool: str) -> bool:
+        return all(self.worker(pool, name).breaker.closed for name in NAMES if self._in(pool, name))
 
     def _in(self, pool: str, name: str) -> bool:
         return any(w.url == self.urls[name] for w in self.state.registry.pools[pool].workers.values())
@@ -80,17 +106,43 @@ def _answer(status: int, stream: bool) -> web.Response:
     return web.Response(body=body, content_type="text/event-stream")
 
 
+def _prefilled() -> web.Response:
+    """A vLLM prefill leg's answer: the KV is ready for the decode worker."""
+    usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+    params = {"remote_engine_id": "e", "remote_block_ids": [1]}
+    return web.json_response({"id": "p", "choices": [], "usage": usage, "kv_transfer_params": params})
+
+
+async def _silent(request: web.Request, stream: bool, released: asyncio.Event) -> web.StreamResponse:
+    if not stream:
+        await released.wait()
+        return web.Response(status=204)
+    head = web.StreamResponse(headers={"content-type": "text/event-stream"})
+    await head.prepare(request)  # a stream's head comes at once, its first event never
+    await released.wait()
+    return head
+
+
 @pytest.fixture
 async def rig() -> AsyncIterator[Rig]:
     workers = Workers()
 
     def app_for(name: str) -> web.Application:
         async def health(_: web.Request) -> web.Response:
+            if name in workers.health_hangs:
+                await workers.released.wait()
             return web.Response(text="ok")
 
-        async def chat(request: web.Request) -> web.Response:
+        async def chat(request: web.Request) -> web.StreamResponse:
             workers.posts.append(name)
-            stream = (await request.json()).get("stream") is True
+            body: dict[str, Any] = await request.json()
+            stream = body.get("stream") is True
+            params = body.get("kv_transfer_params")
+            if isinstance(params, dict) and params.get("do_remote_decode") is True:
+                return _prefilled()
+            if workers.status[name] == HANG or body.get("max_tokens", 0) >= LONG_TOKENS:
+                workers.silent.append(name)
+                return await _silent(request, stream, workers.released)
             return _answer(workers.status[name], stream)
 
         app = web.Application()
@@ -105,14 +157,15 @@ async def rig() -> AsyncIterator[Rig]:
         urls[name] = f"http://127.0.0.1:{port}"
     # Opens at the first failure counted: any wrong verdict shows as an open breaker.
     breaker = {"failure_threshold": 1, "cooldown_s": 3600}
-    every = list(urls.values())
+    every = [urls[name] for name in NAMES]
+    timed = {"timeouts": {"read_s": READ_S}, "retry_attempts": 2, "breaker": breaker}
     config = parse_config(
         {
             "pools": [
                 {
                     "name": "three",
                     "models": ["m3"],
-                    "workers": every,
+                    "workers": every[:3],
                     "retry_attempts": 2,
                     "breaker": breaker,
                 },
@@ -123,8 +176,34 @@ async def rig() -> AsyncIterator[Rig]:
                     "retry_attempts": 2,
                     "breaker": breaker,
                 },
+                {"name": "slow3", "models": ["s3"], "workers": every[:3], **timed},
+                {
+                    "name": "slow1",
+                    "models": ["s1"],
+                    "workers": every[:1],
+                    **timed,
+                    "health": {"interval_s": 0.2, "timeout_s": 0.5, "failures_to_down": 2},
+                },
+                {
+                    "name": "hung3",
+                    "models": ["h3"],
+                    "workers": every[:3],
+                    **timed,
+                    "breaker": {"failure_threshold": 2, "cooldown_s": 3600},
+                },
+                {
+                    "name": "pd",
+                    "models": ["pd"],
+                    "prefill_workers": every[:1],
+                    "decode_workers": every[1:3],
+                    "workers": every[3:],
+                    "pd": {"protocol": "vllm", "conditional": False},  # a pair whenever one is free
+                    **timed,
+                },
             ],
-            "tenants": [{"name": "t", "api_key_hashes": [hash_api_key(SECRET, "sk")]}],
+            "tenants": [
+                {"name": name, "api_key_hashes": [hash_api_key(SECRET, key)]} for name, key in KEYS.items()
+            ],
             "scrape": {"enabled": False},
         }
     )
@@ -132,6 +211,7 @@ async def rig() -> AsyncIterator[Rig]:
         async with gateway_in_process(config, make_policy("round_robin"), secret=SECRET) as gw:
             yield Rig(gw.client, workers, gw.state, urls)
     finally:
+        workers.released.set()
         for runner in runners:
             await runner.cleanup()
 
@@ -148,7 +228,7 @@ async def test_a_request_every_worker_answers_with_a_5xx_opens_no_breaker(
         resp = await rig.chat("m3", stream)
         assert resp.status_code in (502, 503) and "error" in resp.json()
     assert len(rig.workers.posts) == 9  # each was still tried on every worker
-    assert rig.failures("three") == dict.fromkeys(NAMES, 0)
+    assert rig.failures("three") == dict.fromkeys("abc", 0)
     rig.workers.status = dict.fromkeys(NAMES, 200)
     resp = await rig.chat("m3", stream)  # the pool still serves everyone else
     assert resp.status_code == 200
@@ -173,7 +253,7 @@ async def test_a_5xx_then_another_workers_4xx_counts_against_neither(rig: Rig) -
     for _ in range(3):
         resp = await rig.chat("m3")
         assert resp.status_code in (400, 502)
-    assert rig.failures("three") == dict.fromkeys(NAMES, 0)
+    assert rig.failures("three") == dict.fromkeys("abc", 0)
 
 
 async def test_a_lone_workers_5xx_still_counts(rig: Rig) -> None:
@@ -181,6 +261,100 @@ async def test_a_lone_workers_5xx_still_counts(rig: Rig) -> None:
     rig.workers.status["a"] = 500
     assert (await rig.chat("m1")).status_code == 502
     assert rig.failures("one") == {"a": 1}
+
+
+@pytest.mark.parametrize(("transport", "stream"), [("lean", False), ("aiohttp", False), ("lean", True)])
+async def test_a_request_every_worker_is_too_slow_for_opens_no_breaker(
+    rig: Rig, transport: str, stream: bool
+) -> None:
+    through(rig.state, transport)
+    for _ in range(2):  # a tenant's long generations: no worker answers them within `read_s`
+        resp = await rig.chat("s3", stream, max_tokens=LONG_TOKENS)
+        assert resp.status_code == 504 and resp.json()["error"]["code"] == "upstream_timeout"
+        assert resp.headers["x-should-retry"] == "false"
+    # Each went to a second worker after its first read timeout, and to no third.
+    assert len(rig.workers.silent) == 4
+    assert rig.failures("slow3") == dict.fromkeys("abc", 0) and rig.all_closed("slow3")
+    resp = await rig.chat("s3", stream, tenant="u")  # the pool still serves everyone else
+    assert resp.status_code == 200
+
+
+async def test_a_lone_read_timeout_counts_against_no_worker(rig: Rig) -> None:
+    # Nothing to compare with: the request may be what is slow.
+    resp = await rig.chat("s1", max_tokens=LONG_TOKENS)
+    assert resp.status_code == 504
+    assert rig.failures("slow1") == {"a": 0} and rig.all_closed("slow1")
+    assert (await rig.chat("s1", tenant="u")).status_code == 200
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_hung_worker_whose_requests_others_answer_is_shut_out(
+    rig: Rig, transport: str, stream: bool
+) -> None:
+    through(rig.state, transport)
+    rig.workers.status["a"] = HANG  # it still passes its health checks
+    hung = rig.worker("hung3", "a")
+    for _ in range(12):  # round-robin: every third request or so starts at `a`
+        assert (await rig.chat("h3", stream)).status_code == 200
+        if not hung.breaker.closed:
+            break
+    # Its two timeouts (the breaker's threshold) counted once other workers served the requests.
+    assert rig.workers.silent == ["a", "a"]
+    assert rig.failures("hung3") == {"a": 2, "b": 0, "c": 0} and not hung.breaker.closed
+    for _ in range(3):
+        assert (await rig.chat("h3", stream)).status_code == 200
+    assert rig.workers.silent == ["a", "a"]
+
+
+async def test_health_checks_still_take_a_hung_worker_down(rig: Rig) -> None:
+    rig.workers.status["a"] = HANG
+    assert (await rig.chat("s1")).status_code == 504  # a lone timeout: no breaker verdict
+    lone = rig.worker("slow1", "a")
+    assert lone.breaker.closed
+    rig.workers.health_hangs.add("a")  # hung all through: its health checks time out too
+    await wait_until(lambda: not lone.healthy, what="the health checks took the hung worker down")
+    resp = await rig.chat("s1")
+    assert resp.status_code == 503 and resp.json()["error"]["code"] == "no_worker_available"
+    assert rig.workers.silent == ["a"]
+
+
+async def test_a_pd_request_every_worker_is_too_slow_for_opens_no_breaker(rig: Rig) -> None:
+    # The decode leg times out, the request is recomputed alone on another worker and times out
+    # there too; a third worker (`d` or the other decode worker) is not tried.
+    resp = await rig.chat("pd", max_tokens=LONG_TOKENS)
+    assert resp.status_code == 504
+    assert len(rig.workers.silent) == 2 and "a" not in rig.workers.silent
+    assert rig.failures("pd") == dict.fromkeys(NAMES, 0) and rig.all_closed("pd")
+    assert (await rig.chat("pd", tenant="u")).status_code == 200
+
+
+def test_a_lone_read_timeout_is_acquitted_and_a_lone_5xx_convicted() -> None:
+    @dataclass
+    class _Held:
+        breaker: CircuitBreaker
+
+    timeouts = TimeoutsConfig(read_s=1.0)
+    timed_out = failure_of(UpstreamTimeout("worker timed out", answered=False), Stage.HEAD, timeouts)
+    assert timed_out.held and worker_status(500).held
+    # A worker that stalls in the middle of its answer is judged at once, as before.
+    stalled = UpstreamTimeout("worker timed out", answered=True)
+    assert not failure_of(stalled, Stage.HEAD, timeouts).held
+    for held, failures in (
+        ([timed_out], 0),
+        ([worker_status(500)], 1),
+        ([worker_status(500), timed_out], 0),
+        ([timed_out, timed_out], 0),
+    ):
+        workers = [_Held(CircuitBreaker(BreakerConfig(failure_threshold=3))) for _ in held]
+        verdicts = HeldVerdicts()
+        for worker, failure in zip(workers, held, strict=True):
+            verdicts.hold(cast(Worker, worker), failure)
+        verdicts.settle(100.0)
+        assert [w.breaker.failures for w in workers] == [failures] * len(held)
+    verdicts.hold(cast(Worker, workers[0]), timed_out)
+    verdicts.convict(100.0)  # another worker served the request: the timeout was the worker's
+    assert workers[0].breaker.failures == 1
 
 
 def test_a_held_verdict_never_touches_a_breaker_that_left_the_closed_state() -> None:
@@ -191,14 +365,14 @@ def test_a_held_verdict_never_touches_a_breaker_that_left_the_closed_state() -> 
     now_s = 100.0
     opened = _Held(CircuitBreaker(BreakerConfig(failure_threshold=1, cooldown_s=5)))
     verdicts = HeldVerdicts()
-    verdicts.hold(cast(Worker, opened))
+    verdicts.hold(cast(Worker, opened), worker_status(500))
     opened.breaker.on_failure(now_s)  # other requests open it meanwhile ...
     now_s += 10
     assert opened.breaker.allows(now_s)
     opened.breaker.on_dispatch(now_s)  # ... and another request is its half-open trial
     verdicts.acquit()  # the held request's end frees nobody's trial
     assert not opened.breaker.allows(now_s)
-    verdicts.hold(cast(Worker, opened))
+    verdicts.hold(cast(Worker, opened), worker_status(500))
     verdicts.convict(now_s)  # nor reopens it on evidence older than the trial
     opened.breaker.on_success()
     assert opened.breaker.closed and opened.breaker.failures == 0

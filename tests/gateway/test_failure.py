@@ -13,7 +13,15 @@ import aiohttp
 import pytest
 
 from gateway.config.pool import TimeoutsConfig
-from gateway.failure import TRANSPORT_ERRORS, Failure, RetryReason, Stage, failure_of
+from gateway.failure import (
+    TRANSPORT_ERRORS,
+    Failure,
+    ReadTimeouts,
+    RetryReason,
+    Stage,
+    failure_of,
+    worker_status,
+)
 from gateway.sse import MalformedStream, first_event_problem
 from gateway.upstream import UpstreamBusy, UpstreamError, UpstreamPool, UpstreamTimeout
 from policies.base import Outcome
@@ -191,6 +199,19 @@ def test_stages_decide_retries_and_the_stream_code() -> None:
     busy = failure_of(UpstreamBusy("all 2 connections to the worker stayed busy"), Stage.HEAD, TIMEOUTS)
     assert (busy.status, busy.outcome, busy.retry) == (503, Outcome.ABORTED, RetryReason.WORKER_BUSY)
     assert busy.error().headers == {"retry-after": "1"}
+
+
+def test_a_request_goes_to_another_worker_after_one_read_timeout_at_most() -> None:
+    timed_out = failure_of(UpstreamTimeout("worker timed out", answered=False), Stage.HEAD, TIMEOUTS)
+    busy = failure_of(UpstreamBusy("all 2 connections to the worker stayed busy"), Stage.HEAD, TIMEOUTS)
+    seen = ReadTimeouts()
+    for other in (busy, worker_status(500), busy):  # other failures use none of it
+        seen.note(other)
+    assert not seen.spent
+    seen.note(timed_out)
+    assert not seen.spent  # the first read timeout is retried ...
+    seen.note(timed_out)
+    assert seen.spent  # ... the second is not
 
 
 def test_a_stream_that_breaks_says_so_in_plain_words() -> None:

@@ -24,7 +24,13 @@ from gateway.keying import INLINE_PROMPT_BYTES, canonical_prompt, only_model, pr
 from gateway.quotas import Rejection, TenantLimiter
 from gateway.registry import Pool
 from gateway.request_head import RequestHead, RequestIds
-from gateway.responses_affinity import ResponseAffinity, check_request_id, note_response, pin
+from gateway.responses_affinity import (
+    ResponseAffinity,
+    mint_response_id,
+    note_response,
+    pin,
+    with_response_id,
+)
 from gateway.routes import ApiRoute
 from gateway.upstream_headers import ClientHeaders, pick
 from policies.base import RouteDecision, RouteRequest, WorkerId
@@ -254,9 +260,10 @@ async def admit(
             raise _refused(err, api, body, model) from None
 
     responses = gate.responses if api.prompt == "responses" else None
+    response_id = None
     if responses is not None:
         try:
-            check_request_id(responses, body, tenant.name, started_s)
+            response_id = mint_response_id(responses, body, tenant.name)
         except ApiError as err:
             raise _refused(err, api, body, model) from None
 
@@ -272,9 +279,12 @@ async def admit(
         raise _refused(err, api, body, model) from None
 
     # Only chat and completions bodies are rewritten: a Responses or Messages body is keyed as
-    # the worker will convert it, and forwarded as sent.
+    # the worker will convert it, and forwarded as sent (a Responses body with the gateway's
+    # `request_id`, below).
     changed = canonical.canonical_body is not None and api.rewrites
     forward = dict(canonical.canonical_body) if changed and canonical.canonical_body is not None else body
+    if response_id is not None:  # vLLM names the response after it (`responses_ids`)
+        forward, encoded = with_response_id(forward, encoded, response_id)
     stream = body.get("stream") is True
     options = body.get("stream_options")
     wants_usage = isinstance(options, dict) and options.get("include_usage") is True

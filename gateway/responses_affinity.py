@@ -6,21 +6,25 @@ the worker that answered the original request. The gateway learns that worker fr
 `id` (a whole answer's, or a stream's `response.created` event) and pins follow-ups to it.
 
 Rules, all checked here:
-- An id is at most `MAX_RESPONSE_ID_CHARS` characters from `[A-Za-z0-9_.:-]` (vLLM's own are
-  `resp_` and 32 hex digits). A client's `request_id` (vLLM makes it the new response's id) that is
-  not is refused with 400; an answer's id that is not is never remembered. The map's bytes are
-  therefore bounded by its entry count.
-- An id belongs to the tenant whose request created it, and only that tenant's requests see it:
-  another tenant's id reads as one the gateway does not know, and looking it up does not refresh
-  it. Followed up by another tenant, the gateway answers vLLM's own 404 for an unknown response
-  (same status, body and `param`) without asking a worker. A request may not name another
-  tenant's live response as its own `request_id` (the worker holding it would overwrite it): 400.
+- Every `POST /v1/responses` carries a `request_id` the gateway mints (`responses_ids`: vLLM makes
+  it the new response's id), tagged with its tenant: the client's own `request_id`, when it sent
+  one, is the id's stem. A client's `request_id` that is not at most `MAX_REQUEST_ID_CHARS`
+  characters from `[A-Za-z0-9_.:-]` is refused with 400. Only an answer whose id is the one minted
+  for it is remembered, so the map's bytes are bounded by its entry count.
+- An id belongs to the tenant it was minted for, and any process tells so from the id alone
+  (`ResponseIds.owned_by`). A follow-up, `GET` or `cancel` naming an id that is not the asking
+  tenant's (another tenant's, made up, or not minted by the gateway) gets vLLM's own 404 for an
+  unknown response (same status, body and `param`) without asking a worker.
+- The map is consulted only for the tenant's own ids, and keeps each id's tenant too: a probe by
+  another tenant never refreshes an id.
 - The pinned worker is the only one tried (another worker cannot continue the conversation, so a
   retry elsewhere would silently lose its state). Unroutable now (down, breaker open, at its
   cap): 503 with Retry-After. Gone from the pool (discovery removed it): 404, the response is gone
   with it. A worker that restarted answers its own 404, passed through.
-- An id the gateway does not know (evicted, expired, from before a restart, or routed by another
-  gateway process) is routed by the policy like any request; the worker that lacks it answers 404.
+- A follow-up naming the tenant's own id that this process does not know (evicted, expired, from
+  before a restart, or routed by another gateway process or replica) is routed by the policy like
+  any request; the worker that lacks it answers 404. (A `GET` or `cancel` of one asks the workers
+  in turn: `responses_routes`.)
 
 The map is bounded: at most `max_entries` ids, each forgotten `ttl_s` after its last use. Each of
 the `tenants` tenants is reserved an equal share, `max_entries // tenants` ids: when the map is
@@ -31,33 +35,21 @@ tenant's requests, while an idle tenant's reserve is still usable by the others.
 
 from __future__ import annotations
 
-import re
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+import orjson
+
 from gateway.errors import ApiError, bad_request
 from gateway.failure import Failure, RetryReason
 from gateway.registry import Pool
+from gateway.responses_ids import MAX_REQUEST_ID_CHARS, ResponseIds, valid_response_id
 from policies.base import Outcome, RouteDecision, WorkerId, WorkerView
 from policies.records import record
 
 PINNED_REASON = "response_affinity"
-
-# vLLM's ids are 37 characters; this leaves room for a client's own scheme (UUIDs, prefixes)
-# while keeping 100,000 remembered ids within a few tens of megabytes.
-MAX_RESPONSE_ID_CHARS = 256
-_ID_CHARS = re.compile(r"[A-Za-z0-9_.:-]+")
-
-
-def valid_response_id(value: object) -> bool:
-    """Whether `value` is an id the gateway accepts and remembers (see the module rules)."""
-    return (
-        isinstance(value, str)
-        and 0 < len(value) <= MAX_RESPONSE_ID_CHARS
-        and _ID_CHARS.fullmatch(value) is not None
-    )
 
 
 @record
@@ -71,11 +63,13 @@ class Holder:
 
 
 class ResponseAffinity:
-    """Response id → `Holder`. Invariants: at most `max_entries` ids; each tenant's ids are kept
-    least recently used first, and `_all` holds every id in the order of its last use; `_over`
-    holds exactly the tenants holding more than `reserve`."""
+    """Response id → `Holder`, and the deployment's `ids` (who owns an id). Invariants: at most
+    `max_entries` ids; each tenant's ids are kept least recently used first, and `_all` holds
+    every id in the order of its last use; `_over` holds exactly the tenants holding more than
+    `reserve`."""
 
-    def __init__(self, max_entries: int, ttl_s: float, tenants: int = 1) -> None:
+    def __init__(self, max_entries: int, ttl_s: float, tenants: int = 1, *, ids: ResponseIds) -> None:
+        self.ids = ids
         self.max_entries = max_entries
         self.ttl_s = ttl_s
         self.reserve = max(1, max_entries // max(1, tenants))
@@ -126,11 +120,6 @@ class ResponseAffinity:
         self._all.move_to_end(response_id)
         return fresh
 
-    def taken_by_another(self, response_id: str, tenant: str, now_s: float) -> bool:
-        """Whether `response_id` is another tenant's live id (nothing is refreshed)."""
-        held = self._items.get(response_id)
-        return held is not None and held.tenant != tenant and now_s - held.used_s <= self.ttl_s
-
     def _evict_for(self, tenant: str, now_s: float) -> None:
         """Make room after `tenant` added an id: the oldest id of all when it has expired (a quiet
         tenant's expired ids do not keep its reserve), else `tenant`'s own oldest when it is above
@@ -167,46 +156,57 @@ class ResponseAffinity:
 
 
 def not_found(response_id: str) -> ApiError:
-    """vLLM's answer for a response it does not hold, byte for byte (also the gateway's, for
-    another tenant's id: the two must read the same)."""
+    """vLLM's answer for a response it does not hold, byte for byte (also the gateway's, for an
+    id that is not the asking tenant's: the two must read the same)."""
     return ApiError(
         404, f"Response with id '{response_id}' not found.", "invalid_request_error", None, "response_id"
     )
 
 
-def check_request_id(affinity: ResponseAffinity, body: Mapping[str, Any], tenant: str, now_s: float) -> None:
-    """A client's `request_id` names the response vLLM creates: 400 unless it is an id the
-    gateway accepts that is not another tenant's live response."""
-    if "request_id" not in body or body["request_id"] is None:
-        return
-    own_id = body["request_id"]
-    if isinstance(own_id, str) and len(own_id) > MAX_RESPONSE_ID_CHARS:
+def mint_response_id(affinity: ResponseAffinity, body: Mapping[str, Any], tenant: str) -> str:
+    """The `request_id` the worker gets, which names the response it creates: minted for `tenant`
+    on the client's own `request_id`, if any (400 unless at most `MAX_REQUEST_ID_CHARS`
+    characters from the id alphabet)."""
+    own_id = body.get("request_id")
+    if own_id is None:
+        return affinity.ids.mint(tenant)
+    if isinstance(own_id, str) and len(own_id) > MAX_REQUEST_ID_CHARS:
         message = (
             f"Invalid 'request_id': string too long. Expected a string with maximum length "
-            f"{MAX_RESPONSE_ID_CHARS}, but got a string with length {len(own_id)} instead."
+            f"{MAX_REQUEST_ID_CHARS}, but got a string with length {len(own_id)} instead."
         )
         raise ApiError(400, message, "invalid_request_error", "string_above_max_length", "request_id")
-    if not valid_response_id(own_id):
+    if not valid_response_id(own_id, MAX_REQUEST_ID_CHARS):
         raise bad_request(
             "'request_id' must be a non-empty string of letters, digits, '_', '-', '.' and ':'",
             "request_id",
         )
-    if affinity.taken_by_another(own_id, tenant, now_s):
-        raise bad_request("'request_id' is already in use", "request_id")
+    return affinity.ids.mint(tenant, own_id)
+
+
+def with_response_id(body: dict[str, Any], encoded: bytes, response_id: str) -> tuple[dict[str, Any], bytes]:
+    """`body` with `request_id` set to `response_id`, and its encoding (`encoded` is `body`'s): the
+    field is put in front of the encoded object when the client sent none, so a large body is not
+    encoded a second time."""
+    named = {**body, "request_id": response_id}
+    if "request_id" in body:
+        return named, orjson.dumps(named)
+    head = b'{"request_id":' + orjson.dumps(response_id)
+    return named, head + (b"," + encoded[1:] if encoded != b"{}" else b"}")
 
 
 def pin(
     affinity: ResponseAffinity, body: Mapping[str, Any], tenant: str, pool: Pool, now_s: float
 ) -> WorkerId | None:
     """The worker a Responses follow-up must reach (None: the policy chooses), or vLLM's 404 when
-    its `previous_response_id` is another tenant's or its holder left the pool."""
+    its `previous_response_id` is not `tenant`'s or its holder left the pool."""
     previous = body.get("previous_response_id")
     if not isinstance(previous, str) or not previous:
         return None
+    if not affinity.ids.owned_by(previous, tenant):
+        raise not_found(previous)
     held = affinity.holder(previous, tenant, now_s)
     if held is None:
-        if affinity.taken_by_another(previous, tenant, now_s):
-            raise not_found(previous)
         return None
     if held.pool != pool.name or held.worker not in pool.workers:
         raise not_found(previous)
@@ -253,7 +253,8 @@ def note_response(
     answer_id: Any,
     now_s: float,
 ) -> None:
-    """Learn the worker of a response the worker just created (unless the request asked it not to
-    store it: then there is nothing to find later)."""
-    if isinstance(answer_id, str) and answer_id and body.get("store") is not False:
+    """Learn the worker of a response the worker just created, when its id is the one minted for
+    it (`body` is the body sent, with that `request_id`) and the request did not ask not to store
+    it (then there is nothing to find later)."""
+    if answer_id == body.get("request_id") and body.get("store") is not False:
         affinity.learn(answer_id, tenant, pool, worker, now_s)

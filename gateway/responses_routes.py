@@ -1,9 +1,12 @@
 """`GET /v1/responses/{id}` and `POST /v1/responses/{id}/cancel`: to the worker holding the response.
 
-Only the tenant that created a response reaches it (`responses_affinity`); anything else, and an id
-the gateway does not know, is vLLM's 404. The request counts against the tenant's concurrency and
-rpm like any other; the worker's answer is passed through (its errors in the gateway's shape), and
-a retrieve the worker answers with an event stream (`stream=true`) is relayed as one
+Only the tenant that created a response reaches it: an id that is not the asking tenant's
+(`responses_ids`, told from the id alone) is vLLM's 404, answered without asking a worker. One of
+its own goes to the worker this process saw create it (`responses_affinity`), or, when this
+process does not know it, to the first healthy worker that answers it other than 404 (each asked
+in turn; the gateway's 404 when none does). The request counts against the tenant's concurrency
+and rpm like any other; the worker's answer is passed through (its errors in the gateway's
+shape), and a retrieve the worker answers with an event stream (`stream=true`) is relayed as one
 (`responses_stream.py`). The worker gets what a proxied request would send it: the pool's API key
 for its workers, the client headers the pool forwards, and the query string (`stream`,
 `starting_after`).
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from urllib.parse import quote
 
 import aiohttp
@@ -106,9 +110,7 @@ def responses_routes(
 
         try:
             try:
-                pool, worker, source = await _to_holder(
-                    gate.responses,
-                    registry,
+                call = _Retrieval(
                     transport,
                     request.path_params["response_id"],
                     tenant.name,
@@ -117,6 +119,7 @@ def responses_routes(
                     tracing,
                     ids.internal,
                 )
+                pool, worker, source = await _to_holder(gate.responses, registry, call)
             except ApiError as err:
                 done(err.status, err.code or err.type)
                 return error(err, reply_id)
@@ -152,44 +155,87 @@ def responses_routes(
     ]
 
 
-async def _to_holder(
-    responses: ResponseAffinity,
-    registry: Registry,
-    transport: Transport,
-    response_id: str,
-    tenant: str,
-    suffix: str,
-    request: Request,
-    tracing: bool,
-    request_id: str,
-) -> tuple[Pool, str, AiohttpSource]:
-    """The worker's answer head (its body still to be read), the pool the worker is in and its
-    URL; `request_id` names the request to the worker."""
-    held = responses.holder(response_id, tenant, time.monotonic())
-    pool = registry.pools.get(held.pool) if held is not None else None
-    if held is None or pool is None or held.worker not in pool.workers:
-        raise not_found(response_id)
-    worker = pool.workers[held.worker]
-    url = f"{worker.url}/v1/responses/{quote(response_id, safe='')}{suffix}"
-    raw = request.scope["headers"]
-    headers = [("x-request-id", request_id), *pool.auth.headers.items()]
-    if pool.forward:
-        headers += aiohttp_pairs(pick(raw, pool.forward))
-    if tracing:
-        headers += aiohttp_pairs(pick(raw, _TRACE_CONTEXT))
-    try:
-        resp = await transport.upstream().request(
-            request.method,
+@dataclass(frozen=True, slots=True)
+class _Retrieval:
+    """One client request for a stored response (`suffix`: "" or "/cancel"), as a worker is
+    asked it; `request_id` names it to the worker."""
+
+    transport: Transport
+    response_id: str
+    tenant: str
+    suffix: str
+    request: Request
+    tracing: bool
+    request_id: str
+
+    async def ask(self, pool: Pool, worker_url: str) -> AiohttpSource:
+        """The worker's answer head, asked with the headers a proxied request carries (the
+        pool's worker key, the headers it forwards, the client's trace context while tracing)
+        and the client's query string."""
+        url = f"{worker_url}/v1/responses/{quote(self.response_id, safe='')}{self.suffix}"
+        raw = self.request.scope["headers"]
+        headers = [("x-request-id", self.request_id), *pool.auth.headers.items()]
+        if pool.forward:
+            headers += aiohttp_pairs(pick(raw, pool.forward))
+        if self.tracing:
+            headers += aiohttp_pairs(pick(raw, _TRACE_CONTEXT))
+        resp = await self.transport.upstream().request(
+            self.request.method,
             url,
             headers=headers,
-            params=list(request.query_params.multi_items()),
+            params=list(self.request.query_params.multi_items()),
             timeout=pool.client_timeout,
         )
+        return AiohttpSource(resp, self.transport.answers.share(self.tenant))
+
+
+async def _to_holder(
+    responses: ResponseAffinity, registry: Registry, call: _Retrieval
+) -> tuple[Pool, str, AiohttpSource]:
+    """The answer head of the worker holding the response (its body still to be read), the pool
+    the worker is in and its URL. An id that is not the tenant's is a 404 that reaches no worker;
+    one of its own that this process does not know is looked for (`_find_holder`)."""
+    if not responses.ids.owned_by(call.response_id, call.tenant):
+        raise not_found(call.response_id)
+    held = responses.holder(call.response_id, call.tenant, time.monotonic())
+    if held is None:
+        return await _find_holder(responses, registry, call)
+    pool = registry.pools.get(held.pool)
+    if pool is None or held.worker not in pool.workers:
+        raise not_found(call.response_id)
+    worker = pool.workers[held.worker]
+    try:
+        source = await call.ask(pool, worker.url)
     except TimeoutError:
         raise upstream_error(504, "the worker holding the response did not answer in time") from None
     except (aiohttp.ClientError, OSError) as exc:
         raise _unreachable(exc) from None
-    return pool, worker.url, AiohttpSource(resp, transport.answers.share(tenant))
+    return pool, worker.url, source
+
+
+async def _find_holder(
+    responses: ResponseAffinity, registry: Registry, call: _Retrieval
+) -> tuple[Pool, str, AiohttpSource]:
+    """A tenant's own response this process does not know (routed by another process or replica,
+    or before a restart): the first answer other than vLLM's 404 from the healthy workers of
+    every pool, asked one at a time in the registry's order (one that cannot be reached or does
+    not answer in time is passed over); the gateway's 404 when none holds it. A worker that
+    answers 200 is remembered as the holder."""
+    for pool in list(registry.pools.values()):
+        for worker in list(pool.workers.values()):
+            if not worker.healthy:
+                continue
+            try:
+                source = await call.ask(pool, worker.url)
+            except (TimeoutError, aiohttp.ClientError, OSError):
+                continue
+            if source.status == 404:
+                source.close()
+                continue
+            if source.status == 200:
+                responses.learn(call.response_id, call.tenant, pool.name, worker.worker_id, time.monotonic())
+            return pool, worker.url, source
+    raise not_found(call.response_id)
 
 
 async def _whole(source: AiohttpSource, timeouts: TimeoutsConfig) -> tuple[int, bytes]:

@@ -24,6 +24,7 @@ from gateway.queueing import build_queues
 from gateway.quotas import TenantLimiter
 from gateway.registry import Registry
 from gateway.responses_affinity import ResponseAffinity
+from gateway.responses_ids import ResponseIds
 from gateway.routing import Routing
 from gateway.stream_body import StreamBuffers
 from gateway.tracing import TRACE_CONTEXT_HEADERS, RequestTracer
@@ -97,7 +98,10 @@ def build_state(
         models=registry.by_model,
         keying=Keying(config.pools, policy_normalizer, secret, transport),
         responses=ResponseAffinity(
-            config.responses.affinity_max_entries, config.responses.affinity_ttl_s, len(config.tenants)
+            config.responses.affinity_max_entries,
+            config.responses.affinity_ttl_s,
+            len(config.tenants),
+            ids=ResponseIds(secret),
         ),
     )
     routing = Routing(

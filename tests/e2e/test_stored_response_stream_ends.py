@@ -55,9 +55,13 @@ def running_stack(folder: Path, **config: Any) -> Iterator[Stack]:
             proc.stop()
 
 
-def _create(stack: Stack, rid: str) -> None:
-    body = {"model": "m", "input": "hi", "request_id": rid}
-    assert httpx.post(stack.base_url + "/v1/responses", json=body, headers=KEY, timeout=10).status_code == 200
+def _create(stack: Stack) -> str:
+    """A new stored response's id (the gateway's, as the worker names it)."""
+    body = {"model": "m", "input": "hi"}
+    resp = httpx.post(stack.base_url + "/v1/responses", json=body, headers=KEY, timeout=10)
+    assert resp.status_code == 200
+    rid: str = resp.json()["id"]
+    return rid
 
 
 def _closed_early(stack: Stack) -> list[str]:
@@ -89,8 +93,7 @@ def _read_until_in_progress(chunks: Iterator[bytes]) -> bytes:
 
 def test_a_worker_dying_mid_stream_ends_the_retrieve_with_one_error_event(tmp_path: Path) -> None:
     with running_stack(tmp_path) as stack:
-        rid = "resp_dies1"
-        _create(stack, rid)
+        rid = _create(stack)
         url = f"{stack.base_url}/v1/responses/{rid}"
         with httpx.stream("GET", url, params={"stream": "true"}, headers=KEY, timeout=20) as resp:
             assert resp.status_code == 200
@@ -110,8 +113,7 @@ def test_a_worker_dying_mid_stream_ends_the_retrieve_with_one_error_event(tmp_pa
 
 def test_the_drain_deadline_ends_a_streamed_retrieve_with_gateway_shutting_down(tmp_path: Path) -> None:
     with running_stack(tmp_path, drain={"deadline_s": 1.0}) as stack:
-        rid = "resp_drained1"
-        _create(stack, rid)
+        rid = _create(stack)
         url = f"{stack.base_url}/v1/responses/{rid}"
         received: list[bytes] = []
         streaming = threading.Event()

@@ -89,14 +89,17 @@ def _log(stack: Stack) -> dict[str, Any]:
     return log
 
 
-def _create(stack: Stack, rid: str) -> None:
-    body = {"model": "m", "input": "hi", "request_id": rid}
-    assert httpx.post(stack.base_url + "/v1/responses", json=body, headers=KEY, timeout=10).status_code == 200
+def _create(stack: Stack) -> str:
+    """A new stored response's id (the gateway's, as the worker names it)."""
+    body = {"model": "m", "input": "hi"}
+    resp = httpx.post(stack.base_url + "/v1/responses", json=body, headers=KEY, timeout=10)
+    assert resp.status_code == 200
+    rid: str = resp.json()["id"]
+    return rid
 
 
 def test_a_streamed_retrieve_reaches_the_client_event_by_event(stack: Stack) -> None:
-    rid = "resp_streamed1"
-    _create(stack, rid)
+    rid = _create(stack)
     url = f"{stack.base_url}/v1/responses/{rid}"
     headers = {**KEY, "x-trace-tag": "t-1"}
     params = {"stream": "true", "starting_after": "0"}
@@ -119,8 +122,7 @@ def test_a_streamed_retrieve_reaches_the_client_event_by_event(stack: Stack) -> 
 
 
 def test_a_client_leaving_a_streamed_retrieve_closes_the_workers_stream(stack: Stack) -> None:
-    rid = "resp_left1"
-    _create(stack, rid)
+    rid = _create(stack)
     url = f"{stack.base_url}/v1/responses/{rid}"
     with httpx.stream("GET", url, params={"stream": "true"}, headers=KEY, timeout=20) as resp:
         first = next(resp.iter_bytes())

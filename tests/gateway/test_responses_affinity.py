@@ -1,7 +1,7 @@
 """Responses state: a follow-up reaches the worker holding its `previous_response_id` (learned from
-whole and streamed answers), ids belong to their tenant (another tenant's reads as unknown), a gone
-or unroutable holder is never silently replaced, the map is bounded in ids, bytes and per tenant,
-and forgets."""
+whole and streamed answers), ids belong to their tenant (another tenant's reads as unknown, and is
+never forwarded), a gone or unroutable holder is never silently replaced, the map is bounded in
+ids, bytes and per tenant, and forgets."""
 
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from gateway.responses_affinity import MAX_RESPONSE_ID_CHARS, ResponseAffinity
+from gateway.responses_affinity import ResponseAffinity
+from gateway.responses_ids import MAX_REQUEST_ID_CHARS, MAX_RESPONSE_ID_CHARS, ResponseIds
 from policies.base import WorkerId
 from tests.gateway.routes_rig import KEY, Rig, routes_rig
 
 OTHER = {"authorization": "Bearer sk-other"}
+IDS = ResponseIds(b"affinity-map-tests")
 
 
 @pytest.fixture
@@ -69,13 +71,14 @@ async def test_another_tenants_response_is_never_reached(rig: Rig) -> None:
     )
     assert (await rig.client.get(f"/v1/responses/{rid}", headers=OTHER)).status_code == 404
     assert (await rig.client.post(f"/v1/responses/{rid}/cancel", headers=OTHER)).status_code == 404
-    # Nor may it take the id for its own next response (vLLM would overwrite the stored one).
+    assert sum(len(w.received) for w in rig.workers) == before
+    # Taking the id as its own `request_id` names another response: the stem is tagged with the
+    # asking tenant, so the stored one is never overwritten, and nothing tells that the id was taken.
     resp = await rig.client.post(
         "/v1/responses", json={"model": "m", "input": "x", "request_id": rid}, headers=OTHER
     )
-    assert resp.status_code == 400 and resp.json()["error"]["param"] == "request_id"
-    assert "yours" not in resp.json()["error"]["message"]
-    assert sum(len(w.received) for w in rig.workers) == before
+    assert resp.status_code == 200 and resp.json()["id"].startswith(rid + "_")
+    assert (await rig.client.get(f"/v1/responses/{rid}", headers=KEY)).json()["id"] == rid
     # An id the gateway never saw reads the same as another tenant's (nothing tells them apart).
     unknown = (await rig.client.get("/v1/responses/resp_unknown", headers=OTHER)).json()["error"]
     foreign = (await rig.client.get(f"/v1/responses/{rid}", headers=OTHER)).json()["error"]
@@ -91,13 +94,21 @@ async def test_another_tenants_follow_up_reads_as_an_unknown_id(rig: Rig, stream
         resp = await rig.client.post("/v1/responses", json=body, headers=OTHER)
         error = resp.json()["error"]
         answers[name] = (resp.status_code, {**error, "message": error["message"].replace(previous, "ID")})
-    # The unknown id's 404 is the worker's own (vLLM's); the gateway's for another tenant's id is the same.
-    assert answers["foreign"] == answers["unknown"]
+    # An id of its own that no worker holds is forwarded, and the worker's own 404 (vLLM's) reads
+    # the same as the gateway's for another tenant's or a made-up id.
+    own = rig.state.gate.responses.ids.mint("other")
+    before = sum(len(w.received) for w in rig.workers)
+    body = {"model": "m", "input": "peek", "previous_response_id": own, "stream": stream}
+    resp = await rig.client.post("/v1/responses", json=body, headers=OTHER)
+    assert sum(len(w.received) for w in rig.workers) == before + 1
+    error = resp.json()["error"]
+    answers["own"] = (resp.status_code, {**error, "message": error["message"].replace(own, "ID")})
+    assert answers["foreign"] == answers["unknown"] == answers["own"]
     assert answers["foreign"][0] == 404 and answers["foreign"][1]["param"] == "response_id"
 
 
 async def test_a_long_or_odd_request_id_is_refused_and_never_remembered(rig: Rig) -> None:
-    long_id = "resp_" + "x" * MAX_RESPONSE_ID_CHARS
+    long_id = "resp_" + "x" * MAX_REQUEST_ID_CHARS
     for bad in (long_id, "resp one", "", 7):
         body = {"model": "m", "input": "x", "request_id": bad}
         resp = await rig.client.post("/v1/responses", json=body, headers=KEY)
@@ -108,8 +119,10 @@ async def test_a_long_or_odd_request_id_is_refused_and_never_remembered(rig: Rig
     )
     assert long_resp.json()["error"]["code"] == "string_above_max_length"
     assert not any(w.received for w in rig.workers)
-    ok = "resp_" + "y" * (MAX_RESPONSE_ID_CHARS - 5)
-    assert await _create(rig, request_id=ok) == ok and len(rig.state.gate.responses) == 1
+    ok = "resp_" + "y" * (MAX_REQUEST_ID_CHARS - 5)
+    rid = await _create(rig, request_id=ok)
+    assert rid.startswith(ok + "_") and len(rid) == MAX_RESPONSE_ID_CHARS
+    assert rig.last().json()["request_id"] == rid and len(rig.state.gate.responses) == 1
 
 
 async def test_a_long_id_learned_from_a_worker_is_not_remembered(rig: Rig) -> None:
@@ -117,8 +130,8 @@ async def test_a_long_id_learned_from_a_worker_is_not_remembered(rig: Rig) -> No
     responses.learn("resp_" + "z" * 2_000_000, "t", "p", WorkerId(rig.workers[0].url), 0.0)
     responses.learn("resp_with space", "t", "p", WorkerId(rig.workers[0].url), 0.0)
     assert len(responses) == 0
-    rig.workers[0].response_id_suffix = "x" * MAX_RESPONSE_ID_CHARS  # answers with overlong ids
-    rig.workers[1].response_id_suffix = "x" * MAX_RESPONSE_ID_CHARS
+    rig.workers[0].response_id_suffix = "x"  # answers with ids other than the ones minted
+    rig.workers[1].response_id_suffix = "x"
     await _create(rig)
     assert len(responses) == 0
 
@@ -203,7 +216,7 @@ async def test_unknown_and_unstored_ids_are_routed_by_the_policy(rig: Rig) -> No
 
 
 def test_the_map_is_bounded_forgets_and_keeps_owners() -> None:
-    affinity = ResponseAffinity(max_entries=3, ttl_s=10.0)
+    affinity = ResponseAffinity(max_entries=3, ttl_s=10.0, ids=IDS)
     w = WorkerId("http://w")
     for n in range(5):
         affinity.learn(f"r{n}", "t", "p", w, float(n))
@@ -221,10 +234,10 @@ def test_the_map_is_bounded_forgets_and_keeps_owners() -> None:
 
 
 def test_another_tenants_probe_does_not_keep_an_id_alive() -> None:
-    affinity = ResponseAffinity(max_entries=4, ttl_s=10.0, tenants=2)
+    affinity = ResponseAffinity(max_entries=4, ttl_s=10.0, tenants=2, ids=IDS)
     w = WorkerId("http://w")
     affinity.learn("a", "alice", "p", w, 0.0)
-    assert affinity.holder("a", "bob", 9.0) is None and affinity.taken_by_another("a", "bob", 9.0)
+    assert affinity.holder("a", "bob", 9.0) is None
     assert affinity.holder("a", "alice", 10.5) is None  # bob's probe at 9 s did not refresh it
     # Nor does a probe move it in alice's least-recently-used order.
     affinity.learn("a1", "alice", "p", w, 11.0)
@@ -238,7 +251,7 @@ def test_another_tenants_probe_does_not_keep_an_id_alive() -> None:
 
 
 def test_a_tenant_within_its_reserve_is_never_evicted_by_another() -> None:
-    affinity = ResponseAffinity(max_entries=9, ttl_s=1e9, tenants=3)  # 3 ids reserved each
+    affinity = ResponseAffinity(max_entries=9, ttl_s=1e9, tenants=3, ids=IDS)  # 3 ids reserved each
     w = WorkerId("http://w")
     for n in range(3):
         affinity.learn(f"a{n}", "alice", "p", w, float(n))
@@ -250,14 +263,14 @@ def test_a_tenant_within_its_reserve_is_never_evicted_by_another() -> None:
     assert all(affinity.holder(f"a{n}", "alice", 100.0) is not None for n in range(3))
     assert affinity.held_by("carol") == 3 and affinity.held_by("bob") == 3
     # While alice is idle, her reserve is usable by the others.
-    lone = ResponseAffinity(max_entries=9, ttl_s=1e9, tenants=3)
+    lone = ResponseAffinity(max_entries=9, ttl_s=1e9, tenants=3, ids=IDS)
     for n in range(9):
         lone.learn(f"b{n}", "bob", "p", w, float(n))
     assert len(lone) == 9
 
 
 def test_a_quiet_tenants_expired_ids_do_not_keep_its_reserve() -> None:
-    affinity = ResponseAffinity(max_entries=4, ttl_s=60.0, tenants=2)  # 2 ids reserved each
+    affinity = ResponseAffinity(max_entries=4, ttl_s=60.0, tenants=2, ids=IDS)  # 2 ids reserved each
     w = WorkerId("http://w")
     for n in range(2):
         affinity.learn(f"a{n}", "alice", "p", w, float(n))
@@ -270,7 +283,7 @@ def test_a_quiet_tenants_expired_ids_do_not_keep_its_reserve() -> None:
 
 def test_random_use_keeps_the_invariants() -> None:
     rng = random.Random(7)
-    affinity = ResponseAffinity(max_entries=50, ttl_s=30.0, tenants=3)
+    affinity = ResponseAffinity(max_entries=50, ttl_s=30.0, tenants=3, ids=IDS)
     now_s = 0.0
     for _ in range(5000):
         now_s += rng.random()

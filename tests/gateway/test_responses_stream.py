@@ -35,15 +35,22 @@ class _Stack:
     worker: State
     worker_url: str
 
-    async def streamed_retrieve(self, rid: str) -> asyncio.Task[httpx.Response]:
-        """A created response's streamed retrieve, once the worker is holding its stream."""
-        body = {"model": "m", "input": "hi", "request_id": rid}
-        assert (await self.client.post("/v1/responses", json=body, headers=HEADERS)).status_code == 200
+    async def create(self) -> str:
+        """A stored response's id (the gateway's, as the worker names it)."""
+        resp = await self.client.post("/v1/responses", json={"model": "m", "input": "hi"}, headers=HEADERS)
+        assert resp.status_code == 200
+        rid: str = resp.json()["id"]
+        return rid
+
+    async def streamed_retrieve(self) -> tuple[asyncio.Task[httpx.Response], str]:
+        """A created response's streamed retrieve, once the worker is holding its stream, and
+        the response's id."""
+        rid = await self.create()
         task = asyncio.create_task(
             self.client.get(f"/v1/responses/{rid}", params={"stream": "true"}, headers=HEADERS)
         )
         await wait_until(lambda: self.state.lifecycle.active_streams and self.worker.retrieves)
-        return task
+        return task, rid
 
     def settled(self, status: str) -> bool:
         """Everything the retrieve held is back, and it was counted once with `status`."""
@@ -90,9 +97,9 @@ def _kinds_and_last(body: bytes) -> tuple[list[str], dict[str, object]]:
 
 async def test_a_worker_dying_mid_stream_gives_everything_back() -> None:
     async with _stack() as stack:
-        held = await stack.streamed_retrieve("resp_dies")
+        held, rid = await stack.streamed_retrieve()
         async with httpx.AsyncClient() as direct:
-            assert (await direct.post(f"{stack.worker_url}/_die/resp_dies")).status_code == 200
+            assert (await direct.post(f"{stack.worker_url}/_die/{rid}")).status_code == 200
         resp = await held
         kinds, last = _kinds_and_last(resp.content)
         assert kinds == ["response.created", "response.in_progress", "error"]
@@ -102,14 +109,14 @@ async def test_a_worker_dying_mid_stream_gives_everything_back() -> None:
 
 async def test_the_drain_deadline_ends_the_stream_and_closes_the_workers_request() -> None:
     async with _stack() as stack:
-        held = await stack.streamed_retrieve("resp_drained")
+        held, rid = await stack.streamed_retrieve()
         await drain(stack.state, 0.0)
         resp = await held
         kinds, last = _kinds_and_last(resp.content)
         assert kinds == ["response.created", "response.in_progress", "error"]
         assert last["code"] == "gateway_shutting_down"
         await wait_until(lambda: stack.settled("503"))
-        await wait_until(lambda: "resp_drained" in stack.worker.closed_early)
+        await wait_until(lambda: rid in stack.worker.closed_early)
 
 
 async def test_a_gateway_bug_in_the_relay_is_logged_and_counted_500(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -117,9 +124,8 @@ async def test_a_gateway_bug_in_the_relay_is_logged_and_counted_500(monkeypatch:
         raise RuntimeError("a bug")
 
     async with _stack() as stack:
-        body = {"model": "m", "input": "hi", "request_id": "resp_bug"}
-        assert (await stack.client.post("/v1/responses", json=body, headers=HEADERS)).status_code == 200
+        rid = await stack.create()
         monkeypatch.setattr("gateway.responses_stream.ResponsesRelay.feed", broken)
         with contextlib.suppress(httpx.HTTPError):
-            await stack.client.get("/v1/responses/resp_bug", params={"stream": "true"}, headers=HEADERS)
+            await stack.client.get(f"/v1/responses/{rid}", params={"stream": "true"}, headers=HEADERS)
         await wait_until(lambda: stack.settled("500"))

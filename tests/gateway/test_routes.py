@@ -112,7 +112,10 @@ async def test_responses_are_keyed_salted_and_their_usage_read(rig: Rig) -> None
     assert resp.status_code == 200 and resp.json()["object"] == "response"
     sent = rig.last().json()
     assert sent["cache_salt"] == rig.state.gate.keyring.tenants["t"].cache_salt
-    assert {k: v for k, v in sent.items() if k != "cache_salt"} == {
+    # Forwarded as sent, with the gateway's own salt and the id it minted for the response.
+    assert rig.state.gate.responses.ids.owned_by(sent["request_id"], "t")
+    assert resp.json()["id"] == sent["request_id"]
+    assert {k: v for k, v in sent.items() if k not in ("cache_salt", "request_id")} == {
         k: v for k, v in body.items() if k != "cache_salt"
     }
     req = rig.policy.requests[-1]

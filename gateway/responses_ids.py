@@ -1,0 +1,80 @@
+"""Stored-response ids that name their owner, checkable by any gateway process from the id alone.
+
+vLLM names the response a `POST /v1/responses` creates after the body's `request_id`. The gateway
+always sets that field, so every id of a response stored through it is
+
+    <stem>_<tag>    tag = base32(HMAC-SHA256(k, namespace ‖ 0x00 ‖ stem)[:15]), 24 characters
+
+where `stem` is `resp_` and 32 random hex digits (vLLM's own form), or the client's `request_id`
+when it sent one; `namespace` is the creating tenant's (`policies.identity.tenant_namespace`, which
+never contains 0x00); and `k` is the deployment's key-hash secret's sub-secret `response_ids`
+(`derive_secret`), the same in every process and replica that shares the secret.
+
+Whoever names an id (a follow-up's `previous_response_id`, `GET` or `cancel`) is its owner only
+when the tag verifies for its own namespace: 120 bits that cannot be computed without the secret,
+compared in constant time. Nothing else is remembered or consulted, so the answer is the same in
+every process and after a restart. Two tenants' ids never collide, whatever stems they choose: the
+tag's fixed length splits an id one way only, and equal stems under different namespaces get
+different tags.
+
+Ids are at most `MAX_RESPONSE_ID_CHARS` characters from `[A-Za-z0-9_.:-]`: a client's stem at most
+`MAX_REQUEST_ID_CHARS`, plus the separator and the tag.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import re
+import secrets
+from typing import TypeGuard
+
+from policies.identity import derive_secret, tenant_namespace
+
+TAG_CHARS = 24
+_TAG_BYTES = 15  # 120 bits: 24 base32 characters, no padding
+_SEPARATOR = "_"
+# A client's own `request_id` (the stem); vLLM's ids are 37 characters, and this leaves room for a
+# client's scheme (UUIDs, prefixes) while keeping 100,000 remembered ids within tens of megabytes.
+MAX_REQUEST_ID_CHARS = 256
+MAX_RESPONSE_ID_CHARS = MAX_REQUEST_ID_CHARS + 1 + TAG_CHARS
+_ID_CHARS = re.compile(r"[A-Za-z0-9_.:-]+")
+
+
+def valid_response_id(value: object, max_chars: int = MAX_RESPONSE_ID_CHARS) -> TypeGuard[str]:
+    """Whether `value` is a non-empty string of at most `max_chars` characters of the id alphabet."""
+    return isinstance(value, str) and 0 < len(value) <= max_chars and _ID_CHARS.fullmatch(value) is not None
+
+
+class ResponseIds:
+    """Mints the ids of a deployment's stored responses and tells their owners (module doc)."""
+
+    __slots__ = ("_key",)
+
+    def __init__(self, secret: bytes) -> None:
+        self._key = derive_secret(secret, "response_ids")
+
+    def mint(self, tenant: str, stem: str | None = None) -> str:
+        """The id of a new response of tenant `tenant`: `stem` (a fresh random one if None) and
+        its tag. `stem` must be a valid id of at most `MAX_REQUEST_ID_CHARS` characters."""
+        if stem is None:
+            stem = "resp_" + secrets.token_hex(16)
+        return stem + _SEPARATOR + self._tag(tenant_namespace(tenant), stem)
+
+    def owned_by(self, response_id: object, tenant: str) -> bool:
+        """Whether `response_id` was minted for tenant `tenant` under this deployment's secret.
+        False for anything else alike: another tenant's id, a made-up one, one from before the
+        gateway minted ids, a value that is not an id at all."""
+        if not valid_response_id(response_id):
+            return False
+        cut = len(response_id) - TAG_CHARS
+        if cut < 2 or response_id[cut - 1] != _SEPARATOR:
+            return False
+        stem = response_id[: cut - 1]
+        expected = self._tag(tenant_namespace(tenant), stem)
+        return hmac.compare_digest(response_id[cut:].encode(), expected.encode())
+
+    def _tag(self, namespace: str, stem: str) -> str:
+        digest = hmac.new(self._key, namespace.encode() + b"\x00" + stem.encode(), hashlib.sha256).digest()
+        return base64.b32encode(digest[:_TAG_BYTES]).decode().lower()

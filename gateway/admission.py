@@ -29,6 +29,7 @@ from gateway.responses_affinity import (
     mint_response_id,
     note_response,
     pin,
+    unknown_previous,
     with_response_id,
 )
 from gateway.routes import ApiRoute
@@ -50,7 +51,10 @@ class Admitted:
     `encoded` the client's body as the gateway re-encoded it at parse time (without any client
     `cache_salt`; a multipart body as the client sent it), reused when nothing else needs
     changing. `head` starts the headers sent to the worker (its request id follows). `pinned` is
-    the worker a Responses follow-up must reach (the one holding `previous_response_id`).
+    the worker a Responses follow-up must reach (the one holding `previous_response_id`);
+    `find_previous` is that id when it is the tenant's own but this process does not know its
+    holder (another process or replica routed it, or this one restarted): the holder is looked
+    for before the request is routed (`responses_affinity.find_holder`).
     """
 
     request_id: str
@@ -72,6 +76,7 @@ class Admitted:
     public_salt: str
     head: bytes = JSON_HEAD
     pinned: WorkerId | None = None
+    find_previous: str | None = None
     responses: ResponseAffinity | None = None  # Responses requests: where answers' ids are learned
     drift_field: str | None = None
     retries_taken: int = 0  # the client's earlier tries of this call (`retries.py`)
@@ -330,6 +335,7 @@ async def admit(
         public_salt=gate.keyring.public_salt,
         head=upstream_head,
         pinned=pinned,
+        find_previous=unknown_previous(body) if responses is not None and pinned is None else None,
         responses=responses,
         drift_field=drift.field if drift is not None and drift.first_diff_block is not None else None,
         retries_taken=ids.retries_taken,

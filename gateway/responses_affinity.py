@@ -22,9 +22,10 @@ Rules, all checked here:
   cap): 503 with Retry-After. Gone from the pool (discovery removed it): 404, the response is gone
   with it. A worker that restarted answers its own 404, passed through.
 - A follow-up naming the tenant's own id that this process does not know (evicted, expired, from
-  before a restart, or routed by another gateway process or replica) is routed by the policy like
-  any request; the worker that lacks it answers 404. (A `GET` or `cancel` of one asks the workers
-  in turn: `responses_routes`.)
+  before a restart, or routed by another gateway process or replica) is pinned to the worker of
+  its pool that holds it, found by asking the healthy workers in turn (`find_holder`, called by
+  `proxy.locate_previous`), and remembered; vLLM's 404 when none holds it. (A `GET` or `cancel`
+  of one asks the workers of every pool: `responses_routes`.)
 
 The map is bounded: at most `max_entries` ids, each forgotten `ttl_s` after its last use. Each of
 the `tenants` tenants is reserved an equal share, `max_entries // tenants` ids: when the map is
@@ -36,10 +37,12 @@ tenant's requests, while an idle tenant's reserve is still usable by the others.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
+from urllib.parse import quote
 
+import aiohttp
 import orjson
 
 from gateway.errors import ApiError, bad_request
@@ -211,6 +214,30 @@ def pin(
     if held.pool != pool.name or held.worker not in pool.workers:
         raise not_found(previous)
     return held.worker
+
+
+def unknown_previous(body: Mapping[str, Any]) -> str | None:
+    """The `previous_response_id` of a follow-up that `pin` let through unpinned: the tenant's own
+    id whose holder this process does not know (None: not a follow-up)."""
+    previous = body.get("previous_response_id")
+    return previous if isinstance(previous, str) and previous else None
+
+
+async def find_holder(pool: Pool, response_id: str, ask: Callable[[str], Awaitable[int]]) -> WorkerId | None:
+    """The worker of `pool` holding `response_id`, for a follow-up whose holder this process does
+    not know: the healthy workers are asked in turn (`ask(url)`: the status of `GET
+    /v1/responses/{id}` there, its body unread) and the first that answers 200 holds it. One that
+    cannot be reached or does not answer in time is passed over; None when none holds it."""
+    for worker in list(pool.workers.values()):
+        if not worker.healthy:
+            continue
+        try:
+            status = await ask(f"{worker.url}/v1/responses/{quote(response_id, safe='')}")
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            continue
+        if status == 200:
+            return worker.worker_id
+    return None
 
 
 def pinned_decision(worker: WorkerId, views: Sequence[WorkerView]) -> RouteDecision | None:

@@ -139,3 +139,34 @@ async def test_a_retrieve_of_an_id_the_gateway_does_not_know_finds_its_holder_on
         resp = await second.client.get(f"/v1/responses/{gone}", headers=KEY)
         assert resp.status_code == 404
         assert resp.json()["error"]["message"] == f"Response with id '{gone}' not found."
+
+
+async def test_a_follow_up_of_an_id_the_gateway_does_not_know_reaches_its_holder() -> None:
+    async with fleet(2) as workers, gateway(workers) as first, gateway(workers) as second:
+        rids = [await _create(first.client) for _ in range(2)]  # round_robin: one on each worker
+        assert {workers.holder(rid).name for rid in rids} == {"w1", "w2"}
+        for rid in rids:
+            holder = workers.holder(rid)
+            for _ in range(2):  # found by asking the workers, then known here
+                posts = {w.name: sum(r.path == "/v1/responses" for r in w.received) for w in workers.workers}
+                body = {"model": "m", "input": "next", "previous_response_id": rid}
+                resp = await second.client.post("/v1/responses", json=body, headers=KEY)
+                assert resp.status_code == 200, resp.text
+                after = {w.name: sum(r.path == "/v1/responses" for r in w.received) for w in workers.workers}
+                assert {name: after[name] - posts[name] for name in after} == {
+                    w.name: int(w is holder) for w in workers.workers
+                }
+                assert holder.received[-1].json()["previous_response_id"] == rid
+        # Known now: the next follow-up asks no worker first.
+        gets = sum(r.path != "/v1/responses" for w in workers.workers for r in w.received)
+        body = {"model": "m", "input": "again", "previous_response_id": rids[0]}
+        assert (await second.client.post("/v1/responses", json=body, headers=KEY)).status_code == 200
+        assert sum(r.path != "/v1/responses" for w in workers.workers for r in w.received) == gets
+        # An id of its own that no worker holds: vLLM's 404, and no worker gets the follow-up.
+        gone = second.state.gate.responses.ids.mint("t")
+        posts_before = sum(r.path == "/v1/responses" for w in workers.workers for r in w.received)
+        body = {"model": "m", "input": "next", "previous_response_id": gone}
+        resp = await second.client.post("/v1/responses", json=body, headers=KEY)
+        assert resp.status_code == 404
+        assert resp.json()["error"]["message"] == f"Response with id '{gone}' not found."
+        assert sum(r.path == "/v1/responses" for w in workers.workers for r in w.received) == posts_before

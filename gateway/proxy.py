@@ -38,7 +38,8 @@ from gateway.failure import (
 )
 from gateway.lifecycle import Lifecycle, shutting_down
 from gateway.outcome import CLIENT_DISCONNECTED, NO_USAGE, Attempt, HeldVerdicts, finish, usage_of
-from gateway.responses_affinity import find_holder, holder_unavailable, not_found, pinned_decision
+from gateway.responses_affinity import holder_unavailable, pinned_decision
+from gateway.responses_follow_up import locate_previous
 from gateway.retries import advice, attempts_allowed, forwardable
 from gateway.routing import Routing
 from gateway.sse import first_event_problem
@@ -88,29 +89,6 @@ async def dispatch(
         err = ApiError(500, "internal gateway error", "server_error", "internal_error")
         _finish(routing, a, attempts, 500, Outcome.ABORTED, err.code, err.message)
         return a.api.dialect.error_response(err, a.reply_id)
-
-
-async def locate_previous(a: Admitted, transport: Transport) -> ApiError | None:
-    """A Responses follow-up whose holder this process does not know (`Admitted.find_previous`):
-    pin it to the worker of its pool that holds it, and remember that worker; vLLM's 404 when
-    none does (a follow-up sent anywhere else would get it from the worker)."""
-    previous, a.find_previous = a.find_previous, None
-    if previous is None:
-        return None
-    pool = a.pool
-    headers = {"x-request-id": a.request_id, **pool.auth.headers}
-
-    async def ask(url: str) -> int:
-        async with transport.upstream().get(url, headers=headers, timeout=pool.client_timeout) as resp:
-            return resp.status
-
-    holder = await find_holder(pool, previous, ask)
-    if holder is None:
-        return not_found(previous)
-    a.pinned = holder
-    if a.responses is not None:
-        a.responses.learn(previous, a.tenant.name, pool.name, holder, time.monotonic())
-    return None
 
 
 async def hold_for_peers(a: Admitted, routing: Routing) -> None:

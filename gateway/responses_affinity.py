@@ -24,7 +24,7 @@ Rules, all checked here:
 - A follow-up naming the tenant's own id that this process does not know (evicted, expired, from
   before a restart, or routed by another gateway process or replica) is pinned to the worker of
   its pool that holds it, found by asking the healthy workers in turn (`find_holder`, called by
-  `proxy.locate_previous`), and remembered; vLLM's 404 when none holds it. (A `GET` or `cancel`
+  `responses_follow_up.locate_previous`), and remembered; vLLM's 404 when none holds it. (A `GET` or `cancel`
   of one asks the workers of every pool: `responses_routes`.)
 
 The map is bounded: at most `max_entries` ids, each forgotten `ttl_s` after its last use. Each of

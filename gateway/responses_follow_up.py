@@ -1,0 +1,39 @@
+"""A Responses follow-up whose holder this gateway process does not know: found before routing.
+
+The tenant's own `previous_response_id` (its tag checked at admission, `responses_ids`) that this
+process never routed or has forgotten (another process or replica routed it, or this one
+restarted) is looked for on the workers of the request's pool (`responses_affinity.find_holder`),
+and the request is pinned there as a known follow-up would be.
+"""
+
+from __future__ import annotations
+
+import time
+
+from gateway.admission import Admitted
+from gateway.errors import ApiError
+from gateway.responses_affinity import find_holder, not_found
+from gateway.transport import Transport
+
+
+async def locate_previous(a: Admitted, transport: Transport) -> ApiError | None:
+    """A Responses follow-up whose holder this process does not know (`Admitted.find_previous`):
+    pin it to the worker of its pool that holds it, and remember that worker; vLLM's 404 when
+    none does (a follow-up sent anywhere else would get it from the worker)."""
+    previous, a.find_previous = a.find_previous, None
+    if previous is None:
+        return None
+    pool = a.pool
+    headers = {"x-request-id": a.request_id, **pool.auth.headers}
+
+    async def ask(url: str) -> int:
+        async with transport.upstream().get(url, headers=headers, timeout=pool.client_timeout) as resp:
+            return resp.status
+
+    holder = await find_holder(pool, previous, ask)
+    if holder is None:
+        return not_found(previous)
+    a.pinned = holder
+    if a.responses is not None:
+        a.responses.learn(previous, a.tenant.name, pool.name, holder, time.monotonic())
+    return None

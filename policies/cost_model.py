@@ -23,7 +23,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from policies.base import WorkerView, reported_load
+from policies.base import RouteRequest, WorkerView, reported_load
 from policies.cost_params import CostModelParams, transfer_time_s
 from policies.records import record
 
@@ -110,6 +110,15 @@ class CostModel:
         p = self.params
         per_step = p.step_s + p.decode_s_per_request * running_requests
         return self.scale * (per_step + p.decode_s_per_context_token * context_tokens)
+
+    def joined_decode_step_s(self, view: WorkerView, load: int, req: RouteRequest) -> float:
+        """The decode step of `view`'s batch once `req` joins it, `decode_step_s(requests + 1,
+        context)`: what `cost`'s `keep_tpot_s` bounds for a holder past the load guard. The context
+        is what the worker decodes now (`decode_context_tokens`), the prompts queued for its prefill
+        (they decode before this request does) and the request's own context at mid-decode."""
+        out = req.max_output_tokens or 0
+        context = view.decode_context_tokens + view.in_flight_prefill_tokens + req.n_prompt_tokens + out // 2
+        return self.decode_step_s(load + 1, int(context * self.engine_tokens_per_request_token))
 
     def queue_s(
         self, view: WorkerView, new_tokens: int = 0, uncached_share: float = 1.0, now_s: float | None = None

@@ -13,7 +13,7 @@ token counts are in engine tokens, see `CostModel.engine_tokens_per_request_toke
    max((1+ε)·mean, mean + slack) after this request are eligible, unless none is; a worker holding
    more than half the prompt gets `continuation_slack_requests` more, and with `keep_tpot_s` > 0
    stays eligible past any bound while its predicted decode step, with the request's decode
-   joining its batch, stays within `keep_tpot_s` (`keeps_decode`);
+   joining its batch, stays within `keep_tpot_s` (`CostModel.joined_decode_step_s`);
 2. the best score wins, ties (within `tie_s`) broken at random (so idle workers share misses);
 3. hot-prefix spreading falls out of the score: when the holders' queue costs more than the
    prefill they save, a fresh worker wins and the prefix is replicated there (reason "spread");
@@ -42,7 +42,6 @@ from typing import ClassVar
 
 from policies.base import Observation, RouteDecision, RouteRequest, WorkerId, WorkerView
 from policies.cost_ledger import InflightLedger, RecentWork
-from policies.cost_model import CostModel
 from policies.cost_scan import CandidateCache, Positions, by_backlog, fewest_in_flight
 from policies.cost_scorer import Scorer
 from policies.herd import HOLD_STEPS_S, hold_for, home_choice
@@ -145,18 +144,6 @@ class CostPolicy(PrefixPolicyBase):
     def uncached_share(self, worker: WorkerId) -> float:
         """Predicted uncached share of the prompts this policy has in flight on `worker` (1 if none)."""
         return self._ledger.share(worker)
-
-    def keeps_decode(self, cost: CostModel, view: WorkerView, load: int, req: RouteRequest) -> bool:
-        """Whether a holder past the load guard can still take `req`'s decode: its decode step once
-        the request joins the batch, `decode_step_s(requests + 1, context)`, stays within
-        `keep_tpot_s`. The context is what the holder decodes now (`decode_context_tokens`), the
-        prompts queued for its prefill (they decode before this request does) and this request's
-        own context at mid-decode. The guard moves a session to recompute its history elsewhere;
-        past this bound the holder's batch would miss the TPOT instead."""
-        unit = cost.engine_tokens_per_request_token
-        out = req.max_output_tokens or 0
-        context = view.decode_context_tokens + view.in_flight_prefill_tokens + req.n_prompt_tokens + out // 2
-        return cost.decode_step_s(load + 1, int(context * unit)) <= self.keep_tpot_s
 
     def on_complete(self, obs: Observation, now_s: float) -> None:
         super().on_complete(obs, now_s)
@@ -352,7 +339,7 @@ class CostPolicy(PrefixPolicyBase):
             # load is mostly the decodes of the sessions it holds, and recomputing the history
             # elsewhere adds more prefill to the pool than it moves (the score prices its queue).
             follow_bound = bound + self.continuation_slack_requests
-            keep = self.keep_tpot_s > 0
+            keep_s = self.keep_tpot_s
             ranked: list[tuple[float, int, int]] = []
             for i, blocks in held:
                 holders.add(i)
@@ -361,7 +348,11 @@ class CostPolicy(PrefixPolicyBase):
                 if (
                     loads[i] <= bound
                     or (2 * matched > n and loads[i] <= follow_bound)
-                    or (keep and 2 * matched > n and self.keeps_decode(cost, cands[i], loads[i], req))
+                    or (
+                        keep_s > 0
+                        and 2 * matched > n
+                        and cost.joined_decode_step_s(cands[i], loads[i], req) <= keep_s
+                    )
                 ):
                     saved, moved = scorer.saved(matched), scorer.nonholder_saved_s
                     upper = moved if moved > saved else saved

@@ -30,6 +30,14 @@ class Fleet:
     def received(self) -> int:
         return sum(len(w.received) for w in self.workers)
 
+    def counts(self, posts: bool | None = None) -> dict[str, int]:
+        """Requests each worker received: all of them, only `POST /v1/responses` (True), or only
+        the others (False: retrieves and cancels)."""
+        return {
+            w.name: sum(posts is None or (r.path == "/v1/responses") == posts for r in w.received)
+            for w in self.workers
+        }
+
     def holder(self, rid: str) -> RoutesWorker:
         (held,) = [w for w in self.workers if rid in w.responses]
         return held
@@ -128,9 +136,9 @@ async def test_a_retrieve_of_an_id_the_gateway_does_not_know_finds_its_holder_on
             got = await second.client.get(f"/v1/responses/{rid}", headers=KEY)
             assert got.status_code == 200 and got.json()["id"] == rid
             # Now known here: the next retrieve goes to its holder alone.
-            asked = {w.name: len(w.received) for w in workers.workers}
+            asked = workers.counts()
             assert (await second.client.get(f"/v1/responses/{rid}", headers=KEY)).status_code == 200
-            after = {w.name: len(w.received) for w in workers.workers}
+            after = workers.counts()
             assert {name: after[name] - asked[name] for name in after} == {
                 w.name: int(w is holder) for w in workers.workers
             }
@@ -148,25 +156,25 @@ async def test_a_follow_up_of_an_id_the_gateway_does_not_know_reaches_its_holder
         for rid in rids:
             holder = workers.holder(rid)
             for _ in range(2):  # found by asking the workers, then known here
-                posts = {w.name: sum(r.path == "/v1/responses" for r in w.received) for w in workers.workers}
+                posts = workers.counts(posts=True)
                 body = {"model": "m", "input": "next", "previous_response_id": rid}
                 resp = await second.client.post("/v1/responses", json=body, headers=KEY)
                 assert resp.status_code == 200, resp.text
-                after = {w.name: sum(r.path == "/v1/responses" for r in w.received) for w in workers.workers}
+                after = workers.counts(posts=True)
                 assert {name: after[name] - posts[name] for name in after} == {
                     w.name: int(w is holder) for w in workers.workers
                 }
                 assert holder.received[-1].json()["previous_response_id"] == rid
         # Known now: the next follow-up asks no worker first.
-        gets = sum(r.path != "/v1/responses" for w in workers.workers for r in w.received)
+        gets = workers.counts(posts=False)
         body = {"model": "m", "input": "again", "previous_response_id": rids[0]}
         assert (await second.client.post("/v1/responses", json=body, headers=KEY)).status_code == 200
-        assert sum(r.path != "/v1/responses" for w in workers.workers for r in w.received) == gets
+        assert workers.counts(posts=False) == gets
         # An id of its own that no worker holds: vLLM's 404, and no worker gets the follow-up.
         gone = second.state.gate.responses.ids.mint("t")
-        posts_before = sum(r.path == "/v1/responses" for w in workers.workers for r in w.received)
+        posts_before = workers.counts(posts=True)
         body = {"model": "m", "input": "next", "previous_response_id": gone}
         resp = await second.client.post("/v1/responses", json=body, headers=KEY)
         assert resp.status_code == 404
         assert resp.json()["error"]["message"] == f"Response with id '{gone}' not found."
-        assert sum(r.path == "/v1/responses" for w in workers.workers for r in w.received) == posts_before
+        assert workers.counts(posts=True) == posts_before

@@ -1,0 +1,182 @@
+"""The client limits of `GuardedHttpToolsProtocol` on connections (`http_limits_rig`): how many
+a process and one client address may hold, how many pipelined requests wait on one, and how long
+an answer may wait on a client that reads nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from dataclasses import dataclass, field
+
+import uvicorn
+from starlette.types import Receive, Scope, Send
+
+from gateway.config import LimitsConfig
+from gateway.http_limits import (
+    MAX_PIPELINED,
+    ClientGuard,
+    ClientLimits,
+    GuardedHttpToolsProtocol,
+    GuardedServerState,
+)
+from tests.gateway.http_limits_rig import GET, LIMITS, RecordingTransport, Rig, rig, settle
+
+__all__ = ["rig"]  # the fixture
+
+
+async def test_connections_beyond_the_process_limit_are_closed_at_once(rig: Rig) -> None:
+    held = [rig.connect() for _ in range(LIMITS.max_connections)]
+    protocol, transport = rig.connect()
+    assert transport.closed and transport.written == b""
+    assert protocol not in rig.guard.waiting
+    assert rig.refusals("connection_limit") == 1
+    await settle()
+    metrics = GuardedHttpToolsProtocol(rig.config, rig.state, {}, capped=False)
+    metrics_transport = RecordingTransport(metrics)
+    metrics.connection_made(metrics_transport)
+    assert not metrics_transport.closed  # monitoring is never locked out
+    held[0][1].close()
+    metrics_transport.close()
+    await settle()
+    assert not rig.connect()[1].closed  # a free place is taken again
+
+
+async def test_connections_beyond_the_limit_per_client_address_are_closed_at_once(rig: Rig) -> None:
+    limits = dataclasses.replace(LIMITS, max_connections=10, max_connections_per_address=2)
+    guard = ClientGuard(limits, rig.metrics.client_refusals)
+    rig = dataclasses.replace(rig, guard=guard, state=GuardedServerState(guard))
+    held = [rig.connect() for _ in range(2)]
+    _, transport = rig.connect()  # every connection of the rig is from 127.0.0.1
+    assert transport.closed and transport.written == b""
+    assert rig.refusals("address_limit") == 1
+    assert guard.by_address == {"127.0.0.1": 2}
+    held[0][1].close()
+    await settle()
+    assert guard.by_address == {"127.0.0.1": 1}
+    assert not rig.connect()[1].closed  # a free place is taken again
+    for _, held_transport in held[1:]:
+        held_transport.close()
+    await settle()
+    assert guard.by_address == {"127.0.0.1": 1}  # the one just opened
+
+
+async def answered(transport: RecordingTransport, count: int) -> None:
+    """Wait until `count` answers have been written (each is a task's few loop turns)."""
+    for _ in range(100 * count):
+        if transport.written.count(b"HTTP/1.1 ") >= count:
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"{transport.written.count(b'HTTP/1.1 ')} answers written, not {count}")
+
+
+async def test_pipelined_requests_past_the_limit_are_not_read_and_the_taken_ones_are_answered(
+    rig: Rig,
+) -> None:
+    protocol, transport = rig.connect()
+    protocol.data_received(GET * 1000)  # one read: about 28 KB, a thousand requests
+    # One request is with the app and MAX_PIPELINED wait; the parser stopped at the next one.
+    assert len(protocol.pipeline) == MAX_PIPELINED
+    assert rig.refusals("pipelined_requests") == 1
+    protocol.data_received(GET)  # nothing more is read
+    await answered(transport, 1 + MAX_PIPELINED)
+    await settle()
+    answers = bytes(transport.written).split(b"HTTP/1.1 ")[1:]
+    assert len(answers) == 1 + MAX_PIPELINED and all(a.startswith(b"200") for a in answers)
+    assert b"connection: close" in answers[-1] and b"connection: close" not in answers[-2]
+    assert transport.closed
+
+
+async def test_pipelined_requests_up_to_the_limit_are_all_answered_on_an_open_connection(rig: Rig) -> None:
+    protocol, transport = rig.connect()
+    protocol.data_received(GET * (1 + MAX_PIPELINED))
+    await answered(transport, 1 + MAX_PIPELINED)
+    protocol.data_received(GET)  # and the connection reads on
+    await answered(transport, 2 + MAX_PIPELINED)
+    await settle()
+    assert not transport.closed and b"connection: close" not in transport.written
+    assert rig.refusals("pipelined_requests") == 0
+
+
+class AbortableTransport(RecordingTransport):
+    """A recording transport that can be aborted, as a socket transport is: the loss is reported
+    to the protocol with nothing more written."""
+
+    def __init__(self, protocol: asyncio.Protocol) -> None:
+        super().__init__(protocol)
+        self.aborted = False
+
+    def abort(self) -> None:
+        self.aborted = True
+        self.close()
+
+
+@dataclass
+class SlowReaderApp:
+    """Sends its answer's head, then (once `go` is set) its body, noting when the body's send
+    returned and whether it then saw its client leave."""
+
+    go: asyncio.Event = field(default_factory=asyncio.Event)
+    body_sent: asyncio.Event = field(default_factory=asyncio.Event)
+    disconnected: list[bool] = field(default_factory=list)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"4")]})
+        await self.go.wait()
+        await send({"type": "http.response.body", "body": b"done"})
+        self.body_sent.set()
+        if (await receive())["type"] == "http.disconnect":
+            self.disconnected.append(True)
+
+
+def slow_reader_rig(rig: Rig) -> tuple[SlowReaderApp, GuardedHttpToolsProtocol, AbortableTransport]:
+    app = SlowReaderApp()
+    config = uvicorn.Config(
+        app, http=GuardedHttpToolsProtocol, ws="none", lifespan="off", log_level="warning"
+    )
+    config.load()
+    protocol = GuardedHttpToolsProtocol(config, rig.state, {})
+    transport = AbortableTransport(protocol)
+    protocol.connection_made(transport)
+    return app, protocol, transport
+
+
+async def test_an_answer_waiting_on_a_client_that_reads_nothing_is_aborted_at_the_send_timeout(
+    rig: Rig,
+) -> None:
+    app, protocol, transport = slow_reader_rig(rig)
+    protocol.data_received(GET)
+    await settle()
+    protocol.pause_writing()  # the client stopped reading: the transport's buffer is full
+    app.go.set()
+    await settle()
+    assert not app.body_sent.is_set()  # the send waits for the buffer to drain
+    assert rig.guard.stalled == {protocol}
+    rig.guard.tick(protocol.send_deadline_s - 1.0)
+    assert not transport.closed
+    rig.guard.tick(protocol.send_deadline_s + 1.0)
+    assert transport.aborted
+    await settle()
+    assert app.body_sent.is_set() and app.disconnected == [True]  # the send returned; the client left
+    assert b"done" not in transport.written
+    assert not rig.guard.stalled and not rig.guard.waiting
+    assert rig.refusals("send_timeout") == 1
+
+
+async def test_a_client_that_reads_again_before_the_send_timeout_is_not_cut_off(rig: Rig) -> None:
+    app, protocol, transport = slow_reader_rig(rig)
+    protocol.data_received(GET)
+    await settle()
+    protocol.pause_writing()
+    app.go.set()
+    await settle()
+    protocol.resume_writing()  # it read: the buffer drained below the low-water mark
+    await settle()
+    assert app.body_sent.is_set() and bytes(transport.written).endswith(b"done")
+    assert not rig.guard.stalled
+    rig.guard.tick(protocol.send_deadline_s + 1.0)  # (the idle connection's keep-alive ends it)
+    assert not transport.aborted and rig.refusals("send_timeout") == 0
+
+
+def test_the_send_timeout_counts_toward_the_check_interval() -> None:
+    assert ClientLimits.of(LimitsConfig(send_timeout_s=0.5)).check_interval_s == 0.1

@@ -6,7 +6,7 @@ Two ledgers, both fed by this gateway's dispatches (and, for the work, its peers
   prompts; the share turns it into the tokens left to compute (`discount_cached_backlog`).
 - `RecentWork`: prefill seconds routed to each worker, decayed over a window, which the score
   charges a request that starts a branch (`branch_load_weight`), and their mean per dispatch, which
-  sizes the herd margin (`CostPolicy.herd_margin_s`).
+  sizes the herd margin (`HerdingPolicy.herd_margin_s`, `policies.cost_herd`).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ behind it for all those seconds), and the short requests reach the engines' FCFS
 
 `home_workers` breaks the symmetry without a message: a convention every gateway computes alike,
 the pool's workers sorted by id dealt in turn to the gateways sorted by name. A gateway that
-expects unseen peers prefers its own share within a margin (`policies.cost_policy`), so the
+expects unseen peers prefers its own share within a margin (`policies.cost_herd`), so the
 gateways' same-instant choices part instead of piling up.
 """
 

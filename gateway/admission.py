@@ -18,7 +18,7 @@ from starlette.types import Receive
 
 from gateway.auth import Tenant
 from gateway.bodies import encode_body, form_head, max_output_tokens, parse_body, parse_form
-from gateway.errors import ApiError
+from gateway.errors import ApiError, withhold_salts
 from gateway.gate import Gate
 from gateway.keying import INLINE_PROMPT_BYTES, canonical_prompt, only_model, prompt_error, read_large_body
 from gateway.quotas import Rejection, TenantLimiter
@@ -128,6 +128,12 @@ class Admitted:
             out = b'{"' + field.encode() + b'":' + orjson.dumps(salt) + b"," + self.encoded[1:]
         self._encoded[salt] = out
         return out
+
+    def withhold_salts(self, text: bytes) -> bytes:
+        """`text`, a worker's error about this request as the client would get it, without the
+        salts the request's bodies may have carried (`body_for`: the tenant's or the public
+        one): a worker's error may quote the request (vLLM's validation errors do)."""
+        return withhold_salts(text, (self.tenant.cache_salt, self.public_salt))
 
 
 class Refused(Exception):

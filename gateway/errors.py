@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import orjson
@@ -64,6 +65,59 @@ def normalize_worker_error(status: int, body: bytes) -> bytes:
         code if isinstance(code, str) and code else None,
         param if isinstance(param, str) and param else None,
     )
+
+
+# What a client reads in place of a salt the gateway sent, when a worker's error quotes the request
+# (vLLM's validation errors quote the whole body: docs/gateway.md, "Errors").
+SALT_PLACEHOLDER = b"[salt withheld]"
+# The shortest head or tail of a salt that is withheld: a quote cut short keeps one (pydantic's
+# `input_value=` shows a value's first 25 and last 24 characters; the gateway's own bounds on a
+# worker's message cut it too). A shorter one would match ordinary text by chance, and tells
+# little of a salt of 32 hex characters.
+MIN_SALT_RUN = 8
+
+
+def withhold_salts(text: bytes, salts: Iterable[str]) -> bytes:
+    """`text` with each of `salts` replaced by `SALT_PLACEHOLDER` wherever it appears whole, and
+    wherever at least `MIN_SALT_RUN` of its first or last characters do (the rest of it cut
+    off); pieces that meet become one. For the error path only: `text` is searched three times
+    for each salt."""
+    raws = [raw for raw in (salt.encode() for salt in salts) if raw]
+    for raw in raws:
+        text = text.replace(raw, SALT_PLACEHOLDER)
+    spans: list[tuple[int, int]] = []
+    for raw in raws:
+        if len(raw) <= MIN_SALT_RUN:
+            continue
+        head, tail = raw[:MIN_SALT_RUN], raw[-MIN_SALT_RUN:]
+        at = text.find(head)
+        while at >= 0:
+            end, i = at + MIN_SALT_RUN, MIN_SALT_RUN
+            while end < len(text) and i < len(raw) and text[end] == raw[i]:
+                end, i = end + 1, i + 1
+            spans.append((at, end))
+            at = text.find(head, end)
+        at = text.find(tail)
+        while at >= 0:
+            start, i = at, len(raw) - MIN_SALT_RUN
+            while start > 0 and i > 0 and text[start - 1] == raw[i - 1]:
+                start, i = start - 1, i - 1
+            spans.append((start, at + MIN_SALT_RUN))
+            at = text.find(tail, at + MIN_SALT_RUN)
+    if not spans:
+        return text
+    spans.sort()
+    out = bytearray()
+    kept = 0
+    start, end = spans[0]
+    for span_start, span_end in spans[1:]:
+        if span_start <= end:
+            end = max(end, span_end)
+            continue
+        out += text[kept:start] + SALT_PLACEHOLDER
+        kept, start, end = end, span_start, span_end
+    out += text[kept:start] + SALT_PLACEHOLDER + text[end:]
+    return bytes(out)
 
 
 def bad_request(message: str, param: str | None = None) -> ApiError:

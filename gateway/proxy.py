@@ -6,7 +6,8 @@ client for http:// workers, aiohttp for https) and returns the client's response
 (`failure.failure_of`), which also says whether another worker may take the request: only while
 nothing has reached the client (see `failure.py`). A 4xx from the worker is the client's problem
 and is passed through, its error body rewritten into the gateway's own OpenAI error shape (the
-worker's message and `param` are kept).
+worker's message and `param` are kept, less any quote of the salt the gateway sent:
+`Admitted.withhold_salts`).
 
 Every attempt is closed by `Attempt.end`, and every request's books by `outcome.finish`: here
 for whole answers and errors, in `streaming.ProxyStream` for a stream once it has started. A
@@ -410,6 +411,7 @@ def _respond(
         finish(routing, a, attempt, status=status, outcome=Outcome.REJECTED, retries=retries)
         if status >= 400:
             body = a.api.dialect.worker_error(status, body if isinstance(body, bytes) else bytes(body))
+            body = a.withhold_salts(body)
             content_type = "application/json"
     headers = [
         (b"content-type", (content_type or "application/json").encode()),

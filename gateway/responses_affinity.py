@@ -23,9 +23,10 @@ Rules, all checked here:
   with it. A worker that restarted answers its own 404, passed through.
 - A follow-up naming the tenant's own id that this process does not know (evicted, expired, from
   before a restart, or routed by another gateway process or replica) is pinned to the worker of
-  its pool that holds it, found by asking the healthy workers in turn (`find_holder`, called by
-  `responses_follow_up.locate_previous`), and remembered; vLLM's 404 when none holds it. (A `GET` or `cancel`
-  of one asks the workers of every pool: `responses_routes`.)
+  its pool that holds it, the first of its healthy workers to answer 200 when asked in turn
+  (`responses_follow_up.locate_previous`), and remembered; vLLM's 404 when none holds it. A `GET`
+  or `cancel` of one asks the workers of every pool (`responses_routes`). Both look with the one
+  search, `find_holder`.
 
 The map is bounded: at most `max_entries` ids, each forgotten `ttl_s` after its last use. Each of
 the `tenants` tenants is reserved an equal share, `max_entries // tenants` ids: when the map is
@@ -37,9 +38,9 @@ tenant's requests, while an idle tenant's reserve is still usable by the others.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import replace
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Generic, TypeVar
 from urllib.parse import quote
 
 import aiohttp
@@ -47,7 +48,7 @@ import orjson
 
 from gateway.errors import ApiError, bad_request
 from gateway.failure import Failure, RetryReason
-from gateway.registry import Pool
+from gateway.registry import Pool, Worker
 from gateway.responses_ids import MAX_REQUEST_ID_CHARS, ResponseIds, valid_response_id
 from policies.base import Outcome, RouteDecision, WorkerId, WorkerView
 from policies.records import record
@@ -223,20 +224,42 @@ def unknown_previous(body: Mapping[str, Any]) -> str | None:
     return previous if isinstance(previous, str) and previous else None
 
 
-async def find_holder(pool: Pool, response_id: str, ask: Callable[[str], Awaitable[int]]) -> WorkerId | None:
-    """The worker of `pool` holding `response_id`, for a follow-up whose holder this process does
-    not know: the healthy workers are asked in turn (`ask(url)`: the status of `GET
-    /v1/responses/{id}` there, its body unread) and the first that answers 200 holds it. One that
-    cannot be reached or does not answer in time is passed over; None when none holds it."""
-    for worker in list(pool.workers.values()):
-        if not worker.healthy:
-            continue
-        try:
-            status = await ask(f"{worker.url}/v1/responses/{quote(response_id, safe='')}")
-        except (TimeoutError, aiohttp.ClientError, OSError):
-            continue
-        if status == 200:
-            return worker.worker_id
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Found(Generic[T]):
+    """The worker found holding a stored response, its pool, and what asking it returned."""
+
+    pool: Pool
+    worker: Worker
+    answer: T
+
+
+def stored_url(worker_url: str, response_id: str, suffix: str = "") -> str:
+    """The URL of stored response `response_id` on a worker (`suffix`: "" or "/cancel")."""
+    return f"{worker_url}/v1/responses/{quote(response_id, safe='')}{suffix}"
+
+
+async def find_holder(
+    pools: Iterable[Pool], ask: Callable[[Pool, Worker], Awaitable[T | None]]
+) -> Found[T] | None:
+    """The holder of a stored response this process does not know: the healthy workers of
+    `pools` are asked in turn, in the pools' and then the workers' order (`ask`: what the
+    worker answered, None when it does not hold the response), and the first answer that is not
+    None ends the search. A worker that cannot be reached or does not answer in time is passed
+    over; None when no worker holds it. Only the callers know what holding means (a follow-up
+    wants a 200; a retrieve relays the first answer that is not a 404) and what to remember."""
+    for pool in tuple(pools):
+        for worker in tuple(pool.workers.values()):
+            if not worker.healthy:
+                continue
+            try:
+                answer = await ask(pool, worker)
+            except (TimeoutError, aiohttp.ClientError, OSError):
+                continue
+            if answer is not None:
+                return Found(pool, worker, answer)
     return None
 
 

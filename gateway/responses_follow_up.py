@@ -2,17 +2,20 @@
 
 The tenant's own `previous_response_id` (its tag checked at admission, `responses_ids`) that this
 process never routed or has forgotten (another process or replica routed it, or this one
-restarted) is looked for on the workers of the request's pool (`responses_affinity.find_holder`),
-and the request is pinned there as a known follow-up would be.
+restarted) is looked for on the workers of the request's pool (`responses_affinity.find_holder`:
+the first to answer 200 to `GET /v1/responses/{id}` holds it), and the request is pinned there
+as a known follow-up would be.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Literal
 
 from gateway.admission import Admitted
 from gateway.errors import ApiError
-from gateway.responses_affinity import find_holder, not_found
+from gateway.registry import Pool, Worker
+from gateway.responses_affinity import find_holder, not_found, stored_url
 from gateway.transport import Transport
 
 
@@ -23,17 +26,18 @@ async def locate_previous(a: Admitted, transport: Transport) -> ApiError | None:
     previous, a.find_previous = a.find_previous, None
     if previous is None:
         return None
-    pool = a.pool
-    headers = {"x-request-id": a.request_id, **pool.auth.headers}
+    headers = {"x-request-id": a.request_id, **a.pool.auth.headers}
 
-    async def ask(url: str) -> int:
+    async def holds(pool: Pool, worker: Worker) -> Literal[True] | None:
+        url = stored_url(worker.url, previous)
         async with transport.upstream().get(url, headers=headers, timeout=pool.client_timeout) as resp:
-            return resp.status
+            return True if resp.status == 200 else None  # its body unread
 
-    holder = await find_holder(pool, previous, ask)
-    if holder is None:
+    found = await find_holder((a.pool,), holds)
+    if found is None:
         return not_found(previous)
+    holder = found.worker.worker_id
     a.pinned = holder
     if a.responses is not None:
-        a.responses.learn(previous, a.tenant.name, pool.name, holder, time.monotonic())
+        a.responses.learn(previous, a.tenant.name, a.pool.name, holder, time.monotonic())
     return None

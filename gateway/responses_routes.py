@@ -4,12 +4,12 @@ Only the tenant that created a response reaches it: an id that is not the asking
 (`responses_ids`, told from the id alone) is vLLM's 404, answered without asking a worker. One of
 its own goes to the worker this process saw create it (`responses_affinity`), or, when this
 process does not know it, to the first healthy worker that answers it other than 404 (each asked
-in turn; the gateway's 404 when none does). The request counts against the tenant's concurrency
-and rpm like any other; the worker's answer is passed through (its errors in the gateway's
-shape), and a retrieve the worker answers with an event stream (`stream=true`) is relayed as one
-(`responses_stream.py`). The worker gets what a proxied request would send it: the pool's API key
-for its workers, the client headers the pool forwards, and the query string (`stream`,
-`starting_after`).
+in turn: `responses_affinity.find_holder`; the gateway's 404 when none does). The request counts
+against the tenant's concurrency and rpm like any other; the worker's answer is passed through
+(its errors in the gateway's shape), and a retrieve the worker answers with an event stream
+(`stream=true`) is relayed as one (`responses_stream.py`). The worker gets what a proxied request
+would send it: the pool's API key for its workers, the client headers the pool forwards, and the
+query string (`stream`, `starting_after`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from urllib.parse import quote
 
 import aiohttp
 from starlette.requests import Request
@@ -31,9 +30,9 @@ from gateway.gate import Gate
 from gateway.lifecycle import Lifecycle
 from gateway.outcome import CLIENT_DISCONNECTED, record_refusal
 from gateway.quotas import Rejection
-from gateway.registry import Pool, Registry
+from gateway.registry import Pool, Registry, Worker
 from gateway.request_head import RequestIds, client_request_id, new_request_id
-from gateway.responses_affinity import ResponseAffinity, not_found
+from gateway.responses_affinity import ResponseAffinity, find_holder, not_found, stored_url
 from gateway.responses_stream import StoredResponseStream
 from gateway.routing import Routing
 from gateway.streaming import AiohttpSource
@@ -172,7 +171,7 @@ class _Retrieval:
         """The worker's answer head, asked with the headers a proxied request carries (the
         pool's worker key, the headers it forwards, the client's trace context while tracing)
         and the client's query string."""
-        url = f"{worker_url}/v1/responses/{quote(self.response_id, safe='')}{self.suffix}"
+        url = stored_url(worker_url, self.response_id, self.suffix)
         raw = self.request.scope["headers"]
         headers = [("x-request-id", self.request_id), *pool.auth.headers.items()]
         if pool.forward:
@@ -218,24 +217,23 @@ async def _find_holder(
 ) -> tuple[Pool, str, AiohttpSource]:
     """A tenant's own response this process does not know (routed by another process or replica,
     or before a restart): the first answer other than vLLM's 404 from the healthy workers of
-    every pool, asked one at a time in the registry's order (one that cannot be reached or does
-    not answer in time is passed over); the gateway's 404 when none holds it. A worker that
-    answers 200 is remembered as the holder."""
-    for pool in list(registry.pools.values()):
-        for worker in list(pool.workers.values()):
-            if not worker.healthy:
-                continue
-            try:
-                source = await call.ask(pool, worker.url)
-            except (TimeoutError, aiohttp.ClientError, OSError):
-                continue
-            if source.status == 404:
-                source.close()
-                continue
-            if source.status == 200:
-                responses.learn(call.response_id, call.tenant, pool.name, worker.worker_id, time.monotonic())
-            return pool, worker.url, source
-    raise not_found(call.response_id)
+    every pool, in the registry's order (`responses_affinity.find_holder`); the gateway's 404
+    when none holds it. A worker that answers 200 is remembered as the holder."""
+
+    async def answer(pool: Pool, worker: Worker) -> AiohttpSource | None:
+        source = await call.ask(pool, worker.url)
+        if source.status == 404:
+            source.close()
+            return None
+        return source
+
+    found = await find_holder(registry.pools.values(), answer)
+    if found is None:
+        raise not_found(call.response_id)
+    pool, worker, source = found.pool, found.worker, found.answer
+    if source.status == 200:
+        responses.learn(call.response_id, call.tenant, pool.name, worker.worker_id, time.monotonic())
+    return pool, worker.url, source
 
 
 async def _whole(source: AiohttpSource, timeouts: TimeoutsConfig) -> tuple[int, bytes]:

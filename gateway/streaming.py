@@ -7,8 +7,9 @@ watcher is started once the stream has run for a quarter second), which closes t
 connection, so the worker stops generating.
 
 Every failed stream ends with exactly one error event in the gateway's OpenAI shape, then
-`[DONE]`: the worker's own in-stream error rewritten by the relay (`sse.py`), or one the gateway
-writes when the worker dies, closes without `[DONE]`, or the gateway drains. After a worker's
+`[DONE]`: the worker's own in-stream error rewritten by the relay (`sse.py`; without the salt the
+gateway sent, should the worker quote the request: `_withheld`), or one the gateway writes when
+the worker dies, closes without `[DONE]`, or the gateway drains. After a worker's
 error event the upstream connection is closed at once, so the worker stops generating and the
 client is never kept waiting on a worker that keeps talking.
 
@@ -123,6 +124,16 @@ async def first_events(source: StreamSource, relay: Relay, attempt: Attempt) -> 
 STREAM_PIECE_BYTES = 64 * 1024
 
 
+def _withheld(out: bytes, attempt: Attempt) -> bytes:
+    """`out`, whose last event is the worker's error as the relay rewrote it (a relay forwards
+    nothing after it), without the salts the request carried (`Admitted.withhold_salts`): a
+    worker's error may quote the request. Only that event is searched: its message and `param`
+    are bounded (`sse.worker_error_of`)."""
+    at = out.rfind(b"\n\n", 0, len(out) - 2)
+    cut = at + 2 if at >= 0 else 0
+    return out[:cut] + attempt.admitted.withhold_salts(out[cut:])
+
+
 class ProxyStream:
     """An ASGI response that owns one upstream streamed response until it ends, and closes the
     request's books when it does."""
@@ -193,10 +204,13 @@ class ProxyStream:
                     await send({"type": "http.response.body", "body": out, "more_body": False})
                     answered = True
                     break
+                if relay.error is not None:
+                    if out:  # it ends with the worker's error event, which may quote the salt
+                        out = _withheld(out, self._attempt)
+                        await send_in_pieces(send, out, STREAM_PIECE_BYTES, more_body=True)
+                    break
                 if out:
                     await send_in_pieces(send, out, STREAM_PIECE_BYTES, more_body=True)
-                if relay.error is not None:
-                    break
                 try:
                     chunk = await self._upstream.read()
                     if not chunk:

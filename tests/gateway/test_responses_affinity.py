@@ -8,9 +8,12 @@ from __future__ import annotations
 import random
 from collections.abc import AsyncIterator
 
+import aiohttp
 import pytest
 
-from gateway.responses_affinity import ResponseAffinity
+from gateway.config.pool import PoolConfig
+from gateway.registry import Pool, Worker
+from gateway.responses_affinity import ResponseAffinity, find_holder
 from gateway.responses_ids import MAX_REQUEST_ID_CHARS, MAX_RESPONSE_ID_CHARS, ResponseIds
 from policies.base import WorkerId
 from tests.gateway.routes_rig import KEY, Rig, routes_rig
@@ -216,6 +219,47 @@ async def test_an_id_no_worker_stored_is_looked_for_and_is_vllms_404(rig: Rig) -
         "param": "response_id",
         "code": None,
     }
+
+
+async def test_the_holder_search_asks_healthy_workers_in_order_and_stops_at_the_first_holder() -> None:
+    pools = [
+        Pool(PoolConfig(name="a", models=["m"], workers=["http://a1:1", "http://a2:1", "http://a3:1"])),
+        Pool(PoolConfig(name="b", models=["n"], workers=["http://b1:1", "http://b2:1", "http://b3:1"])),
+    ]
+    for pool in pools:
+        for worker in pool.workers.values():
+            worker.healthy = worker.url != "http://a1:1"
+    # Unreachable, timed out, not holding it, holding it; b3 is never asked.
+    answers: dict[str, object] = {
+        "http://a2:1": aiohttp.ClientConnectionError("refused"),
+        "http://a3:1": TimeoutError(),
+        "http://b1:1": None,
+        "http://b2:1": "b2's answer",
+        "http://b3:1": "b3's answer",
+    }
+    asked: list[str] = []
+
+    async def ask(pool: Pool, worker: Worker) -> str | None:
+        asked.append(worker.url)
+        answer = answers[worker.url]
+        if isinstance(answer, BaseException):
+            raise answer
+        assert answer is None or isinstance(answer, str)
+        return answer
+
+    found = await find_holder(pools, ask)
+    assert asked == ["http://a2:1", "http://a3:1", "http://b1:1", "http://b2:1"]
+    assert found is not None
+    assert (found.pool.name, found.worker.url, found.answer) == ("b", "http://b2:1", "b2's answer")
+    # No worker holds it: every healthy one was asked.
+    answers["http://b2:1"] = answers["http://b3:1"] = None
+    asked.clear()
+    assert await find_holder(pools, ask) is None
+    assert len(asked) == 5
+    # A failure that is not the worker's (a gateway bug) ends the search.
+    answers["http://a2:1"] = ValueError("a bug")
+    with pytest.raises(ValueError, match="a bug"):
+        await find_holder(pools, ask)
 
 
 def test_the_map_is_bounded_forgets_and_keeps_owners() -> None:

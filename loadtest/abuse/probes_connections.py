@@ -86,8 +86,12 @@ class _Burst(asyncio.Protocol):
     """One connection that writes its whole burst as soon as it is open and sends nothing more;
     `closed` is set when the connection ends. Its answers are taken off the socket as they come:
     17 answers of a hundred-odd bytes fit in the socket buffers, so whether the client reads them
-    makes no difference to the gateway, and they are in hand before the server's close (a reset,
-    the burst's rest being unread) could cut them off."""
+    makes no difference to the gateway.
+
+    The server closes with the rest of the burst unread, so its kernel resets the connection and
+    drops what it had not sent yet: a connection may get fewer than 17 answers (RFC 9112, 9.6,
+    the "TCP reset problem"). At most 17, not exactly 17, is what the probe holds the gateway to;
+    how many got all of them is reported."""
 
     def __init__(self, burst: bytes) -> None:
         self.burst = burst
@@ -98,6 +102,7 @@ class _Burst(asyncio.Protocol):
         self.closed = asyncio.Event()
         self.transport: asyncio.Transport | None = None
         self.ended_by_client = False
+        self.reset = False  # the server's close came as a reset
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -112,6 +117,7 @@ class _Burst(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.ended_by_client:
             self.closed_after_s = time.monotonic() - self.opened_s
+            self.reset = exc is not None
         self.closed.set()
 
     def end(self) -> None:
@@ -229,7 +235,8 @@ async def _pipelined(ctx: Context) -> Observation:
     answers = [parse_answers(bytes(c.received)) for c in conns]
     most = max((len(a.statuses) for a in answers), default=0)
     statuses = [s for a in answers for s in a.statuses]
-    closing = sum(a.last_closes for a in answers)
+    whole = sum(len(a.statuses) == MAX_ANSWERS and a.last_closes for a in answers)
+    resets = sum(c.reset for c in conns)
     refused = await _refusals(ctx, "pipelined_requests") - before
     left = await _all_closed(ctx, BURST_ADDRESS)
     ok = (
@@ -237,15 +244,15 @@ async def _pipelined(ctx: Context) -> Observation:
         and client.served
         and len(closed) == n
         and most <= MAX_ANSWERS
-        and closing == n
         and refused == n
         and left.held == 0
     )
     return Observation(
-        f"RSS +{mib(rss.growth)} (from {mib(rss.start)}); {len(closed)}/{n} closed by the server, "
-        f"slowest {slowest:.2f} s; answers per connection {counts([len(a.statuses) for a in answers])}"
+        f"RSS +{mib(rss.growth)} (from {mib(rss.start)}); {len(closed)}/{n} closed by the server "
+        f"({resets} by a reset), slowest {slowest:.2f} s; answers per connection "
+        f"{counts([len(a.statuses) for a in answers])}"
         f"{f' in their first {KEPT_BYTES // 1024} KiB' if any(c.cut for c in conns) else ''} "
-        f"(status {counts(statuses)}), last with connection: close on {closing}; "
+        f"(status {counts(statuses)}), all {MAX_ANSWERS} with the last connection: close on {whole}; "
         f"pipelined_requests +{refused:.0f}; {client.text()}; {left.text()}",
         ok,
     )
@@ -343,8 +350,8 @@ async def _address_limit(ctx: Context) -> Observation:
 def _expected_pipelined(s: Sizes) -> str:
     return (
         f"{s.pipeline_connections} conns × {BURST_BYTES // len(HEALTHZ)} pipelined GET /healthz "
-        f"in one write: RSS grows < {mib(RSS_BOUND)}, ≤ {MAX_ANSWERS} answers each (the last "
-        f"connection: close), each closed, pipelined_requests counted; B served (< {PROMPT_S:.0f} s)"
+        f"in one write: RSS grows < {mib(RSS_BOUND)}, ≤ {MAX_ANSWERS} answers each, each closed, "
+        f"pipelined_requests counted; B served (< {PROMPT_S:.0f} s)"
     )
 
 

@@ -85,7 +85,7 @@ def parse_answers(data: bytes) -> Answers:
 class _Burst(asyncio.Protocol):
     """One connection that writes its whole burst as soon as it is open and sends nothing more;
     `closed` is set when the connection ends. Its answers are taken off the socket as they come:
-    17 answers of a hundred-odd bytes fit in the socket buffers, so whether the client reads them
+    17 small answers (a few KB in all) fit in the socket buffers, so whether the client reads them
     makes no difference to the gateway.
 
     The server closes with the rest of the burst unread, so its kernel resets the connection and

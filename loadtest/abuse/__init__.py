@@ -15,6 +15,7 @@ Each probe states what it expects and what it observed; the command exits non-ze
 | `client.py` | the HTTP client side: whole answers and streams read to `[DONE]` |
 | `probe.py` | what a probe is; running one under its time limit |
 | `probes_clients.py` | hostile clients: header floods, slowloris, partial bodies, odd requests |
+| `probes_connections.py` | hostile connections: pipelined bursts, one address past its limit |
 | `probes_outcomes.py` | outcomes recorded as they happened: complete streams, tpm, bad workers |
 | `probes_fleet.py` | workers killed, stopped and restarted under load; index and tenant bounds |
 | `probe_drain.py` | SIGTERM drain, the last probe (it stops the gateway) |

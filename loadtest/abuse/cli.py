@@ -25,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from loadtest.abuse import probe_drain, probes_clients, probes_fleet, probes_outcomes
+from loadtest.abuse import probe_drain, probes_clients, probes_connections, probes_fleet, probes_outcomes
 from loadtest.abuse.client import new_session
 from loadtest.abuse.observe import AccessLog
 from loadtest.abuse.probe import Context, Probe, run_probe
@@ -36,7 +36,11 @@ from loadtest.abuse.stack import Stack, start_stack
 from loadtest.report.meta import run_metadata
 
 PROBES: tuple[Probe, ...] = (
-    probes_clients.PROBES + probes_outcomes.PROBES + probes_fleet.PROBES + probe_drain.PROBES
+    probes_clients.PROBES
+    + probes_connections.PROBES
+    + probes_outcomes.PROBES
+    + probes_fleet.PROBES
+    + probe_drain.PROBES
 )
 SOAK = "soak"
 

@@ -1,5 +1,6 @@
-"""What the suite reads from the running stack: a process's resident memory, the gateway's metrics
-(from its own listener), its JSON access lines, and the admin API's status."""
+"""What the suite reads from the running stack: a process's resident memory, the connections a
+server holds, the gateway's metrics (from its own listener), its JSON access lines, and the admin
+API's status."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import orjson
 
 from loadtest.abuse.stack import KEY_ADMIN, Stack
 
+_HELD_STATES = ("01", "08")  # ESTABLISHED; CLOSE_WAIT (the client closed, the server not yet)
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
 
 
@@ -24,6 +26,22 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+def held_connections(port: int, client: str) -> int:
+    """Connections from the IPv4 address `client` accepted on 127.0.0.1:`port` that the server has
+    not closed yet (from /proc/net/tcp: the server's side in ESTABLISHED or CLOSE_WAIT)."""
+    local, remote = f"{_proc_address('127.0.0.1')}:{port:04X}", f"{_proc_address(client)}:"
+    held = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        held += fields[1] == local and fields[2].startswith(remote) and fields[3] in _HELD_STATES
+    return held
+
+
+def _proc_address(address: str) -> str:
+    """An IPv4 address as /proc/net/tcp prints it: its bytes in the host's (little-endian) order."""
+    return "".join(f"{int(part):02X}" for part in reversed(address.split(".")))
 
 
 class RssPeak:

@@ -24,6 +24,8 @@ class Sizes:
     flood_requests: int = 600
     cross_tenant_prompts: int = 8
     drain_streams: int = 8
+    pipeline_connections: int = 120  # each writes one burst of pipelined requests
+    address_extra_connections: int = 64  # opened by one address past its limit
     header_timeout_s: float = 10.0  # the gateway's defaults
     body_timeout_s: float = 30.0
     capacity_step_s: float = 10.0
@@ -46,6 +48,8 @@ QUICK = Sizes(
     flood_requests=120,
     cross_tenant_prompts=4,
     drain_streams=3,
+    pipeline_connections=24,
+    address_extra_connections=16,
     header_timeout_s=2.0,
     body_timeout_s=3.0,
     capacity_step_s=3.0,

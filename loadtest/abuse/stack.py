@@ -8,7 +8,8 @@
 - the gateway, `kvgate serve --config` (run as `python -m gateway.cli`), with its metrics on a
   listener of their own (`--metrics-port`), the admin API on, and the tenants: `tenant-a`
   (`max_concurrent` 3) and `tenant-b` (no quota) whom the probes set against each other, and
-  `metered` (a tpm quota) for the quota probe alone.
+  `metered` (a tpm quota) for the quota probe alone. One client address may hold at most
+  `ADDRESS_LIMIT` connections.
 
 The policy file holds a volatile rule with a pattern that backtracks catastrophically under
 Python's `re`, and a small prefix index, so that the regex and flood probes have something to
@@ -40,6 +41,10 @@ SECRET = "kvgate-abuse-key-hash-secret-32-bytes"
 KEY_A, KEY_B, KEY_METERED, KEY_ADMIN = "sk-abuse-a", "sk-abuse-b", "sk-abuse-metered", "sk-abuse-admin"
 TENANT_A_CONCURRENCY = 3
 MAX_IN_FLIGHT = 64  # gateway-wide: tenant A's partial bodies alone could fill it under the old order
+# Connections one client address may hold: above what the suite opens from 127.0.0.1 at once (the
+# soak holds at most 256 requests open), so that only the probe that opens connections from
+# another loopback address meets it.
+ADDRESS_LIMIT = 512
 TPM = 3000
 INDEX_MAX_ENTRIES = 3000
 NAMESPACE_SHARE = 0.5
@@ -77,6 +82,7 @@ def _gateway_document(
             "max_in_flight_requests": MAX_IN_FLIGHT,
             "header_timeout_s": sizes.header_timeout_s,
             "body_timeout_s": sizes.body_timeout_s,
+            "max_client_connections_per_address": ADDRESS_LIMIT,
         },
         "drain": {"shutdown_delay_s": 0, "deadline_s": 30},
         "admin": {"api_key_hash": hash_api_key(secret, KEY_ADMIN)},

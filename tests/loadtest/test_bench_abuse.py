@@ -1,5 +1,6 @@
 """`kvgate bench abuse`: a few cheap probes against a real stack, run as a user runs the command,
-and the verdict machinery on its own (a failing or overrunning probe fails the run)."""
+the verdict machinery on its own (a failing or overrunning probe fails the run), and what the
+connection probes read: answers split from a connection's bytes, connections a server holds."""
 
 from __future__ import annotations
 
@@ -11,12 +12,23 @@ from types import SimpleNamespace
 
 import pytest
 
+from loadtest.abuse.observe import held_connections
 from loadtest.abuse.probe import Observation, Probe, run_probe
+from loadtest.abuse.probes_connections import Answers, parse_answers
 from loadtest.abuse.report import Verdict, table
 from loadtest.abuse.settings import QUICK
+from tests.support.wait import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
-CHEAP = ("deep_json", "tiny_prompt", "trailing_slash", "metrics_port", "garbage_worker")
+CHEAP = (
+    "deep_json",
+    "tiny_prompt",
+    "trailing_slash",
+    "metrics_port",
+    "pipelined",
+    "address_limit",
+    "garbage_worker",
+)
 
 
 def _bench(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
@@ -42,6 +54,13 @@ def test_cheap_probes_pass_against_a_real_stack_and_print_the_table() -> None:
     assert "| 400 invalid_request |" in by_probe["deep_json"]
     assert "| 404, no Location |" in by_probe["trailing_slash"]
     assert "502 bad_gateway, 502 bad_gateway" in by_probe["garbage_worker"]
+    n = QUICK.pipeline_connections
+    assert f"{n}/{n} closed by the server" in by_probe["pipelined"]
+    assert f"pipelined_requests +{n};" in by_probe["pipelined"]
+    extra = QUICK.address_extra_connections
+    assert f"{extra}/{extra} more closed unanswered" in by_probe["address_limit"]
+    assert f"address_limit +{extra};" in by_probe["address_limit"]
+    assert "the gateway held none of them" in by_probe["address_limit"]
 
 
 def test_an_unknown_probe_is_refused_before_anything_starts() -> None:
@@ -87,3 +106,52 @@ def test_the_table_marks_failures_and_keeps_cells_apart() -> None:
         "| a | x / y | seen | yes |",
         "| b | x | not seen | **NO** |",
     ]
+
+
+def _answer(status: int, body: bytes, *fields: bytes) -> bytes:
+    head = [b"HTTP/1.1 %d X" % status, b"Content-Length: %d" % len(body), *fields]
+    return b"\r\n".join(head) + b"\r\n\r\n" + body
+
+
+def test_answers_are_split_by_their_lengths_and_a_cut_one_is_left_over() -> None:
+    closing = _answer(503, b"x", b"Connection: close")
+    data = _answer(200, b"HTTP/1.1 200") + _answer(200, b"{}") + closing
+    assert parse_answers(data) == Answers((200, 200, 503), True, 0)
+    cut = b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\nabc"
+    assert parse_answers(data + cut) == Answers((200, 200, 503), True, len(cut))
+    assert parse_answers(data[:-1]) == Answers((200, 200), False, len(closing) - 1)
+    assert parse_answers(b"") == Answers((), False, 0)
+
+
+async def test_held_connections_counts_by_client_address_what_the_server_has_not_closed() -> None:
+    accepted: list[asyncio.StreamWriter] = []
+    ended: list[asyncio.StreamWriter] = []  # their client closed; the server has not
+
+    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)
+        await reader.read()
+        ended.append(writer)
+
+    server = await asyncio.start_server(accept, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    clients = [
+        await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.2", 0)) for _ in range(3)
+    ]
+    try:
+        await wait_until(lambda: len(accepted) == 3)
+        assert held_connections(port, "127.0.0.2") == 3
+        assert held_connections(port, "127.0.0.1") == 0
+        for _, writer in clients:
+            writer.close()
+        await wait_until(lambda: len(ended) == 3)
+        assert held_connections(port, "127.0.0.2") == 3
+        for writer in accepted:
+            writer.close()
+        await wait_until(lambda: held_connections(port, "127.0.0.2") == 0)
+    finally:
+        for writer in accepted:
+            writer.close()
+        for _, writer in clients:
+            writer.close()
+        server.close()
+        await server.wait_closed()

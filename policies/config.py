@@ -150,6 +150,7 @@ class CostParamsYaml(_Strict):
     discount_cached_backlog: bool | None = None
     continuation_slack_requests: float = Field(0.0, ge=0)
     keep_tpot_s: float = Field(0.0, ge=0)
+    max_recompute_s: float | None = Field(None, gt=0)
     herd_weight: float = Field(2.0, ge=0)
     herd_hold_steps: int = Field(len(HOLD_STEPS_S), ge=0, le=len(HOLD_STEPS_S))
     ttft_objective_s: float | None = Field(None, gt=0)

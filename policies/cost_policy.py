@@ -13,7 +13,9 @@ token counts are in engine tokens, see `CostModel.engine_tokens_per_request_toke
    max((1+ε)·mean, mean + slack) after this request are eligible, unless none is; a worker holding
    more than half the prompt gets `continuation_slack_requests` more, and with `keep_tpot_s` > 0
    stays eligible past any bound while its predicted decode step, with the request's decode
-   joining its batch, stays within `keep_tpot_s` (`CostModel.joined_decode_step_s`);
+   joining its batch, stays within `keep_tpot_s` (`CostModel.joined_decode_step_s`), and with
+   `max_recompute_s` set, past any bound when moving would recompute more than that many
+   seconds of the prompt's prefill elsewhere;
 2. the best score wins, ties (within `tie_s`) broken at random (so idle workers share misses);
 3. hot-prefix spreading falls out of the score: when the holders' queue costs more than the
    prefill they save, a fresh worker wins and the prefix is replicated there (reason "spread");
@@ -75,6 +77,7 @@ class CostPolicy(HerdingPolicy):
         discount_cached_backlog: bool | None = None,
         continuation_slack_requests: float = 0.0,
         keep_tpot_s: float = 0.0,
+        max_recompute_s: float | None = None,
         herd_weight: float = 2.0,
         herd_hold_steps: int = len(HOLD_STEPS_S),
         ttft_objective_s: float | None = None,
@@ -103,6 +106,8 @@ class CostPolicy(HerdingPolicy):
             raise ValueError("load_window_s must be > 0")
         if herd_hold_steps > len(HOLD_STEPS_S):
             raise ValueError(f"herd_hold_steps must be <= {len(HOLD_STEPS_S)}")
+        if max_recompute_s is not None and max_recompute_s <= 0:
+            raise ValueError("max_recompute_s must be > 0 (or None: off)")
         if ttft_objective_s is not None and ttft_objective_s <= 0:
             raise ValueError("ttft_objective_s must be > 0 (or None: off)")
         super().__init__(seed=seed, shared=shared)
@@ -118,6 +123,7 @@ class CostPolicy(HerdingPolicy):
         self._moves_kv: set[str] = set()
         self.continuation_slack_requests = continuation_slack_requests
         self.keep_tpot_s = keep_tpot_s
+        self.max_recompute_s = max_recompute_s
         self.herd_weight = herd_weight
         self.herd_hold_steps = herd_hold_steps
         self.ttft_objective_s = ttft_objective_s
@@ -290,6 +296,10 @@ class CostPolicy(HerdingPolicy):
             # elsewhere adds more prefill to the pool than it moves (the score prices its queue).
             follow_bound = bound + self.continuation_slack_requests
             keep_s = self.keep_tpot_s
+            # What a move would recompute is the prefill the holder saves: `saved` weighs it by
+            # the queue factor, and so is the limit here.
+            recompute = self.max_recompute_s
+            stay_s = math.inf if recompute is None else recompute * weight
             ranked: list[tuple[float, int, int]] = []
             for i, blocks in held:
                 holders.add(i)
@@ -298,6 +308,7 @@ class CostPolicy(HerdingPolicy):
                 if (
                     loads[i] <= bound
                     or (2 * matched > n and loads[i] <= follow_bound)
+                    or (2 * matched > n and scorer.saved(matched) > stay_s)
                     or (
                         keep_s > 0
                         and 2 * matched > n

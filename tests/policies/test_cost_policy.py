@@ -86,6 +86,31 @@ def test_continuation_slack_gives_a_holder_of_most_of_the_prompt_more_room() -> 
     assert d2 is not None and d2.worker != "w0"
 
 
+def test_a_holder_past_the_guard_keeps_a_session_whose_move_would_recompute_too_much() -> None:
+    # w0 (10 in flight, over the guard's bound of 9.75) holds all but the last blocks of the
+    # prompt. With `max_recompute_s` below the prefill seconds it saves, the session stays past
+    # any bound (here 30 in flight); above them, the guard moves it as before.
+    r = req("r", range(258))
+    for load in (10, 30):
+        p = _policy(max_recompute_s=0.01)
+        _warm(p, range(256), "w0")
+        assert p._pool(r).cost.saved_s(258 * BS, 256 * BS) > 0.01
+        d = p.select(r, workers(load, 0, 0, 0), 1.0)
+        assert d is not None and d.worker == "w0" and d.reason == "hit"
+    long_limit = _policy(max_recompute_s=1000.0)
+    _warm(long_limit, range(256), "w0")
+    d1 = long_limit.select(req("r1", range(258)), workers(10, 0, 0, 0), 1.0)
+    assert d1 is not None and d1.worker != "w0" and d1.reason == "spread"
+    # A holder of only half the prompt (a new branch) is not kept past the guard.
+    p = _policy(max_recompute_s=0.01)
+    _warm(p, range(256), "w0")
+    branch = req("r2", [*range(256), *range(1000, 1256)])
+    d2 = p.select(branch, workers(10, 0, 0, 0), 1.0)
+    assert d2 is not None and d2.worker != "w0"
+    with pytest.raises(ValueError, match="max_recompute_s"):
+        _policy(max_recompute_s=0.0)
+
+
 def test_a_holder_past_the_guard_keeps_a_session_while_its_decode_batch_can_take_it() -> None:
     # w0 (10 in flight, over the guard's bound of 9.75) holds all but the last blocks of the prompt.
     # With `keep_tpot_s`, it keeps the session while its decode step with the request's decode

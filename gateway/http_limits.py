@@ -38,8 +38,10 @@ optional whitespace. The header fields are counted when the head is complete.
 Pipelined requests (sent before the previous answer) wait in a queue per connection, each with its
 head and its body's bytes in that read. At most `MAX_PIPELINED` wait: a request beginning past them
 is not read. The connection answers the ones it took, the last with `connection: close`, and
-closes; a client that pipelines retries what was left unanswered (RFC 9112, 9.3.2). One read of
-256 KiB would otherwise queue thousands of small requests, before any key is checked.
+ends; a client that pipelines retries what was left unanswered (RFC 9112, 9.3.2). One read of
+256 KiB would otherwise queue thousands of small requests, before any key is checked. There, and
+wherever a connection ends with client bytes maybe unread, it ends with a lingering close
+(`http_linger`), so that no reset throws its last answers away.
 """
 
 from __future__ import annotations
@@ -53,11 +55,11 @@ from typing import Any
 
 import httptools
 from uvicorn.config import Config
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
 from gateway.config import LimitsConfig
 from gateway.errors import error_body
+from gateway.http_linger import CloseInstead, LingeringHttpToolsProtocol
 from gateway.metrics.families import HotCounter
 
 # Where a connection is in its request cycle (see the module docstring). Plain ints, not an
@@ -161,7 +163,7 @@ class _PipelineFull(Exception):
     """Raised from the message callback to stop httptools at a request past `MAX_PIPELINED`."""
 
 
-class GuardedHttpToolsProtocol(HttpToolsProtocol):
+class GuardedHttpToolsProtocol(LingeringHttpToolsProtocol):
     """uvicorn's httptools protocol with the limits of `ClientLimits` (see the module docstring).
     Needs a `GuardedServerState`. An uncapped connection (the metrics listener's) is counted but
     never refused for the connection limit, so that a flood of clients cannot blind monitoring."""
@@ -190,7 +192,6 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._message_ended_inside = False  # a request ended inside `_chunk`
         self._head_start_unknown = False  # the current head began after a request in its read
         self._head_tail = b""  # last bytes of the previous read of this head; b"" if it began in `_chunk`
-        self._last_read = False  # the pipeline was full: answer what was taken, then close
         self._address: str | None = None  # counted in the guard's `by_address`
 
     # -- phases
@@ -259,8 +260,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().resume_writing()
 
     def data_received(self, data: bytes) -> None:
-        if self._last_read:
-            return  # the parser stopped at a request it will not take; the connection closes
+        if self._ending:  # the parser stopped: what the client still sends is dropped
+            self._drop(len(data))
+            return
         if self._phase == IDLE:  # the first bytes after idling begin a head (inlined: every request)
             self._phase = HEAD
             self._head_bytes = 0
@@ -325,6 +327,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         self._phase = BODY
         self.deadline_s = time.monotonic() + self._limits.body_timeout_s
+        if not self.cycle.keep_alive:  # the client asked to close after this answer
+            self.cycle.transport = CloseInstead(self.transport, self._closed_after_answer)
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
@@ -340,7 +344,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.server_state.total_requests += 1
         if self.transport.is_closing():
             return
-        if not self._last_read:
+        if self._ending:
+            if not self.pipeline:  # the last answer owed (when uvicorn kept no reference to it)
+                self._linger()
+                return
+        else:
             self.flow.resume_reading()
         if self.pipeline:
             cycle, app = self.pipeline.pop()
@@ -353,18 +361,20 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     # -- limits
 
     def _stop_reading(self) -> None:
-        """A request began past `MAX_PIPELINED` waiting ones: read nothing more. The last request
-        taken is answered with `connection: close` (uvicorn closes after it), the others before it
-        as usual."""
+        """A request began past `MAX_PIPELINED` waiting ones: read nothing more. The requests taken
+        are answered, the last with `connection: close`, and the connection lingers after it."""
         self._guard.refused("pipelined_requests")
-        self._last_read = True
         self._to_app()
-        self.flow.pause_reading()
-        last = self.pipeline[0][0] if self.pipeline else self.cycle
-        if last is not None:
-            last.keep_alive = False
-            if last.response_complete:
-                self.transport.close()
+        self._end_after_answers(self.pipeline[0][0] if self.pipeline else self.cycle)
+
+    def _closed_after_answer(self) -> None:
+        """uvicorn closes after answering a client that asked to close: a lingering close if the
+        request's body was not read whole (answered from its headers) or reading had stopped."""
+        if self._phase == BODY or self._ending:
+            self._to_app()
+            self._linger()
+        else:
+            self.transport.close()
 
     def _head_size(self) -> int:
         """The bytes of the head that ends in the read being parsed (called when it is complete).
@@ -420,23 +430,13 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.abort()
 
     def _refuse(self, status: int, reason: str, message: str) -> None:
-        """Answer `status` with an OpenAI-shaped error when no response is under way, and close.
-        A request the app is still waiting on sees the client leave (its `receive` returns
-        `http.disconnect`) and anything it sends is dropped."""
+        """Answer `status` with an OpenAI-shaped error when no response is under way, and end the
+        connection with a lingering close (`_end_refused`). A request the app is still waiting on
+        sees the client leave (its `receive` returns `http.disconnect`)."""
         self._guard.refused(reason)
-        cycle = self.cycle
-        if self._phase == HEAD:
-            # This request has no cycle yet; the previous one's response may still be under way.
-            answer = cycle is None or cycle.response_complete
-        else:
-            answer = cycle is not None and not cycle.response_started
+        body_refused = self._phase == BODY
         self._to_app()
-        if cycle is not None and not cycle.response_complete:
-            cycle.disconnected = True
-            cycle.message_event.set()
-        if answer and not self.transport.is_closing():
-            self.transport.write(_error_response(status, message, reason))
-        self.transport.close()
+        self._end_refused(_error_response(status, message, reason), body_refused)
 
 
 def _error_response(status: int, message: str, code: str) -> bytes:

@@ -88,10 +88,11 @@ class _Burst(asyncio.Protocol):
     17 small answers (a few KB in all) fit in the socket buffers, so whether the client reads them
     makes no difference to the gateway.
 
-    The server closes with the rest of the burst unread, so its kernel resets the connection and
-    drops what it had not sent yet: a connection may get fewer than 17 answers (RFC 9112, 9.6,
-    the "TCP reset problem"). At most 17, not exactly 17, is what the probe holds the gateway to;
-    how many got all of them is reported."""
+    Most of the burst is still unread when the gateway has answered the 17 requests it took. Had
+    it closed then, its kernel would reset the connection and drop what it had not sent yet (RFC
+    9112, 9.6, the "TCP reset problem"); it half-closes instead and drops the rest of the burst
+    (a lingering close), so the probe holds it to all 17 answers on every connection, ended by a
+    FIN, never a reset."""
 
     def __init__(self, burst: bytes) -> None:
         self.burst = burst
@@ -233,9 +234,10 @@ async def _pipelined(ctx: Context) -> Observation:
     closed = [c.closed_after_s for c in conns if c.closed_after_s is not None]
     slowest = max(closed, default=float("inf"))
     answers = [parse_answers(bytes(c.received)) for c in conns]
-    most = max((len(a.statuses) for a in answers), default=0)
     statuses = [s for a in answers for s in a.statuses]
-    whole = sum(len(a.statuses) == MAX_ANSWERS and a.last_closes for a in answers)
+    whole = sum(
+        a.statuses == (200,) * MAX_ANSWERS and a.last_closes and not a.trailing_bytes for a in answers
+    )
     resets = sum(c.reset for c in conns)
     refused = await _refusals(ctx, "pipelined_requests") - before
     left = await _all_closed(ctx, BURST_ADDRESS)
@@ -243,7 +245,8 @@ async def _pipelined(ctx: Context) -> Observation:
         rss.growth < RSS_BOUND
         and client.served
         and len(closed) == n
-        and most <= MAX_ANSWERS
+        and whole == n
+        and resets == 0
         and refused == n
         and left.held == 0
     )
@@ -350,8 +353,9 @@ async def _address_limit(ctx: Context) -> Observation:
 def _expected_pipelined(s: Sizes) -> str:
     return (
         f"{s.pipeline_connections} conns × {BURST_BYTES // len(HEALTHZ)} pipelined GET /healthz "
-        f"in one write: RSS grows < {mib(RSS_BOUND)}, ≤ {MAX_ANSWERS} answers each, each closed, "
-        f"pipelined_requests counted; B served (< {PROMPT_S:.0f} s)"
+        f"in one write: RSS grows < {mib(RSS_BOUND)}, exactly {MAX_ANSWERS} answers each (200, the "
+        f"last with connection: close), each closed with no reset, pipelined_requests counted; "
+        f"B served (< {PROMPT_S:.0f} s)"
     )
 
 

@@ -27,17 +27,24 @@ LIMITS = ClientLimits(
 
 
 class RecordingTransport(asyncio.Transport):
-    """Keeps what the protocol writes; closing reports the loss to the protocol, as asyncio does."""
+    """Keeps what the protocol writes; closing reports the loss to the protocol, as asyncio does.
+    `eof`: the sending side was shut (`write_eof`), as a lingering close does first."""
 
     def __init__(self, protocol: asyncio.Protocol) -> None:
         super().__init__()
         self.protocol = protocol
         self.written = bytearray()
         self.closed = False
+        self.eof = False
+        self.reading = True
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         assert not self.closed, "written after close"
+        assert not self.eof, "written after write_eof"  # asyncio and uvloop raise
         self.written += data
+
+    def write_eof(self) -> None:
+        self.eof = True
 
     def close(self) -> None:
         if not self.closed:
@@ -47,14 +54,19 @@ class RecordingTransport(asyncio.Transport):
     def is_closing(self) -> bool:
         return self.closed
 
+    @property
+    def ended(self) -> bool:
+        """Closed, or half-closed: nothing more will be written."""
+        return self.closed or self.eof
+
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return {"peername": ("127.0.0.1", 40000), "sockname": ("127.0.0.1", 8080)}.get(name, default)
 
     def pause_reading(self) -> None:
-        pass
+        self.reading = False
 
     def resume_reading(self) -> None:
-        pass
+        self.reading = True
 
     def status(self) -> int | None:
         line = bytes(self.written).split(b"\r\n", 1)[0].split()

@@ -1,6 +1,6 @@
 """The client limits of `GuardedHttpToolsProtocol` on a request's head and body and on idle time,
 driven byte by byte (`http_limits_rig`): what is refused, what is answered, and when a connection
-is closed."""
+ends (a refusal's with a lingering close: `test_http_linger`)."""
 
 from __future__ import annotations
 
@@ -22,24 +22,24 @@ async def test_a_request_within_the_limits_is_served_and_the_connection_then_idl
     assert protocol.timeout_keep_alive_task is None  # no timer per request: the guard's tick instead
 
 
-async def test_a_head_past_the_byte_limit_is_431_and_closed(rig: Rig) -> None:
+async def test_a_head_past_the_byte_limit_is_431_and_ends(rig: Rig) -> None:
     protocol, transport = rig.connect()
     protocol.data_received(b"GET /x HTTP/1.1\r\nX-Fill: ")
     protocol.data_received(b"a" * 600)
-    assert not transport.closed  # 626 bytes so far
+    assert not transport.ended  # 626 bytes so far
     protocol.data_received(b"a" * 600)
-    assert transport.status() == 431 and transport.closed
+    assert transport.status() == 431 and transport.ended
     assert transport.json_body()["error"]["code"] == "header_too_large"
     assert rig.refusals("header_too_large") == 1
     await settle()
-    assert protocol not in rig.guard.waiting and protocol not in rig.state.connections
+    assert protocol not in rig.guard.waiting
 
 
 async def test_too_many_header_fields_is_431(rig: Rig) -> None:
     protocol, transport = rig.connect()
     fields = b"".join(b"X-%d: v\r\n" % i for i in range(LIMITS.max_headers + 1))
     protocol.data_received(b"GET /x HTTP/1.1\r\n" + fields + b"\r\n")
-    assert transport.status() == 431 and transport.closed
+    assert transport.status() == 431 and transport.ended
     assert transport.json_body()["error"]["code"] == "too_many_headers"
     await settle()
     assert rig.app.disconnected == []  # the app never saw the request
@@ -70,11 +70,11 @@ async def test_deadlines_close_each_phase_its_own_way(rig: Rig) -> None:
     assert body._phase == BODY
     rig.guard.tick(silent.deadline_s + LIMITS.header_timeout_s)
     assert silent_t.closed and silent_t.written == b""
-    assert slow_t.closed and slow_t.status() == 408
+    assert slow_t.ended and slow_t.status() == 408
     assert slow_t.json_body()["error"]["code"] == "header_timeout"
-    assert not body_t.closed  # its body deadline is later
+    assert not body_t.ended  # its body deadline is later
     rig.guard.tick(body.deadline_s + 1.0)
-    assert body_t.closed and body_t.status() == 408
+    assert body_t.ended and body_t.status() == 408
     await settle()
     assert rig.app.disconnected == [True]  # the app waiting for the body saw the client leave
     assert not rig.guard.waiting
@@ -128,7 +128,7 @@ async def test_a_pipelined_head_is_still_bounded_from_its_next_chunk(rig: Rig) -
     protocol.data_received(post_head(10) + b"x" * 10 + b"GET /y HTTP/1.1\r\nX-Fill: ")
     protocol.data_received(b"a" * (LIMITS.max_header_bytes + 1))
     await settle()
-    assert transport.closed and rig.refusals("header_too_large") == 1
+    assert transport.ended and rig.refusals("header_too_large") == 1
 
 
 def head_of(size: int, start: bytes = b"GET /x HTTP/1.1\r\nHost: h\r\n", fill: bytes = b"X-Fill: ") -> bytes:
@@ -153,7 +153,7 @@ async def test_a_finished_head_is_measured_to_its_blank_line_however_it_is_split
         if served:
             assert transport.status() == 200 and not transport.closed
         else:
-            assert transport.status() == 431 and transport.closed
+            assert transport.status() == 431 and transport.ended
             assert transport.json_body()["error"]["code"] == "header_too_large"
 
 
@@ -184,11 +184,11 @@ async def test_a_head_pipelined_behind_a_body_is_measured_from_its_parts(rig: Ri
     protocol, transport = rig.connect()
     protocol.data_received(post_head(10) + b"x" * 10 + bare_head(LIMITS.max_header_bytes + 1))
     await settle()
-    assert transport.closed and rig.refusals("header_too_large") == 1
+    assert transport.ended and rig.refusals("header_too_large") == 1
     # Begun in one read, finished in the next with a body behind it.
     protocol, transport = rig.connect()
     head = head_of(LIMITS.max_header_bytes + 1, b"POST /x HTTP/1.1\r\nContent-Length:4000\r\n", b"X-Fill:")
     protocol.data_received(post_head(10) + b"x" * 10 + head[:10])
     protocol.data_received(head[10:] + b"x" * 4000)
     await settle()
-    assert transport.closed and rig.refusals("header_too_large") == 2
+    assert transport.ended and rig.refusals("header_too_large") == 2

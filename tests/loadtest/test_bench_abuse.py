@@ -55,7 +55,8 @@ def test_cheap_probes_pass_against_a_real_stack_and_print_the_table() -> None:
     assert "| 404, no Location |" in by_probe["trailing_slash"]
     assert "502 bad_gateway, 502 bad_gateway" in by_probe["garbage_worker"]
     n = QUICK.pipeline_connections
-    assert f"{n}/{n} closed by the server" in by_probe["pipelined"]
+    assert f"{n}/{n} closed by the server (0 by a reset)" in by_probe["pipelined"]
+    assert f"answers per connection 17×{n} " in by_probe["pipelined"]
     assert f"pipelined_requests +{n};" in by_probe["pipelined"]
     extra = QUICK.address_extra_connections
     assert f"{extra}/{extra} more closed unanswered" in by_probe["address_limit"]

@@ -30,8 +30,12 @@ lint: $(DEV_STAMP)
 typecheck: $(DEV_STAMP)
 	$(BIN)/mypy
 
+# Two test processes: most tests wait on processes they start, so two use a 2-core machine
+# better than one (README). `make test PYTEST_JOBS=0` runs them in one.
+PYTEST_JOBS ?= 2
+
 pytest: $(DEV_STAMP)
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(PYTEST_JOBS)
 
 test: lint typecheck pytest
 

@@ -90,11 +90,27 @@ def demo_workers(args: argparse.Namespace) -> list[DemoWorker]:
     return [*prefill, *(DemoWorker(f"decode{i}", "decode") for i in range(n_decode))]
 
 
+PORT_SHARD_ENV = "KVGATE_PORT_SHARD"
+_PORT_TRIES = 64
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
+    """A port nothing listens on now, the kernel's pick. With `KVGATE_PORT_SHARD=i/n` (set by
+    runs side by side on one host, see `loadtest/ports.py`) only a port whose half is congruent to
+    i modulo n, so that two runs never pick the same port between picking and binding it."""
+    value = os.environ.get(PORT_SHARD_ENV) or "0/1"
+    index, _, count = value.partition("/")
+    if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
+        raise ConfigError(f"{PORT_SHARD_ENV} must be i/n with 0 <= i < n, not {value!r}")
+    shard, shards = int(index), int(count)
+    with contextlib.ExitStack() as held:
+        for _ in range(_PORT_TRIES * shards):
+            s = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            s.bind((host, 0))
+            port: int = s.getsockname()[1]
+            if port // 2 % shards == shard:
+                return port
+    raise OSError(f"no free port on {host} in shard {shard}/{shards}")
 
 
 def _die_with_parent() -> None:

@@ -121,11 +121,13 @@ class Admitted:
         if cached is not None:
             return cached
         field = self.api.salt_field
-        if self.changed:
-            out = orjson.dumps({**self.forward, field: salt})
-        else:
-            # `encoded` is a non-empty JSON object without the salt's key: the salt goes first.
-            out = b'{"' + field.encode() + b'":' + orjson.dumps(salt) + b"," + self.encoded[1:]
+        # The salt goes first: a worker's error that quotes the request and is cut short (by the
+        # worker or by the gateway's bound on a relayed message) then keeps the whole salt, which
+        # is withheld, never a piece of it past a long prompt.
+        # `forward` and `encoded` never hold a salt key (`bodies.encode_body` drops the client's).
+        rest = orjson.dumps(self.forward) if self.changed else self.encoded
+        head = b'{"' + field.encode() + b'":' + orjson.dumps(salt)
+        out = head + (b"," + rest[1:] if len(rest) > 2 else b"}")
         self._encoded[salt] = out
         return out
 

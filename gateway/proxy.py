@@ -409,10 +409,12 @@ def _respond(
     else:
         # A 4xx is about the request, not the worker's health; the worker computed nothing.
         finish(routing, a, attempt, status=status, outcome=Outcome.REJECTED, retries=retries)
+        body = body if isinstance(body, bytes) else bytes(body)
         if status >= 400:
-            body = a.api.dialect.worker_error(status, body if isinstance(body, bytes) else bytes(body))
-            body = a.withhold_salts(body)
+            body = a.api.dialect.worker_error(status, body)
             content_type = "application/json"
+        # Any answer but a 200 may quote the request (vLLM's validation errors do).
+        body = a.withhold_salts(body)
     headers = [
         (b"content-type", (content_type or "application/json").encode()),
         (b"x-request-id", a.reply_id.encode()),

@@ -24,7 +24,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.config.pool import TimeoutsConfig
-from gateway.errors import ApiError, normalize_worker_error, upstream_error
+from gateway.errors import ApiError, normalize_worker_error, upstream_error, withhold_salts
 from gateway.failure import TRANSPORT_ERRORS, Stage, failure_of
 from gateway.gate import Gate
 from gateway.lifecycle import Lifecycle
@@ -91,6 +91,12 @@ def responses_routes(
             )
             return error(refused, reply_id)
         worker: str | None = None
+        salts = (tenant.cache_salt, gate.keyring.public_salt)
+
+        def withhold(text: bytes) -> bytes:
+            """A worker's error without the salts this tenant's requests carry: the response was
+            made from one of them, and an error about it may quote it."""
+            return withhold_salts(text, salts)
 
         def done(status: int, code: str | None = None) -> None:
             """`code`: the error the gateway answered (None for a worker's answer, passed on)."""
@@ -124,7 +130,7 @@ def responses_routes(
                 return error(err, reply_id)
             if source.status == 200 and _is_event_stream(source.content_type):
                 # The stream gives the limiter's slot back, and counts the request, when it ends.
-                return StoredResponseStream(source, reply_id, lifecycle, pool.config.timeouts, done)
+                return StoredResponseStream(source, reply_id, lifecycle, pool.config.timeouts, done, withhold)
             try:
                 status, body = await _whole(source, pool.config.timeouts)
             except ApiError as err:
@@ -140,6 +146,8 @@ def responses_routes(
         done(status)
         if status >= 400:
             body = normalize_worker_error(status, body)
+        if status != 200:
+            body = withhold(body)
         return Response(body, status, headers={"x-request-id": reply_id}, media_type="application/json")
 
     async def retrieve(request: Request) -> Response:

@@ -31,7 +31,7 @@ from gateway.failure import TRANSPORT_ERRORS, Failure, Stage, failure_of, malfor
 from gateway.lifecycle import Lifecycle
 from gateway.outcome import CLIENT_DISCONNECTED
 from gateway.sse_named import ResponsesRelay
-from gateway.streaming import StreamSource
+from gateway.streaming import StreamSource, withheld_last_event
 from policies.base import Outcome
 
 _GATEWAY_SHUTTING_DOWN = "gateway_shutting_down"
@@ -40,7 +40,8 @@ log = logging.getLogger("kvgate.responses")
 
 
 class StoredResponseStream(Response):
-    """An ASGI response that owns the worker's event stream until it ends; `done(status, error)`
+    """An ASGI response that owns the worker's event stream until it ends, the worker's error
+    event passed through `withhold` (the salts the tenant's requests carry); `done(status, error)`
     is called once when it does (200: the terminal event reached the client; 499: the client left;
     otherwise the status of what ended it), `error` the code of the client's error event (None on
     a success)."""
@@ -52,8 +53,10 @@ class StoredResponseStream(Response):
         lifecycle: Lifecycle,
         timeouts: TimeoutsConfig,
         done: Callable[[int, str | None], None],
+        withhold: Callable[[bytes], bytes],
     ) -> None:
         # Not Response.__init__: nothing here is a body known up front.
+        self._withhold = withhold  # the tenant's salts out of the worker's error event
         self._source = source
         self._reply_id = reply_id
         self._lifecycle = lifecycle
@@ -117,6 +120,8 @@ class StoredResponseStream(Response):
                 if not chunk:
                     break
                 out = relay.feed(chunk)
+                if relay.error is not None and out:
+                    out = withheld_last_event(out, self._withhold)
             except TRANSPORT_ERRORS as exc:
                 failure = failure_of(exc, Stage.STREAM, self._timeouts)
                 break

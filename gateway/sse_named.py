@@ -90,7 +90,12 @@ class NamedEventRelay(EventRelay):
                 return None
             return event + b"\n\n"
         kind = obj.get("type")
-        self._event(kind if isinstance(kind, str) else "", obj)
+        if isinstance(kind, str):
+            self._event(kind, obj)
+        elif obj.get("error") is not None:
+            # An OpenAI-style error object (`{"error": {...}}`, no event type): an error on any
+            # route, rewritten like the route's own (it may quote the request).
+            self.error = worker_error_of(obj["error"])
         return None if self.error is not None else event + b"\n\n"
 
     def _event(self, kind: str, obj: dict[str, Any]) -> None:

@@ -8,7 +8,7 @@ connection, so the worker stops generating.
 
 Every failed stream ends with exactly one error event in the gateway's OpenAI shape, then
 `[DONE]`: the worker's own in-stream error rewritten by the relay (`sse.py`; without the salt the
-gateway sent, should the worker quote the request: `_withheld`), or one the gateway writes when
+gateway sent, should the worker quote the request: `withheld_last_event`), or one the gateway writes when
 the worker dies, closes without `[DONE]`, or the gateway drains. After a worker's
 error event the upstream connection is closed at once, so the worker stops generating and the
 client is never kept waiting on a worker that keeps talking.
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 import aiohttp
@@ -124,14 +125,14 @@ async def first_events(source: StreamSource, relay: Relay, attempt: Attempt) -> 
 STREAM_PIECE_BYTES = 64 * 1024
 
 
-def _withheld(out: bytes, attempt: Attempt) -> bytes:
+def withheld_last_event(out: bytes, withhold: Callable[[bytes], bytes]) -> bytes:
     """`out`, whose last event is the worker's error as the relay rewrote it (a relay forwards
-    nothing after it), without the salts the request carried (`Admitted.withhold_salts`): a
-    worker's error may quote the request. Only that event is searched: its message and `param`
+    nothing after it), with `withhold` applied to that event (`Admitted.withhold_salts`: a
+    worker's error may quote the request). Only that event is searched: its message and `param`
     are bounded (`sse.worker_error_of`)."""
     at = out.rfind(b"\n\n", 0, len(out) - 2)
     cut = at + 2 if at >= 0 else 0
-    return out[:cut] + attempt.admitted.withhold_salts(out[cut:])
+    return out[:cut] + withhold(out[cut:])
 
 
 class ProxyStream:
@@ -206,7 +207,7 @@ class ProxyStream:
                     break
                 if relay.error is not None:
                     if out:  # it ends with the worker's error event, which may quote the salt
-                        out = _withheld(out, self._attempt)
+                        out = withheld_last_event(out, self._attempt.admitted.withhold_salts)
                         await send_in_pieces(send, out, STREAM_PIECE_BYTES, more_body=True)
                     break
                 if out:

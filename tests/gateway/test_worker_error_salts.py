@@ -57,6 +57,11 @@ class QuotingWorker:
     quoting it. Keeps each body it got and each message it said."""
 
     quote: str = "records"
+    # The error event of a stream on a named-event route (Messages, Responses) in the OpenAI
+    # shape, `{"error": {...}}` with no event type, instead of the route's own.
+    untyped_events: bool = False
+    # Answer every request with this status (not 200, not an error) and a body quoting it.
+    other_status: int | None = None
     bodies: list[dict[str, Any]] = field(default_factory=list)
     said: list[str] = field(default_factory=list)
 
@@ -65,11 +70,31 @@ class QuotingWorker:
         app.router.add_get("/health", _health)
         for path in ("/v1/chat/completions", "/v1/messages", "/v1/responses", "/generate"):
             app.router.add_post(path, self._answer)
+        app.router.add_get("/v1/responses/{response_id}", self._stored)
         return app
+
+    async def _stored(self, request: web.Request) -> web.StreamResponse:
+        """A stored response's retrieval fails, quoting the request that made it (the last body);
+        as the error event of its stream with `stream=true`, else with status `?status=`."""
+        message = f"retrieval failed for {self.bodies[-1]!r}"
+        self.said.append(message)
+        error = {"message": message, "type": "BadRequestError", "param": None, "code": 400}
+        if request.query.get("stream") != "true":
+            return web.json_response({"error": error}, status=int(request.query["status"]))
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        event = {"type": "error", "code": "retrieval_failed", "message": message, "param": None}
+        await resp.write(b"event: error\ndata: " + orjson.dumps(event) + b"\n\n")
+        await resp.write_eof()
+        return resp
 
     async def _answer(self, request: web.Request) -> web.StreamResponse:
         body = orjson.loads(await request.read())
         self.bodies.append(body)
+        if self.other_status is not None:
+            message = f"see other for {body!r}"
+            self.said.append(message)
+            return web.json_response({"message": message}, status=self.other_status)
         try:
             _Request.model_validate(body)
         except ValidationError as exc:
@@ -81,7 +106,10 @@ class QuotingWorker:
         self.said.append(message)
         resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await resp.prepare(request)
-        if request.path == "/v1/responses":
+        if request.path in ("/v1/responses", "/v1/messages") and self.untyped_events:
+            error = {"message": message, "type": "BadRequestError", "param": None, "code": 400}
+            await resp.write(b"data: " + orjson.dumps({"error": error}) + b"\n\n")
+        elif request.path == "/v1/responses":
             created = {"type": "response.created", "response": {"id": body["request_id"]}}
             error = {"type": "error", "code": "generation_failed", "message": message, "param": None}
             await resp.write(b"event: response.created\ndata: " + orjson.dumps(created) + b"\n\n")
@@ -176,6 +204,74 @@ async def test_an_error_event_quoting_the_request_reaches_the_client_without_the
     message = error["error"]["message"] if "error" in error else error["message"]
     (said,) = worker.said
     _assert_withheld(message, said, salt)
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/responses"])
+async def test_an_openai_style_error_event_on_a_named_event_route_is_rewritten_without_the_salt(
+    path: str,
+) -> None:
+    worker = QuotingWorker(untyped_events=True)
+    prompt: dict[str, Any] = {"input": "hi"} if path == "/v1/responses" else {"max_tokens": 5, "messages": HI}
+    async with _gateway(worker) as client:
+        resp = await client.post(path, json={"model": "m", "stream": True, **prompt}, headers=KEY)
+    assert resp.status_code == 200
+    (sent,) = worker.bodies
+    salt = sent["cache_salt"]
+    assert _salt_runs(resp.text, salt) == []
+    # One error event, the route's own, carrying the worker's message (the salt withheld).
+    events = [orjson.loads(line[6:]) for line in resp.text.splitlines() if line.startswith("data: {")]
+    (error,) = [event for event in events if event.get("type") == "error"]
+    message = error["error"]["message"] if path == "/v1/messages" else error["message"]
+    (said,) = worker.said
+    _assert_withheld(message, said, salt)
+
+
+@pytest.mark.parametrize("status", [201, 302])
+async def test_an_answer_that_is_neither_a_200_nor_an_error_reaches_the_client_without_the_salt(
+    status: int,
+) -> None:
+    worker = QuotingWorker(other_status=status)
+    async with _gateway(worker) as client:
+        resp = await client.post("/v1/chat/completions", json={"model": "m", "messages": HI}, headers=KEY)
+    assert resp.status_code == status
+    (sent,) = worker.bodies
+    salt = sent["cache_salt"]
+    assert _salt_runs(resp.text, salt) == []
+    (said,) = worker.said
+    _assert_withheld(resp.json()["message"], said, salt)
+
+
+@pytest.mark.parametrize("query", ["status=400", "status=500", "stream=true"])
+async def test_a_stored_responses_retrieval_error_reaches_the_client_without_the_salt(query: str) -> None:
+    worker = QuotingWorker()
+    async with _gateway(worker) as client:
+        made = await client.post(
+            "/v1/responses", json={"model": "m", "input": "hi", "stream": True}, headers=KEY
+        )
+        assert made.status_code == 200
+        rid = worker.bodies[0]["request_id"]
+        resp = await client.get(f"/v1/responses/{rid}?{query}", headers=KEY)
+    salt = worker.bodies[0]["cache_salt"]
+    assert _salt_runs(resp.text, salt) == []
+    said = worker.said[-1]
+    if query == "stream=true":
+        (error,) = [orjson.loads(line[6:]) for line in resp.text.splitlines() if line.startswith("data: {")]
+        _assert_withheld(error["message"], said, salt)
+    else:
+        assert resp.status_code == int(query.split("=")[1])
+        _assert_withheld(resp.json()["error"]["message"], said, salt)
+
+
+async def test_the_salt_is_the_first_field_of_every_body_sent() -> None:
+    """So that a quote of the request cut short after some length keeps it whole, and whole it is
+    withheld; also when the gateway rewrote the body (a stream asks for usage)."""
+    worker = QuotingWorker()
+    async with _gateway(worker) as client:
+        for stream in (False, True):
+            body = {"model": "m", "messages": HI, "stream": stream, "top_logprobs": 2}
+            await client.post("/v1/chat/completions", json=body, headers=KEY)
+    assert [next(iter(body)) for body in worker.bodies] == ["cache_salt", "cache_salt"]
+    assert "stream_options" in worker.bodies[1]
 
 
 def test_a_salt_is_withheld_whole_or_in_the_part_a_quote_cut_short_keeps() -> None:

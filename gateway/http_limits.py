@@ -114,7 +114,9 @@ class ClientGuard:
     count of what was refused, by reason (`kvgate_client_refusals_total`).
 
     Invariants: a connection is in `waiting` exactly when its phase is not APP and it is open;
-    in `stalled` exactly when its writes are paused (its client is not reading) and it is open.
+    in `stalled` exactly when it is open and its writes are paused (its client is not reading),
+    or it was closed with answers still buffered (a close waits for them to be sent, and a buffer
+    below the high-water mark never pauses the writes).
     """
 
     def __init__(self, limits: ClientLimits, refusals: HotCounter) -> None:
@@ -256,8 +258,22 @@ class GuardedHttpToolsProtocol(LingeringHttpToolsProtocol):
             self._guard.stalled.add(self)
 
     def resume_writing(self) -> None:
-        self._guard.stalled.discard(self)
+        if self.transport.is_closing():
+            # Closed with the rest still buffered: bounded until it has gone, counted from now
+            # (the client is reading).
+            self.send_deadline_s = time.monotonic() + self._limits.send_timeout_s
+        else:
+            self._guard.stalled.discard(self)
         super().resume_writing()
+
+    def _close_when_sent(self) -> None:
+        """Close once what is buffered has been sent, and abort at `send_timeout_s` if the client
+        reads none of it by then (`expire_send`): a close waits for the buffer, however long."""
+        transport = self.transport
+        transport.close()
+        if transport.get_write_buffer_size() and self not in self._guard.stalled:
+            self.send_deadline_s = time.monotonic() + self._limits.send_timeout_s
+            self._guard.stalled.add(self)
 
     def data_received(self, data: bytes) -> None:
         if self._ending:  # the parser stopped: what the client still sends is dropped
@@ -374,7 +390,7 @@ class GuardedHttpToolsProtocol(LingeringHttpToolsProtocol):
             self._to_app()
             self._linger()
         else:
-            self.transport.close()
+            self._close_when_sent()
 
     def _head_size(self) -> int:
         """The bytes of the head that ends in the read being parsed (called when it is complete).

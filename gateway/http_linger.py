@@ -82,13 +82,25 @@ class LingeringHttpToolsProtocol(HttpToolsProtocol):
         self._ending = False  # nothing more is parsed: answer what was taken, then linger
         self._dropped_bytes = 0  # read since, and dropped
         self._lingering = False
+        self._linger_deadline: asyncio.TimerHandle | None = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._linger_deadline is not None:  # what it would close is gone
+            self._linger_deadline.cancel()
+            self._linger_deadline = None
+        super().connection_lost(exc)
+
+    def _close_when_sent(self) -> None:
+        """Close the connection once the answers still buffered have been sent (a subclass bounds
+        how long a client that reads none of them may take)."""
+        self.transport.close()
 
     def _drop(self, size: int) -> None:
         """`size` bytes read after the parser stopped: dropped, and counted against `LINGER_BYTES`."""
         self._dropped_bytes += size
         if self._dropped_bytes > LINGER_BYTES:
             if self._lingering:
-                self.transport.close()
+                self._close_when_sent()
             else:  # answers are still owed: read no more until they are written
                 self.flow.pause_reading()
 
@@ -139,9 +151,13 @@ class LingeringHttpToolsProtocol(HttpToolsProtocol):
         # Requests parsed after an answer with `connection: close` are not answered (nor were
         # they when uvicorn closed outright).
         self.pipeline.clear()
+        if self.cycle is not None:
+            # A request still waiting to read its body gets no `100 Continue` after the FIN: its
+            # `receive` would write it first (uvloop refuses a write after `write_eof`).
+            self.cycle.waiting_for_100_continue = False
         if self._dropped_bytes > LINGER_BYTES:
-            transport.close()
+            self._close_when_sent()
             return
         transport.write_eof()
         self.flow.resume_reading()
-        self.loop.call_later(LINGER_S, transport.close)
+        self._linger_deadline = self.loop.call_later(LINGER_S, self._close_when_sent)

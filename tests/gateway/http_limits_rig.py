@@ -27,16 +27,21 @@ LIMITS = ClientLimits(
 
 
 class RecordingTransport(asyncio.Transport):
-    """Keeps what the protocol writes; closing reports the loss to the protocol, as asyncio does.
-    `eof`: the sending side was shut (`write_eof`), as a lingering close does first."""
+    """Keeps what the protocol writes; closing reports the loss to the protocol, as asyncio does,
+    once nothing is `buffered` (bytes the client has not read yet: a close waits for them, an
+    abort drops them). `eof`: the sending side was shut (`write_eof`), as a lingering close does
+    first."""
 
     def __init__(self, protocol: asyncio.Protocol) -> None:
         super().__init__()
         self.protocol = protocol
         self.written = bytearray()
         self.closed = False
+        self.aborted = False
         self.eof = False
         self.reading = True
+        self.buffered = 0
+        self._lost = False
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         assert not self.closed, "written after close"
@@ -49,6 +54,26 @@ class RecordingTransport(asyncio.Transport):
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            if not self.buffered:
+                self._lose()
+
+    def abort(self) -> None:
+        self.aborted = self.closed = True
+        self.buffered = 0
+        self._lose()
+
+    def read_by_client(self) -> None:
+        """The client read all that was buffered; a closed transport is then lost."""
+        self.buffered = 0
+        if self.closed:
+            self._lose()
+
+    def get_write_buffer_size(self) -> int:
+        return self.buffered
+
+    def _lose(self) -> None:
+        if not self._lost:
+            self._lost = True
             asyncio.get_running_loop().call_soon(self.protocol.connection_lost, None)
 
     def is_closing(self) -> bool:

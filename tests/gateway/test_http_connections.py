@@ -97,19 +97,6 @@ async def test_pipelined_requests_up_to_the_limit_are_all_answered_on_an_open_co
     assert rig.refusals("pipelined_requests") == 0
 
 
-class AbortableTransport(RecordingTransport):
-    """A recording transport that can be aborted, as a socket transport is: the loss is reported
-    to the protocol with nothing more written."""
-
-    def __init__(self, protocol: asyncio.Protocol) -> None:
-        super().__init__(protocol)
-        self.aborted = False
-
-    def abort(self) -> None:
-        self.aborted = True
-        self.close()
-
-
 @dataclass
 class SlowReaderApp:
     """Sends its answer's head, then (once `go` is set) its body, noting when the body's send
@@ -129,14 +116,14 @@ class SlowReaderApp:
             self.disconnected.append(True)
 
 
-def slow_reader_rig(rig: Rig) -> tuple[SlowReaderApp, GuardedHttpToolsProtocol, AbortableTransport]:
+def slow_reader_rig(rig: Rig) -> tuple[SlowReaderApp, GuardedHttpToolsProtocol, RecordingTransport]:
     app = SlowReaderApp()
     config = uvicorn.Config(
         app, http=GuardedHttpToolsProtocol, ws="none", lifespan="off", log_level="warning"
     )
     config.load()
     protocol = GuardedHttpToolsProtocol(config, rig.state, {})
-    transport = AbortableTransport(protocol)
+    transport = RecordingTransport(protocol)
     protocol.connection_made(transport)
     return app, protocol, transport
 

@@ -174,3 +174,56 @@ async def test_a_body_refused_while_queued_behind_an_answer_is_dropped_unanswere
     await wait_until(lambda: transport.eof, what="half-closed after the answer")
     (answer,) = answers(transport)
     assert answer.startswith(b"200") and app.paths == ["/x"]  # the refused request never ran
+
+
+async def test_a_request_expecting_100_continue_gets_no_interim_answer_once_the_linger_began(
+    rig: Rig,
+) -> None:
+    """Its app reads its body after the refusal behind it began the linger: uvicorn's `receive`
+    would first write `100 Continue`, after the FIN (the rig's transport, like uvloop's, refuses
+    a write after `write_eof`)."""
+    protocol, transport = rig.connect()
+    expect = b"POST /x HTTP/1.1\r\nHost: h\r\nExpect: 100-continue\r\nContent-Length: 0\r\n\r\n"
+    protocol.data_received(expect + TOO_LARGE_HEAD + b"\r\n\r\n")  # measured when complete
+    assert transport.eof and rig.refusals("header_too_large") == 1
+    await settle()
+    assert rig.app.disconnected == [True]  # its receive says the client left, and writes nothing
+    assert b"100 Continue" not in transport.written
+
+
+async def test_a_linger_ending_with_answers_unread_is_aborted_at_the_send_timeout(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The close at the linger's end waits for the buffered answers, which a client that reads
+    nothing never takes; below the high-water mark its writes never paused."""
+    monkeypatch.setattr(http_linger, "LINGER_S", 0.05)
+    protocol, transport = rig.connect()
+    transport.buffered = 1000  # the refusal's answer, not read
+    protocol.data_received(TOO_LARGE_HEAD)
+    await wait_until(lambda: transport.closed, what="closed at the end of the linger")
+    await settle()
+    assert protocol in rig.state.connections and rig.guard.stalled == {protocol}
+    rig.guard.tick(protocol.send_deadline_s - 1.0)
+    assert not transport.aborted
+    rig.guard.tick(protocol.send_deadline_s + 1.0)
+    assert transport.aborted and rig.refusals("send_timeout") == 1
+    await settle()
+    assert protocol not in rig.state.connections and not rig.guard.stalled
+
+
+@pytest.mark.parametrize("reads", [False, True])
+async def test_a_close_after_an_answer_waits_for_a_client_that_reads_it(rig: Rig, reads: bool) -> None:
+    """The same bound on uvicorn's close after an answer to a client that asked to close; a
+    client that reads what was buffered is let go without an abort."""
+    protocol, transport = rig.connect()
+    transport.buffered = 1000
+    protocol.data_received(b"GET /x HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n")
+    await wait_until(lambda: transport.closed, what="closed after its answer")
+    assert transport.status() == 200 and rig.guard.stalled == {protocol}
+    if reads:
+        transport.read_by_client()
+    else:
+        rig.guard.tick(protocol.send_deadline_s + 1.0)
+    await settle()
+    assert transport.aborted is not reads and protocol not in rig.state.connections
+    assert not rig.guard.stalled and rig.refusals("send_timeout") == (0 if reads else 1)

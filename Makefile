@@ -31,11 +31,12 @@ typecheck: $(DEV_STAMP)
 	$(BIN)/mypy
 
 # Two test processes: most tests wait on processes they start, so two use a 2-core machine
-# better than one (README). `make test PYTEST_JOBS=0` runs them in one.
+# better than one (README). `make test PYTEST_JOBS=0` runs them in one. A test file runs whole
+# in one process, in order: its tests share module-scoped stacks of real processes.
 PYTEST_JOBS ?= 2
 
 pytest: $(DEV_STAMP)
-	$(BIN)/pytest -q -n $(PYTEST_JOBS)
+	$(BIN)/pytest -q -n $(PYTEST_JOBS) --dist loadfile
 
 test: lint typecheck pytest
 

@@ -29,7 +29,8 @@ from starlette.types import ASGIApp
 from gateway.app import build_app, build_metrics_app, drain
 from gateway.config import DrainConfig, GatewayConfig
 from gateway.config.base import ConfigError
-from gateway.http_limits import ClientGuard, ClientLimits, GuardedHttpToolsProtocol, GuardedServerState
+from gateway.http_guard import ClientGuard, ClientLimits, GuardedServerState
+from gateway.http_limits import GuardedHttpToolsProtocol
 from gateway.policy_watch import LoadedPolicy, PolicyWatcher
 from gateway.precise import install_token_hasher
 from gateway.state import GatewayState, PolicySwap, build_state

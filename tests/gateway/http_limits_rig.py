@@ -13,7 +13,8 @@ import pytest
 import uvicorn
 from starlette.types import Receive, Scope, Send
 
-from gateway.http_limits import ClientGuard, ClientLimits, GuardedHttpToolsProtocol, GuardedServerState
+from gateway.http_guard import ClientGuard, ClientLimits, GuardedServerState
+from gateway.http_limits import GuardedHttpToolsProtocol
 from gateway.metrics import GatewayMetrics
 
 LIMITS = ClientLimits(

@@ -12,13 +12,8 @@ import uvicorn
 from starlette.types import Receive, Scope, Send
 
 from gateway.config import LimitsConfig
-from gateway.http_limits import (
-    MAX_PIPELINED,
-    ClientGuard,
-    ClientLimits,
-    GuardedHttpToolsProtocol,
-    GuardedServerState,
-)
+from gateway.http_guard import ClientGuard, ClientLimits, GuardedServerState
+from gateway.http_limits import MAX_PIPELINED, GuardedHttpToolsProtocol
 from tests.gateway.http_limits_rig import GET, LIMITS, RecordingTransport, Rig, rig, settle
 
 __all__ = ["rig"]  # the fixture

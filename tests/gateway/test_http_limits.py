@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from gateway.config import LimitsConfig
-from gateway.http_limits import BODY, HEAD, IDLE, ClientLimits
+from gateway.http_guard import ClientLimits
+from gateway.http_limits import BODY, HEAD, IDLE
 from tests.gateway.http_limits_rig import GET, LIMITS, Rig, post_head, rig, settle
 
 __all__ = ["rig"]  # the fixture

@@ -14,7 +14,8 @@ import uvicorn
 from starlette.types import Receive, Scope, Send
 
 from gateway import http_linger
-from gateway.http_limits import MAX_PIPELINED, ClientGuard, GuardedHttpToolsProtocol, GuardedServerState
+from gateway.http_guard import ClientGuard, GuardedServerState
+from gateway.http_limits import MAX_PIPELINED, GuardedHttpToolsProtocol
 from tests.gateway.http_limits_rig import GET, LIMITS, RecordingTransport, Rig, post_head, rig, settle
 from tests.support.wait import wait_until
 

@@ -10,7 +10,9 @@ Runs side by side on one host (the test suite's parallel workers) each set `KVGA
 `i/n`: a process then hands out only ports whose half (port // 2) is congruent to i modulo n, so
 two runs never pick the same port between picking and binding it. Halves, because Linux hands
 `bind` to port 0 ports of one parity (it keeps the other for `connect`). The variable is inherited
-by the processes a run starts, and the gateway's demo picks its workers' ports the same way.
+by the processes a run starts, and the gateway's demo picks its workers' ports the same way
+(`gateway.demo.free_port`: the import contracts keep gateway and loadtest apart, so each has
+its picker; `tests/loadtest/test_ports.py` holds both to the rule).
 """
 
 from __future__ import annotations

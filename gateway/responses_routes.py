@@ -3,7 +3,7 @@
 Only the tenant that created a response reaches it: an id that is not the asking tenant's
 (`responses_ids`, told from the id alone) is vLLM's 404, answered without asking a worker. One of
 its own goes to the worker this process saw create it (`responses_affinity`), or, when this
-process does not know it, to the first healthy worker that answers it other than 404 (each asked
+process does not know it, to the first healthy worker that answers a `GET` of it 200 (each asked
 in turn: `responses_affinity.find_holder`; the gateway's 404 when none does). The request counts
 against the tenant's concurrency and rpm like any other; the worker's answer is passed through
 (its errors in the gateway's shape), and a retrieve the worker answers with an event stream
@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import aiohttp
 from starlette.requests import Request
@@ -32,7 +33,7 @@ from gateway.outcome import CLIENT_DISCONNECTED, record_refusal
 from gateway.quotas import Rejection
 from gateway.registry import Pool, Registry, Worker
 from gateway.request_head import RequestIds, client_request_id, new_request_id
-from gateway.responses_affinity import ResponseAffinity, find_holder, not_found, stored_url
+from gateway.responses_affinity import ResponseAffinity, find_holder, holds, not_found, stored_url
 from gateway.responses_stream import StoredResponseStream
 from gateway.routing import Routing
 from gateway.streaming import AiohttpSource
@@ -175,25 +176,31 @@ class _Retrieval:
     tracing: bool
     request_id: str
 
-    async def ask(self, pool: Pool, worker_url: str) -> AiohttpSource:
-        """The worker's answer head, asked with the headers a proxied request carries (the
-        pool's worker key, the headers it forwards, the client's trace context while tracing)
-        and the client's query string."""
-        url = stored_url(worker_url, self.response_id, self.suffix)
+    def headers(self, pool: Pool) -> list[tuple[str, str]]:
+        """The headers a proxied request carries to a worker of `pool`: the pool's worker key,
+        the headers it forwards, the client's trace context while tracing."""
         raw = self.request.scope["headers"]
         headers = [("x-request-id", self.request_id), *pool.auth.headers.items()]
         if pool.forward:
             headers += aiohttp_pairs(pick(raw, pool.forward))
         if self.tracing:
             headers += aiohttp_pairs(pick(raw, _TRACE_CONTEXT))
+        return headers
+
+    async def ask(self, pool: Pool, worker_url: str) -> AiohttpSource:
+        """The worker's answer head to the client's request (its method and query string)."""
         resp = await self.transport.upstream().request(
             self.request.method,
-            url,
-            headers=headers,
+            stored_url(worker_url, self.response_id, self.suffix),
+            headers=self.headers(pool),
             params=list(self.request.query_params.multi_items()),
             timeout=pool.client_timeout,
         )
         return AiohttpSource(resp, self.transport.answers.share(self.tenant))
+
+    async def holds(self, pool: Pool, worker: Worker) -> Literal[True] | None:
+        """Whether `worker` holds the response (`responses_affinity.holds`)."""
+        return await holds(self.transport.upstream(), pool, worker, self.response_id, self.headers(pool))
 
 
 async def _to_holder(
@@ -211,37 +218,32 @@ async def _to_holder(
     if pool is None or held.worker not in pool.workers:
         raise not_found(call.response_id)
     worker = pool.workers[held.worker]
-    try:
-        source = await call.ask(pool, worker.url)
-    except TimeoutError:
-        raise upstream_error(504, "the worker holding the response did not answer in time") from None
-    except (aiohttp.ClientError, OSError) as exc:
-        raise _unreachable(exc) from None
-    return pool, worker.url, source
+    return pool, worker.url, await _ask_holder(call, pool, worker)
 
 
 async def _find_holder(
     responses: ResponseAffinity, registry: Registry, call: _Retrieval
 ) -> tuple[Pool, str, AiohttpSource]:
     """A tenant's own response this process does not know (routed by another process or replica,
-    or before a restart): the first answer other than vLLM's 404 from the healthy workers of
-    every pool, in the registry's order (`responses_affinity.find_holder`); the gateway's 404
-    when none holds it. A worker that answers 200 is remembered as the holder."""
-
-    async def answer(pool: Pool, worker: Worker) -> AiohttpSource | None:
-        source = await call.ask(pool, worker.url)
-        if source.status == 404:
-            source.close()
-            return None
-        return source
-
-    found = await find_holder(registry.pools.values(), answer)
+    or before a restart): the first of the healthy workers of every pool, in the registry's
+    order, that answers a `GET` of it 200 (`responses_affinity.find_holder`) is remembered as
+    its holder and asked the client's request; the gateway's 404 when none holds it."""
+    found = await find_holder(registry.pools.values(), call.holds)
     if found is None:
         raise not_found(call.response_id)
-    pool, worker, source = found.pool, found.worker, found.answer
-    if source.status == 200:
-        responses.learn(call.response_id, call.tenant, pool.name, worker.worker_id, time.monotonic())
-    return pool, worker.url, source
+    pool, worker = found.pool, found.worker
+    responses.learn(call.response_id, call.tenant, pool.name, worker.worker_id, time.monotonic())
+    return pool, worker.url, await _ask_holder(call, pool, worker)
+
+
+async def _ask_holder(call: _Retrieval, pool: Pool, worker: Worker) -> AiohttpSource:
+    """The holder's answer head to the client's request; its failures as the client's errors."""
+    try:
+        return await call.ask(pool, worker.url)
+    except TimeoutError:
+        raise upstream_error(504, "the worker holding the response did not answer in time") from None
+    except (aiohttp.ClientError, OSError) as exc:
+        raise _unreachable(exc) from None
 
 
 async def _whole(source: AiohttpSource, timeouts: TimeoutsConfig) -> tuple[int, bytes]:

@@ -7,9 +7,11 @@ process does not know it, to the first healthy worker that answers a `GET` of it
 in turn: `responses_affinity.find_holder`; the gateway's 404 when none does). The request counts
 against the tenant's concurrency and rpm like any other; the worker's answer is passed through
 (its errors in the gateway's shape), and a retrieve the worker answers with an event stream
-(`stream=true`) is relayed as one (`responses_stream.py`). The worker gets what a proxied request
-would send it: the pool's API key for its workers, the client headers the pool forwards, and the
-query string (`stream`, `starting_after`).
+(`stream=true`) is relayed as one (`responses_stream.py`). As on the proxied routes, a client
+that leaves while the request waits on a worker closes the worker's request (counted 499), and
+the drain deadline answers one still waiting with 503 `gateway_shutting_down`. The worker gets
+what a proxied request would send it: the pool's API key for its workers, the client headers the
+pool forwards, and the query string (`stream`, `starting_after`).
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.config.pool import TimeoutsConfig
+from gateway.disconnect import DisconnectGuard
 from gateway.errors import ApiError, normalize_worker_error, upstream_error, withhold_salts
 from gateway.failure import TRANSPORT_ERRORS, Stage, failure_of
 from gateway.gate import Gate
-from gateway.lifecycle import Lifecycle
+from gateway.lifecycle import Lifecycle, shutting_down
 from gateway.outcome import CLIENT_DISCONNECTED, record_refusal
 from gateway.quotas import Rejection
 from gateway.registry import Pool, Registry, Worker
@@ -114,6 +117,16 @@ def responses_routes(
                 worker=worker,
             )
 
+        if lifecycle.past_deadline:  # arrived just before the listener closed
+            ended = shutting_down()
+            done(ended.status, ended.code)
+            return error(ended, reply_id)
+        # Until the worker's answer is whole (or its stream is handed on), the client leaving
+        # cancels the request, and so closes the worker's, as the drain deadline does.
+        guard = DisconnectGuard(request.receive, lifecycle.disconnects)
+        task = asyncio.current_task()
+        assert task is not None
+        lifecycle.dispatch_started(task)
         try:
             try:
                 call = _Retrieval(
@@ -137,13 +150,21 @@ def responses_routes(
             except ApiError as err:
                 done(err.status, err.code or err.type)
                 return error(err, reply_id)
-        except BaseException as exc:
-            # The client left, or a bug.
-            if isinstance(exc, asyncio.CancelledError):
-                done(499, CLIENT_DISCONNECTED)
-            else:
-                done(500, "internal_error")
+        except asyncio.CancelledError:
+            if lifecycle.ended_by_drain():
+                ended = shutting_down()
+                done(ended.status, ended.code)
+                return error(ended, reply_id)
+            done(499, CLIENT_DISCONNECTED)
+            if guard.fired:
+                return Response(status_code=499)  # to no one: the client has gone
             raise
+        except BaseException:
+            done(500, "internal_error")  # a bug
+            raise
+        finally:
+            lifecycle.dispatch_ended(task)
+            guard.close()
         done(status)
         if status >= 400:
             body = normalize_worker_error(status, body)

@@ -26,7 +26,9 @@ Rules, all checked here:
   its pool that holds it, the first of its healthy workers to answer 200 when asked in turn
   (`responses_follow_up.locate_previous`), and remembered; vLLM's 404 when none holds it. A `GET`
   or `cancel` of one asks the workers of every pool (`responses_routes`). Both look with the one
-  search, `find_holder`.
+  search, `find_holder`, and a worker holds the response when it answers a `GET` of it 200
+  (`holds`): another pool's worker may answer anything else (vLLM's 400 where its model serves no
+  Responses API).
 
 The map is bounded: at most `max_entries` ids, each forgotten `ttl_s` after its last use. Each of
 the `tenants` tenants is reserved an equal share, `max_entries // tenants` ids: when the map is
@@ -40,7 +42,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 from urllib.parse import quote
 
 import aiohttp
@@ -54,6 +56,8 @@ from policies.base import Outcome, RouteDecision, WorkerId, WorkerView
 from policies.records import record
 
 PINNED_REASON = "response_affinity"
+# The headers a worker is asked with (name, value), as aiohttp takes them.
+Headers = Mapping[str, str] | Sequence[tuple[str, str]]
 
 
 @record
@@ -241,15 +245,26 @@ def stored_url(worker_url: str, response_id: str, suffix: str = "") -> str:
     return f"{worker_url}/v1/responses/{quote(response_id, safe='')}{suffix}"
 
 
+async def holds(
+    session: aiohttp.ClientSession, pool: Pool, worker: Worker, response_id: str, headers: Headers
+) -> Literal[True] | None:
+    """True when `worker` holds stored response `response_id` (None otherwise, for `find_holder`):
+    it answers a plain `GET` of it 200 (body unread). Any other answer says nothing about where
+    the response is: vLLM's 404 when it does not hold it, and its 400 on every
+    `/v1/responses/{id}` route when its model serves no Responses API (an embeddings pool)."""
+    url = stored_url(worker.url, response_id)
+    async with session.get(url, headers=headers, timeout=pool.client_timeout) as resp:
+        return True if resp.status == 200 else None
+
+
 async def find_holder(
     pools: Iterable[Pool], ask: Callable[[Pool, Worker], Awaitable[T | None]]
 ) -> Found[T] | None:
     """The holder of a stored response this process does not know: the healthy workers of
     `pools` are asked in turn, in the pools' and then the workers' order (`ask`: what the
-    worker answered, None when it does not hold the response), and the first answer that is not
-    None ends the search. A worker that cannot be reached or does not answer in time is passed
-    over; None when no worker holds it. Only the callers know what holding means (a follow-up
-    wants a 200; a retrieve relays the first answer that is not a 404) and what to remember."""
+    worker answered, None when it does not hold the response; `holds`), and the first answer
+    that is not None ends the search. A worker that cannot be reached or does not answer in time
+    is passed over; None when no worker holds it."""
     for pool in tuple(pools):
         for worker in tuple(pool.workers.values()):
             if not worker.healthy:

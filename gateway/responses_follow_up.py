@@ -15,7 +15,7 @@ from typing import Literal
 from gateway.admission import Admitted
 from gateway.errors import ApiError
 from gateway.registry import Pool, Worker
-from gateway.responses_affinity import find_holder, not_found, stored_url
+from gateway.responses_affinity import find_holder, holds, not_found
 from gateway.transport import Transport
 
 
@@ -28,12 +28,10 @@ async def locate_previous(a: Admitted, transport: Transport) -> ApiError | None:
         return None
     headers = {"x-request-id": a.request_id, **a.pool.auth.headers}
 
-    async def holds(pool: Pool, worker: Worker) -> Literal[True] | None:
-        url = stored_url(worker.url, previous)
-        async with transport.upstream().get(url, headers=headers, timeout=pool.client_timeout) as resp:
-            return True if resp.status == 200 else None  # its body unread
+    async def holding(pool: Pool, worker: Worker) -> Literal[True] | None:
+        return await holds(transport.upstream(), pool, worker, previous, headers)
 
-    found = await find_holder((a.pool,), holds)
+    found = await find_holder((a.pool,), holding)
     if found is None:
         return not_found(previous)
     holder = found.worker.worker_id

@@ -3,13 +3,15 @@
 Only the tenant that created a response reaches it: an id that is not the asking tenant's
 (`responses_ids`, told from the id alone) is vLLM's 404, answered without asking a worker. One of
 its own goes to the worker this process saw create it (`responses_affinity`), or, when this
-process does not know it, to the first healthy worker that answers it other than 404 (each asked
+process does not know it, to the first healthy worker that answers a `GET` of it 200 (each asked
 in turn: `responses_affinity.find_holder`; the gateway's 404 when none does). The request counts
 against the tenant's concurrency and rpm like any other; the worker's answer is passed through
 (its errors in the gateway's shape), and a retrieve the worker answers with an event stream
-(`stream=true`) is relayed as one (`responses_stream.py`). The worker gets what a proxied request
-would send it: the pool's API key for its workers, the client headers the pool forwards, and the
-query string (`stream`, `starting_after`).
+(`stream=true`) is relayed as one (`responses_stream.py`). As on the proxied routes, a client
+that leaves while the request waits on a worker closes the worker's request (counted 499), and
+the drain deadline answers one still waiting with 503 `gateway_shutting_down`. The worker gets
+what a proxied request would send it: the pool's API key for its workers, the client headers the
+pool forwards, and the query string (`stream`, `starting_after`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import aiohttp
 from starlette.requests import Request
@@ -24,15 +27,16 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.config.pool import TimeoutsConfig
+from gateway.disconnect import DisconnectGuard
 from gateway.errors import ApiError, normalize_worker_error, upstream_error, withhold_salts
 from gateway.failure import TRANSPORT_ERRORS, Stage, failure_of
 from gateway.gate import Gate
-from gateway.lifecycle import Lifecycle
+from gateway.lifecycle import Lifecycle, shutting_down
 from gateway.outcome import CLIENT_DISCONNECTED, record_refusal
 from gateway.quotas import Rejection
 from gateway.registry import Pool, Registry, Worker
 from gateway.request_head import RequestIds, client_request_id, new_request_id
-from gateway.responses_affinity import ResponseAffinity, find_holder, not_found, stored_url
+from gateway.responses_affinity import ResponseAffinity, find_holder, holds, not_found, stored_url
 from gateway.responses_stream import StoredResponseStream
 from gateway.routing import Routing
 from gateway.streaming import AiohttpSource
@@ -113,6 +117,16 @@ def responses_routes(
                 worker=worker,
             )
 
+        if lifecycle.past_deadline:  # arrived just before the listener closed
+            ended = shutting_down()
+            done(ended.status, ended.code)
+            return error(ended, reply_id)
+        # Until the worker's answer is whole (or its stream is handed on), the client leaving
+        # cancels the request, and so closes the worker's, as the drain deadline does.
+        guard = DisconnectGuard(request.receive, lifecycle.disconnects)
+        task = asyncio.current_task()
+        assert task is not None
+        lifecycle.dispatch_started(task)
         try:
             try:
                 call = _Retrieval(
@@ -136,13 +150,21 @@ def responses_routes(
             except ApiError as err:
                 done(err.status, err.code or err.type)
                 return error(err, reply_id)
-        except BaseException as exc:
-            # The client left, or a bug.
-            if isinstance(exc, asyncio.CancelledError):
-                done(499, CLIENT_DISCONNECTED)
-            else:
-                done(500, "internal_error")
+        except asyncio.CancelledError:
+            if lifecycle.ended_by_drain():
+                ended = shutting_down()
+                done(ended.status, ended.code)
+                return error(ended, reply_id)
+            done(499, CLIENT_DISCONNECTED)
+            if guard.fired:
+                return Response(status_code=499)  # to no one: the client has gone
             raise
+        except BaseException:
+            done(500, "internal_error")  # a bug
+            raise
+        finally:
+            lifecycle.dispatch_ended(task)
+            guard.close()
         done(status)
         if status >= 400:
             body = normalize_worker_error(status, body)
@@ -175,25 +197,31 @@ class _Retrieval:
     tracing: bool
     request_id: str
 
-    async def ask(self, pool: Pool, worker_url: str) -> AiohttpSource:
-        """The worker's answer head, asked with the headers a proxied request carries (the
-        pool's worker key, the headers it forwards, the client's trace context while tracing)
-        and the client's query string."""
-        url = stored_url(worker_url, self.response_id, self.suffix)
+    def headers(self, pool: Pool) -> list[tuple[str, str]]:
+        """The headers a proxied request carries to a worker of `pool`: the pool's worker key,
+        the headers it forwards, the client's trace context while tracing."""
         raw = self.request.scope["headers"]
         headers = [("x-request-id", self.request_id), *pool.auth.headers.items()]
         if pool.forward:
             headers += aiohttp_pairs(pick(raw, pool.forward))
         if self.tracing:
             headers += aiohttp_pairs(pick(raw, _TRACE_CONTEXT))
+        return headers
+
+    async def ask(self, pool: Pool, worker_url: str) -> AiohttpSource:
+        """The worker's answer head to the client's request (its method and query string)."""
         resp = await self.transport.upstream().request(
             self.request.method,
-            url,
-            headers=headers,
+            stored_url(worker_url, self.response_id, self.suffix),
+            headers=self.headers(pool),
             params=list(self.request.query_params.multi_items()),
             timeout=pool.client_timeout,
         )
         return AiohttpSource(resp, self.transport.answers.share(self.tenant))
+
+    async def holds(self, pool: Pool, worker: Worker) -> Literal[True] | None:
+        """Whether `worker` holds the response (`responses_affinity.holds`)."""
+        return await holds(self.transport.upstream(), pool, worker, self.response_id, self.headers(pool))
 
 
 async def _to_holder(
@@ -211,37 +239,32 @@ async def _to_holder(
     if pool is None or held.worker not in pool.workers:
         raise not_found(call.response_id)
     worker = pool.workers[held.worker]
-    try:
-        source = await call.ask(pool, worker.url)
-    except TimeoutError:
-        raise upstream_error(504, "the worker holding the response did not answer in time") from None
-    except (aiohttp.ClientError, OSError) as exc:
-        raise _unreachable(exc) from None
-    return pool, worker.url, source
+    return pool, worker.url, await _ask_holder(call, pool, worker)
 
 
 async def _find_holder(
     responses: ResponseAffinity, registry: Registry, call: _Retrieval
 ) -> tuple[Pool, str, AiohttpSource]:
     """A tenant's own response this process does not know (routed by another process or replica,
-    or before a restart): the first answer other than vLLM's 404 from the healthy workers of
-    every pool, in the registry's order (`responses_affinity.find_holder`); the gateway's 404
-    when none holds it. A worker that answers 200 is remembered as the holder."""
-
-    async def answer(pool: Pool, worker: Worker) -> AiohttpSource | None:
-        source = await call.ask(pool, worker.url)
-        if source.status == 404:
-            source.close()
-            return None
-        return source
-
-    found = await find_holder(registry.pools.values(), answer)
+    or before a restart): the first of the healthy workers of every pool, in the registry's
+    order, that answers a `GET` of it 200 (`responses_affinity.find_holder`) is remembered as
+    its holder and asked the client's request; the gateway's 404 when none holds it."""
+    found = await find_holder(registry.pools.values(), call.holds)
     if found is None:
         raise not_found(call.response_id)
-    pool, worker, source = found.pool, found.worker, found.answer
-    if source.status == 200:
-        responses.learn(call.response_id, call.tenant, pool.name, worker.worker_id, time.monotonic())
-    return pool, worker.url, source
+    pool, worker = found.pool, found.worker
+    responses.learn(call.response_id, call.tenant, pool.name, worker.worker_id, time.monotonic())
+    return pool, worker.url, await _ask_holder(call, pool, worker)
+
+
+async def _ask_holder(call: _Retrieval, pool: Pool, worker: Worker) -> AiohttpSource:
+    """The holder's answer head to the client's request; its failures as the client's errors."""
+    try:
+        return await call.ask(pool, worker.url)
+    except TimeoutError:
+        raise upstream_error(504, "the worker holding the response did not answer in time") from None
+    except (aiohttp.ClientError, OSError) as exc:
+        raise _unreachable(exc) from None
 
 
 async def _whole(source: AiohttpSource, timeouts: TimeoutsConfig) -> tuple[int, bytes]:

@@ -48,16 +48,18 @@ class NamedEventRelay(EventRelay):
 
     ENDS_AT_TERMINAL = True
     MARKERS: tuple[bytes, ...] = ()
-    __slots__ = ("_forwarded", "response_id")
+    __slots__ = ("_forwarded", "_last", "response_id")
 
     def __init__(self) -> None:
         super().__init__()
         self._forwarded = 0  # events forwarded so far (a Responses error event numbers itself after them)
+        self._last = b""  # bytes that end with the last event forwarded (read only for an error event)
         self.response_id: str | None = None
 
     def _events(self, head: bytes) -> bytes:
         if not any(marker in head for marker in self.MARKERS):
             self._forwarded += head.count(b"\n\n")
+            self._last = head
             return head
         out: list[bytes] = []
         for event in head.split(b"\n\n"):
@@ -73,6 +75,7 @@ class NamedEventRelay(EventRelay):
             else:
                 out.append(event + b"\n\n")
             self._forwarded += 1
+            self._last = event
             if self.done:
                 self._pending = b""  # nothing after the terminal event is part of the answer
                 break
@@ -139,6 +142,22 @@ class ResponsesRelay(NamedEventRelay):
         elif kind == "error":
             self.error = worker_error_of(obj)
 
+    def _next_sequence_number(self) -> int:
+        """The `sequence_number` after the last event forwarded: its own plus one (a retrieve
+        resumed with `starting_after` starts past 0), or the count of events forwarded when it
+        has none."""
+        last = self._last.rstrip(b"\n")
+        event = last[last.rfind(b"\n\n") + 1 :]
+        payload = data_of(event.strip(b"\n"))
+        try:
+            obj = orjson.loads(payload) if payload is not None else None
+        except orjson.JSONDecodeError:
+            obj = None
+        seq = obj.get("sequence_number") if isinstance(obj, dict) else None
+        if isinstance(seq, int) and not isinstance(seq, bool) and seq >= 0:
+            return seq + 1
+        return self._forwarded
+
     def error_event(self, message: str | None = None, code: str | None = None) -> bytes:
         error = self.error
         data = {
@@ -146,7 +165,7 @@ class ResponsesRelay(NamedEventRelay):
             "code": code if code is not None else (error.code if error else None),
             "message": message if message is not None else (error.message if error else ""),
             "param": error.param if error is not None and message is None else None,
-            "sequence_number": self._forwarded,
+            "sequence_number": self._next_sequence_number(),
         }
         return b"event: error\ndata: " + orjson.dumps(data) + b"\n\n"
 

@@ -23,6 +23,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from gateway import anthropic
 from gateway.admin import admin_routes
 from gateway.admission import Admitted, Refused, admit, authenticate, enter, read_body
 from gateway.auth import Tenant
@@ -42,6 +43,9 @@ from gateway.routes import ROUTES, ApiRoute
 from gateway.routing import Routing
 from gateway.state import GatewayState
 from gateway.surface import error, json_response, surface_routes
+
+# Anthropic's API lives under this path: errors there take its shape, known route or not.
+ANTHROPIC_PATH = "/v1/messages"
 
 log = logging.getLogger("kvgate.app")
 
@@ -364,11 +368,23 @@ async def _flush_logs(routing: Routing) -> None:
             routing.decision_log.flush()
 
 
+def _route_error(request: Request, err: ApiError) -> Response:
+    """`err` in the shape of the API the path belongs to: Anthropic's under `/v1/messages`
+    (its clients read no other), the OpenAI shape elsewhere."""
+    path = request.url.path
+    if path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/"):
+        headers = {"x-request-id": request_id_of(request), **err.headers}
+        return Response(
+            anthropic.error_body(err.status, err.message), err.status, headers, "application/json"
+        )
+    return error(err, request_id_of(request))
+
+
 async def _not_found(request: Request, exc: Exception) -> Response:
     err = ApiError(
         404, f"unknown route {request.method} {request.url.path}", "invalid_request_error", "not_found"
     )
-    return error(err, request_id_of(request))
+    return _route_error(request, err)
 
 
 async def _method_not_allowed(request: Request, exc: Exception) -> Response:
@@ -378,10 +394,10 @@ async def _method_not_allowed(request: Request, exc: Exception) -> Response:
         "invalid_request_error",
         "method_not_allowed",
     )
-    return error(err, request_id_of(request))
+    return _route_error(request, err)
 
 
 async def _internal(request: Request, exc: Exception) -> Response:
     log.error("unhandled error", exc_info=exc, extra={"path": request.url.path})
     err = ApiError(500, "internal gateway error", "server_error", "internal_error")
-    return error(err, request_id_of(request))
+    return _route_error(request, err)

@@ -15,6 +15,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 import orjson
 from starlette.convertors import Convertor, register_url_convertor
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -141,13 +142,7 @@ def surface_routes(keyring: KeyRing, registry: Registry, created_s: int) -> list
         return json_response({"version": VERSION}, 200, request_id_of(request))
 
     async def not_allowed(request: Request) -> Response:
-        err = ApiError(
-            405,
-            f"method {request.method} not allowed on {request.url.path}",
-            "invalid_request_error",
-            "method_not_allowed",
-        )
-        return error(err, request_id_of(request))
+        raise HTTPException(405)  # answered by the app's 405 handler, in the route's API's shape
 
     return [
         *(Route(path, not_allowed, methods=["GET", "PUT", "DELETE", "PATCH"]) for path in ROUTES),

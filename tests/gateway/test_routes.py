@@ -238,6 +238,17 @@ async def test_errors_on_the_messages_routes_have_anthropics_shape(rig: Rig) -> 
     assert resp.headers["retry-after"] == "1"
 
 
+async def test_unknown_routes_and_methods_under_messages_answer_in_anthropics_shape(rig: Rig) -> None:
+    _anthropic_error(await rig.client.get("/v1/messages", headers=KEY), 405, "invalid_request_error")
+    resp = await rig.client.post("/v1/messages/batches", json={}, headers=KEY)
+    assert _anthropic_error(resp, 404, "not_found_error") == "unknown route POST /v1/messages/batches"
+    assert resp.headers["x-request-id"]
+    # Elsewhere, and on a path that only begins like it, the OpenAI shape.
+    for path in ("/v1/nothing", "/v1/messagesx"):
+        resp = await rig.client.post(path, json={}, headers=KEY)
+        assert resp.status_code == 404 and resp.json()["error"]["code"] == "not_found"
+
+
 @pytest.mark.parametrize("fault", [None, "done_after_stop", "die", "error"])
 async def test_a_messages_stream_relays_anthropic_events(rig: Rig, fault: str | None) -> None:
     for w in rig.workers:

@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from gateway.config.sync import SyncConfig
-from gateway.sync.codec import PUBLISH_BATCH_KEYS, SyncBatch
+from gateway.sync.codec import PUBLISH_BATCH_ITEMS, PUBLISH_BATCH_KEYS, SyncBatch
 from policies.base import WorkerId
 from policies.peer_sync import NO_LOAD, LoadCounts, PeerCalibration, PeerHolding, PeerItem, PeerLoad
 
@@ -102,7 +102,8 @@ class SyncPublisher:
         self, loads: Iterable[PeerLoad], now_s: float, max_bytes: int = 1 << 20
     ) -> SyncBatch | None:
         """The next batch: the in-flight loads that changed since they were last sent (all of
-        them when a full snapshot is due), then queued items, at most `batch_max_items` and while
+        them when a full snapshot is due), then queued items, at most `batch_max_items` (and
+        `PUBLISH_BATCH_ITEMS`) and while
         the batch stays within `max_bytes` encoded and `PUBLISH_BATCH_KEYS` keys. None when there
         is nothing to send."""
         full = self.full_load_due(now_s)
@@ -112,7 +113,8 @@ class SyncPublisher:
         items: list[PeerItem] = []
         first_queued_s: float | None = None
         keys_left = PUBLISH_BATCH_KEYS
-        while queue and len(items) < self.config.batch_max_items:
+        max_items = min(self.config.batch_max_items, PUBLISH_BATCH_ITEMS)  # peers refuse many more
+        while queue and len(items) < max_items:
             size, keys = item_bytes(queue[0]), item_keys(queue[0])
             if size > budget or keys > keys_left:
                 if items or (size <= max_bytes - _HEAD_BYTES and keys <= PUBLISH_BATCH_KEYS):

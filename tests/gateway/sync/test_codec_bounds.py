@@ -1,0 +1,122 @@
+"""What one hostile batch can make a receiver build: never much more than the batch itself.
+
+A msgpack message of 1 MiB (NATS's default `max_payload`; the chart's broker takes 8 MiB) can
+describe a million empty arrays, each a Python list of about 72 bytes: decoded whole, before any
+check of its shape, such a batch cost 75 MB and a second of the event loop (600 MB and 4 s at
+8 MiB). The decoder builds only what the wire format has room for.
+"""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import msgpack
+import pytest
+
+from gateway.config.sync import SyncConfig
+from gateway.sync.codec import (
+    MAX_BATCH_ITEMS,
+    MAX_BATCH_LOADS,
+    PUBLISH_BATCH_ITEMS,
+    MalformedBatch,
+    SyncBatch,
+    decode,
+    encode,
+)
+from gateway.sync.publisher import SyncPublisher
+from policies.base import WorkerId
+from policies.peer_sync import PeerHolding, PeerLoad, PeerOutcome
+from prompt_normalizer.types import BlockKey
+
+_MIB = 1 << 20
+
+
+def _array(n: int, each: bytes) -> bytes:
+    return b"\xdd" + n.to_bytes(4, "big") + each * n
+
+
+def _batch(field: bytes, value: bytes) -> bytes:
+    """A good batch (`_GOOD`) with `field` set to the raw msgpack `value`, `field` written last."""
+    doc = msgpack.unpackb(_GOOD, raw=False)
+    doc.pop(field.decode(), None)
+    head = msgpack.packb(doc, use_bin_type=True)
+    n = len(doc) + 1
+    assert head[0] == 0x80 | len(doc) and n < 16
+    return bytes([0x80 | n]) + head[1:] + msgpack.packb(field.decode()) + value
+
+
+_GOOD = encode(
+    SyncBatch(
+        "gw-a", 1, 0.0, True,
+        (PeerHolding(1, "p", 16, "tenant:a", (BlockKey(7),), WorkerId("w0"), 16, 0), PeerOutcome(1, True)),
+        (PeerLoad("p", WorkerId("w0"), 1, 16, 0),),
+    )
+)  # fmt: skip
+
+
+def _nested(depth: int, width_bytes: int) -> bytes:
+    """Arrays nested `depth` deep, each holding `width_bytes` empty arrays before the next level."""
+    level = b"\xdd" + (width_bytes + 1).to_bytes(4, "big") + b"\x90" * width_bytes
+    return level * depth + b"\x90" * 1
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        (b"i", _array(_MIB, b"\x90")),  # a million empty items
+        (b"l", _array(_MIB // 2, b"\x91\x90")),  # load rows of one empty array each
+        (b"p", _array(_MIB // 3, b"\xa2ab")),  # a string table of 350,000 two-letter names
+        (b"x", _array(_MIB, b"\x80")),  # a million empty maps
+        (b"z", _array(_MIB, b"\x90")),  # a field of a later release, as large
+        (b"z", _nested(200, 5300)),  # deep, with room at every level
+    ],
+)
+def test_a_hostile_batch_builds_little_before_it_is_refused_or_skipped(field: bytes, value: bytes) -> None:
+    data = _batch(field, value)
+    assert _MIB <= len(data) <= 2 * _MIB
+    tracemalloc.start()
+    try:
+        try:
+            batch = decode(data, now_wall_s=0.0)
+        except MalformedBatch:
+            assert field != b"z"
+        else:
+            assert field == b"z" and batch == decode(_GOOD, now_wall_s=0.0)  # a later release's field
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # The unpacker's copy of the batch, grown as it is fed (whole, the batch cost 75 MiB here).
+    assert peak < 4 * len(data), f"{peak / _MIB:.0f} MiB for a {len(data) / _MIB:.1f} MiB batch"
+
+
+def test_the_hostile_shapes_differ_from_a_good_batch_only_in_their_field() -> None:
+    assert decode(_batch(b"z", msgpack.packb([1, [2, 3]])), now_wall_s=0.0) == decode(_GOOD, now_wall_s=0.0)
+    assert decode(_batch(b"l", msgpack.packb([])), now_wall_s=0.0).loads == ()
+
+
+def test_a_batch_of_more_items_than_any_gateway_publishes_is_malformed() -> None:
+    outcomes = tuple(PeerOutcome(ref, True) for ref in range(MAX_BATCH_ITEMS + 1))
+    assert len(decode(encode(SyncBatch("gw-a", 1, 0.0, False, outcomes[:-1])), now_wall_s=0.0).items) == (
+        MAX_BATCH_ITEMS
+    )
+    with pytest.raises(MalformedBatch):
+        decode(encode(SyncBatch("gw-a", 1, 0.0, False, outcomes)), now_wall_s=0.0)
+
+
+def test_a_batch_of_more_loads_than_any_fleet_has_is_malformed() -> None:
+    loads = tuple(PeerLoad("p", WorkerId(f"w{i}"), 1, 0, 1) for i in range(MAX_BATCH_LOADS + 1))
+    assert len(decode(encode(SyncBatch("gw-a", 1, 0.0, True, (), loads[:-1])), now_wall_s=0.0).loads) == (
+        MAX_BATCH_LOADS
+    )
+    with pytest.raises(MalformedBatch):
+        decode(encode(SyncBatch("gw-a", 1, 0.0, True, (), loads)), now_wall_s=0.0)
+
+
+def test_a_publisher_never_puts_more_items_in_a_batch_than_peers_accept() -> None:
+    pub = SyncPublisher("me", SyncConfig(batch_max_items=10 * PUBLISH_BATCH_ITEMS))
+    for ref in range(PUBLISH_BATCH_ITEMS + 10):
+        pub.sink(PeerOutcome(ref, True), 0.0)
+    first, second = pub.next_batch([], 0.0), pub.next_batch([], 0.0)
+    assert first is not None and second is not None
+    assert [len(b.items) for b in (first, second)] == [PUBLISH_BATCH_ITEMS, 10]
+    assert PUBLISH_BATCH_ITEMS < MAX_BATCH_ITEMS and len(decode(encode(first)).items) == PUBLISH_BATCH_ITEMS

@@ -26,7 +26,8 @@ index namespace (`tenant:<name>`, or the public one), a key a keyed chain hash: 
 is prompt content, and a key cannot be turned back into text without the deployment's secret.
 Anything that does not decode to exactly this shape is `MalformedBatch`, and so is a batch beyond
 what a gateway publishes: more than `MAX_BATCH_KEYS` keys, `MAX_BATCH_ITEMS` items or samples,
-`MAX_BATCH_LOADS` loads or `MAX_BATCH_NAMES` names in a table, or a send time that is not finite.
+`MAX_BATCH_LOADS` loads or `MAX_BATCH_NAMES` names in a table, a string (an origin or a name) of
+more than `MAX_NAME_BYTES`, or a send time that is not finite.
 A batch is read by its containers' headers, and nothing in a container is built before its count
 is checked: one msgpack byte can be an empty array, a 72-byte Python list, so a batch decoded whole
 before its shape was checked cost about 70 times its size (600 MB and seconds of the event loop
@@ -68,6 +69,11 @@ MAX_BATCH_LOADS = 16_384
 MAX_BATCH_NAMES = MAX_BATCH_ITEMS + MAX_BATCH_LOADS
 _MAX_FIELDS = 32  # a batch's top-level map: 15 fields today, room for later releases' own
 _MAX_ROW = 16  # entries of one item, load or sample row (9 at most today)
+# UTF-8 bytes of one string: the origin, a pool, namespace or worker name. Peers keep these (a
+# peer's name with its load, a namespace with every index entry of its holdings), so their
+# length is what a made-up one costs: an origin is `host:pid:random`, a worker a URL, a
+# namespace `tenant:<name>`, all far shorter.
+MAX_NAME_BYTES = 1024
 # The containers of a batch, by field: a flat list of at most this many scalars, or that many
 # rows of scalars. Any other field is a scalar or a later release's field (skipped unread).
 _LISTS = {"p": MAX_BATCH_NAMES, "n": MAX_BATCH_NAMES, "w": MAX_BATCH_NAMES}
@@ -199,7 +205,9 @@ def _read(data: bytes) -> dict[str, Any]:
     unpacker refuses any array or map with entries, so each `unpack` builds one object (at most
     an empty list or map, which no check below takes for a scalar). A field this release does not
     know is skipped without being built, as the format allows later releases to add fields."""
-    u = msgpack.Unpacker(None, raw=False, max_array_len=0, max_map_len=0, max_ext_len=0)
+    u = msgpack.Unpacker(
+        None, raw=False, max_str_len=MAX_NAME_BYTES, max_array_len=0, max_map_len=0, max_ext_len=0
+    )
     u.feed(data)
     n = u.read_map_header()
     if n > _MAX_FIELDS:
@@ -220,6 +228,11 @@ def _read(data: bytes) -> dict[str, Any]:
     if u.tell() != len(data):
         raise MalformedBatch("bytes after the batch")
     return doc
+
+
+def name_fits(name: str) -> bool:
+    """Whether `name` is within `MAX_NAME_BYTES` encoded (peers refuse a batch with a longer one)."""
+    return len(name) <= MAX_NAME_BYTES // 4 or len(name.encode()) <= MAX_NAME_BYTES
 
 
 def _count(u: msgpack.Unpacker, limit: int) -> int:

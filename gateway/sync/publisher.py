@@ -8,7 +8,8 @@ batches, so a slow or absent broker never holds a request.
 A batch is also cut by size: the broker refuses a message over its `max_payload` (1 MiB by
 default on NATS), so items are taken while an upper bound of their encoded size fits, and while
 their keys stay within `PUBLISH_BATCH_KEYS` (peers refuse a batch of many more). An item that
-alone would not fit (a holding of more than ~130k blocks) is dropped and counted as `oversized`.
+alone would not fit (a holding of more than ~130k blocks, or a name longer than peers accept) is
+dropped and counted as `oversized`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from gateway.config.sync import SyncConfig
-from gateway.sync.codec import PUBLISH_BATCH_ITEMS, PUBLISH_BATCH_KEYS, SyncBatch
+from gateway.sync.codec import MAX_NAME_BYTES, PUBLISH_BATCH_ITEMS, PUBLISH_BATCH_KEYS, SyncBatch, name_fits
 from policies.base import WorkerId
 from policies.peer_sync import NO_LOAD, LoadCounts, PeerCalibration, PeerHolding, PeerItem, PeerLoad
 
@@ -31,6 +32,7 @@ _ITEM_BYTES = 48
 _KEY_BYTES = 8
 _LOAD_BYTES = 58  # the row, and its entries in "x" and "y"
 _HEAD_BYTES = 256
+_NAME_CHARS = MAX_NAME_BYTES // 4  # a pool and worker name shorter together fit whatever they hold
 
 
 def item_bytes(item: PeerItem) -> int:
@@ -41,6 +43,13 @@ def item_bytes(item: PeerItem) -> int:
     if isinstance(item, PeerCalibration):
         return _ITEM_BYTES + len(item.pool)
     return _ITEM_BYTES
+
+
+def names_fit(item: PeerItem) -> bool:
+    """Whether every name `item` carries is one peers accept (`codec.MAX_NAME_BYTES`)."""
+    if isinstance(item, PeerHolding):
+        return name_fits(item.pool) and name_fits(item.namespace) and name_fits(item.worker)
+    return not isinstance(item, PeerCalibration) or name_fits(item.pool)
 
 
 def item_keys(item: PeerItem) -> int:
@@ -116,13 +125,13 @@ class SyncPublisher:
         max_items = min(self.config.batch_max_items, PUBLISH_BATCH_ITEMS)  # peers refuse many more
         while queue and len(items) < max_items:
             size, keys = item_bytes(queue[0]), item_keys(queue[0])
-            if size > budget or keys > keys_left:
-                if items or (size <= max_bytes - _HEAD_BYTES and keys <= PUBLISH_BATCH_KEYS):
-                    break  # the next batch takes it
+            if size > max_bytes - _HEAD_BYTES or keys > PUBLISH_BATCH_KEYS or not names_fit(queue[0]):
                 queue.popleft()  # would not fit in any batch
                 queued_at.popleft()
                 self.oversized += 1
                 continue
+            if size > budget or keys > keys_left:
+                break  # the next batch takes it
             budget -= size
             keys_left -= keys
             items.append(queue.popleft())
@@ -145,6 +154,10 @@ class SyncPublisher:
         out: list[PeerLoad] = []
         seen: set[_Slot] = set()
         for load in loads:
+            if len(load.pool) + len(load.worker) > _NAME_CHARS and not (
+                name_fits(load.pool) and name_fits(load.worker)
+            ):
+                continue  # peers would refuse the whole batch for it
             slot = (load.pool, load.worker)
             seen.add(slot)
             value = load.counts

@@ -8,15 +8,20 @@ check of its shape, such a batch cost 75 MB and a second of the event loop (600 
 
 from __future__ import annotations
 
+import time
 import tracemalloc
 
 import msgpack
 import pytest
 
+from gateway.config.pool import PoolConfig
 from gateway.config.sync import SyncConfig
+from gateway.metrics import GatewayMetrics
+from gateway.registry import Registry
 from gateway.sync.codec import (
     MAX_BATCH_ITEMS,
     MAX_BATCH_LOADS,
+    MAX_NAME_BYTES,
     PUBLISH_BATCH_ITEMS,
     MalformedBatch,
     SyncBatch,
@@ -24,7 +29,9 @@ from gateway.sync.codec import (
     encode,
 )
 from gateway.sync.publisher import SyncPublisher
+from gateway.sync.subscriber import SyncSubscriber
 from policies.base import WorkerId
+from policies.cost_policy import CostPolicy
 from policies.peer_sync import PeerHolding, PeerLoad, PeerOutcome
 from prompt_normalizer.types import BlockKey
 
@@ -120,3 +127,49 @@ def test_a_publisher_never_puts_more_items_in_a_batch_than_peers_accept() -> Non
     assert first is not None and second is not None
     assert [len(b.items) for b in (first, second)] == [PUBLISH_BATCH_ITEMS, 10]
     assert PUBLISH_BATCH_ITEMS < MAX_BATCH_ITEMS and len(decode(encode(first)).items) == PUBLISH_BATCH_ITEMS
+
+
+def _named(field: str, name: str) -> bytes:
+    def pick(what: str, default: str) -> str:
+        return name if field == what else default
+
+    holding = PeerHolding(
+        1, pick("pool", "p"), 16, pick("namespace", "t"), (BlockKey(1),), WorkerId(pick("worker", "w")), 16, 0
+    )
+    load = PeerLoad(pick("pool", "p"), WorkerId(pick("worker", "w")), 1, 16, 0)
+    return encode(SyncBatch(pick("origin", "o"), 1, 0.0, False, (holding,), (load,)))
+
+
+@pytest.mark.parametrize("field", ["origin", "pool", "namespace", "worker"])
+def test_a_name_longer_than_any_gateway_sends_is_malformed(field: str) -> None:
+    # A receiver keeps these names (an origin with its load, a namespace with each index entry of
+    # its holdings): their length is what a made-up one costs it.
+    assert decode(_named(field, "n" * MAX_NAME_BYTES), now_wall_s=0.0).items
+    assert decode(_named(field, "é" * (MAX_NAME_BYTES // 2)), now_wall_s=0.0).items  # bytes, not characters
+    for name in ("n" * (MAX_NAME_BYTES + 1), "é" * (MAX_NAME_BYTES // 2 + 1), "n" * (1 << 20)):
+        with pytest.raises(MalformedBatch):
+            decode(_named(field, name), now_wall_s=0.0)
+
+
+async def test_senders_with_long_names_leave_nothing_behind() -> None:
+    w0 = "http://127.0.0.1:9001"
+    registry = Registry([PoolConfig(name="p", models=["m"], workers=[w0])])
+    sub = SyncSubscriber("me", registry, 5.0, GatewayMetrics())
+    policy = CostPolicy(seed=0)
+    for i in range(20):
+        load = PeerLoad("p", WorkerId(w0), 1, 16, 0)
+        origin = f"{i}:" + "x" * (100 << 10)  # 100 KiB a name, kept with its load for 5 s
+        await sub.on_message(encode(SyncBatch(origin, 1, time.time(), True, (), (load,))), lambda: policy)
+    assert sub.stats.malformed == 20 and sub.loads.peers() == 0 and sub.stats.batches == 0
+
+
+def test_a_publisher_drops_what_peers_would_refuse_and_counts_it() -> None:
+    pub = SyncPublisher("me", SyncConfig())
+    long_name = "tenant:" + "x" * MAX_NAME_BYTES
+    pub.sink(PeerHolding(1, "p", 16, long_name, (BlockKey(1),), WorkerId("w"), 16, 0), 0.0)
+    pub.sink(PeerOutcome(1, True), 0.0)
+    long_load = PeerLoad("p", WorkerId("http://" + "w" * MAX_NAME_BYTES), 1, 16, 0)
+    batch = pub.next_batch([long_load, PeerLoad("p", WorkerId("w"), 1, 16, 0)], 0.0)
+    assert batch is not None and batch.items == (PeerOutcome(1, True),) and pub.oversized == 1
+    assert [x.worker for x in batch.loads] == ["w"]
+    assert decode(encode(batch)) == batch

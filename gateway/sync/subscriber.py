@@ -13,7 +13,8 @@ not discovered yet in a known pool wait, bounded, in `parking.ParkedHoldings` un
 `MAX_HOLDING_KEYS` keys, and a batch is applied in steps of at most `CHUNK_ITEMS` items and
 `CHUNK_KEYS` keys, with requests served in between. A batch whose send time is far from this
 gateway's clock is counted apart from the malformed ones, and logged at most once a minute per
-sender: a clock to fix, not a peer.
+sender: a clock to fix, not a peer. Malformed batches are logged at most once a minute too, with
+their count.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ MAX_HOLDING_KEYS = 16_384
 PARK_TTL_S = 15.0
 # One clock-skew warning per sender in this time; the senders remembered for it are bounded.
 SKEW_LOG_EVERY_S = 60.0
+# One warning of malformed batches in this time, whoever sent them (a malformed batch names no
+# sender to trust): a peer of another wire version, or a broken one, sends every batch so.
+MALFORMED_LOG_EVERY_S = 60.0
 _SKEW_LOG_SENDERS = 1024
 
 
@@ -94,6 +98,8 @@ class SyncSubscriber:
         self.parked_any = asyncio.Event()  # set while something is parked: the service polls for it
         self._seen_workers: dict[str, object] = {}  # pool -> its worker map when last looked at
         self._skew_logged: dict[str, float] = {}  # sender -> when its clock was last logged
+        self._malformed_logged_s: float | None = None
+        self._malformed_unlogged = 0  # malformed batches since the last warning of them
 
     async def on_message(self, data: bytes, policy_of: Callable[[], RoutingPolicy]) -> None:
         """Decode and apply one batch in steps of at most `CHUNK_ITEMS` items and `CHUNK_KEYS`
@@ -107,7 +113,7 @@ class SyncSubscriber:
             return
         except MalformedBatch as exc:
             self.stats.malformed += 1
-            log.warning("malformed sync batch dropped", extra={"error": str(exc)})
+            self._log_malformed(exc, time.monotonic())
             return
         if batch.origin == self.origin:
             return
@@ -268,6 +274,19 @@ class SyncSubscriber:
             "sync batch dropped: the sender's clock and this gateway's are too far apart",
             extra={"peer": exc.origin[:128], "skew_s": round(exc.skew_s, 1)},
         )
+
+    def _log_malformed(self, exc: MalformedBatch, now_s: float) -> None:
+        """Warn of malformed batches at most once per `MALFORMED_LOG_EVERY_S`, with how many
+        were dropped since the last warning (each is counted in `dropped_malformed`)."""
+        self._malformed_unlogged += 1
+        last = self._malformed_logged_s
+        if last is not None and now_s - last < MALFORMED_LOG_EVERY_S:
+            return
+        self._malformed_logged_s = now_s
+        log.warning(
+            "malformed sync batch dropped", extra={"error": str(exc), "batches": self._malformed_unlogged}
+        )
+        self._malformed_unlogged = 0
 
     def expire(self, now_s: float) -> None:
         """Forget peers not heard from within the timeout (and their load), and holdings parked

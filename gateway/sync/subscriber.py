@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -171,8 +172,13 @@ class SyncSubscriber:
         return kept
 
     # How fast an origin's smallest batch age may rise again (s per s): far faster than clocks drift
-    # apart, so that a step of either clock is forgotten within a minute or two.
+    # apart. A step of either clock is forgotten faster still: the smallest age also rises toward
+    # a batch's age with this time constant (s), so that any step within `MAX_CLOCK_SKEW_S` is
+    # within the herd's 1 s horizon in a minute and gone in two (at 10 ms a second, a 60 s step
+    # took an hour and a half). A batch's lag of up to about 100 ms still rises the floor at the
+    # drift, and a lag only ever reads shorter for it.
     AGE_FLOOR_DRIFT = 1e-2
+    AGE_FLOOR_STEP_S = 8.0
 
     @staticmethod
     def note(origin: str, policy: RoutingPolicy, now_s: float) -> None:
@@ -190,7 +196,12 @@ class SyncSubscriber:
         age = time.time() - batch.sent_wall_s
         floors = self._age_floor
         found = floors.get(batch.origin)
-        floor = age if found is None else min(age, found[0] + self.AGE_FLOOR_DRIFT * (now_s - found[1]))
+        if found is None:
+            floor = age
+        else:
+            dt = now_s - found[1]
+            step = (age - found[0]) * -math.expm1(-dt / self.AGE_FLOOR_STEP_S)
+            floor = min(age, found[0] + max(self.AGE_FLOOR_DRIFT * dt, step))
         if len(floors) >= 4096 and batch.origin not in floors:
             floors.clear()  # bounded against churning peers
         floors[batch.origin] = (floor, now_s)

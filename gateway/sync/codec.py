@@ -27,7 +27,8 @@ is prompt content, and a key cannot be turned back into text without the deploym
 Anything that does not decode to exactly this shape is `MalformedBatch`, and so is a batch beyond
 what a gateway publishes: more than `MAX_BATCH_KEYS` keys, `MAX_BATCH_ITEMS` items or samples,
 `MAX_BATCH_LOADS` loads or `MAX_BATCH_NAMES` names in a table, a string (an origin or a name) of
-more than `MAX_NAME_BYTES`, or a send time that is not finite.
+more than `MAX_NAME_BYTES`, a prompt of more than `MAX_PROMPT_TOKENS`, or a send time that is not
+finite.
 A batch is read by its containers' headers, and nothing in a container is built before its count
 is checked: one msgpack byte can be an empty array, a 72-byte Python list, so a batch decoded whole
 before its shape was checked cost about 70 times its size (600 MB and seconds of the event loop
@@ -74,6 +75,11 @@ _MAX_ROW = 16  # entries of one item, load or sample row (9 at most today)
 # length is what a made-up one costs: an origin is `host:pid:random`, a worker a URL, a
 # namespace `tenant:<name>`, all far shorter.
 MAX_NAME_BYTES = 1024
+# Tokens of one prompt (a holding's prompt and matched tokens, a sample's prompt and request
+# tokens): beyond any context window and far beyond what a gateway's body limit lets in. A peer
+# charges a holding's prompt to its worker as prefill work that decays over minutes, so this is
+# the most a made-up one can charge (2**64 tokens was 2e29 s: the worker shunned for hours).
+MAX_PROMPT_TOKENS = 1 << 24
 # The containers of a batch, by field: a flat list of at most this many scalars, or that many
 # rows of scalars. Any other field is a scalar or a later release's field (skipped unread).
 _LISTS = {"p": MAX_BATCH_NAMES, "n": MAX_BATCH_NAMES, "w": MAX_BATCH_NAMES}
@@ -235,6 +241,23 @@ def name_fits(name: str) -> bool:
     return len(name) <= MAX_NAME_BYTES // 4 or len(name.encode()) <= MAX_NAME_BYTES
 
 
+def item_fits(item: PeerItem) -> bool:
+    """Whether peers accept `item`'s names and token counts (they refuse a batch that has one
+    beyond `MAX_NAME_BYTES` or `MAX_PROMPT_TOKENS`)."""
+    if isinstance(item, PeerHolding):
+        return (
+            item.n_prompt_tokens <= MAX_PROMPT_TOKENS
+            and item.matched_tokens <= MAX_PROMPT_TOKENS
+            and name_fits(item.pool)
+            and name_fits(item.namespace)
+            and name_fits(item.worker)
+        )
+    if isinstance(item, PeerCalibration):
+        tokens = max(item.prompt_tokens, item.request_tokens)
+        return tokens <= MAX_PROMPT_TOKENS and name_fits(item.pool)
+    return True
+
+
 def _count(u: msgpack.Unpacker, limit: int) -> int:
     n = u.read_array_header()
     if n > limit:
@@ -277,6 +300,14 @@ def _int(x: object, low: int = 0) -> int:
     if not isinstance(x, int) or isinstance(x, bool) or x < low:
         raise MalformedBatch("expected a non-negative integer")
     return x
+
+
+def _tokens(x: object) -> int:
+    """A prompt's token count (`MAX_PROMPT_TOKENS` at most)."""
+    n = _int(x)
+    if n > MAX_PROMPT_TOKENS:
+        raise MalformedBatch("more tokens than any prompt has")
+    return n
 
 
 def _at(table: list[str], i: object) -> str:
@@ -323,7 +354,7 @@ def _parse(doc: dict[str, Any], now_wall_s: float) -> SyncBatch:
         items.append(
             PeerHolding(
                 _int(raw[1]), _at(pools, raw[2]), _int(raw[3], 1), _at(namespaces, raw[4]), keys,
-                WorkerId(_at(workers, raw[5])), _int(raw[7]), _int(raw[8]),
+                WorkerId(_at(workers, raw[5])), _tokens(raw[7]), _tokens(raw[8]),
             )
         )  # fmt: skip
     if at != len(all_keys):
@@ -360,4 +391,6 @@ def _sample(pools: list[str], raw: object) -> PeerCalibration:
     ratio = raw[4]
     if not isinstance(ratio, float | int) or isinstance(ratio, bool) or not 0.0 <= ratio < math.inf:
         raise MalformedBatch("bad calibration ratio")
-    return PeerCalibration(_at(pools, raw[0]), _int(raw[1], 1), _int(raw[2]), _int(raw[3]), float(ratio))
+    return PeerCalibration(
+        _at(pools, raw[0]), _int(raw[1], 1), _tokens(raw[2]), _tokens(raw[3]), float(ratio)
+    )

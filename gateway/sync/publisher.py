@@ -8,8 +8,8 @@ batches, so a slow or absent broker never holds a request.
 A batch is also cut by size: the broker refuses a message over its `max_payload` (1 MiB by
 default on NATS), so items are taken while an upper bound of their encoded size fits, and while
 their keys stay within `PUBLISH_BATCH_KEYS` (peers refuse a batch of many more). An item that
-alone would not fit (a holding of more than ~130k blocks, or a name longer than peers accept) is
-dropped and counted as `oversized`.
+alone would not fit (a holding of more than ~130k blocks), or that peers would refuse (a name or a
+prompt beyond `codec.item_fits`), is dropped and counted as `oversized`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,14 @@ from collections import deque
 from collections.abc import Iterable
 
 from gateway.config.sync import SyncConfig
-from gateway.sync.codec import MAX_NAME_BYTES, PUBLISH_BATCH_ITEMS, PUBLISH_BATCH_KEYS, SyncBatch, name_fits
+from gateway.sync.codec import (
+    MAX_NAME_BYTES,
+    PUBLISH_BATCH_ITEMS,
+    PUBLISH_BATCH_KEYS,
+    SyncBatch,
+    item_fits,
+    name_fits,
+)
 from policies.base import WorkerId
 from policies.peer_sync import NO_LOAD, LoadCounts, PeerCalibration, PeerHolding, PeerItem, PeerLoad
 
@@ -43,13 +50,6 @@ def item_bytes(item: PeerItem) -> int:
     if isinstance(item, PeerCalibration):
         return _ITEM_BYTES + len(item.pool)
     return _ITEM_BYTES
-
-
-def names_fit(item: PeerItem) -> bool:
-    """Whether every name `item` carries is one peers accept (`codec.MAX_NAME_BYTES`)."""
-    if isinstance(item, PeerHolding):
-        return name_fits(item.pool) and name_fits(item.namespace) and name_fits(item.worker)
-    return not isinstance(item, PeerCalibration) or name_fits(item.pool)
 
 
 def item_keys(item: PeerItem) -> int:
@@ -125,7 +125,7 @@ class SyncPublisher:
         max_items = min(self.config.batch_max_items, PUBLISH_BATCH_ITEMS)  # peers refuse many more
         while queue and len(items) < max_items:
             size, keys = item_bytes(queue[0]), item_keys(queue[0])
-            if size > max_bytes - _HEAD_BYTES or keys > PUBLISH_BATCH_KEYS or not names_fit(queue[0]):
+            if size > max_bytes - _HEAD_BYTES or keys > PUBLISH_BATCH_KEYS or not item_fits(queue[0]):
                 queue.popleft()  # would not fit in any batch
                 queued_at.popleft()
                 self.oversized += 1

@@ -22,6 +22,7 @@ from gateway.sync.codec import (
     MAX_BATCH_ITEMS,
     MAX_BATCH_LOADS,
     MAX_NAME_BYTES,
+    MAX_PROMPT_TOKENS,
     PUBLISH_BATCH_ITEMS,
     MalformedBatch,
     SyncBatch,
@@ -32,7 +33,7 @@ from gateway.sync.publisher import SyncPublisher
 from gateway.sync.subscriber import SyncSubscriber
 from policies.base import WorkerId
 from policies.cost_policy import CostPolicy
-from policies.peer_sync import PeerHolding, PeerLoad, PeerOutcome
+from policies.peer_sync import PeerCalibration, PeerHolding, PeerLoad, PeerOutcome
 from prompt_normalizer.types import BlockKey
 
 _MIB = 1 << 20
@@ -173,3 +174,36 @@ def test_a_publisher_drops_what_peers_would_refuse_and_counts_it() -> None:
     assert batch is not None and batch.items == (PeerOutcome(1, True),) and pub.oversized == 1
     assert [x.worker for x in batch.loads] == ["w"]
     assert decode(encode(batch)) == batch
+
+
+def _tokens(prompt: int, matched: int = 0, sample_prompt: int = 100, sample_request: int = 25) -> bytes:
+    holding = PeerHolding(1, "p", 16, "t", (BlockKey(1),), WorkerId("w"), prompt, matched)
+    sample = PeerCalibration("p", 16, sample_prompt, sample_request, 1.0)
+    return encode(SyncBatch("o", 1, 0.0, False, (holding, sample)))
+
+
+def test_a_prompt_longer_than_any_request_is_malformed() -> None:
+    # A peer's holding charges its prompt's prefill to the worker for minutes (`cost`'s recent
+    # work, 180 s time constant) and into the mean work per dispatch that weighs the herd term: a
+    # made-up prompt of 2**64 tokens was 2e29 s of work, the worker shunned for three hours.
+    assert decode(
+        _tokens(MAX_PROMPT_TOKENS, MAX_PROMPT_TOKENS, MAX_PROMPT_TOKENS, MAX_PROMPT_TOKENS), now_wall_s=0.0
+    )
+    for data in (
+        _tokens(MAX_PROMPT_TOKENS + 1),
+        _tokens(16, MAX_PROMPT_TOKENS + 1),
+        _tokens(2**64 - 1),
+        _tokens(16, sample_prompt=MAX_PROMPT_TOKENS + 1),
+        _tokens(16, sample_request=2**64 - 1),
+    ):
+        with pytest.raises(MalformedBatch):
+            decode(data, now_wall_s=0.0)
+
+
+def test_a_publisher_drops_a_prompt_peers_would_refuse_and_counts_it() -> None:
+    pub = SyncPublisher("me", SyncConfig())
+    pub.sink(PeerHolding(1, "p", 16, "t", (BlockKey(1),), WorkerId("w"), MAX_PROMPT_TOKENS + 1, 0), 0.0)
+    pub.sink(PeerCalibration("p", 16, MAX_PROMPT_TOKENS + 1, 100, 1.0), 0.0)
+    pub.sink(PeerOutcome(1, True), 0.0)
+    batch = pub.next_batch([], 0.0)
+    assert batch is not None and batch.items == (PeerOutcome(1, True),) and pub.oversized == 2

@@ -164,6 +164,10 @@ class NatsLink:
         nc = self._nc
         if nc is None or not nc.is_connected:
             return False
+        if nc.pending_data_size + len(data) > self.pending_bytes:
+            # Past its buffer nats-py waits for the socket to drain, with no time limit (a broker
+            # that stopped reading: until pings find it stale), and swallows a cancellation then.
+            return False
         try:
             await nc.publish(self.subject, data)
         except (NatsError, OSError):

@@ -72,10 +72,11 @@ class NatsLink:
 
     @property
     def max_payload(self) -> int:
-        """The largest message the connected server takes (its INFO `max_payload`); NATS's
-        default of 1 MiB while not connected."""
+        """The largest message the connected server takes (its INFO `max_payload`), and that
+        fits the outgoing buffer (`publish` refuses more); NATS's default of 1 MiB while not
+        connected."""
         nc = self._nc
-        return nc.max_payload if nc is not None and nc.is_connected else 1 << 20
+        return min(nc.max_payload, self.pending_bytes) if nc is not None and nc.is_connected else 1 << 20
 
     async def run(self) -> None:
         """Keep a connection up until cancelled."""

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from gateway.demo import start_child
 from gateway.sync.broker import LocalBroker, nats_server_path
 from gateway.sync.nats_link import NatsLink
 from gateway.sync.service import SyncService
@@ -97,3 +98,26 @@ async def test_a_gateway_stops_its_sync_tasks_with_the_broker_stalled(
     assert time.monotonic() - started < 1.5
     assert not [r for r in caplog.records if "did not stop" in r.getMessage()]
     assert tasks and all(task.done() for task in tasks)  # none left running after the shutdown
+
+
+async def test_no_batch_is_cut_larger_than_the_link_sends(tmp_path: Path) -> None:
+    # A broker that takes 8 MiB messages (the chart's): a batch is still cut to what the link's
+    # outgoing buffer takes, or the link would refuse every one of it.
+    binary = nats_server_path()
+    assert binary is not None
+    port = free_port()
+    conf = tmp_path / "nats.conf"
+    conf.write_text(f"listen: 127.0.0.1:{port}\nmax_payload: 8388608\n")
+    broker = LocalBroker(port, tmp_path)
+    broker.child = start_child([binary, "-c", str(conf)], broker.url, tmp_path, "nats-server")
+    link = NatsLink([broker.url], "t.batches", "me", _ignore, pending_bytes=1 << 20)
+    task = asyncio.create_task(link.run())
+    try:
+        await wait_until(lambda: link.connected)
+        assert link._nc is not None and link._nc.max_payload == 8 << 20
+        assert link.max_payload == 1 << 20 and await link.publish(b"\x00" * link.max_payload)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await link.close()
+        broker.stop()

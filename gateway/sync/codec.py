@@ -55,7 +55,7 @@ from prompt_normalizer.types import BlockKey
 WIRE_VERSION = 1
 _HOLDING, _OUTCOME = 0, 1
 _MAX_BYTES = 8 * 1024 * 1024
-_MAX_WAIT_S = 3600.0  # an item's wait in its sender's queue ("a"), beyond any sane one
+MAX_WAIT_S = 3600.0  # an item's wait in its sender's queue ("a"), at most (a publisher says no more)
 # Keys one batch may carry: twice what a publisher puts in one (`PUBLISH_BATCH_KEYS`, the keys a
 # batch under NATS's default 1 MiB `max_payload` could ever hold), so every gateway's batches pass.
 PUBLISH_BATCH_KEYS = 131_072
@@ -376,7 +376,7 @@ def _parse(doc: dict[str, Any], now_wall_s: float) -> SyncBatch:
     for raw in doc.get("c", ()):
         items.append(_sample(pools, raw))
     waited = doc.get("a", 0.0)
-    if isinstance(waited, bool) or not isinstance(waited, float | int) or not 0 <= waited <= _MAX_WAIT_S:
+    if isinstance(waited, bool) or not isinstance(waited, float | int) or not 0 <= waited <= MAX_WAIT_S:
         raise MalformedBatch("bad item wait")
     origin = _str(doc["o"])
     seq = _int(doc["s"])

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from gateway.config.sync import SyncConfig
 from gateway.sync.codec import (
     MAX_NAME_BYTES,
+    MAX_WAIT_S,
     PUBLISH_BATCH_ITEMS,
     PUBLISH_BATCH_KEYS,
     SyncBatch,
@@ -146,7 +147,11 @@ class SyncPublisher:
             self._last_full_s = now_s
         self._seq += 1
         self.batched_items += len(items)
-        waited = 0.0 if first_queued_s is None else max(0.0, time.monotonic() - first_queued_s)
+        # Through a long broker outage an item may wait longer than a batch may say (peers
+        # would refuse the batch, its loads with it): at least that long is what it says then.
+        waited = (
+            0.0 if first_queued_s is None else min(max(0.0, time.monotonic() - first_queued_s), MAX_WAIT_S)
+        )
         return SyncBatch(self.origin, self._seq, time.time(), full, tuple(items), tuple(out), waited)
 
     def _changed_loads(self, loads: Iterable[PeerLoad], full: bool) -> list[PeerLoad]:

@@ -23,6 +23,7 @@ from gateway.sync.codec import (
     MAX_BATCH_LOADS,
     MAX_NAME_BYTES,
     MAX_PROMPT_TOKENS,
+    MAX_WAIT_S,
     PUBLISH_BATCH_ITEMS,
     MalformedBatch,
     SyncBatch,
@@ -207,3 +208,18 @@ def test_a_publisher_drops_a_prompt_peers_would_refuse_and_counts_it() -> None:
     pub.sink(PeerOutcome(1, True), 0.0)
     batch = pub.next_batch([], 0.0)
     assert batch is not None and batch.items == (PeerOutcome(1, True),) and pub.oversized == 2
+
+
+def test_items_queued_through_a_long_broker_outage_still_reach_the_peers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The broker was down for more than an hour: the first batch after it carries items that
+    # waited longer than a batch may say (peers refused it whole, its loads with it).
+    clock = [100.0]
+    monkeypatch.setattr("gateway.sync.publisher.time.monotonic", lambda: clock[0])
+    pub = SyncPublisher("me", SyncConfig())
+    pub.sink(PeerOutcome(1, True), 0.0)
+    clock[0] += 2 * MAX_WAIT_S
+    batch = pub.next_batch([PeerLoad("p", WorkerId("w"), 1, 16, 0)], 0.0)
+    assert batch is not None and batch.waited_s == MAX_WAIT_S
+    assert decode(encode(batch)) == batch

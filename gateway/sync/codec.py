@@ -28,14 +28,14 @@ Anything that does not decode to exactly this shape is `MalformedBatch`, and so 
 what a gateway publishes: more than `MAX_BATCH_KEYS` keys, `MAX_BATCH_ITEMS` items or samples,
 `MAX_BATCH_LOADS` loads or `MAX_BATCH_NAMES` names in a table, a string (an origin or a name) of
 more than `MAX_NAME_BYTES`, a prompt of more than `MAX_PROMPT_TOKENS`, or a send time that is not
-finite.
+finite. A batch otherwise well formed whose send time is further than `MAX_CLOCK_SKEW_S` from the
+receiver's wall clock (it feeds the lag metric and the decision times of `policies.herd`) is
+`ClockSkewed`, a `MalformedBatch` of its own.
+
 A batch is read by its containers' headers, and nothing in a container is built before its count
 is checked: one msgpack byte can be an empty array, a 72-byte Python list, so a batch decoded whole
 before its shape was checked cost about 70 times its size (600 MB and seconds of the event loop
-for 8 MiB). A
-batch otherwise well formed whose send time is further than `MAX_CLOCK_SKEW_S` from the
-receiver's wall clock (it feeds the lag metric and the decision times of `policies.herd`) is
-`ClockSkewed`, a `MalformedBatch` of its own.
+for 8 MiB).
 """
 
 from __future__ import annotations

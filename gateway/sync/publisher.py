@@ -40,7 +40,7 @@ _ITEM_BYTES = 48
 _KEY_BYTES = 8
 _LOAD_BYTES = 58  # the row, and its entries in "x" and "y"
 _HEAD_BYTES = 256
-_NAME_CHARS = MAX_NAME_BYTES // 4  # a pool and worker name shorter together fit whatever they hold
+_NAME_CHARS = MAX_NAME_BYTES // 4  # names this short together are each within the bound in UTF-8
 
 
 def item_bytes(item: PeerItem) -> int:
@@ -113,9 +113,8 @@ class SyncPublisher:
     ) -> SyncBatch | None:
         """The next batch: the in-flight loads that changed since they were last sent (all of
         them when a full snapshot is due), then queued items, at most `batch_max_items` (and
-        `PUBLISH_BATCH_ITEMS`) and while
-        the batch stays within `max_bytes` encoded and `PUBLISH_BATCH_KEYS` keys. None when there
-        is nothing to send."""
+        `PUBLISH_BATCH_ITEMS`) and while the batch stays within `max_bytes` encoded and
+        `PUBLISH_BATCH_KEYS` keys. None when there is nothing to send."""
         full = self.full_load_due(now_s)
         out = self._changed_loads(loads, full)
         budget = max_bytes - _HEAD_BYTES - sum(load_bytes(x) for x in out)

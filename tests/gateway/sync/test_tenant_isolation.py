@@ -9,13 +9,25 @@ from gateway.sync.codec import SyncBatch, decode, encode
 from policies.cost_policy import CostPolicy
 from policies.peer_sync import PeerHolding, PeerItem
 from tests.policies.factories import req, workers
-from tests.policies.test_peer_sync import Outbox, _policy
+
+
+class Outbox:
+    """A sink that keeps what a policy published."""
+
+    def __init__(self) -> None:
+        self.items: list[PeerItem] = []
+
+    def __call__(self, item: PeerItem, now_s: float) -> None:
+        self.items.append(item)
+
+
+def _policy(seed: int = 1) -> CostPolicy:
+    return CostPolicy(seed=seed)
 
 
 def _over_the_wire(out: Outbox, to: CostPolicy) -> None:
     """What `out` collected, encoded, decoded and applied as a peer batch would be."""
-    items: tuple[PeerItem, ...] = tuple(item for item, _ in out.items)
-    batch = decode(encode(SyncBatch("a", 1, 0.0, False, items)), now_wall_s=0.0)
+    batch = decode(encode(SyncBatch("a", 1, 0.0, False, tuple(out.items))), now_wall_s=0.0)
     for item in batch.items:
         to.apply_peer("a", item, 0.0)
     out.items.clear()

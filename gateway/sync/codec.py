@@ -25,10 +25,17 @@ Pools, namespaces and workers are indices into the string tables. A namespace is
 index namespace (`tenant:<name>`, or the public one), a key a keyed chain hash: nothing in a batch
 is prompt content, and a key cannot be turned back into text without the deployment's secret.
 Anything that does not decode to exactly this shape is `MalformedBatch`, and so is a batch beyond
-what a gateway publishes: more than `MAX_BATCH_KEYS` keys, or a send time that is not finite. A
-batch otherwise well formed whose send time is further than `MAX_CLOCK_SKEW_S` from the
+what a gateway publishes: more than `MAX_BATCH_KEYS` keys, `MAX_BATCH_ITEMS` items or samples,
+`MAX_BATCH_LOADS` loads or `MAX_BATCH_NAMES` names in a table, a string (an origin or a name) of
+more than `MAX_NAME_BYTES`, a prompt of more than `MAX_PROMPT_TOKENS`, or a send time that is not
+finite. A batch otherwise well formed whose send time is further than `MAX_CLOCK_SKEW_S` from the
 receiver's wall clock (it feeds the lag metric and the decision times of `policies.herd`) is
 `ClockSkewed`, a `MalformedBatch` of its own.
+
+A batch is read by its containers' headers, and nothing in a container is built before its count
+is checked: one msgpack byte can be an empty array, a 72-byte Python list, so a batch decoded whole
+before its shape was checked cost about 70 times its size (600 MB and seconds of the event loop
+for 8 MiB).
 """
 
 from __future__ import annotations
@@ -48,11 +55,37 @@ from prompt_normalizer.types import BlockKey
 WIRE_VERSION = 1
 _HOLDING, _OUTCOME = 0, 1
 _MAX_BYTES = 8 * 1024 * 1024
-_MAX_WAIT_S = 3600.0  # an item's wait in its sender's queue ("a"), beyond any sane one
+MAX_WAIT_S = 3600.0  # an item's wait in its sender's queue ("a"), at most (a publisher says no more)
 # Keys one batch may carry: twice what a publisher puts in one (`PUBLISH_BATCH_KEYS`, the keys a
 # batch under NATS's default 1 MiB `max_payload` could ever hold), so every gateway's batches pass.
 PUBLISH_BATCH_KEYS = 131_072
 MAX_BATCH_KEYS = 2 * PUBLISH_BATCH_KEYS
+# Items one batch may carry, and calibration samples: twice what a publisher puts in one.
+PUBLISH_BATCH_ITEMS = 8192
+MAX_BATCH_ITEMS = 2 * PUBLISH_BATCH_ITEMS
+# Load rows one batch may carry: one per worker of the sender's registry, far beyond any fleet
+# (65,536 rows took half a second of the loop to decode); and names in each string table (pools,
+# namespaces, workers: each one an item's or a load's).
+MAX_BATCH_LOADS = 16_384
+MAX_BATCH_NAMES = MAX_BATCH_ITEMS + MAX_BATCH_LOADS
+_MAX_FIELDS = 32  # a batch's top-level map: 15 fields today, room for later releases' own
+_MAX_ROW = 16  # entries of one item, load or sample row (9 at most today)
+# UTF-8 bytes of one string: the origin, a pool, namespace or worker name. Peers keep these (a
+# peer's name with its load, a namespace with every index entry of its holdings), so their
+# length is what a made-up one costs: an origin is `host:pid:random`, a worker a URL, a
+# namespace `tenant:<name>`, all far shorter.
+MAX_NAME_BYTES = 1024
+# Tokens of one prompt (a holding's prompt and matched tokens, a sample's prompt and request
+# tokens): beyond any context window and far beyond what a gateway's body limit lets in. A peer
+# charges a holding's prompt to its worker as prefill work that decays over minutes, so this is
+# the most a made-up one can charge (2**64 tokens was 2e29 s: the worker shunned for hours).
+MAX_PROMPT_TOKENS = 1 << 24
+# The containers of a batch, by field: a flat list of at most this many scalars, or that many
+# rows of scalars. Any other field is a scalar or a later release's field (skipped unread).
+_LISTS = {"p": MAX_BATCH_NAMES, "n": MAX_BATCH_NAMES, "w": MAX_BATCH_NAMES}
+_LISTS |= {"x": MAX_BATCH_LOADS, "y": MAX_BATCH_LOADS}
+_ROWS = {"i": MAX_BATCH_ITEMS, "c": MAX_BATCH_ITEMS, "l": MAX_BATCH_LOADS}
+_KNOWN_SCALARS = frozenset("vostfka")
 # How far a batch's send time may be from the receiver's wall clock, either way: far beyond the
 # skew of hosts that keep time and any wait in the broker, well short of a clock that is broken.
 MAX_CLOCK_SKEW_S = 600.0
@@ -162,14 +195,90 @@ def decode(data: bytes, now_wall_s: float | None = None) -> SyncBatch:
     if len(data) > _MAX_BYTES:
         raise MalformedBatch("batch too large")
     try:
-        doc = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
-        if not isinstance(doc, dict) or doc.get("v") != WIRE_VERSION:
+        doc = _read(data)
+        if doc.get("v") != WIRE_VERSION:
             raise MalformedBatch("not a sync batch of this version")
         return _parse(doc, time.time() if now_wall_s is None else now_wall_s)
     except MalformedBatch:
         raise
     except (ValueError, TypeError, KeyError, IndexError, struct.error, msgpack.UnpackException) as exc:
         raise MalformedBatch(f"{type(exc).__name__}") from None
+
+
+def _read(data: bytes) -> dict[str, Any]:
+    """The batch's top-level map, with every list a field of the wire format may be (`_LISTS`,
+    `_ROWS`) read through its header, its count checked first, and scalars only built: the
+    unpacker refuses any array or map with entries, so each `unpack` builds one object (at most
+    an empty list or map, which no check below takes for a scalar). A field this release does not
+    know is skipped without being built, as the format allows later releases to add fields."""
+    u = msgpack.Unpacker(
+        None, raw=False, max_str_len=MAX_NAME_BYTES, max_array_len=0, max_map_len=0, max_ext_len=0
+    )
+    u.feed(data)
+    n = u.read_map_header()
+    if n > _MAX_FIELDS:
+        raise MalformedBatch("not a sync batch")
+    doc: dict[str, Any] = {}
+    for _ in range(n):
+        name = u.unpack()
+        if not isinstance(name, str) or name in doc:
+            raise MalformedBatch("bad field name")
+        if name in _ROWS:
+            doc[name] = _rows(u, _ROWS[name])
+        elif name in _LISTS:
+            doc[name] = _scalars(u, _LISTS[name])
+        elif name in _KNOWN_SCALARS:
+            doc[name] = u.unpack()
+        else:
+            u.skip()
+    if u.tell() != len(data):
+        raise MalformedBatch("bytes after the batch")
+    return doc
+
+
+def name_fits(name: str) -> bool:
+    """Whether `name` is within `MAX_NAME_BYTES` encoded (peers refuse a batch with a longer one)."""
+    return len(name) <= MAX_NAME_BYTES // 4 or len(name.encode()) <= MAX_NAME_BYTES
+
+
+def item_fits(item: PeerItem) -> bool:
+    """Whether peers accept `item`'s names and token counts (they refuse a batch that has one
+    beyond `MAX_NAME_BYTES` or `MAX_PROMPT_TOKENS`)."""
+    if isinstance(item, PeerHolding):
+        return (
+            item.n_prompt_tokens <= MAX_PROMPT_TOKENS
+            and item.matched_tokens <= MAX_PROMPT_TOKENS
+            and name_fits(item.pool)
+            and name_fits(item.namespace)
+            and name_fits(item.worker)
+        )
+    if isinstance(item, PeerCalibration):
+        tokens = max(item.prompt_tokens, item.request_tokens)
+        return tokens <= MAX_PROMPT_TOKENS and name_fits(item.pool)
+    return True
+
+
+def _count(u: msgpack.Unpacker, limit: int) -> int:
+    n = u.read_array_header()
+    if n > limit:
+        raise MalformedBatch("more entries than any gateway publishes in one batch")
+    return cast(int, n)
+
+
+def _scalars(u: msgpack.Unpacker, limit: int) -> list[object]:
+    unpack = u.unpack
+    return [unpack() for _ in range(_count(u, limit))]
+
+
+def _rows(u: msgpack.Unpacker, limit: int) -> list[list[object]]:
+    unpack, header = u.unpack, u.read_array_header
+    rows = []
+    for _ in range(_count(u, limit)):
+        n = header()
+        if n > _MAX_ROW:
+            raise MalformedBatch("bad row")
+        rows.append([unpack() for _ in range(n)])
+    return rows
 
 
 def _per_load(doc: dict[str, Any], key: str, error: str) -> list[object] | None:
@@ -191,6 +300,14 @@ def _int(x: object, low: int = 0) -> int:
     if not isinstance(x, int) or isinstance(x, bool) or x < low:
         raise MalformedBatch("expected a non-negative integer")
     return x
+
+
+def _tokens(x: object) -> int:
+    """A prompt's token count (`MAX_PROMPT_TOKENS` at most)."""
+    n = _int(x)
+    if n > MAX_PROMPT_TOKENS:
+        raise MalformedBatch("more tokens than any prompt has")
+    return n
 
 
 def _at(table: list[str], i: object) -> str:
@@ -237,7 +354,7 @@ def _parse(doc: dict[str, Any], now_wall_s: float) -> SyncBatch:
         items.append(
             PeerHolding(
                 _int(raw[1]), _at(pools, raw[2]), _int(raw[3], 1), _at(namespaces, raw[4]), keys,
-                WorkerId(_at(workers, raw[5])), _int(raw[7]), _int(raw[8]),
+                WorkerId(_at(workers, raw[5])), _tokens(raw[7]), _tokens(raw[8]),
             )
         )  # fmt: skip
     if at != len(all_keys):
@@ -259,7 +376,7 @@ def _parse(doc: dict[str, Any], now_wall_s: float) -> SyncBatch:
     for raw in doc.get("c", ()):
         items.append(_sample(pools, raw))
     waited = doc.get("a", 0.0)
-    if isinstance(waited, bool) or not isinstance(waited, float | int) or not 0 <= waited <= _MAX_WAIT_S:
+    if isinstance(waited, bool) or not isinstance(waited, float | int) or not 0 <= waited <= MAX_WAIT_S:
         raise MalformedBatch("bad item wait")
     origin = _str(doc["o"])
     seq = _int(doc["s"])
@@ -274,4 +391,6 @@ def _sample(pools: list[str], raw: object) -> PeerCalibration:
     ratio = raw[4]
     if not isinstance(ratio, float | int) or isinstance(ratio, bool) or not 0.0 <= ratio < math.inf:
         raise MalformedBatch("bad calibration ratio")
-    return PeerCalibration(_at(pools, raw[0]), _int(raw[1], 1), _int(raw[2]), _int(raw[3]), float(ratio))
+    return PeerCalibration(
+        _at(pools, raw[0]), _int(raw[1], 1), _tokens(raw[2]), _tokens(raw[3]), float(ratio)
+    )

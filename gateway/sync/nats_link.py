@@ -3,7 +3,9 @@
 `run` connects, subscribes to the batch subject and waits; when the connection closes or cannot be
 made it tries again with a capped backoff, forever. While connected, nats-py reconnects by itself
 and buffers at most `pending_bytes` of outgoing data; `publish` reports False instead of waiting
-when the link is down or that buffer is full. Nothing a request does waits on this module.
+when the link is down or that buffer is full. Received batches wait to be applied, at most
+`received_msgs` of them and `received_bytes`; beyond either the client drops them, counted as
+`slow_consumer`. Nothing a request does waits on this module.
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ from gateway.sync.auth import ConnectOptions
 log = logging.getLogger("kvgate.sync")
 
 _BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
+# Batches received but not applied yet, at most (nats-py's own bound is 524,288 and 128 MiB:
+# minutes of a busy fleet's batches, each applied stale). 16 peers at a batch each 5 ms send
+# 3,200 a second, so this is seconds of them; the bytes are 8 of the largest a broker may carry.
+RECEIVED_MSGS = 8192
+RECEIVED_BYTES = 64 * 1024 * 1024
 
 
 class NatsLink:
@@ -38,6 +45,8 @@ class NatsLink:
         connect_timeout_s: float = 2.0,
         pending_bytes: int = 4 * 1024 * 1024,
         options: ConnectOptions | None = None,
+        received_msgs: int = RECEIVED_MSGS,
+        received_bytes: int = RECEIVED_BYTES,
     ) -> None:
         self.urls = urls
         self.subject = subject
@@ -45,6 +54,8 @@ class NatsLink:
         self.on_message = on_message
         self.connect_timeout_s = connect_timeout_s
         self.pending_bytes = pending_bytes
+        self.received_msgs = received_msgs
+        self.received_bytes = received_bytes
         self.options = options or {}  # credentials and TLS (gateway.sync.auth)
         self._nc: Client | None = None
         self._closed = asyncio.Event()
@@ -61,10 +72,11 @@ class NatsLink:
 
     @property
     def max_payload(self) -> int:
-        """The largest message the connected server takes (its INFO `max_payload`); NATS's
-        default of 1 MiB while not connected."""
+        """The largest message the connected server takes (its INFO `max_payload`), and that
+        fits the outgoing buffer (`publish` refuses more); NATS's default of 1 MiB while not
+        connected."""
         nc = self._nc
-        return nc.max_payload if nc is not None and nc.is_connected else 1 << 20
+        return min(nc.max_payload, self.pending_bytes) if nc is not None and nc.is_connected else 1 << 20
 
     async def run(self) -> None:
         """Keep a connection up until cancelled."""
@@ -124,7 +136,12 @@ class NatsLink:
             await self.on_message(msg.data)
             await asyncio.sleep(0)  # a backlog of batches still lets requests run between them
 
-        await nc.subscribe(self.subject, cb=deliver)
+        await nc.subscribe(
+            self.subject,
+            cb=deliver,
+            pending_msgs_limit=self.received_msgs,
+            pending_bytes_limit=self.received_bytes,
+        )
         self.connects += 1
         self._warned = False
         log.info("sync broker connected", extra={"subject": self.subject})
@@ -147,6 +164,10 @@ class NatsLink:
         """Send one batch; False (and nothing waits) when the link is down or its buffer is full."""
         nc = self._nc
         if nc is None or not nc.is_connected:
+            return False
+        if nc.pending_data_size + len(data) > self.pending_bytes:
+            # Past its buffer nats-py waits for the socket to drain, with no time limit (a broker
+            # that stopped reading: until pings find it stale), and swallows a cancellation then.
             return False
         try:
             await nc.publish(self.subject, data)

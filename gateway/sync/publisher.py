@@ -8,7 +8,8 @@ batches, so a slow or absent broker never holds a request.
 A batch is also cut by size: the broker refuses a message over its `max_payload` (1 MiB by
 default on NATS), so items are taken while an upper bound of their encoded size fits, and while
 their keys stay within `PUBLISH_BATCH_KEYS` (peers refuse a batch of many more). An item that
-alone would not fit (a holding of more than ~130k blocks) is dropped and counted as `oversized`.
+alone would not fit (a holding of more than ~130k blocks), or that peers would refuse (a name or a
+prompt beyond `codec.item_fits`), is dropped and counted as `oversized`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,15 @@ from collections import deque
 from collections.abc import Iterable
 
 from gateway.config.sync import SyncConfig
-from gateway.sync.codec import PUBLISH_BATCH_KEYS, SyncBatch
+from gateway.sync.codec import (
+    MAX_NAME_BYTES,
+    MAX_WAIT_S,
+    PUBLISH_BATCH_ITEMS,
+    PUBLISH_BATCH_KEYS,
+    SyncBatch,
+    item_fits,
+    name_fits,
+)
 from policies.base import WorkerId
 from policies.peer_sync import NO_LOAD, LoadCounts, PeerCalibration, PeerHolding, PeerItem, PeerLoad
 
@@ -31,6 +40,7 @@ _ITEM_BYTES = 48
 _KEY_BYTES = 8
 _LOAD_BYTES = 58  # the row, and its entries in "x" and "y"
 _HEAD_BYTES = 256
+_NAME_CHARS = MAX_NAME_BYTES // 4  # names this short together are each within the bound in UTF-8
 
 
 def item_bytes(item: PeerItem) -> int:
@@ -102,9 +112,9 @@ class SyncPublisher:
         self, loads: Iterable[PeerLoad], now_s: float, max_bytes: int = 1 << 20
     ) -> SyncBatch | None:
         """The next batch: the in-flight loads that changed since they were last sent (all of
-        them when a full snapshot is due), then queued items, at most `batch_max_items` and while
-        the batch stays within `max_bytes` encoded and `PUBLISH_BATCH_KEYS` keys. None when there
-        is nothing to send."""
+        them when a full snapshot is due), then queued items, at most `batch_max_items` (and
+        `PUBLISH_BATCH_ITEMS`) and while the batch stays within `max_bytes` encoded and
+        `PUBLISH_BATCH_KEYS` keys. None when there is nothing to send."""
         full = self.full_load_due(now_s)
         out = self._changed_loads(loads, full)
         budget = max_bytes - _HEAD_BYTES - sum(load_bytes(x) for x in out)
@@ -112,15 +122,16 @@ class SyncPublisher:
         items: list[PeerItem] = []
         first_queued_s: float | None = None
         keys_left = PUBLISH_BATCH_KEYS
-        while queue and len(items) < self.config.batch_max_items:
+        max_items = min(self.config.batch_max_items, PUBLISH_BATCH_ITEMS)  # peers refuse many more
+        while queue and len(items) < max_items:
             size, keys = item_bytes(queue[0]), item_keys(queue[0])
-            if size > budget or keys > keys_left:
-                if items or (size <= max_bytes - _HEAD_BYTES and keys <= PUBLISH_BATCH_KEYS):
-                    break  # the next batch takes it
+            if size > max_bytes - _HEAD_BYTES or keys > PUBLISH_BATCH_KEYS or not item_fits(queue[0]):
                 queue.popleft()  # would not fit in any batch
                 queued_at.popleft()
                 self.oversized += 1
                 continue
+            if size > budget or keys > keys_left:
+                break  # the next batch takes it
             budget -= size
             keys_left -= keys
             items.append(queue.popleft())
@@ -135,7 +146,11 @@ class SyncPublisher:
             self._last_full_s = now_s
         self._seq += 1
         self.batched_items += len(items)
-        waited = 0.0 if first_queued_s is None else max(0.0, time.monotonic() - first_queued_s)
+        # Through a long broker outage an item may wait longer than a batch may say (peers
+        # would refuse the batch, its loads with it): at least that long is what it says then.
+        waited = (
+            0.0 if first_queued_s is None else min(max(0.0, time.monotonic() - first_queued_s), MAX_WAIT_S)
+        )
         return SyncBatch(self.origin, self._seq, time.time(), full, tuple(items), tuple(out), waited)
 
     def _changed_loads(self, loads: Iterable[PeerLoad], full: bool) -> list[PeerLoad]:
@@ -143,6 +158,10 @@ class SyncPublisher:
         out: list[PeerLoad] = []
         seen: set[_Slot] = set()
         for load in loads:
+            if len(load.pool) + len(load.worker) > _NAME_CHARS and not (
+                name_fits(load.pool) and name_fits(load.worker)
+            ):
+                continue  # peers would refuse the whole batch for it
             slot = (load.pool, load.worker)
             seen.add(slot)
             value = load.counts

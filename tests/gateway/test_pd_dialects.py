@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -61,6 +61,7 @@ class Scripted:
     prefill: bool
     vllm_style: bool = False
     url: str = ""
+    responses_bodies: list[dict[str, Any]] = field(default_factory=list)
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -83,13 +84,15 @@ class Scripted:
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        self.responses_bodies.append(body)
         cached = PREFILL_CACHED if self.prefill else DECODE_CACHED
-        done: dict[str, Any] = {"id": "resp_1", "object": "response", "status": "completed", "output": []}
+        rid = body["request_id"]  # vLLM and SGLang name the response after it (the gateway sets it)
+        done: dict[str, Any] = {"id": rid, "object": "response", "status": "completed", "output": []}
         done["usage"] = _responses_usage(cached)
         if self.prefill or not body.get("stream"):
             return web.json_response(done)
         events = [
-            _event("response.created", {"response": {"id": "resp_1", "status": "in_progress"}}),
+            _event("response.created", {"response": {"id": rid, "status": "in_progress"}}),
             _event("response.output_text.delta", {"delta": "hi"}),
             _event("response.completed", {"response": done}),
         ]
@@ -213,3 +216,19 @@ async def test_a_responses_split_reports_the_prefill_hit_in_its_own_field(stream
         assert rig.metric("kvgate_prompt_tokens_total") == PROMPT
         assert rig.metric("kvgate_cached_prompt_tokens_total") == PREFILL_CACHED
         assert rig.decode_failures() == 0
+
+
+async def test_a_streamed_responses_split_pins_its_follow_ups_to_the_decode_worker() -> None:
+    """The decode worker answered (and stored) the response: a follow-up naming it goes there, alone,
+    as it does after a whole answer."""
+    async with pd_rig("sglang") as rig:
+        first = await rig.client.post(
+            "/v1/responses", json={"model": "m", "input": "hello", "stream": True}, headers=KEY
+        )
+        assert first.status_code == 200
+        rid = _data(first.text)[0]["response"]["id"]
+        body = {"model": "m", "input": "and?", "previous_response_id": rid}
+        follow_up = await rig.client.post("/v1/responses", json=body, headers=KEY)
+        assert follow_up.status_code == 200, follow_up.text
+        last = rig.decode.responses_bodies[-1]
+        assert last["previous_response_id"] == rid and "bootstrap_room" not in last

@@ -31,11 +31,15 @@ class Script:
 
     statuses: list[int]
     decode_bodies: list[dict[str, Any]] = field(default_factory=list)
+    params: bool = True  # the prefill answer names its KV (a vLLM server without a connector does not)
 
     async def prefill(self, request: web.Request) -> web.Response:
         await request.json()
         usage = {"prompt_tokens": 8, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}}
-        return web.json_response({"choices": [], "usage": usage, "kv_transfer_params": _PARAMS})
+        answer: dict[str, Any] = {"choices": [], "usage": usage}
+        if self.params:
+            answer["kv_transfer_params"] = _PARAMS
+        return web.json_response(answer)
 
     async def responses(self, request: web.Request) -> web.Response:
         """vLLM names a stored response after the body's `request_id` (the gateway sets it)."""
@@ -73,8 +77,8 @@ class Rig:
 
 
 @contextlib.asynccontextmanager
-async def pd_rig(statuses: list[int]) -> AsyncIterator[Rig]:
-    script = Script(statuses)
+async def pd_rig(statuses: list[int], *, params: bool = True) -> AsyncIterator[Rig]:
+    script = Script(statuses, params=params)
     async with contextlib.AsyncExitStack() as stack:
         urls = []
         for handler in (script.prefill, script.decode, script.decode):
@@ -133,3 +137,18 @@ async def test_a_responses_follow_up_is_an_unsplittable_request() -> None:
         assert follow_up.status_code == 200
         assert rig.metric("kvgate_pd_skipped_splits_total") == 2
         assert rig.metric("kvgate_pd_skipped_splits_total", reason="unsplittable") == 2
+
+
+async def test_a_decode_failure_without_a_transfer_is_no_transfer_failure() -> None:
+    """The prefill answer carried no `kv_transfer_params`, so the decode leg moved no KV: its 500
+    is the decode worker's own failure, retried as any other (here on the other decode worker,
+    split again), not a failed transfer recomputed alone."""
+    async with pd_rig([500], params=False) as rig:
+        resp = await rig.chat()
+        assert resp.status_code == 200
+        assert rig.metric("kvgate_pd_transfers_total") == 0
+        assert rig.metric("kvgate_pd_transfer_failures_total") == 0
+        assert rig.metric("kvgate_pd_transfer_outcomes_total") == 0
+        assert rig.metric("kvgate_pd_leg_failures_total", role="decode", reason="worker_error") == 1
+        assert rig.metric("kvgate_pd_requests_total", role="decode") == 2
+        assert rig.metric("kvgate_pd_skipped_splits_total") == 0

@@ -25,7 +25,7 @@ from gateway.retries import advice, attempts_allowed
 from gateway.routing import Routing
 from gateway.transport import Transport
 from policies.base import Outcome
-from policies.pd import WHOLE, PdDecision, PdRouter
+from policies.pd import ALONE_UNSPLITTABLE, PdDecision, PdRouter
 
 _ALONE_PREFIX = "pd_alone_"
 
@@ -84,6 +84,7 @@ async def _rounds(run: PdRun, router: PdRouter) -> Response:
     pool = a.pool
     # The client's own retries count against the pool's budget, as in `proxy._attempts`.
     rounds = 0  # rounds sent to workers
+    skipped = False  # a request run alone is one skipped split, however many rounds that takes
     for n in range(attempts_allowed(pool.config.retry_attempts, a.retries_taken)):
         routed = await _choose(run, router, n == 0)
         if isinstance(routed, Failure):
@@ -100,7 +101,7 @@ async def _rounds(run: PdRun, router: PdRouter) -> Response:
             routing.decision_log.decided_pd(
                 a.request_id, a.route, decision, views, routing.policy, now_s, transfer_s
             )
-        _count(run, decision)
+        skipped = skipped or _count(run, decision)
         rounds += 1
         if decision.prefill is None:
             result = await run.alone(decision.decode)
@@ -147,10 +148,11 @@ async def _choose(run: PdRun, router: PdRouter, first: bool) -> tuple[PdDecision
     excluded = frozenset(run.excluded)
     splittable, whole = run.splittable, run.whole
     if a.pinned is not None:
-        # A Responses follow-up: only the worker holding its state can answer, alone.
+        # A Responses follow-up: only the worker holding its state can answer, alone (a request
+        # that cannot be split, not one of a route that does not generate).
         now_s = time.monotonic()
         pinned = pinned_decision(a.pinned, pool.views(now_s, excluded))
-        return (None if pinned is None else PdDecision(None, pinned, 0.0, WHOLE)), now_s
+        return (None if pinned is None else PdDecision(None, pinned, 0.0, ALONE_UNSPLITTABLE)), now_s
 
     def choose(now_s: float) -> PdDecision | None:
         views = pool.views(now_s, excluded)
@@ -164,13 +166,16 @@ async def _choose(run: PdRun, router: PdRouter, first: bool) -> tuple[PdDecision
     return routed or await queue.wait_pair(a, choose, splittable, whole=whole)
 
 
-def _count(run: PdRun, decision: PdDecision) -> None:
-    """A worker alone where the route could have been split: a skipped split, with its reason."""
+def _count(run: PdRun, decision: PdDecision) -> bool:
+    """A worker alone where the route could have been split: a skipped split, with its reason
+    (True: counted)."""
     metrics, pool = run.routing.metrics, run.a.pool.name
-    if decision.prefill is None and not run.whole:
-        if run.transfer_failed:
-            reason = "transfer_failed"
-            metrics.pd_transfer_outcomes.labels(pool, "recomputed").inc()
-        else:
-            reason = decision.reason.removeprefix(_ALONE_PREFIX)
-        metrics.pd_skipped_splits.labels(pool, reason).inc()
+    if decision.prefill is not None or run.whole:
+        return False
+    if run.transfer_failed:
+        reason = "transfer_failed"
+        metrics.pd_transfer_outcomes.labels(pool, "recomputed").inc()
+    else:
+        reason = decision.reason.removeprefix(_ALONE_PREFIX)
+    metrics.pd_skipped_splits.labels(pool, reason).inc()
+    return True

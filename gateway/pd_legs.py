@@ -23,7 +23,8 @@ from gateway.failure import TRANSPORT_ERRORS, Failure, Stage, failure_of, malfor
 from gateway.lifecycle import Lifecycle
 from gateway.outcome import Attempt, Usage, usage_of
 from gateway.routing import Routing
-from gateway.sse import SseRelay, first_event_problem
+from gateway.sse import SseRelay, data_of, first_event_problem
+from gateway.sse_named import MessagesRelay, ResponsesRelay
 from gateway.streaming import ProxyStream, StreamSource, first_events
 from gateway.transport import Transport
 from gateway.upstream_conn import UpstreamReply
@@ -89,26 +90,43 @@ def sglang_bodies(a: Admitted, decision: RouteDecision, bootstrap: dict[str, Any
     return orjson.dumps(prefill), orjson.dumps(decode)
 
 
-def with_cached_tokens(payload: bytes, cached_tokens: int) -> bytes:
-    """An answer (or usage chunk) with its usage's cached prompt tokens replaced, in the field its
-    route's clients read: `prompt_tokens_details.cached_tokens` (chat, completions),
-    `cache_read_input_tokens` (Anthropic Messages); the payload unchanged when it has no usage."""
+def with_cached_tokens(payload: bytes, cached_tokens: int, dialect: str = "openai") -> bytes:
+    """A whole answer (or a chat stream's usage chunk) with its usage's cached prompt tokens
+    replaced, in the field its route's clients read (`set_cached_tokens`); the payload unchanged
+    when it has no usage."""
     try:
         obj = orjson.loads(payload)
     except orjson.JSONDecodeError:
         return payload
     usage = obj.get("usage") if isinstance(obj, dict) else None
-    if not isinstance(usage, dict):
+    if not isinstance(usage, dict) or not set_cached_tokens(usage, cached_tokens, dialect):
         return payload
-    if "input_tokens" in usage and "prompt_tokens" not in usage:
-        usage["cache_read_input_tokens"] = cached_tokens
-        return orjson.dumps(obj)
-    details = usage.get("prompt_tokens_details")
-    usage["prompt_tokens_details"] = {
-        **(details if isinstance(details, dict) else {}),
-        "cached_tokens": cached_tokens,
-    }
     return orjson.dumps(obj)
+
+
+def set_cached_tokens(usage: dict[str, Any], cached_tokens: int, dialect: str) -> bool:
+    """Put `cached_tokens` in `usage` where its dialect's clients read it, the prompt's total
+    kept: OpenAI's `prompt_tokens_details.cached_tokens`, Responses'
+    `input_tokens_details.cached_tokens`, and Anthropic's `cache_read_input_tokens`, whose
+    `input_tokens` is the uncached rest (vLLM's Messages route reports the whole prompt there and
+    no cache fields: the same total). False when `usage` has no prompt figures to correct."""
+    if dialect == "anthropic":
+        if not isinstance(usage.get("input_tokens"), int):
+            return False  # a `message_delta` that carries only the output so far
+        created = _count(usage.get("cache_creation_input_tokens"))
+        total = usage["input_tokens"] + _count(usage.get("cache_read_input_tokens")) + created
+        read = max(0, min(cached_tokens, total - created))
+        usage["cache_read_input_tokens"] = read
+        usage["input_tokens"] = total - created - read
+        return True
+    name = "input_tokens_details" if dialect == "responses" else "prompt_tokens_details"
+    details = usage.get(name)
+    usage[name] = {**(details if isinstance(details, dict) else {}), "cached_tokens": cached_tokens}
+    return True
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 class PdRelay(SseRelay):
@@ -128,6 +146,71 @@ class PdRelay(SseRelay):
         return super()._rewrite(payload)
 
 
+class PdResponsesRelay(ResponsesRelay):
+    """`PdRelay` for a Responses stream: its usage rides in `response.completed`'s response."""
+
+    __slots__ = ("cached_tokens",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cached_tokens: int | None = None
+
+    def _inspect(self, event: bytes) -> bytes | None:
+        if self.cached_tokens is not None and b'"usage"' in event:
+            event = _event_with_cached_tokens(event, self.cached_tokens, "responses")
+        return super()._inspect(event)
+
+
+class PdMessagesRelay(MessagesRelay):
+    """`PdRelay` for an Anthropic Messages stream: usage in `message_start`'s message and in
+    `message_delta`."""
+
+    __slots__ = ("cached_tokens",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cached_tokens: int | None = None
+
+    def _inspect(self, event: bytes) -> bytes | None:
+        if self.cached_tokens is not None and b'"usage"' in event:
+            event = _event_with_cached_tokens(event, self.cached_tokens, "anthropic")
+        return super()._inspect(event)
+
+
+DecodeRelay = PdRelay | PdResponsesRelay | PdMessagesRelay
+
+
+def decode_relay(a: Admitted) -> DecodeRelay:
+    """The relay of a decode leg's stream, in the route's own event format (as
+    `Dialect.relay`), with the prefill worker's hit put in its usage."""
+    dialect = a.api.dialect.name
+    if dialect == "responses":
+        return PdResponsesRelay()
+    if dialect == "anthropic":
+        return PdMessagesRelay()
+    return PdRelay(a.strip_usage)
+
+
+def _event_with_cached_tokens(event: bytes, cached_tokens: int, dialect: str) -> bytes:
+    """An event (its `event:` and `data:` lines) whose usage, at the top or in its `response` or
+    `message` object, reports `cached_tokens`; unchanged when it has none."""
+    if b'"usage"' not in event:
+        return event
+    payload = data_of(event)
+    try:
+        obj = orjson.loads(payload) if payload is not None else None
+    except orjson.JSONDecodeError:
+        return event
+    if not isinstance(obj, dict):
+        return event
+    holder = obj.get("response") or obj.get("message")
+    usage = obj.get("usage") or (holder.get("usage") if isinstance(holder, dict) else None)
+    if not isinstance(usage, dict) or not set_cached_tokens(usage, cached_tokens, dialect):
+        return event
+    lines = [line for line in event.split(b"\n") if not line.startswith(b"data:")]
+    return b"\n".join([*lines, b"data: " + orjson.dumps(obj)])
+
+
 @dataclasses.dataclass(slots=True)
 class Prefilled:
     """A prefill leg that answered 200: what it returned for the decode leg, and its usage."""
@@ -144,7 +227,7 @@ class Opened:
     source: StreamSource
     status: int
     content_type: str
-    relay: PdRelay | None = None
+    relay: DecodeRelay | None = None
     first: bytes = b""
     body: bytes = b""
 
@@ -225,7 +308,7 @@ async def decode_leg(
             return TransferFailed(worker_status(source.status, source.retry_hints), "decode_error")
         if a.stream and source.status == 200 and proxy._is_event_stream(source.content_type):
             stage = Stage.FIRST_EVENT
-            relay = PdRelay(a.strip_usage)
+            relay = decode_relay(a)
             first = await first_events(source, relay, attempt)
             problem = first_event_problem(first) if first else "it ended before its first event"
             if problem is not None:
@@ -284,11 +367,22 @@ def deliver(
     retries: int,
 ) -> RawResponse | ProxyStream | Failure:
     """The decode answer to the client, reporting the prefill worker's `cached_tokens`."""
-    if opened.relay is not None:
-        opened.relay.cached_tokens = cached
-        return ProxyStream(routing, lifecycle, attempt, opened.source, opened.relay, opened.first, retries)
+    relay = opened.relay
+    if relay is not None:
+        first = opened.first
+        if cached is not None:
+            # The first events were read before the relay knew the hit (under SGLang the prefill
+            # may answer after them; a short answer may come whole): they and the usage noted so
+            # far report it too.
+            relay.cached_tokens = cached
+            dialect = a.api.dialect.name
+            first = b"\n\n".join(_event_with_cached_tokens(e, cached, dialect) for e in first.split(b"\n\n"))
+            if isinstance(relay.usage, dict):
+                set_cached_tokens(relay.usage, cached, dialect)
+        a.learn_response(attempt.worker.worker_id, relay.response_id)
+        return ProxyStream(routing, lifecycle, attempt, opened.source, relay, first, retries)
     body = opened.body
     if opened.status == 200 and cached is not None:
-        body = with_cached_tokens(body, cached)
+        body = with_cached_tokens(body, cached, a.api.dialect.name)
     reply = UpstreamReply(opened.status, opened.content_type, body, opened.source.retry_hints)
     return proxy._answer(routing, a, attempt, reply, retries)

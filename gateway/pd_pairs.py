@@ -12,10 +12,11 @@ A leg that fails before the client has anything is closed here and leaves the ne
 lesson (docs/pd.md, "Failures"):
 - a prefill leg that fails (connect error, 5xx, timeout, malformed answer): without that worker;
 - a decode worker unreachable or broken: without that worker;
-- a transfer failure (the decode worker answered 5xx, or an error event before its first token,
-  or timed out): counted; vLLM then recomputes the request without a split (a decode or mixed
-  worker alone); SGLang, whose decode workers take only paired requests, tries a fresh pair
-  without that decode worker.
+- a transfer failure (a decode leg sent to read KV answered 5xx, or an error event before its
+  first token, or timed out): counted; vLLM then recomputes the request without a split (a decode
+  or mixed worker alone); SGLang, whose decode workers take only paired requests, tries a fresh
+  pair without the prefill worker whose KV did not arrive. A vLLM decode leg that had no KV to
+  read (the prefill answer named none) fails as the decode worker's own.
 Once the decode answer's first event has reached the client, a failure is the usual terminal
 error event (`streaming.ProxyStream`). A leg refused with a 4xx is the request's fault and is
 answered as it is. As in a pool without roles, a leg's 5xx or read timeout counts against its
@@ -287,6 +288,8 @@ class PdRun:
         """Hand an opened decode answer to the client, or account for the leg's failure.
         `transfer_since_s` is when the KV could start to move (None: no transfer was asked)."""
         metrics, pool = self.routing.metrics, self.a.pool.name
+        if isinstance(result, TransferFailed) and transfer_since_s is None:
+            result = result.failure  # no KV was to move: the decode worker failed on its own
         if isinstance(result, Opened):
             if transfer_since_s is not None:
                 metrics.pd_transfer_outcomes.labels(pool, "ok").inc()

@@ -51,10 +51,24 @@ def test_the_answer_reports_the_given_cached_tokens() -> None:
     assert no_details["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     for unchanged in (b'{"usage": null}', b"not json", b"[1]", b'{"choices": []}'):
         assert with_cached_tokens(unchanged, 5) == unchanged
-    # Anthropic Messages: the field its clients read.
-    messages = {"type": "message", "usage": {"input_tokens": 100, "cache_read_input_tokens": 99}}
-    out = orjson.loads(with_cached_tokens(orjson.dumps(messages), 48))
-    assert out["usage"] == {"input_tokens": 100, "cache_read_input_tokens": 48}
+    # Anthropic Messages: the field its clients read, `input_tokens` the uncached rest of the same
+    # prompt (vLLM reports the whole prompt there and no cache fields).
+    for usage in ({"input_tokens": 1, "cache_read_input_tokens": 99}, {"input_tokens": 100}):
+        out = orjson.loads(
+            with_cached_tokens(orjson.dumps({"type": "message", "usage": usage}), 48, "anthropic")
+        )
+        assert out["usage"] == {"input_tokens": 52, "cache_read_input_tokens": 48}
+    created = {"input_tokens": 0, "cache_read_input_tokens": 90, "cache_creation_input_tokens": 10}
+    out = orjson.loads(with_cached_tokens(orjson.dumps({"usage": created}), 95, "anthropic"))
+    assert out["usage"] == {
+        "input_tokens": 0,
+        "cache_read_input_tokens": 90,
+        "cache_creation_input_tokens": 10,
+    }
+    # Responses: its own details field, nothing of another API's.
+    responses = {"input_tokens": 100, "input_tokens_details": {"cached_tokens": 99}, "output_tokens": 2}
+    out = orjson.loads(with_cached_tokens(orjson.dumps({"usage": responses}), 48, "responses"))
+    assert out["usage"] == {**responses, "input_tokens_details": {"cached_tokens": 48}}
 
 
 def _events(*payloads: dict[str, Any]) -> bytes:

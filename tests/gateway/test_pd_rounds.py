@@ -1,0 +1,154 @@
+"""A prefill/decode request's rounds after failures: what they count.
+
+The gateway runs in-process in front of a scripted vLLM prefill worker and two decode workers
+whose answers follow one shared script (the n-th request any decode worker gets has the n-th
+status)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from aiohttp import web
+
+from gateway.auth import hash_api_key
+from gateway.state import GatewayState
+from tests.gateway.routes_rig import Recording
+from tests.support.inprocess import gateway_in_process
+from tests.support.loopback import serve_app
+
+SECRET = b"k"
+KEY = {"authorization": "Bearer sk-t"}
+_PARAMS = {"remote_engine_id": "e", "remote_block_ids": [1], "remote_request_id": "r"}
+
+
+@dataclass
+class Script:
+    """The statuses decode workers answer with, in order (then 200), and what they were sent."""
+
+    statuses: list[int]
+    decode_bodies: list[dict[str, Any]] = field(default_factory=list)
+    params: bool = True  # the prefill answer names its KV (a vLLM server without a connector does not)
+
+    async def prefill(self, request: web.Request) -> web.Response:
+        await request.json()
+        usage = {"prompt_tokens": 8, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}}
+        answer: dict[str, Any] = {"choices": [], "usage": usage}
+        if self.params:
+            answer["kv_transfer_params"] = _PARAMS
+        return web.json_response(answer)
+
+    async def responses(self, request: web.Request) -> web.Response:
+        """vLLM names a stored response after the body's `request_id` (the gateway sets it)."""
+        body = await request.json()
+        usage = {"input_tokens": 8, "output_tokens": 2, "input_tokens_details": {"cached_tokens": 0}}
+        return web.json_response(
+            {"id": body["request_id"], "object": "response", "output": [], "usage": usage}
+        )
+
+    async def decode(self, request: web.Request) -> web.Response:
+        self.decode_bodies.append(await request.json())
+        status = self.statuses.pop(0) if self.statuses else 200
+        if status != 200:
+            return web.json_response({"error": {"message": "no", "code": status}}, status=status)
+        return web.json_response({"choices": [], "usage": {"prompt_tokens": 8, "completion_tokens": 2}})
+
+
+@dataclass
+class Rig:
+    client: httpx.AsyncClient
+    state: GatewayState
+    script: Script
+
+    def metric(self, name: str, **labels: str) -> float:
+        text = self.state.routing.metrics.render().decode()
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    async def chat(self) -> httpx.Response:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+        return await self.client.post("/v1/chat/completions", json=body, headers=KEY)
+
+
+@contextlib.asynccontextmanager
+async def pd_rig(statuses: list[int], *, params: bool = True) -> AsyncIterator[Rig]:
+    script = Script(statuses, params=params)
+    async with contextlib.AsyncExitStack() as stack:
+        urls = []
+        for handler in (script.prefill, script.decode, script.decode):
+
+            async def health(_: web.Request) -> web.Response:
+                return web.Response(text="ok")
+
+            app = web.Application()
+            app.router.add_get("/health", health)
+            app.router.add_post("/v1/chat/completions", handler)
+            app.router.add_post("/v1/responses", script.responses)
+            runner, port = await serve_app(app)
+            stack.push_async_callback(runner.cleanup)
+            urls.append(f"http://127.0.0.1:{port}")
+        config = {
+            "pools": [
+                {
+                    "name": "p",
+                    "models": ["m"],
+                    "prefill_workers": urls[:1],
+                    "decode_workers": urls[1:],
+                    "pd": {"protocol": "vllm", "conditional": False},  # a pair whenever one is free
+                    "retry_attempts": 2,
+                }
+            ],
+            "tenants": [{"name": "t", "api_key_hashes": [hash_api_key(SECRET, "sk-t")]}],
+            "scrape": {"enabled": False},
+        }
+        gw = await stack.enter_async_context(gateway_in_process(config, Recording(), secret=SECRET))
+        yield Rig(gw.client, gw.state, script)
+
+
+async def test_a_request_recomputed_twice_is_one_skipped_split() -> None:
+    """The transfer fails (the decode worker's 500), the request is recomputed alone on a decode
+    worker that fails too, then on the other, which serves it: one request run alone."""
+    async with pd_rig([500, 500]) as rig:
+        resp = await rig.chat()
+        assert resp.status_code == 200
+        sent = rig.script.decode_bodies
+        assert ["kv_transfer_params" in body for body in sent] == [True, False, False]
+        assert rig.metric("kvgate_pd_requests_total", role="alone") == 2  # requests sent to workers
+        assert rig.metric("kvgate_pd_skipped_splits_total") == 1
+        assert rig.metric("kvgate_pd_skipped_splits_total", reason="transfer_failed") == 1
+        assert rig.metric("kvgate_pd_transfer_outcomes_total", outcome="recomputed") == 1
+        assert rig.metric("kvgate_pd_transfer_outcomes_total", outcome="decode_error") == 1
+
+
+async def test_a_responses_follow_up_is_an_unsplittable_request() -> None:
+    """vLLM runs Responses requests alone, and a follow-up on the worker holding its state: each is
+    a skipped split of a request that cannot be split, as the first turn is."""
+    async with pd_rig([]) as rig:
+        first = await rig.client.post("/v1/responses", json={"model": "m", "input": "hi"}, headers=KEY)
+        assert first.status_code == 200
+        body = {"model": "m", "input": "and?", "previous_response_id": first.json()["id"]}
+        follow_up = await rig.client.post("/v1/responses", json=body, headers=KEY)
+        assert follow_up.status_code == 200
+        assert rig.metric("kvgate_pd_skipped_splits_total") == 2
+        assert rig.metric("kvgate_pd_skipped_splits_total", reason="unsplittable") == 2
+
+
+async def test_a_decode_failure_without_a_transfer_is_no_transfer_failure() -> None:
+    """The prefill answer carried no `kv_transfer_params`, so the decode leg moved no KV: its 500
+    is the decode worker's own failure, retried as any other (here on the other decode worker,
+    split again), not a failed transfer recomputed alone."""
+    async with pd_rig([500], params=False) as rig:
+        resp = await rig.chat()
+        assert resp.status_code == 200
+        assert rig.metric("kvgate_pd_transfers_total") == 0
+        assert rig.metric("kvgate_pd_transfer_failures_total") == 0
+        assert rig.metric("kvgate_pd_transfer_outcomes_total") == 0
+        assert rig.metric("kvgate_pd_leg_failures_total", role="decode", reason="worker_error") == 1
+        assert rig.metric("kvgate_pd_requests_total", role="decode") == 2
+        assert rig.metric("kvgate_pd_skipped_splits_total") == 0

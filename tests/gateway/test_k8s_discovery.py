@@ -170,6 +170,22 @@ async def test_every_watch_failure_resyncs(fake: FakeKubeApi, tmp_path: Path, fa
         assert failure != "unauthorized" or fake.unauthorized >= 1
 
 
+async def test_a_pod_with_a_malformed_annotation_or_port_is_its_own_problem(
+    fake: FakeKubeApi, tmp_path: Path
+) -> None:
+    typo = {"kvgate.io/kv": "tcp://{host.ip}:5557"}  # `{host.ip}` for `{host}`
+    fake.put(make_pod("a", port=8001, annotations=typo))
+    fake.put(make_pod("b", port=8002, annotations={"kvgate.io/kv": "5557"}))
+    async with follow(fake, tmp_path, {"kv_events_annotation": "kvgate.io/kv"}) as f:
+        assert f.current == {url(8001), url(8002)}  # the first list, not a retried one
+        assert f.changes[0].details_of(url(8001)).kv_events_endpoint is None
+        junk_port = make_pod("c", port=8003)
+        junk_port["spec"]["containers"][0]["ports"].insert(0, "http")
+        fake.put(junk_port)  # and through the watch
+        await f.routed(8001, 8002, 8003)
+        assert f.errors == [] and fake.lists == 1
+
+
 async def test_a_watch_the_server_ends_resumes_from_the_last_version_without_a_list(
     fake: FakeKubeApi, tmp_path: Path
 ) -> None:

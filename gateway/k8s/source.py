@@ -6,15 +6,19 @@
               stream ended by the server's timeout -> watch again from the last version seen
               410 / ERROR event / HTTP or connection error / bad data -> record, back off, list again
 
-Only routable pods are kept (URL and details, never the Pod object), at most `max_pods`. The
-backoff doubles from `backoff_initial_s` up to `backoff_max_s` and resets only once a watch
-delivers an event, so a server that fails right after every list is not hammered.
+Only routable pods are kept (URL and details, never the Pod object). The first `max_pods` of them
+in the order they became routable are routed; up to as many more wait, in that order, and each
+takes the place of a routed pod that leaves (a rollout's surge is briefly more than it replaces);
+any beyond those are ignored until the next list. The backoff doubles from `backoff_initial_s` up
+to `backoff_max_s` and resets only once a watch delivers an event, so a server that fails right
+after every list is not hammered.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import random
 import time
@@ -88,7 +92,8 @@ class PodWatcher:
             role_label=config.role_label,
         )
         self._access: Access | None = None
-        self._pods: dict[str, PodEndpoint] = {}  # routable pods by name
+        # Routable pods by name, in the order they became routable: the first `max_pods` are routed.
+        self._pods: dict[str, PodEndpoint] = {}
         self._warned: dict[str, str] = {}  # pod name -> the problem last logged for it
         self.lists = 0  # full lists done (the first one and every resync)
 
@@ -198,10 +203,13 @@ class PodWatcher:
             log.warning("pod %s: %s", name, verdict.problem)
         if verdict.endpoint is None:
             pods.pop(name, None)
-        elif name in pods or len(pods) < self._config.max_pods:
-            pods[name] = verdict.endpoint
+        elif name in pods or len(pods) < 2 * self._config.max_pods:
+            if name not in pods and len(pods) >= self._config.max_pods:
+                log.warning("more than %d ready pods match; %s waits", self._config.max_pods, name)
+            pods[name] = verdict.endpoint  # an update keeps the pod's place in the order
         else:
-            log.warning("more than %d ready pods match; ignoring %s", self._config.max_pods, name)
+            log.warning("more than %d ready pods match; ignoring %s", 2 * self._config.max_pods, name)
 
     def _snapshot(self) -> dict[str, WorkerDetails]:
-        return {p.url: p.details for p in sorted(self._pods.values(), key=lambda p: p.url)}
+        routed = itertools.islice(self._pods.values(), self._config.max_pods)
+        return {p.url: p.details for p in sorted(routed, key=lambda p: p.url)}

@@ -207,9 +207,27 @@ async def test_lists_are_paged_and_the_routed_set_is_capped(fake: FakeKubeApi, t
     async with follow(fake, tmp_path, page_size=2) as f:
         assert f.current == {url(8000 + i) for i in range(5)} and fake.lists == 1
     async with follow(fake, tmp_path, {"max_pods": 3}) as f:
-        assert len(f.current) == 3
-        fake.delete(sorted(fake.pods)[0])
-        await wait_until(lambda: len(f.current) == 2)
+        assert f.current == {url(8000), url(8001), url(8002)}
+        fake.delete("p0")  # a pod that waited for a place takes it
+        await f.routed(8001, 8002, 8003)
+        fake.put(make_pod("p9", port=8009))  # a newcomer never displaces a routed pod
+        fake.delete("p1")
+        await f.routed(8002, 8003, 8004)
+        assert fake.lists == 2  # one for each `follow`
+
+
+async def test_a_rolling_update_past_max_pods_keeps_the_pool_full(fake: FakeKubeApi, tmp_path: Path) -> None:
+    """maxSurge makes a rollout briefly exceed the pods it replaces: the surplus waits, and takes
+    the place of each old pod that leaves."""
+    for i in range(3):
+        fake.put(make_pod(f"old-{i}", port=8000 + i))
+    async with follow(fake, tmp_path, {"max_pods": 3}) as f:
+        await f.routed(8000, 8001, 8002)
+        for i in range(3):
+            fake.put(make_pod(f"new-{i}", port=9000 + i))  # surge: ready before the old one goes
+            fake.delete(f"old-{i}")
+        await f.routed(9000, 9001, 9002)
+        assert fake.lists == 1 and f.errors == []
 
 
 async def test_roles_and_kv_endpoints_travel_with_the_change(fake: FakeKubeApi, tmp_path: Path) -> None:

@@ -171,10 +171,9 @@ class PodWatcher:
 
     async def _watch(self, api: PodApi, version: str, sink: WorkerSink) -> str:
         """One watch stream; returns the last version seen when the server ends it cleanly."""
-        opened_s, events = time.monotonic(), 0
+        opened_s = time.monotonic()
         async with contextlib.aclosing(api.watch(version)) as stream:
             async for event in stream:
-                events += 1
                 self._backoff.reset()
                 version = resource_version(event.object) or version
                 if event.type == "BOOKMARK":
@@ -190,8 +189,10 @@ class PodWatcher:
                     self._keep(self._pods, name, event.object)
                 if self._pods.get(name) != before:
                     sink.publish(self._snapshot())
-        if not events and time.monotonic() - opened_s < 1.0:
-            await asyncio.sleep(self._backoff.next())  # a server that ends every watch at once
+        if time.monotonic() - opened_s < 1.0:
+            # A server that ends every watch at once (timeoutSeconds is at least 10), even after a
+            # bookmark or two: not a reason to open the next one at once.
+            await asyncio.sleep(self._backoff.next())
         return version
 
     def _keep(self, pods: dict[str, PodEndpoint], name: str, pod: Mapping[str, Any]) -> None:

@@ -124,6 +124,7 @@ class FakeKubeApi:
         self.watches = 0
         self.unauthorized = 0
         self.bookmark_every_s = 0.5
+        self.max_watch_s: float | None = None  # end every watch this soon, whatever it asked for
         self._pages: dict[str, tuple[str, list[Pod]]] = {}
         self._page_ids = itertools.count()
         self.port = 0
@@ -260,6 +261,8 @@ class FakeKubeApi:
         self.watches += 1
         since = int(request.query.get("resourceVersion") or self.version)
         timeout_s = float(request.query.get("timeoutSeconds", "300"))
+        if self.max_watch_s is not None:
+            timeout_s = min(timeout_s, self.max_watch_s)
         bookmarks = request.query.get("allowWatchBookmarks") == "true"
         resp = web.StreamResponse(headers={"Content-Type": "application/json"})
         resp.enable_chunked_encoding()

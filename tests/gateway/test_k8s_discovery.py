@@ -82,7 +82,7 @@ async def follow(
         **(config or {}),
     }
     source = PodWatcher(
-        KubernetesDiscoveryConfig(**settings), backoff_initial_s=0.02, backoff_max_s=0.1, **watcher
+        KubernetesDiscoveryConfig(**settings), **{"backoff_initial_s": 0.02, "backoff_max_s": 0.1, **watcher}
     )
     followed: Followed
 
@@ -199,6 +199,21 @@ async def test_a_watch_the_server_ends_resumes_from_the_last_version_without_a_l
         fake.delete("a")
         await f.routed(8002)
         assert fake.lists == 1 and f.errors == [] and f.resyncs == 0
+
+
+async def test_a_server_that_ends_every_watch_at_once_is_not_hammered(
+    fake: FakeKubeApi, tmp_path: Path
+) -> None:
+    """Bookmarks or not: a watch that lasts under a second is not a server's timeoutSeconds."""
+    fake.put(make_pod("a", port=8001))
+    fake.bookmark_every_s = 0.001  # each watch delivers a bookmark, then ends
+    fake.max_watch_s = 0.005
+    async with follow(fake, tmp_path, backoff_initial_s=0.2, backoff_max_s=0.2) as f:
+        first = fake.watches
+        opened_s = time.monotonic()
+        await wait_until(lambda: fake.watches >= first + 6)
+        assert time.monotonic() - opened_s >= 5 * 0.1  # each wait at least half the backoff
+        assert f.current == {url(8001)} and fake.lists == 1 and f.errors == []
 
 
 async def test_lists_are_paged_and_the_routed_set_is_capped(fake: FakeKubeApi, tmp_path: Path) -> None:

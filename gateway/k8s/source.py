@@ -31,6 +31,7 @@ import aiohttp
 from gateway.discovery import WorkerDetails, WorkerSink
 from gateway.k8s.api import (
     SERVICE_ACCOUNT_DIR,
+    WATCH_SILENCE_S,
     Access,
     ApiError,
     Expired,
@@ -76,6 +77,7 @@ class PodWatcher:
         page_size: int = 500,
         max_event_bytes: int = 4 * 1024 * 1024,
         request_timeout_s: float = 30.0,
+        watch_silence_s: float = WATCH_SILENCE_S,
     ) -> None:
         self._config = config
         self._environ = environ
@@ -84,6 +86,7 @@ class PodWatcher:
         self._page_size = page_size
         self._max_event_bytes = max_event_bytes
         self._request_timeout_s = request_timeout_s
+        self._watch_silence_s = watch_silence_s
         self._settings = PodSettings(
             port=config.port,
             scheme=config.scheme,
@@ -121,6 +124,7 @@ class PodWatcher:
                 max_event_bytes=self._max_event_bytes,
                 request_timeout_s=self._request_timeout_s,
                 watch_timeout_s=self._config.watch_timeout_s,
+                watch_silence_s=self._watch_silence_s,
             )
             await self._follow(api, sink)
 

@@ -182,6 +182,11 @@ class FakeKubeApi:
         for queue in self.watchers:
             queue.put_nowait(("end", None))
 
+    def stall_watches(self) -> None:
+        """Open watches go silent, bookmarks too, and stay open (a link whose far end is gone)."""
+        for queue in self.watchers:
+            queue.put_nowait(("stall", None))
+
     def drop_watches(self) -> None:
         """Cut open watch connections mid-stream."""
         for queue in self.watchers:
@@ -299,6 +304,9 @@ class FakeKubeApi:
                 elif what == "raw":
                     await resp.write(data)
                 elif what == "end":
+                    break
+                elif what == "stall":
+                    await asyncio.sleep(left)
                     break
                 elif what == "drop":
                     if request.transport is not None:

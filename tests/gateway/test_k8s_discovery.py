@@ -186,6 +186,18 @@ async def test_a_pod_with_a_malformed_annotation_or_port_is_its_own_problem(
         assert f.errors == [] and fake.lists == 1
 
 
+async def test_a_watch_gone_silent_is_given_up_and_relisted(fake: FakeKubeApi, tmp_path: Path) -> None:
+    """A link whose far end vanished without a reset carries nothing, not even the bookmark a real
+    API server sends about every minute: the watch is given up after `watch_silence_s` of it."""
+    fake.put(make_pod("a", port=8001))
+    async with follow(fake, tmp_path, watch_silence_s=1.0) as f:
+        await wait_until(lambda: bool(fake.watchers))
+        fake.change_silently([make_pod("b", port=8002)])
+        fake.stall_watches()
+        await f.routed(8002)
+        assert f.errors == ["watch"] and fake.lists == 2
+
+
 async def test_a_watch_the_server_ends_resumes_from_the_last_version_without_a_list(
     fake: FakeKubeApi, tmp_path: Path
 ) -> None:

@@ -9,9 +9,10 @@
 Only routable pods are kept (URL and details, never the Pod object). The first `max_pods` of them
 in the order they became routable are routed; up to as many more wait, in that order, and each
 takes the place of a routed pod that leaves (a rollout's surge is briefly more than it replaces);
-any beyond those are ignored until the next list. The backoff doubles from `backoff_initial_s` up
-to `backoff_max_s` and resets only once a watch delivers an event, so a server that fails right
-after every list is not hammered.
+any beyond those are ignored until the next list. A list keeps the order of the pods it knew.
+
+The backoff doubles from `backoff_initial_s` up to `backoff_max_s` and resets only once a watch
+delivers an event, so a server that fails right after every list is not hammered.
 """
 
 from __future__ import annotations
@@ -169,7 +170,9 @@ class PodWatcher:
                 break
             continue_token = page.continue_token
         self.lists += 1
-        self._pods = pods
+        # Pods known before keep their place in the order (past max_pods, which are routed).
+        kept = {name: pods[name] for name in self._pods if name in pods}
+        self._pods = kept | pods
         sink.publish(self._snapshot())
         return page.resource_version
 

@@ -237,10 +237,16 @@ async def test_lists_are_paged_and_the_routed_set_is_capped(fake: FakeKubeApi, t
         assert f.current == {url(8000), url(8001), url(8002)}
         fake.delete("p0")  # a pod that waited for a place takes it
         await f.routed(8001, 8002, 8003)
-        fake.put(make_pod("p9", port=8009))  # a newcomer never displaces a routed pod
+        fake.put(make_pod("a-late", port=8009))  # a newcomer never displaces a routed pod
         fake.delete("p1")
         await f.routed(8002, 8003, 8004)
-        assert fake.lists == 2  # one for each `follow`
+        await wait_until(lambda: bool(fake.watchers))
+        fake.expire()  # nor does a relist, whatever order the list comes in
+        await wait_until(lambda: f.watcher.lists == 2)
+        assert f.current == {url(8002), url(8003), url(8004)}
+        fake.put(make_pod("p5", port=8005))
+        fake.delete("p2")  # and the one that waited longest takes the place
+        await f.routed(8003, 8004, 8009)
 
 
 async def test_a_rolling_update_past_max_pods_keeps_the_pool_full(fake: FakeKubeApi, tmp_path: Path) -> None:

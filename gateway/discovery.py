@@ -3,7 +3,8 @@ that pushes its own updates (the Kubernetes pod watch in `gateway.k8s`).
 
 A Kubernetes headless Service resolves to one A/AAAA record per ready pod, so re-resolving its name
 every few seconds follows scale-ups, restarts and rollouts without talking to the API server. Each
-address becomes `scheme://IP:port`. Resolution goes through the event loop's `getaddrinfo` (a
+address becomes `scheme://IP:port`; a dual-stack Service answers both records for each pod, and
+only the family of the first address is kept. Resolution goes through the event loop's `getaddrinfo` (a
 thread, never blocking the loop) and can be replaced by any async resolver for tests.
 
 A failed resolution keeps the last known set: a DNS hiccup must not empty a pool. A successful
@@ -149,6 +150,11 @@ class DnsWorkers(WorkerSource):
     async def resolve(self) -> frozenset[str]:
         async with asyncio.timeout(self._timeout_s):
             addresses = await self._resolver(self.host, self.port)
+        if addresses:
+            # A dual-stack headless Service answers an A and an AAAA record for each pod: one
+            # family only (the first address's, the system's preference), or each pod is two workers.
+            v6 = ":" in addresses[0]
+            addresses = [a for a in addresses if (":" in a) == v6]
         urls = sorted({worker_url(self.scheme, a, self.port) for a in addresses})
         if len(urls) > self._max_workers:
             log.warning("%s resolved to %d addresses; keeping %d", self.host, len(urls), self._max_workers)

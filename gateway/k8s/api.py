@@ -31,6 +31,11 @@ from gateway.k8s.config import KubernetesDiscoveryConfig
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 _MAX_ERROR_BODY_BYTES = 64 * 1024
 _PARSE_IN_THREAD_BYTES = 1024 * 1024  # bigger list pages are parsed off the event loop
+# The longest a watch may say nothing before its link is taken for dead (one whose far end vanished
+# without a reset). The API server's watch cache sends a bookmark about every minute to a watch
+# that allows them, and another just before timeoutSeconds; so even a quiet watch is never silent
+# for much longer than a minute while the link is alive.
+WATCH_SILENCE_S = 90.0
 
 
 class KubernetesSetupError(Exception):
@@ -175,6 +180,7 @@ class PodApi:
         max_event_bytes: int = 4 * 1024 * 1024,
         request_timeout_s: float = 30.0,
         watch_timeout_s: int = 300,
+        watch_silence_s: float = WATCH_SILENCE_S,
     ) -> None:
         self._session = session
         self._url = f"{access.base_url}/api/v1/namespaces/{access.namespace}/pods"
@@ -184,10 +190,9 @@ class PodApi:
         self._max_page_bytes = max_page_bytes
         self._max_event_bytes = max_event_bytes
         self._list_timeout = aiohttp.ClientTimeout(total=request_timeout_s)
-        # The server ends a watch after timeoutSeconds; silence well beyond that means a dead link.
         self._watch_timeout_s = watch_timeout_s
         self._watch_timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=request_timeout_s, sock_read=watch_timeout_s + 30
+            total=None, sock_connect=request_timeout_s, sock_read=min(watch_timeout_s + 30, watch_silence_s)
         )
 
     async def list_page(self, continue_token: str | None = None) -> PodPage:

@@ -8,12 +8,17 @@ that is missing or of the wrong type makes the pod unroutable, never an exceptio
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from gateway.discovery import WorkerDetails, worker_url
-from gateway.kv_event_types import endpoint_for_worker
+
+# What an annotation's endpoint must look like once `{host}` is filled in: a scheme, then no
+# spaces and no braces (a `{` left over is a placeholder this reader does not fill).
+_ENDPOINT = re.compile(r"^[a-z][a-z0-9+.-]*://[^\s{}]+$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,15 +90,15 @@ def container_port(pod: Mapping[str, Any], port: int | str) -> int | None:
         if not isinstance(container, Mapping):
             continue
         for p in _list(container, "ports"):
-            number = p.get("containerPort") if isinstance(p, Mapping) else None
-            if p.get("name") == port and isinstance(number, int) and 0 < number < 65536:
+            if not isinstance(p, Mapping) or p.get("name") != port:
+                continue
+            number = p.get("containerPort")
+            if isinstance(number, int) and not isinstance(number, bool) and 0 < number < 65536:
                 return number
     return None
 
 
-def _kv_endpoint(
-    pod: Mapping[str, Any], ip: str, url: str, settings: PodSettings
-) -> tuple[str | None, str | None]:
+def _kv_endpoint(pod: Mapping[str, Any], ip: str, settings: PodSettings) -> tuple[str | None, str | None]:
     """The pod's KV-event endpoint and a problem, from a port (number or name) or an annotation
     whose value is a port number or an endpoint (`tcp://{host}:5557`, `{host}` = the pod's IP)."""
     host = f"[{ip}]" if ":" in ip else ip
@@ -108,13 +113,13 @@ def _kv_endpoint(
     if not isinstance(value, str) or not value.strip():
         return None, None  # this pod publishes no KV events
     value = value.strip()
-    if value.isdigit() and 0 < int(value) < 65536:
-        return f"tcp://{host}:{value}", None
-    if "://" in value:
-        try:
-            return endpoint_for_worker(value, url), None
-        except (KeyError, IndexError, ValueError):
-            pass
+    if value.isascii() and value.isdigit() and 0 < int(value) < 65536:
+        return f"tcp://{host}:{int(value)}", None
+    # Plain substitution, never `str.format`: the value is written by whoever deploys the pod, and
+    # a format field such as `{host.ip}` or `{host:>99999999}` would raise or allocate.
+    endpoint = value.replace("{host}", host)
+    if _ENDPOINT.match(endpoint):
+        return endpoint, None
     return None, f"annotation {settings.kv_events_annotation} is neither a port nor an endpoint"
 
 
@@ -125,11 +130,16 @@ def read_pod(pod: Mapping[str, Any], settings: PodSettings) -> PodVerdict:
     ip = _map(pod, "status").get("podIP")
     if not isinstance(ip, str) or not ip:
         return PodVerdict(None)
+    try:
+        # The API server checks this; a URL is built from it all the same, so check it here too.
+        ip = str(ipaddress.ip_address(ip))
+    except ValueError:
+        return PodVerdict(None, f"podIP {ip[:64]!r} is not an IP address")
     port = container_port(pod, settings.port)
     if port is None:
         return PodVerdict(None, f"no container port named {settings.port!r}")
     url = worker_url(settings.scheme, ip, port)
-    kv, problem = _kv_endpoint(pod, ip, url, settings)
+    kv, problem = _kv_endpoint(pod, ip, settings)
     role = None
     if settings.role_label is not None:
         value = _map(_map(pod, "metadata"), "labels").get(settings.role_label)

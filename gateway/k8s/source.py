@@ -6,8 +6,12 @@
               stream ended by the server's timeout -> watch again from the last version seen
               410 / ERROR event / HTTP or connection error / bad data -> record, back off, list again
 
-Only routable pods are kept (URL and details, never the Pod object), at most `max_pods`. The
-backoff doubles from `backoff_initial_s` up to `backoff_max_s` and resets only once a watch
+Only routable pods are kept (URL and details, never the Pod object). The first `max_pods` of them
+in the order they became routable are routed; up to as many more wait, in that order, and each
+takes the place of a routed pod that leaves (a rollout's surge is briefly more than it replaces);
+any beyond those are ignored until the next list. A list keeps the order of the pods it knew.
+
+The backoff doubles from `backoff_initial_s` up to `backoff_max_s` and resets only once a watch
 delivers an event, so a server that fails right after every list is not hammered.
 """
 
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import random
 import time
@@ -27,6 +32,7 @@ import aiohttp
 from gateway.discovery import WorkerDetails, WorkerSink
 from gateway.k8s.api import (
     SERVICE_ACCOUNT_DIR,
+    WATCH_SILENCE_S,
     Access,
     ApiError,
     Expired,
@@ -72,6 +78,7 @@ class PodWatcher:
         page_size: int = 500,
         max_event_bytes: int = 4 * 1024 * 1024,
         request_timeout_s: float = 30.0,
+        watch_silence_s: float = WATCH_SILENCE_S,
     ) -> None:
         self._config = config
         self._environ = environ
@@ -80,6 +87,7 @@ class PodWatcher:
         self._page_size = page_size
         self._max_event_bytes = max_event_bytes
         self._request_timeout_s = request_timeout_s
+        self._watch_silence_s = watch_silence_s
         self._settings = PodSettings(
             port=config.port,
             scheme=config.scheme,
@@ -88,7 +96,8 @@ class PodWatcher:
             role_label=config.role_label,
         )
         self._access: Access | None = None
-        self._pods: dict[str, PodEndpoint] = {}  # routable pods by name
+        # Routable pods by name, in the order they became routable: the first `max_pods` are routed.
+        self._pods: dict[str, PodEndpoint] = {}
         self._warned: dict[str, str] = {}  # pod name -> the problem last logged for it
         self.lists = 0  # full lists done (the first one and every resync)
 
@@ -116,6 +125,7 @@ class PodWatcher:
                 max_event_bytes=self._max_event_bytes,
                 request_timeout_s=self._request_timeout_s,
                 watch_timeout_s=self._config.watch_timeout_s,
+                watch_silence_s=self._watch_silence_s,
             )
             await self._follow(api, sink)
 
@@ -160,16 +170,17 @@ class PodWatcher:
                 break
             continue_token = page.continue_token
         self.lists += 1
-        self._pods = pods
+        # Pods known before keep their place in the order (past max_pods, which are routed).
+        kept = {name: pods[name] for name in self._pods if name in pods}
+        self._pods = kept | pods
         sink.publish(self._snapshot())
         return page.resource_version
 
     async def _watch(self, api: PodApi, version: str, sink: WorkerSink) -> str:
         """One watch stream; returns the last version seen when the server ends it cleanly."""
-        opened_s, events = time.monotonic(), 0
+        opened_s = time.monotonic()
         async with contextlib.aclosing(api.watch(version)) as stream:
             async for event in stream:
-                events += 1
                 self._backoff.reset()
                 version = resource_version(event.object) or version
                 if event.type == "BOOKMARK":
@@ -185,8 +196,10 @@ class PodWatcher:
                     self._keep(self._pods, name, event.object)
                 if self._pods.get(name) != before:
                     sink.publish(self._snapshot())
-        if not events and time.monotonic() - opened_s < 1.0:
-            await asyncio.sleep(self._backoff.next())  # a server that ends every watch at once
+        if time.monotonic() - opened_s < 1.0:
+            # A server that ends every watch at once (timeoutSeconds is at least 10), even after a
+            # bookmark or two: not a reason to open the next one at once.
+            await asyncio.sleep(self._backoff.next())
         return version
 
     def _keep(self, pods: dict[str, PodEndpoint], name: str, pod: Mapping[str, Any]) -> None:
@@ -198,10 +211,13 @@ class PodWatcher:
             log.warning("pod %s: %s", name, verdict.problem)
         if verdict.endpoint is None:
             pods.pop(name, None)
-        elif name in pods or len(pods) < self._config.max_pods:
-            pods[name] = verdict.endpoint
+        elif name in pods or len(pods) < 2 * self._config.max_pods:
+            if name not in pods and len(pods) >= self._config.max_pods:
+                log.warning("more than %d ready pods match; %s waits", self._config.max_pods, name)
+            pods[name] = verdict.endpoint  # an update keeps the pod's place in the order
         else:
-            log.warning("more than %d ready pods match; ignoring %s", self._config.max_pods, name)
+            log.warning("more than %d ready pods match; ignoring %s", 2 * self._config.max_pods, name)
 
     def _snapshot(self) -> dict[str, WorkerDetails]:
-        return {p.url: p.details for p in sorted(self._pods.values(), key=lambda p: p.url)}
+        routed = itertools.islice(self._pods.values(), self._config.max_pods)
+        return {p.url: p.details for p in sorted(routed, key=lambda p: p.url)}

@@ -124,6 +124,7 @@ class FakeKubeApi:
         self.watches = 0
         self.unauthorized = 0
         self.bookmark_every_s = 0.5
+        self.max_watch_s: float | None = None  # end every watch this soon, whatever it asked for
         self._pages: dict[str, tuple[str, list[Pod]]] = {}
         self._page_ids = itertools.count()
         self.port = 0
@@ -180,6 +181,11 @@ class FakeKubeApi:
         """End open watch streams cleanly, as the server does after timeoutSeconds."""
         for queue in self.watchers:
             queue.put_nowait(("end", None))
+
+    def stall_watches(self) -> None:
+        """Open watches go silent, bookmarks too, and stay open (a link whose far end is gone)."""
+        for queue in self.watchers:
+            queue.put_nowait(("stall", None))
 
     def drop_watches(self) -> None:
         """Cut open watch connections mid-stream."""
@@ -260,6 +266,8 @@ class FakeKubeApi:
         self.watches += 1
         since = int(request.query.get("resourceVersion") or self.version)
         timeout_s = float(request.query.get("timeoutSeconds", "300"))
+        if self.max_watch_s is not None:
+            timeout_s = min(timeout_s, self.max_watch_s)
         bookmarks = request.query.get("allowWatchBookmarks") == "true"
         resp = web.StreamResponse(headers={"Content-Type": "application/json"})
         resp.enable_chunked_encoding()
@@ -296,6 +304,9 @@ class FakeKubeApi:
                 elif what == "raw":
                     await resp.write(data)
                 elif what == "end":
+                    break
+                elif what == "stall":
+                    await asyncio.sleep(left)
                     break
                 elif what == "drop":
                     if request.transport is not None:

@@ -87,6 +87,17 @@ async def test_slow_resolver_times_out_and_big_answers_are_capped() -> None:
     assert len((await capped.refresh()).current) == 8
 
 
+async def test_a_dual_stack_answer_counts_each_pod_once() -> None:
+    """A headless Service with ipFamilyPolicy PreferDualStack or RequireDualStack answers an A and
+    an AAAA record for every ready pod: two URLs for one engine would split its prefix cache in the
+    index and double its in-flight cap. The family of the first address (the system's preference,
+    RFC 6724) is kept."""
+    both = ScriptedResolver(["fd00::1", "10.0.0.1", "fd00::2", "10.0.0.2"], ["10.0.0.1", "fd00::1"])
+    d = Discovery(DnsWorkers("vllm.llm.svc.cluster.local", 8000, resolver=both))
+    assert (await d.refresh()).current == {"http://[fd00::1]:8000", "http://[fd00::2]:8000"}
+    assert (await d.refresh()).current == {"http://10.0.0.1:8000"}
+
+
 def test_bad_dns_settings() -> None:
     with pytest.raises(ValueError, match="port"):
         DnsWorkers("x", 0)

@@ -82,7 +82,7 @@ async def follow(
         **(config or {}),
     }
     source = PodWatcher(
-        KubernetesDiscoveryConfig(**settings), backoff_initial_s=0.02, backoff_max_s=0.1, **watcher
+        KubernetesDiscoveryConfig(**settings), **{"backoff_initial_s": 0.02, "backoff_max_s": 0.1, **watcher}
     )
     followed: Followed
 
@@ -170,6 +170,34 @@ async def test_every_watch_failure_resyncs(fake: FakeKubeApi, tmp_path: Path, fa
         assert failure != "unauthorized" or fake.unauthorized >= 1
 
 
+async def test_a_pod_with_a_malformed_annotation_or_port_is_its_own_problem(
+    fake: FakeKubeApi, tmp_path: Path
+) -> None:
+    typo = {"kvgate.io/kv": "tcp://{host.ip}:5557"}  # `{host.ip}` for `{host}`
+    fake.put(make_pod("a", port=8001, annotations=typo))
+    fake.put(make_pod("b", port=8002, annotations={"kvgate.io/kv": "5557"}))
+    async with follow(fake, tmp_path, {"kv_events_annotation": "kvgate.io/kv"}) as f:
+        assert f.current == {url(8001), url(8002)}  # the first list, not a retried one
+        assert f.changes[0].details_of(url(8001)).kv_events_endpoint is None
+        junk_port = make_pod("c", port=8003)
+        junk_port["spec"]["containers"][0]["ports"].insert(0, "http")
+        fake.put(junk_port)  # and through the watch
+        await f.routed(8001, 8002, 8003)
+        assert f.errors == [] and fake.lists == 1
+
+
+async def test_a_watch_gone_silent_is_given_up_and_relisted(fake: FakeKubeApi, tmp_path: Path) -> None:
+    """A link whose far end vanished without a reset carries nothing, not even the bookmark a real
+    API server sends about every minute: the watch is given up after `watch_silence_s` of it."""
+    fake.put(make_pod("a", port=8001))
+    async with follow(fake, tmp_path, watch_silence_s=1.0) as f:
+        await wait_until(lambda: bool(fake.watchers))
+        fake.change_silently([make_pod("b", port=8002)])
+        fake.stall_watches()
+        await f.routed(8002)
+        assert f.errors == ["watch"] and fake.lists == 2
+
+
 async def test_a_watch_the_server_ends_resumes_from_the_last_version_without_a_list(
     fake: FakeKubeApi, tmp_path: Path
 ) -> None:
@@ -185,15 +213,54 @@ async def test_a_watch_the_server_ends_resumes_from_the_last_version_without_a_l
         assert fake.lists == 1 and f.errors == [] and f.resyncs == 0
 
 
+async def test_a_server_that_ends_every_watch_at_once_is_not_hammered(
+    fake: FakeKubeApi, tmp_path: Path
+) -> None:
+    """Bookmarks or not: a watch that lasts under a second is not a server's timeoutSeconds."""
+    fake.put(make_pod("a", port=8001))
+    fake.bookmark_every_s = 0.001  # each watch delivers a bookmark, then ends
+    fake.max_watch_s = 0.005
+    async with follow(fake, tmp_path, backoff_initial_s=0.2, backoff_max_s=0.2) as f:
+        first = fake.watches
+        opened_s = time.monotonic()
+        await wait_until(lambda: fake.watches >= first + 6)
+        assert time.monotonic() - opened_s >= 5 * 0.1  # each wait at least half the backoff
+        assert f.current == {url(8001)} and fake.lists == 1 and f.errors == []
+
+
 async def test_lists_are_paged_and_the_routed_set_is_capped(fake: FakeKubeApi, tmp_path: Path) -> None:
     for i in range(5):
         fake.put(make_pod(f"p{i}", port=8000 + i))
     async with follow(fake, tmp_path, page_size=2) as f:
         assert f.current == {url(8000 + i) for i in range(5)} and fake.lists == 1
     async with follow(fake, tmp_path, {"max_pods": 3}) as f:
-        assert len(f.current) == 3
-        fake.delete(sorted(fake.pods)[0])
-        await wait_until(lambda: len(f.current) == 2)
+        assert f.current == {url(8000), url(8001), url(8002)}
+        fake.delete("p0")  # a pod that waited for a place takes it
+        await f.routed(8001, 8002, 8003)
+        fake.put(make_pod("a-late", port=8009))  # a newcomer never displaces a routed pod
+        fake.delete("p1")
+        await f.routed(8002, 8003, 8004)
+        await wait_until(lambda: bool(fake.watchers))
+        fake.expire()  # nor does a relist, whatever order the list comes in
+        await wait_until(lambda: f.watcher.lists == 2)
+        assert f.current == {url(8002), url(8003), url(8004)}
+        fake.put(make_pod("p5", port=8005))
+        fake.delete("p2")  # and the one that waited longest takes the place
+        await f.routed(8003, 8004, 8009)
+
+
+async def test_a_rolling_update_past_max_pods_keeps_the_pool_full(fake: FakeKubeApi, tmp_path: Path) -> None:
+    """maxSurge makes a rollout briefly exceed the pods it replaces: the surplus waits, and takes
+    the place of each old pod that leaves."""
+    for i in range(3):
+        fake.put(make_pod(f"old-{i}", port=8000 + i))
+    async with follow(fake, tmp_path, {"max_pods": 3}) as f:
+        await f.routed(8000, 8001, 8002)
+        for i in range(3):
+            fake.put(make_pod(f"new-{i}", port=9000 + i))  # surge: ready before the old one goes
+            fake.delete(f"old-{i}")
+        await f.routed(9000, 9001, 9002)
+        assert fake.lists == 1 and f.errors == []
 
 
 async def test_roles_and_kv_endpoints_travel_with_the_change(fake: FakeKubeApi, tmp_path: Path) -> None:

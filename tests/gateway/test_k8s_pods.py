@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway.config import parse_config
 from gateway.config.base import ConfigError
@@ -136,6 +138,80 @@ def test_role_label_and_kv_event_endpoints_by_annotation_or_port() -> None:
     assert named.endpoint is not None and named.endpoint.details.kv_events_endpoint == "tcp://10.0.0.7:5557"
     missing = read_pod(make_pod("a"), by_name)
     assert missing.endpoint is not None and missing.problem is not None
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "tcp://{host.ip}:5557",  # a plausible typo: attribute access in a format field
+        "tcp://{host:>99999999}:5557",  # a format spec that would pad to 100 MB
+        "tcp://{0}:5557",
+        "tcp://{host}:{port}",
+        "\u00b2",  # a digit to str.isdigit, not to int()
+    ],
+)
+def test_an_annotation_is_text_not_a_format_string(value: str) -> None:
+    """Whoever labels a worker pod writes its annotations: a bad one is that pod's problem only."""
+    verdict = read_pod(make_pod("a", "10.0.0.7", annotations={"kvgate.io/kv-events": value}), SETTINGS)
+    assert verdict.endpoint is not None and verdict.endpoint.url == "http://10.0.0.7:8000"
+    assert verdict.endpoint.details.kv_events_endpoint is None
+    assert verdict.problem is not None and "annotation" in verdict.problem
+
+
+def test_malformed_ports_and_addresses_make_a_pod_unroutable() -> None:
+    junk_port = make_pod("a", "10.0.0.7")
+    junk_port["spec"]["containers"][0]["ports"][:0] = ["http", 8000, None]
+    kept = read_pod(junk_port, SETTINGS)  # the well-formed entry after the junk still counts
+    assert kept.endpoint is not None and kept.endpoint.url == "http://10.0.0.7:8000"
+    for ip in ("evil.example/x?", "10.0.0.7:9", "10.0.0.300", " 10.0.0.7"):
+        verdict = read_pod(make_pod("a", ip), SETTINGS)
+        assert verdict.endpoint is None and verdict.problem is not None and "podIP" in verdict.problem
+    canonical = read_pod(make_pod("a", "fd00:0:0::7"), SETTINGS)
+    assert canonical.endpoint is not None and canonical.endpoint.url == "http://[fd00::7]:8000"
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    path=st.sampled_from(
+        [
+            ("metadata",),
+            ("metadata", "annotations"),
+            ("metadata", "annotations", "kvgate.io/kv-events"),
+            ("metadata", "labels", "kvgate.io/role"),
+            ("spec",),
+            ("spec", "containers"),
+            ("spec", "containers", 0),
+            ("spec", "containers", 0, "ports"),
+            ("spec", "containers", 0, "ports", 0),
+            ("spec", "containers", 0, "ports", 0, "containerPort"),
+            ("status",),
+            ("status", "podIP"),
+            ("status", "conditions"),
+            ("status", "conditions", 1),
+        ]
+    ),
+    junk=_JSON,
+    by_port_name=st.booleans(),
+)
+def test_no_pod_object_makes_read_pod_raise(
+    path: tuple[str | int, ...], junk: object, by_port_name: bool
+) -> None:
+    """One malformed pod must never break the list or watch that carries it (every other pod too)."""
+    pod: Any = make_pod("a", "10.0.0.7", extra_ports={"kv": 5557})
+    *parents, last = path
+    target = pod
+    for step in parents:
+        target = target[step]
+    target[last] = junk
+    kv = PodSettings(port="http", kv_events_port="kv") if by_port_name else SETTINGS
+    read_pod(pod, kv)
 
 
 def test_the_documented_kubernetes_pool_is_valid() -> None:

@@ -79,8 +79,9 @@ class KvEventLimits:
 
 
 def endpoint_for_worker(template: str, worker_url: str) -> str:
-    """Fill `{host}` in an endpoint template from a worker URL: `tcp://{host}:5557`, `http://10.0.0.7:8000`."""
+    """Fill `{host}` in an endpoint template from a worker URL: `tcp://{host}:5557`, `http://10.0.0.7:8000`.
+    Plain substitution, never `str.format` (`{host}` is the only placeholder, `PoolConfig` checks)."""
     host = urlsplit(worker_url).hostname or ""
     if ":" in host:
         host = f"[{host}]"
-    return template.format(host=host)
+    return template.replace("{host}", host)

@@ -109,6 +109,13 @@ class PoolConfig(Frozen):
     def _forwardable(cls, names: list[str]) -> list[str]:
         return sorted({forwardable_name(name) for name in names})
 
+    @field_validator("kv_events_endpoint", "kv_events_replay_endpoint")
+    @classmethod
+    def _endpoint_template(cls, template: str | None) -> str | None:
+        if template is not None and ("{" in (rest := template.replace("{host}", "")) or "}" in rest):
+            raise ValueError(f"{template!r}: `{{host}}` is the only placeholder an endpoint may have")
+        return template
+
     @field_validator("workers", "prefill_workers", "decode_workers")
     @classmethod
     def _urls(cls, urls: list[str]) -> list[str]:

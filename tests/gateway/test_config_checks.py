@@ -13,6 +13,7 @@ import yaml
 from gateway.auth import hash_api_key
 from gateway.config import MIN_KEY_HASH_SECRET_BYTES, SecretsConfig, load_config, parse_config, read_secret
 from gateway.config.base import ConfigError
+from gateway.kv_event_types import endpoint_for_worker
 from gateway.logs import setup_logging
 
 SECRET = b"config-checks-secret-of-32-bytes"
@@ -64,3 +65,20 @@ def test_a_key_hash_secret_shorter_than_32_bytes_is_refused_never_shown(tmp_path
     assert short not in str(exc.value)
     (tmp_path / "secret").write_bytes(bytes(range(128, 160)))  # random bytes count as they are
     assert read_secret(in_file, {}) == bytes(range(128, 160))
+
+
+@pytest.mark.parametrize("field", ["kv_events_endpoint", "kv_events_replay_endpoint"])
+@pytest.mark.parametrize("template", ["tcp://{host.ip}:5557", "tcp://{host:>99999999}:5557", "tcp://{port}"])
+def test_an_endpoint_template_with_another_placeholder_is_refused_at_load(field: str, template: str) -> None:
+    config = _config()
+    config["pools"][0][field] = template
+    with pytest.raises(ConfigError, match=field):
+        parse_config(config)
+
+
+def test_an_endpoint_template_fills_host_by_plain_substitution() -> None:
+    config = _config()
+    config["pools"][0]["kv_events_endpoint"] = "tcp://{host}:5557"
+    pool = parse_config(config).pools[0]
+    assert pool.kv_events_endpoint is not None
+    assert endpoint_for_worker(pool.kv_events_endpoint, "http://[fd00::7]:8000") == "tcp://[fd00::7]:5557"

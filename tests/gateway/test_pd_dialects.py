@@ -24,6 +24,7 @@ from policies.base import WorkerId
 from tests.gateway.routes_rig import Recording
 from tests.support.inprocess import gateway_in_process
 from tests.support.loopback import serve_app
+from tests.support.metrics import metric_total
 
 SECRET = b"k"
 KEY = {"authorization": "Bearer sk-t"}
@@ -115,11 +116,7 @@ class Rig:
     decode: Scripted
 
     def metric(self, name: str, **labels: str) -> float:
-        text = self.state.routing.metrics.render().decode()
-        for line in text.splitlines():
-            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-                return float(line.rsplit(" ", 1)[1])
-        return 0.0
+        return metric_total(self.state, name, **labels)
 
     def decode_failures(self) -> int:
         return self.state.registry.pools["p"].workers[WorkerId(self.decode.url)].breaker.failures

@@ -19,6 +19,7 @@ from gateway.state import GatewayState
 from tests.gateway.routes_rig import Recording
 from tests.support.inprocess import gateway_in_process
 from tests.support.loopback import serve_app
+from tests.support.metrics import metric_total
 
 SECRET = b"k"
 KEY = {"authorization": "Bearer sk-t"}
@@ -64,12 +65,7 @@ class Rig:
     script: Script
 
     def metric(self, name: str, **labels: str) -> float:
-        text = self.state.routing.metrics.render().decode()
-        total = 0.0
-        for line in text.splitlines():
-            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
+        return metric_total(self.state, name, **labels)
 
     async def chat(self) -> httpx.Response:
         body = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}

@@ -21,7 +21,8 @@ from gateway.auth import hash_api_key
 from gateway.state import GatewayState
 from policies import make_policy
 from tests.support.inprocess import gateway_in_process
-from tests.support.processes import free_port
+from tests.support.leaving_client import leaving_request
+from tests.support.loopback import serve_app
 from tests.support.wait import wait_until
 
 SECRET = b"retrieve-ends"
@@ -76,10 +77,7 @@ class Stack:
 @contextlib.asynccontextmanager
 async def stack() -> AsyncIterator[Stack]:
     worker = SlowHolder()
-    runner = web.AppRunner(worker.app(), handler_cancellation=True)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    runner, port = await serve_app(worker.app(), handler_cancellation=True)
     config = {
         "pools": [{"name": "p", "models": ["m"], "workers": [f"http://127.0.0.1:{port}"]}],
         "tenants": [{"name": "t", "api_key_hashes": [hash_api_key(SECRET, "sk")]}],
@@ -97,35 +95,9 @@ def _request(
 ) -> tuple[asyncio.Future[None], asyncio.Event, list[MutableMapping[str, Any]]]:
     """`app` running one request whose client disconnects once the returned event is set; what
     the app sent, in order."""
-    leave = asyncio.Event()
     sent: list[MutableMapping[str, Any]] = []
-    delivered = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal delivered
-        if not delivered:
-            delivered = True
-            return {"type": "http.request", "body": b"", "more_body": False}
-        await leave.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message: MutableMapping[str, Any]) -> None:
-        sent.append(message)
-
-    scope = {
-        "type": "http",
-        "http_version": "1.1",
-        "method": method,
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "root_path": "",
-        "query_string": b"",
-        "headers": [(b"authorization", KEY), (b"host", b"gw")],
-        "client": ("127.0.0.1", 1),
-        "server": ("gw", 80),
-    }
-    return asyncio.ensure_future(app(scope, receive, send)), leave, sent
+    task, leave = leaving_request(app, method, path, [(b"authorization", KEY), (b"host", b"gw")], b"", sent)
+    return task, leave, sent
 
 
 async def _created(s: Stack) -> str:

@@ -5,9 +5,10 @@ from __future__ import annotations
 from aiohttp import web
 
 
-async def serve_app(app: web.Application) -> tuple[web.AppRunner, int]:
-    """Serve `app` on a port the OS picks on 127.0.0.1; the caller cleans the runner up."""
-    runner = web.AppRunner(app)
+async def serve_app(app: web.Application, *, handler_cancellation: bool = False) -> tuple[web.AppRunner, int]:
+    """Serve `app` on a port the OS picks on 127.0.0.1; the caller cleans the runner up. With
+    `handler_cancellation` a handler is cancelled when its client closes the connection."""
+    runner = web.AppRunner(app, handler_cancellation=handler_cancellation)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

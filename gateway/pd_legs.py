@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import orjson
 
@@ -24,7 +24,7 @@ from gateway.lifecycle import Lifecycle
 from gateway.outcome import Attempt, Usage, usage_of
 from gateway.routing import Routing
 from gateway.sse import SseRelay, data_of, first_event_problem
-from gateway.sse_named import MessagesRelay, ResponsesRelay
+from gateway.sse_named import MessagesRelay, NamedEventRelay, ResponsesRelay
 from gateway.streaming import ProxyStream, StreamSource, first_events
 from gateway.transport import Transport
 from gateway.upstream_conn import UpstreamReply
@@ -146,35 +146,40 @@ class PdRelay(SseRelay):
         return super()._rewrite(payload)
 
 
-class PdResponsesRelay(ResponsesRelay):
-    """`PdRelay` for a Responses stream: its usage rides in `response.completed`'s response."""
+class _PrefillHitRelay(NamedEventRelay):
+    """`PdRelay` for a named-event stream (Responses, Anthropic Messages): every event that
+    carries usage reports the prefill worker's hit, in the field of the route's `DIALECT`."""
 
-    __slots__ = ("cached_tokens",)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.cached_tokens: int | None = None
-
-    def _inspect(self, event: bytes) -> bytes | None:
-        if self.cached_tokens is not None and b'"usage"' in event:
-            event = _event_with_cached_tokens(event, self.cached_tokens, "responses")
-        return super()._inspect(event)
-
-
-class PdMessagesRelay(MessagesRelay):
-    """`PdRelay` for an Anthropic Messages stream: usage in `message_start`'s message and in
-    `message_delta`."""
-
-    __slots__ = ("cached_tokens",)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.cached_tokens: int | None = None
+    __slots__ = ()
+    DIALECT: ClassVar[str]
+    cached_tokens: int | None
 
     def _inspect(self, event: bytes) -> bytes | None:
         if self.cached_tokens is not None and b'"usage"' in event:
-            event = _event_with_cached_tokens(event, self.cached_tokens, "anthropic")
+            event = _event_with_cached_tokens(event, self.cached_tokens, self.DIALECT)
         return super()._inspect(event)
+
+
+class PdResponsesRelay(_PrefillHitRelay, ResponsesRelay):
+    """Its usage rides in `response.completed`'s response."""
+
+    __slots__ = ("cached_tokens",)
+    DIALECT = "responses"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cached_tokens = None
+
+
+class PdMessagesRelay(_PrefillHitRelay, MessagesRelay):
+    """Usage in `message_start`'s message and in `message_delta`."""
+
+    __slots__ = ("cached_tokens",)
+    DIALECT = "anthropic"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cached_tokens = None
 
 
 DecodeRelay = PdRelay | PdResponsesRelay | PdMessagesRelay

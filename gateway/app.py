@@ -28,7 +28,6 @@ from gateway.admin import admin_routes
 from gateway.admission import Admitted, Refused, admit, authenticate, enter, read_body
 from gateway.auth import Tenant
 from gateway.cors import Cors, serves
-from gateway.disconnect import DisconnectGuard
 from gateway.errors import ApiError
 from gateway.fleet import Fleet
 from gateway.gauges import refresh_gauges
@@ -190,19 +189,13 @@ class GatewayApp:
                 response = self._rejected(err, api, ids, started_s, tenant)
             else:
                 lifecycle = self.lifecycle
-                guard = DisconnectGuard(receive, lifecycle.disconnects)
-                task = asyncio.current_task()
-                assert task is not None
-                lifecycle.dispatch_started(task)  # the drain deadline may end it (`drain`)
-                try:
-                    response = await dispatch(admitted, self.routing, self.transport, lifecycle)
-                except asyncio.CancelledError:
-                    if guard.fired:
-                        return  # dispatch recorded the 499 and closed the upstream request
-                    raise
-                finally:
-                    lifecycle.dispatch_ended(task)
-                    guard.close()
+                with lifecycle.waiting_on_worker(receive) as guard:  # the drain deadline may end it
+                    try:
+                        response = await dispatch(admitted, self.routing, self.transport, lifecycle)
+                    except asyncio.CancelledError:
+                        if guard.fired:
+                            return  # dispatch recorded the 499 and closed the upstream request
+                        raise
         except Exception as exc:
             log.error("unhandled error", exc_info=exc, extra={"request_id": ids.internal})
             if admitted is None:

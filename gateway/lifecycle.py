@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from gateway.disconnect import DisconnectWatch
+from starlette.types import Receive
+
+from gateway.disconnect import DisconnectGuard, DisconnectWatch
 from gateway.errors import ApiError
 
 SHUTTING_DOWN = "gateway shutting down"
@@ -57,6 +61,21 @@ class Lifecycle:
     def dispatch_ended(self, task: asyncio.Task[Any]) -> None:
         self.dispatching.discard(task)
         self.ended.discard(task)
+
+    @contextlib.contextmanager
+    def waiting_on_worker(self, receive: Receive) -> Iterator[DisconnectGuard]:
+        """The current task waits on a worker: while inside, the client leaving (the guard, which
+        says whether it `fired`) or the drain deadline cancels it, and so closes the worker's
+        request."""
+        guard = DisconnectGuard(receive, self.disconnects)
+        task = asyncio.current_task()
+        assert task is not None
+        self.dispatch_started(task)
+        try:
+            yield guard
+        finally:
+            self.dispatch_ended(task)
+            guard.close()
 
     def end_dispatching(self) -> None:
         """The drain deadline: cancel every request still waiting on a worker. The cancellation

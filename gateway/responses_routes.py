@@ -27,7 +27,6 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.config.pool import TimeoutsConfig
-from gateway.disconnect import DisconnectGuard
 from gateway.errors import ApiError, normalize_worker_error, upstream_error, withhold_salts
 from gateway.failure import TRANSPORT_ERRORS, Stage, failure_of
 from gateway.gate import Gate
@@ -123,48 +122,44 @@ def responses_routes(
             return error(ended, reply_id)
         # Until the worker's answer is whole (or its stream is handed on), the client leaving
         # cancels the request, and so closes the worker's, as the drain deadline does.
-        guard = DisconnectGuard(request.receive, lifecycle.disconnects)
-        task = asyncio.current_task()
-        assert task is not None
-        lifecycle.dispatch_started(task)
-        try:
+        with lifecycle.waiting_on_worker(request.receive) as guard:
             try:
-                call = _Retrieval(
-                    transport,
-                    request.path_params["response_id"],
-                    tenant.name,
-                    suffix,
-                    request,
-                    tracing,
-                    ids.internal,
-                )
-                pool, worker, source = await _to_holder(gate.responses, registry, call)
-            except ApiError as err:
-                done(err.status, err.code or err.type)
-                return error(err, reply_id)
-            if source.status == 200 and _is_event_stream(source.content_type):
-                # The stream gives the limiter's slot back, and counts the request, when it ends.
-                return StoredResponseStream(source, reply_id, lifecycle, pool.config.timeouts, done, withhold)
-            try:
-                status, body = await _whole(source, pool.config.timeouts)
-            except ApiError as err:
-                done(err.status, err.code or err.type)
-                return error(err, reply_id)
-        except asyncio.CancelledError:
-            if lifecycle.ended_by_drain():
-                ended = shutting_down()
-                done(ended.status, ended.code)
-                return error(ended, reply_id)
-            done(499, CLIENT_DISCONNECTED)
-            if guard.fired:
-                return Response(status_code=499)  # to no one: the client has gone
-            raise
-        except BaseException:
-            done(500, "internal_error")  # a bug
-            raise
-        finally:
-            lifecycle.dispatch_ended(task)
-            guard.close()
+                try:
+                    call = _Retrieval(
+                        transport,
+                        request.path_params["response_id"],
+                        tenant.name,
+                        suffix,
+                        request,
+                        tracing,
+                        ids.internal,
+                    )
+                    pool, worker, source = await _to_holder(gate.responses, registry, call)
+                except ApiError as err:
+                    done(err.status, err.code or err.type)
+                    return error(err, reply_id)
+                if source.status == 200 and _is_event_stream(source.content_type):
+                    # The stream gives the limiter's slot back, and counts the request, when it ends.
+                    return StoredResponseStream(
+                        source, reply_id, lifecycle, pool.config.timeouts, done, withhold
+                    )
+                try:
+                    status, body = await _whole(source, pool.config.timeouts)
+                except ApiError as err:
+                    done(err.status, err.code or err.type)
+                    return error(err, reply_id)
+            except asyncio.CancelledError:
+                if lifecycle.ended_by_drain():
+                    ended = shutting_down()
+                    done(ended.status, ended.code)
+                    return error(ended, reply_id)
+                done(499, CLIENT_DISCONNECTED)
+                if guard.fired:
+                    return Response(status_code=499)  # to no one: the client has gone
+                raise
+            except BaseException:
+                done(500, "internal_error")  # a bug
+                raise
         done(status)
         if status >= 400:
             body = normalize_worker_error(status, body)

@@ -7,10 +7,12 @@ the worker that answered the original request. The gateway learns that worker fr
 
 Rules, all checked here:
 - Every `POST /v1/responses` carries a `request_id` the gateway mints (`responses_ids`: vLLM makes
-  it the new response's id), tagged with its tenant: the client's own `request_id`, when it sent
-  one, is the id's stem. A client's `request_id` that is not at most `MAX_REQUEST_ID_CHARS`
-  characters from `[A-Za-z0-9_.:-]` is refused with 400. Only an answer whose id is the one minted
-  for it is remembered, so the map's bytes are bounded by its entry count.
+  it the new response's id), tagged with its tenant and new for every request: the client's own
+  `request_id`, when it sent one, starts the id, and a client that sends one again gets another
+  id, so one id is never stored on two workers. A client's `request_id` that is not at most
+  `MAX_REQUEST_ID_CHARS` characters from `[A-Za-z0-9_.:-]` is refused with 400. Only an answer
+  whose id is the one minted for it is remembered, so the map's bytes are bounded by its entry
+  count.
 - An id belongs to the tenant it was minted for, and any process tells so from the id alone
   (`ResponseIds.owned_by`). A follow-up, `GET` or `cancel` naming an id that is not the asking
   tenant's (another tenant's, made up, or not minted by the gateway) gets vLLM's own 404 for an

@@ -15,8 +15,8 @@ Every id is new, whatever the client sends: a `request_id` the client uses again
 fixed name per conversation) names a new response each time, never one stored before. Otherwise
 two requests with one `request_id` routed to two workers would leave both holding one id, and a
 process that does not know the id would find whichever it asks first (`find_holder`), another
-response than the client's last. The random part is 64 bits: a tenant would have to reuse one
-`request_id` about four billion times before two of its responses shared an id.
+response than the client's last. The random part is 64 bits: the odds that two of a tenant's
+responses share an id reach one half only after about four billion requests with one `request_id`.
 
 Whoever names an id (a follow-up's `previous_response_id`, `GET` or `cancel`) is its owner only
 when the tag verifies for its own namespace: 120 bits that cannot be computed without the secret,

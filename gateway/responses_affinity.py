@@ -7,10 +7,12 @@ the worker that answered the original request. The gateway learns that worker fr
 
 Rules, all checked here:
 - Every `POST /v1/responses` carries a `request_id` the gateway mints (`responses_ids`: vLLM makes
-  it the new response's id), tagged with its tenant: the client's own `request_id`, when it sent
-  one, is the id's stem. A client's `request_id` that is not at most `MAX_REQUEST_ID_CHARS`
-  characters from `[A-Za-z0-9_.:-]` is refused with 400. Only an answer whose id is the one minted
-  for it is remembered, so the map's bytes are bounded by its entry count.
+  it the new response's id), tagged with its tenant and new for every request: the client's own
+  `request_id`, when it sent one, starts the id, and a client that sends one again gets another
+  id, so one id is never stored on two workers. A client's `request_id` that is not at most
+  `MAX_REQUEST_ID_CHARS` characters from `[A-Za-z0-9_.:-]` is refused with 400. Only an answer
+  whose id is the one minted for it is remembered, so the map's bytes are bounded by its entry
+  count.
 - An id belongs to the tenant it was minted for, and any process tells so from the id alone
   (`ResponseIds.owned_by`). A follow-up, `GET` or `cancel` naming an id that is not the asking
   tenant's (another tenant's, made up, or not minted by the gateway) gets vLLM's own 404 for an
@@ -28,7 +30,8 @@ Rules, all checked here:
   or `cancel` of one asks the workers of every pool (`responses_routes`). Both look with the one
   search, `find_holder`, and a worker holds the response when it answers a `GET` of it 200
   (`holds`): another pool's worker may answer anything else (vLLM's 400 where its model serves no
-  Responses API).
+  Responses API). A prefill worker of a prefill/decode pool is never asked (`may_hold`): the
+  client's response is the decode worker's, though an SGLang prefill leg carries the same id.
 
 The map is bounded: at most `max_entries` ids, each forgotten `ttl_s` after its last use. Each of
 the `tenants` tenants is reserved an equal share, `max_entries // tenants` ids: when the map is
@@ -52,7 +55,7 @@ from gateway.errors import ApiError, bad_request
 from gateway.failure import Failure, RetryReason
 from gateway.registry import Pool, Worker
 from gateway.responses_ids import MAX_REQUEST_ID_CHARS, ResponseIds, valid_response_id
-from policies.base import Outcome, RouteDecision, WorkerId, WorkerView
+from policies.base import Outcome, Role, RouteDecision, WorkerId, WorkerView
 from policies.records import record
 
 PINNED_REASON = "response_affinity"
@@ -257,17 +260,26 @@ async def holds(
         return True if resp.status == 200 else None
 
 
+def may_hold(pool: Pool, worker: Worker) -> bool:
+    """Whether `worker` may hold a client's stored response: any worker but the prefill worker
+    of a prefill/decode pool. A response is the answer of the worker that answers the client, a
+    decode or mixed one (a Responses request under vLLM runs on one worker alone); but a split
+    under SGLang sends both legs one body, so the prefill worker, if it stores responses, keeps a
+    copy under the same id, which a follow-up could not continue there."""
+    return pool.pd_router is None or Role.of(worker.role) is not Role.PREFILL
+
+
 async def find_holder(
     pools: Iterable[Pool], ask: Callable[[Pool, Worker], Awaitable[T | None]]
 ) -> Found[T] | None:
     """The holder of a stored response this process does not know: the healthy workers of
-    `pools` are asked in turn, in the pools' and then the workers' order (`ask`: what the
-    worker answered, None when it does not hold the response; `holds`), and the first answer
-    that is not None ends the search. A worker that cannot be reached or does not answer in time
-    is passed over; None when no worker holds it."""
+    `pools` that may hold it (`may_hold`) are asked in turn, in the pools' and then the workers'
+    order (`ask`: what the worker answered, None when it does not hold the response; `holds`),
+    and the first answer that is not None ends the search. A worker that cannot be reached or
+    does not answer in time is passed over; None when no worker holds it."""
     for pool in tuple(pools):
         for worker in tuple(pool.workers.values()):
-            if not worker.healthy:
+            if not worker.healthy or not may_hold(pool, worker):
                 continue
             try:
                 answer = await ask(pool, worker)

@@ -5,6 +5,13 @@ process never routed or has forgotten (another process or replica routed it, or 
 restarted) is looked for on the workers of the request's pool (`responses_affinity.find_holder`:
 the first to answer 200 to `GET /v1/responses/{id}` holds it), and the request is pinned there
 as a known follow-up would be.
+
+Each worker is asked with the headers the follow-up itself will carry to it
+(`upstream_headers.worker_headers`): the gateway's request id, the pool's key for its workers and
+the client headers the pool forwards, so a worker behind its own auth answers the search as it
+will answer the follow-up. While the gateway traces, the search carries the request's SERVER span
+as its trace context (the follow-up's attempt carries its own CLIENT span): the worker's spans,
+if it traces the lookup, join the client's trace.
 """
 
 from __future__ import annotations
@@ -12,11 +19,16 @@ from __future__ import annotations
 import time
 from typing import Literal
 
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
 from gateway.admission import Admitted
 from gateway.errors import ApiError
 from gateway.registry import Pool, Worker
 from gateway.responses_affinity import find_holder, holds, not_found
 from gateway.transport import Transport
+from gateway.upstream_headers import worker_headers
+
+_W3C = TraceContextTextMapPropagator()
 
 
 async def locate_previous(a: Admitted, transport: Transport) -> ApiError | None:
@@ -26,7 +38,7 @@ async def locate_previous(a: Admitted, transport: Transport) -> ApiError | None:
     previous, a.find_previous = a.find_previous, None
     if previous is None:
         return None
-    headers = {"x-request-id": a.request_id, **a.pool.auth.headers}
+    headers = worker_headers(a.request_id, a.pool.auth, a.client_headers, _trace_context())
 
     async def holding(pool: Pool, worker: Worker) -> Literal[True] | None:
         return await holds(transport.upstream(), pool, worker, previous, headers)
@@ -39,3 +51,12 @@ async def locate_previous(a: Admitted, transport: Transport) -> ApiError | None:
     if a.responses is not None:
         a.responses.learn(previous, a.tenant.name, a.pool.name, holder, time.monotonic())
     return None
+
+
+def _trace_context() -> list[tuple[str, str]]:
+    """`traceparent` (and `tracestate`) of the current span: the request's SERVER span while the
+    gateway traces (`tracing.RequestTracer.wrap`); none otherwise (then a pool that forwards the
+    client's own `traceparent` has it among the forwarded headers)."""
+    carrier: dict[str, str] = {}
+    _W3C.inject(carrier)
+    return list(carrier.items())

@@ -5,10 +5,18 @@ always sets that field, so every id of a response stored through it is
 
     <stem>_<tag>    tag = base32(HMAC-SHA256(k, namespace ‖ 0x00 ‖ stem)[:15]), 24 characters
 
-where `stem` is `resp_` and 32 random hex digits (vLLM's own form), or the client's `request_id`
-when it sent one; `namespace` is the creating tenant's (`policies.identity.tenant_namespace`, which
-never contains 0x00); and `k` is the deployment's key-hash secret's sub-secret `response_ids`
-(`derive_secret`), the same in every process and replica that shares the secret.
+where `stem` is `resp_` and 32 random hex digits (vLLM's own form), or, when the client sent its
+own `request_id`, that value, `_` and 16 random hex digits; `namespace` is the creating tenant's
+(`policies.identity.tenant_namespace`, which never contains 0x00); and `k` is the deployment's
+key-hash secret's sub-secret `response_ids` (`derive_secret`), the same in every process and
+replica that shares the secret.
+
+Every id is new, whatever the client sends: a `request_id` the client uses again (a retry, a
+fixed name per conversation) names a new response each time, never one stored before. Otherwise
+two requests with one `request_id` routed to two workers would leave both holding one id, and a
+process that does not know the id would find whichever it asks first (`find_holder`), another
+response than the client's last. The random part is 64 bits: the odds that two of a tenant's
+responses share an id reach one half only after about four billion requests with one `request_id`.
 
 Whoever names an id (a follow-up's `previous_response_id`, `GET` or `cancel`) is its owner only
 when the tag verifies for its own namespace: 120 bits that cannot be computed without the secret,
@@ -17,8 +25,8 @@ every process and after a restart. Two tenants' ids never collide, whatever stem
 tag's fixed length splits an id one way only, and equal stems under different namespaces get
 different tags.
 
-Ids are at most `MAX_RESPONSE_ID_CHARS` characters from `[A-Za-z0-9_.:-]`: a client's stem at most
-`MAX_REQUEST_ID_CHARS`, plus the separator and the tag.
+Ids are at most `MAX_RESPONSE_ID_CHARS` characters from `[A-Za-z0-9_.:-]`: a client's
+`request_id` at most `MAX_REQUEST_ID_CHARS`, plus the random part, the separators and the tag.
 """
 
 from __future__ import annotations
@@ -35,10 +43,14 @@ from policies.identity import derive_secret, tenant_namespace
 TAG_CHARS = 24
 _TAG_BYTES = 15  # 120 bits: 24 base32 characters, no padding
 _SEPARATOR = "_"
-# A client's own `request_id` (the stem); vLLM's ids are 37 characters, and this leaves room for a
-# client's scheme (UUIDs, prefixes) while keeping 100,000 remembered ids within tens of megabytes.
+# What makes a stem on a client's `request_id` unique: 64 bits, 16 hex digits.
+_UNIQUE_BYTES = 8
+UNIQUE_CHARS = 2 * _UNIQUE_BYTES
+# A client's own `request_id` (the stem's start); vLLM's ids are 37 characters, and this leaves
+# room for a client's scheme (UUIDs, prefixes) while keeping 100,000 remembered ids within tens of
+# megabytes.
 MAX_REQUEST_ID_CHARS = 256
-MAX_RESPONSE_ID_CHARS = MAX_REQUEST_ID_CHARS + 1 + TAG_CHARS
+MAX_RESPONSE_ID_CHARS = MAX_REQUEST_ID_CHARS + 1 + UNIQUE_CHARS + 1 + TAG_CHARS
 _ID_CHARS = re.compile(r"[A-Za-z0-9_.:-]+")
 
 
@@ -55,11 +67,14 @@ class ResponseIds:
     def __init__(self, secret: bytes) -> None:
         self._key = derive_secret(secret, "response_ids")
 
-    def mint(self, tenant: str, stem: str | None = None) -> str:
-        """The id of a new response of tenant `tenant`: `stem` (a fresh random one if None) and
-        its tag. `stem` must be a valid id of at most `MAX_REQUEST_ID_CHARS` characters."""
-        if stem is None:
+    def mint(self, tenant: str, request_id: str | None = None) -> str:
+        """The id of a new response of tenant `tenant`, never minted before: on the client's own
+        `request_id` when it sent one (a valid id of at most `MAX_REQUEST_ID_CHARS` characters),
+        followed by a random part, else vLLM's random form; then the tag."""
+        if request_id is None:
             stem = "resp_" + secrets.token_hex(16)
+        else:
+            stem = request_id + _SEPARATOR + secrets.token_hex(_UNIQUE_BYTES)
         return stem + _SEPARATOR + self._tag(tenant_namespace(tenant), stem)
 
     def owned_by(self, response_id: object, tenant: str) -> bool:

@@ -43,7 +43,7 @@ from gateway.surface import error
 from gateway.tracing import TRACE_CONTEXT_HEADERS
 from gateway.transport import Transport
 from gateway.upstream import UpstreamError
-from gateway.upstream_headers import aiohttp_pairs, pick
+from gateway.upstream_headers import aiohttp_pairs, pick, worker_headers
 
 # The `endpoint` labels of the stored-response routes (the proxied routes' are in `routes.ROUTES`).
 RETRIEVE_ENDPOINT = "responses.retrieve"
@@ -196,12 +196,8 @@ class _Retrieval:
         """The headers a proxied request carries to a worker of `pool`: the pool's worker key,
         the headers it forwards, the client's trace context while tracing."""
         raw = self.request.scope["headers"]
-        headers = [("x-request-id", self.request_id), *pool.auth.headers.items()]
-        if pool.forward:
-            headers += aiohttp_pairs(pick(raw, pool.forward))
-        if self.tracing:
-            headers += aiohttp_pairs(pick(raw, _TRACE_CONTEXT))
-        return headers
+        trace = aiohttp_pairs(pick(raw, _TRACE_CONTEXT)) if self.tracing else ()
+        return worker_headers(self.request_id, pool.auth, pick(raw, pool.forward), trace)
 
     async def ask(self, pool: Pool, worker_url: str) -> AiohttpSource:
         """The worker's answer head to the client's request (its method and query string)."""

@@ -134,6 +134,17 @@ def aiohttp_pairs(headers: ClientHeaders) -> Sequence[tuple[str, str]]:
     return [(name.decode("latin-1"), value.decode("latin-1")) for name, value in headers]
 
 
+def worker_headers(
+    request_id: str, auth: WorkerAuth, client: ClientHeaders, trace: Iterable[tuple[str, str]] = ()
+) -> list[tuple[str, str]]:
+    """The headers of a request without a body that the gateway sends a pool's worker for a
+    client's request (a stored response's `GET` or `cancel`, the search for its holder), as a
+    proxied request carries them: the gateway's `request_id`, the pool's key for its workers
+    (`auth`), the client headers the pool forwards (`client`, `pick`ed with the pool's names) and
+    the trace context the request travels in (`trace`), for aiohttp."""
+    return [("x-request-id", request_id), *auth.headers.items(), *aiohttp_pairs(client), *trace]
+
+
 def passed_on(hints: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     """The answer headers that go to the client with a worker's 200 that is not JSON."""
     return [(name, value) for name, value in hints if name in _PASSED_ON_WITH_A_BODY]

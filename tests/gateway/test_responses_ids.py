@@ -1,6 +1,6 @@
 """Stored-response ids: a minted id verifies for its tenant under its deployment's secret and for
-nothing else, a client's stem is kept in front, two tenants' ids never meet, and anything that is
-not such an id is simply not owned."""
+nothing else, a client's `request_id` is kept in front of a part that makes every id new, no two
+ids meet, and anything that is not such an id is simply not owned."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from gateway.responses_ids import (
     MAX_REQUEST_ID_CHARS,
     MAX_RESPONSE_ID_CHARS,
     TAG_CHARS,
+    UNIQUE_CHARS,
     ResponseIds,
     valid_response_id,
 )
@@ -35,9 +36,14 @@ def test_a_minted_id_is_vllms_form_with_a_tag_and_owned_by_its_tenant_only() -> 
     assert not ResponseIds(b"another deployment's secret, 32 bytes").owned_by(rid, "alice")
 
 
-def test_a_clients_stem_is_kept_and_tagged_per_tenant() -> None:
+def test_a_clients_request_id_starts_a_new_id_each_time_tagged_per_tenant() -> None:
     mine = IDS.mint("alice", "conv-42")
-    assert mine.startswith("conv-42_") and IDS.mint("alice", "conv-42") == mine
+    unique = mine[len("conv-42_") : -TAG_CHARS - 1]
+    assert mine.startswith("conv-42_") and mine[-TAG_CHARS - 1] == "_"
+    assert len(unique) == UNIQUE_CHARS and all(c in string.hexdigits for c in unique)
+    # Sent again, the same value names another response: never two stored under one id.
+    again = IDS.mint("alice", "conv-42")
+    assert again != mine and again.startswith("conv-42_") and IDS.owned_by(again, "alice")
     theirs = IDS.mint("bob", "conv-42")
     assert theirs != mine and IDS.owned_by(theirs, "bob") and not IDS.owned_by(mine, "bob")
     # Another tenant's whole id as a stem names a new id of the asker's, never the original.
@@ -79,6 +85,6 @@ def test_an_id_verifies_for_its_tenant_and_for_no_other(alice: str, bob: str, st
 
 
 @given(tenants, stems, tenants, stems)
-def test_two_tenants_ids_never_collide(alice: str, stem_a: str, bob: str, stem_b: str) -> None:
-    if (alice, stem_a) != (bob, stem_b):
-        assert IDS.mint(alice, stem_a) != IDS.mint(bob, stem_b)
+def test_no_two_ids_collide(alice: str, stem_a: str, bob: str, stem_b: str) -> None:
+    """Two tenants', or one tenant's sent the same `request_id` twice."""
+    assert IDS.mint(alice, stem_a) != IDS.mint(bob, stem_b)

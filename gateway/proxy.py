@@ -48,7 +48,7 @@ from gateway.streaming import AiohttpSource, ProxyStream, StreamSource, first_ev
 from gateway.tracing import AttemptTrace, TracedSource
 from gateway.transport import Transport
 from gateway.upstream import Reservation, UpstreamReply, request_bytes
-from gateway.upstream_headers import aiohttp_pairs, lean_lines, passed_on
+from gateway.upstream_headers import lean_lines, passed_on, worker_headers
 from policies.base import Outcome, WorkerId
 
 log = logging.getLogger("kvgate.proxy")
@@ -294,12 +294,9 @@ async def _open(transport: Transport, a: Admitted, attempt: Attempt) -> StreamSo
             hold=transport.answers.share(a.tenant.name),
         )
     content_type = "application/json" if a.head is JSON_HEAD else _content_type(a.head)
-    headers = [("content-type", content_type), ("x-request-id", a.request_id)]
-    headers += a.pool.auth.headers.items()
-    if a.client_headers:
-        headers += aiohttp_pairs(a.client_headers)
-    if attempt.trace is not None:
-        headers += attempt.trace.header_map.items()
+    trace = attempt.trace.header_map.items() if attempt.trace is not None else ()
+    headers = [("content-type", content_type)]
+    headers += worker_headers(a.request_id, a.pool.auth, a.client_headers, trace)
     resp = await transport.upstream().post(
         attempt.worker.url + a.api.path,
         data=attempt.request_body(),

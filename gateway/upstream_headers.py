@@ -137,9 +137,9 @@ def aiohttp_pairs(headers: ClientHeaders) -> Sequence[tuple[str, str]]:
 def worker_headers(
     request_id: str, auth: WorkerAuth, client: ClientHeaders, trace: Iterable[tuple[str, str]] = ()
 ) -> list[tuple[str, str]]:
-    """The headers of a request without a body that the gateway sends a pool's worker for a
-    client's request (a stored response's `GET` or `cancel`, the search for its holder), as a
-    proxied request carries them: the gateway's `request_id`, the pool's key for its workers
+    """The headers the gateway sends a pool's worker for a client's request through aiohttp (a
+    proxied request, after its content type; a stored response's `GET` or `cancel`, the search
+    for its holder): the gateway's `request_id`, the pool's key for its workers
     (`auth`), the client headers the pool forwards (`client`, `pick`ed with the pool's names) and
     the trace context the request travels in (`trace`), for aiohttp."""
     return [("x-request-id", request_id), *auth.headers.items(), *aiohttp_pairs(client), *trace]

@@ -84,9 +84,13 @@ def vllm_decode_body(a: Admitted, decision: RouteDecision, params: dict[str, Any
 
 def sglang_bodies(a: Admitted, decision: RouteDecision, bootstrap: dict[str, Any]) -> tuple[bytes, bytes]:
     """The prefill and decode legs: the same request and bootstrap fields; the prefill answer is
-    only read for its usage, so it comes whole."""
+    only read for its usage, so it comes whole. A Responses prefill leg is not stored: the
+    client's response is the decode worker's, and a copy under the same id on the prefill
+    worker is one a follow-up could not continue."""
     decode = {**_base(a, decision), **bootstrap}
     prefill = _as_prefill(dict(decode))
+    if a.api.prompt == "responses":
+        prefill["store"] = False
     return orjson.dumps(prefill), orjson.dumps(decode)
 
 

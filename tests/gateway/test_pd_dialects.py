@@ -113,6 +113,7 @@ async def _stream(request: web.Request, events: list[bytes]) -> web.StreamRespon
 class Rig:
     client: httpx.AsyncClient
     state: GatewayState
+    prefill: Scripted
     decode: Scripted
 
     def metric(self, name: str, **labels: str) -> float:
@@ -154,7 +155,7 @@ async def pd_rig(protocol: str, *, vllm_style: bool = False) -> AsyncIterator[Ri
             "scrape": {"enabled": False},
         }
         gw = await stack.enter_async_context(gateway_in_process(config, Recording(), secret=SECRET))
-        yield Rig(gw.client, gw.state, decode)
+        yield Rig(gw.client, gw.state, prefill, decode)
 
 
 def _data(text: str) -> list[dict[str, Any]]:
@@ -229,3 +230,15 @@ async def test_a_streamed_responses_split_pins_its_follow_ups_to_the_decode_work
         assert follow_up.status_code == 200, follow_up.text
         last = rig.decode.responses_bodies[-1]
         assert last["previous_response_id"] == rid and "bootstrap_room" not in last
+
+
+async def test_a_responses_split_stores_the_answer_on_the_decode_worker_only() -> None:
+    """Both SGLang legs carry the request's id; the prefill leg asks its worker not to store a copy
+    under it (a follow-up could not continue there), the decode leg keeps what the client asked."""
+    async with pd_rig("sglang") as rig:
+        resp = await rig.client.post("/v1/responses", json={"model": "m", "input": "hello"}, headers=KEY)
+        assert resp.status_code == 200
+        (prefill,) = rig.prefill.responses_bodies
+        (decode,) = rig.decode.responses_bodies
+        assert prefill["request_id"] == decode["request_id"]
+        assert prefill["store"] is False and "store" not in decode

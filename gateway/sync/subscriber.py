@@ -1,9 +1,10 @@
 """The applying half: a peer's batch goes to the policy (holdings, outcomes) and the registry (load).
 
 Batches from this gateway itself are ignored (the broker is also told not to echo them). A batch
-that does not decode is counted and dropped; a gap in a peer's sequence numbers counts the batches
-lost on the way. Applying never raises into the transport: whatever goes wrong, the gateway keeps
-routing on what it knows.
+that does not decode is counted and dropped; so is one at or below its sender's newest sequence
+number (a copy or an overtaken batch, which would set the sender's load back: `sequence`), and a
+gap in a sender's numbers counts the batches lost on the way. Applying never raises into the
+transport: whatever goes wrong, the gateway keeps routing on what it knows.
 
 The bus is open to anyone who reaches the broker, so what one batch can cost is bounded here:
 holdings and loads of a pool this gateway's registry does not have, and loads of a worker it does
@@ -30,6 +31,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.registry import Registry
 from gateway.sync.codec import ClockSkewed, MalformedBatch, SyncBatch, decode
 from gateway.sync.parking import ParkedHoldings
+from gateway.sync.sequence import SenderSequences
 from policies.base import RoutingPolicy, WorkerId
 from policies.peer_sync import (
     PeerCalibration,
@@ -68,7 +70,6 @@ class ApplyStats:
     items: int = 0
     malformed: int = 0  # not a batch of this version (a broken or hostile peer)
     clock_skew: int = 0  # a batch sent further than `MAX_CLOCK_SKEW_S` from this gateway's clock
-    lost_batches: int = 0
     failed: int = 0
     # Holdings and samples of a pool, load rows of a pool or worker, that the registry does not have.
     unknown_worker: int = 0
@@ -93,7 +94,7 @@ class SyncSubscriber:
         self._lag = metrics.sync_lag.labels()
         self.loads = PeerLoads(peer_timeout_s)
         self.stats = ApplyStats()
-        self._last_seq: dict[str, int] = {}
+        self.sequences = SenderSequences()
         self._age_floor: dict[str, tuple[float, float]] = {}  # origin -> (smallest age, when)
         self.parked = ParkedHoldings(PARK_TTL_S)
         self.parked_any = asyncio.Event()  # set while something is parked: the service polls for it
@@ -116,7 +117,7 @@ class SyncSubscriber:
             self.stats.malformed += 1
             self._log_malformed(exc, time.monotonic())
             return
-        if batch.origin == self.origin:
+        if not self.accept(batch, time.monotonic()):
             return
         try:
             await self.adopt(policy_of)  # holdings parked for a worker discovered since go first
@@ -133,11 +134,19 @@ class SyncSubscriber:
             log.exception("applying a sync batch failed", extra={"peer": batch.origin})
 
     def apply(self, batch: SyncBatch, policy: RoutingPolicy, now_s: float) -> None:
-        """Apply a whole batch at once."""
+        """Apply a whole batch at once (what `on_message` does in steps)."""
+        if not self.accept(batch, now_s):
+            return
         self.note(batch.origin, policy, now_s)
         items = self.known_items(batch.origin, batch.items, now_s)
         self.apply_items(batch.origin, items, policy, now_s, decided_s=self.decided_s(batch, now_s))
         self.finish(batch, now_s)
+
+    def accept(self, batch: SyncBatch, now_s: float) -> bool:
+        """Whether to apply `batch`: another gateway's, newer than any of its sender's seen yet
+        (`sequence`: a copy or an overtaken batch would set its load back)."""
+        origin = batch.origin
+        return origin != self.origin and self.sequences.admit(origin, batch.seq, now_s)
 
     def known(self, pool_name: str, worker_id: WorkerId | None = None) -> bool:
         """Whether this gateway's registry has `pool_name` (and `worker_id` in it)."""
@@ -224,15 +233,8 @@ class SyncSubscriber:
         self.stats.items += len(items)
 
     def finish(self, batch: SyncBatch, now_s: float) -> None:
-        """The batch's bookkeeping: sequence gaps, lag, and its in-flight loads."""
+        """The batch's bookkeeping: lag, and its in-flight loads."""
         stats = self.stats
-        last = self._last_seq.get(batch.origin)
-        if last is not None and batch.seq > last + 1:
-            stats.lost_batches += batch.seq - last - 1
-        if last is None or batch.seq > last:
-            self._last_seq[batch.origin] = batch.seq
-        if len(self._last_seq) > 4096:
-            self._last_seq.clear()  # bounded against churning peers; a gap may go uncounted
         stats.batches += 1
         # Wall clocks: across hosts this includes their skew (same host: the true lag).
         self._lag.observe(max(0.0, time.time() - batch.sent_wall_s))
@@ -307,8 +309,7 @@ class SyncSubscriber:
             self.parked_any.clear()
         for pool, worker in self.loads.expire(now_s):
             self._refresh(pool, worker)
-        for origin in [o for o in self._last_seq if not self.loads.heard_from(o)]:
-            del self._last_seq[origin]
+        self.sequences.expire(now_s)
         for origin in [o for o in self._age_floor if not self.loads.heard_from(o)]:
             del self._age_floor[origin]
 

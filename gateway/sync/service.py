@@ -203,6 +203,7 @@ class SyncService:
             "dropped_slow_consumer": self.link.slow_consumer,
             "lost_batches": self.subscriber.sequences.lost,
             "dropped_replayed": self.subscriber.sequences.replayed,
+            "dropped_block_size": sub.block_size,
             "apply_failed": sub.failed,
             "broker_errors": self.link.errors,
             "broker_connects": self.link.connects,

@@ -12,10 +12,12 @@ not have, are dropped and counted (they would only be state kept for nothing); h
 not discovered yet in a known pool wait, bounded, in `parking.ParkedHoldings` until it is
 (discovery may simply have been quicker at the peer); a holding applies at most its first
 `MAX_HOLDING_KEYS` keys, and a batch is applied in steps of at most `CHUNK_ITEMS` items and
-`CHUNK_KEYS` keys, with requests served in between. A batch whose send time is far from this
-gateway's clock is counted apart from the malformed ones, and logged at most once a minute per
-sender: a clock to fix, not a peer. Malformed batches are logged at most once a minute too, with
-their count.
+`CHUNK_KEYS` keys, with requests served in between. A holding or calibration sample of another
+block size than its pool's in this gateway's configuration is dropped and counted: its keys cannot
+match this gateway's, and the policy would make a pool it has not used yet with the peer's block
+size. A batch whose send time is far from this gateway's clock is counted apart from the malformed
+ones, and logged at most once a minute per sender: a clock to fix, not a peer. Malformed batches
+are logged at most once a minute too, with their count.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class ApplyStats:
     # Holdings and samples of a pool, load rows of a pool or worker, that the registry does not have.
     unknown_worker: int = 0
     truncated: int = 0  # holdings cut to MAX_HOLDING_KEYS
+    block_size: int = 0  # holdings and samples of another block size than their pool's here
 
 
 class SyncSubscriber:
@@ -153,20 +156,31 @@ class SyncSubscriber:
         pool = self.registry.pools.get(pool_name)
         return pool is not None and (worker_id is None or worker_id in pool.workers)
 
+    def block_size_tokens(self, pool_name: str) -> int | None:
+        """The block size of `pool_name` in this gateway's configuration (None: no such pool)."""
+        pool = self.registry.pools.get(pool_name)
+        return None if pool is None else pool.config.block_size_tokens
+
     def known_items(self, origin: str, items: Sequence[PeerItem], now_s: float) -> list[PeerItem]:
-        """`items` less those of pools this gateway does not route to (counted) and the holdings
-        of workers it has not discovered (parked) with their outcomes, and with every holding cut
-        to its first `MAX_HOLDING_KEYS` keys."""
+        """`items` less those of pools this gateway does not route to and those of another block
+        size than their pool's here (both counted), and the holdings of workers it has not
+        discovered (parked) with their outcomes, and with every holding cut to its first
+        `MAX_HOLDING_KEYS` keys."""
         kept: list[PeerItem] = []
         parked = self.parked
+        stats = self.stats
         for item in items:
             if isinstance(item, PeerHolding):
-                if not self.known(item.pool):
-                    self.stats.unknown_worker += 1
+                block_size = self.block_size_tokens(item.pool)
+                if block_size is None:
+                    stats.unknown_worker += 1
+                    continue
+                if item.block_size_tokens != block_size:
+                    stats.block_size += 1
                     continue
                 if len(item.keys) > MAX_HOLDING_KEYS:
                     item = replace(item, keys=item.keys[:MAX_HOLDING_KEYS])
-                    self.stats.truncated += 1
+                    stats.truncated += 1
                 if not self.known(item.pool, item.worker):
                     parked.park(origin, item, now_s)
                     self.parked_any.set()
@@ -174,9 +188,14 @@ class SyncSubscriber:
             elif isinstance(item, PeerOutcome):
                 if parked and parked.settle(origin, item.ref, item.served):
                     continue
-            elif isinstance(item, PeerCalibration) and not self.known(item.pool):
-                self.stats.unknown_worker += 1
-                continue
+            elif isinstance(item, PeerCalibration):
+                block_size = self.block_size_tokens(item.pool)
+                if block_size is None:
+                    stats.unknown_worker += 1
+                    continue
+                if item.block_size_tokens != block_size:
+                    stats.block_size += 1
+                    continue
             kept.append(item)
         return kept
 

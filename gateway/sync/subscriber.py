@@ -6,6 +6,14 @@ number (a copy or an overtaken batch, which would set the sender's load back: `s
 gap in a sender's numbers counts the batches lost on the way. Applying never raises into the
 transport: whatever goes wrong, the gateway keeps routing on what it knows.
 
+Only peers count: gateways of the same deployment, that is with a pool in common (same name, same
+models: `deployment`). A batch of another deployment publishing on the same subject (the default
+subject is the same for every deployment given none) is dropped whole and counted, whatever its
+pools are called: its sender is not counted as a gateway (`policies.herd` deals the home shares
+over the gateways heard) and nothing of it is applied. Of a peer's batch, what concerns a pool the
+peer does not have (one of this gateway's names serving other models) is dropped as an unknown
+pool's.
+
 The bus is open to anyone who reaches the broker, so what one batch can cost is bounded here:
 holdings and loads of a pool this gateway's registry does not have, and loads of a worker it does
 not have, are dropped and counted (they would only be state kept for nothing); holdings of a worker
@@ -32,6 +40,7 @@ from dataclasses import dataclass, replace
 from gateway.metrics import GatewayMetrics
 from gateway.registry import Registry
 from gateway.sync.codec import ClockSkewed, MalformedBatch, SyncBatch, decode
+from gateway.sync.deployment import fingerprints
 from gateway.sync.parking import ParkedHoldings
 from gateway.sync.sequence import SenderSequences
 from policies.base import RoutingPolicy, WorkerId
@@ -76,6 +85,7 @@ class ApplyStats:
     # Holdings and samples of a pool, load rows of a pool or worker, that the registry does not have.
     unknown_worker: int = 0
     truncated: int = 0  # holdings cut to MAX_HOLDING_KEYS
+    other_deployment: int = 0  # batches of a sender with none of this gateway's pools (`deployment`)
     block_size: int = 0  # holdings and samples of another block size than their pool's here
 
 
@@ -98,6 +108,9 @@ class SyncSubscriber:
         self.loads = PeerLoads(peer_timeout_s)
         self.stats = ApplyStats()
         self.sequences = SenderSequences()
+        # This gateway's pools' fingerprints (`deployment`), by pool name, and all of them.
+        self._mark_of = fingerprints((name, pool.config.models) for name, pool in registry.pools.items())
+        self._marks = frozenset(self._mark_of.values())
         self._age_floor: dict[str, tuple[float, float]] = {}  # origin -> (smallest age, when)
         self.parked = ParkedHoldings(PARK_TTL_S)
         self.parked_any = asyncio.Event()  # set while something is parked: the service polls for it
@@ -127,11 +140,12 @@ class SyncSubscriber:
             now_s = time.monotonic()
             self.note(batch.origin, policy_of(), now_s)
             decided_s = self.decided_s(batch, now_s)
-            for k, chunk in enumerate(_chunks(self.known_items(batch.origin, batch.items, now_s))):
+            theirs = _pools_of(batch)
+            for k, chunk in enumerate(_chunks(self.known_items(batch.origin, batch.items, now_s, theirs))):
                 if k:
                     await asyncio.sleep(0)
                 self.apply_items(batch.origin, chunk, policy_of(), time.monotonic(), decided_s=decided_s)
-            self.finish(batch, time.monotonic())
+            self.finish(batch, time.monotonic(), theirs)
         except Exception:  # a bug here must not end the subscription
             self.stats.failed += 1
             log.exception("applying a sync batch failed", extra={"peer": batch.origin})
@@ -141,37 +155,52 @@ class SyncSubscriber:
         if not self.accept(batch, now_s):
             return
         self.note(batch.origin, policy, now_s)
-        items = self.known_items(batch.origin, batch.items, now_s)
+        theirs = _pools_of(batch)
+        items = self.known_items(batch.origin, batch.items, now_s, theirs)
         self.apply_items(batch.origin, items, policy, now_s, decided_s=self.decided_s(batch, now_s))
-        self.finish(batch, now_s)
+        self.finish(batch, now_s, theirs)
 
     def accept(self, batch: SyncBatch, now_s: float) -> bool:
         """Whether to apply `batch`: another gateway's, newer than any of its sender's seen yet
-        (`sequence`: a copy or an overtaken batch would set its load back)."""
+        (`sequence`: a copy or an overtaken batch would set its load back), from a gateway of this
+        deployment (`deployment`: a pool in common). A sender whose batch says it has none of this
+        gateway's pools is not a peer (any more): it is forgotten now, with its load."""
         origin = batch.origin
-        return origin != self.origin and self.sequences.admit(origin, batch.seq, now_s)
+        if origin == self.origin or not self.sequences.admit(origin, batch.seq, now_s):
+            return False
+        if batch.pools is None or not self._marks.isdisjoint(batch.pools):  # an earlier release: a peer
+            return True
+        self.stats.other_deployment += 1
+        for pool, worker in self.loads.forget(origin):
+            self._refresh(pool, worker)
+        return False
 
     def known(self, pool_name: str, worker_id: WorkerId | None = None) -> bool:
         """Whether this gateway's registry has `pool_name` (and `worker_id` in it)."""
         pool = self.registry.pools.get(pool_name)
         return pool is not None and (worker_id is None or worker_id in pool.workers)
 
-    def block_size_tokens(self, pool_name: str) -> int | None:
-        """The block size of `pool_name` in this gateway's configuration (None: no such pool)."""
+    def block_size_tokens(self, pool_name: str, theirs: frozenset[int] | None = None) -> int | None:
+        """The block size of `pool_name` in this gateway's configuration; None when it has no such
+        pool, or when the sender's pools `theirs` (None: all of this gateway's) do not include it."""
         pool = self.registry.pools.get(pool_name)
-        return None if pool is None else pool.config.block_size_tokens
+        if pool is None or (theirs is not None and self._mark_of.get(pool_name) not in theirs):
+            return None
+        return pool.config.block_size_tokens
 
-    def known_items(self, origin: str, items: Sequence[PeerItem], now_s: float) -> list[PeerItem]:
-        """`items` less those of pools this gateway does not route to and those of another block
-        size than their pool's here (both counted), and the holdings of workers it has not
-        discovered (parked) with their outcomes, and with every holding cut to its first
-        `MAX_HOLDING_KEYS` keys."""
+    def known_items(
+        self, origin: str, items: Sequence[PeerItem], now_s: float, theirs: frozenset[int] | None = None
+    ) -> list[PeerItem]:
+        """`items` less those of pools this gateway does not route to or that the sender's pools
+        `theirs` do not include (None: it did not say), and those of another block size than their
+        pool's here (all counted), and the holdings of workers it has not discovered (parked) with
+        their outcomes, and with every holding cut to its first `MAX_HOLDING_KEYS` keys."""
         kept: list[PeerItem] = []
         parked = self.parked
         stats = self.stats
         for item in items:
             if isinstance(item, PeerHolding):
-                block_size = self.block_size_tokens(item.pool)
+                block_size = self.block_size_tokens(item.pool, theirs)
                 if block_size is None:
                     stats.unknown_worker += 1
                     continue
@@ -189,7 +218,7 @@ class SyncSubscriber:
                 if parked and parked.settle(origin, item.ref, item.served):
                     continue
             elif isinstance(item, PeerCalibration):
-                block_size = self.block_size_tokens(item.pool)
+                block_size = self.block_size_tokens(item.pool, theirs)
                 if block_size is None:
                     stats.unknown_worker += 1
                     continue
@@ -251,13 +280,19 @@ class SyncSubscriber:
                     policy.apply_peer(origin, item, now_s, decided_s)
         self.stats.items += len(items)
 
-    def finish(self, batch: SyncBatch, now_s: float) -> None:
-        """The batch's bookkeeping: lag, and its in-flight loads."""
+    def finish(self, batch: SyncBatch, now_s: float, theirs: frozenset[int] | None = None) -> None:
+        """The batch's bookkeeping: lag, and its in-flight loads of the pools both gateways have
+        (`theirs`, the sender's pools; None: it did not say)."""
         stats = self.stats
         stats.batches += 1
         # Wall clocks: across hosts this includes their skew (same host: the true lag).
         self._lag.observe(max(0.0, time.time() - batch.sent_wall_s))
-        loads = [x for x in batch.loads if self.known(x.pool, x.worker)]
+        mark_of = self._mark_of
+        loads = [
+            x
+            for x in batch.loads
+            if self.known(x.pool, x.worker) and (theirs is None or mark_of.get(x.pool) in theirs)
+        ]
         stats.unknown_worker += len(batch.loads) - len(loads)
         for pool, worker in self.loads.note(batch.origin, loads, now_s, full=batch.full_load):
             self._refresh(pool, worker)
@@ -351,3 +386,7 @@ def _chunks(items: Sequence[PeerItem]) -> Iterator[Sequence[PeerItem]]:
         keys += n
     if start < len(items):
         yield items[start:]
+
+
+def _pools_of(batch: SyncBatch) -> frozenset[int] | None:
+    return None if batch.pools is None else frozenset(batch.pools)

@@ -145,7 +145,11 @@ def hold_for(prefill_s: float, lag_s: float, max_steps: int = len(HOLD_STEPS_S))
 
 
 class Gateways:
-    """The gateways a policy knows of: itself (`name`) and the peers heard within `ttl_s`, bounded."""
+    """The gateways a policy knows of: itself (`name`) and the peers heard within `ttl_s`, bounded.
+
+    Every one heard counts in the deal of home shares, so only gateways of this deployment may be
+    (those routing to the same pools): the caller tells which (the gateway drops the batches of
+    another deployment on its subject before they reach the policy)."""
 
     MAX_PEERS = 1024
 

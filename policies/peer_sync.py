@@ -292,6 +292,14 @@ class PeerLoads:
             self._forget(origin, changed)
         return changed
 
+    def forget(self, origin: str) -> set[_Slot]:
+        """Forget `origin` and its load now (it is not a peer after all); returns the slots whose
+        sum changed."""
+        changed: set[_Slot] = set()
+        if origin in self._heard:
+            self._forget(origin, changed)
+        return changed
+
     def _forget(self, origin: str, changed: set[_Slot]) -> None:
         del self._heard[origin]
         mine = self._by_origin.pop(origin, {})

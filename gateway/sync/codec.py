@@ -9,16 +9,19 @@
      "c": [[pool, block size, prompt tokens, request tokens, prefill time ratio], ...],  # optional
      "x": [decode context tokens, ...],                          # optional, one per "l" entry
      "y": [prefill attention pairs, ...],                        # optional, one per "l" entry
-     "a": seconds its oldest item waited in the sender's queue}  # optional
+     "a": seconds its oldest item waited in the sender's queue,  # optional
+     "d": [pool fingerprint, ...]}                               # optional, one per pool of the sender
 
 "c" carries calibration samples (`PeerCalibration`), "x" each load's decode context
 (`PeerLoad.decode_context_tokens`), "y" each load's prefill attention (`PeerLoad.prefill_pairs`),
 "a" how long before "t" the batch's first item was queued (on the sender's monotonic clock: when
-its items were decided, for `policies.herd`). All four were added within version 1 as optional
-fields, because a reader takes the fields it knows by name: a gateway of an earlier release
-ignores them (and keeps routing on the holdings and loads of the same batch). A batch without "c"
-has no samples; one without "x" or "y" has loads whose decode context or prefill attention is 0
-(its writer did not count it); one without "a" had no item wait (or its writer did not say).
+its items were decided, for `policies.herd`), "d" the fingerprint of each pool the sender routes to
+(`gateway.sync.deployment`: which deployment it is part of). All five were added within version 1
+as optional fields, because a reader takes the fields it knows by name: a gateway of an earlier
+release ignores them (and keeps routing on the holdings and loads of the same batch). A batch
+without "c" has no samples; one without "x" or "y" has loads whose decode context or prefill
+attention is 0 (its writer did not count it); one without "a" had no item wait (or its writer did
+not say); one without "d" does not say which pools its sender has (`SyncBatch.pools` is None).
 Samples are independent of the items' order, so they travel after them.
 
 Pools, namespaces and workers are indices into the string tables. A namespace is the tenant's
@@ -68,7 +71,9 @@ MAX_BATCH_ITEMS = 2 * PUBLISH_BATCH_ITEMS
 # namespaces, workers: each one an item's or a load's).
 MAX_BATCH_LOADS = 16_384
 MAX_BATCH_NAMES = MAX_BATCH_ITEMS + MAX_BATCH_LOADS
-_MAX_FIELDS = 32  # a batch's top-level map: 15 fields today, room for later releases' own
+# Pool fingerprints one batch may carry ("d"): four times the pools a policy keeps (`PoolSet.MAX_POOLS`).
+MAX_BATCH_POOLS = 1024
+_MAX_FIELDS = 32  # a batch's top-level map: 16 fields today, room for later releases' own
 _MAX_ROW = 16  # entries of one item, load or sample row (9 at most today)
 # UTF-8 bytes of one string: the origin, a pool, namespace or worker name. Peers keep these (a
 # peer's name with its load, a namespace with every index entry of its holdings), so their
@@ -83,7 +88,7 @@ MAX_PROMPT_TOKENS = 1 << 24
 # The containers of a batch, by field: a flat list of at most this many scalars, or that many
 # rows of scalars. Any other field is a scalar or a later release's field (skipped unread).
 _LISTS = {"p": MAX_BATCH_NAMES, "n": MAX_BATCH_NAMES, "w": MAX_BATCH_NAMES}
-_LISTS |= {"x": MAX_BATCH_LOADS, "y": MAX_BATCH_LOADS}
+_LISTS |= {"x": MAX_BATCH_LOADS, "y": MAX_BATCH_LOADS, "d": MAX_BATCH_POOLS}
 _ROWS = {"i": MAX_BATCH_ITEMS, "c": MAX_BATCH_ITEMS, "l": MAX_BATCH_LOADS}
 _KNOWN_SCALARS = frozenset("vostfka")
 # How far a batch's send time may be from the receiver's wall clock, either way: far beyond the
@@ -110,7 +115,9 @@ class ClockSkewed(MalformedBatch):
 @dataclass(frozen=True, slots=True)
 class SyncBatch:
     """What one gateway publishes at once. `full_load`: `loads` is its whole in-flight load (a
-    worker it leaves out is idle); otherwise only the workers whose load changed."""
+    worker it leaves out is idle); otherwise only the workers whose load changed. `seq` numbers
+    the origin's batches from 1, one more each batch. `pools`: the fingerprints of the pools the
+    origin routes to (`gateway.sync.deployment`); None when its release does not send them."""
 
     origin: str
     seq: int
@@ -119,6 +126,7 @@ class SyncBatch:
     items: tuple[PeerItem, ...] = ()
     loads: tuple[PeerLoad, ...] = ()
     waited_s: float = 0.0  # how long the first item waited in the sender's queue before `sent_wall_s`
+    pools: tuple[int, ...] | None = None
 
 
 class _Table:
@@ -186,6 +194,8 @@ def encode(batch: SyncBatch) -> bytes:
         doc["y"] = pairs
     if batch.waited_s > 0:
         doc["a"] = batch.waited_s
+    if batch.pools is not None:
+        doc["d"] = list(batch.pools)
     return msgpack.packb(doc, use_bin_type=True)
 
 
@@ -378,11 +388,23 @@ def _parse(doc: dict[str, Any], now_wall_s: float) -> SyncBatch:
     waited = doc.get("a", 0.0)
     if isinstance(waited, bool) or not isinstance(waited, float | int) or not 0 <= waited <= MAX_WAIT_S:
         raise MalformedBatch("bad item wait")
+    marks = doc.get("d")
+    fingerprints = None if marks is None else tuple(_fingerprint(x) for x in marks)
     origin = _str(doc["o"])
     seq = _int(doc["s"])
     if abs(float(sent) - now_wall_s) > MAX_CLOCK_SKEW_S:  # checked last: a broken batch is malformed
         raise ClockSkewed(origin, float(sent) - now_wall_s)
-    return SyncBatch(origin, seq, float(sent), doc["f"], tuple(items), tuple(loads), float(waited))
+    return SyncBatch(
+        origin, seq, float(sent), doc["f"], tuple(items), tuple(loads), float(waited), fingerprints
+    )
+
+
+def _fingerprint(x: object) -> int:
+    """A pool fingerprint: a u64."""
+    n = _int(x)
+    if n >= 1 << 64:
+        raise MalformedBatch("a pool fingerprint is a u64")
+    return n
 
 
 def _sample(pools: list[str], raw: object) -> PeerCalibration:

@@ -65,9 +65,10 @@ def load_bytes(load: PeerLoad) -> int:
 class SyncPublisher:
     """This gateway's outgoing items and the last in-flight load it published per worker."""
 
-    def __init__(self, origin: str, config: SyncConfig) -> None:
+    def __init__(self, origin: str, config: SyncConfig, pools: tuple[int, ...] | None = None) -> None:
         self.origin = origin
         self.config = config
+        self.pools = pools  # this gateway's pools' fingerprints, in every batch (`deployment`)
         self._queue: deque[PeerItem] = deque()
         self._queued_at: deque[float] = deque()  # when each queued item came (monotonic), in step
         self.dropped = 0
@@ -151,7 +152,9 @@ class SyncPublisher:
         waited = (
             0.0 if first_queued_s is None else min(max(0.0, time.monotonic() - first_queued_s), MAX_WAIT_S)
         )
-        return SyncBatch(self.origin, self._seq, time.time(), full, tuple(items), tuple(out), waited)
+        return SyncBatch(
+            self.origin, self._seq, time.time(), full, tuple(items), tuple(out), waited, self.pools
+        )
 
     def _changed_loads(self, loads: Iterable[PeerLoad], full: bool) -> list[PeerLoad]:
         sent = self._sent_loads

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from gateway.config.sync import SyncConfig
 from gateway.sync.auth import connect_options
 from gateway.sync.codec import encode
+from gateway.sync.deployment import fingerprints, published
 from gateway.sync.nats_link import NatsLink
 from gateway.sync.publisher import SyncPublisher
 from gateway.sync.subscriber import SyncSubscriber
@@ -59,7 +60,8 @@ class SyncService:
         self.routing = routing  # the policy's one holder: read at each use, as a reload swaps it
         self.config = config
         self.origin = origin or default_origin()
-        self.publisher = SyncPublisher(self.origin, config)
+        pools = fingerprints((name, pool.config.models) for name, pool in registry.pools.items())
+        self.publisher = SyncPublisher(self.origin, config, published(pools))
         self.subscriber = SyncSubscriber(
             self.origin,
             registry,
@@ -201,7 +203,10 @@ class SyncService:
             "parked_withdrawn": parked.withdrawn,
             "truncated_holdings": sub.truncated,
             "dropped_slow_consumer": self.link.slow_consumer,
-            "lost_batches": sub.lost_batches,
+            "lost_batches": self.subscriber.sequences.lost,
+            "dropped_replayed": self.subscriber.sequences.replayed,
+            "dropped_other_deployment": sub.other_deployment,
+            "dropped_block_size": sub.block_size,
             "apply_failed": sub.failed,
             "broker_errors": self.link.errors,
             "broker_connects": self.link.connects,

@@ -1,9 +1,18 @@
 """The applying half: a peer's batch goes to the policy (holdings, outcomes) and the registry (load).
 
 Batches from this gateway itself are ignored (the broker is also told not to echo them). A batch
-that does not decode is counted and dropped; a gap in a peer's sequence numbers counts the batches
-lost on the way. Applying never raises into the transport: whatever goes wrong, the gateway keeps
-routing on what it knows.
+that does not decode is counted and dropped; so is one at or below its sender's newest sequence
+number (a copy or an overtaken batch, which would set the sender's load back: `sequence`), and a
+gap in a sender's numbers counts the batches lost on the way. Applying never raises into the
+transport: whatever goes wrong, the gateway keeps routing on what it knows.
+
+Only peers count: gateways of the same deployment, that is with a pool in common (same name, same
+models: `deployment`). A batch of another deployment publishing on the same subject (the default
+subject is the same for every deployment given none) is dropped whole and counted, whatever its
+pools are called: its sender is not counted as a gateway (`policies.herd` deals the home shares
+over the gateways heard) and nothing of it is applied. Of a peer's batch, what concerns a pool the
+peer does not have (one of this gateway's names serving other models) is dropped as an unknown
+pool's.
 
 The bus is open to anyone who reaches the broker, so what one batch can cost is bounded here:
 holdings and loads of a pool this gateway's registry does not have, and loads of a worker it does
@@ -11,10 +20,12 @@ not have, are dropped and counted (they would only be state kept for nothing); h
 not discovered yet in a known pool wait, bounded, in `parking.ParkedHoldings` until it is
 (discovery may simply have been quicker at the peer); a holding applies at most its first
 `MAX_HOLDING_KEYS` keys, and a batch is applied in steps of at most `CHUNK_ITEMS` items and
-`CHUNK_KEYS` keys, with requests served in between. A batch whose send time is far from this
-gateway's clock is counted apart from the malformed ones, and logged at most once a minute per
-sender: a clock to fix, not a peer. Malformed batches are logged at most once a minute too, with
-their count.
+`CHUNK_KEYS` keys, with requests served in between. A holding or calibration sample of another
+block size than its pool's in this gateway's configuration is dropped and counted: its keys cannot
+match this gateway's, and the policy would make a pool it has not used yet with the peer's block
+size. A batch whose send time is far from this gateway's clock is counted apart from the malformed
+ones, and logged at most once a minute per sender: a clock to fix, not a peer. Malformed batches
+are logged at most once a minute too, with their count.
 """
 
 from __future__ import annotations
@@ -29,7 +40,9 @@ from dataclasses import dataclass, replace
 from gateway.metrics import GatewayMetrics
 from gateway.registry import Registry
 from gateway.sync.codec import ClockSkewed, MalformedBatch, SyncBatch, decode
+from gateway.sync.deployment import fingerprints
 from gateway.sync.parking import ParkedHoldings
+from gateway.sync.sequence import SenderSequences
 from policies.base import RoutingPolicy, WorkerId
 from policies.peer_sync import (
     PeerCalibration,
@@ -68,11 +81,12 @@ class ApplyStats:
     items: int = 0
     malformed: int = 0  # not a batch of this version (a broken or hostile peer)
     clock_skew: int = 0  # a batch sent further than `MAX_CLOCK_SKEW_S` from this gateway's clock
-    lost_batches: int = 0
     failed: int = 0
     # Holdings and samples of a pool, load rows of a pool or worker, that the registry does not have.
     unknown_worker: int = 0
     truncated: int = 0  # holdings cut to MAX_HOLDING_KEYS
+    other_deployment: int = 0  # batches of a sender with none of this gateway's pools (`deployment`)
+    block_size: int = 0  # holdings and samples of another block size than their pool's here
 
 
 class SyncSubscriber:
@@ -93,7 +107,10 @@ class SyncSubscriber:
         self._lag = metrics.sync_lag.labels()
         self.loads = PeerLoads(peer_timeout_s)
         self.stats = ApplyStats()
-        self._last_seq: dict[str, int] = {}
+        self.sequences = SenderSequences()
+        # This gateway's pools' fingerprints (`deployment`), by pool name, and all of them.
+        self._mark_of = fingerprints((name, pool.config.models) for name, pool in registry.pools.items())
+        self._marks = frozenset(self._mark_of.values())
         self._age_floor: dict[str, tuple[float, float]] = {}  # origin -> (smallest age, when)
         self.parked = ParkedHoldings(PARK_TTL_S)
         self.parked_any = asyncio.Event()  # set while something is parked: the service polls for it
@@ -116,48 +133,83 @@ class SyncSubscriber:
             self.stats.malformed += 1
             self._log_malformed(exc, time.monotonic())
             return
-        if batch.origin == self.origin:
+        if not self.accept(batch, time.monotonic()):
             return
         try:
             await self.adopt(policy_of)  # holdings parked for a worker discovered since go first
             now_s = time.monotonic()
             self.note(batch.origin, policy_of(), now_s)
             decided_s = self.decided_s(batch, now_s)
-            for k, chunk in enumerate(_chunks(self.known_items(batch.origin, batch.items, now_s))):
+            theirs = _pools_of(batch)
+            for k, chunk in enumerate(_chunks(self.known_items(batch.origin, batch.items, now_s, theirs))):
                 if k:
                     await asyncio.sleep(0)
                 self.apply_items(batch.origin, chunk, policy_of(), time.monotonic(), decided_s=decided_s)
-            self.finish(batch, time.monotonic())
+            self.finish(batch, time.monotonic(), theirs)
         except Exception:  # a bug here must not end the subscription
             self.stats.failed += 1
             log.exception("applying a sync batch failed", extra={"peer": batch.origin})
 
     def apply(self, batch: SyncBatch, policy: RoutingPolicy, now_s: float) -> None:
-        """Apply a whole batch at once."""
+        """Apply a whole batch at once (what `on_message` does in steps)."""
+        if not self.accept(batch, now_s):
+            return
         self.note(batch.origin, policy, now_s)
-        items = self.known_items(batch.origin, batch.items, now_s)
+        theirs = _pools_of(batch)
+        items = self.known_items(batch.origin, batch.items, now_s, theirs)
         self.apply_items(batch.origin, items, policy, now_s, decided_s=self.decided_s(batch, now_s))
-        self.finish(batch, now_s)
+        self.finish(batch, now_s, theirs)
+
+    def accept(self, batch: SyncBatch, now_s: float) -> bool:
+        """Whether to apply `batch`: another gateway's, newer than any of its sender's seen yet
+        (`sequence`: a copy or an overtaken batch would set its load back), from a gateway of this
+        deployment (`deployment`: a pool in common). A sender whose batch says it has none of this
+        gateway's pools is not a peer (any more): it is forgotten now, with its load."""
+        origin = batch.origin
+        if origin == self.origin or not self.sequences.admit(origin, batch.seq, now_s):
+            return False
+        if batch.pools is None or not self._marks.isdisjoint(batch.pools):  # an earlier release: a peer
+            return True
+        self.stats.other_deployment += 1
+        for pool, worker in self.loads.forget(origin):
+            self._refresh(pool, worker)
+        return False
 
     def known(self, pool_name: str, worker_id: WorkerId | None = None) -> bool:
         """Whether this gateway's registry has `pool_name` (and `worker_id` in it)."""
         pool = self.registry.pools.get(pool_name)
         return pool is not None and (worker_id is None or worker_id in pool.workers)
 
-    def known_items(self, origin: str, items: Sequence[PeerItem], now_s: float) -> list[PeerItem]:
-        """`items` less those of pools this gateway does not route to (counted) and the holdings
-        of workers it has not discovered (parked) with their outcomes, and with every holding cut
-        to its first `MAX_HOLDING_KEYS` keys."""
+    def block_size_tokens(self, pool_name: str, theirs: frozenset[int] | None = None) -> int | None:
+        """The block size of `pool_name` in this gateway's configuration; None when it has no such
+        pool, or when the sender's pools `theirs` (None: all of this gateway's) do not include it."""
+        pool = self.registry.pools.get(pool_name)
+        if pool is None or (theirs is not None and self._mark_of.get(pool_name) not in theirs):
+            return None
+        return pool.config.block_size_tokens
+
+    def known_items(
+        self, origin: str, items: Sequence[PeerItem], now_s: float, theirs: frozenset[int] | None = None
+    ) -> list[PeerItem]:
+        """`items` less those of pools this gateway does not route to or that the sender's pools
+        `theirs` do not include (None: it did not say), and those of another block size than their
+        pool's here (all counted), and the holdings of workers it has not discovered (parked) with
+        their outcomes, and with every holding cut to its first `MAX_HOLDING_KEYS` keys."""
         kept: list[PeerItem] = []
         parked = self.parked
+        stats = self.stats
         for item in items:
             if isinstance(item, PeerHolding):
-                if not self.known(item.pool):
-                    self.stats.unknown_worker += 1
+                block_size = self.block_size_tokens(item.pool, theirs)
+                if block_size is None:
+                    stats.unknown_worker += 1
+                    continue
+                if item.block_size_tokens != block_size:
+                    stats.block_size += 1
                     continue
                 if len(item.keys) > MAX_HOLDING_KEYS:
                     item = replace(item, keys=item.keys[:MAX_HOLDING_KEYS])
-                    self.stats.truncated += 1
+                    stats.truncated += 1
                 if not self.known(item.pool, item.worker):
                     parked.park(origin, item, now_s)
                     self.parked_any.set()
@@ -165,9 +217,14 @@ class SyncSubscriber:
             elif isinstance(item, PeerOutcome):
                 if parked and parked.settle(origin, item.ref, item.served):
                     continue
-            elif isinstance(item, PeerCalibration) and not self.known(item.pool):
-                self.stats.unknown_worker += 1
-                continue
+            elif isinstance(item, PeerCalibration):
+                block_size = self.block_size_tokens(item.pool, theirs)
+                if block_size is None:
+                    stats.unknown_worker += 1
+                    continue
+                if item.block_size_tokens != block_size:
+                    stats.block_size += 1
+                    continue
             kept.append(item)
         return kept
 
@@ -223,20 +280,19 @@ class SyncSubscriber:
                     policy.apply_peer(origin, item, now_s, decided_s)
         self.stats.items += len(items)
 
-    def finish(self, batch: SyncBatch, now_s: float) -> None:
-        """The batch's bookkeeping: sequence gaps, lag, and its in-flight loads."""
+    def finish(self, batch: SyncBatch, now_s: float, theirs: frozenset[int] | None = None) -> None:
+        """The batch's bookkeeping: lag, and its in-flight loads of the pools both gateways have
+        (`theirs`, the sender's pools; None: it did not say)."""
         stats = self.stats
-        last = self._last_seq.get(batch.origin)
-        if last is not None and batch.seq > last + 1:
-            stats.lost_batches += batch.seq - last - 1
-        if last is None or batch.seq > last:
-            self._last_seq[batch.origin] = batch.seq
-        if len(self._last_seq) > 4096:
-            self._last_seq.clear()  # bounded against churning peers; a gap may go uncounted
         stats.batches += 1
         # Wall clocks: across hosts this includes their skew (same host: the true lag).
         self._lag.observe(max(0.0, time.time() - batch.sent_wall_s))
-        loads = [x for x in batch.loads if self.known(x.pool, x.worker)]
+        mark_of = self._mark_of
+        loads = [
+            x
+            for x in batch.loads
+            if self.known(x.pool, x.worker) and (theirs is None or mark_of.get(x.pool) in theirs)
+        ]
         stats.unknown_worker += len(batch.loads) - len(loads)
         for pool, worker in self.loads.note(batch.origin, loads, now_s, full=batch.full_load):
             self._refresh(pool, worker)
@@ -307,8 +363,7 @@ class SyncSubscriber:
             self.parked_any.clear()
         for pool, worker in self.loads.expire(now_s):
             self._refresh(pool, worker)
-        for origin in [o for o in self._last_seq if not self.loads.heard_from(o)]:
-            del self._last_seq[origin]
+        self.sequences.expire(now_s)
         for origin in [o for o in self._age_floor if not self.loads.heard_from(o)]:
             del self._age_floor[origin]
 
@@ -331,3 +386,7 @@ def _chunks(items: Sequence[PeerItem]) -> Iterator[Sequence[PeerItem]]:
         keys += n
     if start < len(items):
         yield items[start:]
+
+
+def _pools_of(batch: SyncBatch) -> frozenset[int] | None:
+    return None if batch.pools is None else frozenset(batch.pools)

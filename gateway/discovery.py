@@ -7,8 +7,20 @@ address becomes `scheme://IP:port`; a dual-stack Service answers both records fo
 only the family of the first address is kept. Resolution goes through the event loop's `getaddrinfo` (a
 thread, never blocking the loop) and can be replaced by any async resolver for tests.
 
-A failed resolution keeps the last known set: a DNS hiccup must not empty a pool. A successful
-answer with no addresses (every pod gone) does empty it.
+Two kinds of unsuccessful lookup are told apart by the `socket.gaierror` that `getaddrinfo` raises:
+- a definite answer that the name has no addresses: `EAI_NONAME` (NXDOMAIN, which is what cluster
+  DNS answers for a headless Service with no ready pod, or one that was deleted) or `EAI_NODATA`
+  (the name exists without an A/AAAA record). It means the same as an empty list of addresses;
+- anything else (`EAI_AGAIN`: a timeout or SERVFAIL, `EAI_FAIL`, our own timeout) says nothing about
+  the workers. The last known set stays: a DNS hiccup must not empty a pool.
+An answer of no addresses empties the pool once it has been given `empty_after` times in a row
+(2 by default; answers with addresses reset the count, failed lookups neither count nor reset).
+Keeping the addresses of pods that are gone would route requests to IPs that another pod may be
+given next, while a single negative answer can be a flap (one DNS replica whose view of the
+Endpoints lags, a negative answer cached while they were rewritten): emptying the pool on it would
+fail every request with "no healthy worker" and drop what the policy learned of the workers until
+the next lookup. One more refresh interval on the old set costs little, since health checks stop
+routing to addresses that no longer answer.
 
 Every kind of source ends in the same seam: `Discovery.publish(snapshot)` diffs the new snapshot
 against the last one and hands a `WorkerSetChange` to the one change handler (the fleet's).
@@ -28,6 +40,10 @@ from typing import Protocol
 log = logging.getLogger("kvgate.discovery")
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]
+
+# `getaddrinfo`'s errors that answer "this name has no addresses" (NXDOMAIN, or no A/AAAA record),
+# as opposed to failing to get an answer (`EAI_AGAIN`, `EAI_FAIL`, ...).
+NO_ADDRESS_ERRORS = frozenset({socket.EAI_NONAME, socket.EAI_NODATA})
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,8 +164,15 @@ class DnsWorkers(WorkerSource):
         return True
 
     async def resolve(self) -> frozenset[str]:
-        async with asyncio.timeout(self._timeout_s):
-            addresses = await self._resolver(self.host, self.port)
+        """The workers the name has now; empty when DNS answers that it has none (module docstring).
+        Raises `OSError` or `TimeoutError` when the lookup fails without such an answer."""
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                addresses = await self._resolver(self.host, self.port)
+        except socket.gaierror as exc:
+            if exc.errno not in NO_ADDRESS_ERRORS:
+                raise
+            addresses = []
         if addresses:
             # A dual-stack headless Service answers an A and an AAAA record for each pod: one
             # family only (the first address's, the system's preference), or each pod is two workers.
@@ -206,6 +229,10 @@ class Discovery:
     task of its own and calls `publish`. Use `watch()` (polled sources) as an async iterator, or
     `start(on_change)` / `stop()` from the app lifespan. The first change reported is the initial
     set (everything `added`). `on_error(reason)` and `on_resync()` feed the metrics.
+
+    A polled source that answers with no workers empties a pool that has some only after
+    `empty_after` such answers in a row (see the module docstring); until then each one is
+    recorded as an error of reason `no_addresses` and the last set stays.
     """
 
     def __init__(
@@ -217,14 +244,19 @@ class Discovery:
         on_resync: Callable[[], None] | None = None,
         first_wait_s: float = 5.0,
         name: str = "",
+        empty_after: int = 2,
     ) -> None:
         if interval_s <= 0:
             raise ValueError("interval_s must be positive")
+        if empty_after < 1:
+            raise ValueError("empty_after must be >= 1")
         self._source = source
         self._interval_s = interval_s
         self._on_error = on_error
         self._on_resync = on_resync
         self._first_wait_s = first_wait_s
+        self._empty_after = empty_after
+        self._empty_answers = 0  # answers of no workers in a row, while the pool still had some
         self._log_extra = {"pool": name} if name else None
         self._current: frozenset[str] = frozenset()
         self._details: Mapping[str, WorkerDetails] = {}
@@ -291,7 +323,8 @@ class Discovery:
             self._on_resync()
 
     async def refresh(self) -> WorkerSetChange:
-        """Resolve a polled source once; on failure keep the last set and return an empty change."""
+        """Resolve a polled source once; on failure, or on an answer of no workers not yet given
+        `empty_after` times in a row, keep the last set and return an empty change."""
         if not isinstance(self._source, WorkerSource):
             raise TypeError("refresh() needs a polled WorkerSource")
         try:
@@ -299,6 +332,16 @@ class Discovery:
         except (OSError, TimeoutError, ValueError) as exc:
             self.record_error("resolve", f"{type(exc).__name__}: {exc}")
             return diff_workers(self._current, self._current)
+        if new:
+            self._empty_answers = 0
+        elif self._current:
+            self._empty_answers += 1
+            answers = f"{self._empty_answers} of {self._empty_after} answers in a row"
+            if self._empty_answers < self._empty_after:
+                self.record_error("no_addresses", f"no workers ({answers})")
+                return diff_workers(self._current, self._current)
+            log.warning("no workers (%s): the pool is empty", answers, extra=self._log_extra)
+            self._empty_answers = 0
         return self._take(dict.fromkeys(new, NO_DETAILS))
 
     async def watch(self) -> AsyncIterator[WorkerSetChange]:

@@ -4,6 +4,16 @@ metric scraping and KV-event subscriptions, all started and stopped by the app l
 Discovery reports worker-set changes; each change updates the pool, starts or stops the worker's
 scrape loop and KV-event subscription, and triggers an immediate health check so a new worker
 becomes routable without waiting a whole health interval.
+
+The policy is told of every worker that joins or leaves a pool, and of every one that health
+checks take down or see back after being down (`policies.pools.FollowsWorkers`): what it keeps of a
+worker describes the process at that URL, and a new process (a restart in place, a pod given a
+departed pod's IP) starts with an empty cache. A down worker cannot be told from a restarting one,
+so both verdicts clear its holdings: the first drops what the old process held, the second what
+was learned of it while it was down (requests it finished while draining, say). A worker that was
+only unreachable loses its holdings too, which costs hits until they are learned again, never a
+wrong answer; predicting hits on an empty cache would send continuations where they recompute
+everything.
 """
 
 from __future__ import annotations
@@ -30,10 +40,11 @@ from gateway.k8s.source import PodWatcher
 from gateway.kv_event_types import KvEventEndpoint, endpoint_for_worker
 from gateway.kv_events import KvEventSubscriber
 from gateway.metrics.families import HotCounter
-from gateway.registry import Pool, Registry
+from gateway.registry import HealthChange, Pool, Registry
 from gateway.routing import Routing
 from gateway.scrape import MetricsScraper, ScrapeConfig, ScrapeResult
 from policies.base import KvEvent, WorkerId
+from policies.pools import FollowsWorkers
 
 log = logging.getLogger("kvgate.fleet")
 
@@ -88,6 +99,7 @@ class Fleet:
         if self._kv is not None:
             await self._kv.start()
         for pool in self._registry.pools.values():
+            pool.on_health = functools.partial(self._health_changed, pool)
             interval_s = pool.config.dns.refresh_s if pool.config.dns is not None else 5.0
             metrics = self._routing.metrics
             discovery = Discovery(
@@ -116,8 +128,11 @@ class Fleet:
         roles = {url: change.details_of(url).role for url in change.current}
         pool.set_urls(sorted(change.current), roles)
         self._routing.metrics.discovered_workers.labels(pool.name).set(len(change.current))
+        follows = self._follower()
         for url in change.removed:
             worker = WorkerId(url)
+            if follows is not None:
+                follows.worker_left(pool.name, worker)
             if not self._registry.workers_at(worker):
                 if self._scraper is not None:
                     self._scraper.remove(worker)
@@ -125,6 +140,8 @@ class Fleet:
                     self._kv.remove(worker)
         for url in change.added:
             worker = WorkerId(url)
+            if follows is not None:
+                follows.worker_joined(pool.name, worker)  # before its KV events can arrive
             if self._scraper is not None and self._scraper.state(worker) is None:
                 self._scraper.add(worker, url, pool.auth.headers)
             self._subscribe(pool, change, url)
@@ -135,6 +152,22 @@ class Fleet:
             task = asyncio.ensure_future(pool.check(self._session))
             self._pending.add(task)
             task.add_done_callback(self._pending.discard)
+
+    def _follower(self) -> FollowsWorkers | None:
+        """The current policy, if it keeps state per worker (a reload may have swapped it)."""
+        policy = self._routing.policy
+        return policy if isinstance(policy, FollowsWorkers) else None
+
+    def _health_changed(self, pool: Pool, worker: WorkerId, change: HealthChange) -> None:
+        """A worker that went down, or came back after being down, may be a new process: the
+        policy clears what it holds (module docstring). Its first verdict up changes nothing."""
+        follows = self._follower()
+        if change is HealthChange.UP or follows is None:
+            return
+        try:
+            follows.worker_reset(pool.name, worker)
+        except Exception:  # a policy's bug must not end the health round that reported it
+            log.exception("policy failed to reset a worker", extra={"pool": pool.name, "worker": worker})
 
     def _subscribe(self, pool: Pool, change: WorkerSetChange, url: str) -> None:
         """Follow the worker's KV events: at the endpoint discovery found for it, else the pool's."""

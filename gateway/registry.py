@@ -2,7 +2,9 @@
 
 The registry takes plain URL lists (`Pool.set_urls`), so static config and periodic discovery feed
 it the same way. Load counters are kept incrementally by the data path (`Worker.acquire` /
-`release`), never recomputed by scanning requests.
+`release`), never recomputed by scanning requests. Each change of a worker's health verdict is
+reported to the pool's `on_health` listener (the fleet's: a worker that goes down, or comes back
+after being down, may be a new process with an empty cache).
 """
 
 from __future__ import annotations
@@ -10,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import enum
 import logging
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import aiohttp
 
@@ -29,6 +32,17 @@ from policies.peer_sync import PeerLoad, with_peer_load
 log = logging.getLogger("kvgate.registry")
 
 
+class HealthChange(enum.Enum):
+    """A change of a worker's active health verdict."""
+
+    UP = "up"  # the first check that finds it up (it was unknown, or never up yet)
+    DOWN = "down"  # it was up, and failed `failures_to_down` checks in a row
+    BACK = "back"  # up again after having been down
+
+
+HealthListener = Callable[[WorkerId, HealthChange], None]
+
+
 class Worker:
     """One upstream worker. Invariants: counters never go below zero; `healthy` is the active
     check's verdict, `breaker` the passive one; a worker is routable only when both agree.
@@ -39,6 +53,7 @@ class Worker:
     """
 
     __slots__ = (
+        "_been_up",
         "_fails",
         "_healthy",
         "_metrics",
@@ -73,6 +88,7 @@ class Worker:
         self._view_version = -1
         self._view_until_s = 0.0
         self._healthy = False  # unknown until the first check answers
+        self._been_up = False
         self.breaker = CircuitBreaker(config.breaker)
         self.max_in_flight = config.max_in_flight_per_worker
         self.in_flight = 0
@@ -242,13 +258,17 @@ class Worker:
         self.prefill_tokens = max(0, self.prefill_tokens - prompt_tokens)
         self.prefill_pairs = max(0, self.prefill_pairs - prefill_pairs(prompt_tokens, matched_tokens))
 
-    def record_health(self, ok: bool, config: PoolConfig) -> None:
+    def record_health(self, ok: bool, config: PoolConfig) -> HealthChange | None:
+        """Count one check's answer; return the change of verdict it made, if any."""
         if ok:
             self._oks += 1
             self._fails = 0
             if not self.healthy and self._oks >= config.health.successes_to_up:
                 self.healthy = True
                 log.info("worker up", extra={"worker": self.url})
+                change = HealthChange.BACK if self._been_up else HealthChange.UP
+                self._been_up = True
+                return change
         else:
             self._fails += 1
             self._oks = 0
@@ -256,6 +276,8 @@ class Worker:
             if self.healthy and self._fails >= config.health.failures_to_down:
                 self.healthy = False
                 log.warning("worker down", extra={"worker": self.url})
+                return HealthChange.DOWN
+        return None
 
 
 class Pool:
@@ -283,6 +305,7 @@ class Pool:
         # Prefill/decode disaggregation: the pair chooser of a pool with a `pd` section.
         self.pd_router = _pd_router(config)
         self._static_roles = config.static_roles
+        self.on_health: HealthListener | None = None
         self.set_urls(config.static_urls)
 
     def set_urls(self, urls: Iterable[str], roles: Mapping[str, str | None] | None = None) -> None:
@@ -302,7 +325,14 @@ class Pool:
         timeout_s, headers = self.config.health.timeout_s, self.auth.headers
         results = await asyncio.gather(*(probe_health(w.url, timeout_s, session, headers) for w in workers))
         for worker, ok in zip(workers, results, strict=True):
-            worker.record_health(ok, self.config)
+            change = worker.record_health(ok, self.config)
+            # A worker that left the pool while it was checked is no longer this pool's to report.
+            if (
+                change is not None
+                and self.on_health is not None
+                and self.workers.get(worker.worker_id) is worker
+            ):
+                self.on_health(worker.worker_id, change)
 
     def views(self, now_s: float, exclude: frozenset[WorkerId] = frozenset()) -> list[WorkerView]:
         views = [w.view(now_s, self.metrics_max_age_s) for w in self.workers.values()]

@@ -86,6 +86,11 @@ class RecentWork:
         self.mean_s = 0.0
         self._samples = 0
 
+    def forget(self, worker: WorkerId) -> None:
+        """Drop `worker`'s work: it left, or may have restarted (its sessions' KV went with it, so
+        the work routed there no longer says where their next requests go)."""
+        self.by_worker.pop(worker, None)
+
     def at(self, worker: WorkerId, now_s: float) -> float:
         """`worker`'s decayed work at `now_s`."""
         found = self.by_worker.get(worker)

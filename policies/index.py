@@ -74,7 +74,8 @@ class PrefixIndex(IndexHoldings):
         """
         lru = self._lru.get(worker)
         if lru is None:
-            self._ensure_worker(worker)
+            if not self._ensure_worker(worker):
+                return 0  # retired: it left the pool
             lru = self._lru[worker]
         end = self._held_end(keys, worker, n_blocks)
         g = self._g
@@ -162,7 +163,8 @@ class PrefixIndex(IndexHoldings):
 
     def record_key(self, key: BlockKey, worker: WorkerId, namespace: str, now_s: float) -> None:
         """Confirm one holding, ignoring granularity (the caller placed it: KV events know depths)."""
-        self._ensure_worker(worker)
+        if not self._ensure_worker(worker):
+            return  # retired: it left the pool
         self._open[worker] = None
         ns_keys = self._ns_keys.get(namespace)
         if ns_keys is None:

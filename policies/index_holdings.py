@@ -6,12 +6,20 @@ leave by eviction (a list or a namespace over its bound), by expiry (a speculati
 TTL), or by removal (a KV event, a failed request, a worker cleared or gone). Recording lives in
 `index.py`, lookups in `index_lookup.py`, the records in `index_types.py`.
 
+A worker that leaves the pool is retired (`retire_worker`): forgotten, and nothing more is recorded
+for it (a request still running there when it left, a KV event in flight, a peer's late dispatch)
+until it joins again (`admit_worker`), which forgets whatever was known of that URL before: a
+worker that joins is a process the index knows nothing of yet, whatever ran at its URL earlier.
+
 Invariants (asserted by `check_invariants`):
 1. `w in _table[k].holders` iff `k in _lru[w]`.
 2. `len(_lru[w]) <= effective capacity of w`; the sum over workers is at most `max_entries`.
 3. every key sits in exactly the namespace list of its entry, within that namespace's quota.
 4. a speculative holding has a finite expiry, a confirmed one `inf`; `_spec_expiry` has exactly one
    record per speculative holding (so it is bounded by `max_entries`).
+5. every per-worker table is keyed by members only: `_cap_blocks` has the keys of `_lru`, `_open` a
+   subset of them; retired workers (`_gone`, at most `max_workers`) are not members. So memory per
+   worker is bounded by `max_workers`, however many workers come and go.
 """
 
 from __future__ import annotations
@@ -56,6 +64,8 @@ class IndexHoldings:
         # Workers whose holdings may not be prefix-closed (a KV-event insert or removal, or a
         # collision, happened since their last clear); lookups walk them block by block.
         self._open: dict[WorkerId, None] = {}
+        # Workers retired from the pool (`retire_worker`), the latest last, until they join again.
+        self._gone: OrderedDict[WorkerId, None] = OrderedDict()
         self._evictions = 0
         self._expirations = 0
 
@@ -69,13 +79,17 @@ class IndexHoldings:
         blocks = self._blocks_for_tokens(capacity_tokens)
         if self._cap_blocks.get(worker) == blocks and worker in self._lru:
             return
-        self._ensure_worker(worker)
+        if not self._ensure_worker(worker):
+            return
         self._cap_blocks[worker] = blocks
         self._trim(worker)
 
-    def _ensure_worker(self, worker: WorkerId) -> None:
+    def _ensure_worker(self, worker: WorkerId) -> bool:
+        """Make `worker` a member (a list and a capacity); False for a retired worker, which stays out."""
         if worker in self._lru:
-            return
+            return True
+        if worker in self._gone:
+            return False
         if len(self._lru) >= self.config.max_workers:
             # The worker map itself is bounded: forget the worker with the fewest holdings.
             victim = min(self._lru, key=lambda w: len(self._lru[w]))
@@ -87,6 +101,7 @@ class IndexHoldings:
             for w in list(self._lru):
                 self._trim(w)
             self._longest_bound = max((len(lru) for lru in self._lru.values()), default=0)
+        return True
 
     def capacity_blocks(self, worker: WorkerId) -> int:
         """The effective capacity: the worker's own, capped by its even share of `max_entries`."""
@@ -123,12 +138,30 @@ class IndexHoldings:
                 self._drop_holding(key, entry, worker)
 
     def clear_worker(self, worker: WorkerId) -> None:
-        """Drop every holding of `worker` but keep its capacity (vLLM `AllBlocksCleared`)."""
+        """Drop every holding of `worker` but keep its capacity (vLLM `AllBlocksCleared`, or a
+        worker that may have restarted)."""
         cap = self._cap_blocks.get(worker)
         self.forget_worker(worker)
-        if cap is not None:
-            self._ensure_worker(worker)
+        if cap is not None and self._ensure_worker(worker):
             self._cap_blocks[worker] = cap
+
+    def retire_worker(self, worker: WorkerId) -> None:
+        """`worker` left the pool: forget it, and record nothing of it until `admit_worker`."""
+        self.forget_worker(worker)
+        gone = self._gone
+        gone[worker] = None
+        gone.move_to_end(worker)
+        if len(gone) > self.config.max_workers:
+            gone.popitem(last=False)
+
+    def retired(self, worker: WorkerId) -> bool:
+        """Whether `worker` left the pool (and has not joined again)."""
+        return worker in self._gone
+
+    def admit_worker(self, worker: WorkerId) -> None:
+        """`worker` joined the pool: what was known of its URL before is about another process."""
+        self._gone.pop(worker, None)
+        self.forget_worker(worker)
 
     def expire(self, now_s: float) -> None:
         """Drop speculative holdings whose TTL has passed. O(1) per expired holding."""
@@ -222,6 +255,10 @@ class IndexHoldings:
                 entry = self._table.get(key)
                 assert entry is not None and w in entry.holders, "LRU entry without a holding"
         assert total <= self.config.max_entries, "pool over max_entries"
+        assert self._cap_blocks.keys() == self._lru.keys(), "capacity of a worker that is no member"
+        assert self._open.keys() <= self._lru.keys(), "open mark of a worker that is no member"
+        assert not self._gone.keys() & self._lru.keys(), "a retired worker is a member"
+        assert len(self._gone) <= self.config.max_workers, "retired workers over max_workers"
         speculative = 0
         ns_seen: dict[str, int] = {}
         for key, entry in self._table.items():

@@ -12,6 +12,11 @@ A block whose parent we never saw cannot be placed (its prefix is unknown): it i
 orphan and dropped. A root block (no parent) is keyed under `KvEvent.namespace`, the tenant the
 gateway resolved from the chain's `cache_salt`, or the feed's configured namespace (public by
 default) when the chain is unsalted; its descendants inherit the namespace of their chain.
+
+A worker's map says how the engine's hashes translate to our keys, not what the worker holds: it
+is dropped when the worker leaves or joins the pool (`forget_worker`) or clears its cache, and
+kept when health checks clear its holdings (an engine that did not restart goes on extending the
+chains it mapped; one that did hashes with a new seed, and the limit below trims the old entries).
 """
 
 from __future__ import annotations
@@ -73,7 +78,13 @@ class KvEventFeed:
             m = self._maps[worker] = OrderedDict()
         return m
 
+    def forget_worker(self, worker: WorkerId) -> None:
+        """Drop `worker`'s engine-hash map (it left or joined the pool; the index is told apart)."""
+        self._maps.pop(worker, None)
+
     def apply(self, worker: WorkerId, event: KvEvent, now_s: float) -> None:
+        if self.index.retired(worker):
+            return  # it left the pool: an event still in flight says nothing of a member
         if event.kind is KvEventKind.ALL_BLOCKS_CLEARED:
             self._maps.pop(worker, None)
             self.index.clear_worker(worker)

@@ -1,10 +1,23 @@
-"""Per-pool state shared by the prefix-aware policies: the index, the cost model, worker capacities."""
+"""Per-pool state shared by the prefix-aware policies: the index, the cost model, worker capacities;
+and what a policy that keeps state per worker is told of the workers' comings and goings.
+
+A worker's state here says what the process at its URL holds, so it must not outlive that process:
+- a worker that leaves the pool (discovery removed it) is forgotten, and nothing more is recorded
+  of it until it joins again (a request that was still running there, a KV event in flight);
+- a worker that joins forgets whatever was known of its URL before (a late record, a past
+  process at the same address): a pod given a departed pod's IP, a pod that turned ready again;
+- a worker that may have restarted in place (health checks took it down, or saw it back after
+  being down: the usual way a static URL restarts) has its holdings cleared, and keeps its
+  capacity (a restarted engine reporting another cache size is picked up as any change is).
+The gateway says which (`gateway.fleet`); the simulator's workers never come or go.
+"""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 from policies.base import WorkerId, WorkerView, reported_load
 from policies.cost_model import CostModel
@@ -25,6 +38,25 @@ def load_of(view: WorkerView) -> int:
     """In-flight requests, raised to what the worker itself reports when it reports more."""
     scraped = reported_load(view)
     return view.in_flight_requests if scraped is None else max(view.in_flight_requests, sum(scraped))
+
+
+@runtime_checkable
+class FollowsWorkers(Protocol):
+    """A policy that keeps state per worker and is told when it stops describing the process at
+    the worker's URL (module docstring). `pool` is the pool's name, as in `RouteRequest.pool`."""
+
+    def worker_joined(self, pool: str, worker: WorkerId) -> None:
+        """Discovery added `worker` to `pool`."""
+        ...
+
+    def worker_left(self, pool: str, worker: WorkerId) -> None:
+        """Discovery removed `worker` from `pool`."""
+        ...
+
+    def worker_reset(self, pool: str, worker: WorkerId) -> None:
+        """`worker` in `pool` may be a new process with an empty cache (health went down, or came
+        back after being down)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +109,20 @@ class PoolState:
                 self.index.set_capacity(view.worker_id, self.capacity_tokens(view))
         if len(seen) > 4 * self.settings.index.max_workers:
             seen.clear()
+
+    def worker_joined(self, worker: WorkerId) -> None:
+        """See the module docstring: nothing known of the URL before counts."""
+        self.index.admit_worker(worker)
+        self._capacity_seen.pop(worker, None)  # its capacity is set again when next observed
+
+    def worker_left(self, worker: WorkerId) -> None:
+        """See the module docstring: forgotten, and ignored until it joins again."""
+        self.index.retire_worker(worker)
+        self._capacity_seen.pop(worker, None)
+
+    def worker_reset(self, worker: WorkerId) -> None:
+        """See the module docstring: holdings cleared, capacity kept."""
+        self.index.clear_worker(worker)
 
 
 class PoolSet:

@@ -54,8 +54,9 @@ async def test_dns_changes_failures_and_empty_answers() -> None:
     r = ScriptedResolver(
         ["10.0.0.1", "10.0.0.2"],
         ["10.0.0.2", "10.0.0.3", "10.0.0.3"],
-        socket.gaierror(socket.EAI_NONAME, "Name or service not known"),
+        socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution"),
         ["fd00::1"],
+        [],
         [],
     )
     d = Discovery(DnsWorkers("vllm.llm.svc.cluster.local", 8000, resolver=r))
@@ -69,9 +70,84 @@ async def test_dns_changes_failures_and_empty_answers() -> None:
     assert status.failures == 1 and status.last_error is not None and "gaierror" in status.last_error
     c4 = await d.refresh()
     assert c4.current == {"http://[fd00::1]:8000"} and d.status().last_error is None
-    c5 = await d.refresh()  # a real answer with no pods empties the pool
-    assert c5.removed == {"http://[fd00::1]:8000"} and d.current == frozenset()
+    c5 = await d.refresh()  # a real answer with no pods: once is not yet enough
+    assert not c5 and d.current == {"http://[fd00::1]:8000"}
+    assert d.status().last_error == "no_addresses: no workers (1 of 2 answers in a row)"
+    c6 = await d.refresh()  # twice in a row empties the pool
+    assert c6.removed == {"http://[fd00::1]:8000"} and d.current == frozenset()
+    assert d.status().last_error is None
     assert r.calls[0] == ("vllm.llm.svc.cluster.local", 8000)
+
+
+NXDOMAIN = socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+NODATA = socket.gaierror(socket.EAI_NODATA, "No address associated with hostname")
+AGAIN = socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+FAIL = socket.gaierror(socket.EAI_FAIL, "Non-recoverable failure in name resolution")
+
+
+async def test_a_headless_service_scaled_to_zero_empties_the_pool() -> None:
+    """Cluster DNS answers NXDOMAIN for a headless Service without ready pods: `getaddrinfo` raises
+    EAI_NONAME. That is an answer (no such name), not a failure: at the second in a row the pool is
+    empty, and failed lookups in between neither count nor reset the count."""
+    errors: list[str] = []
+    r = ScriptedResolver(["10.0.0.1", "10.0.0.2"], NXDOMAIN, AGAIN, NXDOMAIN, NXDOMAIN, ["10.0.0.9"])
+    d = Discovery(DnsWorkers("vllm.llm.svc.cluster.local", 8000, resolver=r), on_error=errors.append)
+    await d.refresh()
+    assert not await d.refresh() and len(d.current) == 2  # NXDOMAIN once: kept
+    assert not await d.refresh() and len(d.current) == 2  # a failure says nothing
+    gone = await d.refresh()
+    assert gone.removed == {"http://10.0.0.1:8000", "http://10.0.0.2:8000"} and not d.current
+    assert not await d.refresh() and not d.current  # still none: nothing to report
+    assert errors == ["no_addresses", "resolve"]  # an empty pool answering NXDOMAIN is no error
+    back = await d.refresh()  # scaled up again
+    assert back.added == {"http://10.0.0.9:8000"}
+
+
+@pytest.mark.parametrize("answer", [NXDOMAIN, NODATA], ids=["nxdomain", "nodata"])
+async def test_one_negative_answer_between_answers_keeps_the_set(answer: socket.gaierror) -> None:
+    r = ScriptedResolver(["10.0.0.1"], answer, ["10.0.0.1"], answer, ["10.0.0.1"])
+    d = Discovery(DnsWorkers("svc", 8000, resolver=r))
+    for _ in range(5):
+        await d.refresh()
+        assert d.current == {"http://10.0.0.1:8000"}  # a flap, twice, never two in a row
+    assert d.status().failures == 2
+
+
+async def test_failed_lookups_keep_the_set_however_many() -> None:
+    r = ScriptedResolver(["10.0.0.1"], AGAIN, FAIL, socket.gaierror(socket.EAI_AGAIN, "x"), AGAIN)
+    d = Discovery(DnsWorkers("svc", 8000, resolver=r))
+    for _ in range(8):
+        await d.refresh()
+    assert d.current == {"http://10.0.0.1:8000"} and d.status().failures == 7
+
+
+async def test_empty_after_one_answer_when_asked() -> None:
+    d = Discovery(DnsWorkers("svc", 8000, resolver=ScriptedResolver(["10.0.0.1"], NODATA)), empty_after=1)
+    await d.refresh()
+    assert (await d.refresh()).removed == {"http://10.0.0.1:8000"}
+    with pytest.raises(ValueError, match="empty_after"):
+        Discovery(StaticWorkers([]), empty_after=0)
+
+
+async def test_the_loops_getaddrinfo_errors_are_told_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the real resolver path (`resolve_with_loop`): what the loop's `getaddrinfo` raises
+    for a name with no addresses is an empty answer; a temporary failure is raised to `refresh`."""
+    raised: list[OSError] = [NXDOMAIN]
+    real = asyncio.get_running_loop().getaddrinfo
+
+    async def getaddrinfo(host: str, port: int, **kw: object) -> object:
+        if host != "vllm-headless.llm.svc.cluster.local":
+            return await real(host, port, **kw)  # type: ignore[arg-type]
+        raise raised[0]
+
+    monkeypatch.setattr(asyncio.get_running_loop(), "getaddrinfo", getaddrinfo)
+    source = DnsWorkers("vllm-headless.llm.svc.cluster.local", 8000)
+    assert await source.resolve() == frozenset()
+    raised[0] = NODATA
+    assert await source.resolve() == frozenset()
+    raised[0] = AGAIN
+    with pytest.raises(socket.gaierror):
+        await source.resolve()
 
 
 async def test_slow_resolver_times_out_and_big_answers_are_capped() -> None:

@@ -222,7 +222,7 @@ def test_bad_config_is_rejected() -> None:
 
 _ops = st.lists(
     st.tuples(
-        st.sampled_from(["spec", "conf", "confirm", "remove", "expire", "clear", "cap"]),
+        st.sampled_from(["spec", "conf", "confirm", "remove", "expire", "clear", "cap", "retire", "admit"]),
         st.integers(0, 2),  # worker
         st.integers(0, 5),  # which prefix family
         st.integers(1, 6),  # length in blocks
@@ -262,9 +262,15 @@ def test_random_operations_keep_invariants_and_match_a_naive_walk(
             idx.expire(now)
         elif op == "clear":
             idx.clear_worker(worker)
+        elif op == "retire":
+            idx.retire_worker(worker)
+        elif op == "admit":
+            idx.admit_worker(worker)
         else:
             idx.set_capacity(worker, length * BS)
         idx.check_invariants()
+        if idx.retired(worker):
+            assert idx.entries_of(worker) == 0
         probe = families[(fam + 1) % 6]
         got = idx.lookup(probe, "t", now)
         for wk in workers:

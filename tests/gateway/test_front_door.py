@@ -1,0 +1,31 @@
+"""What a client controls before admission, in process against scripted workers (`routes_rig`):
+the credentials it sends, and what a request the gateway refuses still costs its tenant."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from tests.gateway.routes_rig import Rig, routes_rig
+
+ONE = {"authorization": "Bearer sk-one"}  # tenant "one": rpm 1
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.fixture
+async def rig() -> AsyncIterator[Rig]:
+    async with routes_rig() as rig:
+        yield rig
+
+
+async def test_a_request_refused_after_its_body_was_read_counts_against_rpm(rig: Rig) -> None:
+    # Bodies that fail after being read and parsed cost the gateway that work: charged only on
+    # admission, a tenant could send them without limit whatever its rpm.
+    bad = await rig.client.post(
+        "/v1/chat/completions", json={**CHAT, "messages": [{"content": 5}]}, headers=ONE
+    )
+    assert bad.status_code == 400
+    resp = await rig.client.post("/v1/chat/completions", json=CHAT, headers=ONE)
+    assert resp.status_code == 429 and resp.json()["error"]["code"] == "rate_limit_exceeded"
+    assert not any(w.received for w in rig.workers)

@@ -187,6 +187,15 @@ async def read_body(receive: Receive, head: RequestHead, max_bytes: int) -> byte
 
 
 def authenticate(head: RequestHead, gate: Gate) -> Tenant:
+    """The tenant the request's key names; 401 without a known key, 400 when the key is sent
+    twice (`RequestHead.repeated_key`)."""
+    if head.repeated_key:
+        raise ApiError(
+            400,
+            "send one API key: the request has more than one 'Authorization' (or 'x-api-key') header",
+            "invalid_request_error",
+            "invalid_api_key",
+        )
     tenant = gate.keyring.lookup(head.authorization)
     if tenant is None:
         missing = not head.authorization

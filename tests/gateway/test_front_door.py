@@ -29,3 +29,19 @@ async def test_a_request_refused_after_its_body_was_read_counts_against_rpm(rig:
     resp = await rig.client.post("/v1/chat/completions", json=CHAT, headers=ONE)
     assert resp.status_code == 429 and resp.json()["error"]["code"] == "rate_limit_exceeded"
     assert not any(w.received for w in rig.workers)
+
+
+@pytest.mark.parametrize(
+    ("path", "name"), [("/v1/chat/completions", "authorization"), ("/v1/messages", "x-api-key")]
+)
+async def test_a_request_that_sends_its_key_twice_is_refused(rig: Rig, path: str, name: str) -> None:
+    # The proxied routes read the last Authorization field and Starlette's routes the first: a
+    # head with two keys named a different tenant depending on the route.
+    keys = ["Bearer sk-t", "Bearer sk-other"] if name == "authorization" else ["sk-t", "sk-other"]
+    body = {**CHAT, "max_tokens": 4}
+    resp = await rig.client.post(path, json=body, headers=[(name, key) for key in keys])
+    assert resp.status_code == 400
+    assert "more than one" in resp.text
+    assert not any(w.received for w in rig.workers)
+    one = await rig.client.post(path, json=body, headers=[(name, keys[1])])
+    assert one.status_code == 200

@@ -45,3 +45,11 @@ async def test_a_request_that_sends_its_key_twice_is_refused(rig: Rig, path: str
     assert not any(w.received for w in rig.workers)
     one = await rig.client.post(path, json=body, headers=[(name, keys[1])])
     assert one.status_code == 200
+
+
+async def test_an_unknown_model_is_quoted_back_only_in_part(rig: Rig) -> None:
+    resp = await rig.client.post(
+        "/v1/chat/completions", json={**CHAT, "model": "x" * 3_000}, headers={"authorization": "Bearer sk-t"}
+    )
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"
+    assert len(resp.content) < 1_000

@@ -153,6 +153,11 @@ class Refused(Exception):
         self.model = model
 
 
+# The most of an unknown model's name a 404 quotes back: the name is any string of the body, up to
+# `limits.max_body_bytes`, and its error would otherwise be as large.
+_ECHOED_MODEL_CHARS = 256
+
+
 def _too_large(max_bytes: int) -> ApiError:
     return ApiError(
         413, f"request body larger than {max_bytes} bytes", "invalid_request_error", "body_too_large"
@@ -187,6 +192,15 @@ async def read_body(receive: Receive, head: RequestHead, max_bytes: int) -> byte
 
 
 def authenticate(head: RequestHead, gate: Gate) -> Tenant:
+    """The tenant the request's key names; 401 without a known key, 400 when the key is sent
+    twice (`RequestHead.repeated_key`)."""
+    if head.repeated_key:
+        raise ApiError(
+            400,
+            "send one API key: the request has more than one 'Authorization' (or 'x-api-key') header",
+            "invalid_request_error",
+            "invalid_api_key",
+        )
     tenant = gate.keyring.lookup(head.authorization)
     if tenant is None:
         missing = not head.authorization
@@ -246,8 +260,9 @@ async def admit(
     model = body.get("model") or only_model(gate.models)
     pool = gate.models.get(model)
     if pool is None:
+        named = model if len(model) <= _ECHOED_MODEL_CHARS else model[:_ECHOED_MODEL_CHARS] + "..."
         unknown = ApiError(
-            404, f"The model '{model}' does not exist", "invalid_request_error", "model_not_found", "model"
+            404, f"The model '{named}' does not exist", "invalid_request_error", "model_not_found", "model"
         )
         raise Refused(unknown, api.endpoint, body.get("stream") is True)
     keying = gate.keying

@@ -74,13 +74,14 @@ _REQUEST_START = re.compile(rb"[^\r\n]")  # blank lines before a request line ar
 
 
 class _HeadRefused(Exception):
-    """Raised from the header callback to stop httptools at once; carries the refusal's reason
-    and message."""
+    """Raised from the header callback to stop httptools at once; carries the refusal's status,
+    reason and message."""
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: str, message: str, status: int = 431) -> None:
         super().__init__(reason, message)
         self.reason = reason
         self.message = message
+        self.status = status
 
 
 class _PipelineFull(Exception):
@@ -212,7 +213,7 @@ class GuardedHttpToolsProtocol(LingeringHttpToolsProtocol):
         except httptools.HttpParserCallbackError as exc:
             refused = exc.__context__
             if isinstance(refused, _HeadRefused):
-                self._refuse(431, refused.reason, refused.message)
+                self._refuse(refused.status, refused.reason, refused.message)
                 return
             if isinstance(refused, _PipelineFull):
                 self._stop_reading()
@@ -262,6 +263,8 @@ class GuardedHttpToolsProtocol(LingeringHttpToolsProtocol):
             self._head_start_unknown or self._head_bytes + len(self._chunk) > limit
         ) and self._head_size() > limit:
             raise _HeadRefused("header_too_large", self._too_large_message())
+        if self.parser.should_upgrade() and _has_body(self.headers):
+            raise _HeadRefused("upgrade_with_body", _UPGRADE_WITH_BODY, 400)
         super().on_headers_complete()
         self._phase = BODY
         self.deadline_s = time.monotonic() + self._limits.body_timeout_s
@@ -375,6 +378,25 @@ class GuardedHttpToolsProtocol(LingeringHttpToolsProtocol):
         body_refused = self._phase == BODY
         self._to_app()
         self._end_refused(_error_response(status, message, reason), body_refused)
+
+
+# llhttp hands over a request that asks to switch protocols (`Connection: upgrade`, as curl's
+# `--http2` does on a cleartext URL with `Upgrade: h2c`) at the end of its head, without its body:
+# the app read an empty body (a 400 saying the JSON was empty) and the body's bytes were dropped.
+# The gateway switches to no protocol; such a request without a body is served as a plain one.
+_UPGRADE_WITH_BODY = (
+    "the gateway does not switch protocols, and a request that asks to (Connection: upgrade) "
+    "cannot carry a body: send it without the Upgrade"
+)
+
+
+def _has_body(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether a request head announces a body (a non-zero `Content-Length`, or any
+    `Transfer-Encoding`: llhttp accepts only chunked last)."""
+    for name, value in headers:
+        if name == b"transfer-encoding" or (name == b"content-length" and value.strip(b"0")):
+            return True
+    return False
 
 
 def _error_response(status: int, message: str, code: str) -> bytes:

@@ -1,10 +1,16 @@
 """Per-tenant admission control: concurrency caps and rpm / tpm token buckets.
 
-A request's life in its tenant's limiter: `enter` takes a concurrency slot from the headers alone
-(before the body is read, so a tenant's slow bodies hold only its own slots), `admit` charges the
-request and its prompt estimate once the body is parsed, `leave` gives the slot back when the
-request is refused before that; at the end `reconcile` corrects the prompt charge to the worker's
-own count and `release` gives the slot back and charges the completion tokens.
+A request's life in its tenant's limiter: `enter` takes a concurrency slot and one request of the
+rpm bucket from the headers alone (before the body is read, so a tenant's slow bodies hold only
+its own slots), `admit` charges the prompt estimate once the body is parsed, `leave` gives the
+slot back when the request is refused before that; at the end `reconcile` corrects the prompt
+charge to the worker's own count and `release` gives the slot back and charges the completion
+tokens.
+
+A request counts against rpm whatever becomes of it: one the gateway refuses after reading and
+parsing its body (a 400, a 404, a 429 for tokens) cost that work all the same. Charged only on
+admission, such requests were free: a tenant at `rpm: 60` could send hundreds a second of 256 KiB
+bodies that fail at their last message, each parsed and keyed on the event loop.
 
 Buckets hold one minute of budget and refill continuously. The end-of-request charges may take a
 bucket below zero, which delays the tenant's next requests instead of failing this one.
@@ -73,16 +79,18 @@ class TenantLimiter:
         )
 
     def enter(self, now_s: float) -> Rejection | None:
-        """Take one concurrency slot for a request whose body is still to be read, or say why not
-        (at the concurrency limit, or no request left in the rpm bucket: refused before the gateway
-        reads or parses anything). The caller gives the slot back with `leave` unless the request
-        is admitted, and then with `release`."""
+        """Take one concurrency slot and one request of the rpm bucket for a request whose body
+        is still to be read, or say why not (at the concurrency limit, or no request left in the
+        rpm bucket: refused before the gateway reads or parses anything, and charged nothing).
+        The caller gives the slot back with `leave` unless the request is admitted, and then with
+        `release`; the request stays charged."""
         if self._max_concurrent is not None and self.in_flight >= self._max_concurrent:
             return self._too_many()
         if self._rpm is not None:
             wait = self._rpm.wait_s(1, now_s)
             if wait > 0:
                 return _spent("requests per minute", wait)
+            self._rpm.take(1, now_s)
         self.in_flight += 1
         return None
 
@@ -91,8 +99,8 @@ class TenantLimiter:
         self.in_flight -= 1
 
     def admit(self, prompt_tokens: int, now_s: float) -> Rejection | None:
-        """Charge one request and its estimated `prompt_tokens` to a request that holds a slot
-        (`enter`), or say why not (the slot stays taken: the caller leaves)."""
+        """Charge the estimated `prompt_tokens` of a request that holds a slot (`enter`), or say
+        why not (the slot stays taken: the caller leaves)."""
         if self._tpm is not None:
             wait = self._tpm.wait_s(prompt_tokens, now_s)
             if math.isinf(wait):
@@ -105,14 +113,7 @@ class TenantLimiter:
                 )
             if wait > 0:
                 return _spent("tokens per minute", wait)
-        if self._rpm is not None:
-            wait = self._rpm.wait_s(1, now_s)
-            if wait > 0:
-                return _spent("requests per minute", wait)
-        if self._tpm is not None:
             self._tpm.take(prompt_tokens, now_s)
-        if self._rpm is not None:
-            self._rpm.take(1, now_s)
         return None
 
     def reconcile(self, estimated_tokens: int, prompt_tokens: int | None, now_s: float) -> None:

@@ -26,7 +26,10 @@ class RequestHead:
     `x-stainless-retry-count` (`retries.py`); for routes that need them (`of_route`), also
     `x-api-key` (read as the key when there is no `Authorization`) and `Content-Type` (a multipart
     body's boundary). `raw` is the ASGI header list itself, from which a pool's `forward_headers`
-    are picked once the pool is known."""
+    are picked once the pool is known. `repeated_key` is set when the request carries its key
+    twice (two `Authorization` fields, or two `x-api-key`): which one names the tenant would depend
+    on who reads the head (Starlette's routes take the first), so such a request is refused
+    (`admission.authenticate`)."""
 
     authorization: str | None
     client_request_id: str | None
@@ -34,13 +37,16 @@ class RequestHead:
     content_type: str | None = None
     retries_taken: int = 0
     raw: Sequence[tuple[bytes, bytes]] = ()
+    repeated_key: bool = False
 
     @classmethod
     def of(cls, scope: Scope) -> RequestHead:
         authorization = rid = length = None
         taken = 0
+        repeated = False
         for name, value in scope["headers"]:
             if name == b"authorization":
+                repeated = repeated or authorization is not None
                 authorization = value.decode("latin-1")
             elif name == b"x-request-id":
                 rid = _sane_id(value.decode("latin-1"))
@@ -48,6 +54,8 @@ class RequestHead:
                 length = int(value) if len(value) <= _LENGTH_DIGITS else _long_length(value)
             elif name == RETRY_COUNT_HEADER:
                 taken = retries_taken(value)
+        if repeated:
+            return cls(authorization, rid, length, None, taken, scope["headers"], True)
         return cls(authorization, rid, length, retries_taken=taken, raw=scope["headers"])
 
     @classmethod
@@ -59,8 +67,10 @@ class RequestHead:
             return cls.of(scope)
         authorization = rid = length = content_type = api_key = None
         taken = 0
+        repeated = False
         for name, value in scope["headers"]:
             if name == b"authorization":
+                repeated = repeated or authorization is not None
                 authorization = value.decode("latin-1")
             elif name == b"x-request-id":
                 rid = _sane_id(value.decode("latin-1"))
@@ -69,12 +79,13 @@ class RequestHead:
             elif name == b"content-type":
                 content_type = value.decode("latin-1")
             elif name == b"x-api-key" and api.api_key_header:
+                repeated = repeated or api_key is not None
                 api_key = value
             elif name == RETRY_COUNT_HEADER:
                 taken = retries_taken(value)
         if authorization is None and api_key:
             authorization = bearer_of_api_key(api_key)
-        return cls(authorization, rid, length, content_type, taken, scope["headers"])
+        return cls(authorization, rid, length, content_type, taken, scope["headers"], repeated)
 
 
 @record

@@ -145,7 +145,7 @@ def test_form_fields_reads_named_text_fields_and_skips_files() -> None:
         "b'(1)",
         b'Content-Disposition: form-data; name="file"; filename="model"\r\n\r\nRIFF model=bad',
         b'Content-Disposition: form-data; name="model"\r\n\r\nwhisper',
-        b'Content-Disposition: form-data; name="model"\r\n\r\nsecond',
+        b'Content-Disposition: form-data; name="language"\r\n\r\nen',
         b"\r\norphan part without headers",
         b'content-disposition: form-data; name="stream"\r\nContent-Type: text/plain\r\n\r\ntrue',
     )

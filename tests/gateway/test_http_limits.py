@@ -193,3 +193,22 @@ async def test_a_head_pipelined_behind_a_body_is_measured_from_its_parts(rig: Ri
     protocol.data_received(head[10:] + b"x" * 4000)
     await settle()
     assert transport.ended and rig.refusals("header_too_large") == 2
+
+
+async def test_a_request_asking_to_upgrade_with_a_body_is_refused_and_one_without_is_served(rig: Rig) -> None:
+    # llhttp stops at the head of an upgrade request: its body never reached the app, which
+    # answered for an empty body (curl --http2 on an http URL sends `Upgrade: h2c` with its POST).
+    protocol, transport = rig.connect()
+    upgrade = (
+        b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAoAAAAAIAAAAA\r\n"
+    )
+    protocol.data_received(b"POST /x HTTP/1.1\r\nHost: h\r\n" + upgrade + b"Content-Length: 2\r\n\r\n{}")
+    assert transport.status() == 400 and transport.ended
+    assert transport.json_body()["error"]["code"] == "upgrade_with_body"
+    assert rig.refusals("upgrade_with_body") == 1
+    await settle()
+    assert rig.app.disconnected == []  # the app never saw the request
+    protocol, transport = rig.connect()
+    protocol.data_received(b"GET /x HTTP/1.1\r\nHost: h\r\n" + upgrade + b"\r\n")
+    await settle()
+    assert transport.status() == 200

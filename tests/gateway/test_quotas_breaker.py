@@ -35,14 +35,14 @@ def test_rpm_limit_then_recovery() -> None:
     assert _request(lim, 10, 30.0) is None
 
 
-def test_enter_refuses_a_spent_rpm_before_the_body_and_charges_nothing() -> None:
-    lim = TenantLimiter(QuotaConfig(rpm=1, max_concurrent=5), now_s=0.0)
-    assert lim.enter(0.0) is None and lim.enter(0.0) is None  # slots, but no request charged yet
-    assert lim.in_flight == 2
-    assert lim.admit(1, 0.0) is None
+def test_enter_charges_the_request_and_refuses_a_spent_rpm_before_the_body() -> None:
+    lim = TenantLimiter(QuotaConfig(rpm=2, max_concurrent=5), now_s=0.0)
+    assert lim.enter(0.0) is None
+    lim.leave()  # refused after its body was read (a 400): it still counted
+    assert lim.enter(0.0) is None and lim.admit(1, 0.0) is None
     rej = lim.enter(0.0)
     assert rej is not None and rej.code == "rate_limit_exceeded"
-    assert lim.in_flight == 2  # a refusal takes no slot
+    assert lim.in_flight == 1  # a refusal takes no slot
 
 
 def test_tpm_counts_prompt_then_completion_tokens() -> None:

@@ -1,0 +1,55 @@
+"""What a client controls before admission, in process against scripted workers (`routes_rig`):
+the credentials it sends, and what a request the gateway refuses still costs its tenant."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from tests.gateway.routes_rig import Rig, routes_rig
+
+ONE = {"authorization": "Bearer sk-one"}  # tenant "one": rpm 1
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.fixture
+async def rig() -> AsyncIterator[Rig]:
+    async with routes_rig() as rig:
+        yield rig
+
+
+async def test_a_request_refused_after_its_body_was_read_counts_against_rpm(rig: Rig) -> None:
+    # Bodies that fail after being read and parsed cost the gateway that work: charged only on
+    # admission, a tenant could send them without limit whatever its rpm.
+    bad = await rig.client.post(
+        "/v1/chat/completions", json={**CHAT, "messages": [{"content": 5}]}, headers=ONE
+    )
+    assert bad.status_code == 400
+    resp = await rig.client.post("/v1/chat/completions", json=CHAT, headers=ONE)
+    assert resp.status_code == 429 and resp.json()["error"]["code"] == "rate_limit_exceeded"
+    assert not any(w.received for w in rig.workers)
+
+
+@pytest.mark.parametrize(
+    ("path", "name"), [("/v1/chat/completions", "authorization"), ("/v1/messages", "x-api-key")]
+)
+async def test_a_request_that_sends_its_key_twice_is_refused(rig: Rig, path: str, name: str) -> None:
+    # The proxied routes read the last Authorization field and Starlette's routes the first: a
+    # head with two keys named a different tenant depending on the route.
+    keys = ["Bearer sk-t", "Bearer sk-other"] if name == "authorization" else ["sk-t", "sk-other"]
+    body = {**CHAT, "max_tokens": 4}
+    resp = await rig.client.post(path, json=body, headers=[(name, key) for key in keys])
+    assert resp.status_code == 400
+    assert "more than one" in resp.text
+    assert not any(w.received for w in rig.workers)
+    one = await rig.client.post(path, json=body, headers=[(name, keys[1])])
+    assert one.status_code == 200
+
+
+async def test_an_unknown_model_is_quoted_back_only_in_part(rig: Rig) -> None:
+    resp = await rig.client.post(
+        "/v1/chat/completions", json={**CHAT, "model": "x" * 3_000}, headers={"authorization": "Bearer sk-t"}
+    )
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"
+    assert len(resp.content) < 1_000

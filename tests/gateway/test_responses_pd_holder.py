@@ -1,6 +1,7 @@
 """A Responses request split between a prefill and a decode worker under SGLang's protocol sends
-both legs the same body, its `request_id` too, so a prefill worker that stores responses keeps a
-copy under the response's id. The client's response is the decode worker's: a gateway process
+both legs the same body, its `request_id` too; the gateway asks the prefill leg not to store it
+(`store: false`), but a prefill worker that stores responses anyway keeps a copy under the
+response's id. The client's response is the decode worker's: a gateway process
 that does not know the id finds it there, for a follow-up, a retrieve and a cancel alike, and
 never pins a follow-up to the prefill worker (which takes generation requests only as half of a
 pair)."""
@@ -24,7 +25,7 @@ KEY = {"authorization": "Bearer sk-t"}
 
 @contextlib.asynccontextmanager
 async def pd_workers() -> AsyncIterator[tuple[RoutesWorker, RoutesWorker]]:
-    prefill, decode = RoutesWorker("prefill"), RoutesWorker("decode")
+    prefill, decode = RoutesWorker("prefill", ignores_store=True), RoutesWorker("decode")
     runners = [await start(prefill), await start(decode)]
     # A pool's workers are in the order of their URLs: the prefill worker's comes first.
     decode.url = decode.url.replace("127.0.0.1", "localhost")
@@ -64,7 +65,7 @@ async def test_the_decode_workers_response_is_found_not_the_prefill_workers_copy
             created = await first.post("/v1/responses", json=body, headers=KEY)
             assert created.status_code == 200
             rid = created.text.split('"id":"', 1)[1].split('"', 1)[0]
-        # Both legs carried the id: the prefill worker holds a copy.
+        # Both legs carried the id: the prefill worker, which ignores `store: false`, holds a copy.
         assert rid in prefill.responses and rid in decode.responses
         asked = len(prefill.received)
         async with gateway(prefill, decode) as restarted:

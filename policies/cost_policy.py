@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import ClassVar
 
 from policies.base import Observation, RouteDecision, RouteRequest, WorkerId, WorkerView
@@ -148,27 +148,9 @@ class CostPolicy(HerdingPolicy):
         super().on_complete(obs, now_s)
         self._ledger.remove(obs.request.request_id)
 
-    # The workers' comings and goings (`policies.pools.FollowsWorkers`). The in-flight ledger needs
-    # nothing: each of its requests leaves it when its outcome comes, wherever it ran.
-
-    def worker_joined(self, pool: str, worker: WorkerId) -> None:
-        self._worker_changed(pool, worker, PoolState.worker_joined, new_process=True)
-
-    def worker_left(self, pool: str, worker: WorkerId) -> None:
-        self._worker_changed(pool, worker, PoolState.worker_left, new_process=True)
-
-    def worker_reset(self, pool: str, worker: WorkerId) -> None:
-        self._worker_changed(pool, worker, PoolState.worker_reset, new_process=False)
-
-    def _worker_changed(
-        self, pool: str, worker: WorkerId, change: Callable[[PoolState, WorkerId], None], new_process: bool
-    ) -> None:
-        state = self._pools.existing(pool)
-        if state is not None:
-            change(state, worker)
-        feed = self._feeds.get(pool)
-        if new_process and feed is not None:
-            feed.forget_worker(worker)  # kept on a reset: see `policies.kv_feed`
+    def _forget_load(self, worker: WorkerId) -> None:
+        # The in-flight ledger needs nothing: each of its requests leaves it when its outcome
+        # comes, wherever it ran.
         self._recent_work.forget(worker)
 
     def _dispatched_to(

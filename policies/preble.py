@@ -46,6 +46,10 @@ class PrebleE2(PrefixPolicyBase):
         self._outputs: deque[int] = deque(maxlen=output_history)
         self._median_output = 256.0
 
+    def _forget_load(self, worker: WorkerId) -> None:
+        self._window.pop(worker, None)
+        self._window_sum.pop(worker, None)
+
     def _prefill_load(self, worker: WorkerId, now_s: float) -> float:
         window = self._window.get(worker)
         if not window:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from policies.base import Isolation, KvEvent, Observation, RouteDecision, RouteRequest, WorkerId
@@ -278,6 +278,32 @@ class PrefixPolicyBase:
             self._feeds[pool.name] = feed
         feed.apply(worker, event, now_s)
         self._count("kv_events_applied")
+
+    # -- the workers' comings and goings (`policies.pools.FollowsWorkers`) ----------------------
+
+    def worker_joined(self, pool: str, worker: WorkerId) -> None:
+        self._worker_changed(pool, worker, PoolState.worker_joined, new_process=True)
+
+    def worker_left(self, pool: str, worker: WorkerId) -> None:
+        self._worker_changed(pool, worker, PoolState.worker_left, new_process=True)
+
+    def worker_reset(self, pool: str, worker: WorkerId) -> None:
+        self._worker_changed(pool, worker, PoolState.worker_reset, new_process=False)
+
+    def _worker_changed(
+        self, pool: str, worker: WorkerId, change: Callable[[PoolState, WorkerId], None], new_process: bool
+    ) -> None:
+        state = self._pools.existing(pool)
+        if state is not None:
+            change(state, worker)
+        feed = self._feeds.get(pool)
+        if new_process and feed is not None:
+            feed.forget_worker(worker)  # kept on a reset: see `policies.kv_feed`
+        self._forget_load(worker)
+
+    def _forget_load(self, worker: WorkerId) -> None:
+        """Drop what the policy keeps of the work it sent `worker` (the worker left, joined or
+        may have restarted); nothing here."""
 
     # -- replica sync (policies.peer_sync) -------------------------------------------------------
 

@@ -3,10 +3,17 @@ keep of a worker ends with the process at its URL, and stays bounded however man
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import pytest
+
 from policies.base import KvEvent, KvEventKind, Observation, WorkerId, WorkerView
 from policies.cost_policy import CostPolicy
 from policies.index import IndexConfig, PrefixIndex
 from policies.pools import FollowsWorkers
+from policies.preble import PrebleE2
+from policies.prefix_policy import PrefixPolicyBase
+from policies.sglang_cache_aware import SglangCacheAware
 from prompt_normalizer.keys import IdentityTokenHasher, root_key, secret_key
 from prompt_normalizer.types import PUBLIC_NAMESPACE, KeyIdentity
 from tests.policies.factories import BS, chain, req
@@ -59,7 +66,7 @@ def test_retired_workers_are_bounded_by_max_workers() -> None:
     assert idx.entries_of(WorkerId("pod-0")) == 3
 
 
-def _served(p: CostPolicy, rid: str, blocks: range, views: list[WorkerView], now_s: float) -> WorkerId:
+def _served(p: PrefixPolicyBase, rid: str, blocks: range, views: list[WorkerView], now_s: float) -> WorkerId:
     r = req(rid, blocks)
     d = p.select(r, views, now_s)
     assert d is not None
@@ -85,6 +92,24 @@ def test_the_cost_policy_forgets_a_worker_that_leaves_and_ignores_its_late_compl
     p.worker_joined("p", W0)
     assert _served(p, "c", range(8), views, 3.0) == W0
     assert p.stats().index["p"].entries == 8
+    p.check_invariants()
+
+
+@pytest.mark.parametrize("make", [SglangCacheAware, PrebleE2])
+def test_the_baselines_forget_a_worker_that_leaves(make: Callable[..., PrefixPolicyBase]) -> None:
+    p = make(seed=0)
+    assert isinstance(p, FollowsWorkers)
+    views = [WorkerView(W0)]
+    assert _served(p, "a", range(8), views, 0.0) == W0
+    assert p.stats().index["p"].entries == 8
+    p.worker_left("p", W0)
+    assert p.stats().index["p"].workers == 0
+    if isinstance(p, PrebleE2):
+        assert W0 not in p._window and W0 not in p._window_sum
+    p.worker_joined("p", W0)
+    _served(p, "b", range(8), views, 1.0)
+    p.worker_reset("p", W0)
+    assert p.stats().index["p"].entries == 0
     p.check_invariants()
 
 

@@ -320,4 +320,5 @@ class ProxyStream:
             retries=self._retries,
             error=error,
             error_detail=detail,
+            delivered_tokens=self._sse.content_events,
         )

@@ -80,6 +80,9 @@ class Attempt:
     trace: AttemptTrace | None = None  # the attempt's CLIENT span, with tracing on
     body: bytes | None = None  # a prefill/decode leg's own body (gateway/pd.py); else the request's
 
+    def __post_init__(self) -> None:
+        self.admitted.attempt_started(own_body=self.body is not None)
+
     def request_body(self) -> bytes:
         """The bytes this attempt sends: its own body, or the request's for its decision."""
         return self.body if self.body is not None else self.admitted.body_for(self.decision)

@@ -30,6 +30,7 @@ from gateway.responses_affinity import (
     note_response,
     pin,
     unknown_previous,
+    with_new_response_id,
     with_response_id,
 )
 from gateway.routes import ApiRoute
@@ -84,8 +85,24 @@ class Admitted:
     queued_s: float | None = None  # time spent in the pool's queue (`queueing.py`), if it queued
     held_s: float | None = None  # how long the policy had it held before deciding (`SupportsHold`)
     client_headers: ClientHeaders = ()  # the client headers the pool forwards (`upstream_headers.py`)
+    response_stem: str | None = None  # a Responses request's own `request_id`, which its ids start with
     recorded: bool = False
+    dispatched: bool = False  # an attempt was started (`attempt_started`)
     _encoded: dict[str | None, bytes] = field(default_factory=dict)
+
+    def attempt_started(self, own_body: bool) -> None:
+        """An attempt at this request starts (`outcome.Attempt`). Each attempt of a Responses
+        request but the first sends a new `request_id` (in `forward` and `encoded` from now on,
+        so `body_for` and `learn_response` use it): a worker that failed may have stored the
+        response it was asked for all the same, and one id must never be held by two workers
+        (`responses_ids`). An attempt with a body of its own (a P/D leg, built from `forward`)
+        keeps the id that body names."""
+        if self.responses is not None and self.dispatched and not own_body:
+            self.forward, self.encoded = with_new_response_id(
+                self.responses, self.forward, self.encoded, self.tenant.name, self.response_stem
+            )
+            self._encoded.clear()
+        self.dispatched = True
 
     def learn_response(self, worker: WorkerId, answer_id: Any) -> None:
         """A Responses answer came from `worker`: follow-ups naming its id will go there."""
@@ -311,7 +328,9 @@ async def admit(
     # `request_id`, below).
     changed = canonical.canonical_body is not None and api.rewrites
     forward = dict(canonical.canonical_body) if changed and canonical.canonical_body is not None else body
+    response_stem = None
     if response_id is not None:  # vLLM names the response after it (`responses_ids`)
+        response_stem = body.get("request_id")  # the client's own, checked by `mint_response_id`
         forward, encoded = with_response_id(forward, encoded, response_id)
     stream = body.get("stream") is True
     options = body.get("stream_options")
@@ -364,6 +383,7 @@ async def admit(
         retries_taken=ids.retries_taken,
         priority=body.get("priority", 0),
         client_headers=pick(ids.headers, pool.forward) if pool.forward else (),
+        response_stem=response_stem,
     )
 
 

@@ -80,6 +80,9 @@ class Attempt:
     trace: AttemptTrace | None = None  # the attempt's CLIENT span, with tracing on
     body: bytes | None = None  # a prefill/decode leg's own body (gateway/pd.py); else the request's
 
+    def __post_init__(self) -> None:
+        self.admitted.attempt_started(own_body=self.body is not None)
+
     def request_body(self) -> bytes:
         """The bytes this attempt sends: its own body, or the request's for its decision."""
         return self.body if self.body is not None else self.admitted.body_for(self.decision)
@@ -252,10 +255,12 @@ def finish(
     usage: Usage = NO_USAGE,
     error: str | None = None,
     error_detail: str | None = None,
+    delivered_tokens: int | None = None,
 ) -> None:
     """Close the books on a request: its last attempt (unless already ended) and the request
     itself, once. `attempt` is None when no worker was tried. `error` is the error's code (the
-    one the client got, or `client_disconnected`), `error_detail` its words (see `record_request`)."""
+    one the client got, or `client_disconnected`), `error_detail` its words (see `record_request`).
+    `delivered_tokens` is a stream's count of the content events relayed (`sse.Relay`)."""
     if attempt is not None:
         attempt.end(routing, outcome, usage)
         if status == 200 and admitted.stream and not admitted.recorded:
@@ -271,6 +276,7 @@ def finish(
         retries=retries,
         error=error,
         error_detail=error_detail,
+        delivered_tokens=delivered_tokens,
     )
 
 
@@ -296,15 +302,25 @@ def record_request(
     retries: int,
     error: str | None = None,
     error_detail: str | None = None,
+    delivered_tokens: int | None = None,
 ) -> None:
     """Quota release, metrics, the access log line and (with tracing on) the SERVER span's
     attributes of an admitted request (once). The line's `error` is machine-readable (the error
     code), `error_detail` for people: the message the client got and, for a failed worker
-    attempt, what the transport raised (`Failure.detail`); never request content."""
+    attempt, what the transport raised (`Failure.detail`); never request content.
+
+    The completion tokens charged, counted and logged are the worker's `usage`, or a stream's
+    `delivered_tokens` (the content events it relayed: one token or more each) when more: a
+    stream that ended before its last usage (its client left, the worker failed) has none, or
+    only Messages' opening count of 0, and a tenant could otherwise read all but the last token
+    of every stream for its prompts alone. A whole answer cut before it arrived delivered
+    nothing, and is charged nothing more."""
     a = admitted
     if a.recorded:
         return
     a.recorded = True
+    if delivered_tokens and (usage.completion_tokens or 0) < delivered_tokens:
+        usage = Usage(usage.prompt_tokens, delivered_tokens, usage.cached_tokens)
     now_s = time.monotonic()
     a.limiter.reconcile(a.route.n_prompt_tokens, usage.prompt_tokens, now_s)
     a.limiter.release(usage.completion_tokens or 0, now_s)

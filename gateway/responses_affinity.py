@@ -7,9 +7,10 @@ the worker that answered the original request. The gateway learns that worker fr
 
 Rules, all checked here:
 - Every `POST /v1/responses` carries a `request_id` the gateway mints (`responses_ids`: vLLM makes
-  it the new response's id), tagged with its tenant and new for every request: the client's own
-  `request_id`, when it sent one, starts the id, and a client that sends one again gets another
-  id, so one id is never stored on two workers. A client's `request_id` that is not at most
+  it the new response's id), tagged with its tenant and new for every request and for every
+  attempt of one (a worker that failed may have stored its response all the same): the client's
+  own `request_id`, when it sent one, starts the id, and a client that sends one again gets
+  another id, so one id is never stored on two workers. A client's `request_id` that is not at most
   `MAX_REQUEST_ID_CHARS` characters from `[A-Za-z0-9_.:-]` is refused with 400. Only an answer
   whose id is the one minted for it is remembered, so the map's bytes are bounded by its entry
   count.
@@ -206,6 +207,23 @@ def with_response_id(body: dict[str, Any], encoded: bytes, response_id: str) -> 
     return named, head + (b"," + encoded[1:] if encoded != b"{}" else b"}")
 
 
+def with_new_response_id(
+    affinity: ResponseAffinity, body: dict[str, Any], encoded: bytes, tenant: str, own_id: str | None
+) -> tuple[dict[str, Any], bytes]:
+    """`body` (a Responses body naming the id minted for an earlier attempt, `encoded` its
+    encoding) naming a new id minted for `tenant` on the client's own `request_id` `own_id`, and
+    its encoding: the id's bytes are replaced where they are, so a large body is not encoded again
+    (an id has no character JSON escapes, and inside a string the quotes around it would be
+    escaped, so the first match is the field)."""
+    old, new = body["request_id"], affinity.ids.mint(tenant, own_id)
+    named = {**body, "request_id": new}
+    field = b'"request_id":' + orjson.dumps(old)
+    at = encoded.find(field)
+    if at < 0:
+        return named, orjson.dumps(named)
+    return named, encoded[:at] + b'"request_id":' + orjson.dumps(new) + encoded[at + len(field) :]
+
+
 def pin(
     affinity: ResponseAffinity, body: Mapping[str, Any], tenant: str, pool: Pool, now_s: float
 ) -> WorkerId | None:
@@ -331,7 +349,7 @@ def note_response(
     now_s: float,
 ) -> None:
     """Learn the worker of a response the worker just created, when its id is the one minted for
-    it (`body` is the body sent, with that `request_id`) and the request did not ask not to store
-    it (then there is nothing to find later)."""
+    the attempt it answered (`body` is the body that attempt sent, with that `request_id`) and
+    the request did not ask not to store it (then there is nothing to find later)."""
     if answer_id == body.get("request_id") and body.get("store") is not False:
         affinity.learn(answer_id, tenant, pool, worker, now_s)

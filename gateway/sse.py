@@ -11,6 +11,14 @@ payload as is: the client gets exactly one event in the gateway's own OpenAI sha
 `{"error": {"message", "type", "param", "code"}}` (the worker's message, bounded, and `param`; an
 OpenAI `type`; code `upstream_stream_error`), the OpenAI SDKs raise on it, and the relay forwards
 nothing after it (the streaming response then adds `[DONE]` and closes).
+
+Each relay counts the content events it forwarded (`content_events`), so a stream that ends
+before the worker's usage (its client left, the worker died) is still charged for what it
+delivered (`outcome.record_request`). vLLM and SGLang put at least one token in each content
+event, so the count is a lower bound on the tokens the client got. It is kept with a byte count
+per chunk, no parse: for chat and completions the chunks with `"choices":` (not the usage chunk,
+`[DONE]` or an error, which the relay inspects anyway), less the chunks with `"content":""` before
+the first token (vLLM opens each choice with one that carries its role and no token).
 """
 
 from __future__ import annotations
@@ -26,6 +34,9 @@ DONE_EVENT = b"data: [DONE]\n\n"
 # Byte patterns of the events the relay must look inside: a usage chunk, the end, an error.
 _MARKERS = (b'"usage":{', b'"usage": {', b"data: [DONE]", b'"error"')
 _MAX_PENDING_BYTES = 4 * 1024 * 1024
+# A chunk of the answer, and one that carries no token (vLLM's role chunk opening a choice).
+_CHOICES = b'"choices":'
+_EMPTY_CONTENT = b'"content":""'
 
 STREAM_ERROR_CODE = "upstream_stream_error"
 # Bounds on what a worker's error puts in front of the client (UTF-8 bytes / characters).
@@ -120,11 +131,12 @@ class Relay(Protocol):
     """What a streamed response needs of its relay, whatever the API's event format: whole
     events to forward, whether the worker ended the stream (`done`), its error and usage, and
     how to end a stream that broke (`closing`). `response_id` is the Responses id, when the
-    stream carried one."""
+    stream carried one; `content_events` the content events forwarded so far (module doc)."""
 
     done: bool
     error: WorkerStreamError | None
     usage: Any
+    content_events: int
 
     @property
     def response_id(self) -> str | None: ...
@@ -142,13 +154,14 @@ class EventRelay:
     nothing more is forwarded."""
 
     ENDS_AT_TERMINAL = False
-    __slots__ = ("_pending", "done", "error", "usage")
+    __slots__ = ("_pending", "content_events", "done", "error", "usage")
 
     def __init__(self) -> None:
         self._pending = b""
         self.done = False
         self.error: WorkerStreamError | None = None
         self.usage: Any = None
+        self.content_events = 0
 
     def feed(self, chunk: bytes) -> bytes:
         """Bytes to forward now (whole events only); the partial tail waits for the next chunk."""
@@ -212,11 +225,21 @@ class SseRelay(EventRelay):
             if at >= 0 and (first < 0 or at < first):
                 first = at
         if first < 0:
+            self._count(head)
             return head
         start = head.rfind(b"\n\n", 0, first) + 2 if first > 0 else 0
         if start < 2:
             return self._inspect(head)
-        return head[:start] + self._inspect(head[start:])
+        plain = head[:start]
+        self._count(plain)
+        return plain + self._inspect(head[start:])
+
+    def _count(self, events: bytes) -> None:
+        """Count the content events of `events`, whole events none of which the relay inspects."""
+        n = events.count(_CHOICES)
+        if not self.content_events and n:  # role chunks come before a choice's first token
+            n = max(0, n - events.count(_EMPTY_CONTENT))
+        self.content_events += n
 
     def _inspect(self, head: bytes) -> bytes:
         out: list[bytes] = []
@@ -237,6 +260,8 @@ class SseRelay(EventRelay):
                     continue
                 if rewritten is not payload:
                     event = b"data: " + rewritten
+            else:
+                self._count(event)
             out.append(event + b"\n\n")
         return b"".join(out)
 

@@ -13,12 +13,17 @@ client gets one error event in the route's own shape (Responses: `{"type": "erro
 "message", "param", "sequence_number"}`; Anthropic: `{"type": "error", "error": {"type",
 "message"}}`) with the worker's message bounded, and nothing after it. Events after the terminal
 event (vLLM ends its Messages stream with a stray `data: [DONE]`) are dropped.
+
+The content events counted (`sse.Relay.content_events`) are the delta events, one token or more
+each: Responses' `response.*.delta` (`output_text`, `reasoning_text`, `function_call_arguments`,
+...) and Messages' `content_block_delta`, found by the quoted type name (`CONTENT`), never by the
+`event:` line (an event may come without one).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import orjson
 
@@ -48,6 +53,7 @@ class NamedEventRelay(EventRelay):
 
     ENDS_AT_TERMINAL = True
     MARKERS: tuple[bytes, ...] = ()
+    CONTENT: ClassVar[bytes]  # a content event's quoted type name, or its quoted end
     __slots__ = ("_forwarded", "_last", "response_id")
 
     def __init__(self) -> None:
@@ -59,6 +65,7 @@ class NamedEventRelay(EventRelay):
     def _events(self, head: bytes) -> bytes:
         if not any(marker in head for marker in self.MARKERS):
             self._forwarded += head.count(b"\n\n")
+            self.content_events += head.count(self.CONTENT)
             self._last = head
             return head
         out: list[bytes] = []
@@ -74,6 +81,8 @@ class NamedEventRelay(EventRelay):
                 out.append(forwarded)
             else:
                 out.append(event + b"\n\n")
+                if self.CONTENT in event:
+                    self.content_events += 1
             self._forwarded += 1
             self._last = event
             if self.done:
@@ -126,6 +135,7 @@ class ResponsesRelay(NamedEventRelay):
         b'"response.failed"',
         b'"error"',
     )
+    CONTENT = b'.delta"'
     __slots__ = ()
 
     def _event(self, kind: str, obj: dict[str, Any]) -> None:
@@ -175,6 +185,7 @@ class MessagesRelay(NamedEventRelay):
     `message_stop`, failures from `error` events."""
 
     MARKERS = (b'"message_start"', b'"message_delta"', b'"message_stop"', b'"error"')
+    CONTENT = b'"content_block_delta"'
     __slots__ = ("_anthropic_type",)
 
     def __init__(self) -> None:

@@ -17,6 +17,10 @@ A stream whose `[DONE]` was sent is a success whatever happens next: the client 
 The disconnect watch stops before that last write (uvicorn reports a finished response to
 `receive()` as a disconnect), and the worker's answer is then read to its end so its connection
 is reused.
+
+However a stream ends, it is charged at least the content events the relay forwarded
+(`Relay.content_events`, `outcome.record_request`): one that ends before the worker's usage
+would otherwise cost its tenant only its prompt.
 """
 
 from __future__ import annotations
@@ -320,4 +324,5 @@ class ProxyStream:
             retries=self._retries,
             error=error,
             error_detail=detail,
+            delivered_tokens=self._sse.content_events,
         )

@@ -281,7 +281,7 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
                 heartbeat.cancel()  # last: it beats for as long as this loop runs the app
 
     routes = [
-        *surface_routes(state.gate.keyring, state.registry, state.created_s),
+        *surface_routes(state.gate, state.registry, state.created_s),
         *responses_routes(
             state.gate,
             state.registry,

@@ -32,7 +32,7 @@ from gateway.errors import ApiError
 from gateway.fleet import Fleet
 from gateway.gauges import refresh_gauges
 from gateway.heartbeat import start_beating
-from gateway.lifecycle import SHUTTING_DOWN
+from gateway.lifecycle import SHUTTING_DOWN, RequestCap
 from gateway.outcome import CLIENT_DISCONNECTED, record_refusal
 from gateway.policy_watch import PolicyWatcher
 from gateway.proxy import dispatch
@@ -49,6 +49,19 @@ ANTHROPIC_PATH = "/v1/messages"
 log = logging.getLogger("kvgate.app")
 
 
+def _overloaded() -> ApiError:
+    # The same words whether the process is full or the tenant holds its share of it at the cap:
+    # the share would tell a tenant how many others are sending (docs/gateway.md, "Errors").
+    return ApiError(
+        503,
+        "the gateway is at its limit of requests in flight; retry shortly",
+        "server_error",
+        "gateway_overloaded",
+        None,
+        {"retry-after": "1"},
+    )
+
+
 class GatewayApp:
     """ASGI entry point: POSTs to a proxied route go to the proxy, everything else to the
     Starlette fallback."""
@@ -58,6 +71,9 @@ class GatewayApp:
         self.routing = state.routing
         self.transport = state.transport
         self.lifecycle = state.lifecycle
+        weights = {t.name: t.weight for t in state.config.tenants}
+        self.requests = RequestCap(state.config.limits.max_in_flight_requests, weights)
+        state.lifecycle.requests = self.requests
         self.fallback = fallback
         # With tracing on, each completion runs inside its SERVER span (gateway/tracing.py).
         tracer = state.routing.tracer
@@ -72,7 +88,7 @@ class GatewayApp:
         await self.fallback(scope, receive, send)
 
     async def _proxy(self, scope: Scope, receive: Receive, send: Send, api: ApiRoute) -> None:
-        gate, lifecycle = self.gate, self.lifecycle
+        gate = self.gate
         started_s = time.monotonic()
         head = RequestHead.of(scope) if api.plain_head else RequestHead.of_route(scope, api)
         ids = request_ids(head)
@@ -90,18 +106,11 @@ class GatewayApp:
             await self._rejected(err, api, ids, started_s, tenant)(scope, receive, send)
             return
         limiter = gate.limiters[tenant.name]
-        limits = gate.limits
+        places = self.requests.tenant(tenant.name)
         try:
-            raw = await read_body(receive, head, limits.max_body_bytes)
-            if lifecycle.in_flight_requests >= limits.max_in_flight_requests:
-                raise ApiError(
-                    503,
-                    "the gateway is at its limit of requests in flight; retry shortly",
-                    "server_error",
-                    "gateway_overloaded",
-                    None,
-                    {"retry-after": "1"},
-                )
+            raw = await read_body(receive, head, gate.limits.max_body_bytes)
+            if not places.take():  # the gateway-wide cap, and the tenant's share of it
+                raise _overloaded()
         except ApiError as err:
             limiter.leave()
             await self._rejected(err, api, ids, started_s, tenant)(scope, receive, send)
@@ -113,11 +122,10 @@ class GatewayApp:
         except BaseException:
             limiter.leave()
             raise
-        lifecycle.in_flight_requests += 1
         try:
             await self._handle(scope, receive, send, api, raw, ids, tenant, started_s, head)
         finally:
-            lifecycle.in_flight_requests -= 1
+            places.give_back()
 
     def _rejected(
         self,
@@ -273,7 +281,7 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
                 heartbeat.cancel()  # last: it beats for as long as this loop runs the app
 
     routes = [
-        *surface_routes(state.gate.keyring, state.registry, state.created_s),
+        *surface_routes(state.gate, state.registry, state.created_s),
         *responses_routes(
             state.gate,
             state.registry,

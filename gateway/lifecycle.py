@@ -1,10 +1,27 @@
-"""The process's lifecycle as the request path sees it: ready, draining, what is in flight."""
+"""The process's lifecycle as the request path sees it: ready, draining, what is in flight.
+
+Requests in flight are bounded by `limits.max_in_flight_requests` (the cap, C), and each tenant
+by its share of it while other tenants want places too (`RequestCap`):
+
+    share(t) = max(1, C × weight(t) / Σ weight of the tenants holding places, t included)
+    a request of tenant t gets a place when
+        the process holds fewer than C                  (a lone tenant may use the whole cap)
+        or t holds fewer than share(t), and the process fewer than 2C
+
+A place cannot be taken back from a request that holds it, so a tenant that arrives when another
+holds the whole cap is not refused: it borrows past the cap, up to its share, the places the
+tenants above their share owe, and these get no new place until the process is back under the
+cap (at the cap, every tenant at or above its share is refused). So one tenant can keep no other
+from its share, and past the cap only tenants below their share enter: the process holds at most
+2C requests, and above C only while some tenant is over its share (or while more than C tenants
+hold one place each).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -29,23 +46,107 @@ def shutting_down() -> ApiError:
     return ApiError(503, SHUTTING_DOWN, "server_error", "gateway_shutting_down", None, {"retry-after": "1"})
 
 
+class TenantPlaces:
+    """One tenant's places of a `RequestCap`. Invariant: `held >= 0`."""
+
+    __slots__ = ("cap", "held", "weight_units")
+
+    def __init__(self, cap: RequestCap, weight_units: int) -> None:
+        self.cap = cap
+        self.held = 0
+        self.weight_units = weight_units
+
+    def take(self) -> bool:
+        """One more place for the tenant, or False (nothing taken) when the cap refuses it."""
+        cap = self.cap
+        if cap.held >= cap.capacity and not cap.lends_to(self):
+            return False
+        if not self.held:
+            cap.active_units += self.weight_units
+        self.held += 1
+        cap.held += 1
+        return True
+
+    def give_back(self) -> None:
+        """The end of a request that took a place."""
+        self.held -= 1
+        self.cap.held -= 1
+        if not self.held:
+            self.cap.active_units -= self.weight_units
+        assert self.held >= 0, "a tenant gave back more places than it took"
+
+
+class RequestCap:
+    """`limits.max_in_flight_requests` and each tenant's share of it (the module docstring).
+    Weights are counted in integer units (1/10,000 of a weight) so that the sum of the weights of
+    the tenants holding places, kept as they come and go, is exact. Invariants: `held` is the sum
+    of every tenant's `held`, and `active_units` the sum of the weight units of the tenants whose
+    `held` is above 0."""
+
+    __slots__ = ("_tenants", "_units", "active_units", "capacity", "held")
+
+    def __init__(self, capacity: int, weights: Mapping[str, float] | None = None) -> None:
+        self.capacity = capacity
+        self.held = 0
+        self.active_units = 0
+        self._units = {name: _units(weight) for name, weight in (weights or {}).items()}
+        # One per tenant that has sent a request: tenants come from the config, so this is bounded.
+        self._tenants: dict[str, TenantPlaces] = {}
+
+    def tenant(self, name: str) -> TenantPlaces:
+        """The tenant's places (one dict lookup; a tenant missing from the weights weighs 1)."""
+        found = self._tenants.get(name)
+        if found is None:
+            found = self._tenants[name] = TenantPlaces(self, self._units.get(name, _UNITS_PER_WEIGHT))
+        return found
+
+    def share(self, places: TenantPlaces) -> int:
+        """The most places the tenant may hold once the process is at the cap: its weight's part
+        of the cap among the tenants holding places, itself included, and at least 1."""
+        active = self.active_units if places.held else self.active_units + places.weight_units
+        return max(1, self.capacity * places.weight_units // active)
+
+    def lends_to(self, places: TenantPlaces) -> bool:
+        """Whether a tenant gets a place past the cap: it holds less than its share, and the
+        process less than twice the cap."""
+        return self.held < 2 * self.capacity and places.held < self.share(places)
+
+    def check_invariants(self) -> None:
+        assert self.held == sum(t.held for t in self._tenants.values())
+        assert self.active_units == sum(t.weight_units for t in self._tenants.values() if t.held)
+        assert all(t.held >= 0 for t in self._tenants.values())
+
+
+_UNITS_PER_WEIGHT = 10_000
+
+
+def _units(weight: float) -> int:
+    return max(1, round(weight * _UNITS_PER_WEIGHT))
+
+
 @dataclass(slots=True)
 class Lifecycle:
     """`ready` from lifespan startup to shutdown, `draining` once shutdown begins. At its
     deadline the drain (`app.drain`) ends the streams still in `active_streams` and cancels the
     requests still in `dispatching` (waiting on a worker, or for a queue's turn);
-    `in_flight_requests` counts completions between arrival and their last byte (the gateway-wide
-    cap). Invariant: `ended` holds only tasks of `dispatching` that the deadline cancelled and that
-    have not yet taken their cancellation back (`ended_by_drain`)."""
+    `requests` holds the proxied requests from the end of their body to their last byte (the
+    gateway-wide cap, set by the app from `limits.max_in_flight_requests`). Invariant: `ended`
+    holds only tasks of `dispatching` that the deadline cancelled and that have not yet taken
+    their cancellation back (`ended_by_drain`)."""
 
     draining: bool = False
     ready: bool = False
-    in_flight_requests: int = 0
+    requests: RequestCap | None = None
     disconnects: DisconnectWatch = field(default_factory=DisconnectWatch)
     active_streams: set[OpenStream] = field(default_factory=set)
     dispatching: set[asyncio.Task[Any]] = field(default_factory=set)
     ended: set[asyncio.Task[Any]] = field(default_factory=set)
     past_deadline: bool = False
+
+    @property
+    def in_flight_requests(self) -> int:
+        """Proxied requests past their body and before their last byte, across tenants."""
+        return self.requests.held if self.requests is not None else 0
 
     def stream_started(self, stream: OpenStream) -> None:
         self.active_streams.add(stream)

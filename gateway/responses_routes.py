@@ -39,7 +39,7 @@ from gateway.responses_affinity import ResponseAffinity, find_holder, holds, not
 from gateway.responses_stream import StoredResponseStream
 from gateway.routing import Routing
 from gateway.streaming import AiohttpSource
-from gateway.surface import error
+from gateway.surface import error, tenant_of
 from gateway.tracing import TRACE_CONTEXT_HEADERS
 from gateway.transport import Transport
 from gateway.upstream import UpstreamError
@@ -50,7 +50,6 @@ RETRIEVE_ENDPOINT = "responses.retrieve"
 CANCEL_ENDPOINT = "responses.cancel"
 STORED_RESPONSE_ENDPOINTS = (RETRIEVE_ENDPOINT, CANCEL_ENDPOINT)
 
-_NO_KEY = ApiError(401, "incorrect or missing API key", "invalid_request_error", "invalid_api_key")
 _TRACE_CONTEXT = frozenset(name.encode() for name in TRACE_CONTEXT_HEADERS)
 
 
@@ -80,10 +79,11 @@ def responses_routes(
         started_s = time.monotonic()
         ids = RequestIds(new_request_id(), client_request_id(request))
         reply_id = ids.reply
-        tenant = gate.keyring.lookup(request.headers.get("authorization"))
-        if tenant is None:
-            record_refusal(routing, ids, endpoint, started_s, status=401, error=_NO_KEY.code)
-            return error(_NO_KEY, reply_id)
+        try:
+            tenant = tenant_of(request, gate)
+        except ApiError as err:
+            record_refusal(routing, ids, endpoint, started_s, status=err.status, error=err.code)
+            return error(err, reply_id)
         limiter = gate.limiter(tenant)
         rejection = limiter.enter(started_s)
         if rejection is not None:

@@ -20,12 +20,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.auth import KeyRing
+from gateway.admission import authenticate
+from gateway.auth import Tenant
 from gateway.breaker import BreakerState
 from gateway.errors import ApiError
+from gateway.gate import Gate
 from gateway.keying import base_model
 from gateway.registry import Registry
-from gateway.request_head import request_id_of
+from gateway.request_head import RequestHead, request_id_of
 from gateway.routes import ROUTES
 
 
@@ -101,10 +103,14 @@ def json_response(obj: object, status: int, request_id: str) -> Response:
     )
 
 
-_NO_KEY = ApiError(401, "incorrect or missing API key", "invalid_request_error", "invalid_api_key")
+def tenant_of(request: Request, gate: Gate) -> Tenant:
+    """The tenant of a request to one of the Starlette routes, by the proxied routes' own rule
+    (`admission.authenticate` over the request's head): 401 without a known key, 400 when the
+    key is sent twice (which of two keys named the tenant would otherwise depend on the route)."""
+    return authenticate(RequestHead.of(request.scope), gate)
 
 
-def surface_routes(keyring: KeyRing, registry: Registry, created_s: int) -> list[Route]:
+def surface_routes(gate: Gate, registry: Registry, created_s: int) -> list[Route]:
     """The GET routes above, and 405 for any other method on a proxied POST route."""
 
     cards = model_cards(registry, created_s)  # the pools' models are fixed for the process
@@ -114,15 +120,19 @@ def surface_routes(keyring: KeyRing, registry: Registry, created_s: int) -> list
 
     async def models(request: Request) -> Response:
         request_id = request_id_of(request)
-        if keyring.lookup(request.headers.get("authorization")) is None:
-            return error(_NO_KEY, request_id)
+        try:
+            tenant_of(request, gate)
+        except ApiError as err:
+            return error(err, request_id)
         data = [card(model) for model in routable_models(registry)]
         return json_response({"object": "list", "data": data}, 200, request_id)
 
     async def model(request: Request) -> Response:
         request_id = request_id_of(request)
-        if keyring.lookup(request.headers.get("authorization")) is None:
-            return error(_NO_KEY, request_id)
+        try:
+            tenant_of(request, gate)
+        except ApiError as refused:
+            return error(refused, request_id)
         model_id = request.path_params["model_id"]
         if model_id not in routable_models(registry):
             message = f"The model '{model_id}' does not exist"

@@ -47,12 +47,13 @@ class LimitsConfig(Frozen):
     request: the body size (413), and the choices a chat or completions request asks for (`n`,
     `best_of`; beyond: 400).
     Completions past their tenant's own slot and their body, across tenants
-    (`max_in_flight_requests`; beyond: 503 with Retry-After, so every per-request structure
-    stays bounded). Bytes of workers' whole answers held at once, across requests, each from
-    its first byte read until it has been written to its client (`max_buffered_answer_bytes`;
-    the answer that would pass it: 503 with Retry-After). Unread bytes of streamed answers
-    across requests (`max_buffered_stream_bytes`; past it every stream stops reading from its
-    worker sooner, nothing is refused).
+    (`max_in_flight_requests`; at it, only a tenant below its share of it gets a place, up to
+    twice it in all: `lifecycle.RequestCap`; any other request: 503 with Retry-After, so every
+    per-request structure stays bounded). Bytes of workers' whole answers held at once, across
+    requests, each from its first byte read until it has been written to its client
+    (`max_buffered_answer_bytes`; the answer that would pass it: 503 with Retry-After). Unread
+    bytes of streamed answers across requests (`max_buffered_stream_bytes`; past it every
+    stream stops reading from its worker sooner, nothing is refused).
     """
 
     max_body_bytes: PositiveInt = 8 * 1024 * 1024

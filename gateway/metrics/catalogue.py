@@ -40,7 +40,11 @@ class MetricCatalogue:
         hot = HotCollector()
         # Requests, their latencies and tokens, and where they went.
         self.requests = hot.counter(
-            "kvgate_requests", "Finished requests", ("model", "tenant", "status", "endpoint")
+            "kvgate_requests",
+            "Finished requests, refused ones included: an empty model when refused before a served"
+            " model was known, an empty tenant when the API key was missing, unknown (401) or sent"
+            " twice (400 invalid_api_key)",
+            ("model", "tenant", "status", "endpoint"),
         )
         self.ttft = hot.histogram(
             "kvgate_time_to_first_token_seconds",
@@ -147,7 +151,9 @@ class MetricCatalogue:
             "kvgate_client_refusals",
             "Client connections closed by a limit, by reason: before their request reached the gateway"
             " (header_too_large, too_many_headers, header_timeout, body_timeout, connection_limit,"
-            " invalid_http) or while its answer waited on a client that read nothing (send_timeout)",
+            " address_limit, invalid_http, upgrade_with_body: a request asking to upgrade its"
+            " connection with a body), after answering 16 pipelined requests (pipelined_requests),"
+            " or while an answer waited on a client that read nothing (send_timeout)",
             ("reason",),
         )
         # Replica sync.

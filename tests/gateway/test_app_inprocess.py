@@ -82,8 +82,8 @@ class _Stack:
     worker_url: str
     held: list[bytes]  # the heads of the completions the worker holds
 
-    async def chat(self) -> httpx.Response:
-        return await self.client.post("/v1/chat/completions", json=BODY, headers=HEADERS)
+    async def chat(self, headers: Mapping[str, str] | None = None) -> httpx.Response:
+        return await self.client.post("/v1/chat/completions", json=BODY, headers=headers or HEADERS)
 
 
 @contextlib.asynccontextmanager
@@ -100,7 +100,7 @@ async def _in_front_of_a_hanging_worker(
         "pools": [{"name": "p", "models": ["m"], "workers": [url], "timeouts": timeouts, **(pool or {})}],
         "tenants": [{"name": "t", "api_key_hashes": [hash_api_key(SECRET, "sk")]}],
         "scrape": {"enabled": False},
-        **config,
+        **config,  # may replace the tenants
     }
     try:
         async with gateway_in_process(raw, make_policy("round_robin"), secret=SECRET) as gw:
@@ -141,6 +141,35 @@ async def test_requests_beyond_the_in_flight_limit_get_503_at_once() -> None:
             task.cancel()
         await asyncio.gather(*held, return_exceptions=True)
         await wait_until(lambda: stack.state.lifecycle.in_flight_requests == 0)  # every slot came back
+
+
+async def test_a_tenant_holding_the_whole_in_flight_limit_leaves_another_its_share() -> None:
+    # Tenant "b" holds every place of the limit; "a", with nothing in flight, is still served, up
+    # to its share (4 of 8), and "b" gets no new place until the process is back under the limit.
+    tenants = [
+        {"name": "a", "api_key_hashes": [hash_api_key(SECRET, "sk-a")]},
+        {"name": "b", "api_key_hashes": [hash_api_key(SECRET, "sk-b")]},
+    ]
+    async with _in_front_of_a_hanging_worker(limits={"max_in_flight_requests": 8}, tenants=tenants) as stack:
+        as_b = {"authorization": "Bearer sk-b"}
+        as_a = {"authorization": "Bearer sk-a"}
+        b_held = [asyncio.create_task(stack.chat(as_b)) for _ in range(8)]
+        await wait_until(lambda: len(stack.held) == 8)
+        resp = await stack.chat(as_b)
+        assert resp.status_code == 503 and resp.json()["error"]["code"] == "gateway_overloaded"
+        a_held = [asyncio.create_task(stack.chat(as_a)) for _ in range(4)]
+        await wait_until(lambda: len(stack.held) == 12)  # every one of a's reached the worker
+        for resp in [await stack.chat(as_a), await stack.chat(as_b)]:
+            assert resp.status_code == 503 and resp.json()["error"]["code"] == "gateway_overloaded"
+            assert resp.headers["retry-after"] == "1"
+        cap = stack.state.lifecycle.requests
+        assert cap is not None and cap.held == 12
+        cap.check_invariants()
+        for task in [*b_held, *a_held]:
+            task.cancel()
+        await asyncio.gather(*b_held, *a_held, return_exceptions=True)
+        await wait_until(lambda: stack.state.lifecycle.in_flight_requests == 0)
+        assert cap.active_units == 0
 
 
 async def test_the_drain_deadline_answers_requests_still_waiting_on_a_worker_or_queued_with_503() -> None:

@@ -1,5 +1,6 @@
 """docs/gateway.md agrees with the app: the `endpoint` values the gateway can emit, the route
-table's paths, and the metric families of the /metrics page."""
+table's paths, the metric families of the /metrics page, the reasons the client limits count
+(in the docs and the metric's help) and the front door's 400s."""
 
 from __future__ import annotations
 
@@ -70,3 +71,32 @@ def test_the_metrics_table_names_every_family_of_the_page() -> None:
     table = [line for line in section("Observability").splitlines() if line.startswith("| `")]
     documented = {name for row in table for name in re.findall(r"`(kvgate_\w+)`", row.split("|")[1])}
     assert exported == documented
+
+
+def client_refusal_reasons() -> set[str]:
+    """Every `reason` the client limits count (`gateway/http_limits.py`): the reasons of its
+    refusals, of the guard's own counts, and of the connection limits."""
+    source = (Path(__file__).resolve().parents[2] / "gateway" / "http_limits.py").read_text()
+    calls = r'(?:_HeadRefused\(|_refuse\(\d+, |refused\(|return |refused = )"([a-z_]+)"'
+    return set(re.findall(calls, source))
+
+
+def test_every_client_refusal_reason_is_in_the_metrics_help_and_the_docs() -> None:
+    reasons = client_refusal_reasons()
+    assert {"upgrade_with_body", "invalid_http", "address_limit", "send_timeout"} <= reasons
+    family = next(f for f in MetricCatalogue().registry.collect() if f.name == "kvgate_client_refusals")
+    row = next(
+        line for line in DOC.read_text().splitlines() if line.startswith("| `kvgate_client_refusals_total`")
+    )
+    listed = set(re.findall(r"`([a-z_]+)`", row.split("|")[3].split("(")[0])) - {"reason"}
+    assert {r for r in reasons if r not in family.documentation} == set()
+    assert listed == reasons
+
+
+def test_the_error_table_has_every_400_the_front_door_answers() -> None:
+    rows = [line for line in section("Routes").splitlines() if line.startswith("| 400 |")]
+    codes = {code for row in rows for code in re.findall(r"`([a-z_]+)`", row.split("|")[3])}
+    assert {"invalid_http", "upgrade_with_body", "invalid_api_key"} <= codes
+    assert any("API key sent twice" in row for row in rows)
+    family = next(f for f in MetricCatalogue().registry.collect() if f.name == "kvgate_requests")
+    assert "sent twice (400 invalid_api_key)" in family.documentation

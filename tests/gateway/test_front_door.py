@@ -47,6 +47,30 @@ async def test_a_request_that_sends_its_key_twice_is_refused(rig: Rig, path: str
     assert one.status_code == 200
 
 
+@pytest.mark.parametrize(
+    ("method", "path", "alone"),
+    [
+        ("GET", "/v1/models", 200),
+        ("GET", "/v1/models/m", 200),
+        ("GET", "/v1/responses/resp_unknown", 404),
+        ("POST", "/v1/responses/resp_unknown/cancel", 404),
+    ],
+)
+async def test_the_starlette_routes_refuse_a_key_sent_twice_as_the_proxied_ones_do(
+    rig: Rig, method: str, path: str, alone: int
+) -> None:
+    # Starlette's `request.headers.get` reads the first field: the second key was never looked at.
+    twice = [("authorization", "Bearer sk-t"), ("authorization", "Bearer sk-other")]
+    resp = await rig.client.request(method, path, headers=twice)
+    assert resp.status_code == 400
+    error = resp.json()["error"]
+    assert error["code"] == "invalid_api_key" and error["message"].startswith("send one API key")
+    assert not any(w.received for w in rig.workers)
+    assert (await rig.client.request(method, path, headers=twice[1:])).status_code == alone
+    missing = await rig.client.request(method, path)
+    assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
+
+
 async def test_an_unknown_model_is_quoted_back_only_in_part(rig: Rig) -> None:
     resp = await rig.client.post(
         "/v1/chat/completions", json={**CHAT, "model": "x" * 3_000}, headers={"authorization": "Bearer sk-t"}

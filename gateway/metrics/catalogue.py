@@ -83,7 +83,10 @@ class MetricCatalogue:
             "kvgate_cached_prompt_tokens", "Cached prompt tokens reported by workers", ("model", "tenant")
         )
         self.completion_tokens = hot.counter(
-            "kvgate_completion_tokens", "Completion tokens reported by workers", ("model", "tenant")
+            "kvgate_completion_tokens",
+            "Completion tokens charged: the worker's count, or the content events relayed when a"
+            " stream ended before its usage and they are more",
+            ("model", "tenant"),
         )
         # Discovery.
         self.discovery_errors = hot.counter(

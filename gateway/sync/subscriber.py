@@ -200,12 +200,7 @@ class SyncSubscriber:
         stats = self.stats
         for item in items:
             if isinstance(item, PeerHolding):
-                block_size = self.block_size_tokens(item.pool, theirs)
-                if block_size is None:
-                    stats.unknown_worker += 1
-                    continue
-                if item.block_size_tokens != block_size:
-                    stats.block_size += 1
+                if not self._fits(item, theirs):
                     continue
                 if len(item.keys) > MAX_HOLDING_KEYS:
                     item = replace(item, keys=item.keys[:MAX_HOLDING_KEYS])
@@ -217,16 +212,22 @@ class SyncSubscriber:
             elif isinstance(item, PeerOutcome):
                 if parked and parked.settle(origin, item.ref, item.served):
                     continue
-            elif isinstance(item, PeerCalibration):
-                block_size = self.block_size_tokens(item.pool, theirs)
-                if block_size is None:
-                    stats.unknown_worker += 1
-                    continue
-                if item.block_size_tokens != block_size:
-                    stats.block_size += 1
-                    continue
+            elif isinstance(item, PeerCalibration) and not self._fits(item, theirs):
+                continue
             kept.append(item)
         return kept
+
+    def _fits(self, item: PeerHolding | PeerCalibration, theirs: frozenset[int] | None) -> bool:
+        """Whether `item` is of a pool routed here, shared with the sender, and of its block size
+        here; what does not fit is counted."""
+        block_size = self.block_size_tokens(item.pool, theirs)
+        if block_size is None:
+            self.stats.unknown_worker += 1
+            return False
+        if item.block_size_tokens != block_size:
+            self.stats.block_size += 1
+            return False
+        return True
 
     # How fast an origin's smallest batch age may rise again (s per s): far faster than clocks drift
     # apart. A step of either clock is forgotten faster still: the smallest age also rises toward

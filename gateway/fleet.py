@@ -100,11 +100,12 @@ class Fleet:
             await self._kv.start()
         for pool in self._registry.pools.values():
             pool.on_health = functools.partial(self._health_changed, pool)
-            interval_s = pool.config.dns.refresh_s if pool.config.dns is not None else 5.0
+            dns = pool.config.dns
             metrics = self._routing.metrics
             discovery = Discovery(
                 worker_source(pool.config),
-                interval_s=interval_s,
+                interval_s=dns.refresh_s if dns is not None else 5.0,
+                empty_after=dns.empty_after if dns is not None else 2,
                 on_error=functools.partial(_count_error, metrics.discovery_errors, pool.name),
                 on_resync=metrics.discovery_resyncs.labels(pool.name).inc,
                 name=pool.name,

@@ -59,3 +59,19 @@ async def test_a_dns_outage_keeps_the_workers(worker: Worker, monkeypatch: pytes
         await wait_until(lambda: dns.lookups >= seen + 5, what="five failed lookups")
         assert len(pool.workers) == 1
         assert (await chat(gw, "still"))[0] == 200 and worker.served == ["still"]
+
+
+async def test_empty_after_sets_how_many_answers_of_no_addresses_empty_the_pool(
+    worker: Worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dns = scripted_dns(monkeypatch, ["127.0.0.1"])
+    dns_config = {"name": SERVICE, "port": worker.port, "refresh_s": 0.05, "empty_after": 50}
+    config = gateway_config({"dns": dns_config})
+    async with gateway_in_process(config, make_policy("round_robin"), secret=SECRET) as gw:
+        pool = gw.state.registry.pools["p"]
+        dns.answer = socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        seen = dns.lookups
+        await wait_until(lambda: dns.lookups >= seen + 5, what="five answers of no addresses")
+        assert len(pool.workers) == 1  # 5 (or a few more) of the 50 in a row
+        await wait_until(lambda: not pool.workers, timeout_s=30, what="the pool is empty")
+        assert dns.lookups >= seen + 50

@@ -37,7 +37,7 @@ def _large(tag: str) -> list[dict[str, Any]]:
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone before the open, or between it and the read
         return False
     return state != "Z"
 

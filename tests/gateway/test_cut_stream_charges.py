@@ -22,8 +22,10 @@ from gateway.sse_named import MessagesRelay, ResponsesRelay
 from policies import make_policy
 from tests.gateway.access_lines import AccessLines, capture_access
 from tests.support.inprocess import InProcessGateway, gateway_in_process
+from tests.support.leaving_client import leaving_request
 from tests.support.loopback import serve_app
 from tests.support.metrics import metric_total
+from tests.support.wait import wait_until
 
 SECRET = b"cut"
 TOKENS = 30  # content events the worker streams before it holds back its usage
@@ -141,47 +143,24 @@ def _body(path: str) -> dict[str, Any]:
 async def _cut_stream(rig: Rig, path: str, request_id: str, content: bytes) -> list[bytes]:
     """Send a streamed request straight to the app, as a server would, and leave (a disconnect on
     `receive`) once `content` has arrived `TOKENS` times; the bytes the client got."""
-    got: list[bytes] = []
-    every_token = asyncio.Event()
-    body = orjson.dumps(_body(path))
-    asked = False
+    sent: list[MutableMapping[str, Any]] = []
+    headers = [
+        (b"host", b"gw"),
+        (b"authorization", b"Bearer sk-t"),
+        (b"x-api-key", b"sk-t"),
+        (b"content-type", b"application/json"),
+        (b"x-request-id", request_id.encode()),
+    ]
+    task, leave = leaving_request(rig.gw.app, "POST", path, headers, orjson.dumps(_body(path)), sent)
 
-    async def receive() -> dict[str, Any]:
-        nonlocal asked
-        if not asked:
-            asked = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await every_token.wait()
-        return {"type": "http.disconnect"}
+    def got() -> list[bytes]:
+        return [m.get("body", b"") for m in sent if m["type"] == "http.response.body"]
 
-    async def send(message: MutableMapping[str, Any]) -> None:
-        if message["type"] == "http.response.body":
-            got.append(message.get("body", b""))
-            if b"".join(got).count(content) >= TOKENS:
-                every_token.set()
-
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "headers": [
-            (b"host", b"gw"),
-            (b"authorization", b"Bearer sk-t"),
-            (b"x-api-key", b"sk-t"),
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-            (b"x-request-id", request_id.encode()),
-        ],
-        "client": ("127.0.0.1", 1234),
-        "server": ("gw", 80),
-    }
-    await asyncio.wait_for(rig.gw.app(scope, receive, send), 10)
-    return got
+    # A refused request (429) ends before any token: the client has nothing to leave.
+    await wait_until(lambda: task.done() or b"".join(got()).count(content) >= TOKENS, what="every token")
+    leave.set()
+    await asyncio.wait_for(task, 10)
+    return got()
 
 
 CASES = [

@@ -220,6 +220,19 @@ def demo_policy() -> LoadedPolicy:
     return LoadedPolicy(build_policy(config), config, "")
 
 
+def worker_ports(count: int, taken: set[int]) -> list[int]:
+    """`count` distinct free ports, none of them in `taken`: the prefill workers' bootstrap ports
+    and the gateway's own ports, which nothing listens on until the workers are up (a worker on the
+    gateway's port would leave the gateway unable to bind it)."""
+    ports: list[int] = []
+    taken = set(taken)
+    while len(ports) < count:
+        if (port := free_port()) not in taken:
+            ports.append(port)
+            taken.add(port)
+    return ports
+
+
 def run_demo(args: argparse.Namespace, serve: Callable[[GatewayConfig, bytes, LoadedPolicy], int]) -> int:
     if importlib.util.find_spec(EMULATOR_MODULE) is None:
         raise ConfigError(f"the demo needs the emulated worker ({EMULATOR_MODULE}), which is not installed")
@@ -228,14 +241,11 @@ def run_demo(args: argparse.Namespace, serve: Callable[[GatewayConfig, bytes, Lo
     port = args.port if args.port is not None else 8080
     # A fresh secret per run: the demo key's hash is computed here, never stored.
     secret = secrets.token_bytes(32)
-    # The workers' ports are chosen first so that the whole config is checked before any starts
-    # (distinct from each other and from the prefill workers' bootstrap ports).
-    ports: list[int] = []
-    taken = {w.bootstrap_port for w in workers}
-    while len(ports) < len(workers):
-        if (wport := free_port()) not in taken:
-            ports.append(wport)
-            taken.add(wport)
+    # The workers' ports are chosen first so that the whole config is checked before any starts.
+    first = args.metrics_port or 0  # with --processes N, N metrics ports from this one
+    metrics = [first + i for i in range(getattr(args, "processes", 1))] if first else []
+    boots = {w.bootstrap_port for w in workers if w.bootstrap_port is not None}
+    ports = worker_ports(len(workers), boots | {port, *metrics})
     urls = [f"http://127.0.0.1:{wport}" for wport in ports]
     key_hash = hash_api_key(secret, args.demo_key)
     holder = args.pd == HOLDER_PREFILL

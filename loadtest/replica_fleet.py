@@ -121,11 +121,13 @@ def wait_for_peers(metrics_urls: Sequence[str], peers: int, timeout_s: float = 3
     raise TimeoutError(f"gateways did not all see {peers} peer(s) within {timeout_s:.0f}s: {seen}")
 
 
-def _free_run(n: int) -> int:
-    """A port p with p .. p+n-1 free (for `--processes`' per-child metrics ports)."""
+def _free_run(n: int, avoid: int) -> int:
+    """A port p with p .. p+n-1 free and none of them `avoid` (for `--processes`' per-child
+    metrics ports, which must miss the client port: nothing listens on it yet)."""
     for _ in range(50):
         base = free_port()
-        if base + n < 65536 and all(_is_free(base + i) for i in range(1, n)):
+        run = range(base, base + n)
+        if base + n < 65536 and avoid not in run and all(_is_free(p) for p in run[1:]):
             return base
     raise RuntimeError(f"no run of {n} free ports")
 
@@ -173,9 +175,10 @@ def start_fleet(spec: FleetSpec, worker_urls: Sequence[str], tenants: Sequence[s
         for i in range(n_servers):
             sub = workdir / f"gateway{i}"
             sub.mkdir(parents=True, exist_ok=True)
+            port = free_port()
             cmd = build_kvgate_command(
                 policy=spec.policy,
-                port=free_port(),
+                port=port,
                 worker_urls=worker_urls,
                 model=spec.model,
                 tenants=tenants,
@@ -185,11 +188,12 @@ def start_fleet(spec: FleetSpec, worker_urls: Sequence[str], tenants: Sequence[s
             )
             extra: list[str] = []
             if spec.layout == "reuseport":
-                metrics = _free_run(spec.processes)
+                metrics = _free_run(spec.processes, avoid=port)
                 extra = ["--processes", str(spec.processes), "--metrics-port", str(metrics)]
                 fleet.metrics_urls += [f"http://127.0.0.1:{metrics + k}" for k in range(spec.processes)]
             else:
-                metrics = free_port()
+                while (metrics := free_port()) == port:
+                    pass
                 extra = ["--metrics-port", str(metrics)]
                 if spec.broker_url is not None:
                     extra += ["--sync-url", spec.broker_url]
@@ -207,7 +211,11 @@ def start_fleet(spec: FleetSpec, worker_urls: Sequence[str], tenants: Sequence[s
             urls.append(f"http://127.0.0.1:{cmd.port}")
         fleet.urls = tuple(urls)
         if spec.shares and spec.processes > 1:
-            wait_for_peers(fleet.metrics_urls, spec.processes - 1)
+            try:
+                wait_for_peers(fleet.metrics_urls, spec.processes - 1)
+            except TimeoutError as exc:
+                tails = "\n".join(f"--- {p.log_path.name}:\n{p.log_tail()}" for p in fleet.procs)
+                raise TimeoutError(f"{exc}\n{tails}") from None
     except BaseException:
         fleet.stop()
         raise

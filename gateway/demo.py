@@ -83,10 +83,8 @@ def demo_workers(args: argparse.Namespace) -> list[DemoWorker]:
         ) from None
     if n_prefill < 1 or n_decode < 1:
         raise ConfigError("--pd needs at least one prefill and one decode worker")
-    sglang = args.pd_protocol == "sglang"
-    prefill = [
-        DemoWorker(f"prefill{i}", "prefill", free_port() if sglang else None) for i in range(n_prefill)
-    ]
+    boots = worker_ports(n_prefill, _gateway_ports(args)) if args.pd_protocol == "sglang" else []
+    prefill = [DemoWorker(f"prefill{i}", "prefill", boots[i] if boots else None) for i in range(n_prefill)]
     return [*prefill, *(DemoWorker(f"decode{i}", "decode") for i in range(n_decode))]
 
 
@@ -220,6 +218,14 @@ def demo_policy() -> LoadedPolicy:
     return LoadedPolicy(build_policy(config), config, "")
 
 
+def _gateway_ports(args: argparse.Namespace) -> set[int]:
+    """The ports the gateway will listen on: the client port and the metrics ports (with
+    `--processes N`, N of them from `--metrics-port`)."""
+    first = args.metrics_port or 0
+    metrics = range(first, first + getattr(args, "processes", 1)) if first else range(0)
+    return {args.port or 8080, *metrics}
+
+
 def worker_ports(count: int, taken: set[int]) -> list[int]:
     """`count` distinct free ports, none of them in `taken`: the prefill workers' bootstrap ports
     and the gateway's own ports, which nothing listens on until the workers are up (a worker on the
@@ -242,10 +248,8 @@ def run_demo(args: argparse.Namespace, serve: Callable[[GatewayConfig, bytes, Lo
     # A fresh secret per run: the demo key's hash is computed here, never stored.
     secret = secrets.token_bytes(32)
     # The workers' ports are chosen first so that the whole config is checked before any starts.
-    first = args.metrics_port or 0  # with --processes N, N metrics ports from this one
-    metrics = [first + i for i in range(getattr(args, "processes", 1))] if first else []
     boots = {w.bootstrap_port for w in workers if w.bootstrap_port is not None}
-    ports = worker_ports(len(workers), boots | {port, *metrics})
+    ports = worker_ports(len(workers), boots | _gateway_ports(args))
     urls = [f"http://127.0.0.1:{wport}" for wport in ports]
     key_hash = hash_api_key(secret, args.demo_key)
     holder = args.pd == HOLDER_PREFILL

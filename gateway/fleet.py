@@ -162,13 +162,17 @@ class Fleet:
     def _health_changed(self, pool: Pool, worker: WorkerId, change: HealthChange) -> None:
         """A worker that went down, or came back after being down, may be a new process: the
         policy clears what it holds (module docstring). Its first verdict up changes nothing."""
+        if change is not HealthChange.UP:
+            self._reset(pool.name, worker)
+
+    def _reset(self, pool: str, worker: WorkerId) -> None:
         follows = self._follower()
-        if change is HealthChange.UP or follows is None:
+        if follows is None:
             return
         try:
-            follows.worker_reset(pool.name, worker)
-        except Exception:  # a policy's bug must not end the health round that reported it
-            log.exception("policy failed to reset a worker", extra={"pool": pool.name, "worker": worker})
+            follows.worker_reset(pool, worker)
+        except Exception:  # a policy's bug must not end the round that reported it
+            log.exception("policy failed to reset a worker", extra={"pool": pool, "worker": worker})
 
     def _subscribe(self, pool: Pool, change: WorkerSetChange, url: str) -> None:
         """Follow the worker's KV events: at the endpoint discovery found for it, else the pool's."""
@@ -206,8 +210,17 @@ class Fleet:
         return self._kv
 
     def _on_scrape(self, worker: WorkerId, result: ScrapeResult) -> None:
-        for entry in self._registry.workers_at(worker):
+        for pool in self._registry.pools.values():
+            entry = pool.workers.get(worker)
+            if entry is None:
+                continue
             entry.note_metrics(result.metrics, result.scraped_at_s)
+            if result.restarted:
+                # A new process at the URL, quicker than health checks could see it down: what
+                # the policy holds of the old one went with its KV cache.
+                log.info("worker restarted in place", extra={"pool": pool.name, "worker": worker})
+                self._routing.metrics.worker_restarts.labels(pool.name).inc()
+                self._reset(pool.name, worker)
 
     def _on_kv_event(self, worker: WorkerId, event: KvEvent) -> None:
         self._routing.policy.on_kv_event(worker, event, time.monotonic())

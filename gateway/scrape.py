@@ -10,6 +10,12 @@ SGLang: `sglang:num_queue_reqs`, `sglang:num_running_reqs`, `sglang:token_usage`
 A worker behind data parallelism reports one series per engine (label `engine`): counts and
 capacities are summed, usage is the maximum (the fullest engine is the one that will preempt).
 The parser reads only the families it knows and ignores every other line, valid or not.
+
+A worker restarted in place (same URL, a new process) starts with an empty KV cache. Health checks
+see it only if it stays down for `failures_to_down` checks; a scrape sees it at once: its
+`process_start_time_seconds` (prometheus_client's process collector) changed, or one of the
+counters above went down (Prometheus reads a counter that decreases as a reset the same way).
+`worker_restarted` is that test; the scraper flags such a result (`ScrapeResult.restarted`).
 """
 
 from __future__ import annotations
@@ -43,6 +49,23 @@ class WorkerMetrics:
     kv_capacity_tokens: int | None = None
     prefix_cache_queries_tokens: float | None = None
     prefix_cache_hits_tokens: float | None = None
+    process_start_s: float | None = None  # `process_start_time_seconds`, Unix seconds
+
+
+_COUNTERS = ("prefix_cache_queries_tokens", "prefix_cache_hits_tokens")
+
+
+def worker_restarted(before: WorkerMetrics, after: WorkerMetrics) -> bool:
+    """Whether `after` comes from another process than `before`: a new process start time, or a
+    counter lower than it was."""
+    started, now = before.process_start_s, after.process_start_s
+    if started is not None and now is not None and started != now:
+        return True
+    for name in _COUNTERS:
+        old, new = getattr(before, name), getattr(after, name)
+        if old is not None and new is not None and new < old:
+            return True
+    return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,11 +93,12 @@ _SGLANG_FIELDS: dict[str, tuple[str, ...]] = {
     "prefix_cache_queries_tokens": ("sglang:prompt_tokens_total",),
     "prefix_cache_hits_tokens": ("sglang:cached_tokens_total",),
 }
+_START = "process_start_time_seconds"
 _MAX_FIELDS = frozenset({"kv_cache_usage"})
 _INT_FIELDS = frozenset({"num_requests_waiting", "num_requests_running", "kv_capacity_tokens"})
 _WANTED = frozenset(
     {n for names in (*_VLLM_FIELDS.values(), *_SGLANG_FIELDS.values()) for n in names}
-    | {"vllm:cache_config_info"}
+    | {"vllm:cache_config_info", _START}
 )
 
 
@@ -176,6 +200,8 @@ def parse_metrics(text: str) -> WorkerMetrics:
     sizes = {bs for _, bs in per_engine if bs is not None}
     if len(sizes) == 1:
         block_size = sizes.pop()
+    starts = by_name.get(_START, [])
+    start = starts[0].value if len(starts) == 1 and math.isfinite(starts[0].value) else None
     capacity = values.get("kv_capacity_tokens")
     if capacity is None and blocks is not None and block_size is not None:
         capacity = blocks * block_size
@@ -189,6 +215,7 @@ def parse_metrics(text: str) -> WorkerMetrics:
         kv_capacity_tokens=_opt_int(capacity),
         prefix_cache_queries_tokens=_opt_float(values.get("prefix_cache_queries_tokens")),
         prefix_cache_hits_tokens=_opt_float(values.get("prefix_cache_hits_tokens")),
+        process_start_s=start,
     )
 
 
@@ -220,6 +247,7 @@ class ScrapeResult:
 
     metrics: WorkerMetrics
     scraped_at_s: float
+    restarted: bool = False  # the worker is another process than at its previous good scrape
 
     def age_s(self, now_s: float) -> float:
         return now_s - self.scraped_at_s
@@ -338,7 +366,9 @@ class MetricsScraper:
                 # A parser bug or an unexpected page must not end this worker's scraping for good.
                 self._failed(worker, state, f"unexpected {type(exc).__name__}: {exc}")
             else:
-                state.last = ScrapeResult(metrics, self._clock())
+                before = state.last
+                restarted = before is not None and worker_restarted(before.metrics, metrics)
+                state.last = ScrapeResult(metrics, self._clock(), restarted)
                 state.consecutive_failures = 0
                 state.last_error = None
                 if self._on_update is not None:

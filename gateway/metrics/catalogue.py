@@ -99,6 +99,12 @@ class MetricCatalogue:
             "Full re-lists of a pool's workers after a watch ended in error",
             ("pool",),
         )
+        self.worker_restarts = hot.counter(
+            "kvgate_worker_restarts",
+            "Workers seen restarted in place by their metrics (a new process start time, or a"
+            " counter gone down): the policy forgets what they held",
+            ("pool",),
+        )
         # Prefill/decode pools.
         self.pd_requests = hot.counter(
             "kvgate_pd_requests",

@@ -17,6 +17,7 @@ from gateway.scrape import (
     WorkerMetrics,
     parse_metrics,
     parse_samples,
+    worker_restarted,
 )
 from policies.base import WorkerId
 from tests.support.loopback import serve_app
@@ -125,6 +126,24 @@ def test_non_finite_and_negative_values_are_ignored() -> None:
     # Two finite samples whose sum overflows to infinity.
     huge = 'sglang:max_total_num_tokens{engine="0"} 1e308\nsglang:max_total_num_tokens{engine="1"} 1e308\n'
     assert parse_metrics(huge).kv_capacity_tokens is None
+
+
+def test_a_new_process_is_told_by_its_start_time_or_a_counter_gone_down() -> None:
+    def page(queries: float, hits: float, start: str = "") -> WorkerMetrics:
+        text = f"vllm:prefix_cache_queries_total {queries}\nvllm:prefix_cache_hits_total {hits}\n"
+        return parse_metrics(text + start)
+
+    one = page(100, 40, "process_start_time_seconds 1.7e9\n")
+    assert one.process_start_s == 1.7e9
+    assert not worker_restarted(one, page(150, 40, "process_start_time_seconds 1.7e9\n"))
+    assert worker_restarted(one, page(150, 40, "process_start_time_seconds 1.7e9\n".replace("9", "8", 1)))
+    assert worker_restarted(one, page(10, 40))  # no start time now: the counters tell
+    assert worker_restarted(page(100, 40), page(100, 39))
+    assert not worker_restarted(page(100, 40), parse_metrics("vllm:num_requests_running 1\n"))  # not shown
+    # Several start times (one per process behind a shared page) say nothing.
+    starts = 'process_start_time_seconds{pid="1"} 5\nprocess_start_time_seconds{pid="2"} 6\n'
+    two = parse_metrics(starts + "vllm:num_requests_running 1\n")
+    assert two.process_start_s is None
 
 
 def test_unknown_page_gives_an_empty_record() -> None:

@@ -1,7 +1,8 @@
 """What the policy keeps of a worker ends with the process at its URL, through a running gateway:
 a worker that discovery removes is forgotten (and a request it finishes afterwards teaches nothing),
-one that comes back starts empty, and a static worker that health checks take down and see back
-(a restart in place) loses its holdings both times."""
+one that comes back starts empty, a static worker that health checks take down and see back
+(a restart in place) loses its holdings both times, and so does one whose metrics show a new
+process before any health check failed."""
 
 from __future__ import annotations
 
@@ -97,3 +98,43 @@ async def test_a_static_worker_restarted_in_place_loses_its_holdings(worker: Wor
         await wait_until(lambda: entry.healthy, what="the worker is back")
         assert index_of(policy).entries == 0  # ...and forgotten when it is back: a new process
         assert index_of(policy).workers == 1  # still a member, its capacity kept
+
+
+def vllm_page(queries: int, started_s: float | None = None) -> str:
+    page = f"vllm:num_requests_running 0.0\nvllm:prefix_cache_queries_total {queries}.0\n"
+    return page + (f"process_start_time_seconds {started_s}\n" if started_s is not None else "")
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        (vllm_page(5000), vllm_page(0)),  # its counters start again from 0
+        (vllm_page(5000, 1.7e9), vllm_page(9000, 1.7e9 + 60)),  # a new process start time
+    ],
+    ids=["counter_went_down", "new_start_time"],
+)
+async def test_a_worker_whose_metrics_show_a_new_process_loses_its_holdings(
+    worker: Worker, before: str, after: str
+) -> None:
+    policy = make_policy("cost")
+    config = {
+        **gateway_config({"workers": [worker.url], "health": {"interval_s": 30.0}}),
+        "scrape": {"interval_s": 0.05},
+    }
+    worker.metrics = before
+    async with gateway_in_process(config, policy, secret=SECRET) as gw, released(worker):
+        entry = next(iter(gw.state.registry.pools["p"].workers.values()))
+        await wait_until(lambda: entry.healthy, what="the worker is up")
+        restarts = gw.state.routing.metrics.worker_restarts.labels("p")
+        await wait_until(lambda: worker.scrapes > 0, what="a first scrape")
+        assert (await chat(gw, PROMPT))[0] == 200
+        assert index_of(policy).entries > 0
+        worker.metrics = before.replace("5000", "6000")  # the same process, counting on
+        seen = worker.scrapes
+        await wait_until(lambda: worker.scrapes > seen + 1, what="a scrape of the new page")
+        assert index_of(policy).entries > 0
+        worker.metrics = after
+        await wait_until(lambda: index_of(policy).entries == 0, what="the holdings are cleared")
+        assert index_of(policy).workers == 1  # still a member, its capacity kept
+        assert entry.healthy  # no health check failed
+        assert restarts.value == 1

@@ -63,6 +63,8 @@ class Worker:
     arrived: list[str] = field(default_factory=list)
     healthy: asyncio.Event = field(default_factory=asyncio.Event)
     hold: asyncio.Event = field(default_factory=asyncio.Event)
+    metrics: str = ""  # the /metrics page (none: 404)
+    scrapes: int = 0  # GET /metrics answered
 
     @property
     def url(self) -> str:
@@ -94,8 +96,13 @@ async def start_worker() -> Worker:
             }
         )
 
+    async def metrics(request: web.Request) -> web.Response:
+        worker.scrapes += 1
+        return web.Response(text=worker.metrics) if worker.metrics else web.Response(status=404)
+
     app = web.Application()
     app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
     app.router.add_post("/v1/chat/completions", chat)
     runner, port = await serve_app(app)
     worker = Worker(runner, port)

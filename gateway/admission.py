@@ -92,17 +92,26 @@ class Admitted:
 
     def attempt_started(self, own_body: bool) -> None:
         """An attempt at this request starts (`outcome.Attempt`). Each attempt of a Responses
-        request but the first sends a new `request_id` (in `forward` and `encoded` from now on,
-        so `body_for` and `learn_response` use it): a worker that failed may have stored the
-        response it was asked for all the same, and one id must never be held by two workers
-        (`responses_ids`). An attempt with a body of its own (a P/D leg, built from `forward`)
-        keeps the id that body names."""
-        if self.responses is not None and self.dispatched and not own_body:
+        request but the first sends a new `request_id` (`renew_response_id`). An attempt with a
+        body of its own (a P/D leg, built from `forward`) keeps the id that body names: its round
+        renewed the id before building its legs."""
+        if not own_body:
+            self.renew_response_id()
+        self.dispatched = True
+
+    def renew_response_id(self) -> None:
+        """Before a dispatch whose body is built from `forward`: a Responses request already sent
+        to a worker gets a new `request_id` (in `forward` and `encoded` from now on, so `body_for`
+        and `learn_response` use it): a worker that failed may have stored the response it was
+        asked for all the same, and one id must never be held by two workers (`responses_ids`).
+        A P/D round calls it once, before it builds its legs' bodies (`pd_pairs`): both legs of a
+        round name one id (SGLang's two legs are one request to its engine) and each round a new
+        one."""
+        if self.responses is not None and self.dispatched:
             self.forward, self.encoded = with_new_response_id(
                 self.responses, self.forward, self.encoded, self.tenant.name, self.response_stem
             )
             self._encoded.clear()
-        self.dispatched = True
 
     def learn_response(self, worker: WorkerId, answer_id: Any) -> None:
         """A Responses answer came from `worker`: follow-ups naming its id will go there."""

@@ -21,7 +21,8 @@ Once the decode answer's first event has reached the client, a failure is the us
 error event (`streaming.ProxyStream`). A leg refused with a 4xx is the request's fault and is
 answered as it is. As in a pool without roles, a leg's 5xx or read timeout counts against its
 worker only once another worker serves the request (`outcome.HeldVerdicts`), and a request's
-second read timeout ends its rounds (`failure.ReadTimeouts`).
+second read timeout ends its rounds (`failure.ReadTimeouts`). A Responses request names a new
+response in each round, the same on both legs (`Admitted.renew_response_id`).
 """
 
 from __future__ import annotations
@@ -205,6 +206,7 @@ class PdRun:
         if workers is None:
             return None
         a, routing = self.a, self.routing
+        a.renew_response_id()  # a new round: its legs name a new id, the same one
         slot = self.reserved = Reservation(workers[1], a.max_output_tokens, time.monotonic())
         p = self._start(workers[0], prefill, vllm_prefill_body(a, prefill), "prefill")
         prefilled = await prefill_leg(routing, self.transport, a, p)
@@ -242,6 +244,7 @@ class PdRun:
             "bootstrap_port": self.pd.bootstrap_port_of(workers[0].url),
             "bootstrap_room": random.getrandbits(63),
         }
+        a.renew_response_id()  # a new round: its legs name a new id, the same one
         p_body, d_body = sglang_bodies(a, prefill, bootstrap)
         p = self._start(workers[0], prefill, p_body, "prefill")
         d = self._start(workers[1], decode, d_body, "decode")

@@ -8,7 +8,8 @@ the worker that answered the original request. The gateway learns that worker fr
 Rules, all checked here:
 - Every `POST /v1/responses` carries a `request_id` the gateway mints (`responses_ids`: vLLM makes
   it the new response's id), tagged with its tenant and new for every request and for every
-  attempt of one (a worker that failed may have stored its response all the same): the client's
+  attempt of one (a worker that failed may have stored its response all the same; both legs of a
+  prefill/decode split are one attempt, whose id each new round renews): the client's
   own `request_id`, when it sent one, starts the id, and a client that sends one again gets
   another id, so one id is never stored on two workers. A client's `request_id` that is not at most
   `MAX_REQUEST_ID_CHARS` characters from `[A-Za-z0-9_.:-]` is refused with 400. Only an answer

@@ -18,15 +18,18 @@ from policies.base import WorkerId
 
 
 class InflightLedger:
-    """Dispatched, unfinished requests: request id → (worker, prompt tokens, predicted uncached
+    """Dispatched, unfinished requests: (request id, worker) → (prompt tokens, predicted uncached
     tokens), and per worker their sums and the uncached share (`shares`, absent: none in flight).
 
-    Every entry's prompt is > 0, so each has its worker's sums to be taken from."""
+    An entry is one request's on one worker: the two legs of an SGLang prefill/decode pair are in
+    flight at once under the request's one id, each on its own worker, and each leaves when its
+    own outcome comes. Every entry's prompt is > 0, so each has its worker's sums to be taken
+    from."""
 
     MAX_INFLIGHT = 65_536
 
     def __init__(self) -> None:
-        self._inflight: OrderedDict[str, tuple[WorkerId, int, int]] = OrderedDict()
+        self._inflight: OrderedDict[tuple[str, WorkerId], tuple[int, int]] = OrderedDict()
         self._sums: dict[WorkerId, tuple[int, int]] = {}
         self.shares: dict[WorkerId, float] = {}
 
@@ -36,13 +39,14 @@ class InflightLedger:
 
     def add(self, request_id: str, worker: WorkerId, prompt: int, uncached: int) -> None:
         inflight = self._inflight
-        if request_id in inflight:
-            self.remove(request_id)
+        key = (request_id, worker)
+        if key in inflight:
+            self.remove(request_id, worker)
         if prompt <= 0:
             # Adds nothing to the sums (a prompt estimated at 0 tokens, e.g. "hi"); left out so
             # that every entry has its worker's sums to be taken from (`remove`).
             return
-        inflight[request_id] = (worker, prompt, uncached)
+        inflight[key] = (prompt, uncached)
         sums = self._sums.get(worker)
         if sums is None:
             total, new = prompt, uncached
@@ -52,15 +56,23 @@ class InflightLedger:
         self._sums[worker] = (total, new)
         self.shares[worker] = new / total
         if len(inflight) > self.MAX_INFLIGHT:
-            self.remove(next(iter(self._inflight)))
+            self.remove(*next(iter(self._inflight)))
 
-    def remove(self, request_id: str) -> None:
-        found = self._inflight.pop(request_id, None)
+    def remove(self, request_id: str, worker: WorkerId) -> None:
+        found = self._inflight.pop((request_id, worker), None)
         if found is None:
             return
-        worker, prompt, uncached = found
+        prompt, uncached = found
         total, new = self._sums[worker]
         self._set(worker, total - prompt, new - uncached)
+
+    def check_invariants(self) -> None:
+        sums: dict[WorkerId, tuple[int, int]] = {}
+        for (_, worker), (prompt, uncached) in self._inflight.items():
+            total, new = sums.get(worker, (0, 0))
+            sums[worker] = (total + prompt, new + uncached)
+        assert sums == self._sums
+        assert self.shares == {w: new / total for w, (total, new) in sums.items()}
 
     def _set(self, worker: WorkerId, total: int, new: int) -> None:
         if total <= 0:

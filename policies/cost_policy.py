@@ -146,7 +146,7 @@ class CostPolicy(HerdingPolicy):
 
     def on_complete(self, obs: Observation, now_s: float) -> None:
         super().on_complete(obs, now_s)
-        self._ledger.remove(obs.request.request_id)
+        self._ledger.remove(obs.request.request_id, obs.worker)
 
     def _forget_load(self, worker: WorkerId) -> None:
         # The in-flight ledger needs nothing: each of its requests leaves it when its outcome

@@ -83,7 +83,7 @@ def demo_workers(args: argparse.Namespace) -> list[DemoWorker]:
         ) from None
     if n_prefill < 1 or n_decode < 1:
         raise ConfigError("--pd needs at least one prefill and one decode worker")
-    boots = worker_ports(n_prefill, _gateway_ports(args)) if args.pd_protocol == "sglang" else []
+    boots = free_ports_except(n_prefill, _gateway_ports(args)) if args.pd_protocol == "sglang" else []
     prefill = [DemoWorker(f"prefill{i}", "prefill", boots[i] if boots else None) for i in range(n_prefill)]
     return [*prefill, *(DemoWorker(f"decode{i}", "decode") for i in range(n_decode))]
 
@@ -226,10 +226,10 @@ def _gateway_ports(args: argparse.Namespace) -> set[int]:
     return {args.port or 8080, *metrics}
 
 
-def worker_ports(count: int, taken: set[int]) -> list[int]:
-    """`count` distinct free ports, none of them in `taken`: the prefill workers' bootstrap ports
-    and the gateway's own ports, which nothing listens on until the workers are up (a worker on the
-    gateway's port would leave the gateway unable to bind it)."""
+def free_ports_except(count: int, taken: set[int]) -> list[int]:
+    """`count` distinct free ports, none of them in `taken`: ports already promised to a listener
+    that has not bound them yet (the gateway's own, while the demo's workers start before it; a
+    worker there would leave the gateway unable to bind it)."""
     ports: list[int] = []
     taken = set(taken)
     while len(ports) < count:
@@ -249,7 +249,7 @@ def run_demo(args: argparse.Namespace, serve: Callable[[GatewayConfig, bytes, Lo
     secret = secrets.token_bytes(32)
     # The workers' ports are chosen first so that the whole config is checked before any starts.
     boots = {w.bootstrap_port for w in workers if w.bootstrap_port is not None}
-    ports = worker_ports(len(workers), boots | _gateway_ports(args))
+    ports = free_ports_except(len(workers), boots | _gateway_ports(args))
     urls = [f"http://127.0.0.1:{wport}" for wport in ports]
     key_hash = hash_api_key(secret, args.demo_key)
     holder = args.pd == HOLDER_PREFILL

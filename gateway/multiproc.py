@@ -233,10 +233,13 @@ def _run(args: argparse.Namespace, source: tuple[Path, GatewayConfig, dict[str, 
     children: Children | None = None
     try:
         if url is None:
-            from gateway.demo import free_port
+            from gateway.demo import free_ports_except
 
+            # Not a port of the children's metrics listeners, which bind theirs after it.
+            metrics_ports = range(metrics_base, metrics_base + args.processes) if metrics_base else range(0)
+            broker_port = free_ports_except(1, set(metrics_ports))[0]
             # Loopback is reachable by every local user: the broker admits only this run's token.
-            broker = LocalBroker(free_port(), tmp, token=secrets.token_hex(32))
+            broker = LocalBroker(broker_port, tmp, token=secrets.token_hex(32))
             broker.start()
             url = broker.url
             extra_env = {**extra_env, _SYNC_TOKEN_ENV: broker.token or ""}

@@ -13,7 +13,11 @@ import orjson
 import pytest
 
 from gateway.keying import INLINE_PROMPT_BYTES
+from prompt_normalizer.chat_input import MAX_MEDIA_PARTS
+from prompt_normalizer.normalizer import Normalizer, NormalizerConfig
 from tests.gateway.request_rig import Rig, request_rig
+from tests.gateway.test_keying_process import inline, through_process
+from tests.prompt_normalizer.equivalence_corpus import SECRET
 
 HEADERS = {"authorization": "Bearer sk-strict"}
 
@@ -68,3 +72,17 @@ async def test_a_realistic_multimodal_request_is_served(rig: Rig) -> None:
     status, answer, _ = await _post(rig, turns)
     assert status == 200, answer
     assert len(rig.upstream.received) == 1
+
+
+@pytest.mark.parametrize("n_images", [MAX_MEDIA_PARTS, MAX_MEDIA_PARTS + 1])
+async def test_a_large_body_at_the_limit_keys_the_same_in_the_keying_process(n_images: int) -> None:
+    """The keying process applies the same limit, and keys a body within it as the loop would."""
+    body = {"model": "m", "messages": [{"role": "user", "content": _images(n_images, 200)}]}
+    raw = orjson.dumps(body)
+    assert len(raw) > INLINE_PROMPT_BYTES
+    config = NormalizerConfig()
+    path = "/v1/chat/completions"
+    expected = inline(raw, path, Normalizer(config, SECRET), 1, True)
+    got = await through_process(raw, path, Normalizer(config, SECRET), config, 1, True)
+    assert got == expected
+    assert ("prompt_error" in expected) == (n_images > MAX_MEDIA_PARTS)

@@ -168,8 +168,10 @@ def build_normalizers(
     return out
 
 
-# Bodies up to this size are read and canonicalized on the event loop in approximate mode (a few
-# milliseconds at most); larger ones in the keying process (`read_large_body`).
+# Bodies up to this size are read and canonicalized on the event loop in approximate mode (a
+# millisecond or less for a common request; up to a few tens of milliseconds for one made of
+# thousands of tiny messages, parts or tool calls: docs/reliability.md, "Many content parts");
+# larger ones in the keying process (`read_large_body`).
 INLINE_PROMPT_BYTES = 256 * 1024
 
 

@@ -23,16 +23,21 @@ def _message_text(msg: dict[str, Any]) -> str:
     content = msg.get("content")
     if len(msg) == 2 and isinstance(content, str):  # the common case: role and text only
         return f"<|{msg['role']}|>{content}<|end|>\n"
-    parts = [f"<|{msg['role']}|>"]
-    for name in sorted(k for k in msg if k not in ("role", "content")):
-        parts.append(f"<|{name}|>{orjson.dumps(msg[name], option=orjson.OPT_SORT_KEYS).decode()}")
+    head = f"<|{msg['role']}|>"
+    if len(msg) > (2 if "content" in msg else 1):  # fields besides role and content, sorted
+        head += "".join(
+            f"<|{name}|>{orjson.dumps(msg[name], option=orjson.OPT_SORT_KEYS).decode()}"
+            for name in sorted(k for k in msg if k != "role" and k != "content")
+        )
     if isinstance(content, str):
-        parts.append(content)
-    elif isinstance(content, list):
-        for part in content:
-            parts.append(part["text"] if part.get("type") == "text" else f"<|{part.get('type')}|>")
-    parts.append("<|end|>\n")
-    return "".join(parts)
+        return f"{head}{content}<|end|>\n"
+    if isinstance(content, list):
+        # One join of the parts (validated: each is an object with a string type).
+        text = "".join(
+            [part["text"] if part.get("type") == "text" else f"<|{part.get('type')}|>" for part in content]
+        )
+        return f"{head}{text}<|end|>\n"
+    return f"{head}<|end|>\n"
 
 
 def approx_chat(chat: CanonicalChat, chars_per_token: int) -> tuple[Hashed, Boundaries]:

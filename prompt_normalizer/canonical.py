@@ -23,7 +23,7 @@ from prompt_normalizer.chat_input import (
 )
 from prompt_normalizer.config import NormalizerConfig, VolatileRule
 from prompt_normalizer.errors import NormalizerError
-from prompt_normalizer.keys import keyed_digest
+from prompt_normalizer.keys import MEDIA_PERSON, keyed_digest, keyed_hasher
 from prompt_normalizer.switches import (
     Report,
     canonical_json_text,
@@ -57,7 +57,9 @@ class FieldItem:
 
 @dataclass(frozen=True, slots=True)
 class MediaItem:
-    """A multimodal part: its message and a keyed digest of its content (folded into the keys)."""
+    """The multimodal parts of one message: its index and the keyed digests of their contents,
+    16 bytes a part in the message's order, joined (folded into the keys of the block where the
+    message starts)."""
 
     message_index: int
     digest: bytes
@@ -152,15 +154,25 @@ def _n_immutable(messages: list[dict[str, Any]], rules: ChatRules) -> int:
 
 
 def _media(messages: list[dict[str, Any]], key: bytes) -> list[MediaItem]:
+    """One item a message with parts other than text. Each part's digest is `keyed_digest(key,
+    part, b"kvgate-media")`, taken from one keyed hasher copied per part (the key is absorbed
+    once, not once a part), and a message's digests are joined here, once: its parts all fold into
+    the same block."""
     items = []
+    hasher = keyed_hasher(key, MEDIA_PERSON)
+    sort_keys = orjson.OPT_SORT_KEYS
     for i, msg in enumerate(messages):
         content = msg.get("content")
-        if not isinstance(content, list):
+        if type(content) is not list:
             continue
+        digests = []
         for part in content:
             if part.get("type") != "text":
-                digest = keyed_digest(key, orjson.dumps(part, option=orjson.OPT_SORT_KEYS), b"kvgate-media")
-                items.append(MediaItem(i, digest))
+                h = hasher.copy()
+                h.update(orjson.dumps(part, option=sort_keys))
+                digests.append(h.digest())
+        if digests:
+            items.append(MediaItem(i, b"".join(digests)))
     return items
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import orjson
 
@@ -57,6 +57,15 @@ def _flat(messages: list[Any]) -> bool:
     return True
 
 
+# The most content parts other than text one request may carry, across all its messages: images,
+# audio, files and any other type. Each is keyed on its own (a keyed digest folded into the block
+# where its message starts), which makes such a part several times the work of a text part; a
+# 256 KiB body of 20,000 one-field parts held the event loop for about 0.1 s. OpenAI takes at
+# most 500 images a request (its "Images and vision" guide): four times that leaves every
+# realistic request alone (docs/reliability.md).
+MAX_MEDIA_PARTS = 2048
+
+
 def validate_messages(raw: Any, edits_flat_messages: bool, unicode_nfc: bool) -> Copied:
     """Checks `messages` and gives what canonicalization works on: a private copy, or (when
     nothing will edit them: see `_flat`) a new list of the caller's own flat messages."""
@@ -73,53 +82,74 @@ def validate_messages(raw: Any, edits_flat_messages: bool, unicode_nfc: bool) ->
         return Copied(list(raw), len(data), ascii_only, False)
     copied = Copied(orjson.loads(data), len(data), ascii_only)
     messages: list[dict[str, Any]] = copied.value
+    media = 0  # content parts other than text (`MAX_MEDIA_PARTS`)
+    # Exact type checks: the copy is what `orjson.loads` built, so no value is of a subclass.
     for i, msg in enumerate(messages):
         # Paths are formatted only on the error paths: this loop runs for every request.
-        if not isinstance(msg, dict):
+        if type(msg) is not dict:
             raise NormalizerError("each message must be an object", param=f"messages[{i}]")
         role = msg.get("role")
-        if not isinstance(role, str) or not role:
+        if type(role) is not str or not role:
             raise NormalizerError("message 'role' must be a non-empty string", param=f"messages[{i}].role")
         if role == "tool":
             copied.structured = True
         if "tool_calls" in msg:
-            _validate_tool_calls(msg, f"messages[{i}]")
+            _validate_tool_calls(msg, i)
             copied.structured = True
         content = msg.get("content")
-        if content is None or isinstance(content, str):
+        if content is None or type(content) is str:
             continue
-        where = f"messages[{i}]"
-        if not isinstance(content, list):
-            raise NormalizerError("content must be a string or an array of parts", param=f"{where}.content")
+        if type(content) is not list:
+            raise NormalizerError(
+                "content must be a string or an array of parts", param=f"messages[{i}].content"
+            )
         copied.has_parts = True
-        for j, part in enumerate(content):
-            ptype = part.get("type") if isinstance(part, dict) else None
-            if not isinstance(ptype, str):
-                raise NormalizerError("each content part needs a 'type'", param=f"{where}.content[{j}]")
-            if ptype == "text" and not isinstance(part.get("text"), str):
-                raise NormalizerError("text part needs a string 'text'", param=f"{where}.content[{j}].text")
+        for part in content:
+            ptype = part.get("type") if type(part) is dict else None
+            if ptype == "text":
+                if type(part.get("text")) is not str:
+                    _bad_part(content, i, part, "text part needs a string 'text'", ".text")
+            elif type(ptype) is str:
+                media += 1
+            else:
+                _bad_part(content, i, part, "each content part needs a 'type'", "")
+    if media > MAX_MEDIA_PARTS:
+        raise NormalizerError(
+            f"the request has {media} content parts that are not text (images, audio, files, ...): "
+            f"this gateway takes at most {MAX_MEDIA_PARTS} a request",
+            param="messages",
+            code="array_above_max_length",
+        )
     return copied
 
 
-def _validate_tool_calls(msg: dict[str, Any], where: str) -> None:
+def _bad_part(content: list[Any], i: int, part: Any, message: str, suffix: str) -> NoReturn:
+    """Raise `message` for `part` of message `i` (its path found only now, on the error path)."""
+    j = next(j for j, p in enumerate(content) if p is part)
+    raise NormalizerError(message, param=f"messages[{i}].content[{j}]{suffix}")
+
+
+def _validate_tool_calls(msg: dict[str, Any], i: int) -> None:
+    """The tool calls of message `i` (paths are formatted only on the error paths)."""
     calls = msg.get("tool_calls")
     if calls is None:
         return
-    if not isinstance(calls, list):
-        raise NormalizerError("'tool_calls' must be an array of tool calls", param=f"{where}.tool_calls")
+    if type(calls) is not list:
+        raise NormalizerError(
+            "'tool_calls' must be an array of tool calls", param=f"messages[{i}].tool_calls"
+        )
     for j, call in enumerate(calls):
-        path = f"{where}.tool_calls[{j}]"
-        if not isinstance(call, dict):
-            raise NormalizerError("each tool call must be an object", param=path)
+        if type(call) is not dict:
+            raise NormalizerError("each tool call must be an object", param=f"messages[{i}].tool_calls[{j}]")
         fn = call.get("function")
         if call.get("type", "function") == "function" or fn is not None:
-            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                raise NormalizerError("function tool call needs 'function.name'", param=f"{path}.function")
+            if type(fn) is not dict or type(fn.get("name")) is not str:
+                path = f"messages[{i}].tool_calls[{j}].function"
+                raise NormalizerError("function tool call needs 'function.name'", param=path)
             args = fn.get("arguments")
-            if args is not None and not isinstance(args, (str, dict)):
-                raise NormalizerError(
-                    "'arguments' must be a JSON string or an object", param=f"{path}.function.arguments"
-                )
+            if args is not None and type(args) is not str and type(args) is not dict:
+                path = f"messages[{i}].tool_calls[{j}].function.arguments"
+                raise NormalizerError("'arguments' must be a JSON string or an object", param=path)
 
 
 def validate_template_fields(body: Mapping[str, Any]) -> None:

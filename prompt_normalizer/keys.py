@@ -71,9 +71,19 @@ def root_key(key: bytes, identity: KeyIdentity, unit: str = TOKEN_UNIT) -> int:
     return int.from_bytes(digest, "little")
 
 
+# The personalization of a multimodal part's digest (`canonical._media`).
+MEDIA_PERSON = b"kvgate-media"
+
+
 def keyed_digest(key: bytes, data: bytes, person: bytes = b"kvgate-field") -> bytes:
     """A 16-byte keyed digest of content, safe to keep in memory or print (no unkeyed hashes)."""
     return hashlib.blake2b(data, key=key, digest_size=16, person=person).digest()
+
+
+def keyed_hasher(key: bytes, person: bytes) -> hashlib.blake2b:
+    """A hasher holding `key` alone: a `copy()` of it updated with `data` digests to exactly
+    `keyed_digest(key, data, person)`, without absorbing the key again (for many digests)."""
+    return hashlib.blake2b(key=key, digest_size=16, person=person)
 
 
 def as_tokens(ids: Sequence[int] | npt.NDArray[np.integer], *, param: str = "prompt") -> TokenArray:

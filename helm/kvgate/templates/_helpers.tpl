@@ -168,7 +168,10 @@ value below preStop + deadline + 10 would let the kubelet kill a pod still drain
 {{- with $w.decodeUrls }}{{ $_ := set $pool "decode_workers" . }}{{ end }}
 {{- else if $w.dns }}
 {{- if not $w.dns.name }}{{ fail (printf "pools[%d] (%s): workers.dns.name is required" $i $p.name) }}{{ end }}
-{{- $_ := set $pool "dns" (dict "name" $w.dns.name "port" (int (default 8000 $w.dns.port)) "scheme" (default "http" $w.dns.scheme) "refresh_s" (default 5 $w.dns.refreshSeconds)) }}
+{{- $dns := dict "name" $w.dns.name "port" (int (default 8000 $w.dns.port)) "scheme" (default "http" $w.dns.scheme) "refresh_s" (default 5 $w.dns.refreshSeconds) }}
+{{- /* Unset: the gateway's own default (2 answers of no addresses in a row). */}}
+{{- with $w.dns.emptyAfter }}{{ $_ := set $dns "empty_after" (int .) }}{{ end }}
+{{- $_ := set $pool "dns" $dns }}
 {{- else }}
 {{- if not $.Values.kubernetesDiscovery.enabled }}
 {{- fail (printf "pools[%d] (%s): workers.kubernetes needs kubernetesDiscovery.enabled=true (service-account token and RBAC)" $i $p.name) }}

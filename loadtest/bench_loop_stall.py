@@ -45,9 +45,11 @@ PROBE_INTERVAL_S = 0.01
 
 
 def _images() -> dict[str, Any]:
+    # As many images as a request may carry (`MAX_MEDIA_PARTS`), each a data URL of 3.5 KB.
+    pixels = "A" * 3500
     parts = [
-        {"type": "image_url", "image_url": {"url": f"https://example.invalid/{i:08d}.png"}}
-        for i in range(93_000)
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{i:08d}{pixels}"}}
+        for i in range(2048)
     ]
     return {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": parts}]}
 

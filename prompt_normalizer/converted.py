@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from prompt_normalizer.canonical import CanonicalChat, ChatRules, canonicalize_chat
+from prompt_normalizer.errors import NormalizerError
 from prompt_normalizer.types import CanonicalPrompt
 
 
@@ -51,6 +52,22 @@ def relabel_drift(prompt: CanonicalPrompt, sources: tuple[str, ...]) -> Canonica
     return replace(prompt, drift=replace(drift, field=sources[int(match.group(1))] + match.group(2)))
 
 
+def relabel_error(exc: NormalizerError, sources: tuple[str, ...]) -> NormalizerError:
+    """`exc` naming the request's own field instead of the converted chat's (`messages[1].content`
+    → `input[0].content`; `messages` as a whole → the field the last message came from)."""
+    param = exc.param
+    if param is None or not sources:
+        return exc
+    match = _MESSAGE_PATH.fullmatch(param)
+    if match is not None and int(match.group(1)) < len(sources):
+        param = sources[int(match.group(1))] + match.group(2)
+    elif param == "messages":
+        param = sources[-1].split("[", 1)[0]
+    else:
+        return exc
+    return NormalizerError(exc.message, param=param, code=exc.code)
+
+
 def no_edit_rules(rules: ChatRules) -> ChatRules:
     """The pool's chat rules with every switch and volatile rule off: a converted request is
     forwarded as the client sent it, so nothing may change what its keys describe."""
@@ -68,7 +85,10 @@ def no_edit_rules(rules: ChatRules) -> ChatRules:
 def converted_canonical(converted: ConvertedChat, rules: ChatRules, key: bytes) -> CanonicalChat:
     """The canonical chat of a converted request (`rules` from `no_edit_rules`), with the
     request's explicit zone boundary, if it carries one."""
-    chat = canonicalize_chat(converted.body, rules, key)
+    try:
+        chat = canonicalize_chat(converted.body, rules, key)
+    except NormalizerError as exc:
+        raise relabel_error(exc, converted.sources) from None
     changes: dict[str, Any] = {}
     if converted.n_immutable is not None:
         changes["n_immutable"] = min(converted.n_immutable, len(chat.messages))

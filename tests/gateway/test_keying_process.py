@@ -137,8 +137,9 @@ async def test_a_converted_sessions_drift_is_named_by_its_own_field(tiny_pieces:
 
 
 def _large_bodies() -> dict[str, bytes]:
+    pixels = "A" * 1000  # as many images as a request may carry, each a data URL of 1 KB
     parts = [
-        {"type": "image_url", "image_url": {"url": f"https://example.invalid/{i}.png"}} for i in range(9000)
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{i}{pixels}"}} for i in range(2048)
     ]
     turns = [{"role": "user" if i % 2 else "assistant", "content": f"q{i} x"} for i in range(20_000)]
     call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"b": 1, "a": [1, 2]}'}}

@@ -54,6 +54,12 @@ def test_a_responses_request_is_counted_as_the_chat_it_becomes() -> None:
     with pytest.raises(NormalizerError) as caught:
         _normalizer().canonicalize("responses", body, IDENTITY)
     assert caught.value.code == "array_above_max_length"
+    assert caught.value.param == "input"  # the client's field, not the chat it becomes
+    # A bad part is named by its path in the client's own body too.
+    body = {"model": "m", "instructions": "be brief", "input": [{"role": "user", "content": [{"text": "x"}]}]}
+    with pytest.raises(NormalizerError) as caught:
+        _normalizer().canonicalize("responses", body, IDENTITY)
+    assert caught.value.param == "input[0].content[0]"
 
 
 def test_requests_within_the_limit_are_keyed() -> None:

@@ -21,7 +21,7 @@ from gateway.bodies import (
     encode_body,
     engine_priority,
     form_head,
-    max_output_tokens,
+    output_budget,
     parse_body,
     parse_form,
     with_priority,
@@ -61,8 +61,9 @@ class Admitted:
     `cache_salt`; a multipart body as the client sent it), reused when nothing else needs
     changing. Neither holds the client's `priority`: the routes that generate carry their
     tenant's engine priority instead when the pool's engines schedule by one
-    (`bodies.engine_priority`). `head` starts the headers sent to the worker (its request id
-    follows). `pinned` is the worker a Responses follow-up must reach (the one holding
+    (`bodies.engine_priority`). `max_output_tokens` is the output budget as it counts in the
+    worker's load (`bodies.output_budget`). `head` starts the headers sent to the worker (its
+    request id follows). `pinned` is the worker a Responses follow-up must reach (the one holding
     `previous_response_id`);
     `find_previous` is that id when it is the tenant's own but this process does not know its
     holder (another process or replica routed it, or this one restarted): the holder is looked
@@ -293,6 +294,10 @@ async def admit(
             404, f"The model '{named}' does not exist", "invalid_request_error", "model_not_found", "model"
         )
         raise Refused(unknown, api.endpoint, body.get("stream") is True)
+    try:
+        max_out = output_budget(body, pool.config.max_model_len)
+    except ApiError as err:
+        raise _refused(err, api, body, model) from None
     keying = gate.keying
     identity, public = keying.identities(pool, model, tenant)
     normalizer = keying.normalizers[pool.name]
@@ -361,7 +366,6 @@ async def admit(
         else None
     )
     forward, encoded = _with_engine_priority(forward, encoded, changed, body, sent)
-    max_out = max_output_tokens(body)
     route = RouteRequest(
         request_id=request_id,
         pool=pool.name,

@@ -182,15 +182,40 @@ def encode_body(body: dict[str, Any]) -> bytes:
 
 _OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 
+# The most output tokens one request counts for in its worker's load when its pool does not state
+# its workers' context window (`PoolConfig.max_model_len`): 128k tokens, the window of most models
+# served today. No answer is longer than the window, and a client's budget counted whole (any
+# integer passes JSON) would make its worker look busy for years to the policy.
+ASSUMED_MAX_MODEL_LEN = 131_072
 
-def max_output_tokens(body: dict[str, Any]) -> int:
-    """The request's output budget (chat, completions, Messages `max_tokens`, Responses
-    `max_output_tokens`); 0 when it sets none."""
+
+def _output_field(body: dict[str, Any]) -> tuple[str, int] | None:
     for name in _OUTPUT_FIELDS:
         value = body.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return 0
+            return name, value
+    return None
+
+
+def output_budget(body: dict[str, Any], max_model_len: int | None) -> int:
+    """The request's output budget (chat, completions, Messages `max_tokens`, Responses
+    `max_output_tokens`) as it counts in its worker's load: at most the context window
+    `max_model_len` (`ASSUMED_MAX_MODEL_LEN` when the pool states none); 0 when it sets none. A
+    budget that alone fills a stated window is refused with 400, as vLLM refuses a budget past the
+    window (every prompt has a token, so no worker could run it)."""
+    found = _output_field(body)
+    if found is None:
+        return 0
+    name, value = found
+    if max_model_len is None:
+        return min(value, ASSUMED_MAX_MODEL_LEN)
+    if value >= max_model_len:
+        message = (
+            f"'{name}' is too large: {value}. This model's maximum context length is {max_model_len} "
+            "tokens, for the prompt and the output together"
+        )
+        raise ApiError(400, message, "invalid_request_error", "integer_above_max_value", name)
+    return value
 
 
 def engine_priority(client_priority: int, band: EnginePriorityConfig, scheduling: str) -> int | None:

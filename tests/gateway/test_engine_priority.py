@@ -235,10 +235,10 @@ def test_a_form_body_cannot_carry_a_priority() -> None:
 
 
 def test_the_chart_renders_a_tenants_engine_priority() -> None:
-    pool = {**POOL, "extra": {"priority_scheduling": "lower_first"}}
+    pool = {**POOL, "extra": {"priority_scheduling": "lower_first", "max_model_len": 32768}}
     docs = render({"pools": [pool], "tenants": [TENANT | {"enginePriority": PAYING}]})
     cfg = parse_config(gateway_config(docs))  # `kvgate serve` accepts what the chart renders
     assert cfg.tenants[0].engine_priority.value(JUMP) == -10
-    assert cfg.pools[0].priority_scheduling == "lower_first"
+    assert cfg.pools[0].priority_scheduling == "lower_first" and cfg.pools[0].max_model_len == 32768
     with pytest.raises(helm_python.HelmError, match="/tenants/0/enginePriority"):
         render({"pools": [POOL], "tenants": [TENANT | {"enginePriority": {"lowest": 0}}]})

@@ -17,7 +17,15 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive
 
 from gateway.auth import Tenant
-from gateway.bodies import encode_body, form_head, max_output_tokens, parse_body, parse_form
+from gateway.bodies import (
+    encode_body,
+    engine_priority,
+    form_head,
+    output_budget,
+    parse_body,
+    parse_form,
+    with_priority,
+)
 from gateway.errors import ApiError, withhold_salts
 from gateway.gate import Gate
 from gateway.keying import INLINE_PROMPT_BYTES, canonical_prompt, only_model, prompt_error, read_large_body
@@ -51,8 +59,12 @@ class Admitted:
     `forward` is the body to send upstream (the canonical body when the normalizer changed it) and
     `encoded` the client's body as the gateway re-encoded it at parse time (without any client
     `cache_salt`; a multipart body as the client sent it), reused when nothing else needs
-    changing. `head` starts the headers sent to the worker (its request id follows). `pinned` is
-    the worker a Responses follow-up must reach (the one holding `previous_response_id`);
+    changing. Neither holds the client's `priority`: the routes that generate carry their
+    tenant's engine priority instead when the pool's engines schedule by one
+    (`bodies.engine_priority`). `max_output_tokens` is the output budget as it counts in the
+    worker's load (`bodies.output_budget`). `head` starts the headers sent to the worker (its
+    request id follows). `pinned` is the worker a Responses follow-up must reach (the one holding
+    `previous_response_id`);
     `find_previous` is that id when it is the tenant's own but this process does not know its
     holder (another process or replica routed it, or this one restarted): the holder is looked
     for before the request is routed (`responses_affinity.find_holder`).
@@ -81,7 +93,7 @@ class Admitted:
     responses: ResponseAffinity | None = None  # Responses requests: where answers' ids are learned
     drift_field: str | None = None
     retries_taken: int = 0  # the client's earlier tries of this call (`retries.py`)
-    priority: int = 0  # vLLM's `priority` (lower first): orders the tenant's own queued requests
+    priority: int = 0  # the client's `priority` (lower first): orders the tenant's own queued requests
     queued_s: float | None = None  # time spent in the pool's queue (`queueing.py`), if it queued
     held_s: float | None = None  # how long the policy had it held before deciding (`SupportsHold`)
     client_headers: ClientHeaders = ()  # the client headers the pool forwards (`upstream_headers.py`)
@@ -291,6 +303,10 @@ async def admit(
             404, f"The model '{named}' does not exist", "invalid_request_error", "model_not_found", "model"
         )
         raise Refused(unknown, api.endpoint, body.get("stream") is True)
+    try:
+        max_out = output_budget(body, pool.config.max_model_len)
+    except ApiError as err:
+        raise _refused(err, api, body, model) from None
     keying = gate.keying
     identity, public = keying.identities(pool, model, tenant)
     normalizer = keying.normalizers[pool.name]
@@ -349,7 +365,16 @@ async def admit(
         # Ask for usage anyway (the policy learns from cached_tokens) and strip it before the client.
         forward["stream_options"] = {**(options or {}), "include_usage": True}
         changed = True
-    max_out = max_output_tokens(body)
+    client_priority: int = body.get("priority", 0)  # an int: `parse_body`
+    # The client's `priority` orders only its tenant's requests in the gateway's queue
+    # (`queueing`) and is never sent: the engines order every tenant's requests by it. The
+    # routes that generate carry the tenant's own instead, when the pool's engines use one.
+    sent = (
+        engine_priority(client_priority, tenant.engine_priority, pool.config.priority_scheduling)
+        if api.salted
+        else None
+    )
+    forward, encoded = _with_engine_priority(forward, encoded, changed, body, sent)
     route = RouteRequest(
         request_id=request_id,
         pool=pool.name,
@@ -390,10 +415,24 @@ async def admit(
         responses=responses,
         drift_field=drift.field if drift is not None and drift.first_diff_block is not None else None,
         retries_taken=ids.retries_taken,
-        priority=body.get("priority", 0),
+        priority=client_priority,
         client_headers=pick(ids.headers, pool.forward) if pool.forward else (),
         response_stem=response_stem,
     )
+
+
+def _with_engine_priority(
+    forward: dict[str, Any], encoded: bytes, changed: bool, body: dict[str, Any], priority: int | None
+) -> tuple[dict[str, Any], bytes]:
+    """`forward` and `encoded` carrying the engine `priority` (None: no `priority` field) in place
+    of the client's. Once `changed`, `forward` is sent and `encoded` is the client's body as
+    parsed: both lose the client's field."""
+    if not changed:
+        return with_priority(forward, encoded, priority)
+    forward = with_priority(forward, b"{}", priority)[0]
+    if "priority" in body:
+        encoded = with_priority(body, encoded, None)[1]
+    return forward, encoded
 
 
 def _refused(err: ApiError, api: ApiRoute, body: dict[str, Any], model: str) -> Refused:

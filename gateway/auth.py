@@ -11,22 +11,24 @@ from dataclasses import dataclass
 
 import xxhash
 
-from gateway.config import QuotaConfig, TenantConfig
+from gateway.config import EnginePriorityConfig, QuotaConfig, TenantConfig
 from policies.identity import TenantDirectory, TenantIdentity, derive_secret, hash_api_key
 
 __all__ = ["KeyRing", "Tenant", "derive_secret", "hash_api_key"]
 
 _AUTH_CACHE_MAX = 4096
+_NO_ENGINE_PRIORITY = EnginePriorityConfig()
 
 
 @dataclass(frozen=True, slots=True)
 class Tenant(TenantIdentity):
     """A customer as the data path sees it: its identity (`policies.identity.TenantIdentity`:
-    namespace, isolation and the `cache_salt` sent with its requests), its API-key hashes and its
-    quotas."""
+    namespace, isolation and the `cache_salt` sent with its requests), its API-key hashes, its
+    quotas and its place at engines that schedule by priority."""
 
     quotas: QuotaConfig
     api_key_hashes: tuple[str, ...] = ()
+    engine_priority: EnginePriorityConfig = _NO_ENGINE_PRIORITY
 
 
 class KeyRing:
@@ -52,6 +54,7 @@ class KeyRing:
                 identity.cache_salt,
                 quotas=cfg.quotas,
                 api_key_hashes=tuple(cfg.api_key_hashes),
+                engine_priority=cfg.engine_priority,
             )
             self.tenants[cfg.name] = tenant
             for h in cfg.api_key_hashes:

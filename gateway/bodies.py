@@ -10,6 +10,7 @@ from typing import Any
 
 import orjson
 
+from gateway.config import EnginePriorityConfig
 from gateway.errors import ApiError, bad_request
 from gateway.multipart import boundary_of, content_type_header, form_fields
 from gateway.routes import ApiRoute
@@ -20,11 +21,12 @@ from prompt_normalizer.generate_input import GENERATE_PROMPT_FIELDS
 # `rid` (SGLang's engine request id; the gateway names requests itself), `data_parallel_rank`
 # (pins an engine rank), `bootstrap_host` / `bootstrap_port` / `bootstrap_room` (SGLang
 # prefill-decode transfer), `prompt_embeds` (bypasses tokenization, so the prefix keys could not
-# describe the prompt). They are refused with 400, naming the field. vLLM's own `request_id` and
-# `priority` are passed through: the gateway's `X-Request-Id` header names the request inside
-# vLLM whatever the body says (on the Responses route `request_id` names the response), and
-# `priority` orders requests within the worker's scheduler. `cache_salt` is not refused: the
-# gateway always replaces it with its own.
+# describe the prompt). They are refused with 400, naming the field. vLLM's own `request_id` is
+# passed through: the gateway's `X-Request-Id` header names the request inside vLLM whatever the
+# body says (on the Responses route `request_id` names the response). `priority` is read (it
+# orders the tenant's own requests in the gateway's queue) and never forwarded as sent: engines
+# order every tenant's requests by it, so the gateway sends the tenant's own (`engine_priority`).
+# `cache_salt` is not refused: the gateway always replaces it with its own.
 ENGINE_INTERNAL_FIELDS = frozenset(
     {
         "kv_transfer_params",
@@ -47,7 +49,7 @@ ISOLATION_FIELDS = ("cache_salt", "extra_key")
 MAX_JSON_DEPTH = 254
 
 # The form fields of a multipart body that the gateway reads (the file is never looked at).
-_FORM_FIELDS = frozenset({"model", "stream"})
+_FORM_FIELDS = frozenset({"model", "stream", "priority"})
 
 
 def parse_body(raw: bytes, api: ApiRoute, max_choices: int = 128) -> dict[str, Any]:
@@ -142,6 +144,9 @@ def parse_form(raw: bytes, content_type: str | None, api: ApiRoute) -> dict[str,
     model = fields.get("model")
     if not model and not api.model_optional:
         raise bad_request("'model' is required and must be a non-empty string", "model")
+    if "priority" in fields:
+        # A form is forwarded as sent, so the gateway could not replace it (`engine_priority`).
+        raise bad_request("'priority' cannot be set on a form body through this gateway", "priority")
     body: dict[str, Any] = {"model": model} if model else {}
     stream = fields.get("stream")
     if stream is not None:
@@ -177,15 +182,70 @@ def encode_body(body: dict[str, Any]) -> bytes:
 
 _OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 
+# The most output tokens one request counts for in its worker's load when its pool does not state
+# its workers' context window (`PoolConfig.max_model_len`): 128k tokens, the window of most models
+# served today. No answer is longer than the window, and a client's budget counted whole (any
+# integer passes JSON) would make its worker look busy for years to the policy.
+ASSUMED_MAX_MODEL_LEN = 131_072
 
-def max_output_tokens(body: dict[str, Any]) -> int:
-    """The request's output budget (chat, completions, Messages `max_tokens`, Responses
-    `max_output_tokens`); 0 when it sets none."""
+
+def _output_field(body: dict[str, Any]) -> tuple[str, int] | None:
     for name in _OUTPUT_FIELDS:
         value = body.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return 0
+            return name, value
+    return None
+
+
+def output_budget(body: dict[str, Any], max_model_len: int | None) -> int:
+    """The request's output budget (chat, completions, Messages `max_tokens`, Responses
+    `max_output_tokens`) as it counts in its worker's load: at most the context window
+    `max_model_len` (`ASSUMED_MAX_MODEL_LEN` when the pool states none); 0 when it sets none. A
+    budget that alone fills a stated window is refused with 400, as vLLM refuses a budget past the
+    window (every prompt has a token, so no worker could run it)."""
+    found = _output_field(body)
+    if found is None:
+        return 0
+    name, value = found
+    if max_model_len is None:
+        return min(value, ASSUMED_MAX_MODEL_LEN)
+    if value >= max_model_len:
+        message = (
+            f"'{name}' is too large: {value}. This model's maximum context length is {max_model_len} "
+            "tokens, for the prompt and the output together"
+        )
+        raise ApiError(400, message, "invalid_request_error", "integer_above_max_value", name)
+    return value
+
+
+def engine_priority(client_priority: int, band: EnginePriorityConfig, scheduling: str) -> int | None:
+    """The `priority` a request sends to workers that schedule as `scheduling`
+    (`PoolConfig.priority_scheduling`): none when they do not schedule by it (vLLM refuses any but
+    0 then, and SGLang may), else its tenant's `band` value for the client's own `priority`, in
+    the engine's direction (lower first in the config, as in vLLM)."""
+    if scheduling == "off":
+        return None
+    value = band.value(client_priority)
+    return -value if scheduling == "higher_first" else value
+
+
+def with_priority(body: dict[str, Any], encoded: bytes, priority: int | None) -> tuple[dict[str, Any], bytes]:
+    """`body` (`encoded` is its encoding) carrying `priority` as its `priority` field (None: no
+    such field), and its encoding; the same objects when that changes nothing. A body without the
+    field gets it in front of its encoding, so a large body is not encoded a second time."""
+    had = "priority" in body
+    if not had and priority is None:
+        return body, encoded
+    if had and body["priority"] == priority and type(body["priority"]) is int:
+        return body, encoded
+    if priority is None:
+        out = {name: value for name, value in body.items() if name != "priority"}
+        return out, orjson.dumps(out)
+    out = {**body, "priority": priority}
+    if had:
+        return out, orjson.dumps(out)
+    head = b'{"priority":' + str(priority).encode()
+    return out, head + (b"," + encoded[1:] if encoded != b"{}" else b"}")
 
 
 def missing_model(served: list[str]) -> ApiError:

@@ -116,8 +116,38 @@ class QuotaConfig(Frozen):
     tpm: PositiveInt | None = None
 
 
+# The widest engine priority the config takes, either way: far from any int limit of the engines
+# (vLLM and SGLang read Python ints; SGLang gives a request without one `sys.maxsize`).
+MAX_ENGINE_PRIORITY = 1_000_000
+
+
+class EnginePriorityConfig(Frozen):
+    """Where a tenant's requests stand at engines that order requests by `priority` (a pool's
+    `priority_scheduling`), lower first as in vLLM and the gateway's own queue: at `base`, moved
+    by the client's own `priority` clamped to `[client_min, client_max]`. Engines order every
+    tenant's requests in one queue, so the operator places tenants there, never their clients: by
+    default every tenant is at 0 and no client moves (its `priority` orders only its own requests
+    in the gateway's queue). A band above 0 lets a client send its own requests back, never ahead
+    of other tenants at the same `base`."""
+
+    base: int = Field(default=0, ge=-MAX_ENGINE_PRIORITY, le=MAX_ENGINE_PRIORITY)
+    client_min: int = Field(default=0, ge=-MAX_ENGINE_PRIORITY, le=MAX_ENGINE_PRIORITY)
+    client_max: int = Field(default=0, ge=-MAX_ENGINE_PRIORITY, le=MAX_ENGINE_PRIORITY)
+
+    @model_validator(mode="after")
+    def _band(self) -> EnginePriorityConfig:
+        if self.client_min > self.client_max:
+            raise ValueError(f"client_min ({self.client_min}) is above client_max ({self.client_max})")
+        return self
+
+    def value(self, client_priority: int) -> int:
+        """The priority (lower first) a request whose client asked for `client_priority` gets."""
+        return self.base + min(max(client_priority, self.client_min), self.client_max)
+
+
 class TenantConfig(Frozen):
-    """A customer namespace: its API keys (as hashes), isolation level and quotas."""
+    """A customer namespace: its API keys (as hashes), isolation level, quotas, its share of a
+    full pool's freed slots and its place at engines that schedule by priority."""
 
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
     api_key_hashes: list[str] = Field(min_length=1)
@@ -125,6 +155,7 @@ class TenantConfig(Frozen):
     quotas: QuotaConfig = QuotaConfig()
     # The tenant's share of a full pool's freed worker slots, relative to the other tenants waiting.
     weight: float = Field(default=1.0, ge=0.01, le=100.0)
+    engine_priority: EnginePriorityConfig = EnginePriorityConfig()
 
     @field_validator("api_key_hashes")
     @classmethod

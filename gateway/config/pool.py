@@ -105,6 +105,18 @@ class PoolConfig(Frozen):
     worker_api_key_file: str | None = Field(default=None, min_length=1)
     # Client headers passed on to the workers; never hop-by-hop headers or credentials.
     forward_headers: list[str] = Field(default_factory=list, max_length=32)
+    # How the workers order requests by their `priority` field (docs/gateway.md, "Engine
+    # priority and output budgets"). "off": they do not (vLLM's default `--scheduling-policy
+    # fcfs`, which answers 400 to any priority but 0; SGLang without `--enable-priority-scheduling`),
+    # and no request carries one. "lower_first": vLLM `--scheduling-policy priority`, SGLang with
+    # `--schedule-low-priority-values-first`. "higher_first": SGLang's own default once priority
+    # scheduling is on. Requests then carry their tenant's `engine_priority`, never the client's.
+    priority_scheduling: Literal["off", "lower_first", "higher_first"] = "off"
+    # The workers' context window in tokens (vLLM `--max-model-len`, SGLang `--context-length`),
+    # when the operator states it. A request's output budget counts in its worker's load for at
+    # most this many tokens (`bodies.ASSUMED_MAX_MODEL_LEN` when unset), and one that alone fills
+    # the window is refused with 400, as the worker would refuse it.
+    max_model_len: PositiveInt | None = None
 
     @field_validator("forward_headers")
     @classmethod

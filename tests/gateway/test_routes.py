@@ -32,8 +32,9 @@ async def test_pass_through_routes_reach_the_same_path_unsalted(rig: Rig, path: 
     assert resp.headers["x-request-id"] == "mine"
     got = rig.last()
     assert got.path == path
-    # No field of the gateway's: pooling, tokenizer and audio requests have no cache_salt.
-    assert got.json() == {"model": "m", "input": "some text", "priority": 2}
+    # No field of the gateway's: pooling, tokenizer and audio requests have no cache_salt. Nor the
+    # client's `priority`: the engine would order other tenants' requests by it.
+    assert got.json() == {"model": "m", "input": "some text"}
     assert got.headers["x-request-id"] != "mine"
     # Load-aware: the policy saw the request's size, no keys.
     req = rig.policy.requests[-1]
@@ -42,7 +43,7 @@ async def test_pass_through_routes_reach_the_same_path_unsalted(rig: Rig, path: 
     assert rig.metric("kvgate_requests_total", endpoint=endpoint, status="200", tenant="t") == 1
 
 
-async def test_vllm_priority_and_request_id_are_passed_through(rig: Rig) -> None:
+async def test_vllm_request_id_is_passed_through_and_priority_is_not(rig: Rig) -> None:
     body = {
         "model": "m",
         "messages": [{"role": "user", "content": "x"}],
@@ -51,7 +52,9 @@ async def test_vllm_priority_and_request_id_are_passed_through(rig: Rig) -> None
     }
     assert (await rig.client.post("/v1/chat/completions", json=body, headers=KEY)).status_code == 200
     sent = rig.last()
-    assert sent.json()["priority"] == -3 and sent.json()["request_id"] == "mine"
+    # The pool's engines do not schedule by priority: the client's value orders only its
+    # tenant's queued requests (tests/gateway/test_engine_priority.py).
+    assert "priority" not in sent.json() and sent.json()["request_id"] == "mine"
     # The engine's own id stays the gateway's: vLLM takes X-Request-Id over the body's field.
     assert sent.headers["x-request-id"] != "mine"
 

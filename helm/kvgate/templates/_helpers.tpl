@@ -201,6 +201,7 @@ value below preStop + deadline + 10 would let the kubelet kill a pod still drain
 {{- with $t.tpm }}{{ $_ := set $quotas "tpm" . }}{{ end }}
 {{- $tenant := dict "name" $t.name "api_key_hashes" $t.apiKeyHashes "isolation" (default "strict" $t.isolation) "quotas" $quotas }}
 {{- with $t.weight }}{{ $_ := set $tenant "weight" . }}{{ end }}
+{{- with $t.enginePriority }}{{ $_ := set $tenant "engine_priority" . }}{{ end }}
 {{- $tenants = append $tenants $tenant }}
 {{- end }}
 {{- if not $tenants }}{{ fail "tenants: at least one tenant is required (API keys are configured as hashes: `kvgate serve --hash-key`)" }}{{ end }}

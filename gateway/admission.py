@@ -28,7 +28,7 @@ from gateway.bodies import (
 )
 from gateway.errors import ApiError, withhold_salts
 from gateway.gate import Gate
-from gateway.keying import INLINE_PROMPT_BYTES, canonical_prompt, only_model, prompt_error, read_large_body
+from gateway.keying import canonical_prompt, keyed_apart, only_model, prompt_error, read_large_body
 from gateway.quotas import Rejection, TenantLimiter
 from gateway.registry import Pool
 from gateway.request_head import RequestHead, RequestIds
@@ -279,13 +279,15 @@ async def admit(
     multipart body (its boundary)."""
     request_id = ids.internal
     large = None
+    apart = False  # a JSON body read (and keyed) in the keying process (`keyed_apart`)
     if api.multipart:
         content_type = head.content_type if head is not None else None
         body = parse_form(raw, content_type, api)
         encoded = raw
         upstream_head = form_head(content_type)
     else:
-        if len(raw) > INLINE_PROMPT_BYTES:  # read (and keyed) in the keying process
+        apart = keyed_apart(raw)
+        if apart:
             large = await read_large_body(raw, api, gate.keying, gate.models, tenant, gate.limits.max_choices)
         if large is not None:
             api, body, encoded = large.api, large.body, large.encoded
@@ -315,7 +317,7 @@ async def admit(
     if large is not None and large.model == model and large.canonical is not None:
         canonical = large.canonical
     elif (
-        api.prompt is not None and normalizer.config.mode == "approximate" and len(raw) <= INLINE_PROMPT_BYTES
+        api.prompt is not None and normalizer.config.mode == "approximate" and not apart
     ):
         try:  # the common case, right here: no coroutine of its own
             canonical = normalizer.canonicalize(api.prompt, body, identity, public)

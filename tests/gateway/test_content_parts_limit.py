@@ -1,7 +1,8 @@
 """A chat body with more content parts that are not text than a request may carry
 (`prompt_normalizer.chat_input.MAX_MEDIA_PARTS`) is a 400 in OpenAI's shape, naming the limit,
-whether it is keyed on the event loop or, over 256 KiB, in the keying process; it reaches no
-worker. A realistic multimodal request within the limit is served."""
+whether it is small or, over 256 KiB, large; it reaches no worker. A realistic multimodal request
+within the limit is served. A body of many JSON objects is keyed in the keying process however
+small (`gateway.keying.keyed_apart`), and a common one on the loop."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.keying import INLINE_PROMPT_BYTES
+from gateway.keying import INLINE_MAX_OBJECTS, INLINE_PROMPT_BYTES, keyed_apart
 from prompt_normalizer.chat_input import MAX_MEDIA_PARTS
 from prompt_normalizer.normalizer import Normalizer, NormalizerConfig
 from tests.gateway.request_rig import Rig, request_rig
@@ -42,7 +43,7 @@ async def _post(rig: Rig, messages: list[dict[str, Any]]) -> tuple[int, Any, int
     return resp.status_code, resp.json(), len(body)
 
 
-@pytest.mark.parametrize("url_bytes", [0, 200], ids=["inline", "keying-process"])
+@pytest.mark.parametrize("url_bytes", [0, 200], ids=["small", "large"])
 async def test_too_many_media_parts_is_a_400_naming_the_limit(rig: Rig, url_bytes: int) -> None:
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": "You read scanned pages."},
@@ -51,6 +52,7 @@ async def test_too_many_media_parts_is_a_400_naming_the_limit(rig: Rig, url_byte
     ]
     status, answer, size = await _post(rig, messages)
     assert (size > INLINE_PROMPT_BYTES) == (url_bytes > 0)
+    assert rig.state.gate.keying.processes.started == 1  # either way: thousands of objects
     assert status == 400, answer
     error = answer["error"]
     assert error["type"] == "invalid_request_error"
@@ -59,6 +61,25 @@ async def test_too_many_media_parts_is_a_400_naming_the_limit(rig: Rig, url_byte
     assert "2049 content parts that are not text" in error["message"]
     assert "at most 2048" in error["message"]
     assert rig.upstream.received == []
+
+
+async def test_a_small_body_of_many_objects_is_keyed_in_the_keying_process(rig: Rig) -> None:
+    turns = [
+        {"role": "user" if i % 2 else "assistant", "content": f"q{i}"} for i in range(INLINE_MAX_OBJECTS + 1)
+    ]
+    raw = orjson.dumps({"model": "m", "messages": turns})
+    assert len(raw) < INLINE_PROMPT_BYTES // 4 and keyed_apart(raw)
+    status, answer, _ = await _post(rig, turns)
+    assert status == 200, answer
+    assert rig.state.gate.keying.processes.started == 1
+    # A common body stays on the loop: as many objects as the limit (the body's own and its
+    # messages), or a long text.
+    for messages in (turns[: INLINE_MAX_OBJECTS - 1], [{"role": "user", "content": "word " * 50_000}]):
+        assert not keyed_apart(orjson.dumps({"model": "m", "messages": messages}))
+        status, answer, _ = await _post(rig, messages)
+        assert status == 200, answer
+    assert rig.state.gate.keying.processes.started == 1
+    assert len(rig.upstream.received) == 3
 
 
 async def test_a_realistic_multimodal_request_is_served(rig: Rig) -> None:

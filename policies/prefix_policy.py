@@ -65,9 +65,10 @@ class PrefixPolicyBase:
         self._hasher: TokenBlockHasher | None = None
         # The last request's `OwnKeys` (select and dispatch ask for the same request in turn).
         self._own_memo: tuple[RouteRequest, OwnKeys] | None = None
-        # request id -> what it was dispatched with: its public blocks (what its worker KV is salted
-        # by) and whether that dispatch left speculative holdings for its completion to confirm.
-        self._dispatched: dict[str, _Dispatched] = {}
+        # (request id, worker) -> what it was dispatched with there: its public blocks (what its
+        # worker KV is salted by) and whether that dispatch left speculative holdings for its
+        # completion to confirm. By worker too: SGLang's two legs of one request run at once.
+        self._dispatched: dict[tuple[str, WorkerId], _Dispatched] = {}
         # Replica sync (`policies.peer_sync`): off until a sink is set.
         self._sync_sink: SyncSink | None = None
         self._sync_calibration = False
@@ -199,11 +200,12 @@ class PrefixPolicyBase:
             self._shared_blocks(req, decision.shared_prefix_blocks) if decision.shared_prefix_blocks else 0
         )
         dispatched = self._dispatched
-        if len(dispatched) >= self.MAX_DISPATCHED and req.request_id not in dispatched:
+        key = (req.request_id, decision.worker)
+        if len(dispatched) >= self.MAX_DISPATCHED and key not in dispatched:
             dispatched.pop(next(iter(dispatched)))  # bounded: the oldest falls back to the rule below
         pool = self._pools.get(req.pool, req.block_size_tokens)  # `_pool`, inlined
         pending = self._record(pool, req, decision.worker, shared, now_s, speculative=True)
-        dispatched[req.request_id] = _Dispatched(shared, pending > 0)
+        dispatched[key] = _Dispatched(shared, pending > 0)
         if self._sync_sink is not None:
             self._unseen.own(now_s)
             self._publish_dispatch(pool, req, decision, shared, now_s, pending)
@@ -225,14 +227,14 @@ class PrefixPolicyBase:
             # Only a served request says what the worker caches: take back this request's unconfirmed
             # holdings on that worker, and its calibration record.
             self._count("failed_observations")
-            self._dispatched.pop(req.request_id, None)
+            self._dispatched.pop((req.request_id, obs.worker), None)
             mine = self._own_keys(req)
             pool.index.drop_speculative(mine.keys, obs.worker, mine.namespace)
             if req.public_block_keys:
                 pool.index.drop_speculative(req.public_block_keys, obs.worker, PUBLIC_NAMESPACE)
             pool.cost.forget(req.request_id)
             return
-        dispatched = self._dispatched.pop(req.request_id, None)
+        dispatched = self._dispatched.pop((req.request_id, obs.worker), None)
         if dispatched is None:
             # Not dispatched through this policy (or forgotten): the salt follows the current state.
             n_pub = PublicPrefixes.public_blocks(req)

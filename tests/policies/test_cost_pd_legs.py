@@ -79,3 +79,22 @@ def test_a_prefill_worker_busy_with_cached_prompts_of_pairs_is_still_chosen() ->
     views = workers(8, 0, 0, 0, prefill=(8 * (64 * BS + 1), 0, 0, 0))
     d = p.select(req("r", range(64)), views, 1.0)
     assert d is not None and d.worker == PREFILL
+
+
+def test_each_leg_confirms_its_own_holdings() -> None:
+    """The decode worker already holds the whole prompt (its dispatch leaves nothing to confirm),
+    the prefill worker none of it: the prefill leg's completion confirms the prefill worker's
+    holdings, whatever the decode leg's dispatch left."""
+    p = CostPolicy(seed=1)
+    r = req("r", range(64))
+    warm = RouteDecision(DECODE, 0.0, "hit", r.n_prompt_tokens)
+    p.on_dispatch(r, warm, 0.0)
+    p.on_complete(Observation(r, DECODE, prompt_tokens=r.n_prompt_tokens), 0.5)
+    assert p.stats().index["p"].speculative_entries == 0
+    again = req("r2", range(64))
+    _split(p, again, 1.0)
+    assert p.stats().index["p"].speculative_entries > 0  # on the prefill worker
+    p.on_complete(Observation(again, PREFILL, prompt_tokens=again.n_prompt_tokens), 2.0)
+    assert p.stats().index["p"].speculative_entries == 0
+    p.on_complete(Observation(again, DECODE, prompt_tokens=again.n_prompt_tokens), 3.0)
+    p.check_invariants()

@@ -316,9 +316,7 @@ async def admit(
         raise _refused(large.prompt_error, api, body, model)
     if large is not None and large.model == model and large.canonical is not None:
         canonical = large.canonical
-    elif (
-        api.prompt is not None and normalizer.config.mode == "approximate" and not apart
-    ):
+    elif api.prompt is not None and normalizer.config.mode == "approximate" and not apart:
         try:  # the common case, right here: no coroutine of its own
             canonical = normalizer.canonicalize(api.prompt, body, identity, public)
         except NormalizerError as exc:

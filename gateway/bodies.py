@@ -189,20 +189,33 @@ _OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 ASSUMED_MAX_MODEL_LEN = 131_072
 
 
+# The native generate routes' budgets, in `sampling_params`: vLLM's `/inference/v1/generate`
+# (`max_tokens`) and SGLang's `/generate` (`max_new_tokens`).
+_SAMPLING_OUTPUT_FIELDS = ("max_tokens", "max_new_tokens")
+
+
 def _output_field(body: dict[str, Any]) -> tuple[str, int] | None:
+    """The field naming the request's output budget (its path) and the budget, if any."""
     for name in _OUTPUT_FIELDS:
         value = body.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return name, value
+    sampling = body.get("sampling_params")
+    if isinstance(sampling, dict):
+        for name in _SAMPLING_OUTPUT_FIELDS:
+            value = sampling.get(name)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return f"sampling_params.{name}", value
     return None
 
 
 def output_budget(body: dict[str, Any], max_model_len: int | None) -> int:
     """The request's output budget (chat, completions, Messages `max_tokens`, Responses
-    `max_output_tokens`) as it counts in its worker's load: at most the context window
-    `max_model_len` (`ASSUMED_MAX_MODEL_LEN` when the pool states none); 0 when it sets none. A
-    budget that alone fills a stated window is refused with 400, as vLLM refuses a budget past the
-    window (every prompt has a token, so no worker could run it)."""
+    `max_output_tokens`, the native generate routes' `sampling_params`) as it counts in its
+    worker's load: at most the context window `max_model_len` (`ASSUMED_MAX_MODEL_LEN` when the
+    pool states none); 0 when it sets none. A budget that alone fills a stated window is refused
+    with 400, as vLLM refuses a budget past the window (every prompt has a token, so no worker
+    could run it)."""
     found = _output_field(body)
     if found is None:
         return 0

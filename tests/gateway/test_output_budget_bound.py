@@ -70,6 +70,16 @@ async def test_a_huge_budget_counts_for_at_most_the_assumed_window() -> None:
         assert a.max_output_tokens == ASSUMED_MAX_MODEL_LEN
         assert (await _admit(gw.state.gate, {**CHAT, "max_tokens": 512})).max_output_tokens == 512
         assert (await _admit(gw.state.gate, CHAT)).max_output_tokens == 0
+        # The native generate routes take theirs in `sampling_params` (vLLM's `max_tokens`,
+        # SGLang's `max_new_tokens`): counted the same way.
+        native = [
+            ("/inference/v1/generate", {"model": "m", "token_ids": [1, 2, 3]}, "max_tokens"),
+            ("/generate", {"model": "m", "text": "hi"}, "max_new_tokens"),
+        ]
+        for path, body, name in native:
+            for budget, counted in ((64, 64), (HUGE, ASSUMED_MAX_MODEL_LEN)):
+                native_body = {**body, "sampling_params": {name: budget}}
+                assert (await _admit(gw.state.gate, native_body, path)).max_output_tokens == counted
         # What the worker is sent is the client's own: the worker judges it (vLLM answers 400).
         assert orjson.loads(a.encoded)["max_output_tokens"] == HUGE
 

@@ -307,22 +307,46 @@ class Engine:
         )
 
     def _apply_decode_run(self, now_s: float, sched: list[Seq], k: int, duration_s: float) -> StepResult:
+        """`k` decode steps of `sched` as one result, with the block pool's calls in the order `k`
+        single steps make them (so its LRU and evictions, and the prefix hits of later requests,
+        are the same): in each step every new block is allocated, in `sched` order, then in `sched`
+        order each request's filled block is cached and, at its last token, the request finished.
+        Only the steps where a request crosses a block boundary or finishes call the pool."""
         bs = self.block_size
         pool = self._pool
         stored: list[BlocksStored] = []
         finished: list[FinishedRequest] = []
         ctx_r = len(sched)
-        for seq in sched:
-            need = -(-(seq.computed + k) // bs) - seq.n_cached_blocks - seq.n_private
-            if need > 0:
-                pool.allocate(need)
-                seq.n_private += need
-            seq.computed += k
-            seq.generated += k
-            seq.num_tokens += k
-            self._promote(seq, stored)
-            if seq.generated >= seq.max_output:
+        # (step, phase, position, what): phase 0 allocates a block; in phase 1 a request caches a
+        # filled block (what 0), then finishes (what 1).
+        events: list[tuple[int, int, int, int]] = []
+        start = [seq.computed for seq in sched]
+        for i, seq in enumerate(sched):
+            c0, held = start[i], seq.n_cached_blocks + seq.n_private
+            events += ((j, 0, i, 0) for j in range(held * bs - c0 + 1, k + 1, bs))
+            events += ((j, 1, i, 0) for j in range((-c0) % bs or bs, k + 1, bs))
+            if seq.max_output - seq.generated <= k:
+                events.append((k, 1, i, 1))
+        events.sort()
+        for j, phase, i, what in events:
+            seq = sched[i]
+            if phase == 0:
+                pool.allocate(1)
+                seq.n_private += 1
+                continue
+            done = j - (seq.computed - start[i])
+            seq.computed += done
+            seq.generated += done
+            seq.num_tokens += done
+            if what == 0:
+                self._promote(seq, stored)
+            else:
                 finished.append(self._finish(seq))
+        for i, seq in enumerate(sched):
+            done = k - (seq.computed - start[i])
+            seq.computed += done
+            seq.generated += done
+            seq.num_tokens += done
         self._generation_total += k * ctx_r
         if finished:
             self._running = [s for s in self._running if s.running]

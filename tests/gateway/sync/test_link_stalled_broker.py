@@ -95,7 +95,11 @@ async def test_no_batch_is_cut_larger_than_the_link_sends(tmp_path: Path) -> Non
     task = asyncio.create_task(link.run())
     try:
         await wait_until(lambda: link.connected)
-        assert link._nc is not None and link._nc.max_payload == 8 << 20
+        nc = link._nc
+        assert nc is not None and nc.max_payload == 8 << 20
+        # A batch of the whole buffer fits once what the connection itself sent (its
+        # subscription) has left the buffer.
+        await wait_until(lambda: nc.pending_data_size == 0, what="the link's buffer is empty")
         assert link.max_payload == 1 << 20 and await link.publish(b"\x00" * link.max_payload)
     finally:
         task.cancel()

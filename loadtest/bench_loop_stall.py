@@ -22,6 +22,7 @@ process.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -31,7 +32,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -244,21 +245,29 @@ def _measure(
         }
 
 
-def run(root: Path, shapes: list[str], repeats: int, baseline_s: float, policy: str) -> dict[str, Any]:
-    bodies = {shape: body_of(shape) for shape in shapes}
-    out: dict[str, Any] = {"policy": policy, "load_average": os.getloadavg()}
+@contextlib.contextmanager
+def gateway_stack(root: Path, policy: str) -> Iterator[int]:
+    """A gateway from `root`'s checkout behind the static worker, both stopped by PID on exit;
+    yields the gateway's port."""
     with tempfile.TemporaryDirectory() as tmp:
         worker, worker_port = _worker(Path(tmp))
         try:
             gateway, port = _gateway(root, Path(tmp), worker_port, policy)
             try:
-                _measure(port, bodies, repeats, baseline_s, out)
+                yield port
             finally:
                 gateway.terminate()
                 gateway.wait(30)
         finally:
             worker.terminate()
             worker.wait(30)
+
+
+def run(root: Path, shapes: list[str], repeats: int, baseline_s: float, policy: str) -> dict[str, Any]:
+    bodies = {shape: body_of(shape) for shape in shapes}
+    out: dict[str, Any] = {"policy": policy, "load_average": os.getloadavg()}
+    with gateway_stack(root, policy) as port:
+        _measure(port, bodies, repeats, baseline_s, out)
     out["load_average_after"] = os.getloadavg()
     return out
 

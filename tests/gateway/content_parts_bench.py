@@ -128,44 +128,33 @@ def against_gateway(root: Path, shapes: list[str], seconds: float) -> dict[str, 
     prober): for each shape, its body posted back to back for `seconds` while `GET /health` is
     probed every 10 ms; the slowest probe, the statuses and the median request time."""
     import os
-    import tempfile
 
     from loadtest import bench_loop_stall as stall
 
     out: dict[str, Any] = {"load_average": os.getloadavg()}
-    with tempfile.TemporaryDirectory() as tmp:
-        worker, worker_port = stall._worker(Path(tmp))
-        try:
-            gateway, port = stall._gateway(root, Path(tmp), worker_port, "least_load")
-            try:
-                prober = stall.Prober(port)
-                time.sleep(seconds)
-                out["baseline"] = stall._summary(prober.stop())
-                for shape in shapes:
-                    body = orjson.dumps({"model": stall.MODEL, "max_tokens": 1, **body_of(shape)})
-                    head = stall._chat_head(len(body))
-                    prober = stall.Prober(port)
-                    time.sleep(1.0)  # the prober's interpreter starts and connects
-                    statuses: dict[int, int] = {}
-                    took: list[float] = []
-                    with socket.create_connection(("127.0.0.1", port)) as sock:
-                        ends_s = time.monotonic() + seconds
-                        while time.monotonic() < ends_s:
-                            started = time.monotonic()
-                            status = stall._request(sock, head, body)
-                            took.append(time.monotonic() - started)
-                            statuses[status] = statuses.get(status, 0) + 1
-                    out[shape] = {
-                        **stall._summary(prober.stop()),
-                        "statuses": statuses,
-                        "median_request_ms": round(statistics.median(took) * 1e3, 1),
-                    }
-            finally:
-                gateway.terminate()
-                gateway.wait(30)
-        finally:
-            worker.terminate()
-            worker.wait(30)
+    with stall.gateway_stack(root, "least_load") as port:
+        prober = stall.Prober(port)
+        time.sleep(seconds)
+        out["baseline"] = stall._summary(prober.stop())
+        for shape in shapes:
+            body = orjson.dumps({"model": stall.MODEL, "max_tokens": 1, **body_of(shape)})
+            head = stall._chat_head(len(body))
+            prober = stall.Prober(port)
+            time.sleep(1.0)  # the prober's interpreter starts and connects
+            statuses: dict[int, int] = {}
+            took: list[float] = []
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                ends_s = time.monotonic() + seconds
+                while time.monotonic() < ends_s:
+                    started = time.monotonic()
+                    status = stall._request(sock, head, body)
+                    took.append(time.monotonic() - started)
+                    statuses[status] = statuses.get(status, 0) + 1
+            out[shape] = {
+                **stall._summary(prober.stop()),
+                "statuses": statuses,
+                "median_request_ms": round(statistics.median(took) * 1e3, 1),
+            }
     out["load_average_after"] = os.getloadavg()
     return out
 

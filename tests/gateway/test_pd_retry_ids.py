@@ -25,6 +25,7 @@ import pytest
 from aiohttp import web
 
 from gateway.auth import hash_api_key
+from tests.gateway.responses_store import responses_app
 from tests.gateway.routes_rig import Recording
 from tests.support.inprocess import gateway_in_process
 from tests.support.loopback import serve_app
@@ -85,20 +86,7 @@ class Fleet:
                 return web.Response()
             return web.json_response(answer)
 
-        async def get(request: web.Request) -> web.Response:
-            stored = self.stored[name].get(request.match_info["rid"])
-            if stored is None:
-                return web.json_response({"error": {"message": "not found", "code": 404}}, status=404)
-            return web.json_response(stored)
-
-        async def health(_: web.Request) -> web.Response:
-            return web.Response(text="ok")
-
-        app = web.Application()
-        app.router.add_get("/health", health)
-        app.router.add_post("/v1/responses", create)
-        app.router.add_get("/v1/responses/{rid}", get)
-        return app
+        return responses_app(create, self.stored[name])
 
     def holders(self, rid: str) -> list[str]:
         return [name for name in ROLES if rid in self.stored[name]]

@@ -23,6 +23,7 @@ from gateway.responses_affinity import (
 )
 from gateway.responses_ids import ResponseIds
 from policies import make_policy
+from tests.gateway.responses_store import responses_app
 from tests.gateway.routes_rig import KEY, SECRET, config
 from tests.support.inprocess import InProcessGateway, gateway_in_process
 from tests.support.loopback import serve_app
@@ -59,20 +60,7 @@ class Fleet:
                 return web.json_response({"error": {"message": "engine died", "code": 500}}, status=500)
             return web.json_response(answer)
 
-        async def get(request: web.Request) -> web.Response:
-            stored = self.stored[name].get(request.match_info["rid"])
-            if stored is None:
-                return web.json_response({"error": {"message": "not found", "code": 404}}, status=404)
-            return web.json_response(stored)
-
-        async def health(_: web.Request) -> web.Response:
-            return web.Response(text="ok")
-
-        app = web.Application()
-        app.router.add_get("/health", health)
-        app.router.add_post("/v1/responses", create)
-        app.router.add_get("/v1/responses/{rid}", get)
-        return app
+        return responses_app(create, self.stored[name])
 
 
 @dataclass

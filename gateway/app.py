@@ -25,7 +25,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway import anthropic
 from gateway.admin import admin_routes
-from gateway.admission import Admitted, Refused, admit, authenticate, enter, read_body
+from gateway.admission import Refused, admit, authenticate, enter, read_body
+from gateway.admitted import Admitted
 from gateway.auth import Tenant
 from gateway.cors import Cors, serves
 from gateway.errors import ApiError

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.admission import Admitted
+from gateway.admitted import Admitted
 from gateway.failure import Failure
 from gateway.registry import Worker
 from gateway.request_head import RequestIds

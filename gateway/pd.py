@@ -13,7 +13,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from gateway.admission import Admitted
+from gateway.admitted import Admitted
 from gateway.errors import RawResponse
 from gateway.failure import Failure
 from gateway.lifecycle import Lifecycle

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import orjson
 
 from gateway import proxy
-from gateway.admission import Admitted
+from gateway.admitted import Admitted
 from gateway.errors import RawResponse
 from gateway.failure import TRANSPORT_ERRORS, Failure, Stage, failure_of, malformed, worker_status
 from gateway.lifecycle import Lifecycle

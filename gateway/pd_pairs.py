@@ -34,7 +34,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from gateway import proxy
-from gateway.admission import Admitted
+from gateway.admitted import Admitted
 from gateway.config.pd import PdConfig
 from gateway.errors import RawResponse
 from gateway.failure import Failure, ReadTimeouts

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 import orjson
 
-from gateway.admission import JSON_HEAD, Admitted
+from gateway.admitted import JSON_HEAD, Admitted
 from gateway.answer_write import HeldResponse
 from gateway.errors import ApiError, RawResponse
 from gateway.failure import (

@@ -53,7 +53,7 @@ from policies.base import Outcome, RouteDecision, RoutingPolicy
 from policies.pd import PdDecision
 
 if TYPE_CHECKING:
-    from gateway.admission import Admitted
+    from gateway.admitted import Admitted
 
 _FIFO = ""  # the one key of every request when `order: fifo`
 _RETRY_AFTER = ((b"retry-after", b"1"),)

@@ -21,7 +21,7 @@ from typing import Literal
 
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from gateway.admission import Admitted
+from gateway.admitted import Admitted
 from gateway.errors import ApiError
 from gateway.registry import Pool, Worker
 from gateway.responses_affinity import find_holder, holds, not_found

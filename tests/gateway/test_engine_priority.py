@@ -16,7 +16,8 @@ import orjson
 import pytest
 from aiohttp import web
 
-from gateway.admission import Admitted, admit
+from gateway.admission import admit
+from gateway.admitted import Admitted
 from gateway.auth import hash_api_key
 from gateway.bodies import parse_form, with_priority
 from gateway.config import parse_config

@@ -14,7 +14,8 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.admission import Admitted, admit
+from gateway.admission import admit
+from gateway.admitted import Admitted
 from gateway.auth import hash_api_key
 from gateway.bodies import ASSUMED_MAX_MODEL_LEN
 from gateway.config.pool import PoolConfig

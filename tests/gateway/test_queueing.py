@@ -11,7 +11,7 @@ from typing import Any, cast
 
 import pytest
 
-from gateway.admission import Admitted
+from gateway.admitted import Admitted
 from gateway.config.pool import PoolConfig
 from gateway.failure import Failure
 from gateway.metrics import GatewayMetrics

@@ -14,7 +14,11 @@ Two kinds of unsuccessful lookup are told apart by the `socket.gaierror` that `g
 - anything else (`EAI_AGAIN`: a timeout or SERVFAIL, `EAI_FAIL`, our own timeout) says nothing about
   the workers. The last known set stays: a DNS hiccup must not empty a pool.
 An answer of no addresses empties the pool once it has been given `empty_after` times in a row
-(2 by default; answers with addresses reset the count, failed lookups neither count nor reset).
+(2 by default; answers with addresses reset the count, failed lookups neither count nor reset)
+over at least `empty_after_s` from the first of them (10 s in a pool's `dns` config). The time matters as much
+as the count: a resolver caches a negative answer (cluster DNS for the SOA's TTL, 5 s in
+CoreDNS's `kubernetes` plugin; NodeLocal DNSCache in front of it for its own `denial` TTL), so
+lookups closer together than that can be one answer given again.
 Keeping the addresses of pods that are gone would route requests to IPs that another pod may be
 given next, while a single negative answer can be a flap (one DNS replica whose view of the
 Endpoints lags, a negative answer cached while they were rewritten): emptying the pool on it would
@@ -33,6 +37,7 @@ import contextlib
 import ipaddress
 import logging
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -231,8 +236,9 @@ class Discovery:
     set (everything `added`). `on_error(reason)` and `on_resync()` feed the metrics.
 
     A polled source that answers with no workers empties a pool that has some only after
-    `empty_after` such answers in a row (see the module docstring); until then each one is
-    recorded as an error of reason `no_addresses` and the last set stays.
+    `empty_after` such answers in a row spanning `empty_after_s` (see the module docstring); until
+    then each one is recorded as an error of reason `no_addresses` and the last set stays.
+    `clock` (monotonic seconds) is replaceable for tests.
     """
 
     def __init__(
@@ -245,18 +251,25 @@ class Discovery:
         first_wait_s: float = 5.0,
         name: str = "",
         empty_after: int = 2,
+        empty_after_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if interval_s <= 0:
             raise ValueError("interval_s must be positive")
         if empty_after < 1:
             raise ValueError("empty_after must be >= 1")
+        if empty_after_s < 0:
+            raise ValueError("empty_after_s must be >= 0")
         self._source = source
         self._interval_s = interval_s
         self._on_error = on_error
         self._on_resync = on_resync
         self._first_wait_s = first_wait_s
         self._empty_after = empty_after
+        self._empty_after_s = empty_after_s
+        self._clock = clock
         self._empty_answers = 0  # answers of no workers in a row, while the pool still had some
+        self._first_empty_s = 0.0  # when the first of them came
         self._log_extra = {"pool": name} if name else None
         self._current: frozenset[str] = frozenset()
         self._details: Mapping[str, WorkerDetails] = {}
@@ -335,9 +348,15 @@ class Discovery:
         if new:
             self._empty_answers = 0
         elif self._current:
+            now_s = self._clock()
+            if self._empty_answers == 0:
+                self._first_empty_s = now_s
             self._empty_answers += 1
+            span_s = now_s - self._first_empty_s
             answers = f"{self._empty_answers} of {self._empty_after} answers in a row"
-            if self._empty_answers < self._empty_after:
+            if self._empty_after_s:
+                answers += f", over {span_s:.1f} of {self._empty_after_s:g} s"
+            if self._empty_answers < self._empty_after or span_s < self._empty_after_s:
                 self.record_error("no_addresses", f"no workers ({answers})")
                 return diff_workers(self._current, self._current)
             log.warning("no workers (%s): the pool is empty", answers, extra=self._log_extra)

@@ -106,6 +106,7 @@ class Fleet:
                 worker_source(pool.config),
                 interval_s=dns.refresh_s if dns is not None else 5.0,
                 empty_after=dns.empty_after if dns is not None else 2,
+                empty_after_s=dns.empty_after_s if dns is not None else 0.0,
                 on_error=functools.partial(_count_error, metrics.discovery_errors, pool.name),
                 on_resync=metrics.discovery_resyncs.labels(pool.name).inc,
                 name=pool.name,

@@ -60,13 +60,15 @@ class IdentityConfig(Frozen):
 class DnsDiscoveryConfig(Frozen):
     """Workers as every address of a DNS name (a Kubernetes headless Service), re-resolved every
     `refresh_s`; a failed lookup keeps the last known set, an answer of no addresses (NXDOMAIN,
-    no record) empties the pool once given `empty_after` times in a row."""
+    no record) empties the pool once given `empty_after` times in a row over at least
+    `empty_after_s` (a resolver may give one cached negative answer several times)."""
 
     name: str = Field(min_length=1)
     port: int = Field(ge=1, le=65535)
     scheme: Literal["http", "https"] = "http"
     refresh_s: PositiveFloat = 5.0
     empty_after: int = Field(2, ge=1, le=100)
+    empty_after_s: float = Field(10.0, ge=0, le=3600)
 
 
 class PoolConfig(Frozen):

@@ -129,6 +129,24 @@ async def test_empty_after_one_answer_when_asked() -> None:
         Discovery(StaticWorkers([]), empty_after=0)
 
 
+async def test_answers_of_no_addresses_must_span_empty_after_s() -> None:
+    """A resolver caching a negative answer gives it at every lookup until its TTL ends: however
+    many such answers come, the pool empties only once they span `empty_after_s`."""
+    now_s = [0.0]
+    r = ScriptedResolver(["10.0.0.1"], NXDOMAIN, ["10.0.0.1"], NXDOMAIN)
+    d = Discovery(DnsWorkers("svc", 8000, resolver=r), empty_after_s=10.0, clock=lambda: now_s[0])
+    await d.refresh()
+    now_s[0] = 100.0
+    await d.refresh()  # the first negative answer, then the workers again: the span starts over
+    await d.refresh()
+    for now_s[0] in (105.0, 105.1, 109.9, 114.9):  # five answers in a row, over 9.9 s
+        assert not await d.refresh() and d.current == {"http://10.0.0.1:8000"}
+    now_s[0] = 115.0
+    assert (await d.refresh()).removed == {"http://10.0.0.1:8000"}
+    with pytest.raises(ValueError, match="empty_after_s"):
+        Discovery(StaticWorkers([]), empty_after_s=-1)
+
+
 async def test_the_loops_getaddrinfo_errors_are_told_apart(monkeypatch: pytest.MonkeyPatch) -> None:
     """Through the real resolver path (`resolve_with_loop`): what the loop's `getaddrinfo` raises
     for a name with no addresses is an empty answer; a temporary failure is raised to `refresh`."""

@@ -26,7 +26,7 @@ async def worker() -> AsyncIterator[Worker]:
 
 
 def dns_pool(port: int) -> dict[str, Any]:
-    return gateway_config({"dns": {"name": SERVICE, "port": port, "refresh_s": 0.05}})
+    return gateway_config({"dns": {"name": SERVICE, "port": port, "refresh_s": 0.05, "empty_after_s": 0}})
 
 
 async def test_a_service_scaled_to_zero_answers_no_worker_then_serves_again(
@@ -65,7 +65,13 @@ async def test_empty_after_sets_how_many_answers_of_no_addresses_empty_the_pool(
     worker: Worker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     dns = scripted_dns(monkeypatch, ["127.0.0.1"])
-    dns_config = {"name": SERVICE, "port": worker.port, "refresh_s": 0.05, "empty_after": 50}
+    dns_config = {
+        "name": SERVICE,
+        "port": worker.port,
+        "refresh_s": 0.05,
+        "empty_after": 50,
+        "empty_after_s": 0,
+    }
     config = gateway_config({"dns": dns_config})
     async with gateway_in_process(config, make_policy("round_robin"), secret=SECRET) as gw:
         pool = gw.state.registry.pools["p"]
@@ -75,3 +81,21 @@ async def test_empty_after_sets_how_many_answers_of_no_addresses_empty_the_pool(
         assert len(pool.workers) == 1  # 5 (or a few more) of the 50 in a row
         await wait_until(lambda: not pool.workers, timeout_s=30, what="the pool is empty")
         assert dns.lookups >= seen + 50
+
+
+async def test_empty_after_s_keeps_the_pool_through_answers_of_no_addresses_in_quick_succession(
+    worker: Worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two answers in a row are not enough while they span less than `empty_after_s` (one negative
+    answer a resolver cached and gave again); the pool keeps its worker, which still serves."""
+    dns = scripted_dns(monkeypatch, ["127.0.0.1"])
+    dns_config = {"name": SERVICE, "port": worker.port, "refresh_s": 0.05, "empty_after_s": 3600}
+    async with gateway_in_process(
+        gateway_config({"dns": dns_config}), make_policy("round_robin"), secret=SECRET
+    ) as gw:
+        pool = gw.state.registry.pools["p"]
+        dns.answer = socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        seen = dns.lookups
+        await wait_until(lambda: dns.lookups >= seen + 5, what="five answers of no addresses")
+        assert len(pool.workers) == 1
+        assert (await chat(gw, "still"))[0] == 200 and worker.served == ["still"]

@@ -55,7 +55,9 @@ async def test_a_worker_discovery_removes_is_forgotten_and_comes_back_empty(
 ) -> None:
     dns = scripted_dns(monkeypatch, ["127.0.0.1"])
     policy = make_policy("cost")
-    config = gateway_config({"dns": {"name": SERVICE, "port": worker.port, "refresh_s": 0.05}})
+    config = gateway_config(
+        {"dns": {"name": SERVICE, "port": worker.port, "refresh_s": 0.05, "empty_after_s": 0}}
+    )
     async with gateway_in_process(config, policy, secret=SECRET) as gw, released(worker):
         pool = gw.state.registry.pools["p"]
         assert (await chat(gw, PROMPT))[0] == 200

@@ -169,8 +169,9 @@ value below preStop + deadline + 10 would let the kubelet kill a pod still drain
 {{- else if $w.dns }}
 {{- if not $w.dns.name }}{{ fail (printf "pools[%d] (%s): workers.dns.name is required" $i $p.name) }}{{ end }}
 {{- $dns := dict "name" $w.dns.name "port" (int (default 8000 $w.dns.port)) "scheme" (default "http" $w.dns.scheme) "refresh_s" (default 5 $w.dns.refreshSeconds) }}
-{{- /* Unset: the gateway's own default (2 answers of no addresses in a row). */}}
+{{- /* Unset: the gateway's own defaults (2 answers of no addresses in a row, over 10 s). */}}
 {{- with $w.dns.emptyAfter }}{{ $_ := set $dns "empty_after" (int .) }}{{ end }}
+{{- if hasKey $w.dns "emptyAfterSeconds" }}{{ $_ := set $dns "empty_after_s" $w.dns.emptyAfterSeconds }}{{ end }}
 {{- $_ := set $pool "dns" $dns }}
 {{- else }}
 {{- if not $.Values.kubernetesDiscovery.enabled }}

@@ -93,10 +93,21 @@ def alive(pid: int) -> bool:
 
 
 def assert_sigterm_stops_the_workers(serve_args: Sequence[str], workers: int, ready_timeout_s: float) -> None:
-    """Start `kvgate serve <serve_args>` on a free port and wait until it is ready with `workers`
-    live children; on SIGTERM it exits 0 and takes every child with it."""
+    """Start `kvgate serve <serve_args>` on a free port (its /metrics on another) and wait until
+    it is ready with `workers` live children; on SIGTERM it exits 0 and takes every child with it."""
     port = free_port()
-    proc = start([sys.executable, "-m", "gateway.cli", "serve", *serve_args, "--port", str(port)])
+    argv = [
+        sys.executable,
+        "-m",
+        "gateway.cli",
+        "serve",
+        *serve_args,
+        "--port",
+        str(port),
+        "--metrics-port",
+        "0",
+    ]
+    proc = start(argv)
     try:
         wait_http(f"http://127.0.0.1:{port}/readyz", proc, timeout_s=ready_timeout_s)
         children = _children(proc.popen.pid)

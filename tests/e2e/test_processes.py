@@ -132,7 +132,19 @@ def test_the_local_broker_admits_only_the_runs_token(demo: tuple[str, Proc]) -> 
 def test_sigterm_stops_gateways_broker_and_workers() -> None:
     port = free_port()
     proc = start(
-        [sys.executable, "-m", "gateway.cli", "serve", "--demo", "--processes", "2", "--port", str(port)]
+        [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "serve",
+            "--demo",
+            "--processes",
+            "2",
+            "--port",
+            str(port),
+            "--metrics-port",
+            "0",
+        ]
     )
     try:
         wait_http(f"http://127.0.0.1:{port}/readyz", proc, timeout_s=60)

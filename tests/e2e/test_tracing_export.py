@@ -74,7 +74,18 @@ def _traced(tmp_path: Path, delay_ms: int, pd: dict[str, str] | None) -> Iterato
             tracing={"enabled": True},
         )
         env = _otel_env(receiver, delay_ms)
-        argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port", str(gw_port)]
+        argv = [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "serve",
+            "--config",
+            str(config),
+            "--port",
+            str(gw_port),
+            "--metrics-port",
+            "0",
+        ]
         gateway = start(argv, env=env)
         wait_http(f"http://127.0.0.1:{gw_port}/readyz", gateway)
         yield Traced(f"http://127.0.0.1:{gw_port}", worker_url, gateway, receiver)
@@ -171,7 +182,18 @@ def test_a_split_request_has_a_client_span_per_leg(tmp_path: Path) -> None:
         )
         env = _otel_env(receiver, 200)
         port = free_port()
-        argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port", str(port)]
+        argv = [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "serve",
+            "--config",
+            str(config),
+            "--port",
+            str(port),
+            "--metrics-port",
+            "0",
+        ]
         gateway = start(argv, env=env)
         wait_http(f"http://127.0.0.1:{port}/readyz", gateway)
         body = {

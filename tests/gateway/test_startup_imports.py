@@ -42,7 +42,8 @@ uvicorn.Server.startup = _report_and_exit
 
 _DEMO = """
 from gateway.cli import main
-sys.exit(main(["serve", "--demo", "--workers", "1", "--host", "127.0.0.1", "--port", "0"]))
+argv = ["serve", "--demo", "--workers", "1", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"]
+sys.exit(main(argv))
 """
 
 _WORKER = """

@@ -64,7 +64,7 @@ def test_one_process_against_k_with_and_without_sync_end_to_end(
     args = parser.parse_args([*TINY, "--repeats", "2", "--json", str(out), "--logs", str(tmp_path / "logs")])
     before = _descendants()
     assert bench_replicas.run(args) == 0
-    assert _descendants() == before  # workers, gateways and the broker all stopped
+    assert _descendants() <= before  # workers, gateways and the broker all stopped
     printed = capsys.readouterr().out
     rows = [line for line in printed.splitlines() if line.startswith("| ") and "gateways" not in line]
     assert [r.split(" | ")[0] for r in rows] == [
@@ -128,7 +128,7 @@ def test_processes_on_one_port_end_to_end(tmp_path: Path, capsys: pytest.Capture
     )
     before = _descendants()
     assert bench_replicas.run(args) == 0
-    assert _descendants() == before
+    assert _descendants() <= before
     assert "| 2 processes (one port, SO_REUSEPORT), sync broker |" in capsys.readouterr().out
     base, shared = json.loads(out.read_text())["setups"]
     assert shared["layout"] == "reuseport" and shared["rounds"][0]["n_ok"] == 12

@@ -3,7 +3,7 @@
 Both routes need `Authorization: Bearer <admin key>`, checked against `admin.api_key_hash` in the
 config (the same keyed hash as tenant keys; a tenant key never works here). Without that setting
 there are no admin routes: every method on them answers the gateway's 404, as for any unknown
-path. Nothing here shows request content: workers,
+path. Nothing here shows request content: workers, context windows,
 breakers, scrape ages, KV-event stream counters, policy counters and the policy file's state.
 """
 
@@ -23,7 +23,7 @@ from starlette.routing import Route
 from gateway.auth import hash_api_key
 from gateway.errors import ApiError
 from gateway.policy_watch import PolicyStatus, PolicyWatcher, ReloadResult
-from gateway.registry import Worker
+from gateway.registry import Pool, Worker
 from gateway.request_head import request_id_of
 from gateway.state import GatewayState
 from gateway.surface import error
@@ -97,8 +97,15 @@ def status_snapshot(state: GatewayState, watcher: PolicyWatcher | None) -> dict[
     fleet = state.fleet
     pools = []
     for pool in state.registry.pools.values():
-        workers = [_worker(w, now_s, pool.metrics_max_age_s, fleet) for w in pool.workers.values()]
-        pools.append({"name": pool.name, "models": list(pool.config.models), "workers": workers})
+        workers = [_worker(w, now_s, pool, fleet) for w in pool.workers.values()]
+        pools.append(
+            {
+                "name": pool.name,
+                "models": list(pool.config.models),
+                "max_model_len": _windows(pool),
+                "workers": workers,
+            }
+        )
     return {
         "ready": state.lifecycle.ready,
         "draining": state.lifecycle.draining,
@@ -109,7 +116,20 @@ def status_snapshot(state: GatewayState, watcher: PolicyWatcher | None) -> dict[
     }
 
 
-def _worker(worker: Worker, now_s: float, max_age_s: float, fleet: Fleet | None) -> dict[str, Any]:
+def _windows(pool: Pool) -> dict[str, dict[str, Any]]:
+    """Each model's context window as admission uses it, and where it comes from: the pool's
+    config, its workers' cards, or nowhere yet (then nothing is refused for it)."""
+    source = "config" if pool.windows.stated else "workers"
+    known = pool.windows.max_model_len
+    unknown: dict[str, Any] = {"tokens": None, "source": None}
+    return {
+        model: {"tokens": known[model], "source": source} if model in known else unknown
+        for model in pool.config.models
+    }
+
+
+def _worker(worker: Worker, now_s: float, pool: Pool, fleet: Fleet | None) -> dict[str, Any]:
+    reported = pool.windows.reported(worker.worker_id)
     out: dict[str, Any] = {
         "url": worker.url,
         "healthy": worker.healthy,
@@ -123,6 +143,7 @@ def _worker(worker: Worker, now_s: float, max_age_s: float, fleet: Fleet | None)
         "decode_tokens": worker.decode_tokens,
         "decode_context_tokens": worker.decode_context,
         "prefill_pairs": worker.prefill_pairs,
+        "max_model_len": dict(reported) if reported is not None else None,  # its cards' windows
         "scrape": None,
         "kv_events": None,
     }
@@ -132,7 +153,7 @@ def _worker(worker: Worker, now_s: float, max_age_s: float, fleet: Fleet | None)
         age_s = scrape.last.age_s(now_s) if scrape.last is not None else None
         out["scrape"] = {
             "age_s": _round(age_s),
-            "fresh": age_s is not None and age_s <= max_age_s,
+            "fresh": age_s is not None and age_s <= pool.metrics_max_age_s,
             "failures": scrape.failures,
             "consecutive_failures": scrape.consecutive_failures,
             "last_error": scrape.last_error,

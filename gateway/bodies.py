@@ -182,10 +182,11 @@ def encode_body(body: dict[str, Any]) -> bytes:
 
 _OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 
-# The most output tokens one request counts for in its worker's load when its pool does not state
-# its workers' context window (`PoolConfig.max_model_len`): 128k tokens, the window of most models
-# served today. No answer is longer than the window, and a client's budget counted whole (any
-# integer passes JSON) would make its worker look busy for years to the policy.
+# The most output tokens one request counts for in its worker's load while its model's context
+# window is not known (neither stated, `PoolConfig.max_model_len`, nor reported by the workers,
+# `model_window.py`): 128k tokens, the window of most models served today. No answer is longer
+# than the window, and a client's budget counted whole (any integer passes JSON) would make its
+# worker look busy for years to the policy.
 ASSUMED_MAX_MODEL_LEN = 131_072
 
 
@@ -212,10 +213,10 @@ def _output_field(body: dict[str, Any]) -> tuple[str, int] | None:
 def output_budget(body: dict[str, Any], max_model_len: int | None) -> int:
     """The request's output budget (chat, completions, Messages `max_tokens`, Responses
     `max_output_tokens`, the native generate routes' `sampling_params`) as it counts in its
-    worker's load: at most the context window `max_model_len` (`ASSUMED_MAX_MODEL_LEN` when the
-    pool states none); 0 when it sets none. A budget that alone fills a stated window is refused
-    with 400, as vLLM refuses a budget past the window (every prompt has a token, so no worker
-    could run it)."""
+    worker's load: at most its model's context window `max_model_len`, stated or learned
+    (`model_window.PoolWindows`; `ASSUMED_MAX_MODEL_LEN` when None); 0 when it sets none. A
+    budget that alone fills a known window is refused with 400, as vLLM refuses a budget past
+    the window (every prompt has a token, so no worker could run it)."""
     found = _output_field(body)
     if found is None:
         return 0

@@ -4,7 +4,8 @@ The registry takes plain URL lists (`Pool.set_urls`), so static config and perio
 it the same way. Load counters are kept incrementally by the data path (`Worker.acquire` /
 `release`), never recomputed by scanning requests. Each change of a worker's health verdict is
 reported to the pool's `on_health` listener (the fleet's: a worker that goes down, or comes back
-after being down, may be a new process with an empty cache).
+after being down, may be a new process with an empty cache). A worker seen up, or restarted in
+place, has its model cards read on the next health round (`model_window.py`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import aiohttp
 from gateway.breaker import CircuitBreaker
 from gateway.config.pool import PoolConfig
 from gateway.health import probe_health
-from gateway.scrape import WorkerMetrics
+from gateway.model_window import PoolWindows, read_windows
+from gateway.scrape import WorkerMetrics, worker_restarted
 from gateway.upstream_address import direct_address
 from gateway.upstream_headers import NO_AUTH, WorkerAuth
 from policies.base import Role, WorkerId, WorkerView, decode_context_of, prefill_pairs
@@ -76,6 +78,7 @@ class Worker:
         "prefill_started_s",
         "prefill_tokens",
         "url",
+        "window_due",
         "worker_id",
     )
 
@@ -104,6 +107,8 @@ class Worker:
         self.in_flight_at_scrape = 0  # this gateway's and its peers' requests when it was scraped
         self._role: str | None = None
         self._peer_load: PeerLoad | None = None  # other gateways' in-flight here (replica sync)
+        # Seen up or restarted since its model cards were last read (`Pool.check` reads them).
+        self.window_due = False
 
     @property
     def healthy(self) -> bool:
@@ -131,6 +136,9 @@ class Worker:
 
     def note_metrics(self, metrics: WorkerMetrics | None, scraped_at_s: float) -> None:
         """A scrape's result (None: the worker exposes no metrics)."""
+        before = self._metrics
+        if before is not None and metrics is not None and worker_restarted(before, metrics):
+            self.window_due = True  # a new process may serve another context window
         self._metrics = metrics
         self.metrics_at_s = scraped_at_s
         peers = self._peer_load.requests if self._peer_load is not None else 0
@@ -265,6 +273,7 @@ class Worker:
             self._fails = 0
             if not self.healthy and self._oks >= config.health.successes_to_up:
                 self.healthy = True
+                self.window_due = True
                 log.info("worker up", extra={"worker": self.url})
                 change = HealthChange.BACK if self._been_up else HealthChange.UP
                 self._been_up = True
@@ -304,6 +313,7 @@ class Pool:
         )
         # Prefill/decode disaggregation: the pair chooser of a pool with a `pd` section.
         self.pd_router = _pd_router(config)
+        self.windows = PoolWindows(config)  # each model's context window, read at admission
         self._static_roles = config.static_roles
         self.on_health: HealthListener | None = None
         self.set_urls(config.static_urls)
@@ -317,15 +327,20 @@ class Pool:
         for worker in kept.values():
             found = roles.get(worker.url) if roles else None
             worker.role = found if found is not None else self._static_roles.get(worker.url)
+        for gone in self.workers.keys() - kept.keys():
+            self.windows.forget(gone)
         self.workers = kept
 
     async def check(self, session: aiohttp.ClientSession) -> None:
-        """One round of health checks of this pool's workers, concurrently."""
+        """One round of health checks of this pool's workers, concurrently; then the model cards
+        of the workers seen up or restarted since their last read."""
         workers = list(self.workers.values())
         timeout_s, headers = self.config.health.timeout_s, self.auth.headers
         results = await asyncio.gather(*(probe_health(w.url, timeout_s, session, headers) for w in workers))
         for worker, ok in zip(workers, results, strict=True):
             change = worker.record_health(ok, self.config)
+            if change is HealthChange.DOWN:
+                self.windows.forget(worker.worker_id)
             # A worker that left the pool while it was checked is no longer this pool's to report.
             if (
                 change is not None
@@ -333,6 +348,13 @@ class Pool:
                 and self.workers.get(worker.worker_id) is worker
             ):
                 self.on_health(worker.worker_id, change)
+        due = [w for w in self.workers.values() if w.window_due and w.healthy]
+        for worker in due:
+            worker.window_due = False
+        reads = await asyncio.gather(*(read_windows(w.url, timeout_s, session, headers) for w in due))
+        for worker, read in zip(due, reads, strict=True):
+            if self.workers.get(worker.worker_id) is worker and worker.healthy:
+                self.windows.note(worker.worker_id, read)
 
     def views(self, now_s: float, exclude: frozenset[WorkerId] = frozenset()) -> list[WorkerView]:
         views = [w.view(now_s, self.metrics_max_age_s) for w in self.workers.values()]

@@ -57,10 +57,10 @@ register_url_convertor("kvgate_model_id", _ModelId())
 
 
 def model_cards(registry: Registry, created_s: int) -> dict[str, dict[str, object]]:
-    """The card of every served model, in vLLM's shape: `root` the model id (the gateway does not
-    know the path a worker loaded), `parent` the pool's base model for a LoRA adapter id (null
-    otherwise), `permission` empty; `owned_by` names the gateway. No `max_model_len`: the gateway
-    does not learn it from the workers."""
+    """The fixed part of every served model's card, in vLLM's shape: `root` the model id (the
+    gateway does not know the path a worker loaded), `parent` the pool's base model for a LoRA
+    adapter id (null otherwise), `permission` empty; `owned_by` names the gateway. The context
+    window changes with the workers: `with_window` adds it."""
     cards: dict[str, dict[str, object]] = {}
     for pool in registry.pools.values():
         adapters = pool.config.adapters
@@ -76,6 +76,18 @@ def model_cards(registry: Registry, created_s: int) -> dict[str, dict[str, objec
                 "permission": [],
             }
     return cards
+
+
+def with_window(card: dict[str, object], max_model_len: int | None) -> dict[str, object]:
+    """The card with the model's context window as vLLM places it (before `permission`): the
+    pool's stated or learned window (`model_window.PoolWindows`); the card as it is when none
+    is known."""
+    if max_model_len is None:
+        return card
+    out = {name: value for name, value in card.items() if name != "permission"}
+    out["max_model_len"] = max_model_len
+    out["permission"] = card["permission"]
+    return out
 
 
 def routable_models(registry: Registry) -> list[str]:
@@ -116,7 +128,7 @@ def surface_routes(gate: Gate, registry: Registry, created_s: int) -> list[Route
     cards = model_cards(registry, created_s)  # the pools' models are fixed for the process
 
     def card(model: str) -> dict[str, object]:
-        return cards[model]
+        return with_window(cards[model], registry.by_model[model].windows.max_model_len.get(model))
 
     async def models(request: Request) -> Response:
         request_id = request_id_of(request)

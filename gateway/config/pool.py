@@ -115,9 +115,10 @@ class PoolConfig(Frozen):
     # scheduling is on. Requests then carry their tenant's `engine_priority`, never the client's.
     priority_scheduling: Literal["off", "lower_first", "higher_first"] = "off"
     # The workers' context window in tokens (vLLM `--max-model-len`, SGLang `--context-length`),
-    # when the operator states it. A request's output budget counts in its worker's load for at
-    # most this many tokens (`bodies.ASSUMED_MAX_MODEL_LEN` when unset), and one that alone fills
-    # the window is refused with 400, as the worker would refuse it.
+    # when the operator states it; unset, each model's is learned from the workers' `/v1/models`
+    # (`gateway/model_window.py`). A request's output budget counts in its worker's load for at
+    # most the window (`bodies.ASSUMED_MAX_MODEL_LEN` while none is known), and one that alone
+    # fills it is refused with 400, as the worker would refuse it.
     max_model_len: PositiveInt | None = None
 
     @field_validator("forward_headers")
@@ -151,6 +152,11 @@ class PoolConfig(Frozen):
         roles = dict.fromkeys(self.prefill_workers, "prefill")
         roles.update(dict.fromkeys(self.decode_workers, "decode"))
         return roles
+
+    @property
+    def base_model(self) -> str:
+        """The model the pool's LoRA adapters run on: its first model id that is not an adapter."""
+        return next((m for m in self.models if m not in self.adapters), self.models[0])
 
     @property
     def subscribes_kv_events(self) -> bool:

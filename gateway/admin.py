@@ -23,10 +23,11 @@ from starlette.routing import Route
 from gateway.auth import hash_api_key
 from gateway.errors import ApiError
 from gateway.policy_watch import PolicyStatus, PolicyWatcher, ReloadResult
-from gateway.registry import Pool, Worker
+from gateway.registry import Pool
 from gateway.request_head import request_id_of
 from gateway.state import GatewayState
 from gateway.surface import error
+from gateway.worker import Worker
 from policies.stats import SupportsStats
 
 if TYPE_CHECKING:

@@ -40,9 +40,10 @@ from gateway.k8s.source import PodWatcher
 from gateway.kv_event_types import KvEventEndpoint, endpoint_for_worker
 from gateway.kv_events import KvEventSubscriber
 from gateway.metrics.families import HotCounter
-from gateway.registry import HealthChange, Pool, Registry
+from gateway.registry import Pool, Registry
 from gateway.routing import Routing
 from gateway.scrape import MetricsScraper, ScrapeConfig, ScrapeResult
+from gateway.worker import HealthChange
 from policies.base import KvEvent, WorkerId
 from policies.pools import FollowsWorkers
 

@@ -10,10 +10,10 @@ from typing import Any
 
 from gateway.admitted import Admitted
 from gateway.failure import Failure
-from gateway.registry import Worker
 from gateway.request_head import RequestIds
 from gateway.routing import Routing
 from gateway.tracing import AttemptTrace
+from gateway.worker import Worker
 from policies.base import Observation, Outcome, RouteDecision
 from policies.records import record
 

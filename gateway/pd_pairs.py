@@ -53,10 +53,10 @@ from gateway.pd_legs import (
     vllm_decode_body,
     vllm_prefill_body,
 )
-from gateway.registry import Worker
 from gateway.routing import Routing
 from gateway.streaming import ProxyStream
 from gateway.transport import Transport
+from gateway.worker import Worker
 from policies.base import Outcome, RouteDecision, WorkerId
 
 Response = RawResponse | ProxyStream

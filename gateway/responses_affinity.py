@@ -55,8 +55,9 @@ import orjson
 
 from gateway.errors import ApiError, bad_request
 from gateway.failure import Failure, RetryReason
-from gateway.registry import Pool, Worker
+from gateway.registry import Pool
 from gateway.responses_ids import MAX_REQUEST_ID_CHARS, ResponseIds, valid_response_id
+from gateway.worker import Worker
 from policies.base import Outcome, Role, RouteDecision, WorkerId, WorkerView
 from policies.records import record
 

@@ -23,10 +23,11 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from gateway.admitted import Admitted
 from gateway.errors import ApiError
-from gateway.registry import Pool, Worker
+from gateway.registry import Pool
 from gateway.responses_affinity import find_holder, holds, not_found
 from gateway.transport import Transport
 from gateway.upstream_headers import worker_headers
+from gateway.worker import Worker
 
 _W3C = TraceContextTextMapPropagator()
 

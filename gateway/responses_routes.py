@@ -33,7 +33,7 @@ from gateway.gate import Gate
 from gateway.lifecycle import Lifecycle, shutting_down
 from gateway.outcome import CLIENT_DISCONNECTED, record_refusal
 from gateway.quotas import Rejection
-from gateway.registry import Pool, Registry, Worker
+from gateway.registry import Pool, Registry
 from gateway.request_head import RequestIds, client_request_id, new_request_id
 from gateway.responses_affinity import ResponseAffinity, find_holder, holds, not_found, stored_url
 from gateway.responses_stream import StoredResponseStream
@@ -44,6 +44,7 @@ from gateway.tracing import TRACE_CONTEXT_HEADERS
 from gateway.transport import Transport
 from gateway.upstream import UpstreamError
 from gateway.upstream_headers import aiohttp_pairs, pick, worker_headers
+from gateway.worker import Worker
 
 # The `endpoint` labels of the stored-response routes (the proxied routes' are in `routes.ROUTES`).
 RETRIEVE_ENDPOINT = "responses.retrieve"

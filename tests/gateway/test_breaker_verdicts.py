@@ -21,9 +21,9 @@ from gateway.config import parse_config
 from gateway.config.pool import BreakerConfig, TimeoutsConfig
 from gateway.failure import Stage, failure_of, worker_status
 from gateway.outcome import HeldVerdicts
-from gateway.registry import Worker
 from gateway.state import GatewayState
 from gateway.upstream import UpstreamTimeout
+from gateway.worker import Worker
 from policies import make_policy
 from tests.support.inprocess import gateway_in_process
 from tests.support.loopback import serve_app

@@ -20,8 +20,9 @@ from gateway.model_window import (
     PoolWindows,
     parse_windows,
 )
-from gateway.registry import HealthChange, Pool, Worker
+from gateway.registry import Pool
 from gateway.scrape import WorkerMetrics
+from gateway.worker import HealthChange, Worker
 from policies.base import WorkerId
 
 W1, W2 = WorkerId("http://w1"), WorkerId("http://w2")

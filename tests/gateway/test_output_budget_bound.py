@@ -20,9 +20,9 @@ from gateway.auth import hash_api_key
 from gateway.bodies import ASSUMED_MAX_MODEL_LEN
 from gateway.config.pool import PoolConfig
 from gateway.gate import Gate
-from gateway.registry import Worker
 from gateway.request_head import RequestIds
 from gateway.routes import ROUTES
+from gateway.worker import Worker
 from policies import make_policy
 from policies.base import Observation, WorkerId, WorkerView
 from policies.cost_policy import CostPolicy

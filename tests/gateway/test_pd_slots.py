@@ -23,8 +23,8 @@ from gateway.config.pool import PoolConfig
 from gateway.disconnect import DisconnectWatch
 from gateway.outcome import Reservation
 from gateway.queueing import PoolQueue
-from gateway.registry import Worker
 from gateway.state import GatewayState
+from gateway.worker import Worker
 from policies.base import WorkerId
 from tests.gateway.routes_rig import Recording
 from tests.support.inprocess import InProcessGateway, gateway_in_process

@@ -16,7 +16,8 @@ from gateway.config.pool import PoolConfig
 from gateway.failure import Failure
 from gateway.metrics import GatewayMetrics
 from gateway.queueing import PoolQueue
-from gateway.registry import Pool, Worker
+from gateway.registry import Pool
+from gateway.worker import Worker
 from policies.base import RouteDecision, RouteRequest, WorkerView
 from tests.support.policies import IgnoresFeedback
 from tests.support.wait import wait_until

@@ -12,9 +12,10 @@ import aiohttp
 import pytest
 
 from gateway.config.pool import PoolConfig
-from gateway.registry import Pool, Worker
+from gateway.registry import Pool
 from gateway.responses_affinity import ResponseAffinity, find_holder
 from gateway.responses_ids import MAX_REQUEST_ID_CHARS, MAX_RESPONSE_ID_CHARS, ResponseIds
+from gateway.worker import Worker
 from policies.base import WorkerId
 from tests.gateway.routes_rig import KEY, Rig, routes_rig
 

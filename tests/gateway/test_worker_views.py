@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from gateway.config.pool import BreakerConfig, PoolConfig
-from gateway.registry import Worker
 from gateway.scrape import WorkerMetrics
+from gateway.worker import Worker
 
 
 def _worker() -> Worker:

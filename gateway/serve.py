@@ -196,7 +196,7 @@ def read_start_secrets(config: GatewayConfig) -> bytes:
     return secret
 
 
-def _with_sync(config: GatewayConfig, url: str | None, token_env: str | None) -> GatewayConfig:
+def with_sync(config: GatewayConfig, url: str | None, token_env: str | None) -> GatewayConfig:
     """The config with `--sync-url` and `--sync-token-env` applied (and checked as the YAML is)."""
     fields = config.sync.model_dump()
     if url is not None:
@@ -226,11 +226,11 @@ def run(args: argparse.Namespace) -> int:
             from gateway.demo import run_demo
 
             def serve_demo(config: GatewayConfig, secret: bytes, loaded: LoadedPolicy) -> int:
-                return serve(config, secret, loaded)
+                return serve(with_sync(config, args.sync_url, args.sync_token_env), secret, loaded)
 
             return run_demo(args, serve_demo)
         config = with_listen(load_config(args.config), args.host, args.port, args.metrics_port)
-        config = _with_sync(config, args.sync_url, args.sync_token_env)
+        config = with_sync(config, args.sync_url, args.sync_token_env)
         if args.log_level is None:
             setup_logging(config.log_level)
         secret = read_start_secrets(config)

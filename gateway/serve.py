@@ -90,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="serve the port from N processes (SO_REUSEPORT) that share routing state through the "
-        "sync broker: the config's sync.url, else a local nats-server (docs/sync.md)",
+        "sync broker: --sync-url or the config's sync.url, else a local nats-server (docs/sync.md)",
     )
     parser.add_argument(
         "--watchdog-s",

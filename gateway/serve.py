@@ -128,6 +128,8 @@ def apply_mode_flags(args: argparse.Namespace) -> None:
                 f"{', '.join(given)}: only with --demo (a config file names its own workers, "
                 "tenants and keys)"
             )
+    if args.demo and args.pd_protocol is not None and args.pd is None:
+        raise ConfigError("--pd-protocol: only with --pd P:D (the demo's workers are mixed without it)")
     if args.secret_file is not None and not args.hash_key:
         raise ConfigError(
             "--secret-file: only with --hash-key (the gateway reads its key-hash secret from the "

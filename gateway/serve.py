@@ -27,6 +27,11 @@ from policies.registry import known_policies
 
 DEMO_MODEL = "kvgate-demo"
 DEMO_KEY = "sk-kvgate-demo"
+DEMO_WORKERS = 2
+DEMO_PD_PROTOCOL = "vllm"
+# Flags that only the demo reads, by destination. Their parser defaults are None so that a flag
+# given without --demo can be told from one left out (`apply_mode_flags`).
+DEMO_FLAGS = {"--workers": "workers", "--pd": "pd", "--pd-protocol": "pd_protocol", "--demo-key": "demo_key"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,8 +44,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="read an API key on stdin and print its config hash (secret, at least 32 bytes, from "
         "KVGATE_KEY_SECRET or --secret-file)",
     )
-    parser.add_argument("--secret-file", metavar="FILE", help="key-hash secret file for --hash-key")
-    parser.add_argument("--workers", type=int, default=2, help="demo: number of emulated workers (default 2)")
+    parser.add_argument(
+        "--secret-file",
+        metavar="FILE",
+        help="with --hash-key: read the key-hash secret from FILE (a gateway started with --config "
+        "reads it from the config's secrets.key_hash_secret_file or _env)",
+    )
+    parser.add_argument(
+        "--workers", type=int, default=None, help=f"demo: number of emulated workers (default {DEMO_WORKERS})"
+    )
     parser.add_argument(
         "--pd",
         metavar="P:D",
@@ -51,8 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pd-protocol",
         choices=("vllm", "sglang"),
-        default="vllm",
-        help="demo: the P/D wire protocol, vLLM's kv_transfer_params or SGLang's bootstrap_* (default vllm)",
+        default=None,
+        help="demo: the P/D wire protocol, vLLM's kv_transfer_params or SGLang's bootstrap_* "
+        f"(default {DEMO_PD_PROTOCOL})",
     )
     parser.add_argument("--host", default=None, help="listen address (default 127.0.0.1 or the config's)")
     parser.add_argument("--port", type=int, default=None, help="listen port (default 8080 or the config's)")
@@ -63,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="port of the /metrics listener (default 9464 or the config's metrics.listen; 0: a free port)",
     )
     parser.add_argument(
-        "--demo-key", default=DEMO_KEY, help=f"demo: the API key clients use (default {DEMO_KEY})"
+        "--demo-key", default=None, help=f"demo: the API key clients use (default {DEMO_KEY})"
     )
     parser.add_argument(
         "--log-level",
@@ -77,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="serve the port from N processes (SO_REUSEPORT) that share routing state through the "
-        "sync broker: the config's sync.url, else a local nats-server (docs/sync.md)",
+        "sync broker: --sync-url or the config's sync.url, else a local nats-server (docs/sync.md)",
     )
     parser.add_argument(
         "--watchdog-s",
@@ -100,6 +113,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="bind the client port with SO_REUSEPORT (set by --processes for its children)",
     )
+
+
+def apply_mode_flags(args: argparse.Namespace) -> None:
+    """Refuse a flag that the chosen mode would ignore, and fill in the demo's defaults.
+
+    Ignored silently, `--secret-file` with `--config` let the start fail on the secret it was
+    meant to name ("KVGATE_KEY_SECRET is not set"), and `--workers 4` with `--config` served the
+    config's workers without a word."""
+    if not args.demo:
+        given = [flag for flag, dest in DEMO_FLAGS.items() if getattr(args, dest) is not None]
+        if given:
+            raise ConfigError(
+                f"{', '.join(given)}: only with --demo (a config file names its own workers, "
+                "tenants and keys)"
+            )
+    if args.demo and args.pd_protocol is not None and args.pd is None:
+        raise ConfigError("--pd-protocol: only with --pd P:D (the demo's workers are mixed without it)")
+    if args.secret_file is not None and not args.hash_key:
+        raise ConfigError(
+            "--secret-file: only with --hash-key (the gateway reads its key-hash secret from the "
+            "config's secrets.key_hash_secret_file or secrets.key_hash_secret_env)"
+        )
+    if args.workers is None:
+        args.workers = DEMO_WORKERS
+    if args.pd_protocol is None:
+        args.pd_protocol = DEMO_PD_PROTOCOL
+    if args.demo_key is None:
+        args.demo_key = DEMO_KEY
 
 
 def load_policy(config: GatewayConfig) -> tuple[LoadedPolicy, PolicyWatcher | None, PolicySwap]:
@@ -157,7 +198,7 @@ def read_start_secrets(config: GatewayConfig) -> bytes:
     return secret
 
 
-def _with_sync(config: GatewayConfig, url: str | None, token_env: str | None) -> GatewayConfig:
+def with_sync(config: GatewayConfig, url: str | None, token_env: str | None) -> GatewayConfig:
     """The config with `--sync-url` and `--sync-token-env` applied (and checked as the YAML is)."""
     fields = config.sync.model_dump()
     if url is not None:
@@ -176,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
 
     setup_logging(args.log_level or "info")
     try:
+        apply_mode_flags(args)
         if args.hash_key:
             return _hash_key(args)
         if args.processes != 1:
@@ -186,11 +228,11 @@ def run(args: argparse.Namespace) -> int:
             from gateway.demo import run_demo
 
             def serve_demo(config: GatewayConfig, secret: bytes, loaded: LoadedPolicy) -> int:
-                return serve(config, secret, loaded)
+                return serve(with_sync(config, args.sync_url, args.sync_token_env), secret, loaded)
 
             return run_demo(args, serve_demo)
         config = with_listen(load_config(args.config), args.host, args.port, args.metrics_port)
-        config = _with_sync(config, args.sync_url, args.sync_token_env)
+        config = with_sync(config, args.sync_url, args.sync_token_env)
         if args.log_level is None:
             setup_logging(config.log_level)
         secret = read_start_secrets(config)

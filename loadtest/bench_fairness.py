@@ -47,7 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--light-clients", type=positive_int, default=2, help="light tenant's clients")
     parser.add_argument("--ratio", type=positive_int, default=10, help="heavy clients per light client")
     parser.add_argument("--max-tokens", type=positive_int, default=64, help="tokens per answer")
-    parser.add_argument("--prompt-chars", type=positive_int, default=400, help="prompt length (tokens)")
+    parser.add_argument(
+        "--prompt-chars",
+        type=positive_int,
+        default=400,
+        help="prompt length in characters (the emulator counts one token per byte; default 400)",
+    )
     parser.add_argument("--duration-s", type=positive_float, default=20.0, help="length of each phase")
     parser.add_argument("--warmup-s", type=float, default=2.0, help="start of each phase not counted")
     parser.add_argument("--queue-timeout-s", type=positive_float, default=60.0, help="queue.timeout_s")

@@ -1,6 +1,7 @@
 """Running the app under uvicorn with kvgate's shutdown order, client limits and metrics listener.
 
-First signal: readiness turns 503 at once; after `shutdown_delay_s` uvicorn stops listening; what
+First signal: readiness turns 503 at once; after `shutdown_delay_s` uvicorn stops listening for
+clients (the metrics listener, which serves the probes, answers until the process ends); what
 is in flight gets until `deadline_s` to finish, then the gateway ends it (`app.drain`): streams
 with a terminal error event, requests still queued or waiting on a worker with a 503
 `gateway_shutting_down`. uvicorn's own timeout comes `LAST_RESORT_MARGIN_S` later and finds
@@ -56,6 +57,10 @@ class DrainingServer(uvicorn.Server):
         self.server_state = GuardedServerState(self._guard)
         self._metrics_config = _uvicorn_config(metrics_app, state.config, lifespan="off")
         self._metrics_socket = metrics_socket
+        # The metrics listener's own connections: not clients, so uvicorn's shutdown neither
+        # waits for them nor closes them; `shutdown` does once the drain is over.
+        self._metrics_state = GuardedServerState(self._guard)
+        self._metrics_server: asyncio.base_events.Server | None = None
         self._drain_task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -69,16 +74,17 @@ class DrainingServer(uvicorn.Server):
         if self.started and self.servers:
             metrics_config = self._metrics_config
             metrics_config.load()
-            server_state = self.server_state
+            metrics_state = self._metrics_state
 
             def metrics_protocol() -> asyncio.Protocol:
-                return GuardedHttpToolsProtocol(metrics_config, server_state, {}, capped=False)
+                return GuardedHttpToolsProtocol(metrics_config, metrics_state, {}, capped=False)
 
-            # Stopped with the client listener: uvicorn's shutdown closes every server listed here.
-            metrics = await asyncio.get_running_loop().create_server(
+            # Not in `self.servers`, which uvicorn closes when it stops listening for clients: the
+            # probes and /metrics answer through the whole drain (readiness 503), and stop with
+            # the process (`shutdown`).
+            self._metrics_server = metrics = await asyncio.get_running_loop().create_server(
                 metrics_protocol, sock=self._metrics_socket, backlog=metrics_config.backlog
             )
-            self.servers.append(metrics)
             # uvicorn's own startup line is silenced (log_level warning): say where clients go,
             # with the bound port (a configured port 0 binds a free one).
             host, port = self.config.host, _port(self.servers[0])
@@ -100,7 +106,9 @@ class DrainingServer(uvicorn.Server):
         self._guard.tick(time.monotonic())
         if counter % 10 == 0:
             self._state.routing.metrics.client_connections.set(len(self.server_state.connections))
-        return await super().on_tick(counter)
+        should_exit = await super().on_tick(counter)
+        self._metrics_state.default_headers = self.server_state.default_headers  # `Date`, as uvicorn sets it
+        return should_exit
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._state.lifecycle.draining or self._loop is None:
@@ -124,6 +132,11 @@ class DrainingServer(uvicorn.Server):
         await super().shutdown(sockets)
         if self._drain_task is not None:
             self._drain_task.cancel()  # nothing was left in flight before the deadline
+        metrics, self._metrics_server = self._metrics_server, None
+        if metrics is not None:
+            metrics.close()
+            for connection in list(self._metrics_state.connections):
+                connection.shutdown()
 
 
 # uvicorn's own graceful-shutdown timeout, counted from when it stops listening, ends after the

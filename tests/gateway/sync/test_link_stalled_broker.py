@@ -1,9 +1,11 @@
-"""A broker that stops reading (a partition, a stopped process) never holds the publishing task.
+"""A broker that stops reading (a partition, a stopped process) never holds the publishing task,
+whichever kind it is.
 
 nats-py buffers outgoing data up to the link's `pending_bytes`; past it, its `publish` waits for
 the socket to drain, with no time limit, until pings find the connection stale. The link refuses
 such a batch instead (counted by the caller as `dropped_publish_failed`), so the publish loop
-keeps its own pace, and with it the expiry of silent peers' load.
+keeps its own pace, and with it the expiry of silent peers' load. The Redis link's buffer is its
+own, and it refuses alike once the stalled socket stops taking it.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from policies.base import WorkerId
 from policies.peer_sync import PeerHolding
 from prompt_normalizer.types import BlockKey
 from tests.e2e.harness import free_port
+from tests.gateway.sync.brokers import TestBroker, link_to
 from tests.gateway.sync.test_service_nats import W, _state
 from tests.support.wait import wait_until
 
@@ -33,8 +36,8 @@ async def _ignore(data: bytes) -> None:
     return None
 
 
-async def test_a_broker_that_stops_reading_never_holds_a_publish(broker: LocalBroker) -> None:
-    link = NatsLink([broker.url], "t.batches", "me", _ignore, pending_bytes=1 << 20)
+async def test_a_broker_that_stops_reading_never_holds_a_publish(broker: TestBroker) -> None:
+    link = link_to(broker, "t.batches", _ignore, pending_bytes=1 << 20)
     task = asyncio.create_task(link.run())
     try:
         await wait_until(lambda: link.connected)
@@ -56,7 +59,7 @@ async def test_a_broker_that_stops_reading_never_holds_a_publish(broker: LocalBr
 
 
 async def test_a_gateway_stops_its_sync_tasks_with_the_broker_stalled(
-    broker: LocalBroker, caplog: pytest.LogCaptureFixture
+    broker: TestBroker, caplog: pytest.LogCaptureFixture
 ) -> None:
     state = _state(broker.url, queue_max_items=100_000, batch_max_items=4096)
     service = SyncService(state.registry, state.routing, state.config.sync, "a")

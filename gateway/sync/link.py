@@ -1,0 +1,75 @@
+"""The transport a `sync.url` names: a `NatsLink` for `nats://` and `tls://`, a `RedisLink` for
+`redis://` and `rediss://`. Both keep their connection up in the background, publish without
+waiting, and bound what they received and have not applied yet; the client library of the other
+broker is never imported."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+from gateway.config.sync import SyncConfig
+from gateway.sync.auth import connect_options
+
+# Batches received but not applied yet, at most, on either link (nats-py's own bound is 524,288
+# and 128 MiB: minutes of a busy fleet's batches, each applied stale). 16 peers at a batch each
+# 5 ms send 3,200 a second, so this is seconds of them; the bytes are 8 of the largest a broker
+# may carry.
+RECEIVED_MSGS = 8192
+RECEIVED_BYTES = 64 * 1024 * 1024
+
+
+class SyncLink(Protocol):
+    """What the sync service needs of a transport."""
+
+    urls: list[str]
+    subject: str
+    connects: int
+    errors: int
+    slow_consumer: int
+
+    @property
+    def connected(self) -> bool: ...
+
+    @property
+    def max_payload(self) -> int: ...
+
+    async def run(self) -> None: ...
+
+    async def publish(self, data: bytes) -> bool: ...
+
+    async def close(self) -> None: ...
+
+
+def open_link(config: SyncConfig, name: str, on_message: Callable[[bytes], Awaitable[None]]) -> SyncLink:
+    """The link to `config.url`'s broker, on `<subject_prefix>.batches`, named `name` there;
+    credentials and TLS read now (a ConfigError names a missing one)."""
+    options = connect_options(config, os.environ)
+    subject = f"{config.subject_prefix}.batches"
+    if config.broker == "redis":
+        from gateway.sync.redis_link import RedisLink
+
+        token, password = options.get("token"), options.get("password")
+        user = options.get("user")
+        secret = token if isinstance(token, str) else password if isinstance(password, str) else None
+        return RedisLink(
+            config.urls[0],
+            subject,
+            name,
+            on_message,
+            connect_timeout_s=config.connect_timeout_s,
+            username=user if isinstance(user, str) else None,
+            password=secret,
+            tls=config.tls,
+        )
+    from gateway.sync.nats_link import NatsLink
+
+    return NatsLink(
+        config.urls,
+        subject,
+        name,
+        on_message,
+        connect_timeout_s=config.connect_timeout_s,
+        options=options,
+    )

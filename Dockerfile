@@ -4,9 +4,10 @@
 # filesystem when /tmp is a mounted volume (the chart mounts an emptyDir there).
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 # Extras baked in: `tokenizer` lets pools run the normalizer's tokenizer mode, `otel` exports traces
-# (the chart's `tracing.enabled`; docs/install.md); `make image KVGATE_EXTRAS=` builds the leaner
-# image for approximate and render modes, without traces.
-ARG KVGATE_EXTRAS=tokenizer,otel
+# (the chart's `tracing.enabled`), `redis` lets replica sync use an existing Redis or Valkey (the
+# chart's `sync.url: redis://...`; docs/install.md); `make image KVGATE_EXTRAS=` builds the leaner
+# image for approximate and render modes, without traces, syncing through NATS only.
+ARG KVGATE_EXTRAS=tokenizer,otel,redis
 
 FROM ${PYTHON_IMAGE} AS build
 ARG KVGATE_EXTRAS

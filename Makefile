@@ -46,7 +46,7 @@ clean:
 # `make image`: the container image the Helm chart runs by default, kvgate:<pyproject version>.
 IMAGE ?= kvgate
 IMAGE_TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
-KVGATE_EXTRAS ?= tokenizer,otel
+KVGATE_EXTRAS ?= tokenizer,otel,redis
 
 .PHONY: image
 image:

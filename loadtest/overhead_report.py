@@ -6,23 +6,12 @@ runs at the highest concurrency.
 from __future__ import annotations
 
 import statistics
-import subprocess
 from collections.abc import Sequence
 
-from loadtest.overhead_load import REPO
 from loadtest.overhead_runner import BenchConfig, CpuShare, TargetResult, cpu_ratio
+from prompt_normalizer.bench import git_sha
 
 SMG_BASELINE = "smg cache_aware"  # the second CPU ratio's baseline, when it ran
-
-
-def git_sha() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
-        )
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def _fmt(v: float | None, spec: str) -> str:

@@ -22,7 +22,6 @@ import gc
 import json
 import random
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -38,6 +37,7 @@ from policies.pd import HOLDER_PREFILL, PdRouter, PdSettings
 from policies.pools import PoolSettings
 from policies.prefix_policy import SharedSettings
 from policies.registry import make_policy
+from prompt_normalizer.bench import git_sha
 from prompt_normalizer.types import BlockKey
 
 BLOCK = 16
@@ -199,16 +199,6 @@ def _time(
     return samples
 
 
-def _git_sha() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
-        )
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def measure(args: argparse.Namespace) -> list[Timing]:
     results = []
     for tokens in args.prompt_tokens:
@@ -266,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
         "changed_views": args.changed_views,
         **({"prefill_progress": args.prefill_progress} if args.prefill_progress > 0 else {}),
         **({"pd_holder": True} if args.pd_holder else {}),
-        "git_sha": _git_sha(),
+        "git_sha": git_sha(),
         "python": sys.version.split()[0],
     }
     base = {r.prompt_tokens: r.median_us for r in results if r.policy == "round_robin"}

@@ -85,7 +85,7 @@ def test_make_image_builds_the_chart_default_image() -> None:
         "docker",
         "build",
         "--build-arg",
-        "KVGATE_EXTRAS=tokenizer,otel",
+        "KVGATE_EXTRAS=tokenizer,otel,redis",
         "-t",
         tag,
         ".",

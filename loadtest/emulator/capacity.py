@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 
 from loadtest.ports import free_port
+from prompt_normalizer.bench import git_sha
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,9 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=10)
-    sha = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    sha = git_sha()
     print(f"streams={args.streams} max_tokens={args.max_tokens} time_scale={args.time_scale} "
           f"profile={args.profile} git={sha}")  # fmt: skip
     print(f"wall {res.wall_s:.2f} s, {res.tokens} tokens streamed, emulator CPU {res.emulator_cpu_s:.2f} s = "

@@ -26,6 +26,7 @@ import httpx
 
 from loadtest.engine import load_profile
 from loadtest.ports import free_port
+from prompt_normalizer.bench import git_sha
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,9 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     profile = load_profile(args.profile)
     sizes = [int(s) for s in args.sizes.split(",")]
     rng = random.Random(args.seed)
-    sha = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    sha = git_sha()
     print(
         f"profile={profile.name} time_scale={args.time_scale} repeats={args.repeats} "
         f"seed={args.seed} git={sha}"

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import argparse
 import random
-import subprocess
 import time
 from dataclasses import dataclass
 
 from loadtest.engine import DEFAULT_PROFILE, Engine, EngineRequest, load_profile
+from prompt_normalizer.bench import git_sha
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,9 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", default=DEFAULT_PROFILE)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    sha = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    sha = git_sha()
     print(f"engines={args.engines} requests={args.requests} mean_prompt={args.mean_prompt} "
           f"rate={args.rate}/s profile={args.profile} seed={args.seed} git={sha}")  # fmt: skip
     per_engine = args.requests // args.engines

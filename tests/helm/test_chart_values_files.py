@@ -203,3 +203,16 @@ def test_every_top_level_value_is_in_the_docs_values_table() -> None:
     table = docs[docs.index("## Values") : docs.index("## Checking the chart")]
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert [key for key in values if f"`{key}" not in table] == []
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_example_pools_with_kv_events_key_prompts_token_exact(name: str) -> None:
+    """A pool subscribing to KV events needs a token-exact normalizer (its own or the policy
+    file's): with an approximate one the gateway ignores the events, which an example must not
+    show as precise routing."""
+    docs = render_raw(values_file(name))
+    policy = parse_policy_yaml(docs["ConfigMap/rel-kvgate-policy"]["data"]["policy.yaml"])
+    for pool in parse_config(gateway_config(docs)).pools:
+        if pool.subscribes_kv_events:
+            normalizer = pool.normalizer or policy.normalizer
+            assert normalizer.mode != "approximate", pool.name

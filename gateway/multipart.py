@@ -9,6 +9,14 @@ so the Python work it does is bounded: parts (`MAX_PARTS`), bytes of part header
 that only look like a delimiter (`MAX_LOOKALIKES`). An 8 MiB body of tiny parts, or of one part
 header full of `;`, took 2 to 3 s of the loop. A form past a bound is a 400; file contents are
 searched by `bytes.find` alone, whatever their size.
+
+A part's name is read as the engines' form parser reads it (Starlette over python-multipart): its
+`Content-Disposition` split at the `;` outside quoted strings, the last `name` winning. A part
+whose name a parser could read otherwise than the gateway (two `Content-Disposition` headers,
+of which Starlette keeps the last; two `name` parameters; an RFC 2231 `name*`, which some releases
+decode and RFC 7578 forbids; a wanted field with a `filename*` but no `filename`, a file to some
+releases and a field to others) is refused with 400: a name the gateway did not see would reach
+the worker unchecked (a second `model`, a `priority`).
 """
 
 from __future__ import annotations
@@ -53,31 +61,61 @@ def content_type_header(boundary: bytes) -> bytes:
     return b'Content-Type: multipart/form-data; boundary="' + boundary + b'"\r\n'
 
 
-def _disposition(headers: bytes) -> tuple[str | None, bool]:
-    """The `name` of a part and whether it is a file (has a `filename`)."""
+def _disposition(headers: bytes) -> tuple[str | None, bool | None]:
+    """The `name` of a part and whether it is a file, as the engines' form parser reads them
+    (module docstring): True with a `filename`, None with only a `filename*` (a file to the
+    releases of python-multipart that decode it, a field to those that ignore it), else False.
+    400 for a part that parser could name otherwise."""
+    found: bytes | None = None
     for line in headers.split(b"\r\n"):
-        key, _, value = line.partition(b":")
+        key, _, raw = line.partition(b":")
         if key.strip().lower() != b"content-disposition":
             continue
-        name = None
-        is_file = False
-        params = value.decode("latin-1").split(";", MAX_DISPOSITION_PARAMS + 1)
-        if len(params) > MAX_DISPOSITION_PARAMS + 1:
-            raise bad_request(
-                f"multipart Content-Disposition has more than {MAX_DISPOSITION_PARAMS} parameters"
-            )
-        for param in params[1:]:
-            pname, _, pvalue = param.strip().partition("=")
-            pvalue = pvalue.strip()
-            if len(pvalue) >= 2 and pvalue[0] == pvalue[-1] == '"':
-                pvalue = pvalue[1:-1]
-            pname = pname.strip().lower()
-            if pname == "name":
-                name = pvalue
-            elif pname in ("filename", "filename*"):
-                is_file = True
-        return name, is_file
-    return None, False
+        if found is not None:
+            raise bad_request("multipart part has more than one Content-Disposition header")
+        found = raw
+    if found is None:
+        return None, False
+    value = found.decode("latin-1")
+    if value.count(";") > MAX_DISPOSITION_PARAMS:
+        raise bad_request(f"multipart Content-Disposition has more than {MAX_DISPOSITION_PARAMS} parameters")
+    name = None
+    is_file: bool | None = False
+    for param in _params(value)[1:]:
+        pname, _, pvalue = param.partition("=")
+        pname = pname.strip().lower()
+        if pname.startswith("name*"):
+            raise bad_request("multipart Content-Disposition cannot name a part with 'name*' (RFC 7578)")
+        pvalue = pvalue.strip()
+        if len(pvalue) >= 2 and pvalue[0] == pvalue[-1] == '"':
+            pvalue = pvalue[1:-1].replace("\\\\", "\\").replace('\\"', '"')
+        if pname == "name":
+            if name is not None:  # python-multipart keeps the last, the standard library the first
+                raise bad_request("multipart Content-Disposition names its part twice")
+            name = pvalue
+        elif pname == "filename":
+            is_file = True
+        elif pname.startswith("filename*") and is_file is False:
+            is_file = None
+    return name, is_file
+
+
+def _params(value: str) -> list[str]:
+    """`value` split at each `;` outside a quoted string: one whose part so far holds an even
+    number of `"`, less those written `\\"` (the rule of the engines' parser, which is that of the
+    standard library's `email.message`). At most `MAX_DISPOSITION_PARAMS` `;`, so the counting
+    stays small."""
+    parts: list[str] = []
+    start = 0
+    while True:
+        end = value.find(";", start)
+        while end >= 0 and (value.count('"', start, end) - value.count('\\"', start, end)) % 2:
+            end = value.find(";", end + 1)
+        if end < 0:
+            parts.append(value[start:])
+            return parts
+        parts.append(value[start:end])
+        start = end + 1
 
 
 def form_fields(body: bytes, content_type: str | None, names: frozenset[str]) -> dict[str, str]:
@@ -115,6 +153,8 @@ def form_fields(body: bytes, content_type: str | None, names: frozenset[str]) ->
         if content_end < 0:
             raise bad_request("multipart body is not closed by its boundary")
         name, is_file = _disposition(body[line_end + 2 : head_end])
+        if name in names and is_file is None:
+            raise bad_request(f"form field '{name}' has a 'filename*' without a 'filename'", name)
         if name in names and not is_file:
             if name in found:
                 raise bad_request(f"form field '{name}' appears more than once", name)

@@ -287,6 +287,9 @@ class SseRelay(EventRelay):
             return payload
         usage = obj.get("usage")
         if usage is None:
+            # A chunk of the answer that only looked like a usage or error one (`"usage":null`, a
+            # token `"error"`): counted like the others.
+            self._count(payload)
             return payload
         self.usage = usage
         choices = obj.get("choices")

@@ -81,8 +81,8 @@ class NamedEventRelay(EventRelay):
                 out.append(forwarded)
             else:
                 out.append(event + b"\n\n")
-                if self.CONTENT in event:
-                    self.content_events += 1
+            if self.CONTENT in event:  # inspected too when a delta's text is `"error"`
+                self.content_events += 1
             self._forwarded += 1
             self._last = event
             if self.done:

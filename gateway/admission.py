@@ -172,7 +172,7 @@ async def admit(
         )
         raise Refused(unknown, api.endpoint, body.get("stream") is True)
     try:
-        max_out = output_budget(body, pool.windows.max_model_len.get(model))
+        max_out = output_budget(body, api.prompt, pool.windows.max_model_len.get(model))
     except ApiError as err:
         raise _refused(err, api, body, model) from None
     keying = gate.keying

@@ -92,6 +92,8 @@ def parse_body(raw: bytes, api: ApiRoute, max_choices: int = 128) -> dict[str, A
         raise bad_request("'priority' must be an integer (lower is served earlier)", "priority")
     if api.rewrites:
         check_choices(body, max_choices)
+    elif prompt == "generate" and isinstance(sampling := body.get("sampling_params"), dict):
+        check_choices(sampling, max_choices, "sampling_params.")
     if not ENGINE_INTERNAL_FIELDS.isdisjoint(body):
         name = min(ENGINE_INTERNAL_FIELDS.intersection(body))
         raise bad_request(f"'{name}' is an engine-internal field and cannot be set through the gateway", name)
@@ -103,20 +105,22 @@ def parse_body(raw: bytes, api: ApiRoute, max_choices: int = 128) -> dict[str, A
 _CHOICE_FIELDS = ("n", "best_of")
 
 
-def check_choices(body: dict[str, Any], max_choices: int) -> None:
+def check_choices(body: dict[str, Any], max_choices: int, path: str = "") -> None:
     """`n` and `best_of`, when set, are integers from 1 to `max_choices`: one request asking for
     many thousand choices would fill a worker's queue by itself (and fail there), where a
-    tenant's limits count it as one request."""
+    tenant's limits count it as one request. `path` prefixes the field names in errors (the
+    native generate routes' `sampling_params.`)."""
     for name in _CHOICE_FIELDS:
         value = body.get(name)
         if value is None:
             continue
+        field = path + name
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise bad_request(f"'{name}' must be an integer of at least 1", name)
+            raise bad_request(f"'{field}' must be an integer of at least 1", field)
         if value > max_choices:
             # OpenAI's code for the same refusal, so that clients handling it there handle it here.
-            message = f"'{name}' is {value}: this gateway serves at most {max_choices} choices per request"
-            raise ApiError(400, message, "invalid_request_error", "integer_above_max_value", name)
+            message = f"'{field}' is {value}: this gateway serves at most {max_choices} choices per request"
+            raise ApiError(400, message, "invalid_request_error", "integer_above_max_value", field)
 
 
 def _check_api_prompt(body: dict[str, Any], prompt: str) -> None:
@@ -180,7 +184,16 @@ def encode_body(body: dict[str, Any]) -> bytes:
         ) from None
 
 
-_OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
+# Where each generating route's engine reads the output budget, the first field set winning (vLLM
+# and SGLang chat take `max_completion_tokens`, else `max_tokens`). Only those: a field the
+# engine ignores must not be the one counted, or `max_completion_tokens: 1, max_tokens: 4000` on
+# completions would count 1 token while the worker generates 4,000.
+_OUTPUT_FIELDS: dict[str, tuple[str, ...]] = {
+    "chat": ("max_completion_tokens", "max_tokens"),
+    "completions": ("max_tokens",),
+    "messages": ("max_tokens",),
+    "responses": ("max_output_tokens",),
+}
 
 # The most output tokens one request counts for in its worker's load while its model's context
 # window is not known (neither stated, `PoolConfig.max_model_len`, nor reported by the workers,
@@ -191,45 +204,65 @@ ASSUMED_MAX_MODEL_LEN = 131_072
 
 
 # The native generate routes' budgets, in `sampling_params`: vLLM's `/inference/v1/generate`
-# (`max_tokens`) and SGLang's `/generate` (`max_new_tokens`).
+# (`max_tokens`) and SGLang's `/generate` (`max_new_tokens`). One route kind serves both engines,
+# so the larger of the two counts.
 _SAMPLING_OUTPUT_FIELDS = ("max_tokens", "max_new_tokens")
 
 
-def _output_field(body: dict[str, Any]) -> tuple[str, int] | None:
-    """The field naming the request's output budget (its path) and the budget, if any."""
-    for name in _OUTPUT_FIELDS:
-        value = body.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+def _positive_int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _output_field(body: dict[str, Any], prompt: str | None) -> tuple[str, int] | None:
+    """The field naming the request's output budget on its route (`ApiRoute.prompt`; its path)
+    and the budget, if any."""
+    if prompt == "generate":
+        sampling = body.get("sampling_params")
+        if not isinstance(sampling, dict):
+            return None
+        found = [
+            (f"sampling_params.{n}", v)
+            for n in _SAMPLING_OUTPUT_FIELDS
+            if (v := _positive_int(sampling.get(n)))
+        ]
+        return max(found, key=lambda item: item[1]) if found else None
+    for name in _OUTPUT_FIELDS.get(prompt or "", ()):
+        if (value := _positive_int(body.get(name))) is not None:
             return name, value
-    sampling = body.get("sampling_params")
-    if isinstance(sampling, dict):
-        for name in _SAMPLING_OUTPUT_FIELDS:
-            value = sampling.get(name)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return f"sampling_params.{name}", value
     return None
 
 
-def output_budget(body: dict[str, Any], max_model_len: int | None) -> int:
-    """The request's output budget (chat, completions, Messages `max_tokens`, Responses
-    `max_output_tokens`, the native generate routes' `sampling_params`) as it counts in its
-    worker's load: at most its model's context window `max_model_len`, stated or learned
-    (`model_window.PoolWindows`; `ASSUMED_MAX_MODEL_LEN` when None); 0 when it sets none. A
-    budget that alone fills a known window is refused with 400, as vLLM refuses a budget past
-    the window (every prompt has a token, so no worker could run it)."""
-    found = _output_field(body)
+def _choices(body: dict[str, Any], prompt: str | None) -> int:
+    """The sequences one request decodes: the largest of `n` and `best_of` (already checked to be
+    within `limits.max_choices`), 1 when neither is set."""
+    fields = body.get("sampling_params") if prompt == "generate" else body
+    if not isinstance(fields, dict):
+        return 1
+    return max(1, *(_positive_int(fields.get(name)) or 1 for name in _CHOICE_FIELDS))
+
+
+def output_budget(body: dict[str, Any], prompt: str | None, max_model_len: int | None) -> int:
+    """The request's output budget as it counts in its worker's load, for a route whose
+    `ApiRoute.prompt` is `prompt` (chat and completions, Messages `max_tokens`, Responses
+    `max_output_tokens`, the native generate routes' `sampling_params`; the field its engine
+    reads, `_OUTPUT_FIELDS`): at most its model's context window `max_model_len`, stated or
+    learned (`model_window.PoolWindows`; `ASSUMED_MAX_MODEL_LEN` when None), times the choices it
+    asks for (`n`, `best_of`: each decodes its own); 0 when it sets none. A budget that alone
+    fills a known window is refused with 400, as vLLM refuses a budget past the window (every
+    prompt has a token, so no worker could run it)."""
+    found = _output_field(body, prompt)
     if found is None:
         return 0
     name, value = found
     if max_model_len is None:
-        return min(value, ASSUMED_MAX_MODEL_LEN)
-    if value >= max_model_len:
+        value = min(value, ASSUMED_MAX_MODEL_LEN)
+    elif value >= max_model_len:
         message = (
             f"'{name}' is too large: {value}. This model's maximum context length is {max_model_len} "
             "tokens, for the prompt and the output together"
         )
         raise ApiError(400, message, "invalid_request_error", "integer_above_max_value", name)
-    return value
+    return value * _choices(body, prompt)
 
 
 def engine_priority(client_priority: int, band: EnginePriorityConfig, scheduling: str) -> int | None:

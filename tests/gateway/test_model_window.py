@@ -121,12 +121,12 @@ def test_a_stated_window_wins_and_a_smaller_reported_one_is_a_warning(
 def test_the_budget_is_bounded_and_refused_by_the_learned_window() -> None:
     windows = PoolWindows(_pool())
     body = {"model": "m-sql", "max_tokens": 10**15}
-    assert output_budget(body, windows.max_model_len.get("m-sql")) == ASSUMED_MAX_MODEL_LEN
+    assert output_budget(body, "chat", windows.max_model_len.get("m-sql")) == ASSUMED_MAX_MODEL_LEN
     windows.note(W1, ModelWindows({"m": 4096}))
     with pytest.raises(ApiError) as refused:
-        output_budget({**body, "max_tokens": 4096}, windows.max_model_len.get("m-sql"))
+        output_budget({**body, "max_tokens": 4096}, "chat", windows.max_model_len.get("m-sql"))
     assert refused.value.code == "integer_above_max_value" and refused.value.param == "max_tokens"
-    assert output_budget({**body, "max_tokens": 4095}, windows.max_model_len.get("m-sql")) == 4095
+    assert output_budget({**body, "max_tokens": 4095}, "chat", windows.max_model_len.get("m-sql")) == 4095
 
 
 def _metrics(start_s: float, queries: float = 10.0) -> WorkerMetrics:

@@ -164,3 +164,54 @@ async def test_a_messages_budget_past_the_window_is_refused_in_anthropics_shape(
     answer = resp.json()
     assert answer["type"] == "error" and answer["error"]["type"] == "invalid_request_error"
     assert "'max_tokens' is too large: 9000" in answer["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "counted"),
+    [
+        # completions and Messages read `max_tokens` only; Responses `max_output_tokens` only: a
+        # field the route's engine ignores must not be the one counted.
+        (
+            "/v1/completions",
+            {"model": "m", "prompt": "hi", "max_completion_tokens": 1, "max_tokens": 4000},
+            4000,
+        ),
+        ("/v1/messages", {**CHAT, "max_completion_tokens": 1, "max_tokens": 4000}, 4000),
+        ("/v1/responses", {"model": "m", "input": "hi", "max_tokens": 1, "max_output_tokens": 4000}, 4000),
+        ("/v1/responses", {"model": "m", "input": "hi", "max_tokens": 4000}, 0),
+        # chat takes `max_completion_tokens`, else `max_tokens`, as vLLM and SGLang do
+        ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 300, "max_tokens": 4000}, 300),
+        # one route kind serves both engines' generate fields: the larger counts
+        (
+            "/generate",
+            {"model": "m", "text": "hi", "sampling_params": {"max_tokens": 1, "max_new_tokens": 900}},
+            900,
+        ),
+    ],
+)
+async def test_the_budget_counted_is_the_one_the_routes_engine_reads(
+    path: str, body: dict[str, Any], counted: int
+) -> None:
+    async with _gateway() as gw:
+        assert (await _admit(gw.state.gate, body, path)).max_output_tokens == counted
+
+
+async def test_every_choice_counts_its_own_budget() -> None:
+    async with _gateway() as gw:
+        gate = gw.state.gate
+        assert (await _admit(gate, {**CHAT, "max_tokens": 100, "n": 8})).max_output_tokens == 800
+        completion = {"model": "m", "prompt": "hi", "max_tokens": 100, "n": 2, "best_of": 5}
+        assert (await _admit(gate, completion, "/v1/completions")).max_output_tokens == 500
+        native = {"model": "m", "text": "hi", "sampling_params": {"max_new_tokens": 100, "n": 4}}
+        assert (await _admit(gate, native, "/generate")).max_output_tokens == 400
+
+
+@pytest.mark.parametrize("path", ["/generate", "/inference/v1/generate"])
+async def test_the_native_routes_choices_are_bounded_like_the_others(path: str) -> None:
+    body = {"model": "m", "text": "hi", "token_ids": [1, 2], "sampling_params": {"n": 100_000}}
+    async with _gateway() as gw:
+        resp = await gw.client.post(path, json=body, headers={"authorization": "Bearer sk"})
+        assert resp.status_code == 400
+        error = resp.json()["error"]
+        assert error["param"] == "sampling_params.n" and error["code"] == "integer_above_max_value"
+        assert gw.state.gate.limiters["t"].in_flight == 0

@@ -8,7 +8,8 @@ broker's own client, never through the gateway's link."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 
 import nats
@@ -19,6 +20,7 @@ from gateway.sync.broker import LocalBroker, LocalRedis, nats_server_path, redis
 from gateway.sync.link import SyncLink
 from gateway.sync.nats_link import NatsLink
 from gateway.sync.redis_link import RedisLink
+from gateway.sync.service import SyncService
 from tests.e2e.harness import free_port
 
 BROKERS = ("nats", "redis")
@@ -97,3 +99,15 @@ async def capture(
     await until.wait()
     await sub.unsubscribe()
     await nc.close()
+
+
+@contextlib.asynccontextmanager
+async def running_services(*services: SyncService) -> AsyncIterator[None]:
+    """Start each sync service, and stop them all on the way out."""
+    for s in services:
+        await s.start()
+    try:
+        yield
+    finally:
+        for s in services:
+            await s.stop()

@@ -4,13 +4,12 @@ wrong one routes on its own and says why, and secrets never reach a log line or 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import nats
@@ -30,6 +29,7 @@ from policies.base import RouteDecision, WorkerId
 from policies.cost_policy import CostPolicy
 from prompt_normalizer.normalizer import NormalizerConfig
 from tests.e2e.harness import free_port, tenant
+from tests.gateway.sync.brokers import running_services
 from tests.gateway.sync.test_service_nats import wait_until
 from tests.policies.factories import req
 from tests.support.gateway_config import SECRET
@@ -69,17 +69,6 @@ def _service(
     return service
 
 
-@contextlib.asynccontextmanager
-async def _running(*services: SyncService) -> AsyncIterator[None]:
-    for s in services:
-        await s.start()
-    try:
-        yield
-    finally:
-        for s in services:
-            await s.stop()
-
-
 async def test_gateways_with_the_token_share_and_a_third_party_cannot_publish(
     broker: LocalBroker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -88,7 +77,7 @@ async def test_gateways_with_the_token_share_and_a_third_party_cannot_publish(
     monkeypatch.setenv("SYNC_TOKEN", TOKEN)
     a = _service(broker.url, "a", SyncAuthConfig(token_file=str(token_file)))
     b = _service(broker.url, "b", SyncAuthConfig(token_env="SYNC_TOKEN"))
-    async with _running(a, b):
+    async with running_services(a, b):
         await wait_until(lambda: a.link.connected and b.link.connected)
         r = req("r1", range(64), pool="p")
         a.routing.policy.on_dispatch(r, RouteDecision(WorkerId(W[1]), 0.0, "miss"), time.monotonic())
@@ -113,7 +102,7 @@ async def test_a_wrong_token_routes_on_local_knowledge_and_says_so_without_the_t
     monkeypatch.setenv("SYNC_TOKEN", wrong)
     a = _service(broker.url, "a", SyncAuthConfig(token_env="SYNC_TOKEN"))
     caplog.set_level(logging.INFO, logger="kvgate.sync")
-    async with _running(a):
+    async with running_services(a):
         await wait_until(lambda: a.link.errors >= 2)  # refused, and refused again on the retry
         assert not a.link.connected
         now = time.monotonic()
@@ -140,7 +129,7 @@ async def test_user_and_password(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         monkeypatch.setenv("SYNC_PASSWORD", TOKEN)
         good = _service(url, "a", SyncAuthConfig(user="kvgate", password_env="SYNC_PASSWORD"))
         bad = _service(url, "b", SyncAuthConfig(user="someone", password_env="SYNC_PASSWORD"))
-        async with _running(good, bad):
+        async with running_services(good, bad):
             await wait_until(lambda: good.link.connected and bad.link.errors >= 1)
             assert not bad.link.connected
     finally:
@@ -243,7 +232,7 @@ async def test_tls_with_the_brokers_own_ca(tmp_path: Path, verify_clients: bool)
         services = [good, _service(url, "b", tls=SyncTlsConfig(**client_cert))]
         if verify_clients:
             services.append(_service(url, "c", tls=SyncTlsConfig(ca_file=ca)))
-        async with _running(*services):
+        async with running_services(*services):
             await wait_until(lambda: good.link.connected and all(s.link.errors >= 1 for s in services[1:]))
             assert not any(s.link.connected for s in services[1:])
     finally:

@@ -29,7 +29,7 @@ from gateway.sync.redis_link import MAX_PAYLOAD, RedisLink
 from gateway.sync.service import SyncService
 from policies.base import RouteDecision, WorkerId
 from tests.e2e.harness import free_port, tenant
-from tests.gateway.sync.brokers import raw_publish
+from tests.gateway.sync.brokers import raw_publish, running_services
 from tests.gateway.sync.test_service_nats import W, _state
 from tests.policies.factories import req
 from tests.support.gateway_config import SECRET
@@ -43,17 +43,6 @@ def _service(url: str, origin: str, **sync: object) -> SyncService:
     service = SyncService(state.registry, state.routing, state.config.sync, origin)
     state.sync = service
     return service
-
-
-@contextlib.asynccontextmanager
-async def _running(*services: SyncService) -> AsyncIterator[None]:
-    for s in services:
-        await s.start()
-    try:
-        yield
-    finally:
-        for s in services:
-            await s.stop()
 
 
 def _metric(service: SyncService, line_start: str) -> str:
@@ -79,7 +68,7 @@ async def test_the_password_and_an_acl_user_are_admitted_and_a_wrong_one_is_refu
         )
         bad = _service(broker.url, "c", auth=SyncAuthConfig(token_env="WRONG").model_dump())
         anonymous = _service(broker.url, "d")
-        async with _running(a, b, bad, anonymous):
+        async with running_services(a, b, bad, anonymous):
             await wait_until(lambda: a.link.connected and b.link.connected)
             await wait_until(lambda: bad.link.errors >= 2 and anonymous.link.errors >= 1)
             r = req("r1", range(64), pool="p")
@@ -109,7 +98,7 @@ async def test_a_broker_down_at_start_is_joined_when_it_comes_up(tmp_path: Path)
     broker = LocalRedis(free_port(), tmp_path)  # not started yet
     a, b = _service(broker.url, "a"), _service(broker.url, "b")
     try:
-        async with _running(a, b):
+        async with running_services(a, b):
             await wait_until(lambda: a.link.errors >= 2)  # refused, and refused again on the retry
             r = req("r1", range(64), pool="p")
             now = time.monotonic()
@@ -132,7 +121,7 @@ async def test_own_batches_do_not_come_back_and_what_is_no_batch_is_dropped_and_
     broker.start()
     a, b = _service(broker.url, "a"), _service(broker.url, "b")
     try:
-        async with _running(a, b):
+        async with running_services(a, b):
             await wait_until(lambda: a.link.connected and b.link.connected)
             for i in range(20):
                 r = req(f"r{i}", range(100 * i, 100 * i + 32), pool="p")
@@ -246,7 +235,7 @@ async def test_rediss_with_the_brokers_own_ca(tmp_path: Path, verify_clients: bo
             services = [good, _service(url, "b", tls=SyncTlsConfig(**client_cert).model_dump())]
             if verify_clients:
                 services.append(_service(url, "c", tls=SyncTlsConfig(ca_file=ca).model_dump()))
-            async with _running(*services):
+            async with running_services(*services):
                 refused = services[1:]
                 await wait_until(lambda: good.link.connected and all(s.link.errors >= 1 for s in refused))
                 assert not any(s.link.connected for s in services[1:])

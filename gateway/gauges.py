@@ -18,13 +18,16 @@ def refresh_gauges(state: GatewayState) -> None:
     """Set every scrape-time series from the state; workers that discovery removed disappear."""
     now_s = time.monotonic()
     m = state.routing.metrics
-    for gauge in (m.in_flight, m.worker_healthy, m.worker_waiting, m.worker_kv_usage, m.breaker_state):
+    gauges = (m.in_flight, m.worker_healthy, m.worker_waiting, m.worker_kv_usage, m.breaker_state)
+    for gauge in (*gauges, m.context_window):
         gauge.clear()
     _policy(state, m)
     if state.sync is not None:
         state.sync.refresh_metrics()
     current: set[tuple[str, str]] = set()
     for pool in state.registry.pools.values():
+        for model, tokens in pool.windows.max_model_len.items():
+            m.context_window.labels(pool.name, model).set(tokens)
         for worker in pool.workers.values():
             current.add((pool.name, worker.url))
             labels = (pool.name, worker.url)

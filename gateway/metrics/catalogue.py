@@ -285,3 +285,10 @@ class MetricCatalogue:
         self.worker_healthy = Gauge(
             "kvgate_worker_healthy", "1 if the worker is routable", ["pool", "worker"], registry=r
         )
+        self.context_window = Gauge(
+            "kvgate_model_context_window_tokens",
+            "A model's context window in tokens, stated by its pool's max_model_len or the smallest its"
+            " live workers report on /v1/models; no series while unknown",
+            ["pool", "model"],
+            registry=r,
+        )

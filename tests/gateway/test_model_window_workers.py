@@ -17,6 +17,7 @@ import pytest
 from aiohttp import web
 
 from gateway.auth import hash_api_key
+from gateway.gauges import refresh_gauges
 from gateway.model_window import MAX_MODELS_ANSWER_BYTES
 from gateway.registry import Pool
 from policies import make_policy
@@ -133,6 +134,9 @@ async def test_the_smallest_window_of_the_live_workers_counts() -> None:
             assert await wait_until(lambda: pool.windows.max_model_len.get("m") == 8192)
             assert await _window(gw) == 8192
             assert (await _chat(gw, 5000)).status_code == 200
+            refresh_gauges(gw.state)
+            metrics = gw.state.routing.metrics.render().decode()
+            assert 'kvgate_model_context_window_tokens{model="m",pool="p"} 8192.0' in metrics
 
 
 @pytest.mark.e2e

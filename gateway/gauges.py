@@ -18,8 +18,8 @@ def refresh_gauges(state: GatewayState) -> None:
     """Set every scrape-time series from the state; workers that discovery removed disappear."""
     now_s = time.monotonic()
     m = state.routing.metrics
-    gauges = (m.in_flight, m.worker_healthy, m.worker_waiting, m.worker_kv_usage, m.breaker_state)
-    for gauge in (*gauges, m.context_window):
+    per_worker = (m.in_flight, m.worker_healthy, m.worker_waiting, m.worker_kv_usage, m.breaker_state)
+    for gauge in (*per_worker, m.context_window):
         gauge.clear()
     _policy(state, m)
     if state.sync is not None:

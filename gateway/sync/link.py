@@ -19,6 +19,14 @@ from gateway.sync.auth import connect_options
 RECEIVED_MSGS = 8192
 RECEIVED_BYTES = 64 * 1024 * 1024
 
+# The wait before each new connection attempt after a lost or failed one, on either link.
+_RECONNECT_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+def reconnect_delay_s(attempt: int) -> float:
+    """Seconds to wait before connection attempt `attempt` (0: the first after a loss), capped."""
+    return _RECONNECT_BACKOFF_S[min(attempt, len(_RECONNECT_BACKOFF_S) - 1)]
+
 
 class SyncLink(Protocol):
     """What the sync service needs of a transport."""

@@ -21,11 +21,9 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
 from gateway.sync.auth import ConnectOptions
-from gateway.sync.link import RECEIVED_BYTES, RECEIVED_MSGS
+from gateway.sync.link import RECEIVED_BYTES, RECEIVED_MSGS, reconnect_delay_s
 
 log = logging.getLogger("kvgate.sync")
-
-_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
 
 
 class NatsLink:
@@ -88,7 +86,7 @@ class NatsLink:
             except Exception as exc:  # a bad URL, or a connection closed for good
                 self._error(exc)
             await self._drop()
-            await asyncio.sleep(_BACKOFF_S[min(attempt, len(_BACKOFF_S) - 1)])
+            await asyncio.sleep(reconnect_delay_s(attempt))
             attempt += 1
 
     async def _connect(self) -> None:

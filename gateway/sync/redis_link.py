@@ -39,11 +39,10 @@ from redis.asyncio.connection import Connection, SSLConnection
 from redis.exceptions import AuthenticationError, NoPermissionError, RedisError
 
 from gateway.config.sync import SyncTlsConfig
-from gateway.sync.link import RECEIVED_BYTES, RECEIVED_MSGS
+from gateway.sync.link import RECEIVED_BYTES, RECEIVED_MSGS, reconnect_delay_s
 
 log = logging.getLogger("kvgate.sync")
 
-_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
 PING_INTERVAL_S = 2.0
 STALE_AFTER_S = 5.0
 # The largest batch the link sends: NATS's default payload, so that a batch is cut alike on
@@ -143,7 +142,7 @@ class RedisLink:
                     if self._connected:
                         attempt = 0
                     await self._drop()
-                await asyncio.sleep(_BACKOFF_S[min(attempt, len(_BACKOFF_S) - 1)])
+                await asyncio.sleep(reconnect_delay_s(attempt))
                 attempt += 1
         finally:
             deliver.cancel()

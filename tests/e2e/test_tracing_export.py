@@ -5,7 +5,6 @@ request, and, when the batch delay is longer than the run, at shutdown."""
 from __future__ import annotations
 
 import signal
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,14 +13,12 @@ import httpx
 import pytest
 
 from tests.e2e.harness import (
-    SECRET,
     Proc,
     free_port,
-    start,
     start_emulator,
     start_fake_workers,
+    start_gateway,
     tenant,
-    wait_http,
     write_gateway_config,
 )
 from tests.e2e.otlp_receiver import OtlpReceiver, ReceivedSpan
@@ -47,10 +44,9 @@ def traced(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Traced]:
 
 
 def _otel_env(receiver: OtlpReceiver, delay_ms: int) -> dict[str, str]:
-    """The gateway's environment: its key secret, and the SDK exporting to `receiver` in
-    batches every `delay_ms`."""
+    """The gateway's OpenTelemetry environment: the SDK exporting to `receiver` in batches every
+    `delay_ms`."""
     return {
-        "KVGATE_KEY_SECRET": SECRET.decode(),
         "OTEL_TRACES_EXPORTER": "otlp",
         "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
         "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
@@ -73,21 +69,7 @@ def _traced(tmp_path: Path, delay_ms: int, pd: dict[str, str] | None) -> Iterato
             [tenant("acme", "sk-acme")],
             tracing={"enabled": True},
         )
-        env = _otel_env(receiver, delay_ms)
-        argv = [
-            sys.executable,
-            "-m",
-            "gateway.cli",
-            "serve",
-            "--config",
-            str(config),
-            "--port",
-            str(gw_port),
-            "--metrics-port",
-            "0",
-        ]
-        gateway = start(argv, env=env)
-        wait_http(f"http://127.0.0.1:{gw_port}/readyz", gateway)
+        gateway = start_gateway(config, gw_port, env=_otel_env(receiver, delay_ms))
         yield Traced(f"http://127.0.0.1:{gw_port}", worker_url, gateway, receiver)
     finally:
         if gateway is not None:
@@ -180,22 +162,8 @@ def test_a_split_request_has_a_client_span_per_leg(tmp_path: Path) -> None:
             [tenant("acme", "sk-acme")],
             tracing={"enabled": True},
         )
-        env = _otel_env(receiver, 200)
         port = free_port()
-        argv = [
-            sys.executable,
-            "-m",
-            "gateway.cli",
-            "serve",
-            "--config",
-            str(config),
-            "--port",
-            str(port),
-            "--metrics-port",
-            "0",
-        ]
-        gateway = start(argv, env=env)
-        wait_http(f"http://127.0.0.1:{port}/readyz", gateway)
+        gateway = start_gateway(config, port, env=_otel_env(receiver, 200))
         body = {
             "model": "m",
             "messages": [{"role": "user", "content": "a private question " * 40}],

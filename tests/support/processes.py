@@ -132,13 +132,16 @@ def start_gateway(
     metrics_port: int = 0,
     secret: bytes = SECRET,
     port_from_config: bool = False,
+    env: dict[str, str] | None = None,
 ) -> Proc:
     """`kvgate serve --config` on `port`, ready (its /readyz answers 200); the caller stops it.
+    `env` adds to its environment (the key secret is set from `secret`).
     Its /metrics listens on `metrics_port` (0: any free port, for tests that do not read metrics;
     never the fixed default, which gateways started side by side would share). With
     `port_from_config` the config's own `listen` and `metrics.listen` are used, and must name `port`."""
     argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path)]
     if not port_from_config:
         argv += ["--port", str(port), "--metrics-port", str(metrics_port)]
-    env = {"KVGATE_KEY_SECRET": secret.decode()}
-    return started(argv, f"http://127.0.0.1:{port}/readyz", env)
+    return started(
+        argv, f"http://127.0.0.1:{port}/readyz", {"KVGATE_KEY_SECRET": secret.decode(), **(env or {})}
+    )

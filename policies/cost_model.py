@@ -23,7 +23,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from policies.base import RouteRequest, WorkerView, reported_load
+from policies.base import RouteRequest, WorkerId, WorkerView, reported_load
 from policies.cost_params import CostModelParams, transfer_time_s
 from policies.records import record
 
@@ -57,6 +57,7 @@ class CalibrationSample:
 
 @record
 class _Pending:
+    worker: WorkerId  # the worker whose queue `queue_s` predicts: only its leg's outcome is folded
     queue_s: float
     matched_tokens: int
 
@@ -280,15 +281,27 @@ class CostModel:
 
     # -- calibration --------------------------------------------------------------------------
 
-    def note_dispatch(self, request_id: str, queue_s: float, matched_tokens: int) -> None:
+    def note_dispatch(self, request_id: str, worker: WorkerId, queue_s: float, matched_tokens: int) -> None:
+        """Keep what the model predicted for `request_id` on `worker`, for its outcome there to
+        calibrate against. One record a request: a later note (a P/D pair's leg that gives the
+        first token) replaces it."""
         pending = self._pending
-        pending[request_id] = _Pending(queue_s, matched_tokens)
+        pending[request_id] = _Pending(worker, queue_s, matched_tokens)
         if len(pending) > self.MAX_PENDING:
             pending.popitem(last=False)
 
-    def forget(self, request_id: str) -> None:
-        """Drop a dispatched request's calibration record (it was not served: nothing to learn)."""
-        self._pending.pop(request_id, None)
+    def _take(self, request_id: str, worker: WorkerId) -> _Pending | None:
+        """The request's record if it predicts `worker`, removed; another worker's leg of the same
+        request (P/D) leaves it for the leg it is about."""
+        pending = self._pending.get(request_id)
+        if pending is None or pending.worker != worker:
+            return None
+        del self._pending[request_id]
+        return pending
+
+    def forget(self, request_id: str, worker: WorkerId) -> None:
+        """Drop the calibration record of a request `worker` did not serve (nothing to learn)."""
+        self._take(request_id, worker)
 
     @property
     def pending_requests(self) -> int:
@@ -297,6 +310,7 @@ class CostModel:
     def note_complete(
         self,
         request_id: str,
+        worker: WorkerId,
         ttft_s: float | None,
         prompt_tokens: int | None,
         cached_tokens: int | None,
@@ -305,7 +319,7 @@ class CostModel:
         """Fold one completion into the calibration (`fold`) and return what it taught, for
         replica sync to share (None: nothing)."""
         sample = self.sample(
-            self._pending.pop(request_id, None), ttft_s, prompt_tokens, cached_tokens, request_tokens
+            self._take(request_id, worker), ttft_s, prompt_tokens, cached_tokens, request_tokens
         )
         if sample is not None:
             self.fold(sample)

@@ -377,10 +377,13 @@ class CostPolicy(HerdingPolicy):
         reason = self._reason(overloaded, matched, longest_tokens)
         self._decisions.add(reason)
         unit = scorer.unit
-        scorer.cost.note_dispatch(req.request_id, queue, matched if unit == 1.0 else int(matched * unit))
+        worker = cands[chosen].worker_id
+        scorer.cost.note_dispatch(
+            req.request_id, worker, queue, matched if unit == 1.0 else int(matched * unit)
+        )
         if score is None:
             score = scorer.best_score
-        return RouteDecision(cands[chosen].worker_id, score, reason, matched, public_blocks)
+        return RouteDecision(worker, score, reason, matched, public_blocks)
 
     def _candidate_cache(self, pool: str) -> CandidateCache:
         cache = self._columns.get(pool)

@@ -324,7 +324,9 @@ class PdRouter:
             top.worker_id, prefill_s, HOLDER_HIT, scorer.request_tokens(top_held), pick.shared_prefix_blocks
         )
         # The policy noted its pick's predicted queue for calibration; the first leg runs on the holder.
-        cost.note_dispatch(req.request_id, cost.queue_s(top, scorer.n - top_held, share(top)), top_held)
+        cost.note_dispatch(
+            req.request_id, top.worker_id, cost.queue_s(top, scorer.n - top_held, share(top)), top_held
+        )
         return self._decision(req, first, best, cost, scorer, SPLIT)
 
     def _prefill(
@@ -364,7 +366,9 @@ class PdRouter:
         decode = RouteDecision(worker, chosen.score_s, reason, matched, shared)
         # The policy noted the prefill worker's predicted queue for calibration; the request's first
         # token now comes from the decode worker, so calibrate against that one instead.
-        cost.note_dispatch(req.request_id, cost.queue_s(chosen.decode, scorer.n - chosen.held), chosen.held)
+        cost.note_dispatch(
+            req.request_id, worker, cost.queue_s(chosen.decode, scorer.n - chosen.held), chosen.held
+        )
         return PdDecision(None, decode, chosen.score_s, reason)
 
 

@@ -223,7 +223,7 @@ class PrefixPolicyBase(PeerSyncing):
             pool.index.drop_speculative(mine.keys, obs.worker, mine.namespace)
             if req.public_block_keys:
                 pool.index.drop_speculative(req.public_block_keys, obs.worker, PUBLIC_NAMESPACE)
-            pool.cost.forget(req.request_id)
+            pool.cost.forget(req.request_id, obs.worker)
             return
         dispatched = self._dispatched.pop((req.request_id, obs.worker), None)
         if dispatched is None:
@@ -244,7 +244,7 @@ class PrefixPolicyBase(PeerSyncing):
                 mine = self._own_keys(req)
                 pool.index.confirm(mine.keys, obs.worker, mine.namespace, now_s)
         sample = pool.cost.note_complete(
-            req.request_id, obs.ttft_s, obs.prompt_tokens, obs.cached_tokens, req.n_prompt_tokens
+            req.request_id, obs.worker, obs.ttft_s, obs.prompt_tokens, obs.cached_tokens, req.n_prompt_tokens
         )
         if sample is not None and self._sync_sink is not None and self._sync_calibration:
             self._publish_calibration(req, sample, now_s)

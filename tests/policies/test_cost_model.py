@@ -27,8 +27,8 @@ def test_cost_model_shape_and_calibration() -> None:
     assert model.saved_s(4096, 0) == 0.0
     before = model.prefill_s(4000)
     for i in range(200):
-        model.note_dispatch(f"r{i}", 0.0, 0)
-        model.note_complete(f"r{i}", 0.01 + 2.0 * before, 4000, 0)
+        model.note_dispatch(f"r{i}", WorkerId("a"), 0.0, 0)
+        model.note_complete(f"r{i}", WorkerId("a"), 0.01 + 2.0 * before, 4000, 0)
     assert model.prefill_s(4000) == pytest.approx(2.0 * before, rel=0.05)
     assert model.calibration_samples == 200
 

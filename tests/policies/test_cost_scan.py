@@ -152,7 +152,7 @@ class _PlainScan(CostPolicy):
             chosen, matched, queue = self._rng.choice(best)
         reason = self._reason(overloaded, matched, longest_tokens)
         self._decisions.add(reason)
-        cost.note_dispatch(req.request_id, queue, scorer._engine(matched))
+        cost.note_dispatch(req.request_id, cands[chosen].worker_id, queue, scorer._engine(matched))
         return RouteDecision(cands[chosen].worker_id, scorer.best_score, reason, matched, found.public_blocks)
 
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from policies.base import Observation, RouteRequest, WorkerId, WorkerView
+from policies.base import Observation, Outcome, RouteRequest, WorkerId, WorkerView
 from policies.cost_model import CostModel
 from policies.cost_params import CostModelParams
 from policies.cost_policy import CostPolicy
 from tests.policies.factories import req
+
+W = WorkerId("w1")
 
 
 def _shrunk(r: RouteRequest, unit: int) -> RouteRequest:
@@ -71,16 +73,16 @@ def test_work_routed_to_a_worker_is_counted_in_engine_tokens() -> None:
 
 def test_the_first_sample_sets_the_engine_unit() -> None:
     cost = CostModel(CostModelParams())
-    cost.note_complete("r", None, prompt_tokens=400, cached_tokens=None, request_tokens=100)
+    cost.note_complete("r", W, None, prompt_tokens=400, cached_tokens=None, request_tokens=100)
     assert abs(cost.engine_tokens_per_request_token - 4.0) < 1e-9
-    cost.note_complete("r2", None, prompt_tokens=200, cached_tokens=None, request_tokens=100)
+    cost.note_complete("r2", W, None, prompt_tokens=200, cached_tokens=None, request_tokens=100)
     assert 3.0 < cost.engine_tokens_per_request_token < 4.0  # later ones move it gradually
 
 
 def test_a_completion_is_a_sample_folded_and_the_same_sample_folds_alike_elsewhere() -> None:
     here, there = CostModel(CostModelParams()), CostModel(CostModelParams())
-    here.note_dispatch("r", 0.001, 0)
-    sample = here.note_complete("r", 0.3, prompt_tokens=4000, cached_tokens=0, request_tokens=1000)
+    here.note_dispatch("r", W, 0.001, 0)
+    sample = here.note_complete("r", W, 0.3, prompt_tokens=4000, cached_tokens=0, request_tokens=1000)
     assert sample is not None and sample.prompt_tokens == 4000 and sample.request_tokens == 1000
     assert sample.scale_ratio > 1.0
     there.fold(sample)
@@ -92,4 +94,35 @@ def test_a_completion_is_a_sample_folded_and_the_same_sample_folds_alike_elsewhe
     )
     assert state == (there.scale, there.engine_tokens_per_request_token, there.mean_prompt_tokens, 1)
     # Nothing measured, nothing to share.
-    assert here.note_complete("unknown", None, prompt_tokens=None, cached_tokens=None) is None
+    assert here.note_complete("unknown", W, None, prompt_tokens=None, cached_tokens=None) is None
+
+
+def test_a_record_calibrates_only_against_the_worker_it_predicts() -> None:
+    cost = CostModel(CostModelParams())
+    other = WorkerId("w2")
+    cost.note_dispatch("r", W, 0.001, 0)
+    cost.forget("r", other)  # another leg of the request failed: the record is about W
+    assert cost.pending_requests == 1
+    measured = cost.note_complete("r", other, 0.3, prompt_tokens=4000, cached_tokens=0)
+    assert measured is not None and measured.scale_ratio == 0.0  # the unit only: not W's queue
+    assert cost.pending_requests == 1
+    sample = cost.note_complete("r", W, 0.3, prompt_tokens=4000, cached_tokens=0)
+    assert sample is not None and sample.scale_ratio > 1.0 and cost.pending_requests == 0
+
+
+def test_a_failed_leg_elsewhere_leaves_the_served_leg_its_calibration() -> None:
+    """An SGLang pair's legs run at once on two workers: the one that fails must not take the
+    record of the one the policy predicted."""
+    policy = CostPolicy(seed=0)
+    served, failed = WorkerId("w1"), WorkerId("w2")
+    r = req("r", range(250))
+    d = policy.select(r, [WorkerView(served)], 0.0)
+    assert d is not None and d.worker == served
+    policy.on_dispatch(r, d, 0.0)
+    cost = policy._pool(r).cost
+    policy.on_complete(Observation(r, failed, outcome=Outcome.WORKER_FAILED), 0.1)
+    before = cost.calibration_samples
+    policy.on_complete(
+        Observation(r, served, ttft_s=2.0, prompt_tokens=r.n_prompt_tokens, cached_tokens=0), 2.0
+    )
+    assert cost.calibration_samples == before + 1 and cost.scale > 1.0

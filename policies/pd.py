@@ -49,7 +49,8 @@ from typing import Literal, Protocol, cast, runtime_checkable
 from policies.base import Role, RouteDecision, RouteRequest, RoutingPolicy, WorkerId, WorkerView
 from policies.cost_model import CostModel
 from policies.cost_params import CostModelParams, transfer_time_s
-from policies.pools import available, load_of
+from policies.pd_scorer import PdScorer
+from policies.pools import available
 from policies.records import record
 
 SPLIT = "pd_split"
@@ -231,7 +232,7 @@ class PdRouter:
         cost = holder.cost_model(req) if holder is not None else self._default_cost
         shared = prefill[0].shared_prefix_blocks if prefill is not None else 0
         held = holder.held_tokens(req, shared, now_s) if holder is not None else {}
-        scorer = _Scorer(s, cost, req)
+        scorer = PdScorer(s, cost, req)
         options: list[_Option] = []
         if prefill is not None:
             decision, view = prefill
@@ -296,7 +297,7 @@ class PdRouter:
         if holder is None:  # a policy that keeps no index: nobody is known to hold more
             return PdDecision(None, pick, pick.score_s, ALONE_POLICY)
         cost = holder.cost_model(req)
-        scorer = _Scorer(s, cost, req)
+        scorer = PdScorer(s, cost, req)
         held = {
             w: scorer.engine(t) for w, t in holder.held_tokens(req, pick.shared_prefix_blocks, now_s).items()
         }
@@ -351,7 +352,7 @@ class PdRouter:
         prefill: RouteDecision | None,
         chosen: _Option,
         cost: CostModel,
-        scorer: _Scorer,
+        scorer: PdScorer,
         reason: str,
     ) -> PdDecision:
         shared = prefill.shared_prefix_blocks if prefill is not None else 0
@@ -370,71 +371,3 @@ class PdRouter:
             req.request_id, worker, cost.queue_s(chosen.decode, scorer.n - chosen.held), chosen.held
         )
         return PdDecision(None, decode, chosen.score_s, reason)
-
-
-class _Scorer:
-    """The terms of one request's options (engine tokens throughout)."""
-
-    __slots__ = ("adapter", "cost", "n", "out", "settings", "unit")
-
-    def __init__(self, settings: PdSettings, cost: CostModel, req: RouteRequest) -> None:
-        self.settings = settings
-        self.cost = cost
-        self.unit = cost.engine_tokens_per_request_token
-        self.n = int(req.n_prompt_tokens * self.unit)
-        self.out = req.max_output_tokens or settings.default_output_tokens
-        self.adapter = req.adapter
-
-    def engine(self, request_tokens: int) -> int:
-        """Request tokens (the normalizer's count) in engine tokens, at most the prompt."""
-        return min(int(request_tokens * self.unit), self.n)
-
-    def request_tokens(self, engine_tokens: int) -> int:
-        return int(engine_tokens / self.unit)
-
-    def prefill_s(self, view: WorkerView, matched: int, backlog_share: float = 1.0) -> float:
-        """The design's score of the prefill worker: saved − queue − cold (the backlog counted
-        at `backlog_share` of its whole prompts)."""
-        cost = self.cost
-        return (
-            cost.saved_s(self.n, matched)
-            - cost.queue_s(view, self.n - matched, backlog_share)
-            - cost.cold_s(view, self.adapter)
-        )
-
-    def split_s(self, view: WorkerView, held: int) -> float:
-        """What decoding on `view` after a transfer adds to the prefill score (all costs)."""
-        transfer = self.settings.transfer_s(self.n - held)
-        return -transfer - self.decode_s(view) - self.kv_s(view)
-
-    def alone_s(self, view: WorkerView, held: int) -> float:
-        """The score of `view` computing what it lacks and decoding the answer itself."""
-        new = self.n - held
-        interference = self.interference_s(view, new, held)
-        return self.prefill_s(view, held) - interference - self.decode_s(view) - self.kv_s(view)
-
-    def decode_s(self, view: WorkerView) -> float:
-        """Output tokens × one decode step at the worker's batch with this request admitted."""
-        context = view.in_flight_decode_tokens + self.n + self.out // 2
-        return self.out * self.cost.decode_step_s(load_of(view) + 1, context)
-
-    def interference_s(self, view: WorkerView, new: int, held: int) -> float:
-        """The delay a prefill of `new` tokens on `view` adds to the requests it decodes: the
-        prefill's compute (the step's fixed cost is paid by the decodes anyway) for each request
-        running there, and at least one (a decode worker's compute is kept for decoding: an idle
-        one's next arrivals wait behind the prefill)."""
-        weight = self.settings.interference_weight
-        if new <= 0 or weight == 0:
-            return 0.0
-        cost = self.cost
-        steps = -(-new // cost.params.max_batched_tokens)
-        compute = cost.prefill_s(new, held) - cost.scale * cost.params.step_s * steps
-        return weight * max(1, load_of(view)) * max(0.0, compute)
-
-    def kv_s(self, view: WorkerView) -> float:
-        """A fixed penalty when the worker's free KV (as last reported) cannot hold the request."""
-        if view.kv_usage is None or view.num_gpu_blocks is None:
-            return 0.0
-        capacity = view.num_gpu_blocks * (view.engine_block_size or 16)
-        free = capacity * max(0.0, 1.0 - view.kv_usage)
-        return self.settings.kv_full_penalty_s if free < self.n + self.out else 0.0

@@ -74,6 +74,7 @@ def test_cache_salt_separates(client: anthropic.Anthropic) -> None:
 
 def test_streamed_message(client: anthropic.Anthropic) -> None:
     messages: Any = [{"role": "user", "content": "stream it"}]
+    client.messages.create(model=MODEL, max_tokens=1, system=SYSTEM, messages=messages)  # caches it
     with client.messages.stream(model=MODEL, max_tokens=5, system=SYSTEM, messages=messages) as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_message()

@@ -32,12 +32,16 @@ from gateway.transport import Transport
 from gateway.upstream_conn import MAX_ANSWER_BYTES
 from gateway.upstream_headers import WorkerAuth
 from policies.base import RoutingPolicy
+from policies.pools import CarriesLearning
 from prompt_normalizer.normalizer import NormalizerConfig
 
 if TYPE_CHECKING:
     from gateway.fleet import Fleet
     from gateway.policy_watch import LoadedPolicy
     from gateway.sync.service import SyncService
+
+
+log = logging.getLogger("kvgate.policy_watch")
 
 
 @dataclass(slots=True)
@@ -58,10 +62,19 @@ class GatewayState:
     fleet: Fleet | None = None  # discovery, scraping and KV events, while the lifespan runs
     sync: SyncService | None = None  # replica sync (config `sync.url`), while the lifespan runs
 
-    def set_policy(self, policy: RoutingPolicy, normalizer: NormalizerConfig) -> None:
-        """Swap in a reloaded policy and rebuild the normalizers that follow the policy file."""
+    def set_policy(self, policy: RoutingPolicy, normalizer: NormalizerConfig) -> list[str]:
+        """Swap in a reloaded policy and rebuild the normalizers that follow the policy file. The
+        new policy takes over what the running one learned of the pools whose prompts are keyed
+        as before (`policies.pools.CarriesLearning`); returns those pools."""
+        keying = self.gate.keying
+        before = dict(keying.normalizers)
+        keying.set_policy_normalizer(normalizer)
+        kept: list[str] = []
+        if isinstance(policy, CarriesLearning):
+            same_keys = [name for name, n in keying.normalizers.items() if before.get(name) is n]
+            kept = policy.carry_over(self.routing.policy, same_keys)
         self.routing.policy = policy
-        self.gate.keying.set_policy_normalizer(normalizer)
+        return kept
 
 
 def build_state(
@@ -138,6 +151,7 @@ class PolicySwap:
     def __call__(self, loaded: LoadedPolicy) -> None:
         if self.state is None:
             raise RuntimeError("policy reloaded before the gateway state exists")
-        self.state.set_policy(loaded.policy, loaded.config.normalizer)
+        kept = self.state.set_policy(loaded.policy, loaded.config.normalizer)
+        log.info("policy swapped", extra={"policy": loaded.config.policy, "learning_kept": kept})
         for hook in self.after_swap:
             hook(self.state, loaded.policy)

@@ -71,6 +71,10 @@ class IndexHoldings:
 
     # -- sizing -------------------------------------------------------------------------------
 
+    def share_by(self, namespace_share: Callable[[str], float]) -> None:
+        """Size each namespace's part by `namespace_share` from now on (a reloaded policy's)."""
+        self._share = namespace_share
+
     def _blocks_for_tokens(self, tokens: int) -> int:
         return max(0, tokens // (self.block_size_tokens * self._g))
 

@@ -15,7 +15,7 @@ The gateway says which (`gateway.fleet`); the simulator's workers never come or 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -59,6 +59,17 @@ class FollowsWorkers(Protocol):
         ...
 
 
+@runtime_checkable
+class CarriesLearning(Protocol):
+    """A policy that can take over, on a policy reload, what the policy it replaces learned of the
+    workers (`carry_over`), instead of starting from nothing."""
+
+    def carry_over(self, previous: object, pools: Collection[str]) -> list[str]:
+        """Take over from `previous` what it learned of the pools in `pools` (those whose prompts
+        are keyed as before); returns the pools whose prefix index was taken over."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class PoolSettings:
     """One pool's settings: index sizing, cost constants, and static per-worker capacities."""
@@ -82,12 +93,19 @@ class PoolState:
         settings: PoolSettings,
         block_size_tokens: int,
         namespace_share: Callable[[str], float] | None = None,
+        *,
+        index: PrefixIndex | None = None,
+        cost: CostModel | None = None,
     ) -> None:
         self.name = name
         self.settings = settings
         self.block_size_tokens = block_size_tokens
-        self.index = PrefixIndex(settings.index, block_size_tokens, namespace_share)
-        self.cost = CostModel(settings.cost)
+        if index is None:
+            index = PrefixIndex(settings.index, block_size_tokens, namespace_share)
+        elif namespace_share is not None:
+            index.share_by(namespace_share)
+        self.index = index
+        self.cost = CostModel(settings.cost) if cost is None else cost
         self._capacity_seen: dict[WorkerId, tuple[int | None, int | None]] = {}
 
     def capacity_tokens(self, view: WorkerView) -> int:
@@ -151,6 +169,27 @@ class PoolSet:
             if len(self._pools) > self.MAX_POOLS:
                 self._pools.popitem(last=False)
         return pool
+
+    def carry(self, previous: PoolSet, names: Collection[str]) -> list[str]:
+        """Take over from `previous` (the pools of the policy this one replaces on a reload) the
+        pools named in `names` (those whose prompts are keyed as before) whose index is sized as
+        before: their index, with what every worker holds, and, with the same cost constants,
+        their calibrated cost model. Capacities are set again from this policy's settings as the
+        workers are next seen. Returns the names of the pools taken over, in their order."""
+        kept: list[str] = []
+        for name, old in previous._pools.items():
+            settings = self._settings.get(name, self._default)
+            if name not in names or settings.index != old.index.config:
+                continue
+            cost = old.cost if settings.cost == old.settings.cost else None
+            self._pools[name] = PoolState(
+                name, settings, old.block_size_tokens, self._share, index=old.index, cost=cost
+            )
+            kept.append(name)
+        for worker, name in previous._pool_of_worker.items():
+            if name in kept:
+                self._pool_of_worker[worker] = name
+        return kept
 
     def existing(self, name: str) -> PoolState | None:
         """The pool named `name` if one was made (never makes one)."""

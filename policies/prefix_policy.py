@@ -4,7 +4,7 @@ sync: `policies.prefix_sync`)."""
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 from policies.base import Isolation, KvEvent, Observation, RouteDecision, RouteRequest, WorkerId
@@ -72,6 +72,28 @@ class PrefixPolicyBase(PeerSyncing):
         self._init_peer_sync()
 
     MAX_DISPATCHED = 65_536
+
+    def carry_over(self, previous: object, pools: Collection[str]) -> list[str]:
+        """A policy reload's hand-over (`policies.pools.CarriesLearning`): take over what
+        `previous`, the prefix-aware policy this one replaces, learned. Of each pool in `pools`
+        (its prompts keyed as before) whose index is sized as before: the index, with every
+        worker's holdings, and the calibrated cost model when the cost constants are the same
+        (`PoolSet.carry`). Of the whole: the salts its running requests were dispatched with (their
+        completions confirm what they computed), the promoted public prefixes when promotion is
+        set as before, and the replica-sync bookkeeping (`PeerSyncing.carry_peer_sync`). What
+        only a subclass keeps (in-flight ledgers, recent work) starts afresh, as do the counters.
+        Nothing is taken from a policy of another kind: returns the pools taken over."""
+        if not isinstance(previous, PrefixPolicyBase):
+            return []
+        kept = self._pools.carry(previous._pools, pools)
+        dispatched = self._dispatched
+        dispatched.update(previous._dispatched)
+        while len(dispatched) > self.MAX_DISPATCHED:
+            dispatched.pop(next(iter(dispatched)))
+        if self.shared.promotion == previous.shared.promotion:
+            self._public = previous._public
+        self.carry_peer_sync(previous)
+        return kept
 
     # -- helpers for subclasses ---------------------------------------------------------------
 

@@ -33,6 +33,16 @@ class PeerSyncing:
         self._unseen = UnseenPeers()
         self._gateways = Gateways("")
 
+    def carry_peer_sync(self, previous: PeerSyncing) -> None:
+        """Take over `previous`'s sync bookkeeping on a policy reload: its running dispatches'
+        refs (their outcomes name them to the peers, and the refs go on from there rather than
+        start again at 1, which peers would take for the old ones), the peers' holdings awaiting
+        their outcomes (held in the index taken over) and what it saw of its peers' decisions.
+        The sink is set again on the new policy by the gateway (`set_sync_sink`)."""
+        self._peers = previous._peers
+        self._unseen = previous._unseen
+        self._gateways = previous._gateways
+
     def set_sync_sink(self, sink: SyncSink | None, *, calibration: bool = False, origin: str = "") -> None:
         """Publish every dispatch and outcome to `sink` from now on (None: stop), and with
         `calibration` every completion's calibration sample too; `origin` is this gateway's name on

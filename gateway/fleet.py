@@ -36,6 +36,7 @@ from gateway.discovery import (
     WorkerSetChange,
     WorkerSource,
 )
+from gateway.file_discovery import FileWorkers
 from gateway.k8s.source import PodWatcher
 from gateway.kv_event_types import KvEventEndpoint, endpoint_for_worker
 from gateway.kv_events import KvEventSubscriber
@@ -56,6 +57,9 @@ def worker_source(config: PoolConfig) -> WorkerSource | WatchingSource:
         return DnsWorkers(d.name, d.port, scheme=d.scheme)
     if config.kubernetes is not None:
         return PodWatcher(config.kubernetes)
+    if config.workers_file is not None:
+        f = config.workers_file
+        return FileWorkers(f.path, refresh_s=f.refresh_s, roles=config.takes_roles)
     return StaticWorkers(config.static_urls)
 
 

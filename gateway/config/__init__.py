@@ -344,6 +344,18 @@ def load_config(path: str | Path) -> GatewayConfig:
         else pool
         for pool in config.pools
     ]
+    pools = [
+        pool.model_copy(
+            update={
+                "workers_file": pool.workers_file.model_copy(
+                    update={"path": str(p.parent / pool.workers_file.path)}
+                )
+            }
+        )
+        if pool.workers_file is not None and not Path(pool.workers_file.path).is_absolute()
+        else pool
+        for pool in pools
+    ]
     config = config.model_copy(update={"pools": pools})
     if (
         config.secrets.key_hash_secret_file is not None

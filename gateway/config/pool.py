@@ -71,6 +71,14 @@ class DnsDiscoveryConfig(Frozen):
     empty_after_s: float = Field(10.0, ge=0, le=3600)
 
 
+class WorkersFileConfig(Frozen):
+    """Workers listed in a file, re-read when it changes (`gateway.file_discovery`): a list of
+    base URLs (or `{url, role}` entries), checked every `refresh_s`."""
+
+    path: str = Field(min_length=1)
+    refresh_s: PositiveFloat = Field(2.0, le=3600)
+
+
 class PoolConfig(Frozen):
     """A set of interchangeable workers serving the same model(s)."""
 
@@ -83,6 +91,7 @@ class PoolConfig(Frozen):
     pd: PdConfig | None = None
     dns: DnsDiscoveryConfig | None = None
     kubernetes: KubernetesDiscoveryConfig | None = None
+    workers_file: WorkersFileConfig | None = None
     # KV-cache events (vLLM `--kv-events-config`): `{host}` is replaced by each worker's address.
     # Precise routing needs token-exact keys: the pool's normalizer in `tokenizer` or `render` mode.
     kv_events_endpoint: str | None = Field(default=None, min_length=1)
@@ -154,6 +163,12 @@ class PoolConfig(Frozen):
         return roles
 
     @property
+    def takes_roles(self) -> bool:
+        """Whether the pool's workers have prefill and decode roles (a P/D pool not in
+        `holder_prefill` mode, where every worker is mixed)."""
+        return self.pd is not None and self.pd.mode != HOLDER_PREFILL
+
+    @property
     def base_model(self) -> str:
         """The model the pool's LoRA adapters run on: its first model id that is not an adapter."""
         return next((m for m in self.models if m not in self.adapters), self.models[0])
@@ -166,12 +181,17 @@ class PoolConfig(Frozen):
 
     @model_validator(mode="after")
     def _one_source(self) -> PoolConfig:
-        sources = [bool(self.static_urls), self.dns is not None, self.kubernetes is not None]
+        sources = [
+            bool(self.static_urls),
+            self.dns is not None,
+            self.kubernetes is not None,
+            self.workers_file is not None,
+        ]
         if sum(sources) != 1:
             raise ValueError(
-                "a pool needs exactly one of 'workers' (static URLs) or 'dns' (a DNS name) or "
-                "'kubernetes' (pods by label selector); 'prefill_workers' and 'decode_workers' are "
-                "static URLs too"
+                "a pool needs exactly one of 'workers' (static URLs), 'dns' (a DNS name), "
+                "'kubernetes' (pods by label selector) or 'workers_file' (a file listing them); "
+                "'prefill_workers' and 'decode_workers' are static URLs too"
             )
         self._check_roles()
         k8s = self.kubernetes

@@ -1,0 +1,136 @@
+"""Workers listed in a file (`gateway.file_discovery`): what a file may say, and following it as it
+changes, keeping the last set while it is missing, invalid or half-written."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+
+from gateway.config import ConfigError, load_config
+from gateway.discovery import WorkerDetails, WorkerSetChange, diff_workers
+from gateway.file_discovery import MAX_WORKERS, FileWorkers, WorkersFileError, parse_workers
+from tests.support.wait import wait_until
+
+
+def test_a_list_or_a_mapping_of_urls_and_roles() -> None:
+    assert list(parse_workers("- http://a:8000\n- https://b:8443/\n", roles=False)) == [
+        "http://a:8000",
+        "https://b:8443",
+    ]
+    parsed = parse_workers(
+        '{"workers": ["http://a:1", {"url": "http://b:2", "role": "prefill"},'
+        ' {"url": "http://c:3", "role": "decode"}]}',
+        roles=True,
+    )
+    assert {url: d.role for url, d in parsed.items()} == {
+        "http://a:1": None,
+        "http://b:2": "prefill",
+        "http://c:3": "decode",
+    }
+
+
+@pytest.mark.parametrize(
+    ("text", "roles", "message"),
+    [
+        ("", False, "expected a list"),
+        ("[]", False, "lists no worker"),
+        ("workers: []\n", False, "lists no worker"),
+        ("- http://a:1\n- http://a:1/\n", False, "listed twice"),
+        ("- ftp://a:1\n", False, "base URL"),
+        ("- http://a:1/v1\n", False, "base URL"),
+        ("- http://a:99999\n", False, "not a valid URL"),
+        ("- 7\n", False, "URL string"),
+        ("- {url: http://a:1, role: prefill}\n", False, "all mixed"),
+        ("- {url: http://a:1, role: leader}\n", True, "prefill or decode"),
+        ("- {url: http://a:1, weight: 3}\n", True, "unknown key"),
+        ("workers: [http://a:1]\nextra: 1\n", False, "expected a list"),
+        ("- [unclosed\n", False, "not valid YAML"),
+        ("a: 1\na: 2\n", False, "duplicate key"),
+    ],
+)
+def test_what_a_file_may_not_say(text: str, roles: bool, message: str) -> None:
+    with pytest.raises(WorkersFileError, match=message):
+        parse_workers(text, roles=roles)
+
+
+def test_at_most_max_workers() -> None:
+    many = "".join(f"- http://10.0.{i // 250}.{i % 250}:8000\n" for i in range(MAX_WORKERS + 1))
+    with pytest.raises(WorkersFileError, match="at most"):
+        parse_workers(many, roles=False)
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.current: frozenset[str] = frozenset()
+        self.snapshots: list[frozenset[str]] = []
+        self.errors: list[str] = []
+
+    def publish(self, workers: Mapping[str, WorkerDetails]) -> WorkerSetChange:
+        change = diff_workers(self.current, frozenset(workers))
+        self.current = frozenset(workers)
+        self.snapshots.append(self.current)
+        return change
+
+    def record_error(self, reason: str, message: str) -> None:
+        self.errors.append(f"{reason}: {message}")
+
+    def record_resync(self) -> None:
+        raise AssertionError("a file is never re-listed")
+
+
+def _write(path: Path, text: str) -> None:
+    """Replace the file whole, as a deploy tool or a ConfigMap update does (a new inode)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+async def test_following_the_file_and_keeping_the_last_set_through_bad_versions(tmp_path: Path) -> None:
+    path = tmp_path / "workers.yaml"
+    _write(path, "- http://a:1\n")
+    source = FileWorkers(str(path), refresh_s=0.02)
+    await source.prepare()
+    sink = _Sink()
+    task = asyncio.create_task(source.run(sink))
+    try:
+        await wait_until(lambda: sink.current == {"http://a:1"}, what="the first set")
+        _write(path, "- http://a:1\n- http://b:2\n")
+        await wait_until(lambda: sink.current == {"http://a:1", "http://b:2"}, what="b added")
+        _write(path, "")  # half-written: the set stays, the error is counted once
+        await wait_until(lambda: len(sink.errors) == 1, what="one error")
+        path.unlink()  # gone: kept again, counted once more
+        await wait_until(lambda: len(sink.errors) == 2, what="the missing file counted")
+        _write(path, "- http://b:2\n")
+        await wait_until(lambda: sink.current == {"http://b:2"}, what="a removed")
+        assert len(sink.errors) == 2 and "keeping the last set" in sink.errors[0]
+        assert all(s for s in sink.snapshots)  # never an empty set
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_missing_or_invalid_file_stops_the_start(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        await FileWorkers(str(tmp_path / "none.yaml")).prepare()
+    (tmp_path / "bad.yaml").write_text("- http://a:1/path\n")
+    with pytest.raises(WorkersFileError, match="base URL"):
+        await FileWorkers(str(tmp_path / "bad.yaml")).prepare()
+
+
+TENANTS = 'tenants: [{name: t, api_key_hashes: ["hmac-sha256:' + "0" * 64 + '"]}]\n'
+
+
+def test_the_config_takes_one_source_and_a_path_relative_to_itself(tmp_path: Path) -> None:
+    config = tmp_path / "gw.yaml"
+    config.write_text(TENANTS + "pools: [{name: p, models: [m], workers_file: {path: w.yaml}}]\n")
+    pool = load_config(config).pools[0]
+    assert pool.workers_file is not None and pool.workers_file.path == str(tmp_path / "w.yaml")
+    config.write_text(
+        TENANTS + "pools: [{name: p, models: [m], workers: [http://a:1], workers_file: {path: w.yaml}}]\n"
+    )
+    with pytest.raises(ConfigError, match="exactly one of"):
+        load_config(config)

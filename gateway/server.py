@@ -32,10 +32,12 @@ from gateway.config import DrainConfig, GatewayConfig
 from gateway.config.base import ConfigError
 from gateway.http_guard import ClientGuard, ClientLimits, GuardedServerState
 from gateway.http_limits import GuardedHttpToolsProtocol
+from gateway.k8s.api import KubernetesSetupError, check_access
 from gateway.policy_watch import LoadedPolicy, PolicyWatcher
 from gateway.precise import install_token_hasher
 from gateway.state import GatewayState, PolicySwap, build_state
 from gateway.sync import attach_after_swap
+from prompt_normalizer.errors import NormalizerError
 
 log = logging.getLogger("kvgate.server")
 
@@ -222,6 +224,17 @@ def _uvicorn_config(
     )
 
 
+def _check_discovery(config: GatewayConfig) -> None:
+    """What discovery needs and cannot wait for, checked before serving (a Kubernetes pool's API
+    server and credentials); raises with the pool named."""
+    for pool in config.pools:
+        if pool.kubernetes is not None:
+            try:
+                check_access(pool.kubernetes)
+            except KubernetesSetupError as exc:
+                raise ConfigError(f"pool {pool.name!r}: {exc}") from None
+
+
 def serve(
     config: GatewayConfig,
     secret: bytes,
@@ -231,7 +244,12 @@ def serve(
     *,
     reuse_port: bool = False,
 ) -> int:
-    state = build_state(config, secret, loaded.policy, loaded.config.normalizer)
+    try:
+        state = build_state(config, secret, loaded.policy, loaded.config.normalizer)
+        _check_discovery(config)
+    except (ConfigError, NormalizerError, KubernetesSetupError) as exc:
+        print(f"kvgate serve: {exc}", file=sys.stderr)
+        return 2
     install_token_hasher(state, loaded.policy)
     if swap is not None:
         swap.state = state

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Iterable
 
 from policies.base import WorkerId
 
@@ -99,9 +100,26 @@ class RecentWork:
         self._samples = 0
 
     def forget(self, worker: WorkerId) -> None:
-        """Drop `worker`'s work: it left, or may have restarted (its sessions' KV went with it, so
-        the work routed there no longer says where their next requests go)."""
+        """Drop `worker`'s work: it left the pool."""
         self.by_worker.pop(worker, None)
+
+    def restart(self, worker: WorkerId, pool: Iterable[WorkerId]) -> None:
+        """`worker` joined or may have restarted: the work routed there no longer says where
+        its sessions' next requests go (their KV went with it). It starts again at the mean work
+        of the other workers of its pool (`pool`, decayed to the latest of their times), not at
+        nothing: at nothing, every new branch would go to it until the work routed there caught
+        up with the others' (minutes of short requests after a restart). Without other workers
+        known, it is dropped."""
+        recent = self.by_worker
+        recent.pop(worker, None)
+        others = [recent[w] for w in pool if w != worker and w in recent]
+        if not others:
+            return
+        latest = max(at_s for _, at_s in others)
+        mean = sum(work * math.exp(-(latest - at_s) / self.window_s) for work, at_s in others) / len(others)
+        if len(recent) >= self.MAX_WORKERS:
+            recent.pop(next(iter(recent)))
+        recent[worker] = (mean, latest)
 
     def at(self, worker: WorkerId, now_s: float) -> float:
         """`worker`'s decayed work at `now_s`."""

@@ -148,10 +148,14 @@ class CostPolicy(HerdingPolicy):
         super().on_complete(obs, now_s)
         self._ledger.remove(obs.request.request_id, obs.worker)
 
-    def _forget_load(self, worker: WorkerId) -> None:
+    def _forget_load(self, pool: str, worker: WorkerId, gone: bool) -> None:
         # The in-flight ledger needs nothing: each of its requests leaves it when its outcome
-        # comes, wherever it ran.
-        self._recent_work.forget(worker)
+        # comes, wherever it ran. A worker that joined or restarted starts at its pool's mean
+        # recent work (`RecentWork.restart`); one that left is forgotten.
+        if gone:
+            self._recent_work.forget(worker)
+        else:
+            self._recent_work.restart(worker, self._pools.workers_of(pool))
 
     def _dispatched_to(
         self, pool: PoolState, req: RouteRequest, decision: RouteDecision, now_s: float

@@ -203,6 +203,10 @@ class PoolSet:
                 if len(owner) > 65_536:
                     owner.popitem(last=False)
 
+    def workers_of(self, pool: str) -> list[WorkerId]:
+        """The workers last seen in `pool` (a scan of every worker seen: for rare events only)."""
+        return [worker for worker, name in self._pool_of_worker.items() if name == pool]
+
     def pool_of(self, worker: WorkerId) -> PoolState | None:
         name = self._pool_of_worker.get(worker)
         if name is None:

@@ -46,7 +46,7 @@ class PrebleE2(PrefixPolicyBase):
         self._outputs: deque[int] = deque(maxlen=output_history)
         self._median_output = 256.0
 
-    def _forget_load(self, worker: WorkerId) -> None:
+    def _forget_load(self, pool: str, worker: WorkerId, gone: bool) -> None:
         self._window.pop(worker, None)
         self._window_sum.pop(worker, None)
 

@@ -291,16 +291,22 @@ class PrefixPolicyBase(PeerSyncing):
     # -- the workers' comings and goings (`policies.pools.FollowsWorkers`) ----------------------
 
     def worker_joined(self, pool: str, worker: WorkerId) -> None:
-        self._worker_changed(pool, worker, PoolState.worker_joined, new_process=True)
+        self._worker_changed(pool, worker, PoolState.worker_joined, new_process=True, gone=False)
 
     def worker_left(self, pool: str, worker: WorkerId) -> None:
-        self._worker_changed(pool, worker, PoolState.worker_left, new_process=True)
+        self._worker_changed(pool, worker, PoolState.worker_left, new_process=True, gone=True)
 
     def worker_reset(self, pool: str, worker: WorkerId) -> None:
-        self._worker_changed(pool, worker, PoolState.worker_reset, new_process=False)
+        self._worker_changed(pool, worker, PoolState.worker_reset, new_process=False, gone=False)
 
     def _worker_changed(
-        self, pool: str, worker: WorkerId, change: Callable[[PoolState, WorkerId], None], new_process: bool
+        self,
+        pool: str,
+        worker: WorkerId,
+        change: Callable[[PoolState, WorkerId], None],
+        *,
+        new_process: bool,
+        gone: bool,
     ) -> None:
         state = self._pools.existing(pool)
         if state is not None:
@@ -308,11 +314,11 @@ class PrefixPolicyBase(PeerSyncing):
         feed = self._feeds.get(pool)
         if new_process and feed is not None:
             feed.forget_worker(worker)  # kept on a reset: see `policies.kv_feed`
-        self._forget_load(worker)
+        self._forget_load(pool, worker, gone)
 
-    def _forget_load(self, worker: WorkerId) -> None:
-        """Drop what the policy keeps of the work it sent `worker` (the worker left, joined or
-        may have restarted); nothing here."""
+    def _forget_load(self, pool: str, worker: WorkerId, gone: bool) -> None:
+        """Drop what the policy keeps of the work it sent `worker` of `pool`: it left (`gone`),
+        or it joined or may have restarted; nothing here."""
 
     # -- stats --------------------------------------------------------------------------------
 

@@ -112,6 +112,17 @@ def _resolve(config: KubernetesDiscoveryConfig, environ: Mapping[str, str], sa_d
     return Access(base_url, namespace, token, context)
 
 
+def check_access(
+    config: KubernetesDiscoveryConfig,
+    environ: Mapping[str, str] | None = None,
+    sa_dir: Path = SERVICE_ACCOUNT_DIR,
+) -> None:
+    """What `resolve_access` checks, at once (`kvgate serve` before it starts serving: a pool that
+    cannot reach its API server stops the start with the reason, not a traceback from the
+    lifespan); raises `KubernetesSetupError`."""
+    _resolve(config, dict(os.environ) if environ is None else environ, sa_dir)
+
+
 async def resolve_access(
     config: KubernetesDiscoveryConfig,
     environ: Mapping[str, str] | None = None,

@@ -47,6 +47,7 @@ class LoadOutcome:
     errors: int
     hung: int
     in_flight_on_worker: float
+    reached: bool  # the worker had streams when it was acted on (else the probe proved nothing)
 
 
 async def _in_flight(ctx: Context, worker: Worker) -> float:
@@ -76,7 +77,7 @@ async def _under_streams(
     async def busy() -> bool:
         return await _in_flight(ctx, worker) >= 1
 
-    await wait_for(busy, 10, 0.05)  # the worker has streams to lose
+    reached, _ = await wait_for(busy, 10, 0.05)  # the worker has streams to lose
     await asyncio.sleep(0.3)  # and they are past their first events
     before = await _in_flight(ctx, worker)
     acting = asyncio.create_task(act())
@@ -85,7 +86,7 @@ async def _under_streams(
     await acting
     hung = sum(r.error == "TimeoutError" for r in replies)
     complete = sum(r.complete for r in replies)
-    return LoadOutcome(complete, len(replies) - complete - hung, hung, max(before, after))
+    return LoadOutcome(complete, len(replies) - complete - hung, hung, max(before, after), reached)
 
 
 async def _served_by(ctx: Context, worker: Worker) -> float:
@@ -115,14 +116,15 @@ async def _routed_again(ctx: Context, worker: Worker, tag: str, since: float) ->
 
 
 def _load_text(load: LoadOutcome, n: int) -> str:
-    return (
+    text = (
         f"{load.complete}/{n} streams complete, {load.errors} errors (in flight on it: "
         f"{load.in_flight_on_worker:.0f}), {load.hung} hung"
     )
+    return text if load.reached else text + "; the worker got no stream within 10 s (routed elsewhere)"
 
 
 def _load_ok(load: LoadOutcome) -> bool:
-    return load.hung == 0 and load.errors <= load.in_flight_on_worker
+    return load.reached and load.hung == 0 and load.errors <= load.in_flight_on_worker
 
 
 async def _kill_worker(ctx: Context) -> Observation:

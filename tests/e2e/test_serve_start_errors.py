@@ -112,3 +112,18 @@ def test_hash_key_refuses_a_short_secret_too() -> None:
     proc = serve("--hash-key", env={"KVGATE_KEY_SECRET": SHORT}, stdin="sk-x\n")
     assert_refused(proc, "KVGATE_KEY_SECRET")
     assert proc.stdout == "" and SHORT not in proc.stderr
+
+
+def test_a_tokenizer_directory_that_cannot_be_read_exits_2(tmp_path: Path) -> None:
+    pools = [{**POOLS[0], "normalizer": {"mode": "tokenizer", "tokenizer_dir": str(tmp_path / "none")}}]
+    path = write_gateway_config(tmp_path / "gw.yaml", pools, [tenant("t", "sk-t")])
+    assert_refused(serve("--config", str(path)), f"cannot load tokenizer from {tmp_path / 'none'}")
+
+
+def test_a_kubernetes_pool_outside_a_cluster_exits_2(tmp_path: Path) -> None:
+    pools = [{"name": "k", "models": ["m"], "kubernetes": {"selector": "app=vllm", "namespace": "llm", "port": 8000}}]
+    path = write_gateway_config(tmp_path / "gw.yaml", pools, [tenant("t", "sk-t")])
+    env = {"KUBERNETES_SERVICE_HOST": "", "KUBERNETES_SERVICE_PORT": ""}
+    assert_refused(
+        serve("--config", str(path), env=env), "pool 'k': KUBERNETES_SERVICE_HOST/PORT are not set"
+    )

@@ -31,6 +31,8 @@ MAX_PART_HEADER_BYTES = 64 * 1024
 # Lines inside a part that begin like a delimiter but go on (`--boundaryX`): content, yet each costs
 # a step in Python to tell apart; a client picks its boundary, real files rarely hold one.
 MAX_LOOKALIKES = 64
+# Spaces and tabs a delimiter line may carry before its `\r\n` (RFC 2046 transport padding).
+MAX_PADDING = 256
 # A part's `Content-Disposition` names it and its file (`name`, `filename`, `filename*`).
 MAX_DISPOSITION_PARAMS = 16
 # RFC 2046's boundary characters (a space, but not as the last character).
@@ -211,9 +213,23 @@ class _Delimiters:
         return ending
 
     def _ending(self, end: int) -> tuple[int, bool] | None:
-        tail = self._body[end : end + 2]
+        """Whether the boundary ending at `end` is a delimiter: `\r\n` next, or the close
+        delimiter's `--`; also `\r\n` after spaces and tabs (RFC 2046's transport padding, which
+        the engines' python-multipart takes as a delimiter too: read as content here, a padded
+        delimiter would start parts the worker sees and the gateway does not). (Where the `\r\n`
+        is, whether it closes.) Padding longer than `MAX_PADDING` is refused."""
+        body = self._body
+        tail = body[end : end + 2]
         if tail == b"\r\n":
             return end, False
         if tail == b"--":
             return end, True
+        if tail[:1] not in (b" ", b"\t"):
+            return None
+        window = body[end : end + MAX_PADDING + 1]
+        pad = len(window) - len(window.lstrip(b" \t"))
+        if pad > MAX_PADDING:
+            raise bad_request(f"multipart boundary followed by more than {MAX_PADDING} spaces or tabs")
+        if body[end + pad : end + pad + 2] == b"\r\n":
+            return end + pad, False
         return None

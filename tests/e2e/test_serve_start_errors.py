@@ -121,7 +121,13 @@ def test_a_tokenizer_directory_that_cannot_be_read_exits_2(tmp_path: Path) -> No
 
 
 def test_a_kubernetes_pool_outside_a_cluster_exits_2(tmp_path: Path) -> None:
-    pools = [{"name": "k", "models": ["m"], "kubernetes": {"selector": "app=vllm", "namespace": "llm", "port": 8000}}]
+    pools = [
+        {
+            "name": "k",
+            "models": ["m"],
+            "kubernetes": {"selector": "app=vllm", "namespace": "llm", "port": 8000},
+        }
+    ]
     path = write_gateway_config(tmp_path / "gw.yaml", pools, [tenant("t", "sk-t")])
     env = {"KUBERNETES_SERVICE_HOST": "", "KUBERNETES_SERVICE_PORT": ""}
     assert_refused(

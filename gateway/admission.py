@@ -27,6 +27,7 @@ from gateway.bodies import (
 from gateway.errors import ApiError
 from gateway.gate import Gate
 from gateway.keying import canonical_prompt, keyed_apart, only_model, prompt_error, read_large_body
+from gateway.prompt_batch import batch_tokens
 from gateway.quotas import Rejection
 from gateway.request_head import RequestHead, RequestIds
 from gateway.responses_affinity import (
@@ -203,8 +204,10 @@ async def admit(
         except ApiError as err:
             raise _refused(err, api, body, model) from None
 
+    # A batch's prompts all count (the normalizer keyed the first): in the quota and the load.
+    n_tokens = batch_tokens(body, api.prompt, canonical.n_tokens)
     limiter = gate.limiters[tenant.name]
-    rejection = limiter.admit(canonical.n_tokens, started_s)
+    rejection = limiter.admit(n_tokens, started_s)
     if rejection is not None:
         raise _refused(_quota_error(rejection), api, body, model)
     # After the token check, as a worker's 404 for an id nobody holds comes after it: another
@@ -247,7 +250,7 @@ async def admit(
         tenant=tenant.name,
         namespace=identity.namespace,
         block_keys=canonical.block_keys,
-        n_prompt_tokens=canonical.n_tokens,
+        n_prompt_tokens=n_tokens,
         block_size_tokens=canonical.block_size_tokens,
         isolation=tenant.isolation,
         public_block_keys=canonical.public_block_keys,

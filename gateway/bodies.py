@@ -13,6 +13,7 @@ import orjson
 from gateway.config import EnginePriorityConfig
 from gateway.errors import ApiError, bad_request
 from gateway.multipart import boundary_of, content_type_header, form_fields
+from gateway.prompt_batch import batch_sizes, check_sequences
 from gateway.routes import ApiRoute
 from prompt_normalizer.generate_input import GENERATE_PROMPT_FIELDS
 
@@ -92,8 +93,15 @@ def parse_body(raw: bytes, api: ApiRoute, max_choices: int = 128) -> dict[str, A
         raise bad_request("'priority' must be an integer (lower is served earlier)", "priority")
     if api.rewrites:
         check_choices(body, max_choices)
-    elif prompt == "generate" and isinstance(sampling := body.get("sampling_params"), dict):
-        check_choices(sampling, max_choices, "sampling_params.")
+    elif prompt == "generate":
+        sampling = body.get("sampling_params")
+        # A batch may give each prompt its own sampling parameters: each entry is checked.
+        for i, entry in enumerate(sampling if isinstance(sampling, list) else [sampling]):
+            if isinstance(entry, dict):
+                path = "sampling_params." if isinstance(sampling, dict) else f"sampling_params[{i}]."
+                check_choices(entry, max_choices, path)
+    if prompt in ("completions", "generate"):
+        check_sequences(body, prompt, _choices(body, prompt), max_choices)
     if not ENGINE_INTERNAL_FIELDS.isdisjoint(body):
         name = min(ENGINE_INTERNAL_FIELDS.intersection(body))
         raise bad_request(f"'{name}' is an engine-internal field and cannot be set through the gateway", name)
@@ -236,9 +244,11 @@ def _choices(body: dict[str, Any], prompt: str | None) -> int:
     """The sequences one request decodes: the largest of `n` and `best_of` (already checked to be
     within `limits.max_choices`), 1 when neither is set."""
     fields = body.get("sampling_params") if prompt == "generate" else body
-    if not isinstance(fields, dict):
-        return 1
-    return max(1, *(_positive_int(fields.get(name)) or 1 for name in _CHOICE_FIELDS))
+    entries = fields if isinstance(fields, list) else [fields]  # generate: one per prompt, or one
+    values = (
+        _positive_int(e.get(name)) or 1 for e in entries if isinstance(e, dict) for name in _CHOICE_FIELDS
+    )
+    return max(values, default=1)
 
 
 def output_budget(body: dict[str, Any], prompt: str | None, max_model_len: int | None) -> int:
@@ -262,7 +272,8 @@ def output_budget(body: dict[str, Any], prompt: str | None, max_model_len: int |
             "tokens, for the prompt and the output together"
         )
         raise ApiError(400, message, "invalid_request_error", "integer_above_max_value", name)
-    return value * _choices(body, prompt)
+    sizes = batch_sizes(body, prompt)
+    return value * _choices(body, prompt) * (1 if sizes is None else len(sizes))
 
 
 def engine_priority(client_priority: int, band: EnginePriorityConfig, scheduling: str) -> int | None:

@@ -55,10 +55,10 @@ def test_errors_name_the_field(patch: dict[str, Any], field: str) -> None:
 
 
 def test_a_pool_needs_static_workers_or_dns_discovery() -> None:
-    with pytest.raises(ConfigError, match="exactly one of 'workers' \\(static URLs\\) or 'dns'"):
+    with pytest.raises(ConfigError, match="exactly one of 'workers' \\(static URLs\\), 'dns'"):
         parse_config(_minimal(pools=[{"name": "p", "models": ["m"]}]))
     both = {"name": "p", "models": ["m"], "workers": ["http://a:1"], "dns": {"name": "h", "port": 80}}
-    with pytest.raises(ConfigError, match="exactly one of 'workers' \\(static URLs\\) or 'dns'"):
+    with pytest.raises(ConfigError, match="exactly one of 'workers' \\(static URLs\\), 'dns'"):
         parse_config(_minimal(pools=[both]))
     dns = parse_config(
         _minimal(pools=[{"name": "p", "models": ["m"], "dns": {"name": "vllm", "port": 8000}}])

@@ -31,6 +31,8 @@ def gateway_examples() -> Iterator[tuple[str, str]]:
         text = page.read_text()
         for found in re.finditer(r"^```yaml\n(.*?)^```", text, re.S | re.M):
             raw = yaml.safe_load(found.group(1))
+            if not isinstance(raw, dict):
+                continue  # a list: a workers file (`workers_file`), not a config
             if not set(raw) <= set(GatewayConfig.model_fields) or not isinstance(raw.get("pools", []), list):
                 continue
             # The chart's pools find their workers under `workers: {urls, dns, kubernetes}`.

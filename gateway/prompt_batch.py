@@ -1,0 +1,54 @@
+"""Batched prompts: one completions or native generate request may carry several prompts (a list
+of strings, or of token-id lists), each decoded with every choice it asks for. The normalizer
+keys the first (`prompt_normalizer.completions`), so what the batch adds is counted here: the
+sequences it decodes against `limits.max_choices`, and its prompts' size in the tokens the
+tenant's tpm quota and the worker's load count."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.errors import ApiError
+from prompt_normalizer.generate_input import GENERATE_PROMPT_FIELDS
+
+
+def batch_sizes(body: dict[str, Any], prompt: str | None) -> list[int] | None:
+    """Each prompt's size (characters, or token ids) when the request batches two or more; None
+    for one prompt (a string, or one list of token ids)."""
+    if prompt == "completions":
+        entries = body.get("prompt")
+    elif prompt == "generate":
+        entries = next(
+            (body[f] for f in GENERATE_PROMPT_FIELDS if isinstance(body.get(f), list) and body[f]), None
+        )
+    else:
+        return None
+    if not isinstance(entries, list) or len(entries) < 2:
+        return None
+    kind = str if isinstance(entries[0], str) else list if isinstance(entries[0], list) else None
+    if kind is None:
+        return None  # token ids of one prompt
+    return [len(e) if isinstance(e, kind) else 0 for e in entries]
+
+
+def check_sequences(body: dict[str, Any], prompt: str | None, choices: int, max_choices: int) -> None:
+    """A batch of B prompts with `choices` each decodes B × `choices` sequences: at most
+    `max_choices`, as one prompt's `n` is (400 otherwise, naming the prompt field)."""
+    sizes = batch_sizes(body, prompt)
+    if sizes is None or len(sizes) * choices <= max_choices:
+        return
+    field = "prompt" if prompt == "completions" else next(f for f in GENERATE_PROMPT_FIELDS if f in body)
+    message = (
+        f"'{field}' is a batch of {len(sizes)} prompts with {choices} choices each: this gateway "
+        f"serves at most {max_choices} sequences per request"
+    )
+    raise ApiError(400, message, "invalid_request_error", "integer_above_max_value", field)
+
+
+def batch_tokens(body: dict[str, Any], prompt: str | None, first_tokens: int) -> int:
+    """The batch's prompt tokens, from the first prompt's (`first_tokens`, the normalizer's count)
+    scaled by the batch's size over the first prompt's; `first_tokens` for one prompt."""
+    sizes = batch_sizes(body, prompt)
+    if sizes is None:
+        return first_tokens
+    return -(-first_tokens * sum(sizes) // max(1, sizes[0]))

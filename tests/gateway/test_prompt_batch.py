@@ -1,0 +1,89 @@
+"""A batch of prompts (`gateway.prompt_batch`): every prompt decodes every choice, and every
+prompt counts in the tenant's tpm and the worker's load, though only the first is keyed. A batch
+of 3,000 one-word prompts was 3,000 sequences past a bound of 128 choices, and 50 prompts passed a
+tpm quota that one prompt of the same text exceeded."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+import pytest
+
+from gateway.admission import Refused, admit
+from gateway.auth import hash_api_key
+from gateway.bodies import output_budget, parse_body
+from gateway.errors import ApiError
+from gateway.gate import Gate
+from gateway.prompt_batch import batch_tokens
+from gateway.request_head import RequestIds
+from gateway.routes import ROUTES
+from policies import make_policy
+from tests.support.inprocess import InProcessGateway, gateway_in_process
+
+SECRET = b"k"
+COMPLETIONS = ROUTES["/v1/completions"]
+GENERATE = ROUTES["/generate"]
+
+
+def _refusal(body: dict[str, Any], route: Any = COMPLETIONS) -> ApiError:
+    with pytest.raises(ApiError) as err:
+        parse_body(orjson.dumps(body), route, max_choices=128)
+    return err.value
+
+
+def test_a_batch_counts_its_sequences_against_the_choice_bound() -> None:
+    err = _refusal({"model": "m", "prompt": ["x"] * 3000})
+    assert (err.status, err.code, err.param) == (400, "integer_above_max_value", "prompt")
+    assert "batch of 3000 prompts with 1 choices" in err.message
+    assert _refusal({"model": "m", "prompt": ["x"] * 100, "n": 2}).param == "prompt"
+    assert _refusal({"model": "m", "prompt": [[1, 2]] * 65, "best_of": 2}).param == "prompt"
+    parse_body(orjson.dumps({"model": "m", "prompt": ["x"] * 64, "n": 2}), COMPLETIONS, max_choices=128)
+    parse_body(orjson.dumps({"model": "m", "prompt": list(range(5000))}), COMPLETIONS, max_choices=128)
+
+
+def test_each_sampling_params_entry_of_a_generate_batch_is_checked() -> None:
+    body = {"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 100000}]}
+    err = _refusal(body, GENERATE)
+    assert (err.status, err.param) == (400, "sampling_params[1].n")
+    err = _refusal({"text": ["a"] * 70, "sampling_params": [{"n": 2}] * 70}, GENERATE)
+    assert err.param == "text"
+
+
+def test_the_output_budget_and_the_tokens_count_every_prompt() -> None:
+    body = {"model": "m", "prompt": ["abcd", "abcdabcd", "abcd"], "max_tokens": 10, "n": 2}
+    assert output_budget(body, "completions", None) == 60
+    assert batch_tokens(body, "completions", 1) == 4  # 16 characters over the first's 4
+    assert batch_tokens({"prompt": "one"}, "completions", 7) == 7
+    assert batch_tokens({"text": [[1, 2], [3, 4, 5, 6]]}, "generate", 2) == 6
+
+
+@contextlib.asynccontextmanager
+async def _gateway() -> AsyncIterator[InProcessGateway]:
+    config = {
+        "pools": [{"name": "p", "models": ["m"], "workers": ["http://127.0.0.1:9"]}],
+        "tenants": [{"name": "t", "api_key_hashes": [hash_api_key(SECRET, "sk")], "quotas": {"tpm": 2000}}],
+        "scrape": {"enabled": False},
+    }
+    async with gateway_in_process(config, make_policy("cost"), secret=SECRET, workers_up=False) as gw:
+        yield gw
+
+
+async def _admit(gate: Gate, body: dict[str, Any]) -> Any:
+    return await admit(
+        orjson.dumps(body), COMPLETIONS, gate, RequestIds("r", None), gate.keyring.tenants["t"], 0.0
+    )
+
+
+async def test_a_batch_past_the_tpm_quota_is_refused_as_one_prompt_of_its_size_is() -> None:
+    text = "word " * 400  # about 500 tokens (approximate mode: 4 characters a token)
+    async with _gateway() as gw:
+        gate = gw.state.gate
+        for body in ({"model": "m", "prompt": text * 10}, {"model": "m", "prompt": [text] * 10}):
+            with pytest.raises(Refused) as refused:
+                await _admit(gate, body)
+            assert refused.value.error.code == "insufficient_quota"
+        admitted = await _admit(gate, {"model": "m", "prompt": [text] * 3})
+        assert admitted.route.n_prompt_tokens >= 1500

@@ -65,7 +65,10 @@ def admin_routes(state: GatewayState, watcher: PolicyWatcher | None) -> list[Rou
 def _check(request: Request, state: GatewayState) -> Response | None:
     expected = state.config.admin.api_key_hash
     assert expected is not None  # no routes without it
-    scheme, _, key = (request.headers.get("authorization") or "").partition(" ")
+    values = request.headers.getlist("authorization")
+    if len(values) > 1:  # two keys in one head: neither is taken (as on the tenants' routes)
+        return error(_NO_ADMIN_KEY, request_id_of(request))
+    scheme, _, key = (values[0] if values else "").partition(" ")
     key = key.strip()
     if scheme.lower() == "bearer" and key and hmac.compare_digest(hash_api_key(state.secret, key), expected):
         return None

@@ -21,7 +21,7 @@ from gateway.config.pool import read_worker_key
 from gateway.config.sync import SyncConfig
 from gateway.logs import LOG_LEVELS, setup_logging
 from gateway.policy_watch import LoadedPolicy, PolicyWatcher
-from gateway.state import PolicySwap
+from gateway.state import PolicySwap, warn_unknown_names
 from policies.config import PolicyConfig, PolicyConfigError, build_policy
 from policies.registry import known_policies
 
@@ -152,9 +152,11 @@ def load_policy(config: GatewayConfig) -> tuple[LoadedPolicy, PolicyWatcher | No
         return LoadedPolicy(build_policy(policy_config), policy_config, ""), None, swap
     watcher = PolicyWatcher(config.policy_file, on_swap=swap, interval_s=config.policy_reload_interval_s)
     try:
-        return watcher.load_initial(), watcher, swap
+        loaded = watcher.load_initial()
     except OSError as exc:
         raise ConfigError(f"policy_file: cannot read {config.policy_file!r}: {exc.strerror}") from None
+    warn_unknown_names(config, loaded.config)
+    return loaded, watcher, swap
 
 
 def demo_policy_name() -> str:

@@ -32,6 +32,7 @@ from gateway.transport import Transport
 from gateway.upstream_conn import MAX_ANSWER_BYTES
 from gateway.upstream_headers import WorkerAuth
 from policies.base import RoutingPolicy
+from policies.config import PolicyConfig
 from policies.pools import CarriesLearning
 from prompt_normalizer.normalizer import NormalizerConfig
 
@@ -152,6 +153,19 @@ class PolicySwap:
         if self.state is None:
             raise RuntimeError("policy reloaded before the gateway state exists")
         kept = self.state.set_policy(loaded.policy, loaded.config.normalizer)
+        warn_unknown_names(self.state.config, loaded.config)
         log.info("policy swapped", extra={"policy": loaded.config.policy, "learning_kept": kept})
         for hook in self.after_swap:
             hook(self.state, loaded.policy)
+
+
+def warn_unknown_names(config: GatewayConfig, policy: PolicyConfig) -> list[str]:
+    """Warn of each pool and tenant the policy file tunes that the gateway config does not have:
+    its settings apply to nothing (a typo, or a file written for another gateway). Returns them."""
+    pools = {p.name for p in config.pools}
+    tenants = {t.name for t in config.tenants}
+    unknown = [f"pools.{n}" for n in policy.pools if n not in pools]
+    unknown += [f"tenants.{n}" for n in policy.tenants if n not in tenants]
+    for name in unknown:
+        log.warning("policy file: %s is not in the gateway config; its settings apply to nothing", name)
+    return unknown

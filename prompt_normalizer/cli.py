@@ -34,7 +34,10 @@ MAX_STDIN_BYTES = 64 * 1024 * 1024
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", type=Path, help="policy YAML; its 'normalizer' section is used")
-    parser.add_argument("--pool", help="use pools.<POOL>.normalizer when the policy file has one")
+    parser.add_argument("--config", type=Path, help="gateway config YAML, for --pool")
+    parser.add_argument(
+        "--pool", help="with --config: that pool's own 'normalizer' when it has one (else the policy's)"
+    )
     parser.add_argument("--tenant", default=PUBLIC_NAMESPACE, help="tenant namespace (default: public)")
     parser.add_argument("--model", help="model id (default: the request's 'model')")
     parser.add_argument("--endpoint", choices=("chat", "completions"), help="default: from the body")
@@ -54,18 +57,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--render-url", help="render mode: worker base URL on 127.0.0.1")
 
 
-def load_config(path: Path | None, pool: str | None = None) -> NormalizerConfig:
-    """The `normalizer` section of a policy file: the pool's own when it has one, else the
-    top-level one, else the defaults."""
-    if path is None:
-        return NormalizerConfig()
-    raw = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(raw, dict):
-        raise ValueError("policy file must be a mapping")
-    section = raw.get("normalizer", {}) or {}
-    pools = raw.get("pools")
-    if pool is not None and isinstance(pools, dict) and isinstance(pools.get(pool), dict):
-        section = pools[pool].get("normalizer", section) or section
+def load_config(
+    path: Path | None, pool: str | None = None, gateway_config: Path | None = None
+) -> NormalizerConfig:
+    """The normalizer `kvgate serve` gives pool `pool`: the pool's own `normalizer` in the gateway
+    config (`gateway_config`) when it has one, else the policy file's `normalizer` section, else
+    the defaults."""
+    section: Any = {}
+    if path is not None:
+        raw = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ValueError("policy file must be a mapping")
+        section = raw.get("normalizer", {}) or {}
+    if pool is not None and gateway_config is not None:
+        raw = yaml.safe_load(gateway_config.read_text()) or {}
+        pools = raw.get("pools") if isinstance(raw, dict) else None
+        found = [p for p in pools or [] if isinstance(p, dict) and p.get("name") == pool]
+        if not found:
+            raise ValueError(f"--pool {pool!r}: no such pool in {str(gateway_config)!r}")
+        section = found[0].get("normalizer") or section
+    elif pool is not None:
+        raise ValueError("--pool needs --config (the gateway config, where pools are defined)")
     return NormalizerConfig.model_validate(section)
 
 
@@ -136,12 +148,12 @@ def _canonicalize(
 
 def run(args: argparse.Namespace) -> int:
     try:
-        config = load_config(args.policy, args.pool)
+        config = load_config(args.policy, args.pool, args.config)
     except (OSError, ValueError, yaml.YAMLError) as exc:
         detail = exc.errors()[0] if isinstance(exc, ValidationError) else None
         where = ".".join(str(p) for p in detail["loc"]) if detail else ""
         message = f"normalizer.{where}: {detail['msg']}" if detail else str(exc)
-        print(f"kvgate normalize: bad policy: {message}", file=sys.stderr)
+        print(f"kvgate normalize: bad config: {message}", file=sys.stderr)
         return 2
     raw = sys.stdin.buffer.read(MAX_STDIN_BYTES + 1)
     try:

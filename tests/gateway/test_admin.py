@@ -85,6 +85,13 @@ async def test_admin_routes_need_the_admin_key(admin: Admin) -> None:
     assert (await admin.client.get("/admin/status", headers=ADMIN)).status_code == 200
 
 
+async def test_two_authorization_fields_are_refused_whichever_comes_first(admin: Admin) -> None:
+    for pair in (["Bearer sk-admin", "Bearer nope"], ["Bearer nope", "Bearer sk-admin"]):
+        headers = [("authorization", value) for value in pair]
+        assert (await admin.client.get("/admin/status", headers=headers)).status_code == 401
+        assert (await admin.client.post("/admin/policy/reload", headers=headers)).status_code == 401
+
+
 async def test_status_reports_workers_breakers_scrapes_and_policy(admin: Admin) -> None:
     async def scraped() -> dict[str, Any] | None:
         body: dict[str, Any] = (await admin.client.get("/admin/status", headers=ADMIN)).json()

@@ -146,17 +146,31 @@ def test_render_mode_against_a_loopback_worker(
     assert missing.returncode == 1 and "render_required" in missing.stderr
 
 
-def test_pool_section_overrides_the_top_level_one(tmp_path: Path) -> None:
+def test_a_pools_own_normalizer_comes_from_the_gateway_config(tmp_path: Path) -> None:
+    """As `kvgate serve` gives it: the pool's own `normalizer` in the gateway config, else the
+    policy file's (a policy file has no per-pool normalizer: its loader refuses one)."""
     from prompt_normalizer.cli import load_config
 
     policy = tmp_path / "p.yaml"
-    policy.write_text(
-        "normalizer: {chars_per_token: 3}\npools:\n  big:\n    normalizer: {chars_per_token: 2}\n"
+    policy.write_text("normalizer: {chars_per_token: 3}\n")
+    gateway = tmp_path / "gw.yaml"
+    gateway.write_text(
+        "pools:\n"
+        "  - {name: big, models: [m], normalizer: {chars_per_token: 2}}\n"
+        "  - {name: small, models: [n]}\n"
     )
     assert load_config(policy).chars_per_token == 3
-    assert load_config(policy, "big").chars_per_token == 2
-    assert load_config(policy, "small").chars_per_token == 3
+    assert load_config(policy, "big", gateway).chars_per_token == 2
+    assert load_config(policy, "small", gateway).chars_per_token == 3
     assert load_config(None) == NormalizerConfig()
+    with pytest.raises(ValueError, match="needs --config"):
+        load_config(policy, "big")
+    with pytest.raises(ValueError, match="no such pool"):
+        load_config(policy, "other", gateway)
+    run = normalize(["--policy", str(policy), "--config", str(gateway), "--pool", "big"], BODY)
+    assert run.returncode == 0 and json.loads(run.stdout)["mode"] == "approximate"
+    missing = normalize(["--policy", str(policy), "--pool", "big"], BODY)
+    assert missing.returncode == 2 and "bad config: --pool needs --config" in missing.stderr
 
 
 @pytest.mark.slow

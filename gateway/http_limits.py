@@ -221,7 +221,9 @@ class GuardedHttpToolsProtocol(LingeringHttpToolsProtocol):
             self._bad_request()
             return
         except httptools.HttpParserUpgrade:
-            self._unsupported_upgrade_warning()  # no upgrades are served: a plain request
+            # No upgrades are served: a plain request. Not uvicorn's own warning, two unstructured
+            # log lines a request, which any client could send without a key and without bound.
+            pass
         except httptools.HttpParserError:
             self._bad_request()
             return

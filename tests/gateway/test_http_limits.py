@@ -4,6 +4,8 @@ ends (a refusal's with a lingering close: `test_http_linger`)."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from gateway.config import LimitsConfig
@@ -212,3 +214,18 @@ async def test_a_request_asking_to_upgrade_with_a_body_is_refused_and_one_withou
     protocol.data_received(b"GET /x HTTP/1.1\r\nHost: h\r\n" + upgrade + b"\r\n")
     await settle()
     assert transport.status() == 200
+
+
+async def test_upgrade_requests_write_no_log_line(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
+    # uvicorn's warning for an unsupported upgrade is two unstructured lines a request, which a
+    # client without a key could write without bound.
+    with caplog.at_level(logging.DEBUG):
+        for _ in range(3):  # the rig's connection limit
+            protocol, transport = rig.connect()
+            protocol.data_received(
+                b"GET /x HTTP/1.1\r\nHost: h\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+                b"HTTP2-Settings: AAMAAABkAAQAoAAAAAIAAAAA\r\n\r\n"
+            )
+            await settle()
+            assert transport.status() == 200
+    assert not [r for r in caplog.records if "upgrade" in r.getMessage().lower()]

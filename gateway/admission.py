@@ -24,7 +24,7 @@ from gateway.bodies import (
     parse_form,
     with_priority,
 )
-from gateway.errors import ApiError
+from gateway.errors import ApiError, echoed
 from gateway.gate import Gate
 from gateway.keying import canonical_prompt, keyed_apart, only_model, prompt_error, read_large_body
 from gateway.prompt_batch import batch_tokens
@@ -56,11 +56,6 @@ class Refused(Exception):
         self.endpoint = endpoint
         self.stream = stream
         self.model = model
-
-
-# The most of an unknown model's name a 404 quotes back: the name is any string of the body, up to
-# `limits.max_body_bytes`, and its error would otherwise be as large.
-_ECHOED_MODEL_CHARS = 256
 
 
 def _too_large(max_bytes: int) -> ApiError:
@@ -167,9 +162,12 @@ async def admit(
     model = body.get("model") or only_model(gate.models)
     pool = gate.models.get(model)
     if pool is None:
-        named = model if len(model) <= _ECHOED_MODEL_CHARS else model[:_ECHOED_MODEL_CHARS] + "..."
         unknown = ApiError(
-            404, f"The model '{named}' does not exist", "invalid_request_error", "model_not_found", "model"
+            404,
+            f"The model '{echoed(model)}' does not exist",
+            "invalid_request_error",
+            "model_not_found",
+            "model",
         )
         raise Refused(unknown, api.endpoint, body.get("stream") is True)
     try:

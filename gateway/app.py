@@ -29,7 +29,7 @@ from gateway.admission import Refused, admit, authenticate, enter, read_body
 from gateway.admitted import Admitted
 from gateway.auth import Tenant
 from gateway.cors import Cors, serves
-from gateway.errors import ApiError
+from gateway.errors import ApiError, echoed
 from gateway.fleet import Fleet
 from gateway.gauges import refresh_gauges
 from gateway.heartbeat import start_beating
@@ -384,7 +384,10 @@ def _route_error(request: Request, err: ApiError) -> Response:
 
 async def _not_found(request: Request, exc: Exception) -> Response:
     err = ApiError(
-        404, f"unknown route {request.method} {request.url.path}", "invalid_request_error", "not_found"
+        404,
+        f"unknown route {request.method} {echoed(request.url.path)}",
+        "invalid_request_error",
+        "not_found",
     )
     return _route_error(request, err)
 

@@ -120,6 +120,16 @@ def withhold_salts(text: bytes, salts: Iterable[str]) -> bytes:
     return bytes(out)
 
 
+# The most of a client's string (a model id, a path, an id) an error quotes back: the string is
+# anything up to the body or URL limits, and its error would otherwise be as large.
+ECHOED_CHARS = 256
+
+
+def echoed(text: str, limit: int = ECHOED_CHARS) -> str:
+    """`text` as an error quotes it: whole up to `limit` characters, else its start and `...`."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, "invalid_request_error", "invalid_request", param)
 

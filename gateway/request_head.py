@@ -83,8 +83,14 @@ class RequestHead:
                 api_key = value
             elif name == RETRY_COUNT_HEADER:
                 taken = retries_taken(value)
-        if authorization is None and api_key:
-            authorization = bearer_of_api_key(api_key)
+        if api_key:
+            key = bearer_of_api_key(api_key)
+            # Both headers: one key sent twice is one key; two keys name two tenants, refused.
+            if authorization is not None:
+                scheme, _, token = authorization.partition(" ")
+                same = scheme.lower() == "bearer" and token.strip() == key[7:].strip()
+                repeated = repeated or not same
+            authorization = key if authorization is None else authorization
         return cls(authorization, rid, length, content_type, taken, scope["headers"], repeated)
 
 

@@ -53,10 +53,10 @@ from urllib.parse import quote
 import aiohttp
 import orjson
 
-from gateway.errors import ApiError, bad_request
+from gateway.errors import ApiError, bad_request, echoed
 from gateway.failure import Failure, RetryReason
 from gateway.registry import Pool
-from gateway.responses_ids import MAX_REQUEST_ID_CHARS, ResponseIds, valid_response_id
+from gateway.responses_ids import MAX_REQUEST_ID_CHARS, MAX_RESPONSE_ID_CHARS, ResponseIds, valid_response_id
 from gateway.worker import Worker
 from policies.base import Outcome, Role, RouteDecision, WorkerId, WorkerView
 from policies.records import record
@@ -172,8 +172,10 @@ class ResponseAffinity:
 def not_found(response_id: str) -> ApiError:
     """vLLM's answer for a response it does not hold, byte for byte (also the gateway's, for an
     id that is not the asking tenant's: the two must read the same)."""
+    # A valid id is quoted whole (byte for byte vLLM's); a longer string is no id anyone holds.
+    quoted = echoed(response_id, MAX_RESPONSE_ID_CHARS)
     return ApiError(
-        404, f"Response with id '{response_id}' not found.", "invalid_request_error", None, "response_id"
+        404, f"Response with id '{quoted}' not found.", "invalid_request_error", None, "response_id"
     )
 
 

@@ -23,7 +23,7 @@ from starlette.routing import Route
 from gateway.admission import authenticate
 from gateway.auth import Tenant
 from gateway.breaker import BreakerState
-from gateway.errors import ApiError
+from gateway.errors import ApiError, echoed
 from gateway.gate import Gate
 from gateway.keying import base_model
 from gateway.registry import Registry
@@ -147,7 +147,7 @@ def surface_routes(gate: Gate, registry: Registry, created_s: int) -> list[Route
             return error(refused, request_id)
         model_id = request.path_params["model_id"]
         if model_id not in routable_models(registry):
-            message = f"The model '{model_id}' does not exist"
+            message = f"The model '{echoed(model_id)}' does not exist"
             err = ApiError(404, message, "invalid_request_error", "model_not_found", "model")
             return error(err, request_id)
         return json_response(card(model_id), 200, request_id)

@@ -71,6 +71,25 @@ async def test_the_starlette_routes_refuse_a_key_sent_twice_as_the_proxied_ones_
     assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
 
 
+async def test_a_messages_request_with_two_different_keys_in_two_headers_is_refused(rig: Rig) -> None:
+    body = {**CHAT, "max_tokens": 4}
+    two = [("authorization", "Bearer sk-t"), ("x-api-key", "sk-other")]
+    resp = await rig.client.post("/v1/messages", json=body, headers=two)
+    assert resp.status_code == 400 and "more than one" in resp.text
+    assert not any(w.received for w in rig.workers)
+    same = [("authorization", "bearer sk-other"), ("x-api-key", "sk-other")]  # one key, sent twice
+    assert (await rig.client.post("/v1/messages", json=body, headers=same)).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [("GET", "/v1/models/" + "m" * 30_000), ("GET", "/v1/responses/" + "r" * 30_000), ("GET", "/x" * 15_000)],
+)
+async def test_a_long_path_is_quoted_back_only_in_part(rig: Rig, method: str, path: str) -> None:
+    resp = await rig.client.request(method, path, headers={"authorization": "Bearer sk-t"})
+    assert resp.status_code == 404 and len(resp.content) < 1_000
+
+
 async def test_an_unknown_model_is_quoted_back_only_in_part(rig: Rig) -> None:
     resp = await rig.client.post(
         "/v1/chat/completions", json={**CHAT, "model": "x" * 3_000}, headers={"authorization": "Bearer sk-t"}

@@ -307,10 +307,14 @@ def _refused(err: ApiError, api: ApiRoute, body: dict[str, Any], model: str) -> 
 
 
 def _quota_error(rejection: Rejection) -> ApiError:
-    retry_after = max(1, int(rejection.retry_after_s + 0.999))
-    headers = {"retry-after": str(retry_after), "retry-after-ms": str(int(rejection.retry_after_s * 1000))}
-    if not rejection.retryable:
-        headers["x-should-retry"] = "false"
+    if rejection.retryable:
+        retry_after = max(1, int(rejection.retry_after_s + 0.999))
+        headers = {
+            "retry-after": str(retry_after),
+            "retry-after-ms": str(int(rejection.retry_after_s * 1000)),
+        }
+    else:
+        headers = {"x-should-retry": "false"}  # no wait makes it pass: no Retry-After to honour
     return ApiError(
         429,
         rejection.message,

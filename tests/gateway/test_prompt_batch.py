@@ -85,5 +85,7 @@ async def test_a_batch_past_the_tpm_quota_is_refused_as_one_prompt_of_its_size_i
             with pytest.raises(Refused) as refused:
                 await _admit(gate, body)
             assert refused.value.error.code == "insufficient_quota"
+            # No wait lets it pass: no Retry-After for a client to honour, only x-should-retry.
+            assert refused.value.error.headers == {"x-should-retry": "false"}
         admitted = await _admit(gate, {"model": "m", "prompt": [text] * 3})
         assert admitted.route.n_prompt_tokens >= 1500

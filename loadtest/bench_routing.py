@@ -365,7 +365,7 @@ def run(args: argparse.Namespace) -> int:
         "load": {r.name: r.load for r in runs},
     }
     (out / "results.json").write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
-    ttft_cdf(
+    plotted = ttft_cdf(
         {r.name: [x.ttft_s for x in r.results if x.ttft_s is not None] for r in ok}, out / "ttft_cdf.png"
     )
     hit_ratio_bars(
@@ -375,7 +375,7 @@ def run(args: argparse.Namespace) -> int:
         out / "hit_ratio.png",
     )
     load_over_time({r.name: r.load for r in ok}, args.workers, out / "load_over_time.png")
-    report = markdown_report(config, summaries, ceilings, baseline)
+    report = markdown_report(config, summaries, ceilings, baseline, plots=plotted)
     (out / "report.md").write_text(report)
     print(report)
     return 0 if ok else 1

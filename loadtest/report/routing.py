@@ -74,7 +74,10 @@ def markdown_report(
     summaries: dict[str, dict[str, Any]],
     ceilings: dict[str, float],
     baseline: str | None,
+    *,
+    plots: bool = True,
 ) -> str:
+    """The report; `plots`: whether the PNGs were written (matplotlib installed), so linked."""
     lines = ["# Routing benchmark", ""]
     lines.append("Config: " + ", ".join(f"`{k}={v}`" for k, v in config.items()))
     lines.append("")
@@ -104,14 +107,17 @@ def markdown_report(
             f"{_f(s['imbalance'], 2)} | {_f(ratio, 2)}x |"
         )
     lines += ["", f"Baseline for ratios: `{baseline}`.", ""]
-    lines += [
-        "![TTFT CDF](ttft_cdf.png)",
-        "",
-        "![hit ratio](hit_ratio.png)",
-        "",
-        "![load](load_over_time.png)",
-        "",
-    ]
+    if plots:
+        lines += [
+            "![TTFT CDF](ttft_cdf.png)",
+            "",
+            "![hit ratio](hit_ratio.png)",
+            "",
+            "![load](load_over_time.png)",
+            "",
+        ]
+    else:
+        lines += ["Plots skipped: matplotlib is not installed (`pip install 'kvgate[bench]'`).", ""]
     return "\n".join(lines)
 
 

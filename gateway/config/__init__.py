@@ -336,36 +336,50 @@ def load_config(path: str | Path) -> GatewayConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {str(p)!r}: the top level must be a mapping")
     config = parse_config(raw)
-    if config.policy_file is not None and not Path(config.policy_file).is_absolute():
-        config = config.model_copy(update={"policy_file": str(p.parent / config.policy_file)})
-    pools = [
-        pool.model_copy(update={"worker_api_key_file": str(p.parent / pool.worker_api_key_file)})
-        if pool.worker_api_key_file is not None and not Path(pool.worker_api_key_file).is_absolute()
-        else pool
-        for pool in config.pools
-    ]
-    pools = [
-        pool.model_copy(
-            update={
-                "workers_file": pool.workers_file.model_copy(
-                    update={"path": str(p.parent / pool.workers_file.path)}
-                )
-            }
-        )
-        if pool.workers_file is not None and not Path(pool.workers_file.path).is_absolute()
-        else pool
-        for pool in pools
-    ]
-    config = config.model_copy(update={"pools": pools})
-    if (
-        config.secrets.key_hash_secret_file is not None
-        and not Path(config.secrets.key_hash_secret_file).is_absolute()
-    ):
-        secrets = config.secrets.model_copy(
-            update={"key_hash_secret_file": str(p.parent / config.secrets.key_hash_secret_file)}
-        )
-        config = config.model_copy(update={"secrets": secrets})
+    return _relative_to(config, p.parent)
+
+
+# Every field of the config that names a file or folder, as a path of attribute names (`pools`:
+# each pool): a relative one is resolved against the config file's folder, wherever the gateway
+# is started from.
+_FILE_FIELDS: tuple[tuple[str, ...], ...] = (
+    ("policy_file",),
+    ("secrets", "key_hash_secret_file"),
+    ("decision_log", "path"),
+    ("sync", "auth", "token_file"),
+    ("sync", "auth", "password_file"),
+    ("sync", "tls", "ca_file"),
+    ("sync", "tls", "cert_file"),
+    ("sync", "tls", "key_file"),
+    ("pools", "worker_api_key_file"),
+    ("pools", "workers_file", "path"),
+    ("pools", "kubernetes", "token_file"),
+    ("pools", "kubernetes", "ca_file"),
+    ("pools", "normalizer", "tokenizer_dir"),
+    ("pools", "normalizer", "chat_template_file"),
+)
+
+
+def _relative_to(config: GatewayConfig, base: Path) -> GatewayConfig:
+    """`config` with each relative file path of `_FILE_FIELDS` resolved against `base`."""
+    for fields in _FILE_FIELDS:
+        if fields[0] == "pools":
+            pools = [_resolved(pool, fields[1:], base) for pool in config.pools]
+            config = config.model_copy(update={"pools": pools})
+        else:
+            config = _resolved(config, fields, base)
     return config
+
+
+def _resolved(model: Any, fields: tuple[str, ...], base: Path) -> Any:
+    value = getattr(model, fields[0], None)
+    if value is None:
+        return model
+    if len(fields) > 1:
+        return model.model_copy(update={fields[0]: _resolved(value, fields[1:], base)})
+    if not isinstance(value, str) or Path(value).is_absolute():
+        return model
+    return model.model_copy(update={fields[0]: str(base / value)})
 
 
 # The key-hash secret is the HMAC key of every API-key hash in the config: with a short one, a

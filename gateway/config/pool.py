@@ -225,7 +225,11 @@ class PoolConfig(Frozen):
             raise ValueError("pd.mode holder_prefill takes mixed workers only: drop kubernetes.role_label")
         needs_roles = self.pd is not None and not holder
         if needs_roles and self.dns is not None:
-            raise ValueError("pd: DNS discovery knows no roles; list prefill_workers and decode_workers")
+            raise ValueError(
+                "pd: DNS discovery knows no roles; list prefill_workers and decode_workers, list the "
+                "workers with their roles in a workers_file, or set pd.mode: holder_prefill (every "
+                "worker mixed)"
+            )
         k8s = self.kubernetes
         if needs_roles and k8s is not None and k8s.role_label is None:
             raise ValueError("pd: Kubernetes discovery needs kubernetes.role_label to find each pod's role")

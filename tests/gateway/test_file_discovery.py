@@ -134,3 +134,32 @@ def test_the_config_takes_one_source_and_a_path_relative_to_itself(tmp_path: Pat
     )
     with pytest.raises(ConfigError, match="exactly one of"):
         load_config(config)
+
+
+def test_every_relative_path_of_the_config_is_resolved_against_its_folder(tmp_path: Path) -> None:
+    config = tmp_path / "gw.yaml"
+    config.write_text(
+        TENANTS
+        + "policy_file: p.yaml\n"
+        + "secrets: {key_hash_secret_file: s/secret}\n"
+        + "decision_log: {path: logs/decisions.jsonl}\n"
+        + "sync: {url: 'nats://127.0.0.1:4222', auth: {token_file: s/token}, tls: {ca_file: s/ca.pem}}\n"
+        + "pools:\n"
+        + "  - {name: a, models: [m], workers_file: {path: w.yaml}, worker_api_key_file: /abs/key,\n"
+        + "     normalizer: {mode: tokenizer, tokenizer_dir: tok}}\n"
+        + "  - {name: b, models: [n], kubernetes: {selector: app=x, port: 80, namespace: ns,\n"
+        + "     api_server: 'https://k:6443', token_file: k/token, ca_file: k/ca.crt}}\n"
+    )
+    loaded = load_config(config)
+    here = str(tmp_path)
+    assert loaded.policy_file == f"{here}/p.yaml"
+    assert loaded.secrets.key_hash_secret_file == f"{here}/s/secret"
+    assert loaded.decision_log.path == f"{here}/logs/decisions.jsonl"
+    assert loaded.sync.auth.token_file == f"{here}/s/token"
+    assert loaded.sync.tls is not None and loaded.sync.tls.ca_file == f"{here}/s/ca.pem"
+    a, b = loaded.pools
+    assert a.workers_file is not None and a.workers_file.path == f"{here}/w.yaml"
+    assert a.worker_api_key_file == "/abs/key"  # absolute: as written
+    assert a.normalizer is not None and a.normalizer.tokenizer_dir == f"{here}/tok"
+    assert b.kubernetes is not None and b.kubernetes.token_file == f"{here}/k/token"
+    assert b.kubernetes.ca_file == f"{here}/k/ca.crt"

@@ -68,13 +68,14 @@ def test_documented_example_parses_and_builds_every_policy() -> None:
     blocks = re.findall(r"```yaml\n(.*?)```", DOC.read_text(), flags=re.S)
     assert blocks, "docs/policy.md lost its example"
     cfg = parse_policy_yaml(blocks[0])
-    assert cfg.tenants["acme"].isolation is Isolation.SHARED_PUBLIC
+    assert cfg.tenants["docs-bot"].isolation is Isolation.PUBLIC
     assert cfg.normalizer.chars_per_token == 4
     policy = build_policy(cfg)
     assert isinstance(policy, CostPolicy) and policy.epsilon == 0.5 and policy.work_weight == 2.0
     shared = cfg.shared_settings()
-    assert shared.pools["chat"].cost.transfer_enabled
-    assert shared.pools["chat"].cost.step_s == 0.017  # from the profile, not overridden
+    assert shared.pools["llama"].cost.transfer_enabled
+    assert shared.pools["llama"].cost.step_s == 0.017  # from the profile, not overridden
+    assert shared.default_pool.cost.step_s == 0.0065 and shared.default_pool.index.max_workers == 1024
     for name in ("round_robin", "random", "least_load", "consistent_hash", "sglang_cache_aware", "preble_e2"):
         assert build_policy(cfg.model_copy(update={"policy": name})).name == name
 

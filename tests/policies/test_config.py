@@ -75,7 +75,7 @@ def test_documented_example_parses_and_builds_every_policy() -> None:
     shared = cfg.shared_settings()
     assert shared.pools["llama"].cost.transfer_enabled
     assert shared.pools["llama"].cost.step_s == 0.017  # from the profile, not overridden
-    assert shared.default_pool.cost.step_s == 0.0065 and shared.default_pool.index.max_workers == 1024
+    assert shared.default_pool.index.max_workers == 1024
     for name in ("round_robin", "random", "least_load", "consistent_hash", "sglang_cache_aware", "preble_e2"):
         assert build_policy(cfg.model_copy(update={"policy": name})).name == name
 

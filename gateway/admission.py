@@ -142,23 +142,30 @@ async def admit(
     request_id = ids.internal
     large = None
     apart = False  # a JSON body read (and keyed) in the keying process (`keyed_apart`)
-    if api.multipart:
-        content_type = head.content_type if head is not None else None
-        body = parse_form(raw, content_type, api)
-        encoded = raw
-        upstream_head = form_head(content_type)
-    else:
-        apart = keyed_apart(raw)
-        if apart:
-            large = await read_large_body(raw, api, gate.keying, gate.models, tenant, gate.limits.max_choices)
-        if large is not None:
-            api, body, encoded = large.api, large.body, large.encoded
+    try:
+        if api.multipart:
+            content_type = head.content_type if head is not None else None
+            body = parse_form(raw, content_type, api)
+            encoded = raw
+            upstream_head = form_head(content_type)
         else:
-            body = parse_body(raw, api, gate.limits.max_choices)
-            if api.pick is not None:
-                api = api.pick(body)  # SageMaker's `/invocations`: admitted as the route its body names
-            encoded = encode_body(body)
-        upstream_head = JSON_HEAD
+            apart = keyed_apart(raw)
+            if apart:
+                large = await read_large_body(
+                    raw, api, gate.keying, gate.models, tenant, gate.limits.max_choices
+                )
+            if large is not None:
+                api, body, encoded = large.api, large.body, large.encoded
+            else:
+                body = parse_body(raw, api, gate.limits.max_choices)
+                if api.pick is not None:
+                    api = api.pick(body)  # SageMaker's `/invocations`: admitted as the route its body names
+                encoded = encode_body(body)
+            upstream_head = JSON_HEAD
+    except ApiError as err:
+        # A body that does not parse may be compressed: say so rather than quote the parser
+        # (looked for only here, so a request that parses pays nothing for it).
+        raise _compressed(head) or err from None
     model = body.get("model") or only_model(gate.models)
     pool = gate.models.get(model)
     if pool is None:
@@ -300,6 +307,17 @@ def _with_engine_priority(
     if "priority" in body:
         encoded = with_priority(body, encoded, None)[1]
     return forward, encoded
+
+
+def _compressed(head: RequestHead | None) -> ApiError | None:
+    """415 for a body sent with a `Content-Encoding` (neither the gateway nor the engines
+    decompress request bodies); None without one."""
+    for name, value in head.raw if head is not None else ():
+        if name == b"content-encoding" and value.strip().lower() not in (b"", b"identity"):
+            coding = value.decode("latin-1")[:64]
+            message = f"request bodies are read as sent: Content-Encoding {coding!r} is not supported"
+            return ApiError(415, message, "invalid_request_error", "unsupported_content_encoding")
+    return None
 
 
 def _refused(err: ApiError, api: ApiRoute, body: dict[str, Any], model: str) -> Refused:

@@ -3,8 +3,10 @@ the credentials it sends, and what a request the gateway refuses still costs its
 
 from __future__ import annotations
 
+import gzip
 from collections.abc import AsyncIterator
 
+import orjson
 import pytest
 
 from tests.gateway.routes_rig import Rig, routes_rig
@@ -96,3 +98,19 @@ async def test_an_unknown_model_is_quoted_back_only_in_part(rig: Rig) -> None:
     )
     assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"
     assert len(resp.content) < 1_000
+
+
+async def test_a_compressed_body_is_refused_as_such(rig: Rig) -> None:
+    # Neither the gateway nor the engines decompress request bodies: say so, not the JSON parser's
+    # complaint about the bytes.
+    raw = gzip.compress(orjson.dumps({**CHAT, "max_tokens": 4}))
+    headers = {"authorization": "Bearer sk-t", "content-encoding": "gzip", "content-type": "application/json"}
+    resp = await rig.client.post("/v1/chat/completions", content=raw, headers=headers)
+    assert resp.status_code == 415 and resp.json()["error"]["code"] == "unsupported_content_encoding"
+    assert not any(w.received for w in rig.workers)
+    plain = await rig.client.post(
+        "/v1/chat/completions",
+        json={**CHAT, "max_tokens": 4},
+        headers={**headers, "content-encoding": "identity"},
+    )
+    assert plain.status_code == 200

@@ -17,13 +17,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 import yaml
 
 from gateway.discovery import WorkerDetails, WorkerSink
+from gateway.file_stamp import FileStamp, stamp
 from policies.operator_yaml import OperatorYamlError, load_operator_yaml
 
 log = logging.getLogger("kvgate.discovery")
@@ -35,14 +35,6 @@ ROLES = ("prefill", "decode")
 
 class WorkersFileError(ValueError):
     """The file cannot be used as a worker list; the message says why (never its content)."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Stamp:
-    mtime_ns: int
-    ctime_ns: int
-    size: int
-    inode: int
 
 
 def parse_workers(text: str, *, roles: bool) -> dict[str, WorkerDetails]:
@@ -101,8 +93,8 @@ class FileWorkers:
         self.path = path
         self.refresh_s = refresh_s
         self.roles = roles
-        self._stamp: _Stamp | None = None
-        self._failed: _Stamp | None = None
+        self._stamp: FileStamp | None = None
+        self._failed: FileStamp | None = None
         self._first: dict[str, WorkerDetails] | None = None
 
     async def prepare(self) -> None:
@@ -134,11 +126,10 @@ class FileWorkers:
             self._stamp, self._failed = stamp, None
             sink.publish(workers)
 
-    def _stat(self) -> _Stamp:
-        st = os.stat(self.path)
-        return _Stamp(st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino)
+    def _stat(self) -> FileStamp:
+        return stamp(self.path)
 
-    def _read(self) -> tuple[_Stamp, dict[str, WorkerDetails]]:
+    def _read(self) -> tuple[FileStamp, dict[str, WorkerDetails]]:
         with open(self.path, "rb") as f:
             st = os.fstat(f.fileno())
             data = f.read(MAX_FILE_BYTES + 1)
@@ -148,5 +139,4 @@ class FileWorkers:
             text = data.decode("utf-8")
         except UnicodeDecodeError:
             raise WorkersFileError("not UTF-8") from None
-        stamp = _Stamp(st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino)
-        return stamp, parse_workers(text, roles=self.roles)
+        return FileStamp.of(st), parse_workers(text, roles=self.roles)

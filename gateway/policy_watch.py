@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from gateway.file_stamp import FileStamp
 from policies.base import RoutingPolicy
 from policies.config import PolicyConfig, PolicyConfigError, build_policy, parse_policy_yaml
 
@@ -68,16 +69,8 @@ class ReloadResult:
     status: PolicyStatus
 
 
-@dataclass(frozen=True, slots=True)
-class _Stamp:
-    mtime_ns: int
-    ctime_ns: int
-    size: int
-    inode: int
-
-
 # What the watcher records when the file cannot be stat'ed, so a missing file fails once.
-_NO_FILE = _Stamp(-1, -1, -1, -1)
+_NO_FILE = FileStamp(-1, -1, -1, -1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +124,7 @@ class PolicyWatcher:
         self._path = Path(path)
         self._on_swap = on_swap
         self._interval_s = min(60.0, max(0.1, interval_s))
-        self._stamp: _Stamp | None = None
+        self._stamp: FileStamp | None = None
         self._status = PolicyStatus(path=str(self._path))
         self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
@@ -175,7 +168,7 @@ class PolicyWatcher:
             return None
         return await self.reload_now(_stamp=stamp)
 
-    async def reload_now(self, force: bool = False, _stamp: _Stamp | None = None) -> ReloadResult:
+    async def reload_now(self, force: bool = False, _stamp: FileStamp | None = None) -> ReloadResult:
         """Read, parse and build the file now; swap if its content changed (or `force`).
 
         The read, parse and build run in a worker thread; only the swap runs on the event loop.
@@ -214,9 +207,9 @@ class PolicyWatcher:
             return ReloadResult(swapped=True, unchanged=False, error=None, status=self._status)
 
     # internals ------------------------------------------------------------
-    def _stat(self) -> _Stamp:
+    def _stat(self) -> FileStamp:
         st = self._path.stat()
-        return _Stamp(st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino)
+        return FileStamp.of(st)
 
     def _mark_loaded(self, loaded: LoadedPolicy, reload: bool = False) -> None:
         self._status = replace(

@@ -18,6 +18,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from gateway.config.base import ConfigError, Frozen, PositiveFloat, PositiveInt
 from gateway.config.cors import CorsConfig
+from gateway.config.paths import relative_to
 from gateway.config.pool import PoolConfig
 from gateway.config.sync import SyncConfig
 from gateway.logs import LOG_LEVELS
@@ -336,50 +337,7 @@ def load_config(path: str | Path) -> GatewayConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {str(p)!r}: the top level must be a mapping")
     config = parse_config(raw)
-    return _relative_to(config, p.parent)
-
-
-# Every field of the config that names a file or folder, as a path of attribute names (`pools`:
-# each pool): a relative one is resolved against the config file's folder, wherever the gateway
-# is started from.
-_FILE_FIELDS: tuple[tuple[str, ...], ...] = (
-    ("policy_file",),
-    ("secrets", "key_hash_secret_file"),
-    ("decision_log", "path"),
-    ("sync", "auth", "token_file"),
-    ("sync", "auth", "password_file"),
-    ("sync", "tls", "ca_file"),
-    ("sync", "tls", "cert_file"),
-    ("sync", "tls", "key_file"),
-    ("pools", "worker_api_key_file"),
-    ("pools", "workers_file", "path"),
-    ("pools", "kubernetes", "token_file"),
-    ("pools", "kubernetes", "ca_file"),
-    ("pools", "normalizer", "tokenizer_dir"),
-    ("pools", "normalizer", "chat_template_file"),
-)
-
-
-def _relative_to(config: GatewayConfig, base: Path) -> GatewayConfig:
-    """`config` with each relative file path of `_FILE_FIELDS` resolved against `base`."""
-    for fields in _FILE_FIELDS:
-        if fields[0] == "pools":
-            pools = [_resolved(pool, fields[1:], base) for pool in config.pools]
-            config = config.model_copy(update={"pools": pools})
-        else:
-            config = _resolved(config, fields, base)
-    return config
-
-
-def _resolved(model: Any, fields: tuple[str, ...], base: Path) -> Any:
-    value = getattr(model, fields[0], None)
-    if value is None:
-        return model
-    if len(fields) > 1:
-        return model.model_copy(update={fields[0]: _resolved(value, fields[1:], base)})
-    if not isinstance(value, str) or Path(value).is_absolute():
-        return model
-    return model.model_copy(update={fields[0]: str(base / value)})
+    return relative_to(config, p.parent)
 
 
 # The key-hash secret is the HMAC key of every API-key hash in the config: with a short one, a

@@ -210,7 +210,7 @@ async def admit(
             raise _refused(err, api, body, model) from None
 
     # A batch's prompts all count (the normalizer keyed the first): in the quota and the load.
-    n_tokens = batch_tokens(body, api.prompt, canonical.n_tokens)
+    n_tokens = batch_tokens(body, api.prompt, canonical.n_tokens, normalizer.config.chars_per_token)
     limiter = gate.limiters[tenant.name]
     rejection = limiter.admit(n_tokens, started_s)
     if rejection is not None:

@@ -226,12 +226,14 @@ def _output_field(body: dict[str, Any], prompt: str | None) -> tuple[str, int] |
     and the budget, if any."""
     if prompt == "generate":
         sampling = body.get("sampling_params")
-        if not isinstance(sampling, dict):
-            return None
+        # One for every prompt, or one per prompt of a batch: the largest budget counts.
+        entries = [sampling] if isinstance(sampling, dict) else sampling if isinstance(sampling, list) else []
         found = [
-            (f"sampling_params.{n}", v)
+            (f"sampling_params.{n}" if isinstance(sampling, dict) else f"sampling_params[{i}].{n}", v)
+            for i, entry in enumerate(entries)
+            if isinstance(entry, dict)
             for n in _SAMPLING_OUTPUT_FIELDS
-            if (v := _positive_int(sampling.get(n)))
+            if (v := _positive_int(entry.get(n)))
         ]
         return max(found, key=lambda item: item[1]) if found else None
     for name in _OUTPUT_FIELDS.get(prompt or "", ()):

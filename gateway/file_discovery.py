@@ -33,6 +33,10 @@ MAX_WORKERS = 1024
 ROLES = ("prefill", "decode")
 
 
+# The stamp of a file that cannot be stat'ed (missing, unreadable folder): one version of its own.
+_NO_FILE = FileStamp(-1, -1, -1, -1)
+
+
 class WorkersFileError(ValueError):
     """The file cannot be used as a worker list; the message says why (never its content)."""
 
@@ -96,6 +100,7 @@ class FileWorkers:
         self._stamp: FileStamp | None = None
         self._failed: FileStamp | None = None
         self._first: dict[str, WorkerDetails] | None = None
+        self.polls = 0  # stat checks made
 
     async def prepare(self) -> None:
         """Read the file once: a missing or invalid file stops the start."""
@@ -110,6 +115,7 @@ class FileWorkers:
         self._first = None
         while True:
             await asyncio.sleep(self.refresh_s)
+            self.polls += 1
             stamp = None
             try:
                 stamp = await asyncio.to_thread(self._stat)
@@ -117,9 +123,10 @@ class FileWorkers:
                     continue
                 stamp, workers = await asyncio.to_thread(self._read)
             except (OSError, WorkersFileError) as exc:
-                if stamp is None or stamp != self._failed:
+                failed = _NO_FILE if stamp is None else stamp
+                if failed != self._failed:
                     # Once per version of the file (a missing one is one version): the last set stays.
-                    self._failed = stamp
+                    self._failed = failed
                     reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
                     sink.record_error("file", f"{self.path}: {reason}; keeping the last set")
                 continue
@@ -128,6 +135,11 @@ class FileWorkers:
 
     def _stat(self) -> FileStamp:
         return stamp(self.path)
+
+    def check(self) -> None:
+        """Read the file now, as `prepare` does, without keeping it (`kvgate serve` before it
+        serves); raises `OSError` or `WorkersFileError`."""
+        self._read()
 
     def _read(self) -> tuple[FileStamp, dict[str, WorkerDetails]]:
         with open(self.path, "rb") as f:

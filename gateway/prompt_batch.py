@@ -15,6 +15,14 @@ from prompt_normalizer.generate_input import GENERATE_PROMPT_FIELDS
 def batch_sizes(body: dict[str, Any], prompt: str | None) -> list[int] | None:
     """Each prompt's size (characters, or token ids) when the request batches two or more; None
     for one prompt (a string, or one list of token ids)."""
+    entries = _batch(body, prompt)
+    if entries is None:
+        return None
+    kind = str if isinstance(entries[0], str) else list
+    return [len(e) if isinstance(e, kind) else 0 for e in entries]
+
+
+def _batch(body: dict[str, Any], prompt: str | None) -> list[Any] | None:
     if prompt == "completions":
         entries = body.get("prompt")
     elif prompt == "generate":
@@ -23,12 +31,9 @@ def batch_sizes(body: dict[str, Any], prompt: str | None) -> list[int] | None:
         )
     else:
         return None
-    if not isinstance(entries, list) or len(entries) < 2:
-        return None
-    kind = str if isinstance(entries[0], str) else list if isinstance(entries[0], list) else None
-    if kind is None:
-        return None  # token ids of one prompt
-    return [len(e) if isinstance(e, kind) else 0 for e in entries]
+    if not isinstance(entries, list) or len(entries) < 2 or not isinstance(entries[0], str | list):
+        return None  # one prompt: a string, or the token ids of one
+    return entries
 
 
 def check_sequences(body: dict[str, Any], prompt: str | None, choices: int, max_choices: int) -> None:
@@ -45,10 +50,18 @@ def check_sequences(body: dict[str, Any], prompt: str | None, choices: int, max_
     raise ApiError(400, message, "invalid_request_error", "integer_above_max_value", field)
 
 
-def batch_tokens(body: dict[str, Any], prompt: str | None, first_tokens: int) -> int:
-    """The batch's prompt tokens, from the first prompt's (`first_tokens`, the normalizer's count)
-    scaled by the batch's size over the first prompt's; `first_tokens` for one prompt."""
-    sizes = batch_sizes(body, prompt)
-    if sizes is None:
+def batch_tokens(body: dict[str, Any], prompt: str | None, first_tokens: int, chars_per_token: int) -> int:
+    """The batch's prompt tokens: the first prompt's (`first_tokens`, the normalizer's count), and
+    each other one estimated on its own: its token ids, or its characters at `chars_per_token`
+    (the pool's approximate rate; the worker's `usage` corrects the tenant's quota when it ends).
+    `first_tokens` for one prompt."""
+    entries = _batch(body, prompt)
+    if entries is None:
         return first_tokens
-    return -(-first_tokens * sum(sizes) // max(1, sizes[0]))
+    rest = 0
+    for entry in entries[1:]:
+        if isinstance(entry, str):
+            rest += -(-len(entry) // chars_per_token)
+        elif isinstance(entry, list):
+            rest += len(entry)
+    return first_tokens + rest

@@ -30,6 +30,7 @@ from starlette.types import ASGIApp
 from gateway.app import build_app, build_metrics_app, drain
 from gateway.config import DrainConfig, GatewayConfig
 from gateway.config.base import ConfigError
+from gateway.file_discovery import FileWorkers, WorkersFileError
 from gateway.http_guard import ClientGuard, ClientLimits, GuardedServerState
 from gateway.http_limits import GuardedHttpToolsProtocol
 from gateway.k8s.api import KubernetesSetupError, check_access
@@ -226,13 +227,17 @@ def _uvicorn_config(
 
 def _check_discovery(config: GatewayConfig) -> None:
     """What discovery needs and cannot wait for, checked before serving (a Kubernetes pool's API
-    server and credentials); raises with the pool named."""
+    server and credentials, a workers file); raises with the pool named."""
     for pool in config.pools:
-        if pool.kubernetes is not None:
-            try:
+        try:
+            if pool.kubernetes is not None:
                 check_access(pool.kubernetes)
-            except KubernetesSetupError as exc:
-                raise ConfigError(f"pool {pool.name!r}: {exc}") from None
+            if pool.workers_file is not None:
+                FileWorkers(pool.workers_file.path, roles=pool.takes_roles).check()
+        except OSError as exc:
+            raise ConfigError(f"pool {pool.name!r}: workers_file: {exc.strerror}: {exc.filename}") from None
+        except (KubernetesSetupError, WorkersFileError) as exc:
+            raise ConfigError(f"pool {pool.name!r}: {exc}") from None
 
 
 def serve(

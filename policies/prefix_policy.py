@@ -70,6 +70,9 @@ class PrefixPolicyBase(PeerSyncing):
         # completion to confirm. By worker too: SGLang's two legs of one request run at once.
         self._dispatched: dict[tuple[str, WorkerId], _Dispatched] = {}
         self._init_peer_sync()
+        # The pools whose KV-event feeds a reload took over (`carry_over`): kept by the next
+        # `set_token_hasher`, which gives the same keys for them.
+        self._carried_feeds: frozenset[str] = frozenset()
 
     MAX_DISPATCHED = 65_536
 
@@ -78,9 +81,10 @@ class PrefixPolicyBase(PeerSyncing):
         `previous`, the prefix-aware policy this one replaces, learned. Of each pool in `pools`
         (its prompts keyed as before) whose index is sized as before: the index, with every
         worker's holdings, and the calibrated cost model when the cost constants are the same
-        (`PoolSet.carry`). Of the whole: the salts its running requests were dispatched with (their
-        completions confirm what they computed), the promoted public prefixes when promotion is
-        set as before, and the replica-sync bookkeeping (`PeerSyncing.carry_peer_sync`). What
+        (`PoolSet.carry`), and in precise mode its KV-event feeds. Of the whole: the salts its running
+        requests were dispatched with (their completions confirm what they computed), the
+        namespaces' index shares, the promoted public prefixes when promotion is set as before,
+        and the replica-sync bookkeeping (`PeerSyncing.carry_peer_sync`). What
         only a subclass keeps (in-flight ledgers, recent work) starts afresh, as do the counters.
         Nothing is taken from a policy of another kind: returns the pools taken over."""
         if not isinstance(previous, PrefixPolicyBase):
@@ -92,6 +96,18 @@ class PrefixPolicyBase(PeerSyncing):
             dispatched.pop(next(iter(dispatched)))
         if self.shared.promotion == previous.shared.promotion:
             self._public = previous._public
+        # Namespaces keep their index shares until their tenant's next request notes the new ones
+        # (without them, a holding recorded before that trims a tenant to the default share).
+        self._ns_share.update(previous._ns_share)
+        # Precise mode: each worker's map from engine hashes to our keys goes with the index (the
+        # pool's normalizer, so its hasher's keys, did not change); without it the workers' later
+        # events (removals, chains extended) would match nothing in the index taken over.
+        for name in kept:
+            feed = previous._feeds.get(name)
+            if feed is not None:
+                self._feeds[name] = feed
+        self._hasher = previous._hasher
+        self._carried_feeds = frozenset(self._feeds)
         self.carry_peer_sync(previous)
         return kept
 
@@ -272,9 +288,13 @@ class PrefixPolicyBase(PeerSyncing):
             self._publish_calibration(req, sample, now_s)
 
     def set_token_hasher(self, hasher: TokenBlockHasher) -> None:
-        """Enable precise mode: KV events are keyed with `hasher` (the normalizer's token-chain hash)."""
+        """Enable precise mode: KV events are keyed with `hasher` (the normalizer's token-chain
+        hash). The feeds a reload took over are kept (their pools' keys are the same); any other
+        is built afresh with it."""
         self._hasher = hasher
-        self._feeds.clear()
+        carried, self._carried_feeds = self._carried_feeds, frozenset()
+        for name in [name for name in self._feeds if name not in carried]:
+            del self._feeds[name]
 
     def on_kv_event(self, worker: WorkerId, event: KvEvent, now_s: float) -> None:
         pool = self._pools.pool_of(worker)

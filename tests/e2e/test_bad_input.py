@@ -188,7 +188,7 @@ def test_request_bigger_than_tpm_quota_is_not_retryable(stack: Stack) -> None:
     body = {"model": "m-ok", "messages": [{"role": "user", "content": "y" * 2000}]}
     resp = _post(stack, json=body, key="sk-tpm")
     _assert_error(resp, 429, "insufficient_quota")
-    assert resp.headers["x-should-retry"] == "false" and resp.headers["retry-after"]
+    assert resp.headers["x-should-retry"] == "false" and "retry-after" not in resp.headers
     with pytest.raises(openai.RateLimitError):
         openai.OpenAI(base_url=stack.base_url + "/v1", api_key="sk-tpm").chat.completions.create(
             model="m-ok", messages=[{"role": "user", "content": "y" * 2000}]

@@ -133,3 +133,11 @@ def test_a_kubernetes_pool_outside_a_cluster_exits_2(tmp_path: Path) -> None:
     assert_refused(
         serve("--config", str(path), env=env), "pool 'k': KUBERNETES_SERVICE_HOST/PORT are not set"
     )
+
+
+def test_a_missing_or_invalid_workers_file_exits_2(tmp_path: Path) -> None:
+    pools = [{"name": "f", "models": ["m"], "workers_file": {"path": "workers.yaml"}}]
+    path = write_gateway_config(tmp_path / "gw.yaml", pools, [tenant("t", "sk-t")])
+    assert_refused(serve("--config", str(path)), "pool 'f': workers_file: No such file or directory")
+    (tmp_path / "workers.yaml").write_text("- http://127.0.0.1:1/v1\n")
+    assert_refused(serve("--config", str(path)), "pool 'f': entry 0: a worker is a base URL")

@@ -102,8 +102,11 @@ async def test_following_the_file_and_keeping_the_last_set_through_bad_versions(
         await wait_until(lambda: sink.current == {"http://a:1", "http://b:2"}, what="b added")
         _write(path, "")  # half-written: the set stays, the error is counted once
         await wait_until(lambda: len(sink.errors) == 1, what="one error")
-        path.unlink()  # gone: kept again, counted once more
+        path.unlink()  # gone: kept again, counted once more, and only once however long
         await wait_until(lambda: len(sink.errors) == 2, what="the missing file counted")
+        polls = source.polls
+        await wait_until(lambda: source.polls >= polls + 5, what="five more polls")
+        assert len(sink.errors) == 2
         _write(path, "- http://b:2\n")
         await wait_until(lambda: sink.current == {"http://b:2"}, what="a removed")
         assert len(sink.errors) == 2 and "keeping the last set" in sink.errors[0]

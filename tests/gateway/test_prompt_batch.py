@@ -55,9 +55,16 @@ def test_each_sampling_params_entry_of_a_generate_batch_is_checked() -> None:
 def test_the_output_budget_and_the_tokens_count_every_prompt() -> None:
     body = {"model": "m", "prompt": ["abcd", "abcdabcd", "abcd"], "max_tokens": 10, "n": 2}
     assert output_budget(body, "completions", None) == 60
-    assert batch_tokens(body, "completions", 1) == 4  # 16 characters over the first's 4
-    assert batch_tokens({"prompt": "one"}, "completions", 7) == 7
-    assert batch_tokens({"text": [[1, 2], [3, 4, 5, 6]]}, "generate", 2) == 6
+    assert batch_tokens(body, "completions", 1, 4) == 4  # the first's 1, then 8 and 4 characters
+    assert batch_tokens({"prompt": "one"}, "completions", 7, 4) == 7
+    assert batch_tokens({"text": [[1, 2], [3, 4, 5, 6]]}, "generate", 2, 4) == 6
+    listed = {"text": ["a", "b"], "sampling_params": [{"max_new_tokens": 5}, {"max_tokens": 9, "n": 2}]}
+    assert output_budget(listed, "generate", None) == 9 * 2 * 2
+    with pytest.raises(ApiError) as err:
+        output_budget({"text": "a", "sampling_params": [{"max_new_tokens": 10**6}]}, "generate", 4096)
+    assert err.value.param == "sampling_params[0].max_new_tokens"
+    # Each prompt on its own: a short first prompt does not make the batch short.
+    assert batch_tokens({"prompt": ["", "x" * 4000, "x" * 4000]}, "completions", 0, 4) == 2000
 
 
 @contextlib.asynccontextmanager
@@ -81,7 +88,11 @@ async def test_a_batch_past_the_tpm_quota_is_refused_as_one_prompt_of_its_size_i
     text = "word " * 400  # about 500 tokens (approximate mode: 4 characters a token)
     async with _gateway() as gw:
         gate = gw.state.gate
-        for body in ({"model": "m", "prompt": text * 10}, {"model": "m", "prompt": [text] * 10}):
+        for body in (
+            {"model": "m", "prompt": text * 10},
+            {"model": "m", "prompt": [text] * 10},
+            {"model": "m", "prompt": ["", *[text] * 10]},  # a short first prompt
+        ):
             with pytest.raises(Refused) as refused:
                 await _admit(gate, body)
             assert refused.value.error.code == "insufficient_quota"

@@ -4,12 +4,15 @@ requests' salts, the promoted public prefixes and the sync bookkeeping; nothing 
 
 from __future__ import annotations
 
-from policies.base import Observation, RouteRequest, RoutingPolicy, WorkerId, WorkerView
+from policies.base import KvEvent, KvEventKind, Observation, RouteRequest, RoutingPolicy, WorkerId, WorkerView
 from policies.config import build_policy, parse_policy_yaml
 from policies.cost_policy import CostPolicy
+from policies.peer_sync import PeerHolding
 from policies.pools import CarriesLearning
 from policies.prefix_policy import PrefixPolicyBase
-from tests.policies.factories import req
+from prompt_normalizer.types import PUBLIC_NAMESPACE
+from tests.policies.factories import req, workers
+from tests.policies.test_prefix_baselines import BS, _event_chain, _hasher, _with_keys
 
 W = [WorkerView(WorkerId(f"w{i}")) for i in range(4)]
 
@@ -109,3 +112,52 @@ def test_the_taken_index_sizes_namespaces_by_the_new_policys_tenants() -> None:
     new.select(req("s", range(5000, 5010)), W, 2.0)  # notes tenant t's share
     index = new._pool(req("x", range(2))).index
     assert index._namespace_quota("t") == int(index.config.max_entries * 0.25)
+
+
+def test_the_namespaces_index_shares_hold_until_their_tenants_next_request() -> None:
+    # Taken over without them, a peer's holding in a tenant's namespace, arriving before that
+    # tenant's next request, trimmed the holdings to the default share.
+    text = (
+        "policy: cost\ndefault_pool: {index: {max_entries: 400, namespace_share: 0.1}}\n"
+        "tenants: {t: {index_share: 1.0}}\n"
+    )
+    old = _policy(text)
+    wide = [WorkerView(WorkerId(f"w{i}"), num_gpu_blocks=100_000) for i in range(2)]
+    for i in range(8):
+        r = req(f"r{i}", range(i * 1000, i * 1000 + 20))
+        d = old.select(r, wide, 1.0)
+        assert d is not None
+        old.on_dispatch(r, d, 1.0)
+        old.on_complete(
+            Observation(r, d.worker, ttft_s=0.1, prompt_tokens=r.n_prompt_tokens, cached_tokens=0), 1.1
+        )
+    new = _policy(text)
+    assert isinstance(new, CostPolicy) and new.carry_over(old, ["p"]) == ["p"]
+    holding = PeerHolding(1, "p", 16, "t", req("z", range(9000, 9002)).block_keys, WorkerId("w0"), 33, 0)
+    new.apply_peer("gw2", holding, 2.0)
+    index = new._pool(req("x", range(2))).index
+    assert index.stats().evictions == 0 and index.stats().keys_by_namespace["t"] >= 160
+
+
+def test_precise_mode_feeds_go_with_the_index() -> None:
+    # The feed maps each worker's engine hashes to our keys: without it, a removal the worker
+    # reports after the reload would match nothing, and the index would keep KV the worker dropped.
+    hasher = _hasher()
+    tokens = list(range(1000, 1000 + 6 * BS))
+    keys = _event_chain(hasher, tokens)
+    r = _with_keys(req("r", range(6), tenant="pub", namespace=PUBLIC_NAMESPACE), keys)
+    views, w1 = workers(0, 0), WorkerId("w1")
+    old = CostPolicy(seed=0)
+    old.set_token_hasher(hasher)
+    old.select(r, views, 0.0)
+    old.on_kv_event(
+        w1, KvEvent(KvEventKind.BLOCK_STORED, (11, 12, 13, 14), None, tuple(tokens[: 4 * BS]), BS), 1.0
+    )
+    new = CostPolicy(seed=0)
+    assert new.carry_over(old, ["p"]) == ["p"]
+    new.set_token_hasher(hasher)  # as the gateway gives it after the swap
+    d = new.select(r, views, 2.0)
+    assert d is not None and (d.worker, d.matched_tokens) == (w1, 4 * BS)
+    new.on_kv_event(w1, KvEvent(KvEventKind.BLOCK_REMOVED, (13, 14)), 3.0)
+    d = new.select(r, views, 3.0)
+    assert d is not None and (d.worker, d.matched_tokens) == (w1, 2 * BS)

@@ -73,7 +73,10 @@ class GatewayState:
         kept: list[str] = []
         if isinstance(policy, CarriesLearning):
             same_keys = [name for name, n in keying.normalizers.items() if before.get(name) is n]
-            kept = policy.carry_over(self.routing.policy, same_keys)
+            try:
+                kept = policy.carry_over(self.routing.policy, same_keys)
+            except Exception:  # the swap goes on: the new policy learns from nothing, as it could
+                log.exception("policy reload: taking over what was learned failed; starting afresh")
         self.routing.policy = policy
         return kept
 

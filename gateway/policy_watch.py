@@ -82,8 +82,9 @@ class _Content:
 SwapCallback = Callable[[LoadedPolicy], None]
 
 
-def load_policy_text(text: str) -> LoadedPolicy:
-    """Parse and build; raises `PolicyConfigError` naming the problem.
+def load_policy_text(text: str, base: Path | None = None) -> LoadedPolicy:
+    """Parse and build; raises `PolicyConfigError` naming the problem. Relative paths in the file
+    are resolved against `base`, its folder.
 
     An empty or whitespace-only file is refused rather than read as "all defaults": that is what a
     truncated or half-saved file looks like, and it must not silently change routing.
@@ -92,7 +93,7 @@ def load_policy_text(text: str) -> LoadedPolicy:
         raise PolicyConfigError(
             "policy file is empty (a truncated or half-saved file?); write at least `policy: NAME`"
         )
-    config = parse_policy_yaml(text)
+    config = parse_policy_yaml(text, base)
     policy = build_policy(config)
     return LoadedPolicy(policy, config, hashlib.sha256(text.encode()).hexdigest())
 
@@ -136,7 +137,7 @@ class PolicyWatcher:
         """Synchronous first load at startup; raises `PolicyConfigError` or `OSError`."""
         stamp = self._stat()
         try:
-            loaded = load_policy_text(_read(self._path))
+            loaded = load_policy_text(_read(self._path), self._path.parent)
         except PolicyConfigError as exc:
             raise PolicyConfigError(f"{self._path}: {exc}") from None
         self._stamp = stamp
@@ -194,7 +195,7 @@ class PolicyWatcher:
                 self._status = replace(self._status, last_error=None, last_error_at_unix_s=None)
                 return ReloadResult(swapped=False, unchanged=True, error=None, status=self._status)
             try:
-                loaded = await asyncio.to_thread(load_policy_text, content.text)
+                loaded = await asyncio.to_thread(load_policy_text, content.text, self._path.parent)
             except PolicyConfigError as exc:
                 return self._fail(str(exc))
             try:

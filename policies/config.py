@@ -10,6 +10,7 @@ aliases expand to and refuses a key said twice in one mapping.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -220,8 +221,11 @@ def _format(exc: ValidationError) -> str:
     )
 
 
-def parse_policy_yaml(text: str) -> PolicyConfig:
-    """Parse and validate a policy file; any problem is a `PolicyConfigError` naming the field."""
+def parse_policy_yaml(text: str, base: Path | None = None) -> PolicyConfig:
+    """Parse and validate a policy file; any problem is a `PolicyConfigError` naming the field.
+
+    `base` is the folder of the file: a relative path in it (the normalizer's tokenizer folder and
+    chat template) is resolved against it, wherever the reader was started from."""
     try:
         raw = load_operator_yaml(text)
     except OperatorYamlError as exc:
@@ -233,9 +237,22 @@ def parse_policy_yaml(text: str) -> PolicyConfig:
     if not isinstance(raw, dict):
         raise PolicyConfigError("invalid policy file: <root>: expected a mapping of settings")
     try:
-        return PolicyConfig.model_validate(raw)
+        config = PolicyConfig.model_validate(raw)
     except ValidationError as exc:
         raise PolicyConfigError(f"invalid policy file: {_format(exc)}") from None
+    return config if base is None else _paths_relative_to(config, base)
+
+
+def _paths_relative_to(config: PolicyConfig, base: Path) -> PolicyConfig:
+    normalizer = config.normalizer
+    update = {
+        field: str(base / value)
+        for field in ("tokenizer_dir", "chat_template_file")
+        if isinstance(value := getattr(normalizer, field), str) and not Path(value).is_absolute()
+    }
+    if not update:
+        return config
+    return config.model_copy(update={"normalizer": normalizer.model_copy(update=update)})
 
 
 def policy_kwargs(config: PolicyConfig) -> dict[str, Any]:

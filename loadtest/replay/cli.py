@@ -105,7 +105,7 @@ def _stream(
 
 def _policy(workdir: Path) -> RoutingPolicy:
     path = workdir / "policy.yaml"
-    config = parse_policy_yaml(path.read_text()) if path.exists() else PolicyConfig()
+    config = parse_policy_yaml(path.read_text(), workdir) if path.exists() else PolicyConfig()
     return build_policy(config)
 
 

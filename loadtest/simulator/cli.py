@@ -185,7 +185,7 @@ def _policy(args: argparse.Namespace, gateway: int = 0) -> tuple[RoutingPolicy, 
             text = Path(args.policy_config).read_text()
         except OSError as exc:
             raise UsageError(f"--policy-config: {exc}") from None
-        config = parse_policy_yaml(text)
+        config = parse_policy_yaml(text, Path(args.policy_config).parent)
         if args.policy and args.policy != config.policy:
             raise UsageError(
                 f"--policy {args.policy} contradicts {args.policy_config} (policy: {config.policy})"

@@ -173,3 +173,25 @@ async def test_background_polling_picks_up_a_change(policy_file: Path) -> None:
         assert w.status().last_checked_at_unix_s is not None
     finally:
         await w.stop()
+
+
+async def test_relative_normalizer_paths_are_read_beside_the_policy_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tmp_path / "policies"
+    folder.mkdir()
+    path = folder / "policy.yaml"
+    path.write_text(
+        "policy: cost\nnormalizer: {tokenizer_dir: models/tok, chat_template_file: /abs/t.jinja}\n"
+    )
+    monkeypatch.chdir(tmp_path)  # started from elsewhere: the file's folder counts, not this one
+    swaps = Swaps()
+    w = PolicyWatcher(path, swaps)
+    normalizer = w.load_initial().config.normalizer
+    assert normalizer.tokenizer_dir == str(folder / "models/tok")
+    assert normalizer.chat_template_file == "/abs/t.jinja"  # absolute: as written
+
+    write(path, "policy: cost\nnormalizer: {tokenizer_dir: other}\n")
+    result = await w.check()
+    assert result is not None and result.swapped
+    assert swaps.loaded[0].config.normalizer.tokenizer_dir == str(folder / "other")

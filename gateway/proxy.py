@@ -137,11 +137,12 @@ async def _attempts(
             decision = pinned_decision(a.pinned, pool.views(now_s, frozenset(tried)))
         elif n == 0 and queue is not None:
             # Waits for a free worker slot while every worker is at its cap (queueing.py).
-            routed = queue.try_route(a, policy) or await queue.wait(a, policy)
+            routed = queue.try_route(a, policy) or await queue.wait(a, lambda: routing.policy)
             if isinstance(routed, Failure):
                 failure = routed
                 break
             decision, now_s = routed
+            policy = routing.policy  # the one that chose: a reload may have swapped it meanwhile
         else:
             decision = policy.select(a.route, pool.views(now_s, frozenset(tried)), now_s)
         worker = pool.workers.get(decision.worker) if decision is not None else None

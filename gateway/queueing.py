@@ -133,11 +133,12 @@ class PoolQueue:
             return decision, now_s
         return None
 
-    async def wait(self, a: Admitted, policy: RoutingPolicy) -> Routed | Failure:
-        """Wait for a turn, then the policy's choice as in `try_route`; or why the queue turned
-        the request away (full, or it waited `timeout_s`)."""
+    async def wait(self, a: Admitted, policy: Callable[[], RoutingPolicy]) -> Routed | Failure:
+        """Wait for a turn, then the choice of the policy running then (`policy()`: a reload may
+        swap it while the request waits) as in `try_route`; or why the queue turned the request
+        away (full, or it waited `timeout_s`)."""
         pool = self._pool
-        return await self._wait(a, lambda now_s: policy.select(a.route, pool.views(now_s), now_s), True)
+        return await self._wait(a, lambda now_s: policy().select(a.route, pool.views(now_s), now_s), True)
 
     def try_pair(
         self, a: Admitted, choose: ChoosePair, splittable: bool, *, whole: bool = False

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import ClassVar
 
 from policies.base import Observation, RouteDecision, RouteRequest, WorkerId, WorkerView
@@ -134,6 +134,19 @@ class CostPolicy(HerdingPolicy):
         self._observe_at = 0
         self._recent_work = RecentWork(load_window_s)
         self._ledger = InflightLedger()
+
+    def carry_over(self, previous: object, pools: Collection[str]) -> list[str]:
+        """`PrefixPolicyBase.carry_over`, and from a `cost` policy its recent routing: the
+        requests in flight (their outcomes take them out of this policy's ledger now) and the
+        prefill work routed to each worker (decayed from now on over this policy's
+        `load_window_s`). Without them the first decisions after a reload would see every worker
+        as idle of the work this gateway just sent it."""
+        kept = super().carry_over(previous, pools)
+        if isinstance(previous, CostPolicy):
+            self._ledger = previous._ledger
+            self._recent_work = previous._recent_work
+            self._recent_work.window_s = self.load_window_s
+        return kept
 
     def recent_work_s(self, worker: WorkerId, now_s: float) -> float:
         """Prefill seconds this policy routed to `worker`, exponentially decayed over `load_window_s`;

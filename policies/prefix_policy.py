@@ -84,8 +84,8 @@ class PrefixPolicyBase(PeerSyncing):
         (`PoolSet.carry`), and in precise mode its KV-event feeds. Of the whole: the salts its running
         requests were dispatched with (their completions confirm what they computed), the
         namespaces' index shares, the promoted public prefixes when promotion is set as before,
-        and the replica-sync bookkeeping (`PeerSyncing.carry_peer_sync`). What
-        only a subclass keeps (in-flight ledgers, recent work) starts afresh, as do the counters.
+        and the replica-sync bookkeeping (`PeerSyncing.carry_peer_sync`). What only a subclass
+        keeps it takes over itself (`CostPolicy.carry_over`); the counters start afresh.
         Nothing is taken from a policy of another kind: returns the pools taken over."""
         if not isinstance(previous, PrefixPolicyBase):
             return []

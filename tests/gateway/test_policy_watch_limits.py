@@ -104,12 +104,12 @@ async def test_the_build_runs_off_the_event_loop(policy_file: Path, monkeypatch:
     build_threads: list[int] = []
     real_load = policy_watch.load_policy_text
 
-    def slow_load(text: str) -> LoadedPolicy:
+    def slow_load(text: str, base: Path | None = None) -> LoadedPolicy:
         build_threads.append(threading.get_ident())
         loop.call_soon_threadsafe(building.set)
         if not released.wait(timeout=30):
             raise PolicyConfigError("the event loop did not run during the build")
-        return real_load(text)
+        return real_load(text, base)
 
     swaps = Swaps()
     w = PolicyWatcher(policy_file, swaps)

@@ -4,6 +4,7 @@ that left or lost a race, workers that go, the fast path, and the drain deadline
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -78,8 +79,8 @@ async def test_a_turn_handed_to_a_waiter_that_left_goes_to_the_next(full_pool: t
     pool, worker = full_pool
     queue = PoolQueue(pool, pool.config.queue, {}, GatewayMetrics(), tick_s=0.01)
     policy = FirstFree()
-    first = asyncio.ensure_future(queue.wait(_queued("a"), policy))
-    second = asyncio.ensure_future(queue.wait(_queued("b"), policy))
+    first = asyncio.ensure_future(queue.wait(_queued("a"), lambda: policy))
+    second = asyncio.ensure_future(queue.wait(_queued("b"), lambda: policy))
     await wait_until(lambda: queue.waiting == 2)
     _free(pool, worker, queue)  # the turn goes to "a" ...
     first.cancel()  # ... whose client leaves before its task runs
@@ -94,7 +95,7 @@ async def test_waiters_get_no_worker_when_the_last_routable_worker_goes(
 ) -> None:
     pool, worker = full_pool
     queue = PoolQueue(pool, pool.config.queue, {}, GatewayMetrics(), tick_s=0.01)
-    waiters = [asyncio.ensure_future(queue.wait(_queued(t), FirstFree())) for t in ("a", "b")]
+    waiters = [asyncio.ensure_future(queue.wait(_queued(t), FirstFree)) for t in ("a", "b")]
     await wait_until(lambda: queue.waiting == 2)
     worker.healthy = False
     results = await asyncio.wait_for(asyncio.gather(*waiters), 2)
@@ -106,7 +107,7 @@ async def test_a_turn_lost_to_a_race_keeps_its_place(full_pool: tuple[Pool, Work
     pool, worker = full_pool
     queue = PoolQueue(pool, pool.config.queue, {}, GatewayMetrics(), tick_s=0.01)
     policy = FirstFree()
-    waiter = asyncio.ensure_future(queue.wait(_queued("a"), policy))
+    waiter = asyncio.ensure_future(queue.wait(_queued("a"), lambda: policy))
     await wait_until(lambda: queue.waiting == 1)
     _free(pool, worker, queue)
     worker.acquire(1, 0, 0.0)  # a retry elsewhere takes the slot before the waiter runs
@@ -115,6 +116,27 @@ async def test_a_turn_lost_to_a_race_keeps_its_place(full_pool: tuple[Pool, Work
     _free(pool, worker, queue)
     routed = await asyncio.wait_for(waiter, 2)
     assert isinstance(routed, tuple) and routed[0] is not None
+    queue.check_invariants()
+
+
+async def test_a_waiter_is_routed_by_the_policy_running_when_its_turn_comes(
+    full_pool: tuple[Pool, Worker],
+) -> None:
+    pool, worker = full_pool
+    queue = PoolQueue(pool, pool.config.queue, {}, GatewayMetrics(), tick_s=0.01)
+    running: list[FirstFree] = [FirstFree()]
+    waiter = asyncio.ensure_future(queue.wait(_queued("a"), lambda: running[0]))
+    await wait_until(lambda: queue.waiting == 1)
+
+    class Reloaded(FirstFree):
+        def select(self, req: RouteRequest, views: Sequence[WorkerView], now: float) -> RouteDecision | None:
+            decision = super().select(req, views, now)
+            return None if decision is None else dataclasses.replace(decision, reason="reloaded")
+
+    running[0] = Reloaded()  # a policy reload while the request waits
+    _free(pool, worker, queue)
+    routed = await asyncio.wait_for(waiter, 2)
+    assert isinstance(routed, tuple) and routed[0] is not None and routed[0].reason == "reloaded"
     queue.check_invariants()
 
 
@@ -133,8 +155,8 @@ def test_try_route_is_the_whole_path_when_nobody_waits(full_pool: tuple[Pool, Wo
 async def test_at_the_drain_deadline_waiters_get_a_503(full_pool: tuple[Pool, Worker]) -> None:
     pool, worker = full_pool
     queue = PoolQueue(pool, pool.config.queue, {}, GatewayMetrics(), tick_s=60)  # no tick here
-    served = asyncio.ensure_future(queue.wait(_queued("a"), FirstFree()))
-    stuck = asyncio.ensure_future(queue.wait(_queued("b"), FirstFree()))
+    served = asyncio.ensure_future(queue.wait(_queued("a"), FirstFree))
+    stuck = asyncio.ensure_future(queue.wait(_queued("b"), FirstFree))
     await wait_until(lambda: queue.waiting == 2)
     _free(pool, worker, queue)  # "a" is served while the gateway drains ...
     assert isinstance(await served, tuple)

@@ -161,3 +161,33 @@ def test_precise_mode_feeds_go_with_the_index() -> None:
     new.on_kv_event(w1, KvEvent(KvEventKind.BLOCK_REMOVED, (13, 14)), 3.0)
     d = new.select(r, views, 3.0)
     assert d is not None and (d.worker, d.matched_tokens) == (w1, 2 * BS)
+
+
+def test_cost_takes_over_the_requests_in_flight_and_the_work_routed_to_each_worker() -> None:
+    old = _policy("policy: cost\n")
+    w0 = [W[0]]
+    for i in range(4):  # four long prompts sent to w0, still running at the reload
+        r = req(f"r{i}", range(i * 1000, i * 1000 + 64))
+        d = old.select(r, w0, 1.0)
+        assert d is not None and d.worker == W[0].worker_id
+        old.on_dispatch(r, d, 1.0)
+    assert isinstance(old, CostPolicy)
+    work = old.recent_work_s(W[0].worker_id, 1.0)
+    assert work > 0 and old.uncached_share(W[0].worker_id) == 1.0
+    new = _policy("policy: cost\ncost: {epsilon: 0.5, load_window_s: 20}\n")
+    assert isinstance(new, CostPolicy)
+    new.carry_over(old, ["p"])
+    assert new.recent_work_s(W[0].worker_id, 1.0) == work
+    assert new.recent_work_s(W[0].worker_id, 21.0) < work / 2  # decayed over the new window
+    assert new._ledger.shares == {W[0].worker_id: 1.0}
+    # The next new branch goes to the worker the old policy did not load.
+    branch = req("b", range(50_000, 50_064))
+    d = new.select(branch, W[:2], 1.0)
+    assert d is not None and d.worker == W[1].worker_id
+    # The running requests leave the taken-over ledger as their outcomes reach the new policy.
+    for i in range(4):
+        r = req(f"r{i}", range(i * 1000, i * 1000 + 64))
+        new.on_complete(
+            Observation(r, W[0].worker_id, ttft_s=0.5, prompt_tokens=64 * 16, cached_tokens=0), 2.0
+        )
+    assert new._ledger.shares == {}

@@ -250,7 +250,9 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
             if state.config.sync.url is not None:
                 from gateway.sync.service import SyncService  # nats-py only when sync is on
 
-                state.sync = SyncService(state.registry, state.routing, state.config.sync)
+                state.sync = SyncService(
+                    state.registry, state.routing, state.config.sync, secret=state.secret
+                )
                 await state.sync.start()  # connects in the background: never waits on the broker
             await state.registry.check_all(session)
             state.registry.start(session)

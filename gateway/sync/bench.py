@@ -143,7 +143,9 @@ async def _round(args: argparse.Namespace, name: str, broker: Broker | None, pee
     sync = SyncConfig(url=broker.url if broker else None, batch_interval_s=args.batch_interval_ms / 1000)
     states = [_state(workers, sync) for _ in range(1 + peers)]
     services = (
-        [SyncService(s.registry, s.routing, sync, f"g{i}") for i, s in enumerate(states)] if broker else []
+        [SyncService(s.registry, s.routing, sync, f"g{i}", secret=s.secret) for i, s in enumerate(states)]
+        if broker
+        else []
     )
     sent_at: dict[int, float] = {}
     latencies: list[float] = []

@@ -51,21 +51,30 @@ class SyncService:
     """Publishes this gateway's decisions and load, applies its peers'."""
 
     def __init__(
-        self, registry: Registry, routing: Routing, config: SyncConfig, origin: str | None = None
+        self,
+        registry: Registry,
+        routing: Routing,
+        config: SyncConfig,
+        origin: str | None = None,
+        *,
+        secret: bytes,
     ) -> None:
+        """`secret`: the gateway's key-hash secret, which keys its pools' fingerprints (a gateway
+        of another secret is of another deployment, `deployment`)."""
         if config.url is None:
             raise ValueError("sync.url is not set")
         self.registry = registry
         self.routing = routing  # the policy's one holder: read at each use, as a reload swaps it
         self.config = config
         self.origin = origin or default_origin()
-        pools = fingerprints((name, pool.config.models) for name, pool in registry.pools.items())
+        pools = fingerprints(((name, pool.config.models) for name, pool in registry.pools.items()), secret)
         self.publisher = SyncPublisher(self.origin, config, published(pools))
         self.subscriber = SyncSubscriber(
             self.origin,
             registry,
             config.peer_timeout_s,
             routing.metrics,
+            secret=secret,
             share_calibration=config.share_calibration,
         )
         self.link = open_link(config, self.origin, self._on_message)

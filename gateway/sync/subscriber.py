@@ -99,6 +99,7 @@ class SyncSubscriber:
         peer_timeout_s: float,
         metrics: GatewayMetrics,
         *,
+        secret: bytes,
         share_calibration: bool = False,
     ) -> None:
         self.origin = origin
@@ -109,7 +110,9 @@ class SyncSubscriber:
         self.stats = ApplyStats()
         self.sequences = SenderSequences()
         # This gateway's pools' fingerprints (`deployment`), by pool name, and all of them.
-        self._mark_of = fingerprints((name, pool.config.models) for name, pool in registry.pools.items())
+        self._mark_of = fingerprints(
+            ((name, pool.config.models) for name, pool in registry.pools.items()), secret
+        )
         self._marks = frozenset(self._mark_of.values())
         self._age_floor: dict[str, tuple[float, float]] = {}  # origin -> (smallest age, when)
         self.parked = ParkedHoldings(PARK_TTL_S)

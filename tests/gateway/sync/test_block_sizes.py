@@ -15,6 +15,8 @@ from policies.cost_policy import CostPolicy
 from policies.peer_sync import PeerCalibration, PeerHolding, PeerItem
 from tests.policies.factories import BS, req
 
+SECRET = b"sync-test-secret"  # the deployment's key-hash secret (its pools' fingerprints)
+
 W0, W1 = "http://127.0.0.1:9001", "http://127.0.0.1:9002"
 
 
@@ -22,7 +24,9 @@ def _subscriber() -> tuple[SyncSubscriber, Registry]:
     registry = Registry([PoolConfig(name="p", models=["m"], workers=[W0, W1], block_size_tokens=BS)])
     for worker in registry.pools["p"].workers.values():
         worker.healthy = True
-    return SyncSubscriber("me", registry, 2.0, GatewayMetrics(), share_calibration=True), registry
+    return SyncSubscriber(
+        "me", registry, 2.0, GatewayMetrics(), secret=SECRET, share_calibration=True
+    ), registry
 
 
 def _holding(ref: int, first_block: int, block_size_tokens: int) -> PeerHolding:

@@ -64,7 +64,7 @@ def _service(
     state = build_state(config, b"secret", CostPolicy(seed=0), NormalizerConfig())
     for worker in state.registry.pools["p"].workers.values():
         worker.healthy = True
-    service = SyncService(state.registry, state.routing, config.sync, origin)
+    service = SyncService(state.registry, state.routing, config.sync, origin, secret=state.secret)
     state.sync = service
     return service
 

@@ -19,6 +19,8 @@ from gateway.sync import subscriber
 from gateway.sync.codec import SyncBatch
 from gateway.sync.subscriber import SyncSubscriber
 
+SECRET = b"sync-test-secret"  # the deployment's key-hash secret (its pools' fingerprints)
+
 _EVERY_S = 0.005  # a batch every 5 ms, the default batch interval
 
 
@@ -66,7 +68,7 @@ def _peer(monkeypatch: pytest.MonkeyPatch) -> _Peer:
     clocks = _Clocks()
     monkeypatch.setattr(subscriber, "time", clocks)
     registry = Registry([PoolConfig(name="p", models=["m"], workers=["http://127.0.0.1:9001"])])
-    return _Peer(SyncSubscriber("me", registry, 5.0, GatewayMetrics()), clocks)
+    return _Peer(SyncSubscriber("me", registry, 5.0, GatewayMetrics(), secret=SECRET), clocks)
 
 
 @pytest.mark.parametrize("step_s", [1.0, 60.0, 600.0])

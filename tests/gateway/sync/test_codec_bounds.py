@@ -38,6 +38,8 @@ from policies.cost_policy import CostPolicy
 from policies.peer_sync import PeerCalibration, PeerHolding, PeerLoad, PeerOutcome
 from prompt_normalizer.types import BlockKey
 
+SECRET = b"sync-test-secret"  # the deployment's key-hash secret (its pools' fingerprints)
+
 _MIB = 1 << 20
 
 
@@ -159,7 +161,7 @@ def test_a_name_longer_than_any_gateway_sends_is_malformed(field: str) -> None:
 async def test_senders_with_long_names_leave_nothing_behind() -> None:
     w0 = "http://127.0.0.1:9001"
     registry = Registry([PoolConfig(name="p", models=["m"], workers=[w0])])
-    sub = SyncSubscriber("me", registry, 5.0, GatewayMetrics())
+    sub = SyncSubscriber("me", registry, 5.0, GatewayMetrics(), secret=SECRET)
     policy = CostPolicy(seed=0)
     for i in range(20):
         load = PeerLoad("p", WorkerId(w0), 1, 16, 0)

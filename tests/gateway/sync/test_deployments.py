@@ -28,9 +28,11 @@ from tests.e2e.harness import tenant
 from tests.policies.factories import BS, req
 from tests.support.wait import wait_until
 
+SECRET = b"sync-test-secret"  # the deployment's key-hash secret (its pools' fingerprints)
+
 OURS = [f"http://10.0.0.{i}:8000" for i in range(1, 5)]
 THEIRS = [f"http://10.9.0.{i}:8000" for i in range(1, 5)]
-P = pool_fingerprint("p", ["m"])  # this gateway's one pool
+P = pool_fingerprint("p", ["m"], SECRET)  # this gateway's one pool
 
 
 def _subscriber() -> tuple[SyncSubscriber, Registry, CostPolicy]:
@@ -39,7 +41,11 @@ def _subscriber() -> tuple[SyncSubscriber, Registry, CostPolicy]:
         worker.healthy = True
     policy = CostPolicy(seed=0, herd_weight=2.0)
     policy.set_sync_sink(lambda item, now_s: None, origin="me")
-    return SyncSubscriber("me", registry, 5.0, GatewayMetrics(), share_calibration=True), registry, policy
+    return (
+        SyncSubscriber("me", registry, 5.0, GatewayMetrics(), secret=SECRET, share_calibration=True),
+        registry,
+        policy,
+    )
 
 
 def _batch(origin: str, seq: int, pools: tuple[int, ...] | None, pool: str = "p", ref: int = 1) -> bytes:
@@ -58,18 +64,21 @@ async def test_gateways_of_another_deployment_on_the_subject_are_neither_counted
     sub, registry, policy = _subscriber()
     # The other deployment: a gateway whose pool of the same name serves another model, and one
     # with pools of other names. Both name a worker at the same address as one of ours.
+    # And one whose pool has this one's name and models but whose keys are keyed by another secret
+    # (none of its holdings could match here).
     other = {
-        "x1": (pool_fingerprint("p", ["m2"]),),
-        "x2": (pool_fingerprint("q", ["m"]), pool_fingerprint("r", ["m"])),
+        "x1": (pool_fingerprint("p", ["m2"], SECRET),),
+        "x2": (pool_fingerprint("q", ["m"], SECRET), pool_fingerprint("r", ["m"], SECRET)),
+        "x3": (pool_fingerprint("p", ["m"], b"another deployment's secret"),),
     }
     for seq in (1, 2):
         for origin, pools in other.items():
             await sub.on_message(_batch(origin, seq, pools, ref=seq), lambda: policy)
     now = time.monotonic()
     assert policy._gateways.names(now) == ("me",) and sub.loads.peers() == 0
-    assert sub.stats.other_deployment == 4 and sub.stats.batches == 0 and len(sub.parked) == 0
+    assert sub.stats.other_deployment == 6 and sub.stats.batches == 0 and len(sub.parked) == 0
     # A gateway of this deployment (with a pool more than this one).
-    await sub.on_message(_batch("peer", 1, (P, pool_fingerprint("z", ["m"])), ref=9), lambda: policy)
+    await sub.on_message(_batch("peer", 1, (P, pool_fingerprint("z", ["m"], SECRET)), ref=9), lambda: policy)
     assert policy._gateways.names(now) == ("me", "peer")  # the deal of home shares: two gateways
     assert sub.loads.peers() == 1 and sub.stats.batches == 1
     # Only the peer weighs on the worker, in the index and in the calibration.
@@ -88,7 +97,7 @@ async def test_a_gateway_that_says_it_has_none_of_these_pools_is_forgotten_with_
     await sub.on_message(_batch("peer", 1, (P,)), lambda: policy)
     assert sub.loads.peers() == 1 and w1.view(time.monotonic()).in_flight_requests == 2
     # The same name now publishes for another deployment: not a peer, its load gone at once.
-    await sub.on_message(_batch("peer", 2, (pool_fingerprint("p", ["m2"]),), ref=2), lambda: policy)
+    await sub.on_message(_batch("peer", 2, (pool_fingerprint("p", ["m2"], SECRET),), ref=2), lambda: policy)
     assert sub.loads.peers() == 0 and w1.view(time.monotonic()).in_flight_requests == 0
     assert sub.stats.other_deployment == 1
 
@@ -100,9 +109,9 @@ async def test_of_a_peers_batch_only_the_pools_both_have_apply() -> None:
             PoolConfig(name="q", models=["m-here"], workers=OURS[2:]),
         ]
     )
-    sub = SyncSubscriber("me", registry, 5.0, GatewayMetrics(), share_calibration=True)
+    sub = SyncSubscriber("me", registry, 5.0, GatewayMetrics(), secret=SECRET, share_calibration=True)
     policy = CostPolicy(seed=0)
-    theirs = (P, pool_fingerprint("q", ["m-there"]))  # its "q" serves another model: another pool
+    theirs = (P, pool_fingerprint("q", ["m-there"], SECRET))  # its "q" serves another model: another pool
     r = req("r", range(64), pool="q")
     items = (PeerHolding(1, "q", BS, "t", r.block_keys, WorkerId(OURS[2]), r.n_prompt_tokens, 0),)
     loads = (PeerLoad("p", WorkerId(OURS[0]), 1, 10, 1), PeerLoad("q", WorkerId(OURS[2]), 3, 10, 1))
@@ -125,9 +134,9 @@ def test_a_batch_carries_its_senders_pools_and_a_reader_bounds_them() -> None:
     batch = pub.next_batch([], 0.0)
     assert batch is not None and decode(encode(batch)).pools == (P, 2**64 - 1)
     assert (
-        pool_fingerprint("p", ["b", "a", "a"])
-        == pool_fingerprint("p", ["a", "b"])
-        != pool_fingerprint("q", ["a", "b"])
+        pool_fingerprint("p", ["b", "a", "a"], SECRET)
+        == pool_fingerprint("p", ["a", "b"], SECRET)
+        != pool_fingerprint("q", ["a", "b"], SECRET)
     )
     for bad in ([-1], ["p"], list(range(MAX_BATCH_POOLS + 1))):
         doc = msgpack.unpackb(encode(batch))
@@ -136,7 +145,7 @@ def test_a_batch_carries_its_senders_pools_and_a_reader_bounds_them() -> None:
             decode(msgpack.packb(doc))
 
 
-def _state(url: str, workers: list[str], model: str) -> GatewayState:
+def _state(url: str, workers: list[str], model: str, secret: bytes = b"secret") -> GatewayState:
     config = parse_config(
         {
             "pools": [PoolConfig(name="p", models=[model], workers=workers).model_dump()],
@@ -147,17 +156,27 @@ def _state(url: str, workers: list[str], model: str) -> GatewayState:
             ).model_dump(),
         }
     )
-    return build_state(config, b"secret", CostPolicy(seed=0, herd_weight=2.0), NormalizerConfig())
+    return build_state(config, secret, CostPolicy(seed=0, herd_weight=2.0), NormalizerConfig())
 
 
+@pytest.mark.parametrize("apart_by", ["models", "secret"])
 async def test_two_deployments_on_one_broker_subject_each_count_their_own_gateways(
-    broker: LocalBroker,
+    broker: LocalBroker, apart_by: str
 ) -> None:
+    # Two deployments on the default subject, told apart by their pools' models, or only by their
+    # key-hash secrets (same pool name, same model).
     names = {"a1": OURS, "a2": OURS, "b1": THEIRS, "b2": THEIRS}
-    states = {
-        name: _state(broker.url, workers, "m" if name[0] == "a" else "m2") for name, workers in names.items()
+
+    def state(name: str) -> GatewayState:
+        ours = name[0] == "a"
+        if apart_by == "models":
+            return _state(broker.url, names[name], "m" if ours else "m2")
+        return _state(broker.url, names[name], "m", b"secret" if ours else b"their secret")
+
+    states = {name: state(name) for name in names}
+    services = {
+        n: SyncService(s.registry, s.routing, s.config.sync, n, secret=s.secret) for n, s in states.items()
     }
-    services = {n: SyncService(s.registry, s.routing, s.config.sync, n) for n, s in states.items()}
     for name, service in services.items():
         states[name].sync = service
         await service.start()

@@ -62,7 +62,7 @@ async def test_a_gateway_stops_its_sync_tasks_with_the_broker_stalled(
     broker: TestBroker, caplog: pytest.LogCaptureFixture
 ) -> None:
     state = _state(broker.url, queue_max_items=100_000, batch_max_items=4096)
-    service = SyncService(state.registry, state.routing, state.config.sync, "a")
+    service = SyncService(state.registry, state.routing, state.config.sync, "a", secret=state.secret)
     caplog.set_level(logging.WARNING, logger="kvgate.sync")
     await service.start()
     tasks = list(service._tasks)

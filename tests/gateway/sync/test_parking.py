@@ -19,6 +19,8 @@ from policies.cost_policy import CostPolicy
 from policies.peer_sync import PeerHolding, PeerOutcome
 from tests.policies.factories import BS, req
 
+SECRET = b"sync-test-secret"  # the deployment's key-hash secret (its pools' fingerprints)
+
 W0, W1, NEW = "http://127.0.0.1:9001", "http://127.0.0.1:9002", "http://127.0.0.1:9003"
 
 
@@ -26,7 +28,7 @@ def _subscriber() -> tuple[SyncSubscriber, Registry]:
     registry = Registry([PoolConfig(name="p", models=["m"], workers=[W0, W1])])
     for worker in registry.pools["p"].workers.values():
         worker.healthy = True
-    return SyncSubscriber("me", registry, 2.0, GatewayMetrics()), registry
+    return SyncSubscriber("me", registry, 2.0, GatewayMetrics(), secret=SECRET), registry
 
 
 def _holding(ref: int, worker: str, n_blocks: int = 8, pool: str = "p") -> PeerHolding:

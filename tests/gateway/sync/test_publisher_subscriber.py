@@ -24,6 +24,8 @@ from policies.peer_sync import PeerCalibration, PeerHolding, PeerItem, PeerLoad,
 from prompt_normalizer.types import BlockKey
 from tests.policies.factories import BS, req
 
+SECRET = b"sync-test-secret"  # the deployment's key-hash secret (its pools' fingerprints)
+
 W0, W1 = "http://127.0.0.1:9001", "http://127.0.0.1:9002"
 
 
@@ -108,7 +110,7 @@ def _subscriber() -> tuple[SyncSubscriber, Registry]:
     registry = Registry([PoolConfig(name="p", models=["m"], workers=[W0, W1])])
     for worker in registry.pools["p"].workers.values():
         worker.healthy = True
-    return SyncSubscriber("me", registry, 2.0, GatewayMetrics()), registry
+    return SyncSubscriber("me", registry, 2.0, GatewayMetrics(), secret=SECRET), registry
 
 
 async def test_a_peer_batch_reaches_the_policy_and_the_registry_views() -> None:
@@ -212,7 +214,7 @@ async def test_calibration_samples_are_applied_only_with_share_calibration() -> 
     batch = encode(SyncBatch("peer", 1, time.time(), False, (sample,)))
     for share, applied in ((True, 1), (False, 0)):
         policy = CostPolicy(seed=0)
-        sub = SyncSubscriber("me", registry, 2.0, GatewayMetrics(), share_calibration=share)
+        sub = SyncSubscriber("me", registry, 2.0, GatewayMetrics(), secret=SECRET, share_calibration=share)
         await sub.on_message(batch, lambda policy=policy: policy)
         assert policy.stats().counters.get("peer_calibration_applied", 0) == applied
 
@@ -234,7 +236,7 @@ async def test_a_peer_holding_counts_against_the_decisions_made_since_the_peer_s
 ) -> None:
     clocks = _stop_clocks(monkeypatch)
     registry = Registry([PoolConfig(name="p", models=["m"], workers=[W0, W1])])
-    sub = SyncSubscriber("me", registry, 2.0, GatewayMetrics())
+    sub = SyncSubscriber("me", registry, 2.0, GatewayMetrics(), secret=SECRET)
     policy = CostPolicy(seed=0)
     policy.set_sync_sink(lambda item, now_s: None, origin="me")
     skew_s = 10.0  # the peer's wall clock is 10 s behind ours
@@ -273,7 +275,7 @@ def test_a_peer_item_that_waited_in_its_batch_counts_from_when_it_came(
 ) -> None:
     clocks = _stop_clocks(monkeypatch)
     registry = Registry([PoolConfig(name="p", models=["m"], workers=[W0, W1])])
-    sub = SyncSubscriber("me", registry, 2.0, GatewayMetrics())
+    sub = SyncSubscriber("me", registry, 2.0, GatewayMetrics(), secret=SECRET)
     now, sent_s = clocks.monotonic_s, clocks.wall_s
     sub.decided_s(SyncBatch("peer", 1, sent_s, True), now)  # the smallest age
     fresh = sub.decided_s(SyncBatch("peer", 2, sent_s, True), now)

@@ -40,7 +40,7 @@ PASSWORD = "Zq8hT3mV7pK1xR5nW9cB2dF6gJ4sL0y"
 
 def _service(url: str, origin: str, **sync: object) -> SyncService:
     state = _state(url, **sync)  # type: ignore[arg-type]
-    service = SyncService(state.registry, state.routing, state.config.sync, origin)
+    service = SyncService(state.registry, state.routing, state.config.sync, origin, secret=state.secret)
     state.sync = service
     return service
 

@@ -16,6 +16,8 @@ from policies.cost_policy import CostPolicy
 from policies.peer_sync import PeerHolding, PeerLoad, PeerOutcome
 from tests.policies.factories import BS, req
 
+SECRET = b"sync-test-secret"  # the deployment's key-hash secret (its pools' fingerprints)
+
 W0, W1 = "http://127.0.0.1:9001", "http://127.0.0.1:9002"
 
 
@@ -23,7 +25,7 @@ def _subscriber() -> tuple[SyncSubscriber, Registry]:
     registry = Registry([PoolConfig(name="p", models=["m"], workers=[W0, W1])])
     for worker in registry.pools["p"].workers.values():
         worker.healthy = True
-    return SyncSubscriber("me", registry, 2.0, GatewayMetrics()), registry
+    return SyncSubscriber("me", registry, 2.0, GatewayMetrics(), secret=SECRET), registry
 
 
 def _snapshot(seq: int, requests: int) -> bytes:

@@ -53,8 +53,8 @@ async def pair(broker: TestBroker) -> AsyncIterator[tuple[SyncService, SyncServi
 async def _pair(broker: TestBroker, **sync: float | bool) -> AsyncIterator[tuple[SyncService, SyncService]]:
     a, b = _state(broker.url, **sync), _state(broker.url, **sync)
     services = (
-        SyncService(a.registry, a.routing, a.config.sync, "a"),
-        SyncService(b.registry, b.routing, b.config.sync, "b"),
+        SyncService(a.registry, a.routing, a.config.sync, "a", secret=a.secret),
+        SyncService(b.registry, b.routing, b.config.sync, "b", secret=b.secret),
     )
     for state, s in zip((a, b), services, strict=True):
         state.sync = s

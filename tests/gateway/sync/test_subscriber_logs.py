@@ -15,6 +15,8 @@ from gateway.sync import subscriber
 from gateway.sync.subscriber import MALFORMED_LOG_EVERY_S, SyncSubscriber
 from policies.cost_policy import CostPolicy
 
+SECRET = b"sync-test-secret"  # the deployment's key-hash secret (its pools' fingerprints)
+
 
 class _Clocks:
     """The subscriber's `time` module with a monotonic clock the test moves."""
@@ -37,7 +39,7 @@ async def test_malformed_batches_are_counted_each_and_logged_once_a_minute(
     clock = [1000.0]
     monkeypatch.setattr(subscriber, "time", _Clocks(clock))
     registry = Registry([PoolConfig(name="p", models=["m"], workers=["http://127.0.0.1:9001"])])
-    sub = SyncSubscriber("me", registry, 5.0, GatewayMetrics())
+    sub = SyncSubscriber("me", registry, 5.0, GatewayMetrics(), secret=SECRET)
     policy = CostPolicy(seed=0)
     caplog.set_level(logging.WARNING, logger="kvgate.sync")
     later_release = msgpack.packb({"v": 2, "o": "gw-b"})

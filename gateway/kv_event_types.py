@@ -38,6 +38,12 @@ class SequenceGap:
 GapCallback = Callable[[SequenceGap], None]
 
 
+# The largest a counter of `SubscriptionStats` is taken to (JSON's exact integers): a publisher's
+# sequence numbers are u64, and one that jumps across the range could otherwise count a gap
+# beyond what a reader of the admin API can parse.
+MAX_COUNT = 2**53 - 1
+
+
 @dataclass(slots=True)
 class SubscriptionStats:
     """Counters of one worker's subscription, for /metrics and the admin API."""
@@ -49,7 +55,8 @@ class SubscriptionStats:
     decode_errors: int = 0
     callback_errors: int = 0
     gaps: int = 0
-    lost_batches: int = 0
+    lost_batches: int = 0  # at most `MAX_COUNT`
+    disconnects: int = 0  # connections to the publisher that ended for good and were made again
     replayed_batches: int = 0
     replay_failures: int = 0
     restarts: int = 0
@@ -66,8 +73,9 @@ class KvEventLimits:
     A real batch is one engine step's events: its new full blocks (token ids of at most the
     step's `max_num_batched_tokens`, a few bytes each, plus 9 bytes a block hash) and evictions,
     tens of KiB, under 1 MiB for a 128k-token step. A message over `max_message_bytes` makes ZMQ
-    drop the connection (the gap is then handled like any other), and the queue holds at most
-    `receive_hwm` messages, so one worker's stream holds at most their product (256 MiB)."""
+    end the connection for good (a protocol error: it does not reconnect); the subscriber then
+    opens a new one and the gap is handled like any other. The queue holds at most `receive_hwm`
+    messages, so one worker's stream holds at most their product (256 MiB)."""
 
     max_message_bytes: int = 2 * 1024 * 1024
     receive_hwm: int = 128

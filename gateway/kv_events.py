@@ -12,6 +12,14 @@ the missing batches; whatever cannot be recovered is reported through `on_gap`. 
 costs some cache hits, while keeping a view with holes in it would route to blocks that are gone.
 A sequence that goes backwards means the publisher restarted (its cache is empty): the same signal.
 
+ZMQ reconnects a lost connection by itself, but not one it ended for a protocol error, such as a
+message over `max_message_bytes`: that session is over for good. The subscriber watches its
+socket's connection events, and when a connection ends without ZMQ saying it will connect again,
+it opens a new socket (counted in `disconnects`, said in `last_error`); what was lost with the
+old one is a sequence gap like any other. Warnings a publisher can repeat at will (malformed
+messages, sequence jumps, undecodable batches) are written at most once a minute per worker and
+kind, with the number left unwritten (`log_throttle`); every one is counted.
+
 On joining a worker that is already running (first batch seen with seq > 0), the subscriber asks the
 replay socket for the history it still buffers, so a restarted gateway relearns recent blocks.
 
@@ -37,6 +45,7 @@ from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from gateway.kv_event_codec import (
     GPU_MEDIA,
@@ -48,12 +57,14 @@ from gateway.kv_event_codec import (
     decode_event,
 )
 from gateway.kv_event_types import (
+    MAX_COUNT,
     GapCallback,
     KvEventEndpoint,
     KvEventLimits,
     SequenceGap,
     SubscriptionStats,
 )
+from gateway.log_throttle import LogThrottle
 from policies.base import KvEvent, KvEventKind, WorkerId
 
 __all__ = [
@@ -78,6 +89,17 @@ KvEventCallback = Callable[[WorkerId, KvEvent], None]
 # how many events go between two looks at the clock.
 SLICE_S = 0.002
 _SLICE_EVENTS = 32
+
+# How long after a connection ends the subscriber waits for ZMQ to say it will connect again
+# (it says so at once for a lost connection) before it opens a new socket itself.
+RECONNECT_NOTICE_S = 1.0
+_WATCHED_EVENTS = (
+    zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_DELAYED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED
+)
+_DROPPED = (
+    "the connection to the publisher ended for good (a message over max_message_bytes, or another "
+    "protocol error); connecting again"
+)
 
 
 # ---------------------------------------------------------------- subscriber
@@ -117,6 +139,7 @@ class KvEventSubscriber:
         self._subs: dict[WorkerId, dict[str, _Subscription]] = {}
         # Every task ever started and not yet finished, so stop() can wait for sockets to close.
         self._tasks: set[asyncio.Task[None]] = set()
+        self._warnings = LogThrottle(log)
 
     # lifespan -------------------------------------------------------------
     async def start(self, endpoints: Sequence[KvEventEndpoint] = ()) -> None:
@@ -171,6 +194,24 @@ class KvEventSubscriber:
 
     # per-worker loop --------------------------------------------------------
     async def _run(self, ep: KvEventEndpoint, stats: SubscriptionStats) -> None:
+        expected: int | None = None  # kept across new connections: what one lost is a gap
+        while True:
+            sock = self._connect(ep, stats)
+            if sock is None:
+                return
+            monitor = sock.get_monitor_socket(_WATCHED_EVENTS)
+            try:
+                expected = await self._follow(ep, stats, sock, monitor, expected)
+            finally:
+                sock.disable_monitor()
+                monitor.close(linger=0)
+                sock.close(linger=0)
+            stats.disconnects = min(stats.disconnects + 1, MAX_COUNT)
+            stats.last_error = _DROPPED
+            self._warn(ep.worker, "dropped", "kv events from %s: %s", ep.worker, _DROPPED)
+            await asyncio.sleep(self._limits.reconnect_ivl_s)
+
+    def _connect(self, ep: KvEventEndpoint, stats: SubscriptionStats) -> zmq.asyncio.Socket | None:
         assert self._ctx is not None
         sock = self._ctx.socket(zmq.SUB)
         try:
@@ -184,35 +225,79 @@ class KvEventSubscriber:
             stats.last_error = f"cannot connect to {ep.endpoint}: {exc}"
             log.error("kv events from %s: %s", ep.worker, stats.last_error)
             sock.close(linger=0)
-            return
-        try:
-            expected: int | None = None
-            while True:
-                frames = await sock.recv_multipart()
-                seq = _parse_frames(frames)
-                if seq is None:
-                    stats.decode_errors += 1
-                    log.warning("kv events from %s: malformed message (%d frames)", ep.worker, len(frames))
-                    continue
-                if self._wanted is not None and not self._wanted():
-                    stats.ignored_batches += 1
-                    stats.last_seq = seq
-                    expected = None
-                    continue
-                if expected is None and seq > 0 and ep.replay_endpoint and self._limits.replay_on_join:
-                    # Joining a running worker: fetch what its replay buffer still holds.
-                    await self._replay(ep, stats, 0, seq, joining=True)
-                elif expected is not None and seq != expected:
-                    await self._recover(ep, stats, expected, seq)
-                await self._deliver(ep.worker, stats, seq, frames[-1])
-                expected = seq + 1
-        finally:
-            sock.close(linger=0)
+            return None
+        return sock
+
+    async def _follow(
+        self,
+        ep: KvEventEndpoint,
+        stats: SubscriptionStats,
+        sock: zmq.asyncio.Socket,
+        monitor: zmq.asyncio.Socket,
+        expected: int | None,
+    ) -> int | None:
+        """Receive and deliver the stream's batches until its connection ends for good (ended,
+        and ZMQ not connecting again within `RECONNECT_NOTICE_S`); the next sequence number
+        expected then."""
+        poller = zmq.asyncio.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        ended_s: float | None = None
+        while True:
+            timeout_ms = None
+            if ended_s is not None:
+                timeout_ms = max(0, int((ended_s + RECONNECT_NOTICE_S - time.monotonic()) * 1000))
+            ready = dict(await poller.poll(timeout_ms))
+            if sock in ready:
+                expected = await self._receive(ep, stats, await sock.recv_multipart(), expected)
+            elif monitor in ready:
+                event = parse_monitor_message(await monitor.recv_multipart())["event"]
+                ended_s = time.monotonic() if event == zmq.EVENT_DISCONNECTED else None
+            elif ended_s is not None:
+                return expected
+
+    async def _receive(
+        self, ep: KvEventEndpoint, stats: SubscriptionStats, frames: list[bytes], expected: int | None
+    ) -> int | None:
+        """Deliver one message of the stream (after what a gap before it needs); the next
+        sequence number expected."""
+        seq = _parse_frames(frames)
+        if seq is None:
+            stats.decode_errors += 1
+            self._warn(
+                ep.worker,
+                "malformed",
+                "kv events from %s: malformed message (%d frames)",
+                ep.worker,
+                len(frames),
+            )
+            return expected
+        if self._wanted is not None and not self._wanted():
+            stats.ignored_batches += 1
+            stats.last_seq = seq
+            return None
+        if expected is None and seq > 0 and ep.replay_endpoint and self._limits.replay_on_join:
+            # Joining a running worker: fetch what its replay buffer still holds.
+            await self._replay(ep, stats, 0, seq, joining=True)
+        elif expected is not None and seq != expected:
+            await self._recover(ep, stats, expected, seq)
+        await self._deliver(ep.worker, stats, seq, frames[-1])
+        return seq + 1
+
+    def _warn(self, worker: WorkerId, kind: str, message: str, *args: object) -> None:
+        self._warnings.warning((worker, kind), time.monotonic(), message, *args)
 
     async def _recover(self, ep: KvEventEndpoint, stats: SubscriptionStats, expected: int, seq: int) -> None:
         if seq < expected:
             stats.restarts += 1
-            log.warning("kv events from %s: sequence went back %d -> %d", ep.worker, expected - 1, seq)
+            self._warn(
+                ep.worker,
+                "restart",
+                "kv events from %s: sequence went back %d -> %d",
+                ep.worker,
+                expected - 1,
+                seq,
+            )
             self._gap(SequenceGap(ep.worker, expected, seq, publisher_restarted=True), stats)
             return
         next_needed = expected
@@ -265,15 +350,19 @@ class KvEventSubscriber:
                 next_needed = rseq + 1
         except (TimeoutError, KvEventDecodeError, zmq.ZMQError) as exc:
             stats.replay_failures += 1
-            log.warning("kv events from %s: replay failed: %s", ep.worker, type(exc).__name__)
+            self._warn(
+                ep.worker, "replay", "kv events from %s: replay failed: %s", ep.worker, type(exc).__name__
+            )
         finally:
             sock.close(linger=0)
         return next_needed
 
     def _gap(self, gap: SequenceGap, stats: SubscriptionStats) -> None:
         stats.gaps += 1
-        stats.lost_batches += gap.missing_batches
-        log.warning(
+        stats.lost_batches = min(stats.lost_batches + gap.missing_batches, MAX_COUNT)
+        self._warn(
+            gap.worker,
+            "gap",
             "kv events from %s: lost batches %d..%d%s",
             gap.worker,
             gap.first_missing_seq,
@@ -302,7 +391,7 @@ class KvEventSubscriber:
                     started = time.perf_counter()
         except KvEventDecodeError as exc:
             stats.decode_errors += 1
-            log.warning("kv events from %s: batch %d undecodable: %s", worker, seq, exc)
+            self._warn(worker, "undecodable", "kv events from %s: batch %d undecodable: %s", worker, seq, exc)
             return
         batch = reader.result()
         stats.batches += 1

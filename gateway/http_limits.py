@@ -33,7 +33,8 @@ measured only when it could reach the limit (a small head in one read, the commo
 comparison): up to the blank line that ends the head, found with `bytes.find`, so body bytes never
 count. A head that began after another request inside one read (pipelining) starts at an offset
 httptools does not report; it is measured from its parsed parts, a lower bound that misses only
-optional whitespace. The header fields are counted when the head is complete.
+optional whitespace. The header fields are counted when the head is complete, and its `Host` and
+`Transfer-Encoding` checked (`http_framing`: 400 or 501 and close).
 
 Pipelined requests (sent before the previous answer) wait in a queue per connection, each with its
 head and its body's bytes in that read. At most `MAX_PIPELINED` wait: a request beginning past them
@@ -59,8 +60,9 @@ from uvicorn.config import Config
 from uvicorn.server import ServerState
 
 from gateway.errors import error_body
+from gateway.http_framing import FramingHttpToolsProtocol
 from gateway.http_guard import GuardedServerState
-from gateway.http_linger import CloseInstead, LingeringHttpToolsProtocol
+from gateway.http_linger import CloseInstead
 
 # Where a connection is in its request cycle (see the module docstring). Plain ints, not an
 # enum: the phase is read and written several times per request.
@@ -88,7 +90,7 @@ class _PipelineFull(Exception):
     """Raised from the message callback to stop httptools at a request past `MAX_PIPELINED`."""
 
 
-class GuardedHttpToolsProtocol(LingeringHttpToolsProtocol):
+class GuardedHttpToolsProtocol(FramingHttpToolsProtocol):
     """uvicorn's httptools protocol with the limits of `ClientLimits` (see the module docstring).
     Needs a `GuardedServerState`. An uncapped connection (the metrics listener's) is counted but
     never refused for the connection limit, so that a flood of clients cannot blind monitoring."""
@@ -265,6 +267,8 @@ class GuardedHttpToolsProtocol(LingeringHttpToolsProtocol):
             self._head_start_unknown or self._head_bytes + len(self._chunk) > limit
         ) and self._head_size() > limit:
             raise _HeadRefused("header_too_large", self._too_large_message())
+        if (fault := self.framing_fault()) is not None:  # Host and Transfer-Encoding (`http_framing`)
+            raise _HeadRefused(fault.reason, fault.message, fault.status)
         if self.parser.should_upgrade() and _has_body(self.headers):
             raise _HeadRefused("upgrade_with_body", _UPGRADE_WITH_BODY, 400)
         super().on_headers_complete()

@@ -60,9 +60,9 @@ from uvicorn.config import Config
 from uvicorn.server import ServerState
 
 from gateway.errors import error_body
-from gateway.http_framing import FramingHttpToolsProtocol
+from gateway.http_framing import FramingCheck
 from gateway.http_guard import GuardedServerState
-from gateway.http_linger import CloseInstead
+from gateway.http_linger import CloseInstead, LingeringHttpToolsProtocol
 
 # Where a connection is in its request cycle (see the module docstring). Plain ints, not an
 # enum: the phase is read and written several times per request.
@@ -90,7 +90,7 @@ class _PipelineFull(Exception):
     """Raised from the message callback to stop httptools at a request past `MAX_PIPELINED`."""
 
 
-class GuardedHttpToolsProtocol(FramingHttpToolsProtocol):
+class GuardedHttpToolsProtocol(LingeringHttpToolsProtocol):
     """uvicorn's httptools protocol with the limits of `ClientLimits` (see the module docstring).
     Needs a `GuardedServerState`. An uncapped connection (the metrics listener's) is counted but
     never refused for the connection limit, so that a flood of clients cannot blind monitoring."""
@@ -120,6 +120,7 @@ class GuardedHttpToolsProtocol(FramingHttpToolsProtocol):
         self._head_start_unknown = False  # the current head began after a request in its read
         self._head_tail = b""  # last bytes of the previous read of this head; b"" if it began in `_chunk`
         self._address: str | None = None  # counted in the guard's `by_address`
+        self._framing = FramingCheck()
 
     # -- phases
 
@@ -267,7 +268,7 @@ class GuardedHttpToolsProtocol(FramingHttpToolsProtocol):
             self._head_start_unknown or self._head_bytes + len(self._chunk) > limit
         ) and self._head_size() > limit:
             raise _HeadRefused("header_too_large", self._too_large_message())
-        if (fault := self.framing_fault()) is not None:  # Host and Transfer-Encoding (`http_framing`)
+        if (fault := self._framing.fault(self.headers, self.parser)) is not None:  # Host, Transfer-Encoding
             raise _HeadRefused(fault.reason, fault.message, fault.status)
         if self.parser.should_upgrade() and _has_body(self.headers):
             raise _HeadRefused("upgrade_with_body", _UPGRADE_WITH_BODY, 400)

@@ -40,9 +40,14 @@ import httptools
 _BEFORE_1_1 = frozenset(("0.9", "1.0"))
 
 # Host = uri-host [ ":" port ] (RFC 9110 7.2); uri-host is RFC 3986's host (3.2.2): an IP literal
-# in brackets, or a reg-name (which an IPv4 address also matches) of unreserved characters,
-# sub-delims and percent-encodings; not empty (as nginx has it too: see the module docstring).
-_HOST = re.compile(rb"(?:\[[0-9A-Za-z._~!$&'()*+,;=:%-]+\]|[0-9A-Za-z._~!$&'()*+,;=%-]+)(?::[0-9]*)?")
+# in brackets (an IPv6 address, loosely, or an IPvFuture), or a reg-name (which an IPv4 address
+# also matches) of unreserved characters, sub-delims and percent-encodings; not empty (see the
+# module docstring).
+_HOST = re.compile(
+    rb"(?:\[(?:[0-9A-Fa-f:.]+|[vV][0-9A-Fa-f]+\.[0-9A-Za-z._~!$&'()*+,;=:-]+)\]"
+    rb"|(?:[0-9A-Za-z._~!$&'()*+,;=-]|%[0-9A-Fa-f]{2})+)"
+    rb"(?::[0-9]*)?"
+)
 
 
 @dataclass(frozen=True, slots=True)

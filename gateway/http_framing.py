@@ -44,8 +44,9 @@ _BEFORE_1_1 = frozenset(("0.9", "1.0"))
 # also matches) of unreserved characters, sub-delims and percent-encodings; not empty (see the
 # module docstring).
 _HOST = re.compile(
+    rb"(?=[^:])"  # not empty, nor a port alone
     rb"(?:\[(?:[0-9A-Fa-f:.]+|[vV][0-9A-Fa-f]+\.[0-9A-Za-z._~!$&'()*+,;=:-]+)\]"
-    rb"|(?:[0-9A-Za-z._~!$&'()*+,;=-]|%[0-9A-Fa-f]{2})+)"
+    rb"|[0-9A-Za-z._~!$&'()*+,;=-]*(?:%[0-9A-Fa-f]{2}[0-9A-Za-z._~!$&'()*+,;=-]*)*)"  # one way to match
     rb"(?::[0-9]*)?"
 )
 

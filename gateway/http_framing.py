@@ -82,8 +82,8 @@ def framing_fault(
 ) -> FramingFault | None:
     """What is wrong with a request head's framing, given its `Host` field lines (how many, and the
     value of the last), and its `Transfer-Encoding` lines joined by commas (None: none); None if
-    nothing is. The order follows RFC 9112 6.3: a framing fault (400) before an unknown coding
-    (501)."""
+    nothing is. A body whose length cannot be determined (400: a MUST, RFC 9112 6.3) comes before
+    a coding the gateway does not implement (501: a SHOULD, 6.1)."""
     if host_lines != 1:
         if host_lines > 1:
             return DUPLICATE_HOST

@@ -33,7 +33,8 @@ measured only when it could reach the limit (a small head in one read, the commo
 comparison): up to the blank line that ends the head, found with `bytes.find`, so body bytes never
 count. A head that began after another request inside one read (pipelining) starts at an offset
 httptools does not report; it is measured from its parsed parts, a lower bound that misses only
-optional whitespace. The header fields are counted when the head is complete.
+optional whitespace. The header fields are counted when the head is complete, and its `Host` and
+`Transfer-Encoding` checked (`http_framing`: 400 or 501 and close).
 
 Pipelined requests (sent before the previous answer) wait in a queue per connection, each with its
 head and its body's bytes in that read. At most `MAX_PIPELINED` wait: a request beginning past them
@@ -59,6 +60,7 @@ from uvicorn.config import Config
 from uvicorn.server import ServerState
 
 from gateway.errors import error_body
+from gateway.http_framing import FramingCheck
 from gateway.http_guard import GuardedServerState
 from gateway.http_linger import CloseInstead, LingeringHttpToolsProtocol
 
@@ -118,6 +120,7 @@ class GuardedHttpToolsProtocol(LingeringHttpToolsProtocol):
         self._head_start_unknown = False  # the current head began after a request in its read
         self._head_tail = b""  # last bytes of the previous read of this head; b"" if it began in `_chunk`
         self._address: str | None = None  # counted in the guard's `by_address`
+        self._framing = FramingCheck()
 
     # -- phases
 
@@ -265,6 +268,8 @@ class GuardedHttpToolsProtocol(LingeringHttpToolsProtocol):
             self._head_start_unknown or self._head_bytes + len(self._chunk) > limit
         ) and self._head_size() > limit:
             raise _HeadRefused("header_too_large", self._too_large_message())
+        if (fault := self._framing.fault(self.headers, self.parser)) is not None:  # Host, Transfer-Encoding
+            raise _HeadRefused(fault.reason, fault.message, fault.status)
         if self.parser.should_upgrade() and _has_body(self.headers):
             raise _HeadRefused("upgrade_with_body", _UPGRADE_WITH_BODY, 400)
         super().on_headers_complete()

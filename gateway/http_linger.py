@@ -20,7 +20,7 @@ closed outright once they are written. The linger's deadline is a timer: one per
 connection, never one per request.
 
 `GuardedHttpToolsProtocol` (`http_limits`) lingers where input may be left unread after its last
-answer: past the pipelining bound, after a refused head or body (431, 408, 400), and after an
+answer: past the pipelining bound, after a refused head or body (431, 408, 400, 501), and after an
 answer given before its request's body was read when the client asked to close (`connection:
 close`, HTTP/1.0: a 401, 413 or 429 decided from the headers). Any other close stays a plain
 close, and a client that reads nothing is still aborted at `send_timeout_s`.

@@ -161,7 +161,9 @@ class MetricCatalogue:
             "Client connections closed by a limit, by reason: before their request reached the gateway"
             " (header_too_large, too_many_headers, header_timeout, body_timeout, connection_limit,"
             " address_limit, invalid_http, upgrade_with_body: a request asking to upgrade its"
-            " connection with a body), after answering 16 pipelined requests (pipelined_requests),"
+            " connection with a body; missing_host, duplicate_host, invalid_host,"
+            " invalid_transfer_encoding, unsupported_transfer_encoding: the framing of its head),"
+            " after answering 16 pipelined requests (pipelined_requests),"
             " or while an answer waited on a client that read nothing (send_timeout)",
             ("reason",),
         )

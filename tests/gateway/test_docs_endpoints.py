@@ -75,10 +75,14 @@ def test_the_metrics_table_names_every_family_of_the_page() -> None:
 
 def client_refusal_reasons() -> set[str]:
     """Every `reason` the client limits count (`gateway/http_limits.py`): the reasons of its
-    refusals, of the guard's own counts, and of the connection limits."""
-    source = (Path(__file__).resolve().parents[2] / "gateway" / "http_limits.py").read_text()
+    refusals, of the guard's own counts, and of the connection limits; and of the framing
+    checks (`gateway/http_framing.py`)."""
+    gateway = Path(__file__).resolve().parents[2] / "gateway"
     calls = r'(?:_HeadRefused\(|_refuse\(\d+, |refused\(|return |refused = )"([a-z_]+)"'
-    return set(re.findall(calls, source))
+    framing = r'FramingFault\(\s*\d+,\s*"([a-z_]+)"'
+    return set(re.findall(calls, (gateway / "http_limits.py").read_text())) | set(
+        re.findall(framing, (gateway / "http_framing.py").read_text())
+    )
 
 
 def test_every_client_refusal_reason_is_in_the_metrics_help_and_the_docs() -> None:

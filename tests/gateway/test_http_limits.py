@@ -162,7 +162,7 @@ async def test_a_finished_head_is_measured_to_its_blank_line_however_it_is_split
 
 async def test_a_head_at_the_limit_and_its_body_in_one_read_are_served(rig: Rig) -> None:
     protocol, transport = rig.connect()
-    head = head_of(LIMITS.max_header_bytes, b"POST /x HTTP/1.1\r\nContent-Length: 3000\r\n")
+    head = head_of(LIMITS.max_header_bytes, b"POST /x HTTP/1.1\r\nHost: h\r\nContent-Length: 3000\r\n")
     protocol.data_received(head + b"x" * 3000)
     await settle()
     assert transport.status() == 200 and not transport.closed

@@ -134,7 +134,7 @@ def serving(rig: Rig, app: object) -> tuple[GuardedHttpToolsProtocol, RecordingT
 
 
 async def test_a_client_asking_to_close_lingers_only_when_its_body_was_left_unread(rig: Rig) -> None:
-    close = b"POST /x HTTP/1.1\r\nConnection: close\r\nContent-Length: 1000\r\n\r\n"
+    close = b"POST /x HTTP/1.1\r\nHost: h\r\nConnection: close\r\nContent-Length: 1000\r\n\r\n"
     protocol, transport = serving(rig, AnswersFirst())
     protocol.data_received(close + b"x" * 10)  # answered from its head; 990 bytes still to come
     await settle()
@@ -165,7 +165,7 @@ async def test_a_body_refused_while_queued_behind_an_answer_is_dropped_unanswere
     app = Held()
     protocol, transport = serving(rig, app)
     first = post_head(2) + b"ok"
-    protocol.data_received(first + b"POST /late HTTP/1.1\r\nContent-Length: 10\r\n\r\n12345")
+    protocol.data_received(first + b"POST /late HTTP/1.1\r\nHost: h\r\nContent-Length: 10\r\n\r\n12345")
     await settle()
     assert len(protocol.pipeline) == 1  # the second waits, its body unfinished
     rig.guard.tick(protocol.deadline_s + 1.0)

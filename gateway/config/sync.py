@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import re
+from typing import Literal, NamedTuple
 from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
@@ -14,7 +15,35 @@ _Name = Field(default=None, min_length=1)
 
 
 Broker = Literal["nats", "redis"]
-_SCHEMES: dict[str, Broker] = {"nats": "nats", "tls": "nats", "redis": "redis", "rediss": "redis"}
+_SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+_SCHEMES: dict[str, Broker] = {
+    "nats": "nats",
+    "tls": "nats",
+    "redis": "redis",
+    "rediss": "redis",
+    **dict.fromkeys(_SENTINEL_SCHEMES, "redis"),
+}
+# A deployment runs 3 or 5 sentinels; each is asked in turn, so their number bounds a resolution.
+MAX_SENTINELS = 16
+SENTINEL_PORT = 26379
+_MASTER_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._:-]{0,127}$")
+
+
+class HostPort(NamedTuple):
+    """One TCP endpoint: a sentinel, or the primary a sentinel names."""
+
+    host: str
+    port: int
+
+
+class SentinelTarget(NamedTuple):
+    """What a `redis+sentinel://h1:26379,h2:26379/NAME` URL names: the sentinels to ask, in the
+    URL's order, for the address of the primary they monitor as `master`; `tls` for
+    `rediss+sentinel://` (sentinels and primary alike)."""
+
+    sentinels: tuple[HostPort, ...]
+    master: str
+    tls: bool
 
 
 class SyncAuthConfig(Frozen):
@@ -63,7 +92,9 @@ class SyncConfig(Frozen):
     """Replica sync (docs/sync.md): gateways sharing one worker fleet publish their routing decisions
     and in-flight load through a broker and apply each other's: NATS (`nats://`, `tls://`, several
     URLs of one cluster comma-separated) or Redis/Valkey pub/sub (`redis://`, `rediss://` for TLS,
-    exactly one URL). Off unless `url` is set.
+    exactly one URL; or `redis+sentinel://h1:26379,h2:26379/NAME`, `rediss+sentinel://` for TLS:
+    the primary the sentinels monitor as NAME, followed across failovers; `sentinel_auth` is the
+    sentinels' own password). Off unless `url` is set.
 
     The broker is never on a request's path: items wait in a queue of `queue_max_items` (the
     oldest is dropped and counted when it is full) and go out in batches of up to
@@ -76,7 +107,7 @@ class SyncConfig(Frozen):
     applies them and calibrates from its own. `auth` and `tls` say how it connects to a broker
     that authenticates its clients."""
 
-    url: str | None = Field(default=None, pattern=r"^(nats|tls|redis|rediss)://")
+    url: str | None = Field(default=None, pattern=r"^(nats|tls|rediss?|rediss?\+sentinel)://")
     subject_prefix: str = Field(default="kvgate.sync", pattern=r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
     # Peers refuse a batch of more than twice `sync.codec.PUBLISH_BATCH_ITEMS` items, and a
     # publisher sends at most that many: a larger setting would be capped without a word.
@@ -88,6 +119,9 @@ class SyncConfig(Frozen):
     connect_timeout_s: PositiveFloat = 2.0
     share_calibration: bool = False
     auth: SyncAuthConfig = SyncAuthConfig()
+    # The sentinels' own password (their `requirepass`), for a redis+sentinel:// URL: redis-py's
+    # `sentinel_kwargs` and go-redis's SentinelPassword, apart from the primary's (`auth`).
+    sentinel_auth: SyncAuthConfig | None = None
     tls: SyncTlsConfig | None = None
 
     @field_validator("url")
@@ -96,7 +130,9 @@ class SyncConfig(Frozen):
         # A URL is printed and passed on command lines; a secret in it would go with it.
         if value is not None and any("@" in urlsplit(u.strip()).netloc for u in value.split(",")):
             raise ValueError("put the broker's credentials in sync.auth, not in the URL")
-        if value is not None:
+        if value is not None and urlsplit(value.strip()).scheme in _SENTINEL_SCHEMES:
+            parse_sentinel_url(value)
+        elif value is not None:
             _check_urls([u.strip() for u in value.split(",")])
         return value
 
@@ -107,13 +143,27 @@ class SyncConfig(Frozen):
 
     @property
     def urls(self) -> list[str]:
-        """`url`'s URLs, one per comma-separated entry."""
-        return [] if self.url is None else [u.strip() for u in self.url.split(",")]
+        """`url`'s URLs, one per comma-separated entry (a redis+sentinel:// URL is one)."""
+        if self.url is None:
+            return []
+        return [self.url.strip()] if self.sentinel is not None else [u.strip() for u in self.url.split(",")]
+
+    @property
+    def sentinel(self) -> SentinelTarget | None:
+        """The sentinels and master a redis+sentinel:// `url` names (None for any other URL)."""
+        if self.url is None or urlsplit(self.url.strip()).scheme not in _SENTINEL_SCHEMES:
+            return None
+        return parse_sentinel_url(self.url)
 
     @model_validator(mode="after")
     def _timeouts(self) -> SyncConfig:
         if self.peer_timeout_s <= self.load_refresh_s:
             raise ValueError("peer_timeout_s must be longer than load_refresh_s")
+        if self.sentinel_auth is not None and self.sentinel is None:
+            raise ValueError(
+                "sentinel_auth is the sentinels' own password: it goes with a redis+sentinel:// url "
+                "(the broker's own credentials go in sync.auth)"
+            )
         return self
 
 
@@ -121,6 +171,8 @@ def _check_urls(urls: list[str]) -> None:
     """NATS URLs may be several (servers of one cluster, any of which routes to all); a Redis or
     Valkey URL is one server, or one endpoint in front of a primary: separate Redis servers do not
     forward each other's pub/sub, so gateways on different ones would silently not share."""
+    if len(urls) > 1 and any(urlsplit(u).scheme in _SENTINEL_SCHEMES for u in urls):
+        raise ValueError(_SENTINEL_ALONE)
     kinds = {_SCHEMES.get(urlsplit(u).scheme) for u in urls}
     if len(kinds) > 1:
         raise ValueError("one kind of broker: nats:// and tls:// URLs, or one redis:// or rediss:// URL")
@@ -142,3 +194,49 @@ def _check_urls(urls: list[str]) -> None:
                 "a redis:// URL is host and port only (pub/sub channels are not per database; "
                 "credentials go in sync.auth, TLS files in sync.tls)"
             )
+
+
+_SENTINEL_ALONE = (
+    "a redis+sentinel:// URL stands alone: name every sentinel in it, comma-separated "
+    "(redis+sentinel://h1:26379,h2:26379/MASTER), and no other URL"
+)
+
+
+def parse_sentinel_url(url: str) -> SentinelTarget:
+    """`redis+sentinel://h1:26379,h2:26379/NAME` (`rediss+sentinel://` for TLS) as its sentinels
+    (26379 when a port is left out) and master name; a ValueError says what is wrong. The form is
+    Harbor's and the `redis-sentinel-url` package's; credentials, a database, a query are refused
+    as for a redis:// URL."""
+    scheme, _, rest = url.strip().partition("://")
+    authority, slash, master = rest.partition("/")
+    if "://" in rest:
+        raise ValueError(_SENTINEL_ALONE)
+    if "@" in authority:
+        raise ValueError("put the broker's credentials in sync.auth, not in the URL")
+    if not slash or not master:
+        raise ValueError(
+            f"name the master the sentinels monitor after them: {scheme}://h1:26379,h2:26379/MASTER"
+        )
+    if not _MASTER_NAME.match(master):
+        raise ValueError(
+            f"a {scheme}:// URL is its sentinels and one master name only, not {master!r} "
+            "(pub/sub channels are not per database; credentials go in sync.auth and "
+            "sync.sentinel_auth, TLS files in sync.tls)"
+        )
+    entries = authority.split(",")
+    if len(entries) > MAX_SENTINELS:
+        raise ValueError(f"at most {MAX_SENTINELS} sentinels, not {len(entries)}")
+    sentinels: list[HostPort] = []
+    for entry in entries:
+        parts = urlsplit(f"//{entry.strip()}")
+        try:
+            port = parts.port or SENTINEL_PORT
+        except ValueError:
+            raise ValueError(f"not a valid port in {entry!r}") from None
+        if not parts.hostname:
+            raise ValueError(f"no host in the sentinel {entry!r}")
+        sentinel = HostPort(parts.hostname, port)
+        if sentinel in sentinels:
+            raise ValueError(f"the sentinel {entry.strip()!r} is named twice")
+        sentinels.append(sentinel)
+    return SentinelTarget(tuple(sentinels), master, tls=scheme == "rediss+sentinel")

@@ -152,8 +152,10 @@ class LocalSentinel(_LocalServer):
     """A Redis Sentinel (`redis-server --sentinel`) on 127.0.0.1:`port` that monitors the primary
     on 127.0.0.1:`primary_port` as `master`, told of its `replicas` up front (a sentinel otherwise
     learns them from the primary's INFO, within 10 s), and takes it for down after
-    `down_after_ms` without an answer. With `token` it requires `AUTH token` itself
-    (`requirepass`); `primary_token` is what it presents to the servers (`auth-pass`)."""
+    `down_after_ms` without an answer (and starts no new failover of it within twice
+    `failover_timeout_ms` of the last, unless asked: `SENTINEL FAILOVER`). With `token` it
+    requires `AUTH token` itself (`requirepass`); `primary_token` is what it presents to the
+    servers (`auth-pass`)."""
 
     def __init__(
         self,
@@ -165,6 +167,7 @@ class LocalSentinel(_LocalServer):
         master: str = "kvgate",
         quorum: int = 1,
         down_after_ms: int = 500,
+        failover_timeout_ms: int = 10_000,
         token: str | None = None,
         primary_token: str | None = None,
     ) -> None:
@@ -175,6 +178,7 @@ class LocalSentinel(_LocalServer):
         self.master = master
         self.quorum = quorum
         self.down_after_ms = down_after_ms
+        self.failover_timeout_ms = failover_timeout_ms
         self.token = token
         self.primary_token = primary_token
         self.child = None
@@ -193,7 +197,7 @@ class LocalSentinel(_LocalServer):
             f'dir "{self.log_dir}"',
             f"sentinel monitor {name} 127.0.0.1 {self.primary_port} {self.quorum}",
             f"sentinel down-after-milliseconds {name} {self.down_after_ms}",
-            f"sentinel failover-timeout {name} 10000",
+            f"sentinel failover-timeout {name} {self.failover_timeout_ms}",
             *(f"sentinel known-replica {name} 127.0.0.1 {port}" for port in self.replicas),
         ]
         if self.token is not None:

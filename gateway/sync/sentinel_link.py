@@ -32,7 +32,7 @@ from gateway.sync.auth import tls_context
 from gateway.sync.redis_link import RedisLink
 from gateway.sync.sentinel import SentinelError, SentinelRefused, Sentinels
 
-FOLLOW_INTERVAL_S = 1.0
+FOLLOW_INTERVAL_S = 0.5
 
 log = logging.getLogger("kvgate.sync")
 

@@ -98,7 +98,9 @@ def kill(server: LocalRedis) -> None:
 
 
 @contextlib.contextmanager
-def sentinel_set(tmp_path: Path, sentinels: int = 1, token: str | None = None) -> Iterator[SentinelSet]:
+def sentinel_set(
+    tmp_path: Path, sentinels: int = 1, token: str | None = None, failover_timeout_ms: int = 10_000
+) -> Iterator[SentinelSet]:
     """A primary and its replica (requiring `token` when set), and `sentinels` sentinels of
     quorum 1 that take the primary for down after 500 ms and require `token` too; all stopped
     on the way out."""
@@ -116,7 +118,14 @@ def sentinel_set(tmp_path: Path, sentinels: int = 1, token: str | None = None) -
             folder = tmp_path / f"sentinel-{port}"
             folder.mkdir()
             sentinel = LocalSentinel(
-                port, folder, primary_port, (replica_port,), master=MASTER, token=token, primary_token=token
+                port,
+                folder,
+                primary_port,
+                (replica_port,),
+                master=MASTER,
+                failover_timeout_ms=failover_timeout_ms,
+                token=token,
+                primary_token=token,
             )
             deployment.sentinels.append(sentinel)
             sentinel.start()

@@ -2,8 +2,8 @@
 and the same binary with --sentinel): two gateways find the primary through the sentinels (the
 first named one down), share, and follow a failover, requested or after the primary was killed;
 with no sentinel reachable they keep trying and say they are down; a sentinel that names a
-replica, or a primary that is demoted under the link, is not published on; and the sentinels'
-own password (sync.sentinel_auth)."""
+replica, or a primary that is demoted under the link, is not published on; the sentinels' own
+password (sync.sentinel_auth); and rediss+sentinel:// through TLS endpoints."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import redis.asyncio as redis_client
 
-from gateway.config.sync import HostPort, SyncAuthConfig
+from gateway.config.sync import HostPort, SyncAuthConfig, SyncTlsConfig
 from gateway.sync.broker import LocalSentinel
 from gateway.sync.sentinel_link import SentinelLink
 from gateway.sync.service import SyncService
@@ -22,7 +22,7 @@ from policies.base import RouteDecision, WorkerId
 from tests.e2e.harness import free_port
 from tests.gateway.sync.brokers import running_services
 from tests.gateway.sync.sentinels import MASTER, FakeSentinel, kill, sentinel_set
-from tests.gateway.sync.test_redis_broker import _metric, _service
+from tests.gateway.sync.test_redis_broker import TLS, _metric, _service, _tls_in_front_of
 from tests.gateway.sync.test_service_nats import W
 from tests.policies.factories import req
 from tests.support.wait import wait_until
@@ -165,3 +165,23 @@ async def test_the_sentinels_own_password_is_sentinel_auth(
     assert "sync.sentinel_auth" in refusals[0].getMessage()
     for record in caplog.records:
         assert PASSWORD not in str(record.__dict__) and PASSWORD[::-1] not in str(record.__dict__)
+
+
+async def test_rediss_sentinel_speaks_tls_to_the_sentinels_and_the_primary(tmp_path: Path) -> None:
+    with sentinel_set(tmp_path, sentinels=0) as deployment:
+        ca = str(TLS / "ca.pem")
+        async with (
+            _tls_in_front_of(deployment.servers[0].port, verify_clients=False) as primary_tls,
+            # The sentinel names the primary's TLS endpoint, and is reached through one of its own.
+            FakeSentinel(HostPort("127.0.0.1", primary_tls)) as fake,
+            _tls_in_front_of(fake.port, verify_clients=False) as sentinel_tls,
+        ):
+            url = f"rediss+sentinel://127.0.0.1:{sentinel_tls}/{MASTER}"
+            a = _service(url, "a", tls=SyncTlsConfig(ca_file=ca).model_dump())
+            b = _service(url, "b", tls=SyncTlsConfig(ca_file=ca).model_dump())
+            unverified = _service(url, "c")  # the system's CAs do not know the test CA
+            async with running_services(a, b, unverified):
+                await _on((a, b), HostPort("127.0.0.1", primary_tls))
+                await _shares(a, b, "over-tls")
+                await wait_until(lambda: unverified.link.errors >= 2)
+                assert not unverified.link.connected and fake.questions >= 2

@@ -259,9 +259,11 @@ def _hosts(entries: list[str], default_port: int, what: str, most: int) -> tuple
     for entry in entries:
         parts = urlsplit(f"//{entry.strip()}")
         try:
-            port = parts.port or default_port
+            port = default_port if parts.port is None else parts.port
         except ValueError:
-            raise ValueError(f"not a valid port in {entry!r}") from None
+            port = 0
+        if not port:
+            raise ValueError(f"not a valid port in {entry!r}")
         if parts.query or parts.fragment:
             raise ValueError(f"a {what} is host:port only, not {entry.strip()!r}")
         if not parts.hostname:

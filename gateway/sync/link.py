@@ -1,6 +1,7 @@
 """The transport a `sync.url` names: a `NatsLink` for `nats://` and `tls://`, a `RedisLink` for
 `redis://` and `rediss://`, a `SentinelLink` (a `RedisLink` to the primary that Redis Sentinel
-names) for `redis+sentinel://` and `rediss+sentinel://`. All keep their connection up in the
+names) for `redis+sentinel://` and `rediss+sentinel://`, a `ClusterLink` (one to any node of a
+Redis Cluster) for `redis+cluster://` and `rediss+cluster://`. All keep their connection up in the
 background, publish without waiting, and bound what they received and have not applied yet; the
 client library of the other broker is never imported."""
 
@@ -65,6 +66,19 @@ def open_link(config: SyncConfig, name: str, on_message: Callable[[bytes], Await
         secret = token if isinstance(token, str) else password if isinstance(password, str) else None
         username = user if isinstance(user, str) else None
         timeout_s = config.connect_timeout_s
+        if config.cluster is not None:
+            from gateway.sync.cluster_link import ClusterLink
+
+            return ClusterLink(
+                config.urls[0],
+                subject,
+                name,
+                on_message,
+                connect_timeout_s=timeout_s,
+                username=username,
+                password=secret,
+                tls=config.tls,
+            )
         if config.sentinel is None:
             return RedisLink(
                 config.urls[0],

@@ -92,7 +92,7 @@ class RedisLink:
         # AUTH [username] password (gateway.sync.auth read them); TLS for rediss:// or with `tls`.
         self._username = username
         self._password = password
-        tls_scheme = urlsplit(url).scheme in ("rediss", "rediss+sentinel")
+        tls_scheme = urlsplit(url).scheme in ("rediss", "rediss+sentinel", "rediss+cluster")
         self._tls = tls if tls is not None or not tls_scheme else SyncTlsConfig()
         self.connects = 0
         self.errors = 0

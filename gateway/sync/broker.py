@@ -94,8 +94,9 @@ class LocalRedis(_LocalServer):
     """A redis-server on 127.0.0.1:`port` with no persistence, started by `start` and stopped by
     `stop` (by PID); its output goes to `log_dir`/redis-server.log. With `token` it requires
     `AUTH token` (`requirepass`); with `user` and `password` it also has that ACL user; with
-    `replica_of` (a port of 127.0.0.1) it starts as that server's replica. Secrets go in a config
-    file only its owner reads, never on the command line."""
+    `replica_of` (a port of 127.0.0.1) it starts as that server's replica; with `cluster` it is a
+    Redis Cluster node (its cluster bus on `port` + 10000) that has met no other yet. Secrets go in
+    a config file only its owner reads, never on the command line."""
 
     def __init__(
         self,
@@ -105,6 +106,7 @@ class LocalRedis(_LocalServer):
         user: str | None = None,
         password: str | None = None,
         replica_of: int | None = None,
+        cluster: bool = False,
     ) -> None:
         self.port = port
         self.log_dir = log_dir
@@ -112,6 +114,7 @@ class LocalRedis(_LocalServer):
         self.user = user
         self.password = password
         self.replica_of = replica_of
+        self.cluster = cluster
         self.child = None
 
     @property
@@ -143,6 +146,8 @@ class LocalRedis(_LocalServer):
             lines.append(f"replicaof 127.0.0.1 {self.replica_of}")
             if self.token is not None:
                 lines.append(f"masterauth {self.token}")
+        if self.cluster:
+            lines += ["cluster-enabled yes", f"cluster-config-file nodes-{self.port}.conf"]
         config = _private_file(self.log_dir / f"redis-{self.port}.conf", "\n".join(lines) + "\n")
         argv = [binary, str(config)]
         self.child = _start(argv, self.url, self.log_dir, "redis-server", self.port, timeout_s)

@@ -92,3 +92,13 @@ def test_redis_sentinel_urls_pass_through_and_others_beside_them_fail() -> None:
     assert gateway_config(docs)["sync"]["sentinel_auth"] == {"token_file": "/etc/sentinel/token"}
     with pytest.raises(helm_python.HelmError, match=r"sync\.url: one redis:// or rediss:// URL"):
         render({"sync": {"url": f"{url},redis://other:6379"}})
+
+
+def test_redis_cluster_urls_pass_through() -> None:
+    url = "redis+cluster://redis-0.cache.svc:6379,redis-1.cache.svc:6379,redis-2.cache.svc:6379"
+    docs, block = _sync({"url": url})
+    assert nats_resources(docs) == [] and block["url"] == url
+    cluster = parse_config(gateway_config(docs)).sync.cluster
+    assert cluster is not None and len(cluster.seeds) == 3
+    with pytest.raises(helm_python.HelmError, match=r"sync\.url: one redis:// or rediss:// URL"):
+        render({"sync": {"url": f"{url}/0,redis://other:6379"}})

@@ -2,8 +2,10 @@
 and the same binary with --sentinel): two gateways find the primary through the sentinels (the
 first named one down), share, and follow a failover, requested or after the primary was killed;
 with no sentinel reachable they keep trying and say they are down; a sentinel that names a
-replica, or a primary that is demoted under the link, is not published on; the sentinels' own
-password (sync.sentinel_auth); and rediss+sentinel:// through TLS endpoints."""
+replica, or a primary that is demoted under the link, is not published on; between attempts a
+new primary is tried as soon as the sentinels name it, and sentinels gone silent leave a working
+primary alone; the sentinels' own password (sync.sentinel_auth); and rediss+sentinel:// through
+TLS endpoints."""
 
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ import pytest
 import redis.asyncio as redis_client
 
 from gateway.config.sync import HostPort, SyncAuthConfig, SyncTlsConfig
+from gateway.sync import redis_link
 from gateway.sync.broker import LocalSentinel
-from gateway.sync.sentinel_link import SentinelLink
+from gateway.sync.sentinel_link import FOLLOW_INTERVAL_S, SentinelLink
 from gateway.sync.service import SyncService
 from policies.base import RouteDecision, WorkerId
 from tests.e2e.harness import free_port
@@ -185,3 +188,35 @@ async def test_rediss_sentinel_speaks_tls_to_the_sentinels_and_the_primary(tmp_p
                 await _shares(a, b, "over-tls")
                 await wait_until(lambda: unverified.link.errors >= 2)
                 assert not unverified.link.connected and fake.questions >= 2
+
+
+async def test_between_attempts_the_link_tries_a_new_primary_as_soon_as_the_sentinels_name_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A backoff far longer than the test: only the sentinels' answer can end the wait early.
+    monkeypatch.setattr(redis_link, "reconnect_delay_s", lambda attempt: 60.0)
+    with sentinel_set(tmp_path, sentinels=0) as deployment:
+        primary = HostPort("127.0.0.1", deployment.servers[0].port)
+        async with FakeSentinel(HostPort("127.0.0.1", free_port())) as fake:  # a primary that is gone
+            a = _service(f"redis+sentinel://127.0.0.1:{fake.port}/{MASTER}", "a")
+            async with running_services(a):
+                await wait_until(lambda: a.link.errors >= 1)
+                fake.answer = primary
+                started = time.monotonic()
+                await _on((a,), primary)
+                assert time.monotonic() - started < 2 * FOLLOW_INTERVAL_S + 1.0
+
+
+async def test_sentinels_gone_silent_leave_a_working_primary_alone(tmp_path: Path) -> None:
+    with sentinel_set(tmp_path, sentinels=0) as deployment:
+        primary = HostPort("127.0.0.1", deployment.servers[0].port)
+        async with FakeSentinel(primary) as fake:
+            a = _service(f"redis+sentinel://127.0.0.1:{fake.port}/{MASTER}", "a", connect_timeout_s=0.2)
+            b = _service(f"redis+sentinel://127.0.0.1:{fake.port}/{MASTER}", "b", connect_timeout_s=0.2)
+            async with running_services(a, b):
+                await _on((a, b), primary)
+                fake.answer = None
+                asked = fake.questions
+                await wait_until(lambda: fake.questions >= asked + 6)  # three rounds of questions each
+                assert a.link.connected and a.link.connects == 1 and b.link.connects == 1
+                await _shares(a, b, "still")

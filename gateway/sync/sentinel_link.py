@@ -95,7 +95,8 @@ class SentinelLink(RedisLink):
     def _check_reply(self, reply: object) -> None:
         # ROLE's reply is the only list the publishing connection gets (PUBLISH answers a number).
         if isinstance(reply, list) and reply and reply[0] != b"master":
-            raise NotPrimary(f"the node the sentinels named is a {reply[0]!r}, not the master")
+            role = reply[0].decode(errors="replace") if isinstance(reply[0], bytes) else repr(reply[0])
+            raise NotPrimary(f"the node the sentinels named is a {role}, not the master")
 
     def _watchers(self) -> list[Coroutine[Any, Any, None]]:
         return [self._follow()]

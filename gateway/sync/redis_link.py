@@ -32,13 +32,14 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 from urllib.parse import urlsplit
 
 from redis.asyncio.connection import Connection, SSLConnection
 from redis.exceptions import AuthenticationError, NoPermissionError, RedisError
 
-from gateway.config.sync import SyncTlsConfig
+from gateway.config.sync import HostPort, SyncTlsConfig
 from gateway.sync.link import RECEIVED_BYTES, RECEIVED_MSGS, reconnect_delay_s
 
 log = logging.getLogger("kvgate.sync")
@@ -57,7 +58,13 @@ class _Stale(Exception):
 
 
 class RedisLink:
-    """A self-healing publish/subscribe link on one Redis channel (`subject`)."""
+    """A self-healing publish/subscribe link on one Redis channel (`subject`), to the server `url`
+    names. A subclass finds the server elsewhere (`_address`), checks the node it reached
+    (`_check_node`, `_check_reply` of each `_probe`), watches for a move (`_watchers`) and waits
+    between attempts its own way (`_pause`): `sentinel_link.SentinelLink`."""
+
+    # Sent on the publishing connection every PING_INTERVAL_S; its reply goes to `_check_reply`.
+    _probe: tuple[str, ...] = ("PING",)
 
     def __init__(
         self,
@@ -85,7 +92,8 @@ class RedisLink:
         # AUTH [username] password (gateway.sync.auth read them); TLS for rediss:// or with `tls`.
         self._username = username
         self._password = password
-        self._tls = tls if tls is not None or urlsplit(url).scheme != "rediss" else SyncTlsConfig()
+        tls_scheme = urlsplit(url).scheme in ("rediss", "rediss+sentinel", "rediss+cluster")
+        self._tls = tls if tls is not None or not tls_scheme else SyncTlsConfig()
         self.connects = 0
         self.errors = 0
         self.slow_consumer = 0
@@ -142,15 +150,33 @@ class RedisLink:
                     if self._connected:
                         attempt = 0
                     await self._drop()
-                await asyncio.sleep(reconnect_delay_s(attempt))
+                await self._pause(reconnect_delay_s(attempt))
                 attempt += 1
         finally:
             deliver.cancel()
             await asyncio.gather(deliver, return_exceptions=True)
 
-    def _connection(self) -> Connection:
+    async def _pause(self, delay_s: float) -> None:
+        """The wait before the next connection attempt."""
+        await asyncio.sleep(delay_s)
+
+    async def _address(self) -> HostPort:
+        """The server to connect to next."""
         parts = urlsplit(self.urls[0])
-        host, port = parts.hostname or "localhost", parts.port or 6379
+        return HostPort(parts.hostname or "localhost", parts.port or 6379)
+
+    async def _check_node(self, pub: Connection) -> None:
+        """Raise when the node `pub` reached is not one to publish on (here: any node is)."""
+
+    def _check_reply(self, reply: object) -> None:
+        """Raise when a reply on the publishing connection says the node is no longer the one."""
+
+    def _watchers(self) -> list[Coroutine[Any, Any, None]]:
+        """What else runs for the session; one that ends or raises ends it."""
+        return []
+
+    def _connection(self, address: HostPort) -> Connection:
+        host, port = address
         tls = self._tls
         make = (
             Connection
@@ -180,7 +206,8 @@ class RedisLink:
 
     async def _session(self) -> None:
         """Connect, subscribe, then serve until a connection fails or goes stale."""
-        sub, pub = self._connection(), self._connection()
+        address = await self._address()
+        sub, pub = self._connection(address), self._connection(address)
         self._conns += [sub, pub]
         # Connect, authenticate and subscribe, within the connect timeout (twice: two connections).
         async with asyncio.timeout(2 * self.connect_timeout_s):
@@ -190,6 +217,7 @@ class RedisLink:
             if not (isinstance(reply, list) and reply and reply[0] == b"subscribe"):
                 raise RedisError("unexpected reply to SUBSCRIBE")
             await pub.connect()  # type: ignore[no-untyped-call]
+            await self._check_node(pub)
         now = time.monotonic()
         self._sub_heard_s = self._waiting_since_s = now
         self._replies_due = 0
@@ -200,12 +228,16 @@ class RedisLink:
             self._write_wake.set()  # what waited in the buffer across the reconnect goes first
         self.connects += 1
         self._warned = False
-        log.info("sync broker connected", extra={"subject": self.subject})
+        log.info(
+            "sync broker connected",
+            extra={"subject": self.subject, "broker": f"{address.host}:{address.port}"},
+        )
         tasks = [
             asyncio.create_task(self._read_subscribed(sub), name="sync-redis-read"),
             asyncio.create_task(self._read_replies(pub), name="sync-redis-replies"),
             asyncio.create_task(self._write(pub), name="sync-redis-write"),
             asyncio.create_task(self._watch(sub), name="sync-redis-watch"),
+            *(asyncio.create_task(w, name="sync-redis-follow") for w in self._watchers()),
         ]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
@@ -265,7 +297,7 @@ class RedisLink:
     async def _read_replies(self, pub: Connection) -> None:
         while True:
             try:
-                await pub.read_response(timeout=math.inf)
+                self._check_reply(await pub.read_response(timeout=math.inf))
             except (AuthenticationError, NoPermissionError):
                 raise
             except RedisError as exc:
@@ -282,7 +314,7 @@ class RedisLink:
             commands: list[tuple[str | bytes, ...]] = []
             if self._ping_due:
                 self._ping_due = False
-                commands.append(("PING",))
+                commands.append(self._probe)
             batches = list(self._outgoing)
             commands += [("PUBLISH", self.subject, data) for data in batches]
             if not commands:

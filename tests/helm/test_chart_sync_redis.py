@@ -10,6 +10,9 @@ import base64
 from pathlib import Path
 from typing import Any
 
+import helm_python
+import pytest
+
 from gateway.config import parse_config
 from gateway.config.sync import SyncConfig
 from gateway.sync.broker import LocalRedis
@@ -72,3 +75,30 @@ async def test_the_rendered_auth_is_admitted_by_a_real_redis(tmp_path: Path) -> 
             await asyncio.gather(task, return_exceptions=True)
             await link.close()
         broker.stop()
+
+
+def test_redis_sentinel_urls_pass_through_and_others_beside_them_fail() -> None:
+    url = "redis+sentinel://sentinel-0.cache.svc:26379,sentinel-1.cache.svc:26379/mymaster"
+    docs, block = _sync({"url": url, "auth": {"token": SECRET}})
+    assert nats_resources(docs) == []
+    assert block["url"] == url
+    sentinel = parse_config(gateway_config(docs)).sync.sentinel
+    assert sentinel is not None and sentinel.master == "mymaster" and len(sentinel.sentinels) == 2
+    # The sentinels' own password is the gateway's sync.sentinel_auth, through `config`.
+    docs = render(
+        {"sync": {"url": url}, "config": {"sync": {"sentinel_auth": {"token_file": "/etc/sentinel/token"}}}}
+    )
+    validate_strictly(docs)
+    assert gateway_config(docs)["sync"]["sentinel_auth"] == {"token_file": "/etc/sentinel/token"}
+    with pytest.raises(helm_python.HelmError, match=r"sync\.url: one redis:// or rediss:// URL"):
+        render({"sync": {"url": f"{url},redis://other:6379"}})
+
+
+def test_redis_cluster_urls_pass_through() -> None:
+    url = "redis+cluster://redis-0.cache.svc:6379,redis-1.cache.svc:6379,redis-2.cache.svc:6379"
+    docs, block = _sync({"url": url})
+    assert nats_resources(docs) == [] and block["url"] == url
+    cluster = parse_config(gateway_config(docs)).sync.cluster
+    assert cluster is not None and len(cluster.seeds) == 3
+    with pytest.raises(helm_python.HelmError, match=r"sync\.url: one redis:// or rediss:// URL"):
+        render({"sync": {"url": f"{url}/0,redis://other:6379"}})

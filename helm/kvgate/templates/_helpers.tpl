@@ -314,8 +314,8 @@ authorization {
 
 {{- define "kvgate.syncUrl" -}}
 {{- if .Values.sync.url }}
-{{- if and (hasPrefix "redis" .Values.sync.url) (contains "," .Values.sync.url) }}
-{{- fail "sync.url: one redis:// or rediss:// URL (separate Redis/Valkey servers do not share pub/sub; name the Service in front of the primary)" }}
+{{- if and (hasPrefix "redis" .Values.sync.url) (contains "," .Values.sync.url) (not (regexMatch "^rediss?\\+(sentinel://[^/]*/[^,]*|cluster://[^/]*)$" .Values.sync.url)) }}
+{{- fail "sync.url: one redis:// or rediss:// URL (separate Redis/Valkey servers do not share pub/sub; name the Service in front of the primary, its sentinels: redis+sentinel://h1:26379,h2:26379/NAME, or the nodes of one Redis Cluster: redis+cluster://h1:6379,h2:6379)" }}
 {{- end }}
 {{- .Values.sync.url }}
 {{- else }}

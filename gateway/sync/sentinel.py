@@ -1,0 +1,189 @@
+"""Asking Redis Sentinel where the primary is (`SENTINEL get-master-addr-by-name NAME`).
+
+The sentinels of a `redis+sentinel://` URL are asked in turn, each within `timeout_s` (connect,
+TLS, AUTH and the question together), and the first to name an address wins; it is asked first
+next time, and its connection is kept for the next question, as the Sentinel client guidelines
+suggest. A sentinel that cannot be reached, does not monitor the name, refuses the credentials or
+answers anything but an address is skipped, and the error names what each said.
+
+The replies are read by a small RESP2 reader, not redis-py's: a sentinel (or whatever answers at
+its address) gets at most `MAX_REPLY_BYTES` of line, `MAX_REPLY_BYTES` a string, `MAX_REPLY_ITEMS`
+items and two levels of nesting, so one question costs bounded memory as well as bounded time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+from collections.abc import Sequence
+
+from redis.exceptions import RedisError
+
+from gateway.config.sync import HostPort
+
+MAX_REPLY_BYTES = 4096
+MAX_REPLY_ITEMS = 16
+_MAX_DEPTH = 2
+_REFUSALS = (b"NOAUTH", b"WRONGPASS", b"NOPERM", b"ERR invalid password", b"ERR AUTH")
+
+
+class SentinelError(RedisError):
+    """No sentinel named the primary; the message says what each one did instead."""
+
+
+class SentinelRefused(SentinelError):
+    """A sentinel refused this gateway's credentials (`sync.sentinel_auth`)."""
+
+
+class _ErrorReply(bytes):
+    """A RESP error line (`-ERR ...`), kept apart from a simple string."""
+
+
+async def _read_reply(reader: asyncio.StreamReader, depth: int = 0) -> object:
+    """One RESP2 reply, bounded (the reader's `limit` bounds a line; asyncio raises past it)."""
+    line = await reader.readuntil(b"\r\n")
+    kind, body = line[:1], line[1:-2]
+    if kind == b"+":
+        return bytes(body)
+    if kind == b"-":
+        return _ErrorReply(body)
+    if kind == b":":
+        return int(body)
+    if kind == b"$":
+        size = int(body)
+        if size < 0:
+            return None
+        if size > MAX_REPLY_BYTES:
+            raise SentinelError(f"a reply string of {size} bytes (at most {MAX_REPLY_BYTES})")
+        return (await reader.readexactly(size + 2))[:-2]
+    if kind == b"*":
+        count = int(body)
+        if count < 0:
+            return None
+        if count > MAX_REPLY_ITEMS or depth >= _MAX_DEPTH:
+            raise SentinelError("a reply of more items or levels than a sentinel's answer has")
+        return [await _read_reply(reader, depth + 1) for _ in range(count)]
+    raise SentinelError("not a RESP reply")
+
+
+def _pack(args: Sequence[str]) -> bytes:
+    parts = [f"*{len(args)}\r\n".encode()]
+    for arg in args:
+        data = arg.encode()
+        parts += [f"${len(data)}\r\n".encode(), data, b"\r\n"]
+    return b"".join(parts)
+
+
+def _master_address(reply: object, master: str) -> HostPort:
+    """The (host, port) of a get-master-addr-by-name reply, checked."""
+    if reply is None:
+        raise SentinelError(f"does not monitor a master named {master!r}")
+    if isinstance(reply, _ErrorReply):
+        raise (SentinelRefused if reply.startswith(_REFUSALS) else SentinelError)(
+            reply.decode(errors="replace")
+        )
+    if not (isinstance(reply, list) and len(reply) == 2 and all(isinstance(x, bytes) for x in reply)):
+        raise SentinelError("answered something other than an address")
+    host, port = reply[0].decode("ascii", errors="replace"), reply[1]
+    if not host or len(host) > 255 or not port.isdigit() or not 0 < int(port) < 65536:
+        raise SentinelError("answered something other than an address")
+    return HostPort(host, int(port))
+
+
+class _Conversation:
+    """An open connection to one sentinel."""
+
+    def __init__(
+        self, sentinel: HostPort, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        self.sentinel = sentinel
+        self.reader = reader
+        self.writer = writer
+
+    async def call(self, *args: str) -> object:
+        self.writer.write(_pack(args))
+        await self.writer.drain()
+        return await _read_reply(self.reader)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class Sentinels:
+    """The sentinels of one primary, named `master` in their configuration; `master_address` asks
+    them in turn where it is. Not for concurrent use: the link asks from one task at a time."""
+
+    def __init__(
+        self,
+        sentinels: Sequence[HostPort],
+        master: str,
+        *,
+        timeout_s: float,
+        username: str | None = None,
+        password: str | None = None,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
+        self.master = master
+        self.timeout_s = timeout_s
+        self._order = list(sentinels)
+        self._username = username
+        self._password = password
+        self._tls = tls
+        self._open: _Conversation | None = None
+
+    async def master_address(self) -> HostPort:
+        """Where the sentinels say the primary is now; SentinelError (SentinelRefused when every
+        failure was a refusal of the credentials) naming what each sentinel did otherwise."""
+        failures: list[str] = []
+        refused = 0
+        for sentinel in list(self._order):
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    address = await self._ask(sentinel)
+            except asyncio.CancelledError:
+                self.close()
+                raise
+            except Exception as exc:  # unreachable, refused, silent, or an answer that is no address
+                self.close()
+                refused += isinstance(exc, SentinelRefused)
+                reason = "no answer in time" if isinstance(exc, TimeoutError) else str(exc) or repr(exc)
+                failures.append(f"{sentinel.host}:{sentinel.port}: {reason}")
+                continue
+            self._order.remove(sentinel)
+            self._order.insert(0, sentinel)  # the one that answered is asked first next time
+            return address
+        error = SentinelRefused if refused == len(failures) else SentinelError
+        raise error(f"no sentinel named the master {self.master!r}: " + "; ".join(failures))
+
+    async def _ask(self, sentinel: HostPort) -> HostPort:
+        if self._open is None or self._open.sentinel != sentinel:
+            self.close()
+            self._open = await self._connect(sentinel)
+        return _master_address(
+            await self._open.call("SENTINEL", "get-master-addr-by-name", self.master), self.master
+        )
+
+    async def _connect(self, sentinel: HostPort) -> _Conversation:
+        reader, writer = await asyncio.open_connection(
+            sentinel.host,
+            sentinel.port,
+            ssl=self._tls,
+            server_hostname=sentinel.host if self._tls is not None else None,
+            limit=MAX_REPLY_BYTES,
+        )
+        conversation = _Conversation(sentinel, reader, writer)
+        if self._password is not None:
+            args = ("AUTH", self._username, self._password) if self._username else ("AUTH", self._password)
+            reply = await conversation.call(*(a for a in args if a is not None))
+            if reply != b"OK":
+                conversation.close()
+                raise SentinelRefused("refused this gateway's credentials (sync.sentinel_auth)")
+        return conversation
+
+    def close(self) -> None:
+        """Drop the kept connection, if any (the next question opens another)."""
+        conversation, self._open = self._open, None
+        if conversation is not None:
+            with contextlib.suppress(Exception):
+                conversation.close()

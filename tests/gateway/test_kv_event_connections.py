@@ -88,6 +88,9 @@ async def test_a_storm_of_malformed_messages_is_counted_and_written_once(pub: Pu
     handler = logging.Handler()
     handler.emit = lines.append  # type: ignore[method-assign]
     logger = logging.getLogger("kvgate.kv_events")
+    level, disabled = logger.level, logger.disabled
+    logger.setLevel(logging.WARNING)  # whatever an earlier test's logging setup left
+    logger.disabled = False
     logger.addHandler(handler)
     try:
         rec = Recorder()
@@ -97,6 +100,8 @@ async def test_a_storm_of_malformed_messages_is_counted_and_written_once(pub: Pu
             await wait_until(lambda: (s := sub.stats(W)) is not None and s.decode_errors == 300)
     finally:
         logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.disabled = disabled
     assert len([r for r in lines if "malformed" in r.getMessage()]) == 1
 
 

@@ -243,7 +243,19 @@ def pin(
         return None
     if held.pool != pool.name or held.worker not in pool.workers:
         raise not_found(previous)
+    pd = pool.config.pd
+    if pd is not None and pd.protocol == "sglang" and pool.workers[held.worker].role == "decode":
+        raise bad_request(_DECODE_HOLDER, "previous_response_id")
     return held.worker
+
+
+# An SGLang decode server holds the responses it answered, and admits only requests whose KV a
+# prefill server computes: a follow-up it alone could continue, it cannot run.
+_DECODE_HOLDER = (
+    "previous_response_id cannot be continued in this prefill/decode pool: the response is held by "
+    "an SGLang decode server, which runs only requests prefilled elsewhere; send the conversation "
+    "as input items instead"
+)
 
 
 def unknown_previous(body: Mapping[str, Any]) -> str | None:

@@ -216,20 +216,23 @@ async def test_a_responses_split_reports_the_prefill_hit_in_its_own_field(stream
         assert rig.decode_failures() == 0
 
 
-async def test_a_streamed_responses_split_pins_its_follow_ups_to_the_decode_worker() -> None:
-    """The decode worker answered (and stored) the response: a follow-up naming it goes there, alone,
-    as it does after a whole answer."""
+async def test_a_follow_up_of_a_response_an_sglang_decode_server_holds_is_refused() -> None:
+    """The decode worker answered (and stored) the response, and an SGLang decode server runs only
+    requests prefilled elsewhere, while no prefill server holds the conversation: a follow-up
+    naming it gets a 400 saying so, and reaches no worker."""
     async with pd_rig("sglang") as rig:
         first = await rig.client.post(
             "/v1/responses", json={"model": "m", "input": "hello", "stream": True}, headers=KEY
         )
         assert first.status_code == 200
         rid = _data(first.text)[0]["response"]["id"]
+        sent = len(rig.decode.responses_bodies)
         body = {"model": "m", "input": "and?", "previous_response_id": rid}
         follow_up = await rig.client.post("/v1/responses", json=body, headers=KEY)
-        assert follow_up.status_code == 200, follow_up.text
-        last = rig.decode.responses_bodies[-1]
-        assert last["previous_response_id"] == rid and "bootstrap_room" not in last
+        assert follow_up.status_code == 400, follow_up.text
+        error = follow_up.json()["error"]
+        assert error["param"] == "previous_response_id" and "input items" in error["message"]
+        assert len(rig.decode.responses_bodies) == sent
 
 
 async def test_a_responses_split_stores_the_answer_on_the_decode_worker_only() -> None:

@@ -27,6 +27,7 @@ from gateway.bodies import (
 from gateway.errors import ApiError, echoed
 from gateway.gate import Gate
 from gateway.keying import canonical_prompt, keyed_apart, only_model, prompt_error, read_large_body
+from gateway.pd_requests import unrunnable
 from gateway.prompt_batch import batch_tokens
 from gateway.quotas import Rejection
 from gateway.request_head import RequestHead, RequestIds
@@ -181,6 +182,8 @@ async def admit(
         max_out = output_budget(body, api.prompt, pool.windows.max_model_len.get(model))
     except ApiError as err:
         raise _refused(err, api, body, model) from None
+    if (unserved := unrunnable(pool, api.pd_split, body)) is not None:
+        raise _refused(unserved, api, body, model)
     keying = gate.keying
     identity, public = keying.identities(pool, model, tenant)
     normalizer = keying.normalizers[pool.name]

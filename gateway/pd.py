@@ -10,8 +10,6 @@ first round waits in the pool's queue, a retry does not.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
-from typing import Any
 
 from gateway.admitted import Admitted
 from gateway.errors import RawResponse
@@ -19,6 +17,7 @@ from gateway.failure import Failure
 from gateway.lifecycle import Lifecycle
 from gateway.outcome import Attempt, finish
 from gateway.pd_pairs import PdRun, Response
+from gateway.pd_requests import splittable
 from gateway.proxy import hold_for_peers
 from gateway.responses_affinity import holder_unavailable, pinned_decision
 from gateway.retries import advice, attempts_allowed
@@ -52,29 +51,6 @@ async def dispatch_pd(
         run.verdicts.acquit()
         await run.abandon()
         raise
-
-
-def splittable(body: Mapping[str, Any]) -> bool:
-    """Whether a request is one sequence, as a KV transfer carries one prompt's KV: not several
-    choices (`n`, `best_of`, at the top or in a native request's `sampling_params`) and not a
-    batch of prompts (a completions `prompt`, SGLang's `text` or `input_ids`, listing more than
-    one)."""
-    params = body.get("sampling_params")
-    for source in (body, params) if isinstance(params, Mapping) else (body,):
-        for name in ("n", "best_of"):
-            value = source.get(name)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 1:
-                return False
-    for name in _PROMPT_FIELDS:
-        prompt = body.get(name)
-        if isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int):
-            return False
-    return True
-
-
-# The fields that may carry a batch of prompts: completions' and SGLang's `/generate`'s (vLLM's
-# `/inference/v1/generate` takes one sequence of `token_ids`).
-_PROMPT_FIELDS = ("prompt", "text", "input_ids")
 
 
 async def _rounds(run: PdRun, router: PdRouter) -> Response:

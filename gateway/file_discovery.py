@@ -87,7 +87,19 @@ def _entry(i: int, entry: Any) -> tuple[str, str | None]:
         raise WorkersFileError(f"entry {i}: not a valid URL") from None
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.path or parts.query:
         raise WorkersFileError(f"entry {i}: a worker is a base URL, http(s)://host:port")
+    if _partial_address(parts.hostname):
+        raise WorkersFileError(f"entry {i}: a host of digits and dots is an IPv4 address of four numbers")
     return url, role
+
+
+def _partial_address(host: str) -> bool:
+    """A host of digits and dots that is not a whole dotted-quad IPv4 address: `10.0.0` or `127`,
+    which resolvers read as shorthand (`10.0.0.0`, `0.0.0.127`) and a file cut short mid-write
+    leaves behind."""
+    if host.strip("0123456789.") != "":
+        return False
+    numbers = host.split(".")
+    return len(numbers) != 4 or not all(n.isdigit() and int(n) <= 255 for n in numbers)
 
 
 class FileWorkers:

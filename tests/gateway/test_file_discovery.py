@@ -21,6 +21,8 @@ def test_a_list_or_a_mapping_of_urls_and_roles() -> None:
         "http://a:8000",
         "https://b:8443",
     ]
+    hosts = "- http://10.0.0.1\n- http://[::1]:80\n- http://worker-0.x\n- http://1a.b\n"
+    assert len(parse_workers(hosts, roles=False)) == 4
     parsed = parse_workers(
         '{"workers": ["http://a:1", {"url": "http://b:2", "role": "prefill"},'
         ' {"url": "http://c:3", "role": "decode"}]}',
@@ -43,6 +45,9 @@ def test_a_list_or_a_mapping_of_urls_and_roles() -> None:
         ("- ftp://a:1\n", False, "base URL"),
         ("- http://a:1/v1\n", False, "base URL"),
         ("- http://a:99999\n", False, "not a valid URL"),
+        ("- http://10.0.0\n", False, "four numbers"),  # a file cut short mid-write
+        ("- http://127\n", False, "four numbers"),
+        ("- http://10.0.0.256:80\n", False, "four numbers"),
         ("- 7\n", False, "URL string"),
         ("- {url: http://a:1, role: prefill}\n", False, "all mixed"),
         ("- {url: http://a:1, role: leader}\n", True, "prefill or decode"),

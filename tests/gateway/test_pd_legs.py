@@ -11,8 +11,8 @@ import pytest
 
 from gateway.failure import Failure
 from gateway.outcome import Usage
-from gateway.pd_requests import splittable
 from gateway.pd_legs import Opened, PdRelay, Prefilled, TransferFailed, both_legs, with_cached_tokens
+from gateway.pd_requests import splittable
 from policies.base import Outcome
 
 

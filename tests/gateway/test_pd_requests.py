@@ -12,7 +12,10 @@ from gateway.pd_requests import unrunnable
 from gateway.registry import Pool
 from tests.gateway.test_pd_dialects import KEY, pd_rig
 
-PAIRS: dict[str, Any] = {"prefill_workers": ["http://10.0.0.1:8000"], "decode_workers": ["http://10.0.0.2:8000"]}
+PAIRS: dict[str, Any] = {
+    "prefill_workers": ["http://10.0.0.1:8000"],
+    "decode_workers": ["http://10.0.0.2:8000"],
+}
 
 
 def _pool(protocol: str, **workers: Any) -> Pool:

@@ -2,8 +2,10 @@
 
 The pool's queue (`queueing.py`) asks this to tell a saturated pool, whose capacity will come
 back, from one with no routable worker (an outage is not waited out), and how many turns to hand
-out. In a prefill/decode pool it counts routes instead of workers: a split needs a slot on each
-of its two workers.
+out. A worker not judged yet (`Worker.coming`: just added, its first health checks under way)
+counts as routable with no free slot: its capacity is about to come, so requests wait for it
+rather than fail while discovery swaps a pool's workers. In a prefill/decode pool it counts
+routes instead of workers: a split needs a slot on each of its two workers.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def capacity(
     routable = free = 0
     for worker in pool.workers.values():
         if not (worker.healthy and worker.breaker.allows(now_s)):
+            routable += worker.coming
             continue
         routable += 1
         cap = worker.max_in_flight
@@ -41,10 +44,14 @@ def _role_capacity(pool: Pool, roles: frozenset[Role], now_s: float) -> tuple[in
     """(routable workers of `roles`, free slots on them): a request one of them serves alone."""
     routable = free = 0
     for worker in pool.workers.values():
-        if Role.of(worker.role) in roles and worker.healthy and worker.breaker.allows(now_s):
+        if Role.of(worker.role) not in roles:
+            continue
+        if worker.healthy and worker.breaker.allows(now_s):
             routable += 1
             cap = worker.max_in_flight
             free += UNCAPPED if cap is None else max(cap - worker.in_flight, 0)
+        else:
+            routable += worker.coming
     return routable, free
 
 
@@ -57,11 +64,14 @@ def _pair_capacity(pool: Pool, roles: PdRoles, now_s: float, splittable: bool) -
     alone = prefill = paired = 0  # routable workers
     alone_free = prefill_free = paired_free = 0
     for worker in pool.workers.values():
-        if not (worker.healthy and worker.breaker.allows(now_s)):
+        if worker.healthy and worker.breaker.allows(now_s):
+            cap = worker.max_in_flight
+            room = UNCAPPED if cap is None else max(cap - worker.in_flight, 0)
+        elif worker.coming:
+            room = 0
+        else:
             continue
         role = Role.of(worker.role)
-        cap = worker.max_in_flight
-        room = UNCAPPED if cap is None else max(cap - worker.in_flight, 0)
         if role in roles.alone:
             alone += 1
             alone_free += room

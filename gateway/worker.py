@@ -48,6 +48,7 @@ class Worker:
         "_been_up",
         "_fails",
         "_healthy",
+        "_judged",
         "_metrics",
         "_oks",
         "_peer_load",
@@ -81,6 +82,7 @@ class Worker:
         self._view_version = -1
         self._view_until_s = 0.0
         self._healthy = False  # unknown until the first check answers
+        self._judged = False  # whether a verdict (up or down) was ever given
         self._been_up = False
         self.breaker = CircuitBreaker(config.breaker)
         self.max_in_flight = config.max_in_flight_per_worker
@@ -107,7 +109,15 @@ class Worker:
     @healthy.setter
     def healthy(self, value: bool) -> None:
         self._healthy = value
+        self._judged = True
         self._version += 1
+
+    @property
+    def coming(self) -> bool:
+        """New to the pool and not judged yet: discovery (or the start) added it, and no health
+        check has said it is down (those that answered passed, short of `successes_to_up`). The
+        pool's queue waits for such a worker as for a busy one: its capacity is about to come."""
+        return not self._judged and self._fails == 0
 
     @property
     def role(self) -> str | None:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, cast
+from unittest.mock import ANY
 
 import pytest
 
@@ -137,6 +138,44 @@ async def test_a_waiter_is_routed_by_the_policy_running_when_its_turn_comes(
     _free(pool, worker, queue)
     routed = await asyncio.wait_for(waiter, 2)
     assert isinstance(routed, tuple) and routed[0] is not None and routed[0].reason == "reloaded"
+    queue.check_invariants()
+
+
+def _one_worker_pool(name: str) -> Pool:
+    return Pool(
+        PoolConfig(name=name, models=["m"], workers=["http://127.0.0.1:9"], max_in_flight_per_worker=1)
+    )
+
+
+async def test_a_request_waits_for_a_worker_being_added_and_fails_when_it_turns_out_down() -> None:
+    # A pool whose workers were all just swapped (a workers file, DNS): the new one's first health
+    # check is under way. Its capacity is about to come: wait for it, not 503.
+    pool = Pool(
+        PoolConfig(name="p", models=["m"], workers=["http://127.0.0.1:9"], max_in_flight_per_worker=1)
+    )
+    (worker,) = pool.workers.values()
+    assert worker.coming and not worker.healthy
+    queue = PoolQueue(pool, pool.config.queue, {}, GatewayMetrics(), tick_s=0.01)
+    assert queue.try_route(_queued("a"), FirstFree()) is None  # not a 503: it must wait
+    waiter = asyncio.ensure_future(queue.wait(_queued("a"), FirstFree))
+    await wait_until(lambda: queue.waiting == 1)
+    assert worker.record_health(True, pool.config) is not None  # up: the tick hands it a turn
+    routed = await asyncio.wait_for(waiter, 2)
+    assert isinstance(routed, tuple) and routed[0] is not None and routed[0].worker == worker.worker_id
+    queue.check_invariants()
+
+    fresh = Pool(
+        PoolConfig(name="q", models=["m"], workers=["http://127.0.0.1:9"], max_in_flight_per_worker=1)
+    )
+    (other,) = fresh.workers.values()
+    queue = PoolQueue(fresh, fresh.config.queue, {}, GatewayMetrics(), tick_s=0.01)
+    waiter = asyncio.ensure_future(queue.wait(_queued("a"), FirstFree))
+    await wait_until(lambda: queue.waiting == 1)
+    other.record_health(False, fresh.config)  # its first check failed: an outage, not waited out
+    assert not other.coming
+    routed = await asyncio.wait_for(waiter, 2)
+    assert isinstance(routed, tuple) and routed[0] is None  # the caller answers 503
+    assert queue.try_route(_queued("b"), FirstFree()) == (None, ANY)
     queue.check_invariants()
 
 

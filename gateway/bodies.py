@@ -245,8 +245,12 @@ def _output_field(body: dict[str, Any], prompt: str | None) -> tuple[str, int] |
 def _choices(body: dict[str, Any], prompt: str | None) -> int:
     """The sequences one request decodes: the largest of `n` and `best_of` (already checked to be
     within `limits.max_choices`), 1 when neither is set."""
-    fields = body.get("sampling_params") if prompt == "generate" else body
-    entries = fields if isinstance(fields, list) else [fields]  # generate: one per prompt, or one
+    if prompt != "generate":  # one object: the expression below for it alone, without a generator
+        n = _positive_int(body.get("n")) or 1
+        best_of = _positive_int(body.get("best_of")) or 1
+        return n if n >= best_of else best_of
+    fields = body.get("sampling_params")
+    entries = fields if isinstance(fields, list) else [fields]  # one per prompt, or one
     values = (
         _positive_int(e.get(name)) or 1 for e in entries if isinstance(e, dict) for name in _CHOICE_FIELDS
     )

@@ -12,6 +12,7 @@ and cancelled costs about 2.6 µs).
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from starlette.types import Receive
 
@@ -23,9 +24,11 @@ class DisconnectGuard:
 
     __slots__ = ("_receive", "_task", "_watch", "_watcher", "fired")
 
-    def __init__(self, receive: Receive, watch: DisconnectWatch) -> None:
+    def __init__(
+        self, receive: Receive, watch: DisconnectWatch, task: asyncio.Task[Any] | None = None
+    ) -> None:
         self._receive = receive
-        self._task = asyncio.current_task()
+        self._task = task if task is not None else asyncio.current_task()  # `task`: the caller's
         self._watch = watch
         self._watcher: asyncio.Future[None] | None = None
         self.fired = False

@@ -33,7 +33,14 @@ def lookup_prefix(
     head = table.get(probe[0])
     if head is None or head.namespace != namespace:
         return NO_MATCH
-    alive = set(head.holders) if head.spec == 0 else {w for w, exp in head.holders.items() if exp > now_s}
+    holders = head.holders
+    if head.spec == 0 and len(holders) == 1:
+        # One holder, confirmed: found without building the set below.
+        (w,) = holders
+        if not open_workers or w not in open_workers:
+            depth = _depth(table, probe, namespace, now_s, w, 1, len(probe))
+            return PrefixMatch({w: depth * granularity}, depth * granularity, w)
+    alive = set(holders) if head.spec == 0 else {w for w, exp in holders.items() if exp > now_s}
     if not alive:
         return NO_MATCH
     if len(alive) == 1 and (not open_workers or not alive & open_workers.keys()):

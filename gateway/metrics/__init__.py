@@ -75,7 +75,7 @@ class GatewayMetrics(MetricCatalogue):
 
     def worker_outcome(self, pool: str, worker: str, outcome: Outcome) -> None:
         """One attempt on `worker` ended (`outcome.Attempt.end`)."""
-        self.worker_requests.labels(pool, worker, outcome.value).inc()
+        self.worker_requests.labels(pool, worker, _OUTCOME_LABELS[outcome]).inc()
 
     def time_per_output_token(self, model: str, seconds: float) -> None:
         self.tpot.labels(model).observe(seconds)
@@ -90,6 +90,10 @@ class GatewayMetrics(MetricCatalogue):
         for refresh in self.before_scrape:
             refresh()
         return generate_latest(self.registry)
+
+
+# Each outcome's label: an enum member's `.value` is a descriptor call (~0.2 µs), once per attempt.
+_OUTCOME_LABELS = {outcome: outcome.value for outcome in Outcome}
 
 
 @dataclass(frozen=True, slots=True)

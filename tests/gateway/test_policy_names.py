@@ -34,11 +34,15 @@ def test_names_the_gateway_does_not_have_are_warned_of() -> None:
     )
     # On the module's own logger: the gateway's logging set-up (another test's, in this process)
     # may stop it propagating to the root.
+    # And at the level it is read at: that set-up may have left the root's above warning.
     handler, logger = _Lines(), logging.getLogger("kvgate.policy_watch")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
     logger.addHandler(handler)
     try:
         assert warn_unknown_names(CONFIG, policy) == ["pools.chat", "tenants.acme"]
     finally:
         logger.removeHandler(handler)
+        logger.setLevel(level)
     assert any("pools.chat is not in the gateway config" in line for line in handler.lines)
     assert warn_unknown_names(CONFIG, parse_policy_yaml("pools: {llama: {capacity_fraction: 0.8}}\n")) == []

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -93,13 +94,19 @@ def _entry(i: int, entry: Any) -> tuple[str, str | None]:
 
 
 def _partial_address(host: str) -> bool:
-    """A host of digits and dots that is not a whole dotted-quad IPv4 address: `10.0.0` or `127`,
-    which resolvers read as shorthand (`10.0.0.0`, `0.0.0.127`) and a file cut short mid-write
-    leaves behind."""
-    if host.strip("0123456789.") != "":
+    """A host of numbers (decimal, or hexadecimal `0x..`) and dots that is not a whole dotted-quad
+    IPv4 address written plainly: `10.0.0` or `127`, which resolvers read as shorthand
+    (`10.0.0.0`, `0.0.0.127`) and a file cut short mid-write leaves behind, and `010.0.0.1` or
+    `0x7f.1`, which they read as octal or hexadecimal (`8.0.0.1`, `127.0.0.1`)."""
+    if _NUMERIC_HOST.fullmatch(host) is None:
         return False
-    numbers = host.split(".")
-    return len(numbers) != 4 or not all(n.isdigit() and int(n) <= 255 for n in numbers)
+    return _DOTTED_QUAD.fullmatch(host) is None
+
+
+_NUMBER = r"(?:0[xX][0-9a-fA-F]*|[0-9]+)"
+_NUMERIC_HOST = re.compile(rf"{_NUMBER}(?:\.{_NUMBER})*\.?")
+_OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+_DOTTED_QUAD = re.compile(rf"{_OCTET}(?:\.{_OCTET}){{3}}")
 
 
 class FileWorkers:

@@ -196,10 +196,10 @@ class KvEventSubscriber:
     async def _run(self, ep: KvEventEndpoint, stats: SubscriptionStats) -> None:
         expected: int | None = None  # kept across new connections: what one lost is a gap
         while True:
-            sock = self._connect(ep, stats)
-            if sock is None:
+            opened = self._connect(ep, stats)
+            if opened is None:
                 return
-            monitor = sock.get_monitor_socket(_WATCHED_EVENTS)
+            sock, monitor = opened
             try:
                 expected = await self._follow(ep, stats, sock, monitor, expected)
             finally:
@@ -211,22 +211,31 @@ class KvEventSubscriber:
             self._warn(ep.worker, "dropped", "kv events from %s: %s", ep.worker, _DROPPED)
             await asyncio.sleep(self._limits.reconnect_ivl_s)
 
-    def _connect(self, ep: KvEventEndpoint, stats: SubscriptionStats) -> zmq.asyncio.Socket | None:
+    def _connect(
+        self, ep: KvEventEndpoint, stats: SubscriptionStats
+    ) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket] | None:
+        """A SUB socket connecting to the stream, and the monitor of its connections (attached
+        before it connects, so that no connection's end goes unseen); None if it cannot."""
         assert self._ctx is not None
         sock = self._ctx.socket(zmq.SUB)
+        monitor: zmq.asyncio.Socket | None = None
         try:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVHWM, self._limits.receive_hwm)
             sock.setsockopt(zmq.MAXMSGSIZE, self._limits.max_message_bytes)
             sock.setsockopt(zmq.RECONNECT_IVL, int(self._limits.reconnect_ivl_s * 1000))
             sock.setsockopt(zmq.SUBSCRIBE, ep.topic.encode())
+            monitor = sock.get_monitor_socket(_WATCHED_EVENTS)
             sock.connect(ep.endpoint)
         except zmq.ZMQError as exc:
             stats.last_error = f"cannot connect to {ep.endpoint}: {exc}"
             log.error("kv events from %s: %s", ep.worker, stats.last_error)
+            if monitor is not None:
+                sock.disable_monitor()
+                monitor.close(linger=0)
             sock.close(linger=0)
             return None
-        return sock
+        return sock, monitor
 
     async def _follow(
         self,
@@ -244,16 +253,22 @@ class KvEventSubscriber:
         poller.register(monitor, zmq.POLLIN)
         ended_s: float | None = None
         while True:
+            # A waiting message is taken at once; the poll (the monitor too) only when none waits.
+            try:
+                frames = await sock.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+            else:
+                expected = await self._receive(ep, stats, frames, expected)
+                continue
             timeout_ms = None
             if ended_s is not None:
                 timeout_ms = max(0, int((ended_s + RECONNECT_NOTICE_S - time.monotonic()) * 1000))
             ready = dict(await poller.poll(timeout_ms))
-            if sock in ready:
-                expected = await self._receive(ep, stats, await sock.recv_multipart(), expected)
-            elif monitor in ready:
+            if monitor in ready:
                 event = parse_monitor_message(await monitor.recv_multipart())["event"]
                 ended_s = time.monotonic() if event == zmq.EVENT_DISCONNECTED else None
-            elif ended_s is not None:
+            elif sock not in ready and ended_s is not None:
                 return expected
 
     async def _receive(

@@ -28,6 +28,7 @@ class LogThrottle:
         last = self._last.get(key)
         if last is not None and now_s - last[0] < self.every_s:
             self._last[key] = (last[0], last[1] + 1)
+            self._last.move_to_end(key)  # heard from: the last to be forgotten
             return False
         left = 0 if last is None else last[1]
         self._last[key] = (now_s, 0)

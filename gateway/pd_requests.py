@@ -36,12 +36,18 @@ def splittable(body: Mapping[str, Any]) -> bool:
 def unrunnable(pool: Pool, generates: bool, body: Mapping[str, Any]) -> ApiError | None:
     """Why `pool` could never run this request (None: it could): in an SGLang pool, a generation
     request of several sequences runs whole on a mixed server, as SGLang's prefill and decode
-    servers take only single-sequence pairs; a pool that lists none answers 400, not a 503 a
-    client would retry. A pool whose mixed servers are all down answers 503 as before."""
-    pd = pool.config.pd
+    servers take only single-sequence pairs; a pool whose configuration lists its workers and
+    no mixed one answers 400, not a 503 a client would retry. A pool that discovers its workers
+    (DNS, Kubernetes, a workers file) may have a mixed one later: while it has none up, 503 as
+    before."""
+    config = pool.config
+    pd = config.pd
     if pd is None or pd.protocol != "sglang" or not generates or splittable(body):
         return None
-    if any(Role.of(worker.role) is Role.MIXED for worker in pool.workers.values()):
+    if config.dns is not None or config.kubernetes is not None or config.workers_file is not None:
+        return None
+    roles = config.static_roles
+    if any(Role.of(roles.get(url)) is Role.MIXED for url in config.static_urls):
         return None
     return bad_request(
         "this pool's SGLang prefill and decode servers run one sequence per request (n and best_of "

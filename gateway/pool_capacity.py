@@ -29,7 +29,7 @@ def capacity(
     routable = free = 0
     for worker in pool.workers.values():
         if not (worker.healthy and worker.breaker.allows(now_s)):
-            routable += worker.coming
+            routable += worker.coming(now_s)
             continue
         routable += 1
         cap = worker.max_in_flight
@@ -51,7 +51,7 @@ def _role_capacity(pool: Pool, roles: frozenset[Role], now_s: float) -> tuple[in
             cap = worker.max_in_flight
             free += UNCAPPED if cap is None else max(cap - worker.in_flight, 0)
         else:
-            routable += worker.coming
+            routable += worker.coming(now_s)
     return routable, free
 
 
@@ -67,7 +67,7 @@ def _pair_capacity(pool: Pool, roles: PdRoles, now_s: float, splittable: bool) -
         if worker.healthy and worker.breaker.allows(now_s):
             cap = worker.max_in_flight
             room = UNCAPPED if cap is None else max(cap - worker.in_flight, 0)
-        elif worker.coming:
+        elif worker.coming(now_s):
             room = 0
         else:
             continue

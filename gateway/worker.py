@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
+import time
 from collections.abc import Callable
 
 from gateway.breaker import CircuitBreaker
@@ -46,6 +47,7 @@ class Worker:
 
     __slots__ = (
         "_been_up",
+        "_coming_until_s",
         "_fails",
         "_healthy",
         "_judged",
@@ -83,6 +85,10 @@ class Worker:
         self._view_until_s = 0.0
         self._healthy = False  # unknown until the first check answers
         self._judged = False  # whether a verdict (up or down) was ever given
+        health = config.health
+        self._coming_until_s = time.monotonic() + health.successes_to_up * (
+            health.interval_s + health.timeout_s
+        )
         self._been_up = False
         self.breaker = CircuitBreaker(config.breaker)
         self.max_in_flight = config.max_in_flight_per_worker
@@ -112,12 +118,12 @@ class Worker:
         self._judged = True
         self._version += 1
 
-    @property
-    def coming(self) -> bool:
-        """New to the pool and not judged yet: discovery (or the start) added it, and no health
-        check has said it is down (those that answered passed, short of `successes_to_up`). The
+    def coming(self, now_s: float) -> bool:
+        """New to the pool and not judged yet: discovery (or the start) added it, no health check
+        has said it is down (those that answered passed, short of `successes_to_up`), and its
+        first checks' time is not over (`successes_to_up` × (`interval_s` + `timeout_s`)). The
         pool's queue waits for such a worker as for a busy one: its capacity is about to come."""
-        return not self._judged and self._fails == 0
+        return not self._judged and self._fails == 0 and now_s < self._coming_until_s
 
     @property
     def role(self) -> str | None:

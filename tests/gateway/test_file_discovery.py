@@ -48,6 +48,8 @@ def test_a_list_or_a_mapping_of_urls_and_roles() -> None:
         ("- http://10.0.0\n", False, "four numbers"),  # a file cut short mid-write
         ("- http://127\n", False, "four numbers"),
         ("- http://10.0.0.256:80\n", False, "four numbers"),
+        ("- http://010.0.0.1:80\n", False, "four numbers"),  # octal to a resolver: 8.0.0.1
+        ("- http://0x7f.1:80\n", False, "four numbers"),  # hexadecimal: 127.0.0.1
         ("- 7\n", False, "URL string"),
         ("- {url: http://a:1, role: prefill}\n", False, "all mixed"),
         ("- {url: http://a:1, role: leader}\n", True, "prefill or decode"),

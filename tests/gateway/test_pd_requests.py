@@ -40,6 +40,9 @@ def test_one_sequence_a_mixed_server_a_vllm_pool_or_a_route_that_does_not_genera
     assert unrunnable(_pool("sglang", **PAIRS, workers=["http://10.0.0.3:8000"]), True, {"n": 2}) is None
     assert unrunnable(_pool("vllm"), True, {"n": 2}) is None  # a vLLM decode server runs it alone
     assert unrunnable(_pool("sglang"), False, {"prompt": ["a", "b"]}) is None  # embeddings, ...
+    # A pool that discovers its workers may have a mixed one later (a rollout): 503 meanwhile.
+    found = _pool("sglang", workers_file={"path": "/nonexistent/workers.yaml"})
+    assert found.workers == {} and unrunnable(found, True, {"n": 2}) is None
 
 
 async def test_the_gateway_answers_400_and_no_worker_is_asked() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -154,7 +155,7 @@ async def test_a_request_waits_for_a_worker_being_added_and_fails_when_it_turns_
         PoolConfig(name="p", models=["m"], workers=["http://127.0.0.1:9"], max_in_flight_per_worker=1)
     )
     (worker,) = pool.workers.values()
-    assert worker.coming and not worker.healthy
+    assert worker.coming(time.monotonic()) and not worker.healthy
     queue = PoolQueue(pool, pool.config.queue, {}, GatewayMetrics(), tick_s=0.01)
     assert queue.try_route(_queued("a"), FirstFree()) is None  # not a 503: it must wait
     waiter = asyncio.ensure_future(queue.wait(_queued("a"), FirstFree))
@@ -172,11 +173,19 @@ async def test_a_request_waits_for_a_worker_being_added_and_fails_when_it_turns_
     waiter = asyncio.ensure_future(queue.wait(_queued("a"), FirstFree))
     await wait_until(lambda: queue.waiting == 1)
     other.record_health(False, fresh.config)  # its first check failed: an outage, not waited out
-    assert not other.coming
+    assert not other.coming(time.monotonic())
     routed = await asyncio.wait_for(waiter, 2)
     assert isinstance(routed, tuple) and routed[0] is None  # the caller answers 503
     assert queue.try_route(_queued("b"), FirstFree()) == (None, ANY)
     queue.check_invariants()
+
+    # Nor is a worker whose first checks' time is over without a verdict (a hung check).
+    config = PoolConfig(
+        name="r", models=["m"], workers=["http://127.0.0.1:9"], health={"interval_s": 2, "timeout_s": 1}
+    )
+    (hung,) = Pool(config).workers.values()
+    now_s = time.monotonic()
+    assert hung.coming(now_s) and not hung.coming(now_s + 3.01)
 
 
 def test_try_route_is_the_whole_path_when_nobody_waits(full_pool: tuple[Pool, Worker]) -> None:

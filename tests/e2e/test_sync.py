@@ -1,8 +1,9 @@
-"""Two real gateway processes sharing one broker, each kind in turn (nats-server, redis-server), in
-front of emulated workers (approximate mode, no KV events): what gateway A routes, gateway B routes
-to the same worker; the broker carries keys and counts, never the prompt; requests reaching both at
-once part over the gateways' home shares, and long prompts among them are held while the short
-ones are placed; with the broker killed both keep serving, and when it returns they share again."""
+"""Two real gateway processes sharing one broker, each kind in turn (nats-server, redis-server, and
+a redis-server found through a Redis Sentinel), in front of emulated workers (approximate mode, no
+KV events): what gateway A routes, gateway B routes to the same worker; the broker carries keys
+and counts, never the prompt; requests reaching both at once part over the gateways' home shares,
+and long prompts among them are held while the short ones are placed; with the broker killed both
+keep serving, and when it returns they share again."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gateway.sync.broker import LocalRedis, LocalSentinel
 from tests.e2e.harness import Proc, free_port, start, start_gateway, tenant, wait_http, write_gateway_config
 from tests.gateway.sync.brokers import BROKERS, TestBroker, capture, local_broker
 from tests.support.wait import wait_until_sync
@@ -24,9 +26,34 @@ KEY = "sk-sync-e2e"
 SUBJECT = "kvgate.e2e"
 
 
+class SentinelBroker:
+    """A redis-server primary and a sentinel that names it: the gateways' `sync.url` is the
+    sentinel's (`redis+sentinel://`), and stopping or starting the broker is the primary's."""
+
+    def __init__(self, log_dir: Path) -> None:
+        (log_dir / "primary").mkdir()
+        (log_dir / "sentinel").mkdir()
+        self.primary = LocalRedis(free_port(), log_dir / "primary")
+        self.sentinel = LocalSentinel(free_port(), log_dir / "sentinel", self.primary.port)
+
+    @property
+    def url(self) -> str:
+        return self.primary.url
+
+    @property
+    def sync_url(self) -> str:
+        return f"redis+sentinel://127.0.0.1:{self.sentinel.port}/{self.sentinel.master}"
+
+    def start(self) -> None:
+        self.primary.start()
+
+    def stop(self) -> None:
+        self.primary.stop()
+
+
 @dataclass
 class Pair:
-    broker: TestBroker
+    broker: TestBroker | SentinelBroker
     gateways: list[str]
     procs: list[Proc]
     metrics_urls: dict[str, str]  # gateway base URL -> its own metrics listener
@@ -40,10 +67,18 @@ class Pair:
         wait_until_sync(lambda: ok(self.metric(base, name)), timeout_s, f"{name} at {base}")
 
 
-@pytest.fixture(scope="module", params=BROKERS)
+@pytest.fixture(scope="module", params=[*BROKERS, "sentinel"])
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     tmp = tmp_path_factory.mktemp("sync")
-    broker = local_broker(request.param, tmp)
+    broker: TestBroker | SentinelBroker
+    if request.param == "sentinel":
+        broker = SentinelBroker(tmp)
+        broker.start()
+        broker.sentinel.start()
+        sync_url = broker.sync_url
+    else:
+        broker = local_broker(request.param, tmp)
+        sync_url = broker.url
     procs: list[Proc] = []
     try:
         urls = []
@@ -63,7 +98,7 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
             procs.append(start(argv))
             urls.append(f"http://127.0.0.1:{port}")
             wait_http(urls[-1] + "/health", procs[-1])
-        sync = {"url": broker.url, "subject_prefix": SUBJECT, "batch_interval_s": 0.002}
+        sync = {"url": sync_url, "subject_prefix": SUBJECT, "batch_interval_s": 0.002}
         pools = [
             {"name": "p", "models": ["m"], "workers": urls, "health": {"interval_s": 0.5, "timeout_s": 3}}
         ]
@@ -79,6 +114,8 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         for proc in reversed(procs):
             proc.stop()
         broker.stop()
+        if isinstance(broker, SentinelBroker):
+            broker.sentinel.stop()
 
 
 def _ask(base: str, system: str, question: str) -> int:

@@ -55,12 +55,15 @@ class DemoWorker:
     name: str
     role: str = "mixed"
     bootstrap_port: int | None = None
+    sglang: bool = False  # a decode worker then refuses requests not paired, as SGLang's does
 
     def argv(self, port: int, seed: int) -> list[str]:
         argv = [sys.executable, "-m", EMULATOR_MODULE, "--host", "127.0.0.1", "--port", str(port)]
         argv += ["--model", "kvgate-demo", "--seed", str(seed)]
         if self.role != "mixed":
             argv += ["--role", self.role, "--kv-engine-id", self.name]
+        if self.sglang:
+            argv += ["--pd-protocol", "sglang"]
         if self.bootstrap_port is not None:
             argv += ["--bootstrap-port", str(self.bootstrap_port)]
         return argv
@@ -85,7 +88,8 @@ def demo_workers(args: argparse.Namespace) -> list[DemoWorker]:
         raise ConfigError("--pd needs at least one prefill and one decode worker")
     boots = free_ports_except(n_prefill, _gateway_ports(args)) if args.pd_protocol == "sglang" else []
     prefill = [DemoWorker(f"prefill{i}", "prefill", boots[i] if boots else None) for i in range(n_prefill)]
-    return [*prefill, *(DemoWorker(f"decode{i}", "decode") for i in range(n_decode))]
+    sglang = args.pd_protocol == "sglang"
+    return [*prefill, *(DemoWorker(f"decode{i}", "decode", sglang=sglang) for i in range(n_decode))]
 
 
 PORT_SHARD_ENV = "KVGATE_PORT_SHARD"

@@ -55,6 +55,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="worker role: reported in /server_info; decides how SGLang bootstrap_* fields are served",
     )
     pd.add_argument(
+        "--pd-protocol",
+        choices=("any", "sglang"),
+        default="any",
+        help="sglang: a decode-role worker refuses a generation request without bootstrap_room, as "
+        "an SGLang decode server does (any: it runs it whole, as a vLLM decode server does)",
+    )
+    pd.add_argument(
         "--kv-engine-id", default=None, help="engine id named in kv_transfer_params (default random)"
     )
     pd.add_argument(
@@ -123,6 +130,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         kv_events_encoding=args.kv_events_encoding,
         kv_events_topic=args.kv_events_topic,
         role=args.role,
+        pd_protocol=args.pd_protocol,
         kv_engine_id=args.kv_engine_id,
         kv_advertise_host=args.kv_advertise_host,
         bootstrap_port=args.bootstrap_port,

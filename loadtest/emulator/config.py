@@ -33,6 +33,10 @@ class EmulatorConfig:
     kv_events_buffer_steps: int = 10000
     # Prefill/decode disaggregation (docs/pd.md). Timeouts are real seconds, not model time.
     role: Role = "mixed"
+    # "sglang": a decode-role worker refuses a generation request without `bootstrap_room`, as an
+    # SGLang decode server admits only KV computed elsewhere; "any": it runs one whole, as a vLLM
+    # decode server does.
+    pd_protocol: Literal["any", "sglang"] = "any"
     kv_engine_id: str | None = None  # None: a random id per process, as vLLM's engine_id
     kv_advertise_host: str | None = None  # the host decode workers pull from (None: --host)
     bootstrap_port: int | None = None  # a second listener, as SGLang's prefill bootstrap port

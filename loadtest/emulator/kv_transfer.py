@@ -121,6 +121,13 @@ class KvTransfers:
         """Act on the request's P/D fields before it is submitted (may wait for a transfer)."""
         pd = parse_pd(body, self.cfg.role)
         if pd is None:
+            if self.cfg.role == "decode" and self.cfg.pd_protocol == "sglang":
+                raise ApiError.bad_request(
+                    "this decode server (SGLang disaggregation) runs only requests whose KV a "
+                    "prefill server computes: bootstrap_host, bootstrap_port and bootstrap_room "
+                    "are required",
+                    "bootstrap_room",
+                )
             return Prepared(gen)
         check_single_sequence(gen.n, len(gen.prompts), param)
         if isinstance(pd, RemoteDecode):

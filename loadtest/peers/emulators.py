@@ -97,7 +97,15 @@ class PdEmulatorPool:
                     self.bootstrap_ports[url] = boot
                     name = f"prefill{i}"
                 else:
-                    argv += ["--role", "decode", "--kv-engine-id", f"decode{i - n_prefill}"]
+                    # SGLang's bootstrap protocol: a decode server refuses a request not paired.
+                    argv += [
+                        "--role",
+                        "decode",
+                        "--pd-protocol",
+                        "sglang",
+                        "--kv-engine-id",
+                        f"decode{i - n_prefill}",
+                    ]
                     self.decode_urls.append(url)
                     name = f"decode{i - n_prefill}"
                 self.procs.append(RunningProcess(argv, log_path=workdir / f"{name}.log"))

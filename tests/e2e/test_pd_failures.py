@@ -73,7 +73,7 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdStack]:
             "p2": ("m-xfail", "--role", "prefill", "--kv-advertise-host", "127.0.0.2"),
             "d2": ("m-xfail", "--role", "decode"),
             "p3": ("m-sgl", "--role", "prefill", "--bootstrap-port", str(boot)),
-            "d3": ("m-sgl", "--role", "decode"),
+            "d3": ("m-sgl", "--role", "decode", "--pd-protocol", "sglang"),
         }
         for name, (model, *args) in specs.items():
             urls[name], procs[name] = _emulator(model, *args)

@@ -136,3 +136,14 @@ def test_a_prefill_worker_that_is_gone(workers: dict[str, str]) -> None:
         workers["recompute"], {"messages": messages("L"), "max_tokens": 4, "kv_transfer_params": params}
     )
     assert len(text) == 4 and usage["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_an_sglang_decode_server_refuses_a_request_not_paired() -> None:
+    # SGLang's decode server admits only KV a prefill server computed; a vLLM decode server (the
+    # default, `--pd-protocol any`) runs a plain request whole.
+    body = {"messages": messages("s"), "max_tokens": 4}
+    with running_emulator(*COMMON, "--role", "decode", "--pd-protocol", "sglang") as sglang:
+        refused = chat(sglang, body)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "bootstrap_room"
+    with running_emulator(*COMMON, "--role", "decode") as vllm:
+        assert chat(vllm, body).status_code == 200

@@ -236,12 +236,7 @@ def _alone(scheme: str) -> str:
 def parse_cluster_url(url: str) -> ClusterTarget:
     """`redis+cluster://h1:6379,h2:6379` (`rediss+cluster://` for TLS) as its nodes (6379 when a
     port is left out); a ValueError says what is wrong."""
-    scheme, _, rest = url.strip().partition("://")
-    authority, _, path = rest.partition("/")
-    if "://" in rest:
-        raise ValueError(_alone(scheme))
-    if "@" in authority:
-        raise ValueError("put the broker's credentials in sync.auth, not in the URL")
+    scheme, authority, _, path = _split(url)
     if path:
         raise ValueError(
             f"a {scheme}:// URL is its nodes only, host:port comma-separated (pub/sub channels are "
@@ -249,6 +244,18 @@ def parse_cluster_url(url: str) -> ClusterTarget:
         )
     seeds = _hosts(authority.split(","), 6379, "node", MAX_SEEDS)
     return ClusterTarget(seeds, tls=scheme == "rediss+cluster")
+
+
+def _split(url: str) -> tuple[str, str, str, str]:
+    """A `redis+cluster://` or `redis+sentinel://` URL as (scheme, hosts, "/" or "", the rest),
+    refused when another URL follows it or it carries credentials."""
+    scheme, _, rest = url.strip().partition("://")
+    authority, slash, path = rest.partition("/")
+    if "://" in rest:
+        raise ValueError(_alone(scheme))
+    if "@" in authority:
+        raise ValueError("put the broker's credentials in sync.auth, not in the URL")
+    return scheme, authority, slash, path
 
 
 def _hosts(entries: list[str], default_port: int, what: str, most: int) -> tuple[HostPort, ...]:
@@ -280,12 +287,7 @@ def parse_sentinel_url(url: str) -> SentinelTarget:
     (26379 when a port is left out) and master name; a ValueError says what is wrong. The form is
     Harbor's and the `redis-sentinel-url` package's; credentials, a database, a query are refused
     as for a redis:// URL."""
-    scheme, _, rest = url.strip().partition("://")
-    authority, slash, master = rest.partition("/")
-    if "://" in rest:
-        raise ValueError(_alone(scheme))
-    if "@" in authority:
-        raise ValueError("put the broker's credentials in sync.auth, not in the URL")
+    scheme, authority, slash, master = _split(url)
     if not slash or not master:
         raise ValueError(
             f"name the master the sentinels monitor after them: {scheme}://h1:26379,h2:26379/MASTER"

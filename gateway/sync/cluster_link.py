@@ -17,13 +17,13 @@ cluster does.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
-from collections.abc import Awaitable, Callable
 
 from redis.asyncio.connection import Connection
 
-from gateway.config.sync import HostPort, SyncTlsConfig, parse_cluster_url
+from gateway.config.sync import HostPort, parse_cluster_url
 from gateway.sync.redis_link import RedisLink
 
 log = logging.getLogger("kvgate.sync")
@@ -36,33 +36,13 @@ class NotClusterNode(Exception):
 class ClusterLink(RedisLink):
     """A `RedisLink` to one of the nodes of a `redis+cluster://` URL, the next one after a failure."""
 
-    def __init__(
-        self,
-        url: str,
-        subject: str,
-        name: str,
-        on_message: Callable[[bytes], Awaitable[None]],
-        *,
-        connect_timeout_s: float = 2.0,
-        username: str | None = None,
-        password: str | None = None,
-        tls: SyncTlsConfig | None = None,
-        **bounds: int,
-    ) -> None:
-        super().__init__(
-            url,
-            subject,
-            name,
-            on_message,
-            connect_timeout_s=connect_timeout_s,
-            username=username,
-            password=password,
-            tls=tls,
-            **bounds,
-        )
-        self.seeds = list(parse_cluster_url(url).seeds)
-        self._next = 0
-        self.node: HostPort | None = None  # the node of the last attempt
+    _next = 0  # how many nodes were given up on: the next attempt goes to the one after
+    node: HostPort | None = None  # the node of the last attempt
+
+    @functools.cached_property
+    def seeds(self) -> list[HostPort]:
+        """The nodes the URL names, in its order."""
+        return list(parse_cluster_url(self.urls[0]).seeds)
 
     async def _address(self) -> HostPort:
         self.node = self.seeds[self._next % len(self.seeds)]

@@ -66,21 +66,13 @@ def open_link(config: SyncConfig, name: str, on_message: Callable[[bytes], Await
         secret = token if isinstance(token, str) else password if isinstance(password, str) else None
         username = user if isinstance(user, str) else None
         timeout_s = config.connect_timeout_s
-        if config.cluster is not None:
-            from gateway.sync.cluster_link import ClusterLink
-
-            return ClusterLink(
-                config.urls[0],
-                subject,
-                name,
-                on_message,
-                connect_timeout_s=timeout_s,
-                username=username,
-                password=secret,
-                tls=config.tls,
-            )
         if config.sentinel is None:
-            return RedisLink(
+            plain: type[RedisLink] = RedisLink
+            if config.cluster is not None:
+                from gateway.sync.cluster_link import ClusterLink
+
+                plain = ClusterLink
+            return plain(
                 config.urls[0],
                 subject,
                 name,

@@ -6,9 +6,23 @@ and replica reads the same file, so they follow one worker set without any call 
 The file is YAML (or JSON): a list of worker base URLs, or a mapping whose `workers` key holds
 that list; an entry is a URL or `{url: ..., role: prefill | decode}` (a role only in a P/D pool
 that takes roles). It is read at start (a missing or invalid file stops the start, naming why),
-then its stat is checked every `refresh_s` and a changed file read again, off the event loop. A
-file that cannot be read or is invalid, half-written or lists no worker keeps the last set, and is
-counted and logged once (`kvgate_discovery_errors_total{reason="file"}`) until it changes again.
+then its stat is checked every `refresh_s` and a changed file read again, off the event loop.
+
+A file rewritten in place (truncated, then written: a shell's `>`, many editors, a script's
+`open("w")`) is half-written for a moment, and the first half of a YAML list is a valid list of
+fewer workers. So a changed version is read only once it looks whole, and used only if it stayed
+the same while it was read:
+- a file that replaced the one read last (another inode: renamed over it, a ConfigMap's symlink
+  swapped) is whole when it appears, and is read at the check that sees it, unless it is empty;
+- any other change is read once no write has touched the file for `settle_s`: half of
+  `refresh_s`, at most 1 s (`settle_time_s`), checked again as soon as that has passed;
+- a read during which the file's stat (inode, size, times) moved is thrown away, and the next
+  check sees what its writer left.
+A writer that pauses longer than `settle_s` in the middle of a rewrite in place, or writes a new
+file at the path in pieces, can still be read half-done: write elsewhere and rename it in.
+
+A file that cannot be read or is invalid or lists no worker keeps the last set, and is counted and
+logged once (`kvgate_discovery_errors_total{reason="file"}`) until it changes again.
 Bounded: 1 MiB, 1,024 workers, the YAML's aliases as for the policy file.
 """
 
@@ -18,7 +32,10 @@ import asyncio
 import logging
 import os
 import re
-from typing import Any
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, BinaryIO
 from urllib.parse import urlsplit
 
 import yaml
@@ -31,6 +48,7 @@ log = logging.getLogger("kvgate.discovery")
 
 MAX_FILE_BYTES = 1 << 20
 MAX_WORKERS = 1024
+MAX_SETTLE_S = 1.0
 ROLES = ("prefill", "decode")
 
 
@@ -109,22 +127,85 @@ _OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
 _DOTTED_QUAD = re.compile(rf"{_OCTET}(?:\.{_OCTET}){{3}}")
 
 
-class FileWorkers:
-    """A `WatchingSource` over one workers file (module docstring)."""
+@dataclass(frozen=True, slots=True)
+class _FileRead:
+    """One read of the file: its stamp as it was opened, and whether the stamp moved by the end."""
 
-    def __init__(self, path: str, *, refresh_s: float = 2.0, roles: bool = False) -> None:
+    stamp: FileStamp
+    data: bytes
+    moved: bool
+
+
+def _read_file(path: str) -> _FileRead:
+    with open(path, "rb") as f:
+        before = FileStamp.of(os.fstat(f.fileno()))
+        data = _read_bytes(f)
+        after = FileStamp.of(os.fstat(f.fileno()))
+    return _FileRead(before, data, moved=after != before)
+
+
+def _read_bytes(f: BinaryIO) -> bytes:
+    # Its own function so that a test can stand a writer in the middle of a read.
+    return f.read(MAX_FILE_BYTES + 1)
+
+
+def _decode(data: bytes) -> str:
+    if len(data) > MAX_FILE_BYTES:
+        raise WorkersFileError(f"larger than {MAX_FILE_BYTES} bytes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise WorkersFileError("not UTF-8") from None
+
+
+def settle_time_s(refresh_s: float) -> float:
+    """How long a file rewritten in place must go unwritten before it is read: half a check
+    interval, at most `MAX_SETTLE_S`."""
+    return min(refresh_s / 2, MAX_SETTLE_S)
+
+
+@dataclass(frozen=True, slots=True)
+class _Unsettled:
+    """A changed version waiting for its writer to be done: its stamp, and when it was first seen
+    (monotonic)."""
+
+    stamp: FileStamp
+    seen_s: float
+
+
+class FileWorkers:
+    """A `WatchingSource` over one workers file (module docstring). `settle_s` defaults to
+    `settle_time_s(refresh_s)`; `wall_clock_ns` is the clock a file's modification time is
+    compared with."""
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        refresh_s: float = 2.0,
+        roles: bool = False,
+        settle_s: float | None = None,
+        wall_clock_ns: Callable[[], int] = time.time_ns,
+    ) -> None:
         self.path = path
         self.refresh_s = refresh_s
         self.roles = roles
-        self._stamp: FileStamp | None = None
-        self._failed: FileStamp | None = None
+        self.settle_s = settle_time_s(refresh_s) if settle_s is None else settle_s
+        self._wall_clock_ns = wall_clock_ns
+        self._stamp: FileStamp | None = None  # the version published last
+        self._failed: FileStamp | None = None  # the version that failed last, counted once
+        self._inode = -1  # of the version read last, published or failed
+        self._unsettled: _Unsettled | None = None
         self._first: dict[str, WorkerDetails] | None = None
         self.polls = 0  # stat checks made
+        self.moved_reads = 0  # reads thrown away because the file changed while it was read
 
     async def prepare(self) -> None:
-        """Read the file once: a missing or invalid file stops the start."""
-        stamp, workers = await asyncio.to_thread(self._read)
-        self._stamp, self._first = stamp, workers
+        """Read the file once: a missing or invalid file stops the start. A file that changes
+        while it is read is taken as read: its new stamp differs, so the next check settles it."""
+        read = await asyncio.to_thread(_read_file, self.path)
+        workers = parse_workers(_decode(read.data), roles=self.roles)
+        self._stamp, self._inode, self._first = read.stamp, read.stamp.inode, workers
 
     async def run(self, sink: WorkerSink) -> None:
         if self._first is None:
@@ -132,25 +213,58 @@ class FileWorkers:
         assert self._first is not None
         sink.publish(self._first)
         self._first = None
+        delay_s = self.refresh_s
         while True:
-            await asyncio.sleep(self.refresh_s)
+            await asyncio.sleep(delay_s)
             self.polls += 1
-            stamp = None
-            try:
-                stamp = await asyncio.to_thread(self._stat)
-                if stamp == self._stamp or stamp == self._failed:
-                    continue
-                stamp, workers = await asyncio.to_thread(self._read)
-            except (OSError, WorkersFileError) as exc:
-                failed = _NO_FILE if stamp is None else stamp
-                if failed != self._failed:
-                    # Once per version of the file (a missing one is one version): the last set stays.
-                    self._failed = failed
-                    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-                    sink.record_error("file", f"{self.path}: {reason}; keeping the last set")
-                continue
-            self._stamp, self._failed = stamp, None
-            sink.publish(workers)
+            delay_s = await self._check(sink)
+
+    async def _check(self, sink: WorkerSink) -> float:
+        """One stat check, and a read and publish of a changed version that has settled; returns
+        the time to the next check (sooner while a version settles)."""
+        stamp = None
+        try:
+            stamp = await asyncio.to_thread(self._stat)
+            if stamp == self._stamp or stamp == self._failed:
+                self._unsettled = None
+                return self.refresh_s
+            wait_s = self._unsettled_s(stamp)
+            if wait_s > 0:
+                return min(wait_s, self.refresh_s)
+            workers = await asyncio.to_thread(self._read_version, stamp)
+        except (OSError, WorkersFileError) as exc:
+            failed = _NO_FILE if stamp is None else stamp
+            if failed != self._failed:
+                # Once per version of the file (a missing one is one version): the last set stays.
+                self._failed = failed
+                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+                sink.record_error("file", f"{self.path}: {reason}; keeping the last set")
+            return self.refresh_s
+        if workers is None:
+            # A writer was at work during the read: nothing read is used, the next check sees
+            # the stamp it left.
+            self.moved_reads += 1
+            log.debug("%s changed while it was read; read again at the next check", self.path)
+            return self.refresh_s
+        self._stamp, self._failed, self._unsettled = stamp, None, None
+        sink.publish(workers)
+        return self.refresh_s
+
+    def _unsettled_s(self, stamp: FileStamp) -> float:
+        """How long the version with `stamp` must still go unwritten before it is read: nothing
+        for a non-empty file that replaced the one read last (a new inode: renamed over it, or a
+        ConfigMap's symlink swapped), else what remains of `settle_s` since its last write.
+
+        Its last write is at the latest its modification time, and before this version was first
+        seen (no write since, or its stamp would differ): the later bound of the two counts, so a
+        clock skew that puts the modification time in the future delays it by `settle_s` only."""
+        if stamp.inode != self._inode and stamp.size > 0:
+            return 0.0
+        now_s = time.monotonic()
+        if self._unsettled is None or self._unsettled.stamp != stamp:
+            self._unsettled = _Unsettled(stamp, now_s)
+        unwritten_s = max((self._wall_clock_ns() - stamp.mtime_ns) / 1e9, now_s - self._unsettled.seen_s)
+        return max(0.0, self.settle_s - unwritten_s)
 
     def _stat(self) -> FileStamp:
         return stamp(self.path)
@@ -158,16 +272,13 @@ class FileWorkers:
     def check(self) -> None:
         """Read the file now, as `prepare` does, without keeping it (`kvgate serve` before it
         serves); raises `OSError` or `WorkersFileError`."""
-        self._read()
+        parse_workers(_decode(_read_file(self.path).data), roles=self.roles)
 
-    def _read(self) -> tuple[FileStamp, dict[str, WorkerDetails]]:
-        with open(self.path, "rb") as f:
-            st = os.fstat(f.fileno())
-            data = f.read(MAX_FILE_BYTES + 1)
-        if len(data) > MAX_FILE_BYTES:
-            raise WorkersFileError(f"larger than {MAX_FILE_BYTES} bytes")
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError:
-            raise WorkersFileError("not UTF-8") from None
-        return FileStamp.of(st), parse_workers(text, roles=self.roles)
+    def _read_version(self, expected: FileStamp) -> dict[str, WorkerDetails] | None:
+        """The workers of the version with stamp `expected`, or None when the file read is not
+        that version from start to end (changed after the stat, or while it was read)."""
+        read = _read_file(self.path)
+        if read.moved or read.stamp != expected:
+            return None
+        self._inode = read.stamp.inode
+        return parse_workers(_decode(read.data), roles=self.roles)

@@ -1,18 +1,29 @@
 """Workers listed in a file (`gateway.file_discovery`): what a file may say, and following it as it
-changes, keeping the last set while it is missing, invalid or half-written."""
+changes: a version rewritten in place is read only once its writer is done, a whole file renamed
+in is read at once, and the last set stays while the file is missing or invalid."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import BinaryIO
 
 import pytest
 
+from gateway import file_discovery
 from gateway.config import ConfigError, load_config
 from gateway.discovery import WorkerDetails, WorkerSetChange, diff_workers
-from gateway.file_discovery import MAX_WORKERS, FileWorkers, WorkersFileError, parse_workers
+from gateway.file_discovery import (
+    MAX_WORKERS,
+    FileWorkers,
+    WorkersFileError,
+    parse_workers,
+    settle_time_s,
+)
 from tests.support.wait import wait_until
 
 
@@ -121,6 +132,158 @@ async def test_following_the_file_and_keeping_the_last_set_through_bad_versions(
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+class _InPlaceWriter:
+    """Rewrites a file in place, as a shell's `>` or an editor saving in place does, but slowly:
+    truncates it and writes `first`, then holds until `go` before it writes `rest`."""
+
+    def __init__(self, path: Path, first: str, rest: str) -> None:
+        self.path, self.first, self.rest = path, first, rest
+        self.first_written, self.go, self.done = threading.Event(), threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        with open(self.path, "w") as f:  # O_TRUNC: the same inode, emptied
+            f.write(self.first)
+            f.flush()
+            self.first_written.set()
+            if self.go.wait(timeout=30):
+                f.write(self.rest)
+        self.done.set()
+
+    def stop(self) -> None:
+        self.go.set()
+        self._thread.join(timeout=5)
+
+
+class _WallClock:
+    """The real wall clock, moved forward by the test: a file's modification time ages at once."""
+
+    def __init__(self) -> None:
+        self.offset_ns = 0
+
+    def __call__(self) -> int:
+        return time.time_ns() + self.offset_ns
+
+
+async def _following(source: FileWorkers, first: set[str]) -> tuple[_Sink, asyncio.Task[None]]:
+    await source.prepare()
+    sink = _Sink()
+    task = asyncio.create_task(source.run(sink))
+    await wait_until(lambda: sink.current == first, what="the first set")
+    return sink, task
+
+
+async def _stop(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_file_rewritten_in_place_is_read_only_once_its_writer_is_done(tmp_path: Path) -> None:
+    path = tmp_path / "workers.yaml"
+    _write(path, "- http://c:3\n")
+    inode = path.stat().st_ino
+    clock = _WallClock()
+    source = FileWorkers(str(path), refresh_s=0.02, settle_s=30, wall_clock_ns=clock)
+    sink, task = await _following(source, {"http://c:3"})
+    writer = _InPlaceWriter(path, "- http://a:1\n", "- http://b:2\n")
+    try:
+        # Its first half is a valid list: a watcher that read it would drop c and b for a while.
+        await wait_until(writer.first_written.is_set, what="the first half written")
+        assert path.stat().st_ino == inode and path.read_text() == "- http://a:1\n"
+        polls = source.polls
+        await wait_until(lambda: source.polls >= polls + 5, what="five checks of the half file")
+        assert sink.current == {"http://c:3"}
+        writer.go.set()
+        await wait_until(writer.done.is_set, what="the writer done")
+        polls = source.polls
+        await wait_until(lambda: source.polls >= polls + 5, what="five checks of the whole file")
+        assert sink.current == {"http://c:3"}  # whole, but written within settle_s: it may go on
+        clock.offset_ns = 31 * 10**9  # settle_s has passed without a write
+        await wait_until(lambda: sink.current == {"http://a:1", "http://b:2"}, what="the whole file")
+        assert sink.snapshots == [{"http://c:3"}, {"http://a:1", "http://b:2"}]
+        assert not sink.errors and source.moved_reads == 0
+    finally:
+        writer.stop()
+        await _stop(task)
+
+
+async def test_a_rewrite_in_place_settles_by_the_real_clock(tmp_path: Path) -> None:
+    path = tmp_path / "workers.yaml"
+    _write(path, "- http://c:3\n")
+    source = FileWorkers(str(path), refresh_s=0.02)
+    assert source.settle_s == settle_time_s(0.02) == 0.01
+    assert settle_time_s(2.0) == 1.0 and settle_time_s(60.0) == 1.0
+    sink, task = await _following(source, {"http://c:3"})
+    try:
+        inode = path.stat().st_ino
+        path.write_text("- http://a:1\n- http://b:2\n")
+        assert path.stat().st_ino == inode
+        await wait_until(lambda: sink.current == {"http://a:1", "http://b:2"}, what="the new set")
+        assert not sink.errors
+    finally:
+        await _stop(task)
+
+
+async def test_a_file_renamed_in_or_swapped_by_a_symlink_is_read_at_once(tmp_path: Path) -> None:
+    """A settle time far longer than the test's timeout: what is applied was applied unsettled."""
+    # The layout of a Kubernetes ConfigMap volume: the file is a link through `..data`, a link
+    # to a timestamped folder; an update writes a new folder and renames a new `..data` over it.
+    for version, text in (("v1", "- http://c:3\n"), ("v2", "- http://d:4\n")):
+        (tmp_path / version).mkdir()
+        (tmp_path / version / "workers.yaml").write_text(text)
+    (tmp_path / "..data").symlink_to("v1")
+    path = tmp_path / "workers.yaml"
+    path.symlink_to("..data/workers.yaml")
+    source = FileWorkers(str(path), refresh_s=0.02, settle_s=300)
+    sink, task = await _following(source, {"http://c:3"})
+    try:
+        (tmp_path / "..data_tmp").symlink_to("v2")
+        os.replace(tmp_path / "..data_tmp", tmp_path / "..data")
+        await wait_until(lambda: sink.current == {"http://d:4"}, what="the swapped ConfigMap")
+        _write(path, "- http://a:1\n- http://b:2\n")  # written elsewhere, renamed over the link
+        await wait_until(lambda: sink.current == {"http://a:1", "http://b:2"}, what="the renamed file")
+        # A new file is empty between its creation and its first write: it settles first.
+        _write(path, "")
+        polls = source.polls
+        await wait_until(lambda: source.polls >= polls + 5, what="five checks of the empty file")
+        assert sink.current == {"http://a:1", "http://b:2"} and not sink.errors
+        path.write_text("- http://e:5\n")  # its first write: no longer empty, and a new file
+        await wait_until(lambda: sink.current == {"http://e:5"}, what="the new file written")
+        assert not sink.errors
+    finally:
+        await _stop(task)
+
+
+async def test_a_read_that_a_writer_overtakes_is_thrown_away(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "workers.yaml"
+    _write(path, "- http://c:3\n")
+    source = FileWorkers(str(path), refresh_s=0.02, settle_s=0)
+    sink, task = await _following(source, {"http://c:3"})
+    read_bytes = file_discovery._read_bytes
+    appended = threading.Event()
+
+    def read_while_a_writer_appends(f: BinaryIO) -> bytes:
+        data = read_bytes(f)
+        if not appended.is_set():  # the rest lands just after the first half was read
+            with open(path, "a") as w:
+                w.write("- http://b:2\n")
+            appended.set()
+        return data
+
+    monkeypatch.setattr(file_discovery, "_read_bytes", read_while_a_writer_appends)
+    try:
+        _write(path, "- http://a:1\n")
+        await wait_until(lambda: sink.current == {"http://a:1", "http://b:2"}, what="the whole file")
+        assert appended.is_set() and source.moved_reads == 1
+        assert sink.snapshots == [{"http://c:3"}, {"http://a:1", "http://b:2"}]
+        assert not sink.errors
+    finally:
+        await _stop(task)
 
 
 async def test_a_missing_or_invalid_file_stops_the_start(tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
-"""A pool whose workers are listed in a file: a real gateway follows the file as it is rewritten
-(emulated vLLM workers added and removed), and keeps its last set through a broken version."""
+"""A pool whose workers are listed in a file: a real gateway follows the file as it is replaced and
+as it is rewritten in place (emulated vLLM workers added and removed), and keeps its last set
+through a broken version."""
 
 from __future__ import annotations
 
@@ -60,8 +61,14 @@ def test_the_pool_follows_its_workers_file(tmp_path: Path) -> None:
         ask()
         _write(workers, f"workers:\n  - {a}\n  - url: {b}\n")
         wait_until_sync(lambda: _routable(metrics) == {a, b}, what="b added and routable")
-        _write(workers, f"- {b}\n")
+        inode = workers.stat().st_ino
+        with open(workers, "w") as f:  # in place, in two writes, as a shell's `>` does
+            f.write("- ")
+            f.flush()
+            f.write(f"{b}\n")
+        assert workers.stat().st_ino == inode
         wait_until_sync(lambda: _routable(metrics) == {b}, what="a removed")
+        assert _file_errors(metrics) == 0.0  # neither the emptied file nor its first piece counted
         proc_a.stop()  # nothing routes to it any more: every request is served by b alone
         for _ in range(4):
             ask()

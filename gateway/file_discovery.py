@@ -255,9 +255,9 @@ class FileWorkers:
         for a non-empty file that replaced the one read last (a new inode: renamed over it, or a
         ConfigMap's symlink swapped), else what remains of `settle_s` since its last write.
 
-        Its last write is at the latest its modification time, and before this version was first
-        seen (no write since, or its stamp would differ): the later bound of the two counts, so a
-        clock skew that puts the modification time in the future delays it by `settle_s` only."""
+        Its last write was no later than its modification time, nor than when this version was
+        first seen (a write since would have changed its stamp): the earlier of the two counts, so
+        a clock that puts modification times in the future delays it by `settle_s` only."""
         if stamp.inode != self._inode and stamp.size > 0:
             return 0.0
         now_s = time.monotonic()

@@ -203,9 +203,8 @@ class FileWorkers:
     async def prepare(self) -> None:
         """Read the file once: a missing or invalid file stops the start. A file that changes
         while it is read is taken as read: its new stamp differs, so the next check settles it."""
-        read = await asyncio.to_thread(_read_file, self.path)
-        workers = parse_workers(_decode(read.data), roles=self.roles)
-        self._stamp, self._inode, self._first = read.stamp, read.stamp.inode, workers
+        stamp, workers = await asyncio.to_thread(self._load)
+        self._stamp, self._inode, self._first = stamp, stamp.inode, workers
 
     async def run(self, sink: WorkerSink) -> None:
         if self._first is None:
@@ -272,7 +271,11 @@ class FileWorkers:
     def check(self) -> None:
         """Read the file now, as `prepare` does, without keeping it (`kvgate serve` before it
         serves); raises `OSError` or `WorkersFileError`."""
-        parse_workers(_decode(_read_file(self.path).data), roles=self.roles)
+        self._load()
+
+    def _load(self) -> tuple[FileStamp, dict[str, WorkerDetails]]:
+        read = _read_file(self.path)
+        return read.stamp, parse_workers(_decode(read.data), roles=self.roles)
 
     def _read_version(self, expected: FileStamp) -> dict[str, WorkerDetails] | None:
         """The workers of the version with stamp `expected`, or None when the file read is not

@@ -12,9 +12,10 @@ answer's head (for a stream: before its first event), a 5xx answer, or an answer
 (a 200 whose body is not a JSON object, a stream whose first event is not an SSE data event with
 a JSON object). The attempt that timed out is closed first, so the worker stops. Every failure
 but the gateway's own limits (its connection cap per worker, its budget of whole answers held in
-memory) counts against the worker; a 5xx and a read timeout before the first byte count only once
-the request's fate shows whose fault they were (`Failure.held`, `outcome.HeldVerdicts`). A read
-timeout sends the request to another worker once at most (`ReadTimeouts`).
+memory, its cap on one answer) counts against the worker; a 5xx and a read timeout before the
+first byte count only once the request's fate shows whose fault they were (`Failure.held`,
+`outcome.HeldVerdicts`). A read timeout sends the request to another worker once at most
+(`ReadTimeouts`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from gateway.errors import ApiError
 from gateway.retries import forwardable
 from gateway.sse import STREAM_ERROR_CODE, MalformedStream
 from gateway.upstream import (
+    MAX_ANSWER_BYTES,
     AnswerBudgetExceeded,
+    AnswerTooLarge,
     RetryHints,
     UpstreamBusy,
     UpstreamConnectError,
@@ -78,6 +81,9 @@ class Failure:
     # client's `message` says what happened in plain words, never a Python class name.
     cause: str | None = None
     param: str | None = None  # the request field the failure is about, as the client sees it
+    # Retrying the request cannot change the answer: the client is told not to
+    # (`x-should-retry: false`), whatever attempts its call has left.
+    final: bool = False
 
     @property
     def held(self) -> bool:
@@ -89,7 +95,9 @@ class Failure:
 
     def error(self) -> ApiError:
         headers = {name.decode(): value.decode() for name, value in forwardable(self.retry_hints)}
-        if self.status == 503:
+        if self.final:
+            headers = {"x-should-retry": "false"}
+        elif self.status == 503:
             headers.setdefault("retry-after", "1")
         return ApiError(self.status, self.message, "server_error", self.code, self.param, headers)
 
@@ -126,6 +134,10 @@ class ReadTimeouts:
 TRANSPORT_ERRORS = (UpstreamError, aiohttp.ClientError, OSError, MalformedStream)
 
 _BAD_GATEWAY = "bad_gateway"
+_TOO_LARGE = (
+    f"the worker's answer is larger than the gateway relays in one answer ({MAX_ANSWER_BYTES >> 20} MiB):"
+    " ask for less in one request (fewer inputs or choices, no logprobs), or stream it"
+)
 _TIMEOUT = "upstream_timeout"
 
 
@@ -142,6 +154,10 @@ def failure_of(exc: Exception, stage: Stage, timeouts: TimeoutsConfig) -> Failur
         # The gateway's memory, not the worker: no breaker verdict, and no other worker (the
         # budget is the process's); 503 with Retry-After, like the other gateway-wide limits.
         return Failure(503, f"{exc}; retry shortly", "gateway_overloaded", Outcome.ABORTED)
+    if isinstance(exc, AnswerTooLarge):
+        # What the request asked for, not the worker: no breaker verdict, no other worker (each
+        # would answer the same), and no retry by the client.
+        return Failure(502, _TOO_LARGE, "answer_too_large", Outcome.ABORTED, cause=str(exc), final=True)
     failed = Outcome.WORKER_FAILED
     cause = _cause(exc)
     if isinstance(exc, aiohttp.ConnectionTimeoutError) or (

@@ -112,7 +112,8 @@ async def _rounds(run: PdRun, router: PdRouter) -> Response:
         error_detail=failure.detail(),
     )
     response = a.api.dialect.error_response(failure.error(), a.reply_id)
-    response.headers += advice(rounds, pool.config.retry_attempts, a.retries_taken)
+    if not failure.final:  # it says so itself
+        response.headers += advice(rounds, pool.config.retry_attempts, a.retries_taken)
     return response
 
 

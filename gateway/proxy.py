@@ -189,7 +189,8 @@ async def _attempts(
         )
     _finish(routing, a, attempts, failure.status, failure.outcome, failure.code, failure.detail())
     response = a.api.dialect.error_response(failure.error(), a.reply_id)
-    response.headers += advice(len(attempts), pool.config.retry_attempts, a.retries_taken)
+    if not failure.final:  # it says so itself
+        response.headers += advice(len(attempts), pool.config.retry_attempts, a.retries_taken)
     return response
 
 

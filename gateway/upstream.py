@@ -40,6 +40,7 @@ from gateway.upstream_conn import (
     MAX_ANSWER_BYTES,
     AnswerBody,
     AnswerBudgetExceeded,
+    AnswerTooLarge,
     RetryHints,
     UpstreamBusy,
     UpstreamConnectError,
@@ -64,6 +65,7 @@ __all__ = [
     "AnswerBudget",
     "AnswerBudgetExceeded",
     "AnswerHold",
+    "AnswerTooLarge",
     "Reservation",
     "RetryHints",
     "StreamBuffers",
@@ -363,8 +365,9 @@ async def read_reserved(
     read: Callable[[], Awaitable[bytes]], held: Reservation, limit: int | None = None
 ) -> AnswerBody:
     """Everything `read` returns until b"", held whole, so bounded like the lean client's whole
-    answers (`limit`, by default `MAX_ANSWER_BYTES` read when called): past it, `UpstreamError`
-    ("worker answer too large", answered), which the gateway maps like any answer that broke off;
+    answers (`limit`, by default `MAX_ANSWER_BYTES` read when called): past it, `AnswerTooLarge`
+    (the request asked for more than one answer may hold: no worker's fault, and no other worker
+    would answer less);
     past the process's budget or the tenant's share of it (`held.hold`), `AnswerBudgetExceeded`.
     The bytes stay reserved in `held` for the caller to release; a read that fails releases them
     itself. Both transports' `read_all` go through here, so an https worker is held to the same
@@ -376,7 +379,7 @@ async def read_reserved(
     try:
         while data := await read():
             if len(body) + len(data) > limit:
-                raise UpstreamError("worker answer too large", answered=True)
+                raise AnswerTooLarge()
             if not held.take(len(data)):
                 raise AnswerBudgetExceeded(held.hold, len(data))
             body = upstream_conn.gather(body, data)

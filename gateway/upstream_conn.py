@@ -61,6 +61,15 @@ class UpstreamTimeout(UpstreamError):
     """The worker was silent for longer than the read timeout (or the total timeout passed)."""
 
 
+class AnswerTooLarge(UpstreamError):
+    """A whole answer passed `MAX_ANSWER_BYTES`: what the request asked for is more than the
+    gateway relays in one answer, from any worker (the read ends and the connection is dropped).
+    Not the worker's fault, and another worker would answer the same."""
+
+    def __init__(self) -> None:
+        super().__init__("worker answer too large", answered=True)
+
+
 class AnswerBudgetExceeded(UpstreamError):
     """A whole answer's next `size` bytes would pass the process's `AnswerBudget`, or the
     tenant's share of it: the gateway's own limit, not the worker's fault (the read ends and the
@@ -253,7 +262,7 @@ class WorkerConnection(asyncio.Protocol):
             return
         self._size += len(body)
         if self._size > MAX_ANSWER_BYTES:
-            self._broken(UpstreamError("worker answer too large", answered=True))
+            self._broken(AnswerTooLarge())
             return
         if not held.take(len(body)):
             self._broken(AnswerBudgetExceeded(held.hold, len(body)))

@@ -157,9 +157,12 @@ async def test_a_malformed_answer_is_a_502_and_counts_against_the_worker(
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("stream", [False, True])
-async def test_an_answer_over_the_size_bound_is_a_502_whatever_the_transport(
+async def test_an_answer_over_the_size_bound_is_the_requests_502_not_the_workers(
     rig: Rig, transport: str, stream: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # What the request asked for is more than one answer may hold: no worker would answer less,
+    # so the worker's breaker is not told (a client repeating it would otherwise open every
+    # worker's breaker for every tenant) and the client is told not to retry.
     through(rig.state, transport)
     monkeypatch.setattr("gateway.upstream_conn.MAX_ANSWER_BYTES", 1000)
     pad = b"a" * 5000
@@ -168,14 +171,15 @@ async def test_an_answer_over_the_size_bound_is_a_502_whatever_the_transport(
         rig.upstream.error_body = b'{"error": {"message": "' + pad + b'"}}'
     else:
         rig.upstream.garbage = b'{"choices": [], "pad": "' + pad + b'"}'
-    resp = await rig.chat(stream=stream)
-    assert resp.status_code == 502
-    error = orjson.loads(resp.content)["error"]
-    assert error["code"] == "bad_gateway" and "worker answer too large" in error["message"]
-    (obs,) = rig.policy.observations
-    assert obs.outcome is Outcome.WORKER_FAILED
+    for _ in range(3):
+        resp = await rig.chat(stream=stream, headers={"x-stainless-retry-count": "0"})
+        assert resp.status_code == 502 and resp.headers["x-should-retry"] == "false"
+        assert resp.headers.get_list("x-should-retry") == ["false"] and "retry-after" not in resp.headers
+        error = orjson.loads(resp.content)["error"]
+        assert error["code"] == "answer_too_large" and "ask for less" in error["message"]
+    assert [obs.outcome for obs in rig.policy.observations] == [Outcome.ABORTED] * 3
     worker = next(iter(rig.state.registry.pools["p"].workers.values()))
-    assert worker.breaker.failures == 1 and worker.in_flight == 0
+    assert worker.breaker.failures == 0 and worker.breaker.closed and worker.in_flight == 0
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

@@ -109,7 +109,7 @@ def _master_address(reply: object, master: str) -> HostPort:
     if reply is None:
         raise SentinelError(f"does not monitor a master named {master!r}")
     if isinstance(reply, _ErrorReply):
-        raise _refusal(reply)
+        raise _refusal(reply, "+sentinel|get-master-addr-by-name")
     if not (isinstance(reply, list) and len(reply) == 2 and all(isinstance(x, bytes) for x in reply)):
         raise SentinelError("answered something other than an address")
     host, port = reply[0].decode("ascii", errors="replace"), reply[1]
@@ -118,13 +118,14 @@ def _master_address(reply: object, master: str) -> HostPort:
     return HostPort(host, int(port))
 
 
-def _refusal(reply: _ErrorReply) -> SentinelError:
-    """The error a sentinel's error reply means: refused credentials, a missing permission (the
-    server's text names the command), or anything else."""
+def _refusal(reply: _ErrorReply, grant: str) -> SentinelError:
+    """The error a sentinel's error reply to a command means: refused credentials, a missing
+    permission (`grant` is the ACL rule the command needs), or anything else."""
     text = reply.decode(errors="replace")
     if reply.startswith(b"NOPERM"):
         return SentinelNoPermission(
-            f"the sentinels' ACL user (sync.sentinel_auth) lacks a command permission: {text}"
+            f"the sentinels' ACL user (sync.sentinel_auth) lacks a command permission: grant it "
+            f"{grant} (the sentinel said {text})"
         )
     return (SentinelRefused if reply.startswith(_REFUSALS) else SentinelError)(text)
 
@@ -260,7 +261,7 @@ class Sentinels:
             async with asyncio.timeout(self.timeout_s):
                 reply = await conversation.call("SUBSCRIBE", SWITCH_CHANNEL)
             if isinstance(reply, _ErrorReply):
-                raise _refusal(reply)
+                raise _refusal(reply, f"+subscribe &{SWITCH_CHANNEL}")
             if not (isinstance(reply, list) and reply[:2] == [b"subscribe", SWITCH_CHANNEL.encode()]):
                 raise SentinelError("answered something other than the subscription")
             self.subscriptions += 1

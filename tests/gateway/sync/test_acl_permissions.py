@@ -15,8 +15,8 @@ from gateway.config.sync import HostPort, SyncAuthConfig
 from gateway.sync.broker import LocalRedis
 from tests.e2e.harness import free_port
 from tests.gateway.sync.brokers import running_services
+from tests.gateway.sync.clusters import cluster_node_port
 from tests.gateway.sync.sentinels import MASTER, FakeSentinel, sentinel_set
-from tests.gateway.sync.test_cluster_link import _node_port
 from tests.gateway.sync.test_redis_broker import _service
 from tests.support.wait import wait_until
 
@@ -73,7 +73,7 @@ async def test_a_primary_user_without_role_is_told_to_grant_it(
 async def test_a_cluster_node_user_without_info_is_told_to_grant_it(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    node = LocalRedis(_node_port(), tmp_path, user=USER, password=PASSWORD, cluster=True)
+    node = LocalRedis(cluster_node_port(), tmp_path, user=USER, password=PASSWORD, cluster=True)
     node.start()
     try:
         a = _service(f"redis+cluster://127.0.0.1:{node.port}", "a", auth=AUTH)

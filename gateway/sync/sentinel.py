@@ -162,7 +162,8 @@ class _Conversation:
 
 class Sentinels:
     """The sentinels of one primary, named `master` in their configuration; `master_address` asks
-    them in turn where it is. Not for concurrent use: the link asks from one task at a time."""
+    them in turn where it is. Not for concurrent use: the link asks from one task at a time
+    (`watch_switches` runs beside it on a connection of its own, and only reads the order)."""
 
     def __init__(
         self,

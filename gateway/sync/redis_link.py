@@ -30,6 +30,7 @@ import contextlib
 import functools
 import logging
 import math
+import re
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
@@ -51,6 +52,24 @@ STALE_AFTER_S = 5.0
 MAX_PAYLOAD = 1 << 20
 ECHO_MEMORY = 4096
 _READ_YIELD_EVERY = 64  # received batches read before the reader lets other tasks run
+
+
+def missing_permission(exc: NoPermissionError, subject: str) -> str:
+    """What a NOPERM reply means for the link: the credentials were taken, but the ACL user
+    (`sync.auth.user`) may not run a command the link needs (the server's text names it, as
+    `'role' command`) or use its channel; the ACL rule to grant, and the server's words."""
+    said = str(exc)
+    found = re.search(r"'([A-Za-z|_-]{1,64})' command", said)
+    if found:
+        grant = "+" + found.group(1).lower()
+    elif "channel" in said:
+        grant = f"&{subject}"
+    else:
+        grant = "the permissions sync.md lists"
+    return (
+        f"sync broker's ACL user (sync.auth.user) lacks a permission the link needs: grant it "
+        f"{grant} (the server said NOPERM {said})"
+    )
 
 
 class _Stale(Exception):
@@ -355,7 +374,10 @@ class RedisLink:
         if self._warned:
             return
         self._warned = True
-        if isinstance(exc, AuthenticationError | NoPermissionError):
+        if isinstance(exc, NoPermissionError):
+            log.warning(missing_permission(exc, self.subject) + "; routing on local knowledge")
+            return
+        if isinstance(exc, AuthenticationError):
             log.warning(
                 "sync broker refused this gateway's credentials (sync.auth); routing on local knowledge"
             )

@@ -8,17 +8,23 @@ failover would silently stop sharing. While connected, the link asks the sentine
 `FOLLOW_INTERVAL_S` and sends `ROLE` instead of the plain link's PING: when the sentinels name
 another address, or the node says it is a replica, both connections are closed and made again at
 the new primary. Between attempts (the plain link's capped backoff) it keeps asking the sentinels
-every `FOLLOW_INTERVAL_S`, and tries again at once when they name a new primary, so after a
-failover the link moves within about `FOLLOW_INTERVAL_S` of the sentinels' switch. Sentinels
-that cannot be reached while the primary answers leave the session as it is.
+every `FOLLOW_INTERVAL_S`, and tries again at once when they name a new primary. Beside the
+questions, for the link's whole life, one connection listens to the sentinels' `+switch-master`
+announcements (`Sentinels.watch_switches`): one naming another primary makes the link ask the
+announcing sentinel at once, connected or between attempts, so a failover is followed as soon as
+a sentinel announces it, and within about `FOLLOW_INTERVAL_S` when the announcement is lost (a
+subscription down, sentinels that do not publish it). Sentinels that cannot be reached while the
+primary answers leave the session as it is.
 
 What the plain link bounds (the outgoing buffer, received batches, pings, the backoff) is
-unchanged; resolution adds at most one connect timeout per sentinel, and at most 16 sentinels.
+unchanged; resolution adds at most one connect timeout per sentinel, and at most 16 sentinels;
+announcements make at most one question every `ANNOUNCED_GAP_S`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -30,9 +36,10 @@ from redis.asyncio.connection import Connection
 from gateway.config.sync import HostPort, SyncTlsConfig, parse_sentinel_url
 from gateway.sync.auth import tls_context
 from gateway.sync.redis_link import RedisLink
-from gateway.sync.sentinel import SentinelError, SentinelRefused, Sentinels
+from gateway.sync.sentinel import SentinelError, SentinelNoPermission, SentinelRefused, Sentinels, Switch
 
 FOLLOW_INTERVAL_S = 0.5
+ANNOUNCED_GAP_S = 0.05
 
 log = logging.getLogger("kvgate.sync")
 
@@ -82,7 +89,41 @@ class SentinelLink(RedisLink):
             tls=None if self._tls is None else tls_context(self._tls),  # as the primary's
         )
         self.moves = 0  # sessions ended because the sentinels named another primary
+        self.announced = 0  # +switch-master announcements of another primary than the link's
         self._primary: HostPort | None = None  # the address of the last attempt
+        self._news = asyncio.Event()  # an announcement came: ask now
+        self._announcer: HostPort | None = None
+        self._asked_s = 0.0
+
+    async def run(self) -> None:
+        """Keep a connection up, and the sentinels' announcements heard, until cancelled."""
+        watch = asyncio.create_task(
+            self.sentinels.watch_switches(self._on_switch), name="sync-sentinel-watch"
+        )
+        try:
+            await super().run()
+        finally:
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
+
+    def _on_switch(self, switch: Switch) -> None:
+        if switch.master == self._primary:
+            return  # the primary the link is on, or trying
+        self.announced += 1
+        self._announcer = switch.sentinel
+        self._news.set()
+
+    async def _next_question(self, delay_s: float) -> None:
+        """Wait `delay_s`, or less once a sentinel announced a new primary; that sentinel is then
+        asked first. At most one question every ANNOUNCED_GAP_S however many announcements come."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._news.wait(), delay_s)
+        await asyncio.sleep(max(0.0, self._asked_s + ANNOUNCED_GAP_S - time.monotonic()))
+        self._news.clear()
+        announcer, self._announcer = self._announcer, None
+        if announcer is not None:
+            self.sentinels.prefer(announcer)
+        self._asked_s = time.monotonic()
 
     async def _address(self) -> HostPort:
         self._primary = await self.sentinels.master_address()
@@ -103,7 +144,7 @@ class SentinelLink(RedisLink):
 
     async def _follow(self) -> None:
         while True:
-            await asyncio.sleep(FOLLOW_INTERVAL_S)
+            await self._next_question(FOLLOW_INTERVAL_S)
             try:
                 address = await self.sentinels.master_address()
             except SentinelError:
@@ -128,7 +169,7 @@ class SentinelLink(RedisLink):
             left = deadline - time.monotonic()
             if left <= 0:
                 return
-            await asyncio.sleep(min(FOLLOW_INTERVAL_S, left))
+            await self._next_question(min(FOLLOW_INTERVAL_S, left))
 
     @property
     def primary(self) -> HostPort | None:
@@ -147,6 +188,11 @@ class SentinelLink(RedisLink):
                 "sync sentinels refused this gateway's credentials (sync.sentinel_auth); "
                 "routing on local knowledge"
             )
+            return
+        if isinstance(exc, SentinelNoPermission) and not self._warned:
+            self.errors += 1
+            self._warned = True
+            log.warning(f"sync: {exc}; routing on local knowledge")
             return
         super()._error(exc)
 

@@ -1,5 +1,6 @@
-"""Two real gateway processes sharing one broker, each kind in turn (nats-server, redis-server, and
-a redis-server found through a Redis Sentinel), in front of emulated workers (approximate mode, no
+"""Two real gateway processes sharing one broker, each kind in turn (nats-server, redis-server, a
+redis-server found through a Redis Sentinel, and the nodes of a Redis Cluster, each gateway on a
+different node), in front of emulated workers (approximate mode, no
 KV events): what gateway A routes, gateway B routes to the same worker; the broker carries keys
 and counts, never the prompt; requests reaching both at once part over the gateways' home shares,
 and long prompts among them are held while the short ones are placed; with the broker killed both
@@ -20,6 +21,7 @@ import pytest
 from gateway.sync.broker import LocalRedis, LocalSentinel
 from tests.e2e.harness import Proc, free_port, start, start_gateway, tenant, wait_http, write_gateway_config
 from tests.gateway.sync.brokers import BROKERS, TestBroker, capture, local_broker
+from tests.gateway.sync.clusters import cluster_nodes, cluster_ok, form_cluster
 from tests.support.wait import wait_until_sync
 
 KEY = "sk-sync-e2e"
@@ -51,9 +53,39 @@ class SentinelBroker:
         self.primary.stop()
 
 
+class ClusterBroker:
+    """Three redis-server nodes of one Redis Cluster: gateway i's `sync.url` names them from node
+    i on (`redis+cluster://`), so the two gateways are on different nodes and share over the
+    cluster bus; stopping or starting the broker is every node's (started again, the nodes rejoin
+    from their cluster config, and the start waits until the cluster is ok)."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.nodes = cluster_nodes(log_dir)
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url  # a subscriber on any node hears every node's publications
+
+    def sync_url(self, gateway: int) -> str:
+        ports = [n.port for n in self.nodes[gateway:] + self.nodes[:gateway]]
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports)
+
+    def start(self, form: bool = False) -> None:
+        for node in self.nodes:
+            node.start()
+        asyncio.run(form_cluster(self.nodes) if form else cluster_ok(self.nodes))
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+AnyBroker = TestBroker | SentinelBroker | ClusterBroker
+
+
 @dataclass
 class Pair:
-    broker: TestBroker | SentinelBroker
+    broker: AnyBroker
     gateways: list[str]
     procs: list[Proc]
     metrics_urls: dict[str, str]  # gateway base URL -> its own metrics listener
@@ -67,20 +99,25 @@ class Pair:
         wait_until_sync(lambda: ok(self.metric(base, name)), timeout_s, f"{name} at {base}")
 
 
-@pytest.fixture(scope="module", params=[*BROKERS, "sentinel"])
+@pytest.fixture(scope="module", params=[*BROKERS, "sentinel", "cluster"])
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     tmp = tmp_path_factory.mktemp("sync")
-    broker: TestBroker | SentinelBroker
+    broker: AnyBroker
+    procs: list[Proc] = []
     if request.param == "sentinel":
         broker = SentinelBroker(tmp)
         broker.start()
         broker.sentinel.start()
-        sync_url = broker.sync_url
+        sync_urls = [broker.sync_url] * 2
+    elif request.param == "cluster":
+        broker = ClusterBroker(tmp)
+        sync_urls = [broker.sync_url(0), broker.sync_url(1)]
     else:
         broker = local_broker(request.param, tmp)
-        sync_url = broker.url
-    procs: list[Proc] = []
+        sync_urls = [broker.url] * 2
     try:
+        if isinstance(broker, ClusterBroker):
+            broker.start(form=True)  # inside the try: the nodes are stopped if it fails
         urls = []
         for i in range(3):
             port = free_port()
@@ -98,13 +135,14 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
             procs.append(start(argv))
             urls.append(f"http://127.0.0.1:{port}")
             wait_http(urls[-1] + "/health", procs[-1])
-        sync = {"url": sync_url, "subject_prefix": SUBJECT, "batch_interval_s": 0.002}
         pools = [
             {"name": "p", "models": ["m"], "workers": urls, "health": {"interval_s": 0.5, "timeout_s": 3}}
         ]
-        config = write_gateway_config(Path(tmp) / "gateway.yaml", pools, [tenant("t", KEY)], sync=sync)
         bases, metrics_urls = [], {}
-        for _ in range(2):
+        for i, sync_url in enumerate(sync_urls):
+            sync = {"url": sync_url, "subject_prefix": SUBJECT, "batch_interval_s": 0.002}
+            path = Path(tmp) / f"gateway-{i}.yaml"
+            config = write_gateway_config(path, pools, [tenant("t", KEY)], sync=sync)
             port, metrics_port = free_port(), free_port()
             procs.append(start_gateway(config, port, metrics_port))
             bases.append(f"http://127.0.0.1:{port}")

@@ -6,15 +6,11 @@ reason; and the URLs it takes."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import socket
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-import redis.asyncio as redis_client
 
 from gateway.config.sync import MAX_SEEDS, HostPort, SyncConfig
 from gateway.sync.broker import LocalRedis
@@ -23,63 +19,12 @@ from gateway.sync.link import open_link
 from gateway.sync.service import SyncService
 from tests.e2e.harness import free_port
 from tests.gateway.sync.brokers import running_services
+from tests.gateway.sync.clusters import cluster
 from tests.gateway.sync.sentinels import kill
 from tests.gateway.sync.test_redis_broker import _metric, _service
 from tests.gateway.sync.test_sentinel_failover import _shares
 from tests.policies.factories import req
 from tests.support.wait import wait_until
-
-SLOTS = 16384
-
-
-def _node_port() -> int:
-    """A free port whose cluster bus port (+10000) is free too."""
-    while True:
-        port = free_port()
-        if port + 10000 > 65535:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 10000))
-            except OSError:
-                continue
-        return port
-
-
-async def _ask(port: int, *command: str | int) -> object:
-    client = redis_client.Redis(port=port, protocol=2)
-    try:
-        return await client.execute_command(*command)  # type: ignore[no-untyped-call]
-    finally:
-        await client.aclose()
-
-
-@contextlib.asynccontextmanager
-async def _cluster(tmp_path: Path, size: int = 3) -> AsyncIterator[list[LocalRedis]]:
-    """`size` masters that met and share the slots; stopped by PID on the way out."""
-    nodes: list[LocalRedis] = []
-    try:
-        for _ in range(size):
-            port = _node_port()
-            folder = tmp_path / f"node-{port}"
-            folder.mkdir()
-            nodes.append(LocalRedis(port, folder, cluster=True))
-            nodes[-1].start()
-        for node in nodes[1:]:
-            await _ask(node.port, "CLUSTER", "MEET", "127.0.0.1", nodes[0].port)
-        for i, node in enumerate(nodes):
-            await _ask(node.port, "CLUSTER", "ADDSLOTS", *range(i * SLOTS // size, (i + 1) * SLOTS // size))
-
-        async def formed() -> bool:
-            infos = [(await _ask(n.port, "CLUSTER", "INFO")) for n in nodes]
-            text = [i.decode() if isinstance(i, bytes) else str(i) for i in infos]
-            return all("cluster_state:ok" in t and f"cluster_known_nodes:{size}" in t for t in text)
-
-        await wait_until(formed, timeout_s=20, interval_s=0.1, what="the cluster formed")
-        yield nodes
-    finally:
-        for node in nodes:
-            node.stop()
 
 
 def _url(*ports: int) -> str:
@@ -92,7 +37,7 @@ def _link(service: SyncService) -> ClusterLink:
 
 
 async def test_gateways_on_different_nodes_share(tmp_path: Path) -> None:
-    async with _cluster(tmp_path) as nodes:
+    async with cluster(tmp_path) as nodes:
         ports = [n.port for n in nodes]
         a = _service(_url(*ports), "a")
         b = _service(_url(*ports[1:], ports[0]), "b")
@@ -105,7 +50,7 @@ async def test_gateways_on_different_nodes_share(tmp_path: Path) -> None:
 
 
 async def test_a_node_down_or_lost_is_left_for_the_next(tmp_path: Path) -> None:
-    async with _cluster(tmp_path) as nodes:
+    async with cluster(tmp_path) as nodes:
         ports = [n.port for n in nodes]
         dead = free_port()
         a = _service(_url(dead, *ports), "a")  # the first node named is down

@@ -212,12 +212,28 @@ def _plain(exc: Exception, timed_out: bool) -> str:
     return "timed out" if timed_out else "connection lost"
 
 
+# A worker's 401 or 403 refuses the gateway's credentials, never the client's: a client's key
+# ends at the gateway, and no credential can be among a pool's `forward_headers`.
+REFUSED_CREDENTIALS = frozenset((401, 403))
+
+
+def worker_failed(status: int) -> bool:
+    """Whether a worker's answer of `status` is the worker's failure rather than its verdict on
+    the request: a 5xx, or a refusal of the gateway's credentials (`REFUSED_CREDENTIALS`)."""
+    return status >= 500 or status in REFUSED_CREDENTIALS
+
+
 def worker_status(status: int, hints: RetryHints = ()) -> Failure:
-    """A worker answered 5xx: its body is discarded and another worker may take the request. When
-    none does, a 503 (an overloaded or starting worker) reaches the client as a 503 with the
-    worker's own `Retry-After`; any other 5xx as a 502."""
-    message = f"worker answered {status}"
+    """A worker answered 5xx or refused the gateway's credentials (`worker_failed`): its body is
+    discarded and another worker may take the request. When none does, a 503 (an overloaded or
+    starting worker) reaches the client as a 503 with the worker's own `Retry-After`; a refusal
+    of credentials as a 502 `worker_auth_failed` (the client's key was fine: the pool's worker
+    key is missing or wrong, which counts against the worker at once); any other 5xx as a 502."""
     failed, retry = Outcome.WORKER_FAILED, RetryReason.WORKER_ERROR
+    if status in REFUSED_CREDENTIALS:
+        message = f"the worker refused the gateway's credentials (HTTP {status})"
+        return Failure(502, message, "worker_auth_failed", failed, retry)
+    message = f"worker answered {status}"
     if status == 503:
         return Failure(503, message, "worker_unavailable", failed, retry, hints, answered=True)
     return Failure(502, message, _BAD_GATEWAY, failed, retry, answered=True)

@@ -19,7 +19,15 @@ import orjson
 from gateway import proxy
 from gateway.admitted import Admitted
 from gateway.errors import RawResponse
-from gateway.failure import TRANSPORT_ERRORS, Failure, Stage, failure_of, malformed, worker_status
+from gateway.failure import (
+    TRANSPORT_ERRORS,
+    Failure,
+    Stage,
+    failure_of,
+    malformed,
+    worker_failed,
+    worker_status,
+)
 from gateway.lifecycle import Lifecycle
 from gateway.outcome import Attempt, Usage, usage_of
 from gateway.routing import Routing
@@ -269,7 +277,7 @@ async def prefill_leg(
         source = await proxy._open(transport, a, attempt)
         if attempt.trace is not None:
             attempt.trace.status = source.status
-        if source.status >= 500:
+        if worker_failed(source.status):
             source.close()
             return worker_status(source.status, source.retry_hints)
         stage = Stage.ANSWER

@@ -35,6 +35,7 @@ from gateway.failure import (
     Stage,
     failure_of,
     malformed,
+    worker_failed,
     worker_status,
 )
 from gateway.lifecycle import Lifecycle, shutting_down
@@ -241,7 +242,7 @@ async def _attempt(
             attempt.trace.status = source.status
             if attempt.trace.recording:
                 source = TracedSource(source, attempt.trace)
-        if source.status >= 500:
+        if worker_failed(source.status):
             source.close()
             return worker_status(source.status, source.retry_hints)
         if a.stream and source.status == 200 and _is_event_stream(source.content_type):
@@ -377,7 +378,7 @@ def _respond(
     status, body, content_type = reply.status, reply.body, reply.content_type
     if attempt.trace is not None:
         attempt.trace.status = status
-    if status >= 500:
+    if worker_failed(status):
         return worker_status(status, reply.retry_hints)
     passed: list[tuple[bytes, bytes]] = []
     if status == 200:

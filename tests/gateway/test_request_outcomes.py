@@ -26,7 +26,13 @@ async def rig(tiny_model: Path) -> AsyncIterator[Rig]:
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize(
     ("status", "outcome", "client_status"),
-    [(200, Outcome.SERVED, 200), (400, Outcome.REJECTED, 400), (500, Outcome.WORKER_FAILED, 502)],
+    [
+        (200, Outcome.SERVED, 200),
+        (400, Outcome.REJECTED, 400),
+        (500, Outcome.WORKER_FAILED, 502),
+        (401, Outcome.WORKER_FAILED, 502),
+        (403, Outcome.WORKER_FAILED, 502),
+    ],
 )
 async def test_policy_learns_the_outcome(
     rig: Rig, status: int, outcome: Outcome, client_status: int, transport: str
@@ -38,8 +44,27 @@ async def test_policy_learns_the_outcome(
     (obs,) = rig.policy.observations
     assert obs.outcome is outcome and obs.failed == (outcome is not Outcome.SERVED)
     worker = next(iter(rig.state.registry.pools["p"].workers.values()))
-    # A 4xx says nothing about the worker's health; a 5xx counts against its breaker.
+    # A 4xx says nothing about the worker's health; a 5xx, or a refusal of the gateway's own
+    # credentials, counts against its breaker.
     assert worker.breaker.failures == (1 if outcome is Outcome.WORKER_FAILED else 0)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("status", [401, 403])
+async def test_a_worker_refusing_the_gateways_credentials_is_not_the_clients_401(
+    rig: Rig, transport: str, stream: bool, status: int
+) -> None:
+    # The client's key was good (the gateway admitted it); only the pool's worker key can be
+    # wrong. Passed through, the SDK raised AuthenticationError and the worker stayed routable.
+    through(rig.state, transport)
+    rig.upstream.status = status
+    rig.upstream.error_body = {"error": "Unauthorized"}
+    resp = await rig.chat(stream=stream)
+    assert resp.status_code == 502
+    error = orjson.loads(resp.content)["error"]
+    assert (error["type"], error["code"]) == ("server_error", "worker_auth_failed")
+    assert error["message"] == f"the worker refused the gateway's credentials (HTTP {status})"
 
 
 @pytest.mark.parametrize(

@@ -320,7 +320,7 @@ async def decode_leg(
         source = await proxy._open(transport, a, attempt)
         if attempt.trace is not None:
             attempt.trace.status = source.status
-        if source.status >= 500:
+        if worker_failed(source.status):
             source.close()
             return TransferFailed(worker_status(source.status, source.retry_hints), "decode_error")
         if a.stream and source.status == 200 and proxy._is_event_stream(source.content_type):

@@ -73,15 +73,23 @@ def nfc(value: Any) -> tuple[Any, bool]:
     return value, False
 
 
-def sort_keys(value: Any) -> tuple[Any, bool]:
-    """Recursively sorted object keys; reports whether any object was out of order."""
+# The members of a JSON Schema object whose order reaches the model's answer: constrained decoding
+# (a required or named tool, a strict schema) writes an object's properties in the order the
+# schema lists them, so a client that lists `reasoning` before `answer` gets its reasoning first.
+ORDERED_MEMBERS = frozenset(("properties",))
+
+
+def sort_keys(value: Any, keep_order: bool = False) -> tuple[Any, bool]:
+    """Recursively sorted object keys; reports whether any object was out of order. The members
+    of a schema's `properties` (`ORDERED_MEMBERS`) keep their order: only what is inside each
+    is sorted (`keep_order` is that object's own)."""
     if isinstance(value, dict):
         keys = list(value)
-        ordered = sorted(keys)
+        ordered = keys if keep_order else sorted(keys)
         changed = keys != ordered
         result: dict[str, Any] = {}
         for k in ordered:
-            result[k], c = sort_keys(value[k])
+            result[k], c = sort_keys(value[k], not keep_order and k in ORDERED_MEMBERS)
             changed |= c
         return result, changed
     if isinstance(value, list):

@@ -84,6 +84,15 @@ class Failure:
     # Retrying the request cannot change the answer: the client is told not to
     # (`x-should-retry: false`), whatever attempts its call has left.
     final: bool = False
+    # The workers asked to be retried later (a 503: overloaded or starting, no work spent on the
+    # request): the client may retry after their `Retry-After`, whatever its call's budget.
+    later: bool = False
+
+    @property
+    def says_whether_to_retry(self) -> bool:
+        """Whether the answer's own advice stands, so the call's retry budget adds none
+        (`retries.advice`)."""
+        return self.final or self.later
 
     @property
     def held(self) -> bool:
@@ -235,7 +244,7 @@ def worker_status(status: int, hints: RetryHints = ()) -> Failure:
         return Failure(502, message, "worker_auth_failed", failed, retry)
     message = f"worker answered {status}"
     if status == 503:
-        return Failure(503, message, "worker_unavailable", failed, retry, hints, answered=True)
+        return Failure(503, message, "worker_unavailable", failed, retry, hints, answered=True, later=True)
     return Failure(502, message, _BAD_GATEWAY, failed, retry, answered=True)
 
 

@@ -190,7 +190,7 @@ async def _attempts(
         )
     _finish(routing, a, attempts, failure.status, failure.outcome, failure.code, failure.detail())
     response = a.api.dialect.error_response(failure.error(), a.reply_id)
-    if not failure.final:  # it says so itself
+    if not failure.says_whether_to_retry:
         response.headers += advice(len(attempts), pool.config.retry_attempts, a.retries_taken)
     return response
 

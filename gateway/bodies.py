@@ -16,6 +16,7 @@ from gateway.multipart import boundary_of, content_type_header, form_fields
 from gateway.prompt_batch import batch_sizes, check_sequences
 from gateway.routes import ApiRoute
 from prompt_normalizer.generate_input import GENERATE_PROMPT_FIELDS
+from prompt_normalizer.lax import lax_bool
 
 # Body fields that steer an engine's internals rather than the answer. A tenant must not set
 # them: `kv_transfer_params` (vLLM disaggregated prefill: where KV is pulled from or pushed to),
@@ -163,9 +164,11 @@ def parse_form(raw: bytes, content_type: str | None, api: ApiRoute) -> dict[str,
     body: dict[str, Any] = {"model": model} if model else {}
     stream = fields.get("stream")
     if stream is not None:
-        if stream.lower() not in ("true", "false"):
+        # As vLLM's form model reads it (lax mode: `true`, `1`, `yes`, `on`, `t`, `y`, any case).
+        flag = lax_bool(stream)
+        if flag is None:
             raise bad_request("'stream' must be a boolean", "stream")
-        body["stream"] = stream.lower() == "true"
+        body["stream"] = flag
     return body
 
 

@@ -22,6 +22,7 @@ from gateway.bodies import (
     output_budget,
     parse_body,
     parse_form,
+    streams,
     with_priority,
 )
 from gateway.errors import ApiError, echoed
@@ -177,7 +178,7 @@ async def admit(
             "model_not_found",
             "model",
         )
-        raise Refused(unknown, api.endpoint, body.get("stream") is True)
+        raise Refused(unknown, api.endpoint, streams(body, api))
     try:
         max_out = output_budget(body, api.prompt, pool.windows.max_model_len.get(model))
     except ApiError as err:
@@ -234,7 +235,7 @@ async def admit(
     if response_id is not None:  # vLLM names the response after it (`responses_ids`)
         response_stem = body.get("request_id")  # the client's own, checked by `mint_response_id`
         forward, encoded = with_response_id(forward, encoded, response_id)
-    stream = body.get("stream") is True
+    stream = streams(body, api)
     options = body.get("stream_options")
     wants_usage = isinstance(options, dict) and options.get("include_usage") is True
     strip_usage = stream and not wants_usage and api.rewrites
@@ -324,7 +325,7 @@ def _compressed(head: RequestHead | None) -> ApiError | None:
 
 
 def _refused(err: ApiError, api: ApiRoute, body: dict[str, Any], model: str) -> Refused:
-    return Refused(err, api.endpoint, body.get("stream") is True, model)
+    return Refused(err, api.endpoint, streams(body, api), model)
 
 
 def _quota_error(rejection: Rejection) -> ApiError:

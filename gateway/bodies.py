@@ -1,7 +1,11 @@
 """Request bodies at the edge: one parse, the few fields routing needs checked, one encode.
 
 Only what routing needs is validated here (`model`, the route's prompt field, `stream`,
-`stream_options`); everything else is the worker's to judge and is forwarded untouched.
+`stream_options`, `priority`, `n`, `best_of`); everything else is the worker's to judge and is
+forwarded untouched. Those fields are read as the worker's lax pydantic models read them
+(`prompt_normalizer.lax`), only on routes whose request model has them (`ApiRoute.fields`), and a
+value not sent as the exact type (`"stream": "true"`, `"n": "2"`) is kept as read, so that every
+reader in the gateway agrees with the worker.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from gateway.multipart import boundary_of, content_type_header, form_fields
 from gateway.prompt_batch import batch_sizes, check_sequences
 from gateway.routes import ApiRoute
 from prompt_normalizer.generate_input import GENERATE_PROMPT_FIELDS
-from prompt_normalizer.lax import lax_bool
+from prompt_normalizer.lax import lax_bool, lax_int
 
 # Body fields that steer an engine's internals rather than the answer. A tenant must not set
 # them: `kv_transfer_params` (vLLM disaggregated prefill: where KV is pulled from or pushed to),
@@ -82,17 +86,23 @@ def parse_body(raw: bytes, api: ApiRoute, max_choices: int = 128) -> dict[str, A
             raise bad_request("'prompt' is required and must be a string or a non-empty array", "prompt")
     elif prompt is not None:
         _check_api_prompt(body, prompt)
-    if not isinstance(body.get("stream", False), bool | None):
-        raise bad_request("'stream' must be a boolean", "stream")
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise bad_request("'stream_options' must be an object", "stream_options")
-    if options is not None and not isinstance(options.get("include_usage", False), bool | None):
-        # A non-boolean would otherwise be read as "no usage" and silently dropped.
-        raise bad_request("'stream_options.include_usage' must be a boolean", "stream_options.include_usage")
+    if api.has_stream:
+        stream = body.get("stream")
+        if stream is not None and stream.__class__ is not bool:
+            body["stream"] = _lax_flag(stream, "stream")
+    if api.has_stream_options:
+        options = body.get("stream_options")
+        if options is not None:
+            if options.__class__ is not dict:
+                raise bad_request("'stream_options' must be an object", "stream_options")
+            for name in _STREAM_OPTION_FLAGS:
+                # A value not read as the worker reads it would decide usage the other way.
+                flag = options.get(name)
+                if flag is not None and flag.__class__ is not bool:
+                    options[name] = _lax_flag(flag, f"stream_options.{name}")
     priority = body.get("priority", 0)
-    if isinstance(priority, bool) or not isinstance(priority, int):
-        raise bad_request("'priority' must be an integer (lower is served earlier)", "priority")
+    if priority.__class__ is not int:
+        _read_priority(body, priority, api.has_priority)
     if api.rewrites:
         check_choices(body, max_choices)
     elif prompt == "generate":
@@ -110,6 +120,39 @@ def parse_body(raw: bytes, api: ApiRoute, max_choices: int = 128) -> dict[str, A
     return body
 
 
+# The flags of `stream_options` in vLLM's `StreamOptions`, each a `bool | None`.
+_STREAM_OPTION_FLAGS = ("include_usage", "continuous_usage_stats")
+
+
+def _lax_flag(value: object, field: str) -> bool:
+    """A boolean field the worker reads in lax mode (`"true"`, 1, `"yes"`...: `lax.lax_bool`),
+    as a `bool`; 400 for what the worker refuses."""
+    flag = lax_bool(value)
+    if flag is None:
+        raise bad_request(f"'{field}' must be a boolean", field)
+    return flag
+
+
+def _read_priority(body: dict[str, Any], value: object, has_field: bool) -> None:
+    """`priority` that is not an `int` as sent, made one as the worker reads it in lax mode
+    (`"2"`, 2.0, `true`). On a route whose request model has no such field the worker ignores
+    it, and so does the gateway: a value it cannot read is dropped (the gateway drops or replaces
+    the field on its way to the worker anyway: `engine_priority`)."""
+    read = lax_int(value)
+    if read is not None:
+        body["priority"] = read
+    elif has_field:
+        raise bad_request("'priority' must be an integer (lower is served earlier)", "priority")
+    else:
+        del body["priority"]
+
+
+def streams(body: dict[str, Any], api: ApiRoute) -> bool:
+    """Whether the request asks for a stream (its `stream`, read by `parse_body` or
+    `parse_form`, on a route that has the field)."""
+    return api.has_stream and body.get("stream") is True
+
+
 # The fields that multiply one request's work on the worker: every choice decodes (and with
 # `best_of`, is generated and scored) on its own.
 _CHOICE_FIELDS = ("n", "best_of")
@@ -125,7 +168,13 @@ def check_choices(body: dict[str, Any], max_choices: int, path: str = "") -> Non
         if value is None:
             continue
         field = path + name
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if value.__class__ is not int:
+            # Read as the worker reads it (`"2"`, 2.0: `lax.lax_int`), and kept so: every reader
+            # of the body (the choices counted, the P/D split) then sees what the worker runs.
+            value = lax_int(value)
+            if value is not None:
+                body[name] = value
+        if value is None or value < 1:
             raise bad_request(f"'{field}' must be an integer of at least 1", field)
         if value > max_choices:
             # OpenAI's code for the same refusal, so that clients handling it there handle it here.
@@ -165,10 +214,7 @@ def parse_form(raw: bytes, content_type: str | None, api: ApiRoute) -> dict[str,
     stream = fields.get("stream")
     if stream is not None:
         # As vLLM's form model reads it (lax mode: `true`, `1`, `yes`, `on`, `t`, `y`, any case).
-        flag = lax_bool(stream)
-        if flag is None:
-            raise bad_request("'stream' must be a boolean", "stream")
-        body["stream"] = flag
+        body["stream"] = _lax_flag(stream, "stream")
     return body
 
 

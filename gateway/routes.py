@@ -65,7 +65,10 @@ class ApiRoute:
     serves it (SageMaker's `/invocations`); the request is then admitted, keyed, sent and counted
     as the route picked. `salted`: the gateway sets the engine's cache isolation key, in
     `salt_field` (vLLM's `cache_salt`; SGLang's native request names it `extra_key`), replacing
-    any value the client sent.
+    any value the client sent. `fields`: which of the fields the gateway reads (`stream`,
+    `stream_options`, `priority`) the route's vLLM request model has: only those are checked and
+    read (`bodies.parse_body`); a model without the field ignores it (vLLM allows extra fields),
+    so the gateway does too.
     """
 
     endpoint: str
@@ -82,15 +85,33 @@ class ApiRoute:
     pd_split: bool = False
     api_key_header: bool = False
     pick: Callable[[Mapping[str, Any]], ApiRoute] | None = None
+    fields: frozenset[str] = frozenset({"priority"})
     path_bytes: bytes = field(init=False)
     rewrites: bool = field(init=False)
     plain_head: bool = field(init=False)
+    has_stream: bool = field(init=False)
+    has_stream_options: bool = field(init=False)
+    has_priority: bool = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "path_bytes", self.path.encode())
+        object.__setattr__(self, "has_stream", "stream" in self.fields)
+        object.__setattr__(self, "has_stream_options", "stream_options" in self.fields)
+        object.__setattr__(self, "has_priority", "priority" in self.fields)
         object.__setattr__(self, "rewrites", self.prompt in ("chat", "completions"))
         # Only the three headers every route reads (`RequestHead.of`, the fastest reader).
         object.__setattr__(self, "plain_head", not (self.api_key_header or self.multipart))
+
+
+# The fields of `ApiRoute.fields` in vLLM's request models: chat and completions (and their
+# render routes, which take the same models) have all three; Responses and the generate routes
+# `stream` and `priority`; Anthropic Messages and the audio forms `stream` only (a form is read
+# apart, `bodies.parse_form`); the pooling routes (embeddings, pooling, classify, score, rerank)
+# `priority` only (the default); the tokenizer routes and Messages `count_tokens` none.
+_CHAT_FIELDS = frozenset({"stream", "stream_options", "priority"})
+_GENERATE_FIELDS = frozenset({"stream", "priority"})
+_STREAM_ONLY = frozenset({"stream"})
+_NO_FIELDS: frozenset[str] = frozenset()
 
 
 def _routes(*routes: ApiRoute) -> dict[str, ApiRoute]:
@@ -98,8 +119,10 @@ def _routes(*routes: ApiRoute) -> dict[str, ApiRoute]:
 
 
 # vLLM takes its served model when a chat or completions body names none (`model_optional`).
-_CHAT = ApiRoute("chat", "/v1/chat/completions", "chat", salted=True, pd_split=True)
-_COMPLETIONS = ApiRoute("completions", "/v1/completions", "completions", salted=True, pd_split=True)
+_CHAT = ApiRoute("chat", "/v1/chat/completions", "chat", salted=True, pd_split=True, fields=_CHAT_FIELDS)
+_COMPLETIONS = ApiRoute(
+    "completions", "/v1/completions", "completions", salted=True, pd_split=True, fields=_CHAT_FIELDS
+)
 
 
 def invocation_route(body: Mapping[str, Any]) -> ApiRoute:
@@ -121,7 +144,15 @@ _INVOCATIONS = ApiRoute("invocations", "/invocations", binary_answer=True, pick=
 ROUTES: dict[str, ApiRoute] = _routes(
     _CHAT,
     _COMPLETIONS,
-    ApiRoute("responses", "/v1/responses", "responses", RESPONSES, salted=True, pd_split=True),
+    ApiRoute(
+        "responses",
+        "/v1/responses",
+        "responses",
+        RESPONSES,
+        salted=True,
+        pd_split=True,
+        fields=_GENERATE_FIELDS,
+    ),
     # vLLM's Anthropic request model has no `cache_salt`; the gateway sends it anyway (see
     # docs/gateway.md, "Anthropic Messages"): builds that honour it isolate tenants, vLLM drops it.
     # Anthropic clients always name the model and send their key in `x-api-key`.
@@ -134,6 +165,7 @@ ROUTES: dict[str, ApiRoute] = _routes(
         model_optional=False,
         api_key_header=True,
         pd_split=True,
+        fields=_STREAM_ONLY,
     ),
     ApiRoute(
         "count_tokens",
@@ -142,16 +174,19 @@ ROUTES: dict[str, ApiRoute] = _routes(
         ANTHROPIC,
         model_optional=False,
         api_key_header=True,
+        fields=_NO_FIELDS,
     ),
     # Rendering computes no KV: keyed, it would tell the policy that the worker now holds the
     # prompt's blocks. Load-aware, to any worker of the pool.
-    ApiRoute("chat_render", "/v1/chat/completions/render"),
+    ApiRoute("chat_render", "/v1/chat/completions/render", fields=_CHAT_FIELDS),
     # A JSON array (one render per prompt), as SGLang's answers to a batch on `/generate` and
     # `/encode` are.
-    ApiRoute("completions_render", "/v1/completions/render", answer_may_be_array=True),
+    ApiRoute("completions_render", "/v1/completions/render", answer_may_be_array=True, fields=_CHAT_FIELDS),
     # vLLM's token-in, token-out generation (`token_ids`), with `cache_salt` and
     # `kv_transfer_params`; its output budget is `sampling_params.max_tokens`.
-    ApiRoute("generate", "/inference/v1/generate", "generate", salted=True, pd_split=True),
+    ApiRoute(
+        "generate", "/inference/v1/generate", "generate", salted=True, pd_split=True, fields=_GENERATE_FIELDS
+    ),
     _INVOCATIONS,
     # `encoding_format` "bytes" / "bytes_only": an `application/octet-stream` answer (and its
     # `metadata` header).
@@ -165,10 +200,10 @@ ROUTES: dict[str, ApiRoute] = _routes(
     ApiRoute("rerank", "/rerank"),
     ApiRoute("rerank", "/v1/rerank"),
     ApiRoute("rerank", "/v2/rerank"),
-    ApiRoute("tokenize", "/tokenize"),
-    ApiRoute("tokenize", "/v1/tokenize"),
-    ApiRoute("detokenize", "/detokenize"),
-    ApiRoute("detokenize", "/v1/detokenize"),
+    ApiRoute("tokenize", "/tokenize", fields=_NO_FIELDS),
+    ApiRoute("tokenize", "/v1/tokenize", fields=_NO_FIELDS),
+    ApiRoute("detokenize", "/detokenize", fields=_NO_FIELDS),
+    ApiRoute("detokenize", "/v1/detokenize", fields=_NO_FIELDS),
     # SGLang's native API: `/generate` (`text` or `input_ids`) is keyed like a completions
     # prompt; its radix cache is isolated by `extra_key` ("e.g. cache_salt" in SGLang's
     # `GenerateReqInput`), which takes the tenant's salt, and it takes the `bootstrap_*` fields.
@@ -181,8 +216,13 @@ ROUTES: dict[str, ApiRoute] = _routes(
         salt_field="extra_key",
         answer_may_be_array=True,
         pd_split=True,
+        fields=_GENERATE_FIELDS,
     ),
     ApiRoute("embeddings", "/encode", answer_may_be_array=True),
-    ApiRoute("transcriptions", "/v1/audio/transcriptions", multipart=True, json_answer=False),
-    ApiRoute("translations", "/v1/audio/translations", multipart=True, json_answer=False),
+    ApiRoute(
+        "transcriptions", "/v1/audio/transcriptions", multipart=True, json_answer=False, fields=_STREAM_ONLY
+    ),
+    ApiRoute(
+        "translations", "/v1/audio/translations", multipart=True, json_answer=False, fields=_STREAM_ONLY
+    ),
 )

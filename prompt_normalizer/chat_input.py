@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 import orjson
 
 from prompt_normalizer.errors import NormalizerError
+from prompt_normalizer.lax import lax_bool
 
 
 @dataclass(slots=True)
@@ -169,13 +170,17 @@ def validate_template_fields(body: Mapping[str, Any]) -> None:
 
 
 def request_flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
-    """A boolean request field (absent or null: the default); any other type is a NormalizerError."""
+    """A boolean request field (absent or null: the default), read as vLLM's lax pydantic model
+    reads it (`"true"`, 1, `"yes"`...: `lax.lax_bool`); anything else is a NormalizerError."""
     value = body.get(name)
     if value is None:
         return default
-    if not isinstance(value, bool):
+    if value is True or value is False:
+        return value
+    flag = lax_bool(value)
+    if flag is None:
         raise NormalizerError(f"'{name}' must be a boolean", param=name)
-    return value
+    return flag
 
 
 def validate_tools(raw: Any) -> Copied | None:

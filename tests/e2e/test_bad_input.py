@@ -52,7 +52,7 @@ def _assert_error(resp: httpx.Response, status: int, code: str | None = None) ->
         (b'{"model": "m-ok", "messages": []}', "sk-acme", 400, "invalid_request", "messages"),
         (b'{"model": "m-ok", "messages": ["x"]}', "sk-acme", 400, "invalid_request", "messages"),
         (
-            b'{"model": "m-ok", "messages": [{"role": "user"}], "stream": "yes"}',
+            b'{"model": "m-ok", "messages": [{"role": "user"}], "stream": "maybe"}',
             "sk-acme",
             400,
             None,
@@ -67,14 +67,14 @@ def _assert_error(resp: httpx.Response, status: int, code: str | None = None) ->
         ),
         (
             b'{"model": "m-ok", "messages": [{"role": "user"}], "stream": true,'
-            b' "stream_options": {"include_usage": "yes"}}',
+            b' "stream_options": {"include_usage": "maybe"}}',
             "sk-acme",
             400,
             "invalid_request",
             "stream_options.include_usage",
         ),
         (
-            b'{"model": "m-ok", "messages": [{"role": "user"}], "stream_options": {"include_usage": 1}}',
+            b'{"model": "m-ok", "messages": [{"role": "user"}], "stream_options": {"include_usage": 2}}',
             "sk-acme",
             400,
             "invalid_request",

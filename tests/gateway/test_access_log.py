@@ -83,7 +83,7 @@ async def test_whole_answers_and_streams_log_an_error_code_and_words(rig: tuple[
     ("key", "body", "status", "error", "tenant", "model"),
     [
         ("sk-wrong", RESPONSES_BODY, 401, "invalid_api_key", None, None),
-        ("sk-t", {**RESPONSES_BODY, "stream": "yes"}, 400, "invalid_request", "t", None),
+        ("sk-t", {**RESPONSES_BODY, "stream": "maybe"}, 400, "invalid_request", "t", None),
         # The name of a model the gateway does not serve is the client's: not logged.
         ("sk-t", {**RESPONSES_BODY, "model": "nope"}, 404, "model_not_found", "t", None),
         ("sk-t", {**RESPONSES_BODY, "input": "x" * 5000}, 413, "body_too_large", "t", None),

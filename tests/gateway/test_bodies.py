@@ -34,9 +34,10 @@ def test_choices_within_the_limit_pass(n: int) -> None:
         (100_000, "integer_above_max_value"),
         (0, "invalid_request"),
         (-1, "invalid_request"),
-        (2.0, "invalid_request"),
-        ("2", "invalid_request"),
-        (True, "invalid_request"),
+        (2.5, "invalid_request"),  # lax mode reads 2.0, "2" and true; not these
+        ("two", "invalid_request"),
+        ([2], "invalid_request"),
+        ("9", "integer_above_max_value"),
     ],
 )
 @pytest.mark.parametrize("field", ["n", "best_of"])

@@ -312,7 +312,7 @@ def _break(k: int, body: dict[str, Any]) -> str:
         ("document_str", lambda: body.update(documents=["x"])),
         ("template_int", lambda: body.update(chat_template=1)),
         ("kwargs_list", lambda: body.update(chat_template_kwargs=[])),
-        ("flag_str", lambda: body.update(add_generation_prompt="yes")),
+        ("flag_str", lambda: body.update(add_generation_prompt="maybe")),  # lax mode reads "yes"
         ("non_str_key", lambda: body["messages"].append({"role": "user", "content": "x", "meta": {1: 2}})),
         ("not_json_set", lambda: body["messages"].append({"role": "user", "content": "x", "meta": {1, 2}})),
     ]

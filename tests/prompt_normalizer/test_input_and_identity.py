@@ -60,9 +60,9 @@ CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "
         ("chat", _chat(documents=[{"text": "a"}, "b"]), "documents[1]"),
         ("chat", _chat(chat_template=["x"]), "chat_template"),
         ("chat", _chat(chat_template_kwargs=[1]), "chat_template_kwargs"),
-        ("chat", _chat(add_generation_prompt="yes"), "add_generation_prompt"),
-        ("chat", _chat(continue_final_message=1), "continue_final_message"),
-        ("chat", _chat(add_special_tokens="no"), "add_special_tokens"),
+        ("chat", _chat(add_generation_prompt="maybe"), "add_generation_prompt"),
+        ("chat", _chat(continue_final_message=2), "continue_final_message"),
+        ("chat", _chat(add_special_tokens="nope"), "add_special_tokens"),
     ],
 )
 def test_bad_structure_is_a_normalizer_error_with_param(
@@ -80,7 +80,7 @@ def test_bad_structure_is_a_normalizer_error_with_param(
 def test_completions_add_special_tokens_must_be_boolean(tiny_model_dir: Path) -> None:
     norm = Normalizer(NormalizerConfig(mode="tokenizer", tokenizer_dir=str(tiny_model_dir)), b"s")
     with pytest.raises(NormalizerError) as err:
-        norm.canonicalize("completions", {"prompt": "hello", "add_special_tokens": "no"}, IDENT)
+        norm.canonicalize("completions", {"prompt": "hello", "add_special_tokens": "nope"}, IDENT)
     assert err.value.param == "add_special_tokens"
 
 

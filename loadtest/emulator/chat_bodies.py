@@ -112,7 +112,7 @@ def sse(obj: Any) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-def _chunk(group: LiveGroup, choices: list[dict[str, Any]], with_usage_null: bool) -> dict[str, Any]:
+def _chunk(group: LiveGroup, choices: list[dict[str, Any]]) -> dict[str, Any]:
     body: dict[str, Any] = {
         "id": group.response_id,
         "object": "chat.completion.chunk" if group.gen.endpoint == "chat" else "text_completion",
@@ -120,9 +120,18 @@ def _chunk(group: LiveGroup, choices: list[dict[str, Any]], with_usage_null: boo
         "model": group.gen.model,
         "choices": choices,
     }
-    if with_usage_null:
-        body["usage"] = None
     return body
+
+
+def running_usage(live: LiveRequest, completion_tokens: int) -> dict[str, int]:
+    """The usage vLLM puts on a chunk with `continuous_usage_stats`: the sequence's prompt and
+    its tokens so far (no cache details)."""
+    prompt = live.num_prompt_tokens
+    return {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion_tokens,
+        "completion_tokens": completion_tokens,
+    }
 
 
 def _chat_delta(group: LiveGroup, live: LiveRequest, i: int) -> dict[str, Any]:
@@ -145,10 +154,12 @@ def _chat_delta(group: LiveGroup, live: LiveRequest, i: int) -> dict[str, Any]:
 
 def token_chunks(group: LiveGroup, live: LiveRequest, start: int, stop: int) -> list[bytes]:
     """SSE events for one sequence's output tokens `start..stop-1` (one event per token, as a
-    real engine streams one token per step); the first chat event also carries the role."""
+    real engine streams one token per step); the first chat event also carries the role. With
+    `continuous_usage_stats` each carries the usage so far; otherwise none has a `usage` key (vLLM
+    leaves an unset usage out of its chunks)."""
     out: list[bytes] = []
     last = live.num_output_tokens - 1
-    include_usage = group.gen.include_usage
+    continuous = group.gen.continuous_usage
     for i in range(start, stop):
         choice: dict[str, Any] = {"index": live.index}
         if group.gen.endpoint == "completions":
@@ -157,14 +168,17 @@ def token_chunks(group: LiveGroup, live: LiveRequest, start: int, stop: int) -> 
             choice["delta"] = _chat_delta(group, live, i)
         choice["logprobs"] = _logprobs(live, i, i + 1)
         choice["finish_reason"] = finish_reason(live) if i == last else None
-        out.append(sse(_chunk(group, [choice], include_usage)))
+        chunk = _chunk(group, [choice])
+        if continuous:
+            chunk["usage"] = running_usage(live, i + 1)
+        out.append(sse(chunk))
     return out
 
 
 def final_chunks(group: LiveGroup) -> list[bytes]:
     out: list[bytes] = []
     if group.gen.include_usage:
-        body = _chunk(group, [], False)
+        body = _chunk(group, [])
         body["usage"] = usage(group)
         out.append(sse(body))
     out.append(SSE_DONE)

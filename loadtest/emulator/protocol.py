@@ -18,6 +18,7 @@ from loadtest.emulator.config import EmulatorConfig
 from loadtest.emulator.errors import ApiError
 from loadtest.emulator.tools import choose_tool, tool_call_arguments
 from loadtest.engine.tokenizer import Tokenizer, TokenizerError
+from prompt_normalizer.lax import lax_bool
 
 Endpoint = Literal["chat", "completions", "responses", "messages"]
 MAX_CACHE_SALT_CHARS = 1024
@@ -51,6 +52,7 @@ class GenerationRequest:
     logprobs: int | None = None
     request_id: str | None = None
     priority: int = 0
+    continuous_usage: bool = False  # usage on every chunk too (`continuous_usage_stats`)
 
     @property
     def prompt_ids(self) -> np.ndarray:
@@ -148,17 +150,36 @@ def one_answer_request(
     )
 
 
-def _include_usage(body: Mapping[str, Any], stream: bool) -> bool:
+@dataclass(frozen=True, slots=True)
+class StreamUsage:
+    """What usage a stream reports: at its end (`include_usage`), and on every chunk too
+    (`continuous`)."""
+
+    include_usage: bool = False
+    continuous: bool = False
+
+
+def _stream_usage(body: Mapping[str, Any], stream: bool) -> StreamUsage:
+    """vLLM's reading of `stream_options`: its `StreamOptions` defaults `include_usage` to true
+    (null is false), and `continuous_usage_stats` counts only with `include_usage`."""
     options = body.get("stream_options")
     if options is None:
-        return False
+        return StreamUsage()
     if not stream:
         raise ApiError.bad_request("Stream options can only be defined when `stream=True`.", "stream_options")
     if not isinstance(options, Mapping):
         raise ApiError.bad_request("stream_options must be an object", "stream_options")
-    flag = options.get("include_usage", False)
-    if not isinstance(flag, bool):
-        raise ApiError.bad_request("include_usage must be a boolean", "stream_options.include_usage")
+    include = _option_flag(options, "include_usage", True)
+    return StreamUsage(include, include and _option_flag(options, "continuous_usage_stats", False))
+
+
+def _option_flag(options: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = options.get(name, default)
+    if value is None:
+        return False
+    flag = lax_bool(value)
+    if flag is None:
+        raise ApiError.bad_request(f"{name} must be a boolean", f"stream_options.{name}")
     return flag
 
 
@@ -206,6 +227,7 @@ def render_chat_body(body: Mapping[str, Any]) -> str:
 
 def parse_chat(body: Mapping[str, Any], cfg: EmulatorConfig, tokenizer: Tokenizer) -> GenerationRequest:
     common = common_fields(body, cfg)
+    usage = _stream_usage(body, common.stream)
     max_tokens = _max_tokens(body, cfg)
     text = render_chat_body(body)
     tool = choose_tool(body.get("tools"), body.get("tool_choice"), list(body.get("messages") or []))
@@ -215,7 +237,8 @@ def parse_chat(body: Mapping[str, Any], cfg: EmulatorConfig, tokenizer: Tokenize
         prompts=(tokenizer.encode(text),),
         max_tokens=max_tokens,
         stream=common.stream,
-        include_usage=_include_usage(body, common.stream),
+        include_usage=usage.include_usage,
+        continuous_usage=usage.continuous,
         cache_salt=common.cache_salt,
         tool_call=ToolCall(*tool_call_arguments(tool)) if tool is not None else None,
         echo_sampling=_sampling(body, max_tokens),
@@ -280,6 +303,7 @@ def parse_completions(
     body: Mapping[str, Any], cfg: EmulatorConfig, tokenizer: Tokenizer
 ) -> GenerationRequest:
     common = common_fields(body, cfg)
+    usage = _stream_usage(body, common.stream)
     max_tokens = _max_tokens(body, cfg)
     logprobs = int_field(body, "logprobs", 0)
     return GenerationRequest(
@@ -288,7 +312,8 @@ def parse_completions(
         prompts=completion_prompts(body, tokenizer),
         max_tokens=max_tokens,
         stream=common.stream,
-        include_usage=_include_usage(body, common.stream),
+        include_usage=usage.include_usage,
+        continuous_usage=usage.continuous,
         cache_salt=common.cache_salt,
         tool_call=None,
         echo_sampling=_sampling(body, max_tokens),

@@ -16,8 +16,10 @@ from starlette.types import Receive
 from gateway.admitted import JSON_HEAD, Admitted
 from gateway.auth import Tenant
 from gateway.bodies import (
+    asks_usage,
     encode_body,
     engine_priority,
+    forced_usage,
     form_head,
     output_budget,
     parse_body,
@@ -237,11 +239,12 @@ async def admit(
         forward, encoded = with_response_id(forward, encoded, response_id)
     stream = streams(body, api)
     options = body.get("stream_options")
-    wants_usage = isinstance(options, dict) and options.get("include_usage") is True
-    strip_usage = stream and not wants_usage and api.rewrites
+    strip_usage = stream and api.rewrites and not asks_usage(options)
     if strip_usage:
-        # Ask for usage anyway (the policy learns from cached_tokens) and strip it before the client.
-        forward["stream_options"] = {**(options or {}), "include_usage": True}
+        # Ask for usage anyway (the policy learns from cached_tokens) and strip it before the
+        # client. Only the final usage: with `continuous_usage_stats` as well, vLLM would put
+        # usage on every chunk, which the client did not ask for.
+        forward["stream_options"] = forced_usage(options)
         changed = True
     client_priority: int = body.get("priority", 0)  # an int: `parse_body`
     # The client's `priority` orders only its tenant's requests in the gateway's queue

@@ -147,6 +147,31 @@ def _read_priority(body: dict[str, Any], value: object, has_field: bool) -> None
         del body["priority"]
 
 
+def asks_usage(options: object) -> bool:
+    """Whether a chat or completions body's `stream_options` (read by `parse_body`) asks for
+    usage in its stream: `include_usage` true, as in OpenAI's API. vLLM reads an absent
+    `include_usage` as true (its `StreamOptions` default) and OpenAI and SGLang as false; the
+    gateway follows OpenAI, except that `continuous_usage_stats` (vLLM's own field) true without
+    `include_usage` asks for usage, as it does of vLLM: on every chunk and at the end."""
+    if not isinstance(options, dict):
+        return False
+    flag = options.get("include_usage")
+    if flag is None and "include_usage" not in options:
+        return options.get("continuous_usage_stats") is True
+    return flag is True
+
+
+def forced_usage(options: object) -> dict[str, Any]:
+    """The `stream_options` the gateway sends for a stream that did not ask for usage
+    (`asks_usage`): the client's, asking for the final usage chunk only (which the relay drops,
+    `sse.SseRelay`). vLLM puts usage on every chunk when `continuous_usage_stats` is true as
+    well, so that flag is left out: without `include_usage` it has no effect in vLLM."""
+    out = {**options} if isinstance(options, dict) else {}
+    out.pop("continuous_usage_stats", None)
+    out["include_usage"] = True
+    return out
+
+
 def streams(body: dict[str, Any], api: ApiRoute) -> bool:
     """Whether the request asks for a stream (its `stream`, read by `parse_body` or
     `parse_form`, on a route that has the field)."""

@@ -192,7 +192,8 @@ class SseRelay(EventRelay):
 
     - a usage chunk with `"choices": null` gets `"choices": []` (vLLM quirk; SDKs expect a list);
     - with `strip_usage`, the usage-only chunk the gateway asked for on the client's behalf is
-      dropped after its usage is recorded;
+      dropped after its usage is recorded, and a chunk of the answer that carries usage all the
+      same (vLLM's per-chunk usage) is forwarded without it;
     - a worker's error event becomes one error event in the gateway's shape, recorded in `error`;
       from then on `feed` forwards nothing;
     - `done` records whether the worker finished the stream with `[DONE]`.
@@ -293,7 +294,16 @@ class SseRelay(EventRelay):
             return payload
         self.usage = usage
         choices = obj.get("choices")
-        if self.strip_usage and not choices:
+        if choices:
+            # A chunk of the answer that carries usage too (vLLM's `continuous_usage_stats`, or
+            # every stream of a vLLM run with `--enable-force-include-usage`): counted, and
+            # without its usage when the client did not ask for any.
+            self._count(payload)
+            if not self.strip_usage:
+                return payload
+            del obj["usage"]
+            return orjson.dumps(obj)
+        if self.strip_usage:
             return None
         if "choices" in obj and choices is None:
             obj["choices"] = []

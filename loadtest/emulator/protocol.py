@@ -18,7 +18,7 @@ from loadtest.emulator.config import EmulatorConfig
 from loadtest.emulator.errors import ApiError
 from loadtest.emulator.tools import choose_tool, tool_call_arguments
 from loadtest.engine.tokenizer import Tokenizer, TokenizerError
-from prompt_normalizer.lax import lax_bool
+from prompt_normalizer.lax import lax_bool, lax_int
 
 Endpoint = Literal["chat", "completions", "responses", "messages"]
 MAX_CACHE_SALT_CHARS = 1024
@@ -72,11 +72,13 @@ class CommonFields:
 
 
 def int_field(body: Mapping[str, Any], name: str, minimum: int, maximum: int | None = None) -> int | None:
-    """An optional integer field within bounds (booleans are not integers here)."""
+    """An optional integer field within bounds, read as vLLM's lax pydantic models read one
+    (`2`, `2.0`, `"2"`, `true`; not `2.5` or `"two"`)."""
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    value = lax_int(value)
+    if value is None or value < minimum:
         raise ApiError.bad_request(f"{name} must be an integer >= {minimum}", name)
     if maximum is not None and value > maximum:
         raise ApiError.bad_request(f"{name} must be at most {maximum}", name)
@@ -87,9 +89,10 @@ def bool_field(body: Mapping[str, Any], name: str, default: bool = False) -> boo
     value = body.get(name, default)
     if value is None:
         return default
-    if not isinstance(value, bool):
+    flag = lax_bool(value)  # as vLLM reads it: `"true"`, 1, `"yes"`, `"on"`...
+    if flag is None:
         raise ApiError.bad_request(f"{name} must be a boolean", name)
-    return value
+    return flag
 
 
 def check_model(body: Mapping[str, Any], cfg: EmulatorConfig) -> str:
@@ -120,8 +123,8 @@ def common_fields(body: Mapping[str, Any], cfg: EmulatorConfig) -> CommonFields:
     request_id = body.get("request_id")
     if request_id is not None and (not isinstance(request_id, str) or not request_id):
         raise ApiError.bad_request("request_id must be a non-empty string", "request_id")
-    priority = body.get("priority", 0)
-    if isinstance(priority, bool) or not isinstance(priority, int):
+    priority = lax_int(body.get("priority", 0))  # vLLM's `priority: int = 0`: null is refused
+    if priority is None:
         raise ApiError.bad_request("priority must be an integer", "priority")
     return CommonFields(model, stream, salt, request_id, priority)
 

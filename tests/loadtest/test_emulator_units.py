@@ -173,9 +173,9 @@ def test_request_validation() -> None:
     assert gen.prompt_ids.tolist() == [97, 98, 99] and gen.include_usage
     assert parse_completions({"prompt": [[1, 2]]}, CFG, TOK).prompt_ids.tolist() == [1, 2]
     bad: list[tuple[dict[str, Any], str]] = [
-        ({"prompt": "x", "max_tokens": True}, "max_tokens"),
-        ({"prompt": "x", "max_tokens": "5"}, "max_tokens"),
-        ({"prompt": "x", "stream": "yes"}, "stream"),
+        ({"prompt": "x", "max_tokens": 2.5}, "max_tokens"),  # lax mode reads true, "5" and 5.0
+        ({"prompt": "x", "max_tokens": "five"}, "max_tokens"),
+        ({"prompt": "x", "stream": "maybe"}, "stream"),  # and "yes"
         ({"prompt": ["a", 5]}, "prompt"),
         ({"prompt": "x", "logprobs": 21}, "logprobs"),
         ({"prompt": "x", "request_id": ""}, "request_id"),

@@ -293,7 +293,15 @@ _SAMPLING_OUTPUT_FIELDS = ("max_tokens", "max_new_tokens")
 
 
 def _positive_int(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    """A positive integer field as the worker reads it (lax: `"4000"` and `4000.0` are 4000), else
+    None (absent, refused by lax mode, or not positive: the worker's own 400 then)."""
+    if value.__class__ is not int:
+        if value is None:
+            return None
+        value = lax_int(value)
+        if value is None:
+            return None
+    return value if value > 0 else None
 
 
 def _output_field(body: dict[str, Any], prompt: str | None) -> tuple[str, int] | None:

@@ -160,3 +160,14 @@ def test_a_worker_that_leaves_the_pool_counts_no_more() -> None:
     pool.windows.note(W2, ModelWindows({"m": 4096}))
     pool.set_urls([W2])
     assert pool.windows.max_model_len == {"m": 4096, "m-sql": 4096}
+
+
+@pytest.mark.parametrize(
+    ("value", "budget"), [("4000", 4000), (4000.0, 4000), (" 12 ", 12), ("x", 0), (2.5, 0)]
+)
+def test_a_budget_is_read_as_the_worker_reads_it(value: object, budget: int) -> None:
+    # vLLM reads "4000" as 4000 (lax pydantic): the load and the window check count it so too.
+    assert output_budget({"model": "m", "max_tokens": value}, "chat", 8192) == budget
+    if budget:
+        with pytest.raises(ApiError):
+            output_budget({"model": "m", "max_tokens": value}, "chat", budget)

@@ -7,8 +7,9 @@ from collections import Counter
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.auth import hash_api_key
 from tests.gateway.access_lines import AccessLines, capture_access
-from tests.gateway.routes_rig import Rig, routes_rig
+from tests.gateway.routes_rig import SECRET, Rig, routes_rig
 
 RESPONSES_BODY = {"model": "m", "input": "hello"}
 
@@ -50,3 +51,27 @@ async def test_stored_response_requests_refused_for_their_key_are_counted() -> N
         assert logged[("responses.retrieve", "401", "", "")] == 1
         assert logged[("responses.cancel", "401", "", "")] == 1
         assert _counted(r) == logged
+
+
+async def test_a_refusal_after_the_model_was_resolved_is_counted_under_it() -> None:
+    """The tpm quota's 429 (and any refusal after `admit` found the served model) is counted
+    with that model, as its access line names it; an unknown model's 404 is not (its name is
+    the client's)."""
+    tenants = [
+        {"name": "t", "api_key_hashes": [hash_api_key(SECRET, "sk-t")], "quotas": {"tpm": 5}},
+    ]
+    async with routes_rig(tenants=tenants) as r:
+        lines = capture_access(r.state)
+        key = {"authorization": "Bearer sk-t"}
+        big = {"model": "m", "input": "hello there " * 40}
+        assert (await r.client.post("/v1/responses", json=big, headers=key)).status_code == 429
+        bad = {**RESPONSES_BODY, "request_id": "no spaces"}
+        assert (await r.client.post("/v1/responses", json=bad, headers=key)).status_code == 400
+        unknown = {**RESPONSES_BODY, "model": "nope"}
+        assert (await r.client.post("/v1/responses", json=unknown, headers=key)).status_code == 404
+        logged = _logged(lines)
+        assert logged[("responses", "429", "t", "m")] == 1
+        assert logged[("responses", "400", "t", "m")] == 1
+        assert logged[("responses", "404", "t", "")] == 1
+        assert _counted(r) == logged
+        assert not any(w.received for w in r.workers)

@@ -353,7 +353,10 @@ class PoolQueue:
 def build_queues(
     pools: Mapping[str, Pool], weights: Mapping[str, float], metrics: GatewayMetrics
 ) -> dict[str, PoolQueue]:
-    """One queue per pool whose `queue.enabled`; the depth gauge is refreshed at scrape time."""
+    """One queue per pool whose `queue.enabled`; the depth gauge is refreshed at scrape time,
+    0 for a configured tenant with nothing waiting (a series that vanished when a queue emptied
+    would read as "no data", not as an empty queue). So its series are the queued pools times
+    the tenants (`weights` names each configured tenant)."""
     queues = {
         name: PoolQueue(pool, pool.config.queue, weights, metrics)
         for name, pool in pools.items()
@@ -363,8 +366,9 @@ def build_queues(
     def refresh_depths() -> None:
         metrics.queue_depth.clear()
         for name, queue in queues.items():
-            for tenant, n in queue.depths().items():
-                metrics.queue_depth.labels(name, tenant).set(n)
+            depths = queue.depths()
+            for tenant in weights.keys() | depths.keys():
+                metrics.queue_depth.labels(name, tenant).set(depths.get(tenant, 0))
 
     metrics.before_scrape.append(refresh_depths)
     return queues

@@ -399,7 +399,8 @@ def record_refusal(
     stored-response request (`responses_routes.py`, which admits nothing): the same fields as
     `record_request`'s, those not known null. No `error_detail`: a refusal's message may quote
     the request; the code and the status say what was wrong. The API key is never logged, only
-    the tenant it names."""
+    the tenant it names. With tracing on, the same fields go on the request's SERVER span when
+    it has one (a proxied route's), so it joins the line by `kvgate.request_id`."""
     fields = {
         "request_id": ids.internal,
         "client_request_id": ids.client,
@@ -423,3 +424,5 @@ def record_refusal(
         "hold_ms": None,
     }
     routing.access_log.write(fields)
+    if routing.tracer is not None:
+        routing.tracer.record(fields)

@@ -266,6 +266,11 @@ def finish(
     one the client got, or `client_disconnected`), `error_detail` its words (see `record_request`).
     `delivered_tokens` is a stream's count of the content events relayed (`sse.Relay`)."""
     if attempt is not None:
+        trace = attempt.trace
+        if trace is not None and error is not None and status != 499 and trace.error_type is None:
+            # A stream that failed after its first event: its CLIENT span's `error.type` is the
+            # code the client got in its error event (a 499's client got nothing: the outcome).
+            trace.error_type = error
         attempt.end(routing, outcome, usage)
         if status == 200 and admitted.stream and not admitted.recorded:
             _time_per_output_token(routing, attempt, usage)

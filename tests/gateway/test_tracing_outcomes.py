@@ -15,7 +15,7 @@ from aiohttp import web
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import SpanKind, StatusCode
 
 from gateway.app import build_app
 from gateway.auth import hash_api_key
@@ -127,3 +127,19 @@ async def test_a_refused_requests_server_span_joins_its_access_line(traced: Trac
         assert attrs.get("gen_ai.request.model") == model
         assert attrs["error.type"] == str(status) and attrs["http.response.status_code"] == status
         assert span.name == ("chat m" if model else "chat")
+
+
+async def test_a_stream_that_fails_after_its_head_has_the_error_events_status(traced: Traced) -> None:
+    resp, line = await traced.post({**CHAT, "stream": True}, "sk-t")
+    assert resp.status_code == 200 and "upstream_stream_error" in resp.text  # the error event
+    assert (line["status"], line["error"]) == (502, "upstream_stream_error")
+    (client,) = [s for s in traced.spans.get_finished_spans() if s.kind is SpanKind.CLIENT]
+    server = traced.server()
+    s, c = dict(server.attributes or {}), dict(client.attributes or {})
+    # The HTTP status is the head's; `error.type` and the span status are the error event's.
+    assert s["http.response.status_code"] == 200 and s["error.type"] == "502"
+    assert server.status.status_code is StatusCode.ERROR
+    assert s["kvgate.request_id"] == line["request_id"]
+    assert c["kvgate.attempt.outcome"] == "worker_failed"
+    assert c["error.type"] == "upstream_stream_error"  # the code the client got, not the outcome
+    assert client.status.status_code is StatusCode.ERROR

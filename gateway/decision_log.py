@@ -73,7 +73,7 @@ class DecisionLog:
         policies' `held_tokens`, their per-worker prediction of cached tokens, is what they
         scored; other policies predict nothing)."""
         predicted = self._predicted(route, decision, policy, now_s)
-        self._append(request_id, self._entry(route, decision, views, predicted, now_s))
+        self._append(request_id, self._entry(route, decision, views, predicted, now_s, time.time()))
 
     def decided_pd(
         self,
@@ -89,12 +89,13 @@ class DecisionLog:
         decode leg of a split (the latter with the tokens it is to read and the chooser's
         `transfer_s` for them), or the worker alone."""
         predicted = self._predicted(route, decision.decode, policy, now_s)
+        wall_s = time.time()
         if decision.prefill is None:
-            entry = self._entry(route, decision.decode, views, predicted, now_s)
+            entry = self._entry(route, decision.decode, views, predicted, now_s, wall_s)
             self._append(request_id, {"role": "alone", **entry})
             return
-        prefill = self._entry(route, decision.prefill, views, predicted, now_s)
-        decode = self._entry(route, decision.decode, views, predicted, now_s)
+        prefill = self._entry(route, decision.prefill, views, predicted, now_s, wall_s)
+        decode = self._entry(route, decision.decode, views, predicted, now_s, wall_s)
         decode["transfer_tokens"] = decision.transfer_tokens
         decode["transfer_s"] = round(transfer_s, 6)
         self._append(request_id, {"role": "prefill", **prefill})
@@ -115,10 +116,13 @@ class DecisionLog:
         views: Sequence[WorkerView],
         predicted: dict[WorkerId, int],
         now_s: float,
+        wall_s: float,
     ) -> dict[str, Any]:
+        """One decision; `wall_s` is the Unix time it was made (`time.time()` then)."""
         assert self._origin_s is not None
         return {
             "t_s": round(now_s - self._origin_s, 6),
+            "wall_ts": round(wall_s, 3),
             "worker": decision.worker,
             "reason": decision.reason,
             "score_s": round(decision.score_s, 6),
@@ -194,7 +198,6 @@ class DecisionLog:
             "prompt_tokens": prompt_tokens,
             "cached_tokens": cached_tokens,
             "ttft_ms": round(ttft_s * 1000, 3) if ttft_s is not None else None,
-            "wall_ts": round(time.time(), 3),
         }
         self._lines.append(orjson.dumps(record) + b"\n")
         if len(self._lines) >= self._max_lines:

@@ -13,6 +13,15 @@ for a worker that serves the whole request. Mixed pools' decisions carry no role
 Nothing in a line identifies content: the request's ids, its tenant's namespace, token and block
 counts, worker ids and load figures. Never prompt text, token ids or block keys. The file is
 bounded: after `max_records` lines nothing more is written (the count of dropped lines is kept).
+
+One run, one timeline. A gateway on its own starts the file afresh when it opens it (a restart
+does not continue an old run's lines, whose `t_s` counted from another origin), and its `t_s`
+count from its first decision. Under `kvgate serve --processes N` every process appends to the
+same file, which the supervisor started afresh, and counts `t_s` from the origin the supervisor
+hands every process (`ORIGIN_ENV`: its monotonic clock, which is the host's), so the processes'
+lines, and those of a process it restarted, share one timeline; each process writes at most
+`max_records` lines. Each line is one `write` to a file opened `O_APPEND`, so lines of different
+processes do not interleave.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ from __future__ import annotations
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -29,6 +38,10 @@ from gateway.config.base import ConfigError
 from gateway.logs import write_lines
 from policies.base import RouteDecision, RouteRequest, WorkerId, WorkerView
 from policies.pd import PdDecision
+
+# Set by `kvgate serve --processes` (`gateway/multiproc.py`) for its children: the run's time
+# origin (`time.monotonic()` seconds) shared by every process appending to the one file.
+ORIGIN_ENV = "KVGATE_DECISION_LOG_ORIGIN_S"
 
 # Decisions awaiting their request's end; beyond this the oldest are dropped (a request that never
 # finishes must not grow the log's memory).
@@ -45,20 +58,27 @@ class DecisionLog:
 
     _max_lines = 256
 
-    def __init__(self, path: str, max_records: int, top_candidates: int = 8) -> None:
+    def __init__(
+        self,
+        path: str,
+        max_records: int,
+        top_candidates: int = 8,
+        environ: Mapping[str, str] = os.environ,
+    ) -> None:
         self.path = path
         self.max_records = max_records
         self.top_candidates = top_candidates
         self.written = 0
         self.dropped = 0
+        # Monotonic seconds the log's times count from: the run's (`ORIGIN_ENV`), else the first
+        # decision's.
+        self._origin_s = shared_origin(environ)
         try:
-            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            self._fd = open_log(path, fresh=self._origin_s is None)
         except OSError as exc:
             raise ConfigError(f"decision_log.path: cannot open {path!r}: {exc.strerror}") from None
         self._pending: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
         self._lines: list[bytes] = []
-        # Monotonic seconds of the first decision: times in the log count from it.
-        self._origin_s: float | None = None
 
     def decided(
         self,
@@ -209,3 +229,16 @@ class DecisionLog:
     def close(self) -> None:
         self.flush()
         os.close(self._fd)
+
+
+def shared_origin(environ: Mapping[str, str]) -> float | None:
+    """The run's time origin the supervisor of `--processes` handed this process (`ORIGIN_ENV`);
+    None for a gateway on its own."""
+    raw = environ.get(ORIGIN_ENV)
+    return float(raw) if raw else None
+
+
+def open_log(path: str, *, fresh: bool) -> int:
+    """The log file for appending whole lines; `fresh` empties it first (a new run's file)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if fresh else 0)
+    return os.open(path, flags, 0o600)

@@ -79,13 +79,14 @@ async def test_waiters_closed_by_the_drain_or_left_without_a_worker_have_their_w
     metrics = GatewayMetrics()
     queue = PoolQueue(pool, pool.config.queue, {}, metrics, tick_s=0.01)
     closed, orphan = _queued("a"), _queued("b")
-    stuck = asyncio.ensure_future(queue.wait(closed, FirstFree))
+    policy = FirstFree()
+    stuck = asyncio.ensure_future(queue.wait(closed, lambda: policy))
     await wait_until(lambda: queue.waiting == 1)
     queue.close()
     refused = await stuck
     assert isinstance(refused, Failure) and refused.code == "gateway_shutting_down"
     assert closed.queued_s is not None and _waits(metrics, "a")[0] == 1
-    waiting = asyncio.ensure_future(queue.wait(orphan, FirstFree))
+    waiting = asyncio.ensure_future(queue.wait(orphan, lambda: policy))
     await wait_until(lambda: queue.waiting == 1)
     worker.healthy = False
     routed = await asyncio.wait_for(waiting, 2)

@@ -159,10 +159,12 @@ class GatewayApp:
         model: str | None = None,
         stream: bool | None = None,
     ) -> None:
-        """Count and log a request that ends before admission (its metric's model stays empty:
-        a refused request's model may be any string the client sent)."""
+        """Count and log a request that ends before admission. Its metric's model is the served
+        model once `admit` resolved it (a refusal after that: the tpm quota, a prompt too long);
+        else empty: only a configured model may become a label value, never the client's string."""
         name = tenant.name if tenant is not None else None
-        self.routing.metrics.rejected(endpoint, status, name or "")
+        served = model if model is not None and model in self.gate.models else ""
+        self.routing.metrics.rejected(endpoint, status, name or "", served)
         record_refusal(
             self.routing,
             ids,

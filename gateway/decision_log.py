@@ -13,6 +13,15 @@ for a worker that serves the whole request. Mixed pools' decisions carry no role
 Nothing in a line identifies content: the request's ids, its tenant's namespace, token and block
 counts, worker ids and load figures. Never prompt text, token ids or block keys. The file is
 bounded: after `max_records` lines nothing more is written (the count of dropped lines is kept).
+
+One run, one timeline. A gateway on its own starts the file afresh when it opens it (a restart
+does not continue an old run's lines, whose `t_s` counted from another origin), and its `t_s`
+count from its first decision. Under `kvgate serve --processes N` every process appends to the
+same file, which the supervisor started afresh, and counts `t_s` from the origin the supervisor
+hands every process (`ORIGIN_ENV`: its monotonic clock, which is the host's), so the processes'
+lines, and those of a process it restarted, share one timeline; each process writes at most
+`max_records` lines. Each line is one `write` to a file opened `O_APPEND`, so lines of different
+processes do not interleave.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ from __future__ import annotations
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -29,6 +38,10 @@ from gateway.config.base import ConfigError
 from gateway.logs import write_lines
 from policies.base import RouteDecision, RouteRequest, WorkerId, WorkerView
 from policies.pd import PdDecision
+
+# Set by `kvgate serve --processes` (`gateway/multiproc.py`) for its children: the run's time
+# origin (`time.monotonic()` seconds) shared by every process appending to the one file.
+ORIGIN_ENV = "KVGATE_DECISION_LOG_ORIGIN_S"
 
 # Decisions awaiting their request's end; beyond this the oldest are dropped (a request that never
 # finishes must not grow the log's memory).
@@ -45,20 +58,27 @@ class DecisionLog:
 
     _max_lines = 256
 
-    def __init__(self, path: str, max_records: int, top_candidates: int = 8) -> None:
+    def __init__(
+        self,
+        path: str,
+        max_records: int,
+        top_candidates: int = 8,
+        environ: Mapping[str, str] = os.environ,
+    ) -> None:
         self.path = path
         self.max_records = max_records
         self.top_candidates = top_candidates
         self.written = 0
         self.dropped = 0
+        # Monotonic seconds the log's times count from: the run's (`ORIGIN_ENV`), else the first
+        # decision's.
+        self._origin_s = shared_origin(environ)
         try:
-            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            self._fd = open_log(path, fresh=self._origin_s is None)
         except OSError as exc:
             raise ConfigError(f"decision_log.path: cannot open {path!r}: {exc.strerror}") from None
         self._pending: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
         self._lines: list[bytes] = []
-        # Monotonic seconds of the first decision: times in the log count from it.
-        self._origin_s: float | None = None
 
     def decided(
         self,
@@ -73,7 +93,7 @@ class DecisionLog:
         policies' `held_tokens`, their per-worker prediction of cached tokens, is what they
         scored; other policies predict nothing)."""
         predicted = self._predicted(route, decision, policy, now_s)
-        self._append(request_id, self._entry(route, decision, views, predicted, now_s))
+        self._append(request_id, self._entry(route, decision, views, predicted, now_s, time.time()))
 
     def decided_pd(
         self,
@@ -89,12 +109,13 @@ class DecisionLog:
         decode leg of a split (the latter with the tokens it is to read and the chooser's
         `transfer_s` for them), or the worker alone."""
         predicted = self._predicted(route, decision.decode, policy, now_s)
+        wall_s = time.time()
         if decision.prefill is None:
-            entry = self._entry(route, decision.decode, views, predicted, now_s)
+            entry = self._entry(route, decision.decode, views, predicted, now_s, wall_s)
             self._append(request_id, {"role": "alone", **entry})
             return
-        prefill = self._entry(route, decision.prefill, views, predicted, now_s)
-        decode = self._entry(route, decision.decode, views, predicted, now_s)
+        prefill = self._entry(route, decision.prefill, views, predicted, now_s, wall_s)
+        decode = self._entry(route, decision.decode, views, predicted, now_s, wall_s)
         decode["transfer_tokens"] = decision.transfer_tokens
         decode["transfer_s"] = round(transfer_s, 6)
         self._append(request_id, {"role": "prefill", **prefill})
@@ -115,10 +136,13 @@ class DecisionLog:
         views: Sequence[WorkerView],
         predicted: dict[WorkerId, int],
         now_s: float,
+        wall_s: float,
     ) -> dict[str, Any]:
+        """One decision; `wall_s` is the Unix time it was made (`time.time()` then)."""
         assert self._origin_s is not None
         return {
             "t_s": round(now_s - self._origin_s, 6),
+            "wall_ts": round(wall_s, 3),
             "worker": decision.worker,
             "reason": decision.reason,
             "score_s": round(decision.score_s, 6),
@@ -194,7 +218,6 @@ class DecisionLog:
             "prompt_tokens": prompt_tokens,
             "cached_tokens": cached_tokens,
             "ttft_ms": round(ttft_s * 1000, 3) if ttft_s is not None else None,
-            "wall_ts": round(time.time(), 3),
         }
         self._lines.append(orjson.dumps(record) + b"\n")
         if len(self._lines) >= self._max_lines:
@@ -206,3 +229,16 @@ class DecisionLog:
     def close(self) -> None:
         self.flush()
         os.close(self._fd)
+
+
+def shared_origin(environ: Mapping[str, str]) -> float | None:
+    """The run's time origin the supervisor of `--processes` handed this process (`ORIGIN_ENV`);
+    None for a gateway on its own."""
+    raw = environ.get(ORIGIN_ENV)
+    return float(raw) if raw else None
+
+
+def open_log(path: str, *, fresh: bool) -> int:
+    """The log file for appending whole lines; `fresh` empties it first (a new run's file)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if fresh else 0)
+    return os.open(path, flags, 0o600)

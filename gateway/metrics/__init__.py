@@ -31,10 +31,11 @@ class GatewayMetrics(MetricCatalogue):
         # (and a small set of statuses), so every map of children stays bounded.
         self._per_model: dict[tuple[str, str], _ModelChildren] = {}
 
-    def rejected(self, endpoint: str, status: int, tenant: str = "") -> None:
-        """A request refused before it was tied to a served model: its tenant once its key was
-        known (a configured name, so the labels stay bounded), the model label empty."""
-        self.requests.labels("", tenant, str(status), endpoint).inc()
+    def rejected(self, endpoint: str, status: int, tenant: str = "", model: str = "") -> None:
+        """A request refused before admission: its tenant once its key was known and its model
+        once it was resolved to a served one (configured names both, so the labels stay
+        bounded); empty before that."""
+        self.requests.labels(model, tenant, str(status), endpoint).inc()
 
     def observe(
         self,

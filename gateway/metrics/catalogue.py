@@ -16,6 +16,8 @@ from gateway.metrics.families import HotCollector, SnapshotCounter
 
 _SYNC_LAG_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# A whole request may last up to `timeouts.total_s` (600 s by default): its buckets reach that far.
+_DURATION_BUCKETS_S = (*_LATENCY_BUCKETS_S, 300.0, 600.0)
 # vLLM's buckets for its time-per-output-token histograms, so gateway and engine panels line up.
 _TPOT_BUCKETS_S = (
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
@@ -48,15 +50,16 @@ class MetricCatalogue:
         )
         self.ttft = hot.histogram(
             "kvgate_time_to_first_token_seconds",
-            "Gateway-measured TTFT of streamed requests",
+            "Gateway-measured TTFT of streamed requests, from the dispatch to a worker to that"
+            " worker's first event: time in the pool's queue is not in it",
             ("model",),
             _LATENCY_BUCKETS_S,
         )
         self.duration = hot.histogram(
             "kvgate_request_duration_seconds",
-            "Time from request to last byte",
+            "Time from request to last byte (queue wait and retries included)",
             ("model",),
-            _LATENCY_BUCKETS_S,
+            _DURATION_BUCKETS_S,
         )
         self.tpot = hot.histogram(
             "kvgate_request_time_per_output_token_seconds",

@@ -45,7 +45,7 @@ class HttpDecision:
     """A request's first routing decision in the HTTP run, and what the worker reported."""
 
     request_id: str  # the client's id: the workload request's
-    t_s: float  # decision time, seconds after the log's first decision
+    t_s: float  # decision time, seconds after the run's origin (`rebase` counts from the first)
     worker: str
     reason: str
     predicted_cached_tokens: int

@@ -53,6 +53,12 @@ def test_hot_counters_and_histograms_render_as_prometheus_families() -> None:
     assert s[(bucket, (("le", "0.01"), ("model", "m")))] == 2
     assert s[(bucket, (("le", "10.0"), ("model", "m")))] == 3
     assert s[(bucket, (("le", "120.0"), ("model", "m")))] == 3
+    # As far as `timeouts.total_s`' default: a request of 500 s is in a bucket of its own.
+    assert s[(bucket, (("le", "300.0"), ("model", "m")))] == 3
+    assert s[(bucket, (("le", "600.0"), ("model", "m")))] == 4
+    assert (("le", "300.0"), ("model", "m")) not in {
+        k[1] for k in s if k[0].startswith("kvgate_time_to_first")
+    }
     assert s[(bucket, (("le", "+Inf"), ("model", "m")))] == 4
     assert s[("kvgate_request_duration_seconds_count", (("model", "m"),))] == 4
     assert s[("kvgate_request_duration_seconds_sum", (("model", "m"),))] == 0.005 + 0.0051 + 7.0 + 500.0

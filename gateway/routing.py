@@ -35,6 +35,13 @@ class Routing:
     _hold_checked: RoutingPolicy | None = field(default=None, init=False, repr=False)
     _holder: SupportsHold | None = field(default=None, init=False, repr=False)
 
+    def swap(self, policy: RoutingPolicy) -> RoutingPolicy:
+        """Make `policy` the current one (a reload); returns the one it replaces, which nothing
+        here keeps (the hold check made for it is forgotten)."""
+        previous, self.policy = self.policy, policy
+        self._hold_checked = self._holder = None
+        return previous
+
     def hold_s(self, route: RouteRequest, now_s: float) -> float:
         """How long to hold `route` before deciding it (`SupportsHold`: peers' decisions of the
         same instant reach this gateway first); 0 with a policy that never holds. The protocol

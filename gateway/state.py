@@ -77,7 +77,9 @@ class GatewayState:
                 kept = policy.carry_over(self.routing.policy, same_keys)
             except Exception:  # the swap goes on: the new policy learns from nothing, as it could
                 log.exception("policy reload: taking over what was learned failed; starting afresh")
-        self.routing.policy = policy
+        previous = self.routing.swap(policy)
+        if isinstance(previous, CarriesLearning) and previous is not policy:
+            previous.retire()
         return kept
 
 

@@ -264,12 +264,28 @@ class UpstreamPool:
         if not conn.alive or self._closed:
             conn.abort()
             return
-        idle = self._idle.setdefault(key, deque())
+        idle = self._idle.get(key)
+        if idle is None:
+            # A worker address not seen idle before: workers come and go (discovery, pod IPs), so
+            # the addresses left with nothing usable idle are dropped first, and the map holds
+            # the workers in use rather than every address ever seen.
+            self._sweep_idle()
+            idle = self._idle[key] = deque()
         if len(idle) >= self._max_idle:
             conn.abort()
             return
         conn.idle_since_s = time.monotonic()
         idle.append(conn)
+
+    def _sweep_idle(self) -> None:
+        """Close the idle connections the worker closed or that outlived the keep-alive, oldest
+        first, and forget the addresses left with none."""
+        horizon = time.monotonic() - self._keepalive_s
+        for key, idle in list(self._idle.items()):
+            while idle and not (idle[0].alive and idle[0].idle_since_s >= horizon):
+                idle.popleft().abort()
+            if not idle:
+                del self._idle[key]
 
     def close(self) -> None:
         self._closed = True

@@ -148,6 +148,12 @@ class CostPolicy(HerdingPolicy):
             self._recent_work.window_s = self.load_window_s
         return kept
 
+    def retire(self) -> None:
+        super().retire()
+        self._columns = OrderedDict()
+        self._recent_work = RecentWork(self.load_window_s)
+        self._ledger = InflightLedger()
+
     def recent_work_s(self, worker: WorkerId, now_s: float) -> float:
         """Prefill seconds this policy routed to `worker`, exponentially decayed over `load_window_s`;
         the model's seconds, before calibration: the score multiplies them by the current scale."""

@@ -69,6 +69,13 @@ class CarriesLearning(Protocol):
         are keyed as before); returns the pools whose prefix index was taken over."""
         ...
 
+    def retire(self) -> None:
+        """Let go of what this policy learned, once another has replaced it (and taken over what
+        it carries): anything still holding the old policy (a request dispatched before the swap,
+        the process's start-up frames, the objects `gc.freeze` made permanent) must not keep its
+        index alive. The policy stays usable, as a new one would be."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class PoolSettings:

@@ -76,6 +76,17 @@ class PrefixPolicyBase(PeerSyncing):
 
     MAX_DISPATCHED = 65_536
 
+    def retire(self) -> None:
+        """`CarriesLearning.retire`: each learned structure is replaced by an empty one, never
+        emptied in place (the policy that took over may hold the very same objects)."""
+        self._pools = PoolSet(self.shared.pools, self.shared.default_pool, self._namespace_share)
+        self._public = PublicPrefixes(self.shared.promotion)
+        self._feeds = {}
+        self._dispatched = {}
+        self._own_memo = None
+        self._carried_feeds = frozenset()
+        self._init_peer_sync()
+
     def carry_over(self, previous: object, pools: Collection[str]) -> list[str]:
         """A policy reload's hand-over (`policies.pools.CarriesLearning`): take over what
         `previous`, the prefix-aware policy this one replaces, learned. Of each pool in `pools`

@@ -87,6 +87,32 @@ async def test_an_idle_connection_the_worker_closed_is_replaced(
     assert server.connections == 2
 
 
+async def test_an_address_left_with_nothing_usable_idle_is_forgotten(
+    serve: Callable[[Handler], Awaitable[Server]],
+) -> None:
+    # Workers come and go (pod IPs): the idle map must not keep every address ever seen.
+    async def closes(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await read_request(reader)
+        writer.write(OK)
+        await writer.drain()
+
+    async def keeps(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        while True:
+            await read_request(reader)
+            writer.write(OK)
+            await writer.drain()
+
+    gone, staying, new = await serve(closes), await serve(keeps), await serve(keeps)
+    pool = UpstreamPool()
+    assert (await send(pool, staying)).status == 200 and (await send(pool, gone)).status == 200
+    await gone.closed.wait()
+    await wait_until(lambda: not pool._idle[("127.0.0.1", gone.port)][0].alive)
+    assert (await send(pool, new)).status == 200  # a new address: the map is swept
+    assert set(pool._idle) == {("127.0.0.1", staying.port), ("127.0.0.1", new.port)}
+    assert (await send(pool, staying)).status == 200 and staying.connections == 1  # kept, reused
+    pool.close()
+
+
 async def test_timeouts_before_and_during_the_answer(serve: Callable[[Handler], Awaitable[Server]]) -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
         server.requests.append(await read_request(reader))

@@ -49,6 +49,7 @@ DRIFT_TEMPLATE = """\
 
 RULES_ON_YAML = f"""\
 canonical_json: true
+property_order: sort
 volatile_rules:
   - {{name: clock, pattern: '{CLOCK_PREFIX}[^\\n]*', roles: [system], action: move_to_end}}
   - {{name: reasoning, field: reasoning_content, roles: [assistant], action: drop}}
@@ -56,8 +57,9 @@ volatile_rules:
 
 
 def rules_on(base: dict[str, object], without: str | None = None) -> NormalizerConfig:
-    """Canonical JSON plus the two volatile rules this workload needs; `without` drops one of them
-    (`clock`, `reasoning` or `canonical_json`) for the ablation rows."""
+    """Canonical JSON (schema properties sorted too) plus the two volatile rules this workload
+    needs; `without` drops one of them (`clock`, `reasoning` or `canonical_json`) for the ablation
+    rows."""
     rules = tuple(
         rule
         for rule in (
@@ -69,7 +71,12 @@ def rules_on(base: dict[str, object], without: str | None = None) -> NormalizerC
         if rule.name != without
     )
     return NormalizerConfig.model_validate(
-        {**base, "canonical_json": without != "canonical_json", "volatile_rules": rules}
+        {
+            **base,
+            "canonical_json": without != "canonical_json",
+            "property_order": "sort",  # this workload's clients rebuild schemas in a new key order
+            "volatile_rules": rules,
+        }
     )
 
 

@@ -101,6 +101,7 @@ class ChatRules:
     whitespace: bool
     canonical_json: bool
     sort_tools: bool
+    sort_properties: bool
     volatile_rules: tuple[VolatileRule, ...]
     volatile_role: str
     immutable_roles: frozenset[str]
@@ -120,6 +121,7 @@ class ChatRules:
             whitespace=config.whitespace,
             canonical_json=config.canonical_json,
             sort_tools=config.tool_order == "sort",
+            sort_properties=config.property_order == "sort",
             volatile_rules=config.volatile_rules,
             volatile_role=config.volatile_role,
             immutable_roles=frozenset(zones.immutable_roles),
@@ -251,7 +253,7 @@ def _apply_switches(
                     report.add(f"whitespace: changed messages[{i}].{suffix}")
     if rules.canonical_json:
         for j, tool in enumerate(tools or ()):
-            tools[j], changed = sort_keys(tool)  # type: ignore[index]
+            tools[j], changed = sort_keys(tool, sort_all=rules.sort_properties)  # type: ignore[index]
             if changed:
                 report.add(f"canonical_json: reordered keys of tools[{j}]")
         if copied_messages.structured:

@@ -109,6 +109,7 @@ class NormalizerConfig(BaseModel):
 
     canonical_json: bool = True
     tool_order: Literal["preserve", "sort"] = "preserve"
+    property_order: Literal["preserve", "sort"] = "preserve"
     whitespace: bool = False
     unicode_nfc: bool = True
 

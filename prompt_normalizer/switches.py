@@ -81,24 +81,25 @@ def nfc(value: Any) -> tuple[Any, bool]:
 ORDERED_MEMBERS = frozenset(("properties",))
 
 
-def sort_keys(value: Any, keep_order: bool = False) -> tuple[Any, bool]:
+def sort_keys(value: Any, keep_order: bool = False, *, sort_all: bool = False) -> tuple[Any, bool]:
     """Recursively sorted object keys; reports whether any object was out of order. The members
-    of a schema's `properties` (`ORDERED_MEMBERS`) keep their order: only what is inside each
-    is sorted (`keep_order` is that object's own)."""
+    of a schema's `properties` (`ORDERED_MEMBERS`) keep their order unless `sort_all`: only what
+    is inside each is sorted (`keep_order` is that object's own)."""
     if isinstance(value, dict):
         keys = list(value)
         ordered = keys if keep_order else sorted(keys)
         changed = keys != ordered
         result: dict[str, Any] = {}
         for k in ordered:
-            result[k], c = sort_keys(value[k], not keep_order and k in ORDERED_MEMBERS)
+            keep = not (keep_order or sort_all) and k in ORDERED_MEMBERS
+            result[k], c = sort_keys(value[k], keep, sort_all=sort_all)
             changed |= c
         return result, changed
     if isinstance(value, list):
         changed = False
         out = []
         for item in value:
-            new, c = sort_keys(item)
+            new, c = sort_keys(item, sort_all=sort_all)
             out.append(new)
             changed |= c
         return out, changed

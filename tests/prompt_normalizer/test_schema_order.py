@@ -84,3 +84,13 @@ def test_sort_keys_reports_a_change_only_where_it_reordered() -> None:
     assert sort_keys(kept) == (kept, False)
     value, changed = sort_keys({"type": "object", "properties": {"b": {"type": "string"}}})
     assert changed and list(value) == ["properties", "type"]
+
+
+def test_property_order_sort_sorts_the_properties_too_for_clients_whose_order_drifts() -> None:
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [tool({"b": {"type": "string"}, "a": {}})],
+    }
+    canonical = canonicalize_chat(body, NormalizerConfig(property_order="sort"), KEY)
+    assert canonical.tools is not None
+    assert list(canonical.tools[0]["function"]["parameters"]["properties"]) == ["a", "b"]

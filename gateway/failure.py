@@ -88,11 +88,12 @@ class Failure:
     # request): the client may retry after their `Retry-After`, whatever its call's budget.
     later: bool = False
 
-    @property
-    def says_whether_to_retry(self) -> bool:
+    def says_whether_to_retry(self, only_later: bool) -> bool:
         """Whether the answer's own advice stands, so the call's retry budget adds none
-        (`retries.advice`)."""
-        return self.final or self.later
+        (`retries.advice`): always for a `final` failure; for a `later` one only when every attempt
+        of this try asked to be retried later (`only_later`): an attempt that cost a worker work
+        (a 5xx, a read timeout) still spends the call's budget."""
+        return self.final or (self.later and only_later)
 
     @property
     def held(self) -> bool:

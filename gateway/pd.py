@@ -112,7 +112,7 @@ async def _rounds(run: PdRun, router: PdRouter) -> Response:
         error_detail=failure.detail(),
     )
     response = a.api.dialect.error_response(failure.error(), a.reply_id)
-    if not failure.says_whether_to_retry:
+    if not failure.says_whether_to_retry(run.only_later):
         response.headers += advice(rounds, pool.config.retry_attempts, a.retries_taken)
     return response
 

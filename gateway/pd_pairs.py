@@ -93,6 +93,7 @@ class PdRun:
         self.retry_reason: str | None = None
         self.final = False
         self.failures = 0  # legs that failed: the request's retries
+        self.only_later = True  # every failed leg asked to be retried later (a worker's 503)
         self.verdicts = HeldVerdicts()  # the workers whose 5xx or read timeout awaits the request's fate
         self.read_timeouts = ReadTimeouts()  # past one, no further round (`failure.ReadTimeouts`)
         self.tasks: list[asyncio.Task[Any]] = []
@@ -155,6 +156,7 @@ class PdRun:
             attempt.end(self.routing, outcome or failure.outcome)
         self.read_timeouts.note(failure)
         self.failures += 1
+        self.only_later = self.only_later and failure.later
         if exclude:
             self.excluded.add(attempt.worker.worker_id)
         self.failure = failure

@@ -130,6 +130,7 @@ async def _attempts(
     failure: Failure | None = None  # why the latest attempt failed (None: no worker was tried)
     retry: RetryReason | None = None
     read_timeouts = ReadTimeouts()
+    only_later = True  # every failed attempt asked to be retried later (a worker's 503)
     queue = routing.queues.get(pool.name)
     for n in range(attempts_allowed(pool.config.retry_attempts, a.retries_taken)):
         now_s = time.monotonic()
@@ -172,6 +173,7 @@ async def _attempts(
         if attempt.trace is not None:
             attempt.trace.error_type = result.retry or result.code
         failure, retry = result, result.retry
+        only_later = only_later and result.later
         if result.held and worker.breaker.closed:
             attempt.end(routing, result.outcome, judged=False)
             verdicts.hold(worker, result)
@@ -190,7 +192,7 @@ async def _attempts(
         )
     _finish(routing, a, attempts, failure.status, failure.outcome, failure.code, failure.detail())
     response = a.api.dialect.error_response(failure.error(), a.reply_id)
-    if not failure.says_whether_to_retry:
+    if not failure.says_whether_to_retry(only_later):
         response.headers += advice(len(attempts), pool.config.retry_attempts, a.retries_taken)
     return response
 

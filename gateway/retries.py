@@ -14,9 +14,9 @@ attempts, and the gateway spends it:
   left (a pool with one routable worker, a worker's 429) the SDK may retry, and that try counts.
 - An answer where no worker was tried (no routable worker, a queue timeout, the gateway's own
   limits) never forbids a retry: retrying it sends nothing twice.
-- Nor does a worker's 503, nor does any answer that says itself whether to retry
-  (`Failure.says_whether_to_retry`): the workers asked to be retried later, after their
-  `Retry-After`, having spent nothing on the request; an answer too large is never retried.
+- Nor does a worker's 503 when every attempt of the try got one (`Failure.says_whether_to_retry`):
+  the workers asked to be retried later, after their `Retry-After`, having spent nothing on the
+  request. An answer too large is never retried.
 
 A worker's own `Retry-After` and `retry-after-ms` (an overloaded worker's advice) are forwarded
 when they are plain numbers; anything else (a date, garbage) is dropped rather than relayed.

@@ -71,6 +71,7 @@ class Workers:
 
     status: int = 500
     headers: dict[str, str] = field(default_factory=dict)
+    status_of: dict[str, int] = field(default_factory=dict)  # a worker's own, instead of `status`
     posts: list[str] = field(default_factory=list)  # the port of each completion POST
 
 
@@ -99,7 +100,9 @@ async def rig() -> AsyncIterator[Rig]:
         async def chat(_: web.Request) -> web.Response:
             workers.posts.append(port_name)
             return web.json_response(
-                {"error": {"message": "busy"}}, status=workers.status, headers=workers.headers
+                {"error": {"message": "busy"}},
+                status=workers.status_of.get(port_name, workers.status),
+                headers=workers.headers,
             )
 
         app = web.Application()
@@ -186,6 +189,19 @@ async def test_workers_503_is_a_503_with_the_workers_retry_after_which_the_sdk_m
         assert resp.headers["retry-after"] == "5" and "x-should-retry" not in resp.headers
     # The first call tried both workers; the third try of a call, one (its budget's last).
     assert sorted(rig.workers.posts[:2]) == ["a", "b"] and len(rig.workers.posts) == 3
+
+
+async def test_a_503_after_attempts_that_cost_work_still_spends_the_calls_budget(rig: Rig) -> None:
+    # Only a try whose every attempt asked to be retried later leaves the client free to retry:
+    # one 500 in it (a worker computed and failed) and the budget rule stands, whatever came last.
+    rig.workers.status_of = {"a": 500, "b": 503}
+    rig.workers.headers = {"Retry-After": "2"}
+    statuses = []
+    for _ in range(4):
+        resp = await rig.chat("m2")
+        statuses.append(resp.status_code)
+        assert resp.headers["x-should-retry"] == "false"
+    assert 503 in statuses and len(rig.workers.posts) == 8, (statuses, rig.workers.posts)
 
 
 async def test_a_503_without_retry_after_still_says_when_to_retry(rig: Rig) -> None:

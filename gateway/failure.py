@@ -238,11 +238,14 @@ def worker_status(status: int, hints: RetryHints = ()) -> Failure:
     discarded and another worker may take the request. When none does, a 503 (an overloaded or
     starting worker) reaches the client as a 503 with the worker's own `Retry-After`; a refusal
     of credentials as a 502 `worker_auth_failed` (the client's key was fine: the pool's worker
-    key is missing or wrong, which counts against the worker at once); any other 5xx as a 502."""
+    key is missing or wrong); any other 5xx as a 502. Each waits for the request's fate before
+    it counts against the worker (`Failure.held`)."""
     failed, retry = Outcome.WORKER_FAILED, RetryReason.WORKER_ERROR
     if status in REFUSED_CREDENTIALS:
         message = f"the worker refused the gateway's credentials (HTTP {status})"
-        return Failure(502, message, "worker_auth_failed", failed, retry)
+        # Held like a 5xx: a proxy in front of the workers may refuse the request itself (a WAF),
+        # and such a request must not open every worker's breaker.
+        return Failure(502, message, "worker_auth_failed", failed, retry, answered=True)
     message = f"worker answered {status}"
     if status == 503:
         return Failure(503, message, "worker_unavailable", failed, retry, hints, answered=True, later=True)

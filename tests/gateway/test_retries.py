@@ -204,6 +204,18 @@ async def test_a_503_after_attempts_that_cost_work_still_spends_the_calls_budget
     assert 503 in statuses and len(rig.workers.posts) == 8, (statuses, rig.workers.posts)
 
 
+async def test_a_request_every_worker_refuses_with_403_opens_no_breaker(rig: Rig) -> None:
+    # A proxy in front of the workers refusing the request itself (a WAF): several workers
+    # refusing one request point at the request, as several 5xx do, not at each worker.
+    rig.workers.status = 403
+    for _ in range(3):
+        resp = await rig.chat("m3")
+        assert resp.status_code == 502 and resp.json()["error"]["code"] == "worker_auth_failed"
+    assert len(rig.workers.posts) == 9
+    workers = rig.state.registry.pools["three"].workers.values()
+    assert [w.breaker.failures for w in workers] == [0, 0, 0]
+
+
 async def test_a_503_without_retry_after_still_says_when_to_retry(rig: Rig) -> None:
     rig.workers.status = 503
     resp = await rig.chat("m0")

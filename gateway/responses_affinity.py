@@ -54,7 +54,7 @@ import aiohttp
 import orjson
 
 from gateway.errors import ApiError, bad_request, echoed
-from gateway.failure import Failure, RetryReason
+from gateway.failure import REFUSED_CREDENTIALS, Failure, RetryReason, worker_status
 from gateway.registry import Pool
 from gateway.responses_ids import MAX_REQUEST_ID_CHARS, MAX_RESPONSE_ID_CHARS, ResponseIds, valid_response_id
 from gateway.worker import Worker
@@ -288,9 +288,13 @@ async def holds(
     """True when `worker` holds stored response `response_id` (None otherwise, for `find_holder`):
     it answers a plain `GET` of it 200 (body unread). Any other answer says nothing about where
     the response is: vLLM's 404 when it does not hold it, and its 400 on every
-    `/v1/responses/{id}` route when its model serves no Responses API (an embeddings pool)."""
+    `/v1/responses/{id}` route when its model serves no Responses API (an embeddings pool). A
+    worker refusing the gateway's credentials ends the search with 502 `worker_auth_failed`
+    (a misconfigured worker key, told as such rather than as a response not found)."""
     url = stored_url(worker.url, response_id)
     async with session.get(url, headers=headers, timeout=pool.client_timeout) as resp:
+        if resp.status in REFUSED_CREDENTIALS:
+            raise worker_status(resp.status).error()
         return True if resp.status == 200 else None
 
 

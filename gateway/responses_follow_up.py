@@ -35,7 +35,8 @@ _W3C = TraceContextTextMapPropagator()
 async def locate_previous(a: Admitted, transport: Transport) -> ApiError | None:
     """A Responses follow-up whose holder this process does not know (`Admitted.find_previous`):
     pin it to the worker of its pool that holds it, and remember that worker; vLLM's 404 when
-    none does (a follow-up sent anywhere else would get it from the worker)."""
+    none does (a follow-up sent anywhere else would get it from the worker); 502
+    `worker_auth_failed` when a worker refuses the gateway's credentials."""
     previous, a.find_previous = a.find_previous, None
     if previous is None:
         return None
@@ -44,7 +45,10 @@ async def locate_previous(a: Admitted, transport: Transport) -> ApiError | None:
     async def holding(pool: Pool, worker: Worker) -> Literal[True] | None:
         return await holds(transport.upstream(), pool, worker, previous, headers)
 
-    found = await find_holder((a.pool,), holding)
+    try:
+        found = await find_holder((a.pool,), holding)
+    except ApiError as refused:  # a worker refused the gateway's credentials (`holds`)
+        return refused
     if found is None:
         return not_found(previous)
     holder = found.worker.worker_id

@@ -28,7 +28,7 @@ from starlette.routing import Route
 
 from gateway.config.pool import TimeoutsConfig
 from gateway.errors import ApiError, normalize_worker_error, upstream_error, withhold_salts
-from gateway.failure import TRANSPORT_ERRORS, Stage, failure_of
+from gateway.failure import REFUSED_CREDENTIALS, TRANSPORT_ERRORS, Stage, failure_of, worker_status
 from gateway.gate import Gate
 from gateway.lifecycle import Lifecycle, shutting_down
 from gateway.outcome import CLIENT_DISCONNECTED, record_refusal
@@ -279,6 +279,8 @@ async def _whole(source: AiohttpSource, timeouts: TimeoutsConfig) -> tuple[int, 
         source.close()
         raise
     source.release()
+    if source.status in REFUSED_CREDENTIALS:  # the gateway's worker key, never the client's
+        raise worker_status(source.status).error()
     return source.status, body
 
 

@@ -104,11 +104,12 @@ class Failure:
         return self.answered or self.retry is RetryReason.READ_TIMEOUT
 
     def error(self) -> ApiError:
-        headers = {name.decode(): value.decode() for name, value in forwardable(self.retry_hints)}
         if self.final:
             headers = {"x-should-retry": "false"}
-        elif self.status == 503:
-            headers.setdefault("retry-after", "1")
+        else:
+            headers = {name.decode(): value.decode() for name, value in forwardable(self.retry_hints)}
+            if self.status == 503:
+                headers.setdefault("retry-after", "1")
         return ApiError(self.status, self.message, "server_error", self.code, self.param, headers)
 
     def detail(self) -> str:

@@ -272,9 +272,12 @@ def set_aside(path: str) -> None:
 
 def lines_in(path: str, limit: int) -> int:
     """How many lines the file at `path` holds, counted up to `limit` at least (reading stops
-    there: a restarted process reads no more than its share of the file)."""
+    there: a restarted process reads no more than its share of the file); 0 for what is not a
+    file (a pipe would wait for its writers, this process among them)."""
     count = 0
-    with open(path, "rb") as f:
+    with open(path, "rb", buffering=0) as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return 0
         while count < limit and (chunk := f.read(1 << 20)):
             count += chunk.count(b"\n")
     return count

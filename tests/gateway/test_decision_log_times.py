@@ -76,6 +76,11 @@ def test_a_pipe_is_not_moved_aside(tmp_path: Path) -> None:
         log.close()
         assert orjson.loads(os.read(reader, 1 << 16))["client_request_id"] == "r"
         assert not (tmp_path / "d.fifo.prev").exists()
+        # A process of `--processes` counts no lines in it (a read would wait for its writers).
+        shared = DecisionLog(str(fifo), max_records=10, environ={ORIGIN_ENV: "1.0"})
+        _decide(shared, "s", 2.0)
+        shared.close()
+        assert orjson.loads(os.read(reader, 1 << 16))["client_request_id"] == "s"
     finally:
         os.close(reader)
 

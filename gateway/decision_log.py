@@ -14,19 +14,25 @@ Nothing in a line identifies content: the request's ids, its tenant's namespace,
 counts, worker ids and load figures. Never prompt text, token ids or block keys. The file is
 bounded: after `max_records` lines nothing more is written (the count of dropped lines is kept).
 
-One run, one timeline. A gateway on its own starts the file afresh when it opens it (a restart
-does not continue an old run's lines, whose `t_s` counted from another origin), and its `t_s`
-count from its first decision. Under `kvgate serve --processes N` every process appends to the
-same file, which the supervisor started afresh, and counts `t_s` from the origin the supervisor
-hands every process (`ORIGIN_ENV`: its monotonic clock, which is the host's), so the processes'
-lines, and those of a process it restarted, share one timeline; each process writes at most
-`max_records` lines. Each line is one `write` to a file opened `O_APPEND`, so lines of different
-processes do not interleave.
+One run, one timeline. A gateway on its own starts a new file when it opens it (a restart does
+not continue an old run's lines, whose `t_s` counted from another origin): the previous run's
+file, if it holds any line, is moved to `<path>.prev` (replacing an older one), so the run before
+a crash is still there after the restart. Its `t_s` count from its first decision. Under
+`kvgate serve --processes N` every process appends to the same file, which the supervisor
+started anew (moving the last run's aside the same way), and counts `t_s` from the origin the
+supervisor hands every process (`ORIGIN_ENV`: its monotonic clock, which is the host's), so the
+processes' lines, and those of a process it restarted, share one timeline. There a process
+writes `max_records` lines less those the file held when it opened it: the processes started
+together write up to `max_records` each, and a process restarted in place of one only what its
+predecessors left of their `max_records`, so the file holds at most N × `max_records` however
+often processes restart. Lines go out in batches (up to 256), each one `os.write` of whole
+lines to a file opened `O_APPEND`, so lines of different processes do not interleave.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -42,6 +48,9 @@ from policies.pd import PdDecision
 # Set by `kvgate serve --processes` (`gateway/multiproc.py`) for its children: the run's time
 # origin (`time.monotonic()` seconds) shared by every process appending to the one file.
 ORIGIN_ENV = "KVGATE_DECISION_LOG_ORIGIN_S"
+
+# Where a new run moves the last run's file (`set_aside`).
+PREV_SUFFIX = ".prev"
 
 # Decisions awaiting their request's end; beyond this the oldest are dropped (a request that never
 # finishes must not grow the log's memory).
@@ -68,13 +77,16 @@ class DecisionLog:
         self.path = path
         self.max_records = max_records
         self.top_candidates = top_candidates
-        self.written = 0
+        self.written = 0  # lines this process wrote
         self.dropped = 0
         # Monotonic seconds the log's times count from: the run's (`ORIGIN_ENV`), else the first
         # decision's.
         self._origin_s = shared_origin(environ)
+        fresh = self._origin_s is None
         try:
-            self._fd = open_log(path, fresh=self._origin_s is None)
+            self._fd = open_log(path, fresh=fresh)
+            # A file shared by the processes of a run: what is in it counts against this process.
+            self._room = max_records if fresh else max_records - lines_in(path, max_records)
         except OSError as exc:
             raise ConfigError(f"decision_log.path: cannot open {path!r}: {exc.strerror}") from None
         self._pending: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
@@ -203,7 +215,7 @@ class DecisionLog:
         decisions = self._pending.pop(request_id, None)
         if decisions is None:
             return
-        if self.written >= self.max_records:
+        if self.written >= self._room:
             self.dropped += 1
             return
         self.written += 1
@@ -239,6 +251,33 @@ def shared_origin(environ: Mapping[str, str]) -> float | None:
 
 
 def open_log(path: str, *, fresh: bool) -> int:
-    """The log file for appending whole lines; `fresh` empties it first (a new run's file)."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if fresh else 0)
-    return os.open(path, flags, 0o600)
+    """The log file for appending whole lines; `fresh` starts a new run's file, the last run's
+    moved aside (`set_aside`)."""
+    if fresh:
+        set_aside(path)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+
+def set_aside(path: str) -> None:
+    """Move the file at `path` to `<path>.prev`, replacing an older one, if it is a file that
+    holds anything: an empty one (a run that crashed before its first line) would replace the
+    last run with lines. Something else (a pipe, `/dev/stdout`) stays where it is."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(st.st_mode) and st.st_size > 0:
+        os.replace(path, path + PREV_SUFFIX)
+
+
+def lines_in(path: str, limit: int) -> int:
+    """How many lines the file at `path` holds, counted up to `limit` at least (reading stops
+    there: a restarted process reads no more than its share of the file); 0 for what is not a
+    file (a pipe would wait for its writers, this process among them)."""
+    count = 0
+    with open(path, "rb", buffering=0) as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return 0
+        while count < limit and (chunk := f.read(1 << 20)):
+            count += chunk.count(b"\n")
+    return count

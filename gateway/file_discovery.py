@@ -14,8 +14,10 @@ fewer workers. So a changed version is read only once it looks whole, and used o
 the same while it was read:
 - a file that replaced the one read last (another inode: renamed over it, a ConfigMap's symlink
   swapped) is whole when it appears, and is read at the check that sees it, unless it is empty;
-- any other change is read once no write has touched the file for `settle_s`: half of
-  `refresh_s`, at most 1 s (`settle_time_s`), checked again as soon as that has passed;
+- any other change is read once this process has seen that version unchanged for `settle_s`:
+  half of `refresh_s`, at most 1 s (`settle_time_s`), checked again as soon as that has passed.
+  The file's modification time does not count: on a shared file system (NFS, EFS) it is the
+  server's clock, which may run behind ours, and some file systems keep it to the second;
 - a read during which the file's stat (inode, size, times) moved is thrown away, and the next
   check sees what its writer left.
 A writer that pauses longer than `settle_s` in the middle of a rewrite in place, or writes a new
@@ -175,8 +177,7 @@ class _Unsettled:
 
 class FileWorkers:
     """A `WatchingSource` over one workers file (module docstring). `settle_s` defaults to
-    `settle_time_s(refresh_s)`; `wall_clock_ns` is the clock a file's modification time is
-    compared with."""
+    `settle_time_s(refresh_s)`; `monotonic_s` is the clock a version's settling is timed by."""
 
     def __init__(
         self,
@@ -185,13 +186,13 @@ class FileWorkers:
         refresh_s: float = 2.0,
         roles: bool = False,
         settle_s: float | None = None,
-        wall_clock_ns: Callable[[], int] = time.time_ns,
+        monotonic_s: Callable[[], float] = time.monotonic,
     ) -> None:
         self.path = path
         self.refresh_s = refresh_s
         self.roles = roles
         self.settle_s = settle_time_s(refresh_s) if settle_s is None else settle_s
-        self._wall_clock_ns = wall_clock_ns
+        self._monotonic_s = monotonic_s
         self._stamp: FileStamp | None = None  # the version published last
         self._failed: FileStamp | None = None  # the version that failed last, counted once
         self._inode = -1  # of the version read last, published or failed
@@ -230,7 +231,15 @@ class FileWorkers:
             wait_s = self._unsettled_s(stamp)
             if wait_s > 0:
                 return min(wait_s, self.refresh_s)
-            workers = await asyncio.to_thread(self._read_version, stamp)
+            read = await asyncio.to_thread(_read_file, self.path)
+            if read.moved or read.stamp != stamp:
+                # Not the version the stat saw, start to end: a writer was at work. Nothing read
+                # is used; the next check sees the stamp it left.
+                self.moved_reads += 1
+                log.debug("%s changed while it was read; read again at the next check", self.path)
+                return self.refresh_s
+            self._inode = stamp.inode  # read, whether or not it parses
+            workers = await asyncio.to_thread(self._parse, read.data)
         except (OSError, WorkersFileError) as exc:
             failed = _NO_FILE if stamp is None else stamp
             if failed != self._failed:
@@ -239,12 +248,6 @@ class FileWorkers:
                 reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
                 sink.record_error("file", f"{self.path}: {reason}; keeping the last set")
             return self.refresh_s
-        if workers is None:
-            # A writer was at work during the read: nothing read is used, the next check sees
-            # the stamp it left.
-            self.moved_reads += 1
-            log.debug("%s changed while it was read; read again at the next check", self.path)
-            return self.refresh_s
         self._stamp, self._failed, self._unsettled = stamp, None, None
         sink.publish(workers)
         return self.refresh_s
@@ -252,18 +255,16 @@ class FileWorkers:
     def _unsettled_s(self, stamp: FileStamp) -> float:
         """How long the version with `stamp` must still go unwritten before it is read: nothing
         for a non-empty file that replaced the one read last (a new inode: renamed over it, or a
-        ConfigMap's symlink swapped), else what remains of `settle_s` since its last write.
-
-        Its last write was no later than its modification time, nor than when this version was
-        first seen (a write since would have changed its stamp): the earlier of the two counts, so
-        a clock that puts modification times in the future delays it by `settle_s` only."""
+        ConfigMap's symlink swapped), else what remains of `settle_s` since this process first saw
+        it (a write since would have changed its stamp). Only our own clock counts: a modification
+        time from a server's clock that runs behind, or kept to the second, would make a write
+        just made look settled."""
         if stamp.inode != self._inode and stamp.size > 0:
             return 0.0
-        now_s = time.monotonic()
+        now_s = self._monotonic_s()
         if self._unsettled is None or self._unsettled.stamp != stamp:
             self._unsettled = _Unsettled(stamp, now_s)
-        unwritten_s = max((self._wall_clock_ns() - stamp.mtime_ns) / 1e9, now_s - self._unsettled.seen_s)
-        return max(0.0, self.settle_s - unwritten_s)
+        return max(0.0, self.settle_s - (now_s - self._unsettled.seen_s))
 
     def _stat(self) -> FileStamp:
         return stamp(self.path)
@@ -275,13 +276,7 @@ class FileWorkers:
 
     def _load(self) -> tuple[FileStamp, dict[str, WorkerDetails]]:
         read = _read_file(self.path)
-        return read.stamp, parse_workers(_decode(read.data), roles=self.roles)
+        return read.stamp, self._parse(read.data)
 
-    def _read_version(self, expected: FileStamp) -> dict[str, WorkerDetails] | None:
-        """The workers of the version with stamp `expected`, or None when the file read is not
-        that version from start to end (changed after the stat, or while it was read)."""
-        read = _read_file(self.path)
-        if read.moved or read.stamp != expected:
-            return None
-        self._inode = read.stamp.inode
-        return parse_workers(_decode(read.data), roles=self.roles)
+    def _parse(self, data: bytes) -> dict[str, WorkerDetails]:
+        return parse_workers(_decode(data), roles=self.roles)

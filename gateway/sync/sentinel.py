@@ -15,8 +15,11 @@ items and two levels of nesting, so one question costs bounded memory as well as
 client guidelines suggest listening to): each announcement for the master is handed on at once.
 The subscription is sent a PING every `WATCH_PING_S` and taken for lost after `WATCH_STALE_S` of
 silence; a lost or refused one is made again, at the next sentinel, after the link's capped
-backoff (reset only after a subscription that lived `WATCH_STALE_S`). Its frames are read by the
-same bounded reader.
+backoff (reset only after a subscription that lived `WATCH_STALE_S`), lengthened by up to half at
+random (`resubscribe_delay_s`) so that the gateways that lost one sentinel do not all subscribe
+again at the same moment. Its frames are read by the same bounded reader. An announcement for
+the master that does not parse is counted (`malformed_announcements`), logged at most once every
+`MALFORMED_LOG_GAP_S`, and skipped: the subscription goes on.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import random
 import ssl
 import time
 from collections.abc import Callable, Sequence
@@ -39,6 +44,7 @@ MAX_REPLY_ITEMS = 16
 SWITCH_CHANNEL = "+switch-master"
 WATCH_PING_S = 2.0
 WATCH_STALE_S = 5.0
+MALFORMED_LOG_GAP_S = 60.0
 _MAX_DEPTH = 2
 _REFUSALS = (b"NOAUTH", b"WRONGPASS", b"ERR invalid password", b"ERR AUTH")
 
@@ -132,13 +138,24 @@ def _refusal(reply: _ErrorReply, grant: str) -> SentinelError:
 
 def _announced(frame: object, master: str) -> HostPort | None:
     """The new address a `+switch-master` message (`NAME old-ip old-port new-ip new-port`) gives
-    `master`; None for any other frame (a PING's pong, another master's switch)."""
+    `master`; None for any other frame (a PING's pong, another master's switch); SentinelError for
+    a message about `master` that says no address."""
     if not (isinstance(frame, list) and len(frame) == 3 and frame[0] == b"message"):
         return None
     parts = frame[2].split() if isinstance(frame[2], bytes) else []
-    if len(parts) != 5 or parts[0] != master.encode():
+    if not parts or parts[0] != master.encode():
         return None
+    if len(parts) != 5:
+        raise SentinelError("an announcement of other than five fields")
     return _master_address(parts[3:], master)
+
+
+def resubscribe_delay_s(attempt: int, draw: Callable[[], float] = random.random) -> float:
+    """Seconds to wait before subscription attempt `attempt` (0: the first after a loss): the
+    link's capped backoff, lengthened by up to half of it at random (`draw`, in [0, 1)). Never
+    shorter than the backoff, so its cap on attempts holds."""
+    delay_s = reconnect_delay_s(attempt)
+    return delay_s + delay_s * draw() / 2
 
 
 class _Conversation:
@@ -184,6 +201,8 @@ class Sentinels:
         self._open: _Conversation | None = None
         self.subscriptions = 0  # +switch-master subscriptions made
         self.subscription_losses = 0  # ... lost, refused or not made
+        self.malformed_announcements = 0  # announcements for the master that said no address
+        self._malformed_logged_s = -math.inf
 
     async def master_address(self) -> HostPort:
         """Where the sentinels say the primary is now; SentinelError (SentinelRefused when every
@@ -208,13 +227,11 @@ class Sentinels:
             self._order.remove(sentinel)
             self._order.insert(0, sentinel)  # the one that answered is asked first next time
             return address
-        error = (
-            SentinelRefused
-            if refused == len(failures)
-            else SentinelNoPermission
-            if denied == len(failures)
-            else SentinelError
-        )
+        error: type[SentinelError] = SentinelError
+        if refused == len(failures):
+            error = SentinelRefused
+        elif denied == len(failures):
+            error = SentinelNoPermission
         raise error(f"no sentinel named the master {self.master!r}: " + "; ".join(failures))
 
     def prefer(self, sentinel: HostPort) -> None:
@@ -251,7 +268,7 @@ class Sentinels:
             failed.add(sentinel)
             if len(failed) == len(self._order):
                 failed.clear()  # each failed in turn: round again, after the longer wait
-            await asyncio.sleep(reconnect_delay_s(attempt))
+            await asyncio.sleep(resubscribe_delay_s(attempt))
             attempt += 1
 
     async def _subscribed(self, sentinel: HostPort, on_switch: Callable[[Switch], None]) -> None:
@@ -279,13 +296,33 @@ class Sentinels:
                         continue
                     frame, heard = read.result(), time.monotonic()
                     read = asyncio.ensure_future(_read_reply(conversation.reader))
-                    address = _announced(frame, self.master)
+                    try:
+                        address = _announced(frame, self.master)
+                    except SentinelError as exc:
+                        self._malformed(sentinel, exc)
+                        continue
                     if address is not None:
                         on_switch(Switch(sentinel, address))
             finally:
                 read.cancel()
         finally:
             conversation.close()
+
+    def _malformed(self, sentinel: HostPort, exc: SentinelError) -> None:
+        """Count an announcement that says no address, and say so at most once a while: one
+        sentinel's bad message must not end the subscription that hears the others' good ones."""
+        self.malformed_announcements += 1
+        now_s = time.monotonic()
+        if now_s - self._malformed_logged_s >= MALFORMED_LOG_GAP_S:
+            self._malformed_logged_s = now_s
+            log.warning(
+                "sync: a +switch-master announcement that names no address; skipped",
+                extra={
+                    "broker": f"{sentinel.host}:{sentinel.port}",
+                    "reason": str(exc),
+                    "count": self.malformed_announcements,
+                },
+            )
 
     async def _ask(self, sentinel: HostPort) -> HostPort:
         if self._open is None or self._open.sentinel != sentinel:

@@ -192,7 +192,7 @@ class SentinelLink(RedisLink):
         if isinstance(exc, SentinelNoPermission) and not self._warned:
             self.errors += 1
             self._warned = True
-            log.warning(f"sync: {exc}; routing on local knowledge")
+            log.warning("sync: %s; routing on local knowledge", exc)
             return
         super()._error(exc)
 

@@ -1,4 +1,4 @@
-"""`kvgate serve --processes 2` with a decision log: the supervisor empties the file once, and
+"""`kvgate serve --processes 2` with a decision log: the supervisor starts the file anew once, and
 both processes append to it on one timeline, so requests sent one after another have growing
 `t_s` whichever process routed them (what `kvgate bench replay` reads)."""
 
@@ -62,7 +62,8 @@ def test_the_processes_append_one_decision_log_on_one_timeline(tmp_path: Path) -
         finally:
             proc.stop()
     lines = [orjson.loads(line) for line in log.read_bytes().splitlines()]
-    assert all("stale" not in line for line in lines)  # the supervisor started the file afresh
+    assert all("stale" not in line for line in lines)  # the supervisor started the file anew
+    assert "stale" in (tmp_path / "decisions.jsonl.prev").read_text()  # the last run's, moved aside
     ordered = sorted(lines, key=lambda line: line["client_request_id"])
     assert len(ordered) == sent
     times = [line["decisions"][0]["t_s"] for line in ordered]

@@ -42,7 +42,9 @@ def test_the_pool_follows_its_workers_file(tmp_path: Path) -> None:
         procs += [proc_a, proc_b]
         workers = tmp_path / "workers.yaml"
         _write(workers, f"- {a}\n")
-        pool = {"name": "p", "models": ["m"], "workers_file": {"path": "workers.yaml", "refresh_s": 0.2}}
+        # refresh_s 2: a version rewritten in place settles for 1 s (the most), so the in-place
+        # rewrite below is read half-done only if its two writes land more than 1 s apart.
+        pool = {"name": "p", "models": ["m"], "workers_file": {"path": "workers.yaml", "refresh_s": 2.0}}
         config = write_gateway_config(tmp_path / "gw.yaml", [pool], [tenant("t", "sk-t")])
         port, metrics_port = free_port(), free_port()
         gateway = start_gateway(config, port, metrics_port)

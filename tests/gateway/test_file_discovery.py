@@ -15,7 +15,8 @@ from typing import BinaryIO
 import pytest
 
 from gateway import file_discovery
-from gateway.config import ConfigError, load_config
+from gateway.config import load_config
+from gateway.config.base import ConfigError
 from gateway.discovery import WorkerDetails, WorkerSetChange, diff_workers
 from gateway.file_discovery import (
     MAX_WORKERS,
@@ -158,14 +159,14 @@ class _InPlaceWriter:
         self._thread.join(timeout=5)
 
 
-class _WallClock:
-    """The real wall clock, moved forward by the test: a file's modification time ages at once."""
+class _Clock:
+    """The real monotonic clock, moved forward by the test: a version seen unchanged ages at once."""
 
     def __init__(self) -> None:
-        self.offset_ns = 0
+        self.offset_s = 0.0
 
-    def __call__(self) -> int:
-        return time.time_ns() + self.offset_ns
+    def __call__(self) -> float:
+        return time.monotonic() + self.offset_s
 
 
 async def _following(source: FileWorkers, first: set[str]) -> tuple[_Sink, asyncio.Task[None]]:
@@ -185,8 +186,8 @@ async def test_a_file_rewritten_in_place_is_read_only_once_its_writer_is_done(tm
     path = tmp_path / "workers.yaml"
     _write(path, "- http://c:3\n")
     inode = path.stat().st_ino
-    clock = _WallClock()
-    source = FileWorkers(str(path), refresh_s=0.02, settle_s=30, wall_clock_ns=clock)
+    clock = _Clock()
+    source = FileWorkers(str(path), refresh_s=0.02, settle_s=30, monotonic_s=clock)
     sink, task = await _following(source, {"http://c:3"})
     writer = _InPlaceWriter(path, "- http://a:1\n", "- http://b:2\n")
     try:
@@ -201,12 +202,37 @@ async def test_a_file_rewritten_in_place_is_read_only_once_its_writer_is_done(tm
         polls = source.polls
         await wait_until(lambda: source.polls >= polls + 5, what="five checks of the whole file")
         assert sink.current == {"http://c:3"}  # whole, but written within settle_s: it may go on
-        clock.offset_ns = 31 * 10**9  # settle_s has passed without a write
+        clock.offset_s = 31.0  # settle_s has passed without a write
         await wait_until(lambda: sink.current == {"http://a:1", "http://b:2"}, what="the whole file")
         assert sink.snapshots == [{"http://c:3"}, {"http://a:1", "http://b:2"}]
         assert not sink.errors and source.moved_reads == 0
     finally:
         writer.stop()
+        await _stop(task)
+
+
+async def test_a_modification_time_in_the_past_does_not_shorten_the_settle(tmp_path: Path) -> None:
+    """On NFS the modification time is the server's clock, which may run behind ours, and some
+    file systems keep it to the second: a write just made may look an hour old. It still waits
+    until this process has seen it unchanged for settle_s."""
+    path = tmp_path / "workers.yaml"
+    _write(path, "- http://c:3\n")
+    clock = _Clock()
+    source = FileWorkers(str(path), refresh_s=0.02, settle_s=30, monotonic_s=clock)
+    sink, task = await _following(source, {"http://c:3"})
+    try:
+        inode = path.stat().st_ino
+        path.write_text("- http://a:1\n")  # in place: the first half of a longer rewrite
+        hour_ago_ns = time.time_ns() - 3600 * 10**9
+        os.utime(path, ns=(hour_ago_ns, hour_ago_ns))
+        assert path.stat().st_ino == inode
+        polls = source.polls
+        await wait_until(lambda: source.polls >= polls + 5, what="five checks of the changed file")
+        assert sink.current == {"http://c:3"}
+        clock.offset_s = 31.0  # seen unchanged for settle_s
+        await wait_until(lambda: sink.current == {"http://a:1"}, what="the settled file")
+        assert not sink.errors
+    finally:
         await _stop(task)
 
 

@@ -42,6 +42,19 @@ async def _subscribed(services: tuple[SyncService, ...], times: int = 1) -> None
     )
 
 
+# How long a link may take to follow an announced failover here: far less than the minute the
+# next question is away, yet loose enough that a loaded machine does not make it fail.
+HEARD_WITHIN_S = 20.0
+
+
+async def _moved(services: tuple[SyncService, ...], primary: HostPort) -> None:
+    await wait_until(
+        lambda: all(_link(s).connected and _link(s).primary == primary for s in services),
+        timeout_s=HEARD_WITHIN_S,
+        what=f"the links on {primary}",
+    )
+
+
 @pytest.fixture
 def questions_a_minute_apart(monkeypatch: pytest.MonkeyPatch) -> None:
     """The sentinels asked every 60 s, the node's ROLE every 60 s: within a test, only an
@@ -63,8 +76,8 @@ async def test_an_announced_failover_is_followed_without_waiting_for_the_next_qu
             await _subscribed((a, b))
             second = await deployment.failover()
             named = time.monotonic()
-            await _on((a, b), second)
-            assert time.monotonic() - named < 3.0  # the next question is a minute away
+            await _moved((a, b), second)
+            assert time.monotonic() - named < HEARD_WITHIN_S  # the next question is a minute away
             assert _link(a).announced >= 1 and _link(b).announced >= 1
             assert _link(a).moves == 1 and _link(b).moves == 1
             await _shares(a, b, "announced-a")
@@ -84,8 +97,8 @@ async def test_a_subscription_the_sentinel_drops_is_made_again(tmp_path: Path) -
             await _subscribed((a,), times=2)
             second = await deployment.failover()
             named = time.monotonic()
-            await _on((a,), second)
-            assert time.monotonic() - named < 3.0
+            await _moved((a,), second)
+            assert time.monotonic() - named < HEARD_WITHIN_S  # the next question is a minute away
 
 
 async def test_with_the_subscription_refused_the_questions_follow_a_failover(tmp_path: Path) -> None:

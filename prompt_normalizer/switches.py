@@ -110,12 +110,18 @@ def sort_keys(value: Any, keep_order: bool = False, *, sort_all: bool = False) -
 # A number literal orjson may not keep: it reads an integer beyond the signed and unsigned 64-bit
 # ranges as a float (`98765432109876543210987` would come back as `9.876543210987654e+22`), and any
 # other number as the nearest double, which it writes back as that double's shortest text. A
-# double holds every literal of at most 15 significant digits, so a run of 16 or more digits and
-# points (a longer integer, or a longer mantissa) is what may change; anything shorter is kept
-# exactly whatever it is. Found by a byte translation and one substring search (a tenth of a regex
-# scan's time on a tool result full of numbers).
-_DIGITS_AND_POINTS = bytes(1 if chr(b) in "0123456789." else 0 for b in range(256))
+# double holds every literal of at most 15 significant digits within its normal range, so what may
+# change is a run of 16 or more digits and points (a longer integer, or a longer mantissa) or a
+# negative exponent of three digits or more (`1e-400` reads as 0.0, `2.5e-324` as the subnormal
+# `5e-324`; orjson refuses a number too large for a double, and a mantissa of 15 characters with a
+# two-digit exponent stays within 1e-113..1e114); anything else is kept exactly whatever it is.
+# Found by a byte translation and two substring searches (a tenth of a regex scan's time on a tool
+# result full of numbers).
+_NUMBER_CLASSES = bytes(
+    1 if chr(b) in "0123456789." else 2 if chr(b) in "eE" else 3 if chr(b) == "-" else 0 for b in range(256)
+)
 _LONG_NUMBER = b"\x01" * 16
+_SMALL_EXPONENT = b"\x01\x02\x03\x01\x01\x01"  # `1e-400`
 # Every byte that may be part of a number literal kept, every other one a space: split, the text
 # gives each literal whole (with words' `e`s, dates and the like from strings, which are no numbers).
 _NUMBER_TEXT = bytes(b if chr(b) in "0123456789.eE+-" else 32 for b in range(256))
@@ -135,21 +141,52 @@ def canonical_json_text(text: str) -> str | None:
     except orjson.JSONDecodeError:
         return None
     data = text.encode()
-    if _LONG_NUMBER in data.translate(_DIGITS_AND_POINTS) and not (
-        _numbers_kept(data) or _keeps_numbers(text)
-    ):
+    classes = data.translate(_NUMBER_CLASSES)
+    tokens = _long_literals(data) if _LONG_NUMBER in classes else []
+    if _SMALL_EXPONENT in classes:
+        tokens += _small_exponent_literals(data, classes)
+    if tokens and not (_numbers_kept(tokens) or _keeps_numbers(text)):
         return None
     return orjson.dumps(parsed, option=orjson.OPT_SORT_KEYS).decode()
 
 
-def _numbers_kept(data: bytes) -> bool:
-    """Whether orjson keeps the value of every long literal (16 characters or more) of the JSON
-    `data`, checked in bulk: orjson reads them all at once and mostly writes back the text sent
-    (a float written as its double's shortest text, such as `0.30000000000000004`, an integer
-    within 64 bits, such as a snowflake id or a time in nanoseconds); only the others are checked
-    one by one (`_literal_kept`). False may also mean that a string holds
-    digits that would change as a number: `_keeps_numbers` then tells."""
-    tokens = [token for token in data.translate(_NUMBER_TEXT).split() if len(token) > 15]
+def _long_literals(data: bytes) -> list[bytes]:
+    """The literals of 16 characters or more of the JSON `data` (and words of strings, such as a
+    date's digits and dashes or a hash's digits and `e`s)."""
+    return [token for token in data.translate(_NUMBER_TEXT).split() if len(token) > 15]
+
+
+def _small_exponent_literals(data: bytes, classes: bytes) -> list[bytes]:
+    """The literals of the JSON `data` with a negative exponent of three digits or more where
+    JSON puts a value (after `[`, `,` or `:`): a UUID's `...5e-123...` in a string is none.
+    `classes` is `data` translated by `_NUMBER_CLASSES`."""
+    found = []
+    at = classes.find(_SMALL_EXPONENT)
+    while at >= 0:
+        start = at
+        while start > 0 and classes[start - 1] == 1:
+            start -= 1
+        if start > 0 and data[start - 1] == 45:  # a minus sign
+            start -= 1
+        before = start - 1
+        while before >= 0 and data[before] in b" \t\n\r":
+            before -= 1
+        end = at + 3
+        while end < len(data) and classes[end] == 1:
+            end += 1
+        if before >= 0 and data[before] in b"[,:":
+            found.append(data[start:end])
+        at = classes.find(_SMALL_EXPONENT, end)
+    return found
+
+
+def _numbers_kept(tokens: list[bytes]) -> bool:
+    """Whether orjson keeps the value of every literal of `tokens` (`_long_literals`,
+    `_small_exponent_literals`), checked in bulk: orjson reads them all at once and mostly writes
+    back the text sent (a float written as its double's shortest text, such as
+    `0.30000000000000004`, an integer within 64 bits, such as a snowflake id or a time in
+    nanoseconds); only the others are checked one by one (`_literal_kept`). False may also mean
+    that a string holds digits that would change as a number: `_keeps_numbers` then tells."""
     sent = b",".join(tokens)
     try:
         written = orjson.dumps(orjson.loads(b"[" + sent + b"]"))[1:-1]

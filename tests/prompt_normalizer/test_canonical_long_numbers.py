@@ -14,7 +14,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prompt_normalizer import switches
 from prompt_normalizer.switches import canonical_json_text
 
 _INT_RANGE = range(-(2**63), 2**64)
@@ -39,7 +38,7 @@ def test_long_numbers_orjson_keeps_skip_the_exact_reader(text: str, monkeypatch:
     def exact_reader(*args: object, **kwargs: object) -> object:
         raise AssertionError("the standard library's reader ran")
 
-    monkeypatch.setattr(switches.json, "loads", exact_reader)
+    monkeypatch.setattr(json, "loads", exact_reader)
     assert canonical_json_text(text) == _sorted(text)
 
 

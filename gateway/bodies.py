@@ -100,9 +100,14 @@ def parse_body(raw: bytes, api: ApiRoute, max_choices: int = 128) -> dict[str, A
                 flag = options.get(name)
                 if flag is not None and flag.__class__ is not bool:
                     options[name] = _lax_flag(flag, f"stream_options.{name}")
-    priority = body.get("priority", 0)
-    if priority.__class__ is not int:
-        _read_priority(body, priority, api.has_priority)
+    if api.has_priority:
+        priority = body.get("priority", 0)
+        if priority.__class__ is not int or priority not in PRIORITY_RANGE:
+            body["priority"] = _read_priority(priority)
+    else:
+        # Neither checked nor read: the worker ignores it there, and the gateway never sends a
+        # client's own (`engine_priority`), so it counts as 0 in the queue.
+        body.pop("priority", None)
     if api.rewrites:
         check_choices(body, max_choices)
     elif prompt == "generate":
@@ -133,18 +138,21 @@ def _lax_flag(value: object, field: str) -> bool:
     return flag
 
 
-def _read_priority(body: dict[str, Any], value: object, has_field: bool) -> None:
-    """`priority` that is not an `int` as sent, made one as the worker reads it in lax mode
-    (`"2"`, 2.0, `true`). On a route whose request model has no such field the worker ignores
-    it, and so does the gateway: a value it cannot read is dropped (the gateway drops or replaces
-    the field on its way to the worker anyway: `engine_priority`)."""
+# The engines' priorities are 64-bit signed integers (vLLM's requests cross to its engine as
+# msgpack); a larger one cannot be encoded again on its way to the worker.
+PRIORITY_RANGE = range(-(2**63), 2**63)
+
+
+def _read_priority(value: object) -> int:
+    """`priority` that is not a 64-bit `int` as sent, made one as the worker reads it in lax mode
+    (`"2"`, 2.0, `true`); 400 naming the field for what lax mode refuses or for an integer beyond
+    64 bits (`"99999999999999999999"`, or 1e20 sent as a number)."""
     read = lax_int(value)
-    if read is not None:
-        body["priority"] = read
-    elif has_field:
+    if read is None:
         raise bad_request("'priority' must be an integer (lower is served earlier)", "priority")
-    else:
-        del body["priority"]
+    if read not in PRIORITY_RANGE:
+        raise bad_request("'priority' must be an integer from -2**63 to 2**63 - 1", "priority")
+    return read
 
 
 def asks_usage(options: object) -> bool:
@@ -261,7 +269,9 @@ def encode_body(body: dict[str, Any]) -> bytes:
         body.pop(name, None)
     try:
         return orjson.dumps(body)
-    except orjson.JSONEncodeError:
+    except orjson.JSONEncodeError as exc:
+        if "64-bit" in str(exc):  # an integer the gateway read from a string (orjson's message)
+            raise bad_request("request body holds an integer beyond 64 bits") from None
         raise bad_request(
             f"request body is nested too deeply: at most {MAX_JSON_DEPTH} levels of JSON objects and arrays"
         ) from None

@@ -17,15 +17,13 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from gateway.app import build_app
 from gateway.auth import hash_api_key
 from gateway.config import parse_config
-from gateway.state import GatewayState, build_state
+from gateway.state import GatewayState
 from gateway.tracing import RequestTracer
 from policies.config import PolicyConfig, build_policy
-from prompt_normalizer.normalizer import NormalizerConfig
 from tests.gateway.access_lines import AccessLines, capture_access
-from tests.support.inprocess import every_worker_up
+from tests.support.inprocess import gateway_in_process
 from tests.support.loopback import serve_app
 
 SECRET = b"k"
@@ -91,16 +89,11 @@ async def traced() -> AsyncIterator[Traced]:
     spans = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(spans))
-    state = build_state(config, SECRET, build_policy(PolicyConfig(policy="round_robin")), NormalizerConfig())
-    state.routing.tracer = RequestTracer(provider, "openai", provider.shutdown)
-    app = build_app(state)
+    tracer = RequestTracer(provider, "openai", provider.shutdown)
+    policy = build_policy(PolicyConfig(policy="round_robin"))
     try:
-        async with (
-            app.fallback.router.lifespan_context(app.fallback),
-            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client,
-        ):
-            await every_worker_up(state)
-            yield Traced(client, state, spans)
+        async with gateway_in_process(config, policy, secret=SECRET, tracer=tracer) as gw:
+            yield Traced(gw.client, gw.state, spans)
     finally:
         await runner.cleanup()
 

@@ -15,6 +15,7 @@ from gateway.app import GatewayApp, build_app
 from gateway.config import GatewayConfig, parse_config
 from gateway.policy_watch import PolicyWatcher
 from gateway.state import GatewayState, PolicySwap, build_state
+from gateway.tracing import RequestTracer
 from policies.base import RoutingPolicy
 from prompt_normalizer.normalizer import NormalizerConfig
 from tests.support.gateway_config import SECRET
@@ -41,11 +42,13 @@ async def gateway_in_process(
     swap: PolicySwap | None = None,
     timeout_s: float = 10.0,
     workers_up: bool = True,
+    tracer: RequestTracer | None = None,
 ) -> AsyncIterator[InProcessGateway]:
     """Build the state and app as `kvgate serve` does and run them until the block exits.
 
     `config` is a parsed config or the raw mapping a YAML file would hold; `watcher` and `swap`
-    come from `gateway.serve.load_policy` when the test reloads a policy file.
+    come from `gateway.serve.load_policy` when the test reloads a policy file; `tracer` traces
+    the requests, as `tracing.enabled` would.
 
     With `workers_up` the block starts once every configured worker is healthy: the lifespan's
     first round of health checks misses a worker that answers if this process stops for longer
@@ -55,6 +58,8 @@ async def gateway_in_process(
     state = build_state(parsed, secret, policy, normalizer or NormalizerConfig())
     if swap is not None:
         swap.state = state
+    if tracer is not None:
+        state.routing.tracer = tracer
     app = build_app(state, watcher)
     transport = httpx.ASGITransport(app=app)
     async with (

@@ -1,13 +1,14 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.gateway.fake_upstream import Handler, Server
 from tests.prompt_normalizer.tiny_model import build_tiny_model
+from tests.support.processes import running_emulator
 
 
 @pytest.fixture(scope="session")
@@ -52,3 +53,10 @@ def policy_file(tmp_path: Path) -> Path:
     p = tmp_path / "policy.yaml"
     write(p, "policy: round_robin\nseed: 1\n")
     return p
+
+
+@pytest.fixture(scope="module")
+def emulator() -> Iterator[str]:
+    """An emulated vLLM worker serving model `m` on 127.0.0.1, shared by a module's tests: its URL."""
+    with running_emulator("--host", "127.0.0.1", "--model", "m") as url:
+        yield url

@@ -7,7 +7,6 @@ scripted one."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import orjson
@@ -17,7 +16,6 @@ from gateway.routes import ROUTES
 from policies.base import Outcome
 from tests.gateway.answer_rig import answering, gateway
 from tests.gateway.routes_rig import KEY
-from tests.support.processes import start_emulator
 from tests.support.transports import TRANSPORTS
 
 ARRAY_ROUTES = ("/v1/completions/render", "/generate", "/encode")
@@ -27,15 +25,6 @@ _USAGE = {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}
 def test_the_array_routes_are_the_ones_that_may_answer_one() -> None:
     assert {p for p, r in ROUTES.items() if r.answer_may_be_array} == set(ARRAY_ROUTES)
     assert all(ROUTES[p].json_answer for p in ARRAY_ROUTES)  # the malformed-answer check holds
-
-
-@pytest.fixture(scope="module")
-def emulator() -> Iterator[str]:
-    url, proc = start_emulator("--host", "127.0.0.1", "--model", "m")
-    try:
-        yield url
-    finally:
-        proc.stop()
 
 
 def scripted(answer: bytes) -> contextlib.AbstractAsyncContextManager[str]:

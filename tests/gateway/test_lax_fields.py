@@ -5,7 +5,6 @@ as the worker will (a `"stream": "true"` is relayed as a stream)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import orjson
@@ -16,7 +15,6 @@ from gateway.errors import ApiError
 from gateway.routes import ROUTES
 from tests.gateway.answer_rig import gateway
 from tests.gateway.routes_rig import KEY
-from tests.support.processes import start_emulator
 
 CHAT = ROUTES["/v1/chat/completions"]
 
@@ -86,15 +84,6 @@ def test_fields_a_route_s_model_lacks_are_neither_checked_nor_read() -> None:
     raw = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": "x"})
     assert parse_body(raw, ROUTES["/v1/messages/count_tokens"])["stream"] == "x"
     assert _refused(raw, "/v1/messages").param == "stream"  # Messages has the field
-
-
-@pytest.fixture(scope="module")
-def emulator() -> Iterator[str]:
-    url, proc = start_emulator("--host", "127.0.0.1", "--model", "m")
-    try:
-        yield url
-    finally:
-        proc.stop()
 
 
 async def test_through_the_gateway_lax_values_reach_the_worker_and_stream(emulator: str) -> None:

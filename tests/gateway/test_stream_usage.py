@@ -5,7 +5,6 @@ that did not ask for usage, and a client that asked gets what vLLM itself would 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -16,7 +15,6 @@ from gateway.bodies import asks_usage, forced_usage
 from gateway.sse import SseRelay
 from tests.gateway.answer_rig import gateway
 from tests.gateway.routes_rig import KEY
-from tests.support.processes import running_emulator
 
 MAX_TOKENS = 4
 
@@ -74,12 +72,6 @@ def test_a_relay_keeps_per_chunk_usage_the_client_asked_for() -> None:
     stream = _event(_content(1)) + _event(_content(2)) + _event(FINAL) + b"data: [DONE]\n\n"
     assert relay.feed(stream) == stream
     assert relay.usage == FINAL["usage"] and relay.content_events == 2
-
-
-@pytest.fixture(scope="module")
-def emulator() -> Iterator[str]:
-    with running_emulator("--host", "127.0.0.1", "--model", "m") as url:
-        yield url
 
 
 def _usage_pattern(content: bytes) -> list[str]:

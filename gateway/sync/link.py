@@ -8,6 +8,7 @@ client library of the other broker is never imported."""
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
@@ -22,13 +23,17 @@ from gateway.sync.auth import connect_options
 RECEIVED_MSGS = 8192
 RECEIVED_BYTES = 64 * 1024 * 1024
 
-# The wait before each new connection attempt after a lost or failed one, on either link.
+# The least wait before each new connection attempt after a lost or failed one, on every link.
 _RECONNECT_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
 
 
-def reconnect_delay_s(attempt: int) -> float:
-    """Seconds to wait before connection attempt `attempt` (0: the first after a loss), capped."""
-    return _RECONNECT_BACKOFF_S[min(attempt, len(_RECONNECT_BACKOFF_S) - 1)]
+def reconnect_delay_s(attempt: int, draw: Callable[[], float] = random.random) -> float:
+    """Seconds to wait before connection attempt `attempt` (0: the first after a loss): the
+    capped backoff, lengthened by up to half of it at random (`draw`, in [0, 1)), so that the
+    gateways that lost one broker (a restart, a failover) do not all come back at the same
+    moment. Never shorter than the backoff, so its cap on attempts holds."""
+    delay_s = _RECONNECT_BACKOFF_S[min(attempt, len(_RECONNECT_BACKOFF_S) - 1)]
+    return delay_s + delay_s * draw() / 2
 
 
 class SyncLink(Protocol):

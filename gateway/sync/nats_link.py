@@ -1,11 +1,13 @@
 """The transport: one NATS connection (nats-py), kept up in the background.
 
 `run` connects, subscribes to the batch subject and waits; when the connection closes or cannot be
-made it tries again with a capped backoff, forever. While connected, nats-py reconnects by itself
-and buffers at most `pending_bytes` of outgoing data; `publish` reports False instead of waiting
-when the link is down or that buffer is full. Received batches wait to be applied, at most
-`received_msgs` of them and `received_bytes`; beyond either the client drops them, counted as
-`slow_consumer`. Nothing a request does waits on this module.
+made it tries again with a capped backoff, forever. While connected, nats-py reconnects by itself,
+after the same backoff (`link.reconnect_delay_s`, lengthened at random, so that the gateways that
+lost one server do not all come back at one moment), to the server of the cluster tried least since
+the loss (ties at random), and buffers at most `pending_bytes` of outgoing data; `publish` reports
+False instead of waiting when the link is down or that buffer is full. Received batches wait to be
+applied, at most `received_msgs` of them and `received_bytes`; beyond either the client drops them,
+counted as `slow_consumer`. Nothing a request does waits on this module.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import nats
-from nats.aio.client import Client
+from nats.aio.client import Client, Server
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
@@ -24,6 +28,18 @@ from gateway.sync.auth import ConnectOptions
 from gateway.sync.link import RECEIVED_BYTES, RECEIVED_MSGS, reconnect_delay_s
 
 log = logging.getLogger("kvgate.sync")
+
+
+def next_server(
+    servers: list[Server], info: dict[str, Any], draw: Callable[[], float] = random.random
+) -> tuple[Server, float]:
+    """nats-py's choice of where to reconnect, and after how long: of the cluster's servers it
+    may try (`servers`, never empty), one tried least since the connection was lost (each one's
+    `reconnects`, reset when it connects; ties at random), after the link's backoff for that many
+    failed attempts (`reconnect_delay_s`, `draw` lengthening it)."""
+    fewest = min(server.reconnects for server in servers)
+    least_tried = [server for server in servers if server.reconnects == fewest]
+    return least_tried[int(draw() * len(least_tried))], reconnect_delay_s(fewest, draw)
 
 
 class NatsLink:
@@ -86,8 +102,12 @@ class NatsLink:
             except Exception as exc:  # a bad URL, or a connection closed for good
                 self._error(exc)
             await self._drop()
-            await asyncio.sleep(reconnect_delay_s(attempt))
+            await self._pause(reconnect_delay_s(attempt))
             attempt += 1
+
+    async def _pause(self, delay_s: float) -> None:
+        """The wait before the next connection attempt."""
+        await asyncio.sleep(delay_s)
 
     async def _connect(self) -> None:
         self._closed.clear()
@@ -111,9 +131,10 @@ class NatsLink:
             self.urls,
             name=self.name,
             connect_timeout=self.connect_timeout_s,
-            reconnect_time_wait=1,
+            reconnect_time_wait=1,  # the first connection's attempts, which nats-py makes itself
             max_reconnect_attempts=-1,
             allow_reconnect=True,
+            reconnect_to_server_handler=next_server,  # a lost one's
             no_echo=True,
             ping_interval=2,
             max_outstanding_pings=2,

@@ -11,15 +11,15 @@ its address) gets at most `MAX_REPLY_BYTES` of line, `MAX_REPLY_BYTES` a string,
 items and two levels of nesting, so one question costs bounded memory as well as bounded time.
 
 `watch_switches` keeps one more connection, to the sentinel asked first, subscribed to
-`+switch-master` (the event a sentinel publishes when it names a new primary, as the Sentinel
-client guidelines suggest listening to): each announcement for the master is handed on at once.
-The subscription is sent a PING every `WATCH_PING_S` and taken for lost after `WATCH_STALE_S` of
-silence; a lost or refused one is made again, at the next sentinel, after the link's capped
-backoff (reset only after a subscription that lived `WATCH_STALE_S`), lengthened by up to half at
-random (`resubscribe_delay_s`) so that the gateways that lost one sentinel do not all subscribe
-again at the same moment. Its frames are read by the same bounded reader. An announcement for
-the master that does not parse is counted (`malformed_announcements`), logged at most once every
-`MALFORMED_LOG_GAP_S`, and skipped: the subscription goes on.
+`+switch-master` (the event a sentinel publishes when it names a new primary, as the Sentinel client
+guidelines suggest listening to): each announcement for the master is handed on at once. The
+subscription is sent a PING every `WATCH_PING_S` and taken for lost after `WATCH_STALE_S` of
+silence; a lost or refused one is made again, at the next sentinel, after the link's capped backoff
+(reset only after a subscription that lived `WATCH_STALE_S`), which is lengthened at random so that
+the gateways that lost one sentinel do not all subscribe again at the same moment. Its frames are
+read by the same bounded reader. An announcement for the master that does not parse is counted
+(`malformed_announcements`), logged at most once every `MALFORMED_LOG_GAP_S`, and skipped: the
+subscription goes on.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import random
 import ssl
 import time
 from collections.abc import Callable, Sequence
@@ -150,14 +149,6 @@ def _announced(frame: object, master: str) -> HostPort | None:
     return _master_address(parts[3:], master)
 
 
-def resubscribe_delay_s(attempt: int, draw: Callable[[], float] = random.random) -> float:
-    """Seconds to wait before subscription attempt `attempt` (0: the first after a loss): the
-    link's capped backoff, lengthened by up to half of it at random (`draw`, in [0, 1)). Never
-    shorter than the backoff, so its cap on attempts holds."""
-    delay_s = reconnect_delay_s(attempt)
-    return delay_s + delay_s * draw() / 2
-
-
 class _Conversation:
     """An open connection to one sentinel."""
 
@@ -268,7 +259,7 @@ class Sentinels:
             failed.add(sentinel)
             if len(failed) == len(self._order):
                 failed.clear()  # each failed in turn: round again, after the longer wait
-            await asyncio.sleep(resubscribe_delay_s(attempt))
+            await asyncio.sleep(reconnect_delay_s(attempt))
             attempt += 1
 
     async def _subscribed(self, sentinel: HostPort, on_switch: Callable[[Switch], None]) -> None:

@@ -14,8 +14,7 @@ import pytest
 
 from gateway.config.sync import HostPort
 from gateway.sync import sentinel
-from gateway.sync.link import reconnect_delay_s
-from gateway.sync.sentinel import SWITCH_CHANNEL, Sentinels, Switch, resubscribe_delay_s
+from gateway.sync.sentinel import SWITCH_CHANNEL, Sentinels, Switch
 from tests.support.wait import wait_until
 
 
@@ -83,15 +82,6 @@ async def test_a_malformed_announcement_is_skipped_and_the_subscription_goes_on(
     assert len(said) == 1  # said once a while, however many come
 
 
-def test_the_resubscribe_delay_is_the_backoff_lengthened_at_random() -> None:
-    for attempt in range(8):
-        base_s = reconnect_delay_s(attempt)
-        assert resubscribe_delay_s(attempt, lambda: 0.0) == base_s  # never shorter: the cap holds
-        assert resubscribe_delay_s(attempt, lambda: 0.999) == pytest.approx(1.4995 * base_s)
-    drawn = {resubscribe_delay_s(0) for _ in range(32)}
-    assert len(drawn) > 1 and all(0.2 <= d < 0.3 for d in drawn)
-
-
 async def test_a_lost_subscription_waits_the_random_delay_before_the_next(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -101,7 +91,7 @@ async def test_a_lost_subscription_waits_the_random_delay_before_the_next(
         attempts.append(attempt)
         return 0.001
 
-    monkeypatch.setattr(sentinel, "resubscribe_delay_s", delay_s)
+    monkeypatch.setattr(sentinel, "reconnect_delay_s", delay_s)
     async with _sentinel([]) as (address, connections):
         watched = Sentinels([address], "kvgate", timeout_s=2.0)
         async with _watching(watched, lambda _: None):

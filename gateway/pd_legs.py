@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 import orjson
 
-from gateway import proxy
+from gateway import proxy, whole_answer
 from gateway.admitted import Admitted
 from gateway.errors import RawResponse
 from gateway.failure import (
@@ -274,7 +274,7 @@ async def prefill_leg(
     source: StreamSource | None = None
     stage = Stage.HEAD
     try:
-        source = await proxy._open(transport, a, attempt)
+        source = await proxy.open_answer(transport, a, attempt)
         if attempt.trace is not None:
             attempt.trace.status = source.status
         if worker_failed(source.status):
@@ -317,13 +317,13 @@ async def decode_leg(
     source: StreamSource | None = None
     stage = Stage.HEAD
     try:
-        source = await proxy._open(transport, a, attempt)
+        source = await proxy.open_answer(transport, a, attempt)
         if attempt.trace is not None:
             attempt.trace.status = source.status
         if worker_failed(source.status):
             source.close()
             return TransferFailed(worker_status(source.status, source.retry_hints), "decode_error")
-        if a.stream and source.status == 200 and proxy._is_event_stream(source.content_type):
+        if a.stream and source.status == 200 and whole_answer.is_event_stream(source.content_type):
             stage = Stage.FIRST_EVENT
             relay = decode_relay(a)
             first = await first_events(source, relay, attempt)
@@ -402,4 +402,4 @@ def deliver(
     if opened.status == 200 and cached is not None:
         body = with_cached_tokens(body, cached, a.api.dialect.name)
     reply = UpstreamReply(opened.status, opened.content_type, body, opened.source.retry_hints)
-    return proxy._answer(routing, a, attempt, reply, retries)
+    return whole_answer.answer(routing, a, attempt, reply, retries)

@@ -33,7 +33,7 @@ import time
 from typing import Any
 from urllib.parse import urlsplit
 
-from gateway import proxy
+from gateway import proxy, whole_answer
 from gateway.admitted import Admitted
 from gateway.config.pd import PdConfig
 from gateway.errors import RawResponse
@@ -124,7 +124,7 @@ class PdRun:
         worker.acquire(a.route.n_prompt_tokens, a.max_output_tokens, now_s, decision.matched_tokens)
         attempt = Attempt(a, worker, decision.reason, now_s, decision, body=body)
         if routing.tracer is not None:
-            attempt.trace = proxy._start_trace(routing, a, attempt)  # each leg's CLIENT span
+            attempt.trace = proxy.start_trace(routing, a, attempt)  # each leg's CLIENT span
         self.attempts.append(attempt)
         return attempt
 
@@ -172,7 +172,7 @@ class PdRun:
             self.final = True
 
     def _refused(self, attempt: Attempt, refused: Refused) -> Response:
-        answer = proxy._answer(self.routing, self.a, attempt, refused.reply, self._retries())
+        answer = whole_answer.answer(self.routing, self.a, attempt, refused.reply, self._retries())
         assert not isinstance(answer, Failure)  # a 4xx is always passed through
         return answer
 
@@ -186,7 +186,7 @@ class PdRun:
         if workers is None:
             return None
         attempt = self._start(workers[0], decision, None, "alone")
-        result = await proxy._attempt(
+        result = await proxy.send_attempt(
             self.routing, self.transport, self.lifecycle, self.a, attempt, self._retries()
         )
         if not isinstance(result, Failure):

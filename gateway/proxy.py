@@ -1,18 +1,18 @@
 """Dispatch: ask the policy for a worker, send, retry on the next-best worker before the first byte.
 
-One attempt is one worker: `_attempt` sends the request through the worker's transport (the lean
+One attempt is one worker: `send_attempt` sends the request through the worker's transport (the lean
 client for http:// workers, aiohttp for https) and returns the client's response, or the
 `Failure` that ended the attempt. Transport exceptions become failures in one place
 (`failure.failure_of`), which also says whether another worker may take the request: only while
 nothing has reached the client (see `failure.py`). A 4xx from the worker is the client's problem
-and is passed through, its error body rewritten into the gateway's own OpenAI error shape (the
-worker's message and `param` are kept, less any quote of the salt the gateway sent:
-`Admitted.withhold_salts`).
+and is passed through, its error body rewritten into the gateway's own OpenAI error shape
+(`whole_answer.answer`, which reads every answer that is not a stream).
 
 Every attempt is closed by `Attempt.end`, and every request's books by `outcome.finish`: here
 for whole answers and errors, in `streaming.ProxyStream` for a stream once it has started. A
 whole answer's bytes stay reserved in the answer budget until they have been written to the
-client (`answer_write.HeldResponse`); `_answer` hands the reservation on or releases it.
+client (`answer_write.HeldResponse`); `whole_answer.answer` hands the reservation on or
+releases it.
 """
 
 from __future__ import annotations
@@ -22,10 +22,7 @@ import logging
 import time
 from urllib.parse import urlsplit
 
-import orjson
-
 from gateway.admitted import JSON_HEAD, Admitted
-from gateway.answer_write import HeldResponse
 from gateway.errors import ApiError, RawResponse
 from gateway.failure import (
     TRANSPORT_ERRORS,
@@ -39,17 +36,18 @@ from gateway.failure import (
     worker_status,
 )
 from gateway.lifecycle import Lifecycle, shutting_down
-from gateway.outcome import CLIENT_DISCONNECTED, NO_USAGE, Attempt, HeldVerdicts, finish, usage_of
+from gateway.outcome import CLIENT_DISCONNECTED, Attempt, HeldVerdicts, finish
 from gateway.responses_affinity import holder_unavailable, pinned_decision
 from gateway.responses_follow_up import locate_previous
-from gateway.retries import advice, attempts_allowed, forwardable
+from gateway.retries import advice, attempts_allowed
 from gateway.routing import Routing
 from gateway.sse import first_event_problem
 from gateway.streaming import AiohttpSource, ProxyStream, StreamSource, first_events
 from gateway.tracing import AttemptTrace, TracedSource
 from gateway.transport import Transport
 from gateway.upstream import Reservation, UpstreamReply, request_bytes
-from gateway.upstream_headers import lean_lines, passed_on, worker_headers
+from gateway.upstream_headers import lean_lines, worker_headers
+from gateway.whole_answer import answer, is_event_stream
 from policies.base import Outcome, WorkerId
 
 log = logging.getLogger("kvgate.proxy")
@@ -162,8 +160,8 @@ async def _attempts(
         attempt = Attempt(a, worker, decision.reason, now_s, decision)
         attempts.append(attempt)
         if routing.tracer is not None:
-            attempt.trace = _start_trace(routing, a, attempt)
-        result = await _attempt(routing, transport, lifecycle, a, attempt, n)
+            attempt.trace = start_trace(routing, a, attempt)
+        result = await send_attempt(routing, transport, lifecycle, a, attempt, n)
         if not isinstance(result, Failure):
             if isinstance(result, RawResponse) and result.status >= 400:
                 verdicts.acquit()  # this worker refused the request: it is the likely cause
@@ -215,7 +213,7 @@ def _finish(
     )
 
 
-async def _attempt(
+async def send_attempt(
     routing: Routing, transport: Transport, lifecycle: Lifecycle, a: Admitted, attempt: Attempt, retries: int
 ) -> RawResponse | ProxyStream | Failure:
     """Send the request to the attempt's worker: the client's response, or why this attempt failed
@@ -238,8 +236,8 @@ async def _attempt(
                 total_s=timeouts.total_s,
                 hold=transport.answers.share(a.tenant.name),
             )
-            return _answer(routing, a, attempt, reply, retries)
-        source = await _open(transport, a, attempt)
+            return answer(routing, a, attempt, reply, retries)
+        source = await open_answer(transport, a, attempt)
         if attempt.trace is not None:
             attempt.trace.status = source.status
             if attempt.trace.recording:
@@ -247,7 +245,7 @@ async def _attempt(
         if worker_failed(source.status):
             source.close()
             return worker_status(source.status, source.retry_hints)
-        if a.stream and source.status == 200 and _is_event_stream(source.content_type):
+        if a.stream and source.status == 200 and is_event_stream(source.content_type):
             # Nothing is sent to the client before the worker's first event, so a worker that
             # stalls or fails before it can still be replaced by another.
             stage = Stage.FIRST_EVENT
@@ -268,7 +266,7 @@ async def _attempt(
         body = await source.read_held(held)
         source.release()
         reply = UpstreamReply(source.status, source.content_type, body, source.retry_hints, held)
-        return _answer(routing, a, attempt, reply, retries)
+        return answer(routing, a, attempt, reply, retries)
     except TRANSPORT_ERRORS as exc:
         if source is not None:
             source.close()
@@ -283,7 +281,7 @@ async def _attempt(
         raise
 
 
-async def _open(transport: Transport, a: Admitted, attempt: Attempt) -> StreamSource:
+async def open_answer(transport: Transport, a: Admitted, attempt: Attempt) -> StreamSource:
     """Send the request; the answer's head, its body still to be read."""
     lean = transport.lean
     direct = attempt.worker.direct
@@ -328,7 +326,7 @@ def _content_type(head: bytes) -> str:
     return head.split(b"\r\n", 1)[0].partition(b":")[2].strip().decode("latin-1")
 
 
-def _start_trace(routing: Routing, a: Admitted, attempt: Attempt) -> AttemptTrace:
+def start_trace(routing: Routing, a: Admitted, attempt: Attempt) -> AttemptTrace:
     assert routing.tracer is not None
     url = urlsplit(attempt.worker.url)
     decision = attempt.decision
@@ -342,101 +340,3 @@ def _start_trace(routing: Routing, a: Admitted, attempt: Attempt) -> AttemptTrac
         reason=decision.reason,
         predicted_cached_tokens=decision.matched_tokens,
     )
-
-
-def _is_event_stream(content_type: str) -> bool:
-    return _media(content_type) == "text/event-stream"
-
-
-def _answer(
-    routing: Routing, a: Admitted, attempt: Attempt, reply: UpstreamReply, retries: int
-) -> RawResponse | Failure:
-    """A complete answer, whose bytes' reservation (`reply.held`) goes with the body to the
-    client's response when the body is passed on as it came (`HeldResponse`), and is released
-    here on every other way out: a failure, a rewritten error body, an exception."""
-    try:
-        response = _respond(routing, a, attempt, reply, retries)
-    except BaseException:
-        reply.release()
-        raise
-    if not isinstance(response, HeldResponse):
-        reply.release()
-    return response
-
-
-def _respond(
-    routing: Routing, a: Admitted, attempt: Attempt, reply: UpstreamReply, retries: int
-) -> RawResponse | Failure:
-    """`_answer`'s response. A 5xx, or a 200 that says it is JSON but whose body is not a JSON
-    object (on routes that answer JSON; or an array, on routes whose answer may be one: a batch's
-    items, which carry no usage the gateway reads), is the attempt's failure; anything else closes the books
-    and is passed through: a 200 byte for byte, an error with its body in the route's error shape,
-    the worker's `Retry-After` and the gateway's retry advice (`retries.py`). A 200 of another
-    content type is an answer in another format on the routes that have one (vLLM's binary
-    embeddings, `encoding_format` "bytes", with their `metadata` header: `binary_answer`; a
-    plain-text transcript): it goes to the client with its content type, and the request has no
-    usage the gateway can read; on the other JSON routes it is malformed (an HTML error page of
-    a proxy in front of the worker, say)."""
-    status, body, content_type = reply.status, reply.body, reply.content_type
-    if attempt.trace is not None:
-        attempt.trace.status = status
-    if worker_failed(status):
-        return worker_status(status, reply.retry_hints)
-    passed: list[tuple[bytes, bytes]] = []
-    if status == 200:
-        if not _is_json(content_type):
-            if a.api.json_answer and not (a.api.binary_answer and _media(content_type) == _BINARY):
-                what = f"content type {content_type[:64]!r}"
-                return malformed(f"worker sent a malformed answer ({what})", Stage.ANSWER)
-            parsed = None
-            passed = passed_on(reply.retry_hints)
-        else:
-            try:
-                parsed = orjson.loads(body)
-            except orjson.JSONDecodeError:
-                parsed = None
-            well_formed = isinstance(parsed, dict) or (isinstance(parsed, list) and a.api.answer_may_be_array)
-            if not well_formed and a.api.json_answer:
-                what = "a JSON object or array" if a.api.answer_may_be_array else "a JSON object"
-                return malformed(f"worker sent a malformed answer (its body is not {what})", Stage.ANSWER)
-        if not isinstance(parsed, dict):
-            usage = NO_USAGE
-        else:
-            if attempt.trace is not None:
-                attempt.trace.note_answer(parsed)
-            usage = usage_of(parsed.get("usage"))
-            if a.responses is not None:
-                a.learn_response(attempt.worker.worker_id, parsed.get("id"))
-        finish(routing, a, attempt, status=200, outcome=Outcome.SERVED, usage=usage, retries=retries)
-    else:
-        # A 4xx is about the request, not the worker's health; the worker computed nothing.
-        finish(routing, a, attempt, status=status, outcome=Outcome.REJECTED, retries=retries)
-        body = body if isinstance(body, bytes) else bytes(body)
-        if status >= 400:
-            body = a.api.dialect.worker_error(status, body)
-            content_type = "application/json"
-        # Any answer but a 200 may quote the request (vLLM's validation errors do).
-        body = a.withhold_salts(body)
-    headers = [
-        (b"content-type", (content_type or "application/json").encode()),
-        (b"x-request-id", a.reply_id.encode()),
-    ]
-    if status >= 400:
-        headers += forwardable(reply.retry_hints)
-        headers += advice(retries + 1, a.pool.config.retry_attempts, a.retries_taken)
-    if reply.held is not None and body is reply.body:
-        return HeldResponse(status, body, headers + passed, reply.held)
-    return RawResponse(status, body, headers + passed)
-
-
-_BINARY = "application/octet-stream"
-
-
-def _media(content_type: str) -> str:
-    return content_type.split(";", 1)[0].strip().lower()
-
-
-def _is_json(content_type: str) -> bool:
-    """`application/json`, or none (a worker that names no type is read as it always was)."""
-    media = _media(content_type)
-    return not media or media == "application/json" or media.endswith("+json")

@@ -7,6 +7,7 @@ client library of the other broker is never imported."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 from collections.abc import Awaitable, Callable
@@ -34,6 +35,15 @@ def reconnect_delay_s(attempt: int, draw: Callable[[], float] = random.random) -
     moment. Never shorter than the backoff, so its cap on attempts holds."""
     delay_s = _RECONNECT_BACKOFF_S[min(attempt, len(_RECONNECT_BACKOFF_S) - 1)]
     return delay_s + delay_s * draw() / 2
+
+
+def raise_if_cancelled() -> None:
+    """Raise `CancelledError` when the running task was asked to stop. A client library that
+    turns a cancellation into an error of its own (a connect's timeout meeting the cancel, on
+    3.11) would otherwise leave a link's loop reconnecting after it was told to stop."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 class SyncLink(Protocol):

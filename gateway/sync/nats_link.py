@@ -25,7 +25,7 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
 from gateway.sync.auth import ConnectOptions
-from gateway.sync.link import RECEIVED_BYTES, RECEIVED_MSGS, reconnect_delay_s
+from gateway.sync.link import RECEIVED_BYTES, RECEIVED_MSGS, raise_if_cancelled, reconnect_delay_s
 
 log = logging.getLogger("kvgate.sync")
 
@@ -102,6 +102,7 @@ class NatsLink:
             except Exception as exc:  # a bad URL, or a connection closed for good
                 self._error(exc)
             await self._drop()
+            raise_if_cancelled()
             await self._pause(reconnect_delay_s(attempt))
             attempt += 1
 

@@ -41,7 +41,7 @@ from redis.asyncio.connection import Connection, SSLConnection
 from redis.exceptions import AuthenticationError, NoPermissionError, RedisError
 
 from gateway.config.sync import HostPort, SyncTlsConfig
-from gateway.sync.link import RECEIVED_BYTES, RECEIVED_MSGS, reconnect_delay_s
+from gateway.sync.link import RECEIVED_BYTES, RECEIVED_MSGS, raise_if_cancelled, reconnect_delay_s
 
 log = logging.getLogger("kvgate.sync")
 
@@ -169,6 +169,7 @@ class RedisLink:
                     if self._connected:
                         attempt = 0
                     await self._drop()
+                raise_if_cancelled()
                 await self._pause(reconnect_delay_s(attempt))
                 attempt += 1
         finally:

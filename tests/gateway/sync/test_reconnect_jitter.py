@@ -103,3 +103,48 @@ def test_nats_reconnects_first_to_a_server_tried_least_after_the_drawn_backoff()
     fresh = [_server(port, 0) for port in (4222, 4223, 4224)]
     assert {next_server(fresh, {})[0].uri.port for _ in range(200)} == {4222, 4223, 4224}
     assert all(0.2 <= next_server(fresh, {})[1] < 0.3 for _ in range(50))
+
+
+class _SwallowingConnect:
+    """A connect that turns its cancellation into an error of its own, as a client library's
+    timeout meeting the cancel can on 3.11."""
+
+    def __init__(self) -> None:
+        self.entered = asyncio.Event()
+
+    async def __call__(self) -> None:
+        self.entered.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            raise ConnectionError("connect interrupted") from None
+
+
+@pytest.mark.parametrize("kind", ["redis", "nats"])
+async def test_a_link_told_to_stop_stops_though_its_client_library_turned_the_cancel_into_an_error(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    connect = _SwallowingConnect()
+    link: RedisLink | NatsLink
+    if kind == "redis":
+        link = RedisLink(f"redis://{address}", "t.batches", "me", _ignore)
+        monkeypatch.setattr(link, "_session", connect)
+    else:
+        link = NatsLink([f"nats://{address}"], "t.batches", "me", _ignore)
+        monkeypatch.setattr(link, "_connect", connect)
+
+    async def pause(delay_s: float) -> None:
+        await asyncio.sleep(0)
+
+    monkeypatch.setattr(link, "_pause", pause)
+    task = asyncio.create_task(link.run())
+    try:
+        await wait_until(connect.entered.is_set, what="the link in its connect")
+        task.cancel()
+        await wait_until(task.done, what="the link's loop ended", timeout_s=5)
+        assert task.cancelled()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await link.close()

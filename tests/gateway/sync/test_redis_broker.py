@@ -108,8 +108,16 @@ async def test_a_broker_down_at_start_is_joined_when_it_comes_up(tmp_path: Path)
             assert a.publisher.queued == 1
             broker.start()
             await wait_until(lambda: a.link.connected and b.link.connected, timeout_s=20)
-            await wait_until(lambda: b.subscriber.stats.items >= 1)  # the queue drained
-            assert a.link.connects == 1 and a.publisher.queued == 0
+            await wait_until(lambda: a.publisher.queued == 0)  # the queue drained
+            # Each joins after its own drawn backoff: what a sent before b subscribed is not
+            # b's (pub/sub keeps nothing), what it sends now is.
+            r = req("r2", range(64, 128), pool="p")
+            now = time.monotonic()
+            d = a.routing.policy.select(r, a.registry.pools["p"].views(now), now)
+            assert d is not None
+            a.routing.policy.on_dispatch(r, d, now)
+            await wait_until(lambda: b.subscriber.stats.items >= 1)
+            assert a.link.connects == 1
     finally:
         broker.stop()
 

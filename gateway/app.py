@@ -253,7 +253,11 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
                 from gateway.sync.service import SyncService  # nats-py only when sync is on
 
                 state.sync = SyncService(
-                    state.registry, state.routing, state.config.sync, secret=state.secret
+                    state.registry,
+                    state.routing,
+                    state.config.sync,
+                    secret=state.secret,
+                    limiters=state.gate.limiters,
                 )
                 await state.sync.start()  # connects in the background: never waits on the broker
             await state.registry.check_all(session)

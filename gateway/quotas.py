@@ -14,11 +14,19 @@ bodies that fail at their last message, each parsed and keyed on the event loop.
 
 Buckets hold one minute of budget and refill continuously. The end-of-request charges may take a
 bucket below zero, which delays the tenant's next requests instead of failing this one.
+
+Gateways that share a sync broker (the processes of `kvgate serve --processes N`, replicas with a
+`sync.url`) share their tenants' quotas through it (`gateway.sync`): each limiter keeps what it
+charged since its peers were last told (`unshared`), and charges its own buckets with what each
+peer charged (`peer_usage`), so that every gateway's bucket is the one bucket of the whole fleet,
+a batch interval and a broker's delivery late; its concurrency limit counts the peers' requests
+in flight too, as each peer last said, until that peer is silent for the sync's `peer_timeout_s`.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway.config import QuotaConfig
@@ -63,15 +71,91 @@ class TokenBucket:
         self._refill(now_s)
         self._level = min(self.capacity, self._level - amount)
 
+    def take_bounded(self, amount: float, now_s: float) -> None:
+        """`take`, never below minus the capacity: a peer's charge (`TenantLimiter.peer_usage`),
+        which may come late and in one lump (after a broker outage), or made up by whoever can
+        publish on the bus, delays the tenant by at most two minutes of budget."""
+        self._refill(now_s)
+        self._level = max(-self.capacity, min(self.capacity, self._level - amount))
+
+
+# Peers whose requests in flight a limiter counts, at most (each forgotten when silent): far more
+# gateways than a fleet has; beyond it, made-up senders count nothing.
+MAX_PEERS = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """What a gateway tells its peers of one tenant: the requests (rpm units) and tokens (tpm;
+    negative when a reconciled prompt count gave some back) it charged since it last told them,
+    and the tenant's requests in flight there now."""
+
+    requests: int
+    tokens: int
+    in_flight: int
+
 
 class TenantLimiter:
-    """The quota state of one tenant."""
+    """The quota state of one tenant. `notify`, when set (by the sync service), is called after
+    every charge and every change of `in_flight`, so that the peers hear of it soon."""
 
     def __init__(self, quotas: QuotaConfig, now_s: float) -> None:
         self._max_concurrent = quotas.max_concurrent
         self._rpm = TokenBucket(quotas.rpm, now_s) if quotas.rpm else None
         self._tpm = TokenBucket(quotas.tpm, now_s) if quotas.tpm else None
         self.in_flight = 0
+        self.limited = quotas.max_concurrent is not None or self._rpm is not None or self._tpm is not None
+        self.notify: Callable[[], None] | None = None
+        self._unshared_requests = 0
+        self._unshared_tokens = 0
+        self._shared_in_flight = 0  # `in_flight` as the peers were last told
+        self._peers: dict[str, tuple[int, float]] = {}  # peer -> (its in flight, when it said so)
+        self._peers_in_flight = 0
+
+    def _charged(self, requests: int, tokens: int) -> None:
+        self._unshared_requests += requests
+        self._unshared_tokens += tokens
+        if self.notify is not None:
+            self.notify()
+
+    def unshared(self, full: bool) -> Usage | None:
+        """What the peers have not been told yet, now counted as told; with `full` (a whole
+        load snapshot) the requests in flight as well, even unchanged. None when there is
+        nothing to tell."""
+        if not self.limited:
+            return None
+        requests, tokens, in_flight = self._unshared_requests, self._unshared_tokens, self.in_flight
+        if not requests and not tokens and in_flight == self._shared_in_flight and not (full and in_flight):
+            return None
+        self._unshared_requests = self._unshared_tokens = 0
+        self._shared_in_flight = in_flight
+        return Usage(requests, tokens, in_flight)
+
+    def peer_usage(self, peer: str, usage: Usage, now_s: float) -> None:
+        """Charge what `peer` charged for this tenant to this gateway's buckets, and count its
+        requests in flight against the concurrency limit."""
+        if self._rpm is not None and usage.requests:
+            self._rpm.take_bounded(usage.requests, now_s)
+        if self._tpm is not None and usage.tokens:
+            self._tpm.take_bounded(usage.tokens, now_s)
+        if self._max_concurrent is None:
+            return
+        before = self._peers.pop(peer, (0, 0.0))[0]
+        if usage.in_flight and len(self._peers) < MAX_PEERS:
+            self._peers[peer] = (usage.in_flight, now_s)
+            self._peers_in_flight += usage.in_flight - before
+        else:
+            self._peers_in_flight -= before
+
+    def forget_peers(self, silent_since_s: float) -> None:
+        """Stop counting the requests in flight of peers that said nothing since `silent_since_s`
+        (a peer that stopped, or that lost the broker: its load is forgotten likewise)."""
+        for peer in [p for p, (_, said_s) in self._peers.items() if said_s < silent_since_s]:
+            self._peers_in_flight -= self._peers.pop(peer)[0]
+
+    @property
+    def peers_in_flight(self) -> int:
+        return self._peers_in_flight
 
     def _too_many(self) -> Rejection:
         return Rejection(
@@ -84,7 +168,10 @@ class TenantLimiter:
         rpm bucket: refused before the gateway reads or parses anything, and charged nothing).
         The caller gives the slot back with `leave` unless the request is admitted, and then with
         `release`; the request stays charged."""
-        if self._max_concurrent is not None and self.in_flight >= self._max_concurrent:
+        if (
+            self._max_concurrent is not None
+            and self.in_flight + self._peers_in_flight >= self._max_concurrent
+        ):
             return self._too_many()
         if self._rpm is not None:
             wait = self._rpm.wait_s(1, now_s)
@@ -92,11 +179,14 @@ class TenantLimiter:
                 return _spent("requests per minute", wait)
             self._rpm.take(1, now_s)
         self.in_flight += 1
+        self._charged(1 if self._rpm is not None else 0, 0)
         return None
 
     def leave(self) -> None:
         """Give back the slot of a request that was refused or abandoned before admission."""
         self.in_flight -= 1
+        if self.notify is not None:
+            self.notify()
 
     def admit(self, prompt_tokens: int, now_s: float) -> Rejection | None:
         """Charge the estimated `prompt_tokens` of a request that holds a slot (`enter`), or say
@@ -114,6 +204,7 @@ class TenantLimiter:
             if wait > 0:
                 return _spent("tokens per minute", wait)
             self._tpm.take(prompt_tokens, now_s)
+            self._charged(0, prompt_tokens)
         return None
 
     def reconcile(self, estimated_tokens: int, prompt_tokens: int | None, now_s: float) -> None:
@@ -121,12 +212,16 @@ class TenantLimiter:
         worker's count (`usage.prompt_tokens`); without a count the estimate stands."""
         if self._tpm is not None and prompt_tokens is not None and prompt_tokens != estimated_tokens:
             self._tpm.take(prompt_tokens - estimated_tokens, now_s)
+            self._charged(0, prompt_tokens - estimated_tokens)
 
     def release(self, completion_tokens: int, now_s: float) -> None:
         """The end of an admitted request: its slot comes back, its completion tokens are charged."""
         self.in_flight -= 1
+        charged = 0
         if self._tpm is not None and completion_tokens > 0:
             self._tpm.take(completion_tokens, now_s)
+            charged = completion_tokens
+        self._charged(0, charged)
 
 
 def _spent(what: str, wait_s: float) -> Rejection:

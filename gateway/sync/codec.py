@@ -10,30 +10,33 @@
      "x": [decode context tokens, ...],                          # optional, one per "l" entry
      "y": [prefill attention pairs, ...],                        # optional, one per "l" entry
      "a": seconds its oldest item waited in the sender's queue,  # optional
-     "d": [pool fingerprint, ...]}                               # optional, one per pool of the sender
+     "d": [pool fingerprint, ...],                               # optional, one per pool of the sender
+     "u": [[tenant, requests, tokens, in flight], ...]}          # optional
 
 "c" carries calibration samples (`PeerCalibration`), "x" each load's decode context
 (`PeerLoad.decode_context_tokens`), "y" each load's prefill attention (`PeerLoad.prefill_pairs`),
-"a" how long before "t" the batch's first item was queued (on the sender's monotonic clock: when
-its items were decided, for `policies.herd`), "d" the fingerprint of each pool the sender routes to
-(`gateway.sync.deployment`: which deployment it is part of). All five were added within version 1
-as optional fields, because a reader takes the fields it knows by name: a gateway of an earlier
-release ignores them (and keeps routing on the holdings and loads of the same batch). A batch
-without "c" has no samples; one without "x" or "y" has loads whose decode context or prefill
-attention is 0 (its writer did not count it); one without "a" had no item wait (or its writer did
-not say); one without "d" does not say which pools its sender has (`SyncBatch.pools` is None).
-Samples are independent of the items' order, so they travel after them.
+"a" how long before "t" the batch's first item was queued (on the sender's monotonic clock: when its
+items were decided, for `policies.herd`), "d" the fingerprint of each pool the sender routes to
+(`gateway.sync.deployment`: which deployment it is part of), "u" what the sender charged to its
+tenants' quotas since its last batch and their requests in flight there (`quotas.Usage`, one row a
+tenant with quotas whose figures changed, or with requests in flight in a full snapshot). All six
+were added within version 1 as optional fields, because a reader takes the fields it knows by name:
+a gateway of an earlier release ignores them (and keeps routing on the holdings and loads of the
+same batch). A batch without "c" has no samples; one without "x" or "y" has loads whose decode
+context or prefill attention is 0 (its writer did not count it); one without "a" had no item wait
+(or its writer did not say); one without "d" does not say which pools its sender has
+(`SyncBatch.pools` is None). Samples are independent of the items' order, so they travel after them.
 
-Pools, namespaces and workers are indices into the string tables. A namespace is the tenant's
-index namespace (`tenant:<name>`, or the public one), a key a keyed chain hash: nothing in a batch
-is prompt content, and a key cannot be turned back into text without the deployment's secret.
-Anything that does not decode to exactly this shape is `MalformedBatch`, and so is a batch beyond
-what a gateway publishes: more than `MAX_BATCH_KEYS` keys, `MAX_BATCH_ITEMS` items or samples,
-`MAX_BATCH_LOADS` loads or `MAX_BATCH_NAMES` names in a table, a string (an origin or a name) of
-more than `MAX_NAME_BYTES`, a prompt of more than `MAX_PROMPT_TOKENS`, or a send time that is not
-finite. A batch otherwise well formed whose send time is further than `MAX_CLOCK_SKEW_S` from the
-receiver's wall clock (it feeds the lag metric and the decision times of `policies.herd`) is
-`ClockSkewed`, a `MalformedBatch` of its own.
+Pools, namespaces and workers are indices into the string tables. A namespace is the tenant's index
+namespace (`tenant:<name>`, or the public one), a key a keyed chain hash: nothing in a batch is
+prompt content, and a key cannot be turned back into text without the deployment's secret. Anything
+that does not decode to exactly this shape is `MalformedBatch`, and so is a batch beyond what a
+gateway publishes: more than `MAX_BATCH_KEYS` keys, `MAX_BATCH_ITEMS` items or samples,
+`MAX_BATCH_LOADS` loads, `MAX_BATCH_TENANTS` quota rows or `MAX_BATCH_NAMES` names in a table, a
+string (an origin or a name) of more than `MAX_NAME_BYTES`, a prompt of more than
+`MAX_PROMPT_TOKENS`, or a send time that is not finite. A batch otherwise well formed whose send
+time is further than `MAX_CLOCK_SKEW_S` from the receiver's wall clock (it feeds the lag metric and
+the decision times of `policies.herd`) is `ClockSkewed`, a `MalformedBatch` of its own.
 
 A batch is read by its containers' headers, and nothing in a container is built before its count
 is checked: one msgpack byte can be an empty array, a 72-byte Python list, so a batch decoded whole
@@ -51,6 +54,7 @@ from typing import Any, cast
 
 import msgpack
 
+from gateway.quotas import Usage
 from policies.base import WorkerId
 from policies.peer_sync import PeerCalibration, PeerHolding, PeerItem, PeerLoad, PeerOutcome
 from prompt_normalizer.types import BlockKey
@@ -73,6 +77,13 @@ MAX_BATCH_LOADS = 16_384
 MAX_BATCH_NAMES = MAX_BATCH_ITEMS + MAX_BATCH_LOADS
 # Pool fingerprints one batch may carry ("d"): four times the pools a policy keeps (`PoolSet.MAX_POOLS`).
 MAX_BATCH_POOLS = 1024
+# Tenants' quota rows one batch may carry ("u"): twice what a publisher puts in one. A row's
+# requests and requests in flight are at most `MAX_USAGE_COUNT`, its tokens within
+# `MAX_USAGE_TOKENS` either way: beyond what a gateway charges between two batches.
+PUBLISH_BATCH_TENANTS = 2048
+MAX_BATCH_TENANTS = 2 * PUBLISH_BATCH_TENANTS
+MAX_USAGE_COUNT = 1 << 32
+MAX_USAGE_TOKENS = 1 << 40
 _MAX_FIELDS = 32  # a batch's top-level map: 16 fields today, room for later releases' own
 _MAX_ROW = 16  # entries of one item, load or sample row (9 at most today)
 # UTF-8 bytes of one string: the origin, a pool, namespace or worker name. Peers keep these (a
@@ -89,7 +100,7 @@ MAX_PROMPT_TOKENS = 1 << 24
 # rows of scalars. Any other field is a scalar or a later release's field (skipped unread).
 _LISTS = {"p": MAX_BATCH_NAMES, "n": MAX_BATCH_NAMES, "w": MAX_BATCH_NAMES}
 _LISTS |= {"x": MAX_BATCH_LOADS, "y": MAX_BATCH_LOADS, "d": MAX_BATCH_POOLS}
-_ROWS = {"i": MAX_BATCH_ITEMS, "c": MAX_BATCH_ITEMS, "l": MAX_BATCH_LOADS}
+_ROWS = {"i": MAX_BATCH_ITEMS, "c": MAX_BATCH_ITEMS, "l": MAX_BATCH_LOADS, "u": MAX_BATCH_TENANTS}
 _KNOWN_SCALARS = frozenset("vostfka")
 # How far a batch's send time may be from the receiver's wall clock, either way: far beyond the
 # skew of hosts that keep time and any wait in the broker, well short of a clock that is broken.
@@ -117,7 +128,8 @@ class SyncBatch:
     """What one gateway publishes at once. `full_load`: `loads` is its whole in-flight load (a
     worker it leaves out is idle); otherwise only the workers whose load changed. `seq` numbers
     the origin's batches from 1, one more each batch. `pools`: the fingerprints of the pools the
-    origin routes to (`gateway.sync.deployment`); None when its release does not send them."""
+    origin routes to (`gateway.sync.deployment`); None when its release does not send them.
+    `usage`: its tenants' quota figures (`quotas.Usage`), by tenant name."""
 
     origin: str
     seq: int
@@ -127,6 +139,7 @@ class SyncBatch:
     loads: tuple[PeerLoad, ...] = ()
     waited_s: float = 0.0  # how long the first item waited in the sender's queue before `sent_wall_s`
     pools: tuple[int, ...] | None = None
+    usage: tuple[tuple[str, Usage], ...] = ()
 
 
 class _Table:
@@ -196,6 +209,8 @@ def encode(batch: SyncBatch) -> bytes:
         doc["a"] = batch.waited_s
     if batch.pools is not None:
         doc["d"] = list(batch.pools)
+    if batch.usage:
+        doc["u"] = [[tenant, u.requests, u.tokens, u.in_flight] for tenant, u in batch.usage]
     return msgpack.packb(doc, use_bin_type=True)
 
 
@@ -390,13 +405,27 @@ def _parse(doc: dict[str, Any], now_wall_s: float) -> SyncBatch:
         raise MalformedBatch("bad item wait")
     marks = doc.get("d")
     fingerprints = None if marks is None else tuple(_fingerprint(x) for x in marks)
+    usage = tuple(_usage(raw) for raw in doc.get("u", ()))
     origin = _str(doc["o"])
     seq = _int(doc["s"])
     if abs(float(sent) - now_wall_s) > MAX_CLOCK_SKEW_S:  # checked last: a broken batch is malformed
         raise ClockSkewed(origin, float(sent) - now_wall_s)
     return SyncBatch(
-        origin, seq, float(sent), doc["f"], tuple(items), tuple(loads), float(waited), fingerprints
+        origin, seq, float(sent), doc["f"], tuple(items), tuple(loads), float(waited), fingerprints, usage
     )
+
+
+def _usage(raw: object) -> tuple[str, Usage]:
+    """One tenant's quota row: its name, and figures within what a gateway sends."""
+    if not isinstance(raw, list) or len(raw) != 4:
+        raise MalformedBatch("bad quota row")
+    tokens = raw[2]
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or abs(tokens) > MAX_USAGE_TOKENS:
+        raise MalformedBatch("bad quota tokens")
+    requests, in_flight = _int(raw[1]), _int(raw[3])
+    if requests > MAX_USAGE_COUNT or in_flight > MAX_USAGE_COUNT:
+        raise MalformedBatch("bad quota count")
+    return _str(raw[0]), Usage(requests, tokens, in_flight)
 
 
 def _fingerprint(x: object) -> int:

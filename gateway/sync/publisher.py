@@ -10,6 +10,9 @@ default on NATS), so items are taken while an upper bound of their encoded size 
 their keys stay within `PUBLISH_BATCH_KEYS` (peers refuse a batch of many more). An item that
 alone would not fit (a holding of more than ~130k blocks), or that peers would refuse (a name or a
 prompt beyond `codec.item_fits`), is dropped and counted as `oversized`.
+
+Tenants' quota figures (`quotas.Usage`) handed over by the service (`share_usage`) go out with the
+next batches, ahead of the items, at most `PUBLISH_BATCH_TENANTS` rows a batch.
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ from collections import deque
 from collections.abc import Iterable
 
 from gateway.config.sync import SyncConfig
+from gateway.quotas import Usage
 from gateway.sync.codec import (
     MAX_NAME_BYTES,
     MAX_WAIT_S,
     PUBLISH_BATCH_ITEMS,
     PUBLISH_BATCH_KEYS,
+    PUBLISH_BATCH_TENANTS,
     SyncBatch,
     item_fits,
     name_fits,
@@ -39,6 +44,7 @@ _Slot = tuple[str, WorkerId]
 _ITEM_BYTES = 48
 _KEY_BYTES = 8
 _LOAD_BYTES = 58  # the row, and its entries in "x" and "y"
+_USAGE_BYTES = 32  # a quota row, beyond its tenant's name
 _HEAD_BYTES = 256
 _NAME_CHARS = MAX_NAME_BYTES // 4  # names this short together are each within the bound in UTF-8
 
@@ -79,6 +85,17 @@ class SyncPublisher:
         self._sent_loads: dict[_Slot, LoadCounts] = {}
         self._last_full_s = -float("inf")
         self._prefill_slots = 0  # slots of `_sent_loads` with prefill tokens
+        self._usage: deque[tuple[str, Usage]] = deque()  # quota rows still to send, by tenant
+
+    def share_usage(self, rows: Iterable[tuple[str, Usage]]) -> None:
+        """Send these tenants' quota figures with the next batches."""
+        self._usage.extend(rows)
+        if self._usage:
+            self.ready.set()
+
+    @property
+    def usage_pending(self) -> bool:
+        return bool(self._usage)
 
     def sink(self, item: PeerItem, now_s: float) -> None:
         """The policy's `SyncSink`: queue one item, dropping the oldest when full. Never blocks."""
@@ -119,6 +136,14 @@ class SyncPublisher:
         full = self.full_load_due(now_s)
         out = self._changed_loads(loads, full)
         budget = max_bytes - _HEAD_BYTES - sum(load_bytes(x) for x in out)
+        usage: list[tuple[str, Usage]] = []
+        pending = self._usage
+        while pending and len(usage) < PUBLISH_BATCH_TENANTS:
+            size = _USAGE_BYTES + len(pending[0][0].encode())
+            if size > budget:
+                break
+            budget -= size
+            usage.append(pending.popleft())
         queue, queued_at = self._queue, self._queued_at
         items: list[PeerItem] = []
         first_queued_s: float | None = None
@@ -139,9 +164,9 @@ class SyncPublisher:
             at_s = queued_at.popleft()
             if first_queued_s is None:
                 first_queued_s = at_s
-        if not queue:
+        if not queue and not pending:
             self.ready.clear()
-        if not items and not out and not full:
+        if not items and not out and not full and not usage:
             return None
         if full:
             self._last_full_s = now_s
@@ -153,7 +178,15 @@ class SyncPublisher:
             0.0 if first_queued_s is None else min(max(0.0, time.monotonic() - first_queued_s), MAX_WAIT_S)
         )
         return SyncBatch(
-            self.origin, self._seq, time.time(), full, tuple(items), tuple(out), waited, self.pools
+            self.origin,
+            self._seq,
+            time.time(),
+            full,
+            tuple(items),
+            tuple(out),
+            waited,
+            self.pools,
+            tuple(usage),
         )
 
     def _changed_loads(self, loads: Iterable[PeerLoad], full: bool) -> list[PeerLoad]:

@@ -7,6 +7,9 @@ batches are applied on the event loop as they arrive, between requests. While pe
 wait for their worker to be discovered here (`parking`), a third task looks every
 `ADOPT_POLL_S` for discovery having added it; a new worker is not routable before its first
 health check answers, which takes about as long.
+
+Tenants' quotas are shared as well (`quotas`): a limiter's charge wakes the publish task, which
+sends what each tenant's limiter has not told the peers yet with the next batch.
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from gateway.config.sync import SyncConfig
+from gateway.quotas import TenantLimiter, Usage
 from gateway.sync.codec import encode
 from gateway.sync.deployment import fingerprints, published
 from gateway.sync.link import open_link
@@ -58,9 +62,11 @@ class SyncService:
         origin: str | None = None,
         *,
         secret: bytes,
+        limiters: Mapping[str, TenantLimiter] | None = None,
     ) -> None:
         """`secret`: the gateway's key-hash secret, which keys its pools' fingerprints (a gateway
-        of another secret is of another deployment, `deployment`)."""
+        of another secret is of another deployment, `deployment`). `limiters`: the tenants' quota
+        state by tenant name, shared with the peers (none: quotas stay this gateway's own)."""
         if config.url is None:
             raise ValueError("sync.url is not set")
         self.registry = registry
@@ -69,6 +75,7 @@ class SyncService:
         self.origin = origin or default_origin()
         pools = fingerprints(((name, pool.config.models) for name, pool in registry.pools.items()), secret)
         self.publisher = SyncPublisher(self.origin, config, published(pools))
+        self.limiters = {name: x for name, x in (limiters or {}).items() if x.limited}
         self.subscriber = SyncSubscriber(
             self.origin,
             registry,
@@ -76,6 +83,7 @@ class SyncService:
             routing.metrics,
             secret=secret,
             share_calibration=config.share_calibration,
+            limiters=self.limiters,
         )
         self.link = open_link(config, self.origin, self._on_message)
         self.published_batches = 0
@@ -98,6 +106,8 @@ class SyncService:
 
     async def start(self) -> None:
         self.attach(self.routing.policy)
+        for limiter in self.limiters.values():
+            limiter.notify = self.publisher.ready.set
         self._tasks = [
             asyncio.create_task(self.link.run(), name="sync-link"),
             asyncio.create_task(self._publish_loop(), name="sync-publish"),
@@ -108,6 +118,8 @@ class SyncService:
         policy = self.routing.policy
         if isinstance(policy, SupportsPeerSync):
             policy.set_sync_sink(None)
+        for limiter in self.limiters.values():
+            limiter.notify = None
         for task in self._tasks:
             task.cancel()
         if self._tasks:
@@ -169,9 +181,19 @@ class SyncService:
             if not sub.parked:
                 sub.parked_any.clear()
 
+    def _usage(self, full: bool) -> Iterator[tuple[str, Usage]]:
+        """What each tenant's limiter has not told the peers yet (`TenantLimiter.unshared`)."""
+        for name, limiter in self.limiters.items():
+            usage = limiter.unshared(full)
+            if usage is not None:
+                yield name, usage
+
     async def _send(self, now_s: float) -> None:
+        publisher = self.publisher
+        if self.limiters and not publisher.usage_pending:  # at most one row a tenant waits
+            publisher.share_usage(self._usage(publisher.full_load_due(now_s)))
         for _ in range(_MAX_BATCHES_PER_WAKE):
-            batch = self.publisher.next_batch(self._loads(), now_s, self.link.max_payload)
+            batch = publisher.next_batch(self._loads(), now_s, self.link.max_payload)
             if batch is None:
                 return
             if await self.link.publish(encode(batch)):
@@ -179,7 +201,7 @@ class SyncService:
             else:
                 self.failed_batches += 1
                 self.lost_items += len(batch.items)
-            if not self.publisher.queued:
+            if not publisher.queued and not publisher.usage_pending:
                 return
 
     def counters(self) -> dict[str, int]:
@@ -197,6 +219,7 @@ class SyncService:
             "dropped_malformed": sub.malformed,
             "dropped_clock_skew": sub.clock_skew,
             "dropped_unknown_worker": sub.unknown_worker,
+            "dropped_unknown_tenant": sub.unknown_tenant,
             "parked_holdings": parked.parked,
             "parked_applied": parked.applied,
             "parked_expired": parked.expired,

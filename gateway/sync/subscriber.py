@@ -26,6 +26,9 @@ match this gateway's, and the policy would make a pool it has not used yet with 
 size. A batch whose send time is far from this gateway's clock is counted apart from the malformed
 ones, and logged at most once a minute per sender: a clock to fix, not a peer. Malformed batches
 are logged at most once a minute too, with their count.
+
+A peer's quota rows are charged to this gateway's limiters of the same tenants (`quotas`); a row
+of a tenant this gateway does not have is dropped and counted.
 """
 
 from __future__ import annotations
@@ -34,10 +37,11 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from gateway.metrics import GatewayMetrics
+from gateway.quotas import TenantLimiter
 from gateway.registry import Registry
 from gateway.sync.codec import ClockSkewed, MalformedBatch, SyncBatch, decode
 from gateway.sync.deployment import fingerprints
@@ -87,6 +91,7 @@ class ApplyStats:
     truncated: int = 0  # holdings cut to MAX_HOLDING_KEYS
     other_deployment: int = 0  # batches of a sender with none of this gateway's pools (`deployment`)
     block_size: int = 0  # holdings and samples of another block size than their pool's here
+    unknown_tenant: int = 0  # quota rows of a tenant this gateway does not have
 
 
 class SyncSubscriber:
@@ -101,8 +106,12 @@ class SyncSubscriber:
         *,
         secret: bytes,
         share_calibration: bool = False,
+        limiters: Mapping[str, TenantLimiter] | None = None,
     ) -> None:
+        """`limiters`: this gateway's tenants' quota state, charged with what peers charged."""
         self.origin = origin
+        self.limiters = limiters or {}
+        self.peer_timeout_s = peer_timeout_s
         self.share_calibration = share_calibration
         self.registry = registry
         self._lag = metrics.sync_lag.labels()
@@ -300,6 +309,13 @@ class SyncSubscriber:
         stats.unknown_worker += len(batch.loads) - len(loads)
         for pool, worker in self.loads.note(batch.origin, loads, now_s, full=batch.full_load):
             self._refresh(pool, worker)
+        limiters = self.limiters
+        for tenant, usage in batch.usage:
+            limiter = limiters.get(tenant)
+            if limiter is None:
+                stats.unknown_tenant += 1
+            else:
+                limiter.peer_usage(batch.origin, usage, now_s)
 
     async def adopt(self, policy_of: Callable[[], RoutingPolicy]) -> None:
         """Apply the parked holdings (and the served outcomes kept with them) of the workers
@@ -370,6 +386,8 @@ class SyncSubscriber:
         self.sequences.expire(now_s)
         for origin in [o for o in self._age_floor if not self.loads.heard_from(o)]:
             del self._age_floor[origin]
+        for limiter in self.limiters.values():
+            limiter.forget_peers(now_s - self.peer_timeout_s)
 
     def _refresh(self, pool_name: str, worker_id: WorkerId) -> None:
         pool = self.registry.pools.get(pool_name)

@@ -1,0 +1,129 @@
+"""Tenants' quotas shared over the sync broker, each kind in turn: what one gateway charges to a
+tenant's rpm and tpm is charged at its peers, and its requests in flight count against their
+concurrency limit; the wire rows are bounded like every other field."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import msgpack
+import pytest
+
+from gateway.config import parse_config
+from gateway.config.pool import PoolConfig
+from gateway.config.sync import SyncConfig
+from gateway.quotas import TenantLimiter, Usage
+from gateway.state import build_state
+from gateway.sync.codec import MAX_BATCH_TENANTS, MalformedBatch, SyncBatch, decode, encode
+from gateway.sync.service import SyncService
+from policies.cost_policy import CostPolicy
+from prompt_normalizer.normalizer import NormalizerConfig
+from tests.gateway.sync.brokers import TestBroker
+from tests.support.gateway_config import tenant
+from tests.support.wait import wait_until
+
+W = [f"http://127.0.0.1:{9100 + i}" for i in range(2)]
+QUOTAS = {"rpm": 10, "tpm": 10_000, "max_concurrent": 3}
+
+
+def _service(url: str, origin: str) -> SyncService:
+    config = parse_config(
+        {
+            "pools": [PoolConfig(name="p", models=["m"], workers=W).model_dump()],
+            "tenants": [tenant("t", "sk-t", quotas=QUOTAS), tenant("free", "sk-free")],
+            "sync": SyncConfig(url=url, batch_interval_s=0.001).model_dump(),
+        }
+    )
+    state = build_state(config, b"secret", CostPolicy(seed=0), NormalizerConfig())
+    service = SyncService(
+        state.registry, state.routing, config.sync, origin, secret=state.secret, limiters=state.gate.limiters
+    )
+    state.sync = service
+    return service
+
+
+@contextlib.asynccontextmanager
+async def _pair(broker: TestBroker) -> AsyncIterator[tuple[SyncService, SyncService]]:
+    a, b = _service(broker.url, "a"), _service(broker.url, "b")
+    await a.start()
+    await b.start()
+    try:
+        await wait_until(lambda: a.link.connected and b.link.connected)
+        yield a, b
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+def _t(service: SyncService) -> TenantLimiter:
+    return service.limiters["t"]
+
+
+async def test_a_tenants_requests_at_one_gateway_spend_its_quota_at_the_other(broker: TestBroker) -> None:
+    async with _pair(broker) as (a, b):
+        assert "free" not in a.limiters  # a tenant without quotas has nothing to share
+        now = time.monotonic()
+        for _ in range(3):
+            assert _t(a).enter(now) is None
+            assert _t(a).admit(1000, now) is None
+        # Three in flight at a: b's limit of three is reached.
+        await wait_until(lambda: _t(b).peers_in_flight == 3, what="a's requests in flight, at b")
+        refused = _t(b).enter(time.monotonic())
+        assert refused is not None and "concurrent" in refused.message
+        for _ in range(3):
+            _t(a).release(500, time.monotonic())
+        await wait_until(lambda: _t(b).peers_in_flight == 0, what="a's requests ended, at b")
+        # a spent 3 of the 10 requests and 4,500 of the 10,000 tokens: b has 7 and 5,500 left.
+        now = time.monotonic()
+        for _ in range(7):
+            assert _t(b).enter(now) is None
+            _t(b).leave()
+        refused = _t(b).enter(now)
+        assert refused is not None and "requests per minute" in refused.message
+        await wait_until(lambda: _t(a).enter(time.monotonic()) is not None, what="b's requests, at a")
+        assert a.subscriber.stats.unknown_tenant == 0
+
+
+async def test_a_silent_peers_requests_in_flight_stop_counting(broker: TestBroker) -> None:
+    async with _pair(broker) as (a, b):
+        assert _t(a).enter(time.monotonic()) is None
+        await wait_until(lambda: _t(b).peers_in_flight == 1)
+        await a.stop()  # a is gone without a word: its slot is b's again after the peer timeout
+        b.subscriber.expire(time.monotonic() + b.config.peer_timeout_s + 1)
+        assert _t(b).peers_in_flight == 0
+
+
+def test_quota_rows_travel_and_are_read_back() -> None:
+    usage = (("t", Usage(3, -20, 2)), ("u", Usage(0, 4500, 0)))
+    batch = SyncBatch("a", 1, time.time(), False, usage=usage)
+    assert decode(encode(batch)).usage == usage
+    assert decode(encode(SyncBatch("a", 2, time.time(), False))).usage == ()
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        ["t", 1, 2],  # a field short
+        [7, 1, 2, 3],  # no tenant name
+        ["t", -1, 0, 0],  # negative requests
+        ["t", 0, 0, -1],  # negative in flight
+        ["t", 0, 2**41, 0],  # more tokens than a gateway charges between two batches
+        ["t", 0, 1.5, 0],  # tokens not an integer
+        ["t", 2**33, 0, 0],
+        ["t", True, 0, 0],
+    ],
+)
+def test_a_malformed_quota_row_is_a_malformed_batch(row: list[object]) -> None:
+    doc = msgpack.unpackb(encode(SyncBatch("a", 1, time.time(), False)))
+    doc["u"] = [row]
+    with pytest.raises(MalformedBatch):
+        decode(msgpack.packb(doc))
+
+
+def test_more_quota_rows_than_a_gateway_sends_is_a_malformed_batch() -> None:
+    doc = msgpack.unpackb(encode(SyncBatch("a", 1, time.time(), False)))
+    doc["u"] = [["t", 0, 0, 0]] * (MAX_BATCH_TENANTS + 1)
+    with pytest.raises(MalformedBatch):
+        decode(msgpack.packb(doc))

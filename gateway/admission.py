@@ -32,7 +32,7 @@ from gateway.gate import Gate
 from gateway.keying import canonical_prompt, keyed_apart, only_model, prompt_error, read_large_body
 from gateway.pd_requests import unrunnable
 from gateway.prompt_batch import batch_tokens
-from gateway.quotas import Rejection
+from gateway.quotas import Rejection, TenantLimiter
 from gateway.request_head import RequestHead, RequestIds
 from gateway.responses_affinity import (
     mint_response_id,
@@ -126,9 +126,10 @@ def enter(head: RequestHead, gate: Gate, tenant: Tenant, now_s: float) -> None:
     max_bytes = gate.limits.max_body_bytes
     if head.content_length is not None and head.content_length > max_bytes:
         raise _too_large(max_bytes)
-    rejection = gate.limiters[tenant.name].enter(now_s)
+    limiter = gate.limiters[tenant.name]
+    rejection = limiter.enter(now_s)
     if rejection is not None:
-        raise _quota_error(rejection)
+        raise _quota_error(rejection, limiter, now_s)
 
 
 async def admit(
@@ -220,7 +221,7 @@ async def admit(
     limiter = gate.limiters[tenant.name]
     rejection = limiter.admit(n_tokens, started_s)
     if rejection is not None:
-        raise _refused(_quota_error(rejection), api, body, model)
+        raise _refused(_quota_error(rejection, limiter, started_s), api, body, model)
     # After the token check, as a worker's 404 for an id nobody holds comes after it: another
     # tenant's id must read the same as an unknown one (`responses_affinity`).
     try:
@@ -331,7 +332,7 @@ def _refused(err: ApiError, api: ApiRoute, body: dict[str, Any], model: str) -> 
     return Refused(err, api.endpoint, streams(body, api), model)
 
 
-def _quota_error(rejection: Rejection) -> ApiError:
+def _quota_error(rejection: Rejection, limiter: TenantLimiter, now_s: float) -> ApiError:
     if rejection.retryable:
         retry_after = max(1, int(rejection.retry_after_s + 0.999))
         headers = {
@@ -340,6 +341,7 @@ def _quota_error(rejection: Rejection) -> ApiError:
         }
     else:
         headers = {"x-should-retry": "false"}  # no wait makes it pass: no Retry-After to honour
+    headers |= {name.decode(): value.decode() for name, value in limiter.rate_headers(now_s)}
     return ApiError(
         429,
         rejection.message,

@@ -115,6 +115,11 @@ class Admitted:
         """The `x-request-id` sent back to the client."""
         return self.client_request_id if self.client_request_id is not None else self.request_id
 
+    def reply_headers(self) -> list[tuple[bytes, bytes]]:
+        """The headers every answer to this request carries: `x-request-id`, and the tenant's
+        rate limits as they stand now (`TenantLimiter.rate_headers`)."""
+        return [(b"x-request-id", self.reply_id.encode()), *self.limiter.rate_headers(time.monotonic())]
+
     def body_for(self, decision: RouteDecision) -> bytes:
         """The bytes for one dispatch, always with the gateway's own `cache_salt` (in the route's
         `salt_field`; a client's is replaced): the tenant's salt, or the public salt when the

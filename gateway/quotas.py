@@ -71,12 +71,40 @@ class TokenBucket:
         self._refill(now_s)
         self._level = min(self.capacity, self._level - amount)
 
+    def headers(self, unit: bytes, now_s: float) -> list[tuple[bytes, bytes]]:
+        """OpenAI's `x-ratelimit-{limit,remaining,reset}-<unit>` for this bucket now: its
+        capacity, what is left of it (whole units, never below 0), and how long until it is
+        full again (`go_duration`)."""
+        self._refill(now_s)
+        reset_s = (self.capacity - self._level) / self._rate_per_s
+        return [
+            (b"x-ratelimit-limit-" + unit, b"%d" % self.capacity),
+            (b"x-ratelimit-remaining-" + unit, b"%d" % max(0, math.floor(self._level))),
+            (b"x-ratelimit-reset-" + unit, go_duration(reset_s).encode()),
+        ]
+
     def take_bounded(self, amount: float, now_s: float) -> None:
         """`take`, never below minus the capacity: a peer's charge (`TenantLimiter.peer_usage`),
         which may come late and in one lump (after a broker outage), or made up by whoever can
         publish on the bus, delays the tenant by at most two minutes of budget."""
         self._refill(now_s)
         self._level = max(-self.capacity, min(self.capacity, self._level - amount))
+
+
+def go_duration(seconds: float) -> str:
+    """`seconds` as OpenAI writes its rate limits' reset times (Go's duration format): "0s",
+    "120ms", "1.5s", "6m0s", "1h2m3s"; at most millisecond precision."""
+    ms = max(0, round(seconds * 1000))
+    if ms < 1000:
+        return f"{ms}ms" if ms else "0s"
+    hours, rest = divmod(ms, 3_600_000)
+    minutes, rest = divmod(rest, 60_000)
+    secs = f"{rest / 1000:.3f}".rstrip("0").rstrip(".")
+    if hours:
+        return f"{hours}h{minutes}m{secs}s"
+    if minutes:
+        return f"{minutes}m{secs}s"
+    return f"{secs}s"
 
 
 # Peers whose requests in flight a limiter counts, at most (each forgotten when silent): far more
@@ -156,6 +184,16 @@ class TenantLimiter:
     @property
     def peers_in_flight(self) -> int:
         return self._peers_in_flight
+
+    def rate_headers(self, now_s: float) -> list[tuple[bytes, bytes]]:
+        """The `x-ratelimit-*` headers of the tenant's rpm (`-requests`) and tpm (`-tokens`), as
+        OpenAI's API sends them with every answer; none for a tenant without either."""
+        out: list[tuple[bytes, bytes]] = []
+        if self._rpm is not None:
+            out += self._rpm.headers(b"requests", now_s)
+        if self._tpm is not None:
+            out += self._tpm.headers(b"tokens", now_s)
+        return out
 
     def _too_many(self) -> Rejection:
         return Rejection(

@@ -196,7 +196,7 @@ class ProxyStream:
                         (b"content-type", b"text/event-stream; charset=utf-8"),
                         (b"cache-control", b"no-cache"),
                         (b"x-accel-buffering", b"no"),
-                        (b"x-request-id", self._attempt.admitted.reply_id.encode()),
+                        *self._attempt.admitted.reply_headers(),
                     ],
                 }
             )

@@ -97,10 +97,7 @@ def _respond(
             content_type = "application/json"
         # Any answer but a 200 may quote the request (vLLM's validation errors do).
         body = a.withhold_salts(body)
-    headers = [
-        (b"content-type", (content_type or "application/json").encode()),
-        (b"x-request-id", a.reply_id.encode()),
-    ]
+    headers = [(b"content-type", (content_type or "application/json").encode()), *a.reply_headers()]
     if status >= 400:
         headers += forwardable(reply.retry_hints)
         headers += advice(retries + 1, a.pool.config.retry_attempts, a.retries_taken)

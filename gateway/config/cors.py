@@ -25,6 +25,20 @@ def _tokens(values: list[str], what: str) -> None:
             raise ValueError(f"{what}: {value!r} is not a method or header name")
 
 
+# The answer headers a page may read unless `expose_headers` says otherwise: the request id, the
+# retry hints and the tenant's rate limits (`quotas.TenantLimiter.rate_headers`).
+EXPOSED_BY_DEFAULT = (
+    "x-request-id",
+    "retry-after",
+    "retry-after-ms",
+    *(
+        f"x-ratelimit-{what}-{unit}"
+        for unit in ("requests", "tokens")
+        for what in ("limit", "remaining", "reset")
+    ),
+)
+
+
 class CorsConfig(Frozen):
     """Cross-origin requests from browsers, off unless `allow_origins` lists some. When on, a
     preflight (`OPTIONS` with `Origin` and `Access-Control-Request-Method`) of a served route is
@@ -38,9 +52,7 @@ class CorsConfig(Frozen):
     allow_origins: list[str] = Field(default=[], max_length=256)
     allow_methods: list[str] = Field(default=["*"], min_length=1, max_length=64)
     allow_headers: list[str] = Field(default=["*"], min_length=1, max_length=256)
-    expose_headers: list[str] = Field(
-        default=["x-request-id", "retry-after", "retry-after-ms"], max_length=256
-    )
+    expose_headers: list[str] = Field(default=list(EXPOSED_BY_DEFAULT), max_length=256)
     allow_credentials: bool = False
     # Starlette's CORSMiddleware default, which vLLM's server inherits.
     max_age_s: int = Field(default=600, ge=0, le=86_400)

@@ -19,7 +19,8 @@ BASE: dict[str, Any] = {
 def test_cors_is_off_unless_origins_are_listed() -> None:
     cors = parse_config(BASE).cors
     assert not cors.enabled
-    assert cors.expose_headers == ["x-request-id", "retry-after", "retry-after-ms"]
+    assert cors.expose_headers[:3] == ["x-request-id", "retry-after", "retry-after-ms"]
+    assert "x-ratelimit-remaining-requests" in cors.expose_headers and len(cors.expose_headers) == 9
     assert (cors.allow_methods, cors.allow_headers, cors.max_age_s) == (["*"], ["*"], 600)
     assert CorsConfig(allow_origins=["*"]).enabled
 

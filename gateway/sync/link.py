@@ -8,6 +8,7 @@ client library of the other broker is never imported."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import random
 from collections.abc import Awaitable, Callable
@@ -80,37 +81,31 @@ def open_link(config: SyncConfig, name: str, on_message: Callable[[bytes], Await
         user = options.get("user")
         secret = token if isinstance(token, str) else password if isinstance(password, str) else None
         username = user if isinstance(user, str) else None
-        timeout_s = config.connect_timeout_s
-        if config.sentinel is None:
-            plain: type[RedisLink] = RedisLink
-            if config.cluster is not None:
-                from gateway.sync.cluster_link import ClusterLink
+        # One call makes every kind of Redis link: a sentinel one takes its sentinels' credentials
+        # besides, and the sentinel setting wins over the cluster one.
+        link: type[RedisLink] | functools.partial[SentinelLink]
+        if config.sentinel is not None:
+            from gateway.sync.sentinel_link import SentinelLink
 
-                plain = ClusterLink
-            return plain(
-                config.urls[0],
-                subject,
-                name,
-                on_message,
-                connect_timeout_s=timeout_s,
-                username=username,
-                password=secret,
-                tls=config.tls,
+            sentinel_user, sentinel_secret = _sentinel_credentials(config)
+            link = functools.partial(
+                SentinelLink, sentinel_username=sentinel_user, sentinel_password=sentinel_secret
             )
-        from gateway.sync.sentinel_link import SentinelLink
+        elif config.cluster is not None:
+            from gateway.sync.cluster_link import ClusterLink
 
-        sentinel_user, sentinel_secret = _sentinel_credentials(config)
-        return SentinelLink(
+            link = ClusterLink
+        else:
+            link = RedisLink
+        return link(
             config.urls[0],
             subject,
             name,
             on_message,
-            connect_timeout_s=timeout_s,
+            connect_timeout_s=config.connect_timeout_s,
             username=username,
             password=secret,
             tls=config.tls,
-            sentinel_username=sentinel_user,
-            sentinel_password=sentinel_secret,
         )
     from gateway.sync.nats_link import NatsLink
 

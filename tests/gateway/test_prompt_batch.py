@@ -97,6 +97,8 @@ async def test_a_batch_past_the_tpm_quota_is_refused_as_one_prompt_of_its_size_i
                 await _admit(gate, body)
             assert refused.value.error.code == "insufficient_quota"
             # No wait lets it pass: no Retry-After for a client to honour, only x-should-retry.
-            assert refused.value.error.headers == {"x-should-retry": "false"}
+            headers = refused.value.error.headers
+            assert headers["x-should-retry"] == "false" and "retry-after" not in headers
+            assert headers["x-ratelimit-remaining-tokens"] == "2000"  # nothing was charged
         admitted = await _admit(gate, {"model": "m", "prompt": [text] * 3})
         assert admitted.route.n_prompt_tokens >= 1500

@@ -42,6 +42,9 @@ def refresh_gauges(state: GatewayState) -> None:
                 m.worker_kv_usage.labels(*labels).set(view.kv_usage)
     m.forget_workers(current)
     _kv_events(state, m, now_s)
+    for tenant, limiter in state.gate.limiters.items():
+        for quota, value in limiter.remaining(now_s).items():
+            m.quota_remaining.labels(tenant, quota).set(value)
     m.answer_bytes_held.set(state.transport.answers.held_bytes)
     m.stream_bytes_buffered.set(state.transport.streams.held_bytes)
 

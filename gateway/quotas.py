@@ -58,6 +58,11 @@ class TokenBucket:
         self._level = min(self.capacity, self._level + elapsed * self._rate_per_s)
         self._stamp_s = now_s
 
+    def level(self, now_s: float) -> float:
+        """What the bucket holds now."""
+        self._refill(now_s)
+        return self._level
+
     def wait_s(self, amount: float, now_s: float) -> float:
         """Seconds until `amount` is available (0 if it is now; inf if it never fits)."""
         self._refill(now_s)
@@ -184,6 +189,19 @@ class TenantLimiter:
     @property
     def peers_in_flight(self) -> int:
         return self._peers_in_flight
+
+    def remaining(self, now_s: float) -> dict[str, float]:
+        """What is left of each of the tenant's quotas now, by name: `requests` and `tokens` (the
+        rpm and tpm buckets, below 0 while end-of-request charges are being paid off) and
+        `concurrent` (the limit less the requests in flight here and at the peers)."""
+        out: dict[str, float] = {}
+        if self._rpm is not None:
+            out["requests"] = self._rpm.level(now_s)
+        if self._tpm is not None:
+            out["tokens"] = self._tpm.level(now_s)
+        if self._max_concurrent is not None:
+            out["concurrent"] = self._max_concurrent - self.in_flight - self._peers_in_flight
+        return out
 
     def rate_headers(self, now_s: float) -> list[tuple[bytes, bytes]]:
         """The `x-ratelimit-*` headers of the tenant's rpm (`-requests`) and tpm (`-tokens`), as

@@ -237,6 +237,12 @@ class MetricCatalogue:
             ["worker", "endpoint"],
             registry=r,
         )
+        self.quota_remaining = Gauge(
+            "kvgate_tenant_quota_remaining",
+            "What is left of a tenant's quota now: requests (rpm), tokens (tpm), concurrent requests",
+            ["tenant", "quota"],
+            registry=r,
+        )
         self.queue_depth = Gauge(
             "kvgate_queue_depth",
             "Requests waiting in a pool's queue for a free worker slot",

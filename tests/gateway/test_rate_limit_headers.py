@@ -1,6 +1,7 @@
 """Every answer to a tenant with an rpm or tpm quota carries OpenAI's `x-ratelimit-*` headers
 (limit, remaining, reset, for requests and for tokens), whole answers and streams alike, and so
-does a quota's 429; a tenant without quotas gets none."""
+does a quota's 429; a tenant without quotas gets none. The metrics say the same per tenant
+(`kvgate_tenant_quota_remaining`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import httpx
 import pytest
 
 from gateway.config import QuotaConfig
+from gateway.gauges import refresh_gauges
 from gateway.quotas import TenantLimiter, go_duration
 from policies.baselines import RoundRobin
 from tests.support.gateway_config import SECRET, tenant
@@ -84,3 +86,10 @@ async def test_answers_and_the_quotas_429_carry_the_tenants_rate_limits(emulator
         assert "retry-after" in refused.headers
         free = await gw.client.post("/v1/chat/completions", json=chat, headers=FREE)
         assert free.status_code == 200 and _limits(free) == {}
+        refresh_gauges(gw.state)
+        text = gw.state.routing.metrics.render().decode()
+        remaining = [line for line in text.splitlines() if line.startswith("kvgate_tenant_quota_remaining{")]
+        requests = next(line for line in remaining if 'quota="requests"' in line)
+        assert 'tenant="limited"' in requests and 0 <= float(requests.split()[-1]) < 1
+        assert any('quota="tokens"' in line for line in remaining)
+        assert not any('tenant="free"' in line for line in remaining)  # no quota, no series

@@ -28,7 +28,7 @@ ones, and logged at most once a minute per sender: a clock to fix, not a peer. M
 are logged at most once a minute too, with their count.
 
 A peer's quota rows are charged to this gateway's limiters of the same tenants (`quotas`); a row
-of a tenant this gateway does not have is dropped and counted.
+of a tenant this gateway does not have, or has without quotas, is dropped and counted.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class ApplyStats:
     truncated: int = 0  # holdings cut to MAX_HOLDING_KEYS
     other_deployment: int = 0  # batches of a sender with none of this gateway's pools (`deployment`)
     block_size: int = 0  # holdings and samples of another block size than their pool's here
-    unknown_tenant: int = 0  # quota rows of a tenant this gateway does not have
+    unknown_tenant: int = 0  # quota rows of a tenant this gateway does not have (or has no quotas for)
 
 
 class SyncSubscriber:

@@ -21,6 +21,12 @@ charged since its peers were last told (`unshared`), and charges its own buckets
 peer charged (`peer_usage`), so that every gateway's bucket is the one bucket of the whole fleet,
 a batch interval and a broker's delivery late; its concurrency limit counts the peers' requests
 in flight too, as each peer last said, until that peer is silent for the sync's `peer_timeout_s`.
+What a peer says can only spend: a peer's charge takes a bucket down to empty at most (never into
+the debt only this gateway's own end-of-request charges make, so a made-up or late charge costs a
+tenant at most one minute of budget, and never budget it had), tokens given back by a reconciled
+prompt count stay with the gateway that charged them, and a peer counts at most the limit in
+flight. Charges kept through a broker outage are forgiven at the buckets' refill rate for the time
+beyond `TOLD_GAP_S`, as the shared bucket would have refilled meanwhile.
 """
 
 from __future__ import annotations
@@ -88,12 +94,16 @@ class TokenBucket:
             (b"x-ratelimit-reset-" + unit, go_duration(reset_s).encode()),
         ]
 
-    def take_bounded(self, amount: float, now_s: float) -> None:
-        """`take`, never below minus the capacity: a peer's charge (`TenantLimiter.peer_usage`),
-        which may come late and in one lump (after a broker outage), or made up by whoever can
-        publish on the bus, delays the tenant by at most two minutes of budget."""
+    def spend_to_empty(self, amount: float, now_s: float) -> None:
+        """Spend `amount` (>= 0), but never below empty, nor further once below it: a peer's
+        charge (`TenantLimiter.peer_usage`), which may come late and in one lump, or be made up
+        by whoever can publish on the bus, costs the tenant at most what the bucket holds."""
         self._refill(now_s)
-        self._level = max(-self.capacity, min(self.capacity, self._level - amount))
+        self._level = max(min(self._level, 0.0), self._level - amount)
+
+    @property
+    def rate_per_s(self) -> float:
+        return self._rate_per_s
 
 
 def go_duration(seconds: float) -> str:
@@ -112,6 +122,10 @@ def go_duration(seconds: float) -> str:
     return f"{secs}s"
 
 
+# How long charges may wait to be told before the peers would have refilled part of them: beyond
+# it (a broker outage), what waited is forgiven at the buckets' refill rate (`TenantLimiter.unshared`).
+TOLD_GAP_S = 1.0
+
 # Peers whose requests in flight a limiter counts, at most (each forgotten when silent): far more
 # gateways than a fleet has; beyond it, made-up senders count nothing.
 MAX_PEERS = 1024
@@ -119,9 +133,8 @@ MAX_PEERS = 1024
 
 @dataclass(frozen=True, slots=True)
 class Usage:
-    """What a gateway tells its peers of one tenant: the requests (rpm units) and tokens (tpm;
-    negative when a reconciled prompt count gave some back) it charged since it last told them,
-    and the tenant's requests in flight there now."""
+    """What a gateway tells its peers of one tenant: the requests (rpm units) and tokens (tpm) it
+    charged since it last told them, and the tenant's requests in flight there now."""
 
     requests: int
     tokens: int
@@ -140,45 +153,77 @@ class TenantLimiter:
         self.limited = quotas.max_concurrent is not None or self._rpm is not None or self._tpm is not None
         self.notify: Callable[[], None] | None = None
         self._unshared_requests = 0
-        self._unshared_tokens = 0
-        self._shared_in_flight = 0  # `in_flight` as the peers were last told
+        self._unshared_tokens = 0  # negative while tokens given back outweigh those charged
+        self._shared_in_flight = 0  # `in_flight` as the peers were last told (-1: tell it again)
+        self._unshared_since_s: float | None = None  # when the oldest charge not told was made
         self._peers: dict[str, tuple[int, float]] = {}  # peer -> (its in flight, when it said so)
         self._peers_in_flight = 0
 
-    def _charged(self, requests: int, tokens: int) -> None:
+    def _charged(self, requests: int, tokens: int, now_s: float) -> None:
+        if (requests or tokens) and self._unshared_since_s is None:
+            self._unshared_since_s = now_s
         self._unshared_requests += requests
         self._unshared_tokens += tokens
         if self.notify is not None:
             self.notify()
 
-    def unshared(self, full: bool) -> Usage | None:
+    def unshared(self, full: bool, now_s: float) -> Usage | None:
         """What the peers have not been told yet, now counted as told; with `full` (a whole
         load snapshot) the requests in flight as well, even unchanged. None when there is
-        nothing to tell."""
+        nothing to tell. Tokens given back stay here (they offset the next ones charged), and
+        charges that waited longer than `TOLD_GAP_S` (the broker was away) are forgiven at the
+        buckets' refill rate for the time beyond it."""
         if not self.limited:
             return None
         requests, tokens, in_flight = self._unshared_requests, self._unshared_tokens, self.in_flight
-        if not requests and not tokens and in_flight == self._shared_in_flight and not (full and in_flight):
+        since_s = self._unshared_since_s
+        gap_s = 0.0 if since_s is None else now_s - since_s - TOLD_GAP_S
+        if gap_s > 0:
+            if self._rpm is not None:
+                requests = max(0, requests - math.floor(self._rpm.rate_per_s * gap_s))
+            if self._tpm is not None and tokens > 0:
+                tokens = max(0, tokens - math.floor(self._tpm.rate_per_s * gap_s))
+        sent_tokens = max(0, tokens)
+        unchanged = in_flight == self._shared_in_flight and not (full and in_flight)
+        self._unshared_requests = 0
+        self._unshared_tokens = tokens - sent_tokens  # what was given back, kept
+        self._unshared_since_s = None
+        if not requests and not sent_tokens and unchanged:
             return None
-        self._unshared_requests = self._unshared_tokens = 0
         self._shared_in_flight = in_flight
-        return Usage(requests, tokens, in_flight)
+        return Usage(requests, sent_tokens, in_flight)
+
+    def unsend(self, usage: Usage, now_s: float) -> None:
+        """`usage` never reached the peers (the batch was not published): tell it again."""
+        self._unshared_requests += usage.requests
+        self._unshared_tokens += usage.tokens
+        if self._unshared_since_s is None and (usage.requests or usage.tokens):
+            self._unshared_since_s = now_s
+        self._shared_in_flight = -1
 
     def peer_usage(self, peer: str, usage: Usage, now_s: float) -> None:
-        """Charge what `peer` charged for this tenant to this gateway's buckets, and count its
-        requests in flight against the concurrency limit."""
-        if self._rpm is not None and usage.requests:
-            self._rpm.take_bounded(usage.requests, now_s)
-        if self._tpm is not None and usage.tokens:
-            self._tpm.take_bounded(usage.tokens, now_s)
-        if self._max_concurrent is None:
+        """Charge what `peer` charged for this tenant to this gateway's buckets, down to empty at
+        most (`TokenBucket.spend_to_empty`), and count its requests in flight (at most the limit)
+        against the concurrency limit."""
+        if self._rpm is not None and usage.requests > 0:
+            self._rpm.spend_to_empty(usage.requests, now_s)
+        if self._tpm is not None and usage.tokens > 0:
+            self._tpm.spend_to_empty(usage.tokens, now_s)
+        limit = self._max_concurrent
+        if limit is None:
             return
         before = self._peers.pop(peer, (0, 0.0))[0]
-        if usage.in_flight and len(self._peers) < MAX_PEERS:
-            self._peers[peer] = (usage.in_flight, now_s)
-            self._peers_in_flight += usage.in_flight - before
+        in_flight = min(usage.in_flight, limit)
+        if in_flight and len(self._peers) < MAX_PEERS:
+            self._peers[peer] = (in_flight, now_s)
+            self._peers_in_flight += in_flight - before
         else:
             self._peers_in_flight -= before
+
+    @property
+    def has_peers(self) -> bool:
+        """Whether requests in flight at peers are counted now (`forget_peers` has work)."""
+        return bool(self._peers)
 
     def forget_peers(self, silent_since_s: float) -> None:
         """Stop counting the requests in flight of peers that said nothing since `silent_since_s`
@@ -235,7 +280,7 @@ class TenantLimiter:
                 return _spent("requests per minute", wait)
             self._rpm.take(1, now_s)
         self.in_flight += 1
-        self._charged(1 if self._rpm is not None else 0, 0)
+        self._charged(1 if self._rpm is not None else 0, 0, now_s)
         return None
 
     def leave(self) -> None:
@@ -260,7 +305,7 @@ class TenantLimiter:
             if wait > 0:
                 return _spent("tokens per minute", wait)
             self._tpm.take(prompt_tokens, now_s)
-            self._charged(0, prompt_tokens)
+            self._charged(0, prompt_tokens, now_s)
         return None
 
     def reconcile(self, estimated_tokens: int, prompt_tokens: int | None, now_s: float) -> None:
@@ -268,7 +313,7 @@ class TenantLimiter:
         worker's count (`usage.prompt_tokens`); without a count the estimate stands."""
         if self._tpm is not None and prompt_tokens is not None and prompt_tokens != estimated_tokens:
             self._tpm.take(prompt_tokens - estimated_tokens, now_s)
-            self._charged(0, prompt_tokens - estimated_tokens)
+            self._charged(0, prompt_tokens - estimated_tokens, now_s)
 
     def release(self, completion_tokens: int, now_s: float) -> None:
         """The end of an admitted request: its slot comes back, its completion tokens are charged."""
@@ -277,7 +322,7 @@ class TenantLimiter:
         if self._tpm is not None and completion_tokens > 0:
             self._tpm.take(completion_tokens, now_s)
             charged = completion_tokens
-        self._charged(0, charged)
+        self._charged(0, charged, now_s)
 
 
 def _spent(what: str, wait_s: float) -> Rejection:

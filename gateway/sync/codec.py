@@ -78,8 +78,8 @@ MAX_BATCH_NAMES = MAX_BATCH_ITEMS + MAX_BATCH_LOADS
 # Pool fingerprints one batch may carry ("d"): four times the pools a policy keeps (`PoolSet.MAX_POOLS`).
 MAX_BATCH_POOLS = 1024
 # Tenants' quota rows one batch may carry ("u"): twice what a publisher puts in one. A row's
-# requests and requests in flight are at most `MAX_USAGE_COUNT`, its tokens within
-# `MAX_USAGE_TOKENS` either way: beyond what a gateway charges between two batches.
+# requests and requests in flight are at most `MAX_USAGE_COUNT`, its tokens at most
+# `MAX_USAGE_TOKENS` (all non-negative): beyond what a gateway charges between two batches.
 PUBLISH_BATCH_TENANTS = 2048
 MAX_BATCH_TENANTS = 2 * PUBLISH_BATCH_TENANTS
 MAX_USAGE_COUNT = 1 << 32
@@ -419,10 +419,9 @@ def _usage(raw: object) -> tuple[str, Usage]:
     """One tenant's quota row: its name, and figures within what a gateway sends."""
     if not isinstance(raw, list) or len(raw) != 4:
         raise MalformedBatch("bad quota row")
-    tokens = raw[2]
-    if not isinstance(tokens, int) or isinstance(tokens, bool) or abs(tokens) > MAX_USAGE_TOKENS:
+    requests, tokens, in_flight = _int(raw[1]), _int(raw[2]), _int(raw[3])
+    if tokens > MAX_USAGE_TOKENS:
         raise MalformedBatch("bad quota tokens")
-    requests, in_flight = _int(raw[1]), _int(raw[3])
     if requests > MAX_USAGE_COUNT or in_flight > MAX_USAGE_COUNT:
         raise MalformedBatch("bad quota count")
     return _str(raw[0]), Usage(requests, tokens, in_flight)

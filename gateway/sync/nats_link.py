@@ -4,10 +4,11 @@
 made it tries again with a capped backoff, forever. While connected, nats-py reconnects by itself,
 after the same backoff (`link.reconnect_delay_s`, lengthened at random, so that the gateways that
 lost one server do not all come back at one moment), to the server of the cluster tried least since
-the loss (ties at random), and buffers at most `pending_bytes` of outgoing data; `publish` reports
-False instead of waiting when the link is down or that buffer is full. Received batches wait to be
-applied, at most `received_msgs` of them and `received_bytes`; beyond either the client drops them,
-counted as `slow_consumer`. Nothing a request does waits on this module.
+the loss (ties at random; the first connection's attempts are nats-py's own, every second), and
+buffers at most `pending_bytes` of outgoing data; `publish` reports False instead of waiting when
+the link is down or that buffer is full. Received batches wait to be applied, at most
+`received_msgs` of them and `received_bytes`; beyond either the client drops them, counted as
+`slow_consumer`. Nothing a request does waits on this module.
 """
 
 from __future__ import annotations
@@ -31,15 +32,19 @@ log = logging.getLogger("kvgate.sync")
 
 
 def next_server(
-    servers: list[Server], info: dict[str, Any], draw: Callable[[], float] = random.random
+    servers: list[Server], tried: dict[str, int], draw: Callable[[], float] = random.random
 ) -> tuple[Server, float]:
     """nats-py's choice of where to reconnect, and after how long: of the cluster's servers it
-    may try (`servers`, never empty), one tried least since the connection was lost (each one's
-    `reconnects`, reset when it connects; ties at random), after the link's backoff for that many
-    failed attempts (`reconnect_delay_s`, `draw` lengthening it)."""
-    fewest = min(server.reconnects for server in servers)
-    least_tried = [server for server in servers if server.reconnects == fewest]
-    return least_tried[int(draw() * len(least_tried))], reconnect_delay_s(fewest, draw)
+    may try (`servers`, never empty), one tried least since the connection was lost (`tried`, by
+    address, which this counts in; nats-py's own counts keep the failures of earlier outages and
+    of the first connection, so a server that failed then would wait behind the one just lost),
+    ties at random, after the link's backoff for the rounds tried so far (`reconnect_delay_s`,
+    `draw` lengthening it)."""
+    fewest = min(tried.get(server.uri.netloc, 0) for server in servers)
+    least_tried = [server for server in servers if tried.get(server.uri.netloc, 0) == fewest]
+    chosen = least_tried[int(draw() * len(least_tried))]
+    tried[chosen.uri.netloc] = fewest + 1
+    return chosen, reconnect_delay_s(fewest, draw)
 
 
 class NatsLink:
@@ -74,6 +79,10 @@ class NatsLink:
         self.slow_consumer = 0
         self._warned = False  # one warning per outage, not one per reconnect attempt
         self._closing = False
+        self._tried: dict[str, int] = {}  # attempts at each server since the connection was lost
+
+    def _next_server(self, servers: list[Server], info: dict[str, Any]) -> tuple[Server, float]:
+        return next_server(servers, self._tried)
 
     @property
     def connected(self) -> bool:
@@ -117,6 +126,7 @@ class NatsLink:
             self._error(exc)
 
         async def on_disconnected() -> None:
+            self._tried.clear()  # nats-py awaits this before its first reconnect attempt
             if not self._closing:
                 log.warning("sync broker disconnected; routing on local knowledge")
 
@@ -135,7 +145,7 @@ class NatsLink:
             reconnect_time_wait=1,  # the first connection's attempts, which nats-py makes itself
             max_reconnect_attempts=-1,
             allow_reconnect=True,
-            reconnect_to_server_handler=next_server,  # a lost one's
+            reconnect_to_server_handler=self._next_server,  # a lost one's
             no_echo=True,
             ping_interval=2,
             max_outstanding_pings=2,

@@ -12,7 +12,8 @@ alone would not fit (a holding of more than ~130k blocks), or that peers would r
 prompt beyond `codec.item_fits`), is dropped and counted as `oversized`.
 
 Tenants' quota figures (`quotas.Usage`) handed over by the service (`share_usage`) go out with the
-next batches, ahead of the items, at most `PUBLISH_BATCH_TENANTS` rows a batch.
+next batches, ahead of the items, at most `PUBLISH_BATCH_TENANTS` rows a batch; a row whose tenant
+name peers would refuse (beyond `MAX_NAME_BYTES`) is dropped and counted as `oversized`.
 """
 
 from __future__ import annotations
@@ -139,7 +140,12 @@ class SyncPublisher:
         usage: list[tuple[str, Usage]] = []
         pending = self._usage
         while pending and len(usage) < PUBLISH_BATCH_TENANTS:
-            size = _USAGE_BYTES + len(pending[0][0].encode())
+            tenant = pending[0][0]
+            if not name_fits(tenant):
+                pending.popleft()  # peers would refuse the whole batch for it
+                self.oversized += 1
+                continue
+            size = _USAGE_BYTES + len(tenant.encode())
             if size > budget:
                 break
             budget -= size

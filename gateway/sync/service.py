@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import secrets
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from gateway.config.sync import SyncConfig
 from gateway.quotas import TenantLimiter, Usage
-from gateway.sync.codec import encode
+from gateway.sync.codec import SyncBatch, encode
 from gateway.sync.deployment import fingerprints, published
 from gateway.sync.link import open_link
 from gateway.sync.publisher import SyncPublisher
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvgate.sync")
 
 _MAX_BATCHES_PER_WAKE = 8  # then yield to requests; the rest goes at the next wake
+_LAST_WORD_S = 0.5  # at most, for the last batch at stop
 _DOWN_POLL_S = 0.1
 ADOPT_POLL_S = 0.02
 
@@ -76,6 +78,7 @@ class SyncService:
         pools = fingerprints(((name, pool.config.models) for name, pool in registry.pools.items()), secret)
         self.publisher = SyncPublisher(self.origin, config, published(pools))
         self.limiters = {name: x for name, x in (limiters or {}).items() if x.limited}
+        self._quotas_changed: set[str] = set()  # tenants whose limiter has something to tell
         self.subscriber = SyncSubscriber(
             self.origin,
             registry,
@@ -106,28 +109,46 @@ class SyncService:
 
     async def start(self) -> None:
         self.attach(self.routing.policy)
-        for limiter in self.limiters.values():
-            limiter.notify = self.publisher.ready.set
+        for name, limiter in self.limiters.items():
+            limiter.notify = functools.partial(self._quota_changed, name)
         self._tasks = [
             asyncio.create_task(self.link.run(), name="sync-link"),
             asyncio.create_task(self._publish_loop(), name="sync-publish"),
             asyncio.create_task(self._adopt_loop(), name="sync-adopt"),
         ]
 
+    def _quota_changed(self, tenant: str) -> None:
+        """A limiter's `notify`: its tenant has something to tell, with the next batch."""
+        self._quotas_changed.add(tenant)
+        self.publisher.ready.set()
+
     async def stop(self) -> None:
+        """Stop publishing and applying. A last batch, when the broker is there, tells the peers
+        what this gateway charged last and that it has no request in flight any more (else they
+        would count its requests until it had been silent for `peer_timeout_s`)."""
         policy = self.routing.policy
         if isinstance(policy, SupportsPeerSync):
             policy.set_sync_sink(None)
+        link_task, others = (self._tasks[0], self._tasks[1:]) if self._tasks else (None, [])
+        await self._cancel(others)  # nothing publishes meanwhile: batches go out in order
         for limiter in self.limiters.values():
             limiter.notify = None
-        for task in self._tasks:
-            task.cancel()
-        if self._tasks:
-            _, stuck = await asyncio.wait(self._tasks, timeout=2.0)  # shutdown never waits on the broker
-            if stuck:
-                log.warning("sync tasks did not stop in time", extra={"tasks": len(stuck)})
+        if self.limiters and self.link.connected:
+            with contextlib.suppress(Exception):  # shutdown never waits on the broker
+                async with asyncio.timeout(_LAST_WORD_S):
+                    await self._send(time.monotonic(), every_tenant=True)
+        await self._cancel([link_task] if link_task is not None else [])
         self._tasks.clear()
         await self.link.close()
+
+    @staticmethod
+    async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            _, stuck = await asyncio.wait(tasks, timeout=2.0)  # shutdown never waits on the broker
+            if stuck:
+                log.warning("sync tasks did not stop in time", extra={"tasks": len(stuck)})
 
     def _loads(self) -> Iterator[PeerLoad]:
         for pool in self.registry.pools.values():
@@ -181,17 +202,21 @@ class SyncService:
             if not sub.parked:
                 sub.parked_any.clear()
 
-    def _usage(self, full: bool) -> Iterator[tuple[str, Usage]]:
-        """What each tenant's limiter has not told the peers yet (`TenantLimiter.unshared`)."""
-        for name, limiter in self.limiters.items():
-            usage = limiter.unshared(full)
+    def _usage(self, full: bool, now_s: float) -> Iterator[tuple[str, Usage]]:
+        """What the tenants' limiters have not told the peers yet (`TenantLimiter.unshared`):
+        those that changed since the last batch, or every one for a full load snapshot."""
+        names = self.limiters.keys() if full else self._quotas_changed
+        for name in list(names):
+            usage = self.limiters[name].unshared(full, now_s)
             if usage is not None:
                 yield name, usage
+        self._quotas_changed.clear()
 
-    async def _send(self, now_s: float) -> None:
+    async def _send(self, now_s: float, every_tenant: bool = False) -> None:
         publisher = self.publisher
         if self.limiters and not publisher.usage_pending:  # at most one row a tenant waits
-            publisher.share_usage(self._usage(publisher.full_load_due(now_s)))
+            full = every_tenant or publisher.full_load_due(now_s)
+            publisher.share_usage(self._usage(full, now_s))
         for _ in range(_MAX_BATCHES_PER_WAKE):
             batch = publisher.next_batch(self._loads(), now_s, self.link.max_payload)
             if batch is None:
@@ -201,8 +226,18 @@ class SyncService:
             else:
                 self.failed_batches += 1
                 self.lost_items += len(batch.items)
+                self._unsend(batch, now_s)
             if not publisher.queued and not publisher.usage_pending:
                 return
+
+    def _unsend(self, batch: SyncBatch, now_s: float) -> None:
+        """The quota rows of a batch that was not published go back to their limiters, to be
+        told with a later batch (what they tell is a sum since the last row: nothing is lost)."""
+        for tenant, usage in batch.usage:
+            limiter = self.limiters.get(tenant)
+            if limiter is not None:
+                limiter.unsend(usage, now_s)
+                self._quotas_changed.add(tenant)
 
     def counters(self) -> dict[str, int]:
         """Monotonic counts for the metrics."""

@@ -112,6 +112,7 @@ class SyncSubscriber:
         self.origin = origin
         self.limiters = limiters or {}
         self.peer_timeout_s = peer_timeout_s
+        self._forget_quota_peers_s = -math.inf  # when peers' requests in flight are next expired
         self.share_calibration = share_calibration
         self.registry = registry
         self._lag = metrics.sync_lag.labels()
@@ -386,8 +387,11 @@ class SyncSubscriber:
         self.sequences.expire(now_s)
         for origin in [o for o in self._age_floor if not self.loads.heard_from(o)]:
             del self._age_floor[origin]
-        for limiter in self.limiters.values():
-            limiter.forget_peers(now_s - self.peer_timeout_s)
+        if now_s >= self._forget_quota_peers_s:  # at most once a second, whatever the tenants
+            self._forget_quota_peers_s = now_s + 1.0
+            for limiter in self.limiters.values():
+                if limiter.has_peers:
+                    limiter.forget_peers(now_s - self.peer_timeout_s)
 
     def _refresh(self, pool_name: str, worker_id: WorkerId) -> None:
         pool = self.registry.pools.get(pool_name)

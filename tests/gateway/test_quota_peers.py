@@ -11,22 +11,22 @@ def test_what_a_limiter_charged_is_told_once_and_its_in_flight_when_it_changes()
     lim = TenantLimiter(QuotaConfig(rpm=60, tpm=1000, max_concurrent=4), now_s=0.0)
     woken: list[None] = []
     lim.notify = lambda: woken.append(None)
-    assert lim.unshared(full=False) is None and lim.unshared(full=True) is None  # nothing yet
+    assert lim.unshared(False, 0.0) is None and lim.unshared(True, 0.0) is None  # nothing yet
     assert lim.enter(0.0) is None and lim.admit(100, 0.0) is None
     assert len(woken) == 2
-    assert lim.unshared(full=False) == Usage(1, 100, 1)
-    assert lim.unshared(full=False) is None  # told
-    assert lim.unshared(full=True) == Usage(0, 0, 1)  # a full snapshot repeats what is in flight
+    assert lim.unshared(False, 0.0) == Usage(1, 100, 1)
+    assert lim.unshared(False, 0.0) is None  # told
+    assert lim.unshared(True, 0.0) == Usage(0, 0, 1)  # a full snapshot repeats what is in flight
     lim.reconcile(100, 80, 1.0)  # the worker counted fewer: 20 given back
     lim.release(30, 1.0)
-    assert lim.unshared(full=False) == Usage(0, 10, 0)
+    assert lim.unshared(False, 0.0) == Usage(0, 10, 0)
 
 
 def test_a_limiter_without_quotas_tells_nothing() -> None:
     lim = TenantLimiter(QuotaConfig(), now_s=0.0)
     assert not lim.limited
     assert lim.enter(0.0) is None
-    assert lim.unshared(full=True) is None
+    assert lim.unshared(True, 0.0) is None
 
 
 def test_peers_charges_spend_this_gateways_buckets() -> None:
@@ -36,10 +36,11 @@ def test_peers_charges_spend_this_gateways_buckets() -> None:
     assert lim.admit(100, 0.0) is None
     refused = lim.enter(0.0)
     assert refused is not None and refused.code == "rate_limit_exceeded"
-    # What is given back comes back; a peer's lump never takes more than a minute more.
-    lim.peer_usage("b", Usage(10**9, 0, 0), 0.0)
-    refused = lim.enter(60.0)  # a minute's refill only brings the bucket back to zero
-    assert refused is not None and 5.9 < refused.retry_after_s < 6.1
+    # A peer's lump (late, or made up) takes the bucket to empty at most: a retry soon passes.
+    lim.peer_usage("b", Usage(10**9, 0, 0), 6.0)
+    refused = lim.enter(6.0)
+    assert refused is not None and refused.retryable and refused.retry_after_s <= 6.0
+    assert lim.enter(12.0) is None
 
 
 def test_peers_requests_in_flight_count_against_the_limit_until_the_peer_falls_silent() -> None:
@@ -63,3 +64,66 @@ def test_made_up_peers_beyond_the_bound_count_nothing() -> None:
     assert lim.peers_in_flight == MAX_PEERS
     lim.forget_peers(silent_since_s=1.0)
     assert lim.peers_in_flight == 0
+
+
+def test_a_peers_charge_never_gives_budget_back() -> None:
+    lim = TenantLimiter(QuotaConfig(tpm=1000), now_s=0.0)
+    assert lim.enter(0.0) is None and lim.admit(10, 0.0) is None
+    lim.release(5000, 0.0)  # a long completion: this gateway's own debt, far below empty
+    refused = lim.admit(1, 0.0)
+    assert refused is not None
+    lim.peer_usage("b", Usage(0, 100, 0), 0.0)
+    again = lim.admit(1, 0.0)
+    assert again is not None and again.retry_after_s >= refused.retry_after_s
+
+
+def test_tokens_given_back_stay_with_the_gateway_that_charged_them() -> None:
+    lim = TenantLimiter(QuotaConfig(tpm=1000), now_s=0.0)
+    assert lim.enter(0.0) is None and lim.admit(500, 0.0) is None
+    assert lim.unshared(False, 0.0) == Usage(0, 500, 1)
+    lim.reconcile(500, 100, 1.0)  # the worker counted 400 fewer
+    lim.release(0, 1.0)
+    assert lim.unshared(False, 1.0) == Usage(0, 0, 0)  # nothing negative goes out
+    assert lim.enter(2.0) is None and lim.admit(300, 2.0) is None
+    assert lim.unshared(False, 2.0) == Usage(0, 0, 1)  # the 400 given back offset them
+    # A peer's negative figure (only a forged row has one) refills nothing.
+    spent = TenantLimiter(QuotaConfig(tpm=1000), now_s=0.0)
+    assert spent.enter(0.0) is None and spent.admit(1000, 0.0) is None
+    spent.peer_usage("forged", Usage(0, -(1 << 40), 0), 0.0)
+    assert spent.admit(10, 0.0) is not None
+
+
+def test_charges_kept_through_a_broker_outage_are_forgiven_as_the_bucket_refilled() -> None:
+    # A, cut off for ten minutes, admits the tenant at half its rpm: a shared bucket would have
+    # refilled all of it, so B must not be emptied by the lump when the broker is back.
+    a = TenantLimiter(QuotaConfig(rpm=60), now_s=0.0)
+    b = TenantLimiter(QuotaConfig(rpm=60), now_s=0.0)
+    t = 0.0
+    while t < 600.0:
+        assert a.enter(t) is None
+        a.release(0, t)
+        t += 2.0
+    lump = a.unshared(False, 600.0)
+    assert lump is None or lump.requests <= 1
+    if lump is not None:
+        b.peer_usage("a", lump, 600.0)
+    assert b.enter(600.0) is None
+    # Charges told within the gap are told whole.
+    assert a.enter(600.5) is None and a.enter(600.6) is None
+    told = a.unshared(False, 601.0)
+    assert told is not None and told.requests == 2
+
+
+def test_a_peer_counts_at_most_the_limit_in_flight() -> None:
+    lim = TenantLimiter(QuotaConfig(max_concurrent=4), now_s=0.0)
+    lim.peer_usage("made-up", Usage(0, 0, 1 << 32), 0.0)
+    assert lim.peers_in_flight == 4
+
+
+def test_what_was_not_published_is_told_again() -> None:
+    lim = TenantLimiter(QuotaConfig(rpm=60, max_concurrent=4), now_s=0.0)
+    assert lim.enter(0.0) is None
+    lost = lim.unshared(False, 0.0)
+    assert lost == Usage(1, 0, 1)
+    lim.unsend(lost, 0.0)
+    assert lim.unshared(False, 0.1) == Usage(1, 0, 1)

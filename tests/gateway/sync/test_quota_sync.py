@@ -95,8 +95,25 @@ async def test_a_silent_peers_requests_in_flight_stop_counting(broker: TestBroke
         assert _t(b).peers_in_flight == 0
 
 
+async def test_a_gateway_that_stops_says_its_last_charges_and_that_nothing_is_in_flight(
+    broker: TestBroker,
+) -> None:
+    async with _pair(broker) as (a, b):
+        now = time.monotonic()
+        assert _t(a).enter(now) is None
+        await wait_until(lambda: _t(b).peers_in_flight == 1)
+        for task in a._tasks[1:]:
+            task.cancel()  # a's publishing stops here: only its last word can tell b
+        _t(a).release(0, time.monotonic())
+        assert _t(a).enter(time.monotonic()) is None
+        _t(a).leave()
+        await a.stop()
+        await wait_until(lambda: _t(b).peers_in_flight == 0, what="a's last word at b", timeout_s=5)
+        assert _t(b).remaining(time.monotonic())["requests"] < 8.1  # both of a's requests charged
+
+
 def test_quota_rows_travel_and_are_read_back() -> None:
-    usage = (("t", Usage(3, -20, 2)), ("u", Usage(0, 4500, 0)))
+    usage = (("t", Usage(3, 20, 2)), ("u", Usage(0, 4500, 0)))
     batch = SyncBatch("a", 1, time.time(), False, usage=usage)
     assert decode(encode(batch)).usage == usage
     assert decode(encode(SyncBatch("a", 2, time.time(), False))).usage == ()
@@ -110,6 +127,7 @@ def test_quota_rows_travel_and_are_read_back() -> None:
         ["t", -1, 0, 0],  # negative requests
         ["t", 0, 0, -1],  # negative in flight
         ["t", 0, 2**41, 0],  # more tokens than a gateway charges between two batches
+        ["t", 0, -5, 0],  # tokens given back are never sent
         ["t", 0, 1.5, 0],  # tokens not an integer
         ["t", 2**33, 0, 0],
         ["t", True, 0, 0],
@@ -127,3 +145,45 @@ def test_more_quota_rows_than_a_gateway_sends_is_a_malformed_batch() -> None:
     doc["u"] = [["t", 0, 0, 0]] * (MAX_BATCH_TENANTS + 1)
     with pytest.raises(MalformedBatch):
         decode(msgpack.packb(doc))
+
+
+class _FlakyLink:
+    """A link whose next publish fails while `up` is False, and records what it publishes."""
+
+    connected = True
+    max_payload = 1 << 20
+
+    def __init__(self) -> None:
+        self.up = False
+        self.sent: list[SyncBatch] = []
+
+    async def publish(self, data: bytes) -> bool:
+        if self.up:
+            self.sent.append(decode(data))
+        return self.up
+
+
+async def test_quota_rows_of_a_batch_that_was_not_published_are_told_again() -> None:
+    service = _service("nats://127.0.0.1:1", "a")  # never started: the fake link publishes
+    link = _FlakyLink()
+    service.link = link  # type: ignore[assignment]
+    service.limiters["t"].notify = lambda: service._quota_changed("t")
+    now = time.monotonic()
+    assert _t(service).enter(now) is None  # one request charged, one in flight
+    await service._send(now)  # the publish failed (a full buffer, a link that just dropped)
+    link.up = True
+    await service._send(now + 0.01)
+    rows = [usage for batch in link.sent for tenant, usage in batch.usage if tenant == "t"]
+    assert sum(u.requests for u in rows) == 1 and rows[-1].in_flight == 1, rows
+
+
+async def test_a_tenant_name_peers_would_refuse_is_not_sent_and_spoils_nothing() -> None:
+    service = _service("nats://127.0.0.1:1", "a")
+    link = _FlakyLink()
+    link.up = True
+    service.link = link  # type: ignore[assignment]
+    long_name = "t" * 2000
+    service.publisher.share_usage([(long_name, Usage(1, 0, 1)), ("t", Usage(1, 0, 1))])
+    await service._send(time.monotonic())
+    assert [tenant for batch in link.sent for tenant, _ in batch.usage] == ["t"]
+    assert service.publisher.oversized == 1

@@ -4,7 +4,7 @@ the gateways that lost one broker (a restart, a failover) do not all come back a
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
@@ -65,9 +65,10 @@ async def test_a_nats_link_that_lost_its_server_reconnects_after_drawn_delays(
 ) -> None:
     chosen: list[tuple[int, float]] = []
 
-    def spy(servers: list[Server], info: dict[str, Any]) -> tuple[Server, float]:
-        server, delay_s = next_server(servers, info)
-        chosen.append((server.reconnects, delay_s))
+    def spy(servers: list[Server], tried: dict[str, int]) -> tuple[Server, float]:
+        before = min(tried.get(server.uri.netloc, 0) for server in servers)
+        server, delay_s = next_server(servers, tried)
+        chosen.append((before, delay_s))
         return server, delay_s
 
     monkeypatch.setattr(nats_link, "next_server", spy)
@@ -93,16 +94,52 @@ def _server(port: int, reconnects: int) -> Server:
     return Server(uri=urlparse(f"nats://127.0.0.1:{port}"), reconnects=reconnects)
 
 
-def test_nats_reconnects_first_to_a_server_tried_least_after_the_drawn_backoff() -> None:
-    servers = [_server(4222, 2), _server(4223, 1), _server(4224, 1)]
-    chosen, delay_s = next_server(servers, {}, lambda: 0.0)
-    assert chosen.uri.port == 4223 and delay_s == _backoff_s(1)
-    chosen, delay_s = next_server(servers, {}, lambda: 0.999)
-    assert chosen.uri.port == 4224 and delay_s == pytest.approx(1.4995 * _backoff_s(1))
+def test_nats_reconnects_first_to_a_server_tried_least_since_the_loss_after_the_drawn_backoff() -> None:
+    # nats-py's own counts keep the failures of an earlier outage (4223, 4224) and never count
+    # the server just lost (4222): they are not what decides.
+    servers = [_server(4222, 0), _server(4223, 8), _server(4224, 8)]
+    tried: dict[str, int] = {}
+    order = [next_server(servers, tried, lambda: 0.0) for _ in range(4)]
+    assert [server.uri.port for server, _ in order] == [4222, 4223, 4224, 4222]
+    assert [delay_s for _, delay_s in order] == [_backoff_s(0)] * 3 + [_backoff_s(1)]
+    chosen, delay_s = next_server(servers, {"127.0.0.1:4222": 1}, lambda: 0.999)
+    assert chosen.uri.port == 4224 and delay_s == pytest.approx(1.4995 * _backoff_s(0))
     # Right after a loss (nothing tried yet), the shortest backoff, and each server chosen by some.
-    fresh = [_server(port, 0) for port in (4222, 4223, 4224)]
-    assert {next_server(fresh, {})[0].uri.port for _ in range(200)} == {4222, 4223, 4224}
-    assert all(0.2 <= next_server(fresh, {})[1] < 0.3 for _ in range(50))
+    assert {next_server(servers, {})[0].uri.port for _ in range(200)} == {4222, 4223, 4224}
+    assert all(0.2 <= next_server(servers, {})[1] < 0.3 for _ in range(50))
+
+
+async def test_a_nats_link_fails_over_to_a_server_that_failed_in_an_earlier_outage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a = LocalBroker(free_port(), tmp_path / "a")
+    b = LocalBroker(free_port(), tmp_path / "b")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    link = NatsLink([a.url, b.url], "t.batches", "me", _ignore)
+    task = asyncio.create_task(link.run())
+    try:
+        a.start()  # b is down: nats-py counts its failures while the link connects to a
+        await wait_until(lambda: link.connected)
+        nc = link._nc
+        assert nc is not None
+        # Make b look as a server that failed many times before (an earlier outage).
+        for server in nc._server_pool:
+            if server.uri.port == b.port:
+                server.reconnects = 8
+        b.start()
+        a.stop()
+        await wait_until(
+            lambda: link.connected and nc.connected_url is not None and nc.connected_url.port == b.port,
+            what="the link on b",
+            timeout_s=10,  # a few drawn backoffs; with nats-py's counts it took tens of seconds
+        )
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await link.close()
+        a.stop()
+        b.stop()
 
 
 class _SwallowingConnect:

@@ -21,12 +21,12 @@ charged since its peers were last told (`unshared`), and charges its own buckets
 peer charged (`peer_usage`), so that every gateway's bucket is the one bucket of the whole fleet,
 a batch interval and a broker's delivery late; its concurrency limit counts the peers' requests
 in flight too, as each peer last said, until that peer is silent for the sync's `peer_timeout_s`.
-What a peer says can only spend: a peer's charge takes a bucket down to empty at most (never into
-the debt only this gateway's own end-of-request charges make, so a made-up or late charge costs a
-tenant at most one minute of budget, and never budget it had), tokens given back by a reconciled
-prompt count stay with the gateway that charged them, and a peer counts at most the limit in
-flight. Charges kept through a broker outage are forgiven at the buckets' refill rate for the time
-beyond `TOLD_GAP_S`, as the shared bucket would have refilled meanwhile.
+What a peer says can only spend: a peer's charge takes a bucket down to minus its capacity at
+most (a made-up or late lump costs a tenant two minutes of budget at most, and never lifts a bucket
+this gateway's own charges took lower), tokens given back by a reconciled prompt count stay with
+the gateway that charged them, and a peer counts at most the limit in flight. Charges that wait
+to be told longer than `told_gap_s` (a broker outage) drain at the buckets' refill rate meanwhile,
+as the shared bucket would have refilled.
 """
 
 from __future__ import annotations
@@ -94,12 +94,13 @@ class TokenBucket:
             (b"x-ratelimit-reset-" + unit, go_duration(reset_s).encode()),
         ]
 
-    def spend_to_empty(self, amount: float, now_s: float) -> None:
-        """Spend `amount` (>= 0), but never below empty, nor further once below it: a peer's
-        charge (`TenantLimiter.peer_usage`), which may come late and in one lump, or be made up
-        by whoever can publish on the bus, costs the tenant at most what the bucket holds."""
+    def take_from_peer(self, amount: float, now_s: float) -> None:
+        """Spend what a peer charged (`TenantLimiter.peer_usage`): at most the capacity at once,
+        and never below minus the capacity, nor up from below it. A lump, late or made up by
+        whoever can publish on the bus, costs the tenant two minutes of budget at most; this
+        gateway's own end-of-request charges may take the bucket lower, as without peers."""
         self._refill(now_s)
-        self._level = max(min(self._level, 0.0), self._level - amount)
+        self._level = max(min(self._level, -self.capacity), self._level - min(amount, self.capacity))
 
     @property
     def rate_per_s(self) -> float:
@@ -122,8 +123,8 @@ def go_duration(seconds: float) -> str:
     return f"{secs}s"
 
 
-# How long charges may wait to be told before the peers would have refilled part of them: beyond
-# it (a broker outage), what waited is forgiven at the buckets' refill rate (`TenantLimiter.unshared`).
+# How long charges may wait to be told before they drain at the buckets' refill rate (a broker
+# outage: `TenantLimiter.unshared`), unless the sync's batches are further apart (`told_gap_s`).
 TOLD_GAP_S = 1.0
 
 # Peers whose requests in flight a limiter counts, at most (each forgotten when silent): far more
@@ -152,63 +153,72 @@ class TenantLimiter:
         self.in_flight = 0
         self.limited = quotas.max_concurrent is not None or self._rpm is not None or self._tpm is not None
         self.notify: Callable[[], None] | None = None
-        self._unshared_requests = 0
-        self._unshared_tokens = 0  # negative while tokens given back outweigh those charged
+        self._unshared_requests = 0.0
+        self._unshared_tokens = 0.0  # negative while tokens given back outweigh those charged
         self._shared_in_flight = 0  # `in_flight` as the peers were last told (-1: tell it again)
-        self._unshared_since_s: float | None = None  # when the oldest charge not told was made
+        self._drain_from_s: float | None = None  # when what waits to be told starts to drain
+        self.told_gap_s = TOLD_GAP_S
         self._peers: dict[str, tuple[int, float]] = {}  # peer -> (its in flight, when it said so)
         self._peers_in_flight = 0
 
     def _charged(self, requests: int, tokens: int, now_s: float) -> None:
-        if (requests or tokens) and self._unshared_since_s is None:
-            self._unshared_since_s = now_s
-        self._unshared_requests += requests
-        self._unshared_tokens += tokens
+        if requests or tokens:
+            self._wait_to_tell(requests, tokens, now_s)
         if self.notify is not None:
             self.notify()
+
+    def _wait_to_tell(self, requests: float, tokens: float, now_s: float) -> None:
+        self._drain(now_s)
+        if self._drain_from_s is None:
+            self._drain_from_s = now_s + self.told_gap_s
+        self._unshared_requests += requests
+        self._unshared_tokens += tokens
+
+    def _drain(self, now_s: float) -> None:
+        """What waited to be told beyond `told_gap_s` drains at the buckets' refill rate."""
+        start_s = self._drain_from_s
+        if start_s is None or now_s <= start_s:
+            return
+        self._drain_from_s = now_s
+        waited_s = now_s - start_s
+        if self._rpm is not None and self._unshared_requests > 0:
+            self._unshared_requests = max(0.0, self._unshared_requests - self._rpm.rate_per_s * waited_s)
+        if self._tpm is not None and self._unshared_tokens > 0:
+            self._unshared_tokens = max(0.0, self._unshared_tokens - self._tpm.rate_per_s * waited_s)
 
     def unshared(self, full: bool, now_s: float) -> Usage | None:
         """What the peers have not been told yet, now counted as told; with `full` (a whole
         load snapshot) the requests in flight as well, even unchanged. None when there is
         nothing to tell. Tokens given back stay here (they offset the next ones charged), and
-        charges that waited longer than `TOLD_GAP_S` (the broker was away) are forgiven at the
-        buckets' refill rate for the time beyond it."""
+        what waited longer than `told_gap_s` (the broker was away) has drained at the buckets'
+        refill rate meanwhile, as the shared bucket would have refilled."""
         if not self.limited:
             return None
-        requests, tokens, in_flight = self._unshared_requests, self._unshared_tokens, self.in_flight
-        since_s = self._unshared_since_s
-        gap_s = 0.0 if since_s is None else now_s - since_s - TOLD_GAP_S
-        if gap_s > 0:
-            if self._rpm is not None:
-                requests = max(0, requests - math.floor(self._rpm.rate_per_s * gap_s))
-            if self._tpm is not None and tokens > 0:
-                tokens = max(0, tokens - math.floor(self._tpm.rate_per_s * gap_s))
-        sent_tokens = max(0, tokens)
-        unchanged = in_flight == self._shared_in_flight and not (full and in_flight)
-        self._unshared_requests = 0
-        self._unshared_tokens = tokens - sent_tokens  # what was given back, kept
-        self._unshared_since_s = None
-        if not requests and not sent_tokens and unchanged:
+        self._drain(now_s)
+        requests = round(self._unshared_requests)
+        tokens = round(self._unshared_tokens) if self._unshared_tokens > 0 else 0
+        in_flight = self.in_flight
+        self._unshared_requests = 0.0
+        self._unshared_tokens = min(0.0, self._unshared_tokens)  # what was given back, kept
+        self._drain_from_s = None
+        if not requests and not tokens and in_flight == self._shared_in_flight and not (full and in_flight):
             return None
         self._shared_in_flight = in_flight
-        return Usage(requests, sent_tokens, in_flight)
+        return Usage(requests, tokens, in_flight)
 
     def unsend(self, usage: Usage, now_s: float) -> None:
         """`usage` never reached the peers (the batch was not published): tell it again."""
-        self._unshared_requests += usage.requests
-        self._unshared_tokens += usage.tokens
-        if self._unshared_since_s is None and (usage.requests or usage.tokens):
-            self._unshared_since_s = now_s
+        self._wait_to_tell(usage.requests, usage.tokens, now_s)
         self._shared_in_flight = -1
 
     def peer_usage(self, peer: str, usage: Usage, now_s: float) -> None:
-        """Charge what `peer` charged for this tenant to this gateway's buckets, down to empty at
-        most (`TokenBucket.spend_to_empty`), and count its requests in flight (at most the limit)
+        """Charge what `peer` charged for this tenant to this gateway's buckets (bounded:
+        `TokenBucket.take_from_peer`), and count its requests in flight (at most the limit)
         against the concurrency limit."""
         if self._rpm is not None and usage.requests > 0:
-            self._rpm.spend_to_empty(usage.requests, now_s)
+            self._rpm.take_from_peer(usage.requests, now_s)
         if self._tpm is not None and usage.tokens > 0:
-            self._tpm.spend_to_empty(usage.tokens, now_s)
+            self._tpm.take_from_peer(usage.tokens, now_s)
         limit = self._max_concurrent
         if limit is None:
             return

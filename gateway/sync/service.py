@@ -26,7 +26,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from gateway.config.sync import SyncConfig
-from gateway.quotas import TenantLimiter, Usage
+from gateway.quotas import TOLD_GAP_S, TenantLimiter, Usage
 from gateway.sync.codec import SyncBatch, encode
 from gateway.sync.deployment import fingerprints, published
 from gateway.sync.link import open_link
@@ -109,8 +109,11 @@ class SyncService:
 
     async def start(self) -> None:
         self.attach(self.routing.policy)
+        # Charges wait at most a few batches before they count as an outage's (`quotas.TOLD_GAP_S`).
+        told_gap_s = max(TOLD_GAP_S, 4 * self.config.batch_interval_s)
         for name, limiter in self.limiters.items():
             limiter.notify = functools.partial(self._quota_changed, name)
+            limiter.told_gap_s = told_gap_s
         self._tasks = [
             asyncio.create_task(self.link.run(), name="sync-link"),
             asyncio.create_task(self._publish_loop(), name="sync-publish"),
@@ -214,7 +217,8 @@ class SyncService:
 
     async def _send(self, now_s: float, every_tenant: bool = False) -> None:
         publisher = self.publisher
-        if self.limiters and not publisher.usage_pending:  # at most one row a tenant waits
+        # At most one row a tenant waits, but a gateway's last word takes every tenant's.
+        if self.limiters and (every_tenant or not publisher.usage_pending):
             full = every_tenant or publisher.full_load_due(now_s)
             publisher.share_usage(self._usage(full, now_s))
         for _ in range(_MAX_BATCHES_PER_WAKE):
@@ -237,7 +241,7 @@ class SyncService:
             limiter = self.limiters.get(tenant)
             if limiter is not None:
                 limiter.unsend(usage, now_s)
-                self._quotas_changed.add(tenant)
+                self._quota_changed(tenant)
 
     def counters(self) -> dict[str, int]:
         """Monotonic counts for the metrics."""

@@ -36,11 +36,12 @@ def test_peers_charges_spend_this_gateways_buckets() -> None:
     assert lim.admit(100, 0.0) is None
     refused = lim.enter(0.0)
     assert refused is not None and refused.code == "rate_limit_exceeded"
-    # A peer's lump (late, or made up) takes the bucket to empty at most: a retry soon passes.
+    # A peer's lump (late, or made up) costs two minutes of budget at most.
     lim.peer_usage("b", Usage(10**9, 0, 0), 6.0)
     refused = lim.enter(6.0)
-    assert refused is not None and refused.retryable and refused.retry_after_s <= 6.0
-    assert lim.enter(12.0) is None
+    # At most the capacity at once: from 1 (the refill since 0 s) to -9; 10 to refill for the next.
+    assert refused is not None and 59.9 < refused.retry_after_s < 60.1
+    assert lim.enter(66.0) is None
 
 
 def test_peers_requests_in_flight_count_against_the_limit_until_the_peer_falls_silent() -> None:
@@ -127,3 +128,32 @@ def test_what_was_not_published_is_told_again() -> None:
     assert lost == Usage(1, 0, 1)
     lim.unsend(lost, 0.0)
     assert lim.unshared(False, 0.1) == Usage(1, 0, 1)
+
+
+def test_charges_made_after_the_wait_drained_are_told_whole() -> None:
+    lim = TenantLimiter(QuotaConfig(rpm=60), now_s=0.0)
+    assert lim.enter(0.0) is None  # then the broker is away for ten minutes
+    lim.release(0, 0.0)
+    for _ in range(59):
+        assert lim.enter(599.0) is None
+        lim.release(0, 599.0)
+    told = lim.unshared(False, 600.0)
+    # The first drained away long ago; of the 59, one second's refill (1) beyond the gap.
+    assert told is not None and told.requests == 58
+
+
+def test_saturated_gateways_sharing_admit_the_quota_not_twice_it() -> None:
+    # Two gateways with more demand than the quota, telling each other every 5 ms.
+    lims = [TenantLimiter(QuotaConfig(rpm=600), now_s=0.0) for _ in range(2)]
+    admitted, t = 0, 0.0
+    while t < 600.0:
+        for lim in lims:
+            if lim.enter(t) is None:
+                lim.release(0, t)
+                admitted += t >= 300.0
+        rows = [lim.unshared(False, t) for lim in lims]
+        for i, row in enumerate(rows):
+            if row is not None:
+                lims[1 - i].peer_usage(f"g{i}", row, t)
+        t += 0.005
+    assert 2900 <= admitted <= 3100  # 600 a minute over the last five minutes

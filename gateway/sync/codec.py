@@ -38,10 +38,7 @@ string (an origin or a name) of more than `MAX_NAME_BYTES`, a prompt of more tha
 time is further than `MAX_CLOCK_SKEW_S` from the receiver's wall clock (it feeds the lag metric and
 the decision times of `policies.herd`) is `ClockSkewed`, a `MalformedBatch` of its own.
 
-A batch is read by its containers' headers, and nothing in a container is built before its count
-is checked: one msgpack byte can be an empty array, a 72-byte Python list, so a batch decoded whole
-before its shape was checked cost about 70 times its size (600 MB and seconds of the event loop
-for 8 MiB).
+A batch is read by its containers' headers, their counts checked first (`wire_read`).
 """
 
 from __future__ import annotations
@@ -55,6 +52,8 @@ from typing import Any, cast
 import msgpack
 
 from gateway.quotas import Usage
+from gateway.sync.wire_read import MalformedBatch as MalformedBatch  # its errors' type, re-exported
+from gateway.sync.wire_read import read_map
 from policies.base import WorkerId
 from policies.peer_sync import PeerCalibration, PeerHolding, PeerItem, PeerLoad, PeerOutcome
 from prompt_normalizer.types import BlockKey
@@ -105,10 +104,6 @@ _KNOWN_SCALARS = frozenset("vostfka")
 # How far a batch's send time may be from the receiver's wall clock, either way: far beyond the
 # skew of hosts that keep time and any wait in the broker, well short of a clock that is broken.
 MAX_CLOCK_SKEW_S = 600.0
-
-
-class MalformedBatch(ValueError):
-    """Bytes that are not a sync batch of this version."""
 
 
 class ClockSkewed(MalformedBatch):
@@ -231,34 +226,16 @@ def decode(data: bytes, now_wall_s: float | None = None) -> SyncBatch:
 
 
 def _read(data: bytes) -> dict[str, Any]:
-    """The batch's top-level map, with every list a field of the wire format may be (`_LISTS`,
-    `_ROWS`) read through its header, its count checked first, and scalars only built: the
-    unpacker refuses any array or map with entries, so each `unpack` builds one object (at most
-    an empty list or map, which no check below takes for a scalar). A field this release does not
-    know is skipped without being built, as the format allows later releases to add fields."""
-    u = msgpack.Unpacker(
-        None, raw=False, max_str_len=MAX_NAME_BYTES, max_array_len=0, max_map_len=0, max_ext_len=0
+    """The batch's top-level map, its lists and rows read by their headers (`wire_read`)."""
+    return read_map(
+        data,
+        lists=_LISTS,
+        rows=_ROWS,
+        scalars=_KNOWN_SCALARS,
+        max_fields=_MAX_FIELDS,
+        max_row=_MAX_ROW,
+        max_str=MAX_NAME_BYTES,
     )
-    u.feed(data)
-    n = u.read_map_header()
-    if n > _MAX_FIELDS:
-        raise MalformedBatch("not a sync batch")
-    doc: dict[str, Any] = {}
-    for _ in range(n):
-        name = u.unpack()
-        if not isinstance(name, str) or name in doc:
-            raise MalformedBatch("bad field name")
-        if name in _ROWS:
-            doc[name] = _rows(u, _ROWS[name])
-        elif name in _LISTS:
-            doc[name] = _scalars(u, _LISTS[name])
-        elif name in _KNOWN_SCALARS:
-            doc[name] = u.unpack()
-        else:
-            u.skip()
-    if u.tell() != len(data):
-        raise MalformedBatch("bytes after the batch")
-    return doc
 
 
 def name_fits(name: str) -> bool:
@@ -281,29 +258,6 @@ def item_fits(item: PeerItem) -> bool:
         tokens = max(item.prompt_tokens, item.request_tokens)
         return tokens <= MAX_PROMPT_TOKENS and name_fits(item.pool)
     return True
-
-
-def _count(u: msgpack.Unpacker, limit: int) -> int:
-    n = u.read_array_header()
-    if n > limit:
-        raise MalformedBatch("more entries than any gateway publishes in one batch")
-    return cast(int, n)
-
-
-def _scalars(u: msgpack.Unpacker, limit: int) -> list[object]:
-    unpack = u.unpack
-    return [unpack() for _ in range(_count(u, limit))]
-
-
-def _rows(u: msgpack.Unpacker, limit: int) -> list[list[object]]:
-    unpack, header = u.unpack, u.read_array_header
-    rows = []
-    for _ in range(_count(u, limit)):
-        n = header()
-        if n > _MAX_ROW:
-            raise MalformedBatch("bad row")
-        rows.append([unpack() for _ in range(n)])
-    return rows
 
 
 def _per_load(doc: dict[str, Any], key: str, error: str) -> list[object] | None:

@@ -98,8 +98,10 @@ def pushed_over(
         if first_s < now_s:
             spent = now_s - first_s
             left = tokens - spent / decode_s
-            if left <= 0:
-                continue
+            if left < 1.0:
+                # Still in flight past its predicted end: slowed, or its first token came late.
+                # Its last token at least is still to come.
+                left = 1.0
             at = now_s
         else:
             spent, left, at = 0.0, float(tokens), first_s

@@ -35,8 +35,11 @@ def test_a_short_answer_decoding_now_is_pushed_over_a_long_one_is_not() -> None:
 def test_only_the_decodes_within_the_objective_without_the_prefill_count() -> None:
     # Its decode steps alone (0.2 s each) are over 0.1 s: it misses anyway.
     assert pushed_over([(6, 10.0)], 10.0, 0.1, 0.2, 0.0, 0.5, 1.2, 0.5) == 0
-    # Predicted done before now (its first token 1 s ago, 6 tokens at 10 ms): not in the way.
+    # Its first token 1 s ago: 6 tokens at 10 ms should be out, and its TPOT is over 0.1 s anyway.
     assert _count([(6, 9.0)]) == 0
+    # Still in flight 0.4 s after its first token, though 5 tokens take 50 ms: it was slowed, and
+    # its last token, still to come, takes it over 0.5 s in one of this prefill's steps.
+    assert _count([(5, 9.6)]) == 1
     # Half done: 3 tokens left, all in the prefill's steps: 0.03 + 0.03 + 0.87 s over 0.6 s.
     assert _count([(6, 9.97)]) == 1
 

@@ -32,7 +32,11 @@ token counts are in engine tokens, see `CostModel.engine_tokens_per_request_toke
    longer than the objective goes to the eligible worker with the fewest requests in flight (then
    the longest backlog, then at random): it misses the objective wherever it runs, and there it
    delays the fewest requests. Such prompts gather on the few workers already busy with one
-   (they hold few requests, since the score steers the rest away), and the others stay quick.
+   (they hold few requests, since the score steers the rest away), and the others stay quick;
+7. with `decode_price_s` > 0, each candidate pays that many seconds for each request in flight
+   there whose TPOT this request's prefill would push over `tpot_objective_s`, and, given
+   `ttft_objective_s`, a prompt that matches nothing pays it where it would miss that objective
+   (`policies.cost_decode`).
 """
 
 from __future__ import annotations

@@ -155,6 +155,8 @@ class CostParamsYaml(_Strict):
     herd_weight: float = Field(2.0, ge=0)
     herd_hold_steps: int = Field(len(HOLD_STEPS_S), ge=0, le=len(HOLD_STEPS_S))
     ttft_objective_s: float | None = Field(None, gt=0)
+    decode_price_s: float = Field(0.0, ge=0)
+    tpot_objective_s: float = Field(0.1, gt=0)
 
 
 class SglangParamsYaml(_Strict):

@@ -290,6 +290,11 @@ class CostModel:
         if len(pending) > self.MAX_PENDING:
             pending.popitem(last=False)
 
+    def predicted_queue_s(self, request_id: str, worker: WorkerId) -> float | None:
+        """The queue `note_dispatch` kept for `request_id` on `worker` (None: none kept there)."""
+        pending = self._pending.get(request_id)
+        return None if pending is None or pending.worker != worker else pending.queue_s
+
     def _take(self, request_id: str, worker: WorkerId) -> _Pending | None:
         """The request's record if it predicts `worker`, removed; another worker's leg of the same
         request (P/D) leaves it for the leg it is about."""

@@ -32,7 +32,11 @@ token counts are in engine tokens, see `CostModel.engine_tokens_per_request_toke
    longer than the objective goes to the eligible worker with the fewest requests in flight (then
    the longest backlog, then at random): it misses the objective wherever it runs, and there it
    delays the fewest requests. Such prompts gather on the few workers already busy with one
-   (they hold few requests, since the score steers the rest away), and the others stay quick.
+   (they hold few requests, since the score steers the rest away), and the others stay quick;
+7. with `decode_price_s` > 0, each candidate pays that many seconds for each request in flight
+   there whose TPOT this request's prefill would push over `tpot_objective_s`, and, given
+   `ttft_objective_s`, a prompt that matches nothing pays it where it would miss that objective
+   (`policies.cost_decode`).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from collections.abc import Collection, Sequence
 from typing import ClassVar
 
 from policies.base import Observation, RouteDecision, RouteRequest, WorkerId, WorkerView
+from policies.cost_decode import DecodeLedger, DecodePrice
 from policies.cost_herd import HerdingPolicy
 from policies.cost_ledger import InflightLedger, RecentWork
 from policies.cost_scan import CandidateCache, Positions, by_backlog, fewest_in_flight
@@ -81,6 +86,8 @@ class CostPolicy(HerdingPolicy):
         herd_weight: float = 2.0,
         herd_hold_steps: int = len(HOLD_STEPS_S),
         ttft_objective_s: float | None = None,
+        decode_price_s: float = 0.0,
+        tpot_objective_s: float = 0.1,
         shared: SharedSettings | None = None,
     ) -> None:
         if (
@@ -95,12 +102,14 @@ class CostPolicy(HerdingPolicy):
                 keep_tpot_s,
                 herd_weight,
                 herd_hold_steps,
+                decode_price_s,
             )
             < 0
         ):
             raise ValueError(
                 "epsilon, slack_requests, tie_s, work_weight, max_queue_factor, branch_load_weight,"
-                " continuation_slack_requests, keep_tpot_s, herd_weight and herd_hold_steps must be >= 0"
+                " continuation_slack_requests, keep_tpot_s, herd_weight, herd_hold_steps and"
+                " decode_price_s must be >= 0"
             )
         if load_window_s <= 0:
             raise ValueError("load_window_s must be > 0")
@@ -110,6 +119,8 @@ class CostPolicy(HerdingPolicy):
             raise ValueError("max_recompute_s must be > 0 (or None: off)")
         if ttft_objective_s is not None and ttft_objective_s <= 0:
             raise ValueError("ttft_objective_s must be > 0 (or None: off)")
+        if tpot_objective_s <= 0:
+            raise ValueError("tpot_objective_s must be > 0")
         super().__init__(seed=seed, shared=shared)
         self.epsilon = epsilon
         self.slack_requests = slack_requests
@@ -127,6 +138,9 @@ class CostPolicy(HerdingPolicy):
         self.herd_weight = herd_weight
         self.herd_hold_steps = herd_hold_steps
         self.ttft_objective_s = ttft_objective_s
+        self.decode_price_s = decode_price_s
+        self.tpot_objective_s = tpot_objective_s
+        self._decodes = DecodeLedger()
         self._last_n = -1
         self._observe_step = 1
         self._positions = Positions()
@@ -146,6 +160,7 @@ class CostPolicy(HerdingPolicy):
             self._ledger = previous._ledger
             self._recent_work = previous._recent_work
             self._recent_work.window_s = self.load_window_s
+            self._decodes = previous._decodes
         return kept
 
     def retire(self) -> None:
@@ -153,6 +168,7 @@ class CostPolicy(HerdingPolicy):
         self._columns = OrderedDict()
         self._recent_work = RecentWork(self.load_window_s)
         self._ledger = InflightLedger()
+        self._decodes = DecodeLedger()
 
     def recent_work_s(self, worker: WorkerId, now_s: float) -> float:
         """Prefill seconds this policy routed to `worker`, exponentially decayed over `load_window_s`;
@@ -166,6 +182,7 @@ class CostPolicy(HerdingPolicy):
     def on_complete(self, obs: Observation, now_s: float) -> None:
         super().on_complete(obs, now_s)
         self._ledger.remove(obs.request.request_id, obs.worker)
+        self._decodes.remove(obs.request.request_id, obs.worker)
 
     def _forget_load(self, pool: str, worker: WorkerId, gone: bool) -> None:
         # The in-flight ledger needs nothing: each of its requests leaves it when its outcome
@@ -182,6 +199,14 @@ class CostPolicy(HerdingPolicy):
         matched = min(decision.matched_tokens, req.n_prompt_tokens)
         self._ledger.add(req.request_id, decision.worker, req.n_prompt_tokens, req.n_prompt_tokens - matched)
         self._add_work(pool, decision.worker, req.n_prompt_tokens, matched, now_s)
+        if self.decode_price_s > 0:
+            # Its first token is predicted where the decision predicted its queue and prefill.
+            cost = pool.cost
+            unit = cost.engine_tokens_per_request_token
+            m = int(matched * unit)
+            queue_s = cost.predicted_queue_s(req.request_id, decision.worker) or 0.0
+            first_s = now_s + queue_s + cost.prefill_s(int(req.n_prompt_tokens * unit) - m, m)
+            self._decodes.add(req.request_id, decision.worker, req.max_output_tokens, first_s)
 
     def _apply_peer_holding(self, pool: PoolState, holding: PeerHolding, now_s: float) -> None:
         # A peer's dispatch is work routed to that worker as much as our own is.
@@ -299,6 +324,20 @@ class CostPolicy(HerdingPolicy):
             )
 
         objective = self.ttft_objective_s
+        if self.decode_price_s > 0:
+            # A prompt that matches nothing is also charged where it would miss the TTFT objective.
+            own_objective = objective if longest_tokens == 0 else None
+            scorer.price_decodes(
+                DecodePrice(
+                    self.decode_price_s,
+                    self.tpot_objective_s,
+                    own_objective,
+                    self._decodes,
+                    cost,
+                    scorer.n,
+                    now_s,
+                )
+            )
         if objective is not None and longest_tokens == 0 and cost.prefill_s(scorer.n) > objective:
             # Step 6 of the module docstring: no worker can meet the objective for this prompt.
             lane = fewest_in_flight(loads, backlogs, bound, self._rng)

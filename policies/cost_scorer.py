@@ -12,6 +12,7 @@ import math
 from collections.abc import Sequence
 
 from policies.base import RouteRequest, WorkerId, WorkerView
+from policies.cost_decode import DecodePrice
 from policies.cost_model import CostModel, QueueTerms
 
 
@@ -34,6 +35,7 @@ class Scorer:
         "nonholder_saved_s",
         "now_s",
         "pending",
+        "price",
         "q",
         "reach",
         "recent",
@@ -85,6 +87,8 @@ class Scorer:
         self.branch_s = 0.0
         self.now_s = 0.0
         self.window_s = 1.0
+        # The decode price (`price_decodes`): off until then.
+        self.price: DecodePrice | None = None
         if self.transfer_on and longest_tokens > 0:
             longest = self._engine(longest_tokens)
             moved = cost.saved_s(self.n, longest) * weight - cost.transfer_s(longest)
@@ -114,6 +118,11 @@ class Scorer:
         self.branch_s = weight * self.q.scale
         self.now_s = now_s
         self.window_s = window_s
+
+    def price_decodes(self, price: DecodePrice) -> None:
+        """Charge each candidate `price` (`policies.cost_decode`): seconds for each miss, TTFT or
+        TPOT, this request's prefill there is predicted to cause."""
+        self.price = price
 
     def saved(self, matched: int) -> float:
         """Weighted prefill time a match of `matched` tokens saves (`CostModel.saved_s` inlined and
@@ -198,11 +207,15 @@ class Scorer:
         per_step = q.per_request_s * running + q.per_context_token_s * view.in_flight_decode_tokens
         new = n - (matched if self.unit == 1.0 else int(matched * self.unit))
         queue = -(-int(backlog + new) // budget) * per_step
+        ahead = 0.0
         if backlog > 0:
-            prefill = q.prefill_per_token_s * backlog + q.attention_per_pair_s * pairs
-            queue += prefill + q.step_s * -(-int(backlog) // budget)
+            ahead = q.prefill_per_token_s * backlog + q.attention_per_pair_s * pairs
+            ahead += q.step_s * -(-int(backlog) // budget)
+            queue += ahead
         queue *= q.scale
         score = saved - queue
+        if self.price is not None:
+            score -= self.price.charge(view, matched, backlog, ahead * q.scale, running, queue)
         if view.warming or (self.adapter and view.loaded_adapters is not None):
             score -= self.cost.cold_s(view, self.adapter)
         if self.recent is not None and (found := self.recent.get(view.worker_id)) is not None:

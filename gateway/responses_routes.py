@@ -54,11 +54,10 @@ STORED_RESPONSE_ENDPOINTS = (RETRIEVE_ENDPOINT, CANCEL_ENDPOINT)
 _TRACE_CONTEXT = frozenset(name.encode() for name in TRACE_CONTEXT_HEADERS)
 
 
-def _rejected(rejection: Rejection) -> ApiError:
-    retry_after = str(max(1, int(rejection.retry_after_s + 0.999)))
-    return ApiError(
-        429, rejection.message, "rate_limit_error", rejection.code, None, {"retry-after": retry_after}
-    )
+def _rejected(rejection: Rejection, rate_headers: list[tuple[bytes, bytes]]) -> ApiError:
+    headers = {"retry-after": str(max(1, int(rejection.retry_after_s + 0.999)))}
+    headers |= {name.decode(): value.decode() for name, value in rate_headers}
+    return ApiError(429, rejection.message, "rate_limit_error", rejection.code, None, headers)
 
 
 def responses_routes(
@@ -89,7 +88,7 @@ def responses_routes(
         limiter = gate.limiter(tenant)
         rejection = limiter.enter(started_s)
         if rejection is not None:
-            refused = _rejected(rejection)
+            refused = _rejected(rejection, limiter.rate_headers(started_s))
             metrics.requests.labels("", tenant.name, "429", endpoint).inc()
             record_refusal(
                 routing, ids, endpoint, started_s, status=429, error=refused.code, tenant=tenant.name
@@ -143,7 +142,13 @@ def responses_routes(
                 if source.status == 200 and _is_event_stream(source.content_type):
                     # The stream gives the limiter's slot back, and counts the request, when it ends.
                     return StoredResponseStream(
-                        source, reply_id, lifecycle, pool.config.timeouts, done, withhold
+                        source,
+                        reply_id,
+                        lifecycle,
+                        pool.config.timeouts,
+                        done,
+                        withhold,
+                        limiter.rate_headers(time.monotonic()),
                     )
                 try:
                     status, body = await _whole(source, pool.config.timeouts)
@@ -167,7 +172,9 @@ def responses_routes(
             body = normalize_worker_error(status, body)
         if status != 200:
             body = withhold(body)
-        return Response(body, status, headers={"x-request-id": reply_id}, media_type="application/json")
+        headers = {"x-request-id": reply_id}
+        headers |= {name.decode(): value.decode() for name, value in limiter.rate_headers(time.monotonic())}
+        return Response(body, status, headers=headers, media_type="application/json")
 
     async def retrieve(request: Request) -> Response:
         return await forward(request, "", RETRIEVE_ENDPOINT)

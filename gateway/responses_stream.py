@@ -54,11 +54,13 @@ class StoredResponseStream(Response):
         timeouts: TimeoutsConfig,
         done: Callable[[int, str | None], None],
         withhold: Callable[[bytes], bytes],
+        rate_headers: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
         # Not Response.__init__: nothing here is a body known up front.
         self._withhold = withhold  # the tenant's salts out of the worker's error event
         self._source = source
         self._reply_id = reply_id
+        self._rate_headers = rate_headers or []  # the tenant's `x-ratelimit-*`
         self._lifecycle = lifecycle
         self._timeouts = timeouts
         self._done = done
@@ -108,6 +110,7 @@ class StoredResponseStream(Response):
                     (b"cache-control", b"no-cache"),
                     (b"x-accel-buffering", b"no"),
                     (b"x-request-id", self._reply_id.encode()),
+                    *self._rate_headers,
                 ],
             }
         )

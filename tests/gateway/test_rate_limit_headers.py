@@ -12,6 +12,8 @@ from gateway.config import QuotaConfig
 from gateway.gauges import refresh_gauges
 from gateway.quotas import TenantLimiter, go_duration
 from policies.baselines import RoundRobin
+from tests.gateway.routes_rig import SECRET as RIG_SECRET
+from tests.gateway.routes_rig import routes_rig
 from tests.support.gateway_config import SECRET, tenant
 from tests.support.inprocess import gateway_in_process
 
@@ -93,3 +95,19 @@ async def test_answers_and_the_quotas_429_carry_the_tenants_rate_limits(emulator
         assert 'tenant="limited"' in requests and 0 <= float(requests.split()[-1]) < 1
         assert any('quota="tokens"' in line for line in remaining)
         assert not any('tenant="free"' in line for line in remaining)  # no quota, no series
+
+
+async def test_the_stored_response_routes_carry_them_too() -> None:
+    tenants = [tenant("t", "sk-t", secret=RIG_SECRET, quotas={"rpm": 3})]
+    async with routes_rig(tenants=tenants) as rig:
+        key = {"authorization": "Bearer sk-t"}
+        created = await rig.client.post("/v1/responses", json={"model": "m", "input": "hello"}, headers=key)
+        assert created.status_code == 200, created.text
+        assert _limits(created)["x-ratelimit-remaining-requests"] == "2"
+        stored = await rig.client.get(f"/v1/responses/{created.json()['id']}", headers=key)
+        assert stored.status_code == 200, stored.text
+        assert _limits(stored)["x-ratelimit-remaining-requests"] == "1"
+        await rig.client.get(f"/v1/responses/{created.json()['id']}", headers=key)
+        refused = await rig.client.get(f"/v1/responses/{created.json()['id']}", headers=key)
+        assert refused.status_code == 429 and _limits(refused)["x-ratelimit-remaining-requests"] == "0"
+        assert "retry-after" in refused.headers

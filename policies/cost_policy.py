@@ -43,24 +43,21 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from typing import ClassVar
 
-from policies.base import Observation, RouteDecision, RouteRequest, WorkerId, WorkerView
-from policies.cost_decode import DecodeLedger, DecodePrice
-from policies.cost_herd import HerdingPolicy
-from policies.cost_ledger import InflightLedger, RecentWork
+from policies.base import RouteDecision, RouteRequest, WorkerView
+from policies.cost_books import CostBooks
+from policies.cost_decode import DecodePrice
 from policies.cost_scan import CandidateCache, Positions, by_backlog, fewest_in_flight
 from policies.cost_scorer import Scorer
 from policies.herd import HOLD_STEPS_S
-from policies.peer_sync import PeerHolding
-from policies.pools import PoolState
 from policies.prefix_policy import SharedSettings, servable_tokens
 from policies.registry import register_policy
 
 
 @register_policy("cost")
-class CostPolicy(HerdingPolicy):
+class CostPolicy(CostBooks):
     """Score in seconds, bounded-load guard, random tie-break, hot-prefix replication."""
 
     name: ClassVar[str]
@@ -121,17 +118,15 @@ class CostPolicy(HerdingPolicy):
             raise ValueError("ttft_objective_s must be > 0 (or None: off)")
         if tpot_objective_s <= 0:
             raise ValueError("tpot_objective_s must be > 0")
-        super().__init__(seed=seed, shared=shared)
+        super().__init__(seed=seed, shared=shared, load_window_s=load_window_s)
         self.epsilon = epsilon
         self.slack_requests = slack_requests
         self.tie_s = tie_s
         self.work_weight = work_weight
         self.max_queue_factor = max_queue_factor
         self.branch_load_weight = branch_load_weight
-        self.load_window_s = load_window_s
         # None: counted in uncached tokens on pools whose workers move KV (`pool_moves_kv`).
         self.discount_cached_backlog = discount_cached_backlog
-        self._moves_kv: set[str] = set()
         self.continuation_slack_requests = continuation_slack_requests
         self.keep_tpot_s = keep_tpot_s
         self.max_recompute_s = max_recompute_s
@@ -139,108 +134,17 @@ class CostPolicy(HerdingPolicy):
         self.herd_hold_steps = herd_hold_steps
         self.ttft_objective_s = ttft_objective_s
         self.decode_price_s = decode_price_s
+        self.records_decodes = decode_price_s > 0
         self.tpot_objective_s = tpot_objective_s
-        self._decodes = DecodeLedger()
         self._last_n = -1
         self._observe_step = 1
         self._positions = Positions()
         self._columns: OrderedDict[str, CandidateCache] = OrderedDict()
         self._observe_at = 0
-        self._recent_work = RecentWork(load_window_s)
-        self._ledger = InflightLedger()
-
-    def carry_over(self, previous: object, pools: Collection[str]) -> list[str]:
-        """`PrefixPolicyBase.carry_over`, and from a `cost` policy its recent routing: the
-        requests in flight (their outcomes take them out of this policy's ledger now) and the
-        prefill work routed to each worker (decayed from now on over this policy's
-        `load_window_s`). Without them the first decisions after a reload would see every worker
-        as idle of the work this gateway just sent it."""
-        kept = super().carry_over(previous, pools)
-        if isinstance(previous, CostPolicy):
-            self._ledger = previous._ledger
-            self._recent_work = previous._recent_work
-            self._recent_work.window_s = self.load_window_s
-            self._decodes = previous._decodes
-        return kept
 
     def retire(self) -> None:
         super().retire()
         self._columns = OrderedDict()
-        self._recent_work = RecentWork(self.load_window_s)
-        self._ledger = InflightLedger()
-        self._decodes = DecodeLedger()
-
-    def recent_work_s(self, worker: WorkerId, now_s: float) -> float:
-        """Prefill seconds this policy routed to `worker`, exponentially decayed over `load_window_s`;
-        the model's seconds, before calibration: the score multiplies them by the current scale."""
-        return self._recent_work.at(worker, now_s)
-
-    def uncached_share(self, worker: WorkerId) -> float:
-        """Predicted uncached share of the prompts this policy has in flight on `worker` (1 if none)."""
-        return self._ledger.share(worker)
-
-    def on_complete(self, obs: Observation, now_s: float) -> None:
-        super().on_complete(obs, now_s)
-        self._ledger.remove(obs.request.request_id, obs.worker)
-        self._decodes.remove(obs.request.request_id, obs.worker)
-
-    def _forget_load(self, pool: str, worker: WorkerId, gone: bool) -> None:
-        # The in-flight ledger needs nothing: each of its requests leaves it when its outcome
-        # comes, wherever it ran. A worker that joined or restarted starts at its pool's mean
-        # recent work (`RecentWork.restart`); one that left is forgotten.
-        if gone:
-            self._recent_work.forget(worker)
-        else:
-            self._recent_work.restart(worker, self._pools.workers_of(pool))
-
-    def _dispatched_to(
-        self, pool: PoolState, req: RouteRequest, decision: RouteDecision, now_s: float
-    ) -> None:
-        matched = min(decision.matched_tokens, req.n_prompt_tokens)
-        self._ledger.add(req.request_id, decision.worker, req.n_prompt_tokens, req.n_prompt_tokens - matched)
-        self._add_work(pool, decision.worker, req.n_prompt_tokens, matched, now_s)
-        if self.decode_price_s > 0:
-            # Its first token is predicted where the decision predicted its queue and prefill.
-            cost = pool.cost
-            unit = cost.engine_tokens_per_request_token
-            m = int(matched * unit)
-            queue_s = cost.predicted_queue_s(req.request_id, decision.worker) or 0.0
-            first_s = now_s + queue_s + cost.prefill_s(int(req.n_prompt_tokens * unit) - m, m)
-            self._decodes.add(req.request_id, decision.worker, req.max_output_tokens, first_s)
-
-    def _apply_peer_holding(self, pool: PoolState, holding: PeerHolding, now_s: float) -> None:
-        # A peer's dispatch is work routed to that worker as much as our own is.
-        super()._apply_peer_holding(pool, holding, now_s)
-        matched = min(holding.matched_tokens, holding.n_prompt_tokens)
-        self._add_work(pool, holding.worker, holding.n_prompt_tokens, matched, now_s)
-
-    def _add_work(self, pool: PoolState, worker: WorkerId, prompt: int, matched: int, now_s: float) -> None:
-        # `prompt` and `matched` are request tokens; the prefill time is the engine's. Stored
-        # before calibration, so that the charge moves with the scale as the other terms do: the
-        # choice then does not depend on the scale's history (how it stood at each dispatch).
-        cost = pool.cost
-        unit = cost.engine_tokens_per_request_token
-        work = cost.prefill_s(int((prompt - matched) * unit), int(matched * unit)) / cost.scale
-        self._recent_work.add(worker, work, now_s)
-
-    def pool_moves_kv(self, pool: str) -> None:
-        """`pool`'s workers move KV between them (`pd.mode: holder_prefill`), so a session kept
-        with its holder need not decode there: with `discount_cached_backlog` unset, its
-        workers' backlogs count the tokens left to compute. Counted as whole prompts, a holder
-        busy with mostly-cached turns looks seconds away and long histories are recomputed
-        elsewhere; counted as what is left, sessions stay with their holders, which alone would
-        pile their decodes up there (docs/policy.md, docs/benchmarks.md "Holder prefill")."""
-        self._moves_kv.add(pool)
-
-    def discounts_backlog(self, pool: str) -> bool:
-        """Whether `pool`'s prefill backlogs are counted in uncached tokens."""
-        setting = self.discount_cached_backlog
-        return pool in self._moves_kv if setting is None else setting
-
-    def backlog_share(self, pool: str, worker: WorkerId) -> float:
-        """The share of `worker`'s in-flight prefill tokens this policy counts as work ahead of a
-        new request: its predicted uncached share where backlogs are so counted, else 1."""
-        return self._ledger.share(worker) if self.discounts_backlog(pool) else 1.0
 
     def select(self, req: RouteRequest, workers: Sequence[WorkerView], now_s: float) -> RouteDecision | None:
         pool = self._pools.get(req.pool, req.block_size_tokens)  # `_pool`, inlined

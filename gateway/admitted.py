@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 
 from gateway.auth import Tenant
-from gateway.errors import withhold_salts
+from gateway.errors import ApiError, RawResponse, withhold_salts
 from gateway.quotas import TenantLimiter
 from gateway.registry import Pool
 from gateway.responses_affinity import ResponseAffinity, note_response, with_new_response_id
@@ -119,6 +119,13 @@ class Admitted:
         """The headers every answer to this request carries: `x-request-id`, and the tenant's
         rate limits as they stand now (`TenantLimiter.rate_headers`)."""
         return [(b"x-request-id", self.reply_id.encode()), *self.limiter.rate_headers(time.monotonic())]
+
+    def error_response(self, err: ApiError) -> RawResponse:
+        """The gateway's own error for this request, in its route's dialect, with the tenant's rate
+        limits as they stand now: an error after admission also tells the client its quota."""
+        response = self.api.dialect.error_response(err, self.reply_id)
+        response.headers += self.limiter.rate_headers(time.monotonic())
+        return response
 
     def body_for(self, decision: RouteDecision) -> bytes:
         """The bytes for one dispatch, always with the gateway's own `cache_salt` (in the route's

@@ -111,7 +111,7 @@ async def _rounds(run: PdRun, router: PdRouter) -> Response:
         error=failure.code,
         error_detail=failure.detail(),
     )
-    response = a.api.dialect.error_response(failure.error(), a.reply_id)
+    response = a.error_response(failure.error())
     if not failure.says_whether_to_retry(run.only_later):
         response.headers += advice(rounds, pool.config.retry_attempts, a.retries_taken)
     return response

@@ -63,13 +63,13 @@ async def dispatch(
     if lifecycle.past_deadline:  # arrived just before the listener closed
         err = shutting_down()
         _finish(routing, a, attempts, err.status, Outcome.ABORTED, err.code, err.message)
-        return a.api.dialect.error_response(err, a.reply_id)
+        return a.error_response(err)
     try:
         if a.find_previous is not None:
             missing = await locate_previous(a, transport)
             if missing is not None:
                 _finish(routing, a, attempts, missing.status, Outcome.REJECTED, missing.code, missing.message)
-                return a.api.dialect.error_response(missing, a.reply_id)
+                return a.error_response(missing)
         if a.pool.pd_router is not None:
             from gateway.pd import dispatch_pd  # a prefill/decode pool; gateway.pd builds on this module
 
@@ -80,7 +80,7 @@ async def dispatch(
         if lifecycle.ended_by_drain():  # the drain deadline, not the client: answer it
             err = shutting_down()
             _finish(routing, a, attempts, err.status, Outcome.ABORTED, err.code, err.message)
-            return a.api.dialect.error_response(err, a.reply_id)
+            return a.error_response(err)
         # The client left while the request waited on a worker (`disconnect.py` cancelled it).
         _finish(routing, a, attempts, 499, Outcome.ABORTED, CLIENT_DISCONNECTED)
         raise
@@ -88,7 +88,7 @@ async def dispatch(
         log.error("dispatch failed", exc_info=exc, extra={"request_id": a.request_id})
         err = ApiError(500, "internal gateway error", "server_error", "internal_error")
         _finish(routing, a, attempts, 500, Outcome.ABORTED, err.code, err.message)
-        return a.api.dialect.error_response(err, a.reply_id)
+        return a.error_response(err)
 
 
 async def hold_for_peers(a: Admitted, routing: Routing) -> None:
@@ -189,7 +189,7 @@ async def _attempts(
             503, f"no healthy worker available for model '{a.model}'", "no_worker_available", Outcome.ABORTED
         )
     _finish(routing, a, attempts, failure.status, failure.outcome, failure.code, failure.detail())
-    response = a.api.dialect.error_response(failure.error(), a.reply_id)
+    response = a.error_response(failure.error())
     if not failure.says_whether_to_retry(only_later):
         response.headers += advice(len(attempts), pool.config.retry_attempts, a.retries_taken)
     return response

@@ -111,3 +111,26 @@ async def test_the_stored_response_routes_carry_them_too() -> None:
         refused = await rig.client.get(f"/v1/responses/{created.json()['id']}", headers=key)
         assert refused.status_code == 429 and _limits(refused)["x-ratelimit-remaining-requests"] == "0"
         assert "retry-after" in refused.headers
+
+
+async def test_the_gateways_own_errors_after_admission_carry_them() -> None:
+    # Port 1 refuses every connection: the request is admitted and charged, then every attempt
+    # fails to connect (502). The client still learns where its quota stands.
+    async with gateway_in_process(
+        _config("http://127.0.0.1:1"), RoundRobin(), secret=SECRET, workers_up=False
+    ) as gw:
+        chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        failed = await gw.client.post("/v1/chat/completions", json=chat, headers=LIMITED)
+        assert failed.status_code in (502, 503), failed.text
+        assert "error" in failed.json()
+        limits = _limits(failed)
+        assert limits["x-ratelimit-limit-requests"] == "3"
+        assert limits["x-ratelimit-remaining-requests"] == "2"
+        assert limits["x-ratelimit-limit-tokens"] == "100000"
+        messages = await gw.client.post(
+            "/v1/messages", json={**chat, "max_tokens": 2}, headers={"x-api-key": "sk-limited"}
+        )
+        assert messages.status_code in (502, 503) and messages.json()["type"] == "error", messages.text
+        assert _limits(messages)["x-ratelimit-remaining-requests"] == "1"
+        free = await gw.client.post("/v1/chat/completions", json=chat, headers=FREE)
+        assert free.status_code in (502, 503) and _limits(free) == {}

@@ -157,6 +157,10 @@ class DecodePrice:
         """The price on `view` for a request matching `matched` request tokens there, behind
         `backlog` engine tokens of prefill taking `ahead_s`, beside `running` requests, predicted to
         wait `queue_s` before its own prefill."""
+        decodes = self.decodes.get(view.worker_id)
+        objective = self.objective_s
+        if not decodes and objective is None:
+            return 0.0
         own = self.own_for.get(matched)
         if own is None:
             m = matched if self.unit == 1.0 else int(matched * self.unit)
@@ -165,10 +169,8 @@ class DecodePrice:
             own = self.own_for[matched] = (self.cost.prefill_s(new, m), steps)
         own_s, own_steps = own
         misses = 0
-        objective = self.objective_s
         if objective is not None and queue_s + own_s > objective:
             misses = 1
-        decodes = self.decodes.get(view.worker_id)
         if decodes and own_steps:
             cost = self.cost
             p = cost.params

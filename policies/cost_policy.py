@@ -228,9 +228,10 @@ class CostPolicy(CostBooks):
             )
 
         objective = self.ttft_objective_s
-        if self.decode_price_s > 0:
-            # A prompt that matches nothing is also charged where it would miss the TTFT objective.
-            own_objective = objective if longest_tokens == 0 else None
+        # A prompt that matches nothing is also charged where it would miss the TTFT objective.
+        own_objective = objective if longest_tokens == 0 else None
+        if self.decode_price_s > 0 and (own_objective is not None or self._decodes.by_worker):
+            # (With nothing in flight to slow and no objective of its own, nothing is charged.)
             scorer.price_decodes(
                 DecodePrice(
                     self.decode_price_s,

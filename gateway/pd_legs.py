@@ -18,6 +18,7 @@ import orjson
 
 from gateway import proxy, whole_answer
 from gateway.admitted import Admitted
+from gateway.answer_usage import Usage, usage_of
 from gateway.errors import RawResponse
 from gateway.failure import (
     TRANSPORT_ERRORS,
@@ -29,7 +30,7 @@ from gateway.failure import (
     worker_status,
 )
 from gateway.lifecycle import Lifecycle
-from gateway.outcome import Attempt, Usage, usage_of
+from gateway.outcome import Attempt
 from gateway.routing import Routing
 from gateway.sse import SseRelay, data_of, first_event_problem
 from gateway.sse_named import MessagesRelay, NamedEventRelay, ResponsesRelay

@@ -33,11 +33,12 @@ from typing import Protocol
 import aiohttp
 from starlette.types import Receive, Scope, Send
 
+from gateway.answer_usage import usage_of
 from gateway.answer_write import send_in_pieces
 from gateway.disconnect import DisconnectGuard
 from gateway.failure import TRANSPORT_ERRORS, Failure, Stage, failure_of, malformed
 from gateway.lifecycle import Lifecycle
-from gateway.outcome import CLIENT_DISCONNECTED, Attempt, finish, usage_of
+from gateway.outcome import CLIENT_DISCONNECTED, Attempt, finish
 from gateway.routing import Routing
 from gateway.sse import Relay
 from gateway.upstream import AnswerBody, AnswerHold, Reservation, RetryHints, read_reserved, read_whole

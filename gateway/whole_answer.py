@@ -13,10 +13,11 @@ from __future__ import annotations
 import orjson
 
 from gateway.admitted import Admitted
+from gateway.answer_usage import NO_USAGE, usage_of
 from gateway.answer_write import HeldResponse
 from gateway.errors import RawResponse
 from gateway.failure import Failure, Stage, malformed, worker_failed, worker_status
-from gateway.outcome import NO_USAGE, Attempt, finish, usage_of
+from gateway.outcome import Attempt, finish
 from gateway.retries import advice, forwardable
 from gateway.routing import Routing
 from gateway.upstream import UpstreamReply

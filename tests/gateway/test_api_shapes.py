@@ -9,9 +9,9 @@ import orjson
 import pytest
 
 from gateway import anthropic
+from gateway.answer_usage import usage_of
 from gateway.errors import ApiError
 from gateway.multipart import form_fields
-from gateway.outcome import usage_of
 from gateway.sse_named import MessagesRelay, ResponsesRelay
 
 

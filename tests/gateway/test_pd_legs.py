@@ -9,8 +9,8 @@ from typing import Any, cast
 import orjson
 import pytest
 
+from gateway.answer_usage import Usage
 from gateway.failure import Failure
-from gateway.outcome import Usage
 from gateway.pd_legs import Opened, PdRelay, Prefilled, TransferFailed, both_legs, with_cached_tokens
 from gateway.pd_requests import splittable
 from policies.base import Outcome

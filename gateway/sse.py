@@ -18,7 +18,10 @@ delivered (`outcome.record_request`). vLLM and SGLang put at least one token in 
 event, so the count is a lower bound on the tokens the client got. It is kept with a byte count
 per chunk, no parse: for chat and completions the chunks with `"choices":` (not the usage chunk,
 `[DONE]` or an error, which the relay inspects anyway), less the chunks with `"content":""` before
-the first token (vLLM opens each choice with one that carries its role and no token).
+the first token (vLLM opens each choice with one that carries its role and no token), and less
+the chunks that carry a `finish_reason`: SGLang ends each choice with a chunk of its own that holds
+no token, and vLLM's last token of a choice, which shares its chunk, is then not counted (the count
+stays a lower bound).
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ _MAX_PENDING_BYTES = 4 * 1024 * 1024
 # A chunk of the answer, and one that carries no token (vLLM's role chunk opening a choice).
 _CHOICES = b'"choices":'
 _EMPTY_CONTENT = b'"content":""'
+# A choice's end (a `finish_reason` string, not null): SGLang's carries no token.
+_FINISHED = b'"finish_reason":"'
 
 STREAM_ERROR_CODE = "upstream_stream_error"
 # Bounds on what a worker's error puts in front of the client (UTF-8 bytes / characters).
@@ -238,9 +243,12 @@ class SseRelay(EventRelay):
     def _count(self, events: bytes) -> None:
         """Count the content events of `events`, whole events none of which the relay inspects."""
         n = events.count(_CHOICES)
-        if not self.content_events and n:  # role chunks come before a choice's first token
-            n = max(0, n - events.count(_EMPTY_CONTENT))
-        self.content_events += n
+        if n:
+            n -= events.count(_FINISHED)
+            if not self.content_events:  # role chunks come before a choice's first token
+                n -= events.count(_EMPTY_CONTENT)
+            if n > 0:
+                self.content_events += n
 
     def _inspect(self, head: bytes) -> bytes:
         out: list[bytes] = []

@@ -3,7 +3,8 @@
 The relays look inside an event only when its bytes hold a quoted `"error"` or `"usage"` (a
 worker's error, the usage chunk); a token of exactly that text (`log.error(`, `"usage"` in code)
 holds one too, as a bare JSON string. Such events were forwarded without being counted, so a
-stream cut before its usage was charged less than it delivered."""
+stream cut before its usage was charged less than it delivered. The other way, a chunk that
+only closes a choice (SGLang's) is not a token."""
 
 from __future__ import annotations
 
@@ -49,3 +50,31 @@ def test_a_named_delta_that_reads_like_a_marker_is_counted() -> None:
     assert responses.content_events == len(WORDS)
     assert messages.content_events == len(WORDS)
     assert responses.error is None and messages.error is None
+
+
+def _chunk(index: int, delta: dict[str, object], finish: str | None) -> bytes:
+    body = {"id": "c1", "object": "chat.completion.chunk", "model": "m"}
+    choice = {"index": index, "delta": delta, "finish_reason": finish}
+    return b"data: " + orjson.dumps({**body, "choices": [choice]}) + b"\n\n"
+
+
+def test_a_choices_closing_chunk_without_a_token_is_not_counted() -> None:
+    # SGLang opens each choice with a role chunk and closes it with a chunk of its own that holds
+    # no token (its delta empty, or all nulls), after every token; its usage then says 3 a choice.
+    for empty in ({}, {"role": None, "content": None, "tool_calls": None}):
+        stream = b"".join(_chunk(i, {"role": "assistant", "content": ""}, None) for i in (0, 1))
+        stream += b"".join(_chunk(i, {"content": w}, None) for w in ("a", "b", "c") for i in (0, 1))
+        stream += b"".join(_chunk(i, empty, "stop") for i in (0, 1))
+        for split in (False, True):
+            relay = SseRelay(strip_usage=False)
+            chunks = [e + b"\n\n" for e in stream.split(b"\n\n") if e] if split else [stream]
+            assert b"".join(relay.feed(c) for c in chunks) == stream
+            assert relay.content_events == 6  # a lower bound: never more than the 6 tokens sent
+
+
+def test_vllms_last_token_shares_its_chunk_with_the_finish_and_the_count_stays_below() -> None:
+    stream = _chunk(0, {"role": "assistant", "content": ""}, None)
+    stream += _chunk(0, {"content": "a"}, None) + _chunk(0, {"content": "b"}, "length")
+    relay = SseRelay(strip_usage=False)
+    relay.feed(stream)
+    assert 1 <= relay.content_events <= 2

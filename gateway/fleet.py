@@ -117,6 +117,9 @@ class Fleet:
                 name=pool.name,
             )
             self._discoveries[pool.name] = discovery
+            # A pool whose first discovery fails (an API server down at start, a Role that may not
+            # list pods) reports 0 workers, not nothing, so that an alert on no workers sees it.
+            metrics.discovered_workers.labels(pool.name).set(0)
             await discovery.start(functools.partial(self._apply, pool))
 
     async def stop(self) -> None:

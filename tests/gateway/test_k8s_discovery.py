@@ -389,3 +389,25 @@ async def test_the_gateway_routes_to_ready_pods_and_reports_discovery_metrics(
     finally:
         for runner, _ in workers:
             await runner.cleanup()
+
+
+async def test_a_pool_whose_first_list_fails_reports_no_workers(tmp_path: Path) -> None:
+    # An API server that is not there: the pool stays empty, and its discovery gauge says 0 (the
+    # chart's no-worker alert reads it) rather than being absent.
+    (tmp_path / "token").write_text("tok-1")
+    k8s = {
+        "namespace": "llm",
+        "selector": {"app": "vllm"},
+        "port": "http",
+        "api_server": f"http://127.0.0.1:{free_port()}",
+        "token_file": str(tmp_path / "token"),
+    }
+    raw = {
+        "pools": [{"name": "p", "models": ["m"], "kubernetes": k8s}],
+        "tenants": [{"name": "t", "api_key_hashes": [hash_api_key(b"k", "sk")]}],
+        "scrape": {"enabled": False},
+    }
+    async with gateway_in_process(raw, make_policy("round_robin"), secret=b"k", workers_up=False) as gw:
+        text = gw.state.routing.metrics.render().decode()
+        assert 'kvgate_discovery_workers{pool="p"} 0.0' in text
+        assert 'kvgate_discovery_errors_total{pool="p",reason="list"}' in text

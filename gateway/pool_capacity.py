@@ -10,8 +10,9 @@ routes instead of workers: a split needs a slot on each of its two workers.
 
 from __future__ import annotations
 
+from gateway.failure import Failure
 from gateway.registry import Pool
-from policies.base import Role
+from policies.base import Outcome, Role
 from policies.pd import PdRoles
 
 # Free slots counted for a routable worker without `max_in_flight_per_worker`.
@@ -84,3 +85,17 @@ def _pair_capacity(pool: Pool, roles: PdRoles, now_s: float, splittable: bool) -
     if not splittable:
         return alone, alone_free
     return alone + min(prefill, paired), alone_free + min(prefill_free, paired_free)
+
+
+def no_worker(pool: Pool, model: str, now_s: float) -> Failure:
+    """The 503 of a request that no worker of `pool` took: its message says whether workers that
+    are up were all at their cap (`max_in_flight_per_worker`, in a pool whose queue is off), which
+    the client's retry can wait out, or none was routable."""
+    for worker in pool.workers.values():
+        cap = worker.max_in_flight
+        if cap is not None and worker.in_flight >= cap and worker.healthy and worker.breaker.allows(now_s):
+            message = f"every available worker for model '{model}' is at its request limit"
+            break
+    else:
+        message = f"no healthy worker available for model '{model}'"
+    return Failure(503, message, "no_worker_available", Outcome.ABORTED)

@@ -37,6 +37,7 @@ from gateway.failure import (
 )
 from gateway.lifecycle import Lifecycle, shutting_down
 from gateway.outcome import CLIENT_DISCONNECTED, Attempt, HeldVerdicts, finish
+from gateway.pool_capacity import no_worker
 from gateway.responses_affinity import holder_unavailable, pinned_decision
 from gateway.responses_follow_up import locate_previous
 from gateway.retries import advice, attempts_allowed
@@ -185,9 +186,7 @@ async def _attempts(
     if a.pinned is not None:
         failure = holder_unavailable(failure)
     elif failure is None:
-        failure = Failure(
-            503, f"no healthy worker available for model '{a.model}'", "no_worker_available", Outcome.ABORTED
-        )
+        failure = no_worker(pool, a.model, time.monotonic())
     _finish(routing, a, attempts, failure.status, failure.outcome, failure.code, failure.detail())
     response = a.error_response(failure.error())
     if not failure.says_whether_to_retry(only_later):

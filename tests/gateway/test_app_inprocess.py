@@ -129,6 +129,22 @@ async def test_a_worker_at_its_connection_cap_is_a_503_with_retry_after() -> Non
             await held
 
 
+async def test_a_pool_whose_workers_are_all_at_their_cap_says_so_without_a_queue() -> None:
+    # The worker is up and holds its one request: the 503 says it is full, not that none is healthy.
+    pool = {"max_in_flight_per_worker": 1, "queue": {"enabled": False}}
+    async with _in_front_of_a_hanging_worker(pool) as stack:
+        held = asyncio.create_task(stack.chat())
+        await wait_until(lambda: stack.held)
+        resp = await stack.chat()
+        assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+        error = resp.json()["error"]
+        assert error["code"] == "no_worker_available"
+        assert error["message"] == "every available worker for model 'm' is at its request limit"
+        held.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await held
+
+
 async def test_requests_beyond_the_in_flight_limit_get_503_at_once() -> None:
     async with _in_front_of_a_hanging_worker(limits={"max_in_flight_requests": 2}) as stack:
         held = [asyncio.create_task(stack.chat()) for _ in range(2)]

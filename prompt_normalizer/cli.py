@@ -186,7 +186,8 @@ def run(args: argparse.Namespace) -> int:
     except NormalizerError as exc:
         where = f" (param {exc.param})" if exc.param else ""
         print(f"kvgate normalize: {exc.code}: {exc.message}{where}", file=sys.stderr)
-        return 1
+        # Render mode without --render-url is the command's arguments at fault, not the request's.
+        return 2 if exc.code == "render_required" else 1
     diagnostics = list(prompt.diagnostics)
     if not secret_text:
         diagnostics.append(f"secret: ${args.secret_env} not set, development secret used")

@@ -143,7 +143,7 @@ def test_render_mode_against_a_loopback_worker(
     a, b = json.loads(remote.stdout), json.loads(local.stdout)
     assert a["block_keys"] == b["block_keys"] and a["zones"] == b["zones"]
     missing = normalize(["--policy", str(render_policy)], BODY)
-    assert missing.returncode == 1 and "render_required" in missing.stderr
+    assert missing.returncode == 2 and "render_required" in missing.stderr
 
 
 def test_a_pools_own_normalizer_comes_from_the_gateway_config(tmp_path: Path) -> None:

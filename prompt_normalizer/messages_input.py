@@ -1,6 +1,8 @@
 """Anthropic Messages requests as the chat request vLLM renders for them.
 
-    system (string, or text blocks joined)  -> one system message
+    system (string, or text blocks joined)  -> one system message (without Claude Code's billing
+                                               header, which vLLM leaves out too)
+    a `system` message inside `messages`    -> a system message where it stands (ctx, msg: user)
     text blocks                             -> text parts (one text part: a plain string)
     image blocks                            -> image parts (keyed by their digest)
     thinking blocks                         -> the message's `reasoning`
@@ -26,14 +28,20 @@ from typing import Any
 from prompt_normalizer.converted import ConvertedChat
 from prompt_normalizer.errors import NormalizerError
 
+# Claude Code's per-request attribution header, a system text vLLM leaves out of the prompt it
+# renders: keyed, it would give every request of a conversation keys of its own.
+BILLING_HEADER = "x-anthropic-billing-header"
+# Roles Claude Code sends beyond Anthropic's, which vLLM reads as a user's.
+_AS_USER = {"ctx": "user", "msg": "user"}
+
 
 def _system(raw: Any) -> tuple[str | None, int | None, int]:
     """The system text, the index of its last marked block (None: none) and its block count."""
     if raw is None or isinstance(raw, str):
-        return raw or None, None, 0
+        return (None if raw is None or raw.startswith(BILLING_HEADER) else raw or None), None, 0
     if not isinstance(raw, list):
         raise NormalizerError("'system' must be a string or an array of text blocks", param="system")
-    text, last_mark = "", None
+    text, last_mark, kept = "", None, 0
     for j, block in enumerate(raw):
         if (
             not isinstance(block, Mapping)
@@ -41,10 +49,29 @@ def _system(raw: Any) -> tuple[str | None, int | None, int]:
             or not isinstance(block.get("text"), str)
         ):
             raise NormalizerError("system blocks must be text blocks", param=f"system[{j}]")
-        text += block["text"]
+        if not block["text"].startswith(BILLING_HEADER):
+            text += block["text"]
+            kept += 1
         if block.get("cache_control") is not None:
             last_mark = j
-    return (text if raw else None), last_mark, len(raw)
+    return (text if kept else None), last_mark, len(raw)
+
+
+def _inline_system(content: Any, where: str) -> str:
+    """The text of a `system` message inside `messages` (Claude Code sends them), as vLLM reads
+    it: its text blocks joined, without the billing header; other blocks are left out."""
+    if isinstance(content, str):
+        return "" if content.startswith(BILLING_HEADER) else content
+    if not isinstance(content, list):
+        raise NormalizerError("content must be a string or an array of blocks", param=f"{where}.content")
+    return "".join(
+        b["text"]
+        for b in content
+        if isinstance(b, Mapping)
+        and b.get("type") == "text"
+        and isinstance(b.get("text"), str)
+        and not b["text"].startswith(BILLING_HEADER)
+    )
 
 
 def _tool_result_text(content: Any) -> str:
@@ -64,8 +91,16 @@ def _image(block: Mapping[str, Any]) -> dict[str, Any]:
 def _message(msg: Any, where: str, out: list[dict[str, Any]], sources: list[str]) -> None:
     """Append the chat messages of one Anthropic message (tool results come first, as their own)."""
     role = msg.get("role") if isinstance(msg, Mapping) else None
+    role = _AS_USER.get(role, role) if isinstance(role, str) else role
+    if role == "system":
+        # Keyed where it stands: vLLM keeps it there as a system turn or folds it into the message
+        # beside it, either way only the end of the prompt, so earlier turns keep their keys.
+        if text := _inline_system(msg.get("content"), where):
+            out.append({"role": "system", "content": text})
+            sources.append(where)
+        return
     if role not in ("user", "assistant"):
-        raise NormalizerError('message role must be "user" or "assistant"', param=f"{where}.role")
+        raise NormalizerError('message role must be "user", "assistant" or "system"', param=f"{where}.role")
     content = msg.get("content")
     if isinstance(content, str):
         out.append({"role": role, "content": content})

@@ -57,6 +57,12 @@ class _Mark:
     offset: int | None
 
 
+# Claude Code's per-request attribution header: vLLM leaves a system text starting with it out.
+BILLING_HEADER = "x-anthropic-billing-header"
+# Roles Claude Code sends beyond Anthropic's, which vLLM reads as a user's.
+_AS_USER = {"ctx": "user", "msg": "user"}
+
+
 class _Converter:
     """Builds chat messages from Anthropic blocks, remembering where `cache_control` falls."""
 
@@ -68,7 +74,8 @@ class _Converter:
         if system is None:
             return
         if isinstance(system, str):
-            self.messages.append({"role": "system", "content": system})
+            if system and not system.startswith(BILLING_HEADER):
+                self.messages.append({"role": "system", "content": system})
             return
         if not isinstance(system, list):
             raise ApiError.bad_request("system must be a string or a list of text blocks", "system")
@@ -80,6 +87,8 @@ class _Converter:
                 or not isinstance(block.get("text"), str)
             ):
                 raise ApiError.bad_request("system blocks must be text blocks", f"system[{j}]")
+            if block["text"].startswith(BILLING_HEADER):  # as vLLM: not part of the prompt
+                continue
             text += block["text"]
             if block.get("cache_control") is not None:
                 self.marks.append(_Mark(len(self.messages), len(text)))
@@ -88,8 +97,21 @@ class _Converter:
 
     def message(self, msg: Any, where: str) -> None:
         role = msg.get("role") if isinstance(msg, Mapping) else None
+        role = _AS_USER.get(role, role) if isinstance(role, str) else role
+        if role == "system":  # Claude Code's inline system message, kept where it stands
+            content = msg.get("content")
+            if isinstance(content, list):
+                content = "".join(
+                    b["text"]
+                    for b in content
+                    if isinstance(b, Mapping) and b.get("type") == "text" and isinstance(b.get("text"), str)
+                    and not b["text"].startswith(BILLING_HEADER)
+                )  # fmt: skip
+            if isinstance(content, str) and content and not content.startswith(BILLING_HEADER):
+                self.messages.append({"role": "system", "content": content})
+            return
         if role not in ("user", "assistant"):
-            raise ApiError.bad_request('role must be "user" or "assistant"', f"{where}.role")
+            raise ApiError.bad_request('role must be "user", "assistant" or "system"', f"{where}.role")
         content = msg.get("content")
         if isinstance(content, str):
             self.messages.append({"role": role, "content": content})

@@ -138,6 +138,52 @@ def test_messages_keys_equal_the_chat_request_with_the_system_blocks_joined() ->
     assert messages.block_keys == chat.block_keys
 
 
+def test_claude_codes_inline_system_messages_and_roles_are_keyed_as_vllm_reads_them() -> None:
+    # A system message inside `messages` (Claude Code adds one on most turns) is keyed where it
+    # stands, `ctx` and `msg` as a user's; neither is refused.
+    norm = _norm()
+    body = _messages(
+        SYSTEM,
+        messages=[
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"},
+            {"role": "system", "content": [{"type": "text", "text": "Note: be brief."}]},
+            {"role": "ctx", "content": "more context"},
+            {"role": "msg", "content": "and a question"},
+        ],
+    )
+    chat = _chat(
+        [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"},
+            {"role": "system", "content": "Note: be brief."},
+            {"role": "user", "content": "more context"},
+            {"role": "user", "content": "and a question"},
+        ]
+    )
+    assert (
+        norm.canonicalize("messages", body, IDENT).block_keys
+        == norm.canonicalize("chat", chat, IDENT).block_keys
+    )
+
+
+def test_the_billing_header_claude_code_changes_on_every_request_is_not_keyed() -> None:
+    norm = _norm()
+
+    def keys(header: str) -> list[int]:
+        system = [
+            {"type": "text", "text": f"x-anthropic-billing-header: cch={header};"},
+            {"type": "text", "text": SYSTEM},
+        ]
+        inline = {"role": "system", "content": f"x-anthropic-billing-header: cch={header};"}
+        body = _messages(system, messages=[{"role": "user", "content": "hi"}, inline])
+        return list(norm.canonicalize("messages", body, IDENT).block_keys)
+
+    plain = norm.canonicalize("messages", _messages(SYSTEM), IDENT).block_keys
+    assert keys("a1") == keys("b2") == list(plain)
+
+
 def test_cache_control_marks_change_zones_never_keys() -> None:
     norm = _norm()
     tools = [{"name": "weather", "input_schema": TOOL_SCHEMA}]
@@ -172,7 +218,7 @@ def test_cache_control_marks_change_zones_never_keys() -> None:
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "user", "content": [{"text": "x"}]}]}, "messages[0].content[0]"),
         ({"messages": [{"role": "user", "content": "x"}], "system": [{"type": "image"}]}, "system[0]"),

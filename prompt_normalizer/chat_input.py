@@ -200,7 +200,13 @@ def validate_tools(raw: Any) -> Copied | None:
             isinstance(fn, dict) and isinstance(fn.get("name"), str)
         ):
             raise NormalizerError("function tool needs 'function.name'", param=f"tools[{i}].function")
-        if isinstance(fn, dict) and not isinstance(fn.get("parameters", {}), dict):
+        # `null` is no schema, as absent (vLLM's `parameters: dict | None`; the OpenAI SDK's typed
+        # tools always send the key).
+        if (
+            isinstance(fn, dict)
+            and fn.get("parameters") is not None
+            and not isinstance(fn["parameters"], dict)
+        ):
             raise NormalizerError(
                 "'parameters' must be a JSON Schema object", param=f"tools[{i}].function.parameters"
             )

@@ -170,6 +170,10 @@ def _tools(raw: Any) -> tuple[list[dict[str, Any]] | None, bool, bool]:
     for i, tool in enumerate(raw):
         if not isinstance(tool, Mapping) or not isinstance(tool.get("name"), str):
             raise NormalizerError("each tool needs a string 'name'", param=f"tools[{i}].name")
+        if not isinstance(tool.get("input_schema"), Mapping):  # required, as vLLM reads it
+            raise NormalizerError(
+                "each tool needs an object 'input_schema'", param=f"tools[{i}].input_schema"
+            )
         fn = {
             "name": tool["name"],
             "description": tool.get("description"),

@@ -97,8 +97,13 @@ def _tools(raw: Any) -> list[Any] | None:
     if not isinstance(raw, list):
         raise NormalizerError("'tools' must be an array", param="tools")
     tools: list[Any] = []
-    for tool in raw:
+    for i, tool in enumerate(raw):
         if isinstance(tool, Mapping) and tool.get("type") == "function" and isinstance(tool.get("name"), str):
+            params = tool.get("parameters")
+            if params is not None and not isinstance(params, Mapping):  # named as the client wrote it
+                raise NormalizerError(
+                    "'parameters' must be a JSON Schema object", param=f"tools[{i}].parameters"
+                )
             tools.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
         else:
             tools.append(tool)  # validated (and keyed) by the chat machinery as it is

@@ -108,6 +108,10 @@ def test_a_follow_up_is_keyed_only_up_to_its_instructions() -> None:
         ({"input": "x", "instructions": 5}, "instructions"),
         ({"input": [{"type": "function_call", "name": 1}]}, "input[0].name"),
         ({"input": "x", "previous_response_id": ""}, "previous_response_id"),
+        (
+            {"input": "x", "tools": [{"type": "function", "name": "f", "parameters": "x"}]},
+            "tools[0].parameters",
+        ),
     ],
 )
 def test_responses_errors_name_the_field(body: dict[str, Any], param: str) -> None:
@@ -223,6 +227,7 @@ def test_cache_control_marks_change_zones_never_keys() -> None:
         ({"messages": [{"role": "user", "content": [{"text": "x"}]}]}, "messages[0].content[0]"),
         ({"messages": [{"role": "user", "content": "x"}], "system": [{"type": "image"}]}, "system[0]"),
         ({"messages": [{"role": "user", "content": "x"}], "tools": [{"input_schema": {}}]}, "tools[0].name"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"name": "f"}]}, "tools[0].input_schema"),
     ],
 )
 def test_messages_errors_name_the_field(body: dict[str, Any], param: str) -> None:
@@ -303,3 +308,14 @@ def test_render_mode_renders_the_converted_chat_and_forwards_nothing_of_it() -> 
     assert empty.n_tokens == 0
     prompt = norm.from_render(plan, list(range(40)), IDENT)
     assert prompt.canonical_body is None and len(prompt.block_keys) == 10
+
+
+def test_a_function_tool_whose_parameters_are_null_has_no_schema() -> None:
+    # The OpenAI SDK's typed tools always send `parameters`, None for a tool without arguments;
+    # vLLM takes it as absent.
+    norm = _norm()
+    chat_tool = {"type": "function", "function": {"name": "now", "parameters": None}}
+    chat = norm.canonicalize("chat", _chat([{"role": "user", "content": "hi"}], tools=[chat_tool]), IDENT)
+    flat = {"type": "function", "name": "now", "parameters": None}
+    responses = norm.canonicalize("responses", {"model": "m", "input": "hi", "tools": [flat]}, IDENT)
+    assert chat.block_keys and responses.block_keys

@@ -239,6 +239,12 @@ async def _to_holder(
     if pool is None or held.worker not in pool.workers:
         raise not_found(call.response_id)
     worker = pool.workers[held.worker]
+    if not (worker.healthy and worker.breaker.allows(time.monotonic())):
+        # As a follow-up naming it gets (`holder_unavailable`): the one worker that has it is down
+        # for now, and the client may try again later.
+        raise upstream_error(
+            503, "the worker holding the response is unavailable (unhealthy); no other worker has it"
+        )
     return pool, worker.url, await _ask_holder(call, pool, worker)
 
 

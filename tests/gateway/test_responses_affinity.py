@@ -179,6 +179,12 @@ async def test_an_unroutable_holder_is_a_503_and_a_gone_one_a_404(rig: Rig) -> N
         "the worker holding the conversation (previous_response_id) is unavailable"
     )
     assert {w.name: len(w.received) for w in rig.workers} == before  # no silent re-route
+    for path in (f"/v1/responses/{rid}", f"/v1/responses/{rid}/cancel"):  # so do its own routes
+        method = rig.client.get if path.endswith(rid) else rig.client.post
+        resp = await method(path, headers=KEY)
+        assert resp.status_code == 503 and resp.headers["retry-after"] == "1", resp.text
+        assert resp.json()["error"]["code"] == "no_worker_available"
+    assert {w.name: len(w.received) for w in rig.workers} == before
     pool.set_urls([w.url for w in rig.workers if w is not holder])
     resp = await rig.client.post("/v1/responses", json=body, headers=KEY)
     assert resp.status_code == 404 and resp.json()["error"]["param"] == "response_id"

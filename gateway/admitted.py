@@ -118,7 +118,11 @@ class Admitted:
     def reply_headers(self) -> list[tuple[bytes, bytes]]:
         """The headers every answer to this request carries: `x-request-id`, and the tenant's
         rate limits as they stand now (`TenantLimiter.rate_headers`)."""
-        return [(b"x-request-id", self.reply_id.encode()), *self.limiter.rate_headers(time.monotonic())]
+        reply_id = self.reply_id.encode()
+        headers = [(b"x-request-id", reply_id), *self.limiter.rate_headers(time.monotonic())]
+        if self.api.dialect.name == "anthropic":
+            headers.append((b"request-id", reply_id))  # where the Anthropic SDKs read it
+        return headers
 
     def error_response(self, err: ApiError) -> RawResponse:
         """The gateway's own error for this request, in its route's dialect, with the tenant's rate

@@ -42,7 +42,8 @@ def error_body(status: int, message: str) -> bytes:
 
 def error_response(err: ApiError, request_id: str) -> RawResponse:
     """The gateway's own error in Anthropic's envelope, with the same status and headers."""
-    headers = [(b"content-type", b"application/json"), (b"x-request-id", request_id.encode())]
+    rid = request_id.encode()
+    headers = [(b"content-type", b"application/json"), (b"x-request-id", rid), (b"request-id", rid)]
     headers += [(k.encode(), v.encode()) for k, v in err.headers.items()]
     return RawResponse(err.status, error_body(err.status, err.message), headers)
 

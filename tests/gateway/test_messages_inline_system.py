@@ -38,6 +38,9 @@ async def test_inline_system_messages_other_roles_and_the_billing_header_are_ser
         first = await gw.client.post("/v1/messages", json=_body("aaa111", turns), headers=HEADERS)
         assert first.status_code == 200, first.text
         assert first.json()["type"] == "message"
+        assert first.headers["request-id"] == first.headers["x-request-id"]  # the Anthropic SDKs' name
+        refused = await gw.client.post("/v1/messages", json=_body("x", turns), headers={"x-api-key": "sk-no"})
+        assert refused.status_code == 401 and refused.headers["request-id"] == refused.headers["x-request-id"]
         turns += [{"role": "assistant", "content": "Done."}, {"role": "msg", "content": "Now test it."}]
         second = await gw.client.post("/v1/messages", json=_body("bbb222", turns), headers=HEADERS)
         assert second.status_code == 200, second.text

@@ -217,7 +217,7 @@ async def test_errors_on_the_messages_routes_have_anthropics_shape(rig: Rig) -> 
         404,
         "not_found_error",
     )
-    bad = {**body, "messages": [{"role": "system", "content": "x"}]}
+    bad = {**body, "messages": [{"role": "tool", "content": "x"}]}
     _anthropic_error(
         await rig.client.post("/v1/messages", json=bad, headers=KEY), 400, "invalid_request_error"
     )

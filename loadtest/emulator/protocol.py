@@ -193,6 +193,24 @@ def _max_tokens(body: Mapping[str, Any], cfg: EmulatorConfig) -> int:
     return cfg.default_max_tokens if value is None else value
 
 
+def _check_min_tokens(body: Mapping[str, Any], max_tokens: int) -> None:
+    """vLLM's checks of `min_tokens` (`SamplingParams._verify_args`): an integer from 0 to the
+    request's `max_tokens`."""
+    if "min_tokens" not in body:
+        return
+    value = lax_int(body["min_tokens"])
+    if value is None:
+        raise ApiError.bad_request("min_tokens must be an integer", "min_tokens")
+    if value < 0:
+        raise ApiError.bad_request(
+            f"min_tokens must be greater than or equal to 0, got {value}.", "min_tokens"
+        )
+    if value > max_tokens:
+        raise ApiError.bad_request(
+            f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {value}.", "min_tokens"
+        )
+
+
 def _logprobs_limit(value: int, name: str) -> int:
     if value > MAX_LOGPROBS:
         raise ApiError.bad_request(
@@ -232,6 +250,7 @@ def parse_chat(body: Mapping[str, Any], cfg: EmulatorConfig, tokenizer: Tokenize
     common = common_fields(body, cfg)
     usage = _stream_usage(body, common.stream)
     max_tokens = _max_tokens(body, cfg)
+    _check_min_tokens(body, max_tokens)
     text = render_chat_body(body)
     tool = choose_tool(body.get("tools"), body.get("tool_choice"), list(body.get("messages") or []))
     return GenerationRequest(
@@ -308,6 +327,7 @@ def parse_completions(
     common = common_fields(body, cfg)
     usage = _stream_usage(body, common.stream)
     max_tokens = _max_tokens(body, cfg)
+    _check_min_tokens(body, max_tokens)
     logprobs = int_field(body, "logprobs", 0)
     return GenerationRequest(
         endpoint="completions",

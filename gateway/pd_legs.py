@@ -309,10 +309,12 @@ class Refused:
 @dataclasses.dataclass(slots=True)
 class TransferFailed:
     """The decode worker answered but could not get the prompt's KV (a 5xx, or an error event
-    before the first token): `reason` labels the failures counter."""
+    before the first token): `reason` labels the failures counter; `status` that the answer's
+    own status was the 5xx."""
 
     failure: Failure
     reason: str
+    status: bool = False
 
 
 async def prefill_leg(
@@ -372,7 +374,7 @@ async def decode_leg(
             attempt.trace.status = source.status
         if worker_failed(source.status):
             source.close()
-            return TransferFailed(worker_status(source.status, source.retry_hints), "decode_error")
+            return TransferFailed(worker_status(source.status, source.retry_hints), "decode_error", True)
         if a.stream and source.status == 200 and whole_answer.is_event_stream(source.content_type):
             stage = Stage.FIRST_EVENT
             relay = decode_relay(a)

@@ -11,11 +11,13 @@ received).
 A leg that fails before the client has anything is closed here and leaves the next round its
 lesson (docs/pd.md, "Failures"):
 - a prefill leg that fails (connect error, 5xx, timeout, malformed answer): without that worker;
-- a decode worker unreachable or broken: without that worker;
-- a transfer failure (a decode leg sent to read KV answered 5xx, or an error event before its
-  first token, or timed out): counted; vLLM then recomputes the request without a split (a decode
-  or mixed worker alone); SGLang, whose decode workers take only paired requests, tries a fresh
-  pair without the prefill worker whose KV did not arrive. A vLLM decode leg that had no KV to
+- a decode worker unreachable or broken (under SGLang also its 5xx answer while its prefill leg
+  has not failed): without that worker;
+- a transfer failure (a decode leg sent to read KV answered 5xx, under SGLang only once its
+  prefill leg failed, or an error event before its first token, or timed out): counted; vLLM
+  then recomputes the request without a split (a decode or mixed worker alone); SGLang, whose
+  decode workers take only paired requests, tries a fresh pair without the prefill worker whose
+  KV did not arrive. A vLLM decode leg that had no KV to
   read (the prefill answer named none) fails as the decode worker's own.
 Once the decode answer's first event has reached the client, a failure is the usual terminal
 error event (`streaming.ProxyStream`). A leg refused with a 4xx is the request's fault and is
@@ -272,6 +274,11 @@ class PdRun:
             return self._refused(p, prefilled)
         if opened is None:
             return None
+        if isinstance(opened, TransferFailed) and opened.status and not isinstance(prefilled, Failure):
+            # The decode worker answered 5xx while its prefill leg had not failed: nothing points
+            # at the transfer, and an SGLang decode worker that fails every request is otherwise
+            # never blamed (and its prefill worker shut out instead).
+            opened = opened.failure
         cached = prefilled.usage.cached_tokens if isinstance(prefilled, Prefilled) else None
         since_s = d.dispatched_s  # the KV is ready to move once the prefill leg answered
         if isinstance(prefilled, Prefilled):

@@ -1,0 +1,153 @@
+"""SGLang's two legs of a split, each worker answering for itself.
+
+The gateway runs in-process in front of scripted SGLang prefill and decode workers that meet in
+the request's bootstrap room: a prefill worker answers once the decode leg has joined its room
+(its KV has then moved), a decode worker answers as soon as it has joined. One worker may be
+scripted to fail: a decode worker that answers 500 to everything, or a prefill worker that never
+answers (until the test ends) or answers 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import orjson
+from aiohttp import web
+
+from gateway.auth import hash_api_key
+from gateway.state import GatewayState
+from policies.base import WorkerId
+from tests.gateway.access_lines import AccessLines, capture_access
+from tests.gateway.routes_rig import Recording
+from tests.support.inprocess import gateway_in_process
+from tests.support.loopback import serve_app
+from tests.support.metrics import metric_total
+
+SECRET = b"pd-sglang-legs"
+KEY = {"authorization": "Bearer sk-t"}
+USAGE = {"prompt_tokens": 8, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 7}}
+
+
+@dataclass
+class Fleet:
+    """`broken`: the worker (by name) that fails, as `prefill_fault` says for a prefill worker
+    ("hang" or "500"); a decode worker answers 500."""
+
+    broken: str = ""
+    prefill_fault: str = ""
+    prefill_cached: int = 5  # the prefill answer's cached_tokens
+    rooms: dict[int, asyncio.Event] = field(default_factory=dict)
+    release: asyncio.Event = field(default_factory=asyncio.Event)  # a hanging prefill answers
+    prefill_answers: int = 0  # prefill legs answered 200
+
+    def finish(self) -> None:
+        """Every waiting worker answers (before the servers stop)."""
+        self.release.set()
+        for room in self.rooms.values():
+            room.set()
+
+    def room(self, body: dict[str, Any]) -> asyncio.Event:
+        return self.rooms.setdefault(body["bootstrap_room"], asyncio.Event())
+
+    def app(self, name: str) -> web.Application:
+        async def health(_: web.Request) -> web.Response:
+            return web.Response(text="ok")
+
+        async def chat(request: web.Request) -> web.StreamResponse:
+            body = orjson.loads(await request.read())
+            room = self.room(body)
+            if name == self.broken and (name.startswith("d") or self.prefill_fault == "500"):
+                return web.json_response({"error": {"message": "engine died", "code": 500}}, status=500)
+            if name.startswith("p"):
+                await asyncio.wait_for(room.wait(), 10)
+                if name == self.broken:
+                    await self.release.wait()
+                self.prefill_answers += 1
+                details = {"cached_tokens": self.prefill_cached}
+                usage = {"prompt_tokens": 8, "completion_tokens": 1, "prompt_tokens_details": details}
+                return web.json_response({"choices": [], "usage": usage})
+            room.set()
+            if not body.get("stream"):
+                return web.json_response({"choices": [{"message": {"content": "ok"}}], "usage": USAGE})
+            resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+            await resp.prepare(request)
+            delta = {"choices": [{"index": 0, "delta": {"content": "ok"}}]}
+            chunks = [delta, {"choices": [], "usage": USAGE}]
+            for chunk in chunks:
+                await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_post("/v1/chat/completions", chat)
+        return app
+
+
+@dataclass
+class Rig:
+    client: httpx.AsyncClient
+    state: GatewayState
+    urls: dict[str, str]
+    lines: AccessLines
+
+    def metric(self, name: str, **labels: str) -> float:
+        return metric_total(self.state, name, **labels)
+
+    def breaker_closed(self, name: str) -> bool:
+        return self.state.registry.pools["p"].workers[WorkerId(self.urls[name])].breaker.closed
+
+    async def chat(self, stream: bool = False) -> httpx.Response:
+        messages = [{"role": "user", "content": "hi"}]
+        body: dict[str, Any] = {"model": "m", "messages": messages, "max_tokens": 2}
+        if stream:
+            body["stream"] = True
+        return await self.client.post("/v1/chat/completions", json=body, headers=KEY)
+
+
+@contextlib.asynccontextmanager
+async def sglang_rig(fleet: Fleet, prefills: int = 1, read_s: float = 10.0) -> AsyncIterator[Rig]:
+    names = [f"p{i + 1}" for i in range(prefills)] + ["d1", "d2"]
+    async with contextlib.AsyncExitStack() as stack:
+        urls = {}
+        for name in names:
+            runner, port = await serve_app(fleet.app(name))
+            stack.push_async_callback(runner.cleanup)
+            urls[name] = f"http://127.0.0.1:{port}"
+        stack.callback(fleet.finish)
+        config = {
+            "pools": [
+                {
+                    "name": "p",
+                    "models": ["m"],
+                    "prefill_workers": [urls[n] for n in names if n.startswith("p")],
+                    "decode_workers": [urls["d1"], urls["d2"]],
+                    "pd": {"protocol": "sglang", "bootstrap_port": 8998, "conditional": False},
+                    "retry_attempts": 2,
+                    "timeouts": {"connect_s": 1, "read_s": read_s, "total_s": 30},
+                }
+            ],
+            "tenants": [{"name": "t", "api_key_hashes": [hash_api_key(SECRET, "sk-t")]}],
+            "scrape": {"enabled": False},
+        }
+        gw = await stack.enter_async_context(gateway_in_process(config, Recording(), secret=SECRET))
+        yield Rig(gw.client, gw.state, urls, capture_access(gw.state))
+
+
+async def test_a_decode_worker_answering_500_is_blamed_and_left_out() -> None:
+    """Its 500 is its own failure, not a transfer's: the request's next round goes to the other
+    decode worker (the one prefill worker is not shut out), which serves it, and the failing
+    worker's breaker opens."""
+    async with sglang_rig(Fleet(broken="d1")) as rig:
+        for _ in range(12):
+            resp = await rig.chat()
+            assert resp.status_code == 200, resp.text
+        assert not rig.breaker_closed("d1")
+        assert rig.breaker_closed("d2") and rig.breaker_closed("p1")
+        assert rig.metric("kvgate_pd_leg_failures_total", role="decode", reason="worker_error") >= 3
+        assert rig.metric("kvgate_pd_transfer_failures_total") == 0

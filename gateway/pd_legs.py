@@ -2,7 +2,8 @@
 
 A leg's answer is held back until the caller knows what to do with it: the prefill answer gives
 the decode leg its `kv_transfer_params` (vLLM) and the client its `cached_tokens`; the decode
-answer (`Opened`) reaches the client only once no failure can still send the request elsewhere.
+answer (`Opened`) reaches the client only once no failure can still send the request elsewhere
+(with SGLang, once it opens: a prefill leg still running then is closed on its own).
 Bodies follow docs/pd.md ("Wire protocols"): vLLM's prefill leg asks for remote decode with
 `max_tokens` 1 and no streaming, its decode leg carries what the prefill returned; SGLang's legs
 both carry `bootstrap_host`, `bootstrap_port` and `bootstrap_room`.
@@ -411,17 +412,21 @@ async def both_legs(
     p_task: asyncio.Task[Prefilled | Refused | Failure],
     d_task: asyncio.Task[Opened | Refused | TransferFailed | Failure],
 ) -> tuple[Prefilled | Refused | Failure | None, Opened | Refused | TransferFailed | Failure | None]:
-    """Wait for both legs; once one fails, stop the other (None: stopped before it ended)."""
+    """Wait for the decode leg's answer; once either leg fails, stop the other (None: stopped
+    before it ended). A decode answer that opens before the prefill leg has ended leaves that leg
+    running (None, its task not done): the caller relays the answer and closes the prefill leg
+    on its own."""
     pending: set[asyncio.Task[Any]] = {p_task, d_task}
-    while pending:
+    failed = False
+    while d_task in pending and not failed:
         done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-        if any(not isinstance(task.result(), Prefilled | Opened) for task in done):
-            break
-    for task in pending:
-        task.cancel()
-    if pending:
-        await asyncio.wait(pending)
-    p = None if p_task.cancelled() else p_task.result()
+        failed = any(not isinstance(task.result(), Prefilled | Opened) for task in done)
+    if failed:
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending)
+    p = p_task.result() if p_task.done() and not p_task.cancelled() else None
     d = None if d_task.cancelled() else d_task.result()
     return p, d
 

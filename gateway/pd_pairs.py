@@ -4,9 +4,10 @@ A round sends the route `gateway.pd` chose in the pool's wire protocol (`gateway
 worker alone; vLLM's legs one after the other (the prefill answer's `kv_transfer_params` go into
 the decode leg); SGLang's both at once with the same bootstrap room. The client gets the decode
 worker's answer, its `cached_tokens` the prefill worker's (the prefix-cache hit, not the
-transfer). The policy hears of each leg as of any attempt: the prefill worker's completion teaches
-it that worker holds the prompt, the decode worker's that it holds it too (it installed the KV it
-received).
+transfer); with SGLang the decode answer does not wait for the prefill answer, whose
+`cached_tokens` count only if it has arrived in time (`PdRun._close_prefill`). The policy hears
+of each leg as of any attempt: the prefill worker's completion teaches it that worker holds the
+prompt, the decode worker's that it holds it too (it installed the KV it received).
 
 A leg that fails before the client has anything is closed here and leaves the next round its
 lesson (docs/pd.md, "Failures"):
@@ -30,6 +31,7 @@ response in each round, the same on both legs (`Admitted.renew_response_id`).
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from typing import Any
@@ -62,6 +64,10 @@ from gateway.worker import Worker
 from policies.base import Outcome, RouteDecision, WorkerId
 
 Response = RawResponse | ProxyStream
+log = logging.getLogger("kvgate.pd")
+# SGLang prefill legs read to their end after their request's answer left (`PdRun._close_prefill`):
+# held here so that none is collected while it runs.
+_CLOSING: set[asyncio.Task[None]] = set()
 
 
 class PdRun:
@@ -258,6 +264,11 @@ class PdRun:
         self.tasks = [p_task, d_task]
         prefilled, opened = await both_legs(p_task, d_task)
         self.tasks = []
+        if isinstance(opened, Opened) and (not p_task.done() or isinstance(prefilled, Failure)):
+            # The decode worker answered, so the KV arrived: its answer goes to the client now, as
+            # SGLang's routers relay it, and the prefill leg is closed on its own.
+            self._close_prefill(p, p_task, opened)
+            return self._decoded(d, opened, None, prefill.worker, d.dispatched_s)
         if prefilled is None or isinstance(prefilled, Failure):
             # The prefill leg failed (or was stopped because the decode leg had).
             if isinstance(prefilled, Failure):
@@ -286,6 +297,37 @@ class PdRun:
             if p.ttft_s is not None:
                 since_s = p.dispatched_s + p.ttft_s
         return self._decoded(d, opened, cached, prefill.worker, since_s)
+
+    def _close_prefill(
+        self, p: Attempt, task: asyncio.Task[Prefilled | Refused | Failure], opened: Opened
+    ) -> None:
+        """Read an SGLang prefill leg whose decode answer is already on its way to the client to
+        its end (within the pool's read timeout, as any answer), apart from the request: served,
+        its `cached_tokens` go into a stream's usage still to come; failed, it is closed with no
+        verdict on its worker (the decode answer shows the KV arrived)."""
+        closing = asyncio.create_task(self._prefill_closed(p, task, opened))
+        _CLOSING.add(closing)
+        closing.add_done_callback(_CLOSING.discard)
+
+    async def _prefill_closed(
+        self, p: Attempt, task: asyncio.Task[Prefilled | Refused | Failure], opened: Opened
+    ) -> None:
+        try:
+            result = await task
+        except asyncio.CancelledError:  # the gateway stops: the leg's connection is closed
+            p.end(self.routing, Outcome.ABORTED)
+            raise
+        except Exception:
+            log.exception("prefill leg failed", extra={"request_id": self.a.request_id})
+            p.end(self.routing, Outcome.ABORTED)
+            return
+        if not isinstance(result, Prefilled):
+            p.end(self.routing, Outcome.ABORTED)
+            return
+        self._served(p, "prefill")
+        relay = opened.relay
+        if relay is not None and relay.cached_tokens is None:
+            relay.cached_tokens = result.usage.cached_tokens
 
     # -- the decode leg's outcome ---------------------------------------------------------------
 

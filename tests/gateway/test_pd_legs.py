@@ -101,18 +101,26 @@ async def _leg(result: object, gate: asyncio.Event | None = None, stopped: list[
         raise
 
 
-async def test_sglang_legs_wait_for_each_other_and_a_failure_stops_the_other() -> None:
+async def test_sglang_legs_wait_for_the_decode_answer_and_a_failure_stops_the_other() -> None:
     ok_p, ok_d = Prefilled(None, Usage(10, 1, 0)), Opened(cast(Any, None), 200, "text/event-stream")
     failed = Failure(502, "boom", "bad_gateway", Outcome.WORKER_FAILED)
-    # Both succeed: both results, whatever order they end in.
+    # The prefill leg answers first: both results once the decode leg answers.
     gate = asyncio.Event()
-    p_task = asyncio.create_task(_leg(ok_p, gate))
-    d_task = asyncio.create_task(_leg(ok_d))
+    p_task = asyncio.create_task(_leg(ok_p))
+    d_task = asyncio.create_task(_leg(ok_d, gate))
     waiting = asyncio.create_task(both_legs(p_task, d_task))
     await asyncio.sleep(0)
     assert not waiting.done()
     gate.set()
     assert await waiting == (ok_p, ok_d)
+    # The decode answer opens first: it is returned at once, the prefill leg left running.
+    gate = asyncio.Event()
+    p_task = asyncio.create_task(_leg(ok_p, gate))
+    d_task = asyncio.create_task(_leg(ok_d))
+    assert await both_legs(p_task, d_task) == (None, ok_d)
+    assert not p_task.done()
+    gate.set()
+    assert await p_task == ok_p
     # The decode leg fails first: the prefill leg (waiting for its room) is stopped.
     stopped: list[str] = []
     p_task = asyncio.create_task(_leg(ok_p, asyncio.Event(), stopped))

@@ -2,7 +2,7 @@
 
 The gateway runs in-process in front of scripted SGLang prefill and decode workers that meet in
 the request's bootstrap room: a prefill worker answers once the decode leg has joined its room
-(its KV has then moved), a decode worker answers as soon as it has joined. One worker may be
+(its KV has then moved), a decode worker once the KV has moved. One worker may be
 scripted to fail: a decode worker that answers 500 to everything, or a prefill worker that never
 answers (until the test ends) or answers 500.
 """
@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import orjson
+import pytest
 from aiohttp import web
 
 from gateway.auth import hash_api_key
@@ -27,6 +29,7 @@ from tests.gateway.routes_rig import Recording
 from tests.support.inprocess import gateway_in_process
 from tests.support.loopback import serve_app
 from tests.support.metrics import metric_total
+from tests.support.wait import wait_until
 
 SECRET = b"pd-sglang-legs"
 KEY = {"authorization": "Bearer sk-t"}
@@ -52,7 +55,12 @@ class Fleet:
             room.set()
 
     def room(self, body: dict[str, Any]) -> asyncio.Event:
+        """Set once the decode leg has joined the room."""
         return self.rooms.setdefault(body["bootstrap_room"], asyncio.Event())
+
+    def moved(self, body: dict[str, Any]) -> asyncio.Event:
+        """Set once the prefill worker has sent the KV (before it answers)."""
+        return self.rooms.setdefault(-body["bootstrap_room"] - 1, asyncio.Event())
 
     def app(self, name: str) -> web.Application:
         async def health(_: web.Request) -> web.Response:
@@ -65,6 +73,7 @@ class Fleet:
                 return web.json_response({"error": {"message": "engine died", "code": 500}}, status=500)
             if name.startswith("p"):
                 await asyncio.wait_for(room.wait(), 10)
+                self.moved(body).set()
                 if name == self.broken:
                     await self.release.wait()
                 self.prefill_answers += 1
@@ -72,6 +81,8 @@ class Fleet:
                 usage = {"prompt_tokens": 8, "completion_tokens": 1, "prompt_tokens_details": details}
                 return web.json_response({"choices": [], "usage": usage})
             room.set()
+            await asyncio.wait_for(self.moved(body).wait(), 10)
+            await asyncio.sleep(0.05)  # a prefill answer that comes reaches the gateway first
             if not body.get("stream"):
                 return web.json_response({"choices": [{"message": {"content": "ok"}}], "usage": USAGE})
             resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
@@ -106,7 +117,7 @@ class Rig:
         messages = [{"role": "user", "content": "hi"}]
         body: dict[str, Any] = {"model": "m", "messages": messages, "max_tokens": 2}
         if stream:
-            body["stream"] = True
+            body |= {"stream": True, "stream_options": {"include_usage": True}}
         return await self.client.post("/v1/chat/completions", json=body, headers=KEY)
 
 
@@ -151,3 +162,33 @@ async def test_a_decode_worker_answering_500_is_blamed_and_left_out() -> None:
         assert rig.breaker_closed("d2") and rig.breaker_closed("p1")
         assert rig.metric("kvgate_pd_leg_failures_total", role="decode", reason="worker_error") >= 3
         assert rig.metric("kvgate_pd_transfer_failures_total") == 0
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_the_decode_answer_does_not_wait_for_the_prefill_answer(stream: bool) -> None:
+    """The prefill worker moved the KV (its decode leg answers) but does not answer: the client
+    gets the decode answer at once, reporting the decode worker's `cached_tokens` (the prefill
+    answer's is not known yet). The prefill leg is closed on its own when it times out, with no
+    verdict on its worker, and the request has one access line."""
+    fleet = Fleet(broken="p1", prefill_fault="hang")
+    async with sglang_rig(fleet, read_s=1.5) as rig:
+        started = time.monotonic()
+        resp = await rig.chat(stream)
+        elapsed = time.monotonic() - started
+        assert resp.status_code == 200 and elapsed < 1.0, elapsed
+        assert '"cached_tokens":7' in resp.text.replace(" ", "")
+        prefill = rig.state.registry.pools["p"].workers[WorkerId(rig.urls["p1"])]
+        assert prefill.in_flight == 1  # the prefill leg is still read
+        await wait_until(lambda: prefill.in_flight == 0, what="the prefill leg closed")
+        assert rig.breaker_closed("p1")
+        assert rig.metric("kvgate_pd_leg_failures_total") == 0
+        rig.lines.flush()
+        assert len(rig.lines.records) == 1 and rig.lines.records[0]["status"] == 200
+
+
+async def test_a_prefill_answer_in_time_reports_its_cached_tokens() -> None:
+    async with sglang_rig(Fleet(prefill_cached=5)) as rig:
+        for stream in (True, False):
+            resp = await rig.chat(stream)
+            assert resp.status_code == 200
+            assert '"cached_tokens":5' in resp.text.replace(" ", "")

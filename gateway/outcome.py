@@ -34,6 +34,7 @@ class Attempt:
     finished: bool = False
     trace: AttemptTrace | None = None  # the attempt's CLIENT span, with tracing on
     body: bytes | None = None  # a prefill/decode leg's own body (gateway/pd.py); else the request's
+    first_leg_s: float | None = None  # a split's decode leg: when its round's first leg was dispatched
 
     def __post_init__(self) -> None:
         self.admitted.attempt_started(own_body=self.body is not None)
@@ -51,6 +52,14 @@ class Attempt:
                 matched_tokens=self.decision.matched_tokens,
                 now_s=self.dispatched_s + self.ttft_s,
             )
+
+    def request_ttft_s(self) -> float | None:
+        """The request's time to first token as the access line and the TTFT histogram count it:
+        from this attempt's dispatch, or for a split's decode leg from its round's first leg's
+        (`first_leg_s`), so that the prompt's computation on the prefill worker is in it."""
+        if self.ttft_s is None or self.first_leg_s is None:
+            return self.ttft_s
+        return self.ttft_s + self.dispatched_s - self.first_leg_s
 
     def _release(self) -> bool:
         """Give back the worker's load exactly once; False if the attempt was already closed."""
@@ -232,7 +241,7 @@ def finish(
         worker=attempt.worker if attempt is not None else None,
         reason=attempt.reason if attempt is not None else None,
         usage=usage,
-        ttft_s=attempt.ttft_s if attempt is not None else None,
+        ttft_s=attempt.request_ttft_s() if attempt is not None else None,
         retries=retries,
         error=error,
         error_detail=error_detail,

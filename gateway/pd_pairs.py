@@ -235,6 +235,7 @@ class PdRun:
             return None
         body = vllm_decode_body(a, decode, prefilled.params)
         d = self._start(workers[1], decode, body, "decode", slot)
+        d.first_leg_s = p.dispatched_s  # the request's time to first token counts from here
         moved = prefilled.params is not None  # else the decode worker computes the prompt itself
         if moved:
             routing.metrics.pd_transfers.labels(a.pool.name).inc()
@@ -258,6 +259,7 @@ class PdRun:
         p_body, d_body = sglang_bodies(a, prefill, bootstrap)
         p = self._start(workers[0], prefill, p_body, "prefill")
         d = self._start(workers[1], decode, d_body, "decode")
+        d.first_leg_s = p.dispatched_s  # the request's time to first token counts from here
         routing.metrics.pd_transfers.labels(a.pool.name).inc()
         p_task = asyncio.create_task(prefill_leg(routing, self.transport, a, p))
         d_task = asyncio.create_task(decode_leg(self.transport, a, d))

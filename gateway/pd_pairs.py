@@ -347,16 +347,16 @@ class PdRun:
         if isinstance(result, TransferFailed) and transfer_since_s is None:
             result = result.failure  # no KV was to move: the decode worker failed on its own
         if isinstance(result, Opened):
+            out = deliver(self.routing, self.lifecycle, self.a, d, result, cached, self._retries())
+            if isinstance(out, Failure):  # a malformed whole answer: the decode worker's failure
+                self._failed(d, out, "decode")
+                return None
             if transfer_since_s is not None:
                 metrics.pd_transfer_outcomes.labels(pool, "ok").inc()
                 if d.ttft_s is not None:
                     first_s = d.dispatched_s + d.ttft_s
                     metrics.pd_transfer_time.labels(pool).observe(max(0.0, first_s - transfer_since_s))
             self._served(d, "decode")
-            out = deliver(self.routing, self.lifecycle, self.a, d, result, cached, self._retries())
-            if isinstance(out, Failure):
-                self._failed(d, out, "decode")
-                return None
             return out
         if isinstance(result, Refused):
             return self._refused(d, result)

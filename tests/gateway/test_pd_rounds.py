@@ -28,7 +28,8 @@ _PARAMS = {"remote_engine_id": "e", "remote_block_ids": [1], "remote_request_id"
 
 @dataclass
 class Script:
-    """The statuses decode workers answer with, in order (then 200), and what they were sent."""
+    """The statuses decode workers answer with, in order (then 200; 0 is a 200 whose body is not
+    JSON), and what they were sent."""
 
     statuses: list[int]
     decode_bodies: list[dict[str, Any]] = field(default_factory=list)
@@ -53,6 +54,8 @@ class Script:
     async def decode(self, request: web.Request) -> web.Response:
         self.decode_bodies.append(await request.json())
         status = self.statuses.pop(0) if self.statuses else 200
+        if status == 0:
+            return web.Response(text="not json", content_type="application/json")
         if status != 200:
             return web.json_response({"error": {"message": "no", "code": status}}, status=status)
         return web.json_response({"choices": [], "usage": {"prompt_tokens": 8, "completion_tokens": 2}})
@@ -148,3 +151,14 @@ async def test_a_decode_failure_without_a_transfer_is_no_transfer_failure() -> N
         assert rig.metric("kvgate_pd_leg_failures_total", role="decode", reason="worker_error") == 1
         assert rig.metric("kvgate_pd_requests_total", role="decode") == 2
         assert rig.metric("kvgate_pd_skipped_splits_total") == 0
+
+
+async def test_a_malformed_decode_answer_is_no_transfer_ok() -> None:
+    """The decode worker answers 200 with a body that is not JSON: its own failure (a new round,
+    on the other decode worker), and only the transfer that led to an answer counts as `ok`."""
+    async with pd_rig([0]) as rig:
+        resp = await rig.chat()
+        assert resp.status_code == 200
+        assert rig.metric("kvgate_pd_transfers_total") == 2
+        assert rig.metric("kvgate_pd_transfer_outcomes_total", outcome="ok") == 1
+        assert rig.metric("kvgate_pd_leg_failures_total", role="decode") == 1

@@ -9,13 +9,14 @@ first round waits in the pool's queue, a retry does not.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from gateway.admitted import Admitted
 from gateway.errors import RawResponse
 from gateway.failure import Failure
-from gateway.lifecycle import Lifecycle
-from gateway.outcome import Attempt, finish
+from gateway.lifecycle import Lifecycle, shutting_down
+from gateway.outcome import CLIENT_DISCONNECTED, Attempt, finish
 from gateway.pd_pairs import PdRun, Response
 from gateway.pd_requests import splittable
 from gateway.proxy import hold_for_peers
@@ -47,10 +48,34 @@ async def dispatch_pd(
     await hold_for_peers(a, routing)  # as in a pool without roles
     try:
         return await _rounds(run, router)
-    except BaseException:
+    except BaseException as exc:
         run.verdicts.acquit()
         await run.abandon()
+        if isinstance(exc, asyncio.CancelledError):
+            _left(run, lifecycle)
         raise
+
+
+def _left(run: PdRun, lifecycle: Lifecycle) -> None:
+    """The request's books when the client left or the drain deadline came during a round, as
+    `proxy.dispatch` closes them, with the request's own retries (the failed legs that led to a
+    new round; two legs of one round are no retry) and the last leg sent."""
+    if lifecycle.ended_by_drain():
+        err = shutting_down()
+        status, code, detail = err.status, err.code, err.message
+    else:
+        status, code, detail = 499, CLIENT_DISCONNECTED, None
+    last = run.attempts[-1] if run.attempts else None
+    finish(
+        run.routing,
+        run.a,
+        last,
+        status=status,
+        outcome=Outcome.ABORTED,
+        retries=run.failures,
+        error=code,
+        error_detail=detail,
+    )
 
 
 async def _rounds(run: PdRun, router: PdRouter) -> Response:
@@ -99,7 +124,7 @@ async def _rounds(run: PdRun, router: PdRouter) -> Response:
     )
     if a.pinned is not None:
         failure = holder_unavailable(run.failure)
-    last = run.attempts[-1] if run.attempts else None
+    last = run.failed or (run.attempts[-1] if run.attempts else None)
     retries = max(run.failures - 1, 0)
     finish(
         routing,

@@ -98,6 +98,7 @@ class PdRun:
         self.splittable = splittable
         self.transfer_failed = False
         self.failure: Failure | None = None
+        self.failed: Attempt | None = None  # the leg whose failure `failure` is
         self.retry_reason: str | None = None
         self.final = False
         self.failures = 0  # legs that failed: the request's retries
@@ -168,6 +169,7 @@ class PdRun:
         if exclude:
             self.excluded.add(attempt.worker.worker_id)
         self.failure = failure
+        self.failed = attempt
         self.retry_reason = failure.retry or "worker_error"
 
     def _prefill_failed(self, attempt: Attempt, failure: Failure) -> None:

@@ -192,3 +192,15 @@ async def test_a_prefill_answer_in_time_reports_its_cached_tokens() -> None:
             resp = await rig.chat(stream)
             assert resp.status_code == 200
             assert '"cached_tokens":5' in resp.text.replace(" ", "")
+
+
+async def test_a_failed_prefill_leg_is_the_502s_worker() -> None:
+    """The only prefill worker answers 500 (its decode leg is stopped): no pair is left, and the
+    access line names the prefill worker and its failure, not the decode leg that was stopped."""
+    async with sglang_rig(Fleet(broken="p1", prefill_fault="500")) as rig:
+        resp = await rig.chat()
+        assert resp.status_code == 502
+        rig.lines.flush()
+        (line,) = rig.lines.records
+        assert line["worker"] == rig.urls["p1"] and line["error_detail"] == "worker answered 500"
+        assert line["retries"] == 0

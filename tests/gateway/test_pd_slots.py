@@ -26,6 +26,7 @@ from gateway.queueing import PoolQueue
 from gateway.state import GatewayState
 from gateway.worker import Worker
 from policies.base import WorkerId
+from tests.gateway.access_lines import capture_access
 from tests.gateway.routes_rig import Recording
 from tests.support.inprocess import InProcessGateway, gateway_in_process
 from tests.support.leaving_client import leaving_chat
@@ -286,3 +287,18 @@ class _NoQueues:
 
     def __init__(self) -> None:
         self.queues: dict[str, PoolQueue] = {}
+
+
+async def test_a_client_that_leaves_during_the_decode_leg_was_not_retried(rig: Rig) -> None:
+    """Its access line: 499, the decode worker it waited on, no retry (two legs of one round)."""
+    lines = capture_access(rig.state)
+    gone, leave = leaving_chat(rig.gw.app, "sk-heavy", "a", [])
+    await wait_until(lambda: rig.prefill.tags() == ["a"])
+    rig.prefill.answer("a")
+    await wait_until(lambda: rig.decode.tags() == ["a"])
+    leave.set()
+    await wait_until(gone.done)
+    lines.flush()
+    (line,) = lines.records
+    assert (line["status"], line["worker"], line["retries"]) == (499, rig.decode.url, 0)
+    await rig.idle()

@@ -396,8 +396,10 @@ async def decode_leg(
         if source is not None:
             source.close()
         failure = failure_of(exc, stage, timeouts)
-        if failure.status == 504 and failure.retry is not None:
-            return TransferFailed(failure, "timeout")  # no answer yet: the KV never came
+        if failure.status == 504 and failure.retry is not None and a.stream:
+            return TransferFailed(failure, "timeout")  # no first event yet: the KV never came
+        # A whole answer comes only once it is complete (vLLM sends nothing before): its read
+        # timeout says nothing of the transfer, and is the decode worker's, as any worker's.
         return failure
     except BaseException:
         if source is not None:

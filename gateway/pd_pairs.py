@@ -15,11 +15,12 @@ lesson (docs/pd.md, "Failures"):
 - a decode worker unreachable or broken (under SGLang also its 5xx answer while its prefill leg
   has not failed): without that worker;
 - a transfer failure (a decode leg sent to read KV answered 5xx, under SGLang only once its
-  prefill leg failed, or an error event before its first token, or timed out): counted; vLLM
-  then recomputes the request without a split (a decode or mixed worker alone); SGLang, whose
-  decode workers take only paired requests, tries a fresh pair without the prefill worker whose
-  KV did not arrive. A vLLM decode leg that had no KV to
-  read (the prefill answer named none) fails as the decode worker's own.
+  prefill leg failed, or an error event before its first token, or a stream that timed out
+  before its first event): counted; vLLM then recomputes the request without a split (a decode
+  or mixed worker alone); SGLang, whose decode workers take only paired requests, tries a fresh
+  pair without the prefill worker whose KV did not arrive. A vLLM decode leg that had no KV to
+  read (the prefill answer named none), and a whole decode answer that times out, fail as the
+  decode worker's own.
 Once the decode answer's first event has reached the client, a failure is the usual terminal
 error event (`streaming.ProxyStream`). A leg refused with a 4xx is the request's fault and is
 answered as it is. As in a pool without roles, a leg's 5xx or read timeout counts against its

@@ -6,6 +6,7 @@ status)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -23,13 +24,14 @@ from tests.support.metrics import metric_total
 
 SECRET = b"k"
 KEY = {"authorization": "Bearer sk-t"}
+SLOW_S = 1.0
 _PARAMS = {"remote_engine_id": "e", "remote_block_ids": [1], "remote_request_id": "r"}
 
 
 @dataclass
 class Script:
     """The statuses decode workers answer with, in order (then 200; 0 is a 200 whose body is not
-    JSON), and what they were sent."""
+    JSON, -1 a 200 after `SLOW_S`), and what they were sent."""
 
     statuses: list[int]
     decode_bodies: list[dict[str, Any]] = field(default_factory=list)
@@ -54,6 +56,9 @@ class Script:
     async def decode(self, request: web.Request) -> web.Response:
         self.decode_bodies.append(await request.json())
         status = self.statuses.pop(0) if self.statuses else 200
+        if status == -1:
+            await asyncio.sleep(SLOW_S)
+            status = 200
         if status == 0:
             return web.Response(text="not json", content_type="application/json")
         if status != 200:
@@ -76,7 +81,7 @@ class Rig:
 
 
 @contextlib.asynccontextmanager
-async def pd_rig(statuses: list[int], *, params: bool = True) -> AsyncIterator[Rig]:
+async def pd_rig(statuses: list[int], *, params: bool = True, read_s: float = 60.0) -> AsyncIterator[Rig]:
     script = Script(statuses, params=params)
     async with contextlib.AsyncExitStack() as stack:
         urls = []
@@ -101,6 +106,7 @@ async def pd_rig(statuses: list[int], *, params: bool = True) -> AsyncIterator[R
                     "decode_workers": urls[1:],
                     "pd": {"protocol": "vllm", "conditional": False},  # a pair whenever one is free
                     "retry_attempts": 2,
+                    "timeouts": {"read_s": read_s},
                 }
             ],
             "tenants": [{"name": "t", "api_key_hashes": [hash_api_key(SECRET, "sk-t")]}],
@@ -162,3 +168,16 @@ async def test_a_malformed_decode_answer_is_no_transfer_ok() -> None:
         assert rig.metric("kvgate_pd_transfers_total") == 2
         assert rig.metric("kvgate_pd_transfer_outcomes_total", outcome="ok") == 1
         assert rig.metric("kvgate_pd_leg_failures_total", role="decode") == 1
+
+
+async def test_a_whole_decode_answer_past_read_s_is_the_decode_workers_timeout() -> None:
+    """vLLM sends nothing of a whole answer before it is complete: a decode leg that runs past
+    `read_s` is that worker's read timeout, not a failed transfer; the next round splits again, on
+    the other decode worker."""
+    async with pd_rig([-1], read_s=SLOW_S / 3) as rig:
+        resp = await rig.chat()
+        assert resp.status_code == 200
+        assert ["kv_transfer_params" in body for body in rig.script.decode_bodies] == [True, True]
+        assert rig.metric("kvgate_pd_transfer_failures_total") == 0
+        assert rig.metric("kvgate_pd_leg_failures_total", role="decode", reason="read_timeout") == 1
+        assert rig.metric("kvgate_pd_skipped_splits_total") == 0

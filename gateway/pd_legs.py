@@ -413,16 +413,23 @@ async def decode_leg(
 async def both_legs(
     p_task: asyncio.Task[Prefilled | Refused | Failure],
     d_task: asyncio.Task[Opened | Refused | TransferFailed | Failure],
+    grace_s: float = 0.0,
 ) -> tuple[Prefilled | Refused | Failure | None, Opened | Refused | TransferFailed | Failure | None]:
     """Wait for the decode leg's answer; once either leg fails, stop the other (None: stopped
     before it ended). A decode answer that opens before the prefill leg has ended leaves that leg
     running (None, its task not done): the caller relays the answer and closes the prefill leg
-    on its own."""
+    on its own. A decode worker's 5xx answer leaves the prefill leg `grace_s` to end first: a
+    prefill worker that is down fails its leg within the connect timeout, and its failure, not the
+    decode worker's, is then why the KV did not come."""
     pending: set[asyncio.Task[Any]] = {p_task, d_task}
     failed = False
     while d_task in pending and not failed:
         done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
         failed = any(not isinstance(task.result(), Prefilled | Opened) for task in done)
+    if failed and p_task in pending and grace_s > 0:
+        answer = d_task.result() if d_task.done() else None
+        if isinstance(answer, TransferFailed) and answer.status:
+            _, pending = await asyncio.wait(pending, timeout=grace_s)
     if failed:
         for task in pending:
             task.cancel()

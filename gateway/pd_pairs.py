@@ -12,10 +12,10 @@ prompt, the decode worker's that it holds it too (it installed the KV it receive
 A leg that fails before the client has anything is closed here and leaves the next round its
 lesson (docs/pd.md, "Failures"):
 - a prefill leg that fails (connect error, 5xx, timeout, malformed answer): without that worker;
-- a decode worker unreachable or broken (under SGLang also its 5xx answer while its prefill leg
-  has not failed): without that worker;
-- a transfer failure (a decode leg sent to read KV answered 5xx, under SGLang only once its
-  prefill leg failed, or an error event before its first token, or a stream that timed out
+- a decode worker unreachable or broken (under SGLang also its 5xx answer when its prefill leg
+  does not fail within the connect timeout after it): without that worker;
+- a transfer failure (a decode leg sent to read KV answered 5xx, under SGLang only when its
+  prefill leg failed too, or an error event before its first token, or a stream that timed out
   before its first event): counted; vLLM then recomputes the request without a split (a decode
   or mixed worker alone); SGLang, whose decode workers take only paired requests, tries a fresh
   pair without the prefill worker whose KV did not arrive. A vLLM decode leg that had no KV to
@@ -267,7 +267,7 @@ class PdRun:
         p_task = asyncio.create_task(prefill_leg(routing, self.transport, a, p))
         d_task = asyncio.create_task(decode_leg(self.transport, a, d))
         self.tasks = [p_task, d_task]
-        prefilled, opened = await both_legs(p_task, d_task)
+        prefilled, opened = await both_legs(p_task, d_task, a.pool.config.timeouts.connect_s)
         self.tasks = []
         if isinstance(opened, Opened) and (not p_task.done() or isinstance(prefilled, Failure)):
             # The decode worker answered, so the KV arrived: its answer goes to the client now, as
@@ -291,9 +291,10 @@ class PdRun:
         if opened is None:
             return None
         if isinstance(opened, TransferFailed) and opened.status and not isinstance(prefilled, Failure):
-            # The decode worker answered 5xx while its prefill leg had not failed: nothing points
-            # at the transfer, and an SGLang decode worker that fails every request is otherwise
-            # never blamed (and its prefill worker shut out instead).
+            # The decode worker answered 5xx and its prefill leg did not fail, within the connect
+            # timeout after it (`both_legs`): nothing points at the transfer, and an SGLang decode
+            # worker that fails every request is otherwise never blamed (and its prefill worker
+            # shut out instead).
             opened = opened.failure
         cached = prefilled.usage.cached_tokens if isinstance(prefilled, Prefilled) else None
         since_s = d.dispatched_s  # the KV is ready to move once the prefill leg answered

@@ -33,13 +33,15 @@ from tests.support.wait import wait_until
 
 SECRET = b"pd-sglang-legs"
 KEY = {"authorization": "Bearer sk-t"}
+DEAD_BOOTSTRAP_PORT = 9001  # the bootstrap port of a prefill worker scripted "dead"
 USAGE = {"prompt_tokens": 8, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 7}}
 
 
 @dataclass
 class Fleet:
     """`broken`: the worker (by name) that fails, as `prefill_fault` says for a prefill worker
-    ("hang" or "500"); a decode worker answers 500."""
+    ("hang", "500", or "dead": its bootstrap server is down, so its decode legs answer 500 at
+    once and its own 500 comes after); a decode worker answers 500."""
 
     broken: str = ""
     prefill_fault: str = ""
@@ -70,7 +72,12 @@ class Fleet:
             body = orjson.loads(await request.read())
             room = self.room(body)
             if name == self.broken and (name.startswith("d") or self.prefill_fault == "500"):
-                return web.json_response({"error": {"message": "engine died", "code": 500}}, status=500)
+                return _error("engine died")
+            if name == self.broken and self.prefill_fault == "dead":
+                await asyncio.sleep(0.05)  # after its decode leg's failure
+                return _error("engine died")
+            if name.startswith("d") and body["bootstrap_port"] == DEAD_BOOTSTRAP_PORT:
+                return _error("KV transfer failed")  # the prefill worker's bootstrap server is down
             if name.startswith("p"):
                 await asyncio.wait_for(room.wait(), 10)
                 self.moved(body).set()
@@ -98,6 +105,10 @@ class Fleet:
         app.router.add_get("/health", health)
         app.router.add_post("/v1/chat/completions", chat)
         return app
+
+
+def _error(message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "code": 500}}, status=500)
 
 
 @dataclass
@@ -138,7 +149,14 @@ async def sglang_rig(fleet: Fleet, prefills: int = 1, read_s: float = 10.0) -> A
                     "models": ["m"],
                     "prefill_workers": [urls[n] for n in names if n.startswith("p")],
                     "decode_workers": [urls["d1"], urls["d2"]],
-                    "pd": {"protocol": "sglang", "bootstrap_port": 8998, "conditional": False},
+                    "pd": {
+                        "protocol": "sglang",
+                        "bootstrap_port": 8998,
+                        "bootstrap_ports": {urls["p1"]: DEAD_BOOTSTRAP_PORT}
+                        if fleet.prefill_fault == "dead"
+                        else {},
+                        "conditional": False,
+                    },
                     "retry_attempts": 2,
                     "timeouts": {"connect_s": 1, "read_s": read_s, "total_s": 30},
                 }
@@ -162,6 +180,19 @@ async def test_a_decode_worker_answering_500_is_blamed_and_left_out() -> None:
         assert rig.breaker_closed("d2") and rig.breaker_closed("p1")
         assert rig.metric("kvgate_pd_leg_failures_total", role="decode", reason="worker_error") >= 3
         assert rig.metric("kvgate_pd_transfer_failures_total") == 0
+
+
+async def test_a_decode_answer_500_after_its_prefill_worker_went_down_blames_the_transfer() -> None:
+    """The prefill worker's bootstrap server is down: its decode legs answer 500 at once, and its
+    own leg fails just after. The transfer failed: the next round goes without that prefill
+    worker, and the decode workers are not blamed."""
+    async with sglang_rig(Fleet(broken="p1", prefill_fault="dead"), prefills=2) as rig:
+        for _ in range(6):
+            resp = await rig.chat()
+            assert resp.status_code == 200, resp.text
+        assert rig.breaker_closed("d1") and rig.breaker_closed("d2")
+        assert rig.metric("kvgate_pd_transfer_failures_total", reason="decode_error") >= 1
+        assert rig.metric("kvgate_pd_leg_failures_total", role="prefill") >= 1
 
 
 @pytest.mark.parametrize("stream", [True, False])

@@ -19,6 +19,7 @@ from gateway.lifecycle import Lifecycle, shutting_down
 from gateway.outcome import CLIENT_DISCONNECTED, Attempt, finish
 from gateway.pd_pairs import PdRun, Response
 from gateway.pd_requests import splittable
+from gateway.pool_capacity import no_worker
 from gateway.proxy import hold_for_peers
 from gateway.responses_affinity import holder_unavailable, pinned_decision
 from gateway.retries import advice, attempts_allowed
@@ -119,9 +120,7 @@ async def _rounds(run: PdRun, router: PdRouter) -> Response:
         if run.final or run.read_timeouts.spent:
             break
     run.verdicts.settle(time.monotonic())
-    failure = run.failure or Failure(
-        503, f"no healthy worker available for model '{a.model}'", "no_worker_available", Outcome.ABORTED
-    )
+    failure = run.failure or no_worker(a.pool, a.model, time.monotonic())
     if a.pinned is not None:
         failure = holder_unavailable(run.failure)
     last = run.failed or (run.attempts[-1] if run.attempts else None)

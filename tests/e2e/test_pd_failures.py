@@ -29,6 +29,7 @@ from tests.e2e.harness import (
     tenant,
     write_gateway_config,
 )
+from tests.support.metrics import text_total
 from tests.support.wait import wait_until_sync
 
 KEY = "sk-e2e-pd"
@@ -46,12 +47,7 @@ class PdStack:
 
     def counter(self, name: str, **labels: str) -> float:
         """A gateway counter summed over the series whose labels include `labels`."""
-        text = httpx.get(self.metrics_url, timeout=5).text
-        total = 0.0
-        for found, value in re.findall(rf"^{re.escape(name)}{{([^}}]*)}} (\S+)$", text, re.M):
-            if all(f'{k}="{v}"' in found for k, v in labels.items()):
-                total += float(value)
-        return total
+        return text_total(httpx.get(self.metrics_url, timeout=5).text, name, **labels)
 
 
 def _emulator(model: str, *args: str) -> tuple[str, Proc]:

@@ -26,6 +26,7 @@ from tests.e2e.harness import (
     tenant,
     write_gateway_config,
 )
+from tests.support.metrics import text_total
 from tests.support.wait import wait_until_sync
 
 KEY = "sk-e2e-pd-refused"
@@ -38,12 +39,8 @@ class Stack:
     prefill_url: str
 
     def counter(self, name: str, **labels: str) -> float:
-        text = httpx.get(self.metrics_url, timeout=5).text
-        total = 0.0
-        for found, value in re.findall(rf"^{re.escape(name)}{{([^}}]*)}} (\S+)$", text, re.M):
-            if all(f'{k}="{v}"' in found for k, v in labels.items()):
-                total += float(value)
-        return total
+        """A gateway counter summed over the series whose labels include `labels`."""
+        return text_total(httpx.get(self.metrics_url, timeout=5).text, name, **labels)
 
     def prefill_kv_usage(self) -> float:
         text = httpx.get(self.prefill_url + "/metrics", timeout=5).text

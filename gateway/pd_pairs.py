@@ -45,6 +45,7 @@ from gateway.errors import RawResponse
 from gateway.failure import Failure, ReadTimeouts
 from gateway.lifecycle import Lifecycle
 from gateway.outcome import Attempt, HeldVerdicts, Reservation
+from gateway.pd_bodies import sglang_bodies, vllm_decode_body, vllm_prefill_body
 from gateway.pd_legs import (
     Opened,
     Prefilled,
@@ -54,9 +55,6 @@ from gateway.pd_legs import (
     decode_leg,
     deliver,
     prefill_leg,
-    sglang_bodies,
-    vllm_decode_body,
-    vllm_prefill_body,
 )
 from gateway.routing import Routing
 from gateway.streaming import ProxyStream

@@ -24,7 +24,7 @@ from gateway.config import parse_config
 from gateway.config.base import ConfigError
 from gateway.errors import ApiError
 from gateway.gate import Gate
-from gateway.pd_legs import sglang_bodies, vllm_decode_body, vllm_prefill_body
+from gateway.pd_bodies import sglang_bodies, vllm_decode_body, vllm_prefill_body
 from gateway.request_head import RequestIds
 from gateway.routes import ROUTES
 from policies import make_policy

@@ -156,8 +156,14 @@ async def _choose(run: PdRun, router: PdRouter, first: bool) -> tuple[PdDecision
         return (None if pinned is None else PdDecision(None, pinned, 0.0, ALONE_UNSPLITTABLE)), now_s
 
     def choose(now_s: float) -> PdDecision | None:
-        views = pool.views(now_s, excluded)
-        return router.select(routing.policy, a.route, views, now_s, splittable=splittable, whole=whole)
+        for avoided in run.avoiding():
+            views = pool.views(now_s, excluded | avoided)
+            decision = router.select(
+                routing.policy, a.route, views, now_s, splittable=splittable, whole=whole
+            )
+            if decision is not None:
+                return decision
+        return None
 
     queue = routing.queues.get(pool.name) if first else None
     if queue is None:

@@ -93,6 +93,11 @@ class PdRun:
         self.attempts = attempts
         self.pd = pd
         self.excluded: set[WorkerId] = set()
+        # Workers of an SGLang pair whose decode leg answered 5xx while its prefill leg was still
+        # out: either may be at fault, so the next rounds go without both if they can, else
+        # without one of them (`avoiding`); no verdict on either.
+        self.avoided: tuple[set[WorkerId], set[WorkerId]] = (set(), set())
+        self.inconclusive = False
         self.whole = whole
         self.splittable = splittable
         self.transfer_failed = False
@@ -106,6 +111,15 @@ class PdRun:
         self.read_timeouts = ReadTimeouts()  # past one, no further round (`failure.ReadTimeouts`)
         self.tasks: list[asyncio.Task[Any]] = []
         self.reserved: Reservation | None = None  # the decode slot of the vLLM pair in flight
+
+    def avoiding(self) -> list[frozenset[WorkerId]]:
+        """The workers a round goes without, besides `excluded`, in the order to try them: the
+        inconclusive pairs' prefill and decode workers, their decode workers, their prefill
+        workers, none."""
+        prefills, decodes = self.avoided
+        if not prefills and not decodes:
+            return [frozenset()]
+        return [frozenset(prefills | decodes), frozenset(decodes), frozenset(prefills), frozenset()]
 
     def _served(self, attempt: Attempt, role: str) -> None:
         """A leg's worker answered: its time to first token, when known."""
@@ -288,11 +302,15 @@ class PdRun:
             return self._refused(p, prefilled)
         if opened is None:
             return None
-        if isinstance(opened, TransferFailed) and opened.status and not isinstance(prefilled, Failure):
-            # The decode worker answered 5xx and its prefill leg did not fail, within the connect
+        self.inconclusive = isinstance(opened, TransferFailed) and opened.status and prefilled is None
+        if self.inconclusive:
+            self.avoided[1].add(d.worker.worker_id)
+        if isinstance(opened, TransferFailed) and opened.status and isinstance(prefilled, Prefilled):
+            # The decode worker answered 5xx and its prefill leg was served, within the connect
             # timeout after it (`both_legs`): nothing points at the transfer, and an SGLang decode
             # worker that fails every request is otherwise never blamed (and its prefill worker
-            # shut out instead).
+            # shut out instead). A prefill leg still out then (a prefill worker that hangs) leaves
+            # it a failed transfer, blamed on no one and the prefill worker left out next round.
             opened = opened.failure
         cached = prefilled.usage.cached_tokens if isinstance(prefilled, Prefilled) else None
         since_s = d.dispatched_s  # the KV is ready to move once the prefill leg answered
@@ -377,8 +395,12 @@ class PdRun:
                 self.splittable = False  # recompute the prompt where it is decoded
             else:
                 # SGLang's decode workers serve only pairs: try another pair, without the prefill
-                # worker whose KV did not arrive ("it might be dead").
-                self.excluded.add(source)
+                # worker whose KV did not arrive ("it might be dead"), or, when the decode worker
+                # answered 5xx before the prefill leg ended, without either if the pool allows.
+                if self.inconclusive:
+                    self.avoided[0].add(source)
+                else:
+                    self.excluded.add(source)
             return None
         self._failed(d, result, "decode")
         self.final = result.retry is None  # the decode worker had begun answering: not sent twice

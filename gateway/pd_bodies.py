@@ -9,6 +9,7 @@ would be refused too.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -34,29 +35,31 @@ def _base(a: Admitted, decision: RouteDecision) -> dict[str, Any]:
     return {**a.forward, a.api.salt_field: salt}
 
 
-def _refused(fields: dict[str, Any], names: tuple[str, ...]) -> bool:
+def _refused(fields: dict[str, Any], budget: _Budget) -> bool:
     """Whether the engine refuses the output budget or `min_tokens` of `fields` (a body, or its
     `sampling_params`) as the client sent them, read as vLLM reads them: a budget field (`names`)
     that is not an integer in lax mode; a budget below 1 (the first field set to a non-zero value,
     else the last: `max_completion_tokens or max_tokens`); a `min_tokens` that is not an integer,
-    below 0, or above the budget."""
+    below 0, or above the budget (the engine's default for the route when none is set)."""
     values: list[int | None] = []
-    for name in names:
+    for name in budget.names:
         raw = fields.get(name)
         value = None if raw is None else lax_int(raw)
         if raw is not None and value is None:
             return True
         values.append(value)
-    budget = next((v for v in values if v), values[-1] if values else None)
-    if budget is not None and budget < 1:
+    limit = next((v for v in values if v), values[-1] if values else None)
+    if limit is not None and limit < 1:
         return True
     if "min_tokens" not in fields:
         return False
+    if limit is None:
+        limit = budget.default
     minimum = lax_int(fields["min_tokens"])
-    return minimum is None or minimum < 0 or (budget is not None and minimum > budget)
+    return minimum is None or minimum < 0 or (limit is not None and minimum > limit)
 
 
-def _as_prefill(body: dict[str, Any], streamed: bool, names: tuple[str, ...]) -> dict[str, Any]:
+def _as_prefill(body: dict[str, Any], streamed: bool, budget: _Budget) -> dict[str, Any]:
     """The prefill leg's body: not streamed, without `stream_options` when the client streams
     (vLLM refuses it without streaming) and without `min_tokens` (a minimum length would make
     the one-token prefill run on; vLLM's proxy also drops `min_completion_tokens`, which neither
@@ -68,42 +71,56 @@ def _as_prefill(body: dict[str, Any], streamed: bool, names: tuple[str, ...]) ->
     480 s)."""
     if streamed:
         body.pop("stream_options", None)
-    if not _refused(body, names):
+    if not _refused(body, budget):
         body.pop("min_tokens", None)
     body.pop("min_completion_tokens", None)
     body["stream"] = False
     return body
 
 
-def _one_token(fields: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+def _one_token(fields: dict[str, Any], budget: _Budget) -> dict[str, Any]:
     """`fields` asking for one output token: `max_tokens` 1, and `max_completion_tokens` 1 when
     present; as sent when the engine refuses their budget or `min_tokens` (`_refused`)."""
-    if not _refused(fields, names):
+    if not _refused(fields, budget):
         fields["max_tokens"] = 1
         if "max_completion_tokens" in fields:
             fields["max_completion_tokens"] = 1
     return fields
 
 
-def _budget_fields(a: Admitted) -> tuple[str, ...]:
-    """Where the route's engine reads the output budget (vLLM's chat: `max_completion_tokens`,
-    else `max_tokens`)."""
-    return ("max_completion_tokens", "max_tokens") if a.api.prompt == "chat" else ("max_tokens",)
+@dataclass(frozen=True, slots=True)
+class _Budget:
+    """Where the route's engine reads the output budget, and its own when the client sets none
+    (None: the context window's rest, which the gateway does not judge here)."""
+
+    names: tuple[str, ...]
+    default: int | None = None
+
+
+_NO_BUDGET = _Budget(())
+
+
+def _budget_fields(a: Admitted) -> _Budget:
+    """vLLM's chat reads `max_completion_tokens`, else `max_tokens` (by default the context
+    window's rest); its completions and native generate read `max_tokens`, 16 by default."""
+    if a.api.prompt == "chat":
+        return _Budget(("max_completion_tokens", "max_tokens"))
+    return _Budget(("max_tokens",), 16 if a.api.prompt in ("completions", "generate") else None)
 
 
 def vllm_prefill_body(a: Admitted, decision: RouteDecision) -> bytes:
     body = _base(a, decision)
-    names = _budget_fields(a)
+    budget = _budget_fields(a)
     if a.api.prompt == "generate":
         # `/inference/v1/generate` takes its output budget in `sampling_params`.
-        _as_prefill(body, a.stream, ())
+        _as_prefill(body, a.stream, _NO_BUDGET)
         sampling = body.get("sampling_params")
         sampling = {**sampling} if isinstance(sampling, dict) else {}
-        if not _refused(sampling, names):
+        if not _refused(sampling, budget):
             sampling.pop("min_tokens", None)
-        body["sampling_params"] = _one_token(sampling, names)
+        body["sampling_params"] = _one_token(sampling, budget)
     else:
-        _one_token(_as_prefill(body, a.stream, names), names)
+        _one_token(_as_prefill(body, a.stream, budget), budget)
     body["kv_transfer_params"] = _REMOTE_DECODE
     return orjson.dumps(body)
 

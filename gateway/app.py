@@ -271,6 +271,7 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
             lifecycle.ready = False
             if flusher is not None:
                 flusher.cancel()
+            await state.routing.stop_background()  # before the books, logs and transport close
             if watcher is not None:
                 await watcher.stop()
             if state.sync is not None:

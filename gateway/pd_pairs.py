@@ -64,9 +64,6 @@ from policies.base import Outcome, RouteDecision, WorkerId
 
 Response = RawResponse | ProxyStream
 log = logging.getLogger("kvgate.pd")
-# SGLang prefill legs read to their end after their request's answer left (`PdRun._close_prefill`):
-# held here so that none is collected while it runs.
-_CLOSING: set[asyncio.Task[None]] = set()
 
 
 class PdRun:
@@ -327,9 +324,7 @@ class PdRun:
         its end (within the pool's read timeout, as any answer), apart from the request: served,
         its `cached_tokens` go into a stream's usage still to come; failed, it is closed with no
         verdict on its worker (the decode answer shows the KV arrived)."""
-        closing = asyncio.create_task(self._prefill_closed(p, task, opened))
-        _CLOSING.add(closing)
-        closing.add_done_callback(_CLOSING.discard)
+        self.routing.run_in_background(asyncio.create_task(self._prefill_closed(p, task, opened)))
 
     async def _prefill_closed(
         self, p: Attempt, task: asyncio.Task[Prefilled | Refused | Failure], opened: Opened

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 from gateway.decision_log import DecisionLog
@@ -31,9 +32,25 @@ class Routing:
     # Whether the policy applies workers' KV events (precise mode, `precise.py`); when it does not,
     # the subscriber drops them undecoded.
     kv_events_used: bool = True
+    # Tasks a request leaves running after its answer (an SGLang prefill leg read to its end
+    # apart, `pd_pairs`): the lifespan cancels and awaits them at stop (`stop_background`).
+    background: set[asyncio.Task[None]] = field(default_factory=set)
     # The policy `hold_s` last checked, and it as one that may hold (None: it never holds).
     _hold_checked: RoutingPolicy | None = field(default=None, init=False, repr=False)
     _holder: SupportsHold | None = field(default=None, init=False, repr=False)
+
+    def run_in_background(self, task: asyncio.Task[None]) -> None:
+        """Keep `task` (done, it leaves) until the gateway stops."""
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def stop_background(self) -> None:
+        """Cancel the tasks still running in the background and wait for them to end."""
+        tasks = list(self.background)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     def swap(self, policy: RoutingPolicy) -> RoutingPolicy:
         """Make `policy` the current one (a reload); returns the one it replaces, which nothing

@@ -250,3 +250,18 @@ async def test_a_failed_prefill_leg_is_the_502s_worker() -> None:
         (line,) = rig.lines.records
         assert line["worker"] == rig.urls["p1"] and line["error_detail"] == "worker answered 500"
         assert line["retries"] == 0
+
+
+async def test_a_prefill_leg_still_read_apart_is_closed_when_the_gateway_stops() -> None:
+    """The decode answers went out; their prefill legs still wait on a worker that does not
+    answer. Stopping the gateway closes them (no verdict) before its books and transport close,
+    instead of leaving them to end on a stopped gateway."""
+    fleet = Fleet(broken="p1", prefill_fault="hang")
+    async with sglang_rig(fleet, read_s=30) as rig:
+        for _ in range(3):
+            assert (await rig.chat()).status_code == 200
+        routing = rig.state.routing
+        prefill = rig.state.registry.pools["p"].workers[WorkerId(rig.urls["p1"])]
+        assert len(routing.background) == 3 and prefill.in_flight == 3
+    assert not routing.background and prefill.in_flight == 0
+    assert prefill.breaker.closed

@@ -102,7 +102,8 @@ class PdRun:
         self.failed: Attempt | None = None  # the leg whose failure `failure` is
         self.retry_reason: str | None = None
         self.final = False
-        self.failures = 0  # legs that failed: the request's retries
+        self.failures = 0  # rounds in which a leg failed: the request's retries
+        self.round_failed = False  # a leg of the round under way failed
         self.only_later = True  # every failed leg asked to be retried later (a worker's 503)
         self.verdicts = HeldVerdicts()  # the workers whose 5xx or read timeout awaits the request's fate
         self.read_timeouts = ReadTimeouts()  # past one, no further round (`failure.ReadTimeouts`)
@@ -174,7 +175,9 @@ class PdRun:
         else:
             attempt.end(self.routing, outcome or failure.outcome)
         self.read_timeouts.note(failure)
-        self.failures += 1
+        if not self.round_failed:  # both legs of an SGLang round may fail: one retry
+            self.failures += 1
+            self.round_failed = True
         self.only_later = self.only_later and failure.later
         if exclude:
             self.excluded.add(attempt.worker.worker_id)
@@ -202,6 +205,7 @@ class PdRun:
     # -- one worker alone -----------------------------------------------------------------------
 
     async def alone(self, decision: RouteDecision) -> Response | None:
+        self.round_failed = False
         workers = self._workers(decision)
         if workers is None:
             return None
@@ -224,6 +228,7 @@ class PdRun:
         request there, out of turn and past the worker's cap. Whatever ends the prefill leg
         without a decode leg (a refusal, a failure, the client leaving, the drain deadline, the
         decode worker leaving the pool meanwhile) gives the slot back."""
+        self.round_failed = False
         workers = self._workers(prefill, decode)
         if workers is None:
             return None
@@ -258,6 +263,7 @@ class PdRun:
     # -- SGLang: both legs at once, meeting in a bootstrap room ---------------------------------
 
     async def sglang_pair(self, prefill: RouteDecision, decode: RouteDecision) -> Response | None:
+        self.round_failed = False
         workers = self._workers(prefill, decode)
         if workers is None:
             return None

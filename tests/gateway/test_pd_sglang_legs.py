@@ -208,6 +208,11 @@ async def test_a_decode_answer_500_after_its_prefill_worker_went_down_blames_the
         assert rig.breaker_closed("d1") and rig.breaker_closed("d2")
         assert rig.metric("kvgate_pd_transfer_failures_total", reason="decode_error") >= 1
         assert rig.metric("kvgate_pd_leg_failures_total", role="prefill") >= 1
+        # Both legs of a failed round failed: one retry, as the retries counter says.
+        rig.lines.flush()
+        retries = sum(line["retries"] for line in rig.lines.records)
+        assert retries == rig.metric("kvgate_upstream_retries_total") >= 1
+        assert max(line["retries"] for line in rig.lines.records) == 1
 
 
 @pytest.mark.parametrize("stream", [True, False])

@@ -114,11 +114,12 @@ def vllm_prefill_body(a: Admitted, decision: RouteDecision) -> bytes:
     if a.api.prompt == "generate":
         # `/inference/v1/generate` takes its output budget in `sampling_params`.
         _as_prefill(body, a.stream, _NO_BUDGET)
-        sampling = body.get("sampling_params")
-        sampling = {**sampling} if isinstance(sampling, dict) else {}
-        if not _refused(sampling, budget):
-            sampling.pop("min_tokens", None)
-        body["sampling_params"] = _one_token(sampling, budget)
+        sent = body.get("sampling_params")
+        if sent is None or isinstance(sent, dict):  # else refused as sent, by the prefill worker
+            sampling = {**sent} if sent else {}
+            if not _refused(sampling, budget):
+                sampling.pop("min_tokens", None)
+            body["sampling_params"] = _one_token(sampling, budget)
     else:
         _one_token(_as_prefill(body, a.stream, budget), budget)
     body["kv_transfer_params"] = _REMOTE_DECODE

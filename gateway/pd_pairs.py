@@ -288,7 +288,8 @@ class PdRun:
             # The decode worker answered, so the KV arrived: its answer goes to the client now, as
             # SGLang's routers relay it, and the prefill leg is closed on its own.
             self._close_prefill(p, p_task, opened)
-            return self._decoded(d, opened, None, prefill.worker, d.dispatched_s)
+            # When the KV was ready is not known (the prefill answer is still to come): not timed.
+            return self._decoded(d, opened, None, prefill.worker, d.dispatched_s, timed=False)
         if prefilled is None or isinstance(prefilled, Failure):
             # The prefill leg failed (or was stopped because the decode leg had).
             if isinstance(prefilled, Failure):
@@ -361,6 +362,7 @@ class PdRun:
         cached: int | None,
         source: WorkerId,
         transfer_since_s: float | None,
+        timed: bool = True,
     ) -> Response | None:
         """Hand an opened decode answer to the client, or account for the leg's failure.
         `transfer_since_s` is when the KV could start to move (None: no transfer was asked)."""
@@ -374,7 +376,7 @@ class PdRun:
                 return None
             if transfer_since_s is not None:
                 metrics.pd_transfer_outcomes.labels(pool, "ok").inc()
-                if d.ttft_s is not None:
+                if timed and d.ttft_s is not None:
                     first_s = d.dispatched_s + d.ttft_s
                     metrics.pd_transfer_time.labels(pool).observe(max(0.0, first_s - transfer_since_s))
             self._served(d, "decode")

@@ -233,6 +233,9 @@ async def test_the_decode_answer_does_not_wait_for_the_prefill_answer(stream: bo
         await wait_until(lambda: prefill.in_flight == 0, what="the prefill leg closed")
         assert rig.breaker_closed("p1")
         assert rig.metric("kvgate_pd_leg_failures_total") == 0
+        # When the KV was ready is not known: the transfer is not timed (from the decode leg's
+        # dispatch it would count the prompt's own prefill as transfer).
+        assert rig.metric("kvgate_pd_transfer_seconds_count") == 0
         rig.lines.flush()
         assert len(rig.lines.records) == 1 and rig.lines.records[0]["status"] == 200
 

@@ -21,6 +21,7 @@ __all__ = [
     "free_port",
     "metrics_urls",
     "processes_demo",
+    "serving_processes",
     "start",
     "start_emulator",
     "start_fake_workers",
@@ -38,21 +39,31 @@ def metrics_urls(proc: Proc) -> list[str]:
 
 
 @contextlib.contextmanager
-def processes_demo(key: str, *extra: str, processes: int = 2) -> Iterator[tuple[str, Proc]]:
-    """`kvgate serve --demo --processes N` (plus `extra`) on a free port, each process on a metrics
-    port of its own: (base URL, supervisor) once every process listens; stopped by PID after."""
+def serving_processes(
+    *serve_args: str, processes: int = 2, env: dict[str, str] | None = None
+) -> Iterator[tuple[str, Proc]]:
+    """`kvgate serve --processes N` (plus `serve_args`) on a free port, each process on a metrics
+    port of its own: (base URL, supervisor) once every process listens; stopped by PID after (a
+    test may stop it first, to check how it exits)."""
     port = free_port()
     argv = [
-        sys.executable, "-m", "gateway.cli", "serve", "--demo", "--processes", str(processes),
-        "--port", str(port), "--demo-key", key, "--metrics-port", "0", *extra,
+        sys.executable, "-m", "gateway.cli", "serve", *serve_args, "--processes", str(processes),
+        "--port", str(port), "--metrics-port", "0",
     ]  # fmt: skip
-    proc = start(argv)
+    proc = start(argv, env=env)
     try:
         wait_http(f"http://127.0.0.1:{port}/readyz", proc, timeout_s=60)
         wait_until_sync(lambda: len(set(metrics_urls(proc))) == processes, 30, "every process listens")
         yield f"http://127.0.0.1:{port}", proc
     finally:
         proc.stop()
+
+
+def processes_demo(
+    key: str, *extra: str, processes: int = 2
+) -> contextlib.AbstractContextManager[tuple[str, Proc]]:
+    """`serving_processes` of `kvgate serve --demo --demo-key KEY` (plus `extra`)."""
+    return serving_processes("--demo", "--demo-key", key, *extra, processes=processes)
 
 
 def start_fake_workers(modes: dict[int, str]) -> Proc:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -20,15 +19,11 @@ import httpx
 
 from tests.e2e.harness import (
     SECRET,
-    free_port,
-    metrics_urls,
-    start,
+    serving_processes,
     start_emulator,
     tenant,
-    wait_http,
     write_gateway_config,
 )
-from tests.support.wait import wait_until_sync
 
 KEY = "sk-measure-quotas"
 
@@ -39,28 +34,19 @@ def _run(rpm: int, processes: int, clients: int, requests: int, folder: Path) ->
     try:
         pools = [{"name": "p", "models": ["m"], "workers": [worker]}]
         config = write_gateway_config(folder / "gw.yaml", pools, [tenant("t", KEY, quotas={"rpm": rpm})])
-        port = free_port()
-        argv = [
-            sys.executable, "-m", "gateway.cli", "serve", "--config", str(config),
-            "--processes", str(processes), "--port", str(port), "--metrics-port", "0",
-        ]  # fmt: skip
-        proc = start(argv, env={"KVGATE_KEY_SECRET": SECRET.decode()})
-        try:
-            wait_http(f"http://127.0.0.1:{port}/readyz", proc, timeout_s=60)
-            wait_until_sync(lambda: len(set(metrics_urls(proc))) == processes, 30, "every process listens")
+        env = {"KVGATE_KEY_SECRET": SECRET.decode()}
+        with serving_processes("--config", str(config), processes=processes, env=env) as (base_url, _):
             body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 
             def one(_: int) -> int:
                 with httpx.Client(timeout=30) as client:
-                    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+                    url = f"{base_url}/v1/chat/completions"
                     return client.post(url, json=body, headers={"authorization": f"Bearer {KEY}"}).status_code
 
             started = time.monotonic()
             with concurrent.futures.ThreadPoolExecutor(clients) as pool:
                 statuses = list(pool.map(one, range(requests)))
             return statuses.count(200), time.monotonic() - started
-        finally:
-            proc.stop()
     finally:
         emulator.stop()
 

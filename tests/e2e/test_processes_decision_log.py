@@ -5,17 +5,15 @@ both processes append to it on one timeline, so requests sent one after another 
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import httpx
 import orjson
 import pytest
 
-from tests.e2e.harness import free_port, metrics_urls, start, wait_http
+from tests.e2e.harness import metrics_urls, serving_processes
 from tests.support.gateway_config import SECRET, tenant, write_gateway_config
 from tests.support.processes import running_emulator
-from tests.support.wait import wait_until_sync
 
 KEY = "sk-e2e-decisions"
 
@@ -38,15 +36,8 @@ def test_the_processes_append_one_decision_log_on_one_timeline(tmp_path: Path) -
             decision_log={"path": str(log)},
             scrape={"enabled": False},
         )
-        port = free_port()
-        argv = [
-            sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--processes", "2",
-            "--port", str(port), "--metrics-port", "0",
-        ]  # fmt: skip
-        proc = start(argv, {"KVGATE_KEY_SECRET": SECRET.decode()})
-        try:
-            wait_http(f"http://127.0.0.1:{port}/readyz", proc, timeout_s=60)
-            wait_until_sync(lambda: len(set(metrics_urls(proc))) == 2, 30, "both processes listen")
+        env = {"KVGATE_KEY_SECRET": SECRET.decode()}
+        with serving_processes("--config", str(config), env=env) as (base_url, proc):
             sent = 0
             # Fresh connections until each process has routed some (the kernel picks the process).
             while sent < 8 or min(_served(url) for url in set(metrics_urls(proc))) == 0:
@@ -54,13 +45,9 @@ def test_the_processes_append_one_decision_log_on_one_timeline(tmp_path: Path) -
                 body = {"model": "emulated-llama", "messages": [{"role": "user", "content": f"q{sent}"}]}
                 headers = {"authorization": f"Bearer {KEY}", "x-request-id": f"r{sent:03d}"}
                 with httpx.Client(timeout=30) as client:
-                    resp = client.post(
-                        f"http://127.0.0.1:{port}/v1/chat/completions", json=body, headers=headers
-                    )
+                    resp = client.post(f"{base_url}/v1/chat/completions", json=body, headers=headers)
                 assert resp.status_code == 200, resp.text
                 sent += 1
-        finally:
-            proc.stop()
     lines = [orjson.loads(line) for line in log.read_bytes().splitlines()]
     assert all("stale" not in line for line in lines)  # the supervisor started the file anew
     assert "stale" in (tmp_path / "decisions.jsonl.prev").read_text()  # the last run's, moved aside

@@ -5,7 +5,6 @@ the kernel deals to either process) are admitted up to the tenant's rpm in all, 
 from __future__ import annotations
 
 import re
-import sys
 import urllib.request
 from pathlib import Path
 
@@ -13,15 +12,12 @@ import openai
 
 from tests.e2e.harness import (
     SECRET,
-    free_port,
     metrics_urls,
-    start,
+    serving_processes,
     start_emulator,
     tenant,
-    wait_http,
     write_gateway_config,
 )
-from tests.support.wait import wait_until_sync
 
 KEY = "sk-e2e-quota"
 RPM = 12
@@ -41,21 +37,12 @@ def test_a_tenants_rpm_holds_across_the_processes(tmp_path: Path) -> None:
         pools = [{"name": "p", "models": ["m"], "workers": [worker]}]
         tenants = [tenant("t", KEY, quotas={"rpm": RPM})]
         config = write_gateway_config(tmp_path / "gw.yaml", pools, tenants)
-        port = free_port()
-        argv = [
-            sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--processes", "2",
-            "--port", str(port), "--metrics-port", "0",
-        ]  # fmt: skip
-        proc = start(argv, env={"KVGATE_KEY_SECRET": SECRET.decode()})
-        try:
-            wait_http(f"http://127.0.0.1:{port}/readyz", proc, timeout_s=60)
-            wait_until_sync(lambda: len(set(metrics_urls(proc))) == 2, 30, "every process listens")
+        env = {"KVGATE_KEY_SECRET": SECRET.decode()}
+        with serving_processes("--config", str(config), env=env) as (base_url, proc):
             statuses: list[int] = []
             for _ in range(3 * RPM):
                 # A fresh client is a fresh connection: the kernel picks the process.
-                with openai.OpenAI(
-                    base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0
-                ) as client:
+                with openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0) as client:
                     try:
                         client.chat.completions.create(
                             model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=1
@@ -64,7 +51,6 @@ def test_a_tenants_rpm_holds_across_the_processes(tmp_path: Path) -> None:
                     except openai.RateLimitError:
                         statuses.append(429)
             per_process = [_admitted(url) for url in sorted(set(metrics_urls(proc)))]
-        finally:
             assert proc.stop() == 0
     finally:
         emulator.stop()

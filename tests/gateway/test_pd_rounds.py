@@ -19,7 +19,7 @@ from gateway.auth import hash_api_key
 from gateway.state import GatewayState
 from tests.gateway.routes_rig import Recording
 from tests.support.inprocess import gateway_in_process
-from tests.support.loopback import serve_app
+from tests.support.loopback import serve_worker
 from tests.support.metrics import metric_total
 
 SECRET = b"k"
@@ -84,19 +84,10 @@ class Rig:
 async def pd_rig(statuses: list[int], *, params: bool = True, read_s: float = 60.0) -> AsyncIterator[Rig]:
     script = Script(statuses, params=params)
     async with contextlib.AsyncExitStack() as stack:
-        urls = []
-        for handler in (script.prefill, script.decode, script.decode):
-
-            async def health(_: web.Request) -> web.Response:
-                return web.Response(text="ok")
-
-            app = web.Application()
-            app.router.add_get("/health", health)
-            app.router.add_post("/v1/chat/completions", handler)
-            app.router.add_post("/v1/responses", script.responses)
-            runner, port = await serve_app(app)
-            stack.push_async_callback(runner.cleanup)
-            urls.append(f"http://127.0.0.1:{port}")
+        urls = [
+            await serve_worker(stack, {"/v1/chat/completions": handler, "/v1/responses": script.responses})
+            for handler in (script.prefill, script.decode, script.decode)
+        ]
         config = {
             "pools": [
                 {

@@ -19,7 +19,7 @@ from gateway.state import GatewayState
 from tests.gateway.access_lines import AccessLines, capture_access
 from tests.gateway.routes_rig import Recording
 from tests.support.inprocess import gateway_in_process
-from tests.support.loopback import serve_app
+from tests.support.loopback import serve_worker
 from tests.support.metrics import metric_total
 
 SECRET = b"pd-ttft"
@@ -49,18 +49,7 @@ async def _decode(request: web.Request) -> web.StreamResponse:
 @contextlib.asynccontextmanager
 async def rig() -> AsyncIterator[tuple[httpx.AsyncClient, GatewayState, AccessLines]]:
     async with contextlib.AsyncExitStack() as stack:
-        urls = []
-        for handler in (_prefill, _decode):
-
-            async def health(_: web.Request) -> web.Response:
-                return web.Response(text="ok")
-
-            app = web.Application()
-            app.router.add_get("/health", health)
-            app.router.add_post("/v1/chat/completions", handler)
-            runner, port = await serve_app(app)
-            stack.push_async_callback(runner.cleanup)
-            urls.append(f"http://127.0.0.1:{port}")
+        urls = [await serve_worker(stack, {"/v1/chat/completions": h}) for h in (_prefill, _decode)]
         config = {
             "pools": [
                 {

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Awaitable, Callable, Mapping
+
 from aiohttp import web
 
 
@@ -14,3 +17,22 @@ async def serve_app(app: web.Application, *, handler_cancellation: bool = False)
     await site.start()
     port: int = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     return runner, port
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+async def _healthy(_: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
+async def serve_worker(stack: contextlib.AsyncExitStack, posts: Mapping[str, Handler]) -> str:
+    """A scripted worker answering `GET /health` and the POST routes `posts` (path -> handler),
+    cleaned up with `stack`: its base URL."""
+    app = web.Application()
+    app.router.add_get("/health", _healthy)
+    for path, handler in posts.items():
+        app.router.add_post(path, handler)
+    runner, port = await serve_app(app)
+    stack.push_async_callback(runner.cleanup)
+    return f"http://127.0.0.1:{port}"

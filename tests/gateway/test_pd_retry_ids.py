@@ -28,7 +28,7 @@ from gateway.auth import hash_api_key
 from tests.gateway.responses_store import responses_app
 from tests.gateway.routes_rig import Recording
 from tests.support.inprocess import gateway_in_process
-from tests.support.loopback import serve_app
+from tests.support.loopback import serve_in
 
 SECRET = b"pd-retry-ids"
 KEY = {"authorization": "Bearer sk-t"}
@@ -100,11 +100,7 @@ def _error(message: str) -> web.Response:
 async def fleet_of(fault: str) -> AsyncIterator[tuple[Fleet, dict[str, str]]]:
     fleet = Fleet(fault)
     async with contextlib.AsyncExitStack() as stack:
-        urls = {}
-        for name in ROLES:
-            runner, port = await serve_app(fleet.app(name))
-            stack.push_async_callback(runner.cleanup)
-            urls[name] = f"http://127.0.0.1:{port}"
+        urls = {name: await serve_in(stack, fleet.app(name)) for name in ROLES}
         yield fleet, urls
 
 

@@ -27,7 +27,7 @@ from policies.base import WorkerId
 from tests.gateway.access_lines import AccessLines, capture_access
 from tests.gateway.routes_rig import Recording
 from tests.support.inprocess import gateway_in_process
-from tests.support.loopback import serve_app
+from tests.support.loopback import serve_in
 from tests.support.metrics import metric_total
 from tests.support.wait import wait_until
 
@@ -139,11 +139,7 @@ class Rig:
 async def sglang_rig(fleet: Fleet, prefills: int = 1, read_s: float = 10.0) -> AsyncIterator[Rig]:
     names = [f"p{i + 1}" for i in range(prefills)] + ["d1", "d2"]
     async with contextlib.AsyncExitStack() as stack:
-        urls = {}
-        for name in names:
-            runner, port = await serve_app(fleet.app(name))
-            stack.push_async_callback(runner.cleanup)
-            urls[name] = f"http://127.0.0.1:{port}"
+        urls = {name: await serve_in(stack, fleet.app(name)) for name in names}
         stack.callback(fleet.finish)
         config = {
             "pools": [

@@ -33,6 +33,11 @@ async def serve_worker(stack: contextlib.AsyncExitStack, posts: Mapping[str, Han
     app.router.add_get("/health", _healthy)
     for path, handler in posts.items():
         app.router.add_post(path, handler)
+    return await serve_in(stack, app)
+
+
+async def serve_in(stack: contextlib.AsyncExitStack, app: web.Application) -> str:
+    """`serve_app`, cleaned up with `stack`: the app's base URL."""
     runner, port = await serve_app(app)
     stack.push_async_callback(runner.cleanup)
     return f"http://127.0.0.1:{port}"

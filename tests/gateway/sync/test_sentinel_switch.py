@@ -119,10 +119,11 @@ async def test_with_the_subscription_refused_the_questions_follow_a_failover(tmp
             await _on((a, b), second)  # asked every 0.5 s, the sentinel names it
             assert _link(a).announced == 0 and _link(b).announced == 0
             await _shares(a, b, "asked")
-            # The link's backoff between attempts (0.2, 0.5, 1, 2, 5 s): the drop, then no more
-            # refusals than attempts the backoff allows in the time since.
+            # The link's backoff between attempts (0.2, 0.5, 1, 2, 5 s, each lengthened by up to
+            # half at random): the drop, then no more refusals than attempts the shortest waits
+            # allow in the time since.
             elapsed = time.monotonic() - refused
-            waits = itertools.accumulate(reconnect_delay_s(n) for n in range(100))
+            waits = itertools.accumulate(reconnect_delay_s(n, lambda: 0.0) for n in range(100))
             assert _link(a).sentinels.subscription_losses <= 1 + sum(1 for w in waits if w <= elapsed)
             assert _link(a).sentinels.subscriptions == 1
 

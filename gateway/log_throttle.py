@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 
 
 class LogThrottle:
@@ -21,10 +21,17 @@ class LogThrottle:
         self._max_keys = max_keys
         self._last: OrderedDict[Hashable, tuple[float, int]] = OrderedDict()  # key -> (logged at, left)
 
-    def warning(self, key: Hashable, now_s: float, message: str, *args: object) -> bool:
-        """Log `message % args` at warning level unless `key` was logged less than `every_s` ago
-        (then count it); a line written after others were left carries their number. True when
-        written."""
+    def warning(
+        self,
+        key: Hashable,
+        now_s: float,
+        message: str,
+        *args: object,
+        extra: Mapping[str, object] | None = None,
+    ) -> bool:
+        """Log `message % args` (with the record fields `extra`) at warning level unless `key` was
+        logged less than `every_s` ago (then count it); a line written after others were left
+        carries their number. True when written."""
         last = self._last.get(key)
         if last is not None and now_s - last[0] < self.every_s:
             self._last[key] = (last[0], last[1] + 1)
@@ -36,7 +43,8 @@ class LogThrottle:
         if len(self._last) > self._max_keys:
             self._last.popitem(last=False)
         if left:
-            self._log.warning(message + " (and %d more like it since the last such line)", *args, left)
+            more = " (and %d more like it since the last such line)"
+            self._log.warning(message + more, *args, left, extra=extra)
         else:
-            self._log.warning(message, *args)
+            self._log.warning(message, *args, extra=extra)
         return True

@@ -40,9 +40,11 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from gateway.log_throttle import LogThrottle
 from gateway.metrics import GatewayMetrics
 from gateway.quotas import TenantLimiter
 from gateway.registry import Registry
+from gateway.sync.batch_age import BatchAges
 from gateway.sync.codec import ClockSkewed, MalformedBatch, SyncBatch, decode
 from gateway.sync.deployment import fingerprints
 from gateway.sync.parking import ParkedHoldings
@@ -69,12 +71,10 @@ MAX_HOLDING_KEYS = 16_384
 # How long a holding waits for its worker to be discovered here: three of the fleet's 5-second
 # discovery rounds (a Kubernetes watch or a DNS refresh is usually far quicker).
 PARK_TTL_S = 15.0
-# One clock-skew warning per sender in this time; the senders remembered for it are bounded.
-SKEW_LOG_EVERY_S = 60.0
-# One warning of malformed batches in this time, whoever sent them (a malformed batch names no
-# sender to trust): a peer of another wire version, or a broken one, sends every batch so.
-MALFORMED_LOG_EVERY_S = 60.0
-_SKEW_LOG_SENDERS = 1024
+# One clock-skew warning per sender in this time, and one of malformed batches whoever sent them
+# (a malformed batch names no sender to trust): a peer of another wire version, or a broken one,
+# sends every batch so.
+DROP_LOG_EVERY_S = 60.0
 
 
 @dataclass(slots=True)
@@ -124,13 +124,11 @@ class SyncSubscriber:
             ((name, pool.config.models) for name, pool in registry.pools.items()), secret
         )
         self._marks = frozenset(self._mark_of.values())
-        self._age_floor: dict[str, tuple[float, float]] = {}  # origin -> (smallest age, when)
+        self.ages = BatchAges()
         self.parked = ParkedHoldings(PARK_TTL_S)
         self.parked_any = asyncio.Event()  # set while something is parked: the service polls for it
         self._seen_workers: dict[str, object] = {}  # pool -> its worker map when last looked at
-        self._skew_logged: dict[str, float] = {}  # sender -> when its clock was last logged
-        self._malformed_logged_s: float | None = None
-        self._malformed_unlogged = 0  # malformed batches since the last warning of them
+        self._drops = LogThrottle(log, DROP_LOG_EVERY_S)
 
     async def on_message(self, data: bytes, policy_of: Callable[[], RoutingPolicy]) -> None:
         """Decode and apply one batch in steps of at most `CHUNK_ITEMS` items and `CHUNK_KEYS`
@@ -140,11 +138,16 @@ class SyncSubscriber:
             batch = decode(data)
         except ClockSkewed as exc:
             self.stats.clock_skew += 1
-            self._log_skew(exc, time.monotonic())
+            self._drops.warning(
+                ("skew", exc.origin[:128]),
+                time.monotonic(),
+                "sync batch dropped: the sender's clock and this gateway's are too far apart",
+                extra={"peer": exc.origin[:128], "skew_s": round(exc.skew_s, 1)},
+            )
             return
         except MalformedBatch as exc:
             self.stats.malformed += 1
-            self._log_malformed(exc, time.monotonic())
+            self._drops.warning("malformed", time.monotonic(), "malformed sync batch dropped: %s", exc)
             return
         if not self.accept(batch, time.monotonic()):
             return
@@ -242,15 +245,6 @@ class SyncSubscriber:
             return False
         return True
 
-    # How fast an origin's smallest batch age may rise again (s per s): far faster than clocks drift
-    # apart. A step of either clock is forgotten faster still: the smallest age also rises toward
-    # a batch's age with this time constant (s), so that any step within `MAX_CLOCK_SKEW_S` is
-    # within the herd's 1 s horizon in a minute and gone in two (at 10 ms a second, a 60 s step
-    # took an hour and a half). A batch's lag of up to about 100 ms still rises the floor at the
-    # drift, and a lag only ever reads shorter for it.
-    AGE_FLOOR_DRIFT = 1e-2
-    AGE_FLOOR_STEP_S = 8.0
-
     @staticmethod
     def note(origin: str, policy: RoutingPolicy, now_s: float) -> None:
         """Tell the policy `origin` was heard from (every batch, load refreshes included)."""
@@ -258,25 +252,8 @@ class SyncSubscriber:
             policy.note_peer(origin, now_s)
 
     def decided_s(self, batch: SyncBatch, now_s: float) -> float:
-        """The earliest the batch's items can have been decided, on the monotonic clock of `now_s`:
-        its age, plus how long its first item waited in the sender's queue. Across hosts a batch's
-        age by the wall clocks includes their skew, which may be large either way; the skew is the
-        same for every batch of one origin, so the age counted is the excess over the origin's
-        smallest recent age (a real transit of tens of microseconds is lost on one host, and no
-        skew is counted across hosts)."""
-        age = time.time() - batch.sent_wall_s
-        floors = self._age_floor
-        found = floors.get(batch.origin)
-        if found is None:
-            floor = age
-        else:
-            dt = now_s - found[1]
-            step = (age - found[0]) * -math.expm1(-dt / self.AGE_FLOOR_STEP_S)
-            floor = min(age, found[0] + max(self.AGE_FLOOR_DRIFT * dt, step))
-        if len(floors) >= 4096 and batch.origin not in floors:
-            floors.clear()  # bounded against churning peers
-        floors[batch.origin] = (floor, now_s)
-        return now_s - (age - floor) - batch.waited_s
+        """The earliest the batch's items can have been decided (`batch_age`)."""
+        return self.ages.decided_s(batch, now_s, time.time())
 
     def apply_items(
         self,
@@ -349,33 +326,6 @@ class SyncSubscriber:
                 changed = True
         return changed
 
-    def _log_skew(self, exc: ClockSkewed, now_s: float) -> None:
-        """Warn of a sender's clock, at most once per `SKEW_LOG_EVERY_S` per sender."""
-        logged = self._skew_logged
-        last = logged.get(exc.origin)
-        if last is not None and now_s - last < SKEW_LOG_EVERY_S:
-            return
-        if last is None and len(logged) >= _SKEW_LOG_SENDERS:
-            logged.clear()  # bounded against made-up senders: at worst a warning comes early
-        logged[exc.origin] = now_s
-        log.warning(
-            "sync batch dropped: the sender's clock and this gateway's are too far apart",
-            extra={"peer": exc.origin[:128], "skew_s": round(exc.skew_s, 1)},
-        )
-
-    def _log_malformed(self, exc: MalformedBatch, now_s: float) -> None:
-        """Warn of malformed batches at most once per `MALFORMED_LOG_EVERY_S`, with how many
-        were dropped since the last warning (each is counted in `dropped_malformed`)."""
-        self._malformed_unlogged += 1
-        last = self._malformed_logged_s
-        if last is not None and now_s - last < MALFORMED_LOG_EVERY_S:
-            return
-        self._malformed_logged_s = now_s
-        log.warning(
-            "malformed sync batch dropped", extra={"error": str(exc), "batches": self._malformed_unlogged}
-        )
-        self._malformed_unlogged = 0
-
     def expire(self, now_s: float) -> None:
         """Forget peers not heard from within the timeout (and their load), and holdings parked
         for longer than their TTL."""
@@ -385,8 +335,7 @@ class SyncSubscriber:
         for pool, worker in self.loads.expire(now_s):
             self._refresh(pool, worker)
         self.sequences.expire(now_s)
-        for origin in [o for o in self._age_floor if not self.loads.heard_from(o)]:
-            del self._age_floor[origin]
+        self.ages.keep(self.loads.heard_from)
         if now_s >= self._forget_quota_peers_s:  # at most once a second, whatever the tenants
             self._forget_quota_peers_s = now_s + 1.0
             for limiter in self.limiters.values():

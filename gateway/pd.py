@@ -116,6 +116,7 @@ async def _rounds(run: PdRun, router: PdRouter) -> Response:
                 run.verdicts.acquit()  # a worker refused the request: it is the likely cause
             else:
                 run.verdicts.convict(time.monotonic())
+                _settle_pairs(run, decision)
             return result
         if run.final or run.read_timeouts.spent:
             break
@@ -171,6 +172,17 @@ async def _choose(run: PdRun, router: PdRouter, first: bool) -> tuple[PdDecision
         return choose(now_s), now_s
     routed = queue.try_pair(a, choose, splittable, whole=whole)
     return routed or await queue.wait_pair(a, choose, splittable, whole=whole)
+
+
+def _settle_pairs(run: PdRun, decision: PdDecision) -> None:
+    """The request was served: its inconclusive SGLang pairs are noted, and the pair that served
+    it settles the pool's notes it shares a worker with (`pd_suspects`)."""
+    suspects = run.a.pool.pd_suspects
+    now_s = time.monotonic()
+    for prefill, decode in run.unsettled:
+        suspects.note(prefill, decode, now_s)
+    if decision.prefill is not None and run.pd.protocol == "sglang" and suspects:
+        suspects.served(decision.prefill.worker, decision.decode.worker, now_s)
 
 
 def _count(run: PdRun, decision: PdDecision) -> bool:

@@ -13,7 +13,9 @@ A leg that fails before the client has anything is closed here and leaves the ne
 lesson (docs/pd.md, "Failures"):
 - a prefill leg that fails (connect error, 5xx, timeout, malformed answer): without that worker;
 - a decode worker unreachable or broken (under SGLang also its 5xx answer when its prefill leg
-  does not fail within the connect timeout after it): without that worker;
+  was served within the connect timeout after it): without that worker; its 5xx while the
+  prefill leg is still out points at neither: without both, and the pair is settled later
+  (`gateway.pd_suspects`);
 - a transfer failure (a decode leg sent to read KV answered 5xx, under SGLang only when its
   prefill leg failed too, or an error event before its first token, or a stream that timed out
   before its first event): counted; vLLM then recomputes the request without a split (a decode
@@ -94,6 +96,7 @@ class PdRun:
         # out: either may be at fault, so the next rounds go without both if they can, else
         # without one of them (`avoiding`); no verdict on either.
         self.avoided: tuple[set[WorkerId], set[WorkerId]] = (set(), set())
+        self.unsettled: list[tuple[Worker, Worker]] = []  # those pairs, for `pd_suspects`
         self.inconclusive = False
         self.whole = whole
         self.splittable = splittable
@@ -309,6 +312,7 @@ class PdRun:
         self.inconclusive = isinstance(opened, TransferFailed) and opened.status and prefilled is None
         if self.inconclusive:
             self.avoided[1].add(d.worker.worker_id)
+            self.unsettled.append((p.worker, d.worker))
         if isinstance(opened, TransferFailed) and opened.status and isinstance(prefilled, Prefilled):
             # The decode worker answered 5xx and its prefill leg was served, within the connect
             # timeout after it (`both_legs`): nothing points at the transfer, and an SGLang decode

@@ -20,6 +20,7 @@ import aiohttp
 from gateway.config.pool import PoolConfig
 from gateway.health import probe_health
 from gateway.model_window import PoolWindows, read_windows
+from gateway.pd_suspects import InconclusivePairs
 from gateway.upstream_headers import NO_AUTH, WorkerAuth
 from gateway.worker import HealthChange, HealthListener, Worker
 from policies.base import WorkerId, WorkerView
@@ -52,6 +53,7 @@ class Pool:
         )
         # Prefill/decode disaggregation: the pair chooser of a pool with a `pd` section.
         self.pd_router = _pd_router(config)
+        self.pd_suspects = InconclusivePairs()  # SGLang pairs that failed pointing at neither worker
         self.windows = PoolWindows(config)  # each model's context window, read at admission
         self._static_roles = config.static_roles
         self.on_health: HealthListener | None = None

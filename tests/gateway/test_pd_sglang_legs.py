@@ -167,17 +167,25 @@ async def sglang_rig(fleet: Fleet, prefills: int = 1, read_s: float = 10.0) -> A
         yield Rig(gw.client, gw.state, urls, capture_access(gw.state))
 
 
-async def test_a_decode_worker_answering_500_is_left_out_of_the_next_round() -> None:
+@pytest.mark.parametrize("prefills", [1, 2])
+async def test_a_decode_worker_answering_500_is_left_out_then_its_breaker_opens(prefills: int) -> None:
     """It answers 500 before its prefill leg has ended (the prefill worker waits for it to join
-    the room), so either could be at fault: no verdict on either, and the next round goes without
-    both where it can, here to the one prefill worker again and the other decode worker, which
-    serve it."""
-    async with sglang_rig(Fleet(broken="d1")) as rig:
-        for _ in range(12):
+    the room), so either could be at fault: no verdict on either then, and the next round goes
+    without both where it can (else without the decode worker), which serves it. The prefill
+    worker then serving a pair with the other decode worker shows it works: the broken decode
+    worker's breaker counts a failure for each such round and opens, and no more requests pay a
+    round for it."""
+    async with sglang_rig(Fleet(broken="d1"), prefills=prefills) as rig:
+        for _ in range(16):
             resp = await rig.chat()
             assert resp.status_code == 200, resp.text
-        assert rig.breaker_closed("d1") and rig.breaker_closed("d2") and rig.breaker_closed("p1")
-        assert rig.metric("kvgate_pd_transfer_failures_total", reason="decode_error") >= 1
+        assert not rig.breaker_closed("d1")
+        assert rig.breaker_closed("d2") and all(rig.breaker_closed(f"p{i + 1}") for i in range(prefills))
+        failed = rig.metric("kvgate_pd_transfer_failures_total", reason="decode_error")
+        assert 1 <= failed <= 3 + prefills  # the breaker's threshold (3), and notes a pair settled later
+        for _ in range(8):
+            assert (await rig.chat()).status_code == 200
+        assert rig.metric("kvgate_pd_transfer_failures_total", reason="decode_error") <= failed + 1
 
 
 async def test_a_stuck_prefill_worker_does_not_get_the_decode_workers_blamed() -> None:
@@ -191,6 +199,9 @@ async def test_a_stuck_prefill_worker_does_not_get_the_decode_workers_blamed() -
             assert resp.status_code == 200, resp.text
         assert rig.breaker_closed("d1") and rig.breaker_closed("d2")
         assert rig.metric("kvgate_pd_transfer_failures_total", reason="decode_error") >= 1
+        # The decode workers serving pairs with the other prefill worker settle it: the stuck one
+        # is at fault, and its breaker opens.
+        assert not rig.breaker_closed("p1") and rig.breaker_closed("p2")
 
 
 async def test_a_decode_answer_500_after_its_prefill_worker_went_down_blames_the_transfer() -> None:

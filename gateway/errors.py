@@ -8,10 +8,15 @@ from dataclasses import dataclass, field
 import orjson
 from starlette.types import Receive, Scope, Send
 
+from gateway.quotas import Standing
+
 
 @dataclass(frozen=True, slots=True)
 class ApiError(Exception):
-    """An error the gateway answers itself, with the status the OpenAI SDKs map to an exception."""
+    """An error the gateway answers itself, with the status the OpenAI SDKs map to an exception.
+    A quota's 429 carries the tenant's rate limits as OpenAI's `x-ratelimit-*` in `headers`, and
+    the buckets they were written from in `standings`, from which Anthropic's envelope writes its
+    own headers in their place (`anthropic.error_response`)."""
 
     status: int
     message: str
@@ -19,6 +24,7 @@ class ApiError(Exception):
     code: str | None = None
     param: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    standings: tuple[Standing, ...] = ()
 
     def body(self) -> bytes:
         return error_body(self.message, self.type, self.code, self.param)

@@ -6,9 +6,10 @@ gateway tolerates and ignores) and expect errors as `{"type": "error", "error": 
 "message"}}`, with Anthropic's type names. Every error on `/v1/messages` and
 `/v1/messages/count_tokens` has that shape, the gateway's own (401, 413, 429, 503, ...) and a
 worker's refusal alike; the status codes and the retry headers (`retry-after`,
-`x-should-retry`) are the same as on the OpenAI routes. A tenant's rate limits are written as
-Anthropic writes them, `anthropic-ratelimit-*` (`rate_headers`), in place of OpenAI's
-`x-ratelimit-*`.
+`x-should-retry`) are the same as on the OpenAI routes, but for a worker's 529 ("overloaded",
+Anthropic's own status for it), which an Anthropic client gets as sent where an OpenAI client
+gets 503 (`WORKER_OVERLOADED`). A tenant's rate limits are written as Anthropic writes them,
+`anthropic-ratelimit-*` (`rate_headers`), in place of OpenAI's `x-ratelimit-*`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Iterable
 
 import orjson
 
-from gateway.errors import MAX_WORKER_MESSAGE_CHARS, ApiError, RawResponse
+from gateway.errors import MAX_WORKER_MESSAGE_CHARS, WORKER_OVERLOADED, ApiError, RawResponse
 from gateway.quotas import Standing
 
 # Anthropic's error type for each status; any other 4xx is a bad request, any other 5xx an API
@@ -33,7 +34,12 @@ _TYPE_BY_STATUS = {
     429: "rate_limit_error",
     503: "overloaded_error",
     504: "timeout_error",
+    529: "overloaded_error",
 }
+# The gateway's errors whose status is another here: a worker's 529, a 503 on the OpenAI routes
+# (which know no 529), reaches an Anthropic client as the worker sent it, and its SDK raises the
+# `OverloadedError` it would raise talking to Anthropic's API.
+_STATUS_BY_CODE = {WORKER_OVERLOADED: 529}
 _OPENAI_LIMITS = "x-ratelimit-"  # OpenAI's rate-limit headers (`quotas.openai_rate_headers`)
 
 
@@ -50,8 +56,8 @@ def error_body(status: int, message: str) -> bytes:
 
 
 def error_response(err: ApiError, request_id: str) -> RawResponse:
-    """The gateway's own error in Anthropic's envelope, with the same status and headers, and the
-    tenant's rate limits as Anthropic writes them."""
+    """The gateway's own error in Anthropic's envelope, with the same status (a worker's 529 kept:
+    `_STATUS_BY_CODE`) and headers, and the tenant's rate limits as Anthropic writes them."""
     rid = request_id.encode()
     headers = [(b"content-type", b"application/json"), (b"x-request-id", rid), (b"request-id", rid)]
     if err.standings:  # a quota's 429: its rate limits as Anthropic writes them, not OpenAI's
@@ -61,7 +67,8 @@ def error_response(err: ApiError, request_id: str) -> RawResponse:
         headers += rate_headers(err.standings, time.time())
     else:
         headers += [(k.encode(), v.encode()) for k, v in err.headers.items()]
-    return RawResponse(err.status, error_body(err.status, err.message), headers)
+    status = err.status if err.code is None else _STATUS_BY_CODE.get(err.code, err.status)
+    return RawResponse(status, error_body(status, err.message), headers)
 
 
 def rate_headers(standings: Iterable[Standing], wall_s: float) -> list[tuple[bytes, bytes]]:

@@ -140,6 +140,11 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, "invalid_request_error", "invalid_request", param)
 
 
+# The code of the 503 that a worker's 529 (overloaded) becomes (`failure.worker_status`); on the
+# Anthropic routes it keeps its 529 (`anthropic.error_response`).
+WORKER_OVERLOADED = "worker_overloaded"
+
+
 def upstream_error(status: int, message: str) -> ApiError:
     code = {502: "bad_gateway", 503: "no_worker_available", 504: "upstream_timeout"}.get(
         status, "server_error"

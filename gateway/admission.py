@@ -32,7 +32,7 @@ from gateway.gate import Gate
 from gateway.keying import canonical_prompt, keyed_apart, only_model, prompt_error, read_large_body
 from gateway.pd_requests import unrunnable
 from gateway.prompt_batch import batch_tokens
-from gateway.quotas import Rejection, TenantLimiter
+from gateway.quotas import Rejection, TenantLimiter, openai_rate_headers
 from gateway.request_head import RequestHead, RequestIds
 from gateway.responses_affinity import (
     mint_response_id,
@@ -341,7 +341,8 @@ def _quota_error(rejection: Rejection, limiter: TenantLimiter, now_s: float) -> 
         }
     else:
         headers = {"x-should-retry": "false"}  # no wait makes it pass: no Retry-After to honour
-    headers |= {name.decode(): value.decode() for name, value in limiter.rate_headers(now_s)}
+    standings = limiter.standings(now_s)
+    headers |= {name.decode(): value.decode() for name, value in openai_rate_headers(standings)}
     return ApiError(
         429,
         rejection.message,
@@ -349,4 +350,5 @@ def _quota_error(rejection: Rejection, limiter: TenantLimiter, now_s: float) -> 
         rejection.code,
         None,
         headers,
+        standings,
     )

@@ -9,9 +9,10 @@ from typing import Any
 
 import orjson
 
+from gateway.anthropic import rate_headers
 from gateway.auth import Tenant
 from gateway.errors import ApiError, RawResponse, withhold_salts
-from gateway.quotas import TenantLimiter
+from gateway.quotas import TenantLimiter, openai_rate_headers
 from gateway.registry import Pool
 from gateway.responses_affinity import ResponseAffinity, note_response, with_new_response_id
 from gateway.routes import ApiRoute
@@ -117,19 +118,31 @@ class Admitted:
 
     def reply_headers(self) -> list[tuple[bytes, bytes]]:
         """The headers every answer to this request carries: `x-request-id`, and the tenant's
-        rate limits as they stand now (`TenantLimiter.rate_headers`)."""
+        rate limits as they stand now (`TenantLimiter.standings`), in its route's headers:
+        Anthropic's on the Messages routes, with the id in `request-id` too; OpenAI's elsewhere."""
         reply_id = self.reply_id.encode()
-        headers = [(b"x-request-id", reply_id), *self.limiter.rate_headers(time.monotonic())]
         if self.api.dialect.name == "anthropic":
-            headers.append((b"request-id", reply_id))  # where the Anthropic SDKs read it
-        return headers
+            # Where the Anthropic SDKs read the id.
+            return [(b"x-request-id", reply_id), (b"request-id", reply_id), *self._rate_headers()]
+        return [(b"x-request-id", reply_id), *self._rate_headers()]
 
     def error_response(self, err: ApiError) -> RawResponse:
         """The gateway's own error for this request, in its route's dialect, with the tenant's rate
         limits as they stand now: an error after admission also tells the client its quota."""
         response = self.api.dialect.error_response(err, self.reply_id)
-        response.headers += self.limiter.rate_headers(time.monotonic())
+        response.headers += self._rate_headers()
         return response
+
+    def _rate_headers(self) -> list[tuple[bytes, bytes]]:
+        """The tenant's rate limits now, as the route's API writes them: Anthropic's
+        `anthropic-ratelimit-*` on the Messages routes (an Anthropic client reads no other),
+        OpenAI's `x-ratelimit-*` elsewhere."""
+        standings = self.limiter.standings(time.monotonic())
+        if not standings:
+            return []
+        if self.api.dialect.name == "anthropic":
+            return rate_headers(standings, time.time())
+        return openai_rate_headers(standings)
 
     def body_for(self, decision: RouteDecision) -> bytes:
         """The bytes for one dispatch, always with the gateway's own `cache_salt` (in the route's

@@ -8,10 +8,15 @@ from dataclasses import dataclass, field
 import orjson
 from starlette.types import Receive, Scope, Send
 
+from gateway.quotas import Standing
+
 
 @dataclass(frozen=True, slots=True)
 class ApiError(Exception):
-    """An error the gateway answers itself, with the status the OpenAI SDKs map to an exception."""
+    """An error the gateway answers itself, with the status the OpenAI SDKs map to an exception.
+    A quota's 429 carries the tenant's rate limits as OpenAI's `x-ratelimit-*` in `headers`, and
+    the buckets they were written from in `standings`, from which Anthropic's envelope writes its
+    own headers in their place (`anthropic.error_response`)."""
 
     status: int
     message: str
@@ -19,6 +24,7 @@ class ApiError(Exception):
     code: str | None = None
     param: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    standings: tuple[Standing, ...] = ()
 
     def body(self) -> bytes:
         return error_body(self.message, self.type, self.code, self.param)
@@ -132,6 +138,11 @@ def echoed(text: str, limit: int = ECHOED_CHARS) -> str:
 
 def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, "invalid_request_error", "invalid_request", param)
+
+
+# The code of the 503 that a worker's 529 (overloaded) becomes (`failure.worker_status`); on the
+# Anthropic routes it keeps its 529 (`anthropic.error_response`).
+WORKER_OVERLOADED = "worker_overloaded"
 
 
 def upstream_error(status: int, message: str) -> ApiError:

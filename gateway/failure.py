@@ -25,7 +25,7 @@ import enum
 import aiohttp
 
 from gateway.config.pool import TimeoutsConfig
-from gateway.errors import ApiError
+from gateway.errors import WORKER_OVERLOADED, ApiError
 from gateway.retries import forwardable
 from gateway.sse import STREAM_ERROR_CODE, MalformedStream
 from gateway.upstream import (
@@ -84,8 +84,8 @@ class Failure:
     # Retrying the request cannot change the answer: the client is told not to
     # (`x-should-retry: false`), whatever attempts its call has left.
     final: bool = False
-    # The workers asked to be retried later (a 503: overloaded or starting, no work spent on the
-    # request): the client may retry after their `Retry-After`, whatever its call's budget.
+    # The workers asked to be retried later (a 503 or a 529: overloaded or starting, no work spent
+    # on the request): the client may retry after their `Retry-After`, whatever its call's budget.
     later: bool = False
 
     def says_whether_to_retry(self, only_later: bool) -> bool:
@@ -234,13 +234,19 @@ def worker_failed(status: int) -> bool:
     return status >= 500 or status in REFUSED_CREDENTIALS
 
 
+# A worker's 529 is Anthropic's "overloaded" (`overloaded_error`), which some servers and proxies
+# in front of OpenAI-compatible engines send as well: the same word as a 503.
+OVERLOADED = 529
+
+
 def worker_status(status: int, hints: RetryHints = ()) -> Failure:
     """A worker answered 5xx or refused the gateway's credentials (`worker_failed`): its body is
     discarded and another worker may take the request. When none does, a 503 (an overloaded or
-    starting worker) reaches the client as a 503 with the worker's own `Retry-After`; a refusal
-    of credentials as a 502 `worker_auth_failed` (the client's key was fine: the pool's worker
-    key is missing or wrong); any other 5xx as a 502. Each waits for the request's fate before
-    it counts against the worker (`Failure.held`)."""
+    starting worker) reaches the client as a 503 with the worker's own `Retry-After`, and so does
+    a 529 (overloaded), as `WORKER_OVERLOADED` (an Anthropic client gets its 529:
+    `anthropic.error_response`); a refusal of credentials as a 502 `worker_auth_failed` (the
+    client's key was fine: the pool's worker key is missing or wrong); any other 5xx as a 502.
+    Each waits for the request's fate before it counts against the worker (`Failure.held`)."""
     failed, retry = Outcome.WORKER_FAILED, RetryReason.WORKER_ERROR
     if status in REFUSED_CREDENTIALS:
         message = f"the worker refused the gateway's credentials (HTTP {status})"
@@ -250,6 +256,9 @@ def worker_status(status: int, hints: RetryHints = ()) -> Failure:
     message = f"worker answered {status}"
     if status == 503:
         return Failure(503, message, "worker_unavailable", failed, retry, hints, answered=True, later=True)
+    if status == OVERLOADED:
+        message = f"worker answered {status} (overloaded)"
+        return Failure(503, message, WORKER_OVERLOADED, failed, retry, hints, answered=True, later=True)
     return Failure(502, message, _BAD_GATEWAY, failed, retry, answered=True)
 
 

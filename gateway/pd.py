@@ -126,17 +126,17 @@ async def _rounds(run: PdRun, router: PdRouter) -> Response:
         failure = holder_unavailable(run.failure)
     last = run.failed or (run.attempts[-1] if run.attempts else None)
     retries = max(run.failures - 1, 0)
+    response = a.error_response(failure.error())
     finish(
         routing,
         a,
         last,
-        status=failure.status,
+        status=response.status,  # the client's, as the route's envelope has it (`proxy._attempts`)
         outcome=failure.outcome,
         retries=retries,
         error=failure.code,
         error_detail=failure.detail(),
     )
-    response = a.error_response(failure.error())
     if not failure.says_whether_to_retry(run.only_later):
         response.headers += advice(rounds, pool.config.retry_attempts, a.retries_taken)
     return response

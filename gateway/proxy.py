@@ -187,8 +187,10 @@ async def _attempts(
         failure = holder_unavailable(failure)
     elif failure is None:
         failure = no_worker(pool, a.model, time.monotonic())
-    _finish(routing, a, attempts, failure.status, failure.outcome, failure.code, failure.detail())
     response = a.error_response(failure.error())
+    # Recorded with the status the client gets, which its route's envelope decides (a worker's 529
+    # stays 529 on the Anthropic routes: `anthropic.error_response`).
+    _finish(routing, a, attempts, response.status, failure.outcome, failure.code, failure.detail())
     if not failure.says_whether_to_retry(only_later):
         response.headers += advice(len(attempts), pool.config.retry_attempts, a.retries_taken)
     return response

@@ -32,8 +32,9 @@ as the shared bucket would have refilled.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Literal
 
 from gateway.config import QuotaConfig
 
@@ -46,6 +47,24 @@ class Rejection:
     retry_after_s: float
     retryable: bool
     code: str
+
+
+Unit = Literal["requests", "tokens"]
+
+
+@dataclass(frozen=True, slots=True)
+class Standing:
+    """Where one of a tenant's buckets stands, what an answer's rate-limit headers say of it:
+    `unit` names the bucket (`requests`: the rpm, `tokens`: the tpm), `limit` is its capacity,
+    `remaining` the whole units left (never below 0, though the bucket may be), `full_in_s` the
+    seconds until it is full again. Each API writes it in its own headers: OpenAI's
+    `x-ratelimit-*` (`openai_rate_headers`), Anthropic's `anthropic-ratelimit-*`
+    (`anthropic.rate_headers`)."""
+
+    unit: Unit
+    limit: int
+    remaining: int
+    full_in_s: float
 
 
 class TokenBucket:
@@ -82,17 +101,11 @@ class TokenBucket:
         self._refill(now_s)
         self._level = min(self.capacity, self._level - amount)
 
-    def headers(self, unit: bytes, now_s: float) -> list[tuple[bytes, bytes]]:
-        """OpenAI's `x-ratelimit-{limit,remaining,reset}-<unit>` for this bucket now: its
-        capacity, what is left of it (whole units, never below 0), and how long until it is
-        full again (`go_duration`)."""
+    def standing(self, unit: Unit, now_s: float) -> Standing:
+        """This bucket now, as its rate-limit headers tell it (`Standing`)."""
         self._refill(now_s)
-        reset_s = (self.capacity - self._level) / self._rate_per_s
-        return [
-            (b"x-ratelimit-limit-" + unit, b"%d" % self.capacity),
-            (b"x-ratelimit-remaining-" + unit, b"%d" % max(0, math.floor(self._level))),
-            (b"x-ratelimit-reset-" + unit, go_duration(reset_s).encode()),
-        ]
+        full_in_s = (self.capacity - self._level) / self._rate_per_s
+        return Standing(unit, int(self.capacity), max(0, math.floor(self._level)), full_in_s)
 
     def take_from_peer(self, amount: float, now_s: float) -> None:
         """Spend what a peer charged (`TenantLimiter.peer_usage`): at most the capacity at once,
@@ -105,6 +118,20 @@ class TokenBucket:
     @property
     def rate_per_s(self) -> float:
         return self._rate_per_s
+
+
+def openai_rate_headers(standings: Iterable[Standing]) -> list[tuple[bytes, bytes]]:
+    """OpenAI's `x-ratelimit-{limit,remaining,reset}-<unit>` for each bucket: its capacity, what
+    is left of it, and how long until it is full again (`go_duration`)."""
+    out: list[tuple[bytes, bytes]] = []
+    for s in standings:
+        unit = s.unit.encode()
+        out += [
+            (b"x-ratelimit-limit-" + unit, b"%d" % s.limit),
+            (b"x-ratelimit-remaining-" + unit, b"%d" % s.remaining),
+            (b"x-ratelimit-reset-" + unit, go_duration(s.full_in_s).encode()),
+        ]
+    return out
 
 
 def go_duration(seconds: float) -> str:
@@ -258,15 +285,17 @@ class TenantLimiter:
             out["concurrent"] = self._max_concurrent - self.in_flight - self._peers_in_flight
         return out
 
+    def standings(self, now_s: float) -> tuple[Standing, ...]:
+        """Where the tenant's rpm (`requests`) and tpm (`tokens`) buckets stand now, as the rate-limit
+        headers of every answer tell it; empty for a tenant without either."""
+        rpm = (self._rpm.standing("requests", now_s),) if self._rpm is not None else ()
+        tpm = (self._tpm.standing("tokens", now_s),) if self._tpm is not None else ()
+        return rpm + tpm
+
     def rate_headers(self, now_s: float) -> list[tuple[bytes, bytes]]:
         """The `x-ratelimit-*` headers of the tenant's rpm (`-requests`) and tpm (`-tokens`), as
         OpenAI's API sends them with every answer; none for a tenant without either."""
-        out: list[tuple[bytes, bytes]] = []
-        if self._rpm is not None:
-            out += self._rpm.headers(b"requests", now_s)
-        if self._tpm is not None:
-            out += self._tpm.headers(b"tokens", now_s)
-        return out
+        return openai_rate_headers(self.standings(now_s))
 
     def _too_many(self) -> Rejection:
         return Rejection(

@@ -26,13 +26,19 @@ def _tokens(values: list[str], what: str) -> None:
 
 
 # The answer headers a page may read unless `expose_headers` says otherwise: the request id, the
-# retry hints and the tenant's rate limits (`quotas.TenantLimiter.rate_headers`).
+# retry hints and the tenant's rate limits, as OpenAI writes them (`quotas.openai_rate_headers`)
+# and, on the Messages routes, as Anthropic does (`anthropic.rate_headers`).
 EXPOSED_BY_DEFAULT = (
     "x-request-id",
     "retry-after",
     "retry-after-ms",
     *(
         f"x-ratelimit-{what}-{unit}"
+        for unit in ("requests", "tokens")
+        for what in ("limit", "remaining", "reset")
+    ),
+    *(
+        f"anthropic-ratelimit-{unit}-{what}"
         for unit in ("requests", "tokens")
         for what in ("limit", "remaining", "reset")
     ),

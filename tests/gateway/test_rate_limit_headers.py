@@ -1,6 +1,7 @@
 """Every answer to a tenant with an rpm or tpm quota carries OpenAI's `x-ratelimit-*` headers
 (limit, remaining, reset, for requests and for tokens), whole answers and streams alike, and so
-does a quota's 429; a tenant without quotas gets none. The metrics say the same per tenant
+does a quota's 429; a tenant without quotas gets none. (The Messages routes carry Anthropic's
+instead: test_anthropic_rate_limit_headers.py.) The metrics say the same per tenant
 (`kvgate_tenant_quota_remaining`)."""
 
 from __future__ import annotations
@@ -131,6 +132,8 @@ async def test_the_gateways_own_errors_after_admission_carry_them() -> None:
             "/v1/messages", json={**chat, "max_tokens": 2}, headers={"x-api-key": "sk-limited"}
         )
         assert messages.status_code in (502, 503) and messages.json()["type"] == "error", messages.text
-        assert _limits(messages)["x-ratelimit-remaining-requests"] == "1"
+        # The Messages routes tell it in Anthropic's headers (test_anthropic_rate_limit_headers.py).
+        assert messages.headers["anthropic-ratelimit-requests-remaining"] == "1"
+        assert _limits(messages) == {}
         free = await gw.client.post("/v1/chat/completions", json=chat, headers=FREE)
         assert free.status_code in (502, 503) and _limits(free) == {}

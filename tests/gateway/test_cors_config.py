@@ -20,7 +20,8 @@ def test_cors_is_off_unless_origins_are_listed() -> None:
     cors = parse_config(BASE).cors
     assert not cors.enabled
     assert cors.expose_headers[:3] == ["x-request-id", "retry-after", "retry-after-ms"]
-    assert "x-ratelimit-remaining-requests" in cors.expose_headers and len(cors.expose_headers) == 9
+    assert "x-ratelimit-remaining-requests" in cors.expose_headers and len(cors.expose_headers) == 15
+    assert "anthropic-ratelimit-requests-remaining" in cors.expose_headers
     assert (cors.allow_methods, cors.allow_headers, cors.max_age_s) == (["*"], ["*"], 600)
     assert CorsConfig(allow_origins=["*"]).enabled
 

@@ -175,13 +175,13 @@ async def _choose(run: PdRun, router: PdRouter, first: bool) -> tuple[PdDecision
 
 
 def _settle_pairs(run: PdRun, decision: PdDecision) -> None:
-    """The request was served: its inconclusive SGLang pairs are noted, and the pair that served
-    it settles the pool's notes it shares a worker with (`pd_suspects`)."""
+    """The request was served: its inconclusive SGLang pairs are weighed, and the pair that
+    served it is remembered and settles the pool's notes it shares a worker with (`pd_suspects`)."""
     suspects = run.a.pool.pd_suspects
     now_s = time.monotonic()
     for prefill, decode in run.unsettled:
         suspects.note(prefill, decode, now_s)
-    if decision.prefill is not None and run.pd.protocol == "sglang" and suspects:
+    if decision.prefill is not None and run.pd.protocol == "sglang":
         suspects.served(decision.prefill.worker, decision.decode.worker, now_s)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gateway.config.pool import PoolConfig
-from gateway.pd_suspects import MAX_NOTES, NOTE_TTL_S, InconclusivePairs
+from gateway.pd_suspects import MAX_NOTES, NOTE_TTL_S, SERVED_WITHIN_S, InconclusivePairs
 from gateway.worker import Worker
 
 CONFIG = PoolConfig(name="p", models=["m"], workers=["http://127.0.0.1:9001"])
@@ -47,3 +47,14 @@ def test_notes_are_bounded_and_an_open_breaker_is_left_as_it_is() -> None:
     assert blamed == [d1] and not d1.breaker.closed  # 5 rounds: open at the threshold (3)
     assert d1.breaker.failures == 3  # no failure counted on the open breaker
     assert pairs.served(prefills[0].worker_id, d2.worker_id, 1.0) == []  # forgotten (bounded)
+
+
+def test_a_pair_whose_one_worker_served_lately_blames_the_other_at_once() -> None:
+    p1, p2, d1, d2 = _workers("p1", "p2", "d1", "d2")
+    pairs = InconclusivePairs()
+    pairs.served(p1.worker_id, d2.worker_id, 0.0)
+    assert pairs.note(p1, d1, 1.0) is d1 and d1.breaker.failures == 1  # p1 served a pair lately
+    assert pairs.note(p2, d2, 2.0) is p2 and p2.breaker.failures == 1  # d2 did
+    assert pairs.note(p1, d2, 3.0) is None and len(pairs) == 1  # both did: noted, no verdict
+    assert pairs.note(p2, d1, 4.0) is None  # neither did
+    assert pairs.note(p1, d1, SERVED_WITHIN_S + 1) is None  # too long ago to count

@@ -2,7 +2,11 @@
 
 Upstream bytes arrive in arbitrary pieces; the relay forwards whole events only (so a terminal
 error event can always be appended cleanly) and looks inside an event only when a cheap byte test
-says it may be the usage chunk, `[DONE]` or an in-stream error.
+says it may be the usage chunk, `[DONE]` or an in-stream error. SSE lets a line end with CRLF or
+a bare CR as well as LF, mixed in one stream (vLLM and SGLang send LF; a proxy in front of a
+worker, or another OpenAI-compatible server, may not): the relay makes every line end LF as the
+bytes arrive (`EventRelay._lf_framed`), so whatever reads its events, and the client, sees LF
+framing only; an LF stream pays one memchr per chunk for it.
 
 A worker reports a failure inside a stream that has already started as a data event: vLLM and
 SGLang send `{"error": {"object": "error", "message", "type", "param", "code": 400}}` (newer vLLM
@@ -37,6 +41,8 @@ DONE_EVENT = b"data: [DONE]\n\n"
 # Byte patterns of the events the relay must look inside: a usage chunk, the end, an error.
 _MARKERS = (b'"usage":{', b'"usage": {', b"data: [DONE]", b'"error"')
 _MAX_PENDING_BYTES = 4 * 1024 * 1024
+# A CR as an int: `int in bytes` is a memchr, where CPython 3.11 searches for `b"\r"` far slower.
+_CR = ord("\r")
 # A chunk of the answer, and one that carries no token (vLLM's role chunk opening a choice).
 _CHOICES = b'"choices":'
 _EMPTY_CONTENT = b'"content":""'
@@ -153,16 +159,17 @@ class Relay(Protocol):
 
 class EventRelay:
     """What every relay shares: whole events out of upstream bytes that arrive in arbitrary
-    pieces. `feed` keeps the partial tail for the next chunk and hands the complete events to
-    `_events`, the API's own reading of them; once the worker's error has been recorded (or, for
-    APIs that end with a terminal event, `ENDS_AT_TERMINAL`, once that event has been seen)
-    nothing more is forwarded."""
+    pieces, their line ends made LF. `feed` keeps the partial tail for the next chunk and hands
+    the complete events to `_events`, the API's own reading of them; once the worker's error has
+    been recorded (or, for APIs that end with a terminal event, `ENDS_AT_TERMINAL`, once that
+    event has been seen) nothing more is forwarded."""
 
     ENDS_AT_TERMINAL = False
-    __slots__ = ("_pending", "content_events", "done", "error", "usage")
+    __slots__ = ("_after_cr", "_pending", "content_events", "done", "error", "usage")
 
     def __init__(self) -> None:
         self._pending = b""
+        self._after_cr = False  # the last chunk ended with a CR, whose LF may start the next one
         self.done = False
         self.error: WorkerStreamError | None = None
         self.usage: Any = None
@@ -177,6 +184,8 @@ class EventRelay:
             # second error event would break the one-error contract. The streaming response
             # stops reading here anyway.
             return b""
+        if _CR in chunk or self._after_cr:  # one memchr: an LF stream pays no more
+            chunk = self._lf_framed(chunk)
         data = self._pending + chunk if self._pending else chunk
         cut = data.rfind(b"\n\n")
         if cut < 0:
@@ -187,8 +196,24 @@ class EventRelay:
         self._pending = data[cut + 2 :]
         return self._events(data[: cut + 2])
 
+    def _lf_framed(self, chunk: bytes) -> bytes:
+        """`chunk` with its CRLF and lone CR line ends made LF, the framing the rest of the relay
+        reads and the client gets (SSE lets a line end with any of the three, mixed). A CR that
+        ends a chunk becomes an LF at once, so a bare-CR stream's event is not held back for the
+        next read; an LF that then starts the next chunk is the rest of that CRLF, and is dropped."""
+        if self._after_cr:
+            if not chunk:
+                return chunk
+            self._after_cr = False
+            if chunk.startswith(b"\n"):
+                chunk = chunk[1:]
+        if _CR not in chunk:
+            return chunk
+        self._after_cr = chunk.endswith(b"\r")
+        return chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+
     def _events(self, head: bytes) -> bytes:
-        """What to forward of `head`, one or more whole events."""
+        """What to forward of `head`, one or more whole events (LF-framed: `_lf_framed`)."""
         raise NotImplementedError
 
 

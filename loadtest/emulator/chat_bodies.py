@@ -31,10 +31,6 @@ def usage(group: LiveGroup) -> dict[str, Any]:
     }
 
 
-def finish_reason(live: LiveRequest) -> str:
-    return "tool_calls" if live.gen.tool_call is not None else "length"
-
-
 def tool_call_id(live: LiveRequest) -> str:
     return f"chatcmpl-tool-{live.request_id[:24]}"
 
@@ -73,7 +69,7 @@ def _response(
             "index": live.index,
             **answer(live),
             "logprobs": _logprobs(live, 0, live.num_output_tokens),
-            "finish_reason": finish_reason(live),
+            "finish_reason": live.finish_reason,
         }
         for live in group.lives
     ]
@@ -167,7 +163,7 @@ def token_chunks(group: LiveGroup, live: LiveRequest, start: int, stop: int) -> 
         else:
             choice["delta"] = _chat_delta(group, live, i)
         choice["logprobs"] = _logprobs(live, i, i + 1)
-        choice["finish_reason"] = finish_reason(live) if i == last else None
+        choice["finish_reason"] = live.finish_reason if i == last else None
         chunk = _chunk(group, [choice])
         if continuous:
             chunk["usage"] = running_usage(live, i + 1)

@@ -102,6 +102,11 @@ class LiveRequest:
     def num_output_tokens(self) -> int:
         return len(self.answer.pieces)
 
+    @property
+    def finish_reason(self) -> str:
+        """vLLM's `finish_reason` once finished: a text answer always runs to its token limit."""
+        return "tool_calls" if self.gen.tool_call is not None else "length"
+
     async def wait(self) -> None:
         await self.event.wait()
         self.event.clear()

@@ -227,9 +227,15 @@ def usage(group: LiveGroup) -> dict[str, Any]:
     }
 
 
-def response_object(call: ResponsesCall, group: LiveGroup, status: str) -> dict[str, Any]:
-    """The response object; `output` and `usage` are filled once the answer is complete."""
-    done = status == "completed"
+def response_object(call: ResponsesCall, group: LiveGroup, done: bool) -> dict[str, Any]:
+    """The response object: `in_progress` until `done`, then with `output` and `usage` filled.
+
+    A finished text answer always ran to `max_output_tokens` (the emulator never ends a turn by
+    itself), and vLLM reports a length-capped generation as `incomplete` with that reason
+    (`ResponsesResponse.from_request`), even in the stream's final `response.completed` event.
+    """
+    capped = done and group.lives[0].finish_reason == "length"
+    status = "incomplete" if capped else "completed" if done else "in_progress"
     return {
         "id": call.response_id,
         "object": "response",
@@ -238,7 +244,7 @@ def response_object(call: ResponsesCall, group: LiveGroup, status: str) -> dict[
         "status": status,
         "background": False,
         "error": None,
-        "incomplete_details": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if capped else None,
         **call.echo,
         "max_tool_calls": None,
         "output": [output_item(group, "completed", group.lives[0].answer.text)] if done else [],

@@ -42,7 +42,7 @@ def store_of(request: Request) -> ResponseStore:
 
 
 def _keep(store: ResponseStore, call: ResponsesCall, group: LiveGroup) -> dict[str, object]:
-    body = response_object(call, group, "completed")
+    body = response_object(call, group, done=True)
     if call.store:
         store.put(call.response_id, StoredResponse(body, finished_history(call, group)))
     return body
@@ -81,8 +81,8 @@ async def _stream(
     w: EmulatedWorker, store: ResponseStore, call: ResponsesCall, group: LiveGroup
 ) -> AsyncIterator[bytes]:
     event = EventWriter()
-    yield event("response.created", response=response_object(call, group, "in_progress"))
-    yield event("response.in_progress", response=response_object(call, group, "in_progress"))
+    yield event("response.created", response=response_object(call, group, done=False))
+    yield event("response.in_progress", response=response_object(call, group, done=False))
     is_call = group.gen.tool_call is not None
     ids = {"item_id": item_id("fc" if is_call else "msg", group), "output_index": 0}
     part = {"content_index": 0}

@@ -1,0 +1,50 @@
+"""The emulated worker (a real process on loopback) answers as vLLM's OpenAI-compatible server
+where an SDK sweep found it did not: Responses cut at `max_output_tokens`, the Responses
+`include` values, a streamed retrieve of a stored response, and stop sequences on chat,
+completions and Anthropic Messages."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+
+from tests.support.processes import running_emulator
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "emu-parity"
+TOOLS: Any = [{"type": "function", "name": "lookup", "parameters": {"type": "object", "properties": {}}}]
+
+
+@pytest.fixture(scope="module")
+def base_url() -> Iterator[str]:
+    with running_emulator("--model", MODEL, "--time-scale", "20", "--kv-blocks", "4000") as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(api_key="x", base_url=f"{base_url}/v1", max_retries=0, timeout=20) as c:
+        yield c
+
+
+def test_a_response_cut_at_max_output_tokens_is_incomplete(client: openai.OpenAI) -> None:
+    cut = client.responses.create(model=MODEL, input="tell me more", max_output_tokens=5)
+    assert cut.status == "incomplete" and cut.incomplete_details is not None
+    assert cut.incomplete_details.reason == "max_output_tokens" and len(cut.output_text) == 5
+    stored = client.responses.retrieve(cut.id)
+    assert stored.status == "incomplete" and stored.incomplete_details is not None
+    events = list(client.responses.create(model=MODEL, input="stream it", max_output_tokens=3, stream=True))
+    first: Any = events[0]
+    assert first.response.status == "in_progress" and first.response.incomplete_details is None
+    # vLLM ends the stream with `response.completed` whatever the final status.
+    last: Any = events[-1]
+    assert last.type == "response.completed" and last.response.status == "incomplete"
+    assert last.response.incomplete_details.reason == "max_output_tokens"
+    # A tool call ends by itself: complete.
+    call = client.responses.create(model=MODEL, input="look it up", tools=TOOLS)
+    assert call.output[0].type == "function_call"
+    assert call.status == "completed" and call.incomplete_details is None

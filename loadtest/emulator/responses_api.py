@@ -35,6 +35,16 @@ from loadtest.engine.tokenizer import Tokenizer
 
 RESPONSE_STORE_LIMIT = 10_000
 _TEXT_PARTS = ("input_text", "output_text", "text")
+# The values vLLM's `ResponsesRequest.include` accepts (a `Literal`); only the logprobs one changes
+# what it answers, and the emulator reports none.
+INCLUDABLE = (
+    "code_interpreter_call.outputs",
+    "computer_call_output.output.image_url",
+    "file_search_call.results",
+    "message.input_image.image_url",
+    "message.output_text.logprobs",
+    "reasoning.encrypted_content",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,9 +170,36 @@ def _number(body: Mapping[str, Any], name: str, default: float) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
 
 
+def _validation_error(error: dict[str, Any]) -> ApiError:
+    """What vLLM answers when its pydantic model refuses a body: FastAPI's validation error
+    turned into a 400 by vLLM's handler (type `Bad Request`, no `param`), the message naming the
+    error as FastAPI prints it."""
+    message = f"1 validation error:\n  {error}\n {[error]}"
+    return ApiError(400, message, "Bad Request")
+
+
+def _check_include(value: Any) -> None:
+    """`include`: null, or a list of `INCLUDABLE` values."""
+    if value is None:
+        return
+    if not isinstance(value, list):
+        raise _validation_error(
+            {"type": "list_type", "loc": ("body", "include"), "msg": "Input should be a valid list",
+             "input": value}
+        )  # fmt: skip
+    expected = ", ".join(repr(v) for v in INCLUDABLE[:-1]) + f" or {INCLUDABLE[-1]!r}"
+    for i, item in enumerate(value):
+        if item not in INCLUDABLE:
+            raise _validation_error(
+                {"type": "literal_error", "loc": ("body", "include", i), "msg": f"Input should be {expected}",
+                 "input": item, "ctx": {"expected": expected}}
+            )  # fmt: skip
+
+
 def parse_responses(
     body: Mapping[str, Any], cfg: EmulatorConfig, tokenizer: Tokenizer, store: ResponseStore
 ) -> ResponsesCall:
+    _check_include(body.get("include"))  # vLLM validates the whole body before looking at it
     common = common_fields(body, cfg)
     if bool_field(body, "background"):
         raise ApiError.bad_request("background mode is not supported by the emulated worker", "background")

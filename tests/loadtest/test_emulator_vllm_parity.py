@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -48,3 +49,30 @@ def test_a_response_cut_at_max_output_tokens_is_incomplete(client: openai.OpenAI
     call = client.responses.create(model=MODEL, input="look it up", tools=TOOLS)
     assert call.output[0].type == "function_call"
     assert call.status == "completed" and call.incomplete_details is None
+
+
+def test_include_takes_vllms_values_and_refuses_others(client: openai.OpenAI, base_url: str) -> None:
+    every: Any = [
+        "code_interpreter_call.outputs",
+        "computer_call_output.output.image_url",
+        "file_search_call.results",
+        "message.input_image.image_url",
+        "message.output_text.logprobs",
+        "reasoning.encrypted_content",
+    ]
+    ok = client.responses.create(model=MODEL, input="hi", max_output_tokens=2, include=every)
+    assert len(ok.output_text) == 2
+    for bad in (["message.output_text"], ["file_search_call.results", "web_search_call.results"], "x"):
+        resp = httpx.post(
+            f"{base_url}/v1/responses", json={"model": MODEL, "input": "hi", "include": bad}, timeout=5
+        )
+        assert resp.status_code == 400, bad
+        err = resp.json()["error"]
+        # vLLM's answer to a body its pydantic model refuses: FastAPI's validation error as a 400.
+        assert err["type"] == "Bad Request" and err["param"] is None and err["code"] == 400
+        assert "validation error" in err["message"] and "include" in err["message"]
+    refused = httpx.post(
+        f"{base_url}/v1/responses", json={"model": MODEL, "input": "hi", "include": ["nope"]}, timeout=5
+    ).json()["error"]["message"]
+    assert "Input should be 'code_interpreter_call.outputs'" in refused
+    assert "'message.output_text.logprobs' or 'reasoning.encrypted_content'" in refused

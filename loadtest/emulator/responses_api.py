@@ -170,7 +170,7 @@ def _number(body: Mapping[str, Any], name: str, default: float) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
 
 
-def _validation_error(error: dict[str, Any]) -> ApiError:
+def validation_error(error: dict[str, Any]) -> ApiError:
     """What vLLM answers when its pydantic model refuses a body: FastAPI's validation error
     turned into a 400 by vLLM's handler (type `Bad Request`, no `param`), the message naming the
     error as FastAPI prints it."""
@@ -183,14 +183,14 @@ def _check_include(value: Any) -> None:
     if value is None:
         return
     if not isinstance(value, list):
-        raise _validation_error(
+        raise validation_error(
             {"type": "list_type", "loc": ("body", "include"), "msg": "Input should be a valid list",
              "input": value}
         )  # fmt: skip
     expected = ", ".join(repr(v) for v in INCLUDABLE[:-1]) + f" or {INCLUDABLE[-1]!r}"
     for i, item in enumerate(value):
         if item not in INCLUDABLE:
-            raise _validation_error(
+            raise validation_error(
                 {"type": "literal_error", "loc": ("body", "include", i), "msg": f"Input should be {expected}",
                  "input": item, "ctx": {"expected": expected}}
             )  # fmt: skip

@@ -10,7 +10,8 @@ once; with the first token `response.output_item.added` and `response.content_pa
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
@@ -28,11 +29,14 @@ from loadtest.emulator.responses_api import (
     output_item,
     parse_responses,
     response_object,
+    validation_error,
 )
 from loadtest.emulator.web import answer_steps, json_response, read_json, wait_finished, worker_of
 from loadtest.emulator.worker import EmulatedWorker
+from prompt_normalizer.lax import lax_bool, lax_int
 
 router = APIRouter()
+T = TypeVar("T")
 
 
 def store_of(request: Request) -> ResponseStore:
@@ -63,10 +67,43 @@ async def create_response(request: Request) -> Response:
 
 @router.get("/v1/responses/{response_id}")
 async def retrieve_response(request: Request, response_id: str) -> Response:
+    """The stored response; with `stream=true`, what vLLM does for a response that was not run
+    in the background (the only kind the emulator runs): it keeps events only of background
+    streams, and its replay generator raises once the 200 has gone out, so the client gets the
+    event-stream headers and then a cut connection, no event."""
+    stream = _query(request, "stream", lax_bool, "bool_parsing", "a valid boolean, unable to interpret input")
+    _query(
+        request,
+        "starting_after",
+        lax_int,
+        "int_parsing",
+        "a valid integer, unable to parse string as an integer",
+    )
     stored = store_of(request).get(response_id)
     if stored is None:
         raise not_found(response_id)
+    if stream:
+        return StreamingResponse(_no_stored_events(response_id), media_type="text/event-stream")
     return json_response(stored.body)
+
+
+def _query(request: Request, name: str, read: Callable[[object], T | None], kind: str, what: str) -> T | None:
+    """An optional query parameter as FastAPI reads it for vLLM's handler (a typed argument),
+    refused with vLLM's validation 400."""
+    raw = request.query_params.get(name)
+    if raw is None:
+        return None
+    value = read(raw)
+    if value is None:
+        raise validation_error(
+            {"type": kind, "loc": ("query", name), "msg": f"Input should be {what}", "input": raw}
+        )
+    return value
+
+
+async def _no_stored_events(response_id: str) -> AsyncIterator[bytes]:
+    raise ValueError(f"Unknown response_id: {response_id}")
+    yield b""  # pragma: no cover - never reached; makes this an async generator
 
 
 @router.post("/v1/responses/{response_id}/cancel")

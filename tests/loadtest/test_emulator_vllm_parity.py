@@ -76,3 +76,29 @@ def test_include_takes_vllms_values_and_refuses_others(client: openai.OpenAI, ba
     ).json()["error"]["message"]
     assert "Input should be 'code_interpreter_call.outputs'" in refused
     assert "'message.output_text.logprobs' or 'reasoning.encrypted_content'" in refused
+
+
+def test_a_streamed_retrieve_of_a_stored_response_is_cut_as_vllm_cuts_it(
+    client: openai.OpenAI, base_url: str
+) -> None:
+    kept = client.responses.create(model=MODEL, input="keep me", max_output_tokens=2)
+    url = f"{base_url}/v1/responses/{kept.id}"
+    # vLLM replays events only of background streams: for this one its replay fails once the
+    # 200 and the event-stream headers are out, and the connection is closed mid-body.
+    with httpx.stream("GET", url, params={"stream": "true"}, timeout=10) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        with pytest.raises(httpx.RemoteProtocolError):
+            resp.read()
+    with httpx.stream("GET", url, params={"stream": "true", "starting_after": "0"}, timeout=10) as resp:
+        assert resp.status_code == 200
+        with pytest.raises(httpx.RemoteProtocolError):
+            resp.read()
+    # Not streamed, or unknown: as before.
+    assert httpx.get(url, params={"stream": "false"}, timeout=5).json()["id"] == kept.id
+    missing = httpx.get(f"{base_url}/v1/responses/resp_nope", params={"stream": "true"}, timeout=5)
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "response_id"
+    for params in ({"stream": "maybe"}, {"stream": "true", "starting_after": "x"}):
+        bad = httpx.get(url, params=params, timeout=5)
+        assert bad.status_code == 400 and bad.json()["error"]["type"] == "Bad Request", params
+    # The server is fine afterwards.
+    assert client.responses.retrieve(kept.id).id == kept.id

@@ -104,8 +104,11 @@ class LiveRequest:
 
     @property
     def finish_reason(self) -> str:
-        """vLLM's `finish_reason` once finished: a text answer always runs to its token limit."""
-        return "tool_calls" if self.gen.tool_call is not None else "length"
+        """vLLM's `finish_reason` once finished: a text answer runs to its token limit unless a
+        stop string ended it."""
+        if self.gen.tool_call is not None:
+            return "tool_calls"
+        return "stop" if self.answer.stop_reason is not None else "length"
 
     async def wait(self) -> None:
         await self.event.wait()

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -102,3 +103,103 @@ def test_a_streamed_retrieve_of_a_stored_response_is_cut_as_vllm_cuts_it(
         assert bad.status_code == 400 and bad.json()["error"]["type"] == "Bad Request", params
     # The server is fine afterwards.
     assert client.responses.retrieve(kept.id).id == kept.id
+
+
+def _stop_in(text: str) -> tuple[str, int]:
+    """A stop string taken from the middle of `text`, and where it first occurs."""
+    stop = text[12:16]
+    return stop, text.find(stop)
+
+
+def test_chat_stops_at_a_stop_string_streamed_or_not(client: openai.OpenAI) -> None:
+    messages: Any = [{"role": "user", "content": "stop somewhere"}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40)
+    text = full.choices[0].message.content or ""
+    assert len(text) == 40 and full.choices[0].finish_reason == "length"
+    stop, at = _stop_in(text)
+    cut = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=40, stop=["no such", stop]
+    )
+    choice: Any = cut.choices[0]
+    assert choice.message.content == text[:at] and choice.finish_reason == "stop"
+    assert choice.stop_reason == stop  # vLLM names the stop string that matched
+    assert cut.usage is not None and cut.usage.completion_tokens == at + len(stop)
+    chunks = list(
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, stop=stop, stream=True)
+    )
+    deltas = [c.choices[0].delta.content for c in chunks if c.choices]
+    assert "".join(d or "" for d in deltas) == text[:at] and len(deltas) == at + len(stop)
+    last: Any = chunks[-1].choices[0]
+    assert last.finish_reason == "stop" and last.stop_reason == stop
+    kept = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=40,
+        stop=stop,
+        extra_body={"include_stop_str_in_output": True},
+    )
+    assert kept.choices[0].message.content == text[: at + len(stop)]
+    missed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, stop="§§")
+    assert missed.choices[0].message.content == text and missed.choices[0].finish_reason == "length"
+    assert getattr(missed.choices[0], "stop_reason", "absent") is None
+
+
+def test_completions_stop_at_a_stop_string_streamed_or_not(client: openai.OpenAI) -> None:
+    full = client.completions.create(model=MODEL, prompt="once upon a time", max_tokens=40)
+    text = full.choices[0].text
+    stop, at = _stop_in(text)
+    cut = client.completions.create(model=MODEL, prompt="once upon a time", max_tokens=40, stop=[stop])
+    choice: Any = cut.choices[0]
+    assert choice.text == text[:at] and choice.finish_reason == "stop" and choice.stop_reason == stop
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt="once upon a time", max_tokens=40, stop=[stop], stream=True
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks) == text[:at]
+    choices: Any = [c.choices[0] for c in chunks]
+    ends = [(c.finish_reason, c.stop_reason) for c in choices]
+    assert ends == [(None, None)] * (len(chunks) - 1) + [("stop", stop)]
+
+
+def test_bad_stop_strings_are_refused(base_url: str) -> None:
+    body: Any = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+    for stop in ("", ["a", ""], [1], {"a": 1}):
+        resp = httpx.post(f"{base_url}/v1/chat/completions", json={**body, "stop": stop}, timeout=5)
+        assert resp.status_code == 400, stop
+    empty = httpx.post(
+        f"{base_url}/v1/completions", json={"model": MODEL, "prompt": "x", "stop": ""}, timeout=5
+    )
+    assert empty.json()["error"]["message"] == "stop cannot contain an empty string."
+
+
+def test_messages_report_the_stop_sequence(base_url: str) -> None:
+    messages: Any = [{"role": "user", "content": "stop in the middle"}]
+    with anthropic.Anthropic(api_key="x", base_url=base_url, max_retries=0, timeout=20) as client:
+        full = client.messages.create(model=MODEL, max_tokens=40, messages=messages)
+        text = full.content[0].text if full.content[0].type == "text" else ""
+        stop, at = _stop_in(text)
+        cut = client.messages.create(
+            model=MODEL, max_tokens=40, messages=messages, stop_sequences=["nope", stop]
+        )
+        assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+        assert cut.content[0].type == "text" and cut.content[0].text == text[:at]
+        assert cut.usage.output_tokens == at + len(stop)
+        with client.messages.stream(
+            model=MODEL, max_tokens=40, messages=messages, stop_sequences=[stop]
+        ) as s:
+            streamed = s.get_final_message()
+        assert streamed.stop_reason == "stop_sequence" and streamed.stop_sequence == stop
+        assert streamed.content[0].type == "text" and streamed.content[0].text == text[:at]
+        # A stop string at the very start leaves no text, and vLLM then sends no block at all.
+        empty = client.messages.create(
+            model=MODEL, max_tokens=40, messages=messages, stop_sequences=[text[:3]]
+        )
+        assert empty.content == [] and empty.stop_sequence == text[:3]
+        with client.messages.stream(
+            model=MODEL, max_tokens=40, messages=messages, stop_sequences=[text[:3]]
+        ) as s:
+            kinds = [e.type for e in s]
+        assert kinds == ["message_start", "message_delta", "message_stop"]
+        plain = client.messages.create(model=MODEL, max_tokens=40, messages=messages, stop_sequences=["§§"])
+        assert plain.stop_reason == "max_tokens" and plain.stop_sequence is None

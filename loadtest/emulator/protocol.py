@@ -140,9 +140,10 @@ def one_answer_request(
     max_tokens: int,
     tool: Mapping[str, Any] | None,
     stop: StopRule | None = None,
+    logprobs: int | None = None,
 ) -> GenerationRequest:
     """A request for one answer to one prompt, with usage always reported: the shape of the
-    Responses and Anthropic Messages APIs, which have no `n`, logprobs or sampling echo."""
+    Responses and Anthropic Messages APIs, which have no `n` or sampling echo."""
     return GenerationRequest(
         endpoint=endpoint,
         model=common.model,
@@ -156,6 +157,7 @@ def one_answer_request(
         request_id=common.request_id,
         priority=common.priority,
         stop=stop,
+        logprobs=logprobs,
     )
 
 
@@ -238,7 +240,8 @@ def _stop_rule(body: Mapping[str, Any], min_tokens: int) -> StopRule | None:
     return StopRule(strings, include, min_tokens) if strings else None
 
 
-def _logprobs_limit(value: int, name: str) -> int:
+def logprobs_limit(value: int, name: str) -> int:
+    """`value` logprobs per token, refused above vLLM's `--max-logprobs` as vLLM refuses it."""
     if value > MAX_LOGPROBS:
         raise ApiError.bad_request(
             f"Requested sample logprobs of {value}, which is greater than max allowed: {MAX_LOGPROBS}", name
@@ -253,7 +256,7 @@ def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
         raise ApiError.bad_request(
             "when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs"
         )
-    return _logprobs_limit(top or 0, "top_logprobs") if wanted else None
+    return logprobs_limit(top or 0, "top_logprobs") if wanted else None
 
 
 def _sampling(body: Mapping[str, Any], max_tokens: int) -> dict[str, Any]:
@@ -369,7 +372,7 @@ def parse_completions(
         tool_call=None,
         echo_sampling=_sampling(body, max_tokens),
         n=int_field(body, "n", 1) or 1,
-        logprobs=None if logprobs is None else _logprobs_limit(logprobs, "logprobs"),
+        logprobs=None if logprobs is None else logprobs_limit(logprobs, "logprobs"),
         request_id=common.request_id,
         priority=common.priority,
         stop=_stop_rule(body, min_tokens),

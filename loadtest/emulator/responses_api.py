@@ -22,11 +22,13 @@ from loadtest.emulator.chat_template import render_chat
 from loadtest.emulator.config import EmulatorConfig
 from loadtest.emulator.errors import ApiError
 from loadtest.emulator.live import LiveGroup
+from loadtest.emulator.logprobs import chat_logprobs
 from loadtest.emulator.protocol import (
     GenerationRequest,
     bool_field,
     common_fields,
     int_field,
+    logprobs_limit,
     one_answer_request,
 )
 from loadtest.emulator.tools import choose_tool
@@ -36,7 +38,8 @@ from loadtest.engine.tokenizer import Tokenizer
 RESPONSE_STORE_LIMIT = 10_000
 _TEXT_PARTS = ("input_text", "output_text", "text")
 # The values vLLM's `ResponsesRequest.include` accepts (a `Literal`); only the logprobs one changes
-# what it answers, and the emulator reports none.
+# what it answers (the output text's logprobs, `top_logprobs` alternatives per token).
+INCLUDE_LOGPROBS = "message.output_text.logprobs"
 INCLUDABLE = (
     "code_interpreter_call.outputs",
     "computer_call_output.output.image_url",
@@ -219,7 +222,10 @@ def parse_responses(
     prompt = tokenizer.encode(render_chat(messages, tools))
     tool = choose_tool(tools, _chat_tool_choice(body.get("tool_choice")), history)
     max_tokens = int_field(body, "max_output_tokens", 1) or cfg.default_max_tokens
-    gen = one_answer_request("responses", common, prompt, max_tokens, tool)
+    logprobs = None
+    if INCLUDE_LOGPROBS in (body.get("include") or ()):
+        logprobs = logprobs_limit(int_field(body, "top_logprobs", 0) or 0, "top_logprobs")
+    gen = one_answer_request("responses", common, prompt, max_tokens, tool, logprobs=logprobs)
     echo = {
         "instructions": instructions,
         "max_output_tokens": max_tokens,
@@ -229,6 +235,7 @@ def parse_responses(
         "temperature": _number(body, "temperature", 1.0),
         "tool_choice": body.get("tool_choice", "auto"),
         "tools": body.get("tools") or [],
+        "top_logprobs": logprobs,  # vLLM echoes its sampling logprobs: null unless included
         "top_p": _number(body, "top_p", 1.0),
         "user": body.get("user") if isinstance(body.get("user"), str) else None,
     }
@@ -242,12 +249,18 @@ def item_id(prefix: str, group: LiveGroup) -> str:
 
 
 def output_item(group: LiveGroup, status: str, text: str) -> dict[str, Any]:
-    """The one output item: a message with `output_text`, or a `function_call`."""
+    """The one output item: a message with `output_text` (its tokens' logprobs once completed,
+    when `include` asked for them), or a `function_call`."""
     call = group.gen.tool_call
     if call is not None:
         return {"type": "function_call", "id": item_id("fc", group), "call_id": item_id("call", group),
                 "name": call.name, "arguments": text, "status": status}  # fmt: skip
-    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if text else []
+    live = group.lives[0]
+    top_k = group.gen.logprobs
+    logprobs = (
+        [] if top_k is None or status != "completed" else chat_logprobs(live.logprobs, top_k)["content"]
+    )
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}] if text else []
     return {"type": "message", "id": item_id("msg", group), "role": "assistant", "status": status,
             "content": content}  # fmt: skip
 

@@ -18,6 +18,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from loadtest.emulator.errors import ApiError
 from loadtest.emulator.live import LiveGroup
+from loadtest.emulator.logprobs import responses_delta_logprobs
 from loadtest.emulator.responses_api import (
     EventWriter,
     ResponsesCall,
@@ -123,6 +124,8 @@ async def _stream(
     is_call = group.gen.tool_call is not None
     ids = {"item_id": item_id("fc" if is_call else "msg", group), "output_index": 0}
     part = {"content_index": 0}
+    top_k = group.gen.logprobs
+    sent = 0  # tokens streamed so far: each piece is one token's text
     async with contextlib.aclosing(answer_steps(w, group)) as steps:
         async for first, pieces in steps:
             out: list[bytes] = []
@@ -135,7 +138,10 @@ async def _stream(
                 if is_call:
                     out.append(event("response.function_call_arguments.delta", **ids, delta=piece))
                 else:
-                    out.append(event("response.output_text.delta", **ids, **part, delta=piece, logprobs=[]))
+                    entries = group.lives[0].logprobs[sent : sent + 1]
+                    lps = [] if top_k is None else responses_delta_logprobs(entries, top_k)
+                    out.append(event("response.output_text.delta", **ids, **part, delta=piece, logprobs=lps))
+                sent += 1
             yield b"".join(out)
     if group.failed:
         yield event("error", code="server_error", message="the emulated engine failed", param=None)

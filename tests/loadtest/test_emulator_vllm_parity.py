@@ -203,3 +203,38 @@ def test_messages_report_the_stop_sequence(base_url: str) -> None:
         assert kinds == ["message_start", "message_delta", "message_stop"]
         plain = client.messages.create(model=MODEL, max_tokens=40, messages=messages, stop_sequences=["§§"])
         assert plain.stop_reason == "max_tokens" and plain.stop_sequence is None
+
+
+def test_included_logprobs_come_with_the_output_text(client: openai.OpenAI, base_url: str) -> None:
+    plain = client.responses.create(model=MODEL, input="no logprobs", max_output_tokens=3)
+    assert plain.top_logprobs is None
+    with_lp = client.responses.create(
+        model=MODEL,
+        input="logprobs",
+        max_output_tokens=4,
+        include=["message.output_text.logprobs"],
+        top_logprobs=2,
+    )
+    assert with_lp.top_logprobs == 2
+    item: Any = with_lp.output[0]
+    part = item.content[0]
+    assert len(part.logprobs) == 4 and "".join(lp.token for lp in part.logprobs) == part.text
+    assert all(len(lp.top_logprobs) == 2 and lp.top_logprobs[0].token == lp.token for lp in part.logprobs)
+    events = list(
+        client.responses.create(
+            model=MODEL,
+            input="logprobs",
+            max_output_tokens=4,
+            include=["message.output_text.logprobs"],
+            stream=True,
+        )
+    )
+    deltas: Any = [e for e in events if e.type == "response.output_text.delta"]
+    assert [d.logprobs[0].logprob for d in deltas] == [lp.logprob for lp in part.logprobs]
+    assert all(len(d.logprobs) == 1 and d.logprobs[0].top_logprobs == [] for d in deltas)
+    too_many = httpx.post(
+        f"{base_url}/v1/responses",
+        json={"model": MODEL, "input": "x", "include": ["message.output_text.logprobs"], "top_logprobs": 21},
+        timeout=5,
+    )
+    assert too_many.status_code == 400

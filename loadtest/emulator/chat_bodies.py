@@ -31,10 +31,6 @@ def usage(group: LiveGroup) -> dict[str, Any]:
     }
 
 
-def finish_reason(live: LiveRequest) -> str:
-    return "tool_calls" if live.gen.tool_call is not None else "length"
-
-
 def tool_call_id(live: LiveRequest) -> str:
     return f"chatcmpl-tool-{live.request_id[:24]}"
 
@@ -73,7 +69,8 @@ def _response(
             "index": live.index,
             **answer(live),
             "logprobs": _logprobs(live, 0, live.num_output_tokens),
-            "finish_reason": finish_reason(live),
+            "finish_reason": live.finish_reason,
+            "stop_reason": live.answer.stop_reason,  # vLLM's: the stop string that ended it
         }
         for live in group.lives
     ]
@@ -135,7 +132,7 @@ def running_usage(live: LiveRequest, completion_tokens: int) -> dict[str, int]:
 
 
 def _chat_delta(group: LiveGroup, live: LiveRequest, i: int) -> dict[str, Any]:
-    piece = live.answer.pieces[i]
+    piece = live.answer.deltas[i]
     call = live.gen.tool_call
     if call is None:
         delta: dict[str, Any] = {"content": piece}
@@ -154,20 +151,24 @@ def _chat_delta(group: LiveGroup, live: LiveRequest, i: int) -> dict[str, Any]:
 
 def token_chunks(group: LiveGroup, live: LiveRequest, start: int, stop: int) -> list[bytes]:
     """SSE events for one sequence's output tokens `start..stop-1` (one event per token, as a
-    real engine streams one token per step); the first chat event also carries the role. With
-    `continuous_usage_stats` each carries the usage so far; otherwise none has a `usage` key (vLLM
-    leaves an unset usage out of its chunks)."""
+    real engine streams one token per step, with the text it streams: `Answer.deltas`); the first
+    chat event also carries the role. With `continuous_usage_stats` each carries the usage so far;
+    otherwise none has a `usage` key (vLLM leaves an unset usage out of its chunks). `stop_reason`
+    is on every completions chunk and on the last chat chunk, as vLLM serializes them."""
     out: list[bytes] = []
     last = live.num_output_tokens - 1
     continuous = group.gen.continuous_usage
     for i in range(start, stop):
         choice: dict[str, Any] = {"index": live.index}
-        if group.gen.endpoint == "completions":
-            choice["text"] = live.answer.pieces[i]
+        completions = group.gen.endpoint == "completions"
+        if completions:
+            choice["text"] = live.answer.deltas[i]
         else:
             choice["delta"] = _chat_delta(group, live, i)
         choice["logprobs"] = _logprobs(live, i, i + 1)
-        choice["finish_reason"] = finish_reason(live) if i == last else None
+        choice["finish_reason"] = live.finish_reason if i == last else None
+        if completions or i == last:
+            choice["stop_reason"] = live.answer.stop_reason if i == last else None
         chunk = _chunk(group, [choice])
         if continuous:
             chunk["usage"] = running_usage(live, i + 1)

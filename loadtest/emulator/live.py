@@ -102,6 +102,14 @@ class LiveRequest:
     def num_output_tokens(self) -> int:
         return len(self.answer.pieces)
 
+    @property
+    def finish_reason(self) -> str:
+        """vLLM's `finish_reason` once finished: a text answer runs to its token limit unless a
+        stop string ended it."""
+        if self.gen.tool_call is not None:
+            return "tool_calls"
+        return "stop" if self.answer.stop_reason is not None else "length"
+
     async def wait(self) -> None:
         await self.event.wait()
         self.event.clear()

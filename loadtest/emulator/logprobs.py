@@ -87,3 +87,12 @@ def completion_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
         "tokens": [e.token for e in entries],
         "top_logprobs": [dict(e.top) for e in entries],
     }
+
+
+def responses_delta_logprobs(entries: Sequence[TokenLogprob], top_k: int) -> list[dict[str, Any]]:
+    """A Responses `output_text.delta` event's `logprobs`: as chat's entries, without `bytes`."""
+    return [
+        {"token": e.token, "logprob": e.logprob,
+         "top_logprobs": [{"token": t, "logprob": lp} for t, lp in e.top[:top_k]]}
+        for e in entries
+    ]  # fmt: skip

@@ -23,7 +23,14 @@ from loadtest.emulator.chat_template import IMAGE_TOKENS, render_chat_offsets
 from loadtest.emulator.config import EmulatorConfig
 from loadtest.emulator.errors import ApiError
 from loadtest.emulator.live import LiveGroup
-from loadtest.emulator.protocol import GenerationRequest, common_fields, int_field, one_answer_request
+from loadtest.emulator.protocol import (
+    GenerationRequest,
+    common_fields,
+    int_field,
+    one_answer_request,
+    stop_strings,
+)
+from loadtest.emulator.stops import StopRule
 from loadtest.emulator.tools import choose_tool
 from loadtest.engine.tokenizer import Tokenizer
 
@@ -234,7 +241,10 @@ def parse_messages(
     prompt = tokenizer.encode(text)
     marked = len(tokenizer.encode(text[: max(ends)])) if ends else 0
     tool = choose_tool(tools, _tool_choice(body.get("tool_choice")), conv.messages)
-    gen = one_answer_request("messages", common, prompt, max_tokens, tool)
+    if isinstance(body.get("stop_sequences"), str):
+        raise ApiError.bad_request("stop_sequences must be a list of strings", "stop_sequences")
+    stops = stop_strings(body, "stop_sequences")  # vLLM passes them on as chat's `stop`
+    gen = one_answer_request("messages", common, prompt, max_tokens, tool, StopRule(stops) if stops else None)
     # A hit covers at most prompt - 1 tokens, and only full blocks are cached.
     cacheable = min(marked, len(prompt) - 1) // block_size * block_size
     return MessagesCall(gen, f"msg_{uuid.uuid4().hex}", cacheable)
@@ -253,7 +263,13 @@ def usage(call: MessagesCall, group: LiveGroup) -> dict[str, int]:
 
 
 def stop_reason(group: LiveGroup) -> str:
-    return "tool_use" if group.gen.tool_call is not None else "max_tokens"
+    """vLLM's mapping of the chat finish reason; a stop string is `stop_sequence` (with the string
+    in `stop_sequence`) since vLLM PR #45807."""
+    return {"tool_calls": "tool_use", "stop": "stop_sequence"}.get(group.lives[0].finish_reason, "max_tokens")
+
+
+def stop_sequence(group: LiveGroup) -> str | None:
+    return group.lives[0].answer.stop_reason
 
 
 def tool_use_id(group: LiveGroup) -> str:
@@ -270,14 +286,16 @@ def content_block(group: LiveGroup, text: str, final: bool) -> dict[str, Any]:
 
 
 def message_body(call: MessagesCall, group: LiveGroup, done: bool) -> dict[str, Any]:
+    """The message; an empty text answer (a stop string at its start) has no block, as in vLLM."""
     text = group.lives[0].answer.text
+    has_block = done and (bool(text) or group.gen.tool_call is not None)
     return {
         "id": call.message_id,
         "type": "message",
         "role": "assistant",
         "model": group.gen.model,
-        "content": [content_block(group, text, True)] if done else [],
+        "content": [content_block(group, text, True)] if has_block else [],
         "stop_reason": stop_reason(group) if done else None,
-        "stop_sequence": None,
+        "stop_sequence": stop_sequence(group) if done else None,
         "usage": usage(call, group),
     }

@@ -27,14 +27,16 @@ def _base_text(seed: int) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Answer:
-    """Output token ids and, for streaming, the text piece of each token."""
+    """Output token ids, the text piece of each token, the answer's text, and what a stream
+    sends with each token (`deltas`, adding up to `text`). Without a stop string the text is the
+    pieces joined and each token streams its piece; `stops.cut_at_stop` makes the others, and
+    `stop_reason` names the stop string that ended the answer."""
 
     token_ids: np.ndarray
     pieces: tuple[str, ...]
-
-    @property
-    def text(self) -> str:
-        return "".join(self.pieces)
+    text: str
+    deltas: tuple[str, ...]
+    stop_reason: str | None = None
 
 
 class AnswerWriter:
@@ -74,4 +76,5 @@ class AnswerWriter:
     def fixed_answer(self, text: str) -> Answer:
         """Tokens of a given text (e.g. tool-call arguments)."""
         pieces = tuple(self._tok.pieces(text)) or (" ",)
-        return Answer(self._tok.encode("".join(pieces)), pieces)
+        joined = "".join(pieces)
+        return Answer(self._tok.encode(joined), pieces, joined, pieces)

@@ -1,7 +1,8 @@
 """Parse and validate OpenAI request bodies into what the worker runs.
 
 Unknown fields are ignored (as vLLM does with a warning); sampling parameters are accepted and
-have no effect, since output text is deterministic. Bad values raise ApiError naming the field.
+have no effect, since output text is deterministic, except stop strings, which end that text
+where they occur in it (`stops.py`). Bad values raise ApiError naming the field.
 The field helpers here are shared by every route family (Responses and Anthropic Messages too).
 """
 
@@ -16,6 +17,7 @@ import numpy as np
 from loadtest.emulator.chat_template import render_chat
 from loadtest.emulator.config import EmulatorConfig
 from loadtest.emulator.errors import ApiError
+from loadtest.emulator.stops import StopRule
 from loadtest.emulator.tools import choose_tool, tool_call_arguments
 from loadtest.engine.tokenizer import Tokenizer, TokenizerError
 from prompt_normalizer.lax import lax_bool, lax_int
@@ -36,7 +38,8 @@ class GenerationRequest:
     """A validated request: the prompts' token ids and how to answer.
 
     Every prompt gets `n` sequences (choices); `logprobs` is the number of alternatives reported
-    per output token (0: the chosen token only), None when logprobs were not asked for.
+    per output token (0: the chosen token only), None when logprobs were not asked for; `stop`
+    ends a text answer at a stop string (`stops.py`).
     """
 
     endpoint: Endpoint
@@ -53,6 +56,7 @@ class GenerationRequest:
     request_id: str | None = None
     priority: int = 0
     continuous_usage: bool = False  # usage on every chunk too (`continuous_usage_stats`)
+    stop: StopRule | None = None
 
     @property
     def prompt_ids(self) -> np.ndarray:
@@ -135,9 +139,11 @@ def one_answer_request(
     prompt: np.ndarray,
     max_tokens: int,
     tool: Mapping[str, Any] | None,
+    stop: StopRule | None = None,
+    logprobs: int | None = None,
 ) -> GenerationRequest:
     """A request for one answer to one prompt, with usage always reported: the shape of the
-    Responses and Anthropic Messages APIs, which have no `n`, logprobs or sampling echo."""
+    Responses and Anthropic Messages APIs, which have no `n` or sampling echo."""
     return GenerationRequest(
         endpoint=endpoint,
         model=common.model,
@@ -150,6 +156,8 @@ def one_answer_request(
         echo_sampling={"max_tokens": max_tokens},
         request_id=common.request_id,
         priority=common.priority,
+        stop=stop,
+        logprobs=logprobs,
     )
 
 
@@ -193,11 +201,11 @@ def _max_tokens(body: Mapping[str, Any], cfg: EmulatorConfig) -> int:
     return cfg.default_max_tokens if value is None else value
 
 
-def _check_min_tokens(body: Mapping[str, Any], max_tokens: int) -> None:
+def _check_min_tokens(body: Mapping[str, Any], max_tokens: int) -> int:
     """vLLM's checks of `min_tokens` (`SamplingParams._verify_args`): an integer from 0 to the
-    request's `max_tokens`."""
+    request's `max_tokens` (0 when absent)."""
     if "min_tokens" not in body:
-        return
+        return 0
     value = lax_int(body["min_tokens"])
     if value is None:
         raise ApiError.bad_request("min_tokens must be an integer", "min_tokens")
@@ -209,9 +217,31 @@ def _check_min_tokens(body: Mapping[str, Any], max_tokens: int) -> None:
         raise ApiError.bad_request(
             f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {value}.", "min_tokens"
         )
+    return value
 
 
-def _logprobs_limit(value: int, name: str) -> int:
+def stop_strings(body: Mapping[str, Any], name: str) -> tuple[str, ...]:
+    """A stop field (`stop`, Anthropic's `stop_sequences`): null, a string or a list of strings,
+    none of them empty (`SamplingParams._verify_args`)."""
+    value = body.get(name)
+    if value is None:
+        return ()
+    strings = [value] if isinstance(value, str) else value
+    if not isinstance(strings, list) or not all(isinstance(s, str) for s in strings):
+        raise ApiError.bad_request(f"{name} must be a string or a list of strings", name)
+    if not all(strings):
+        raise ApiError.bad_request("stop cannot contain an empty string.", name)
+    return tuple(strings)
+
+
+def _stop_rule(body: Mapping[str, Any], min_tokens: int) -> StopRule | None:
+    strings = stop_strings(body, "stop")
+    include = bool_field(body, "include_stop_str_in_output")
+    return StopRule(strings, include, min_tokens) if strings else None
+
+
+def logprobs_limit(value: int, name: str) -> int:
+    """`value` logprobs per token, refused above vLLM's `--max-logprobs` as vLLM refuses it."""
     if value > MAX_LOGPROBS:
         raise ApiError.bad_request(
             f"Requested sample logprobs of {value}, which is greater than max allowed: {MAX_LOGPROBS}", name
@@ -226,7 +256,7 @@ def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
         raise ApiError.bad_request(
             "when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs"
         )
-    return _logprobs_limit(top or 0, "top_logprobs") if wanted else None
+    return logprobs_limit(top or 0, "top_logprobs") if wanted else None
 
 
 def _sampling(body: Mapping[str, Any], max_tokens: int) -> dict[str, Any]:
@@ -250,7 +280,7 @@ def parse_chat(body: Mapping[str, Any], cfg: EmulatorConfig, tokenizer: Tokenize
     common = common_fields(body, cfg)
     usage = _stream_usage(body, common.stream)
     max_tokens = _max_tokens(body, cfg)
-    _check_min_tokens(body, max_tokens)
+    min_tokens = _check_min_tokens(body, max_tokens)
     text = render_chat_body(body)
     tool = choose_tool(body.get("tools"), body.get("tool_choice"), list(body.get("messages") or []))
     return GenerationRequest(
@@ -268,6 +298,7 @@ def parse_chat(body: Mapping[str, Any], cfg: EmulatorConfig, tokenizer: Tokenize
         logprobs=_chat_logprobs(body),
         request_id=common.request_id,
         priority=common.priority,
+        stop=_stop_rule(body, min_tokens),
     )
 
 
@@ -327,7 +358,7 @@ def parse_completions(
     common = common_fields(body, cfg)
     usage = _stream_usage(body, common.stream)
     max_tokens = _max_tokens(body, cfg)
-    _check_min_tokens(body, max_tokens)
+    min_tokens = _check_min_tokens(body, max_tokens)
     logprobs = int_field(body, "logprobs", 0)
     return GenerationRequest(
         endpoint="completions",
@@ -341,7 +372,8 @@ def parse_completions(
         tool_call=None,
         echo_sampling=_sampling(body, max_tokens),
         n=int_field(body, "n", 1) or 1,
-        logprobs=None if logprobs is None else _logprobs_limit(logprobs, "logprobs"),
+        logprobs=None if logprobs is None else logprobs_limit(logprobs, "logprobs"),
         request_id=common.request_id,
         priority=common.priority,
+        stop=_stop_rule(body, min_tokens),
     )

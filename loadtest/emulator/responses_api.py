@@ -22,11 +22,13 @@ from loadtest.emulator.chat_template import render_chat
 from loadtest.emulator.config import EmulatorConfig
 from loadtest.emulator.errors import ApiError
 from loadtest.emulator.live import LiveGroup
+from loadtest.emulator.logprobs import chat_logprobs
 from loadtest.emulator.protocol import (
     GenerationRequest,
     bool_field,
     common_fields,
     int_field,
+    logprobs_limit,
     one_answer_request,
 )
 from loadtest.emulator.tools import choose_tool
@@ -35,6 +37,17 @@ from loadtest.engine.tokenizer import Tokenizer
 
 RESPONSE_STORE_LIMIT = 10_000
 _TEXT_PARTS = ("input_text", "output_text", "text")
+# The values vLLM's `ResponsesRequest.include` accepts (a `Literal`); only the logprobs one changes
+# what it answers (the output text's logprobs, `top_logprobs` alternatives per token).
+INCLUDE_LOGPROBS = "message.output_text.logprobs"
+INCLUDABLE = (
+    "code_interpreter_call.outputs",
+    "computer_call_output.output.image_url",
+    "file_search_call.results",
+    "message.input_image.image_url",
+    "message.output_text.logprobs",
+    "reasoning.encrypted_content",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,9 +173,36 @@ def _number(body: Mapping[str, Any], name: str, default: float) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
 
 
+def validation_error(error: dict[str, Any]) -> ApiError:
+    """What vLLM answers when its pydantic model refuses a body: FastAPI's validation error
+    turned into a 400 by vLLM's handler (type `Bad Request`, no `param`), the message naming the
+    error as FastAPI prints it."""
+    message = f"1 validation error:\n  {error}\n {[error]}"
+    return ApiError(400, message, "Bad Request")
+
+
+def _check_include(value: Any) -> None:
+    """`include`: null, or a list of `INCLUDABLE` values."""
+    if value is None:
+        return
+    if not isinstance(value, list):
+        raise validation_error(
+            {"type": "list_type", "loc": ("body", "include"), "msg": "Input should be a valid list",
+             "input": value}
+        )  # fmt: skip
+    expected = ", ".join(repr(v) for v in INCLUDABLE[:-1]) + f" or {INCLUDABLE[-1]!r}"
+    for i, item in enumerate(value):
+        if item not in INCLUDABLE:
+            raise validation_error(
+                {"type": "literal_error", "loc": ("body", "include", i), "msg": f"Input should be {expected}",
+                 "input": item, "ctx": {"expected": expected}}
+            )  # fmt: skip
+
+
 def parse_responses(
     body: Mapping[str, Any], cfg: EmulatorConfig, tokenizer: Tokenizer, store: ResponseStore
 ) -> ResponsesCall:
+    _check_include(body.get("include"))  # vLLM validates the whole body before looking at it
     common = common_fields(body, cfg)
     if bool_field(body, "background"):
         raise ApiError.bad_request("background mode is not supported by the emulated worker", "background")
@@ -182,7 +222,10 @@ def parse_responses(
     prompt = tokenizer.encode(render_chat(messages, tools))
     tool = choose_tool(tools, _chat_tool_choice(body.get("tool_choice")), history)
     max_tokens = int_field(body, "max_output_tokens", 1) or cfg.default_max_tokens
-    gen = one_answer_request("responses", common, prompt, max_tokens, tool)
+    logprobs = None
+    if INCLUDE_LOGPROBS in (body.get("include") or ()):
+        logprobs = logprobs_limit(int_field(body, "top_logprobs", 0) or 0, "top_logprobs")
+    gen = one_answer_request("responses", common, prompt, max_tokens, tool, logprobs=logprobs)
     echo = {
         "instructions": instructions,
         "max_output_tokens": max_tokens,
@@ -192,6 +235,7 @@ def parse_responses(
         "temperature": _number(body, "temperature", 1.0),
         "tool_choice": body.get("tool_choice", "auto"),
         "tools": body.get("tools") or [],
+        "top_logprobs": logprobs,  # vLLM echoes its sampling logprobs: null unless included
         "top_p": _number(body, "top_p", 1.0),
         "user": body.get("user") if isinstance(body.get("user"), str) else None,
     }
@@ -205,12 +249,18 @@ def item_id(prefix: str, group: LiveGroup) -> str:
 
 
 def output_item(group: LiveGroup, status: str, text: str) -> dict[str, Any]:
-    """The one output item: a message with `output_text`, or a `function_call`."""
+    """The one output item: a message with `output_text` (its tokens' logprobs once completed,
+    when `include` asked for them), or a `function_call`."""
     call = group.gen.tool_call
     if call is not None:
         return {"type": "function_call", "id": item_id("fc", group), "call_id": item_id("call", group),
                 "name": call.name, "arguments": text, "status": status}  # fmt: skip
-    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if text else []
+    live = group.lives[0]
+    top_k = group.gen.logprobs
+    logprobs = (
+        [] if top_k is None or status != "completed" else chat_logprobs(live.logprobs, top_k)["content"]
+    )
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}] if text else []
     return {"type": "message", "id": item_id("msg", group), "role": "assistant", "status": status,
             "content": content}  # fmt: skip
 
@@ -227,9 +277,15 @@ def usage(group: LiveGroup) -> dict[str, Any]:
     }
 
 
-def response_object(call: ResponsesCall, group: LiveGroup, status: str) -> dict[str, Any]:
-    """The response object; `output` and `usage` are filled once the answer is complete."""
-    done = status == "completed"
+def response_object(call: ResponsesCall, group: LiveGroup, done: bool) -> dict[str, Any]:
+    """The response object: `in_progress` until `done`, then with `output` and `usage` filled.
+
+    A finished text answer always ran to `max_output_tokens` (the emulator never ends a turn by
+    itself), and vLLM reports a length-capped generation as `incomplete` with that reason
+    (`ResponsesResponse.from_request`), even in the stream's final `response.completed` event.
+    """
+    capped = done and group.lives[0].finish_reason == "length"
+    status = "incomplete" if capped else "completed" if done else "in_progress"
     return {
         "id": call.response_id,
         "object": "response",
@@ -238,7 +294,7 @@ def response_object(call: ResponsesCall, group: LiveGroup, status: str) -> dict[
         "status": status,
         "background": False,
         "error": None,
-        "incomplete_details": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if capped else None,
         **call.echo,
         "max_tool_calls": None,
         "output": [output_item(group, "completed", group.lives[0].answer.text)] if done else [],

@@ -2,9 +2,10 @@
 
 Errors on these routes are Anthropic's envelope `{"type": "error", "error": {"type", "message"}}`.
 A stream sends, once the first token is ready (so its usage knows the cache hit),
-`message_start`, `content_block_start`, then one `content_block_delta` per token (`text_delta`,
-or `input_json_delta` for a tool call), and finally `content_block_stop`, `message_delta` (stop
-reason and the full usage) and `message_stop`.
+`message_start`; with the first text `content_block_start`, then one `content_block_delta` per
+token that streams text (`text_delta`, or `input_json_delta` for a tool call); and finally
+`content_block_stop`, `message_delta` (stop reason, stop sequence and the full usage) and
+`message_stop`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from loadtest.emulator.messages_api import (
     message_body,
     parse_messages,
     stop_reason,
+    stop_sequence,
     usage,
 )
 from loadtest.emulator.web import (
@@ -66,15 +68,22 @@ async def count_tokens(request: Request) -> Response:
 
 
 async def _stream(w: EmulatedWorker, call: MessagesCall, group: LiveGroup) -> AsyncIterator[bytes]:
+    """As vLLM converts a chat stream: the block starts with the first text (empty deltas,
+    such as those a stop string holds back, send nothing), so an empty answer has no block."""
     is_call = group.gen.tool_call is not None
+    started = False
     async with contextlib.aclosing(answer_steps(w, group)) as steps:
         async for first, pieces in steps:
             out: list[bytes] = []
             if first:
                 out.append(named_event("message_start", {"message": message_body(call, group, done=False)}))
-                block = content_block(group, "", False)
-                out.append(named_event("content_block_start", {"index": 0, "content_block": block}))
             for piece in pieces:
+                if not piece:
+                    continue
+                if not started:
+                    block = content_block(group, "", False)
+                    out.append(named_event("content_block_start", {"index": 0, "content_block": block}))
+                    started = True
                 delta = (
                     {"type": "input_json_delta", "partial_json": piece}
                     if is_call
@@ -85,7 +94,8 @@ async def _stream(w: EmulatedWorker, call: MessagesCall, group: LiveGroup) -> As
     if group.failed:
         yield named_event("error", {"error": {"type": "api_error", "message": "the emulated engine failed"}})
         return
-    yield named_event("content_block_stop", {"index": 0})
-    end = {"stop_reason": stop_reason(group), "stop_sequence": None}
+    if started:
+        yield named_event("content_block_stop", {"index": 0})
+    end = {"stop_reason": stop_reason(group), "stop_sequence": stop_sequence(group)}
     yield named_event("message_delta", {"delta": end, "usage": usage(call, group)})
     yield named_event("message_stop", {})

@@ -10,13 +10,15 @@ once; with the first token `response.output_item.added` and `response.content_pa
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from loadtest.emulator.errors import ApiError
 from loadtest.emulator.live import LiveGroup
+from loadtest.emulator.logprobs import responses_delta_logprobs
 from loadtest.emulator.responses_api import (
     EventWriter,
     ResponsesCall,
@@ -28,11 +30,14 @@ from loadtest.emulator.responses_api import (
     output_item,
     parse_responses,
     response_object,
+    validation_error,
 )
 from loadtest.emulator.web import answer_steps, json_response, read_json, wait_finished, worker_of
 from loadtest.emulator.worker import EmulatedWorker
+from prompt_normalizer.lax import lax_bool, lax_int
 
 router = APIRouter()
+T = TypeVar("T")
 
 
 def store_of(request: Request) -> ResponseStore:
@@ -42,7 +47,7 @@ def store_of(request: Request) -> ResponseStore:
 
 
 def _keep(store: ResponseStore, call: ResponsesCall, group: LiveGroup) -> dict[str, object]:
-    body = response_object(call, group, "completed")
+    body = response_object(call, group, done=True)
     if call.store:
         store.put(call.response_id, StoredResponse(body, finished_history(call, group)))
     return body
@@ -63,10 +68,43 @@ async def create_response(request: Request) -> Response:
 
 @router.get("/v1/responses/{response_id}")
 async def retrieve_response(request: Request, response_id: str) -> Response:
+    """The stored response; with `stream=true`, what vLLM does for a response that was not run
+    in the background (the only kind the emulator runs): it keeps events only of background
+    streams, and its replay generator raises once the 200 has gone out, so the client gets the
+    event-stream headers and then a cut connection, no event."""
+    stream = _query(request, "stream", lax_bool, "bool_parsing", "a valid boolean, unable to interpret input")
+    _query(
+        request,
+        "starting_after",
+        lax_int,
+        "int_parsing",
+        "a valid integer, unable to parse string as an integer",
+    )
     stored = store_of(request).get(response_id)
     if stored is None:
         raise not_found(response_id)
+    if stream:
+        return StreamingResponse(_no_stored_events(response_id), media_type="text/event-stream")
     return json_response(stored.body)
+
+
+def _query(request: Request, name: str, read: Callable[[object], T | None], kind: str, what: str) -> T | None:
+    """An optional query parameter as FastAPI reads it for vLLM's handler (a typed argument),
+    refused with vLLM's validation 400."""
+    raw = request.query_params.get(name)
+    if raw is None:
+        return None
+    value = read(raw)
+    if value is None:
+        raise validation_error(
+            {"type": kind, "loc": ("query", name), "msg": f"Input should be {what}", "input": raw}
+        )
+    return value
+
+
+async def _no_stored_events(response_id: str) -> AsyncIterator[bytes]:
+    raise ValueError(f"Unknown response_id: {response_id}")
+    yield b""  # pragma: no cover - never reached; makes this an async generator
 
 
 @router.post("/v1/responses/{response_id}/cancel")
@@ -81,11 +119,13 @@ async def _stream(
     w: EmulatedWorker, store: ResponseStore, call: ResponsesCall, group: LiveGroup
 ) -> AsyncIterator[bytes]:
     event = EventWriter()
-    yield event("response.created", response=response_object(call, group, "in_progress"))
-    yield event("response.in_progress", response=response_object(call, group, "in_progress"))
+    yield event("response.created", response=response_object(call, group, done=False))
+    yield event("response.in_progress", response=response_object(call, group, done=False))
     is_call = group.gen.tool_call is not None
     ids = {"item_id": item_id("fc" if is_call else "msg", group), "output_index": 0}
     part = {"content_index": 0}
+    top_k = group.gen.logprobs
+    sent = 0  # tokens streamed so far: each piece is one token's text
     async with contextlib.aclosing(answer_steps(w, group)) as steps:
         async for first, pieces in steps:
             out: list[bytes] = []
@@ -98,7 +138,10 @@ async def _stream(
                 if is_call:
                     out.append(event("response.function_call_arguments.delta", **ids, delta=piece))
                 else:
-                    out.append(event("response.output_text.delta", **ids, **part, delta=piece, logprobs=[]))
+                    entries = group.lives[0].logprobs[sent : sent + 1]
+                    lps = [] if top_k is None else responses_delta_logprobs(entries, top_k)
+                    out.append(event("response.output_text.delta", **ids, **part, delta=piece, logprobs=lps))
+                sent += 1
             yield b"".join(out)
     if group.failed:
         yield event("error", code="server_error", message="the emulated engine failed", param=None)

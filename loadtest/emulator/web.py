@@ -113,9 +113,10 @@ async def token_batches(
 async def answer_steps(w: EmulatedWorker, group: LiveGroup) -> AsyncGenerator[tuple[bool, list[str]]]:
     """For a one-answer group (Responses, Messages): per batch of `token_batches`, whether it is
     the first (the stream's opening events go with the first token, so usage knows the cache hit)
-    and the answer's pieces it made ready. Closing the iterator aborts what is still running."""
+    and the text each of its tokens streams (`Answer.deltas`). Closing the iterator aborts what
+    is still running."""
     first = True
     async with contextlib.aclosing(token_batches(w, group)) as batches:
         async for batch in batches:
-            yield first, [piece for live, start, stop in batch for piece in live.answer.pieces[start:stop]]
+            yield first, [delta for live, start, stop in batch for delta in live.answer.deltas[start:stop]]
             first = False

@@ -23,6 +23,7 @@ from loadtest.emulator.metrics import LatencyStats
 from loadtest.emulator.output import AnswerWriter
 from loadtest.emulator.pooling import Pooler
 from loadtest.emulator.protocol import GenerationRequest
+from loadtest.emulator.stops import cut_at_stop
 from loadtest.engine import (
     Engine,
     EngineConfig,
@@ -109,7 +110,9 @@ class EmulatedWorker:
         try:
             for p, prompt in enumerate(gen.prompts):
                 for c in range(gen.n):
-                    answer = tool_answer or self.answers.text_answer(prompt, gen.max_tokens, variant=c)
+                    answer = tool_answer or cut_at_stop(
+                        self.answers.text_answer(prompt, gen.max_tokens, variant=c), gen.stop
+                    )
                     live = LiveRequest(gen, prompt, answer, p * gen.n + c, event)
                     live.on_finish = on_finish
                     if gen.logprobs is not None:

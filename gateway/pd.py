@@ -175,14 +175,16 @@ async def _choose(run: PdRun, router: PdRouter, first: bool) -> tuple[PdDecision
 
 
 def _settle_pairs(run: PdRun, decision: PdDecision) -> None:
-    """The request was served: its inconclusive SGLang pairs are weighed, and the pair that
-    served it is remembered and settles the pool's notes it shares a worker with (`pd_suspects`)."""
+    """The request was served: the SGLang pair that served it works, and its inconclusive pairs
+    are weighed (`pd_suspects`)."""
+    if run.pd.protocol != "sglang":
+        return
     suspects = run.a.pool.pd_suspects
     now_s = time.monotonic()
+    if decision.prefill is not None:
+        suspects.served(decision.prefill.worker, decision.decode.worker, now_s)
     for prefill, decode in run.unsettled:
         suspects.note(prefill, decode, now_s)
-    if decision.prefill is not None and run.pd.protocol == "sglang":
-        suspects.served(decision.prefill.worker, decision.decode.worker, now_s)
 
 
 def _count(run: PdRun, decision: PdDecision) -> bool:

@@ -261,7 +261,10 @@ async def decode_leg(
             attempt.trace.status = source.status
         if worker_failed(source.status):
             source.close()
-            return TransferFailed(worker_status(source.status, source.retry_hints), "decode_error", True)
+            failure = worker_status(source.status, source.retry_hints)
+            if failure.later:
+                return failure  # overloaded (503, 529): it took no part in a transfer, its own failure
+            return TransferFailed(failure, "decode_error", True)
         if a.stream and source.status == 200 and whole_answer.is_event_stream(source.content_type):
             stage = Stage.FIRST_EVENT
             relay = decode_relay(a)

@@ -13,10 +13,10 @@ A leg that fails before the client has anything is closed here and leaves the ne
 lesson (docs/pd.md, "Failures"):
 - a prefill leg that fails (connect error, 5xx, timeout, malformed answer): without that worker;
 - a decode worker unreachable or broken (under SGLang also its 5xx answer when its prefill leg
-  was served within the connect timeout after it): without that worker; its 5xx while the
-  prefill leg is still out points at neither: without both, and the pair is settled later
-  (`gateway.pd_suspects`);
-- a transfer failure (a decode leg sent to read KV answered 5xx, under SGLang only when its
+  was served within the connect timeout after it; its 503 or 529, overloaded): without that
+  worker; its other 5xx while the prefill leg is still out points at neither: without both,
+  and the pair is weighed once the request is served (`gateway.pd_suspects`);
+- a transfer failure (a decode leg sent to read KV answered 5xx other than 503 and 529, under SGLang only when its
   prefill leg failed too, or an error event before its first token, or a stream that timed out
   before its first event): counted; vLLM then recomputes the request without a split (a decode
   or mixed worker alone); SGLang, whose decode workers take only paired requests, tries a fresh

@@ -127,3 +127,48 @@ async def test_a_prefill_decode_pool_tells_it_the_same_way() -> None:
         assert messages.headers["retry-after"] == "2" and "x-should-retry" not in messages.headers
         assert sum(len(w.posts) for w in workers) >= 2  # another round was tried
         assert _requests_counted(gw, "messages", "529") == 1
+
+
+async def test_a_decode_workers_529_after_its_prefill_leg_tries_another_pair() -> None:
+    """vLLM: the prefill leg was served and the decode worker answers 529. That worker is
+    overloaded, not a failed transfer: the next round is another pair (the prompt's KV is still
+    on the prefill worker), not the request recomputed alone, and no transfer failure is counted."""
+    legs: list[tuple[str, str]] = []
+
+    def worker(name: str) -> Any:
+        async def chat(request: web.Request) -> web.Response:
+            params = (await request.json()).get("kv_transfer_params")
+            leg = "prefill" if isinstance(params, dict) and params.get("do_remote_decode") else "decode"
+            legs.append((name, leg if params else "alone"))
+            if leg == "prefill":
+                kv = {"remote_engine_id": "e", "remote_block_ids": [1]}
+                usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+                return web.json_response({"id": "p", "choices": [], "usage": usage, "kv_transfer_params": kv})
+            if name == "d1":
+                body = {"error": {"message": "Overloaded", "code": 529}}
+                return web.json_response(body, status=529, headers={"Retry-After": "2"})
+            usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+            return web.json_response({"choices": [{"message": {"content": "ok"}}], "usage": usage})
+
+        return chat
+
+    async with contextlib.AsyncExitStack() as stack:
+        urls = {n: await serve_worker(stack, {"/v1/chat/completions": worker(n)}) for n in ("p1", "d1", "d2")}
+        pool = {
+            "name": "p",
+            "models": ["m"],
+            "prefill_workers": [urls["p1"]],
+            "decode_workers": [urls["d1"], urls["d2"]],
+            "pd": {"protocol": "vllm", "conditional": False},
+            "retry_attempts": 2,
+        }
+        config = {"pools": [pool], "tenants": [tenant("a", "sk-a")], "scrape": {"enabled": False}}
+        async with gateway_in_process(config, RoundRobin(), secret=SECRET) as gw:
+            for _ in range(4):
+                legs.clear()
+                chat = await gw.client.post("/v1/chat/completions", json=CHAT, headers=OPENAI_KEY)
+                assert chat.status_code == 200, chat.text
+                assert ("d1", "decode") not in legs or legs[-1] == ("d2", "decode"), legs
+                assert all(leg != "alone" for _, leg in legs), legs
+            text = gw.state.routing.metrics.render().decode()
+            assert 'kvgate_pd_transfer_failures_total{pool="p",reason="decode_error"}' not in text

@@ -47,6 +47,12 @@ from gateway.k8s.pods import PodEndpoint, PodSettings, pod_name, read_pod, resou
 
 log = logging.getLogger("kvgate.k8s")
 
+# Answers that waiting is not expected to fix (a token the API server refuses, a Role that may not
+# list pods, a wrong api_server path): readiness stops waiting for the first list on them, so that
+# one pool's RBAC mistake does not keep the gateway from serving every other pool. The watcher
+# still retries, and the pool fills up once the mistake is fixed.
+LASTING = frozenset({401, 403, 404})
+
 
 class Backoff:
     """Exponential delays with jitter (each in [d/2, d]), capped."""
@@ -141,8 +147,9 @@ class PodWatcher:
                     version = await self._watch(api, version, sink)
             except Expired as exc:
                 sink.record_error("expired", str(exc))
+            except ApiError as exc:
+                sink.record_error(stage, f"{type(exc).__name__}: {exc}", lasting=exc.status in LASTING)
             except (
-                ApiError,
                 ProtocolError,
                 KubernetesSetupError,  # e.g. the token file briefly missing while it is rotated
                 aiohttp.ClientError,

@@ -125,6 +125,10 @@ class FakeKubeApi:
         self.unauthorized = 0
         self.bookmark_every_s = 0.5
         self.max_watch_s: float | None = None  # end every watch this soon, whatever it asked for
+        self.list_error: tuple[int, str] | None = None  # answer every list with this status
+        self.lists_held = 0  # list requests waiting for `release_lists`
+        self._list_gate = asyncio.Event()
+        self._list_gate.set()
         self._pages: dict[str, tuple[str, list[Pod]]] = {}
         self._page_ids = itertools.count()
         self.port = 0
@@ -192,6 +196,13 @@ class FakeKubeApi:
         for queue in self.watchers:
             queue.put_nowait(("drop", None))
 
+    def hold_lists(self) -> None:
+        """Lists wait, unanswered, until `release_lists` (an API server under load)."""
+        self._list_gate.clear()
+
+    def release_lists(self) -> None:
+        self._list_gate.set()
+
     # -- HTTP ------------------------------------------------------------------------------
 
     def app(self) -> web.Application:
@@ -230,7 +241,7 @@ class FakeKubeApi:
         selector = request.query.get("labelSelector", "")
         if request.query.get("watch") in ("1", "true"):
             return await self._watch(request, selector)
-        return self._list(request, selector)
+        return await self._list(request, selector)
 
     def _selected(self, selector: str, pods: list[Pod]) -> list[Pod]:
         return [p for p in pods if not selector or matches(selector, p["metadata"].get("labels", {}))]
@@ -245,7 +256,17 @@ class FakeKubeApi:
             return "MODIFIED" if before else "ADDED"
         return "DELETED" if before else None
 
-    def _list(self, request: web.Request, selector: str) -> web.Response:
+    async def _list(self, request: web.Request, selector: str) -> web.Response:
+        if not self._list_gate.is_set():
+            self.lists_held += 1
+            try:
+                await self._list_gate.wait()
+            finally:
+                self.lists_held -= 1
+        if self.list_error is not None:
+            self.lists += 1
+            code, reason = self.list_error
+            return _json(_status(code, reason, f"pods is {reason.lower()}"), code)
         limit = int(request.query.get("limit", "0") or 0)
         token = request.query.get("continue")
         if token:
@@ -295,9 +316,9 @@ class FakeKubeApi:
                         await send("BOOKMARK", {"kind": "Pod", "apiVersion": "v1", "metadata": meta})
                     continue
                 if what == "event":
-                    kind = self._seen_as(selector, *data)
-                    if kind is not None:
-                        await send(kind, data[1])
+                    seen = self._seen_as(selector, *data)
+                    if seen is not None:
+                        await send(seen, data[1])
                 elif what == "error":
                     await send("ERROR", data)
                     break

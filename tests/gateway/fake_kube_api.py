@@ -126,6 +126,10 @@ class FakeKubeApi:
         self.bookmark_every_s = 0.5
         self.max_watch_s: float | None = None  # end every watch this soon, whatever it asked for
         self.list_error: tuple[int, str] | None = None  # answer every list with this status
+        self.list_versions: list[str | None] = []  # each list's resourceVersion (first pages)
+        self.watch_versions: list[str | None] = []  # each watch's resourceVersion
+        # The next watch requests answered with an HTTP error: (status, reason, Retry-After).
+        self.watch_errors: list[tuple[int, str, int | None]] = []
         self.lists_held = 0  # list requests waiting for `release_lists`
         self._list_gate = asyncio.Event()
         self._list_gate.set()
@@ -196,6 +200,10 @@ class FakeKubeApi:
         for queue in self.watchers:
             queue.put_nowait(("drop", None))
 
+    def fail_watches(self, count: int, code: int, reason: str, retry_after_s: int | None = None) -> None:
+        """Answer the next `count` watch requests with an HTTP `code` (and Retry-After)."""
+        self.watch_errors += [(code, reason, retry_after_s)] * count
+
     def hold_lists(self) -> None:
         """Lists wait, unanswered, until `release_lists` (an API server under load)."""
         self._list_gate.clear()
@@ -265,6 +273,7 @@ class FakeKubeApi:
                 self.lists_held -= 1
         if self.list_error is not None:
             self.lists += 1
+            self.list_versions.append(request.query.get("resourceVersion"))
             code, reason = self.list_error
             return _json(_status(code, reason, f"pods is {reason.lower()}"), code)
         limit = int(request.query.get("limit", "0") or 0)
@@ -273,6 +282,7 @@ class FakeKubeApi:
             version, items = self._pages.pop(token)
         else:
             self.lists += 1
+            self.list_versions.append(request.query.get("resourceVersion"))
             version = str(self.version)
             items = self._selected(selector, sorted(self.pods.values(), key=lambda p: p["metadata"]["name"]))
         meta: dict[str, Any] = {"resourceVersion": version}
@@ -285,6 +295,13 @@ class FakeKubeApi:
 
     async def _watch(self, request: web.Request, selector: str) -> web.StreamResponse:
         self.watches += 1
+        self.watch_versions.append(request.query.get("resourceVersion"))
+        if self.watch_errors:
+            code, reason, retry_after_s = self.watch_errors.pop(0)
+            response = _json(_status(code, reason, reason), code)
+            if retry_after_s is not None:
+                response.headers["Retry-After"] = str(retry_after_s)
+            return response
         since = int(request.query.get("resourceVersion") or self.version)
         timeout_s = float(request.query.get("timeoutSeconds", "300"))
         if self.max_watch_s is not None:

@@ -33,6 +33,12 @@ from gateway.k8s.config import KubernetesDiscoveryConfig
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 _MAX_ERROR_BODY_BYTES = 64 * 1024
 _PARSE_IN_THREAD_BYTES = 1024 * 1024  # bigger list pages are parsed off the event loop
+# A list page: parsed, its JSON takes about 8-9 times its size in Python objects (a page of 250
+# pods of 8.8 kB each, 2.2 MB of JSON, takes 17.7 MB), so a page at the cap is about 80 MB while it
+# is read, per pool and per process. Realistic pods (9-17 kB) fill 250 a page to 2-4 MB; the
+# watcher asks for fewer pods a page, down to one, when a page is too large.
+PAGE_PODS = 250
+MAX_PAGE_BYTES = 8 * 1024 * 1024
 # The longest a watch may say nothing before its link is taken for dead (one whose far end vanished
 # without a reset). The API server's watch cache sends a bookmark about every minute to a watch
 # that allows them, and another just before timeoutSeconds; so even a quiet watch is never silent
@@ -60,6 +66,10 @@ class Expired(ApiError):
 
 class ProtocolError(Exception):
     """A response that is not what the protocol promises, or larger than allowed."""
+
+
+class TooLarge(ProtocolError):
+    """A response body larger than allowed (a list page: ask for fewer pods a page)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,8 +199,8 @@ class PodApi:
         token: Token,
         selector: str,
         *,
-        page_size: int = 500,
-        max_page_bytes: int = 64 * 1024 * 1024,
+        page_size: int = PAGE_PODS,
+        max_page_bytes: int = MAX_PAGE_BYTES,
         max_event_bytes: int = 4 * 1024 * 1024,
         request_timeout_s: float = 30.0,
         watch_timeout_s: int = 300,
@@ -210,11 +220,12 @@ class PodApi:
         )
 
     async def list_page(
-        self, continue_token: str | None = None, not_older_than: str | None = None
+        self, continue_token: str | None = None, not_older_than: str | None = None, limit: int | None = None
     ) -> PodPage:
-        """One page: the first (no `continue_token`) of a snapshot at least as new as
-        `not_older_than` when given, else the latest; or the next one of the same snapshot."""
-        params = {"labelSelector": self._selector, "limit": str(self._page_size)}
+        """One page of at most `limit` pods (else `page_size`): the first (no `continue_token`) of
+        a snapshot at least as new as `not_older_than` when given, else the latest; or the next
+        one of the same snapshot. Raises `TooLarge` for a page over `max_page_bytes`."""
+        params = {"labelSelector": self._selector, "limit": str(limit or self._page_size)}
         if continue_token:
             params["continue"] = continue_token
         elif not_older_than:
@@ -322,12 +333,12 @@ def _event(doc: Mapping[str, Any]) -> WatchEvent:
 
 async def _read_bounded(resp: aiohttp.ClientResponse, limit: int) -> bytes:
     if resp.content_length is not None and resp.content_length > limit:
-        raise ProtocolError(f"a response of {resp.content_length} bytes (limit {limit})")
+        raise TooLarge(f"a response of {resp.content_length} bytes (limit {limit})")
     buf = bytearray()
     async for chunk in resp.content.iter_any():
         buf += chunk
         if len(buf) > limit:
-            raise ProtocolError(f"a response larger than {limit} bytes")
+            raise TooLarge(f"a response larger than {limit} bytes")
     return bytes(buf)
 
 

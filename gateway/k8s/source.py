@@ -2,6 +2,7 @@
 
     prepare:  find the API server, check token / CA / namespace (errors here stop the start)
     loop:     list all pages -> snapshot -> publish
+                  (a page over max_page_bytes: asked for again with half as many pods)
               watch from the list's resourceVersion; each event updates the snapshot -> publish
               stream ended by the server's timeout -> watch again from the last version seen
               connection dropped or refused / timeout / 429 / 5xx (HTTP or ERROR event)
@@ -40,6 +41,8 @@ import aiohttp
 
 from gateway.discovery import WorkerDetails, WorkerSink
 from gateway.k8s.api import (
+    MAX_PAGE_BYTES,
+    PAGE_PODS,
     SERVICE_ACCOUNT_DIR,
     WATCH_SILENCE_S,
     Access,
@@ -49,6 +52,7 @@ from gateway.k8s.api import (
     PodApi,
     ProtocolError,
     Token,
+    TooLarge,
     resolve_access,
 )
 from gateway.k8s.config import KubernetesDiscoveryConfig
@@ -92,7 +96,8 @@ class PodWatcher:
         sa_dir: Path = SERVICE_ACCOUNT_DIR,
         backoff_initial_s: float = 0.5,
         backoff_max_s: float = 30.0,
-        page_size: int = 500,
+        page_size: int = PAGE_PODS,
+        max_page_bytes: int = MAX_PAGE_BYTES,
         max_event_bytes: int = 4 * 1024 * 1024,
         request_timeout_s: float = 30.0,
         watch_silence_s: float = WATCH_SILENCE_S,
@@ -104,7 +109,8 @@ class PodWatcher:
         self._backoff = Backoff(backoff_initial_s, backoff_max_s)
         self._backoff_max_s = backoff_max_s
         self._sleep = sleep
-        self._page_size = page_size
+        self._page_size = page_size  # halved for good after a page over max_page_bytes
+        self._max_page_bytes = max_page_bytes
         self._max_event_bytes = max_event_bytes
         self._request_timeout_s = request_timeout_s
         self._watch_silence_s = watch_silence_s
@@ -145,6 +151,7 @@ class PodWatcher:
                 Token(self._access.token_file),
                 self._config.selector,
                 page_size=self._page_size,
+                max_page_bytes=self._max_page_bytes,
                 max_event_bytes=self._max_event_bytes,
                 request_timeout_s=self._request_timeout_s,
                 watch_timeout_s=self._config.watch_timeout_s,
@@ -211,21 +218,31 @@ class PodWatcher:
         continue_token: str | None = None
         self._warned.clear()
         while True:
-            page = await api.list_page(continue_token, None if continue_token else self._list_from)
+            try:
+                page = await api.list_page(
+                    continue_token, None if continue_token else self._list_from, self._page_size
+                )
+            except TooLarge:
+                if self._page_size == 1:
+                    raise
+                self._page_size //= 2  # the same page again, smaller: the continue token allows it
+                log.warning("a page of pods was too large; asking for %d pods a page", self._page_size)
+                continue
             for pod in page.items:
                 name = pod_name(pod)
                 if name is not None:
                     self._keep(pods, name, pod)
-            if page.continue_token is None:
+            version, continue_token = page.resource_version, page.continue_token
+            page.items.clear()  # not alive while the next page is read and parsed
+            if continue_token is None:
                 break
-            continue_token = page.continue_token
         self.lists += 1
         self._list_from = None
         # Pods known before keep their place in the order (past max_pods, which are routed).
         kept = {name: pods[name] for name in self._pods if name in pods}
         self._pods = kept | pods
         sink.publish(self._snapshot())
-        return page.resource_version
+        return version
 
     async def _watch(self, api: PodApi, sink: WorkerSink) -> None:
         """One watch stream from `_version`, which follows every event; returns when the server

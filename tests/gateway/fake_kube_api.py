@@ -127,6 +127,7 @@ class FakeKubeApi:
         self.max_watch_s: float | None = None  # end every watch this soon, whatever it asked for
         self.list_error: tuple[int, str] | None = None  # answer every list with this status
         self.list_versions: list[str | None] = []  # each list's resourceVersion (first pages)
+        self.list_limits: list[str | None] = []  # each page request's limit
         self.watch_versions: list[str | None] = []  # each watch's resourceVersion
         # The next watch requests answered with an HTTP error: (status, reason, Retry-After).
         self.watch_errors: list[tuple[int, str, int | None]] = []
@@ -276,10 +277,11 @@ class FakeKubeApi:
             self.list_versions.append(request.query.get("resourceVersion"))
             code, reason = self.list_error
             return _json(_status(code, reason, f"pods is {reason.lower()}"), code)
+        self.list_limits.append(request.query.get("limit"))
         limit = int(request.query.get("limit", "0") or 0)
         token = request.query.get("continue")
-        if token:
-            version, items = self._pages.pop(token)
+        if token:  # kept: a client may ask for the same page again, with another limit
+            version, items = self._pages[token]
         else:
             self.lists += 1
             self.list_versions.append(request.query.get("resourceVersion"))

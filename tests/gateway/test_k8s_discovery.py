@@ -344,6 +344,20 @@ async def test_lists_are_paged_and_the_routed_set_is_capped(fake: FakeKubeApi, t
         await f.routed(8003, 8004, 8009)
 
 
+async def test_a_page_too_large_is_asked_for_again_with_fewer_pods(fake: FakeKubeApi, tmp_path: Path) -> None:
+    """Pages are 250 pods and 8 MiB at most (a parsed page takes about 8-9 times its JSON in
+    memory); a page over the cap is asked for again, halved, from the same continue token."""
+    blob = "x" * (1024 * 1024)  # about 1 MiB a pod (etcd keeps none over 1.5 MiB)
+    for i in range(10):
+        fake.put(make_pod(f"p{i}", port=8000 + i, annotations={"note": blob}))
+    async with follow(fake, tmp_path) as f:
+        assert f.current == {url(8000 + i) for i in range(10)}
+        assert f.errors == [] and f.watcher.lists == 1 and f.resyncs == 0
+        assert fake.list_limits == ["250", "125", "62", "31", "15", "7", "7"]
+        fake.put(make_pod("p10", port=8010))  # and the watch follows on
+        await f.routed(*range(8000, 8011))
+
+
 async def test_a_rolling_update_past_max_pods_keeps_the_pool_full(fake: FakeKubeApi, tmp_path: Path) -> None:
     """maxSurge makes a rollout briefly exceed the pods it replaces: the surplus waits, and takes
     the place of each old pod that leaves."""

@@ -63,7 +63,12 @@ def _config(fake: FakeKubeApi, tmp_path: Path, pools: list[str]) -> dict[str, An
             "api_server": fake.url,
             "token_file": str(tmp_path / "token"),
         }
-        return {"name": name, "models": [f"m-{name}"], "kubernetes": k8s, "health": {"interval_s": 30}}
+        return {
+            "name": name,
+            "models": [f"m-{name}"],
+            "kubernetes": k8s,
+            "health": {"interval_s": 30, "timeout_s": 10},
+        }
 
     return {
         "pools": [pool(name) for name in pools],

@@ -265,10 +265,13 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
             flusher = asyncio.create_task(_flush_logs(state.routing), name="access-log")
             if watcher is not None:
                 await watcher.start()
-            lifecycle.ready = True
+            lifecycle.discovering = fleet.discovering
+            if pools := fleet.discovering():
+                log.info("ready once the first workers of these pools are known: %s", ", ".join(pools))
+            lifecycle.started = True
             yield
         finally:
-            lifecycle.ready = False
+            lifecycle.started = False
             if flusher is not None:
                 flusher.cancel()
             await state.routing.stop_background()  # before the books, logs and transport close
@@ -317,7 +320,8 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
 
 
 def probe_routes(state: GatewayState) -> list[Route]:
-    """`/healthz` (the process answers) and `/readyz` (503 while starting or draining)."""
+    """`/healthz` (the process answers) and `/readyz` (503 while starting, while a pool's first
+    workers are not yet known, or while draining)."""
     lifecycle = state.lifecycle
 
     async def healthz(request: Request) -> Response:
@@ -326,8 +330,12 @@ def probe_routes(state: GatewayState) -> list[Route]:
     async def readyz(request: Request) -> Response:
         if lifecycle.draining:
             return json_response({"status": "draining"}, 503, request_id_of(request))
-        if not lifecycle.ready:
+        if not lifecycle.started:
             return json_response({"status": "starting"}, 503, request_id_of(request))
+        if pools := lifecycle.discovering():
+            # A count, not the names: the client port answers this without a key (the start logs them).
+            reason = f"waiting for the first workers of {len(pools)} pool(s) (discovery)"
+            return json_response({"status": "starting", "reason": reason}, 503, request_id_of(request))
         return json_response({"status": "ready"}, 200, request_id_of(request))
 
     return [Route("/healthz", healthz, methods=["GET"]), Route("/readyz", readyz, methods=["GET"])]

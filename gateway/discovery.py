@@ -195,7 +195,7 @@ class WorkerSink(Protocol):
 
     def publish(self, workers: Mapping[str, WorkerDetails]) -> WorkerSetChange: ...
 
-    def record_error(self, reason: str, message: str) -> None: ...
+    def record_error(self, reason: str, message: str, *, lasting: bool = False) -> None: ...
 
     def record_resync(self) -> None: ...
 
@@ -205,7 +205,8 @@ class WatchingSource(Protocol):
 
     `prepare` checks what cannot heal by waiting (credentials, settings) and raises if it is wrong.
     `run` then never returns by itself: it reports to `sink` until cancelled, and recovers from its
-    own errors (reporting each through `sink.record_error`).
+    own errors (reporting each through `sink.record_error`, with `lasting=True` for one that
+    waiting is not expected to fix, such as a 403: readiness stops waiting for the first snapshot).
     """
 
     async def prepare(self) -> None: ...
@@ -279,11 +280,19 @@ class Discovery:
         self._last_error: str | None = None
         self._task: asyncio.Task[None] | None = None
         self._on_change: Callable[[WorkerSetChange], None] | None = None
-        self._settled = asyncio.Event()  # a watching source has answered once, or failed once
+        self._answered = asyncio.Event()  # a watching source has published once, or failed once
+        self._settled = False  # see `settled`
 
     @property
     def current(self) -> frozenset[str]:
         return self._current
+
+    @property
+    def settled(self) -> bool:
+        """Whether the pool's first set is known: a polled source has been resolved once (found or
+        not: a DNS name's next lookup may differ, but nothing was left to wait for), a watching
+        source has published once or failed with an error waiting will not fix (`lasting`)."""
+        return self._settled
 
     def status(self) -> DiscoveryStatus:
         return DiscoveryStatus(
@@ -312,11 +321,13 @@ class Discovery:
                 len(new),
                 extra=self._log_extra,
             )
-        self._settled.set()
+        self._answered.set()
+        self._settled = True
         return change
 
-    def record_error(self, reason: str, message: str) -> None:
-        """A failed resolution or watch: the last set stays."""
+    def record_error(self, reason: str, message: str, *, lasting: bool = False) -> None:
+        """A failed resolution or watch: the last set stays. A `lasting` error (one that waiting is
+        not expected to fix) settles the pool as a snapshot does: it starts empty."""
         self._failures += 1
         self._last_error = f"{reason}: {message}"
         log.warning(
@@ -327,7 +338,9 @@ class Discovery:
         )
         if self._on_error is not None:
             self._on_error(reason)
-        self._settled.set()
+        self._answered.set()
+        if lasting:
+            self._settled = True
 
     def record_resync(self) -> None:
         """A watching source lists everything again (after a watch error or an expired version)."""
@@ -380,10 +393,11 @@ class Discovery:
 
         A watching source is prepared (its setup errors are raised here), then gets up to
         `first_wait_s` to publish its first snapshot or fail once; after that the pool starts with
-        what is known and fills up as the source reports.
+        what is known and fills up as the source reports (`settled` says when it has).
         """
         if isinstance(self._source, WorkerSource):
             first = await self.refresh()
+            self._settled = True
             on_change(first)
             if self._source.periodic:
                 self._task = asyncio.create_task(self._poll(on_change), name="discovery")
@@ -394,7 +408,7 @@ class Discovery:
         self._task.add_done_callback(_report_end)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self._first_wait_s):
-                await self._settled.wait()
+                await self._answered.wait()
         return diff_workers(frozenset(), self._current, None, self._details)
 
     async def _poll(self, on_change: Callable[[WorkerSetChange], None]) -> None:

@@ -5,6 +5,12 @@ Discovery reports worker-set changes; each change updates the pool, starts or st
 scrape loop and KV-event subscription, and triggers an immediate health check so a new worker
 becomes routable without waiting a whole health interval.
 
+The pools' discoveries start together, so a slow API server delays the start once, not once per
+pool. The start waits only a few seconds for the first snapshots (the kubelet probes nothing until
+it is over); `discovering()` names the pools whose first set is still unknown, or whose first
+workers' health check has not yet answered, and readiness waits for it to be empty: a gateway with
+an empty pool that would be full a moment later must not take traffic.
+
 The policy is told of every worker that joins or leaves a pool, and of every one that health
 checks take down or see back after being down (`policies.pools.FollowsWorkers`): what it keeps of a
 worker describes the process at that URL, and a new process (a restart in place, a pod given a
@@ -49,6 +55,10 @@ from policies.base import KvEvent, WorkerId
 from policies.pools import FollowsWorkers
 
 log = logging.getLogger("kvgate.fleet")
+
+# How long the start waits for the pools' first snapshots, all pools together: nothing answers the
+# kubelet's probes until the start is over, and readiness waits for what comes later.
+FIRST_WAIT_S = 5.0
 
 
 def worker_source(config: PoolConfig) -> WorkerSource | WatchingSource:
@@ -97,12 +107,15 @@ class Fleet:
             )
         self._discoveries: dict[str, Discovery] = {}
         self._pending: set[asyncio.Task[None]] = set()
+        self._settled: set[str] = set()  # pools past `discovering()` (for good)
+        self._first_checks: dict[str, asyncio.Task[None]] = {}  # of pools not yet settled
 
     async def start(self) -> None:
         if self._scraper is not None:
             await self._scraper.start()
         if self._kv is not None:
             await self._kv.start()
+        starts = []
         for pool in self._registry.pools.values():
             pool.on_health = functools.partial(self._health_changed, pool)
             dns = pool.config.dns
@@ -114,13 +127,32 @@ class Fleet:
                 empty_after_s=dns.empty_after_s if dns is not None else 0.0,
                 on_error=functools.partial(_count_error, metrics.discovery_errors, pool.name),
                 on_resync=metrics.discovery_resyncs.labels(pool.name).inc,
+                first_wait_s=FIRST_WAIT_S,
                 name=pool.name,
             )
             self._discoveries[pool.name] = discovery
             # A pool whose first discovery fails (an API server down at start, a Role that may not
             # list pods) reports 0 workers, not nothing, so that an alert on no workers sees it.
             metrics.discovered_workers.labels(pool.name).set(0)
-            await discovery.start(functools.partial(self._apply, pool))
+            starts.append(discovery.start(functools.partial(self._apply, pool)))
+        # Together: each may wait for its API server (`Discovery.first_wait_s`). Every start runs
+        # to its end before a setup error is raised, so that `stop` finds no start half done.
+        for result in await asyncio.gather(*starts, return_exceptions=True):
+            if isinstance(result, BaseException):
+                raise result
+
+    def discovering(self) -> list[str]:
+        """The pools whose first set of workers is not yet known (`Discovery.settled`), or whose
+        first workers' health check is still under way: what readiness waits for. A pool leaves
+        this list for good."""
+        for name, discovery in self._discoveries.items():
+            if name in self._settled or not discovery.settled:
+                continue
+            check = self._first_checks.get(name)
+            if check is None or check.done():
+                self._settled.add(name)
+                self._first_checks.pop(name, None)
+        return [name for name in self._discoveries if name not in self._settled]
 
     async def stop(self) -> None:
         for discovery in self._discoveries.values():
@@ -162,6 +194,8 @@ class Fleet:
             task = asyncio.ensure_future(pool.check(self._session))
             self._pending.add(task)
             task.add_done_callback(self._pending.discard)
+            if pool.name not in self._settled:
+                self._first_checks[pool.name] = task
 
     def _follower(self) -> FollowsWorkers | None:
         """The current policy, if it keeps state per worker (a reload may have swapped it)."""

@@ -20,7 +20,7 @@ hold one place each).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -123,9 +123,15 @@ def _units(weight: float) -> int:
     return max(1, round(weight * _UNITS_PER_WEIGHT))
 
 
+def _nothing() -> list[str]:
+    return []
+
+
 @dataclass(slots=True)
 class Lifecycle:
-    """`ready` from lifespan startup to shutdown, `draining` once shutdown begins. At its
+    """`started` from lifespan startup to shutdown, `draining` once shutdown begins; `ready` once
+    started and `discovering()` (the pools whose first workers are not yet known, set by the app to
+    the fleet's) is empty. At its
     deadline the drain (`app.drain`) ends the streams still in `active_streams` and cancels the
     requests still in `dispatching` (waiting on a worker, or for a queue's turn);
     `requests` holds the proxied requests from the end of their body to their last byte (the
@@ -134,13 +140,19 @@ class Lifecycle:
     their cancellation back (`ended_by_drain`)."""
 
     draining: bool = False
-    ready: bool = False
+    started: bool = False
+    discovering: Callable[[], list[str]] = _nothing
     requests: RequestCap | None = None
     disconnects: DisconnectWatch = field(default_factory=DisconnectWatch)
     active_streams: set[OpenStream] = field(default_factory=set)
     dispatching: set[asyncio.Task[Any]] = field(default_factory=set)
     ended: set[asyncio.Task[Any]] = field(default_factory=set)
     past_deadline: bool = False
+
+    @property
+    def ready(self) -> bool:
+        """Started, and every pool's first set of workers known (what `/readyz` answers 200 to)."""
+        return self.started and not self.discovering()
 
     @property
     def in_flight_requests(self) -> int:

@@ -1,11 +1,13 @@
 """The API server's list and watch of Pods, spoken over aiohttp with every buffer bounded.
 
 List: `GET /api/v1/namespaces/NS/pods?labelSelector=S&limit=N[&continue=T]`, a `PodList` whose
-`metadata.resourceVersion` is the version of the snapshot. Watch: the same path with `watch=1`,
-`resourceVersion=RV`, `allowWatchBookmarks=true` and `timeoutSeconds`, answered by a stream of
-newline-delimited `{"type": "ADDED|MODIFIED|DELETED|BOOKMARK|ERROR", "object": {...}}`. An ERROR
-event carries a `Status`; code 410 (or an HTTP 410) means the version is no longer served and the
-caller must list again (`Expired`).
+`metadata.resourceVersion` is the version of the snapshot; with `resourceVersion=RV` and
+`resourceVersionMatch=NotOlderThan` on its first page, any snapshot at least as new as RV will do.
+Watch: the same path with `watch=1`, `resourceVersion=RV`, `allowWatchBookmarks=true` and
+`timeoutSeconds`, answered by a stream of newline-delimited
+`{"type": "ADDED|MODIFIED|DELETED|BOOKMARK|ERROR", "object": {...}}`. An ERROR event carries a
+`Status`; code 410 (or an HTTP 410) means the version is no longer served and the caller must list
+again (`Expired`). A 429 carries `Retry-After` (and the Status its `details.retryAfterSeconds`).
 
 Credentials: in a pod, `https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT` with the
 service account's token and CA under `/var/run/secrets/kubernetes.io/serviceaccount`. The kubelet
@@ -31,6 +33,12 @@ from gateway.k8s.config import KubernetesDiscoveryConfig
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 _MAX_ERROR_BODY_BYTES = 64 * 1024
 _PARSE_IN_THREAD_BYTES = 1024 * 1024  # bigger list pages are parsed off the event loop
+# A list page: parsed, its JSON takes about 8-9 times its size in Python objects (a page of 250
+# pods of 8.8 kB each, 2.2 MB of JSON, takes 17.7 MB), so a page at the cap is about 80 MB while it
+# is read, per pool and per process. Realistic pods (9-17 kB) fill 250 a page to 2-4 MB; the
+# watcher asks for fewer pods a page, down to one, when a page is too large.
+PAGE_PODS = 250
+MAX_PAGE_BYTES = 8 * 1024 * 1024
 # The longest a watch may say nothing before its link is taken for dead (one whose far end vanished
 # without a reset). The API server's watch cache sends a bookmark about every minute to a watch
 # that allows them, and another just before timeoutSeconds; so even a quiet watch is never silent
@@ -45,10 +53,11 @@ class KubernetesSetupError(Exception):
 class ApiError(Exception):
     """The API server answered with an error status (HTTP, or an ERROR event's Status)."""
 
-    def __init__(self, status: int, reason: str, message: str) -> None:
+    def __init__(self, status: int, reason: str, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(f"{status} {reason}: {message}" if message else f"{status} {reason}")
         self.status = status
         self.reason = reason
+        self.retry_after_s = retry_after_s  # Retry-After, or the Status's details.retryAfterSeconds
 
 
 class Expired(ApiError):
@@ -57,6 +66,10 @@ class Expired(ApiError):
 
 class ProtocolError(Exception):
     """A response that is not what the protocol promises, or larger than allowed."""
+
+
+class TooLarge(ProtocolError):
+    """A response body larger than allowed (a list page: ask for fewer pods a page)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,8 +199,8 @@ class PodApi:
         token: Token,
         selector: str,
         *,
-        page_size: int = 500,
-        max_page_bytes: int = 64 * 1024 * 1024,
+        page_size: int = PAGE_PODS,
+        max_page_bytes: int = MAX_PAGE_BYTES,
         max_event_bytes: int = 4 * 1024 * 1024,
         request_timeout_s: float = 30.0,
         watch_timeout_s: int = 300,
@@ -206,10 +219,18 @@ class PodApi:
             total=None, sock_connect=request_timeout_s, sock_read=min(watch_timeout_s + 30, watch_silence_s)
         )
 
-    async def list_page(self, continue_token: str | None = None) -> PodPage:
-        params = {"labelSelector": self._selector, "limit": str(self._page_size)}
+    async def list_page(
+        self, continue_token: str | None = None, not_older_than: str | None = None, limit: int | None = None
+    ) -> PodPage:
+        """One page of at most `limit` pods (else `page_size`): the first (no `continue_token`) of
+        a snapshot at least as new as `not_older_than` when given, else the latest; or the next
+        one of the same snapshot. Raises `TooLarge` for a page over `max_page_bytes`."""
+        params = {"labelSelector": self._selector, "limit": str(limit or self._page_size)}
         if continue_token:
             params["continue"] = continue_token
+        elif not_older_than:
+            params["resourceVersion"] = not_older_than
+            params["resourceVersionMatch"] = "NotOlderThan"
         async with self._session.get(
             self._url, params=params, headers=await self._headers(), timeout=self._list_timeout
         ) as resp:
@@ -256,7 +277,7 @@ class PodApi:
             doc = _loads(await _read_bounded(resp, _MAX_ERROR_BODY_BYTES))
         except ProtocolError:
             doc = {}
-        raise _status_error(resp.status, doc)
+        raise _status_error(resp.status, doc, _seconds(resp.headers.get("Retry-After")))
 
 
 def _loads(body: bytes) -> dict[str, Any]:
@@ -269,11 +290,33 @@ def _loads(body: bytes) -> dict[str, Any]:
     return doc
 
 
-def _status_error(code: int, status: Mapping[str, Any]) -> ApiError:
+def _status_error(code: int, status: Mapping[str, Any], retry_after_s: float | None = None) -> ApiError:
     reason = status.get("reason")
     message = status.get("message")
+    if retry_after_s is None:
+        details = status.get("details")
+        if isinstance(details, dict):
+            retry_after_s = _seconds(details.get("retryAfterSeconds"))
     cls = Expired if code == 410 else ApiError
-    return cls(code, reason if isinstance(reason, str) else "", message if isinstance(message, str) else "")
+    return cls(
+        code,
+        reason if isinstance(reason, str) else "",
+        message if isinstance(message, str) else "",
+        retry_after_s,
+    )
+
+
+def _seconds(value: object) -> float | None:
+    """A Retry-After in seconds (the API server never sends the HTTP-date form), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        seconds = value
+    elif isinstance(value, str) and value.strip().isdigit():
+        seconds = int(value)
+    else:
+        return None
+    return float(seconds) if seconds >= 0 else None
 
 
 def _event(doc: Mapping[str, Any]) -> WatchEvent:
@@ -290,12 +333,12 @@ def _event(doc: Mapping[str, Any]) -> WatchEvent:
 
 async def _read_bounded(resp: aiohttp.ClientResponse, limit: int) -> bytes:
     if resp.content_length is not None and resp.content_length > limit:
-        raise ProtocolError(f"a response of {resp.content_length} bytes (limit {limit})")
+        raise TooLarge(f"a response of {resp.content_length} bytes (limit {limit})")
     buf = bytearray()
     async for chunk in resp.content.iter_any():
         buf += chunk
         if len(buf) > limit:
-            raise ProtocolError(f"a response larger than {limit} bytes")
+            raise TooLarge(f"a response larger than {limit} bytes")
     return bytes(buf)
 
 

@@ -2,9 +2,19 @@
 
     prepare:  find the API server, check token / CA / namespace (errors here stop the start)
     loop:     list all pages -> snapshot -> publish
+                  (a page over max_page_bytes: asked for again with half as many pods)
               watch from the list's resourceVersion; each event updates the snapshot -> publish
               stream ended by the server's timeout -> watch again from the last version seen
-              410 / ERROR event / HTTP or connection error / bad data -> record, back off, list again
+              connection dropped or refused / timeout / 429 / 5xx (HTTP or ERROR event)
+                  -> record, back off (at least a 429's Retry-After, up to backoff_max_s),
+                     watch again from the last version seen: nothing was lost
+              410 / any other error / bad data / MAX_WATCH_RETRIES such retries in a row
+                  -> record, back off, list again
+
+A list after a watch asks for a snapshot no older than the last version seen
+(`resourceVersionMatch=NotOlderThan`), which the API server may serve from its watch cache rather
+than from etcd; a list that fails so is retried from the latest. This is how client-go's reflector
+treats its watch errors.
 
 Only routable pods are kept (URL and details, never the Pod object). The first `max_pods` of them
 in the order they became routable are routed; up to as many more wait, in that order, and each
@@ -23,7 +33,7 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +41,8 @@ import aiohttp
 
 from gateway.discovery import WorkerDetails, WorkerSink
 from gateway.k8s.api import (
+    MAX_PAGE_BYTES,
+    PAGE_PODS,
     SERVICE_ACCOUNT_DIR,
     WATCH_SILENCE_S,
     Access,
@@ -40,12 +52,21 @@ from gateway.k8s.api import (
     PodApi,
     ProtocolError,
     Token,
+    TooLarge,
     resolve_access,
 )
 from gateway.k8s.config import KubernetesDiscoveryConfig
 from gateway.k8s.pods import PodEndpoint, PodSettings, pod_name, read_pod, resource_version
 
 log = logging.getLogger("kvgate.k8s")
+
+# Answers that waiting is not expected to fix (a token the API server refuses, a Role that may not
+# list pods, a wrong api_server path): readiness stops waiting for the first list on them, so that
+# one pool's RBAC mistake does not keep the gateway from serving every other pool. The watcher
+# still retries, and the pool fills up once the mistake is fixed.
+LASTING = frozenset({401, 403, 404})
+# Failed watches in a row (none delivering an event) retried from the last version before a list.
+MAX_WATCH_RETRIES = 5
 
 
 class Backoff:
@@ -75,16 +96,21 @@ class PodWatcher:
         sa_dir: Path = SERVICE_ACCOUNT_DIR,
         backoff_initial_s: float = 0.5,
         backoff_max_s: float = 30.0,
-        page_size: int = 500,
+        page_size: int = PAGE_PODS,
+        max_page_bytes: int = MAX_PAGE_BYTES,
         max_event_bytes: int = 4 * 1024 * 1024,
         request_timeout_s: float = 30.0,
         watch_silence_s: float = WATCH_SILENCE_S,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self._config = config
         self._environ = environ
         self._sa_dir = sa_dir
         self._backoff = Backoff(backoff_initial_s, backoff_max_s)
-        self._page_size = page_size
+        self._backoff_max_s = backoff_max_s
+        self._sleep = sleep
+        self._page_size = page_size  # halved for good after a page over max_page_bytes
+        self._max_page_bytes = max_page_bytes
         self._max_event_bytes = max_event_bytes
         self._request_timeout_s = request_timeout_s
         self._watch_silence_s = watch_silence_s
@@ -99,6 +125,9 @@ class PodWatcher:
         # Routable pods by name, in the order they became routable: the first `max_pods` are routed.
         self._pods: dict[str, PodEndpoint] = {}
         self._warned: dict[str, str] = {}  # pod name -> the problem last logged for it
+        self._version: str | None = None  # the last version seen; None: list next
+        self._list_from: str | None = None  # the next list is no older than this version
+        self._watch_failures = 0  # failed watches retried in a row, since the last event
         self.lists = 0  # full lists done (the first one and every resync)
 
     async def prepare(self) -> None:
@@ -122,6 +151,7 @@ class PodWatcher:
                 Token(self._access.token_file),
                 self._config.selector,
                 page_size=self._page_size,
+                max_page_bytes=self._max_page_bytes,
                 max_event_bytes=self._max_event_bytes,
                 request_timeout_s=self._request_timeout_s,
                 watch_timeout_s=self._config.watch_timeout_s,
@@ -131,29 +161,56 @@ class PodWatcher:
 
     async def _follow(self, api: PodApi, sink: WorkerSink) -> None:
         while True:
-            stage = "list"
+            stage = "list" if self._version is None else "watch"
+            retry_after_s: float | None = None
             try:
-                if self.lists:
-                    sink.record_resync()
-                version = await self._list(api, sink)
-                stage = "watch"
+                if self._version is None:
+                    if self.lists:
+                        sink.record_resync()
+                    self._version = await self._list(api, sink)
+                    stage = "watch"
                 while True:
-                    version = await self._watch(api, version, sink)
+                    await self._watch(api, sink)
             except Expired as exc:
                 sink.record_error("expired", str(exc))
+                self._after_failure(stage, retriable=False)
+            except ApiError as exc:
+                retry_after_s = exc.retry_after_s
+                sink.record_error(stage, f"{type(exc).__name__}: {exc}", lasting=exc.status in LASTING)
+                self._after_failure(stage, retriable=exc.status == 429 or exc.status >= 500)
             except (
-                ApiError,
-                ProtocolError,
                 KubernetesSetupError,  # e.g. the token file briefly missing while it is rotated
                 aiohttp.ClientError,
                 TimeoutError,
                 OSError,
             ) as exc:
                 sink.record_error(stage, f"{type(exc).__name__}: {exc}")
+                self._after_failure(stage, retriable=True)
+            except ProtocolError as exc:  # malformed or oversized: what else the stream lost is unknown
+                sink.record_error(stage, f"{type(exc).__name__}: {exc}")
+                self._after_failure(stage, retriable=False)
             except Exception as exc:  # a bug in one round must not end discovery for good
                 log.exception("pod discovery round failed")
                 sink.record_error(stage, f"{type(exc).__name__}: {exc}")
-            await asyncio.sleep(self._backoff.next())
+                self._after_failure(stage, retriable=False)
+            delay_s = self._backoff.next()
+            if retry_after_s is not None:
+                delay_s = max(delay_s, min(retry_after_s, self._backoff_max_s))
+            await self._sleep(delay_s)
+
+    def _after_failure(self, stage: str, *, retriable: bool) -> None:
+        """What the next round does (module docstring). After a failed list, list again, the
+        latest. After a failed watch that lost nothing (`retriable`: a transport error, 429, 5xx),
+        watch again from the last version seen, up to `MAX_WATCH_RETRIES` times in a row without
+        an event; else list again, no older than that version (the API server may answer it from
+        its watch cache rather than with a quorum read of etcd)."""
+        if stage == "list":
+            self._list_from = None
+        elif retriable and self._watch_failures < MAX_WATCH_RETRIES:
+            self._watch_failures += 1
+        else:
+            self._list_from, self._version = self._version, None
+            self._watch_failures = 0
 
     async def _list(self, api: PodApi, sink: WorkerSink) -> str:
         """Every page of the list; the snapshot replaces the last one (this is the resync)."""
@@ -161,28 +218,42 @@ class PodWatcher:
         continue_token: str | None = None
         self._warned.clear()
         while True:
-            page = await api.list_page(continue_token)
+            try:
+                page = await api.list_page(
+                    continue_token, None if continue_token else self._list_from, self._page_size
+                )
+            except TooLarge:
+                if self._page_size == 1:
+                    raise
+                self._page_size //= 2  # the same page again, smaller: the continue token allows it
+                log.warning("a page of pods was too large; asking for %d pods a page", self._page_size)
+                continue
             for pod in page.items:
                 name = pod_name(pod)
                 if name is not None:
                     self._keep(pods, name, pod)
-            if page.continue_token is None:
+            version, continue_token = page.resource_version, page.continue_token
+            page.items.clear()  # not alive while the next page is read and parsed
+            if continue_token is None:
                 break
-            continue_token = page.continue_token
         self.lists += 1
+        self._list_from = None
         # Pods known before keep their place in the order (past max_pods, which are routed).
         kept = {name: pods[name] for name in self._pods if name in pods}
         self._pods = kept | pods
         sink.publish(self._snapshot())
-        return page.resource_version
+        return version
 
-    async def _watch(self, api: PodApi, version: str, sink: WorkerSink) -> str:
-        """One watch stream; returns the last version seen when the server ends it cleanly."""
+    async def _watch(self, api: PodApi, sink: WorkerSink) -> None:
+        """One watch stream from `_version`, which follows every event; returns when the server
+        ends the stream cleanly."""
+        assert self._version is not None
         opened_s = time.monotonic()
-        async with contextlib.aclosing(api.watch(version)) as stream:
+        async with contextlib.aclosing(api.watch(self._version)) as stream:
             async for event in stream:
                 self._backoff.reset()
-                version = resource_version(event.object) or version
+                self._watch_failures = 0
+                self._version = resource_version(event.object) or self._version
                 if event.type == "BOOKMARK":
                     continue
                 name = pod_name(event.object)
@@ -199,8 +270,7 @@ class PodWatcher:
         if time.monotonic() - opened_s < 1.0:
             # A server that ends every watch at once (timeoutSeconds is at least 10), even after a
             # bookmark or two: not a reason to open the next one at once.
-            await asyncio.sleep(self._backoff.next())
-        return version
+            await self._sleep(self._backoff.next())
 
     def _keep(self, pods: dict[str, PodEndpoint], name: str, pod: Mapping[str, Any]) -> None:
         verdict = read_pod(pod, self._settings)

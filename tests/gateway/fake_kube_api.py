@@ -125,6 +125,15 @@ class FakeKubeApi:
         self.unauthorized = 0
         self.bookmark_every_s = 0.5
         self.max_watch_s: float | None = None  # end every watch this soon, whatever it asked for
+        self.list_error: tuple[int, str] | None = None  # answer every list with this status
+        self.list_versions: list[str | None] = []  # each list's resourceVersion (first pages)
+        self.list_limits: list[str | None] = []  # each page request's limit
+        self.watch_versions: list[str | None] = []  # each watch's resourceVersion
+        # The next watch requests answered with an HTTP error: (status, reason, Retry-After).
+        self.watch_errors: list[tuple[int, str, int | None]] = []
+        self.lists_held = 0  # list requests waiting for `release_lists`
+        self._list_gate = asyncio.Event()
+        self._list_gate.set()
         self._pages: dict[str, tuple[str, list[Pod]]] = {}
         self._page_ids = itertools.count()
         self.port = 0
@@ -192,6 +201,17 @@ class FakeKubeApi:
         for queue in self.watchers:
             queue.put_nowait(("drop", None))
 
+    def fail_watches(self, count: int, code: int, reason: str, retry_after_s: int | None = None) -> None:
+        """Answer the next `count` watch requests with an HTTP `code` (and Retry-After)."""
+        self.watch_errors += [(code, reason, retry_after_s)] * count
+
+    def hold_lists(self) -> None:
+        """Lists wait, unanswered, until `release_lists` (an API server under load)."""
+        self._list_gate.clear()
+
+    def release_lists(self) -> None:
+        self._list_gate.set()
+
     # -- HTTP ------------------------------------------------------------------------------
 
     def app(self) -> web.Application:
@@ -230,7 +250,7 @@ class FakeKubeApi:
         selector = request.query.get("labelSelector", "")
         if request.query.get("watch") in ("1", "true"):
             return await self._watch(request, selector)
-        return self._list(request, selector)
+        return await self._list(request, selector)
 
     def _selected(self, selector: str, pods: list[Pod]) -> list[Pod]:
         return [p for p in pods if not selector or matches(selector, p["metadata"].get("labels", {}))]
@@ -245,13 +265,26 @@ class FakeKubeApi:
             return "MODIFIED" if before else "ADDED"
         return "DELETED" if before else None
 
-    def _list(self, request: web.Request, selector: str) -> web.Response:
+    async def _list(self, request: web.Request, selector: str) -> web.Response:
+        if not self._list_gate.is_set():
+            self.lists_held += 1
+            try:
+                await self._list_gate.wait()
+            finally:
+                self.lists_held -= 1
+        if self.list_error is not None:
+            self.lists += 1
+            self.list_versions.append(request.query.get("resourceVersion"))
+            code, reason = self.list_error
+            return _json(_status(code, reason, f"pods is {reason.lower()}"), code)
+        self.list_limits.append(request.query.get("limit"))
         limit = int(request.query.get("limit", "0") or 0)
         token = request.query.get("continue")
-        if token:
-            version, items = self._pages.pop(token)
+        if token:  # kept: a client may ask for the same page again, with another limit
+            version, items = self._pages[token]
         else:
             self.lists += 1
+            self.list_versions.append(request.query.get("resourceVersion"))
             version = str(self.version)
             items = self._selected(selector, sorted(self.pods.values(), key=lambda p: p["metadata"]["name"]))
         meta: dict[str, Any] = {"resourceVersion": version}
@@ -264,6 +297,13 @@ class FakeKubeApi:
 
     async def _watch(self, request: web.Request, selector: str) -> web.StreamResponse:
         self.watches += 1
+        self.watch_versions.append(request.query.get("resourceVersion"))
+        if self.watch_errors:
+            code, reason, retry_after_s = self.watch_errors.pop(0)
+            response = _json(_status(code, reason, reason), code)
+            if retry_after_s is not None:
+                response.headers["Retry-After"] = str(retry_after_s)
+            return response
         since = int(request.query.get("resourceVersion") or self.version)
         timeout_s = float(request.query.get("timeoutSeconds", "300"))
         if self.max_watch_s is not None:
@@ -295,9 +335,9 @@ class FakeKubeApi:
                         await send("BOOKMARK", {"kind": "Pod", "apiVersion": "v1", "metadata": meta})
                     continue
                 if what == "event":
-                    kind = self._seen_as(selector, *data)
-                    if kind is not None:
-                        await send(kind, data[1])
+                    seen = self._seen_as(selector, *data)
+                    if seen is not None:
+                        await send(seen, data[1])
                 elif what == "error":
                     await send("ERROR", data)
                     break

@@ -94,7 +94,7 @@ class _Sink:
         self.snapshots.append(self.current)
         return change
 
-    def record_error(self, reason: str, message: str) -> None:
+    def record_error(self, reason: str, message: str, *, lasting: bool = False) -> None:
         self.errors.append(f"{reason}: {message}")
 
     def record_resync(self) -> None:

@@ -1,9 +1,11 @@
 """Kubernetes discovery against a fake API server on 127.0.0.1 that speaks the real list/watch
-protocol: pods added, removed or turned unready change the routed set within 2 s, and every kind
-of watch failure ends in a re-list that catches up with what was missed."""
+protocol: pods added, removed or turned unready change the routed set within 2 s; a watch that
+failed without losing anything (a dropped connection, 429, 5xx) resumes from the last version seen,
+and every other failure ends in a re-list that catches up with what was missed."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import shutil
 import ssl
@@ -20,7 +22,7 @@ from gateway.auth import hash_api_key
 from gateway.discovery import Discovery, WorkerSetChange
 from gateway.k8s.api import KubernetesSetupError
 from gateway.k8s.config import KubernetesDiscoveryConfig
-from gateway.k8s.source import PodWatcher
+from gateway.k8s.source import MAX_WATCH_RETRIES, PodWatcher
 from policies import make_policy
 from policies.base import WorkerId
 from tests.gateway.fake_kube_api import FakeKubeApi, make_pod
@@ -147,27 +149,119 @@ async def test_an_expired_watch_relists_and_catches_up_with_missed_changes(
         await f.routed(8002, 8003, 8004)
 
 
-@pytest.mark.parametrize("failure", ["error_event", "dropped", "not_json", "too_long", "unauthorized"])
-async def test_every_watch_failure_resyncs(fake: FakeKubeApi, tmp_path: Path, failure: str) -> None:
+@pytest.mark.parametrize("failure", ["not_json", "too_long", "unauthorized", "forbidden_event"])
+async def test_a_watch_failure_that_may_have_lost_events_resyncs(
+    fake: FakeKubeApi, tmp_path: Path, failure: str
+) -> None:
     fake.put(make_pod("a", port=8001))
     async with follow(fake, tmp_path, max_event_bytes=64 * 1024) as f:
         await wait_until(lambda: bool(fake.watchers))
+        seen = fake.version
         fake.change_silently([make_pod("b", port=8002)])
-        if failure == "error_event":
-            fake.send_error(500, "InternalError", "etcd is unhappy")
-        elif failure == "dropped":
-            fake.drop_watches()
-        elif failure == "not_json":
+        if failure == "not_json":
             fake.send_raw(b"<html>proxy error</html>\n")
         elif failure == "too_long":
             fake.send_raw(b'{"type": "ADDED", "object": {"x": "' + b"x" * 100_000)
-        else:  # the token was rotated: the next request is refused until the file is read again
+        elif failure == "unauthorized":  # the token was rotated: refused until the file is read again
             fake.token = "tok-2"
             (tmp_path / "token").write_text("tok-2")
             fake.end_watches()
+        else:
+            fake.send_error(403, "Forbidden", "the Role was edited")
         await f.routed(8002)
-        assert f.errors and set(f.errors) <= {"watch", "list"} and fake.lists >= 2 and f.resyncs >= 1
+        assert f.errors == ["watch"] and fake.lists == 2 and f.resyncs == 1
+        # The list asked for a snapshot no older than what the watch had seen (the watch cache may
+        # serve it), not for a quorum read.
+        assert fake.list_versions == [None, str(seen)]
         assert failure != "unauthorized" or fake.unauthorized >= 1
+
+
+@pytest.mark.parametrize("failure", ["dropped", "error_event", "unavailable", "refused"])
+async def test_a_watch_that_lost_nothing_resumes_from_the_last_version_without_a_list(
+    fake: FakeKubeApi, tmp_path: Path, failure: str
+) -> None:
+    """A dropped connection, a 5xx (as an ERROR event or an HTTP answer), a refused connection:
+    the next watch starts where the last one was, and the events it missed are replayed."""
+    up = asyncio.Event()  # the watcher's backoff lasts while the API server is down
+    up.set()
+
+    async def sleep(delay_s: float) -> None:
+        await up.wait()
+
+    fake.put(make_pod("a", port=8001))
+    async with follow(fake, tmp_path, sleep=sleep) as f:
+        await wait_until(lambda: bool(fake.watchers))
+        seen = fake.version
+        if failure == "dropped":
+            fake.drop_watches()
+        elif failure == "error_event":
+            fake.send_error(500, "InternalError", "etcd is unhappy")
+        elif failure == "unavailable":
+            fake.fail_watches(2, 503, "ServiceUnavailable")
+            fake.end_watches()
+        else:  # the API server restarts: connections refused for a while
+            port = fake.port
+            up.clear()
+            await fake.stop()
+            await wait_until(lambda: "watch" in f.errors)
+            await fake.start(port)
+            up.set()
+        fake.put(make_pod("b", port=8002))  # while no watch is open, or before the next one opens
+        await f.routed(8001, 8002)
+        assert fake.lists == 1 and f.resyncs == 0 and set(f.errors) == {"watch"}
+        assert set(fake.watch_versions[1:]) == {str(seen)}
+        fake.delete("a")  # and the watch follows on
+        await f.routed(8002)
+
+
+async def test_a_429_is_retried_after_its_retry_after_bounded_by_the_longest_backoff(
+    fake: FakeKubeApi, tmp_path: Path
+) -> None:
+    waits: list[float] = []
+
+    async def sleep(delay_s: float) -> None:
+        waits.append(delay_s)  # the wait the watcher chose; the test does not take it
+
+    fake.put(make_pod("a", port=8001))
+    async with follow(fake, tmp_path, backoff_initial_s=0.02, backoff_max_s=5.0, sleep=sleep) as f:
+        await wait_until(lambda: bool(fake.watchers))
+        seen = fake.version
+        fake.fail_watches(1, 429, "TooManyRequests", retry_after_s=3)
+        fake.fail_watches(1, 429, "TooManyRequests", retry_after_s=3600)
+        fake.end_watches()
+        await wait_until(lambda: fake.watches == 4 and bool(fake.watchers))
+        fake.put(make_pod("b", port=8002))
+        await f.routed(8001, 8002)
+        assert fake.lists == 1 and f.errors == ["watch", "watch"]
+        assert fake.watch_versions[1:] == [str(seen)] * 3
+        assert 3.0 in waits and 5.0 in waits and max(waits) == 5.0
+
+
+async def test_a_watch_failing_again_and_again_ends_in_a_list(fake: FakeKubeApi, tmp_path: Path) -> None:
+    fake.put(make_pod("a", port=8001))
+    async with follow(fake, tmp_path) as f:
+        await wait_until(lambda: bool(fake.watchers))
+        fake.change_silently([make_pod("b", port=8002)])
+        fake.fail_watches(MAX_WATCH_RETRIES + 1, 503, "ServiceUnavailable")
+        fake.end_watches()
+        await f.routed(8002)
+        assert fake.lists == 2 and f.resyncs == 1 and f.errors == ["watch"] * (MAX_WATCH_RETRIES + 1)
+
+
+async def test_a_list_from_the_watch_cache_that_fails_is_retried_from_the_latest(
+    fake: FakeKubeApi, tmp_path: Path
+) -> None:
+    fake.put(make_pod("a", port=8001))
+    async with follow(fake, tmp_path) as f:
+        await wait_until(lambda: bool(fake.watchers))
+        seen = fake.version
+        fake.list_error = (504, "Timeout")  # as for "Too large resource version"
+        fake.expire()
+        await wait_until(lambda: fake.lists >= 2)
+        fake.list_error = None
+        fake.put(make_pod("b", port=8002))
+        await f.routed(8001, 8002)
+        assert fake.list_versions[:2] == [None, str(seen)] and set(fake.list_versions[2:]) == {None}
 
 
 async def test_a_pod_with_a_malformed_annotation_or_port_is_its_own_problem(
@@ -186,16 +280,17 @@ async def test_a_pod_with_a_malformed_annotation_or_port_is_its_own_problem(
         assert f.errors == [] and fake.lists == 1
 
 
-async def test_a_watch_gone_silent_is_given_up_and_relisted(fake: FakeKubeApi, tmp_path: Path) -> None:
+async def test_a_watch_gone_silent_is_given_up_and_opened_again(fake: FakeKubeApi, tmp_path: Path) -> None:
     """A link whose far end vanished without a reset carries nothing, not even the bookmark a real
-    API server sends about every minute: the watch is given up after `watch_silence_s` of it."""
+    API server sends about every minute: the watch is given up after `watch_silence_s` of it, and
+    a new one starts from the last version seen."""
     fake.put(make_pod("a", port=8001))
     async with follow(fake, tmp_path, watch_silence_s=1.0) as f:
         await wait_until(lambda: bool(fake.watchers))
-        fake.change_silently([make_pod("b", port=8002)])
         fake.stall_watches()
-        await f.routed(8002)
-        assert f.errors == ["watch"] and fake.lists == 2
+        fake.put(make_pod("b", port=8002))  # the stalled watch never sends it
+        await f.routed(8001, 8002)
+        assert f.errors == ["watch"] and fake.lists == 1 and fake.watches == 2
 
 
 async def test_a_watch_the_server_ends_resumes_from_the_last_version_without_a_list(
@@ -247,6 +342,20 @@ async def test_lists_are_paged_and_the_routed_set_is_capped(fake: FakeKubeApi, t
         fake.put(make_pod("p5", port=8005))
         fake.delete("p2")  # and the one that waited longest takes the place
         await f.routed(8003, 8004, 8009)
+
+
+async def test_a_page_too_large_is_asked_for_again_with_fewer_pods(fake: FakeKubeApi, tmp_path: Path) -> None:
+    """Pages are 250 pods and 8 MiB at most (a parsed page takes about 8-9 times its JSON in
+    memory); a page over the cap is asked for again, halved, from the same continue token."""
+    blob = "x" * (1024 * 1024)  # about 1 MiB a pod (etcd keeps none over 1.5 MiB)
+    for i in range(10):
+        fake.put(make_pod(f"p{i}", port=8000 + i, annotations={"note": blob}))
+    async with follow(fake, tmp_path) as f:
+        assert f.current == {url(8000 + i) for i in range(10)}
+        assert f.errors == [] and f.watcher.lists == 1 and f.resyncs == 0
+        assert fake.list_limits == ["250", "125", "62", "31", "15", "7", "7"]
+        fake.put(make_pod("p10", port=8010))  # and the watch follows on
+        await f.routed(*range(8000, 8011))
 
 
 async def test_a_rolling_update_past_max_pods_keeps_the_pool_full(fake: FakeKubeApi, tmp_path: Path) -> None:

@@ -312,8 +312,16 @@ authorization {
 }
 {{- end }}
 
+{{/* The broker's URL. Credentials in it are refused (the gateway refuses them at start, and the
+install notes would print them): in any comma-separated part, an `@` before the first `/`, `?` or
+`#` after the scheme. */}}
 {{- define "kvgate.syncUrl" -}}
 {{- if .Values.sync.url }}
+{{- range splitList "," .Values.sync.url }}
+{{- if regexMatch "^\\s*([A-Za-z][A-Za-z0-9+.-]*://)?[^/?#]*@" . }}
+{{- fail "sync.url: credentials in the URL (user:password@) are refused by the gateway and would be printed in the install notes; give scheme://host:port only and put the broker's secret in sync.auth (existingSecret or token; user for an ACL user)" }}
+{{- end }}
+{{- end }}
 {{- if and (hasPrefix "redis" .Values.sync.url) (contains "," .Values.sync.url) (not (regexMatch "^rediss?\\+(sentinel://[^/]*/[^,]*|cluster://[^/]*)$" .Values.sync.url)) }}
 {{- fail "sync.url: one redis:// or rediss:// URL (separate Redis/Valkey servers do not share pub/sub; name the Service in front of the primary, its sentinels: redis+sentinel://h1:26379,h2:26379/NAME, or the nodes of one Redis Cluster: redis+cluster://h1:6379,h2:6379)" }}
 {{- end }}
@@ -321,6 +329,16 @@ authorization {
 {{- else }}
 {{- printf "nats://%s.%s.svc:%d" (include "kvgate.natsName" .) .Release.Namespace (int .Values.sync.nats.port) }}
 {{- end }}
+{{- end }}
+
+{{/* The broker's URL as the install notes show it: each part's scheme://host:port, without path
+or query (a sentinel URL's primary name, or a query some client would read a secret from). */}}
+{{- define "kvgate.syncUrlShown" -}}
+{{- $shown := list }}
+{{- range splitList "," (include "kvgate.syncUrl" .) }}
+{{- $shown = append $shown (regexReplaceAll "^((?:[A-Za-z][A-Za-z0-9+.-]*://)?[^/?#]*).*$" (trim .) "${1}") }}
+{{- end }}
+{{- join "," $shown }}
 {{- end }}
 
 {{/* The gateway config's `sync` block; tuning keys left null keep the gateway's defaults. */}}

@@ -136,8 +136,39 @@ def test_discovery_rbac_lists_and_watches_only_where_a_pool_watches() -> None:
     ]
     rules = docs["Role/llm.rel-kvgate-discovery@inference"]["rules"]
     assert rules == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]
-    no_pool = render({"kubernetesDiscovery": {"enabled": True}})
-    assert not any(k.startswith("Role") for k in no_pool)
+    # Discovery on with nowhere to grant: the gateway would get 403 and its pools stay empty.
+    with pytest.raises(helm_python.HelmError, match=r"kubernetesDiscovery\.namespaces"):
+        render({"kubernetesDiscovery": {"enabled": True}})
+    no_rbac = render({"kubernetesDiscovery": {"enabled": True, "rbac": {"create": False}}})
+    assert not any(k.startswith("Role") for k in no_rbac)
+
+
+def test_discovery_rbac_with_a_config_of_ones_own_covers_the_listed_namespaces() -> None:
+    """With configSecret.existingSecret the chart cannot see the pools: the namespaces they watch
+    are listed in kubernetesDiscovery.namespaces (merged with any pool's)."""
+    own = {"configSecret": {"existingSecret": "own-config"}, "tenants": []}
+    with pytest.raises(helm_python.HelmError, match=r"kubernetesDiscovery\.namespaces"):
+        render({**own, "kubernetesDiscovery": {"enabled": True}})
+    docs = render({**own, "kubernetesDiscovery": {"enabled": True, "namespaces": ["inference", "llm"]}})
+    assert sorted(k for k in docs if k.startswith("Role")) == [
+        "Role/llm.rel-kvgate-discovery@inference",
+        "Role/rel-kvgate-discovery",
+        "RoleBinding/llm.rel-kvgate-discovery@inference",
+        "RoleBinding/rel-kvgate-discovery",
+    ]
+    validate_strictly(docs)
+    merged = render(
+        {
+            "kubernetesDiscovery": {"enabled": True, "namespaces": ["inference", "batch"]},
+            "pools": [kube_pool("inference")],
+        }
+    )
+    assert sorted(k for k in merged if k.startswith("Role/")) == [
+        "Role/llm.rel-kvgate-discovery@batch",
+        "Role/llm.rel-kvgate-discovery@inference",
+    ]
+    with pytest.raises(helm_python.HelmValuesError, match="/kubernetesDiscovery/namespaces"):
+        render({"kubernetesDiscovery": {"enabled": True, "namespaces": ["Not_A_Namespace"]}})
 
 
 @pytest.mark.parametrize(

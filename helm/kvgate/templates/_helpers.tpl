@@ -118,13 +118,18 @@ value below preStop + deadline + 10 would let the kubelet kill a pod still drain
 {{- default (printf "%s-config" (include "kvgate.fullname" .)) .Values.configSecret.existingSecret }}
 {{- end }}
 
-{{/* Namespaces whose worker pods the gateway watches: each Kubernetes pool's (default: the release's). */}}
+{{/* Namespaces whose worker pods the gateway watches: each Kubernetes pool's (default: the
+release's), and kubernetesDiscovery.namespaces (for pools the chart cannot see: a gateway.yaml of
+one's own, pools set through `config`). */}}
 {{- define "kvgate.discoveryNamespaces" -}}
 {{- $namespaces := list }}
 {{- range .Values.pools }}
 {{- with (default dict .workers).kubernetes }}
 {{- $namespaces = append $namespaces (default $.Release.Namespace .namespace) }}
 {{- end }}
+{{- end }}
+{{- range .Values.kubernetesDiscovery.namespaces }}
+{{- $namespaces = append $namespaces . }}
 {{- end }}
 {{- $namespaces | uniq | toJson }}
 {{- end }}

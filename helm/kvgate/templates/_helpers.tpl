@@ -223,7 +223,31 @@ one's own, pools set through `config`). */}}
 }}
 {{- if .Values.tracing.enabled }}{{ $_ := set $cfg "tracing" (dict "enabled" true) }}{{ end }}
 {{- if .Values.sync.enabled }}{{ $_ := set $cfg "sync" (include "kvgate.syncBlock" . | fromYaml) }}{{ end }}
-{{- toYaml (mergeOverwrite $cfg (deepCopy .Values.config)) }}
+{{- $cfg = mergeOverwrite $cfg (deepCopy .Values.config) }}
+{{- include "kvgate.checkQuotasShared" (dict "ctx" . "config" $cfg) }}
+{{- toYaml $cfg }}
+{{- end }}
+
+{{/* Up to how many gateway pods the release may run: the autoscaler's maximum, else replicaCount. */}}
+{{- define "kvgate.maxReplicas" -}}
+{{- if .Values.autoscaling.enabled }}{{ int .Values.autoscaling.maxReplicas }}{{ else }}{{ int .Values.replicaCount }}{{ end }}
+{{- end }}
+
+{{/* A tenant's quotas hold for the release only while its gateways share their charges through
+sync (docs/sync.md, "Quotas"): without it each gateway enforces the whole quota, N times the rpm
+over N replicas. Refused for the config the chart renders (dict: ctx, config); a config of one's
+own gets a note instead (NOTES.txt). */}}
+{{- define "kvgate.checkQuotasShared" -}}
+{{- $replicas := include "kvgate.maxReplicas" .ctx | int }}
+{{- $shared := dig "sync" "url" "" .config }}
+{{- if and (gt $replicas 1) (not $shared) }}
+{{- range .config.tenants }}
+{{- $q := .quotas | default dict }}
+{{- if or $q.max_concurrent $q.rpm $q.tpm }}
+{{- fail (printf "tenant %s has quotas (maxConcurrent, rpm, tpm) but sync is off with up to %d gateway replicas: each would enforce the whole quota on its own, %d times it over the release (docs/sync.md, \"Quotas\"). Set sync.enabled=true (the chart runs a small NATS), run one replica (replicaCount: 1, or autoscaling.maxReplicas: 1), or drop the quotas" .name $replicas $replicas) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/* A pool's `pd` block of the gateway config from its camelCase values; unset keys keep the gateway's defaults. */}}

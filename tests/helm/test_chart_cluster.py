@@ -262,6 +262,22 @@ def test_a_disruption_budget_by_default() -> None:
     assert f"PodDisruptionBudget/{RELEASE}-kvgate" not in render({"podDisruptionBudget": {"enabled": False}})
 
 
+def test_the_tmp_emptydir_does_not_block_cluster_autoscaler_scale_down() -> None:
+    """cluster-autoscaler leaves a node holding a pod with local storage (an emptyDir) unless the
+    pod names those volumes safe to evict; the disruption budget still applies to the eviction."""
+    docs = render()
+    annotations = docs[f"Deployment/{RELEASE}-kvgate"]["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["cluster-autoscaler.kubernetes.io/safe-to-evict-local-volumes"] == "tmp"
+    assert "emptyDir" in {v["name"]: v for v in pod_spec(docs)["volumes"]}["tmp"]
+    assert f"PodDisruptionBudget/{RELEASE}-kvgate" in docs
+    validate_strictly(docs)
+    # podAnnotations may say otherwise (e.g. to add an emptyDir of extraVolumes): theirs wins.
+    key = "cluster-autoscaler.kubernetes.io/safe-to-evict-local-volumes"
+    docs = render({"podAnnotations": {key: "tmp,scratch"}})
+    annotations = docs[f"Deployment/{RELEASE}-kvgate"]["spec"]["template"]["metadata"]["annotations"]
+    assert annotations[key] == "tmp,scratch"
+
+
 # ---------------------------------------------------------------- resources and labels
 
 

@@ -170,6 +170,28 @@ def test_autoscaling() -> None:
         render({"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}})
 
 
+def test_the_autoscaler_scales_down_one_pod_a_minute_by_default() -> None:
+    """Each pod removed drains its streams and takes what it learned with it: by default the
+    autoscaler removes one a minute, after five minutes of lower load; a behavior of one's own is
+    merged over it, and null leaves Kubernetes' defaults."""
+    hpa = render({"autoscaling": {"enabled": True}})["HorizontalPodAutoscaler/rel-kvgate"]["spec"]
+    assert hpa["behavior"] == {
+        "scaleDown": {
+            "stabilizationWindowSeconds": 300,
+            "policies": [{"type": "Pods", "value": 1, "periodSeconds": 60}],
+        }
+    }
+    own = {"scaleUp": {"stabilizationWindowSeconds": 0}, "scaleDown": {"stabilizationWindowSeconds": 600}}
+    docs = render({"autoscaling": {"enabled": True, "behavior": own}})
+    validate_strictly(docs)
+    behavior = docs["HorizontalPodAutoscaler/rel-kvgate"]["spec"]["behavior"]
+    assert behavior["scaleUp"] == own["scaleUp"]
+    assert behavior["scaleDown"]["stabilizationWindowSeconds"] == 600
+    assert behavior["scaleDown"]["policies"] == [{"type": "Pods", "value": 1, "periodSeconds": 60}]
+    unset = render({"autoscaling": {"enabled": True, "behavior": None}})
+    assert "behavior" not in unset["HorizontalPodAutoscaler/rel-kvgate"]["spec"]
+
+
 def test_ingress_and_httproute() -> None:
     docs = render(
         {

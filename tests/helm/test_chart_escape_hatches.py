@@ -1,6 +1,7 @@
 """The chart's escape hatches: a pinned image digest, a PriorityClass, the Deployment strategy,
 the Service's traffic policy and source ranges, init and sidecar containers, and labels on every
-resource. Each is off (empty) by default and validates strictly when set."""
+resource. Each is off (empty) by default, or the chart's own (the strategy), and validates
+strictly when set."""
 
 from __future__ import annotations
 
@@ -20,7 +21,11 @@ def test_defaults_render_none_of_them() -> None:
     assert "priorityClassName" not in spec and "initContainers" not in spec
     assert [c["name"] for c in spec["containers"]] == ["kvgate"]
     assert container(docs)["image"] == "registry.example.com/llm/kvgate:0.1.0"
-    assert "strategy" not in docs["Deployment/rel-kvgate"]["spec"]
+    # A rollout never takes a serving pod down before its replacement is ready.
+    assert docs["Deployment/rel-kvgate"]["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": 0},
+    }
     service = docs["Service/rel-kvgate"]["spec"]
     assert "externalTrafficPolicy" not in service and "loadBalancerSourceRanges" not in service
 
@@ -66,6 +71,10 @@ def test_every_escape_hatch() -> None:
         "maxSurge": 1,
         "maxUnavailable": 0,
     }
+    # A strategy of one's own replaces the chart's whole (Recreate takes no rollingUpdate).
+    recreate = render({"strategy": {"type": "Recreate"}})
+    assert recreate["Deployment/rel-kvgate"]["spec"]["strategy"] == {"type": "Recreate"}
+    validate_strictly(recreate)
     service = docs["Service/rel-kvgate"]["spec"]
     assert service["externalTrafficPolicy"] == "Local"
     assert service["loadBalancerSourceRanges"] == ["10.0.0.0/8"]

@@ -250,6 +250,32 @@ def test_pods_spread_over_nodes_by_default() -> None:
     )
 
 
+def test_pods_may_spread_over_zones_too() -> None:
+    node = {
+        "maxSkew": 1,
+        "topologyKey": "kubernetes.io/hostname",
+        "whenUnsatisfiable": "ScheduleAnyway",
+        "labelSelector": {"matchLabels": SELECTOR},
+        "matchLabelKeys": ["pod-template-hash"],
+    }
+    zone = node | {"topologyKey": "topology.kubernetes.io/zone"}
+    docs = render({"topologySpread": {"zone": {"enabled": True}}})
+    assert pod_spec(docs)["topologySpreadConstraints"] == [node, zone]
+    validate_strictly(docs)
+    strict = render(
+        {
+            "topologySpread": {
+                "enabled": False,
+                "zone": {"enabled": True, "maxSkew": 2, "whenUnsatisfiable": "DoNotSchedule"},
+            }
+        }
+    )
+    assert pod_spec(strict)["topologySpreadConstraints"] == [
+        zone | {"maxSkew": 2, "whenUnsatisfiable": "DoNotSchedule"}
+    ]
+    assert len(pod_spec(render())["topologySpreadConstraints"]) == 1  # off by default
+
+
 def test_a_disruption_budget_by_default() -> None:
     docs = render()
     pdb = docs[f"PodDisruptionBudget/{RELEASE}-kvgate"]["spec"]

@@ -5,6 +5,8 @@ strictly when set."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import helm_python
 import pytest
 
@@ -28,6 +30,19 @@ def test_defaults_render_none_of_them() -> None:
     }
     service = docs["Service/rel-kvgate"]["spec"]
     assert "externalTrafficPolicy" not in service and "loadBalancerSourceRanges" not in service
+
+
+def test_the_brokers_image_may_be_pinned_by_digest_too() -> None:
+    def broker_image(docs: dict[str, Any]) -> str:
+        image: str = docs["Deployment/rel-kvgate-nats"]["spec"]["template"]["spec"]["containers"][0]["image"]
+        return image
+
+    assert broker_image(render()) == "nats:2.15.1-alpine"
+    pinned = render({"sync": {"nats": {"image": {"digest": DIGEST}}}})
+    assert broker_image(pinned) == f"nats@{DIGEST}"
+    validate_strictly(pinned)
+    with pytest.raises(helm_python.HelmValuesError, match="/sync/nats/image/digest"):
+        render({"sync": {"nats": {"image": {"digest": "latest"}}}})
 
 
 def test_an_image_without_a_registry_is_refused_unless_local() -> None:

@@ -10,8 +10,10 @@ from typing import Any
 import helm_python
 import kubernetes_validate
 import pytest
+import yaml
 
 from tests.helm.chart import (
+    CHART,
     CRD_KINDS,
     IMAGE,
     POOL,
@@ -324,3 +326,21 @@ def test_pod_labels_name_the_component_but_no_chart_version() -> None:
     assert SELECTOR.items() <= labels.items()
     broker = docs[f"Deployment/{NATS}"]["spec"]["template"]["metadata"]["labels"]
     assert "helm.sh/chart" not in broker and broker["app.kubernetes.io/component"] == "sync-broker"
+
+
+# ---------------------------------------------------------------- Kubernetes versions
+
+
+def test_the_chart_declares_the_oldest_kubernetes_its_fields_work_on() -> None:
+    """matchLabelKeys of a topology spread constraint and a disruption budget's
+    unhealthyPodEvictionPolicy are on by default from 1.27 (beta); before it the API server drops
+    them (the spread then counts the old rollout's pods, a stuck pod blocks node drains)."""
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["kubeVersion"] == ">=1.27.0-0"
+    docs = render(kube_version="1.27.0")
+    assert pod_spec(docs)["topologySpreadConstraints"][0]["matchLabelKeys"] == ["pod-template-hash"]
+    assert (
+        docs[f"PodDisruptionBudget/{RELEASE}-kvgate"]["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+    )
+    with pytest.raises(helm_python.HelmError, match="kubeVersion"):
+        render(kube_version="1.26.9")

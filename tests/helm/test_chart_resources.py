@@ -11,6 +11,7 @@ import helm_python
 import pytest
 import yaml
 
+from gateway.config import parse_config
 from tests.helm.chart import (
     CHART,
     KEY_HASH,
@@ -140,6 +141,23 @@ def test_kubernetes_pool_config_and_rbac() -> None:
         {"kubernetesDiscovery": {"enabled": True, "rbac": {"create": False}}, "pools": [KUBE_POOL]}
     )
     assert not any(k.startswith("Role") for k in no_rbac)
+
+
+@pytest.mark.parametrize(("port", "rendered"), [("http", "http"), ("vllm-serve", "vllm-serve"), (8000, 8000)])
+def test_kubernetes_workers_port_may_be_a_container_port_name(port: str | int, rendered: str | int) -> None:
+    """The gateway takes a port number or the name of the pods' container port (gateway/k8s/config.py)."""
+    workers = {"kubernetes": {"selector": {"app": "vllm"}, "port": port}}
+    docs = render({"kubernetesDiscovery": {"enabled": True}, "pools": [POOL | {"workers": workers}]})
+    assert gateway_config(docs)["pools"][0]["kubernetes"]["port"] == rendered
+    (pool,) = parse_config(gateway_config(docs)).pools
+    assert pool.kubernetes is not None and pool.kubernetes.port == rendered
+
+
+@pytest.mark.parametrize("port", ["Http", "a-very-long-port-name", "-http", "8000", 0, 70000])
+def test_a_kubernetes_workers_port_that_is_neither_is_refused(port: str | int) -> None:
+    workers = {"kubernetes": {"selector": {"app": "vllm"}, "port": port}}
+    with pytest.raises(helm_python.HelmValuesError, match="/workers/kubernetes/port"):
+        render({"kubernetesDiscovery": {"enabled": True}, "pools": [POOL | {"workers": workers}]})
 
 
 def test_autoscaling() -> None:

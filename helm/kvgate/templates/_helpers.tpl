@@ -185,7 +185,9 @@ one's own, pools set through `config`). */}}
 {{- $k := $w.kubernetes }}
 {{- if not $k.selector }}{{ fail (printf "pools[%d] (%s): workers.kubernetes.selector is required" $i $p.name) }}{{ end }}
 {{- /* The pool's `kubernetes` block of the gateway config; `extra` passes further keys through. */}}
-{{- $block := dict "namespace" (default $.Release.Namespace $k.namespace) "selector" $k.selector "port" (int $k.port) "scheme" (default "http" $k.scheme) }}
+{{- /* A port number, or the name of the pods' container port (a string, schema-checked). */}}
+{{- $port := ternary $k.port (int $k.port) (kindIs "string" $k.port) }}
+{{- $block := dict "namespace" (default $.Release.Namespace $k.namespace) "selector" $k.selector "port" $port "scheme" (default "http" $k.scheme) }}
 {{- with $k.roleLabel }}{{ $_ := set $block "role_label" . }}{{ end }}
 {{- $_ := set $pool "kubernetes" (mergeOverwrite $block (deepCopy (default dict $k.extra))) }}
 {{- end }}

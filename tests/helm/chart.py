@@ -75,6 +75,13 @@ def render(
     return render_raw({**REQUIRED, **(values or {})}, namespace, kube_version)
 
 
+def notes(values: dict[str, Any] | None = None) -> str:
+    """The install notes (NOTES.txt) rendered like `render(values)`."""
+    chart = helm_python.Chart.load(str(CHART))
+    out = chart.render({**REQUIRED, **(values or {})}, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    return next(text for path, text in out.items() if path.endswith("/NOTES.txt"))
+
+
 def values_file(name: str) -> dict[str, Any]:
     loaded: dict[str, Any] = yaml.safe_load((CHART / "ci" / name).read_text())
     return loaded

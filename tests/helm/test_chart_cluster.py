@@ -10,8 +10,10 @@ from typing import Any
 import helm_python
 import kubernetes_validate
 import pytest
+import yaml
 
 from tests.helm.chart import (
+    CHART,
     CRD_KINDS,
     IMAGE,
     POOL,
@@ -136,8 +138,39 @@ def test_discovery_rbac_lists_and_watches_only_where_a_pool_watches() -> None:
     ]
     rules = docs["Role/llm.rel-kvgate-discovery@inference"]["rules"]
     assert rules == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]
-    no_pool = render({"kubernetesDiscovery": {"enabled": True}})
-    assert not any(k.startswith("Role") for k in no_pool)
+    # Discovery on with nowhere to grant: the gateway would get 403 and its pools stay empty.
+    with pytest.raises(helm_python.HelmError, match=r"kubernetesDiscovery\.namespaces"):
+        render({"kubernetesDiscovery": {"enabled": True}})
+    no_rbac = render({"kubernetesDiscovery": {"enabled": True, "rbac": {"create": False}}})
+    assert not any(k.startswith("Role") for k in no_rbac)
+
+
+def test_discovery_rbac_with_a_config_of_ones_own_covers_the_listed_namespaces() -> None:
+    """With configSecret.existingSecret the chart cannot see the pools: the namespaces they watch
+    are listed in kubernetesDiscovery.namespaces (merged with any pool's)."""
+    own = {"configSecret": {"existingSecret": "own-config"}, "tenants": []}
+    with pytest.raises(helm_python.HelmError, match=r"kubernetesDiscovery\.namespaces"):
+        render({**own, "kubernetesDiscovery": {"enabled": True}})
+    docs = render({**own, "kubernetesDiscovery": {"enabled": True, "namespaces": ["inference", "llm"]}})
+    assert sorted(k for k in docs if k.startswith("Role")) == [
+        "Role/llm.rel-kvgate-discovery@inference",
+        "Role/rel-kvgate-discovery",
+        "RoleBinding/llm.rel-kvgate-discovery@inference",
+        "RoleBinding/rel-kvgate-discovery",
+    ]
+    validate_strictly(docs)
+    merged = render(
+        {
+            "kubernetesDiscovery": {"enabled": True, "namespaces": ["inference", "batch"]},
+            "pools": [kube_pool("inference")],
+        }
+    )
+    assert sorted(k for k in merged if k.startswith("Role/")) == [
+        "Role/llm.rel-kvgate-discovery@batch",
+        "Role/llm.rel-kvgate-discovery@inference",
+    ]
+    with pytest.raises(helm_python.HelmValuesError, match="/kubernetesDiscovery/namespaces"):
+        render({"kubernetesDiscovery": {"enabled": True, "namespaces": ["Not_A_Namespace"]}})
 
 
 @pytest.mark.parametrize(
@@ -219,6 +252,32 @@ def test_pods_spread_over_nodes_by_default() -> None:
     )
 
 
+def test_pods_may_spread_over_zones_too() -> None:
+    node = {
+        "maxSkew": 1,
+        "topologyKey": "kubernetes.io/hostname",
+        "whenUnsatisfiable": "ScheduleAnyway",
+        "labelSelector": {"matchLabels": SELECTOR},
+        "matchLabelKeys": ["pod-template-hash"],
+    }
+    zone = node | {"topologyKey": "topology.kubernetes.io/zone"}
+    docs = render({"topologySpread": {"zone": {"enabled": True}}})
+    assert pod_spec(docs)["topologySpreadConstraints"] == [node, zone]
+    validate_strictly(docs)
+    strict = render(
+        {
+            "topologySpread": {
+                "enabled": False,
+                "zone": {"enabled": True, "maxSkew": 2, "whenUnsatisfiable": "DoNotSchedule"},
+            }
+        }
+    )
+    assert pod_spec(strict)["topologySpreadConstraints"] == [
+        zone | {"maxSkew": 2, "whenUnsatisfiable": "DoNotSchedule"}
+    ]
+    assert len(pod_spec(render())["topologySpreadConstraints"]) == 1  # off by default
+
+
 def test_a_disruption_budget_by_default() -> None:
     docs = render()
     pdb = docs[f"PodDisruptionBudget/{RELEASE}-kvgate"]["spec"]
@@ -229,6 +288,22 @@ def test_a_disruption_budget_by_default() -> None:
     }
     validate_strictly(docs)
     assert f"PodDisruptionBudget/{RELEASE}-kvgate" not in render({"podDisruptionBudget": {"enabled": False}})
+
+
+def test_the_tmp_emptydir_does_not_block_cluster_autoscaler_scale_down() -> None:
+    """cluster-autoscaler leaves a node holding a pod with local storage (an emptyDir) unless the
+    pod names those volumes safe to evict; the disruption budget still applies to the eviction."""
+    docs = render()
+    annotations = docs[f"Deployment/{RELEASE}-kvgate"]["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["cluster-autoscaler.kubernetes.io/safe-to-evict-local-volumes"] == "tmp"
+    assert "emptyDir" in {v["name"]: v for v in pod_spec(docs)["volumes"]}["tmp"]
+    assert f"PodDisruptionBudget/{RELEASE}-kvgate" in docs
+    validate_strictly(docs)
+    # podAnnotations may say otherwise (e.g. to add an emptyDir of extraVolumes): theirs wins.
+    key = "cluster-autoscaler.kubernetes.io/safe-to-evict-local-volumes"
+    docs = render({"podAnnotations": {key: "tmp,scratch"}})
+    annotations = docs[f"Deployment/{RELEASE}-kvgate"]["spec"]["template"]["metadata"]["annotations"]
+    assert annotations[key] == "tmp,scratch"
 
 
 # ---------------------------------------------------------------- resources and labels
@@ -251,3 +326,21 @@ def test_pod_labels_name_the_component_but_no_chart_version() -> None:
     assert SELECTOR.items() <= labels.items()
     broker = docs[f"Deployment/{NATS}"]["spec"]["template"]["metadata"]["labels"]
     assert "helm.sh/chart" not in broker and broker["app.kubernetes.io/component"] == "sync-broker"
+
+
+# ---------------------------------------------------------------- Kubernetes versions
+
+
+def test_the_chart_declares_the_oldest_kubernetes_its_fields_work_on() -> None:
+    """matchLabelKeys of a topology spread constraint and a disruption budget's
+    unhealthyPodEvictionPolicy are on by default from 1.27 (beta); before it the API server drops
+    them (the spread then counts the old rollout's pods, a stuck pod blocks node drains)."""
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["kubeVersion"] == ">=1.27.0-0"
+    docs = render(kube_version="1.27.0")
+    assert pod_spec(docs)["topologySpreadConstraints"][0]["matchLabelKeys"] == ["pod-template-hash"]
+    assert (
+        docs[f"PodDisruptionBudget/{RELEASE}-kvgate"]["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+    )
+    with pytest.raises(helm_python.HelmError, match="kubeVersion"):
+        render(kube_version="1.26.9")

@@ -1,8 +1,11 @@
 """The chart's escape hatches: a pinned image digest, a PriorityClass, the Deployment strategy,
 the Service's traffic policy and source ranges, init and sidecar containers, and labels on every
-resource. Each is off (empty) by default and validates strictly when set."""
+resource. Each is off (empty) by default, or the chart's own (the strategy), and validates
+strictly when set."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import helm_python
 import pytest
@@ -20,9 +23,26 @@ def test_defaults_render_none_of_them() -> None:
     assert "priorityClassName" not in spec and "initContainers" not in spec
     assert [c["name"] for c in spec["containers"]] == ["kvgate"]
     assert container(docs)["image"] == "registry.example.com/llm/kvgate:0.1.0"
-    assert "strategy" not in docs["Deployment/rel-kvgate"]["spec"]
+    # A rollout never takes a serving pod down before its replacement is ready.
+    assert docs["Deployment/rel-kvgate"]["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": 0},
+    }
     service = docs["Service/rel-kvgate"]["spec"]
     assert "externalTrafficPolicy" not in service and "loadBalancerSourceRanges" not in service
+
+
+def test_the_brokers_image_may_be_pinned_by_digest_too() -> None:
+    def broker_image(docs: dict[str, Any]) -> str:
+        image: str = docs["Deployment/rel-kvgate-nats"]["spec"]["template"]["spec"]["containers"][0]["image"]
+        return image
+
+    assert broker_image(render()) == "nats:2.15.1-alpine"
+    pinned = render({"sync": {"nats": {"image": {"digest": DIGEST}}}})
+    assert broker_image(pinned) == f"nats@{DIGEST}"
+    validate_strictly(pinned)
+    with pytest.raises(helm_python.HelmValuesError, match="/sync/nats/image/digest"):
+        render({"sync": {"nats": {"image": {"digest": "latest"}}}})
 
 
 def test_an_image_without_a_registry_is_refused_unless_local() -> None:
@@ -66,6 +86,10 @@ def test_every_escape_hatch() -> None:
         "maxSurge": 1,
         "maxUnavailable": 0,
     }
+    # A strategy of one's own replaces the chart's whole (Recreate takes no rollingUpdate).
+    recreate = render({"strategy": {"type": "Recreate"}})
+    assert recreate["Deployment/rel-kvgate"]["spec"]["strategy"] == {"type": "Recreate"}
+    validate_strictly(recreate)
     service = docs["Service/rel-kvgate"]["spec"]
     assert service["externalTrafficPolicy"] == "Local"
     assert service["loadBalancerSourceRanges"] == ["10.0.0.0/8"]

@@ -83,9 +83,9 @@ def test_roles_from_a_pod_label() -> None:
 )
 def test_a_holder_prefill_pool_needs_no_roles(workers: dict[str, Any]) -> None:
     pd = {"mode": "holder_prefill", "holderShare": 0.6}
-    docs = render(
-        {"kubernetesDiscovery": {"enabled": True}, "pools": [POOL | {"workers": workers, "pd": pd}]}
-    )
+    # Discovery only for the pods' pool: on with nothing to watch, the chart has no RBAC to create.
+    discovery = {"enabled": "kubernetes" in workers}
+    docs = render({"kubernetesDiscovery": discovery, "pools": [POOL | {"workers": workers, "pd": pd}]})
     (rendered,) = gateway_config(docs)["pools"]
     assert rendered["pd"] == {"protocol": "vllm", "mode": "holder_prefill", "holder_share": 0.6}
     (pool,) = parse_config(gateway_config(docs)).pools
@@ -125,5 +125,6 @@ def test_pools_without_pd_render_as_before() -> None:
     ],
 )
 def test_bad_pd_values_fail_clearly(pool: dict[str, Any], needle: str) -> None:
+    discovery = {"enabled": "kubernetes" in pool["workers"]}
     with pytest.raises(helm_python.HelmError, match=needle):
-        render({"kubernetesDiscovery": {"enabled": True}, "pools": [POOL | pool]})
+        render({"kubernetesDiscovery": discovery, "pools": [POOL | pool]})

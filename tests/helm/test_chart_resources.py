@@ -11,6 +11,7 @@ import helm_python
 import pytest
 import yaml
 
+from gateway.config import parse_config
 from tests.helm.chart import (
     CHART,
     KEY_HASH,
@@ -142,6 +143,23 @@ def test_kubernetes_pool_config_and_rbac() -> None:
     assert not any(k.startswith("Role") for k in no_rbac)
 
 
+@pytest.mark.parametrize(("port", "rendered"), [("http", "http"), ("vllm-serve", "vllm-serve"), (8000, 8000)])
+def test_kubernetes_workers_port_may_be_a_container_port_name(port: str | int, rendered: str | int) -> None:
+    """The gateway takes a port number or the name of the pods' container port (gateway/k8s/config.py)."""
+    workers = {"kubernetes": {"selector": {"app": "vllm"}, "port": port}}
+    docs = render({"kubernetesDiscovery": {"enabled": True}, "pools": [POOL | {"workers": workers}]})
+    assert gateway_config(docs)["pools"][0]["kubernetes"]["port"] == rendered
+    (pool,) = parse_config(gateway_config(docs)).pools
+    assert pool.kubernetes is not None and pool.kubernetes.port == rendered
+
+
+@pytest.mark.parametrize("port", ["Http", "a-very-long-port-name", "-http", "8000", 0, 70000])
+def test_a_kubernetes_workers_port_that_is_neither_is_refused(port: str | int) -> None:
+    workers = {"kubernetes": {"selector": {"app": "vllm"}, "port": port}}
+    with pytest.raises(helm_python.HelmValuesError, match="/workers/kubernetes/port"):
+        render({"kubernetesDiscovery": {"enabled": True}, "pools": [POOL | {"workers": workers}]})
+
+
 def test_autoscaling() -> None:
     docs = render(
         {
@@ -168,6 +186,28 @@ def test_autoscaling() -> None:
     assert render()["Deployment/rel-kvgate"]["spec"]["replicas"] == 2
     with pytest.raises(helm_python.HelmError, match="minReplicas must not exceed"):
         render({"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}})
+
+
+def test_the_autoscaler_scales_down_one_pod_a_minute_by_default() -> None:
+    """Each pod removed drains its streams and takes what it learned with it: by default the
+    autoscaler removes one a minute, after five minutes of lower load; a behavior of one's own is
+    merged over it, and null leaves Kubernetes' defaults."""
+    hpa = render({"autoscaling": {"enabled": True}})["HorizontalPodAutoscaler/rel-kvgate"]["spec"]
+    assert hpa["behavior"] == {
+        "scaleDown": {
+            "stabilizationWindowSeconds": 300,
+            "policies": [{"type": "Pods", "value": 1, "periodSeconds": 60}],
+        }
+    }
+    own = {"scaleUp": {"stabilizationWindowSeconds": 0}, "scaleDown": {"stabilizationWindowSeconds": 600}}
+    docs = render({"autoscaling": {"enabled": True, "behavior": own}})
+    validate_strictly(docs)
+    behavior = docs["HorizontalPodAutoscaler/rel-kvgate"]["spec"]["behavior"]
+    assert behavior["scaleUp"] == own["scaleUp"]
+    assert behavior["scaleDown"]["stabilizationWindowSeconds"] == 600
+    assert behavior["scaleDown"]["policies"] == [{"type": "Pods", "value": 1, "periodSeconds": 60}]
+    unset = render({"autoscaling": {"enabled": True, "behavior": None}})
+    assert "behavior" not in unset["HorizontalPodAutoscaler/rel-kvgate"]["spec"]
 
 
 def test_ingress_and_httproute() -> None:

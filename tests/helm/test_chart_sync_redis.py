@@ -17,7 +17,7 @@ from gateway.config import parse_config
 from gateway.config.sync import SyncConfig
 from gateway.sync.broker import LocalRedis
 from gateway.sync.link import open_link
-from tests.helm.chart import gateway_config, render, validate_strictly
+from tests.helm.chart import gateway_config, notes, render, validate_strictly
 from tests.helm.test_chart_sync import TOKEN_SECRET, _token_volume, nats_resources
 from tests.support.processes import free_port
 from tests.support.wait import wait_until
@@ -102,3 +102,46 @@ def test_redis_cluster_urls_pass_through() -> None:
     assert cluster is not None and len(cluster.seeds) == 3
     with pytest.raises(helm_python.HelmError, match=r"sync\.url: one redis:// or rediss:// URL"):
         render({"sync": {"url": f"{url}/0,redis://other:6379"}})
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://:s3cretpw@redis.llm.svc:6379",
+        "rediss://kvgate:s3cretpw@redis.llm.svc:6380",
+        "nats://kvgate:s3cretpw@nats-0.nats:4222,nats://nats-1.nats:4222",
+        "nats://nats-0.nats:4222, nats://s3cretpw@nats-1.nats:4222",
+        "redis+sentinel://:s3cretpw@sentinel-0:26379,sentinel-1:26379/mymaster",
+        "redis+sentinel://sentinel-0:26379,:s3cretpw@sentinel-1:26379/mymaster",
+    ],
+)
+def test_a_sync_url_with_credentials_fails_the_install_and_names_sync_auth(url: str) -> None:
+    """The gateway refuses such a URL at start (pods crash-looping after an install that
+    succeeded), and the install notes would print the password: the render fails, without it."""
+    for values in ({}, {"configSecret": {"existingSecret": "own-config"}, "tenants": []}):
+        with pytest.raises(helm_python.HelmError, match=r"sync\.url: .*sync\.auth") as failed:
+            render({"sync": {"url": url}, **values})
+        assert "s3cretpw" not in str(failed.value)
+    # Not used while sync is off.
+    assert "sync" not in gateway_config(render({"sync": {"enabled": False, "url": url}}))
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://valkey.cache.svc:6379", "redis://valkey.cache.svc:6379"),
+        ("rediss://valkey.cache.svc:6380/", "rediss://valkey.cache.svc:6380"),
+        (
+            "nats://nats-0.nats:4222/?token=s3cretpw,nats://nats-1.nats:4222",
+            "nats://nats-0.nats:4222,nats://nats-1.nats:4222",
+        ),
+        (
+            "redis+sentinel://sentinel-0:26379,sentinel-1:26379/mymaster",
+            "redis+sentinel://sentinel-0:26379,sentinel-1:26379",
+        ),
+    ],
+)
+def test_the_install_notes_show_the_broker_as_scheme_host_and_port(url: str, shown: str) -> None:
+    text = notes({"sync": {"url": url}, "configSecret": {"existingSecret": "own-config"}, "tenants": []})
+    assert f" at {shown}." in text
+    assert "s3cretpw" not in text

@@ -118,13 +118,18 @@ value below preStop + deadline + 10 would let the kubelet kill a pod still drain
 {{- default (printf "%s-config" (include "kvgate.fullname" .)) .Values.configSecret.existingSecret }}
 {{- end }}
 
-{{/* Namespaces whose worker pods the gateway watches: each Kubernetes pool's (default: the release's). */}}
+{{/* Namespaces whose worker pods the gateway watches: each Kubernetes pool's (default: the
+release's), and kubernetesDiscovery.namespaces (for pools the chart cannot see: a gateway.yaml of
+one's own, pools set through `config`). */}}
 {{- define "kvgate.discoveryNamespaces" -}}
 {{- $namespaces := list }}
 {{- range .Values.pools }}
 {{- with (default dict .workers).kubernetes }}
 {{- $namespaces = append $namespaces (default $.Release.Namespace .namespace) }}
 {{- end }}
+{{- end }}
+{{- range .Values.kubernetesDiscovery.namespaces }}
+{{- $namespaces = append $namespaces . }}
 {{- end }}
 {{- $namespaces | uniq | toJson }}
 {{- end }}
@@ -180,7 +185,9 @@ value below preStop + deadline + 10 would let the kubelet kill a pod still drain
 {{- $k := $w.kubernetes }}
 {{- if not $k.selector }}{{ fail (printf "pools[%d] (%s): workers.kubernetes.selector is required" $i $p.name) }}{{ end }}
 {{- /* The pool's `kubernetes` block of the gateway config; `extra` passes further keys through. */}}
-{{- $block := dict "namespace" (default $.Release.Namespace $k.namespace) "selector" $k.selector "port" (int $k.port) "scheme" (default "http" $k.scheme) }}
+{{- /* A port number, or the name of the pods' container port (a string, schema-checked). */}}
+{{- $port := ternary $k.port (int $k.port) (kindIs "string" $k.port) }}
+{{- $block := dict "namespace" (default $.Release.Namespace $k.namespace) "selector" $k.selector "port" $port "scheme" (default "http" $k.scheme) }}
 {{- with $k.roleLabel }}{{ $_ := set $block "role_label" . }}{{ end }}
 {{- $_ := set $pool "kubernetes" (mergeOverwrite $block (deepCopy (default dict $k.extra))) }}
 {{- end }}
@@ -218,7 +225,31 @@ value below preStop + deadline + 10 would let the kubelet kill a pod still drain
 }}
 {{- if .Values.tracing.enabled }}{{ $_ := set $cfg "tracing" (dict "enabled" true) }}{{ end }}
 {{- if .Values.sync.enabled }}{{ $_ := set $cfg "sync" (include "kvgate.syncBlock" . | fromYaml) }}{{ end }}
-{{- toYaml (mergeOverwrite $cfg (deepCopy .Values.config)) }}
+{{- $cfg = mergeOverwrite $cfg (deepCopy .Values.config) }}
+{{- include "kvgate.checkQuotasShared" (dict "ctx" . "config" $cfg) }}
+{{- toYaml $cfg }}
+{{- end }}
+
+{{/* Up to how many gateway pods the release may run: the autoscaler's maximum, else replicaCount. */}}
+{{- define "kvgate.maxReplicas" -}}
+{{- if .Values.autoscaling.enabled }}{{ int .Values.autoscaling.maxReplicas }}{{ else }}{{ int .Values.replicaCount }}{{ end }}
+{{- end }}
+
+{{/* A tenant's quotas hold for the release only while its gateways share their charges through
+sync (docs/sync.md, "Quotas"): without it each gateway enforces the whole quota, N times the rpm
+over N replicas. Refused for the config the chart renders (dict: ctx, config); a config of one's
+own gets a note instead (NOTES.txt). */}}
+{{- define "kvgate.checkQuotasShared" -}}
+{{- $replicas := include "kvgate.maxReplicas" .ctx | int }}
+{{- $shared := dig "sync" "url" "" .config }}
+{{- if and (gt $replicas 1) (not $shared) }}
+{{- range .config.tenants }}
+{{- $q := .quotas | default dict }}
+{{- if or $q.max_concurrent $q.rpm $q.tpm }}
+{{- fail (printf "tenant %s has quotas (maxConcurrent, rpm, tpm) but sync is off with up to %d gateway replicas: each would enforce the whole quota on its own, %d times it over the release (docs/sync.md, \"Quotas\"). Set sync.enabled=true (the chart runs a small NATS), run one replica (replicaCount: 1, or autoscaling.maxReplicas: 1), or drop the quotas" .name $replicas $replicas) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/* A pool's `pd` block of the gateway config from its camelCase values; unset keys keep the gateway's defaults. */}}
@@ -312,8 +343,16 @@ authorization {
 }
 {{- end }}
 
+{{/* The broker's URL. Credentials in it are refused (the gateway refuses them at start, and the
+install notes would print them): in any comma-separated part, an `@` before the first `/`, `?` or
+`#` after the scheme. */}}
 {{- define "kvgate.syncUrl" -}}
 {{- if .Values.sync.url }}
+{{- range splitList "," .Values.sync.url }}
+{{- if regexMatch "^\\s*([A-Za-z][A-Za-z0-9+.-]*://)?[^/?#]*@" . }}
+{{- fail "sync.url: credentials in the URL (user:password@) are refused by the gateway and would be printed in the install notes; give scheme://host:port only and put the broker's secret in sync.auth (existingSecret or token; user for an ACL user)" }}
+{{- end }}
+{{- end }}
 {{- if and (hasPrefix "redis" .Values.sync.url) (contains "," .Values.sync.url) (not (regexMatch "^rediss?\\+(sentinel://[^/]*/[^,]*|cluster://[^/]*)$" .Values.sync.url)) }}
 {{- fail "sync.url: one redis:// or rediss:// URL (separate Redis/Valkey servers do not share pub/sub; name the Service in front of the primary, its sentinels: redis+sentinel://h1:26379,h2:26379/NAME, or the nodes of one Redis Cluster: redis+cluster://h1:6379,h2:6379)" }}
 {{- end }}
@@ -321,6 +360,16 @@ authorization {
 {{- else }}
 {{- printf "nats://%s.%s.svc:%d" (include "kvgate.natsName" .) .Release.Namespace (int .Values.sync.nats.port) }}
 {{- end }}
+{{- end }}
+
+{{/* The broker's URL as the install notes show it: each part's scheme://host:port, without path
+or query (a sentinel URL's primary name, or a query some client would read a secret from). */}}
+{{- define "kvgate.syncUrlShown" -}}
+{{- $shown := list }}
+{{- range splitList "," (include "kvgate.syncUrl" .) }}
+{{- $shown = append $shown (regexReplaceAll "^((?:[A-Za-z][A-Za-z0-9+.-]*://)?[^/?#]*).*$" (trim .) "${1}") }}
+{{- end }}
+{{- join "," $shown }}
 {{- end }}
 
 {{/* The gateway config's `sync` block; tuning keys left null keep the gateway's defaults. */}}

@@ -41,6 +41,7 @@ _TYPE_BY_STATUS = {
 # `OverloadedError` it would raise talking to Anthropic's API.
 _STATUS_BY_CODE = {WORKER_OVERLOADED: 529}
 _OPENAI_LIMITS = "x-ratelimit-"  # OpenAI's rate-limit headers (`quotas.openai_rate_headers`)
+_MAX_RESET_S = 365 * 86400.0  # the furthest reset told
 
 
 def error_type(status: int) -> str:
@@ -83,7 +84,9 @@ def rate_headers(standings: Iterable[Standing], wall_s: float) -> list[tuple[byt
     out: list[tuple[bytes, bytes]] = []
     for s in standings:
         prefix = b"anthropic-ratelimit-" + s.unit.encode()
-        full_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(math.ceil(wall_s + s.full_in_s)))
+        # A worker's absurd usage can push a bucket's refill past what a date can say: a year at most.
+        full_in_s = s.full_in_s if 0.0 <= s.full_in_s < _MAX_RESET_S else _MAX_RESET_S
+        full_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(math.ceil(wall_s + full_in_s)))
         out += [
             (prefix + b"-limit", b"%d" % s.limit),
             (prefix + b"-remaining", b"%d" % s.remaining),

@@ -8,16 +8,19 @@ read them (`cors.expose_headers` by default)."""
 from __future__ import annotations
 
 import calendar
+import contextlib
 import math
 import re
 import time
 from typing import Any
 
 import httpx
+from aiohttp import web
 
 from policies.baselines import RoundRobin
 from tests.support.gateway_config import SECRET, tenant
 from tests.support.inprocess import gateway_in_process
+from tests.support.loopback import serve_worker
 
 KEY = {"x-api-key": "sk-limited", "anthropic-version": "2023-06-01"}
 BODY: dict[str, Any] = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
@@ -115,3 +118,25 @@ async def test_a_request_larger_than_the_tpm_is_told_in_anthropics_headers(emula
         assert limits["anthropic-ratelimit-tokens-remaining"] == "50"
         assert "anthropic-ratelimit-requests-limit" not in limits  # the tenant has no rpm
         assert _openai(refused) == {}
+
+
+async def test_a_workers_absurd_usage_leaves_the_headers_a_date() -> None:
+    """A worker reporting 10^19 output tokens drains the tpm bucket for longer than a date can
+    say: the answer still comes (its reset a year away at most), and so does the next 429."""
+
+    async def answer(_: web.Request) -> web.Response:
+        usage = {"input_tokens": 3, "output_tokens": 10**19}
+        message = {"id": "msg_1", "type": "message", "role": "assistant", "model": "m", "usage": usage}
+        return web.json_response(
+            message | {"content": [{"type": "text", "text": "ok"}], "stop_reason": "end_turn"}
+        )
+
+    async with contextlib.AsyncExitStack() as stack:
+        url = await serve_worker(stack, {"/v1/messages": answer})
+        async with gateway_in_process(_config(url, tpm=1000), RoundRobin(), secret=SECRET) as gw:
+            first = await gw.client.post("/v1/messages", json=BODY, headers=KEY)
+            assert first.status_code == 200, first.text
+            second = await gw.client.post("/v1/messages", json=BODY, headers=KEY)
+            assert second.status_code == 429, second.text
+            reset = _unix(second.headers["anthropic-ratelimit-tokens-reset"])
+            assert time.time() < reset <= time.time() + 366 * 86400

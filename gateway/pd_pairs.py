@@ -16,13 +16,13 @@ lesson (docs/pd.md, "Failures"):
   was served within the connect timeout after it; its 503 or 529, overloaded): without that
   worker; its other 5xx while the prefill leg is still out points at neither: without both,
   and the pair is weighed once the request is served (`gateway.pd_suspects`);
-- a transfer failure (a decode leg sent to read KV answered 5xx other than 503 and 529, under SGLang only when its
-  prefill leg failed too, or an error event before its first token, or a stream that timed out
-  before its first event): counted; vLLM then recomputes the request without a split (a decode
-  or mixed worker alone); SGLang, whose decode workers take only paired requests, tries a fresh
-  pair without the prefill worker whose KV did not arrive. A vLLM decode leg that had no KV to
-  read (the prefill answer named none), and a whole decode answer that times out, fail as the
-  decode worker's own.
+- a transfer failure (a decode leg sent to read KV answered 5xx other than 503 and 529, under
+  SGLang only when its prefill leg failed too, or an error event before its first token, or a
+  stream that timed out before its first event): counted; vLLM then recomputes the request without
+  a split (a decode or mixed worker alone); SGLang, whose decode workers take only paired requests,
+  tries a fresh pair without the prefill worker whose KV did not arrive. A vLLM decode leg that had
+  no KV to read (the prefill answer named none), and a whole decode answer that times out, fail as
+  the decode worker's own.
 Once the decode answer's first event has reached the client, a failure is the usual terminal
 error event (`streaming.ProxyStream`). A leg refused with a 4xx is the request's fault and is
 answered as it is. As in a pool without roles, a leg's 5xx or read timeout counts against its

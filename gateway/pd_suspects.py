@@ -7,7 +7,9 @@ and a pool with a broken decode worker made every request that met it pay a roun
 breaker ever opening.
 
 A worker is shown at fault by triangulation: it failed so, within `WITHIN_S`, paired with at
-least two other workers that each served a pair in that time (so they work). A request's
+least two other workers that each served a pair since they first failed with it in that time
+(so they work, and did after that failure: two workers that broke together, say on one node,
+do not clear each other's partner). A request's
 inconclusive pairs are weighed once the request itself is served (so it was not a request no
 worker can take: the same rule as `outcome.HeldVerdicts`), after the pair that served it is
 counted; each worker so shown at fault has its breaker count a failure for the round. One
@@ -42,7 +44,7 @@ class InconclusivePairs:
     def served(self, prefill: WorkerId, decode: WorkerId, now_s: float) -> None:
         """A pair of `prefill` and `decode` served a request: both work."""
         served = self._served
-        if len(served) >= _MAX_WORKERS and prefill not in served:
+        if len(served) >= _MAX_WORKERS and (prefill not in served or decode not in served):
             self._served = served = {w: t for w, t in served.items() if now_s - t < WITHIN_S}
         served[prefill] = served[decode] = now_s
 
@@ -64,13 +66,15 @@ class InconclusivePairs:
                 w: p for w, p in failed.items() if any(now_s - t < WITHIN_S for t in p.values())
             }
         partners = failed.setdefault(worker, {})
-        partners.pop(partner, None)
-        partners[partner] = now_s  # the newest last
+        first = partners.pop(partner, None)
+        # The first failure of the pair within the window: the partner works if it served since.
+        partners[partner] = first if first is not None and now_s - first < WITHIN_S else now_s
         if len(partners) > _MAX_PARTNERS:
             del partners[next(iter(partners))]
 
     def _at_fault(self, worker: WorkerId, now_s: float) -> bool:
-        """Whether `worker` failed, lately, paired with two or more workers that work."""
+        """Whether `worker` failed, lately, paired with two or more workers that have served a
+        pair since their first such failure (one that served only before may have broken)."""
         partners = self._failed.get(worker)
         if partners is None or len(partners) < 2:
             return False
@@ -78,6 +82,6 @@ class InconclusivePairs:
         working = 0
         for partner, when in partners.items():
             last = served.get(partner)
-            if now_s - when < WITHIN_S and last is not None and now_s - last < WITHIN_S:
+            if now_s - when < WITHIN_S and last is not None and last >= when:
                 working += 1
         return working >= 2

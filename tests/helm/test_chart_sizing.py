@@ -1,11 +1,12 @@
 """The gateway pod's resources follow `processes`: one core and one memory budget per process
-(values.yaml, `resources`), derived when `resources` is left empty, and a note at install when
-resources set by hand fall short of them."""
+(values.yaml, `resources`), derived by the chart with `resources` merged over them key by key, and
+a note at install when values set by hand fall short of them."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import helm_python
 import pytest
 
 from tests.helm.chart import container, notes, render, validate_strictly
@@ -48,7 +49,91 @@ def test_resources_set_by_hand_are_kept_and_a_shortfall_is_noted() -> None:
     assert "resources.limits.memory (2Gi) is below 4 x 1Gi" in text
     enough = {"requests": {"cpu": 4, "memory": "2Gi"}, "limits": {"memory": 4 * GIB}}
     assert "below" not in notes({"processes": 4, "resources": enough})
-    # Without a memory limit nothing is killed for it; a CPU limit alone is the request too.
-    unlimited = {"limits": {"cpu": "4"}}
-    assert resources({"processes": 4, "resources": unlimited}) == unlimited
-    assert "below" not in notes({"processes": 4, "resources": unlimited})
+    # A CPU limit alone is the request too.
+    assert "below" not in notes({"processes": 4, "resources": {"limits": {"cpu": "4"}}})
+
+
+@pytest.mark.parametrize(
+    ("given", "rendered"),
+    [
+        (
+            {"limits": {"memory": "2Gi"}},
+            {"requests": {"cpu": "1", "memory": "512Mi"}, "limits": {"memory": "2Gi"}},
+        ),
+        (
+            {"requests": {"cpu": "2", "memory": "1Gi"}},
+            {"requests": {"cpu": "2", "memory": "1Gi"}, "limits": {"memory": "1Gi"}},
+        ),
+        (
+            {"requests": {"cpu": "3"}},
+            {"requests": {"cpu": "3", "memory": "512Mi"}, "limits": {"memory": "1Gi"}},
+        ),
+        (
+            {"limits": {"cpu": "4"}},
+            {"requests": {"cpu": "1", "memory": "512Mi"}, "limits": {"cpu": "4", "memory": "1Gi"}},
+        ),
+    ],
+)
+def test_resources_set_in_part_are_merged_over_the_derived_ones(
+    given: dict[str, Any], rendered: dict[str, Any]
+) -> None:
+    """Each key set replaces its derived value and the others stay: overriding the memory limit
+    keeps the CPU request (which a CPU-utilization autoscaler measures against), overriding the
+    requests keeps the memory limit."""
+    assert resources({"resources": given}) == rendered
+    assert resources({"resources": given, "autoscaling": {"enabled": True}}) == rendered
+
+
+def test_a_derived_value_never_contradicts_one_set_by_hand() -> None:
+    """Kubernetes refuses a request above its limit: a derived request yields to a lower limit set by
+    hand, a derived limit to a higher request (and the notes say what falls short)."""
+    low = {"processes": 4, "resources": {"limits": {"cpu": "2", "memory": "1Gi"}}}
+    assert resources(low) == {
+        "requests": {"cpu": "2", "memory": "1Gi"},
+        "limits": {"cpu": "2", "memory": "1Gi"},
+    }
+    text = notes(low)
+    assert "resources.limits.cpu (2) is below processes (4)" in text
+    assert "resources.limits.memory (1Gi) is below 4 x 1Gi" in text
+    high = {"resources": {"requests": {"memory": "4Gi"}}}
+    assert resources(high) == {"requests": {"cpu": "1", "memory": "4Gi"}, "limits": {"memory": "4Gi"}}
+    assert "below" not in notes(high)
+
+
+def test_null_removes_a_derived_value() -> None:
+    assert resources({"resources": {"requests": {"cpu": None}}}) == {
+        "requests": {"memory": "512Mi"},
+        "limits": {"memory": "1Gi"},
+    }
+    assert "resources.requests.cpu is null" in notes({"resources": {"requests": {"cpu": None}}})
+    assert resources({"resources": {"limits": None}}) == {"requests": {"cpu": "1", "memory": "512Mi"}}
+    assert resources({"resources": {"requests": None, "limits": {"memory": None}}}) == {}
+
+
+def test_autoscaling_on_utilization_needs_the_request_it_measures() -> None:
+    """Without a CPU request a CPU-utilization autoscaler computes nothing and never scales: the
+    render fails, naming the fix. A limit alone is the request too."""
+    no_cpu = {"autoscaling": {"enabled": True}, "resources": {"requests": {"cpu": None}}}
+    with pytest.raises(
+        helm_python.HelmError, match=r"targetCPUUtilizationPercentage needs a cpu request.*unset"
+    ):
+        render(no_cpu)
+    assert (
+        resources(no_cpu | {"resources": {"requests": {"cpu": None}, "limits": {"cpu": "2"}}})["limits"][
+            "cpu"
+        ]
+        == "2"
+    )
+    # Without the autoscaler, or scaling on memory only, no CPU request is needed.
+    assert "cpu" not in resources({"resources": {"requests": {"cpu": None}}})["requests"]
+    on_memory = {
+        "enabled": True,
+        "targetCPUUtilizationPercentage": None,
+        "targetMemoryUtilizationPercentage": 80,
+    }
+    assert "cpu" not in resources(no_cpu | {"autoscaling": on_memory})["requests"]
+    no_memory = {"requests": {"memory": None}, "limits": {"memory": None}}
+    with pytest.raises(
+        helm_python.HelmError, match=r"targetMemoryUtilizationPercentage needs a memory request"
+    ):
+        render({"autoscaling": on_memory, "resources": no_memory})

@@ -1,8 +1,9 @@
 {{/* The gateway pod's resources. Each process routes on one core and holds, at its worst, about
 75 MB to run, `limits.max_buffered_answer_bytes` of whole answers, the one answer being parsed (up
-to about 130 MB) and its keying process (about 120-200 MB): the answer budget plus 512Mi. Left
-empty, `resources` is derived from `processes` (one core, 512Mi and a limit of that budget per
-process); set by hand it is used as given, and kvgate.resourcesShortfall notes what falls short. */}}
+to about 130 MB) and its keying process (about 120-200 MB): the answer budget plus 512Mi. So the
+chart derives from `processes` one core and 512Mi requested and a limit of that budget per process,
+and merges `resources` over them key by key: a value set there replaces the derived one, null
+removes it, and the rest stay. kvgate.resourcesShortfall notes what falls short. */}}
 
 {{/* Mebibytes as a quantity: Gi when whole. */}}
 {{- define "kvgate.mebibytes" -}}
@@ -17,16 +18,55 @@ process); set by hand it is used as given, and kvgate.resourcesShortfall notes w
 {{- end }}
 
 {{- define "kvgate.resources" -}}
-{{- if .Values.resources }}
-{{- toYaml .Values.resources }}
-{{- else }}
 {{- $n := int .Values.processes }}
-requests:
-  cpu: {{ $n | quote }}
-  memory: {{ include "kvgate.mebibytes" (mul $n 512) }}
-limits:
-  memory: {{ include "kvgate.mebibytes" (mul $n (include "kvgate.processMemoryMi" . | int64)) }}
+{{- $given := .Values.resources | default dict }}
+{{- $givenRequests := get $given "requests" | default dict }}
+{{- $givenLimits := get $given "limits" | default dict }}
+{{- $requests := dict "cpu" (toString $n) "memory" (include "kvgate.mebibytes" (mul $n 512)) }}
+{{- $limits := dict "memory" (include "kvgate.mebibytes" (mul $n (include "kvgate.processMemoryMi" . | int64))) }}
+{{- /* A derived value yields to the given one it would contradict (Kubernetes refuses a request
+above its limit): a derived request is lowered to a limit set lower, a derived limit raised to a
+request set higher. */}}
+{{- range $name, $derived := $requests }}
+{{- $limit := get $givenLimits $name }}
+{{- if and $limit (not (hasKey $givenRequests $name)) }}
+{{- $l := include "kvgate.quantity" $limit }}
+{{- if and $l (lt (float64 $l) (float64 (include "kvgate.quantity" $derived))) }}
+{{- $_ := set $requests $name $limit }}
 {{- end }}
+{{- end }}
+{{- end }}
+{{- range $name, $derived := $limits }}
+{{- $request := get $givenRequests $name }}
+{{- if and $request (not (hasKey $givenLimits $name)) }}
+{{- $r := include "kvgate.quantity" $request }}
+{{- if and $r (gt (float64 $r) (float64 (include "kvgate.quantity" $derived))) }}
+{{- $_ := set $limits $name $request }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- $out := dict }}
+{{- range $section, $derived := dict "requests" $requests "limits" $limits }}
+{{- $merged := $derived }}
+{{- if hasKey $given $section }}
+{{- $merged = deepCopy $derived }}
+{{- range $name, $value := get $given $section | default dict }}
+{{- if kindIs "invalid" $value }}
+{{- $_ := unset $merged $name }}
+{{- else }}
+{{- $_ := set $merged $name $value }}
+{{- end }}
+{{- end }}
+{{- /* The whole section set to null: nothing derived in it. */}}
+{{- if kindIs "invalid" (get $given $section) }}
+{{- $merged = dict }}
+{{- end }}
+{{- end }}
+{{- if $merged }}
+{{- $_ := set $out $section $merged }}
+{{- end }}
+{{- end }}
+{{- toYaml $out }}
 {{- end }}
 
 {{/* A Kubernetes quantity as a number (cores, or bytes); empty when it is not one this reads. */}}
@@ -39,24 +79,49 @@ limits:
 {{- end }}
 {{- end }}
 
-{{/* Install-notes lines on resources set by hand below what `processes` needs (empty: none). */}}
+{{/* Install-notes lines on resources set below what `processes` needs (empty: none). The derived
+values never fall short: what does was set by hand. */}}
 {{- define "kvgate.resourcesShortfall" -}}
-{{- with .Values.resources }}
-{{- $n := int $.Values.processes }}
-{{- $requests := .requests | default dict }}
-{{- $limits := .limits | default dict }}
+{{- $n := int .Values.processes }}
+{{- $final := include "kvgate.resources" . | fromYaml }}
+{{- $requests := get $final "requests" | default dict }}
+{{- $limits := get $final "limits" | default dict }}
 {{- /* A CPU limit alone is the request too. */}}
-{{- $cpu := get $requests "cpu" | default (get $limits "cpu") | default "0" }}
+{{- $cpu := get $requests "cpu" | default (get $limits "cpu") }}
+{{- if not $cpu }}
+Warning: resources.requests.cpu is null (and there is no CPU limit): the pod requests no CPU, so its gateway processes, each routing on one core, may get no core of their own and wait for each other on every request. Leave resources.requests.cpu unset to have it derived from processes (docs/deploy.md).
+{{- else }}
 {{- $cores := include "kvgate.quantity" $cpu }}
 {{- if and $cores (lt (float64 $cores) (float64 $n)) }}
 Warning: resources.requests.cpu ({{ $cpu }}) is below processes ({{ $n }}): each gateway process routes on one core, and processes sharing fewer cores wait for each other on every request.
+{{- end }}
+{{- end }}
+{{- with get $limits "cpu" }}
+{{- $cores := include "kvgate.quantity" . }}
+{{- if and $cores (lt (float64 $cores) (float64 $n)) }}
+Warning: resources.limits.cpu ({{ . }}) is below processes ({{ $n }}): the processes are throttled to fewer cores than they route on.
+{{- end }}
 {{- end }}
 {{- with get $limits "memory" }}
 {{- $bytes := include "kvgate.quantity" . }}
 {{- $budget := include "kvgate.processMemoryMi" $ | int64 }}
 {{- if and $bytes (lt (float64 $bytes) (mulf (mul $n $budget) 1048576.0)) }}
-Warning: resources.limits.memory ({{ . }}) is below {{ $n }} x {{ include "kvgate.mebibytes" $budget }}, the memory each gateway process may hold at its worst (limits.max_buffered_answer_bytes + 512Mi): a pod under load can be OOM-killed. Leave resources empty to have them derived from processes (docs/deploy.md).
+Warning: resources.limits.memory ({{ . }}) is below {{ $n }} x {{ include "kvgate.mebibytes" $budget }}, the memory each gateway process may hold at its worst (limits.max_buffered_answer_bytes + 512Mi): a pod under load can be OOM-killed. Leave resources.limits.memory unset to have it derived from processes (docs/deploy.md).
 {{- end }}
+{{- end }}
+{{- end }}
+
+{{/* A HorizontalPodAutoscaler targeting CPU (memory) utilization measures it against the pods'
+CPU (memory) request: without one it cannot compute any and stops scaling, silently. */}}
+{{- define "kvgate.autoscalingNeedsRequests" -}}
+{{- $final := include "kvgate.resources" . | fromYaml }}
+{{- $requests := get $final "requests" | default dict }}
+{{- $limits := get $final "limits" | default dict }}
+{{- range $name, $target := dict "cpu" .Values.autoscaling.targetCPUUtilizationPercentage "memory" .Values.autoscaling.targetMemoryUtilizationPercentage }}
+{{- /* Kubernetes takes a limit set alone as the request. */}}
+{{- if and $target (not (get $requests $name | default (get $limits $name))) }}
+{{- $key := ternary "targetCPUUtilizationPercentage" "targetMemoryUtilizationPercentage" (eq $name "cpu") }}
+{{- fail (printf "autoscaling.%s needs a %s request, and resources.requests.%s is null: the autoscaler could compute no utilization and would never scale. Leave resources.requests.%s unset (derived from processes) or set it, or set autoscaling.%s: null and scale on other metrics" $key $name $name $name $key) }}
 {{- end }}
 {{- end }}
 {{- end }}

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,18 @@ def _config(**extra: Any) -> dict[str, Any]:
 def test_log_levels_are_taken_in_any_case(level: str) -> None:
     config = parse_config(_config(log_level=level))
     assert config.log_level == level.lower()
-    setup_logging(config.log_level)
+    # setup_logging sets the process's "kvgate" logger: give it back as found, or every later
+    # test in this process (which ones, xdist's file grouping decides) logs at this test's level,
+    # to a stderr captured for this test only, and propagates nothing.
+    logger = logging.getLogger("kvgate")
+    handlers, logger_level, propagate = logger.handlers[:], logger.level, logger.propagate
+    try:
+        setup_logging(config.log_level)
+        assert logger.level == logging.getLevelName(level.upper())
+    finally:
+        logger.handlers[:] = handlers
+        logger.setLevel(logger_level)
+        logger.propagate = propagate
 
 
 @pytest.mark.parametrize("level", ["bogus", "", "10", "notset"])

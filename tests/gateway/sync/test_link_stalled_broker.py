@@ -77,9 +77,11 @@ async def test_a_gateway_stops_its_sync_tasks_with_the_broker_stalled(
         # could only wait to send (before: it waited, held, and swallowed the cancellation).
         await wait_until(lambda: service.failed_batches > 0)
     finally:
-        started = time.monotonic()
         await service.stop()
-    assert time.monotonic() - started < 1.5
+    # What the shutdown must not do is wait on a task that holds: each wait for the tasks is bounded
+    # (2 s) and says so when it ends them unfinished. Not a bound on the stop's own time: with
+    # nats-py data still pending, closing the link alone waits its full second for a drain that
+    # the stalled broker never allows (a wall-clock bound of 1.5 s left half a second to the rest).
     assert not [r for r in caplog.records if "did not stop" in r.getMessage()]
     assert tasks and all(task.done() for task in tasks)  # none left running after the shutdown
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -268,13 +267,11 @@ async def test_the_decode_answer_does_not_wait_for_the_prefill_answer(stream: bo
     verdict on its worker, and the request has one access line."""
     fleet = Fleet(broken="p1", prefill_fault="hang")
     async with sglang_rig(fleet, read_s=1.5) as rig:
-        started = time.monotonic()
         resp = await rig.chat(stream)
-        elapsed = time.monotonic() - started
-        assert resp.status_code == 200 and elapsed < 1.0, elapsed
+        assert resp.status_code == 200
         assert '"cached_tokens":7' in resp.text.replace(" ", "")
         prefill = rig.state.registry.pools["p"].workers[WorkerId(rig.urls["p1"])]
-        assert prefill.in_flight == 1  # the prefill leg is still read
+        assert prefill.in_flight == 1  # the answer came while the prefill leg is still read
         await wait_until(lambda: prefill.in_flight == 0, what="the prefill leg closed")
         assert rig.breaker_closed("p1")
         assert rig.metric("kvgate_pd_leg_failures_total") == 0

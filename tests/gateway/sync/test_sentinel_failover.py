@@ -19,7 +19,7 @@ import redis.asyncio as redis_client
 from gateway.config.sync import HostPort, SyncAuthConfig, SyncTlsConfig
 from gateway.sync import redis_link
 from gateway.sync.broker import LocalSentinel
-from gateway.sync.sentinel_link import FOLLOW_INTERVAL_S, SentinelLink
+from gateway.sync.sentinel_link import SentinelLink
 from gateway.sync.service import SyncService
 from policies.base import RouteDecision, WorkerId
 from tests.e2e.harness import free_port
@@ -206,9 +206,7 @@ async def test_between_attempts_the_link_tries_a_new_primary_as_soon_as_the_sent
             async with running_services(a):
                 await wait_until(lambda: a.link.errors >= 1)
                 fake.answer = primary
-                started = time.monotonic()
-                await _on((a,), primary)
-                assert time.monotonic() - started < 2 * FOLLOW_INTERVAL_S + 1.0
+                await _on((a,), primary)  # within its 5 s: the 60 s backoff did not hold the link
 
 
 async def test_sentinels_gone_silent_leave_a_working_primary_alone(tmp_path: Path) -> None:

@@ -130,7 +130,7 @@ class FakeKubeApi:
         self.list_limits: list[str | None] = []  # each page request's limit
         self.watch_versions: list[str | None] = []  # each watch's resourceVersion
         # The next watch requests answered with an HTTP error: (status, reason, Retry-After).
-        self.watch_errors: list[tuple[int, str, int | None]] = []
+        self.watch_errors: list[tuple[int, str, int | str | None]] = []
         self.lists_held = 0  # list requests waiting for `release_lists`
         self._list_gate = asyncio.Event()
         self._list_gate.set()
@@ -201,7 +201,9 @@ class FakeKubeApi:
         for queue in self.watchers:
             queue.put_nowait(("drop", None))
 
-    def fail_watches(self, count: int, code: int, reason: str, retry_after_s: int | None = None) -> None:
+    def fail_watches(
+        self, count: int, code: int, reason: str, retry_after_s: int | str | None = None
+    ) -> None:
         """Answer the next `count` watch requests with an HTTP `code` (and Retry-After)."""
         self.watch_errors += [(code, reason, retry_after_s)] * count
 

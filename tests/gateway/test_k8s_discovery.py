@@ -237,6 +237,36 @@ async def test_a_429_is_retried_after_its_retry_after_bounded_by_the_longest_bac
         assert 3.0 in waits and 5.0 in waits and max(waits) == 5.0
 
 
+@pytest.mark.parametrize(
+    ("retry_after", "wait_s"),
+    [("\u00b2", None), ("9" * 400, 5.0), ("9" * 5000, 5.0), ("12345678901", 5.0), (" 4 ", 4.0)],
+    ids=["superscript-two", "400-digits", "5000-digits", "11-digits", "spaced"],
+)
+async def test_a_429_with_an_odd_retry_after_still_resumes_the_watch(
+    fake: FakeKubeApi, tmp_path: Path, retry_after: str, wait_s: float | None
+) -> None:
+    waits: list[float] = []
+
+    async def sleep(delay_s: float) -> None:
+        waits.append(delay_s)
+
+    fake.put(make_pod("a", port=8001))
+    async with follow(fake, tmp_path, backoff_initial_s=0.02, backoff_max_s=5.0, sleep=sleep) as f:
+        await wait_until(lambda: bool(fake.watchers))
+        seen = fake.version
+        fake.fail_watches(1, 429, "TooManyRequests", retry_after_s=retry_after)
+        fake.end_watches()
+        await wait_until(lambda: fake.watches == 3 and bool(fake.watchers))
+        fake.put(make_pod("b", port=8002))
+        await f.routed(8001, 8002)
+        assert fake.lists == 1 and f.errors == ["watch"]  # resumed, not the bug path's relist
+        assert fake.watch_versions[1:] == [str(seen)] * 2
+        if wait_s is None:
+            assert max(waits) < 1.0  # no Retry-After: the backoff alone (0.02 s, doubled)
+        else:
+            assert wait_s in waits and max(waits) == wait_s
+
+
 async def test_a_watch_failing_again_and_again_ends_in_a_list(fake: FakeKubeApi, tmp_path: Path) -> None:
     fake.put(make_pod("a", port=8001))
     async with follow(fake, tmp_path) as f:

@@ -162,6 +162,32 @@ async def test_an_api_server_failing_with_5xx_keeps_the_gateway_unready(
         await runner.cleanup()
 
 
+class _Crashing:
+    """A watching source with a bug: its task ends before it has reported anything."""
+
+    async def prepare(self) -> None:
+        pass
+
+    async def run(self, sink: Any) -> None:
+        raise RuntimeError("a bug before the first list")
+
+
+async def test_a_crashed_discovery_settles_its_pool_as_it_stands(
+    fake: FakeKubeApi, tmp_path: Path, no_first_wait: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A discovery task that died will never report: readiness must not wait for it for good.
+    The crash is counted, and the gateway is ready with the pool empty."""
+    monkeypatch.setattr(fleet_module, "worker_source", lambda config: _Crashing())
+    async with gateway_in_process(
+        _config(fake, tmp_path, ["p"]), make_policy("round_robin"), secret=b"k", workers_up=False
+    ) as gw:
+        await wait_until(lambda: gw.state.lifecycle.ready)
+        assert (await _probe(gw, "/readyz"))[0] == 200
+        text = gw.state.routing.metrics.render().decode()
+        assert 'kvgate_discovery_errors_total{pool="p",reason="crashed"} 1.0' in text
+        assert not gw.state.registry.pools["p"].workers
+
+
 async def test_the_pools_lists_are_asked_for_together(
     fake: FakeKubeApi, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

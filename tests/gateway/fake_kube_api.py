@@ -126,6 +126,7 @@ class FakeKubeApi:
         self.bookmark_every_s = 0.5
         self.max_watch_s: float | None = None  # end every watch this soon, whatever it asked for
         self.list_error: tuple[int, str] | None = None  # answer every list with this status
+        self.list_garbage: bytes | None = None  # answer every list 200 with this (not the API)
         self.list_versions: list[str | None] = []  # each list's resourceVersion (first pages)
         self.list_limits: list[str | None] = []  # each page request's limit
         self.watch_versions: list[str | None] = []  # each watch's resourceVersion
@@ -274,6 +275,9 @@ class FakeKubeApi:
                 await self._list_gate.wait()
             finally:
                 self.lists_held -= 1
+        if self.list_garbage is not None:
+            self.lists += 1
+            return web.Response(body=self.list_garbage, content_type="text/html")
         if self.list_error is not None:
             self.lists += 1
             self.list_versions.append(request.query.get("resourceVersion"))

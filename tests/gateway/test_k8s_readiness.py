@@ -19,6 +19,7 @@ from gateway.auth import hash_api_key
 from gateway.config import parse_config
 from gateway.discovery import Discovery
 from gateway.fleet import Fleet
+from gateway.k8s import source as source_module
 from gateway.state import build_state
 from policies import make_policy
 from prompt_normalizer.normalizer import NormalizerConfig
@@ -158,6 +159,29 @@ async def test_an_api_server_failing_with_5xx_keeps_the_gateway_unready(
             fake.list_error = None
             await wait_until(lambda: gw.state.lifecycle.ready)
             assert set(gw.state.registry.pools["p"].workers) == {f"http://127.0.0.1:{port}"}
+    finally:
+        await runner.cleanup()
+
+
+async def test_an_api_server_failing_for_first_list_wait_s_makes_the_gateway_ready_with_an_empty_pool(
+    fake: FakeKubeApi, tmp_path: Path, no_first_wait: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Readiness waits for an API server answering 5xx, but not for good (`FIRST_LIST_WAIT_S`,
+    0 here: the first failure ends the wait); the pool fills once the API server answers."""
+    monkeypatch.setattr(source_module, "FIRST_LIST_WAIT_S", 0.0)
+    runner, port = await _worker()
+    fake.put(make_pod("a", port=port, labels={"app": "p"}))
+    fake.list_error = (500, "InternalError")
+    try:
+        async with gateway_in_process(
+            _config(fake, tmp_path, ["p"]), make_policy("round_robin"), secret=b"k", workers_up=False
+        ) as gw:
+            await wait_until(lambda: gw.state.lifecycle.ready)
+            assert (await _probe(gw, "/readyz"))[0] == 200
+            pool = gw.state.registry.pools["p"]
+            assert not pool.workers
+            fake.list_error = None
+            await wait_until(lambda: set(pool.workers) == {f"http://127.0.0.1:{port}"})
     finally:
         await runner.cleanup()
 

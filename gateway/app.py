@@ -33,7 +33,7 @@ from gateway.errors import ApiError, echoed
 from gateway.fleet import Fleet
 from gateway.gauges import refresh_gauges
 from gateway.heartbeat import start_beating
-from gateway.lifecycle import SHUTTING_DOWN, RequestCap
+from gateway.lifecycle import SHUTTING_DOWN, ProcessGroup, RequestCap
 from gateway.outcome import CLIENT_DISCONNECTED, record_refusal
 from gateway.policy_watch import PolicyWatcher
 from gateway.proxy import dispatch
@@ -241,6 +241,7 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         session = transport.open(state.config.upstream)
         flusher: asyncio.Task[None] | None = None
+        announcer: asyncio.Task[None] | None = None
         fleet = Fleet(
             state.config, state.registry, state.routing, state.gate.keyring.salt_namespaces, session
         )
@@ -268,10 +269,16 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
             lifecycle.discovering = fleet.discovering
             if pools := fleet.discovering():
                 log.info("ready once the first workers of these pools are known: %s", ", ".join(pools))
+            lifecycle.group = ProcessGroup.from_env(os.environ)
             lifecycle.started = True
+            announcer = asyncio.create_task(
+                lifecycle.group.announce(lambda: lifecycle.ready), name="announce-ready"
+            )
             yield
         finally:
             lifecycle.started = False
+            if announcer is not None:
+                announcer.cancel()
             if flusher is not None:
                 flusher.cancel()
             await state.routing.stop_background()  # before the books, logs and transport close
@@ -321,7 +328,8 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
 
 def probe_routes(state: GatewayState) -> list[Route]:
     """`/healthz` (the process answers) and `/readyz` (503 while starting, while a pool's first
-    workers are not yet known, or while draining)."""
+    workers are not yet known, while another process of a `--processes` group is not ready, or
+    while draining)."""
     lifecycle = state.lifecycle
 
     async def healthz(request: Request) -> Response:
@@ -335,6 +343,11 @@ def probe_routes(state: GatewayState) -> list[Route]:
         if pools := lifecycle.discovering():
             # A count, not the names: the client port answers this without a key (the start logs them).
             reason = f"waiting for the first workers of {len(pools)} pool(s) (discovery)"
+            return json_response({"status": "starting", "reason": reason}, 503, request_id_of(request))
+        if waiting := lifecycle.group.peers_waiting():
+            # `--processes N`: the probes ask process 0 for the pod, and another process is not
+            # ready yet (still waiting for its first workers, or restarted).
+            reason = f"waiting for {waiting} of {len(lifecycle.group.peer_files)} other gateway process(es)"
             return json_response({"status": "starting", "reason": reason}, 503, request_id_of(request))
         return json_response({"status": "ready"}, 200, request_id_of(request))
 

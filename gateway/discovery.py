@@ -291,7 +291,8 @@ class Discovery:
     def settled(self) -> bool:
         """Whether the pool's first set is known: a polled source has been resolved once (found or
         not: a DNS name's next lookup may differ, but nothing was left to wait for), a watching
-        source has published once or failed with an error waiting will not fix (`lasting`)."""
+        source has published once, failed with an error waiting will not fix (`lasting`), or
+        ended (a crash: the pool stays as it stands)."""
         return self._settled
 
     def status(self) -> DiscoveryStatus:
@@ -405,7 +406,7 @@ class Discovery:
         await self._source.prepare()
         self._on_change = on_change
         self._task = asyncio.create_task(self._source.run(self), name="discovery")
-        self._task.add_done_callback(_report_end)
+        self._task.add_done_callback(self._ended)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self._first_wait_s):
                 await self._answered.wait()
@@ -427,15 +428,25 @@ class Discovery:
         except Exception:
             log.exception("worker-set change handler failed")
 
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        """A watching source ends only when cancelled; anything else is a bug: logged with its
+        traceback, counted (reason `crashed`), and the pool settles as it stands, since readiness
+        would otherwise wait for good for a source that will never report again."""
+        if task.cancelled():
+            return
+        exc = task.exception()
+        log.error(
+            "worker discovery stopped; the pool keeps its %d workers and follows them no more",
+            len(self._current),
+            exc_info=exc,
+            extra=self._log_extra,
+        )
+        what = f"{type(exc).__name__}: {exc}" if exc is not None else "the source returned"
+        self.record_error("crashed", what, lasting=True)
+
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            # A task that already died was reported by `_report_end`; stopping must still succeed.
+            # A task that already died was reported by `_ended`; stopping must still succeed.
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
-
-
-def _report_end(task: asyncio.Task[None]) -> None:
-    """A watching source ends only when cancelled; anything else is a bug worth a traceback."""
-    if not task.cancelled() and task.exception() is not None:
-        log.error("worker discovery stopped", exc_info=task.exception())

@@ -20,8 +20,11 @@ hold one place each).
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from starlette.types import Receive
@@ -29,7 +32,13 @@ from starlette.types import Receive
 from gateway.disconnect import DisconnectGuard, DisconnectWatch
 from gateway.errors import ApiError
 
+log = logging.getLogger("kvgate.lifecycle")
+
 SHUTTING_DOWN = "gateway shutting down"
+# `kvgate serve --processes N` (`gateway.multiproc`): the file this process creates once it is
+# ready, and, for process 0 only, the other processes' files (`os.pathsep`-joined).
+READY_FILE_ENV = "KVGATE_READY_FILE"
+PEERS_READY_ENV = "KVGATE_PEERS_READY_FILES"
 
 
 class OpenStream(Protocol):
@@ -127,6 +136,46 @@ def _nothing() -> list[str]:
     return []
 
 
+@dataclass(frozen=True, slots=True)
+class ProcessGroup:
+    """Readiness across the processes of `kvgate serve --processes N`. The probes ask process 0
+    alone (its metrics port), while every process has its own discovery and may still be waiting
+    for its first workers, answering 503 `no_worker_available` to the connections the kernel
+    hands it. So each process creates a file of its own (`ready_file`) once it is ready, which the
+    supervisor removes before it starts or restarts that process, and process 0's `/readyz` waits
+    for the files of the others (`peer_files`). Outside a supervised group both are empty."""
+
+    ready_file: Path | None = None
+    peer_files: tuple[Path, ...] = ()
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> ProcessGroup:
+        own = environ.get(READY_FILE_ENV)
+        peers = environ.get(PEERS_READY_ENV)
+        return cls(
+            Path(own) if own else None,
+            tuple(Path(p) for p in peers.split(os.pathsep) if p) if peers else (),
+        )
+
+    def peers_waiting(self) -> int:
+        """How many of the other processes are not ready (a `stat` each: microseconds)."""
+        return sum(1 for path in self.peer_files if not path.exists())
+
+    async def announce(self, ready: Callable[[], bool], interval_s: float = 0.2) -> None:
+        """Create `ready_file` once `ready()` holds (the process never turns unready again but
+        to drain, and the whole group drains together)."""
+        if self.ready_file is None:
+            return
+        while not ready():  # noqa: ASYNC110 - readiness is computed on demand, never signalled
+            await asyncio.sleep(interval_s)
+        try:
+            self.ready_file.touch()
+        except OSError as exc:  # process 0 will wait for this process: say why
+            log.warning(
+                "cannot write the readiness file", extra={"path": str(self.ready_file), "error": str(exc)}
+            )
+
+
 @dataclass(slots=True)
 class Lifecycle:
     """`started` from lifespan startup to shutdown, `draining` once shutdown begins; `ready` once
@@ -137,7 +186,8 @@ class Lifecycle:
     `requests` holds the proxied requests from the end of their body to their last byte (the
     gateway-wide cap, set by the app from `limits.max_in_flight_requests`). Invariant: `ended`
     holds only tasks of `dispatching` that the deadline cancelled and that have not yet taken
-    their cancellation back (`ended_by_drain`)."""
+    their cancellation back (`ended_by_drain`). `group` is the other processes of a
+    `--processes` group that `/readyz` waits for (`ProcessGroup`), set by the app."""
 
     draining: bool = False
     started: bool = False
@@ -148,6 +198,7 @@ class Lifecycle:
     dispatching: set[asyncio.Task[Any]] = field(default_factory=set)
     ended: set[asyncio.Task[Any]] = field(default_factory=set)
     past_deadline: bool = False
+    group: ProcessGroup = field(default_factory=ProcessGroup)
 
     @property
     def ready(self) -> bool:

@@ -44,6 +44,7 @@ from gateway.config.base import ConfigError
 from gateway.decision_log import ORIGIN_ENV, open_log
 from gateway.demo import _die_with_parent
 from gateway.heartbeat import HEARTBEAT_ENV, MIN_TIMEOUT_S, Watchdog, read_stamp, touch_stamp
+from gateway.lifecycle import PEERS_READY_ENV, READY_FILE_ENV
 from gateway.policy_watch import LoadedPolicy
 from gateway.serve import read_start_secrets, with_listen, with_sync
 from gateway.sync.broker import NO_NATS_SERVER, BrokerUnavailable, LocalBroker, nats_server_path
@@ -73,9 +74,16 @@ def _heartbeat_file(folder: Path, i: int) -> Path:
     return folder / f"heartbeat-{i}"
 
 
+def _ready_file(folder: Path, i: int) -> Path:
+    return folder / f"ready-{i}"
+
+
 class Children:
     """The N gateway processes: started, watched, restarted, and stopped by PID. With a
-    `watchdog`, child i beats on the file `heartbeat-i` of `heartbeat_dir`."""
+    `watchdog`, child i beats on the file `heartbeat-i` of its folder. Child i creates the file
+    `ready-i` of `ready_dir` once it is ready, removed before it is started or restarted, and
+    child 0, which the probes ask, answers `/readyz` 503 until the others' files are there
+    (`gateway.lifecycle.ProcessGroup`)."""
 
     def __init__(
         self,
@@ -84,12 +92,14 @@ class Children:
         env: dict[str, str],
         child_args: Callable[[int], list[str]],
         watchdog: tuple[Watchdog, Path] | None = None,
+        ready_dir: Path | None = None,
     ) -> None:
         self.argv = argv
         self.child_args = child_args  # what differs per child (its own metrics port)
         self.env = env
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * n
         self.watchdog = watchdog
+        self.ready_dir = ready_dir
         self._restarts: deque[float] = deque()
 
     def start(self, i: int) -> None:
@@ -99,6 +109,13 @@ class Children:
             path = _heartbeat_file(folder, i)
             env = {**env, HEARTBEAT_ENV: str(path)}
             dog.started(i, touch_stamp(path), time.monotonic())
+        if self.ready_dir is not None:
+            ready = _ready_file(self.ready_dir, i)
+            ready.unlink(missing_ok=True)  # a restarted child is not ready until it says so
+            env = {**env, READY_FILE_ENV: str(ready)}
+            if i == 0:
+                peers = (_ready_file(self.ready_dir, j) for j in range(1, len(self.procs)))
+                env[PEERS_READY_ENV] = os.pathsep.join(map(str, peers))
         self.procs[i] = subprocess.Popen(
             [*self.argv, *self.child_args(i)],
             stdin=subprocess.DEVNULL,
@@ -280,11 +297,12 @@ def _run(args: argparse.Namespace, source: tuple[Path, GatewayConfig, dict[str, 
         def child_args(i: int) -> list[str]:
             return ["--metrics-port", str(metrics_base + i if metrics_base else 0)]
 
-        env = {k: v for k, v in os.environ.items() if k not in (HEARTBEAT_ENV, ORIGIN_ENV)}
+        ours = (HEARTBEAT_ENV, ORIGIN_ENV, READY_FILE_ENV, PEERS_READY_ENV)
+        env = {k: v for k, v in os.environ.items() if k not in ours}
         if config.decision_log.path is not None:
             extra_env = {**extra_env, **_shared_decision_log(config.decision_log.path, path.parent)}
         watchdog = (Watchdog(args.watchdog_s), tmp) if args.watchdog_s else None
-        children = Children(argv, args.processes, {**env, **extra_env}, child_args, watchdog)
+        children = Children(argv, args.processes, {**env, **extra_env}, child_args, watchdog, tmp)
         for i in range(args.processes):
             children.start(i)
         print(

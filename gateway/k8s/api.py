@@ -280,6 +280,11 @@ class PodApi:
         raise _status_error(resp.status, doc, _seconds(resp.headers.get("Retry-After")))
 
 
+# A Retry-After of more digits than this is taken as this long (the watcher caps its wait anyway).
+_RETRY_AFTER_DIGITS = 10
+_RETRY_AFTER_MAX_S = 10**_RETRY_AFTER_DIGITS - 1
+
+
 def _loads(body: bytes) -> dict[str, Any]:
     try:
         doc = orjson.loads(body)
@@ -307,16 +312,24 @@ def _status_error(code: int, status: Mapping[str, Any], retry_after_s: float | N
 
 
 def _seconds(value: object) -> float | None:
-    """A Retry-After in seconds (the API server never sends the HTTP-date form), else None."""
+    """A Retry-After in seconds (the API server never sends the HTTP-date form), else None. Only
+    ASCII digits count (`str.isdigit` takes "²"), and never more than `_RETRY_AFTER_DIGITS` of
+    them: a longer number is no longer wait than the watcher's cap, and `int` / `float` of it
+    would raise. Never raises."""
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
-        seconds = value
-    elif isinstance(value, str) and value.strip().isdigit():
-        seconds = int(value)
-    else:
+        if value < 0:
+            return None
+        return float(min(value, _RETRY_AFTER_MAX_S))
+    if not isinstance(value, str):
         return None
-    return float(seconds) if seconds >= 0 else None
+    digits = value.strip()
+    if not digits or not digits.isascii() or not digits.isdigit():
+        return None
+    if len(digits) > _RETRY_AFTER_DIGITS:
+        return float(_RETRY_AFTER_MAX_S)
+    return float(int(digits))
 
 
 def _event(doc: Mapping[str, Any]) -> WatchEvent:

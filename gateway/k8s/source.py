@@ -23,6 +23,11 @@ any beyond those are ignored until the next list. A list keeps the order of the 
 
 The backoff doubles from `backoff_initial_s` up to `backoff_max_s` and resets only once a watch
 delivers an event, so a server that fails right after every list is not hammered.
+
+Readiness waits for the first list (`Discovery.settled`) through errors that waiting may fix, but
+not for good: an error waiting will not fix (`LASTING`, an unverified certificate) ends the wait at
+once, and any error does once `first_list_wait_s` (`FIRST_LIST_WAIT_S`) has passed since the start
+without a list. The pool is then empty until a list arrives; the watcher keeps trying.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import contextlib
 import itertools
 import logging
 import random
+import ssl
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
@@ -61,10 +67,15 @@ from gateway.k8s.pods import PodEndpoint, PodSettings, pod_name, read_pod, resou
 log = logging.getLogger("kvgate.k8s")
 
 # Answers that waiting is not expected to fix (a token the API server refuses, a Role that may not
-# list pods, a wrong api_server path): readiness stops waiting for the first list on them, so that
-# one pool's RBAC mistake does not keep the gateway from serving every other pool. The watcher
-# still retries, and the pool fills up once the mistake is fixed.
+# list pods, a wrong api_server path; and, outside HTTP, a certificate the CA does not verify):
+# readiness stops waiting for the first list on them, so that one pool's RBAC mistake does not
+# keep the gateway from serving every other pool. The watcher still retries, and the pool fills up
+# once the mistake is fixed.
 LASTING = frozenset({401, 403, 404})
+# How long readiness waits for the first list through errors that waiting may fix (the API server
+# unreachable, 5xx, an answer that is not the Kubernetes API): after it every error is taken as
+# lasting. Long enough for an API server that restarts, short enough for a rollout not to stall.
+FIRST_LIST_WAIT_S = 60.0
 # Failed watches in a row (none delivering an event) retried from the last version before a list.
 MAX_WATCH_RETRIES = 5
 
@@ -102,6 +113,8 @@ class PodWatcher:
         request_timeout_s: float = 30.0,
         watch_silence_s: float = WATCH_SILENCE_S,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        first_list_wait_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._config = config
         self._environ = environ
@@ -109,6 +122,10 @@ class PodWatcher:
         self._backoff = Backoff(backoff_initial_s, backoff_max_s)
         self._backoff_max_s = backoff_max_s
         self._sleep = sleep
+        self._clock = clock
+        self._first_list_wait_s = FIRST_LIST_WAIT_S if first_list_wait_s is None else first_list_wait_s
+        self._started_s = 0.0  # when `run` began: the first list is overdue `first_list_wait_s` later
+        self._gave_up_waiting = False
         self._page_size = page_size  # halved for good after a page over max_page_bytes
         self._max_page_bytes = max_page_bytes
         self._max_event_bytes = max_event_bytes
@@ -143,6 +160,7 @@ class PodWatcher:
         if self._access is None:
             await self.prepare()
         assert self._access is not None
+        self._started_s = self._clock()
         connector = aiohttp.TCPConnector(limit=2, ssl=self._access.ssl_context or True)
         async with aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar()) as session:
             api = PodApi(
@@ -163,6 +181,7 @@ class PodWatcher:
         while True:
             stage = "list" if self._version is None else "watch"
             retry_after_s: float | None = None
+            lasting = False
             try:
                 if self._version is None:
                     if self.lists:
@@ -172,11 +191,11 @@ class PodWatcher:
                 while True:
                     await self._watch(api, sink)
             except Expired as exc:
-                sink.record_error("expired", str(exc))
+                reason, error = "expired", str(exc)
                 self._after_failure(stage, retriable=False)
             except ApiError as exc:
                 retry_after_s = exc.retry_after_s
-                sink.record_error(stage, f"{type(exc).__name__}: {exc}", lasting=exc.status in LASTING)
+                reason, error, lasting = stage, f"{type(exc).__name__}: {exc}", exc.status in LASTING
                 self._after_failure(stage, retriable=exc.status == 429 or exc.status >= 500)
             except (
                 KubernetesSetupError,  # e.g. the token file briefly missing while it is rotated
@@ -184,19 +203,37 @@ class PodWatcher:
                 TimeoutError,
                 OSError,
             ) as exc:
-                sink.record_error(stage, f"{type(exc).__name__}: {exc}")
+                reason, error, lasting = stage, f"{type(exc).__name__}: {exc}", _untrusted(exc)
                 self._after_failure(stage, retriable=True)
             except ProtocolError as exc:  # malformed or oversized: what else the stream lost is unknown
-                sink.record_error(stage, f"{type(exc).__name__}: {exc}")
+                reason, error = stage, f"{type(exc).__name__}: {exc}"
                 self._after_failure(stage, retriable=False)
             except Exception as exc:  # a bug in one round must not end discovery for good
                 log.exception("pod discovery round failed")
-                sink.record_error(stage, f"{type(exc).__name__}: {exc}")
+                reason, error = stage, f"{type(exc).__name__}: {exc}"
                 self._after_failure(stage, retriable=False)
+            sink.record_error(reason, error, lasting=lasting or self._first_list_overdue(error))
             delay_s = self._backoff.next()
             if retry_after_s is not None:
                 delay_s = max(delay_s, min(retry_after_s, self._backoff_max_s))
             await self._sleep(delay_s)
+
+    def _first_list_overdue(self, error: str) -> bool:
+        """Whether readiness has waited `first_list_wait_s` for the first list: from then on every
+        error counts as lasting, so that an API server that stays unreachable (or answers what is
+        not the Kubernetes API) does not keep the gateway unready for good. Logged once."""
+        if self.lists or self._clock() - self._started_s < self._first_list_wait_s:
+            return False
+        if not self._gave_up_waiting:
+            self._gave_up_waiting = True
+            log.warning(
+                "no list of pods %r after %g s (last error: %s); readiness stops waiting for it: "
+                "the pool starts empty and fills once the API server answers",
+                self._config.selector,
+                self._first_list_wait_s,
+                error,
+            )
+        return True
 
     def _after_failure(self, stage: str, *, retriable: bool) -> None:
         """What the next round does (module docstring). After a failed list, list again, the
@@ -291,3 +328,12 @@ class PodWatcher:
     def _snapshot(self) -> dict[str, WorkerDetails]:
         routed = itertools.islice(self._pods.values(), self._config.max_pods)
         return {p.url: p.details for p in sorted(routed, key=lambda p: p.url)}
+
+
+def _untrusted(exc: BaseException) -> bool:
+    """Whether a transport error is the API server's certificate failing verification (a wrong CA
+    bundle, a name the certificate does not carry): waiting will not fix it."""
+    return isinstance(
+        exc,
+        (aiohttp.ClientConnectorCertificateError, aiohttp.ServerFingerprintMismatch, ssl.CertificateError),
+    )

@@ -126,11 +126,12 @@ class FakeKubeApi:
         self.bookmark_every_s = 0.5
         self.max_watch_s: float | None = None  # end every watch this soon, whatever it asked for
         self.list_error: tuple[int, str] | None = None  # answer every list with this status
+        self.list_garbage: bytes | None = None  # answer every list 200 with this (not the API)
         self.list_versions: list[str | None] = []  # each list's resourceVersion (first pages)
         self.list_limits: list[str | None] = []  # each page request's limit
         self.watch_versions: list[str | None] = []  # each watch's resourceVersion
         # The next watch requests answered with an HTTP error: (status, reason, Retry-After).
-        self.watch_errors: list[tuple[int, str, int | None]] = []
+        self.watch_errors: list[tuple[int, str, int | str | None]] = []
         self.lists_held = 0  # list requests waiting for `release_lists`
         self._list_gate = asyncio.Event()
         self._list_gate.set()
@@ -201,7 +202,9 @@ class FakeKubeApi:
         for queue in self.watchers:
             queue.put_nowait(("drop", None))
 
-    def fail_watches(self, count: int, code: int, reason: str, retry_after_s: int | None = None) -> None:
+    def fail_watches(
+        self, count: int, code: int, reason: str, retry_after_s: int | str | None = None
+    ) -> None:
         """Answer the next `count` watch requests with an HTTP `code` (and Retry-After)."""
         self.watch_errors += [(code, reason, retry_after_s)] * count
 
@@ -272,6 +275,9 @@ class FakeKubeApi:
                 await self._list_gate.wait()
             finally:
                 self.lists_held -= 1
+        if self.list_garbage is not None:
+            self.lists += 1
+            return web.Response(body=self.list_garbage, content_type="text/html")
         if self.list_error is not None:
             self.lists += 1
             self.list_versions.append(request.query.get("resourceVersion"))

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import certifi
 import pytest
 from aiohttp import web
 
@@ -237,6 +238,36 @@ async def test_a_429_is_retried_after_its_retry_after_bounded_by_the_longest_bac
         assert 3.0 in waits and 5.0 in waits and max(waits) == 5.0
 
 
+@pytest.mark.parametrize(
+    ("retry_after", "wait_s"),
+    [("\u00b2", None), ("9" * 400, 5.0), ("9" * 5000, 5.0), ("12345678901", 5.0), (" 4 ", 4.0)],
+    ids=["superscript-two", "400-digits", "5000-digits", "11-digits", "spaced"],
+)
+async def test_a_429_with_an_odd_retry_after_still_resumes_the_watch(
+    fake: FakeKubeApi, tmp_path: Path, retry_after: str, wait_s: float | None
+) -> None:
+    waits: list[float] = []
+
+    async def sleep(delay_s: float) -> None:
+        waits.append(delay_s)
+
+    fake.put(make_pod("a", port=8001))
+    async with follow(fake, tmp_path, backoff_initial_s=0.02, backoff_max_s=5.0, sleep=sleep) as f:
+        await wait_until(lambda: bool(fake.watchers))
+        seen = fake.version
+        fake.fail_watches(1, 429, "TooManyRequests", retry_after_s=retry_after)
+        fake.end_watches()
+        await wait_until(lambda: fake.watches == 3 and bool(fake.watchers))
+        fake.put(make_pod("b", port=8002))
+        await f.routed(8001, 8002)
+        assert fake.lists == 1 and f.errors == ["watch"]  # resumed, not the bug path's relist
+        assert fake.watch_versions[1:] == [str(seen)] * 2
+        if wait_s is None:
+            assert max(waits) < 1.0  # no Retry-After: the backoff alone (0.02 s, doubled)
+        else:
+            assert wait_s in waits and max(waits) == wait_s
+
+
 async def test_a_watch_failing_again_and_again_ends_in_a_list(fake: FakeKubeApi, tmp_path: Path) -> None:
     fake.put(make_pod("a", port=8001))
     async with follow(fake, tmp_path) as f:
@@ -408,6 +439,61 @@ async def test_in_cluster_over_tls_with_the_service_account(tmp_path: Path) -> N
             await discovery.stop()
     finally:
         await api.stop()
+
+
+async def test_a_certificate_the_ca_does_not_verify_settles_the_pool_empty(tmp_path: Path) -> None:
+    """A wrong CA bundle is not healed by waiting: readiness stops waiting for the first list at
+    once (no `first_list_wait_s` to sit through), and the watcher goes on trying."""
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain(TLS / "server.crt", TLS / "server.key")
+    api = FakeKubeApi(namespace="serving", token="sa-token")
+    port = await api.start(ssl_context=server_tls)
+    try:
+        api.put(make_pod("a", port=8001))
+        sa = tmp_path / "sa"
+        sa.mkdir()
+        (sa / "token").write_text("sa-token\n")
+        (sa / "namespace").write_text("serving")
+        shutil.copy(certifi.where(), sa / "ca.crt")  # public CAs: none signed the fake's certificate
+        env = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(port)}
+        config = KubernetesDiscoveryConfig(selector="app=vllm", port="http")
+        watcher = PodWatcher(config, environ=env, sa_dir=sa, backoff_initial_s=0.02, backoff_max_s=0.05)
+        errors: list[str] = []
+        discovery = Discovery(watcher, on_error=errors.append, first_wait_s=0.0)
+        await discovery.start(lambda change: None)
+        try:
+            await wait_until(lambda: discovery.settled)
+            assert errors and set(errors) == {"list"} and discovery.current == frozenset()
+            assert "Certificate" in (discovery.status().last_error or "")
+            await wait_until(lambda: len(errors) >= 3)  # still trying
+        finally:
+            await discovery.stop()
+    finally:
+        await api.stop()
+
+
+async def test_a_first_list_that_never_comes_settles_the_pool_after_first_list_wait_s(
+    fake: FakeKubeApi, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An api_server that answers what is not the Kubernetes API (or stays unreachable) may be
+    fixed by waiting, so readiness waits, but for `first_list_wait_s` only: then the pool is
+    settled empty, once, with a log line, and fills when a list comes."""
+    now_s = [100.0]
+    fake.put(make_pod("a", port=8001))
+    fake.list_garbage = b"<html>a proxy's login page</html>"
+    async with follow(fake, tmp_path, first_list_wait_s=60.0, clock=lambda: now_s[0]) as f:
+        await wait_until(lambda: fake.lists >= 3)
+        assert not f.discovery.settled and set(f.errors) == {"list"}
+        assert "ProtocolError" in (f.discovery.status().last_error or "")
+        now_s[0] += 60.0
+        await wait_until(lambda: f.discovery.settled)
+        lists = fake.lists
+        await wait_until(lambda: fake.lists >= lists + 2)  # still trying
+        gave_up = [r for r in caplog.records if "readiness stops waiting" in r.getMessage()]
+        assert len(gave_up) == 1 and "app=vllm" in gave_up[0].getMessage()
+        assert f.current == frozenset()
+        fake.list_garbage = None
+        await f.routed(8001)
 
 
 async def test_what_waiting_cannot_fix_stops_the_start(tmp_path: Path) -> None:

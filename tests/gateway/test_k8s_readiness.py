@@ -19,6 +19,7 @@ from gateway.auth import hash_api_key
 from gateway.config import parse_config
 from gateway.discovery import Discovery
 from gateway.fleet import Fleet
+from gateway.k8s import source as source_module
 from gateway.state import build_state
 from policies import make_policy
 from prompt_normalizer.normalizer import NormalizerConfig
@@ -160,6 +161,55 @@ async def test_an_api_server_failing_with_5xx_keeps_the_gateway_unready(
             assert set(gw.state.registry.pools["p"].workers) == {f"http://127.0.0.1:{port}"}
     finally:
         await runner.cleanup()
+
+
+async def test_an_api_server_failing_for_first_list_wait_s_makes_the_gateway_ready_with_an_empty_pool(
+    fake: FakeKubeApi, tmp_path: Path, no_first_wait: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Readiness waits for an API server answering 5xx, but not for good (`FIRST_LIST_WAIT_S`,
+    0 here: the first failure ends the wait); the pool fills once the API server answers."""
+    monkeypatch.setattr(source_module, "FIRST_LIST_WAIT_S", 0.0)
+    runner, port = await _worker()
+    fake.put(make_pod("a", port=port, labels={"app": "p"}))
+    fake.list_error = (500, "InternalError")
+    try:
+        async with gateway_in_process(
+            _config(fake, tmp_path, ["p"]), make_policy("round_robin"), secret=b"k", workers_up=False
+        ) as gw:
+            await wait_until(lambda: gw.state.lifecycle.ready)
+            assert (await _probe(gw, "/readyz"))[0] == 200
+            pool = gw.state.registry.pools["p"]
+            assert not pool.workers
+            fake.list_error = None
+            await wait_until(lambda: set(pool.workers) == {f"http://127.0.0.1:{port}"})
+    finally:
+        await runner.cleanup()
+
+
+class _Crashing:
+    """A watching source with a bug: its task ends before it has reported anything."""
+
+    async def prepare(self) -> None:
+        pass
+
+    async def run(self, sink: Any) -> None:
+        raise RuntimeError("a bug before the first list")
+
+
+async def test_a_crashed_discovery_settles_its_pool_as_it_stands(
+    fake: FakeKubeApi, tmp_path: Path, no_first_wait: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A discovery task that died will never report: readiness must not wait for it for good.
+    The crash is counted, and the gateway is ready with the pool empty."""
+    monkeypatch.setattr(fleet_module, "worker_source", lambda config: _Crashing())
+    async with gateway_in_process(
+        _config(fake, tmp_path, ["p"]), make_policy("round_robin"), secret=b"k", workers_up=False
+    ) as gw:
+        await wait_until(lambda: gw.state.lifecycle.ready)
+        assert (await _probe(gw, "/readyz"))[0] == 200
+        text = gw.state.routing.metrics.render().decode()
+        assert 'kvgate_discovery_errors_total{pool="p",reason="crashed"} 1.0' in text
+        assert not gw.state.registry.pools["p"].workers
 
 
 async def test_the_pools_lists_are_asked_for_together(

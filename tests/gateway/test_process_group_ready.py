@@ -1,0 +1,104 @@
+"""`kvgate serve --processes N`: the probes ask process 0 alone, so its `/readyz` answers for the
+pod and stays 503 until every other process is ready too (each says so with a file, which the
+supervisor removes before it starts or restarts that process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.auth import hash_api_key
+from gateway.lifecycle import PEERS_READY_ENV, READY_FILE_ENV, ProcessGroup
+from gateway.multiproc import Children
+from policies import make_policy
+from tests.support.inprocess import gateway_in_process
+from tests.support.wait import wait_until, wait_until_sync
+
+
+def _config() -> dict[str, Any]:
+    return {
+        "pools": [{"name": "p", "models": ["m"], "workers": ["http://127.0.0.1:9"]}],
+        "tenants": [{"name": "t", "api_key_hashes": [hash_api_key(b"k", "sk")]}],
+        "scrape": {"enabled": False},
+    }
+
+
+def test_the_group_is_read_from_the_environment(tmp_path: Path) -> None:
+    assert ProcessGroup.from_env({}) == ProcessGroup()
+    peers = os.pathsep.join([str(tmp_path / "ready-1"), str(tmp_path / "ready-2")])
+    group = ProcessGroup.from_env({READY_FILE_ENV: str(tmp_path / "ready-0"), PEERS_READY_ENV: peers})
+    assert group.ready_file == tmp_path / "ready-0"
+    assert group.peer_files == (tmp_path / "ready-1", tmp_path / "ready-2")
+    assert group.peers_waiting() == 2
+    (tmp_path / "ready-2").touch()
+    assert group.peers_waiting() == 1
+
+
+async def test_process_0_is_ready_once_every_other_process_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    own, peers = tmp_path / "ready-0", [tmp_path / "ready-1", tmp_path / "ready-2"]
+    monkeypatch.setenv(READY_FILE_ENV, str(own))
+    monkeypatch.setenv(PEERS_READY_ENV, os.pathsep.join(map(str, peers)))
+    async with gateway_in_process(_config(), make_policy("round_robin"), secret=b"k", workers_up=False) as gw:
+
+        async def readyz() -> tuple[int, dict[str, Any]]:
+            resp = await gw.client.get("/readyz")
+            return resp.status_code, resp.json()
+
+        await wait_until(own.exists)  # itself ready: it says so, as every process does
+        status, body = await readyz()
+        assert status == 503 and body["reason"] == "waiting for 2 of 2 other gateway process(es)"
+        peers[1].touch()
+        status, body = await readyz()
+        assert status == 503 and body["reason"] == "waiting for 1 of 2 other gateway process(es)"
+        peers[0].touch()
+        assert (await readyz())[0] == 200
+        peers[1].unlink()  # the supervisor restarts process 2
+        assert (await readyz())[0] == 503
+
+
+async def test_a_lone_process_is_ready_by_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(READY_FILE_ENV, raising=False)
+    monkeypatch.delenv(PEERS_READY_ENV, raising=False)
+    async with gateway_in_process(_config(), make_policy("round_robin"), secret=b"k", workers_up=False) as gw:
+        await wait_until(lambda: gw.state.lifecycle.ready)
+        assert (await gw.client.get("/readyz")).status_code == 200
+
+
+def test_the_supervisor_tells_each_child_its_file_and_process_0_the_others(tmp_path: Path) -> None:
+    ready_dir = tmp_path / "ready"
+    ready_dir.mkdir()
+    (ready_dir / "ready-1").touch()  # left by the child that ran before: not ready until it says so
+    script = (
+        "import json, os, sys\n"
+        f"names = {[READY_FILE_ENV, PEERS_READY_ENV]!r}\n"
+        "json.dump({n: os.environ.get(n) for n in names}, open(sys.argv[1] + '.tmp', 'w'))\n"
+        "os.rename(sys.argv[1] + '.tmp', sys.argv[1])\n"
+    )
+    children = Children(
+        [sys.executable, "-c", script],
+        3,
+        {},
+        lambda i: [str(tmp_path / f"env-{i}.json")],
+        ready_dir=ready_dir,
+    )
+    try:
+        for i in range(3):
+            children.start(i)
+        assert not (ready_dir / "ready-1").exists()
+        for i in range(3):
+            wait_until_sync((tmp_path / f"env-{i}.json").exists)
+        envs = [json.loads((tmp_path / f"env-{i}.json").read_text()) for i in range(3)]
+    finally:
+        assert children.stop(10.0) == 0
+    assert [e[READY_FILE_ENV] for e in envs] == [str(ready_dir / f"ready-{i}") for i in range(3)]
+    assert envs[0][PEERS_READY_ENV] == os.pathsep.join(
+        [str(ready_dir / "ready-1"), str(ready_dir / "ready-2")]
+    )
+    assert envs[1][PEERS_READY_ENV] is None and envs[2][PEERS_READY_ENV] is None

@@ -11,7 +11,6 @@ import anthropic
 import httpx
 import pytest
 
-from tests.support.processes import running_emulator
 from tests.support.wait import wait_until_sync
 
 pytestmark = pytest.mark.e2e
@@ -21,12 +20,6 @@ SYSTEM: Any = [
     {"type": "text", "text": "You are a careful assistant who cites sources. " * 40},
     {"type": "text", "text": "Answer briefly.", "cache_control": {"type": "ephemeral"}},
 ]
-
-
-@pytest.fixture(scope="module")
-def base_url() -> Iterator[str]:
-    with running_emulator("--model", MODEL, "--time-scale", "20", "--kv-blocks", "4000") as base:
-        yield base
 
 
 @pytest.fixture(scope="module")

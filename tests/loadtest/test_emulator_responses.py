@@ -5,14 +5,12 @@ and vLLM's errors."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from tests.support.processes import running_emulator
 from tests.support.wait import wait_until_sync
 
 pytestmark = pytest.mark.e2e
@@ -26,18 +24,6 @@ TOOLS: Any = [
         "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]},
     }
 ]
-
-
-@pytest.fixture(scope="module")
-def base_url() -> Iterator[str]:
-    with running_emulator("--model", MODEL, "--time-scale", "20", "--kv-blocks", "4000") as base:
-        yield base
-
-
-@pytest.fixture(scope="module")
-def client(base_url: str) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(api_key="x", base_url=f"{base_url}/v1", max_retries=0, timeout=20) as c:
-        yield c
 
 
 def test_plain_response_is_stored_and_continued(client: openai.OpenAI) -> None:

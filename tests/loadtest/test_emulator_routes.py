@@ -8,7 +8,6 @@ import io
 import json
 import math
 import wave
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -18,23 +17,10 @@ import pytest
 
 from loadtest.emulator.chat_template import IMAGE_TOKENS
 from loadtest.emulator.pooling import EMBEDDING_DIM
-from tests.support.processes import running_emulator
 
 pytestmark = pytest.mark.e2e
 
 MODEL = "emu-routes"
-
-
-@pytest.fixture(scope="module")
-def base_url() -> Iterator[str]:
-    with running_emulator("--model", MODEL, "--time-scale", "20", "--kv-blocks", "4000") as base:
-        yield base
-
-
-@pytest.fixture(scope="module")
-def client(base_url: str) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(api_key="x", base_url=f"{base_url}/v1", max_retries=0, timeout=20) as c:
-        yield c
 
 
 def post(base_url: str, path: str, body: dict[str, Any]) -> httpx.Response:

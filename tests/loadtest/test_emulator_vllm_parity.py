@@ -5,7 +5,6 @@ completions and Anthropic Messages."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import anthropic
@@ -13,24 +12,10 @@ import httpx
 import openai
 import pytest
 
-from tests.support.processes import running_emulator
-
 pytestmark = pytest.mark.e2e
 
 MODEL = "emu-parity"
 TOOLS: Any = [{"type": "function", "name": "lookup", "parameters": {"type": "object", "properties": {}}}]
-
-
-@pytest.fixture(scope="module")
-def base_url() -> Iterator[str]:
-    with running_emulator("--model", MODEL, "--time-scale", "20", "--kv-blocks", "4000") as base:
-        yield base
-
-
-@pytest.fixture(scope="module")
-def client(base_url: str) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(api_key="x", base_url=f"{base_url}/v1", max_retries=0, timeout=20) as c:
-        yield c
 
 
 def test_a_response_cut_at_max_output_tokens_is_incomplete(client: openai.OpenAI) -> None:

@@ -417,6 +417,17 @@ async def test_roles_and_kv_endpoints_travel_with_the_change(fake: FakeKubeApi, 
         assert f.changes[1].details_of(url(8001)).kv_events_endpoint is None
 
 
+def _service_account(tmp_path: Path, ca: Path) -> Path:
+    """A pod's service-account directory: the token the fake API server takes, its namespace,
+    and `ca` as the CA bundle."""
+    sa = tmp_path / "sa"
+    sa.mkdir()
+    (sa / "token").write_text("sa-token\n")
+    (sa / "namespace").write_text("serving")
+    shutil.copy(ca, sa / "ca.crt")
+    return sa
+
+
 async def test_in_cluster_over_tls_with_the_service_account(tmp_path: Path) -> None:
     server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server_tls.load_cert_chain(TLS / "server.crt", TLS / "server.key")
@@ -424,11 +435,7 @@ async def test_in_cluster_over_tls_with_the_service_account(tmp_path: Path) -> N
     port = await api.start(ssl_context=server_tls)
     try:
         api.put(make_pod("a", port=8001))
-        sa = tmp_path / "sa"
-        sa.mkdir()
-        (sa / "token").write_text("sa-token\n")
-        (sa / "namespace").write_text("serving")
-        shutil.copy(TLS / "ca.crt", sa / "ca.crt")
+        sa = _service_account(tmp_path, TLS / "ca.crt")
         env = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(port)}
         config = KubernetesDiscoveryConfig(selector="app=vllm", port="http")
         discovery = Discovery(PodWatcher(config, environ=env, sa_dir=sa))
@@ -450,11 +457,7 @@ async def test_a_certificate_the_ca_does_not_verify_settles_the_pool_empty(tmp_p
     port = await api.start(ssl_context=server_tls)
     try:
         api.put(make_pod("a", port=8001))
-        sa = tmp_path / "sa"
-        sa.mkdir()
-        (sa / "token").write_text("sa-token\n")
-        (sa / "namespace").write_text("serving")
-        shutil.copy(certifi.where(), sa / "ca.crt")  # public CAs: none signed the fake's certificate
+        sa = _service_account(tmp_path, Path(certifi.where()))  # public CAs: none signed the fake's
         env = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(port)}
         config = KubernetesDiscoveryConfig(selector="app=vllm", port="http")
         watcher = PodWatcher(config, environ=env, sa_dir=sa, backoff_initial_s=0.02, backoff_max_s=0.05)

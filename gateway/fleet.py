@@ -34,14 +34,7 @@ import aiohttp
 
 from gateway.config import GatewayConfig
 from gateway.config.pool import PoolConfig
-from gateway.discovery import (
-    Discovery,
-    DnsWorkers,
-    StaticWorkers,
-    WatchingSource,
-    WorkerSetChange,
-    WorkerSource,
-)
+from gateway.discovery import Discovery, WatchingSource, WorkerSetChange
 from gateway.file_discovery import FileWorkers
 from gateway.k8s.source import PodWatcher
 from gateway.kv_event_types import KvEventEndpoint, endpoint_for_worker
@@ -51,6 +44,7 @@ from gateway.registry import Pool, Registry
 from gateway.routing import Routing
 from gateway.scrape import MetricsScraper, ScrapeConfig, ScrapeResult
 from gateway.worker import HealthChange
+from gateway.worker_sources import DnsWorkers, StaticWorkers, WorkerSource
 from policies.base import KvEvent, WorkerId
 from policies.pools import FollowsWorkers
 

@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.discovery import WorkerDetails, worker_url
+from gateway.discovery import WorkerDetails
+from gateway.worker_sources import worker_url
 
 # What an annotation's endpoint must look like once `{host}` is filled in: a scheme, then no
 # spaces and no braces (a `{` left over is a placeholder this reader does not fill).

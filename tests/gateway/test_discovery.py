@@ -7,15 +7,8 @@ import socket
 
 import pytest
 
-from gateway.discovery import (
-    Discovery,
-    DnsWorkers,
-    StaticWorkers,
-    WorkerSetChange,
-    diff_workers,
-    resolve_with_loop,
-    worker_url,
-)
+from gateway.discovery import Discovery, WorkerSetChange, diff_workers
+from gateway.worker_sources import DnsWorkers, StaticWorkers, resolve_with_loop, worker_url
 from tests.support.wait import wait_until
 
 

@@ -2,7 +2,7 @@
 
 `start_worker` serves `/health` (answered 200 while `healthy` is set) and chat completions (held
 while `hold` is clear); `scripted_dns` answers a DNS name through the loop's own `getaddrinfo`,
-the call the real resolver (`gateway.discovery.resolve_with_loop`) makes."""
+the call the real resolver (`gateway.worker_sources.resolve_with_loop`) makes."""
 
 from __future__ import annotations
 

@@ -161,6 +161,19 @@ class PodWatcher:
             await self.prepare()
         assert self._access is not None
         self._started_s = self._clock()
+        while True:
+            await self._follow_on_a_session(sink)
+            # The API server's certificate failed verification: read the CA bundle again, so that a
+            # fixed `ca.crt` (a mounted Secret updated in place) is taken without a restart.
+            try:
+                self._access = await resolve_access(self._config, self._environ, self._sa_dir)
+            except KubernetesSetupError as exc:
+                sink.record_error("list", f"{type(exc).__name__}: {exc}", lasting=True)
+
+    async def _follow_on_a_session(self, sink: WorkerSink) -> None:
+        """Follow the pods on one connection pool, built with the CA bundle as last read, until
+        the API server's certificate fails verification."""
+        assert self._access is not None
         connector = aiohttp.TCPConnector(limit=2, ssl=self._access.ssl_context or True)
         async with aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar()) as session:
             api = PodApi(
@@ -178,10 +191,12 @@ class PodWatcher:
             await self._follow(api, sink)
 
     async def _follow(self, api: PodApi, sink: WorkerSink) -> None:
+        """List and watch until the API server's certificate fails verification (then return:
+        the caller reads the CA bundle again)."""
         while True:
             stage = "list" if self._version is None else "watch"
             retry_after_s: float | None = None
-            lasting = False
+            lasting = untrusted = False
             try:
                 if self._version is None:
                     if self.lists:
@@ -204,6 +219,7 @@ class PodWatcher:
                 OSError,
             ) as exc:
                 reason, error, lasting = stage, f"{type(exc).__name__}: {exc}", _untrusted(exc)
+                untrusted = lasting
                 self._after_failure(stage, retriable=True)
             except ProtocolError as exc:  # malformed or oversized: what else the stream lost is unknown
                 reason, error = stage, f"{type(exc).__name__}: {exc}"
@@ -217,6 +233,8 @@ class PodWatcher:
             if retry_after_s is not None:
                 delay_s = max(delay_s, min(retry_after_s, self._backoff_max_s))
             await self._sleep(delay_s)
+            if untrusted:
+                return
 
     def _first_list_overdue(self, error: str) -> bool:
         """Whether readiness has waited `first_list_wait_s` for the first list: from then on every

@@ -450,7 +450,8 @@ async def test_in_cluster_over_tls_with_the_service_account(tmp_path: Path) -> N
 
 async def test_a_certificate_the_ca_does_not_verify_settles_the_pool_empty(tmp_path: Path) -> None:
     """A wrong CA bundle is not healed by waiting: readiness stops waiting for the first list at
-    once (no `first_list_wait_s` to sit through), and the watcher goes on trying."""
+    once (no `first_list_wait_s` to sit through), and the watcher goes on trying, reading the
+    bundle again each time, so a fixed one fills the pool without a restart."""
     server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server_tls.load_cert_chain(TLS / "server.crt", TLS / "server.key")
     api = FakeKubeApi(namespace="serving", token="sa-token")
@@ -469,6 +470,9 @@ async def test_a_certificate_the_ca_does_not_verify_settles_the_pool_empty(tmp_p
             assert errors and set(errors) == {"list"} and discovery.current == frozenset()
             assert "Certificate" in (discovery.status().last_error or "")
             await wait_until(lambda: len(errors) >= 3)  # still trying
+            # The bundle fixed in place (a Secret updated): read again, the pool fills.
+            shutil.copy(TLS / "ca.crt", sa / "ca.crt")
+            await wait_until(lambda: discovery.current == frozenset({url(8001)}), what="the pool filled")
         finally:
             await discovery.stop()
     finally:

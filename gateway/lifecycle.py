@@ -20,8 +20,8 @@ hold one place each).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +36,8 @@ log = logging.getLogger("kvgate.lifecycle")
 
 SHUTTING_DOWN = "gateway shutting down"
 # `kvgate serve --processes N` (`gateway.multiproc`): the file this process creates once it is
-# ready, and, for process 0 only, the other processes' files (`os.pathsep`-joined).
+# ready, and, for process 0 only, the other processes' files (a JSON list: a path may hold any
+# separator).
 READY_FILE_ENV = "KVGATE_READY_FILE"
 PEERS_READY_ENV = "KVGATE_PEERS_READY_FILES"
 
@@ -154,7 +155,7 @@ class ProcessGroup:
         peers = environ.get(PEERS_READY_ENV)
         return cls(
             Path(own) if own else None,
-            tuple(Path(p) for p in peers.split(os.pathsep) if p) if peers else (),
+            tuple(Path(p) for p in json.loads(peers)) if peers else (),
         )
 
     def peers_waiting(self) -> int:

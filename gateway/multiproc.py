@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import secrets
@@ -115,7 +116,7 @@ class Children:
             env = {**env, READY_FILE_ENV: str(ready)}
             if i == 0:
                 peers = (_ready_file(self.ready_dir, j) for j in range(1, len(self.procs)))
-                env[PEERS_READY_ENV] = os.pathsep.join(map(str, peers))
+                env[PEERS_READY_ENV] = json.dumps([str(p) for p in peers])
         self.procs[i] = subprocess.Popen(
             [*self.argv, *self.child_args(i)],
             stdin=subprocess.DEVNULL,
@@ -123,6 +124,10 @@ class Children:
             start_new_session=True,  # a terminal's Ctrl-C reaches the supervisor only
             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )
+
+    def _not_ready(self, i: int) -> None:
+        if self.ready_dir is not None:
+            _ready_file(self.ready_dir, i).unlink(missing_ok=True)
 
     def kill_hung(self) -> None:
         """SIGKILL the process group of every child whose heartbeat is overdue, and reap it:
@@ -143,6 +148,7 @@ class Children:
                 f"for {overdue.silent_s:.1f} s; killing it",
                 flush=True,
             )
+            self._not_ready(overdue.index)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -155,6 +161,7 @@ class Children:
         for i, proc in enumerate(self.procs):
             if proc is None or proc.poll() is None:
                 continue
+            self._not_ready(i)  # at once: process 0's /readyz must not wait for the restart
             now = time.monotonic()
             while self._restarts and now - self._restarts[0] > 60:
                 self._restarts.popleft()

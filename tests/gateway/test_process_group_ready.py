@@ -5,13 +5,13 @@ supervisor removes before it starts or restarts that process)."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from gateway import multiproc
 from gateway.auth import hash_api_key
 from gateway.lifecycle import PEERS_READY_ENV, READY_FILE_ENV, ProcessGroup
 from gateway.multiproc import Children
@@ -30,10 +30,10 @@ def _config() -> dict[str, Any]:
 
 def test_the_group_is_read_from_the_environment(tmp_path: Path) -> None:
     assert ProcessGroup.from_env({}) == ProcessGroup()
-    peers = os.pathsep.join([str(tmp_path / "ready-1"), str(tmp_path / "ready-2")])
+    peers = json.dumps([str(tmp_path / "odd:dir" / "ready-1"), str(tmp_path / "ready-2")])
     group = ProcessGroup.from_env({READY_FILE_ENV: str(tmp_path / "ready-0"), PEERS_READY_ENV: peers})
     assert group.ready_file == tmp_path / "ready-0"
-    assert group.peer_files == (tmp_path / "ready-1", tmp_path / "ready-2")
+    assert group.peer_files == (tmp_path / "odd:dir" / "ready-1", tmp_path / "ready-2")  # any path
     assert group.peers_waiting() == 2
     (tmp_path / "ready-2").touch()
     assert group.peers_waiting() == 1
@@ -44,7 +44,7 @@ async def test_process_0_is_ready_once_every_other_process_is(
 ) -> None:
     own, peers = tmp_path / "ready-0", [tmp_path / "ready-1", tmp_path / "ready-2"]
     monkeypatch.setenv(READY_FILE_ENV, str(own))
-    monkeypatch.setenv(PEERS_READY_ENV, os.pathsep.join(map(str, peers)))
+    monkeypatch.setenv(PEERS_READY_ENV, json.dumps([str(p) for p in peers]))
     async with gateway_in_process(_config(), make_policy("round_robin"), secret=b"k", workers_up=False) as gw:
 
         async def readyz() -> tuple[int, dict[str, Any]]:
@@ -98,7 +98,32 @@ def test_the_supervisor_tells_each_child_its_file_and_process_0_the_others(tmp_p
     finally:
         assert children.stop(10.0) == 0
     assert [e[READY_FILE_ENV] for e in envs] == [str(ready_dir / f"ready-{i}") for i in range(3)]
-    assert envs[0][PEERS_READY_ENV] == os.pathsep.join(
-        [str(ready_dir / "ready-1"), str(ready_dir / "ready-2")]
-    )
+    assert json.loads(envs[0][PEERS_READY_ENV]) == [str(ready_dir / "ready-1"), str(ready_dir / "ready-2")]
     assert envs[1][PEERS_READY_ENV] is None and envs[2][PEERS_READY_ENV] is None
+
+
+def test_a_child_that_exited_is_not_ready_from_then_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its ready file goes as soon as the supervisor sees it gone, not a restart later: process 0
+    must not answer ready for a process the kernel can no longer hand connections to."""
+    ready_dir = tmp_path / "ready"
+    ready_dir.mkdir()
+    ready = ready_dir / "ready-1"
+    script = "import sys\nopen(sys.argv[1], 'w').close()\n"  # says it is ready, then exits
+    children = Children([sys.executable, "-c", script], 2, {}, lambda i: [str(ready)], ready_dir=ready_dir)
+    seen: list[bool] = []
+    monkeypatch.setattr(multiproc.time, "sleep", lambda s: seen.append(ready.exists()))
+    try:
+        children.start(1)
+        proc = children.procs[1]
+        assert proc is not None
+        proc.wait()
+        assert ready.exists()
+        assert children.watch()  # restarts it, after its pause
+        again = children.procs[1]
+        assert again is not None and again is not proc
+        again.wait()
+    finally:
+        assert children.stop(10.0) == 0
+    assert seen == [False]  # gone during the pause before the restart

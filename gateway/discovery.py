@@ -157,6 +157,7 @@ class Discovery:
         self._resyncs = 0
         self._last_error: str | None = None
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False  # `stop` cancelled the task: its end is no crash
         self._on_change: Callable[[WorkerSetChange], None] | None = None
         self._answered = asyncio.Event()  # a watching source has published once, or failed once
         self._settled = False  # see `settled`
@@ -310,8 +311,8 @@ class Discovery:
         """A watching source ends only when cancelled; anything else is a bug: logged with its
         traceback, counted (reason `crashed`), and the pool settles as it stands, since readiness
         would otherwise wait for good for a source that will never report again."""
-        if task.cancelled():
-            return
+        if task.cancelled() or self._stopping:
+            return  # stopped: a source that swallowed the cancel, or failed in its cleanup
         exc = task.exception()
         log.error(
             "worker discovery stopped; the pool keeps its %d workers and follows them no more",
@@ -324,6 +325,7 @@ class Discovery:
 
     async def stop(self) -> None:
         if self._task is not None:
+            self._stopping = True
             self._task.cancel()
             # A task that already died was reported by `_ended`; stopping must still succeed.
             await asyncio.gather(self._task, return_exceptions=True)

@@ -327,6 +327,7 @@ def _seconds(value: object) -> float | None:
     digits = value.strip()
     if not digits or not digits.isascii() or not digits.isdigit():
         return None
+    digits = digits.lstrip("0") or "0"  # `00005` is 5 s, not a number too long to read
     if len(digits) > _RETRY_AFTER_DIGITS:
         return float(_RETRY_AFTER_MAX_S)
     return float(int(digits))

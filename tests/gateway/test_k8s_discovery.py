@@ -240,8 +240,15 @@ async def test_a_429_is_retried_after_its_retry_after_bounded_by_the_longest_bac
 
 @pytest.mark.parametrize(
     ("retry_after", "wait_s"),
-    [("\u00b2", None), ("9" * 400, 5.0), ("9" * 5000, 5.0), ("12345678901", 5.0), (" 4 ", 4.0)],
-    ids=["superscript-two", "400-digits", "5000-digits", "11-digits", "spaced"],
+    [
+        ("\u00b2", None),
+        ("9" * 400, 5.0),
+        ("9" * 5000, 5.0),
+        ("12345678901", 5.0),
+        (" 4 ", 4.0),
+        ("0" * 12 + "3", 3.0),
+    ],
+    ids=["superscript-two", "400-digits", "5000-digits", "11-digits", "spaced", "leading-zeros"],
 )
 async def test_a_429_with_an_odd_retry_after_still_resumes_the_watch(
     fake: FakeKubeApi, tmp_path: Path, retry_after: str, wait_s: float | None

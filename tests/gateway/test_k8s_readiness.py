@@ -247,3 +247,30 @@ async def test_the_pools_lists_are_asked_for_together(
             fake.release_lists()
             start.cancel()
             await fleet.stop()
+
+
+class _SwallowsItsCancel:
+    """A watching source that, told to stop, fails in its cleanup instead of ending cancelled."""
+
+    def __init__(self) -> None:
+        self.running = asyncio.Event()
+
+    async def prepare(self) -> None:
+        pass
+
+    async def run(self, sink: Any) -> None:
+        self.running.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            raise RuntimeError("cleanup failed") from None
+
+
+async def test_a_source_stopped_is_no_crash_however_it_ends() -> None:
+    source = _SwallowsItsCancel()
+    errors: list[str] = []
+    discovery = Discovery(source, on_error=errors.append, first_wait_s=0.0)
+    await discovery.start(lambda change: None)
+    await source.running.wait()
+    await discovery.stop()
+    assert errors == []

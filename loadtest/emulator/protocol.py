@@ -234,7 +234,8 @@ def stop_strings(body: Mapping[str, Any], name: str) -> tuple[str, ...]:
     return tuple(strings)
 
 
-def _stop_rule(body: Mapping[str, Any], min_tokens: int) -> StopRule | None:
+def stop_rule(body: Mapping[str, Any], min_tokens: int) -> StopRule | None:
+    """The request's `stop` strings, `include_stop_str_in_output` and `min_tokens` (None: no stop)."""
     strings = stop_strings(body, "stop")
     include = bool_field(body, "include_stop_str_in_output")
     return StopRule(strings, include, min_tokens) if strings else None
@@ -298,7 +299,7 @@ def parse_chat(body: Mapping[str, Any], cfg: EmulatorConfig, tokenizer: Tokenize
         logprobs=_chat_logprobs(body),
         request_id=common.request_id,
         priority=common.priority,
-        stop=_stop_rule(body, min_tokens),
+        stop=stop_rule(body, min_tokens),
     )
 
 
@@ -375,5 +376,5 @@ def parse_completions(
         logprobs=None if logprobs is None else logprobs_limit(logprobs, "logprobs"),
         request_id=common.request_id,
         priority=common.priority,
-        stop=_stop_rule(body, min_tokens),
+        stop=stop_rule(body, min_tokens),
     )

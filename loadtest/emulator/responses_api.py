@@ -30,6 +30,7 @@ from loadtest.emulator.protocol import (
     int_field,
     logprobs_limit,
     one_answer_request,
+    stop_rule,
 )
 from loadtest.emulator.tools import choose_tool
 from loadtest.emulator.web import named_event
@@ -223,9 +224,12 @@ def parse_responses(
     tool = choose_tool(tools, _chat_tool_choice(body.get("tool_choice")), history)
     max_tokens = int_field(body, "max_output_tokens", 1) or cfg.default_max_tokens
     logprobs = None
-    if INCLUDE_LOGPROBS in (body.get("include") or ()):
+    if INCLUDE_LOGPROBS in (body.get("include") or ()) and body.get("top_logprobs", 0) is not None:
+        # vLLM samples with `logprobs=top_logprobs` then: none for an explicit null.
         logprobs = logprobs_limit(int_field(body, "top_logprobs", 0) or 0, "top_logprobs")
-    gen = one_answer_request("responses", common, prompt, max_tokens, tool, logprobs=logprobs)
+    # vLLM's Responses request takes `stop` and `include_stop_str_in_output` as chat does.
+    stop = stop_rule(body, 0)
+    gen = one_answer_request("responses", common, prompt, max_tokens, tool, stop, logprobs=logprobs)
     echo = {
         "instructions": instructions,
         "max_output_tokens": max_tokens,
@@ -280,8 +284,8 @@ def usage(group: LiveGroup) -> dict[str, Any]:
 def response_object(call: ResponsesCall, group: LiveGroup, done: bool) -> dict[str, Any]:
     """The response object: `in_progress` until `done`, then with `output` and `usage` filled.
 
-    A finished text answer always ran to `max_output_tokens` (the emulator never ends a turn by
-    itself), and vLLM reports a length-capped generation as `incomplete` with that reason
+    A finished text answer ran to `max_output_tokens` unless a stop string ended it (the emulator
+    never ends a turn by itself), and vLLM reports a length-capped generation as `incomplete` with that reason
     (`ResponsesResponse.from_request`), even in the stream's final `response.completed` event.
     """
     capped = done and group.lives[0].finish_reason == "length"

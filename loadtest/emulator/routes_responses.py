@@ -137,7 +137,7 @@ async def _stream(
             for piece in pieces:
                 if is_call:
                     out.append(event("response.function_call_arguments.delta", **ids, delta=piece))
-                else:
+                elif piece:  # a token held back for a stop string streams no delta (vLLM's either)
                     entries = group.lives[0].logprobs[sent : sent + 1]
                     lps = [] if top_k is None else responses_delta_logprobs(entries, top_k)
                     out.append(event("response.output_text.delta", **ids, **part, delta=piece, logprobs=lps))

@@ -14,6 +14,8 @@ it. Per token, as in vLLM (`vllm/v1/engine/detokenizer.py`):
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from dataclasses import dataclass
 
 from loadtest.emulator.output import Answer
@@ -29,14 +31,24 @@ class StopRule:
     min_tokens: int = 0
 
 
-def _match(text: str, new_chars: int, strings: tuple[str, ...]) -> tuple[str, int] | None:
-    """The first stop string (list order) that ends within the last `new_chars` characters of
-    `text`, and where it starts."""
-    for stop in strings:
-        start = text.find(stop, max(0, len(text) - new_chars - len(stop) + 1))
-        if start != -1:
-            return stop, start
-    return None
+def _first_stop(pieces: tuple[str, ...], text: str, rule: StopRule) -> tuple[int, str, int] | None:
+    """The stop that ends the answer as the per-token check finds it: (its token's index, the
+    string, where it starts), the earliest token and within it the first string in list order;
+    None when none ends past the first `min_tokens` tokens. One search per string over the whole
+    text (a per-token search costs tokens × strings, which a long stop list makes minutes)."""
+    ends = list(itertools.accumulate(len(piece) for piece in pieces))
+    if rule.min_tokens > len(ends):
+        return None
+    floor = ends[rule.min_tokens - 1] if rule.min_tokens else 0  # characters out before any check
+    best: tuple[tuple[int, int], str, int] | None = None
+    for order, stop in enumerate(rule.strings):
+        start = text.find(stop, max(0, floor - len(stop) + 1))
+        if start == -1:
+            continue
+        token = bisect.bisect_left(ends, start + len(stop))  # the token whose text completes it
+        if best is None or (token, order) < best[0]:
+            best = ((token, order), stop, start)
+    return None if best is None else (best[0][0], best[1], best[2])
 
 
 def cut_at_stop(answer: Answer, rule: StopRule | None) -> Answer:
@@ -44,21 +56,22 @@ def cut_at_stop(answer: Answer, rule: StopRule | None) -> Answer:
     its streamed deltas hold back what could begin a stop string)."""
     if rule is None or not rule.strings:
         return answer
+    pieces, text = answer.pieces, "".join(answer.pieces)
+    found = _first_stop(pieces, text, rule)
+    n = len(pieces) if found is None else found[0] + 1
+    if found is None:
+        final = len(text)
+    else:
+        _, stop, start = found
+        final = start + len(stop) if rule.include_in_output else start
     hold = 0 if rule.include_in_output else max(len(s) for s in rule.strings) - 1
-    text = ""
-    sent = 0
     deltas: list[str] = []
-    for i, piece in enumerate(answer.pieces):
-        text += piece
-        found = _match(text, len(piece), rule.strings) if piece and i + 1 > rule.min_tokens else None
-        if found is not None:
-            stop, start = found
-            text = text[: start + len(stop)] if rule.include_in_output else text[:start]
-            deltas.append(text[sent:])
-            n = i + 1
-            return Answer(answer.token_ids[:n], answer.pieces[:n], text, tuple(deltas), stop)
-        last = i == len(answer.pieces) - 1
-        end = len(text) if last else max(sent, len(text) - hold)
+    sent = out = 0
+    for i in range(n):
+        out += len(pieces[i])
+        end = final if i == n - 1 else max(sent, out - hold)
         deltas.append(text[sent:end])
         sent = end
-    return Answer(answer.token_ids, answer.pieces, text, tuple(deltas))
+    if found is None:
+        return Answer(answer.token_ids, pieces, text, tuple(deltas))
+    return Answer(answer.token_ids[:n], pieces[:n], text[:final], tuple(deltas), found[1])

@@ -147,6 +147,23 @@ def test_completions_stop_at_a_stop_string_streamed_or_not(client: openai.OpenAI
     assert ends == [(None, None)] * (len(chunks) - 1) + [("stop", stop)]
 
 
+def test_a_response_stops_at_a_stop_string_completed(client: openai.OpenAI) -> None:
+    """vLLM's Responses request takes chat's `stop`: a match ends the answer, which is then
+    `completed` (not cut at `max_output_tokens`), streamed or not."""
+    ask: Any = {"model": MODEL, "input": "stop here please", "max_output_tokens": 40}
+    full = client.responses.create(**ask)
+    stop, at = _stop_in(full.output_text)
+    extra: Any = {"stop": [stop]}
+    cut = client.responses.create(**ask, extra_body=extra)
+    assert cut.status == "completed" and cut.incomplete_details is None
+    assert cut.output_text == full.output_text[:at]
+    assert cut.usage is not None and cut.usage.output_tokens < 40
+    events = list(client.responses.create(**ask, extra_body=extra, stream=True))
+    deltas: Any = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == full.output_text[:at] and all(deltas)  # no empty delta
+    assert events[-1].type == "response.completed" and events[-1].response.status == "completed"
+
+
 def test_bad_stop_strings_are_refused(base_url: str) -> None:
     body: Any = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
     for stop in ("", ["a", ""], [1], {"a": 1}):

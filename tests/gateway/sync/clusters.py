@@ -17,17 +17,25 @@ from tests.support.wait import wait_until
 SLOTS = 16384
 
 
+BUS_OFFSET = 10000  # a node's cluster bus listens on its port + 10000
+# The ports and bus ports handed out in this process: one node's bus port must not be another's
+# port (a node whose port another's bus had taken failed to start, and the test met the other).
+_TAKEN: set[int] = set()
+
+
 def cluster_node_port() -> int:
-    """A free port whose cluster bus port (+10000) is free too."""
+    """A free port whose cluster bus port (+10000) is free too, neither of them a port or bus
+    port handed out before in this process."""
     while True:
         port = free_port()
-        if port + 10000 > 65535:
+        if port + BUS_OFFSET > 65535 or port in _TAKEN or port + BUS_OFFSET in _TAKEN:
             continue
         with socket.socket() as s:
             try:
-                s.bind(("127.0.0.1", port + 10000))
+                s.bind(("127.0.0.1", port + BUS_OFFSET))
             except OSError:
                 continue
+        _TAKEN.update((port, port + BUS_OFFSET))
         return port
 
 

@@ -92,7 +92,9 @@ async def _under_streams(
 async def _served_by(ctx: Context, worker: Worker) -> float:
     async with ctx.session.get(worker.url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as resp:
         samples = parse_metrics(await resp.text())
-    return series(samples, "vllm:request_success_total", finished_reason="length")
+    return sum(
+        series(samples, "vllm:request_success_total", finished_reason=reason) for reason in ("length", "stop")
+    )
 
 
 async def _routed_again(ctx: Context, worker: Worker, tag: str, since: float) -> tuple[bool, float, int, int]:

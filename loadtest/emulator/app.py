@@ -175,7 +175,7 @@ def create_app(cfg: EmulatorConfig, sink_factory: Callable[[], KvEventSink | Non
     async def metrics() -> Response:
         w = worker()
         text = render_metrics(
-            cfg.model, w.stats(), w.block_size, w.latency, w.num_aborted, app.state.kv.stats
+            cfg.model, w.stats(), w.block_size, w.latency, w.num_aborted, app.state.kv.stats, w.num_stopped
         )
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 

@@ -92,9 +92,12 @@ def render_metrics(
     latency: LatencyStats,
     num_aborted: int,
     transfers: TransferStats | None = None,
+    num_stopped: int = 0,
 ) -> str:
-    """The /metrics body."""
+    """The /metrics body. `num_stopped`: finished requests a stop string or a tool call ended
+    (vLLM's `finished_reason="stop"`), the others ran to their token limit."""
     lab = f'engine="0",model_name="{model}"'
+    ran_to_limit = stats.num_finished_total - num_stopped
     queries, hits = stats.prefix_cache_queries_tokens, stats.prefix_cache_hits_tokens
     hit_rate = hits / queries if queries else 0.0
     # (type, name after "vllm:", value, help): V1 names, then the older aliases routers scrape.
@@ -125,7 +128,8 @@ def render_metrics(
     lines += [
         "# HELP vllm:request_success_total Count of successfully processed requests.",
         "# TYPE vllm:request_success_total counter",
-        f'vllm:request_success_total{{{lab},finished_reason="length"}} {stats.num_finished_total}',
+        f'vllm:request_success_total{{{lab},finished_reason="stop"}} {num_stopped}',
+        f'vllm:request_success_total{{{lab},finished_reason="length"}} {ran_to_limit}',
         f'vllm:request_success_total{{{lab},finished_reason="abort"}} {num_aborted}',
         "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
         "# TYPE vllm:cache_config_info gauge",

@@ -73,6 +73,7 @@ class EmulatedWorker:
         self._wakeup = asyncio.Event()
         self._start = time.monotonic()
         self.num_aborted = 0
+        self.num_stopped = 0  # finished by a stop string or a tool call: vLLM's finished_reason "stop"
 
     # ------------------------------------------------------------------ clock
 
@@ -228,6 +229,8 @@ class EmulatedWorker:
             live = self._live.pop(str(fin.request_id), None)
             if live is not None:
                 live.finished = True
+                if live.finish_reason != "length":
+                    self.num_stopped += 1
                 self._finished(live)
                 self.latency.observe_e2e((now - live.arrival_s) * self.cfg.time_scale)
 

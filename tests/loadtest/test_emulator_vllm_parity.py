@@ -5,6 +5,7 @@ completions and Anthropic Messages."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import anthropic
@@ -162,6 +163,20 @@ def test_a_response_stops_at_a_stop_string_completed(client: openai.OpenAI) -> N
     deltas: Any = [e.delta for e in events if e.type == "response.output_text.delta"]
     assert "".join(deltas) == full.output_text[:at] and all(deltas)  # no empty delta
     assert events[-1].type == "response.completed" and events[-1].response.status == "completed"
+
+
+def test_finished_requests_are_counted_by_why_they_ended(client: openai.OpenAI, base_url: str) -> None:
+    def counted() -> dict[str, float]:
+        text = httpx.get(f"{base_url}/metrics").text
+        found = re.findall(r'vllm:request_success_total\{[^}]*finished_reason="(\w+)"\} (\S+)', text)
+        return {reason: float(value) for reason, value in found}
+
+    before = counted()
+    full = client.completions.create(model=MODEL, prompt="count me", max_tokens=30)
+    stop, _ = _stop_in(full.choices[0].text)
+    client.completions.create(model=MODEL, prompt="count me", max_tokens=30, stop=[stop])
+    after = counted()
+    assert after["length"] - before["length"] == 1 and after["stop"] - before["stop"] == 1
 
 
 def test_bad_stop_strings_are_refused(base_url: str) -> None:

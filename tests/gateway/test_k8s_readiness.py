@@ -5,6 +5,7 @@ in a way waiting will not fix), while `/healthz` answers throughout; the pools s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -83,6 +84,19 @@ async def _probe(gw: InProcessGateway, path: str) -> tuple[int, dict[str, Any]]:
     return resp.status_code, resp.json()
 
 
+def _gateway(fake: FakeKubeApi, tmp_path: Path) -> contextlib.AbstractAsyncContextManager[InProcessGateway]:
+    """A gateway whose pool `p` is discovered through the fake API server; it starts without
+    waiting for its workers (readiness is what the tests watch)."""
+    config = _config(fake, tmp_path, ["p"])
+    return gateway_in_process(config, make_policy("round_robin"), secret=b"k", workers_up=False)
+
+
+async def _ready(gw: InProcessGateway) -> None:
+    """Wait until the gateway is ready, and check its `/readyz` says so."""
+    await wait_until(lambda: gw.state.lifecycle.ready)
+    assert (await _probe(gw, "/readyz"))[0] == 200
+
+
 async def test_readyz_waits_for_the_first_list_and_its_health_check(
     fake: FakeKubeApi, tmp_path: Path, no_first_wait: None
 ) -> None:
@@ -90,9 +104,7 @@ async def test_readyz_waits_for_the_first_list_and_its_health_check(
     fake.put(make_pod("a", port=port, labels={"app": "p"}))
     fake.hold_lists()
     try:
-        async with gateway_in_process(
-            _config(fake, tmp_path, ["p"]), make_policy("round_robin"), secret=b"k", workers_up=False
-        ) as gw:
+        async with _gateway(fake, tmp_path) as gw:
             await wait_until(lambda: fake.lists_held == 1)
             status, body = await _probe(gw, "/readyz")
             assert status == 503 and body["status"] == "starting" and "1 pool" in body["reason"]
@@ -128,11 +140,8 @@ async def test_an_error_waiting_will_not_fix_makes_the_gateway_ready_with_an_emp
     fake.put(make_pod("a", port=port, labels={"app": "p"}))
     fake.list_error = (code, reason)
     try:
-        async with gateway_in_process(
-            _config(fake, tmp_path, ["p"]), make_policy("round_robin"), secret=b"k", workers_up=False
-        ) as gw:
-            await wait_until(lambda: gw.state.lifecycle.ready)
-            assert (await _probe(gw, "/readyz"))[0] == 200
+        async with _gateway(fake, tmp_path) as gw:
+            await _ready(gw)
             text = gw.state.routing.metrics.render().decode()
             assert 'kvgate_discovery_errors_total{pool="p",reason="list"}' in text
             assert 'kvgate_discovery_workers{pool="p"} 0.0' in text
@@ -150,9 +159,7 @@ async def test_an_api_server_failing_with_5xx_keeps_the_gateway_unready(
     fake.put(make_pod("a", port=port, labels={"app": "p"}))
     fake.list_error = (500, "InternalError")
     try:
-        async with gateway_in_process(
-            _config(fake, tmp_path, ["p"]), make_policy("round_robin"), secret=b"k", workers_up=False
-        ) as gw:
+        async with _gateway(fake, tmp_path) as gw:
             await wait_until(lambda: fake.lists >= 3)  # failed, and retried twice
             status, body = await _probe(gw, "/readyz")
             assert status == 503 and "pool" in body["reason"]
@@ -173,11 +180,8 @@ async def test_an_api_server_failing_for_first_list_wait_s_makes_the_gateway_rea
     fake.put(make_pod("a", port=port, labels={"app": "p"}))
     fake.list_error = (500, "InternalError")
     try:
-        async with gateway_in_process(
-            _config(fake, tmp_path, ["p"]), make_policy("round_robin"), secret=b"k", workers_up=False
-        ) as gw:
-            await wait_until(lambda: gw.state.lifecycle.ready)
-            assert (await _probe(gw, "/readyz"))[0] == 200
+        async with _gateway(fake, tmp_path) as gw:
+            await _ready(gw)
             pool = gw.state.registry.pools["p"]
             assert not pool.workers
             fake.list_error = None
@@ -202,11 +206,8 @@ async def test_a_crashed_discovery_settles_its_pool_as_it_stands(
     """A discovery task that died will never report: readiness must not wait for it for good.
     The crash is counted, and the gateway is ready with the pool empty."""
     monkeypatch.setattr(fleet_module, "worker_source", lambda config: _Crashing())
-    async with gateway_in_process(
-        _config(fake, tmp_path, ["p"]), make_policy("round_robin"), secret=b"k", workers_up=False
-    ) as gw:
-        await wait_until(lambda: gw.state.lifecycle.ready)
-        assert (await _probe(gw, "/readyz"))[0] == 200
+    async with _gateway(fake, tmp_path) as gw:
+        await _ready(gw)
         text = gw.state.routing.metrics.render().decode()
         assert 'kvgate_discovery_errors_total{pool="p",reason="crashed"} 1.0' in text
         assert not gw.state.registry.pools["p"].workers

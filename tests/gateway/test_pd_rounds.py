@@ -15,9 +15,9 @@ from typing import Any
 import httpx
 from aiohttp import web
 
-from gateway.auth import hash_api_key
 from gateway.state import GatewayState
 from tests.gateway.routes_rig import Recording
+from tests.support.gateway_config import pd_pool, tenant
 from tests.support.inprocess import gateway_in_process
 from tests.support.loopback import serve_worker
 from tests.support.metrics import metric_total
@@ -88,21 +88,8 @@ async def pd_rig(statuses: list[int], *, params: bool = True, read_s: float = 60
             await serve_worker(stack, {"/v1/chat/completions": handler, "/v1/responses": script.responses})
             for handler in (script.prefill, script.decode, script.decode)
         ]
-        config = {
-            "pools": [
-                {
-                    "name": "p",
-                    "models": ["m"],
-                    "prefill_workers": urls[:1],
-                    "decode_workers": urls[1:],
-                    "pd": {"protocol": "vllm", "conditional": False},  # a pair whenever one is free
-                    "retry_attempts": 2,
-                    "timeouts": {"read_s": read_s},
-                }
-            ],
-            "tenants": [{"name": "t", "api_key_hashes": [hash_api_key(SECRET, "sk-t")]}],
-            "scrape": {"enabled": False},
-        }
+        pool = pd_pool(urls[:1], urls[1:], retry_attempts=2, timeouts={"read_s": read_s})
+        config = {"pools": [pool], "tenants": [tenant("t", "sk-t", SECRET)], "scrape": {"enabled": False}}
         gw = await stack.enter_async_context(gateway_in_process(config, Recording(), secret=SECRET))
         yield Rig(gw.client, gw.state, script)
 

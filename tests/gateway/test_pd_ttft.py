@@ -14,10 +14,10 @@ import httpx
 import orjson
 from aiohttp import web
 
-from gateway.auth import hash_api_key
 from gateway.state import GatewayState
 from tests.gateway.access_lines import AccessLines, capture_access
 from tests.gateway.routes_rig import Recording
+from tests.support.gateway_config import pd_pool, tenant
 from tests.support.inprocess import gateway_in_process
 from tests.support.loopback import serve_worker
 from tests.support.metrics import metric_total
@@ -51,16 +51,8 @@ async def rig() -> AsyncIterator[tuple[httpx.AsyncClient, GatewayState, AccessLi
     async with contextlib.AsyncExitStack() as stack:
         urls = [await serve_worker(stack, {"/v1/chat/completions": h}) for h in (_prefill, _decode)]
         config = {
-            "pools": [
-                {
-                    "name": "p",
-                    "models": ["m"],
-                    "prefill_workers": urls[:1],
-                    "decode_workers": urls[1:],
-                    "pd": {"protocol": "vllm", "conditional": False},
-                }
-            ],
-            "tenants": [{"name": "t", "api_key_hashes": [hash_api_key(SECRET, "sk-t")]}],
+            "pools": [pd_pool(urls[:1], urls[1:])],
+            "tenants": [tenant("t", "sk-t", SECRET)],
             "scrape": {"enabled": False},
         }
         gw = await stack.enter_async_context(gateway_in_process(config, Recording(), secret=SECRET))

@@ -18,7 +18,7 @@ import pytest
 from aiohttp import web
 
 from policies.baselines import RoundRobin
-from tests.support.gateway_config import SECRET, tenant
+from tests.support.gateway_config import SECRET, pd_pool, tenant
 from tests.support.inprocess import InProcessGateway, gateway_in_process
 from tests.support.loopback import serve_worker
 
@@ -51,12 +51,7 @@ async def _gateway(workers: list[Overloaded], *, prefill: int = 0) -> AsyncItera
         ]
         pool: dict[str, Any] = {"name": "p", "models": ["m"], "workers": urls}
         if prefill:
-            del pool["workers"]
-            pool |= {
-                "prefill_workers": urls[:prefill],
-                "decode_workers": urls[prefill:],
-                "pd": {"protocol": "vllm", "conditional": False},  # a pair whenever one is free
-            }
+            pool = pd_pool(urls[:prefill], urls[prefill:])
         config = {"pools": [pool], "tenants": [tenant("a", "sk-a")], "scrape": {"enabled": False}}
         async with gateway_in_process(config, RoundRobin(), secret=SECRET) as gw:
             yield gw
@@ -154,14 +149,7 @@ async def test_a_decode_workers_529_after_its_prefill_leg_tries_another_pair() -
 
     async with contextlib.AsyncExitStack() as stack:
         urls = {n: await serve_worker(stack, {"/v1/chat/completions": worker(n)}) for n in ("p1", "d1", "d2")}
-        pool = {
-            "name": "p",
-            "models": ["m"],
-            "prefill_workers": [urls["p1"]],
-            "decode_workers": [urls["d1"], urls["d2"]],
-            "pd": {"protocol": "vllm", "conditional": False},
-            "retry_attempts": 2,
-        }
+        pool = pd_pool([urls["p1"]], [urls["d1"], urls["d2"]], retry_attempts=2)
         config = {"pools": [pool], "tenants": [tenant("a", "sk-a")], "scrape": {"enabled": False}}
         async with gateway_in_process(config, RoundRobin(), secret=SECRET) as gw:
             for _ in range(4):

@@ -13,6 +13,20 @@ from gateway.auth import hash_api_key
 SECRET = b"e2e-test-secret-for-key-hashes-32"
 
 
+def pd_pool(prefill: list[str], decode: list[str], protocol: str = "vllm", **settings: Any) -> dict[str, Any]:
+    """Pool `p` serving model `m` on these prefill and decode workers, in `protocol`, splitting
+    whenever a pair is free (`conditional` off); `settings` are the pool's other keys."""
+    pd = {"protocol": protocol, "conditional": False}
+    return {
+        "name": "p",
+        "models": ["m"],
+        "prefill_workers": prefill,
+        "decode_workers": decode,
+        "pd": pd,
+        **settings,
+    }
+
+
 def tenant(name: str, key: str, secret: bytes = SECRET, **extra: Any) -> dict[str, Any]:
     """A tenant entry whose API key `key` is accepted by a gateway holding `secret`."""
     return {"name": name, "api_key_hashes": [hash_api_key(secret, key)], **extra}

@@ -137,3 +137,53 @@ def test_autoscaling_on_utilization_needs_the_request_it_measures() -> None:
         helm_python.HelmError, match=r"targetMemoryUtilizationPercentage needs a memory request"
     ):
         render({"autoscaling": on_memory, "resources": no_memory})
+
+
+def _utilization(
+    kind: str, name: str, target_type: str = "Utilization", container: str = "kvgate"
+) -> dict[str, Any]:
+    """An autoscaling/v2 metric of `kind` (Resource or ContainerResource) on `name`."""
+    target = {"type": target_type} | (
+        {"averageUtilization": 70} if target_type == "Utilization" else {"averageValue": "500m"}
+    )
+    if kind == "Resource":
+        return {"type": "Resource", "resource": {"name": name, "target": target}}
+    return {
+        "type": "ContainerResource",
+        "containerResource": {"name": name, "container": container, "target": target},
+    }
+
+
+@pytest.mark.parametrize("kind", ["Resource", "ContainerResource"])
+@pytest.mark.parametrize("name", ["cpu", "memory"])
+def test_a_utilization_metric_of_ones_own_needs_the_request_too(kind: str, name: str) -> None:
+    """autoscaling.metrics measured as a utilization of the gateway's CPU (memory) need its request
+    as much as the chart's own targets do: without it the render fails, naming the metric."""
+    autoscaling = {
+        "enabled": True,
+        "targetCPUUtilizationPercentage": None,
+        "metrics": [_utilization(kind, name)],
+    }
+    missing = {"requests": {name: None}, "limits": {name: None}}
+    with pytest.raises(
+        helm_python.HelmError,
+        match=rf"autoscaling\.metrics\[0\] \({kind} {name}, target\.type Utilization\) needs a {name} "
+        rf"request, and resources\.requests\.{name} is null.*AverageValue",
+    ):
+        render({"autoscaling": autoscaling, "resources": missing})
+    # With the request (derived, or a limit alone), the metric renders as given.
+    docs = render({"autoscaling": autoscaling})
+    validate_strictly(docs)
+    assert docs["HorizontalPodAutoscaler/rel-kvgate"]["spec"]["metrics"] == autoscaling["metrics"]
+    render(
+        {
+            "autoscaling": autoscaling,
+            "resources": {"requests": {name: None}, "limits": {name: "2" if name == "cpu" else "2Gi"}},
+        }
+    )
+    # An AverageValue target, or another container's utilization, needs no request of the gateway.
+    for metric in (
+        _utilization(kind, name, "AverageValue"),
+        _utilization("ContainerResource", name, container="proxy"),
+    ):
+        render({"autoscaling": autoscaling | {"metrics": [metric]}, "resources": missing})

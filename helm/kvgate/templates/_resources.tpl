@@ -112,16 +112,37 @@ Warning: resources.limits.memory ({{ . }}) is below {{ $n }} x {{ include "kvgat
 {{- end }}
 
 {{/* A HorizontalPodAutoscaler targeting CPU (memory) utilization measures it against the pods'
-CPU (memory) request: without one it cannot compute any and stops scaling, silently. */}}
+CPU (memory) request: without one it cannot compute any and stops scaling, silently. That holds for
+the chart's own targets and for a metric of autoscaling.metrics alike: a `Resource` one, or a
+`ContainerResource` one of the gateway's container, whose target is a `Utilization` (an
+`AverageValue` needs no request). */}}
 {{- define "kvgate.autoscalingNeedsRequests" -}}
 {{- $final := include "kvgate.resources" . | fromYaml }}
 {{- $requests := get $final "requests" | default dict }}
 {{- $limits := get $final "limits" | default dict }}
+{{- $needs := list }}
 {{- range $name, $target := dict "cpu" .Values.autoscaling.targetCPUUtilizationPercentage "memory" .Values.autoscaling.targetMemoryUtilizationPercentage }}
-{{- /* Kubernetes takes a limit set alone as the request. */}}
-{{- if and $target (not (get $requests $name | default (get $limits $name))) }}
+{{- if $target }}
 {{- $key := ternary "targetCPUUtilizationPercentage" "targetMemoryUtilizationPercentage" (eq $name "cpu") }}
-{{- fail (printf "autoscaling.%s needs a %s request, and resources.requests.%s is null: the autoscaler could compute no utilization and would never scale. Leave resources.requests.%s unset (derived from processes) or set it, or set autoscaling.%s: null and scale on other metrics" $key $name $name $name $key) }}
+{{- $needs = append $needs (dict "name" $name "what" (printf "autoscaling.%s" $key) "instead" (printf "set autoscaling.%s: null and scale on other metrics" $key)) }}
+{{- end }}
+{{- end }}
+{{- range $i, $metric := .Values.autoscaling.metrics | default list }}
+{{- $source := dict }}
+{{- if eq (toString (get $metric "type")) "Resource" }}
+{{- $source = dig "resource" dict $metric }}
+{{- else if and (eq (toString (get $metric "type")) "ContainerResource") (eq (toString (dig "containerResource" "container" "" $metric)) "kvgate") }}
+{{- $source = dig "containerResource" dict $metric }}
+{{- end }}
+{{- $name := toString (get $source "name") }}
+{{- if and (has $name (list "cpu" "memory")) (eq (toString (dig "target" "type" "" $source)) "Utilization") }}
+{{- $needs = append $needs (dict "name" $name "what" (printf "autoscaling.metrics[%d] (%s %s, target.type Utilization)" $i (get $metric "type") $name) "instead" "target an AverageValue of it instead") }}
+{{- end }}
+{{- end }}
+{{- range $needs }}
+{{- /* Kubernetes takes a limit set alone as the request. */}}
+{{- if not (get $requests .name | default (get $limits .name)) }}
+{{- fail (printf "%s needs a %s request, and resources.requests.%s is null: the autoscaler could compute no utilization and would never scale. Leave resources.requests.%s unset (derived from processes) or set it, or %s" .what .name .name .name .instead) }}
 {{- end }}
 {{- end }}
 {{- end }}

@@ -36,6 +36,7 @@ TOKEN_ENV = {
     "valueFrom": {"secretKeyRef": {"name": TOKEN_SECRET, "key": "token"}},
 }
 GATEWAY_LABELS = {"app.kubernetes.io/name": "kvgate", "app.kubernetes.io/instance": RELEASE}
+MIB = 1024 * 1024
 
 
 def nats_resources(docs: dict[str, dict[str, Any]]) -> list[str]:
@@ -121,12 +122,29 @@ def test_a_real_nats_server_runs_the_rendered_config(tmp_path: Path) -> None:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{monitor}/varz", timeout=10) as resp:
             varz = json.loads(resp.read())
-        assert (varz["port"], varz["max_payload"]) == (port, 8 * 1024 * 1024)
+        assert (varz["port"], varz["max_payload"], varz["max_pending"]) == (port, 8 * MIB, 64 * MIB)
         assert not varz.get("jetstream", {}).get("config")  # core NATS only
         assert asyncio.run(_admitted(f"nats://127.0.0.1:{port}", token))
         assert not asyncio.run(_admitted(f"nats://127.0.0.1:{port}", None))
+        # The largest batch a gateway may send goes through, from one gateway to another.
+        assert asyncio.run(_carried(f"nats://127.0.0.1:{port}", token, 8 * MIB)) == 8 * MIB
     finally:
         server.stop()
+
+
+async def _carried(url: str, token: str, size: int) -> int:
+    """The size of a message of `size` bytes as a second client receives it."""
+    receiver = await nats.connect(url, token=token, allow_reconnect=False, connect_timeout=5)
+    sender = await nats.connect(url, token=token, allow_reconnect=False, connect_timeout=5)
+    try:
+        sub = await receiver.subscribe("kvgate.test.batches")
+        await receiver.flush()
+        await sender.publish("kvgate.test.batches", b"\0" * size)
+        await sender.flush()
+        return len((await sub.next_msg(timeout=10)).data)
+    finally:
+        await sender.close()
+        await receiver.close()
 
 
 async def _admitted(url: str, token: str | None) -> bool:
@@ -317,12 +335,41 @@ def test_processes_share_the_same_broker_and_each_has_a_metrics_port() -> None:
         ({"sync": {"subjectPrefix": "has space"}}, "/sync/subjectPrefix"),
         ({"sync": {"peerTimeoutS": 0}}, "/sync/peerTimeoutS"),
         ({"sync": {"nats": {"persistence": True}}}, "additional properties 'persistence'"),
-        ({"sync": {"nats": {"maxPayloadBytes": 128 * 1024 * 1024}}}, "/sync/nats/maxPayloadBytes"),
+        ({"sync": {"nats": {"maxPayloadBytes": 128 * MIB}}}, "/sync/nats/maxPayloadBytes"),
+        # Below the largest sync batch; a server that would close a gateway a few batches behind.
+        (
+            {"sync": {"nats": {"maxPayloadBytes": 4 * MIB}}},
+            r"sync\.nats\.maxPayloadBytes \(4194304\) is below 8388608 \(8 MiB\), the largest sync batch",
+        ),
+        (
+            {"sync": {"nats": {"maxPayloadBytes": 16 * MIB}}},
+            r"sync\.nats\.maxPendingBytes \(67108864\) must be at least 8 x sync\.nats\.maxPayloadBytes "
+            r"\(134217728\)",
+        ),
+        ({"sync": {"nats": {"maxPendingBytes": 32 * MIB}}}, r"maxPendingBytes \(33554432\) must be at least"),
     ],
 )
 def test_bad_sync_values_fail_clearly(values: dict[str, Any], needle: str) -> None:
     with pytest.raises(helm_python.HelmError, match=needle):
         render(values)
+
+
+def test_the_brokers_limits_take_the_largest_batches() -> None:
+    """The chart's broker takes a message of the largest sync batch (8 MiB; NATS's default is 1 MiB)
+    and holds 8 of them for a gateway that reads slowly before closing it as a slow consumer, as the
+    gateway's own client holds 8 received; larger limits go through as set."""
+
+    def limits(values: dict[str, Any]) -> list[str]:
+        conf = render({"sync": {"nats": values}})[f"ConfigMap/{NATS}"]["data"]["nats-server.conf"]
+        return [line for line in conf.splitlines() if line.startswith(("max_payload:", "max_pending:"))]
+
+    assert limits({}) == ["max_payload: 8388608", "max_pending: 67108864"]
+    assert limits({"maxPayloadBytes": 16 * MIB, "maxPendingBytes": 128 * MIB}) == [
+        "max_payload: 16777216",
+        "max_pending: 134217728",
+    ]
+    # With a broker of one's own the chart runs none, and its limits are not the chart's to check.
+    render({"sync": {"url": "nats://nats.example:4222", "nats": {"maxPayloadBytes": MIB}}})
 
 
 def test_the_watchdog_follows_the_liveness_probe_or_the_value() -> None:

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from gateway.auth import hash_api_key
-from gateway.config import parse_config
+from gateway.config import EXIT_MARGIN_S, parse_config
 from gateway.sync.broker import LocalBroker
 from tests.helm.chart import (
     CHART,
@@ -154,6 +154,53 @@ def test_a_grace_period_shorter_than_the_drain_fails_clearly() -> None:
     )
     with pytest.raises(helm_python.HelmError, match="must be at least"):
         render({"shutdown": {"terminationGracePeriodSeconds": 60}, "config": {"drain": {"deadline_s": 50}}})
+
+
+def test_a_longer_pre_stop_for_a_cloud_load_balancer_lengthens_the_grace_period() -> None:
+    """Behind a cloud load balancer (AWS NLB/ALB, GCP NEGs) the pod leaves its targets well after
+    it leaves the endpoints: preStopSleepSeconds keeps it serving meanwhile, before SIGTERM, and
+    the grace period adds it to what the gateway takes after the signal (the drain deadline and
+    its exit margin, gateway/config)."""
+    docs = render({"shutdown": {"preStopSleepSeconds": 60}})
+    validate_strictly(docs)
+    assert pod_spec(docs)["containers"][0]["lifecycle"]["preStop"] == {"sleep": {"seconds": 60}}
+    assert gateway_config(docs)["drain"] == {"deadline_s": 120, "shutdown_delay_s": 0}
+    needed = 60 + 120 + int(EXIT_MARGIN_S)
+    assert pod_spec(docs)["terminationGracePeriodSeconds"] == needed + 5
+    with pytest.raises(helm_python.HelmError, match=rf"must be at least .* \({needed}\)"):
+        render({"shutdown": {"preStopSleepSeconds": 60, "terminationGracePeriodSeconds": needed - 1}})
+    explicit = {"preStopSleepSeconds": 60, "terminationGracePeriodSeconds": needed}
+    assert pod_spec(render({"shutdown": explicit}))["terminationGracePeriodSeconds"] == needed
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"shutdown": {"shutdownDelaySeconds": 120}},
+        {"shutdown": {"shutdownDelaySeconds": 300}},  # AWS's default deregistration delay
+        {"config": {"drain": {"deadline_s": 50, "shutdown_delay_s": 60}}},
+        {"config": {"drain": {"deadline_s": 50}}, "shutdown": {"shutdownDelaySeconds": 50}},
+    ],
+)
+def test_a_shutdown_delay_as_long_as_the_drain_fails_clearly(values: dict[str, Any]) -> None:
+    """The gateway counts both its shutdown delay and its drain deadline from SIGTERM
+    (gateway/server.py): a delay of the whole deadline would leave it listening until the deadline
+    and then end everything in flight at once. The render fails and points at the preStop sleep."""
+    with pytest.raises(
+        helm_python.HelmError,
+        match=r"shutdownDelaySeconds \(.*\) must be below the drain deadline .*preStopSleepSeconds",
+    ):
+        render(values)
+
+
+def test_a_shutdown_delay_within_the_drain_renders() -> None:
+    docs = render({"shutdown": {"shutdownDelaySeconds": 30}})
+    assert gateway_config(docs)["drain"] == {"deadline_s": 120, "shutdown_delay_s": 30}
+    assert pod_spec(docs)["terminationGracePeriodSeconds"] == 140  # the delay is within the deadline
+    overridden = {"config": {"drain": {"deadline_s": 300, "shutdown_delay_s": 0}}}
+    docs = render(overridden | {"shutdown": {"shutdownDelaySeconds": 150}})
+    assert gateway_config(docs)["drain"]["shutdown_delay_s"] == 0
+    assert pod_spec(docs)["terminationGracePeriodSeconds"] == 320
 
 
 def test_config_change_rolls_pods_but_policy_change_does_not() -> None:

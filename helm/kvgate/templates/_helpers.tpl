@@ -87,8 +87,19 @@ shutdown.drainSeconds, as every key of `config` does (kvgate.gatewayConfig). */}
 {{- end }}
 
 {{/* preStop + the drain deadline + the gateway's exit margin (10 s) + 5 s by default; an explicit
-value below preStop + deadline + 10 would let the kubelet kill a pod still draining. */}}
+value below preStop + deadline + 10 would let the kubelet kill a pod still draining. The gateway
+counts its deadline from SIGTERM and its shutdown delay inside it (gateway/server.py): a delay of
+the deadline or more leaves no drain at all (it stops listening at the deadline and ends whatever
+is in flight then), so it is refused; a load balancer slow to stop sending is waited for by the
+preStop sleep, which comes before SIGTERM and which the grace period adds. */}}
 {{- define "kvgate.terminationGracePeriodSeconds" -}}
+{{- $drain := dig "drain" dict (.Values.config | default dict) | default dict }}
+{{- $deadline := get $drain "deadline_s" | default .Values.shutdown.drainSeconds }}
+{{- $delay := .Values.shutdown.shutdownDelaySeconds }}
+{{- if hasKey $drain "shutdown_delay_s" }}{{ $delay = get $drain "shutdown_delay_s" }}{{ end }}
+{{- if ge (float64 $delay) (float64 $deadline) }}
+{{- fail (printf "shutdown.shutdownDelaySeconds (%v, or config.drain.shutdown_delay_s) must be below the drain deadline (%v, shutdown.drainSeconds or config.drain.deadline_s), both counted from SIGTERM: the gateway would stop listening only at the deadline and end every request still in flight at once. For a load balancer that takes longer to stop sending, raise shutdown.preStopSleepSeconds (it comes before SIGTERM, and the grace period adds it)" $delay $deadline) }}
+{{- end }}
 {{- $needed := add .Values.shutdown.preStopSleepSeconds (include "kvgate.drainDeadlineSeconds" . | int) 10 }}
 {{- if kindIs "invalid" .Values.shutdown.terminationGracePeriodSeconds }}
 {{- add $needed 5 }}

@@ -254,16 +254,17 @@ def item_id(prefix: str, group: LiveGroup) -> str:
 
 def output_item(group: LiveGroup, status: str, text: str) -> dict[str, Any]:
     """The one output item: a message with `output_text` (its tokens' logprobs once completed,
-    when `include` asked for them), or a `function_call`."""
+    when `include` asked for them; null when not, as vLLM's `_make_response_output_items`
+    leaves them), or a `function_call`."""
     call = group.gen.tool_call
     if call is not None:
         return {"type": "function_call", "id": item_id("fc", group), "call_id": item_id("call", group),
                 "name": call.name, "arguments": text, "status": status}  # fmt: skip
     live = group.lives[0]
     top_k = group.gen.logprobs
-    logprobs = (
-        [] if top_k is None or status != "completed" else chat_logprobs(live.logprobs, top_k)["content"]
-    )
+    logprobs: list[dict[str, Any]] | None = None
+    if top_k is not None:
+        logprobs = chat_logprobs(live.logprobs, top_k)["content"] if status == "completed" else []
     content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}] if text else []
     return {"type": "message", "id": item_id("msg", group), "role": "assistant", "status": status,
             "content": content}  # fmt: skip

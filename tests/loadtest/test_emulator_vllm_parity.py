@@ -5,6 +5,7 @@ completions and Anthropic Messages."""
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -255,3 +256,29 @@ def test_included_logprobs_come_with_the_output_text(client: openai.OpenAI, base
         timeout=5,
     )
     assert too_many.status_code == 400
+
+
+def test_output_text_logprobs_are_null_unless_included(base_url: str) -> None:
+    # vLLM's Responses serving fills `output_text.logprobs` only when `include` asks for them,
+    # and leaves it None (null) otherwise, in the object and in the stream's completed response.
+    body = {"model": MODEL, "input": "no logprobs here", "max_output_tokens": 3}
+    plain = httpx.post(f"{base_url}/v1/responses", json=body, timeout=10).json()
+    assert plain["output"][0]["content"][0]["logprobs"] is None
+    stored = httpx.get(f"{base_url}/v1/responses/{plain['id']}", timeout=5).json()
+    assert stored["output"][0]["content"][0]["logprobs"] is None
+    with httpx.stream("POST", f"{base_url}/v1/responses", json={**body, "stream": True}, timeout=10) as resp:
+        events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: ")]
+    done = [e for e in events if e["type"] in ("response.output_item.done", "response.completed")]
+    items = [e["item"] if "item" in e else e["response"]["output"][0] for e in done]
+    assert len(items) == 2 and all(item["content"][0]["logprobs"] is None for item in items)
+    # An explicit `"top_logprobs": null` samples without logprobs: null too.
+    none = httpx.post(
+        f"{base_url}/v1/responses",
+        json={**body, "include": ["message.output_text.logprobs"], "top_logprobs": None},
+        timeout=10,
+    ).json()
+    assert none["output"][0]["content"][0]["logprobs"] is None
+    asked = httpx.post(
+        f"{base_url}/v1/responses", json={**body, "include": ["message.output_text.logprobs"]}, timeout=10
+    ).json()
+    assert len(asked["output"][0]["content"][0]["logprobs"]) == 3

@@ -20,7 +20,7 @@ import orjson
 
 from loadtest.emulator.chat_template import render_chat
 from loadtest.emulator.config import EmulatorConfig
-from loadtest.emulator.errors import ApiError
+from loadtest.emulator.errors import ApiError, BodyValidationError
 from loadtest.emulator.live import LiveGroup
 from loadtest.emulator.logprobs import chat_logprobs
 from loadtest.emulator.protocol import (
@@ -174,27 +174,19 @@ def _number(body: Mapping[str, Any], name: str, default: float) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
 
 
-def validation_error(error: dict[str, Any]) -> ApiError:
-    """What vLLM answers when its pydantic model refuses a body: FastAPI's validation error
-    turned into a 400 by vLLM's handler (type `Bad Request`, no `param`), the message naming the
-    error as FastAPI prints it."""
-    message = f"1 validation error:\n  {error}\n {[error]}"
-    return ApiError(400, message, "Bad Request")
-
-
 def _check_include(value: Any) -> None:
     """`include`: null, or a list of `INCLUDABLE` values."""
     if value is None:
         return
     if not isinstance(value, list):
-        raise validation_error(
+        raise BodyValidationError(
             {"type": "list_type", "loc": ("body", "include"), "msg": "Input should be a valid list",
              "input": value}
         )  # fmt: skip
     expected = ", ".join(repr(v) for v in INCLUDABLE[:-1]) + f" or {INCLUDABLE[-1]!r}"
     for i, item in enumerate(value):
         if item not in INCLUDABLE:
-            raise validation_error(
+            raise BodyValidationError(
                 {"type": "literal_error", "loc": ("body", "include", i), "msg": f"Input should be {expected}",
                  "input": item, "ctx": {"expected": expected}}
             )  # fmt: skip

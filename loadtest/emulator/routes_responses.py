@@ -16,7 +16,7 @@ from typing import TypeVar
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from loadtest.emulator.errors import ApiError
+from loadtest.emulator.errors import ApiError, BodyValidationError
 from loadtest.emulator.live import LiveGroup
 from loadtest.emulator.logprobs import responses_delta_logprobs
 from loadtest.emulator.responses_api import (
@@ -30,7 +30,6 @@ from loadtest.emulator.responses_api import (
     output_item,
     parse_responses,
     response_object,
-    validation_error,
 )
 from loadtest.emulator.web import answer_steps, json_response, read_json, wait_finished, worker_of
 from loadtest.emulator.worker import EmulatedWorker
@@ -96,7 +95,7 @@ def _query(request: Request, name: str, read: Callable[[object], T | None], kind
         return None
     value = read(raw)
     if value is None:
-        raise validation_error(
+        raise BodyValidationError(
             {"type": kind, "loc": ("query", name), "msg": f"Input should be {what}", "input": raw}
         )
     return value

@@ -282,3 +282,26 @@ def test_output_text_logprobs_are_null_unless_included(base_url: str) -> None:
         f"{base_url}/v1/responses", json={**body, "include": ["message.output_text.logprobs"]}, timeout=10
     ).json()
     assert len(asked["output"][0]["content"][0]["logprobs"]) == 3
+
+
+def test_messages_refuse_a_single_stop_sequence_string_as_vllms_validation(base_url: str) -> None:
+    # vLLM's AnthropicMessagesRequest has `stop_sequences: list[str] | None`: pydantic refuses a
+    # string before the route runs, and vLLM's validation handler answers in the OpenAI envelope.
+    user = [{"role": "user", "content": "x"}]
+    body = {"model": MODEL, "max_tokens": 2, "messages": user}
+    for bad, kind in (("END", "list_type"), (["END", 5], "string_type")):
+        resp = httpx.post(f"{base_url}/v1/messages", json={**body, "stop_sequences": bad}, timeout=5)
+        assert resp.status_code == 400, bad
+        err = resp.json()["error"]
+        assert err["type"] == "Bad Request" and err["param"] is None and err["code"] == 400
+        assert err["message"].startswith("1 validation error:") and kind in err["message"]
+        assert "'stop_sequences'" in err["message"]
+    # count_tokens' request model has neither field: they are ignored there.
+    counted = httpx.post(
+        f"{base_url}/v1/messages/count_tokens",
+        json={"model": MODEL, "messages": user, "stop_sequences": "END", "max_tokens": 0},
+        timeout=5,
+    )
+    assert counted.status_code == 200 and counted.json()["input_tokens"] > 0
+    listed = httpx.post(f"{base_url}/v1/messages", json={**body, "stop_sequences": ["END"]}, timeout=5)
+    assert listed.status_code == 200 and listed.json()["usage"]["output_tokens"] == 2

@@ -29,9 +29,9 @@ from loadtest.emulator.protocol import (
     int_field,
     one_answer_request,
     stop_strings,
+    tool_call_for,
 )
 from loadtest.emulator.stops import StopRule
-from loadtest.emulator.tools import choose_tool
 from loadtest.engine.tokenizer import Tokenizer
 
 # Anthropic's error types by HTTP status (the envelope is {"type": "error", "error": {...}}).
@@ -259,7 +259,7 @@ def parse_messages(
         ends.append(start + mark.offset if mark.offset is not None else text.find(_END, start) + len(_END))
     prompt = tokenizer.encode(text)
     marked = len(tokenizer.encode(text[: max(ends)])) if ends else 0
-    tool = choose_tool(tools, _tool_choice(body.get("tool_choice")), conv.messages)
+    tool = tool_call_for(tools, _tool_choice(body.get("tool_choice")), conv.messages)
     stops = stop_strings(body, "stop_sequences")  # vLLM passes them on as chat's `stop`
     gen = one_answer_request("messages", common, prompt, max_tokens, tool, StopRule(stops) if stops else None)
     # A hit covers at most prompt - 1 tokens, and only full blocks are cached.

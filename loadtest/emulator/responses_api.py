@@ -31,8 +31,8 @@ from loadtest.emulator.protocol import (
     logprobs_limit,
     one_answer_request,
     stop_rule,
+    tool_call_for,
 )
-from loadtest.emulator.tools import choose_tool
 from loadtest.emulator.web import named_event
 from loadtest.engine.tokenizer import Tokenizer
 
@@ -213,7 +213,7 @@ def parse_responses(
     tools = _chat_tools(body.get("tools"))
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + history
     prompt = tokenizer.encode(render_chat(messages, tools))
-    tool = choose_tool(tools, _chat_tool_choice(body.get("tool_choice")), history)
+    tool = tool_call_for(tools, _chat_tool_choice(body.get("tool_choice")), history)
     max_tokens = int_field(body, "max_output_tokens", 1) or cfg.default_max_tokens
     logprobs = None
     if INCLUDE_LOGPROBS in (body.get("include") or ()) and body.get("top_logprobs", 0) is not None:

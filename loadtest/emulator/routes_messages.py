@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
+import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
@@ -54,7 +55,16 @@ async def create_message(request: Request) -> Response:
         if call.gen.stream:
             return StreamingResponse(_stream(w, call, group), media_type="text/event-stream")
         gone = await wait_finished(request, w, group)
-        return gone if gone is not None else json_response(message_body(call, group, done=True))
+        if gone is not None:
+            return gone
+        try:
+            return json_response(message_body(call, group, done=True))
+        except orjson.JSONDecodeError as exc:
+            # A named call's arguments that a stop string cut: vLLM's json.loads of them fails and
+            # its route answers its catch-all 500.
+            return json_response(
+                {"type": "error", "error": {"type": "internal_error", "message": str(exc)}}, 500
+            )
     except BodyValidationError as exc:  # refused by vLLM's request model: its OpenAI-shaped 400
         return json_response(exc.body(), exc.status)
     except ApiError as exc:

@@ -134,13 +134,15 @@ async def _stream(
                 if not is_call:
                     out.append(event("response.content_part.added", **ids, **part, part=_text_part("")))
             for piece in pieces:
+                token, sent = sent, sent + 1
+                if not piece:  # a token held back for a stop string streams no delta (vLLM's either)
+                    continue
                 if is_call:
                     out.append(event("response.function_call_arguments.delta", **ids, delta=piece))
-                elif piece:  # a token held back for a stop string streams no delta (vLLM's either)
-                    entries = group.lives[0].logprobs[sent : sent + 1]
-                    lps = [] if top_k is None else responses_delta_logprobs(entries, top_k)
-                    out.append(event("response.output_text.delta", **ids, **part, delta=piece, logprobs=lps))
-                sent += 1
+                    continue
+                entries = group.lives[0].logprobs[token:sent]
+                lps = [] if top_k is None else responses_delta_logprobs(entries, top_k)
+                out.append(event("response.output_text.delta", **ids, **part, delta=piece, logprobs=lps))
             yield b"".join(out)
     if group.failed:
         yield event("error", code="server_error", message="the emulated engine failed", param=None)

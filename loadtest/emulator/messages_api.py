@@ -21,7 +21,7 @@ import orjson
 
 from loadtest.emulator.chat_template import IMAGE_TOKENS, render_chat_offsets
 from loadtest.emulator.config import EmulatorConfig
-from loadtest.emulator.errors import ApiError, BodyValidationError
+from loadtest.emulator.errors import ApiError, RequestValidationError
 from loadtest.emulator.live import LiveGroup
 from loadtest.emulator.protocol import (
     GenerationRequest,
@@ -221,13 +221,13 @@ def _check_stop_sequences(value: Any) -> None:
     if value is None:
         return
     if not isinstance(value, list):
-        raise BodyValidationError(
+        raise RequestValidationError(
             {"type": "list_type", "loc": ("body", "stop_sequences"), "msg": "Input should be a valid list",
              "input": value}
         )  # fmt: skip
     for i, item in enumerate(value):
         if not isinstance(item, str):
-            raise BodyValidationError(
+            raise RequestValidationError(
                 {"type": "string_type", "loc": ("body", "stop_sequences", i),
                  "msg": "Input should be a valid string", "input": item}
             )  # fmt: skip

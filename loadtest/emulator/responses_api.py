@@ -5,7 +5,8 @@ conversation of `previous_response_id` (its inputs and outputs, not its instruct
 `input` items. So a follow-up that keeps its instructions starts with the previous prompt and
 answer, and hits the prefix cache like the next turn of a chat. Like vLLM, responses are kept in
 this process only (bounded here: the oldest are dropped beyond `RESPONSE_STORE_LIMIT`); an
-unknown or dropped `previous_response_id` is a 404.
+unknown or dropped `previous_response_id` is a 404. A `background` request is answered at once
+with its object `queued` and runs on (`routes_responses.py`, `background.py`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import orjson
 
 from loadtest.emulator.chat_template import render_chat
 from loadtest.emulator.config import EmulatorConfig
-from loadtest.emulator.errors import ApiError, BodyValidationError
+from loadtest.emulator.errors import ApiError, RequestValidationError
 from loadtest.emulator.live import LiveGroup
 from loadtest.emulator.logprobs import chat_logprobs
 from loadtest.emulator.protocol import (
@@ -92,6 +93,7 @@ class ResponsesCall:
     history: tuple[dict[str, Any], ...]  # the conversation including the new input
     store: bool
     echo: dict[str, Any]
+    background: bool = False  # run after the answer (`background.py`); its object is stored queued
 
 
 def _content(content: Any, where: str) -> str | list[dict[str, Any]]:
@@ -179,14 +181,14 @@ def _check_include(value: Any) -> None:
     if value is None:
         return
     if not isinstance(value, list):
-        raise BodyValidationError(
+        raise RequestValidationError(
             {"type": "list_type", "loc": ("body", "include"), "msg": "Input should be a valid list",
              "input": value}
         )  # fmt: skip
     expected = ", ".join(repr(v) for v in INCLUDABLE[:-1]) + f" or {INCLUDABLE[-1]!r}"
     for i, item in enumerate(value):
         if item not in INCLUDABLE:
-            raise BodyValidationError(
+            raise RequestValidationError(
                 {"type": "literal_error", "loc": ("body", "include", i), "msg": f"Input should be {expected}",
                  "input": item, "ctx": {"expected": expected}}
             )  # fmt: skip
@@ -197,8 +199,6 @@ def parse_responses(
 ) -> ResponsesCall:
     _check_include(body.get("include"))  # vLLM validates the whole body before looking at it
     common = common_fields(body, cfg)
-    if bool_field(body, "background"):
-        raise ApiError.bad_request("background mode is not supported by the emulated worker", "background")
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise ApiError.bad_request("instructions must be a string", "instructions")
@@ -236,7 +236,8 @@ def parse_responses(
         "user": body.get("user") if isinstance(body.get("user"), str) else None,
     }
     rid = common.request_id or f"resp_{uuid.uuid4().hex}"
-    return ResponsesCall(gen, rid, tuple(history), bool_field(body, "store", True), echo)
+    keep = bool_field(body, "store", True)
+    return ResponsesCall(gen, rid, tuple(history), keep, echo, bool_field(body, "background"))
 
 
 def item_id(prefix: str, group: LiveGroup) -> str:
@@ -274,22 +275,25 @@ def usage(group: LiveGroup) -> dict[str, Any]:
     }
 
 
-def response_object(call: ResponsesCall, group: LiveGroup, done: bool) -> dict[str, Any]:
-    """The response object: `in_progress` until `done`, then with `output` and `usage` filled.
+def response_object(
+    call: ResponsesCall, group: LiveGroup, done: bool, status: str | None = None
+) -> dict[str, Any]:
+    """The response object: `in_progress` (or the `status` given: a background response is
+    stored `queued`) until `done`, then with `output` and `usage` filled.
 
     A finished text answer ran to `max_output_tokens` unless a stop string ended it (the emulator
     never ends a turn by itself), and vLLM reports a length-capped generation as `incomplete` with that reason
     (`ResponsesResponse.from_request`), even in the stream's final `response.completed` event.
     """
     capped = done and group.lives[0].finish_reason == "length"
-    status = "incomplete" if capped else "completed" if done else "in_progress"
+    status = "incomplete" if capped else "completed" if done else status or "in_progress"
     return {
         "id": call.response_id,
         "object": "response",
         "created_at": group.created,
         "model": group.gen.model,
         "status": status,
-        "background": False,
+        "background": call.background,
         "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if capped else None,
         **call.echo,

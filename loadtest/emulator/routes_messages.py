@@ -1,7 +1,7 @@
 """`POST /v1/messages` (plain and streamed) and `POST /v1/messages/count_tokens`, Anthropic-shaped.
 
 Errors on these routes are Anthropic's envelope `{"type": "error", "error": {"type", "message"}}`,
-except a body vLLM's request model refuses (`BodyValidationError`): vLLM answers that before the
+except a body vLLM's request model refuses (`RequestValidationError`): vLLM answers that before the
 route runs, in the OpenAI envelope.
 A stream sends, once the first token is ready (so its usage knows the cache hit),
 `message_start`; with the first text `content_block_start`, then one `content_block_delta` per
@@ -19,7 +19,7 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from loadtest.emulator.errors import ApiError, BodyValidationError
+from loadtest.emulator.errors import ApiError, RequestValidationError
 from loadtest.emulator.live import LiveGroup
 from loadtest.emulator.messages_api import (
     MessagesCall,
@@ -65,7 +65,7 @@ async def create_message(request: Request) -> Response:
             return json_response(
                 {"type": "error", "error": {"type": "internal_error", "message": str(exc)}}, 500
             )
-    except BodyValidationError as exc:  # refused by vLLM's request model: its OpenAI-shaped 400
+    except RequestValidationError as exc:  # refused by vLLM's request model: its OpenAI-shaped 400
         return json_response(exc.body(), exc.status)
     except ApiError as exc:
         return json_response(error_body(exc), exc.status)
@@ -78,7 +78,7 @@ async def count_tokens(request: Request) -> Response:
         w = worker_of(request)
         call = parse_messages(count_tokens_body(body), w.cfg, w.tokenizer, w.block_size)
         return json_response({"input_tokens": len(call.gen.prompt_ids)})
-    except BodyValidationError as exc:
+    except RequestValidationError as exc:
         return json_response(exc.body(), exc.status)
     except ApiError as exc:
         return json_response(error_body(exc), exc.status)

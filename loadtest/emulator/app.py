@@ -27,6 +27,7 @@ from loadtest.emulator import (
     routes_responses,
 )
 from loadtest.emulator.auth import ApiKeyGuard
+from loadtest.emulator.background import BackgroundResponses
 from loadtest.emulator.config import EmulatorConfig
 from loadtest.emulator.errors import ApiError
 from loadtest.emulator.kv_transfer import KvTransfers
@@ -64,10 +65,13 @@ def create_app(cfg: EmulatorConfig, sink_factory: Callable[[], KvEventSink | Non
         _app.state.worker = worker
         _app.state.kv = kv
         _app.state.response_store = ResponseStore()
+        background = BackgroundResponses()
+        _app.state.background_responses = background
         task = asyncio.create_task(worker.run(), name="engine-step-loop")
         try:
             yield
         finally:
+            await background.close()
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task

@@ -36,3 +36,14 @@ class ApiError(Exception):
                 "code": self.status,
             }
         }
+
+
+class RequestValidationError(ApiError):
+    """vLLM's answer when FastAPI refuses a request for its handler (the body by vLLM's pydantic
+    request model, or a typed query parameter): FastAPI's `RequestValidationError`, turned into a
+    400 by vLLM's handler (type `Bad Request`, no `param`), the message naming the error as
+    FastAPI prints it. That happens before any route runs, so every route answers it in this
+    (OpenAI) envelope, Anthropic Messages too."""
+
+    def __init__(self, error: dict[str, Any]) -> None:
+        super().__init__(400, f"1 validation error:\n  {error}\n {[error]}", "Bad Request")

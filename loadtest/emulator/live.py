@@ -104,11 +104,12 @@ class LiveRequest:
 
     @property
     def finish_reason(self) -> str:
-        """vLLM's `finish_reason` once finished: a text answer runs to its token limit unless a
-        stop string ended it."""
-        if self.gen.tool_call is not None:
-            return "tool_calls"
-        return "stop" if self.answer.stop_reason is not None else "length"
+        """vLLM's `finish_reason` once finished: "stop" when a stop string ended the generated
+        text (a named tool call's too: vLLM reports the output's own reason for it), else
+        "tool_calls" for a call and "length" for text, which runs to its token limit."""
+        if self.answer.stop_reason is not None:
+            return "stop"
+        return "tool_calls" if self.gen.tool_call is not None else "length"
 
     async def wait(self) -> None:
         await self.event.wait()

@@ -21,7 +21,7 @@ import orjson
 
 from loadtest.emulator.chat_template import IMAGE_TOKENS, render_chat_offsets
 from loadtest.emulator.config import EmulatorConfig
-from loadtest.emulator.errors import ApiError
+from loadtest.emulator.errors import ApiError, RequestValidationError
 from loadtest.emulator.live import LiveGroup
 from loadtest.emulator.protocol import (
     GenerationRequest,
@@ -29,9 +29,9 @@ from loadtest.emulator.protocol import (
     int_field,
     one_answer_request,
     stop_strings,
+    tool_call_for,
 )
 from loadtest.emulator.stops import StopRule
-from loadtest.emulator.tools import choose_tool
 from loadtest.engine.tokenizer import Tokenizer
 
 # Anthropic's error types by HTTP status (the envelope is {"type": "error", "error": {...}}).
@@ -215,9 +215,28 @@ def _tool_choice(choice: Any) -> Any:
     raise ApiError.bad_request('tool_choice.type must be "auto", "any", "tool" or "none"', "tool_choice")
 
 
+def _check_stop_sequences(value: Any) -> None:
+    """vLLM's `stop_sequences: list[str] | None`: pydantic refuses anything else (a single string
+    too) before vLLM looks at the body."""
+    if value is None:
+        return
+    if not isinstance(value, list):
+        raise RequestValidationError(
+            {"type": "list_type", "loc": ("body", "stop_sequences"), "msg": "Input should be a valid list",
+             "input": value}
+        )  # fmt: skip
+    for i, item in enumerate(value):
+        if not isinstance(item, str):
+            raise RequestValidationError(
+                {"type": "string_type", "loc": ("body", "stop_sequences", i),
+                 "msg": "Input should be a valid string", "input": item}
+            )  # fmt: skip
+
+
 def parse_messages(
     body: Mapping[str, Any], cfg: EmulatorConfig, tokenizer: Tokenizer, block_size: int
 ) -> MessagesCall:
+    _check_stop_sequences(body.get("stop_sequences"))
     if "model" not in body:
         raise ApiError.bad_request("model: Field required", "model")
     common = common_fields(body, cfg)
@@ -240,14 +259,18 @@ def parse_messages(
         ends.append(start + mark.offset if mark.offset is not None else text.find(_END, start) + len(_END))
     prompt = tokenizer.encode(text)
     marked = len(tokenizer.encode(text[: max(ends)])) if ends else 0
-    tool = choose_tool(tools, _tool_choice(body.get("tool_choice")), conv.messages)
-    if isinstance(body.get("stop_sequences"), str):
-        raise ApiError.bad_request("stop_sequences must be a list of strings", "stop_sequences")
+    tool = tool_call_for(tools, _tool_choice(body.get("tool_choice")), conv.messages)
     stops = stop_strings(body, "stop_sequences")  # vLLM passes them on as chat's `stop`
     gen = one_answer_request("messages", common, prompt, max_tokens, tool, StopRule(stops) if stops else None)
     # A hit covers at most prompt - 1 tokens, and only full blocks are cached.
     cacheable = min(marked, len(prompt) - 1) // block_size * block_size
     return MessagesCall(gen, f"msg_{uuid.uuid4().hex}", cacheable)
+
+
+def count_tokens_body(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A count_tokens body as `parse_messages` takes it: vLLM's count_tokens request model has no
+    `max_tokens` or `stop_sequences`, so whatever they hold is ignored there."""
+    return {**{k: v for k, v in body.items() if k not in ("max_tokens", "stop_sequences")}, "max_tokens": 1}
 
 
 def usage(call: MessagesCall, group: LiveGroup) -> dict[str, int]:

@@ -29,8 +29,21 @@ MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 
 @dataclass(frozen=True, slots=True)
 class ToolCall:
+    """The call an answer makes: its generated text is `arguments`. `named`: the request named
+    the tool (`tool_choice` an object), so vLLM takes whatever text was generated as the
+    arguments, even one a stop string cut; otherwise its tool parser must find a whole call."""
+
     name: str
     arguments: str
+    named: bool = False
+
+
+def tool_call_for(tools: Any, tool_choice: Any, messages: list[Any]) -> ToolCall | None:
+    """The call a request's answer makes (`tools.choose_tool`), with a chat-shaped `tool_choice`."""
+    tool = choose_tool(tools, tool_choice, messages)
+    if tool is None:
+        return None
+    return ToolCall(*tool_call_arguments(tool), named=isinstance(tool_choice, Mapping))
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +52,7 @@ class GenerationRequest:
 
     Every prompt gets `n` sequences (choices); `logprobs` is the number of alternatives reported
     per output token (0: the chosen token only), None when logprobs were not asked for; `stop`
-    ends a text answer at a stop string (`stops.py`).
+    ends the generated text (a tool call's too) at a stop string (`stops.py`).
     """
 
     endpoint: Endpoint
@@ -138,7 +151,7 @@ def one_answer_request(
     common: CommonFields,
     prompt: np.ndarray,
     max_tokens: int,
-    tool: Mapping[str, Any] | None,
+    tool: ToolCall | None,
     stop: StopRule | None = None,
     logprobs: int | None = None,
 ) -> GenerationRequest:
@@ -152,7 +165,7 @@ def one_answer_request(
         stream=common.stream,
         include_usage=True,
         cache_salt=common.cache_salt,
-        tool_call=ToolCall(*tool_call_arguments(tool)) if tool is not None else None,
+        tool_call=tool,
         echo_sampling={"max_tokens": max_tokens},
         request_id=common.request_id,
         priority=common.priority,
@@ -283,7 +296,7 @@ def parse_chat(body: Mapping[str, Any], cfg: EmulatorConfig, tokenizer: Tokenize
     max_tokens = _max_tokens(body, cfg)
     min_tokens = _check_min_tokens(body, max_tokens)
     text = render_chat_body(body)
-    tool = choose_tool(body.get("tools"), body.get("tool_choice"), list(body.get("messages") or []))
+    tool = tool_call_for(body.get("tools"), body.get("tool_choice"), list(body.get("messages") or []))
     return GenerationRequest(
         endpoint="chat",
         model=common.model,
@@ -293,7 +306,7 @@ def parse_chat(body: Mapping[str, Any], cfg: EmulatorConfig, tokenizer: Tokenize
         include_usage=usage.include_usage,
         continuous_usage=usage.continuous,
         cache_salt=common.cache_salt,
-        tool_call=ToolCall(*tool_call_arguments(tool)) if tool is not None else None,
+        tool_call=tool,
         echo_sampling=_sampling(body, max_tokens),
         n=int_field(body, "n", 1) or 1,
         logprobs=_chat_logprobs(body),

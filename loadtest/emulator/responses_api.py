@@ -5,7 +5,8 @@ conversation of `previous_response_id` (its inputs and outputs, not its instruct
 `input` items. So a follow-up that keeps its instructions starts with the previous prompt and
 answer, and hits the prefix cache like the next turn of a chat. Like vLLM, responses are kept in
 this process only (bounded here: the oldest are dropped beyond `RESPONSE_STORE_LIMIT`); an
-unknown or dropped `previous_response_id` is a 404.
+unknown or dropped `previous_response_id` is a 404. A `background` request is answered at once
+with its object `queued` and runs on (`routes_responses.py`, `background.py`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import orjson
 
 from loadtest.emulator.chat_template import render_chat
 from loadtest.emulator.config import EmulatorConfig
-from loadtest.emulator.errors import ApiError
+from loadtest.emulator.errors import ApiError, RequestValidationError
 from loadtest.emulator.live import LiveGroup
 from loadtest.emulator.logprobs import chat_logprobs
 from loadtest.emulator.protocol import (
@@ -31,8 +32,8 @@ from loadtest.emulator.protocol import (
     logprobs_limit,
     one_answer_request,
     stop_rule,
+    tool_call_for,
 )
-from loadtest.emulator.tools import choose_tool
 from loadtest.emulator.web import named_event
 from loadtest.engine.tokenizer import Tokenizer
 
@@ -92,6 +93,7 @@ class ResponsesCall:
     history: tuple[dict[str, Any], ...]  # the conversation including the new input
     store: bool
     echo: dict[str, Any]
+    background: bool = False  # run after the answer (`background.py`); its object is stored queued
 
 
 def _content(content: Any, where: str) -> str | list[dict[str, Any]]:
@@ -174,27 +176,19 @@ def _number(body: Mapping[str, Any], name: str, default: float) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
 
 
-def validation_error(error: dict[str, Any]) -> ApiError:
-    """What vLLM answers when its pydantic model refuses a body: FastAPI's validation error
-    turned into a 400 by vLLM's handler (type `Bad Request`, no `param`), the message naming the
-    error as FastAPI prints it."""
-    message = f"1 validation error:\n  {error}\n {[error]}"
-    return ApiError(400, message, "Bad Request")
-
-
 def _check_include(value: Any) -> None:
     """`include`: null, or a list of `INCLUDABLE` values."""
     if value is None:
         return
     if not isinstance(value, list):
-        raise validation_error(
+        raise RequestValidationError(
             {"type": "list_type", "loc": ("body", "include"), "msg": "Input should be a valid list",
              "input": value}
         )  # fmt: skip
     expected = ", ".join(repr(v) for v in INCLUDABLE[:-1]) + f" or {INCLUDABLE[-1]!r}"
     for i, item in enumerate(value):
         if item not in INCLUDABLE:
-            raise validation_error(
+            raise RequestValidationError(
                 {"type": "literal_error", "loc": ("body", "include", i), "msg": f"Input should be {expected}",
                  "input": item, "ctx": {"expected": expected}}
             )  # fmt: skip
@@ -205,8 +199,6 @@ def parse_responses(
 ) -> ResponsesCall:
     _check_include(body.get("include"))  # vLLM validates the whole body before looking at it
     common = common_fields(body, cfg)
-    if bool_field(body, "background"):
-        raise ApiError.bad_request("background mode is not supported by the emulated worker", "background")
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise ApiError.bad_request("instructions must be a string", "instructions")
@@ -221,7 +213,7 @@ def parse_responses(
     tools = _chat_tools(body.get("tools"))
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + history
     prompt = tokenizer.encode(render_chat(messages, tools))
-    tool = choose_tool(tools, _chat_tool_choice(body.get("tool_choice")), history)
+    tool = tool_call_for(tools, _chat_tool_choice(body.get("tool_choice")), history)
     max_tokens = int_field(body, "max_output_tokens", 1) or cfg.default_max_tokens
     logprobs = None
     if INCLUDE_LOGPROBS in (body.get("include") or ()) and body.get("top_logprobs", 0) is not None:
@@ -244,7 +236,8 @@ def parse_responses(
         "user": body.get("user") if isinstance(body.get("user"), str) else None,
     }
     rid = common.request_id or f"resp_{uuid.uuid4().hex}"
-    return ResponsesCall(gen, rid, tuple(history), bool_field(body, "store", True), echo)
+    keep = bool_field(body, "store", True)
+    return ResponsesCall(gen, rid, tuple(history), keep, echo, bool_field(body, "background"))
 
 
 def item_id(prefix: str, group: LiveGroup) -> str:
@@ -254,16 +247,17 @@ def item_id(prefix: str, group: LiveGroup) -> str:
 
 def output_item(group: LiveGroup, status: str, text: str) -> dict[str, Any]:
     """The one output item: a message with `output_text` (its tokens' logprobs once completed,
-    when `include` asked for them), or a `function_call`."""
+    when `include` asked for them; null when not, as vLLM's `_make_response_output_items`
+    leaves them), or a `function_call`."""
     call = group.gen.tool_call
     if call is not None:
         return {"type": "function_call", "id": item_id("fc", group), "call_id": item_id("call", group),
                 "name": call.name, "arguments": text, "status": status}  # fmt: skip
     live = group.lives[0]
     top_k = group.gen.logprobs
-    logprobs = (
-        [] if top_k is None or status != "completed" else chat_logprobs(live.logprobs, top_k)["content"]
-    )
+    logprobs: list[dict[str, Any]] | None = None
+    if top_k is not None:
+        logprobs = chat_logprobs(live.logprobs, top_k)["content"] if status == "completed" else []
     content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}] if text else []
     return {"type": "message", "id": item_id("msg", group), "role": "assistant", "status": status,
             "content": content}  # fmt: skip
@@ -281,22 +275,25 @@ def usage(group: LiveGroup) -> dict[str, Any]:
     }
 
 
-def response_object(call: ResponsesCall, group: LiveGroup, done: bool) -> dict[str, Any]:
-    """The response object: `in_progress` until `done`, then with `output` and `usage` filled.
+def response_object(
+    call: ResponsesCall, group: LiveGroup, done: bool, status: str | None = None
+) -> dict[str, Any]:
+    """The response object: `in_progress` (or the `status` given: a background response is
+    stored `queued`) until `done`, then with `output` and `usage` filled.
 
     A finished text answer ran to `max_output_tokens` unless a stop string ended it (the emulator
     never ends a turn by itself), and vLLM reports a length-capped generation as `incomplete` with that reason
     (`ResponsesResponse.from_request`), even in the stream's final `response.completed` event.
     """
     capped = done and group.lives[0].finish_reason == "length"
-    status = "incomplete" if capped else "completed" if done else "in_progress"
+    status = "incomplete" if capped else "completed" if done else status or "in_progress"
     return {
         "id": call.response_id,
         "object": "response",
         "created_at": group.created,
         "model": group.gen.model,
         "status": status,
-        "background": False,
+        "background": call.background,
         "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if capped else None,
         **call.echo,

@@ -1,6 +1,8 @@
 """`POST /v1/messages` (plain and streamed) and `POST /v1/messages/count_tokens`, Anthropic-shaped.
 
-Errors on these routes are Anthropic's envelope `{"type": "error", "error": {"type", "message"}}`.
+Errors on these routes are Anthropic's envelope `{"type": "error", "error": {"type", "message"}}`,
+except a body vLLM's request model refuses (`RequestValidationError`): vLLM answers that before the
+route runs, in the OpenAI envelope.
 A stream sends, once the first token is ready (so its usage knows the cache hit),
 `message_start`; with the first text `content_block_start`, then one `content_block_delta` per
 token that streams text (`text_delta`, or `input_json_delta` for a tool call); and finally
@@ -13,14 +15,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
+import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from loadtest.emulator.errors import ApiError
+from loadtest.emulator.errors import ApiError, RequestValidationError
 from loadtest.emulator.live import LiveGroup
 from loadtest.emulator.messages_api import (
     MessagesCall,
     content_block,
+    count_tokens_body,
     error_body,
     message_body,
     parse_messages,
@@ -51,7 +55,18 @@ async def create_message(request: Request) -> Response:
         if call.gen.stream:
             return StreamingResponse(_stream(w, call, group), media_type="text/event-stream")
         gone = await wait_finished(request, w, group)
-        return gone if gone is not None else json_response(message_body(call, group, done=True))
+        if gone is not None:
+            return gone
+        try:
+            return json_response(message_body(call, group, done=True))
+        except orjson.JSONDecodeError as exc:
+            # A named call's arguments that a stop string cut: vLLM's json.loads of them fails and
+            # its route answers its catch-all 500.
+            return json_response(
+                {"type": "error", "error": {"type": "internal_error", "message": str(exc)}}, 500
+            )
+    except RequestValidationError as exc:  # refused by vLLM's request model: its OpenAI-shaped 400
+        return json_response(exc.body(), exc.status)
     except ApiError as exc:
         return json_response(error_body(exc), exc.status)
 
@@ -61,8 +76,10 @@ async def count_tokens(request: Request) -> Response:
     try:
         body = await read_json(request)
         w = worker_of(request)
-        call = parse_messages({"max_tokens": 1, **body}, w.cfg, w.tokenizer, w.block_size)
+        call = parse_messages(count_tokens_body(body), w.cfg, w.tokenizer, w.block_size)
         return json_response({"input_tokens": len(call.gen.prompt_ids)})
+    except RequestValidationError as exc:
+        return json_response(exc.body(), exc.status)
     except ApiError as exc:
         return json_response(error_body(exc), exc.status)
 

@@ -9,6 +9,7 @@ clock is `(monotonic() - start) * time_scale`; a step's results become visible a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -94,7 +95,10 @@ class EmulatedWorker:
         prefill worker (installed first); `on_finish` runs when each sequence finishes."""
         tool_answer = None
         if gen.tool_call is not None:
-            tool_answer = self.answers.fixed_answer(gen.tool_call.arguments)
+            # As vLLM: stop strings end the generated text, and the tool parser reads what is left.
+            tool_answer = cut_at_stop(self.answers.fixed_answer(gen.tool_call.arguments), gen.stop)
+            if tool_answer.stop_reason is not None and not gen.tool_call.named:
+                gen = dataclasses.replace(gen, tool_call=None)  # no whole call left: the text is the answer
         n_output = len(tool_answer.pieces) if tool_answer is not None else gen.max_tokens
         for prompt in gen.prompts:
             # Checked before building answers: max_tokens is untrusted.

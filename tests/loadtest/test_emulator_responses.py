@@ -140,7 +140,6 @@ def test_input_items_and_function_calls(client: openai.OpenAI) -> None:
         ({}, "input"),
         ({"input": []}, "input"),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0]"),
-        ({"input": "x", "background": True}, "background"),
         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0]"),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": "x", "instructions": 5}, "instructions"),

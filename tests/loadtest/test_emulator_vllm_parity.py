@@ -5,6 +5,7 @@ completions and Anthropic Messages."""
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -255,3 +256,133 @@ def test_included_logprobs_come_with_the_output_text(client: openai.OpenAI, base
         timeout=5,
     )
     assert too_many.status_code == 400
+
+
+def test_output_text_logprobs_are_null_unless_included(base_url: str) -> None:
+    # vLLM's Responses serving fills `output_text.logprobs` only when `include` asks for them,
+    # and leaves it None (null) otherwise, in the object and in the stream's completed response.
+    body = {"model": MODEL, "input": "no logprobs here", "max_output_tokens": 3}
+    plain = httpx.post(f"{base_url}/v1/responses", json=body, timeout=10).json()
+    assert plain["output"][0]["content"][0]["logprobs"] is None
+    stored = httpx.get(f"{base_url}/v1/responses/{plain['id']}", timeout=5).json()
+    assert stored["output"][0]["content"][0]["logprobs"] is None
+    with httpx.stream("POST", f"{base_url}/v1/responses", json={**body, "stream": True}, timeout=10) as resp:
+        events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: ")]
+    done = [e for e in events if e["type"] in ("response.output_item.done", "response.completed")]
+    items = [e["item"] if "item" in e else e["response"]["output"][0] for e in done]
+    assert len(items) == 2 and all(item["content"][0]["logprobs"] is None for item in items)
+    # An explicit `"top_logprobs": null` samples without logprobs: null too.
+    none = httpx.post(
+        f"{base_url}/v1/responses",
+        json={**body, "include": ["message.output_text.logprobs"], "top_logprobs": None},
+        timeout=10,
+    ).json()
+    assert none["output"][0]["content"][0]["logprobs"] is None
+    asked = httpx.post(
+        f"{base_url}/v1/responses", json={**body, "include": ["message.output_text.logprobs"]}, timeout=10
+    ).json()
+    assert len(asked["output"][0]["content"][0]["logprobs"]) == 3
+
+
+def test_messages_refuse_a_single_stop_sequence_string_as_vllms_validation(base_url: str) -> None:
+    # vLLM's AnthropicMessagesRequest has `stop_sequences: list[str] | None`: pydantic refuses a
+    # string before the route runs, and vLLM's validation handler answers in the OpenAI envelope.
+    user = [{"role": "user", "content": "x"}]
+    body = {"model": MODEL, "max_tokens": 2, "messages": user}
+    for bad, kind in (("END", "list_type"), (["END", 5], "string_type")):
+        resp = httpx.post(f"{base_url}/v1/messages", json={**body, "stop_sequences": bad}, timeout=5)
+        assert resp.status_code == 400, bad
+        err = resp.json()["error"]
+        assert err["type"] == "Bad Request" and err["param"] is None and err["code"] == 400
+        assert err["message"].startswith("1 validation error:") and kind in err["message"]
+        assert "'stop_sequences'" in err["message"]
+    # count_tokens' request model has neither field: they are ignored there.
+    counted = httpx.post(
+        f"{base_url}/v1/messages/count_tokens",
+        json={"model": MODEL, "messages": user, "stop_sequences": "END", "max_tokens": 0},
+        timeout=5,
+    )
+    assert counted.status_code == 200 and counted.json()["input_tokens"] > 0
+    listed = httpx.post(f"{base_url}/v1/messages", json={**body, "stop_sequences": ["END"]}, timeout=5)
+    assert listed.status_code == 200 and listed.json()["usage"]["output_tokens"] == 2
+
+
+WEATHER: Any = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+NAMED: Any = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def test_stop_strings_cut_tool_call_text_before_it_is_parsed(client: openai.OpenAI, base_url: str) -> None:
+    # vLLM's detokenizer applies stop strings to the generated text, and the tool parser reads
+    # what is left: a named tool choice gets the cut arguments (finish_reason is the output's,
+    # "stop"); auto parsing finds no complete call in it and answers the text.
+    messages: Any = [{"role": "user", "content": "weather?"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, tools=WEATHER, tool_choice=NAMED)
+    calls = whole.choices[0].message.tool_calls or []
+    assert calls[0].function.arguments == '{"city":"example city"}'
+    untouched = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=WEATHER, tool_choice=NAMED, stop=["§"]
+    )
+    assert (untouched.choices[0].message.tool_calls or [])[0].function.arguments == '{"city":"example city"}'
+    named = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=WEATHER, tool_choice=NAMED, stop=["example"]
+    )
+    choice: Any = named.choices[0]
+    assert choice.finish_reason == "stop" and choice.stop_reason == "example"
+    assert choice.message.tool_calls[0].function.arguments == '{"city":"'
+    assert named.usage is not None and named.usage.completion_tokens == len('{"city":"example')
+    kept = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=WEATHER, tool_choice=NAMED, stop=["example"],
+        extra_body={"include_stop_str_in_output": True},
+    )  # fmt: skip
+    assert (kept.choices[0].message.tool_calls or [])[0].function.arguments == '{"city":"example'
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, tools=WEATHER, tool_choice=NAMED, stop=["example"], stream=True
+        )
+    )
+    deltas: Any = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    args = "".join(d.tool_calls[0].function.arguments or "" for d in deltas)
+    last: Any = chunks[-1].choices[0]
+    assert args == '{"city":"' and last.finish_reason == "stop" and last.stop_reason == "example"
+    auto = client.chat.completions.create(model=MODEL, messages=messages, tools=WEATHER, stop=["example"])
+    said: Any = auto.choices[0]
+    assert not said.message.tool_calls and said.message.content == '{"city":"'
+    assert said.finish_reason == "stop" and said.stop_reason == "example"
+    # Responses: a named call keeps its cut arguments; the response is completed (not capped).
+    flat: Any = [{"type": "function", "name": "get_weather", **WEATHER[0]["function"]}]
+    resp = client.responses.create(
+        model=MODEL, input="weather?", tools=flat, tool_choice={"type": "function", "name": "get_weather"},
+        extra_body={"stop": ["example"]},
+    )  # fmt: skip
+    item: Any = resp.output[0]
+    assert item.type == "function_call" and item.arguments == '{"city":"' and resp.status == "completed"
+    text = client.responses.create(
+        model=MODEL, input="weather?", tools=flat, extra_body={"stop": ["example"]}
+    )
+    assert text.output[0].type == "message" and text.output_text == '{"city":"'
+    # Messages: vLLM turns a named call's arguments into `input` with json.loads, which fails on
+    # the cut text (its 500, Anthropic-shaped); auto parsing answers the text.
+    anthropic_tools = [{"name": "get_weather", "input_schema": WEATHER[0]["function"]["parameters"]}]
+    body = {"model": MODEL, "max_tokens": 50, "messages": messages, "tools": anthropic_tools,
+            "stop_sequences": ["example"]}  # fmt: skip
+    broken = httpx.post(
+        f"{base_url}/v1/messages",
+        json={**body, "tool_choice": {"type": "tool", "name": "get_weather"}},
+        timeout=10,
+    )
+    assert broken.status_code == 500 and broken.json()["error"]["type"] == "internal_error"
+    plain = httpx.post(f"{base_url}/v1/messages", json=body, timeout=10).json()
+    assert plain["content"] == [{"type": "text", "text": '{"city":"'}]
+    assert plain["stop_reason"] == "stop_sequence" and plain["stop_sequence"] == "example"

@@ -341,19 +341,13 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 
 {{/* The broker's nats-server.conf: core NATS only (no JetStream, nothing stored).
-max_payload takes the largest sync batch, 8 MiB (the codec's bound, gateway/sync/codec.py: what a
-gateway accepts, so what any gateway may send); NATS's default, 1 MiB, is below it. max_pending, the
-bytes the server holds for a client that reads slowly before it closes the connection as a slow
-consumer (losing all of them), takes 8 of the largest messages, as the gateway's own client holds 8
-received (64 MiB, gateway/sync/link.py); nats-server refuses to start with max_payload above it. */}}
-{{- define "kvgate.natsLargestBatchBytes" -}}8388608{{- end }}
-
+max_payload: a sync batch may reach 8 MiB (the codec's bound, gateway/sync/codec.py); below that the
+gateways cut smaller batches to the server's limit, and only a holding too large for one message is
+dropped. max_pending, the bytes the server holds for a client that reads slowly before it closes the
+connection as a slow consumer (losing all of them), takes 8 of the largest messages, as the
+gateway's own client holds 8 received; nats-server refuses to start with max_payload above it. */}}
 {{- define "kvgate.natsConfig" -}}
 {{- with .Values.sync.nats -}}
-{{- $largest := include "kvgate.natsLargestBatchBytes" $ | int64 }}
-{{- if lt (int64 .maxPayloadBytes) $largest }}
-{{- fail (printf "sync.nats.maxPayloadBytes (%d) is below %d (8 MiB), the largest sync batch gateways may send each other (gateway/sync/codec.py): below it they cut smaller batches, and drop as oversized a holding that fits none. Leave it at %d" (int64 .maxPayloadBytes) $largest $largest) }}
-{{- end }}
 {{- if lt (int64 .maxPendingBytes) (mul 8 (int64 .maxPayloadBytes)) }}
 {{- fail (printf "sync.nats.maxPendingBytes (%d) must be at least 8 x sync.nats.maxPayloadBytes (%d): the broker closes a gateway's connection as a slow consumer once more waits for it, losing every batch it held, and nats-server refuses to start with max_payload above max_pending" (int64 .maxPendingBytes) (mul 8 (int64 .maxPayloadBytes))) }}
 {{- end -}}

@@ -52,6 +52,15 @@ def error_type(status: int) -> str:
     return "invalid_request_error" if 400 <= status < 500 else "api_error"
 
 
+# The Messages API's routes: every path under it answers errors in Anthropic's envelope.
+PATH = "/v1/messages"
+
+
+def owns_path(path: str) -> bool:
+    """Whether `path` is one of the Messages API's (its clients read no other error shape)."""
+    return path == PATH or path.startswith(PATH + "/")
+
+
 def error_body(status: int, message: str) -> bytes:
     return orjson.dumps({"type": "error", "error": {"type": error_type(status), "message": message}})
 

@@ -44,9 +44,6 @@ from gateway.routing import Routing
 from gateway.state import GatewayState
 from gateway.surface import error, json_response, surface_routes
 
-# Anthropic's API lives under this path: errors there take its shape, known route or not.
-ANTHROPIC_PATH = "/v1/messages"
-
 log = logging.getLogger("kvgate.app")
 
 
@@ -403,8 +400,7 @@ async def _flush_logs(routing: Routing) -> None:
 def _route_error(request: Request, err: ApiError) -> Response:
     """`err` in the shape of the API the path belongs to: Anthropic's under `/v1/messages`
     (its clients read no other), the OpenAI shape elsewhere."""
-    path = request.url.path
-    if path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/"):
+    if anthropic.owns_path(request.url.path):
         headers = {"x-request-id": request_id_of(request), **err.headers}
         return Response(
             anthropic.error_body(err.status, err.message), err.status, headers, "application/json"
@@ -425,7 +421,7 @@ async def _not_found(request: Request, exc: Exception) -> Response:
 async def _method_not_allowed(request: Request, exc: Exception) -> Response:
     err = ApiError(
         405,
-        f"method {request.method} not allowed on {request.url.path}",
+        f"method {echoed(request.method)} not allowed on {echoed(request.url.path)}",
         "invalid_request_error",
         "method_not_allowed",
     )

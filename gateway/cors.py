@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway import anthropic
 from gateway.config.cors import CorsConfig
 from gateway.errors import ApiError, RawResponse, error_response
 from gateway.request_head import new_request_id
@@ -84,7 +85,10 @@ class Cors:
         if origin is not None and scope["method"] == "OPTIONS":
             requested = _header(headers, b"access-control-request-method")
             if requested is not None and self._served(scope):
-                await self._preflight(origin, allowed, requested, headers)(scope, receive, send)
+                answer = self._preflight(origin, allowed, requested, headers)
+                if isinstance(answer, ApiError):
+                    answer = _refused(answer, scope["path"])
+                await answer(scope, receive, send)
                 return
         if origin is None or not allowed:
             if self._any_origin:
@@ -102,15 +106,16 @@ class Cors:
         allowed: bool,
         method: bytes,
         headers: Sequence[tuple[bytes, bytes]],
-    ) -> ASGIApp:
+    ) -> ASGIApp | ApiError:
+        """The preflight's 204, or why it is refused."""
         if not allowed:
-            return _refused("the origin is not allowed")
+            return _refusal("the origin is not allowed")
         if not self._any_method and method.decode("latin-1") not in self._methods:
-            return _refused("the method is not allowed")
+            return _refusal("the method is not allowed")
         asked = _header(headers, b"access-control-request-headers") or b""
         names = [n.strip().lower() for n in asked.decode("latin-1").split(",") if n.strip()]
         if not self._any_header and any(n not in self._headers for n in names):
-            return _refused("a requested header is not allowed")
+            return _refusal("a requested header is not allowed")
         answer = [*self._allow_origin(origin), *self._preflight_headers]
         if names:
             # `*` named back as the names asked for: the spec's wildcard never covers Authorization.
@@ -146,8 +151,14 @@ class _NoContent:
         await send({"type": "http.response.body", "body": b""})
 
 
-def _refused(why: str) -> RawResponse:
-    err = ApiError(403, f"CORS preflight refused: {why}", "invalid_request_error", "cors_not_allowed")
+def _refusal(why: str) -> ApiError:
+    return ApiError(403, f"CORS preflight refused: {why}", "invalid_request_error", "cors_not_allowed")
+
+
+def _refused(err: ApiError, path: str) -> RawResponse:
+    """The refusal in the shape of the API the path belongs to (Anthropic's under /v1/messages)."""
+    if anthropic.owns_path(path):
+        return anthropic.error_response(err, new_request_id())
     return error_response(err, new_request_id())
 
 

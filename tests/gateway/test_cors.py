@@ -95,3 +95,16 @@ async def test_other_origins_and_no_origin_get_no_cors_headers_and_vary_on_origi
         assert head["vary"] == ["origin"] and head["x-request-id"] == ["r1"]
     head, _ = await _call(_cors(allow_origins=["*"]), "POST", "/v1/x", {})
     assert "vary" not in head and "access-control-allow-origin" not in head
+
+
+async def test_a_refused_preflight_on_the_messages_api_is_in_anthropics_envelope() -> None:
+    cors = _cors(allow_origins=[APP.decode()])
+    evil = {"origin": "https://evil.example", "access-control-request-method": "POST"}
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        refused, reached = await _call(cors, "OPTIONS", path, evil)
+        assert not reached and refused["status"] == 403
+        body = orjson.loads(refused["body"])
+        assert body["type"] == "error" and body["error"]["type"] == "permission_error"
+        assert "CORS preflight refused" in body["error"]["message"]
+    refused, _ = await _call(cors, "OPTIONS", "/v1/messagesx", evil)  # not the Messages API
+    assert orjson.loads(refused["body"])["error"]["code"] == "cors_not_allowed"

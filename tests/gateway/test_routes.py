@@ -252,6 +252,14 @@ async def test_unknown_routes_and_methods_under_messages_answer_in_anthropics_sh
         assert resp.status_code == 404 and resp.json()["error"]["code"] == "not_found"
 
 
+async def test_a_405_quotes_a_long_path_shortened(rig: Rig) -> None:
+    resp = await rig.client.delete("/v1/responses/" + "a" * 20_000, headers=KEY)
+    assert resp.status_code == 405 and resp.json()["error"]["code"] == "method_not_allowed"
+    message = resp.json()["error"]["message"]
+    assert message.startswith("method DELETE not allowed on /v1/responses/aaa") and message.endswith("...")
+    assert len(resp.content) < 1_000
+
+
 @pytest.mark.parametrize("fault", [None, "done_after_stop", "die", "error"])
 async def test_a_messages_stream_relays_anthropic_events(rig: Rig, fault: str | None) -> None:
     for w in rig.workers:

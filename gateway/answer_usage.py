@@ -10,7 +10,8 @@ from policies.records import record
 
 @record
 class Usage:
-    """Token counts a worker reported; None where it reported nothing."""
+    """Token counts a worker reported; None where it reported nothing, or no count (not an integer,
+    or below zero)."""
 
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
@@ -52,4 +53,7 @@ def _input_usage(raw: Mapping[str, Any]) -> Usage:
 
 
 def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    """A count as the worker reported it, or None where it is not one: a count below zero (a
+    faulty worker's) is as absent as a string, or it would take a token counter down and give a
+    tenant back tpm it spent (`TenantLimiter.reconcile`)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None

@@ -349,8 +349,14 @@ class TenantLimiter:
 
     def reconcile(self, estimated_tokens: int, prompt_tokens: int | None, now_s: float) -> None:
         """Correct a finished request's prompt charge from the estimate taken at admission to the
-        worker's count (`usage.prompt_tokens`); without a count the estimate stands."""
-        if self._tpm is not None and prompt_tokens is not None and prompt_tokens != estimated_tokens:
+        worker's count (`usage.prompt_tokens`); without a count (None, or below zero: a faulty
+        worker's, which would give the tenant back more than it was charged) the estimate stands."""
+        if (
+            self._tpm is not None
+            and prompt_tokens is not None
+            and prompt_tokens >= 0
+            and prompt_tokens != estimated_tokens
+        ):
             self._tpm.take(prompt_tokens - estimated_tokens, now_s)
             self._charged(0, prompt_tokens - estimated_tokens, now_s)
 

@@ -38,8 +38,11 @@ import orjson
 from gateway.errors import error_body
 
 DONE_EVENT = b"data: [DONE]\n\n"
-# Byte patterns of the events the relay must look inside: a usage chunk, the end, an error.
-_MARKERS = (b'"usage":{', b'"usage": {', b"data: [DONE]", b'"error"')
+# Byte patterns of the events the relay must look inside: the end, an error; and a usage chunk,
+# its `"usage":` key with any value but null (`_usage_at`).
+_MARKERS = (b"data: [DONE]", b'"error"')
+_USAGE_KEY = b'"usage":'
+_NULL = (b"null", b" null")
 _MAX_PENDING_BYTES = 4 * 1024 * 1024
 # A CR as an int: `int in bytes` is a memchr, where CPython 3.11 searches for `b"\r"` far slower.
 _CR = ord("\r")
@@ -222,8 +225,9 @@ class SseRelay(EventRelay):
 
     - a usage chunk with `"choices": null` gets `"choices": []` (vLLM quirk; SDKs expect a list);
     - with `strip_usage`, the usage-only chunk the gateway asked for on the client's behalf is
-      dropped after its usage is recorded, and a chunk of the answer that carries usage all the
-      same (vLLM's per-chunk usage) is forwarded without it;
+      dropped after its usage is recorded, whatever that usage holds but null (`_usage_at`), and
+      a chunk of the answer that carries usage all the same (vLLM's per-chunk usage) is
+      forwarded without it;
     - a worker's error event becomes one error event in the gateway's shape, recorded in `error`;
       from then on `feed` forwards nothing;
     - `done` records whether the worker finished the stream with `[DONE]`.
@@ -250,7 +254,7 @@ class SseRelay(EventRelay):
         # `"error"` with its quotes covers both error shapes; inside a JSON string the quotes would
         # be escaped, so only a structural key or a bare "error" value (a rare false alarm that
         # costs one parse) matches. Events before the first match are forwarded as they are.
-        first = -1
+        first = _usage_at(head)
         for marker in _MARKERS:
             at = head.find(marker)
             if at >= 0 and (first < 0 or at < first):
@@ -342,6 +346,21 @@ class SseRelay(EventRelay):
             obj["choices"] = []
             return orjson.dumps(obj)
         return payload
+
+
+def _usage_at(head: bytes) -> int:
+    """Where the first `"usage":` key whose value is not null is in `head`, or -1. Any other value
+    makes the chunk one to look inside: a usage chunk the client did not ask for is dropped
+    whatever its usage holds (an array, a number: a faulty worker's), where a test for `{` alone
+    let such a chunk through. A null one is no usage (OpenAI's API, asked for usage, puts one on
+    every chunk of the answer), and passing it costs no parse."""
+    at = head.find(_USAGE_KEY)
+    while at >= 0:
+        value = at + len(_USAGE_KEY)
+        if not head.startswith(_NULL, value):
+            return at
+        at = head.find(_USAGE_KEY, value)
+    return -1
 
 
 def first_event_problem(out: bytes) -> str | None:

@@ -64,11 +64,12 @@ class GatewayMetrics(MetricCatalogue):
         children.duration.observe(duration_s)
         if ttft_s is not None:
             children.ttft.observe(ttft_s)
-        if prompt_tokens:
+        # Counters only go up: a count below zero (no count: `answer_usage`) adds nothing.
+        if prompt_tokens and prompt_tokens > 0:
             children.prompt.inc(prompt_tokens)
-        if cached_tokens:
+        if cached_tokens and cached_tokens > 0:
             children.cached.inc(cached_tokens)
-        if completion_tokens:
+        if completion_tokens and completion_tokens > 0:
             children.completion.inc(completion_tokens)
 
     def decision(self, policy: str, reason: str) -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from gateway.bodies import asks_usage, forced_usage
 from gateway.sse import SseRelay
-from tests.gateway.answer_rig import gateway
+from tests.gateway.answer_rig import answering, gateway
 from tests.gateway.routes_rig import KEY
 
 MAX_TOKENS = 4
@@ -114,3 +114,57 @@ async def test_the_client_gets_the_usage_it_asked_for_as_from_vllm(
         assert _usage_pattern(direct.content) == expected
         (obs,) = policy.observations
         assert obs.completion_tokens == MAX_TOKENS and obs.cached_tokens is not None
+
+
+# A faulty worker's usage chunk: its `usage` is not an object. Before, only `"usage":{` made the
+# relay look inside a chunk, so such a chunk reached a client that had not asked for usage.
+MALFORMED = [[1, 2], 5, "x", True, {}]
+
+
+def _malformed_stream(usage: object, pretty: bool = False) -> bytes:
+    final: dict[str, Any] = {"id": "c1", "choices": [], "usage": usage}
+    chunk = orjson.dumps(final) if not pretty else orjson.dumps(final).replace(b'":', b'": ')
+    return _event(_content(1) | {"usage": None}) + b"data: " + chunk + b"\n\n" + b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("pretty", [False, True], ids=["compact", "spaced"])
+@pytest.mark.parametrize("usage", MALFORMED, ids=["array", "number", "string", "true", "empty"])
+@pytest.mark.parametrize("piece", [1, 7, 100_000])
+def test_a_relay_stripping_usage_drops_a_usage_chunk_whatever_its_usage_holds(
+    usage: object, pretty: bool, piece: int
+) -> None:
+    stream = _malformed_stream(usage, pretty)
+    relay = SseRelay(strip_usage=True)
+    out = b"".join(relay.feed(stream[i : i + piece]) for i in range(0, len(stream), piece))
+    assert out == _event(_content(1) | {"usage": None}) + b"data: [DONE]\n\n"
+    assert relay.usage == usage and relay.content_events == 1 and relay.done
+    kept = SseRelay(strip_usage=False)  # asked for, it is the client's as the worker sent it
+    assert kept.feed(stream) == stream and kept.usage == usage
+
+
+def test_a_null_usage_is_no_usage_chunk() -> None:
+    # OpenAI's API asked for usage puts `"usage": null` on every chunk of the answer but the
+    # last: such a chunk passes untouched, unparsed, even one without choices.
+    stream = _malformed_stream(None) + _malformed_stream(None, pretty=True)
+    relay = SseRelay(strip_usage=True)
+    assert relay.feed(stream) == stream and relay.usage is None
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("usage", MALFORMED, ids=["array", "number", "string", "true", "empty"])
+async def test_the_gateway_strips_a_malformed_usage_chunk_the_client_did_not_ask_for(
+    path: str, usage: object
+) -> None:
+    stream = _malformed_stream(usage)
+    body: dict[str, Any] = {"model": "m", "stream": True, "max_tokens": MAX_TOKENS}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"})
+    worker = answering([path], stream, {"content-type": "text/event-stream"})
+    async with worker as url, gateway(url, "lean") as (gw, _):
+        resp = await gw.client.post(path, json=body, headers=KEY)
+        assert resp.status_code == 200, resp.text
+        chunks = [orjson.loads(e[6:]) for e in resp.content.split(b"\n\n") if e.startswith(b"data: {")]
+        assert [c["choices"] for c in chunks] == [_content(1)["choices"]]
+        assert all(c.get("usage") is None for c in chunks)
+        asked = {**body, "stream_options": {"include_usage": True}}
+        resp = await gw.client.post(path, json=asked, headers=KEY)
+        assert resp.content == stream  # asked for, it is relayed as the worker sent it

@@ -273,6 +273,7 @@ class CostPolicy(CostBooks):
             recompute = self.max_recompute_s
             stay_s = math.inf if recompute is None else recompute * weight
             ranked: list[tuple[float, int, int]] = []
+            guarded = False
             for i, blocks in held:
                 holders.add(i)
                 matched = blocks * bs
@@ -290,6 +291,12 @@ class CostPolicy(CostBooks):
                     saved, moved = scorer.saved(matched), scorer.nonholder_saved_s
                     upper = moved if moved > saved else saved
                     ranked.append((upper - per_backlog_token * backlogs[i], i, matched))
+                elif 2 * matched > n:
+                    guarded = True
+            if guarded:
+                # A holder of most of the prompt was past the load guard: the move (if the
+                # request leaves) is the guard's, not the score's (`policy.md`, tuning the guard).
+                self._count("holders_past_guard")
             ranked.sort(reverse=True)
             for upper, i, matched in ranked:
                 if upper < scorer.best_score - reach:

@@ -64,6 +64,10 @@ def test_bounded_load_guard_moves_off_an_overloaded_holder() -> None:
     _warm(p, range(256), "w0")
     d = p.select(req("r", range(258)), workers(10, 0, 0, 0), 1.0)
     assert d is not None and d.worker != "w0" and d.reason == "spread"
+    assert p.stats().counters["holders_past_guard"] == 1  # the guard's move, not the score's
+    d1 = p.select(req("r1", range(258)), workers(1, 0, 0, 0), 1.0)
+    assert d1 is not None and d1.worker == "w0"
+    assert p.stats().counters["holders_past_guard"] == 1
     strict = _policy(epsilon=0.0, slack_requests=0.0)
     d2 = strict.select(req("r", range(3)), workers(2, 2, 2, 2), 1.0)
     assert d2 is not None and d2.reason == "overloaded"

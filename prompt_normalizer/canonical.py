@@ -181,6 +181,25 @@ def _media(messages: list[dict[str, Any]], key: bytes) -> list[MediaItem]:
 # Fields a request's drift record names one by one; the rest of a longer request is one item.
 MAX_FIELD_ITEMS = 1024
 
+# The message fields a drift record names (they reach the access log's `drift_field`): the chat
+# APIs' own. Any other key is the client's text, so a message's other keys are one item, named
+# `OTHER_FIELDS`, whatever they are called.
+NAMED_MESSAGE_FIELDS = frozenset(
+    {
+        "content",
+        "name",
+        "tool_calls",
+        "tool_call_id",
+        "function_call",
+        "refusal",
+        "audio",
+        "reasoning",
+        "reasoning_content",
+        "thinking",
+    }
+)
+OTHER_FIELDS = "<other fields>"
+
 
 def field_items(chat: CanonicalChat, key: bytes) -> tuple[FieldItem, ...]:
     """Every request field of `chat` in model-input order, as keyed digests (drift diagnostics only,
@@ -209,8 +228,16 @@ def field_items(chat: CanonicalChat, key: bytes) -> tuple[FieldItem, ...]:
                 items.append(FieldItem(f"messages[{i}:]", zone_of(i), digest([msgs[i:hi], *after])))
                 return False
             zone = zone_of(i)
-            for name in ("role", *sorted(k for k in msgs[i] if k != "role")):
-                items.append(FieldItem(f"messages[{i}].{name}", zone, digest(msgs[i][name])))
+            message = msgs[i]
+            items.append(FieldItem(f"messages[{i}].role", zone, digest(message.get("role"))))
+            other: dict[str, Any] = {}
+            for name in sorted(k for k in message if k != "role"):
+                if name in NAMED_MESSAGE_FIELDS:
+                    items.append(FieldItem(f"messages[{i}].{name}", zone, digest(message[name])))
+                else:
+                    other[name] = message[name]
+            if other:
+                items.append(FieldItem(f"messages[{i}].{OTHER_FIELDS}", zone, digest(other)))
         return True
 
     if not messages(0, n_imm, [tools, msgs[n_imm:]]):

@@ -245,6 +245,25 @@ def test_drift_names_block_zone_and_field_without_content() -> None:
     assert by_header.drift is not None and not by_header.drift.session_seen
 
 
+def test_drift_never_names_a_message_key_the_client_made_up() -> None:
+    # A message's keys are the client's text when they are not the chat APIs' own: the drift
+    # record (the access log's `drift_field`) names them together, never by their name.
+    norm = Normalizer(NormalizerConfig(canonical_json=False), b"s")
+    secret = "ZEBRAKEY my secret prompt text in a key " + "K" * 5000
+    first = norm.canonicalize("chat", chat({**sys_msg(), secret: "v"}, user("q1"), user="u-k"), IDENT)
+    assert first.drift is not None and not first.drift.session_seen
+    changed = norm.canonicalize("chat", chat({**sys_msg("other"), secret: "v"}, user("q1"), user="u-k"), IDENT)
+    report = changed.drift
+    assert report is not None and report.first_diff_block is not None
+    assert report.field == "messages[0].content"
+    assert not any("ZEBRA" in d for d in changed.diagnostics)
+    # A change of the made-up key's value is named as the message's other fields.
+    norm.canonicalize("chat", chat({**sys_msg(), "extra": "v1"}, user("q1"), user="u-x"), IDENT)
+    moved = norm.canonicalize("chat", chat({**sys_msg(), "extra": "v2"}, user("q1"), user="u-x"), IDENT).drift
+    assert moved is not None and moved.first_diff_block is not None
+    assert moved.field == "messages[0].<other fields>"
+
+
 def test_a_long_sessions_fields_are_named_up_to_a_bound_then_by_where_its_tail_starts() -> None:
     norm = Normalizer(NormalizerConfig(canonical_json=False), b"s")
     turns = [user(f"q{i}") if i % 2 else assistant(f"a{i}") for i in range(3 * MAX_FIELD_ITEMS)]

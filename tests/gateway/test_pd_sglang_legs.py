@@ -3,7 +3,8 @@
 The gateway runs in-process in front of scripted SGLang prefill and decode workers
 (`tests.gateway.sglang_fleet`), one of which may be scripted to fail: a decode worker that
 answers 500 to everything, or a prefill worker that never answers (until the test ends) or
-answers 500.
+answers 500. A worker failing in a pool with one prefill (or decode) worker is in
+`test_pd_one_partner.py`.
 """
 
 from __future__ import annotations
@@ -33,18 +34,6 @@ async def test_a_decode_worker_answering_500_is_left_out_then_its_breaker_opens(
         for _ in range(8):
             assert (await rig.chat()).status_code == 200
         assert rig.metric("kvgate_pd_transfer_failures_total", reason="decode_error") <= failed + 1
-
-
-async def test_with_one_prefill_worker_a_broken_decode_worker_is_avoided_but_not_blamed() -> None:
-    """One prefill worker: its failures with the broken decode worker cannot tell which of the two
-    is at fault (one partner proves nothing), so no breaker opens; each request that meets the
-    broken worker is served by the next round, without it."""
-    async with sglang_rig(Fleet(broken="d1")) as rig:
-        for _ in range(12):
-            resp = await rig.chat()
-            assert resp.status_code == 200, resp.text
-        assert rig.breaker_closed("d1") and rig.breaker_closed("d2") and rig.breaker_closed("p1")
-        assert rig.metric("kvgate_pd_transfer_failures_total", reason="decode_error") >= 1
 
 
 @pytest.mark.parametrize("status", [500, 503, 529])

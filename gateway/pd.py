@@ -46,6 +46,8 @@ async def dispatch_pd(
     whole = not a.api.pd_split
     split = not (whole or responses_on_vllm) and splittable(a.forward)
     run = PdRun(a, routing, transport, lifecycle, attempts, pd, splittable=split, whole=whole)
+    if split and pd.protocol == "sglang":
+        _avoid_suspects(run)
     await hold_for_peers(a, routing)  # as in a pool without roles
     try:
         return await _rounds(run, router)
@@ -116,7 +118,7 @@ async def _rounds(run: PdRun, router: PdRouter) -> Response:
                 run.verdicts.acquit()  # a worker refused the request: it is the likely cause
             else:
                 run.verdicts.convict(time.monotonic())
-                _settle_pairs(run, decision)
+                _settle_pairs(run, decision, first_round=rounds == 1)
             return result
         if run.final or run.read_timeouts.spent:
             break
@@ -174,15 +176,23 @@ async def _choose(run: PdRun, router: PdRouter, first: bool) -> tuple[PdDecision
     return routed or await queue.wait_pair(a, choose, splittable, whole=whole)
 
 
-def _settle_pairs(run: PdRun, decision: PdDecision) -> None:
-    """The request was served: the SGLang pair that served it works, and its inconclusive pairs
-    are weighed (`pd_suspects`)."""
+def _avoid_suspects(run: PdRun) -> None:
+    """An SGLang pair goes without the workers on probe where the pool can (`pd_suspects`: their
+    partner's pairs with other workers come first), as without an inconclusive pair's."""
+    suspects = run.a.pool.pd_suspects.suspected(time.monotonic())
+    run.avoided[0].update(suspects.prefill)
+    run.avoided[1].update(suspects.decode)
+
+
+def _settle_pairs(run: PdRun, decision: PdDecision, first_round: bool) -> None:
+    """The request was served: the SGLang pair that served it works (in the request's first
+    round: a probe, `pd_suspects`), and its inconclusive pairs are weighed."""
     if run.pd.protocol != "sglang":
         return
     suspects = run.a.pool.pd_suspects
     now_s = time.monotonic()
     if decision.prefill is not None:
-        suspects.served(decision.prefill.worker, decision.decode.worker, now_s)
+        suspects.served(decision.prefill.worker, decision.decode.worker, now_s, first_round=first_round)
     for prefill, decode in run.unsettled:
         suspects.note(prefill, decode, now_s)
 

@@ -4,71 +4,244 @@ An SGLang decode worker that answers 5xx while its pair's prefill leg is still o
 round inconclusive (`pd_pairs.PdRun.avoided`): a broken decode worker does that, and so does a
 prefill worker that hangs (its decode worker gives up on the KV). Neither gets a verdict then,
 and a pool with a broken decode worker made every request that met it pay a round, with no
-breaker ever opening.
+breaker ever opening. A request's inconclusive pairs are weighed once the request itself is
+served (so it was not a request no worker can take: the same rule as `outcome.HeldVerdicts`),
+after the pair that served it is counted, by two rules; a worker either rule shows at fault has
+its breaker count the failures (none while it is open).
 
-A worker is shown at fault by triangulation: it failed so, within `WITHIN_S`, paired with at
-least two other workers that each served a pair since they first failed with it in that time
-(so they work, and did after that failure: two workers that broke together, say on one node,
-do not clear each other's partner). A request's
-inconclusive pairs are weighed once the request itself is served (so it was not a request no
-worker can take: the same rule as `outcome.HeldVerdicts`), after the pair that served it is
-counted; each worker so shown at fault has its breaker count a failure for the round. One
-partner alone proves nothing: a healthy prefill worker paired with a decode worker that fails
-now and then looks the same as a broken prefill worker paired with a healthy one. So a pool with
-one prefill worker (or one decode worker) never blames this way, and its requests that meet such
-a worker still pay a round each (docs/pd.md). An overloaded decode worker's 503 or 529 is not
-inconclusive: it took no part in the transfer, and is its own (`pd_legs.decode_leg`).
+Triangulation. A worker failed so, within `WITHIN_S`, paired with at least two other workers
+that each served a pair since they first failed with it in that time (so they work, and did
+after that failure: two workers that broke together, say on one node, do not clear each other's
+partner). Each such round counts one failure, and ends the worker's one-partner streak (below):
+avoiding it for a probe would only stop its rounds being counted.
+
+One partner. With one prefill worker (or one decode worker) triangulation has nothing to go
+on, and watching alone cannot tell: a healthy prefill worker W that the routing policy tries
+first every time, paired with the one decode worker X failing every other pair, fails in every
+request while the retry on another prefill worker serves it, exactly as a broken W paired with
+a healthy X does. So the gateway asks, in three steps along a streak of W's inconclusive pairs
+with X (`_Streak`: since W last served a pair, all with X):
+
+  suspect  W failed with X `SUSPECT_ROUNDS` times, X serving pairs with other workers between
+           W's failures (a failure with no such pair in between is not counted: X may have been
+           down then).
+  probe    W is avoided where the pool can do without it (`suspected`, `pd._avoid_suspects`),
+           so X's pairs with other workers come first in their requests: `PROBES` of them in a
+           row served in a request's first round pass the test (a first round: X failing every
+           other pair serves every retry).
+  retrial  W is no longer avoided, and its next failure with X (X having served since) convicts
+           it: its breaker counts each round of the streak, then each later one.
+
+Any of these clears W: a pair it serves; a failure of X paired inconclusively with any other
+worker since the streak began (X fails without W, in whichever order within a request);
+`WITHIN_S` with no failure of W with X. So X failing every other pair fails the first probe; X
+that had a bad spell and recovered serves the retrial with W; X with no other partner (one
+prefill and one decode worker) serves only with W, which clears W; and X failing a share f of
+its pairs at random gets W convicted only if W failed four times and X passed 32 probes in a
+row between the last two, at most f⁴(1 − f)³² < 4e-6 of W's streaks, each ending in a breaker
+opened for one cooldown (a simulation of 200,000 requests with f from 0.05 to 0.3 saw none). A
+pool that serves fewer than `PROBES` such pairs of X within `WITHIN_S` never convicts W, which it
+then tries again a window after its last failure. A broken W costs `SUSPECT_ROUNDS` + 1 rounds, then its
+breaker keeps it out (a half-open trial that fails so while the streak lasts reopens it). The
+rule holds in any pool, for a worker whose failures so are all with one partner (two pairs
+always tried in the same order, say); with two partners or more, triangulation weighs it.
+
+An overloaded decode worker's 503 or 529 is not inconclusive: it took no part in the transfer,
+and is its own (`pd_legs.decode_leg`).
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 from gateway.breaker import BreakerState
 from gateway.worker import Worker
 from policies.base import WorkerId
+from policies.records import record
 
 WITHIN_S = 60.0  # how recent a served pair, or a failed one, must be to count
+SUSPECT_ROUNDS = 3  # one partner: a worker's failures with it before that partner is probed
+PROBES = 32  # one partner: the partner's pairs served without the suspect before its retrial
 _MAX_WORKERS = 4096  # workers remembered (a pool's, with discovery's churn); then the stale go
 _MAX_PARTNERS = 64  # partners remembered per worker; then the oldest go
 
 
-class InconclusivePairs:
-    """When each of a pool's workers last served a pair, and with whom each last failed one
-    inconclusively."""
+@record
+class Suspects:
+    """The workers an SGLang pair goes without where the pool can (the one-partner probe)."""
 
-    __slots__ = ("_failed", "_served")
+    prefill: frozenset[WorkerId]
+    decode: frozenset[WorkerId]
+
+
+NO_SUSPECTS = Suspects(frozenset(), frozenset())
+
+
+@dataclass(slots=True)
+class _Failed:
+    """A worker's inconclusive pairs with one partner: the first within `WITHIN_S`, the last."""
+
+    first_s: float
+    last_s: float
+
+
+@dataclass(slots=True)
+class _Streak:
+    """A worker's inconclusive pairs since it last served one, all with `partner`."""
+
+    worker: Worker
+    partner: WorkerId
+    prefill: bool  # the worker's part in the pairs
+    since_s: float  # the first
+    last_s: float  # the last
+    rounds: int = 1  # the first, and each later one that came after `partner` served a pair
+    probes: int = 0  # pairs `partner` served with others, in a first round, since the last
+    convicted: bool = False
+
+
+class InconclusivePairs:
+    """When each of a pool's workers last served a pair, with whom each failed one
+    inconclusively, and the one-partner streaks (`_Streak`) with those on probe.
+
+    Invariant: every suspect is the streak of its worker, with at least `SUSPECT_ROUNDS`
+    rounds, fewer than `PROBES` probes, and not convicted (`check_invariants`)."""
+
+    __slots__ = ("_failed", "_served", "_streaks", "_suspects")
 
     def __init__(self) -> None:
         self._served: dict[WorkerId, float] = {}
-        self._failed: dict[WorkerId, dict[WorkerId, float]] = {}  # worker -> partner -> when
+        # worker -> partner -> its failures with it, the latest last
+        self._failed: dict[WorkerId, dict[WorkerId, _Failed]] = {}
+        self._streaks: dict[WorkerId, _Streak] = {}
+        self._suspects: dict[WorkerId, _Streak] = {}  # the streaks on probe
 
-    def served(self, prefill: WorkerId, decode: WorkerId, now_s: float) -> None:
-        """A pair of `prefill` and `decode` served a request: both work."""
+    def served(self, prefill: WorkerId, decode: WorkerId, now_s: float, *, first_round: bool = False) -> None:
+        """A pair of `prefill` and `decode` served a request (`first_round`: its first): both
+        work, their streaks end, and in a first round the pair is a probe for either's suspects."""
         served = self._served
         if len(served) >= _MAX_WORKERS and (prefill not in served or decode not in served):
             self._served = served = {w: t for w, t in served.items() if now_s - t < WITHIN_S}
         served[prefill] = served[decode] = now_s
+        if not self._streaks:
+            return
+        self._end(prefill)
+        self._end(decode)
+        if not first_round or not self._suspects:
+            return
+        for worker, streak in list(self._suspects.items()):
+            if streak.partner != (decode if streak.prefill else prefill):
+                continue
+            if self._cleared(streak, now_s):
+                self._end(worker)
+                continue
+            streak.probes += 1
+            if streak.probes >= PROBES:
+                del self._suspects[worker]  # passed: on to its retrial
 
     def note(self, prefill: Worker, decode: Worker, now_s: float) -> list[Worker]:
         """A pair failed pointing at neither worker, in a request since served: count it, and
-        blame (a failure on the breaker unless open) whichever of the two it shows at fault."""
-        self._pair_failed(prefill.worker_id, decode.worker_id, now_s)
-        self._pair_failed(decode.worker_id, prefill.worker_id, now_s)
-        blamed = [w for w in (prefill, decode) if self._at_fault(w.worker_id, now_s)]
-        for worker in blamed:
-            if worker.breaker.state(now_s) is not BreakerState.OPEN:
-                worker.breaker.on_failure(now_s)
+        blame (failures on the breaker unless open) whichever of the two it shows at fault."""
+        p, d = prefill.worker_id, decode.worker_id
+        # The streaks first: they read each partner's latest failure before this one is counted.
+        rounds = (self._streak(prefill, d, True, now_s), self._streak(decode, p, False, now_s))
+        self._pair_failed(p, d, now_s)
+        self._pair_failed(d, p, now_s)
+        blamed: list[Worker] = []
+        for worker, failures in zip((prefill, decode), rounds, strict=True):
+            if self._at_fault(worker.worker_id, now_s):
+                # Triangulation counts its rounds from now: no probe, nor a round counted twice.
+                self._end(worker.worker_id)
+                failures = max(failures, 1)
+            if failures:
+                _blame(worker, failures, now_s)
+                blamed.append(worker)
         return blamed
+
+    def suspected(self, now_s: float) -> Suspects:
+        """The workers on probe: an SGLang pair goes without them where the pool can."""
+        if not self._suspects:
+            return NO_SUSPECTS
+        prefill: list[WorkerId] = []
+        decode: list[WorkerId] = []
+        for worker, streak in list(self._suspects.items()):
+            if self._cleared(streak, now_s):
+                self._end(worker)
+            else:
+                (prefill if streak.prefill else decode).append(worker)
+        return Suspects(frozenset(prefill), frozenset(decode))
+
+    def check_invariants(self) -> None:
+        for worker, streak in self._suspects.items():
+            assert self._streaks.get(worker) is streak
+            assert streak.rounds >= SUSPECT_ROUNDS and streak.probes < PROBES and not streak.convicted
+        assert all(len(partners) <= _MAX_PARTNERS for partners in self._failed.values())
+
+    def _streak(self, worker: Worker, partner: WorkerId, prefill: bool, now_s: float) -> int:
+        """`worker` failed with `partner`: extend its streak, or begin one. Returns the failures
+        to count on its breaker (none unless convicted)."""
+        w = worker.worker_id
+        if self._served.get(w, -math.inf) >= now_s:
+            return 0  # it served this very request, after this failure
+        streak = self._streaks.get(w)
+        if streak is not None and (streak.partner != partner or self._cleared(streak, now_s)):
+            self._end(w)
+            streak = None
+        if streak is None:
+            streak = _Streak(worker, partner, prefill, now_s, now_s)
+            if not self._failed_elsewhere(streak):  # else the partner fails with others now
+                self._begin(streak, now_s)
+            return 0
+        partner_worked = self._served.get(partner, -math.inf) >= streak.last_s
+        streak.last_s = now_s
+        if not partner_worked:
+            return 0
+        streak.rounds += 1
+        if streak.convicted:
+            return 1
+        if streak.probes >= PROBES:
+            streak.convicted = True
+            return streak.rounds
+        streak.probes = 0
+        if streak.rounds >= SUSPECT_ROUNDS:
+            self._suspects[w] = streak
+        return 0
+
+    def _begin(self, streak: _Streak, now_s: float) -> None:
+        streaks = self._streaks
+        if len(streaks) >= _MAX_WORKERS:
+            self._streaks = streaks = {w: s for w, s in streaks.items() if now_s - s.last_s < WITHIN_S}
+            self._suspects = {w: s for w, s in self._suspects.items() if w in streaks}
+        streaks[streak.worker.worker_id] = streak
+
+    def _end(self, worker: WorkerId) -> None:
+        if self._streaks.pop(worker, None) is not None:
+            self._suspects.pop(worker, None)
+
+    def _cleared(self, streak: _Streak, now_s: float) -> bool:
+        return now_s - streak.last_s >= WITHIN_S or self._failed_elsewhere(streak)
+
+    def _failed_elsewhere(self, streak: _Streak) -> bool:
+        """Whether the streak's partner failed inconclusively with another worker since it began.
+        Its latest such failure tells: a later one with the streak's worker is counted only after
+        this is read (`note`)."""
+        partners = self._failed.get(streak.partner)
+        if not partners:
+            return False
+        other, failed = next(reversed(partners.items()))
+        return other != streak.worker.worker_id and failed.last_s >= streak.since_s
 
     def _pair_failed(self, worker: WorkerId, partner: WorkerId, now_s: float) -> None:
         failed = self._failed
         if len(failed) >= _MAX_WORKERS and worker not in failed:
             self._failed = failed = {
-                w: p for w, p in failed.items() if any(now_s - t < WITHIN_S for t in p.values())
+                w: p for w, p in failed.items() if any(now_s - f.last_s < WITHIN_S for f in p.values())
             }
         partners = failed.setdefault(worker, {})
-        first = partners.pop(partner, None)
+        found = partners.pop(partner, None)
         # The first failure of the pair within the window: the partner works if it served since.
-        partners[partner] = first if first is not None and now_s - first < WITHIN_S else now_s
+        first_s = found.first_s if found is not None and now_s - found.first_s < WITHIN_S else now_s
+        partners[partner] = _Failed(first_s, now_s)
         if len(partners) > _MAX_PARTNERS:
             del partners[next(iter(partners))]
 
@@ -80,8 +253,18 @@ class InconclusivePairs:
             return False
         served = self._served
         working = 0
-        for partner, when in partners.items():
+        for partner, failed in partners.items():
             last = served.get(partner)
-            if now_s - when < WITHIN_S and last is not None and last >= when:
+            if now_s - failed.first_s < WITHIN_S and last is not None and last >= failed.first_s:
                 working += 1
         return working >= 2
+
+
+def _blame(worker: Worker, failures: int, now_s: float) -> None:
+    """`failures` on the worker's breaker, none once it is open (a verdict is not stretched over
+    an open breaker's cooldown)."""
+    breaker = worker.breaker
+    for _ in range(failures):
+        if breaker.state(now_s) is BreakerState.OPEN:
+            break
+        breaker.on_failure(now_s)

@@ -1,179 +1,19 @@
 """SGLang's two legs of a split, each worker answering for itself.
 
-The gateway runs in-process in front of scripted SGLang prefill and decode workers that meet in
-the request's bootstrap room: a prefill worker answers once the decode leg has joined its room
-(its KV has then moved), a decode worker once the KV has moved. One worker may be
-scripted to fail: a decode worker that answers 500 to everything, or a prefill worker that never
-answers (until the test ends) or answers 500.
+The gateway runs in-process in front of scripted SGLang prefill and decode workers
+(`tests.gateway.sglang_fleet`), one of which may be scripted to fail: a decode worker that
+answers 500 to everything, or a prefill worker that never answers (until the test ends) or
+answers 500. A worker failing in a pool with one prefill (or decode) worker is in
+`test_pd_one_partner.py`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any
-
-import httpx
-import orjson
 import pytest
-from aiohttp import web
 
-from gateway.auth import hash_api_key
-from gateway.state import GatewayState
 from policies.base import WorkerId
-from tests.gateway.access_lines import AccessLines, capture_access
-from tests.gateway.routes_rig import Recording
-from tests.support.inprocess import gateway_in_process
-from tests.support.loopback import serve_in
-from tests.support.metrics import metric_total
+from tests.gateway.sglang_fleet import Fleet, sglang_rig
 from tests.support.wait import wait_until
-
-SECRET = b"pd-sglang-legs"
-KEY = {"authorization": "Bearer sk-t"}
-DEAD_BOOTSTRAP_PORT = 9001  # the bootstrap port of a prefill worker scripted "dead"
-USAGE = {"prompt_tokens": 8, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 7}}
-
-
-@dataclass
-class Fleet:
-    """`broken`: the worker (by name) that fails, as `prefill_fault` says for a prefill worker
-    ("hang", "500", or "dead": its bootstrap server is down, so its decode legs answer 500 at
-    once and its own 500 comes after); a decode worker answers `decode_status` (500), to every
-    other leg only with `now_and_then`."""
-
-    broken: str = ""
-    prefill_fault: str = ""
-    decode_status: int = 500
-    now_and_then: bool = False
-    decode_legs: int = 0  # legs the broken decode worker took
-    prefill_cached: int = 5  # the prefill answer's cached_tokens
-    rooms: dict[int, asyncio.Event] = field(default_factory=dict)
-    release: asyncio.Event = field(default_factory=asyncio.Event)  # a hanging prefill answers
-    prefill_answers: int = 0  # prefill legs answered 200
-
-    def finish(self) -> None:
-        """Every waiting worker answers (before the servers stop)."""
-        self.release.set()
-        for room in self.rooms.values():
-            room.set()
-
-    def room(self, body: dict[str, Any]) -> asyncio.Event:
-        """Set once the decode leg has joined the room."""
-        return self.rooms.setdefault(body["bootstrap_room"], asyncio.Event())
-
-    def moved(self, body: dict[str, Any]) -> asyncio.Event:
-        """Set once the prefill worker has sent the KV (before it answers)."""
-        return self.rooms.setdefault(-body["bootstrap_room"] - 1, asyncio.Event())
-
-    def app(self, name: str) -> web.Application:
-        async def health(_: web.Request) -> web.Response:
-            return web.Response(text="ok")
-
-        async def chat(request: web.Request) -> web.StreamResponse:
-            body = orjson.loads(await request.read())
-            room = self.room(body)
-            if name == self.broken and name.startswith("d"):
-                self.decode_legs += 1
-                if not self.now_and_then or self.decode_legs % 2:
-                    return _error("engine died", self.decode_status)
-            elif name == self.broken and self.prefill_fault == "500":
-                return _error("engine died")
-            if name == self.broken and self.prefill_fault == "dead":
-                await asyncio.sleep(0.05)  # after its decode leg's failure
-                return _error("engine died")
-            if name == self.broken and self.prefill_fault == "stuck":
-                await self.release.wait()  # up, but answers nothing, nor sends any KV
-                return _error("engine died")
-            if name.startswith("d") and body["bootstrap_port"] == DEAD_BOOTSTRAP_PORT:
-                return _error("KV transfer failed")  # the prefill worker's bootstrap server is down
-            if name.startswith("p"):
-                await asyncio.wait_for(room.wait(), 10)
-                self.moved(body).set()
-                if name == self.broken:
-                    await self.release.wait()
-                self.prefill_answers += 1
-                details = {"cached_tokens": self.prefill_cached}
-                usage = {"prompt_tokens": 8, "completion_tokens": 1, "prompt_tokens_details": details}
-                return web.json_response({"choices": [], "usage": usage})
-            room.set()
-            await asyncio.wait_for(self.moved(body).wait(), 10)
-            await asyncio.sleep(0.05)  # a prefill answer that comes reaches the gateway first
-            if not body.get("stream"):
-                return web.json_response({"choices": [{"message": {"content": "ok"}}], "usage": USAGE})
-            resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
-            await resp.prepare(request)
-            delta = {"choices": [{"index": 0, "delta": {"content": "ok"}}]}
-            chunks = [delta, {"choices": [], "usage": USAGE}]
-            for chunk in chunks:
-                await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
-            await resp.write(b"data: [DONE]\n\n")
-            return resp
-
-        app = web.Application()
-        app.router.add_get("/health", health)
-        app.router.add_post("/v1/chat/completions", chat)
-        return app
-
-
-def _error(message: str, status: int = 500) -> web.Response:
-    return web.json_response({"error": {"message": message, "code": status}}, status=status)
-
-
-@dataclass
-class Rig:
-    client: httpx.AsyncClient
-    state: GatewayState
-    urls: dict[str, str]
-    lines: AccessLines
-
-    def metric(self, name: str, **labels: str) -> float:
-        return metric_total(self.state, name, **labels)
-
-    def breaker_closed(self, name: str) -> bool:
-        return self.state.registry.pools["p"].workers[WorkerId(self.urls[name])].breaker.closed
-
-    async def chat(self, stream: bool = False) -> httpx.Response:
-        messages = [{"role": "user", "content": "hi"}]
-        body: dict[str, Any] = {"model": "m", "messages": messages, "max_tokens": 2}
-        if stream:
-            body |= {"stream": True, "stream_options": {"include_usage": True}}
-        return await self.client.post("/v1/chat/completions", json=body, headers=KEY)
-
-
-@contextlib.asynccontextmanager
-async def sglang_rig(
-    fleet: Fleet, prefills: int = 1, read_s: float = 10.0, decodes: int = 2
-) -> AsyncIterator[Rig]:
-    names = [f"p{i + 1}" for i in range(prefills)] + [f"d{i + 1}" for i in range(decodes)]
-    async with contextlib.AsyncExitStack() as stack:
-        urls = {name: await serve_in(stack, fleet.app(name)) for name in names}
-        stack.callback(fleet.finish)
-        config = {
-            "pools": [
-                {
-                    "name": "p",
-                    "models": ["m"],
-                    "prefill_workers": [urls[n] for n in names if n.startswith("p")],
-                    "decode_workers": [urls[n] for n in names if n.startswith("d")],
-                    "pd": {
-                        "protocol": "sglang",
-                        "bootstrap_port": 8998,
-                        "bootstrap_ports": {urls["p1"]: DEAD_BOOTSTRAP_PORT}
-                        if fleet.prefill_fault in ("dead", "stuck")
-                        else {},
-                        "conditional": False,
-                    },
-                    "retry_attempts": 2,
-                    "timeouts": {"connect_s": 1, "read_s": read_s, "total_s": 30},
-                }
-            ],
-            "tenants": [{"name": "t", "api_key_hashes": [hash_api_key(SECRET, "sk-t")]}],
-            "scrape": {"enabled": False},
-        }
-        gw = await stack.enter_async_context(gateway_in_process(config, Recording(), secret=SECRET))
-        yield Rig(gw.client, gw.state, urls, capture_access(gw.state))
 
 
 async def test_a_decode_worker_answering_500_is_left_out_then_its_breaker_opens() -> None:
@@ -194,18 +34,6 @@ async def test_a_decode_worker_answering_500_is_left_out_then_its_breaker_opens(
         for _ in range(8):
             assert (await rig.chat()).status_code == 200
         assert rig.metric("kvgate_pd_transfer_failures_total", reason="decode_error") <= failed + 1
-
-
-async def test_with_one_prefill_worker_a_broken_decode_worker_is_avoided_but_not_blamed() -> None:
-    """One prefill worker: its failures with the broken decode worker cannot tell which of the two
-    is at fault (one partner proves nothing), so no breaker opens; each request that meets the
-    broken worker is served by the next round, without it."""
-    async with sglang_rig(Fleet(broken="d1")) as rig:
-        for _ in range(12):
-            resp = await rig.chat()
-            assert resp.status_code == 200, resp.text
-        assert rig.breaker_closed("d1") and rig.breaker_closed("d2") and rig.breaker_closed("p1")
-        assert rig.metric("kvgate_pd_transfer_failures_total", reason="decode_error") >= 1
 
 
 @pytest.mark.parametrize("status", [500, 503, 529])

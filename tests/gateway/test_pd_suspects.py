@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gateway.config.pool import PoolConfig
-from gateway.pd_suspects import WITHIN_S, InconclusivePairs
+from gateway.pd_suspects import NO_SUSPECTS, PROBES, SUSPECT_ROUNDS, WITHIN_S, InconclusivePairs, Suspects
 from gateway.worker import Worker
 from policies.base import WorkerId
 
@@ -79,3 +79,150 @@ def test_what_served_is_bounded_whichever_worker_is_new() -> None:
     for k in range(3 * 4096):  # a stable prefill worker, decode pods churning
         pairs.served(p1.worker_id, WorkerId(f"http://d{k}:8000"), float(k) * WITHIN_S)
     assert len(pairs._served) <= 4096 + 1
+
+
+# -- one partner ------------------------------------------------------------------------------
+
+
+def _failed_then_served(
+    pairs: InconclusivePairs, failed: tuple[Worker, Worker], by: tuple[Worker, Worker], now: float
+) -> list[Worker]:
+    """A request whose first round, `failed`, was inconclusive and whose retry `by` served it."""
+    pairs.served(by[0].worker_id, by[1].worker_id, now)
+    return pairs.note(*failed, now)
+
+
+def _suspect(pairs: InconclusivePairs, failed: tuple[Worker, Worker], by: tuple[Worker, Worker]) -> float:
+    """Requests that make `failed[1]` a suspect (times 1, 2, ...); returns the last one's time."""
+    for k in range(1, SUSPECT_ROUNDS + 1):
+        assert pairs.suspected(float(k)) == NO_SUSPECTS
+        assert _failed_then_served(pairs, failed, by, float(k)) == []
+    return float(SUSPECT_ROUNDS)
+
+
+def test_one_partner_a_broken_worker_is_suspected_probed_then_convicted() -> None:
+    p1, d1, d2 = _workers("p1", "d1", "d2")  # d1 is broken
+    pairs = InconclusivePairs()
+    now = _suspect(pairs, (p1, d1), (p1, d2))
+    assert pairs.suspected(now) == Suspects(frozenset(), frozenset({d1.worker_id}))
+    for _ in range(PROBES):  # without d1, p1 serves every request in its first round
+        now += 0.5
+        assert d1.worker_id in pairs.suspected(now).decode
+        pairs.served(p1.worker_id, d2.worker_id, now, first_round=True)
+        pairs.check_invariants()
+    assert pairs.suspected(now) == NO_SUSPECTS  # passed: on to d1's retrial
+    assert d1.breaker.failures == 0
+    assert _failed_then_served(pairs, (p1, d1), (p1, d2), now + 1) == [d1]
+    assert not d1.breaker.closed and d1.breaker.failures == 3  # the streak's rounds, up to the threshold
+    assert p1.breaker.failures == d2.breaker.failures == 0
+
+
+def test_one_partner_a_probe_without_first_rounds_does_not_pass() -> None:
+    p1, d1, d2 = _workers("p1", "d1", "d2")
+    pairs = InconclusivePairs()
+    now = _suspect(pairs, (p1, d1), (p1, d2))
+    for _ in range(2 * PROBES):  # served in retries only: they prove nothing
+        now += 0.5
+        pairs.served(p1.worker_id, d2.worker_id, now)
+    assert d1.worker_id in pairs.suspected(now).decode
+    assert _failed_then_served(pairs, (p1, d1), (p1, d2), now + 1) == []
+    assert d1.breaker.failures == 0
+
+
+def test_one_partner_a_partner_failing_every_other_pair_fails_its_probe() -> None:
+    # One decode worker failing every request's first round: p1, which the policy tries first,
+    # fails each, and p2 serves the retry, until p1 is avoided and p2 fails first.
+    p1, p2, d1 = _workers("p1", "p2", "d1")
+    pairs = InconclusivePairs()
+    probes = 0
+    for k in range(10 * (SUSPECT_ROUNDS + 1)):
+        if p1.worker_id in pairs.suspected(float(k)).prefill:
+            probes += 1
+            _failed_then_served(pairs, (p2, d1), (p1, d1), float(k))
+        else:
+            _failed_then_served(pairs, (p1, d1), (p2, d1), float(k))
+        pairs.check_invariants()
+    assert probes >= 5
+    assert p1.breaker.failures == p2.breaker.failures == 0
+
+
+def test_one_partner_the_partner_failing_with_another_worker_clears_the_suspect() -> None:
+    # Within one request, in either order: d1 failed with p2 too.
+    for order in range(2):
+        p1, p2, p3, d1 = _workers("p1", "p2", "p3", "d1")
+        pairs = InconclusivePairs()
+        now = _suspect(pairs, (p1, d1), (p3, d1))
+        assert p1.worker_id in pairs.suspected(now).prefill
+        now += 1
+        pairs.served(p3.worker_id, d1.worker_id, now)
+        failed = [(p1, d1), (p2, d1)] if order else [(p2, d1), (p1, d1)]
+        for pair in failed:
+            assert pairs.note(*pair, now) == []
+        assert pairs.suspected(now) == NO_SUSPECTS
+        pairs.check_invariants()
+
+
+def test_one_partner_a_partner_that_recovered_clears_the_suspect_at_its_retrial() -> None:
+    p1, p2, d1 = _workers("p1", "p2", "d1")  # d1 had a bad spell, failing only with p1
+    pairs = InconclusivePairs()
+    now = _suspect(pairs, (p1, d1), (p2, d1))
+    for _ in range(PROBES):
+        now += 0.5
+        pairs.served(p2.worker_id, d1.worker_id, now, first_round=True)
+    pairs.served(p1.worker_id, d1.worker_id, now + 1, first_round=True)  # the retrial serves
+    assert _failed_then_served(pairs, (p1, d1), (p2, d1), now + 2) == []  # a new streak
+    assert pairs.suspected(now + 2) == NO_SUSPECTS
+    assert p1.breaker.failures == 0
+
+
+def test_one_partner_a_failure_with_the_partner_down_meanwhile_is_not_counted() -> None:
+    # d1 served nothing between p1's failures with it (other decode workers served p1's requests):
+    # d1 may have been down, so p1 is not suspected.
+    p1, p2, d1, d2 = _workers("p1", "p2", "d1", "d2")
+    pairs = InconclusivePairs()
+    for k in range(5 * SUSPECT_ROUNDS):
+        _failed_then_served(pairs, (p1, d1), (p2, d2), float(k))
+    assert pairs.suspected(100.0) == NO_SUSPECTS
+
+
+def test_one_partner_with_one_worker_of_each_role_nobody_is_suspected() -> None:
+    p1, d1 = _workers("p1", "d1")
+    pairs = InconclusivePairs()
+    for k in range(2 * PROBES):
+        assert _failed_then_served(pairs, (p1, d1), (p1, d1), float(k)) == []
+        pairs.served(p1.worker_id, d1.worker_id, k + 0.5, first_round=True)
+    assert pairs.suspected(2.0 * PROBES) == NO_SUSPECTS
+    assert p1.breaker.failures == d1.breaker.failures == 0
+
+
+def test_one_partner_a_suspicion_ends_a_window_after_the_last_failure() -> None:
+    p1, d1, d2 = _workers("p1", "d1", "d2")
+    pairs = InconclusivePairs()
+    now = _suspect(pairs, (p1, d1), (p1, d2))
+    assert pairs.suspected(now + WITHIN_S - 1) != NO_SUSPECTS
+    assert pairs.suspected(now + WITHIN_S) == NO_SUSPECTS
+    pairs.check_invariants()
+
+
+def test_one_partner_streaks_are_bounded() -> None:
+    p1 = _workers("p1")[0]
+    pairs = InconclusivePairs()
+    for k in range(3 * 4096):  # decode pods churning, each failing once with p1
+        d = Worker(f"http://d{k}:8000", CONFIG)
+        pairs.note(p1, d, float(k) * WITHIN_S)
+    assert len(pairs._streaks) <= 4096 + 1
+    pairs.check_invariants()
+
+
+def test_one_partner_a_worker_triangulation_shows_at_fault_is_not_probed() -> None:
+    # d1 failed with p1, then with p2 only: triangulation blames it each round from the one when
+    # p2 has served since, and it is not avoided (that would stop the rounds being counted).
+    p1, p2, d1, d2 = _workers("p1", "p2", "d1", "d2")
+    pairs = InconclusivePairs()
+    _failed_then_served(pairs, (p1, d1), (p1, d2), 1.0)
+    assert _failed_then_served(pairs, (p2, d1), (p1, d2), 2.0) == []
+    for k in range(3, 3 + SUSPECT_ROUNDS):
+        assert _failed_then_served(pairs, (p2, d1), (p2, d2), float(k)) == [d1]
+        assert pairs.suspected(float(k)) == NO_SUSPECTS
+        pairs.check_invariants()
+    assert not d1.breaker.closed

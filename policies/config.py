@@ -34,7 +34,9 @@ class PolicyConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # `.inf` and `.nan` are YAML floats: no setting means either (an infinite weight or time
+    # would turn scores and deadlines into NaN or overflow far from the line that set it).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class IndexYaml(_Strict):

@@ -42,7 +42,7 @@ class VolatileRule(BaseModel):
     from the model input, and `keep_and_warn` leaves it in place and adds a diagnostic.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     name: str = Field(min_length=1, max_length=64)
     field: str | None = None
@@ -82,7 +82,7 @@ class ZoneConfig(BaseModel):
     the first real turn; everything from there on is append-only (volatile content goes last).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     immutable_roles: tuple[Role, ...] = ("system", "developer")
     tools_immutable: bool = True
@@ -93,7 +93,7 @@ class ZoneConfig(BaseModel):
 class NormalizerConfig(BaseModel):
     """Per-pool normalizer settings (part of the policy YAML); every field has a safe default."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     mode: Literal["approximate", "tokenizer", "render"] = "approximate"
     # approximate mode: one "token" per `chars_per_token` characters of canonical text.

@@ -20,7 +20,9 @@ class ConfigError(ValueError):
 class Frozen(BaseModel):
     """A config block: immutable once parsed, and an unknown field is an error."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # `.inf` and `.nan` are YAML floats: no setting means either (an infinite weight or time
+    # would turn scores and deadlines into NaN or overflow far from the line that set it).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 def read_file_or_env(field: str, file: str | None, env: str | None, environ: Mapping[str, str]) -> str | None:

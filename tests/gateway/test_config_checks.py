@@ -1,5 +1,5 @@
 """Config values that used to pass validation and fail later, or pass when they should not:
-`log_level`, duplicate keys in the YAML, a short key-hash secret."""
+`log_level`, duplicate keys in the YAML, a short key-hash secret, infinite times."""
 
 from __future__ import annotations
 
@@ -94,3 +94,24 @@ def test_an_endpoint_template_fills_host_by_plain_substitution() -> None:
     pool = parse_config(config).pools[0]
     assert pool.kv_events_endpoint is not None
     assert endpoint_for_worker(pool.kv_events_endpoint, "http://[fd00::7]:8000") == "tcp://[fd00::7]:5557"
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"upstream": {"keepalive_timeout_s": float("inf")}}, "upstream.keepalive_timeout_s"),
+        ({"limits": {"keepalive_timeout_s": float("inf")}}, "limits.keepalive_timeout_s"),
+        ({"drain": {"deadline_s": float("nan")}}, "drain.deadline_s"),
+    ],
+)
+def test_an_infinite_or_nan_setting_is_refused_naming_the_field(extra: dict[str, Any], field: str) -> None:
+    # YAML's `.inf` passed `gt=0` and crashed the start with an OverflowError far from the setting.
+    with pytest.raises(ConfigError, match=re.escape(field) + ".*finite number"):
+        parse_config(_config(**extra))
+
+
+def test_an_infinite_health_timeout_in_a_pool_is_refused() -> None:
+    config = _config()
+    config["pools"][0]["health"] = {"timeout_s": float("inf")}
+    with pytest.raises(ConfigError, match=r"pools\.0\.health\.timeout_s.*finite number"):
+        parse_config(config)

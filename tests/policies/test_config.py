@@ -38,6 +38,12 @@ def test_empty_file_is_the_cost_policy() -> None:
         ("public_prefixes:\n  allow_list: [zz]\n", r"public_prefixes\.allow_list"),
         ("normalizer:\n  mode: psychic\n", r"normalizer\.mode"),
         ("cost:\n  epsilon: -0.1\n", r"cost\.epsilon"),
+        # YAML's infinities and NaN: no setting means either (an infinite weight made every score
+        # NaN and every routed request a 500).
+        ("cost:\n  work_weight: .inf\n", r"cost\.work_weight: Input should be a finite number"),
+        ("cost:\n  decode_price_s: .nan\n", r"cost\.decode_price_s: Input should be a finite number"),
+        ("pools:\n  chat:\n    cost_model:\n      step_s: .inf\n", r"pools\.chat\.cost_model\.step_s: Input"),
+        ("normalizer:\n  drift_sessions_max: .inf\n", r"normalizer\.drift_sessions_max"),
     ],
 )
 def test_bad_file_names_the_problem(text: str, needle: str) -> None:

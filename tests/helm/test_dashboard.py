@@ -112,3 +112,15 @@ def test_the_extractor_sees_through_promql() -> None:
     assert metric_names('sum(rate(not_exported_total{a="b"}[5m]))') == {"not_exported_total"}
     assert "kvgate_requests_total" in exported_series()
     assert "kvgate_requests" not in exported_series()  # a counter is stored with its suffix
+
+
+def test_a_worker_seen_by_several_gateway_processes_counts_once() -> None:
+    # Every gateway process (and replica) exports the same worker's state: the panels take one
+    # value per worker before counting or summing (a plain sum showed 4 routable workers for 2
+    # behind `--processes 2`).
+    dashboard = json.loads((CHART / "dashboards" / "kvgate.json").read_text())
+    per_worker = ("kvgate_worker_healthy", "kvgate_worker_kv_cache_usage", "kvgate_worker_requests_waiting")
+    for where, expr in _queries(dashboard):
+        for name in per_worker:
+            if name in expr:
+                assert f"max by (pool, worker) ({name})" in expr, f"{where}: {expr}"

@@ -166,11 +166,18 @@ class PolicySwap:
 
 def warn_unknown_names(config: GatewayConfig, policy: PolicyConfig) -> list[str]:
     """Warn of each pool and tenant the policy file tunes that the gateway config does not have:
-    its settings apply to nothing (a typo, or a file written for another gateway). Returns them."""
+    its settings apply to nothing (a typo, or a file written for another gateway); and of each
+    section of another policy than the one it runs, which nothing reads. Returns them."""
     pools = {p.name for p in config.pools}
     tenants = {t.name for t in config.tenants}
     unknown = [f"pools.{n}" for n in policy.pools if n not in pools]
     unknown += [f"tenants.{n}" for n in policy.tenants if n not in tenants]
     for name in unknown:
         log.warning("policy file: %s is not in the gateway config; its settings apply to nothing", name)
-    return unknown
+    for section in policy.unused_sections():
+        log.warning(
+            "policy file: %s is not the running policy (%s); its settings apply to nothing",
+            section,
+            policy.policy,
+        )
+    return [*unknown, *policy.unused_sections()]

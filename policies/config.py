@@ -11,7 +11,7 @@ aliases expand to and refuses a key said twice in one mapping.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -93,7 +93,7 @@ class PoolYaml(_Strict):
     index: IndexYaml = IndexYaml()
     cost_model: CostModelYaml = CostModelYaml()
     capacity_fraction: float = Field(0.9, gt=0.0, le=1.0)
-    worker_capacity_tokens: dict[str, int] = Field(default_factory=dict)
+    worker_capacity_tokens: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
 
     def build(self) -> PoolSettings:
         return PoolSettings(
@@ -196,6 +196,15 @@ class PolicyConfig(_Strict):
     precise_namespace: str = PUBLIC_NAMESPACE
     # Read by the gateway: the normalizer of pools whose gateway config names none.
     normalizer: NormalizerConfig = NormalizerConfig()
+
+    def unused_sections(self) -> list[str]:
+        """The sections of other policies than `policy` that the file sets: the running policy
+        reads none of them (kept, say, while trying another policy; or a typo in `policy`)."""
+        return [
+            name
+            for name in ("cost", "sglang_cache_aware", "consistent_hash", "preble_e2")
+            if name != self.policy and name in self.model_fields_set
+        ]
 
     @field_validator("policy")
     @classmethod

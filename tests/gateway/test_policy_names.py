@@ -46,3 +46,18 @@ def test_names_the_gateway_does_not_have_are_warned_of() -> None:
         logger.setLevel(level)
     assert any("pools.chat is not in the gateway config" in line for line in handler.lines)
     assert warn_unknown_names(CONFIG, parse_policy_yaml("pools: {llama: {capacity_fraction: 0.8}}\n")) == []
+
+
+def test_a_section_of_another_policy_is_warned_of() -> None:
+    handler, logger = _Lines(), logging.getLogger("kvgate.policy_watch")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        other = parse_policy_yaml("policy: round_robin\ncost: {epsilon: 0.9}\npreble_e2: {window_s: 60}\n")
+        assert warn_unknown_names(CONFIG, other) == ["cost", "preble_e2"]
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert any("cost is not the running policy (round_robin)" in line for line in handler.lines)
+    assert warn_unknown_names(CONFIG, parse_policy_yaml("policy: cost\ncost: {epsilon: 0.9}\n")) == []

@@ -44,6 +44,10 @@ def test_empty_file_is_the_cost_policy() -> None:
         ("cost:\n  decode_price_s: .nan\n", r"cost\.decode_price_s: Input should be a finite number"),
         ("pools:\n  chat:\n    cost_model:\n      step_s: .inf\n", r"pools\.chat\.cost_model\.step_s: Input"),
         ("normalizer:\n  drift_sessions_max: .inf\n", r"normalizer\.drift_sessions_max"),
+        (
+            "pools:\n  chat:\n    worker_capacity_tokens: {http://w:8000: -5}\n",
+            r"pools\.chat\.worker_capacity_tokens\.http://w:8000: Input should be greater than or equal to 0",
+        ),
     ],
 )
 def test_bad_file_names_the_problem(text: str, needle: str) -> None:

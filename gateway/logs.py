@@ -41,12 +41,24 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def setup_logging(level: str = "info") -> None:
+    """Every log line of the process as one JSON object on stderr: one handler, on the root
+    logger, writes kvgate's records at `level` and above and every other logger's (the
+    OpenTelemetry SDK's exporter, uvicorn's, asyncio's, Python's warnings) at warning and above,
+    or at `level` when that is higher: the libraries' info and debug chatter stays out. Called
+    again (the config's level after the flag's), it replaces what it set.
+
+    A logger given handlers of its own that does not propagate writes past this handler: uvicorn's
+    default log config gives its loggers plain-text ones, which `log_config=None` keeps off."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter())
-    root = logging.getLogger("kvgate")
+    root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-    root.propagate = False
+    root.setLevel(max(logging.WARNING, logging.getLevelNamesMapping()[level.upper()]))
+    kvgate = logging.getLogger("kvgate")
+    kvgate.handlers.clear()  # its records go through the root's handler, once
+    kvgate.setLevel(level.upper())
+    kvgate.propagate = True
+    logging.captureWarnings(True)
 
 
 class AccessLog:

@@ -57,6 +57,20 @@ _OPERATION = {
 _TRACE_HEADERS = (b"traceparent", b"tracestate")
 # The same names as a pool's `forward_headers` spells them: withheld from workers while tracing.
 TRACE_CONTEXT_HEADERS = frozenset(h.decode() for h in _TRACE_HEADERS)
+# W3C Trace Context's `tracestate`: comma-separated list members `key=value` (empty members and
+# spaces or tabs around each allowed), keys unique. A client's header outside this grammar or
+# these bounds is dropped before the propagator sees it: the OpenTelemetry API's parser logs an
+# invalid member's whole text, once per request. 512 characters is what the spec asks every
+# vendor to pass on at least.
+MAX_TRACESTATE_CHARS = 512
+MAX_TRACESTATE_MEMBERS = 32
+_TRACESTATE_KEY_CHARS = r"[a-z0-9_\-*/]"
+_TRACESTATE_KEY = (
+    rf"[a-z]{_TRACESTATE_KEY_CHARS}{{0,255}}"  # simple-key
+    rf"|[a-z0-9]{_TRACESTATE_KEY_CHARS}{{0,240}}@[a-z]{_TRACESTATE_KEY_CHARS}{{0,13}}"  # tenant@system
+)
+_TRACESTATE_VALUE = r"[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e]"
+_TRACESTATE_MEMBER = re.compile(rf"({_TRACESTATE_KEY})={_TRACESTATE_VALUE}")
 # A finish reason in a streamed chunk (`"finish_reason":null` until the last chunk of a choice).
 _FINISH_REASON = re.compile(rb'"finish_reason"\s*:\s*"([A-Za-z0-9_.-]{1,64})"')
 _MAX_FINISH_REASONS = 16  # one per choice; `n` is bounded by the worker, this by us
@@ -195,6 +209,23 @@ class TracedSource:
         self._source.close()
 
 
+def valid_tracestate(header: str) -> bool:
+    """Whether a client's `tracestate` (its header fields joined with commas) is one the gateway
+    passes on: W3C's grammar, at most `MAX_TRACESTATE_MEMBERS` members, `MAX_TRACESTATE_CHARS`."""
+    if len(header) > MAX_TRACESTATE_CHARS:
+        return False
+    keys: set[str] = set()
+    for member in header.split(","):
+        member = member.strip(" \t")
+        if not member:
+            continue
+        match = _TRACESTATE_MEMBER.fullmatch(member)
+        if match is None or match[1] in keys:
+            return False
+        keys.add(match[1])
+    return len(keys) <= MAX_TRACESTATE_MEMBERS
+
+
 class RequestTracer:
     """Starts and ends the spans of the completion path (see the module docstring)."""
 
@@ -270,6 +301,8 @@ class RequestTracer:
                 key = name.decode()
                 text = value.decode("latin-1")
                 carrier[key] = f"{carrier[key]},{text}" if key in carrier else text
+        if "tracestate" in carrier and not valid_tracestate(carrier["tracestate"]):
+            del carrier["tracestate"]  # the trace still continues from the `traceparent`
         return self._propagator.extract(carrier) if carrier else None
 
     def start_attempt(

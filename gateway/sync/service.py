@@ -91,6 +91,10 @@ class SyncService:
         self.link = open_link(config, self.origin, self._on_message)
         self.published_batches = 0
         self.failed_batches = 0
+        # Items of the batches the link took, counted once it did: the publisher counts an item
+        # when it goes into a batch, before the publish that may fail, and a count read meanwhile
+        # would go back down after a failure.
+        self.published_items = 0
         self.lost_items = 0
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -227,6 +231,7 @@ class SyncService:
                 return
             if await self.link.publish(encode(batch)):
                 self.published_batches += 1
+                self.published_items += len(batch.items)
             else:
                 self.failed_batches += 1
                 self.lost_items += len(batch.items)
@@ -249,7 +254,7 @@ class SyncService:
         parked = self.subscriber.parked.stats
         return {
             "published_batches": self.published_batches,
-            "published_items": self.publisher.batched_items - self.lost_items,
+            "published_items": self.published_items,
             "applied_batches": sub.batches,
             "applied_items": sub.items,
             "dropped_queue_full": self.publisher.dropped,

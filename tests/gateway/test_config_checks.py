@@ -16,6 +16,7 @@ from gateway.config import MIN_KEY_HASH_SECRET_BYTES, SecretsConfig, load_config
 from gateway.config.base import ConfigError
 from gateway.kv_event_types import endpoint_for_worker
 from gateway.logs import setup_logging
+from tests.gateway.logging_state import logging_restored
 
 SECRET = b"config-checks-secret-of-32-bytes"
 
@@ -32,18 +33,12 @@ def _config(**extra: Any) -> dict[str, Any]:
 def test_log_levels_are_taken_in_any_case(level: str) -> None:
     config = parse_config(_config(log_level=level))
     assert config.log_level == level.lower()
-    # setup_logging sets the process's "kvgate" logger: give it back as found, or every later
-    # test in this process (which ones, xdist's file grouping decides) logs at this test's level,
-    # to a stderr captured for this test only, and propagates nothing.
-    logger = logging.getLogger("kvgate")
-    handlers, logger_level, propagate = logger.handlers[:], logger.level, logger.propagate
-    try:
+    # setup_logging sets the process's root and "kvgate" loggers: given back as found, or every
+    # later test in this process (which ones, xdist's file grouping decides) logs at this test's
+    # level, to a stderr captured for this test only.
+    with logging_restored():
         setup_logging(config.log_level)
-        assert logger.level == logging.getLevelName(level.upper())
-    finally:
-        logger.handlers[:] = handlers
-        logger.setLevel(logger_level)
-        logger.propagate = propagate
+        assert logging.getLogger("kvgate").level == logging.getLevelName(level.upper())
 
 
 @pytest.mark.parametrize("level", ["bogus", "", "10", "notset"])

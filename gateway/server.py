@@ -215,6 +215,7 @@ def _uvicorn_config(
         port=config.listen.port,
         http=GuardedHttpToolsProtocol,
         ws="none",  # no upgrades: every connection stays under the client limits
+        log_config=None,  # its loggers write through the root's JSON handler (`logs.setup_logging`)
         log_level="warning",
         access_log=False,
         lifespan=lifespan,

@@ -12,14 +12,19 @@ from typing import Any
 
 import orjson
 import pytest
-import uvicorn
 
+from gateway.config import parse_config
 from gateway.logs import setup_logging
+from gateway.server import _uvicorn_config
 from tests.gateway.logging_state import logging_restored
 from tests.support.gateway_config import tenant, write_gateway_config
 from tests.support.processes import free_port, start_gateway
 from tests.support.wait import wait_until_sync
 
+CONFIG = {
+    "pools": [{"name": "p", "models": ["m"], "workers": ["http://127.0.0.1:1"]}],
+    "tenants": [tenant("t", "sk-t")],
+}
 OTLP_LOGGER = "opentelemetry.exporter.otlp.proto.http.trace_exporter"
 
 
@@ -74,14 +79,14 @@ def test_a_python_warning_is_a_json_line(capsys: pytest.CaptureFixture[str]) -> 
 
 
 def test_uvicorn_without_its_own_log_config_logs_json_lines(capsys: pytest.CaptureFixture[str]) -> None:
-    # uvicorn's default log config gives its loggers plain-text handlers; without it (as the
-    # gateway should run it) its records reach the root's handler.
+    # uvicorn's default log config gives its loggers plain-text handlers; the gateway runs it
+    # without one, so its records reach the root's handler.
     with logging_restored("uvicorn", "uvicorn.error", "uvicorn.access", "uvicorn.asgi"):
         for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):  # as a process starts
             logging.getLogger(name).handlers.clear()
             logging.getLogger(name).propagate = True
         setup_logging("info")
-        uvicorn.Config(lambda: None, log_config=None, log_level="warning", access_log=False)
+        _uvicorn_config(lambda: None, parse_config(CONFIG))  # type: ignore[arg-type]
         logging.getLogger("uvicorn.error").info("not shown")
         logging.getLogger("uvicorn.error").error("Exception in ASGI application")
         records = _lines(capsys.readouterr().err)

@@ -10,6 +10,7 @@ read from an environment variable or a file named here. Validation errors name t
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -278,15 +279,21 @@ class GatewayConfig(Frozen):
                         f"model {model!r} is served by pools {seen_models[model]!r} and {pool.name!r}"
                     )
                 seen_models[model] = pool.name
-        names = [p.name for p in self.pools]
-        if len(set(names)) != len(names):
-            raise ValueError("pool names must be unique")
-        tenants = [t.name for t in self.tenants]
-        if len(set(tenants)) != len(tenants):
-            raise ValueError("tenant names must be unique")
-        hashes = [h for t in self.tenants for h in t.api_key_hashes]
-        if len(set(hashes)) != len(hashes):
-            raise ValueError("an API key hash is listed twice")
+        if (twice := _twice(p.name for p in self.pools)) is not None:
+            raise ValueError(f"pool names must be unique: {twice!r} names two pools")
+        if (twice := _twice(t.name for t in self.tenants)) is not None:
+            raise ValueError(f"tenant names must be unique: {twice!r} names two tenants")
+        owner: dict[str, str] = {}
+        for t in self.tenants:
+            for h in t.api_key_hashes:
+                if h in owner:
+                    # Named by its owners, never by the hash.
+                    by = (
+                        f"tenant {t.name!r}" if owner[h] == t.name else f"tenants {owner[h]!r} and {t.name!r}"
+                    )
+                    raise ValueError(f"an API key hash is listed twice, by {by}")
+                owner[h] = t.name
+        hashes = list(owner)
         if self.admin.api_key_hash is not None and self.admin.api_key_hash in hashes:
             raise ValueError("admin.api_key_hash must not also be a tenant's key")
         if self.metrics.listen.port != 0 and self.metrics.listen.port == self.listen.port:
@@ -295,6 +302,16 @@ class GatewayConfig(Frozen):
                 "metrics never share the client port)"
             )
         return self
+
+
+def _twice(names: Iterable[str]) -> str | None:
+    """The first name that comes a second time, if any."""
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            return name
+        seen.add(name)
+    return None
 
 
 def _describe(exc: ValidationError) -> str:

@@ -212,7 +212,12 @@ class PoolConfig(Frozen):
     def _check_roles(self) -> None:
         urls = self.static_urls
         if len(set(urls)) != len(urls):
-            raise ValueError("a worker URL is listed twice (workers, prefill_workers, decode_workers)")
+            # Named by position: a URL may carry credentials.
+            i = next(i for i, u in enumerate(urls) if u in urls[:i])
+            raise ValueError(
+                "a worker URL is listed twice (workers, prefill_workers, decode_workers): "
+                f"URL {i + 1} of the {len(urls)} in that order repeats URL {urls.index(urls[i]) + 1}"
+            )
         if (self.prefill_workers or self.decode_workers) and self.pd is None:
             raise ValueError("prefill_workers and decode_workers need a 'pd' section (the wire protocol)")
         # In holder_prefill mode every worker is mixed, so discovery need not know roles, and a

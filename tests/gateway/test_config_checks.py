@@ -110,3 +110,21 @@ def test_an_infinite_health_timeout_in_a_pool_is_refused() -> None:
     config["pools"][0]["health"] = {"timeout_s": float("inf")}
     with pytest.raises(ConfigError, match=r"pools\.0\.health\.timeout_s.*finite number"):
         parse_config(config)
+
+
+def test_a_name_or_key_said_twice_is_named() -> None:
+    # The operator is told which pool, tenant or tenants (never the hash, never a URL that may
+    # carry credentials).
+    two_pools = _config()
+    two_pools["pools"].append({**two_pools["pools"][0], "models": ["m2"]})
+    with pytest.raises(ConfigError, match="pool names must be unique: 'p' names two pools"):
+        parse_config(two_pools)
+    shared_key = _config()
+    shared_key["tenants"].append({**shared_key["tenants"][0], "name": "t2"})
+    with pytest.raises(ConfigError, match="an API key hash is listed twice, by tenants 't' and 't2'"):
+        parse_config(shared_key)
+    secret_url = _config()
+    secret_url["pools"][0]["workers"] = ["http://a:1", "http://u:pw@h:1", "http://u:pw@h:1"]
+    with pytest.raises(ConfigError, match="URL 3 of the 3 in that order repeats URL 2") as refused:
+        parse_config(secret_url)
+    assert "pw" not in str(refused.value)

@@ -147,6 +147,9 @@ class PolicyWatcher:
         self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
         self.moved_reads = 0  # reads thrown away because the file changed while it was read
+        # What the last failure logged was about (a content's digest, or a reason that is no
+        # content's): each rejected content is logged once, however many polls or calls meet it.
+        self._logged_failure: str | None = None
 
     def status(self) -> PolicyStatus:
         return self._status
@@ -252,24 +255,25 @@ class PolicyWatcher:
         # Recorded before the outcome is known: `check()` tries each version of the file once.
         self._stamp, self._settling.inode = stamp, stamp.inode
         self._settling.forget()
+        digest = hashlib.sha256(read.data).hexdigest()  # of the text's UTF-8: `LoadedPolicy.sha256`
         try:
             text = _decode(read.data)
         except PolicyConfigError as exc:
-            return self._fail(str(exc))
-        digest = hashlib.sha256(text.encode()).hexdigest()
+            return self._fail(str(exc), content=digest)
         if digest == self._status.sha256 and not force:
             # Same content as the running policy (e.g. a bad edit reverted): nothing to rebuild.
             self._status = replace(self._status, last_error=None, last_error_at_unix_s=None)
+            self._logged_failure = None
             return ReloadResult(swapped=False, unchanged=True, error=None, status=self._status)
         try:
             loaded = await asyncio.to_thread(load_policy_text, text, self._path.parent)
         except PolicyConfigError as exc:
-            return self._fail(str(exc))
+            return self._fail(str(exc), content=digest)
         try:
             self._on_swap(loaded)
         except Exception as exc:
             log.exception("policy swap callback failed")
-            return self._fail(f"swap failed: {type(exc).__name__}: {exc}")
+            return self._fail(f"swap failed: {type(exc).__name__}: {exc}", content=digest)
         self._mark_loaded(loaded, reload=True)
         log.info("policy reloaded: %s (sha256 %s)", loaded.config.policy, digest[:12])
         return ReloadResult(swapped=True, unchanged=False, error=None, status=self._status)
@@ -288,9 +292,14 @@ class PolicyWatcher:
             last_error=None,
             last_error_at_unix_s=None,
         )
+        self._logged_failure = None
 
-    def _fail(self, reason: str) -> ReloadResult:
-        if reason != self._status.last_error:
+    def _fail(self, reason: str, content: str | None = None) -> ReloadResult:
+        """Record a rejected attempt; logged once per rejected content (`content`, its digest), or
+        once per reason for a file that could not be read, however often it is met again."""
+        key = content or f"no content: {reason}"
+        if key != self._logged_failure:
+            self._logged_failure = key
             log.error("policy reload rejected, keeping %s: %s", self._status.policy, reason)
         self._status = replace(
             self._status,

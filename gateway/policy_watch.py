@@ -34,11 +34,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 from gateway.file_stamp import FileStamp, Settling, read_file, settle_time_s
 from policies.base import RoutingPolicy
 from policies.config import PolicyConfig, PolicyConfigError, build_policy, parse_policy_yaml
+
+if TYPE_CHECKING:
+    from gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("kvgate.policy_watch")
 
@@ -81,6 +84,9 @@ class ReloadResult:
     error: str | None
     status: PolicyStatus
 
+
+# The results `kvgate_policy_reloads_total` counts reloads by.
+APPLIED, REJECTED, UNCHANGED = "applied", "rejected", "unchanged"
 
 # What the watcher records when the file cannot be stat'ed, so a missing file fails once.
 _NO_FILE = FileStamp(-1, -1, -1, -1)
@@ -150,9 +156,18 @@ class PolicyWatcher:
         # What the last failure logged was about (a content's digest, or a reason that is no
         # content's): each rejected content is logged once, however many polls or calls meet it.
         self._logged_failure: str | None = None
+        self._metrics: GatewayMetrics | None = None
 
     def status(self) -> PolicyStatus:
         return self._status
+
+    def export_to(self, metrics: GatewayMetrics) -> None:
+        """Count each reload's result in `metrics` from now on (`kvgate_policy_reloads_total`,
+        `kvgate_policy_reload_failing`); every result's series exists from here, at 0."""
+        self._metrics = metrics
+        for result in (APPLIED, REJECTED, UNCHANGED):
+            metrics.policy_reloads.labels(result)
+        metrics.policy_reload_failing.set(1 if self._status.last_error is not None else 0)
 
     def load_initial(self) -> LoadedPolicy:
         """Synchronous first load at startup; raises `PolicyConfigError` or `OSError`. A file that
@@ -264,6 +279,7 @@ class PolicyWatcher:
             # Same content as the running policy (e.g. a bad edit reverted): nothing to rebuild.
             self._status = replace(self._status, last_error=None, last_error_at_unix_s=None)
             self._logged_failure = None
+            self._count(UNCHANGED)
             return ReloadResult(swapped=False, unchanged=True, error=None, status=self._status)
         try:
             loaded = await asyncio.to_thread(load_policy_text, text, self._path.parent)
@@ -275,6 +291,7 @@ class PolicyWatcher:
             log.exception("policy swap callback failed")
             return self._fail(f"swap failed: {type(exc).__name__}: {exc}", content=digest)
         self._mark_loaded(loaded, reload=True)
+        self._count(APPLIED)
         log.info("policy reloaded: %s (sha256 %s)", loaded.config.policy, digest[:12])
         return ReloadResult(swapped=True, unchanged=False, error=None, status=self._status)
 
@@ -301,6 +318,7 @@ class PolicyWatcher:
         if key != self._logged_failure:
             self._logged_failure = key
             log.error("policy reload rejected, keeping %s: %s", self._status.policy, reason)
+        self._count(REJECTED)
         self._status = replace(
             self._status,
             failures=self._status.failures + 1,
@@ -308,6 +326,11 @@ class PolicyWatcher:
             last_error_at_unix_s=time.time(),
         )
         return ReloadResult(swapped=False, unchanged=False, error=reason, status=self._status)
+
+    def _count(self, result: str) -> None:
+        if self._metrics is not None:
+            self._metrics.policy_reloads.labels(result).inc()
+            self._metrics.policy_reload_failing.set(1 if result == REJECTED else 0)
 
     async def _poll(self) -> None:
         delay_s = self._interval_s

@@ -256,6 +256,8 @@ def serve(
         print(f"kvgate serve: {exc}", file=sys.stderr)
         return 2
     install_token_hasher(state, loaded.policy)
+    if watcher is not None:
+        watcher.export_to(state.routing.metrics)
     if swap is not None:
         swap.state = state
         swap.after_swap.append(install_token_hasher)

@@ -46,6 +46,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvgate.policy_watch")
 
 MAX_POLICY_FILE_BYTES = 1024 * 1024
+# The check interval is used within these bounds (`policy_reload_interval_s`, docs/config.md).
+MIN_INTERVAL_S, MAX_INTERVAL_S = 0.1, 60.0
 # How many changed versions a manual reload waits to settle before it gives up on a file that a
 # writer keeps changing (each wait is at most the settle time, 1 s).
 MANUAL_SETTLE_ROUNDS = 5
@@ -129,9 +131,9 @@ class PolicyWatcher:
     """Owns the policy file: the first load, periodic checks and `reload_now()` for the admin API.
 
     `load_initial()` raises on a bad file (the gateway must not start without a policy); later bad
-    files only record an error. Checks run every `interval_s` (clamped to 0.1-60 s), sooner while a
-    changed version settles. `settle_s` defaults to `settle_time_s(interval_s)`; `monotonic_s` is
-    the clock a version's settling is timed by.
+    files only record an error. Checks run every `interval_s`, taken within `MIN_INTERVAL_S` to
+    `MAX_INTERVAL_S` (0.1-60 s), sooner while a changed version settles. `settle_s` defaults to
+    `settle_time_s(interval_s)`; `monotonic_s` is the clock a version's settling is timed by.
     """
 
     def __init__(
@@ -145,7 +147,7 @@ class PolicyWatcher:
     ) -> None:
         self._path = Path(path)
         self._on_swap = on_swap
-        self._interval_s = min(60.0, max(0.1, interval_s))
+        self._interval_s = min(MAX_INTERVAL_S, max(MIN_INTERVAL_S, interval_s))
         settle_s = settle_time_s(self._interval_s) if settle_s is None else settle_s
         self._settling = Settling(settle_s, monotonic_s)  # knows the version read last
         self._stamp: FileStamp | None = None  # the version read last (applied or not)

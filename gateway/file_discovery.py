@@ -32,25 +32,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, BinaryIO
 from urllib.parse import urlsplit
 
 import yaml
 
 from gateway.discovery import WorkerDetails, WorkerSink
-from gateway.file_stamp import FileStamp, stamp
+from gateway.file_stamp import FileRead, FileStamp, Settling, read_file, settle_time_s, stamp
 from policies.operator_yaml import OperatorYamlError, load_operator_yaml
 
 log = logging.getLogger("kvgate.discovery")
 
 MAX_FILE_BYTES = 1 << 20
 MAX_WORKERS = 1024
-MAX_SETTLE_S = 1.0
 ROLES = ("prefill", "decode")
 
 
@@ -129,21 +126,8 @@ _OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
 _DOTTED_QUAD = re.compile(rf"{_OCTET}(?:\.{_OCTET}){{3}}")
 
 
-@dataclass(frozen=True, slots=True)
-class _FileRead:
-    """One read of the file: its stamp as it was opened, and whether the stamp moved by the end."""
-
-    stamp: FileStamp
-    data: bytes
-    moved: bool
-
-
-def _read_file(path: str) -> _FileRead:
-    with open(path, "rb") as f:
-        before = FileStamp.of(os.fstat(f.fileno()))
-        data = _read_bytes(f)
-        after = FileStamp.of(os.fstat(f.fileno()))
-    return _FileRead(before, data, moved=after != before)
+def _read_file(path: str) -> FileRead:
+    return read_file(path, _read_bytes)
 
 
 def _read_bytes(f: BinaryIO) -> bytes:
@@ -158,21 +142,6 @@ def _decode(data: bytes) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError:
         raise WorkersFileError("not UTF-8") from None
-
-
-def settle_time_s(refresh_s: float) -> float:
-    """How long a file rewritten in place must go unwritten before it is read: half a check
-    interval, at most `MAX_SETTLE_S`."""
-    return min(refresh_s / 2, MAX_SETTLE_S)
-
-
-@dataclass(frozen=True, slots=True)
-class _Unsettled:
-    """A changed version waiting for its writer to be done: its stamp, and when it was first seen
-    (monotonic)."""
-
-    stamp: FileStamp
-    seen_s: float
 
 
 class FileWorkers:
@@ -192,11 +161,9 @@ class FileWorkers:
         self.refresh_s = refresh_s
         self.roles = roles
         self.settle_s = settle_time_s(refresh_s) if settle_s is None else settle_s
-        self._monotonic_s = monotonic_s
         self._stamp: FileStamp | None = None  # the version published last
         self._failed: FileStamp | None = None  # the version that failed last, counted once
-        self._inode = -1  # of the version read last, published or failed
-        self._unsettled: _Unsettled | None = None
+        self._settling = Settling(self.settle_s, monotonic_s)  # knows the version read last
         self._first: dict[str, WorkerDetails] | None = None
         self.polls = 0  # stat checks made
         self.moved_reads = 0  # reads thrown away because the file changed while it was read
@@ -205,7 +172,7 @@ class FileWorkers:
         """Read the file once: a missing or invalid file stops the start. A file that changes
         while it is read is taken as read: its new stamp differs, so the next check settles it."""
         stamp, workers = await asyncio.to_thread(self._load)
-        self._stamp, self._inode, self._first = stamp, stamp.inode, workers
+        self._stamp, self._settling.inode, self._first = stamp, stamp.inode, workers
 
     async def run(self, sink: WorkerSink) -> None:
         if self._first is None:
@@ -226,9 +193,9 @@ class FileWorkers:
         try:
             stamp = await asyncio.to_thread(self._stat)
             if stamp == self._stamp or stamp == self._failed:
-                self._unsettled = None
+                self._settling.forget()
                 return self.refresh_s
-            wait_s = self._unsettled_s(stamp)
+            wait_s = self._settling.wait_s(stamp)
             if wait_s > 0:
                 return min(wait_s, self.refresh_s)
             read = await asyncio.to_thread(_read_file, self.path)
@@ -238,7 +205,7 @@ class FileWorkers:
                 self.moved_reads += 1
                 log.debug("%s changed while it was read; read again at the next check", self.path)
                 return self.refresh_s
-            self._inode = stamp.inode  # read, whether or not it parses
+            self._settling.inode = stamp.inode  # read, whether or not it parses
             workers = await asyncio.to_thread(self._parse, read.data)
         except (OSError, WorkersFileError) as exc:
             failed = _NO_FILE if stamp is None else stamp
@@ -248,23 +215,10 @@ class FileWorkers:
                 reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
                 sink.record_error("file", f"{self.path}: {reason}; keeping the last set")
             return self.refresh_s
-        self._stamp, self._failed, self._unsettled = stamp, None, None
+        self._stamp, self._failed = stamp, None
+        self._settling.forget()
         sink.publish(workers)
         return self.refresh_s
-
-    def _unsettled_s(self, stamp: FileStamp) -> float:
-        """How long the version with `stamp` must still go unwritten before it is read: nothing
-        for a non-empty file that replaced the one read last (a new inode: renamed over it, or a
-        ConfigMap's symlink swapped), else what remains of `settle_s` since this process first saw
-        it (a write since would have changed its stamp). Only our own clock counts: a modification
-        time from a server's clock that runs behind, or kept to the second, would make a write
-        just made look settled."""
-        if stamp.inode != self._inode and stamp.size > 0:
-            return 0.0
-        now_s = self._monotonic_s()
-        if self._unsettled is None or self._unsettled.stamp != stamp:
-            self._unsettled = _Unsettled(stamp, now_s)
-        return max(0.0, self.settle_s - (now_s - self._unsettled.seen_s))
 
     def _stat(self) -> FileStamp:
         return stamp(self.path)

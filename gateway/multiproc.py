@@ -17,6 +17,9 @@ group stops. A child whose heartbeat (`gateway.heartbeat`) stops for `--watchdog
 loop stuck, has its process group killed and is restarted the same way, within the same budget.
 SIGTERM or SIGINT goes on to every child's process group (each drains as a single gateway does),
 then whatever is left after the drain deadline is killed; children are stopped by PID, always.
+SIGHUP goes on to every live child as SIGHUP, which reloads its policy file; a child starts with
+SIGHUP ignored until its server takes it (one still starting reads the file as it starts, and its
+watcher sees later changes), so a reload is never a child's death.
 """
 
 from __future__ import annotations
@@ -71,6 +74,14 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _child_setup() -> None:
+    """In a child before it runs the gateway: it dies with the supervisor (Linux), and ignores
+    SIGHUP until its server takes it as a reload (an ignored signal stays ignored across exec)."""
+    if sys.platform.startswith("linux"):
+        _die_with_parent()
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+
 def _heartbeat_file(folder: Path, i: int) -> Path:
     return folder / f"heartbeat-{i}"
 
@@ -122,8 +133,18 @@ class Children:
             stdin=subprocess.DEVNULL,
             env=env,
             start_new_session=True,  # a terminal's Ctrl-C reaches the supervisor only
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            preexec_fn=_child_setup,
         )
+
+    def reload(self) -> int:
+        """SIGHUP to every live child, by PID: each reloads its policy file. How many were sent."""
+        sent = 0
+        for proc in self.procs:
+            if proc is not None and proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGHUP)
+                    sent += 1
+        return sent
 
     def _not_ready(self, i: int) -> None:
         if self.ready_dir is not None:
@@ -272,11 +293,12 @@ def _run(args: argparse.Namespace, source: tuple[Path, GatewayConfig, dict[str, 
     broker: LocalBroker | None = None
     url = config.sync.url
     stopping: list[int] = []
+    reloads: list[int] = []
 
     def on_signal(sig: int, _frame: object) -> None:
-        stopping.append(sig)
+        (reloads if sig == signal.SIGHUP else stopping).append(sig)
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     children: Children | None = None
     try:
         if url is None:
@@ -318,6 +340,13 @@ def _run(args: argparse.Namespace, source: tuple[Path, GatewayConfig, dict[str, 
             flush=True,
         )
         while not stopping:
+            if reloads:
+                reloads.clear()  # several SIGHUPs before this poll: one reload
+                sent = children.reload()
+                print(
+                    f"kvgate serve: SIGHUP: {sent} gateway processes asked to reload the policy file",
+                    flush=True,
+                )
             if not children.watch():
                 return 1
             time.sleep(0.2)

@@ -7,6 +7,10 @@ with a terminal error event, requests still queued or waiting on a worker with a
 `gateway_shutting_down`. uvicorn's own timeout comes `LAST_RESORT_MARGIN_S` later and finds
 nothing left. A second Ctrl-C forces the exit.
 
+SIGHUP reloads the policy file (`PolicyWatcher.reload_now`, as `POST /admin/policy/reload` does),
+as operators of nginx and systemd's `ExecReload=kill -HUP $MAINPID` expect; it never stops the
+gateway. Without a policy file it logs that there is nothing to reload.
+
 Client connections are served by `GuardedHttpToolsProtocol` (gateway/http_limits.py), whose
 deadlines are checked from uvicorn's own periodic tick. `GET /metrics` is served on a listener of
 its own (`metrics.listen`), never on the client port.
@@ -15,12 +19,16 @@ its own (`metrics.listen`), never on the client port.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import math
+import signal
 import socket
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from types import FrameType
 from typing import Literal
 
@@ -53,9 +61,12 @@ class DrainingServer(uvicorn.Server):
         state: GatewayState,
         metrics_app: ASGIApp,
         metrics_socket: socket.socket,
+        watcher: PolicyWatcher | None = None,
     ) -> None:
         super().__init__(config)
         self._state = state
+        self._watcher = watcher
+        self._reloads: set[asyncio.Task[None]] = set()  # SIGHUP reloads under way
         self._guard = ClientGuard(ClientLimits.of(state.config.limits), state.routing.metrics.client_refusals)
         self.server_state = GuardedServerState(self._guard)
         self._metrics_config = _uvicorn_config(metrics_app, state.config, lifespan="off")
@@ -69,7 +80,50 @@ class DrainingServer(uvicorn.Server):
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
+        with self._reload_on_sighup():
+            await super().serve(sockets)
+
+    @contextlib.contextmanager
+    def _reload_on_sighup(self) -> Iterator[None]:
+        # As uvicorn's own signals: set from the main thread only, and given back after.
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = signal.signal(signal.SIGHUP, self.handle_reload)
+        try:
+            yield
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGHUP, previous)
+
+    def handle_reload(self, sig: int, frame: FrameType | None) -> None:
+        """SIGHUP: reload the policy file on the loop (the handler runs between two bytecodes of
+        whatever the main thread was doing)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._start_reload)
+
+    def _start_reload(self) -> None:
+        task = asyncio.ensure_future(self._reload())
+        self._reloads.add(task)
+        task.add_done_callback(self._reloads.discard)
+
+    async def _reload(self) -> None:
+        if self._watcher is None:
+            log.info("SIGHUP: no policy file to reload (the config names none); still serving")
+            return
+        path = self._watcher.status().path
+        log.info("SIGHUP: reloading the policy file", extra={"path": path})
+        try:
+            result = await self._watcher.reload_now()
+        except Exception:
+            log.exception("SIGHUP: the policy reload failed; the running policy stays")
+            return
+        outcome = "applied" if result.swapped else "unchanged" if result.unchanged else "rejected"
+        log.info(
+            "SIGHUP: policy reload %s",
+            outcome,
+            extra={"path": path, "result": outcome, "policy": result.status.policy, "error": result.error},
+        )
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
@@ -257,6 +311,8 @@ def serve(
         print(f"kvgate serve: {exc}", file=sys.stderr)
         return 2
     install_token_hasher(state, loaded.policy)
+    if watcher is not None:
+        watcher.export_to(state.routing.metrics)
     if swap is not None:
         swap.state = state
         swap.after_swap.append(install_token_hasher)
@@ -278,7 +334,9 @@ def serve(
         print(f"kvgate serve: {exc}", file=sys.stderr)
         return 2
     client_socket, metrics_socket = sockets
-    server = DrainingServer(_uvicorn_config(app, config), state, build_metrics_app(state), metrics_socket)
+    server = DrainingServer(
+        _uvicorn_config(app, config), state, build_metrics_app(state), metrics_socket, watcher
+    )
     # With reuse_port the client port is shared with the other `kvgate serve --processes N`
     # processes (gateway/multiproc.py).
     server.run(sockets=[client_socket])  # uvicorn's loop factory: uvloop when installed

@@ -207,6 +207,14 @@ class MetricCatalogue:
             "share of limits.max_buffered_answer_bytes (the client got 503 gateway_overloaded)",
             ("tenant",),
         )
+        # The policy file (`gateway.policy_watch`).
+        self.policy_reloads = hot.counter(
+            "kvgate_policy_reloads",
+            "Reloads of the policy file (a changed version the watcher read, an admin call, SIGHUP) by"
+            " result: applied (a new policy runs), rejected (the file could not be read, parsed or"
+            " built: the running policy stays), unchanged (its content is the running policy's)",
+            ("result",),
+        )
         r.register(hot)
         # Copied or set at scrape time.
         self.policy_events = SnapshotCounter(
@@ -215,6 +223,12 @@ class MetricCatalogue:
             ("policy", "event"),
         )
         r.register(self.policy_events)
+        self.policy_reload_failing = Gauge(
+            "kvgate_policy_reload_failing",
+            "1 while the last reload of the policy file was rejected: the running policy is not the"
+            " file's (0 once a reload applies it or finds it unchanged)",
+            registry=r,
+        )
         self.public_prefixes = Gauge(
             "kvgate_public_prefixes", "Prefixes promoted to the public namespace now", ["policy"], registry=r
         )

@@ -85,7 +85,7 @@ async def test_bad_file_keeps_running_policy_and_says_why(policy_file: Path, tex
 @pytest.mark.parametrize("text", ["", "   \n\t\n"])
 async def test_empty_file_is_refused_not_read_as_defaults(policy_file: Path, text: str) -> None:
     swaps = Swaps()
-    w = PolicyWatcher(policy_file, swaps)
+    w = PolicyWatcher(policy_file, swaps, settle_s=0)  # an empty file waits to settle: none here
     w.load_initial()
     write(policy_file, text)
     result = await w.check()

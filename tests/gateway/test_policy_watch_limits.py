@@ -56,7 +56,7 @@ async def test_an_alias_bomb_is_refused_before_it_is_built_and_the_old_policy_st
 )
 async def test_a_bad_file_counts_once_however_often_it_is_polled(policy_file: Path, content: bytes) -> None:
     swaps = Swaps()
-    w = PolicyWatcher(policy_file, swaps)
+    w = PolicyWatcher(policy_file, swaps, settle_s=0)  # written in place: no wait to settle here
     w.load_initial()
     write_bytes(policy_file, content)
     first = await w.check()

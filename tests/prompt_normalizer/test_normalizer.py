@@ -252,7 +252,8 @@ def test_drift_never_names_a_message_key_the_client_made_up() -> None:
     secret = "ZEBRAKEY my secret prompt text in a key " + "K" * 5000
     first = norm.canonicalize("chat", chat({**sys_msg(), secret: "v"}, user("q1"), user="u-k"), IDENT)
     assert first.drift is not None and not first.drift.session_seen
-    changed = norm.canonicalize("chat", chat({**sys_msg("other"), secret: "v"}, user("q1"), user="u-k"), IDENT)
+    body = chat({**sys_msg("other"), secret: "v"}, user("q1"), user="u-k")
+    changed = norm.canonicalize("chat", body, IDENT)
     report = changed.drift
     assert report is not None and report.first_diff_block is not None
     assert report.field == "messages[0].content"

@@ -25,7 +25,7 @@ from prompt_normalizer.lax import lax_bool, lax_int
 # Body fields that steer an engine's internals rather than the answer. A tenant must not set
 # them: `kv_transfer_params` (vLLM disaggregated prefill: where KV is pulled from or pushed to),
 # `rid` (SGLang's engine request id; the gateway names requests itself), `data_parallel_rank`
-# (pins an engine rank), `bootstrap_host` / `bootstrap_port` / `bootstrap_room` (SGLang
+# and SGLang's newer rank fields (pin an engine rank), `bootstrap_host` / `bootstrap_port` / `bootstrap_room` (SGLang
 # prefill-decode transfer), `prompt_embeds` (bypasses tokenization, so the prefix keys could not
 # describe the prompt). They are refused with 400, naming the field. vLLM's own `request_id` is
 # passed through: the gateway's `X-Request-Id` header names the request inside vLLM whatever the
@@ -38,6 +38,15 @@ ENGINE_INTERNAL_FIELDS = frozenset(
         "kv_transfer_params",
         "rid",
         "data_parallel_rank",
+        # SGLang's newer names for the data-parallel rank a request runs on (and, in a P/D pair,
+        # the prefill rank its KV comes from): a tenant must not pin its load on one rank.
+        "routed_dp_rank",
+        "prefill_dp_rank",
+        "decode_dp_rank",
+        "disagg_prefill_dp_rank",
+        # SGLang: serialized code the engine runs (when it allows it), and engine-side sessions.
+        "custom_logit_processor",
+        "session_params",
         "bootstrap_host",
         "bootstrap_port",
         "bootstrap_room",

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
+import secrets
 import time
 from typing import Any
 from urllib.parse import urlsplit
@@ -274,7 +274,7 @@ class PdRun:
         bootstrap = {
             "bootstrap_host": urlsplit(workers[0].url).hostname,
             "bootstrap_port": self.pd.bootstrap_port_of(workers[0].url),
-            "bootstrap_room": random.getrandbits(63),
+            "bootstrap_room": secrets.randbits(63),
         }
         a.renew_response_id()  # a new round: its legs name a new id, the same one
         p_body, d_body = sglang_bodies(a, prefill, bootstrap)

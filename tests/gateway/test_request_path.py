@@ -79,7 +79,16 @@ async def test_internal_request_id_is_sent_upstream_and_the_client_id_only_echoe
 
 
 async def test_engine_internal_fields_are_refused(rig: Rig) -> None:
-    for name in ("kv_transfer_params", "rid", "data_parallel_rank", "prompt_embeds"):
+    for name in (
+        "kv_transfer_params",
+        "rid",
+        "data_parallel_rank",
+        "prompt_embeds",
+        "routed_dp_rank",
+        "disagg_prefill_dp_rank",
+        "custom_logit_processor",
+        "session_params",
+    ):
         resp = await rig.chat(**{name: 1})
         assert resp.status_code == 400
         error = orjson.loads(resp.content)["error"]

@@ -103,6 +103,11 @@ def _entry(i: int, entry: Any) -> tuple[str, str | None]:
         parts.port  # noqa: B018 - raises on a port that is not a number in range
     except ValueError:
         raise WorkersFileError(f"entry {i}: not a valid URL") from None
+    if "@" in parts.netloc:
+        raise WorkersFileError(
+            f"entry {i}: a worker URL must not carry credentials (user:password@host): give the "
+            "workers' key as worker_api_key_file or worker_api_key_env"
+        )
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.path or parts.query:
         raise WorkersFileError(f"entry {i}: a worker is a base URL, http(s)://host:port")
     if _partial_address(parts.hostname):

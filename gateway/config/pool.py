@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
@@ -146,6 +147,12 @@ class PoolConfig(Frozen):
     @classmethod
     def _urls(cls, urls: list[str]) -> list[str]:
         for url in urls:
+            if "@" in urlsplit(url).netloc:
+                # Never echoed: a worker URL is a metrics label, a log field and an admin value.
+                raise ValueError(
+                    "a worker URL must not carry credentials (user:password@host): "
+                    "give the workers' key as worker_api_key_file or worker_api_key_env"
+                )
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"worker URL {url!r} must start with http:// or https://")
         return [u.rstrip("/") for u in urls]

@@ -123,8 +123,21 @@ def test_a_name_or_key_said_twice_is_named() -> None:
     shared_key["tenants"].append({**shared_key["tenants"][0], "name": "t2"})
     with pytest.raises(ConfigError, match="an API key hash is listed twice, by tenants 't' and 't2'"):
         parse_config(shared_key)
-    secret_url = _config()
-    secret_url["pools"][0]["workers"] = ["http://a:1", "http://u:pw@h:1", "http://u:pw@h:1"]
-    with pytest.raises(ConfigError, match="URL 3 of the 3 in that order repeats URL 2") as refused:
-        parse_config(secret_url)
-    assert "pw" not in str(refused.value)
+    urls = _config()
+    urls["pools"][0]["workers"] = ["http://a:1", "http://h:1", "http://h:1"]
+    with pytest.raises(ConfigError, match="URL 3 of the 3 in that order repeats URL 2"):
+        parse_config(urls)
+
+
+def test_a_worker_url_with_credentials_is_refused_without_echoing_them() -> None:
+    # The URL is a metrics label (on the unauthenticated metrics port), a log field and an admin
+    # value: a password in it would be published.
+    for role in ("workers", "prefill_workers"):
+        config = _config()
+        config["pools"][0][role] = ["http://kvuser:SuperSecretPw@127.0.0.1:18101"]
+        if role != "workers":
+            config["pools"][0]["pd"] = {}
+            config["pools"][0]["decode_workers"] = ["http://127.0.0.1:18102"]
+        with pytest.raises(ConfigError, match="must not carry credentials") as refused:
+            parse_config(config)
+        assert "SuperSecretPw" not in str(refused.value)

@@ -69,11 +69,13 @@ def test_a_list_or_a_mapping_of_urls_and_roles() -> None:
         ("workers: [http://a:1]\nextra: 1\n", False, "expected a list"),
         ("- [unclosed\n", False, "not valid YAML"),
         ("a: 1\na: 2\n", False, "duplicate key"),
+        ("- http://user:pw@a:1\n", False, "must not carry credentials"),  # never echoed
     ],
 )
 def test_what_a_file_may_not_say(text: str, roles: bool, message: str) -> None:
-    with pytest.raises(WorkersFileError, match=message):
+    with pytest.raises(WorkersFileError, match=message) as refused:
         parse_workers(text, roles=roles)
+    assert "pw" not in str(refused.value)
 
 
 def test_at_most_max_workers() -> None:

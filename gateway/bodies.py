@@ -22,17 +22,17 @@ from gateway.routes import ApiRoute
 from prompt_normalizer.generate_input import GENERATE_PROMPT_FIELDS
 from prompt_normalizer.lax import lax_bool, lax_int
 
-# Body fields that steer an engine's internals rather than the answer. A tenant must not set
-# them: `kv_transfer_params` (vLLM disaggregated prefill: where KV is pulled from or pushed to),
-# `rid` (SGLang's engine request id; the gateway names requests itself), `data_parallel_rank`
-# and SGLang's newer rank fields (pin an engine rank), `bootstrap_host` / `bootstrap_port` /
-# `bootstrap_room` (SGLang prefill-decode transfer), `prompt_embeds` (bypasses tokenization, so
-# the prefix keys could not describe the prompt). They are refused with 400, naming the field. vLLM's own `request_id` is
+# Body fields that steer an engine's internals rather than the answer. A tenant must not set them:
+# `kv_transfer_params` (vLLM disaggregated prefill: where KV is pulled from or pushed to), `rid`
+# (SGLang's engine request id; the gateway names requests itself), `data_parallel_rank` and SGLang's
+# newer rank fields (pin an engine rank), `bootstrap_host` / `bootstrap_port` / `bootstrap_room`
+# (SGLang prefill-decode transfer), `prompt_embeds` (bypasses tokenization, so the prefix keys could
+# not describe the prompt). They are refused with 400, naming the field. vLLM's own `request_id` is
 # passed through: the gateway's `X-Request-Id` header names the request inside vLLM whatever the
-# body says (on the Responses route `request_id` names the response). `priority` is read (it
-# orders the tenant's own requests in the gateway's queue) and never forwarded as sent: engines
-# order every tenant's requests by it, so the gateway sends the tenant's own (`engine_priority`).
-# `cache_salt` is not refused: the gateway always replaces it with its own.
+# body says (on the Responses route `request_id` names the response). `priority` is read (it orders
+# the tenant's own requests in the gateway's queue) and never forwarded as sent: engines order every
+# tenant's requests by it, so the gateway sends the tenant's own (`engine_priority`). `cache_salt`
+# is not refused: the gateway always replaces it with its own.
 ENGINE_INTERNAL_FIELDS = frozenset(
     {
         "kv_transfer_params",

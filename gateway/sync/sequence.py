@@ -30,6 +30,10 @@ class SenderSequences:
 
     MAX_SENDERS = 4096
     MEMORY_S = 2 * MAX_CLOCK_SKEW_S
+    # The most one gap counts as lost: a sender batches at most every few milliseconds, so a gap
+    # beyond this is a made-up number (a forger numbering past a real peer), not traffic lost,
+    # and counted whole it would make `lost_batches` jump by up to 2^63.
+    MAX_COUNTED_GAP = 1 << 20
 
     __slots__ = ("_newest", "lost", "replayed")
 
@@ -47,7 +51,8 @@ class SenderSequences:
             if seq <= found[0]:
                 self.replayed += 1
                 return False
-            self.lost += seq - found[0] - 1
+            gap = seq - found[0] - 1
+            self.lost += gap if gap < self.MAX_COUNTED_GAP else self.MAX_COUNTED_GAP
         newest.pop(origin, None)
         newest[origin] = (seq, now_s)
         self.expire(now_s)

@@ -98,3 +98,13 @@ def test_the_senders_remembered_are_bounded_the_least_recently_heard_forgotten_f
     assert not seqs.admit("real", 6, 5.0)
     assert seqs.replayed == 2 and seqs.lost == 0
     seqs.check_invariants()
+
+
+def test_a_made_up_jump_in_a_senders_numbers_counts_a_bounded_loss() -> None:
+    # A batch numbered 2^62 by someone holding the broker's token is no loss of 2^62 batches: each
+    # gap counts at most MAX_COUNTED_GAP, so `lost_batches` stays a count of traffic.
+    seqs = SenderSequences()
+    assert seqs.admit("peer", 1, 0.0) and seqs.admit("peer", 3, 0.1)
+    assert seqs.lost == 1
+    assert seqs.admit("peer", 2**62, 0.2)
+    assert seqs.lost == 1 + SenderSequences.MAX_COUNTED_GAP

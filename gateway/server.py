@@ -269,8 +269,10 @@ def _uvicorn_config(
         port=config.listen.port,
         http=GuardedHttpToolsProtocol,
         ws="none",  # no upgrades: every connection stays under the client limits
-        log_config=None,  # its loggers write through the root's JSON handler (`logs.setup_logging`)
-        log_level="warning",
+        # Its loggers write through the root's JSON handler at the root's level
+        # (`logs.setup_logging`: warning, or `log_level` when higher).
+        log_config=None,
+        log_level=None,
         access_log=False,
         lifespan=lifespan,
         timeout_graceful_shutdown=server_timeout_s(config.drain),

@@ -60,9 +60,9 @@ TRACE_CONTEXT_HEADERS = frozenset(h.decode() for h in _TRACE_HEADERS)
 # W3C Trace Context's `tracestate`: comma-separated list members `key=value` (empty members and
 # spaces or tabs around each allowed), keys unique. A client's header outside this grammar or
 # these bounds is dropped before the propagator sees it: the OpenTelemetry API's parser logs an
-# invalid member's whole text, once per request. 512 characters is what the spec asks every
-# vendor to pass on at least.
-MAX_TRACESTATE_CHARS = 512
+# invalid member's whole text, once per request, and a warning for a header longer than 8,192
+# characters (its own bound; W3C asks every vendor to pass on at least 512).
+MAX_TRACESTATE_CHARS = 8192
 MAX_TRACESTATE_MEMBERS = 32
 _TRACESTATE_KEY_CHARS = r"[a-z0-9_\-*/]"
 _TRACESTATE_KEY = (

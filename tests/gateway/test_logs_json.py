@@ -95,6 +95,20 @@ def test_uvicorn_without_its_own_log_config_logs_json_lines(capsys: pytest.Captu
     ]
 
 
+def test_uvicorns_warnings_keep_to_a_log_level_above_warning(capsys: pytest.CaptureFixture[str]) -> None:
+    with logging_restored("uvicorn", "uvicorn.error", "uvicorn.access", "uvicorn.asgi"):
+        for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+            logging.getLogger(name).handlers.clear()
+            logging.getLogger(name).setLevel(logging.NOTSET)
+            logging.getLogger(name).propagate = True
+        setup_logging("error")
+        _uvicorn_config(lambda: None, parse_config(CONFIG))  # type: ignore[arg-type]
+        logging.getLogger("uvicorn.error").warning("not shown at --log-level error")
+        logging.getLogger("uvicorn.error").error("shown")
+        records = _lines(capsys.readouterr().err)
+    assert [r["msg"] for r in records] == ["shown"]
+
+
 def test_a_gateway_process_writes_the_otlp_exporters_failures_as_json_lines(
     emulator: str, tmp_path: Path
 ) -> None:

@@ -22,6 +22,7 @@ ALERTS = {
     "KvgateDiscoveryErrors",
     "KvgateKvEventsStale",
     "KvgateAnswerBudgetRefusals",
+    "KvgatePolicyReloadFailing",
 }
 # Labels Prometheus (through the operator's ServiceMonitor or PodMonitor) adds to every target.
 TARGET_LABELS = {"namespace", "pod", "job", "instance", "container", "service", "endpoint"}

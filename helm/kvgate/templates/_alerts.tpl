@@ -75,4 +75,11 @@ namespace and the job the chart's ServiceMonitor (the metrics Service's name) or
   annotations:
     summary: {{ `Gateway {{ $labels.pod }} cuts whole answers off at its memory budget` | quote }}
     description: "Clients get 503 gateway_overloaded: raise limits.max_buffered_answer_bytes together with the memory limit, add replicas, or have clients stream."
+- alert: KvgatePolicyReloadFailing
+  expr: max by (namespace, pod) (kvgate_policy_reload_failing{ {{- $s -}} }) == 1
+  for: 5m
+  labels: {severity: warning}
+  annotations:
+    summary: {{ `Gateway {{ $labels.pod }} refuses its policy file` | quote }}
+    description: "It routes with the policy it had before the last change of the file: its log line 'policy reload rejected' (or GET /admin/status) names the field; fix the file (a ConfigMap change is picked up within policy_reload_interval_s)."
 {{- end }}

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -278,3 +279,12 @@ class WaitingOnWorker:
     def __exit__(self, *exc: object) -> None:
         self._lifecycle.dispatch_ended(self._task)
         self._guard.close()
+
+
+def in_terminal() -> bool:
+    """Whether the process runs in the foreground of a terminal (its stdin is one): there SIGHUP is
+    the terminal's hangup, not a request to reload."""
+    try:
+        return sys.stdin is not None and sys.stdin.isatty()
+    except (OSError, ValueError):  # a closed or detached stdin
+        return False

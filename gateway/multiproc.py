@@ -48,7 +48,7 @@ from gateway.config.base import ConfigError
 from gateway.decision_log import ORIGIN_ENV, open_log
 from gateway.demo import _die_with_parent
 from gateway.heartbeat import HEARTBEAT_ENV, MIN_TIMEOUT_S, Watchdog, read_stamp, touch_stamp
-from gateway.lifecycle import PEERS_READY_ENV, READY_FILE_ENV
+from gateway.lifecycle import PEERS_READY_ENV, READY_FILE_ENV, in_terminal
 from gateway.policy_watch import LoadedPolicy
 from gateway.serve import read_start_secrets, with_listen, with_sync
 from gateway.sync.broker import NO_NATS_SERVER, BrokerUnavailable, LocalBroker, nats_server_path
@@ -295,8 +295,11 @@ def _run(args: argparse.Namespace, source: tuple[Path, GatewayConfig, dict[str, 
     stopping: list[int] = []
     reloads: list[int] = []
 
+    # In a terminal's foreground a SIGHUP is its hangup: everything stops, as on SIGTERM.
+    hangup_stops = in_terminal()
+
     def on_signal(sig: int, _frame: object) -> None:
-        (reloads if sig == signal.SIGHUP else stopping).append(sig)
+        (reloads if sig == signal.SIGHUP and not hangup_stops else stopping).append(sig)
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     children: Children | None = None

@@ -8,8 +8,10 @@ with a terminal error event, requests still queued or waiting on a worker with a
 nothing left. A second Ctrl-C forces the exit.
 
 SIGHUP reloads the policy file (`PolicyWatcher.reload_now`, as `POST /admin/policy/reload` does),
-as operators of nginx and systemd's `ExecReload=kill -HUP $MAINPID` expect; it never stops the
-gateway. Without a policy file it logs that there is nothing to reload.
+as operators of nginx and systemd's `ExecReload=kill -HUP $MAINPID` expect. Without a policy file
+it logs that there is nothing to reload. A gateway run in the foreground of a terminal (its stdin
+one) takes SIGHUP as the terminal's hangup instead, and stops as on the first SIGTERM: closing the
+terminal does not leave it running in the background.
 
 Client connections are served by `GuardedHttpToolsProtocol` (gateway/http_limits.py), whose
 deadlines are checked from uvicorn's own periodic tick. `GET /metrics` is served on a listener of
@@ -42,6 +44,7 @@ from gateway.file_discovery import FileWorkers, WorkersFileError
 from gateway.http_guard import ClientGuard, ClientLimits, GuardedServerState
 from gateway.http_limits import GuardedHttpToolsProtocol
 from gateway.k8s.api import KubernetesSetupError, check_access
+from gateway.lifecycle import in_terminal
 from gateway.policy_watch import LoadedPolicy, PolicyWatcher
 from gateway.precise import install_token_hasher
 from gateway.state import GatewayState, PolicySwap, build_state
@@ -89,7 +92,8 @@ class DrainingServer(uvicorn.Server):
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        previous = signal.signal(signal.SIGHUP, self.handle_reload)
+        handler = self.handle_exit if in_terminal() else self.handle_reload
+        previous = signal.signal(signal.SIGHUP, handler)
         try:
             yield
         finally:

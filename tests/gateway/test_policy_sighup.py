@@ -1,10 +1,14 @@
 """SIGHUP reloads the policy file of a real `kvgate serve` process (and of every process under
-`--processes N`, through the supervisor) and never stops it: it keeps serving, and says so."""
+`--processes N`, through the supervisor) and never stops it: it keeps serving, and says so. In a
+terminal's foreground it is the terminal's hangup, and the gateway stops."""
 
 from __future__ import annotations
 
+import os
+import pty
 import re
 import signal
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +19,7 @@ import pytest
 
 from gateway.auth import hash_api_key
 from tests.support.gateway_config import SECRET, tenant, write_gateway_config
-from tests.support.processes import Proc, free_port, start, start_gateway, wait_http
+from tests.support.processes import REPO, Proc, free_port, start, start_gateway, wait_http
 from tests.support.wait import wait_until_sync
 
 ADMIN_KEY = "sk-admin-sighup"
@@ -138,3 +142,34 @@ def _children(pid: int) -> set[int]:
         if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"gateway.cli" in cmdline:
             out.add(int(entry.name))
     return out
+
+
+def test_a_gateway_in_a_terminals_foreground_stops_on_its_hangup(tmp_path: Path, emulator: str) -> None:
+    # Its stdin a terminal: SIGHUP is the terminal closing, and the gateway stops (drained, as on
+    # SIGTERM) rather than stay in the background holding its port.
+    config = _config(tmp_path, emulator, policy=True)
+    port = free_port()
+    leader, follower = pty.openpty()
+    log_path = tmp_path / "gateway.log"
+    argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port", str(port)]
+    argv += ["--metrics-port", "0"]
+    with open(log_path, "wb") as log_file:
+        popen = subprocess.Popen(
+            argv,
+            cwd=REPO,
+            stdin=follower,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "KVGATE_KEY_SECRET": SECRET.decode()},
+        )
+    os.close(follower)
+    proc = Proc(popen, log_path)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/readyz", proc)
+        popen.send_signal(signal.SIGHUP)
+        assert popen.wait(timeout=60) == 0
+        assert "SIGHUP: reloading" not in proc.output()
+    finally:
+        proc.stop()
+        os.close(leader)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from typing import Any
 
@@ -19,6 +20,7 @@ from gateway.config import GatewayConfig, load_config, read_secret, revalidated
 from gateway.config.base import ConfigError
 from gateway.config.pool import read_worker_key
 from gateway.config.sync import SyncConfig
+from gateway.lifecycle import in_terminal
 from gateway.logs import LOG_LEVELS, setup_logging
 from gateway.policy_watch import LoadedPolicy, PolicyWatcher
 from gateway.state import PolicySwap, warn_unknown_names
@@ -217,6 +219,10 @@ def with_sync(config: GatewayConfig, url: str | None, token_env: str | None) -> 
 def run(args: argparse.Namespace) -> int:
     from gateway.server import serve  # uvicorn is imported only when serving
 
+    if not in_terminal():
+        # A service's SIGHUP asks for a reload: ignored until the server (or the supervisor)
+        # takes it, so one that comes while the gateway starts cannot kill it.
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     setup_logging(args.log_level or "info")
     try:
         apply_mode_flags(args)

@@ -32,19 +32,21 @@ with X (`_Streak`: since W last served a pair, all with X):
   retrial  W is no longer avoided, and its next failure with X (X having served since) convicts
            it: its breaker counts each round of the streak, then each later one.
 
-Any of these clears W: a pair it serves; a failure of X paired inconclusively with any other
-worker since the streak began (X fails without W, in whichever order within a request);
-`WITHIN_S` with no failure of W with X. So X failing every other pair fails the first probe; X
-that had a bad spell and recovered serves the retrial with W; X with no other partner (one
-prefill and one decode worker) serves only with W, which clears W; and X failing a share f of
-its pairs at random gets W convicted only if W failed four times and X passed 32 probes in a
-row between the last two, at most f⁴(1 − f)³² < 4e-6 of W's streaks, each ending in a breaker
-opened for one cooldown (a simulation of 200,000 requests with f from 0.05 to 0.3 saw none). A
-pool that serves fewer than `PROBES` such pairs of X within `WITHIN_S` never convicts W, which it
-then tries again a window after its last failure. A broken W costs `SUSPECT_ROUNDS` + 1 rounds, then its
-breaker keeps it out (a half-open trial that fails so while the streak lasts reopens it). The
-rule holds in any pool, for a worker whose failures so are all with one partner (two pairs
-always tried in the same order, say); with two partners or more, triangulation weighs it.
+Any of these clears W: a pair it serves; a failure of X paired inconclusively, since the streak
+began, with another worker that has served a pair since (X fails without W; a worker that never
+serves may be broken as W is, and two broken workers sharing their one partner would otherwise
+clear each other for ever); `WITHIN_S` with no failure of W with X. So X failing every other
+pair fails the first probe; X that had a bad spell and recovered serves the retrial with W; X
+with no other partner (one prefill and one decode worker) serves only with W, which clears W;
+and X failing a share f of its pairs at random gets W convicted only if W failed four times and
+X passed 32 probes in a row between the last two, at most f⁴(1 − f)³² < 4e-6 of W's streaks,
+each ending in a breaker opened for one cooldown (a simulation of 200,000 requests with f from
+0.05 to 0.3 saw none). A pool that serves fewer than `PROBES` such pairs of X within `WITHIN_S`
+never convicts W, which it then tries again a window after its last failure. A broken W costs
+`SUSPECT_ROUNDS` + 1 rounds, then its breaker keeps it out (a half-open trial that fails so
+while the streak lasts reopens it). The rule holds in any pool, for a worker whose failures so
+are all with one partner (two pairs always tried in the same order, say); with two partners or
+more, triangulation weighs it.
 
 An overloaded decode worker's 503 or 529 is not inconclusive: it took no part in the transfer,
 and is its own (`pd_legs.decode_leg`).
@@ -143,7 +145,6 @@ class InconclusivePairs:
         """A pair failed pointing at neither worker, in a request since served: count it, and
         blame (failures on the breaker unless open) whichever of the two it shows at fault."""
         p, d = prefill.worker_id, decode.worker_id
-        # The streaks first: they read each partner's latest failure before this one is counted.
         rounds = (self._streak(prefill, d, True, now_s), self._streak(decode, p, False, now_s))
         self._pair_failed(p, d, now_s)
         self._pair_failed(d, p, now_s)
@@ -222,14 +223,25 @@ class InconclusivePairs:
         return now_s - streak.last_s >= WITHIN_S or self._failed_elsewhere(streak)
 
     def _failed_elsewhere(self, streak: _Streak) -> bool:
-        """Whether the streak's partner failed inconclusively with another worker since it began.
-        Its latest such failure tells: a later one with the streak's worker is counted only after
-        this is read (`note`)."""
+        """Whether the streak's partner failed inconclusively, since the streak began, with
+        another worker that has served a pair since (so it works: two workers broken alike, that
+        only ever fail with their one partner, do not clear each other)."""
         partners = self._failed.get(streak.partner)
         if not partners:
             return False
-        other, failed = next(reversed(partners.items()))
-        return other != streak.worker.worker_id and failed.last_s >= streak.since_s
+        worker = streak.worker.worker_id
+        for other, failed in partners.items():
+            if other != worker and self._worked_s(other, failed) >= streak.since_s:
+                return True
+        return False
+
+    def _worked_s(self, worker: WorkerId, failed: _Failed) -> float:
+        """The latest of `worker`'s failures in `failed` (with one partner) that it has served a
+        pair since; -inf for none."""
+        served = self._served.get(worker, -math.inf)
+        if served >= failed.last_s:
+            return failed.last_s
+        return failed.first_s if served >= failed.first_s else -math.inf
 
     def _pair_failed(self, worker: WorkerId, partner: WorkerId, now_s: float) -> None:
         failed = self._failed

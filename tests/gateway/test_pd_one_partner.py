@@ -53,6 +53,27 @@ async def test_with_one_decode_worker_a_stuck_prefill_worker_has_its_breaker_ope
         assert fleet.prefill_legs <= SUSPECT_ROUNDS + 2
 
 
+@pytest.mark.parametrize("shape", ["3:1", "1:3"])
+async def test_two_broken_workers_sharing_their_one_partner_have_their_breakers_opened(shape: str) -> None:
+    """Two prefill workers whose every pair with the one decode worker is inconclusive (or two
+    decode workers answering 500 to every pair of the one prefill worker): the third worker of
+    their role serves each request. Neither broken worker's failures clear the other's (their
+    partner failing with a worker that never serves shows nothing about the partner)."""
+    prefills, decodes = map(int, shape.split(":"))
+    broken = ("p1", "p2") if prefills == 3 else ("d1", "d2")
+    pairs = {("p1", "d1"), ("p2", "d1")} if prefills == 3 else {("p1", "d1"), ("p1", "d2")}
+    fleet = Fleet(failing_pairs=frozenset(pairs))
+    async with sglang_rig(fleet, prefills=prefills, decodes=decodes, connect_s=CONNECT_S) as rig:
+        for name in broken:
+            await _until_open(rig, name)
+        healthy = ("p3", "d1") if prefills == 3 else ("p1", "d3")
+        assert all(rig.breaker(name).failures == 0 for name in healthy)
+        failed = len(fleet.failed)
+        for _ in range(8):
+            assert (await rig.chat()).status_code == 200
+        assert len(fleet.failed) <= failed + 2  # a half-open trial each at most
+
+
 async def test_with_one_decode_worker_failing_every_other_pair_no_prefill_worker_is_blamed() -> None:
     """The decode worker fails every request's first round, which the policy gives the same
     prefill worker each time, and serves the retry with the other one: what a broken prefill

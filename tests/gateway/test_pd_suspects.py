@@ -146,8 +146,8 @@ def test_one_partner_a_partner_failing_every_other_pair_fails_its_probe() -> Non
     assert p1.breaker.failures == p2.breaker.failures == 0
 
 
-def test_one_partner_the_partner_failing_with_another_worker_clears_the_suspect() -> None:
-    # Within one request, in either order: d1 failed with p2 too.
+def test_one_partner_the_partner_failing_with_a_working_worker_clears_the_suspect() -> None:
+    # Within one request, in either order: d1 failed with p2 too, and p2 serves a pair since.
     for order in range(2):
         p1, p2, p3, d1 = _workers("p1", "p2", "p3", "d1")
         pairs = InconclusivePairs()
@@ -158,8 +158,35 @@ def test_one_partner_the_partner_failing_with_another_worker_clears_the_suspect(
         failed = [(p1, d1), (p2, d1)] if order else [(p2, d1), (p1, d1)]
         for pair in failed:
             assert pairs.note(*pair, now) == []
-        assert pairs.suspected(now) == NO_SUSPECTS
+        assert p1.worker_id in pairs.suspected(now).prefill  # p2 may be broken too, so far
+        pairs.served(p2.worker_id, d1.worker_id, now + 1)
+        assert pairs.suspected(now + 1) == NO_SUSPECTS
         pairs.check_invariants()
+
+
+def test_one_partner_two_broken_workers_sharing_their_partner_are_both_convicted() -> None:
+    # Three prefill workers and one decode worker x; p1 and p2 are stuck, so every pair with
+    # them is inconclusive, and p3 serves each request, whose rounds meet p1 and p2 in either
+    # order. x failing with the other broken worker, which never serves, clears neither.
+    p1, p2, p3, x = _workers("p1", "p2", "p3", "x")
+    pairs = InconclusivePairs()
+    now = 0.0
+    for k in range(SUSPECT_ROUNDS):
+        now += 1
+        pairs.served(p3.worker_id, x.worker_id, now)
+        for pair in [(p1, x), (p2, x)] if k % 2 else [(p2, x), (p1, x)]:
+            assert pairs.note(*pair, now) == []
+    assert pairs.suspected(now).prefill == {p1.worker_id, p2.worker_id}
+    for _ in range(PROBES):  # without them, p3 serves each request in its first round
+        now += 0.5
+        pairs.served(p3.worker_id, x.worker_id, now, first_round=True)
+    assert pairs.suspected(now) == NO_SUSPECTS  # on to their retrial
+    now += 1
+    pairs.served(p3.worker_id, x.worker_id, now)
+    assert pairs.note(p1, x, now) == [p1] and pairs.note(p2, x, now) == [p2]
+    assert not p1.breaker.closed and not p2.breaker.closed
+    assert p3.breaker.failures == x.breaker.failures == 0
+    pairs.check_invariants()
 
 
 def test_one_partner_a_partner_that_recovered_clears_the_suspect_at_its_retrial() -> None:

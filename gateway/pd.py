@@ -193,8 +193,8 @@ def _settle_pairs(run: PdRun, decision: PdDecision, first_round: bool) -> None:
     now_s = time.monotonic()
     if decision.prefill is not None:
         suspects.served(decision.prefill.worker, decision.decode.worker, now_s, first_round=first_round)
-    for prefill, decode in run.unsettled:
-        suspects.note(prefill, decode, now_s)
+    if run.unsettled:
+        suspects.note_request(run.unsettled, now_s)
 
 
 def _count(run: PdRun, decision: PdDecision) -> bool:

@@ -253,3 +253,32 @@ def test_one_partner_a_worker_triangulation_shows_at_fault_is_not_probed() -> No
         assert pairs.suspected(float(k)) == NO_SUSPECTS
         pairs.check_invariants()
     assert not d1.breaker.closed
+
+
+def test_one_partner_a_request_s_failed_pairs_are_weighed_together_whatever_their_order() -> None:
+    # At w's retrial x fails, in one request, with w and with p2, which served a pair since its
+    # last such failure: x failing without w clears w, whichever pair failed first.
+    for order in range(2):
+        w, p2, p3, x = _workers("w", "p2", "p3", "x")
+        pairs = InconclusivePairs()
+        now = _suspect(pairs, (w, x), (p2, x))
+        for _ in range(PROBES):
+            now += 0.5
+            pairs.served(p2.worker_id, x.worker_id, now, first_round=True)
+        now += 1
+        pairs.served(p3.worker_id, x.worker_id, now)  # the third round serves
+        failed = [(w, x), (p2, x)] if order else [(p2, x), (w, x)]
+        assert pairs.note_request(failed, now) == []
+        assert w.breaker.failures == 0 and pairs.suspected(now) == NO_SUSPECTS
+        pairs.check_invariants()
+
+
+def test_one_partner_a_worker_failing_with_two_partners_in_one_request_has_no_streak() -> None:
+    p1, p2, d1, d2, d3 = _workers("p1", "p2", "d1", "d2", "d3")
+    for order in range(2):
+        pairs = InconclusivePairs()
+        for k in range(2 * SUSPECT_ROUNDS):
+            pairs.served(p2.worker_id, d3.worker_id, float(k))
+            failed = [(p1, d1), (p1, d2)] if order else [(p1, d2), (p1, d1)]
+            assert pairs.note_request(failed, float(k)) == []
+        assert pairs.suspected(100.0) == NO_SUSPECTS and p1.worker_id not in pairs._streaks

@@ -179,7 +179,8 @@ async def _choose(run: PdRun, router: PdRouter, first: bool) -> tuple[PdDecision
 def _avoid_suspects(run: PdRun) -> None:
     """An SGLang pair goes without the workers on probe where the pool can (`pd_suspects`: their
     partner's pairs with other workers come first), as without an inconclusive pair's."""
-    suspects = run.a.pool.pd_suspects.suspected(time.monotonic())
+    pool = run.a.pool
+    suspects = pool.pd_suspects.suspected(time.monotonic(), pool.workers)
     run.avoided[0].update(suspects.prefill)
     run.avoided[1].update(suspects.decode)
 

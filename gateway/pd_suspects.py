@@ -29,7 +29,7 @@ with X (`_Streak`: since W last served a pair, all with X):
   probe    W is avoided where the pool can do without it (`suspected`, `pd._avoid_suspects`),
            so X's pairs with other workers come first in their requests: `PROBES` of them in a
            row served in a request's first round pass the test (a first round: X failing every
-           other pair serves every retry).
+           other pair serves every retry). X leaving the pool clears W: nothing can probe it.
   retrial  W is no longer avoided, and its next failure with X (X having served since) convicts
            it: its breaker counts each round of the streak, then each later one.
 
@@ -58,7 +58,7 @@ and is its own (`pd_legs.decode_leg`).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
 from gateway.breaker import BreakerState
@@ -185,14 +185,15 @@ class InconclusivePairs:
                     blamed.append(worker)
         return blamed
 
-    def suspected(self, now_s: float) -> Suspects:
-        """The workers on probe: an SGLang pair goes without them where the pool can."""
+    def suspected(self, now_s: float, pool: Container[WorkerId]) -> Suspects:
+        """The workers on probe: an SGLang pair goes without them where the pool can. `pool`:
+        its workers now; a suspect whose partner left it is cleared (nothing can probe it)."""
         if not self._suspects:
             return NO_SUSPECTS
         prefill: list[WorkerId] = []
         decode: list[WorkerId] = []
         for worker, streak in list(self._suspects.items()):
-            if self._cleared(streak, now_s):
+            if streak.partner not in pool or worker not in pool or self._cleared(streak, now_s):
                 self._end(worker)
             else:
                 (prefill if streak.prefill else decode).append(worker)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from gateway.pd_suspects import NO_SUSPECTS, PROBES, SUSPECT_ROUNDS
+from gateway.pd_suspects import NO_SUSPECTS, PROBES, SUSPECT_ROUNDS, Suspects
 from policies.base import WorkerId
 from tests.gateway.sglang_fleet import Fleet, Rig, sglang_rig
 
@@ -93,17 +93,21 @@ async def test_a_request_whose_partner_failed_with_two_workers_clears_the_suspec
     fleet = Fleet(failing=failing)
     async with sglang_rig(fleet, prefills=3, decodes=1, connect_s=CONNECT_S) as rig:
         pool = rig.state.registry.pools["p"]
+
+        def suspected() -> Suspects:
+            return pool.pd_suspects.suspected(time.monotonic(), pool.workers)
+
         for _ in range(30):
-            if pool.pd_suspects.suspected(time.monotonic()) != NO_SUSPECTS:
+            if suspected() != NO_SUSPECTS:
                 break
             assert (await rig.chat()).status_code == 200
-        assert pool.pd_suspects.suspected(time.monotonic()).prefill == {WorkerId(rig.urls["p1"])}
+        assert suspected().prefill == {WorkerId(rig.urls["p1"])}
         fleet.failing = lambda prefill, decode: False
         for _ in range(PROBES + 10):
-            if pool.pd_suspects.suspected(time.monotonic()) == NO_SUSPECTS:
+            if suspected() == NO_SUSPECTS:
                 break
             assert (await rig.chat()).status_code == 200
-        assert pool.pd_suspects.suspected(time.monotonic()) == NO_SUSPECTS  # on to p1's retrial
+        assert suspected() == NO_SUSPECTS  # on to p1's retrial
         bad_spell = True
         fleet.failing = failing
         failed = len(fleet.failed)

@@ -35,7 +35,7 @@ with X (`_Streak`: since W last served a pair, all with X):
 
 Any of these clears W: a pair it serves; a failure of X paired inconclusively, since the streak
 began, with another worker that works: it has served a pair since, or had served one within
-`WITHIN_S` before and none failed so since (X fails without W, in whichever order within a
+`WITHIN_S` before and failed so with none since (X fails without W, in whichever order within a
 request; a worker that never serves may be broken as W is, and two broken workers sharing their
 one partner would otherwise clear each other for ever); W failing so with two partners in one
 request (not one partner's case); `WITHIN_S` with no failure of W with X. So X failing every

@@ -179,7 +179,8 @@ async def _choose(run: PdRun, router: PdRouter, first: bool) -> tuple[PdDecision
 def _avoid_suspects(run: PdRun) -> None:
     """An SGLang pair goes without the workers on probe where the pool can (`pd_suspects`: their
     partner's pairs with other workers come first), as without an inconclusive pair's."""
-    suspects = run.a.pool.pd_suspects.suspected(time.monotonic())
+    pool = run.a.pool
+    suspects = pool.pd_suspects.suspected(time.monotonic(), pool.workers)
     run.avoided[0].update(suspects.prefill)
     run.avoided[1].update(suspects.decode)
 
@@ -193,8 +194,8 @@ def _settle_pairs(run: PdRun, decision: PdDecision, first_round: bool) -> None:
     now_s = time.monotonic()
     if decision.prefill is not None:
         suspects.served(decision.prefill.worker, decision.decode.worker, now_s, first_round=first_round)
-    for prefill, decode in run.unsettled:
-        suspects.note(prefill, decode, now_s)
+    if run.unsettled:
+        suspects.note_request(run.unsettled, now_s)
 
 
 def _count(run: PdRun, decision: PdDecision) -> bool:

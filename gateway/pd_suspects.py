@@ -6,8 +6,9 @@ prefill worker that hangs (its decode worker gives up on the KV). Neither gets a
 and a pool with a broken decode worker made every request that met it pay a round, with no
 breaker ever opening. A request's inconclusive pairs are weighed once the request itself is
 served (so it was not a request no worker can take: the same rule as `outcome.HeldVerdicts`),
-after the pair that served it is counted, by two rules; a worker either rule shows at fault has
-its breaker count the failures (none while it is open).
+after the pair that served it is counted, all together whatever order they failed in
+(`note_request`), by two rules; a worker either rule shows at fault has its breaker count the
+failures (none while it is open).
 
 Triangulation. A worker failed so, within `WITHIN_S`, paired with at least two other workers
 that each served a pair since they first failed with it in that time (so they work, and did
@@ -28,23 +29,27 @@ with X (`_Streak`: since W last served a pair, all with X):
   probe    W is avoided where the pool can do without it (`suspected`, `pd._avoid_suspects`),
            so X's pairs with other workers come first in their requests: `PROBES` of them in a
            row served in a request's first round pass the test (a first round: X failing every
-           other pair serves every retry).
+           other pair serves every retry). X leaving the pool clears W: nothing can probe it.
   retrial  W is no longer avoided, and its next failure with X (X having served since) convicts
            it: its breaker counts each round of the streak, then each later one.
 
-Any of these clears W: a pair it serves; a failure of X paired inconclusively with any other
-worker since the streak began (X fails without W, in whichever order within a request);
-`WITHIN_S` with no failure of W with X. So X failing every other pair fails the first probe; X
-that had a bad spell and recovered serves the retrial with W; X with no other partner (one
-prefill and one decode worker) serves only with W, which clears W; and X failing a share f of
-its pairs at random gets W convicted only if W failed four times and X passed 32 probes in a
-row between the last two, at most f⁴(1 − f)³² < 4e-6 of W's streaks, each ending in a breaker
-opened for one cooldown (a simulation of 200,000 requests with f from 0.05 to 0.3 saw none). A
-pool that serves fewer than `PROBES` such pairs of X within `WITHIN_S` never convicts W, which it
-then tries again a window after its last failure. A broken W costs `SUSPECT_ROUNDS` + 1 rounds, then its
-breaker keeps it out (a half-open trial that fails so while the streak lasts reopens it). The
-rule holds in any pool, for a worker whose failures so are all with one partner (two pairs
-always tried in the same order, say); with two partners or more, triangulation weighs it.
+Any of these clears W: a pair it serves; a failure of X paired inconclusively, since the streak
+began, with another worker that works: it has served a pair since, or had served one within
+`WITHIN_S` before and failed so with none since (X fails without W, in whichever order within a
+request; a worker that never serves may be broken as W is, and two broken workers sharing their
+one partner would otherwise clear each other for ever); W failing so with two partners in one
+request (not one partner's case); `WITHIN_S` with no failure of W with X. So X failing every
+other pair fails the first probe; X that had a bad spell and recovered serves the retrial with
+W; X with no other partner (one prefill and one decode worker) serves only with W, which clears
+W; and X failing a share f of its pairs at random gets W convicted only if W failed four times
+and X passed 32 probes in a row between the last two, at most f⁴(1 − f)³² < 4e-6 of W's streaks,
+each ending in a breaker opened for one cooldown (a simulation of 200,000 requests with f from
+0.05 to 0.3 saw none). A pool that serves fewer than `PROBES` such pairs of X within `WITHIN_S`
+never convicts W, which it then tries again a window after its last failure. A broken W costs
+`SUSPECT_ROUNDS` + 1 rounds, then its breaker keeps it out (a half-open trial that fails so
+while the streak lasts reopens it). The rule holds in any pool, for a worker whose failures so
+are all with one partner (two pairs always tried in the same order, say); with two partners or
+more, triangulation weighs it.
 
 An overloaded decode worker's 503 or 529 is not inconclusive: it took no part in the transfer,
 and is its own (`pd_legs.decode_leg`).
@@ -53,6 +58,7 @@ and is its own (`pd_legs.decode_leg`).
 from __future__ import annotations
 
 import math
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
 from gateway.breaker import BreakerState
@@ -80,10 +86,12 @@ NO_SUSPECTS = Suspects(frozenset(), frozenset())
 
 @dataclass(slots=True)
 class _Failed:
-    """A worker's inconclusive pairs with one partner: the first within `WITHIN_S`, the last."""
+    """A worker's inconclusive pairs with one partner: the first within `WITHIN_S`, the last,
+    and the last that the partner had served a pair before, with no such failure in between."""
 
     first_s: float
     last_s: float
+    worked_s: float
 
 
 @dataclass(slots=True)
@@ -140,32 +148,52 @@ class InconclusivePairs:
                 del self._suspects[worker]  # passed: on to its retrial
 
     def note(self, prefill: Worker, decode: Worker, now_s: float) -> list[Worker]:
-        """A pair failed pointing at neither worker, in a request since served: count it, and
-        blame (failures on the breaker unless open) whichever of the two it shows at fault."""
-        p, d = prefill.worker_id, decode.worker_id
-        # The streaks first: they read each partner's latest failure before this one is counted.
-        rounds = (self._streak(prefill, d, True, now_s), self._streak(decode, p, False, now_s))
-        self._pair_failed(p, d, now_s)
-        self._pair_failed(d, p, now_s)
+        """`note_request` for a request with one such pair."""
+        return self.note_request([(prefill, decode)], now_s)
+
+    def note_request(self, pairs: Sequence[tuple[Worker, Worker]], now_s: float) -> list[Worker]:
+        """The (prefill, decode) pairs that failed pointing at neither worker in one request,
+        since served: count them together, in whichever order they failed, and blame (failures
+        on the breaker unless open) each worker they show at fault, once a round."""
+        distinct = list({(p.worker_id, d.worker_id): (p, d) for p, d in pairs}.values())
+        # Who worked before this request, read before its failures are counted: a partner's
+        # failure with such a worker clears a streak (`_failed_elsewhere`), whichever came first.
+        worked = {w.worker_id for pair in distinct for w in pair if self._worked_before(w.worker_id, now_s)}
+        partners: dict[WorkerId, set[WorkerId]] = {}
+        for p, d in distinct:
+            self._pair_failed(p.worker_id, d.worker_id, now_s, d.worker_id in worked)
+            self._pair_failed(d.worker_id, p.worker_id, now_s, p.worker_id in worked)
+            partners.setdefault(p.worker_id, set()).add(d.worker_id)
+            partners.setdefault(d.worker_id, set()).add(p.worker_id)
+        rounds: dict[WorkerId, int] = {}
+        for p, d in distinct:
+            for worker, partner, prefill in ((p, d.worker_id, True), (d, p.worker_id, False)):
+                if len(partners[worker.worker_id]) > 1:
+                    self._end(worker.worker_id)  # two partners in one request: not one's case
+                else:
+                    rounds[worker.worker_id] = self._streak(worker, partner, prefill, now_s)
         blamed: list[Worker] = []
-        for worker, failures in zip((prefill, decode), rounds, strict=True):
-            if self._at_fault(worker.worker_id, now_s):
-                # Triangulation counts its rounds from now: no probe, nor a round counted twice.
-                self._end(worker.worker_id)
-                failures = max(failures, 1)
-            if failures:
-                _blame(worker, failures, now_s)
-                blamed.append(worker)
+        for pair in pairs:
+            for worker in pair:
+                failures = rounds.pop(worker.worker_id, 0)
+                if self._at_fault(worker.worker_id, now_s):
+                    # Triangulation counts its rounds from now: no probe, nor a round counted twice.
+                    self._end(worker.worker_id)
+                    failures = max(failures, 1)
+                if failures:
+                    _blame(worker, failures, now_s)
+                    blamed.append(worker)
         return blamed
 
-    def suspected(self, now_s: float) -> Suspects:
-        """The workers on probe: an SGLang pair goes without them where the pool can."""
+    def suspected(self, now_s: float, pool: Container[WorkerId]) -> Suspects:
+        """The workers on probe: an SGLang pair goes without them where the pool can. `pool`:
+        its workers now; a suspect whose partner left it is cleared (nothing can probe it)."""
         if not self._suspects:
             return NO_SUSPECTS
         prefill: list[WorkerId] = []
         decode: list[WorkerId] = []
         for worker, streak in list(self._suspects.items()):
-            if self._cleared(streak, now_s):
+            if streak.partner not in pool or worker not in pool or self._cleared(streak, now_s):
                 self._end(worker)
             else:
                 (prefill if streak.prefill else decode).append(worker)
@@ -222,16 +250,35 @@ class InconclusivePairs:
         return now_s - streak.last_s >= WITHIN_S or self._failed_elsewhere(streak)
 
     def _failed_elsewhere(self, streak: _Streak) -> bool:
-        """Whether the streak's partner failed inconclusively with another worker since it began.
-        Its latest such failure tells: a later one with the streak's worker is counted only after
-        this is read (`note`)."""
+        """Whether the streak's partner failed inconclusively, since the streak began, with
+        another worker that has served a pair since (so it works: two workers broken alike, that
+        only ever fail with their one partner, do not clear each other)."""
         partners = self._failed.get(streak.partner)
         if not partners:
             return False
-        other, failed = next(reversed(partners.items()))
-        return other != streak.worker.worker_id and failed.last_s >= streak.since_s
+        worker = streak.worker.worker_id
+        for other, failed in partners.items():
+            if other != worker and self._worked_s(other, failed) >= streak.since_s:
+                return True
+        return False
 
-    def _pair_failed(self, worker: WorkerId, partner: WorkerId, now_s: float) -> None:
+    def _worked_s(self, worker: WorkerId, failed: _Failed) -> float:
+        """The latest of `worker`'s failures in `failed` (with one partner) that it has served a
+        pair since, or had served one before with no such failure in between; -inf for none."""
+        served = self._served.get(worker, -math.inf)
+        if served >= failed.last_s:
+            return failed.last_s
+        return max(failed.worked_s, failed.first_s if served >= failed.first_s else -math.inf)
+
+    def _worked_before(self, worker: WorkerId, now_s: float) -> bool:
+        """Whether `worker` served a pair lately, and since its last inconclusive one."""
+        served = self._served.get(worker)
+        if served is None or now_s - served >= WITHIN_S:
+            return False
+        partners = self._failed.get(worker)
+        return not partners or served >= next(reversed(partners.values())).last_s
+
+    def _pair_failed(self, worker: WorkerId, partner: WorkerId, now_s: float, worked: bool) -> None:
         failed = self._failed
         if len(failed) >= _MAX_WORKERS and worker not in failed:
             self._failed = failed = {
@@ -241,7 +288,8 @@ class InconclusivePairs:
         found = partners.pop(partner, None)
         # The first failure of the pair within the window: the partner works if it served since.
         first_s = found.first_s if found is not None and now_s - found.first_s < WITHIN_S else now_s
-        partners[partner] = _Failed(first_s, now_s)
+        worked_s = now_s if worked else -math.inf if found is None else found.worked_s
+        partners[partner] = _Failed(first_s, now_s, worked_s)
         if len(partners) > _MAX_PARTNERS:
             del partners[next(iter(partners))]
 

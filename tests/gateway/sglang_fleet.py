@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,12 +42,14 @@ class Fleet:
     and its own 500 comes after, "stuck": up but answering nothing, its decode legs as for
     "dead", or "now_and_then": every other leg it takes sends no KV and answers nothing, its
     decode leg answering 500); a decode worker answers `decode_status` (500), to every other leg
-    only with `now_and_then`."""
+    only with `now_and_then`. Besides, a decode worker answers 500 at once (an inconclusive
+    round) to each leg `failing(prefill, decode)` says, by name, of its pair."""
 
     broken: str = ""
     prefill_fault: str = ""
     decode_status: int = 500
     now_and_then: bool = False
+    failing: Callable[[str, str], bool] = lambda prefill, decode: False
     decode_legs: int = 0  # legs the broken decode worker took
     prefill_legs: int = 0  # legs the broken prefill worker took
     prefill_cached: int = 5  # the prefill answer's cached_tokens
@@ -79,10 +81,13 @@ class Fleet:
             body = orjson.loads(await request.read())
             if name.startswith("p"):
                 return await prefill(body)
-            answer = await decode(request, body)
+            port = body["bootstrap_port"]
+            source = "p1" if port == DEAD_BOOTSTRAP_PORT else f"p{port - BOOTSTRAP_PORTS}"
+            if self.failing(source, name):
+                answer = _error("engine died")
+            else:
+                answer = await decode(request, body)
             if answer.status >= 400:
-                port = body["bootstrap_port"]
-                source = "p1" if port == DEAD_BOOTSTRAP_PORT else f"p{port - BOOTSTRAP_PORTS}"
                 self.failed.append((source, name))
             return answer
 

@@ -4,9 +4,11 @@ at the levels `log_level` / `--log-level` set."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import urllib.request
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,13 +80,23 @@ def test_a_python_warning_is_a_json_line(capsys: pytest.CaptureFixture[str]) -> 
     assert record["logger"] == "py.warnings" and "UserWarning: an old way" in record["msg"]
 
 
+@contextlib.contextmanager
+def uvicorn_loggers_as_a_process_starts() -> Iterator[None]:
+    """uvicorn's loggers as a new process has them (no handler, no level, propagating), and as
+    they were after."""
+    with logging_restored("uvicorn", "uvicorn.error", "uvicorn.access", "uvicorn.asgi"):
+        for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+            logger = logging.getLogger(name)
+            logger.handlers.clear()
+            logger.setLevel(logging.NOTSET)
+            logger.propagate = True
+        yield
+
+
 def test_uvicorn_without_its_own_log_config_logs_json_lines(capsys: pytest.CaptureFixture[str]) -> None:
     # uvicorn's default log config gives its loggers plain-text handlers; the gateway runs it
     # without one, so its records reach the root's handler.
-    with logging_restored("uvicorn", "uvicorn.error", "uvicorn.access", "uvicorn.asgi"):
-        for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):  # as a process starts
-            logging.getLogger(name).handlers.clear()
-            logging.getLogger(name).propagate = True
+    with uvicorn_loggers_as_a_process_starts():
         setup_logging("info")
         _uvicorn_config(lambda: None, parse_config(CONFIG))  # type: ignore[arg-type]
         logging.getLogger("uvicorn.error").info("not shown")
@@ -96,11 +108,7 @@ def test_uvicorn_without_its_own_log_config_logs_json_lines(capsys: pytest.Captu
 
 
 def test_uvicorns_warnings_keep_to_a_log_level_above_warning(capsys: pytest.CaptureFixture[str]) -> None:
-    with logging_restored("uvicorn", "uvicorn.error", "uvicorn.access", "uvicorn.asgi"):
-        for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
-            logging.getLogger(name).handlers.clear()
-            logging.getLogger(name).setLevel(logging.NOTSET)
-            logging.getLogger(name).propagate = True
+    with uvicorn_loggers_as_a_process_starts():
         setup_logging("error")
         _uvicorn_config(lambda: None, parse_config(CONFIG))  # type: ignore[arg-type]
         logging.getLogger("uvicorn.error").warning("not shown at --log-level error")

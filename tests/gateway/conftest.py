@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.gateway.fake_kube_api import FakeKubeApi
 from tests.gateway.fake_upstream import Handler, Server
 from tests.prompt_normalizer.tiny_model import build_tiny_model
 from tests.support.processes import running_emulator
@@ -60,3 +61,14 @@ def emulator() -> Iterator[str]:
     """An emulated vLLM worker serving model `m` on 127.0.0.1, shared by a module's tests: its URL."""
     with running_emulator("--host", "127.0.0.1", "--model", "m") as url:
         yield url
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[FakeKubeApi]:
+    """A fake Kubernetes API server on loopback (token `tok-1`), for the discovery tests; lists it
+    holds back (`hold_lists`) are let go before it stops."""
+    api = FakeKubeApi(token="tok-1")
+    await api.start()
+    yield api
+    api.release_lists()
+    await api.stop()

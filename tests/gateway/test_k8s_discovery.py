@@ -5,6 +5,7 @@ pods found. What a failed watch does: `test_k8s_watch_failures.py`."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import ssl
 import time
@@ -30,14 +31,6 @@ from tests.support.processes import free_port
 from tests.support.wait import wait_until
 
 TLS = Path(__file__).parent / "data" / "k8s_tls"
-
-
-@pytest.fixture
-async def fake() -> AsyncIterator[FakeKubeApi]:
-    api = FakeKubeApi(token="tok-1")
-    await api.start()
-    yield api
-    await api.stop()
 
 
 async def test_pods_added_removed_or_turned_unready_change_the_routed_set(
@@ -161,12 +154,22 @@ def _service_account(tmp_path: Path, ca: Path) -> Path:
     return sa
 
 
-async def test_in_cluster_over_tls_with_the_service_account(tmp_path: Path) -> None:
+@contextlib.asynccontextmanager
+async def _in_cluster_api() -> AsyncIterator[tuple[FakeKubeApi, int]]:
+    """A fake API server over TLS (the test CA's certificate) for namespace `serving`, as a
+    service account sees it, and its port."""
     server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server_tls.load_cert_chain(TLS / "server.crt", TLS / "server.key")
     api = FakeKubeApi(namespace="serving", token="sa-token")
     port = await api.start(ssl_context=server_tls)
     try:
+        yield api, port
+    finally:
+        await api.stop()
+
+
+async def test_in_cluster_over_tls_with_the_service_account(tmp_path: Path) -> None:
+    async with _in_cluster_api() as (api, port):
         api.put(make_pod("a", port=8001))
         sa = _service_account(tmp_path, TLS / "ca.crt")
         env = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(port)}
@@ -177,19 +180,13 @@ async def test_in_cluster_over_tls_with_the_service_account(tmp_path: Path) -> N
             assert discovery.current == {url(8001)}
         finally:
             await discovery.stop()
-    finally:
-        await api.stop()
 
 
 async def test_a_certificate_the_ca_does_not_verify_settles_the_pool_empty(tmp_path: Path) -> None:
     """A wrong CA bundle is not healed by waiting: readiness stops waiting for the first list at
     once (no `first_list_wait_s` to sit through), and the watcher goes on trying, reading the
     bundle again each time, so a fixed one fills the pool without a restart."""
-    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    server_tls.load_cert_chain(TLS / "server.crt", TLS / "server.key")
-    api = FakeKubeApi(namespace="serving", token="sa-token")
-    port = await api.start(ssl_context=server_tls)
-    try:
+    async with _in_cluster_api() as (api, port):
         api.put(make_pod("a", port=8001))
         sa = _service_account(tmp_path, Path(certifi.where()))  # public CAs: none signed the fake's
         env = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(port)}
@@ -208,8 +205,6 @@ async def test_a_certificate_the_ca_does_not_verify_settles_the_pool_empty(tmp_p
             await wait_until(lambda: discovery.current == frozenset({url(8001)}), what="the pool filled")
         finally:
             await discovery.stop()
-    finally:
-        await api.stop()
 
 
 async def test_a_first_list_that_never_comes_settles_the_pool_after_first_list_wait_s(

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -28,15 +27,6 @@ from tests.gateway.fake_kube_api import FakeKubeApi, make_pod
 from tests.support.inprocess import InProcessGateway, gateway_in_process
 from tests.support.loopback import serve_app
 from tests.support.wait import wait_until
-
-
-@pytest.fixture
-async def fake() -> AsyncIterator[FakeKubeApi]:
-    api = FakeKubeApi(token="tok-1")
-    await api.start()
-    yield api
-    api.release_lists()
-    await api.stop()
 
 
 @pytest.fixture

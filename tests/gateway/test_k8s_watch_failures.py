@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -16,14 +15,6 @@ from gateway.k8s.source import MAX_WATCH_RETRIES
 from tests.gateway.fake_kube_api import FakeKubeApi, make_pod
 from tests.gateway.k8s_follow import follow, url
 from tests.support.wait import wait_until
-
-
-@pytest.fixture
-async def fake() -> AsyncIterator[FakeKubeApi]:
-    api = FakeKubeApi(token="tok-1")
-    await api.start()
-    yield api
-    await api.stop()
 
 
 async def test_an_expired_watch_relists_and_catches_up_with_missed_changes(

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import certifi
 import pytest
-from aiohttp import web
 
 from gateway.auth import hash_api_key
 from gateway.discovery import Discovery
@@ -26,7 +25,7 @@ from policies.base import WorkerId
 from tests.gateway.fake_kube_api import FakeKubeApi, make_pod
 from tests.gateway.k8s_follow import follow, url
 from tests.support.inprocess import gateway_in_process
-from tests.support.loopback import serve_app
+from tests.support.loopback import serve_health_only
 from tests.support.processes import free_port
 from tests.support.wait import wait_until
 
@@ -257,19 +256,10 @@ async def test_an_api_server_that_is_down_at_start_is_retried(tmp_path: Path) ->
             await api.stop()
 
 
-async def _health_only_worker() -> tuple[web.AppRunner, int]:
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    app = web.Application()
-    app.router.add_get("/health", health)
-    return await serve_app(app)
-
-
 async def test_the_gateway_routes_to_ready_pods_and_reports_discovery_metrics(
     fake: FakeKubeApi, tmp_path: Path
 ) -> None:
-    workers = [await _health_only_worker() for _ in range(2)]
+    workers = [await serve_health_only() for _ in range(2)]
     ports = [port for _, port in workers]
     (tmp_path / "token").write_text("tok-1")
     decode = {"app": "vllm", "kvgate.io/role": "decode"}

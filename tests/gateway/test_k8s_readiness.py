@@ -12,7 +12,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from gateway import fleet as fleet_module
 from gateway.auth import hash_api_key
@@ -25,7 +24,7 @@ from policies import make_policy
 from prompt_normalizer.normalizer import NormalizerConfig
 from tests.gateway.fake_kube_api import FakeKubeApi, make_pod
 from tests.support.inprocess import InProcessGateway, gateway_in_process
-from tests.support.loopback import serve_app
+from tests.support.loopback import serve_health_only
 from tests.support.wait import wait_until
 
 
@@ -33,15 +32,6 @@ from tests.support.wait import wait_until
 def no_first_wait(monkeypatch: pytest.MonkeyPatch) -> None:
     """The start waits for no first list: what comes after it is readiness's to wait for."""
     monkeypatch.setattr(fleet_module, "FIRST_WAIT_S", 0.0)
-
-
-async def _worker() -> tuple[web.AppRunner, int]:
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    app = web.Application()
-    app.router.add_get("/health", health)
-    return await serve_app(app)
 
 
 def _config(fake: FakeKubeApi, tmp_path: Path, pools: list[str]) -> dict[str, Any]:
@@ -90,7 +80,7 @@ async def _ready(gw: InProcessGateway) -> None:
 async def test_readyz_waits_for_the_first_list_and_its_health_check(
     fake: FakeKubeApi, tmp_path: Path, no_first_wait: None
 ) -> None:
-    runner, port = await _worker()
+    runner, port = await serve_health_only()
     fake.put(make_pod("a", port=port, labels={"app": "p"}))
     fake.hold_lists()
     try:
@@ -126,7 +116,7 @@ async def test_an_error_waiting_will_not_fix_makes_the_gateway_ready_with_an_emp
 ) -> None:
     """A Role that may not list pods must not hold every pool of the gateway unready: the error
     is counted, the pool is empty, and it fills once the Role is fixed."""
-    runner, port = await _worker()
+    runner, port = await serve_health_only()
     fake.put(make_pod("a", port=port, labels={"app": "p"}))
     fake.list_error = (code, reason)
     try:
@@ -145,7 +135,7 @@ async def test_an_error_waiting_will_not_fix_makes_the_gateway_ready_with_an_emp
 async def test_an_api_server_failing_with_5xx_keeps_the_gateway_unready(
     fake: FakeKubeApi, tmp_path: Path, no_first_wait: None
 ) -> None:
-    runner, port = await _worker()
+    runner, port = await serve_health_only()
     fake.put(make_pod("a", port=port, labels={"app": "p"}))
     fake.list_error = (500, "InternalError")
     try:
@@ -166,7 +156,7 @@ async def test_an_api_server_failing_for_first_list_wait_s_makes_the_gateway_rea
     """Readiness waits for an API server answering 5xx, but not for good (`FIRST_LIST_WAIT_S`,
     0 here: the first failure ends the wait); the pool fills once the API server answers."""
     monkeypatch.setattr(source_module, "FIRST_LIST_WAIT_S", 0.0)
-    runner, port = await _worker()
+    runner, port = await serve_health_only()
     fake.put(make_pod("a", port=port, labels={"app": "p"}))
     fake.list_error = (500, "InternalError")
     try:

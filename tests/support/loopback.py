@@ -26,6 +26,13 @@ async def _healthy(_: web.Request) -> web.Response:
     return web.Response(text="ok")
 
 
+async def serve_health_only() -> tuple[web.AppRunner, int]:
+    """A worker that answers `GET /health` and nothing else (the caller cleans its runner up)."""
+    app = web.Application()
+    app.router.add_get("/health", _healthy)
+    return await serve_app(app)
+
+
 async def serve_worker(stack: contextlib.AsyncExitStack, posts: Mapping[str, Handler]) -> str:
     """A scripted worker answering `GET /health` and the POST routes `posts` (path -> handler),
     cleaned up with `stack`: its base URL."""

@@ -3,7 +3,9 @@
 Both routes need `Authorization: Bearer <admin key>`, checked against `admin.api_key_hash` in the
 config (the same keyed hash as tenant keys; a tenant key never works here). Without that setting
 there are no admin routes: every method on them answers the gateway's 404, as for any unknown
-path. Nothing here shows request content: workers, context windows,
+path. Wrong keys are counted per client address (`gateway.admin_throttle`): past a few in a
+minute, that address's admin requests get 429 until its minute ends, whatever key they carry.
+Nothing here shows request content: workers, context windows,
 breakers, scrape ages, KV-event stream counters, policy counters and the policy file's state.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
+import logging
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -20,8 +23,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from gateway.admin_throttle import AdminAuthThrottle, Throttled, address_key
 from gateway.auth import hash_api_key
 from gateway.errors import ApiError
+from gateway.log_throttle import LogThrottle
 from gateway.policy_watch import PolicyStatus, PolicyWatcher, ReloadResult
 from gateway.registry import Pool
 from gateway.request_head import request_id_of
@@ -33,21 +38,27 @@ from policies.stats import SupportsStats
 if TYPE_CHECKING:
     from gateway.fleet import Fleet
 
+log = logging.getLogger("kvgate.admin")
 
-def admin_routes(state: GatewayState, watcher: PolicyWatcher | None) -> list[Route]:
+
+def admin_routes(
+    state: GatewayState, watcher: PolicyWatcher | None, throttle: AdminAuthThrottle | None = None
+) -> list[Route]:
     """`GET /admin/status` and `POST /admin/policy/reload` over the gateway's state; none
-    without an admin key."""
+    without an admin key. `throttle` counts wrong keys per client address (a new one, on the
+    monotonic clock, unless a test brings its own)."""
     if state.config.admin.api_key_hash is None:
         return []
+    guard = _KeyCheck(state, throttle if throttle is not None else AdminAuthThrottle())
 
     async def status(request: Request) -> Response:
-        denied = _check(request, state)
+        denied = guard.check(request)
         if denied is not None:
             return denied
         return _json(status_snapshot(state, watcher), 200)
 
     async def reload(request: Request) -> Response:
-        denied = _check(request, state)
+        denied = guard.check(request)
         if denied is not None:
             return denied
         if watcher is None:
@@ -62,20 +73,66 @@ def admin_routes(state: GatewayState, watcher: PolicyWatcher | None) -> list[Rou
     ]
 
 
-def _check(request: Request, state: GatewayState) -> Response | None:
-    expected = state.config.admin.api_key_hash
-    assert expected is not None  # no routes without it
-    values = request.headers.getlist("authorization")
-    if len(values) > 1:  # two keys in one head: neither is taken (as on the tenants' routes)
+class _KeyCheck:
+    """The admin key on one request: 429 while its address is throttled (the key unread), 401
+    without the key, None with it. Only a key that was compared counts as a wrong one: a request
+    without a key, or with two, tells its sender nothing about the admin key."""
+
+    def __init__(self, state: GatewayState, throttle: AdminAuthThrottle) -> None:
+        expected = state.config.admin.api_key_hash
+        assert expected is not None  # no routes without it
+        self._expected = expected
+        self._secret = state.secret
+        self._throttle = throttle
+        failures = state.routing.metrics.admin_auth_failures
+        self._wrong_key = failures.labels("wrong_key")
+        self._throttled = failures.labels("throttled")
+        # One line per address per window; as many addresses remembered as the throttle keeps.
+        self._log = LogThrottle(log, throttle.window_s, throttle.max_addresses)
+
+    def check(self, request: Request) -> Response | None:
+        address = address_key(request.client.host if request.client is not None else None)
+        refused = self._throttle.refusal(address)
+        if refused is not None:
+            self._throttled.inc()
+            return error(_throttled(refused), request_id_of(request))
+        values = request.headers.getlist("authorization")
+        if len(values) > 1:  # two keys in one head: neither is taken (as on the tenants' routes)
+            return error(_NO_ADMIN_KEY, request_id_of(request))
+        scheme, _, key = (values[0] if values else "").partition(" ")
+        key = key.strip()
+        if scheme.lower() != "bearer" or not key:
+            return error(_NO_ADMIN_KEY, request_id_of(request))
+        if hmac.compare_digest(hash_api_key(self._secret, key), self._expected):
+            return None
+        self._wrong_key.inc()
+        if self._throttle.failed(address):
+            throttle = self._throttle
+            self._log.warning(
+                address,
+                throttle.clock(),
+                "admin API: %d wrong admin keys from %s within %.0f s: its admin requests are"
+                " answered 429 until its window ends",
+                throttle.max_failures,
+                address or "an unknown address",
+                throttle.window_s,
+                extra={"client_address": address},
+            )
         return error(_NO_ADMIN_KEY, request_id_of(request))
-    scheme, _, key = (values[0] if values else "").partition(" ")
-    key = key.strip()
-    if scheme.lower() == "bearer" and key and hmac.compare_digest(hash_api_key(state.secret, key), expected):
-        return None
-    return error(_NO_ADMIN_KEY, request_id_of(request))
 
 
 _NO_ADMIN_KEY = ApiError(401, "admin key required", "invalid_request_error", "invalid_api_key")
+
+
+def _throttled(refused: Throttled) -> ApiError:
+    return ApiError(
+        429,
+        f"too many wrong admin keys from this address: try again in {refused.retry_after_s} s",
+        "rate_limit_error",
+        "admin_auth_throttled",
+        None,
+        {"retry-after": str(refused.retry_after_s)},
+    )
 
 
 def _reload_body(result: ReloadResult) -> dict[str, Any]:

@@ -215,6 +215,14 @@ class MetricCatalogue:
             " built: the running policy stays), unchanged (its content is the running policy's)",
             ("result",),
         )
+        # The admin API (`gateway.admin_throttle`).
+        self.admin_auth_failures = hot.counter(
+            "kvgate_admin_auth_failures",
+            "Admin requests refused for their key, by result: wrong_key (a key was checked and is not"
+            " the admin key; 401), throttled (the client address sent too many wrong keys in its"
+            " window: 429 without checking the key)",
+            ("result",),
+        )
         r.register(hot)
         # Copied or set at scrape time.
         self.policy_events = SnapshotCounter(

@@ -281,7 +281,9 @@ def _uvicorn_config(
         lifespan=lifespan,
         timeout_graceful_shutdown=server_timeout_s(config.drain),
         timeout_keep_alive=max(1, round(config.limits.keepalive_timeout_s)),  # enforced by the guard
-        proxy_headers=False,  # client addresses are not used; no per-request header rewriting
+        # A client is its connection's peer (the per-address limits, the admin throttle): forwarded
+        # headers, which anyone can write, are not trusted.
+        proxy_headers=False,
         server_header=False,
     )
 

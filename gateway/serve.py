@@ -251,6 +251,10 @@ def run(args: argparse.Namespace) -> int:
     return serve(config, secret, loaded, watcher, swap, reuse_port=args.reuse_port)
 
 
+# Random keys of 32 hex characters carry 128 bits; OpenAI's own keys are longer.
+MIN_API_KEY_CHARS = 32
+
+
 def _hash_key(args: argparse.Namespace) -> int:
     from gateway.config import SecretsConfig
 
@@ -260,5 +264,13 @@ def _hash_key(args: argparse.Namespace) -> int:
     if not key:
         print("kvgate serve --hash-key: no key on stdin", file=sys.stderr)
         return 2
+    if len(key) < MIN_API_KEY_CHARS:
+        # Still hashed: existing keys keep working. Only the hash is checked, so nothing but the key's
+        # own length stands between a guesser and it (an admin key's wrong guesses are throttled).
+        print(
+            f"kvgate serve --hash-key: warning: the key is {len(key)} characters; a key under"
+            f" {MIN_API_KEY_CHARS} can be guessed. Make keys long and random: openssl rand -hex 32",
+            file=sys.stderr,
+        )
     print(hash_api_key(secret, key))
     return 0

@@ -79,3 +79,16 @@ def test_hash_key_still_takes_its_secret_file_and_refuses_demo_flags(tmp_path: P
     refused = serve("--hash-key", "--demo-key", "sk-x", secret=SECRET, stdin="sk-a\n")
     assert refused.returncode == 2
     assert "kvgate serve: --demo-key: only with --demo" in refused.stderr
+
+
+def test_hash_key_warns_of_a_short_key_and_still_hashes_it() -> None:
+    short = serve("--hash-key", secret=SECRET, stdin="sk-a\n")
+    assert short.returncode == 0, short.stderr
+    assert short.stdout.startswith("hmac-sha256:")
+    assert "warning: the key is 4 characters" in short.stderr
+    assert "openssl rand -hex 32" in short.stderr
+    assert "sk-a" not in short.stderr
+
+    long = serve("--hash-key", secret=SECRET, stdin="k" * 32 + "\n")
+    assert long.returncode == 0, long.stderr
+    assert long.stderr == ""

@@ -1,6 +1,6 @@
-"""The wire format of one sync batch: msgpack, keys and counts only.
+"""The wire format of one sync batch: msgpack, keys and counts only, sealed (`signing`).
 
-    {"v": 1, "o": origin, "s": seq, "t": sent (wall clock, s), "f": full load snapshot,
+    {"o": origin, "s": seq, "t": sent (wall clock, s), "f": full load snapshot,
      "p": [pool names], "n": [namespaces], "w": [worker ids],      # string tables
      "i": [[0, ref, pool, block size, namespace, worker, n keys, prompt tokens, matched tokens]
            | [1, ref, served], ...],                             # holdings and outcomes, in order
@@ -20,12 +20,13 @@ items were decided, for `policies.herd`), "d" the fingerprint of each pool the s
 (`gateway.sync.deployment`: which deployment it is part of), "u" what the sender charged to its
 tenants' quotas since its last batch and their requests in flight there (`quotas.Usage`, one row a
 tenant with quotas whose figures changed, or with requests in flight in a full snapshot). All six
-were added within version 1 as optional fields, because a reader takes the fields it knows by name:
-a gateway of an earlier release ignores them (and keeps routing on the holdings and loads of the
-same batch). A batch without "c" has no samples; one without "x" or "y" has loads whose decode
-context or prefill attention is 0 (its writer did not count it); one without "a" had no item wait
-(or its writer did not say); one without "d" does not say which pools its sender has
-(`SyncBatch.pools` is None). Samples are independent of the items' order, so they travel after them.
+were added within version 1 as optional fields, because a reader takes the fields it knows by name
+and skips the others: a gateway of an earlier version-1 release ignored them (and kept routing on
+the holdings and loads of the same batch), and fields added within version 2 can be too. A batch
+without "c" has no samples; one without "x" or "y" has loads whose decode context or prefill
+attention is 0 (its writer did not count it); one without "a" had no item wait (or its writer did
+not say); one without "d" does not say which pools its sender has (`SyncBatch.pools` is None).
+Samples are independent of the items' order, so they travel after them.
 
 Pools, namespaces and workers are indices into the string tables. A namespace is the tenant's index
 namespace (`tenant:<name>`, or the public one), a key a keyed chain hash: nothing in a batch is
@@ -37,6 +38,13 @@ string (an origin or a name) of more than `MAX_NAME_BYTES`, a prompt of more tha
 `MAX_PROMPT_TOKENS`, or a send time that is not finite. A batch otherwise well formed whose send
 time is further than `MAX_CLOCK_SKEW_S` from the receiver's wall clock (it feeds the lag metric and
 the decision times of `policies.herd`) is `ClockSkewed`, a `MalformedBatch` of its own.
+
+The map is the body of a sealed batch (`signing`: a header naming the version, then the map,
+then an HMAC tag over both under a key derived from the deployment's key-hash secret), and a
+receiver verifies the tag before it reads anything of the map: a batch that was not sealed under
+this deployment's key is `BadSignature`, a `MalformedBatch` of its own. Version 2 is version 1's
+map, without its "v" field (the header says it), sealed; the two do not read each other (an earlier
+release refuses a sealed batch at its first byte as malformed).
 
 A batch is read by its containers' headers, their counts checked first (`wire_read`).
 """
@@ -52,15 +60,17 @@ from typing import Any, cast
 import msgpack
 
 from gateway.quotas import Usage
+from gateway.sync.signing import WIRE_VERSION as WIRE_VERSION
+from gateway.sync.signing import BadSignature as BadSignature
+from gateway.sync.signing import BatchKey
 from gateway.sync.wire_read import MalformedBatch as MalformedBatch  # its errors' type, re-exported
 from gateway.sync.wire_read import read_map
 from policies.base import WorkerId
 from policies.peer_sync import PeerCalibration, PeerHolding, PeerItem, PeerLoad, PeerOutcome
 from prompt_normalizer.types import BlockKey
 
-WIRE_VERSION = 1
 _HOLDING, _OUTCOME = 0, 1
-_MAX_BYTES = 8 * 1024 * 1024
+_MAX_BYTES = 8 * 1024 * 1024  # a sealed batch, its header and tag included
 MAX_WAIT_S = 3600.0  # an item's wait in its sender's queue ("a"), at most (a publisher says no more)
 # Keys one batch may carry: twice what a publisher puts in one (`PUBLISH_BATCH_KEYS`, the keys a
 # batch under NATS's default 1 MiB `max_payload` could ever hold), so every gateway's batches pass.
@@ -83,7 +93,7 @@ PUBLISH_BATCH_TENANTS = 2048
 MAX_BATCH_TENANTS = 2 * PUBLISH_BATCH_TENANTS
 MAX_USAGE_COUNT = 1 << 32
 MAX_USAGE_TOKENS = 1 << 40
-_MAX_FIELDS = 32  # a batch's top-level map: 16 fields today, room for later releases' own
+_MAX_FIELDS = 32  # a batch's top-level map: 15 fields today, room for later releases' own
 _MAX_ROW = 16  # entries of one item, load or sample row (9 at most today)
 # UTF-8 bytes of one string: the origin, a pool, namespace or worker name. Peers keep these (a
 # peer's name with its load, a namespace with every index entry of its holdings), so their
@@ -100,7 +110,7 @@ MAX_PROMPT_TOKENS = 1 << 24
 _LISTS = {"p": MAX_BATCH_NAMES, "n": MAX_BATCH_NAMES, "w": MAX_BATCH_NAMES}
 _LISTS |= {"x": MAX_BATCH_LOADS, "y": MAX_BATCH_LOADS, "d": MAX_BATCH_POOLS}
 _ROWS = {"i": MAX_BATCH_ITEMS, "c": MAX_BATCH_ITEMS, "l": MAX_BATCH_LOADS, "u": MAX_BATCH_TENANTS}
-_KNOWN_SCALARS = frozenset("vostfka")
+_KNOWN_SCALARS = frozenset("ostfka")
 # How far a batch's send time may be from the receiver's wall clock, either way: far beyond the
 # skew of hosts that keep time and any wait in the broker, well short of a clock that is broken.
 MAX_CLOCK_SKEW_S = 600.0
@@ -152,7 +162,13 @@ class _Table:
         return i
 
 
-def encode(batch: SyncBatch) -> bytes:
+def encode(batch: SyncBatch, key: BatchKey) -> bytes:
+    """`batch` on the wire: its body (`encode_body`) sealed under `key`."""
+    return key.seal(encode_body(batch))
+
+
+def encode_body(batch: SyncBatch) -> bytes:
+    """The msgpack map of `batch`, unsealed: what `signing` seals."""
     pools, namespaces, workers = _Table(), _Table(), _Table()
     items: list[list[Any]] = []
     samples: list[list[Any]] = []
@@ -180,7 +196,6 @@ def encode(batch: SyncBatch) -> bytes:
         [pools(x.pool), workers(x.worker), x.requests, x.prefill_tokens, x.decode_tokens] for x in batch.loads
     ]
     doc: dict[str, Any] = {
-        "v": WIRE_VERSION,
         "o": batch.origin,
         "s": batch.seq,
         "t": batch.sent_wall_s,
@@ -209,15 +224,20 @@ def encode(batch: SyncBatch) -> bytes:
     return msgpack.packb(doc, use_bin_type=True)
 
 
-def decode(data: bytes, now_wall_s: float | None = None) -> SyncBatch:
-    """Parse one batch received at `now_wall_s` (default: now, `time.time()`); raises
-    `MalformedBatch` for anything else (never another exception)."""
+def decode(data: bytes, key: BatchKey, now_wall_s: float | None = None) -> SyncBatch:
+    """Parse one batch received at `now_wall_s` (default: now, `time.time()`) once its seal
+    verifies under `key`; raises `BadSignature` for a batch not sealed under it (before anything
+    of it is read), `MalformedBatch` for anything else (never another exception)."""
     if len(data) > _MAX_BYTES:
         raise MalformedBatch("batch too large")
+    return decode_body(key.open(data), now_wall_s)
+
+
+def decode_body(body: bytes | memoryview, now_wall_s: float | None = None) -> SyncBatch:
+    """Parse the body of a batch whose seal was verified (`decode`: never call this on bytes
+    received that were not)."""
     try:
-        doc = _read(data)
-        if doc.get("v") != WIRE_VERSION:
-            raise MalformedBatch("not a sync batch of this version")
+        doc = _read(body)
         return _parse(doc, time.time() if now_wall_s is None else now_wall_s)
     except MalformedBatch:
         raise
@@ -225,7 +245,7 @@ def decode(data: bytes, now_wall_s: float | None = None) -> SyncBatch:
         raise MalformedBatch(f"{type(exc).__name__}") from None
 
 
-def _read(data: bytes) -> dict[str, Any]:
+def _read(data: bytes | memoryview) -> dict[str, Any]:
     """The batch's top-level map, its lists and rows read by their headers (`wire_read`)."""
     return read_map(
         data,

@@ -35,6 +35,7 @@ from gateway.sync.codec import (
     item_fits,
     name_fits,
 )
+from gateway.sync.signing import ENVELOPE_BYTES
 from policies.base import WorkerId
 from policies.peer_sync import NO_LOAD, LoadCounts, PeerCalibration, PeerHolding, PeerItem, PeerLoad
 
@@ -46,7 +47,7 @@ _ITEM_BYTES = 48
 _KEY_BYTES = 8
 _LOAD_BYTES = 58  # the row, and its entries in "x" and "y"
 _USAGE_BYTES = 32  # a quota row, beyond its tenant's name
-_HEAD_BYTES = 256
+_HEAD_BYTES = 256 + ENVELOPE_BYTES  # the map's own fields, and the seal's header and tag
 _NAME_CHARS = MAX_NAME_BYTES // 4  # names this short together are each within the bound in UTF-8
 
 

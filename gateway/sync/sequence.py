@@ -11,8 +11,9 @@ A sender's newest number is remembered for `MEMORY_S` after its last batch: twic
 a batch's send time may have (`codec.MAX_CLOCK_SKEW_S`, either way), so that any copy of one of
 its batches is refused for its send time before the number is forgotten. At most `MAX_SENDERS`
 are remembered, the one heard from least recently forgotten first: made-up senders can push a
-real one's number out, after which one copy of its batches applies again (whoever can publish on
-the subject can make up any batch anyway, see docs/sync.md, "Known limits").
+real one's number out, after which one copy of its batches applies again. Only a holder of the
+deployment's key-hash secret can make up a sender (batches are sealed, `signing`; see
+docs/sync.md, "Known limits").
 """
 
 from __future__ import annotations

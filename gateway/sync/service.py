@@ -31,6 +31,7 @@ from gateway.sync.codec import SyncBatch, encode
 from gateway.sync.deployment import fingerprints, published
 from gateway.sync.link import open_link
 from gateway.sync.publisher import SyncPublisher
+from gateway.sync.signing import BatchKey
 from gateway.sync.subscriber import SyncSubscriber
 from policies.base import RoutingPolicy
 from policies.peer_sync import PeerLoad, SupportsPeerSync
@@ -67,14 +68,17 @@ class SyncService:
         limiters: Mapping[str, TenantLimiter] | None = None,
     ) -> None:
         """`secret`: the gateway's key-hash secret, which keys its pools' fingerprints (a gateway
-        of another secret is of another deployment, `deployment`). `limiters`: the tenants' quota
-        state by tenant name, shared with the peers (none: quotas stay this gateway's own)."""
+        of another secret is of another deployment, `deployment`) and, through a sub-secret of its
+        own, seals its batches (`signing`): peers apply only batches sealed under it. `limiters`:
+        the tenants' quota state by tenant name, shared with the peers (none: quotas stay this
+        gateway's own)."""
         if config.url is None:
             raise ValueError("sync.url is not set")
         self.registry = registry
         self.routing = routing  # the policy's one holder: read at each use, as a reload swaps it
         self.config = config
         self.origin = origin or default_origin()
+        self.key = BatchKey(secret)
         pools = fingerprints(((name, pool.config.models) for name, pool in registry.pools.items()), secret)
         self.publisher = SyncPublisher(self.origin, config, published(pools))
         self.limiters = {name: x for name, x in (limiters or {}).items() if x.limited}
@@ -229,7 +233,7 @@ class SyncService:
             batch = publisher.next_batch(self._loads(), now_s, self.link.max_payload)
             if batch is None:
                 return
-            if await self.link.publish(encode(batch)):
+            if await self.link.publish(encode(batch, self.key)):
                 self.published_batches += 1
                 self.published_items += len(batch.items)
             else:
@@ -260,6 +264,7 @@ class SyncService:
             "dropped_queue_full": self.publisher.dropped,
             "dropped_oversized": self.publisher.oversized,
             "dropped_publish_failed": self.lost_items,
+            "dropped_bad_signature": sub.bad_signature,
             "dropped_malformed": sub.malformed,
             "dropped_clock_skew": sub.clock_skew,
             "dropped_unknown_worker": sub.unknown_worker,

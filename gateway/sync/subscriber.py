@@ -1,10 +1,13 @@
 """The applying half: a peer's batch goes to the policy (holdings, outcomes) and the registry (load).
 
-Batches from this gateway itself are ignored (the broker is also told not to echo them). A batch
-that does not decode is counted and dropped; so is one at or below its sender's newest sequence
-number (a copy or an overtaken batch, which would set the sender's load back: `sequence`), and a
-gap in a sender's numbers counts the batches lost on the way. Applying never raises into the
-transport: whatever goes wrong, the gateway keeps routing on what it knows.
+Batches from this gateway itself are ignored (the broker is also told not to echo them). A batch not
+sealed under this deployment's key (`signing`: made up or altered by someone without the key-hash
+secret, or of another deployment or release) is counted and dropped before anything of it is read or
+any sequence number moves, and logged at most once a minute with its count, never with anything of
+its bytes. A batch that does not decode is counted and dropped; so is one at or below its sender's
+newest sequence number (a copy or an overtaken batch, which would set the sender's load back:
+`sequence`), and a gap in a sender's numbers counts the batches lost on the way. Applying never
+raises into the transport: whatever goes wrong, the gateway keeps routing on what it knows.
 
 Only peers count: gateways of the same deployment, that is with a pool in common (same name, same
 models: `deployment`). A batch of another deployment publishing on the same subject (the default
@@ -14,7 +17,8 @@ over the gateways heard) and nothing of it is applied. Of a peer's batch, what c
 peer does not have (one of this gateway's names serving other models) is dropped as an unknown
 pool's.
 
-The bus is open to anyone who reaches the broker, so what one batch can cost is bounded here:
+Only the deployment's gateways can seal a batch, but each of them can seal anything (and a
+batch can be sent again), so what one batch can cost is bounded here:
 holdings and loads of a pool this gateway's registry does not have, and loads of a worker it does
 not have, are dropped and counted (they would only be state kept for nothing); holdings of a worker
 not discovered yet in a known pool wait, bounded, in `parking.ParkedHoldings` until it is
@@ -45,10 +49,11 @@ from gateway.metrics import GatewayMetrics
 from gateway.quotas import TenantLimiter
 from gateway.registry import Registry
 from gateway.sync.batch_age import BatchAges
-from gateway.sync.codec import ClockSkewed, MalformedBatch, SyncBatch, decode
+from gateway.sync.codec import BadSignature, ClockSkewed, MalformedBatch, SyncBatch, decode
 from gateway.sync.deployment import fingerprints
 from gateway.sync.parking import ParkedHoldings
 from gateway.sync.sequence import SenderSequences
+from gateway.sync.signing import BatchKey
 from policies.base import RoutingPolicy, WorkerId
 from policies.peer_sync import (
     PeerCalibration,
@@ -71,9 +76,9 @@ MAX_HOLDING_KEYS = 16_384
 # How long a holding waits for its worker to be discovered here: three of the fleet's 5-second
 # discovery rounds (a Kubernetes watch or a DNS refresh is usually far quicker).
 PARK_TTL_S = 15.0
-# One clock-skew warning per sender in this time, and one of malformed batches whoever sent them
-# (a malformed batch names no sender to trust): a peer of another wire version, or a broken one,
-# sends every batch so.
+# One clock-skew warning per sender in this time, and one of malformed batches, and one of batches
+# without a valid signature, whoever sent them (neither names a sender to trust): a peer of another
+# wire version or secret, a broken one or a forger sends every batch so.
 DROP_LOG_EVERY_S = 60.0
 
 
@@ -83,7 +88,8 @@ class ApplyStats:
 
     batches: int = 0
     items: int = 0
-    malformed: int = 0  # not a batch of this version (a broken or hostile peer)
+    bad_signature: int = 0  # not sealed under this deployment's key (`signing`), read no further
+    malformed: int = 0  # sealed, but not a batch of this version (a broken peer, or a key holder)
     clock_skew: int = 0  # a batch sent further than `MAX_CLOCK_SKEW_S` from this gateway's clock
     failed: int = 0
     # Holdings and samples of a pool, load rows of a pool or worker, that the registry does not have.
@@ -115,6 +121,7 @@ class SyncSubscriber:
         self._forget_quota_peers_s = -math.inf  # when peers' requests in flight are next expired
         self.share_calibration = share_calibration
         self.registry = registry
+        self.key = BatchKey(secret)  # peers' batches are sealed under it (`signing`)
         self._lag = metrics.sync_lag.labels()
         self.loads = PeerLoads(peer_timeout_s)
         self.stats = ApplyStats()
@@ -135,7 +142,13 @@ class SyncSubscriber:
         keys, with the event loop's other work (requests) in between: a full batch of long chains
         is many index walks."""
         try:
-            batch = decode(data)
+            batch = decode(data, self.key)
+        except BadSignature as exc:
+            self.stats.bad_signature += 1
+            self._drops.warning(
+                "signature", time.monotonic(), "sync batch without a valid signature dropped: %s", exc
+            )
+            return
         except ClockSkewed as exc:
             self.stats.clock_skew += 1
             self._drops.warning(

@@ -19,7 +19,7 @@ class MalformedBatch(ValueError):
 
 
 def read_map(
-    data: bytes,
+    data: bytes | memoryview,
     *,
     lists: Mapping[str, int],
     rows: Mapping[str, int],

@@ -8,14 +8,13 @@ import time
 from gateway.config.pool import PoolConfig
 from gateway.metrics import GatewayMetrics
 from gateway.registry import Registry
-from gateway.sync.codec import SyncBatch, encode
+from gateway.sync.codec import SyncBatch
 from gateway.sync.subscriber import SyncSubscriber
 from policies.base import WorkerId
 from policies.cost_policy import CostPolicy
 from policies.peer_sync import PeerCalibration, PeerHolding, PeerItem
+from tests.gateway.sync.signed import SECRET, encode
 from tests.policies.factories import BS, req
-
-SECRET = b"sync-test-secret"  # the deployment's key-hash secret (its pools' fingerprints)
 
 W0, W1 = "http://127.0.0.1:9001", "http://127.0.0.1:9002"
 

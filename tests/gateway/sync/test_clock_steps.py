@@ -18,8 +18,7 @@ from gateway.registry import Registry
 from gateway.sync import subscriber
 from gateway.sync.codec import SyncBatch
 from gateway.sync.subscriber import SyncSubscriber
-
-SECRET = b"sync-test-secret"  # the deployment's key-hash secret (its pools' fingerprints)
+from tests.gateway.sync.signed import SECRET
 
 _EVERY_S = 0.005  # a batch every 5 ms, the default batch interval
 

@@ -16,12 +16,11 @@ from gateway.sync.codec import (
     ClockSkewed,
     MalformedBatch,
     SyncBatch,
-    decode,
-    encode,
 )
 from policies.base import WorkerId
 from policies.peer_sync import PeerCalibration, PeerHolding, PeerItem, PeerLoad, PeerOutcome
 from prompt_normalizer.types import BlockKey
+from tests.gateway.sync.signed import decode, doc_of, encode, sealed
 
 _NAMES = st.sampled_from(["p", "chat", "tenant:a", "tenant:b", "public", "http://10.0.0.1:8000"])
 _HOLDING = st.builds(
@@ -86,26 +85,26 @@ def test_a_batch_survives_the_wire(
 def test_calibration_samples_are_an_optional_field_of_version_1() -> None:
     sample = PeerCalibration("p", 16, 2176, 544, 1.25)
     batch = SyncBatch("gw-a", 1, 0.0, False, (PeerOutcome(3, True), sample))
-    doc = msgpack.unpackb(encode(batch), raw=False)
-    assert doc["v"] == 1 and doc["c"] == [[0, 16, 2176, 544, 1.25]] and doc["i"] == [[1, 3, True]]
+    doc = doc_of(encode(batch))
+    assert doc["c"] == [[0, 16, 2176, 544, 1.25]] and doc["i"] == [[1, 3, True]]
     # An earlier release's reader takes the fields it knows and leaves "c" alone...
     del doc["c"]
     # ...and a batch without it (an earlier release's writer) carries no samples.
-    assert decode(msgpack.packb(doc, use_bin_type=True), now_wall_s=0.0).items == (PeerOutcome(3, True),)
-    assert "c" not in msgpack.unpackb(encode(SyncBatch("gw-a", 2, 0.0, False)), raw=False)
+    assert decode(sealed(doc), now_wall_s=0.0).items == (PeerOutcome(3, True),)
+    assert "c" not in doc_of(encode(SyncBatch("gw-a", 2, 0.0, False)))
 
 
 def test_decode_contexts_are_an_optional_field_of_version_1() -> None:
     loads = (PeerLoad("p", WorkerId("w0"), 2, 0, 64, 5000), PeerLoad("p", WorkerId("w1"), 1, 10, 8))
-    doc = msgpack.unpackb(encode(SyncBatch("gw-a", 1, 0.0, True, (), loads)), raw=False)
+    doc = doc_of(encode(SyncBatch("gw-a", 1, 0.0, True, (), loads)))
     assert doc["x"] == [5000, 0] and doc["l"] == [[0, 0, 2, 0, 64], [0, 1, 1, 10, 8]]
     # An earlier release's reader leaves "x" alone; a batch without it (an earlier release's
     # writer) has loads whose decode context is not counted.
     del doc["x"]
-    got = decode(msgpack.packb(doc, use_bin_type=True), now_wall_s=0.0).loads
+    got = decode(sealed(doc), now_wall_s=0.0).loads
     assert [x.decode_context_tokens for x in got] == [0, 0] and got[0].decode_tokens == 64
     bare = SyncBatch("gw-a", 2, 0.0, True, (), (PeerLoad("p", WorkerId("w0"), 1, 10, 8),))
-    assert "x" not in msgpack.unpackb(encode(bare), raw=False)
+    assert "x" not in doc_of(encode(bare))
 
 
 def test_prefill_pairs_are_an_optional_field_of_version_1() -> None:
@@ -113,20 +112,20 @@ def test_prefill_pairs_are_an_optional_field_of_version_1() -> None:
         PeerLoad("p", WorkerId("w0"), 2, 9000, 64, 0, 40_500_000),
         PeerLoad("p", WorkerId("w1"), 1, 10, 8),
     )
-    doc = msgpack.unpackb(encode(SyncBatch("gw-a", 1, 0.0, True, (), loads)), raw=False)
+    doc = doc_of(encode(SyncBatch("gw-a", 1, 0.0, True, (), loads)))
     assert doc["y"] == [40_500_000, 0] and "x" not in doc
-    assert decode(msgpack.packb(doc, use_bin_type=True), now_wall_s=0.0).loads == loads
+    assert decode(sealed(doc), now_wall_s=0.0).loads == loads
     del doc["y"]  # an earlier release's writer: its loads' attention is not counted
-    got = decode(msgpack.packb(doc, use_bin_type=True), now_wall_s=0.0).loads
+    got = decode(sealed(doc), now_wall_s=0.0).loads
     assert [x.prefill_pairs for x in got] == [0, 0] and got[0].prefill_tokens == 9000
 
 
 def test_the_first_items_wait_is_an_optional_field_of_version_1() -> None:
-    doc = msgpack.unpackb(encode(SyncBatch("gw-a", 1, 0.0, False, (PeerOutcome(3, True),), (), 0.004)))
+    doc = doc_of(encode(SyncBatch("gw-a", 1, 0.0, False, (PeerOutcome(3, True),), (), 0.004)))
     assert doc["a"] == 0.004
     del doc["a"]  # an earlier release's writer: no wait said
-    assert decode(msgpack.packb(doc, use_bin_type=True), now_wall_s=0.0).waited_s == 0.0
-    assert "a" not in msgpack.unpackb(encode(SyncBatch("gw-a", 2, 0.0, False)), raw=False)
+    assert decode(sealed(doc), now_wall_s=0.0).waited_s == 0.0
+    assert "a" not in doc_of(encode(SyncBatch("gw-a", 2, 0.0, False)))
 
 
 def test_the_wire_carries_the_documented_fields_only() -> None:
@@ -136,26 +135,25 @@ def test_the_wire_carries_the_documented_fields_only() -> None:
         (PeerHolding(7, "p", 16, "tenant:a", keys, WorkerId("w0"), 40, 16), PeerOutcome(7, True)),
         (PeerLoad("p", WorkerId("w0"), 1, 40, 8),),
     )  # fmt: skip
-    doc = msgpack.unpackb(encode(batch), raw=False)
-    assert set(doc) == {"v", "o", "s", "t", "f", "p", "n", "w", "i", "k", "l"}
+    doc = doc_of(encode(batch))
+    assert set(doc) == {"o", "s", "t", "f", "p", "n", "w", "i", "k", "l"}
     assert doc["n"] == ["tenant:a"] and doc["w"] == ["w0"] and len(doc["k"]) == 16
     assert doc["i"] == [[0, 7, 0, 16, 0, 0, 2, 40, 16], [1, 7, True]]
 
 
 def _doc(**over: object) -> bytes:
-    doc = {"v": 1, "o": "a", "s": 1, "t": 0.0, "f": False, "p": ["p"], "n": ["t"], "w": ["w"]}
+    doc = {"o": "a", "s": 1, "t": 0.0, "f": False, "p": ["p"], "n": ["t"], "w": ["w"]}
     doc.update({"i": [[0, 1, 0, 16, 0, 0, 1, 16, 0]], "k": b"\x00" * 8, "l": [[0, 0, 1, 2, 3]]})
     doc.update(over)
-    return msgpack.packb(doc, use_bin_type=True)
+    return sealed(doc)
 
 
 @pytest.mark.parametrize(
     "data",
     [
-        b"",
-        b"\xc1",
-        msgpack.packb([1, 2]),
-        _doc(v=2),
+        sealed(b""),
+        sealed(b"\xc1"),
+        sealed(msgpack.packb([1, 2])),
         _doc(k=b"\x00" * 7),
         _doc(k=b""),  # a holding names one key, none is sent
         _doc(k=b"\x00" * 16),  # one key left over
@@ -249,5 +247,6 @@ def test_a_batch_of_more_keys_than_any_gateway_publishes_is_malformed() -> None:
 @settings(max_examples=200, deadline=None)
 @given(st.binary(max_size=200))
 def test_random_bytes_never_raise_anything_else(data: bytes) -> None:
-    with contextlib.suppress(MalformedBatch):
-        decode(data)
+    for sent in (data, sealed(data)):  # also from a holder of the key
+        with contextlib.suppress(MalformedBatch):
+            decode(sent)

@@ -28,17 +28,15 @@ from gateway.sync.codec import (
     PUBLISH_BATCH_ITEMS,
     MalformedBatch,
     SyncBatch,
-    decode,
-    encode,
 )
 from gateway.sync.publisher import SyncPublisher
+from gateway.sync.signing import ENVELOPE_BYTES, TAG_BYTES, BadSignature, BatchKey
 from gateway.sync.subscriber import SyncSubscriber
 from policies.base import WorkerId
 from policies.cost_policy import CostPolicy
 from policies.peer_sync import PeerCalibration, PeerHolding, PeerLoad, PeerOutcome
 from prompt_normalizer.types import BlockKey
-
-SECRET = b"sync-test-secret"  # the deployment's key-hash secret (its pools' fingerprints)
+from tests.gateway.sync.signed import SECRET, decode, doc_of, encode, sealed
 
 _MIB = 1 << 20
 
@@ -48,13 +46,14 @@ def _array(n: int, each: bytes) -> bytes:
 
 
 def _batch(field: bytes, value: bytes) -> bytes:
-    """A good batch (`_GOOD`) with `field` set to the raw msgpack `value`, `field` written last."""
-    doc = msgpack.unpackb(_GOOD, raw=False)
+    """A good batch (`_GOOD`) with `field` set to the raw msgpack `value`, `field` written last,
+    sealed: what only a holder of the key-hash secret can send."""
+    doc = doc_of(_GOOD)
     doc.pop(field.decode(), None)
     head = msgpack.packb(doc, use_bin_type=True)
     n = len(doc) + 1
     assert head[0] == 0x80 | len(doc) and n < 16
-    return bytes([0x80 | n]) + head[1:] + msgpack.packb(field.decode()) + value
+    return sealed(bytes([0x80 | n]) + head[1:] + msgpack.packb(field.decode()) + value)
 
 
 _GOOD = encode(
@@ -228,3 +227,25 @@ def test_items_queued_through_a_long_broker_outage_still_reach_the_peers(
     batch = pub.next_batch([PeerLoad("p", WorkerId("w"), 1, 16, 0)], 0.0)
     assert batch is not None and batch.waited_s == MAX_WAIT_S
     assert decode(encode(batch)) == batch
+
+
+@pytest.mark.parametrize("shape", ["bare", "under another key", "sealed, too large"])
+def test_a_batch_not_sealed_under_the_key_is_refused_before_anything_of_it_is_built(shape: str) -> None:
+    # Without the key-hash secret, 8 MiB of empty arrays (built, 600 MB) is read no further than its
+    # header and tag; a batch above 8 MiB is refused for its size before even the tag is made.
+    body = _batch(b"i", _array(_MIB, b"\x90"))[ENVELOPE_BYTES - TAG_BYTES : -TAG_BYTES]
+    full = body + b"\x90" * (8 * _MIB - ENVELOPE_BYTES - len(body))  # 8 MiB sealed
+    data = {
+        "bare": full,
+        "under another key": BatchKey(b"another secret").seal(full),
+        "sealed, too large": sealed(full + b"\x90"),
+    }[shape]
+    tracemalloc.start()
+    try:
+        with pytest.raises(MalformedBatch) as refused:
+            decode(data)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert isinstance(refused.value, BadSignature) == (shape != "sealed, too large")
+    assert peak < 64 << 10, f"{peak} bytes for a {len(data) / _MIB:.1f} MiB batch"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 
-import msgpack
 import pytest
 
 from gateway.config import parse_config
@@ -15,7 +14,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.registry import Registry
 from gateway.state import GatewayState, build_state
 from gateway.sync.broker import LocalBroker
-from gateway.sync.codec import MAX_BATCH_POOLS, MalformedBatch, SyncBatch, decode, encode
+from gateway.sync.codec import MAX_BATCH_POOLS, MalformedBatch, SyncBatch
 from gateway.sync.deployment import pool_fingerprint
 from gateway.sync.publisher import SyncPublisher
 from gateway.sync.service import SyncService
@@ -25,10 +24,9 @@ from policies.cost_policy import CostPolicy
 from policies.peer_sync import PeerCalibration, PeerHolding, PeerItem, PeerLoad
 from prompt_normalizer.normalizer import NormalizerConfig
 from tests.e2e.harness import tenant
+from tests.gateway.sync.signed import SECRET, decode, doc_of, encode, sealed
 from tests.policies.factories import BS, req
 from tests.support.wait import wait_until
-
-SECRET = b"sync-test-secret"  # the deployment's key-hash secret (its pools' fingerprints)
 
 OURS = [f"http://10.0.0.{i}:8000" for i in range(1, 5)]
 THEIRS = [f"http://10.9.0.{i}:8000" for i in range(1, 5)]
@@ -139,10 +137,10 @@ def test_a_batch_carries_its_senders_pools_and_a_reader_bounds_them() -> None:
         != pool_fingerprint("q", ["a", "b"], SECRET)
     )
     for bad in ([-1], ["p"], list(range(MAX_BATCH_POOLS + 1))):
-        doc = msgpack.unpackb(encode(batch))
+        doc = doc_of(encode(batch))
         doc["d"] = bad
         with pytest.raises(MalformedBatch):
-            decode(msgpack.packb(doc))
+            decode(sealed(doc))
 
 
 def _state(url: str, workers: list[str], model: str, secret: bytes = b"secret") -> GatewayState:
@@ -183,8 +181,11 @@ async def test_two_deployments_on_one_broker_subject_each_count_their_own_gatewa
     try:
         subs = [s.subscriber for s in services.values()]
         # Each has heard its own peer, and at least two load snapshots of each of the others.
+        # Another secret's batches do not verify under this deployment's key: they are dropped
+        # unread (`signing`), before their pools are looked at.
+        apart = "bad_signature" if apart_by == "secret" else "other_deployment"
         await wait_until(
-            lambda: all(sub.loads.peers() == 1 and sub.stats.other_deployment >= 4 for sub in subs)
+            lambda: all(sub.loads.peers() == 1 and getattr(sub.stats, apart) >= 4 for sub in subs)
         )
         now = time.monotonic()
         for name, service in services.items():
@@ -195,7 +196,7 @@ async def test_two_deployments_on_one_broker_subject_each_count_their_own_gatewa
             service.refresh_metrics()
             text = service.routing.metrics.render().decode()
             assert "kvgate_sync_peers 1.0" in text
-            assert 'kvgate_sync_events_total{event="dropped_other_deployment"}' in text
+            assert f'kvgate_sync_events_total{{event="dropped_{apart}"}}' in text
     finally:
         for service in services.values():
             await service.stop()

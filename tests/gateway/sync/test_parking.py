@@ -11,15 +11,14 @@ import pytest
 from gateway.config.pool import PoolConfig
 from gateway.metrics import GatewayMetrics
 from gateway.registry import Registry
-from gateway.sync.codec import MAX_CLOCK_SKEW_S, SyncBatch, encode
+from gateway.sync.codec import MAX_CLOCK_SKEW_S, SyncBatch
 from gateway.sync.parking import ParkedHoldings
 from gateway.sync.subscriber import MAX_HOLDING_KEYS, SyncSubscriber
 from policies.base import RoutingPolicy, WorkerId
 from policies.cost_policy import CostPolicy
 from policies.peer_sync import PeerHolding, PeerOutcome
+from tests.gateway.sync.signed import SECRET, encode, sealed
 from tests.policies.factories import BS, req
-
-SECRET = b"sync-test-secret"  # the deployment's key-hash secret (its pools' fingerprints)
 
 W0, W1, NEW = "http://127.0.0.1:9001", "http://127.0.0.1:9002", "http://127.0.0.1:9003"
 
@@ -134,7 +133,7 @@ async def test_a_clock_far_off_is_counted_apart_and_logged_once_a_minute_per_sen
     for origin in ("slow", "slow", "slow", "fast"):
         skew = -2 * MAX_CLOCK_SKEW_S if origin == "slow" else 2 * MAX_CLOCK_SKEW_S
         await sub.on_message(encode(SyncBatch(origin, 1, time.time() + skew, True)), lambda: policy)
-    await sub.on_message(b"\x93garbage", lambda: policy)
+    await sub.on_message(sealed(b"\x93garbage"), lambda: policy)
     assert (sub.stats.clock_skew, sub.stats.malformed, sub.stats.batches) == (4, 1, 0)
     warned = [r for r in caplog.records if "clock" in r.getMessage()]
     assert [getattr(r, "peer", None) for r in warned] == ["slow", "fast"]

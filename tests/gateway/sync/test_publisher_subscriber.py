@@ -7,7 +7,6 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
-import msgpack
 import pytest
 
 from gateway.config.pool import PoolConfig
@@ -15,16 +14,15 @@ from gateway.config.sync import SyncConfig
 from gateway.metrics import GatewayMetrics
 from gateway.registry import Registry
 from gateway.sync import subscriber
-from gateway.sync.codec import PUBLISH_BATCH_KEYS, SyncBatch, decode, encode
+from gateway.sync.codec import PUBLISH_BATCH_KEYS, SyncBatch
 from gateway.sync.publisher import SyncPublisher, load_bytes
 from gateway.sync.subscriber import CHUNK_KEYS, MAX_HOLDING_KEYS, SyncSubscriber
 from policies.base import RouteDecision, WorkerId
 from policies.cost_policy import CostPolicy
 from policies.peer_sync import PeerCalibration, PeerHolding, PeerItem, PeerLoad, PeerOutcome
 from prompt_normalizer.types import BlockKey
+from tests.gateway.sync.signed import SECRET, decode, encode, sealed
 from tests.policies.factories import BS, req
-
-SECRET = b"sync-test-secret"  # the deployment's key-hash secret (its pools' fingerprints)
 
 W0, W1 = "http://127.0.0.1:9001", "http://127.0.0.1:9002"
 
@@ -143,9 +141,10 @@ async def test_own_batches_bad_bytes_and_gaps() -> None:
     policy = CostPolicy(seed=0)
     await sub.on_message(encode(SyncBatch("me", 1, time.time(), True, (_holding(1),))), lambda: policy)
     assert sub.stats.batches == 0 and "peer_holdings_applied" not in policy.stats().counters
-    await sub.on_message(b"\x93garbage", lambda: policy)
-    await sub.on_message(msgpack.packb({"v": 1}), lambda: policy)
-    assert sub.stats.malformed == 2
+    await sub.on_message(b"\x93garbage", lambda: policy)  # not sealed: dropped unread
+    await sub.on_message(sealed(b"\x93garbage"), lambda: policy)
+    await sub.on_message(sealed({"o": "peer"}), lambda: policy)
+    assert sub.stats.bad_signature == 1 and sub.stats.malformed == 2
     for seq in (1, 2, 6, 5, 6):
         await sub.on_message(encode(SyncBatch("peer", seq, time.time(), False)), lambda: policy)
     # 3 to 5 were lost; 5, come after 6, and 6 again are dropped (`tests/gateway/sync/test_replays.py`).

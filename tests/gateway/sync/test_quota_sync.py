@@ -16,11 +16,14 @@ from gateway.config.pool import PoolConfig
 from gateway.config.sync import SyncConfig
 from gateway.quotas import TenantLimiter, Usage
 from gateway.state import build_state
-from gateway.sync.codec import MAX_BATCH_TENANTS, MalformedBatch, SyncBatch, decode, encode
+from gateway.sync import codec
+from gateway.sync.codec import MAX_BATCH_TENANTS, MalformedBatch, SyncBatch
 from gateway.sync.service import SyncService
+from gateway.sync.signing import BatchKey
 from policies.cost_policy import CostPolicy
 from prompt_normalizer.normalizer import NormalizerConfig
-from tests.gateway.sync.brokers import TestBroker
+from tests.gateway.sync.brokers import TestBroker, raw_publish
+from tests.gateway.sync.signed import decode, doc_of, encode, sealed
 from tests.support.gateway_config import tenant
 from tests.support.wait import wait_until
 
@@ -86,6 +89,26 @@ async def test_a_tenants_requests_at_one_gateway_spend_its_quota_at_the_other(br
         assert a.subscriber.stats.unknown_tenant == 0
 
 
+async def test_a_quota_row_forged_without_the_secret_spends_nothing(broker: TestBroker) -> None:
+    # A holder of the broker's token without the key-hash secret makes up a's batches: the tenant's
+    # whole quota spent and three requests in flight, numbered past a's own. b drops them unread;
+    # a's real charges still reach it.
+    async with _pair(broker) as (a, b):
+        claim = SyncBatch("a", 2**40, time.time(), False, usage=(("t", Usage(10, 10_000, 3)),))
+        bare = msgpack.packb({"v": 1, **msgpack.unpackb(codec.encode_body(claim))})  # as version 1 sent it
+        await raw_publish(broker.url, b.link.subject, [bare, encode(claim, b"a made-up secret")])
+        await wait_until(lambda: b.subscriber.stats.bad_signature == 2, what="the forgeries dropped at b")
+        assert _t(b).remaining(time.monotonic())["requests"] > 9.9 and _t(b).peers_in_flight == 0
+        assert _t(b).enter(time.monotonic()) is None
+        _t(b).leave()
+        assert _t(a).enter(time.monotonic()) is None  # a's own batches still apply at b
+        await wait_until(lambda: _t(b).peers_in_flight == 1, what="a's request in flight, at b")
+        assert b.subscriber.sequences.replayed == 0 and b.subscriber.stats.unknown_tenant == 0
+        b.refresh_metrics()
+        text = b.routing.metrics.render().decode()
+        assert 'kvgate_sync_events_total{event="dropped_bad_signature"} 2.0' in text
+
+
 async def test_a_silent_peers_requests_in_flight_stop_counting(broker: TestBroker) -> None:
     async with _pair(broker) as (a, b):
         assert _t(a).enter(time.monotonic()) is None
@@ -134,17 +157,17 @@ def test_quota_rows_travel_and_are_read_back() -> None:
     ],
 )
 def test_a_malformed_quota_row_is_a_malformed_batch(row: list[object]) -> None:
-    doc = msgpack.unpackb(encode(SyncBatch("a", 1, time.time(), False)))
+    doc = doc_of(encode(SyncBatch("a", 1, time.time(), False)))
     doc["u"] = [row]
     with pytest.raises(MalformedBatch):
-        decode(msgpack.packb(doc))
+        decode(sealed(doc))
 
 
 def test_more_quota_rows_than_a_gateway_sends_is_a_malformed_batch() -> None:
-    doc = msgpack.unpackb(encode(SyncBatch("a", 1, time.time(), False)))
+    doc = doc_of(encode(SyncBatch("a", 1, time.time(), False)))
     doc["u"] = [["t", 0, 0, 0]] * (MAX_BATCH_TENANTS + 1)
     with pytest.raises(MalformedBatch):
-        decode(msgpack.packb(doc))
+        decode(sealed(doc))
 
 
 class _FlakyLink:
@@ -153,19 +176,20 @@ class _FlakyLink:
     connected = True
     max_payload = 1 << 20
 
-    def __init__(self) -> None:
+    def __init__(self, key: BatchKey) -> None:
+        self.key = key  # the service's, to read what it sealed
         self.up = False
         self.sent: list[SyncBatch] = []
 
     async def publish(self, data: bytes) -> bool:
         if self.up:
-            self.sent.append(decode(data))
+            self.sent.append(codec.decode(data, self.key))
         return self.up
 
 
 async def test_quota_rows_of_a_batch_that_was_not_published_are_told_again() -> None:
     service = _service("nats://127.0.0.1:1", "a")  # never started: the fake link publishes
-    link = _FlakyLink()
+    link = _FlakyLink(service.key)
     service.link = link  # type: ignore[assignment]
     service.limiters["t"].notify = lambda: service._quota_changed("t")
     now = time.monotonic()
@@ -179,7 +203,7 @@ async def test_quota_rows_of_a_batch_that_was_not_published_are_told_again() -> 
 
 async def test_a_tenant_name_peers_would_refuse_is_not_sent_and_spoils_nothing() -> None:
     service = _service("nats://127.0.0.1:1", "a")
-    link = _FlakyLink()
+    link = _FlakyLink(service.key)
     link.up = True
     service.link = link  # type: ignore[assignment]
     long_name = "t" * 2000

@@ -142,8 +142,11 @@ async def test_own_batches_do_not_come_back_and_what_is_no_batch_is_dropped_and_
             assert a.subscriber.stats.batches <= b.published_batches  # B's only
             junk = [b"", b"\xc1" * 100, b"not msgpack at all", b"\x00" * (MAX_PAYLOAD * 9)]
             await raw_publish(broker.url, b.link.subject, junk)
-            await wait_until(lambda: b.subscriber.stats.malformed == len(junk))
-            assert _metric(b, 'kvgate_sync_events_total{event="dropped_malformed"}').endswith(" 4.0")
+            # The 9 MiB one is refused for its size, the rest for having no valid signature.
+            stats = b.subscriber.stats
+            await wait_until(lambda: stats.malformed == 1 and stats.bad_signature == len(junk) - 1)
+            assert _metric(b, 'kvgate_sync_events_total{event="dropped_malformed"}').endswith(" 1.0")
+            assert _metric(b, 'kvgate_sync_events_total{event="dropped_bad_signature"}').endswith(" 3.0")
             assert b.link.connected  # a 9 MiB message is refused by the codec, not the connection
             r = req("after", range(64), pool="p")
             items = b.subscriber.stats.items

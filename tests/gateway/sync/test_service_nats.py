@@ -15,7 +15,7 @@ from gateway.config import parse_config
 from gateway.config.pool import PoolConfig
 from gateway.config.sync import SyncConfig
 from gateway.state import GatewayState, build_state
-from gateway.sync.codec import SyncBatch, encode
+from gateway.sync.codec import SyncBatch
 from gateway.sync.service import SyncService
 from policies.base import Observation, RouteDecision, WorkerId
 from policies.cost_policy import CostPolicy
@@ -23,10 +23,12 @@ from policies.peer_sync import PeerHolding, PeerLoad
 from prompt_normalizer.normalizer import NormalizerConfig
 from tests.e2e.harness import tenant
 from tests.gateway.sync.brokers import TestBroker, raw_publish
+from tests.gateway.sync.signed import encode
 from tests.policies.factories import req
 from tests.support.wait import wait_until
 
 W = [f"http://127.0.0.1:{9100 + i}" for i in range(4)]
+SECRET = b"secret"  # the gateways' key-hash secret
 
 
 def _state(url: str, **sync: float | bool) -> GatewayState:
@@ -37,7 +39,7 @@ def _state(url: str, **sync: float | bool) -> GatewayState:
             "sync": SyncConfig(url=url, batch_interval_s=0.001, **sync).model_dump(),
         }
     )
-    state = build_state(config, b"secret", CostPolicy(seed=0), NormalizerConfig())
+    state = build_state(config, SECRET, CostPolicy(seed=0), NormalizerConfig())
     for worker in state.registry.pools["p"].workers.values():
         worker.healthy = True
     return state
@@ -198,9 +200,12 @@ async def test_without_the_broker_both_keep_routing_and_resume_when_it_returns(
 
 
 async def test_a_third_party_on_the_bus_costs_nothing_lasting(pair: tuple[SyncService, SyncService]) -> None:
-    # Anyone reaching the broker can publish. Batches that look valid but name workers B does not
-    # have, or a send time that is not a time, leave B as it was, counted; A's batches still apply.
+    # Anyone reaching the broker can publish: without the key-hash secret nothing it sends is read
+    # (a batch naming A's real workers, as A, numbered past it). Batches a holder of the secret seals
+    # that name workers B does not have, or a send time that is not a time, leave B as it was,
+    # counted; A's batches still apply.
     a, b = pair
+    forged = SyncBatch("a", 2**40, time.time(), True, (), (PeerLoad("p", WorkerId(W[0]), 50, 10**6, 10),))
     fakes = tuple(PeerLoad("p", WorkerId(f"w{i}"), 1, 1, 1) for i in range(2000))
     keys = req("fake", range(64), pool="p").block_keys
     holding = PeerHolding(1, "p", 16, "tenant:t", keys, WorkerId("w-made-up"), 1024, 0)
@@ -210,9 +215,13 @@ async def test_a_third_party_on_the_bus_costs_nothing_lasting(pair: tuple[SyncSe
         SyncBatch("evil:3", 1, float("nan"), True),
         SyncBatch("evil:4", 1, time.time() + 3600, True),
     ]
-    await raw_publish(b.link.urls[0], b.link.subject, [encode(batch) for batch in hostile])
+    sent = [encode(forged, b"a made-up secret"), *(encode(batch, SECRET) for batch in hostile)]
+    await raw_publish(b.link.urls[0], b.link.subject, sent)
     stats = b.subscriber.stats
-    await wait_until(lambda: stats.malformed == 2 and stats.clock_skew == 1 and stats.unknown_worker == 2000)
+    await wait_until(
+        lambda: stats.malformed == 2 and stats.clock_skew == 1 and stats.unknown_worker == 2000
+        and stats.bad_signature == 1
+    )  # fmt: skip
     policy_b = b.routing.policy
     assert isinstance(policy_b, CostPolicy)
     assert not b.subscriber.loads.any and "peer_holdings_applied" not in policy_b.stats().counters
@@ -224,6 +233,7 @@ async def test_a_third_party_on_the_bus_costs_nothing_lasting(pair: tuple[SyncSe
     text = b.routing.metrics.render().decode()
     assert 'kvgate_sync_events_total{event="dropped_unknown_worker"} 2000.0' in text
     assert 'kvgate_sync_events_total{event="dropped_malformed"} 2.0' in text
+    assert 'kvgate_sync_events_total{event="dropped_bad_signature"} 1.0' in text
     assert 'kvgate_sync_events_total{event="dropped_clock_skew"} 1.0' in text
     assert 'kvgate_sync_events_total{event="parked_holdings"} 1.0' in text
     lag_sum = next(line for line in text.splitlines() if line.startswith("kvgate_sync_lag_seconds_sum"))

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from gateway.sync.codec import SyncBatch, decode, encode
+from gateway.sync.codec import SyncBatch
 from policies.cost_policy import CostPolicy
 from policies.peer_sync import PeerHolding, PeerItem
+from tests.gateway.sync.signed import decode, encode
 from tests.policies.factories import req, workers
 
 

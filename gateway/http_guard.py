@@ -67,11 +67,12 @@ class ClientLimits:
 
 class Evictable:
     """The capped connections holding a place without a request in the app, by client address:
-    idle between requests, still sending a request line and headers, or still sending the body of
-    a request already answered. A full table closes one of them for a new connection (`pop`):
-    from the address holding the most, the one that has been evictable longest there. So a flood
-    from one address displaces its own connections, not other clients'. Among addresses holding
-    as many, the one that reached that count first.
+    idle between requests, still sending a request line and headers, still sending the body of a
+    request already answered, or lingering after their last answer. A full table closes one of
+    them for a new connection (`pop`): from the address holding the most, the one that has been
+    evictable longest there. So a flood from one address displaces its own connections, not other
+    clients'. Among addresses holding as many, the one that has held that many longest (an
+    address that just gave one up or took one goes after the others).
 
     Every operation is O(1): an ordered set of connections per address (oldest first), the
     addresses grouped by how many they hold (each group ordered by arrival), and the largest such
@@ -156,7 +157,8 @@ class ClientGuard:
     in `stalled` exactly when it is open and its writes are paused (its client is not reading),
     or it was closed with answers still buffered (a close waits for them to be sent, and a buffer
     below the high-water mark never pauses the writes); in `evictable` exactly when it is capped,
-    open, not closing or ending, and no request of it is in the app (parsed and not answered).
+    open, not closing, and no request of it is in the app (parsed and not answered): not ending,
+    or lingering.
     """
 
     def __init__(self, limits: ClientLimits, refusals: HotCounter) -> None:

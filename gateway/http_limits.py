@@ -32,9 +32,10 @@ full takes the place of one holding it without a request in the app: idle, still
 or still sending the body of a request already answered (`http_guard.Evictable`). That one is
 closed (counted `evicted`): from the address holding the most such connections, the one that has
 held its place so longest. So a client that opens connections and sends nothing, or sends its
-head byte by byte, displaces its own connections, not other clients'. A connection whose request
-the app has, or whose answer is being written, or that is lingering, is never taken; when every
-place is held so, the new connection is closed at once (`connection_limit`). With
+head byte by byte, displaces its own connections, not other clients'. A lingering connection (its
+last answer written) can be taken too. A connection whose request the app has, or whose answer is
+being written, is never taken; when every place is held so, the new connection is closed at once
+(`connection_limit`). With
 `max_connections_per_address` set, one address past it is closed at once too (`address_limit`).
 
 A new connection starts in HEAD: it must send a request head in time. Either head limit answers
@@ -199,6 +200,13 @@ class GuardedHttpToolsProtocol(LingeringHttpToolsProtocol):
         if self._address is not None:
             self._guard.evictable.discard(self, self._address)
 
+    def _linger(self) -> None:
+        super()._linger()
+        # Its last answer is written: a lingering connection waits only on its client, like an
+        # idle one (else refused heads, one every 2 s a place, could keep a full table full).
+        if self._lingering and self._address is not None and not self.transport.is_closing():
+            self._guard.evictable.add(self, self._address)
+
     def evict(self) -> None:
         """Closed to give its place to a new connection (called by `ClientGuard.make_room`, which
         took it out of `evictable`): it had no request in the app. A close, as at the keep-alive
@@ -225,6 +233,7 @@ class GuardedHttpToolsProtocol(LingeringHttpToolsProtocol):
     def _close_when_sent(self) -> None:
         """Close once what is buffered has been sent, and abort at `send_timeout_s` if the client
         reads none of it by then (`expire_send`): a close waits for the buffer, however long."""
+        self._not_evictable()
         transport = self.transport
         transport.close()
         if transport.get_write_buffer_size() and self not in self._guard.stalled:

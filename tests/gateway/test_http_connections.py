@@ -155,24 +155,24 @@ class HeadersOnlyApp:
         await send({"type": "http.response.body", "body": b""})
 
 
-async def test_a_connection_sending_the_body_of_an_answered_request_gives_its_place_a_lingering_one_not(
-    rig: Rig,
-) -> None:
+async def test_a_lingering_connection_and_one_sending_an_answered_body_give_their_places(rig: Rig) -> None:
     rig = rig.with_limits(dataclasses.replace(LIMITS, max_connections=2))
     lingering, lingering_transport = rig.connect()
-    lingering.data_received(TOO_LARGE_HEAD)  # 431, then a lingering close: its answer goes out first
+    lingering.data_received(TOO_LARGE_HEAD)  # 431, then a lingering close
     assert lingering_transport.eof and not lingering_transport.closed
     answered, answered_transport = rig.serve(HeadersOnlyApp())
     answered.data_received(post_head(1000) + b"x" * 10)  # the rest of the body never comes
     await settle()
     assert answered_transport.status() == 401 and not answered_transport.ended
-    _, newcomer = rig.connect("127.0.0.2")
-    assert not newcomer.closed and rig.refusals("evicted") == 1
-    assert answered_transport.closed and not lingering_transport.closed
+    _, newcomer = rig.connect("127.0.0.2")  # 127.0.0.1 holds both: its oldest goes
+    assert not newcomer.closed and lingering_transport.closed and not answered_transport.closed
     await settle()
-    _, next_one = rig.connect("127.0.0.3")  # the newcomer, sending nothing, is the one evictable
-    assert not next_one.closed and newcomer.closed and not lingering_transport.closed
-    assert rig.refusals("evicted") == 2
+    _, next_one = rig.connect("127.0.0.3")  # one each: 127.0.0.1 has held one longest
+    assert not next_one.closed and answered_transport.closed and not newcomer.closed
+    assert rig.refusals("evicted") == 2 and rig.refusals("connection_limit") == 0
+    await settle()
+    assert rig.guard.evictable.held_by("127.0.0.1") == 0
+    rig.guard.evictable.check_invariants()
 
 
 async def test_an_answer_waiting_on_a_client_that_reads_nothing_is_aborted_at_the_send_timeout(

@@ -76,10 +76,12 @@ class Evictable:
 
     Every operation is O(1): an ordered set of connections per address (oldest first), the
     addresses grouped by how many they hold (each group ordered by arrival), and the largest such
-    count. It holds at most the process's open connections.
+    count. It holds at most the process's open connections, and a group (empty or not) for each
+    count up to the most one address has held: an address's count goes up and down by one on
+    every request, and a group made and dropped each time costs more than the rest.
 
-    Invariants (`check_invariants`): no address's set and no group is empty; an address is in the
-    group of `n` exactly when it holds `n`; `_most` is the largest group's `n` (0 when empty).
+    Invariants (`check_invariants`): no address's set is empty; an address is in the group of `n`
+    exactly when it holds `n`; `_most` is the largest `n` whose group is not empty (0 if none).
     """
 
     def __init__(self) -> None:
@@ -130,22 +132,24 @@ class Evictable:
     def _regroup(self, address: str, before: int, after: int) -> None:
         """Move `address` from the group of `before` to that of `after` (one more or one fewer)."""
         if before:
-            group = self._by_count[before]
-            del group[address]
-            if not group:
-                del self._by_count[before]
-                if self._most == before:
-                    self._most = after  # the group `after` has `address` now, or is 0: none left
+            left = self._by_count[before]
+            del left[address]
+            if not left and self._most == before:
+                self._most = after  # the group `after` has `address` now, or is 0: none left
         if after:
-            self._by_count.setdefault(after, OrderedDict())[address] = None
-            self._most = max(self._most, after)
+            joined = self._by_count.get(after)
+            if joined is None:
+                joined = self._by_count[after] = OrderedDict()
+            joined[address] = None
+            if after > self._most:
+                self._most = after
 
     def check_invariants(self) -> None:
         counts = {address: len(held) for address, held in self._by_address.items()}
         assert all(counts.values())
         groups = {address: n for n, group in self._by_count.items() for address in group}
-        assert all(self._by_count.values()) and groups == counts
-        assert self._most == max(self._by_count, default=0)
+        assert groups == counts
+        assert self._most == max((n for n, group in self._by_count.items() if group), default=0)
 
 
 class ClientGuard:

@@ -28,15 +28,15 @@ that reads nothing for that long is cut off: each drain below the low-water mark
 
 How many connections the process holds is bounded (`max_client_connections`; capped connections
 only, the metrics listener's are counted but never refused). A new connection that finds the table
-full takes the place of one holding it without a request in the app: idle, still sending its head,
-or still sending the body of a request already answered (`http_guard.Evictable`). That one is
-closed (counted `evicted`): from the address holding the most such connections, the one that has
-held its place so longest. So a client that opens connections and sends nothing, or sends its
-head byte by byte, displaces its own connections, not other clients'. A lingering connection (its
-last answer written) can be taken too. A connection whose request the app has, or whose answer is
-being written, is never taken; when every place is held so, the new connection is closed at once
-(`connection_limit`). With
-`max_connections_per_address` set, one address past it is closed at once too (`address_limit`).
+full takes the place of one holding it without a request in the app: idle, still sending its head
+or the body of a request already answered, or lingering after its last answer
+(`http_guard.Evictable`). That one is closed (counted `evicted`): from the address holding the
+most such connections, the one that has held its place so the longest. So a client that opens
+connections and sends nothing, or sends its heads byte by byte, displaces its own connections,
+not other clients'. A connection whose request the app has, or whose answer is being written, is
+never taken; when every place is held so, the new connection is closed at once
+(`connection_limit`). With `max_connections_per_address` set, one address past it is closed at
+once too (`address_limit`).
 
 A new connection starts in HEAD: it must send a request head in time. Either head limit answers
 431 and closes. Header bytes are counted as they arrive, so that httptools never buffers a huge
@@ -157,6 +157,7 @@ class GuardedHttpToolsProtocol(LingeringHttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         full = self._capped and len(self.connections) >= self._limits.max_connections
         super().connection_made(transport)
+        # No peer name: a socket its client already closed; such ones share one address.
         if self._capped and (refused := self._take_place(self.client[0] if self.client else "", full)):
             # Cheapest for both sides: nothing read, nothing held; clients retry a closed connection.
             self._guard.refused(refused)

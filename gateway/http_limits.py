@@ -26,6 +26,18 @@ buffered is dropped, the response's sends return at once, and the request sees i
 leave (a stream's worker request is closed, a whole answer's budget given back). Only a client
 that reads nothing for that long is cut off: each drain below the low-water mark restarts it.
 
+How many connections the process holds is bounded (`max_client_connections`; capped connections
+only, the metrics listener's are counted but never refused). A new connection that finds the table
+full takes the place of one holding it without a request in the app: idle, still sending its head
+or the body of a request already answered, or lingering after its last answer
+(`http_guard.Evictable`). That one is closed (counted `evicted`): from the address holding the
+most such connections, the one that has held its place so the longest. So a client that opens
+connections and sends nothing, or sends its heads byte by byte, displaces its own connections,
+not other clients'. A connection whose request the app has, or whose answer is being written, is
+never taken; when every place is held so, the new connection is closed at once
+(`connection_limit`). With `max_connections_per_address` set, one address past it is closed at
+once too (`address_limit`).
+
 A new connection starts in HEAD: it must send a request head in time. Either head limit answers
 431 and closes. Header bytes are counted as they arrive, so that httptools never buffers a huge
 head whole: a read that leaves the head unfinished counts whole. The read that finishes it is
@@ -119,7 +131,9 @@ class GuardedHttpToolsProtocol(LingeringHttpToolsProtocol):
         self._message_ended_inside = False  # a request ended inside `_chunk`
         self._head_start_unknown = False  # the current head began after a request in its read
         self._head_tail = b""  # last bytes of the previous read of this head; b"" if it began in `_chunk`
-        self._address: str | None = None  # counted in the guard's `by_address`
+        # The client's address while it holds a capped place (in the guard's `evictable` when it
+        # has no request in the app, and counted in `by_address` under a per-address limit).
+        self._address: str | None = None
         self._framing = FramingCheck()
 
     # -- phases
@@ -132,6 +146,7 @@ class GuardedHttpToolsProtocol(LingeringHttpToolsProtocol):
     def _to_app(self) -> None:
         self._phase = APP
         self._guard.waiting.discard(self)
+        self._not_evictable()
 
     def _begin_head(self) -> None:
         self._head_bytes = 0
@@ -140,26 +155,30 @@ class GuardedHttpToolsProtocol(LingeringHttpToolsProtocol):
     # -- asyncio.Protocol
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        over = self._capped and len(self.connections) >= self._limits.max_connections
+        full = self._capped and len(self.connections) >= self._limits.max_connections
         super().connection_made(transport)
-        refused = "connection_limit" if over else None
-        if refused is None and self._capped and self._limits.max_connections_per_address and self.client:
-            refused = self._count_address(self.client[0])
-        if refused is not None:
+        # No peer name: a socket its client already closed; such ones share one address.
+        if self._capped and (refused := self._take_place(self.client[0] if self.client else "", full)):
             # Cheapest for both sides: nothing read, nothing held; clients retry a closed connection.
             self._guard.refused(refused)
             self._phase = APP
             transport.close()
             return
         self._begin_head()
+        if self._address is not None:
+            self._guard.evictable.add(self, self._address)
 
-    def _count_address(self, address: str) -> str | None:
-        """Count this connection for its client address; the refusal's reason past the limit."""
-        by_address = self._guard.by_address
-        open_now = by_address.get(address, 0)
-        if open_now >= self._limits.max_connections_per_address:
+    def _take_place(self, address: str, full: bool) -> str | None:
+        """Take a place for this connection from `address`, in a full table the place of an
+        evictable connection (`ClientGuard.make_room`); the refusal's reason when there is none."""
+        per_address = self._limits.max_connections_per_address
+        open_now = self._guard.by_address.get(address, 0)
+        if per_address and open_now >= per_address:
             return "address_limit"
-        by_address[address] = open_now + 1
+        if full and not self._guard.make_room():
+            return "connection_limit"
+        if per_address:
+            self._guard.by_address[address] = open_now + 1
         self._address = address
         return None
 
@@ -169,13 +188,33 @@ class GuardedHttpToolsProtocol(LingeringHttpToolsProtocol):
         address = self._address
         if address is not None:
             self._address = None
-            by_address = self._guard.by_address
-            left = by_address[address] - 1
-            if left:
-                by_address[address] = left
-            else:
-                del by_address[address]
+            if self._limits.max_connections_per_address:
+                by_address = self._guard.by_address
+                left = by_address[address] - 1
+                if left:
+                    by_address[address] = left
+                else:
+                    del by_address[address]
         super().connection_lost(exc)
+
+    def _not_evictable(self) -> None:
+        if self._address is not None:
+            self._guard.evictable.discard(self, self._address)
+
+    def _linger(self) -> None:
+        super()._linger()
+        # Its last answer is written: a lingering connection waits only on its client, like an
+        # idle one (else refused heads, one every 2 s a place, could keep a full table full).
+        if self._lingering and self._address is not None and not self.transport.is_closing():
+            self._guard.evictable.add(self, self._address)
+
+    def evict(self) -> None:
+        """Closed to give its place to a new connection (called by `ClientGuard.make_room`, which
+        took it out of `evictable`): it had no request in the app. A close, as at the keep-alive
+        deadline: an answer still buffered is sent first (within `send_timeout_s`)."""
+        self._guard.refused("evicted")
+        self._to_app()
+        self._close_when_sent()
 
     def pause_writing(self) -> None:
         super().pause_writing()
@@ -195,6 +234,7 @@ class GuardedHttpToolsProtocol(LingeringHttpToolsProtocol):
     def _close_when_sent(self) -> None:
         """Close once what is buffered has been sent, and abort at `send_timeout_s` if the client
         reads none of it by then (`expire_send`): a close waits for the buffer, however long."""
+        self._not_evictable()
         transport = self.transport
         transport.close()
         if transport.get_write_buffer_size() and self not in self._guard.stalled:
@@ -273,6 +313,7 @@ class GuardedHttpToolsProtocol(LingeringHttpToolsProtocol):
         if self.parser.should_upgrade() and _has_body(self.headers):
             raise _HeadRefused("upgrade_with_body", _UPGRADE_WITH_BODY, 400)
         super().on_headers_complete()
+        self._not_evictable()  # the request is the app's (or waits in the pipeline for it)
         self._phase = BODY
         self.deadline_s = time.monotonic() + self._limits.body_timeout_s
         if not self.cycle.keep_alive:  # the client asked to close after this answer
@@ -301,10 +342,13 @@ class GuardedHttpToolsProtocol(LingeringHttpToolsProtocol):
         if self.pipeline:
             cycle, app = self.pipeline.pop()
             self._start_asgi_task(cycle, app)
-        elif self._phase == APP:
+            return
+        if self._phase == APP:
             self._phase = IDLE
             self.deadline_s = time.monotonic() + self._limits.keepalive_timeout_s
             self._guard.waiting.add(self)
+        if self._address is not None:  # no request left in the app: it may give up its place
+            self._guard.evictable.add(self, self._address)
 
     # -- limits
 

@@ -44,8 +44,16 @@ class LimitsConfig(Frozen):
     first byte after idling) and then the body (`body_timeout_s`; either: 408 and close), idle
     time between requests (`keepalive_timeout_s`), the time a response may wait on a client that
     reads nothing (`send_timeout_s`; then the connection is aborted and the request cancelled),
-    and open connections per process (`max_client_connections`; beyond: closed at once), and
-    per client address (`max_client_connections_per_address`, 0: no limit). Per
+    and open connections per process (`max_client_connections`). A new connection past it takes
+    the place of one holding its place without a request in the app (idle, still sending its
+    head or the body of a request already answered, or lingering after its last answer), which
+    is closed: from the client address holding the most such connections, the one holding its
+    place longest there. So connections opened and left silent, or sending their heads byte by
+    byte, displace their own address's connections, not other clients'. Only when every place
+    has a request in the app is the new connection closed at once. And per client address
+    (`max_client_connections_per_address`, 0: no limit; off by default because behind an
+    ingress or a proxy every client shares its address, and eviction already keeps one address
+    from locking the others out). Per
     request: the body size (413), and the choices a chat or completions request asks for (`n`,
     `best_of`; beyond: 400).
     Completions past their tenant's own slot and their body, across tenants
@@ -73,7 +81,8 @@ class LimitsConfig(Frozen):
     # nginx's `send_timeout` default: a client that reads nothing for a minute is taken as gone.
     send_timeout_s: PositiveFloat = 60.0
     max_client_connections: PositiveInt = 4096
-    # Off by default: behind an ingress or a proxy every client shares the proxy's address.
+    # Off by default: behind an ingress or a proxy every client shares the proxy's address. A
+    # full table takes the place of the address holding the most idle or half-sent connections.
     max_client_connections_per_address: int = Field(default=0, ge=0)
 
 

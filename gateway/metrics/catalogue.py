@@ -167,7 +167,9 @@ class MetricCatalogue:
             " connection with a body; missing_host, duplicate_host, invalid_host,"
             " invalid_transfer_encoding, unsupported_transfer_encoding: the framing of its head),"
             " after answering 16 pipelined requests (pipelined_requests),"
-            " or while an answer waited on a client that read nothing (send_timeout)",
+            " while an answer waited on a client that read nothing (send_timeout),"
+            " or to give their place to a new connection in a full table, holding it without a"
+            " request in the app (evicted)",
             ("reason",),
         )
         # Replica sync.

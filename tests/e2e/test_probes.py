@@ -16,6 +16,10 @@ from tests.support.wait import wait_until_sync
 
 MAX_CONNECTIONS = 4
 WAIT_S = 15.0
+HELD_REQUEST = (
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer sk-a\r\n"
+    b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+)
 
 
 def _closed_at_once(port: int) -> bool:
@@ -36,7 +40,7 @@ def test_the_probes_answer_on_the_metrics_port_while_the_client_port_is_full(tmp
         [{"name": "p", "models": ["m"], "workers": [f"http://127.0.0.1:{free_port()}"]}],
         [tenant("a", "sk-a")],
         # Long enough for the test to see the held connections and the drain.
-        limits={"max_client_connections": MAX_CONNECTIONS, "header_timeout_s": 300.0},
+        limits={"max_client_connections": MAX_CONNECTIONS, "body_timeout_s": 300.0},
         drain={"deadline_s": 300.0, "shutdown_delay_s": 300.0},
         policy_file="policy.yaml",
     )
@@ -44,8 +48,11 @@ def test_the_probes_answer_on_the_metrics_port_while_the_client_port_is_full(tmp
     proc = start_gateway(config, port, metrics_port)
     held: list[socket.socket] = []
     try:
-        # Idle connections that never send a request, as keep-alive clients would hold them.
+        # Requests the gateway has taken, waiting on their bodies: an idle connection would give
+        # its place to a new one.
         held = [socket.create_connection(("127.0.0.1", port)) for _ in range(MAX_CONNECTIONS)]
+        for conn in held:
+            conn.sendall(HELD_REQUEST)
         wait_until_sync(lambda: _closed_at_once(port), WAIT_S, what="the client port is at its cap")
 
         probes = f"http://127.0.0.1:{metrics_port}"

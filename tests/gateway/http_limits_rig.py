@@ -4,6 +4,7 @@ with an app that reads the whole body and answers 200: the rig of the client-lim
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import orjson
 import pytest
 import uvicorn
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.http_guard import ClientGuard, ClientLimits, GuardedServerState
 from gateway.http_limits import GuardedHttpToolsProtocol
@@ -31,11 +32,12 @@ class RecordingTransport(asyncio.Transport):
     """Keeps what the protocol writes; closing reports the loss to the protocol, as asyncio does,
     once nothing is `buffered` (bytes the client has not read yet: a close waits for them, an
     abort drops them). `eof`: the sending side was shut (`write_eof`), as a lingering close does
-    first."""
+    first. `peer`: the client's address."""
 
-    def __init__(self, protocol: asyncio.Protocol) -> None:
+    def __init__(self, protocol: asyncio.Protocol, peer: str = "127.0.0.1") -> None:
         super().__init__()
         self.protocol = protocol
+        self.peer = peer
         self.written = bytearray()
         self.closed = False
         self.aborted = False
@@ -86,7 +88,7 @@ class RecordingTransport(asyncio.Transport):
         return self.closed or self.eof
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return {"peername": ("127.0.0.1", 40000), "sockname": ("127.0.0.1", 8080)}.get(name, default)
+        return {"peername": (self.peer, 40000), "sockname": ("127.0.0.1", 8080)}.get(name, default)
 
     def pause_reading(self) -> None:
         self.reading = False
@@ -128,11 +130,30 @@ class Rig:
     config: uvicorn.Config
     metrics: GatewayMetrics
 
-    def connect(self) -> tuple[GuardedHttpToolsProtocol, RecordingTransport]:
-        protocol = GuardedHttpToolsProtocol(self.config, self.state, {})
-        transport = RecordingTransport(protocol)
+    def connect(self, peer: str = "127.0.0.1") -> tuple[GuardedHttpToolsProtocol, RecordingTransport]:
+        """A connection from `peer` to the rig's app."""
+        return self._open(self.config, peer)
+
+    def serve(
+        self, app: ASGIApp, peer: str = "127.0.0.1"
+    ) -> tuple[GuardedHttpToolsProtocol, RecordingTransport]:
+        """A connection from `peer` to another app, in the rig's table."""
+        config = uvicorn.Config(
+            app, http=GuardedHttpToolsProtocol, ws="none", lifespan="off", log_level="warning"
+        )
+        config.load()
+        return self._open(config, peer)
+
+    def _open(self, config: uvicorn.Config, peer: str) -> tuple[GuardedHttpToolsProtocol, RecordingTransport]:
+        protocol = GuardedHttpToolsProtocol(config, self.state, {})
+        transport = RecordingTransport(protocol, peer)
         protocol.connection_made(transport)
         return protocol, transport
+
+    def with_limits(self, limits: ClientLimits) -> Rig:
+        """The rig with a table of its own under `limits`."""
+        guard = ClientGuard(limits, self.metrics.client_refusals)
+        return dataclasses.replace(self, guard=guard, state=GuardedServerState(guard))
 
     def refusals(self, reason: str) -> float:
         return self.metrics.client_refusals.labels(reason).value

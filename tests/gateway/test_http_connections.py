@@ -1,6 +1,7 @@
 """The client limits of `GuardedHttpToolsProtocol` on connections (`http_limits_rig`): how many
-a process and one client address may hold, how many pipelined requests wait on one, and how long
-an answer may wait on a client that reads nothing."""
+a process and one client address may hold, which connection a full table closes for a new one (in
+each phase; over real sockets: `test_http_eviction`), how many pipelined requests wait on one, and
+how long an answer may wait on a client that reads nothing."""
 
 from __future__ import annotations
 
@@ -8,21 +9,27 @@ import asyncio
 import dataclasses
 from dataclasses import dataclass, field
 
-import uvicorn
 from starlette.types import Receive, Scope, Send
 
 from gateway.config import LimitsConfig
-from gateway.http_guard import ClientGuard, ClientLimits, GuardedServerState
+from gateway.http_guard import ClientLimits
 from gateway.http_limits import MAX_PIPELINED, GuardedHttpToolsProtocol
-from tests.gateway.http_limits_rig import GET, LIMITS, RecordingTransport, Rig, rig, settle
+from tests.gateway.http_limits_rig import GET, LIMITS, RecordingTransport, Rig, post_head, rig, settle
 
 __all__ = ["rig"]  # the fixture
 
+TOO_LARGE_HEAD = b"GET /x HTTP/1.1\r\nX-Fill: " + b"a" * (LIMITS.max_header_bytes + 1)
 
-async def test_connections_beyond_the_process_limit_are_closed_at_once(rig: Rig) -> None:
+
+async def test_connections_beyond_the_process_limit_are_closed_at_once_when_each_has_a_request(
+    rig: Rig,
+) -> None:
     held = [rig.connect() for _ in range(LIMITS.max_connections)]
+    for held_protocol, _ in held:
+        held_protocol.data_received(post_head(10))  # the app waits on its body
     protocol, transport = rig.connect()
     assert transport.closed and transport.written == b""
+    assert not any(held_transport.closed for _, held_transport in held)
     assert protocol not in rig.guard.waiting
     assert rig.refusals("connection_limit") == 1
     await settle()
@@ -33,13 +40,17 @@ async def test_connections_beyond_the_process_limit_are_closed_at_once(rig: Rig)
     held[0][1].close()
     metrics_transport.close()
     await settle()
-    assert not rig.connect()[1].closed  # a free place is taken again
+    _, taken = rig.connect()
+    assert not taken.closed  # a free place is taken again
+    for _, open_transport in [*held[1:], (None, taken)]:
+        open_transport.close()
+    await settle()
+    assert not rig.state.connections and rig.app.disconnected == [True] * len(held)
 
 
 async def test_connections_beyond_the_limit_per_client_address_are_closed_at_once(rig: Rig) -> None:
-    limits = dataclasses.replace(LIMITS, max_connections=10, max_connections_per_address=2)
-    guard = ClientGuard(limits, rig.metrics.client_refusals)
-    rig = dataclasses.replace(rig, guard=guard, state=GuardedServerState(guard))
+    rig = rig.with_limits(dataclasses.replace(LIMITS, max_connections=10, max_connections_per_address=2))
+    guard = rig.guard
     held = [rig.connect() for _ in range(2)]
     _, transport = rig.connect()  # every connection of the rig is from 127.0.0.1
     assert transport.closed and transport.written == b""
@@ -113,14 +124,55 @@ class SlowReaderApp:
 
 def slow_reader_rig(rig: Rig) -> tuple[SlowReaderApp, GuardedHttpToolsProtocol, RecordingTransport]:
     app = SlowReaderApp()
-    config = uvicorn.Config(
-        app, http=GuardedHttpToolsProtocol, ws="none", lifespan="off", log_level="warning"
-    )
-    config.load()
-    protocol = GuardedHttpToolsProtocol(config, rig.state, {})
-    transport = RecordingTransport(protocol)
-    protocol.connection_made(transport)
-    return app, protocol, transport
+    return app, *rig.serve(app)
+
+
+async def test_a_connection_sending_its_next_head_keeps_its_place_until_the_answer_is_complete(
+    rig: Rig,
+) -> None:
+    rig = rig.with_limits(dataclasses.replace(LIMITS, max_connections=1))
+    app, protocol, transport = slow_reader_rig(rig)
+    protocol.data_received(GET)
+    protocol.data_received(b"GET /x HT")  # the next head, sent while the answer is under way
+    await settle()
+    _, refused = rig.connect("127.0.0.2")
+    assert refused.closed and rig.refusals("connection_limit") == 1 and not transport.closed
+    app.go.set()
+    await settle()  # answered; the next head is still unfinished
+    _, newcomer = rig.connect("127.0.0.2")
+    assert not newcomer.closed and transport.closed and rig.refusals("evicted") == 1
+    await settle()
+    assert rig.state.connections == {newcomer.protocol} and app.disconnected == [True]
+    rig.guard.evictable.check_invariants()
+
+
+@dataclass
+class HeadersOnlyApp:
+    """Answers 401 from the headers, as a request without a valid key is: its body is not read."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 401, "headers": [(b"content-length", b"0")]})
+        await send({"type": "http.response.body", "body": b""})
+
+
+async def test_a_lingering_connection_and_one_sending_an_answered_body_give_their_places(rig: Rig) -> None:
+    rig = rig.with_limits(dataclasses.replace(LIMITS, max_connections=2))
+    lingering, lingering_transport = rig.connect()
+    lingering.data_received(TOO_LARGE_HEAD)  # 431, then a lingering close
+    assert lingering_transport.eof and not lingering_transport.closed
+    answered, answered_transport = rig.serve(HeadersOnlyApp())
+    answered.data_received(post_head(1000) + b"x" * 10)  # the rest of the body never comes
+    await settle()
+    assert answered_transport.status() == 401 and not answered_transport.ended
+    _, newcomer = rig.connect("127.0.0.2")  # 127.0.0.1 holds both: its oldest goes
+    assert not newcomer.closed and lingering_transport.closed and not answered_transport.closed
+    await settle()
+    _, next_one = rig.connect("127.0.0.3")  # one each: 127.0.0.1 has held one longest
+    assert not next_one.closed and answered_transport.closed and not newcomer.closed
+    assert rig.refusals("evicted") == 2 and rig.refusals("connection_limit") == 0
+    await settle()
+    assert rig.guard.evictable.held_by("127.0.0.1") == 0
+    rig.guard.evictable.check_invariants()
 
 
 async def test_an_answer_waiting_on_a_client_that_reads_nothing_is_aborted_at_the_send_timeout(

@@ -16,6 +16,19 @@ after that failure: two workers that broke together, say on one node, do not cle
 partner). Each such round counts one failure, and ends the worker's one-partner streak (below):
 avoiding it for a probe would only stop its rounds being counted.
 
+Partners that work. A failure with a partner that has served no pair since it first failed so
+with the worker, within `WITHIN_S`, says nothing of the worker: that partner may be broken
+itself. Triangulation does not count it, and the one-partner rule (below) skips it: it neither
+begins, extends nor ends a streak, nor makes a second partner in a request. Two prefill and two
+decode workers, one prefill worker stuck and one decode worker answering 500 to every pair:
+each broken one fails with the healthy worker of the other role (which serves pairs with the
+other healthy one) and with the other broken one (which never serves), so triangulation has one
+partner that works for each, and the one-partner rule weighs each against it (counted, the
+failures with the broken partner would end each streak, and neither breaker would open).
+Skipping them leaves the one-partner bound as it is: it rests on the working partner's failures.
+Blaming at once a worker whose every failure is with a partner that works or with one already
+blamed would not: one failure of a flapping partner would do (the probe tells the two apart).
+
 One partner. With one prefill worker (or one decode worker) triangulation has nothing to go
 on, and watching alone cannot tell: a healthy prefill worker W that the routing policy tries
 first every time, paired with the one decode worker X failing every other pair, fails in every
@@ -48,8 +61,8 @@ each ending in a breaker opened for one cooldown (a simulation of 200,000 reques
 never convicts W, which it then tries again a window after its last failure. A broken W costs
 `SUSPECT_ROUNDS` + 1 rounds, then its breaker keeps it out (a half-open trial that fails so
 while the streak lasts reopens it). The rule holds in any pool, for a worker whose failures so
-are all with one partner (two pairs always tried in the same order, say); with two partners or
-more, triangulation weighs it.
+are all with one partner that works (two pairs always tried in the same order, say); with two
+or more, triangulation weighs it.
 
 An overloaded decode worker's 503 or 529 is not inconclusive: it took no part in the transfer,
 and is its own (`pd_legs.decode_leg`).
@@ -159,16 +172,23 @@ class InconclusivePairs:
         # Who worked before this request, read before its failures are counted: a partner's
         # failure with such a worker clears a streak (`_failed_elsewhere`), whichever came first.
         worked = {w.worker_id for pair in distinct for w in pair if self._worked_before(w.worker_id, now_s)}
-        partners: dict[WorkerId, set[WorkerId]] = {}
         for p, d in distinct:
             self._pair_failed(p.worker_id, d.worker_id, now_s, d.worker_id in worked)
             self._pair_failed(d.worker_id, p.worker_id, now_s, p.worker_id in worked)
-            partners.setdefault(p.worker_id, set()).add(d.worker_id)
-            partners.setdefault(d.worker_id, set()).add(p.worker_id)
+        # Each worker's partners in this request that work (`_works_with`): a failure with one
+        # that does not says nothing of the worker, in the one-partner rule as in triangulation.
+        partners: dict[WorkerId, set[WorkerId]] = {}
+        for p, d in distinct:
+            for one, other in ((p.worker_id, d.worker_id), (d.worker_id, p.worker_id)):
+                if self._works_with(one, other):
+                    partners.setdefault(one, set()).add(other)
         rounds: dict[WorkerId, int] = {}
         for p, d in distinct:
             for worker, partner, prefill in ((p, d.worker_id, True), (d, p.worker_id, False)):
-                if len(partners[worker.worker_id]) > 1:
+                working = partners.get(worker.worker_id, set())
+                if partner not in working:
+                    continue
+                if len(working) > 1:
                     self._end(worker.worker_id)  # two partners in one request: not one's case
                 else:
                     rounds[worker.worker_id] = self._streak(worker, partner, prefill, now_s)
@@ -292,6 +312,13 @@ class InconclusivePairs:
         partners[partner] = _Failed(first_s, now_s, worked_s)
         if len(partners) > _MAX_PARTNERS:
             del partners[next(iter(partners))]
+
+    def _works_with(self, worker: WorkerId, partner: WorkerId) -> bool:
+        """Whether `partner` has served a pair since it first failed inconclusively with `worker`
+        within `WITHIN_S` (one that has not may be broken: its failure with `worker` is its own
+        as much as the worker's)."""
+        failed = self._failed.get(worker, {}).get(partner)
+        return failed is not None and self._served.get(partner, -math.inf) >= failed.first_s
 
     def _at_fault(self, worker: WorkerId, now_s: float) -> bool:
         """Whether `worker` failed, lately, paired with two or more workers that have served a

@@ -50,18 +50,20 @@ Any of these clears W: a pair it serves; a failure of X paired inconclusively, s
 began, with another worker that works: it has served a pair since, or had served one within
 `WITHIN_S` before and failed so with none since (X fails without W, in whichever order within a
 request; a worker that never serves may be broken as W is, and two broken workers sharing their
-one partner would otherwise clear each other for ever); W failing so with two partners in one
-request (not one partner's case); `WITHIN_S` with no failure of W with X. So X failing every
-other pair fails the first probe; X that had a bad spell and recovered serves the retrial with
-W; X with no other partner (one prefill and one decode worker) serves only with W, which clears
-W; and X failing a share f of its pairs at random gets W convicted only if W failed four times
-and X passed 32 probes in a row between the last two, at most f⁴(1 − f)³² < 4e-6 of W's streaks,
-each ending in a breaker opened for one cooldown (a simulation of 200,000 requests with f from
-0.05 to 0.3 saw none). A pool that serves fewer than `PROBES` such pairs of X within `WITHIN_S`
-never convicts W, which it then tries again a window after its last failure. A broken W costs
-`SUSPECT_ROUNDS` + 1 rounds, then its breaker keeps it out (a half-open trial that fails so
-while the streak lasts reopens it). The rule holds in any pool, for a worker whose failures so
-are all with one partner that works (two pairs always tried in the same order, say); with two
+one partner would otherwise clear each other for ever); W failing so with two partners that work
+in one request (not one partner's case); `WITHIN_S` with no failure of W with X. So X failing
+every other pair fails the first probe; X that had a bad spell and recovered serves the retrial
+with W; X with no other partner (one prefill and one decode worker) serves only with W, which
+clears W; and X failing a share f of its pairs at random gets W convicted only if W failed four
+times and X passed 32 probes in a row between the last two: of W's streaks (each begun by a
+failure) at most f³(1 − f)³² < 4e-5, each ending in a breaker opened for one cooldown (the
+simulation in `tests/gateway/pd_blame_sim.py`, 22 million requests through pools of three to
+five workers with one partner flapping at f from 0.05 to 0.3, beside broken or overloaded
+workers or not: 11 of them). A pool that serves fewer than `PROBES` such pairs of X within
+`WITHIN_S` never convicts W, which it then tries again a window after its last failure. A broken
+W costs `SUSPECT_ROUNDS` + 1 rounds, then its breaker keeps it out (a half-open trial that fails
+so while the streak lasts reopens it). The rule holds in any pool, for a worker whose failures
+so are all with one partner that works (two pairs always tried in the same order, say); with two
 or more, triangulation weighs it.
 
 An overloaded decode worker's 503 or 529 is not inconclusive: it took no part in the transfer,

@@ -182,7 +182,7 @@ class InconclusivePairs:
         partners: dict[WorkerId, set[WorkerId]] = {}
         for p, d in distinct:
             for one, other in ((p.worker_id, d.worker_id), (d.worker_id, p.worker_id)):
-                if self._works_with(one, other):
+                if self._works_with(one, other, now_s):
                     partners.setdefault(one, set()).add(other)
         rounds: dict[WorkerId, int] = {}
         for p, d in distinct:
@@ -315,12 +315,14 @@ class InconclusivePairs:
         if len(partners) > _MAX_PARTNERS:
             del partners[next(iter(partners))]
 
-    def _works_with(self, worker: WorkerId, partner: WorkerId) -> bool:
+    def _works_with(self, worker: WorkerId, partner: WorkerId, now_s: float) -> bool:
         """Whether `partner` has served a pair since it first failed inconclusively with `worker`
-        within `WITHIN_S` (one that has not may be broken: its failure with `worker` is its own
-        as much as the worker's)."""
+        within `WITHIN_S` (one that has not, or served only before, may be broken: its failure
+        with `worker` is its own as much as the worker's)."""
         failed = self._failed.get(worker, {}).get(partner)
-        return failed is not None and self._served.get(partner, -math.inf) >= failed.first_s
+        if failed is None or now_s - failed.first_s >= WITHIN_S:
+            return False
+        return self._served.get(partner, -math.inf) >= failed.first_s
 
     def _at_fault(self, worker: WorkerId, now_s: float) -> bool:
         """Whether `worker` failed, lately, paired with two or more workers that have served a
@@ -328,13 +330,7 @@ class InconclusivePairs:
         partners = self._failed.get(worker)
         if partners is None or len(partners) < 2:
             return False
-        served = self._served
-        working = 0
-        for partner, failed in partners.items():
-            last = served.get(partner)
-            if now_s - failed.first_s < WITHIN_S and last is not None and last >= failed.first_s:
-                working += 1
-        return working >= 2
+        return sum(self._works_with(worker, partner, now_s) for partner in partners) >= 2
 
 
 def _blame(worker: Worker, failures: int, now_s: float) -> None:

@@ -216,8 +216,9 @@ ROUTES: dict[str, ApiRoute] = _routes(
     # decisions` on `/v1/systemone` and OpenAI-shaped decisions on `/v1/decisions`). They fill
     # the engine's prefix cache, so they are salted; load-aware, as the normalizer has no reader
     # for their prompts. `/v1/systemone` and `/v1/decisions` refuse unknown fields, and the
-    # decisions model, which always names its model, has no `priority`: a pool whose engines
-    # schedule by priority must not send it the engine priority (docs/gateway.md, Routes).
+    # decisions model, which always names its model, has no `priority`: on a pool whose engines
+    # schedule by priority, the engine priority `admission` adds to every salted route makes
+    # vLLM refuse it (400) until it is added only where the route's model has the field.
     ApiRoute("generative_scoring", "/generative_scoring", salted=True),
     ApiRoute("structured_decisions", "/v1/systemone", salted=True),
     ApiRoute("decisions", "/v1/decisions", salted=True, model_optional=False, fields=_NO_FIELDS),

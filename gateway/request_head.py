@@ -8,8 +8,7 @@ upstream answers with an id of its own (`request_id_of`).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from starlette.requests import Request
 from starlette.types import Scope
@@ -97,13 +96,11 @@ class RequestHead:
 
 @record
 class RequestIds:
-    """`internal` is always made here: it names the request to the policy, the logs and the
-    traces, so two clients that send the same `x-request-id` can never collide in the gateway.
-    `client` is the client's own `x-request-id` (when sane), echoed back and logged beside the
-    internal one. The worker is told the client's own id when it gave one, as vLLM would read
-    it (`upstream_request_id`). `retries_taken` numbers the client's own tries of one call
-    (`retries.py`), and `headers` are the client's raw headers (a pool may forward some,
-    `upstream_headers.py`)."""
+    """`internal` is always made here: it names the request to the worker, the policy and the
+    logs, so two clients that send the same `x-request-id` can never collide. `client` is the
+    client's own id (when sane), only echoed back and logged beside the internal one.
+    `retries_taken` numbers the client's own tries of one call (`retries.py`), and `headers` are
+    the client's raw headers (a pool may forward some, `upstream_headers.py`)."""
 
     internal: str
     client: str | None
@@ -165,48 +162,10 @@ def request_ids(head: RequestHead) -> RequestIds:
     return RequestIds(new_request_id(), head.client_request_id, head.retries_taken, head.raw)
 
 
-# The longest client-chosen id the gateway reads (header or body): it goes into a header line, the
-# access log and, prefixed, into the worker's answer id.
-MAX_CLIENT_ID_CHARS = 128
-
-
-def _sane_id(rid: object) -> str | None:
-    """`rid` if it is a client id the gateway may repeat: a string of 1 to `MAX_CLIENT_ID_CHARS`
-    printable ASCII characters (no control characters, so no CR or LF to split a header line or
-    a log line) without surrounding spaces (an HTTP parser would strip them from a header, so the
-    worker would read another id); else None."""
-    if (
-        isinstance(rid, str)
-        and rid
-        and len(rid) <= MAX_CLIENT_ID_CHARS
-        and rid.isascii()
-        and rid.isprintable()
-        and rid[0] != " "
-        and rid[-1] != " "
-    ):
+def _sane_id(rid: str | None) -> str | None:
+    if rid and len(rid) <= 128 and rid.isascii() and rid.isprintable():
         return rid
     return None
-
-
-def upstream_request_id(ids: RequestIds, body: Mapping[str, Any]) -> str:
-    """The `X-Request-Id` the workers get for this request: the client's own id as vLLM reads it
-    (`OpenAIServing._base_request_id`: the `X-Request-Id` header, else the body's `request_id`),
-    when sane (`_sane_id`), else the gateway's internal id. vLLM names its answer after it
-    (`chatcmpl-<id>`, `cmpl-<id>`, ...), as it would without the gateway.
-
-    The same id may reach one engine twice (two tenants choosing the same id, a retry on another
-    worker, the two legs of a P/D pair): vLLM keeps it as the request's external id and gives
-    the engine request a unique one of its own (it appends random characters,
-    `InputProcessor.assign_request_id`), and it aborts a request that loses its client by that
-    unique id, so neither collides with the other. A P/D decode leg pulls its KV by the prefill
-    answer's `kv_transfer_params` (`remote_request_id` is the prefill engine's own id) and an
-    SGLang pair by `bootstrap_room`, never by this id. The Responses API names the stored
-    response after the body's `request_id` alone, which the gateway mints (`responses_ids`), so
-    this id never names a stored response."""
-    if ids.client is not None:
-        return ids.client
-    own = _sane_id(body.get("request_id"))
-    return own if own is not None else ids.internal
 
 
 def client_request_id(request: Request) -> str | None:

@@ -68,7 +68,9 @@ class ApiRoute:
     any value the client sent. `fields`: which of the fields the gateway reads (`stream`,
     `stream_options`, `priority`) the route's vLLM request model has: only those are checked and
     read (`bodies.parse_body`); a model without the field ignores it (vLLM allows extra fields),
-    so the gateway does too.
+    so the gateway does too. `engine_priority`: on a salted route, the gateway adds the tenant's
+    engine priority (off where the route's vLLM model has no `priority` and refuses fields it
+    lacks: `/v1/decisions`).
     """
 
     endpoint: str
@@ -86,6 +88,7 @@ class ApiRoute:
     api_key_header: bool = False
     pick: Callable[[Mapping[str, Any]], ApiRoute] | None = None
     fields: frozenset[str] = frozenset({"priority"})
+    engine_priority: bool = True
     path_bytes: bytes = field(init=False)
     rewrites: bool = field(init=False)
     plain_head: bool = field(init=False)
@@ -216,12 +219,18 @@ ROUTES: dict[str, ApiRoute] = _routes(
     # decisions` on `/v1/systemone` and OpenAI-shaped decisions on `/v1/decisions`). They fill
     # the engine's prefix cache, so they are salted; load-aware, as the normalizer has no reader
     # for their prompts. `/v1/systemone` and `/v1/decisions` refuse unknown fields, and the
-    # decisions model, which always names its model, has no `priority`: on a pool whose engines
-    # schedule by priority, the engine priority `admission` adds to every salted route makes
-    # vLLM refuse it (400) until it is added only where the route's model has the field.
+    # decisions model, which always names its model, has no `priority`: it gets no engine
+    # priority (vLLM would refuse the request with 400 on a pool that schedules by priority).
     ApiRoute("generative_scoring", "/generative_scoring", salted=True),
     ApiRoute("structured_decisions", "/v1/systemone", salted=True),
-    ApiRoute("decisions", "/v1/decisions", salted=True, model_optional=False, fields=_NO_FIELDS),
+    ApiRoute(
+        "decisions",
+        "/v1/decisions",
+        salted=True,
+        model_optional=False,
+        fields=_NO_FIELDS,
+        engine_priority=False,
+    ),
     _INVOCATIONS,
     # `encoding_format` "bytes" / "bytes_only": an `application/octet-stream` answer (and its
     # `metadata` header).

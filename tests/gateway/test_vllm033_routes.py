@@ -141,6 +141,19 @@ async def test_the_decisions_route_names_its_model() -> None:
         assert worker.seen == []
 
 
+async def test_on_a_pool_scheduling_by_priority_decisions_get_none_and_the_reads_theirs() -> None:
+    """vLLM's Decisions model has no `priority` and refuses fields it lacks: the tenant's engine
+    priority, which the other salted routes carry, would make every such request a 400."""
+    async with gateway(priority_scheduling="lower_first") as (client, worker, _):
+        decisions = {"model": "m", "input": "s", "questions": [{"type": "predicate", "instructions": "?"}]}
+        answer = await client.post("/v1/decisions", json=decisions, headers=KEY)
+        assert answer.status_code == 200, answer.text
+        assert "priority" not in worker.seen[-1].body
+        scoring = {"model": "m", "query": "q", "items": ["a"], "label_token_ids": [1]}
+        assert (await client.post("/generative_scoring", json=scoring, headers=KEY)).status_code == 200
+        assert "priority" in worker.seen[-1].body
+
+
 async def test_the_responses_render_route_is_served_not_taken_for_a_stored_response() -> None:
     """`POST /v1/responses/render` was answered 405 by `GET /v1/responses/{id}`; another method
     on a proxied path is still 405, and a path vLLM does not have is still 404."""

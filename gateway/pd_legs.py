@@ -217,8 +217,7 @@ async def prefill_leg(
         if attempt.trace is not None:
             attempt.trace.status = source.status
         if worker_failed(source.status):
-            source.close()
-            return worker_status(source.status, source.retry_hints)
+            return await proxy.worker_error(source, a)
         stage = Stage.ANSWER
         body = await source.read_all()
         source.release()
@@ -260,8 +259,7 @@ async def decode_leg(
         if attempt.trace is not None:
             attempt.trace.status = source.status
         if worker_failed(source.status):
-            source.close()
-            failure = worker_status(source.status, source.retry_hints)
+            failure = await proxy.worker_error(source, a)
             if failure.later:
                 return failure  # overloaded (503, 529): it took no part in a transfer, its own failure
             return TransferFailed(failure, "decode_error", True)

@@ -18,6 +18,7 @@ releases it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from urllib.parse import urlsplit
@@ -25,6 +26,7 @@ from urllib.parse import urlsplit
 from gateway.admitted import JSON_HEAD, Admitted
 from gateway.errors import ApiError, RawResponse
 from gateway.failure import (
+    ERROR_PREFIX_BYTES,
     TRANSPORT_ERRORS,
     Failure,
     ReadTimeouts,
@@ -32,7 +34,9 @@ from gateway.failure import (
     Stage,
     failure_of,
     malformed,
+    says_why,
     worker_failed,
+    worker_said,
     worker_status,
 )
 from gateway.lifecycle import Lifecycle, shutting_down
@@ -182,7 +186,7 @@ async def _attempts(
         read_timeouts.note(result)
         if retry is None or read_timeouts.spent:
             break
-    verdicts.settle(time.monotonic())
+    verdicts.settle(time.monotonic(), pool.workers.values())
     if a.pinned is not None:
         failure = holder_unavailable(failure)
     elif failure is None:
@@ -244,8 +248,7 @@ async def send_attempt(
             if attempt.trace.recording:
                 source = TracedSource(source, attempt.trace)
         if worker_failed(source.status):
-            source.close()
-            return worker_status(source.status, source.retry_hints)
+            return await worker_error(source, a)
         if a.stream and source.status == 200 and is_event_stream(source.content_type):
             # Nothing is sent to the client before the worker's first event, so a worker that
             # stalls or fails before it can still be replaced by another.
@@ -280,6 +283,31 @@ async def send_attempt(
         if held is not None:
             held.release()
         raise
+
+
+# The longest wait for a worker's error body after its head (`worker_error`): it is sent with
+# the head (vLLM's is a small JSON), and a worker that stalls there must not hold the request.
+ERROR_BODY_WAIT_S = 1.0
+
+
+async def worker_error(source: StreamSource, a: Admitted) -> Failure:
+    """The failure of a worker's answer whose head says it failed (`worker_failed`), `source`
+    closed: with the worker's own message (`worker_said`) from the first `ERROR_PREFIX_BYTES` of
+    its body when its status says why (`says_why`); the body is not waited for longer than
+    `ERROR_BODY_WAIT_S` (nor `read_s`), and a body that does not come in time says nothing."""
+    said = None
+    try:
+        if says_why(source.status):
+            prefix = bytearray()
+            wait_s = min(ERROR_BODY_WAIT_S, a.pool.config.timeouts.read_s)
+            with contextlib.suppress(TimeoutError, *TRANSPORT_ERRORS):
+                async with asyncio.timeout(wait_s):
+                    while len(prefix) < ERROR_PREFIX_BYTES and (chunk := await source.read()):
+                        prefix += chunk
+            said = worker_said(prefix, a.withhold_salts)
+    finally:
+        source.close()
+    return worker_status(source.status, source.retry_hints, said)
 
 
 async def open_answer(transport: Transport, a: Admitted, attempt: Attempt) -> StreamSource:

@@ -148,6 +148,11 @@ class ReadTimeouts:
         return self.count > READ_TIMEOUT_RETRIES
 
 
+class FirstEventTimeout(TimeoutError):
+    """A stream's first event did not come within `timeouts.first_event_s` of sending the request
+    (`proxy.first_event_by`): a read timeout before the first byte, with its own bound."""
+
+
 # Everything a transport (or the relay reading from it) raises for a worker's fault.
 TRANSPORT_ERRORS = (UpstreamError, aiohttp.ClientError, OSError, MalformedStream)
 
@@ -203,7 +208,10 @@ def failure_of(exc: Exception, stage: Stage, timeouts: TimeoutsConfig) -> Failur
             502, f"worker connection failed mid-answer ({said})", _BAD_GATEWAY, failed, cause=cause
         )
     if timed_out:
-        message = f"worker did not answer within {timeouts.read_s:g} s"
+        if isinstance(exc, FirstEventTimeout):
+            message = f"worker stream sent no event within {timeouts.first_event_s:g} s"
+        else:
+            message = f"worker did not answer within {timeouts.read_s:g} s"
         return Failure(504, message, _TIMEOUT, failed, RetryReason.READ_TIMEOUT, cause=cause)
     if stage is Stage.FIRST_EVENT:
         message = f"worker stream failed before its first event ({said})"

@@ -21,6 +21,8 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 from gateway.admitted import JSON_HEAD, Admitted
@@ -29,6 +31,7 @@ from gateway.failure import (
     ERROR_PREFIX_BYTES,
     TRANSPORT_ERRORS,
     Failure,
+    FirstEventTimeout,
     ReadTimeouts,
     RetryReason,
     Stage,
@@ -56,6 +59,8 @@ from gateway.whole_answer import answer, is_event_stream
 from policies.base import Outcome, WorkerId
 
 log = logging.getLogger("kvgate.proxy")
+
+T = TypeVar("T")
 
 
 async def dispatch(
@@ -242,7 +247,8 @@ async def send_attempt(
                 hold=transport.answers.share(a.tenant.name),
             )
             return answer(routing, a, attempt, reply, retries)
-        source = await open_answer(transport, a, attempt)
+        deadline = first_event_deadline(a)
+        source = await first_event_by(deadline, open_answer(transport, a, attempt))
         if attempt.trace is not None:
             attempt.trace.status = source.status
             if attempt.trace.recording:
@@ -254,7 +260,7 @@ async def send_attempt(
             # stalls or fails before it can still be replaced by another.
             stage = Stage.FIRST_EVENT
             relay = a.api.dialect.relay(a.strip_usage)
-            first = await first_events(source, relay, attempt)
+            first = await first_event_by(deadline, first_events(source, relay, attempt))
             problem = first_event_problem(first) if first else "it ended before its first event"
             if problem is not None:
                 source.close()
@@ -282,6 +288,30 @@ async def send_attempt(
             source.close()
         if held is not None:
             held.release()
+        raise
+
+
+def first_event_deadline(a: Admitted) -> float | None:
+    """When a streamed request's attempt, sent now, must have its first event
+    (`timeouts.first_event_s`, on the event loop's clock); None for a request not streamed."""
+    if not a.stream:
+        return None
+    return asyncio.get_running_loop().time() + a.pool.config.timeouts.first_event_s
+
+
+async def first_event_by(deadline: float | None, step: Awaitable[T]) -> T:
+    """`step` (sending the request, or reading up to its first events), cut at `deadline` with
+    `FirstEventTimeout` (a read timeout before the first byte: another worker may take the
+    request). The transports' own timeouts (`read_s`) still apply within it."""
+    if deadline is None:
+        return await step
+    bound = asyncio.timeout_at(deadline)
+    try:
+        async with bound:
+            return await step
+    except TimeoutError as exc:
+        if bound.expired():
+            raise FirstEventTimeout from exc
         raise
 
 

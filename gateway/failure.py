@@ -21,8 +21,10 @@ first byte count only once the request's fate shows whose fault they were (`Fail
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 
 import aiohttp
+import orjson
 
 from gateway.config.pool import TimeoutsConfig
 from gateway.errors import WORKER_OVERLOADED, ApiError
@@ -87,6 +89,9 @@ class Failure:
     # The workers asked to be retried later (a 503 or a 529: overloaded or starting, no work spent
     # on the request): the client may retry after their `Retry-After`, whatever its call's budget.
     later: bool = False
+    # The worker's own message in its error body (`worker_said`), for the client only: it may
+    # quote the client's prompt, so it stays out of `detail()`, the logs and the spans.
+    said: str | None = None
 
     def says_whether_to_retry(self, only_later: bool) -> bool:
         """Whether the answer's own advice stands, so the call's retry budget adds none
@@ -110,10 +115,12 @@ class Failure:
             headers = {name.decode(): value.decode() for name, value in forwardable(self.retry_hints)}
             if self.status == 503:
                 headers.setdefault("retry-after", "1")
-        return ApiError(self.status, self.message, "server_error", self.code, self.param, headers)
+        message = self.message if self.said is None else f"{self.message}: {self.said}"
+        return ApiError(self.status, message, "server_error", self.code, self.param, headers)
 
     def detail(self) -> str:
-        """The access line's `error_detail`: the client's message, and what the transport raised."""
+        """The access line's `error_detail`: the client's message (less what the worker `said`),
+        and what the transport raised."""
         return self.message if self.cause is None else f"{self.message}; {self.cause}"
 
 
@@ -139,6 +146,11 @@ class ReadTimeouts:
     @property
     def spent(self) -> bool:
         return self.count > READ_TIMEOUT_RETRIES
+
+
+class FirstEventTimeout(TimeoutError):
+    """A stream's first event did not come within `timeouts.first_event_s` of sending the request
+    (`proxy.first_event_by`): a read timeout before the first byte, with its own bound."""
 
 
 # Everything a transport (or the relay reading from it) raises for a worker's fault.
@@ -196,7 +208,10 @@ def failure_of(exc: Exception, stage: Stage, timeouts: TimeoutsConfig) -> Failur
             502, f"worker connection failed mid-answer ({said})", _BAD_GATEWAY, failed, cause=cause
         )
     if timed_out:
-        message = f"worker did not answer within {timeouts.read_s:g} s"
+        if isinstance(exc, FirstEventTimeout):
+            message = f"worker stream sent no event within {timeouts.first_event_s:g} s"
+        else:
+            message = f"worker did not answer within {timeouts.read_s:g} s"
         return Failure(504, message, _TIMEOUT, failed, RetryReason.READ_TIMEOUT, cause=cause)
     if stage is Stage.FIRST_EVENT:
         message = f"worker stream failed before its first event ({said})"
@@ -239,14 +254,48 @@ def worker_failed(status: int) -> bool:
 OVERLOADED = 529
 
 
-def worker_status(status: int, hints: RetryHints = ()) -> Failure:
-    """A worker answered 5xx or refused the gateway's credentials (`worker_failed`): its body is
-    discarded and another worker may take the request. When none does, a 503 (an overloaded or
-    starting worker) reaches the client as a 503 with the worker's own `Retry-After`, and so does
-    a 529 (overloaded), as `WORKER_OVERLOADED` (an Anthropic client gets its 529:
-    `anthropic.error_response`); a refusal of credentials as a 502 `worker_auth_failed` (the
-    client's key was fine: the pool's worker key is missing or wrong); any other 5xx as a 502.
-    Each waits for the request's fate before it counts against the worker (`Failure.held`)."""
+def says_why(status: int) -> bool:
+    """Whether a worker's answer of `status` (`worker_failed`) reaches the client with the
+    worker's own message (`worker_said`): a 5xx other than the overloaded ones (503, 529), which
+    keep the gateway's words. vLLM answers a request it failed on with a 500 and a JSON error
+    (`GenerationError`, an engine error), and only the worker's message says what it was."""
+    return status >= 500 and status not in (503, OVERLOADED)
+
+
+# The most of a worker's error body read for its message (the rest is not waited for), and the
+# most of its message a client gets.
+ERROR_PREFIX_BYTES = 4096
+WORKER_SAID_CHARS = 512
+
+
+def worker_said(body: bytes | bytearray | memoryview, withhold: Callable[[bytes], bytes]) -> str | None:
+    """The message of a worker's JSON error body, read from its first `ERROR_PREFIX_BYTES`:
+    vLLM's `{"error": {"message": ...}}`, or its older `{"object": "error", "message": ...}`;
+    cut to `WORKER_SAID_CHARS`, and passed through `withhold` (`Admitted.withhold_salts`: the
+    message may quote the request). None for a body of another shape, or one longer than read."""
+    try:
+        parsed = orjson.loads(bytes(body[:ERROR_PREFIX_BYTES]))
+    except orjson.JSONDecodeError:
+        return None
+    inner = parsed.get("error", parsed) if isinstance(parsed, dict) else None
+    message = inner.get("message") if isinstance(inner, dict) else None
+    if not isinstance(message, str) or not message.strip():
+        return None
+    message = message.strip()
+    if len(message) > WORKER_SAID_CHARS:
+        message = message[:WORKER_SAID_CHARS] + "..."
+    return withhold(message.encode()).decode(errors="replace")
+
+
+def worker_status(status: int, hints: RetryHints = (), said: str | None = None) -> Failure:
+    """A worker answered 5xx or refused the gateway's credentials (`worker_failed`): another
+    worker may take the request. When none does, a 503 (an overloaded or starting worker) reaches
+    the client as a 503 with the worker's own `Retry-After`, and so does a 529 (overloaded), as
+    `WORKER_OVERLOADED` (an Anthropic client gets its 529: `anthropic.error_response`); a refusal
+    of credentials as a 502 `worker_auth_failed` (the client's key was fine: the pool's worker key
+    is missing or wrong); any other 5xx as a 502, with the worker's own message when it gave one
+    (`said`, from `worker_said`: `says_why`). Each waits for the request's fate before it counts
+    against the worker (`Failure.held`)."""
     failed, retry = Outcome.WORKER_FAILED, RetryReason.WORKER_ERROR
     if status in REFUSED_CREDENTIALS:
         message = f"the worker refused the gateway's credentials (HTTP {status})"
@@ -259,7 +308,7 @@ def worker_status(status: int, hints: RetryHints = ()) -> Failure:
     if status == OVERLOADED:
         message = f"worker answered {status} (overloaded)"
         return Failure(503, message, WORKER_OVERLOADED, failed, retry, hints, answered=True, later=True)
-    return Failure(502, message, _BAD_GATEWAY, failed, retry, answered=True)
+    return Failure(502, message, _BAD_GATEWAY, failed, retry, answered=True, said=said)
 
 
 def malformed(message: str, stage: Stage) -> Failure:

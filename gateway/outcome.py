@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from gateway.admitted import Admitted
@@ -13,7 +14,7 @@ from gateway.request_head import RequestIds
 from gateway.routing import Routing
 from gateway.tracing import AttemptTrace
 from gateway.worker import Worker
-from policies.base import Observation, Outcome, RouteDecision
+from policies.base import Observation, Outcome, Role, RouteDecision
 
 log = logging.getLogger("kvgate.outcome")
 
@@ -158,17 +159,21 @@ class HeldVerdicts:
     answer) convicts them (`convict`: each counts as a failure), which still shuts out a hung
     worker; another worker refusing it (a 4xx), or the request ending with failures held on two
     or more workers, acquits them (`acquit`). A request that ends with one worker's 5xx and no
-    other evidence counts it, as any other failure counts; one that ends with one worker's read
-    timeout does not, since the request may be what is slow (`settle`). One the client leaves
-    acquits.
+    other evidence counts it, as any other failure counts, while another worker of its role could
+    take its requests; a pool's last routable worker of a role is not counted so (`settle`): an
+    open breaker there sends nobody elsewhere, and one tenant's requests that the worker fails
+    would take the model away from every tenant until the cooldown. One that ends with one
+    worker's read timeout counts against no worker, since the request may be what is slow. One
+    the client leaves acquits.
 
     Only a closed breaker's verdict is held (the caller judges a half-open breaker's trial at
     once: a trial must not stay in flight for another worker's whole answer). A held request took
     no trial, so acquitting frees nothing; and a verdict that arrives after the breaker left the
     closed state (other requests opened it meanwhile) is dropped rather than applied to a state
     it was not about. So a pool whose workers all answer every request with a 5xx, or all hang,
-    opens no breaker; its requests still end (fast, or after `read_s`), and health checks still
-    take down a worker that fails them.
+    opens no breaker, nor does a 5xx open the breaker of a pool's last routable worker (of its
+    role); their requests still end (fast, or after `read_s`), and health checks still take down
+    a worker that fails them.
     """
 
     __slots__ = ("_timed_out", "_workers")
@@ -191,13 +196,26 @@ class HeldVerdicts:
         self._workers.clear()
         self._timed_out = False
 
-    def settle(self, now_s: float) -> None:
-        """The request ends without an answer: one worker's 5xx is its failure; one worker's read
-        timeout, or several workers' failures, point at the request."""
-        if len(self._workers) == 1 and not self._timed_out:
+    def settle(self, now_s: float, pool: Iterable[Worker]) -> None:
+        """The request ends without an answer: one worker's 5xx is its failure when another
+        worker of `pool` (the request's pool, as it is now) could take its requests
+        (`has_peer`); one worker's read timeout, or several workers' failures, point at the
+        request."""
+        if len(self._workers) == 1 and not self._timed_out and has_peer(self._workers[0], pool, now_s):
             self.convict(now_s)
         else:
             self.acquit()
+
+
+def has_peer(worker: Worker, pool: Iterable[Worker], now_s: float) -> bool:
+    """Whether another worker of `pool` in `worker`'s role (`Role.of`: prefill, decode, or whole
+    requests) is routable now: healthy, and its breaker lets requests through. Each gateway
+    process keeps its own breakers, so this is the process's own view."""
+    role = Role.of(worker.role)
+    return any(
+        peer is not worker and Role.of(peer.role) is role and peer.healthy and peer.breaker.allows(now_s)
+        for peer in pool
+    )
 
 
 def _feedback(routing: Routing, obs: Observation, now_s: float) -> None:

@@ -122,7 +122,7 @@ async def _rounds(run: PdRun, router: PdRouter) -> Response:
             return result
         if run.final or run.read_timeouts.spent:
             break
-    run.verdicts.settle(time.monotonic())
+    run.verdicts.settle(time.monotonic(), pool.workers.values())
     failure = run.failure or no_worker(a.pool, a.model, time.monotonic())
     if a.pinned is not None:
         failure = holder_unavailable(run.failure)

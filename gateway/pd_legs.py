@@ -213,12 +213,14 @@ async def prefill_leg(
     source: StreamSource | None = None
     stage = Stage.HEAD
     try:
-        source = await proxy.open_answer(transport, a, attempt)
+        # For a streamed request the leg's head is its first event's first part: vLLM answers it
+        # once the prompt is prefilled, so it is bounded as a first event is (`first_event_s`).
+        deadline = proxy.first_event_deadline(a)
+        source = await proxy.first_event_by(deadline, proxy.open_answer(transport, a, attempt))
         if attempt.trace is not None:
             attempt.trace.status = source.status
         if worker_failed(source.status):
-            source.close()
-            return worker_status(source.status, source.retry_hints)
+            return await proxy.worker_error(source, a)
         stage = Stage.ANSWER
         body = await source.read_all()
         source.release()
@@ -256,19 +258,19 @@ async def decode_leg(
     source: StreamSource | None = None
     stage = Stage.HEAD
     try:
-        source = await proxy.open_answer(transport, a, attempt)
+        deadline = proxy.first_event_deadline(a)
+        source = await proxy.first_event_by(deadline, proxy.open_answer(transport, a, attempt))
         if attempt.trace is not None:
             attempt.trace.status = source.status
         if worker_failed(source.status):
-            source.close()
-            failure = worker_status(source.status, source.retry_hints)
+            failure = await proxy.worker_error(source, a)
             if failure.later:
                 return failure  # overloaded (503, 529): it took no part in a transfer, its own failure
             return TransferFailed(failure, "decode_error", True)
         if a.stream and source.status == 200 and whole_answer.is_event_stream(source.content_type):
             stage = Stage.FIRST_EVENT
             relay = decode_relay(a)
-            first = await first_events(source, relay, attempt)
+            first = await proxy.first_event_by(deadline, first_events(source, relay, attempt))
             problem = first_event_problem(first) if first else "it ended before its first event"
             if problem is not None:
                 source.close()

@@ -18,21 +18,28 @@ releases it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import Awaitable
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 from gateway.admitted import JSON_HEAD, Admitted
 from gateway.errors import ApiError, RawResponse
 from gateway.failure import (
+    ERROR_PREFIX_BYTES,
     TRANSPORT_ERRORS,
     Failure,
+    FirstEventTimeout,
     ReadTimeouts,
     RetryReason,
     Stage,
     failure_of,
     malformed,
+    says_why,
     worker_failed,
+    worker_said,
     worker_status,
 )
 from gateway.lifecycle import Lifecycle, shutting_down
@@ -52,6 +59,8 @@ from gateway.whole_answer import answer, is_event_stream
 from policies.base import Outcome, WorkerId
 
 log = logging.getLogger("kvgate.proxy")
+
+T = TypeVar("T")
 
 
 async def dispatch(
@@ -182,7 +191,7 @@ async def _attempts(
         read_timeouts.note(result)
         if retry is None or read_timeouts.spent:
             break
-    verdicts.settle(time.monotonic())
+    verdicts.settle(time.monotonic(), pool.workers.values())
     if a.pinned is not None:
         failure = holder_unavailable(failure)
     elif failure is None:
@@ -238,20 +247,20 @@ async def send_attempt(
                 hold=transport.answers.share(a.tenant.name),
             )
             return answer(routing, a, attempt, reply, retries)
-        source = await open_answer(transport, a, attempt)
+        deadline = first_event_deadline(a)
+        source = await first_event_by(deadline, open_answer(transport, a, attempt))
         if attempt.trace is not None:
             attempt.trace.status = source.status
             if attempt.trace.recording:
                 source = TracedSource(source, attempt.trace)
         if worker_failed(source.status):
-            source.close()
-            return worker_status(source.status, source.retry_hints)
+            return await worker_error(source, a)
         if a.stream and source.status == 200 and is_event_stream(source.content_type):
             # Nothing is sent to the client before the worker's first event, so a worker that
             # stalls or fails before it can still be replaced by another.
             stage = Stage.FIRST_EVENT
             relay = a.api.dialect.relay(a.strip_usage)
-            first = await first_events(source, relay, attempt)
+            first = await first_event_by(deadline, first_events(source, relay, attempt))
             problem = first_event_problem(first) if first else "it ended before its first event"
             if problem is not None:
                 source.close()
@@ -280,6 +289,55 @@ async def send_attempt(
         if held is not None:
             held.release()
         raise
+
+
+def first_event_deadline(a: Admitted) -> float | None:
+    """When a streamed request's attempt, sent now, must have its first event
+    (`timeouts.first_event_s`, on the event loop's clock); None for a request not streamed."""
+    if not a.stream:
+        return None
+    return asyncio.get_running_loop().time() + a.pool.config.timeouts.first_event_s
+
+
+async def first_event_by(deadline: float | None, step: Awaitable[T]) -> T:
+    """`step` (sending the request, or reading up to its first events), cut at `deadline` with
+    `FirstEventTimeout` (a read timeout before the first byte: another worker may take the
+    request). The transports' own timeouts (`read_s`) still apply within it."""
+    if deadline is None:
+        return await step
+    bound = asyncio.timeout_at(deadline)
+    try:
+        async with bound:
+            return await step
+    except TimeoutError as exc:
+        if bound.expired():
+            raise FirstEventTimeout from exc
+        raise
+
+
+# The longest wait for a worker's error body after its head (`worker_error`): it is sent with
+# the head (vLLM's is a small JSON), and a worker that stalls there must not hold the request.
+ERROR_BODY_WAIT_S = 1.0
+
+
+async def worker_error(source: StreamSource, a: Admitted) -> Failure:
+    """The failure of a worker's answer whose head says it failed (`worker_failed`), `source`
+    closed: with the worker's own message (`worker_said`) from the first `ERROR_PREFIX_BYTES` of
+    its body when its status says why (`says_why`); the body is not waited for longer than
+    `ERROR_BODY_WAIT_S` (nor `read_s`), and a body that does not come in time says nothing."""
+    said = None
+    try:
+        if says_why(source.status):
+            prefix = bytearray()
+            wait_s = min(ERROR_BODY_WAIT_S, a.pool.config.timeouts.read_s)
+            with contextlib.suppress(TimeoutError, *TRANSPORT_ERRORS):
+                async with asyncio.timeout(wait_s):
+                    while len(prefix) < ERROR_PREFIX_BYTES and (chunk := await source.read()):
+                        prefix += chunk
+            said = worker_said(prefix, a.withhold_salts)
+    finally:
+        source.close()
+    return worker_status(source.status, source.retry_hints, said)
 
 
 async def open_answer(transport: Transport, a: Admitted, attempt: Attempt) -> StreamSource:

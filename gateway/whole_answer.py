@@ -16,7 +16,7 @@ from gateway.admitted import Admitted
 from gateway.answer_usage import NO_USAGE, usage_of
 from gateway.answer_write import HeldResponse
 from gateway.errors import RawResponse
-from gateway.failure import Failure, Stage, malformed, worker_failed, worker_status
+from gateway.failure import Failure, Stage, malformed, says_why, worker_failed, worker_said, worker_status
 from gateway.outcome import Attempt, finish
 from gateway.retries import advice, forwardable
 from gateway.routing import Routing
@@ -62,7 +62,8 @@ def _respond(
     if attempt.trace is not None:
         attempt.trace.status = status
     if worker_failed(status):
-        return worker_status(status, reply.retry_hints)
+        said = worker_said(body, a.withhold_salts) if says_why(status) else None
+        return worker_status(status, reply.retry_hints, said)
     passed: list[tuple[bytes, bytes]] = []
     if status == 200:
         if not _is_json(content_type):

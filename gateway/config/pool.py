@@ -20,13 +20,18 @@ from prompt_normalizer.normalizer import NormalizerConfig
 
 
 class TimeoutsConfig(Frozen):
-    """Per-request upstream timeouts of a pool. `read_s` is the longest silence allowed while
-    waiting for the response head or between two body chunks (a non-streamed answer arrives only
-    when generation ends, so it must cover a whole generation)."""
+    """Per-request upstream timeouts of a pool, each finite. `read_s` is the longest silence
+    allowed while waiting for the response head or between two body chunks (a non-streamed answer
+    arrives only when generation ends, so it must cover a whole generation: the OpenAI SDK's own
+    default of 600 s). `first_event_s` bounds a stream's wait for its first event, head included
+    (the queue and the prefill, never the generation), so that a worker hung behind a live HTTP
+    server is left for another well before the client's own read timeout. `total_s` bounds a
+    whole request, the longest stream included."""
 
     connect_s: PositiveFloat = 2.0
-    read_s: PositiveFloat = 120.0
-    total_s: PositiveFloat = 600.0
+    read_s: PositiveFloat = 600.0
+    first_event_s: PositiveFloat = 120.0
+    total_s: PositiveFloat = 3600.0
 
 
 class HealthConfig(Frozen):

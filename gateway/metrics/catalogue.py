@@ -16,8 +16,8 @@ from gateway.metrics.families import HotCollector, SnapshotCounter
 
 _SYNC_LAG_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-# A whole request may last up to `timeouts.total_s` (600 s by default): its buckets reach that far.
-_DURATION_BUCKETS_S = (*_LATENCY_BUCKETS_S, 300.0, 600.0)
+# A whole request may last up to `timeouts.total_s` (3600 s by default): its buckets reach that far.
+_DURATION_BUCKETS_S = (*_LATENCY_BUCKETS_S, 300.0, 600.0, 1800.0, 3600.0)
 # vLLM's buckets for its time-per-output-token histograms, so gateway and engine panels line up.
 _TPOT_BUCKETS_S = (
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,

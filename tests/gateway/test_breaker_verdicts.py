@@ -256,11 +256,12 @@ async def test_a_5xx_then_another_workers_4xx_counts_against_neither(rig: Rig) -
     assert rig.failures("three") == dict.fromkeys("abc", 0)
 
 
-async def test_a_lone_workers_5xx_still_counts(rig: Rig) -> None:
-    # Nothing to compare with: the failure counts, as every other failure does.
+async def test_a_5xx_of_the_pools_only_worker_counts_against_it_no_more(rig: Rig) -> None:
+    # Nothing to compare with, and nowhere else to send: an open breaker would only turn one
+    # tenant's failing requests into every tenant's 503 (tests/gateway/test_worker_5xx_said.py).
     rig.workers.status["a"] = 500
     assert (await rig.chat("m1")).status_code == 502
-    assert rig.failures("one") == {"a": 1}
+    assert rig.failures("one") == {"a": 0} and rig.all_closed("one")
 
 
 @pytest.mark.parametrize(("transport", "stream"), [("lean", False), ("aiohttp", False), ("lean", True)])
@@ -333,6 +334,8 @@ def test_a_lone_read_timeout_is_acquitted_and_a_lone_5xx_convicted() -> None:
     @dataclass
     class _Held:
         breaker: CircuitBreaker
+        role: str | None = None
+        healthy: bool = True
 
     timeouts = TimeoutsConfig(read_s=1.0)
     timed_out = failure_of(UpstreamTimeout("worker timed out", answered=False), Stage.HEAD, timeouts)
@@ -350,7 +353,8 @@ def test_a_lone_read_timeout_is_acquitted_and_a_lone_5xx_convicted() -> None:
         verdicts = HeldVerdicts()
         for worker, failure in zip(workers, held, strict=True):
             verdicts.hold(cast(Worker, worker), failure)
-        verdicts.settle(100.0)
+        peer = _Held(CircuitBreaker(BreakerConfig()))  # another worker could take their requests
+        verdicts.settle(100.0, cast(list[Worker], [*workers, peer]))
         assert [w.breaker.failures for w in workers] == [failures] * len(held)
     verdicts.hold(cast(Worker, workers[0]), timed_out)
     verdicts.convict(100.0)  # another worker served the request: the timeout was the worker's

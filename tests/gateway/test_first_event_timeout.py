@@ -1,0 +1,204 @@
+"""The pools' timeouts: defaults sized for long generations (`read_s` covers a whole non-streamed
+answer, `total_s` a long stream), and `first_event_s`, which finds a hung worker for a stream well
+before `read_s` would (docs/gateway.md, "Timeouts")."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from aiohttp import web
+
+from gateway.auth import hash_api_key
+from gateway.config import parse_config
+from gateway.config.pool import TimeoutsConfig
+from gateway.state import GatewayState
+from gateway.worker import Worker
+from policies import make_policy
+from tests.support.inprocess import gateway_in_process
+from tests.support.loopback import serve_app
+from tests.support.transports import TRANSPORTS, through
+
+SECRET = b"k"
+KEY = "sk"
+NAMES = ("a", "b", "p", "c")
+FIRST_EVENT_S = 0.3
+# Far beyond the test's own bounds: a test that waited for it would fail on its client's timeout.
+READ_S = 3600.0
+
+
+def test_the_defaults_let_long_generations_finish() -> None:
+    timeouts = TimeoutsConfig()
+    # A non-streamed answer comes only once whole: `read_s` is the longest such generation, the
+    # OpenAI SDK's own default timeout.
+    assert timeouts.read_s == 600
+    # The longest stream; a hung worker's stream is left for another at `first_event_s`.
+    assert timeouts.total_s == 3600 and timeouts.first_event_s == 120
+    assert timeouts.first_event_s < timeouts.read_s < timeouts.total_s
+    assert all(math.isfinite(v) for v in timeouts.model_dump().values())
+
+
+@dataclass
+class Workers:
+    """Scripted workers: those in `hung` send a stream's head and never its first event (an engine
+    stuck behind a live HTTP server); `slow_s` delays every non-streamed answer (a generation)."""
+
+    hung: set[str] = field(default_factory=set)
+    slow_s: float = 0.0
+    silent: list[str] = field(default_factory=list)
+    released: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
+class Rig:
+    client: httpx.AsyncClient
+    workers: Workers
+    state: GatewayState
+    urls: dict[str, str]
+
+    async def chat(self, model: str, stream: bool) -> httpx.Response:
+        body = {"model": model, "messages": [{"role": "user", "content": "x"}], "stream": stream}
+        return await self.client.post(
+            "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {KEY}"}
+        )
+
+    def worker(self, pool: str, name: str) -> Worker:
+        (worker,) = (w for w in self.state.registry.pools[pool].workers.values() if w.url == self.urls[name])
+        return worker
+
+
+def _answer(stream: bool) -> web.Response:
+    usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+    if not stream:
+        choice = {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}
+        return web.json_response(
+            {"id": "x", "object": "chat.completion", "choices": [choice], "usage": usage}
+        )
+    delta = {
+        "id": "x",
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": {"content": "hi"}}],
+    }
+    body = b"data: " + orjson.dumps(delta) + b"\n\ndata: [DONE]\n\n"
+    return web.Response(body=body, content_type="text/event-stream")
+
+
+@pytest.fixture
+async def rig() -> AsyncIterator[Rig]:
+    workers = Workers()
+
+    def app_for(name: str) -> web.Application:
+        async def health(_: web.Request) -> web.Response:
+            return web.Response(text="ok")
+
+        async def chat(request: web.Request) -> web.StreamResponse:
+            body: dict[str, Any] = await request.json()
+            stream = body.get("stream") is True
+            params = body.get("kv_transfer_params")
+            if isinstance(params, dict) and params.get("do_remote_decode") is True:
+                if name in workers.hung:  # a prefill leg's answer comes once the prompt is prefilled
+                    workers.silent.append(name)
+                    await workers.released.wait()
+                usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+                kv = {"remote_engine_id": "e", "remote_block_ids": [1]}
+                return web.json_response({"id": "p", "choices": [], "usage": usage, "kv_transfer_params": kv})
+            if stream and name in workers.hung:
+                workers.silent.append(name)
+                head = web.StreamResponse(headers={"content-type": "text/event-stream"})
+                await head.prepare(request)
+                await workers.released.wait()
+                return head
+            if not stream and workers.slow_s:
+                await asyncio.sleep(workers.slow_s)  # the generation's own time, not a wait for a condition
+            return _answer(stream)
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_post("/v1/chat/completions", chat)
+        return app
+
+    runners, urls = [], {}
+    for name in NAMES:
+        runner, port = await serve_app(app_for(name))
+        runners.append(runner)
+        urls[name] = f"http://127.0.0.1:{port}"
+    common = {
+        "timeouts": {"read_s": READ_S, "first_event_s": FIRST_EVENT_S},
+        "breaker": {"failure_threshold": 1, "cooldown_s": 3600},
+        "health": {"interval_s": 3600},
+    }
+    config = parse_config(
+        {
+            "pools": [
+                {"name": "two", "models": ["m2"], "workers": [urls["a"], urls["b"]], **common},
+                {"name": "one", "models": ["m1"], "workers": [urls["a"]], **common},
+                {
+                    "name": "pd",
+                    "models": ["pd"],
+                    "prefill_workers": [urls["p"]],
+                    "decode_workers": [urls["c"]],
+                    "pd": {"protocol": "vllm", "conditional": False},
+                    **common,
+                },
+            ],
+            "tenants": [{"name": "t", "api_key_hashes": [hash_api_key(SECRET, KEY)]}],
+            "scrape": {"enabled": False},
+        }
+    )
+    try:
+        async with gateway_in_process(config, make_policy("round_robin"), secret=SECRET) as gw:
+            yield Rig(gw.client, workers, gw.state, urls)
+    finally:
+        workers.released.set()
+        for runner in runners:
+            await runner.cleanup()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_hung_workers_stream_goes_to_another_at_first_event_s(rig: Rig, transport: str) -> None:
+    through(rig.state, transport)
+    rig.workers.hung.add("a")
+    for _ in range(2):  # round-robin: one of them starts at `a`
+        resp = await rig.chat("m2", stream=True)
+        assert resp.status_code == 200 and b"[DONE]" in resp.content
+    assert rig.workers.silent == ["a"]
+    # Another worker served the request: the timeout was `a`'s (threshold 1).
+    assert not rig.worker("two", "a").breaker.closed
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_lone_hung_workers_stream_ends_with_504(rig: Rig, transport: str) -> None:
+    through(rig.state, transport)
+    rig.workers.hung.add("a")
+    resp = await rig.chat("m1", stream=True)
+    error = resp.json()["error"]
+    assert resp.status_code == 504 and error["code"] == "upstream_timeout"
+    assert error["message"] == f"worker stream sent no event within {FIRST_EVENT_S:g} s"
+    assert rig.worker("one", "a").breaker.closed  # nothing to compare: no verdict
+
+
+async def test_first_event_s_leaves_whole_answers_alone(rig: Rig) -> None:
+    rig.workers.slow_s = FIRST_EVENT_S * 3  # a non-streamed generation longer than `first_event_s`
+    resp = await rig.chat("m1", stream=False)
+    assert resp.status_code == 200
+
+
+async def test_a_pd_decode_legs_first_event_is_bounded_too(rig: Rig) -> None:
+    rig.workers.hung.add("c")
+    resp = await rig.chat("pd", stream=True)
+    assert resp.status_code == 504 and resp.json()["error"]["code"] == "upstream_timeout"
+    assert set(rig.workers.silent) == {"c"}
+
+
+async def test_a_streamed_requests_prefill_leg_is_bounded_too(rig: Rig) -> None:
+    rig.workers.hung.add("p")
+    resp = await rig.chat("pd", stream=True)
+    # The prefill worker never answered its leg; the decode worker then served the request alone.
+    assert resp.status_code == 200 and b"[DONE]" in resp.content
+    assert rig.workers.silent == ["p"]

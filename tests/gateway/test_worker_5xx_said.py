@@ -1,0 +1,298 @@
+"""A worker's 5xx that no other worker fixed: the client reads the worker's own message, and the
+5xx never opens the breaker of a pool's last routable worker (of its role), so one tenant's
+requests that the worker fails (vLLM answers 500 for a request it failed on) cannot take the model
+away from every tenant (`failure.worker_said`, `outcome.HeldVerdicts.settle`)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import httpx
+import orjson
+import pytest
+from aiohttp import web
+
+from gateway.auth import hash_api_key
+from gateway.breaker import CircuitBreaker
+from gateway.config import parse_config
+from gateway.config.pool import BreakerConfig
+from gateway.failure import WORKER_SAID_CHARS, worker_said, worker_status
+from gateway.outcome import HeldVerdicts, has_peer
+from gateway.state import GatewayState
+from gateway.worker import Worker
+from policies import make_policy
+from tests.gateway.access_lines import capture_access
+from tests.support.inprocess import gateway_in_process
+from tests.support.loopback import serve_app
+from tests.support.transports import TRANSPORTS, through
+
+SECRET = b"k"
+KEYS = {"t": "sk", "u": "sk-u"}
+NAMES = ("a", "b", "p", "c")
+POISON = "poison"  # a prompt every worker fails on: vLLM's GenerationError, say
+SAID = "GenerationError: the engine failed while generating this request"
+
+
+@dataclass
+class Workers:
+    """Scripted workers: a prompt of `POISON` gets a 500 whose body is `error_body` (vLLM's
+    shape by default, quoting the request's `cache_salt`); anything else is served."""
+
+    error_body: bytes | None = None  # None: vLLM's error, with the salt the worker was sent
+    stall_error_body: bool = False  # send the 500's head and never its body
+    posts: list[str] = field(default_factory=list)
+    released: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
+class Rig:
+    client: httpx.AsyncClient
+    workers: Workers
+    state: GatewayState
+    urls: dict[str, str]
+
+    async def chat(
+        self, model: str, prompt: str = "hi", *, stream: bool = False, tenant: str = "t"
+    ) -> httpx.Response:
+        body = {"model": model, "messages": [{"role": "user", "content": prompt}], "stream": stream}
+        return await self.client.post(
+            "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {KEYS[tenant]}"}
+        )
+
+    def worker(self, pool: str, name: str) -> Worker:
+        (worker,) = (w for w in self.state.registry.pools[pool].workers.values() if w.url == self.urls[name])
+        return worker
+
+    async def models(self) -> list[str]:
+        resp = await self.client.get("/v1/models", headers={"authorization": f"Bearer {KEYS['u']}"})
+        return [card["id"] for card in resp.json()["data"]]
+
+
+def _served(stream: bool) -> web.Response:
+    choice = {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}
+    usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+    if not stream:
+        answer = {"id": "x", "object": "chat.completion", "choices": [choice], "usage": usage}
+        return web.json_response(answer)
+    chunk = {"index": 0, "delta": {"content": "ok"}}
+    delta = {"id": "x", "object": "chat.completion.chunk", "choices": [chunk]}
+    return web.Response(
+        body=b"data: " + orjson.dumps(delta) + b"\n\ndata: [DONE]\n\n", content_type="text/event-stream"
+    )
+
+
+@pytest.fixture
+async def rig() -> AsyncIterator[Rig]:
+    workers = Workers()
+
+    def app_for(name: str) -> web.Application:
+        async def chat(request: web.Request) -> web.StreamResponse:
+            workers.posts.append(name)
+            body: dict[str, Any] = await request.json()
+            params = body.get("kv_transfer_params")
+            if isinstance(params, dict) and params.get("do_remote_decode") is True:
+                usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+                kv = {"remote_engine_id": "e", "remote_block_ids": [1]}
+                return web.json_response({"id": "p", "choices": [], "usage": usage, "kv_transfer_params": kv})
+            if body["messages"][0]["content"] != POISON:
+                return _served(body.get("stream") is True)
+            if workers.stall_error_body:
+                head = web.StreamResponse(status=500, headers={"content-type": "application/json"})
+                await head.prepare(request)
+                await workers.released.wait()
+                return head
+            error = workers.error_body
+            if error is None:
+                message = f"{SAID} (cache_salt={body.get('cache_salt')})"
+                error = orjson.dumps(
+                    {"error": {"message": message, "type": "InternalServerError", "param": None, "code": 500}}
+                )
+            return web.Response(body=error, status=500, content_type="application/json")
+
+        app = web.Application()
+
+        async def health(_: web.Request) -> web.Response:
+            return web.Response(text="ok")
+
+        app.router.add_get("/health", health)
+        app.router.add_post("/v1/chat/completions", chat)
+        return app
+
+    runners, urls = [], {}
+    for name in NAMES:
+        runner, port = await serve_app(app_for(name))
+        runners.append(runner)
+        urls[name] = f"http://127.0.0.1:{port}"
+    # Opens at the first failure counted: any wrong verdict shows as an open breaker. Health
+    # checks only at the start: a test's own verdict on a worker's health stands.
+    common = {
+        "retry_attempts": 2,
+        "breaker": {"failure_threshold": 1, "cooldown_s": 3600},
+        "health": {"interval_s": 3600},
+    }
+    config = parse_config(
+        {
+            "pools": [
+                {"name": "one", "models": ["m1"], "workers": [urls["a"]], **common},
+                {"name": "two", "models": ["m2"], "workers": [urls["a"], urls["b"]], **common},
+                {
+                    "name": "two0",
+                    "models": ["m20"],
+                    "workers": [urls["a"], urls["b"]],
+                    **common,
+                    "retry_attempts": 0,
+                },
+                {
+                    "name": "pd",
+                    "models": ["pd"],
+                    "prefill_workers": [urls["p"]],
+                    "decode_workers": [urls["c"]],
+                    "pd": {"protocol": "vllm", "conditional": False},
+                    **common,
+                },
+            ],
+            "tenants": [
+                {"name": name, "api_key_hashes": [hash_api_key(SECRET, key)]} for name, key in KEYS.items()
+            ],
+            "scrape": {"enabled": False},
+        }
+    )
+    try:
+        async with gateway_in_process(config, make_policy("round_robin"), secret=SECRET) as gw:
+            yield Rig(gw.client, workers, gw.state, urls)
+    finally:
+        workers.released.set()
+        for runner in runners:
+            await runner.cleanup()
+
+
+def _said_prefix(resp: httpx.Response) -> str:
+    error = resp.json()["error"]
+    assert resp.status_code == 502 and error["code"] == "bad_gateway" and error["type"] == "server_error"
+    message: str = error["message"]
+    return message
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_lone_workers_5xx_leaves_the_model_to_every_tenant(
+    rig: Rig, transport: str, stream: bool
+) -> None:
+    through(rig.state, transport)
+    lines = capture_access(rig.state)
+    for _ in range(3):  # one tenant's requests that the pool's only worker fails
+        resp = await rig.chat("m1", POISON, stream=stream)
+        message = _said_prefix(resp)
+        # The worker's own words reach the client, less the salt the gateway sent it ...
+        assert message.startswith(f"worker answered 500: {SAID} (cache_salt=")
+        assert "[salt withheld]" in message
+        # ... and never the logs.
+        assert lines.of(resp.headers["x-request-id"])["error_detail"] == "worker answered 500"
+    lone = rig.worker("one", "a")
+    assert lone.breaker.closed and lone.breaker.failures == 0
+    assert "m1" in await rig.models()
+    assert (await rig.chat("m1", tenant="u", stream=stream)).status_code == 200
+
+
+@pytest.mark.parametrize("how", ["breaker_open", "unhealthy"])
+async def test_a_5xx_spares_the_last_routable_worker_of_two(rig: Rig, how: str) -> None:
+    down = rig.worker("two", "b")
+    if how == "breaker_open":
+        down.breaker.on_failure(time.monotonic())  # threshold 1: open for the whole test
+    else:
+        down.healthy = False
+    for _ in range(3):
+        assert (await rig.chat("m2", POISON)).status_code == 502
+    assert rig.workers.posts == ["a"] * 3
+    last = rig.worker("two", "a")
+    assert last.breaker.closed and last.breaker.failures == 0
+    assert (await rig.chat("m2", tenant="u")).status_code == 200
+
+
+async def test_a_lone_5xx_with_a_routable_peer_still_counts(rig: Rig) -> None:
+    # No retry, so nothing to compare with; but another worker takes what this one would get.
+    assert (await rig.chat("m20", POISON)).status_code == 502
+    (name,) = rig.workers.posts
+    failed = rig.worker("two0", name)
+    assert failed.breaker.failures == 1 and not failed.breaker.closed
+    assert (await rig.chat("m20", tenant="u")).status_code == 200  # the other worker serves
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_pd_pools_last_decode_worker_is_spared(rig: Rig, stream: bool) -> None:
+    for _ in range(3):
+        resp = await rig.chat("pd", POISON, stream=stream)
+        assert _said_prefix(resp).startswith(f"worker answered 500: {SAID}")
+    assert "c" in rig.workers.posts
+    for name in ("p", "c"):
+        assert rig.worker("pd", name).breaker.closed
+    assert (await rig.chat("pd", tenant="u", stream=stream)).status_code == 200
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize(
+    ("body", "said"),
+    [
+        (orjson.dumps({"object": "error", "message": "old shape", "code": 500}), "old shape"),
+        (orjson.dumps({"error": {"message": "x" * 5000}}), None),  # longer than the prefix read
+        (b"<html>Internal Server Error</html>", None),
+        (orjson.dumps({"error": {"message": "  "}}), None),
+    ],
+)
+async def test_the_workers_message_in_each_shape(
+    rig: Rig, transport: str, body: bytes, said: str | None
+) -> None:
+    through(rig.state, transport)
+    rig.workers.error_body = body
+    for stream in (False, True):
+        message = _said_prefix(await rig.chat("m1", POISON, stream=stream))
+        assert message == ("worker answered 500" if said is None else f"worker answered 500: {said}")
+
+
+@pytest.mark.parametrize(("transport", "stream"), [("lean", True), ("aiohttp", False), ("aiohttp", True)])
+async def test_an_error_body_that_never_comes_says_nothing(rig: Rig, transport: str, stream: bool) -> None:
+    # (The lean client reads a whole answer in one call, its error body too, within `read_s`.)
+    through(rig.state, transport)
+    rig.workers.stall_error_body = True
+    assert _said_prefix(await rig.chat("m1", POISON, stream=stream)) == "worker answered 500"
+
+
+def test_worker_said_cuts_long_messages_and_keeps_503s_words() -> None:
+    long = orjson.dumps({"error": {"message": "y" * 3000}})
+    said = worker_said(long, lambda text: text)
+    assert said == "y" * WORKER_SAID_CHARS + "..."
+    assert worker_status(500, said=said).error().message == f"worker answered 500: {said}"
+    assert worker_status(500, said=said).detail() == "worker answered 500"
+    assert worker_status(503).error().message == "worker answered 503"
+
+
+def test_has_peer_looks_at_routable_workers_of_the_same_role() -> None:
+    @dataclass
+    class _Worker:
+        role: str | None
+        healthy: bool = True
+        breaker: CircuitBreaker = field(
+            default_factory=lambda: CircuitBreaker(BreakerConfig(failure_threshold=1, cooldown_s=5))
+        )
+
+    now_s = 100.0
+    a, b = _Worker(None), _Worker("mixed")
+    assert has_peer(cast(Worker, a), cast(list[Worker], [a, b]), now_s)
+    b.breaker.on_failure(now_s)
+    assert not has_peer(cast(Worker, a), cast(list[Worker], [a, b]), now_s)
+    assert has_peer(cast(Worker, a), cast(list[Worker], [a, b]), now_s + 5)  # half-open: a trial
+    b.healthy = False
+    assert not has_peer(cast(Worker, a), cast(list[Worker], [a, b]), now_s + 5)
+    prefill, decode = _Worker("prefill"), _Worker("decode")
+    assert not has_peer(cast(Worker, prefill), cast(list[Worker], [prefill, decode, a]), now_s)
+    # The pool's last worker keeps its breaker closed; with a peer, the lone 5xx counts.
+    for pool, failures in (([a], 0), ([a, _Worker(None)], 1)):
+        verdicts = HeldVerdicts()
+        verdicts.hold(cast(Worker, a), worker_status(500))
+        a.healthy, a.breaker = True, CircuitBreaker(BreakerConfig(failure_threshold=3))
+        verdicts.settle(now_s, cast(list[Worker], pool))
+        assert a.breaker.failures == failures

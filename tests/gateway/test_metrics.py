@@ -56,6 +56,7 @@ def test_hot_counters_and_histograms_render_as_prometheus_families() -> None:
     # As far as `timeouts.total_s`' default: a request of 500 s is in a bucket of its own.
     assert s[(bucket, (("le", "300.0"), ("model", "m")))] == 3
     assert s[(bucket, (("le", "600.0"), ("model", "m")))] == 4
+    assert s[(bucket, (("le", "3600.0"), ("model", "m")))] == 4
     assert (("le", "300.0"), ("model", "m")) not in {
         k[1] for k in s if k[0].startswith("kvgate_time_to_first")
     }

@@ -243,10 +243,13 @@ def _plain(exc: Exception, timed_out: bool) -> str:
 REFUSED_CREDENTIALS = frozenset((401, 403))
 
 
-def worker_failed(status: int) -> bool:
+def worker_failed(status: int, scale_out: bool = False) -> bool:
     """Whether a worker's answer of `status` is the worker's failure rather than its verdict on
-    the request: a 5xx, or a refusal of the gateway's credentials (`REFUSED_CREDENTIALS`)."""
-    return status >= 500 or status in REFUSED_CREDENTIALS
+    the request: a 5xx, or a refusal of the gateway's credentials (`REFUSED_CREDENTIALS`), except
+    a 403 on a `scale_out` route (`routes.ApiRoute`), vLLM's answer that it does not serve it."""
+    if status >= 500:
+        return True
+    return status in REFUSED_CREDENTIALS and not (scale_out and status == 403)
 
 
 # A worker's 529 is Anthropic's "overloaded" (`overloaded_error`), which some servers and proxies

@@ -253,7 +253,7 @@ async def send_attempt(
             attempt.trace.status = source.status
             if attempt.trace.recording:
                 source = TracedSource(source, attempt.trace)
-        if worker_failed(source.status):
+        if worker_failed(source.status, a.api.scale_out):
             return await worker_error(source, a)
         if a.stream and source.status == 200 and is_event_stream(source.content_type):
             # Nothing is sent to the client before the worker's first event, so a worker that

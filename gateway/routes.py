@@ -70,7 +70,9 @@ class ApiRoute:
     read (`bodies.parse_body`); a model without the field ignores it (vLLM allows extra fields),
     so the gateway does too. `engine_priority`: on a salted route, the gateway adds the tenant's
     engine priority (off where the route's vLLM model has no `priority` and refuses fields it
-    lacks: `/v1/decisions`).
+    lacks: `/v1/decisions`). `scale_out`: a route vLLM 0.33 serves only when started with
+    `--enable-scale-out` (render, derender): without it the worker answers 403, its own answer to
+    the request (passed on as any 4xx is), not a refusal of the gateway's credentials.
     """
 
     endpoint: str
@@ -89,6 +91,7 @@ class ApiRoute:
     pick: Callable[[Mapping[str, Any]], ApiRoute] | None = None
     fields: frozenset[str] = frozenset({"priority"})
     engine_priority: bool = True
+    scale_out: bool = False
     path_bytes: bytes = field(init=False)
     rewrites: bool = field(init=False)
     plain_head: bool = field(init=False)
@@ -189,10 +192,16 @@ ROUTES: dict[str, ApiRoute] = _routes(
     ApiRoute("chat_batch", "/v1/chat/completions/batch", salted=True),
     # Rendering computes no KV: keyed, it would tell the policy that the worker now holds the
     # prompt's blocks. Load-aware, to any worker of the pool.
-    ApiRoute("chat_render", "/v1/chat/completions/render", fields=_CHAT_FIELDS),
+    ApiRoute("chat_render", "/v1/chat/completions/render", fields=_CHAT_FIELDS, scale_out=True),
     # A JSON array (one render per prompt), as SGLang's answers to a batch on `/generate` and
     # `/encode` are.
-    ApiRoute("completions_render", "/v1/completions/render", answer_may_be_array=True, fields=_CHAT_FIELDS),
+    ApiRoute(
+        "completions_render",
+        "/v1/completions/render",
+        answer_may_be_array=True,
+        fields=_CHAT_FIELDS,
+        scale_out=True,
+    ),
     # vLLM 0.33's other render routes take the Messages and Responses request models (a Messages
     # body always names its model and may carry its key in `x-api-key`).
     ApiRoute(
@@ -202,13 +211,16 @@ ROUTES: dict[str, ApiRoute] = _routes(
         model_optional=False,
         api_key_header=True,
         fields=_STREAM_ONLY,
+        scale_out=True,
     ),
-    ApiRoute("responses_render", "/v1/responses/render", dialect=RESPONSES, fields=_GENERATE_FIELDS),
+    ApiRoute(
+        "responses_render", "/v1/responses/render", dialect=RESPONSES, fields=_GENERATE_FIELDS, scale_out=True
+    ),
     # Derendering turns a generate answer back into a chat or completions one, without the engine.
     # Its `stream` picks the request's shape (one chunk and the client's `stream_state`), never an
     # event stream: the answer is always one JSON object, so the gateway does not read it.
-    ApiRoute("chat_derender", "/v1/chat/completions/derender", fields=_NO_FIELDS),
-    ApiRoute("completions_derender", "/v1/completions/derender", fields=_NO_FIELDS),
+    ApiRoute("chat_derender", "/v1/chat/completions/derender", fields=_NO_FIELDS, scale_out=True),
+    ApiRoute("completions_derender", "/v1/completions/derender", fields=_NO_FIELDS, scale_out=True),
     # vLLM's token-in, token-out generation (`token_ids`), with `cache_salt` and
     # `kv_transfer_params`; its output budget is `sampling_params.max_tokens`.
     ApiRoute(

@@ -61,7 +61,7 @@ def _respond(
     status, body, content_type = reply.status, reply.body, reply.content_type
     if attempt.trace is not None:
         attempt.trace.status = status
-    if worker_failed(status):
+    if worker_failed(status, a.api.scale_out):
         said = worker_said(body, a.withhold_salts) if says_why(status) else None
         return worker_status(status, reply.retry_hints, said)
     passed: list[tuple[bytes, bytes]] = []

@@ -25,6 +25,7 @@ from tests.support.loopback import serve_app
 SECRET = b"vllm033"
 KEY = {"authorization": "Bearer sk-t"}
 CHAT = [{"role": "user", "content": "hello"}]
+_NO_SCALE_OUT = "This endpoint requires --enable-scale-out"
 
 
 @dataclass
@@ -43,10 +44,14 @@ class Worker:
     """Answers every POST with a JSON object carrying usage; remembers what it got."""
 
     seen: list[Seen] = field(default_factory=list)
+    scale_out: bool = True  # False: its render and derender routes answer 403, as vLLM's do then
 
     async def handle(self, request: web.Request) -> web.Response:
         headers = {k.lower(): v for k, v in request.headers.items()}
         self.seen.append(Seen(request.path, headers, orjson.loads(await request.read())))
+        if not self.scale_out and request.path.endswith(("/render", "/derender")):
+            error = {"message": _NO_SCALE_OUT, "type": "PermissionDeniedError", "param": None, "code": 403}
+            return web.json_response({"error": error}, status=403)
         return web.json_response({"id": "x", "usage": {"prompt_tokens": 3, "completion_tokens": 2}})
 
     def app(self) -> web.Application:
@@ -57,8 +62,10 @@ class Worker:
 
 
 @contextlib.asynccontextmanager
-async def gateway(**pool: Any) -> AsyncIterator[tuple[httpx.AsyncClient, Worker, Recording]]:
-    worker = Worker()
+async def gateway(
+    worker: Worker | None = None, **pool: Any
+) -> AsyncIterator[tuple[httpx.AsyncClient, Worker, Recording]]:
+    worker = worker or Worker()
     runner, port = await serve_app(worker.app())
     policy = Recording()
     config = {
@@ -152,6 +159,20 @@ async def test_on_a_pool_scheduling_by_priority_decisions_get_none_and_the_reads
         scoring = {"model": "m", "query": "q", "items": ["a"], "label_token_ids": [1]}
         assert (await client.post("/generative_scoring", json=scoring, headers=KEY)).status_code == 200
         assert "priority" in worker.seen[-1].body
+
+
+async def test_a_workers_403_on_a_scale_out_route_is_its_answer_not_a_refused_key() -> None:
+    """vLLM 0.33 answers its render and derender routes 403 unless started with
+    `--enable-scale-out`: the client gets that answer, as any 4xx, and the worker is not taken
+    for one refusing the gateway's credentials (502 `worker_auth_failed`, retried elsewhere)."""
+    async with gateway(Worker(scale_out=False)) as (client, worker, _):
+        for path in ("/v1/chat/completions/render", "/v1/completions/derender"):
+            answer = await client.post(path, json={"model": "m", "messages": CHAT}, headers=KEY)
+            assert answer.status_code == 403, answer.text
+            assert answer.json()["error"]["message"] == _NO_SCALE_OUT
+        chat = await client.post("/v1/chat/completions", json={"model": "m", "messages": CHAT}, headers=KEY)
+        assert chat.status_code == 200
+        assert len(worker.seen) == 3  # each tried once
 
 
 async def test_the_responses_render_route_is_served_not_taken_for_a_stored_response() -> None:

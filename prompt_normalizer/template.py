@@ -201,8 +201,26 @@ class ChatTemplateTokenizer:
         return out
 
 
+# The modality vLLM gives a media part in the messages of an "openai"-format template (`{"type":
+# "image"}`, ...: `parse_chat_message_content_part`), by part type: `input_audio` is audio, as a
+# template that looks for `content.type == "audio"` must see it. Any other type renders as the
+# first word of its name.
+_MODALITIES = {
+    "image_url": "image",
+    "input_image": "image",
+    "image_pil": "image",
+    "image_embeds": "image",
+    "audio_url": "audio",
+    "input_audio": "audio",
+    "audio_embeds": "audio",
+    "video_url": "video",
+    "video_embeds": "video",
+}
+
+
 def _media_part(part: dict[str, Any]) -> dict[str, Any]:
-    return {"type": part_type(part).split("_")[0]}
+    ptype = part_type(part)
+    return {"type": _MODALITIES.get(ptype) or ptype.split("_")[0]}
 
 
 def _cut_after_final(text: str, content: Any) -> str:

@@ -132,3 +132,20 @@ def test_the_template_sees_a_part_naming_its_media_as_the_typed_part(tiny_model_
     video = rendered("see:", {"type": "video_url", "video_url": {"url": URL}})
     assert "'video'" in video
     assert rendered("see:", {"video_url": URL}) == video
+
+
+def test_the_template_sees_input_audio_as_audio(tiny_model_dir: Path) -> None:
+    """vLLM gives an `input_audio` part to an "openai"-format template as `{"type": "audio"}`, as
+    it does an `audio_url` part (a template looking for audio must find it), not `"input"`."""
+    tokenizer = ChatTemplateTokenizer(str(tiny_model_dir), content_format="openai")
+    key = secret_key(SECRET)
+    clip = {"data": "AAAA", "format": "wav"}
+
+    def rendered(part: dict[str, Any]) -> str:
+        return tokenizer.render(canonicalize_chat(_chat(["hear:", part]), NormalizerConfig(), key))
+
+    audio = rendered({"type": "audio_url", "audio_url": {"url": "https://example.invalid/a.wav"}})
+    assert "'audio'" in audio
+    assert rendered({"type": "input_audio", "input_audio": clip}) == audio
+    assert rendered({"input_audio": clip}) == audio
+    assert "'image'" in rendered({"type": "input_image", "image_url": URL})

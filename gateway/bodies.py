@@ -79,8 +79,10 @@ def parse_body(raw: bytes, api: ApiRoute, max_choices: int = 128) -> dict[str, A
     if api.pick is not None:
         api = api.pick(body)  # the route the body names is the one to check it against
     model = body.get("model")
-    if (not isinstance(model, str) or not model) and (model is not None or not api.model_optional):
-        raise bad_request("'model' is required and must be a non-empty string", "model")
+    # `""` names no model, as absent does (vLLM serves its own for either, `missing_model`); absent
+    # is refused only where vLLM's request model requires the field (Anthropic's Messages).
+    if model.__class__ is not str and (model is not None or not api.model_optional):
+        raise bad_request("'model' is required and must be a string", "model")
     prompt = api.prompt
     if prompt == "chat":
         messages = body.get("messages")
@@ -247,8 +249,8 @@ def parse_form(raw: bytes, content_type: str | None, api: ApiRoute) -> dict[str,
     not a well-formed multipart form."""
     fields = form_fields(raw, content_type, _FORM_FIELDS)
     model = fields.get("model")
-    if not model and not api.model_optional:
-        raise bad_request("'model' is required and must be a non-empty string", "model")
+    if model is None and not api.model_optional:  # `""` names no model, as in `parse_body`
+        raise bad_request("'model' is required", "model")
     if "priority" in fields:
         # A form is forwarded as sent, so the gateway could not replace it (`engine_priority`).
         raise bad_request("'priority' cannot be set on a form body through this gateway", "priority")
@@ -414,7 +416,18 @@ def with_priority(body: dict[str, Any], encoded: bytes, priority: int | None) ->
     return out, head + (b"," + encoded[1:] if encoded != b"{}" else b"}")
 
 
+# The most served model ids `missing_model` names (a gateway may serve hundreds of LoRA adapters;
+# `GET /v1/models` lists them all).
+MODELS_NAMED = 8
+
+
 def missing_model(served: list[str]) -> ApiError:
-    """A request without `model` on a route where vLLM takes the served model: fine when the
-    gateway serves one model, else the client must say which."""
-    return bad_request(f"'model' is required: this gateway serves {len(served)} models", "model")
+    """A request that names no model (no `model`, or `""`): vLLM serves its own model then (it
+    takes any empty name, `OpenAIServing._is_model_supported`), so the gateway does when it serves
+    one model (`keying.only_model`); with several, which one is meant is the client's to say, and
+    the error names them (the first `MODELS_NAMED`, in config order)."""
+    named = ", ".join(f"'{model}'" for model in served[:MODELS_NAMED])
+    more = len(served) - MODELS_NAMED
+    if more > 0:
+        named += f" and {more} more (GET /v1/models lists them)"
+    return bad_request(f"'model' is required: this gateway serves {len(served)} models: {named}", "model")

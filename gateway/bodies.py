@@ -367,21 +367,25 @@ def output_budget(body: dict[str, Any], prompt: str | None, max_model_len: int |
     `max_output_tokens`, the native generate routes' `sampling_params`; the field its engine
     reads, `_OUTPUT_FIELDS`): at most its model's context window `max_model_len`, stated or
     learned (`model_window.PoolWindows`; `ASSUMED_MAX_MODEL_LEN` when None), times the choices it
-    asks for (`n`, `best_of`: each decodes its own); 0 when it sets none. A budget that alone
-    fills a known window is refused with 400, as vLLM refuses a budget past the window (every
-    prompt has a token, so no worker could run it)."""
+    asks for (`n`, `best_of`: each decodes its own); 0 when it sets none. A budget past a known
+    window is refused with 400, as vLLM refuses it (`max_tokens` greater than `max_model_len`);
+    one up to the window is served, vLLM shortening it to what the prompt leaves
+    (`get_max_tokens`), so it counts as at most the window less one token (every prompt has
+    one)."""
     found = _output_field(body, prompt)
     if found is None:
         return 0
     name, value = found
     if max_model_len is None:
         value = min(value, ASSUMED_MAX_MODEL_LEN)
-    elif value >= max_model_len:
+    elif value > max_model_len:
         message = (
             f"'{name}' is too large: {value}. This model's maximum context length is {max_model_len} "
             "tokens, for the prompt and the output together"
         )
         raise ApiError(400, message, "invalid_request_error", "integer_above_max_value", name)
+    elif value == max_model_len:
+        value = max(max_model_len - 1, 1)
     sizes = batch_sizes(body, prompt)
     return value * _choices(body, prompt) * (1 if sizes is None else len(sizes))
 

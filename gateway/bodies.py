@@ -168,16 +168,12 @@ def _read_priority(value: object) -> int:
 
 def asks_usage(options: object) -> bool:
     """Whether a chat or completions body's `stream_options` (read by `parse_body`) asks for
-    usage in its stream: `include_usage` true, as in OpenAI's API. vLLM reads an absent
-    `include_usage` as true (its `StreamOptions` default) and OpenAI and SGLang as false; the
-    gateway follows OpenAI, except that `continuous_usage_stats` (vLLM's own field) true without
-    `include_usage` asks for usage, as it does of vLLM: on every chunk and at the end."""
-    if not isinstance(options, dict):
-        return False
-    flag = options.get("include_usage")
-    if flag is None and "include_usage" not in options:
-        return options.get("continuous_usage_stats") is True
-    return flag is True
+    usage in its stream: `include_usage` true, as OpenAI, SGLang and vLLM read it (vLLM's
+    `StreamOptions` defaults both its flags to false, and `continuous_usage_stats` acts only
+    together with `include_usage`: `should_include_usage`). So `{}` and
+    `{"continuous_usage_stats": true}` alone ask for none, and the gateway asks for its own
+    (`forced_usage`)."""
+    return isinstance(options, dict) and options.get("include_usage") is True
 
 
 def forced_usage(options: object) -> dict[str, Any]:

@@ -184,8 +184,9 @@ class StreamUsage:
 
 
 def _stream_usage(body: Mapping[str, Any], stream: bool) -> StreamUsage:
-    """vLLM's reading of `stream_options`: its `StreamOptions` defaults `include_usage` to true
-    (null is false), and `continuous_usage_stats` counts only with `include_usage`."""
+    """vLLM's reading of `stream_options`: its `StreamOptions` defaults `include_usage` to false
+    (as null), and `continuous_usage_stats` counts only with `include_usage`
+    (`should_include_usage`)."""
     options = body.get("stream_options")
     if options is None:
         return StreamUsage()
@@ -193,7 +194,7 @@ def _stream_usage(body: Mapping[str, Any], stream: bool) -> StreamUsage:
         raise ApiError.bad_request("Stream options can only be defined when `stream=True`.", "stream_options")
     if not isinstance(options, Mapping):
         raise ApiError.bad_request("stream_options must be an object", "stream_options")
-    include = _option_flag(options, "include_usage", True)
+    include = _option_flag(options, "include_usage", False)
     return StreamUsage(include, include and _option_flag(options, "continuous_usage_stats", False))
 
 

@@ -28,9 +28,13 @@ from loadtest.engine.tokenizer import TokenizerError
 router = APIRouter()
 
 
-def response_id(prefix: str, client_id: str | None) -> str:
-    """vLLM's id: the prefix and the client's `request_id`, or a fresh random one."""
-    return f"{prefix}-{client_id if client_id is not None else uuid.uuid4().hex}"
+def response_id(prefix: str, request: Request, client_id: str | None) -> str:
+    """vLLM's id (`OpenAIServing._base_request_id`): the prefix and the request's `X-Request-Id`
+    header when it has one (empty too), else the body's `request_id`, else a fresh random one."""
+    base = request.headers.get("x-request-id")
+    if base is None:
+        base = client_id if client_id is not None else uuid.uuid4().hex
+    return f"{prefix}-{base}"
 
 
 @router.post("/tokenize")
@@ -71,7 +75,7 @@ async def chat_render(request: Request) -> Response:
     gen = parse_chat(body, w.cfg, w.tokenizer)
     return json_response(
         {
-            "request_id": response_id("chatcmpl", gen.request_id),
+            "request_id": response_id("chatcmpl", request, gen.request_id),
             "token_ids": gen.prompt_ids.tolist(),
             "sampling_params": gen.echo_sampling,
             "model": gen.model,
@@ -85,7 +89,7 @@ async def completions_render(request: Request) -> Response:
     body = await read_json(request)
     w = worker_of(request)
     gen = parse_completions(body, w.cfg, w.tokenizer)
-    rid = response_id("cmpl", gen.request_id)
+    rid = response_id("cmpl", request, gen.request_id)
     return json_response(
         [
             {"request_id": f"{rid}-{i}", "token_ids": ids.tolist(), "sampling_params": gen.echo_sampling,
@@ -111,7 +115,10 @@ async def _generate(
             return StreamingResponse(_error_stream(prepared.failure), media_type="text/event-stream")
         raise prepared.failure
     group = w.submit(
-        prepared.gen, response_id(prefix, gen.request_id), prepared.external_tokens, prepared.on_finish
+        prepared.gen,
+        response_id(prefix, request, gen.request_id),
+        prepared.external_tokens,
+        prepared.on_finish,
     )
     if prepared.ticket is not None:
         prepared.ticket.group = group

@@ -227,7 +227,16 @@ def test_errors_are_openai_shaped(client: Any, base_url: str) -> None:
         (b"{not json", 400, None),
         (b"[1, 2]", 400, None),
         (json.dumps({"messages": []}).encode(), 400, "messages"),
-        (json.dumps({"messages": [{"role": "robot", "content": "x"}]}).encode(), 400, "messages[0].role"),
+        (
+            json.dumps({"messages": [{"role": 7, "content": "x"}]}).encode(),
+            400,
+            "messages[0].role",
+        ),  # any string
+        (
+            json.dumps({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}).encode(),
+            400,
+            "temperature",
+        ),
         (
             json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}).encode(),
             400,

@@ -73,6 +73,7 @@ class GenerationRequest:
     priority: int = 0
     continuous_usage: bool = False  # usage on every chunk too (`continuous_usage_stats`)
     stop: StopRule | None = None
+    budget_field: str = "max_tokens"  # the field `max_tokens` was read from (named in errors)
 
     @property
     def prompt_ids(self) -> np.ndarray:
@@ -216,6 +217,7 @@ def one_answer_request(
         priority=common.priority,
         stop=stop,
         logprobs=logprobs,
+        budget_field="max_output_tokens" if endpoint == "responses" else "max_tokens",
     )
 
 
@@ -346,6 +348,9 @@ def parse_chat(body: Mapping[str, Any], cfg: EmulatorConfig, tokenizer: Tokenize
     tool = tool_call_for(body.get("tools"), body.get("tool_choice"), list(body.get("messages") or []))
     return GenerationRequest(
         endpoint="chat",
+        budget_field="max_completion_tokens"
+        if body.get("max_completion_tokens") is not None
+        else "max_tokens",
         model=common.model,
         prompts=(tokenizer.encode(text),),
         max_tokens=max_tokens,

@@ -161,3 +161,40 @@ def test_sampling_fields_of_the_wrong_type_are_refused(
     assert resp.status_code == status, resp.text
     if status == 400:
         assert field in resp.text
+
+
+WINDOW = 64
+
+
+@pytest.fixture(scope="module")
+def small_window() -> Iterator[str]:
+    with running_emulator("--host", "127.0.0.1", "--model", "m", "--max-model-len", str(WINDOW)) as url:
+        yield url
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_a_budget_up_to_the_window_is_shortened_to_what_the_prompt_leaves(
+    small_window: str, field: str
+) -> None:
+    """vLLM 0.33 refuses only a budget past the window, and shortens one up to it
+    (`get_max_tokens`); a prompt that leaves no room is refused."""
+    messages = [{"role": "user", "content": "hi"}]
+    resp = _post(small_window, "/v1/chat/completions", {"messages": messages, field: WINDOW})
+    assert resp.status_code == 200, resp.text
+    usage = resp.json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == WINDOW
+    assert resp.json()["choices"][0]["finish_reason"] == "length"
+    past = _post(small_window, "/v1/chat/completions", {"messages": messages, field: WINDOW + 1})
+    assert past.status_code == 400
+    error = past.json()["error"]
+    assert error["param"] == field
+    assert f"{field}={WINDOW + 1} cannot be greater than max_model_len={WINDOW}" in error["message"]
+    long = _post(
+        small_window, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * WINDOW}]}
+    )
+    assert long.status_code == 400 and "maximum context length" in long.json()["error"]["message"]
+    completions = _post(small_window, "/v1/completions", {"prompt": ["a", "a b c d"], "max_tokens": WINDOW})
+    assert completions.status_code == 200, completions.text
+    # Each prompt's own budget: the window less that prompt (usage sums both prompts).
+    usage = completions.json()["usage"]
+    assert usage["completion_tokens"] == 2 * WINDOW - usage["prompt_tokens"]

@@ -11,10 +11,10 @@ gateway answers. Per address (an IPv6 address by its /64, which one host usually
 
 A right key resets nothing: an operator behind the same address as a guesser (an ingress, a NAT)
 would otherwise hand the guesser a fresh budget, and a throttled address cannot prove it holds
-the key without its key being checked. The table is bounded: past `max_addresses`, the address
-whose window began first goes (one whose window has passed costs nothing), so spraying addresses
-costs no memory, and evicting a throttled address needs as many fresh addresses as the table
-holds, each of which had its own budget anyway.
+the key without its key being checked. The table is bounded (`max_addresses`): windows that have
+passed are dropped, a live one never is (dropping it would hand its address a fresh budget), and
+while the table is full of live windows every address not in it counts under one shared window,
+`OVERFLOW`: spraying addresses costs no memory and buys no more than one more budget a window.
 """
 
 from __future__ import annotations
@@ -31,7 +31,12 @@ from dataclasses import dataclass
 MAX_FAILURES = 10
 WINDOW_S = 60.0
 MAX_ADDRESSES = 4096
+# Where every address not in a full table of live windows counts (no address is written so).
+OVERFLOW = "*"
 _IPV6_PREFIX_BITS = 64
+# IPv6 addresses that carry an IPv4 one: RFC 6052's well-known NAT64 prefix (its clients are
+# IPv4 hosts, counted as such rather than all under one /64).
+_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +79,11 @@ class AdminAuthThrottle:
         the caller checks the key)."""
         window = self._windows.get(address)
         if window is None:
-            return None
+            if not self._full(self.clock()):
+                return None
+            address, window = OVERFLOW, self._windows.get(OVERFLOW)
+            if window is None:
+                return None
         left_s = window.start_s + self.window_s - self.clock()
         if left_s <= 0:
             del self._windows[address]  # its window passed: nothing to remember
@@ -93,19 +102,19 @@ class AdminAuthThrottle:
             return window.failures == self.max_failures
         if window is not None:
             del self._windows[address]  # restarts at the end, keeping the order by start
-        self._make_room(now_s)
+        if self._full(now_s) and address != OVERFLOW:
+            return self.failed(OVERFLOW)
         self._windows[address] = _Window(now_s, 1)
         return self.max_failures == 1
 
-    def _make_room(self, now_s: float) -> None:
-        """Drop the windows that have passed from the front, then the oldest while full: each
-        entry is dropped once, so this costs O(1) per failure amortised."""
+    def _full(self, now_s: float) -> bool:
+        """Whether the table is full of live windows, once the passed ones are dropped from the
+        front (each entry is dropped once: O(1) per call amortised). One place is kept for
+        `OVERFLOW`, so that it always has one."""
         windows = self._windows
-        while windows:
-            oldest = next(iter(windows.values()))
-            if now_s - oldest.start_s < self.window_s and len(windows) < self.max_addresses:
-                break
+        while windows and now_s - next(iter(windows.values())).start_s >= self.window_s:
             windows.popitem(last=False)
+        return len(windows) >= self.max_addresses - (OVERFLOW not in windows)
 
     def check_invariants(self) -> None:
         starts = [w.start_s for w in self._windows.values()]
@@ -116,7 +125,8 @@ class AdminAuthThrottle:
 
 def address_key(host: str | None) -> str:
     """What the throttle counts under for a client address: an IPv6 address by its /64 (an
-    IPv4-mapped one as the IPv4 address), any other as sent; no address (a Unix socket) as ""."""
+    IPv4-mapped one, or one under the NAT64 prefix, as its IPv4 address), any other as sent; no
+    address (a Unix socket) as ""."""
     if not host:
         return ""
     try:
@@ -126,5 +136,7 @@ def address_key(host: str | None) -> str:
     if isinstance(ip, ipaddress.IPv6Address):
         if ip.ipv4_mapped is not None:
             return str(ip.ipv4_mapped)
+        if ip in _NAT64:
+            return str(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
         return str(ipaddress.IPv6Network((ip, _IPV6_PREFIX_BITS), strict=False))
     return host

@@ -250,10 +250,11 @@ async def admit(
     client_priority: int = body.get("priority", 0)  # an int: `parse_body`
     # The client's `priority` orders only its tenant's requests in the gateway's queue
     # (`queueing`) and is never sent: the engines order every tenant's requests by it. The
-    # routes that generate carry the tenant's own instead, when the pool's engines use one.
+    # routes that generate carry the tenant's own instead, when the pool's engines use one
+    # (`ApiRoute.engine_priority`).
     sent = (
         engine_priority(client_priority, tenant.engine_priority, pool.config.priority_scheduling)
-        if api.salted
+        if api.salted and api.engine_priority
         else None
     )
     forward, encoded = _with_engine_priority(forward, encoded, changed, body, sent)

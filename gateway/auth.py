@@ -12,7 +12,13 @@ from dataclasses import dataclass
 import xxhash
 
 from gateway.config import EnginePriorityConfig, QuotaConfig, TenantConfig
-from policies.identity import TenantDirectory, TenantIdentity, derive_secret, hash_api_key
+from policies.identity import (
+    RESERVED_KEY_PREFIX,
+    TenantDirectory,
+    TenantIdentity,
+    derive_secret,
+    hash_api_key,
+)
 
 __all__ = ["KeyRing", "Tenant", "derive_secret", "hash_api_key"]
 
@@ -78,9 +84,10 @@ class KeyRing:
         if tenant is not None:
             return tenant
         scheme, _, key = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
+        key = key.strip()
+        if scheme.lower() != "bearer" or not key or key.startswith(RESERVED_KEY_PREFIX):
             return None
-        tenant = self._by_hash.get(hash_api_key(self._secret, key.strip()))
+        tenant = self._by_hash.get(hash_api_key(self._secret, key))
         if tenant is not None:
             if len(self._cache) >= _AUTH_CACHE_MAX:
                 self._cache.clear()

@@ -16,6 +16,19 @@ after that failure: two workers that broke together, say on one node, do not cle
 partner). Each such round counts one failure, and ends the worker's one-partner streak (below):
 avoiding it for a probe would only stop its rounds being counted.
 
+Partners that work. A failure with a partner that has served no pair since it first failed so
+with the worker, within `WITHIN_S`, says nothing of the worker: that partner may be broken
+itself. Triangulation does not count it, and the one-partner rule (below) skips it: it neither
+begins, extends nor ends a streak, nor makes a second partner in a request. Two prefill and two
+decode workers, one prefill worker stuck and one decode worker answering 500 to every pair:
+each broken one fails with the healthy worker of the other role (which serves pairs with the
+other healthy one) and with the other broken one (which never serves), so triangulation has one
+partner that works for each, and the one-partner rule weighs each against it (counted, the
+failures with the broken partner would end each streak, and neither breaker would open).
+Skipping them leaves the one-partner bound as it is: it rests on the working partner's failures.
+Blaming at once a worker whose every failure is with a partner that works or with one already
+blamed would not: one failure of a flapping partner would do (the probe tells the two apart).
+
 One partner. With one prefill worker (or one decode worker) triangulation has nothing to go
 on, and watching alone cannot tell: a healthy prefill worker W that the routing policy tries
 first every time, paired with the one decode worker X failing every other pair, fails in every
@@ -37,19 +50,21 @@ Any of these clears W: a pair it serves; a failure of X paired inconclusively, s
 began, with another worker that works: it has served a pair since, or had served one within
 `WITHIN_S` before and failed so with none since (X fails without W, in whichever order within a
 request; a worker that never serves may be broken as W is, and two broken workers sharing their
-one partner would otherwise clear each other for ever); W failing so with two partners in one
-request (not one partner's case); `WITHIN_S` with no failure of W with X. So X failing every
-other pair fails the first probe; X that had a bad spell and recovered serves the retrial with
-W; X with no other partner (one prefill and one decode worker) serves only with W, which clears
-W; and X failing a share f of its pairs at random gets W convicted only if W failed four times
-and X passed 32 probes in a row between the last two, at most f⁴(1 − f)³² < 4e-6 of W's streaks,
-each ending in a breaker opened for one cooldown (a simulation of 200,000 requests with f from
-0.05 to 0.3 saw none). A pool that serves fewer than `PROBES` such pairs of X within `WITHIN_S`
-never convicts W, which it then tries again a window after its last failure. A broken W costs
-`SUSPECT_ROUNDS` + 1 rounds, then its breaker keeps it out (a half-open trial that fails so
-while the streak lasts reopens it). The rule holds in any pool, for a worker whose failures so
-are all with one partner (two pairs always tried in the same order, say); with two partners or
-more, triangulation weighs it.
+one partner would otherwise clear each other for ever); W failing so with two partners that work
+in one request (not one partner's case); `WITHIN_S` with no failure of W with X. So X failing
+every other pair fails the first probe; X that had a bad spell and recovered serves the retrial
+with W; X with no other partner (one prefill and one decode worker) serves only with W, which
+clears W; and X failing a share f of its pairs at random gets W convicted only if W failed four
+times and X passed 32 probes in a row between the last two: of W's streaks (each begun by a
+failure) at most f³(1 − f)³² < 4e-5, each ending in a breaker opened for one cooldown (the
+simulation in `tests/gateway/pd_blame_sim.py`, 22 million requests through pools of three to
+five workers with one partner flapping at f from 0.05 to 0.3, beside broken or overloaded
+workers or not: 11 of them). A pool that serves fewer than `PROBES` such pairs of X within
+`WITHIN_S` never convicts W, which it then tries again a window after its last failure. A broken
+W costs `SUSPECT_ROUNDS` + 1 rounds, then its breaker keeps it out (a half-open trial that fails
+so while the streak lasts reopens it). The rule holds in any pool, for a worker whose failures
+so are all with one partner that works (two pairs always tried in the same order, say); with two
+or more, triangulation weighs it.
 
 An overloaded decode worker's 503 or 529 is not inconclusive: it took no part in the transfer,
 and is its own (`pd_legs.decode_leg`).
@@ -159,16 +174,23 @@ class InconclusivePairs:
         # Who worked before this request, read before its failures are counted: a partner's
         # failure with such a worker clears a streak (`_failed_elsewhere`), whichever came first.
         worked = {w.worker_id for pair in distinct for w in pair if self._worked_before(w.worker_id, now_s)}
-        partners: dict[WorkerId, set[WorkerId]] = {}
         for p, d in distinct:
             self._pair_failed(p.worker_id, d.worker_id, now_s, d.worker_id in worked)
             self._pair_failed(d.worker_id, p.worker_id, now_s, p.worker_id in worked)
-            partners.setdefault(p.worker_id, set()).add(d.worker_id)
-            partners.setdefault(d.worker_id, set()).add(p.worker_id)
+        # Each worker's partners in this request that work (`_works_with`): a failure with one
+        # that does not says nothing of the worker, in the one-partner rule as in triangulation.
+        partners: dict[WorkerId, set[WorkerId]] = {}
+        for p, d in distinct:
+            for one, other in ((p.worker_id, d.worker_id), (d.worker_id, p.worker_id)):
+                if self._works_with(one, other, now_s):
+                    partners.setdefault(one, set()).add(other)
         rounds: dict[WorkerId, int] = {}
         for p, d in distinct:
             for worker, partner, prefill in ((p, d.worker_id, True), (d, p.worker_id, False)):
-                if len(partners[worker.worker_id]) > 1:
+                working = partners.get(worker.worker_id, set())
+                if partner not in working:
+                    continue
+                if len(working) > 1:
                     self._end(worker.worker_id)  # two partners in one request: not one's case
                 else:
                     rounds[worker.worker_id] = self._streak(worker, partner, prefill, now_s)
@@ -293,19 +315,22 @@ class InconclusivePairs:
         if len(partners) > _MAX_PARTNERS:
             del partners[next(iter(partners))]
 
+    def _works_with(self, worker: WorkerId, partner: WorkerId, now_s: float) -> bool:
+        """Whether `partner` has served a pair since it first failed inconclusively with `worker`
+        within `WITHIN_S` (one that has not, or served only before, may be broken: its failure
+        with `worker` is its own as much as the worker's)."""
+        failed = self._failed.get(worker, {}).get(partner)
+        if failed is None or now_s - failed.first_s >= WITHIN_S:
+            return False
+        return self._served.get(partner, -math.inf) >= failed.first_s
+
     def _at_fault(self, worker: WorkerId, now_s: float) -> bool:
         """Whether `worker` failed, lately, paired with two or more workers that have served a
         pair since their first such failure (one that served only before may have broken)."""
         partners = self._failed.get(worker)
         if partners is None or len(partners) < 2:
             return False
-        served = self._served
-        working = 0
-        for partner, failed in partners.items():
-            last = served.get(partner)
-            if now_s - failed.first_s < WITHIN_S and last is not None and last >= failed.first_s:
-                working += 1
-        return working >= 2
+        return sum(self._works_with(worker, partner, now_s) for partner in partners) >= 2
 
 
 def _blame(worker: Worker, failures: int, now_s: float) -> None:

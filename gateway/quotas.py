@@ -12,8 +12,9 @@ parsing its body (a 400, a 404, a 429 for tokens) cost that work all the same. C
 admission, such requests were free: a tenant at `rpm: 60` could send hundreds a second of 256 KiB
 bodies that fail at their last message, each parsed and keyed on the event loop.
 
-Buckets hold one minute of budget and refill continuously. The end-of-request charges may take a
-bucket below zero, which delays the tenant's next requests instead of failing this one.
+Buckets hold one minute of budget (`BUCKET_WINDOW_S`) and refill continuously. The end-of-request
+charges may take a bucket below zero, which delays the tenant's next requests instead of failing
+this one.
 
 Gateways that share a sync broker (the processes of `kvgate serve --processes N`, replicas with a
 `sync.url`) share their tenants' quotas through it (`gateway.sync`): each limiter keeps what it
@@ -26,7 +27,12 @@ most (a made-up or late lump costs a tenant two minutes of budget at most, and n
 this gateway's own charges took lower), tokens given back by a reconciled prompt count stay with
 the gateway that charged them, and a peer counts at most the limit in flight. Charges that wait
 to be told longer than `told_gap_s` (a broker outage) drain at the buckets' refill rate meanwhile,
-as the shared bucket would have refilled.
+as the shared bucket would have refilled. Likewise a peer's charges that reach this gateway late
+(a slow broker, or captured batches replayed to a gateway that never heard their sender: one that
+just started) count no more than on time they would still weigh: less the later they come,
+nothing a bucket's window late (`late_weight`), and of a bucket full since they were told, only
+what it would not have refilled of them (`TokenBucket.take_late`). A peer's requests in flight
+count from when it said them, not from when they arrived.
 """
 
 from __future__ import annotations
@@ -67,21 +73,63 @@ class Standing:
     full_in_s: float
 
 
-class TokenBucket:
-    """`capacity` units, refilled at `capacity / 60` per second."""
+# The time a bucket takes to refill from empty: its capacity is a minute's budget.
+BUCKET_WINDOW_S = 60.0
 
-    __slots__ = ("_level", "_rate_per_s", "_stamp_s", "capacity")
+
+def late_weight(late_s: float) -> float:
+    """The most a peer's charge that reaches this gateway `late_s` seconds after it was told
+    counts for, as a share of its amount: 1 on time, falling evenly to 0 a bucket's window late.
+
+    Taken on time, the charge would have been refilled since at the bucket's rate while the
+    bucket was full without it: of a bucket full all along, a charge of its whole capacity is
+    gone a window later, and a smaller one sooner; of a bucket spent all along, all of it would
+    still be missing. Where this gateway cannot tell which (`TokenBucket.take_late` can, when
+    its bucket has been full since), the weight lies between the two: a backlog of real charges
+    that a slow broker delivers together still counts the share of each a shared bucket could
+    still miss, and the batches of a sender's last ten minutes replayed at once (each a sum of
+    charges since its previous one) count less than the last minute of them did."""
+    if late_s <= 0.0:
+        return 1.0
+    return max(0.0, 1.0 - late_s / BUCKET_WINDOW_S)
+
+
+class TokenBucket:
+    """`capacity` units, refilled at `capacity / BUCKET_WINDOW_S` per second.
+
+    Invariant: `_full_since_s` is finite or -inf exactly while the bucket is full (its level is
+    the capacity), and then says since when; +inf while it is not full. A new bucket is full
+    since ever: a gateway that has just started takes its tenants' buckets for full, and so
+    everything charged before it. While it is full, `_refilled_to_s` is how far its refill has
+    gone into taking back the late charges it was handed (`take_late`)."""
+
+    __slots__ = ("_full_since_s", "_level", "_rate_per_s", "_refilled_to_s", "_stamp_s", "capacity")
 
     def __init__(self, capacity: int, now_s: float) -> None:
         self.capacity = float(capacity)
-        self._rate_per_s = capacity / 60.0
+        self._rate_per_s = capacity / BUCKET_WINDOW_S
         self._level = float(capacity)
         self._stamp_s = now_s
+        self._full_since_s = -math.inf
+        self._refilled_to_s = -math.inf
 
     def _refill(self, now_s: float) -> None:
         elapsed = max(0.0, now_s - self._stamp_s)
-        self._level = min(self.capacity, self._level + elapsed * self._rate_per_s)
+        level = self._level + elapsed * self._rate_per_s
+        if level >= self.capacity:
+            if self._level < self.capacity:  # it filled up meanwhile
+                self._full_since_s = self._stamp_s + (self.capacity - self._level) / self._rate_per_s
+            level = self.capacity
+        self._level = level
         self._stamp_s = now_s
+
+    def _set(self, level: float, now_s: float) -> None:
+        """Make the level `level` (at most the capacity) at `now_s`, after `_refill(now_s)`."""
+        if level < self.capacity:
+            self._full_since_s = math.inf
+        elif self._level < self.capacity:
+            self._full_since_s = now_s
+        self._level = level
 
     def level(self, now_s: float) -> float:
         """What the bucket holds now."""
@@ -99,7 +147,7 @@ class TokenBucket:
     def take(self, amount: float, now_s: float) -> None:
         """Spend `amount` (a negative amount gives back, up to the capacity)."""
         self._refill(now_s)
-        self._level = min(self.capacity, self._level - amount)
+        self._set(min(self.capacity, self._level - amount), now_s)
 
     def standing(self, unit: Unit, now_s: float) -> Standing:
         """This bucket now, as its rate-limit headers tell it (`Standing`)."""
@@ -113,7 +161,33 @@ class TokenBucket:
         whoever can publish on the bus, costs the tenant two minutes of budget at most; this
         gateway's own end-of-request charges may take the bucket lower, as without peers."""
         self._refill(now_s)
-        self._level = max(min(self._level, -self.capacity), self._level - min(amount, self.capacity))
+        self._set(max(min(self._level, -self.capacity), self._level - min(amount, self.capacity)), now_s)
+
+    def take_late(self, amount: float, late_s: float, now_s: float) -> None:
+        """Spend what a peer charged, told `late_s` before `now_s` (`take_from_peer`): at most
+        its `late_weight` share, and while this bucket is full, no more than on time it would
+        have left unrefilled. A gateway that has just started takes everything before it for
+        full, as its buckets started so.
+
+        On time, a full bucket would have refilled the late charges it is handed in turn, each
+        from when it was told or the one before was refilled, whichever is later, at its rate:
+        each is charged what of it that refill has not reached by now, so that a stream of
+        small late charges is not refilled many times over."""
+        self._refill(now_s)
+        charge = amount * late_weight(late_s)
+        if late_s > 0.0 and self._full_since_s < math.inf:
+            start_s = max(now_s - late_s, self._full_since_s, self._refilled_to_s)
+            refilled_s = start_s + amount / self._rate_per_s
+            self._refilled_to_s = min(refilled_s, now_s)
+            charge = min(charge, (refilled_s - now_s) * self._rate_per_s)
+        if charge > 0.0:
+            self.take_from_peer(charge, now_s)
+
+    def check_invariants(self) -> None:
+        """`_full_since_s` is +inf exactly while the bucket is below its capacity."""
+        full = self._level >= self.capacity
+        assert self._level <= self.capacity
+        assert full == (self._full_since_s < math.inf), "full since, yet not full (or the other way)"
 
     @property
     def rate_per_s(self) -> float:
@@ -238,21 +312,22 @@ class TenantLimiter:
         self._wait_to_tell(usage.requests, usage.tokens, now_s)
         self._shared_in_flight = -1
 
-    def peer_usage(self, peer: str, usage: Usage, now_s: float) -> None:
-        """Charge what `peer` charged for this tenant to this gateway's buckets (bounded:
-        `TokenBucket.take_from_peer`), and count its requests in flight (at most the limit)
-        against the concurrency limit."""
+    def peer_usage(self, peer: str, usage: Usage, now_s: float, late_s: float = 0.0) -> None:
+        """Charge what `peer` charged for this tenant to this gateway's buckets, less the later it
+        arrives (`late_s` after the peer told it: `TokenBucket.take_late`) and bounded
+        (`TokenBucket.take_from_peer`), and count its requests in flight (at most the limit)
+        against the concurrency limit, as said `late_s` before `now_s` (`forget_peers`)."""
         if self._rpm is not None and usage.requests > 0:
-            self._rpm.take_from_peer(usage.requests, now_s)
+            self._rpm.take_late(usage.requests, late_s, now_s)
         if self._tpm is not None and usage.tokens > 0:
-            self._tpm.take_from_peer(usage.tokens, now_s)
+            self._tpm.take_late(usage.tokens, late_s, now_s)
         limit = self._max_concurrent
         if limit is None:
             return
         before = self._peers.pop(peer, (0, 0.0))[0]
         in_flight = min(usage.in_flight, limit)
         if in_flight and len(self._peers) < MAX_PEERS:
-            self._peers[peer] = (in_flight, now_s)
+            self._peers[peer] = (in_flight, now_s - max(0.0, late_s))
             self._peers_in_flight += in_flight - before
         else:
             self._peers_in_flight -= before

@@ -68,7 +68,9 @@ class ApiRoute:
     any value the client sent. `fields`: which of the fields the gateway reads (`stream`,
     `stream_options`, `priority`) the route's vLLM request model has: only those are checked and
     read (`bodies.parse_body`); a model without the field ignores it (vLLM allows extra fields),
-    so the gateway does too.
+    so the gateway does too. `engine_priority`: on a salted route, the gateway adds the tenant's
+    engine priority (off where the route's vLLM model has no `priority` and refuses fields it
+    lacks: `/v1/decisions`).
     """
 
     endpoint: str
@@ -86,6 +88,7 @@ class ApiRoute:
     api_key_header: bool = False
     pick: Callable[[Mapping[str, Any]], ApiRoute] | None = None
     fields: frozenset[str] = frozenset({"priority"})
+    engine_priority: bool = True
     path_bytes: bytes = field(init=False)
     rewrites: bool = field(init=False)
     plain_head: bool = field(init=False)
@@ -106,8 +109,10 @@ class ApiRoute:
 # The fields of `ApiRoute.fields` in vLLM's request models: chat and completions (and their
 # render routes, which take the same models) have all three; Responses and the generate routes
 # `stream` and `priority`; Anthropic Messages and the audio forms `stream` only (a form is read
-# apart, `bodies.parse_form`); the pooling routes (embeddings, pooling, classify, score, rerank)
-# `priority` only (the default); the tokenizer routes and Messages `count_tokens` none.
+# apart, `bodies.parse_form`); the pooling routes (embeddings, pooling, classify, score, rerank),
+# the batch of chat completions, generative scoring and `/v1/systemone` `priority` only (the
+# default); the tokenizer routes, Messages `count_tokens`, `/v1/decisions` and the derender routes
+# none.
 _CHAT_FIELDS = frozenset({"stream", "stream_options", "priority"})
 _GENERATE_FIELDS = frozenset({"stream", "priority"})
 _STREAM_ONLY = frozenset({"stream"})
@@ -176,16 +181,55 @@ ROUTES: dict[str, ApiRoute] = _routes(
         api_key_header=True,
         fields=_NO_FIELDS,
     ),
+    # vLLM's batch of chat completions: `messages` is a list of conversations, each decoded once,
+    # answered together as one chat completion (a choice per conversation; no stream). Load-aware:
+    # the normalizer reads one conversation, and keys for one of them would describe a fraction
+    # of the KV the request computes. It generates, so it is salted and takes the tenant's engine
+    # priority; it runs whole on one worker (vLLM's batch refuses `kv_transfer_params` prompts).
+    ApiRoute("chat_batch", "/v1/chat/completions/batch", salted=True),
     # Rendering computes no KV: keyed, it would tell the policy that the worker now holds the
     # prompt's blocks. Load-aware, to any worker of the pool.
     ApiRoute("chat_render", "/v1/chat/completions/render", fields=_CHAT_FIELDS),
     # A JSON array (one render per prompt), as SGLang's answers to a batch on `/generate` and
     # `/encode` are.
     ApiRoute("completions_render", "/v1/completions/render", answer_may_be_array=True, fields=_CHAT_FIELDS),
+    # vLLM 0.33's other render routes take the Messages and Responses request models (a Messages
+    # body always names its model and may carry its key in `x-api-key`).
+    ApiRoute(
+        "messages_render",
+        "/v1/messages/render",
+        dialect=ANTHROPIC,
+        model_optional=False,
+        api_key_header=True,
+        fields=_STREAM_ONLY,
+    ),
+    ApiRoute("responses_render", "/v1/responses/render", dialect=RESPONSES, fields=_GENERATE_FIELDS),
+    # Derendering turns a generate answer back into a chat or completions one, without the engine.
+    # Its `stream` picks the request's shape (one chunk and the client's `stream_state`), never an
+    # event stream: the answer is always one JSON object, so the gateway does not read it.
+    ApiRoute("chat_derender", "/v1/chat/completions/derender", fields=_NO_FIELDS),
+    ApiRoute("completions_derender", "/v1/completions/derender", fields=_NO_FIELDS),
     # vLLM's token-in, token-out generation (`token_ids`), with `cache_salt` and
     # `kv_transfer_params`; its output budget is `sampling_params.max_tokens`.
     ApiRoute(
         "generate", "/inference/v1/generate", "generate", salted=True, pd_split=True, fields=_GENERATE_FIELDS
+    ),
+    # Reads rather than generations: each item or question is one prompt prefilled for one
+    # token, whose label probabilities answer it (vLLM's `generative_scoring`, `structured
+    # decisions` on `/v1/systemone` and OpenAI-shaped decisions on `/v1/decisions`). They fill
+    # the engine's prefix cache, so they are salted; load-aware, as the normalizer has no reader
+    # for their prompts. `/v1/systemone` and `/v1/decisions` refuse unknown fields, and the
+    # decisions model, which always names its model, has no `priority`: it gets no engine
+    # priority (vLLM would refuse the request with 400 on a pool that schedules by priority).
+    ApiRoute("generative_scoring", "/generative_scoring", salted=True),
+    ApiRoute("structured_decisions", "/v1/systemone", salted=True),
+    ApiRoute(
+        "decisions",
+        "/v1/decisions",
+        salted=True,
+        model_optional=False,
+        fields=_NO_FIELDS,
+        engine_priority=False,
     ),
     _INVOCATIONS,
     # `encoding_format` "bytes" / "bytes_only": an `application/octet-stream` answer (and its

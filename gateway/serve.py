@@ -25,6 +25,7 @@ from gateway.logs import LOG_LEVELS, setup_logging
 from gateway.policy_watch import LoadedPolicy, PolicyWatcher
 from gateway.state import PolicySwap, warn_unknown_names
 from policies.config import PolicyConfig, PolicyConfigError, build_policy
+from policies.identity import RESERVED_KEY_PREFIX, reserved_key_hashes
 from policies.registry import known_policies
 
 DEMO_MODEL = "kvgate-demo"
@@ -193,6 +194,7 @@ def read_start_secrets(config: GatewayConfig) -> bytes:
     stops the start with a message naming its field (once, not once per process): the key-hash
     secret (returned), each pool's worker key, the sync broker's credentials."""
     secret = read_secret(config.secrets, dict(os.environ))
+    refuse_reserved_key_hashes(config, secret)
     for pool in config.pools:
         read_worker_key(pool, os.environ)
     if config.sync.url is not None:
@@ -200,6 +202,20 @@ def read_start_secrets(config: GatewayConfig) -> bytes:
 
         connect_options(config.sync, os.environ)
     return secret
+
+
+def refuse_reserved_key_hashes(config: GatewayConfig, secret: bytes) -> None:
+    """A `ConfigError` when a tenant's or the admin's key hash is a reserved key's
+    (`policies.identity.RESERVED_KEY_PREFIX`): that hash would be one of the secret's sub-secrets."""
+    reserved = reserved_key_hashes(secret)
+    fields = [(f"tenants[{i}].api_key_hashes", t.api_key_hashes) for i, t in enumerate(config.tenants)]
+    fields.append(("admin.api_key_hash", [config.admin.api_key_hash] if config.admin.api_key_hash else []))
+    for field, hashes in fields:
+        if any(h in reserved for h in hashes):
+            raise ConfigError(
+                f"{field}: the hash of a reserved key (keys beginning with {RESERVED_KEY_PREFIX!r} are"
+                " the gateway's own; choose another key)"
+            )
 
 
 def with_sync(config: GatewayConfig, url: str | None, token_env: str | None) -> GatewayConfig:
@@ -263,6 +279,13 @@ def _hash_key(args: argparse.Namespace) -> int:
     key = sys.stdin.readline().strip()
     if not key:
         print("kvgate serve --hash-key: no key on stdin", file=sys.stderr)
+        return 2
+    if key.startswith(RESERVED_KEY_PREFIX):
+        print(
+            f"kvgate serve --hash-key: keys beginning with {RESERVED_KEY_PREFIX!r} are reserved;"
+            " choose another",
+            file=sys.stderr,
+        )
         return 2
     if len(key) < MIN_API_KEY_CHARS:
         # Still hashed: existing keys keep working. Only the hash is checked, so nothing but the key's

@@ -12,7 +12,9 @@ describe one connection, not the request), credentials (the client's key is the 
 business, the worker's key is the pool's), the headers the gateway sets itself, engine-internal
 headers (vLLM reads `X-data-parallel-rank` as the body field `data_parallel_rank`, which the
 gateway refuses from clients: it pins the request to one engine rank, past the worker's own load
-balancing) and proxy headers (`Forwarded`, `X-Forwarded-*`, `X-Real-IP`: a worker, or whatever
+balancing; and `X-Vllm-Priority` in place of the body's `priority`, which the gateway sets to the
+tenant's `engine_priority`: a client's header would choose its own place in every tenant's
+queue) and proxy headers (`Forwarded`, `X-Forwarded-*`, `X-Real-IP`: a worker, or whatever
 sits behind it, may trust them as a proxy's word about the client, and a client's copy would be
 believed) can never be forwarded: the config is refused when it names one, saying why.
 """
@@ -26,6 +28,10 @@ _HOP_BY_HOP = "hop-by-hop, a credential, or set by the gateway"
 _ENGINE_INTERNAL = (
     "an engine-internal header: vLLM reads it as the body field data_parallel_rank, "
     "which pins a request to one engine rank and is refused from clients"
+)
+_ENGINE_PRIORITY = (
+    "an engine-internal header: vLLM reads it in place of the body field priority, "
+    "which the gateway sets to the tenant's engine_priority"
 )
 _PROXY = "a proxy header: a worker may trust it as a proxy's word about the client"
 
@@ -58,6 +64,7 @@ _REFUSED = {
         _HOP_BY_HOP,
     ),
     "x-data-parallel-rank": _ENGINE_INTERNAL,
+    "x-vllm-priority": _ENGINE_PRIORITY,
     "forwarded": _PROXY,
     "x-real-ip": _PROXY,
 }

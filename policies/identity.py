@@ -43,9 +43,25 @@ def hash_api_key(secret: bytes, api_key: str) -> str:
     return API_KEY_HASH_PREFIX + hmac.new(secret, api_key.encode(), hashlib.sha256).hexdigest()
 
 
+# An API key's hash and a sub-secret are the same HMAC under the key-hash secret, so the hash of
+# the API key "kvgate:<purpose>" would be that purpose's sub-secret, readable by anyone who reads
+# the config holding it. Keys that begin with the prefix are reserved: `--hash-key` refuses them,
+# a client presenting one is not authenticated, and their hashes are refused in a config.
+RESERVED_KEY_PREFIX = "kvgate:"
+SUB_SECRET_PURPOSES = frozenset(("prefix_keys", "response_ids", "cache_salt", "sync_batches"))
+
+
 def derive_secret(secret: bytes, purpose: str) -> bytes:
-    """A sub-secret for one purpose, so the key-hash secret itself is never reused elsewhere."""
-    return hmac.new(secret, b"kvgate:" + purpose.encode(), hashlib.sha256).digest()
+    """A sub-secret for one purpose (one of `SUB_SECRET_PURPOSES`), so the key-hash secret itself
+    is never reused elsewhere."""
+    if purpose not in SUB_SECRET_PURPOSES:
+        raise ValueError(f"unknown sub-secret purpose {purpose!r}")
+    return hmac.new(secret, (RESERVED_KEY_PREFIX + purpose).encode(), hashlib.sha256).digest()
+
+
+def reserved_key_hashes(secret: bytes) -> frozenset[str]:
+    """The config hashes of the reserved keys that would equal a sub-secret (`RESERVED_KEY_PREFIX`)."""
+    return frozenset(hash_api_key(secret, RESERVED_KEY_PREFIX + p) for p in SUB_SECRET_PURPOSES)
 
 
 def tenant_namespace(name: str) -> str:

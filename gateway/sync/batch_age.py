@@ -1,9 +1,15 @@
-"""When a peer's batch was decided, on this gateway's monotonic clock.
+"""When a peer's batch was decided, on this gateway's monotonic clock, and how late it came.
 
 A batch carries its sender's wall-clock send time. Across hosts its age by the wall clocks
 includes their skew, which may be large either way; the skew is the same for every batch of one
 origin, so the age counted is the excess over the origin's smallest recent age (a real transit of
 tens of microseconds is lost on one host, and no skew is counted across hosts).
+
+That smallest age is learned from the batches themselves, and whoever replays captured batches
+chooses which come first: the first batch of a sender heard for the first time (by a gateway that
+just started) sets it, so replayed batches, oldest first, all read as on time. How late a batch is
+for its quota charges (`late_s`) is therefore its age by the wall clocks alone, beyond
+`ON_TIME_S`: a replay can only make a batch older, and clocks kept by NTP are far closer than that.
 """
 
 from __future__ import annotations
@@ -22,6 +28,17 @@ from gateway.sync.codec import SyncBatch
 AGE_FLOOR_DRIFT = 1e-2
 AGE_FLOOR_STEP_S = 8.0
 _MAX_ORIGINS = 4096  # bounded against churning peers
+# How old a batch may be, by the wall clocks, and still be on time for its quota charges: the skew
+# of clocks kept by NTP (milliseconds) and a broker's delivery, with room to spare. Clocks further
+# apart make a peer's charges count less here (`quotas.late_weight`), and show as
+# `late_quota_rows`.
+ON_TIME_S = 2.0
+
+
+def late_s(batch: SyncBatch, wall_s: float) -> float:
+    """How much later than `ON_TIME_S` after its send time the batch arrived at wall clock
+    `wall_s` (0 if not later)."""
+    return max(0.0, wall_s - batch.sent_wall_s - ON_TIME_S)
 
 
 class BatchAges:

@@ -269,6 +269,8 @@ class SyncService:
             "dropped_clock_skew": sub.clock_skew,
             "dropped_unknown_worker": sub.unknown_worker,
             "dropped_unknown_tenant": sub.unknown_tenant,
+            "late_quota_rows": sub.late_quota,
+            "dropped_stale_quota": sub.stale_quota,
             "parked_holdings": parked.parked,
             "parked_applied": parked.applied,
             "parked_expired": parked.expired,

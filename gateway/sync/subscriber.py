@@ -32,7 +32,13 @@ ones, and logged at most once a minute per sender: a clock to fix, not a peer. M
 are logged at most once a minute too, with their count.
 
 A peer's quota rows are charged to this gateway's limiters of the same tenants (`quotas`); a row
-of a tenant this gateway does not have, or has without quotas, is dropped and counted.
+of a tenant this gateway does not have, or has without quotas, is dropped and counted. A row
+whose batch arrives late (`batch_age.late_s`) charges no more than on time it would still weigh
+(`TenantLimiter.peer_usage`: less the later, nothing a bucket's window late), and its requests in
+flight count from when they were said, not at all once older than `peer_timeout_s`: a gateway
+that just started, or that was away from the broker, may be handed each captured batch of a
+sender's last ten minutes in turn (their sequence numbers rise; `sequence`), and on time those
+charges would have been refilled long ago. Late rows, and rows a bucket's window late, are counted.
 """
 
 from __future__ import annotations
@@ -46,9 +52,9 @@ from dataclasses import dataclass, replace
 
 from gateway.log_throttle import LogThrottle
 from gateway.metrics import GatewayMetrics
-from gateway.quotas import TenantLimiter
+from gateway.quotas import TenantLimiter, late_weight
 from gateway.registry import Registry
-from gateway.sync.batch_age import BatchAges
+from gateway.sync.batch_age import BatchAges, late_s
 from gateway.sync.codec import BadSignature, ClockSkewed, MalformedBatch, SyncBatch, decode
 from gateway.sync.deployment import fingerprints
 from gateway.sync.parking import ParkedHoldings
@@ -98,6 +104,8 @@ class ApplyStats:
     other_deployment: int = 0  # batches of a sender with none of this gateway's pools (`deployment`)
     block_size: int = 0  # holdings and samples of another block size than their pool's here
     unknown_tenant: int = 0  # quota rows of a tenant this gateway does not have (or has no quotas for)
+    late_quota: int = 0  # quota rows of a batch that came late (`batch_age.late_s`): charged in part at most
+    stale_quota: int = 0  # quota rows of a batch a bucket's window late or more: charged nothing
 
 
 class SyncSubscriber:
@@ -300,13 +308,30 @@ class SyncSubscriber:
         stats.unknown_worker += len(batch.loads) - len(loads)
         for pool, worker in self.loads.note(batch.origin, loads, now_s, full=batch.full_load):
             self._refresh(pool, worker)
+        if batch.usage:
+            self._charge(batch, now_s)
+
+    def _charge(self, batch: SyncBatch, now_s: float) -> None:
+        """Charge the batch's quota rows to this gateway's limiters as late as the batch came (no
+        more than on time they would still weigh); requests in flight said longer than
+        `peer_timeout_s` ago are not counted (nor those the sender said before, older still)."""
+        stats = self.stats
+        late = late_s(batch, time.time())
+        charged = late_weight(late) > 0.0
+        stale_in_flight = late >= self.peer_timeout_s
         limiters = self.limiters
         for tenant, usage in batch.usage:
             limiter = limiters.get(tenant)
             if limiter is None:
                 stats.unknown_tenant += 1
-            else:
-                limiter.peer_usage(batch.origin, usage, now_s)
+                continue
+            if late > 0.0 and charged:
+                stats.late_quota += 1
+            elif late > 0.0:
+                stats.stale_quota += 1
+            if stale_in_flight and usage.in_flight:
+                usage = replace(usage, in_flight=0)
+            limiter.peer_usage(batch.origin, usage, now_s, late)
 
     async def adopt(self, policy_of: Callable[[], RoutingPolicy]) -> None:
         """Apply the parked holdings (and the served outcomes kept with them) of the workers

@@ -20,11 +20,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from loadtest.emulator import (
     routes_aliases,
     routes_audio,
+    routes_batch,
     routes_kv,
     routes_messages,
     routes_openai,
     routes_pooling,
+    routes_reads,
     routes_responses,
+    routes_scale_out,
 )
 from loadtest.emulator.auth import ApiKeyGuard
 from loadtest.emulator.background import BackgroundResponses
@@ -45,6 +48,9 @@ ROUTE_FAMILIES: tuple[APIRouter, ...] = (
     routes_audio.router,
     routes_kv.router,
     routes_aliases.router,
+    routes_batch.router,
+    routes_reads.router,
+    routes_scale_out.router,
 )
 # SGLang's name for a server's role, as its routers read it from /server_info.
 _DISAGGREGATION_MODE = {"prefill": "prefill", "decode": "decode", "mixed": "null"}

@@ -39,6 +39,18 @@ ENGINE_PATHS = (
     "/v1/detokenize",
     "/invocations",
 )
+# vLLM 0.33's routes beyond those (a batch of chat completions, reads, render and derender), all
+# answered like PASS_THROUGH.
+VLLM_033_PATHS = (
+    "/v1/chat/completions/batch",
+    "/generative_scoring",
+    "/v1/systemone",
+    "/v1/decisions",
+    "/v1/messages/render",
+    "/v1/responses/render",
+    "/v1/chat/completions/derender",
+    "/v1/completions/derender",
+)
 GENERATING_PATHS = ("/v1/completions", "/generate", "/inference/v1/generate")
 
 _ids = itertools.count(1)
@@ -82,7 +94,7 @@ class RoutesWorker:
         app.router.add_post("/v1/audio/transcriptions", self._audio)
         app.router.add_post("/v1/audio/translations", self._audio)
         app.router.add_post("/v1/chat/completions", self._chat)
-        for path in (*PASS_THROUGH, *ENGINE_PATHS):
+        for path in (*PASS_THROUGH, *ENGINE_PATHS, *VLLM_033_PATHS):
             app.router.add_post(path, self._json)
         for path in GENERATING_PATHS:
             app.router.add_post(path, self._chat)

@@ -154,20 +154,46 @@ async def test_other_addresses_are_unaffected_and_an_ipv6_host_counts_by_its_64(
     assert (await _status(app, "10.0.0.8", RIGHT)).status_code == 200
 
 
-async def test_the_table_stays_bounded_and_forgets_the_oldest_window_first() -> None:
+async def test_a_full_table_keeps_its_throttled_windows_and_shares_one_for_the_rest() -> None:
     clock = Clock()
     throttle = AdminAuthThrottle(max_failures=3, max_addresses=8, clock=clock.time)
     app = _admin_app(throttle)
     for _ in range(3):
         assert (await _status(app, "10.0.0.1", WRONG)).status_code == 401
     clock.advance(1.0)
-    for i in range(7):  # the table is full, the throttled address still in it
+    for i in range(6):  # full of live windows: 7, and one place kept for the shared window
         assert (await _status(app, f"10.1.0.{i}", WRONG)).status_code == 401
+    assert len(throttle) == 7
+    # New addresses neither push the throttled one out nor get budgets of their own.
+    for i in range(3):
+        assert (await _status(app, f"10.2.0.{i}", WRONG)).status_code == 401
     assert len(throttle) == 8
     assert (await _status(app, "10.0.0.1", RIGHT)).status_code == 429
-    assert (await _status(app, "10.2.0.1", WRONG)).status_code == 401  # one more: the oldest goes
-    assert len(throttle) == 8
+    assert (await _status(app, "10.2.0.9", RIGHT)).status_code == 429  # the shared window is spent
+    assert (await _status(app, "10.1.0.0", RIGHT)).status_code == 200  # a window of its own
+    throttle.check_invariants()
+
+    clock.advance(60.0)  # every window has passed
     assert (await _status(app, "10.0.0.1", RIGHT)).status_code == 200
+    assert (await _status(app, "10.2.0.9", RIGHT)).status_code == 200
+
+
+def test_spraying_addresses_buys_one_more_budget_a_window() -> None:
+    clock = Clock()  # frozen: everything happens within one window
+    limit, table = 10, 64
+    throttle = AdminAuthThrottle(max_failures=limit, window_s=60.0, max_addresses=table, clock=clock.time)
+    compared = 0
+    for cycle in range(3):
+        for i in range(table * 4):
+            address = f"10.{cycle}.{i >> 8 & 255}.{i & 255}"
+            for _ in range(limit):
+                if throttle.refusal(address) is not None:
+                    break
+                compared += 1
+                throttle.failed(address)
+            assert len(throttle) <= table
+    # Each address the table holds, plus the one shared window: nothing handed back.
+    assert compared == (table - 1) * limit + limit
     throttle.check_invariants()
 
 
@@ -209,6 +235,8 @@ def test_a_window_counts_from_its_first_wrong_key() -> None:
         ("2001:db8::1", "2001:db8::/64"),
         ("2001:db8:0:0:ffff::1", "2001:db8::/64"),
         ("::ffff:192.0.2.7", "192.0.2.7"),
+        ("64:ff9b::192.0.2.7", "192.0.2.7"),
+        ("64:ff9b::192.0.2.8", "192.0.2.8"),
         ("not-an-ip", "not-an-ip"),
         (None, ""),
     ],

@@ -45,6 +45,16 @@ _WHOLE: dict[str, dict[str, Any]] = {
     "/v1/completions/render": {"prompt": "x"},
     "/v1/messages/count_tokens": {"messages": [{"role": "user", "content": "x"}]},
     "/invocations": {"input": "x"},  # a pooling body: the worker's own /invocations
+    # vLLM 0.33's batch of chat completions runs whole (vLLM's batch refuses a pre-tokenized
+    # `kv_transfer_params` prompt), as do its reads, render and derender routes.
+    "/v1/chat/completions/batch": {"messages": [[{"role": "user", "content": "x"}]]},
+    "/generative_scoring": {"query": "q", "items": ["a"], "label_token_ids": [1]},
+    "/v1/systemone": {"state": "s", "questions": {"q": {"type": "noul"}}},
+    "/v1/decisions": {"input": "s", "questions": [{"type": "predicate", "instructions": "?"}]},
+    "/v1/messages/render": {"max_tokens": 2, "messages": [{"role": "user", "content": "x"}]},
+    "/v1/responses/render": {"input": "x"},
+    "/v1/chat/completions/derender": {"generate_response": {"choices": []}},
+    "/v1/completions/derender": {"generate_responses": []},
 }
 _AUDIO = ("/v1/audio/transcriptions", "/v1/audio/translations")
 

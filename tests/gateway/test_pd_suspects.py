@@ -304,3 +304,34 @@ def test_one_partner_a_suspect_whose_partner_left_the_pool_is_cleared() -> None:
     assert pairs.suspected(now + 1, EVERYONE) == NO_SUSPECTS  # x back at that address: a new start
     assert _failed_then_served(pairs, (w, x), (p2, x), now + 2) == []
     pairs.check_invariants()
+
+
+def test_one_partner_a_failure_with_a_partner_that_never_served_neither_ends_nor_extends_a_streak() -> None:
+    # Two prefill and two decode workers: p2 stuck, d2 answering 500 to every pair; p1 and d1
+    # serve each request. p2 fails with d1 and with d2, d2 with p1 and with p2, in one request or
+    # apart, and p2 and d2 never serve: their failures with each other say nothing of either, and
+    # each is weighed against its healthy partner.
+    p1, p2, d1, d2 = _workers("p1", "p2", "d1", "d2")
+    pairs = InconclusivePairs()
+    now = 0.0
+    while pairs.suspected(now, EVERYONE) == NO_SUSPECTS:
+        assert now < 10 * SUSPECT_ROUNDS, "not suspected"
+        now += 1
+        pairs.served(p1.worker_id, d1.worker_id, now)  # the request's last round
+        failed = [[(p2, d1), (p1, d2)], [(p2, d2)], [(p1, d2), (p2, d1)]][int(now) % 3]
+        assert pairs.note_request(failed, now) == []
+        pairs.check_invariants()
+    assert pairs.suspected(now, EVERYONE) == Suspects(frozenset({p2.worker_id}), frozenset({d2.worker_id}))
+    for _ in range(PROBES):  # without them, p1 and d1 serve each request in its first round
+        now += 0.5
+        pairs.served(p1.worker_id, d1.worker_id, now, first_round=True)
+    assert pairs.suspected(now, EVERYONE) == NO_SUSPECTS  # on to their retrial
+    now += 1
+    pairs.served(p1.worker_id, d1.worker_id, now)
+    assert pairs.note_request([(p2, d2)], now) == []  # the two broken ones together: nothing
+    now += 1
+    pairs.served(p1.worker_id, d1.worker_id, now)
+    assert pairs.note_request([(p2, d1), (p1, d2)], now) == [p2, d2]
+    assert not p2.breaker.closed and not d2.breaker.closed
+    assert p1.breaker.failures == d1.breaker.failures == 0
+    pairs.check_invariants()

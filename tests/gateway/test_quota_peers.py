@@ -4,7 +4,7 @@ what peers charged is charged here, and their requests in flight count against t
 from __future__ import annotations
 
 from gateway.config import QuotaConfig
-from gateway.quotas import MAX_PEERS, TenantLimiter, Usage
+from gateway.quotas import MAX_PEERS, TenantLimiter, TokenBucket, Usage, late_weight
 
 
 def test_what_a_limiter_charged_is_told_once_and_its_in_flight_when_it_changes() -> None:
@@ -157,3 +157,52 @@ def test_saturated_gateways_sharing_admit_the_quota_not_twice_it() -> None:
                 lims[1 - i].peer_usage(f"g{i}", row, t)
         t += 0.005
     assert 2900 <= admitted <= 3100  # 600 a minute over the last five minutes
+
+
+def test_a_peers_late_charge_counts_less_the_later_it_comes() -> None:
+    assert [late_weight(s) for s in (-1.0, 0.0, 15.0, 30.0, 60.0, 600.0)] == [1.0, 1.0, 0.75, 0.5, 0.0, 0.0]
+    lim = TenantLimiter(QuotaConfig(rpm=60, tpm=1000, max_concurrent=4), now_s=0.0)
+    lim.peer_usage("b", Usage(10, 100, 0), 100.0)  # on time: whole (and the buckets are not full)
+    lim.peer_usage("b", Usage(20, 400, 2), 100.0, late_s=30.0)  # half of it
+    assert lim.remaining(100.0) == {"requests": 40.0, "tokens": 700.0, "concurrent": 2}
+    lim.forget_peers(silent_since_s=69.0)  # its requests in flight were said at 70 s, received at 100 s
+    assert lim.peers_in_flight == 2
+    lim.forget_peers(silent_since_s=71.0)
+    assert lim.peers_in_flight == 0
+    lim.peer_usage("b", Usage(60, 1000, 0), 100.0, late_s=60.0)  # a bucket's window late: nothing
+    assert lim.remaining(100.0) == {"requests": 40.0, "tokens": 700.0, "concurrent": 4}
+
+
+def test_a_late_charge_to_a_bucket_full_since_counts_what_on_time_would_have_left() -> None:
+    lim = TenantLimiter(QuotaConfig(rpm=60), now_s=0.0)  # full since ever; refills 1 a second
+    # Told 10 s ago: on time it would have been refilled by 10 since, 20 left (its weight: 25).
+    lim.peer_usage("b", Usage(30, 0, 0), 100.0, late_s=10.0)
+    assert lim.remaining(100.0)["requests"] == 40.0
+    lim.peer_usage("b", Usage(12, 0, 0), 100.0, late_s=10.0)  # not full now: its weight, 10
+    assert lim.remaining(100.0)["requests"] == 30.0
+    # Full again at 130 s: a charge told at 125 s would have been refilled by 10 since, 2 left.
+    lim.peer_usage("b", Usage(12, 0, 0), 140.0, late_s=15.0)
+    assert lim.remaining(140.0)["requests"] == 58.0
+
+
+def test_a_stream_of_small_late_charges_to_a_full_bucket_spends_it_as_on_time() -> None:
+    # Rows of 1 request every 0.5 s, each told 3 s before it arrives, to `rpm: 60` (1 a second):
+    # on time, the bucket would have been charged 2 a second and refilled 1, from full.
+    lim = TenantLimiter(QuotaConfig(rpm=60), now_s=0.0)
+    for k in range(120):
+        lim.peer_usage("b", Usage(1, 0, 0), 100.0 + 0.5 * k, late_s=3.0)
+    on_time = 60.0 - (120 - (0.5 * 119 + 3.0))  # 2.5: refilled 62.5 of the 120
+    assert on_time < lim.remaining(159.5)["requests"] < on_time + 0.05 * 120  # each weighs 95 %
+
+
+def test_a_bucket_knows_since_when_it_is_full() -> None:
+    bucket = TokenBucket(60, now_s=0.0)
+    bucket.check_invariants()
+    for amount, now_s in ((10.0, 1.0), (-5.0, 2.0), (-100.0, 3.0), (1.0, 3.5), (0.0, 10.0)):
+        bucket.take(amount, now_s)
+        bucket.check_invariants()
+    bucket.take_from_peer(200.0, 11.0)
+    bucket.level(12.0)
+    bucket.check_invariants()
+    assert bucket.level(200.0) == 60.0
+    bucket.check_invariants()

@@ -92,3 +92,10 @@ def test_hash_key_warns_of_a_short_key_and_still_hashes_it() -> None:
     long = serve("--hash-key", secret=SECRET, stdin="k" * 32 + "\n")
     assert long.returncode == 0, long.stderr
     assert long.stderr == ""
+
+
+def test_hash_key_refuses_a_reserved_key() -> None:
+    refused = serve("--hash-key", secret=SECRET, stdin="kvgate:sync_batches\n")
+    assert refused.returncode == 2
+    assert refused.stdout == ""
+    assert "keys beginning with 'kvgate:' are reserved" in refused.stderr

@@ -1,0 +1,165 @@
+"""vLLM 0.33's routes the gateway serves as their kind (`gateway/routes.py`): what reaches the
+worker (the path, the tenant's `cache_salt` on the routes that fill the prefix cache and only
+there, no client `priority`, no field the worker's model would refuse), what the policy is told
+(no keys: load-aware), and the answer passed on. The same routes against the emulator, over real
+HTTP: `tests/e2e/test_vllm033_routes.py`."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from aiohttp import web
+
+from gateway.auth import hash_api_key
+from gateway.routes import ROUTES
+from tests.gateway.routes_rig import Recording
+from tests.support.inprocess import gateway_in_process
+from tests.support.loopback import serve_app
+
+SECRET = b"vllm033"
+KEY = {"authorization": "Bearer sk-t"}
+CHAT = [{"role": "user", "content": "hello"}]
+
+
+@dataclass
+class Seen:
+    path: str
+    headers: dict[str, str]
+    body: dict[str, Any]
+
+
+async def _health(_: web.Request) -> web.Response:
+    return web.json_response({})
+
+
+@dataclass
+class Worker:
+    """Answers every POST with a JSON object carrying usage; remembers what it got."""
+
+    seen: list[Seen] = field(default_factory=list)
+
+    async def handle(self, request: web.Request) -> web.Response:
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        self.seen.append(Seen(request.path, headers, orjson.loads(await request.read())))
+        return web.json_response({"id": "x", "usage": {"prompt_tokens": 3, "completion_tokens": 2}})
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/health", _health)
+        app.router.add_post("/{tail:.*}", self.handle)
+        return app
+
+
+@contextlib.asynccontextmanager
+async def gateway(**pool: Any) -> AsyncIterator[tuple[httpx.AsyncClient, Worker, Recording]]:
+    worker = Worker()
+    runner, port = await serve_app(worker.app())
+    policy = Recording()
+    config = {
+        "pools": [{"name": "p", "models": ["m"], "workers": [f"http://127.0.0.1:{port}"], **pool}],
+        "tenants": [{"name": "t", "api_key_hashes": [hash_api_key(SECRET, "sk-t")]}],
+        "scrape": {"enabled": False},
+    }
+    try:
+        async with gateway_in_process(config, policy, secret=SECRET) as gw:
+            yield gw.client, worker, policy
+    finally:
+        await runner.cleanup()
+
+
+# path, body, salted (the tenant's cache_salt reaches the worker)
+CASES: list[tuple[str, dict[str, Any], bool]] = [
+    ("/v1/chat/completions/batch", {"model": "m", "messages": [CHAT, CHAT], "max_tokens": 2}, True),
+    (
+        "/generative_scoring",
+        {"model": "m", "query": "q", "items": ["a", "b"], "label_token_ids": [1, 2]},
+        True,
+    ),
+    (
+        "/v1/systemone",
+        {"model": "m", "state": "s", "questions": {"q": {"type": "noul", "instructions": "?"}}},
+        True,
+    ),
+    (
+        "/v1/decisions",
+        {"model": "m", "input": "s", "questions": [{"type": "predicate", "instructions": "?"}]},
+        True,
+    ),
+    ("/v1/messages/render", {"model": "m", "max_tokens": 2, "messages": CHAT}, False),
+    ("/v1/responses/render", {"model": "m", "input": "hello"}, False),
+    ("/v1/chat/completions/derender", {"model": "m", "generate_response": {"choices": []}}, False),
+    ("/v1/completions/derender", {"model": "m", "generate_responses": []}, False),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "salted"), CASES, ids=[c[0] for c in CASES])
+async def test_each_route_reaches_the_worker_as_its_kind(
+    path: str, body: dict[str, Any], salted: bool
+) -> None:
+    async with gateway() as (client, worker, policy):
+        sent = {**body, "cache_salt": "the-clients-own", "priority": 5}
+        answer = await client.post(path, json=sent, headers=KEY)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["usage"] == {"prompt_tokens": 3, "completion_tokens": 2}
+        got = worker.seen[-1]
+        assert got.path == path
+        # A client's salt never reaches a worker; the tenant's does where the route fills the cache.
+        assert got.body.get("cache_salt") != "the-clients-own"
+        assert ("cache_salt" in got.body) is salted
+        # The client's priority orders its own queue only, and this pool's engines use none.
+        assert "priority" not in got.body
+        assert {k: v for k, v in got.body.items() if k != "cache_salt"} == body
+        # Load-aware: the policy saw the request's size, no keys.
+        assert policy.requests[-1].block_keys == ()
+        assert ROUTES[path].prompt is None
+
+
+async def test_the_batch_is_not_read_as_a_stream_and_counts_its_whole_body() -> None:
+    """vLLM's batch model has no `stream` (an extra field it ignores): the answer is one JSON
+    object whatever the client's `stream` says. The batch's prompt tokens are its body's."""
+    async with gateway() as (client, worker, policy):
+        body = {"model": "m", "messages": [CHAT] * 8, "stream": True}
+        answer = await client.post("/v1/chat/completions/batch", json=body, headers=KEY)
+        assert answer.status_code == 200 and answer.headers["content-type"].startswith("application/json")
+        assert worker.seen[-1].body["stream"] is True
+        one = await client.post("/v1/chat/completions/batch", json={**body, "messages": [CHAT]}, headers=KEY)
+        assert one.status_code == 200
+        assert policy.requests[-2].n_prompt_tokens > policy.requests[-1].n_prompt_tokens
+
+
+async def test_the_decisions_route_names_its_model() -> None:
+    async with gateway() as (client, worker, _):
+        body = {"input": "s", "questions": [{"type": "predicate", "instructions": "?"}]}
+        answer = await client.post("/v1/decisions", json=body, headers=KEY)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "model"
+        assert worker.seen == []
+
+
+async def test_on_a_pool_scheduling_by_priority_decisions_get_none_and_the_reads_theirs() -> None:
+    """vLLM's Decisions model has no `priority` and refuses fields it lacks: the tenant's engine
+    priority, which the other salted routes carry, would make every such request a 400."""
+    async with gateway(priority_scheduling="lower_first") as (client, worker, _):
+        decisions = {"model": "m", "input": "s", "questions": [{"type": "predicate", "instructions": "?"}]}
+        answer = await client.post("/v1/decisions", json=decisions, headers=KEY)
+        assert answer.status_code == 200, answer.text
+        assert "priority" not in worker.seen[-1].body
+        scoring = {"model": "m", "query": "q", "items": ["a"], "label_token_ids": [1]}
+        assert (await client.post("/generative_scoring", json=scoring, headers=KEY)).status_code == 200
+        assert "priority" in worker.seen[-1].body
+
+
+async def test_the_responses_render_route_is_served_not_taken_for_a_stored_response() -> None:
+    """`POST /v1/responses/render` was answered 405 by `GET /v1/responses/{id}`; another method
+    on a proxied path is still 405, and a path vLLM does not have is still 404."""
+    async with gateway() as (client, worker, _):
+        answer = await client.post("/v1/responses/render", json={"model": "m", "input": "x"}, headers=KEY)
+        assert answer.status_code == 200 and worker.seen[-1].path == "/v1/responses/render"
+        assert (await client.get("/v1/responses/render", headers=KEY)).status_code == 405
+        cohere = await client.post("/cohere/v2/chat", json={"model": "m", "messages": CHAT}, headers=KEY)
+        assert cohere.status_code == 404

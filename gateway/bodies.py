@@ -79,8 +79,10 @@ def parse_body(raw: bytes, api: ApiRoute, max_choices: int = 128) -> dict[str, A
     if api.pick is not None:
         api = api.pick(body)  # the route the body names is the one to check it against
     model = body.get("model")
-    if (not isinstance(model, str) or not model) and (model is not None or not api.model_optional):
-        raise bad_request("'model' is required and must be a non-empty string", "model")
+    # `""` names no model, as absent does (vLLM serves its own for either, `missing_model`); absent
+    # is refused only where vLLM's request model requires the field (Anthropic's Messages).
+    if model.__class__ is not str and (model is not None or not api.model_optional):
+        raise bad_request("'model' is required and must be a string", "model")
     prompt = api.prompt
     if prompt == "chat":
         messages = body.get("messages")
@@ -166,16 +168,12 @@ def _read_priority(value: object) -> int:
 
 def asks_usage(options: object) -> bool:
     """Whether a chat or completions body's `stream_options` (read by `parse_body`) asks for
-    usage in its stream: `include_usage` true, as in OpenAI's API. vLLM reads an absent
-    `include_usage` as true (its `StreamOptions` default) and OpenAI and SGLang as false; the
-    gateway follows OpenAI, except that `continuous_usage_stats` (vLLM's own field) true without
-    `include_usage` asks for usage, as it does of vLLM: on every chunk and at the end."""
-    if not isinstance(options, dict):
-        return False
-    flag = options.get("include_usage")
-    if flag is None and "include_usage" not in options:
-        return options.get("continuous_usage_stats") is True
-    return flag is True
+    usage in its stream: `include_usage` true, as OpenAI, SGLang and vLLM read it (vLLM's
+    `StreamOptions` defaults both its flags to false, and `continuous_usage_stats` acts only
+    together with `include_usage`: `should_include_usage`). So `{}` and
+    `{"continuous_usage_stats": true}` alone ask for none, and the gateway asks for its own
+    (`forced_usage`)."""
+    return isinstance(options, dict) and options.get("include_usage") is True
 
 
 def forced_usage(options: object) -> dict[str, Any]:
@@ -247,8 +245,8 @@ def parse_form(raw: bytes, content_type: str | None, api: ApiRoute) -> dict[str,
     not a well-formed multipart form."""
     fields = form_fields(raw, content_type, _FORM_FIELDS)
     model = fields.get("model")
-    if not model and not api.model_optional:
-        raise bad_request("'model' is required and must be a non-empty string", "model")
+    if model is None and not api.model_optional:  # `""` names no model, as in `parse_body`
+        raise bad_request("'model' is required", "model")
     if "priority" in fields:
         # A form is forwarded as sent, so the gateway could not replace it (`engine_priority`).
         raise bad_request("'priority' cannot be set on a form body through this gateway", "priority")
@@ -365,21 +363,25 @@ def output_budget(body: dict[str, Any], prompt: str | None, max_model_len: int |
     `max_output_tokens`, the native generate routes' `sampling_params`; the field its engine
     reads, `_OUTPUT_FIELDS`): at most its model's context window `max_model_len`, stated or
     learned (`model_window.PoolWindows`; `ASSUMED_MAX_MODEL_LEN` when None), times the choices it
-    asks for (`n`, `best_of`: each decodes its own); 0 when it sets none. A budget that alone
-    fills a known window is refused with 400, as vLLM refuses a budget past the window (every
-    prompt has a token, so no worker could run it)."""
+    asks for (`n`, `best_of`: each decodes its own); 0 when it sets none. A budget past a known
+    window is refused with 400, as vLLM refuses it (`max_tokens` greater than `max_model_len`);
+    one up to the window is served, vLLM shortening it to what the prompt leaves
+    (`get_max_tokens`), so it counts as at most the window less one token (every prompt has
+    one)."""
     found = _output_field(body, prompt)
     if found is None:
         return 0
     name, value = found
     if max_model_len is None:
         value = min(value, ASSUMED_MAX_MODEL_LEN)
-    elif value >= max_model_len:
+    elif value > max_model_len:
         message = (
             f"'{name}' is too large: {value}. This model's maximum context length is {max_model_len} "
             "tokens, for the prompt and the output together"
         )
         raise ApiError(400, message, "invalid_request_error", "integer_above_max_value", name)
+    elif value == max_model_len:
+        value = max(max_model_len - 1, 1)
     sizes = batch_sizes(body, prompt)
     return value * _choices(body, prompt) * (1 if sizes is None else len(sizes))
 
@@ -414,7 +416,18 @@ def with_priority(body: dict[str, Any], encoded: bytes, priority: int | None) ->
     return out, head + (b"," + encoded[1:] if encoded != b"{}" else b"}")
 
 
+# The most served model ids `missing_model` names (a gateway may serve hundreds of LoRA adapters;
+# `GET /v1/models` lists them all).
+MODELS_NAMED = 8
+
+
 def missing_model(served: list[str]) -> ApiError:
-    """A request without `model` on a route where vLLM takes the served model: fine when the
-    gateway serves one model, else the client must say which."""
-    return bad_request(f"'model' is required: this gateway serves {len(served)} models", "model")
+    """A request that names no model (no `model`, or `""`): vLLM serves its own model then (it
+    takes any empty name, `OpenAIServing._is_model_supported`), so the gateway does when it serves
+    one model (`keying.only_model`); with several, which one is meant is the client's to say, and
+    the error names them (the first `MODELS_NAMED`, in config order)."""
+    named = ", ".join(f"'{model}'" for model in served[:MODELS_NAMED])
+    more = len(served) - MODELS_NAMED
+    if more > 0:
+        named += f" and {more} more (GET /v1/models lists them)"
+    return bad_request(f"'model' is required: this gateway serves {len(served)} models: {named}", "model")

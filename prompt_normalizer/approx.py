@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 
 from prompt_normalizer.canonical import CanonicalChat
+from prompt_normalizer.chat_input import part_type
 from prompt_normalizer.layout import Boundaries, Hashed
 
 APPROX_UNIT = "approx-u32-v1"
@@ -32,9 +33,9 @@ def _message_text(msg: dict[str, Any]) -> str:
     if isinstance(content, str):
         return f"{head}{content}<|end|>\n"
     if isinstance(content, list):
-        # One join of the parts (validated: each is an object with a string type).
+        # One join of the parts (validated: each is an object, a text part with its type).
         text = "".join(
-            [part["text"] if part.get("type") == "text" else f"<|{part.get('type')}|>" for part in content]
+            [part["text"] if part.get("type") == "text" else f"<|{part_type(part)}|>" for part in content]
         )
         return f"{head}{text}<|end|>\n"
     return f"{head}<|end|>\n"

@@ -66,6 +66,14 @@ def _flat(messages: list[Any]) -> bool:
 # realistic request alone (docs/reliability.md).
 MAX_MEDIA_PARTS = 2048
 
+# The most content parts sent as plain strings (`"content": ["hi"]`, which vLLM reads as text
+# parts) one request may carry, across all its messages. Each becomes a text part object here,
+# at the cost of one, but the gateway's count of a body's objects (`gateway.keying.keyed_apart`,
+# which sends a body of many to the keying process) sees only braces: 62,000 one-letter string
+# parts, 248 KB, held the event loop for 35 ms. Past this many the request is refused before
+# more are converted; no client sends thousands of string parts where one string would do.
+MAX_STRING_PARTS = 2048
+
 
 def validate_messages(raw: Any, edits_flat_messages: bool, unicode_nfc: bool) -> Copied:
     """Checks `messages` and gives what canonicalization works on: a private copy, or (when
@@ -84,6 +92,7 @@ def validate_messages(raw: Any, edits_flat_messages: bool, unicode_nfc: bool) ->
     copied = Copied(orjson.loads(data), len(data), ascii_only)
     messages: list[dict[str, Any]] = copied.value
     media = 0  # content parts other than text (`MAX_MEDIA_PARTS`)
+    strings = 0  # content parts sent as strings (`MAX_STRING_PARTS`)
     # Exact type checks: the copy is what `orjson.loads` built, so no value is of a subclass.
     for i, msg in enumerate(messages):
         # Paths are formatted only on the error paths: this loop runs for every request.
@@ -105,12 +114,26 @@ def validate_messages(raw: Any, edits_flat_messages: bool, unicode_nfc: bool) ->
                 "content must be a string or an array of parts", param=f"messages[{i}].content"
             )
         copied.has_parts = True
-        for part in content:
+        for j, part in enumerate(content):
+            if type(part) is str:
+                # vLLM reads a string part as a text part and renders the two alike, so it becomes
+                # one here: it keys as the same text sent as a text part, and whoever reads the
+                # parts next (switches, rules, renderers, the canonical body) sees one shape.
+                content[j] = {"type": "text", "text": part}
+                strings += 1
+                if strings > MAX_STRING_PARTS:
+                    raise NormalizerError(
+                        f"the request has more than {MAX_STRING_PARTS} content parts sent as strings: "
+                        "this gateway takes at most that many a request (send text parts, or join the text)",
+                        param="messages",
+                        code="array_above_max_length",
+                    )
+                continue
             ptype = part.get("type") if type(part) is dict else None
             if ptype == "text":
                 if type(part.get("text")) is not str:
                     _bad_part(content, i, part, "text part needs a string 'text'", ".text")
-            elif type(ptype) is str:
+            elif type(ptype) is str or (ptype is None and type(part) is dict and untyped_part(part)):
                 media += 1
             else:
                 _bad_part(content, i, part, "each content part needs a 'type'", "")
@@ -122,6 +145,41 @@ def validate_messages(raw: Any, edits_flat_messages: bool, unicode_nfc: bool) ->
             code="array_above_max_length",
         )
     return copied
+
+
+# The fields that give a content part without a `type` its type, the first one present winning, in
+# vLLM's order (`parse_chat_message_content_mm_part`): `{"image_url": "https://..."}` is an image,
+# as is `{"image_url": {"url": ...}, "uuid": ...}`. A part without a `type` and without any of
+# them is refused there and here.
+UNTYPED_PART_FIELDS = (
+    "image_url",
+    "image_pil",
+    "image_embeds",
+    "audio_embeds",
+    "video_embeds",
+    "prompt_embeds",
+    "audio_url",
+    "input_audio",
+    "video_url",
+    "tool_reference",
+)
+
+
+def untyped_part(part: dict[str, Any]) -> str | None:
+    """The type vLLM gives a content part sent without one (`UNTYPED_PART_FIELDS`), if any."""
+    for name in UNTYPED_PART_FIELDS:
+        if name in part:
+            return name
+    return None
+
+
+def part_type(part: dict[str, Any]) -> str:
+    """The type of a content part `validate_messages` accepted: its own, else the one its fields
+    give it (`untyped_part`). Text parts always have theirs by then (a string part became one)."""
+    ptype = part.get("type")
+    if ptype is None:
+        return untyped_part(part) or ""
+    return str(ptype)
 
 
 def _bad_part(content: list[Any], i: int, part: Any, message: str, suffix: str) -> NoReturn:

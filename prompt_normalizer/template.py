@@ -28,6 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from prompt_normalizer.canonical import CanonicalChat
+from prompt_normalizer.chat_input import part_type
 from prompt_normalizer.config import TEMPLATE_TIME_DEFAULT
 from prompt_normalizer.errors import NormalizerError
 from prompt_normalizer.extras import tokenizer_mode_missing
@@ -145,10 +146,7 @@ class ChatTemplateTokenizer:
                 if fmt == "string":
                     msg["content"] = "\n".join(p["text"] for p in content if p.get("type") == "text")
                 else:
-                    msg["content"] = [
-                        p if p.get("type") == "text" else {"type": str(p["type"]).split("_")[0]}
-                        for p in content
-                    ]
+                    msg["content"] = [p if p.get("type") == "text" else _media_part(p) for p in content]
             out.append(msg)
         return out
 
@@ -201,6 +199,28 @@ class ChatTemplateTokenizer:
             chars = common_prefix_chars(full_text, prefix)
             out.append(int(np.searchsorted(ends, chars, side="right")))
         return out
+
+
+# The modality vLLM gives a media part in the messages of an "openai"-format template (`{"type":
+# "image"}`, ...: `parse_chat_message_content_part`), by part type: `input_audio` is audio, as a
+# template that looks for `content.type == "audio"` must see it. Any other type renders as the
+# first word of its name.
+_MODALITIES = {
+    "image_url": "image",
+    "input_image": "image",
+    "image_pil": "image",
+    "image_embeds": "image",
+    "audio_url": "audio",
+    "input_audio": "audio",
+    "audio_embeds": "audio",
+    "video_url": "video",
+    "video_embeds": "video",
+}
+
+
+def _media_part(part: dict[str, Any]) -> dict[str, Any]:
+    ptype = part_type(part)
+    return {"type": _MODALITIES.get(ptype) or ptype.split("_")[0]}
 
 
 def _cut_after_final(text: str, content: Any) -> str:

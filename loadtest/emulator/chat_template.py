@@ -7,9 +7,13 @@
     <|tool|>\n{tool_call_id}\n{content}<|end|>\n
     <|assistant|>\n                                 (generation prompt, unless disabled)
 
-Text content parts are concatenated; an image part renders as a fixed-length placeholder named by
-a digest of its URL (`IMAGE_TOKENS` characters, so exactly that many tokens with the default byte
-tokenizer): the same image shares cache, another image does not. The assistant turn renders exactly
+Text content parts (and parts sent as plain strings) are concatenated; an image part renders as a
+fixed-length placeholder named by a digest of its URL (`IMAGE_TOKENS` characters, so exactly that
+many tokens with the default byte tokenizer): the same image shares cache, another image does not.
+Audio (`audio_url`, `input_audio`) and video (`video_url`) parts render the same way, named by
+their kind and a digest of their data. As in vLLM, a part without a `type` takes the type of the
+first media field it has (`{"image_url": "https://..."}`), and any role is rendered as it is
+(vLLM's custom roles). The assistant turn renders exactly
 as the generation prompt followed by the generated text, so a next turn that repeats an answer
 shares its cached blocks.
 """
@@ -25,7 +29,6 @@ import orjson
 
 from loadtest.emulator.errors import ApiError
 
-_ROLES = ("system", "developer", "user", "assistant", "tool")
 # An image costs a fixed number of tokens, as a vision encoder's patch grid does (576 = 24 x 24,
 # the LLaVA-1.5 grid).
 IMAGE_TOKENS = 576
@@ -37,14 +40,58 @@ def image_placeholder(url: str) -> str:
     return (head + "." * IMAGE_TOKENS)[:IMAGE_TOKENS]
 
 
-def _image_url(part: Mapping[str, Any]) -> str | None:
-    image = part.get("image_url")
-    url = image.get("url") if isinstance(image, Mapping) else image
+def media_placeholder(kind: str, data: Any) -> str:
+    """The text an audio or video part renders as: fixed length, named by its kind and a digest of
+    its data (its URL, or its inline data and format)."""
+    digest = hashlib.blake2b(orjson.dumps(data, option=orjson.OPT_SORT_KEYS), digest_size=8).hexdigest()
+    return (f"<|{kind}|>{digest}" + "." * IMAGE_TOKENS)[:IMAGE_TOKENS]
+
+
+def _url(part: Mapping[str, Any], field: str) -> str | None:
+    """A media part's URL: `{field: {"url": ...}}`, or `{field: "..."}` (vLLM's simple forms)."""
+    value = part.get(field)
+    url = value.get("url") if isinstance(value, Mapping) else value
     return url if isinstance(url, str) and url else None
 
 
+# vLLM's media part types that carry a URL, and what each renders as.
+_URL_KINDS = {"image_url": "image", "input_image": "image", "audio_url": "audio", "video_url": "video"}
+# The fields that type a part sent without `type`, in vLLM's order (`parse_chat_message_content_mm_part`)
+# (its embeddings and PIL forms are left out: no client of the emulator sends them).
+_UNTYPED = ("image_url", "audio_url", "input_audio", "video_url")
+
+
+def _part_text(part: Any) -> str | None:
+    """The text a content part renders as; None for a part the emulated model does not take."""
+    if isinstance(part, str):  # vLLM reads a string part as a text part
+        return part
+    if not isinstance(part, Mapping):
+        return None
+    kind = part.get("type")
+    if kind is None:
+        kind = next((field for field in _UNTYPED if field in part), None)
+    if kind == "text":
+        text = part.get("text")
+        return text if isinstance(text, str) else None
+    if kind == "input_audio":
+        audio = part.get("input_audio")
+        ok = isinstance(audio, Mapping) and isinstance(audio.get("data"), str)
+        return media_placeholder("audio", audio) if ok else None
+    if kind in _URL_KINDS:
+        url = _url(part, "image_url" if kind == "input_image" else str(kind))
+        if url is None:
+            return None
+        return (
+            image_placeholder(url)
+            if _URL_KINDS[kind] == "image"
+            else media_placeholder(_URL_KINDS[kind], url)
+        )
+    return None
+
+
 def message_text(content: Any, where: str) -> str:
-    """The text of a message's `content`: a string, null, or a list of text and image parts."""
+    """The text of a message's `content`: a string, null, or a list of parts: text (or plain
+    strings), images, audio and video (`_part_text`)."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -52,15 +99,14 @@ def message_text(content: Any, where: str) -> str:
     if isinstance(content, list):
         parts: list[str] = []
         for i, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, Mapping) else None
-            if kind == "text" and isinstance(part.get("text"), str):
-                parts.append(part["text"])
-            elif kind == "image_url" and (url := _image_url(part)) is not None:
-                parts.append(image_placeholder(url))
-            else:
+            text = _part_text(part)
+            if text is None:
                 raise ApiError.bad_request(
-                    "content parts must be text or image_url parts with a url", f"{where}.content[{i}]"
+                    "content parts must be text, or image_url, audio_url, input_audio or video_url parts "
+                    "with their data",
+                    f"{where}.content[{i}]",
                 )
+            parts.append(text)
         return "".join(parts)
     raise ApiError.bad_request("content must be a string or a list of content parts", f"{where}.content")
 
@@ -115,8 +161,8 @@ def render_chat_offsets(
         if not isinstance(msg, Mapping):
             raise ApiError.bad_request("each message must be an object", where)
         role = msg.get("role")
-        if role not in _ROLES:
-            raise ApiError.bad_request(f"role must be one of {', '.join(_ROLES)}", f"{where}.role")
+        if not isinstance(role, str):  # any string: vLLM takes custom roles, as the template does
+            raise ApiError.bad_request("role must be a string", f"{where}.role")
         if not tools_done and role not in ("system", "developer"):
             out.append(tools_block)
             length += len(tools_block)

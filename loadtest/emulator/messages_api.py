@@ -25,6 +25,7 @@ from loadtest.emulator.errors import ApiError, RequestValidationError
 from loadtest.emulator.live import LiveGroup
 from loadtest.emulator.protocol import (
     GenerationRequest,
+    check_sampling,
     common_fields,
     int_field,
     one_answer_request,
@@ -240,6 +241,7 @@ def parse_messages(
     if "model" not in body:
         raise ApiError.bad_request("model: Field required", "model")
     common = common_fields(body, cfg)
+    check_sampling(body, ("temperature", "top_p"), ("top_k",))  # Anthropic's request model's
     max_tokens = int_field(body, "max_tokens", 1)
     if max_tokens is None:
         raise ApiError.bad_request("max_tokens: Field required", "max_tokens")

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import numpy as np
+from pydantic import TypeAdapter, ValidationError
 
 from loadtest.emulator.chat_template import render_chat
 from loadtest.emulator.config import EmulatorConfig
@@ -21,6 +22,8 @@ from loadtest.emulator.stops import StopRule
 from loadtest.emulator.tools import choose_tool, tool_call_arguments
 from loadtest.engine.tokenizer import Tokenizer, TokenizerError
 from prompt_normalizer.lax import lax_bool, lax_int
+
+_FLOAT: Final = TypeAdapter(float)
 
 Endpoint = Literal["chat", "completions", "responses", "messages"]
 MAX_CACHE_SALT_CHARS = 1024
@@ -70,6 +73,7 @@ class GenerationRequest:
     priority: int = 0
     continuous_usage: bool = False  # usage on every chunk too (`continuous_usage_stats`)
     stop: StopRule | None = None
+    budget_field: str = "max_tokens"  # the field `max_tokens` was read from (named in errors)
 
     @property
     def prompt_ids(self) -> np.ndarray:
@@ -113,12 +117,15 @@ def bool_field(body: Mapping[str, Any], name: str, default: bool = False) -> boo
 
 
 def check_model(body: Mapping[str, Any], cfg: EmulatorConfig) -> str:
-    """The served model name; a missing model means the served one, another name is a 404."""
+    """The served model name; a missing or empty model means the served one (vLLM's
+    `_is_model_supported`), another name is a 404."""
     model = body.get("model")
     if model is None:
         return cfg.model
     if not isinstance(model, str):
         raise ApiError.bad_request("model must be a string", "model")
+    if not model:
+        return cfg.model
     if model != cfg.model:
         raise ApiError.not_found(f"The model `{model}` does not exist.", "model")
     return model
@@ -146,6 +153,45 @@ def common_fields(body: Mapping[str, Any], cfg: EmulatorConfig) -> CommonFields:
     return CommonFields(model, stream, salt, request_id, priority)
 
 
+# The sampling fields of vLLM's generating request models, each `float | None` or `int | None`:
+# the emulator has no use for their values, but a value pydantic's lax mode refuses there
+# (`"temperature": "hot"`) is a 400 here too. `seed` is a 64-bit integer.
+SAMPLING_FLOATS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+SAMPLING_INTS = ("top_k", "seed")
+_INT64 = range(-(2**63), 2**63)
+
+
+def check_sampling(
+    body: Mapping[str, Any], floats: tuple[str, ...] = SAMPLING_FLOATS, ints: tuple[str, ...] = SAMPLING_INTS
+) -> None:
+    """400 naming the first of `floats` and `ints` that is set (not null) to a value vLLM's lax
+    pydantic model refuses (`"hot"`, `[1]`; `"0.5"` and `1` are numbers there)."""
+    for name in floats:
+        value = body.get(name)
+        if value is None or value.__class__ is float or value.__class__ is int:
+            continue
+        try:
+            _FLOAT.validate_python(value)
+        except ValidationError:
+            raise ApiError.bad_request(f"{name}: Input should be a valid number", name) from None
+    for name in ints:
+        value = body.get(name)
+        if value is None:
+            continue
+        read = lax_int(value)
+        if read is None:
+            raise ApiError.bad_request(f"{name}: Input should be a valid integer", name)
+        if name == "seed" and read not in _INT64:
+            raise ApiError.bad_request("seed: Input should be a 64-bit integer", name)
+
+
 def one_answer_request(
     endpoint: Endpoint,
     common: CommonFields,
@@ -171,6 +217,7 @@ def one_answer_request(
         priority=common.priority,
         stop=stop,
         logprobs=logprobs,
+        budget_field="max_output_tokens" if endpoint == "responses" else "max_tokens",
     )
 
 
@@ -184,8 +231,9 @@ class StreamUsage:
 
 
 def _stream_usage(body: Mapping[str, Any], stream: bool) -> StreamUsage:
-    """vLLM's reading of `stream_options`: its `StreamOptions` defaults `include_usage` to true
-    (null is false), and `continuous_usage_stats` counts only with `include_usage`."""
+    """vLLM's reading of `stream_options`: its `StreamOptions` defaults `include_usage` to false
+    (as null), and `continuous_usage_stats` counts only with `include_usage`
+    (`should_include_usage`)."""
     options = body.get("stream_options")
     if options is None:
         return StreamUsage()
@@ -193,7 +241,7 @@ def _stream_usage(body: Mapping[str, Any], stream: bool) -> StreamUsage:
         raise ApiError.bad_request("Stream options can only be defined when `stream=True`.", "stream_options")
     if not isinstance(options, Mapping):
         raise ApiError.bad_request("stream_options must be an object", "stream_options")
-    include = _option_flag(options, "include_usage", True)
+    include = _option_flag(options, "include_usage", False)
     return StreamUsage(include, include and _option_flag(options, "continuous_usage_stats", False))
 
 
@@ -292,6 +340,7 @@ def render_chat_body(body: Mapping[str, Any]) -> str:
 
 def parse_chat(body: Mapping[str, Any], cfg: EmulatorConfig, tokenizer: Tokenizer) -> GenerationRequest:
     common = common_fields(body, cfg)
+    check_sampling(body)
     usage = _stream_usage(body, common.stream)
     max_tokens = _max_tokens(body, cfg)
     min_tokens = _check_min_tokens(body, max_tokens)
@@ -299,6 +348,9 @@ def parse_chat(body: Mapping[str, Any], cfg: EmulatorConfig, tokenizer: Tokenize
     tool = tool_call_for(body.get("tools"), body.get("tool_choice"), list(body.get("messages") or []))
     return GenerationRequest(
         endpoint="chat",
+        budget_field="max_completion_tokens"
+        if body.get("max_completion_tokens") is not None
+        else "max_tokens",
         model=common.model,
         prompts=(tokenizer.encode(text),),
         max_tokens=max_tokens,
@@ -370,6 +422,7 @@ def parse_completions(
     body: Mapping[str, Any], cfg: EmulatorConfig, tokenizer: Tokenizer
 ) -> GenerationRequest:
     common = common_fields(body, cfg)
+    check_sampling(body)
     usage = _stream_usage(body, common.stream)
     max_tokens = _max_tokens(body, cfg)
     min_tokens = _check_min_tokens(body, max_tokens)

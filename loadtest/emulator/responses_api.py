@@ -27,6 +27,7 @@ from loadtest.emulator.logprobs import chat_logprobs
 from loadtest.emulator.protocol import (
     GenerationRequest,
     bool_field,
+    check_sampling,
     common_fields,
     int_field,
     logprobs_limit,
@@ -147,19 +148,21 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
 
 
 def _chat_tools(tools: Any) -> list[dict[str, Any]] | None:
-    """Responses function tools (flat) in the chat shape the template and tool chooser use."""
+    """Responses function tools (flat) in the chat shape the template and tool chooser use. Other
+    tools (`web_search_preview`, `mcp`, `custom`, ...) are taken and left out, as vLLM renders
+    only function tools (`construct_tool_dicts`) and runs built-in ones only with a tool server."""
     if tools is None:
         return None
     if not isinstance(tools, list):
         raise ApiError.bad_request("tools must be a list", "tools")
     out: list[dict[str, Any]] = []
     for i, tool in enumerate(tools):
-        if (
-            not isinstance(tool, Mapping)
-            or tool.get("type") != "function"
-            or not isinstance(tool.get("name"), str)
-        ):
-            raise ApiError.bad_request("only function tools with a name are supported", f"tools[{i}]")
+        if not isinstance(tool, Mapping) or not isinstance(tool.get("type"), str):
+            raise ApiError.bad_request("each tool must be an object with a type", f"tools[{i}]")
+        if tool["type"] != "function":
+            continue
+        if not isinstance(tool.get("name"), str):
+            raise ApiError.bad_request("a function tool needs a name", f"tools[{i}].name")
         fn = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
         out.append({"type": "function", "function": fn})
     return out
@@ -199,6 +202,7 @@ def parse_responses(
 ) -> ResponsesCall:
     _check_include(body.get("include"))  # vLLM validates the whole body before looking at it
     common = common_fields(body, cfg)
+    check_sampling(body)
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise ApiError.bad_request("instructions must be a string", "instructions")

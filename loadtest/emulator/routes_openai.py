@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -11,6 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from loadtest.emulator import chat_bodies
+from loadtest.emulator.base_request_id import base_request_id
 from loadtest.emulator.errors import ApiError
 from loadtest.emulator.live import LiveGroup
 from loadtest.emulator.protocol import (
@@ -26,11 +26,6 @@ from loadtest.emulator.worker import EmulatedWorker
 from loadtest.engine.tokenizer import TokenizerError
 
 router = APIRouter()
-
-
-def response_id(prefix: str, client_id: str | None) -> str:
-    """vLLM's id: the prefix and the client's `request_id`, or a fresh random one."""
-    return f"{prefix}-{client_id if client_id is not None else uuid.uuid4().hex}"
 
 
 @router.post("/tokenize")
@@ -71,7 +66,7 @@ async def chat_render(request: Request) -> Response:
     gen = parse_chat(body, w.cfg, w.tokenizer)
     return json_response(
         {
-            "request_id": response_id("chatcmpl", gen.request_id),
+            "request_id": f"chatcmpl-{base_request_id(request, gen.request_id)}",
             "token_ids": gen.prompt_ids.tolist(),
             "sampling_params": gen.echo_sampling,
             "model": gen.model,
@@ -85,7 +80,7 @@ async def completions_render(request: Request) -> Response:
     body = await read_json(request)
     w = worker_of(request)
     gen = parse_completions(body, w.cfg, w.tokenizer)
-    rid = response_id("cmpl", gen.request_id)
+    rid = f"cmpl-{base_request_id(request, gen.request_id)}"
     return json_response(
         [
             {"request_id": f"{rid}-{i}", "token_ids": ids.tolist(), "sampling_params": gen.echo_sampling,
@@ -111,7 +106,10 @@ async def _generate(
             return StreamingResponse(_error_stream(prepared.failure), media_type="text/event-stream")
         raise prepared.failure
     group = w.submit(
-        prepared.gen, response_id(prefix, gen.request_id), prepared.external_tokens, prepared.on_finish
+        prepared.gen,
+        f"{prefix}-{base_request_id(request, gen.request_id)}",
+        prepared.external_tokens,
+        prepared.on_finish,
     )
     if prepared.ticket is not None:
         prepared.ticket.group = group

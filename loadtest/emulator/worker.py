@@ -99,24 +99,45 @@ class EmulatedWorker:
             tool_answer = cut_at_stop(self.answers.fixed_answer(gen.tool_call.arguments), gen.stop)
             if tool_answer.stop_reason is not None and not gen.tool_call.named:
                 gen = dataclasses.replace(gen, tool_call=None)  # no whole call left: the text is the answer
-        n_output = len(tool_answer.pieces) if tool_answer is not None else gen.max_tokens
+        window = self.max_model_len
+        if tool_answer is None and gen.max_tokens > window:
+            # vLLM 0.33 refuses only a budget past the window (`TokenizeParams`) ...
+            raise ApiError.bad_request(
+                f"{gen.budget_field}={gen.max_tokens} cannot be greater than max_model_len={window}. "
+                "Please request fewer output tokens.",
+                gen.budget_field,
+            )
+        budgets: list[int] = []
         for prompt in gen.prompts:
             # Checked before building answers: max_tokens is untrusted.
-            total = len(prompt) + n_output
-            if total > self.max_model_len:
+            if tool_answer is None:
+                # ... and shortens one up to it to what the prompt leaves (`get_max_tokens`); a
+                # prompt that leaves nothing is refused.
+                if len(prompt) >= window:
+                    raise ApiError.bad_request(
+                        f"This model's maximum context length is {window} tokens. However, your prompt "
+                        f"contains {len(prompt)} input tokens, which exceeds this limit even without any "
+                        "output tokens. Please reduce the length of the input prompt.",
+                        _PROMPT_PARAM[gen.endpoint],
+                    )
+                budgets.append(min(gen.max_tokens, window - len(prompt)))
+                continue
+            total = len(prompt) + len(tool_answer.pieces)  # the call's length is fixed
+            if total > window:
                 raise ApiError.bad_request(
-                    f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                    f"requested {total} tokens ({len(prompt)} in the messages, {n_output} in the "
-                    "completion). Please reduce the length of the messages or completion.",
+                    f"This model's maximum context length is {window} tokens. However, you "
+                    f"requested {total} tokens ({len(prompt)} in the messages, {len(tool_answer.pieces)} "
+                    "in the completion). Please reduce the length of the messages or completion.",
                     _PROMPT_PARAM[gen.endpoint],
                 )
+            budgets.append(len(tool_answer.pieces))
         event = asyncio.Event()
         lives: list[LiveRequest] = []
         try:
             for p, prompt in enumerate(gen.prompts):
                 for c in range(gen.n):
                     answer = tool_answer or cut_at_stop(
-                        self.answers.text_answer(prompt, gen.max_tokens, variant=c), gen.stop
+                        self.answers.text_answer(prompt, budgets[p], variant=c), gen.stop
                     )
                     live = LiveRequest(gen, prompt, answer, p * gen.n + c, event)
                     live.on_finish = on_finish

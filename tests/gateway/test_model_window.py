@@ -124,8 +124,10 @@ def test_the_budget_is_bounded_and_refused_by_the_learned_window() -> None:
     assert output_budget(body, "chat", windows.max_model_len.get("m-sql")) == ASSUMED_MAX_MODEL_LEN
     windows.note(W1, ModelWindows({"m": 4096}))
     with pytest.raises(ApiError) as refused:
-        output_budget({**body, "max_tokens": 4096}, "chat", windows.max_model_len.get("m-sql"))
+        output_budget({**body, "max_tokens": 4097}, "chat", windows.max_model_len.get("m-sql"))
     assert refused.value.code == "integer_above_max_value" and refused.value.param == "max_tokens"
+    # vLLM serves the whole window, shortened to what the prompt (a token at least) leaves.
+    assert output_budget({**body, "max_tokens": 4096}, "chat", windows.max_model_len.get("m-sql")) == 4095
     assert output_budget({**body, "max_tokens": 4095}, "chat", windows.max_model_len.get("m-sql")) == 4095
 
 
@@ -170,4 +172,4 @@ def test_a_budget_is_read_as_the_worker_reads_it(value: object, budget: int) -> 
     assert output_budget({"model": "m", "max_tokens": value}, "chat", 8192) == budget
     if budget:
         with pytest.raises(ApiError):
-            output_budget({"model": "m", "max_tokens": value}, "chat", budget)
+            output_budget({"model": "m", "max_tokens": value}, "chat", budget - 1)

@@ -97,7 +97,7 @@ async def _status(gw: InProcessGateway) -> dict[str, Any]:
 
 
 @pytest.mark.e2e
-async def test_learns_the_workers_window_shows_it_and_refuses_a_budget_that_fills_it(
+async def test_learns_the_workers_window_shows_it_and_refuses_a_budget_past_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # The worker wants its API key on /v1 routes: the cards are read with it, as health checks are.
@@ -109,7 +109,7 @@ async def test_learns_the_workers_window_shows_it_and_refuses_a_budget_that_fill
             assert list(card)[-2:] == ["max_model_len", "permission"]  # where vLLM puts it
             assert (await gw.client.get("/v1/models", headers=KEY)).json()["data"] == [card]
 
-            refused = await _chat(gw, 4096)
+            refused = await _chat(gw, 4097)
             assert refused.status_code == 400
             error = refused.json()["error"]
             assert error["code"] == "integer_above_max_value" and error["param"] == "max_tokens"
@@ -147,7 +147,7 @@ async def test_a_stated_window_wins_over_the_workers() -> None:
             pool = _pool(gw)
             await wait_until(lambda: all(pool.windows.reported(w) for w in pool.workers), what="both read")
             assert await _window(gw) == 2048
-            assert (await _chat(gw, 2048)).json()["error"]["code"] == "integer_above_max_value"
+            assert (await _chat(gw, 2049)).json()["error"]["code"] == "integer_above_max_value"
             assert (await _status(gw))["max_model_len"] == {"m": {"tokens": 2048, "source": "config"}}
 
 
@@ -166,7 +166,7 @@ async def test_a_worker_restarted_with_another_window_is_read_again() -> None:
             _, proc = await asyncio.to_thread(start_emulator, *args, "--max-model-len", "2048", port=port)
             assert await wait_until(lambda: _pool(gw).windows.max_model_len.get("m") == 2048)
             assert await _window(gw) == 2048
-            assert (await _chat(gw, 2048)).status_code == 400
+            assert (await _chat(gw, 2049)).status_code == 400
     finally:
         proc.stop()
 

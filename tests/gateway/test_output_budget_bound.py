@@ -132,17 +132,15 @@ async def test_a_huge_budget_weighs_on_a_decode_worker_no_more_than_a_full_batch
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
-        ("/v1/chat/completions", {**CHAT, "max_tokens": 4096}, "max_tokens"),
+        ("/v1/chat/completions", {**CHAT, "max_tokens": 4097}, "max_tokens"),
         ("/v1/chat/completions", {**CHAT, "max_completion_tokens": HUGE}, "max_completion_tokens"),
         ("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": HUGE}, "max_tokens"),
         ("/v1/responses", {"model": "m", "input": "hi", "max_output_tokens": 5000}, "max_output_tokens"),
     ],
 )
-async def test_a_budget_that_fills_a_stated_window_is_refused(
-    path: str, body: dict[str, Any], param: str
-) -> None:
-    # vLLM refuses a budget that does not fit beside the prompt ("'max_tokens' or
-    # 'max_completion_tokens' is too large: ..."): one that fills the window alone never fits.
+async def test_a_budget_past_a_stated_window_is_refused(path: str, body: dict[str, Any], param: str) -> None:
+    # vLLM refuses a budget greater than the window ("max_tokens=4097 cannot be greater than
+    # max_model_len=4096"), and shortens one up to it to what the prompt leaves.
     async with _gateway(max_model_len=4096) as gw:
         resp = await gw.client.post(path, json=body, headers={"authorization": "Bearer sk"})
         assert resp.status_code == 400
@@ -151,9 +149,12 @@ async def test_a_budget_that_fills_a_stated_window_is_refused(
         assert f"'{param}' is too large: {body[param]}" in error["message"]
         assert "maximum context length is 4096 tokens" in error["message"]
         assert gw.state.gate.limiters["t"].in_flight == 0
-        # Within the window it is admitted and counted whole.
+        # Within the window it is admitted and counted whole; the whole window, as the window less
+        # the prompt's one token at least (what vLLM shortens it to, at most).
         a = await _admit(gw.state.gate, {**body, param: 4095}, path)
         assert a.max_output_tokens == 4095
+        a = await _admit(gw.state.gate, {**body, param: 4096}, path)
+        assert a.max_output_tokens == 4095 and a.route.max_output_tokens == 4095
 
 
 async def test_a_messages_budget_past_the_window_is_refused_in_anthropics_shape() -> None:

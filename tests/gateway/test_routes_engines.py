@@ -154,8 +154,9 @@ async def test_chat_and_completions_take_the_only_model() -> None:
                         assert resp.json()["error"]["param"] == "model"
                     else:
                         assert "model" not in worker.received[-1].json()  # the worker takes its own
+                # An empty name names no model either (vLLM serves its own: test_body_compat).
                 resp = await gw.client.post("/v1/chat/completions", json={**chat, "model": ""}, headers=KEY)
-                assert resp.status_code == 400 and resp.json()["error"]["param"] == "model"
+                assert resp.status_code == expected, resp.text
     finally:
         await runner.cleanup()
 

@@ -140,7 +140,8 @@ def test_input_items_and_function_calls(client: openai.OpenAI) -> None:
         ({}, "input"),
         ({"input": []}, "input"),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0]"),
-        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0]"),
+        ({"input": "x", "tools": [{"type": "function"}]}, "tools[0].name"),  # a web_search tool is taken
+        ({"input": "x", "tools": [5]}, "tools[0]"),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": "x", "instructions": 5}, "instructions"),
     ],

@@ -1,5 +1,5 @@
 """The emulator's streamed usage is vLLM's: `stream_options` reads an absent `include_usage` as
-true, `continuous_usage_stats` puts the usage so far on every chunk (only with `include_usage`),
+false, `continuous_usage_stats` puts the usage so far on every chunk (only with `include_usage`),
 and a chunk without usage has no `usage` key (vLLM leaves it out, not `null`)."""
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def test_continuous_usage_puts_the_usage_so_far_on_every_chunk(emulator: str, pa
     [
         (None, False),
         ({"include_usage": True}, True),
-        ({}, True),  # vLLM's StreamOptions: include_usage defaults to true
+        ({}, False),  # vLLM 0.33's StreamOptions: include_usage defaults to false
+        ({"continuous_usage_stats": True}, False),  # needs include_usage
         ({"include_usage": None}, False),
         ({"include_usage": False, "continuous_usage_stats": True}, False),  # needs include_usage
     ],
@@ -67,7 +68,8 @@ def test_chunks_without_usage_have_no_usage_key(
 
 
 def test_continuous_usage_counts_each_choice_on_its_own(emulator: str) -> None:
-    got = chunks(emulator, "/v1/chat/completions", {"continuous_usage_stats": True}, n=2)
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    got = chunks(emulator, "/v1/chat/completions", options, n=2)
     for index in (0, 1):
         mine = [
             c["usage"]["completion_tokens"] for c in got if c["choices"] and c["choices"][0]["index"] == index

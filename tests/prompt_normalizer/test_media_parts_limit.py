@@ -98,7 +98,7 @@ def test_each_images_digest_is_folded_into_the_keys_in_order() -> None:
     [
         ({"type": "text"}, "messages[1].content[2].text"),
         ({"text": "no type"}, "messages[1].content[2]"),
-        ("not an object", "messages[1].content[2]"),
+        (42, "messages[1].content[2]"),
     ],
 )
 def test_a_bad_part_is_still_named_by_its_path(part: Any, param: str) -> None:

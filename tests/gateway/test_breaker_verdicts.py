@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import httpx
-import orjson
 import pytest
 from aiohttp import web
 
@@ -25,8 +24,8 @@ from gateway.state import GatewayState
 from gateway.upstream import UpstreamTimeout
 from gateway.worker import Worker
 from policies import make_policy
+from tests.gateway.chat_rig import chat_answer, is_prefill_leg, prefilled, registry_worker, served
 from tests.support.inprocess import gateway_in_process
-from tests.support.loopback import serve_app
 from tests.support.transports import TRANSPORTS, through
 from tests.support.wait import wait_until
 
@@ -74,9 +73,7 @@ class Rig:
         )
 
     def worker(self, pool: str, name: str) -> Worker:
-        workers = self.state.registry.pools[pool].workers
-        (worker,) = (w for w in workers.values() if w.url == self.urls[name])
-        return worker
+        return registry_worker(self.state, pool, self.urls[name])
 
     def failures(self, pool: str) -> dict[str, int]:
         return {name: self.worker(pool, name).breaker.failures for name in NAMES if self._in(pool, name)}
@@ -91,26 +88,7 @@ class Rig:
 def _answer(status: int, stream: bool) -> web.Response:
     if status != 200:
         return web.json_response({"error": {"message": "worker says no"}}, status=status)
-    choice = {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}
-    usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
-    if not stream:
-        return web.json_response(
-            {"id": "x", "object": "chat.completion", "choices": [choice], "usage": usage}
-        )
-    delta = {
-        "id": "x",
-        "object": "chat.completion.chunk",
-        "choices": [{"index": 0, "delta": {"content": "hi"}}],
-    }
-    body = b"data: " + orjson.dumps(delta) + b"\n\ndata: [DONE]\n\n"
-    return web.Response(body=body, content_type="text/event-stream")
-
-
-def _prefilled() -> web.Response:
-    """A vLLM prefill leg's answer: the KV is ready for the decode worker."""
-    usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
-    params = {"remote_engine_id": "e", "remote_block_ids": [1]}
-    return web.json_response({"id": "p", "choices": [], "usage": usage, "kv_transfer_params": params})
+    return chat_answer(stream)
 
 
 async def _silent(request: web.Request, stream: bool, released: asyncio.Event) -> web.StreamResponse:
@@ -137,9 +115,8 @@ async def rig() -> AsyncIterator[Rig]:
             workers.posts.append(name)
             body: dict[str, Any] = await request.json()
             stream = body.get("stream") is True
-            params = body.get("kv_transfer_params")
-            if isinstance(params, dict) and params.get("do_remote_decode") is True:
-                return _prefilled()
+            if is_prefill_leg(body):
+                return prefilled()
             if workers.status[name] == HANG or body.get("max_tokens", 0) >= LONG_TOKENS:
                 workers.silent.append(name)
                 return await _silent(request, stream, workers.released)
@@ -150,70 +127,65 @@ async def rig() -> AsyncIterator[Rig]:
         app.router.add_post("/v1/chat/completions", chat)
         return app
 
-    runners, urls = [], {}
-    for name in NAMES:
-        runner, port = await serve_app(app_for(name))
-        runners.append(runner)
-        urls[name] = f"http://127.0.0.1:{port}"
-    # Opens at the first failure counted: any wrong verdict shows as an open breaker.
-    breaker = {"failure_threshold": 1, "cooldown_s": 3600}
-    every = [urls[name] for name in NAMES]
-    timed = {"timeouts": {"read_s": READ_S}, "retry_attempts": 2, "breaker": breaker}
-    config = parse_config(
-        {
-            "pools": [
-                {
-                    "name": "three",
-                    "models": ["m3"],
-                    "workers": every[:3],
-                    "retry_attempts": 2,
-                    "breaker": breaker,
-                },
-                {
-                    "name": "one",
-                    "models": ["m1"],
-                    "workers": every[:1],
-                    "retry_attempts": 2,
-                    "breaker": breaker,
-                },
-                {"name": "slow3", "models": ["s3"], "workers": every[:3], **timed},
-                {
-                    "name": "slow1",
-                    "models": ["s1"],
-                    "workers": every[:1],
-                    **timed,
-                    "health": {"interval_s": 0.2, "timeout_s": 0.5, "failures_to_down": 2},
-                },
-                {
-                    "name": "hung3",
-                    "models": ["h3"],
-                    "workers": every[:3],
-                    **timed,
-                    "breaker": {"failure_threshold": 2, "cooldown_s": 3600},
-                },
-                {
-                    "name": "pd",
-                    "models": ["pd"],
-                    "prefill_workers": every[:1],
-                    "decode_workers": every[1:3],
-                    "workers": every[3:],
-                    "pd": {"protocol": "vllm", "conditional": False},  # a pair whenever one is free
-                    **timed,
-                },
-            ],
-            "tenants": [
-                {"name": name, "api_key_hashes": [hash_api_key(SECRET, key)]} for name, key in KEYS.items()
-            ],
-            "scrape": {"enabled": False},
-        }
-    )
-    try:
-        async with gateway_in_process(config, make_policy("round_robin"), secret=SECRET) as gw:
-            yield Rig(gw.client, workers, gw.state, urls)
-    finally:
-        workers.released.set()
-        for runner in runners:
-            await runner.cleanup()
+    async with served(NAMES, app_for) as urls:
+        # Opens at the first failure counted: any wrong verdict shows as an open breaker.
+        breaker = {"failure_threshold": 1, "cooldown_s": 3600}
+        every = [urls[name] for name in NAMES]
+        timed = {"timeouts": {"read_s": READ_S}, "retry_attempts": 2, "breaker": breaker}
+        config = parse_config(
+            {
+                "pools": [
+                    {
+                        "name": "three",
+                        "models": ["m3"],
+                        "workers": every[:3],
+                        "retry_attempts": 2,
+                        "breaker": breaker,
+                    },
+                    {
+                        "name": "one",
+                        "models": ["m1"],
+                        "workers": every[:1],
+                        "retry_attempts": 2,
+                        "breaker": breaker,
+                    },
+                    {"name": "slow3", "models": ["s3"], "workers": every[:3], **timed},
+                    {
+                        "name": "slow1",
+                        "models": ["s1"],
+                        "workers": every[:1],
+                        **timed,
+                        "health": {"interval_s": 0.2, "timeout_s": 0.5, "failures_to_down": 2},
+                    },
+                    {
+                        "name": "hung3",
+                        "models": ["h3"],
+                        "workers": every[:3],
+                        **timed,
+                        "breaker": {"failure_threshold": 2, "cooldown_s": 3600},
+                    },
+                    {
+                        "name": "pd",
+                        "models": ["pd"],
+                        "prefill_workers": every[:1],
+                        "decode_workers": every[1:3],
+                        "workers": every[3:],
+                        "pd": {"protocol": "vllm", "conditional": False},  # a pair whenever one is free
+                        **timed,
+                    },
+                ],
+                "tenants": [
+                    {"name": name, "api_key_hashes": [hash_api_key(SECRET, key)]}
+                    for name, key in KEYS.items()
+                ],
+                "scrape": {"enabled": False},
+            }
+        )
+        try:
+            async with gateway_in_process(config, make_policy("round_robin"), secret=SECRET) as gw:
+                yield Rig(gw.client, workers, gw.state, urls)
+        finally:
+            workers.released.set()
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

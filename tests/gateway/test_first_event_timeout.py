@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-import orjson
 import pytest
 from aiohttp import web
 
@@ -21,8 +20,8 @@ from gateway.config.pool import TimeoutsConfig
 from gateway.state import GatewayState
 from gateway.worker import Worker
 from policies import make_policy
+from tests.gateway.chat_rig import chat_answer, is_prefill_leg, prefilled, registry_worker, served
 from tests.support.inprocess import gateway_in_process
-from tests.support.loopback import serve_app
 from tests.support.transports import TRANSPORTS, through
 
 SECRET = b"k"
@@ -69,24 +68,7 @@ class Rig:
         )
 
     def worker(self, pool: str, name: str) -> Worker:
-        (worker,) = (w for w in self.state.registry.pools[pool].workers.values() if w.url == self.urls[name])
-        return worker
-
-
-def _answer(stream: bool) -> web.Response:
-    usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
-    if not stream:
-        choice = {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}
-        return web.json_response(
-            {"id": "x", "object": "chat.completion", "choices": [choice], "usage": usage}
-        )
-    delta = {
-        "id": "x",
-        "object": "chat.completion.chunk",
-        "choices": [{"index": 0, "delta": {"content": "hi"}}],
-    }
-    body = b"data: " + orjson.dumps(delta) + b"\n\ndata: [DONE]\n\n"
-    return web.Response(body=body, content_type="text/event-stream")
+        return registry_worker(self.state, pool, self.urls[name])
 
 
 @pytest.fixture
@@ -100,14 +82,11 @@ async def rig() -> AsyncIterator[Rig]:
         async def chat(request: web.Request) -> web.StreamResponse:
             body: dict[str, Any] = await request.json()
             stream = body.get("stream") is True
-            params = body.get("kv_transfer_params")
-            if isinstance(params, dict) and params.get("do_remote_decode") is True:
+            if is_prefill_leg(body):
                 if name in workers.hung:  # a prefill leg's answer comes once the prompt is prefilled
                     workers.silent.append(name)
                     await workers.released.wait()
-                usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
-                kv = {"remote_engine_id": "e", "remote_block_ids": [1]}
-                return web.json_response({"id": "p", "choices": [], "usage": usage, "kv_transfer_params": kv})
+                return prefilled()
             if stream and name in workers.hung:
                 workers.silent.append(name)
                 head = web.StreamResponse(headers={"content-type": "text/event-stream"})
@@ -116,48 +95,42 @@ async def rig() -> AsyncIterator[Rig]:
                 return head
             if not stream and workers.slow_s:
                 await asyncio.sleep(workers.slow_s)  # the generation's own time, not a wait for a condition
-            return _answer(stream)
+            return chat_answer(stream)
 
         app = web.Application()
         app.router.add_get("/health", health)
         app.router.add_post("/v1/chat/completions", chat)
         return app
 
-    runners, urls = [], {}
-    for name in NAMES:
-        runner, port = await serve_app(app_for(name))
-        runners.append(runner)
-        urls[name] = f"http://127.0.0.1:{port}"
-    common = {
-        "timeouts": {"read_s": READ_S, "first_event_s": FIRST_EVENT_S},
-        "breaker": {"failure_threshold": 1, "cooldown_s": 3600},
-        "health": {"interval_s": 3600},
-    }
-    config = parse_config(
-        {
-            "pools": [
-                {"name": "two", "models": ["m2"], "workers": [urls["a"], urls["b"]], **common},
-                {"name": "one", "models": ["m1"], "workers": [urls["a"]], **common},
-                {
-                    "name": "pd",
-                    "models": ["pd"],
-                    "prefill_workers": [urls["p"]],
-                    "decode_workers": [urls["c"]],
-                    "pd": {"protocol": "vllm", "conditional": False},
-                    **common,
-                },
-            ],
-            "tenants": [{"name": "t", "api_key_hashes": [hash_api_key(SECRET, KEY)]}],
-            "scrape": {"enabled": False},
+    async with served(NAMES, app_for) as urls:
+        common = {
+            "timeouts": {"read_s": READ_S, "first_event_s": FIRST_EVENT_S},
+            "breaker": {"failure_threshold": 1, "cooldown_s": 3600},
+            "health": {"interval_s": 3600},
         }
-    )
-    try:
-        async with gateway_in_process(config, make_policy("round_robin"), secret=SECRET) as gw:
-            yield Rig(gw.client, workers, gw.state, urls)
-    finally:
-        workers.released.set()
-        for runner in runners:
-            await runner.cleanup()
+        config = parse_config(
+            {
+                "pools": [
+                    {"name": "two", "models": ["m2"], "workers": [urls["a"], urls["b"]], **common},
+                    {"name": "one", "models": ["m1"], "workers": [urls["a"]], **common},
+                    {
+                        "name": "pd",
+                        "models": ["pd"],
+                        "prefill_workers": [urls["p"]],
+                        "decode_workers": [urls["c"]],
+                        "pd": {"protocol": "vllm", "conditional": False},
+                        **common,
+                    },
+                ],
+                "tenants": [{"name": "t", "api_key_hashes": [hash_api_key(SECRET, KEY)]}],
+                "scrape": {"enabled": False},
+            }
+        )
+        try:
+            async with gateway_in_process(config, make_policy("round_robin"), secret=SECRET) as gw:
+                yield Rig(gw.client, workers, gw.state, urls)
+        finally:
+            workers.released.set()
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

@@ -26,8 +26,8 @@ from gateway.state import GatewayState
 from gateway.worker import Worker
 from policies import make_policy
 from tests.gateway.access_lines import capture_access
+from tests.gateway.chat_rig import chat_answer, is_prefill_leg, prefilled, registry_worker, served
 from tests.support.inprocess import gateway_in_process
-from tests.support.loopback import serve_app
 from tests.support.transports import TRANSPORTS, through
 
 SECRET = b"k"
@@ -64,25 +64,11 @@ class Rig:
         )
 
     def worker(self, pool: str, name: str) -> Worker:
-        (worker,) = (w for w in self.state.registry.pools[pool].workers.values() if w.url == self.urls[name])
-        return worker
+        return registry_worker(self.state, pool, self.urls[name])
 
     async def models(self) -> list[str]:
         resp = await self.client.get("/v1/models", headers={"authorization": f"Bearer {KEYS['u']}"})
         return [card["id"] for card in resp.json()["data"]]
-
-
-def _served(stream: bool) -> web.Response:
-    choice = {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}
-    usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
-    if not stream:
-        answer = {"id": "x", "object": "chat.completion", "choices": [choice], "usage": usage}
-        return web.json_response(answer)
-    chunk = {"index": 0, "delta": {"content": "ok"}}
-    delta = {"id": "x", "object": "chat.completion.chunk", "choices": [chunk]}
-    return web.Response(
-        body=b"data: " + orjson.dumps(delta) + b"\n\ndata: [DONE]\n\n", content_type="text/event-stream"
-    )
 
 
 @pytest.fixture
@@ -93,13 +79,10 @@ async def rig() -> AsyncIterator[Rig]:
         async def chat(request: web.Request) -> web.StreamResponse:
             workers.posts.append(name)
             body: dict[str, Any] = await request.json()
-            params = body.get("kv_transfer_params")
-            if isinstance(params, dict) and params.get("do_remote_decode") is True:
-                usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
-                kv = {"remote_engine_id": "e", "remote_block_ids": [1]}
-                return web.json_response({"id": "p", "choices": [], "usage": usage, "kv_transfer_params": kv})
+            if is_prefill_leg(body):
+                return prefilled()
             if body["messages"][0]["content"] != POISON:
-                return _served(body.get("stream") is True)
+                return chat_answer(body.get("stream") is True, "ok")
             if workers.stall_error_body:
                 head = web.StreamResponse(status=500, headers={"content-type": "application/json"})
                 await head.prepare(request)
@@ -122,52 +105,47 @@ async def rig() -> AsyncIterator[Rig]:
         app.router.add_post("/v1/chat/completions", chat)
         return app
 
-    runners, urls = [], {}
-    for name in NAMES:
-        runner, port = await serve_app(app_for(name))
-        runners.append(runner)
-        urls[name] = f"http://127.0.0.1:{port}"
-    # Opens at the first failure counted: any wrong verdict shows as an open breaker. Health
-    # checks only at the start: a test's own verdict on a worker's health stands.
-    common = {
-        "retry_attempts": 2,
-        "breaker": {"failure_threshold": 1, "cooldown_s": 3600},
-        "health": {"interval_s": 3600},
-    }
-    config = parse_config(
-        {
-            "pools": [
-                {"name": "one", "models": ["m1"], "workers": [urls["a"]], **common},
-                {"name": "two", "models": ["m2"], "workers": [urls["a"], urls["b"]], **common},
-                {
-                    "name": "two0",
-                    "models": ["m20"],
-                    "workers": [urls["a"], urls["b"]],
-                    **common,
-                    "retry_attempts": 0,
-                },
-                {
-                    "name": "pd",
-                    "models": ["pd"],
-                    "prefill_workers": [urls["p"]],
-                    "decode_workers": [urls["c"]],
-                    "pd": {"protocol": "vllm", "conditional": False},
-                    **common,
-                },
-            ],
-            "tenants": [
-                {"name": name, "api_key_hashes": [hash_api_key(SECRET, key)]} for name, key in KEYS.items()
-            ],
-            "scrape": {"enabled": False},
+    async with served(NAMES, app_for) as urls:
+        # Opens at the first failure counted: any wrong verdict shows as an open breaker. Health
+        # checks only at the start: a test's own verdict on a worker's health stands.
+        common = {
+            "retry_attempts": 2,
+            "breaker": {"failure_threshold": 1, "cooldown_s": 3600},
+            "health": {"interval_s": 3600},
         }
-    )
-    try:
-        async with gateway_in_process(config, make_policy("round_robin"), secret=SECRET) as gw:
-            yield Rig(gw.client, workers, gw.state, urls)
-    finally:
-        workers.released.set()
-        for runner in runners:
-            await runner.cleanup()
+        config = parse_config(
+            {
+                "pools": [
+                    {"name": "one", "models": ["m1"], "workers": [urls["a"]], **common},
+                    {"name": "two", "models": ["m2"], "workers": [urls["a"], urls["b"]], **common},
+                    {
+                        "name": "two0",
+                        "models": ["m20"],
+                        "workers": [urls["a"], urls["b"]],
+                        **common,
+                        "retry_attempts": 0,
+                    },
+                    {
+                        "name": "pd",
+                        "models": ["pd"],
+                        "prefill_workers": [urls["p"]],
+                        "decode_workers": [urls["c"]],
+                        "pd": {"protocol": "vllm", "conditional": False},
+                        **common,
+                    },
+                ],
+                "tenants": [
+                    {"name": name, "api_key_hashes": [hash_api_key(SECRET, key)]}
+                    for name, key in KEYS.items()
+                ],
+                "scrape": {"enabled": False},
+            }
+        )
+        try:
+            async with gateway_in_process(config, make_policy("round_robin"), secret=SECRET) as gw:
+                yield Rig(gw.client, workers, gw.state, urls)
+        finally:
+            workers.released.set()
 
 
 def _said_prefix(resp: httpx.Response) -> str:

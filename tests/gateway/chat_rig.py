@@ -1,0 +1,72 @@
+"""What the scripted chat workers of the breaker, first-event and worker-error rigs share: a chat
+answer (whole or streamed), a vLLM prefill leg's answer, the workers served on 127.0.0.1 one per
+name, and a worker of the gateway's registry by its URL."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from gateway.state import GatewayState
+from gateway.worker import Worker
+from tests.support.loopback import serve_app
+
+USAGE = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+
+
+def chat_answer(stream: bool, content: str = "hi") -> web.Response:
+    """A served chat completion: one JSON object, or one chunk and `[DONE]` as an event stream."""
+    if not stream:
+        choice = {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}
+        return web.json_response(
+            {"id": "x", "object": "chat.completion", "choices": [choice], "usage": USAGE}
+        )
+    delta = {
+        "id": "x",
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": {"content": content}}],
+    }
+    return web.Response(
+        body=b"data: " + orjson.dumps(delta) + b"\n\ndata: [DONE]\n\n", content_type="text/event-stream"
+    )
+
+
+def is_prefill_leg(body: Mapping[str, Any]) -> bool:
+    """Whether `body` is a vLLM prefill/decode pool's prefill leg (`do_remote_decode`)."""
+    params = body.get("kv_transfer_params")
+    return isinstance(params, dict) and params.get("do_remote_decode") is True
+
+
+def prefilled() -> web.Response:
+    """A vLLM prefill leg's answer: the KV is ready for the decode worker."""
+    params = {"remote_engine_id": "e", "remote_block_ids": [1]}
+    return web.json_response({"id": "p", "choices": [], "usage": USAGE, "kv_transfer_params": params})
+
+
+@contextlib.asynccontextmanager
+async def served(
+    names: Iterable[str], app_for: Callable[[str], web.Application]
+) -> AsyncIterator[dict[str, str]]:
+    """Serve `app_for(name)` for each name on a port of its own; yields each name's base URL and
+    cleans every runner up on the way out."""
+    runners: list[web.AppRunner] = []
+    urls: dict[str, str] = {}
+    try:
+        for name in names:
+            runner, port = await serve_app(app_for(name))
+            runners.append(runner)
+            urls[name] = f"http://127.0.0.1:{port}"
+        yield urls
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+def registry_worker(state: GatewayState, pool: str, url: str) -> Worker:
+    """The worker of `pool` at `url` in the gateway's registry."""
+    (worker,) = (w for w in state.registry.pools[pool].workers.values() if w.url == url)
+    return worker

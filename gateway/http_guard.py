@@ -7,6 +7,7 @@ the module docstring there describes the phases and deadlines."""
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -22,9 +23,13 @@ class Guarded(Protocol):
     deadline_s: float  # of its phase, while in `ClientGuard.waiting`
     send_deadline_s: float  # while in `ClientGuard.stalled`
 
+    capped: bool  # a client connection (not the metrics listener's)
+
     def expire(self) -> None: ...
 
     def expire_send(self) -> None: ...
+
+    def evict_stalled(self) -> None: ...
 
     def evict(self) -> None: ...
 
@@ -168,7 +173,7 @@ class ClientGuard:
     def __init__(self, limits: ClientLimits, refusals: HotCounter) -> None:
         self.limits = limits
         self.waiting: set[Guarded] = set()
-        self.stalled: set[Guarded] = set()
+        self.stalled = Stalled()
         # Open capped connections per client address, while `max_connections_per_address` is set.
         self.by_address: dict[str, int] = {}
         self.evictable = Evictable()
@@ -180,11 +185,18 @@ class ClientGuard:
 
     def make_room(self) -> bool:
         """The table is full: close one evictable connection (`Evictable.pop`) so that a new one
-        can take its place; False when there is none (every place has a request in the app)."""
+        can take its place; with none, abort the client connection stalled longest (its client
+        reads nothing of what it was sent: it would be aborted at `send_timeout_s` anyway, and
+        else a client that sends requests and never reads their answers keeps its places that
+        long); False when there is neither (every place has a request in the app that reads)."""
         victim = self.evictable.pop()
-        if victim is None:
+        if victim is not None:
+            victim.evict()
+            return True
+        stalled = self.stalled.oldest_capped()
+        if stalled is None:
             return False
-        victim.evict()
+        stalled.evict_stalled()
         return True
 
     def tick(self, now_s: float) -> None:
@@ -197,6 +209,35 @@ class ClientGuard:
         if self.stalled:
             for conn in [c for c in self.stalled if c.send_deadline_s <= now_s]:
                 conn.expire_send()
+
+
+class Stalled:
+    """The connections whose client reads nothing (`ClientGuard.stalled`), in the order they
+    stalled: a set whose oldest member is found without a scan."""
+
+    __slots__ = ("_conns",)
+
+    def __init__(self) -> None:
+        self._conns: dict[Guarded, None] = {}
+
+    def add(self, conn: Guarded) -> None:
+        self._conns[conn] = None
+
+    def discard(self, conn: Guarded) -> None:
+        self._conns.pop(conn, None)
+
+    def __contains__(self, conn: object) -> bool:
+        return conn in self._conns
+
+    def __iter__(self) -> Iterator[Guarded]:
+        return iter(self._conns)
+
+    def __len__(self) -> int:
+        return len(self._conns)
+
+    def oldest_capped(self) -> Guarded | None:
+        """The client connection stalled longest (the metrics listener's few are passed over)."""
+        return next((c for c in self._conns if c.capped), None)
 
 
 class GuardedServerState(ServerState):

@@ -117,7 +117,7 @@ class GuardedHttpToolsProtocol(LingeringHttpToolsProtocol):
         capped: bool = True,
     ) -> None:
         super().__init__(config, server_state, app_state, _loop)
-        self._capped = capped
+        self.capped = capped
         assert isinstance(server_state, GuardedServerState)
         self._guard = server_state.guard
         self._limits = server_state.guard.limits
@@ -155,10 +155,10 @@ class GuardedHttpToolsProtocol(LingeringHttpToolsProtocol):
     # -- asyncio.Protocol
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        full = self._capped and len(self.connections) >= self._limits.max_connections
+        full = self.capped and len(self.connections) >= self._limits.max_connections
         super().connection_made(transport)
         # No peer name: a socket its client already closed; such ones share one address.
-        if self._capped and (refused := self._take_place(self.client[0] if self.client else "", full)):
+        if self.capped and (refused := self._take_place(self.client[0] if self.client else "", full)):
             # Cheapest for both sides: nothing read, nothing held; clients retry a closed connection.
             self._guard.refused(refused)
             self._phase = APP
@@ -211,10 +211,17 @@ class GuardedHttpToolsProtocol(LingeringHttpToolsProtocol):
     def evict(self) -> None:
         """Closed to give its place to a new connection (called by `ClientGuard.make_room`, which
         took it out of `evictable`): it had no request in the app. A close, as at the keep-alive
-        deadline: an answer still buffered is sent first (within `send_timeout_s`)."""
+        deadline, unless answers are still buffered: its client is not reading them, and it is
+        aborted (as at `send_timeout_s`)."""
         self._guard.refused("evicted")
         self._to_app()
-        self._close_when_sent()
+        if self.transport.get_write_buffer_size():
+            # Answers its client has not read: under a full table they would hold the place (and
+            # a file descriptor) for up to `send_timeout_s` beside the connection that took it.
+            self._guard.stalled.discard(self)
+            self.transport.abort()
+        else:
+            self._close_when_sent()
 
     def pause_writing(self) -> None:
         super().pause_writing()
@@ -404,8 +411,10 @@ class GuardedHttpToolsProtocol(LingeringHttpToolsProtocol):
     def expire(self) -> None:
         """The deadline of the current phase passed (called by `ClientGuard.tick`)."""
         if self._phase == IDLE or (self._phase == HEAD and self._head_bytes == 0):
+            # Answers still buffered (below the high-water mark, the writes never paused) keep
+            # the close waiting on the client: bounded by `send_timeout_s` as any close is.
             self._to_app()
-            self.transport.close()
+            self._close_when_sent()
         elif self._phase == HEAD:
             self._refuse(408, "header_timeout", "request headers not received in time")
         else:
@@ -416,7 +425,15 @@ class GuardedHttpToolsProtocol(LingeringHttpToolsProtocol):
         that the buffer is dropped rather than flushed to a client that does not read. Losing the
         connection resumes the response's writes (they return at once) and tells the request its
         client left."""
-        self._guard.refused("send_timeout")
+        self._abort("send_timeout")
+
+    def evict_stalled(self) -> None:
+        """Aborted to give its place to a new connection (`ClientGuard.make_room`, with no
+        connection evictable): its client reads nothing, so it is ended as at `send_timeout_s`."""
+        self._abort("evicted")
+
+    def _abort(self, reason: str) -> None:
+        self._guard.refused(reason)
         self._guard.stalled.discard(self)
         self._to_app()
         self.transport.abort()

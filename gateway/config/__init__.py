@@ -49,8 +49,10 @@ class LimitsConfig(Frozen):
     head or the body of a request already answered, or lingering after its last answer), which
     is closed: from the client address holding the most such connections, the one holding its
     place longest there. So connections opened and left silent, or sending their heads byte by
-    byte, displace their own address's connections, not other clients'. Only when every place
-    has a request in the app is the new connection closed at once. And per client address
+    byte, displace their own address's connections, not other clients'. With none so held, the
+    connection stalled longest on a client that reads nothing is aborted for the new one (as
+    `send_timeout_s` would abort it). Only when every place has a request in the app whose
+    client reads is the new connection closed at once. And per client address
     (`max_client_connections_per_address`, 0: no limit; off by default because behind an
     ingress or a proxy every client shares its address, and eviction already keeps one address
     from locking the others out). Per

@@ -19,12 +19,15 @@ class Conn:
     name: str
     deadline_s: float = 0.0
     send_deadline_s: float = 0.0
+    capped: bool = True
 
     def expire(self) -> None: ...
 
     def expire_send(self) -> None: ...
 
     def evict(self) -> None: ...
+
+    def evict_stalled(self) -> None: ...
 
 
 def test_the_address_holding_the_most_gives_up_its_oldest_first() -> None:

@@ -78,7 +78,7 @@ def client_refusal_reasons() -> set[str]:
     refusals, of the guard's own counts, and of the connection limits; and of the framing
     checks (`gateway/http_framing.py`)."""
     gateway = Path(__file__).resolve().parents[2] / "gateway"
-    calls = r'(?:_HeadRefused\(|_refuse\(\d+, |refused\(|return |refused = )"([a-z_]+)"'
+    calls = r'(?:_HeadRefused\(|_refuse\(\d+, |refused\(|_abort\(|return |refused = )"([a-z_]+)"'
     framing = r'FramingFault\(\s*\d+,\s*"([a-z_]+)"'
     return set(re.findall(calls, (gateway / "http_limits.py").read_text())) | set(
         re.findall(framing, (gateway / "http_framing.py").read_text())

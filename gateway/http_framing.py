@@ -27,14 +27,20 @@ The fields are checked when the head is complete, in one pass over the parsed fi
 a field; noting them as httptools hands them over, in place of uvicorn's `on_header`, measured
 slower). A connection remembers the last `Host` it found valid: its next requests, which repeat it,
 compare it rather than match the grammar again.
+
+Here too: the rule on a request asking to switch protocols with a body (`has_body`) and the whole
+answer the guarded protocol writes when it refuses a request (`refusal_response`).
 """
 
 from __future__ import annotations
 
+import http
 import re
 from dataclasses import dataclass
 
 import httptools
+
+from gateway.errors import error_body
 
 # Versions before HTTP/1.1, which llhttp also accepts: no Host needed, no Transfer-Encoding allowed.
 _BEFORE_1_1 = frozenset(("0.9", "1.0"))
@@ -130,3 +136,34 @@ class FramingCheck:
         if fault is None and host_lines == 1:
             self._valid_host = host
         return fault
+
+
+# llhttp hands over a request that asks to switch protocols (`Connection: upgrade`, as curl's
+# `--http2` does on a cleartext URL with `Upgrade: h2c`) at the end of its head, without its body:
+# the app read an empty body (a 400 saying the JSON was empty) and the body's bytes were dropped.
+# The gateway switches to no protocol; such a request without a body is served as a plain one.
+UPGRADE_WITH_BODY = (
+    "the gateway does not switch protocols, and a request that asks to (Connection: upgrade) "
+    "cannot carry a body: send it without the Upgrade"
+)
+
+
+def has_body(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether a request head announces a body (a non-zero `Content-Length`, or any
+    `Transfer-Encoding`: llhttp accepts only chunked last)."""
+    for name, value in headers:
+        if name == b"transfer-encoding" or (name == b"content-length" and value.strip(b"0")):
+            return True
+    return False
+
+
+def refusal_response(status: int, message: str, code: str) -> bytes:
+    """A refused request's whole answer (`GuardedHttpToolsProtocol._refuse`): an OpenAI-shaped error
+    that closes the connection."""
+    body = error_body(message, "invalid_request_error", code)
+    phrase = http.HTTPStatus(status).phrase
+    head = (
+        f"HTTP/1.1 {status} {phrase}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    )
+    return head.encode("latin-1") + body

@@ -62,7 +62,6 @@ The limits, and the guard that holds the connections waiting on a deadline, are 
 from __future__ import annotations
 
 import asyncio
-import http
 import re
 import time
 from typing import Any
@@ -71,8 +70,7 @@ import httptools
 from uvicorn.config import Config
 from uvicorn.server import ServerState
 
-from gateway.errors import error_body
-from gateway.http_framing import FramingCheck
+from gateway.http_framing import UPGRADE_WITH_BODY, FramingCheck, has_body, refusal_response
 from gateway.http_guard import GuardedServerState
 from gateway.http_linger import CloseInstead, LingeringHttpToolsProtocol
 
@@ -317,8 +315,8 @@ class GuardedHttpToolsProtocol(LingeringHttpToolsProtocol):
             raise _HeadRefused("header_too_large", self._too_large_message())
         if (fault := self._framing.fault(self.headers, self.parser)) is not None:  # Host, Transfer-Encoding
             raise _HeadRefused(fault.reason, fault.message, fault.status)
-        if self.parser.should_upgrade() and _has_body(self.headers):
-            raise _HeadRefused("upgrade_with_body", _UPGRADE_WITH_BODY, 400)
+        if self.parser.should_upgrade() and has_body(self.headers):
+            raise _HeadRefused("upgrade_with_body", UPGRADE_WITH_BODY, 400)
         super().on_headers_complete()
         self._not_evictable()  # the request is the app's (or waits in the pipeline for it)
         self._phase = BODY
@@ -445,33 +443,4 @@ class GuardedHttpToolsProtocol(LingeringHttpToolsProtocol):
         self._guard.refused(reason)
         body_refused = self._phase == BODY
         self._to_app()
-        self._end_refused(_error_response(status, message, reason), body_refused)
-
-
-# llhttp hands over a request that asks to switch protocols (`Connection: upgrade`, as curl's
-# `--http2` does on a cleartext URL with `Upgrade: h2c`) at the end of its head, without its body:
-# the app read an empty body (a 400 saying the JSON was empty) and the body's bytes were dropped.
-# The gateway switches to no protocol; such a request without a body is served as a plain one.
-_UPGRADE_WITH_BODY = (
-    "the gateway does not switch protocols, and a request that asks to (Connection: upgrade) "
-    "cannot carry a body: send it without the Upgrade"
-)
-
-
-def _has_body(headers: list[tuple[bytes, bytes]]) -> bool:
-    """Whether a request head announces a body (a non-zero `Content-Length`, or any
-    `Transfer-Encoding`: llhttp accepts only chunked last)."""
-    for name, value in headers:
-        if name == b"transfer-encoding" or (name == b"content-length" and value.strip(b"0")):
-            return True
-    return False
-
-
-def _error_response(status: int, message: str, code: str) -> bytes:
-    body = error_body(message, "invalid_request_error", code)
-    phrase = http.HTTPStatus(status).phrase
-    head = (
-        f"HTTP/1.1 {status} {phrase}\r\ncontent-type: application/json\r\n"
-        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
-    )
-    return head.encode("latin-1") + body
+        self._end_refused(refusal_response(status, message, reason), body_refused)

@@ -32,7 +32,8 @@ from gateway.gate import Gate
 from gateway.keying import canonical_prompt, keyed_apart, only_model, prompt_error, read_large_body
 from gateway.pd_requests import unrunnable
 from gateway.prompt_batch import batch_tokens
-from gateway.quotas import Rejection, TenantLimiter, openai_rate_headers
+from gateway.quotas import Rejection, TenantLimiter
+from gateway.rate_buckets import openai_rate_headers
 from gateway.request_head import RequestHead, RequestIds
 from gateway.responses_affinity import (
     mint_response_id,

@@ -12,7 +12,8 @@ import orjson
 from gateway.anthropic import rate_headers
 from gateway.auth import Tenant
 from gateway.errors import ApiError, RawResponse, withhold_salts
-from gateway.quotas import TenantLimiter, openai_rate_headers
+from gateway.quotas import TenantLimiter
+from gateway.rate_buckets import openai_rate_headers
 from gateway.registry import Pool
 from gateway.responses_affinity import ResponseAffinity, note_response, with_new_response_id
 from gateway.routes import ApiRoute

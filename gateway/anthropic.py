@@ -21,7 +21,7 @@ from collections.abc import Iterable
 import orjson
 
 from gateway.errors import MAX_WORKER_MESSAGE_CHARS, WORKER_OVERLOADED, ApiError, RawResponse
-from gateway.quotas import Standing
+from gateway.rate_buckets import Standing
 
 # Anthropic's error type for each status; any other 4xx is a bad request, any other 5xx an API
 # error. 503 (no worker, gateway at capacity) reads as Anthropic's "overloaded".
@@ -40,7 +40,7 @@ _TYPE_BY_STATUS = {
 # (which know no 529), reaches an Anthropic client as the worker sent it, and its SDK raises the
 # `OverloadedError` it would raise talking to Anthropic's API.
 _STATUS_BY_CODE = {WORKER_OVERLOADED: 529}
-_OPENAI_LIMITS = "x-ratelimit-"  # OpenAI's rate-limit headers (`quotas.openai_rate_headers`)
+_OPENAI_LIMITS = "x-ratelimit-"  # OpenAI's rate-limit headers (`rate_buckets.openai_rate_headers`)
 _MAX_RESET_S = 365 * 86400.0  # the furthest reset told
 
 

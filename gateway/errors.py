@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import orjson
 from starlette.types import Receive, Scope, Send
 
-from gateway.quotas import Standing
+from gateway.rate_buckets import Standing
 
 
 @dataclass(frozen=True, slots=True)

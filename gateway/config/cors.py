@@ -26,7 +26,7 @@ def _tokens(values: list[str], what: str) -> None:
 
 
 # The answer headers a page may read unless `expose_headers` says otherwise: the request id, the
-# retry hints and the tenant's rate limits, as OpenAI writes them (`quotas.openai_rate_headers`)
+# retry hints and the tenant's rate limits, as OpenAI writes them (`rate_buckets.openai_rate_headers`)
 # and, on the Messages routes, as Anthropic does (`anthropic.rate_headers`).
 EXPOSED_BY_DEFAULT = (
     "x-request-id",

@@ -30,7 +30,7 @@ AGE_FLOOR_STEP_S = 8.0
 _MAX_ORIGINS = 4096  # bounded against churning peers
 # How old a batch may be, by the wall clocks, and still be on time for its quota charges: the skew
 # of clocks kept by NTP (milliseconds) and a broker's delivery, with room to spare. Clocks further
-# apart make a peer's charges count less here (`quotas.late_weight`), and show as
+# apart make a peer's charges count less here (`rate_buckets.late_weight`), and show as
 # `late_quota_rows`.
 ON_TIME_S = 2.0
 

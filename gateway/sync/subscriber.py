@@ -52,7 +52,8 @@ from dataclasses import dataclass, replace
 
 from gateway.log_throttle import LogThrottle
 from gateway.metrics import GatewayMetrics
-from gateway.quotas import TenantLimiter, late_weight
+from gateway.quotas import TenantLimiter
+from gateway.rate_buckets import late_weight
 from gateway.registry import Registry
 from gateway.sync.batch_age import BatchAges, late_s
 from gateway.sync.codec import BadSignature, ClockSkewed, MalformedBatch, SyncBatch, decode

@@ -4,7 +4,8 @@ what peers charged is charged here, and their requests in flight count against t
 from __future__ import annotations
 
 from gateway.config import QuotaConfig
-from gateway.quotas import MAX_PEERS, TenantLimiter, TokenBucket, Usage, late_weight
+from gateway.quotas import MAX_PEERS, TenantLimiter, Usage
+from gateway.rate_buckets import TokenBucket, late_weight
 
 
 def test_what_a_limiter_charged_is_told_once_and_its_in_flight_when_it_changes() -> None:

@@ -3,7 +3,8 @@ import math
 from gateway.breaker import BreakerState, CircuitBreaker
 from gateway.config import QuotaConfig
 from gateway.config.pool import BreakerConfig
-from gateway.quotas import Rejection, TenantLimiter, TokenBucket
+from gateway.quotas import Rejection, TenantLimiter
+from gateway.rate_buckets import TokenBucket
 
 
 def test_bucket_refills_at_capacity_per_minute() -> None:

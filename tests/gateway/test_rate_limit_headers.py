@@ -11,7 +11,8 @@ import pytest
 
 from gateway.config import QuotaConfig
 from gateway.gauges import refresh_gauges
-from gateway.quotas import TenantLimiter, go_duration
+from gateway.quotas import TenantLimiter
+from gateway.rate_buckets import go_duration
 from policies.baselines import RoundRobin
 from tests.gateway.routes_rig import SECRET as RIG_SECRET
 from tests.gateway.routes_rig import routes_rig

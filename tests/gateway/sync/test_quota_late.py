@@ -1,4 +1,4 @@
-"""A peer's quota rows count no more than they would have on time (`quotas.late_weight`,
+"""A peer's quota rows count no more than they would have on time (`rate_buckets.late_weight`,
 `TokenBucket.take_late`, `batch_age.late_s`): a gateway that just started, handed the captured
 batches of a peer's last ten minutes one after another (each newer than the last, so each
 applies), charges what on time would still be left of them, and a batch a slow broker delivered
@@ -12,7 +12,8 @@ import time
 from gateway.config import QuotaConfig
 from gateway.config.pool import PoolConfig
 from gateway.metrics import GatewayMetrics
-from gateway.quotas import BUCKET_WINDOW_S, TenantLimiter, Usage
+from gateway.quotas import TenantLimiter, Usage
+from gateway.rate_buckets import BUCKET_WINDOW_S
 from gateway.registry import Registry
 from gateway.sync.batch_age import ON_TIME_S
 from gateway.sync.codec import SyncBatch

@@ -19,6 +19,7 @@ __all__ = [
     "Proc",
     "assert_sigterm_stops_the_workers",
     "free_port",
+    "gateway_over_one_emulator",
     "metrics_urls",
     "processes_demo",
     "serving_processes",
@@ -30,6 +31,24 @@ __all__ = [
     "wait_http",
     "write_gateway_config",
 ]
+
+
+@contextlib.contextmanager
+def gateway_over_one_emulator(folder: Path, model: str, key: str) -> Iterator[str]:
+    """A gateway process in front of one emulated worker serving `model` (at 20× speed), its
+    tenant `t` holding `key`; yields the gateway's base URL and stops both on the way out."""
+    emulator, worker = start_emulator("--model", model, "--time-scale", "20")
+    procs: list[Proc] = [worker]
+    try:
+        path = write_gateway_config(
+            folder / "gw.yaml", [{"name": "p", "models": [model], "workers": [emulator]}], [tenant("t", key)]
+        )
+        port = free_port()
+        procs.append(start_gateway(path, port))
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
 
 
 def metrics_urls(proc: Proc) -> list[str]:

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.harness import Proc, free_port, start_emulator, start_gateway, tenant, write_gateway_config
+from tests.e2e.harness import gateway_over_one_emulator
 
 KEY = "sk-engine-routes"
 MODEL = "emu-engine"
@@ -21,20 +21,8 @@ CHAT = {"messages": [{"role": "user", "content": "Say something short."}], "max_
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    emulator, worker = start_emulator("--model", MODEL, "--time-scale", "20")
-    procs: list[Proc] = [worker]
-    try:
-        path = write_gateway_config(
-            Path(tmp_path_factory.mktemp("engine-routes")) / "gw.yaml",
-            [{"name": "p", "models": [MODEL], "workers": [emulator]}],
-            [tenant("t", KEY)],
-        )
-        port = free_port()
-        procs.append(start_gateway(path, port))
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        for proc in reversed(procs):
-            proc.stop()
+    with gateway_over_one_emulator(Path(tmp_path_factory.mktemp("engine-routes")), MODEL, KEY) as base:
+        yield base
 
 
 def post(base: str, path: str, body: dict[str, Any]) -> httpx.Response:

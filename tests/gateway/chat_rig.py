@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import orjson
 from aiohttp import web
 
+from gateway.auth import hash_api_key
 from gateway.state import GatewayState
 from gateway.worker import Worker
+from policies import make_policy
+from tests.support.inprocess import InProcessGateway, gateway_in_process
 from tests.support.loopback import serve_app
 
 USAGE = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
@@ -70,3 +75,29 @@ def registry_worker(state: GatewayState, pool: str, url: str) -> Worker:
     """The worker of `pool` at `url` in the gateway's registry."""
     (worker,) = (w for w in state.registry.pools[pool].workers.values() if w.url == url)
     return worker
+
+
+@dataclass
+class ChatRig:
+    """A gateway in process over scripted workers: its client, its state, each worker's URL by
+    name."""
+
+    client: httpx.AsyncClient
+    state: GatewayState
+    urls: dict[str, str]
+
+    def worker(self, pool: str, name: str) -> Worker:
+        """Worker `name` as pool `pool` of the gateway's registry holds it."""
+        return registry_worker(self.state, pool, self.urls[name])
+
+
+@contextlib.asynccontextmanager
+async def round_robin_gateway(
+    pools: list[dict[str, Any]], keys: Mapping[str, str], secret: bytes
+) -> AsyncIterator[InProcessGateway]:
+    """A gateway in process routing `pools` round robin, one tenant per name of `keys` holding its
+    key, no scrapes (the scripted workers serve no metrics)."""
+    tenants = [{"name": name, "api_key_hashes": [hash_api_key(secret, key)]} for name, key in keys.items()]
+    config = {"pools": pools, "tenants": tenants, "scrape": {"enabled": False}}
+    async with gateway_in_process(config, make_policy("round_robin"), secret=secret) as gw:
+        yield gw

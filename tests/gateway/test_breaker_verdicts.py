@@ -14,18 +14,20 @@ import httpx
 import pytest
 from aiohttp import web
 
-from gateway.auth import hash_api_key
 from gateway.breaker import CircuitBreaker
-from gateway.config import parse_config
 from gateway.config.pool import BreakerConfig, TimeoutsConfig
 from gateway.failure import Stage, failure_of, worker_status
 from gateway.outcome import HeldVerdicts
-from gateway.state import GatewayState
 from gateway.upstream import UpstreamTimeout
 from gateway.worker import Worker
-from policies import make_policy
-from tests.gateway.chat_rig import chat_answer, is_prefill_leg, prefilled, registry_worker, served
-from tests.support.inprocess import gateway_in_process
+from tests.gateway.chat_rig import (
+    ChatRig,
+    chat_answer,
+    is_prefill_leg,
+    prefilled,
+    round_robin_gateway,
+    served,
+)
 from tests.support.transports import TRANSPORTS, through
 from tests.support.wait import wait_until
 
@@ -53,11 +55,8 @@ class Workers:
 
 
 @dataclass
-class Rig:
-    client: httpx.AsyncClient
+class Rig(ChatRig):
     workers: Workers
-    state: GatewayState
-    urls: dict[str, str]
 
     async def chat(
         self, model: str, stream: bool = False, *, tenant: str = "t", max_tokens: int = 4
@@ -71,9 +70,6 @@ class Rig:
         return await self.client.post(
             "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {KEYS[tenant]}"}
         )
-
-    def worker(self, pool: str, name: str) -> Worker:
-        return registry_worker(self.state, pool, self.urls[name])
 
     def failures(self, pool: str) -> dict[str, int]:
         return {name: self.worker(pool, name).breaker.failures for name in NAMES if self._in(pool, name)}
@@ -132,58 +128,49 @@ async def rig() -> AsyncIterator[Rig]:
         breaker = {"failure_threshold": 1, "cooldown_s": 3600}
         every = [urls[name] for name in NAMES]
         timed = {"timeouts": {"read_s": READ_S}, "retry_attempts": 2, "breaker": breaker}
-        config = parse_config(
+        pools = [
             {
-                "pools": [
-                    {
-                        "name": "three",
-                        "models": ["m3"],
-                        "workers": every[:3],
-                        "retry_attempts": 2,
-                        "breaker": breaker,
-                    },
-                    {
-                        "name": "one",
-                        "models": ["m1"],
-                        "workers": every[:1],
-                        "retry_attempts": 2,
-                        "breaker": breaker,
-                    },
-                    {"name": "slow3", "models": ["s3"], "workers": every[:3], **timed},
-                    {
-                        "name": "slow1",
-                        "models": ["s1"],
-                        "workers": every[:1],
-                        **timed,
-                        "health": {"interval_s": 0.2, "timeout_s": 0.5, "failures_to_down": 2},
-                    },
-                    {
-                        "name": "hung3",
-                        "models": ["h3"],
-                        "workers": every[:3],
-                        **timed,
-                        "breaker": {"failure_threshold": 2, "cooldown_s": 3600},
-                    },
-                    {
-                        "name": "pd",
-                        "models": ["pd"],
-                        "prefill_workers": every[:1],
-                        "decode_workers": every[1:3],
-                        "workers": every[3:],
-                        "pd": {"protocol": "vllm", "conditional": False},  # a pair whenever one is free
-                        **timed,
-                    },
-                ],
-                "tenants": [
-                    {"name": name, "api_key_hashes": [hash_api_key(SECRET, key)]}
-                    for name, key in KEYS.items()
-                ],
-                "scrape": {"enabled": False},
-            }
-        )
+                "name": "three",
+                "models": ["m3"],
+                "workers": every[:3],
+                "retry_attempts": 2,
+                "breaker": breaker,
+            },
+            {
+                "name": "one",
+                "models": ["m1"],
+                "workers": every[:1],
+                "retry_attempts": 2,
+                "breaker": breaker,
+            },
+            {"name": "slow3", "models": ["s3"], "workers": every[:3], **timed},
+            {
+                "name": "slow1",
+                "models": ["s1"],
+                "workers": every[:1],
+                **timed,
+                "health": {"interval_s": 0.2, "timeout_s": 0.5, "failures_to_down": 2},
+            },
+            {
+                "name": "hung3",
+                "models": ["h3"],
+                "workers": every[:3],
+                **timed,
+                "breaker": {"failure_threshold": 2, "cooldown_s": 3600},
+            },
+            {
+                "name": "pd",
+                "models": ["pd"],
+                "prefill_workers": every[:1],
+                "decode_workers": every[1:3],
+                "workers": every[3:],
+                "pd": {"protocol": "vllm", "conditional": False},  # a pair whenever one is free
+                **timed,
+            },
+        ]
         try:
-            async with gateway_in_process(config, make_policy("round_robin"), secret=SECRET) as gw:
-                yield Rig(gw.client, workers, gw.state, urls)
+            async with round_robin_gateway(pools, KEYS, SECRET) as gw:
+                yield Rig(gw.client, gw.state, urls, workers)
         finally:
             workers.released.set()
 

@@ -14,14 +14,15 @@ import httpx
 import pytest
 from aiohttp import web
 
-from gateway.auth import hash_api_key
-from gateway.config import parse_config
 from gateway.config.pool import TimeoutsConfig
-from gateway.state import GatewayState
-from gateway.worker import Worker
-from policies import make_policy
-from tests.gateway.chat_rig import chat_answer, is_prefill_leg, prefilled, registry_worker, served
-from tests.support.inprocess import gateway_in_process
+from tests.gateway.chat_rig import (
+    ChatRig,
+    chat_answer,
+    is_prefill_leg,
+    prefilled,
+    round_robin_gateway,
+    served,
+)
 from tests.support.transports import TRANSPORTS, through
 
 SECRET = b"k"
@@ -55,20 +56,14 @@ class Workers:
 
 
 @dataclass
-class Rig:
-    client: httpx.AsyncClient
+class Rig(ChatRig):
     workers: Workers
-    state: GatewayState
-    urls: dict[str, str]
 
     async def chat(self, model: str, stream: bool) -> httpx.Response:
         body = {"model": model, "messages": [{"role": "user", "content": "x"}], "stream": stream}
         return await self.client.post(
             "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {KEY}"}
         )
-
-    def worker(self, pool: str, name: str) -> Worker:
-        return registry_worker(self.state, pool, self.urls[name])
 
 
 @pytest.fixture
@@ -108,27 +103,21 @@ async def rig() -> AsyncIterator[Rig]:
             "breaker": {"failure_threshold": 1, "cooldown_s": 3600},
             "health": {"interval_s": 3600},
         }
-        config = parse_config(
+        pools = [
+            {"name": "two", "models": ["m2"], "workers": [urls["a"], urls["b"]], **common},
+            {"name": "one", "models": ["m1"], "workers": [urls["a"]], **common},
             {
-                "pools": [
-                    {"name": "two", "models": ["m2"], "workers": [urls["a"], urls["b"]], **common},
-                    {"name": "one", "models": ["m1"], "workers": [urls["a"]], **common},
-                    {
-                        "name": "pd",
-                        "models": ["pd"],
-                        "prefill_workers": [urls["p"]],
-                        "decode_workers": [urls["c"]],
-                        "pd": {"protocol": "vllm", "conditional": False},
-                        **common,
-                    },
-                ],
-                "tenants": [{"name": "t", "api_key_hashes": [hash_api_key(SECRET, KEY)]}],
-                "scrape": {"enabled": False},
-            }
-        )
+                "name": "pd",
+                "models": ["pd"],
+                "prefill_workers": [urls["p"]],
+                "decode_workers": [urls["c"]],
+                "pd": {"protocol": "vllm", "conditional": False},
+                **common,
+            },
+        ]
         try:
-            async with gateway_in_process(config, make_policy("round_robin"), secret=SECRET) as gw:
-                yield Rig(gw.client, workers, gw.state, urls)
+            async with round_robin_gateway(pools, {"t": KEY}, SECRET) as gw:
+                yield Rig(gw.client, gw.state, urls, workers)
         finally:
             workers.released.set()
 

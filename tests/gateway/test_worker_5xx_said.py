@@ -16,18 +16,20 @@ import orjson
 import pytest
 from aiohttp import web
 
-from gateway.auth import hash_api_key
 from gateway.breaker import CircuitBreaker
-from gateway.config import parse_config
 from gateway.config.pool import BreakerConfig
 from gateway.failure import WORKER_SAID_CHARS, worker_said, worker_status
 from gateway.outcome import HeldVerdicts, has_peer
-from gateway.state import GatewayState
 from gateway.worker import Worker
-from policies import make_policy
 from tests.gateway.access_lines import capture_access
-from tests.gateway.chat_rig import chat_answer, is_prefill_leg, prefilled, registry_worker, served
-from tests.support.inprocess import gateway_in_process
+from tests.gateway.chat_rig import (
+    ChatRig,
+    chat_answer,
+    is_prefill_leg,
+    prefilled,
+    round_robin_gateway,
+    served,
+)
 from tests.support.transports import TRANSPORTS, through
 
 SECRET = b"k"
@@ -49,11 +51,8 @@ class Workers:
 
 
 @dataclass
-class Rig:
-    client: httpx.AsyncClient
+class Rig(ChatRig):
     workers: Workers
-    state: GatewayState
-    urls: dict[str, str]
 
     async def chat(
         self, model: str, prompt: str = "hi", *, stream: bool = False, tenant: str = "t"
@@ -62,9 +61,6 @@ class Rig:
         return await self.client.post(
             "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {KEYS[tenant]}"}
         )
-
-    def worker(self, pool: str, name: str) -> Worker:
-        return registry_worker(self.state, pool, self.urls[name])
 
     async def models(self) -> list[str]:
         resp = await self.client.get("/v1/models", headers={"authorization": f"Bearer {KEYS['u']}"})
@@ -113,37 +109,28 @@ async def rig() -> AsyncIterator[Rig]:
             "breaker": {"failure_threshold": 1, "cooldown_s": 3600},
             "health": {"interval_s": 3600},
         }
-        config = parse_config(
+        pools = [
+            {"name": "one", "models": ["m1"], "workers": [urls["a"]], **common},
+            {"name": "two", "models": ["m2"], "workers": [urls["a"], urls["b"]], **common},
             {
-                "pools": [
-                    {"name": "one", "models": ["m1"], "workers": [urls["a"]], **common},
-                    {"name": "two", "models": ["m2"], "workers": [urls["a"], urls["b"]], **common},
-                    {
-                        "name": "two0",
-                        "models": ["m20"],
-                        "workers": [urls["a"], urls["b"]],
-                        **common,
-                        "retry_attempts": 0,
-                    },
-                    {
-                        "name": "pd",
-                        "models": ["pd"],
-                        "prefill_workers": [urls["p"]],
-                        "decode_workers": [urls["c"]],
-                        "pd": {"protocol": "vllm", "conditional": False},
-                        **common,
-                    },
-                ],
-                "tenants": [
-                    {"name": name, "api_key_hashes": [hash_api_key(SECRET, key)]}
-                    for name, key in KEYS.items()
-                ],
-                "scrape": {"enabled": False},
-            }
-        )
+                "name": "two0",
+                "models": ["m20"],
+                "workers": [urls["a"], urls["b"]],
+                **common,
+                "retry_attempts": 0,
+            },
+            {
+                "name": "pd",
+                "models": ["pd"],
+                "prefill_workers": [urls["p"]],
+                "decode_workers": [urls["c"]],
+                "pd": {"protocol": "vllm", "conditional": False},
+                **common,
+            },
+        ]
         try:
-            async with gateway_in_process(config, make_policy("round_robin"), secret=SECRET) as gw:
-                yield Rig(gw.client, workers, gw.state, urls)
+            async with round_robin_gateway(pools, KEYS, SECRET) as gw:
+                yield Rig(gw.client, gw.state, urls, workers)
         finally:
             workers.released.set()
 

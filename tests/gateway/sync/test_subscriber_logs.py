@@ -33,16 +33,20 @@ class _Clocks:
         return time.time()
 
 
+def _subscriber(monkeypatch: pytest.MonkeyPatch, clock: list[float]) -> tuple[SyncSubscriber, CostPolicy]:
+    """A subscriber of gateway "me" (one pool, one worker) whose clocks read `clock`, and a policy."""
+    monkeypatch.setattr(subscriber, "time", _Clocks(clock))
+    registry = Registry([PoolConfig(name="p", models=["m"], workers=["http://127.0.0.1:9001"])])
+    return SyncSubscriber("me", registry, 5.0, GatewayMetrics(), secret=SECRET), CostPolicy(seed=0)
+
+
 async def test_malformed_batches_are_counted_each_and_logged_once_a_minute(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A broken peer (of this deployment: its batches are sealed) sends every batch so: a few
     # hundred a second, each of which was a warning line of its own.
     clock = [1000.0]
-    monkeypatch.setattr(subscriber, "time", _Clocks(clock))
-    registry = Registry([PoolConfig(name="p", models=["m"], workers=["http://127.0.0.1:9001"])])
-    sub = SyncSubscriber("me", registry, 5.0, GatewayMetrics(), secret=SECRET)
-    policy = CostPolicy(seed=0)
+    sub, policy = _subscriber(monkeypatch, clock)
     caplog.set_level(logging.WARNING, logger="kvgate.sync")
     broken = sealed({"o": "gw-b"})
     for _ in range(500):
@@ -64,10 +68,7 @@ async def test_batches_without_a_valid_signature_are_counted_each_and_logged_onc
     # A gateway of an earlier release (bare batches), of another secret, or a forger: every batch
     # is dropped unread, each counted, one line a minute that says nothing of what they carried.
     clock = [1000.0]
-    monkeypatch.setattr(subscriber, "time", _Clocks(clock))
-    registry = Registry([PoolConfig(name="p", models=["m"], workers=["http://127.0.0.1:9001"])])
-    sub = SyncSubscriber("me", registry, 5.0, GatewayMetrics(), secret=SECRET)
-    policy = CostPolicy(seed=0)
+    sub, policy = _subscriber(monkeypatch, clock)
     caplog.set_level(logging.DEBUG, logger="kvgate.sync")
     batch = SyncBatch(
         "forger-origin", 1, time.time(), True, (), (PeerLoad("p", WorkerId("w-secret-name"), 1, 2, 3),)

@@ -33,6 +33,14 @@ def _reload(base: str) -> dict[str, Any]:
     return policy
 
 
+def _write(path: Path, text: str) -> None:
+    """Replace the policy file whole, as docs/policy.md asks (written elsewhere, renamed over it):
+    this test is of what a reload keeps, not of a file caught half-written."""
+    staged = path.with_suffix(".new")
+    staged.write_text(text)
+    staged.replace(path)
+
+
 def _index_keys(policy: dict[str, Any]) -> int:
     return sum(int(ix["keys"]) for ix in policy["stats"]["index"].values())
 
@@ -68,7 +76,7 @@ def test_sessions_stay_with_their_workers_across_a_policy_reload(tmp_path: Path)
             assert _cached(client, history) == 0
             history.append({"role": "assistant", "content": "x"})
 
-        policy.write_text("policy: cost\nseed: 11\ncost: {epsilon: 0.75}\n")
+        _write(policy, "policy: cost\nseed: 11\ncost: {epsilon: 0.75}\n")
         assert _reload(base)["policy_file"]["reloads"] == 1
 
         # Each session's next turn finds its history cached: it went to the worker holding it. A
@@ -79,7 +87,7 @@ def test_sessions_stay_with_their_workers_across_a_policy_reload(tmp_path: Path)
         assert _index_keys(_reload(base)) > 0
 
         # Keyed otherwise (another normalizer), what was learned would match nothing: not kept.
-        policy.write_text("policy: cost\nnormalizer: {chars_per_token: 3}\n")
+        _write(policy, "policy: cost\nnormalizer: {chars_per_token: 3}\n")
         assert _index_keys(_reload(base)) == 0
     finally:
         if gateway is not None:

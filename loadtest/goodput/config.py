@@ -33,8 +33,14 @@ class TraceSpec(_Strict):
 
     `reference_rate_scale` is where the coarse search starts; it is chosen so that round_robin runs
     at 70–85 % utilization, and every policy is measured there, so its raw TTFT p99 can be compared
-    at that load as well. Rates are multipliers of the trace's own arrival rate.
+    at that load as well. Rates are multipliers of the trace's own arrival rate. `closed_loop`
+    replays an agent trace as its client would (`kvgate simulate --closed-loop`): a turn waits for
+    the answers it follows, then its think time divided by the rate. `trace` is the shipped trace
+    or file the entry replays (default: the entry's name), so that two entries may replay one
+    trace two ways.
     """
+
+    trace: str | None = None
 
     ttft_slo_s: float = Field(gt=0)
     tpot_slo_s: float = Field(gt=0)
@@ -46,6 +52,7 @@ class TraceSpec(_Strict):
     kv_blocks_per_worker: int | None = Field(None, gt=0)
     max_requests: int | None = Field(None, gt=0)
     window_s: float | None = Field(None, gt=0)
+    closed_loop: bool = False
 
     @model_validator(mode="after")
     def _bounds(self) -> TraceSpec:

@@ -81,7 +81,7 @@ def prepare_trace(
     `requests` replaces the trace file (tests pass small generated workloads); the command-line
     slice, when given, overrides the spec's."""
     if requests is None:
-        loaded = load_trace(name, users=spec.users, user_spread_s=spec.user_spread_s, seed=seed)
+        loaded = load_trace(spec.trace or name, users=spec.users, user_spread_s=spec.user_spread_s, seed=seed)
         requests = loaded.requests
     reqs = slice_requests(
         requests,
@@ -187,7 +187,7 @@ def run_point(
             engines,
             policy,
             EngineHooks(make_request, hash_tokens, setup.keys),
-            LoopConfig(scrape_interval_s=sim.scrape_interval_s, pd=pd),
+            LoopConfig(scrape_interval_s=sim.scrape_interval_s, pd=pd, closed_loop=setup.spec.closed_loop),
             keyed=setup.keyed,
         )
     except PointHopeless as stop:

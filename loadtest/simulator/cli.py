@@ -1,7 +1,7 @@
 """`kvgate simulate`: replay a trace or a workload through a routing policy in virtual time.
 
     kvgate simulate --trace FILE|NAME | --workload NAME [--policy NAME] [--policy-config FILE]
-        [--workers N] [--kv-blocks-per-worker N] [--profile NAME] [--rate-scale X] [--seed S]
+        [--workers N] [--kv-blocks-per-worker N] [--profile NAME] [--rate-scale X] [--closed-loop] [--seed S]
         [--isolation LEVEL] [--tenant-isolation NAME=LEVEL] [--kv-events] [--json OUT]
         [--gateways N [--sync none|broker] [--sync-delay-ms D]] [--arrival-spread-s S]
         [--pd P:D [--no-pd-conditional] [--pd-interference-weight W]]
@@ -73,6 +73,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--profile", default=DEFAULT_PROFILE, help="engine step-time profile")
     parser.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rate by X")
+    parser.add_argument(
+        "--closed-loop",
+        action="store_true",
+        help="an agent trace's turns wait for the answers they follow, then their think time (divided "
+        "by --rate-scale), as its client would; default: each is sent when the recording sent it",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload and policy (default 0)")
     parser.add_argument("--json", metavar="OUT", help="write per-request records and the summary here")
     parser.add_argument("--kv-events", action="store_true", help="feed the engines' KV events to the policy")
@@ -310,6 +316,7 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
             sync_delay_s=args.sync_delay_ms / 1000 if args.sync == "broker" else None,
             balancer_seed=args.seed,
             pd=pd,
+            closed_loop=args.closed_loop,
         ),
         progress=bar.update if bar else None,
         keyed=keyed,
@@ -350,6 +357,7 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         "block_size_tokens": block_size,
         "profile": profile.name,
         "rate_scale": args.rate_scale,
+        "closed_loop": args.closed_loop,
         "arrival_spread_s": args.arrival_spread_s,
         "seed": args.seed,
         "kv_events": args.kv_events,

@@ -15,6 +15,9 @@ With several gateways (`gateways.py`) each request goes to one of them, whose po
 whose accounting counts it; every gateway gets the workers' KV events, and with sync each applies
 what the others publish, delivered by the `SyncBus` between the other events; a request its
 gateway holds (`SimGateway.hold_s`) is decided at the hold's end, an event of its own.
+In a closed loop (`LoopConfig.closed_loop`) a request that follows others (`WorkloadRequest.follows`:
+an agent's next turn) arrives its think time after the last of them has finished (or failed), as a
+client that needs the answer sends it; the others arrive when the workload says.
 Invariant: virtual time never goes backwards; heap entries are (time, seq, worker index, or
 `TRANSFER` / `HELD` for the other events).
 """
@@ -24,7 +27,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from loadtest.simulator.engine_hashes import TokenHasher, request_hashes
 from loadtest.simulator.flights import Flight, SimWorker, kv_events
@@ -72,6 +75,7 @@ class LoopConfig:
     sync_delay_s: float | None = None  # None: gateways do not share what they learn
     balancer_seed: int = 0
     pd: PdSim | None = None  # prefill/decode roles and pair routing (loadtest/simulator/pd.py)
+    closed_loop: bool = False  # requests that follow others wait for their answers (module doc)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,8 +109,9 @@ class _Loop:
         keyed: Sequence[KeyedPrompt] | None,
     ) -> None:
         order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
-        self.requests = [requests[i] for i in order]
         self.keyed = None if keyed is None else [keyed[i] for i in order]
+        self.arrivals = _Arrivals([requests[i] for i in order], config.closed_loop)
+        self.clock_s = 0.0  # the time of the event being handled
         self.workers = [SimWorker(f"w{i}", e) for i, e in enumerate(engines)]
         self.by_id = {w.id: i for i, w in enumerate(self.workers)}
         self.gateways = [SimGateway(i, p, len(engines)) for i, p in enumerate(policies)]
@@ -120,7 +125,6 @@ class _Loop:
         self.seq = 0
         self.n_steps = 0
         self.n_calls = 0
-        self.next_arrival = 0
         # Requests held by their gateway, by event key, and when their holds end (a heap: the held
         # events leave the main heap in time order, so each takes the smallest).
         self.held: dict[int, Held] = {}
@@ -153,6 +157,7 @@ class _Loop:
         )  # fmt: skip
         if self.progress is not None:
             self.progress(len(self.records))
+        self.arrivals.answered(req.request_id, self.clock_s if end_s is None else end_s)
 
     def kv_events(self, w: SimWorker, out: KvChanges, now_s: float) -> None:
         """The worker's KV events, to every gateway's policy (`flights.kv_events`)."""
@@ -211,9 +216,7 @@ class _Loop:
         if w.pending is not None:
             out, w.pending = w.pending, None
             self.apply(idx, w, out)
-        until_s = (
-            self.requests[self.next_arrival].arrival_s if self.next_arrival < len(self.requests) else math.inf
-        )
+        until_s = self.arrivals.horizon_s(now_s)
         if self.pd is not None:
             until_s = min(until_s, self.pd.horizon_s(self, idx))
         if self.held_ends:
@@ -319,23 +322,19 @@ class _Loop:
         return self.seq
 
     def run(self) -> LoopResult:
-        reqs, heap, bus = self.requests, self.heap, self.bus
-        while self.next_arrival < len(reqs) or heap:
+        heap, bus, arrivals = self.heap, self.bus, self.arrivals
+        while arrivals.due or heap:
             if bus is not None and bus.queue:
                 # Sync first: what is due by the next event reaches the peers before it.
-                next_s = min(
-                    reqs[self.next_arrival].arrival_s if self.next_arrival < len(reqs) else math.inf,
-                    heap[0][0] if heap else math.inf,
-                )
-                bus.deliver_due(next_s)
-            if self.next_arrival < len(reqs) and (
-                not heap or reqs[self.next_arrival].arrival_s <= heap[0][0]
-            ):
-                i = self.next_arrival
-                self.next_arrival += 1
-                self.arrive(reqs[i], None if self.keyed is None else self.keyed[i])
+                bus.deliver_due(min(arrivals.next_s, heap[0][0] if heap else math.inf))
+            if arrivals.due and (not heap or arrivals.next_s <= heap[0][0]):
+                i = arrivals.pop()
+                req = arrivals.requests[i]
+                self.clock_s = req.arrival_s
+                self.arrive(req, None if self.keyed is None else self.keyed[i])
                 continue
             t, key, idx = heapq.heappop(heap)
+            self.clock_s = t
             if idx == HELD:
                 held = self.held.pop(key)
                 heapq.heappop(self.held_ends)
@@ -355,6 +354,61 @@ class _Loop:
         )  # fmt: skip
         published = 0 if self.bus is None else self.bus.published
         return LoopResult(tuple(self.records), workers, self.n_steps, self.n_calls, published)
+
+
+class _Arrivals:
+    """The requests still to arrive, soonest first. In a closed loop a request that follows others
+    is due only once the last of them has been answered (`answered`), `think_s` later; a
+    predecessor the workload does not hold (a slice of a trace) is taken as answered."""
+
+    def __init__(self, requests: list[WorkloadRequest], closed_loop: bool) -> None:
+        self.requests = requests  # a request's arrival is rewritten when it becomes due
+        self.heap: list[tuple[float, int]] = []
+        self.dependents: dict[str, list[int]] = {}
+        self.waiting: dict[int, int] = {}  # predecessors not yet answered
+        self.ready_s: dict[int, float] = {}  # the latest answer of its predecessors so far
+        # The shortest think time of a request still waiting: nothing can arrive sooner after now.
+        self.min_think_s = math.inf
+        index = {r.request_id: i for i, r in enumerate(requests)} if closed_loop else {}
+        for i, r in enumerate(requests):
+            before = [index[rid] for rid in r.follows if rid in index]
+            if not before:
+                self.heap.append((r.arrival_s, i))
+                continue
+            self.waiting[i] = len(before)
+            self.min_think_s = min(self.min_think_s, r.think_s)
+            for j in before:
+                self.dependents.setdefault(requests[j].request_id, []).append(i)
+        heapq.heapify(self.heap)
+
+    @property
+    def due(self) -> bool:
+        return bool(self.heap)
+
+    @property
+    def next_s(self) -> float:
+        return self.heap[0][0] if self.heap else math.inf
+
+    def pop(self) -> int:
+        return heapq.heappop(self.heap)[1]
+
+    def horizon_s(self, now_s: float) -> float:
+        """No request can arrive before this: the next due one, or one that an answer at `now_s`
+        or later would release."""
+        if not self.waiting:
+            return self.next_s
+        return min(self.next_s, now_s + self.min_think_s)
+
+    def answered(self, request_id: str, at_s: float) -> None:
+        """`request_id` was answered (or failed) at `at_s`: the requests it held back may be due."""
+        for i in self.dependents.pop(request_id, ()):
+            self.ready_s[i] = max(self.ready_s.get(i, at_s), at_s)
+            self.waiting[i] -= 1
+            if self.waiting[i] == 0:
+                del self.waiting[i]
+                at = self.ready_s.pop(i) + self.requests[i].think_s
+                self.requests[i] = replace(self.requests[i], arrival_s=at)
+                heapq.heappush(self.heap, (at, i))
 
 
 def run_loop(

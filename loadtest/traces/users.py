@@ -49,6 +49,8 @@ def replay_as_users(
                     f"u{user}/{r.session}" if r.session else "",
                     p,
                     r.max_output_tokens,
+                    tuple(f"u{user}/{rid}" for rid in r.follows),
+                    r.think_s,
                 )
             )
     out.sort(key=lambda r: r.arrival_s)

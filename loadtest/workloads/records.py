@@ -10,7 +10,7 @@ A prompt is one of three shapes:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +85,9 @@ class WorkloadRequest:
     """One request of a workload: when it arrives, who sends it, what it asks, how long it may answer.
 
     `session` is "" when the source has no notion of sessions (a router then gets no session key).
+    `follows` names the requests whose answers this one needs before it is sent, as an agent's next
+    turn needs its last one's: a closed-loop replay sends it `think_s` after the last of them has
+    finished (`loadtest.simulator.loop`), an open-loop one at `arrival_s`, when the recording sent it.
     """
 
     request_id: str
@@ -93,24 +96,24 @@ class WorkloadRequest:
     session: str
     prompt: Prompt
     max_output_tokens: int
+    follows: tuple[str, ...] = ()
+    think_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.arrival_s < 0:
             raise ValueError("arrival_s must not be negative")
+        if self.think_s < 0:
+            raise ValueError("think_s must not be negative")
         if self.max_output_tokens < 1:
             raise ValueError("max_output_tokens must be at least 1")
 
 
 def scale_arrivals(requests: list[WorkloadRequest], rate_scale: float) -> list[WorkloadRequest]:
-    """Multiply the arrival rate by `rate_scale` (divide every arrival time), keeping the order."""
+    """Multiply the arrival rate by `rate_scale` (divide every arrival time and think time),
+    keeping the order."""
     if rate_scale <= 0:
         raise ValueError("rate_scale must be positive")
     return sorted(
-        (
-            WorkloadRequest(
-                r.request_id, r.arrival_s / rate_scale, r.tenant, r.session, r.prompt, r.max_output_tokens
-            )
-            for r in requests
-        ),
+        (replace(r, arrival_s=r.arrival_s / rate_scale, think_s=r.think_s / rate_scale) for r in requests),
         key=lambda r: r.arrival_s,
     )

@@ -228,3 +228,45 @@ def test_a_policy_that_declines_leaves_a_rejected_record() -> None:
     assert [r.worker for r in res.requests] == [None, None]
     summary = summarize(res.requests, res.workers, ceiling_infinite=0.0, ceiling_pooled_lru=0.0)
     assert summary["n_rejected"] == 2 and summary["ttft_p50_s"] is None
+
+
+def _turn(rid: str, arrival_s: float, follows: tuple[str, ...] = (), think_s: float = 0.0) -> WorkloadRequest:
+    return WorkloadRequest(rid, arrival_s, "t", "s", BlockPrompt((1, 2), 64, 100), 4, follows, think_s)
+
+
+def test_a_closed_loop_sends_a_turn_its_think_time_after_the_answers_it_follows() -> None:
+    # r1 follows r0; r2 follows r1 and the sub-agent's s0; x is its own session. The recording
+    # sent them all at 0: open, they all arrive then; closed, each waits for the answers it needs.
+    reqs = [
+        _turn("r0", 0.0),
+        _turn("s0", 0.0, ("r0",), think_s=2.0),
+        _turn("r1", 0.0, ("r0",), think_s=0.5),
+        _turn("r2", 0.0, ("r1", "s0"), think_s=0.25),
+        _turn("x", 0.0, ("not-in-this-slice",), think_s=9.0),
+    ]
+    opened = run_loop(reqs, [ScriptedEngine()], make_policy("round_robin"), _hooks())
+    assert {r.arrival_s for r in opened.requests} == {0.0}
+    closed = LoopConfig(closed_loop=True)
+    res = run_loop(reqs, [ScriptedEngine()], make_policy("round_robin"), _hooks(), closed)
+    by_id = {r.request_id: r for r in res.requests}
+    r0, s0, r1, r2 = (by_id[k] for k in ("r0", "s0", "r1", "r2"))
+    assert r0.finish_s is not None and s0.finish_s is not None and r1.finish_s is not None
+    assert s0.arrival_s == pytest.approx(r0.finish_s + 2.0)
+    assert r1.arrival_s == pytest.approx(r0.finish_s + 0.5)
+    assert s0.finish_s > r1.finish_s  # r2 waits for the later of its two
+    assert r2.arrival_s == pytest.approx(s0.finish_s + 0.25)
+    assert by_id["x"].arrival_s == 0.0  # a predecessor outside the workload does not hold it back
+    assert r2.ttft_s is not None and r2.ttft_s < 0.2  # measured from when it was sent
+
+
+def test_a_turn_after_a_refused_one_is_sent_when_the_refusal_came() -> None:
+    class Never(Spy):
+        def select(
+            self, req: RouteRequest, workers: Sequence[WorkerView], now_s: float
+        ) -> RouteDecision | None:
+            return None
+
+    reqs = [_turn("r0", 1.0), _turn("r1", 0.0, ("r0",), think_s=0.5)]
+    res = run_loop(reqs, [ScriptedEngine()], Never(None), _hooks(), LoopConfig(closed_loop=True))
+    assert {r.request_id: r.arrival_s for r in res.requests} == {"r0": 1.0, "r1": 1.5}
+    assert all(r.worker is None for r in res.requests)

@@ -5,6 +5,7 @@ import json
 import lzma
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,7 +14,7 @@ from loadtest.traces.load import load_trace
 from loadtest.traces.mooncake import TraceFormatError, read_mooncake
 from loadtest.traces.users import replay_as_users
 from loadtest.workloads.ceilings import ceiling_infinite
-from loadtest.workloads.records import BlockPrompt
+from loadtest.workloads.records import BlockPrompt, scale_arrivals
 from loadtest.workloads.render import prompt_bytes
 from policies.base import Isolation
 from prompt_normalizer.types import PUBLIC_NAMESPACE
@@ -127,6 +128,51 @@ def test_kvcache_tester_reader_includes_subagents(tmp_path: Path) -> None:
     chains = [KeyPath().keyed(r).chain() for r in t.requests]
     # Request 2 hits blocks 1,2,3 (192 tokens); the sub-agent (same id space) hits 1,2 (128).
     assert ceiling_infinite(chains).hit_tokens == 192 + 128
+
+
+def test_kvcache_tester_sub_agents_start_when_the_turn_that_spawned_them_ended(tmp_path: Path) -> None:
+    # Turn 0 is answered at 3 s and spawns two sub-agents that end at 20 s and 25 s (`t` is a
+    # sub-agent's end); the main agent's next turn comes at 30 s.
+    def sub(t: float, duration_s: float, name: str) -> dict[str, Any]:
+        rows = [
+            {"t": 1.0, "in": 128, "out": 7, "hash_ids": [1, 2], "api_time": 2.0},
+            {"t": 5.0, "in": 192, "out": 7, "hash_ids": [1, 2, 3], "api_time": 1.0},
+        ]
+        ms = 1000 * duration_s
+        return {"t": t, "type": "subagent", "agent_id": name, "duration_ms": ms, "requests": rows}
+
+    doc = {
+        "id": "s1",
+        "block_size": 64,
+        "requests": [
+            {"t": 0.0, "in": 200, "out": 5, "hash_ids": [1, 2, 3], "api_time": 3.0},
+            sub(20.0, 17.0, "a"),
+            sub(25.0, 22.0, "b"),
+            {"t": 30.0, "in": 260, "out": 5, "hash_ids": [1, 2, 3, 4], "api_time": 4.0},
+            {"t": 40.0, "in": 300, "out": 5, "hash_ids": [1, 2, 3, 4], "api_time": 1.0},
+        ],
+    }
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps(doc))
+    by_id = {r.request_id: r for r in load_trace(f).requests}
+    # When the recording sent each: the sub-agents' requests from their start, 3 s.
+    assert {k: r.arrival_s for k, r in by_id.items()} == {
+        "s1#0": 0.0, "s1/a#0": 4.0, "s1/a#1": 8.0, "s1/b#0": 4.0, "s1/b#1": 8.0, "s1#3": 30.0, "s1#4": 40.0,
+    }  # fmt: skip
+    # What each waits for in a closed loop, and how long after the last of them it came.
+    assert {k: (r.follows, r.think_s) for k, r in by_id.items()} == {
+        "s1#0": ((), 0.0),
+        "s1/a#0": (("s1#0",), 1.0),
+        "s1/a#1": (("s1/a#0",), 2.0),
+        "s1/b#0": (("s1#0",), 1.0),
+        "s1/b#1": (("s1/b#0",), 2.0),
+        "s1#3": (("s1#0", "s1/a#1", "s1/b#1"), 21.0),
+        "s1#4": (("s1#3",), 6.0),
+    }
+    users = replay_as_users(list(by_id.values()), 2)
+    assert {r.follows for r in users if r.request_id.endswith("s1#4")} == {("u0/s1#3",), ("u1/s1#3",)}
+    scaled = {r.request_id: r for r in scale_arrivals(users, 2.0)}
+    assert (scaled["u1/s1#3"].arrival_s, scaled["u1/s1#3"].think_s) == (15.0, 10.5)
 
 
 def test_replay_as_users_shares_only_the_prefix(tmp_path: Path) -> None:

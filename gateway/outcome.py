@@ -14,7 +14,7 @@ from gateway.request_head import RequestIds
 from gateway.routing import Routing
 from gateway.tracing import AttemptTrace
 from gateway.worker import Worker
-from policies.base import Observation, Outcome, Role, RouteDecision
+from policies.base import Observation, Outcome, RouteDecision
 
 log = logging.getLogger("kvgate.outcome")
 
@@ -156,35 +156,39 @@ class HeldVerdicts:
     open every breaker of the pool, for every tenant. A read timeout is no better evidence: vLLM
     sends nothing of a non-streamed answer until it is whole, so a long generation looks like a
     silent worker. So another worker serving the same request (its first event, or its whole
-    answer) convicts them (`convict`: each counts as a failure), which still shuts out a hung
-    worker; another worker refusing it (a 4xx), or the request ending with failures held on two
-    or more workers, acquits them (`acquit`). A request that ends with one worker's 5xx and no
-    other evidence counts it, as any other failure counts, while another worker of its role could
-    take its requests; a pool's last routable worker of a role is not counted so (`settle`): an
-    open breaker there sends nobody elsewhere, and one tenant's requests that the worker fails
-    would take the model away from every tenant until the cooldown. One that ends with one
-    worker's read timeout counts against no worker, since the request may be what is slow. One
-    the client leaves acquits.
+    answer) convicts them (`convict`: each counts as a failure), which still shuts out a hung or
+    broken worker; another worker refusing it (a 4xx), or the request ending with no answer,
+    acquits them (`acquit`, `settle`), as does the client leaving.
+
+    A request that ends with one worker's failure and nothing to compare it with is acquitted
+    too, whatever left it alone: the client cut its retries (`retries.attempts_allowed`: an SDK's
+    third try makes one attempt), the pool has `retry_attempts: 0`, a Responses follow-up could go
+    only to its holder, or no other worker was free. What cuts a request to one attempt is in the
+    client's hands, and vLLM answers 500 to some inputs (a `GenerationError`): counting such a 5xx
+    whenever another worker was routable let one tenant convict the worker its request met, then
+    the next, until one was left, for every tenant. Whether a peer was routable says nothing of
+    whose fault the 5xx was; only a peer serving the request does.
 
     Only a closed breaker's verdict is held (the caller judges a half-open breaker's trial at
     once: a trial must not stay in flight for another worker's whole answer). A held request took
     no trial, so acquitting frees nothing; and a verdict that arrives after the breaker left the
     closed state (other requests opened it meanwhile) is dropped rather than applied to a state
     it was not about. So a pool whose workers all answer every request with a 5xx, or all hang,
-    opens no breaker, nor does a 5xx open the breaker of a pool's last routable worker (of its
-    role); their requests still end (fast, or after `read_s`), and health checks still take down
-    a worker that fails them.
+    opens no breaker, nor does a worker failing requests no other worker is tried on (a pool's
+    last routable worker, one with no retries); their requests still end (fast, or after
+    `read_s`), a worker failing what others serve is still shut out once its requests are
+    retried, and health checks still take down a worker that fails them (vLLM's `/health` fails
+    when its engine is dead).
     """
 
-    __slots__ = ("_timed_out", "_workers")
+    __slots__ = ("_workers",)
 
     def __init__(self) -> None:
         self._workers: list[Worker] = []
-        self._timed_out = False  # a held failure was a read timeout
 
     def hold(self, worker: Worker, failure: Failure) -> None:
+        """`worker` failed the request so (a 5xx or a read timeout: either waits alike)."""
         self._workers.append(worker)
-        self._timed_out = self._timed_out or not failure.answered
 
     def convict(self, now_s: float) -> None:
         for worker in self._workers:
@@ -194,28 +198,12 @@ class HeldVerdicts:
 
     def acquit(self) -> None:
         self._workers.clear()
-        self._timed_out = False
 
     def settle(self, now_s: float, pool: Iterable[Worker]) -> None:
-        """The request ends without an answer: one worker's 5xx is its failure when another
-        worker of `pool` (the request's pool, as it is now) could take its requests
-        (`has_peer`); one worker's read timeout, or several workers' failures, point at the
-        request."""
-        if len(self._workers) == 1 and not self._timed_out and has_peer(self._workers[0], pool, now_s):
-            self.convict(now_s)
-        else:
-            self.acquit()
-
-
-def has_peer(worker: Worker, pool: Iterable[Worker], now_s: float) -> bool:
-    """Whether another worker of `pool` in `worker`'s role (`Role.of`: prefill, decode, or whole
-    requests) is routable now: healthy, and its breaker lets requests through. Each gateway
-    process keeps its own breakers, so this is the process's own view."""
-    role = Role.of(worker.role)
-    return any(
-        peer is not worker and Role.of(peer.role) is role and peer.healthy and peer.breaker.allows(now_s)
-        for peer in pool
-    )
+        """The request ends without an answer: no worker served it, so no held failure, one
+        worker's or several, is shown to be a worker's. All are acquitted; `now_s` and `pool` (the
+        request's pool) are not read, since no peer's state stands in for a peer's answer."""
+        self.acquit()
 
 
 def _feedback(routing: Routing, obs: Observation, now_s: float) -> None:

@@ -18,6 +18,11 @@ attempts, and the gateway spends it:
   the workers asked to be retried later, after their `Retry-After`, having spent nothing on the
   request. An answer too large is never retried.
 
+What the client says here cuts the gateway's attempts, so it must not decide a worker's verdict:
+a try cut to one attempt compares a worker's 5xx or read timeout with no other worker, and such a
+lone failure counts against no worker (`outcome.HeldVerdicts`), else one tenant's requests that
+every worker fails would open the breakers of the pool's workers one after another.
+
 A worker's own `Retry-After` and `retry-after-ms` (an overloaded worker's advice) are forwarded
 when they are plain numbers; anything else (a date, garbage) is dropped rather than relayed.
 """

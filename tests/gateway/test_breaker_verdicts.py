@@ -289,7 +289,7 @@ async def test_a_pd_request_every_worker_is_too_slow_for_opens_no_breaker(rig: R
     assert (await rig.chat("pd", tenant="u")).status_code == 200
 
 
-def test_a_lone_read_timeout_is_acquitted_and_a_lone_5xx_convicted() -> None:
+def test_a_lone_read_timeout_or_5xx_is_acquitted() -> None:
     @dataclass
     class _Held:
         breaker: CircuitBreaker
@@ -304,7 +304,7 @@ def test_a_lone_read_timeout_is_acquitted_and_a_lone_5xx_convicted() -> None:
     assert not failure_of(stalled, Stage.HEAD, timeouts).held
     for held, failures in (
         ([timed_out], 0),
-        ([worker_status(500)], 1),
+        ([worker_status(500)], 0),
         ([worker_status(500), timed_out], 0),
         ([timed_out, timed_out], 0),
     ):

@@ -9,18 +9,14 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import httpx
 import orjson
 import pytest
 from aiohttp import web
 
-from gateway.breaker import CircuitBreaker
-from gateway.config.pool import BreakerConfig
 from gateway.failure import WORKER_SAID_CHARS, worker_said, worker_status
-from gateway.outcome import HeldVerdicts, has_peer
-from gateway.worker import Worker
 from tests.gateway.access_lines import capture_access
 from tests.gateway.chat_rig import (
     ChatRig,
@@ -113,13 +109,6 @@ async def rig() -> AsyncIterator[Rig]:
             {"name": "one", "models": ["m1"], "workers": [urls["a"]], **common},
             {"name": "two", "models": ["m2"], "workers": [urls["a"], urls["b"]], **common},
             {
-                "name": "two0",
-                "models": ["m20"],
-                "workers": [urls["a"], urls["b"]],
-                **common,
-                "retry_attempts": 0,
-            },
-            {
                 "name": "pd",
                 "models": ["pd"],
                 "prefill_workers": [urls["p"]],
@@ -178,15 +167,6 @@ async def test_a_5xx_spares_the_last_routable_worker_of_two(rig: Rig, how: str) 
     assert (await rig.chat("m2", tenant="u")).status_code == 200
 
 
-async def test_a_lone_5xx_with_a_routable_peer_still_counts(rig: Rig) -> None:
-    # No retry, so nothing to compare with; but another worker takes what this one would get.
-    assert (await rig.chat("m20", POISON)).status_code == 502
-    (name,) = rig.workers.posts
-    failed = rig.worker("two0", name)
-    assert failed.breaker.failures == 1 and not failed.breaker.closed
-    assert (await rig.chat("m20", tenant="u")).status_code == 200  # the other worker serves
-
-
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_pd_pools_last_decode_worker_is_spared(rig: Rig, stream: bool) -> None:
     for _ in range(3):
@@ -233,31 +213,3 @@ def test_worker_said_cuts_long_messages_and_keeps_503s_words() -> None:
     assert worker_status(500, said=said).error().message == f"worker answered 500: {said}"
     assert worker_status(500, said=said).detail() == "worker answered 500"
     assert worker_status(503).error().message == "worker answered 503"
-
-
-def test_has_peer_looks_at_routable_workers_of_the_same_role() -> None:
-    @dataclass
-    class _Worker:
-        role: str | None
-        healthy: bool = True
-        breaker: CircuitBreaker = field(
-            default_factory=lambda: CircuitBreaker(BreakerConfig(failure_threshold=1, cooldown_s=5))
-        )
-
-    now_s = 100.0
-    a, b = _Worker(None), _Worker("mixed")
-    assert has_peer(cast(Worker, a), cast(list[Worker], [a, b]), now_s)
-    b.breaker.on_failure(now_s)
-    assert not has_peer(cast(Worker, a), cast(list[Worker], [a, b]), now_s)
-    assert has_peer(cast(Worker, a), cast(list[Worker], [a, b]), now_s + 5)  # half-open: a trial
-    b.healthy = False
-    assert not has_peer(cast(Worker, a), cast(list[Worker], [a, b]), now_s + 5)
-    prefill, decode = _Worker("prefill"), _Worker("decode")
-    assert not has_peer(cast(Worker, prefill), cast(list[Worker], [prefill, decode, a]), now_s)
-    # The pool's last worker keeps its breaker closed; with a peer, the lone 5xx counts.
-    for pool, failures in (([a], 0), ([a, _Worker(None)], 1)):
-        verdicts = HeldVerdicts()
-        verdicts.hold(cast(Worker, a), worker_status(500))
-        a.healthy, a.breaker = True, CircuitBreaker(BreakerConfig(failure_threshold=3))
-        verdicts.settle(now_s, cast(list[Worker], pool))
-        assert a.breaker.failures == failures

@@ -184,7 +184,7 @@ async def admit(
         )
         raise Refused(unknown, api.endpoint, streams(body, api))
     try:
-        max_out = output_budget(body, api.prompt, pool.windows.max_model_len.get(model))
+        max_out = output_budget(body, api.prompt, pool.windows.max_model_len.get(model), api.fanout)
     except ApiError as err:
         raise _refused(err, api, body, model) from None
     if (unserved := unrunnable(pool, api.pd_split, body)) is not None:

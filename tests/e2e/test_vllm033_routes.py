@@ -44,6 +44,19 @@ def test_a_batch_of_chat_completions_answers_one_choice_per_conversation(gateway
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "n"
 
 
+def test_a_batch_of_chat_completions_is_bounded_by_the_choices_limit(gateway: str) -> None:
+    """Each conversation decodes on its own, so the batch runs one sequence per conversation: at
+    most `limits.max_choices` (128), as a completions batch (100,000 reached the worker)."""
+    body = {"model": MODEL, "messages": [CHAT] * 129, "max_tokens": 2}
+    refused = post(gateway, "/v1/chat/completions/batch", body)
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["code"] == "integer_above_max_value"
+    assert refused.json()["error"]["param"] == "messages"
+    answer = post(gateway, "/v1/chat/completions/batch", {**body, "messages": [CHAT] * 128})
+    assert answer.status_code == 200, answer.text
+    assert len(answer.json()["choices"]) == 128
+
+
 def test_generative_scoring_scores_every_item(gateway: str) -> None:
     body = {
         "model": MODEL,

@@ -26,6 +26,7 @@ from tests.support.inprocess import InProcessGateway, gateway_in_process
 SECRET = b"k"
 COMPLETIONS = ROUTES["/v1/completions"]
 GENERATE = ROUTES["/generate"]
+CHAT_BATCH = ROUTES["/v1/chat/completions/batch"]
 
 
 def _refusal(body: dict[str, Any], route: Any = COMPLETIONS) -> ApiError:
@@ -65,6 +66,20 @@ def test_the_output_budget_and_the_tokens_count_every_prompt() -> None:
     assert err.value.param == "sampling_params[0].max_new_tokens"
     # Each prompt on its own: a short first prompt does not make the batch short.
     assert batch_tokens({"prompt": ["", "x" * 4000, "x" * 4000]}, "completions", 0, 4) == 2000
+
+
+def test_a_batch_of_chat_completions_counts_its_conversations() -> None:
+    conversation = [{"role": "user", "content": "x"}]
+    err = _refusal({"model": "m", "messages": [conversation] * 129}, CHAT_BATCH)
+    assert (err.status, err.code, err.param) == (400, "integer_above_max_value", "messages")
+    assert "batch of 129 conversations with 1 choices" in err.message
+    assert _refusal({"model": "m", "messages": [conversation] * 65, "n": 2}, CHAT_BATCH).param == "messages"
+    # One conversation sent as a list of messages is one, as one prompt of a completions batch is.
+    parse_body(orjson.dumps({"model": "m", "messages": conversation * 200}), CHAT_BATCH, max_choices=128)
+    body = {"model": "m", "messages": [conversation] * 3, "max_tokens": 10}
+    assert output_budget(body, None, None, "conversations") == 30
+    assert output_budget({**body, "max_completion_tokens": 2}, None, None, "conversations") == 6
+    assert output_budget({**body, "max_tokens": 10**9}, None, None, "conversations") == 3 * 131_072
 
 
 @contextlib.asynccontextmanager

@@ -184,3 +184,41 @@ async def test_the_responses_render_route_is_served_not_taken_for_a_stored_respo
         assert (await client.get("/v1/responses/render", headers=KEY)).status_code == 405
         cohere = await client.post("/cohere/v2/chat", json={"model": "m", "messages": CHAT}, headers=KEY)
         assert cohere.status_code == 404
+
+
+async def test_a_batch_of_chat_completions_counts_its_conversations_as_sequences() -> None:
+    """Each conversation of the batch decodes on its own: the conversations count against
+    `limits.max_choices` as a completions batch's prompts do. 100,000 conversations with a
+    budget of the window each reached the worker."""
+    async with gateway() as (client, worker, _):
+        for count in (129, 100_000):
+            body = {"model": "m", "messages": [CHAT] * count, "max_tokens": 4096}
+            answer = await client.post("/v1/chat/completions/batch", json=body, headers=KEY)
+            assert answer.status_code == 400, answer.text
+            error = answer.json()["error"]
+            assert (error["code"], error["param"]) == ("integer_above_max_value", "messages")
+            assert f"batch of {count} conversations" in error["message"]
+        two = {"model": "m", "messages": [CHAT] * 65, "n": 2}
+        assert (await client.post("/v1/chat/completions/batch", json=two, headers=KEY)).status_code == 400
+        assert worker.seen == []
+        full = {"model": "m", "messages": [CHAT] * 128, "max_tokens": 4}
+        assert (await client.post("/v1/chat/completions/batch", json=full, headers=KEY)).status_code == 200
+        assert len(worker.seen[-1].body["messages"]) == 128
+
+
+async def test_a_batch_of_chat_completions_counts_every_conversations_budget() -> None:
+    """The budget of a batch is each conversation's: the worker's load counts it once per
+    conversation, at most the window each, as a completions batch's is (it counted 0)."""
+    async with gateway(max_model_len=4096) as (client, worker, policy):
+        body = {"model": "m", "messages": [CHAT] * 100, "max_tokens": 500}
+        assert (await client.post("/v1/chat/completions/batch", json=body, headers=KEY)).status_code == 200
+        assert policy.requests[-1].max_output_tokens == 100 * 500
+        chat_field = {**body, "max_completion_tokens": 7}
+        answer = await client.post("/v1/chat/completions/batch", json=chat_field, headers=KEY)
+        assert answer.status_code == 200 and policy.requests[-1].max_output_tokens == 100 * 7
+        window = {**body, "max_tokens": 4096}
+        answer = await client.post("/v1/chat/completions/batch", json=window, headers=KEY)
+        assert answer.status_code == 200 and policy.requests[-1].max_output_tokens == 100 * 4095
+        past = await client.post("/v1/chat/completions/batch", json={**body, "max_tokens": 4097}, headers=KEY)
+        assert past.status_code == 400 and past.json()["error"]["param"] == "max_tokens"
+        assert len(worker.seen) == 3

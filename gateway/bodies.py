@@ -130,8 +130,9 @@ def parse_body(raw: bytes, api: ApiRoute, max_choices: int = 128) -> dict[str, A
                 check_choices(entry, max_choices, path)
     if prompt in ("completions", "generate"):
         check_sequences(body, prompt, _choices(body, prompt), max_choices)
-    elif api.fanout is not None:
-        check_fanout(body, api.fanout, _choices(body, None), max_choices)
+    elif api.fanout is not None:  # a read prefills each item or question for one token
+        choices = _choices(body, None) if api.fanout == "conversations" else 1
+        check_fanout(body, api.fanout, choices, max_choices)
     if not ENGINE_INTERNAL_FIELDS.isdisjoint(body):
         name = min(ENGINE_INTERNAL_FIELDS.intersection(body))
         raise bad_request(f"'{name}' is an engine-internal field and cannot be set through the gateway", name)

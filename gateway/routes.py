@@ -243,8 +243,11 @@ ROUTES: dict[str, ApiRoute] = _routes(
     # for their prompts. `/v1/systemone` and `/v1/decisions` refuse unknown fields, and the
     # decisions model, which always names its model, has no `priority`: it gets no engine
     # priority (vLLM would refuse the request with 400 on a pool that schedules by priority).
-    ApiRoute("generative_scoring", "/generative_scoring", salted=True),
-    ApiRoute("structured_decisions", "/v1/systemone", salted=True),
+    # Each read prefills what its items or questions share again (the query, the state and its
+    # instructions, the input): they count once per read (`prompt_batch.fanout_tokens`), and the
+    # reads as sequences against `limits.max_choices`.
+    ApiRoute("generative_scoring", "/generative_scoring", salted=True, fanout="items"),
+    ApiRoute("structured_decisions", "/v1/systemone", salted=True, fanout="state_questions"),
     ApiRoute(
         "decisions",
         "/v1/decisions",
@@ -252,6 +255,7 @@ ROUTES: dict[str, ApiRoute] = _routes(
         model_optional=False,
         fields=_NO_FIELDS,
         engine_priority=False,
+        fanout="input_questions",
     ),
     _INVOCATIONS,
     # `encoding_format` "bytes" / "bytes_only": an `application/octet-stream` answer (and its

@@ -17,7 +17,7 @@ from gateway.auth import hash_api_key
 from gateway.bodies import output_budget, parse_body
 from gateway.errors import ApiError
 from gateway.gate import Gate
-from gateway.prompt_batch import batch_tokens
+from gateway.prompt_batch import batch_tokens, fanout_tokens
 from gateway.request_head import RequestIds
 from gateway.routes import ROUTES
 from policies import make_policy
@@ -80,6 +80,21 @@ def test_a_batch_of_chat_completions_counts_its_conversations() -> None:
     assert output_budget(body, None, None, "conversations") == 30
     assert output_budget({**body, "max_completion_tokens": 2}, None, None, "conversations") == 6
     assert output_budget({**body, "max_tokens": 10**9}, None, None, "conversations") == 3 * 131_072
+
+
+def test_what_every_read_repeats_counts_once_per_read() -> None:
+    scoring = {"query": "x" * 400, "items": ["a", "b", "c"]}
+    assert fanout_tokens(scoring, "items", 110, 4) == 110 + 2 * 100
+    assert fanout_tokens({**scoring, "query": list(range(50))}, "items", 60, 4) == 60 + 2 * 50
+    assert fanout_tokens({**scoring, "items": ["a"]}, "items", 110, 4) == 110
+    state = {"state": {"k": "v" * 92}, "instructions": "y" * 40, "questions": {"a": {}, "b": {}}}
+    assert fanout_tokens(state, "state_questions", 50, 4) == 50 + (25 + 10)
+    decisions = {"input": [{"role": "user", "content": "z" * 100}], "questions": [{}] * 4}
+    assert fanout_tokens(decisions, "input_questions", 40, 4) == 40 + 3 * 33
+    # A batch of conversations shares nothing: its body counts each conversation once.
+    assert fanout_tokens({"messages": [[{}]] * 9}, "conversations", 70, 4) == 70
+    # Not a list of items or questions: the worker's 400, the body's size meanwhile.
+    assert fanout_tokens({"query": "x" * 400, "items": "abc"}, "items", 110, 4) == 110
 
 
 @contextlib.asynccontextmanager

@@ -184,7 +184,7 @@ async def admit(
         )
         raise Refused(unknown, api.endpoint, streams(body, api))
     try:
-        max_out = output_budget(body, api.prompt, pool.windows.max_model_len.get(model))
+        max_out = output_budget(body, api.prompt, pool.windows.max_model_len.get(model), api.fanout)
     except ApiError as err:
         raise _refused(err, api, body, model) from None
     if (unserved := unrunnable(pool, api.pd_split, body)) is not None:
@@ -217,8 +217,11 @@ async def admit(
         except ApiError as err:
             raise _refused(err, api, body, model) from None
 
-    # A batch's prompts all count (the normalizer keyed the first): in the quota and the load.
-    n_tokens = batch_tokens(body, api.prompt, canonical.n_tokens, normalizer.config.chars_per_token)
+    # A batch's prompts all count (the normalizer keyed the first), and what a read's items or
+    # questions share counts once per read: in the quota and the load.
+    n_tokens = batch_tokens(
+        body, api.prompt, canonical.n_tokens, normalizer.config.chars_per_token, api.fanout
+    )
     limiter = gate.limiters[tenant.name]
     rejection = limiter.admit(n_tokens, started_s)
     if rejection is not None:

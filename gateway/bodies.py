@@ -17,8 +17,8 @@ import orjson
 from gateway.config import EnginePriorityConfig
 from gateway.errors import ApiError, bad_request
 from gateway.multipart import boundary_of, content_type_header, form_fields
-from gateway.prompt_batch import batch_sizes, check_sequences
-from gateway.routes import ApiRoute
+from gateway.prompt_batch import batch_sizes, check_fanout, check_sequences, fanned_out
+from gateway.routes import ApiRoute, Fanout
 from prompt_normalizer.generate_input import GENERATE_PROMPT_FIELDS
 from prompt_normalizer.lax import lax_bool, lax_int
 
@@ -130,6 +130,9 @@ def parse_body(raw: bytes, api: ApiRoute, max_choices: int = 128) -> dict[str, A
                 check_choices(entry, max_choices, path)
     if prompt in ("completions", "generate"):
         check_sequences(body, prompt, _choices(body, prompt), max_choices)
+    elif api.fanout is not None:  # a read prefills each item or question for one token
+        choices = _choices(body, None) if api.fanout == "conversations" else 1
+        check_fanout(body, api.fanout, choices, max_choices)
     if not ENGINE_INTERNAL_FIELDS.isdisjoint(body):
         name = min(ENGINE_INTERNAL_FIELDS.intersection(body))
         raise bad_request(f"'{name}' is an engine-internal field and cannot be set through the gateway", name)
@@ -357,18 +360,21 @@ def _choices(body: dict[str, Any], prompt: str | None) -> int:
     return max(values, default=1)
 
 
-def output_budget(body: dict[str, Any], prompt: str | None, max_model_len: int | None) -> int:
+def output_budget(
+    body: dict[str, Any], prompt: str | None, max_model_len: int | None, fanout: Fanout | None = None
+) -> int:
     """The request's output budget as it counts in its worker's load, for a route whose
     `ApiRoute.prompt` is `prompt` (chat and completions, Messages `max_tokens`, Responses
     `max_output_tokens`, the native generate routes' `sampling_params`; the field its engine
-    reads, `_OUTPUT_FIELDS`): at most its model's context window `max_model_len`, stated or
-    learned (`model_window.PoolWindows`; `ASSUMED_MAX_MODEL_LEN` when None), times the choices it
-    asks for (`n`, `best_of`: each decodes its own); 0 when it sets none. A budget past a known
-    window is refused with 400, as vLLM refuses it (`max_tokens` greater than `max_model_len`);
-    one up to the window is served, vLLM shortening it to what the prompt leaves
-    (`get_max_tokens`), so it counts as at most the window less one token (every prompt has
-    one)."""
-    found = _output_field(body, prompt)
+    reads, `_OUTPUT_FIELDS`) or whose `ApiRoute.fanout` is `fanout` (a batch of chat completions:
+    chat's fields): at most its model's context window `max_model_len`, stated or learned
+    (`model_window.PoolWindows`; `ASSUMED_MAX_MODEL_LEN` when None), times the choices it asks
+    for (`n`, `best_of`: each decodes its own) and the prompts of a batch (each decodes its own
+    budget); 0 when it sets none. A budget past a known window is refused with 400, as vLLM
+    refuses it (`max_tokens` greater than `max_model_len`); one up to the window is served, vLLM
+    shortening it to what the prompt leaves (`get_max_tokens`), so it counts as at most the window
+    less one token (every prompt has one)."""
+    found = _output_field(body, "chat" if fanout == "conversations" else prompt)
     if found is None:
         return 0
     name, value = found
@@ -382,6 +388,8 @@ def output_budget(body: dict[str, Any], prompt: str | None, max_model_len: int |
         raise ApiError(400, message, "invalid_request_error", "integer_above_max_value", name)
     elif value == max_model_len:
         value = max(max_model_len - 1, 1)
+    if fanout is not None:
+        return value * _choices(body, None) * (fanned_out(body, fanout) or 1)
     sizes = batch_sizes(body, prompt)
     return value * _choices(body, prompt) * (1 if sizes is None else len(sizes))
 

@@ -274,8 +274,10 @@ WORKER_SAID_CHARS = 512
 def worker_said(body: bytes | bytearray | memoryview, withhold: Callable[[bytes], bytes]) -> str | None:
     """The message of a worker's JSON error body, read from its first `ERROR_PREFIX_BYTES`:
     vLLM's `{"error": {"message": ...}}`, or its older `{"object": "error", "message": ...}`;
-    cut to `WORKER_SAID_CHARS`, and passed through `withhold` (`Admitted.withhold_salts`: the
-    message may quote the request). None for a body of another shape, or one longer than read."""
+    passed through `withhold` (`Admitted.withhold_salts`: the message may quote the request), then
+    cut to `WORKER_SAID_CHARS`: cut first, a salt across the cut would keep fewer of its characters
+    than `withhold` looks for (`errors.MIN_SALT_RUN`), and they would reach the client. None for a
+    body of another shape, or one longer than read."""
     try:
         parsed = orjson.loads(bytes(body[:ERROR_PREFIX_BYTES]))
     except orjson.JSONDecodeError:
@@ -284,10 +286,10 @@ def worker_said(body: bytes | bytearray | memoryview, withhold: Callable[[bytes]
     message = inner.get("message") if isinstance(inner, dict) else None
     if not isinstance(message, str) or not message.strip():
         return None
-    message = message.strip()
+    message = withhold(message.strip().encode()).decode(errors="replace")
     if len(message) > WORKER_SAID_CHARS:
         message = message[:WORKER_SAID_CHARS] + "..."
-    return withhold(message.encode()).decode(errors="replace")
+    return message
 
 
 def worker_status(status: int, hints: RetryHints = (), said: str | None = None) -> Failure:

@@ -26,6 +26,12 @@ from gateway.sse_named import MessagesRelay, ResponsesRelay
 
 Prompt = Literal["chat", "completions", "responses", "messages", "generate"]
 
+# How a load-aware route's body fans out into the prompts its worker runs one by one
+# (`gateway.prompt_batch`): the conversations of a batch of chat completions, the items of a
+# generative scoring request, the questions about a state (`/v1/systemone`) or an input
+# (`/v1/decisions`).
+Fanout = Literal["conversations", "items", "state_questions", "input_questions"]
+
 
 @dataclass(frozen=True, slots=True)
 class Dialect:
@@ -73,6 +79,9 @@ class ApiRoute:
     lacks: `/v1/decisions`). `scale_out`: a route vLLM 0.33 serves only when started with
     `--enable-scale-out` (render, derender): without it the worker answers 403, its own answer to
     the request (passed on as any 4xx is), not a refusal of the gateway's credentials.
+    `fanout`: the body is many prompts the worker runs one by one (`Fanout`): they count as
+    sequences against `limits.max_choices`, in the prompt tokens and in the output budget
+    (`prompt_batch`).
     """
 
     endpoint: str
@@ -92,6 +101,7 @@ class ApiRoute:
     fields: frozenset[str] = frozenset({"priority"})
     engine_priority: bool = True
     scale_out: bool = False
+    fanout: Fanout | None = None
     path_bytes: bytes = field(init=False)
     rewrites: bool = field(init=False)
     plain_head: bool = field(init=False)
@@ -189,7 +199,7 @@ ROUTES: dict[str, ApiRoute] = _routes(
     # the normalizer reads one conversation, and keys for one of them would describe a fraction
     # of the KV the request computes. It generates, so it is salted and takes the tenant's engine
     # priority; it runs whole on one worker (vLLM's batch refuses `kv_transfer_params` prompts).
-    ApiRoute("chat_batch", "/v1/chat/completions/batch", salted=True),
+    ApiRoute("chat_batch", "/v1/chat/completions/batch", salted=True, fanout="conversations"),
     # Rendering computes no KV: keyed, it would tell the policy that the worker now holds the
     # prompt's blocks. Load-aware, to any worker of the pool.
     ApiRoute("chat_render", "/v1/chat/completions/render", fields=_CHAT_FIELDS, scale_out=True),
@@ -233,8 +243,11 @@ ROUTES: dict[str, ApiRoute] = _routes(
     # for their prompts. `/v1/systemone` and `/v1/decisions` refuse unknown fields, and the
     # decisions model, which always names its model, has no `priority`: it gets no engine
     # priority (vLLM would refuse the request with 400 on a pool that schedules by priority).
-    ApiRoute("generative_scoring", "/generative_scoring", salted=True),
-    ApiRoute("structured_decisions", "/v1/systemone", salted=True),
+    # Each read prefills what its items or questions share again (the query, the state and its
+    # instructions, the input): they count once per read (`prompt_batch.fanout_tokens`), and the
+    # reads as sequences against `limits.max_choices`.
+    ApiRoute("generative_scoring", "/generative_scoring", salted=True, fanout="items"),
+    ApiRoute("structured_decisions", "/v1/systemone", salted=True, fanout="state_questions"),
     ApiRoute(
         "decisions",
         "/v1/decisions",
@@ -242,6 +255,7 @@ ROUTES: dict[str, ApiRoute] = _routes(
         model_optional=False,
         fields=_NO_FIELDS,
         engine_priority=False,
+        fanout="input_questions",
     ),
     _INVOCATIONS,
     # `encoding_format` "bytes" / "bytes_only": an `application/octet-stream` answer (and its

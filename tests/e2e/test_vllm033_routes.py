@@ -12,9 +12,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.harness import gateway_over_one_emulator
+from tests.e2e.harness import Proc, free_port, start_emulator, start_gateway, tenant, write_gateway_config
 
 KEY = "sk-vllm033-routes"
+QUOTA_KEY = "sk-vllm033-routes-tpm"  # a tenant of 100,000 tokens a minute
 MODEL = "emu-033"
 AUTH = {"authorization": f"Bearer {KEY}"}
 CHAT = [{"role": "user", "content": "Say something short."}]
@@ -22,8 +23,19 @@ CHAT = [{"role": "user", "content": "Say something short."}]
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with gateway_over_one_emulator(Path(tmp_path_factory.mktemp("vllm033")), MODEL, KEY) as base:
-        yield base
+    """A gateway process in front of one emulated vLLM worker (20x speed), with two tenants."""
+    emulator, worker = start_emulator("--model", MODEL, "--time-scale", "20")
+    procs: list[Proc] = [worker]
+    try:
+        tenants = [tenant("t", KEY), tenant("q", QUOTA_KEY, quotas={"tpm": 100_000})]
+        pools = [{"name": "p", "models": [MODEL], "workers": [emulator]}]
+        path = write_gateway_config(Path(tmp_path_factory.mktemp("vllm033")) / "gw.yaml", pools, tenants)
+        port = free_port()
+        procs.append(start_gateway(path, port))
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
 
 
 def post(base: str, path: str, body: dict[str, Any], headers: dict[str, str] = AUTH) -> httpx.Response:
@@ -44,6 +56,19 @@ def test_a_batch_of_chat_completions_answers_one_choice_per_conversation(gateway
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "n"
 
 
+def test_a_batch_of_chat_completions_is_bounded_by_the_choices_limit(gateway: str) -> None:
+    """Each conversation decodes on its own, so the batch runs one sequence per conversation: at
+    most `limits.max_choices` (128), as a completions batch (100,000 reached the worker)."""
+    body = {"model": MODEL, "messages": [CHAT] * 129, "max_tokens": 2}
+    refused = post(gateway, "/v1/chat/completions/batch", body)
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["code"] == "integer_above_max_value"
+    assert refused.json()["error"]["param"] == "messages"
+    answer = post(gateway, "/v1/chat/completions/batch", {**body, "messages": [CHAT] * 128})
+    assert answer.status_code == 200, answer.text
+    assert len(answer.json()["choices"]) == 128
+
+
 def test_generative_scoring_scores_every_item(gateway: str) -> None:
     body = {
         "model": MODEL,
@@ -56,6 +81,29 @@ def test_generative_scoring_scores_every_item(gateway: str) -> None:
     got = answer.json()
     assert got["id"].startswith("generative-scoring-") and [d["index"] for d in got["data"]] == [0, 1]
     assert got["usage"]["prompt_tokens"] > 0 and got["usage"]["completion_tokens"] == 2
+
+
+def test_generative_scoring_counts_its_query_once_per_item(gateway: str) -> None:
+    """The worker prefills the query with every item: 120 items of a 3,500-character query are
+    about 105,000 tokens, past a tpm quota of 100,000 (admitted as the body's 1,200 before, the
+    worker then prefilling the query 120 times). 129 items are past `limits.max_choices`."""
+    quota = {"authorization": f"Bearer {QUOTA_KEY}"}
+    query = "word " * 700
+    body = {
+        "model": MODEL,
+        "query": query,
+        "items": [f"item {i}" for i in range(120)],
+        "label_token_ids": [5],
+    }
+    refused = post(gateway, "/generative_scoring", body, quota)
+    assert refused.status_code == 429, refused.text
+    assert refused.json()["error"]["code"] == "insufficient_quota"
+    assert refused.headers["x-ratelimit-remaining-tokens"] == "100000"  # nothing charged, nothing ran
+    many = post(gateway, "/generative_scoring", {**body, "items": ["a"] * 129}, quota)
+    assert many.status_code == 400 and many.json()["error"]["param"] == "items"
+    answer = post(gateway, "/generative_scoring", {**body, "items": ["a", "b"]}, quota)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["prompt_tokens"] > 0
 
 
 def test_structured_decisions_answer_every_question(gateway: str) -> None:

@@ -17,7 +17,7 @@ from gateway.auth import hash_api_key
 from gateway.bodies import output_budget, parse_body
 from gateway.errors import ApiError
 from gateway.gate import Gate
-from gateway.prompt_batch import batch_tokens
+from gateway.prompt_batch import batch_tokens, fanout_tokens
 from gateway.request_head import RequestIds
 from gateway.routes import ROUTES
 from policies import make_policy
@@ -26,6 +26,7 @@ from tests.support.inprocess import InProcessGateway, gateway_in_process
 SECRET = b"k"
 COMPLETIONS = ROUTES["/v1/completions"]
 GENERATE = ROUTES["/generate"]
+CHAT_BATCH = ROUTES["/v1/chat/completions/batch"]
 
 
 def _refusal(body: dict[str, Any], route: Any = COMPLETIONS) -> ApiError:
@@ -65,6 +66,35 @@ def test_the_output_budget_and_the_tokens_count_every_prompt() -> None:
     assert err.value.param == "sampling_params[0].max_new_tokens"
     # Each prompt on its own: a short first prompt does not make the batch short.
     assert batch_tokens({"prompt": ["", "x" * 4000, "x" * 4000]}, "completions", 0, 4) == 2000
+
+
+def test_a_batch_of_chat_completions_counts_its_conversations() -> None:
+    conversation = [{"role": "user", "content": "x"}]
+    err = _refusal({"model": "m", "messages": [conversation] * 129}, CHAT_BATCH)
+    assert (err.status, err.code, err.param) == (400, "integer_above_max_value", "messages")
+    assert "batch of 129 conversations with 1 choices" in err.message
+    assert _refusal({"model": "m", "messages": [conversation] * 65, "n": 2}, CHAT_BATCH).param == "messages"
+    # One conversation sent as a list of messages is one, as one prompt of a completions batch is.
+    parse_body(orjson.dumps({"model": "m", "messages": conversation * 200}), CHAT_BATCH, max_choices=128)
+    body = {"model": "m", "messages": [conversation] * 3, "max_tokens": 10}
+    assert output_budget(body, None, None, "conversations") == 30
+    assert output_budget({**body, "max_completion_tokens": 2}, None, None, "conversations") == 6
+    assert output_budget({**body, "max_tokens": 10**9}, None, None, "conversations") == 3 * 131_072
+
+
+def test_what_every_read_repeats_counts_once_per_read() -> None:
+    scoring = {"query": "x" * 400, "items": ["a", "b", "c"]}
+    assert fanout_tokens(scoring, "items", 110, 4) == 110 + 2 * 100
+    assert fanout_tokens({**scoring, "query": list(range(50))}, "items", 60, 4) == 60 + 2 * 50
+    assert fanout_tokens({**scoring, "items": ["a"]}, "items", 110, 4) == 110
+    state = {"state": {"k": "v" * 92}, "instructions": "y" * 40, "questions": {"a": {}, "b": {}}}
+    assert fanout_tokens(state, "state_questions", 50, 4) == 50 + (25 + 10)
+    decisions = {"input": [{"role": "user", "content": "z" * 100}], "questions": [{}] * 4}
+    assert fanout_tokens(decisions, "input_questions", 40, 4) == 40 + 3 * 33
+    # A batch of conversations shares nothing: its body counts each conversation once.
+    assert fanout_tokens({"messages": [[{}]] * 9}, "conversations", 70, 4) == 70
+    # Not a list of items or questions: the worker's 400, the body's size meanwhile.
+    assert fanout_tokens({"query": "x" * 400, "items": "abc"}, "items", 110, 4) == 110
 
 
 @contextlib.asynccontextmanager

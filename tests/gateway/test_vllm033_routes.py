@@ -63,14 +63,15 @@ class Worker:
 
 @contextlib.asynccontextmanager
 async def gateway(
-    worker: Worker | None = None, **pool: Any
+    worker: Worker | None = None, quotas: dict[str, int] | None = None, **pool: Any
 ) -> AsyncIterator[tuple[httpx.AsyncClient, Worker, Recording]]:
     worker = worker or Worker()
+    limits = {"quotas": quotas} if quotas else {}
     runner, port = await serve_app(worker.app())
     policy = Recording()
     config = {
         "pools": [{"name": "p", "models": ["m"], "workers": [f"http://127.0.0.1:{port}"], **pool}],
-        "tenants": [{"name": "t", "api_key_hashes": [hash_api_key(SECRET, "sk-t")]}],
+        "tenants": [{"name": "t", "api_key_hashes": [hash_api_key(SECRET, "sk-t")], **limits}],
         "scrape": {"enabled": False},
     }
     try:
@@ -184,3 +185,103 @@ async def test_the_responses_render_route_is_served_not_taken_for_a_stored_respo
         assert (await client.get("/v1/responses/render", headers=KEY)).status_code == 405
         cohere = await client.post("/cohere/v2/chat", json={"model": "m", "messages": CHAT}, headers=KEY)
         assert cohere.status_code == 404
+
+
+async def test_a_batch_of_chat_completions_counts_its_conversations_as_sequences() -> None:
+    """Each conversation of the batch decodes on its own: the conversations count against
+    `limits.max_choices` as a completions batch's prompts do. 100,000 conversations with a
+    budget of the window each reached the worker."""
+    async with gateway() as (client, worker, _):
+        for count in (129, 100_000):
+            body = {"model": "m", "messages": [CHAT] * count, "max_tokens": 4096}
+            answer = await client.post("/v1/chat/completions/batch", json=body, headers=KEY)
+            assert answer.status_code == 400, answer.text
+            error = answer.json()["error"]
+            assert (error["code"], error["param"]) == ("integer_above_max_value", "messages")
+            assert f"batch of {count} conversations" in error["message"]
+        two = {"model": "m", "messages": [CHAT] * 65, "n": 2}
+        assert (await client.post("/v1/chat/completions/batch", json=two, headers=KEY)).status_code == 400
+        assert worker.seen == []
+        full = {"model": "m", "messages": [CHAT] * 128, "max_tokens": 4}
+        assert (await client.post("/v1/chat/completions/batch", json=full, headers=KEY)).status_code == 200
+        assert len(worker.seen[-1].body["messages"]) == 128
+
+
+async def test_a_batch_of_chat_completions_counts_every_conversations_budget() -> None:
+    """The budget of a batch is each conversation's: the worker's load counts it once per
+    conversation, at most the window each, as a completions batch's is (it counted 0)."""
+    async with gateway(max_model_len=4096) as (client, worker, policy):
+        body = {"model": "m", "messages": [CHAT] * 100, "max_tokens": 500}
+        assert (await client.post("/v1/chat/completions/batch", json=body, headers=KEY)).status_code == 200
+        assert policy.requests[-1].max_output_tokens == 100 * 500
+        chat_field = {**body, "max_completion_tokens": 7}
+        answer = await client.post("/v1/chat/completions/batch", json=chat_field, headers=KEY)
+        assert answer.status_code == 200 and policy.requests[-1].max_output_tokens == 100 * 7
+        window = {**body, "max_tokens": 4096}
+        answer = await client.post("/v1/chat/completions/batch", json=window, headers=KEY)
+        assert answer.status_code == 200 and policy.requests[-1].max_output_tokens == 100 * 4095
+        past = await client.post("/v1/chat/completions/batch", json={**body, "max_tokens": 4097}, headers=KEY)
+        assert past.status_code == 400 and past.json()["error"]["param"] == "max_tokens"
+        assert len(worker.seen) == 3
+
+
+def _reads(shared: str, count: int) -> dict[str, dict[str, Any]]:
+    """The three read routes' bodies, each of `count` items or questions sharing `shared`."""
+    return {
+        "/generative_scoring": {
+            "model": "m",
+            "query": shared,
+            "items": [f"item {i}" for i in range(count)],
+            "label_token_ids": [1, 2],
+        },
+        "/v1/systemone": {
+            "model": "m",
+            "state": shared,
+            "questions": {f"q{i}": {"type": "noul", "instructions": "?"} for i in range(count)},
+        },
+        "/v1/decisions": {
+            "model": "m",
+            "input": shared,
+            "questions": [{"type": "predicate", "instructions": "?"}] * count,
+        },
+    }
+
+
+async def test_a_read_counts_what_its_items_or_questions_share_once_per_read() -> None:
+    """vLLM prefills the query (state, input) once per item (question): 300 items of a 3,500
+    character query were admitted as the body's 1.8k tokens and prefilled a million."""
+    shared = "word " * 800  # 4,000 characters: 1,000 approximate tokens
+    async with gateway() as (client, worker, policy):
+        for path, body in _reads(shared, 40).items():
+            answer = await client.post(path, json=body, headers=KEY)
+            assert answer.status_code == 200, answer.text
+            assert policy.requests[-1].n_prompt_tokens >= 40 * 1000, path
+            one = await client.post(path, json=_reads(shared, 1)[path], headers=KEY)
+            assert one.status_code == 200
+            assert 1000 <= policy.requests[-1].n_prompt_tokens < 1200, path
+        assert len(worker.seen) == 6
+
+
+async def test_a_read_past_the_tpm_quota_is_refused_before_the_worker() -> None:
+    shared = "word " * 800
+    async with gateway(quotas={"tpm": 100_000}) as (client, worker, _):
+        for path, body in _reads(shared, 120).items():
+            answer = await client.post(path, json=body, headers=KEY)
+            assert answer.status_code == 429, answer.text
+            assert answer.json()["error"]["code"] == "insufficient_quota"
+            assert answer.headers["x-ratelimit-remaining-tokens"] == "100000"
+        assert worker.seen == []
+
+
+async def test_a_read_runs_at_most_max_choices_items_or_questions() -> None:
+    async with gateway() as (client, worker, _):
+        for path, body in _reads("s", 129).items():
+            answer = await client.post(path, json=body, headers=KEY)
+            assert answer.status_code == 400, answer.text
+            error = answer.json()["error"]
+            assert error["code"] == "integer_above_max_value"
+            assert error["param"] == ("items" if path == "/generative_scoring" else "questions")
+            assert "holds 129" in error["message"] and "at most 128" in error["message"]
+        assert worker.seen == []
+        for path, body in _reads("s", 128).items():
+            assert (await client.post(path, json=body, headers=KEY)).status_code == 200

@@ -16,6 +16,7 @@ import orjson
 import pytest
 from aiohttp import web
 
+from gateway.errors import withhold_salts
 from gateway.failure import WORKER_SAID_CHARS, worker_said, worker_status
 from tests.gateway.access_lines import capture_access
 from tests.gateway.chat_rig import (
@@ -41,6 +42,7 @@ class Workers:
     shape by default, quoting the request's `cache_salt`); anything else is served."""
 
     error_body: bytes | None = None  # None: vLLM's error, with the salt the worker was sent
+    salt_at: int | None = None  # the salt this far into the message, after that many `x`
     stall_error_body: bool = False  # send the 500's head and never its body
     posts: list[str] = field(default_factory=list)
     released: asyncio.Event = field(default_factory=asyncio.Event)
@@ -81,6 +83,9 @@ async def rig() -> AsyncIterator[Rig]:
                 await workers.released.wait()
                 return head
             error = workers.error_body
+            if error is None and workers.salt_at is not None:
+                message = "x" * workers.salt_at + f"{body.get('cache_salt')} trailing"
+                error = orjson.dumps({"error": {"message": message, "code": 500}})
             if error is None:
                 message = f"{SAID} (cache_salt={body.get('cache_salt')})"
                 error = orjson.dumps(
@@ -204,6 +209,25 @@ async def test_an_error_body_that_never_comes_says_nothing(rig: Rig, transport: 
     through(rig.state, transport)
     rig.workers.stall_error_body = True
     assert _said_prefix(await rig.chat("m1", POISON, stream=stream)) == "worker answered 500"
+
+
+@pytest.mark.parametrize("at", [500, 504, 506, 510, 511])
+async def test_a_salt_across_the_cut_is_withheld_whole(rig: Rig, at: int) -> None:
+    """Salts are withheld before the message is cut: cut first, a salt 506 characters in kept its
+    first 6 characters, fewer than a quote must keep to be withheld (`errors.MIN_SALT_RUN`)."""
+    rig.workers.salt_at = at
+    for stream in (False, True):
+        message = _said_prefix(await rig.chat("m1", POISON, stream=stream))
+        said = ("x" * at + "[salt withheld] trailing")[:WORKER_SAID_CHARS] + "..."
+        assert message == f"worker answered 500: {said}"
+
+
+def test_worker_said_withholds_salts_before_it_cuts() -> None:
+    salt = "0123456789abcdef0123456789abcdef"
+    for at in range(WORKER_SAID_CHARS - 40, WORKER_SAID_CHARS + 1):
+        body = orjson.dumps({"error": {"message": "x" * at + salt + " trailing"}})
+        said = worker_said(body, lambda text: withhold_salts(text, [salt]))
+        assert said is not None and "x" * (at - 1) + salt[:1] not in said, at
 
 
 def test_worker_said_cuts_long_messages_and_keeps_503s_words() -> None:

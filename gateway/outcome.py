@@ -84,7 +84,10 @@ class Attempt:
         broken or malformed answer) is the only outcome that counts against the worker; REJECTED
         (the worker's 4xx) and ABORTED (the client left, or the gateway gave up) free a breaker
         trial without a verdict. No outcome but SERVED teaches the policy what the worker caches.
-        `judged` False leaves the breaker to the caller (`HeldVerdicts`: a 5xx, a read timeout)."""
+        `judged` False gives the breaker no verdict now (a trial is freed): the failure is held
+        (`Failure.held`: a 5xx, a read timeout before the first byte, a worker's own error event
+        in a stream), and counts later only if another worker serves the request (`HeldVerdicts`;
+        a stream's never does: the client has it, no other worker is tried)."""
         if not self._release():
             return
         _slot_freed(routing, self.admitted.pool.name)
@@ -96,7 +99,7 @@ class Attempt:
             usage = NO_USAGE  # a worker's token counts are told to the policy only with a success
             if judged and outcome is Outcome.WORKER_FAILED:
                 breaker.on_failure(now_s)
-            elif judged:
+            else:
                 breaker.on_abandon()
         routing.metrics.worker_outcome(self.admitted.pool.name, self.worker.url, outcome)
         if self.trace is not None:
@@ -169,6 +172,13 @@ class HeldVerdicts:
     the next, until one was left, for every tenant. Whether a peer was routable says nothing of
     whose fault the 5xx was; only a peer serving the request does.
 
+    A worker's own error event in a stream (vLLM's `GenerationError` mid-answer, or in its first
+    event; not a 4xx one, the request's fault) is such a failure, and always alone: the client
+    has the stream, so no other worker is tried, and it counts against no worker, whatever the
+    breaker's state (`streaming.ProxyStream`). Nor does a stream that starts with it serve the
+    request: it convicts no held failure (`proxy.served`). A stream cut before `[DONE]`
+    (connection lost, a malformed event) still counts at once: no client input causes that.
+
     Only a closed breaker's verdict is held (the caller judges a half-open breaker's trial at
     once: a trial must not stay in flight for another worker's whole answer). A held request took
     no trial, so acquitting frees nothing; and a verdict that arrives after the breaker left the
@@ -226,18 +236,20 @@ def finish(
     error: str | None = None,
     error_detail: str | None = None,
     delivered_tokens: int | None = None,
+    judged: bool = True,
 ) -> None:
     """Close the books on a request: its last attempt (unless already ended) and the request
     itself, once. `attempt` is None when no worker was tried. `error` is the error's code (the
     one the client got, or `client_disconnected`), `error_detail` its words (see `record_request`).
-    `delivered_tokens` is a stream's count of the content events relayed (`sse.Relay`)."""
+    `delivered_tokens` is a stream's count of the content events relayed (`sse.Relay`); `judged`
+    False ends the attempt with no verdict on its worker (`Attempt.end`)."""
     if attempt is not None:
         trace = attempt.trace
         if trace is not None and error is not None and status != 499 and trace.error_type is None:
             # A stream that failed after its first event: its CLIENT span's `error.type` is the
             # code the client got in its error event (a 499's client got nothing: the outcome).
             trace.error_type = error
-        attempt.end(routing, outcome, usage)
+        attempt.end(routing, outcome, usage, judged=judged)
         if status == 200 and admitted.stream and not admitted.recorded:
             _time_per_output_token(routing, attempt, usage)
     record_request(

@@ -13,14 +13,13 @@ import asyncio
 import time
 
 from gateway.admitted import Admitted
-from gateway.errors import RawResponse
 from gateway.failure import Failure
 from gateway.lifecycle import Lifecycle, shutting_down
 from gateway.outcome import CLIENT_DISCONNECTED, Attempt, finish
 from gateway.pd_pairs import PdRun, Response
 from gateway.pd_requests import splittable
 from gateway.pool_capacity import no_worker
-from gateway.proxy import hold_for_peers
+from gateway.proxy import hold_for_peers, served
 from gateway.responses_affinity import holder_unavailable, pinned_decision
 from gateway.retries import advice, attempts_allowed
 from gateway.routing import Routing
@@ -114,11 +113,11 @@ async def _rounds(run: PdRun, router: PdRouter) -> Response:
         else:
             result = await run.sglang_pair(decision.prefill, decision.decode)
         if result is not None:
-            if isinstance(result, RawResponse) and result.status >= 400:
-                run.verdicts.acquit()  # a worker refused the request: it is the likely cause
-            else:
+            if served(result):
                 run.verdicts.convict(time.monotonic())
                 _settle_pairs(run, decision, first_round=rounds == 1)
+            else:
+                run.verdicts.acquit()  # a worker refused or failed the request: the likely cause
             return result
         if run.final or run.read_timeouts.spent:
             break

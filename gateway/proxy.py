@@ -173,10 +173,10 @@ async def _attempts(
             attempt.trace = start_trace(routing, a, attempt)
         result = await send_attempt(routing, transport, lifecycle, a, attempt, n)
         if not isinstance(result, Failure):
-            if isinstance(result, RawResponse) and result.status >= 400:
-                verdicts.acquit()  # this worker refused the request: it is the likely cause
-            else:
+            if served(result):
                 verdicts.convict(time.monotonic())  # this one served it: the 5xx were the workers'
+            else:
+                verdicts.acquit()  # this worker refused or failed it too: the likely cause
             return result
         if attempt.trace is not None:
             attempt.trace.error_type = result.retry or result.code
@@ -203,6 +203,16 @@ async def _attempts(
     if not failure.says_whether_to_retry(only_later):
         response.headers += advice(len(attempts), pool.config.retry_attempts, a.retries_taken)
     return response
+
+
+def served(response: RawResponse | ProxyStream) -> bool:
+    """Whether a worker's answer serves the request, which shows the held failures of the workers
+    tried before it to be theirs (`HeldVerdicts.convict`): not a refusal (a 4xx), nor a stream
+    whose first events end with the worker's own error (vLLM's 500 `GenerationError` there: the
+    request failed on this worker too)."""
+    if isinstance(response, ProxyStream):
+        return not response.failed_at_once
+    return response.status < 400
 
 
 def _finish(

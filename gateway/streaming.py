@@ -11,7 +11,11 @@ Every failed stream ends with exactly one error event in the gateway's OpenAI sh
 gateway sent, should the worker quote the request: `withheld_last_event`), or one the gateway writes when
 the worker dies, closes without `[DONE]`, or the gateway drains. After a worker's
 error event the upstream connection is closed at once, so the worker stops generating and the
-client is never kept waiting on a worker that keeps talking.
+client is never kept waiting on a worker that keeps talking. That error event counts against no
+worker's breaker: the worker blamed the request (a 4xx: REJECTED), or itself for this one request
+(a 5xx, or no status: vLLM's `GenerationError`, which a client's input can cause), and no other
+worker's answer compares it (`outcome.HeldVerdicts`). A stream cut without `[DONE]` (the
+connection lost, a malformed event) counts against its worker.
 
 A stream whose `[DONE]` was sent is a success whatever happens next: the client has every token.
 The disconnect watch stops before that last write (uvicorn reports a finished response to
@@ -40,7 +44,7 @@ from gateway.failure import TRANSPORT_ERRORS, Failure, Stage, failure_of, malfor
 from gateway.lifecycle import Lifecycle
 from gateway.outcome import CLIENT_DISCONNECTED, Attempt, finish
 from gateway.routing import Routing
-from gateway.sse import Relay
+from gateway.sse import UNREADABLE_ERROR, Relay
 from gateway.upstream import AnswerBody, AnswerHold, Reservation, RetryHints, read_reserved, read_whole
 from gateway.upstream_headers import ANSWER_HEADERS
 from policies.base import Outcome
@@ -162,6 +166,12 @@ class ProxyStream:
         self._first = first
         self._retries = retries
         self._abort_reason: str | None = None
+
+    @property
+    def failed_at_once(self) -> bool:
+        """Whether the worker's first events already end with its error event: it did not serve
+        the request, so it shows no other worker's failure of it to be that worker's."""
+        return self._sse.error is not None
 
     def abort(self, reason: str) -> None:
         """Stop relaying (drain deadline): the client gets a terminal error event."""
@@ -297,7 +307,14 @@ class ProxyStream:
                 # The worker blamed the request (a 4xx in its error event): like a 4xx answer, this
                 # must not count against the worker's health, or one tenant could trip its breaker.
                 return Failure(status, message, code, Outcome.REJECTED)
-            return Failure(502, message, code, Outcome.WORKER_FAILED)
+            if relay.error is UNREADABLE_ERROR:  # not an error event at all: a malformed one
+                return Failure(502, message, code, Outcome.WORKER_FAILED)
+            # The worker blamed itself, for this request (vLLM's 500 `GenerationError`, which
+            # a client's input can cause): it failed, and is up. Nothing compares it with another
+            # worker's answer (the client has the stream), so it is held and acquitted at once,
+            # like a lone 5xx answer (`outcome.HeldVerdicts`): counted, one tenant's streams would
+            # open the pool's breakers one after another.
+            return Failure(502, message, code, Outcome.WORKER_FAILED, answered=True)
         return malformed("worker stream ended before its last event", Stage.STREAM)
 
     def _close_books(self, answered: bool, gone: int | None, failure: Failure | None) -> None:
@@ -305,6 +322,7 @@ class ProxyStream:
         attempt = self._attempt
         usage = usage_of(self._sse.usage)
         detail: str | None = None
+        judged = True
         if answered:
             status, outcome, error = 200, Outcome.SERVED, None
         elif gone == 499:
@@ -315,6 +333,7 @@ class ProxyStream:
         else:
             status, outcome, error = failure.status, failure.outcome, failure.code
             detail = failure.detail()
+            judged = not failure.held  # the worker's own error event: no other worker compares it
         finish(
             self._routing,
             attempt.admitted,
@@ -326,4 +345,5 @@ class ProxyStream:
             error=error,
             error_detail=detail,
             delivered_tokens=self._sse.content_events,
+            judged=judged,
         )

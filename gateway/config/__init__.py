@@ -56,8 +56,12 @@ class LimitsConfig(Frozen):
     (`max_client_connections_per_address`, 0: no limit; off by default because behind an
     ingress or a proxy every client shares its address, and eviction already keeps one address
     from locking the others out). Per
-    request: the body size (413), and the choices a chat or completions request asks for (`n`,
-    `best_of`; beyond: 400).
+    request: the body size (413), and the sequences a request runs (`max_choices`; beyond: 400):
+    the choices a chat, completions or native generate request asks for (`n`, `best_of` on
+    completions, `sampling_params.n`), times the prompts of a batch (a completions or generate
+    batch's prompts, a chat batch's conversations), and the items or questions of vLLM's reads
+    (`/generative_scoring`, `/v1/systemone`, `/v1/decisions`), each prefilled as a prompt of its
+    own.
     Completions past their tenant's own slot and their body, across tenants
     (`max_in_flight_requests`; at it, only a tenant below its share of it gets a place, up to
     twice it in all: `lifecycle.RequestCap`; any other request: 503 with Retry-After, so every

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from gateway.admitted import Admitted
 from gateway.answer_usage import NO_USAGE, Usage
-from gateway.failure import Failure
 from gateway.request_head import RequestIds
 from gateway.routing import Routing
 from gateway.tracing import AttemptTrace
@@ -161,7 +159,7 @@ class HeldVerdicts:
     silent worker. So another worker serving the same request (its first event, or its whole
     answer) convicts them (`convict`: each counts as a failure), which still shuts out a hung or
     broken worker; another worker refusing it (a 4xx), or the request ending with no answer,
-    acquits them (`acquit`, `settle`), as does the client leaving.
+    acquits them (`acquit`), as does the client leaving.
 
     A request that ends with one worker's failure and nothing to compare it with is acquitted
     too, whatever left it alone: the client cut its retries (`retries.attempts_allowed`: an SDK's
@@ -196,8 +194,9 @@ class HeldVerdicts:
     def __init__(self) -> None:
         self._workers: list[Worker] = []
 
-    def hold(self, worker: Worker, failure: Failure) -> None:
-        """`worker` failed the request so (a 5xx or a read timeout: either waits alike)."""
+    def hold(self, worker: Worker) -> None:
+        """`worker` failed the request with a held failure (a 5xx or a read timeout: either waits
+        alike)."""
         self._workers.append(worker)
 
     def convict(self, now_s: float) -> None:
@@ -207,13 +206,10 @@ class HeldVerdicts:
         self.acquit()
 
     def acquit(self) -> None:
+        """Nothing shows the held failures to be the workers': another worker refused the
+        request, or it ends with no worker's answer (one worker's failure or several; no peer's
+        state stands in for a peer's answer), or the client left."""
         self._workers.clear()
-
-    def settle(self, now_s: float, pool: Iterable[Worker]) -> None:
-        """The request ends without an answer: no worker served it, so no held failure, one
-        worker's or several, is shown to be a worker's. All are acquitted; `now_s` and `pool` (the
-        request's pool) are not read, since no peer's state stands in for a peer's answer."""
-        self.acquit()
 
 
 def _feedback(routing: Routing, obs: Observation, now_s: float) -> None:

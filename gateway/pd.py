@@ -82,7 +82,7 @@ def _left(run: PdRun, lifecycle: Lifecycle) -> None:
 
 async def _rounds(run: PdRun, router: PdRouter) -> Response:
     """Rounds until one answers the client or none is left; the last failure (or 503, no worker)
-    is the request's answer, and the held verdicts on workers are settled once."""
+    is the request's answer, and the held verdicts on workers are given once."""
     a, routing = run.a, run.routing
     pool = a.pool
     # The client's own retries count against the pool's budget, as in `proxy._attempts`.
@@ -121,7 +121,7 @@ async def _rounds(run: PdRun, router: PdRouter) -> Response:
             return result
         if run.final or run.read_timeouts.spent:
             break
-    run.verdicts.settle(time.monotonic(), pool.workers.values())
+    run.verdicts.acquit()  # no worker served it: no held failure is shown to be a worker's
     failure = run.failure or no_worker(a.pool, a.model, time.monotonic())
     if a.pinned is not None:
         failure = holder_unavailable(run.failure)

@@ -174,7 +174,7 @@ class PdRun:
             attempt.trace.error_type = reason
         if failure.held and outcome is None and attempt.worker.breaker.closed:
             attempt.end(self.routing, failure.outcome, judged=False)
-            self.verdicts.hold(attempt.worker, failure)
+            self.verdicts.hold(attempt.worker)
         else:
             attempt.end(self.routing, outcome or failure.outcome)
         self.read_timeouts.note(failure)

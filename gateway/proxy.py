@@ -184,14 +184,14 @@ async def _attempts(
         only_later = only_later and result.later
         if result.held and worker.breaker.closed:
             attempt.end(routing, result.outcome, judged=False)
-            verdicts.hold(worker, result)
+            verdicts.hold(worker)
         else:
             # The worker's breaker and load hear of it before the policy picks the next worker.
             attempt.end(routing, result.outcome)
         read_timeouts.note(result)
         if retry is None or read_timeouts.spent:
             break
-    verdicts.settle(time.monotonic(), pool.workers.values())
+    verdicts.acquit()  # no worker served it: no held failure is shown to be a worker's
     if a.pinned is not None:
         failure = holder_unavailable(failure)
     elif failure is None:

@@ -3,23 +3,18 @@ the request to one attempt: the client's own retry count (`x-stainless-retry-cou
 attempt of the default budget of three), or a pool with `retry_attempts: 0`. Otherwise one tenant
 sending requests that every worker fails (vLLM's 500 GenerationError for one input), each cut so,
 convicted the worker it met whenever another was routable: one worker after another, for every
-tenant (`outcome.HeldVerdicts.settle`). A worker that fails what another serves is still counted."""
+tenant (`outcome.HeldVerdicts`). A worker that fails what another serves is still counted."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import httpx
 import pytest
 from aiohttp import web
 
-from gateway.breaker import CircuitBreaker
-from gateway.config.pool import BreakerConfig
-from gateway.failure import worker_status
-from gateway.outcome import HeldVerdicts
-from gateway.worker import Worker
 from tests.gateway.chat_rig import (
     ChatRig,
     chat_answer,
@@ -169,20 +164,3 @@ async def test_a_worker_that_fails_what_another_serves_is_still_counted(rig: Rig
         assert (await rig.chat("m2", tenant="u", headers=headers)).status_code == 200
     assert rig.workers.posts.count("a") == 1
     assert rig.failures("two", "ab") == {"a": 1, "b": 0} and not rig.worker("two", "a").breaker.closed
-
-
-def test_a_lone_5xx_is_acquitted_with_or_without_a_routable_peer() -> None:
-    @dataclass
-    class _Worker:
-        breaker: CircuitBreaker = field(
-            default_factory=lambda: CircuitBreaker(BreakerConfig(failure_threshold=1))
-        )
-        role: str | None = None
-        healthy: bool = True
-
-    failed = _Worker()
-    for pool in ([failed], [failed, _Worker()], [failed, _Worker(role="prefill")]):
-        verdicts = HeldVerdicts()
-        verdicts.hold(cast(Worker, failed), worker_status(500))
-        verdicts.settle(100.0, cast(list[Worker], pool))
-        assert failed.breaker.closed and failed.breaker.failures == 0

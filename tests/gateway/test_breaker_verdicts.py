@@ -310,12 +310,11 @@ def test_a_lone_read_timeout_or_5xx_is_acquitted() -> None:
     ):
         workers = [_Held(CircuitBreaker(BreakerConfig(failure_threshold=3))) for _ in held]
         verdicts = HeldVerdicts()
-        for worker, failure in zip(workers, held, strict=True):
-            verdicts.hold(cast(Worker, worker), failure)
-        peer = _Held(CircuitBreaker(BreakerConfig()))  # another worker could take their requests
-        verdicts.settle(100.0, cast(list[Worker], [*workers, peer]))
+        for worker in workers:
+            verdicts.hold(cast(Worker, worker))
+        verdicts.acquit()  # the request ends with no worker's answer
         assert [w.breaker.failures for w in workers] == [failures] * len(held)
-    verdicts.hold(cast(Worker, workers[0]), timed_out)
+    verdicts.hold(cast(Worker, workers[0]))
     verdicts.convict(100.0)  # another worker served the request: the timeout was the worker's
     assert workers[0].breaker.failures == 1
 
@@ -328,14 +327,14 @@ def test_a_held_verdict_never_touches_a_breaker_that_left_the_closed_state() -> 
     now_s = 100.0
     opened = _Held(CircuitBreaker(BreakerConfig(failure_threshold=1, cooldown_s=5)))
     verdicts = HeldVerdicts()
-    verdicts.hold(cast(Worker, opened), worker_status(500))
+    verdicts.hold(cast(Worker, opened))
     opened.breaker.on_failure(now_s)  # other requests open it meanwhile ...
     now_s += 10
     assert opened.breaker.allows(now_s)
     opened.breaker.on_dispatch(now_s)  # ... and another request is its half-open trial
     verdicts.acquit()  # the held request's end frees nobody's trial
     assert not opened.breaker.allows(now_s)
-    verdicts.hold(cast(Worker, opened), worker_status(500))
+    verdicts.hold(cast(Worker, opened))
     verdicts.convict(now_s)  # nor reopens it on evidence older than the trial
     opened.breaker.on_success()
     assert opened.breaker.closed and opened.breaker.failures == 0

@@ -1,7 +1,7 @@
 """A worker's 5xx that no other worker fixed: the client reads the worker's own message, and the
 5xx never opens the breaker of a pool's last routable worker (of its role), so one tenant's
 requests that the worker fails (vLLM answers 500 for a request it failed on) cannot take the model
-away from every tenant (`failure.worker_said`, `outcome.HeldVerdicts.settle`)."""
+away from every tenant (`failure.worker_said`, `outcome.HeldVerdicts`)."""
 
 from __future__ import annotations
 

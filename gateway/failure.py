@@ -33,6 +33,7 @@ from gateway.sse import STREAM_ERROR_CODE, MalformedStream
 from gateway.upstream import (
     MAX_ANSWER_BYTES,
     AnswerBudgetExceeded,
+    AnswerTimeLimit,
     AnswerTooLarge,
     RetryHints,
     UpstreamBusy,
@@ -181,6 +182,12 @@ def failure_of(exc: Exception, stage: Stage, timeouts: TimeoutsConfig) -> Failur
         # What the request asked for, not the worker: no breaker verdict, no other worker (each
         # would answer the same), and no retry by the client.
         return Failure(502, _TOO_LARGE, "answer_too_large", Outcome.ABORTED, cause=str(exc), final=True)
+    if isinstance(exc, AnswerTimeLimit):
+        # The worker kept answering past the request's time limit: how long an answer takes is
+        # what the request asked for, so no breaker verdict (a client could otherwise open a
+        # pool's breakers with long answers) and no other worker (it would take as long).
+        message = f"the answer took longer than the gateway's limit of {timeouts.total_s:g} s"
+        return Failure(504, message, _TIMEOUT, Outcome.ABORTED, cause=str(exc), final=True)
     failed = Outcome.WORKER_FAILED
     cause = _cause(exc)
     if isinstance(exc, aiohttp.ConnectionTimeoutError) or (

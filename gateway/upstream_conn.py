@@ -61,6 +61,12 @@ class UpstreamTimeout(UpstreamError):
     """The worker was silent for longer than the read timeout (or the total timeout passed)."""
 
 
+class AnswerTimeLimit(UpstreamTimeout):
+    """The total timeout passed while the worker was still answering (not silent for the read
+    timeout): how long an answer takes is mostly what the request asked for (`max_tokens`), so
+    this is the gateway's limit on the request, not a verdict on the worker."""
+
+
 class AnswerTooLarge(UpstreamError):
     """A whole answer passed `MAX_ANSWER_BYTES`: what the request asked for is more than the
     gateway relays in one answer, from any worker (the read ends and the connection is dropped).
@@ -364,7 +370,10 @@ class WorkerConnection(asyncio.Protocol):
             return
         self.alive = False
         answered = self.got_bytes
-        self._fail(UpstreamTimeout("worker timed out", answered=answered))
+        if answered and now < silent_until:
+            self._fail(AnswerTimeLimit("answer outlasted the total timeout", answered=True))
+        else:
+            self._fail(UpstreamTimeout("worker timed out", answered=answered))
         self._close()
 
     def abort(self) -> None:

@@ -48,8 +48,8 @@ log = logging.getLogger("kvgate.policy_watch")
 MAX_POLICY_FILE_BYTES = 1024 * 1024
 # The check interval is used within these bounds (`policy_reload_interval_s`, docs/config.md).
 MIN_INTERVAL_S, MAX_INTERVAL_S = 0.1, 60.0
-# How many changed versions a manual reload waits to settle before it gives up on a file that a
-# writer keeps changing (each wait is at most the settle time, 1 s).
+# How many versions of the file a manual reload waits to settle (or reads) before it gives up on
+# a file that a writer keeps changing (each wait is at most the settle time, 1 s).
 MANUAL_SETTLE_ROUNDS = 5
 
 
@@ -205,15 +205,28 @@ class PolicyWatcher:
         """Read, parse and build the file now; swap if its content changed (or `force`).
 
         A version rewritten in place is waited for until it settles (at most the settle time a
-        version, `MANUAL_SETTLE_ROUNDS` versions), as the watcher would. The read, parse and build
-        run in a worker thread; only the swap runs on the event loop.
+        version, `MANUAL_SETTLE_ROUNDS` versions), as the watcher would. Versions are counted, not
+        wakeups: a timer may wake the wait before the clock says the settle time has passed
+        (uvloop's count whole milliseconds), and the rest of the same version's wait is no new
+        version. A read the file changed under counts as one. The read, parse and build run in a
+        worker thread; only the swap runs on the event loop.
         """
         async with self._lock:
-            for _ in range(MANUAL_SETTLE_ROUNDS):
+            versions = 0
+            version: FileStamp | None = None  # the one this call waits for or read last
+            while True:
                 try:
                     stamp = await asyncio.to_thread(self._stat)
                 except OSError as exc:
                     return self._fail(f"cannot stat policy file: {exc.strerror or exc}")
+                if stamp != version:
+                    versions += 1
+                    if versions > MANUAL_SETTLE_ROUNDS:
+                        return self._fail(
+                            "the policy file kept changing while it was read; nothing was applied "
+                            "(write it elsewhere and rename it over the file)"
+                        )
+                    version = stamp
                 if stamp != self._stamp:
                     wait_s = self._settling.wait_s(stamp)
                     if wait_s > 0:
@@ -223,10 +236,7 @@ class PolicyWatcher:
                 result = await self._read_and_apply(stamp, force)
                 if result is not None:
                     return result
-            return self._fail(
-                "the policy file kept changing while it was read; nothing was applied "
-                "(write it elsewhere and rename it over the file)"
-            )
+                version = None  # changed while it was read: what the next stat sees is another
 
     # internals ------------------------------------------------------------
     async def _check(self) -> tuple[ReloadResult | None, float]:

@@ -14,7 +14,7 @@ import httpx
 import orjson
 import pytest
 
-from loadtest.client_probes import Target, partial_bodies, slow_headers, unfinished_headers
+from loadtest.client_probes import ProbeResult, Target, partial_bodies, slow_headers, unfinished_headers
 from tests.e2e.harness import Proc, free_port, start_fake_workers, start_gateway, tenant, write_gateway_config
 from tests.support.wait import wait_until, wait_until_sync
 
@@ -269,6 +269,21 @@ def test_an_idle_keepalive_connection_is_closed(gateway: Gateway) -> None:
         assert sock.recv(1024) == b""  # then closed once idle for keepalive_timeout_s
 
 
+async def _partial_bodies_each_sent_once_open(target: Target, connections: int) -> list[ProbeResult]:
+    """Tenant a's partial bodies, one probe per connection, all at once: each connection sends its
+    head as soon as it is open. One probe of them all opens every connection before it sends on
+    any, and on a starved machine that took longer than HEADER_TIMEOUT_S: the gateway closed the
+    first ones unanswered as silent connections (as it should), and they were missing from the
+    429s."""
+    each = await asyncio.gather(
+        *(
+            partial_bodies(target, connections=1, api_key="sk-a", model="m-ok", timeout_s=WAIT_S)
+            for _ in range(connections)
+        )
+    )
+    return [result for results in each for result in results]
+
+
 def test_partial_bodies_of_one_tenant_leave_the_others_served(gateway: Gateway) -> None:
     # Tenant a (max_concurrent 3) opens 64 requests whose bodies never finish; the gateway admits
     # at most MAX_IN_FLIGHT requests at once. Meanwhile tenant b's requests must all be served.
@@ -276,9 +291,7 @@ def test_partial_bodies_of_one_tenant_leave_the_others_served(gateway: Gateway) 
     body = {"model": "m-ok", "messages": [{"role": "user", "content": "hello"}]}
 
     async def scenario() -> tuple[list[int], bool, list[int | None], list[float | None]]:
-        probe = asyncio.create_task(
-            partial_bodies(gateway.target, connections=64, api_key="sk-a", model="m-ok", timeout_s=WAIT_S)
-        )
+        probe = asyncio.create_task(_partial_bodies_each_sent_once_open(gateway.target, 64))
 
         # Every head was seen: those beyond the slots a's requests can hold were refused.
         async def every_extra_head_refused() -> bool:

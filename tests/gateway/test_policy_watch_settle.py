@@ -12,7 +12,7 @@ import pytest
 
 from gateway import policy_watch
 from gateway.file_stamp import FileStamp
-from gateway.policy_watch import PolicyWatcher
+from gateway.policy_watch import MANUAL_SETTLE_ROUNDS, PolicyWatcher
 from tests.gateway.test_policy_watch import Swaps, write
 
 WHOLE = "policy: cost\nseed: 9\ncost:\n  epsilon: 0.75\n"
@@ -105,6 +105,46 @@ async def test_a_manual_reload_waits_for_an_in_place_write_to_settle(policy_file
     result = await w.reload_now()
     assert result.swapped, result
     assert [s.config.cost.epsilon for s in swaps.loaded] == [0.75]
+
+
+async def test_a_manual_reload_waits_out_wakeups_that_come_before_the_clock_says(policy_file: Path) -> None:
+    """uvloop's timers count whole milliseconds: `asyncio.sleep(wait_s)` may end up to a
+    millisecond before `time.monotonic()` says `wait_s` has passed, and the few hundred
+    microseconds left then sleep as 0 ms and end at once. Here each wakeup finds the clock moved
+    on by a tenth of the settle time only. One rewrite, one version: it is applied however many
+    wakeups its settling takes (each was counted as a version, and the fifth refused the file as
+    "kept changing while it was read")."""
+    clock = Clock(step=0.001)
+    swaps = Swaps()
+    w = PolicyWatcher(policy_file, swaps, settle_s=0.01, monotonic_s=clock)
+    w.load_initial()
+    in_place(policy_file, WHOLE)
+    result = await w.reload_now()
+    assert result.swapped, result
+    assert [s.config.cost.epsilon for s in swaps.loaded] == [0.75]
+    assert clock.reads > MANUAL_SETTLE_ROUNDS  # it did wake more often than versions are waited for
+
+
+async def test_a_manual_reload_gives_up_on_a_file_that_keeps_changing(policy_file: Path) -> None:
+    """A writer that never stops: each look at the file finds a new version. The reload waits for
+    `MANUAL_SETTLE_ROUNDS` of them, then refuses the file, applying nothing."""
+    clock = Clock(step=0.001)
+    swaps = Swaps()
+    w = PolicyWatcher(policy_file, swaps, settle_s=0.01, monotonic_s=clock)
+    w.load_initial()
+    in_place(policy_file, HALF)
+    real_wait = w._settling.wait_s
+    versions: set[FileStamp] = set()
+
+    def wait_s(stamp: FileStamp) -> float:
+        versions.add(stamp)
+        append(policy_file, "5")  # the writer goes on as soon as it was looked at
+        return real_wait(stamp)
+
+    w._settling.wait_s = wait_s  # type: ignore[method-assign]
+    result = await w.reload_now()
+    assert result.error is not None and "kept changing" in result.error, result
+    assert swaps.loaded == [] and len(versions) == MANUAL_SETTLE_ROUNDS
 
 
 async def test_a_read_that_a_writer_overtakes_is_thrown_away(

@@ -110,10 +110,15 @@ Drive = Callable[[_Conn], Coroutine[Any, Any, None]]
 
 
 async def _run(target: Target, connections: int, drive: Drive, timeout_s: float) -> list[ProbeResult]:
-    """Open `connections` connections, drive each, and wait until the server closed them all or
-    `timeout_s` passed; then close what is left."""
-    conns = [await _open(target) for _ in range(connections)]
-    drivers = [asyncio.create_task(drive(c)) for c in conns]
+    """Open `connections` connections, drive each from the moment it is open (the server's header
+    deadline starts at its accept: a connection left waiting for the others to open could be
+    closed as silent), and wait until the server closed them all or `timeout_s` passed; then close
+    what is left."""
+    conns: list[_Conn] = []
+    drivers: list[asyncio.Task[None]] = []
+    for _ in range(connections):
+        conns.append(await _open(target))
+        drivers.append(asyncio.create_task(drive(conns[-1])))
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(asyncio.gather(*(c.closed.wait() for c in conns)), timeout_s)
     for task in drivers:

@@ -42,11 +42,17 @@ KEY_HASH_FILE = "/etc/kvgate/key-hash/secret"
 Docs = dict[str, dict[str, Any]]
 
 
-def render_raw(values: dict[str, Any], namespace: str = NAMESPACE, kube_version: str | None = None) -> Docs:
+def render_raw(
+    values: dict[str, Any],
+    namespace: str = NAMESPACE,
+    kube_version: str | None = None,
+    chart_dir: Path = CHART,
+) -> Docs:
     """Render exactly `values` on top of values.yaml, into `namespace`, for the Kubernetes version
-    `kube_version` (None: the SDK's default, a recent one). Documents are keyed `Kind/name`, plus
+    `kube_version` (None: the SDK's default, a recent one), with the chart in `chart_dir` (a copy
+    of it, for a test that changes Chart.yaml). Documents are keyed `Kind/name`, plus
     `@namespace` when they go to a namespace other than the release's."""
-    chart = helm_python.Chart.load(str(CHART))
+    chart = helm_python.Chart.load(str(chart_dir))
     options: dict[str, Any] = {"name": RELEASE, "namespace": namespace, "is_install": True}
     if kube_version is None:
         out = chart.render(values, **options)

@@ -5,6 +5,8 @@ key-hash secret required up front."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import Any
 
 import helm_python
@@ -18,6 +20,7 @@ from tests.helm.chart import (
     IMAGE,
     POOL,
     RELEASE,
+    REQUIRED,
     TENANT,
     Docs,
     container,
@@ -344,3 +347,40 @@ def test_the_chart_declares_the_oldest_kubernetes_its_fields_work_on() -> None:
     )
     with pytest.raises(helm_python.HelmError, match="kubeVersion"):
         render(kube_version="1.26.9")
+
+
+def test_a_chart_version_bump_alone_changes_no_pod_template(tmp_path: Path) -> None:
+    """The checksums that roll the pods hash the data (config, secrets, policy), never a whole
+    manifest: those carry the chart's version label, and `helm upgrade` to a new chart version
+    with the same values would restart every gateway and the broker."""
+    bumped = tmp_path / "kvgate"
+    shutil.copytree(CHART, bumped)
+    meta = yaml.safe_load((bumped / "Chart.yaml").read_text())
+    meta["version"] = meta["version"] + "-bumped"
+    (bumped / "Chart.yaml").write_text(yaml.safe_dump(meta))
+    values = REQUIRED | {
+        "keyHashSecret": {"value": "k" * 40},
+        "sync": {"auth": {"token": "a1" * 20}},
+        "policy": {"rollOnChange": True},
+    }
+    before, after = render_raw(values), render_raw(values, chart_dir=bumped)
+    chart_label = "helm.sh/chart"
+    assert (
+        before[f"Secret/{RELEASE}-kvgate-config"]["metadata"]["labels"][chart_label]
+        != (after[f"Secret/{RELEASE}-kvgate-config"]["metadata"]["labels"][chart_label])
+    )
+    for name in (f"{RELEASE}-kvgate", NATS):
+        template = before[f"Deployment/{name}"]["spec"]["template"]
+        assert any(key.startswith("checksum/") for key in template["metadata"]["annotations"]), name
+        assert after[f"Deployment/{name}"]["spec"]["template"] == template, name
+    # The checksums still follow the data they stand for.
+    rotated = render_raw(
+        values | {"keyHashSecret": {"value": "m" * 40}, "sync": {"auth": {"token": "b2" * 20}}}
+    )
+    for name, keys in (
+        (f"{RELEASE}-kvgate", ("checksum/key-hash", "checksum/sync-token")),
+        (NATS, ("checksum/sync-token",)),
+    ):
+        old = before[f"Deployment/{name}"]["spec"]["template"]["metadata"]["annotations"]
+        new = rotated[f"Deployment/{name}"]["spec"]["template"]["metadata"]["annotations"]
+        assert all(old[key] != new[key] for key in keys), name

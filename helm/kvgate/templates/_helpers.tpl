@@ -468,3 +468,33 @@ liveness probe takes to restart the pod over a hang of process 0 (docs/deploy.md
 {{- $set }}
 {{- end }}
 {{- end }}
+
+{{/* The first path segments the client API is served under (gateway/routes.py, gateway/surface.py):
+the paths to give an Ingress when the admin API is on, instead of `/` (a test keeps the list equal
+to the gateway's routes). */}}
+{{- define "kvgate.clientPathPrefixes" -}}
+{{- list "/v1" "/v2" "/invocations" "/inference" "/generate" "/generative_scoring" "/encode" "/pooling" "/classify" "/score" "/rerank" "/tokenize" "/detokenize" "/health" "/health_generate" "/ping" "/version" | toJson }}
+{{- end }}
+
+{{/* Whether the chart's gateway config turns the admin API on (config.admin.api_key_hash): it is
+served on the client port, so a route of `/` in front of the Service takes `/admin` out too. */}}
+{{- define "kvgate.adminOn" -}}
+{{- if dig "admin" "api_key_hash" "" (.Values.config | default dict) }}true{{ end }}
+{{- end }}
+
+{{/* Whether an Ingress path (dict path, pathType) takes `/admin` without naming it: `/` as a
+prefix (ImplementationSpecific counts as one: ingress-nginx treats it so). */}}
+{{- define "kvgate.ingressPathTakesAdmin" -}}
+{{- if and (eq (trimSuffix "/" (.path | default "")) "") (ne (default "Prefix" .pathType) "Exact") }}true{{ end }}
+{{- end }}
+
+{{/* Whether HTTPRoute matches take `/admin` without naming it: no matches, a match without a
+path (both mean PathPrefix `/`), or PathPrefix `/`. */}}
+{{- define "kvgate.routeMatchesTakeAdmin" -}}
+{{- $takes := not . }}
+{{- range . }}
+{{- $path := .path | default dict }}
+{{- if and (eq (default "PathPrefix" $path.type) "PathPrefix") (eq (trimSuffix "/" ($path.value | default "/")) "") }}{{ $takes = true }}{{ end }}
+{{- end }}
+{{- if $takes }}true{{ end }}
+{{- end }}

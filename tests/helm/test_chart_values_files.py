@@ -5,6 +5,7 @@ rejects a misspelt key by name."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import helm_python
@@ -216,3 +217,28 @@ def test_example_pools_with_kv_events_key_prompts_token_exact(name: str) -> None
         if pool.subscribes_kv_events:
             normalizer = pool.normalizer or policy.normalizer
             assert normalizer.mode != "approximate", pool.name
+
+
+NGINX_SIZE_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
+
+
+def nginx_size_bytes(size: str) -> int:
+    """An nginx size (`client_max_body_size`: a number with an optional k, m or g) in bytes."""
+    parsed = re.fullmatch(r"(\d+)([kKmMgG]?)", size)
+    assert parsed is not None, size
+    return int(parsed.group(1)) * NGINX_SIZE_UNITS[parsed.group(2).lower()]
+
+
+def test_an_nginx_ingress_lets_through_the_bodies_the_gateway_takes() -> None:
+    """ingress-nginx refuses bodies over 1m unless proxy-body-size says otherwise: an example with
+    an nginx Ingress lets through what the gateway accepts (limits.max_body_bytes, 8 MiB)."""
+    checked = []
+    for name in FILES:
+        docs = render_raw(values_file(name))
+        ingress = docs.get("Ingress/rel-kvgate")
+        if ingress is not None and ingress["spec"].get("ingressClassName") == "nginx":
+            limit = parse_config(gateway_config(docs)).limits.max_body_bytes
+            size = ingress["metadata"]["annotations"].get("nginx.ingress.kubernetes.io/proxy-body-size", "1m")
+            assert nginx_size_bytes(size) == limit, (name, size, limit)
+            checked.append(name)
+    assert checked == ["dns-values.yaml"]

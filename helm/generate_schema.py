@@ -17,6 +17,10 @@ trimmed to what fits values that are merged over the chart's own config:
 
 What stays: every object level's `additionalProperties: false` and property names, and the
 leaves' types, enums, bounds and patterns.
+
+The chart's own camelCase values that become a field of the gateway config (`sync.batchMaxItems`
+is `sync.batch_max_items`, ...; `BOUNDS`) take that field's bounds, patterns and enums, so that the
+schema refuses what the gateway would refuse at start; their types and descriptions stay the chart's.
 """
 
 from __future__ import annotations
@@ -57,6 +61,45 @@ USES: dict[tuple[str, ...], tuple[str, str]] = {
         "properties",
         "extra",
     ): ("KubernetesDiscoveryConfig", "further keys of the gateway config's kubernetes block"),
+}
+
+# What a field's schema bounds its values with, besides its type.
+BOUND_KEYWORDS = frozenset(
+    {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"}
+    | {"minLength", "maxLength", "pattern", "enum"}
+)
+_POOL = ("properties", "pools", "items", "properties")
+_DNS = (*_POOL, "workers", "properties", "dns", "properties")
+_PD = (*_POOL, "pd", "properties")
+_TRANSFER = (*_PD, "transfer", "properties")
+_TENANT = ("properties", "tenants", "items", "properties")
+_SYNC = ("properties", "sync", "properties")
+# Chart values that the chart's config template copies into a gateway config field: (model, field).
+BOUNDS: dict[tuple[str, ...], tuple[str, str]] = {
+    (*_SYNC, "batchMaxItems"): ("SyncConfig", "batch_max_items"),
+    (*_SYNC, "batchIntervalS"): ("SyncConfig", "batch_interval_s"),
+    (*_SYNC, "queueMaxItems"): ("SyncConfig", "queue_max_items"),
+    (*_SYNC, "loadRefreshS"): ("SyncConfig", "load_refresh_s"),
+    (*_SYNC, "peerTimeoutS"): ("SyncConfig", "peer_timeout_s"),
+    (*_SYNC, "connectTimeoutS"): ("SyncConfig", "connect_timeout_s"),
+    (*_POOL, "name"): ("PoolConfig", "name"),
+    (*_DNS, "refreshSeconds"): ("DnsDiscoveryConfig", "refresh_s"),
+    (*_DNS, "emptyAfter"): ("DnsDiscoveryConfig", "empty_after"),
+    (*_DNS, "emptyAfterSeconds"): ("DnsDiscoveryConfig", "empty_after_s"),
+    (*_POOL, "workers", "properties", "kubernetes", "properties", "namespace"): (
+        "KubernetesDiscoveryConfig",
+        "namespace",
+    ),
+    (*_PD, "interferenceWeight"): ("PdConfig", "interference_weight"),
+    (*_PD, "holderShare"): ("PdConfig", "holder_share"),
+    (*_TRANSFER, "setupSeconds"): ("PdTransferConfig", "setup_s"),
+    (*_TRANSFER, "bytesPerToken"): ("PdTransferConfig", "bytes_per_token"),
+    (*_TRANSFER, "bandwidthBytesPerSecond"): ("PdTransferConfig", "bandwidth_bytes_per_s"),
+    (*_TENANT, "name"): ("TenantConfig", "name"),
+    (*_TENANT, "weight"): ("TenantConfig", "weight"),
+    (*_TENANT, "maxConcurrent"): ("QuotaConfig", "max_concurrent"),
+    (*_TENANT, "rpm"): ("QuotaConfig", "rpm"),
+    (*_TENANT, "tpm"): ("QuotaConfig", "tpm"),
 }
 
 
@@ -116,9 +159,18 @@ def config_defs() -> dict[str, Any]:
     return {f"{PREFIX}{name}": _trim(defs[name]) for name in sorted(defs)}
 
 
+def field_bounds(defs: dict[str, Any], model: str, field: str) -> dict[str, Any]:
+    """The bound keywords of a gateway config field's schema (of its one branch that is not null)."""
+    schema = defs[f"{PREFIX}{model}"]["properties"][field]
+    branches = [b for b in schema.get("anyOf", [schema]) if b.get("type") != "null"]
+    if len(branches) != 1:
+        raise ValueError(f"{model}.{field}: {len(branches)} schemas besides null, cannot take its bounds")
+    return {key: value for key, value in branches[0].items() if key in BOUND_KEYWORDS}
+
+
 def generated(values_schema: dict[str, Any]) -> dict[str, Any]:
     """`values_schema` with its `gateway.*` definitions and their uses replaced by the current ones."""
-    out = json.loads(json.dumps(values_schema))
+    out: dict[str, Any] = json.loads(json.dumps(values_schema))
     kept = {k: v for k, v in out["$defs"].items() if not k.startswith(PREFIX)}
     out["$defs"] = kept | config_defs()
     for path, (model, description) in USES.items():
@@ -126,6 +178,18 @@ def generated(values_schema: dict[str, Any]) -> dict[str, Any]:
         for step in path[:-1]:
             parent = parent[step]
         parent[path[-1]] = {"$ref": f"#/$defs/{PREFIX}{model}", "description": description}
+    for path, (model, field) in BOUNDS.items():
+        node = out
+        for step in path:
+            node = node[step]
+        for key in BOUND_KEYWORDS & node.keys():
+            del node[key]
+        bounds = field_bounds(out["$defs"], model, field)
+        # The chart's own keys first (type), the gateway's bounds after them, the description last.
+        description = node.pop("description", None)
+        node.update(bounds)
+        if description is not None:
+            node["description"] = description
     return out
 
 

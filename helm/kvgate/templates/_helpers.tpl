@@ -237,8 +237,23 @@ one's own, pools set through `config`). */}}
 {{- if .Values.tracing.enabled }}{{ $_ := set $cfg "tracing" (dict "enabled" true) }}{{ end }}
 {{- if .Values.sync.enabled }}{{ $_ := set $cfg "sync" (include "kvgate.syncBlock" . | fromYaml) }}{{ end }}
 {{- $cfg = mergeOverwrite $cfg (deepCopy .Values.config) }}
+{{- include "kvgate.checkUniqueNames" (dict "config" $cfg "key" "pools" "what" "pool") }}
+{{- include "kvgate.checkUniqueNames" (dict "config" $cfg "key" "tenants" "what" "tenant") }}
 {{- include "kvgate.checkQuotasShared" (dict "ctx" . "config" $cfg) }}
 {{- toYaml $cfg }}
+{{- end }}
+
+{{/* A name given twice among the config's pools or tenants (dict: config, key, what), which the
+gateway refuses at start: refused at install instead of crashlooping the pods. */}}
+{{- define "kvgate.checkUniqueNames" -}}
+{{- $seen := dict }}
+{{- range (get .config .key | default list) }}
+{{- $name := toString .name }}
+{{- if hasKey $seen $name }}
+{{- fail (printf "%s: %q names two %ss; names must be unique (the gateway refuses the config)" $.key $name $.what) }}
+{{- end }}
+{{- $_ := set $seen $name true }}
+{{- end }}
 {{- end }}
 
 {{/* Up to how many gateway pods the release may run: the autoscaler's maximum, else replicaCount. */}}

@@ -3,6 +3,7 @@ release's scrape job; and the optional PodMonitor scrapes every process's metric
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -10,7 +11,7 @@ import helm_python
 import pytest
 
 from gateway.metrics import GatewayMetrics
-from tests.helm.chart import render, validate_strictly
+from tests.helm.chart import CHART, render, validate_strictly
 from tests.helm.test_dashboard import exported_series, metric_names
 
 ALERTS = {
@@ -123,3 +124,14 @@ def test_pod_monitor_scrapes_every_process() -> None:
     assert monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
     assert "Service/rel-kvgate-metrics" not in docs  # the PodMonitor needs no Service
     validate_strictly(docs)
+
+
+def test_every_alert_can_be_disabled_by_name() -> None:
+    """The schema's enum of prometheusRule.disabled is the alerts' names: one missing there could
+    not be turned off, and each name it lists leaves its alert out."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    enum = schema["properties"]["prometheusRule"]["properties"]["disabled"]["items"]["enum"]
+    rules = _rules(ON)  # sync is on by default: every alert renders
+    assert sorted(enum) == sorted(rules)
+    for name in enum:
+        assert name not in _rules(ON | {"prometheusRule": ON["prometheusRule"] | {"disabled": [name]}})

@@ -384,3 +384,27 @@ def test_a_chart_version_bump_alone_changes_no_pod_template(tmp_path: Path) -> N
         old = before[f"Deployment/{name}"]["spec"]["template"]["metadata"]["annotations"]
         new = rotated[f"Deployment/{name}"]["spec"]["template"]["metadata"]["annotations"]
         assert all(old[key] != new[key] for key in keys), name
+
+
+def test_every_service_name_fits_a_dns_label_with_the_longest_release_name() -> None:
+    """Helm allows release names of 53 characters: the metrics Service (and the job label the
+    alerts select, its name) is cut like the broker's, never past the 63 a Service name allows."""
+    release = "a" * 44 + "-llm-prod"
+    assert len(release) == 53
+    values = REQUIRED | {"serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}}
+    out = helm_python.Chart.load(str(CHART)).render(values, name=release, namespace="llm", is_install=True)
+    docs = [
+        doc for path, text in out.items() if path.endswith(".yaml") for doc in yaml.safe_load_all(text) if doc
+    ]
+    # A Service's name is a DNS-1035 label (other objects take a longer DNS subdomain).
+    services = [doc["metadata"]["name"] for doc in docs if doc["kind"] == "Service"]
+    assert len(services) == 3 and all(len(name) <= 63 for name in services), services
+    (metrics,) = [
+        doc["metadata"]["name"]
+        for doc in docs
+        if doc["kind"] == "Service"
+        and doc["metadata"]["labels"].get("app.kubernetes.io/component") == "metrics"
+    ]
+    assert metrics.endswith("-metrics") and not metrics.endswith("--metrics")
+    (rules,) = [doc for doc in docs if doc["kind"] == "PrometheusRule"]
+    assert all(f'job="{metrics}"' in rule["expr"] for rule in rules["spec"]["groups"][0]["rules"])

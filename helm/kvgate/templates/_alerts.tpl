@@ -5,7 +5,7 @@ namespace and the job the chart's ServiceMonitor (the metrics Service's name) or
 {{- if .Values.prometheusRule.selector }}
 {{- .Values.prometheusRule.selector }}
 {{- else if .Values.serviceMonitor.enabled }}
-{{- printf "namespace=%q, job=%q" .Release.Namespace (printf "%s-metrics" (include "kvgate.fullname" .)) }}
+{{- printf "namespace=%q, job=%q" .Release.Namespace (include "kvgate.metricsServiceName" .) }}
 {{- else if .Values.podMonitor.enabled }}
 {{- printf "namespace=%q, job=%q" .Release.Namespace (printf "%s/%s" .Release.Namespace (include "kvgate.fullname" .)) }}
 {{- else }}

@@ -297,6 +297,12 @@ own gets a note instead (NOTES.txt). */}}
 {{- toYaml $pd }}
 {{- end }}
 
+{{/* The headless Service the ServiceMonitor scrapes through (also its targets' job label), room
+left for the suffix as for the broker's name. */}}
+{{- define "kvgate.metricsServiceName" -}}
+{{- printf "%s-metrics" (include "kvgate.fullname" . | trunc 55 | trimSuffix "-") }}
+{{- end }}
+
 {{/* Replica sync: the chart's own broker runs when sync is on and names no url. */}}
 {{- define "kvgate.natsName" -}}
 {{- /* Room for the suffix, so that a long name never makes it the gateway's own. */}}

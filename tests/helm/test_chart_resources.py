@@ -21,6 +21,7 @@ from tests.helm.chart import (
     env,
     gateway_config,
     mounts,
+    notes,
     pod_spec,
     render,
     validate_strictly,
@@ -105,6 +106,14 @@ def test_an_existing_config_secret_replaces_the_generated_one() -> None:
         "secretKeyRef": {"name": "rel-kvgate-key-hash", "key": "secret"}
     }
     validate_strictly(docs)
+    # A config that reads the mounted file keeps the secret out of the environment: env "".
+    own = {"configSecret": {"existingSecret": "gateway-config"}, "tenants": []}
+    docs = render(own | {"keyHashSecret": {"existingSecret": "rel-kvgate-key-hash", "env": ""}})
+    assert "env" not in container(docs)
+    assert volumes(docs)["key-hash"]["secret"]["secretName"] == "rel-kvgate-key-hash"
+    validate_strictly(docs)
+    assert "KVGATE_KEY_SECRET" not in notes(own | {"keyHashSecret": {"existingSecret": "k", "env": ""}})
+    assert "$KVGATE_KEY_SECRET" in notes(own)
 
 
 def test_kubernetes_pools_need_the_discovery_flag() -> None:

@@ -15,6 +15,7 @@ from tests.helm.chart import CHART, render, validate_strictly
 from tests.helm.test_dashboard import exported_series, metric_names
 
 ALERTS = {
+    "KvgateTargetDown",
     "KvgateSyncDisconnected",
     "KvgateNoHealthyWorker",
     "KvgateWorkerBreakerOpen",
@@ -58,6 +59,8 @@ def test_every_alert_names_exported_metrics_and_labels() -> None:
     rules = _rules(ON)
     assert set(rules) == ALERTS
     exported, labels = exported_series(), _family_labels()
+    # Prometheus's own series of each target it scrapes: the release's job, each target at 0.
+    assert rules.pop("KvgateTargetDown")["expr"] == 'up{namespace="llm", job="rel-kvgate-metrics"} == 0'
     for name, rule in rules.items():
         expr = rule["expr"]
         used = metric_names(expr)
@@ -98,8 +101,10 @@ def test_selector_alert_labels_disabled_and_extra_rules() -> None:
     assert "[30m]" in rules["KvgateWorkerBreakerOpen"]["expr"]
     assert rules["KvgateNoHealthyWorker"]["labels"] == {"team": "llm", "severity": "critical"}
     assert rules["Mine"] == extra
+    assert rules["KvgateTargetDown"]["expr"] == 'up{namespace="llm", job="llm/rel-kvgate"} == 0'
     own = _rules({"prometheusRule": {"enabled": True, "selector": 'cluster="a", job="gw"'}})
     assert 'kvgate_worker_healthy{cluster="a", job="gw"}' in own["KvgateNoHealthyWorker"]["expr"]
+    assert own["KvgateTargetDown"]["expr"] == 'up{cluster="a", job="gw"} == 0'
 
 
 @pytest.mark.parametrize(
@@ -135,3 +140,9 @@ def test_every_alert_can_be_disabled_by_name() -> None:
     assert sorted(enum) == sorted(rules)
     for name in enum:
         assert name not in _rules(ON | {"prometheusRule": ON["prometheusRule"] | {"disabled": [name]}})
+
+
+def test_the_docs_alert_table_lists_every_alert() -> None:
+    text = (CHART.parents[1] / "docs" / "deploy.md").read_text()
+    section = text[text.index("\n## Alerts\n") : text.index("\n## ", text.index("\n## Alerts\n") + 1)]
+    assert set(re.findall(r"^\| `(Kvgate\w+)`", section, re.M)) == ALERTS

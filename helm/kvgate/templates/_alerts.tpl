@@ -17,6 +17,13 @@ namespace and the job the chart's ServiceMonitor (the metrics Service's name) or
 {{- define "kvgate.alertRules" -}}
 {{- $s := include "kvgate.alertSelector" . }}
 {{- $p := .Values.prometheusRule }}
+- alert: KvgateTargetDown
+  expr: up{ {{- $s -}} } == 0
+  for: 5m
+  labels: {severity: warning}
+  annotations:
+    summary: {{ `Prometheus cannot scrape gateway {{ $labels.pod }} ({{ $labels.instance }})` | quote }}
+    description: "Its metrics port does not answer, so the other alerts do not see it: check the pod's status, events and restarts, and that a NetworkPolicy lets Prometheus reach the metrics port (networkPolicy.metricsFrom)."
 {{- if .Values.sync.enabled }}
 - alert: KvgateSyncDisconnected
   expr: min by (namespace, pod) (kvgate_sync_connected{ {{- $s -}} }) == 0

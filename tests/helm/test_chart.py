@@ -267,6 +267,9 @@ def test_optional_resources() -> None:
     assert selector.items() <= metrics_svc["metadata"]["labels"].items()
     assert not selector.items() <= docs["Service/rel-kvgate"]["metadata"]["labels"].items()
     assert metrics_svc["spec"]["clusterIP"] == "None"
+    # Scraped while not ready (starting, draining); clients only ever reach ready pods.
+    assert metrics_svc["spec"]["publishNotReadyAddresses"] is True
+    assert "publishNotReadyAddresses" not in docs["Service/rel-kvgate"]["spec"]
     assert metrics_svc["spec"]["ports"] == [
         {"name": "metrics", "port": 9464, "targetPort": "metrics", "protocol": "TCP"}
     ]

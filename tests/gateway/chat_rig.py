@@ -5,7 +5,7 @@ name, and a worker of the gateway's registry by its URL."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +50,18 @@ def prefilled() -> web.Response:
     """A vLLM prefill leg's answer: the KV is ready for the decode worker."""
     params = {"remote_engine_id": "e", "remote_block_ids": [1]}
     return web.json_response({"id": "p", "choices": [], "usage": USAGE, "kv_transfer_params": params})
+
+
+def chat_app(chat: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.Application:
+    """A scripted worker: `chat` answers `POST /v1/chat/completions`, `/health` is always ok."""
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/v1/chat/completions", chat)
+    return app
 
 
 @contextlib.asynccontextmanager

@@ -14,7 +14,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from tests.gateway.chat_rig import ChatRig, chat_answer, round_robin_gateway, served
+from tests.gateway.chat_rig import ChatRig, chat_answer, chat_app, round_robin_gateway, served
 
 SECRET = b"k"
 KEYS = {"t": "sk", "u": "sk-u"}
@@ -61,13 +61,7 @@ async def rig() -> AsyncIterator[Rig]:
                 await asyncio.sleep(TOKEN_S)
             return resp
 
-        async def health(_: web.Request) -> web.Response:
-            return web.Response(text="ok")
-
-        app = web.Application()
-        app.router.add_get("/health", health)
-        app.router.add_post("/v1/chat/completions", chat)
-        return app
+        return chat_app(chat)
 
     async with served(("a", "b"), app_for) as urls:
         pool = {

@@ -18,6 +18,7 @@ from aiohttp import web
 from tests.gateway.chat_rig import (
     ChatRig,
     chat_answer,
+    chat_app,
     is_prefill_leg,
     prefilled,
     round_robin_gateway,
@@ -83,13 +84,7 @@ async def rig() -> AsyncIterator[Rig]:
                 return prefilled()
             return chat_answer(body.get("stream") is True, "ok")
 
-        async def health(_: web.Request) -> web.Response:
-            return web.Response(text="ok")
-
-        app = web.Application()
-        app.router.add_get("/health", health)
-        app.router.add_post("/v1/chat/completions", chat)
-        return app
+        return chat_app(chat)
 
     async with served(NAMES, app_for) as urls:
         # Opens at the first failure counted: any wrong verdict shows as an open breaker. Health

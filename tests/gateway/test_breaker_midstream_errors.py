@@ -24,6 +24,7 @@ from tests.gateway.access_lines import AccessLines, capture_access
 from tests.gateway.chat_rig import (
     ChatRig,
     chat_answer,
+    chat_app,
     is_prefill_leg,
     prefilled,
     registry_worker,
@@ -133,13 +134,7 @@ async def rig() -> AsyncIterator[Rig]:
                 request.transport.close()
             return resp
 
-        async def health(_: web.Request) -> web.Response:
-            return web.Response(text="ok")
-
-        app = web.Application()
-        app.router.add_get("/health", health)
-        app.router.add_post("/v1/chat/completions", chat)
-        return app
+        return chat_app(chat)
 
     async with served(NAMES, app_for) as urls:
         # Health checks only at the start: every worker stays healthy, so only breakers decide.

@@ -22,6 +22,7 @@ from tests.gateway.access_lines import capture_access
 from tests.gateway.chat_rig import (
     ChatRig,
     chat_answer,
+    chat_app,
     is_prefill_leg,
     prefilled,
     round_robin_gateway,
@@ -93,14 +94,7 @@ async def rig() -> AsyncIterator[Rig]:
                 )
             return web.Response(body=error, status=500, content_type="application/json")
 
-        app = web.Application()
-
-        async def health(_: web.Request) -> web.Response:
-            return web.Response(text="ok")
-
-        app.router.add_get("/health", health)
-        app.router.add_post("/v1/chat/completions", chat)
-        return app
+        return chat_app(chat)
 
     async with served(NAMES, app_for) as urls:
         # Opens at the first failure counted: any wrong verdict shows as an open breaker. Health

@@ -10,6 +10,11 @@ supervisor starts the file anew once (the last run's moved to `<path>.prev`) and
 the run's time origin, so all append to one file on one timeline, at most N × `max_records` lines
 however often children restart (`gateway/decision_log.py`).
 
+Every child, first started or restarted, reads the config the supervisor loaded at the start (a
+copy in its temp directory), and a child restarted while a workers or policy file is invalid
+starts on that file's last valid version (`gateway/multiproc_files.py`), as the running ones keep
+it.
+
 The supervisor holds the port with a bound, never-listening socket of its own (so port 0 becomes
 one port for every child, and the port stays ours while a child restarts). A child that exits is
 restarted after a second, at most `MAX_RESTARTS_PER_MIN` times a minute; beyond that the whole
@@ -49,6 +54,7 @@ from gateway.decision_log import ORIGIN_ENV, open_log
 from gateway.demo import _die_with_parent
 from gateway.heartbeat import HEARTBEAT_ENV, MIN_TIMEOUT_S, Watchdog, read_stamp, touch_stamp
 from gateway.lifecycle import PEERS_READY_ENV, READY_FILE_ENV, in_terminal
+from gateway.multiproc_files import GroupFiles
 from gateway.policy_watch import LoadedPolicy
 from gateway.serve import read_start_secrets, with_listen, with_sync
 from gateway.sync.broker import NO_NATS_SERVER, BrokerUnavailable, LocalBroker, nats_server_path
@@ -242,7 +248,9 @@ def supervise(args: argparse.Namespace) -> int:
         config = with_listen(load_config(args.config), args.host, args.port, args.metrics_port)
         config = with_sync(config, args.sync_url, args.sync_token_env)
         read_start_secrets(config)  # a missing secret fails here, not N times
-        return _run(args, (Path(args.config).resolve(), config, {}), Path(tmp))
+        files = GroupFiles(config, Path(tmp))
+        files.check_at_start()  # a bad workers or policy file fails here, not N times
+        return _run(args, (files.config_path, files.config, {}), Path(tmp), files)
 
 
 def _demo_config(
@@ -275,7 +283,12 @@ def _shared_decision_log(path: str, base: Path) -> dict[str, str]:
     return {ORIGIN_ENV: repr(time.monotonic())}
 
 
-def _run(args: argparse.Namespace, source: tuple[Path, GatewayConfig, dict[str, str]], tmp: Path) -> int:
+def _run(
+    args: argparse.Namespace,
+    source: tuple[Path, GatewayConfig, dict[str, str]],
+    tmp: Path,
+    files: GroupFiles | None = None,
+) -> int:
     path, config, extra_env = source
     host = args.host if args.host is not None else config.listen.host
     port = args.port if args.port is not None else config.listen.port
@@ -316,7 +329,7 @@ def _run(args: argparse.Namespace, source: tuple[Path, GatewayConfig, dict[str, 
             url = broker.url
             extra_env = {**extra_env, _SYNC_TOKEN_ENV: broker.token or ""}
         argv = [
-            sys.executable, "-m", "gateway.cli", "serve", "--config", str(path), "--host", host,
+            sys.executable, "-m", "gateway.cli", "serve", "--host", host,
             "--port", str(port), "--reuse-port", "--sync-url", url,
         ]  # fmt: skip
         if broker is not None:
@@ -327,7 +340,25 @@ def _run(args: argparse.Namespace, source: tuple[Path, GatewayConfig, dict[str, 
             argv += ["--log-level", args.log_level]
 
         def child_args(i: int) -> list[str]:
-            return ["--metrics-port", str(metrics_base + i if metrics_base else 0)]
+            return [
+                "--config",
+                str(config_for(i)),
+                "--metrics-port",
+                str(metrics_base + i if metrics_base else 0),
+            ]
+
+        def config_for(i: int) -> Path:
+            if files is None:
+                return path
+            chosen, copies = files.config_for_start()
+            for field, followed in copies.items():
+                why = " ".join(str(followed.error).split())  # one line (a YAML error spans several)
+                print(
+                    f"kvgate serve: {field}: {followed.path} is not valid ({why}); gateway "
+                    f"process {i} starts on its last valid version, and follows that copy",
+                    flush=True,
+                )
+            return chosen
 
         ours = (HEARTBEAT_ENV, ORIGIN_ENV, READY_FILE_ENV, PEERS_READY_ENV)
         env = {k: v for k, v in os.environ.items() if k not in ours}
@@ -350,6 +381,8 @@ def _run(args: argparse.Namespace, source: tuple[Path, GatewayConfig, dict[str, 
                     f"kvgate serve: SIGHUP: {sent} gateway processes asked to reload the policy file",
                     flush=True,
                 )
+            if files is not None:
+                files.refresh()  # the copies that restarted processes may follow
             if not children.watch():
                 return 1
             time.sleep(0.2)

@@ -66,18 +66,19 @@ _SECRET_ENV = "KVGATE_KEY_SECRET"
 _SYNC_TOKEN_ENV = "KVGATE_LOCAL_SYNC_TOKEN"  # the local broker's token, for the children only
 
 
-def reuse_port_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to (host, port) with SO_REUSEPORT (not listening yet)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((host.strip("[]"), port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
+def hold_port(host: str, port: int) -> socket.socket:
+    """The group's own socket on (host, port), bound with SO_REUSEPORT and never listening; a
+    `ConfigError` with the single process's message when the port is taken. A socket that already
+    listens there (another program, or another group's processes, which SO_REUSEPORT would let
+    this group join, each then getting a share of the other's connections) is found by binding
+    without SO_REUSEPORT first; a group whose processes all restart at that moment listens nowhere
+    and is not found."""
+    from gateway.server import bind  # the single process's bind, and its message
+
+    host = host.strip("[]")
+    if port:
+        bind(host, port, "listen").close()
+    return bind(host, port, "listen", reuse_port=True)
 
 
 def _child_setup() -> None:
@@ -301,7 +302,7 @@ def _run(
             f"--processes {args.processes}: metrics ports {metrics_base} to "
             f"{metrics_base + args.processes - 1} (one a process) include the client port {port}"
         )
-    holder = reuse_port_socket(host, port)
+    holder = hold_port(host, port)
     port = holder.getsockname()[1]
     broker: LocalBroker | None = None
     url = config.sync.url

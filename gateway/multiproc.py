@@ -18,9 +18,10 @@ it.
 
 The supervisor holds the port with a bound, never-listening socket of its own (so port 0 becomes
 one port for every child, and the port stays ours while a child restarts). A child that exits is
-restarted after a second, at most `MAX_RESTARTS_PER_MIN` times a minute; beyond that the whole
-group stops. A child whose heartbeat (`gateway.heartbeat`) stops for `--watchdog-s`, its event
-loop stuck, has its process group killed and is restarted the same way, within the same budget.
+restarted after a second (all the children that exited, after one pause), at most
+`MAX_RESTARTS_PER_MIN` times a minute each; beyond that the whole group stops. A child whose
+heartbeat (`gateway.heartbeat`) stops for `--watchdog-s`, its event loop stuck, has its process
+group killed and is restarted the same way, within its same budget.
 SIGTERM or SIGINT goes on to every child's process group (each drains as a single gateway does),
 then whatever is left after the drain deadline, or at a second SIGTERM or SIGINT (a second
 Ctrl-C), is killed; children are stopped by PID, always.
@@ -121,7 +122,7 @@ class Children:
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * n
         self.watchdog = watchdog
         self.ready_dir = ready_dir
-        self._restarts: deque[float] = deque()
+        self._restarts: list[deque[float]] = [deque() for _ in range(n)]  # each child's, last minute
 
     def start(self, i: int) -> None:
         env = self.env
@@ -185,26 +186,37 @@ class Children:
             dog.forget(overdue.index)
 
     def watch(self) -> bool:
-        """Restart children that exited (or were killed as hung); False when that happens too
-        often to go on."""
+        """Restart the children that exited (or were killed as hung), all after one pause; False
+        when one of them has been restarted `MAX_RESTARTS_PER_MIN` times in the last minute
+        already (each child has its own budget: one crashing often spends none of the others')."""
         self.kill_hung()
+        now = time.monotonic()
+        dead: list[int] = []
         for i, proc in enumerate(self.procs):
             if proc is None or proc.poll() is None:
                 continue
             self._not_ready(i)  # at once: process 0's /readyz must not wait for the restart
-            now = time.monotonic()
-            while self._restarts and now - self._restarts[0] > 60:
-                self._restarts.popleft()
-            if len(self._restarts) >= MAX_RESTARTS_PER_MIN:
-                print(f"kvgate serve: gateway process {proc.pid} exited with {proc.returncode}; giving up")
+            restarts = self._restarts[i]
+            while restarts and now - restarts[0] > 60:
+                restarts.popleft()
+            if len(restarts) >= MAX_RESTARTS_PER_MIN:
+                print(
+                    f"kvgate serve: gateway process {proc.pid} (index {i}) exited with {proc.returncode}, "
+                    f"its {MAX_RESTARTS_PER_MIN + 1}th exit within a minute; giving up",
+                    flush=True,
+                )
                 return False
             print(
-                f"kvgate serve: gateway process {proc.pid} exited with {proc.returncode}; restarting",
+                f"kvgate serve: gateway process {proc.pid} (index {i}) exited with {proc.returncode}; "
+                "restarting",
                 flush=True,
             )
-            self._restarts.append(now)
+            dead.append(i)
+        if dead:
             time.sleep(1.0)
-            self.start(i)
+            for i in dead:
+                self._restarts[i].append(now)
+                self.start(i)
         return True
 
     def stop(self, timeout_s: float, hurry: Callable[[], bool] = lambda: False) -> int:

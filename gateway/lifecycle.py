@@ -41,6 +41,7 @@ SHUTTING_DOWN = "gateway shutting down"
 # separator).
 READY_FILE_ENV = "KVGATE_READY_FILE"
 PEERS_READY_ENV = "KVGATE_PEERS_READY_FILES"
+PROCESS_INDEX_ENV = "KVGATE_PROCESS_INDEX"  # this process's index in the group (0 to N-1)
 # How often a ready process renews its file (a `utime` call: microseconds).
 READY_REFRESH_S = 1.0
 
@@ -148,18 +149,21 @@ class ProcessGroup:
     hands it. So each process creates a file of its own (`ready_file`) once it is ready, and renews
     it while it runs; the supervisor removes it before it starts or restarts that process; and
     process 0's `/readyz` waits for the files of the others (`peer_files`). Outside a supervised
-    group both are empty."""
+    group both are empty, and `index` (this process's, which `/admin/status` reports) is None."""
 
     ready_file: Path | None = None
     peer_files: tuple[Path, ...] = ()
+    index: int | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> ProcessGroup:
         own = environ.get(READY_FILE_ENV)
         peers = environ.get(PEERS_READY_ENV)
+        index = environ.get(PROCESS_INDEX_ENV)
         return cls(
             Path(own) if own else None,
             tuple(Path(p) for p in json.loads(peers)) if peers else (),
+            int(index) if index and index.isdigit() else None,
         )
 
     def peers_waiting(self) -> int:

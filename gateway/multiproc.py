@@ -56,7 +56,7 @@ from gateway.config.base import ConfigError
 from gateway.decision_log import ORIGIN_ENV, open_log
 from gateway.demo import _die_with_parent
 from gateway.heartbeat import HEARTBEAT_ENV, MIN_TIMEOUT_S, Watchdog, read_stamp, touch_stamp
-from gateway.lifecycle import PEERS_READY_ENV, READY_FILE_ENV, in_terminal
+from gateway.lifecycle import PEERS_READY_ENV, PROCESS_INDEX_ENV, READY_FILE_ENV, in_terminal
 from gateway.multiproc_files import GroupFiles
 from gateway.policy_watch import LoadedPolicy
 from gateway.serve import read_start_secrets, with_listen, with_sync
@@ -125,7 +125,7 @@ class Children:
         self._restarts: list[deque[float]] = [deque() for _ in range(n)]  # each child's, last minute
 
     def start(self, i: int) -> None:
-        env = self.env
+        env = {**self.env, PROCESS_INDEX_ENV: str(i)}
         if self.watchdog is not None:
             dog, folder = self.watchdog
             path = _heartbeat_file(folder, i)
@@ -425,7 +425,7 @@ def _run(
                 )
             return chosen
 
-        ours = (HEARTBEAT_ENV, ORIGIN_ENV, READY_FILE_ENV, PEERS_READY_ENV)
+        ours = (HEARTBEAT_ENV, ORIGIN_ENV, READY_FILE_ENV, PEERS_READY_ENV, PROCESS_INDEX_ENV)
         env = {k: v for k, v in os.environ.items() if k not in ours}
         if config.decision_log.path is not None:
             extra_env = {**extra_env, **_shared_decision_log(config.decision_log.path, path.parent)}

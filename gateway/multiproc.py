@@ -19,9 +19,10 @@ it.
 The supervisor holds the port with a bound, never-listening socket of its own (so port 0 becomes
 one port for every child, and the port stays ours while a child restarts). A child that exits is
 restarted after a second (all the children that exited, after one pause), at most
-`MAX_RESTARTS_PER_MIN` times a minute each; beyond that the whole group stops. A child whose
-heartbeat (`gateway.heartbeat`) stops for `--watchdog-s`, its event loop stuck, has its process
-group killed and is restarted the same way, within its same budget.
+`MAX_RESTARTS_PER_MIN` times a minute each; beyond that the whole group stops, unless that
+child's start is refused (exit code 2) while others serve: then it is held down until its budget
+has room. A child whose heartbeat (`gateway.heartbeat`) stops for `--watchdog-s`, its event loop
+stuck, has its process group killed and is restarted the same way, within its same budget.
 SIGTERM or SIGINT goes on to every child's process group (each drains as a single gateway does),
 then whatever is left after the drain deadline, or at a second SIGTERM or SIGINT (a second
 Ctrl-C), is killed; children are stopped by PID, always.
@@ -65,6 +66,7 @@ from gateway.sync.broker import NO_NATS_SERVER, BrokerUnavailable, LocalBroker, 
 log = logging.getLogger("kvgate.multiproc")
 
 MAX_RESTARTS_PER_MIN = 5
+START_REFUSED = 2  # `kvgate serve`'s exit code when it refuses to start (config, files, port)
 _SECRET_ENV = "KVGATE_KEY_SECRET"
 _SYNC_TOKEN_ENV = "KVGATE_LOCAL_SYNC_TOKEN"  # the local broker's token, for the children only
 
@@ -123,6 +125,7 @@ class Children:
         self.watchdog = watchdog
         self.ready_dir = ready_dir
         self._restarts: list[deque[float]] = [deque() for _ in range(n)]  # each child's, last minute
+        self._held: dict[int, float] = {}  # children held down (`watch`): when to try again
 
     def start(self, i: int) -> None:
         env = {**self.env, PROCESS_INDEX_ENV: str(i)}
@@ -188,18 +191,36 @@ class Children:
     def watch(self) -> bool:
         """Restart the children that exited (or were killed as hung), all after one pause; False
         when one of them has been restarted `MAX_RESTARTS_PER_MIN` times in the last minute
-        already (each child has its own budget: one crashing often spends none of the others')."""
+        already (each child has its own budget: one crashing often spends none of the others').
+        A child whose start keeps being refused (exit code `START_REFUSED`: its config, a file, a
+        port) while others serve is not worth stopping them for: it is held down until its
+        budget has room again, and tried then."""
         self.kill_hung()
         now = time.monotonic()
         dead: list[int] = []
         for i, proc in enumerate(self.procs):
             if proc is None or proc.poll() is None:
                 continue
+            if i in self._held:
+                if now < self._held[i]:
+                    continue
+                del self._held[i]
             self._not_ready(i)  # at once: process 0's /readyz must not wait for the restart
             restarts = self._restarts[i]
             while restarts and now - restarts[0] > 60:
                 restarts.popleft()
             if len(restarts) >= MAX_RESTARTS_PER_MIN:
+                serving = sum(1 for p in self.procs if p is not None and p.poll() is None)
+                if proc.returncode == START_REFUSED and serving:
+                    self._held[i] = restarts[0] + 60
+                    print(
+                        f"kvgate serve: gateway process {proc.pid} (index {i}) could not start "
+                        f"{MAX_RESTARTS_PER_MIN + 1} times within a minute (exit {proc.returncode}, "
+                        f"the reason above); the {serving} other process(es) go on serving; next try "
+                        f"in {self._held[i] - now:.0f} s",
+                        flush=True,
+                    )
+                    continue
                 print(
                     f"kvgate serve: gateway process {proc.pid} (index {i}) exited with {proc.returncode}, "
                     f"its {MAX_RESTARTS_PER_MIN + 1}th exit within a minute; giving up",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import logging
+import os
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -168,6 +169,8 @@ def status_snapshot(state: GatewayState, watcher: PolicyWatcher | None) -> dict[
             }
         )
     return {
+        # Under `kvgate serve --processes N` this answer is one process's (the kernel picked it).
+        "process": {"pid": os.getpid(), "index": state.lifecycle.group.index},
         "ready": state.lifecycle.ready,
         "draining": state.lifecycle.draining,
         "uptime_s": round(time.time() - state.created_s, 1),

@@ -41,6 +41,9 @@ SHUTTING_DOWN = "gateway shutting down"
 # separator).
 READY_FILE_ENV = "KVGATE_READY_FILE"
 PEERS_READY_ENV = "KVGATE_PEERS_READY_FILES"
+PROCESS_INDEX_ENV = "KVGATE_PROCESS_INDEX"  # this process's index in the group (0 to N-1)
+# How often a ready process renews its file (a `utime` call: microseconds).
+READY_REFRESH_S = 1.0
 
 
 class OpenStream(Protocol):
@@ -143,39 +146,54 @@ class ProcessGroup:
     """Readiness across the processes of `kvgate serve --processes N`. The probes ask process 0
     alone (its metrics port), while every process has its own discovery and may still be waiting
     for its first workers, answering 503 `no_worker_available` to the connections the kernel
-    hands it. So each process creates a file of its own (`ready_file`) once it is ready, which the
-    supervisor removes before it starts or restarts that process, and process 0's `/readyz` waits
-    for the files of the others (`peer_files`). Outside a supervised group both are empty."""
+    hands it. So each process creates a file of its own (`ready_file`) once it is ready, and renews
+    it while it runs; the supervisor removes it before it starts or restarts that process; and
+    process 0's `/readyz` waits for the files of the others (`peer_files`). Outside a supervised
+    group both are empty, and `index` (this process's, which `/admin/status` reports) is None."""
 
     ready_file: Path | None = None
     peer_files: tuple[Path, ...] = ()
+    index: int | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> ProcessGroup:
         own = environ.get(READY_FILE_ENV)
         peers = environ.get(PEERS_READY_ENV)
+        index = environ.get(PROCESS_INDEX_ENV)
         return cls(
             Path(own) if own else None,
             tuple(Path(p) for p in json.loads(peers)) if peers else (),
+            int(index) if index and index.isdigit() else None,
         )
 
     def peers_waiting(self) -> int:
         """How many of the other processes are not ready (a `stat` each: microseconds)."""
         return sum(1 for path in self.peer_files if not path.exists())
 
-    async def announce(self, ready: Callable[[], bool], interval_s: float = 0.2) -> None:
+    async def announce(
+        self, ready: Callable[[], bool], interval_s: float = 0.2, refresh_s: float = READY_REFRESH_S
+    ) -> None:
         """Create `ready_file` once `ready()` holds (the process never turns unready again but
-        to drain, and the whole group drains together)."""
+        to drain, and the whole group drains together), then renew it every `refresh_s` until
+        cancelled: a cleaner of old temporary files (systemd-tmpfiles, tmpreaper) may delete it,
+        and process 0 would then wait for this process for ever."""
         if self.ready_file is None:
             return
         while not ready():  # noqa: ASYNC110 - readiness is computed on demand, never signalled
             await asyncio.sleep(interval_s)
-        try:
-            self.ready_file.touch()
-        except OSError as exc:  # process 0 will wait for this process: say why
-            log.warning(
-                "cannot write the readiness file", extra={"path": str(self.ready_file), "error": str(exc)}
-            )
+        failing = False
+        while True:
+            try:
+                self.ready_file.touch()  # creates it again if it is gone
+                failing = False
+            except OSError as exc:  # process 0 will wait for this process: say why, once
+                if not failing:
+                    log.warning(
+                        "cannot write the readiness file",
+                        extra={"path": str(self.ready_file), "error": str(exc)},
+                    )
+                failing = True
+            await asyncio.sleep(refresh_s)
 
 
 @dataclass(slots=True)

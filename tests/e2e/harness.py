@@ -113,6 +113,24 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _argv(pid: int) -> list[bytes]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return []
+
+
+def gateway_processes(supervisor: int) -> set[int]:
+    """The live gateway processes of a `kvgate serve --processes` supervisor (not its
+    nats-server or emulated workers)."""
+    return {pid for pid in _children(supervisor) if b"--reuse-port" in _argv(pid) and alive(pid)}
+
+
+def broker_processes(supervisor: int) -> set[int]:
+    """The live nats-servers a supervisor started."""
+    return {pid for pid in _children(supervisor) if _argv(pid)[0].endswith(b"nats-server") and alive(pid)}
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -11,24 +11,15 @@ from pathlib import Path
 
 import httpx
 
-from tests.e2e.harness import SECRET, alive, metrics_urls, serving_processes, tenant, write_gateway_config
+from tests.e2e.harness import (
+    SECRET,
+    broker_processes,
+    metrics_urls,
+    serving_processes,
+    tenant,
+    write_gateway_config,
+)
 from tests.support.wait import wait_until_sync
-
-
-def _brokers(supervisor: int) -> set[int]:
-    """The supervisor's live nats-server children."""
-    out = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            argv0 = (entry / "cmdline").read_bytes().split(b"\0")[0]
-        except (OSError, ValueError, IndexError):
-            continue
-        if parent == supervisor and argv0.endswith(b"nats-server") and alive(int(entry.name)):
-            out.add(int(entry.name))
-    return out
 
 
 def _connected(metrics_url: str) -> bool:
@@ -47,12 +38,12 @@ def test_a_dead_local_broker_is_started_again(tmp_path: Path) -> None:
         supervisor = proc.popen.pid
         urls = sorted(set(metrics_urls(proc)))
         wait_until_sync(lambda: all(_connected(u) for u in urls), 30, "both processes joined the broker")
-        (first,) = _brokers(supervisor)
+        (first,) = broker_processes(supervisor)
         os.kill(first, signal.SIGKILL)
 
         def restarted() -> set[int]:
             assert proc.popen.poll() is None, proc.output()[-3000:]
-            return _brokers(supervisor) - {first}
+            return broker_processes(supervisor) - {first}
 
         wait_until_sync(restarted, 30, "a new nats-server runs")
         assert not Path(f"/proc/{first}").exists()  # reaped, not left a zombie

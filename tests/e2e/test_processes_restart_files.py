@@ -14,7 +14,7 @@ import httpx
 from tests.e2e.harness import (
     SECRET,
     Proc,
-    alive,
+    gateway_processes,
     metrics_urls,
     serving_processes,
     start_emulator,
@@ -30,22 +30,6 @@ def _write(path: Path, text: str) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
-
-
-def _gateways(supervisor: int) -> set[int]:
-    """The supervisor's live gateway processes (not its nats-server)."""
-    out = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except (OSError, ValueError, IndexError):
-            continue
-        if parent == supervisor and b"--reuse-port" in argv and alive(int(entry.name)):
-            out.add(int(entry.name))
-    return out
 
 
 def _ask(base: str) -> int:
@@ -85,7 +69,7 @@ def test_a_restarted_process_starts_from_what_the_group_runs(tmp_path: Path) -> 
             # (Before, the restarted process exited 2 on the broken files again and again, and
             # the supervisor gave up after 5 restarts, stopping the healthy process too.)
             wait_until_sync(restarted_listens, 60, "the restarted process listens")
-            assert len(_gateways(proc.popen.pid)) == 2
+            assert len(gateway_processes(proc.popen.pid)) == 2
             # The old key over fresh connections: both processes still know it (the chance that
             # the kernel hands all 20 to the same process is about 2e-6).
             assert [_ask(base) for _ in range(20)] == [200] * 20
@@ -104,7 +88,7 @@ def _break_everything_and_kill_one(config: Path, workers: Path, policy: Path, pr
     _write(config, text.replace(tenant("t", KEY)["api_key_hashes"][0], other))
     _write(workers, "- [oops\n")
     _write(policy, "policy: nosuch\n")
-    pids = _gateways(proc.popen.pid)
+    pids = gateway_processes(proc.popen.pid)
     assert len(pids) == 2
     os.kill(min(pids), signal.SIGKILL)
     wait_until_sync(lambda: "restarting" in proc.output(), 30, "the supervisor restarts it")

@@ -7,23 +7,15 @@ import os
 import signal
 from pathlib import Path
 
-from tests.e2e.harness import SECRET, alive, serving_processes, tenant, write_gateway_config
+from tests.e2e.harness import (
+    SECRET,
+    alive,
+    gateway_processes,
+    serving_processes,
+    tenant,
+    write_gateway_config,
+)
 from tests.support.wait import wait_until_sync
-
-
-def _gateways(supervisor: int) -> set[int]:
-    out = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except (OSError, ValueError, IndexError):
-            continue
-        if parent == supervisor and b"--reuse-port" in argv and alive(int(entry.name)):
-            out.add(int(entry.name))
-    return out
 
 
 def test_a_second_sigint_while_draining_stops_at_once(tmp_path: Path) -> None:
@@ -38,7 +30,7 @@ def test_a_second_sigint_while_draining_stops_at_once(tmp_path: Path) -> None:
     env = {"KVGATE_KEY_SECRET": SECRET.decode()}
     with serving_processes("--config", str(config), env=env) as (_, proc):
         supervisor = proc.popen.pid
-        gateways = _gateways(supervisor)
+        gateways = gateway_processes(supervisor)
         assert len(gateways) == 2
         os.kill(supervisor, signal.SIGINT)
         # Draining: every process runs on (its readiness 503).

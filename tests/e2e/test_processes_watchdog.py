@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.harness import Proc, alive, metrics_urls, processes_demo
+from tests.e2e.harness import Proc, alive, gateway_processes, metrics_urls, processes_demo
 from tests.support.wait import wait_until_sync
 
 KEY = "sk-e2e-watchdog"
@@ -24,29 +24,6 @@ WATCHDOG_S = 5.0  # well above a loaded machine's scheduling delays, short for t
 def group() -> Iterator[tuple[str, Proc]]:
     with processes_demo(KEY, "--watchdog-s", str(WATCHDOG_S)) as running:
         yield running
-
-
-def _args(pid: int) -> list[str]:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-    except OSError:
-        return []
-
-
-def _gateways(supervisor: int) -> set[int]:
-    """The supervisor's live gateway processes (not its emulated workers or nats-server)."""
-    out = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        pid = int(entry.name)
-        if parent == supervisor and "--reuse-port" in _args(pid) and alive(pid):
-            out.add(pid)
-    return out
 
 
 def _heartbeat_file(pid: int) -> Path:
@@ -77,7 +54,7 @@ def _ask(base: str) -> None:
 
 def test_idle_processes_that_keep_beating_are_not_restarted(group: tuple[str, Proc]) -> None:
     _, proc = group
-    pids = _gateways(proc.popen.pid)
+    pids = gateway_processes(proc.popen.pid)
     assert len(pids) == 2
     files = [_heartbeat_file(pid) for pid in pids]
     assert len(set(files)) == 2
@@ -90,13 +67,13 @@ def test_idle_processes_that_keep_beating_are_not_restarted(group: tuple[str, Pr
         "both heartbeats advanced past the watchdog timeout",
         interval_s=0.2,
     )
-    assert _gateways(proc.popen.pid) == pids
+    assert gateway_processes(proc.popen.pid) == pids
     assert "no heartbeat" not in proc.output()
 
 
 def test_a_stopped_process_is_killed_and_replaced_and_the_port_serves(group: tuple[str, Proc]) -> None:
     base, proc = group
-    before = _gateways(proc.popen.pid)
+    before = gateway_processes(proc.popen.pid)
     assert len(before) == 2
     listening = len(metrics_urls(proc))
     victim = min(before)
@@ -106,7 +83,7 @@ def test_a_stopped_process_is_killed_and_replaced_and_the_port_serves(group: tup
         assert re.search(rf"gateway process {victim} \(index \d\) sent no heartbeat for \S+ s", proc.output())
 
         def replaced_by() -> set[int]:
-            now = _gateways(proc.popen.pid)
+            now = gateway_processes(proc.popen.pid)
             return now - before if len(now) == 2 else set()
 
         replaced = wait_until_sync(replaced_by, 60, "a new gateway process runs")
@@ -116,7 +93,7 @@ def test_a_stopped_process_is_killed_and_replaced_and_the_port_serves(group: tup
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(victim, signal.SIGCONT)
-    assert len(replaced) == 1 and before - {victim} <= _gateways(proc.popen.pid)
+    assert len(replaced) == 1 and before - {victim} <= gateway_processes(proc.popen.pid)
     # Fresh connections land on both processes (the chance that 20 all go to the survivor is
     # about 1e-6) and every one is answered.
     for _ in range(20):

@@ -205,7 +205,8 @@ def error_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ErrorStack
                 "workers": [urls["streamerr400"]],
                 "breaker": {"failure_threshold": 2},
             },
-            # Worker failures do count (default threshold 3): keep this lone worker routable.
+            # A worker's own error event counts against no worker; a high threshold keeps this lone
+            # worker routable whatever the rule.
             {
                 "name": "e500",
                 "models": ["m-err500"],

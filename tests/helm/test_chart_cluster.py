@@ -132,7 +132,10 @@ def test_releases_of_one_name_in_two_namespaces_share_no_resource() -> None:
 
 def test_discovery_rbac_lists_and_watches_only_where_a_pool_watches() -> None:
     docs = render(
-        {"kubernetesDiscovery": {"enabled": True}, "pools": [kube_pool("inference"), POOL | {"name": "b"}]}
+        {
+            "kubernetesDiscovery": {"enabled": True},
+            "pools": [kube_pool("inference"), POOL | {"name": "b", "models": ["other-model"]}],
+        }
     )
     roles = [k for k in docs if k.startswith("Role")]
     assert roles == [

@@ -176,6 +176,15 @@ def test_every_bounded_chart_value_names_a_gateway_field() -> None:
             {"config": {"pools": [POOL_CONFIG, POOL_CONFIG | {"models": ["other"]}]}},
             'pools: "p" names two pools',
         ),
+        # A model served by two pools, an API key hash of two tenants (not printed).
+        (
+            {"pools": [POOL, POOL | {"name": "second"}]},
+            'pools: model "[^"]+" is in both "default" and "second"',
+        ),
+        (
+            {"tenants": [TENANT, TENANT | {"name": "team-b"}]},
+            'tenants: an API key hash is in both "team-a" and "team-b"',
+        ),
     ],
 )
 def test_a_name_given_twice_fails_the_install(values: dict[str, Any], needle: str) -> None:

@@ -239,6 +239,8 @@ one's own, pools set through `config`). */}}
 {{- $cfg = mergeOverwrite $cfg (deepCopy .Values.config) }}
 {{- include "kvgate.checkUniqueNames" (dict "config" $cfg "key" "pools" "what" "pool") }}
 {{- include "kvgate.checkUniqueNames" (dict "config" $cfg "key" "tenants" "what" "tenant") }}
+{{- include "kvgate.checkOneOwner" (dict "config" $cfg "key" "pools" "field" "models" "what" "model %q") }}
+{{- include "kvgate.checkOneOwner" (dict "config" $cfg "key" "tenants" "field" "api_key_hashes" "what" "an API key hash") }}
 {{- include "kvgate.checkQuotasShared" (dict "ctx" . "config" $cfg) }}
 {{- toYaml $cfg }}
 {{- end }}
@@ -253,6 +255,24 @@ gateway refuses at start: refused at install instead of crashlooping the pods. *
 {{- fail (printf "%s: %q names two %ss; names must be unique (the gateway refuses the config)" $.key $name $.what) }}
 {{- end }}
 {{- $_ := set $seen $name true }}
+{{- end }}
+{{- end }}
+
+{{/* An entry of a list field given to two of the config's pools or tenants (dict: config, key,
+field, what: the entry's words, `%q` for the entry itself): a model served by two pools, an API
+key hash of two tenants, which the gateway refuses at start. A hash is not printed. */}}
+{{- define "kvgate.checkOneOwner" -}}
+{{- $owners := dict }}
+{{- range (get .config .key | default list) }}
+{{- $owner := toString .name }}
+{{- range (get . $.field | default list) }}
+{{- $entry := toString . }}
+{{- if and (hasKey $owners $entry) (ne (get $owners $entry) $owner) }}
+{{- $words := contains "%q" $.what | ternary (printf $.what $entry) $.what }}
+{{- fail (printf "%s: %s is in both %q and %q; each must have one (the gateway refuses the config)" $.key $words (get $owners $entry) $owner) }}
+{{- end }}
+{{- $_ := set $owners $entry $owner }}
+{{- end }}
 {{- end }}
 {{- end }}
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -89,26 +89,33 @@ def _usage(prompt_tokens: Any, completion_tokens: int) -> dict[str, int]:
     }
 
 
+def _envelope(rid: object, kind: str, model: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": choices}
+
+
+def _chunk(
+    request: Request, body: dict[str, Any], model: str, kind: str, content: Callable[[str], dict[str, Any]]
+) -> Response:
+    """A streamed derender: the worker's `generate_chunk` as one chunk of `kind`, each choice's text
+    in the route's shape (`content`)."""
+    rid, chunk_choices = _answer(body.get("generate_chunk"), "generate_chunk")
+    choices = []
+    for c in chunk_choices:
+        index, text, _, finish, stop = _decoded(request, c, "generate_chunk")
+        choices.append({"index": index, **content(text), "finish_reason": finish, "stop_reason": stop})
+    return json_response(
+        {"chunk": _envelope(rid, kind, model, choices), "stream_state": body.get("stream_state") or {}}
+    )
+
+
 @router.post("/v1/chat/completions/derender")
 async def chat_derender(request: Request) -> Response:
     body = await read_json(request)
     model = check_model(body, worker_of(request).cfg)
     if body.get("stream") is True:
-        rid, chunk_choices = _answer(body.get("generate_chunk"), "generate_chunk")
-        choices = []
-        for c in chunk_choices:
-            index, text, _, finish, stop = _decoded(request, c, "generate_chunk")
-            choices.append(
-                {"index": index, "delta": {"content": text}, "finish_reason": finish, "stop_reason": stop}
-            )
-        out = {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": int(time.time()),
-            "model": model,
-            "choices": choices,
-        }
-        return json_response({"chunk": out, "stream_state": body.get("stream_state") or {}})
+        return _chunk(
+            request, body, model, "chat.completion.chunk", lambda text: {"delta": {"content": text}}
+        )
     rid, generated = _answer(body.get("generate_response"), "generate_response")
     choices, completion = [], 0
     for c in generated:
@@ -125,14 +132,8 @@ async def chat_derender(request: Request) -> Response:
             }
         )
     return json_response(
-        {
-            "id": rid,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": model,
-            "choices": choices,
-            "usage": _usage(body.get("prompt_tokens"), completion),
-        }
+        _envelope(rid, "chat.completion", model, choices)
+        | {"usage": _usage(body.get("prompt_tokens"), completion)}
     )
 
 
@@ -141,24 +142,13 @@ async def completions_derender(request: Request) -> Response:
     body = await read_json(request)
     model = check_model(body, worker_of(request).cfg)
     if body.get("stream") is True:
-        rid, chunk_choices = _answer(body.get("generate_chunk"), "generate_chunk")
-        choices = []
-        for c in chunk_choices:
-            index, text, _, finish, stop = _decoded(request, c, "generate_chunk")
-            choices.append({"index": index, "text": text, "finish_reason": finish, "stop_reason": stop})
-        out = {
-            "id": rid,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": model,
-            "choices": choices,
-        }
-        return json_response({"chunk": out, "stream_state": body.get("stream_state") or {}})
+        return _chunk(request, body, model, "text_completion", lambda text: {"text": text})
     answers = body.get("generate_responses")
     if not isinstance(answers, list) or not answers:
         raise ApiError.bad_request("generate_responses must be a non-empty list", "generate_responses")
     prompts = body.get("prompt_tokens")
-    choices, completion = [], 0
+    choices: list[dict[str, Any]] = []
+    completion = 0
     first_id = None
     for generated in answers:
         rid, generated_choices = _answer(generated, "generate_responses")
@@ -177,12 +167,5 @@ async def completions_derender(request: Request) -> Response:
             )
     prompt = sum(t for t in prompts if isinstance(t, int)) if isinstance(prompts, list) else 0
     return json_response(
-        {
-            "id": first_id,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": model,
-            "choices": choices,
-            "usage": _usage(prompt, completion),
-        }
+        _envelope(first_id, "text_completion", model, choices) | {"usage": _usage(prompt, completion)}
     )

@@ -80,6 +80,17 @@ class GenerationRequest:
         """The first (usually only) prompt."""
         return self.prompts[0]
 
+    def rendered(self, request_id: str) -> dict[str, Any]:
+        """What vLLM's render routes answer for this request: its prompt's token ids and sampling
+        parameters, ready for a `/generate` call."""
+        return {
+            "request_id": request_id,
+            "token_ids": self.prompt_ids.tolist(),
+            "sampling_params": self.echo_sampling,
+            "model": self.model,
+            "features": None,
+        }
+
 
 @dataclass(frozen=True, slots=True)
 class CommonFields:

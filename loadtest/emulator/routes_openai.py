@@ -64,15 +64,7 @@ async def chat_render(request: Request) -> Response:
     body = await read_json(request)
     w = worker_of(request)
     gen = parse_chat(body, w.cfg, w.tokenizer)
-    return json_response(
-        {
-            "request_id": f"chatcmpl-{base_request_id(request, gen.request_id)}",
-            "token_ids": gen.prompt_ids.tolist(),
-            "sampling_params": gen.echo_sampling,
-            "model": gen.model,
-            "features": None,
-        }
-    )
+    return json_response(gen.rendered(f"chatcmpl-{base_request_id(request, gen.request_id)}"))
 
 
 @router.post("/v1/completions/render")

@@ -20,7 +20,7 @@ from fastapi.responses import Response
 from loadtest.emulator.base_request_id import base_request_id
 from loadtest.emulator.errors import ApiError
 from loadtest.emulator.messages_api import parse_messages
-from loadtest.emulator.protocol import GenerationRequest, check_model
+from loadtest.emulator.protocol import check_model
 from loadtest.emulator.responses_api import parse_responses
 from loadtest.emulator.routes_responses import store_of
 from loadtest.emulator.web import json_response, read_json, worker_of
@@ -29,22 +29,12 @@ from loadtest.engine.tokenizer import TokenizerError
 router = APIRouter()
 
 
-def _rendered(request_id: str, gen: GenerationRequest) -> dict[str, Any]:
-    return {
-        "request_id": request_id,
-        "token_ids": gen.prompt_ids.tolist(),
-        "sampling_params": gen.echo_sampling,
-        "model": gen.model,
-        "features": None,
-    }
-
-
 @router.post("/v1/messages/render")
 async def messages_render(request: Request) -> Response:
     body = await read_json(request)
     w = worker_of(request)
     call = parse_messages(body, w.cfg, w.tokenizer, w.block_size)
-    return json_response(_rendered(f"chatcmpl-{base_request_id(request, call.gen.request_id)}", call.gen))
+    return json_response(call.gen.rendered(f"chatcmpl-{base_request_id(request, call.gen.request_id)}"))
 
 
 @router.post("/v1/responses/render")
@@ -56,7 +46,7 @@ async def responses_render(request: Request) -> Response:
         )
     w = worker_of(request)
     call = parse_responses(body, w.cfg, w.tokenizer, store_of(request))
-    return json_response(_rendered(call.gen.request_id or f"resp_{uuid.uuid4().hex}", call.gen))
+    return json_response(call.gen.rendered(call.gen.request_id or f"resp_{uuid.uuid4().hex}"))
 
 
 def _decoded(request: Request, choice: Any, param: str) -> tuple[int, str, list[int], Any, Any]:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import sys
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -35,7 +37,7 @@ from loadtest.goodput.config import (
 )
 from loadtest.goodput.report import TraceOutcome, run_document, trace_table
 from loadtest.goodput.runner import PointResult, SimSettings, TraceSetup, prepare_trace, run_point
-from loadtest.goodput.search import SearchSettings, find_capacity, round_rate
+from loadtest.goodput.search import SearchSettings, find_capacity, round_rate, round_users
 from loadtest.goodput.slo import figures_text, slo_figures
 from loadtest.report.goodput_plots import CurvePoint, PlotUnavailable, goodput_curves
 from loadtest.report.meta import run_metadata
@@ -48,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--config",
         metavar="FILE",
         help="goodput YAML (default: the shipped default.yaml), or a shipped one by name:"
-        " pd, pd-tight-tpot, holder, objective",
+        " pd, pd-tight-tpot, holder, objective, closed",
     )
     parser.add_argument("--traces", help="comma-separated subset of the config's traces")
     parser.add_argument(
@@ -121,7 +123,7 @@ def fingerprint(cfg: GoodputConfig, trace: str, args: argparse.Namespace) -> str
     return hashlib.sha256(orjson.dumps(doc, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
 
 
-PointKey = tuple[str, str, str, float]  # fingerprint, trace, policy, rate scale
+PointKey = tuple[str, str, str, float]  # fingerprint, trace, policy, load (rate scale or users)
 
 
 class PointStore:
@@ -138,7 +140,7 @@ class PointStore:
             for line in path.read_bytes().splitlines():
                 row = orjson.loads(line)
                 point = PointResult(**row["point"])
-                key = (row["fingerprint"], row["trace"], row["policy"], point.rate_scale)
+                key = (row["fingerprint"], row["trace"], row["policy"], row.get("load", point.rate_scale))
                 self.known[key] = (point, row["git_sha"])
         elif path.exists():
             path.unlink()
@@ -157,6 +159,7 @@ class PointStore:
             "fingerprint": key[0],
             "trace": key[1],
             "policy": key[2],
+            "load": key[3],
             "git_sha": self.git_sha,
             "point": asdict(point),
         }
@@ -164,41 +167,79 @@ class PointStore:
             f.write(orjson.dumps(row) + b"\n")
 
 
+class UserSetups:
+    """A closed-loop trace keyed as each number of users the search asks for (`load: users`):
+    the starting one kept, and the last few others, since each policy's search revisits the
+    counts near its own capacity and keying a trace as many users takes a while."""
+
+    KEPT = 2
+
+    def __init__(self, base: TraceSetup, prepare: Callable[[TraceSpec], TraceSetup]) -> None:
+        self.base = base
+        self.prepare = prepare
+        self.others: OrderedDict[int, TraceSetup] = OrderedDict()
+
+    def at(self, users: int) -> TraceSetup:
+        if users == self.base.spec.users:
+            return self.base
+        found = self.others.pop(users, None)
+        if found is None:
+            found = self.prepare(self.base.spec.model_copy(update={"users": users}))
+        self.others[users] = found
+        while len(self.others) > self.KEPT:
+            self.others.popitem(last=False)
+        return found
+
+
 def measure_trace(
-    setup: TraceSetup, cfg: GoodputConfig, store: PointStore, fp: str, *, quiet: bool
+    setup: TraceSetup,
+    cfg: GoodputConfig,
+    store: PointStore,
+    fp: str,
+    *,
+    quiet: bool,
+    prepare: Callable[[TraceSpec], TraceSetup] | None = None,
 ) -> TraceOutcome:
-    """Every policy's capacity on one trace (the reference rate always replayed in full)."""
+    """Every policy's capacity on one trace (the reference load always replayed in full). With
+    `load: users`, `prepare` keys the trace for each number of users the search tries."""
     spec: TraceSpec = setup.spec
     sim = SimSettings(cfg.workers, cfg.seed, cfg.scrape_interval_s)
     outcome = TraceOutcome(setup.name, spec, len(setup.requests))
-    reference = round_rate(spec.reference_rate_scale)
+    rounding = round_users if spec.by_users else round_rate
+    reference = rounding(spec.reference_load)
+    if spec.by_users and prepare is None:
+        raise ValueError(f"trace {setup.name}: load: users needs the trace prepared per user count")
+    users = UserSetups(setup, prepare) if prepare is not None else None
+
+    def setup_at(load: float) -> tuple[TraceSetup, float]:
+        """The keyed trace and the rate scale of a point at `load`."""
+        if users is None or not spec.by_users:
+            return setup, load
+        return users.at(int(load)), spec.reference_rate_scale
+
     for entry in cfg.entries():
         policy = entry.label
         points = outcome.points.setdefault(policy, {})
 
         def passes(
-            rate: float, entry: PolicyEntry = entry, points: dict[float, PointResult] = points
+            load: float, entry: PolicyEntry = entry, points: dict[float, PointResult] = points
         ) -> bool:
-            key = (fp, setup.name, entry.point_key, rate)
-            full = rate == reference or not cfg.stop_early
+            key = (fp, setup.name, entry.point_key, load)
+            full = load == reference or not cfg.stop_early
             point = store.get(key)
             if point is None or (full and not point.complete):
                 stop = None if full else cfg.attainment_share
-                point = run_point(setup, entry, rate, sim, stop_below_share=stop)
+                at, rate = setup_at(load)
+                point = run_point(at, entry, rate, sim, stop_below_share=stop)
                 store.put(key, point)
                 if not quiet:
                     print(_progress(setup.name, entry.label, point), file=sys.stderr, flush=True)
-            points[rate] = point
+            points[load] = point
             return point.passes(cfg.attainment_share)
 
-        settings = SearchSettings(
-            spec.reference_rate_scale,
-            spec.min_rate_scale,
-            spec.max_rate_scale,
-            cfg.coarse_factor,
-            cfg.tolerance,
-        )
-        outcome.capacities[policy] = find_capacity(passes, settings)
+        lo_bound, hi_bound = spec.load_bounds
+        settings = SearchSettings(spec.reference_load, lo_bound, hi_bound, cfg.coarse_factor, cfg.tolerance)
+        outcome.capacities[policy] = find_capacity(passes, settings, rounding)
     return outcome
 
 
@@ -210,14 +251,15 @@ def _progress(trace: str, policy: str, p: PointResult) -> str:
         else "stopped: below the share"
     )
     return (
-        f"{trace} {policy:20s} rate {p.rate_scale:<8.4g} attainment {p.attainment:.3f}  {tail}  "
+        f"{trace} {policy:20s} rate {p.rate_scale:<8.4g} users {p.users or 1:<4d} "
+        f"attainment {p.attainment:.3f}  {tail}  "
         f"({p.wall_s:.0f}s)"
     )
 
 
 def plot_outcome(outcome: TraceOutcome, cfg: GoodputConfig, path: Path) -> None:
     curves = {
-        policy: [CurvePoint(p.rate_scale, p.attainment, p.ttft_p99_s, p.complete) for p in pts.values()]
+        policy: [CurvePoint(load, p.attainment, p.ttft_p99_s, p.complete) for load, p in pts.items()]
         for policy, pts in outcome.points.items()
     }
     goodput_curves(
@@ -226,7 +268,12 @@ def plot_outcome(outcome: TraceOutcome, cfg: GoodputConfig, path: Path) -> None:
         ttft_slo_s=outcome.spec.ttft_slo_s,
         share=cfg.attainment_share,
         path=path,
-        capacities={p: c.rate_scale for p, c in outcome.capacities.items()},
+        capacities={p: c.load for p, c in outcome.capacities.items()},
+        load_label=(
+            f"users (closed loop, think time ÷ {outcome.spec.reference_rate_scale:g}, log)"
+            if outcome.spec.by_users
+            else None
+        ),
     )
 
 
@@ -267,7 +314,15 @@ def run(args: argparse.Namespace) -> int:
         except (TraceFormatError, ValueError) as exc:
             print(f"kvgate bench goodput: error: {exc}", file=sys.stderr)
             return 2
-        outcome = measure_trace(setup, cfg, store, fingerprint(cfg, name, args), quiet=args.quiet)
+
+        def prepare(spec: TraceSpec, name: str = name) -> TraceSetup:
+            return prepare_trace(
+                name, spec, profile, seed=cfg.seed, max_requests=args.max_requests, window_s=args.window_s
+            )
+
+        outcome = measure_trace(
+            setup, cfg, store, fingerprint(cfg, name, args), quiet=args.quiet, prepare=prepare
+        )
         outcomes.append(outcome)
         table = trace_table(outcome, cfg)
         sections.append(table)

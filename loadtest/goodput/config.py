@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -38,6 +38,12 @@ class TraceSpec(_Strict):
     the answers it follows, then its think time divided by the rate. `trace` is the shipped trace
     or file the entry replays (default: the entry's name), so that two entries may replay one
     trace two ways.
+
+    `load: users` searches, closed loop only, over the number of users instead of the rate: every
+    point replays the trace at `reference_rate_scale` (its think times divided by it) as `users`
+    users at first, then as many as the search asks for, within [`min_users`, `max_users`]. Closed
+    loop, a user has at most one turn in flight, so the users are the load, as kv-cache-tester
+    measures an agent deployment's capacity.
     """
 
     trace: str | None = None
@@ -53,12 +59,40 @@ class TraceSpec(_Strict):
     max_requests: int | None = Field(None, gt=0)
     window_s: float | None = Field(None, gt=0)
     closed_loop: bool = False
+    load: Literal["rate", "users"] = "rate"
+    min_users: int = Field(1, ge=1)
+    max_users: int = Field(1024, ge=1)
 
     @model_validator(mode="after")
     def _bounds(self) -> TraceSpec:
         if not self.min_rate_scale <= self.reference_rate_scale <= self.max_rate_scale:
             raise ValueError("need min_rate_scale <= reference_rate_scale <= max_rate_scale")
+        if self.load == "users":
+            if not self.closed_loop:
+                raise ValueError("load: users needs closed_loop: true (open loop the rate is the load)")
+            if not self.min_users <= self.users <= self.max_users:
+                raise ValueError("need min_users <= users <= max_users")
         return self
+
+    @property
+    def by_users(self) -> bool:
+        return self.load == "users"
+
+    @property
+    def reference_load(self) -> float:
+        """Where the search starts and every row is replayed in full: the reference rate, or the
+        starting users."""
+        return float(self.users) if self.by_users else self.reference_rate_scale
+
+    @property
+    def load_bounds(self) -> tuple[float, float]:
+        if self.by_users:
+            return float(self.min_users), float(self.max_users)
+        return self.min_rate_scale, self.max_rate_scale
+
+    def load_text(self, load: float) -> str:
+        """A load as the report writes it: "11×" or "40 users"."""
+        return f"{load:g} users" if self.by_users else f"{load:g}×"
 
 
 class PolicyEntry(_Strict):

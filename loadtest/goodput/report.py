@@ -16,7 +16,7 @@ SUBJECT_GOAL = 1.3  # the subject's capacity against the best other policy's
 
 @dataclass(slots=True)
 class TraceOutcome:
-    """Everything measured on one trace: every point per policy (rate → result) and each
+    """Everything measured on one trace: every point per policy (load → result) and each
     policy's capacity bracket."""
 
     name: str
@@ -25,8 +25,8 @@ class TraceOutcome:
     points: dict[str, dict[float, PointResult]] = field(default_factory=dict)
     capacities: dict[str, Capacity] = field(default_factory=dict)
 
-    def at(self, policy: str, rate: float | None) -> PointResult | None:
-        return None if rate is None else self.points.get(policy, {}).get(rate)
+    def at(self, policy: str, load: float | None) -> PointResult | None:
+        return None if load is None else self.points.get(policy, {}).get(load)
 
 
 def _f(v: float | None, spec: str, scale: float = 1.0) -> str:
@@ -34,40 +34,40 @@ def _f(v: float | None, spec: str, scale: float = 1.0) -> str:
 
 
 def capacity_text(cap: Capacity, spec: TraceSpec) -> str:
-    if cap.rate_scale is None:
-        return f"< {spec.min_rate_scale:.3g}"
-    if cap.failing_rate_scale is None:
-        return f"≥ {cap.rate_scale:.3g}"
-    return f"{cap.rate_scale:.3g}"
+    if cap.load is None:
+        return f"< {spec.load_bounds[0]:.3g}"
+    if cap.failing_load is None:
+        return f"≥ {cap.load:.3g}"
+    return f"{cap.load:.3g}"
 
 
 def capacity_ratio(a: Capacity, b: Capacity) -> str:
     """a's capacity over b's; a bound on either side makes the ratio a bound too."""
-    if a.rate_scale is None and b.rate_scale is None:
+    if a.load is None and b.load is None:
         return "–"
-    if a.rate_scale is None:
-        return "< 1" if b.rate_scale is not None else "–"
-    if b.rate_scale is None:
+    if a.load is None:
+        return "< 1" if b.load is not None else "–"
+    if b.load is None:
         return "∞"
-    ratio = a.rate_scale / b.rate_scale
-    if a.failing_rate_scale is None and b.failing_rate_scale is not None:
+    ratio = a.load / b.load
+    if a.failing_load is None and b.failing_load is not None:
         return f"≥ {ratio:.2f}×"
-    if b.failing_rate_scale is None and a.failing_rate_scale is not None:
+    if b.failing_load is None and a.failing_load is not None:
         return f"≤ {ratio:.2f}×"
     return f"{ratio:.2f}×"
 
 
 def goal_text(a: Capacity, b: Capacity, goal: float | None = SUBJECT_GOAL) -> str:
-    """a's capacity over b's at the passing rates, the range the two search brackets allow, and
+    """a's capacity over b's at the passing loads, the range the two search brackets allow, and
     whether that range clears `goal` (met), stays below it (missed) or straddles it; no verdict
     when there is no goal."""
-    if a.rate_scale is None:
+    if a.load is None:
         return "no capacity" + (f" (goal ≥ {goal:g}×: missed)" if goal is not None else "")
-    if b.rate_scale is None:
+    if b.load is None:
         return "∞" + (f" (goal ≥ {goal:g}×: met)" if goal is not None else "")
-    ratio = a.rate_scale / b.rate_scale
-    low = a.rate_scale / b.failing_rate_scale if b.failing_rate_scale is not None else 0.0
-    high = a.failing_rate_scale / b.rate_scale if a.failing_rate_scale is not None else math.inf
+    ratio = a.load / b.load
+    low = a.load / b.failing_load if b.failing_load is not None else 0.0
+    high = a.failing_load / b.load if a.failing_load is not None else math.inf
     if goal is None:
         return f"{ratio:.3f}× ({low:.2f}–{high:.2f}× within the search brackets)"
     verdict = "met" if low >= goal else "missed" if high < goal else "undecided within the brackets"
@@ -76,29 +76,30 @@ def goal_text(a: Capacity, b: Capacity, goal: float | None = SUBJECT_GOAL) -> st
 
 def best_other(outcome: TraceOutcome, subject: str) -> str | None:
     """The policy other than `subject` with the highest capacity (None if none has one)."""
-    others = [
-        (c.rate_scale, p) for p, c in outcome.capacities.items() if p != subject and c.rate_scale is not None
-    ]
+    others = [(c.load, p) for p, c in outcome.capacities.items() if p != subject and c.load is not None]
     return max(others)[1] if others else None
 
 
 def trace_table(outcome: TraceOutcome, config: GoodputConfig) -> str:
     """The markdown table of one trace and the lines that read it against the goals."""
     spec = outcome.spec
-    ref = spec.reference_rate_scale
+    ref = spec.reference_load
+    at = spec.load_text(ref)
     base = [b for b in config.baselines if b in outcome.capacities]
-    head = ["policy", "goodput capacity (rate scale)", *(f"vs {b}" for b in base)]
+    unit = f"users, closed loop at {spec.reference_rate_scale:g}×" if spec.by_users else "rate scale"
+    head = ["policy", f"goodput capacity ({unit})", *(f"vs {b}" for b in base)]
     head += ["TTFT p99 s at capacity", "TPOT p99 ms at capacity", "attainment at capacity"]
-    head += [f"TTFT p99 s at {ref:g}×", f"TPOT p99 ms at {ref:g}×", f"utilization at {ref:g}×", "points"]
+    head += [f"TTFT p99 s at {at}", f"TPOT p99 ms at {at}", f"utilization at {at}", "points"]
+    of = f"{outcome.n_requests:,} requests" + (f" ({spec.users} users)" if spec.by_users else "")
     lines = [
         f"### {outcome.name}: TTFT ≤ {spec.ttft_slo_s:g} s and TPOT ≤ {spec.tpot_slo_s * 1e3:g} ms "
-        f"for ≥ {config.attainment_share:.0%} of {outcome.n_requests:,} requests",
+        f"for ≥ {config.attainment_share:.0%} of {of}",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
     ]
     for policy, cap in outcome.capacities.items():
-        at_cap = outcome.at(policy, cap.rate_scale)
+        at_cap = outcome.at(policy, cap.load)
         at_ref = outcome.at(policy, ref)
         n_stopped = sum(not p.complete for p in outcome.points[policy].values())
         cells = [policy, capacity_text(cap, spec)]
@@ -119,11 +120,13 @@ def trace_table(outcome: TraceOutcome, config: GoodputConfig) -> str:
 
 def _reading(outcome: TraceOutcome, config: GoodputConfig) -> list[str]:
     out: list[str] = []
-    ref = outcome.spec.reference_rate_scale
+    spec = outcome.spec
+    ref = spec.reference_load
     rr = outcome.at("round_robin", ref)
     if rr is not None and rr.utilization is not None:
         inside = "inside" if 0.70 <= rr.utilization <= 0.85 else "outside"
-        out.append(f"- round_robin utilization at {ref:g}×: {rr.utilization:.2f} ({inside} the 70–85 % band)")
+        at = spec.load_text(ref)
+        out.append(f"- round_robin utilization at {at}: {rr.utilization:.2f} ({inside} the 70–85 % band)")
     subject = config.subject
     if subject not in outcome.capacities:
         return out
@@ -146,7 +149,7 @@ def _reading(outcome: TraceOutcome, config: GoodputConfig) -> list[str]:
             if mine.ttft_p99_s <= rivals[best_p]
             else f"above {best_p}'s {rivals[best_p]:.2f} s"
         )
-        out.append(f"- {subject} raw TTFT p99 at {ref:g}×: {mine.ttft_p99_s:.2f} s, {where}")
+        out.append(f"- {subject} raw TTFT p99 at {spec.load_text(ref)}: {mine.ttft_p99_s:.2f} s, {where}")
     return out
 
 

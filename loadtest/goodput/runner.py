@@ -101,7 +101,8 @@ class PointResult:
     (a request no worker took, or that produced no token, misses them).
 
     A point stopped early (`complete` False) failed for certain: its `attainment` is an upper bound
-    (every request not yet judged counted as met), and the latency figures are None.
+    (every request not yet judged counted as met), and the latency figures are None. `users` is
+    the number of users the trace was replayed as (None in points stored before it was kept).
     """
 
     rate_scale: float
@@ -116,6 +117,7 @@ class PointResult:
     utilization: float | None
     hit_ratio: float | None
     wall_s: float
+    users: int | None = None
 
     def passes(self, share: float) -> bool:
         return self.complete and self.attainment >= share
@@ -194,7 +196,7 @@ def run_point(
         n = len(reqs)
         return PointResult(
             rate_scale, n, n - stop.n_missed, (n - stop.n_missed) / n, False,
-            None, None, None, None, None, None, time.monotonic() - started,
+            None, None, None, None, None, None, time.monotonic() - started, spec.users,
         )  # fmt: skip
     wall_s = time.monotonic() - started
     records = result.requests
@@ -215,4 +217,5 @@ def run_point(
         utilization=float(summary["utilization"]),
         hit_ratio=float(summary["hit_ratio"]),
         wall_s=wall_s,
+        users=spec.users,
     )

@@ -1,4 +1,4 @@
-"""The rate search: coarse geometric steps from a start rate to a bracket, then bisection.
+"""The load search: coarse geometric steps from a start load to a bracket, then bisection.
 
     r = start; pass(r)? step up by f until a rate fails : step down by f until one passes
     (bounded by [lo_bound, hi_bound]); then while hi / lo > 1 + tol: m = sqrt(lo * hi), keep the
@@ -8,6 +8,8 @@ The capacity is the highest rate seen to pass below the lowest rate seen to fail
 above a failing measurement. Bisection assumes attainment falls as the rate rises; a trace whose
 attainment is not monotone in the rate can have several crossings, and the search reports one of
 them. `passes` is called at most once per rate (the caller memoizes it across searches as well).
+The load is a rate scale, or a number of users (`round_users`: whole users, so the bisection ends
+when the bracket is one user wide if the tolerance has not ended it before).
 """
 
 from __future__ import annotations
@@ -36,14 +38,14 @@ class SearchSettings:
 
 @dataclass(frozen=True, slots=True)
 class Capacity:
-    """The bracket the search ended with.
+    """The bracket the search ended with, in the search's load (a rate scale, or users).
 
-    `rate_scale` is the highest passing rate (None: even `lo_bound` failed); `failing_rate_scale`
-    the lowest failing rate above it (None: `hi_bound` passed, so the capacity is at least that).
+    `load` is the highest passing load (None: even `lo_bound` failed); `failing_load` the lowest
+    failing load above it (None: `hi_bound` passed, so the capacity is at least that).
     """
 
-    rate_scale: float | None
-    failing_rate_scale: float | None
+    load: float | None
+    failing_load: float | None
 
 
 def round_rate(rate: float) -> float:
@@ -51,16 +53,26 @@ def round_rate(rate: float) -> float:
     return float(f"{rate:.6g}")
 
 
-def find_capacity(passes: Callable[[float], bool], s: SearchSettings) -> Capacity:
-    """Bracket then bisect the highest rate at which `passes` holds (see the module doc)."""
+def round_users(users: float) -> float:
+    """Users are whole (at least one)."""
+    return float(max(1, round(users)))
+
+
+def find_capacity(
+    passes: Callable[[float], bool],
+    s: SearchSettings,
+    rounding: Callable[[float], float] = round_rate,
+) -> Capacity:
+    """Bracket then bisect the highest load at which `passes` holds (see the module doc); every
+    load tried is `rounding` of the step or midpoint."""
     f = s.coarse_factor
     lo: float | None = None
     hi: float | None = None
-    start = round_rate(s.start)
+    start = rounding(s.start)
     if passes(start):
         lo = start
         while hi is None:
-            nxt = round_rate(min(lo * f, s.hi_bound))
+            nxt = rounding(min(lo * f, s.hi_bound))
             if nxt <= lo:
                 return Capacity(lo, None)
             if passes(nxt):
@@ -70,7 +82,7 @@ def find_capacity(passes: Callable[[float], bool], s: SearchSettings) -> Capacit
     else:
         hi = start
         while lo is None:
-            nxt = round_rate(max(hi / f, s.lo_bound))
+            nxt = rounding(max(hi / f, s.lo_bound))
             if nxt >= hi:
                 return Capacity(None, hi)
             if passes(nxt):
@@ -78,7 +90,7 @@ def find_capacity(passes: Callable[[float], bool], s: SearchSettings) -> Capacit
             else:
                 hi = nxt
     while hi / lo > 1 + s.tolerance:
-        mid = round_rate(math.sqrt(lo * hi))
+        mid = rounding(math.sqrt(lo * hi))
         if mid <= lo or mid >= hi:  # rounding ate the gap
             break
         if passes(mid):

@@ -1,4 +1,4 @@
-"""PNG plot of a goodput search: TTFT p99 and SLO attainment against the rate scale, per policy.
+"""PNG plot of a goodput search: TTFT p99 and SLO attainment against the load, per policy.
 
 matplotlib is imported when a plot is drawn, not with this module, so a run without it still
 prints its tables; `PlotUnavailable` says how to get it.
@@ -18,10 +18,10 @@ class PlotUnavailable(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class CurvePoint:
-    """One measured rate. `complete` False: the replay stopped once it had failed, so
-    `attainment` is an upper bound and `ttft_p99_s` is None."""
+    """One measured load (a rate scale, or users). `complete` False: the replay stopped once it
+    had failed, so `attainment` is an upper bound and `ttft_p99_s` is None."""
 
-    rate_scale: float
+    load: float
     attainment: float
     ttft_p99_s: float | None
     complete: bool = True
@@ -49,32 +49,32 @@ def goodput_curves(
     share: float,
     path: Path,
     capacities: Mapping[str, float | None] | None = None,
+    load_label: str | None = None,
 ) -> None:
-    """Two panels sharing a log rate axis: TTFT p99 (log, SLO dashed) and attainment (share
-    dashed). A stopped replay is drawn as a hollow downward triangle at its attainment bound."""
+    """Two panels sharing a log load axis (the rate scale unless `load_label` names another):
+    TTFT p99 (log, SLO dashed) and attainment (share dashed). A stopped replay is drawn as a
+    hollow downward triangle at its attainment bound."""
     plt = _pyplot()
     from matplotlib.ticker import FormatStrFormatter
 
     fig, (ax_t, ax_a) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
     for i, (policy, points) in enumerate(curves.items()):
         color = f"C{i % 10}"
-        pts = sorted(points, key=lambda p: p.rate_scale)
+        pts = sorted(points, key=lambda p: p.load)
         full = [p for p in pts if p.complete]
         with_ttft = [p for p in full if p.ttft_p99_s is not None]
         ax_t.plot(
-            [p.rate_scale for p in with_ttft],
+            [p.load for p in with_ttft],
             [p.ttft_p99_s for p in with_ttft],
             marker="o",
             markersize=3,
             color=color,
             label=policy,
         )
-        ax_a.plot(
-            [p.rate_scale for p in full], [p.attainment for p in full], marker="o", markersize=3, color=color
-        )
+        ax_a.plot([p.load for p in full], [p.attainment for p in full], marker="o", markersize=3, color=color)
         stopped = [p for p in pts if not p.complete]
         ax_a.scatter(
-            [p.rate_scale for p in stopped],
+            [p.load for p in stopped],
             [p.attainment for p in stopped],
             marker="v",
             facecolors="none",
@@ -90,7 +90,7 @@ def goodput_curves(
     ax_t.legend(fontsize=8, ncol=2)
     ax_a.axhline(share, color="black", linestyle="--", linewidth=0.8)
     ax_a.set_ylabel("share meeting TTFT and TPOT SLOs")
-    ax_a.set_xlabel("arrival rate scale (× the trace's own rate, log)")
+    ax_a.set_xlabel(load_label or "arrival rate scale (× the trace's own rate, log)")
     ax_a.set_xscale("log")
     for axis in (ax_a.xaxis, ax_t.yaxis):  # plain numbers on the log axes, not powers of ten
         axis.set_major_formatter(FormatStrFormatter("%g"))

@@ -69,11 +69,11 @@ def test_a_run_prints_a_table_and_writes_report_json_and_plot(
     (trace,) = doc["traces"].values()
     for policy in ("round_robin", "cost"):
         cap = trace["capacities"][policy]
-        assert cap["rate_scale"] is not None and cap["failing_rate_scale"] is not None
-        assert cap["failing_rate_scale"] / cap["rate_scale"] <= 1.05
+        assert cap["load"] is not None and cap["failing_load"] is not None
+        assert cap["failing_load"] / cap["load"] <= 1.05
         points = {p["rate_scale"]: p for p in trace["points"][policy]}
-        assert points[cap["rate_scale"]]["attainment"] >= 0.9 and points[cap["rate_scale"]]["complete"]
-        assert points[cap["failing_rate_scale"]]["attainment"] < 0.9
+        assert points[cap["load"]]["attainment"] >= 0.9 and points[cap["load"]]["complete"]
+        assert points[cap["failing_load"]]["attainment"] < 0.9
         assert points[1.0]["complete"], "the reference rate is always replayed in full"
     assert (tmp_path / "out" / "report.md").read_text().count("| round_robin |") == 1
     assert (tmp_path / "out" / "goodput-tiny.jsonl.png").stat().st_size > 0

@@ -25,9 +25,9 @@ class Threshold:
 def test_capacity_brackets_the_threshold_within_the_tolerance(limit: float) -> None:
     f = Threshold(limit)
     cap = find_capacity(f, SearchSettings(start=1.0, lo_bound=0.05, hi_bound=64.0, tolerance=0.05))
-    assert cap.rate_scale is not None and cap.failing_rate_scale is not None
-    assert cap.rate_scale <= limit < cap.failing_rate_scale
-    assert cap.failing_rate_scale / cap.rate_scale <= 1.05
+    assert cap.load is not None and cap.failing_load is not None
+    assert cap.load <= limit < cap.failing_load
+    assert cap.failing_load / cap.load <= 1.05
     assert len(f.calls) == len(set(f.calls)), "a rate was measured twice"
     assert f.calls[0] == 1.0, "the search starts at the reference rate"
 

@@ -28,6 +28,7 @@ from gateway.admin import admin_routes
 from gateway.admission import Refused, admit, authenticate, enter, read_body
 from gateway.admitted import Admitted
 from gateway.auth import Tenant
+from gateway.canary import Canaries
 from gateway.cors import Cors, serves
 from gateway.errors import ApiError, echoed
 from gateway.fleet import Fleet
@@ -260,6 +261,8 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
                 await state.sync.start()  # connects in the background: never waits on the broker
             await state.registry.check_all(session)
             state.registry.start(session)
+            state.canaries = Canaries(state.registry, session)
+            state.canaries.start()
             flusher = asyncio.create_task(_flush_logs(state.routing), name="access-log")
             if watcher is not None:
                 await watcher.start()
@@ -279,6 +282,9 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
             if flusher is not None:
                 flusher.cancel()
             await state.routing.stop_background()  # before the books, logs and transport close
+            if state.canaries is not None:
+                await state.canaries.stop()
+                state.canaries = None
             if watcher is not None:
                 await watcher.stop()
             if state.sync is not None:

@@ -2,11 +2,16 @@
 
 closed → (failure_threshold consecutive failures) → open → (cooldown_s) → half-open: one trial
 request; success closes, failure re-opens for another cooldown.
+
+A failure that no other worker's answer compared (a lone 5xx, the worker's own error event in a
+stream: `outcome.HeldVerdicts`) is no verdict, but it leaves the worker suspected (`suspect`):
+the gateway's own canary request then decides (`gateway/canary.py`, `on_canary`).
 """
 
 from __future__ import annotations
 
 import enum
+import math
 
 from gateway.config.pool import BreakerConfig
 
@@ -20,7 +25,15 @@ class BreakerState(enum.StrEnum):
 class CircuitBreaker:
     """Invariant: `_trial_in_flight` is True only in HALF_OPEN."""
 
-    __slots__ = ("_config", "_failures", "_opened_at_s", "_state", "_trial_in_flight")
+    __slots__ = (
+        "_canary_at_s",
+        "_config",
+        "_failures",
+        "_opened_at_s",
+        "_state",
+        "_suspected",
+        "_trial_in_flight",
+    )
 
     def __init__(self, config: BreakerConfig) -> None:
         self._config = config
@@ -28,6 +41,8 @@ class CircuitBreaker:
         self._failures = 0
         self._opened_at_s = 0.0
         self._trial_in_flight = False
+        self._suspected = False  # a failure no other worker compared awaits a canary
+        self._canary_at_s = -math.inf  # when the last canary was sent
 
     @property
     def failures(self) -> int:
@@ -69,3 +84,39 @@ class CircuitBreaker:
             self._state = BreakerState.OPEN
             self._opened_at_s = now_s
             self._trial_in_flight = False
+
+    @property
+    def suspected(self) -> bool:
+        """Whether a failure no other worker compared awaits a canary (`suspect`)."""
+        return self._suspected
+
+    def suspect(self) -> None:
+        """The worker failed a request with nothing to compare it with (a lone 5xx, its own error
+        event in a stream): no verdict, since a client's input can cause that, but a canary is
+        due (`canary_due`)."""
+        self._suspected = True
+
+    def canary_due(self, now_s: float) -> bool:
+        """Whether the worker, suspected, may be sent a canary now: its breaker is not open (a
+        half-open one may have one: its failure re-opens it) and the last canary was sent at
+        least `canary.interval_s` ago. The caller also keeps one canary in flight at most."""
+        if not self._suspected or self.state(now_s) is BreakerState.OPEN:
+            return False
+        return now_s - self._canary_at_s >= self._config.canary.interval_s
+
+    def canary_sent(self, now_s: float) -> None:
+        """A canary left: it answers for the suspicions so far; a later one makes a new one due."""
+        self._suspected = False
+        self._canary_at_s = now_s
+
+    def on_canary(self, passed: bool | None, now_s: float) -> None:
+        """A canary's verdict: failed (False) counts as a request failure, unless the breaker was
+        opened meanwhile (a verdict is not applied to a state it was not about), and keeps the
+        worker suspected, so that canaries go on, one every `canary.interval_s`, until one passes
+        or the breaker opens (and again once it is half-open). Passed (True) leaves the suspicion
+        cleared, as `canary_sent` left it (only a request's success closes a half-open breaker,
+        as before); None (a 4xx, a timeout) decides nothing."""
+        if passed is False:
+            if self.state(now_s) is not BreakerState.OPEN:
+                self.on_failure(now_s)
+            self._suspected = True

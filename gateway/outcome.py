@@ -181,35 +181,52 @@ class HeldVerdicts:
     once: a trial must not stay in flight for another worker's whole answer). A held request took
     no trial, so acquitting frees nothing; and a verdict that arrives after the breaker left the
     closed state (other requests opened it meanwhile) is dropped rather than applied to a state
-    it was not about. So a pool whose workers all answer every request with a 5xx, or all hang,
-    opens no breaker, nor does a worker failing requests no other worker is tried on (a pool's
-    last routable worker, one with no retries); their requests still end (fast, or after
-    `read_s`), a worker failing what others serve is still shut out once its requests are
-    retried, and health checks still take down a worker that fails them (vLLM's `/health` fails
-    when its engine is dead).
+    it was not about. So, by its requests alone, a pool whose workers all answer every request
+    with a 5xx, or all hang, opens no breaker, nor does a worker failing requests no other
+    worker is tried on (a pool's last routable worker, one with no retries); their requests
+    still end (fast, or after `read_s`), a worker failing what others serve is still shut out
+    once its requests are retried, and health checks still take down a worker that fails them
+    (vLLM's `/health` fails when its engine is dead).
+
+    An acquitted 5xx still leaves its worker suspected (`CircuitBreaker.suspect`), as does a
+    worker's own error event in a stream: the gateway's canary, a request no client shapes, then
+    decides (`gateway/canary.py`; pools without prefill/decode roles). So a worker answering
+    5xx to everything, or ending every stream in its own error event, while its `/health`
+    passes, is shut out whatever cuts its requests to one attempt, and a client's input that
+    fails a healthy worker only costs that worker a canary. A read timeout leaves no suspicion:
+    a canary's own timeout decides nothing (a busy worker is slow for every request), so it
+    could not confirm one.
     """
 
-    __slots__ = ("_workers",)
+    __slots__ = ("_answered", "_workers")
 
     def __init__(self) -> None:
         self._workers: list[Worker] = []
+        self._answered: list[Worker] = []  # of `_workers`, those that answered with a 5xx
 
-    def hold(self, worker: Worker) -> None:
+    def hold(self, worker: Worker, answered: bool = False) -> None:
         """`worker` failed the request with a held failure (a 5xx or a read timeout: either waits
-        alike)."""
+        alike); `answered`: a 5xx (`Failure.answered`), which an acquittal leaves suspected."""
         self._workers.append(worker)
+        if answered:
+            self._answered.append(worker)
 
     def convict(self, now_s: float) -> None:
         for worker in self._workers:
             if worker.breaker.closed:
                 worker.breaker.on_failure(now_s)
-        self.acquit()
+        self._workers.clear()
+        self._answered.clear()
 
     def acquit(self) -> None:
         """Nothing shows the held failures to be the workers': another worker refused the
         request, or it ends with no worker's answer (one worker's failure or several; no peer's
-        state stands in for a peer's answer), or the client left."""
+        state stands in for a peer's answer), or the client left. A worker that answered with a
+        5xx is left suspected: a canary decides."""
+        for worker in self._answered:
+            worker.breaker.suspect()
         self._workers.clear()
+        self._answered.clear()
 
 
 def _feedback(routing: Routing, obs: Observation, now_s: float) -> None:

@@ -184,7 +184,7 @@ async def _attempts(
         only_later = only_later and result.later
         if result.held and worker.breaker.closed:
             attempt.end(routing, result.outcome, judged=False)
-            verdicts.hold(worker)
+            verdicts.hold(worker, result.answered)
         else:
             # The worker's breaker and load hear of it before the policy picks the next worker.
             attempt.end(routing, result.outcome)

@@ -37,6 +37,7 @@ from policies.pools import CarriesLearning
 from prompt_normalizer.normalizer import NormalizerConfig
 
 if TYPE_CHECKING:
+    from gateway.canary import Canaries
     from gateway.fleet import Fleet
     from gateway.policy_watch import LoadedPolicy
     from gateway.sync.service import SyncService
@@ -62,6 +63,7 @@ class GatewayState:
     created_s: int = 0
     fleet: Fleet | None = None  # discovery, scraping and KV events, while the lifespan runs
     sync: SyncService | None = None  # replica sync (config `sync.url`), while the lifespan runs
+    canaries: Canaries | None = None  # the breakers' canaries (`gateway/canary.py`), likewise
 
     def set_policy(self, policy: RoutingPolicy, normalizer: NormalizerConfig) -> list[str]:
         """Swap in a reloaded policy and rebuild the normalizers that follow the policy file. The

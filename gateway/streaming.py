@@ -14,7 +14,8 @@ error event the upstream connection is closed at once, so the worker stops gener
 client is never kept waiting on a worker that keeps talking. That error event counts against no
 worker's breaker: the worker blamed the request (a 4xx: REJECTED), or itself for this one request
 (a 5xx, or no status: vLLM's `GenerationError`, which a client's input can cause), and no other
-worker's answer compares it (`outcome.HeldVerdicts`). A stream cut without `[DONE]` (the
+worker's answer compares it (`outcome.HeldVerdicts`); it leaves the worker suspected, and the
+gateway's own canary request decides (`gateway/canary.py`). A stream cut without `[DONE]` (the
 connection lost, a malformed event) counts against its worker.
 
 A stream whose `[DONE]` was sent is a success whatever happens next: the client has every token.
@@ -334,6 +335,8 @@ class ProxyStream:
             status, outcome, error = failure.status, failure.outcome, failure.code
             detail = failure.detail()
             judged = not failure.held  # the worker's own error event: no other worker compares it
+            if not judged:
+                attempt.worker.breaker.suspect()  # its canary decides (`gateway/canary.py`)
         finish(
             self._routing,
             attempt.admitted,

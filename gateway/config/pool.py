@@ -43,12 +43,28 @@ class HealthConfig(Frozen):
     successes_to_up: PositiveInt = 1
 
 
+class CanaryConfig(Frozen):
+    """The gateway's own small request that confirms or clears a worker's uncompared failures
+    (`gateway/canary.py`): a 5xx answer, or the worker's own error event in a stream, that no
+    other worker's answer compared, and which counts against no worker by itself (a client's
+    input can cause it). A suspected worker of a pool without prefill/decode roles gets a
+    one-token streamed `/v1/completions` of a fixed prompt, at most one at a time and one every
+    `interval_s`, cut after `timeout_s`: its failure counts on the breaker, its success clears
+    the suspicion, and anything else (a 4xx, a timeout) decides nothing."""
+
+    enabled: bool = True
+    interval_s: PositiveFloat = Field(default=2.0, le=3600)
+    timeout_s: PositiveFloat = Field(default=10.0, le=600)
+
+
 class BreakerConfig(Frozen):
     """Passive circuit breaker per worker: opens after `failure_threshold` consecutive request
-    failures, lets one trial request through after `cooldown_s`."""
+    failures, lets one trial request through after `cooldown_s`; `canary` confirms the failures
+    no other worker compared."""
 
     failure_threshold: PositiveInt = 3
     cooldown_s: PositiveFloat = 5.0
+    canary: CanaryConfig = CanaryConfig()
 
 
 class IdentityConfig(Frozen):

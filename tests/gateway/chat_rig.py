@@ -5,7 +5,7 @@ name, and a worker of the gateway's registry by its URL."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +18,7 @@ from gateway.state import GatewayState
 from gateway.worker import Worker
 from policies import make_policy
 from tests.support.inprocess import InProcessGateway, gateway_in_process
-from tests.support.loopback import serve_app
+from tests.support.loopback import Handler, serve_app
 
 USAGE = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
 
@@ -52,8 +52,10 @@ def prefilled() -> web.Response:
     return web.json_response({"id": "p", "choices": [], "usage": USAGE, "kv_transfer_params": params})
 
 
-def chat_app(chat: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.Application:
-    """A scripted worker: `chat` answers `POST /v1/chat/completions`, `/health` is always ok."""
+def chat_app(chat: Handler, completions: Handler | None = None) -> web.Application:
+    """A scripted worker: `chat` answers `POST /v1/chat/completions`, `completions` (when given)
+    `POST /v1/completions` (the breakers' canaries: `gateway/canary.py`; without it they get a
+    404, which decides nothing), `/health` is always ok."""
 
     async def health(_: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -61,20 +63,23 @@ def chat_app(chat: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> we
     app = web.Application()
     app.router.add_get("/health", health)
     app.router.add_post("/v1/chat/completions", chat)
+    if completions is not None:
+        app.router.add_post("/v1/completions", completions)
     return app
 
 
 @contextlib.asynccontextmanager
 async def served(
-    names: Iterable[str], app_for: Callable[[str], web.Application]
+    names: Iterable[str], app_for: Callable[[str], web.Application], *, handler_cancellation: bool = False
 ) -> AsyncIterator[dict[str, str]]:
     """Serve `app_for(name)` for each name on a port of its own; yields each name's base URL and
-    cleans every runner up on the way out."""
+    cleans every runner up on the way out. With `handler_cancellation` a handler is cancelled
+    when the gateway closes its connection."""
     runners: list[web.AppRunner] = []
     urls: dict[str, str] = {}
     try:
         for name in names:
-            runner, port = await serve_app(app_for(name))
+            runner, port = await serve_app(app_for(name), handler_cancellation=handler_cancellation)
             runners.append(runner)
             urls[name] = f"http://127.0.0.1:{port}"
         yield urls

@@ -1,0 +1,204 @@
+"""Canaries: the gateway's own request that confirms or clears a worker's uncompared failures.
+
+A worker's 5xx answer, or its own error event in a stream, counts against it only when another
+worker then serves the same request (`outcome.HeldVerdicts`): a client's input can cause either
+(vLLM's 500 `GenerationError`), so a lone one is no verdict, else one tenant could open a pool's
+breakers one after another. Such a failure leaves the worker suspected
+(`CircuitBreaker.suspect`), and this module asks the worker itself, with a request no client
+shapes:
+
+    every CHECK_S, for each worker of a pool without prefill/decode roles whose breaker is not
+    open and has `breaker.canary` enabled:
+        suspected, no canary in flight, the last sent `interval_s` ago or more → send one:
+            POST /v1/completions {pool's base model, CANARY_PROMPT, max_tokens 1, stream}
+            cut after `timeout_s`
+        5xx or refused credentials, the worker's own error event, a connection lost, a stream
+            ended before [DONE] or malformed → failed: one failure on the breaker (`on_canary`),
+            and the worker stays suspected, so the next follows an interval later
+        [DONE] (or a whole answer) → passed: the suspicions it answered for are cleared
+        a 4xx, a timeout → inconclusive: nothing decided (a pool that serves no completions, a
+            worker busy with other requests: how busy is in the clients' hands)
+
+So a worker answering 5xx to everything, or ending every stream in its own error event, while
+its `/health` passes, opens its breaker after `failure_threshold` canaries whatever cuts client
+requests to one attempt (`retry_attempts: 0`, `x-stainless-retry-count`), and a tenant whose
+input fails a healthy worker costs that worker one canary an interval, which passes. The canary
+carries no tenant data (a fixed prompt, no salt, no client header), is not counted in the worker's
+load, and is logged by pool, worker and verdict only. At most one canary is in flight per worker,
+each bounded by `timeout_s` and `MAX_CANARY_BYTES`; canaries run in tasks this service owns,
+cancelled when their worker leaves its pool and when the gateway stops.
+
+Prefill/decode pools get none (their verdicts run through `pd_suspects.py`, and one leg alone
+is not a request their workers answer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+from collections import Counter
+from collections.abc import Mapping
+
+import aiohttp
+import orjson
+
+from gateway.failure import worker_failed
+from gateway.registry import Pool, Registry
+from gateway.sse import MalformedStream, SseRelay
+from gateway.worker import Worker
+from policies.base import WorkerId
+
+log = logging.getLogger("kvgate.canary")
+
+CANARY_PATH = "/v1/completions"
+# Fixed and the gateway's own: no tenant's data ever goes into a canary.
+CANARY_PROMPT = "Say OK."
+# How often the service looks for workers due a canary (or whose canary's worker left the pool).
+CHECK_S = 0.25
+# A one-token answer is a few hundred bytes; a worker sending more than this is not answering one.
+MAX_CANARY_BYTES = 64 * 1024
+
+
+class CanaryVerdict(enum.StrEnum):
+    """What one canary showed (the label of its count and of its log line)."""
+
+    PASSED = "passed"
+    FAILED = "failed"
+    INCONCLUSIVE = "inconclusive"
+
+
+_PASSED = {CanaryVerdict.PASSED: True, CanaryVerdict.FAILED: False, CanaryVerdict.INCONCLUSIVE: None}
+
+
+def canary_body(model: str) -> bytes:
+    """The canary's request body: a one-token streamed completion of `CANARY_PROMPT`."""
+    return orjson.dumps(
+        {"model": model, "prompt": CANARY_PROMPT, "max_tokens": 1, "temperature": 0, "stream": True}
+    )
+
+
+async def probe(
+    session: aiohttp.ClientSession, url: str, model: str, headers: Mapping[str, str], timeout_s: float
+) -> CanaryVerdict:
+    """Send one canary to the worker at `url` and judge its answer (module doc)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _judged(session, url, model, headers)
+    except TimeoutError:
+        return CanaryVerdict.INCONCLUSIVE
+    except (aiohttp.ClientError, OSError, MalformedStream):
+        return CanaryVerdict.FAILED
+
+
+async def _judged(
+    session: aiohttp.ClientSession, url: str, model: str, headers: Mapping[str, str]
+) -> CanaryVerdict:
+    sent = {"content-type": "application/json", **headers}
+    async with session.post(url + CANARY_PATH, data=canary_body(model), headers=sent) as resp:
+        if worker_failed(resp.status):
+            return CanaryVerdict.FAILED
+        if resp.status >= 400:
+            return CanaryVerdict.INCONCLUSIVE  # the worker refused it: it says nothing of the worker
+        relay = SseRelay(False)
+        streamed = resp.content_type == "text/event-stream"
+        read = 0
+        while chunk := await resp.content.readany():
+            read += len(chunk)
+            if read > MAX_CANARY_BYTES:
+                return CanaryVerdict.FAILED
+            if streamed:
+                relay.feed(chunk)
+                if relay.error is not None or relay.done:
+                    break
+        if not streamed:
+            return CanaryVerdict.PASSED  # a whole answer: the worker generated
+        if relay.error is not None:
+            return CanaryVerdict.INCONCLUSIVE if relay.error.request_rejected else CanaryVerdict.FAILED
+        return CanaryVerdict.PASSED if relay.done else CanaryVerdict.FAILED
+
+
+class Canaries:
+    """The canaries of every pool's workers, while the app lifespan runs (`start` .. `stop`).
+    Invariant: at most one task per worker URL in `_running` (a worker in two pools has one
+    canary at a time, its verdict for the pool entry that sent it), and each is the canary of a
+    worker its pool still holds, or is cancelled on the next check. `counts` keeps how many
+    canaries ended with each verdict."""
+
+    def __init__(self, registry: Registry, session: aiohttp.ClientSession) -> None:
+        self._registry = registry
+        self._session = session
+        self._running: dict[WorkerId, tuple[Pool, Worker, asyncio.Task[None]]] = {}
+        self._loop_task: asyncio.Task[None] | None = None
+        self.counts: Counter[CanaryVerdict] = Counter()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._running)
+
+    def start(self) -> None:
+        if any(_takes_canaries(pool) for pool in self._registry.pools.values()):
+            self._loop_task = asyncio.create_task(self._loop(), name="canaries")
+
+    async def stop(self) -> None:
+        tasks = [task for _, _, task in self._running.values()]
+        if self._loop_task is not None:
+            tasks.append(self._loop_task)
+            self._loop_task = None
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._running.clear()
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(CHECK_S)
+            try:
+                self.check(time.monotonic())
+            except Exception:  # a bug in one check must not end the canaries
+                log.exception("canary check failed")
+
+    def check(self, now_s: float) -> None:
+        """Cancel the canaries of workers that left their pool; send those that are due."""
+        for url, (pool, worker, task) in list(self._running.items()):
+            if pool.workers.get(url) is not worker:
+                task.cancel()
+                del self._running[url]
+        for pool in self._registry.pools.values():
+            if not _takes_canaries(pool):
+                continue
+            for worker in pool.workers.values():
+                url = worker.worker_id
+                if url in self._running or not worker.breaker.canary_due(now_s):
+                    continue
+                worker.breaker.canary_sent(now_s)
+                task = asyncio.create_task(self._canary(pool, worker), name=f"canary:{pool.name}")
+                self._running[url] = (pool, worker, task)
+
+    async def _canary(self, pool: Pool, worker: Worker) -> None:
+        try:
+            timeout_s = pool.config.breaker.canary.timeout_s
+            model = pool.config.base_model
+            verdict = await probe(self._session, worker.url, model, pool.auth.headers, timeout_s)
+            self.counts[verdict] += 1
+            if pool.workers.get(worker.worker_id) is worker:
+                worker.breaker.on_canary(_PASSED[verdict], time.monotonic())
+            extra = {"pool": pool.name, "worker": worker.url, "verdict": verdict.value}
+            if verdict is CanaryVerdict.FAILED:
+                log.warning("worker failed its canary", extra=extra)
+            else:
+                log.info("worker canary", extra=extra)
+        except Exception:  # a bug: the worker stays as it was, and may be sent another later
+            log.exception("canary failed to run", extra={"pool": pool.name, "worker": worker.url})
+        finally:
+            entry = self._running.get(worker.worker_id)
+            if entry is not None and entry[2] is asyncio.current_task():
+                del self._running[worker.worker_id]
+
+
+def _takes_canaries(pool: Pool) -> bool:
+    return pool.config.pd is None and pool.config.breaker.canary.enabled

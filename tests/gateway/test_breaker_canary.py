@@ -1,0 +1,255 @@
+"""A worker's failure that no other worker's answer compared (a lone 5xx, its own error event in a
+stream) counts against no worker by itself, since a client's input can cause it
+(`outcome.HeldVerdicts`); it leaves the worker suspected, and the gateway's own canary decides
+(`gateway/canary.py`): a one-token `/v1/completions` of a fixed prompt that no client shapes.
+
+So a worker that fails everything while its `/health` passes is shut out even when nothing
+retries its requests (`retry_attempts: 0`), and one ending every stream in its own error event
+is shut out too; a tenant's input that fails a healthy worker never opens its breaker (the canary
+passes); and a worker has one canary in flight at most, cancelled when it leaves its pool."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import orjson
+from aiohttp import web
+
+from gateway.breaker import BreakerState, CircuitBreaker
+from gateway.canary import CANARY_PROMPT, Canaries, CanaryVerdict
+from gateway.config.pool import BreakerConfig, CanaryConfig
+from tests.gateway.chat_rig import ChatRig, chat_answer, chat_app, round_robin_gateway, served
+from tests.support.wait import wait_until
+
+SECRET = b"k"
+KEYS = {"t": "sk", "u": "sk-u"}
+POISON = "poison"  # a prompt every worker fails with a 500 (vLLM's GenerationError for one input)
+FAILED = {"error": {"message": "GenerationError", "type": "InternalServerError", "code": 500}}
+FIRST_CHUNK = {
+    "id": "x",
+    "object": "chat.completion.chunk",
+    "choices": [{"index": 0, "delta": {"content": "p"}}],
+}
+COMPLETION_CHUNK = {"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": "OK"}]}
+# Long enough for a canary to wait for anything the test does meanwhile; the waits are bounded.
+WAIT_S = 30.0
+
+
+@dataclass
+class Workers:
+    """Scripted workers. `broken`: 500 to every generation (chats and canaries alike);
+    `stream_errors`: every stream ends, after its first event, with the worker's own error event;
+    `POISON` gets a 500 from any worker. `held`: canaries wait for `release` before answering."""
+
+    posts: list[str] = field(default_factory=list)
+    canaries: list[str] = field(default_factory=list)
+    broken: set[str] = field(default_factory=set)
+    stream_errors: set[str] = field(default_factory=set)
+    held: bool = False
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+    in_flight: int = 0
+    most_in_flight: int = 0
+
+
+def _stream(events: list[bytes]) -> web.Response:
+    body = b"".join(b"data: " + data + b"\n\n" for data in events)
+    return web.Response(body=body, content_type="text/event-stream")
+
+
+def app_for(workers: Workers, name: str) -> web.Application:
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body: dict[str, Any] = await request.json()
+        workers.posts.append(name)
+        if name in workers.broken or body["messages"][0]["content"] == POISON:
+            return web.json_response(FAILED, status=500)
+        stream = body.get("stream") is True
+        if stream and name in workers.stream_errors:
+            return _stream([orjson.dumps(FIRST_CHUNK), orjson.dumps(FAILED), b"[DONE]"])
+        return chat_answer(stream, "ok")
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body: dict[str, Any] = await request.json()
+        # The canary is the gateway's own: its fixed prompt, one token, streamed.
+        assert (body["prompt"], body["max_tokens"], body["stream"]) == (CANARY_PROMPT, 1, True)
+        workers.canaries.append(name)
+        workers.in_flight += 1
+        workers.most_in_flight = max(workers.most_in_flight, workers.in_flight)
+        try:
+            if workers.held:
+                await workers.release.wait()
+            if name in workers.broken:
+                return web.json_response(FAILED, status=500)
+            if name in workers.stream_errors:
+                return _stream([orjson.dumps(COMPLETION_CHUNK), orjson.dumps(FAILED), b"[DONE]"])
+            return _stream([orjson.dumps(COMPLETION_CHUNK), b"[DONE]"])
+        finally:
+            workers.in_flight -= 1
+
+    return chat_app(chat, completions)
+
+
+@dataclass
+class Rig(ChatRig):
+    workers: Workers
+
+    async def chat(self, prompt: str = "hi", *, tenant: str = "t", stream: bool = False) -> httpx.Response:
+        body = {"model": "m", "messages": [{"role": "user", "content": prompt}], "stream": stream}
+        return await self.client.post(
+            "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {KEYS[tenant]}"}
+        )
+
+    @property
+    def canaries(self) -> Canaries:
+        assert self.state.canaries is not None
+        return self.state.canaries
+
+    async def canaries_passed(self, n: int) -> None:
+        """Wait until `n` canaries have passed in all, and none is in flight."""
+        counts = self.canaries.counts
+        await wait_until(lambda: counts[CanaryVerdict.PASSED] >= n, timeout_s=WAIT_S)
+        await wait_until(lambda: self.canaries.in_flight == 0, timeout_s=WAIT_S)
+
+    def failures(self, names: str) -> dict[str, int]:
+        return {name: self.worker("p", name).breaker.failures for name in names}
+
+    def closed(self, name: str) -> bool:
+        return self.worker("p", name).breaker.closed
+
+
+@contextlib.asynccontextmanager
+async def gateway(names: str = "ab", **pool: Any) -> AsyncIterator[Rig]:
+    """A gateway routing round robin over scripted workers `names` in one pool `p` (model `m`);
+    `pool` overrides its config. Health checks only at the start: every worker stays healthy, so
+    only breakers decide."""
+    workers = Workers()
+    try:
+        async with served(names, lambda name: app_for(workers, name), handler_cancellation=True) as urls:
+            config = {
+                "name": "p",
+                "models": ["m"],
+                "workers": [urls[n] for n in names],
+                "health": {"interval_s": 3600},
+                **pool,
+            }
+            async with round_robin_gateway([config], KEYS, SECRET) as gw:
+                yield Rig(gw.client, gw.state, urls, workers)
+    finally:
+        workers.release.set()
+
+
+async def test_a_worker_failing_everything_without_retries_is_shut_out_by_its_canaries() -> None:
+    # The breaker's defaults but its cooldown: three canaries failed in a row open it.
+    async with gateway(retry_attempts=0, breaker={"cooldown_s": 3600}) as rig:
+        rig.workers.broken.add("a")
+        statuses = sorted([(await rig.chat()).status_code for _ in range(2)])
+        assert statuses == [200, 502] and sorted(rig.workers.posts) == ["a", "b"]
+        # One lone 500 was enough: the canaries go on, one an interval, until the breaker opens.
+        await wait_until(lambda: not rig.closed("a"), timeout_s=WAIT_S, what="a's breaker opened")
+        assert rig.canaries.counts[CanaryVerdict.FAILED] == 3 and set(rig.workers.canaries) == {"a"}
+        rig.workers.posts.clear()
+        for _ in range(4):  # every tenant's requests now go to the healthy worker
+            assert (await rig.chat(tenant="u")).status_code == 200
+        assert rig.workers.posts == ["b"] * 4
+
+
+async def test_a_tenants_input_that_fails_a_healthy_worker_never_opens_its_breaker() -> None:
+    # Opens at the first failure counted: any wrong verdict shows as an open breaker.
+    breaker = {"failure_threshold": 1, "cooldown_s": 3600, "canary": {"interval_s": 0.05}}
+    async with gateway(retry_attempts=0, breaker=breaker) as rig:
+        for passed in range(2, 8, 2):
+            for _ in range(4):  # round robin: two on each worker, each the request's only attempt
+                assert (await rig.chat(POISON)).status_code == 502
+            # Each worker's canary passes: the suspicion is cleared, nothing is counted.
+            await rig.canaries_passed(passed)
+            assert rig.failures("ab") == {"a": 0, "b": 0} and rig.closed("a") and rig.closed("b")
+        assert rig.canaries.counts[CanaryVerdict.FAILED] == 0
+        assert not any(rig.worker("p", name).breaker.suspected for name in "ab")
+        rig.workers.posts.clear()
+        for _ in range(4):  # another tenant's requests still go to both workers
+            assert (await rig.chat(tenant="u")).status_code == 200
+        assert sorted(rig.workers.posts) == ["a", "a", "b", "b"]
+
+
+async def test_a_worker_ending_every_stream_in_its_own_error_event_is_shut_out() -> None:
+    async with gateway(breaker={"cooldown_s": 3600}) as rig:
+        rig.workers.stream_errors.add("a")
+        for _ in range(2):  # one on each worker; `a`'s stream ends in its error event
+            resp = await rig.chat(stream=True)
+            assert resp.status_code == 200
+        assert sorted(rig.workers.posts) == ["a", "b"]
+        assert rig.failures("a") == {"a": 0}  # the error event itself counted against no worker
+        await wait_until(lambda: not rig.closed("a"), timeout_s=WAIT_S, what="a's breaker opened")
+        assert rig.canaries.counts[CanaryVerdict.FAILED] == 3
+        rig.workers.posts.clear()
+        for _ in range(4):
+            resp = await rig.chat(tenant="u", stream=True)
+            assert resp.status_code == 200 and b"upstream_stream_error" not in resp.content
+        assert rig.workers.posts == ["b"] * 4
+
+
+async def test_a_worker_has_one_canary_in_flight_at_most() -> None:
+    breaker = {"failure_threshold": 1, "cooldown_s": 3600, "canary": {"interval_s": 0.05, "timeout_s": 0.5}}
+    async with gateway("a", retry_attempts=0, breaker=breaker) as rig:
+        rig.workers.held = True  # canaries get no answer until released
+        assert (await rig.chat(POISON)).status_code == 502
+        await wait_until(lambda: rig.workers.canaries == ["a"], timeout_s=WAIT_S)
+        for _ in range(3):  # more suspicions while its canary is in flight
+            assert (await rig.chat(POISON)).status_code == 502
+        assert rig.canaries.in_flight == 1
+        # The first canary times out (which decides nothing), and only then is the next sent.
+        await wait_until(lambda: len(rig.workers.canaries) == 2, timeout_s=WAIT_S)
+        assert rig.canaries.counts == {CanaryVerdict.INCONCLUSIVE: 1}
+        assert rig.workers.most_in_flight == 1 and rig.canaries.in_flight == 1
+        rig.workers.held = False
+        rig.workers.release.set()
+        await wait_until(lambda: rig.canaries.counts[CanaryVerdict.PASSED] == 1, timeout_s=WAIT_S)
+        assert rig.failures("a") == {"a": 0} and rig.closed("a") and rig.workers.most_in_flight == 1
+
+
+async def test_a_workers_canary_is_cancelled_when_it_leaves_its_pool() -> None:
+    breaker = {"failure_threshold": 1, "cooldown_s": 3600, "canary": {"interval_s": 0.05}}
+    async with gateway(retry_attempts=0, breaker=breaker) as rig:
+        rig.workers.held = True
+        rig.workers.broken.add("a")
+        for _ in range(2):
+            await rig.chat()
+        await wait_until(lambda: rig.workers.canaries == ["a"], timeout_s=WAIT_S)
+        a = rig.worker("p", "a")
+        rig.state.registry.pools["p"].set_urls([rig.urls["b"]])  # discovery lost it
+        await wait_until(lambda: rig.canaries.in_flight == 0, timeout_s=WAIT_S)
+        assert sum(rig.canaries.counts.values()) == 0 and a.breaker.closed
+
+
+def test_the_breakers_canary_bounds_and_verdicts() -> None:
+    config = BreakerConfig(failure_threshold=2, cooldown_s=10, canary=CanaryConfig(interval_s=1))
+    breaker = CircuitBreaker(config)
+    assert not breaker.canary_due(0.0)  # nothing suspected
+    breaker.suspect()
+    assert breaker.canary_due(0.0)
+    breaker.canary_sent(0.0)
+    breaker.suspect()  # a suspicion while the canary is out waits for the interval
+    assert not breaker.canary_due(0.5) and breaker.canary_due(1.0)
+    breaker.on_canary(None, 1.0)  # a timeout or a 4xx: nothing decided
+    assert breaker.failures == 0 and breaker.closed
+    breaker.canary_sent(1.0)
+    breaker.on_canary(False, 1.5)  # failed: counted, and the next canary stays due
+    assert breaker.failures == 1 and breaker.suspected and breaker.canary_due(2.0)
+    breaker.canary_sent(2.0)
+    breaker.on_canary(False, 2.5)
+    assert breaker.state(2.5) is BreakerState.OPEN and not breaker.canary_due(3.5)
+    breaker.on_canary(False, 3.0)  # a verdict that finds the breaker open is dropped
+    assert breaker.failures == 2
+    # Half-open after the cooldown: a canary is due, and its failure re-opens the breaker.
+    assert breaker.state(12.5) is BreakerState.HALF_OPEN and breaker.canary_due(12.5)
+    breaker.canary_sent(12.5)
+    breaker.on_canary(False, 13.0)
+    assert breaker.state(13.0) is BreakerState.OPEN
+    breaker.on_success()  # a request's success closes it; a passed canary clears the suspicion
+    breaker.canary_sent(30.0)
+    breaker.on_canary(True, 30.5)
+    assert breaker.closed and not breaker.suspected and breaker.failures == 0

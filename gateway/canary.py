@@ -125,7 +125,8 @@ class Canaries:
     Invariant: at most one task per worker URL in `_running` (a worker in two pools has one
     canary at a time, its verdict for the pool entry that sent it), and each is the canary of a
     worker its pool still holds, or is cancelled on the next check. `counts` keeps how many
-    canaries ended with each verdict."""
+    canaries ended with each verdict, and `by_worker` the same per (pool, worker URL, verdict),
+    for the workers still in their pool (`forget_others`)."""
 
     def __init__(self, registry: Registry, session: aiohttp.ClientSession) -> None:
         self._registry = registry
@@ -133,6 +134,7 @@ class Canaries:
         self._running: dict[WorkerId, tuple[Pool, Worker, asyncio.Task[None]]] = {}
         self._loop_task: asyncio.Task[None] | None = None
         self.counts: Counter[CanaryVerdict] = Counter()
+        self.by_worker: Counter[tuple[str, str, CanaryVerdict]] = Counter()
 
     @property
     def in_flight(self) -> int:
@@ -179,12 +181,19 @@ class Canaries:
                 task = asyncio.create_task(self._canary(pool, worker), name=f"canary:{pool.name}")
                 self._running[url] = (pool, worker, task)
 
+    def forget_others(self, current: set[tuple[str, str]]) -> None:
+        """Keep `by_worker` to the (pool, worker URL) pairs in `current`: a worker that left its
+        pool takes its counts with it, as its other series go (bounded across worker churn)."""
+        for key in [k for k in self.by_worker if (k[0], k[1]) not in current]:
+            del self.by_worker[key]
+
     async def _canary(self, pool: Pool, worker: Worker) -> None:
         try:
             timeout_s = pool.config.breaker.canary.timeout_s
             model = pool.config.base_model
             verdict = await probe(self._session, worker.url, model, pool.auth.headers, timeout_s)
             self.counts[verdict] += 1
+            self.by_worker[pool.name, worker.url, verdict] += 1
             if pool.workers.get(worker.worker_id) is worker:
                 worker.breaker.on_canary(_PASSED[verdict], time.monotonic())
             extra = {"pool": pool.name, "worker": worker.url, "verdict": verdict.value}

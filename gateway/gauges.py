@@ -41,6 +41,7 @@ def refresh_gauges(state: GatewayState) -> None:
             if view.kv_usage is not None:
                 m.worker_kv_usage.labels(*labels).set(view.kv_usage)
     m.forget_workers(current)
+    _canaries(state, m, current)
     _kv_events(state, m, now_s)
     for tenant, limiter in state.gate.limiters.items():
         for quota, value in limiter.remaining(now_s).items():
@@ -61,6 +62,16 @@ def _policy(state: GatewayState, m: GatewayMetrics) -> None:
             m.public_prefixes.labels(stats.policy).set(value)
         else:
             m.policy_events.set((stats.policy, name), value)
+
+
+def _canaries(state: GatewayState, m: GatewayMetrics, current: set[tuple[str, str]]) -> None:
+    m.canaries.clear()
+    canaries = state.canaries
+    if canaries is None:
+        return
+    canaries.forget_others(current)
+    for (pool, worker, verdict), n in canaries.by_worker.items():
+        m.canaries.set((pool, worker, verdict.value), n)
 
 
 def _kv_events(state: GatewayState, m: GatewayMetrics, now_s: float) -> None:

@@ -248,6 +248,14 @@ class MetricCatalogue:
             ["pool", "worker"],
             registry=r,
         )
+        self.canaries = SnapshotCounter(
+            "kvgate_breaker_canaries",
+            "The gateway's own one-token requests to a worker whose failures no other worker"
+            " compared, by verdict: failed (counted on its breaker), passed (suspicion cleared),"
+            " inconclusive (a 4xx or a timeout: nothing decided)",
+            ("pool", "worker", "verdict"),
+        )
+        r.register(self.canaries)
         self.kv_events_lag = Gauge(
             "kvgate_kv_events_lag_seconds",
             "How late the worker's last KV-event batch arrived: receipt time minus the batch's "

@@ -19,10 +19,12 @@ from typing import Any
 import httpx
 import orjson
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.breaker import BreakerState, CircuitBreaker
 from gateway.canary import CANARY_PROMPT, Canaries, CanaryVerdict
 from gateway.config.pool import BreakerConfig, CanaryConfig
+from gateway.gauges import refresh_gauges
 from tests.gateway.chat_rig import ChatRig, chat_answer, chat_app, round_robin_gateway, served
 from tests.support.wait import wait_until
 
@@ -114,6 +116,18 @@ class Rig(ChatRig):
         await wait_until(lambda: counts[CanaryVerdict.PASSED] >= n, timeout_s=WAIT_S)
         await wait_until(lambda: self.canaries.in_flight == 0, timeout_s=WAIT_S)
 
+    def canary_series(self) -> dict[tuple[str, str], float]:
+        """`kvgate_breaker_canaries_total` as scraped: (worker name, verdict) → count."""
+        names = {url: name for name, url in self.urls.items()}
+        refresh_gauges(self.state)  # as GET /metrics does
+        page = self.state.routing.metrics.render().decode()
+        return {
+            (names[s.labels["worker"]], s.labels["verdict"]): s.value
+            for f in text_string_to_metric_families(page)
+            for s in f.samples
+            if s.name == "kvgate_breaker_canaries_total" and s.labels["pool"] == "p"
+        }
+
     def failures(self, names: str) -> dict[str, int]:
         return {name: self.worker("p", name).breaker.failures for name in names}
 
@@ -151,6 +165,7 @@ async def test_a_worker_failing_everything_without_retries_is_shut_out_by_its_ca
         # One lone 500 was enough: the canaries go on, one an interval, until the breaker opens.
         await wait_until(lambda: not rig.closed("a"), timeout_s=WAIT_S, what="a's breaker opened")
         assert rig.canaries.counts[CanaryVerdict.FAILED] == 3 and set(rig.workers.canaries) == {"a"}
+        assert rig.canary_series() == {("a", "failed"): 3.0}
         rig.workers.posts.clear()
         for _ in range(4):  # every tenant's requests now go to the healthy worker
             assert (await rig.chat(tenant="u")).status_code == 200

@@ -10,7 +10,7 @@ reader in the gateway agrees with the worker.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 import orjson
 
@@ -53,6 +53,15 @@ ENGINE_INTERNAL_FIELDS = frozenset(
         "prompt_embeds",
     }
 )
+
+# The engine-internal fields an engine also reads from inside another field, where a check of the
+# top-level keys alone would not see them. vLLM's chat, completions and Responses requests start a
+# request's `SamplingParams.extra_args` from `vllm_xargs` (`to_sampling_params`), and its
+# `/inference/v1/generate` takes `sampling_params` as sent, `extra_args` included; the engine's
+# request then reads `kv_transfer_params` from `extra_args` (`vllm.v1.request.Request`), as the KV
+# connectors do (LMCache's per-request options are keys inside it). Any other key of
+# `extra_args` is for the operator's own logits processors and plugins, and is forwarded.
+NESTED_ENGINE_INTERNAL_FIELDS = frozenset({"kv_transfer_params"})
 
 # The engines' prefix-cache isolation keys: vLLM's `cache_salt`; SGLang's `extra_key` (its native
 # request's, and on its OpenAI routes joined to `cache_salt`). Not refused: a client's is dropped,
@@ -134,9 +143,30 @@ def parse_body(raw: bytes, api: ApiRoute, max_choices: int = 128) -> dict[str, A
         choices = _choices(body, None) if api.fanout == "conversations" else 1
         check_fanout(body, api.fanout, choices, max_choices)
     if not ENGINE_INTERNAL_FIELDS.isdisjoint(body):
-        name = min(ENGINE_INTERNAL_FIELDS.intersection(body))
-        raise bad_request(f"'{name}' is an engine-internal field and cannot be set through the gateway", name)
+        _refuse_internal(min(ENGINE_INTERNAL_FIELDS.intersection(body)))
+    if "vllm_xargs" in body or "sampling_params" in body:
+        _check_nested_internal(body)
     return body
+
+
+def _refuse_internal(name: str) -> NoReturn:
+    raise bad_request(f"'{name}' is an engine-internal field and cannot be set through the gateway", name)
+
+
+def _check_nested_internal(body: dict[str, Any]) -> None:
+    """400 for an engine-internal field inside `vllm_xargs` or `sampling_params.extra_args` (one
+    object, or one per prompt of a batch), as at the top level
+    (`NESTED_ENGINE_INTERNAL_FIELDS`): the engine reads it from there the same way. Checked on
+    every route, as the top-level fields are."""
+    xargs = body.get("vllm_xargs")
+    if isinstance(xargs, dict) and not NESTED_ENGINE_INTERNAL_FIELDS.isdisjoint(xargs):
+        _refuse_internal("vllm_xargs." + min(NESTED_ENGINE_INTERNAL_FIELDS.intersection(xargs)))
+    sampling = body.get("sampling_params")
+    for i, entry in enumerate(sampling if isinstance(sampling, list) else [sampling]):
+        extra = entry.get("extra_args") if isinstance(entry, dict) else None
+        if isinstance(extra, dict) and not NESTED_ENGINE_INTERNAL_FIELDS.isdisjoint(extra):
+            path = "sampling_params" if isinstance(sampling, dict) else f"sampling_params[{i}]"
+            _refuse_internal(f"{path}.extra_args." + min(NESTED_ENGINE_INTERNAL_FIELDS.intersection(extra)))
 
 
 # The flags of `stream_options` in vLLM's `StreamOptions`, each a `bool | None`.

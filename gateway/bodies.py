@@ -26,13 +26,14 @@ from prompt_normalizer.lax import lax_bool, lax_int
 # `kv_transfer_params` (vLLM disaggregated prefill: where KV is pulled from or pushed to), `rid`
 # (SGLang's engine request id; the gateway names requests itself), `data_parallel_rank` and SGLang's
 # newer rank fields (pin an engine rank), `bootstrap_host` / `bootstrap_port` / `bootstrap_room`
-# (SGLang prefill-decode transfer), `prompt_embeds` (bypasses tokenization, so the prefix keys could
-# not describe the prompt). They are refused with 400, naming the field. vLLM's own `request_id` is
-# passed through: the gateway's `X-Request-Id` header names the request inside vLLM whatever the
-# body says (on the Responses route `request_id` names the response). `priority` is read (it orders
-# the tenant's own requests in the gateway's queue) and never forwarded as sent: engines order every
-# tenant's requests by it, so the gateway sends the tenant's own (`engine_priority`). `cache_salt`
-# is not refused: the gateway always replaces it with its own.
+# (SGLang prefill-decode transfer), `prompt_embeds` and SGLang's `input_embeds` (bypass
+# tokenization, so the prefix keys could not describe the prompt). They are refused with 400, naming
+# the field. vLLM's own `request_id` is passed through: the gateway's `X-Request-Id` header names
+# the request inside vLLM whatever the body says (on the Responses route `request_id` names the
+# response). `priority` is read (it orders the tenant's own requests in the gateway's queue) and
+# never forwarded as sent: engines order every tenant's requests by it, so the gateway sends the
+# tenant's own (`engine_priority`). `cache_salt` is not refused: the gateway always replaces it with
+# its own.
 ENGINE_INTERNAL_FIELDS = frozenset(
     {
         "kv_transfer_params",
@@ -51,6 +52,7 @@ ENGINE_INTERNAL_FIELDS = frozenset(
         "bootstrap_port",
         "bootstrap_room",
         "prompt_embeds",
+        "input_embeds",
     }
 )
 
@@ -92,6 +94,10 @@ def parse_body(raw: bytes, api: ApiRoute, max_choices: int = 128) -> dict[str, A
     # is refused only where vLLM's request model requires the field (Anthropic's Messages).
     if model.__class__ is not str and (model is not None or not api.model_optional):
         raise bad_request("'model' is required and must be a string", "model")
+    if not ENGINE_INTERNAL_FIELDS.isdisjoint(body):
+        # Before the prompt's checks: a prompt sent as embeddings alone names the field refused,
+        # not the text it lacks.
+        _refuse_internal(min(ENGINE_INTERNAL_FIELDS.intersection(body)))
     prompt = api.prompt
     if prompt == "chat":
         messages = body.get("messages")
@@ -142,8 +148,6 @@ def parse_body(raw: bytes, api: ApiRoute, max_choices: int = 128) -> dict[str, A
     elif api.fanout is not None:  # a read prefills each item or question for one token
         choices = _choices(body, None) if api.fanout == "conversations" else 1
         check_fanout(body, api.fanout, choices, max_choices)
-    if not ENGINE_INTERNAL_FIELDS.isdisjoint(body):
-        _refuse_internal(min(ENGINE_INTERNAL_FIELDS.intersection(body)))
     if "vllm_xargs" in body or "sampling_params" in body:
         _check_nested_internal(body)
     return body

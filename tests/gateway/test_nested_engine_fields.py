@@ -92,3 +92,17 @@ async def test_the_gateways_own_pd_legs_still_carry_kv_transfer_params() -> None
         assert (p, d) == ("prefill", "decode")
         assert prefill["kv_transfer_params"]["do_remote_decode"] is True
         assert prefill["vllm_xargs"] == decode["vllm_xargs"] == {"target_token": 7}
+
+
+@pytest.mark.parametrize(
+    "prompt", [{"text": "hi"}, {"input_ids": [1, 2, 3]}, {}], ids=["with_text", "with_ids", "alone"]
+)
+async def test_sglang_input_embeds_are_refused_as_prompt_embeds_are(rig: Rig, prompt: dict[str, Any]) -> None:
+    """SGLang's `/generate` runs `input_embeds` in place of the text or token ids: the prefix keys
+    of the text would not describe what the engine computes."""
+    body = {"model": "m", **prompt, "input_embeds": [[0.1, 0.2], [0.3, 0.4]]}
+    resp = await rig.client.post("/generate", json=body, headers=KEY)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "input_embeds" and "engine-internal" in error["message"]
+    assert not any(w.received for w in rig.workers)

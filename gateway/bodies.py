@@ -17,6 +17,7 @@ import orjson
 from gateway.config import EnginePriorityConfig
 from gateway.errors import ApiError, bad_request
 from gateway.multipart import boundary_of, content_type_header, form_fields
+from gateway.pooling_inputs import check_pooling_inputs
 from gateway.prompt_batch import batch_sizes, check_fanout, check_sequences, fanned_out
 from gateway.routes import ApiRoute, Fanout
 from prompt_normalizer.generate_input import GENERATE_PROMPT_FIELDS
@@ -78,9 +79,12 @@ MAX_JSON_DEPTH = 254
 _FORM_FIELDS = frozenset({"model", "stream", "priority"})
 
 
-def parse_body(raw: bytes, api: ApiRoute, max_choices: int = 128) -> dict[str, Any]:
+def parse_body(
+    raw: bytes, api: ApiRoute, max_choices: int = 128, max_pooling_inputs: int = 2048
+) -> dict[str, Any]:
     """The request body as a JSON object, with the fields routing needs checked; 400 otherwise.
-    On chat and completions, `n` and `best_of` are checked too (`check_choices`)."""
+    On chat and completions, `n` and `best_of` are checked too (`check_choices`); on the pooling
+    routes, the count of inputs (`pooling_inputs.check_pooling_inputs`)."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -148,6 +152,8 @@ def parse_body(raw: bytes, api: ApiRoute, max_choices: int = 128) -> dict[str, A
     elif api.fanout is not None:  # a read prefills each item or question for one token
         choices = _choices(body, None) if api.fanout == "conversations" else 1
         check_fanout(body, api.fanout, choices, max_choices)
+    elif api.pooled is not None:  # each input is encoded on its own
+        check_pooling_inputs(body, api.pooled, max_pooling_inputs)
     if "vllm_xargs" in body or "sampling_params" in body:
         _check_nested_internal(body)
     return body

@@ -157,13 +157,11 @@ async def admit(
         else:
             apart = keyed_apart(raw)
             if apart:
-                large = await read_large_body(
-                    raw, api, gate.keying, gate.models, tenant, gate.limits.max_choices
-                )
+                large = await read_large_body(raw, api, gate.keying, gate.models, tenant, gate.limits)
             if large is not None:
                 api, body, encoded = large.api, large.body, large.encoded
             else:
-                body = parse_body(raw, api, gate.limits.max_choices)
+                body = parse_body(raw, api, gate.limits.max_choices, gate.limits.max_pooling_inputs)
                 if api.pick is not None:
                     api = api.pick(body)  # SageMaker's `/invocations`: admitted as the route its body names
                 encoded = encode_body(body)
@@ -220,7 +218,7 @@ async def admit(
     # A batch's prompts all count (the normalizer keyed the first), and what a read's items or
     # questions share counts once per read: in the quota and the load.
     n_tokens = batch_tokens(
-        body, api.prompt, canonical.n_tokens, normalizer.config.chars_per_token, api.fanout
+        body, api.prompt, canonical.n_tokens, normalizer.config.chars_per_token, api.fanout, api.pooled
     )
     limiter = gate.limiters[tenant.name]
     rejection = limiter.admit(n_tokens, started_s)

@@ -10,13 +10,14 @@ reader in the gateway agrees with the worker.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 import orjson
 
 from gateway.config import EnginePriorityConfig
 from gateway.errors import ApiError, bad_request
 from gateway.multipart import boundary_of, content_type_header, form_fields
+from gateway.pooling_inputs import check_pooling_inputs
 from gateway.prompt_batch import batch_sizes, check_fanout, check_sequences, fanned_out
 from gateway.routes import ApiRoute, Fanout
 from prompt_normalizer.generate_input import GENERATE_PROMPT_FIELDS
@@ -26,13 +27,14 @@ from prompt_normalizer.lax import lax_bool, lax_int
 # `kv_transfer_params` (vLLM disaggregated prefill: where KV is pulled from or pushed to), `rid`
 # (SGLang's engine request id; the gateway names requests itself), `data_parallel_rank` and SGLang's
 # newer rank fields (pin an engine rank), `bootstrap_host` / `bootstrap_port` / `bootstrap_room`
-# (SGLang prefill-decode transfer), `prompt_embeds` (bypasses tokenization, so the prefix keys could
-# not describe the prompt). They are refused with 400, naming the field. vLLM's own `request_id` is
-# passed through: the gateway's `X-Request-Id` header names the request inside vLLM whatever the
-# body says (on the Responses route `request_id` names the response). `priority` is read (it orders
-# the tenant's own requests in the gateway's queue) and never forwarded as sent: engines order every
-# tenant's requests by it, so the gateway sends the tenant's own (`engine_priority`). `cache_salt`
-# is not refused: the gateway always replaces it with its own.
+# (SGLang prefill-decode transfer), `prompt_embeds` and SGLang's `input_embeds` (bypass
+# tokenization, so the prefix keys could not describe the prompt). They are refused with 400, naming
+# the field. vLLM's own `request_id` is passed through: the gateway's `X-Request-Id` header names
+# the request inside vLLM whatever the body says (on the Responses route `request_id` names the
+# response). `priority` is read (it orders the tenant's own requests in the gateway's queue) and
+# never forwarded as sent: engines order every tenant's requests by it, so the gateway sends the
+# tenant's own (`engine_priority`). `cache_salt` is not refused: the gateway always replaces it with
+# its own.
 ENGINE_INTERNAL_FIELDS = frozenset(
     {
         "kv_transfer_params",
@@ -51,8 +53,18 @@ ENGINE_INTERNAL_FIELDS = frozenset(
         "bootstrap_port",
         "bootstrap_room",
         "prompt_embeds",
+        "input_embeds",
     }
 )
+
+# The engine-internal fields an engine also reads from inside another field, where a check of the
+# top-level keys alone would not see them. vLLM's chat, completions and Responses requests start a
+# request's `SamplingParams.extra_args` from `vllm_xargs` (`to_sampling_params`), and its
+# `/inference/v1/generate` takes `sampling_params` as sent, `extra_args` included; the engine's
+# request then reads `kv_transfer_params` from `extra_args` (`vllm.v1.request.Request`), as the KV
+# connectors do (LMCache's per-request options are keys inside it). Any other key of
+# `extra_args` is for the operator's own logits processors and plugins, and is forwarded.
+NESTED_ENGINE_INTERNAL_FIELDS = frozenset({"kv_transfer_params"})
 
 # The engines' prefix-cache isolation keys: vLLM's `cache_salt`; SGLang's `extra_key` (its native
 # request's, and on its OpenAI routes joined to `cache_salt`). Not refused: a client's is dropped,
@@ -67,9 +79,12 @@ MAX_JSON_DEPTH = 254
 _FORM_FIELDS = frozenset({"model", "stream", "priority"})
 
 
-def parse_body(raw: bytes, api: ApiRoute, max_choices: int = 128) -> dict[str, Any]:
+def parse_body(
+    raw: bytes, api: ApiRoute, max_choices: int = 128, max_pooling_inputs: int = 2048
+) -> dict[str, Any]:
     """The request body as a JSON object, with the fields routing needs checked; 400 otherwise.
-    On chat and completions, `n` and `best_of` are checked too (`check_choices`)."""
+    On chat and completions, `n` and `best_of` are checked too (`check_choices`); on the pooling
+    routes, the count of inputs (`pooling_inputs.check_pooling_inputs`)."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -83,6 +98,10 @@ def parse_body(raw: bytes, api: ApiRoute, max_choices: int = 128) -> dict[str, A
     # is refused only where vLLM's request model requires the field (Anthropic's Messages).
     if model.__class__ is not str and (model is not None or not api.model_optional):
         raise bad_request("'model' is required and must be a string", "model")
+    if not ENGINE_INTERNAL_FIELDS.isdisjoint(body):
+        # Before the prompt's checks: a prompt sent as embeddings alone names the field refused,
+        # not the text it lacks.
+        _refuse_internal(min(ENGINE_INTERNAL_FIELDS.intersection(body)))
     prompt = api.prompt
     if prompt == "chat":
         messages = body.get("messages")
@@ -133,10 +152,31 @@ def parse_body(raw: bytes, api: ApiRoute, max_choices: int = 128) -> dict[str, A
     elif api.fanout is not None:  # a read prefills each item or question for one token
         choices = _choices(body, None) if api.fanout == "conversations" else 1
         check_fanout(body, api.fanout, choices, max_choices)
-    if not ENGINE_INTERNAL_FIELDS.isdisjoint(body):
-        name = min(ENGINE_INTERNAL_FIELDS.intersection(body))
-        raise bad_request(f"'{name}' is an engine-internal field and cannot be set through the gateway", name)
+    elif api.pooled is not None:  # each input is encoded on its own
+        check_pooling_inputs(body, api.pooled, max_pooling_inputs)
+    if "vllm_xargs" in body or "sampling_params" in body:
+        _check_nested_internal(body)
     return body
+
+
+def _refuse_internal(name: str) -> NoReturn:
+    raise bad_request(f"'{name}' is an engine-internal field and cannot be set through the gateway", name)
+
+
+def _check_nested_internal(body: dict[str, Any]) -> None:
+    """400 for an engine-internal field inside `vllm_xargs` or `sampling_params.extra_args` (one
+    object, or one per prompt of a batch), as at the top level
+    (`NESTED_ENGINE_INTERNAL_FIELDS`): the engine reads it from there the same way. Checked on
+    every route, as the top-level fields are."""
+    xargs = body.get("vllm_xargs")
+    if isinstance(xargs, dict) and not NESTED_ENGINE_INTERNAL_FIELDS.isdisjoint(xargs):
+        _refuse_internal("vllm_xargs." + min(NESTED_ENGINE_INTERNAL_FIELDS.intersection(xargs)))
+    sampling = body.get("sampling_params")
+    for i, entry in enumerate(sampling if isinstance(sampling, list) else [sampling]):
+        extra = entry.get("extra_args") if isinstance(entry, dict) else None
+        if isinstance(extra, dict) and not NESTED_ENGINE_INTERNAL_FIELDS.isdisjoint(extra):
+            path = "sampling_params" if isinstance(sampling, dict) else f"sampling_params[{i}]"
+            _refuse_internal(f"{path}.extra_args." + min(NESTED_ENGINE_INTERNAL_FIELDS.intersection(extra)))
 
 
 # The flags of `stream_options` in vLLM's `StreamOptions`, each a `bool | None`.

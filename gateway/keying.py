@@ -20,6 +20,7 @@ import numpy as np
 
 from gateway.auth import Tenant
 from gateway.bodies import missing_model
+from gateway.config import LimitsConfig
 from gateway.config.pool import PoolConfig
 from gateway.errors import ApiError
 from gateway.keying_pool import FairSlots, KeyingPool, Turns, rebuild, run_fairly
@@ -129,10 +130,10 @@ class Keying:
         self.processes.close()
 
     def large_body_job(
-        self, raw: bytes, api: ApiRoute, models: Mapping[str, Pool], tenant: Tenant, max_choices: int
+        self, raw: bytes, api: ApiRoute, models: Mapping[str, Pool], tenant: Tenant, limits: LimitsConfig
     ) -> BodyJob:
-        """What the keying process needs to read `raw` and key it for any model whose pool keys
-        in approximate mode (under `tenant`'s identities)."""
+        """What the keying process needs to read `raw` (within `limits`) and key it for any model
+        whose pool keys in approximate mode (under `tenant`'s identities)."""
         keyed: dict[str, ModelKeying] = {}
         for model, pool in models.items():
             normalizer = self.normalizers[pool.name]
@@ -140,7 +141,8 @@ class Keying:
                 identity, public = self.identities(pool, model, tenant)
                 keyed[model] = ModelKeying(normalizer.config, identity, public)
         only = next(iter(models)) if len(models) == 1 else None
-        return BodyJob(raw, api.path, max_choices, derive_secret(self._secret, "prefix_keys"), keyed, only)
+        secret = derive_secret(self._secret, "prefix_keys")
+        return BodyJob(raw, api.path, limits.max_choices, secret, keyed, only, limits.max_pooling_inputs)
 
 
 def base_model(pool: Pool) -> str:
@@ -209,12 +211,17 @@ class LargeBody:
 
 
 async def read_large_body(
-    raw: bytes, api: ApiRoute, keying: Keying, models: Mapping[str, Pool], tenant: Tenant, max_choices: int
+    raw: bytes,
+    api: ApiRoute,
+    keying: Keying,
+    models: Mapping[str, Pool],
+    tenant: Tenant,
+    limits: LimitsConfig,
 ) -> LargeBody | None:
     """A JSON body that is `keyed_apart` read and keyed in the keying process, the loop taking
     turns while it rebuilds the parsed body; the same answers as admission's own calls (a 400 is
     raised). None when the keying process died meanwhile: the caller reads the body itself."""
-    job = keying.large_body_job(raw, api, models, tenant, max_choices)
+    job = keying.large_body_job(raw, api, models, tenant, limits)
     keyed = await keying.processes.key(job, tenant.name)
     if keyed is None:
         return None

@@ -121,6 +121,7 @@ class ModelKeying:
 @dataclass(frozen=True, slots=True)
 class BodyJob:
     """One large JSON body to read and key: `path` names its route (`gateway.routes.ROUTES`);
+    `max_choices` and `max_pooling_inputs` are the limits it is read within (`limits.*`);
     `models` are the models it may be keyed for, under the tenant's identities; `only_model` the
     model of a body that names none (when the gateway serves one)."""
 
@@ -130,6 +131,7 @@ class BodyJob:
     secret: bytes
     models: Mapping[str, ModelKeying]
     only_model: str | None
+    max_pooling_inputs: int = 2048
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +171,7 @@ def key_body(job: BodyJob) -> KeyedBody:
     """Read, check and key one body as admission does (runs in a keying process)."""
     api = ROUTES[job.path]
     try:
-        body = parse_body(job.raw, api, job.max_choices)
+        body = parse_body(job.raw, api, job.max_choices, job.max_pooling_inputs)
         if api.pick is not None:
             api = api.pick(body)
         encoded = encode_body(body)

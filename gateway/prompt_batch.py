@@ -19,7 +19,8 @@ from typing import Any
 import orjson
 
 from gateway.errors import ApiError
-from gateway.routes import Fanout
+from gateway.pooling_inputs import pooling_tokens
+from gateway.routes import Fanout, Pooled
 from prompt_normalizer.generate_input import GENERATE_PROMPT_FIELDS
 
 
@@ -67,14 +68,18 @@ def batch_tokens(
     first_tokens: int,
     chars_per_token: int,
     fanout: Fanout | None = None,
+    pooled: Pooled | None = None,
 ) -> int:
     """The batch's prompt tokens: the first prompt's (`first_tokens`, the normalizer's count), and
     each other one estimated on its own: its token ids, or its characters at `chars_per_token`
     (the pool's approximate rate; the worker's `usage` corrects the tenant's quota when it ends).
     `first_tokens` for one prompt. On a route that fans out (`fanout`), `first_tokens` is the
-    body's and what its reads repeat is added (`fanout_tokens`)."""
+    body's and what its reads repeat is added (`fanout_tokens`); on a pooling route (`pooled`),
+    what its pairs repeat (`pooling_inputs.pooling_tokens`)."""
     if fanout is not None:
         return fanout_tokens(body, fanout, first_tokens, chars_per_token)
+    if pooled is not None:
+        return pooling_tokens(body, pooled, first_tokens, chars_per_token)
     entries = _batch(body, prompt)
     if entries is None:
         return first_tokens

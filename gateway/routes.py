@@ -32,6 +32,12 @@ Prompt = Literal["chat", "completions", "responses", "messages", "generate"]
 # (`/v1/decisions`).
 Fanout = Literal["conversations", "items", "state_questions", "input_questions"]
 
+# Where a pooling route's body lists the inputs its worker encodes one by one
+# (`gateway.pooling_inputs`): vLLM's `input` (embeddings, pooling, classify), Cohere's lists
+# (`/v2/embed`), SGLang's `text` or `input_ids` (`/encode`), a rerank's documents, a score's
+# pairs, or any of those (SageMaker's `/invocations` with a pooling body).
+Pooled = Literal["input", "embed_v2", "encode", "rerank", "score", "invocations"]
+
 
 @dataclass(frozen=True, slots=True)
 class Dialect:
@@ -81,7 +87,9 @@ class ApiRoute:
     the request (passed on as any 4xx is), not a refusal of the gateway's credentials.
     `fanout`: the body is many prompts the worker runs one by one (`Fanout`): they count as
     sequences against `limits.max_choices`, in the prompt tokens and in the output budget
-    (`prompt_batch`).
+    (`prompt_batch`). `pooled`: the body lists inputs the worker encodes one by one (`Pooled`):
+    they count against `limits.max_pooling_inputs`, and what each pair repeats in the prompt
+    tokens (`pooling_inputs`).
     """
 
     endpoint: str
@@ -102,6 +110,7 @@ class ApiRoute:
     engine_priority: bool = True
     scale_out: bool = False
     fanout: Fanout | None = None
+    pooled: Pooled | None = None
     path_bytes: bytes = field(init=False)
     rewrites: bool = field(init=False)
     plain_head: bool = field(init=False)
@@ -156,7 +165,9 @@ def invocation_route(body: Mapping[str, Any]) -> ApiRoute:
 
 
 # A pooling body may ask for vLLM's binary embeddings (`encoding_format` "bytes").
-_INVOCATIONS = ApiRoute("invocations", "/invocations", binary_answer=True, pick=invocation_route)
+_INVOCATIONS = ApiRoute(
+    "invocations", "/invocations", binary_answer=True, pick=invocation_route, pooled="invocations"
+)
 
 
 ROUTES: dict[str, ApiRoute] = _routes(
@@ -260,16 +271,17 @@ ROUTES: dict[str, ApiRoute] = _routes(
     _INVOCATIONS,
     # `encoding_format` "bytes" / "bytes_only": an `application/octet-stream` answer (and its
     # `metadata` header).
-    ApiRoute("embeddings", "/v1/embeddings", binary_answer=True),
-    ApiRoute("embeddings", "/v2/embed"),
-    ApiRoute("pooling", "/pooling", binary_answer=True),
-    ApiRoute("classify", "/classify"),
-    ApiRoute("classify", "/v1/classify"),
-    ApiRoute("score", "/score"),
-    ApiRoute("score", "/v1/score"),
-    ApiRoute("rerank", "/rerank"),
-    ApiRoute("rerank", "/v1/rerank"),
-    ApiRoute("rerank", "/v2/rerank"),
+    # Each input is encoded on its own: the inputs count against `limits.max_pooling_inputs`.
+    ApiRoute("embeddings", "/v1/embeddings", binary_answer=True, pooled="input"),
+    ApiRoute("embeddings", "/v2/embed", pooled="embed_v2"),
+    ApiRoute("pooling", "/pooling", binary_answer=True, pooled="input"),
+    ApiRoute("classify", "/classify", pooled="input"),
+    ApiRoute("classify", "/v1/classify", pooled="input"),
+    ApiRoute("score", "/score", pooled="score"),
+    ApiRoute("score", "/v1/score", pooled="score"),
+    ApiRoute("rerank", "/rerank", pooled="rerank"),
+    ApiRoute("rerank", "/v1/rerank", pooled="rerank"),
+    ApiRoute("rerank", "/v2/rerank", pooled="rerank"),
     ApiRoute("tokenize", "/tokenize", fields=_NO_FIELDS),
     ApiRoute("tokenize", "/v1/tokenize", fields=_NO_FIELDS),
     ApiRoute("detokenize", "/detokenize", fields=_NO_FIELDS),
@@ -288,7 +300,7 @@ ROUTES: dict[str, ApiRoute] = _routes(
         pd_split=True,
         fields=_GENERATE_FIELDS,
     ),
-    ApiRoute("embeddings", "/encode", answer_may_be_array=True),
+    ApiRoute("embeddings", "/encode", answer_may_be_array=True, pooled="encode"),
     ApiRoute(
         "transcriptions", "/v1/audio/transcriptions", multipart=True, json_answer=False, fields=_STREAM_ONLY
     ),

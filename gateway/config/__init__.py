@@ -61,7 +61,9 @@ class LimitsConfig(Frozen):
     completions, `sampling_params.n`), times the prompts of a batch (a completions or generate
     batch's prompts, a chat batch's conversations), and the items or questions of vLLM's reads
     (`/generative_scoring`, `/v1/systemone`, `/v1/decisions`), each prefilled as a prompt of its
-    own.
+    own. The inputs of a pooling request (`max_pooling_inputs`; beyond: 400): the inputs of an
+    embeddings, pooling, classify or SGLang `/encode` request, the documents of a rerank, the
+    pairs of a score, each encoded on its own.
     Completions past their tenant's own slot and their body, across tenants
     (`max_in_flight_requests`; at it, only a tenant below its share of it gets a place, up to
     twice it in all: `lifecycle.RequestCap`; any other request: 503 with Retry-After, so every
@@ -75,6 +77,8 @@ class LimitsConfig(Frozen):
     max_body_bytes: PositiveInt = 8 * 1024 * 1024
     # OpenAI's chat completions take `n` up to 128.
     max_choices: PositiveInt = 128
+    # OpenAI's embeddings API takes at most 2,048 inputs in one request.
+    max_pooling_inputs: PositiveInt = 2048
     max_in_flight_requests: PositiveInt = 4096
     # Eight answers at the per-answer cap (`upstream_conn.MAX_ANSWER_BYTES`, 64 MiB).
     max_buffered_answer_bytes: int = Field(default=512 * 1024 * 1024, ge=1024 * 1024)

@@ -11,7 +11,7 @@ aliases expand to and refuses a key said twice in one mapping.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -150,7 +150,7 @@ class CostParamsYaml(_Strict):
     tie_s: float = Field(1e-4, ge=0)
     branch_load_weight: float = Field(1.0, ge=0)
     load_window_s: float = Field(180.0, gt=0)
-    discount_cached_backlog: bool | None = None
+    discount_cached_backlog: bool | Literal["holders"] | None = None
     continuation_slack_requests: float = Field(0.0, ge=0)
     keep_tpot_s: float = Field(0.0, ge=0)
     max_recompute_s: float | None = Field(None, gt=0)

@@ -7,6 +7,7 @@ budget and predicted first token (`DecodeLedger`). Handed on across a policy rel
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import Literal
 
 from policies.base import Observation, RouteDecision, RouteRequest, WorkerId
 from policies.cost_decode import DecodeLedger
@@ -25,7 +26,7 @@ class CostBooks(HerdingPolicy):
     def __init__(self, *, seed: int, shared: SharedSettings | None, load_window_s: float) -> None:
         super().__init__(seed=seed, shared=shared)
         self.load_window_s = load_window_s
-        self.discount_cached_backlog: bool | None = None
+        self.discount_cached_backlog: bool | Literal["holders"] | None = None
         self.records_decodes = False
         self._moves_kv: set[str] = set()
         self._recent_work = RecentWork(load_window_s)
@@ -115,9 +116,14 @@ class CostBooks(HerdingPolicy):
         self._moves_kv.add(pool)
 
     def discounts_backlog(self, pool: str) -> bool:
-        """Whether `pool`'s prefill backlogs are counted in uncached tokens."""
+        """Whether `pool`'s prefill backlogs are all counted in uncached tokens."""
         setting = self.discount_cached_backlog
-        return pool in self._moves_kv if setting is None else setting
+        return pool in self._moves_kv if setting is None else setting is True
+
+    def discounts_holders(self, pool: str) -> bool:
+        """Whether only the backlogs of the holders of most of a prompt are counted in uncached
+        tokens, when scored for that prompt (`discount_cached_backlog: holders`)."""
+        return self.discount_cached_backlog == "holders" and pool not in self._moves_kv
 
     def backlog_share(self, pool: str, worker: WorkerId) -> float:
         """The share of `worker`'s in-flight prefill tokens this policy counts as work ahead of a

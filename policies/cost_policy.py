@@ -44,7 +44,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from policies.base import RouteDecision, RouteRequest, WorkerView
 from policies.cost_books import CostBooks
@@ -76,7 +76,7 @@ class CostPolicy(CostBooks):
         tie_s: float = 1e-4,
         branch_load_weight: float = 1.0,
         load_window_s: float = 180.0,
-        discount_cached_backlog: bool | None = None,
+        discount_cached_backlog: bool | Literal["holders"] | None = None,
         continuation_slack_requests: float = 0.0,
         keep_tpot_s: float = 0.0,
         max_recompute_s: float | None = None,
@@ -112,6 +112,8 @@ class CostPolicy(CostBooks):
             raise ValueError("load_window_s must be > 0")
         if herd_hold_steps > len(HOLD_STEPS_S):
             raise ValueError(f"herd_hold_steps must be <= {len(HOLD_STEPS_S)}")
+        if discount_cached_backlog not in (None, True, False, "holders"):
+            raise ValueError("discount_cached_backlog must be true, false, 'holders' or None")
         if max_recompute_s is not None and max_recompute_s <= 0:
             raise ValueError("max_recompute_s must be > 0 (or None: off)")
         if ttft_objective_s is not None and ttft_objective_s <= 0:
@@ -272,8 +274,13 @@ class CostPolicy(CostBooks):
             # the queue factor, and so is the limit here.
             recompute = self.max_recompute_s
             stay_s = math.inf if recompute is None else recompute * weight
-            ranked: list[tuple[float, int, int]] = []
+            ranked: list[tuple[float, int, int, float]] = []
             guarded = False
+            # With `discount_cached_backlog: holders`, a holder of most of the prompt counts its
+            # backlog as what is left to compute (its in-flight prompts' predicted uncached share):
+            # its sessions' turns are mostly cached, and counted whole they make it look seconds
+            # away (docs/benchmarks.md, "The agent trace ... in a closed loop").
+            share = self._ledger.share if not shares and self.discounts_holders(req.pool) else None
             for i, blocks in held:
                 holders.add(i)
                 matched = blocks * bs
@@ -290,7 +297,10 @@ class CostPolicy(CostBooks):
                 ):
                     saved, moved = scorer.saved(matched), scorer.nonholder_saved_s
                     upper = moved if moved > saved else saved
-                    ranked.append((upper - per_backlog_token * backlogs[i], i, matched))
+                    backlog = backlogs[i]
+                    if share is not None and 2 * matched > n:
+                        backlog *= share(cands[i].worker_id)
+                    ranked.append((upper - per_backlog_token * backlog, i, matched, backlog))
                 elif 2 * matched > n:
                     guarded = True
             if guarded:
@@ -298,10 +308,10 @@ class CostPolicy(CostBooks):
                 # request leaves) is the guard's, not the score's (`policy.md`, tuning the guard).
                 self._count("holders_past_guard")
             ranked.sort(reverse=True)
-            for upper, i, matched in ranked:
+            for upper, i, matched, backlog in ranked:
                 if upper < scorer.best_score - reach:
                     break
-                scorer.consider(i, cands[i], matched, backlogs[i])
+                scorer.consider(i, cands[i], matched, backlog)
         # Pass 2b: the others (they save nothing, or at most a transfer), by raw backlog
         # (`cost_scan.by_backlog`): a hit usually stops after a few of them, a miss scores every
         # worker the backlog bound cannot rule out (each one's queue and branch charge differ).

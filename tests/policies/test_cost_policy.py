@@ -311,8 +311,8 @@ def test_pruned_scoring_finds_the_brute_force_best(
     assert d.score_s == pytest.approx(_reference_best_s(p, r, views), abs=2 * p.tie_s)
 
 
-@pytest.mark.parametrize("discount", [True, False])
-def test_a_holder_busy_with_cached_prompts_is_not_taken_for_a_long_queue(discount: bool) -> None:
+@pytest.mark.parametrize("discount", [True, False, "holders"])
+def test_a_holder_busy_with_cached_prompts_is_not_taken_for_a_long_queue(discount: bool | str) -> None:
     p = _policy(discount_cached_backlog=discount)
     _warm(p, range(64), "w0")
     # Eight requests on the same prefix are in flight on w0: 8k prompt tokens, almost all cached.
@@ -326,12 +326,33 @@ def test_a_holder_busy_with_cached_prompts_is_not_taken_for_a_long_queue(discoun
     d = p.select(req("r", range(64)), views, 1.0)
     assert d is not None
     # Counted as whole prompts the holder looks 0.2 s busy and the prefix is recomputed elsewhere;
-    # counted as what is left to compute, it stays on the holder.
-    assert (d.worker == "w0") is discount
+    # counted as what is left to compute (every worker's, or the holders' only), it stays there.
+    assert (d.worker == "w0") is (discount is not False)
     # Finishing (in any way) takes a request out of the ledger.
     for i in range(8):
         p.on_complete(Observation(req(f"f{i}", range(64)), WorkerId("w0"), outcome=Outcome.ABORTED), 2.0)
     assert p.uncached_share(WorkerId("w0")) == 1.0
+
+
+@pytest.mark.parametrize("discount", [True, "holders"])
+def test_only_holders_of_most_of_the_prompt_count_their_backlog_as_left_with_holders(
+    discount: bool | str,
+) -> None:
+    p = _policy(discount_cached_backlog=discount, branch_load_weight=0.0)
+    _warm(p, range(64), "w0")
+    for i in range(8):  # w0: eight mostly-cached prompts in prefill
+        r = req(f"f{i}", range(64))
+        d = p.select(r, [WorkerView(WorkerId("w0"))], 1.0)
+        assert d is not None
+        p.on_dispatch(r, d, 1.0)
+    # w1: six uncached prompts of the same size, sent by another gateway (not in this ledger).
+    views = workers(8, 6, 0, 0, 0, 0, 0, 0, prefill=(8 * (64 * BS + 1), 6 * 64 * BS, *[10**6] * 6))
+    d = p.select(req("m", range(5000, 5064)), views, 1.0)
+    assert d is not None and d.reason == "miss"
+    # A prompt nobody holds: with every backlog counted as left, w0's mostly-cached one is the
+    # shortest; with the holders' only, w0's counts whole, longer than w1's.
+    assert d.worker == ("w0" if discount is True else "w1")
+    assert p.discounts_backlog("p") is (discount is True)
 
 
 def test_new_branches_go_where_little_work_was_routed_recently() -> None:

@@ -12,12 +12,14 @@ shapes:
         suspected, no canary in flight, the last sent `interval_s` ago or more → send one:
             POST /v1/completions {pool's base model, CANARY_PROMPT, max_tokens 1, stream}
             cut after `timeout_s`
-        5xx or refused credentials, the worker's own error event, a connection lost, a stream
-            ended before [DONE] or malformed → failed: one failure on the breaker (`on_canary`),
-            and the worker stays suspected, so the next follows an interval later
+        a 503 or 529 (an answer or the code of the worker's own error event), a 4xx, a timeout
+            → inconclusive: nothing decided (a worker busy with other requests: its queue full,
+            the canary preempted, back-pressure, all slow; how busy is in the clients' hands; a
+            pool that serves no completions)
+        another 5xx or refused credentials, the worker's own error event, a connection lost, a
+            stream ended before [DONE] or malformed → failed: one failure on the breaker
+            (`on_canary`), and the worker stays suspected, so the next follows an interval later
         [DONE] (or a whole answer) → passed: the suspicions it answered for are cleared
-        a 4xx, a timeout → inconclusive: nothing decided (a pool that serves no completions, a
-            worker busy with other requests: how busy is in the clients' hands)
 
 So a worker answering 5xx to everything, or ending every stream in its own error event, while
 its `/health` passes, opens its breaker after `failure_threshold` canaries whatever cuts client
@@ -45,7 +47,7 @@ from collections.abc import Mapping
 import aiohttp
 import orjson
 
-from gateway.failure import worker_failed
+from gateway.failure import OVERLOADED, worker_failed
 from gateway.registry import Pool, Registry
 from gateway.sse import MalformedStream, SseRelay
 from gateway.worker import Worker
@@ -60,6 +62,11 @@ CANARY_PROMPT = "Say OK."
 CHECK_S = 0.25
 # A one-token answer is a few hundred bytes; a worker sending more than this is not answering one.
 MAX_CANARY_BYTES = 64 * 1024
+# A worker too busy to take the canary says so with these (SGLang's "The request queue is full.",
+# a request preempted by a higher priority one, uvicorn's --limit-concurrency, Ray Serve's
+# back-pressure, a proxy's 529): it refuses every client's request alike, and one tenant's load
+# can make it, so such a refusal decides nothing, like a timeout.
+BUSY_STATUSES = frozenset((503, OVERLOADED))
 
 
 class CanaryVerdict(enum.StrEnum):
@@ -98,6 +105,8 @@ async def _judged(
 ) -> CanaryVerdict:
     sent = {"content-type": "application/json", **headers}
     async with session.post(url + CANARY_PATH, data=canary_body(model), headers=sent) as resp:
+        if resp.status in BUSY_STATUSES:
+            return CanaryVerdict.INCONCLUSIVE
         if worker_failed(resp.status):
             return CanaryVerdict.FAILED
         if resp.status >= 400:
@@ -116,7 +125,9 @@ async def _judged(
         if not streamed:
             return CanaryVerdict.PASSED  # a whole answer: the worker generated
         if relay.error is not None:
-            return CanaryVerdict.INCONCLUSIVE if relay.error.request_rejected else CanaryVerdict.FAILED
+            error = relay.error
+            busy = error.worker_status in BUSY_STATUSES
+            return CanaryVerdict.INCONCLUSIVE if error.request_rejected or busy else CanaryVerdict.FAILED
         return CanaryVerdict.PASSED if relay.done else CanaryVerdict.FAILED
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 import orjson
+import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -46,13 +47,17 @@ WAIT_S = 30.0
 class Workers:
     """Scripted workers. `broken`: 500 to every generation (chats and canaries alike);
     `stream_errors`: every stream ends, after its first event, with the worker's own error event;
-    `POISON` gets a 500 from any worker. `held`: canaries wait for `release` before answering."""
+    `POISON` gets a 500 from any worker. `held`: canaries wait for `release` before answering;
+    `refusal`: every canary gets this status (`busy_event`: as the code of the worker's own error
+    event, the first of a 200 stream, as SGLang streams a full queue)."""
 
     posts: list[str] = field(default_factory=list)
     canaries: list[str] = field(default_factory=list)
     broken: set[str] = field(default_factory=set)
     stream_errors: set[str] = field(default_factory=set)
     held: bool = False
+    refusal: int | None = None
+    busy_event: bool = False
     release: asyncio.Event = field(default_factory=asyncio.Event)
     in_flight: int = 0
     most_in_flight: int = 0
@@ -84,6 +89,11 @@ def app_for(workers: Workers, name: str) -> web.Application:
         try:
             if workers.held:
                 await workers.release.wait()
+            if workers.refusal is not None:
+                refused = {"error": {"message": "The request queue is full.", "code": workers.refusal}}
+                if workers.busy_event:
+                    return _stream([orjson.dumps(refused), b"[DONE]"])
+                return web.json_response(refused, status=workers.refusal)
             if name in workers.broken:
                 return web.json_response(FAILED, status=500)
             if name in workers.stream_errors:
@@ -238,6 +248,27 @@ async def test_a_workers_canary_is_cancelled_when_it_leaves_its_pool() -> None:
         rig.state.registry.pools["p"].set_urls([rig.urls["b"]])  # discovery lost it
         await wait_until(lambda: rig.canaries.in_flight == 0, timeout_s=WAIT_S)
         assert sum(rig.canaries.counts.values()) == 0 and a.breaker.closed
+
+
+@pytest.mark.parametrize(("status", "event"), [(503, False), (529, False), (503, True), (429, False)])
+async def test_a_busy_workers_refusal_of_its_canary_decides_nothing(status: int, event: bool) -> None:
+    """A worker whose queue is full (SGLang's 503 "The request queue is full.", as an answer or
+    as its stream's error event; a proxy's 529; a rate limit's 429) refuses every client alike,
+    and one tenant's load can fill it: its canary's refusal must not count on its breaker."""
+    breaker = {"failure_threshold": 1, "cooldown_s": 3600, "canary": {"interval_s": 0.05}}
+    async with gateway("a", retry_attempts=0, breaker=breaker) as rig:
+        rig.workers.refusal, rig.workers.busy_event = status, event
+        counts = rig.canaries.counts
+        for n in range(1, 4):  # each lone 500 suspects the worker, and its canary is refused
+            assert (await rig.chat(POISON)).status_code == 502
+            await wait_until(lambda n=n: counts[CanaryVerdict.INCONCLUSIVE] == n, timeout_s=WAIT_S)
+            await wait_until(lambda: rig.canaries.in_flight == 0, timeout_s=WAIT_S)
+            assert counts[CanaryVerdict.FAILED] == 0 and rig.closed("a") and rig.failures("a") == {"a": 0}
+        rig.workers.refusal = None  # the worker has room again: its next canary passes
+        assert (await rig.chat(POISON)).status_code == 502
+        await rig.canaries_passed(1)
+        assert rig.closed("a") and not rig.worker("p", "a").breaker.suspected
+        assert (await rig.chat(tenant="u")).status_code == 200
 
 
 def test_the_breakers_canary_bounds_and_verdicts() -> None:

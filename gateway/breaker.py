@@ -6,6 +6,11 @@ request; success closes, failure re-opens for another cooldown.
 A failure that no other worker's answer compared (a lone 5xx, the worker's own error event in a
 stream: `outcome.HeldVerdicts`) is no verdict, but it leaves the worker suspected (`suspect`):
 the gateway's own canary request then decides (`gateway/canary.py`, `on_canary`).
+
+Failed canaries decide on their own: `failure_threshold` of them in a row open the breaker
+whatever request successes come between them, and only a passed canary ends the row. A request's
+success says nothing of generation when its route needs no engine (`/tokenize`, `/detokenize`),
+so a worker failing every generation while it answers those would otherwise never be shut out.
 """
 
 from __future__ import annotations
@@ -23,10 +28,13 @@ class BreakerState(enum.StrEnum):
 
 
 class CircuitBreaker:
-    """Invariant: `_trial_in_flight` is True only in HALF_OPEN."""
+    """Invariants: `_trial_in_flight` is True only in HALF_OPEN; `_canary_failures` counts the
+    failed canaries since the last passed one, and while it is not zero the worker is suspected
+    again after each canary (the row goes on, one canary an interval, until a verdict)."""
 
     __slots__ = (
         "_canary_at_s",
+        "_canary_failures",
         "_config",
         "_failures",
         "_opened_at_s",
@@ -43,11 +51,17 @@ class CircuitBreaker:
         self._trial_in_flight = False
         self._suspected = False  # a failure no other worker compared awaits a canary
         self._canary_at_s = -math.inf  # when the last canary was sent
+        self._canary_failures = 0  # failed canaries in a row; no request's success resets it
 
     @property
     def failures(self) -> int:
         """Consecutive request failures so far (reset by a success)."""
         return self._failures
+
+    @property
+    def canary_failures(self) -> int:
+        """Failed canaries in a row (reset by a passed canary only)."""
+        return self._canary_failures
 
     @property
     def closed(self) -> bool:
@@ -81,9 +95,12 @@ class CircuitBreaker:
     def on_failure(self, now_s: float) -> None:
         self._failures += 1
         if self._state is BreakerState.HALF_OPEN or self._failures >= self._config.failure_threshold:
-            self._state = BreakerState.OPEN
-            self._opened_at_s = now_s
-            self._trial_in_flight = False
+            self._open(now_s)
+
+    def _open(self, now_s: float) -> None:
+        self._state = BreakerState.OPEN
+        self._opened_at_s = now_s
+        self._trial_in_flight = False
 
     @property
     def suspected(self) -> bool:
@@ -110,13 +127,23 @@ class CircuitBreaker:
         self._canary_at_s = now_s
 
     def on_canary(self, passed: bool | None, now_s: float) -> None:
-        """A canary's verdict: failed (False) counts as a request failure, unless the breaker was
-        opened meanwhile (a verdict is not applied to a state it was not about), and keeps the
+        """A canary's verdict: failed (False) counts as a request failure and as one more failed
+        canary in a row, unless the breaker was opened meanwhile (a verdict is not applied to a
+        state it was not about); `failure_threshold` failed canaries in a row open the breaker
+        whatever request successes came between them (module doc). A failed canary keeps the
         worker suspected, so that canaries go on, one every `canary.interval_s`, until one passes
-        or the breaker opens (and again once it is half-open). Passed (True) leaves the suspicion
-        cleared, as `canary_sent` left it (only a request's success closes a half-open breaker,
-        as before); None (a 4xx, a timeout) decides nothing."""
-        if passed is False:
-            if self.state(now_s) is not BreakerState.OPEN:
-                self.on_failure(now_s)
+        or the breaker opens (and again once it is half-open: a request's success may close it,
+        and the next failed canary opens it again). Passed (True) ends the row and leaves the
+        suspicion cleared, as `canary_sent` left it (only a request's success closes a half-open
+        breaker, as before); None (a 4xx, a busy worker's 503, a timeout) decides nothing, and
+        keeps the worker suspected only in a row of failed canaries, which it does not end."""
+        if passed is True:
+            self._canary_failures = 0
+            return
+        if passed is False and self.state(now_s) is not BreakerState.OPEN:
+            self._canary_failures += 1
+            self.on_failure(now_s)
+            if self._canary_failures >= self._config.failure_threshold:
+                self._open(now_s)
+        if passed is False or self._canary_failures:
             self._suspected = True

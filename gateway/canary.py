@@ -22,7 +22,8 @@ shapes:
         [DONE] (or a whole answer) → passed: the suspicions it answered for are cleared
 
 So a worker answering 5xx to everything, or ending every stream in its own error event, while
-its `/health` passes, opens its breaker after `failure_threshold` canaries whatever cuts client
+its `/health` passes, opens its breaker after `failure_threshold` failed canaries in a row
+(whatever requests it serves between them: `CircuitBreaker.on_canary`), whatever cuts client
 requests to one attempt (`retry_attempts: 0`, `x-stainless-retry-count`), and a tenant whose
 input fails a healthy worker costs that worker one canary an interval, which passes. The canary
 carries no tenant data (a fixed prompt, no salt, no client header), is not counted in the worker's

@@ -102,7 +102,13 @@ def app_for(workers: Workers, name: str) -> web.Application:
         finally:
             workers.in_flight -= 1
 
-    return chat_app(chat, completions)
+    async def tokenize(_: web.Request) -> web.Response:
+        # No engine needed: a worker failing every generation still answers it.
+        return web.json_response({"count": 2, "max_model_len": 4096, "tokens": [1, 2]})
+
+    app = chat_app(chat, completions)
+    app.router.add_post("/tokenize", tokenize)
+    return app
 
 
 @dataclass
@@ -119,6 +125,12 @@ class Rig(ChatRig):
     def canaries(self) -> Canaries:
         assert self.state.canaries is not None
         return self.state.canaries
+
+    async def tokenize(self) -> httpx.Response:
+        body = {"model": "m", "prompt": "x"}
+        return await self.client.post(
+            "/tokenize", json=body, headers={"authorization": f"Bearer {KEYS['t']}"}
+        )
 
     async def canaries_passed(self, n: int) -> None:
         """Wait until `n` canaries have passed in all, and none is in flight."""
@@ -250,6 +262,23 @@ async def test_a_workers_canary_is_cancelled_when_it_leaves_its_pool() -> None:
         assert sum(rig.canaries.counts.values()) == 0 and a.breaker.closed
 
 
+async def test_failed_canaries_open_the_breaker_whatever_succeeds_between_them() -> None:
+    """A worker failing every generation (and its canaries) while it answers `/tokenize`, which
+    needs no engine: a tenant's tokenize calls between the canaries must not keep it in."""
+    breaker = {"cooldown_s": 3600, "canary": {"interval_s": 0.3}}
+    async with gateway("a", retry_attempts=0, breaker=breaker) as rig:
+        rig.workers.broken.add("a")
+        assert (await rig.chat()).status_code == 502
+        counts = rig.canaries.counts
+        for n in range(1, 3):  # after each failed canary, a success of the same worker
+            await wait_until(lambda n=n: counts[CanaryVerdict.FAILED] >= n, timeout_s=WAIT_S)
+            assert (await rig.tokenize()).status_code == 200
+        await wait_until(lambda: not rig.closed("a"), timeout_s=WAIT_S, what="a's breaker opened")
+        assert counts[CanaryVerdict.FAILED] == 3 and rig.worker("p", "a").breaker.canary_failures == 3
+        resp = await rig.chat(tenant="u")
+        assert resp.status_code == 503 and resp.json()["error"]["code"] == "no_worker_available"
+
+
 @pytest.mark.parametrize(("status", "event"), [(503, False), (529, False), (503, True), (429, False)])
 async def test_a_busy_workers_refusal_of_its_canary_decides_nothing(status: int, event: bool) -> None:
     """A worker whose queue is full (SGLang's 503 "The request queue is full.", as an answer or
@@ -295,7 +324,33 @@ def test_the_breakers_canary_bounds_and_verdicts() -> None:
     breaker.canary_sent(12.5)
     breaker.on_canary(False, 13.0)
     assert breaker.state(13.0) is BreakerState.OPEN
-    breaker.on_success()  # a request's success closes it; a passed canary clears the suspicion
-    breaker.canary_sent(30.0)
+    # A request's success closes it (a half-open trial, or a route needing no engine), but the
+    # row of failed canaries goes on: the next one opens the breaker again.
+    breaker.on_success()
+    assert breaker.closed and breaker.failures == 0 and breaker.canary_failures == 3
+    assert breaker.canary_due(13.5)
+    breaker.canary_sent(13.5)
+    breaker.on_canary(None, 14.0)  # inconclusive: the row neither ends nor grows, the canaries go on
+    assert breaker.closed and breaker.suspected and breaker.canary_failures == 3
+    breaker.canary_sent(15.0)
+    breaker.on_canary(False, 15.5)
+    assert breaker.state(15.5) is BreakerState.OPEN
+    assert breaker.state(25.5) is BreakerState.HALF_OPEN
+    breaker.on_success()
+    breaker.canary_sent(30.0)  # a passed canary ends the row and clears the suspicion
     breaker.on_canary(True, 30.5)
     assert breaker.closed and not breaker.suspected and breaker.failures == 0
+    assert breaker.canary_failures == 0
+    breaker.on_canary(None, 31.0)  # outside a row, inconclusive leaves nothing suspected
+    assert not breaker.suspected
+
+
+def test_failed_canaries_in_a_row_open_the_breaker_across_request_successes() -> None:
+    breaker = CircuitBreaker(BreakerConfig(failure_threshold=3, cooldown_s=10))
+    for n in range(1, 4):
+        breaker.canary_sent(float(n))
+        breaker.on_canary(False, n + 0.5)
+        if n < 3:
+            breaker.on_success()  # a /tokenize served between the canaries
+            assert breaker.closed and breaker.failures == 0
+    assert breaker.state(3.5) is BreakerState.OPEN and breaker.canary_failures == 3

@@ -27,9 +27,11 @@ its `/health` passes, opens its breaker after `failure_threshold` failed canarie
 requests to one attempt (`retry_attempts: 0`, `x-stainless-retry-count`), and a tenant whose
 input fails a healthy worker costs that worker one canary an interval, which passes. The canary
 carries no tenant data (a fixed prompt, no salt, no client header), is not counted in the worker's
-load, and is logged by pool, worker and verdict only. At most one canary is in flight per worker,
-each bounded by `timeout_s` and `MAX_CANARY_BYTES`; canaries run in tasks this service owns,
-cancelled when their worker leaves its pool and when the gateway stops.
+load, and is logged by pool, worker, verdict and what the verdict rests on (the worker's status,
+whether it was the worker's own error event, an exception's class), never any content. At most
+one canary is in flight per worker, each bounded by `timeout_s` and `MAX_CANARY_BYTES`; canaries
+run in tasks this service owns, cancelled when their worker leaves its pool and when the gateway
+stops.
 
 Prefill/decode pools get none (their verdicts run through `pd_suspects.py`, and one leg alone
 is not a request their workers answer).
@@ -48,11 +50,12 @@ from collections.abc import Mapping
 import aiohttp
 import orjson
 
-from gateway.failure import OVERLOADED, worker_failed
+from gateway.failure import OVERLOADED, REFUSED_CREDENTIALS, worker_failed
 from gateway.registry import Pool, Registry
 from gateway.sse import MalformedStream, SseRelay
 from gateway.worker import Worker
 from policies.base import WorkerId
+from policies.records import record
 
 log = logging.getLogger("kvgate.canary")
 
@@ -88,48 +91,70 @@ def canary_body(model: str) -> bytes:
     )
 
 
+@record
+class CanaryResult:
+    """One canary's verdict and what it rests on, for its log line (never any content): the
+    worker's HTTP `status`, or with `stream_error` the worker's own error event in the stream
+    (`status`: the event's code, when it had one); `cause`: what else ended it (a transport
+    exception's class, `timeout`, `too_large`, `no_done`: the stream ended before `[DONE]`)."""
+
+    verdict: CanaryVerdict
+    status: int | None = None
+    stream_error: bool = False
+    cause: str | None = None
+
+    @property
+    def refused_credentials(self) -> bool:
+        """The worker refused the gateway's credentials (the pool's worker key is wrong)."""
+        return not self.stream_error and self.status in REFUSED_CREDENTIALS
+
+
 async def probe(
     session: aiohttp.ClientSession, url: str, model: str, headers: Mapping[str, str], timeout_s: float
-) -> CanaryVerdict:
+) -> CanaryResult:
     """Send one canary to the worker at `url` and judge its answer (module doc)."""
     try:
         async with asyncio.timeout(timeout_s):
             return await _judged(session, url, model, headers)
     except TimeoutError:
-        return CanaryVerdict.INCONCLUSIVE
-    except (aiohttp.ClientError, OSError, MalformedStream):
-        return CanaryVerdict.FAILED
+        return CanaryResult(CanaryVerdict.INCONCLUSIVE, cause="timeout")
+    except (aiohttp.ClientError, OSError, MalformedStream) as exc:
+        return CanaryResult(CanaryVerdict.FAILED, cause=type(exc).__name__)
 
 
 async def _judged(
     session: aiohttp.ClientSession, url: str, model: str, headers: Mapping[str, str]
-) -> CanaryVerdict:
+) -> CanaryResult:
     sent = {"content-type": "application/json", **headers}
     async with session.post(url + CANARY_PATH, data=canary_body(model), headers=sent) as resp:
-        if resp.status in BUSY_STATUSES:
-            return CanaryVerdict.INCONCLUSIVE
-        if worker_failed(resp.status):
-            return CanaryVerdict.FAILED
-        if resp.status >= 400:
-            return CanaryVerdict.INCONCLUSIVE  # the worker refused it: it says nothing of the worker
+        status = resp.status
+        if status in BUSY_STATUSES:
+            return CanaryResult(CanaryVerdict.INCONCLUSIVE, status)
+        if worker_failed(status):
+            return CanaryResult(CanaryVerdict.FAILED, status)
+        if status >= 400:  # the worker refused it: it says nothing of the worker
+            return CanaryResult(CanaryVerdict.INCONCLUSIVE, status)
         relay = SseRelay(False)
         streamed = resp.content_type == "text/event-stream"
         read = 0
         while chunk := await resp.content.readany():
             read += len(chunk)
             if read > MAX_CANARY_BYTES:
-                return CanaryVerdict.FAILED
+                return CanaryResult(CanaryVerdict.FAILED, status, cause="too_large")
             if streamed:
                 relay.feed(chunk)
                 if relay.error is not None or relay.done:
                     break
         if not streamed:
-            return CanaryVerdict.PASSED  # a whole answer: the worker generated
+            return CanaryResult(CanaryVerdict.PASSED, status)  # a whole answer: the worker generated
         if relay.error is not None:
             error = relay.error
             busy = error.worker_status in BUSY_STATUSES
-            return CanaryVerdict.INCONCLUSIVE if error.request_rejected or busy else CanaryVerdict.FAILED
-        return CanaryVerdict.PASSED if relay.done else CanaryVerdict.FAILED
+            verdict = CanaryVerdict.INCONCLUSIVE if error.request_rejected or busy else CanaryVerdict.FAILED
+            return CanaryResult(verdict, error.worker_status, stream_error=True)
+        if relay.done:
+            return CanaryResult(CanaryVerdict.PASSED, status)
+        return CanaryResult(CanaryVerdict.FAILED, status, cause="no_done")
 
 
 class Canaries:
@@ -203,22 +228,39 @@ class Canaries:
         try:
             timeout_s = pool.config.breaker.canary.timeout_s
             model = pool.config.base_model
-            verdict = await probe(self._session, worker.url, model, pool.auth.headers, timeout_s)
+            result = await probe(self._session, worker.url, model, pool.auth.headers, timeout_s)
+            verdict = result.verdict
             self.counts[verdict] += 1
             self.by_worker[pool.name, worker.url, verdict] += 1
             if pool.workers.get(worker.worker_id) is worker:
                 worker.breaker.on_canary(_PASSED[verdict], time.monotonic())
-            extra = {"pool": pool.name, "worker": worker.url, "verdict": verdict.value}
-            if verdict is CanaryVerdict.FAILED:
-                log.warning("worker failed its canary", extra=extra)
-            else:
-                log.info("worker canary", extra=extra)
+            _log(pool, worker, result)
         except Exception:  # a bug: the worker stays as it was, and may be sent another later
             log.exception("canary failed to run", extra={"pool": pool.name, "worker": worker.url})
         finally:
             entry = self._running.get(worker.worker_id)
             if entry is not None and entry[2] is asyncio.current_task():
                 del self._running[worker.worker_id]
+
+
+def _log(pool: Pool, worker: Worker, result: CanaryResult) -> None:
+    """One line per canary: its verdict and what it rests on (`CanaryResult`), never content."""
+    extra = {
+        "pool": pool.name,
+        "worker": worker.url,
+        "verdict": result.verdict.value,
+        "status": result.status,
+        "stream_error": result.stream_error,
+        "cause": result.cause,
+    }
+    if result.refused_credentials:
+        # Clients then get 503 no_worker_available once the breaker opens: say why here.
+        message = "worker refused the gateway's credentials for its canary (check worker_api_key_*)"
+        log.warning(message, extra=extra)
+    elif result.verdict is CanaryVerdict.FAILED:
+        log.warning("worker failed its canary", extra=extra)
+    else:
+        log.info("worker canary", extra=extra)
 
 
 def _takes_canaries(pool: Pool) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -298,6 +299,37 @@ async def test_a_busy_workers_refusal_of_its_canary_decides_nothing(status: int,
         await rig.canaries_passed(1)
         assert rig.closed("a") and not rig.worker("p", "a").breaker.suspected
         assert (await rig.chat(tenant="u")).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("how", "status", "stream_error", "message"),
+    [
+        ("refusal", 401, False, "worker refused the gateway's credentials for its canary"),
+        ("refusal", 403, False, "worker refused the gateway's credentials for its canary"),
+        ("broken", 500, False, "worker failed its canary"),
+        ("stream_errors", 500, True, "worker failed its canary"),
+    ],
+)
+async def test_a_failed_canarys_log_line_says_what_it_rests_on(
+    caplog: pytest.LogCaptureFixture, how: str, status: int, stream_error: bool, message: str
+) -> None:
+    """The worker's status, or its own error event's code; a refusal of the gateway's credentials
+    in words of its own (clients get 503 `no_worker_available` once the breaker opens); never
+    any content."""
+    caplog.set_level(logging.INFO, logger="kvgate.canary")
+    breaker = {"failure_threshold": 1, "cooldown_s": 3600}
+    async with gateway("a", retry_attempts=0, breaker=breaker) as rig:
+        if how == "refusal":
+            rig.workers.refusal = status
+        else:
+            getattr(rig.workers, how).add("a")
+        assert (await rig.chat(POISON)).status_code == 502
+        await wait_until(lambda: not rig.closed("a"), timeout_s=WAIT_S, what="a's breaker opened")
+    (record,) = [r for r in caplog.records if r.name == "kvgate.canary"]
+    assert record.levelno == logging.WARNING and record.getMessage().startswith(message)
+    fields = {k: getattr(record, k) for k in ("verdict", "status", "stream_error", "cause")}
+    assert fields == {"verdict": "failed", "status": status, "stream_error": stream_error, "cause": None}
+    assert CANARY_PROMPT not in str(record.__dict__) and "GenerationError" not in str(record.__dict__)
 
 
 def test_the_breakers_canary_bounds_and_verdicts() -> None:

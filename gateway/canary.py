@@ -7,8 +7,8 @@ breakers one after another. Such a failure leaves the worker suspected
 (`CircuitBreaker.suspect`), and this module asks the worker itself, with a request no client
 shapes:
 
-    every CHECK_S, for each worker of a pool without prefill/decode roles whose breaker is not
-    open and has `breaker.canary` enabled:
+    every CHECK_S, for each healthy worker (`/health`) of a pool without prefill/decode roles
+    whose breaker is not open and has `breaker.canary` enabled:
         suspected, no canary in flight, the last sent `interval_s` ago or more → send one:
             POST /v1/completions {pool's base model, CANARY_PROMPT, max_tokens 1, stream}
             cut after `timeout_s`
@@ -202,7 +202,8 @@ class Canaries:
                 log.exception("canary check failed")
 
     def check(self, now_s: float) -> None:
-        """Cancel the canaries of workers that left their pool; send those that are due."""
+        """Cancel the canaries of workers that left their pool; send those that are due to
+        healthy workers."""
         for url, (pool, worker, task) in list(self._running.items()):
             if pool.workers.get(url) is not worker:
                 task.cancel()
@@ -212,7 +213,9 @@ class Canaries:
                 continue
             for worker in pool.workers.values():
                 url = worker.worker_id
-                if url in self._running or not worker.breaker.canary_due(now_s):
+                # A worker its health check took down gets none (it stays suspected until it is
+                # back): its canaries would fail on, a warning each, for as long as it is down.
+                if url in self._running or not worker.healthy or not worker.breaker.canary_due(now_s):
                     continue
                 worker.breaker.canary_sent(now_s)
                 task = asyncio.create_task(self._canary(pool, worker), name=f"canary:{pool.name}")

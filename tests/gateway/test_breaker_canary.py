@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -330,6 +331,19 @@ async def test_a_failed_canarys_log_line_says_what_it_rests_on(
     fields = {k: getattr(record, k) for k in ("verdict", "status", "stream_error", "cause")}
     assert fields == {"verdict": "failed", "status": status, "stream_error": stream_error, "cause": None}
     assert CANARY_PROMPT not in str(record.__dict__) and "GenerationError" not in str(record.__dict__)
+
+
+async def test_a_worker_its_health_check_took_down_gets_no_canary_until_it_is_back() -> None:
+    breaker = {"cooldown_s": 3600, "canary": {"interval_s": 0.05}}
+    async with gateway("a", breaker=breaker) as rig:
+        a = rig.worker("p", "a")
+        a.breaker.suspect()  # as a lone 5xx leaves it, and its health check takes it down
+        a.healthy = False
+        rig.canaries.check(time.monotonic() + 3600)
+        assert rig.canaries.in_flight == 0 and a.breaker.suspected and rig.workers.canaries == []
+        a.healthy = True  # back: the suspicion it kept is settled by a canary
+        await rig.canaries_passed(1)
+        assert rig.workers.canaries == ["a"] and not a.breaker.suspected
 
 
 def test_the_breakers_canary_bounds_and_verdicts() -> None:

@@ -19,7 +19,9 @@ shapes:
         another 5xx or refused credentials, the worker's own error event, a connection lost, a
             stream ended before [DONE] or malformed → failed: one failure on the breaker
             (`on_canary`), and the worker stays suspected, so the next follows an interval later
-        [DONE] (or a whole answer) → passed: the suspicions it answered for are cleared
+        [DONE] (or a whole answer: a JSON completion with its choices) → passed: the
+            suspicions it answered for are cleared (a whole answer of another shape is malformed:
+            failed)
 
 So a worker answering 5xx to everything, or ending every stream in its own error event, while
 its `/health` passes, opens its breaker after `failure_threshold` failed canaries in a row
@@ -96,7 +98,8 @@ class CanaryResult:
     """One canary's verdict and what it rests on, for its log line (never any content): the
     worker's HTTP `status`, or with `stream_error` the worker's own error event in the stream
     (`status`: the event's code, when it had one); `cause`: what else ended it (a transport
-    exception's class, `timeout`, `too_large`, `no_done`: the stream ended before `[DONE]`)."""
+    exception's class, `timeout`, `too_large`, `malformed`: a whole answer that is no completion,
+    `no_done`: the stream ended before `[DONE]`)."""
 
     verdict: CanaryVerdict
     status: int | None = None
@@ -136,6 +139,7 @@ async def _judged(
             return CanaryResult(CanaryVerdict.INCONCLUSIVE, status)
         relay = SseRelay(False)
         streamed = resp.content_type == "text/event-stream"
+        whole = bytearray()  # a whole answer's body (not a stream's)
         read = 0
         while chunk := await resp.content.readany():
             read += len(chunk)
@@ -145,8 +149,12 @@ async def _judged(
                 relay.feed(chunk)
                 if relay.error is not None or relay.done:
                     break
+            else:
+                whole += chunk
         if not streamed:
-            return CanaryResult(CanaryVerdict.PASSED, status)  # a whole answer: the worker generated
+            if _completed(resp.headers.get("content-type", ""), bytes(whole)):
+                return CanaryResult(CanaryVerdict.PASSED, status)  # a whole answer: it generated
+            return CanaryResult(CanaryVerdict.FAILED, status, cause="malformed")
         if relay.error is not None:
             error = relay.error
             busy = error.worker_status in BUSY_STATUSES
@@ -244,6 +252,22 @@ class Canaries:
             entry = self._running.get(worker.worker_id)
             if entry is not None and entry[2] is asyncio.current_task():
                 del self._running[worker.worker_id]
+
+
+def _completed(content_type: str, body: bytes) -> bool:
+    """Whether a whole answer (not a stream) to the canary is a completion: a JSON object with
+    its choices, of a JSON content type or none (as `whole_answer` takes a 200 on a JSON route).
+    Anything else is malformed, a failure as it is for a client's request: a proxy's HTML page,
+    an error object sent with a 200."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media and media != "application/json" and not media.endswith("+json"):
+        return False
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    choices = parsed.get("choices") if isinstance(parsed, dict) else None
+    return isinstance(choices, list) and bool(choices)
 
 
 def _log(pool: Pool, worker: Worker, result: CanaryResult) -> None:

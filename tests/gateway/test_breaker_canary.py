@@ -28,7 +28,7 @@ from gateway.breaker import BreakerState, CircuitBreaker
 from gateway.canary import CANARY_PROMPT, Canaries, CanaryVerdict
 from gateway.config.pool import BreakerConfig, CanaryConfig
 from gateway.gauges import refresh_gauges
-from tests.gateway.chat_rig import ChatRig, chat_answer, chat_app, round_robin_gateway, served
+from tests.gateway.chat_rig import USAGE, ChatRig, chat_answer, chat_app, round_robin_gateway, served
 from tests.support.wait import wait_until
 
 SECRET = b"k"
@@ -51,7 +51,8 @@ class Workers:
     `stream_errors`: every stream ends, after its first event, with the worker's own error event;
     `POISON` gets a 500 from any worker. `held`: canaries wait for `release` before answering;
     `refusal`: every canary gets this status (`busy_event`: as the code of the worker's own error
-    event, the first of a 200 stream, as SGLang streams a full queue)."""
+    event, the first of a 200 stream, as SGLang streams a full queue); `whole`: every canary
+    gets this whole 200 answer (body, content type) instead of a stream."""
 
     posts: list[str] = field(default_factory=list)
     canaries: list[str] = field(default_factory=list)
@@ -60,6 +61,7 @@ class Workers:
     held: bool = False
     refusal: int | None = None
     busy_event: bool = False
+    whole: tuple[bytes, str] | None = None  # every canary's answer: a whole body and its type
     release: asyncio.Event = field(default_factory=asyncio.Event)
     in_flight: int = 0
     most_in_flight: int = 0
@@ -96,6 +98,9 @@ def app_for(workers: Workers, name: str) -> web.Application:
                 if workers.busy_event:
                     return _stream([orjson.dumps(refused), b"[DONE]"])
                 return web.json_response(refused, status=workers.refusal)
+            if workers.whole is not None:
+                body, content_type = workers.whole
+                return web.Response(body=body, headers={"content-type": content_type})
             if name in workers.broken:
                 return web.json_response(FAILED, status=500)
             if name in workers.stream_errors:
@@ -300,6 +305,38 @@ async def test_a_busy_workers_refusal_of_its_canary_decides_nothing(status: int,
         await rig.canaries_passed(1)
         assert rig.closed("a") and not rig.worker("p", "a").breaker.suspected
         assert (await rig.chat(tenant="u")).status_code == 200
+
+
+WHOLE_COMPLETION = orjson.dumps({**COMPLETION_CHUNK, "usage": USAGE})
+
+
+@pytest.mark.parametrize(
+    ("body", "content_type", "verdict"),
+    [
+        (WHOLE_COMPLETION, "application/json", CanaryVerdict.PASSED),
+        (WHOLE_COMPLETION, "", CanaryVerdict.PASSED),
+        (b"<html>502 Bad Gateway</html>", "text/html", CanaryVerdict.FAILED),
+        (WHOLE_COMPLETION, "text/plain", CanaryVerdict.FAILED),
+        (orjson.dumps(FAILED), "application/json", CanaryVerdict.FAILED),
+        (orjson.dumps({**COMPLETION_CHUNK, "choices": []}), "application/json", CanaryVerdict.FAILED),
+        (b"[]", "application/json", CanaryVerdict.FAILED),
+        (b"not json", "application/json", CanaryVerdict.FAILED),
+    ],
+    ids=["json", "untyped", "html", "text", "error", "no_choices", "array", "not_json"],
+)
+async def test_a_whole_answer_to_a_canary_passes_only_as_a_completion(
+    body: bytes, content_type: str, verdict: CanaryVerdict
+) -> None:
+    """A worker may answer the streamed canary with a whole answer: it passes when it is a JSON
+    completion with its choices; anything else is malformed, as on a client's request."""
+    breaker = {"failure_threshold": 1, "cooldown_s": 3600}
+    async with gateway("a", retry_attempts=0, breaker=breaker) as rig:
+        rig.workers.whole = (body, content_type)
+        assert (await rig.chat(POISON)).status_code == 502
+        counts = rig.canaries.counts
+        await wait_until(lambda: sum(counts.values()) == 1, timeout_s=WAIT_S)
+        assert counts == {verdict: 1}
+        assert rig.closed("a") is (verdict is CanaryVerdict.PASSED)
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,8 @@ shapes:
         a 503 or 529 (an answer or the code of the worker's own error event), a 4xx, a timeout
             → inconclusive: nothing decided (a worker busy with other requests: its queue full,
             the canary preempted, back-pressure, all slow; how busy is in the clients' hands; a
-            pool that serves no completions)
+            pool that serves no /v1/completions, a chat-only front end: its 404s leave its
+            workers to requests retried elsewhere and health checks, as without canaries)
         another 5xx or refused credentials, the worker's own error event, a connection lost, a
             stream ended before [DONE] or malformed → failed: one failure on the breaker
             (`on_canary`), and the worker stays suspected, so the next follows an interval later
@@ -28,7 +29,8 @@ its `/health` passes, opens its breaker after `failure_threshold` failed canarie
 (whatever requests it serves between them: `CircuitBreaker.on_canary`), whatever cuts client
 requests to one attempt (`retry_attempts: 0`, `x-stainless-retry-count`), and a tenant whose
 input fails a healthy worker costs that worker one canary an interval, which passes. The canary
-carries no tenant data (a fixed prompt, no salt, no client header), is not counted in the worker's
+carries no tenant data (a fixed prompt, no salt, no client header), names itself to the worker
+(`x-request-id: kvgate-canary-<n>`, User-Agent `kvgate-canary`), is not counted in the worker's
 load, and is logged by pool, worker, verdict and what the verdict rests on (the worker's status,
 whether it was the worker's own error event, an exception's class), never any content. At most
 one canary is in flight per worker, each bounded by `timeout_s` and `MAX_CANARY_BYTES`; canaries
@@ -64,6 +66,10 @@ log = logging.getLogger("kvgate.canary")
 CANARY_PATH = "/v1/completions"
 # Fixed and the gateway's own: no tenant's data ever goes into a canary.
 CANARY_PROMPT = "Say OK."
+# So that operators tell canaries apart in a worker's logs: `x-request-id: kvgate-canary-<n>`
+# (n counts this process's canaries) and this User-Agent.
+REQUEST_ID_PREFIX = "kvgate-canary-"
+USER_AGENT = "kvgate-canary"
 # How often the service looks for workers due a canary (or whose canary's worker left the pool).
 CHECK_S = 0.25
 # A one-token answer is a few hundred bytes; a worker sending more than this is not answering one.
@@ -178,6 +184,7 @@ class Canaries:
         self._session = session
         self._running: dict[WorkerId, tuple[Pool, Worker, asyncio.Task[None]]] = {}
         self._loop_task: asyncio.Task[None] | None = None
+        self._sent = 0  # canaries sent by this process: the <n> of their request ids
         self.counts: Counter[CanaryVerdict] = Counter()
         self.by_worker: Counter[tuple[str, str, CanaryVerdict]] = Counter()
 
@@ -226,7 +233,9 @@ class Canaries:
                 if url in self._running or not worker.healthy or not worker.breaker.canary_due(now_s):
                     continue
                 worker.breaker.canary_sent(now_s)
-                task = asyncio.create_task(self._canary(pool, worker), name=f"canary:{pool.name}")
+                self._sent += 1
+                request_id = f"{REQUEST_ID_PREFIX}{self._sent}"
+                task = asyncio.create_task(self._canary(pool, worker, request_id), name=f"canary:{pool.name}")
                 self._running[url] = (pool, worker, task)
 
     def forget_others(self, current: set[tuple[str, str]]) -> None:
@@ -235,17 +244,18 @@ class Canaries:
         for key in [k for k in self.by_worker if (k[0], k[1]) not in current]:
             del self.by_worker[key]
 
-    async def _canary(self, pool: Pool, worker: Worker) -> None:
+    async def _canary(self, pool: Pool, worker: Worker, request_id: str) -> None:
         try:
             timeout_s = pool.config.breaker.canary.timeout_s
             model = pool.config.base_model
-            result = await probe(self._session, worker.url, model, pool.auth.headers, timeout_s)
+            headers = {**pool.auth.headers, "x-request-id": request_id, "user-agent": USER_AGENT}
+            result = await probe(self._session, worker.url, model, headers, timeout_s)
             verdict = result.verdict
             self.counts[verdict] += 1
             self.by_worker[pool.name, worker.url, verdict] += 1
             if pool.workers.get(worker.worker_id) is worker:
                 worker.breaker.on_canary(_PASSED[verdict], time.monotonic())
-            _log(pool, worker, result)
+            _log(pool, worker, request_id, result)
         except Exception:  # a bug: the worker stays as it was, and may be sent another later
             log.exception("canary failed to run", extra={"pool": pool.name, "worker": worker.url})
         finally:
@@ -270,11 +280,12 @@ def _completed(content_type: str, body: bytes) -> bool:
     return isinstance(choices, list) and bool(choices)
 
 
-def _log(pool: Pool, worker: Worker, result: CanaryResult) -> None:
+def _log(pool: Pool, worker: Worker, request_id: str, result: CanaryResult) -> None:
     """One line per canary: its verdict and what it rests on (`CanaryResult`), never content."""
     extra = {
         "pool": pool.name,
         "worker": worker.url,
+        "request_id": request_id,
         "verdict": result.verdict.value,
         "status": result.status,
         "stream_error": result.stream_error,

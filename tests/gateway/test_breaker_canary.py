@@ -56,6 +56,7 @@ class Workers:
 
     posts: list[str] = field(default_factory=list)
     canaries: list[str] = field(default_factory=list)
+    canary_heads: list[tuple[str | None, str | None]] = field(default_factory=list)  # id, User-Agent
     broken: set[str] = field(default_factory=set)
     stream_errors: set[str] = field(default_factory=set)
     held: bool = False
@@ -88,6 +89,7 @@ def app_for(workers: Workers, name: str) -> web.Application:
         # The canary is the gateway's own: its fixed prompt, one token, streamed.
         assert (body["prompt"], body["max_tokens"], body["stream"]) == (CANARY_PROMPT, 1, True)
         workers.canaries.append(name)
+        workers.canary_heads.append((request.headers.get("x-request-id"), request.headers.get("user-agent")))
         workers.in_flight += 1
         workers.most_in_flight = max(workers.most_in_flight, workers.in_flight)
         try:
@@ -199,6 +201,19 @@ async def test_a_worker_failing_everything_without_retries_is_shut_out_by_its_ca
         for _ in range(4):  # every tenant's requests now go to the healthy worker
             assert (await rig.chat(tenant="u")).status_code == 200
         assert rig.workers.posts == ["b"] * 4
+
+
+async def test_a_canary_names_itself_to_its_worker(caplog: pytest.LogCaptureFixture) -> None:
+    """Operators tell canaries apart in an engine's logs by their request id and User-Agent."""
+    caplog.set_level(logging.INFO, logger="kvgate.canary")
+    breaker = {"cooldown_s": 3600, "canary": {"interval_s": 0.05}}
+    async with gateway("a", retry_attempts=0, breaker=breaker) as rig:
+        rig.workers.broken.add("a")
+        assert (await rig.chat()).status_code == 502
+        await wait_until(lambda: not rig.closed("a"), timeout_s=WAIT_S, what="a's breaker opened")
+        ids = [f"kvgate-canary-{n}" for n in (1, 2, 3)]
+        assert rig.workers.canary_heads == [(i, "kvgate-canary") for i in ids]
+    assert [getattr(r, "request_id", None) for r in caplog.records if r.name == "kvgate.canary"] == ids
 
 
 async def test_a_tenants_input_that_fails_a_healthy_worker_never_opens_its_breaker() -> None:

@@ -54,7 +54,7 @@ from collections.abc import Mapping
 import aiohttp
 import orjson
 
-from gateway.failure import OVERLOADED, REFUSED_CREDENTIALS, worker_failed
+from gateway.failure import BUSY_STATUSES, REFUSED_CREDENTIALS, worker_failed
 from gateway.registry import Pool, Registry
 from gateway.sse import MalformedStream, SseRelay
 from gateway.worker import Worker
@@ -74,11 +74,6 @@ USER_AGENT = "kvgate-canary"
 CHECK_S = 0.25
 # A one-token answer is a few hundred bytes; a worker sending more than this is not answering one.
 MAX_CANARY_BYTES = 64 * 1024
-# A worker too busy to take the canary says so with these (SGLang's "The request queue is full.",
-# a request preempted by a higher priority one, uvicorn's --limit-concurrency, Ray Serve's
-# back-pressure, a proxy's 529): it refuses every client's request alike, and one tenant's load
-# can make it, so such a refusal decides nothing, like a timeout.
-BUSY_STATUSES = frozenset((503, OVERLOADED))
 
 
 class CanaryVerdict(enum.StrEnum):
@@ -138,6 +133,9 @@ async def _judged(
     async with session.post(url + CANARY_PATH, data=canary_body(model), headers=sent) as resp:
         status = resp.status
         if status in BUSY_STATUSES:
+            # Too busy for it (SGLang's "The request queue is full.", a preemption by a higher
+            # priority request, uvicorn's --limit-concurrency, a proxy's 529): one tenant's load
+            # can make a worker refuse every request so, which decides nothing, like a timeout.
             return CanaryResult(CanaryVerdict.INCONCLUSIVE, status)
         if worker_failed(status):
             return CanaryResult(CanaryVerdict.FAILED, status)

@@ -262,14 +262,16 @@ def worker_failed(status: int, scale_out: bool = False) -> bool:
 # A worker's 529 is Anthropic's "overloaded" (`overloaded_error`), which some servers and proxies
 # in front of OpenAI-compatible engines send as well: the same word as a 503.
 OVERLOADED = 529
+# A worker's answers that say it is busy (for every request, not this one): 503 and 529.
+BUSY_STATUSES = frozenset((503, OVERLOADED))
 
 
 def says_why(status: int) -> bool:
     """Whether a worker's answer of `status` (`worker_failed`) reaches the client with the
-    worker's own message (`worker_said`): a 5xx other than the overloaded ones (503, 529), which
-    keep the gateway's words. vLLM answers a request it failed on with a 500 and a JSON error
-    (`GenerationError`, an engine error), and only the worker's message says what it was."""
-    return status >= 500 and status not in (503, OVERLOADED)
+    worker's own message (`worker_said`): a 5xx other than the overloaded ones (`BUSY_STATUSES`),
+    which keep the gateway's words. vLLM answers a request it failed on with a 500 and a JSON
+    error (`GenerationError`, an engine error), and only the worker's message says what it was."""
+    return status >= 500 and status not in BUSY_STATUSES
 
 
 # The most of a worker's error body read for its message (the rest is not waited for), and the

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import sys
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -169,26 +168,22 @@ class PointStore:
 
 class UserSetups:
     """A closed-loop trace keyed as each number of users the search asks for (`load: users`):
-    the starting one kept, and the last few others, since each policy's search revisits the
-    counts near its own capacity and keying a trace as many users takes a while."""
-
-    KEPT = 2
+    the starting one, and the last other one asked for. A keyed agent trace takes about 60 MB
+    per user (its prompts' block keys), so no more are kept: the one given up goes before the
+    next is keyed."""
 
     def __init__(self, base: TraceSetup, prepare: Callable[[TraceSpec], TraceSetup]) -> None:
         self.base = base
         self.prepare = prepare
-        self.others: OrderedDict[int, TraceSetup] = OrderedDict()
+        self.last: TraceSetup | None = None
 
     def at(self, users: int) -> TraceSetup:
         if users == self.base.spec.users:
             return self.base
-        found = self.others.pop(users, None)
-        if found is None:
-            found = self.prepare(self.base.spec.model_copy(update={"users": users}))
-        self.others[users] = found
-        while len(self.others) > self.KEPT:
-            self.others.popitem(last=False)
-        return found
+        if self.last is None or self.last.spec.users != users:
+            self.last = None
+            self.last = self.prepare(self.base.spec.model_copy(update={"users": users}))
+        return self.last
 
 
 def measure_trace(

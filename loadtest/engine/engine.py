@@ -168,10 +168,13 @@ class Engine:
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            n = min(seq.num_tokens - seq.computed, budget)
+            n = seq.num_tokens - seq.computed
+            if n > budget:
+                n = budget
             need = -(-(seq.computed + n) // bs) - seq.n_cached_blocks - seq.n_private
             scheduled = True
-            while need > pool.available:
+            # (A decode usually needs no new block: skip asking the pool what is available.)
+            while need > 0 and need > pool.available:
                 victim = running.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -249,7 +252,8 @@ class Engine:
         finished: list[FinishedRequest] = []
         for seq, n in zip(sched, counts, strict=True):
             seq.computed += n
-            self._promote(seq, stored)
+            if seq.computed // bs > seq.n_cached_blocks:  # a block became full (`_promote`)
+                self._promote(seq, stored)
             if seq.computed == seq.num_tokens:
                 seq.generated += 1
                 seq.num_tokens += 1
@@ -289,8 +293,11 @@ class Engine:
         preempted: list[RequestId],
         stored: list[BlocksStored],
     ) -> StepResult:
-        removed = tuple(self._pool.removed)
-        self._pool.removed.clear()
+        pool_removed = self._pool.removed
+        removed: tuple[int, ...] = ()
+        if pool_removed:
+            removed = tuple(pool_removed)
+            pool_removed.clear()
         return StepResult(
             start_s=now_s,
             duration_s=self._jittered(duration_s),
@@ -323,8 +330,13 @@ class Engine:
         start = [seq.computed for seq in sched]
         for i, seq in enumerate(sched):
             c0, held = start[i], seq.n_cached_blocks + seq.n_private
-            events += ((j, 0, i, 0) for j in range(held * bs - c0 + 1, k + 1, bs))
-            events += ((j, 1, i, 0) for j in range((-c0) % bs or bs, k + 1, bs))
+            # Most requests cross no block boundary in a short run: no events to build.
+            first_alloc = held * bs - c0 + 1
+            if first_alloc <= k:
+                events += ((j, 0, i, 0) for j in range(first_alloc, k + 1, bs))
+            first_full = (-c0) % bs or bs
+            if first_full <= k:
+                events += ((j, 1, i, 0) for j in range(first_full, k + 1, bs))
             if seq.max_output - seq.generated <= k:
                 events.append((k, 1, i, 1))
         events.sort()

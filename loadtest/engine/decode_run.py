@@ -22,10 +22,11 @@ def decode_run_length(
     request, costing `d_s_per_context_token` each.
 
     The run is the shortest of three limits: no request finishes inside it (`k_max`), no step
-    starts at or after `until_s`, and the blocks it allocates fit in `available_blocks`. The time
-    limit is found first, by the step loop itself: it is usually the tightest (a closed loop's
-    horizon is a think time away), and the block count is then checked once at that length; only
-    when the blocks do not fit is the block limit searched below it.
+    starts at or after `until_s`, and the blocks it allocates fit in `available_blocks`. The step
+    loop finds the time limit; the blocks are checked only when the run grows past the length last
+    checked, at twice the length so far, and searched below that length once they do not fit. So a
+    short run (a closed loop's next arrival is a think time away) checks them at most once, and a
+    long one O(log) times, never running the loop far past the block limit.
     """
     k_max = min(s.max_output - s.generated for s in sched)
     if k_max <= 1:
@@ -33,26 +34,31 @@ def decode_run_length(
     step_s = d_s_per_context_token * len(sched)
     total_s = first_s
     k = 1
+    limit = k_max  # becomes the block limit once the blocks are found to bind
+    fits = 1  # every run up to this many steps fits the blocks (one step needs none)
     # Step j reads r more context tokens than step j-1; stop before a step that would start
     # at or after until_s (a request arriving then joins that step in a real engine).
-    while k < k_max and now_s + total_s < until_s:
+    while k < limit and now_s + total_s < until_s:
+        if k >= fits:
+            target = min(limit, 2 * k + 2)
+            if _extra_blocks(sched, target, block_size) <= available_blocks:
+                fits = target
+            else:
+                # The largest run in [fits, target) whose blocks fit (extra blocks never shrink
+                # as the run grows).
+                lo, hi = fits, target - 1
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    if _extra_blocks(sched, mid, block_size) <= available_blocks:
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                limit = fits = lo
+                if k >= limit:
+                    break
         total_s += first_s + step_s * k
         k += 1
-    if k == 1 or _extra_blocks(sched, k, block_size) <= available_blocks:
-        return k, total_s
-    # The blocks run out first: the largest lo < k whose blocks fit (extra blocks never shrink as
-    # the run grows, and one step needs none: the scheduler allocated it).
-    lo, hi = 1, k - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if _extra_blocks(sched, mid, block_size) <= available_blocks:
-            lo = mid
-        else:
-            hi = mid - 1
-    total_s = first_s
-    for j in range(1, lo):
-        total_s += first_s + step_s * j
-    return lo, total_s
+    return k, total_s
 
 
 def _extra_blocks(sched: list[Seq], k: int, block_size: int) -> int:

@@ -93,6 +93,11 @@ def effective_config(args: argparse.Namespace) -> GoodputConfig:
     unknown = [e.policy for e in map(as_entry, chosen) if e.policy not in known_policies()]
     if unknown:
         raise UsageError(f"unknown policy {', '.join(unknown)}; known: {', '.join(known_policies())}")
+    sliced = args.max_requests is not None or args.window_s is not None
+    by_users = [t for t in traces if cfg.traces[t].by_users]
+    if sliced and by_users:
+        names = ", ".join(by_users)
+        raise UsageError(f"{names}: load: users replays whole users (no --max-requests, --window-s)")
     return cfg.model_copy(
         update={
             "traces": {t: cfg.traces[t] for t in traces},
@@ -204,11 +209,11 @@ def measure_trace(
     reference = rounding(spec.reference_load)
     if spec.by_users and prepare is None:
         raise ValueError(f"trace {setup.name}: load: users needs the trace prepared per user count")
-    users = UserSetups(setup, prepare) if prepare is not None else None
+    users = UserSetups(setup, prepare) if prepare is not None and spec.by_users else None
 
     def setup_at(load: float) -> tuple[TraceSetup, float]:
         """The keyed trace and the rate scale of a point at `load`."""
-        if users is None or not spec.by_users:
+        if users is None:
             return setup, load
         return users.at(int(load)), spec.reference_rate_scale
 
@@ -228,17 +233,18 @@ def measure_trace(
                 point = run_point(at, entry, rate, sim, stop_below_share=stop)
                 store.put(key, point)
                 if not quiet:
-                    print(_progress(setup.name, entry.label, point), file=sys.stderr, flush=True)
+                    line = _progress(setup.name, entry.label, point, spec.by_users)
+                    print(line, file=sys.stderr, flush=True)
             points[load] = point
             return point.passes(cfg.attainment_share)
 
         lo_bound, hi_bound = spec.load_bounds
         settings = SearchSettings(spec.reference_load, lo_bound, hi_bound, cfg.coarse_factor, cfg.tolerance)
-        outcome.capacities[policy] = find_capacity(passes, settings, rounding)
+        outcome.capacities[policy] = find_capacity(passes, settings, rounding, 1.0 if spec.by_users else 0.0)
     return outcome
 
 
-def _progress(trace: str, policy: str, p: PointResult) -> str:
+def _progress(trace: str, policy: str, p: PointResult, by_users: bool) -> str:
     tail = (
         f"ttft p99 {p.ttft_p99_s:.2f}s  tpot p99 {(p.tpot_p99_s or 0.0) * 1e3:.0f}ms  "
         f"util {p.utilization:.2f}"
@@ -246,8 +252,9 @@ def _progress(trace: str, policy: str, p: PointResult) -> str:
         else "stopped: below the share"
     )
     return (
-        f"{trace} {policy:20s} rate {p.rate_scale:<8.4g} users {p.users or 1:<4d} "
-        f"attainment {p.attainment:.3f}  {tail}  "
+        f"{trace} {policy:20s} rate {p.rate_scale:<8.4g} "
+        + (f"users {p.users or 1:<4d} " if by_users else "")
+        + f"attainment {p.attainment:.3f}  {tail}  "
         f"({p.wall_s:.0f}s)"
     )
 

@@ -72,6 +72,9 @@ class TraceSpec(_Strict):
                 raise ValueError("load: users needs closed_loop: true (open loop the rate is the load)")
             if not self.min_users <= self.users <= self.max_users:
                 raise ValueError("need min_users <= users <= max_users")
+            if self.max_requests is not None or self.window_s is not None:
+                # A slice keeps the users starting inside it, or the same requests at every count.
+                raise ValueError("load: users replays whole users: no max_requests or window_s")
         return self
 
     @property

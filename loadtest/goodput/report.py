@@ -34,11 +34,12 @@ def _f(v: float | None, spec: str, scale: float = 1.0) -> str:
 
 
 def capacity_text(cap: Capacity, spec: TraceSpec) -> str:
+    unit = "g" if spec.by_users else ".3g"  # whole users in full, rate scales to 3 digits
     if cap.load is None:
-        return f"< {spec.load_bounds[0]:.3g}"
+        return f"< {spec.load_bounds[0]:{unit}}"
     if cap.failing_load is None:
-        return f"≥ {cap.load:.3g}"
-    return f"{cap.load:.3g}"
+        return f"≥ {cap.load:{unit}}"
+    return f"{cap.load:{unit}}"
 
 
 def capacity_ratio(a: Capacity, b: Capacity) -> str:

@@ -1,13 +1,13 @@
 """The load search: coarse geometric steps from a start load to a bracket, then bisection.
 
-    r = start; pass(r)? step up by f until a rate fails : step down by f until one passes
+    r = start; pass(r)? step up by f until a load fails : step down by f until one passes
     (bounded by [lo_bound, hi_bound]); then while hi / lo > 1 + tol: m = sqrt(lo * hi), keep the
     half whose ends still pass / fail.
 
-The capacity is the highest rate seen to pass below the lowest rate seen to fail, so it is never
-above a failing measurement. Bisection assumes attainment falls as the rate rises; a trace whose
-attainment is not monotone in the rate can have several crossings, and the search reports one of
-them. `passes` is called at most once per rate (the caller memoizes it across searches as well).
+The capacity is the highest load seen to pass below the lowest load seen to fail, so it is never
+above a failing measurement. Bisection assumes attainment falls as the load rises; a trace whose
+attainment is not monotone in the load can have several crossings, and the search reports one of
+them. `passes` is called at most once per load (the caller memoizes it across searches as well).
 The load is a rate scale, or a number of users (`round_users`: whole users, so the bisection ends
 when the bracket is one user wide if the tolerance has not ended it before).
 """
@@ -54,17 +54,19 @@ def round_rate(rate: float) -> float:
 
 
 def round_users(users: float) -> float:
-    """Users are whole (at least one)."""
-    return float(max(1, round(users)))
+    """Users are whole (at least one), halves rounded up."""
+    return float(max(1, math.floor(users + 0.5)))
 
 
 def find_capacity(
     passes: Callable[[float], bool],
     s: SearchSettings,
     rounding: Callable[[float], float] = round_rate,
+    unit: float = 0.0,
 ) -> Capacity:
     """Bracket then bisect the highest load at which `passes` holds (see the module doc); every
-    load tried is `rounding` of the step or midpoint."""
+    load tried is `rounding` of the step or midpoint. A coarse step moves by at least `unit`
+    (one user: a small factor on a few users would round back onto the load it left)."""
     f = s.coarse_factor
     lo: float | None = None
     hi: float | None = None
@@ -72,7 +74,7 @@ def find_capacity(
     if passes(start):
         lo = start
         while hi is None:
-            nxt = rounding(min(lo * f, s.hi_bound))
+            nxt = rounding(min(max(lo * f, lo + unit), s.hi_bound))
             if nxt <= lo:
                 return Capacity(lo, None)
             if passes(nxt):
@@ -82,7 +84,7 @@ def find_capacity(
     else:
         hi = start
         while lo is None:
-            nxt = rounding(max(hi / f, s.lo_bound))
+            nxt = rounding(max(min(hi / f, hi - unit), s.lo_bound))
             if nxt >= hi:
                 return Capacity(None, hi)
             if passes(nxt):

@@ -147,3 +147,24 @@ def test_the_holder_config_is_default_yaml_with_a_holder_prefill_row() -> None:
     assert [e.split() for e in holder.entries()] == [None, None, None]
     assert holder.entries()[2].pd == "holder_prefill" and holder.subject == "cost holder_prefill"
     assert holder.traces == default.traces and holder.workers == default.workers
+
+
+@pytest.mark.parametrize(
+    ("start", "factor", "limit"), [(2, 1.25, 5), (3, 1.2, 1), (40, 1.5, 43), (4, 2.0, 1), (1, 1.1, 7)]
+)
+def test_a_users_search_steps_by_whole_users_however_small_the_factor(
+    start: int, factor: float, limit: int
+) -> None:
+    from loadtest.goodput.search import round_users
+
+    f = Threshold(limit)
+    settings = SearchSettings(start, lo_bound=1, hi_bound=64, coarse_factor=factor, tolerance=0.01)
+    cap = find_capacity(f, settings, round_users, 1.0)
+    assert (cap.load, cap.failing_load) == (limit, limit + 1)
+    assert all(u == int(u) for u in f.calls) and len(f.calls) == len(set(f.calls))
+
+
+def test_half_users_round_up() -> None:
+    from loadtest.goodput.search import round_users
+
+    assert [round_users(x) for x in (0.2, 1.5, 2.5, 3.49)] == [1.0, 2.0, 3.0, 3.0]

@@ -97,6 +97,8 @@ def test_a_resumed_users_search_simulates_nothing(tmp_path: Path, capsys: pytest
         ({"closed_loop": False}, "load: users needs closed_loop: true"),
         ({"users": 300}, "need min_users <= users <= max_users"),
         ({"load": "requests"}, "load"),
+        ({"max_requests": 100}, "no max_requests or window_s"),
+        ({"window_s": 600.0}, "no max_requests or window_s"),
     ],
 )
 def test_a_users_search_needs_a_closed_loop_and_a_start_within_its_bounds(
@@ -117,3 +119,11 @@ def test_the_shipped_closed_loop_config_searches_the_agent_trace_in_users() -> N
     same = ("ttft_slo_s", "tpot_slo_s", "kv_blocks_per_worker", "user_spread_s")
     assert {k: getattr(spec, k) for k in same} == {k: getattr(agent, k) for k in same}
     assert "preble_e2" in closed.labels() and closed.subject == "cost"
+
+
+def test_a_users_search_refuses_a_slice_of_the_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = str(_config(tmp_path))
+    assert main(["bench", "goodput", "--config", config, "--max-requests", "50"]) == 2
+    assert "load: users replays whole users" in capsys.readouterr().err

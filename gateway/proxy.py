@@ -184,7 +184,8 @@ async def _attempts(
         only_later = only_later and result.later
         if result.held and worker.breaker.closed:
             attempt.end(routing, result.outcome, judged=False)
-            verdicts.hold(worker, result.answered)
+            # A busy answer (503, 529) leaves no suspicion: its canary would be answered so too.
+            verdicts.hold(worker, result.answered and not result.later)
         else:
             # The worker's breaker and load hear of it before the policy picks the next worker.
             attempt.end(routing, result.outcome)

@@ -116,13 +116,15 @@ class CostBooks(HerdingPolicy):
         self._moves_kv.add(pool)
 
     def discounts_backlog(self, pool: str) -> bool:
-        """Whether `pool`'s prefill backlogs are all counted in uncached tokens."""
+        """Whether `pool`'s prefill backlogs are all counted in uncached tokens: set true, or
+        unset or `holders` in a pool whose workers move KV (which counts every one so)."""
         setting = self.discount_cached_backlog
-        return pool in self._moves_kv if setting is None else setting is True
+        return pool in self._moves_kv if setting in (None, "holders") else setting is True
 
     def discounts_holders(self, pool: str) -> bool:
         """Whether only the backlogs of the holders of most of a prompt are counted in uncached
-        tokens, when scored for that prompt (`discount_cached_backlog: holders`)."""
+        tokens, when scored for that prompt (`discount_cached_backlog: holders`, in a pool whose
+        workers do not move KV)."""
         return self.discount_cached_backlog == "holders" and pool not in self._moves_kv
 
     def backlog_share(self, pool: str, worker: WorkerId) -> float:

@@ -280,7 +280,7 @@ class CostPolicy(CostBooks):
             # backlog as what is left to compute (its in-flight prompts' predicted uncached share):
             # its sessions' turns are mostly cached, and counted whole they make it look seconds
             # away (docs/benchmarks.md, "The agent trace ... in a closed loop").
-            share = self._ledger.share if not shares and self.discounts_holders(req.pool) else None
+            share = self._ledger.share if self.discounts_holders(req.pool) else None
             for i, blocks in held:
                 holders.add(i)
                 matched = blocks * bs

@@ -50,7 +50,7 @@ class CanaryConfig(Frozen):
     input can cause it). A suspected worker of a pool without prefill/decode roles gets a
     one-token streamed `/v1/completions` of a fixed prompt, at most one at a time and one every
     `interval_s`, cut after `timeout_s`: its failure counts on the breaker, its success clears
-    the suspicion, and anything else (a 4xx, a timeout) decides nothing."""
+    the suspicion, and anything else (a busy 503 or 529, a 4xx, a timeout) decides nothing."""
 
     enabled: bool = True
     interval_s: PositiveFloat = Field(default=2.0, le=3600)

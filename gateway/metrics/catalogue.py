@@ -252,7 +252,7 @@ class MetricCatalogue:
             "kvgate_breaker_canaries",
             "The gateway's own one-token requests to a worker whose failures no other worker"
             " compared, by verdict: failed (counted on its breaker), passed (suspicion cleared),"
-            " inconclusive (a 4xx or a timeout: nothing decided)",
+            " inconclusive (a busy 503 or 529, a 4xx, a timeout: nothing decided)",
             ("pool", "worker", "verdict"),
         )
         r.register(self.canaries)

@@ -41,7 +41,8 @@ class Workers:
     `POISON` gets a 500 from any worker. `held`: canaries wait for `release` before answering;
     `refusal`: every canary gets this status (`busy_event`: as the code of the worker's own error
     event, the first of a 200 stream, as SGLang streams a full queue); `whole`: every canary
-    gets this whole 200 answer (body, content type) instead of a stream."""
+    gets this whole 200 answer (body, content type) instead of a stream; `chat_refusal`: every
+    chat gets this status."""
 
     posts: list[str] = field(default_factory=list)
     canaries: list[str] = field(default_factory=list)
@@ -52,6 +53,7 @@ class Workers:
     refusal: int | None = None
     busy_event: bool = False
     whole: tuple[bytes, str] | None = None  # every canary's answer: a whole body and its type
+    chat_refusal: int | None = None
     release: asyncio.Event = field(default_factory=asyncio.Event)
     in_flight: int = 0
     most_in_flight: int = 0
@@ -68,6 +70,8 @@ def app_for(workers: Workers, name: str) -> web.Application:
         workers.posts.append(name)
         if name in workers.broken or body["messages"][0]["content"] == POISON:
             return web.json_response(FAILED, status=500)
+        if workers.chat_refusal is not None:
+            return web.json_response(FAILED, status=workers.chat_refusal)
         stream = body.get("stream") is True
         if stream and name in workers.stream_errors:
             return _stream([orjson.dumps(FIRST_CHUNK), orjson.dumps(FAILED), b"[DONE]"])

@@ -110,3 +110,16 @@ async def test_a_failed_canarys_log_line_says_what_it_rests_on(
     fields = {k: getattr(record, k) for k in ("verdict", "status", "stream_error", "cause")}
     assert fields == {"verdict": "failed", "status": status, "stream_error": stream_error, "cause": None}
     assert CANARY_PROMPT not in str(record.__dict__) and "GenerationError" not in str(record.__dict__)
+
+
+@pytest.mark.parametrize("status", [503, 529, 500])
+async def test_a_busy_answer_to_a_request_leaves_its_worker_unsuspected(status: int) -> None:
+    # A 503 or 529 says the worker is busy for everyone: its canary would be refused the same way,
+    # so it raises no suspicion. A 500 (which a client's input can cause) does, for its canary.
+    async with gateway("a", retry_attempts=0) as rig:
+        rig.workers.chat_refusal = status
+        assert (await rig.chat()).status_code in (502, 503)
+        if status == 500:
+            await wait_until(lambda: bool(rig.workers.canaries), timeout_s=WAIT_S, what="its canary")
+        else:
+            assert not rig.worker("p", "a").breaker.suspected and not rig.workers.canaries

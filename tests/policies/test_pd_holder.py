@@ -176,6 +176,11 @@ def test_a_pool_that_moves_kv_counts_backlogs_in_tokens_left_to_compute() -> Non
     holder_router().select(pinned, req("r", range(64)), views, 1.0)
     assert not pinned.discounts_backlog("p")
     assert CostPolicy(discount_cached_backlog=True).discounts_backlog("p")
+    # `holders` leaves a pool that moves KV counting every backlog so, as the default does there.
+    holders = CostPolicy(seed=1, discount_cached_backlog="holders")
+    holder_router().select(holders, req("r", range(64)), views, 1.0)
+    assert holders.discounts_backlog("p") and not holders.discounts_holders("p")
+    assert holders.discounts_holders("other-pool") and not holders.discounts_backlog("other-pool")
 
 
 @pytest.mark.parametrize("discount", [None, False])

@@ -10,11 +10,12 @@ reader in the gateway agrees with the worker.
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+from typing import Any
 
 import orjson
 
 from gateway.config import EnginePriorityConfig
+from gateway.engine_fields import check_internal, check_nested_internal, sampling_entries
 from gateway.errors import ApiError, bad_request
 from gateway.multipart import boundary_of, content_type_header, form_fields
 from gateway.pooling_inputs import check_pooling_inputs
@@ -22,49 +23,6 @@ from gateway.prompt_batch import batch_sizes, check_fanout, check_sequences, fan
 from gateway.routes import ApiRoute, Fanout
 from prompt_normalizer.generate_input import GENERATE_PROMPT_FIELDS
 from prompt_normalizer.lax import lax_bool, lax_int
-
-# Body fields that steer an engine's internals rather than the answer. A tenant must not set them:
-# `kv_transfer_params` (vLLM disaggregated prefill: where KV is pulled from or pushed to), `rid`
-# (SGLang's engine request id; the gateway names requests itself), `data_parallel_rank` and SGLang's
-# newer rank fields (pin an engine rank), `bootstrap_host` / `bootstrap_port` / `bootstrap_room`
-# (SGLang prefill-decode transfer), `prompt_embeds` and SGLang's `input_embeds` (bypass
-# tokenization, so the prefix keys could not describe the prompt). They are refused with 400, naming
-# the field. vLLM's own `request_id` is passed through: the gateway's `X-Request-Id` header names
-# the request inside vLLM whatever the body says (on the Responses route `request_id` names the
-# response). `priority` is read (it orders the tenant's own requests in the gateway's queue) and
-# never forwarded as sent: engines order every tenant's requests by it, so the gateway sends the
-# tenant's own (`engine_priority`). `cache_salt` is not refused: the gateway always replaces it with
-# its own.
-ENGINE_INTERNAL_FIELDS = frozenset(
-    {
-        "kv_transfer_params",
-        "rid",
-        "data_parallel_rank",
-        # SGLang's newer names for the data-parallel rank a request runs on (and, in a P/D pair,
-        # the prefill rank its KV comes from): a tenant must not pin its load on one rank.
-        "routed_dp_rank",
-        "prefill_dp_rank",
-        "decode_dp_rank",
-        "disagg_prefill_dp_rank",
-        # SGLang: serialized code the engine runs (when it allows it), and engine-side sessions.
-        "custom_logit_processor",
-        "session_params",
-        "bootstrap_host",
-        "bootstrap_port",
-        "bootstrap_room",
-        "prompt_embeds",
-        "input_embeds",
-    }
-)
-
-# The engine-internal fields an engine also reads from inside another field, where a check of the
-# top-level keys alone would not see them. vLLM's chat, completions and Responses requests start a
-# request's `SamplingParams.extra_args` from `vllm_xargs` (`to_sampling_params`), and its
-# `/inference/v1/generate` takes `sampling_params` as sent, `extra_args` included; the engine's
-# request then reads `kv_transfer_params` from `extra_args` (`vllm.v1.request.Request`), as the KV
-# connectors do (LMCache's per-request options are keys inside it). Any other key of
-# `extra_args` is for the operator's own logits processors and plugins, and is forwarded.
-NESTED_ENGINE_INTERNAL_FIELDS = frozenset({"kv_transfer_params"})
 
 # The engines' prefix-cache isolation keys: vLLM's `cache_salt`; SGLang's `extra_key` (its native
 # request's, and on its OpenAI routes joined to `cache_salt`). Not refused: a client's is dropped,
@@ -98,10 +56,9 @@ def parse_body(
     # is refused only where vLLM's request model requires the field (Anthropic's Messages).
     if model.__class__ is not str and (model is not None or not api.model_optional):
         raise bad_request("'model' is required and must be a string", "model")
-    if not ENGINE_INTERNAL_FIELDS.isdisjoint(body):
-        # Before the prompt's checks: a prompt sent as embeddings alone names the field refused,
-        # not the text it lacks.
-        _refuse_internal(min(ENGINE_INTERNAL_FIELDS.intersection(body)))
+    # Before the prompt's checks: a prompt sent as embeddings alone names the field refused, not
+    # the text it lacks.
+    check_internal(body)
     prompt = api.prompt
     if prompt == "chat":
         messages = body.get("messages")
@@ -141,12 +98,9 @@ def parse_body(
     if api.rewrites:
         check_choices(body, max_choices)
     elif prompt == "generate":
-        sampling = body.get("sampling_params")
         # A batch may give each prompt its own sampling parameters: each entry is checked.
-        for i, entry in enumerate(sampling if isinstance(sampling, list) else [sampling]):
-            if isinstance(entry, dict):
-                path = "sampling_params." if isinstance(sampling, dict) else f"sampling_params[{i}]."
-                check_choices(entry, max_choices, path)
+        for path, entry in sampling_entries(body):
+            check_choices(entry, max_choices, path + ".")
     if prompt in ("completions", "generate"):
         check_sequences(body, prompt, _choices(body, prompt), max_choices)
     elif api.fanout is not None:  # a read prefills each item or question for one token
@@ -155,31 +109,10 @@ def parse_body(
     elif api.pooled is not None:  # each input is encoded on its own
         check_pooling_inputs(body, api.pooled, max_pooling_inputs)
     if "vllm_xargs" in body or "sampling_params" in body:
-        _check_nested_internal(body)
+        check_nested_internal(body)
     return body
 
 
-def _refuse_internal(name: str) -> NoReturn:
-    raise bad_request(f"'{name}' is an engine-internal field and cannot be set through the gateway", name)
-
-
-def _check_nested_internal(body: dict[str, Any]) -> None:
-    """400 for an engine-internal field inside `vllm_xargs` or `sampling_params.extra_args` (one
-    object, or one per prompt of a batch), as at the top level
-    (`NESTED_ENGINE_INTERNAL_FIELDS`): the engine reads it from there the same way. Checked on
-    every route, as the top-level fields are."""
-    xargs = body.get("vllm_xargs")
-    if isinstance(xargs, dict) and not NESTED_ENGINE_INTERNAL_FIELDS.isdisjoint(xargs):
-        _refuse_internal("vllm_xargs." + min(NESTED_ENGINE_INTERNAL_FIELDS.intersection(xargs)))
-    sampling = body.get("sampling_params")
-    for i, entry in enumerate(sampling if isinstance(sampling, list) else [sampling]):
-        extra = entry.get("extra_args") if isinstance(entry, dict) else None
-        if isinstance(extra, dict) and not NESTED_ENGINE_INTERNAL_FIELDS.isdisjoint(extra):
-            path = "sampling_params" if isinstance(sampling, dict) else f"sampling_params[{i}]"
-            _refuse_internal(f"{path}.extra_args." + min(NESTED_ENGINE_INTERNAL_FIELDS.intersection(extra)))
-
-
-# The flags of `stream_options` in vLLM's `StreamOptions`, each a `bool | None`.
 _STREAM_OPTION_FLAGS = ("include_usage", "continuous_usage_stats")
 
 
@@ -368,13 +301,10 @@ def _output_field(body: dict[str, Any], prompt: str | None) -> tuple[str, int] |
     """The field naming the request's output budget on its route (`ApiRoute.prompt`; its path)
     and the budget, if any."""
     if prompt == "generate":
-        sampling = body.get("sampling_params")
         # One for every prompt, or one per prompt of a batch: the largest budget counts.
-        entries = [sampling] if isinstance(sampling, dict) else sampling if isinstance(sampling, list) else []
         found = [
-            (f"sampling_params.{n}" if isinstance(sampling, dict) else f"sampling_params[{i}].{n}", v)
-            for i, entry in enumerate(entries)
-            if isinstance(entry, dict)
+            (f"{path}.{n}", v)
+            for path, entry in sampling_entries(body)
             for n in _SAMPLING_OUTPUT_FIELDS
             if (v := _positive_int(entry.get(n)))
         ]
@@ -392,11 +322,8 @@ def _choices(body: dict[str, Any], prompt: str | None) -> int:
         n = _positive_int(body.get("n")) or 1
         best_of = _positive_int(body.get("best_of")) or 1
         return n if n >= best_of else best_of
-    fields = body.get("sampling_params")
-    entries = fields if isinstance(fields, list) else [fields]  # one per prompt, or one
-    values = (
-        _positive_int(e.get(name)) or 1 for e in entries if isinstance(e, dict) for name in _CHOICE_FIELDS
-    )
+    # One object for every prompt, or one per prompt of a batch.
+    values = (_positive_int(e.get(name)) or 1 for _, e in sampling_entries(body) for name in _CHOICE_FIELDS)
     return max(values, default=1)
 
 

@@ -221,6 +221,9 @@ class Canaries:
             if pool.workers.get(url) is not worker:
                 task.cancel()
                 del self._running[url]
+        if self.by_worker:  # the counts of workers that left go too, scraped or not
+            pools = self._registry.pools.values()
+            self.forget_others({(pool.name, url) for pool in pools for url in pool.workers})
         for pool in self._registry.pools.values():
             if not _takes_canaries(pool):
                 continue

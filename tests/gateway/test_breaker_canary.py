@@ -103,6 +103,19 @@ async def test_a_workers_canary_is_cancelled_when_it_leaves_its_pool() -> None:
         assert sum(rig.canaries.counts.values()) == 0 and a.breaker.closed
 
 
+async def test_a_worker_that_left_its_pool_takes_its_canary_counts_with_it() -> None:
+    breaker = {"failure_threshold": 5, "cooldown_s": 3600, "canary": {"interval_s": 0.05}}
+    async with gateway(retry_attempts=0, breaker=breaker) as rig:
+        rig.workers.broken.add("a")
+        for _ in range(2):
+            await rig.chat()
+        counts = rig.canaries.by_worker
+        await wait_until(lambda: any(key[1] == rig.urls["a"] for key in counts), timeout_s=WAIT_S)
+        rig.state.registry.pools["p"].set_urls([rig.urls["b"]])  # discovery lost it
+        # Gone without a scrape of /metrics: the counts of a worker that left are bounded.
+        await wait_until(lambda: not counts, timeout_s=WAIT_S, what="a's counts forgotten")
+
+
 async def test_failed_canaries_open_the_breaker_whatever_succeeds_between_them() -> None:
     """A worker failing every generation (and its canaries) while it answers `/tokenize`, which
     needs no engine: a tenant's tokenize calls between the canaries must not keep it in."""

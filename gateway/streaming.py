@@ -41,7 +41,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.answer_usage import usage_of
 from gateway.answer_write import send_in_pieces
 from gateway.disconnect import DisconnectGuard
-from gateway.failure import TRANSPORT_ERRORS, Failure, Stage, failure_of, malformed
+from gateway.failure import BUSY_STATUSES, TRANSPORT_ERRORS, Failure, Stage, failure_of, malformed
 from gateway.lifecycle import Lifecycle
 from gateway.outcome import CLIENT_DISCONNECTED, Attempt, finish
 from gateway.routing import Routing
@@ -314,8 +314,10 @@ class ProxyStream:
             # a client's input can cause): it failed, and is up. Nothing compares it with another
             # worker's answer (the client has the stream), so it is held and acquitted at once,
             # like a lone 5xx answer (`outcome.HeldVerdicts`): counted, one tenant's streams would
-            # open the pool's breakers one after another.
-            return Failure(502, message, code, Outcome.WORKER_FAILED, answered=True)
+            # open the pool's breakers one after another. A busy one (503, 529: SGLang's full
+            # queue) leaves no suspicion, as a busy answer does: its canary would be refused alike.
+            later = status in BUSY_STATUSES
+            return Failure(502, message, code, Outcome.WORKER_FAILED, answered=True, later=later)
         return malformed("worker stream ended before its last event", Stage.STREAM)
 
     def _close_books(self, answered: bool, gone: int | None, failure: Failure | None) -> None:
@@ -335,7 +337,7 @@ class ProxyStream:
             status, outcome, error = failure.status, failure.outcome, failure.code
             detail = failure.detail()
             judged = not failure.held  # the worker's own error event: no other worker compares it
-            if not judged:
+            if not judged and not failure.later:
                 attempt.worker.breaker.suspect()  # its canary decides (`gateway/canary.py`)
         finish(
             self._routing,

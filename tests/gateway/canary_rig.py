@@ -54,6 +54,7 @@ class Workers:
     busy_event: bool = False
     whole: tuple[bytes, str] | None = None  # every canary's answer: a whole body and its type
     chat_refusal: int | None = None
+    stream_error_code: int = 500  # the code of the error event that ends a stream (`stream_errors`)
     release: asyncio.Event = field(default_factory=asyncio.Event)
     in_flight: int = 0
     most_in_flight: int = 0
@@ -74,7 +75,8 @@ def app_for(workers: Workers, name: str) -> web.Application:
             return web.json_response(FAILED, status=workers.chat_refusal)
         stream = body.get("stream") is True
         if stream and name in workers.stream_errors:
-            return _stream([orjson.dumps(FIRST_CHUNK), orjson.dumps(FAILED), b"[DONE]"])
+            error = {"error": {**FAILED["error"], "code": workers.stream_error_code}}
+            return _stream([orjson.dumps(FIRST_CHUNK), orjson.dumps(error), b"[DONE]"])
         return chat_answer(stream, "ok")
 
     async def completions(request: web.Request) -> web.StreamResponse:

@@ -123,3 +123,16 @@ async def test_a_busy_answer_to_a_request_leaves_its_worker_unsuspected(status: 
             await wait_until(lambda: bool(rig.workers.canaries), timeout_s=WAIT_S, what="its canary")
         else:
             assert not rig.worker("p", "a").breaker.suspected and not rig.workers.canaries
+
+
+@pytest.mark.parametrize("code", [503, 529, 500])
+async def test_a_stream_ended_by_a_busy_error_event_leaves_its_worker_unsuspected(code: int) -> None:
+    # SGLang ends a stream with code 503 when its queue is full: busy for everyone, as above.
+    async with gateway("a", retry_attempts=0) as rig:
+        rig.workers.stream_errors.add("a")
+        rig.workers.stream_error_code = code
+        assert (await rig.chat(stream=True)).status_code == 200
+        if code == 500:
+            await wait_until(lambda: bool(rig.workers.canaries), timeout_s=WAIT_S, what="its canary")
+        else:
+            assert not rig.worker("p", "a").breaker.suspected and not rig.workers.canaries

@@ -174,6 +174,7 @@ def run_point(
             tpot_slo_s=spec.tpot_slo_s,
             share=stop_below_share,
             pd=pd is not None,
+            closed_loop=spec.closed_loop,
         )
 
     def make_request(request_id: str, n_prompt: int, max_out: int, hashes: Any) -> EngineRequest:

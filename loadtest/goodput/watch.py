@@ -6,6 +6,11 @@ and output tokens, which give the same TPOT as the request record) and raises `P
 soon as more requests have missed the SLOs than the share allows. A rate far above a policy's
 capacity then costs a fraction of a full replay; the search only needs to know that it fails.
 
+Closed loop a request is sent when the answers it follows have come and its think time has
+passed, not at the arrival the trace gives it: its TTFT counts from when it was sent, which is
+when it is first routed (`closed_loop`: the watch notes that time at the request's first
+`select`), so that its TPOT is judged from its own first token.
+
 In a P/D pool the policy hears of a request twice, its prefill leg (one token) and then its
 answer, so misses are counted per request: a prefill leg that missed the TTFT objective means the
 answer misses it too. A refused route is not a miss there (the pair chooser may still run the
@@ -55,9 +60,12 @@ class SloWatch:
         tpot_slo_s: float,
         share: float,
         pd: bool = False,
+        closed_loop: bool = False,
     ) -> None:
         self.inner = inner
         self._pd = pd
+        # Closed loop: when each request in flight was sent (its first `select`).
+        self._sent_s: dict[str, float] | None = {} if closed_loop else None
         self._arrivals_s = arrivals_s
         self._ttft_slo_s = ttft_slo_s
         self._tpot_slo_s = tpot_slo_s
@@ -75,6 +83,8 @@ class SloWatch:
             raise PointHopeless(len(self._missed))
 
     def select(self, req: RouteRequest, workers: Sequence[WorkerView], now_s: float) -> RouteDecision | None:
+        if self._sent_s is not None:
+            self._sent_s.setdefault(req.request_id, now_s)
         decision = self.inner.select(req, workers, now_s)
         if decision is None and not self._pd:
             self._miss(req.request_id)
@@ -90,7 +100,11 @@ class SloWatch:
             self._miss(rid)
             return
         out = obs.completion_tokens or 0
-        first_s = self._arrivals_s[rid] + obs.ttft_s
+        sent_s = self._arrivals_s[rid]
+        if self._sent_s is not None:
+            # (Kept after it completes: a P/D request completes twice. Bounded as `arrivals_s` is.)
+            sent_s = self._sent_s.get(rid, sent_s)
+        first_s = sent_s + obs.ttft_s
         tpot_s = (now_s - first_s) / (out - 1) if out >= 2 else None
         if obs.ttft_s > self._ttft_slo_s or (tpot_s is not None and tpot_s > self._tpot_slo_s):
             self._miss(rid)
@@ -134,7 +148,16 @@ def watch_policy(
     tpot_slo_s: float,
     share: float,
     pd: bool = False,
+    closed_loop: bool = False,
 ) -> SloWatch:
     """`inner` watched; a prefix holder stays one, so P/D routing decides as it would unwatched."""
     kind = _HolderSloWatch if isinstance(inner, PrefixHolder) else SloWatch
-    return kind(inner, arrivals_s, ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s, share=share, pd=pd)
+    return kind(
+        inner,
+        arrivals_s,
+        ttft_slo_s=ttft_slo_s,
+        tpot_slo_s=tpot_slo_s,
+        share=share,
+        pd=pd,
+        closed_loop=closed_loop,
+    )

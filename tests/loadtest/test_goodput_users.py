@@ -12,7 +12,7 @@ from gateway.cli import main
 from loadtest.goodput.config import GoodputConfigError, parse_goodput_yaml
 
 
-def _agent_trace(path: Path, turns: int = 12) -> Path:
+def _agent_trace(path: Path, turns: int = 12, api_time: float = 1.0) -> Path:
     """One kv-cache-tester session: a 2k-token system prefix, each turn 1k tokens longer than the
     last, answered in 24 tokens, sent 2 s after the previous one."""
     block = 64
@@ -20,7 +20,7 @@ def _agent_trace(path: Path, turns: int = 12) -> Path:
     for i in range(turns):
         n = 2048 + 1024 * i
         ids = list(range(n // block))
-        rows.append({"t": 2.0 * i, "type": "n", "in": n, "out": 24, "hash_ids": ids, "api_time": 1.0})
+        rows.append({"t": 2.0 * i, "type": "n", "in": n, "out": 24, "hash_ids": ids, "api_time": api_time})
     doc = {
         "id": "s1",
         "block_size": block,
@@ -127,3 +127,21 @@ def test_a_users_search_refuses_a_slice_of_the_trace(
     config = str(_config(tmp_path))
     assert main(["bench", "goodput", "--config", config, "--max-requests", "50"]) == 2
     assert "load: users replays whole users" in capsys.readouterr().err
+
+
+def test_a_closed_loop_point_stopped_early_judges_each_turn_from_when_it_was_sent(tmp_path: Path) -> None:
+    """Closed loop, a turn is sent after the answers it follows: here, answered in 0.01 s in the
+    recording, later than the trace's times. Its TPOT counts from its own first token; judged
+    from the trace's arrival, every turn after the first would miss it and the point stop."""
+    from loadtest.engine import load_profile
+    from loadtest.goodput.config import TraceSpec
+    from loadtest.goodput.runner import SimSettings, prepare_trace, run_point
+
+    trace = _agent_trace(tmp_path / "agent.json", api_time=0.01)
+    spec = TraceSpec(ttft_slo_s=5.0, tpot_slo_s=0.05, closed_loop=True, users=4, user_spread_s=4.0)
+    setup = prepare_trace(str(trace), spec, load_profile("llama3-8b-h100"), seed=0)
+    sim = SimSettings(workers=2, seed=0, scrape_interval_s=1.0)
+    full = run_point(setup, "round_robin", 1.0, sim)
+    watched = run_point(setup, "round_robin", 1.0, sim, stop_below_share=0.9)
+    assert full.attainment >= 0.9, "the point passes"
+    assert watched.complete and watched.n_met == full.n_met

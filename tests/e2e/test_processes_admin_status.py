@@ -8,18 +8,17 @@ from pathlib import Path
 import httpx
 
 from gateway.auth import hash_api_key
-from tests.e2e.harness import SECRET, serving_processes, tenant, write_gateway_config
+from tests.e2e.harness import SECRET, serving_processes
+from tests.support.gateway_config import idle_gateway_config
 from tests.support.wait import wait_until_sync
 
 ADMIN_KEY = "sk-e2e-admin-0123456789abcdef0123456789"
 
 
 def test_each_process_says_which_it_is(tmp_path: Path) -> None:
-    pools = [{"name": "p", "models": ["m"], "workers": ["http://127.0.0.1:9"]}]
-    config = write_gateway_config(
+    config = idle_gateway_config(
         tmp_path / "gw.yaml",
-        pools,
-        [tenant("t", "sk-e2e-status-0123456789abcdef")],
+        "sk-e2e-status-0123456789abcdef",
         admin={"api_key_hash": hash_api_key(SECRET, ADMIN_KEY)},
     )
     seen: dict[int, int] = {}

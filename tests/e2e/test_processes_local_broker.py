@@ -16,9 +16,8 @@ from tests.e2e.harness import (
     broker_processes,
     metrics_urls,
     serving_processes,
-    tenant,
-    write_gateway_config,
 )
+from tests.support.gateway_config import idle_gateway_config
 from tests.support.wait import wait_until_sync
 
 
@@ -29,10 +28,7 @@ def _connected(metrics_url: str) -> bool:
 
 
 def test_a_dead_local_broker_is_started_again(tmp_path: Path) -> None:
-    pools = [{"name": "p", "models": ["m"], "workers": ["http://127.0.0.1:9"]}]
-    config = write_gateway_config(
-        tmp_path / "gw.yaml", pools, [tenant("t", "sk-e2e-broker-0123456789abcdef")]
-    )
+    config = idle_gateway_config(tmp_path / "gw.yaml", "sk-e2e-broker-0123456789abcdef")
     env = {"KVGATE_KEY_SECRET": SECRET.decode()}
     with serving_processes("--config", str(config), env=env) as (_, proc):
         supervisor = proc.popen.pid

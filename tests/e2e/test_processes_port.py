@@ -9,15 +9,15 @@ import socket
 import sys
 from pathlib import Path
 
-from tests.e2e.harness import SECRET, free_port, serving_processes, start, tenant, write_gateway_config
+from tests.e2e.harness import SECRET, free_port, serving_processes, start
+from tests.support.gateway_config import idle_gateway_config
 from tests.support.wait import wait_until_sync
 
 ENV = {"KVGATE_KEY_SECRET": SECRET.decode()}
 
 
 def _config(tmp_path: Path) -> Path:
-    pools = [{"name": "p", "models": ["m"], "workers": ["http://127.0.0.1:9"]}]
-    return write_gateway_config(tmp_path / "gw.yaml", pools, [tenant("t", "sk-e2e-port-0123456789abcdef")])
+    return idle_gateway_config(tmp_path / "gw.yaml", "sk-e2e-port-0123456789abcdef")
 
 
 def _serve(config: Path, port: int) -> tuple[int, str]:

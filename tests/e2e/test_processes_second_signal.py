@@ -12,19 +12,16 @@ from tests.e2e.harness import (
     alive,
     gateway_processes,
     serving_processes,
-    tenant,
-    write_gateway_config,
 )
+from tests.support.gateway_config import idle_gateway_config
 from tests.support.wait import wait_until_sync
 
 
 def test_a_second_sigint_while_draining_stops_at_once(tmp_path: Path) -> None:
-    pools = [{"name": "p", "models": ["m"], "workers": ["http://127.0.0.1:9"]}]
     # The processes keep listening for 10 minutes after the first signal: only a kill ends them.
-    config = write_gateway_config(
+    config = idle_gateway_config(
         tmp_path / "gw.yaml",
-        pools,
-        [tenant("t", "sk-e2e-second-signal-0123456789abcdef")],
+        "sk-e2e-second-signal-0123456789abcdef",
         drain={"shutdown_delay_s": 600, "deadline_s": 600},
     )
     env = {"KVGATE_KEY_SECRET": SECRET.decode()}

@@ -38,3 +38,14 @@ def write_gateway_config(
     config = {"pools": pools, "tenants": tenants, **extra}
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+# A worker address nothing listens on (the discard port): a pool that only needs to exist.
+UNREACHABLE_WORKER = "http://127.0.0.1:9"
+
+
+def idle_gateway_config(path: Path, key: str, **extra: Any) -> Path:
+    """A gateway config whose one pool `p` (model `m`) has a worker nothing listens on, and one
+    tenant `t` with API key `key`: for tests of the gateway's processes, not of routing."""
+    pools = [{"name": "p", "models": ["m"], "workers": [UNREACHABLE_WORKER]}]
+    return write_gateway_config(path, pools, [tenant("t", key)], **extra)

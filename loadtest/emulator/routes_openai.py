@@ -13,9 +13,9 @@ from loadtest.emulator import chat_bodies
 from loadtest.emulator.base_request_id import base_request_id
 from loadtest.emulator.errors import ApiError
 from loadtest.emulator.live import LiveGroup
+from loadtest.emulator.prompts import completion_prompt_ids
 from loadtest.emulator.protocol import (
     GenerationRequest,
-    completion_prompt_ids,
     parse_chat,
     parse_completions,
     render_chat_body,

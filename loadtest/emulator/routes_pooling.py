@@ -26,7 +26,8 @@ from loadtest.emulator.pooling import (
     encode_vector,
     vector_bytes,
 )
-from loadtest.emulator.protocol import check_model, int_field, prompt_batch, render_chat_body
+from loadtest.emulator.prompts import prompt_batch
+from loadtest.emulator.protocol import check_model, int_field, render_chat_body
 from loadtest.emulator.web import json_response, read_json, worker_of
 from loadtest.emulator.worker import EmulatedWorker
 

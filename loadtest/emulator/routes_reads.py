@@ -29,7 +29,8 @@ from loadtest.emulator import chat_bodies
 from loadtest.emulator.base_request_id import base_request_id
 from loadtest.emulator.errors import ApiError, RequestValidationError
 from loadtest.emulator.live import LiveGroup
-from loadtest.emulator.protocol import check_model, common_fields, one_answer_request, prompt_batch
+from loadtest.emulator.prompts import prompt_batch
+from loadtest.emulator.protocol import check_model, common_fields, one_answer_request
 from loadtest.emulator.web import json_response, read_json, wait_finished, worker_of
 
 router = APIRouter()

@@ -31,7 +31,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from gateway import upstream_conn
 from gateway.answer_budget import AnswerBudget, AnswerHold, Reservation, TenantShare
@@ -83,6 +83,24 @@ __all__ = [
     "read_whole",
     "request_bytes",
 ]
+
+
+STALL_S = 0.02  # a timer this late means this process did not run, not that the worker was slow
+
+
+async def _done_within(future: asyncio.Future[Any], timeout_s: float) -> bool:
+    """Whether `future` is done within `timeout_s` of the time this process ran. A timer fires
+    before the loop reads the sockets that became ready meanwhile, so when this process stalled
+    past the deadline (a long garbage collection, a starved machine) a connect the worker had
+    long accepted would count as the worker's timeout: a deadline reached that late is given
+    once as long again as it was late, for the loop to read what came meanwhile."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    done, _ = await asyncio.wait((future,), timeout=timeout_s)
+    late = loop.time() - deadline
+    if not done and late > STALL_S:
+        done, _ = await asyncio.wait((future,), timeout=late)
+    return bool(done)
 
 
 class UpstreamPool:
@@ -239,15 +257,19 @@ class UpstreamPool:
 
     async def _connect(self, host: str, port: int, connect_s: float) -> WorkerConnection:
         loop = asyncio.get_running_loop()
+        connecting = asyncio.ensure_future(
+            loop.create_connection(
+                lambda: WorkerConnection(loop, self._sweep, self.budget, self.streams), host, port
+            )
+        )
         try:
-            async with asyncio.timeout(connect_s):
-                _, protocol = await loop.create_connection(
-                    lambda: WorkerConnection(loop, self._sweep, self.budget, self.streams), host, port
-                )
-        except TimeoutError:
-            raise UpstreamConnectError("connect timed out", timed_out=True) from None
+            if not await _done_within(connecting, connect_s):
+                raise UpstreamConnectError("connect timed out", timed_out=True)
+            _, protocol = connecting.result()
         except OSError as exc:
             raise UpstreamConnectError(f"connect failed ({type(exc).__name__})", timed_out=False) from None
+        finally:
+            connecting.cancel()  # (a no-op once it is done)
         return protocol
 
     def _take(self, key: tuple[str, int]) -> WorkerConnection | None:

@@ -277,6 +277,8 @@ class CostPolicy(CostBooks):
         # Pass 2a: the workers holding part of the prefix (few), in `match` (see above).
         held = self._positions.held(cands, match.blocks_by_worker) if match.longest_blocks else []
         holders: set[int] = set()
+        # The holders the guard (or its exemptions for a holder of most of the prompt) lets in.
+        eligible_holders: set[int] = set()
         if held:
             # A worker holding more than half the prompt gets more room under the load guard: its
             # load is mostly the decodes of the sessions it holds, and recomputing the history
@@ -314,6 +316,7 @@ class CostPolicy(CostBooks):
                     if share is not None and 2 * matched > n:
                         backlog *= share(cands[i].worker_id)
                     ranked.append((upper - per_backlog_token * backlog, i, matched, backlog))
+                    eligible_holders.add(i)
                 elif 2 * matched > n:
                     guarded = True
             if guarded:
@@ -350,7 +353,7 @@ class CostPolicy(CostBooks):
                 cost,
                 cands,
                 held,
-                lambda i: loads[i] <= bound,
+                eligible_holders.__contains__,
                 self._ledger.share,
                 (chosen, matched),
                 n,

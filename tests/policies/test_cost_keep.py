@@ -64,6 +64,11 @@ def test_a_holder_predicted_past_the_bound_or_the_guard_does_not_keep_the_turn()
     views[0] = dataclasses.replace(views[0], in_flight_requests=10)
     d = p.select(req("next", range(HISTORY + 2)), views, 1.1)
     assert d is not None and d.worker != "w0"
+    # A guard exemption for a holder of most of the prompt lets it in here too.
+    p, views = _session_on_w0(continuation_slack_requests=8.0)
+    views[0] = dataclasses.replace(views[0], in_flight_requests=10)
+    d = p.select(req("next", range(HISTORY + 2)), views, 1.1)
+    assert d is not None and d.worker == "w0"
     with pytest.raises(ValueError, match="stay_objective_s"):
         CostPolicy(stay_objective_s=0.0)
     with pytest.raises(ValueError, match="stay_within_s"):

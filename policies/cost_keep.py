@@ -14,9 +14,10 @@ worker's first token is predicted later than `over_s` and a holder of more than 
 within the load guard, is predicted within `within_s`, the request stays with that holder.
 
 The prediction (`first_token_s`) is the holder's backlog at the uncached share the policy predicted
-for its requests in flight there (`InflightLedger`), less the time since the backlog restarted
-(`WorkerView.prefill_started_s`; before that the engine computed none of it), plus the request's
-own prefill after its match there, all at the calibrated scale.
+for the prompts pending there, its newest requests in flight (`InflightLedger.pending_share`), less
+the time since the backlog restarted (`WorkerView.prefill_started_s`; before that the engine
+computed none of it), plus the request's own prefill after its match there, all at the calibrated
+scale.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def stay(
     views: Sequence[WorkerView],
     held: Sequence[tuple[int, int]],
     eligible: Callable[[int], bool],
-    share: Callable[[WorkerId], float],
+    share: Callable[[WorkerId, int], float],
     chosen: tuple[int, int],
     prompt_tokens: int,
     limit_tokens: int,
@@ -77,13 +78,15 @@ def stay(
     """The holder of more than half the prompt to keep instead of `chosen` (candidate index, tokens
     matched there), or None.
 
-    `held`: (candidate index, blocks held) of every holder; `eligible`: whether a candidate is within
-    the load guard. A holder is kept when `chosen` is predicted later than `over_s` and the holder
-    within `within_s`; of several, the soonest.
+    `held`: (candidate index, blocks held) of every holder; `eligible`: whether a candidate is
+    within the load guard; `share`: the predicted uncached share of a worker's backlog of so many
+    tokens. A holder is kept when `chosen` is predicted later than `over_s` and the holder within
+    `within_s`; of several, the soonest.
     """
     index, matched = chosen
     view = views[index]
-    if first_token_s(cost, view, share(view.worker_id), matched, prompt_tokens, now_s) <= over_s:
+    pending = view.in_flight_prefill_tokens
+    if first_token_s(cost, view, share(view.worker_id, pending), matched, prompt_tokens, now_s) <= over_s:
         return None
     best: Stay | None = None
     for i, blocks in held:
@@ -91,7 +94,10 @@ def stay(
         m = limit_tokens if limit_tokens < m else m
         if 2 * m <= prompt_tokens or i == index or not eligible(i):
             continue
-        t = first_token_s(cost, views[i], share(views[i].worker_id), m, prompt_tokens, now_s)
+        holder = views[i]
+        t = first_token_s(
+            cost, holder, share(holder.worker_id, holder.in_flight_prefill_tokens), m, prompt_tokens, now_s
+        )
         if t <= within_s and (best is None or t < best.first_token_s):
             best = Stay(i, m, t)
     return best

@@ -354,7 +354,7 @@ class CostPolicy(CostBooks):
                 cands,
                 held,
                 eligible_holders.__contains__,
-                self._ledger.share,
+                self._ledger.pending_share,
                 (chosen, matched),
                 n,
                 limit,

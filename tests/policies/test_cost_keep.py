@@ -4,11 +4,13 @@ within `stay_within_s` when the worker the score chose is predicted past `stay_o
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import pytest
 
 from policies.base import Observation, WorkerId, WorkerView
-from policies.cost_keep import first_token_s
+from policies.cost_keep import Stay, first_token_s, stay
+from policies.cost_ledger import InflightLedger
 from policies.cost_policy import CostPolicy
 from tests.policies.factories import BS, req, workers
 
@@ -75,6 +77,31 @@ def test_a_holder_predicted_past_the_bound_or_the_guard_does_not_keep_the_turn()
         CostPolicy(stay_within_s=-1.0)
 
 
+def test_a_holder_computing_a_long_new_prompt_does_not_keep_the_turn() -> None:
+    # w0 holds the session (40,960 tokens) and has in flight ten of its turns decoding, all but
+    # cached, and a 120k-token prompt of another session, all new, still in prefill. Over
+    # everything in flight the uncached share is about 0.2, and w0 would look quick; over the
+    # prompts pending (the newest) it is 1, and the turn is not kept there.
+    cost = CostPolicy(seed=1)._pool(req("r", range(4))).cost
+    ledger = InflightLedger()
+    w0 = WorkerId("w0")
+    for k in range(10):
+        ledger.add(f"turn{k}", w0, HISTORY * BS + 1, 1)
+    ledger.add("other", w0, 120_000, 120_000)
+    views = [
+        WorkerView(w0, in_flight_requests=11, in_flight_prefill_tokens=120_000, prefill_started_s=1.0),
+        WorkerView(WorkerId("w1")),
+    ]
+    n = (HISTORY + 2) * BS + 1
+
+    def kept(share: Callable[[WorkerId, int], float]) -> Stay | None:
+        return stay(cost, views, [(0, HISTORY)], lambda i: True, share, (1, 0), n, n - 1, BS, 1.1, 0.7, 1.4)
+
+    assert kept(ledger.pending_share) is None
+    found = kept(lambda w, _: ledger.share(w))
+    assert found is not None and found.index == 0 and found.first_token_s < 0.7
+
+
 def test_first_token_counts_what_is_left_of_the_backlog_then_the_own_prefill() -> None:
     p = CostPolicy(seed=1)
     cost = p._pool(req("r", range(4))).cost
@@ -92,3 +119,26 @@ def test_first_token_counts_what_is_left_of_the_backlog_then_the_own_prefill() -
     assert first_token_s(cost, WorkerView(WorkerId("w1")), 1.0, 8 * BS, 10 * BS, 5.0) == pytest.approx(
         cost.prefill_s(2 * BS, 8 * BS)
     )
+
+
+def test_the_pending_share_is_the_newest_prompts_that_make_up_the_backlog() -> None:
+    ledger = InflightLedger()
+    w0 = WorkerId("w0")
+    # Two turns decoding, all but cached, then one long new prompt still in prefill.
+    ledger.add("a", w0, 100_000, 1_000)
+    ledger.add("b", w0, 100_000, 1_000)
+    ledger.add("c", w0, 50_000, 40_000)
+    ledger.add("x", WorkerId("w1"), 10, 10)
+    ledger.check_invariants()
+    assert ledger.share(w0) == pytest.approx(42_000 / 250_000)
+    assert ledger.pending_share(w0, 50_000) == pytest.approx(0.8)  # "c" alone
+    assert ledger.pending_share(w0, 60_000) == pytest.approx(41_000 / 150_000)  # "c" and "b"
+    assert ledger.pending_share(w0, 0) == 1.0 and ledger.pending_share(WorkerId("w9"), 5) == 1.0
+    ledger.remove("c", w0)
+    ledger.add("a", w0, 100_000, 1_000)  # dispatched again: the newest now
+    ledger.check_invariants()
+    assert ledger.pending_share(w0, 100_000) == pytest.approx(0.01)
+    for rid in ("a", "b"):
+        ledger.remove(rid, w0)
+    ledger.check_invariants()
+    assert ledger.pending_share(w0, 10) == 1.0

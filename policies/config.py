@@ -159,6 +159,8 @@ class CostParamsYaml(_Strict):
     ttft_objective_s: float | None = Field(None, gt=0)
     decode_price_s: float = Field(0.0, ge=0)
     tpot_objective_s: float = Field(0.1, gt=0)
+    stay_objective_s: float | None = Field(1.4, gt=0)
+    stay_within_s: float = Field(0.7, ge=0)
 
 
 class SglangParamsYaml(_Strict):

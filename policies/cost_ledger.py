@@ -25,7 +25,10 @@ class InflightLedger:
     An entry is one request's on one worker: the two legs of an SGLang prefill/decode pair are in
     flight at once under the request's one id, each on its own worker, and each leaves when its
     own outcome comes. Every entry's prompt is > 0, so each has its worker's sums to be taken
-    from."""
+    from. Each worker's entries are also kept in dispatch order (`_by_worker`, the same entries as
+    `_inflight`'s for that worker, in the same order), so that the newest ones, the prompts still
+    waiting for their prefill under first-come-first-served, can be read without a pass over
+    every request in flight (`pending_share`)."""
 
     MAX_INFLIGHT = 65_536
 
@@ -33,10 +36,29 @@ class InflightLedger:
         self._inflight: OrderedDict[tuple[str, WorkerId], tuple[int, int]] = OrderedDict()
         self._sums: dict[WorkerId, tuple[int, int]] = {}
         self.shares: dict[WorkerId, float] = {}
+        self._by_worker: dict[WorkerId, OrderedDict[str, tuple[int, int]]] = {}
 
     def share(self, worker: WorkerId) -> float:
         """Predicted uncached share of the prompts in flight on `worker` (1 if none)."""
         return self.shares.get(worker, 1.0)
+
+    def pending_share(self, worker: WorkerId, pending_tokens: int) -> float:
+        """Predicted uncached share of `worker`'s newest prompts in flight, as many as add up to
+        `pending_tokens` (the gateway's prefill backlog there: under first-come-first-served
+        prefill, the prompts not yet at their first token are the last dispatched). 1 if none.
+
+        `share` counts every prompt in flight, those decoding too: a holder decoding many mostly
+        cached turns and computing one long new one has that one discounted with them."""
+        entries = self._by_worker.get(worker)
+        if entries is None or pending_tokens <= 0:
+            return 1.0
+        total = new = 0
+        for prompt, uncached in reversed(entries.values()):
+            total += prompt
+            new += uncached
+            if total >= pending_tokens:
+                break
+        return new / total
 
     def add(self, request_id: str, worker: WorkerId, prompt: int, uncached: int) -> None:
         inflight = self._inflight
@@ -48,6 +70,10 @@ class InflightLedger:
             # that every entry has its worker's sums to be taken from (`remove`).
             return
         inflight[key] = (prompt, uncached)
+        entries = self._by_worker.get(worker)
+        if entries is None:
+            entries = self._by_worker[worker] = OrderedDict()
+        entries[request_id] = (prompt, uncached)
         sums = self._sums.get(worker)
         if sums is None:
             total, new = prompt, uncached
@@ -64,6 +90,10 @@ class InflightLedger:
         if found is None:
             return
         prompt, uncached = found
+        entries = self._by_worker[worker]
+        del entries[request_id]
+        if not entries:
+            del self._by_worker[worker]
         total, new = self._sums[worker]
         self._set(worker, total - prompt, new - uncached)
 
@@ -73,6 +103,10 @@ class InflightLedger:
             total, new = sums.get(worker, (0, 0))
             sums[worker] = (total + prompt, new + uncached)
         assert sums == self._sums
+        by_worker: dict[WorkerId, list[tuple[str, tuple[int, int]]]] = {}
+        for (request_id, worker), entry in self._inflight.items():
+            by_worker.setdefault(worker, []).append((request_id, entry))
+        assert by_worker == {w: list(entries.items()) for w, entries in self._by_worker.items()}
         assert self.shares == {w: new / total for w, (total, new) in sums.items()}
 
     def _set(self, worker: WorkerId, total: int, new: int) -> None:

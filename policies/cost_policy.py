@@ -36,7 +36,12 @@ token counts are in engine tokens, see `CostModel.engine_tokens_per_request_toke
 7. with `decode_price_s` > 0, each candidate pays that many seconds for each request in flight
    there whose TPOT this request's prefill would push over `tpot_objective_s`, and, given
    `ttft_objective_s`, a prompt that matches nothing pays it where it would miss that objective
-   (`policies.cost_decode`).
+   (`policies.cost_decode`);
+8. with `stay_objective_s` set, when the chosen worker's first token is predicted later than it and
+   a holder of more than half the prompt, within the load guard, is predicted within
+   `stay_within_s`, the request stays with that holder (`policies.cost_keep`): the score counts
+   the holder's backlog whole, which a session's previous turn still in prefill, mostly cached and
+   partly computed, makes look seconds away.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from typing import ClassVar, Literal
 from policies.base import RouteDecision, RouteRequest, WorkerView
 from policies.cost_books import CostBooks
 from policies.cost_decode import DecodePrice
+from policies.cost_keep import stay
 from policies.cost_scan import CandidateCache, Positions, by_backlog, fewest_in_flight
 from policies.cost_scorer import Scorer
 from policies.herd import HOLD_STEPS_S
@@ -85,6 +91,8 @@ class CostPolicy(CostBooks):
         ttft_objective_s: float | None = None,
         decode_price_s: float = 0.0,
         tpot_objective_s: float = 0.1,
+        stay_objective_s: float | None = 1.4,
+        stay_within_s: float = 0.7,
         shared: SharedSettings | None = None,
     ) -> None:
         if (
@@ -100,13 +108,14 @@ class CostPolicy(CostBooks):
                 herd_weight,
                 herd_hold_steps,
                 decode_price_s,
+                stay_within_s,
             )
             < 0
         ):
             raise ValueError(
                 "epsilon, slack_requests, tie_s, work_weight, max_queue_factor, branch_load_weight,"
-                " continuation_slack_requests, keep_tpot_s, herd_weight, herd_hold_steps and"
-                " decode_price_s must be >= 0"
+                " continuation_slack_requests, keep_tpot_s, herd_weight, herd_hold_steps,"
+                " decode_price_s and stay_within_s must be >= 0"
             )
         if load_window_s <= 0:
             raise ValueError("load_window_s must be > 0")
@@ -120,6 +129,8 @@ class CostPolicy(CostBooks):
             raise ValueError("ttft_objective_s must be > 0 (or None: off)")
         if tpot_objective_s <= 0:
             raise ValueError("tpot_objective_s must be > 0")
+        if stay_objective_s is not None and stay_objective_s <= 0:
+            raise ValueError("stay_objective_s must be > 0 (or None: off)")
         super().__init__(seed=seed, shared=shared, load_window_s=load_window_s)
         self.epsilon = epsilon
         self.slack_requests = slack_requests
@@ -138,6 +149,8 @@ class CostPolicy(CostBooks):
         self.decode_price_s = decode_price_s
         self.records_decodes = decode_price_s > 0
         self.tpot_objective_s = tpot_objective_s
+        self.stay_objective_s = stay_objective_s
+        self.stay_within_s = stay_within_s
         self._last_n = -1
         self._observe_step = 1
         self._positions = Positions()
@@ -264,6 +277,8 @@ class CostPolicy(CostBooks):
         # Pass 2a: the workers holding part of the prefix (few), in `match` (see above).
         held = self._positions.held(cands, match.blocks_by_worker) if match.longest_blocks else []
         holders: set[int] = set()
+        # The holders the guard (or its exemptions for a holder of most of the prompt) lets in.
+        eligible_holders: set[int] = set()
         if held:
             # A worker holding more than half the prompt gets more room under the load guard: its
             # load is mostly the decodes of the sessions it holds, and recomputing the history
@@ -301,6 +316,7 @@ class CostPolicy(CostBooks):
                     if share is not None and 2 * matched > n:
                         backlog *= share(cands[i].worker_id)
                     ranked.append((upper - per_backlog_token * backlog, i, matched, backlog))
+                    eligible_holders.add(i)
                 elif 2 * matched > n:
                     guarded = True
             if guarded:
@@ -330,6 +346,29 @@ class CostPolicy(CostBooks):
             best.sort()
             chosen, matched, queue = self._rng.choice(best)
         score = scorer.best_score
+        over_s = self.stay_objective_s
+        if over_s is not None and held:
+            # Step 8 of the module docstring (`policies.cost_keep`).
+            kept = stay(
+                cost,
+                cands,
+                held,
+                eligible_holders.__contains__,
+                self._ledger.pending_share,
+                (chosen, matched),
+                n,
+                limit,
+                bs,
+                now_s,
+                self.stay_within_s,
+                over_s,
+            )
+            if kept is not None:
+                self._count("stays_within_objective")
+                chosen, matched = kept.index, kept.matched_tokens
+                view = cands[chosen]
+                queue = cost.queue_s(view, scorer.n - int(matched * scorer.unit))
+                score = scorer.saved(matched) - queue - cost.cold_s(view, req.adapter)
         if herd_s > 0:
             home = self._home_choice(scorer, workers, cands, chosen, matched, herd_s, now_s)
             if home is not None:

@@ -362,6 +362,8 @@ def test_decisions_equal_the_plain_scan(seed: int) -> None:
         "discount_cached_backlog": seed % 2 == 0,
         "tie_s": (1e-4, 1e-2, 0.5)[seed % 3],
         "slack_requests": (8.0, 0.0, 0.5)[seed % 4 % 3],
+        # The stay rule decides after the scan, from its choice (tests/policies/test_cost_keep.py).
+        "stay_objective_s": None,
         "shared": shared,
     }
     new = CostPolicy(seed=seed, **options)  # type: ignore[arg-type]

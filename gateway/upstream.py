@@ -89,11 +89,12 @@ STALL_S = 0.02  # a timer this late means this process did not run, not that the
 
 
 async def _done_within(future: asyncio.Future[Any], timeout_s: float) -> bool:
-    """Whether `future` is done within `timeout_s` of the time this process ran. A timer fires
-    before the loop reads the sockets that became ready meanwhile, so when this process stalled
-    past the deadline (a long garbage collection, a starved machine) a connect the worker had
-    long accepted would count as the worker's timeout: a deadline reached that late is given
-    once as long again as it was late, for the loop to read what came meanwhile."""
+    """Whether `future` is done within `timeout_s` of the time this process ran. When this
+    process stalled past the deadline (a long garbage collection, a starved machine), the timer
+    is due as soon as the loop runs again, before a connect the worker accepted meanwhile can
+    finish (libuv runs due timers before it polls; asyncio reads the sockets first, but a connect
+    takes more loop turns to finish): it would count as the worker's timeout. A deadline reached
+    that late is given once as long again as it was late."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     done, _ = await asyncio.wait((future,), timeout=timeout_s)
@@ -268,6 +269,12 @@ class UpstreamPool:
             _, protocol = connecting.result()
         except OSError as exc:
             raise UpstreamConnectError(f"connect failed ({type(exc).__name__})", timed_out=False) from None
+        except BaseException:
+            # Cancelled (the client left) or timed out just as the connect was made: nobody takes
+            # the connection, so it is closed here.
+            if connecting.done() and not connecting.cancelled() and connecting.exception() is None:
+                connecting.result()[0].abort()
+            raise
         finally:
             connecting.cancel()  # (a no-op once it is done)
         return protocol

@@ -58,3 +58,28 @@ async def test_a_connect_that_fails_is_an_error_not_a_timeout() -> None:
             await pool._connect("127.0.0.1", port, 1.0)
     assert refused.value.timed_out is False
     pool.close()
+
+
+async def test_a_connect_made_as_its_caller_is_cancelled_is_closed(listening: socket.socket) -> None:
+    """The caller is cancelled (its client left) once the connect is made but before it resumes:
+    the connection nobody takes is closed, not left open to the worker."""
+    pool = UpstreamPool()
+    made: list[asyncio.Transport] = []
+    original = asyncio.get_running_loop().create_connection
+
+    async def connect_then_cancel_caller(*args: object, **kwargs: object) -> tuple[asyncio.Transport, object]:
+        transport, protocol = await original(*args, **kwargs)  # type: ignore[arg-type]
+        made.append(transport)
+        caller.cancel()  # before the caller's wait sees the connect done
+        return transport, protocol
+
+    loop = asyncio.get_running_loop()
+    loop.create_connection = connect_then_cancel_caller  # type: ignore[method-assign]
+    try:
+        caller = asyncio.create_task(pool._connect("127.0.0.1", listening.getsockname()[1], 5.0))
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+    finally:
+        del loop.create_connection
+    assert made and made[0].is_closing()
+    pool.close()

@@ -31,40 +31,49 @@ from policies.records import record
 
 @record
 class Stay:
-    """A holder the rule keeps: its candidate index, the tokens it holds (request tokens) and its
-    predicted first token in seconds."""
+    """A holder the rule keeps: its candidate index, the tokens it holds (request tokens), its
+    predicted first token in seconds and the wait for its backlog within it (the queue the
+    decision records)."""
 
     index: int
     matched_tokens: int
     first_token_s: float
+    wait_s: float
+
+
+def wait_s(cost: CostModel, view: WorkerView, share: float, now_s: float) -> float:
+    """Predicted seconds until `view`'s backlog is computed: counted at its predicted uncached
+    `share`, drained since the backlog restarted."""
+    pending = view.in_flight_prefill_tokens
+    if pending <= 0:
+        return 0.0
+    p = cost.params
+    unit = cost.engine_tokens_per_request_token
+    left = share * pending * unit
+    pairs = view.in_flight_prefill_pairs * unit * unit
+    steps = -(-int(left) // p.max_batched_tokens)
+    work = cost.scale * (p.prefill_s_per_token * left + p.attention_s_per_pair * pairs + p.step_s * steps)
+    started = view.prefill_started_s
+    elapsed = now_s - started if started is not None and now_s > started else 0.0
+    return work - elapsed if work > elapsed else 0.0
 
 
 def first_token_s(
     cost: CostModel, view: WorkerView, share: float, matched_tokens: int, prompt_tokens: int, now_s: float
 ) -> float:
     """Predicted seconds to a request's first token on `view` (token counts in request tokens):
-    what is left of its backlog, counted at its predicted uncached `share` and drained since the
-    backlog restarted, plus the request's own prefill after `matched_tokens`."""
-    p = cost.params
+    the wait for its backlog (`wait_s`) plus the request's own prefill after `matched_tokens`."""
     unit = cost.engine_tokens_per_request_token
-    wait = 0.0
-    pending = view.in_flight_prefill_tokens
-    if pending > 0:
-        left = share * pending * unit
-        pairs = view.in_flight_prefill_pairs * unit * unit
-        steps = -(-int(left) // p.max_batched_tokens)
-        work = cost.scale * (p.prefill_s_per_token * left + p.attention_s_per_pair * pairs + p.step_s * steps)
-        started = view.prefill_started_s
-        elapsed = now_s - started if started is not None and now_s > started else 0.0
-        wait = work - elapsed if work > elapsed else 0.0
     matched = int(matched_tokens * unit)
-    return wait + cost.prefill_s(int(prompt_tokens * unit) - matched, matched)
+    own = cost.prefill_s(int(prompt_tokens * unit) - matched, matched)
+    return wait_s(cost, view, share, now_s) + own
 
 
 def stay(
     cost: CostModel,
     views: Sequence[WorkerView],
     held: Sequence[tuple[int, int]],
+    *,
     eligible: Callable[[int], bool],
     share: Callable[[WorkerId, int], float],
     chosen: tuple[int, int],
@@ -84,6 +93,7 @@ def stay(
     `within_s`; of several, the soonest.
     """
     index, matched = chosen
+    unit = cost.engine_tokens_per_request_token
     view = views[index]
     pending = view.in_flight_prefill_tokens
     if first_token_s(cost, view, share(view.worker_id, pending), matched, prompt_tokens, now_s) <= over_s:
@@ -95,9 +105,8 @@ def stay(
         if 2 * m <= prompt_tokens or i == index or not eligible(i):
             continue
         holder = views[i]
-        t = first_token_s(
-            cost, holder, share(holder.worker_id, holder.in_flight_prefill_tokens), m, prompt_tokens, now_s
-        )
+        wait = wait_s(cost, holder, share(holder.worker_id, holder.in_flight_prefill_tokens), now_s)
+        t = wait + cost.prefill_s(int((prompt_tokens - m) * unit), int(m * unit))
         if t <= within_s and (best is None or t < best.first_token_s):
-            best = Stay(i, m, t)
+            best = Stay(i, m, t, wait)
     return best

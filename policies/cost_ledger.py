@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Iterable
+from itertools import islice
 
 from policies.base import WorkerId
 
@@ -31,6 +32,7 @@ class InflightLedger:
     every request in flight (`pending_share`)."""
 
     MAX_INFLIGHT = 65_536
+    MAX_PENDING_WALK = 256  # `pending_share` reads at most this many of a worker's newest entries
 
     def __init__(self) -> None:
         self._inflight: OrderedDict[tuple[str, WorkerId], tuple[int, int]] = OrderedDict()
@@ -53,7 +55,7 @@ class InflightLedger:
         if entries is None or pending_tokens <= 0:
             return 1.0
         total = new = 0
-        for prompt, uncached in reversed(entries.values()):
+        for prompt, uncached in islice(reversed(entries.values()), self.MAX_PENDING_WALK):
             total += prompt
             new += uncached
             if total >= pending_tokens:

@@ -131,6 +131,8 @@ class CostPolicy(CostBooks):
             raise ValueError("tpot_objective_s must be > 0")
         if stay_objective_s is not None and stay_objective_s <= 0:
             raise ValueError("stay_objective_s must be > 0 (or None: off)")
+        if stay_objective_s is not None and stay_within_s > stay_objective_s:
+            raise ValueError("stay_within_s must be <= stay_objective_s")
         super().__init__(seed=seed, shared=shared, load_window_s=load_window_s)
         self.epsilon = epsilon
         self.slack_requests = slack_requests
@@ -353,22 +355,21 @@ class CostPolicy(CostBooks):
                 cost,
                 cands,
                 held,
-                eligible_holders.__contains__,
-                self._ledger.pending_share,
-                (chosen, matched),
-                n,
-                limit,
-                bs,
-                now_s,
-                self.stay_within_s,
-                over_s,
+                eligible=eligible_holders.__contains__,
+                share=self._ledger.pending_share,
+                chosen=(chosen, matched),
+                prompt_tokens=n,
+                limit_tokens=limit,
+                block_size_tokens=bs,
+                now_s=now_s,
+                within_s=self.stay_within_s,
+                over_s=over_s,
             )
             if kept is not None:
                 self._count("stays_within_objective")
-                chosen, matched = kept.index, kept.matched_tokens
-                view = cands[chosen]
-                queue = cost.queue_s(view, scorer.n - int(matched * scorer.unit))
-                score = scorer.saved(matched) - queue - cost.cold_s(view, req.adapter)
+                chosen, matched, queue = kept.index, kept.matched_tokens, kept.wait_s
+                score = scorer.saved(matched) - queue - cost.cold_s(cands[chosen], req.adapter)
+                herd_s = 0.0  # the stay is the better-informed choice: the herd does not undo it
         if herd_s > 0:
             home = self._home_choice(scorer, workers, cands, chosen, matched, herd_s, now_s)
             if home is not None:

@@ -42,6 +42,9 @@ def test_a_turn_stays_with_a_holder_predicted_in_time_when_the_move_would_miss()
     d = p.select(req("next", range(HISTORY + 2)), views, 1.1)
     assert d is not None and d.worker == "w0" and d.reason == "hit"
     assert p.stats().counters["stays_within_objective"] == 1
+    # The score recorded is the kept holder's at the rule's own wait (seconds saved less a short
+    # wait), not at the whole-prompt queue that made the score move the turn (tens of seconds).
+    assert d.score_s > 0
     p.check_invariants()
 
 
@@ -75,6 +78,8 @@ def test_a_holder_predicted_past_the_bound_or_the_guard_does_not_keep_the_turn()
         CostPolicy(stay_objective_s=0.0)
     with pytest.raises(ValueError, match="stay_within_s"):
         CostPolicy(stay_within_s=-1.0)
+    with pytest.raises(ValueError, match="stay_within_s must be <= stay_objective_s"):
+        CostPolicy(stay_objective_s=0.5, stay_within_s=3.0)  # it would keep turns predicted later
 
 
 def test_a_holder_computing_a_long_new_prompt_does_not_keep_the_turn() -> None:
@@ -95,7 +100,20 @@ def test_a_holder_computing_a_long_new_prompt_does_not_keep_the_turn() -> None:
     n = (HISTORY + 2) * BS + 1
 
     def kept(share: Callable[[WorkerId, int], float]) -> Stay | None:
-        return stay(cost, views, [(0, HISTORY)], lambda i: True, share, (1, 0), n, n - 1, BS, 1.1, 0.7, 1.4)
+        return stay(
+            cost,
+            views,
+            [(0, HISTORY)],
+            eligible=lambda i: True,
+            share=share,
+            chosen=(1, 0),
+            prompt_tokens=n,
+            limit_tokens=n - 1,
+            block_size_tokens=BS,
+            now_s=1.1,
+            within_s=0.7,
+            over_s=1.4,
+        )
 
     assert kept(ledger.pending_share) is None
     found = kept(lambda w, _: ledger.share(w))

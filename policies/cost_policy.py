@@ -39,7 +39,8 @@ token counts are in engine tokens, see `CostModel.engine_tokens_per_request_toke
    (`policies.cost_decode`);
 8. with `stay_objective_s` set, when the chosen worker's first token is predicted later than it and
    a holder of more than half the prompt, within the load guard, is predicted within
-   `stay_within_s`, the request stays with that holder (`policies.cost_keep`): the score counts
+   `stay_within_s` and its decode step with the request joining within `stay_tpot_s`, the
+   request stays with that holder (`policies.cost_keep`): the score counts
    the holder's backlog whole, which a session's previous turn still in prefill, mostly cached and
    partly computed, makes look seconds away.
 """
@@ -93,6 +94,7 @@ class CostPolicy(CostBooks):
         tpot_objective_s: float = 0.1,
         stay_objective_s: float | None = 1.4,
         stay_within_s: float = 0.7,
+        stay_tpot_s: float = 0.05,
         shared: SharedSettings | None = None,
     ) -> None:
         if (
@@ -109,13 +111,14 @@ class CostPolicy(CostBooks):
                 herd_hold_steps,
                 decode_price_s,
                 stay_within_s,
+                stay_tpot_s,
             )
             < 0
         ):
             raise ValueError(
                 "epsilon, slack_requests, tie_s, work_weight, max_queue_factor, branch_load_weight,"
                 " continuation_slack_requests, keep_tpot_s, herd_weight, herd_hold_steps,"
-                " decode_price_s and stay_within_s must be >= 0"
+                " decode_price_s, stay_within_s and stay_tpot_s must be >= 0"
             )
         if load_window_s <= 0:
             raise ValueError("load_window_s must be > 0")
@@ -153,6 +156,7 @@ class CostPolicy(CostBooks):
         self.tpot_objective_s = tpot_objective_s
         self.stay_objective_s = stay_objective_s
         self.stay_within_s = stay_within_s
+        self.stay_tpot_s = stay_tpot_s
         self._last_n = -1
         self._observe_step = 1
         self._positions = Positions()
@@ -355,7 +359,10 @@ class CostPolicy(CostBooks):
                 cost,
                 cands,
                 held,
-                eligible=eligible_holders.__contains__,
+                eligible=lambda i: (
+                    i in eligible_holders
+                    and cost.joined_decode_step_s(cands[i], loads[i], req) <= self.stay_tpot_s
+                ),
                 share=self._ledger.pending_share,
                 chosen=(chosen, matched),
                 prompt_tokens=n,

@@ -21,8 +21,9 @@ def _session_on_w0(**kw: object) -> tuple[CostPolicy, list[WorkerView]]:
     """A policy whose w0 holds a session's history and is computing its previous turn: the turn is
     all but cached (its predicted uncached share is tiny), but the view counts 2M prompt tokens
     pending there (its sessions' turns, whole), so the score sees w0 seconds away and sends the
-    next turn to an idle worker."""
-    p = CostPolicy(seed=1, **kw)  # type: ignore[arg-type]
+    next turn to an idle worker. Its decode step with 2M tokens of context is past the default
+    `stay_tpot_s`, which the tests of the other bounds lift (`stay_tpot_s` 1 s)."""
+    p = CostPolicy(seed=1, **{"stay_tpot_s": 1.0, **kw})  # type: ignore[arg-type]
     warm = req("warm", range(HISTORY))
     d = p.select(warm, [WorkerView(WorkerId("w0"))], 0.0)
     assert d is not None
@@ -58,6 +59,11 @@ def test_without_the_rule_the_score_moves_the_turn() -> None:
 def test_a_holder_predicted_past_the_bound_or_the_guard_does_not_keep_the_turn() -> None:
     # Predicted within 0.7 s only with the tiny share: a bound of 0 keeps nothing.
     p, views = _session_on_w0(stay_within_s=0.0)
+    d = p.select(req("next", range(HISTORY + 2)), views, 1.1)
+    assert d is not None and d.worker != "w0"
+    # A holder whose decode step, with the turn joining its batch, would pass `stay_tpot_s` keeps
+    # nothing (its sessions' TPOT would pay for the turn's TTFT).
+    p, views = _session_on_w0(stay_tpot_s=0.0)
     d = p.select(req("next", range(HISTORY + 2)), views, 1.1)
     assert d is not None and d.worker != "w0"
     # A move predicted within the objective (a generous one) is left alone.

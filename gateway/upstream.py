@@ -31,7 +31,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from gateway import upstream_conn
 from gateway.answer_budget import AnswerBudget, AnswerHold, Reservation, TenantShare
@@ -51,7 +51,7 @@ from gateway.upstream_conn import (
     UpstreamTimeout,
     WorkerConnection,
 )
-from gateway.upstream_slots import ConnectionSlots, TimeoutSweep
+from gateway.upstream_slots import ConnectionSlots, TimeoutSweep, done_within
 
 T = TypeVar("T")
 
@@ -83,25 +83,6 @@ __all__ = [
     "read_whole",
     "request_bytes",
 ]
-
-
-STALL_S = 0.02  # a timer this late means this process did not run, not that the worker was slow
-
-
-async def _done_within(future: asyncio.Future[Any], timeout_s: float) -> bool:
-    """Whether `future` is done within `timeout_s` of the time this process ran. When this
-    process stalled past the deadline (a long garbage collection, a starved machine), the timer
-    is due as soon as the loop runs again, before a connect the worker accepted meanwhile can
-    finish (libuv runs due timers before it polls; asyncio reads the sockets first, but a connect
-    takes more loop turns to finish): it would count as the worker's timeout. A deadline reached
-    that late is given once as long again as it was late."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    done, _ = await asyncio.wait((future,), timeout=timeout_s)
-    late = loop.time() - deadline
-    if not done and late > STALL_S:
-        done, _ = await asyncio.wait((future,), timeout=late)
-    return bool(done)
 
 
 class UpstreamPool:
@@ -264,7 +245,7 @@ class UpstreamPool:
             )
         )
         try:
-            if not await _done_within(connecting, connect_s):
+            if not await done_within(connecting, connect_s):
                 raise UpstreamConnectError("connect timed out", timed_out=True)
             _, protocol = connecting.result()
         except OSError as exc:

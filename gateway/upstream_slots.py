@@ -1,4 +1,5 @@
-"""Per-worker connection slots and the shared timeout sweep of the lean upstream client.
+"""Per-worker connection slots, the shared timeout sweep and the connect deadline (`done_within`)
+of the lean upstream client.
 
 Both replace per-request asyncio machinery on the hot path: a free slot is taken with a counter
 (no semaphore, no timeout context), and in-flight requests' timeouts are checked by one periodic
@@ -10,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class Clock(Protocol):
@@ -114,3 +115,22 @@ class ConnectionSlots:
             if not waiter.done():
                 self.free -= 1
                 waiter.set_result(None)
+
+
+STALL_S = 0.02  # a timer this late means this process did not run, not that the worker was slow
+
+
+async def done_within(future: asyncio.Future[Any], timeout_s: float) -> bool:
+    """Whether `future` is done within `timeout_s` of the time this process ran. When this
+    process stalled past the deadline (a long garbage collection, a starved machine), the timer
+    is due as soon as the loop runs again, before a connect the worker accepted meanwhile can
+    finish (libuv runs due timers before it polls; asyncio reads the sockets first, but a connect
+    takes more loop turns to finish): it would count as the worker's timeout. A deadline reached
+    that late is given once as long again as it was late."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    done, _ = await asyncio.wait((future,), timeout=timeout_s)
+    late = loop.time() - deadline
+    if not done and late > STALL_S:
+        done, _ = await asyncio.wait((future,), timeout=late)
+    return bool(done)

@@ -9,7 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from gateway.upstream import UpstreamConnectError, UpstreamPool, _done_within
+from gateway.upstream import UpstreamConnectError, UpstreamPool
+from gateway.upstream_slots import done_within
 
 
 @pytest.fixture
@@ -43,10 +44,10 @@ async def test_a_connect_the_worker_accepted_while_this_process_stalled_is_not_i
 
 async def test_a_future_that_never_completes_is_not_done_within_its_timeout() -> None:
     loop = asyncio.get_running_loop()
-    assert await _done_within(loop.create_future(), 0.01) is False
+    assert await done_within(loop.create_future(), 0.01) is False
     done = loop.create_future()
     done.set_result(None)
-    assert await _done_within(done, 0.01) is True
+    assert await done_within(done, 0.01) is True
 
 
 async def test_a_connect_that_fails_is_an_error_not_a_timeout() -> None:

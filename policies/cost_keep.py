@@ -87,8 +87,9 @@ def stay(
     """The holder of more than half the prompt to keep instead of `chosen` (candidate index, tokens
     matched there), or None.
 
-    `held`: (candidate index, blocks held) of every holder; `eligible`: whether a candidate is
-    within the load guard; `share`: the predicted uncached share of a worker's backlog of so many
+    `held`: (candidate index, blocks held) of every holder; `eligible`: whether a candidate may
+    keep the request (`cost`: the load guard lets it in and its decode step, the request joining,
+    stays within `stay_tpot_s`); `share`: the predicted uncached share of a worker's backlog of so many
     tokens. A holder is kept when `chosen` is predicted later than `over_s` and the holder within
     `within_s`; of several, the soonest.
     """

@@ -63,10 +63,14 @@ def first_token_s(
 ) -> float:
     """Predicted seconds to a request's first token on `view` (token counts in request tokens):
     the wait for its backlog (`wait_s`) plus the request's own prefill after `matched_tokens`."""
+    return wait_s(cost, view, share, now_s) + own_prefill_s(cost, matched_tokens, prompt_tokens)
+
+
+def own_prefill_s(cost: CostModel, matched_tokens: int, prompt_tokens: int) -> float:
+    """A request's own prefill after `matched_tokens` of it (request tokens) are cached."""
     unit = cost.engine_tokens_per_request_token
     matched = int(matched_tokens * unit)
-    own = cost.prefill_s(int(prompt_tokens * unit) - matched, matched)
-    return wait_s(cost, view, share, now_s) + own
+    return cost.prefill_s(int(prompt_tokens * unit) - matched, matched)
 
 
 def stay(
@@ -94,7 +98,6 @@ def stay(
     `within_s`; of several, the soonest.
     """
     index, matched = chosen
-    unit = cost.engine_tokens_per_request_token
     view = views[index]
     pending = view.in_flight_prefill_tokens
     if first_token_s(cost, view, share(view.worker_id, pending), matched, prompt_tokens, now_s) <= over_s:
@@ -107,7 +110,7 @@ def stay(
             continue
         holder = views[i]
         wait = wait_s(cost, holder, share(holder.worker_id, holder.in_flight_prefill_tokens), now_s)
-        t = wait + cost.prefill_s(int((prompt_tokens - m) * unit), int(m * unit))
+        t = wait + own_prefill_s(cost, m, prompt_tokens)
         if t <= within_s and (best is None or t < best.first_token_s):
             best = Stay(i, m, t, wait)
     return best

@@ -2,7 +2,8 @@
 
 Only what routing needs is validated here (`model`, the route's prompt field, `stream`,
 `stream_options`, `priority`, `n`, `best_of`); everything else is the worker's to judge and is
-forwarded untouched. Those fields are read as the worker's lax pydantic models read them
+forwarded untouched, but for an empty `tools` list, which engines read differently
+(`_without_empty_tools`). Those fields are read as the worker's lax pydantic models read them
 (`prompt_normalizer.lax`), only on routes whose request model has them (`ApiRoute.fields`), and a
 value not sent as the exact type (`"stream": "true"`, `"n": "2"`) is kept as read, so that every
 reader in the gateway agrees with the worker.
@@ -59,6 +60,10 @@ def parse_body(
     # Before the prompt's checks: a prompt sent as embeddings alone names the field refused, not
     # the text it lacks.
     check_internal(body)
+    if api.has_tools:
+        tools = body.get("tools")
+        if tools.__class__ is list and not tools:
+            _without_empty_tools(body)
     prompt = api.prompt
     if prompt == "chat":
         messages = body.get("messages")
@@ -114,6 +119,36 @@ def parse_body(
 
 
 _STREAM_OPTION_FLAGS = ("include_usage", "continuous_usage_stats")
+
+
+# The `tool_choice` values that call no tool: OpenAI's strings (chat and Responses) and Anthropic's
+# objects (`{"type": "auto"}`, which may carry `disable_parallel_tool_use`).
+_NO_CALL_CHOICES = ("none", "auto")
+
+
+def _without_empty_tools(body: dict[str, Any]) -> None:
+    """A body whose `tools` is `[]` made the body without the field: the request as every engine
+    serves it, whichever worker gets it.
+
+    An empty list asks for no tool, but engines read it differently: vLLM refuses it on chat with
+    400 since it followed OpenAI's chat API there, older vLLM and SGLang serve it as no tools,
+    vLLM's Responses has it as its default, and vLLM's Messages makes it a `tool_choice` "auto"
+    among no tools (400 unless the worker was started with auto tool choice). Clients (SDK
+    wrappers, agent frameworks) send it for "no tools", and a fleet in the middle of an upgrade
+    would answer them 200 or 400 by the worker picked. A `tool_choice` of "auto" goes with it
+    (auto among no tools calls none; vLLM refuses "auto" without tools), "none" stays (taken with
+    or without tools); one that asks for a call (`required`, Anthropic's `any`, a named tool)
+    cannot be served, and is refused here, naming the field."""
+    del body["tools"]
+    choice = body.get("tool_choice")
+    kind = choice.get("type") if choice.__class__ is dict else choice
+    if choice is not None and kind not in _NO_CALL_CHOICES:
+        raise bad_request(
+            "'tool_choice' must be 'none' or 'auto' when 'tools' is empty: no tool can be called",
+            "tool_choice",
+        )
+    if kind == "auto":
+        del body["tool_choice"]
 
 
 def _lax_flag(value: object, field: str) -> bool:

@@ -73,18 +73,20 @@ class ApiRoute:
     on one worker that serves it alone, with no KV transfer fields. `api_key_header`: the key may
     come in `x-api-key` (Anthropic clients). `rewrites`: the gateway may rewrite the body (the
     normalizer's canonical body, `stream_options.include_usage`): chat and completions only; a
-    Responses or Messages body is forwarded as sent. `pick`: the body chooses the route that
+    Responses or Messages body is forwarded as sent (but for an empty `tools` list, which no route
+    forwards: `bodies.parse_body`). `pick`: the body chooses the route that
     serves it (SageMaker's `/invocations`); the request is then admitted, keyed, sent and counted
     as the route picked. `salted`: the gateway sets the engine's cache isolation key, in
     `salt_field` (vLLM's `cache_salt`; SGLang's native request names it `extra_key`), replacing
     any value the client sent. `fields`: which of the fields the gateway reads (`stream`,
-    `stream_options`, `priority`) the route's vLLM request model has: only those are checked and
-    read (`bodies.parse_body`); a model without the field ignores it (vLLM allows extra fields),
-    so the gateway does too. `engine_priority`: on a salted route, the gateway adds the tenant's
-    engine priority (off where the route's vLLM model has no `priority` and refuses fields it
-    lacks: `/v1/decisions`). `scale_out`: a route vLLM 0.33 serves only when started with
-    `--enable-scale-out` (render, derender): without it the worker answers 403, its own answer to
-    the request (passed on as any 4xx is), not a refusal of the gateway's credentials.
+    `stream_options`, `priority`, `tools`) the route's vLLM request model has: only those are
+    checked and read (`bodies.parse_body`); a model without the field ignores it (vLLM allows
+    extra fields), so the gateway does too. `engine_priority`: on a salted route, the gateway
+    adds the tenant's engine priority (off where the route's vLLM model has no `priority` and
+    refuses fields it lacks: `/v1/decisions`). `scale_out`: a route vLLM 0.33 serves only when
+    started with `--enable-scale-out` (render, derender): without it the worker answers 403, its
+    own answer to the request (passed on as any 4xx is), not a refusal of the gateway's
+    credentials.
     `fanout`: the body is many prompts the worker runs one by one (`Fanout`): they count as
     sequences against `limits.max_choices`, in the prompt tokens and in the output budget
     (`prompt_batch`). `pooled`: the body lists inputs the worker encodes one by one (`Pooled`):
@@ -117,27 +119,33 @@ class ApiRoute:
     has_stream: bool = field(init=False)
     has_stream_options: bool = field(init=False)
     has_priority: bool = field(init=False)
+    has_tools: bool = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "path_bytes", self.path.encode())
         object.__setattr__(self, "has_stream", "stream" in self.fields)
         object.__setattr__(self, "has_stream_options", "stream_options" in self.fields)
         object.__setattr__(self, "has_priority", "priority" in self.fields)
+        object.__setattr__(self, "has_tools", "tools" in self.fields)
         object.__setattr__(self, "rewrites", self.prompt in ("chat", "completions"))
         # Only the three headers every route reads (`RequestHead.of`, the fastest reader).
         object.__setattr__(self, "plain_head", not (self.api_key_header or self.multipart))
 
 
 # The fields of `ApiRoute.fields` in vLLM's request models: chat and completions (and their
-# render routes, which take the same models) have all three; Responses and the generate routes
-# `stream` and `priority`; Anthropic Messages and the audio forms `stream` only (a form is read
-# apart, `bodies.parse_form`); the pooling routes (embeddings, pooling, classify, score, rerank),
-# the batch of chat completions, generative scoring and `/v1/systemone` `priority` only (the
-# default); the tokenizer routes, Messages `count_tokens`, `/v1/decisions` and the derender routes
-# none.
-_CHAT_FIELDS = frozenset({"stream", "stream_options", "priority"})
+# render routes, which take the same models) have `stream`, `stream_options` and `priority`;
+# Responses and the generate routes `stream` and `priority`; Anthropic Messages and the audio
+# forms `stream` only (a form is read apart, `bodies.parse_form`); the pooling routes
+# (embeddings, pooling, classify, score, rerank), the batch of chat completions, generative
+# scoring and `/v1/systemone` `priority` only (the default); the tokenizer routes, Messages
+# `count_tokens`, `/v1/decisions` and the derender routes none. Chat, Responses and Messages
+# (their render routes and `count_tokens` too) have `tools` as well.
+_COMPLETIONS_FIELDS = frozenset({"stream", "stream_options", "priority"})
+_CHAT_FIELDS = _COMPLETIONS_FIELDS | {"tools"}
 _GENERATE_FIELDS = frozenset({"stream", "priority"})
+_RESPONSES_FIELDS = _GENERATE_FIELDS | {"tools"}
 _STREAM_ONLY = frozenset({"stream"})
+_MESSAGES_FIELDS = _STREAM_ONLY | {"tools"}
 _NO_FIELDS: frozenset[str] = frozenset()
 
 
@@ -148,7 +156,7 @@ def _routes(*routes: ApiRoute) -> dict[str, ApiRoute]:
 # vLLM takes its served model when a chat or completions body names none (`model_optional`).
 _CHAT = ApiRoute("chat", "/v1/chat/completions", "chat", salted=True, pd_split=True, fields=_CHAT_FIELDS)
 _COMPLETIONS = ApiRoute(
-    "completions", "/v1/completions", "completions", salted=True, pd_split=True, fields=_CHAT_FIELDS
+    "completions", "/v1/completions", "completions", salted=True, pd_split=True, fields=_COMPLETIONS_FIELDS
 )
 
 
@@ -180,7 +188,7 @@ ROUTES: dict[str, ApiRoute] = _routes(
         RESPONSES,
         salted=True,
         pd_split=True,
-        fields=_GENERATE_FIELDS,
+        fields=_RESPONSES_FIELDS,
     ),
     # vLLM's Anthropic request model has no `cache_salt`; the gateway sends it anyway (see
     # docs/gateway.md, "Anthropic Messages"): builds that honour it isolate tenants, vLLM drops it.
@@ -194,7 +202,7 @@ ROUTES: dict[str, ApiRoute] = _routes(
         model_optional=False,
         api_key_header=True,
         pd_split=True,
-        fields=_STREAM_ONLY,
+        fields=_MESSAGES_FIELDS,
     ),
     ApiRoute(
         "count_tokens",
@@ -203,7 +211,7 @@ ROUTES: dict[str, ApiRoute] = _routes(
         ANTHROPIC,
         model_optional=False,
         api_key_header=True,
-        fields=_NO_FIELDS,
+        fields=frozenset({"tools"}),
     ),
     # vLLM's batch of chat completions: `messages` is a list of conversations, each decoded once,
     # answered together as one chat completion (a choice per conversation; no stream). Load-aware:
@@ -220,7 +228,7 @@ ROUTES: dict[str, ApiRoute] = _routes(
         "completions_render",
         "/v1/completions/render",
         answer_may_be_array=True,
-        fields=_CHAT_FIELDS,
+        fields=_COMPLETIONS_FIELDS,
         scale_out=True,
     ),
     # vLLM 0.33's other render routes take the Messages and Responses request models (a Messages
@@ -231,11 +239,15 @@ ROUTES: dict[str, ApiRoute] = _routes(
         dialect=ANTHROPIC,
         model_optional=False,
         api_key_header=True,
-        fields=_STREAM_ONLY,
+        fields=_MESSAGES_FIELDS,
         scale_out=True,
     ),
     ApiRoute(
-        "responses_render", "/v1/responses/render", dialect=RESPONSES, fields=_GENERATE_FIELDS, scale_out=True
+        "responses_render",
+        "/v1/responses/render",
+        dialect=RESPONSES,
+        fields=_RESPONSES_FIELDS,
+        scale_out=True,
     ),
     # Derendering turns a generate answer back into a chat or completions one, without the engine.
     # Its `stream` picks the request's shape (one chunk and the client's `stream_state`), never an

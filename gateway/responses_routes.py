@@ -37,6 +37,7 @@ from gateway.registry import Pool, Registry
 from gateway.request_head import RequestIds, client_request_id, new_request_id
 from gateway.responses_affinity import ResponseAffinity, find_holder, holds, not_found, stored_url
 from gateway.responses_stream import StoredResponseStream
+from gateway.routes import CANCEL_RESPONSE_PATH, STORED_RESPONSE_PATH
 from gateway.routing import Routing
 from gateway.streaming import AiohttpSource
 from gateway.surface import error, tenant_of
@@ -183,8 +184,8 @@ def responses_routes(
         return await forward(request, "/cancel", CANCEL_ENDPOINT)
 
     return [
-        Route("/v1/responses/{response_id}", retrieve, methods=["GET"]),
-        Route("/v1/responses/{response_id}/cancel", cancel, methods=["POST"]),
+        Route(STORED_RESPONSE_PATH, retrieve, methods=["GET"]),
+        Route(CANCEL_RESPONSE_PATH, cancel, methods=["POST"]),
     ]
 
 

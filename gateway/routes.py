@@ -178,6 +178,11 @@ _INVOCATIONS = ApiRoute(
 )
 
 
+# The stored-response routes the gateway serves itself (`responses_routes`), as vLLM does: any one
+# path segment is an id there, `GET /v1/responses/render` a retrieve of a response so named.
+STORED_RESPONSE_PATH = "/v1/responses/{response_id}"
+CANCEL_RESPONSE_PATH = STORED_RESPONSE_PATH + "/cancel"
+
 ROUTES: dict[str, ApiRoute] = _routes(
     _CHAT,
     _COMPLETIONS,

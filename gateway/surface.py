@@ -18,7 +18,7 @@ from starlette.convertors import Convertor, register_url_convertor
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import Route, compile_path
 
 from gateway.admission import authenticate
 from gateway.auth import Tenant
@@ -28,7 +28,7 @@ from gateway.gate import Gate
 from gateway.keying import base_model
 from gateway.registry import Registry
 from gateway.request_head import RequestHead, request_id_of
-from gateway.routes import ROUTES
+from gateway.routes import ROUTES, STORED_RESPONSE_PATH
 
 
 def _version() -> str:
@@ -122,6 +122,20 @@ def tenant_of(request: Request, gate: Gate) -> Tenant:
     return authenticate(RequestHead.of(request.scope), gate)
 
 
+# A GET that `responses_routes` serves: vLLM's `GET /v1/responses/{response_id}` takes any one
+# path segment as an id, so a GET of its `POST /v1/responses/render` is a retrieve of a response
+# named `render` (404 there), never a method not allowed.
+_STORED_RESPONSE = compile_path(STORED_RESPONSE_PATH)[0]
+
+
+def _other_methods(path: str) -> list[str]:
+    """The methods answered 405 on a proxied POST route's `path`: GET, PUT, DELETE and PATCH,
+    but GET where the path could name a stored response, whose retrieve it is, as on vLLM."""
+    if _STORED_RESPONSE.match(path):
+        return ["PUT", "DELETE", "PATCH"]
+    return ["GET", "PUT", "DELETE", "PATCH"]
+
+
 def surface_routes(gate: Gate, registry: Registry, created_s: int) -> list[Route]:
     """The GET routes above, and 405 for any other method on a proxied POST route."""
 
@@ -167,7 +181,7 @@ def surface_routes(gate: Gate, registry: Registry, created_s: int) -> list[Route
         raise HTTPException(405)  # answered by the app's 405 handler, in the route's API's shape
 
     return [
-        *(Route(path, not_allowed, methods=["GET", "PUT", "DELETE", "PATCH"]) for path in ROUTES),
+        *(Route(path, not_allowed, methods=_other_methods(path)) for path in ROUTES),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model_id:kvgate_model_id}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),

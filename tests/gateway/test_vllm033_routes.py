@@ -177,12 +177,13 @@ async def test_a_workers_403_on_a_scale_out_route_is_its_answer_not_a_refused_ke
 
 
 async def test_the_responses_render_route_is_served_not_taken_for_a_stored_response() -> None:
-    """`POST /v1/responses/render` was answered 405 by `GET /v1/responses/{id}`; another method
-    on a proxied path is still 405, and a path vLLM does not have is still 404."""
+    """`POST /v1/responses/render` was answered 405 by `GET /v1/responses/{id}`; a GET there is
+    a retrieve of a response named `render`, as on vLLM (404: tests/gateway/
+    test_wire_responses_render.py), and a path vLLM does not have is still 404."""
     async with gateway() as (client, worker, _):
         answer = await client.post("/v1/responses/render", json={"model": "m", "input": "x"}, headers=KEY)
         assert answer.status_code == 200 and worker.seen[-1].path == "/v1/responses/render"
-        assert (await client.get("/v1/responses/render", headers=KEY)).status_code == 405
+        assert (await client.get("/v1/responses/render", headers=KEY)).status_code == 404
         cohere = await client.post("/cohere/v2/chat", json={"model": "m", "messages": CHAT}, headers=KEY)
         assert cohere.status_code == 404
 

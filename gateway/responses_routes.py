@@ -28,7 +28,14 @@ from starlette.routing import Route
 
 from gateway.config.pool import TimeoutsConfig
 from gateway.errors import ApiError, normalize_worker_error, upstream_error, withhold_salts
-from gateway.failure import REFUSED_CREDENTIALS, TRANSPORT_ERRORS, Stage, failure_of, worker_status
+from gateway.failure import (
+    BUSY_STATUSES,
+    REFUSED_CREDENTIALS,
+    TRANSPORT_ERRORS,
+    Stage,
+    failure_of,
+    worker_status,
+)
 from gateway.gate import Gate
 from gateway.lifecycle import Lifecycle, shutting_down
 from gateway.outcome import CLIENT_DISCONNECTED, record_refusal
@@ -278,7 +285,10 @@ async def _whole(source: AiohttpSource, timeouts: TimeoutsConfig) -> tuple[int, 
     """The worker's whole answer (bounded like any: `upstream.read_whole`). A read that fails
     once the answer has begun (too large, the process's answer budget, a broken connection) is
     mapped as the proxied routes map it (`failure.failure_of`); one that never got an answer is
-    the holder being unreachable."""
+    the holder being unreachable. A holder that is busy (503, 529) or refuses the gateway's
+    credentials is answered as on the proxied routes (`failure.worker_status`): a busy one as a 503
+    with its own `Retry-After` (`worker_overloaded` for its 529, which OpenAI clients do not know),
+    though there is no other worker to try."""
     try:
         body = await source.read_all()
     except TimeoutError:
@@ -295,6 +305,8 @@ async def _whole(source: AiohttpSource, timeouts: TimeoutsConfig) -> tuple[int, 
     source.release()
     if source.status in REFUSED_CREDENTIALS:  # the gateway's worker key, never the client's
         raise worker_status(source.status).error()
+    if source.status in BUSY_STATUSES:
+        raise worker_status(source.status, source.retry_hints).error()
     return source.status, body
 
 

@@ -242,7 +242,34 @@ one's own, pools set through `config`). */}}
 {{- include "kvgate.checkOneOwner" (dict "config" $cfg "key" "pools" "field" "models" "what" "model %q") }}
 {{- include "kvgate.checkOneOwner" (dict "config" $cfg "key" "tenants" "field" "api_key_hashes" "what" "an API key hash") }}
 {{- include "kvgate.checkQuotasShared" (dict "ctx" . "config" $cfg) }}
+{{- include "kvgate.checkSyncTimeouts" $cfg }}
 {{- toYaml $cfg }}
+{{- end }}
+
+{{/* The gateway's defaults of the sync timings the chart checks (gateway/config/sync.py,
+SyncConfig; a test keeps them equal). */}}
+{{- define "kvgate.syncTimingDefaults" -}}
+{{- dict "load_refresh_s" 1.0 "peer_timeout_s" 5.0 | toJson }}
+{{- end }}
+
+{{/* A config whose sync.peer_timeout_s is not above its sync.load_refresh_s, which the gateway
+refuses at start (a peer heard from every load_refresh_s must not be forgotten in between): refused
+at install instead of crashlooping the pods. Each comes from sync.peerTimeoutS / sync.loadRefreshS
+or config.sync (which wins); unset or null, the gateway's default. The gateway checks its sync
+block whether or not sync is on, so this does too. */}}
+{{- define "kvgate.checkSyncTimeouts" -}}
+{{- with .sync }}
+{{- $defaults := include "kvgate.syncTimingDefaults" . | fromJson }}
+{{- $timing := dict }}
+{{- range $key, $default := $defaults }}
+{{- $value := get $.sync $key }}
+{{- if or (not (hasKey $.sync $key)) (kindIs "invalid" $value) }}{{ $value = $default }}{{ end }}
+{{- $_ := set $timing $key (float64 $value) }}
+{{- end }}
+{{- if le $timing.peer_timeout_s $timing.load_refresh_s }}
+{{- fail (printf "sync.peerTimeoutS (%v) must be longer than sync.loadRefreshS (%v), as the gateway refuses to start otherwise (its sync.peer_timeout_s and sync.load_refresh_s; config.sync wins over both; unset or null: the gateway's %v and %v s): a gateway publishes its load every loadRefreshS, and its peers forget it after peerTimeoutS of silence" $timing.peer_timeout_s $timing.load_refresh_s $defaults.peer_timeout_s $defaults.load_refresh_s) }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/* A name given twice among the config's pools or tenants (dict: config, key, what), which the

@@ -76,7 +76,8 @@ def test_the_nats_workload() -> None:
     assert repository == "nats" and tag[0].isdigit() and tag != "latest"  # pinned
     # Its config file, from the chart's ConfigMap; nothing else is mounted (no storage).
     assert c["args"] == ["--config", "/etc/kvgate-nats/nats-server.conf"]
-    assert c["env"] == [TOKEN_ENV]  # the token its config reads, from the release's Secret
+    # The token its config reads, from the release's Secret; the Go runtime's memory limit.
+    assert c["env"] == [TOKEN_ENV, {"name": "GOMEMLIMIT", "value": str(int(128 * MIB * 0.9))}]
     assert c["volumeMounts"] == [{"name": "config", "mountPath": "/etc/kvgate-nats", "readOnly": True}]
     assert pod["volumes"] == [{"name": "config", "configMap": {"name": NATS}}]
     assert "checksum/config" in spec["template"]["metadata"]["annotations"]
@@ -189,7 +190,7 @@ def test_the_token_the_gateways_present_and_the_broker_requires() -> None:
     docs = render({"sync": {"auth": {"existingSecret": "nats-token", "tokenKey": "t"}}})
     assert f"Secret/{TOKEN_SECRET}" not in docs
     ref = {"name": "KVGATE_SYNC_TOKEN", "valueFrom": {"secretKeyRef": {"name": "nats-token", "key": "t"}}}
-    assert docs[f"Deployment/{NATS}"]["spec"]["template"]["spec"]["containers"][0]["env"] == [ref]
+    assert docs[f"Deployment/{NATS}"]["spec"]["template"]["spec"]["containers"][0]["env"][0] == ref
     assert _token_volume(docs)["secretName"] == "nats-token"
     assert gateway_config(docs)["sync"]["auth"] == {"token_file": "/etc/kvgate/sync-token/t"}
     # An external broker: a token only when one is given.

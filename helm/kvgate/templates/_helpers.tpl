@@ -408,6 +408,40 @@ app.kubernetes.io/part-of: {{ include "kvgate.name" . }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 
+{{/* The broker container's resources: sync.nats.resources, a request above its limit lowered to
+it (Kubernetes refuses the pod otherwise; a limit set alone below the default request is the
+request too, as Kubernetes takes a limit alone). */}}
+{{- define "kvgate.natsResources" -}}
+{{- $given := .Values.sync.nats.resources | default dict }}
+{{- $requests := deepCopy (get $given "requests" | default dict) }}
+{{- $limits := get $given "limits" | default dict }}
+{{- range $name, $limit := $limits }}
+{{- $request := get $requests $name }}
+{{- if and $limit $request }}
+{{- $l := include "kvgate.quantity" $limit }}
+{{- $r := include "kvgate.quantity" $request }}
+{{- if and $l $r (gt (float64 $r) (float64 $l)) }}
+{{- $_ := set $requests $name $limit }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- $out := dict }}
+{{- with $requests }}{{ $_ := set $out "requests" . }}{{ end }}
+{{- with $limits }}{{ $_ := set $out "limits" . }}{{ end }}
+{{- toYaml $out }}
+{{- end }}
+
+{{/* GOMEMLIMIT for the broker (bytes, which the Go runtime takes without a unit): 90% of its
+memory limit, what NATS advises for nats-server in a container; empty without a limit this
+reads. The argument is the container's resources. */}}
+{{- define "kvgate.natsMemoryLimitBytes" -}}
+{{- with dig "limits" "memory" "" . }}
+{{- with include "kvgate.quantity" . }}
+{{- mulf (float64 .) 0.9 | floor | int64 }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{/* The broker's nats-server.conf: core NATS only (no JetStream, nothing stored).
 max_payload: a sync batch may reach 8 MiB (the codec's bound, gateway/sync/codec.py); below that the
 gateways cut smaller batches to the server's limit, and only a holding too large for one message is

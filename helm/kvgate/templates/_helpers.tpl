@@ -362,14 +362,30 @@ left for the suffix as for the broker's name. */}}
 
 {{/* The Secret with the token the gateways present to the sync broker (and the chart's broker
 requires): the operator's, else the chart's; empty when they present none (an external sync.url
-given no token). */}}
+given no token). The chart's Secret of a given token (sync.auth.token) and of a generated one have
+different names: the generated one is immutable (sync-token-secret.yaml), so that switching from
+it to a given token creates a Secret rather than rewriting it. */}}
 {{- define "kvgate.syncTokenSecretName" -}}
 {{- $auth := .Values.sync.auth }}
 {{- if .Values.sync.enabled }}
 {{- if $auth.existingSecret }}{{ $auth.existingSecret }}
-{{- else if or $auth.token (include "kvgate.runsNats" .) }}{{ printf "%s-sync-token" (include "kvgate.fullname" .) }}
+{{- else if $auth.token }}{{ include "kvgate.syncTokenGivenName" . }}
+{{- else if include "kvgate.runsNats" . }}{{ include "kvgate.syncTokenGeneratedName" . }}
 {{- end }}
 {{- end }}
+{{- end }}
+
+{{- define "kvgate.syncTokenGeneratedName" -}}
+{{- printf "%s-sync-token" (include "kvgate.fullname" .) }}
+{{- end }}
+
+{{- define "kvgate.syncTokenGivenName" -}}
+{{- printf "%s-sync-token-given" (include "kvgate.fullname" .) }}
+{{- end }}
+
+{{/* Whether the chart generates the sync token (no existingSecret, no token, its own broker). */}}
+{{- define "kvgate.syncTokenGenerated" -}}
+{{- if eq (include "kvgate.syncTokenSecretName" .) (include "kvgate.syncTokenGeneratedName" .) }}true{{ end }}
 {{- end }}
 
 {{- define "kvgate.syncTokenDir" -}}/etc/kvgate/sync-token{{- end }}

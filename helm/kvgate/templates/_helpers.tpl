@@ -466,6 +466,9 @@ connection as a slow consumer (losing all of them), takes 8 of the largest messa
 gateway's own client holds 8 received; nats-server refuses to start with max_payload above it. */}}
 {{- define "kvgate.natsConfig" -}}
 {{- with .Values.sync.nats -}}
+{{- if eq (int .port) (int .monitorPort) }}
+{{- fail (printf "sync.nats.port and sync.nats.monitorPort are both %d: nats-server listens for clients and for monitoring (the probes) on two ports, and would not start" (int .port)) }}
+{{- end }}
 {{- if lt (int64 .maxPendingBytes) (mul 8 (int64 .maxPayloadBytes)) }}
 {{- fail (printf "sync.nats.maxPendingBytes (%d) must be at least 8 x sync.nats.maxPayloadBytes (%d): the broker closes a gateway's connection as a slow consumer once more waits for it, losing every batch it held, and nats-server refuses to start with max_payload above max_pending" (int64 .maxPendingBytes) (mul 8 (int64 .maxPayloadBytes))) }}
 {{- end -}}

@@ -55,3 +55,15 @@ def test_labels_of_ones_own_still_render() -> None:
     assert labels["team"] == "llm" and labels["app.kubernetes.io/version"] == "canary"
     assert container(docs)["name"] == "kvgate" and pod_spec(docs)["containers"]
     validate_strictly(docs)
+
+
+@pytest.mark.parametrize("path", ["podAnnotations", "sync.nats.podAnnotations"])
+def test_the_charts_checksum_annotations_cannot_be_given(path: str) -> None:
+    """The chart writes checksum/* on the pods itself (a changed config rolls them): one given in
+    podAnnotations would be a duplicate key Helm cannot parse, or stand for nothing."""
+    with pytest.raises(helm_python.HelmError, match="/" + path.replace(".", "/") + "/checksum~1config"):
+        render(nested(path, {"checksum/config": "abc"}))
+    docs = render(nested(path, {"example.com/owner": "llm"}))
+    name = f"{RELEASE}-kvgate-nats" if path.startswith("sync") else f"{RELEASE}-kvgate"
+    annotations = docs[f"Deployment/{name}"]["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["example.com/owner"] == "llm" and "checksum/config" in annotations

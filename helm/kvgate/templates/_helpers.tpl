@@ -243,6 +243,7 @@ one's own, pools set through `config`). */}}
 {{- include "kvgate.checkOneOwner" (dict "config" $cfg "key" "tenants" "field" "api_key_hashes" "what" "an API key hash") }}
 {{- include "kvgate.checkQuotasShared" (dict "ctx" . "config" $cfg) }}
 {{- include "kvgate.checkSyncTimeouts" $cfg }}
+{{- include "kvgate.checkSyncAuth" $cfg }}
 {{- toYaml $cfg }}
 {{- end }}
 
@@ -268,6 +269,41 @@ block whether or not sync is on, so this does too. */}}
 {{- end }}
 {{- if le $timing.peer_timeout_s $timing.load_refresh_s }}
 {{- fail (printf "sync.peerTimeoutS (%v) must be longer than sync.loadRefreshS (%v), as the gateway refuses to start otherwise (its sync.peer_timeout_s and sync.load_refresh_s; config.sync wins over both; unset or null: the gateway's %v and %v s): a gateway publishes its load every loadRefreshS, and its peers forget it after peerTimeoutS of silence" $timing.peer_timeout_s $timing.load_refresh_s $defaults.peer_timeout_s $defaults.load_refresh_s) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The sync block's credentials as the gateway takes them (gateway/config/sync.py, SyncAuthConfig
+and SyncConfig): the chart's `auth` (from sync.auth) merged with config.sync.auth can end up with a
+token from a file and from the environment, a user without a password, or a user and a token, and a
+sentinel_auth goes with a redis+sentinel:// url only; each is refused at start, so at install. */}}
+{{- define "kvgate.checkSyncAuth" -}}
+{{- with .sync }}
+{{- $url := toString (get . "url" | default "") }}
+{{- if and (get . "sentinel_auth") (not (regexMatch "^\\s*rediss?\\+sentinel://" $url)) }}
+{{- fail (printf "config.sync.sentinel_auth is the sentinels' own password: it goes with a redis+sentinel:// (or rediss+sentinel://) sync.url, not %q (the gateway refuses it at start; the broker's own credentials go in sync.auth)" $url) }}
+{{- end }}
+{{- range $block := list "auth" "sentinel_auth" }}
+{{- with get $.sync $block }}
+{{- $where := printf "the gateway config's sync.%s (the chart's from sync.auth, with config.sync.%s merged over it)" $block $block }}
+{{- $token := or .token_file .token_env }}
+{{- $password := or .password_file .password_env }}
+{{- if and .token_file .token_env }}
+{{- fail (printf "%s has both token_file (%s) and token_env (%s); the gateway takes one: with the chart's token (sync.auth.token or existingSecret, read from a file) leave config.sync.%s.token_env out" $where .token_file .token_env $block) }}
+{{- end }}
+{{- if and .password_file .password_env }}
+{{- fail (printf "%s has both password_file and password_env; the gateway takes one" $where) }}
+{{- end }}
+{{- if and .user (not $password) }}
+{{- fail (printf "%s has a user and no password (password_file or password_env); the gateway refuses the config" $where) }}
+{{- end }}
+{{- if and $password (not .user) }}
+{{- fail (printf "%s has a password and no user; the gateway refuses the config (a password alone is a token: token_file or token_env)" $where) }}
+{{- end }}
+{{- if and .user $token }}
+{{- fail (printf "%s has a user and a token; the gateway takes one of the two (sync.auth.user makes the chart's secret that user's password)" $where) }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- end }}

@@ -111,6 +111,7 @@ def test_the_install_notes_say_where_a_generated_token_cannot_be_kept() -> None:
     for values in (
         {"sync": {"auth": {"token": "a1" * 20}}},
         {"sync": {"auth": {"existingSecret": "nats-token"}}},
+        {"sync": {"auth": {"existingSecret": GENERATED}}},  # a Secret of one's own of that name
         {"sync": {"url": "nats://nats.messaging.svc:4222"}},
         {"sync": {"enabled": False}, "replicaCount": 1},
     ):

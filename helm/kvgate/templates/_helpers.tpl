@@ -421,7 +421,8 @@ it to a given token creates a Secret rather than rewriting it. */}}
 
 {{/* Whether the chart generates the sync token (no existingSecret, no token, its own broker). */}}
 {{- define "kvgate.syncTokenGenerated" -}}
-{{- if eq (include "kvgate.syncTokenSecretName" .) (include "kvgate.syncTokenGeneratedName" .) }}true{{ end }}
+{{- $auth := .Values.sync.auth }}
+{{- if and .Values.sync.enabled (not $auth.existingSecret) (not $auth.token) (include "kvgate.runsNats" .) }}true{{ end }}
 {{- end }}
 
 {{- define "kvgate.syncTokenDir" -}}/etc/kvgate/sync-token{{- end }}

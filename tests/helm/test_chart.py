@@ -341,7 +341,7 @@ def test_rendered_config_and_policy_boot_a_real_gateway(tmp_path: Path) -> None:
     docs = render(values)
     assert gateway_config(docs)["secrets"] == {"key_hash_secret_file": str(key_hash_path)}
     policy_path.write_text(docs["ConfigMap/rel-kvgate-policy"]["data"]["policy.yaml"])
-    token_path.write_bytes(base64.b64decode(docs["Secret/rel-kvgate-sync-token"]["data"]["token"]))
+    token_path.write_bytes(base64.b64decode(docs["Secret/rel-kvgate-sync-token-given"]["data"]["token"]))
     config_path = tmp_path / "gateway.yaml"
     config_path.write_text(gateway_config_text(docs))
     argv = [sys.executable, "-m", "loadtest.static_backend", "--port", str(backend_port)]

@@ -23,9 +23,9 @@ EVERYTHING: dict[str, Any] = REQUIRED | {
 }
 
 
-def names_of_release(release: str) -> set[str]:
+def names_of_release(release: str, values: dict[str, Any] | None = None) -> set[str]:
     out = helm_python.Chart.load(str(CHART)).render(
-        EVERYTHING, name=release, namespace="llm", is_install=True
+        EVERYTHING | (values or {}), name=release, namespace="llm", is_install=True
     )
     return {
         doc["metadata"]["name"]
@@ -45,7 +45,10 @@ def test_the_documented_resource_names_are_the_charts() -> None:
     assert "`<fullname>` is the name the chart gives its resources: `<release>-kvgate`" in text
     documented = set(re.findall(r"`(?:<release namespace>\.)?<fullname>(-[a-z-]+)?`", text))
     assert {"", "-config", "-nats", "-metrics", "-policy", "-key-hash"} <= documented
-    rendered = names_of_release("kvgate")
+    # The Secret of a given sync token instead of the generated one's.
+    rendered = names_of_release("kvgate") | names_of_release(
+        "kvgate", {"sync": {"auth": {"token": "a1" * 20}}}
+    )
     for suffix in documented:
         assert f"kvgate{suffix}" in rendered, (suffix, sorted(rendered))
 

@@ -30,7 +30,8 @@ from tests.helm.chart import (
 from tests.support.processes import free_port, started
 
 NATS = f"{RELEASE}-kvgate-nats"
-TOKEN_SECRET = f"{RELEASE}-kvgate-sync-token"
+TOKEN_SECRET = f"{RELEASE}-kvgate-sync-token"  # a generated token (an immutable Secret)
+GIVEN_TOKEN_SECRET = f"{TOKEN_SECRET}-given"  # sync.auth.token
 TOKEN_ENV = {
     "name": "KVGATE_SYNC_TOKEN",
     "valueFrom": {"secretKeyRef": {"name": TOKEN_SECRET, "key": "token"}},
@@ -76,7 +77,8 @@ def test_the_nats_workload() -> None:
     assert repository == "nats" and tag[0].isdigit() and tag != "latest"  # pinned
     # Its config file, from the chart's ConfigMap; nothing else is mounted (no storage).
     assert c["args"] == ["--config", "/etc/kvgate-nats/nats-server.conf"]
-    assert c["env"] == [TOKEN_ENV]  # the token its config reads, from the release's Secret
+    # The token its config reads, from the release's Secret; the Go runtime's memory limit.
+    assert c["env"] == [TOKEN_ENV, {"name": "GOMEMLIMIT", "value": str(int(128 * MIB * 0.9))}]
     assert c["volumeMounts"] == [{"name": "config", "mountPath": "/etc/kvgate-nats", "readOnly": True}]
     assert pod["volumes"] == [{"name": "config", "configMap": {"name": NATS}}]
     assert "checksum/config" in spec["template"]["metadata"]["annotations"]
@@ -176,7 +178,8 @@ def test_the_token_the_gateways_present_and_the_broker_requires() -> None:
     # The operator's own token, in a Secret the chart creates, rolls both when it changes.
     given = "a1" * 20
     docs = render({"sync": {"auth": {"token": given}}})
-    assert base64.b64decode(docs[f"Secret/{TOKEN_SECRET}"]["data"]["token"]).decode() == given
+    assert base64.b64decode(docs[f"Secret/{GIVEN_TOKEN_SECRET}"]["data"]["token"]).decode() == given
+    assert f"Secret/{TOKEN_SECRET}" not in docs
     annotations = [
         docs[f"Deployment/{name}"]["spec"]["template"]["metadata"]["annotations"]
         for name in (NATS, f"{RELEASE}-kvgate")
@@ -187,19 +190,20 @@ def test_the_token_the_gateways_present_and_the_broker_requires() -> None:
             render({"sync": {"auth": {"token": bad}}})
     # A Secret of the operator's: no Secret from the chart, both read that one.
     docs = render({"sync": {"auth": {"existingSecret": "nats-token", "tokenKey": "t"}}})
-    assert f"Secret/{TOKEN_SECRET}" not in docs
+    assert f"Secret/{TOKEN_SECRET}" not in docs and f"Secret/{GIVEN_TOKEN_SECRET}" not in docs
     ref = {"name": "KVGATE_SYNC_TOKEN", "valueFrom": {"secretKeyRef": {"name": "nats-token", "key": "t"}}}
-    assert docs[f"Deployment/{NATS}"]["spec"]["template"]["spec"]["containers"][0]["env"] == [ref]
+    assert docs[f"Deployment/{NATS}"]["spec"]["template"]["spec"]["containers"][0]["env"][0] == ref
     assert _token_volume(docs)["secretName"] == "nats-token"
     assert gateway_config(docs)["sync"]["auth"] == {"token_file": "/etc/kvgate/sync-token/t"}
     # An external broker: a token only when one is given.
     url = "tls://nats.messaging.svc:4222"
     docs = render({"sync": {"url": url}})
-    assert f"Secret/{TOKEN_SECRET}" not in docs and _token_volume(docs) is None
+    assert _token_volume(docs) is None
+    assert not [k for k in docs if k.startswith(f"Secret/{TOKEN_SECRET}")]
     assert "auth" not in gateway_config(docs)["sync"]
     docs = render({"sync": {"url": url, "auth": {"token": "any printable token"}}})
     assert gateway_config(docs)["sync"]["auth"] == {"token_file": "/etc/kvgate/sync-token/token"}
-    assert f"Secret/{TOKEN_SECRET}" in docs
+    assert f"Secret/{GIVEN_TOKEN_SECRET}" in docs
 
 
 def _token_volume(docs: dict[str, dict[str, Any]]) -> dict[str, Any] | None:

@@ -18,7 +18,7 @@ from gateway.config.sync import SyncConfig
 from gateway.sync.broker import LocalRedis
 from gateway.sync.link import open_link
 from tests.helm.chart import gateway_config, notes, render, validate_strictly
-from tests.helm.test_chart_sync import TOKEN_SECRET, _token_volume, nats_resources
+from tests.helm.test_chart_sync import GIVEN_TOKEN_SECRET, _token_volume, nats_resources
 from tests.support.processes import free_port
 from tests.support.wait import wait_until
 
@@ -37,7 +37,7 @@ def test_an_existing_redis_with_a_password_or_an_acl_user() -> None:
     docs, block = _sync({"url": url, "auth": {"token": SECRET}})
     assert nats_resources(docs) == []
     assert block == {"url": url, "subject_prefix": "kvgate.llm.rel", "auth": {"token_file": SECRET_FILE}}
-    assert base64.b64decode(docs[f"Secret/{TOKEN_SECRET}"]["data"]["token"]).decode() == SECRET
+    assert base64.b64decode(docs[f"Secret/{GIVEN_TOKEN_SECRET}"]["data"]["token"]).decode() == SECRET
     assert _token_volume(docs) is not None
     assert parse_config(gateway_config(docs)).sync.broker == "redis"
 
@@ -47,7 +47,7 @@ def test_an_existing_redis_with_a_password_or_an_acl_user() -> None:
     assert parse_config(gateway_config(docs)).sync.auth.user == "kvgate"
     # A Redis without AUTH: nothing presented, no Secret.
     docs, block = _sync({"url": url})
-    assert "auth" not in block and f"Secret/{TOKEN_SECRET}" not in docs
+    assert "auth" not in block and not [k for k in docs if k.startswith("Secret/") and "sync-token" in k]
 
 
 async def test_the_rendered_auth_is_admitted_by_a_real_redis(tmp_path: Path) -> None:

@@ -242,7 +242,70 @@ one's own, pools set through `config`). */}}
 {{- include "kvgate.checkOneOwner" (dict "config" $cfg "key" "pools" "field" "models" "what" "model %q") }}
 {{- include "kvgate.checkOneOwner" (dict "config" $cfg "key" "tenants" "field" "api_key_hashes" "what" "an API key hash") }}
 {{- include "kvgate.checkQuotasShared" (dict "ctx" . "config" $cfg) }}
+{{- include "kvgate.checkSyncTimeouts" $cfg }}
+{{- include "kvgate.checkSyncAuth" $cfg }}
 {{- toYaml $cfg }}
+{{- end }}
+
+{{/* The gateway's defaults of the sync timings the chart checks (gateway/config/sync.py,
+SyncConfig; a test keeps them equal). */}}
+{{- define "kvgate.syncTimingDefaults" -}}
+{{- dict "load_refresh_s" 1.0 "peer_timeout_s" 5.0 | toJson }}
+{{- end }}
+
+{{/* A config whose sync.peer_timeout_s is not above its sync.load_refresh_s, which the gateway
+refuses at start (a peer heard from every load_refresh_s must not be forgotten in between): refused
+at install instead of crashlooping the pods. Each comes from sync.peerTimeoutS / sync.loadRefreshS
+or config.sync (which wins); unset or null, the gateway's default. The gateway checks its sync
+block whether or not sync is on, so this does too. */}}
+{{- define "kvgate.checkSyncTimeouts" -}}
+{{- with .sync }}
+{{- $defaults := include "kvgate.syncTimingDefaults" . | fromJson }}
+{{- $timing := dict }}
+{{- range $key, $default := $defaults }}
+{{- $value := get $.sync $key }}
+{{- if or (not (hasKey $.sync $key)) (kindIs "invalid" $value) }}{{ $value = $default }}{{ end }}
+{{- $_ := set $timing $key (float64 $value) }}
+{{- end }}
+{{- if le $timing.peer_timeout_s $timing.load_refresh_s }}
+{{- fail (printf "sync.peerTimeoutS (%v) must be longer than sync.loadRefreshS (%v), as the gateway refuses to start otherwise (its sync.peer_timeout_s and sync.load_refresh_s; config.sync wins over both; unset or null: the gateway's %v and %v s): a gateway publishes its load every loadRefreshS, and its peers forget it after peerTimeoutS of silence" $timing.peer_timeout_s $timing.load_refresh_s $defaults.peer_timeout_s $defaults.load_refresh_s) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The sync block's credentials as the gateway takes them (gateway/config/sync.py, SyncAuthConfig
+and SyncConfig): the chart's `auth` (from sync.auth) merged with config.sync.auth can end up with a
+token from a file and from the environment, a user without a password, or a user and a token, and a
+sentinel_auth goes with a redis+sentinel:// url only; each is refused at start, so at install. */}}
+{{- define "kvgate.checkSyncAuth" -}}
+{{- with .sync }}
+{{- $url := toString (get . "url" | default "") }}
+{{- if and (get . "sentinel_auth") (not (regexMatch "^\\s*rediss?\\+sentinel://" $url)) }}
+{{- fail (printf "config.sync.sentinel_auth is the sentinels' own password: it goes with a redis+sentinel:// (or rediss+sentinel://) sync.url, not %q (the gateway refuses it at start; the broker's own credentials go in sync.auth)" $url) }}
+{{- end }}
+{{- range $block := list "auth" "sentinel_auth" }}
+{{- with get $.sync $block }}
+{{- $where := printf "the gateway config's sync.%s (the chart's from sync.auth, with config.sync.%s merged over it)" $block $block }}
+{{- $token := or .token_file .token_env }}
+{{- $password := or .password_file .password_env }}
+{{- if and .token_file .token_env }}
+{{- fail (printf "%s has both token_file (%s) and token_env (%s); the gateway takes one: with the chart's token (sync.auth.token or existingSecret, read from a file) leave config.sync.%s.token_env out" $where .token_file .token_env $block) }}
+{{- end }}
+{{- if and .password_file .password_env }}
+{{- fail (printf "%s has both password_file and password_env; the gateway takes one" $where) }}
+{{- end }}
+{{- if and .user (not $password) }}
+{{- fail (printf "%s has a user and no password (password_file or password_env); the gateway refuses the config" $where) }}
+{{- end }}
+{{- if and $password (not .user) }}
+{{- fail (printf "%s has a password and no user; the gateway refuses the config (a password alone is a token: token_file or token_env)" $where) }}
+{{- end }}
+{{- if and .user $token }}
+{{- fail (printf "%s has a user and a token; the gateway takes one of the two (sync.auth.user makes the chart's secret that user's password)" $where) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/* A name given twice among the config's pools or tenants (dict: config, key, what), which the
@@ -335,14 +398,31 @@ left for the suffix as for the broker's name. */}}
 
 {{/* The Secret with the token the gateways present to the sync broker (and the chart's broker
 requires): the operator's, else the chart's; empty when they present none (an external sync.url
-given no token). */}}
+given no token). The chart's Secret of a given token (sync.auth.token) and of a generated one have
+different names: the generated one is immutable (sync-token-secret.yaml), so that switching from
+it to a given token creates a Secret rather than rewriting it. */}}
 {{- define "kvgate.syncTokenSecretName" -}}
 {{- $auth := .Values.sync.auth }}
 {{- if .Values.sync.enabled }}
 {{- if $auth.existingSecret }}{{ $auth.existingSecret }}
-{{- else if or $auth.token (include "kvgate.runsNats" .) }}{{ printf "%s-sync-token" (include "kvgate.fullname" .) }}
+{{- else if $auth.token }}{{ include "kvgate.syncTokenGivenName" . }}
+{{- else if include "kvgate.runsNats" . }}{{ include "kvgate.syncTokenGeneratedName" . }}
 {{- end }}
 {{- end }}
+{{- end }}
+
+{{- define "kvgate.syncTokenGeneratedName" -}}
+{{- printf "%s-sync-token" (include "kvgate.fullname" .) }}
+{{- end }}
+
+{{- define "kvgate.syncTokenGivenName" -}}
+{{- printf "%s-sync-token-given" (include "kvgate.fullname" .) }}
+{{- end }}
+
+{{/* Whether the chart generates the sync token (no existingSecret, no token, its own broker). */}}
+{{- define "kvgate.syncTokenGenerated" -}}
+{{- $auth := .Values.sync.auth }}
+{{- if and .Values.sync.enabled (not $auth.existingSecret) (not $auth.token) (include "kvgate.runsNats" .) }}true{{ end }}
 {{- end }}
 
 {{- define "kvgate.syncTokenDir" -}}/etc/kvgate/sync-token{{- end }}
@@ -381,6 +461,40 @@ app.kubernetes.io/part-of: {{ include "kvgate.name" . }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 
+{{/* The broker container's resources: sync.nats.resources, a request above its limit lowered to
+it (Kubernetes refuses the pod otherwise; a limit set alone below the default request is the
+request too, as Kubernetes takes a limit alone). */}}
+{{- define "kvgate.natsResources" -}}
+{{- $given := .Values.sync.nats.resources | default dict }}
+{{- $requests := deepCopy (get $given "requests" | default dict) }}
+{{- $limits := get $given "limits" | default dict }}
+{{- range $name, $limit := $limits }}
+{{- $request := get $requests $name }}
+{{- if and $limit $request }}
+{{- $l := include "kvgate.quantity" $limit }}
+{{- $r := include "kvgate.quantity" $request }}
+{{- if and $l $r (gt (float64 $r) (float64 $l)) }}
+{{- $_ := set $requests $name $limit }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- $out := dict }}
+{{- with $requests }}{{ $_ := set $out "requests" . }}{{ end }}
+{{- with $limits }}{{ $_ := set $out "limits" . }}{{ end }}
+{{- toYaml $out }}
+{{- end }}
+
+{{/* GOMEMLIMIT for the broker (bytes, which the Go runtime takes without a unit): 90% of its
+memory limit, what NATS advises for nats-server in a container; empty without a limit this
+reads. The argument is the container's resources. */}}
+{{- define "kvgate.natsMemoryLimitBytes" -}}
+{{- with dig "limits" "memory" "" . }}
+{{- with include "kvgate.quantity" . }}
+{{- mulf (float64 .) 0.9 | floor | int64 }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{/* The broker's nats-server.conf: core NATS only (no JetStream, nothing stored).
 max_payload: a sync batch may reach 8 MiB (the codec's bound, gateway/sync/codec.py); below that the
 gateways cut smaller batches to the server's limit, and only a holding too large for one message is
@@ -389,6 +503,9 @@ connection as a slow consumer (losing all of them), takes 8 of the largest messa
 gateway's own client holds 8 received; nats-server refuses to start with max_payload above it. */}}
 {{- define "kvgate.natsConfig" -}}
 {{- with .Values.sync.nats -}}
+{{- if eq (int .port) (int .monitorPort) }}
+{{- fail (printf "sync.nats.port and sync.nats.monitorPort are both %d: nats-server listens for clients and for monitoring (the probes) on two ports, and would not start" (int .port)) }}
+{{- end }}
 {{- if lt (int64 .maxPendingBytes) (mul 8 (int64 .maxPayloadBytes)) }}
 {{- fail (printf "sync.nats.maxPendingBytes (%d) must be at least 8 x sync.nats.maxPayloadBytes (%d): the broker closes a gateway's connection as a slow consumer once more waits for it, losing every batch it held, and nats-server refuses to start with max_payload above max_pending" (int64 .maxPendingBytes) (mul 8 (int64 .maxPayloadBytes))) }}
 {{- end -}}

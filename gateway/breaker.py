@@ -26,6 +26,9 @@ tenant out of a worker that had recovered. So a client's request is judged alone
         success → closed; failure → the next request may be the trial, and
         `failure_threshold` failed trials in a row (as many as open a closed breaker) → open
         a canary sent while half-open still decides as above
+
+A success that finds the breaker open is dropped (`on_success`): it is a request sent before the
+breaker opened, and closing on it skipped the cooldown and the trial.
 """
 
 from __future__ import annotations
@@ -128,7 +131,11 @@ class CircuitBreaker:
             self._trial_in_flight = True
 
     def on_success(self) -> None:
-        self._close()
+        """A request's success closes the breaker, unless it finds it open: no request is sent to
+        an open worker, so it was dispatched before the breaker opened, and says nothing of
+        what opened it (a worker may finish long answers while every new request fails on it)."""
+        if self._state is not BreakerState.OPEN:
+            self._close()
 
     def _close(self) -> None:
         self._state = BreakerState.CLOSED

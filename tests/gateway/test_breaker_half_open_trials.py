@@ -60,7 +60,8 @@ async def test_a_poison_tenant_cannot_keep_a_recovered_workers_breaker_open() ->
 
 
 async def test_a_half_open_breaker_lets_no_client_trial_through_while_its_canary_decides() -> None:
-    breaker = {"failure_threshold": 1, "cooldown_s": 0.2, "canary": {"interval_s": 0.05}}
+    # The trial canary is held: its timeout (which would hand the trial to clients) never comes.
+    breaker = {"failure_threshold": 1, "cooldown_s": 0.2, "canary": {"interval_s": 0.05, "timeout_s": 600}}
     async with gateway("a", retry_attempts=0, breaker=breaker) as rig:
         a = rig.worker("p", "a").breaker
         await _bad_spell(rig)

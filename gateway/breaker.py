@@ -15,17 +15,17 @@ so a worker failing every generation while it answers those would otherwise neve
 The half-open trial. A client's request may fail for its own input (vLLM's 500 for one prompt),
 and a tenant sending such requests as fast as it can wins the race for one trial request after
 each cooldown: judged alone, its failure re-opened the breaker every time, and shut every other
-tenant out of a worker that had recovered. So a client's request is judged alone nowhere:
+tenant out of a worker that had recovered. So:
 
-    entering half-open: the worker is suspected (a canary is due: `canary_due`)
-    canaries have judged this worker before (`_canary_judges`: one passed or failed):
-        no client request passes until the canary's verdict, or `interval_s + timeout_s`
-        passed → closed; failed → open again; inconclusive (busy, 4xx, timeout) → as below
-    otherwise (a P/D pool, canaries off, a chat-only pool answering them 404), one client
-    request at a time is a trial:
-        success → closed; failure → the next request may be the trial, and
+    entering half-open: the worker is suspected, so a canary is due (`canary_due`)
+    a canary sent since: passed → closed; failed → open again;
+        inconclusive (busy, 4xx, timeout) → client requests may be the trial (below)
+    canaries have judged this worker before (`_canary_judges`: one passed or failed here):
+        no client request is let through until that verdict, or `interval_s + timeout_s`
+    otherwise (a P/D pool, canaries off, a chat-only pool answering them 404), and after an
+        inconclusive canary, one client request at a time is the trial:
+        success → closed; failure → the next request may be the trial;
         `failure_threshold` failed trials in a row (as many as open a closed breaker) → open
-        a canary sent while half-open still decides as above
 
 A success that finds the breaker open is dropped (`on_success`): it is a request sent before the
 breaker opened, and closing on it skipped the cooldown and the trial.

@@ -1,7 +1,7 @@
 """A per-worker circuit breaker fed by request outcomes (passive health).
 
-closed → (failure_threshold consecutive failures) → open → (cooldown_s) → half-open: one trial
-request; success closes, failure re-opens for another cooldown.
+closed → (failure_threshold consecutive failures) → open → (cooldown_s) → half-open → trial:
+success closes, failure re-opens for another cooldown.
 
 A failure that no other worker's answer compared (a lone 5xx, the worker's own error event in a
 stream: `outcome.HeldVerdicts`) is no verdict, but it leaves the worker suspected (`suspect`):
@@ -11,6 +11,24 @@ Failed canaries decide on their own: `failure_threshold` of them in a row open t
 whatever request successes come between them, and only a passed canary ends the row. A request's
 success says nothing of generation when its route needs no engine (`/tokenize`, `/detokenize`),
 so a worker failing every generation while it answers those would otherwise never be shut out.
+
+The half-open trial. A client's request may fail for its own input (vLLM's 500 for one prompt),
+and a tenant sending such requests as fast as it can wins the race for one trial request after
+each cooldown: judged alone, its failure re-opened the breaker every time, and shut every other
+tenant out of a worker that had recovered. So:
+
+    entering half-open: the worker is suspected, so a canary is due (`canary_due`)
+    a canary sent since: passed → closed; failed → open again;
+        inconclusive (busy, 4xx, timeout) → client requests may be the trial (below)
+    canaries have judged this worker before (`_canary_judges`: one passed or failed here):
+        no client request is let through until that verdict, or `interval_s + timeout_s`
+    otherwise (a P/D pool, canaries off, a chat-only pool answering them 404), and after an
+        inconclusive canary, one client request at a time is the trial:
+        success → closed; failure → the next request may be the trial;
+        `failure_threshold` failed trials in a row (as many as open a closed breaker) → open
+
+A success that finds the breaker open is dropped (`on_success`): it is a request sent before the
+breaker opened, and closing on it skipped the cooldown and the trial.
 """
 
 from __future__ import annotations
@@ -30,16 +48,22 @@ class BreakerState(enum.StrEnum):
 class CircuitBreaker:
     """Invariants: `_trial_in_flight` is True only in HALF_OPEN; `_canary_failures` counts the
     failed canaries since the last passed one, and while it is not zero the worker is suspected
-    again after each canary (the row goes on, one canary an interval, until a verdict)."""
+    again after each canary (the row goes on, one canary an interval, until a verdict);
+    `_trial_failures` counts the failed client trials since the breaker last became half-open,
+    and is below `failure_threshold` while it is half-open; `_awaiting_canary` is False outside
+    HALF_OPEN (module doc, "The half-open trial")."""
 
     __slots__ = (
+        "_awaiting_canary",
         "_canary_at_s",
         "_canary_failures",
+        "_canary_judges",
         "_config",
         "_failures",
         "_opened_at_s",
         "_state",
         "_suspected",
+        "_trial_failures",
         "_trial_in_flight",
     )
 
@@ -49,6 +73,9 @@ class CircuitBreaker:
         self._failures = 0
         self._opened_at_s = 0.0
         self._trial_in_flight = False
+        self._trial_failures = 0  # failed client trials since the breaker became half-open
+        self._awaiting_canary = False  # half-open: no client trial until the canary's verdict
+        self._canary_judges = False  # a canary has passed or failed here: canaries reach it
         self._suspected = False  # a failure no other worker compared awaits a canary
         self._canary_at_s = -math.inf  # when the last canary was sent
         self._canary_failures = 0  # failed canaries in a row; no request's success resets it
@@ -69,38 +96,76 @@ class CircuitBreaker:
         return self._state is BreakerState.CLOSED
 
     def state(self, now_s: float) -> BreakerState:
-        if self._state is BreakerState.OPEN and now_s - self._opened_at_s >= self._config.cooldown_s:
+        if self._state is BreakerState.OPEN and now_s >= self._half_open_at_s:
             self._state = BreakerState.HALF_OPEN
             self._trial_in_flight = False
+            self._trial_failures = 0
+            # The trial is the gateway's own canary where canaries have reached this worker.
+            self._suspected = True
+            self._awaiting_canary = self._canary_judges
         return self._state
+
+    @property
+    def _half_open_at_s(self) -> float:
+        return self._opened_at_s + self._config.cooldown_s
 
     def allows(self, now_s: float) -> bool:
         """Whether a new request may go to this worker now (does not reserve the trial)."""
         state = self.state(now_s)
-        return state is BreakerState.CLOSED or (state is BreakerState.HALF_OPEN and not self._trial_in_flight)
+        if state is BreakerState.CLOSED:
+            return True
+        if state is not BreakerState.HALF_OPEN or self._trial_in_flight:
+            return False
+        return not self._awaiting_canary or now_s >= self._half_open_at_s + self._canary_wait_s
+
+    @property
+    def _canary_wait_s(self) -> float:
+        """How long a half-open breaker waits for its canary before a client request may be the
+        trial: the longest a due canary waits for its interval and then runs (a canary that never
+        comes, its worker down or the pool's canaries turned off, keeps nothing shut out)."""
+        canary = self._config.canary
+        return canary.interval_s + canary.timeout_s
 
     def on_dispatch(self, now_s: float) -> None:
         if self.state(now_s) is BreakerState.HALF_OPEN:
             self._trial_in_flight = True
 
     def on_success(self) -> None:
+        """A request's success closes the breaker, unless it finds it open: no request is sent to
+        an open worker, so it was dispatched before the breaker opened, and says nothing of
+        what opened it (a worker may finish long answers while every new request fails on it)."""
+        if self._state is not BreakerState.OPEN:
+            self._close()
+
+    def _close(self) -> None:
         self._state = BreakerState.CLOSED
         self._failures = 0
         self._trial_in_flight = False
+        self._awaiting_canary = False
 
     def on_abandon(self) -> None:
         """The request ended without a verdict (the client left): free the trial slot only."""
         self._trial_in_flight = False
 
     def on_failure(self, now_s: float) -> None:
+        """A request's failure. Half-open, it counts as a closed breaker's does (module doc): the
+        trial slot is freed for the next request, the worker is suspected (its canary may close
+        the breaker), and `failure_threshold` failed trials in a row open it again."""
         self._failures += 1
-        if self._state is BreakerState.HALF_OPEN or self._failures >= self._config.failure_threshold:
+        if self.state(now_s) is BreakerState.HALF_OPEN:
+            self._trial_failures += 1
+            self._trial_in_flight = False
+            self._suspected = True
+            if self._trial_failures >= self._config.failure_threshold:
+                self._open(now_s)
+        elif self._failures >= self._config.failure_threshold:
             self._open(now_s)
 
     def _open(self, now_s: float) -> None:
         self._state = BreakerState.OPEN
         self._opened_at_s = now_s
         self._trial_in_flight = False
+        self._awaiting_canary = False
 
     @property
     def suspected(self) -> bool:
@@ -115,7 +180,7 @@ class CircuitBreaker:
 
     def canary_due(self, now_s: float) -> bool:
         """Whether the worker, suspected, may be sent a canary now: its breaker is not open (a
-        half-open one may have one: its failure re-opens it) and the last canary was sent at
+        half-open one is, from its start: the canary is its trial) and the last canary was sent at
         least `canary.interval_s` ago. The caller also keeps one canary in flight at most."""
         if not self._suspected or self.state(now_s) is BreakerState.OPEN:
             return False
@@ -130,20 +195,33 @@ class CircuitBreaker:
         """A canary's verdict: failed (False) counts as a request failure and as one more failed
         canary in a row, unless the breaker was opened meanwhile (a verdict is not applied to a
         state it was not about); `failure_threshold` failed canaries in a row open the breaker
-        whatever request successes came between them (module doc). A failed canary keeps the
-        worker suspected, so that canaries go on, one every `canary.interval_s`, until one passes
-        or the breaker opens (and again once it is half-open: a request's success may close it,
-        and the next failed canary opens it again). Passed (True) ends the row and leaves the
-        suspicion cleared, as `canary_sent` left it (only a request's success closes a half-open
-        breaker, as before); None (a 4xx, a busy worker's 503, a timeout) decides nothing, and
-        keeps the worker suspected only in a row of failed canaries, which it does not end."""
+        whatever request successes came between them (module doc), and a half-open breaker opens
+        again at the first. A failed canary keeps the worker suspected, so that canaries go on,
+        one every `canary.interval_s`, until one passes or the breaker opens (and again once it
+        is half-open). Passed (True) ends the row and leaves the suspicion cleared, as
+        `canary_sent` left it, and closes a half-open breaker when it was sent since the breaker
+        became half-open (its trial); None (a 4xx, a busy worker's 503, a timeout) decides
+        nothing: a half-open breaker's trial is then a client's request, and the worker stays
+        suspected only in a row of failed canaries, which it does not end."""
+        state = self.state(now_s)
+        trial = state is BreakerState.HALF_OPEN and self._canary_at_s >= self._half_open_at_s
+        if passed is not None:
+            self._canary_judges = True
         if passed is True:
             self._canary_failures = 0
+            if trial:
+                self._close()
             return
-        if passed is False and self.state(now_s) is not BreakerState.OPEN:
+        if passed is False and state is not BreakerState.OPEN:
             self._canary_failures += 1
-            self.on_failure(now_s)
-            if self._canary_failures >= self._config.failure_threshold:
+            self._failures += 1
+            if (
+                state is BreakerState.HALF_OPEN
+                or self._failures >= self._config.failure_threshold
+                or self._canary_failures >= self._config.failure_threshold
+            ):
                 self._open(now_s)
+        elif passed is None and trial:
+            self._awaiting_canary = False
         if passed is False or self._canary_failures:
             self._suspected = True

@@ -24,6 +24,11 @@ shapes:
             suspicions it answered for are cleared (a whole answer of another shape is malformed:
             failed)
 
+A breaker that turns half-open leaves its worker suspected, so its next canary is the trial:
+passed closes it, failed opens it again, and where canaries have reached the worker before no
+client's request is let through meanwhile (`CircuitBreaker`, "The half-open trial"): a tenant
+whose input fails a healthy worker cannot win that race and keep the breaker open.
+
 So a worker answering 5xx to everything, or ending every stream in its own error event, while
 its `/health` passes, opens its breaker after `failure_threshold` failed canaries in a row
 (whatever requests it serves between them: `CircuitBreaker.on_canary`), whatever cuts client

@@ -170,24 +170,27 @@ def test_the_breakers_canary_bounds_and_verdicts() -> None:
     breaker.canary_sent(12.5)
     breaker.on_canary(False, 13.0)
     assert breaker.state(13.0) is BreakerState.OPEN
-    # A request's success closes it (a half-open trial, or a route needing no engine), but the
-    # row of failed canaries goes on: the next one opens the breaker again.
+    breaker.on_success()  # a request sent before it opened: no verdict on an open breaker
+    assert breaker.state(13.0) is BreakerState.OPEN and breaker.failures == 3
+    # Half-open, a request's success closes it (a route needing no engine), but the row of
+    # failed canaries goes on: the next one opens the breaker again.
+    assert breaker.state(23.0) is BreakerState.HALF_OPEN
     breaker.on_success()
     assert breaker.closed and breaker.failures == 0 and breaker.canary_failures == 3
-    assert breaker.canary_due(13.5)
-    breaker.canary_sent(13.5)
-    breaker.on_canary(None, 14.0)  # inconclusive: the row neither ends nor grows, the canaries go on
+    assert breaker.canary_due(23.5)
+    breaker.canary_sent(23.5)
+    breaker.on_canary(None, 24.0)  # inconclusive: the row neither ends nor grows, the canaries go on
     assert breaker.closed and breaker.suspected and breaker.canary_failures == 3
-    breaker.canary_sent(15.0)
-    breaker.on_canary(False, 15.5)
-    assert breaker.state(15.5) is BreakerState.OPEN
-    assert breaker.state(25.5) is BreakerState.HALF_OPEN
+    breaker.canary_sent(25.0)
+    breaker.on_canary(False, 25.5)
+    assert breaker.state(25.5) is BreakerState.OPEN
+    assert breaker.state(35.5) is BreakerState.HALF_OPEN
     breaker.on_success()
-    breaker.canary_sent(30.0)  # a passed canary ends the row and clears the suspicion
-    breaker.on_canary(True, 30.5)
+    breaker.canary_sent(40.0)  # a passed canary ends the row and clears the suspicion
+    breaker.on_canary(True, 40.5)
     assert breaker.closed and not breaker.suspected and breaker.failures == 0
     assert breaker.canary_failures == 0
-    breaker.on_canary(None, 31.0)  # outside a row, inconclusive leaves nothing suspected
+    breaker.on_canary(None, 41.0)  # outside a row, inconclusive leaves nothing suspected
     assert not breaker.suspected
 
 

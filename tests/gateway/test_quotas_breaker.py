@@ -102,12 +102,18 @@ def test_breaker_opens_half_opens_with_one_trial_and_closes() -> None:
     assert b.allows(6.0) and b.state(6.0) is BreakerState.HALF_OPEN
     b.on_dispatch(6.0)
     assert not b.allows(6.0)  # one trial at a time
-    b.on_failure(6.5)
+    b.on_failure(6.5)  # a failed trial frees the slot: as many in a row as open a closed breaker
+    assert b.state(6.5) is BreakerState.HALF_OPEN and b.allows(6.5)
+    b.on_dispatch(6.5)
+    b.on_failure(7.0)
     assert b.state(7.0) is BreakerState.OPEN
-    assert b.allows(11.5)
-    b.on_dispatch(11.5)
+    assert b.allows(12.0)
+    b.on_dispatch(12.0)
+    b.on_failure(12.5)  # the count starts again at each half-open
+    assert b.allows(12.5)
+    b.on_dispatch(12.5)
     b.on_success()
-    assert b.state(11.6) is BreakerState.CLOSED and b.allows(11.6)
+    assert b.state(12.6) is BreakerState.CLOSED and b.allows(12.6)
 
 
 def test_abandoned_trial_frees_the_slot() -> None:

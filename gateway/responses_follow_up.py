@@ -35,8 +35,9 @@ _W3C = TraceContextTextMapPropagator()
 async def locate_previous(a: Admitted, transport: Transport) -> ApiError | None:
     """A Responses follow-up whose holder this process does not know (`Admitted.find_previous`):
     pin it to the worker of its pool that holds it, and remember that worker; vLLM's 404 when
-    none does (a follow-up sent anywhere else would get it from the worker); 502
-    `worker_auth_failed` when a worker refuses the gateway's credentials."""
+    every worker says it does not (a follow-up sent anywhere else would get it from the worker);
+    503 with `Retry-After` when none holds it and one could not tell (busy, unreachable, unhealthy:
+    `find_holder`); 502 `worker_auth_failed` when a worker refuses the gateway's credentials."""
     previous, a.find_previous = a.find_previous, None
     if previous is None:
         return None
@@ -46,9 +47,9 @@ async def locate_previous(a: Admitted, transport: Transport) -> ApiError | None:
         return await holds(transport.upstream(), pool, worker, previous, headers)
 
     try:
-        found = await find_holder((a.pool,), holding)
-    except ApiError as refused:  # a worker refused the gateway's credentials (`holds`)
-        return refused
+        found = await find_holder((a.pool,), holding, "previous_response_id")
+    except ApiError as undecided:  # one could not tell, or refused the gateway's credentials
+        return undecided
     if found is None:
         return not_found(previous)
     holder = found.worker.worker_id

@@ -250,10 +250,17 @@ def pin(
         return None
     if held.pool != pool.name or held.worker not in pool.workers:
         raise not_found(previous)
-    pd = pool.config.pd
-    if pd is not None and pd.protocol == "sglang" and pool.workers[held.worker].role == "decode":
-        raise bad_request(_DECODE_HOLDER, "previous_response_id")
+    check_continuable(pool, pool.workers[held.worker])
     return held.worker
+
+
+def check_continuable(pool: Pool, holder: Worker) -> None:
+    """400 when a follow-up cannot be continued on `holder`, the worker of `pool` holding its
+    `previous_response_id`: an SGLang decode server (`_DECODE_HOLDER`). The one rule for a holder
+    this process knows (`pin`) and one it found (`responses_follow_up.locate_previous`)."""
+    pd = pool.config.pd
+    if pd is not None and pd.protocol == "sglang" and holder.role == "decode":
+        raise bad_request(_DECODE_HOLDER, "previous_response_id")
 
 
 # An SGLang decode server holds the responses it answered, and admits only requests whose KV a

@@ -112,6 +112,8 @@ class ResponseAffinity:
         another tenant's keeps its owner; an id the gateway does not accept is not remembered."""
         if not valid_response_id(response_id):
             return
+        if self._all:  # no earlier than the newest use (`holder`)
+            now_s = max(now_s, self._items[next(reversed(self._all))].used_s)
         held = self._items.get(response_id)
         if held is not None:
             if held.tenant != tenant and now_s - held.used_s <= self.ttl_s:
@@ -135,7 +137,11 @@ class ResponseAffinity:
         if now_s - held.used_s > self.ttl_s:
             self._drop(response_id)
             return None
-        fresh = Holder(held.tenant, held.pool, held.worker, now_s)
+        # A caller's clock may lag (admission pins with the request's start, and other requests'
+        # ids were used since): the use is recorded no earlier than the newest, so that the order
+        # of last use, which eviction and expiry read from its oldest end, and the times agree.
+        newest_s = self._items[next(reversed(self._all))].used_s
+        fresh = Holder(held.tenant, held.pool, held.worker, max(now_s, newest_s))
         self._items[response_id] = fresh
         self._lru[tenant].move_to_end(response_id)
         self._all.move_to_end(response_id)

@@ -28,12 +28,16 @@ Rules, all checked here:
 - A follow-up naming the tenant's own id that this process does not know (evicted, expired, from
   before a restart, or routed by another gateway process or replica) is pinned to the worker of
   its pool that holds it, the first of its healthy workers to answer 200 when asked in turn
-  (`responses_follow_up.locate_previous`), and remembered; vLLM's 404 when none holds it. A `GET`
-  or `cancel` of one asks the workers of every pool (`responses_routes`). Both look with the one
-  search, `find_holder`, and a worker holds the response when it answers a `GET` of it 200
-  (`holds`): another pool's worker may answer anything else (vLLM's 400 where its model serves no
-  Responses API). A prefill worker of a prefill/decode pool is never asked (`may_hold`): the
-  client's response is the decode worker's, though an SGLang prefill leg carries the same id.
+  (`responses_follow_up.locate_previous`), and remembered; vLLM's 404 when every worker says it
+  does not hold it. A `GET` or `cancel` of one asks the workers of every pool (`responses_routes`).
+  Both look with the one search, `find_holder`, and a worker holds the response when it answers a
+  `GET` of it 200 (`holds`): another pool's worker may answer anything else (vLLM's 400 where its
+  model serves no Responses API). A prefill worker of a prefill/decode pool is never asked
+  (`may_hold`): the client's response is the decode worker's, though an SGLang prefill leg
+  carries the same id. A worker that could not tell (busy, unreachable, too slow, unhealthy) is
+  no proof of absence: when no other worker holds the response, the client gets a 503 with
+  `Retry-After` (the busy worker's), which it may retry, never a 404, which it would not. The
+  search is bounded in time (`ASK_S` per worker, `SEARCH_S` in all).
 
 The map is bounded: at most `max_entries` ids, each forgotten `ttl_s` after its last use. Each of
 the `tenants` tenants is reserved an equal share, `max_entries // tenants` ids: when the map is
@@ -44,6 +48,8 @@ tenant's requests, while an idle tenant's reserve is still usable by the others.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -54,9 +60,10 @@ import aiohttp
 import orjson
 
 from gateway.errors import ApiError, bad_request, echoed
-from gateway.failure import REFUSED_CREDENTIALS, Failure, RetryReason, worker_status
+from gateway.failure import BUSY_STATUSES, REFUSED_CREDENTIALS, Failure, RetryReason, worker_status
 from gateway.registry import Pool
 from gateway.responses_ids import MAX_REQUEST_ID_CHARS, MAX_RESPONSE_ID_CHARS, ResponseIds, valid_response_id
+from gateway.upstream_headers import ANSWER_HEADERS
 from gateway.worker import Worker
 from policies.base import Outcome, Role, RouteDecision, WorkerId, WorkerView
 from policies.records import record
@@ -105,6 +112,8 @@ class ResponseAffinity:
         another tenant's keeps its owner; an id the gateway does not accept is not remembered."""
         if not valid_response_id(response_id):
             return
+        if self._all:  # no earlier than the newest use (`holder`)
+            now_s = max(now_s, self._items[next(reversed(self._all))].used_s)
         held = self._items.get(response_id)
         if held is not None:
             if held.tenant != tenant and now_s - held.used_s <= self.ttl_s:
@@ -128,7 +137,11 @@ class ResponseAffinity:
         if now_s - held.used_s > self.ttl_s:
             self._drop(response_id)
             return None
-        fresh = Holder(held.tenant, held.pool, held.worker, now_s)
+        # A caller's clock may lag (admission pins with the request's start, and other requests'
+        # ids were used since): the use is recorded no earlier than the newest, so that the order
+        # of last use, which eviction and expiry read from its oldest end, and the times agree.
+        newest_s = self._items[next(reversed(self._all))].used_s
+        fresh = Holder(held.tenant, held.pool, held.worker, max(now_s, newest_s))
         self._items[response_id] = fresh
         self._lru[tenant].move_to_end(response_id)
         self._all.move_to_end(response_id)
@@ -243,10 +256,17 @@ def pin(
         return None
     if held.pool != pool.name or held.worker not in pool.workers:
         raise not_found(previous)
-    pd = pool.config.pd
-    if pd is not None and pd.protocol == "sglang" and pool.workers[held.worker].role == "decode":
-        raise bad_request(_DECODE_HOLDER, "previous_response_id")
+    check_continuable(pool, pool.workers[held.worker])
     return held.worker
+
+
+def check_continuable(pool: Pool, holder: Worker) -> None:
+    """400 when a follow-up cannot be continued on `holder`, the worker of `pool` holding its
+    `previous_response_id`: an SGLang decode server (`_DECODE_HOLDER`). The one rule for a holder
+    this process knows (`pin`) and one it found (`responses_follow_up.locate_previous`)."""
+    pd = pool.config.pd
+    if pd is not None and pd.protocol == "sglang" and holder.role == "decode":
+        raise bad_request(_DECODE_HOLDER, "previous_response_id")
 
 
 # An SGLang decode server holds the responses it answered, and admits only requests whose KV a
@@ -282,19 +302,51 @@ def stored_url(worker_url: str, response_id: str, suffix: str = "") -> str:
     return f"{worker_url}/v1/responses/{quote(response_id, safe='')}{suffix}"
 
 
+# The search for a holder (`find_holder`) is bounded in time: each worker's answer within
+# `ASK_S` (and the pool's own `read_s`, when shorter), the whole search within `SEARCH_S`. A worker
+# answers a `GET` of a stored response from memory: the pool's `read_s`, which covers a whole
+# generation (600 s), would let one hung worker hold the client for minutes.
+ASK_S = 10.0
+SEARCH_S = 30.0
+
+
+class Undecided(Exception):
+    """A worker asked in the search could not tell whether it holds the response: it is busy
+    (its 503 or 529, `failure` carrying its `Retry-After`). Not proof that it does not."""
+
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
+
+
+def ask_timeout(pool: Pool) -> aiohttp.ClientTimeout:
+    """The bound on one worker's answer in the search: `ASK_S`, or the pool's shorter timeouts."""
+    t = pool.config.timeouts
+    ask_s = min(ASK_S, t.read_s, t.total_s)
+    return aiohttp.ClientTimeout(total=ask_s + t.connect_s, sock_connect=t.connect_s, sock_read=ask_s)
+
+
 async def holds(
     session: aiohttp.ClientSession, pool: Pool, worker: Worker, response_id: str, headers: Headers
 ) -> Literal[True] | None:
     """True when `worker` holds stored response `response_id` (None otherwise, for `find_holder`):
-    it answers a plain `GET` of it 200 (body unread). Any other answer says nothing about where
-    the response is: vLLM's 404 when it does not hold it, and its 400 on every
-    `/v1/responses/{id}` route when its model serves no Responses API (an embeddings pool). A
-    worker refusing the gateway's credentials ends the search with 502 `worker_auth_failed`
-    (a misconfigured worker key, told as such rather than as a response not found)."""
+    it answers a plain `GET` of it 200 (body unread). A busy worker (its 503 or 529) may hold it:
+    `Undecided`, with its `Retry-After`. Any other answer says nothing about where the response
+    is: vLLM's 404 when it does not hold it, and its 400 on every `/v1/responses/{id}` route when
+    its model serves no Responses API (an embeddings pool). A worker refusing the gateway's
+    credentials ends the search with 502 `worker_auth_failed` (a misconfigured worker key, told as
+    such rather than as a response not found). The answer is bounded by `ask_timeout`."""
     url = stored_url(worker.url, response_id)
-    async with session.get(url, headers=headers, timeout=pool.client_timeout) as resp:
+    async with session.get(url, headers=headers, timeout=ask_timeout(pool)) as resp:
         if resp.status in REFUSED_CREDENTIALS:
             raise worker_status(resp.status).error()
+        if resp.status in BUSY_STATUSES:
+            hints = tuple(
+                (name, value.encode("latin-1"))
+                for name in ANSWER_HEADERS
+                if (value := resp.headers.get(name.decode())) is not None
+            )
+            raise Undecided(worker_status(resp.status, hints))
         return True if resp.status == 200 else None
 
 
@@ -308,24 +360,66 @@ def may_hold(pool: Pool, worker: Worker) -> bool:
 
 
 async def find_holder(
-    pools: Iterable[Pool], ask: Callable[[Pool, Worker], Awaitable[T | None]]
+    pools: Iterable[Pool],
+    ask: Callable[[Pool, Worker], Awaitable[T | None]],
+    param: str | None = None,
+    budget_s: float = SEARCH_S,
 ) -> Found[T] | None:
-    """The holder of a stored response this process does not know: the healthy workers of
-    `pools` that may hold it (`may_hold`) are asked in turn, in the pools' and then the workers'
-    order (`ask`: what the worker answered, None when it does not hold the response; `holds`),
-    and the first answer that is not None ends the search. A worker that cannot be reached or
-    does not answer in time is passed over; None when no worker holds it."""
+    """The holder of a stored response this process does not know: the workers of `pools` that
+    may hold it (`may_hold`) are asked in turn, in the pools' and then the workers' order (`ask`:
+    what the worker answered, None when it does not hold the response; `holds`), and the first
+    answer that is not None ends the search. None only when every such worker said it does not
+    hold it. A worker that could not tell is no proof of absence: busy (`Undecided`), unreachable,
+    without an answer in time, unhealthy (not asked), or not asked within `budget_s`. When no
+    other worker holds the response, the search ends in a 503 (`param` names the field): with
+    the first busy worker's `Retry-After` (`failure.worker_status`: `worker_overloaded` for its
+    529) if one was busy, else `worker_unavailable` with the gateway's 1 s. The client may try
+    again; a 404 it would not (the OpenAI SDKs retry a 503, never a 404)."""
+    deadline_s = time.monotonic() + budget_s
+    undecided: Failure | None = None  # why a worker that may hold it could not tell (busy first)
     for pool in tuple(pools):
         for worker in tuple(pool.workers.values()):
-            if not worker.healthy or not may_hold(pool, worker):
+            if not may_hold(pool, worker):
+                continue
+            left_s = deadline_s - time.monotonic()
+            if not worker.healthy or left_s <= 0:
+                undecided = undecided or _UNASKED
                 continue
             try:
-                answer = await ask(pool, worker)
+                async with asyncio.timeout(left_s):
+                    answer = await ask(pool, worker)
+            except Undecided as busy:
+                if undecided is None or not undecided.later:
+                    undecided = busy.failure
+                continue
             except (TimeoutError, aiohttp.ClientError, OSError):
+                undecided = undecided or _UNASKED
                 continue
             if answer is not None:
                 return Found(pool, worker, answer)
+    if undecided is not None:
+        raise _undecided(undecided, param)
     return None
+
+
+# A worker that may hold the response but was not asked (unhealthy) or did not answer (unreachable,
+# timed out): the client is told to try again after the gateway's 1 s.
+_UNASKED = Failure(
+    503,
+    "a worker that may hold it could not be asked (unhealthy, unreachable or no answer in time)",
+    "worker_unavailable",
+    Outcome.ABORTED,
+)
+
+
+def _undecided(failure: Failure, param: str | None) -> ApiError:
+    """The search's end when no worker holds the response and one could not tell: a 503 (the
+    busy worker's `Retry-After`, or 1 s) saying that the response may exist."""
+    reason = (
+        failure.message if failure is _UNASKED else f"a worker that may hold it is busy ({failure.message})"
+    )
+    message = f"could not tell whether the response exists: {reason}; try again later"
+    return replace(failure, message=message, param=param).error()
 
 
 def pinned_decision(worker: WorkerId, views: Sequence[WorkerView]) -> RouteDecision | None:

@@ -24,7 +24,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from gateway.admitted import Admitted
 from gateway.errors import ApiError
 from gateway.registry import Pool
-from gateway.responses_affinity import find_holder, holds, not_found
+from gateway.responses_affinity import check_continuable, find_holder, holds, not_found
 from gateway.transport import Transport
 from gateway.upstream_headers import worker_headers
 from gateway.worker import Worker
@@ -35,8 +35,10 @@ _W3C = TraceContextTextMapPropagator()
 async def locate_previous(a: Admitted, transport: Transport) -> ApiError | None:
     """A Responses follow-up whose holder this process does not know (`Admitted.find_previous`):
     pin it to the worker of its pool that holds it, and remember that worker; vLLM's 404 when
-    none does (a follow-up sent anywhere else would get it from the worker); 502
-    `worker_auth_failed` when a worker refuses the gateway's credentials."""
+    every worker says it does not (a follow-up sent anywhere else would get it from the worker);
+    503 with `Retry-After` when none holds it and one could not tell (busy, unreachable, unhealthy:
+    `find_holder`); 502 `worker_auth_failed` when a worker refuses the gateway's credentials;
+    400 when the holder cannot continue it (`check_continuable`: an SGLang decode server)."""
     previous, a.find_previous = a.find_previous, None
     if previous is None:
         return None
@@ -46,15 +48,19 @@ async def locate_previous(a: Admitted, transport: Transport) -> ApiError | None:
         return await holds(transport.upstream(), pool, worker, previous, headers)
 
     try:
-        found = await find_holder((a.pool,), holding)
-    except ApiError as refused:  # a worker refused the gateway's credentials (`holds`)
-        return refused
+        found = await find_holder((a.pool,), holding, "previous_response_id")
+    except ApiError as undecided:  # one could not tell, or refused the gateway's credentials
+        return undecided
     if found is None:
         return not_found(previous)
     holder = found.worker.worker_id
-    a.pinned = holder
     if a.responses is not None:
         a.responses.learn(previous, a.tenant.name, a.pool.name, holder, time.monotonic())
+    try:
+        check_continuable(a.pool, found.worker)  # as `pin` refuses a known holder
+    except ApiError as refused:
+        return refused
+    a.pinned = holder
     return None
 
 

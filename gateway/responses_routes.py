@@ -4,7 +4,8 @@ Only the tenant that created a response reaches it: an id that is not the asking
 (`responses_ids`, told from the id alone) is vLLM's 404, answered without asking a worker. One of
 its own goes to the worker this process saw create it (`responses_affinity`), or, when this
 process does not know it, to the first healthy worker that answers a `GET` of it 200 (each asked
-in turn: `responses_affinity.find_holder`; the gateway's 404 when none does). The request counts
+in turn: `responses_affinity.find_holder`; the gateway's 404 when every worker says it does not,
+a 503 with `Retry-After` when one could not tell). The request counts
 against the tenant's concurrency and rpm like any other; the worker's answer is passed through
 (its errors in the gateway's shape), and a retrieve the worker answers with an event stream
 (`stream=true`) is relayed as one (`responses_stream.py`). As on the proxied routes, a client
@@ -262,7 +263,8 @@ async def _find_holder(
     """A tenant's own response this process does not know (routed by another process or replica,
     or before a restart): the first of the healthy workers of every pool, in the registry's
     order, that answers a `GET` of it 200 (`responses_affinity.find_holder`) is remembered as
-    its holder and asked the client's request; the gateway's 404 when none holds it."""
+    its holder and asked the client's request; the gateway's 404 when every worker says it does
+    not hold it, a 503 with `Retry-After` when one could not tell (busy, unreachable, unhealthy)."""
     found = await find_holder(registry.pools.values(), call.holds)
     if found is None:
         raise not_found(call.response_id)

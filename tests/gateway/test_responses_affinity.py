@@ -12,6 +12,7 @@ import aiohttp
 import pytest
 
 from gateway.config.pool import PoolConfig
+from gateway.errors import ApiError
 from gateway.registry import Pool
 from gateway.responses_affinity import ResponseAffinity, find_holder
 from gateway.responses_ids import MAX_REQUEST_ID_CHARS, MAX_RESPONSE_ID_CHARS, ResponseIds
@@ -258,11 +259,22 @@ async def test_the_holder_search_asks_healthy_workers_in_order_and_stops_at_the_
     assert asked == ["http://a2:1", "http://a3:1", "http://b1:1", "http://b2:1"]
     assert found is not None
     assert (found.pool.name, found.worker.url, found.answer) == ("b", "http://b2:1", "b2's answer")
-    # No worker holds it: every healthy one was asked.
+    # No worker holds it: every healthy one was asked. Three could not tell (unhealthy,
+    # unreachable, timed out): not proof that it does not exist, a 503 the client may retry.
     answers["http://b2:1"] = answers["http://b3:1"] = None
     asked.clear()
-    assert await find_holder(pools, ask) is None
+    with pytest.raises(ApiError) as undecided:
+        await find_holder(pools, ask)
+    assert (undecided.value.status, undecided.value.code) == (503, "worker_unavailable")
     assert len(asked) == 5
+    # Every worker says it does not hold it: None (the gateway's 404).
+    for pool in pools:
+        for worker in pool.workers.values():
+            worker.healthy = True
+            answers[worker.url] = None
+    asked.clear()
+    assert await find_holder(pools, ask) is None
+    assert len(asked) == 6
     # A failure that is not the worker's (a gateway bug) ends the search.
     answers["http://a2:1"] = ValueError("a bug")
     with pytest.raises(ValueError, match="a bug"):

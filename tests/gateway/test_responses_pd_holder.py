@@ -78,7 +78,9 @@ async def test_the_decode_workers_response_is_found_not_the_prefill_workers_copy
         async with gateway(prefill, decode) as third:
             follow_up = {"model": "m", "input": "and?", "previous_response_id": rid}
             resp = await third.post("/v1/responses", json=follow_up, headers=KEY)
-            assert resp.status_code == 200, resp.text
-            assert decode.received[-1].json()["previous_response_id"] == rid
+            # Found on the decode server, which cannot continue it alone: refused as a known
+            # holder's follow-up is (`test_responses_holder_pd`), after asking only that server.
+            assert resp.status_code == 400, resp.text
+            assert decode.received[-1].path == f"/v1/responses/{rid}"
         # The prefill worker was never asked, nor sent the follow-up.
         assert len(prefill.received) == asked

@@ -41,7 +41,7 @@ class Admitted:
     `previous_response_id`);
     `find_previous` is that id when it is the tenant's own but this process does not know its
     holder (another process or replica routed it, or this one restarted): the holder is looked
-    for before the request is routed (`responses_affinity.find_holder`).
+    for before the request is routed (`responses_search.find_holder`).
     """
 
     request_id: str

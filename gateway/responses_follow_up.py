@@ -2,7 +2,7 @@
 
 The tenant's own `previous_response_id` (its tag checked at admission, `responses_ids`) that this
 process never routed or has forgotten (another process or replica routed it, or this one
-restarted) is looked for on the workers of the request's pool (`responses_affinity.find_holder`:
+restarted) is looked for on the workers of the request's pool (`responses_search.find_holder`:
 the first to answer 200 to `GET /v1/responses/{id}` holds it), and the request is pinned there
 as a known follow-up would be.
 
@@ -24,7 +24,8 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from gateway.admitted import Admitted
 from gateway.errors import ApiError
 from gateway.registry import Pool
-from gateway.responses_affinity import check_continuable, find_holder, holds, not_found
+from gateway.responses_affinity import check_continuable, not_found
+from gateway.responses_search import find_holder, holds
 from gateway.transport import Transport
 from gateway.upstream_headers import worker_headers
 from gateway.worker import Worker

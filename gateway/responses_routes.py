@@ -4,7 +4,7 @@ Only the tenant that created a response reaches it: an id that is not the asking
 (`responses_ids`, told from the id alone) is vLLM's 404, answered without asking a worker. One of
 its own goes to the worker this process saw create it (`responses_affinity`), or, when this
 process does not know it, to the first healthy worker that answers a `GET` of it 200 (each asked
-in turn: `responses_affinity.find_holder`; the gateway's 404 when every worker says it does not,
+in turn: `responses_search.find_holder`; the gateway's 404 when every worker says it does not,
 a 503 with `Retry-After` when one could not tell). The request counts
 against the tenant's concurrency and rpm like any other; the worker's answer is passed through
 (its errors in the gateway's shape), and a retrieve the worker answers with an event stream
@@ -43,7 +43,8 @@ from gateway.outcome import CLIENT_DISCONNECTED, record_refusal
 from gateway.quotas import Rejection
 from gateway.registry import Pool, Registry
 from gateway.request_head import RequestIds, client_request_id, new_request_id
-from gateway.responses_affinity import ResponseAffinity, find_holder, holds, not_found, stored_url
+from gateway.responses_affinity import ResponseAffinity, not_found
+from gateway.responses_search import find_holder, holds, stored_url
 from gateway.responses_stream import StoredResponseStream
 from gateway.routes import CANCEL_RESPONSE_PATH, STORED_RESPONSE_PATH
 from gateway.routing import Routing
@@ -229,7 +230,7 @@ class _Retrieval:
         return AiohttpSource(resp, self.transport.answers.share(self.tenant))
 
     async def holds(self, pool: Pool, worker: Worker) -> Literal[True] | None:
-        """Whether `worker` holds the response (`responses_affinity.holds`)."""
+        """Whether `worker` holds the response (`responses_search.holds`)."""
         return await holds(self.transport.upstream(), pool, worker, self.response_id, self.headers(pool))
 
 
@@ -262,7 +263,7 @@ async def _find_holder(
 ) -> tuple[Pool, str, AiohttpSource]:
     """A tenant's own response this process does not know (routed by another process or replica,
     or before a restart): the first of the healthy workers of every pool, in the registry's
-    order, that answers a `GET` of it 200 (`responses_affinity.find_holder`) is remembered as
+    order, that answers a `GET` of it 200 (`responses_search.find_holder`) is remembered as
     its holder and asked the client's request; the gateway's 404 when every worker says it does
     not hold it, a 503 with `Retry-After` when one could not tell (busy, unreachable, unhealthy)."""
     found = await find_holder(registry.pools.values(), call.holds)

@@ -14,8 +14,9 @@ import pytest
 from gateway.config.pool import PoolConfig
 from gateway.errors import ApiError
 from gateway.registry import Pool
-from gateway.responses_affinity import ResponseAffinity, find_holder
+from gateway.responses_affinity import ResponseAffinity
 from gateway.responses_ids import MAX_REQUEST_ID_CHARS, MAX_RESPONSE_ID_CHARS, ResponseIds
+from gateway.responses_search import find_holder
 from gateway.worker import Worker
 from policies.base import WorkerId
 from tests.gateway.routes_rig import KEY, Rig, routes_rig

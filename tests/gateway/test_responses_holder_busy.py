@@ -1,5 +1,5 @@
 """A gateway process that does not know a stored response's holder looks for it on the workers
-(`responses_affinity.find_holder`), and a worker that could not tell is no proof that the response
+(`responses_search.find_holder`), and a worker that could not tell is no proof that the response
 does not exist: the holder busy (its 503 or 529 with `Retry-After`), unreachable or too slow to
 answer. When no other worker holds the response, the client of `GET /v1/responses/{id}`, its
 `cancel` and a follow-up naming it (`previous_response_id`) gets a 503 it may retry, with the busy
@@ -24,7 +24,7 @@ from aiohttp import web
 from gateway.config.pool import PoolConfig
 from gateway.errors import ApiError
 from gateway.registry import Pool
-from gateway.responses_affinity import find_holder
+from gateway.responses_search import find_holder
 from gateway.worker import Worker
 from policies.baselines import RoundRobin
 from tests.gateway.routes_rig import KEY, SECRET, config

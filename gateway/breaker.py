@@ -27,8 +27,11 @@ tenant out of a worker that had recovered. So:
         success → closed; failure → the next request may be the trial;
         `failure_threshold` failed trials in a row (as many as open a closed breaker) → open
 
-A success that finds the breaker open is dropped (`on_success`): it is a request sent before the
-breaker opened, and closing on it skipped the cooldown and the trial.
+The trial slot belongs to the request that took it (`on_dispatch` says so; `Worker.acquire`,
+`outcome.Attempt` carry it to the verdict): a request sent before the breaker opened that ends
+while it is half-open neither frees the slot (two client trials would run at once) nor judges
+the breaker. A success that finds the breaker open is dropped too (`on_success`): closing on it
+skipped the cooldown and the trial.
 """
 
 from __future__ import annotations
@@ -126,15 +129,20 @@ class CircuitBreaker:
         canary = self._config.canary
         return canary.interval_s + canary.timeout_s
 
-    def on_dispatch(self, now_s: float) -> None:
-        if self.state(now_s) is BreakerState.HALF_OPEN:
-            self._trial_in_flight = True
+    def on_dispatch(self, now_s: float) -> bool:
+        """A request goes to the worker: half-open, it is the trial. Whether it took the trial
+        slot is returned, for its verdict (`on_success`, `on_failure`, `on_abandon`: `trial`)."""
+        if self.state(now_s) is not BreakerState.HALF_OPEN or self._trial_in_flight:
+            return False
+        self._trial_in_flight = True
+        return True
 
-    def on_success(self) -> None:
-        """A request's success closes the breaker, unless it finds it open: no request is sent to
-        an open worker, so it was dispatched before the breaker opened, and says nothing of
+    def on_success(self, *, trial: bool) -> None:
+        """A request's success closes the breaker, unless it finds it open, or half-open and it
+        is not the trial (`trial`: its dispatch took the trial slot): no other request is sent
+        to such a worker, so it was dispatched before the breaker opened, and says nothing of
         what opened it (a worker may finish long answers while every new request fails on it)."""
-        if self._state is not BreakerState.OPEN:
+        if self._state is BreakerState.CLOSED or (self._state is BreakerState.HALF_OPEN and trial):
             self._close()
 
     def _close(self) -> None:
@@ -143,16 +151,23 @@ class CircuitBreaker:
         self._trial_in_flight = False
         self._awaiting_canary = False
 
-    def on_abandon(self) -> None:
-        """The request ended without a verdict (the client left): free the trial slot only."""
-        self._trial_in_flight = False
+    def on_abandon(self, *, trial: bool) -> None:
+        """The request ended without a verdict (the client left): free the trial slot, if it was
+        the request that took it (`trial`)."""
+        if trial:
+            self._trial_in_flight = False
 
-    def on_failure(self, now_s: float) -> None:
-        """A request's failure. Half-open, it counts as a closed breaker's does (module doc): the
-        trial slot is freed for the next request, the worker is suspected (its canary may close
-        the breaker), and `failure_threshold` failed trials in a row open it again."""
+    def on_failure(self, now_s: float, *, trial: bool) -> None:
+        """A request's failure. Half-open, the trial's (`trial`: its dispatch took the slot)
+        counts as a closed breaker's does (module doc): the trial slot is freed for the next
+        request, the worker is suspected (its canary may close the breaker), and
+        `failure_threshold` failed trials in a row open it again; another request's is dropped
+        (dispatched before the breaker opened, it neither frees the trial nor judges it)."""
+        state = self.state(now_s)
+        if state is BreakerState.HALF_OPEN and not trial:
+            return
         self._failures += 1
-        if self.state(now_s) is BreakerState.HALF_OPEN:
+        if state is BreakerState.HALF_OPEN:
             self._trial_failures += 1
             self._trial_in_flight = False
             self._suspected = True

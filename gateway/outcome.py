@@ -34,6 +34,7 @@ class Attempt:
     trace: AttemptTrace | None = None  # the attempt's CLIENT span, with tracing on
     body: bytes | None = None  # a prefill/decode leg's own body (gateway/pd.py); else the request's
     first_leg_s: float | None = None  # a split's decode leg: when its round's first leg was dispatched
+    trial: bool = False  # its dispatch took the worker's half-open trial (`Worker.acquire`)
 
     def __post_init__(self) -> None:
         self.admitted.attempt_started(own_body=self.body is not None)
@@ -91,14 +92,15 @@ class Attempt:
         _slot_freed(routing, self.admitted.pool.name)
         now_s = time.monotonic()
         breaker = self.worker.breaker
+        trial = self.trial
         if outcome is Outcome.SERVED:
-            breaker.on_success()
+            breaker.on_success(trial=trial)
         else:
             usage = NO_USAGE  # a worker's token counts are told to the policy only with a success
             if judged and outcome is Outcome.WORKER_FAILED:
-                breaker.on_failure(now_s)
+                breaker.on_failure(now_s, trial=trial)
             else:
-                breaker.on_abandon()
+                breaker.on_abandon(trial=trial)
         routing.metrics.worker_outcome(self.admitted.pool.name, self.worker.url, outcome)
         if self.trace is not None:
             self.trace.end(outcome, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
@@ -214,7 +216,7 @@ class HeldVerdicts:
     def convict(self, now_s: float) -> None:
         for worker in self._workers:
             if worker.breaker.closed:
-                worker.breaker.on_failure(now_s)
+                worker.breaker.on_failure(now_s, trial=False)
         self._workers.clear()
         self._answered.clear()
 

@@ -144,8 +144,8 @@ class PdRun:
         routing.metrics.pd_requests.labels(a.pool.name, role).inc()
         if reserved is not None:
             reserved.take()
-        worker.acquire(a.route.n_prompt_tokens, a.max_output_tokens, now_s, decision.matched_tokens)
-        attempt = Attempt(a, worker, decision.reason, now_s, decision, body=body)
+        trial = worker.acquire(a.route.n_prompt_tokens, a.max_output_tokens, now_s, decision.matched_tokens)
+        attempt = Attempt(a, worker, decision.reason, now_s, decision, body=body, trial=trial)
         if routing.tracer is not None:
             attempt.trace = proxy.start_trace(routing, a, attempt)  # each leg's CLIENT span
         self.attempts.append(attempt)

@@ -166,8 +166,8 @@ async def _attempts(
         tried.add(decision.worker)
         policy.on_dispatch(a.route, decision, now_s)
         routing.metrics.decision(routing.policy_name, decision.reason)
-        worker.acquire(a.route.n_prompt_tokens, a.max_output_tokens, now_s, decision.matched_tokens)
-        attempt = Attempt(a, worker, decision.reason, now_s, decision)
+        trial = worker.acquire(a.route.n_prompt_tokens, a.max_output_tokens, now_s, decision.matched_tokens)
+        attempt = Attempt(a, worker, decision.reason, now_s, decision, trial=trial)
         attempts.append(attempt)
         if routing.tracer is not None:
             attempt.trace = start_trace(routing, a, attempt)

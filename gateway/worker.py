@@ -201,8 +201,9 @@ class Worker:
 
     def acquire(
         self, prompt_tokens: int, max_output_tokens: int, now_s: float, matched_tokens: int = 0
-    ) -> None:
-        """A request is dispatched here; `matched_tokens`: the cached tokens its decision predicted."""
+    ) -> bool:
+        """A request is dispatched here; `matched_tokens`: the cached tokens its decision predicted.
+        Whether it took the breaker's half-open trial is returned, for its verdict (`Attempt.end`)."""
         self._version += 1
         self.in_flight += 1
         if self.prefill_tokens <= 0 < prompt_tokens:
@@ -210,7 +211,7 @@ class Worker:
         self.prefill_tokens += prompt_tokens
         self.prefill_pairs += prefill_pairs(prompt_tokens, matched_tokens)
         self.decode_tokens += max_output_tokens
-        self.breaker.on_dispatch(now_s)
+        return self.breaker.on_dispatch(now_s)
 
     def reserve(self, max_output_tokens: int, now_s: float) -> bool:
         """Hold a slot for a leg sent later: a vLLM pair's decode leg, which goes out once the
@@ -225,17 +226,14 @@ class Worker:
         self._version += 1
         self.in_flight += 1
         self.decode_tokens += max_output_tokens
-        trial = self.breaker.allows(now_s) and not self.breaker.closed
-        self.breaker.on_dispatch(now_s)
-        return trial
+        return self.breaker.on_dispatch(now_s)
 
     def unreserve(self, max_output_tokens: int, trial: bool) -> None:
         """Give back what `reserve` took (the leg starts, or will not be sent)."""
         self._version += 1
         self.in_flight = max(0, self.in_flight - 1)
         self.decode_tokens = max(0, self.decode_tokens - max_output_tokens)
-        if trial:
-            self.breaker.on_abandon()
+        self.breaker.on_abandon(trial=trial)
 
     def first_token(
         self,

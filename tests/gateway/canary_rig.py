@@ -44,7 +44,8 @@ class Workers:
     gets this whole 200 answer (body, content type) instead of a stream; `chat_refusal`: every
     chat gets this status. `drops`: the worker closes a canary's connection before answering,
     `"reused"` only a kept-alive one (as uvicorn closes an idle connection just as a request
-    arrives on it: the worker never saw the request), `"all"` every one (`dropped` counts them)."""
+    arrives on it: the worker never saw the request), `"all"` every one (`dropped` counts them).
+    `chat_holds`: a chat whose prompt is a key waits for that event before answering."""
 
     posts: list[str] = field(default_factory=list)
     canaries: list[str] = field(default_factory=list)
@@ -58,6 +59,7 @@ class Workers:
     chat_refusal: int | None = None
     stream_error_code: int = 500  # the code of the error event that ends a stream (`stream_errors`)
     drops: str | None = None  # "reused" or "all": canary connections closed before any answer
+    chat_holds: dict[str, asyncio.Event] = field(default_factory=dict)  # prompt → its release
     dropped: int = 0
     release: asyncio.Event = field(default_factory=asyncio.Event)
     in_flight: int = 0
@@ -75,6 +77,9 @@ def app_for(workers: Workers, name: str) -> web.Application:
     async def chat(request: web.Request) -> web.StreamResponse:
         body: dict[str, Any] = await request.json()
         workers.posts.append(name)
+        hold = workers.chat_holds.get(body["messages"][0]["content"])
+        if hold is not None:
+            await hold.wait()
         if name in workers.broken or body["messages"][0]["content"] == POISON:
             return web.json_response(FAILED, status=500)
         if workers.chat_refusal is not None:
@@ -195,6 +200,16 @@ async def gateway(names: str = "ab", **pool: Any) -> AsyncIterator[Rig]:
                 **pool,
             }
             async with round_robin_gateway([config], KEYS, SECRET) as gw:
-                yield Rig(gw.client, gw.state, urls, workers)
+                try:
+                    yield Rig(gw.client, gw.state, urls, workers)
+                finally:
+                    _let_go(workers)  # before the gateway waits for its requests in flight
     finally:
-        workers.release.set()
+        _let_go(workers)
+
+
+def _let_go(workers: Workers) -> None:
+    """Answer every held canary and chat."""
+    workers.release.set()
+    for hold in workers.chat_holds.values():
+        hold.set()

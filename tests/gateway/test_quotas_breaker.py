@@ -95,31 +95,33 @@ def test_concurrency_slot_comes_back_on_release_or_leave() -> None:
 
 def test_breaker_opens_half_opens_with_one_trial_and_closes() -> None:
     b = CircuitBreaker(BreakerConfig(failure_threshold=2, cooldown_s=5.0))
-    b.on_failure(0.0)
+    b.on_failure(0.0, trial=False)
     assert b.allows(0.0)
-    b.on_failure(1.0)
+    b.on_failure(1.0, trial=False)
     assert b.state(1.0) is BreakerState.OPEN and not b.allows(5.9)
     assert b.allows(6.0) and b.state(6.0) is BreakerState.HALF_OPEN
-    b.on_dispatch(6.0)
+    assert b.on_dispatch(6.0)
     assert not b.allows(6.0)  # one trial at a time
-    b.on_failure(6.5)  # a failed trial frees the slot: as many in a row as open a closed breaker
+    b.on_failure(6.5, trial=True)  # a failed trial frees the slot: as many in a row as open a closed breaker
     assert b.state(6.5) is BreakerState.HALF_OPEN and b.allows(6.5)
-    b.on_dispatch(6.5)
-    b.on_failure(7.0)
+    assert b.on_dispatch(6.5)
+    b.on_failure(7.0, trial=True)
     assert b.state(7.0) is BreakerState.OPEN
     assert b.allows(12.0)
-    b.on_dispatch(12.0)
-    b.on_failure(12.5)  # the count starts again at each half-open
+    assert b.on_dispatch(12.0)
+    b.on_failure(12.5, trial=True)  # the count starts again at each half-open
     assert b.allows(12.5)
-    b.on_dispatch(12.5)
-    b.on_success()
+    assert b.on_dispatch(12.5)
+    b.on_success(trial=True)
     assert b.state(12.6) is BreakerState.CLOSED and b.allows(12.6)
 
 
 def test_abandoned_trial_frees_the_slot() -> None:
     b = CircuitBreaker(BreakerConfig(failure_threshold=1, cooldown_s=1.0))
-    b.on_failure(0.0)
-    b.on_dispatch(2.0)
+    b.on_failure(0.0, trial=False)
+    assert b.on_dispatch(2.0)
     assert not b.allows(2.0)
-    b.on_abandon()
+    b.on_abandon(trial=False)  # a request that did not take the trial frees nothing
+    assert not b.allows(2.0)
+    b.on_abandon(trial=True)
     assert b.allows(2.0)

@@ -25,7 +25,11 @@ tenant out of a worker that had recovered. So:
     otherwise (a P/D pool, canaries off, a chat-only pool answering them 404), and after an
         inconclusive canary, one client request at a time is the trial:
         success → closed; failure → the next request may be the trial;
-        `failure_threshold` failed trials in a row (as many as open a closed breaker) → open
+        `failure_threshold` failed trials in a row (as many as open a closed breaker) → open;
+        a trial's 5xx or read timeout before the first byte waits for the request's fate, as a
+        closed breaker's does (`holds`, `on_held_failure`; `outcome.HeldVerdicts`): a failed
+        trial if another worker serves the request or none was tried, none if another worker
+        failed or refused it too (a tenant whose input every worker fails wins no trial)
 
 The trial slot belongs to the request that took it (`on_dispatch` says so; `Worker.acquire`,
 `outcome.Attempt` carry it to the verdict): a request sent before the breaker opened that ends
@@ -64,6 +68,7 @@ class CircuitBreaker:
         "_config",
         "_failures",
         "_opened_at_s",
+        "_spell",
         "_state",
         "_suspected",
         "_trial_failures",
@@ -73,6 +78,7 @@ class CircuitBreaker:
     def __init__(self, config: BreakerConfig) -> None:
         self._config = config
         self._state = BreakerState.CLOSED
+        self._spell = 0  # counts the changes of state: a held verdict is about one spell
         self._failures = 0
         self._opened_at_s = 0.0
         self._trial_in_flight = False
@@ -101,6 +107,7 @@ class CircuitBreaker:
     def state(self, now_s: float) -> BreakerState:
         if self._state is BreakerState.OPEN and now_s >= self._half_open_at_s:
             self._state = BreakerState.HALF_OPEN
+            self._spell += 1
             self._trial_in_flight = False
             self._trial_failures = 0
             # The trial is the gateway's own canary where canaries have reached this worker.
@@ -146,6 +153,8 @@ class CircuitBreaker:
             self._close()
 
     def _close(self) -> None:
+        if self._state is not BreakerState.CLOSED:
+            self._spell += 1
         self._state = BreakerState.CLOSED
         self._failures = 0
         self._trial_in_flight = False
@@ -166,17 +175,53 @@ class CircuitBreaker:
         state = self.state(now_s)
         if state is BreakerState.HALF_OPEN and not trial:
             return
-        self._failures += 1
         if state is BreakerState.HALF_OPEN:
-            self._trial_failures += 1
             self._trial_in_flight = False
-            self._suspected = True
-            if self._trial_failures >= self._config.failure_threshold:
-                self._open(now_s)
-        elif self._failures >= self._config.failure_threshold:
+            self._trial_failed(now_s)
+            return
+        self._failures += 1
+        if self._failures >= self._config.failure_threshold:
             self._open(now_s)
 
+    def _trial_failed(self, now_s: float) -> None:
+        self._failures += 1
+        self._trial_failures += 1
+        self._suspected = True
+        if self._trial_failures >= self._config.failure_threshold:
+            self._open(now_s)
+
+    @property
+    def spell(self) -> int:
+        """Which spell of its state the breaker is in (it counts the changes of state): a held
+        failure is judged later only in the spell it was held in (`on_held_failure`)."""
+        return self._spell
+
+    def holds(self, now_s: float, *, trial: bool) -> bool:
+        """Whether a request's failure (a 5xx, a read timeout before the first byte: `Failure.held`)
+        may wait for the request's fate (`outcome.HeldVerdicts`): a closed breaker's, and a
+        half-open breaker's trial's, whose slot is freed at once for the next request (a trial
+        does not stay in flight for another worker's whole answer)."""
+        state = self.state(now_s)
+        return state is BreakerState.CLOSED or (state is BreakerState.HALF_OPEN and trial)
+
+    def on_held_failure(self, now_s: float, spell: int, *, compared: bool) -> None:
+        """A held failure judged, held in `spell`. `compared`: another worker served the request,
+        which shows it to be the worker's: a closed breaker counts it as any failure, a
+        half-open one as a failed trial (its slot was freed when it was held). Not `compared`:
+        it was the request's only attempt, and only a half-open breaker counts it, as a failed
+        trial (`outcome.HeldVerdicts.acquit`). In any later spell it is dropped: a verdict is
+        not applied to a state it was not about."""
+        state = self.state(now_s)
+        if spell != self._spell:
+            return
+        if state is BreakerState.HALF_OPEN:
+            self._trial_failed(now_s)
+        elif state is BreakerState.CLOSED and compared:
+            self.on_failure(now_s, trial=False)
+
     def _open(self, now_s: float) -> None:
+        if self._state is not BreakerState.OPEN:
+            self._spell += 1
         self._state = BreakerState.OPEN
         self._opened_at_s = now_s
         self._trial_in_flight = False

@@ -115,7 +115,7 @@ async def _dispatch(
     a: Admitted, routing: Routing, transport: Transport, lifecycle: Lifecycle, attempts: list[Attempt]
 ) -> RawResponse | ProxyStream:
     await hold_for_peers(a, routing)
-    verdicts = HeldVerdicts()  # the workers whose 5xx or read timeout awaits the request's fate
+    verdicts = HeldVerdicts(attempts)  # the workers whose 5xx or read timeout awaits the request's fate
     try:
         return await _attempts(a, routing, transport, lifecycle, attempts, verdicts)
     except BaseException:
@@ -182,7 +182,7 @@ async def _attempts(
             attempt.trace.error_type = result.retry or result.code
         failure, retry = result, result.retry
         only_later = only_later and result.later
-        if result.held and worker.breaker.closed:
+        if result.held and worker.breaker.holds(time.monotonic(), trial=attempt.trial):
             attempt.end(routing, result.outcome, judged=False)
             # A busy answer (503, 529) leaves no suspicion: its canary would be answered so too.
             verdicts.hold(worker, result.answered and not result.later)

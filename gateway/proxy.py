@@ -78,7 +78,11 @@ async def dispatch(
         if a.find_previous is not None:
             missing = await locate_previous(a, transport)
             if missing is not None:
-                _finish(routing, a, attempts, missing.status, Outcome.REJECTED, missing.code, missing.message)
+                # No worker holds it (404) or can continue it (400): the request is refused. A
+                # 503 "could not tell" (or a 502: the gateway's credentials refused) refuses
+                # nothing: the gateway gave up before any attempt.
+                outcome = Outcome.REJECTED if missing.status < 500 else Outcome.ABORTED
+                _finish(routing, a, attempts, missing.status, outcome, missing.code, missing.message)
                 return a.error_response(missing)
         if a.pool.pd_router is not None:
             from gateway.pd import dispatch_pd  # a prefill/decode pool; gateway.pd builds on this module

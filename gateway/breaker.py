@@ -42,8 +42,14 @@ from __future__ import annotations
 
 import enum
 import math
+from typing import NewType
 
 from gateway.config.pool import BreakerConfig
+
+# The half-open trial a request took (`CircuitBreaker.on_dispatch`): the breaker's spell it was
+# taken in, so that a trial outliving its spell (a stream while a failed canary re-opened the
+# breaker) neither frees nor judges a later spell's trial.
+TrialTicket = NewType("TrialTicket", int)
 
 
 class BreakerState(enum.StrEnum):
@@ -136,20 +142,24 @@ class CircuitBreaker:
         canary = self._config.canary
         return canary.interval_s + canary.timeout_s
 
-    def on_dispatch(self, now_s: float) -> bool:
-        """A request goes to the worker: half-open, it is the trial. Whether it took the trial
-        slot is returned, for its verdict (`on_success`, `on_failure`, `on_abandon`: `trial`)."""
+    def on_dispatch(self, now_s: float) -> TrialTicket | None:
+        """A request goes to the worker: half-open, it is the trial. The trial it took, if any,
+        is returned, for its verdict (`on_success`, `on_failure`, `on_abandon`: `trial`)."""
         if self.state(now_s) is not BreakerState.HALF_OPEN or self._trial_in_flight:
-            return False
+            return None
         self._trial_in_flight = True
-        return True
+        return TrialTicket(self._spell)
 
-    def on_success(self, *, trial: bool) -> None:
+    def _current(self, trial: TrialTicket | None) -> bool:
+        """Whether `trial` is this half-open spell's trial (`_state` as last brought up to date)."""
+        return trial is not None and self._state is BreakerState.HALF_OPEN and trial == self._spell
+
+    def on_success(self, *, trial: TrialTicket | None) -> None:
         """A request's success closes the breaker, unless it finds it open, or half-open and it
-        is not the trial (`trial`: its dispatch took the trial slot): no other request is sent
+        is not its trial (`trial`: the one its dispatch took): no other request is sent
         to such a worker, so it was dispatched before the breaker opened, and says nothing of
         what opened it (a worker may finish long answers while every new request fails on it)."""
-        if self._state is BreakerState.CLOSED or (self._state is BreakerState.HALF_OPEN and trial):
+        if self._state is BreakerState.CLOSED or self._current(trial):
             self._close()
 
     def _close(self) -> None:
@@ -160,20 +170,20 @@ class CircuitBreaker:
         self._trial_in_flight = False
         self._awaiting_canary = False
 
-    def on_abandon(self, *, trial: bool) -> None:
+    def on_abandon(self, *, trial: TrialTicket | None) -> None:
         """The request ended without a verdict (the client left): free the trial slot, if it was
         the request that took it (`trial`)."""
-        if trial:
+        if self._current(trial):
             self._trial_in_flight = False
 
-    def on_failure(self, now_s: float, *, trial: bool) -> None:
-        """A request's failure. Half-open, the trial's (`trial`: its dispatch took the slot)
+    def on_failure(self, now_s: float, *, trial: TrialTicket | None) -> None:
+        """A request's failure. Half-open, its trial's (`trial`: the one its dispatch took)
         counts as a closed breaker's does (module doc): the trial slot is freed for the next
         request, the worker is suspected (its canary may close the breaker), and
         `failure_threshold` failed trials in a row open it again; another request's is dropped
         (dispatched before the breaker opened, it neither frees the trial nor judges it)."""
         state = self.state(now_s)
-        if state is BreakerState.HALF_OPEN and not trial:
+        if state is BreakerState.HALF_OPEN and not self._current(trial):
             return
         if state is BreakerState.HALF_OPEN:
             self._trial_in_flight = False
@@ -196,13 +206,13 @@ class CircuitBreaker:
         failure is judged later only in the spell it was held in (`on_held_failure`)."""
         return self._spell
 
-    def holds(self, now_s: float, *, trial: bool) -> bool:
+    def holds(self, now_s: float, *, trial: TrialTicket | None) -> bool:
         """Whether a request's failure (a 5xx, a read timeout before the first byte: `Failure.held`)
         may wait for the request's fate (`outcome.HeldVerdicts`): a closed breaker's, and a
         half-open breaker's trial's, whose slot is freed at once for the next request (a trial
         does not stay in flight for another worker's whole answer)."""
         state = self.state(now_s)
-        return state is BreakerState.CLOSED or (state is BreakerState.HALF_OPEN and trial)
+        return state is BreakerState.CLOSED or self._current(trial)
 
     def on_held_failure(self, now_s: float, spell: int, *, compared: bool) -> None:
         """A held failure judged, held in `spell`. `compared`: another worker served the request,
@@ -217,7 +227,7 @@ class CircuitBreaker:
         if state is BreakerState.HALF_OPEN:
             self._trial_failed(now_s)
         elif state is BreakerState.CLOSED and compared:
-            self.on_failure(now_s, trial=False)
+            self.on_failure(now_s, trial=None)
 
     def _open(self, now_s: float) -> None:
         if self._state is not BreakerState.OPEN:

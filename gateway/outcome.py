@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from gateway.admitted import Admitted
 from gateway.answer_usage import NO_USAGE, Usage
+from gateway.breaker import TrialTicket
 from gateway.request_head import RequestIds
 from gateway.routing import Routing
 from gateway.tracing import AttemptTrace
@@ -35,7 +36,7 @@ class Attempt:
     trace: AttemptTrace | None = None  # the attempt's CLIENT span, with tracing on
     body: bytes | None = None  # a prefill/decode leg's own body (gateway/pd.py); else the request's
     first_leg_s: float | None = None  # a split's decode leg: when its round's first leg was dispatched
-    trial: bool = False  # its dispatch took the worker's half-open trial (`Worker.acquire`)
+    trial: TrialTicket | None = None  # the worker's half-open trial its dispatch took (`Worker.acquire`)
 
     def __post_init__(self) -> None:
         self.admitted.attempt_started(own_body=self.body is not None)

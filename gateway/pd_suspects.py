@@ -342,4 +342,4 @@ def _blame(worker: Worker, failures: int, now_s: float) -> None:
     for _ in range(failures):
         if breaker.state(now_s) is BreakerState.OPEN:
             break
-        breaker.on_failure(now_s, trial=False)
+        breaker.on_failure(now_s, trial=None)

@@ -170,7 +170,7 @@ def test_the_breakers_canary_bounds_and_verdicts() -> None:
     breaker.canary_sent(12.5)
     breaker.on_canary(False, 13.0)
     assert breaker.state(13.0) is BreakerState.OPEN
-    breaker.on_success(trial=False)  # a request sent before it opened: no verdict on an open breaker
+    breaker.on_success(trial=None)  # a request sent before it opened: no verdict on an open breaker
     assert breaker.state(13.0) is BreakerState.OPEN and breaker.failures == 3
     # Half-open, a request's success closes it (a route needing no engine), but the row of
     # failed canaries goes on: the next one opens the breaker again.
@@ -200,6 +200,6 @@ def test_failed_canaries_in_a_row_open_the_breaker_across_request_successes() ->
         breaker.canary_sent(float(n))
         breaker.on_canary(False, n + 0.5)
         if n < 3:
-            breaker.on_success(trial=False)  # a /tokenize served between the canaries
+            breaker.on_success(trial=None)  # a /tokenize served between the canaries
             assert breaker.closed and breaker.failures == 0
     assert breaker.state(3.5) is BreakerState.OPEN and breaker.canary_failures == 3

@@ -21,7 +21,7 @@ BREAKER = {"failure_threshold": 2, "cooldown_s": 0.2, "canary": {"enabled": Fals
 
 async def _half_open(rig: Rig, breaker: CircuitBreaker) -> None:
     for _ in range(2):  # a bad spell no canary saw: connections lost, say
-        breaker.on_failure(time.monotonic(), trial=False)
+        breaker.on_failure(time.monotonic(), trial=None)
     assert breaker.state(time.monotonic()) is BreakerState.OPEN
     await wait_until(lambda: breaker.allows(time.monotonic()), timeout_s=WAIT_S, what="half-open")
 

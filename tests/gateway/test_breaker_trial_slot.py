@@ -32,7 +32,7 @@ async def _early_and_trial(
     early = asyncio.create_task(rig.chat(early_prompt, tenant="u"))
     await wait_until(lambda: rig.workers.posts == ["a"], timeout_s=WAIT_S, what="the early request")
     for _ in range(2):  # a bad spell the early request did not see
-        a.on_failure(time.monotonic(), trial=False)
+        a.on_failure(time.monotonic(), trial=None)
     assert a.state(time.monotonic()) is BreakerState.OPEN
     await wait_until(lambda: a.allows(time.monotonic()), timeout_s=WAIT_S, what="a half-open")
     trial = asyncio.create_task(rig.chat("trial"))

@@ -329,7 +329,7 @@ def test_a_held_verdict_never_touches_a_breaker_that_left_the_closed_state() -> 
     verdicts, others = HeldVerdicts([]), HeldVerdicts([])
     verdicts.hold(cast(Worker, opened))
     others.hold(cast(Worker, opened))
-    opened.breaker.on_failure(now_s, trial=False)  # other requests open it meanwhile ...
+    opened.breaker.on_failure(now_s, trial=None)  # other requests open it meanwhile ...
     now_s += 10
     assert opened.breaker.allows(now_s)
     trial = opened.breaker.on_dispatch(now_s)  # ... and another request is its half-open trial

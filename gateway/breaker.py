@@ -25,18 +25,31 @@ tenant out of a worker that had recovered. So:
     otherwise (a P/D pool, canaries off, a chat-only pool answering them 404), and after an
         inconclusive canary, one client request at a time is the trial:
         success → closed; failure → the next request may be the trial;
-        `failure_threshold` failed trials in a row (as many as open a closed breaker) → open
+        `failure_threshold` failed trials in a row (as many as open a closed breaker) → open;
+        a trial's 5xx or read timeout before the first byte waits for the request's fate, as a
+        closed breaker's does (`holds`, `on_held_failure`; `outcome.HeldVerdicts`): a failed
+        trial if another worker serves the request or none was tried, none if another worker
+        failed or refused it too (a tenant whose input every worker fails wins no trial)
 
-A success that finds the breaker open is dropped (`on_success`): it is a request sent before the
-breaker opened, and closing on it skipped the cooldown and the trial.
+The trial slot belongs to the request that took it (`on_dispatch` says so; `Worker.acquire`,
+`outcome.Attempt` carry it to the verdict): a request sent before the breaker opened that ends
+while it is half-open neither frees the slot (two client trials would run at once) nor judges
+the breaker. A success that finds the breaker open is dropped too (`on_success`): closing on it
+skipped the cooldown and the trial.
 """
 
 from __future__ import annotations
 
 import enum
 import math
+from typing import NewType
 
 from gateway.config.pool import BreakerConfig
+
+# The half-open trial a request took (`CircuitBreaker.on_dispatch`): the breaker's spell it was
+# taken in, so that a trial outliving its spell (a stream while a failed canary re-opened the
+# breaker) neither frees nor judges a later spell's trial.
+TrialTicket = NewType("TrialTicket", int)
 
 
 class BreakerState(enum.StrEnum):
@@ -61,6 +74,7 @@ class CircuitBreaker:
         "_config",
         "_failures",
         "_opened_at_s",
+        "_spell",
         "_state",
         "_suspected",
         "_trial_failures",
@@ -70,6 +84,7 @@ class CircuitBreaker:
     def __init__(self, config: BreakerConfig) -> None:
         self._config = config
         self._state = BreakerState.CLOSED
+        self._spell = 0  # counts the changes of state: a held verdict is about one spell
         self._failures = 0
         self._opened_at_s = 0.0
         self._trial_in_flight = False
@@ -98,6 +113,7 @@ class CircuitBreaker:
     def state(self, now_s: float) -> BreakerState:
         if self._state is BreakerState.OPEN and now_s >= self._half_open_at_s:
             self._state = BreakerState.HALF_OPEN
+            self._spell += 1
             self._trial_in_flight = False
             self._trial_failures = 0
             # The trial is the gateway's own canary where canaries have reached this worker.
@@ -126,42 +142,96 @@ class CircuitBreaker:
         canary = self._config.canary
         return canary.interval_s + canary.timeout_s
 
-    def on_dispatch(self, now_s: float) -> None:
-        if self.state(now_s) is BreakerState.HALF_OPEN:
-            self._trial_in_flight = True
+    def on_dispatch(self, now_s: float) -> TrialTicket | None:
+        """A request goes to the worker: half-open, it is the trial. The trial it took, if any,
+        is returned, for its verdict (`on_success`, `on_failure`, `on_abandon`: `trial`)."""
+        if self.state(now_s) is not BreakerState.HALF_OPEN or self._trial_in_flight:
+            return None
+        self._trial_in_flight = True
+        return TrialTicket(self._spell)
 
-    def on_success(self) -> None:
-        """A request's success closes the breaker, unless it finds it open: no request is sent to
-        an open worker, so it was dispatched before the breaker opened, and says nothing of
+    def _current(self, trial: TrialTicket | None) -> bool:
+        """Whether `trial` is this half-open spell's trial (`_state` as last brought up to date)."""
+        return trial is not None and self._state is BreakerState.HALF_OPEN and trial == self._spell
+
+    def on_success(self, *, trial: TrialTicket | None) -> None:
+        """A request's success closes the breaker, unless it finds it open, or half-open and it
+        is not its trial (`trial`: the one its dispatch took): no other request is sent
+        to such a worker, so it was dispatched before the breaker opened, and says nothing of
         what opened it (a worker may finish long answers while every new request fails on it)."""
-        if self._state is not BreakerState.OPEN:
+        if self._state is BreakerState.CLOSED or self._current(trial):
             self._close()
 
     def _close(self) -> None:
+        if self._state is not BreakerState.CLOSED:
+            self._spell += 1
         self._state = BreakerState.CLOSED
         self._failures = 0
         self._trial_in_flight = False
         self._awaiting_canary = False
 
-    def on_abandon(self) -> None:
-        """The request ended without a verdict (the client left): free the trial slot only."""
-        self._trial_in_flight = False
-
-    def on_failure(self, now_s: float) -> None:
-        """A request's failure. Half-open, it counts as a closed breaker's does (module doc): the
-        trial slot is freed for the next request, the worker is suspected (its canary may close
-        the breaker), and `failure_threshold` failed trials in a row open it again."""
-        self._failures += 1
-        if self.state(now_s) is BreakerState.HALF_OPEN:
-            self._trial_failures += 1
+    def on_abandon(self, *, trial: TrialTicket | None) -> None:
+        """The request ended without a verdict (the client left): free the trial slot, if it was
+        the request that took it (`trial`)."""
+        if self._current(trial):
             self._trial_in_flight = False
-            self._suspected = True
-            if self._trial_failures >= self._config.failure_threshold:
-                self._open(now_s)
-        elif self._failures >= self._config.failure_threshold:
+
+    def on_failure(self, now_s: float, *, trial: TrialTicket | None) -> None:
+        """A request's failure. Half-open, its trial's (`trial`: the one its dispatch took)
+        counts as a closed breaker's does (module doc): the trial slot is freed for the next
+        request, the worker is suspected (its canary may close the breaker), and
+        `failure_threshold` failed trials in a row open it again; another request's is dropped
+        (dispatched before the breaker opened, it neither frees the trial nor judges it)."""
+        state = self.state(now_s)
+        if state is BreakerState.HALF_OPEN and not self._current(trial):
+            return
+        if state is BreakerState.HALF_OPEN:
+            self._trial_in_flight = False
+            self._trial_failed(now_s)
+            return
+        self._failures += 1
+        if self._failures >= self._config.failure_threshold:
             self._open(now_s)
 
+    def _trial_failed(self, now_s: float) -> None:
+        self._failures += 1
+        self._trial_failures += 1
+        self._suspected = True
+        if self._trial_failures >= self._config.failure_threshold:
+            self._open(now_s)
+
+    @property
+    def spell(self) -> int:
+        """Which spell of its state the breaker is in (it counts the changes of state): a held
+        failure is judged later only in the spell it was held in (`on_held_failure`)."""
+        return self._spell
+
+    def holds(self, now_s: float, *, trial: TrialTicket | None) -> bool:
+        """Whether a request's failure (a 5xx, a read timeout before the first byte: `Failure.held`)
+        may wait for the request's fate (`outcome.HeldVerdicts`): a closed breaker's, and a
+        half-open breaker's trial's, whose slot is freed at once for the next request (a trial
+        does not stay in flight for another worker's whole answer)."""
+        state = self.state(now_s)
+        return state is BreakerState.CLOSED or self._current(trial)
+
+    def on_held_failure(self, now_s: float, spell: int, *, compared: bool) -> None:
+        """A held failure judged, held in `spell`. `compared`: another worker served the request,
+        which shows it to be the worker's: a closed breaker counts it as any failure, a
+        half-open one as a failed trial (its slot was freed when it was held). Not `compared`:
+        it was the request's only attempt, and only a half-open breaker counts it, as a failed
+        trial (`outcome.HeldVerdicts.acquit`). In any later spell it is dropped: a verdict is
+        not applied to a state it was not about."""
+        state = self.state(now_s)
+        if spell != self._spell:
+            return
+        if state is BreakerState.HALF_OPEN:
+            self._trial_failed(now_s)
+        elif state is BreakerState.CLOSED and compared:
+            self.on_failure(now_s, trial=None)
+
     def _open(self, now_s: float) -> None:
+        if self._state is not BreakerState.OPEN:
+            self._spell += 1
         self._state = BreakerState.OPEN
         self._opened_at_s = now_s
         self._trial_in_flight = False

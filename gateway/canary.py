@@ -17,7 +17,8 @@ shapes:
             the canary preempted, back-pressure, all slow; how busy is in the clients' hands; a
             pool that serves no /v1/completions, a chat-only front end: its 404s leave its
             workers to requests retried elsewhere and health checks, as without canaries)
-        another 5xx or refused credentials, the worker's own error event, a connection lost, a
+        another 5xx or refused credentials, the worker's own error event, a connection lost (one
+            closed before any answer is first sent once more on a fresh connection: `probe`), a
             stream ended before [DONE] or malformed → failed: one failure on the breaker
             (`on_canary`), and the worker stays suspected, so the next follows an interval later
         [DONE] (or a whole answer: a JSON completion with its choices) → passed: the
@@ -121,10 +122,19 @@ class CanaryResult:
 async def probe(
     session: aiohttp.ClientSession, url: str, model: str, headers: Mapping[str, str], timeout_s: float
 ) -> CanaryResult:
-    """Send one canary to the worker at `url` and judge its answer (module doc)."""
+    """Send one canary to the worker at `url` and judge its answer (module doc). A canary whose
+    connection was closed before any byte of an answer is sent once more on a fresh connection:
+    the shared session may have sent it on a kept-alive connection the worker was closing (uvicorn
+    closes one idle for 5 s, the session keeps it 30 s), so the worker never saw it, as the lean
+    client resends such a request (`gateway/upstream.py`). A worker that drops every connection
+    still fails it: the fresh connection is dropped too."""
     try:
         async with asyncio.timeout(timeout_s):
-            return await _judged(session, url, model, headers)
+            try:
+                return await _judged(session, url, model, headers)
+            except _Unanswered:
+                async with _fresh_session() as fresh:
+                    return await _judged(fresh, url, model, headers, last=True)
     except TimeoutError:
         return CanaryResult(CanaryVerdict.INCONCLUSIVE, cause="timeout")
     except (aiohttp.ClientError, OSError, MalformedStream) as exc:
@@ -132,10 +142,18 @@ async def probe(
 
 
 async def _judged(
-    session: aiohttp.ClientSession, url: str, model: str, headers: Mapping[str, str]
+    session: aiohttp.ClientSession, url: str, model: str, headers: Mapping[str, str], *, last: bool = False
 ) -> CanaryResult:
     sent = {"content-type": "application/json", **headers}
-    async with session.post(url + CANARY_PATH, data=canary_body(model), headers=sent) as resp:
+    try:
+        answered = await session.post(url + CANARY_PATH, data=canary_body(model), headers=sent)
+    except aiohttp.ClientConnectorError:
+        raise  # no connection was made: nothing to send again on a fresh one
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+        if last:
+            raise
+        raise _Unanswered from None
+    async with answered as resp:
         status = resp.status
         if status in BUSY_STATUSES:
             # Too busy for it (SGLang's "The request queue is full.", a preemption by a higher
@@ -268,6 +286,20 @@ class Canaries:
             entry = self._running.get(worker.worker_id)
             if entry is not None and entry[2] is asyncio.current_task():
                 del self._running[worker.worker_id]
+
+
+class _Unanswered(Exception):
+    """The canary's connection was closed before any byte of an answer: on a kept-alive
+    connection the worker was closing, the worker never saw it (`probe` sends it again)."""
+
+
+def _fresh_session() -> aiohttp.ClientSession:
+    """A session for one canary on a connection of its own, closed after it (never kept)."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(force_close=True),
+        cookie_jar=aiohttp.DummyCookieJar(),
+        skip_auto_headers=("User-Agent", "Accept-Encoding"),  # as the shared session's
+    )
 
 
 def _completed(content_type: str, body: bytes) -> bool:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.admitted import Admitted
 from gateway.answer_usage import NO_USAGE, Usage
+from gateway.breaker import TrialTicket
 from gateway.request_head import RequestIds
 from gateway.routing import Routing
 from gateway.tracing import AttemptTrace
@@ -34,6 +36,7 @@ class Attempt:
     trace: AttemptTrace | None = None  # the attempt's CLIENT span, with tracing on
     body: bytes | None = None  # a prefill/decode leg's own body (gateway/pd.py); else the request's
     first_leg_s: float | None = None  # a split's decode leg: when its round's first leg was dispatched
+    trial: TrialTicket | None = None  # the worker's half-open trial its dispatch took (`Worker.acquire`)
 
     def __post_init__(self) -> None:
         self.admitted.attempt_started(own_body=self.body is not None)
@@ -91,14 +94,15 @@ class Attempt:
         _slot_freed(routing, self.admitted.pool.name)
         now_s = time.monotonic()
         breaker = self.worker.breaker
+        trial = self.trial
         if outcome is Outcome.SERVED:
-            breaker.on_success()
+            breaker.on_success(trial=trial)
         else:
             usage = NO_USAGE  # a worker's token counts are told to the policy only with a success
             if judged and outcome is Outcome.WORKER_FAILED:
-                breaker.on_failure(now_s)
+                breaker.on_failure(now_s, trial=trial)
             else:
-                breaker.on_abandon()
+                breaker.on_abandon(trial=trial)
         routing.metrics.worker_outcome(self.admitted.pool.name, self.worker.url, outcome)
         if self.trace is not None:
             self.trace.end(outcome, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
@@ -177,16 +181,22 @@ class HeldVerdicts:
     request: it convicts no held failure (`proxy.served`). A stream cut before `[DONE]`
     (connection lost, a malformed event) still counts at once: no client input causes that.
 
-    Only a closed breaker's verdict is held (the caller judges a half-open breaker's trial at
-    once: a trial must not stay in flight for another worker's whole answer). A held request took
-    no trial, so acquitting frees nothing; and a verdict that arrives after the breaker left the
-    closed state (other requests opened it meanwhile) is dropped rather than applied to a state
-    it was not about. So, by its requests alone, a pool whose workers all answer every request
-    with a 5xx, or all hang, opens no breaker, nor does a worker failing requests no other
-    worker is tried on (a pool's last routable worker, one with no retries); their requests
-    still end (fast, or after `read_s`), a worker failing what others serve is still shut out
-    once its requests are retried, and health checks still take down a worker that fails them
-    (vLLM's `/health` fails when its engine is dead).
+    A closed breaker's verdict is held, and a half-open breaker's client trial's
+    (`CircuitBreaker.holds`): where no canary reaches the worker (prefill/decode pools, canaries
+    off, a chat-only front end) client requests are the trials, and a tenant whose input every
+    worker fails would otherwise re-open a recovered worker's breaker by winning its trials. The
+    trial's slot is freed when its failure is held (a trial must not stay in flight for another
+    worker's whole answer), and a conviction counts as a failed trial. A verdict is applied only
+    in the breaker's spell it was held in (`CircuitBreaker.on_held_failure`): one that arrives
+    after the breaker changed state (other requests opened it, its next trial closed it) is
+    dropped rather than applied to a state it was not about. So, by its requests alone, a pool
+    whose workers all answer every request with a 5xx, or all hang, opens no breaker, nor does a
+    worker failing requests no other worker is tried on (a pool's last routable worker, one with
+    no retries), though such a worker's half-open breaker opens again after `failure_threshold`
+    failed trials it was alone on (`acquit`); their requests still end (fast, or after
+    `read_s`), a worker failing what others serve is still shut out once its requests are
+    retried, and health checks still take down a worker that fails them (vLLM's `/health` fails
+    when its engine is dead).
 
     An acquitted 5xx still leaves its worker suspected (`CircuitBreaker.suspect`), as does a
     worker's own error event in a stream: the gateway's canary, a request no client shapes, then
@@ -198,23 +208,23 @@ class HeldVerdicts:
     could not confirm one.
     """
 
-    __slots__ = ("_answered", "_workers")
+    __slots__ = ("_answered", "_attempts", "_workers")
 
-    def __init__(self) -> None:
-        self._workers: list[Worker] = []
+    def __init__(self, attempts: Sequence[Attempt]) -> None:
+        self._attempts = attempts  # the request's, as they are made: one means nothing compared
+        self._workers: list[tuple[Worker, int]] = []  # each with its breaker's spell when held
         self._answered: list[Worker] = []  # of `_workers`, those that answered with a 5xx
 
     def hold(self, worker: Worker, answered: bool = False) -> None:
         """`worker` failed the request with a held failure (a 5xx or a read timeout: either waits
         alike); `answered`: a 5xx (`Failure.answered`), which an acquittal leaves suspected."""
-        self._workers.append(worker)
+        self._workers.append((worker, worker.breaker.spell))
         if answered:
             self._answered.append(worker)
 
     def convict(self, now_s: float) -> None:
-        for worker in self._workers:
-            if worker.breaker.closed:
-                worker.breaker.on_failure(now_s)
+        for worker, spell in self._workers:
+            worker.breaker.on_held_failure(now_s, spell, compared=True)
         self._workers.clear()
         self._answered.clear()
 
@@ -222,7 +232,16 @@ class HeldVerdicts:
         """Nothing shows the held failures to be the workers': another worker refused the
         request, or it ends with no worker's answer (one worker's failure or several; no peer's
         state stands in for a peer's answer), or the client left. A worker that answered with a
-        5xx is left suspected: a canary decides."""
+        5xx is left suspected: a canary decides. A half-open breaker's trial that was the
+        request's only attempt had nothing to compare it with, and counts as a failed trial
+        (`CircuitBreaker.on_held_failure`): `failure_threshold` of them in a row re-open the
+        breaker, so a worker failing every request where it is the only one tried is kept out,
+        as before trials were held; the request another worker also failed or refused counts
+        against none."""
+        if len(self._attempts) == 1 and self._workers:
+            now_s = time.monotonic()
+            for worker, spell in self._workers:
+                worker.breaker.on_held_failure(now_s, spell, compared=False)
         for worker in self._answered:
             worker.breaker.suspect()
         self._workers.clear()

@@ -108,7 +108,9 @@ class PdRun:
         self.failures = 0  # rounds in which a leg failed: the request's retries
         self.round_failed = False  # a leg of the round under way failed
         self.only_later = True  # every failed leg asked to be retried later (a worker's 503)
-        self.verdicts = HeldVerdicts()  # the workers whose 5xx or read timeout awaits the request's fate
+        self.verdicts = HeldVerdicts(
+            self.attempts
+        )  # the workers whose 5xx or read timeout awaits the request's fate
         self.read_timeouts = ReadTimeouts()  # past one, no further round (`failure.ReadTimeouts`)
         self.tasks: list[asyncio.Task[Any]] = []
         self.reserved: Reservation | None = None  # the decode slot of the vLLM pair in flight
@@ -144,8 +146,8 @@ class PdRun:
         routing.metrics.pd_requests.labels(a.pool.name, role).inc()
         if reserved is not None:
             reserved.take()
-        worker.acquire(a.route.n_prompt_tokens, a.max_output_tokens, now_s, decision.matched_tokens)
-        attempt = Attempt(a, worker, decision.reason, now_s, decision, body=body)
+        trial = worker.acquire(a.route.n_prompt_tokens, a.max_output_tokens, now_s, decision.matched_tokens)
+        attempt = Attempt(a, worker, decision.reason, now_s, decision, body=body, trial=trial)
         if routing.tracer is not None:
             attempt.trace = proxy.start_trace(routing, a, attempt)  # each leg's CLIENT span
         self.attempts.append(attempt)
@@ -172,7 +174,8 @@ class PdRun:
         self.routing.metrics.pd_leg_failures.labels(self.a.pool.name, role, reason).inc()
         if attempt.trace is not None:
             attempt.trace.error_type = reason
-        if failure.held and outcome is None and attempt.worker.breaker.closed:
+        held = failure.held and outcome is None
+        if held and attempt.worker.breaker.holds(time.monotonic(), trial=attempt.trial):
             attempt.end(self.routing, failure.outcome, judged=False)
             self.verdicts.hold(attempt.worker)
         else:

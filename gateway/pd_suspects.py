@@ -61,10 +61,12 @@ simulation in `tests/gateway/pd_blame_sim.py`, 22 million requests through pools
 five workers with one partner flapping at f from 0.05 to 0.3, beside broken or overloaded
 workers or not: 11 of them). A pool that serves fewer than `PROBES` such pairs of X within
 `WITHIN_S` never convicts W, which it then tries again a window after its last failure. A broken
-W costs `SUSPECT_ROUNDS` + 1 rounds, then its breaker keeps it out (a half-open trial that fails
-so while the streak lasts reopens it). The rule holds in any pool, for a worker whose failures
-so are all with one partner that works (two pairs always tried in the same order, say); with two
-or more, triangulation weighs it.
+W costs `SUSPECT_ROUNDS` + 1 rounds, then its breaker keeps it out (prefill/decode pools send
+no canaries, so client requests are its half-open trials, and `failure_threshold` of them failed
+in a row open it again: `CircuitBreaker`, "The half-open trial"; a failure weighed here is a
+verdict on a closed breaker only, none once the breaker has left it). The rule holds in any
+pool, for a worker whose failures so are all with one partner that works (two pairs always tried
+in the same order, say); with two or more, triangulation weighs it.
 
 An overloaded decode worker's 503 or 529 is not inconclusive: it took no part in the transfer,
 and is its own (`pd_legs.decode_leg`).
@@ -340,4 +342,4 @@ def _blame(worker: Worker, failures: int, now_s: float) -> None:
     for _ in range(failures):
         if breaker.state(now_s) is BreakerState.OPEN:
             break
-        breaker.on_failure(now_s)
+        breaker.on_failure(now_s, trial=None)

@@ -78,7 +78,11 @@ async def dispatch(
         if a.find_previous is not None:
             missing = await locate_previous(a, transport)
             if missing is not None:
-                _finish(routing, a, attempts, missing.status, Outcome.REJECTED, missing.code, missing.message)
+                # No worker holds it (404) or can continue it (400): the request is refused. A
+                # 503 "could not tell" (or a 502: the gateway's credentials refused) refuses
+                # nothing: the gateway gave up before any attempt.
+                outcome = Outcome.REJECTED if missing.status < 500 else Outcome.ABORTED
+                _finish(routing, a, attempts, missing.status, outcome, missing.code, missing.message)
                 return a.error_response(missing)
         if a.pool.pd_router is not None:
             from gateway.pd import dispatch_pd  # a prefill/decode pool; gateway.pd builds on this module
@@ -115,7 +119,7 @@ async def _dispatch(
     a: Admitted, routing: Routing, transport: Transport, lifecycle: Lifecycle, attempts: list[Attempt]
 ) -> RawResponse | ProxyStream:
     await hold_for_peers(a, routing)
-    verdicts = HeldVerdicts()  # the workers whose 5xx or read timeout awaits the request's fate
+    verdicts = HeldVerdicts(attempts)  # the workers whose 5xx or read timeout awaits the request's fate
     try:
         return await _attempts(a, routing, transport, lifecycle, attempts, verdicts)
     except BaseException:
@@ -166,8 +170,8 @@ async def _attempts(
         tried.add(decision.worker)
         policy.on_dispatch(a.route, decision, now_s)
         routing.metrics.decision(routing.policy_name, decision.reason)
-        worker.acquire(a.route.n_prompt_tokens, a.max_output_tokens, now_s, decision.matched_tokens)
-        attempt = Attempt(a, worker, decision.reason, now_s, decision)
+        trial = worker.acquire(a.route.n_prompt_tokens, a.max_output_tokens, now_s, decision.matched_tokens)
+        attempt = Attempt(a, worker, decision.reason, now_s, decision, trial=trial)
         attempts.append(attempt)
         if routing.tracer is not None:
             attempt.trace = start_trace(routing, a, attempt)
@@ -182,7 +186,7 @@ async def _attempts(
             attempt.trace.error_type = result.retry or result.code
         failure, retry = result, result.retry
         only_later = only_later and result.later
-        if result.held and worker.breaker.closed:
+        if result.held and worker.breaker.holds(time.monotonic(), trial=attempt.trial):
             attempt.end(routing, result.outcome, judged=False)
             # A busy answer (503, 529) leaves no suspicion: its canary would be answered so too.
             verdicts.hold(worker, result.answered and not result.later)

@@ -15,7 +15,7 @@ import math
 import time
 from collections.abc import Callable
 
-from gateway.breaker import CircuitBreaker
+from gateway.breaker import CircuitBreaker, TrialTicket
 from gateway.config.pool import PoolConfig
 from gateway.scrape import WorkerMetrics, worker_restarted
 from gateway.upstream_address import direct_address
@@ -201,8 +201,9 @@ class Worker:
 
     def acquire(
         self, prompt_tokens: int, max_output_tokens: int, now_s: float, matched_tokens: int = 0
-    ) -> None:
-        """A request is dispatched here; `matched_tokens`: the cached tokens its decision predicted."""
+    ) -> TrialTicket | None:
+        """A request is dispatched here; `matched_tokens`: the cached tokens its decision predicted.
+        The breaker's half-open trial it took, if any, is returned, for its verdict (`Attempt.end`)."""
         self._version += 1
         self.in_flight += 1
         if self.prefill_tokens <= 0 < prompt_tokens:
@@ -210,13 +211,13 @@ class Worker:
         self.prefill_tokens += prompt_tokens
         self.prefill_pairs += prefill_pairs(prompt_tokens, matched_tokens)
         self.decode_tokens += max_output_tokens
-        self.breaker.on_dispatch(now_s)
+        return self.breaker.on_dispatch(now_s)
 
-    def reserve(self, max_output_tokens: int, now_s: float) -> bool:
+    def reserve(self, max_output_tokens: int, now_s: float) -> TrialTicket | None:
         """Hold a slot for a leg sent later: a vLLM pair's decode leg, which goes out once the
         prefill leg has answered, is this worker's from the moment the pair is chosen, so neither
-        the pool's queue nor the policy sees the slot free meanwhile. Whether it took the
-        breaker's half-open trial is returned (`unreserve` then gives that back too).
+        the pool's queue nor the policy sees the slot free meanwhile. The breaker's half-open trial
+        it took, if any, is returned (`unreserve` then gives that back too).
 
         A reservation is a request in flight and output this worker will decode, so it counts in
         `in_flight` and `decode_tokens`; its prompt is being computed on the prefill worker and
@@ -225,17 +226,14 @@ class Worker:
         self._version += 1
         self.in_flight += 1
         self.decode_tokens += max_output_tokens
-        trial = self.breaker.allows(now_s) and not self.breaker.closed
-        self.breaker.on_dispatch(now_s)
-        return trial
+        return self.breaker.on_dispatch(now_s)
 
-    def unreserve(self, max_output_tokens: int, trial: bool) -> None:
+    def unreserve(self, max_output_tokens: int, trial: TrialTicket | None) -> None:
         """Give back what `reserve` took (the leg starts, or will not be sent)."""
         self._version += 1
         self.in_flight = max(0, self.in_flight - 1)
         self.decode_tokens = max(0, self.decode_tokens - max_output_tokens)
-        if trial:
-            self.breaker.on_abandon()
+        self.breaker.on_abandon(trial=trial)
 
     def first_token(
         self,

@@ -59,8 +59,10 @@ class CanaryConfig(Frozen):
 
 class BreakerConfig(Frozen):
     """Passive circuit breaker per worker: opens after `failure_threshold` consecutive request
-    failures, lets one trial request through after `cooldown_s`; `canary` confirms the failures
-    no other worker compared."""
+    failures (or failed canaries in a row); half-open after `cooldown_s`, when its trial is the
+    worker's canary where canaries have reached it, else one client request at a time, and
+    `failure_threshold` failed client trials in a row open it again (`gateway/breaker.py`);
+    `canary` confirms the failures no other worker compared."""
 
     failure_threshold: PositiveInt = 3
     cooldown_s: PositiveFloat = 5.0

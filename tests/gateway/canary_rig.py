@@ -42,7 +42,10 @@ class Workers:
     `refusal`: every canary gets this status (`busy_event`: as the code of the worker's own error
     event, the first of a 200 stream, as SGLang streams a full queue); `whole`: every canary
     gets this whole 200 answer (body, content type) instead of a stream; `chat_refusal`: every
-    chat gets this status."""
+    chat gets this status. `drops`: the worker closes a canary's connection before answering,
+    `"reused"` only a kept-alive one (as uvicorn closes an idle connection just as a request
+    arrives on it: the worker never saw the request), `"all"` every one (`dropped` counts them).
+    `chat_holds`: a chat whose prompt is a key waits for that event before answering."""
 
     posts: list[str] = field(default_factory=list)
     canaries: list[str] = field(default_factory=list)
@@ -55,6 +58,9 @@ class Workers:
     whole: tuple[bytes, str] | None = None  # every canary's answer: a whole body and its type
     chat_refusal: int | None = None
     stream_error_code: int = 500  # the code of the error event that ends a stream (`stream_errors`)
+    drops: str | None = None  # "reused" or "all": canary connections closed before any answer
+    chat_holds: dict[str, asyncio.Event] = field(default_factory=dict)  # prompt → its release
+    dropped: int = 0
     release: asyncio.Event = field(default_factory=asyncio.Event)
     in_flight: int = 0
     most_in_flight: int = 0
@@ -66,9 +72,14 @@ def _stream(events: list[bytes]) -> web.Response:
 
 
 def app_for(workers: Workers, name: str) -> web.Application:
+    connections: list[object] = []  # each connection a canary came on (kept: ids are not reused)
+
     async def chat(request: web.Request) -> web.StreamResponse:
         body: dict[str, Any] = await request.json()
         workers.posts.append(name)
+        hold = workers.chat_holds.get(body["messages"][0]["content"])
+        if hold is not None:
+            await hold.wait()
         if name in workers.broken or body["messages"][0]["content"] == POISON:
             return web.json_response(FAILED, status=500)
         if workers.chat_refusal is not None:
@@ -80,6 +91,13 @@ def app_for(workers: Workers, name: str) -> web.Application:
         return chat_answer(stream, "ok")
 
     async def completions(request: web.Request) -> web.StreamResponse:
+        transport = request.transport
+        reused = any(seen is transport for seen in connections)
+        connections.append(transport)
+        if transport is not None and (workers.drops == "all" or (workers.drops == "reused" and reused)):
+            workers.dropped += 1
+            transport.abort()  # closed before any byte of an answer
+            raise web.HTTPInternalServerError  # never written: the connection is gone
         body: dict[str, Any] = await request.json()
         # The canary is the gateway's own: its fixed prompt, one token, streamed.
         assert (body["prompt"], body["max_tokens"], body["stream"]) == (CANARY_PROMPT, 1, True)
@@ -182,6 +200,16 @@ async def gateway(names: str = "ab", **pool: Any) -> AsyncIterator[Rig]:
                 **pool,
             }
             async with round_robin_gateway([config], KEYS, SECRET) as gw:
-                yield Rig(gw.client, gw.state, urls, workers)
+                try:
+                    yield Rig(gw.client, gw.state, urls, workers)
+                finally:
+                    _let_go(workers)  # before the gateway waits for its requests in flight
     finally:
-        workers.release.set()
+        _let_go(workers)
+
+
+def _let_go(workers: Workers) -> None:
+    """Answer every held canary and chat."""
+    workers.release.set()
+    for hold in workers.chat_holds.values():
+        hold.set()

@@ -112,13 +112,12 @@ def simulate(
             if pair is None:
                 break
             p, d = pair
-            p.breaker.on_dispatch(now)
-            d.breaker.on_dispatch(now)
+            trials = p.breaker.on_dispatch(now), d.breaker.on_dispatch(now)
             b = behaviours[names[d.worker_id]]
             if b.kind == "overloaded" and rng.random() < b.f:
                 excluded.add(d.worker_id)  # its own 503: the verdict is its own, not counted here
-                p.breaker.on_abandon()
-                d.breaker.on_abandon()
+                p.breaker.on_abandon(trial=trials[0])
+                d.breaker.on_abandon(trial=trials[1])
                 continue
             failed = [fails(p), fails(d)]  # each flapping worker fails on its own
             if any(failed):
@@ -126,12 +125,12 @@ def simulate(
                 avoided[0].add(p.worker_id)
                 avoided[1].add(d.worker_id)
                 unsettled.append((p, d))
-                p.breaker.on_abandon()
-                d.breaker.on_abandon()
+                p.breaker.on_abandon(trial=trials[0])
+                d.breaker.on_abandon(trial=trials[1])
                 continue
             result.served += 1
-            p.breaker.on_success()
-            d.breaker.on_success()
+            p.breaker.on_success(trial=trials[0])
+            d.breaker.on_success(trial=trials[1])
             pairs.served(p.worker_id, d.worker_id, now, first_round=round_ == 0)
             for worker in pairs.note_request(unsettled, now) if unsettled else []:
                 result.blamed[names[worker.worker_id]] += 1

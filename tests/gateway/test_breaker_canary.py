@@ -170,12 +170,12 @@ def test_the_breakers_canary_bounds_and_verdicts() -> None:
     breaker.canary_sent(12.5)
     breaker.on_canary(False, 13.0)
     assert breaker.state(13.0) is BreakerState.OPEN
-    breaker.on_success()  # a request sent before it opened: no verdict on an open breaker
+    breaker.on_success(trial=None)  # a request sent before it opened: no verdict on an open breaker
     assert breaker.state(13.0) is BreakerState.OPEN and breaker.failures == 3
     # Half-open, a request's success closes it (a route needing no engine), but the row of
     # failed canaries goes on: the next one opens the breaker again.
     assert breaker.state(23.0) is BreakerState.HALF_OPEN
-    breaker.on_success()
+    breaker.on_success(trial=breaker.on_dispatch(23.0))
     assert breaker.closed and breaker.failures == 0 and breaker.canary_failures == 3
     assert breaker.canary_due(23.5)
     breaker.canary_sent(23.5)
@@ -185,7 +185,7 @@ def test_the_breakers_canary_bounds_and_verdicts() -> None:
     breaker.on_canary(False, 25.5)
     assert breaker.state(25.5) is BreakerState.OPEN
     assert breaker.state(35.5) is BreakerState.HALF_OPEN
-    breaker.on_success()
+    breaker.on_success(trial=breaker.on_dispatch(35.5))
     breaker.canary_sent(40.0)  # a passed canary ends the row and clears the suspicion
     breaker.on_canary(True, 40.5)
     assert breaker.closed and not breaker.suspected and breaker.failures == 0
@@ -200,6 +200,6 @@ def test_failed_canaries_in_a_row_open_the_breaker_across_request_successes() ->
         breaker.canary_sent(float(n))
         breaker.on_canary(False, n + 0.5)
         if n < 3:
-            breaker.on_success()  # a /tokenize served between the canaries
+            breaker.on_success(trial=None)  # a /tokenize served between the canaries
             assert breaker.closed and breaker.failures == 0
     assert breaker.state(3.5) is BreakerState.OPEN and breaker.canary_failures == 3

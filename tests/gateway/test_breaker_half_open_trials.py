@@ -99,7 +99,7 @@ async def test_without_canaries_a_trial_failure_counts_as_a_closed_breakers_does
         rig.workers.refusal = 404
         a = rig.worker("p", "a").breaker
         for _ in range(3):  # a bad spell no canary saw: connections lost, say
-            a.on_failure(time.monotonic())
+            a.on_failure(time.monotonic(), trial=None)
         assert a.state(time.monotonic()) is BreakerState.OPEN
         await wait_until(lambda: a.allows(time.monotonic()), timeout_s=WAIT_S, what="a half-open")
         assert (await rig.chat(POISON)).status_code == 502  # the poison tenant's trial fails
@@ -115,7 +115,7 @@ async def test_without_canaries_a_worker_failing_every_trial_is_opened_again() -
         a = rig.worker("p", "a").breaker
         rig.workers.broken.add("a")
         for _ in range(2):
-            a.on_failure(time.monotonic())
+            a.on_failure(time.monotonic(), trial=None)
         for _ in range(2):  # two failed trials in a row, as two failures open a closed breaker
             await wait_until(lambda: a.allows(time.monotonic()), timeout_s=WAIT_S, what="a trial")
             assert (await rig.chat()).status_code == 502

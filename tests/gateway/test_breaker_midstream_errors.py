@@ -218,7 +218,7 @@ async def test_a_half_open_workers_trial_ending_in_its_error_event_is_freed(rig:
     for name in "ab":
         breaker = rig.worker("two", name).breaker
         for _ in range(THRESHOLD):
-            breaker.on_failure(long_ago_s)
+            breaker.on_failure(long_ago_s, trial=None)
     # Both half-open: the first request is `a`'s trial, the second `b`'s.
     for _ in range(2):
         assert (await rig.chat("m2", "fails-500")).status_code == 200

@@ -309,7 +309,7 @@ def test_a_lone_read_timeout_or_5xx_is_acquitted() -> None:
         ([timed_out, timed_out], 0),
     ):
         workers = [_Held(CircuitBreaker(BreakerConfig(failure_threshold=3))) for _ in held]
-        verdicts = HeldVerdicts()
+        verdicts = HeldVerdicts([])
         for worker in workers:
             verdicts.hold(cast(Worker, worker))
         verdicts.acquit()  # the request ends with no worker's answer
@@ -326,15 +326,15 @@ def test_a_held_verdict_never_touches_a_breaker_that_left_the_closed_state() -> 
 
     now_s = 100.0
     opened = _Held(CircuitBreaker(BreakerConfig(failure_threshold=1, cooldown_s=5)))
-    verdicts = HeldVerdicts()
+    verdicts, others = HeldVerdicts([]), HeldVerdicts([])
     verdicts.hold(cast(Worker, opened))
-    opened.breaker.on_failure(now_s)  # other requests open it meanwhile ...
+    others.hold(cast(Worker, opened))
+    opened.breaker.on_failure(now_s, trial=None)  # other requests open it meanwhile ...
     now_s += 10
     assert opened.breaker.allows(now_s)
-    opened.breaker.on_dispatch(now_s)  # ... and another request is its half-open trial
+    trial = opened.breaker.on_dispatch(now_s)  # ... and another request is its half-open trial
     verdicts.acquit()  # the held request's end frees nobody's trial
     assert not opened.breaker.allows(now_s)
-    verdicts.hold(cast(Worker, opened))
-    verdicts.convict(now_s)  # nor reopens it on evidence older than the trial
-    opened.breaker.on_success()
+    others.convict(now_s)  # nor reopens it on evidence older than the trial
+    opened.breaker.on_success(trial=trial)
     assert opened.breaker.closed and opened.breaker.failures == 0

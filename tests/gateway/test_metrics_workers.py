@@ -75,7 +75,7 @@ def test_breaker_state_is_its_own_gauge() -> None:
     state = _state()
     pool = state.registry.pools["p"]
     now_s = time.monotonic()
-    pool.workers[WorkerId(B)].breaker.on_failure(now_s)  # threshold 1: open
+    pool.workers[WorkerId(B)].breaker.on_failure(now_s, trial=None)  # threshold 1: open
     refresh_gauges(state)
     states = _samples(state.routing.metrics, "kvgate_worker_breaker_state")
     assert states[(("pool", "p"), ("worker", A))] == 0

@@ -274,7 +274,7 @@ def test_a_held_slot_takes_a_half_open_breakers_trial_and_gives_it_back() -> Non
     closed.take()
     closed.take()  # once only
     assert (worker.in_flight, worker.decode_tokens) == (0, 0) and worker.breaker.closed
-    worker.breaker.on_failure(0.0)
+    worker.breaker.on_failure(0.0, trial=None)
     trial = Reservation(worker, 8, 2.0)  # past the cooldown: the one trial is the held slot's
     assert not worker.breaker.allows(2.0)
     trial.give_back(_NoQueues(), "p")  # type: ignore[arg-type]

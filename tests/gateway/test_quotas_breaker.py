@@ -95,31 +95,55 @@ def test_concurrency_slot_comes_back_on_release_or_leave() -> None:
 
 def test_breaker_opens_half_opens_with_one_trial_and_closes() -> None:
     b = CircuitBreaker(BreakerConfig(failure_threshold=2, cooldown_s=5.0))
-    b.on_failure(0.0)
+    b.on_failure(0.0, trial=None)
     assert b.allows(0.0)
-    b.on_failure(1.0)
+    b.on_failure(1.0, trial=None)
     assert b.state(1.0) is BreakerState.OPEN and not b.allows(5.9)
     assert b.allows(6.0) and b.state(6.0) is BreakerState.HALF_OPEN
-    b.on_dispatch(6.0)
+    trial = b.on_dispatch(6.0)
+    assert trial is not None
     assert not b.allows(6.0)  # one trial at a time
-    b.on_failure(6.5)  # a failed trial frees the slot: as many in a row as open a closed breaker
+    b.on_failure(6.5, trial=trial)  # a failed trial frees the slot: as many in a row as open a closed breaker
     assert b.state(6.5) is BreakerState.HALF_OPEN and b.allows(6.5)
-    b.on_dispatch(6.5)
-    b.on_failure(7.0)
+    trial = b.on_dispatch(6.5)
+    b.on_failure(7.0, trial=trial)
     assert b.state(7.0) is BreakerState.OPEN
     assert b.allows(12.0)
-    b.on_dispatch(12.0)
-    b.on_failure(12.5)  # the count starts again at each half-open
+    trial = b.on_dispatch(12.0)
+    b.on_failure(12.5, trial=trial)  # the count starts again at each half-open
     assert b.allows(12.5)
-    b.on_dispatch(12.5)
-    b.on_success()
+    trial = b.on_dispatch(12.5)
+    b.on_success(trial=trial)
     assert b.state(12.6) is BreakerState.CLOSED and b.allows(12.6)
 
 
 def test_abandoned_trial_frees_the_slot() -> None:
     b = CircuitBreaker(BreakerConfig(failure_threshold=1, cooldown_s=1.0))
-    b.on_failure(0.0)
-    b.on_dispatch(2.0)
+    b.on_failure(0.0, trial=None)
+    trial = b.on_dispatch(2.0)
+    assert trial is not None
     assert not b.allows(2.0)
-    b.on_abandon()
+    b.on_abandon(trial=None)  # a request that did not take the trial frees nothing
+    assert not b.allows(2.0)
+    b.on_abandon(trial=trial)
     assert b.allows(2.0)
+
+
+def test_a_trial_from_an_earlier_half_open_spell_neither_frees_nor_judges_the_current_one() -> None:
+    # A long trial (a stream) outlives its spell: a failed canary re-opens the breaker meanwhile,
+    # and after the next cooldown another request is the trial.
+    b = CircuitBreaker(BreakerConfig(failure_threshold=1, cooldown_s=1.0))
+    b.on_failure(0.0, trial=None)
+    old = b.on_dispatch(2.0)
+    assert old is not None
+    b.canary_sent(2.1)
+    b.on_canary(False, 2.2)  # open again
+    assert b.state(2.2) is BreakerState.OPEN
+    current = b.on_dispatch(3.5)
+    assert current is not None and not b.allows(3.5)
+    b.on_abandon(trial=old)
+    b.on_success(trial=old)
+    b.on_failure(3.6, trial=old)
+    assert b.state(3.6) is BreakerState.HALF_OPEN and not b.allows(3.6)  # still the current trial's
+    b.on_success(trial=current)
+    assert b.closed

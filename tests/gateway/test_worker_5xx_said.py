@@ -155,7 +155,7 @@ async def test_a_lone_workers_5xx_leaves_the_model_to_every_tenant(
 async def test_a_5xx_spares_the_last_routable_worker_of_two(rig: Rig, how: str) -> None:
     down = rig.worker("two", "b")
     if how == "breaker_open":
-        down.breaker.on_failure(time.monotonic())  # threshold 1: open for the whole test
+        down.breaker.on_failure(time.monotonic(), trial=None)  # threshold 1: open for the whole test
     else:
         down.healthy = False
     for _ in range(3):

@@ -46,12 +46,13 @@ def test_scraped_metrics_show_until_they_go_stale() -> None:
 def test_an_open_breaker_is_asked_each_time() -> None:
     w = _worker()
     assert w.view(0.0).healthy
-    w.breaker.on_failure(1.0)  # threshold 1: open for 10 s
+    w.breaker.on_failure(1.0, trial=None)  # threshold 1: open for 10 s
     assert not w.view(2.0).healthy
     assert w.view(11.5).healthy  # half-open: one trial may go
-    w.acquire(1, 1, 11.5)  # the trial is in flight
+    trial = w.acquire(1, 1, 11.5)  # the trial is in flight
+    assert trial is not None
     assert not w.view(11.6).healthy
-    w.breaker.on_success()
+    w.breaker.on_success(trial=trial)
     w.release(1, 1, prefill_done=False)
     assert w.view(11.7).healthy and w.view(11.8).in_flight_requests == 0
 

@@ -88,6 +88,18 @@ def notes(values: dict[str, Any] | None = None) -> str:
     return next(text for path, text in out.items() if path.endswith("/NOTES.txt"))
 
 
+def nested(path: str, value: Any) -> dict[str, Any]:
+    """Values setting `value` at a dotted `path` (`"sync.auth.tokenKey"`)."""
+    out: dict[str, Any] = {}
+    node = out
+    steps = path.split(".")
+    for step in steps[:-1]:
+        node[step] = {}
+        node = node[step]
+    node[steps[-1]] = value
+    return out
+
+
 def values_file(name: str) -> dict[str, Any]:
     loaded: dict[str, Any] = yaml.safe_load((CHART / "ci" / name).read_text())
     return loaded

@@ -3,23 +3,10 @@ in the manifest, which Helm cannot parse, or pod labels other than the Deploymen
 
 from __future__ import annotations
 
-from typing import Any
-
 import helm_python
 import pytest
 
-from tests.helm.chart import RELEASE, container, pod_spec, render, validate_strictly
-
-
-def nested(path: str, value: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    node = out
-    steps = path.split(".")
-    for step in steps[:-1]:
-        node[step] = {}
-        node = node[step]
-    node[steps[-1]] = value
-    return out
+from tests.helm.chart import RELEASE, container, nested, pod_spec, render, validate_strictly
 
 
 @pytest.mark.parametrize(

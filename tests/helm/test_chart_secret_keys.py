@@ -3,24 +3,10 @@ server refuses: a key is letters, digits, `-`, `_` and `.`, never `.` or `..` no
 
 from __future__ import annotations
 
-from typing import Any
-
 import helm_python
 import pytest
 
-from tests.helm.chart import POOL, RELEASE, gateway_config, render, validate_strictly
-
-
-def nested(path: str, value: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    node = out
-    steps = path.split(".")
-    for step in steps[:-1]:
-        node[step] = {}
-        node = node[step]
-    node[steps[-1]] = value
-    return out
-
+from tests.helm.chart import POOL, RELEASE, gateway_config, nested, render, validate_strictly
 
 # Where each key is used: a Secret's data key, a secretKeyRef key or a volume's items key.
 SECRET_KEYS = ["sync.auth.tokenKey", "keyHashSecret.key", "tracing.otlp.headersSecret.key"]

@@ -16,8 +16,9 @@ copy in its temp directory), and a child restarted while a workers or policy fil
 starts on that file's last valid version (`gateway/multiproc_files.py`), as the running ones keep
 it.
 
-The supervisor holds the port with a bound, never-listening socket of its own (so port 0 becomes
-one port for every child, and the port stays ours while a child restarts). A child that exits is
+The supervisor holds the port with a bound, never-listening socket of its own, and a lock on the
+address that keeps a second group off it even while every process of this one restarts
+(`gateway/multiproc_port.py`). A child that exits is
 restarted after a second (all the children that exited, after one pause), at most
 `MAX_RESTARTS_PER_MIN` times a minute each; beyond that the whole group stops, unless that
 child's start is refused (exit code 2) while others serve: then it is held down until its budget
@@ -40,7 +41,6 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -59,6 +59,7 @@ from gateway.demo import _die_with_parent
 from gateway.heartbeat import HEARTBEAT_ENV, MIN_TIMEOUT_S, Watchdog, read_stamp, touch_stamp
 from gateway.lifecycle import PEERS_READY_ENV, PROCESS_INDEX_ENV, READY_FILE_ENV, in_terminal
 from gateway.multiproc_files import GroupFiles
+from gateway.multiproc_port import hold_port
 from gateway.policy_watch import LoadedPolicy
 from gateway.serve import read_start_secrets, with_listen, with_sync
 from gateway.sync.broker import NO_NATS_SERVER, BrokerKeeper, BrokerUnavailable, LocalBroker, nats_server_path
@@ -69,21 +70,6 @@ MAX_RESTARTS_PER_MIN = 5
 START_REFUSED = 2  # `kvgate serve`'s exit code when it refuses to start (config, files, port)
 _SECRET_ENV = "KVGATE_KEY_SECRET"
 _SYNC_TOKEN_ENV = "KVGATE_LOCAL_SYNC_TOKEN"  # the local broker's token, for the children only
-
-
-def hold_port(host: str, port: int) -> socket.socket:
-    """The group's own socket on (host, port), bound with SO_REUSEPORT and never listening; a
-    `ConfigError` with the single process's message when the port is taken. A socket that already
-    listens there (another program, or another group's processes, which SO_REUSEPORT would let
-    this group join, each then getting a share of the other's connections) is found by binding
-    without SO_REUSEPORT first; a group whose processes all restart at that moment listens nowhere
-    and is not found."""
-    from gateway.server import bind  # the single process's bind, and its message
-
-    host = host.strip("[]")
-    if port:
-        bind(host, port, "listen").close()
-    return bind(host, port, "listen", reuse_port=True)
 
 
 def _child_setup() -> None:
@@ -342,7 +328,7 @@ def _run(
             f"{metrics_base + args.processes - 1} (one a process) include the client port {port}"
         )
     holder = hold_port(host, port)
-    port = holder.getsockname()[1]
+    port = holder.port
     broker: LocalBroker | None = None
     url = config.sync.url
     stopping: list[int] = []

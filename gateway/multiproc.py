@@ -18,12 +18,13 @@ it.
 
 The supervisor holds the port with a bound, never-listening socket of its own, and a lock on the
 address that keeps a second group off it even while every process of this one restarts
-(`gateway/multiproc_port.py`). A child that exits is
-restarted after a second (all the children that exited, after one pause), at most
-`MAX_RESTARTS_PER_MIN` times a minute each; beyond that the whole group stops, unless that
-child's start is refused (exit code 2) while others serve: then it is held down until its budget
-has room. A child whose heartbeat (`gateway.heartbeat`) stops for `--watchdog-s`, its event loop
-stuck, has its process group killed and is restarted the same way, within its same budget.
+(`gateway/multiproc_port.py`). A child that exits is restarted after a second (all the children
+that exited, after one pause), at most `MAX_RESTARTS_PER_MIN` times a minute each. A child beyond
+its budget while others serve (its start refused, exit code 2, or crash-looping on its own) is held
+down and tried again after a backoff, 15 s doubling to 10 minutes at most until it runs a minute;
+when none serves, the whole group stops (exit 1), for whatever runs the supervisor. A child whose
+heartbeat (`gateway.heartbeat`) stops for `--watchdog-s`, its event loop stuck, has its process
+group killed and is restarted the same way, within its same budget.
 SIGTERM or SIGINT goes on to every child's process group (each drains as a single gateway does),
 then whatever is left after the drain deadline, or at a second SIGTERM or SIGINT (a second
 Ctrl-C), is killed; children are stopped by PID, always.
@@ -67,6 +68,7 @@ from gateway.sync.broker import NO_NATS_SERVER, BrokerKeeper, BrokerUnavailable,
 log = logging.getLogger("kvgate.multiproc")
 
 MAX_RESTARTS_PER_MIN = 5
+HOLD_MIN_S, HOLD_MAX_S = 15.0, 600.0  # a child held down after its budget: the backoff's bounds
 START_REFUSED = 2  # `kvgate serve`'s exit code when it refuses to start (config, files, port)
 _SECRET_ENV = "KVGATE_KEY_SECRET"
 _SYNC_TOKEN_ENV = "KVGATE_LOCAL_SYNC_TOKEN"  # the local broker's token, for the children only
@@ -112,8 +114,10 @@ class Children:
         self.ready_dir = ready_dir
         self._restarts: list[deque[float]] = [deque() for _ in range(n)]  # each child's, last minute
         self._held: dict[int, float] = {}  # children held down (`watch`): when to try again
+        self._strikes, self._started_s = [0] * n, [0.0] * n  # holds since it ran a minute; its start
 
     def start(self, i: int) -> None:
+        self._started_s[i] = time.monotonic()
         env = {**self.env, PROCESS_INDEX_ENV: str(i)}
         if self.watchdog is not None:
             dog, folder = self.watchdog
@@ -175,12 +179,10 @@ class Children:
             dog.forget(overdue.index)
 
     def watch(self) -> bool:
-        """Restart the children that exited (or were killed as hung), all after one pause; False
-        when one of them has been restarted `MAX_RESTARTS_PER_MIN` times in the last minute
-        already (each child has its own budget: one crashing often spends none of the others').
-        A child whose start keeps being refused (exit code `START_REFUSED`: its config, a file, a
-        port) while others serve is not worth stopping them for: it is held down until its
-        budget has room again, and tried then."""
+        """Restart the children that exited (or were killed as hung), all after one pause. Each
+        child has its own budget (`MAX_RESTARTS_PER_MIN` a minute): one crashing often spends none
+        of the others'. A child beyond it while others serve (its start refused, `START_REFUSED`,
+        or crash-looping on its own) is held down (`_hold`); False when none serves."""
         self.kill_hung()
         now = time.monotonic()
         dead: list[int] = []
@@ -191,25 +193,28 @@ class Children:
                 if now < self._held[i]:
                     continue
                 del self._held[i]
+            elif now - self._started_s[i] >= 60:
+                self._strikes[i] = 0  # it ran a minute before this exit: its backoff starts anew
             self._not_ready(i)  # at once: process 0's /readyz must not wait for the restart
             restarts = self._restarts[i]
             while restarts and now - restarts[0] > 60:
                 restarts.popleft()
             if len(restarts) >= MAX_RESTARTS_PER_MIN:
                 serving = sum(1 for p in self.procs if p is not None and p.poll() is None)
-                if proc.returncode == START_REFUSED and serving:
-                    self._held[i] = restarts[0] + 60
+                if serving:
+                    wait_s = self._hold(i, now)
+                    what = "could not start" if proc.returncode == START_REFUSED else "exited"
                     print(
-                        f"kvgate serve: gateway process {proc.pid} (index {i}) could not start "
+                        f"kvgate serve: gateway process {proc.pid} (index {i}) {what} "
                         f"{MAX_RESTARTS_PER_MIN + 1} times within a minute (exit {proc.returncode}, "
                         f"the reason above); the {serving} other process(es) go on serving; next try "
-                        f"in {self._held[i] - now:.0f} s",
+                        f"in {wait_s:.0f} s",
                         flush=True,
                     )
                     continue
                 print(
                     f"kvgate serve: gateway process {proc.pid} (index {i}) exited with {proc.returncode}, "
-                    f"its {MAX_RESTARTS_PER_MIN + 1}th exit within a minute; giving up",
+                    f"its {MAX_RESTARTS_PER_MIN + 1}th exit within a minute, and none serves; giving up",
                     flush=True,
                 )
                 return False
@@ -225,6 +230,15 @@ class Children:
                 self._restarts[i].append(now)
                 self.start(i)
         return True
+
+    def _hold(self, i: int, now: float) -> float:
+        """Hold child `i` down until its budget has room again, and at least `HOLD_MIN_S` doubled
+        at each hold since it last ran a whole minute, at most `HOLD_MAX_S`; the seconds."""
+        backoff_s = min(HOLD_MAX_S, HOLD_MIN_S * 2.0 ** min(self._strikes[i], 16))
+        self._strikes[i] += 1
+        wait_s = max(self._restarts[i][0] + 60 - now, backoff_s)
+        self._held[i] = now + wait_s
+        return wait_s
 
     def stop(self, timeout_s: float, hurry: Callable[[], bool] = lambda: False) -> int:
         """SIGTERM every child (each drains), SIGKILL the process groups of what is left at

@@ -84,3 +84,62 @@ def test_a_child_whose_start_keeps_being_refused_does_not_stop_the_others(
         assert len(pauses) == MAX_RESTARTS_PER_MIN
     finally:
         children.stop(10.0)
+
+
+class _Clock:
+    """The supervisor's `time`: a monotonic clock a test moves on, and pauses recorded, not slept."""
+
+    def __init__(self) -> None:
+        self.offset_s = 0.0
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.offset_s
+
+    def sleep(self, s: float) -> None:
+        if s < 1.0:
+            time.sleep(s)
+
+
+def test_a_child_crash_looping_on_its_own_is_held_down_and_the_others_serve(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    clock = _Clock()
+    monkeypatch.setattr(multiproc, "time", clock)
+    # Child 0 serves; child 1 crashes as soon as it starts (not a refused start: exit code 1).
+    script = "import sys, time\nif sys.argv[1] == '1': sys.exit(1)\ntime.sleep(600)\n"
+    children = Children([sys.executable, "-c", script], 2, {}, lambda i: [str(i)], ready_dir=tmp_path)
+
+    def crashed() -> bool:
+        proc = children.procs[1]
+        return proc is not None and proc.poll() is not None
+
+    def spend_the_budget() -> float:
+        for _ in range(MAX_RESTARTS_PER_MIN):
+            wait_until_sync(crashed, 30, "child 1 exited")
+            assert children.watch()
+        wait_until_sync(crashed, 30, "child 1 exited")
+        assert children.watch()  # its budget is spent, but child 0 serves: child 1 is held down
+        line = capsys.readouterr().out.splitlines()[-1]
+        assert "(index 1) exited 6 times within a minute (exit 1" in line, line
+        return float(line.rsplit("next try in ", 1)[1].split()[0])
+
+    try:
+        for i in range(2):
+            children.start(i)
+        first_wait_s = spend_the_budget()
+        held = children.procs[1]
+        clock.offset_s += first_wait_s - 1
+        assert children.watch() and children.procs[1] is held  # not before its time
+        clock.offset_s += 2
+        assert children.watch() and children.procs[1] is not held  # tried again then
+        waits = [first_wait_s]
+        for _ in range(4):  # crash-looping still: each hold is longer, up to the bound
+            waits.append(spend_the_budget())
+            clock.offset_s += waits[-1] + 1
+            assert children.watch()
+        assert waits == sorted(waits) and waits[-1] > waits[0]
+        assert all(w <= multiproc.HOLD_MAX_S for w in waits)
+        first = children.procs[0]
+        assert first is not None and first.poll() is None  # served all along, never restarted
+    finally:
+        children.stop(10.0)

@@ -62,6 +62,7 @@ from gateway.lifecycle import PEERS_READY_ENV, PROCESS_INDEX_ENV, READY_FILE_ENV
 from gateway.multiproc_files import GroupFiles
 from gateway.multiproc_port import hold_port
 from gateway.policy_watch import LoadedPolicy
+from gateway.quotas import RESTARTED_ENV
 from gateway.serve import read_start_secrets, with_listen, with_sync
 from gateway.sync.broker import NO_NATS_SERVER, BrokerKeeper, BrokerUnavailable, LocalBroker, nats_server_path
 
@@ -117,8 +118,8 @@ class Children:
         self._strikes, self._started_s = [0] * n, [0.0] * n  # holds since it ran a minute; its start
 
     def start(self, i: int) -> None:
-        self._started_s[i] = time.monotonic()
-        env = {**self.env, PROCESS_INDEX_ENV: str(i)}
+        self._started_s[i] = time.monotonic()  # RESTARTED_ENV: a restarted child starts its buckets empty
+        env = {**self.env, PROCESS_INDEX_ENV: str(i), RESTARTED_ENV: str(int(self.procs[i] is not None))}
         if self.watchdog is not None:
             dog, folder = self.watchdog
             path = _heartbeat_file(folder, i)
@@ -236,9 +237,8 @@ class Children:
         at each hold since it last ran a whole minute, at most `HOLD_MAX_S`; the seconds."""
         backoff_s = min(HOLD_MAX_S, HOLD_MIN_S * 2.0 ** min(self._strikes[i], 16))
         self._strikes[i] += 1
-        wait_s = max(self._restarts[i][0] + 60 - now, backoff_s)
-        self._held[i] = now + wait_s
-        return wait_s
+        self._held[i] = now + max(self._restarts[i][0] + 60 - now, backoff_s)
+        return self._held[i] - now
 
     def stop(self, timeout_s: float, hurry: Callable[[], bool] = lambda: False) -> int:
         """SIGTERM every child (each drains), SIGKILL the process groups of what is left at
@@ -402,7 +402,7 @@ def _run(
                 )
             return chosen
 
-        ours = (HEARTBEAT_ENV, ORIGIN_ENV, READY_FILE_ENV, PEERS_READY_ENV, PROCESS_INDEX_ENV)
+        ours = (HEARTBEAT_ENV, ORIGIN_ENV, READY_FILE_ENV, PEERS_READY_ENV, PROCESS_INDEX_ENV, RESTARTED_ENV)
         env = {k: v for k, v in os.environ.items() if k not in ours}
         if config.decision_log.path is not None:
             extra_env = {**extra_env, **_shared_decision_log(config.decision_log.path, path.parent)}

@@ -38,6 +38,7 @@ count from when it said them, not from when they arrived.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -59,6 +60,10 @@ class Rejection:
 # outage: `TenantLimiter.unshared`), unless the sync's batches are further apart (`told_gap_s`).
 TOLD_GAP_S = 1.0
 
+# Set to "1" by `kvgate serve --processes` for a process it restarts in place of one that exited:
+# its tenants' buckets start empty (`TenantLimiter`). A first start's buckets start full.
+RESTARTED_ENV = "KVGATE_RESTARTED"
+
 # Peers whose requests in flight a limiter counts, at most (each forgotten when silent): far more
 # gateways than a fleet has; beyond it, made-up senders count nothing.
 MAX_PEERS = 1024
@@ -78,10 +83,14 @@ class TenantLimiter:
     """The quota state of one tenant. `notify`, when set (by the sync service), is called after
     every charge and every change of `in_flight`, so that the peers hear of it soon."""
 
-    def __init__(self, quotas: QuotaConfig, now_s: float) -> None:
+    def __init__(self, quotas: QuotaConfig, now_s: float, *, restarted: bool | None = None) -> None:
+        if restarted is None:
+            restarted = os.environ.get(RESTARTED_ENV) == "1"
         self._max_concurrent = quotas.max_concurrent
-        self._rpm = TokenBucket(quotas.rpm, now_s) if quotas.rpm else None
-        self._tpm = TokenBucket(quotas.tpm, now_s) if quotas.tpm else None
+        # A restarted process's buckets start empty (`TokenBucket`): full, they granted a tenant
+        # a bucket more at each restart, whatever it had spent through the process before.
+        self._rpm = TokenBucket(quotas.rpm, now_s, empty=restarted) if quotas.rpm else None
+        self._tpm = TokenBucket(quotas.tpm, now_s, empty=restarted) if quotas.tpm else None
         self.in_flight = 0
         self.limited = quotas.max_concurrent is not None or self._rpm is not None or self._tpm is not None
         self.notify: Callable[[], None] | None = None

@@ -50,16 +50,13 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
-import yaml
-
-from gateway.auth import hash_api_key
-from gateway.config import EXIT_MARGIN_S, GatewayConfig, SecretsConfig, load_config
+from gateway.config import EXIT_MARGIN_S, GatewayConfig, load_config
 from gateway.config.base import ConfigError
 from gateway.decision_log import ORIGIN_ENV, open_log
 from gateway.demo import _die_with_parent
 from gateway.heartbeat import HEARTBEAT_ENV, MIN_TIMEOUT_S, Watchdog, read_stamp, touch_stamp
 from gateway.lifecycle import PEERS_READY_ENV, PROCESS_INDEX_ENV, READY_FILE_ENV, in_terminal
-from gateway.multiproc_files import GroupFiles
+from gateway.multiproc_files import GroupFiles, demo_config
 from gateway.multiproc_port import hold_port
 from gateway.policy_watch import LoadedPolicy
 from gateway.quotas import RESTARTED_ENV
@@ -71,7 +68,6 @@ log = logging.getLogger("kvgate.multiproc")
 MAX_RESTARTS_PER_MIN = 5
 HOLD_MIN_S, HOLD_MAX_S = 15.0, 600.0  # a child held down after its budget: the backoff's bounds
 START_REFUSED = 2  # `kvgate serve`'s exit code when it refuses to start (config, files, port)
-_SECRET_ENV = "KVGATE_KEY_SECRET"
 _SYNC_TOKEN_ENV = "KVGATE_LOCAL_SYNC_TOKEN"  # the local broker's token, for the children only
 
 
@@ -281,7 +277,7 @@ def supervise(args: argparse.Namespace) -> int:
 
             def serve_demo(config: GatewayConfig, secret: bytes, policy: LoadedPolicy) -> int:
                 config = with_sync(config, args.sync_url, args.sync_token_env)
-                return _run(args, _demo_config(config, args.demo_key, Path(tmp)), Path(tmp))
+                return _run(args, demo_config(config, args.demo_key, Path(tmp)), Path(tmp))
 
             return run_demo(args, serve_demo)
         # The children apply the overrides; checked here too, so a bad one fails once.
@@ -291,24 +287,6 @@ def supervise(args: argparse.Namespace) -> int:
         files = GroupFiles(config, Path(tmp))
         files.check_at_start()  # a bad workers or policy file fails here, not N times
         return _run(args, (files.config_path, files.config, {}), Path(tmp), files)
-
-
-def _demo_config(
-    config: GatewayConfig, demo_key: str, tmp: Path
-) -> tuple[Path, GatewayConfig, dict[str, str]]:
-    """The demo's config as a file the children read. The demo's secret lives only in the parent's
-    memory, so the children get a fresh one through the environment (the key hashes follow)."""
-    secret = secrets.token_hex(32)
-    tenants = [
-        t.model_copy(update={"api_key_hashes": [hash_api_key(secret.encode(), demo_key)]})
-        for t in config.tenants
-    ]
-    config = config.model_copy(
-        update={"tenants": tenants, "secrets": SecretsConfig(key_hash_secret_env=_SECRET_ENV)}
-    )
-    path = tmp / "gateway.yaml"
-    path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
-    return path, config, {_SECRET_ENV: secret}
 
 
 def _shared_decision_log(path: str, base: Path) -> dict[str, str]:

@@ -225,7 +225,13 @@ class Children:
             time.sleep(1.0)
             for i in dead:
                 self._restarts[i].append(now)
-                self.start(i)
+                try:
+                    self.start(i)
+                except (OSError, subprocess.SubprocessError) as exc:
+                    # No process, memory or descriptor to spare for now: the child stays an exited
+                    # one, tried again at the next poll within its budget, and the others serve on.
+                    why = getattr(exc, "strerror", None) or exc
+                    print(f"kvgate serve: could not restart gateway process (index {i}): {why}", flush=True)
         return True
 
     def _hold(self, i: int, now: float) -> float:

@@ -4,9 +4,12 @@ crash of N children used to spend N restarts of one group-wide budget (and N pau
 
 from __future__ import annotations
 
+import errno
+import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -141,5 +144,42 @@ def test_a_child_crash_looping_on_its_own_is_held_down_and_the_others_serve(
         assert all(w <= multiproc.HOLD_MAX_S for w in waits)
         first = children.procs[0]
         assert first is not None and first.poll() is None  # served all along, never restarted
+    finally:
+        children.stop(10.0)
+
+
+def test_a_restart_that_cannot_fork_is_tried_again_and_stops_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(multiproc, "time", _Clock())
+    script = "import sys, time\nif sys.argv[1] == '1': sys.exit(1)\ntime.sleep(600)\n"
+    children = Children([sys.executable, "-c", script], 2, {}, lambda i: [str(i)], ready_dir=tmp_path)
+    real_popen = subprocess.Popen
+    failures = [OSError(errno.EAGAIN, "Resource temporarily unavailable")]
+
+    def popen(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
+        if failures:  # the machine out of processes or memory for a moment
+            raise failures.pop()
+        return real_popen(*args, **kwargs)
+
+    def exited() -> bool:
+        proc = children.procs[1]
+        return proc is not None and proc.poll() is not None
+
+    try:
+        for i in range(2):
+            children.start(i)
+        wait_until_sync(exited, 30, "child 1 exited")
+        crashed = children.procs[1]
+        monkeypatch.setattr(multiproc.subprocess, "Popen", popen)
+        assert children.watch()  # the restart failed: the group goes on
+        assert children.procs[1] is crashed
+        assert (
+            "could not restart gateway process (index 1): Resource temporarily unavailable"
+            in capsys.readouterr().out
+        )
+        assert children.watch() and children.procs[1] is not crashed  # tried again, at the next poll
+        first = children.procs[0]
+        assert first is not None and first.poll() is None
     finally:
         children.stop(10.0)

@@ -112,10 +112,14 @@ class Children:
         self._restarts: list[deque[float]] = [deque() for _ in range(n)]  # each child's, last minute
         self._held: dict[int, float] = {}  # children held down (`watch`): when to try again
         self._strikes, self._started_s = [0] * n, [0.0] * n  # holds since it ran a minute; its start
+        self._gone_s: list[float | None] = [None] * n  # when its exit was seen (None: it runs)
 
     def start(self, i: int) -> None:
-        self._started_s[i] = time.monotonic()  # RESTARTED_ENV: a restarted child starts its buckets empty
-        env = {**self.env, PROCESS_INDEX_ENV: str(i), RESTARTED_ENV: str(int(self.procs[i] is not None))}
+        self._started_s[i] = time.monotonic()
+        env = {**self.env, PROCESS_INDEX_ENV: str(i)}
+        gone_s = self._gone_s[i]
+        if gone_s is not None:  # its buckets start as they can stand now (`gateway.quotas`)
+            env[RESTARTED_ENV] = f"{self._started_s[i] - gone_s:.3f}"
         if self.watchdog is not None:
             dog, folder = self.watchdog
             path = _heartbeat_file(folder, i)
@@ -135,6 +139,7 @@ class Children:
             start_new_session=True,  # a terminal's Ctrl-C reaches the supervisor only
             preexec_fn=_child_setup,
         )
+        self._gone_s[i] = None
 
     def reload(self) -> int:
         """SIGHUP to every live child, by PID: each reloads its policy file. How many were sent."""
@@ -186,6 +191,8 @@ class Children:
         for i, proc in enumerate(self.procs):
             if proc is None or proc.poll() is None:
                 continue
+            if self._gone_s[i] is None:
+                self._gone_s[i] = now
             if i in self._held:
                 if now < self._held[i]:
                     continue

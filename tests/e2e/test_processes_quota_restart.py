@@ -1,6 +1,7 @@
 """`kvgate serve --processes 2`: a process restarted after a crash grants no tenant a fresh rate
-bucket. Its buckets start empty and refill at their rate; they used to start full, so that a
-tenant that had spent its rpm got about a minute's budget more through the restarted process."""
+bucket. Its buckets start as an empty bucket refilled while it was gone; they used to start full,
+so that a tenant that had spent its rpm got about a minute's budget more through the restarted
+process."""
 
 from __future__ import annotations
 
@@ -81,6 +82,6 @@ def test_a_restarted_process_grants_no_fresh_bucket(tmp_path: Path) -> None:
     finally:
         emulator.stop()
     # Full, the restarted process's bucket admitted about RPM of the ~2 RPM requests the kernel
-    # dealt it; empty, it admits what its bucket refilled meanwhile (RPM a minute).
+    # dealt it; now it admits what the bucket refilled since the crash (RPM a minute).
     assert by_restarted < RPM // 2, (by_restarted, after)
     assert after.count(200) < RPM // 2, after

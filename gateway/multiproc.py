@@ -16,13 +16,15 @@ copy in its temp directory), and a child restarted while a workers or policy fil
 starts on that file's last valid version (`gateway/multiproc_files.py`), as the running ones keep
 it.
 
-The supervisor holds the port with a bound, never-listening socket of its own (so port 0 becomes
-one port for every child, and the port stays ours while a child restarts). A child that exits is
-restarted after a second (all the children that exited, after one pause), at most
-`MAX_RESTARTS_PER_MIN` times a minute each; beyond that the whole group stops, unless that
-child's start is refused (exit code 2) while others serve: then it is held down until its budget
-has room. A child whose heartbeat (`gateway.heartbeat`) stops for `--watchdog-s`, its event loop
-stuck, has its process group killed and is restarted the same way, within its same budget.
+The supervisor holds the port with a bound, never-listening socket of its own, and a lock on the
+address that keeps a second group off it even while every process of this one restarts
+(`gateway/multiproc_port.py`). A child that exits is restarted after a second (all the children
+that exited, after one pause), at most `MAX_RESTARTS_PER_MIN` times a minute each. A child beyond
+its budget while others serve (its start refused, exit code 2, or crash-looping on its own) is held
+down and tried again after a backoff, 15 s doubling to 10 minutes at most until it runs a minute;
+when none serves, the whole group stops (exit 1), for whatever runs the supervisor. A child whose
+heartbeat (`gateway.heartbeat`) stops for `--watchdog-s`, its event loop stuck, has its process
+group killed and is restarted the same way, within its same budget.
 SIGTERM or SIGINT goes on to every child's process group (each drains as a single gateway does),
 then whatever is left after the drain deadline, or at a second SIGTERM or SIGINT (a second
 Ctrl-C), is killed; children are stopped by PID, always.
@@ -40,7 +42,6 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -49,41 +50,25 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
-import yaml
-
-from gateway.auth import hash_api_key
-from gateway.config import EXIT_MARGIN_S, GatewayConfig, SecretsConfig, load_config
+from gateway.config import EXIT_MARGIN_S, GatewayConfig, load_config
 from gateway.config.base import ConfigError
 from gateway.decision_log import ORIGIN_ENV, open_log
 from gateway.demo import _die_with_parent
 from gateway.heartbeat import HEARTBEAT_ENV, MIN_TIMEOUT_S, Watchdog, read_stamp, touch_stamp
 from gateway.lifecycle import PEERS_READY_ENV, PROCESS_INDEX_ENV, READY_FILE_ENV, in_terminal
-from gateway.multiproc_files import GroupFiles
+from gateway.multiproc_files import GroupFiles, demo_config
+from gateway.multiproc_port import hold_port
 from gateway.policy_watch import LoadedPolicy
+from gateway.quotas import RESTARTED_ENV
 from gateway.serve import read_start_secrets, with_listen, with_sync
 from gateway.sync.broker import NO_NATS_SERVER, BrokerKeeper, BrokerUnavailable, LocalBroker, nats_server_path
 
 log = logging.getLogger("kvgate.multiproc")
 
 MAX_RESTARTS_PER_MIN = 5
+HOLD_MIN_S, HOLD_MAX_S = 15.0, 600.0  # a child held down after its budget: the backoff's bounds
 START_REFUSED = 2  # `kvgate serve`'s exit code when it refuses to start (config, files, port)
-_SECRET_ENV = "KVGATE_KEY_SECRET"
 _SYNC_TOKEN_ENV = "KVGATE_LOCAL_SYNC_TOKEN"  # the local broker's token, for the children only
-
-
-def hold_port(host: str, port: int) -> socket.socket:
-    """The group's own socket on (host, port), bound with SO_REUSEPORT and never listening; a
-    `ConfigError` with the single process's message when the port is taken. A socket that already
-    listens there (another program, or another group's processes, which SO_REUSEPORT would let
-    this group join, each then getting a share of the other's connections) is found by binding
-    without SO_REUSEPORT first; a group whose processes all restart at that moment listens nowhere
-    and is not found."""
-    from gateway.server import bind  # the single process's bind, and its message
-
-    host = host.strip("[]")
-    if port:
-        bind(host, port, "listen").close()
-    return bind(host, port, "listen", reuse_port=True)
 
 
 def _child_setup() -> None:
@@ -126,9 +111,15 @@ class Children:
         self.ready_dir = ready_dir
         self._restarts: list[deque[float]] = [deque() for _ in range(n)]  # each child's, last minute
         self._held: dict[int, float] = {}  # children held down (`watch`): when to try again
+        self._strikes, self._started_s = [0] * n, [0.0] * n  # holds since it ran a minute; its start
+        self._gone_s: list[float | None] = [None] * n  # when its exit was seen (None: it runs)
 
     def start(self, i: int) -> None:
+        self._started_s[i] = time.monotonic()
         env = {**self.env, PROCESS_INDEX_ENV: str(i)}
+        gone_s = self._gone_s[i]
+        if gone_s is not None:  # its buckets start as they can stand now (`gateway.quotas`)
+            env[RESTARTED_ENV] = f"{self._started_s[i] - gone_s:.3f}"
         if self.watchdog is not None:
             dog, folder = self.watchdog
             path = _heartbeat_file(folder, i)
@@ -148,6 +139,7 @@ class Children:
             start_new_session=True,  # a terminal's Ctrl-C reaches the supervisor only
             preexec_fn=_child_setup,
         )
+        self._gone_s[i] = None
 
     def reload(self) -> int:
         """SIGHUP to every live child, by PID: each reloads its policy file. How many were sent."""
@@ -189,41 +181,44 @@ class Children:
             dog.forget(overdue.index)
 
     def watch(self) -> bool:
-        """Restart the children that exited (or were killed as hung), all after one pause; False
-        when one of them has been restarted `MAX_RESTARTS_PER_MIN` times in the last minute
-        already (each child has its own budget: one crashing often spends none of the others').
-        A child whose start keeps being refused (exit code `START_REFUSED`: its config, a file, a
-        port) while others serve is not worth stopping them for: it is held down until its
-        budget has room again, and tried then."""
+        """Restart the children that exited (or were killed as hung), all after one pause. Each
+        child has its own budget (`MAX_RESTARTS_PER_MIN` a minute): one crashing often spends none
+        of the others'. A child beyond it while others serve (its start refused, `START_REFUSED`,
+        or crash-looping on its own) is held down (`_hold`); False when none serves."""
         self.kill_hung()
         now = time.monotonic()
         dead: list[int] = []
         for i, proc in enumerate(self.procs):
             if proc is None or proc.poll() is None:
                 continue
+            if self._gone_s[i] is None:
+                self._gone_s[i] = now
             if i in self._held:
                 if now < self._held[i]:
                     continue
                 del self._held[i]
+            elif now - self._started_s[i] >= 60:
+                self._strikes[i] = 0  # it ran a minute before this exit: its backoff starts anew
             self._not_ready(i)  # at once: process 0's /readyz must not wait for the restart
             restarts = self._restarts[i]
             while restarts and now - restarts[0] > 60:
                 restarts.popleft()
             if len(restarts) >= MAX_RESTARTS_PER_MIN:
                 serving = sum(1 for p in self.procs if p is not None and p.poll() is None)
-                if proc.returncode == START_REFUSED and serving:
-                    self._held[i] = restarts[0] + 60
+                if serving:
+                    wait_s = self._hold(i, now)
+                    what = "could not start" if proc.returncode == START_REFUSED else "exited"
                     print(
-                        f"kvgate serve: gateway process {proc.pid} (index {i}) could not start "
+                        f"kvgate serve: gateway process {proc.pid} (index {i}) {what} "
                         f"{MAX_RESTARTS_PER_MIN + 1} times within a minute (exit {proc.returncode}, "
                         f"the reason above); the {serving} other process(es) go on serving; next try "
-                        f"in {self._held[i] - now:.0f} s",
+                        f"in {wait_s:.0f} s",
                         flush=True,
                     )
                     continue
                 print(
                     f"kvgate serve: gateway process {proc.pid} (index {i}) exited with {proc.returncode}, "
-                    f"its {MAX_RESTARTS_PER_MIN + 1}th exit within a minute; giving up",
+                    f"its {MAX_RESTARTS_PER_MIN + 1}th exit within a minute, and none serves; giving up",
                     flush=True,
                 )
                 return False
@@ -237,8 +232,22 @@ class Children:
             time.sleep(1.0)
             for i in dead:
                 self._restarts[i].append(now)
-                self.start(i)
+                try:
+                    self.start(i)
+                except (OSError, subprocess.SubprocessError) as exc:
+                    # No process, memory or descriptor to spare for now: the child stays an exited
+                    # one, tried again at the next poll within its budget, and the others serve on.
+                    why = getattr(exc, "strerror", None) or exc
+                    print(f"kvgate serve: could not restart gateway process (index {i}): {why}", flush=True)
         return True
+
+    def _hold(self, i: int, now: float) -> float:
+        """Hold child `i` down until its budget has room again, and at least `HOLD_MIN_S` doubled
+        at each hold since it last ran a whole minute, at most `HOLD_MAX_S`; the seconds."""
+        backoff_s = min(HOLD_MAX_S, HOLD_MIN_S * 2.0 ** min(self._strikes[i], 16))
+        self._strikes[i] += 1
+        self._held[i] = now + max(self._restarts[i][0] + 60 - now, backoff_s)
+        return self._held[i] - now
 
     def stop(self, timeout_s: float, hurry: Callable[[], bool] = lambda: False) -> int:
         """SIGTERM every child (each drains), SIGKILL the process groups of what is left at
@@ -281,7 +290,7 @@ def supervise(args: argparse.Namespace) -> int:
 
             def serve_demo(config: GatewayConfig, secret: bytes, policy: LoadedPolicy) -> int:
                 config = with_sync(config, args.sync_url, args.sync_token_env)
-                return _run(args, _demo_config(config, args.demo_key, Path(tmp)), Path(tmp))
+                return _run(args, demo_config(config, args.demo_key, Path(tmp)), Path(tmp))
 
             return run_demo(args, serve_demo)
         # The children apply the overrides; checked here too, so a bad one fails once.
@@ -291,24 +300,6 @@ def supervise(args: argparse.Namespace) -> int:
         files = GroupFiles(config, Path(tmp))
         files.check_at_start()  # a bad workers or policy file fails here, not N times
         return _run(args, (files.config_path, files.config, {}), Path(tmp), files)
-
-
-def _demo_config(
-    config: GatewayConfig, demo_key: str, tmp: Path
-) -> tuple[Path, GatewayConfig, dict[str, str]]:
-    """The demo's config as a file the children read. The demo's secret lives only in the parent's
-    memory, so the children get a fresh one through the environment (the key hashes follow)."""
-    secret = secrets.token_hex(32)
-    tenants = [
-        t.model_copy(update={"api_key_hashes": [hash_api_key(secret.encode(), demo_key)]})
-        for t in config.tenants
-    ]
-    config = config.model_copy(
-        update={"tenants": tenants, "secrets": SecretsConfig(key_hash_secret_env=_SECRET_ENV)}
-    )
-    path = tmp / "gateway.yaml"
-    path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
-    return path, config, {_SECRET_ENV: secret}
 
 
 def _shared_decision_log(path: str, base: Path) -> dict[str, str]:
@@ -342,7 +333,7 @@ def _run(
             f"{metrics_base + args.processes - 1} (one a process) include the client port {port}"
         )
     holder = hold_port(host, port)
-    port = holder.getsockname()[1]
+    port = holder.port
     broker: LocalBroker | None = None
     url = config.sync.url
     stopping: list[int] = []
@@ -402,7 +393,7 @@ def _run(
                 )
             return chosen
 
-        ours = (HEARTBEAT_ENV, ORIGIN_ENV, READY_FILE_ENV, PEERS_READY_ENV, PROCESS_INDEX_ENV)
+        ours = (HEARTBEAT_ENV, ORIGIN_ENV, READY_FILE_ENV, PEERS_READY_ENV, PROCESS_INDEX_ENV, RESTARTED_ENV)
         env = {k: v for k, v in os.environ.items() if k not in ours}
         if config.decision_log.path is not None:
             extra_env = {**extra_env, **_shared_decision_log(config.decision_log.path, path.parent)}

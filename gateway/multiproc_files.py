@@ -13,18 +13,23 @@ processes too):
   valid version is copied into the group's folder. A child started while a file is invalid gets
   a config naming the copy instead, and follows the copy, which the supervisor replaces with each
   later valid version of the file; every other child follows the file itself.
+
+With `--demo`, the children read the demo's config, written into the group's folder too
+(`demo_config`).
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from gateway.config import GatewayConfig
+from gateway.auth import hash_api_key
+from gateway.config import GatewayConfig, SecretsConfig
 from gateway.config.base import ConfigError
 from gateway.config.paths import relative_to
 from gateway.file_discovery import MAX_FILE_BYTES, WorkersFileError, parse_workers
@@ -36,6 +41,26 @@ def write_config(config: GatewayConfig, path: Path) -> Path:
     """`config` as a YAML file the children read (`gateway.config.load_config` reads it back equal)."""
     path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
     return path
+
+
+_SECRET_ENV = "KVGATE_KEY_SECRET"
+
+
+def demo_config(
+    config: GatewayConfig, demo_key: str, folder: Path
+) -> tuple[Path, GatewayConfig, dict[str, str]]:
+    """The demo's config as a file the children read, and their environment. The demo's secret
+    lives only in the supervisor's memory, so the children get a fresh one through the
+    environment (the key hashes follow)."""
+    secret = secrets.token_hex(32)
+    tenants = [
+        t.model_copy(update={"api_key_hashes": [hash_api_key(secret.encode(), demo_key)]})
+        for t in config.tenants
+    ]
+    config = config.model_copy(
+        update={"tenants": tenants, "secrets": SecretsConfig(key_hash_secret_env=_SECRET_ENV)}
+    )
+    return write_config(config, folder / "gateway.yaml"), config, {_SECRET_ENV: secret}
 
 
 def _replace(path: Path, data: bytes) -> None:

@@ -38,7 +38,8 @@ count from when it said them, not from when they arrived.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from gateway.config import QuotaConfig
@@ -59,6 +60,25 @@ class Rejection:
 # outage: `TenantLimiter.unshared`), unless the sync's batches are further apart (`told_gap_s`).
 TOLD_GAP_S = 1.0
 
+# Set by `kvgate serve --processes` for a process it restarts in place of one that exited: the
+# seconds that one has been gone. Its tenants' buckets start as an empty bucket refilled over that
+# time (`TenantLimiter`, `TokenBucket`); a first start's (no such variable) start full.
+RESTARTED_ENV = "KVGATE_RESTARTED_AFTER_S"
+
+
+def restarted_after_s_of(environ: Mapping[str, str]) -> float | None:
+    """How long this process's predecessor has been gone (`RESTARTED_ENV`); None at a first start.
+    A value that is not a finite number counts as 0 (buckets start empty): it cannot grant more."""
+    value = environ.get(RESTARTED_ENV)
+    if value is None:
+        return None
+    try:
+        gone_s = float(value)
+    except ValueError:
+        return 0.0
+    return gone_s if math.isfinite(gone_s) else 0.0
+
+
 # Peers whose requests in flight a limiter counts, at most (each forgotten when silent): far more
 # gateways than a fleet has; beyond it, made-up senders count nothing.
 MAX_PEERS = 1024
@@ -78,10 +98,16 @@ class TenantLimiter:
     """The quota state of one tenant. `notify`, when set (by the sync service), is called after
     every charge and every change of `in_flight`, so that the peers hear of it soon."""
 
-    def __init__(self, quotas: QuotaConfig, now_s: float) -> None:
+    def __init__(self, quotas: QuotaConfig, now_s: float, *, restarted_after_s: float | None = None) -> None:
+        if restarted_after_s is None:
+            restarted_after_s = restarted_after_s_of(os.environ)
         self._max_concurrent = quotas.max_concurrent
-        self._rpm = TokenBucket(quotas.rpm, now_s) if quotas.rpm else None
-        self._tpm = TokenBucket(quotas.tpm, now_s) if quotas.tpm else None
+        # A restarted process's buckets start as an empty one refilled since its predecessor died
+        # (`TokenBucket`): full, they granted a tenant a bucket more at each restart, whatever it
+        # had spent through the process that died.
+        gone_s = restarted_after_s
+        self._rpm = TokenBucket(quotas.rpm, now_s, refilling_for_s=gone_s) if quotas.rpm else None
+        self._tpm = TokenBucket(quotas.tpm, now_s, refilling_for_s=gone_s) if quotas.tpm else None
         self.in_flight = 0
         self.limited = quotas.max_concurrent is not None or self._rpm is not None or self._tpm is not None
         self.notify: Callable[[], None] | None = None

@@ -55,17 +55,23 @@ class TokenBucket:
     Invariant: `_full_since_s` is finite or -inf exactly while the bucket is full (its level is
     the capacity), and then says since when; +inf while it is not full. A new bucket is full
     since ever: a gateway that has just started takes its tenants' buckets for full, and so
-    everything charged before it. While it is full, `_refilled_to_s` is how far its refill has
+    everything charged before it. One started `refilling_for_s` (a process restarted in place of
+    one gone that long, whose buckets went with it) holds what an empty bucket refills in that
+    time: the most the tenant's bucket can hold now had it spent all of it as the process died,
+    so a restart grants no tenant a bucket more, and one gone a whole window starts full. While
+    it is full, `_refilled_to_s` is how far its refill has
     gone into taking back the late charges it was handed (`take_late`)."""
 
     __slots__ = ("_full_since_s", "_level", "_rate_per_s", "_refilled_to_s", "_stamp_s", "capacity")
 
-    def __init__(self, capacity: int, now_s: float) -> None:
+    def __init__(self, capacity: int, now_s: float, *, refilling_for_s: float | None = None) -> None:
         self.capacity = float(capacity)
         self._rate_per_s = capacity / BUCKET_WINDOW_S
-        self._level = float(capacity)
+        self._level = self.capacity
+        if refilling_for_s is not None:
+            self._level = min(self.capacity, max(0.0, refilling_for_s) * self._rate_per_s)
         self._stamp_s = now_s
-        self._full_since_s = -math.inf
+        self._full_since_s = math.inf if self._level < self.capacity else -math.inf
         self._refilled_to_s = -math.inf
 
     def _refill(self, now_s: float) -> None:

@@ -4,9 +4,12 @@ crash of N children used to spend N restarts of one group-wide budget (and N pau
 
 from __future__ import annotations
 
+import errno
+import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -82,5 +85,101 @@ def test_a_child_whose_start_keeps_being_refused_does_not_stop_the_others(
         assert first is not None and first.poll() is None
         assert "could not start 6 times within a minute (exit 2" in capsys.readouterr().out
         assert len(pauses) == MAX_RESTARTS_PER_MIN
+    finally:
+        children.stop(10.0)
+
+
+class _Clock:
+    """The supervisor's `time`: a monotonic clock a test moves on, and pauses recorded, not slept."""
+
+    def __init__(self) -> None:
+        self.offset_s = 0.0
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.offset_s
+
+    def sleep(self, s: float) -> None:
+        if s < 1.0:
+            time.sleep(s)
+
+
+def test_a_child_crash_looping_on_its_own_is_held_down_and_the_others_serve(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    clock = _Clock()
+    monkeypatch.setattr(multiproc, "time", clock)
+    # Child 0 serves; child 1 crashes as soon as it starts (not a refused start: exit code 1).
+    script = "import sys, time\nif sys.argv[1] == '1': sys.exit(1)\ntime.sleep(600)\n"
+    children = Children([sys.executable, "-c", script], 2, {}, lambda i: [str(i)], ready_dir=tmp_path)
+
+    def crashed() -> bool:
+        proc = children.procs[1]
+        return proc is not None and proc.poll() is not None
+
+    def spend_the_budget() -> float:
+        for _ in range(MAX_RESTARTS_PER_MIN):
+            wait_until_sync(crashed, 30, "child 1 exited")
+            assert children.watch()
+        wait_until_sync(crashed, 30, "child 1 exited")
+        assert children.watch()  # its budget is spent, but child 0 serves: child 1 is held down
+        line = capsys.readouterr().out.splitlines()[-1]
+        assert "(index 1) exited 6 times within a minute (exit 1" in line, line
+        return float(line.rsplit("next try in ", 1)[1].split()[0])
+
+    try:
+        for i in range(2):
+            children.start(i)
+        first_wait_s = spend_the_budget()
+        held = children.procs[1]
+        clock.offset_s += first_wait_s - 1
+        assert children.watch() and children.procs[1] is held  # not before its time
+        clock.offset_s += 2
+        assert children.watch() and children.procs[1] is not held  # tried again then
+        waits = [first_wait_s]
+        for _ in range(4):  # crash-looping still: each hold is longer, up to the bound
+            waits.append(spend_the_budget())
+            clock.offset_s += waits[-1] + 1
+            assert children.watch()
+        assert waits == sorted(waits) and waits[-1] > waits[0]
+        assert all(w <= multiproc.HOLD_MAX_S for w in waits)
+        first = children.procs[0]
+        assert first is not None and first.poll() is None  # served all along, never restarted
+    finally:
+        children.stop(10.0)
+
+
+def test_a_restart_that_cannot_fork_is_tried_again_and_stops_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(multiproc, "time", _Clock())
+    script = "import sys, time\nif sys.argv[1] == '1': sys.exit(1)\ntime.sleep(600)\n"
+    children = Children([sys.executable, "-c", script], 2, {}, lambda i: [str(i)], ready_dir=tmp_path)
+    real_popen = subprocess.Popen
+    failures = [OSError(errno.EAGAIN, "Resource temporarily unavailable")]
+
+    def popen(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
+        if failures:  # the machine out of processes or memory for a moment
+            raise failures.pop()
+        return real_popen(*args, **kwargs)
+
+    def exited() -> bool:
+        proc = children.procs[1]
+        return proc is not None and proc.poll() is not None
+
+    try:
+        for i in range(2):
+            children.start(i)
+        wait_until_sync(exited, 30, "child 1 exited")
+        crashed = children.procs[1]
+        monkeypatch.setattr(multiproc.subprocess, "Popen", popen)
+        assert children.watch()  # the restart failed: the group goes on
+        assert children.procs[1] is crashed
+        assert (
+            "could not restart gateway process (index 1): Resource temporarily unavailable"
+            in capsys.readouterr().out
+        )
+        assert children.watch() and children.procs[1] is not crashed  # tried again, at the next poll
+        first = children.procs[0]
+        assert first is not None and first.poll() is None
     finally:
         children.stop(10.0)

@@ -13,6 +13,13 @@ changes only the decisions where it matters to the objective: after scoring, whe
 worker's first token is predicted later than `over_s` and a holder of more than half the prompt,
 within the load guard, is predicted within `within_s`, the request stays with that holder.
 
+A `within_s` above `over_s` keeps, besides, turns that miss the objective wherever they go: the
+move is predicted past it, and so is the holder, within `within_s`. The turn then waits on its
+holder rather than recomputing its history elsewhere, which saves that prefill for everyone behind
+it. Where clients wait for each answer (a closed loop) that raises the capacity; where turns keep
+coming regardless (an open loop), the turns kept pile up behind each other (docs/benchmarks.md, "A
+continuation kept where it is answered in time").
+
 The prediction (`first_token_s`) is the holder's backlog at the uncached share the policy predicted
 for the prompts pending there, its newest requests in flight (`InflightLedger.pending_share`), less
 the time since the backlog restarted (`WorkerView.prefill_started_s`; before that the engine

@@ -84,8 +84,22 @@ def test_a_holder_predicted_past_the_bound_or_the_guard_does_not_keep_the_turn()
         CostPolicy(stay_objective_s=0.0)
     with pytest.raises(ValueError, match="stay_within_s"):
         CostPolicy(stay_within_s=-1.0)
-    with pytest.raises(ValueError, match="stay_within_s must be <= stay_objective_s"):
-        CostPolicy(stay_objective_s=0.5, stay_within_s=3.0)  # it would keep turns predicted later
+
+
+def test_a_bound_past_the_objective_keeps_turns_that_miss_it_either_way() -> None:
+    # The holder is predicted `t` s away and the move (recomputing 40,960 tokens) later still. With
+    # an objective at a quarter of `t` both miss it: within a bound below `t` the move stands,
+    # within one above it the turn waits on its holder.
+    p, views = _session_on_w0()
+    nxt = req("next", range(HISTORY + 2))
+    share = p._ledger.pending_share(views[0].worker_id, views[0].in_flight_prefill_tokens)
+    t = first_token_s(p._pool(nxt).cost, views[0], share, HISTORY * BS, nxt.n_prompt_tokens, 1.1)
+    assert 0 < t < 0.7
+    for within_s, kept in ((t / 2, False), (2 * t, True)):
+        p, views = _session_on_w0(stay_objective_s=t / 4, stay_within_s=within_s)
+        d = p.select(nxt, views, 1.1)
+        assert d is not None and (d.worker == "w0") is kept
+        assert p.stats().counters.get("stays_within_objective", 0) == int(kept)
 
 
 def test_a_holder_computing_a_long_new_prompt_does_not_keep_the_turn() -> None:

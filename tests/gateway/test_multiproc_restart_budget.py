@@ -140,7 +140,9 @@ def test_a_child_crash_looping_on_its_own_is_held_down_and_the_others_serve(
             waits.append(spend_the_budget())
             clock.offset_s += waits[-1] + 1
             assert children.watch()
-        assert waits == sorted(waits) and waits[-1] > waits[0]
+        # The first holds last until the budget has room (about a minute, less the real time its
+        # restarts took); from the third on the backoff (15 s doubled per hold) is longer.
+        assert all(0 < w <= 60 for w in waits[:2]) and waits[2:] == [60.0, 120.0, 240.0]
         assert all(w <= multiproc.HOLD_MAX_S for w in waits)
         first = children.procs[0]
         assert first is not None and first.poll() is None  # served all along, never restarted

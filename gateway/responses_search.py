@@ -25,7 +25,7 @@ import aiohttp
 from gateway.errors import ApiError
 from gateway.failure import BUSY_STATUSES, REFUSED_CREDENTIALS, Failure, worker_status
 from gateway.registry import Pool
-from gateway.upstream_headers import ANSWER_HEADERS
+from gateway.upstream_headers import answer_hints
 from gateway.worker import Worker
 from policies.base import Outcome, Role
 
@@ -88,12 +88,7 @@ async def holds(
         if resp.status in REFUSED_CREDENTIALS:
             raise worker_status(resp.status).error()
         if resp.status in BUSY_STATUSES:
-            hints = tuple(
-                (name, value.encode("latin-1"))
-                for name in ANSWER_HEADERS
-                if (value := resp.headers.get(name.decode())) is not None
-            )
-            raise Undecided(worker_status(resp.status, hints))
+            raise Undecided(worker_status(resp.status, answer_hints(resp.headers)))
         return True if resp.status == 200 else None
 
 

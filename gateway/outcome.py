@@ -14,7 +14,7 @@ from gateway.request_head import RequestIds
 from gateway.routing import Routing
 from gateway.tracing import AttemptTrace
 from gateway.worker import Worker
-from policies.base import Observation, Outcome, RouteDecision
+from policies.base import Observation, Outcome, Role, RouteDecision
 
 log = logging.getLogger("kvgate.outcome")
 
@@ -191,12 +191,12 @@ class HeldVerdicts:
     after the breaker changed state (other requests opened it, its next trial closed it) is
     dropped rather than applied to a state it was not about. So, by its requests alone, a pool
     whose workers all answer every request with a 5xx, or all hang, opens no breaker, nor does a
-    worker failing requests no other worker is tried on (a pool's last routable worker, one with
-    no retries), though such a worker's half-open breaker opens again after `failure_threshold`
-    failed trials it was alone on (`acquit`); their requests still end (fast, or after
-    `read_s`), a worker failing what others serve is still shut out once its requests are
-    retried, and health checks still take down a worker that fails them (vLLM's `/health` fails
-    when its engine is dead).
+    worker failing requests no other worker of its role is tried on (a pool's last routable
+    worker, one with no retries), though such a worker's half-open breaker opens again after
+    `failure_threshold` failed trials it was alone on (`acquit`); their requests still end (fast,
+    or after `read_s`), a worker failing what others serve is still shut out once its requests
+    are retried, and health checks still take down a worker that fails them (vLLM's `/health`
+    fails when its engine is dead).
 
     An acquitted 5xx still leaves its worker suspected (`CircuitBreaker.suspect`), as does a
     worker's own error event in a stream: the gateway's canary, a request no client shapes, then
@@ -211,7 +211,7 @@ class HeldVerdicts:
     __slots__ = ("_answered", "_attempts", "_workers")
 
     def __init__(self, attempts: Sequence[Attempt]) -> None:
-        self._attempts = attempts  # the request's, as they are made: one means nothing compared
+        self._attempts = attempts  # the request's, as they are made (`alone`)
         self._workers: list[tuple[Worker, int]] = []  # each with its breaker's spell when held
         self._answered: list[Worker] = []  # of `_workers`, those that answered with a 5xx
 
@@ -221,6 +221,12 @@ class HeldVerdicts:
         self._workers.append((worker, worker.breaker.spell))
         if answered:
             self._answered.append(worker)
+
+    def alone(self, worker: Worker) -> bool:
+        """Whether `worker`'s was the request's only attempt of its role: a leg of the other role
+        (vLLM's prefill leg, always first; SGLang's pair in one round) compares nothing, and a
+        decode worker failing every leg would otherwise stay half-open for ever."""
+        return sum(Role.of(a.worker.role) is Role.of(worker.role) for a in self._attempts) == 1
 
     def convict(self, now_s: float) -> None:
         for worker, spell in self._workers:
@@ -233,14 +239,14 @@ class HeldVerdicts:
         request, or it ends with no worker's answer (one worker's failure or several; no peer's
         state stands in for a peer's answer), or the client left. A worker that answered with a
         5xx is left suspected: a canary decides. A half-open breaker's trial that was the
-        request's only attempt had nothing to compare it with, and counts as a failed trial
-        (`CircuitBreaker.on_held_failure`): `failure_threshold` of them in a row re-open the
-        breaker, so a worker failing every request where it is the only one tried is kept out,
-        as before trials were held; the request another worker also failed or refused counts
-        against none."""
-        if len(self._attempts) == 1 and self._workers:
-            now_s = time.monotonic()
-            for worker, spell in self._workers:
+        request's only attempt of its worker's role (`alone`) had nothing to compare it with, and
+        counts as a failed trial (`CircuitBreaker.on_held_failure`): `failure_threshold` of them
+        in a row re-open the breaker, so a worker failing every request where it is the only one
+        of its role tried is kept out, as before trials were held; the request another worker of
+        its role also failed or refused counts against none."""
+        now_s = time.monotonic()
+        for worker, spell in self._workers:
+            if self.alone(worker):
                 worker.breaker.on_held_failure(now_s, spell, compared=False)
         for worker in self._answered:
             worker.breaker.suspect()

@@ -29,7 +29,8 @@ Rules, all checked here:
   before a restart, or routed by another gateway process or replica) is pinned to the worker of
   its pool that holds it, the first of its healthy workers to answer 200 when asked in turn
   (`responses_follow_up.locate_previous`), and remembered; vLLM's 404 when every worker says it
-  does not hold it. A `GET` or `cancel` of one asks the workers of every pool (`responses_routes`).
+  does not hold it. A `GET` or `cancel` of one asks the workers of the pool its id names (its
+  scope: `responses_ids`), or of every pool for an id without one (`responses_routes`).
   Both look with the one search (`responses_search.find_holder`: who is asked, what a worker's
   answer proves, and its bounds in time).
 
@@ -184,9 +185,9 @@ def mint_response_id(affinity: ResponseAffinity, body: Mapping[str, Any], tenant
     """The `request_id` the worker gets, which names the response it creates: minted for `tenant`
     on the client's own `request_id`, if any (400 unless at most `MAX_REQUEST_ID_CHARS`
     characters from the id alphabet)."""
-    own_id = body.get("request_id")
+    own_id, model = body.get("request_id"), _model(body)
     if own_id is None:
-        return affinity.ids.mint(tenant)
+        return affinity.ids.mint(tenant, model=model)
     if isinstance(own_id, str) and len(own_id) > MAX_REQUEST_ID_CHARS:
         message = (
             f"Invalid 'request_id': string too long. Expected a string with maximum length "
@@ -198,7 +199,14 @@ def mint_response_id(affinity: ResponseAffinity, body: Mapping[str, Any], tenant
             "'request_id' must be a non-empty string of letters, digits, '_', '-', '.' and ':'",
             "request_id",
         )
-    return affinity.ids.mint(tenant, own_id)
+    return affinity.ids.mint(tenant, own_id, model)
+
+
+def _model(body: Mapping[str, Any]) -> str | None:
+    """The served model a Responses body names (admission found its pool by it): the scope of
+    the id minted for it (`responses_ids`)."""
+    model = body.get("model")
+    return model if isinstance(model, str) else None
 
 
 def with_response_id(body: dict[str, Any], encoded: bytes, response_id: str) -> tuple[dict[str, Any], bytes]:
@@ -220,7 +228,7 @@ def with_new_response_id(
     its encoding: the id's bytes are replaced where they are, so a large body is not encoded again
     (an id has no character JSON escapes, and inside a string the quotes around it would be
     escaped, so the first match is the field)."""
-    old, new = body["request_id"], affinity.ids.mint(tenant, own_id)
+    old, new = body["request_id"], affinity.ids.mint(tenant, own_id, _model(body))
     named = {**body, "request_id": new}
     field = b'"request_id":' + orjson.dumps(old)
     at = encoded.find(field)

@@ -3,7 +3,8 @@
 Only the tenant that created a response reaches it: an id that is not the asking tenant's
 (`responses_ids`, told from the id alone) is vLLM's 404, answered without asking a worker. One of
 its own goes to the worker this process saw create it (`responses_affinity`), or, when this
-process does not know it, to the first healthy worker that answers a `GET` of it 200 (each asked
+process does not know it, to the first healthy worker of the pool its id names (every pool's, for
+an id naming none: `responses_search.pools_to_search`) that answers a `GET` of it 200 (each asked
 in turn: `responses_search.find_holder`; the gateway's 404 when every worker says it does not,
 a 503 with `Retry-After` when one could not tell). The request counts
 against the tenant's concurrency and rpm like any other; the worker's answer is passed through
@@ -44,7 +45,7 @@ from gateway.quotas import Rejection
 from gateway.registry import Pool, Registry
 from gateway.request_head import RequestIds, client_request_id, new_request_id
 from gateway.responses_affinity import ResponseAffinity, not_found
-from gateway.responses_search import find_holder, holds, stored_url
+from gateway.responses_search import find_holder, holds, pools_to_search, stored_url
 from gateway.responses_stream import StoredResponseStream
 from gateway.routes import CANCEL_RESPONSE_PATH, STORED_RESPONSE_PATH
 from gateway.routing import Routing
@@ -262,11 +263,12 @@ async def _find_holder(
     responses: ResponseAffinity, registry: Registry, call: _Retrieval
 ) -> tuple[Pool, str, AiohttpSource]:
     """A tenant's own response this process does not know (routed by another process or replica,
-    or before a restart): the first of the healthy workers of every pool, in the registry's
-    order, that answers a `GET` of it 200 (`responses_search.find_holder`) is remembered as
-    its holder and asked the client's request; the gateway's 404 when every worker says it does
-    not hold it, a 503 with `Retry-After` when one could not tell (busy, unreachable, unhealthy)."""
-    found = await find_holder(registry.pools.values(), call.holds)
+    or before a restart): the first of the healthy workers of the pools that may hold it
+    (`responses_search.pools_to_search`: the one its id names), in the registry's order, that
+    answers a `GET` of it 200 (`responses_search.find_holder`) is remembered as its holder and
+    asked the client's request; the gateway's 404 when every such worker says it does not hold
+    it, a 503 with `Retry-After` when one could not tell (busy, unreachable, unhealthy)."""
+    found = await find_holder(pools_to_search(responses.ids, registry, call.response_id), call.holds)
     if found is None:
         raise not_found(call.response_id)
     pool, worker = found.pool, found.worker

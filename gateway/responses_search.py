@@ -1,7 +1,8 @@
 """The search for the worker holding a stored response this process does not know.
 
 A follow-up naming the tenant's own id (`responses_follow_up.locate_previous`) and a `GET` or
-`cancel` of one (`responses_routes`) look with the one search, `find_holder`, and a worker holds
+`cancel` of one (`responses_routes`, in the pool its id names: `pools_to_search`) look with the
+one search, `find_holder`, and a worker holds
 the response when it answers a `GET` of it 200 (`holds`): another pool's worker may answer
 anything else (vLLM's 400 where its model serves no Responses API). A prefill worker of a
 prefill/decode pool is never asked (`may_hold`): the client's response is the decode worker's,
@@ -24,8 +25,9 @@ import aiohttp
 
 from gateway.errors import ApiError
 from gateway.failure import BUSY_STATUSES, REFUSED_CREDENTIALS, Failure, worker_status
-from gateway.registry import Pool
-from gateway.upstream_headers import ANSWER_HEADERS
+from gateway.registry import Pool, Registry
+from gateway.responses_ids import ResponseIds
+from gateway.upstream_headers import answer_hints
 from gateway.worker import Worker
 from policies.base import Outcome, Role
 
@@ -88,12 +90,7 @@ async def holds(
         if resp.status in REFUSED_CREDENTIALS:
             raise worker_status(resp.status).error()
         if resp.status in BUSY_STATUSES:
-            hints = tuple(
-                (name, value.encode("latin-1"))
-                for name in ANSWER_HEADERS
-                if (value := resp.headers.get(name.decode())) is not None
-            )
-            raise Undecided(worker_status(resp.status, hints))
+            raise Undecided(worker_status(resp.status, answer_hints(resp.headers)))
         return True if resp.status == 200 else None
 
 
@@ -104,6 +101,21 @@ def may_hold(pool: Pool, worker: Worker) -> bool:
     under SGLang sends both legs one body, so the prefill worker, if it stores responses, keeps a
     copy under the same id, which a follow-up could not continue there."""
     return pool.pd_router is None or Role.of(worker.role) is not Role.PREFILL
+
+
+def pools_to_search(ids: ResponseIds, registry: Registry, response_id: str) -> list[Pool]:
+    """The pools whose workers may hold stored response `response_id` (one `ids` says is the
+    asker's), in the registry's order: the pool serving the model its id names (its scope,
+    `ResponseIds.scope_of`), the one that created it. Only their workers count in the search, so
+    a worker down in another pool (an embeddings pool's, which never holds one) cannot turn the
+    404 for an expired id into a 503. Every pool for an id without a scope (minted before ids had
+    one) or one naming no model served now (its pool may have been renamed)."""
+    pools = list(registry.pools.values())
+    scope = ids.scope_of(response_id)
+    if scope is None:
+        return pools
+    named = [pool for pool in pools if any(ids.scope(model) == scope for model in pool.config.models)]
+    return named or pools
 
 
 async def find_holder(

@@ -47,7 +47,7 @@ from gateway.outcome import CLIENT_DISCONNECTED, Attempt, finish
 from gateway.routing import Routing
 from gateway.sse import UNREADABLE_ERROR, Relay
 from gateway.upstream import AnswerBody, AnswerHold, Reservation, RetryHints, read_reserved, read_whole
-from gateway.upstream_headers import ANSWER_HEADERS
+from gateway.upstream_headers import answer_hints
 from policies.base import Outcome
 
 log = logging.getLogger("kvgate.streaming")
@@ -93,11 +93,7 @@ class AiohttpSource:
         self._budget = budget
         self.status = resp.status
         self.content_type = resp.headers.get("content-type", "")
-        self.retry_hints: RetryHints = tuple(
-            (name, value.encode("latin-1"))
-            for name in ANSWER_HEADERS
-            if (value := resp.headers.get(name.decode())) is not None
-        )
+        self.retry_hints: RetryHints = answer_hints(resp.headers)
 
     async def read(self) -> bytes:
         return await self._resp.content.readany()

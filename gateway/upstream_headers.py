@@ -22,7 +22,7 @@ believed) can never be forwarded: the config is refused when it names one, sayin
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 _HOP_BY_HOP = "hop-by-hop, a credential, or set by the gateway"
 _ENGINE_INTERNAL = (
@@ -80,6 +80,22 @@ _TOKEN = re.compile(r"[a-z0-9!#$%&'*+.^_`|~-]+")
 # the client.
 ANSWER_HEADERS = (b"retry-after", b"retry-after-ms", b"metadata")
 _PASSED_ON_WITH_A_BODY = frozenset({b"metadata"})
+
+
+def answer_hints(headers: Mapping[str, str]) -> tuple[tuple[bytes, bytes], ...]:
+    """The answer headers the gateway keeps (`ANSWER_HEADERS`) of an aiohttp answer, as bytes. A
+    value that is not latin-1 (aiohttp decodes UTF-8) is dropped: a worker's malformed hint is
+    no reason to fail the client's request, and the client gets no hint rather than a 500."""
+    hints = []
+    for name in ANSWER_HEADERS:
+        value = headers.get(name.decode())
+        if value is None:
+            continue
+        try:
+            hints.append((name, value.encode("latin-1")))
+        except UnicodeEncodeError:
+            continue
+    return tuple(hints)
 
 
 def forwardable_name(name: str) -> str:

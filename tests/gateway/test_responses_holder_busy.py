@@ -128,17 +128,18 @@ def _assert_retryable(answers: list[httpx.Response], code: str, retry_after: str
 
 
 @pytest.mark.parametrize(("status", "code"), [(503, "worker_unavailable"), (529, "worker_overloaded")])
-@pytest.mark.parametrize("retry_after", ["7", None])
+@pytest.mark.parametrize(("retry_after", "told"), [("7", "7"), (None, "1"), ("5 \u20ac", "1")])
 async def test_a_busy_holder_found_by_the_search_is_a_503_with_its_retry_after(
-    status: int, code: str, retry_after: str | None
+    status: int, code: str, retry_after: str | None, told: str
 ) -> None:
+    """A `Retry-After` that is not latin-1 is dropped (the gateway's 1 s), not a 500."""
     async with fleet() as f:
         rid = await _stored(f)
         holder = f.holder(rid)
         holder.busy, holder.retry_after = status, retry_after
         async with gateway(f) as gw:
             posts = f.posts()
-            _assert_retryable(await _asked(gw.client, rid), code, retry_after or "1")
+            _assert_retryable(await _asked(gw.client, rid), code, told)
             assert f.posts() == posts  # no worker was sent the follow-up
             # Every worker was asked (the others say 404), and the busy one is not remembered.
             assert all(f"/v1/responses/{rid}" in w.reads for w in f.workers)

@@ -49,8 +49,25 @@ def test_a_clients_request_id_starts_a_new_id_each_time_tagged_per_tenant() -> N
     # Another tenant's whole id as a stem names a new id of the asker's, never the original.
     taken = IDS.mint("bob", mine)
     assert taken.startswith(mine + "_") and IDS.owned_by(taken, "bob") and not IDS.owned_by(taken, "alice")
-    longest = IDS.mint("alice", "x" * MAX_REQUEST_ID_CHARS)
+    longest = IDS.mint("alice", "x" * MAX_REQUEST_ID_CHARS, model="m")
     assert len(longest) == MAX_RESPONSE_ID_CHARS and valid_response_id(longest)
+
+
+def test_an_id_names_the_scope_of_its_model_opaquely_and_under_its_tag() -> None:
+    """The scope (`responses_search.pools_to_search`) is the model's keyed hash, covered by the tag;
+    an id minted without one, whatever the client's `request_id` looks like, has none."""
+    rid = IDS.mint("alice", model="llama-3-8b")
+    assert "llama" not in rid and IDS.owned_by(rid, "alice")
+    assert IDS.scope_of(rid) == IDS.scope("llama-3-8b") != IDS.scope("llama-3-70b")
+    assert rid.startswith("resp_") and rid[: -TAG_CHARS - 1].endswith("_" + IDS.scope("llama-3-8b"))
+    other = ResponseIds(b"another deployment's secret, 32 bytes")
+    assert other.scope("llama-3-8b") != IDS.scope("llama-3-8b")
+    swapped = rid.replace(IDS.scope("llama-3-8b"), IDS.scope("llama-3-70b"))
+    assert not IDS.owned_by(swapped, "alice")
+    mimic = "x_" + IDS.scope("llama-3-8b")  # a client's request_id ending like a scope
+    for plain in (IDS.mint("alice"), IDS.mint("alice", mimic), IDS.mint("alice", mimic + "_" + "s" * 8)):
+        assert IDS.scope_of(plain) is None
+    assert IDS.scope_of(IDS.mint("alice", mimic, model="e5")) == IDS.scope("e5")
 
 
 def test_anything_else_is_owned_by_no_one() -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import pytest
 from aiohttp import web
@@ -20,6 +21,8 @@ from gateway.config import load_config, parse_config
 from gateway.config.base import ConfigError
 from gateway.config.pool import read_worker_key
 from gateway.state import GatewayState, build_state
+from gateway.streaming import AiohttpSource
+from gateway.upstream import AnswerBudget
 from gateway.upstream_headers import NO_AUTH, WorkerAuth, forwardable_name, pick
 from policies import make_policy
 from prompt_normalizer.normalizer import NormalizerConfig
@@ -237,3 +240,23 @@ async def test_health_checks_and_scrapes_carry_the_pool_key(rig: Rig) -> None:
         assert time.monotonic() < deadline, rig.seen.others
         await asyncio.sleep(0.01)
     assert {auth for _, auth in rig.seen.others} == {f"Bearer {KEY}"}
+
+
+async def test_a_worker_hint_that_is_not_latin_1_is_dropped_not_a_crash() -> None:
+    """aiohttp decodes answer headers as UTF-8: a busy worker's `Retry-After: 5 \u20ac` cannot be
+    passed on, and is dropped (the client gets the gateway's own advice) rather than failing the
+    request with a 500; the worker's other hints are kept."""
+
+    async def busy(_: web.Request) -> web.Response:
+        hints = {"Retry-After": "5 \u20ac", "Retry-After-Ms": "300"}
+        return web.json_response({"error": {"message": "busy"}}, status=503, headers=hints)
+
+    app = web.Application()
+    app.router.add_get("/r", busy)
+    runner, port = await serve_app(app)
+    try:
+        async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{port}/r") as resp:
+            source = AiohttpSource(resp, AnswerBudget(1024))
+    finally:
+        await runner.cleanup()
+    assert (source.status, source.retry_hints) == (503, ((b"retry-after-ms", b"300"),))

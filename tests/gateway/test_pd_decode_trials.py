@@ -1,0 +1,93 @@
+"""A decode worker's half-open trial in a vLLM prefill/decode pool: its request's prefill leg is an
+earlier attempt of the same request, to a worker of the other role, which compares nothing. So a
+decode leg's held 5xx with no other decode worker tried is the trial's only attempt of its role,
+and counts as a failed trial (`outcome.HeldVerdicts.alone`): `failure_threshold` of them in a row
+open the breaker again. Before, the prefill leg made every decode leg a second attempt, so a lone
+broken decode worker stayed half-open for ever and took every request after its prefill leg.
+
+The gateway runs in-process in front of a scripted prefill worker and a decode worker answering
+500 to every leg (P/D pools send no canaries: client requests are the trials)."""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+
+from gateway.auth import hash_api_key
+from gateway.breaker import BreakerState
+from policies.base import WorkerId
+from policies.baselines import RoundRobin
+from tests.support.inprocess import gateway_in_process
+from tests.support.loopback import Handler, serve_app
+from tests.support.wait import wait_until
+
+SECRET = b"k"
+KEY = {"authorization": "Bearer sk-t"}
+BODY = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hello"}]}
+THRESHOLD = 2
+
+
+async def _health(_: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
+async def _prefill(_: web.Request) -> web.Response:
+    return web.json_response(
+        {"type": "message", "content": [], "usage": {"input_tokens": 3, "output_tokens": 1}}
+    )
+
+
+async def _broken(_: web.Request) -> web.Response:
+    return web.json_response(
+        {"error": {"message": "engine failed", "type": "InternalServerError"}}, status=500
+    )
+
+
+async def _worker(handler: Handler) -> tuple[web.AppRunner, str]:
+    app = web.Application()
+    app.router.add_get("/health", _health)
+    app.router.add_post("/v1/messages", handler)
+    runner, port = await serve_app(app)
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def test_a_broken_decode_workers_failed_trials_open_its_breaker_again() -> None:
+    runners = []
+    try:
+        prefill_runner, prefill = await _worker(_prefill)
+        runners.append(prefill_runner)
+        decode_runner, decode = await _worker(_broken)
+        runners.append(decode_runner)
+        pool = {
+            "name": "p",
+            "models": ["m"],
+            "prefill_workers": [prefill],
+            "decode_workers": [decode],
+            "pd": {"protocol": "vllm", "conditional": False},
+            "retry_attempts": 0,
+            "breaker": {"failure_threshold": THRESHOLD, "cooldown_s": 0.2},
+        }
+        config = {
+            "pools": [pool],
+            "tenants": [{"name": "t", "api_key_hashes": [hash_api_key(SECRET, "sk-t")]}],
+            "scrape": {"enabled": False},
+        }
+        async with gateway_in_process(config, RoundRobin(), secret=SECRET) as gw:
+            breaker = gw.state.registry.pools["p"].workers[WorkerId(decode)].breaker
+            for _ in range(THRESHOLD):  # a bad spell: its breaker opens
+                breaker.on_failure(time.monotonic(), trial=None)
+            assert breaker.state(time.monotonic()) is BreakerState.OPEN
+            trials = 0
+            for _ in range(2 * THRESHOLD):
+                await wait_until(lambda: breaker.allows(time.monotonic()), what="the decode worker's trial")
+                resp = await gw.client.post("/v1/messages", json=BODY, headers=KEY)
+                assert resp.status_code >= 500, resp.text
+                trials += 1
+                if breaker.state(time.monotonic()) is BreakerState.OPEN:
+                    break
+            assert breaker.state(time.monotonic()) is BreakerState.OPEN
+            assert trials == THRESHOLD  # as many failed trials in a row as open a closed breaker
+    finally:
+        for runner in runners:
+            await runner.cleanup()

@@ -10,6 +10,8 @@ import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import openai
+
 from tests.support.gateway_config import SECRET, tenant, write_gateway_config
 from tests.support.processes import Proc, free_port, start, start_emulator, start_gateway, wait_http
 from tests.support.wait import wait_until_sync
@@ -163,3 +165,19 @@ def assert_sigterm_stops_the_workers(serve_args: Sequence[str], workers: int, re
     finally:
         assert proc.stop() == 0
     assert not any(alive(c) for c in children)
+
+
+def chat_burst(base_url: str, key: str, n: int) -> list[int]:
+    """`n` one-token chats, one after another, each on a fresh connection (so the kernel picks the
+    process of a `--processes` group): 200 or 429 each."""
+    statuses: list[int] = []
+    for _ in range(n):
+        with openai.OpenAI(base_url=f"{base_url}/v1", api_key=key, max_retries=0) as client:
+            try:
+                client.chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=1
+                )
+                statuses.append(200)
+            except openai.RateLimitError:
+                statuses.append(429)
+    return statuses

@@ -10,11 +10,10 @@ import signal
 import urllib.request
 from pathlib import Path
 
-import openai
-
 from tests.e2e.harness import (
     SECRET,
     alive,
+    chat_burst,
     gateway_processes,
     metrics_urls,
     serving_processes,
@@ -27,21 +26,6 @@ from tests.support.wait import wait_until_sync
 
 KEY = "sk-e2e-quota-restart"
 RPM = 12
-
-
-def _burst(base_url: str, n: int) -> list[int]:
-    statuses: list[int] = []
-    for _ in range(n):
-        # A fresh client is a fresh connection: the kernel picks the process.
-        with openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0) as client:
-            try:
-                client.chat.completions.create(
-                    model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=1
-                )
-                statuses.append(200)
-            except openai.RateLimitError:
-                statuses.append(429)
-    return statuses
 
 
 def _index(pid: int) -> str:
@@ -64,7 +48,7 @@ def test_a_restarted_process_grants_no_fresh_bucket(tmp_path: Path) -> None:
         config = write_gateway_config(tmp_path / "gw.yaml", pools, [tenant("t", KEY, quotas={"rpm": RPM})])
         env = {"KVGATE_KEY_SECRET": SECRET.decode()}
         with serving_processes("--config", str(config), env=env) as (base_url, proc):
-            assert 0 < _burst(base_url, 3 * RPM).count(200) <= RPM + 2  # the tenant's rpm is spent
+            assert 0 < chat_burst(base_url, KEY, 3 * RPM).count(200) <= RPM + 2  # the tenant's rpm is spent
             (crashing,) = (pid for pid in gateway_processes(proc.popen.pid) if _index(pid) == "1")
             before = set(metrics_urls(proc))
             os.kill(crashing, signal.SIGKILL)
@@ -76,7 +60,7 @@ def test_a_restarted_process_grants_no_fresh_bucket(tmp_path: Path) -> None:
 
             wait_until_sync(restarted, 60, "process 1 restarted and ready")
             (new_url,) = set(metrics_urls(proc)) - before
-            after = _burst(base_url, 4 * RPM)
+            after = chat_burst(base_url, KEY, 4 * RPM)
             by_restarted = _admitted(new_url)
             assert proc.stop() == 0
     finally:

@@ -8,10 +8,9 @@ import re
 import urllib.request
 from pathlib import Path
 
-import openai
-
 from tests.e2e.harness import (
     SECRET,
+    chat_burst,
     metrics_urls,
     serving_processes,
     start_emulator,
@@ -39,17 +38,7 @@ def test_a_tenants_rpm_holds_across_the_processes(tmp_path: Path) -> None:
         config = write_gateway_config(tmp_path / "gw.yaml", pools, tenants)
         env = {"KVGATE_KEY_SECRET": SECRET.decode()}
         with serving_processes("--config", str(config), env=env) as (base_url, proc):
-            statuses: list[int] = []
-            for _ in range(3 * RPM):
-                # A fresh client is a fresh connection: the kernel picks the process.
-                with openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0) as client:
-                    try:
-                        client.chat.completions.create(
-                            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=1
-                        )
-                        statuses.append(200)
-                    except openai.RateLimitError:
-                        statuses.append(429)
+            statuses = chat_burst(base_url, KEY, 3 * RPM)
             per_process = [_admitted(url) for url in sorted(set(metrics_urls(proc)))]
             assert proc.stop() == 0
     finally:

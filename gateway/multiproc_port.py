@@ -9,13 +9,13 @@ group alone on its port:
   binding without SO_REUSEPORT first (`gateway.server.bind`'s message);
 - another group whose processes are all restarting at that instant listens nowhere, so each
   supervisor also holds, for its lifetime, a name in Linux's abstract socket namespace made of
-  the address (`_lock_name`): a second supervisor cannot bind the same name. The name lives in
+  the port (`_lock_name`): a second supervisor cannot bind the same name. The name lives in
   the network namespace, as the port does; the kernel releases it when the supervisor exits,
   however it exits, so there is no stale lock to clean up. Elsewhere than Linux only the first
   check runs.
 
-The lock is per address: a group on 0.0.0.0:P and one on 127.0.0.1:P are told apart by the
-first check only (while one of them listens).
+The lock is per port, whatever the address: addresses overlap (0.0.0.0 and 127.0.0.1, :: and
+0.0.0.0), so two groups on one port are refused even on addresses that would not overlap.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from gateway.config.base import ConfigError
 
 @dataclass(slots=True)
 class HeldPort:
-    """The group's never-listening socket on its port, and its lock on the address (Linux)."""
+    """The group's never-listening socket on its port, and its lock on the port (Linux)."""
 
     sock: socket.socket
     lock: socket.socket | None
@@ -45,23 +45,24 @@ class HeldPort:
             self.lock.close()
 
 
-def _lock_name(host: str, port: int) -> bytes:
-    return b"\0kvgate-serve-processes " + f"{host} {port}".encode()
+def _lock_name(port: int) -> bytes:
+    return b"\0kvgate-serve-processes " + str(port).encode()
 
 
 def _lock(host: str, port: int) -> socket.socket | None:
-    """The address's lock, held while the returned socket is open; a `ConfigError` when another
+    """The port's lock (any address), held while the returned socket is open; a `ConfigError` when another
     group holds it. None off Linux (no abstract namespace)."""
     if not sys.platform.startswith("linux"):
         return None
     lock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        lock.bind(_lock_name(host, port))
+        lock.bind(_lock_name(port))
     except OSError as exc:
         lock.close()
         raise ConfigError(
             f"listen: cannot listen on {host}:{port}: {exc.strerror} (another "
-            "`kvgate serve --processes` group holds it, its processes restarting)"
+            f"`kvgate serve --processes` group holds port {port}, on this or an overlapping "
+            "address, its processes restarting)"
         ) from None
     return lock
 

@@ -184,10 +184,13 @@ class Children:
         """Restart the children that exited (or were killed as hung), all after one pause. Each
         child has its own budget (`MAX_RESTARTS_PER_MIN` a minute): one crashing often spends none
         of the others'. A child beyond it while others serve (its start refused, `START_REFUSED`,
-        or crash-looping on its own) is held down (`_hold`); False when none serves."""
+        or crash-looping on its own) is held down (`_hold`); False when none serves. Decided after
+        the whole pass: a child that serves counts whether it runs, exited within its budget at
+        this same poll (or was killed as hung), or is restarted again after a failed fork."""
         self.kill_hung()
         now = time.monotonic()
         dead: list[int] = []
+        spent: list[int] = []  # beyond their budgets: held down, or the group gives up
         for i, proc in enumerate(self.procs):
             if proc is None or proc.poll() is None:
                 continue
@@ -204,30 +207,34 @@ class Children:
             while restarts and now - restarts[0] > 60:
                 restarts.popleft()
             if len(restarts) >= MAX_RESTARTS_PER_MIN:
-                serving = sum(1 for p in self.procs if p is not None and p.poll() is None)
-                if serving:
-                    wait_s = self._hold(i, now)
-                    what = "could not start" if proc.returncode == START_REFUSED else "exited"
-                    print(
-                        f"kvgate serve: gateway process {proc.pid} (index {i}) {what} "
-                        f"{MAX_RESTARTS_PER_MIN + 1} times within a minute (exit {proc.returncode}, "
-                        f"the reason above); the {serving} other process(es) go on serving; next try "
-                        f"in {wait_s:.0f} s",
-                        flush=True,
-                    )
-                    continue
-                print(
-                    f"kvgate serve: gateway process {proc.pid} (index {i}) exited with {proc.returncode}, "
-                    f"its {MAX_RESTARTS_PER_MIN + 1}th exit within a minute, and none serves; giving up",
-                    flush=True,
-                )
-                return False
+                spent.append(i)
+                continue
             print(
                 f"kvgate serve: gateway process {proc.pid} (index {i}) exited with {proc.returncode}; "
                 "restarting",
                 flush=True,
             )
             dead.append(i)
+        serving = len(dead) + sum(1 for p in self.procs if p is not None and p.poll() is None)
+        for i in spent:
+            proc = self.procs[i]
+            assert proc is not None
+            if not serving:
+                print(
+                    f"kvgate serve: gateway process {proc.pid} (index {i}) exited with {proc.returncode}, "
+                    f"its {MAX_RESTARTS_PER_MIN + 1}th exit within a minute, and none serves; giving up",
+                    flush=True,
+                )
+                return False
+            wait_s = self._hold(i, now)
+            what = "could not start" if proc.returncode == START_REFUSED else "exited"
+            print(
+                f"kvgate serve: gateway process {proc.pid} (index {i}) {what} "
+                f"{MAX_RESTARTS_PER_MIN + 1} times within a minute (exit {proc.returncode}, "
+                f"the reason above); the {serving} other process(es) go on serving; next try "
+                f"in {wait_s:.0f} s",
+                flush=True,
+            )
         if dead:
             time.sleep(1.0)
             for i in dead:

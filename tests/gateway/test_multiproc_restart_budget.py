@@ -185,3 +185,37 @@ def test_a_restart_that_cannot_fork_is_tried_again_and_stops_nothing(
         assert first is not None and first.poll() is None
     finally:
         children.stop(10.0)
+
+
+def test_a_child_exiting_within_its_budget_at_the_same_poll_still_counts_as_serving(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Child 1 crash-loops; child 0 serves but exits once (killed) at the very poll where child 1
+    # exits beyond its budget. Child 0 is restarted within its own budget, so it still serves: the
+    # group used to count only the children alive at that instant, and gave up (exit 1).
+    monkeypatch.setattr(multiproc, "time", _Clock())
+    script = "import sys, time\nif sys.argv[1] == '1': sys.exit(1)\ntime.sleep(600)\n"
+    children = Children([sys.executable, "-c", script], 2, {}, lambda i: [str(i)], ready_dir=tmp_path)
+
+    def crashed() -> bool:
+        proc = children.procs[1]
+        return proc is not None and proc.poll() is not None
+
+    try:
+        for i in range(2):
+            children.start(i)
+        for _ in range(MAX_RESTARTS_PER_MIN):
+            wait_until_sync(crashed, 30, "child 1 exited")
+            assert children.watch()
+        wait_until_sync(crashed, 30, "child 1 exited")
+        first = children.procs[0]
+        assert first is not None
+        first.kill()  # stopped by its PID
+        first.wait()
+        assert children.watch(), "gave up while child 0 was being restarted within its budget"
+        restarted = children.procs[0]
+        assert restarted is not None and restarted is not first and restarted.poll() is None
+        out = capsys.readouterr().out
+        assert "(index 1) exited 6 times within a minute" in out and "giving up" not in out
+    finally:
+        children.stop(10.0)

@@ -180,13 +180,14 @@ class Children:
             proc.wait()
             dog.forget(overdue.index)
 
-    def watch(self) -> bool:
+    def watch(self, stopping: Callable[[], bool] = lambda: False) -> bool:
         """Restart the children that exited (or were killed as hung), all after one pause. Each
         child has its own budget (`MAX_RESTARTS_PER_MIN` a minute): one crashing often spends none
         of the others'. A child beyond it while others serve (its start refused, `START_REFUSED`,
         or crash-looping on its own) is held down (`_hold`); False when none serves. Decided after
         the whole pass: a child that serves counts whether it runs, exited within its budget at
-        this same poll (or was killed as hung), or is restarted again after a failed fork."""
+        this same poll (or was killed as hung), or is restarted again after a failed fork. Nothing
+        is started once `stopping()` holds (a SIGTERM during the pause)."""
         self.kill_hung()
         now = time.monotonic()
         dead: list[int] = []
@@ -237,7 +238,7 @@ class Children:
             )
         if dead:
             time.sleep(1.0)
-            for i in dead:
+            for i in dead if not stopping() else ():
                 self._restarts[i].append(now)
                 try:
                     self.start(i)
@@ -425,7 +426,7 @@ def _run(
                 keeper.check()
             if files is not None:
                 files.refresh()  # the copies that restarted processes may follow
-            if not children.watch():
+            if not children.watch(lambda: bool(stopping)):
                 return 1
             time.sleep(0.2)
         return 0

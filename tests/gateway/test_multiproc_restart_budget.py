@@ -219,3 +219,28 @@ def test_a_child_exiting_within_its_budget_at_the_same_poll_still_counts_as_serv
         assert "(index 1) exited 6 times within a minute" in out and "giving up" not in out
     finally:
         children.stop(10.0)
+
+
+def test_a_stop_signal_during_the_restart_pause_starts_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stopping: list[int] = []
+    clock = _Clock()
+    poll_sleep = clock.sleep
+
+    def sleep(s: float) -> None:  # SIGTERM arrives during the supervisor's restart pause
+        if s >= 1.0:
+            stopping.append(15)
+        poll_sleep(s)
+
+    monkeypatch.setattr(multiproc, "time", clock)
+    monkeypatch.setattr(clock, "sleep", sleep)
+    children = Children([sys.executable, "-c", "pass"], 1, {}, lambda i: [], ready_dir=tmp_path)
+    try:
+        children.start(0)
+        wait_until_sync(lambda: _all_exited(children), 30, "the child exited")
+        exited = children.procs[0]
+        assert children.watch(lambda: bool(stopping))
+        assert stopping and children.procs[0] is exited  # it used to be started after the signal
+    finally:
+        children.stop(10.0)

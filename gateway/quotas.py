@@ -43,6 +43,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from gateway.config import QuotaConfig
+from gateway.lifecycle import PROCESS_INDEX_ENV
 from gateway.rate_buckets import Standing, TokenBucket, openai_rate_headers
 
 
@@ -62,21 +63,27 @@ TOLD_GAP_S = 1.0
 
 # Set by `kvgate serve --processes` for a process it restarts in place of one that exited: the
 # seconds that one has been gone. Its tenants' buckets start as an empty bucket refilled over that
-# time (`TenantLimiter`, `TokenBucket`); a first start's (no such variable) start full.
+# time (`TenantLimiter`, `TokenBucket`); a first start's (no such variable) start full. Honoured
+# only in a child of that supervisor (which also sets `PROCESS_INDEX_ENV`): a single `kvgate
+# serve` started from a shell that happens to have it starts full.
 RESTARTED_ENV = "KVGATE_RESTARTED_AFTER_S"
 
 
 def restarted_after_s_of(environ: Mapping[str, str]) -> float | None:
-    """How long this process's predecessor has been gone (`RESTARTED_ENV`); None at a first start.
-    A value that is not a finite number counts as 0 (buckets start empty): it cannot grant more."""
+    """How long this process's predecessor has been gone (`RESTARTED_ENV`); None at a first start,
+    or outside a `--processes` group. `inf` (gone for ever) is None too: a bucket refilled that
+    long is full. A negative value counts as 0, and one that is not a number (NaN included) as 0
+    (buckets start empty): the supervisor never writes either, and a garbled one cannot grant more."""
     value = environ.get(RESTARTED_ENV)
-    if value is None:
+    if value is None or PROCESS_INDEX_ENV not in environ:
         return None
     try:
         gone_s = float(value)
     except ValueError:
         return 0.0
-    return gone_s if math.isfinite(gone_s) else 0.0
+    if gone_s == math.inf:
+        return None
+    return max(gone_s, 0.0) if math.isfinite(gone_s) else 0.0
 
 
 # Peers whose requests in flight a limiter counts, at most (each forgotten when silent): far more

@@ -17,12 +17,13 @@ starts on that file's last valid version (`gateway/multiproc_files.py`), as the 
 it.
 
 The supervisor holds the port with a bound, never-listening socket of its own, and a lock on the
-address that keeps a second group off it even while every process of this one restarts
-(`gateway/multiproc_port.py`). A child that exits is restarted after a second (all the children
-that exited, after one pause), at most `MAX_RESTARTS_PER_MIN` times a minute each. A child beyond
-its budget while others serve (its start refused, exit code 2, or crash-looping on its own) is held
-down and tried again after a backoff, 15 s doubling to 10 minutes at most until it runs a minute;
-when none serves, the whole group stops (exit 1), for whatever runs the supervisor. A child whose
+port that keeps a second group off it, whatever its address, even while every process of this one
+restarts (`gateway/multiproc_port.py`). A child that exits is restarted after a second (all the
+children that exited, after one pause), at most `MAX_RESTARTS_PER_MIN` times a minute each. A child
+beyond its budget while others serve (its start refused, exit code 2, or crash-looping on its own)
+is held down and tried again after a backoff, 15 s doubling to 10 minutes at most until it runs a
+minute (one start after each hold: exiting within a minute holds it again); when none serves, the
+whole group stops (exit 1), for whatever runs the supervisor. A child whose
 heartbeat (`gateway.heartbeat`) stops for `--watchdog-s`, its event loop stuck, has its process
 group killed and is restarted the same way, within its same budget.
 SIGTERM or SIGINT goes on to every child's process group (each drains as a single gateway does),
@@ -112,6 +113,7 @@ class Children:
         self._restarts: list[deque[float]] = [deque() for _ in range(n)]  # each child's, last minute
         self._held: dict[int, float] = {}  # children held down (`watch`): when to try again
         self._strikes, self._started_s = [0] * n, [0.0] * n  # holds since it ran a minute; its start
+        self._trial = [False] * n  # started once after a hold: held again if it exits within 60 s
         self._gone_s: list[float | None] = [None] * n  # when its exit was seen (None: it runs)
 
     def start(self, i: int) -> None:
@@ -191,23 +193,25 @@ class Children:
         self.kill_hung()
         now = time.monotonic()
         dead: list[int] = []
-        spent: list[int] = []  # beyond their budgets: held down, or the group gives up
+        spent: list[int] = []  # beyond their budgets, or their one start after a hold: held down
         for i, proc in enumerate(self.procs):
             if proc is None or proc.poll() is None:
                 continue
             if self._gone_s[i] is None:
                 self._gone_s[i] = now
+            tried, self._trial[i] = self._trial[i], False  # its one start after a hold exited
             if i in self._held:
                 if now < self._held[i]:
                     continue
                 del self._held[i]
+                self._trial[i] = True
             elif now - self._started_s[i] >= 60:
                 self._strikes[i] = 0  # it ran a minute before this exit: its backoff starts anew
             self._not_ready(i)  # at once: process 0's /readyz must not wait for the restart
             restarts = self._restarts[i]
             while restarts and now - restarts[0] > 60:
                 restarts.popleft()
-            if len(restarts) >= MAX_RESTARTS_PER_MIN:
+            if (tried and now - self._started_s[i] < 60) or len(restarts) >= MAX_RESTARTS_PER_MIN:
                 spent.append(i)
                 continue
             print(
@@ -227,13 +231,13 @@ class Children:
                     flush=True,
                 )
                 return False
+            times = f"{MAX_RESTARTS_PER_MIN + 1} times" if not self._strikes[i] else "again after a hold,"
             wait_s = self._hold(i, now)
             what = "could not start" if proc.returncode == START_REFUSED else "exited"
             print(
-                f"kvgate serve: gateway process {proc.pid} (index {i}) {what} "
-                f"{MAX_RESTARTS_PER_MIN + 1} times within a minute (exit {proc.returncode}, "
-                f"the reason above); the {serving} other process(es) go on serving; next try "
-                f"in {wait_s:.0f} s",
+                f"kvgate serve: gateway process {proc.pid} (index {i}) {what} {times} within a minute "
+                f"(exit {proc.returncode}, the reason above); the {serving} other process(es) go on "
+                f"serving; next try in {wait_s:.0f} s",
                 flush=True,
             )
         if dead:
@@ -251,10 +255,13 @@ class Children:
 
     def _hold(self, i: int, now: float) -> float:
         """Hold child `i` down until its budget has room again, and at least `HOLD_MIN_S` doubled
-        at each hold since it last ran a whole minute, at most `HOLD_MAX_S`; the seconds."""
+        at each hold since it last ran a whole minute, at most `HOLD_MAX_S`; the seconds. Then it
+        starts once (`_trial`): back within a minute, it is held again, one step longer."""
         backoff_s = min(HOLD_MAX_S, HOLD_MIN_S * 2.0 ** min(self._strikes[i], 16))
         self._strikes[i] += 1
-        self._held[i] = now + max(self._restarts[i][0] + 60 - now, backoff_s)
+        restarts = self._restarts[i]
+        room_s = restarts[-MAX_RESTARTS_PER_MIN] + 60 - now if len(restarts) >= MAX_RESTARTS_PER_MIN else 0.0
+        self._held[i] = now + max(room_s, backoff_s)
         return self._held[i] - now
 
     def stop(self, timeout_s: float, hurry: Callable[[], bool] = lambda: False) -> int:
@@ -381,12 +388,8 @@ def _run(
             argv += ["--log-level", args.log_level]
 
         def child_args(i: int) -> list[str]:
-            return [
-                "--config",
-                str(config_for(i)),
-                "--metrics-port",
-                str(metrics_base + i if metrics_base else 0),
-            ]
+            metrics_port = metrics_base + i if metrics_base else 0
+            return ["--config", str(config_for(i)), "--metrics-port", str(metrics_port)]
 
         def config_for(i: int) -> Path:
             if files is None:
@@ -434,11 +437,8 @@ def _run(
         raise ConfigError(f"--processes needs a sync broker: {exc}") from None
     finally:
         signals = len(stopping)  # one more while the children drain: stop them at once
-        worst = (
-            children.stop(config.drain.deadline_s + EXIT_MARGIN_S, lambda: len(stopping) > signals)
-            if children is not None
-            else 0
-        )
+        stop_s = config.drain.deadline_s + EXIT_MARGIN_S
+        worst = children.stop(stop_s, lambda: len(stopping) > signals) if children is not None else 0
         if worst:
             log.warning("a gateway process exited with an error", extra={"code": worst})
         if broker is not None:

@@ -16,13 +16,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, cast
 
 import httpx
 from aiohttp import web
 
 from gateway.auth import hash_api_key
 from gateway.breaker import BreakerState, CircuitBreaker
+from gateway.config.pool import BreakerConfig
+from gateway.leg import Leg
+from gateway.outcome import Attempt, HeldVerdicts
+from gateway.worker import Worker
 from policies.base import RouteDecision, RouteRequest, WorkerId, WorkerView
 from policies.baselines import RoundRobin
 from policies.pools import available
@@ -163,3 +168,42 @@ async def test_a_broken_mixed_workers_failed_decode_leg_trials_open_its_breaker_
     finally:
         for runner in runners:
             await runner.cleanup()
+
+
+@dataclass
+class _Leg:
+    """What `HeldVerdicts` reads of an attempt and of its worker."""
+
+    leg: Leg
+    breaker: CircuitBreaker = field(
+        default_factory=lambda: CircuitBreaker(BreakerConfig(failure_threshold=1, cooldown_s=5))
+    )
+
+    @property
+    def worker(self) -> Worker:
+        return cast(Worker, self)
+
+
+def test_a_decode_leg_retried_whole_on_a_mixed_worker_that_fails_too_is_not_alone() -> None:
+    # A mixed worker prefills, a decode worker's decode leg fails, the retry runs whole on another
+    # mixed worker, which fails too: two answers failed, so neither half-open trial counts. By
+    # role, the decode worker was the request's only one of its role.
+    prefill, decode, whole = _Leg(Leg.PREFILL), _Leg(Leg.DECODE), _Leg(Leg.WHOLE)
+    now_s = time.monotonic()
+    verdicts = HeldVerdicts(cast(list[Attempt], [prefill, decode, whole]))
+    for attempt in (decode, whole):
+        attempt.breaker.on_failure(now_s - 10, trial=None)  # opened, and past its cooldown
+        trial = attempt.breaker.on_dispatch(now_s)
+        assert trial is not None
+        attempt.breaker.on_abandon(trial=trial)  # its failure held: the trial's slot is freed
+        verdicts.hold(attempt.worker, leg=attempt.leg)
+    verdicts.acquit()
+    assert [a.breaker.state(time.monotonic()) for a in (decode, whole)] == [BreakerState.HALF_OPEN] * 2
+    # Alone, a decode leg after a prefill leg is a failed trial.
+    alone = _Leg(Leg.DECODE)
+    verdicts = HeldVerdicts(cast(list[Attempt], [prefill, alone]))
+    alone.breaker.on_failure(now_s - 10, trial=None)
+    alone.breaker.on_abandon(trial=alone.breaker.on_dispatch(now_s))
+    verdicts.hold(alone.worker, leg=alone.leg)
+    verdicts.acquit()
+    assert alone.breaker.state(time.monotonic()) is BreakerState.OPEN

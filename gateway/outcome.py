@@ -10,11 +10,12 @@ from dataclasses import dataclass
 from gateway.admitted import Admitted
 from gateway.answer_usage import NO_USAGE, Usage
 from gateway.breaker import TrialTicket
+from gateway.leg import Leg
 from gateway.request_head import RequestIds
 from gateway.routing import Routing
 from gateway.tracing import AttemptTrace
 from gateway.worker import Worker
-from policies.base import Observation, Outcome, Role, RouteDecision
+from policies.base import Observation, Outcome, RouteDecision
 
 log = logging.getLogger("kvgate.outcome")
 
@@ -37,6 +38,7 @@ class Attempt:
     body: bytes | None = None  # a prefill/decode leg's own body (gateway/pd.py); else the request's
     first_leg_s: float | None = None  # a split's decode leg: when its round's first leg was dispatched
     trial: TrialTicket | None = None  # the worker's half-open trial its dispatch took (`Worker.acquire`)
+    leg: Leg = Leg.WHOLE  # the part it plays: a split's legs are `gateway.pd_pairs`'
 
     def __post_init__(self) -> None:
         self.admitted.attempt_started(own_body=self.body is not None)
@@ -191,7 +193,7 @@ class HeldVerdicts:
     after the breaker changed state (other requests opened it, its next trial closed it) is
     dropped rather than applied to a state it was not about. So, by its requests alone, a pool
     whose workers all answer every request with a 5xx, or all hang, opens no breaker, nor does a
-    worker failing requests no other worker of its role is tried on (a pool's last routable
+    worker failing requests no other worker is tried on for its part (a pool's last routable
     worker, one with no retries), though such a worker's half-open breaker opens again after
     `failure_threshold` failed trials it was alone on (`acquit`); their requests still end (fast,
     or after `read_s`), a worker failing what others serve is still shut out once its requests
@@ -212,24 +214,24 @@ class HeldVerdicts:
 
     def __init__(self, attempts: Sequence[Attempt]) -> None:
         self._attempts = attempts  # the request's, as they are made (`alone`)
-        self._workers: list[tuple[Worker, int]] = []  # each with its breaker's spell when held
+        self._workers: list[tuple[Worker, int, Leg]] = []  # with the breaker's spell, and the leg
         self._answered: list[Worker] = []  # of `_workers`, those that answered with a 5xx
 
-    def hold(self, worker: Worker, answered: bool = False) -> None:
-        """`worker` failed the request with a held failure (a 5xx or a read timeout: either waits
-        alike); `answered`: a 5xx (`Failure.answered`), which an acquittal leaves suspected."""
-        self._workers.append((worker, worker.breaker.spell))
+    def hold(self, worker: Worker, answered: bool = False, leg: Leg = Leg.WHOLE) -> None:
+        """`worker` failed the request's `leg` with a held failure (a 5xx or a read timeout: either
+        waits alike); `answered`: a 5xx (`Failure.answered`), which an acquittal leaves suspected."""
+        self._workers.append((worker, worker.breaker.spell, leg))
         if answered:
             self._answered.append(worker)
 
-    def alone(self, worker: Worker) -> bool:
-        """Whether `worker`'s was the request's only attempt of its role: a leg of the other role
-        (vLLM's prefill leg, always first; SGLang's pair in one round) compares nothing, and a
-        decode worker failing every leg would otherwise stay half-open for ever."""
-        return sum(Role.of(a.worker.role) is Role.of(worker.role) for a in self._attempts) == 1
+    def alone(self, leg: Leg) -> bool:
+        """Whether the request made one attempt of `leg`'s part, by the leg each played (`Leg`; a
+        mixed worker plays either): an answer (a decode leg or whole) or a prefill leg, which
+        compares nothing with an answer: a decode worker failing every leg must not stay half-open."""
+        return sum(a.leg.answers is leg.answers for a in self._attempts) == 1
 
     def convict(self, now_s: float) -> None:
-        for worker, spell in self._workers:
+        for worker, spell, _ in self._workers:
             worker.breaker.on_held_failure(now_s, spell, compared=True)
         self._workers.clear()
         self._answered.clear()
@@ -238,15 +240,13 @@ class HeldVerdicts:
         """Nothing shows the held failures to be the workers': another worker refused the
         request, or it ends with no worker's answer (one worker's failure or several; no peer's
         state stands in for a peer's answer), or the client left. A worker that answered with a
-        5xx is left suspected: a canary decides. A half-open breaker's trial that was the
-        request's only attempt of its worker's role (`alone`) had nothing to compare it with, and
-        counts as a failed trial (`CircuitBreaker.on_held_failure`): `failure_threshold` of them
-        in a row re-open the breaker, so a worker failing every request where it is the only one
-        of its role tried is kept out, as before trials were held; the request another worker of
-        its role also failed or refused counts against none."""
+        5xx is left suspected: a canary decides. A half-open trial that was its part's only
+        attempt (`alone`) is a failed trial (`CircuitBreaker.on_held_failure`): a worker failing
+        every request it alone is tried on for its part is kept out, as before trials were held;
+        one that another worker also failed or refused in that part counts against none."""
         now_s = time.monotonic()
-        for worker, spell in self._workers:
-            if self.alone(worker):
+        for worker, spell, leg in self._workers:
+            if self.alone(leg):
                 worker.breaker.on_held_failure(now_s, spell, compared=False)
         for worker in self._answered:
             worker.breaker.suspect()

@@ -45,6 +45,7 @@ from gateway.admitted import Admitted
 from gateway.config.pd import PdConfig
 from gateway.errors import RawResponse
 from gateway.failure import Failure, ReadTimeouts
+from gateway.leg import Leg
 from gateway.lifecycle import Lifecycle
 from gateway.outcome import Attempt, HeldVerdicts, Reservation
 from gateway.pd_bodies import sglang_bodies, vllm_decode_body, vllm_prefill_body
@@ -134,12 +135,13 @@ class PdRun:
         worker: Worker,
         decision: RouteDecision,
         body: bytes | None,
-        role: str,
+        leg: Leg,
         reserved: Reservation | None = None,
     ) -> Attempt:
         """Dispatch one leg: the policy, the worker's load and the metrics hear of it. The leg
         takes over `reserved`, the worker's slot held for it, if any."""
         a, routing = self.a, self.routing
+        role = "alone" if leg is Leg.WHOLE else leg.value  # the metrics' label
         now_s = time.monotonic()
         routing.policy.on_dispatch(a.route, decision, now_s)
         routing.metrics.decision(routing.policy_name, decision.reason)
@@ -147,7 +149,7 @@ class PdRun:
         if reserved is not None:
             reserved.take()
         trial = worker.acquire(a.route.n_prompt_tokens, a.max_output_tokens, now_s, decision.matched_tokens)
-        attempt = Attempt(a, worker, decision.reason, now_s, decision, body=body, trial=trial)
+        attempt = Attempt(a, worker, decision.reason, now_s, decision, body=body, trial=trial, leg=leg)
         if routing.tracer is not None:
             attempt.trace = proxy.start_trace(routing, a, attempt)  # each leg's CLIENT span
         self.attempts.append(attempt)
@@ -177,7 +179,7 @@ class PdRun:
         held = failure.held and outcome is None
         if held and attempt.worker.breaker.holds(time.monotonic(), trial=attempt.trial):
             attempt.end(self.routing, failure.outcome, judged=False)
-            self.verdicts.hold(attempt.worker)
+            self.verdicts.hold(attempt.worker, leg=attempt.leg)
         else:
             attempt.end(self.routing, outcome or failure.outcome)
         self.read_timeouts.note(failure)
@@ -215,7 +217,7 @@ class PdRun:
         workers = self._workers(decision)
         if workers is None:
             return None
-        attempt = self._start(workers[0], decision, None, "alone")
+        attempt = self._start(workers[0], decision, None, Leg.WHOLE)
         result = await proxy.send_attempt(
             self.routing, self.transport, self.lifecycle, self.a, attempt, self._retries()
         )
@@ -241,7 +243,7 @@ class PdRun:
         a, routing = self.a, self.routing
         a.renew_response_id()  # a new round: its legs name a new id, the same one
         slot = self.reserved = Reservation(workers[1], a.max_output_tokens, time.monotonic())
-        p = self._start(workers[0], prefill, vllm_prefill_body(a, prefill), "prefill")
+        p = self._start(workers[0], prefill, vllm_prefill_body(a, prefill), Leg.PREFILL)
         prefilled = await prefill_leg(routing, self.transport, a, p)
         if not isinstance(prefilled, Prefilled):
             slot.give_back(routing, a.pool.name)
@@ -257,7 +259,7 @@ class PdRun:
             self.retry_reason = "worker_removed"
             return None
         body = vllm_decode_body(a, decode, prefilled.params)
-        d = self._start(workers[1], decode, body, "decode", slot)
+        d = self._start(workers[1], decode, body, Leg.DECODE, slot)
         d.first_leg_s = p.dispatched_s  # the request's time to first token counts from here
         moved = prefilled.params is not None  # else the decode worker computes the prompt itself
         if moved:
@@ -281,8 +283,8 @@ class PdRun:
         }
         a.renew_response_id()  # a new round: its legs name a new id, the same one
         p_body, d_body = sglang_bodies(a, prefill, bootstrap)
-        p = self._start(workers[0], prefill, p_body, "prefill")
-        d = self._start(workers[1], decode, d_body, "decode")
+        p = self._start(workers[0], prefill, p_body, Leg.PREFILL)
+        d = self._start(workers[1], decode, d_body, Leg.DECODE)
         d.first_leg_s = p.dispatched_s  # the request's time to first token counts from here
         routing.metrics.pd_transfers.labels(a.pool.name).inc()
         p_task = asyncio.create_task(prefill_leg(routing, self.transport, a, p))

@@ -64,11 +64,12 @@ workers or not: 11 of them). A pool that serves fewer than `PROBES` such pairs o
 W costs `SUSPECT_ROUNDS` + 1 rounds, then its breaker keeps it out (prefill/decode pools send
 no canaries, so client requests are its half-open trials, and `failure_threshold` of them failed
 in a row open it again: `CircuitBreaker`, "The half-open trial"; a trial fails when another
-worker of its role serves the request or none other of its role is tried, the other role's leg
-comparing nothing, `outcome.HeldVerdicts.alone`; a failure weighed here is a verdict on a
-closed breaker only, none once the breaker has left it). The rule holds in any pool, for a
-worker whose failures so are all with one partner that works (two pairs always tried in the same
-order, say); with two or more, triangulation weighs it.
+worker serves the request or none other is tried for the leg it played, a prefill leg comparing
+nothing with an answering one (a decode leg or a whole attempt), whatever the workers' roles,
+`outcome.HeldVerdicts.alone`; a failure weighed here is a verdict on a closed breaker only, none
+once the breaker has left it). The rule holds in any pool, for a worker whose failures so are all
+with one partner that works (two pairs always tried in the same order, say); with two or more,
+triangulation weighs it.
 
 An overloaded decode worker's 503 or 529 is not inconclusive: it took no part in the transfer,
 and is its own (`pd_legs.decode_leg`).

@@ -218,9 +218,9 @@ class CircuitBreaker:
         """A held failure judged, held in `spell`. `compared`: another worker served the request,
         which shows it to be the worker's: a closed breaker counts it as any failure, a
         half-open one as a failed trial (its slot was freed when it was held). Not `compared`:
-        it was the request's only attempt, and only a half-open breaker counts it, as a failed
-        trial (`outcome.HeldVerdicts.acquit`). In any later spell it is dropped: a verdict is
-        not applied to a state it was not about."""
+        it was the request's only attempt of its leg's part, and only a half-open breaker counts
+        it, as a failed trial (`outcome.HeldVerdicts.acquit`). In any later spell it is dropped:
+        a verdict is not applied to a state it was not about."""
         state = self.state(now_s)
         if spell != self._spell:
             return

@@ -8,6 +8,7 @@ import errno
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,27 @@ from tests.support.wait import wait_until_sync
 
 def _all_exited(children: Children) -> bool:
     return all(p is not None and p.poll() is not None for p in children.procs)
+
+
+def _child_1_exiting(tmp_path: Path, code: int) -> tuple[Children, Callable[[], bool]]:
+    """Two children: child 0 serves, child 1 exits with `code` as soon as it starts; and whether
+    child 1 has exited."""
+    script = f"import sys, time\nif sys.argv[1] == '1': sys.exit({code})\ntime.sleep(600)\n"
+    children = Children([sys.executable, "-c", script], 2, {}, lambda i: [str(i)], ready_dir=tmp_path)
+
+    def exited() -> bool:
+        proc = children.procs[1]
+        return proc is not None and proc.poll() is not None
+
+    return children, exited
+
+
+def _spend_child_1s_budget(children: Children, exited: Callable[[], bool]) -> None:
+    """Child 1 restarted within its budget until it has exited once more than the budget."""
+    for _ in range(MAX_RESTARTS_PER_MIN):
+        wait_until_sync(exited, 30, "child 1 exited")
+        assert children.watch()
+    wait_until_sync(exited, 30, "child 1 exited")
 
 
 def test_each_child_has_its_own_budget_and_one_pause_restarts_them_all(
@@ -64,20 +86,11 @@ def test_a_child_whose_start_keeps_being_refused_does_not_stop_the_others(
 
     monkeypatch.setattr(multiproc.time, "sleep", sleep)
     # Child 0 serves; child 1's start is refused, the same way each time (exit code 2).
-    script = "import sys, time\nif sys.argv[1] == '1': sys.exit(2)\ntime.sleep(600)\n"
-    children = Children([sys.executable, "-c", script], 2, {}, lambda i: [str(i)], ready_dir=tmp_path)
-
-    def refused() -> bool:
-        proc = children.procs[1]
-        return proc is not None and proc.poll() is not None
-
+    children, refused = _child_1_exiting(tmp_path, 2)
     try:
         for i in range(2):
             children.start(i)
-        for _ in range(MAX_RESTARTS_PER_MIN):
-            wait_until_sync(refused, 30, "child 1 exited")
-            assert children.watch()
-        wait_until_sync(refused, 30, "child 1 exited")
+        _spend_child_1s_budget(children, refused)
         held = children.procs[1]
         assert children.watch()  # its budget is spent, but child 0 serves: child 1 is held down
         assert children.watch() and children.procs[1] is held  # and not restarted meanwhile
@@ -109,18 +122,10 @@ def test_a_child_crash_looping_on_its_own_is_held_down_and_the_others_serve(
     clock = _Clock()
     monkeypatch.setattr(multiproc, "time", clock)
     # Child 0 serves; child 1 crashes as soon as it starts (not a refused start: exit code 1).
-    script = "import sys, time\nif sys.argv[1] == '1': sys.exit(1)\ntime.sleep(600)\n"
-    children = Children([sys.executable, "-c", script], 2, {}, lambda i: [str(i)], ready_dir=tmp_path)
-
-    def crashed() -> bool:
-        proc = children.procs[1]
-        return proc is not None and proc.poll() is not None
+    children, crashed = _child_1_exiting(tmp_path, 1)
 
     def spend_the_budget() -> float:
-        for _ in range(MAX_RESTARTS_PER_MIN):
-            wait_until_sync(crashed, 30, "child 1 exited")
-            assert children.watch()
-        wait_until_sync(crashed, 30, "child 1 exited")
+        _spend_child_1s_budget(children, crashed)
         assert children.watch()  # its budget is spent, but child 0 serves: child 1 is held down
         line = capsys.readouterr().out.splitlines()[-1]
         assert "(index 1) exited 6 times within a minute (exit 1" in line, line
@@ -160,8 +165,7 @@ def test_a_restart_that_cannot_fork_is_tried_again_and_stops_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(multiproc, "time", _Clock())
-    script = "import sys, time\nif sys.argv[1] == '1': sys.exit(1)\ntime.sleep(600)\n"
-    children = Children([sys.executable, "-c", script], 2, {}, lambda i: [str(i)], ready_dir=tmp_path)
+    children, _ = _child_1_exiting(tmp_path, 1)
     real_popen = subprocess.Popen
     failures = [OSError(errno.EAGAIN, "Resource temporarily unavailable")]
 
@@ -200,20 +204,11 @@ def test_a_child_exiting_within_its_budget_at_the_same_poll_still_counts_as_serv
     # exits beyond its budget. Child 0 is restarted within its own budget, so it still serves: the
     # group used to count only the children alive at that instant, and gave up (exit 1).
     monkeypatch.setattr(multiproc, "time", _Clock())
-    script = "import sys, time\nif sys.argv[1] == '1': sys.exit(1)\ntime.sleep(600)\n"
-    children = Children([sys.executable, "-c", script], 2, {}, lambda i: [str(i)], ready_dir=tmp_path)
-
-    def crashed() -> bool:
-        proc = children.procs[1]
-        return proc is not None and proc.poll() is not None
-
+    children, crashed = _child_1_exiting(tmp_path, 1)
     try:
         for i in range(2):
             children.start(i)
-        for _ in range(MAX_RESTARTS_PER_MIN):
-            wait_until_sync(crashed, 30, "child 1 exited")
-            assert children.watch()
-        wait_until_sync(crashed, 30, "child 1 exited")
+        _spend_child_1s_budget(children, crashed)
         first = children.procs[0]
         assert first is not None
         first.kill()  # stopped by its PID

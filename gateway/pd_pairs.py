@@ -109,9 +109,8 @@ class PdRun:
         self.failures = 0  # rounds in which a leg failed: the request's retries
         self.round_failed = False  # a leg of the round under way failed
         self.only_later = True  # every failed leg asked to be retried later (a worker's 503)
-        self.verdicts = HeldVerdicts(
-            self.attempts
-        )  # the workers whose 5xx or read timeout awaits the request's fate
+        # The workers whose 5xx or read timeout awaits the request's fate.
+        self.verdicts = HeldVerdicts(self.attempts)
         self.read_timeouts = ReadTimeouts()  # past one, no further round (`failure.ReadTimeouts`)
         self.tasks: list[asyncio.Task[Any]] = []
         self.reserved: Reservation | None = None  # the decode slot of the vLLM pair in flight

@@ -38,7 +38,6 @@ count from when it said them, not from when they arrived.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -106,12 +105,10 @@ class TenantLimiter:
     every charge and every change of `in_flight`, so that the peers hear of it soon."""
 
     def __init__(self, quotas: QuotaConfig, now_s: float, *, restarted_after_s: float | None = None) -> None:
-        if restarted_after_s is None:
-            restarted_after_s = restarted_after_s_of(os.environ)
         self._max_concurrent = quotas.max_concurrent
         # A restarted process's buckets start as an empty one refilled since its predecessor died
-        # (`TokenBucket`): full, they granted a tenant a bucket more at each restart, whatever it
-        # had spent through the process that died.
+        # (`restarted_after_s`, `restarted_after_s_of`; `TokenBucket`): full, they granted a tenant
+        # a bucket more at each restart, whatever it had spent through the process that died.
         gone_s = restarted_after_s
         self._rpm = TokenBucket(quotas.rpm, now_s, refilling_for_s=gone_s) if quotas.rpm else None
         self._tpm = TokenBucket(quotas.tpm, now_s, refilling_for_s=gone_s) if quotas.tpm else None

@@ -21,7 +21,7 @@ from gateway.lifecycle import Lifecycle
 from gateway.logs import AccessLog
 from gateway.metrics import GatewayMetrics
 from gateway.queueing import build_queues
-from gateway.quotas import TenantLimiter
+from gateway.quotas import TenantLimiter, restarted_after_s_of
 from gateway.registry import Registry
 from gateway.responses_affinity import ResponseAffinity
 from gateway.responses_ids import ResponseIds
@@ -112,10 +112,11 @@ def build_state(
         ),
         streams=StreamBuffers(config.limits.max_buffered_stream_bytes),
     )
+    gone_s = restarted_after_s_of(os.environ)  # a restarted `--processes` child's predecessor's absence
     gate = Gate(
         keyring=KeyRing(config.tenants, secret),
         limits=config.limits,
-        limiters={t.name: TenantLimiter(t.quotas, now_s) for t in config.tenants},
+        limiters={t.name: TenantLimiter(t.quotas, now_s, restarted_after_s=gone_s) for t in config.tenants},
         models=registry.by_model,
         keying=Keying(config.pools, policy_normalizer, secret, transport),
         responses=ResponseAffinity(

@@ -14,7 +14,7 @@ import pytest
 from gateway.config import QuotaConfig
 from gateway.lifecycle import PROCESS_INDEX_ENV
 from gateway.multiproc import Children
-from gateway.quotas import RESTARTED_ENV, TenantLimiter
+from gateway.quotas import RESTARTED_ENV, TenantLimiter, restarted_after_s_of
 from gateway.rate_buckets import BUCKET_WINDOW_S, TokenBucket
 from tests.support.wait import wait_until_sync
 
@@ -53,21 +53,17 @@ def test_a_process_gone_a_whole_window_starts_full() -> None:
     ("value", "admitted"),
     [("0.0", 0), ("15", RPM // 4), ("nan", 0), ("junk", 0), ("-5", 0), ("inf", RPM), ("1e400", RPM)],
 )
-def test_the_limiter_reads_the_supervisors_word(
-    monkeypatch: pytest.MonkeyPatch, value: str, admitted: int
-) -> None:
+def test_the_limiter_reads_the_supervisors_word(value: str, admitted: int) -> None:
     # `inf` (gone for ever) used to count as 0: every tenant started empty.
-    monkeypatch.setenv(PROCESS_INDEX_ENV, "1")
-    monkeypatch.setenv(RESTARTED_ENV, value)
-    assert _admitted(TenantLimiter(QuotaConfig(rpm=RPM), 0.0), 0.0, RPM) == admitted
+    gone_s = restarted_after_s_of({PROCESS_INDEX_ENV: "1", RESTARTED_ENV: value})
+    assert _admitted(TenantLimiter(QuotaConfig(rpm=RPM), 0.0, restarted_after_s=gone_s), 0.0, RPM) == admitted
 
 
-def test_a_single_process_ignores_an_inherited_restart_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_single_process_ignores_an_inherited_restart_variable() -> None:
     # A `kvgate serve` that no supervisor started (no process index), from a shell that has the
     # variable, used to start every tenant's buckets nearly empty.
-    monkeypatch.delenv(PROCESS_INDEX_ENV, raising=False)
-    monkeypatch.setenv(RESTARTED_ENV, "0.5")
-    assert _admitted(TenantLimiter(QuotaConfig(rpm=RPM), 0.0), 0.0, 2 * RPM) == RPM
+    gone_s = restarted_after_s_of({RESTARTED_ENV: "0.5"})
+    assert _admitted(TenantLimiter(QuotaConfig(rpm=RPM), 0.0, restarted_after_s=gone_s), 0.0, 2 * RPM) == RPM
 
 
 def test_a_refilling_bucket_keeps_its_invariants() -> None:

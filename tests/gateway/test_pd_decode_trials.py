@@ -14,8 +14,9 @@ The gateway runs in-process in front of a scripted prefill worker and a decode w
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -28,10 +29,10 @@ from gateway.config.pool import BreakerConfig
 from gateway.leg import Leg
 from gateway.outcome import Attempt, HeldVerdicts
 from gateway.worker import Worker
-from policies.base import RouteDecision, RouteRequest, WorkerId, WorkerView
+from policies.base import RouteDecision, RouteRequest, RoutingPolicy, WorkerId, WorkerView
 from policies.baselines import RoundRobin
 from policies.pools import available
-from tests.support.inprocess import gateway_in_process
+from tests.support.inprocess import InProcessGateway, gateway_in_process
 from tests.support.loopback import Handler, serve_app
 from tests.support.wait import wait_until
 
@@ -65,18 +66,26 @@ async def _worker(handler: Handler) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{port}"
 
 
-async def test_a_broken_decode_workers_failed_trials_open_its_breaker_again() -> None:
-    runners = []
+@contextlib.asynccontextmanager
+async def _pd_gateway(
+    handlers: Sequence[Handler],
+    members: Callable[[list[str]], dict[str, Any]],
+    policy: Callable[[list[str]], RoutingPolicy],
+) -> AsyncIterator[tuple[InProcessGateway, list[str]]]:
+    """A gateway in front of one vLLM prefill/decode pool of workers answering with `handlers`
+    (their URLs, in order, name the pool's `members` and choose its `policy`): no retries, a
+    breaker opening at `THRESHOLD` failures with a short cooldown."""
+    runners: list[web.AppRunner] = []
     try:
-        prefill_runner, prefill = await _worker(_prefill)
-        runners.append(prefill_runner)
-        decode_runner, decode = await _worker(_broken)
-        runners.append(decode_runner)
+        urls = []
+        for handler in handlers:
+            runner, url = await _worker(handler)
+            runners.append(runner)
+            urls.append(url)
         pool = {
             "name": "p",
             "models": ["m"],
-            "prefill_workers": [prefill],
-            "decode_workers": [decode],
+            **members(urls),
             "pd": {"protocol": "vllm", "conditional": False},
             "retry_attempts": 0,
             "breaker": {"failure_threshold": THRESHOLD, "cooldown_s": 0.2},
@@ -86,15 +95,28 @@ async def test_a_broken_decode_workers_failed_trials_open_its_breaker_again() ->
             "tenants": [{"name": "t", "api_key_hashes": [hash_api_key(SECRET, "sk-t")]}],
             "scrape": {"enabled": False},
         }
-        async with gateway_in_process(config, RoundRobin(), secret=SECRET) as gw:
-            breaker = gw.state.registry.pools["p"].workers[WorkerId(decode)].breaker
-            for _ in range(THRESHOLD):  # a bad spell: its breaker opens
-                breaker.on_failure(time.monotonic(), trial=None)
-            assert breaker.state(time.monotonic()) is BreakerState.OPEN
-            assert await _failed_trials(gw.client, breaker) == THRESHOLD
+        async with gateway_in_process(config, policy(urls), secret=SECRET) as gw:
+            yield gw, urls
     finally:
         for runner in runners:
             await runner.cleanup()
+
+
+def _opened(gw: InProcessGateway, url: str) -> CircuitBreaker:
+    """`url`'s breaker, opened by a bad spell (`THRESHOLD` failures)."""
+    breaker = gw.state.registry.pools["p"].workers[WorkerId(url)].breaker
+    for _ in range(THRESHOLD):
+        breaker.on_failure(time.monotonic(), trial=None)
+    assert breaker.state(time.monotonic()) is BreakerState.OPEN
+    return breaker
+
+
+async def test_a_broken_decode_workers_failed_trials_open_its_breaker_again() -> None:
+    def split(urls: list[str]) -> dict[str, Any]:
+        return {"prefill_workers": [urls[0]], "decode_workers": [urls[1]]}
+
+    async with _pd_gateway([_prefill, _broken], split, lambda _: RoundRobin()) as (gw, urls):
+        assert await _failed_trials(gw.client, _opened(gw, urls[1])) == THRESHOLD
 
 
 async def _failed_trials(client: httpx.AsyncClient, breaker: CircuitBreaker) -> int:
@@ -140,34 +162,12 @@ async def test_a_broken_mixed_workers_failed_decode_leg_trials_open_its_breaker_
         legs.append("broken prefill" if _prefill_leg(await req.json()) else "broken decode")
         return await _broken(req)
 
-    runners = []
-    try:
-        healthy_runner, mixed = await _worker(healthy)
-        runners.append(healthy_runner)
-        broken_runner, broken_url = await _worker(broken)
-        runners.append(broken_runner)
-        pool = {
-            "name": "p",
-            "models": ["m"],
-            "workers": [mixed, broken_url],  # both mixed: either plays either leg
-            "pd": {"protocol": "vllm", "conditional": False},
-            "retry_attempts": 0,
-            "breaker": {"failure_threshold": THRESHOLD, "cooldown_s": 0.2},
-        }
-        config = {
-            "pools": [pool],
-            "tenants": [{"name": "t", "api_key_hashes": [hash_api_key(SECRET, "sk-t")]}],
-            "scrape": {"enabled": False},
-        }
-        async with gateway_in_process(config, _Preferring(mixed), secret=SECRET) as gw:
-            breaker = gw.state.registry.pools["p"].workers[WorkerId(broken_url)].breaker
-            for _ in range(THRESHOLD):  # a bad spell: its breaker opens
-                breaker.on_failure(time.monotonic(), trial=None)
-            assert await _failed_trials(gw.client, breaker) == THRESHOLD
-            assert legs == ["prefill", "broken decode"] * THRESHOLD  # each trial a decode leg
-    finally:
-        for runner in runners:
-            await runner.cleanup()
+    def both(urls: list[str]) -> dict[str, Any]:
+        return {"workers": urls}  # both mixed: either plays either leg
+
+    async with _pd_gateway([healthy, broken], both, lambda urls: _Preferring(urls[0])) as (gw, urls):
+        assert await _failed_trials(gw.client, _opened(gw, urls[1])) == THRESHOLD
+        assert legs == ["prefill", "broken decode"] * THRESHOLD  # each trial a decode leg
 
 
 @dataclass

@@ -33,17 +33,13 @@ from policies.base import RouteDecision, RouteRequest, RoutingPolicy, WorkerId, 
 from policies.baselines import RoundRobin
 from policies.pools import available
 from tests.support.inprocess import InProcessGateway, gateway_in_process
-from tests.support.loopback import Handler, serve_app
+from tests.support.loopback import Handler, healthy, serve_app
 from tests.support.wait import wait_until
 
 SECRET = b"k"
 KEY = {"authorization": "Bearer sk-t"}
 BODY = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hello"}]}
 THRESHOLD = 2
-
-
-async def _health(_: web.Request) -> web.Response:
-    return web.Response(text="ok")
 
 
 async def _prefill(_: web.Request) -> web.Response:
@@ -60,7 +56,7 @@ async def _broken(_: web.Request) -> web.Response:
 
 async def _worker(handler: Handler) -> tuple[web.AppRunner, str]:
     app = web.Application()
-    app.router.add_get("/health", _health)
+    app.router.add_get("/health", healthy)
     app.router.add_post("/v1/messages", handler)
     runner, port = await serve_app(app)
     return runner, f"http://127.0.0.1:{port}"

@@ -20,7 +20,7 @@ from gateway.responses_routes import CANCEL_ENDPOINT, RETRIEVE_ENDPOINT
 from policies.baselines import RoundRobin
 from tests.support.gateway_config import SECRET, tenant
 from tests.support.inprocess import InProcessGateway, gateway_in_process
-from tests.support.loopback import serve_in
+from tests.support.loopback import healthy, serve_in
 
 KEY = {"authorization": "Bearer sk-a"}
 USAGE = {"input_tokens": 3, "output_tokens": 1, "total_tokens": 4}
@@ -47,15 +47,11 @@ class BusyHolder:
 
     def app(self) -> web.Application:
         app = web.Application()
-        app.router.add_get("/health", _healthy)
+        app.router.add_get("/health", healthy)
         app.router.add_post("/v1/responses", self.create)
         app.router.add_get("/v1/responses/{rid}", self.read)
         app.router.add_post("/v1/responses/{rid}/cancel", self.read)
         return app
-
-
-async def _healthy(_: web.Request) -> web.Response:
-    return web.Response(text="ok")
 
 
 @contextlib.asynccontextmanager

@@ -21,7 +21,7 @@ from gateway.responses_routes import RETRIEVE_ENDPOINT
 from policies.baselines import RoundRobin
 from tests.support.gateway_config import SECRET, tenant
 from tests.support.inprocess import InProcessGateway, gateway_in_process
-from tests.support.loopback import serve_in
+from tests.support.loopback import healthy, serve_in
 
 KEY = {"authorization": "Bearer sk-a"}
 
@@ -47,14 +47,10 @@ class Worker:
 
     def app(self) -> web.Application:
         app = web.Application()
-        app.router.add_get("/health", _healthy)
+        app.router.add_get("/health", healthy)
         app.router.add_post("/v1/responses/render", self.render)
         app.router.add_get("/v1/responses/{rid}", self.stored)
         return app
-
-
-async def _healthy(_: web.Request) -> web.Response:
-    return web.Response(text="ok")
 
 
 @pytest.fixture

@@ -22,14 +22,15 @@ async def serve_app(app: web.Application, *, handler_cancellation: bool = False)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-async def _healthy(_: web.Request) -> web.Response:
+async def healthy(_: web.Request) -> web.Response:
+    """A worker's `GET /health`: 200 ok."""
     return web.Response(text="ok")
 
 
 async def serve_health_only() -> tuple[web.AppRunner, int]:
     """A worker that answers `GET /health` and nothing else (the caller cleans its runner up)."""
     app = web.Application()
-    app.router.add_get("/health", _healthy)
+    app.router.add_get("/health", healthy)
     return await serve_app(app)
 
 
@@ -37,7 +38,7 @@ async def serve_worker(stack: contextlib.AsyncExitStack, posts: Mapping[str, Han
     """A scripted worker answering `GET /health` and the POST routes `posts` (path -> handler),
     cleaned up with `stack`: its base URL."""
     app = web.Application()
-    app.router.add_get("/health", _healthy)
+    app.router.add_get("/health", healthy)
     for path, handler in posts.items():
         app.router.add_post(path, handler)
     return await serve_in(stack, app)

@@ -165,7 +165,7 @@ def test_a_restart_that_cannot_fork_is_tried_again_and_stops_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(multiproc, "time", _Clock())
-    children, _ = _child_1_exiting(tmp_path, 1)
+    children, exited = _child_1_exiting(tmp_path, 1)
     real_popen = subprocess.Popen
     failures = [OSError(errno.EAGAIN, "Resource temporarily unavailable")]
 
@@ -173,10 +173,6 @@ def test_a_restart_that_cannot_fork_is_tried_again_and_stops_nothing(
         if failures:  # the machine out of processes or memory for a moment
             raise failures.pop()
         return real_popen(*args, **kwargs)
-
-    def exited() -> bool:
-        proc = children.procs[1]
-        return proc is not None and proc.poll() is not None
 
     try:
         for i in range(2):

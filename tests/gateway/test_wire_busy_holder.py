@@ -21,6 +21,7 @@ from policies.baselines import RoundRobin
 from tests.support.gateway_config import SECRET, tenant
 from tests.support.inprocess import InProcessGateway, gateway_in_process
 from tests.support.loopback import healthy, serve_in
+from tests.support.metrics import metric_total
 
 KEY = {"authorization": "Bearer sk-a"}
 USAGE = {"input_tokens": 3, "output_tokens": 1, "total_tokens": 4}
@@ -64,17 +65,6 @@ async def _gateway(worker: BusyHolder) -> AsyncIterator[InProcessGateway]:
             yield gw
 
 
-def _counted(gw: InProcessGateway, endpoint: str, status: str) -> float:
-    text = gw.state.routing.metrics.render().decode()
-    return sum(
-        float(line.split()[-1])
-        for line in text.splitlines()
-        if line.startswith("kvgate_requests_total{")
-        and f'endpoint="{endpoint}"' in line
-        and f'status="{status}"' in line
-    )
-
-
 @pytest.mark.parametrize(("status", "code"), [(503, "worker_unavailable"), (529, "worker_overloaded")])
 @pytest.mark.parametrize("retry_after", ["3", None])
 async def test_a_busy_holder_is_a_503_with_its_retry_after(
@@ -96,5 +86,5 @@ async def test_a_busy_holder_is_a_503_with_its_retry_after(
             assert (error["type"], error["code"]) == ("server_error", code)
             assert answer.headers["retry-after"] == (retry_after or "1")
             assert answer.headers["x-request-id"]
-            assert _counted(gw, endpoint, "503") == 1
+            assert metric_total(gw.state, "kvgate_requests_total", endpoint=endpoint, status="503") == 1
         assert worker.reads == [f"/v1/responses/{rid}", f"/v1/responses/{rid}/cancel"]

@@ -22,6 +22,7 @@ from policies.baselines import RoundRobin
 from tests.support.gateway_config import SECRET, tenant
 from tests.support.inprocess import InProcessGateway, gateway_in_process
 from tests.support.loopback import healthy, serve_in
+from tests.support.metrics import metric_total
 
 KEY = {"authorization": "Bearer sk-a"}
 
@@ -64,17 +65,6 @@ async def rig() -> AsyncIterator[tuple[InProcessGateway, Worker]]:
         yield gw, worker
 
 
-def _retrieves_counted(gw: InProcessGateway, status: str) -> float:
-    text = gw.state.routing.metrics.render().decode()
-    return sum(
-        float(line.split()[-1])
-        for line in text.splitlines()
-        if line.startswith("kvgate_requests_total{")
-        and f'endpoint="{RETRIEVE_ENDPOINT}"' in line
-        and f'status="{status}"' in line
-    )
-
-
 async def test_a_get_of_the_render_path_is_a_retrieve_of_a_response_named_render(
     rig: tuple[InProcessGateway, Worker],
 ) -> None:
@@ -92,7 +82,7 @@ async def test_a_get_of_the_render_path_is_a_retrieve_of_a_response_named_render
     assert answer.headers["x-request-id"]
     # An id the gateway never minted for the tenant is no stored response of its: no worker asked.
     assert worker.seen == []
-    assert _retrieves_counted(gw, "404") == 1
+    assert metric_total(gw.state, "kvgate_requests_total", endpoint=RETRIEVE_ENDPOINT, status="404") == 1
     # As every retrieve, it needs the tenant's key.
     assert (await gw.client.get("/v1/responses/render")).status_code == 401
 

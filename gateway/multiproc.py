@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import os
 import secrets
@@ -59,6 +58,7 @@ from gateway.heartbeat import HEARTBEAT_ENV, MIN_TIMEOUT_S, Watchdog, read_stamp
 from gateway.lifecycle import PEERS_READY_ENV, PROCESS_INDEX_ENV, READY_FILE_ENV, in_terminal
 from gateway.multiproc_files import GroupFiles, demo_config
 from gateway.multiproc_port import hold_port
+from gateway.multiproc_ready import ReadyFiles
 from gateway.policy_watch import LoadedPolicy
 from gateway.quotas import RESTARTED_ENV
 from gateway.serve import read_start_secrets, with_listen, with_sync
@@ -84,16 +84,12 @@ def _heartbeat_file(folder: Path, i: int) -> Path:
     return folder / f"heartbeat-{i}"
 
 
-def _ready_file(folder: Path, i: int) -> Path:
-    return folder / f"ready-{i}"
-
-
 class Children:
     """The N gateway processes: started, watched, restarted, and stopped by PID. With a
     `watchdog`, child i beats on the file `heartbeat-i` of its folder. Child i creates the file
     `ready-i` of `ready_dir` once it is ready, removed before it is started or restarted, and
     child 0, which the probes ask, answers `/readyz` 503 until the others' files are there
-    (`gateway.lifecycle.ProcessGroup`)."""
+    (`gateway.multiproc_ready`)."""
 
     def __init__(
         self,
@@ -109,7 +105,7 @@ class Children:
         self.env = env
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * n
         self.watchdog = watchdog
-        self.ready_dir = ready_dir
+        self.ready = ReadyFiles(ready_dir, n) if ready_dir is not None else None
         self._restarts: list[deque[float]] = [deque() for _ in range(n)]  # each child's, last minute
         self._held: dict[int, float] = {}  # children held down (`watch`): when to try again
         self._strikes, self._started_s = [0] * n, [0.0] * n  # holds since it ran a minute; its start
@@ -127,13 +123,8 @@ class Children:
             path = _heartbeat_file(folder, i)
             env = {**env, HEARTBEAT_ENV: str(path)}
             dog.started(i, touch_stamp(path), time.monotonic())
-        if self.ready_dir is not None:
-            ready = _ready_file(self.ready_dir, i)
-            ready.unlink(missing_ok=True)  # a restarted child is not ready until it says so
-            env = {**env, READY_FILE_ENV: str(ready)}
-            if i == 0:
-                peers = (_ready_file(self.ready_dir, j) for j in range(1, len(self.procs)))
-                env[PEERS_READY_ENV] = json.dumps([str(p) for p in peers])
+        if self.ready is not None:  # a restarted child is not ready until it says so
+            env = {**env, **self.ready.starting(i)}
         self.procs[i] = subprocess.Popen(
             [*self.argv, *self.child_args(i)],
             stdin=subprocess.DEVNULL,
@@ -154,8 +145,8 @@ class Children:
         return sent
 
     def _not_ready(self, i: int) -> None:
-        if self.ready_dir is not None:
-            _ready_file(self.ready_dir, i).unlink(missing_ok=True)
+        if self.ready is not None:
+            self.ready.not_ready(i)
 
     def kill_hung(self) -> None:
         """SIGKILL the process group of every child whose heartbeat is overdue, and reap it:

@@ -332,8 +332,11 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
 def probe_routes(state: GatewayState) -> list[Route]:
     """`/healthz` (the process answers) and `/readyz` (503 while starting, while a pool's first
     workers are not yet known, while another process of a `--processes` group is not ready, or
-    while draining)."""
+    while draining; a process held down is not waited for, and is counted in the body and in
+    `kvgate_processes_held`)."""
     lifecycle = state.lifecycle
+    # Read from the same files as `/readyz`, at scrape time (`lifecycle.group` is set at startup).
+    state.routing.metrics.processes_held.set_function(lambda: lifecycle.group.peers_held())
 
     async def healthz(request: Request) -> Response:
         return json_response({"status": "ok"}, 200, request_id_of(request))
@@ -347,12 +350,15 @@ def probe_routes(state: GatewayState) -> list[Route]:
             # A count, not the names: the client port answers this without a key (the start logs them).
             reason = f"waiting for the first workers of {len(pools)} pool(s) (discovery)"
             return json_response({"status": "starting", "reason": reason}, 503, request_id_of(request))
-        if waiting := lifecycle.group.peers_waiting():
+        group = lifecycle.group
+        held = {"held": k} if (k := group.peers_held()) else {}  # a count: the fault stays visible
+        if waiting := group.peers_waiting():
             # `--processes N`: the probes ask process 0 for the pod, and another process is not
             # ready yet (still waiting for its first workers, or restarted).
-            reason = f"waiting for {waiting} of {len(lifecycle.group.peer_files)} other gateway process(es)"
-            return json_response({"status": "starting", "reason": reason}, 503, request_id_of(request))
-        return json_response({"status": "ready"}, 200, request_id_of(request))
+            reason = f"waiting for {waiting} of {len(group.peer_files)} other gateway process(es)"
+            body = {"status": "starting", "reason": reason, **held}
+            return json_response(body, 503, request_id_of(request))
+        return json_response({"status": "ready", **held}, 200, request_id_of(request))
 
     return [Route("/healthz", healthz, methods=["GET"]), Route("/readyz", readyz, methods=["GET"])]
 

@@ -46,6 +46,12 @@ PROCESS_INDEX_ENV = "KVGATE_PROCESS_INDEX"  # this process's index in the group 
 READY_REFRESH_S = 1.0
 
 
+def held_file(ready_file: Path) -> Path:
+    """The file beside a process's `ready_file` that the supervisor creates while it holds that
+    process down (crash-looping past its restart budget) and removes before it starts it again."""
+    return ready_file.with_name(ready_file.name + ".held")
+
+
 class OpenStream(Protocol):
     """A streamed response the drain deadline can end (`streaming.ProxyStream`,
     `responses_stream.StoredResponseStream`): the client gets a terminal error event."""
@@ -148,8 +154,11 @@ class ProcessGroup:
     for its first workers, answering 503 `no_worker_available` to the connections the kernel
     hands it. So each process creates a file of its own (`ready_file`) once it is ready, and renews
     it while it runs; the supervisor removes it before it starts or restarts that process; and
-    process 0's `/readyz` waits for the files of the others (`peer_files`). Outside a supervised
-    group both are empty, and `index` (this process's, which `/admin/status` reports) is None."""
+    process 0's `/readyz` waits for the files of the others (`peer_files`). A process the
+    supervisor holds down (`held_file`) is not waited for: it has no socket, so the kernel hands
+    it no connection, and the others serve (waiting for it took the whole pod out of service for
+    up to the 10-minute hold). Outside a supervised group both are empty, and `index` (this
+    process's, which `/admin/status` reports) is None."""
 
     ready_file: Path | None = None
     peer_files: tuple[Path, ...] = ()
@@ -167,8 +176,14 @@ class ProcessGroup:
         )
 
     def peers_waiting(self) -> int:
-        """How many of the other processes are not ready (a `stat` each: microseconds)."""
-        return sum(1 for path in self.peer_files if not path.exists())
+        """How many of the other processes are not ready and not held down (a `stat` each, two
+        for one that is not ready: microseconds). A process restarted within its budget is
+        waited for: it is about to listen, and would answer 503 while it finds its workers."""
+        return sum(1 for path in self.peer_files if not path.exists() and not held_file(path).exists())
+
+    def peers_held(self) -> int:
+        """How many of the other processes the supervisor holds down (a `stat` each)."""
+        return sum(1 for path in self.peer_files if held_file(path).exists())
 
     async def announce(
         self, ready: Callable[[], bool], interval_s: float = 0.2, refresh_s: float = READY_REFRESH_S

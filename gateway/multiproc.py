@@ -22,7 +22,8 @@ restarts (`gateway/multiproc_port.py`). A child that exits is restarted after a 
 children that exited, after one pause), at most `MAX_RESTARTS_PER_MIN` times a minute each. A child
 beyond its budget while others serve (its start refused, exit code 2, or crash-looping on its own)
 is held down and tried again after a backoff, 15 s doubling to 10 minutes at most until it runs a
-minute (one start after each hold: exiting within a minute holds it again); when none serves, the
+minute (one start after each hold: exiting within a minute holds it again); process 0's `/readyz`
+does not wait for a held child meanwhile (`gateway/multiproc_ready.py`). When none serves, the
 whole group stops (exit 1), for whatever runs the supervisor. A child whose
 heartbeat (`gateway.heartbeat`) stops for `--watchdog-s`, its event loop stuck, has its process
 group killed and is restarted the same way, within its same budget.
@@ -88,8 +89,8 @@ class Children:
     """The N gateway processes: started, watched, restarted, and stopped by PID. With a
     `watchdog`, child i beats on the file `heartbeat-i` of its folder. Child i creates the file
     `ready-i` of `ready_dir` once it is ready, removed before it is started or restarted, and
-    child 0, which the probes ask, answers `/readyz` 503 until the others' files are there
-    (`gateway.multiproc_ready`)."""
+    child 0, which the probes ask, answers `/readyz` 503 until the others' files are there, or
+    they are held down (`gateway.multiproc_ready`)."""
 
     def __init__(
         self,
@@ -196,6 +197,8 @@ class Children:
                     continue
                 del self._held[i]
                 self._trial[i] = True
+                if self.ready is not None:  # waited for again, from before its restart's pause
+                    self.ready.released(i)
             elif now - self._started_s[i] >= 60:
                 self._strikes[i] = 0  # it ran a minute before this exit: its backoff starts anew
             self._not_ready(i)  # at once: process 0's /readyz must not wait for the restart
@@ -253,6 +256,8 @@ class Children:
         restarts = self._restarts[i]
         room_s = restarts[-MAX_RESTARTS_PER_MIN] + 60 - now if len(restarts) >= MAX_RESTARTS_PER_MIN else 0.0
         self._held[i] = now + max(room_s, backoff_s)
+        if self.ready is not None:
+            self.ready.held(i)
         return self._held[i] - now
 
     def stop(self, timeout_s: float, hurry: Callable[[], bool] = lambda: False) -> int:

@@ -299,6 +299,12 @@ class MetricCatalogue:
         self.client_connections = Gauge(
             "kvgate_client_connections", "Open client connections of this process", registry=r
         )
+        self.processes_held = Gauge(
+            "kvgate_processes_held",
+            "kvgate serve --processes N, process 0: the other processes the supervisor holds down"
+            " after crash-looping past their restart budget (/readyz does not wait for them)",
+            registry=r,
+        )
         self.sync_peers = Gauge("kvgate_sync_peers", "Peer gateways heard from recently", registry=r)
         self.sync_connected = Gauge(
             "kvgate_sync_connected", "1 while connected to the sync broker", registry=r

@@ -1,6 +1,6 @@
 """`kvgate serve --processes N`: the probes ask process 0 alone, so its `/readyz` answers for the
 pod and stays 503 until every other process is ready too (each says so with a file, which the
-supervisor removes before it starts or restarts that process)."""
+supervisor removes before it starts or restarts that process), or held down by the supervisor."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from gateway import multiproc
 from gateway.auth import hash_api_key
-from gateway.lifecycle import PEERS_READY_ENV, READY_FILE_ENV, ProcessGroup
+from gateway.lifecycle import PEERS_READY_ENV, READY_FILE_ENV, ProcessGroup, held_file
 from gateway.multiproc import Children
 from policies import make_policy
 from tests.support.inprocess import gateway_in_process
@@ -61,6 +61,59 @@ async def test_process_0_is_ready_once_every_other_process_is(
         assert (await readyz())[0] == 200
         peers[1].unlink()  # the supervisor restarts process 2
         assert (await readyz())[0] == 503
+
+
+def test_a_held_process_is_counted_apart_from_the_waiting(tmp_path: Path) -> None:
+    peers = (tmp_path / "ready-1", tmp_path / "ready-2")
+    group = ProcessGroup(peer_files=peers)
+    held_file(peers[0]).touch()  # the supervisor holds process 1 down
+    assert held_file(peers[0]) == tmp_path / "ready-1.held"
+    assert (group.peers_waiting(), group.peers_held()) == (1, 1)
+    held_file(peers[1]).touch()
+    assert (group.peers_waiting(), group.peers_held()) == (0, 2)
+    held_file(peers[0]).unlink()  # its hold ended: restarted, it is waited for again
+    assert (group.peers_waiting(), group.peers_held()) == (1, 1)
+
+
+async def test_process_0_is_ready_while_the_others_are_ready_or_held_down(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A held process has no socket, so the kernel hands it no connection: the others serve, and
+    the pod stays in service, its `/readyz` and `kvgate_processes_held` counting the held ones.
+    It used to answer 503 for the whole hold (up to 10 minutes)."""
+    own, peers = tmp_path / "ready-0", [tmp_path / "ready-1", tmp_path / "ready-2"]
+    monkeypatch.setenv(READY_FILE_ENV, str(own))
+    monkeypatch.setenv(PEERS_READY_ENV, json.dumps([str(p) for p in peers]))
+    async with gateway_in_process(_config(), make_policy("round_robin"), secret=b"k", workers_up=False) as gw:
+
+        async def readyz() -> tuple[int, dict[str, Any]]:
+            resp = await gw.client.get("/readyz")
+            return resp.status_code, resp.json()
+
+        def gauge() -> str:
+            lines = gw.state.routing.metrics.render().decode().splitlines()
+            return next(line for line in lines if line.startswith("kvgate_processes_held "))
+
+        await wait_until(own.exists)
+        assert gauge() == "kvgate_processes_held 0.0"
+        held_file(peers[0]).touch()  # process 1 held down; process 2 still starting
+        status, body = await readyz()
+        assert status == 503 and body == {
+            "status": "starting",
+            "reason": "waiting for 1 of 2 other gateway process(es)",
+            "held": 1,
+        }
+        peers[1].touch()
+        assert await readyz() == (200, {"status": "ready", "held": 1})
+        assert gauge() == "kvgate_processes_held 1.0"
+        peers[1].unlink()
+        held_file(peers[1]).touch()  # every other process held: process 0 serves, so still ready
+        assert await readyz() == (200, {"status": "ready", "held": 2})
+        assert gauge() == "kvgate_processes_held 2.0"
+        held_file(peers[0]).unlink()  # the supervisor restarts process 1: waited for again
+        assert (await readyz())[0] == 503
+        peers[0].touch()
+        assert await readyz() == (200, {"status": "ready", "held": 1})
 
 
 async def test_a_lone_process_is_ready_by_itself(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,7 +1,8 @@
 """A per-worker circuit breaker fed by request outcomes (passive health).
 
 closed → (failure_threshold consecutive failures) → open → (cooldown_s) → half-open → trial:
-success closes, failure re-opens for another cooldown.
+success closes, failure re-opens for another cooldown. The cooldown runs from the moment the
+breaker opened: an open breaker takes no verdict (below).
 
 A failure that no other worker's answer compared (a lone 5xx, the worker's own error event in a
 stream: `outcome.HeldVerdicts`) is no verdict, but it leaves the worker suspected (`suspect`):
@@ -34,8 +35,11 @@ tenant out of a worker that had recovered. So:
 The trial slot belongs to the request that took it (`on_dispatch` says so; `Worker.acquire`,
 `outcome.Attempt` carry it to the verdict): a request sent before the breaker opened that ends
 while it is half-open neither frees the slot (two client trials would run at once) nor judges
-the breaker. A success that finds the breaker open is dropped too (`on_success`): closing on it
-skipped the cooldown and the trial.
+the breaker. A verdict that finds the breaker open is dropped too, as no request is sent to an
+open worker: a success (`on_success`), since closing on it skipped the cooldown and the trial,
+and a failure (`on_failure`), since restarting the cooldown on it kept a recovered worker out
+for as long as requests sent before the breaker opened went on failing (to a hung worker, up to
+their read timeout each), though they said nothing new.
 """
 
 from __future__ import annotations
@@ -64,7 +68,9 @@ class CircuitBreaker:
     again after each canary (the row goes on, one canary an interval, until a verdict);
     `_trial_failures` counts the failed client trials since the breaker last became half-open,
     and is below `failure_threshold` while it is half-open; `_awaiting_canary` is False outside
-    HALF_OPEN (module doc, "The half-open trial")."""
+    HALF_OPEN (module doc, "The half-open trial"); `_opened_at_s` is when the breaker last
+    opened, and no verdict moves it while it is open (`_open` is entered from closed or
+    half-open only)."""
 
     __slots__ = (
         "_awaiting_canary",
@@ -180,10 +186,12 @@ class CircuitBreaker:
         """A request's failure. Half-open, its trial's (`trial`: the one its dispatch took)
         counts as a closed breaker's does (module doc): the trial slot is freed for the next
         request, the worker is suspected (its canary may close the breaker), and
-        `failure_threshold` failed trials in a row open it again; another request's is dropped
-        (dispatched before the breaker opened, it neither frees the trial nor judges it)."""
+        `failure_threshold` failed trials in a row open it again. Another request's, and any
+        that finds the breaker open, is dropped: dispatched before the breaker opened, it neither
+        frees the trial nor judges it, nor restarts the cooldown (requests in flight to a hung
+        worker fail one by one for up to their read timeout, and said nothing new)."""
         state = self.state(now_s)
-        if state is BreakerState.HALF_OPEN and not self._current(trial):
+        if state is not BreakerState.CLOSED and not self._current(trial):
             return
         if state is BreakerState.HALF_OPEN:
             self._trial_in_flight = False
@@ -230,8 +238,9 @@ class CircuitBreaker:
             self.on_failure(now_s, trial=None)
 
     def _open(self, now_s: float) -> None:
-        if self._state is not BreakerState.OPEN:
-            self._spell += 1
+        # From closed or half-open only: no verdict reaches an open breaker, so its cooldown
+        # runs from the moment it opened.
+        self._spell += 1
         self._state = BreakerState.OPEN
         self._opened_at_s = now_s
         self._trial_in_flight = False

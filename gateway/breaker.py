@@ -12,6 +12,11 @@ Failed canaries decide on their own: `failure_threshold` of them in a row open t
 whatever request successes come between them, and only a passed canary ends the row. A request's
 success says nothing of generation when its route needs no engine (`/tokenize`, `/detokenize`),
 so a worker failing every generation while it answers those would otherwise never be shut out.
+A canary's verdict judges only the spell it was sent in (`CanaryTicket`), as a held failure's
+does: one sent while the breaker was closed, or in an earlier half-open spell, whose failure
+arrived once it was half-open re-opened it before that spell's own canary was sent. Such a
+failure neither opens the breaker nor counts; the worker stays suspected, so the spell's own
+canary follows and decides.
 
 The half-open trial. A client's request may fail for its own input (vLLM's 500 for one prompt),
 and a tenant sending such requests as fast as it can wins the race for one trial request after
@@ -54,6 +59,10 @@ from gateway.config.pool import BreakerConfig
 # taken in, so that a trial outliving its spell (a stream while a failed canary re-opened the
 # breaker) neither frees nor judges a later spell's trial.
 TrialTicket = NewType("TrialTicket", int)
+# The breaker's spell a canary was sent in (`CircuitBreaker.canary_sent`), which its verdict
+# carries back (`on_canary`): a canary sent while the breaker was closed, or in an earlier
+# half-open spell, judges no later spell (its failure re-opened a half-open breaker it never saw).
+CanaryTicket = NewType("CanaryTicket", int)
 
 
 class BreakerState(enum.StrEnum):
@@ -77,6 +86,7 @@ class CircuitBreaker:
         "_canary_at_s",
         "_canary_failures",
         "_canary_judges",
+        "_canary_spell",
         "_config",
         "_failures",
         "_opened_at_s",
@@ -99,6 +109,7 @@ class CircuitBreaker:
         self._canary_judges = False  # a canary has passed or failed here: canaries reach it
         self._suspected = False  # a failure no other worker compared awaits a canary
         self._canary_at_s = -math.inf  # when the last canary was sent
+        self._canary_spell = -1  # the spell the last canary was sent in (none yet)
         self._canary_failures = 0  # failed canaries in a row; no request's success resets it
 
     @property
@@ -265,25 +276,34 @@ class CircuitBreaker:
             return False
         return now_s - self._canary_at_s >= self._config.canary.interval_s
 
-    def canary_sent(self, now_s: float) -> None:
-        """A canary left: it answers for the suspicions so far; a later one makes a new one due."""
+    def canary_sent(self, now_s: float) -> CanaryTicket:
+        """A canary left: it answers for the suspicions so far; a later one makes a new one due.
+        Returns the spell it was sent in, for its verdict (`on_canary`: `sent`)."""
+        self.state(now_s)  # a breaker half-open from now: the canary is its trial
         self._suspected = False
         self._canary_at_s = now_s
+        self._canary_spell = self._spell
+        return CanaryTicket(self._spell)
 
-    def on_canary(self, passed: bool | None, now_s: float) -> None:
-        """A canary's verdict: failed (False) counts as a request failure and as one more failed
-        canary in a row, unless the breaker was opened meanwhile (a verdict is not applied to a
-        state it was not about); `failure_threshold` failed canaries in a row open the breaker
-        whatever request successes came between them (module doc), and a half-open breaker opens
-        again at the first. A failed canary keeps the worker suspected, so that canaries go on,
+    def on_canary(self, passed: bool | None, now_s: float, *, sent: CanaryTicket | None = None) -> None:
+        """A canary's verdict, `sent`: the ticket `canary_sent` gave it (by default the last
+        canary sent's: the caller keeps one in flight at most). Failed (False) counts as a
+        request failure and as one more failed canary in a row, unless the breaker changed state
+        since it was sent (opened, or half-open since: a verdict is not applied to a state it was
+        not about); `failure_threshold` failed canaries in a row open the breaker whatever
+        request successes came between them (module doc), and a half-open breaker opens again at
+        the first of its own. A failed canary keeps the worker suspected, so that canaries go on,
         one every `canary.interval_s`, until one passes or the breaker opens (and again once it
-        is half-open). Passed (True) ends the row and leaves the suspicion cleared, as
-        `canary_sent` left it, and closes a half-open breaker when it was sent since the breaker
-        became half-open (its trial); None (a 4xx, a busy worker's 503, a timeout) decides
-        nothing: a half-open breaker's trial is then a client's request, and the worker stays
-        suspected only in a row of failed canaries, which it does not end."""
+        is half-open: a stale one's failure leaves the spell's own canary due). Passed (True)
+        ends the row and leaves the suspicion cleared, as `canary_sent` left it, and closes a
+        half-open breaker when it was sent in this half-open spell (its trial); None (a 4xx, a
+        busy worker's 503, a timeout) decides nothing: a half-open breaker's trial is then a
+        client's request, and the worker stays suspected only in a row of failed canaries,
+        which it does not end."""
         state = self.state(now_s)
-        trial = state is BreakerState.HALF_OPEN and self._canary_at_s >= self._half_open_at_s
+        spell = self._canary_spell if sent is None else sent
+        current = spell == self._spell and state is not BreakerState.OPEN
+        trial = current and state is BreakerState.HALF_OPEN
         if passed is not None:
             self._canary_judges = True
         if passed is True:
@@ -291,7 +311,7 @@ class CircuitBreaker:
             if trial:
                 self._close()
             return
-        if passed is False and state is not BreakerState.OPEN:
+        if passed is False and current:
             self._canary_failures += 1
             self._failures += 1
             if (

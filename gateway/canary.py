@@ -28,7 +28,9 @@ shapes:
 A breaker that turns half-open leaves its worker suspected, so its next canary is the trial:
 passed closes it, failed opens it again, and where canaries have reached the worker before no
 client's request is let through meanwhile (`CircuitBreaker`, "The half-open trial"): a tenant
-whose input fails a healthy worker cannot win that race and keep the breaker open.
+whose input fails a healthy worker cannot win that race and keep the breaker open. A canary
+carries the breaker's spell it was sent in (`CanaryTicket`) to its verdict, which judges that
+spell only: one sent before the breaker opened, answering once it is half-open, is no trial.
 
 So a worker answering 5xx to everything, or ending every stream in its own error event, while
 its `/health` passes, opens its breaker after `failure_threshold` failed canaries in a row

@@ -1,7 +1,8 @@
 """A per-worker circuit breaker fed by request outcomes (passive health).
 
 closed → (failure_threshold consecutive failures) → open → (cooldown_s) → half-open → trial:
-success closes, failure re-opens for another cooldown.
+success closes, failure re-opens for another cooldown. The cooldown runs from the moment the
+breaker opened: an open breaker takes no verdict (below).
 
 A failure that no other worker's answer compared (a lone 5xx, the worker's own error event in a
 stream: `outcome.HeldVerdicts`) is no verdict, but it leaves the worker suspected (`suspect`):
@@ -11,6 +12,11 @@ Failed canaries decide on their own: `failure_threshold` of them in a row open t
 whatever request successes come between them, and only a passed canary ends the row. A request's
 success says nothing of generation when its route needs no engine (`/tokenize`, `/detokenize`),
 so a worker failing every generation while it answers those would otherwise never be shut out.
+A canary's verdict judges only the spell it was sent in (`CanaryTicket`), as a held failure's
+does: one sent while the breaker was closed, or in an earlier half-open spell, whose failure
+arrived once it was half-open re-opened it before that spell's own canary was sent. Such a
+failure neither opens the breaker nor counts; the worker stays suspected, so the spell's own
+canary follows and decides.
 
 The half-open trial. A client's request may fail for its own input (vLLM's 500 for one prompt),
 and a tenant sending such requests as fast as it can wins the race for one trial request after
@@ -34,8 +40,11 @@ tenant out of a worker that had recovered. So:
 The trial slot belongs to the request that took it (`on_dispatch` says so; `Worker.acquire`,
 `outcome.Attempt` carry it to the verdict): a request sent before the breaker opened that ends
 while it is half-open neither frees the slot (two client trials would run at once) nor judges
-the breaker. A success that finds the breaker open is dropped too (`on_success`): closing on it
-skipped the cooldown and the trial.
+the breaker. A verdict that finds the breaker open is dropped too, as no request is sent to an
+open worker: a success (`on_success`), since closing on it skipped the cooldown and the trial,
+and a failure (`on_failure`), since restarting the cooldown on it kept a recovered worker out
+for as long as requests sent before the breaker opened went on failing (to a hung worker, up to
+their read timeout each), though they said nothing new.
 """
 
 from __future__ import annotations
@@ -50,6 +59,10 @@ from gateway.config.pool import BreakerConfig
 # taken in, so that a trial outliving its spell (a stream while a failed canary re-opened the
 # breaker) neither frees nor judges a later spell's trial.
 TrialTicket = NewType("TrialTicket", int)
+# The breaker's spell a canary was sent in (`CircuitBreaker.canary_sent`), which its verdict
+# carries back (`on_canary`): a canary sent while the breaker was closed, or in an earlier
+# half-open spell, judges no later spell (its failure re-opened a half-open breaker it never saw).
+CanaryTicket = NewType("CanaryTicket", int)
 
 
 class BreakerState(enum.StrEnum):
@@ -64,13 +77,16 @@ class CircuitBreaker:
     again after each canary (the row goes on, one canary an interval, until a verdict);
     `_trial_failures` counts the failed client trials since the breaker last became half-open,
     and is below `failure_threshold` while it is half-open; `_awaiting_canary` is False outside
-    HALF_OPEN (module doc, "The half-open trial")."""
+    HALF_OPEN (module doc, "The half-open trial"); `_opened_at_s` is when the breaker last
+    opened, and no verdict moves it while it is open (`_open` is entered from closed or
+    half-open only)."""
 
     __slots__ = (
         "_awaiting_canary",
         "_canary_at_s",
         "_canary_failures",
         "_canary_judges",
+        "_canary_spell",
         "_config",
         "_failures",
         "_opened_at_s",
@@ -93,6 +109,7 @@ class CircuitBreaker:
         self._canary_judges = False  # a canary has passed or failed here: canaries reach it
         self._suspected = False  # a failure no other worker compared awaits a canary
         self._canary_at_s = -math.inf  # when the last canary was sent
+        self._canary_spell = -1  # the spell the last canary was sent in (none yet)
         self._canary_failures = 0  # failed canaries in a row; no request's success resets it
 
     @property
@@ -180,10 +197,12 @@ class CircuitBreaker:
         """A request's failure. Half-open, its trial's (`trial`: the one its dispatch took)
         counts as a closed breaker's does (module doc): the trial slot is freed for the next
         request, the worker is suspected (its canary may close the breaker), and
-        `failure_threshold` failed trials in a row open it again; another request's is dropped
-        (dispatched before the breaker opened, it neither frees the trial nor judges it)."""
+        `failure_threshold` failed trials in a row open it again. Another request's, and any
+        that finds the breaker open, is dropped: dispatched before the breaker opened, it neither
+        frees the trial nor judges it, nor restarts the cooldown (requests in flight to a hung
+        worker fail one by one for up to their read timeout, and said nothing new)."""
         state = self.state(now_s)
-        if state is BreakerState.HALF_OPEN and not self._current(trial):
+        if state is not BreakerState.CLOSED and not self._current(trial):
             return
         if state is BreakerState.HALF_OPEN:
             self._trial_in_flight = False
@@ -230,8 +249,9 @@ class CircuitBreaker:
             self.on_failure(now_s, trial=None)
 
     def _open(self, now_s: float) -> None:
-        if self._state is not BreakerState.OPEN:
-            self._spell += 1
+        # From closed or half-open only: no verdict reaches an open breaker, so its cooldown
+        # runs from the moment it opened.
+        self._spell += 1
         self._state = BreakerState.OPEN
         self._opened_at_s = now_s
         self._trial_in_flight = False
@@ -256,25 +276,34 @@ class CircuitBreaker:
             return False
         return now_s - self._canary_at_s >= self._config.canary.interval_s
 
-    def canary_sent(self, now_s: float) -> None:
-        """A canary left: it answers for the suspicions so far; a later one makes a new one due."""
+    def canary_sent(self, now_s: float) -> CanaryTicket:
+        """A canary left: it answers for the suspicions so far; a later one makes a new one due.
+        Returns the spell it was sent in, for its verdict (`on_canary`: `sent`)."""
+        self.state(now_s)  # a breaker half-open from now: the canary is its trial
         self._suspected = False
         self._canary_at_s = now_s
+        self._canary_spell = self._spell
+        return CanaryTicket(self._spell)
 
-    def on_canary(self, passed: bool | None, now_s: float) -> None:
-        """A canary's verdict: failed (False) counts as a request failure and as one more failed
-        canary in a row, unless the breaker was opened meanwhile (a verdict is not applied to a
-        state it was not about); `failure_threshold` failed canaries in a row open the breaker
-        whatever request successes came between them (module doc), and a half-open breaker opens
-        again at the first. A failed canary keeps the worker suspected, so that canaries go on,
+    def on_canary(self, passed: bool | None, now_s: float, *, sent: CanaryTicket | None = None) -> None:
+        """A canary's verdict, `sent`: the ticket `canary_sent` gave it (by default the last
+        canary sent's: the caller keeps one in flight at most). Failed (False) counts as a
+        request failure and as one more failed canary in a row, unless the breaker changed state
+        since it was sent (opened, or half-open since: a verdict is not applied to a state it was
+        not about); `failure_threshold` failed canaries in a row open the breaker whatever
+        request successes came between them (module doc), and a half-open breaker opens again at
+        the first of its own. A failed canary keeps the worker suspected, so that canaries go on,
         one every `canary.interval_s`, until one passes or the breaker opens (and again once it
-        is half-open). Passed (True) ends the row and leaves the suspicion cleared, as
-        `canary_sent` left it, and closes a half-open breaker when it was sent since the breaker
-        became half-open (its trial); None (a 4xx, a busy worker's 503, a timeout) decides
-        nothing: a half-open breaker's trial is then a client's request, and the worker stays
-        suspected only in a row of failed canaries, which it does not end."""
+        is half-open: a stale one's failure leaves the spell's own canary due). Passed (True)
+        ends the row and leaves the suspicion cleared, as `canary_sent` left it, and closes a
+        half-open breaker when it was sent in this half-open spell (its trial); None (a 4xx, a
+        busy worker's 503, a timeout) decides nothing: a half-open breaker's trial is then a
+        client's request, and the worker stays suspected only in a row of failed canaries,
+        which it does not end."""
         state = self.state(now_s)
-        trial = state is BreakerState.HALF_OPEN and self._canary_at_s >= self._half_open_at_s
+        spell = self._canary_spell if sent is None else sent
+        current = spell == self._spell and state is not BreakerState.OPEN
+        trial = current and state is BreakerState.HALF_OPEN
         if passed is not None:
             self._canary_judges = True
         if passed is True:
@@ -282,7 +311,7 @@ class CircuitBreaker:
             if trial:
                 self._close()
             return
-        if passed is False and state is not BreakerState.OPEN:
+        if passed is False and current:
             self._canary_failures += 1
             self._failures += 1
             if (

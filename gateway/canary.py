@@ -28,7 +28,9 @@ shapes:
 A breaker that turns half-open leaves its worker suspected, so its next canary is the trial:
 passed closes it, failed opens it again, and where canaries have reached the worker before no
 client's request is let through meanwhile (`CircuitBreaker`, "The half-open trial"): a tenant
-whose input fails a healthy worker cannot win that race and keep the breaker open.
+whose input fails a healthy worker cannot win that race and keep the breaker open. A canary
+carries the breaker's spell it was sent in (`CanaryTicket`) to its verdict, which judges that
+spell only: one sent before the breaker opened, answering once it is half-open, is no trial.
 
 So a worker answering 5xx to everything, or ending every stream in its own error event, while
 its `/health` passes, opens its breaker after `failure_threshold` failed canaries in a row
@@ -60,6 +62,7 @@ from collections.abc import Mapping
 import aiohttp
 import orjson
 
+from gateway.breaker import CanaryTicket
 from gateway.failure import BUSY_STATUSES, REFUSED_CREDENTIALS, worker_failed
 from gateway.registry import Pool, Registry
 from gateway.sse import MalformedStream, SseRelay
@@ -256,10 +259,11 @@ class Canaries:
                 # back): its canaries would fail on, a warning each, for as long as it is down.
                 if url in self._running or not worker.healthy or not worker.breaker.canary_due(now_s):
                     continue
-                worker.breaker.canary_sent(now_s)
+                sent = worker.breaker.canary_sent(now_s)
                 self._sent += 1
                 request_id = f"{REQUEST_ID_PREFIX}{self._sent}"
-                task = asyncio.create_task(self._canary(pool, worker, request_id), name=f"canary:{pool.name}")
+                canary = self._canary(pool, worker, request_id, sent)
+                task = asyncio.create_task(canary, name=f"canary:{pool.name}")
                 self._running[url] = (pool, worker, task)
 
     def forget_others(self, current: set[tuple[str, str]]) -> None:
@@ -268,7 +272,7 @@ class Canaries:
         for key in [k for k in self.by_worker if (k[0], k[1]) not in current]:
             del self.by_worker[key]
 
-    async def _canary(self, pool: Pool, worker: Worker, request_id: str) -> None:
+    async def _canary(self, pool: Pool, worker: Worker, request_id: str, sent: CanaryTicket) -> None:
         try:
             timeout_s = pool.config.breaker.canary.timeout_s
             model = pool.config.base_model
@@ -278,7 +282,8 @@ class Canaries:
             self.counts[verdict] += 1
             self.by_worker[pool.name, worker.url, verdict] += 1
             if pool.workers.get(worker.worker_id) is worker:
-                worker.breaker.on_canary(_PASSED[verdict], time.monotonic())
+                # Its verdict judges the breaker's spell it was sent in only (`CanaryTicket`).
+                worker.breaker.on_canary(_PASSED[verdict], time.monotonic(), sent=sent)
             _log(pool, worker, request_id, result)
         except Exception:  # a bug: the worker stays as it was, and may be sent another later
             log.exception("canary failed to run", extra={"pool": pool.name, "worker": worker.url})

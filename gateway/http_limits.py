@@ -72,7 +72,7 @@ from uvicorn.server import ServerState
 
 from gateway.http_framing import UPGRADE_WITH_BODY, FramingCheck, has_body, refusal_response
 from gateway.http_guard import GuardedServerState
-from gateway.http_linger import CloseInstead, LingeringHttpToolsProtocol
+from gateway.http_linger import CloseInstead, LingeringHttpToolsProtocol, close_if_body_withheld
 
 # Where a connection is in its request cycle (see the module docstring). Plain ints, not an
 # enum: the phase is read and written several times per request.
@@ -321,8 +321,11 @@ class GuardedHttpToolsProtocol(LingeringHttpToolsProtocol):
         self._not_evictable()  # the request is the app's (or waits in the pipeline for it)
         self._phase = BODY
         self.deadline_s = time.monotonic() + self._limits.body_timeout_s
-        if not self.cycle.keep_alive:  # the client asked to close after this answer
-            self.cycle.transport = CloseInstead(self.transport, self._closed_after_answer)
+        cycle = self.cycle
+        if not cycle.keep_alive:  # the client asked to close after this answer
+            cycle.transport = CloseInstead(self.transport, self._closed_after_answer)
+        elif cycle.waiting_for_100_continue:  # it may never send its body: `http_linger`
+            close_if_body_withheld(cycle, self._closed_after_answer)
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
@@ -365,8 +368,8 @@ class GuardedHttpToolsProtocol(LingeringHttpToolsProtocol):
         self._end_after_answers(self.pipeline[0][0] if self.pipeline else self.cycle)
 
     def _closed_after_answer(self) -> None:
-        """uvicorn closes after answering a client that asked to close: a lingering close if the
-        request's body was not read whole (answered from its headers) or reading had stopped."""
+        """uvicorn closes after an answer with `connection: close`: a lingering close if the request's
+        body was not read whole (answered from its headers) or reading had stopped."""
         if self._phase == BODY or self._ending:
             self._to_app()
             self._linger()

@@ -21,20 +21,31 @@ connection, never one per request.
 
 `GuardedHttpToolsProtocol` (`http_limits`) lingers where input may be left unread after its last
 answer: past the pipelining bound, after a refused head or body (431, 408, 400, 501), and after an
-answer given before its request's body was read when the client asked to close (`connection:
-close`, HTTP/1.0: a 401, 413 or 429 decided from the headers). Any other close stays a plain
-close, and a client that reads nothing is still aborted at `send_timeout_s`.
+answer given before its request's body was read (a 401, 413 or 429 decided from the headers) when
+the client asked to close (`connection: close`, HTTP/1.0) or may never send that body: it asked
+for `100 Continue` and got none (`close_if_body_withheld`). Any other close stays a plain close,
+and a client that reads nothing is still aborted at `send_timeout_s`.
+
+An early answer otherwise keeps the connection: its client goes on sending the body it announced,
+which is read and dropped (as nginx discards one), and the next request is served. A client
+waiting for `100 Continue` may instead skip the body after a final answer (RFC 9110, 10.1.1) and
+send its next request: read as the body, that request would go unanswered until `body_timeout_s`
+closed the connection. So that answer carries `connection: close` and ends in a linger, which
+drops the body if the client sends it after all.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
+
+if TYPE_CHECKING:
+    from uvicorn._types import ASGISendEvent
 
 # How long a lingering connection reads on (Apache httpd's short lingering close, meant against
 # denial of service, waits 2 s; its normal one and nginx's `lingering_time` 30 s), and how much
@@ -63,6 +74,25 @@ class CloseInstead(asyncio.Transport):
 
     def close(self) -> None:
         self._on_close()
+
+
+def close_if_body_withheld(cycle: RequestResponseCycle, on_close: Callable[[], None]) -> None:
+    """`cycle`'s client asked for `100 Continue` before sending its body: if its answer starts with
+    no `100 Continue` written and the body not read whole, the answer carries `connection: close`
+    and uvicorn's close after it calls `on_close` (a linger) instead (see the module docstring).
+    Wraps the cycle's `send`: only such requests pay for it."""
+    send = cycle.send
+
+    async def send_deciding_keep_alive(message: ASGISendEvent) -> None:
+        # uvicorn clears `waiting_for_100_continue` once it writes the 100 or the answer's head,
+        # and `more_body` once the request's body has been parsed to its end.
+        if cycle.waiting_for_100_continue and cycle.more_body and not cycle.response_started:
+            cycle.keep_alive = False  # uvicorn adds `connection: close` and closes after the answer
+            if not isinstance(cycle.transport, CloseInstead):
+                cycle.transport = CloseInstead(cycle.transport, on_close)
+        await send(message)
+
+    cycle.send = send_deciding_keep_alive  # type: ignore[method-assign]
 
 
 class LingeringHttpToolsProtocol(HttpToolsProtocol):

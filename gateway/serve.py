@@ -192,15 +192,16 @@ def with_listen(
 def read_start_secrets(config: GatewayConfig) -> bytes:
     """Every secret the config names, read once before anything starts, so that a missing one
     stops the start with a message naming its field (once, not once per process): the key-hash
-    secret (returned), each pool's worker key, the sync broker's credentials."""
+    secret (returned), each pool's worker key, the sync broker's credentials and its sentinels'."""
     secret = read_secret(config.secrets, dict(os.environ))
     refuse_reserved_key_hashes(config, secret)
     for pool in config.pools:
         read_worker_key(pool, os.environ)
     if config.sync.url is not None:
-        from gateway.sync.auth import connect_options
+        from gateway.sync.auth import connect_options, sentinel_credentials
 
         connect_options(config.sync, os.environ)
+        sentinel_credentials(config.sync, os.environ)
     return secret
 
 

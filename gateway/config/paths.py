@@ -17,6 +17,8 @@ _FILE_FIELDS: tuple[tuple[str, ...], ...] = (
     ("decision_log", "path"),
     ("sync", "auth", "token_file"),
     ("sync", "auth", "password_file"),
+    ("sync", "sentinel_auth", "token_file"),
+    ("sync", "sentinel_auth", "password_file"),
     ("sync", "tls", "ca_file"),
     ("sync", "tls", "cert_file"),
     ("sync", "tls", "key_file"),

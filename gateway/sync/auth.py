@@ -1,14 +1,16 @@
 """What the sync link presents to the broker: `sync.auth`'s secret and `sync.tls`'s context, as
-nats-py's connect options (the Redis link maps the same options to AUTH and rediss, `redis_link`).
-Read once at start; a missing or empty secret, or a certificate that does not load, is a
-ConfigError naming the field, never the secret. So is a `redis://` URL without the Redis client
-installed (the `[redis]` extra)."""
+nats-py's connect options (the Redis link maps the same options to AUTH and rediss, `redis_link`),
+and `sync.sentinel_auth`'s secret to the sentinels of a `redis+sentinel://` URL. Read once at
+start (`serve.read_start_secrets`, before any process starts); a missing or empty secret, or a
+certificate that does not load, is a ConfigError naming the field, never the secret. So is a
+`redis://` URL without the Redis client installed (the `[redis]` extra)."""
 
 from __future__ import annotations
 
 import importlib.util
 import ssl
 from collections.abc import Mapping
+from typing import NamedTuple
 
 from gateway.config.base import ConfigError, read_file_or_env
 from gateway.config.sync import SyncConfig, SyncTlsConfig
@@ -35,6 +37,28 @@ def connect_options(config: SyncConfig, environ: Mapping[str, str]) -> ConnectOp
     if config.tls is not None:
         options["tls"] = tls_context(config.tls)
     return options
+
+
+class SentinelCredentials(NamedTuple):
+    """What the sentinels are asked with: `user` (None: the default one) and `password` (None:
+    nothing)."""
+
+    user: str | None
+    password: str | None
+
+
+def sentinel_credentials(config: SyncConfig, environ: Mapping[str, str]) -> SentinelCredentials:
+    """The user and password `sync.sentinel_auth` names, read now (a ConfigError names a missing
+    one, as `connect_options` does `sync.auth`'s)."""
+    auth = config.sentinel_auth
+    if auth is None:
+        return SentinelCredentials(None, None)
+    field = "sync.sentinel_auth"
+    token = read_file_or_env(f"{field}.token", auth.token_file, auth.token_env, environ)
+    if token is not None:
+        return SentinelCredentials(None, token)
+    password = read_file_or_env(f"{field}.password", auth.password_file, auth.password_env, environ)
+    return SentinelCredentials(auth.user, password)
 
 
 def tls_context(tls: SyncTlsConfig) -> ssl.SSLContext:

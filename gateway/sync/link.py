@@ -14,9 +14,8 @@ import random
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
-from gateway.config.base import read_file_or_env
 from gateway.config.sync import SyncConfig
-from gateway.sync.auth import connect_options
+from gateway.sync.auth import connect_options, sentinel_credentials
 
 # Batches received but not applied yet, at most, on either link (nats-py's own bound is 524,288
 # and 128 MiB: minutes of a busy fleet's batches, each applied stale). 16 peers at a batch each
@@ -87,9 +86,9 @@ def open_link(config: SyncConfig, name: str, on_message: Callable[[bytes], Await
         if config.sentinel is not None:
             from gateway.sync.sentinel_link import SentinelLink
 
-            sentinel_user, sentinel_secret = _sentinel_credentials(config)
+            sentinels = sentinel_credentials(config, os.environ)
             link = functools.partial(
-                SentinelLink, sentinel_username=sentinel_user, sentinel_password=sentinel_secret
+                SentinelLink, sentinel_username=sentinels.user, sentinel_password=sentinels.password
             )
         elif config.cluster is not None:
             from gateway.sync.cluster_link import ClusterLink
@@ -117,15 +116,3 @@ def open_link(config: SyncConfig, name: str, on_message: Callable[[bytes], Await
         connect_timeout_s=config.connect_timeout_s,
         options=options,
     )
-
-
-def _sentinel_credentials(config: SyncConfig) -> tuple[str | None, str | None]:
-    """The user (None: the default one) and password `sync.sentinel_auth` names, read now."""
-    auth = config.sentinel_auth
-    if auth is None:
-        return None, None
-    field = "sync.sentinel_auth"
-    token = read_file_or_env(f"{field}.token", auth.token_file, auth.token_env, os.environ)
-    if token is not None:
-        return None, token
-    return auth.user, read_file_or_env(f"{field}.password", auth.password_file, auth.password_env, os.environ)

@@ -43,7 +43,7 @@ from gateway.responses_routes import responses_routes
 from gateway.routes import ROUTES, ApiRoute
 from gateway.routing import Routing
 from gateway.state import GatewayState
-from gateway.surface import error, json_response, surface_routes
+from gateway.surface import allow_header, error, json_response, surface_routes
 
 log = logging.getLogger("kvgate.app")
 
@@ -436,6 +436,7 @@ async def _method_not_allowed(request: Request, exc: Exception) -> Response:
         f"method {echoed(request.method)} not allowed on {echoed(request.url.path)}",
         "invalid_request_error",
         "method_not_allowed",
+        headers=allow_header(exc),
     )
     return _route_error(request, err)
 

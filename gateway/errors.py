@@ -44,6 +44,12 @@ _TYPE_BY_STATUS = {
 MAX_WORKER_MESSAGE_CHARS = 2000
 
 
+def error_type(status: int) -> str:
+    """OpenAI's error `type` for `status`: by `_TYPE_BY_STATUS`, else `invalid_request_error` for
+    a 4xx and `server_error` for a 5xx."""
+    return _TYPE_BY_STATUS.get(status, "invalid_request_error" if 400 <= status < 500 else "server_error")
+
+
 def normalize_worker_error(status: int, body: bytes) -> bytes:
     """A worker's error body in the gateway's own OpenAI shape.
 
@@ -64,10 +70,9 @@ def normalize_worker_error(status: int, body: bytes) -> bytes:
         message = f"the worker refused the request (HTTP {status})"
     code = inner.get("code")
     param = inner.get("param")
-    type_ = _TYPE_BY_STATUS.get(status, "invalid_request_error" if 400 <= status < 500 else "server_error")
     return error_body(
         message[:MAX_WORKER_MESSAGE_CHARS],
-        type_,
+        error_type(status),
         code if isinstance(code, str) and code else None,
         param if isinstance(param, str) and param else None,
     )

@@ -27,7 +27,7 @@ import aiohttp
 import orjson
 
 from gateway.config.pool import TimeoutsConfig
-from gateway.errors import WORKER_OVERLOADED, ApiError
+from gateway.errors import WORKER_OVERLOADED, ApiError, error_type
 from gateway.retries import forwardable
 from gateway.sse import STREAM_ERROR_CODE, MalformedStream
 from gateway.upstream import (
@@ -117,7 +117,9 @@ class Failure:
             if self.status == 503:
                 headers.setdefault("retry-after", "1")
         message = self.message if self.said is None else f"{self.message}: {self.said}"
-        return ApiError(self.status, message, "server_error", self.code, self.param, headers)
+        # A 5xx is a `server_error`; the queue's 429 (`queueing.py`) a `rate_limit_error`, as
+        # every other 429 of the gateway.
+        return ApiError(self.status, message, error_type(self.status), self.code, self.param, headers)
 
     def detail(self) -> str:
         """The access line's `error_detail`: the client's message (less what the worker `said`),

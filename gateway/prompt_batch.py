@@ -14,6 +14,7 @@ items prefilled a million tokens."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -27,39 +28,48 @@ from prompt_normalizer.generate_input import GENERATE_PROMPT_FIELDS
 def batch_sizes(body: dict[str, Any], prompt: str | None) -> list[int] | None:
     """Each prompt's size (characters, or token ids) when the request batches two or more; None
     for one prompt (a string, or one list of token ids)."""
-    entries = _batch(body, prompt)
-    if entries is None:
+    batch = _batch(body, prompt)
+    if batch is None:
         return None
-    kind = str if isinstance(entries[0], str) else list
-    return [len(e) if isinstance(e, kind) else 0 for e in entries]
+    kind = str if isinstance(batch.entries[0], str) else list
+    return [len(e) if isinstance(e, kind) else 0 for e in batch.entries]
 
 
-def _batch(body: dict[str, Any], prompt: str | None) -> list[Any] | None:
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    """Two or more prompts, and the body field that holds them (what an error names)."""
+
+    field: str
+    entries: list[Any]
+
+
+def _batch(body: dict[str, Any], prompt: str | None) -> _Batch | None:
+    field: str | None = None
     if prompt == "completions":
-        entries = body.get("prompt")
+        field = "prompt"
     elif prompt == "generate":
-        entries = next(
-            (body[f] for f in GENERATE_PROMPT_FIELDS if isinstance(body.get(f), list) and body[f]), None
-        )
-    else:
+        # The first field that holds a non-empty list (`text` may be a string beside `input_ids`).
+        listed = (f for f in GENERATE_PROMPT_FIELDS if isinstance(body.get(f), list) and body[f])
+        field = next(listed, None)
+    if field is None:
         return None
+    entries = body.get(field)
     if not isinstance(entries, list) or len(entries) < 2 or not isinstance(entries[0], str | list):
         return None  # one prompt: a string, or the token ids of one
-    return entries
+    return _Batch(field, entries)
 
 
 def check_sequences(body: dict[str, Any], prompt: str | None, choices: int, max_choices: int) -> None:
     """A batch of B prompts with `choices` each decodes B × `choices` sequences: at most
     `max_choices`, as one prompt's `n` is (400 otherwise, naming the prompt field)."""
-    sizes = batch_sizes(body, prompt)
-    if sizes is None or len(sizes) * choices <= max_choices:
+    batch = _batch(body, prompt)
+    if batch is None or len(batch.entries) * choices <= max_choices:
         return
-    field = "prompt" if prompt == "completions" else next(f for f in GENERATE_PROMPT_FIELDS if f in body)
     message = (
-        f"'{field}' is a batch of {len(sizes)} prompts with {choices} choices each: this gateway "
-        f"serves at most {max_choices} sequences per request"
+        f"'{batch.field}' is a batch of {len(batch.entries)} prompts with {choices} choices each: "
+        f"this gateway serves at most {max_choices} sequences per request"
     )
-    raise ApiError(400, message, "invalid_request_error", "integer_above_max_value", field)
+    raise ApiError(400, message, "invalid_request_error", "integer_above_max_value", batch.field)
 
 
 def batch_tokens(
@@ -80,11 +90,11 @@ def batch_tokens(
         return fanout_tokens(body, fanout, first_tokens, chars_per_token)
     if pooled is not None:
         return pooling_tokens(body, pooled, first_tokens, chars_per_token)
-    entries = _batch(body, prompt)
-    if entries is None:
+    batch = _batch(body, prompt)
+    if batch is None:
         return first_tokens
     rest = 0
-    for entry in entries[1:]:
+    for entry in batch.entries[1:]:
         if isinstance(entry, str):
             rest += -(-len(entry) // chars_per_token)
         elif isinstance(entry, list):

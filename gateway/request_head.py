@@ -41,7 +41,8 @@ class RequestHead:
 
     @classmethod
     def of(cls, scope: Scope) -> RequestHead:
-        authorization = rid = length = None
+        authorization = length = None
+        rid: bytes | None = None
         taken = 0
         repeated = False
         for name, value in scope["headers"]:
@@ -49,14 +50,15 @@ class RequestHead:
                 repeated = repeated or authorization is not None
                 authorization = value.decode("latin-1")
             elif name == b"x-request-id":
-                rid = _sane_id(value.decode("latin-1"))
+                rid = value if rid is None else _again(rid, value)
             elif name == b"content-length" and value.isdigit():
                 length = int(value) if len(value) <= _LENGTH_DIGITS else _long_length(value)
             elif name == RETRY_COUNT_HEADER:
                 taken = retries_taken(value)
+        client_id = None if rid is None else _sane_id(rid)
         if repeated:
-            return cls(authorization, rid, length, None, taken, scope["headers"], True)
-        return cls(authorization, rid, length, retries_taken=taken, raw=scope["headers"])
+            return cls(authorization, client_id, length, None, taken, scope["headers"], True)
+        return cls(authorization, client_id, length, retries_taken=taken, raw=scope["headers"])
 
     @classmethod
     def of_route(cls, scope: Scope, api: ApiRoute) -> RequestHead:
@@ -65,7 +67,8 @@ class RequestHead:
         path) test no more names per header than they read."""
         if not (api.api_key_header or api.multipart):
             return cls.of(scope)
-        authorization = rid = length = content_type = api_key = None
+        authorization = length = content_type = api_key = None
+        rid: bytes | None = None
         taken = 0
         repeated = False
         for name, value in scope["headers"]:
@@ -73,7 +76,7 @@ class RequestHead:
                 repeated = repeated or authorization is not None
                 authorization = value.decode("latin-1")
             elif name == b"x-request-id":
-                rid = _sane_id(value.decode("latin-1"))
+                rid = value if rid is None else _again(rid, value)
             elif name == b"content-length" and value.isdigit():
                 length = int(value) if len(value) <= _LENGTH_DIGITS else _long_length(value)
             elif name == b"content-type":
@@ -91,7 +94,8 @@ class RequestHead:
                 same = scheme.lower() == "bearer" and token.strip() == key[7:].strip()
                 repeated = repeated or not same
             authorization = key if authorization is None else authorization
-        return cls(authorization, rid, length, content_type, taken, scope["headers"], repeated)
+        client_id = None if rid is None else _sane_id(rid)
+        return cls(authorization, client_id, length, content_type, taken, scope["headers"], repeated)
 
 
 @record
@@ -162,15 +166,36 @@ def request_ids(head: RequestHead) -> RequestIds:
     return RequestIds(new_request_id(), head.client_request_id, head.retries_taken, head.raw)
 
 
-def _sane_id(rid: str | None) -> str | None:
-    if rid and len(rid) <= 128 and rid.isascii() and rid.isprintable():
-        return rid
+# What `_again` keeps of two different `x-request-id` values: no id (a header value never holds
+# a line feed, and `_sane_id` refuses it).
+_TWO_IDS = b"\n"
+
+
+def _again(seen: bytes, value: bytes) -> bytes:
+    """The `x-request-id` read so far, `seen`, after another field with `value`: the same id sent
+    twice is one id, but of two different ids neither is the client's. The gateway then answers
+    and logs with its own id, as without one, whatever the route (Starlette's routes would take
+    the first, a loop over the head the last); the request is still served, as the id only
+    labels its answer and log lines."""
+    return seen if value == seen else _TWO_IDS
+
+
+def _sane_id(raw: bytes) -> str | None:
+    if raw and len(raw) <= 128 and raw.isascii():
+        rid = raw.decode("ascii")
+        if rid.isprintable():
+            return rid
     return None
 
 
 def client_request_id(request: Request) -> str | None:
-    """A sane inbound `x-request-id` (printable ASCII, at most 128 characters), else None."""
-    return _sane_id(request.headers.get("x-request-id"))
+    """A sane inbound `x-request-id` (printable ASCII, at most 128 characters) read by
+    `RequestHead`'s rule (`_again`), else None."""
+    rid: bytes | None = None
+    for name, value in request.scope["headers"]:
+        if name == b"x-request-id":
+            rid = value if rid is None else _again(rid, value)
+    return None if rid is None else _sane_id(rid)
 
 
 def request_id_of(request: Request) -> str:

@@ -18,7 +18,8 @@ from starlette.convertors import Convertor, register_url_convertor
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route, compile_path
+from starlette.routing import Match, Route, compile_path
+from starlette.types import Scope
 
 from gateway.admission import authenticate
 from gateway.auth import Tenant
@@ -128,12 +129,38 @@ def tenant_of(request: Request, gate: Gate) -> Tenant:
 _STORED_RESPONSE = compile_path(STORED_RESPONSE_PATH)[0]
 
 
-def _other_methods(path: str) -> list[str]:
-    """The methods answered 405 on a proxied POST route's `path`: GET, PUT, DELETE and PATCH,
-    but GET where the path could name a stored response, whose retrieve it is, as on vLLM."""
-    if _STORED_RESPONSE.match(path):
-        return ["PUT", "DELETE", "PATCH"]
-    return ["GET", "PUT", "DELETE", "PATCH"]
+class _OtherMethods(Route):
+    """A proxied POST route's path with any method it is not served with: a 405 whose `Allow`
+    names the ones it is (RFC 9110 §15.5.6). POST reaches the proxy before Starlette does; GET
+    (and HEAD) where the path could name a stored response is that response's retrieve, as on
+    vLLM, and this route passes it on to `responses_routes`."""
+
+    def __init__(self, path: str) -> None:
+        stored = _STORED_RESPONSE.match(path) is not None
+        self.allowed = frozenset({"POST", "GET", "HEAD"} if stored else {"POST"})
+        allow = ", ".join(sorted(self.allowed))
+
+        async def not_allowed(request: Request) -> Response:
+            # Answered by the app's 405 handler, in the route's API's shape.
+            raise HTTPException(405, headers={"Allow": allow})
+
+        super().__init__(path, not_allowed)
+        self.methods = None  # every method reaches `not_allowed`, but those `matches` passes on
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        if scope["type"] == "http" and scope["method"] in self.allowed:
+            return Match.NONE, {}
+        return super().matches(scope)
+
+
+def allow_header(exc: Exception) -> dict[str, str]:
+    """The `Allow` header a 405 carries, from the route's `HTTPException` (Starlette's, or
+    `_OtherMethods`'), its methods in a fixed order (Starlette joins a set's)."""
+    headers = exc.headers if isinstance(exc, HTTPException) else None
+    allow = (headers or {}).get("Allow")
+    if allow is None:
+        return {}
+    return {"allow": ", ".join(sorted(method.strip() for method in allow.split(",")))}
 
 
 def surface_routes(gate: Gate, registry: Registry, created_s: int) -> list[Route]:
@@ -177,11 +204,8 @@ def surface_routes(gate: Gate, registry: Registry, created_s: int) -> list[Route
     async def version_info(request: Request) -> Response:
         return json_response({"version": VERSION}, 200, request_id_of(request))
 
-    async def not_allowed(request: Request) -> Response:
-        raise HTTPException(405)  # answered by the app's 405 handler, in the route's API's shape
-
     return [
-        *(Route(path, not_allowed, methods=_other_methods(path)) for path in ROUTES),
+        *(_OtherMethods(path) for path in ROUTES),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model_id:kvgate_model_id}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),

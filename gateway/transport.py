@@ -1,12 +1,15 @@
-"""The process's upstream clients, which exist while the app lifespan runs."""
+"""The process's upstream clients, which exist while the app lifespan runs, and the bound on the
+stored-response requests they carry outside the request cap (`StoredPlaces`)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
 
 from gateway.config import UpstreamConfig
+from gateway.lifecycle import RequestCap, TenantPlaces
 from gateway.upstream import (
     DEFAULT_BUDGET_BYTES,
     DEFAULT_STREAM_BUFFER_BYTES,
@@ -17,22 +20,101 @@ from gateway.upstream import (
 from gateway.upstream_conn import MAX_ANSWER_HEAD_BYTES
 
 
+class StoredPlace:
+    """One stored-response request's place at a worker and in the process (`StoredPlaces.take`),
+    given back once by `give_back` (later calls do nothing)."""
+
+    __slots__ = ("_owner", "_process", "_worker", "_worker_url")
+
+    def __init__(
+        self, owner: StoredPlaces, worker_url: str, process: TenantPlaces, worker: TenantPlaces
+    ) -> None:
+        self._owner = owner
+        self._worker_url = worker_url
+        self._process: TenantPlaces | None = process
+        self._worker = worker
+
+    def give_back(self) -> None:
+        if self._process is None:
+            return
+        self._process.give_back()
+        self._process = None
+        self._worker.give_back()
+        self._owner.forget_if_idle(self._worker_url, self._worker.cap)
+
+
+class StoredPlaces:
+    """The `GET`s and `cancel`s of stored responses (`/v1/responses/{id}`), and the holder
+    search's `GET`s, in flight through the shared session. They are outside
+    `limits.max_in_flight_requests` (no body; a streamed retrieve may stay open as long as its
+    background response runs), so they are bounded here, as `lifecycle.RequestCap` bounds the
+    proxied requests: each worker's at a quarter of `upstream.max_connections_per_worker`
+    (`per_worker`, at least 1) and the process's at a quarter of `upstream.max_connections`, and at
+    either cap a tenant below its share still gets a place, up to twice the cap in all. So the
+    stored-response requests of all tenants hold at most half of a worker's connections, and one
+    tenant's alone at most a quarter: one tenant's open streams cannot take a worker's connection
+    pool from every tenant's proxied requests. Invariant: `_workers` holds a cap for exactly the
+    workers with a place held (so its size is bounded by the places held, never by the workers
+    ever asked)."""
+
+    __slots__ = ("_weights", "_workers", "per_worker", "process")
+
+    def __init__(self, config: UpstreamConfig, weights: Mapping[str, float] | None = None) -> None:
+        self._weights = dict(weights or {})
+        self.per_worker = max(1, config.max_connections_per_worker // 4)
+        self.process = RequestCap(max(1, config.max_connections // 4), self._weights)
+        self._workers: dict[str, RequestCap] = {}
+
+    def take(self, worker_url: str, tenant: str) -> StoredPlace | None:
+        """A place for one request of `tenant` to the worker at `worker_url`, or None (nothing
+        taken) when the process's cap or the worker's refuses it."""
+        process = self.process.tenant(tenant)
+        if not process.take():
+            return None
+        cap = self._workers.get(worker_url)
+        if cap is None:
+            cap = self._workers[worker_url] = RequestCap(self.per_worker, self._weights)
+        worker = cap.tenant(tenant)
+        if not worker.take():  # a cap that refuses holds a place: it stays in `_workers`
+            process.give_back()
+            return None
+        return StoredPlace(self, worker_url, process, worker)
+
+    def held(self, worker_url: str) -> int:
+        """The places held at one worker."""
+        cap = self._workers.get(worker_url)
+        return cap.held if cap is not None else 0
+
+    def forget_if_idle(self, worker_url: str, cap: RequestCap) -> None:
+        if cap.held == 0 and self._workers.get(worker_url) is cap:
+            del self._workers[worker_url]
+
+    def check_invariants(self) -> None:
+        self.process.check_invariants()
+        for cap in self._workers.values():
+            cap.check_invariants()
+            assert cap.held > 0, "a worker without places held is still kept"
+        assert self.process.held == sum(cap.held for cap in self._workers.values())
+
+
 @dataclass(slots=True)
 class Transport:
     """The one aiohttp session of the process for client traffic (streams, https workers,
-    render), the gateway's own session for its checks of the workers
+    stored responses, render), the gateway's own session for its checks of the workers
     (`probes`: health, model cards, load scrapes, canaries), and the lean client for non-streamed
     POSTs to plain-HTTP workers (`gateway/upstream.py`; None: aiohttp carries everything). All are
     made by `open` at lifespan startup and closed by `close` at its end. Both clients read whole
     answers within `answers`, the process's budget for them (`limits.max_buffered_answer_bytes`),
     which outlives them; the lean client's streams count their unread bytes in `streams`
-    (`limits.max_buffered_stream_bytes`; aiohttp keeps its own small per-stream buffer)."""
+    (`limits.max_buffered_stream_bytes`; aiohttp keeps its own small per-stream buffer).
+    `stored` bounds the stored-response requests on the session."""
 
     session: aiohttp.ClientSession | None = None
     probes: aiohttp.ClientSession | None = None
     lean: UpstreamPool | None = None
     answers: AnswerBudget = field(default_factory=lambda: AnswerBudget(DEFAULT_BUDGET_BYTES))
     streams: StreamBuffers = field(default_factory=lambda: StreamBuffers(DEFAULT_STREAM_BUFFER_BYTES))
+    stored: StoredPlaces = field(default_factory=lambda: StoredPlaces(UpstreamConfig()))
 
     def open(self, config: UpstreamConfig) -> aiohttp.ClientSession:
         self.session = make_session(config)

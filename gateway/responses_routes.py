@@ -18,7 +18,9 @@ pool forwards, and the query string (`stream`, `starting_after`).
 These requests are outside `limits.max_in_flight_requests`; each one a worker is asked (the
 holder's, and each `GET` of the search) takes a place of `transport.StoredPlaces`, the bound per
 worker and per process, with each tenant's share, until its answer ends: one refused is a 503
-`gateway_overloaded` with `Retry-After: 1` (in the search, a worker that could not tell).
+`gateway_overloaded` with `Retry-After: 1` (in the search, a worker that could not tell). A `HEAD`
+is answered as a `GET`'s head: the worker is sent a `GET`, the body is not sent (nor a stream
+relayed: its head alone, and the worker's stream closed).
 """
 
 from __future__ import annotations
@@ -172,6 +174,11 @@ def responses_routes(
                     done(err.status, err.code or err.type)
                     return error(err, reply_id)
                 if source.status == 200 and _is_event_stream(source.content_type):
+                    if request.method == "HEAD":  # a stream's head alone: nothing to relay
+                        source.close()
+                        done(200)
+                        head = _stream_head(reply_id, limiter.rate_headers(time.monotonic()))
+                        return Response(status_code=200, headers=head, media_type=None)
                     # The stream gives the limiter's slot back, and counts the request, when it ends.
                     return StoredResponseStream(
                         source,
@@ -220,6 +227,17 @@ def responses_routes(
     ]
 
 
+def _stream_head(reply_id: str, rate_headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    """The head of a relayed stream (`StoredResponseStream`), for a `HEAD` of one."""
+    head = {
+        "content-type": "text/event-stream; charset=utf-8",
+        "cache-control": "no-cache",
+        "x-accel-buffering": "no",
+        "x-request-id": reply_id,
+    }
+    return head | {name.decode(): value.decode() for name, value in rate_headers}
+
+
 @dataclass(slots=True)
 class _Retrieval:
     """One client request for a stored response (`suffix`: "" or "/cancel"), as a worker is
@@ -256,9 +274,11 @@ class _Retrieval:
         return worker_headers(self.request_id, pool.auth, pick(raw, pool.forward), trace)
 
     async def ask(self, pool: Pool, worker_url: str) -> AiohttpSource:
-        """The worker's answer head to the client's request (its method and query string)."""
+        """The worker's answer head to the client's request (its method, a `HEAD` as a `GET`, and
+        its query string)."""
+        method = "GET" if self.request.method == "HEAD" else self.request.method
         resp = await self.transport.upstream().request(
-            self.request.method,
+            method,
             stored_url(worker_url, self.response_id, self.suffix),
             headers=self.headers(pool),
             params=list(self.request.query_params.multi_items()),

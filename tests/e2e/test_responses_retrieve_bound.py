@@ -2,7 +2,7 @@
 (`GET /v1/responses/{id}?stream=true`, left open) no longer takes the worker out of rotation for
 every tenant. Its retrieves past its share of the worker's bound get 503 `gateway_overloaded`;
 the gateway's health checks and scrapes, on a session of their own, keep answering; another
-tenant is served."""
+tenant is served. A `HEAD` of a stored response is its `GET`'s head."""
 
 from __future__ import annotations
 
@@ -158,5 +158,10 @@ def test_open_streamed_retrieves_of_one_tenant_leave_the_worker_up(tmp_path: Pat
         a = {"authorization": "Bearer sk-a"}
         url = f"{stack.base_url}/v1/responses/{rid}"
         wait_until_sync(lambda: httpx.get(url, headers=a, timeout=10).status_code == 200, what="a is served")
+        # A HEAD is the GET's head, without a body, as on the gateway's other GET routes.
+        head = httpx.head(url, headers=a, timeout=10)
+        assert head.status_code == 200 and head.content == b""
+        assert head.headers["content-type"].startswith("application/json")
+        assert httpx.head(stack.base_url + "/v1/models", headers=a, timeout=10).status_code == 200
         httpx.post(url + "/cancel", headers=a, timeout=10)
         assert "Traceback" not in stack.gateway.output()

@@ -1,6 +1,6 @@
 """Stored-response requests are bounded per worker and per process, with each tenant's share
 (`transport.StoredPlaces`): one tenant's open retrieves cannot take a worker's connection pool
-from the others."""
+from the others. A `HEAD` of a stored response is a `GET`'s head."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import httpx
+import pytest
 from aiohttp import web
 
 from gateway.auth import hash_api_key
@@ -184,3 +185,23 @@ async def test_a_search_without_a_place_is_a_503_not_a_404() -> None:
         assert refused.json()["error"]["code"] == "gateway_overloaded"
         assert s.worker.asked == []
         hold.give_back()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_head_of_a_stored_response_is_a_gets_head(stream: bool) -> None:
+    async with stack() as s:
+        a = await _created(s, "a")
+        params = {"stream": "true"} if stream else {}
+        task = asyncio.create_task(s.client.head(f"/v1/responses/{a}", params=params, headers=_key("a")))
+        await wait_until(lambda: s.worker.asked, what="the worker was asked")
+        assert s.worker.asked[0].startswith("GET ")
+        if not stream:  # the holder holds its answer: the test leaves it
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return
+        resp = await task
+        assert resp.status_code == 200 and resp.content == b""
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        await wait_until(lambda: s.worker.closed, what="the worker's stream closed")
+        await wait_until(lambda: s.state.transport.stored.held(s.url) == 0, what="the place given back")

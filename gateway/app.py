@@ -231,18 +231,19 @@ class CorsGatewayApp(GatewayApp):
 
 
 def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> GatewayApp:
-    """The ASGI app over a prepared state; the lifespan owns the upstream session and health loops."""
+    """The ASGI app over a prepared state; the lifespan owns the upstream sessions and health loops."""
 
     lifecycle, transport = state.lifecycle, state.transport
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
-        session = transport.open(state.config.upstream)
+        transport.open(state.config.upstream)
+        # The gateway's own checks of its workers go on a session of their own: client traffic
+        # filling the shared pool cannot make a healthy worker's checks time out.
+        probes = transport.prober()
         flusher: asyncio.Task[None] | None = None
         announcer: asyncio.Task[None] | None = None
-        fleet = Fleet(
-            state.config, state.registry, state.routing, state.gate.keyring.salt_namespaces, session
-        )
+        fleet = Fleet(state.config, state.registry, state.routing, state.gate.keyring.salt_namespaces, probes)
         state.fleet = fleet
         # Before the rest starts: the supervisor of `--processes` hears from this loop meanwhile.
         heartbeat = start_beating(os.environ)
@@ -259,9 +260,9 @@ def build_app(state: GatewayState, watcher: PolicyWatcher | None = None) -> Gate
                     limiters=state.gate.limiters,
                 )
                 await state.sync.start()  # connects in the background: never waits on the broker
-            await state.registry.check_all(session)
-            state.registry.start(session)
-            state.canaries = Canaries(state.registry, session)
+            await state.registry.check_all(probes)
+            state.registry.start(probes)
+            state.canaries = Canaries(state.registry, probes)
             state.canaries.start()
             flusher = asyncio.create_task(_flush_logs(state.routing), name="access-log")
             if watcher is not None:

@@ -68,7 +68,9 @@ def worker_source(config: PoolConfig) -> WorkerSource | WatchingSource:
 
 
 class Fleet:
-    """Owns the per-pool discovery loops, the metrics scraper and the KV-event subscriber."""
+    """Owns the per-pool discovery loops, the metrics scraper and the KV-event subscriber.
+    `session` is the gateway's session for its own checks (`transport.make_probe_session`): the
+    scrapes and the first health checks of new workers, never waiting behind client traffic."""
 
     def __init__(
         self,

@@ -1,7 +1,9 @@
 """The active health check: one `GET /health` of a worker, answered 200 or not.
 
 Each pool's round of these (`registry.Pool.check`) feeds `Worker.record_health`, whose streaks
-decide when a worker goes up or down; the rounds run on the registry's health tasks.
+decide when a worker goes up or down; the rounds run on the registry's health tasks, on the
+session of the gateway's own checks (`transport.make_probe_session`): the timeout counts the wait
+for a pooled connection, which client traffic must not be able to fill.
 """
 
 from __future__ import annotations

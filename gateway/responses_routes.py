@@ -14,6 +14,13 @@ that leaves while the request waits on a worker closes the worker's request (cou
 the drain deadline answers one still waiting with 503 `gateway_shutting_down`. The worker gets
 what a proxied request would send it: the pool's API key for its workers, the client headers the
 pool forwards, and the query string (`stream`, `starting_after`).
+
+These requests are outside `limits.max_in_flight_requests`; each one a worker is asked (the
+holder's, and each `GET` of the search) takes a place of `transport.StoredPlaces`, the bound per
+worker and per process, with each tenant's share, until its answer ends: one refused is a 503
+`gateway_overloaded` with `Retry-After: 1` (in the search, a worker that could not tell). A `HEAD`
+is answered as a `GET`'s head: the worker is sent a `GET`, the body is not sent (nor a stream
+relayed: its head alone, and the worker's stream closed).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from gateway.failure import (
     BUSY_STATUSES,
     REFUSED_CREDENTIALS,
     TRANSPORT_ERRORS,
+    Failure,
     Stage,
     failure_of,
     worker_status,
@@ -45,17 +53,18 @@ from gateway.quotas import Rejection
 from gateway.registry import Pool, Registry
 from gateway.request_head import RequestIds, client_request_id, new_request_id
 from gateway.responses_affinity import ResponseAffinity, not_found
-from gateway.responses_search import find_holder, holds, pools_to_search, stored_url
+from gateway.responses_search import Undecided, find_holder, holds, pools_to_search, stored_url
 from gateway.responses_stream import StoredResponseStream
 from gateway.routes import CANCEL_RESPONSE_PATH, STORED_RESPONSE_PATH
 from gateway.routing import Routing
 from gateway.streaming import AiohttpSource
 from gateway.surface import error, tenant_of
 from gateway.tracing import TRACE_CONTEXT_HEADERS
-from gateway.transport import Transport
+from gateway.transport import StoredPlace, Transport
 from gateway.upstream import UpstreamError
 from gateway.upstream_headers import aiohttp_pairs, pick, worker_headers
 from gateway.worker import Worker
+from policies.base import Outcome
 
 # The `endpoint` labels of the stored-response routes (the proxied routes' are in `routes.ROUTES`).
 RETRIEVE_ENDPOINT = "responses.retrieve"
@@ -63,6 +72,19 @@ CANCEL_ENDPOINT = "responses.cancel"
 STORED_RESPONSE_ENDPOINTS = (RETRIEVE_ENDPOINT, CANCEL_ENDPOINT)
 
 _TRACE_CONTEXT = frozenset(name.encode() for name in TRACE_CONTEXT_HEADERS)
+
+
+def _overloaded() -> ApiError:
+    """The answer to a request refused a place of `transport.StoredPlaces` (the same whichever
+    cap refused it: a tenant is not told its share, which would tell it how many others ask)."""
+    return ApiError(
+        503,
+        "too many stored-response requests in flight to the worker holding the response; retry shortly",
+        "server_error",
+        "gateway_overloaded",
+        None,
+        {"retry-after": "1"},
+    )
 
 
 def _rejected(rejection: Rejection, rate_headers: list[tuple[bytes, bytes]]) -> ApiError:
@@ -107,6 +129,15 @@ def responses_routes(
             return error(refused, reply_id)
         worker: str | None = None
         salts = (tenant.cache_salt, gate.keyring.public_salt)
+        call = _Retrieval(
+            transport,
+            request.path_params["response_id"],
+            tenant.name,
+            suffix,
+            request,
+            tracing,
+            ids.internal,
+        )
 
         def withhold(text: bytes) -> bytes:
             """A worker's error without the salts this tenant's requests carry: the response was
@@ -116,6 +147,7 @@ def responses_routes(
         def done(status: int, code: str | None = None) -> None:
             """`code`: the error the gateway answered (None for a worker's answer, passed on)."""
             limiter.leave()
+            call.release()
             metrics.requests.labels("", tenant.name, str(status), endpoint).inc()
             record_refusal(
                 routing,
@@ -137,20 +169,16 @@ def responses_routes(
         with lifecycle.waiting_on_worker(request.receive) as guard:
             try:
                 try:
-                    call = _Retrieval(
-                        transport,
-                        request.path_params["response_id"],
-                        tenant.name,
-                        suffix,
-                        request,
-                        tracing,
-                        ids.internal,
-                    )
                     pool, worker, source = await _to_holder(gate.responses, registry, call)
                 except ApiError as err:
                     done(err.status, err.code or err.type)
                     return error(err, reply_id)
                 if source.status == 200 and _is_event_stream(source.content_type):
+                    if request.method == "HEAD":  # a stream's head alone: nothing to relay
+                        source.close()
+                        done(200)
+                        head = _stream_head(reply_id, limiter.rate_headers(time.monotonic()))
+                        return Response(status_code=200, headers=head, media_type=None)
                     # The stream gives the limiter's slot back, and counts the request, when it ends.
                     return StoredResponseStream(
                         source,
@@ -199,10 +227,22 @@ def responses_routes(
     ]
 
 
-@dataclass(frozen=True, slots=True)
+def _stream_head(reply_id: str, rate_headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    """The head of a relayed stream (`StoredResponseStream`), for a `HEAD` of one."""
+    head = {
+        "content-type": "text/event-stream; charset=utf-8",
+        "cache-control": "no-cache",
+        "x-accel-buffering": "no",
+        "x-request-id": reply_id,
+    }
+    return head | {name.decode(): value.decode() for name, value in rate_headers}
+
+
+@dataclass(slots=True)
 class _Retrieval:
     """One client request for a stored response (`suffix`: "" or "/cancel"), as a worker is
-    asked it; `request_id` names it to the worker."""
+    asked it; `request_id` names it to the worker. `place`: its place at the holder
+    (`transport.StoredPlaces`), from the moment the holder is asked until `release`."""
 
     transport: Transport
     response_id: str
@@ -211,6 +251,20 @@ class _Retrieval:
     request: Request
     tracing: bool
     request_id: str
+    place: StoredPlace | None = None
+
+    def take_place(self, worker_url: str) -> StoredPlace:
+        """A place at the worker for this request, or the client's 503 (`_overloaded`)."""
+        place = self.transport.stored.take(worker_url, self.tenant)
+        if place is None:
+            raise _overloaded()
+        return place
+
+    def release(self) -> None:
+        """Give back the place at the holder, once the request has ended (more calls: nothing)."""
+        if self.place is not None:
+            self.place.give_back()
+            self.place = None
 
     def headers(self, pool: Pool) -> list[tuple[str, str]]:
         """The headers a proxied request carries to a worker of `pool`: the pool's worker key,
@@ -220,9 +274,11 @@ class _Retrieval:
         return worker_headers(self.request_id, pool.auth, pick(raw, pool.forward), trace)
 
     async def ask(self, pool: Pool, worker_url: str) -> AiohttpSource:
-        """The worker's answer head to the client's request (its method and query string)."""
+        """The worker's answer head to the client's request (its method, a `HEAD` as a `GET`, and
+        its query string)."""
+        method = "GET" if self.request.method == "HEAD" else self.request.method
         resp = await self.transport.upstream().request(
-            self.request.method,
+            method,
             stored_url(worker_url, self.response_id, self.suffix),
             headers=self.headers(pool),
             params=list(self.request.query_params.multi_items()),
@@ -231,8 +287,23 @@ class _Retrieval:
         return AiohttpSource(resp, self.transport.answers.share(self.tenant))
 
     async def holds(self, pool: Pool, worker: Worker) -> Literal[True] | None:
-        """Whether `worker` holds the response (`responses_search.holds`)."""
-        return await holds(self.transport.upstream(), pool, worker, self.response_id, self.headers(pool))
+        """Whether `worker` holds the response (`responses_search.holds`), asked under a place
+        at it: without one, it could not tell (`Undecided`, a 503 if no other worker holds it)."""
+        place = self.transport.stored.take(worker.url, self.tenant)
+        if place is None:
+            raise Undecided(_NO_PLACE)
+        try:
+            return await holds(self.transport.upstream(), pool, worker, self.response_id, self.headers(pool))
+        finally:
+            place.give_back()
+
+
+_NO_PLACE = Failure(
+    503,
+    "too many stored-response requests in flight to it",
+    "gateway_overloaded",
+    Outcome.ABORTED,
+)
 
 
 async def _to_holder(
@@ -277,7 +348,9 @@ async def _find_holder(
 
 
 async def _ask_holder(call: _Retrieval, pool: Pool, worker: Worker) -> AiohttpSource:
-    """The holder's answer head to the client's request; its failures as the client's errors."""
+    """The holder's answer head to the client's request, asked under a place at it (held until
+    the request ends: `_Retrieval.release`); its failures as the client's errors."""
+    call.place = call.take_place(worker.url)
     try:
         return await call.ask(pool, worker.url)
     except TimeoutError:

@@ -274,8 +274,10 @@ class _Target:
 class MetricsScraper:
     """One polling task per worker; `fresh(worker)` returns the last result unless it is stale.
 
-    The aiohttp session is the gateway's shared upstream client when given (its limits apply);
-    otherwise the scraper owns one. A failed scrape keeps the previous result, which then ages out.
+    The aiohttp session is the gateway's session for its checks of the workers when given
+    (`transport.make_probe_session`, apart from client traffic: a scrape's timeout counts the
+    wait for a connection); otherwise the scraper owns one. A failed scrape keeps the previous
+    result, which then ages out.
     """
 
     def __init__(

@@ -28,7 +28,7 @@ from gateway.responses_ids import ResponseIds
 from gateway.routing import Routing
 from gateway.stream_body import StreamBuffers
 from gateway.tracing import TRACE_CONTEXT_HEADERS, RequestTracer
-from gateway.transport import Transport
+from gateway.transport import StoredPlaces, Transport
 from gateway.upstream_conn import MAX_ANSWER_BYTES
 from gateway.upstream_headers import WorkerAuth
 from policies.base import RoutingPolicy
@@ -111,6 +111,7 @@ def build_state(
             share_refusals=metrics.answer_share_refusals.labels,
         ),
         streams=StreamBuffers(config.limits.max_buffered_stream_bytes),
+        stored=StoredPlaces(config.upstream, weights),
     )
     gone_s = restarted_after_s_of(os.environ)  # a restarted `--processes` child's predecessor's absence
     gate = Gate(

@@ -32,7 +32,7 @@ from typing import Literal
 
 import aiohttp
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from gateway.config.pool import TimeoutsConfig
@@ -178,7 +178,8 @@ def responses_routes(
                         source.close()
                         done(200)
                         head = _stream_head(reply_id, limiter.rate_headers(time.monotonic()))
-                        return Response(status_code=200, headers=head, media_type=None)
+                        # As the stream's head: no Content-Length (a `Response` would say 0).
+                        return StreamingResponse(iter(()), status_code=200, headers=head, media_type=None)
                     # The stream gives the limiter's slot back, and counts the request, when it ends.
                     return StoredResponseStream(
                         source,

@@ -52,8 +52,9 @@ class StoredPlaces:
     (`per_worker`, at least 1) and the process's at a quarter of `upstream.max_connections`, and at
     either cap a tenant below its share still gets a place, up to twice the cap in all. So the
     stored-response requests of all tenants hold at most half of a worker's connections, and one
-    tenant's alone at most a quarter: one tenant's open streams cannot take a worker's connection
-    pool from every tenant's proxied requests. Invariant: `_workers` holds a cap for exactly the
+    tenant's alone at most a quarter (below 4 connections per worker the cap of 1 rounds these
+    up): one tenant's open streams cannot take a worker's connection pool from every tenant's
+    proxied requests. Invariant: `_workers` holds a cap for exactly the
     workers with a place held (so its size is bounded by the places held, never by the workers
     ever asked)."""
 
@@ -203,4 +204,10 @@ def make_probe_session(config: UpstreamConfig) -> aiohttp.ClientSession:
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=10.0, sock_read=120.0),  # as `make_session`
         cookie_jar=aiohttp.DummyCookieJar(),
         skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        # The answer-head bounds of `make_session`: a worker (or a proxy in front of it) whose
+        # answers pass aiohttp's 8,190-byte default line would fail every check, and be taken out
+        # of rotation, while client traffic to it is served.
+        max_line_size=MAX_ANSWER_HEAD_BYTES,
+        max_field_size=MAX_ANSWER_HEAD_BYTES,
+        max_headers=MAX_ANSWER_HEADERS,
     )

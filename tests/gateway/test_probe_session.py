@@ -75,3 +75,41 @@ async def test_health_checks_are_not_starved_by_the_shared_pool() -> None:
                 resp.close()
     finally:
         await runner.cleanup()
+
+
+async def test_checks_read_answer_heads_within_the_client_traffic_bounds() -> None:
+    # A header line past aiohttp's 8,190-byte default (a proxy's note), well within the gateway's
+    # own bound: the worker's checks pass, as its client traffic does.
+    checks: list[int] = []
+
+    async def health(_: web.Request) -> web.Response:
+        checks.append(1)
+        return web.Response(text="ok", headers={"x-proxy-note": "a" * 9000})
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    runner, port = await serve_app(app)
+    health_cfg = {"interval_s": 0.05, "timeout_s": 1.0, "failures_to_down": 1}
+    url = f"http://127.0.0.1:{port}"
+    config = {
+        "pools": [{"name": "p", "models": ["m"], "workers": [url], "health": health_cfg}],
+        "tenants": [{"name": "t", "api_key_hashes": [hash_api_key(SECRET, "sk")]}],
+        "scrape": {"enabled": False},
+    }
+    try:
+        policy = make_policy("round_robin")
+        async with gateway_in_process(config, policy, secret=SECRET, workers_up=False) as gw:
+            worker = next(iter(gw.state.registry.pools["p"].workers.values()))
+            await wait_until(lambda: len(checks) >= 3, what="three health checks")
+            await wait_until(lambda: worker.healthy, what="the worker found healthy")
+            seen = len(checks)
+            up: list[bool] = []
+
+            def three_more() -> bool:
+                up.append(worker.healthy)
+                return len(checks) >= seen + 3
+
+            await wait_until(three_more, what="three more health checks")
+            assert all(up)
+    finally:
+        await runner.cleanup()

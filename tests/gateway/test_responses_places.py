@@ -203,5 +203,7 @@ async def test_head_of_a_stored_response_is_a_gets_head(stream: bool) -> None:
         resp = await task
         assert resp.status_code == 200 and resp.content == b""
         assert resp.headers["content-type"].startswith("text/event-stream")
+        # The stream's head as a GET gets it: no Content-Length (RFC 9110, 8.6).
+        assert "content-length" not in resp.headers
         await wait_until(lambda: s.worker.closed, what="the worker's stream closed")
         await wait_until(lambda: s.state.transport.stored.held(s.url) == 0, what="the place given back")

@@ -161,6 +161,7 @@ class CostParamsYaml(_Strict):
     tpot_objective_s: float = Field(0.1, gt=0)
     stay_objective_s: float | None = Field(1.4, gt=0)
     stay_within_s: float = Field(0.7, ge=0)
+    stay_waited_within_s: float | None = Field(3.0, ge=0)
     stay_tpot_s: float = Field(0.05, ge=0)
 
 

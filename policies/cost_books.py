@@ -13,6 +13,7 @@ from policies.base import Observation, RouteDecision, RouteRequest, WorkerId
 from policies.cost_decode import DecodeLedger
 from policies.cost_herd import HerdingPolicy
 from policies.cost_ledger import InflightLedger, RecentWork
+from policies.cost_turns import TurnChains
 from policies.peer_sync import PeerHolding
 from policies.pools import PoolState
 from policies.prefix_policy import SharedSettings
@@ -32,6 +33,8 @@ class CostBooks(HerdingPolicy):
         self._recent_work = RecentWork(load_window_s)
         self._ledger = InflightLedger()
         self._decodes = DecodeLedger()
+        # Set by `cost` when `stay_waited_within_s` is: which turns were sent without waiting.
+        self._turns: TurnChains | None = None
 
     def carry_over(self, previous: object, pools: Collection[str]) -> list[str]:
         """`PrefixPolicyBase.carry_over`, and from a `cost` policy its recent routing: the
@@ -45,6 +48,8 @@ class CostBooks(HerdingPolicy):
             self._recent_work = previous._recent_work
             self._recent_work.window_s = self.load_window_s
             self._decodes = previous._decodes
+            if self._turns is not None and previous._turns is not None:
+                self._turns = previous._turns
         return kept
 
     def retire(self) -> None:
@@ -52,6 +57,8 @@ class CostBooks(HerdingPolicy):
         self._recent_work = RecentWork(self.load_window_s)
         self._ledger = InflightLedger()
         self._decodes = DecodeLedger()
+        if self._turns is not None:
+            self._turns = TurnChains()
 
     def recent_work_s(self, worker: WorkerId, now_s: float) -> float:
         """Prefill seconds this policy routed to `worker`, exponentially decayed over `load_window_s`;
@@ -66,6 +73,8 @@ class CostBooks(HerdingPolicy):
         super().on_complete(obs, now_s)
         self._ledger.remove(obs.request.request_id, obs.worker)
         self._decodes.remove(obs.request.request_id, obs.worker)
+        if self._turns is not None:
+            self._turns.ended(obs.request.request_id, obs.worker)
 
     def _forget_load(self, pool: str, worker: WorkerId, gone: bool) -> None:
         # The in-flight ledger needs nothing: each of its requests leaves it when its outcome
@@ -81,6 +90,8 @@ class CostBooks(HerdingPolicy):
     ) -> None:
         matched = min(decision.matched_tokens, req.n_prompt_tokens)
         self._ledger.add(req.request_id, decision.worker, req.n_prompt_tokens, req.n_prompt_tokens - matched)
+        if self._turns is not None:
+            self._turns.dispatched(req.request_id, decision.worker, req.block_keys)
         self._add_work(pool, decision.worker, req.n_prompt_tokens, matched, now_s)
         if self.records_decodes:
             # Its first token is predicted where the decision predicted its queue and prefill.

@@ -43,7 +43,9 @@ token counts are in engine tokens, see `CostModel.engine_tokens_per_request_toke
    request stays with that holder (`policies.cost_keep`): the score counts
    the holder's backlog whole, which a session's previous turn still in prefill, mostly cached and
    partly computed, makes look seconds away. A `stay_within_s` above `stay_objective_s` also keeps
-   turns that miss the objective either way, on their holders (which saves recomputing them).
+   turns that miss the objective either way, on their holders (which saves recomputing them); a
+   turn whose client waited for the answer before it has `stay_waited_within_s` instead
+   (`policies.cost_turns`).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from policies.cost_decode import DecodePrice
 from policies.cost_keep import stay
 from policies.cost_scan import CandidateCache, Positions, by_backlog, fewest_in_flight
 from policies.cost_scorer import Scorer
+from policies.cost_turns import TurnChains
 from policies.herd import HOLD_STEPS_S
 from policies.prefix_policy import SharedSettings, servable_tokens
 from policies.registry import register_policy
@@ -96,6 +99,7 @@ class CostPolicy(CostBooks):
         stay_objective_s: float | None = 1.4,
         stay_within_s: float = 0.7,
         stay_tpot_s: float = 0.05,
+        stay_waited_within_s: float | None = 3.0,
         shared: SharedSettings | None = None,
     ) -> None:
         if (
@@ -135,6 +139,8 @@ class CostPolicy(CostBooks):
             raise ValueError("tpot_objective_s must be > 0")
         if stay_objective_s is not None and stay_objective_s <= 0:
             raise ValueError("stay_objective_s must be > 0 (or None: off)")
+        if stay_waited_within_s is not None and stay_waited_within_s < 0:
+            raise ValueError("stay_waited_within_s must be >= 0 (or None: as stay_within_s)")
         super().__init__(seed=seed, shared=shared, load_window_s=load_window_s)
         self.epsilon = epsilon
         self.slack_requests = slack_requests
@@ -156,6 +162,9 @@ class CostPolicy(CostBooks):
         self.stay_objective_s = stay_objective_s
         self.stay_within_s = stay_within_s
         self.stay_tpot_s = stay_tpot_s
+        self.stay_waited_within_s = stay_waited_within_s
+        if stay_waited_within_s is not None and stay_objective_s is not None:
+            self._turns = TurnChains()
         self._last_n = -1
         self._observe_step = 1
         self._positions = Positions()
@@ -352,6 +361,10 @@ class CostPolicy(CostBooks):
             chosen, matched, queue = self._rng.choice(best)
         score = scorer.best_score
         over_s = self.stay_objective_s
+        within_s = self.stay_within_s
+        turns, waited_s = self._turns, self.stay_waited_within_s
+        if turns is not None and waited_s is not None and turns.arrived(req.block_keys, match.longest_blocks):
+            within_s = waited_s  # its client waited for the answer before it (`cost_turns`)
         if over_s is not None and held:
             # Step 8 of the module docstring (`policies.cost_keep`).
             kept = stay(
@@ -368,7 +381,7 @@ class CostPolicy(CostBooks):
                 limit_tokens=limit,
                 block_size_tokens=bs,
                 now_s=now_s,
-                within_s=self.stay_within_s,
+                within_s=within_s,
                 over_s=over_s,
             )
             if kept is not None:

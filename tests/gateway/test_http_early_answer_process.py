@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import orjson
 import pytest
 
 from gateway.http_linger import LINGER_S
-from tests.support.gateway_config import tenant, write_gateway_config
-from tests.support.processes import Proc, free_port, start_gateway
+from tests.support.processes import LoneGateway as Gateway
+from tests.support.processes import lone_gateway
 
 pytestmark = pytest.mark.e2e
 
@@ -32,30 +30,10 @@ BODY = b'{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":1}
 VERSION = b"GET /version HTTP/1.1\r\nHost: k\r\n\r\n"
 
 
-@dataclass
-class Gateway:
-    port: int
-    proc: Proc
-
-
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    folder: Path = tmp_path_factory.mktemp("early_answer")
-    (folder / "policy.yaml").write_text("policy: cost\n")
-    config = write_gateway_config(
-        folder / "gateway.yaml",
-        # No worker answers: every request here is answered by the gateway itself.
-        [{"name": "p", "models": ["m"], "workers": [f"http://127.0.0.1:{free_port()}"]}],
-        [tenant("a", "sk-a")],
-        limits={"body_timeout_s": BODY_TIMEOUT_S},
-        policy_file="policy.yaml",
-    )
-    port = free_port()
-    proc = start_gateway(config, port)
-    try:
-        yield Gateway(port, proc)
-    finally:
-        proc.stop()
+    with lone_gateway(tmp_path_factory.mktemp("early_answer"), {"body_timeout_s": BODY_TIMEOUT_S}) as gw:
+        yield gw
 
 
 def _post_head(*, expect: bool) -> bytes:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
@@ -20,8 +19,8 @@ import pytest
 from gateway.http_limits import MAX_PIPELINED
 from gateway.http_linger import LINGER_S
 from loadtest.abuse.probes_connections import parse_answers
-from tests.support.gateway_config import tenant, write_gateway_config
-from tests.support.processes import Proc, free_port, start_gateway
+from tests.support.processes import LoneGateway as Gateway
+from tests.support.processes import lone_gateway
 from tests.support.wait import wait_until_sync
 
 pytestmark = pytest.mark.e2e
@@ -33,30 +32,13 @@ BURST_BYTES = 256 * 1024  # more than one read of the gateway's: most of it is l
 ESTABLISHED = "01"
 
 
-@dataclass
-class Gateway:
-    port: int
-    proc: Proc
-
-
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    folder: Path = tmp_path_factory.mktemp("linger")
-    (folder / "policy.yaml").write_text("policy: cost\n")
-    config = write_gateway_config(
-        folder / "gateway.yaml",
-        # No worker answers: every request here is answered or refused by the gateway itself.
-        [{"name": "p", "models": ["m"], "workers": [f"http://127.0.0.1:{free_port()}"]}],
-        [tenant("a", "sk-a")],
-        limits={"max_body_bytes": MAX_BODY_BYTES, "max_header_bytes": MAX_HEADER_BYTES},
-        policy_file="policy.yaml",
-    )
-    port = free_port()
-    proc = start_gateway(config, port)
-    try:
-        yield Gateway(port, proc)
-    finally:
-        proc.stop()
+    with lone_gateway(
+        tmp_path_factory.mktemp("linger"),
+        {"max_body_bytes": MAX_BODY_BYTES, "max_header_bytes": MAX_HEADER_BYTES},
+    ) as gw:
+        yield gw
 
 
 def _server_side(gateway: Gateway, client_port: int) -> tuple[str, str] | None:

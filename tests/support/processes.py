@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loadtest.ports import free_port as free_port
-from tests.support.gateway_config import SECRET
+from tests.support.gateway_config import SECRET, tenant, write_gateway_config
 from tests.support.wait import wait_until_sync
 
 REPO = Path(__file__).resolve().parents[2]
@@ -145,3 +145,31 @@ def start_gateway(
     return started(
         argv, f"http://127.0.0.1:{port}/readyz", {"KVGATE_KEY_SECRET": secret.decode(), **(env or {})}
     )
+
+
+@dataclass
+class LoneGateway:
+    """A gateway process whose one worker never answers (a free port): every request is answered
+    or refused by the gateway itself, as the tests of its own framing and closes want."""
+
+    port: int
+    proc: Proc
+
+
+@contextlib.contextmanager
+def lone_gateway(folder: Path, limits: dict[str, object]) -> Iterator[LoneGateway]:
+    """A `LoneGateway` with `limits`, tenant `a` (key `sk-a`), policy `cost`; stopped on exit."""
+    (folder / "policy.yaml").write_text("policy: cost\n")
+    config = write_gateway_config(
+        folder / "gateway.yaml",
+        [{"name": "p", "models": ["m"], "workers": [f"http://127.0.0.1:{free_port()}"]}],
+        [tenant("a", "sk-a")],
+        limits=limits,
+        policy_file="policy.yaml",
+    )
+    port = free_port()
+    proc = start_gateway(config, port)
+    try:
+        yield LoneGateway(port, proc)
+    finally:
+        proc.stop()

@@ -141,6 +141,9 @@ def start_gateway(
     `port_from_config` the config's own `listen` and `metrics.listen` are used, and must name `port`."""
     argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path)]
     if not port_from_config:
+        # Any free port, from this test process's share (`loadtest.ports`): a port the kernel
+        # picks for port 0 could be one another parallel test process has just picked.
+        metrics_port = metrics_port or free_port()
         argv += ["--port", str(port), "--metrics-port", str(metrics_port)]
     return started(
         argv, f"http://127.0.0.1:{port}/readyz", {"KVGATE_KEY_SECRET": secret.decode(), **(env or {})}

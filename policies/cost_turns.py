@@ -18,8 +18,8 @@ so an open-loop session that happens to wait once gets nothing looser.
 
 What this gateway sees only: a turn whose predecessor is in flight through another gateway
 counts as waited for. Bounded: at most `MAX_CHAINS` chain ends are remembered (the oldest
-forgotten: a forgotten end counts as waited for), and prompts in flight are those of
-`InflightLedger`, removed with their outcomes.
+forgotten: a forgotten end counts as waited for); prompts in flight leave with their outcomes,
+and past `MAX_IN_FLIGHT` the oldest counts as ended (outcomes lost), as in `InflightLedger`.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ from gateway.registry import Pool, Registry
 from gateway.request_head import RequestIds, client_request_id, new_request_id
 from gateway.responses_affinity import ResponseAffinity, not_found
 from gateway.responses_search import Undecided, find_holder, holds, pools_to_search, stored_url
-from gateway.responses_stream import StoredResponseStream
+from gateway.responses_stream import StoredResponseStream, stream_head
 from gateway.routes import CANCEL_RESPONSE_PATH, STORED_RESPONSE_PATH
 from gateway.routing import Routing
 from gateway.streaming import AiohttpSource
@@ -177,9 +177,10 @@ def responses_routes(
                     if request.method == "HEAD":  # a stream's head alone: nothing to relay
                         source.close()
                         done(200)
-                        head = _stream_head(reply_id, limiter.rate_headers(time.monotonic()))
+                        head = stream_head(reply_id, limiter.rate_headers(time.monotonic()))
                         # As the stream's head: no Content-Length (a `Response` would say 0).
-                        return StreamingResponse(iter(()), status_code=200, headers=head, media_type=None)
+                        headers = {name.decode(): value.decode() for name, value in head}
+                        return StreamingResponse(iter(()), status_code=200, headers=headers, media_type=None)
                     # The stream gives the limiter's slot back, and counts the request, when it ends.
                     return StoredResponseStream(
                         source,
@@ -226,17 +227,6 @@ def responses_routes(
         Route(STORED_RESPONSE_PATH, retrieve, methods=["GET"]),
         Route(CANCEL_RESPONSE_PATH, cancel, methods=["POST"]),
     ]
-
-
-def _stream_head(reply_id: str, rate_headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
-    """The head of a relayed stream (`StoredResponseStream`), for a `HEAD` of one."""
-    head = {
-        "content-type": "text/event-stream; charset=utf-8",
-        "cache-control": "no-cache",
-        "x-accel-buffering": "no",
-        "x-request-id": reply_id,
-    }
-    return head | {name.decode(): value.decode() for name, value in rate_headers}
 
 
 @dataclass(slots=True)

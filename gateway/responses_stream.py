@@ -39,6 +39,17 @@ _GATEWAY_SHUTTING_DOWN = "gateway_shutting_down"
 log = logging.getLogger("kvgate.responses")
 
 
+def stream_head(reply_id: str, rate_headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The head of a relayed stored-response stream (a `HEAD` of one gets it too)."""
+    return [
+        (b"content-type", b"text/event-stream; charset=utf-8"),
+        (b"cache-control", b"no-cache"),
+        (b"x-accel-buffering", b"no"),
+        (b"x-request-id", reply_id.encode()),
+        *rate_headers,
+    ]
+
+
 class StoredResponseStream(Response):
     """An ASGI response that owns the worker's event stream until it ends, the worker's error
     event passed through `withhold` (the salts the tenant's requests carry); `done(status, error)`
@@ -105,13 +116,7 @@ class StoredResponseStream(Response):
             {
                 "type": "http.response.start",
                 "status": 200,
-                "headers": [
-                    (b"content-type", b"text/event-stream; charset=utf-8"),
-                    (b"cache-control", b"no-cache"),
-                    (b"x-accel-buffering", b"no"),
-                    (b"x-request-id", self._reply_id.encode()),
-                    *self._rate_headers,
-                ],
+                "headers": stream_head(self._reply_id, self._rate_headers),
             }
         )
         self._started = True

@@ -4,8 +4,10 @@ supervisor removes before it starts or restarts that process), or held down by t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,7 @@ from gateway.auth import hash_api_key
 from gateway.lifecycle import PEERS_READY_ENV, READY_FILE_ENV, ProcessGroup, held_file
 from gateway.multiproc import Children
 from policies import make_policy
-from tests.support.inprocess import gateway_in_process
+from tests.support.inprocess import InProcessGateway, gateway_in_process
 from tests.support.wait import wait_until, wait_until_sync
 
 
@@ -26,6 +28,22 @@ def _config() -> dict[str, Any]:
         "tenants": [{"name": "t", "api_key_hashes": [hash_api_key(b"k", "sk")]}],
         "scrape": {"enabled": False},
     }
+
+
+@contextlib.asynccontextmanager
+async def _process_0(
+    own: Path, peers: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[tuple[InProcessGateway, Callable[[], Awaitable[tuple[int, dict[str, Any]]]]]]:
+    """Process 0 of a group whose other processes' ready files are `peers`, and its `/readyz`."""
+    monkeypatch.setenv(READY_FILE_ENV, str(own))
+    monkeypatch.setenv(PEERS_READY_ENV, json.dumps([str(p) for p in peers]))
+    async with gateway_in_process(_config(), make_policy("round_robin"), secret=b"k", workers_up=False) as gw:
+
+        async def readyz() -> tuple[int, dict[str, Any]]:
+            resp = await gw.client.get("/readyz")
+            return resp.status_code, resp.json()
+
+        yield gw, readyz
 
 
 def test_the_group_is_read_from_the_environment(tmp_path: Path) -> None:
@@ -43,14 +61,7 @@ async def test_process_0_is_ready_once_every_other_process_is(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     own, peers = tmp_path / "ready-0", [tmp_path / "ready-1", tmp_path / "ready-2"]
-    monkeypatch.setenv(READY_FILE_ENV, str(own))
-    monkeypatch.setenv(PEERS_READY_ENV, json.dumps([str(p) for p in peers]))
-    async with gateway_in_process(_config(), make_policy("round_robin"), secret=b"k", workers_up=False) as gw:
-
-        async def readyz() -> tuple[int, dict[str, Any]]:
-            resp = await gw.client.get("/readyz")
-            return resp.status_code, resp.json()
-
+    async with _process_0(own, peers, monkeypatch) as (_, readyz):
         await wait_until(own.exists)  # itself ready: it says so, as every process does
         status, body = await readyz()
         assert status == 503 and body["reason"] == "waiting for 2 of 2 other gateway process(es)"
@@ -82,13 +93,7 @@ async def test_process_0_is_ready_while_the_others_are_ready_or_held_down(
     the pod stays in service, its `/readyz` and `kvgate_processes_held` counting the held ones.
     It used to answer 503 for the whole hold (up to 10 minutes)."""
     own, peers = tmp_path / "ready-0", [tmp_path / "ready-1", tmp_path / "ready-2"]
-    monkeypatch.setenv(READY_FILE_ENV, str(own))
-    monkeypatch.setenv(PEERS_READY_ENV, json.dumps([str(p) for p in peers]))
-    async with gateway_in_process(_config(), make_policy("round_robin"), secret=b"k", workers_up=False) as gw:
-
-        async def readyz() -> tuple[int, dict[str, Any]]:
-            resp = await gw.client.get("/readyz")
-            return resp.status_code, resp.json()
+    async with _process_0(own, peers, monkeypatch) as (gw, readyz):
 
         def gauge() -> str:
             lines = gw.state.routing.metrics.render().decode().splitlines()
